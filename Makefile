@@ -1,0 +1,30 @@
+# `make demo` and `make test` set everything up themselves (idempotent) and then run.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Pinned so CPU-only machines take the local CPU wheel instead of the multi-GB CUDA stack.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/alignrl demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt -e '.[bench]'
+	$(BIN)/python benchmarks/grpo_vs_trl.py
+
+clean:
+	rm -rf $(VENV) output

@@ -1,0 +1,5 @@
+import sys
+
+from alignrl.cli import main
+
+sys.exit(main())

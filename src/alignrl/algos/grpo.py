@@ -1,0 +1,124 @@
+"""One RL step as a pipeline of named stages:
+
+    generate -> reward -> reference log-probs -> old log-probs -> advantages -> policy update -> sync
+
+Orchestration only: the math lives in `alignrl.core`, the update loop in `alignrl.train.actor`.
+Each stage talks to an interface (rollout engine, reward function, reference scorer, actor), so the
+same step runs whichever implementation a placement plugs in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from alignrl.config import RunConfig
+from alignrl.core.advantages import ADVANTAGES
+from alignrl.core.losses import masked_mean
+from alignrl.data.records import Experience, Rollout, Sample
+from alignrl.models.logprobs import response_logprobs
+from alignrl.rollout.hf_engine import SamplingParams
+from alignrl.train.actor import Actor, PolicyLossSpec
+
+KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+
+@dataclass
+class Scored:
+    rewards: torch.Tensor  # (B,) training reward (correctness + shaping)
+    correct: torch.Tensor  # (B,) bool, full correctness reward earned
+
+
+@contextmanager
+def _timed(timings: dict[str, float], name: str):
+    t0 = time.perf_counter()
+    yield
+    timings[f"timing/{name}"] = time.perf_counter() - t0
+
+
+@torch.no_grad()
+def batched_logprobs(model, ro: Rollout, temperature: float, micro_batch: int) -> torch.Tensor:
+    """Log-probs (B, R) of the rollout's responses under `model`, `micro_batch` rows at a time."""
+    was_training = model.training
+    model.eval()
+    out = torch.zeros(ro.response_ids.shape)
+    for s in range(0, out.shape[0], micro_batch):
+        sl = slice(s, s + micro_batch)
+        out[sl], _ = response_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl], ro.response_ids[sl],
+                                       ro.response_mask[sl], temperature)
+    model.train(was_training)
+    return out
+
+
+class GRPOStep:
+    """Holds the interfaces of one RL step; `run` executes the pipeline on a batch of prompts."""
+
+    def __init__(self, cfg: RunConfig, engine, actor: Actor, ref_model, tokenizer, reward_fn, correct_fn):
+        self.cfg, self.engine, self.actor, self.ref = cfg, engine, actor, ref_model
+        self.tokenizer, self.reward_fn, self.correct_fn = tokenizer, reward_fn, correct_fn
+        a = cfg.actor
+        self.spec = PolicyLossSpec(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
+                                   kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
+                                   kl_type=KL_ALIASES.get(a.kl_loss_type, a.kl_loss_type),
+                                   entropy_coeff=a.entropy_coeff, temperature=cfg.rollout.temperature)
+
+    def sampling_params(self, step: int) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, stop=tuple(r.stop),
+                              seed=self.cfg.trainer.seed * 1_000_003 + step)
+
+    def score(self, ro: Rollout, samples: Sequence[Sample]) -> Scored:
+        ids = ro.response_ids.masked_fill(~ro.response_mask, self.tokenizer.pad_token_id)
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        rows = [samples[g] for g in ro.group.tolist()]
+        rewards = [self.reward_fn(s.data_source, t, s.ground_truth, s.extra) for s, t in zip(rows, texts)]
+        correct = [self.correct_fn(s.data_source, t, s.ground_truth, s.extra) >= 1.0 for s, t in zip(rows, texts)]
+        return Scored(torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct))
+
+    def run(self, step: int, samples: Sequence[Sample], prompts: Sequence[Sequence[int]]) -> dict[str, float]:
+        cfg, t = self.cfg, {}
+        t_start = time.perf_counter()
+        micro = cfg.actor.ppo_micro_batch_size
+        with _timed(t, "gen"):
+            ro = self.engine.generate(prompts, self.sampling_params(step))
+        with _timed(t, "reward"):
+            scored = self.score(ro, samples)
+        with _timed(t, "ref"):
+            ref_lp = (batched_logprobs(self.ref, ro, cfg.rollout.temperature, micro)
+                      if self.spec.kl_coef > 0 else None)
+        with _timed(t, "old_logprob"):
+            old_lp = (batched_logprobs(self.actor.model, ro, cfg.rollout.temperature, micro)
+                      if cfg.actor.recompute_old_logprobs else ro.logprobs)
+        adv = ADVANTAGES[cfg.algorithm.adv_estimator](scored.rewards, ro.group,
+                                                      norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
+        exp = Experience(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, old_lp, ref_lp, adv)
+        with _timed(t, "train"):
+            gen = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + step)
+            train_metrics = self.actor.update(exp, self.spec, cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
+                                              micro, cfg.actor.ppo_epochs, gen)
+        with _timed(t, "sync"):
+            if self.engine.model is not self.actor.model:
+                self.engine.load_weights(self.actor.model.named_parameters())
+        t["timing/step"] = time.perf_counter() - t_start
+        return {**self._metrics(ro, scored, old_lp), **train_metrics, **t,
+                "perf/tokens_per_s": float(ro.prompt_mask.sum() + ro.response_mask.sum()) / t["timing/step"]}
+
+    @staticmethod
+    def _metrics(ro: Rollout, scored: Scored, old_lp: torch.Tensor) -> dict[str, float]:
+        lengths = ro.response_lengths.float()
+        mask = ro.response_mask.float()
+        return {
+            "reward/mean": float(scored.rewards.mean()),
+            "reward/std": float(scored.rewards.std()) if len(scored.rewards) > 1 else 0.0,
+            "reward/accuracy": float(scored.correct.float().mean()),
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/truncated_frac": float(ro.truncated.float().mean()),
+            # KL(rollout || trainer) per token (k1 under rollout samples): engine/trainer mismatch
+            "rollout/kl_vs_trainer": float(masked_mean(ro.logprobs - old_lp, mask)),
+        }

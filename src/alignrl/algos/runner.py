@@ -1,0 +1,151 @@
+"""Run a GRPO job end to end: set up, resume, loop with metrics and checkpoints, evaluate, summarise.
+
+Output layout (as in the seeds): `<output_dir>/<experiment_name>/{config.yaml, checkpoints/, logs/,
+summary.json}`; logs hold `metrics.jsonl`, `tensorboard/` and `curves.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from alignrl.algos.evaluate import greedy_accuracy
+from alignrl.algos.grpo import GRPOStep
+from alignrl.config import RunConfig, to_yaml
+from alignrl.data import synthetic
+from alignrl.data.collate import encode_prompts
+from alignrl.data.loaders import load_samples
+from alignrl.data.sampler import BatchSampler
+from alignrl.models.loader import frozen_copy, load_model
+from alignrl.rewards.registry import load_reward_fn, make_reward
+from alignrl.rollout.hf_engine import HFRolloutEngine
+from alignrl.train.actor import Actor
+from alignrl.train.checkpoint import (atomic_write_text, latest_checkpoint, load_trainer_state, save_checkpoint,
+                                      set_rng_state)
+from alignrl.utils.tracking import Tracker, console
+
+
+def load_task_data(cfg: RunConfig):
+    d = cfg.data
+    train = (synthetic.generate("train", d.train_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
+             if d.train_files == "synthetic" else load_samples(d.train_files, d.format, system_prompt=d.system_prompt))
+    val = (synthetic.generate("test", d.val_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
+           if d.val_files == "synthetic" else
+           load_samples(d.val_files, d.format, system_prompt=d.system_prompt, limit=d.val_size))
+    return train, val
+
+
+class LazyPrompts:
+    """Prompt ids encoded on first use: templating a large dataset up front costs seconds."""
+
+    def __init__(self, tokenizer, samples, max_len: int):
+        self.tokenizer, self.samples, self.max_len, self.cache = tokenizer, samples, max_len, {}
+
+    def __getitem__(self, i: int) -> list[int]:
+        if i not in self.cache:
+            self.cache[i] = encode_prompts(self.tokenizer, [self.samples[i]], self.max_len)[0]
+        return self.cache[i]
+
+
+def describe_batch(cfg: RunConfig) -> str:
+    """The batch arithmetic users otherwise get wrong (verl #180)."""
+    p, n, mini = cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size
+    n_mini = p // mini
+    return (f"{p} prompts/step × {n} samples/prompt = {p * n} sequences/step; "
+            f"{n_mini} mini-batch(es) of {mini * n} sequences × {cfg.actor.ppo_epochs} epoch(s) = "
+            f"{n_mini * cfg.actor.ppo_epochs} optimizer steps/RL step; micro-batch {cfg.actor.ppo_micro_batch_size} "
+            f"sequences; effective batch on 1 process = {mini * n} sequences")
+
+
+def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
+    wall_start = wall_start or time.time()
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)
+    run_dir = cfg.run_dir
+    ckpt_root, log_dir = run_dir / "checkpoints", run_dir / "logs"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+
+    train, val = load_task_data(cfg)
+    sampler = BatchSampler(len(train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
+    resume = latest_checkpoint(ckpt_root) if cfg.trainer.resume_mode == "auto" else None
+    model, tokenizer = load_model(str(resume / "model") if resume else cfg.model.path, cfg.model.dtype,
+                                  log=console.print)
+    ref_model = frozen_copy(model) if cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0 else None
+    if resume and ref_model is not None:  # the reference is the base model, not the checkpoint
+        ref_model = frozen_copy(load_model(cfg.model.path, cfg.model.dtype, log=console.print)[0])
+    total_opt_steps = (cfg.trainer.total_training_steps * cfg.actor.ppo_epochs
+                       * (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size))
+    a = cfg.actor
+    actor = Actor(model, lr=a.lr, weight_decay=a.weight_decay, betas=a.betas, warmup_steps=a.lr_warmup_steps,
+                  total_steps=total_opt_steps, schedule=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio,
+                  grad_clip=a.grad_clip)
+    engine = HFRolloutEngine(model, tokenizer)  # colocated: shares the policy's weights
+    reward_fn = make_reward(cfg.algorithm.reward_fn, cfg.algorithm.format_reward_weight)
+    correct_fn = load_reward_fn(cfg.algorithm.reward_fn)
+    step_fn = GRPOStep(cfg, engine, actor, ref_model, tokenizer, reward_fn, correct_fn)
+
+    start_step, state = 0, {}
+    if resume:
+        state = load_trainer_state(resume)
+        actor.load_state_dict(state["actor"])
+        sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        start_step = state["step"]
+        console.print(f"resumed from {resume} (step {start_step})")
+    tracker = Tracker(log_dir, cfg.trainer.logger, resume_step=start_step)
+
+    max_len = cfg.data.max_prompt_length
+    train_prompts = LazyPrompts(tokenizer, train, max_len)
+    val_prompts = encode_prompts(tokenizer, val, max_len)
+    n_val_small = min(cfg.data.val_size_during_training, len(val))
+
+    def evaluate(n: int) -> float:
+        return greedy_accuracy(engine, tokenizer, val[:n], val_prompts[:n], correct_fn, cfg.rollout.max_new_tokens)
+
+    console.print(f"[bold]GRPO[/bold] {describe_batch(cfg)}")
+    console.print(f"train problems {len(train)}, held-out {len(val)}; run dir {run_dir}")
+    if "base_accuracy" not in state:
+        t0 = time.time()
+        state["base_accuracy"] = evaluate(len(val))
+        console.print(f"base model held-out greedy accuracy: {state['base_accuracy']:.3f} "
+                      f"on {len(val)} problems ({time.time() - t0:.1f}s)")
+        tracker.log(0, {"val/accuracy": evaluate(n_val_small) if n_val_small < len(val) else state["base_accuracy"]})
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(ckpt_root, step, model, tokenizer,
+                        {"actor": actor.state_dict(), "sampler": sampler.state_dict(),
+                         "base_accuracy": state["base_accuracy"]}, cfg.trainer.max_checkpoints)
+
+    total = cfg.trainer.total_training_steps
+    columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeRemainingColumn()]
+    with Progress(*columns, console=console, disable=not cfg.trainer.progress_bar) as bar:
+        task = bar.add_task("GRPO", total=total, completed=start_step)
+        for step in range(start_step + 1, total + 1):
+            idx = sampler.next()
+            metrics = step_fn.run(step, [train[i] for i in idx], [train_prompts[i] for i in idx])
+            if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == total):
+                t0 = time.perf_counter()
+                metrics["val/accuracy"] = evaluate(n_val_small)
+                metrics["timing/val"] = time.perf_counter() - t0
+            tracker.log(step, metrics)
+            if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or step == total:
+                checkpoint(step)
+            bar.update(task, completed=step)
+
+    t0 = time.time()
+    final = evaluate(len(val))
+    console.print(f"final held-out greedy accuracy: {final:.3f} on {len(val)} problems ({time.time() - t0:.1f}s)")
+    tracker.plot(log_dir / "curves.png")
+    tracker.close()
+    summary = {"base_accuracy": state["base_accuracy"], "final_accuracy": final,
+               "gain_points": round(100 * (final - state["base_accuracy"]), 2), "steps": total,
+               "heldout_problems": len(val), "wall_seconds": round(time.time() - wall_start, 1),
+               "run_dir": str(run_dir)}
+    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    return summary

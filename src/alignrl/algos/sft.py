@@ -1,0 +1,59 @@
+"""Supervised fine-tuning on (prompt, response) pairs: loss on response tokens only.
+
+Samples carry their target response in `extra["answer"]` (the GSM8K worked solution); the
+response is followed by the tokenizer's eos so the model learns to stop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from alignrl.data.collate import encode_prompts, left_pad, right_pad
+from alignrl.data.records import Sample
+from alignrl.models.logprobs import response_logprobs
+from alignrl.train.optim import build_optimizer
+
+
+def encode_pairs(tokenizer, samples: Sequence[Sample], max_prompt_length: int) -> tuple[list, list]:
+    prompts = encode_prompts(tokenizer, samples, max_prompt_length)
+    responses = [tokenizer(s.extra["answer"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+                 for s in samples]
+    return prompts, responses
+
+
+def sft_train(model, tokenizer, samples: Sequence[Sample], *, steps: int, batch_size: int, lr: float,
+              warmup_steps: int = 10, min_lr_ratio: float = 0.1, seed: int = 0, max_prompt_length: int = 128,
+              on_step=None) -> list[float]:
+    """Cosine-scheduled AdamW over shuffled batches; returns the loss of every step.
+
+    `on_step(step, loss)` is called after each step (progress display)."""
+    prompts, responses = encode_pairs(tokenizer, samples, max_prompt_length)
+    opt, sched = build_optimizer(model.parameters(), lr, 0.0, (0.9, 0.95), warmup_steps, steps, "cosine",
+                                 min_lr_ratio)
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(samples), generator=gen)
+    losses, model_was_training = [], model.training
+    model.train()
+    pad = tokenizer.pad_token_id
+    pos = 0
+    for step in range(steps):
+        if pos + batch_size > len(samples):  # new epoch, new order
+            order, pos = torch.randperm(len(samples), generator=gen), 0
+        idx = order[pos:pos + batch_size].tolist()
+        pos += batch_size
+        pi, pm = left_pad([prompts[i] for i in idx], pad)
+        ri, rm = right_pad([responses[i] for i in idx], pad)
+        logp, _ = response_logprobs(model, pi, pm, ri, rm)
+        loss = -logp.sum() / rm.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss))
+        if on_step is not None:
+            on_step(step, losses[-1])
+    model.train(model_was_training)
+    return losses

@@ -1,0 +1,215 @@
+"""Typed run configuration: frozen dataclasses, YAML files and verl-style `a.b.c=value` overrides.
+
+Every field carries its help text and allowed range in `metadata`, which drives both validation
+(one-line errors naming the key) and the README's config reference (`alignrl config --reference`).
+OmegaConf does the merging and type coercion; this module imports without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A config file, key or value that cannot be used; the message names the key and the fix."""
+
+
+def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, choices: tuple | None = None) -> Any:
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = opt("demo", "HF model folder, or 'demo' for the embedded tiny Qwen2 model (built or taken from cache)")
+    dtype: str = opt("float32", "parameter dtype for training and rollout; use float32 on CPU",
+                     choices=("float32", "bfloat16", "float16"))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: str = opt("synthetic", "'synthetic' (built-in arithmetic problems) or a .jsonl/.parquet file")
+    val_files: str = opt("synthetic", "held-out data: 'synthetic' or a .jsonl/.parquet file")
+    format: str = opt("auto", "file layout", choices=("auto", "gsm8k", "verl"))
+    train_size: int = opt(20000, "number of synthetic training problems (ignored for files)", ge=1)
+    val_size: int = opt(1000, "held-out problems for the final evaluation (files: at most this many)", ge=1)
+    val_size_during_training: int = opt(256, "held-out problems evaluated every trainer.test_freq steps", ge=1)
+    train_batch_size: int = opt(32, "prompts per RL step (verl's data.train_batch_size)", ge=1)
+    max_prompt_length: int = opt(128, "prompt tokens kept (truncated from the left)", ge=8)
+    system_prompt: str | None = opt(None, "system message prepended to every prompt")
+    shuffle: bool = opt(True, "reshuffle the training data every epoch")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    n: int = opt(8, "samples per prompt (the GRPO group size)", ge=1)
+    temperature: float = opt(1.0, "sampling temperature", gt=0.0)
+    top_p: float = opt(1.0, "nucleus sampling mass", gt=0.0, le=1.0)
+    top_k: int = opt(-1, "keep the k most likely tokens; -1 disables (vLLM convention)", ge=-1)
+    max_new_tokens: int = opt(64, "response length limit (verl's data.max_response_length)", ge=1)
+    stop: list = opt([], "extra stop strings; generation also stops at the tokenizer's eos")
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    lr: float = opt(1e-6, "AdamW learning rate", gt=0.0)
+    lr_warmup_steps: int = opt(0, "linear warm-up steps (optimizer steps)", ge=0)
+    lr_scheduler: str = opt("constant", "schedule after warm-up", choices=("constant", "cosine"))
+    min_lr_ratio: float = opt(0.0, "cosine floor as a fraction of lr", ge=0.0, le=1.0)
+    weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
+    betas: list = opt([0.9, 0.999], "AdamW betas")
+    grad_clip: float = opt(1.0, "max global grad norm; 0 disables", ge=0.0)
+    ppo_mini_batch_size: int = opt(32, "prompts per optimizer step (× rollout.n sequences), as in verl", ge=1)
+    ppo_micro_batch_size: int = opt(64, "sequences per forward/backward (gradient accumulation unit)", ge=1)
+    ppo_epochs: int = opt(1, "passes over each rollout batch", ge=1)
+    clip_ratio_low: float = opt(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0.0, le=1.0)
+    clip_ratio_high: float = opt(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher uses 0.28)", ge=0.0)
+    loss_agg_mode: str = opt("token-mean", "how token losses become one number", choices=("token-mean",))
+    entropy_coeff: float = opt(0.0, "entropy bonus coefficient", ge=0.0)
+    use_kl_loss: bool = opt(True, "add a KL(policy || reference) term to the loss (GRPO)")
+    kl_loss_coef: float = opt(0.001, "weight of the KL term", ge=0.0)
+    kl_loss_type: str = opt("k3", "KL estimator (verl aliases: kl=k1, mse=k2, low_var_kl=k3)",
+                            choices=("k1", "k2", "k3", "kl", "mse", "low_var_kl"))
+    recompute_old_logprobs: bool = opt(True, "recompute old log-probs with the trainer; false reuses the "
+                                             "rollout engine's (exact when both are the same fp32 model)")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    adv_estimator: str = opt("grpo", "advantage estimator", choices=("grpo",))
+    norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false gives Dr.GRPO")
+    reward_fn: str | None = opt(None, "custom reward 'path/to/file.py:function' (verl compute_score signature)")
+    format_reward_weight: float = opt(0.0, "weight of the '#### N' format reward added to correctness", ge=0.0)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    experiment_name: str = opt("grpo", "run name: outputs go to <output_dir>/<experiment_name>")
+    output_dir: str = opt("output", "root of all run folders")
+    total_training_steps: int = opt(50, "RL steps", ge=1)
+    test_freq: int = opt(10, "held-out greedy accuracy every N steps; 0 disables", ge=0)
+    save_freq: int = opt(10, "checkpoint every N steps; 0 keeps only the final one", ge=0)
+    max_checkpoints: int = opt(2, "checkpoints kept on disk (oldest removed first)", ge=1)
+    resume_mode: str = opt("auto", "'auto' continues from the last checkpoint, 'disable' starts fresh",
+                           choices=("auto", "disable"))
+    seed: int = opt(0, "seed for data order, sampling and initialisation")
+    logger: list = opt(["console", "jsonl", "tensorboard"], "metric sinks: console, jsonl, tensorboard")
+    progress_bar: bool = opt(True, "show a progress bar on the console")
+    threads: int = opt(0, "torch CPU threads; 0 keeps torch's default", ge=0)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.trainer.output_dir) / self.trainer.experiment_name
+
+
+def _check_ranges(obj: Any, prefix: str = "") -> None:
+    for f in dataclasses.fields(obj):
+        key, value = f"{prefix}{f.name}", getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_ranges(value, key + ".")
+            continue
+        m = f.metadata
+        if m.get("choices") and value not in m["choices"]:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, m['choices']))}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} must be a finite number")
+        for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                                ("le", lambda v, b: v <= b, "<=")):
+            if m.get(bound) is not None and not ok(value, m[bound]):
+                raise ConfigError(f"{key}={value} is out of range; it must be {word} {m[bound]}")
+
+
+def _check_combinations(cfg: RunConfig) -> None:
+    mini = cfg.actor.ppo_mini_batch_size
+    if cfg.data.train_batch_size % mini:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
+                          f"actor.ppo_mini_batch_size={mini}")
+    if (mini * cfg.rollout.n) % min(cfg.actor.ppo_micro_batch_size, mini * cfg.rollout.n):
+        raise ConfigError(f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size} must divide "
+                          f"actor.ppo_mini_batch_size × rollout.n = {mini * cfg.rollout.n} sequences")
+    unknown = set(cfg.trainer.logger) - {"console", "jsonl", "tensorboard"}
+    if unknown:
+        raise ConfigError(f"trainer.logger has unknown sink(s) {sorted(unknown)}; allowed: console, jsonl, tensorboard")
+
+
+def _one_line(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None) or "?"
+    msg = str(e).splitlines()[0]
+    if "not in" in msg or "Key '" in msg and "not" in msg:
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        node = RunConfig()
+        for part in filter(None, parent.split(".")):
+            node = getattr(node, part, None)
+        allowed = ", ".join(f.name for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else "?"
+        where = f"under '{parent}'" if parent else "at the top level"
+        return f"unknown config key '{key}'; allowed {where}: {allowed}"
+    return f"bad value for '{key}': {msg}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """YAML file (optional) + dotted overrides merged onto the defaults, then validated."""
+    try:
+        merged = OmegaConf.structured(RunConfig)
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file not found: {p} (pass --config with an existing YAML file)")
+            try:
+                merged = OmegaConf.merge(merged, OmegaConf.load(p))
+            except OmegaConfBaseException:
+                raise
+            except Exception as e:  # YAML syntax errors
+                raise ConfigError(f"cannot parse {p}: {str(e).splitlines()[0]}") from None
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"override {bad[0]!r} must look like key.sub=value (e.g. actor.lr=1e-5)")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e)) from None
+    _check_ranges(cfg)
+    _check_combinations(cfg)
+    return cfg
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def reference_markdown() -> str:
+    """The config reference table for the README, generated from the field metadata."""
+    rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Config")):
+                walk(f.default_factory, prefix + f.name + ".")  # type: ignore[arg-type]
+                continue
+            m = f.metadata
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            allowed = " / ".join(map(str, m["choices"])) if m.get("choices") else " ".join(
+                f"{w} {m[b]}" for b, w in (("ge", "≥"), ("gt", ">"), ("le", "≤")) if m.get(b) is not None)
+            rows.append(f"| `{prefix}{f.name}` | `{default}` | {allowed} | {m['help']} |")
+
+    walk(RunConfig, "")
+    return "\n".join(rows)

@@ -1,0 +1,75 @@
+"""Typed records passed between the stages of a run.
+
+Shapes: B = number of sequences, P = padded prompt length, R = padded response length.
+Prompts are left-padded and responses right-padded, so `cat([prompt_ids, response_ids], 1)` is a
+well-formed batch whose last prompt token sits at column P-1 for every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One task instance as loaded from a dataset, before tokenisation."""
+
+    messages: list[dict[str, str]]  # chat messages ending with the user turn
+    ground_truth: str  # reference answer, e.g. "72" for GSM8K
+    data_source: str = "gsm8k"  # selects the reward function (verl's `data_source`)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Rollout:
+    """What a RolloutEngine returns for a batch of prompts (n samples each, grouped contiguously)."""
+
+    prompt_ids: torch.Tensor  # (B, P) long, left-padded with pad_token_id
+    prompt_mask: torch.Tensor  # (B, P) bool, True on real prompt tokens
+    response_ids: torch.Tensor  # (B, R) long, right-padded with pad_token_id
+    response_mask: torch.Tensor  # (B, R) bool, True on generated tokens (incl. the final eos)
+    logprobs: torch.Tensor  # (B, R) float, log-prob of each sampled token under the sampling distribution
+    truncated: torch.Tensor  # (B,) bool, hit max_new_tokens before eos/stop
+    group: torch.Tensor  # (B,) long, index of the prompt each row was sampled from
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # (B, P+R)
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:  # (B, P+R)
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:  # (B,)
+        return self.response_mask.sum(-1)
+
+
+@dataclass
+class Experience:
+    """A scored rollout ready for policy updates (OpenRLHF's `Experience`). Shapes as in `Rollout`."""
+
+    prompt_ids: torch.Tensor  # (B, P)
+    prompt_mask: torch.Tensor  # (B, P) bool
+    response_ids: torch.Tensor  # (B, R)
+    response_mask: torch.Tensor  # (B, R) bool, tokens that enter the loss
+    old_logprobs: torch.Tensor  # (B, R) behaviour-policy log-probs for the PPO ratio
+    ref_logprobs: torch.Tensor | None  # (B, R) frozen reference log-probs; None without a KL term
+    advantages: torch.Tensor  # (B,) sequence-level or (B, R) token-level
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def select(self, idx: torch.Tensor) -> Experience:
+        """Rows `idx`, with the padding columns that no selected row uses trimmed off."""
+        pm, rm = self.prompt_mask[idx], self.response_mask[idx]
+        p0 = int((~pm.any(0)).long().cumprod(0).sum())  # leading all-pad prompt columns
+        r1 = max(1, int(rm.any(0).nonzero().max()) + 1) if rm.any() else 1
+        cut = lambda t: None if t is None else (t[idx][:, :r1] if t.dim() == 2 else t[idx])  # noqa: E731
+        return Experience(prompt_ids=self.prompt_ids[idx][:, p0:], prompt_mask=pm[:, p0:],
+                          response_ids=cut(self.response_ids), response_mask=cut(self.response_mask),
+                          old_logprobs=cut(self.old_logprobs), ref_logprobs=cut(self.ref_logprobs),
+                          advantages=cut(self.advantages))

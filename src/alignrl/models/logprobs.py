@@ -1,0 +1,45 @@
+"""Per-token log-probs and entropy of a response under a causal LM.
+
+Only the response positions go through the LM head (`logits_to_keep`), and log-softmax is taken
+in chunks of rows so a long batch never holds two full-vocabulary float copies at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alignrl.data.collate import position_ids
+
+
+def _chunked_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool,
+                              chunk_rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits (N, V), targets (N,) -> logprob (N,), entropy (N,) or None."""
+    lps, ents = [], []
+    for start in range(0, logits.shape[0], chunk_rows):
+        lg = logits[start:start + chunk_rows].float()
+        logp = torch.log_softmax(lg, dim=-1)
+        lps.append(logp.gather(-1, targets[start:start + chunk_rows, None]).squeeze(-1))
+        if with_entropy:
+            ents.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                      response_mask: torch.Tensor, temperature: float = 1.0,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (B, R) of `response_ids` given left-padded prompts; entropy (B, R) if asked.
+
+    Logits are divided by `temperature` so the values match what the sampler drew from.
+    """
+    ids = torch.cat([prompt_ids, response_ids], 1)
+    mask = torch.cat([prompt_mask, response_mask], 1)
+    r = response_ids.shape[1]
+    out = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask),
+                use_cache=False, logits_to_keep=r + 1)
+    logits = out.logits[:, :-1]  # (B, R, V): position P-1+t predicts response token t
+    if temperature != 1.0:
+        logits = logits / temperature
+    b, _, v = logits.shape
+    lp, ent = _chunked_logprobs_entropy(logits.reshape(b * r, v), response_ids.reshape(-1), with_entropy)
+    lp = lp.view(b, r) * response_mask
+    return lp, (ent.view(b, r) * response_mask if ent is not None else None)

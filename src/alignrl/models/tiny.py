@@ -1,0 +1,115 @@
+"""The embedded demo base model, built here from a seed: no hub download.
+
+Recipe: train a byte-level BPE tokenizer on the synthetic arithmetic task, initialise a small
+Qwen2-architecture causal LM, and supervised-fine-tune it briefly on worked solutions so that it is
+mediocre (it knows the answer format and some arithmetic) rather than hopeless. The result is a
+plain HF folder loadable with `AutoModelForCausalLM` / `AutoTokenizer`.
+
+The folder is cached under `$ALIGNRL_CACHE` (default `~/.cache/alignrl`) keyed by a hash of the
+recipe, so a second run reuses it and a changed recipe never picks up a stale model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from alignrl.data import synthetic
+
+
+@dataclass(frozen=True)
+class TinyRecipe:
+    seed: int = 0
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256
+    tokenizer_corpus: int = 5000  # synthetic problems the tokenizer is trained on
+    sft_steps: int = 400
+    sft_batch_size: int = 64
+    sft_lr: float = 3e-3
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ALIGNRL_CACHE", Path.home() / ".cache" / "alignrl"))
+
+
+def random_tiny_model(tokenizer, recipe: TinyRecipe):
+    """An untrained Qwen2 LM sized by `recipe`, seeded by `recipe.seed`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=recipe.hidden_size,
+                      intermediate_size=recipe.intermediate_size, num_hidden_layers=recipe.num_hidden_layers,
+                      num_attention_heads=recipe.num_attention_heads,
+                      num_key_value_heads=recipe.num_key_value_heads,
+                      max_position_embeddings=recipe.max_position_embeddings, tie_word_embeddings=True,
+                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                      bos_token_id=None)
+    torch.manual_seed(recipe.seed)
+    return Qwen2ForCausalLM(cfg)
+
+
+def build_tokenizer(recipe: TinyRecipe, out_dir: Path):
+    from transformers import AutoTokenizer
+
+    from alignrl.models.tokenizer import save_as_qwen2, train_tokenizer
+
+    corpus = synthetic.generate("train", recipe.tokenizer_corpus, seed=recipe.seed + 1)
+    texts = [s.messages[-1]["content"] + "\n" + s.extra["answer"] for s in corpus]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_as_qwen2(train_tokenizer(texts, recipe.vocab_size), out_dir, recipe.max_position_embeddings)
+    (out_dir / "config.json").write_text(json.dumps({"model_type": "qwen2"}))  # so AutoTokenizer sees qwen2
+    return AutoTokenizer.from_pretrained(str(out_dir))
+
+
+def build_demo_model(out_dir: Path, recipe: TinyRecipe = TinyRecipe(), log=print) -> Path:
+    """Build tokenizer + SFT'd tiny Qwen2 into `out_dir` (written atomically)."""
+    from alignrl.algos.sft import sft_train
+
+    t0 = time.time()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    tokenizer = build_tokenizer(recipe, tmp)
+    model = random_tiny_model(tokenizer, recipe)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"building demo base model: {n_params / 1e6:.2f}M-param Qwen2, SFT {recipe.sft_steps} steps "
+        f"x {recipe.sft_batch_size} problems")
+    data = synthetic.generate("train", recipe.sft_steps * recipe.sft_batch_size, seed=recipe.seed + 2)
+
+    def on_step(step: int, loss: float) -> None:
+        if (step + 1) % 50 == 0 or step + 1 == recipe.sft_steps:
+            log(f"  sft step {step + 1}/{recipe.sft_steps} loss {loss:.3f} ({time.time() - t0:.0f}s)")
+
+    sft_train(model, tokenizer, data, steps=recipe.sft_steps, batch_size=recipe.sft_batch_size,
+              lr=recipe.sft_lr, seed=recipe.seed, on_step=on_step)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "recipe.json").write_text(json.dumps({**asdict(recipe), "key": recipe.key()}, indent=2))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    log(f"demo base model ready in {time.time() - t0:.0f}s: {out_dir}")
+    return out_dir
+
+
+def ensure_demo_model(recipe: TinyRecipe = TinyRecipe(), log=print) -> Path:
+    """Path of the cached demo model for `recipe`, building it first if needed."""
+    path = cache_root() / f"demo-{recipe.key()}"
+    if (path / "recipe.json").is_file():
+        return path
+    return build_demo_model(path, recipe, log)

@@ -1,0 +1,65 @@
+"""Math answer reward: symbolic equivalence via `math_verify`, so "1/2", "0.5" and "\\frac{1}{2}" agree.
+
+The answer span is picked here rather than by math_verify's own search, so the rule is predictable:
+the last `\\boxed{...}`, else the last `#### ...` line, else whatever math_verify finds in the whole
+text (typically the last number or expression). Timeouts are disabled because math_verify implements
+them with SIGALRM, which raises off the main thread, and rewards are scored in worker threads.
+"""
+
+from __future__ import annotations
+
+import re
+
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_HASH_RE = re.compile(r"####[ \t]*([^\n]+)")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) with balanced braces, if any."""
+    starts = [m.end() for m in _BOXED_RE.finditer(text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i].strip()
+    return None
+
+
+def compute_score(solution_str: str, ground_truth: str) -> float:
+    """1.0 if the completion's final answer is mathematically equal to `ground_truth`, else 0.0."""
+    from math_verify import parse, verify
+
+    try:
+        gold = _parse_gold(ground_truth)
+        if not gold:
+            return 0.0
+        answer = last_boxed(solution_str)
+        if answer is None:
+            hashes = _HASH_RE.findall(solution_str)
+            answer = hashes[-1].strip() if hashes else None
+        pred = (
+            parse(f"${answer}$", parsing_timeout=None)
+            if answer
+            else parse(solution_str, parsing_timeout=None)
+        )
+        if not pred:
+            return 0.0
+        return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
+    except Exception:  # math_verify/sympy can fail on arbitrary model output; that is a wrong answer
+        return 0.0
+
+
+def _parse_gold(ground_truth: str) -> list[object]:
+    """Parse the reference, reading bare strings such as "\\sqrt{2}" as LaTeX math first."""
+    from math_verify import parse
+
+    text = ground_truth.strip()
+    if "$" not in text and "\\boxed" not in text:
+        gold = parse(f"${text}$", parsing_timeout=None)
+        if gold:
+            return gold
+    return parse(text, parsing_timeout=None)

@@ -1,0 +1,116 @@
+"""Choose the reward function for a sample, by its `data_source` or a user-supplied file.
+
+The calling convention is verl's `compute_score(data_source, solution_str, ground_truth,
+extra_info)`, so reward files written for verl work here unchanged via `reward.custom_fn`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from alignrl.rewards import gsm8k
+from alignrl.rewards import math as math_reward
+
+
+class RewardError(ValueError):
+    """The reward configuration cannot be used; the message says what to change."""
+
+
+class RewardFn(Protocol):
+    """Scores one completion against its reference answer (verl's `compute_score` signature)."""
+
+    def __call__(
+        self,
+        data_source: str,
+        solution_str: str,
+        ground_truth: str,
+        extra_info: dict[str, Any] | None = None,
+    ) -> float: ...
+
+
+REWARDS: dict[str, Callable[[str, str], float]] = {
+    "gsm8k": gsm8k.compute_score,
+    "openai/gsm8k": gsm8k.compute_score,
+    "synthetic_arith": gsm8k.compute_score,
+    "math": math_reward.compute_score,
+    "lighteval/MATH": math_reward.compute_score,
+    "DigitalLearningGmbH/MATH-lighteval": math_reward.compute_score,
+    "math_dapo": math_reward.compute_score,
+}
+
+
+def default_compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict[str, Any] | None = None,
+) -> float:
+    """Score with the built-in rule for `data_source`; unknown sources are an error, not a 0 reward,
+    because silently rewarding nothing would make a run train on pure noise."""
+    fn = REWARDS.get(data_source)
+    if fn is None:
+        raise RewardError(
+            f"no built-in reward for data_source {data_source!r} (known: {', '.join(sorted(REWARDS))}; "
+            "for other data pass reward.custom_fn=path/to/file.py:function)"
+        )
+    return float(fn(solution_str, ground_truth))
+
+
+def load_reward_fn(spec: str | None) -> RewardFn:
+    """`None` gives `default_compute_score`; "path/to/file.py:function" loads that function."""
+    if spec is None:
+        return default_compute_score
+    path_str, sep, name = spec.rpartition(":")
+    if not sep or not path_str or not name:
+        raise RewardError(
+            f"reward.custom_fn={spec!r} is not of the form path/to/file.py:function"
+        )
+    path = Path(path_str)
+    if not path.is_file():
+        raise RewardError(f"reward.custom_fn file not found: {path_str} (give an existing .py file)")
+    module_name = "alignrl_custom_reward_" + re.sub(r"\W", "_", str(path.resolve()))
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise RewardError(f"reward.custom_fn file {path_str} cannot be imported (give a .py file)")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise RewardError(
+            f"reward.custom_fn file {path_str} failed to import: {type(exc).__name__}: {exc}".splitlines()[0]
+        ) from exc
+    if not hasattr(module, name):
+        raise RewardError(f"reward.custom_fn file {path_str} has no function {name!r} "
+                          "(define it or fix the name after the colon)")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise RewardError(f"reward.custom_fn {path_str}:{name} is a {type(fn).__name__}, not a function")
+    return fn  # type: ignore[no-any-return]
+
+
+def make_reward(spec: str | None, format_weight: float = 0.0) -> RewardFn:
+    """The reward from `spec`, plus `format_weight` times the `#### N` format bonus when nonzero.
+
+    The bonus gives a shaped signal early in training, before correct answers are common.
+    """
+    base = load_reward_fn(spec)
+    if format_weight == 0.0:
+        return base
+
+    def reward(
+        data_source: str,
+        solution_str: str,
+        ground_truth: str,
+        extra_info: dict[str, Any] | None = None,
+    ) -> float:
+        correctness = base(data_source, solution_str, ground_truth, extra_info)
+        return float(correctness) + format_weight * gsm8k.format_reward(solution_str)
+
+    return reward

@@ -1,0 +1,136 @@
+"""Embedded rollout engine: batched sampling with a KV cache on a Hugging Face causal LM.
+
+It skips `model.generate`'s generic machinery (logits-processor lists, stopping-criteria objects,
+per-step validation) and compacts the KV cache as rows finish, so late decoding steps only pay for
+the sequences still running. Log-probs are those of the sampled token under the temperature-scaled
+distribution before top-k/top-p filtering: the quantity the trainer recomputes, so the two can be
+compared token by token. Deliberately out of scope: beam search, speculative decoding, paging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from alignrl.data.collate import left_pad, position_ids
+from alignrl.data.records import Rollout
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """(N, V) logits with everything outside top-k / the top-p nucleus set to -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p  # keep the token that crosses top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (N, V) -> sampled token (N,), its log-prob (N,) under the temperature-scaled distribution."""
+    logits = logits.float()
+    if p.temperature == 0:
+        logp = torch.log_softmax(logits, -1)
+        tok = logits.argmax(-1)
+    else:
+        logp = torch.log_softmax(logits / p.temperature, -1)
+        probs = (_filter_logits(logp, p.top_k, p.top_p).softmax(-1)
+                 if (p.top_k > 0 or p.top_p < 1.0) else logp.exp())
+        tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+class HFRolloutEngine:
+    """RolloutEngine over an in-process HF model (shared with the trainer when colocated)."""
+
+    def __init__(self, model, tokenizer, eos_token_ids: Sequence[int] | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        eos = eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id]
+        self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self.eos[0])
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new weights in place (used when the engine holds its own copy of the policy)."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+
+    def _hit_stop(self, rows: torch.Tensor, out_ids: torch.Tensor, t: int, stop: tuple[str, ...]) -> torch.Tensor:
+        """Which of `rows` now end with one of the stop strings (checked on the decoded tail)."""
+        hit = torch.zeros(len(rows), dtype=torch.bool)
+        tail = max(len(s) for s in stop) + 2  # tokens are at least one character, plus merge slack
+        for j, r in enumerate(rows.tolist()):
+            text = self.tokenizer.decode(out_ids[r, max(0, t + 1 - tail): t + 1])
+            hit[j] = any(s in text for s in stop)
+        return hit
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
+        """Sample `params.n` responses per prompt; rows of one prompt are contiguous (`group`)."""
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        expanded = [list(p) for p in prompts for _ in range(params.n)]
+        group = torch.arange(len(prompts)).repeat_interleave(params.n)
+        prompt_ids, prompt_mask = left_pad(expanded, self.pad_id)
+        b, steps = prompt_ids.shape[0], params.max_new_tokens
+        out_ids = torch.full((b, steps), self.pad_id, dtype=torch.long)
+        out_lp = torch.zeros((b, steps))
+        length = torch.zeros(b, dtype=torch.long)  # generated tokens so far per row
+        done = torch.zeros(b, dtype=torch.bool)
+
+        was_training = self.model.training
+        self.model.eval()
+        cache = DynamicCache()
+        attn = prompt_mask.long()
+        out = self.model(input_ids=prompt_ids, attention_mask=attn, position_ids=position_ids(prompt_mask),
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+        next_pos = prompt_mask.sum(-1)  # position of the first response token, per row
+        active = torch.arange(b)  # rows of the full batch that are still in the cache
+        for t in range(steps):
+            tok, lp = sample_next(logits, params, gen)
+            out_ids[active, t], out_lp[active, t] = tok, lp
+            length[active] += 1
+            finished = torch.isin(tok, self.eos)
+            if params.stop:
+                finished |= self._hit_stop(active, out_ids, t, params.stop)
+            done[active] = finished
+            if t == steps - 1 or bool(finished.all()):
+                break
+            keep = ~finished
+            if not bool(keep.all()):  # compact: drop finished rows from the cache and the batch
+                idx = keep.nonzero().squeeze(-1)
+                cache.batch_select_indices(idx)
+                active, tok, attn, next_pos = active[idx], tok[idx], attn[idx], next_pos[idx]
+            attn = torch.cat([attn, torch.ones((len(active), 1), dtype=attn.dtype)], 1)
+            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                             past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1]
+            next_pos = next_pos + 1
+        self.model.train(was_training)
+
+        width = max(1, int(length.max()))
+        response_mask = torch.arange(width)[None, :] < length[:, None]
+        return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=out_ids[:, :width].clone(),
+                       response_mask=response_mask, logprobs=out_lp[:, :width] * response_mask,
+                       truncated=~done, group=group)

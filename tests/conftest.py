@@ -1,0 +1,24 @@
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# A very small model for pipeline tests: random init, no SFT, built once per session.
+TEST_RECIPE = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1, tokenizer_corpus=500, sft_steps=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from alignrl.models.tiny import TinyRecipe, build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("models") / "tiny", TinyRecipe(**TEST_RECIPE), log=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    from alignrl.models.loader import load_model
+
+    return load_model(str(tiny_model_dir))

@@ -1,0 +1,252 @@
+"""Dataset loading: both formats, both file types, auto-detection, and the user-facing errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from alignrl.data.loaders import (
+    DataError,
+    load_samples,
+    write_gsm8k_jsonl,
+    write_verl_parquet,
+)
+from alignrl.data.records import Sample
+
+GSM8K_ROWS = [
+    {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+    {"question": "A car costs $1,200 plus $34. Total?", "answer": "1200 + 34 = 1234\n#### 1,234"},
+]
+
+
+def _error(excinfo: pytest.ExceptionInfo[DataError]) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message
+    return message
+
+
+def test_gsm8k_jsonl_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    write_gsm8k_jsonl(GSM8K_ROWS, path)
+    samples = load_samples(str(path))
+    assert samples == [
+        Sample(
+            messages=[{"role": "user", "content": GSM8K_ROWS[0]["question"]}],
+            ground_truth="7",
+            data_source="gsm8k",
+            extra={"answer": GSM8K_ROWS[0]["answer"]},
+        ),
+        Sample(
+            messages=[{"role": "user", "content": GSM8K_ROWS[1]["question"]}],
+            ground_truth="1234",
+            data_source="gsm8k",
+            extra={"answer": GSM8K_ROWS[1]["answer"]},
+        ),
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["train.jsonl"]  # no temp file left behind
+
+
+def test_gsm8k_parquet_with_system_prompt_and_limit(tmp_path: Path) -> None:
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(GSM8K_ROWS), path)
+    samples = load_samples(str(path), "gsm8k", system_prompt="Think step by step.", limit=1)
+    assert len(samples) == 1
+    assert samples[0].messages == [
+        {"role": "system", "content": "Think step by step."},
+        {"role": "user", "content": GSM8K_ROWS[0]["question"]},
+    ]
+    assert samples[0].ground_truth == "7"
+
+
+def test_ground_truth_uses_last_hash_marker(tmp_path: Path) -> None:
+    path = tmp_path / "x.jsonl"
+    write_gsm8k_jsonl([{"question": "q", "answer": "#### 1\nretry\n####  -2,500 "}], path)
+    assert load_samples(str(path))[0].ground_truth == "-2500"
+
+
+def test_verl_parquet_chat_prompt(tmp_path: Path) -> None:
+    path = tmp_path / "verl.parquet"
+    rows = [
+        {
+            "data_source": "lighteval/MATH",
+            "prompt": [
+                {"role": "system", "content": "Box the answer."},
+                {"role": "user", "content": "What is 1/2 + 1/4?"},
+            ],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": "\\frac{3}{4}"},
+            "extra_info": {"split": "train", "index": 5},
+        }
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    (sample,) = load_samples(str(path), system_prompt="ignored: prompt has its own system turn")
+    assert sample.messages == rows[0]["prompt"]
+    assert sample.ground_truth == "\\frac{3}{4}"
+    assert sample.data_source == "lighteval/MATH"
+    assert sample.extra == {"split": "train", "index": 5}
+
+
+def test_verl_jsonl_without_extra_info(tmp_path: Path) -> None:
+    path = tmp_path / "verl.jsonl"
+    row = {
+        "data_source": "gsm8k",
+        "prompt": [{"role": "user", "content": "2+2?"}],
+        "reward_model": {"style": "rule", "ground_truth": 4},
+    }
+    path.write_text(json.dumps(row) + "\n\n")
+    (sample,) = load_samples(str(path), "verl")
+    assert sample.ground_truth == "4"
+    assert sample.extra == {}
+
+
+def test_write_verl_parquet_round_trip(tmp_path: Path) -> None:
+    src = tmp_path / "gsm8k.jsonl"
+    write_gsm8k_jsonl(GSM8K_ROWS, src)
+    samples = load_samples(str(src), system_prompt="sys")
+    out = tmp_path / "nested" / "verl.parquet"
+    write_verl_parquet(samples, out)
+    assert pq.read_table(out).column_names == ["data_source", "prompt", "reward_model", "extra_info"]
+    assert load_samples(str(out)) == samples
+
+
+def test_write_verl_parquet_drops_empty_extra(tmp_path: Path) -> None:
+    samples = [Sample(messages=[{"role": "user", "content": "1+1?"}], ground_truth="2", extra={})]
+    out = tmp_path / "verl.parquet"
+    write_verl_parquet(samples, out)
+    assert "extra_info" not in pq.read_table(out).column_names
+    assert load_samples(str(out)) == samples
+
+
+def test_auto_detect_picks_format_by_columns(tmp_path: Path) -> None:
+    gsm = tmp_path / "a.jsonl"
+    write_gsm8k_jsonl(GSM8K_ROWS[:1], gsm)
+    verl = tmp_path / "b.parquet"
+    write_verl_parquet([Sample([{"role": "user", "content": "q"}], "3", "math", {"k": "v"})], verl)
+    assert load_samples(str(gsm))[0].data_source == "gsm8k"
+    assert load_samples(str(verl))[0].data_source == "math"
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.jsonl"
+    with pytest.raises(DataError) as excinfo:
+        load_samples(str(path))
+    assert _error(excinfo) == (
+        f"data file not found: {path} (set data.train_files to an existing .jsonl or .parquet file)"
+    )
+
+
+def test_unsupported_extension(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    path.write_text("question,answer\n")
+    with pytest.raises(DataError) as excinfo:
+        load_samples(str(path))
+    assert _error(excinfo) == f"unsupported data file extension '.csv' for {path} (use .jsonl or .parquet)"
+
+
+def test_bad_json_line_reports_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(GSM8K_ROWS[0]) + "\n{not json\n")
+    with pytest.raises(DataError) as excinfo:
+        load_samples(str(path))
+    message = _error(excinfo)
+    assert message.startswith(f"{path}:2: line is not valid JSON (")
+    assert message.endswith("(each line of a .jsonl file must be one JSON object)")
+
+
+def test_json_line_that_is_not_an_object(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_text("[1, 2]\n")
+    with pytest.raises(DataError) as excinfo:
+        load_samples(str(path))
+    assert _error(excinfo).startswith(f"{path}:1: line is a JSON list, not an object")
+
+
+def test_unknown_columns_name_both_formats(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"q": "x", "a": "y"}) + "\n")
+    with pytest.raises(DataError) as excinfo:
+        load_samples(str(path))
+    assert _error(excinfo) == (
+        f"{path}: cannot tell the data format from columns ['a', 'q'] "
+        "(GSM8K needs question, answer; verl needs prompt, data_source, reward_model)"
+    )
+
+
+def test_explicit_format_missing_column(tmp_path: Path) -> None:
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "x"}]), path)
+    with pytest.raises(DataError) as excinfo:
+        load_samples(str(path), "gsm8k")
+    assert _error(excinfo) == (
+        f"{path}: missing column(s) answer for format 'gsm8k' (found ['question']; "
+        "GSM8K needs question, answer; verl needs prompt, data_source, reward_model)"
+    )
+
+
+def test_later_jsonl_row_missing_column(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(GSM8K_ROWS[0]) + "\n" + json.dumps({"question": "x"}) + "\n")
+    with pytest.raises(DataError) as excinfo:
+        load_samples(str(path))
+    assert _error(excinfo) == f"{path}:2: row is missing answer (every gsm8k row needs question, answer)"
+
+
+def test_gsm8k_answer_without_marker(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    write_gsm8k_jsonl([{"question": "q", "answer": "the answer is 7"}], path)
+    with pytest.raises(DataError) as excinfo:
+        load_samples(str(path))
+    assert _error(excinfo) == (
+        f"{path}:1: GSM8K answer has no '#### <answer>' line (end every answer with '#### <final answer>')"
+    )
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n")
+    with pytest.raises(DataError) as excinfo:
+        load_samples(str(path))
+    assert _error(excinfo) == f"{path}: file has no rows (point data.train_files at a non-empty dataset)"
+
+
+def test_corrupt_parquet(tmp_path: Path) -> None:
+    path = tmp_path / "train.parquet"
+    path.write_bytes(b"definitely not parquet")
+    with pytest.raises(DataError) as excinfo:
+        load_samples(str(path))
+    message = _error(excinfo)
+    assert message.startswith(f"could not read parquet file {path}: ")
+    assert message.endswith("(check the file is a valid parquet table)")
+
+
+def test_verl_prompt_must_be_messages(tmp_path: Path) -> None:
+    path = tmp_path / "verl.jsonl"
+    row = {"data_source": "gsm8k", "prompt": "2+2?", "reward_model": {"ground_truth": "4"}}
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError) as excinfo:
+        load_samples(str(path))
+    assert _error(excinfo) == (
+        f"{path}:1: prompt must be a list of chat messages (e.g. [{{'role': 'user', 'content': '...'}}])"
+    )
+
+
+def test_verl_reward_model_without_ground_truth(tmp_path: Path) -> None:
+    path = tmp_path / "verl.jsonl"
+    row = {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "q"}], "reward_model": {}}
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError) as excinfo:
+        load_samples(str(path))
+    assert _error(excinfo) == (
+        f"{path}:1: reward_model has no ground_truth "
+        "(set reward_model to {'style': 'rule', 'ground_truth': ...})"
+    )
+
+
+def test_unknown_format_name(tmp_path: Path) -> None:
+    with pytest.raises(DataError) as excinfo:
+        load_samples(str(tmp_path / "x.jsonl"), "alpaca")
+    assert _error(excinfo) == "unknown data format 'alpaca' (use 'auto', 'gsm8k' or 'verl')"

@@ -1,0 +1,102 @@
+"""End-to-end GRPO runs on a tiny random model: outputs, resume after a kill, CLI errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from alignrl.algos.runner import train_grpo
+from alignrl.config import load_config
+
+SMALL = ["data.train_size=64", "data.val_size=16", "data.val_size_during_training=8", "data.train_batch_size=4",
+         "rollout.n=4", "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4",
+         "actor.lr=1e-3", "actor.lr_scheduler=cosine", "actor.kl_loss_coef=0.01", "trainer.test_freq=2",
+         "trainer.progress_bar=false", "trainer.logger=[jsonl,tensorboard]"]
+
+
+def _overrides(model_dir, out, name, steps, save_freq):
+    return SMALL + [f"model.path={model_dir}", f"trainer.output_dir={out}", f"trainer.experiment_name={name}",
+                    f"trainer.total_training_steps={steps}", f"trainer.save_freq={save_freq}"]
+
+
+def _weights(run_dir: Path, step: int) -> dict:
+    return load_file(run_dir / "checkpoints" / f"global_step_{step}" / "model" / "model.safetensors")
+
+
+def test_run_writes_layout_and_summary(tiny_model_dir, tmp_path):
+    cfg = load_config(None, _overrides(tiny_model_dir, tmp_path, "run", 3, 2))
+    summary = train_grpo(cfg)
+    run = tmp_path / "run"
+    assert (run / "config.yaml").is_file() and (run / "logs" / "curves.png").stat().st_size > 1000
+    assert sorted(p.name for p in (run / "checkpoints").glob("global_step_*")) == ["global_step_2", "global_step_3"]
+    assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    rows = [json.loads(x) for x in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for key in ("reward/mean", "reward/std", "reward/accuracy", "actor/kl_loss", "actor/entropy", "actor/clipfrac",
+                "response/length_mean", "perf/tokens_per_s", "timing/gen", "timing/ref", "timing/train"):
+        assert key in rows[1], key
+    assert "val/accuracy" in rows[2] and list((run / "logs" / "tensorboard").glob("events.*"))
+    saved = json.loads((run / "summary.json").read_text())
+    assert saved == summary and saved["steps"] == 3 and {"base_accuracy", "final_accuracy", "wall_seconds"} <= set(saved)
+    # the run trained: weights moved away from the base model
+    base = load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(base[k], v) for k, v in _weights(run, 3).items())
+
+
+def _cli(*args, **kw):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    return subprocess.Popen([sys.executable, "-m", "alignrl", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, **kw)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_identical_weights(tiny_model_dir, tmp_path):
+    steps = 6
+    ref = train_grpo(load_config(None, _overrides(tiny_model_dir, tmp_path, "straight", steps, 2)))
+    assert ref["steps"] == steps
+
+    args = ["train", "grpo", *_overrides(tiny_model_dir, tmp_path, "killed", steps, 2)]
+    proc = _cli(*args, start_new_session=True)
+    tracker = tmp_path / "killed" / "checkpoints" / "latest_checkpointed_iteration.txt"
+    deadline = time.time() + 240
+    while not tracker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    killed_at = int(tracker.read_text())
+    assert killed_at < steps, "the run finished before it could be killed"
+
+    resumed = _cli(*args, "trainer.resume_mode=auto")
+    out, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err
+    assert f"(step {killed_at})" in out
+    a, b = _weights(tmp_path / "straight", steps), _weights(tmp_path / "killed", steps)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+    rows = [json.loads(x) for x in (tmp_path / "killed" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps + 1)), "each step logged exactly once"
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train", "grpo", "actor.lrr=1"], "unknown config key 'actor.lrr'"),
+    (["train", "grpo", "rollout.n=many"], "bad value for 'rollout.n'"),
+    (["train", "grpo", "rollout.n=0"], "rollout.n=0 is out of range"),
+    (["train", "grpo", "--config", "/nonexistent.yaml"], "config file not found"),
+    (["train", "grpo", "data.train_files=/nonexistent/train.parquet"], "data file not found"),
+    (["train", "grpo", "model.path=/nonexistent/model"], "is not a Hugging Face model folder"),
+])
+def test_bad_input_gives_one_line_error(args, expected, tmp_path):
+    proc = _cli(*args, f"trainer.output_dir={tmp_path}", "model.path=/nonexistent/model"
+                if "model.path" not in " ".join(args) and "train_files" not in " ".join(args) else "trainer.seed=0")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and expected in lines[0] and "Traceback" not in err, err
