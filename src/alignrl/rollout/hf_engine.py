@@ -85,7 +85,7 @@ class HFRolloutEngine:
             hit[j] = any(s in text for s in stop)
         return hit
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: the records feed autograd later (as indices, masks)
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
         """Sample `params.n` responses per prompt; rows of one prompt are contiguous (`group`)."""
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None

@@ -1,0 +1,81 @@
+"""The embedded rollout engine against `model.generate`, and its sampling controls."""
+
+import torch
+
+from alignrl.data import synthetic
+from alignrl.data.collate import encode_prompts, left_pad
+from alignrl.models.logprobs import response_logprobs
+from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams, _filter_logits
+
+
+def _prompts(tok, n=6):
+    return encode_prompts(tok, synthetic.generate("test", n, seed=3), 128)
+
+
+def test_greedy_matches_hf_generate(tiny_model):
+    model, tok = tiny_model
+    prompts = _prompts(tok)
+    ro = HFRolloutEngine(model, tok).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12))
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    with torch.inference_mode():
+        ref = model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=12, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    for i in range(len(prompts)):
+        n = int(ro.response_mask[i].sum())
+        assert ro.response_ids[i, :n].tolist() == ref[i, :n].tolist()
+
+
+def test_records_shapes_groups_and_logprobs(tiny_model):
+    model, tok = tiny_model
+    ro = HFRolloutEngine(model, tok).generate(_prompts(tok, 3), SamplingParams(n=4, max_new_tokens=10, seed=1))
+    b = 12
+    assert ro.prompt_ids.shape[0] == b and ro.response_ids.shape == ro.logprobs.shape == ro.response_mask.shape
+    assert ro.group.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    # rows that stopped early end with eos; truncated rows used all 10 tokens
+    lengths = ro.response_mask.sum(1)
+    assert torch.equal(ro.truncated, lengths == 10)
+    for i in range(b):
+        if not ro.truncated[i]:
+            assert ro.response_ids[i, lengths[i] - 1] == tok.eos_token_id
+    # the engine's log-probs equal the trainer's recomputation (same model, fp32)
+    lp, _ = response_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
+    torch.testing.assert_close(lp, ro.logprobs, atol=1e-4, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible(tiny_model):
+    model, tok = tiny_model
+    eng, prompts = HFRolloutEngine(model, tok), _prompts(tok, 2)
+    a = eng.generate(prompts, SamplingParams(n=3, max_new_tokens=8, seed=7))
+    b = eng.generate(prompts, SamplingParams(n=3, max_new_tokens=8, seed=7))
+    c = eng.generate(prompts, SamplingParams(n=3, max_new_tokens=8, seed=8))
+    assert torch.equal(a.response_ids, b.response_ids) and not torch.equal(a.response_ids, c.response_ids)
+
+
+def test_stop_strings_end_generation(tiny_model):
+    model, tok = tiny_model
+    eng, prompts = HFRolloutEngine(model, tok), _prompts(tok, 4)
+    free = eng.generate(prompts, SamplingParams(n=2, max_new_tokens=16, seed=0))
+    texts = tok.batch_decode(free.response_ids.masked_fill(~free.response_mask, tok.pad_token_id))
+    # pick a character that the free run produced mid-response, then stop on it
+    stop = next(ch for t in texts for ch in t[:-1] if ch.strip())
+    ro = eng.generate(prompts, SamplingParams(n=2, max_new_tokens=16, seed=0, stop=(stop,)))
+    for i, t in enumerate(tok.batch_decode(ro.response_ids.masked_fill(~ro.response_mask, tok.pad_token_id))):
+        if stop in t:
+            assert not ro.truncated[i]
+            # nothing was generated after the token that completed the stop string
+            last = tok.decode(ro.response_ids[i, : int(ro.response_mask[i].sum()) - 1])
+            assert stop not in last
+
+
+def test_top_k_and_top_p_filtering():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    k2 = _filter_logits(logits, top_k=2, top_p=1.0)
+    assert torch.isinf(k2[0, 2:]).all() and torch.isfinite(k2[0, :2]).all()
+    # softmax = 0.644, 0.237, 0.087, 0.032: top_p=0.7 keeps the first two (0.644 < 0.7)
+    p = _filter_logits(logits, top_k=-1, top_p=0.7)
+    assert torch.isfinite(p[0, :2]).all() and torch.isinf(p[0, 2:]).all()
+    eng_params = SamplingParams(temperature=1.0, top_k=1)
+    from alignrl.rollout.hf_engine import sample_next
+
+    tok, _ = sample_next(torch.randn(5, 4), eng_params, torch.Generator().manual_seed(0))
+    assert tok.shape == (5,)
