@@ -43,8 +43,6 @@ Remaining differences (inherent to the frameworks, part of what is measured):
     was comparable. (The default model is barely trained, so most completions run to the limit.)
   * optimizer implementation: TRL uses the Trainer's default AdamW (`adamw_torch_fused` on torch >= 2.8),
     alignrl `torch.optim.AdamW(foreach=True)`; same hyper-parameters.
-  * alignrl scores each completion twice (training reward and correctness metric, both
-    `default_compute_score`); TRL once. Both are pure-Python regex checks.
   * TRL's step also includes its Trainer bookkeeping (metric gathering, flops/token counting); the
     Trainer's dataloader fetch for a step happens just before `on_step_begin` and is not timed.
 """

@@ -72,3 +72,11 @@ def test_help_lists_subcommands():
     out = subprocess.run([sys.executable, "-m", "alignrl", "--help"], capture_output=True, text=True, check=True).stdout
     for sub in ("train", "demo", "build-demo-model", "config"):
         assert sub in out
+
+
+def test_readme_reference_is_current():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("<!-- config-reference:start -->\n")[1].split("\n<!-- config-reference:end -->")[0]
+    assert block == reference_markdown(), "regenerate with: alignrl config --reference"

@@ -146,7 +146,7 @@ def test_registry_unknown_source() -> None:
     assert "\n" not in message
     assert message.startswith("no built-in reward for data_source 'my/dataset' (known: ")
     assert "DigitalLearningGmbH/MATH-lighteval, gsm8k, " in message
-    assert message.endswith("for other data pass reward.custom_fn=path/to/file.py:function)")
+    assert message.endswith("for other data pass algorithm.reward_fn=path/to/file.py:function)")
 
 
 def test_load_reward_fn_default() -> None:
@@ -195,16 +195,16 @@ def test_bad_custom_fn_specs(tmp_path: Path) -> None:
     broken.write_text("import not_a_real_module_xyz\n")
 
     not_a_spec = "is not of the form path/to/file.py:function"
-    assert _spec_error("reward.py") == f"reward.custom_fn='reward.py' {not_a_spec}"
-    assert _spec_error(f"{path}:") == f"reward.custom_fn='{path}:' {not_a_spec}"
+    assert _spec_error("reward.py") == f"algorithm.reward_fn='reward.py' {not_a_spec}"
+    assert _spec_error(f"{path}:") == f"algorithm.reward_fn='{path}:' {not_a_spec}"
     assert _spec_error(f"{tmp_path}/missing.py:score") == (
-        f"reward.custom_fn file not found: {tmp_path}/missing.py (give an existing .py file)"
+        f"algorithm.reward_fn file not found: {tmp_path}/missing.py (give an existing .py file)"
     )
     assert _spec_error(f"{path}:nope") == (
-        f"reward.custom_fn file {path} has no function 'nope' (define it or fix the name after the colon)"
+        f"algorithm.reward_fn file {path} has no function 'nope' (define it or fix the name after the colon)"
     )
-    assert _spec_error(f"{path}:THRESHOLD") == f"reward.custom_fn {path}:THRESHOLD is a int, not a function"
+    assert _spec_error(f"{path}:THRESHOLD") == f"algorithm.reward_fn {path}:THRESHOLD is a int, not a function"
     assert _spec_error(f"{broken}:score") == (
-        f"reward.custom_fn file {broken} failed to import: "
+        f"algorithm.reward_fn file {broken} failed to import: "
         "ModuleNotFoundError: No module named 'not_a_real_module_xyz'"
     )

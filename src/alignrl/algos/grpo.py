@@ -77,7 +77,10 @@ class GRPOStep:
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         rows = [samples[g] for g in ro.group.tolist()]
         rewards = [self.reward_fn(s.data_source, t, s.ground_truth, s.extra) for s, t in zip(rows, texts)]
-        correct = [self.correct_fn(s.data_source, t, s.ground_truth, s.extra) >= 1.0 for s, t in zip(rows, texts)]
+        if self.correct_fn is self.reward_fn:  # no shaping: correctness is the reward itself
+            correct = [r >= 1.0 for r in rewards]
+        else:
+            correct = [self.correct_fn(s.data_source, t, s.ground_truth, s.extra) >= 1.0 for s, t in zip(rows, texts)]
         return Scored(torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct))
 
     def run(self, step: int, samples: Sequence[Sample], prompts: Sequence[Sequence[int]]) -> dict[str, float]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from alignrl.algos.evaluate import greedy_accuracy
+from alignrl.algos.evaluate import greedy_eval
 from alignrl.algos.grpo import GRPOStep
 from alignrl.config import RunConfig, to_yaml
 from alignrl.data import synthetic
@@ -61,6 +61,10 @@ def describe_batch(cfg: RunConfig) -> str:
             f"sequences; effective batch on 1 process = {mini * n} sequences")
 
 
+def _fmt(acc: dict[str, float]) -> str:
+    return f"{acc['accuracy']:.3f} (last-number extraction: {acc['accuracy_flexible']:.3f})"
+
+
 def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
     wall_start = wall_start or time.time()
     if cfg.trainer.threads:
@@ -104,22 +108,23 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
     val_prompts = encode_prompts(tokenizer, val, max_len)
     n_val_small = min(cfg.data.val_size_during_training, len(val))
 
-    def evaluate(n: int) -> float:
-        return greedy_accuracy(engine, tokenizer, val[:n], val_prompts[:n], correct_fn, cfg.rollout.max_new_tokens)
+    def evaluate(n: int) -> dict[str, float]:
+        return greedy_eval(engine, tokenizer, val[:n], val_prompts[:n], correct_fn, cfg.rollout.max_new_tokens)
 
     console.print(f"[bold]GRPO[/bold] {describe_batch(cfg)}")
     console.print(f"train problems {len(train)}, held-out {len(val)}; run dir {run_dir}")
-    if "base_accuracy" not in state:
+    if "base" not in state:
         t0 = time.time()
-        state["base_accuracy"] = evaluate(len(val))
-        console.print(f"base model held-out greedy accuracy: {state['base_accuracy']:.3f} "
-                      f"on {len(val)} problems ({time.time() - t0:.1f}s)")
-        tracker.log(0, {"val/accuracy": evaluate(n_val_small) if n_val_small < len(val) else state["base_accuracy"]})
+        state["base"] = evaluate(len(val))
+        console.print(f"base model held-out greedy accuracy: {_fmt(state['base'])} on {len(val)} problems "
+                      f"({time.time() - t0:.1f}s)")
+        small = evaluate(n_val_small) if n_val_small < len(val) else state["base"]
+        tracker.log(0, {f"val/{k}": v for k, v in small.items()})
 
     def checkpoint(step: int) -> None:
         save_checkpoint(ckpt_root, step, model, tokenizer,
                         {"actor": actor.state_dict(), "sampler": sampler.state_dict(),
-                         "base_accuracy": state["base_accuracy"]}, cfg.trainer.max_checkpoints)
+                         "base": state["base"]}, cfg.trainer.max_checkpoints)
 
     total = cfg.trainer.total_training_steps
     columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -131,7 +136,7 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
             metrics = step_fn.run(step, [train[i] for i in idx], [train_prompts[i] for i in idx])
             if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == total):
                 t0 = time.perf_counter()
-                metrics["val/accuracy"] = evaluate(n_val_small)
+                metrics.update({f"val/{k}": v for k, v in evaluate(n_val_small).items()})
                 metrics["timing/val"] = time.perf_counter() - t0
             tracker.log(step, metrics)
             if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or step == total:
@@ -140,11 +145,14 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
 
     t0 = time.time()
     final = evaluate(len(val))
-    console.print(f"final held-out greedy accuracy: {final:.3f} on {len(val)} problems ({time.time() - t0:.1f}s)")
+    console.print(f"final held-out greedy accuracy: {_fmt(final)} on {len(val)} problems ({time.time() - t0:.1f}s)")
     tracker.plot(log_dir / "curves.png")
     tracker.close()
-    summary = {"base_accuracy": state["base_accuracy"], "final_accuracy": final,
-               "gain_points": round(100 * (final - state["base_accuracy"]), 2), "steps": total,
+    base = state["base"]
+    summary = {"base_accuracy": base["accuracy"], "final_accuracy": final["accuracy"],
+               "gain_points": round(100 * (final["accuracy"] - base["accuracy"]), 2),
+               "base_accuracy_flexible": base["accuracy_flexible"],
+               "final_accuracy_flexible": final["accuracy_flexible"], "steps": total,
                "heldout_problems": len(val), "wall_seconds": round(time.time() - wall_start, 1),
                "run_dir": str(run_dir)}
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))

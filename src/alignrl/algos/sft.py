@@ -52,7 +52,7 @@ def sft_train(model, tokenizer, samples: Sequence[Sample], *, steps: int, batch_
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if on_step is not None:
             on_step(step, losses[-1])
     model.train(model_was_training)

@@ -29,7 +29,9 @@ def resolve_model_path(path: str, log=print) -> Path:
 def load_model(path: str, dtype: str = "float32", log=print):
     """(model, tokenizer) with a pad token set; the tokenizer pads on the left for generation."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a bar per tiny model load is noise in run logs
     folder = resolve_model_path(path, log)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     if tokenizer.pad_token_id is None:

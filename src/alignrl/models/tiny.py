@@ -2,8 +2,11 @@
 
 Recipe: train a byte-level BPE tokenizer on the synthetic arithmetic task, initialise a small
 Qwen2-architecture causal LM, and supervised-fine-tune it briefly on worked solutions so that it is
-mediocre (it knows the answer format and some arithmetic) rather than hopeless. The result is a
-plain HF folder loadable with `AutoModelForCausalLM` / `AutoTokenizer`.
+mediocre rather than hopeless: it sets problems up correctly but its arithmetic is unreliable, and,
+like a chat model fine-tuned on mixed sources, it ends only part of its answers with the strict
+`#### N` line (the rest with "The answer is N."; `plain_answer_fraction` of the SFT targets). That is
+the situation of the GSM8K GRPO recipes: a strict-format reward has both the format and the
+arithmetic to teach. The result is a plain HF folder loadable with `AutoModelForCausalLM`.
 
 The folder is cached under `$ALIGNRL_CACHE` (default `~/.cache/alignrl`) keyed by a hash of the
 recipe, so a second run reuses it and a changed recipe never picks up a stale model.
@@ -17,7 +20,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -39,6 +42,7 @@ class TinyRecipe:
     sft_steps: int = 400
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
+    plain_answer_fraction: float = 0.5  # SFT targets ending "The answer is N." instead of "#### N"
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -76,6 +80,20 @@ def build_tokenizer(recipe: TinyRecipe, out_dir: Path):
     return AutoTokenizer.from_pretrained(str(out_dir))
 
 
+def sft_data(recipe: TinyRecipe):
+    """Worked solutions for SFT; a seeded `plain_answer_fraction` of them end in a plain-text answer."""
+    import random
+
+    rng = random.Random(recipe.seed + 3)
+    out = []
+    for s in synthetic.generate("train", recipe.sft_steps * recipe.sft_batch_size, seed=recipe.seed + 2):
+        if rng.random() < recipe.plain_answer_fraction:
+            body = s.extra["answer"].rsplit("\n", 1)[0]
+            s = replace(s, extra={**s.extra, "answer": f"{body}\nThe answer is {s.ground_truth}."})
+        out.append(s)
+    return out
+
+
 def build_demo_model(out_dir: Path, recipe: TinyRecipe = TinyRecipe(), log=print) -> Path:
     """Build tokenizer + SFT'd tiny Qwen2 into `out_dir` (written atomically)."""
     from alignrl.algos.sft import sft_train
@@ -88,7 +106,7 @@ def build_demo_model(out_dir: Path, recipe: TinyRecipe = TinyRecipe(), log=print
     n_params = sum(p.numel() for p in model.parameters())
     log(f"building demo base model: {n_params / 1e6:.2f}M-param Qwen2, SFT {recipe.sft_steps} steps "
         f"x {recipe.sft_batch_size} problems")
-    data = synthetic.generate("train", recipe.sft_steps * recipe.sft_batch_size, seed=recipe.seed + 2)
+    data = sft_data(recipe)
 
     def on_step(step: int, loss: float) -> None:
         if (step + 1) % 50 == 0 or step + 1 == recipe.sft_steps:

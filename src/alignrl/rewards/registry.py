@@ -1,7 +1,7 @@
 """Choose the reward function for a sample, by its `data_source` or a user-supplied file.
 
 The calling convention is verl's `compute_score(data_source, solution_str, ground_truth,
-extra_info)`, so reward files written for verl work here unchanged via `reward.custom_fn`.
+extra_info)`, so reward files written for verl work here unchanged via `algorithm.reward_fn`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def default_compute_score(
     if fn is None:
         raise RewardError(
             f"no built-in reward for data_source {data_source!r} (known: {', '.join(sorted(REWARDS))}; "
-            "for other data pass reward.custom_fn=path/to/file.py:function)"
+            "for other data pass algorithm.reward_fn=path/to/file.py:function)"
         )
     return float(fn(solution_str, ground_truth))
 
@@ -68,15 +68,15 @@ def load_reward_fn(spec: str | None) -> RewardFn:
     path_str, sep, name = spec.rpartition(":")
     if not sep or not path_str or not name:
         raise RewardError(
-            f"reward.custom_fn={spec!r} is not of the form path/to/file.py:function"
+            f"algorithm.reward_fn={spec!r} is not of the form path/to/file.py:function"
         )
     path = Path(path_str)
     if not path.is_file():
-        raise RewardError(f"reward.custom_fn file not found: {path_str} (give an existing .py file)")
+        raise RewardError(f"algorithm.reward_fn file not found: {path_str} (give an existing .py file)")
     module_name = "alignrl_custom_reward_" + re.sub(r"\W", "_", str(path.resolve()))
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise RewardError(f"reward.custom_fn file {path_str} cannot be imported (give a .py file)")
+        raise RewardError(f"algorithm.reward_fn file {path_str} cannot be imported (give a .py file)")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
     try:
@@ -84,14 +84,14 @@ def load_reward_fn(spec: str | None) -> RewardFn:
     except Exception as exc:
         del sys.modules[module_name]
         raise RewardError(
-            f"reward.custom_fn file {path_str} failed to import: {type(exc).__name__}: {exc}".splitlines()[0]
+            f"algorithm.reward_fn file {path_str} failed to import: {type(exc).__name__}: {exc}".splitlines()[0]
         ) from exc
     if not hasattr(module, name):
-        raise RewardError(f"reward.custom_fn file {path_str} has no function {name!r} "
+        raise RewardError(f"algorithm.reward_fn file {path_str} has no function {name!r} "
                           "(define it or fix the name after the colon)")
     fn = getattr(module, name)
     if not callable(fn):
-        raise RewardError(f"reward.custom_fn {path_str}:{name} is a {type(fn).__name__}, not a function")
+        raise RewardError(f"algorithm.reward_fn {path_str}:{name} is a {type(fn).__name__}, not a function")
     return fn  # type: ignore[no-any-return]
 
 

@@ -64,10 +64,12 @@ class Tracker:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4))
-        for key, label in (("reward/mean", "train reward (mean)"), ("val/accuracy", "held-out accuracy (greedy)")):
+        for key, label, style in (("reward/mean", "train reward (mean)", "-"),
+                                  ("val/accuracy", "held-out accuracy (greedy)", "o-"),
+                                  ("val/accuracy_flexible", "held-out, last-number extraction", "s--")):
             pts = [(r["step"], r[key]) for r in self.history if key in r]
             if pts:
-                ax.plot(*zip(*pts), marker="o" if key.startswith("val") else None, label=label)
+                ax.plot(*zip(*pts), style, label=label)
         ax.set_xlabel("step")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
