@@ -65,7 +65,7 @@ class Tracker:
 
         fig, ax = plt.subplots(figsize=(7, 4))
         for key, label, style in (("reward/mean", "train reward (mean)", "-"),
-                                  ("val/accuracy", "held-out accuracy (greedy)", "o-"),
+                                  ("val/accuracy", "held-out accuracy (greedy, task reward)", "o-"),
                                   ("val/accuracy_flexible", "held-out, last-number extraction", "s--")):
             pts = [(r["step"], r[key]) for r in self.history if key in r]
             if pts:
