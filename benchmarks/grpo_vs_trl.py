@@ -26,10 +26,10 @@ Same on both sides:
     group std; PPO-clip 0.2; token-mean loss over the whole batch (TRL loss_type="dapo"); KL k3 to the
     reference (TRL use_bias_correction_kl=False, the plain k3 term); lr 1e-5 constant, no warm-up, no
     weight decay, grad-norm clip 1.0.
-  * batch: one generation of P*n sequences and exactly one optimizer step per step, the whole batch in
-    one forward/backward (alignrl: train_batch_size = ppo_mini_batch_size = P, ppo_micro_batch_size =
-    P*n, ppo_epochs 1; TRL: per_device_train_batch_size = P*n, gradient_accumulation_steps 1,
-    steps_per_generation 1, num_iterations 1). The reference forward is one batch of P*n on both sides.
+  * batch: one generation of P*n sequences and exactly one optimizer step per step (alignrl:
+    train_batch_size = ppo_mini_batch_size = P, ppo_epochs 1; TRL: per_device_train_batch_size = P*n,
+    gradient_accumulation_steps 1, steps_per_generation 1, num_iterations 1). The gradient is the same
+    token-mean over the whole batch on both sides; how it is computed differs (below).
   * old log-probs: TRL does not recompute them in this on-policy setting (it uses the current
     log-probs, detached); alignrl is set to match with actor.recompute_old_logprobs=false (it uses the
     rollout engine's log-probs of the same fp32 model), so neither side spends an extra forward on them.
@@ -37,6 +37,10 @@ Same on both sides:
     evaluation.
 
 Remaining differences (inherent to the frameworks, part of what is measured):
+  * padding: alignrl accumulates the batch in length-grouped micro-batches of --micro-batch sequences
+    (default 32), each trimmed to its own longest prompt and response, for the reference forward and
+    the forward/backward; TRL runs the whole P*n batch at once, padded to its longest sequence.
+    `--micro-batch 0` makes alignrl do the same as TRL (one forward/backward over the whole batch).
   * generation: TRL calls `model.generate` (keeps finished rows in the batch until all stop); alignrl uses
     its own KV-cache sampler that drops finished rows. Completions are sampled, so their lengths differ
     run to run and side to side; the mean completion length of each side is printed to show the work done
@@ -77,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.001, help="KL coefficient (reference model on both sides)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--micro-batch", type=int, default=32,
+                   help="alignrl sequences per forward/backward (length-grouped); 0 = the whole batch at once as TRL")
     a = p.parse_args(argv)
     if a.steps < 1 or a.prompts < 1 or a.max_new_tokens < 1:
         p.error("--steps, --prompts and --max-new-tokens must be >= 1")
@@ -98,13 +104,8 @@ def prepare_model(args) -> Path:
 
 def alignrl_side(model_dir: Path, samples, args):
     """A GRPOStep assembled as `alignrl.algos.runner.train_grpo` does, configured for the shared workload."""
-    from alignrl.algos.grpo import GRPOStep
-    from alignrl.algos.runner import LazyPrompts
+    from alignrl.algos.runner import LazyPrompts, build_step
     from alignrl.config import load_config
-    from alignrl.models.loader import frozen_copy, load_model
-    from alignrl.rewards.registry import load_reward_fn, make_reward
-    from alignrl.rollout.hf_engine import HFRolloutEngine
-    from alignrl.train.actor import Actor
 
     P, n = args.prompts, args.n
     cfg = load_config(None, [
@@ -112,22 +113,15 @@ def alignrl_side(model_dir: Path, samples, args):
         f"data.train_batch_size={P}", "data.max_prompt_length=128",
         f"rollout.n={n}", "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=-1",
         f"rollout.max_new_tokens={args.max_new_tokens}",
-        f"actor.ppo_mini_batch_size={P}", f"actor.ppo_micro_batch_size={P * n}", "actor.ppo_epochs=1",
+        f"actor.ppo_mini_batch_size={P}", f"actor.ppo_micro_batch_size={args.micro_batch or P * n}", "actor.ppo_epochs=1",
         f"actor.lr={args.lr}", "actor.lr_warmup_steps=0", "actor.lr_scheduler=constant", "actor.weight_decay=0.0",
         "actor.grad_clip=1.0", "actor.clip_ratio_low=0.2", "actor.clip_ratio_high=0.2", "actor.entropy_coeff=0.0",
         f"actor.use_kl_loss={'true' if args.beta > 0 else 'false'}", f"actor.kl_loss_coef={args.beta}",
         "actor.kl_loss_type=low_var_kl", "actor.recompute_old_logprobs=false",
         "algorithm.norm_adv_by_std_in_grpo=true", f"trainer.seed={args.seed}",
     ])
-    model, tokenizer = load_model(str(model_dir), cfg.model.dtype, log=lambda *_: None)
-    ref = frozen_copy(model) if cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0 else None
-    a = cfg.actor
-    actor = Actor(model, lr=a.lr, weight_decay=a.weight_decay, betas=a.betas, warmup_steps=a.lr_warmup_steps,
-                  total_steps=args.steps, schedule=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio,
-                  grad_clip=a.grad_clip)
-    engine = HFRolloutEngine(model, tokenizer)  # colocated, as in the runner
-    step_fn = GRPOStep(cfg, engine, actor, ref, tokenizer, make_reward(None, 0.0), load_reward_fn(None))
-    prompts = LazyPrompts(tokenizer, samples, cfg.data.max_prompt_length)
+    step_fn = build_step(cfg, str(model_dir))
+    prompts = LazyPrompts(step_fn.tokenizer, samples, cfg.data.max_prompt_length)
 
     def run(k: int) -> dict:
         """alignrl RL step k (1-based) on problems (k-1)*P .. k*P-1."""

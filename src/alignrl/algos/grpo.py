@@ -19,6 +19,7 @@ import torch
 from alignrl.config import RunConfig
 from alignrl.core.advantages import ADVANTAGES
 from alignrl.core.losses import masked_mean
+from alignrl.data.collate import length_sorted_chunks, padding_bounds
 from alignrl.data.records import Experience, Rollout, Sample
 from alignrl.models.logprobs import response_logprobs
 from alignrl.rollout.hf_engine import SamplingParams
@@ -42,14 +43,17 @@ def _timed(timings: dict[str, float], name: str):
 
 @torch.no_grad()
 def batched_logprobs(model, ro: Rollout, temperature: float, micro_batch: int) -> torch.Tensor:
-    """Log-probs (B, R) of the rollout's responses under `model`, `micro_batch` rows at a time."""
+    """Log-probs (B, R) of the rollout's responses under `model`, `micro_batch` rows at a time
+    (rows grouped by length, padding columns trimmed per group)."""
     was_training = model.training
     model.eval()
     out = torch.zeros(ro.response_ids.shape)
-    for s in range(0, out.shape[0], micro_batch):
-        sl = slice(s, s + micro_batch)
-        out[sl], _ = response_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl], ro.response_ids[sl],
-                                       ro.response_mask[sl], temperature)
+    rows = torch.arange(out.shape[0])
+    for idx in length_sorted_chunks(rows, ro.prompt_mask, ro.response_mask, micro_batch):
+        pm, rm = ro.prompt_mask[idx], ro.response_mask[idx]
+        p0, r1 = padding_bounds(pm, rm)
+        out[idx, :r1], _ = response_logprobs(model, ro.prompt_ids[idx, p0:], pm[:, p0:], ro.response_ids[idx, :r1],
+                                             rm[:, :r1], temperature)
     model.train(was_training)
     return out
 

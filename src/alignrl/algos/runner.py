@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -61,6 +60,25 @@ def describe_batch(cfg: RunConfig) -> str:
             f"sequences; effective batch on 1 process = {mini * n} sequences")
 
 
+def build_step(cfg: RunConfig, policy_path: str) -> GRPOStep:
+    """Policy (from `policy_path`), frozen reference (from the base `cfg.model.path`), actor with its
+    optimizer, colocated rollout engine and reward functions, wired into one GRPOStep."""
+    model, tokenizer = load_model(policy_path, cfg.model.dtype, log=console.print)
+    ref_model = None
+    if cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0:  # the reference is the base, not a checkpoint
+        base = model if policy_path == cfg.model.path else load_model(cfg.model.path, cfg.model.dtype)[0]
+        ref_model = frozen_copy(base)
+    a = cfg.actor
+    total_opt_steps = (cfg.trainer.total_training_steps * a.ppo_epochs
+                       * (cfg.data.train_batch_size // a.ppo_mini_batch_size))
+    actor = Actor(model, lr=a.lr, weight_decay=a.weight_decay, betas=a.betas, warmup_steps=a.lr_warmup_steps,
+                  total_steps=total_opt_steps, schedule=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio,
+                  grad_clip=a.grad_clip)
+    engine = HFRolloutEngine(model, tokenizer)  # colocated: shares the policy's weights
+    reward_fn = make_reward(cfg.algorithm.reward_fn, cfg.algorithm.format_reward_weight)
+    return GRPOStep(cfg, engine, actor, ref_model, tokenizer, reward_fn, load_reward_fn(cfg.algorithm.reward_fn))
+
+
 def _fmt(acc: dict[str, float]) -> str:
     return f"{acc['accuracy']:.3f} (last-number extraction: {acc['accuracy_flexible']:.3f})"
 
@@ -77,21 +95,9 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
     train, val = load_task_data(cfg)
     sampler = BatchSampler(len(train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
     resume = latest_checkpoint(ckpt_root) if cfg.trainer.resume_mode == "auto" else None
-    model, tokenizer = load_model(str(resume / "model") if resume else cfg.model.path, cfg.model.dtype,
-                                  log=console.print)
-    ref_model = frozen_copy(model) if cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0 else None
-    if resume and ref_model is not None:  # the reference is the base model, not the checkpoint
-        ref_model = frozen_copy(load_model(cfg.model.path, cfg.model.dtype, log=console.print)[0])
-    total_opt_steps = (cfg.trainer.total_training_steps * cfg.actor.ppo_epochs
-                       * (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size))
-    a = cfg.actor
-    actor = Actor(model, lr=a.lr, weight_decay=a.weight_decay, betas=a.betas, warmup_steps=a.lr_warmup_steps,
-                  total_steps=total_opt_steps, schedule=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio,
-                  grad_clip=a.grad_clip)
-    engine = HFRolloutEngine(model, tokenizer)  # colocated: shares the policy's weights
-    reward_fn = make_reward(cfg.algorithm.reward_fn, cfg.algorithm.format_reward_weight)
-    correct_fn = load_reward_fn(cfg.algorithm.reward_fn)
-    step_fn = GRPOStep(cfg, engine, actor, ref_model, tokenizer, reward_fn, correct_fn)
+    step_fn = build_step(cfg, str(resume / "model") if resume else cfg.model.path)
+    model, tokenizer, actor, engine = step_fn.actor.model, step_fn.tokenizer, step_fn.actor, step_fn.engine
+    correct_fn = step_fn.correct_fn
 
     start_step, state = 0, {}
     if resume:

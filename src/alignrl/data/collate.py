@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from alignrl.data.records import Sample
+if TYPE_CHECKING:  # records imports this module's padding helpers
+    from alignrl.data.records import Sample
 
 
 def encode_prompts(tokenizer, samples: Sequence[Sample], max_prompt_length: int) -> list[list[int]]:
@@ -46,3 +49,21 @@ def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that start at 0 on each row's first real token (left padding aware)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def padding_bounds(prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[int, int]:
+    """(first prompt column any row uses, response columns any row uses) for left/right padding."""
+    p0 = int((~prompt_mask.any(0)).long().cumprod(0).sum())
+    used = response_mask.any(0).nonzero()
+    return p0, max(1, int(used.max()) + 1) if used.numel() else 1
+
+
+def length_sorted_chunks(idx: torch.Tensor, prompt_mask: torch.Tensor, response_mask: torch.Tensor,
+                         chunk: int) -> list[torch.Tensor]:
+    """Rows `idx` split into chunks of similar real length, so each chunk carries little padding.
+
+    Sums over chunks (token-mean losses with a global token count, per-row log-probs) do not depend
+    on how rows are grouped, so this only saves compute."""
+    lengths = prompt_mask[idx].sum(-1) + response_mask[idx].sum(-1)
+    ordered = idx[torch.argsort(lengths, stable=True)]
+    return list(ordered.split(chunk))

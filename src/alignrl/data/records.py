@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from alignrl.data.collate import padding_bounds
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -66,8 +68,7 @@ class Experience:
     def select(self, idx: torch.Tensor) -> Experience:
         """Rows `idx`, with the padding columns that no selected row uses trimmed off."""
         pm, rm = self.prompt_mask[idx], self.response_mask[idx]
-        p0 = int((~pm.any(0)).long().cumprod(0).sum())  # leading all-pad prompt columns
-        r1 = max(1, int(rm.any(0).nonzero().max()) + 1) if rm.any() else 1
+        p0, r1 = padding_bounds(pm, rm)
         cut = lambda t: None if t is None else (t[idx][:, :r1] if t.dim() == 2 else t[idx])  # noqa: E731
         return Experience(prompt_ids=self.prompt_ids[idx][:, p0:], prompt_mask=pm[:, p0:],
                           response_ids=cut(self.response_ids), response_mask=cut(self.response_mask),

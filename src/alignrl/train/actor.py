@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, token_mean
+from alignrl.data.collate import length_sorted_chunks
 from alignrl.data.records import Experience
 from alignrl.models.logprobs import response_logprobs
 from alignrl.train.optim import build_optimizer
@@ -68,8 +69,8 @@ class Actor:
                 mb = order[start:start + mini_batch]
                 tokens = float(exp.response_mask[mb].sum())
                 self.optimizer.zero_grad(set_to_none=True)
-                for ustart in range(0, len(mb), micro_batch):
-                    micro = exp.select(mb[ustart:ustart + micro_batch])
+                for rows in length_sorted_chunks(mb, exp.prompt_mask, exp.response_mask, micro_batch):
+                    micro = exp.select(rows)
                     logp, ent = response_logprobs(self.model, micro.prompt_ids, micro.prompt_mask,
                                                   micro.response_ids, micro.response_mask,
                                                   spec.temperature, with_entropy=True)
