@@ -15,7 +15,7 @@ busy processes, more torch threads than free cores makes step times swing by up 
 no more than the idle cores, and read the per-round columns, not only the medians.
 
 Same on both sides:
-  * model: one HF folder (default: the demo tiny Qwen2 recipe with 20 SFT steps, built once and cached
+  * model: one HF folder (default: the demo base model of `alignrl demo`, built once and cached
     under $ALIGNRL_CACHE; or --model PATH), loaded separately for each framework; fp32; each side has its
     own frozen reference copy of the same weights (KL coefficient --beta, default 0.001).
   * prompts: the same synthetic arithmetic problems, the same P prompts at step k on both sides
@@ -44,7 +44,7 @@ Remaining differences (inherent to the frameworks, part of what is measured):
   * generation: TRL calls `model.generate` (keeps finished rows in the batch until all stop); alignrl uses
     its own KV-cache sampler that drops finished rows. Completions are sampled, so their lengths differ
     run to run and side to side; the mean completion length of each side is printed to show the work done
-    was comparable. (The default model is barely trained, so most completions run to the limit.)
+    was comparable.
   * optimizer implementation: TRL uses the Trainer's default AdamW (`adamw_torch_fused` on torch >= 2.8),
     alignrl `torch.optim.AdamW(foreach=True)`; same hyper-parameters.
   * TRL's step also includes its Trainer bookkeeping (metric gathering, flops/token counting); the
@@ -76,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=8, help="completions per prompt (GRPO group size)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="completion length limit")
     p.add_argument("--model", type=str, default=None,
-                   help="HF model folder (default: demo tiny Qwen2 with 20 SFT steps, built once and cached)")
+                   help="HF model folder (default: the demo base model, built once and cached)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 keeps torch's default)")
     p.add_argument("--beta", type=float, default=0.001, help="KL coefficient (reference model on both sides)")
     p.add_argument("--lr", type=float, default=1e-5)
@@ -97,9 +97,9 @@ def prepare_model(args) -> Path:
         if not (path / "config.json").is_file():
             sys.exit(f"--model {args.model}: not a Hugging Face model folder (no config.json)")
         return path
-    from alignrl.models.tiny import TinyRecipe, ensure_demo_model
+    from alignrl.models.tiny import ensure_demo_model
 
-    return ensure_demo_model(TinyRecipe(sft_steps=20), log=lambda m: print(m, flush=True))
+    return ensure_demo_model(log=lambda m: print(m, flush=True))
 
 
 def alignrl_side(model_dir: Path, samples, args):
