@@ -100,3 +100,30 @@ def test_bad_input_gives_one_line_error(args, expected, tmp_path):
     assert proc.returncode == 2, err
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and expected in lines[0] and "Traceback" not in err, err
+
+
+def _gsm8k_file(tmp_path, n):
+    from alignrl.data import synthetic
+    from alignrl.data.loaders import write_gsm8k_jsonl
+
+    rows = [{"question": s.messages[-1]["content"], "answer": s.extra["answer"]}
+            for s in synthetic.generate("train", n, seed=9)]
+    path = tmp_path / "gsm8k.jsonl"
+    write_gsm8k_jsonl(rows, path)
+    return path
+
+
+def test_runs_on_a_gsm8k_file(tiny_model_dir, tmp_path):
+    data = _gsm8k_file(tmp_path, 12)
+    cfg = load_config(None, _overrides(tiny_model_dir, tmp_path, "file", 1, 0)
+                      + [f"data.train_files={data}", f"data.val_files={data}"])
+    summary = train_grpo(cfg)
+    assert summary["heldout_problems"] == 12 and summary["steps"] == 1
+
+
+def test_too_little_data_is_a_one_line_error(tiny_model_dir, tmp_path):
+    data = _gsm8k_file(tmp_path, 3)
+    proc = _cli("train", "grpo", *_overrides(tiny_model_dir, tmp_path, "small", 1, 0), f"data.train_files={data}")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "training data has 3 rows but data.train_batch_size=4" in err
+    assert len(err.strip().splitlines()) == 1

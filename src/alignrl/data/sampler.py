@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from alignrl.data.loaders import DataError
+
 
 class BatchSampler:
     def __init__(self, size: int, batch_size: int, seed: int, shuffle: bool = True):
         if size < batch_size:
-            raise ValueError(f"dataset has {size} rows but data.train_batch_size={batch_size}; "
+            raise DataError(f"training data has {size} rows but data.train_batch_size={batch_size}; "
                              "lower data.train_batch_size or add data")
         self.size, self.batch_size, self.seed, self.shuffle = size, batch_size, seed, shuffle
         self.epoch, self.offset = 0, 0
