@@ -1,8 +1,35 @@
-"""Advantage estimators: pure tensor functions, shapes in the docstrings."""
+"""Advantage estimators: pure tensor functions, shapes in the docstrings.
+
+Sequence-level estimators take `rewards (B,)` and `group (B,)` (long ids of the prompt each sample
+answers) and return `(B,)`; token-level ones take `token_rewards (B, T)` and a `mask (B, T)` (1 on
+tokens the policy generated) and return `(B, T)`, zero outside the mask. A sample alone in its group
+has no baseline and gets advantage 0.
+"""
 
 from __future__ import annotations
 
 import torch
+
+
+def _group_sums(x: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group sample count and sum of x (B,) -> ((G,), (G,)), G = max(group) + 1."""
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    count = torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, group, torch.ones_like(x))
+    total = torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, group, x)
+    return count, total
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked entries; any shape, `mask` of x's shape.
+
+    Mean and unbiased variance (n - 1) are taken over the masked entries only; entries outside the
+    mask come back 0. One masked entry (or all equal) gives 0, not NaN.
+    """
+    m = mask.to(x.dtype)
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp(min=1)
+    var = ((x - mean) ** 2 * m).sum() / (n - 1).clamp(min=1)
+    return (x - mean) * torch.rsqrt(var + eps) * m
 
 
 def grpo_advantages(rewards: torch.Tensor, group: torch.Tensor, norm_by_std: bool = True,
@@ -13,12 +40,9 @@ def grpo_advantages(rewards: torch.Tensor, group: torch.Tensor, norm_by_std: boo
     rewards (B,) float, group (B,) long ids -> advantages (B,). A = r - mean_group(r), divided by the
     unbiased group std when `norm_by_std`. A group of one sample has no baseline and gets 0.
     """
-    n_groups = int(group.max()) + 1 if group.numel() else 0
-    count = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, group, torch.ones_like(rewards))
-    total = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, group, rewards)
-    mean = total / count
-    centred = rewards - mean[group]
-    sq = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, group, centred**2)
+    count, total = _group_sums(rewards, group)
+    centred = rewards - (total / count)[group]
+    _, sq = _group_sums(centred**2, group)
     single = count[group] < 2
     if norm_by_std:
         std = (sq / (count - 1).clamp(min=1)).sqrt()
@@ -26,4 +50,102 @@ def grpo_advantages(rewards: torch.Tensor, group: torch.Tensor, norm_by_std: boo
     return centred.masked_fill(single, 0.0)
 
 
-ADVANTAGES = {"grpo": grpo_advantages}
+def rloo_advantages(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out (RLOO; Ahmadian et al. 2024, "Back to Basics: Revisiting
+    REINFORCE Style Optimization for Learning from Human Feedback in LLMs").
+
+    rewards (B,), group (B,) -> (B,). A_i = r_i - mean of the other samples of i's group
+    = n / (n - 1) * (r_i - mean_group). A group of one gets 0.
+    """
+    count, total = _group_sums(rewards, group)
+    n = count[group]
+    baseline = (total[group] - rewards) / (n - 1).clamp(min=1)
+    return (rewards - baseline).masked_fill(n < 2, 0.0)
+
+
+def _discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Return-to-go over the masked tokens only: masked-out tokens (tool output, padding) are
+    skipped, neither discounted nor adding their reward. (B, T) -> (B, T), 0 outside the mask."""
+    m = mask.to(token_rewards.dtype)
+    out = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):  # loop over time, vectorised over samples
+        running = m[:, t] * (token_rewards[:, t] + gamma * running) + (1 - m[:, t]) * running
+        out[:, t] = running
+    return out * m
+
+
+def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                            eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
+    Language Models"): discounted return-to-go, whitened over all masked tokens of the batch.
+
+    token_rewards (B, T) (an outcome reward sits on the last generated token; add a per-token KL
+    penalty with `kl.kl_penalty_rewards`), mask (B, T) -> advantages (B, T), 0 outside the mask.
+    Masked-out tokens inside a response are skipped by the return recursion; their rewards are ignored.
+    """
+    return masked_whiten(_discounted_returns(token_rewards, mask, gamma), mask, eps)
+
+
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group: torch.Tensor, mask: torch.Tensor,
+                                     eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (Hu 2025, "REINFORCE++", the `-baseline` variant):
+    r - mean_group(r) broadcast to every token, then whitened over the batch's masked tokens.
+
+    rewards (B,), group (B,), mask (B, T) -> advantages (B, T), 0 outside the mask. Samples alone in
+    their group get 0 and are left out of the whitening statistics.
+    """
+    count, total = _group_sums(rewards, group)
+    single = count[group] < 2
+    centred = (rewards - (total / count)[group]).masked_fill(single, 0.0)
+    keep = mask.to(rewards.dtype) * (~single).to(rewards.dtype)[:, None]
+    return masked_whiten(centred[:, None].expand_as(keep), keep, eps)
+
+
+def remax_advantages(rewards: torch.Tensor, group: torch.Tensor, baseline_rewards: torch.Tensor) -> torch.Tensor:
+    """ReMax (Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
+    Method for Aligning Large Language Models"): reward minus the reward of the greedy response.
+
+    rewards (B,), group (B,) prompt ids, baseline_rewards (G,) greedy-decoding reward per prompt
+    -> advantages (B,) = rewards - baseline_rewards[group].
+    """
+    return rewards - baseline_rewards.to(rewards.dtype)[group]
+
+
+def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                   lam: float = 1.0, whiten: bool = False, eps: float = 1e-8
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016, "High-Dimensional Continuous Control
+    Using Generalized Advantage Estimation").
+
+    token_rewards, values, mask (B, T) -> (advantages (B, T), returns (B, T)), both 0 outside the mask.
+    delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next; the value after the last
+    generated token is 0. Masked-out tokens (tool/observation tokens) are skipped: the recursion jumps
+    over them carrying the next value and the running advantage, and their rewards/values are unused.
+    returns = A + V (before whitening); `whiten` normalises the advantages over the mask (verl does).
+    """
+    m = mask.to(values.dtype)
+    adv = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    last_gae = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):  # loop over time, vectorised over samples
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        gae = delta + gamma * lam * last_gae
+        next_value = m[:, t] * values[:, t] + (1 - m[:, t]) * next_value
+        last_gae = m[:, t] * gae + (1 - m[:, t]) * last_gae
+        adv[:, t] = last_gae
+    adv = adv * m
+    returns = (adv + values) * m
+    if whiten:
+        adv = masked_whiten(adv, m, eps)
+    return adv, returns
+
+
+ADVANTAGES = {
+    "grpo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_plus_plus": reinforce_pp_advantages,
+    "reinforce_plus_plus_baseline": reinforce_pp_baseline_advantages,
+    "remax": remax_advantages,
+    "gae": gae_advantages,
+}

@@ -1,12 +1,23 @@
-"""Policy loss, KL estimators and loss aggregation: pure tensor functions.
+"""Policy losses, value loss and KL estimators: pure tensor functions.
 
 Shapes: B sequences, T response tokens; `mask` (B, T) is 1 on tokens that count.
-Every loss returns `(loss, metrics)` with metrics as plain floats.
+Every loss returns `(loss, metrics)` with metrics as plain floats, taken over this batch's tokens.
+
+Every policy loss shares the call `(logp, old_logp, advantages, mask, clip_low, clip_high,
+global_tokens)`, plus keywords: `loss_agg` (a LOSS_AGGREGATIONS key), `global_seqs` and `max_len`
+for the seq-* aggregations, and `is_weight` (B, T), a per-token importance weight (e.g. truncated
+IS against the rollout engine, see `rollout_correction`) that multiplies the per-token loss.
 """
 
 from __future__ import annotations
 
 import torch
+
+from alignrl.core.aggregation import LOSS_AGGREGATIONS, aggregate_loss, token_mean
+
+__all__ = ["MAX_LOG_RATIO", "masked_mean", "kl_k1", "kl_k2", "kl_k3", "kl_abs", "KL_ESTIMATORS", "token_mean",
+           "LOSS_AGGREGATIONS", "aggregate_loss", "ppo_clip_loss", "gspo_loss", "cispo_loss", "POLICY_LOSSES",
+           "value_loss"]
 
 MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: large enough never to bind in practice, small enough to stay finite
 
@@ -31,45 +42,151 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return d.exp() - d - 1
 
 
-KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "kl": kl_k1, "mse": kl_k2, "low_var_kl": kl_k3}
+def kl_abs(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """|log p - log q| (verl's 'abs' KL penalty; Schulman 2020 for the k1 it is the magnitude of)."""
+    return (logp - ref_logp).abs()
 
 
-def token_mean(loss: torch.Tensor, mask: torch.Tensor, global_tokens: float | None = None) -> torch.Tensor:
-    """Sum of masked token losses over `global_tokens` (default: this batch's token count).
-
-    Passing the token count of the whole mini-batch makes micro-batch losses add up to exactly the
-    mini-batch loss, however the mini-batch is split (DAPO, Yu et al. 2025, token-level loss).
-    """
-    denom = mask.sum() if global_tokens is None else torch.as_tensor(global_tokens, dtype=loss.dtype)
-    return (loss * mask).sum() / denom.clamp(min=1)
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "abs": kl_abs,
+                 "kl": kl_k1, "mse": kl_k2, "low_var_kl": kl_k3}
 
 
-LOSS_AGGREGATIONS = {"token-mean": token_mean}
+def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return advantages[:, None].expand_as(like) if advantages.dim() == 1 else advantages
+
+
+def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor
+                   ) -> dict[str, float]:
+    with torch.no_grad():
+        m = mask.bool()
+        if not m.any():
+            return {"actor/clipfrac": 0.0, "actor/ratio_mean": 1.0, "actor/approx_kl": 0.0}
+        return {
+            "actor/clipfrac": float(clipped[m].float().mean()),
+            "actor/ratio_mean": float(ratio[m].mean()),
+            "actor/approx_kl": float((0.5 * log_ratio**2)[m].mean()),
+        }
+
+
+def _finish(per_token: torch.Tensor, mask: torch.Tensor, is_weight: torch.Tensor | None, loss_agg: str,
+            global_tokens: float | None, global_seqs: float | None, max_len: float | None) -> torch.Tensor:
+    if is_weight is not None:
+        per_token = per_token * is_weight.detach()  # a correction constant, never a path for gradients
+    return aggregate_loss(per_token, mask, loss_agg, global_tokens, global_seqs, max_len)
 
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                  clip_low: float = 0.2, clip_high: float = 0.2, global_tokens: float | None = None
+                  clip_low: float = 0.2, clip_high: float = 0.2, global_tokens: float | None = None, *,
+                  clip_c: float | None = None, is_weight: torch.Tensor | None = None,
+                  loss_agg: str = "token-mean", global_seqs: float | None = None, max_len: float | None = None
                   ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (Schulman et al. 2017) with separate low/high bounds (DAPO clip-higher).
 
     logp, old_logp (B, T); advantages (B, T) or (B,) broadcast per token; mask (B, T).
+    `clip_c` (> 1) adds the dual clip of Ye et al. 2020 ("Mastering Complex Control in MOBA Games
+    with Deep Reinforcement Learning"): for A < 0 the per-token loss is capped at -A * clip_c, so a
+    huge ratio on a bad token cannot blow the loss up. `is_weight` (B, T) multiplies the per-token loss.
     """
-    if advantages.dim() == 1:
-        advantages = advantages[:, None].expand_as(logp)
+    advantages = _per_token(advantages, logp)
     log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    loss = token_mean(per_token, mask, global_tokens)
-    with torch.no_grad():
+    metrics = _ratio_metrics(log_ratio, ratio, clipped > unclipped, mask)
+    if clip_c is not None:
+        if clip_c <= 1.0:
+            raise ValueError(f"dual-clip constant clip_c must be > 1, got {clip_c}")
+        cap = -advantages * clip_c
+        dual = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(dual, cap, per_token)
         m = mask.bool()
-        metrics = {
-            "actor/clipfrac": float((clipped > unclipped)[m].float().mean()) if m.any() else 0.0,
-            "actor/ratio_mean": float(ratio[m].mean()) if m.any() else 1.0,
-            "actor/approx_kl": float((0.5 * log_ratio**2)[m].mean()) if m.any() else 0.0,
-        }
+        metrics["actor/dualclip_frac"] = float(dual[m].float().mean()) if m.any() else 0.0
+    loss = _finish(per_token, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len)
     return loss, metrics
 
 
-POLICY_LOSSES = {"ppo_clip": ppo_clip_loss}
+def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              clip_low: float = 3e-4, clip_high: float = 4e-4, global_tokens: float | None = None, *,
+              is_weight: torch.Tensor | None = None, loss_agg: str = "seq-mean-token-mean",
+              global_seqs: float | None = None, max_len: float | None = None
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Group Sequence Policy Optimization (Zheng et al. 2025, "Group Sequence Policy Optimization"),
+    in its GSPO-token form.
+
+    logp, old_logp (B, T); advantages (B, T) or (B,); mask (B, T). The ratio is sequence-level,
+    s_i = exp(mean_t log(pi/pi_old)) (length-normalised), clipped to [1 - clip_low, 1 + clip_high]
+    (the paper's 3e-4 / 4e-4 by default). Per token s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]: equal
+    to s_i in value, with gradient s_i * grad log pi(y_t), so with the paper's seq-mean-token-mean
+    aggregation and a sequence advantage the gradient is exactly GSPO's.
+    """
+    advantages = _per_token(advantages, logp)
+    m = mask.to(logp.dtype)
+    token_lr = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    seq_lr = (token_lr * m).sum(-1) / m.sum(-1).clamp(min=1)
+    # the clamp acts on the stop-gradient part only, so a clamped sequence keeps its token gradients
+    log_ratio = seq_lr.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)[:, None] + (logp - logp.detach())
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    metrics = _ratio_metrics(token_lr, ratio, clipped > unclipped, mask)
+    loss = _finish(per_token, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len)
+    return loss, metrics
+
+
+def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+               clip_low: float = 1.0, clip_high: float = 0.28, global_tokens: float | None = None, *,
+               is_weight: torch.Tensor | None = None, loss_agg: str = "token-mean",
+               global_seqs: float | None = None, max_len: float | None = None
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped IS-weight Policy Optimization (CISPO; MiniMax 2025, "MiniMax-M1: Scaling Test-Time
+    Compute Efficiently with Lightning Attention").
+
+    logp, old_logp (B, T); advantages (B, T) or (B,); mask (B, T). Per token
+    -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * log pi: the IS weight is clipped, not the
+    update, so clipped tokens still get a gradient (weighted by the clipped ratio). MiniMax put no
+    lower bound on the weight: clip_low >= 1 by default. The loss value is not a surrogate value;
+    only its gradient sg[w] * A * grad log pi is meaningful.
+    """
+    advantages = _per_token(advantages, logp)
+    log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(max(0.0, 1 - clip_low), 1 + clip_high).detach()
+    per_token = -weight * advantages * logp
+    metrics = _ratio_metrics(log_ratio, ratio, weight != ratio.detach(), mask)
+    loss = _finish(per_token, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len)
+    return loss, metrics
+
+
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip_range: float | None = 0.2, global_tokens: float | None = None, *, loss_agg: str = "token-mean",
+               global_seqs: float | None = None, max_len: float | None = None
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss of PPO (Schulman et al. 2017; the clipping as in OpenAI baselines):
+    0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2). `clip_range=None` drops the clip.
+
+    values, old_values, returns, mask (B, T) -> (loss, metrics: critic/vf_loss, critic/vf_clipfrac,
+    critic/vpred_mean).
+    """
+    unclipped = (values - returns) ** 2
+    if clip_range is None:
+        per_token, clip_active = unclipped, torch.zeros_like(mask, dtype=torch.bool)
+    else:
+        v_clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
+        clipped = (v_clipped - returns) ** 2
+        per_token, clip_active = torch.maximum(unclipped, clipped), clipped > unclipped
+    per_token = 0.5 * per_token
+    loss = aggregate_loss(per_token, mask, loss_agg, global_tokens, global_seqs, max_len)
+    with torch.no_grad():
+        m = mask.bool()
+        any_ = bool(m.any())
+        metrics = {
+            "critic/vf_loss": float(per_token[m].mean()) if any_ else 0.0,
+            "critic/vf_clipfrac": float(clip_active[m].float().mean()) if any_ else 0.0,
+            "critic/vpred_mean": float(values[m].mean()) if any_ else 0.0,
+        }
+    return loss, metrics

@@ -8,28 +8,27 @@ from __future__ import annotations
 
 import torch
 
+from alignrl.core.entropy import entropy_from_logits
 from alignrl.data.collate import position_ids
 
 
-def _chunked_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool,
-                              chunk_rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits (N, V), targets (N,) -> logprob (N,), entropy (N,) or None."""
-    lps, ents = [], []
+def _chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
+    """logits (N, V), targets (N,) -> log-prob of each target (N,), `chunk_rows` rows upcast at a time."""
+    parts = []
     for start in range(0, logits.shape[0], chunk_rows):
-        lg = logits[start:start + chunk_rows].float()
-        logp = torch.log_softmax(lg, dim=-1)
-        lps.append(logp.gather(-1, targets[start:start + chunk_rows, None]).squeeze(-1))
-        if with_entropy:
-            ents.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+        logp = torch.log_softmax(logits[start:start + chunk_rows].float(), dim=-1)
+        parts.append(logp.gather(-1, targets[start:start + chunk_rows, None]).squeeze(-1))
+    return torch.cat(parts)
 
 
 def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                       response_mask: torch.Tensor, temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False, entropy_grad: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, R) of `response_ids` given left-padded prompts; entropy (B, R) if asked.
 
-    Logits are divided by `temperature` so the values match what the sampler drew from.
+    Logits are divided by `temperature` so the values match what the sampler drew from. The entropy
+    carries a gradient only with `entropy_grad` (an entropy bonus); as a metric it costs no graph.
     """
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, response_mask], 1)
@@ -40,6 +39,9 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     if temperature != 1.0:
         logits = logits / temperature
     b, _, v = logits.shape
-    lp, ent = _chunked_logprobs_entropy(logits.reshape(b * r, v), response_ids.reshape(-1), with_entropy)
-    lp = lp.view(b, r) * response_mask
-    return lp, (ent.view(b, r) * response_mask if ent is not None else None)
+    lp = _chunked_logprobs(logits.reshape(b * r, v), response_ids.reshape(-1)).view(b, r) * response_mask
+    if not with_entropy:
+        return lp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        ent = entropy_from_logits(logits)
+    return lp, ent * response_mask

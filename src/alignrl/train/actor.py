@@ -73,7 +73,8 @@ class Actor:
                     micro = exp.select(rows)
                     logp, ent = response_logprobs(self.model, micro.prompt_ids, micro.prompt_mask,
                                                   micro.response_ids, micro.response_mask,
-                                                  spec.temperature, with_entropy=True)
+                                                  spec.temperature, with_entropy=True,
+                                                  entropy_grad=spec.entropy_coeff > 0)
                     loss, m = policy_loss(logp, ent, micro, spec, tokens)
                     loss.backward()
                     share = float(micro.response_mask.sum()) / max(tokens, 1.0)

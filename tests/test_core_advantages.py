@@ -1,0 +1,198 @@
+"""Advantage estimators: hand-worked values, loop-vs-vectorised equivalence, groups of one."""
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from alignrl.core.advantages import (ADVANTAGES, gae_advantages, grpo_advantages, masked_whiten,
+                                     reinforce_pp_advantages, reinforce_pp_baseline_advantages, remax_advantages,
+                                     rloo_advantages)
+
+
+def _random_groups(seed: int):
+    # unequal group sizes including a group of one, ids shuffled so groups are not contiguous
+    g = torch.Generator().manual_seed(seed)
+    sizes = [4, 1, 3, 2, 5, 1, 2]
+    group = torch.cat([torch.full((n,), k) for k, n in enumerate(sizes)])
+    perm = torch.randperm(len(group), generator=g)
+    return torch.rand(len(group), generator=g, dtype=torch.float64), group[perm]
+
+
+def test_registry_keys():
+    assert set(ADVANTAGES) == {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gae"}
+    assert ADVANTAGES["grpo"] is grpo_advantages
+
+
+# ---------------------------------------------------------------- masked_whiten
+
+def test_masked_whiten_hand_worked():
+    # masked entries 1, 2, 3: mean 2, unbiased var ((1 + 0 + 1) / 2) = 1 -> -1, 0, 1; the unmasked 100 -> 0
+    x = torch.tensor([1.0, 2.0, 3.0, 100.0])
+    out = masked_whiten(x, torch.tensor([1, 1, 1, 0]), eps=0.0)
+    assert torch.allclose(out, torch.tensor([-1.0, 0.0, 1.0, 0.0]))
+
+
+def test_masked_whiten_single_entry_or_constant_is_zero_not_nan():
+    assert torch.equal(masked_whiten(torch.tensor([5.0, 7.0]), torch.tensor([1, 0])), torch.zeros(2))
+    assert torch.equal(masked_whiten(torch.full((2, 3), 4.0), torch.ones(2, 3)), torch.zeros(2, 3))
+    assert torch.equal(masked_whiten(torch.ones(2, 2), torch.zeros(2, 2)), torch.zeros(2, 2))
+
+
+# ---------------------------------------------------------------- GAE
+
+def test_gae_gamma1_lam1_skips_masked_middle_token():
+    # tokens 0 and 2 generated, token 1 a tool token (reward 7 and value 9 must be ignored).
+    # t=2: delta = 1 + 1*0 - 0.2 = 0.8 -> A2 = 0.8; next value becomes V2 = 0.2
+    # t=1: masked, carry A = 0.8 and next value 0.2
+    # t=0: delta = 0 + 1*0.2 - 0.5 = -0.3 -> A0 = -0.3 + 1*1*0.8 = 0.5
+    # returns = A + V: 0.5 + 0.5 = 1.0, 0.8 + 0.2 = 1.0; masked token -> 0
+    r, v, m = torch.tensor([[0.0, 7.0, 1.0]]), torch.tensor([[0.5, 9.0, 0.2]]), torch.tensor([[1.0, 0.0, 1.0]])
+    adv, ret = gae_advantages(r, v, m, gamma=1.0, lam=1.0)
+    assert torch.allclose(adv, torch.tensor([[0.5, 0.0, 0.8]]))
+    assert torch.allclose(ret, torch.tensor([[1.0, 0.0, 1.0]]))
+
+
+def test_gae_gamma_half_lam_half_skips_masked_middle_token():
+    # t=2: delta = 1 + 0.5*0 - 0.2 = 0.8 -> A2 = 0.8
+    # t=0: delta = 0 + 0.5*0.2 - 0.5 = -0.4 -> A0 = -0.4 + 0.5*0.5*0.8 = -0.2
+    # returns: -0.2 + 0.5 = 0.3 and 0.8 + 0.2 = 1.0
+    r, v, m = torch.tensor([[0.0, 7.0, 1.0]]), torch.tensor([[0.5, 9.0, 0.2]]), torch.tensor([[1.0, 0.0, 1.0]])
+    adv, ret = gae_advantages(r, v, m, gamma=0.5, lam=0.5)
+    assert torch.allclose(adv, torch.tensor([[-0.2, 0.0, 0.8]]))
+    assert torch.allclose(ret, torch.tensor([[0.3, 0.0, 1.0]]))
+
+
+def test_gae_masked_tokens_equal_removing_them():
+    # a response with tool tokens interleaved must give the same advantages as the response with
+    # those tokens cut out (per-row loop reference on the compacted row)
+    torch.manual_seed(0)
+    B, T, gamma, lam = 5, 9, 0.9, 0.8
+    r, v = torch.randn(B, T, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    m = (torch.rand(B, T) > 0.35).double()
+    adv, ret = gae_advantages(r, v, m, gamma, lam)
+    for i in range(B):
+        keep = m[i].bool()
+        rr, vv = r[i, keep].tolist(), v[i, keep].tolist()
+        expect, last = [0.0] * len(rr), 0.0
+        for t in reversed(range(len(rr))):
+            nv = vv[t + 1] if t + 1 < len(rr) else 0.0
+            last = rr[t] + gamma * nv - vv[t] + gamma * lam * last
+            expect[t] = last
+        assert torch.allclose(adv[i, keep], torch.tensor(expect, dtype=torch.float64))
+        assert torch.allclose(ret[i, keep], torch.tensor(expect, dtype=torch.float64) + v[i, keep])
+        assert torch.all(adv[i, ~keep] == 0) and torch.all(ret[i, ~keep] == 0)
+
+
+def test_gae_whiten_keeps_returns():
+    torch.manual_seed(1)
+    r, v, m = torch.randn(3, 4), torch.randn(3, 4), (torch.rand(3, 4) > 0.3).float()
+    adv, ret = gae_advantages(r, v, m, 0.99, 0.95)
+    adv_w, ret_w = gae_advantages(r, v, m, 0.99, 0.95, whiten=True)
+    assert torch.allclose(ret, ret_w) and torch.allclose(adv_w, masked_whiten(adv, m))
+
+
+# ---------------------------------------------------------------- RLOO
+
+def test_rloo_hand_worked():
+    # group 0 = (1, 0, 0.5): baselines are means of the other two: 0.25, 0.75, 0.5
+    #   -> 1 - 0.25 = 0.75, 0 - 0.75 = -0.75, 0.5 - 0.5 = 0
+    # group 1 = (3,): alone -> 0
+    adv = rloo_advantages(torch.tensor([1.0, 0.0, 0.5, 3.0]), torch.tensor([0, 0, 0, 1]))
+    assert torch.allclose(adv, torch.tensor([0.75, -0.75, 0.0, 0.0]))
+
+
+def test_rloo_vectorised_matches_loop():
+    r, g = _random_groups(0)
+    adv = ADVANTAGES["rloo"](r, g)
+    for i in range(len(r)):
+        others = [r[j].item() for j in range(len(r)) if g[j] == g[i] and j != i]
+        expect = r[i].item() - sum(others) / len(others) if others else 0.0
+        assert adv[i].item() == pytest.approx(expect, abs=1e-12)
+
+
+# ---------------------------------------------------------------- GRPO (loop equivalence with uneven groups)
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_grpo_vectorised_matches_loop_uneven_groups(norm_by_std):
+    r, g = _random_groups(1)
+    adv = grpo_advantages(r, g, norm_by_std=norm_by_std)
+    for i in range(len(r)):
+        xs = [r[j].item() for j in range(len(r)) if g[j] == g[i]]
+        if len(xs) < 2:
+            expect = 0.0
+        else:
+            expect = r[i].item() - statistics.mean(xs)
+            if norm_by_std:
+                expect /= statistics.stdev(xs) + 1e-6
+        assert adv[i].item() == pytest.approx(expect, abs=1e-9)
+
+
+# ---------------------------------------------------------------- REINFORCE++
+
+def test_reinforce_pp_hand_worked():
+    # gamma 0.5. Row 0 = (0, [masked, reward 5 ignored], 1): returns t2 = 1, t0 = 0 + 0.5*1 = 0.5
+    # Row 1 = (0, 0, -1): returns -1, -0.5, -0.25 at t2, t1, t0
+    # masked returns 0.5, 1, -0.25, -0.5, -1: mean -0.05, unbiased var
+    #   (0.55^2 + 1.05^2 + 0.2^2 + 0.45^2 + 0.95^2) / 4 = 2.55 / 4 = 0.6375
+    r = torch.tensor([[0.0, 5.0, 1.0], [0.0, 0.0, -1.0]], dtype=torch.float64)
+    m = torch.tensor([[1, 0, 1], [1, 1, 1]])
+    adv = reinforce_pp_advantages(r, m, gamma=0.5, eps=0.0)
+    sd = math.sqrt(0.6375)
+    expect = torch.tensor([[0.55 / sd, 0.0, 1.05 / sd], [-0.2 / sd, -0.45 / sd, -0.95 / sd]], dtype=torch.float64)
+    assert torch.allclose(adv, expect)
+
+
+def test_reinforce_pp_baseline_hand_worked():
+    # groups (1, 0), (3, 1), (5,): centred 0.5, -0.5 | 1, -1 | alone -> 0 and left out of the statistics
+    # token lengths 2, 1, 1, 2, 3 -> token values 0.5, 0.5, -0.5, 1, -1, -1
+    # mean -1/12, unbiased var sum((x + 1/12)^2) / 5 = 3.708333 / 5 = 0.7416667
+    r = torch.tensor([1.0, 0.0, 3.0, 1.0, 5.0], dtype=torch.float64)
+    g = torch.tensor([0, 0, 1, 1, 2])
+    m = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1]])
+    adv = reinforce_pp_baseline_advantages(r, g, m, eps=0.0)
+    mean, sd = -1 / 12, math.sqrt(3.708333333333333 / 5)
+    row = torch.tensor([0.5, -0.5, 1.0, -1.0, 0.0], dtype=torch.float64)
+    expect = ((row[:, None] - mean) / sd) * m * torch.tensor([1, 1, 1, 1, 0])[:, None]
+    assert torch.allclose(adv, expect.double())
+
+
+def test_reinforce_pp_baseline_vectorised_matches_loop():
+    r, g = _random_groups(2)
+    gen = torch.Generator().manual_seed(3)
+    m = (torch.rand(len(r), 6, generator=gen) > 0.3).long()
+    m[:, 0] = 1
+    adv = ADVANTAGES["reinforce_plus_plus_baseline"](r, g, m, eps=0.0)
+    centred = {}
+    for i in range(len(r)):
+        xs = [r[j].item() for j in range(len(r)) if g[j] == g[i]]
+        centred[i] = r[i].item() - statistics.mean(xs) if len(xs) > 1 else None
+    tokens = [centred[i] for i in range(len(r)) if centred[i] is not None for _ in range(int(m[i].sum()))]
+    mu, sd = statistics.mean(tokens), statistics.stdev(tokens)
+    for i in range(len(r)):
+        for t in range(m.shape[1]):
+            expect = 0.0 if centred[i] is None or not m[i, t] else (centred[i] - mu) / sd
+            assert adv[i, t].item() == pytest.approx(expect, abs=1e-9)
+
+
+# ---------------------------------------------------------------- ReMax
+
+def test_remax_hand_worked():
+    # prompt 0 greedy reward 0.5: 1 - 0.5, 0 - 0.5; prompt 1 greedy reward 1: 1 - 1
+    adv = remax_advantages(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 0, 1]), torch.tensor([0.5, 1.0]))
+    assert torch.allclose(adv, torch.tensor([0.5, -0.5, 0.0]))
+
+
+# ---------------------------------------------------------------- groups of one
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_group_of_one_is_zero_not_nan(name):
+    r = torch.tensor([5.0, 1.0, 0.0, -2.0])
+    g = torch.tensor([0, 1, 1, 2])  # samples 0 and 3 alone
+    args = (r, g, torch.ones(4, 3)) if name == "reinforce_plus_plus_baseline" else (r, g)
+    adv = ADVANTAGES[name](*args)
+    assert torch.isfinite(adv).all()
+    assert torch.all(adv[0] == 0) and torch.all(adv[3] == 0)
+    only_singles = ADVANTAGES[name](*((r[:1], g[:1]) + ((torch.ones(1, 3),) if len(args) == 3 else ())))
+    assert torch.isfinite(only_singles).all() and torch.all(only_singles == 0)
