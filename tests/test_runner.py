@@ -1,6 +1,7 @@
 """End-to-end GRPO runs on a tiny random model: outputs, resume after a kill, CLI errors."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -127,3 +128,24 @@ def test_too_little_data_is_a_one_line_error(tiny_model_dir, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "training data has 3 rows but data.train_batch_size=4" in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_other_estimators_run_a_step(estimator, tiny_model_dir, tmp_path):
+    from alignrl.algos.grpo import OUTCOME_ESTIMATORS
+    from alignrl.config import AlgorithmConfig
+
+    assert set(OUTCOME_ESTIMATORS) == set(dict(AlgorithmConfig.__dataclass_fields__)["adv_estimator"].metadata["choices"])
+    cfg = load_config(None, _overrides(tiny_model_dir, tmp_path, estimator, 1, 0)
+                      + [f"algorithm.adv_estimator={estimator}"])
+    assert train_grpo(cfg)["steps"] == 1
+    row = [json.loads(x) for x in (tmp_path / estimator / "logs" / "metrics.jsonl").read_text().splitlines()][1]
+    assert all(math.isfinite(row[k]) for k in ("actor/grad_norm", "actor/clipfrac", "reward/mean"))
+
+
+def test_outcome_token_rewards_sit_on_the_last_token():
+    from alignrl.algos.grpo import outcome_token_rewards
+
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]]).float()
+    out = outcome_token_rewards(torch.tensor([2.0, -1.0, 0.5]), mask)
+    assert out.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, -1.0], [0.5, 0.0, 0.0]]

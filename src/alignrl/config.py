@@ -86,7 +86,9 @@ class ActorConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    adv_estimator: str = opt("grpo", "advantage estimator", choices=("grpo",))
+    adv_estimator: str = opt("grpo", "advantage estimator: grpo (GRPO/Dr.GRPO), rloo (leave-one-out), "
+                                     "reinforce_plus_plus (whitened returns), reinforce_plus_plus_baseline",
+                             choices=("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"))
     norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false gives Dr.GRPO")
     reward_fn: str | None = opt(None, "custom reward 'path/to/file.py:function' (verl compute_score signature)")
     format_reward_weight: float = opt(0.0, "weight of the '#### N' format reward added to correctness", ge=0.0)

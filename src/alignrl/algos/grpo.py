@@ -34,6 +34,22 @@ class Scored:
     correct: torch.Tensor  # (B,) bool, full correctness reward earned
 
 
+def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sequence rewards (B,) placed on each response's last real token -> (B, R)."""
+    last = (mask.long().cumsum(-1) == mask.sum(-1, keepdim=True)) & mask.bool()
+    return last.to(rewards.dtype) * rewards[:, None]
+
+
+# How each critic-free estimator is fed from one step's outcome rewards: (rewards (B,), group (B,),
+# response mask (B, R), algorithm config) -> advantages (B,) or (B, R).
+OUTCOME_ESTIMATORS = {
+    "grpo": lambda r, g, m, a: ADVANTAGES["grpo"](r, g, norm_by_std=a.norm_adv_by_std_in_grpo),
+    "rloo": lambda r, g, m, a: ADVANTAGES["rloo"](r, g),
+    "reinforce_plus_plus": lambda r, g, m, a: ADVANTAGES["reinforce_plus_plus"](outcome_token_rewards(r, m), m),
+    "reinforce_plus_plus_baseline": lambda r, g, m, a: ADVANTAGES["reinforce_plus_plus_baseline"](r, g, m),
+}
+
+
 @contextmanager
 def _timed(timings: dict[str, float], name: str):
     t0 = time.perf_counter()
@@ -101,8 +117,8 @@ class GRPOStep:
         with _timed(t, "old_logprob"):
             old_lp = (batched_logprobs(self.actor.model, ro, cfg.rollout.temperature, micro)
                       if cfg.actor.recompute_old_logprobs else ro.logprobs)
-        adv = ADVANTAGES[cfg.algorithm.adv_estimator](scored.rewards, ro.group,
-                                                      norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
+        adv = OUTCOME_ESTIMATORS[cfg.algorithm.adv_estimator](scored.rewards, ro.group, ro.response_mask.float(),
+                                                              cfg.algorithm)
         exp = Experience(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, old_lp, ref_lp, adv)
         with _timed(t, "train"):
             gen = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + step)
