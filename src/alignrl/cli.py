@@ -18,7 +18,10 @@ from pathlib import Path
 from alignrl.config import ConfigError, load_config
 
 EXAMPLES = Path(__file__).parent / "examples"
-ALGORITHMS = {"grpo": "GRPO / Dr.GRPO: group-relative policy optimisation"}
+# Both run the one RL loop; `ppo` (verl's main_ppo) takes any algorithm.adv_estimator from the config,
+# `grpo` is the same loop under the name GRPO users type (its default estimator is grpo).
+ALGORITHMS = {"grpo": "GRPO / Dr.GRPO: group-relative policy optimisation",
+              "ppo": "the RL loop with any algorithm.adv_estimator (grpo, rloo, reinforce_plus_plus, ...)"}
 
 
 def _user_errors() -> tuple[type[Exception], ...]:

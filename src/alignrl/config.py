@@ -92,6 +92,24 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false gives Dr.GRPO")
     reward_fn: str | None = opt(None, "custom reward 'path/to/file.py:function' (verl compute_score signature)")
     format_reward_weight: float = opt(0.0, "weight of the '#### N' format reward added to correctness", ge=0.0)
+    dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: drop groups whose rewards are all equal (zero "
+                                        "advantage) and generate more prompts until data.train_batch_size groups "
+                                        "remain (verl's algorithm.filter_groups.enable)")
+    max_gen_rounds: int = opt(3, "dynamic sampling: extra generation rounds per step at most; if still short, "
+                                 "train on the groups kept (verl's max_num_gen_batches, minus the first)", ge=0)
+    overlong_buffer_len: int = opt(0, "DAPO soft overlong punishment: the last N tokens before "
+                                      "rollout.max_new_tokens cost a reward falling linearly to "
+                                      "-overlong_penalty_factor; 0 disables", ge=0)
+    overlong_penalty_factor: float = opt(1.0, "reward penalty of a response of rollout.max_new_tokens tokens",
+                                         ge=0.0)
+    mask_truncated: bool = opt(False, "responses that hit rollout.max_new_tokens get no gradient (DAPO overlong "
+                                      "filtering); they still count in the reward and length metrics")
+    rollout_is: str = opt("none", "truncated importance sampling against the rollout engine's log-probs: "
+                                  "one weight per token or per sequence (needs actor.recompute_old_logprobs)",
+                          choices=("none", "token", "sequence"))
+    rollout_is_threshold: float = opt(2.0, "rollout IS weights above this are truncated or masked", gt=0.0)
+    rollout_is_mode: str = opt("truncate", "truncate: min(w, threshold) (TIS); mask: weights above the "
+                                           "threshold become 0", choices=("truncate", "mask"))
 
 
 @dataclass(frozen=True)
@@ -149,6 +167,13 @@ def _check_combinations(cfg: RunConfig) -> None:
     if (mini * cfg.rollout.n) % min(cfg.actor.ppo_micro_batch_size, mini * cfg.rollout.n):
         raise ConfigError(f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size} must divide "
                           f"actor.ppo_mini_batch_size × rollout.n = {mini * cfg.rollout.n} sequences")
+    alg = cfg.algorithm
+    if alg.overlong_buffer_len > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong_buffer_len={alg.overlong_buffer_len} must be <= "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+    if alg.rollout_is != "none" and not cfg.actor.recompute_old_logprobs:
+        raise ConfigError(f"algorithm.rollout_is={alg.rollout_is} needs actor.recompute_old_logprobs=true: "
+                          "without it the trainer's old log-probs are the rollout's and every weight is 1")
     unknown = set(cfg.trainer.logger) - {"console", "jsonl", "tensorboard"}
     if unknown:
         raise ConfigError(f"trainer.logger has unknown sink(s) {sorted(unknown)}; allowed: console, jsonl, tensorboard")

@@ -10,22 +10,32 @@ same step runs whichever implementation a placement plugs in.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from alignrl.algos.rollout_ops import concat_rollouts, group_rows, mixed_reward_groups, select_groups
 from alignrl.config import RunConfig
 from alignrl.core.advantages import ADVANTAGES
 from alignrl.core.losses import masked_mean
+from alignrl.core.rollout_correction import truncated_is_weights
+from alignrl.core.shaping import overlong_penalty
 from alignrl.data.collate import length_sorted_chunks, padding_bounds
 from alignrl.data.records import Experience, Rollout, Sample
 from alignrl.models.logprobs import response_logprobs
 from alignrl.rollout.hf_engine import SamplingParams
 from alignrl.train.actor import Actor, PolicyLossSpec
+from alignrl.utils.tracking import console
 
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+# Fraction of tokens (or sequences) whose rollout IS weight exceeded the threshold, named by what was done to it.
+IS_OVER_THRESHOLD_KEY = {"truncate": "rollout/is_truncated_frac", "mask": "rollout/is_masked_frac"}
+
+# Dynamic sampling's source of extra prompts: () -> (samples, prompt token ids), a fresh batch per call.
+MorePrompts = Callable[[], tuple[Sequence[Sample], Sequence[Sequence[int]]]]
 
 
 @dataclass
@@ -54,7 +64,8 @@ OUTCOME_ESTIMATORS = {
 def _timed(timings: dict[str, float], name: str):
     t0 = time.perf_counter()
     yield
-    timings[f"timing/{name}"] = time.perf_counter() - t0
+    key = f"timing/{name}"  # accumulates: dynamic sampling generates and scores several times a step
+    timings[key] = timings.get(key, 0.0) + (time.perf_counter() - t0)
 
 
 @torch.no_grad()
@@ -86,13 +97,16 @@ class GRPOStep:
                                    kl_type=KL_ALIASES.get(a.kl_loss_type, a.kl_loss_type),
                                    entropy_coeff=a.entropy_coeff, temperature=cfg.rollout.temperature)
 
-    def sampling_params(self, step: int) -> SamplingParams:
+    def sampling_params(self, step: int, gen_round: int = 0) -> SamplingParams:
+        """Round 0 is the step's first generation; dynamic sampling's extra rounds get their own seeds
+        (offset far past any step count), so a resumed run draws the same samples."""
         r = self.cfg.rollout
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop=tuple(r.stop),
-                              seed=self.cfg.trainer.seed * 1_000_003 + step)
+                              seed=self.cfg.trainer.seed * 1_000_003 + step + gen_round * 1_000_000_007)
 
     def score(self, ro: Rollout, samples: Sequence[Sample]) -> Scored:
+        """Task rewards plus the overlong penalty when configured; correctness is never shaped."""
         ids = ro.response_ids.masked_fill(~ro.response_mask, self.tokenizer.pad_token_id)
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         rows = [samples[g] for g in ro.group.tolist()]
@@ -101,9 +115,65 @@ class GRPOStep:
             correct = [r >= 1.0 for r in rewards]
         else:
             correct = [self.correct_fn(s.data_source, t, s.ground_truth, s.extra) >= 1.0 for s, t in zip(rows, texts)]
-        return Scored(torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct))
+        out = torch.tensor(rewards, dtype=torch.float32)
+        a = self.cfg.algorithm
+        if a.overlong_buffer_len:
+            out = out + overlong_penalty(ro.response_lengths, self.cfg.rollout.max_new_tokens,
+                                         a.overlong_buffer_len, a.overlong_penalty_factor)
+        return Scored(out, torch.tensor(correct))
 
-    def run(self, step: int, samples: Sequence[Sample], prompts: Sequence[Sequence[int]]) -> dict[str, float]:
+    def dynamic_sample(self, step: int, ro: Rollout, scored: Scored, more_prompts: MorePrompts | None,
+                       timings: dict[str, float]) -> tuple[Rollout, Scored, dict[str, float]]:
+        """DAPO dynamic sampling (Yu et al. 2025): keep the groups whose rewards differ, generate and
+        score more prompts (up to algorithm.max_gen_rounds extra rounds, only if `more_prompts` is
+        given) until data.train_batch_size groups are kept, then keep exactly that many (the earliest)
+        or, still short, all of them."""
+        want, pad = self.cfg.data.train_batch_size, self.tokenizer.pad_token_id
+        ro, scored = _keep_groups(ro, scored, mixed_reward_groups(scored.rewards, ro.group))
+        rounds = 1
+        while (_n_groups(ro) < want and rounds <= self.cfg.algorithm.max_gen_rounds
+               and more_prompts is not None):
+            samples, prompts = more_prompts()
+            with _timed(timings, "gen"):
+                new = self.engine.generate(prompts, self.sampling_params(step, rounds))
+            with _timed(timings, "reward"):
+                new_scored = self.score(new, samples)
+            new, new_scored = _keep_groups(new, new_scored, mixed_reward_groups(new_scored.rewards, new.group))
+            ro = concat_rollouts(ro, new, pad)
+            scored = Scored(torch.cat([scored.rewards, new_scored.rewards]),
+                            torch.cat([scored.correct, new_scored.correct]))
+            rounds += 1
+        kept = min(_n_groups(ro), want)
+        if kept < want:
+            console.print(f"step {step}: dynamic sampling kept {kept} of {want} groups after {rounds} "
+                          "generation round(s); training on those")
+        ro, scored = _keep_groups(ro, scored, torch.arange(kept))
+        return ro, scored, {"dapo/kept_groups": float(kept), "dapo/gen_rounds": float(rounds)}
+
+    def rollout_correction(self, old_lp: torch.Tensor, ro: Rollout, loss_mask: torch.Tensor
+                           ) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """Truncated-IS weights pi_trainer / pi_rollout for the policy loss (None when disabled)."""
+        a = self.cfg.algorithm
+        if a.rollout_is == "none":
+            return None, {}
+        w, m = truncated_is_weights(old_lp, ro.logprobs, loss_mask, a.rollout_is, a.rollout_is_threshold,
+                                    a.rollout_is_mode)
+        return w, {"rollout/is_weight_mean": m["rollout_corr/is_weight_mean"],
+                   "rollout/is_raw_weight_max": m["rollout_corr/raw_is_weight_max"],
+                   IS_OVER_THRESHOLD_KEY[a.rollout_is_mode]: m["rollout_corr/over_threshold_frac"]}
+
+    def run(self, step: int, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], *,
+            more_prompts: MorePrompts | None = None) -> dict[str, float]:
+        """One RL step on `prompts` (token ids, aligned with `samples`).
+
+        `more_prompts`, used only with algorithm.dynamic_sampling, is called once per extra
+        generation round and returns a fresh batch `(samples, prompts)` like the first: in the
+        runner, `idx = sampler.next()` then `([train[i] for i in idx], [train_prompts[i] for i in idx])`.
+        Drawing from the checkpointed sampler keeps resumed runs exact. Without it dynamic sampling
+        only filters the first batch.
+
+        Reward and length metrics describe the first batch, as drawn, whatever dynamic sampling keeps.
+        """
         cfg, t = self.cfg, {}
         t_start = time.perf_counter()
         micro = cfg.actor.ppo_micro_batch_size
@@ -111,6 +181,13 @@ class GRPOStep:
             ro = self.engine.generate(prompts, self.sampling_params(step))
         with _timed(t, "reward"):
             scored = self.score(ro, samples)
+        metrics = self._metrics(ro, scored)
+        if cfg.algorithm.dynamic_sampling:
+            ro, scored, dapo = self.dynamic_sample(step, ro, scored, more_prompts, t)
+            metrics.update(dapo)
+            if len(ro.group) == 0:  # every group had equal rewards: nothing to learn from this step
+                t["timing/step"] = time.perf_counter() - t_start
+                return {**metrics, **t}
         with _timed(t, "ref"):
             ref_lp = (batched_logprobs(self.ref, ro, cfg.rollout.temperature, micro)
                       if self.spec.kl_coef > 0 else None)
@@ -119,7 +196,11 @@ class GRPOStep:
                       if cfg.actor.recompute_old_logprobs else ro.logprobs)
         adv = OUTCOME_ESTIMATORS[cfg.algorithm.adv_estimator](scored.rewards, ro.group, ro.response_mask.float(),
                                                               cfg.algorithm)
-        exp = Experience(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, old_lp, ref_lp, adv)
+        # truncated responses keep their place in the group baseline above, but get no gradient
+        loss_mask = (ro.response_mask & ~ro.truncated[:, None] if cfg.algorithm.mask_truncated
+                     else ro.response_mask)
+        is_weight, is_metrics = self.rollout_correction(old_lp, ro, loss_mask)
+        exp = Experience(ro.prompt_ids, ro.prompt_mask, ro.response_ids, loss_mask, old_lp, ref_lp, adv, is_weight)
         with _timed(t, "train"):
             gen = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + step)
             train_metrics = self.actor.update(exp, self.spec, cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
@@ -128,13 +209,14 @@ class GRPOStep:
             if self.engine.model is not self.actor.model:
                 self.engine.load_weights(self.actor.model.named_parameters())
         t["timing/step"] = time.perf_counter() - t_start
-        return {**self._metrics(ro, scored, old_lp), **train_metrics, **t,
+        # KL(rollout || trainer) per token (k1 under rollout samples): engine/trainer mismatch
+        metrics["rollout/kl_vs_trainer"] = float(masked_mean(ro.logprobs - old_lp, ro.response_mask.float()))
+        return {**metrics, **is_metrics, **train_metrics, **t,
                 "perf/tokens_per_s": float(ro.prompt_mask.sum() + ro.response_mask.sum()) / t["timing/step"]}
 
     @staticmethod
-    def _metrics(ro: Rollout, scored: Scored, old_lp: torch.Tensor) -> dict[str, float]:
+    def _metrics(ro: Rollout, scored: Scored) -> dict[str, float]:
         lengths = ro.response_lengths.float()
-        mask = ro.response_mask.float()
         return {
             "reward/mean": float(scored.rewards.mean()),
             "reward/std": float(scored.rewards.std()) if len(scored.rewards) > 1 else 0.0,
@@ -142,6 +224,13 @@ class GRPOStep:
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
             "response/truncated_frac": float(ro.truncated.float().mean()),
-            # KL(rollout || trainer) per token (k1 under rollout samples): engine/trainer mismatch
-            "rollout/kl_vs_trainer": float(masked_mean(ro.logprobs - old_lp, mask)),
         }
+
+
+def _n_groups(ro: Rollout) -> int:
+    return int(ro.group.max()) + 1 if len(ro.group) else 0
+
+
+def _keep_groups(ro: Rollout, scored: Scored, keep: torch.Tensor) -> tuple[Rollout, Scored]:
+    rows = group_rows(ro.group, keep)
+    return select_groups(ro, keep), Scored(scored.rewards[rows], scored.correct[rows])

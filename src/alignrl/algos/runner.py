@@ -138,8 +138,11 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
     with Progress(*columns, console=console, disable=not cfg.trainer.progress_bar) as bar:
         task = bar.add_task("GRPO", total=total, completed=start_step)
         for step in range(start_step + 1, total + 1):
-            idx = sampler.next()
-            metrics = step_fn.run(step, [train[i] for i in idx], [train_prompts[i] for i in idx])
+            def batch():  # the sampler's position is checkpointed, so extra DAPO rounds resume exactly
+                idx = sampler.next()
+                return [train[i] for i in idx], [train_prompts[i] for i in idx]
+
+            metrics = step_fn.run(step, *batch(), more_prompts=batch)
             if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == total):
                 t0 = time.perf_counter()
                 metrics.update({f"val/{k}": v for k, v in evaluate(n_val_small).items()})

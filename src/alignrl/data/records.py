@@ -61,6 +61,7 @@ class Experience:
     old_logprobs: torch.Tensor  # (B, R) behaviour-policy log-probs for the PPO ratio
     ref_logprobs: torch.Tensor | None  # (B, R) frozen reference log-probs; None without a KL term
     advantages: torch.Tensor  # (B,) sequence-level or (B, R) token-level
+    is_weight: torch.Tensor | None = None  # (B, R) rollout-correction weight on the token losses; None: all 1
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -73,4 +74,4 @@ class Experience:
         return Experience(prompt_ids=self.prompt_ids[idx][:, p0:], prompt_mask=pm[:, p0:],
                           response_ids=cut(self.response_ids), response_mask=cut(self.response_mask),
                           old_logprobs=cut(self.old_logprobs), ref_logprobs=cut(self.ref_logprobs),
-                          advantages=cut(self.advantages))
+                          advantages=cut(self.advantages), is_weight=cut(self.is_weight))

@@ -34,7 +34,7 @@ def policy_loss(logp, entropy, exp: Experience, spec: PolicyLossSpec, global_tok
     """PPO-clip + KL-to-reference - entropy bonus, all token-mean over `global_tokens`."""
     mask = exp.response_mask.to(logp.dtype)
     loss, metrics = POLICY_LOSSES["ppo_clip"](logp, exp.old_logprobs, exp.advantages, mask,
-                                              spec.clip_low, spec.clip_high, global_tokens)
+                                              spec.clip_low, spec.clip_high, global_tokens, is_weight=exp.is_weight)
     if spec.kl_coef > 0 and exp.ref_logprobs is not None:
         kl = token_mean(KL_ESTIMATORS[spec.kl_type](logp, exp.ref_logprobs), mask, global_tokens)
         loss = loss + spec.kl_coef * kl

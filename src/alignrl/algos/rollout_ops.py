@@ -1,0 +1,68 @@
+"""Row-level operations on Rollouts: keep some prompt groups, merge rollouts of different widths.
+
+Dynamic sampling (DAPO) drops groups that carry no learning signal and tops the batch up with
+fresh generations; these helpers keep the Rollout invariants while doing so: prompts left-padded,
+responses right-padded, and `group` numbering the prompts 0..G-1 so it indexes the step's list of
+samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from alignrl.data.records import Rollout
+
+
+def mixed_reward_groups(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Ids of the groups whose rewards are not all equal, ascending. rewards, group (B,) -> (K,) long.
+
+    A group whose samples all earned the same reward has zero advantage under every group baseline
+    (GRPO, RLOO, REINFORCE++ with group baseline), so it gives no policy-gradient signal, only
+    diluting the batch: DAPO's dynamic sampling filters those out. Exact float equality is intended: rewards are computed, not measured."""
+    ids, inv = torch.unique(group, return_inverse=True)
+    r = rewards.float()
+    lo = torch.full((len(ids),), float("inf")).scatter_reduce(0, inv, r, "amin")
+    hi = torch.full((len(ids),), float("-inf")).scatter_reduce(0, inv, r, "amax")
+    return ids[hi > lo]
+
+
+def group_rows(group: torch.Tensor, keep_group_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Row indices (ascending) of the rows whose group is in `keep_group_ids`. group (B,) -> (K,) long."""
+    keep = torch.as_tensor(keep_group_ids, dtype=torch.long)
+    return torch.isin(group, keep).nonzero().squeeze(-1)
+
+
+def select_groups(ro: Rollout, keep_group_ids: Sequence[int] | torch.Tensor) -> Rollout:
+    """The rows of the groups in `keep_group_ids`, in their original order, with groups renumbered
+    0..K-1 by ascending old id (so `[samples[g] for g in sorted(keep_group_ids)]` is the matching
+    sample list). Widths are kept: padding columns are trimmed later, per micro-batch."""
+    rows = group_rows(ro.group, keep_group_ids)
+    kept = ro.group[rows]
+    return Rollout(prompt_ids=ro.prompt_ids[rows], prompt_mask=ro.prompt_mask[rows],
+                   response_ids=ro.response_ids[rows], response_mask=ro.response_mask[rows],
+                   logprobs=ro.logprobs[rows], truncated=ro.truncated[rows],
+                   group=torch.searchsorted(torch.unique(kept), kept))
+
+
+def _pad_cols(t: torch.Tensor, width: int, value: float | int | bool, left: bool) -> torch.Tensor:
+    extra = width - t.shape[1]
+    return F.pad(t, (extra, 0) if left else (0, extra), value=value) if extra else t
+
+
+def concat_rollouts(a: Rollout, b: Rollout, pad_id: int) -> Rollout:
+    """Rows of `a` then rows of `b`. Prompts are left-padded and responses right-padded to the wider
+    of the two (ids with `pad_id`, masks with False, log-probs with 0); `b`'s groups follow `a`'s
+    (b.group + number of groups in a), so the sample lists concatenate in the same order."""
+    p, r = max(a.prompt_ids.shape[1], b.prompt_ids.shape[1]), max(a.response_ids.shape[1], b.response_ids.shape[1])
+    offset = int(a.group.max()) + 1 if len(a.group) else 0
+
+    def both(name: str, width: int, value: float | int | bool, left: bool) -> torch.Tensor:
+        return torch.cat([_pad_cols(getattr(x, name), width, value, left) for x in (a, b)])
+
+    return Rollout(prompt_ids=both("prompt_ids", p, pad_id, True), prompt_mask=both("prompt_mask", p, False, True),
+                   response_ids=both("response_ids", r, pad_id, False),
+                   response_mask=both("response_mask", r, False, False), logprobs=both("logprobs", r, 0.0, False),
+                   truncated=torch.cat([a.truncated, b.truncated]), group=torch.cat([a.group, b.group + offset]))

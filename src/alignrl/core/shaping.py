@@ -1,0 +1,22 @@
+"""Reward shaping that depends only on the response, not on the task: pure tensor functions."""
+
+from __future__ import annotations
+
+import torch
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement
+    Learning System at Scale", eq. 13), added to the reward of each response.
+
+    lengths (B,) response lengths in tokens -> penalty (B,) float: 0 while L <= max_len - buffer_len,
+    then falling linearly to -factor at L = max_len: -factor * (L - (max_len - buffer_len)) / buffer_len.
+    A length past max_len (not produced by a length-capped sampler) is clamped to -factor.
+    buffer_len=0 disables the penalty (all zeros).
+    """
+    if not 0 <= buffer_len <= max_len:
+        raise ValueError(f"buffer_len must be in [0, max_len={max_len}], got {buffer_len}")
+    if buffer_len == 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    over = (lengths.float() - (max_len - buffer_len)).clamp(min=0.0, max=float(buffer_len))
+    return -factor * over / buffer_len

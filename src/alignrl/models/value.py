@@ -1,0 +1,40 @@
+"""Value models: an LM backbone with a scalar head per token, in HF token-classification form.
+
+As in verl's critic, the value model is `AutoModelForTokenClassification` with `num_labels=1`, so it
+saves and loads as a plain HF folder; initialised from a causal-LM folder, the backbone weights are
+copied and the head starts from a seeded small random init.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alignrl.data.collate import position_ids
+from alignrl.models.loader import DTYPES, resolve_model_path
+
+
+def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print):
+    from transformers import AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    folder = resolve_model_path(path, log)
+    torch.manual_seed(seed)  # the head of a policy-initialised critic is new: make it reproducible
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "newly initialized score weights" is expected here, not a problem
+    try:
+        model = AutoModelForTokenClassification.from_pretrained(str(folder), num_labels=1, dtype=DTYPES[dtype])
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.config.use_cache = False
+    return model
+
+
+def response_values(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                    response_mask: torch.Tensor) -> torch.Tensor:
+    """Values (B, R): V_t is read at the position before response token t (the state it is chosen in),
+    the same alignment as the log-probs."""
+    ids = torch.cat([prompt_ids, response_ids], 1)
+    mask = torch.cat([prompt_mask, response_mask], 1)
+    r = response_ids.shape[1]
+    out = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask))
+    return out.logits[:, -r - 1:-1, 0].float() * response_mask

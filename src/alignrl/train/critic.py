@@ -1,0 +1,57 @@
+"""The critic of PPO: a value model with its own optimizer, trained on GAE returns with clipping."""
+
+from __future__ import annotations
+
+import torch
+
+from alignrl.core.losses import value_loss
+from alignrl.data.collate import length_sorted_chunks, padding_bounds
+from alignrl.data.records import Experience, Rollout
+from alignrl.models.value import response_values
+from alignrl.train.minibatch import minibatch_updates
+from alignrl.train.optim import build_optimizer
+
+
+class Critic:
+    def __init__(self, model, *, lr: float, weight_decay: float, betas, warmup_steps: int, total_steps: int,
+                 grad_clip: float, cliprange_value: float | None):
+        self.model = model
+        self.optimizer, self.scheduler = build_optimizer(model.parameters(), lr, weight_decay, betas, warmup_steps,
+                                                         total_steps, "constant", 0.0)
+        self.grad_clip, self.cliprange_value = grad_clip, cliprange_value
+
+    @torch.no_grad()
+    def values(self, ro: Rollout, micro_batch: int) -> torch.Tensor:
+        """Values (B, R) of the rollout's states, rows grouped by length and trimmed of padding."""
+        was_training = self.model.training
+        self.model.eval()
+        out = torch.zeros(ro.response_ids.shape)
+        for idx in length_sorted_chunks(torch.arange(out.shape[0]), ro.prompt_mask, ro.response_mask, micro_batch):
+            pm, rm = ro.prompt_mask[idx], ro.response_mask[idx]
+            p0, r1 = padding_bounds(pm, rm)
+            out[idx, :r1] = response_values(self.model, ro.prompt_ids[idx, p0:], pm[:, p0:],
+                                            ro.response_ids[idx, :r1], rm[:, :r1])
+        self.model.train(was_training)
+        return out
+
+    def update(self, exp: Experience, old_values: torch.Tensor, returns: torch.Tensor, mini_batch: int,
+               micro_batch: int, epochs: int, generator: torch.Generator) -> dict[str, float]:
+        """`old_values`, `returns` (B, R) aligned with `exp`'s responses."""
+        self.model.train()
+
+        def micro_loss(rows, micro: Experience, tokens: float):
+            r1 = micro.response_ids.shape[1]
+            v = response_values(self.model, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
+                                micro.response_mask)
+            return value_loss(v, old_values[rows, :r1], returns[rows, :r1], micro.response_mask.float(),
+                              self.cliprange_value, tokens)
+
+        return minibatch_updates(exp, micro_loss, self.optimizer, self.scheduler, self.model.parameters(),
+                                 self.grad_clip, mini_batch, micro_batch, epochs, generator, "critic")
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

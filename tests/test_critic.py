@@ -1,0 +1,56 @@
+"""The value model and the critic's update."""
+
+import torch
+
+from alignrl.data import synthetic
+from alignrl.data.collate import encode_prompts
+from alignrl.data.records import Experience
+from alignrl.models.value import load_value_model, response_values
+from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
+from alignrl.train.critic import Critic
+
+
+def _rollout(tiny_model):
+    model, tok = tiny_model
+    prompts = encode_prompts(tok, synthetic.generate("train", 3, seed=0), 64)
+    return HFRolloutEngine(model, tok).generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=0))
+
+
+def test_value_model_loads_from_policy_and_is_seeded(tiny_model_dir, tmp_path):
+    a = load_value_model(str(tiny_model_dir), seed=1, log=lambda *_: None)
+    b = load_value_model(str(tiny_model_dir), seed=1, log=lambda *_: None)
+    for (na, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), na
+    a.save_pretrained(tmp_path / "critic")
+    c = load_value_model(str(tmp_path / "critic"), seed=99, log=lambda *_: None)  # head comes from the folder
+    torch.testing.assert_close(c.score.weight, a.score.weight)
+
+
+def test_batched_values_match_per_row(tiny_model, tiny_model_dir):
+    ro = _rollout(tiny_model)
+    critic = Critic(load_value_model(str(tiny_model_dir), log=lambda *_: None), lr=1e-3, weight_decay=0.0,
+                    betas=(0.9, 0.999), warmup_steps=0, total_steps=10, grad_clip=1.0, cliprange_value=0.5)
+    v = critic.values(ro, micro_batch=2)
+    with torch.no_grad():
+        for i in range(len(ro.group)):
+            n = int(ro.response_mask[i].sum())
+            p = ro.prompt_mask[i]
+            one = response_values(critic.model, ro.prompt_ids[i:i + 1, p], p[None, p],
+                                  ro.response_ids[i:i + 1, :n], ro.response_mask[i:i + 1, :n])
+            torch.testing.assert_close(v[i, :n], one[0], atol=1e-5, rtol=0)
+    assert torch.all(v[~ro.response_mask] == 0)
+
+
+def test_critic_update_moves_values_toward_returns(tiny_model, tiny_model_dir):
+    ro = _rollout(tiny_model)
+    critic = Critic(load_value_model(str(tiny_model_dir), log=lambda *_: None), lr=3e-3, weight_decay=0.0,
+                    betas=(0.9, 0.999), warmup_steps=0, total_steps=50, grad_clip=1.0, cliprange_value=None)
+    exp = Experience(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, ro.logprobs, None,
+                     torch.zeros(len(ro.group)))
+    returns = ro.response_mask.float() * 1.0
+    err = lambda v: float(((v - returns) ** 2)[ro.response_mask].mean())  # noqa: E731
+    before = err(critic.values(ro, 6))
+    for _ in range(20):
+        metrics = critic.update(exp, critic.values(ro, 6), returns, 6, 3, 1, torch.Generator().manual_seed(0))
+    assert err(critic.values(ro, 6)) < 0.2 * before
+    assert {"critic/vf_loss", "critic/grad_norm", "critic/lr"} <= set(metrics)

@@ -1,0 +1,264 @@
+"""DAPO pieces: overlong penalty, group filtering, rollout merging, dynamic sampling, truncation
+masking, rollout importance sampling and their config checks."""
+
+import pytest
+import torch
+
+from alignrl.algos.rollout_ops import concat_rollouts, mixed_reward_groups, select_groups
+from alignrl.config import ConfigError, load_config
+from alignrl.core.shaping import overlong_penalty
+from alignrl.data.records import Experience, Rollout
+
+PAD = 0
+
+
+def test_overlong_penalty_hand_values():
+    # max_len 10, buffer 4: free up to 6 tokens, then -1/4 per token down to -1 at 10
+    lengths = torch.tensor([3, 6, 7, 8, 9, 10])
+    assert overlong_penalty(lengths, 10, 4).tolist() == [0.0, 0.0, -0.25, -0.5, -0.75, -1.0]
+    assert overlong_penalty(lengths, 10, 4, factor=0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.375, -0.5]
+    # buffer = max_len: the penalty starts at the first token
+    assert overlong_penalty(torch.tensor([0, 2, 4]), 4, 4, factor=2.0).tolist() == [0.0, -1.0, -2.0]
+    # past max_len the penalty stays at -factor; buffer 0 disables
+    assert overlong_penalty(torch.tensor([12]), 10, 4).tolist() == [-1.0]
+    assert overlong_penalty(lengths, 10, 0).tolist() == [0.0] * 6
+    with pytest.raises(ValueError, match="buffer_len"):
+        overlong_penalty(lengths, 10, 11)
+
+
+def test_mixed_reward_groups_keeps_only_groups_with_different_rewards():
+    # group 0: 1,1,1 (all right)  1: 0,1,0 (mixed)  2: 0,0,0 (all wrong)  3: 0.5,0.5,0.25 (mixed, shaped)
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.25])
+    group = torch.arange(4).repeat_interleave(3)
+    assert mixed_reward_groups(rewards, group).tolist() == [1, 3]
+    # ids need not be contiguous or start at 0
+    assert mixed_reward_groups(torch.tensor([1.0, 2.0, 3.0, 3.0]), torch.tensor([5, 5, 9, 9])).tolist() == [5]
+
+
+def _rollout(prompts: list[list[int]], responses: list[list[int]], truncated: list[bool], n: int) -> Rollout:
+    """A Rollout built by hand: prompts left-padded, responses right-padded, log-probs -(token id)."""
+    p, r = max(map(len, prompts)), max(map(len, responses))
+    pid = torch.tensor([[PAD] * (p - len(x)) + x for x in prompts])
+    pm = torch.tensor([[False] * (p - len(x)) + [True] * len(x) for x in prompts])
+    rid = torch.tensor([x + [PAD] * (r - len(x)) for x in responses])
+    rm = torch.tensor([[True] * len(x) + [False] * (r - len(x)) for x in responses])
+    return Rollout(pid, pm, rid, rm, -rid.float() * rm, torch.tensor(truncated),
+                   torch.arange(len(prompts) // n).repeat_interleave(n))
+
+
+def _rows(ro: Rollout) -> list[tuple]:
+    """Each row's real content, independent of padding width."""
+    return [(ro.prompt_ids[i][ro.prompt_mask[i]].tolist(), ro.response_ids[i][ro.response_mask[i]].tolist(),
+             ro.logprobs[i][ro.response_mask[i]].tolist(), bool(ro.truncated[i]), int(ro.group[i]))
+            for i in range(len(ro.group))]
+
+
+A = _rollout([[5, 6], [5, 6], [7], [7], [8, 9, 10], [8, 9, 10]],
+             [[11], [12, 13], [14, 15, 16], [17], [18, 19], [20]], [False, False, True, False, False, True], n=2)
+B = _rollout([[21, 22, 23, 24], [21, 22, 23, 24]], [[25, 26, 27, 28, 29], [30]], [True, False], n=2)
+
+
+def test_select_groups_keeps_rows_exactly_and_renumbers():
+    out = select_groups(A, [2, 0])
+    rows = _rows(A)
+    assert _rows(out) == [r[:4] + (0,) for r in rows[:2]] + [r[:4] + (1,) for r in rows[4:]]
+    # widths are kept, padding stays padding
+    assert out.prompt_ids.shape == (4, 3) and out.response_ids.shape == (4, 3)
+    assert (out.prompt_ids[~out.prompt_mask] == PAD).all() and (out.response_ids[~out.response_mask] == PAD).all()
+    assert len(select_groups(A, []).group) == 0
+
+
+def test_concat_rollouts_pads_and_preserves_rows():
+    out = concat_rollouts(A, B, PAD)
+    assert out.prompt_ids.shape == (8, 4) and out.response_ids.shape == (8, 5)
+    assert _rows(out) == _rows(A) + [r[:4] + (r[4] + 3,) for r in _rows(B)]
+    # left-padded prompts: every row's last prompt token in the last column; right-padded responses
+    assert out.prompt_mask[:, -1].all() and out.response_mask[:, 0].all()
+    assert (out.prompt_ids[~out.prompt_mask] == PAD).all() and (out.response_ids[~out.response_mask] == PAD).all()
+    assert (out.logprobs[~out.response_mask] == 0).all()
+    # the concatenated batch is well formed: response tokens follow their prompt with no gap
+    assert out.input_ids[0].tolist() == [PAD, PAD, 5, 6, 11, PAD, PAD, PAD, PAD]
+    # merging onto an empty selection (dynamic sampling's first round kept nothing) is just B
+    assert _rows(concat_rollouts(select_groups(A, []), B, PAD)) == _rows(B)
+
+
+def test_experience_select_trims_is_weight():
+    exp = Experience(A.prompt_ids, A.prompt_mask, A.response_ids, A.response_mask, A.logprobs, None,
+                     torch.zeros(6), is_weight=torch.arange(18.0).view(6, 3))
+    sub = exp.select(torch.tensor([0, 1]))  # responses of 1 and 2 tokens: one padding column is trimmed
+    assert sub.is_weight.tolist() == [[0.0, 1.0], [3.0, 4.0]] and sub.response_ids.shape == (2, 2)
+    assert exp.select(torch.tensor([0])).is_weight.shape == (1, 1)
+
+
+def test_policy_loss_applies_is_weight():
+    from alignrl.train.actor import PolicyLossSpec, policy_loss
+
+    logp = torch.tensor([[-1.0, -2.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[True, True, False]])
+    base = dict(prompt_ids=torch.ones(1, 1, dtype=torch.long), prompt_mask=torch.ones(1, 1, dtype=torch.bool),
+                response_ids=torch.ones(1, 3, dtype=torch.long), response_mask=mask,
+                old_logprobs=torch.tensor([[-1.5, -1.5, 0.0]]), ref_logprobs=None, advantages=torch.tensor([1.0]))
+    plain, _ = policy_loss(logp, None, Experience(**base), PolicyLossSpec(), 2.0)
+    weighted, _ = policy_loss(logp, None, Experience(**base, is_weight=torch.tensor([[2.0, 0.0, 0.0]])),
+                              PolicyLossSpec(), 2.0)
+    # per token max(-A r, -A clip(r)), A = 1: ratio e^0.5 counts as 1.2, ratio e^-0.5 as itself
+    t0, t1 = -1.2, -torch.exp(torch.tensor(-0.5)).item()
+    assert plain.item() == pytest.approx((t0 + t1) / 2)
+    assert weighted.item() == pytest.approx(2 * t0 / 2)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.rollout_is=token", "actor.recompute_old_logprobs=false"],
+     "algorithm.rollout_is=token needs actor.recompute_old_logprobs=true"),
+    (["algorithm.rollout_is=batch"], "algorithm.rollout_is='batch' is not allowed; choose one of: none, token"),
+    (["algorithm.rollout_is_mode=clip"], "algorithm.rollout_is_mode='clip' is not allowed"),
+    (["algorithm.rollout_is_threshold=0"], "algorithm.rollout_is_threshold=0.0 is out of range"),
+    (["algorithm.overlong_buffer_len=65"], "algorithm.overlong_buffer_len=65 must be <= rollout.max_new_tokens=64"),
+    (["algorithm.max_gen_rounds=-1"], "algorithm.max_gen_rounds=-1 is out of range"),
+    (["algorithm.overlong_penalty_factor=-1"], "algorithm.overlong_penalty_factor=-1.0 is out of range"),
+])
+def test_config_errors(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_defaults_change_nothing():
+    a = load_config().algorithm
+    assert (a.dynamic_sampling, a.max_gen_rounds, a.overlong_buffer_len, a.overlong_penalty_factor,
+            a.mask_truncated, a.rollout_is, a.rollout_is_threshold, a.rollout_is_mode) == (
+        False, 3, 0, 1.0, False, "none", 2.0, "truncate")
+    load_config(None, ["algorithm.rollout_is=sequence", "algorithm.overlong_buffer_len=64"])  # valid together
+
+
+# ---- GRPOStep on the tiny model --------------------------------------------------------------------
+
+STEP = ["data.train_batch_size=4", "rollout.n=2", "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=2",
+        "actor.ppo_micro_batch_size=4", "actor.lr=1e-3"]
+
+
+class Recorder:
+    """Wraps the step's engine and actor to keep what was generated and what was trained on."""
+
+    def __init__(self, step):
+        self.rollouts, self.experiences = [], []
+        generate, update = step.engine.generate, step.actor.update
+
+        def gen(*a, **k):
+            self.rollouts.append(generate(*a, **k))
+            return self.rollouts[-1]
+
+        def upd(exp, *a, **k):
+            self.experiences.append(exp)
+            return update(exp, *a, **k)
+
+        step.engine.generate, step.actor.update = gen, upd
+
+
+def _step(tiny_model_dir, extra, rewards=None):
+    """A GRPOStep on the tiny model; `rewards` (a list) replaces the reward function by those values
+    in call order, so the test decides which groups are mixed."""
+    from alignrl.algos.runner import build_step
+
+    step = build_step(load_config(None, STEP + [f"model.path={tiny_model_dir}"] + extra), str(tiny_model_dir))
+    if rewards is not None:
+        it = iter(rewards)
+        step.reward_fn = step.correct_fn = lambda *_: next(it)
+    return step, Recorder(step)
+
+
+def _batches(step, k):
+    """k batches of 4 (samples, prompt ids), different problems each."""
+    from alignrl.data import synthetic
+    from alignrl.data.collate import encode_prompts
+
+    samples = synthetic.generate("train", 4 * k, seed=3)
+    prompts = encode_prompts(step.tokenizer, samples, 64)
+    return [(samples[4 * i:4 * i + 4], prompts[4 * i:4 * i + 4]) for i in range(k)]
+
+
+def test_dynamic_sampling_tops_up_with_mixed_groups(tiny_model_dir):
+    # round 1 (4 groups × 2): mixed, equal, equal, mixed -> 2 kept
+    # round 2: equal, mixed, mixed, mixed -> 3 more, 5 in all -> the earliest 4 kept
+    rewards = [1, 0, 1, 1, 0, 0, 0, 1] + [0, 0, 1, 0, 0, 1, 1, 0]
+    step, rec = _step(tiny_model_dir, ["algorithm.dynamic_sampling=true"], [float(r) for r in rewards])
+    (samples, prompts), extra = _batches(step, 2)
+    calls = []
+
+    def more_prompts():
+        calls.append(1)
+        return extra
+
+    m = step.run(1, samples, prompts, more_prompts=more_prompts)
+    assert len(calls) == 1 and m["dapo/gen_rounds"] == 2 and m["dapo/kept_groups"] == 4
+    assert m["reward/mean"] == 0.5  # metrics describe the first batch as drawn
+    first, second = rec.rollouts
+    tokens = lambda rows: [r[:2] for r in rows]  # noqa: E731  (prompt, response) of each row
+    (exp,) = rec.experiences
+    trained = [(exp.prompt_ids[i][exp.prompt_mask[i]].tolist(), exp.response_ids[i][exp.response_mask[i]].tolist())
+               for i in range(len(exp))]
+    assert trained == tokens(_rows(select_groups(first, [0, 3]))) + tokens(_rows(select_groups(second, [1, 2])))
+    # every group that reached the update has a nonzero advantage
+    assert (exp.advantages.view(4, 2).abs().sum(-1) > 0).all() and exp.is_weight is None
+
+
+def test_dynamic_sampling_is_bounded_and_may_train_on_nothing(tiny_model_dir):
+    step, rec = _step(tiny_model_dir, ["algorithm.dynamic_sampling=true", "algorithm.max_gen_rounds=2"],
+                      [1.0] * 64)
+    batches = _batches(step, 4)
+    pool = iter(batches[1:])
+    before = [p.detach().clone() for p in step.actor.model.parameters()]
+    m = step.run(1, *batches[0], more_prompts=lambda: next(pool))
+    assert m["dapo/gen_rounds"] == 3 and m["dapo/kept_groups"] == 0 and len(rec.rollouts) == 3
+    assert rec.experiences == [] and "actor/lr" not in m and m["reward/mean"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, step.actor.model.parameters()))
+
+
+def test_dynamic_sampling_without_more_prompts_filters_only(tiny_model_dir):
+    step, rec = _step(tiny_model_dir, ["algorithm.dynamic_sampling=true"], [1.0, 0.0] + [1.0] * 6)
+    m = step.run(1, *_batches(step, 1)[0])
+    assert m["dapo/gen_rounds"] == 1 and m["dapo/kept_groups"] == 1 and len(rec.experiences[0]) == 2
+
+
+def test_defaults_ignore_more_prompts(tiny_model_dir):
+    step, rec = _step(tiny_model_dir, [])
+    m = step.run(1, *_batches(step, 1)[0], more_prompts=lambda: pytest.fail("called without dynamic sampling"))
+    assert not any(k.startswith(("dapo/", "rollout/is_")) for k in m)
+    (exp,) = rec.experiences
+    assert exp.is_weight is None and torch.equal(exp.response_mask, rec.rollouts[0].response_mask)
+
+
+def test_overlong_penalty_enters_the_reward(tiny_model_dir):
+    step, rec = _step(tiny_model_dir, ["algorithm.overlong_buffer_len=6", "algorithm.overlong_penalty_factor=0.5"],
+                      [1.0] * 8)
+    m = step.run(1, *_batches(step, 1)[0])
+    lengths = rec.rollouts[0].response_lengths.float()
+    assert m["reward/mean"] == pytest.approx(float((1.0 - 0.5 * lengths / 6).mean()))
+    assert m["reward/accuracy"] == 1.0  # correctness is not shaped
+
+
+def test_mask_truncated_zeroes_the_loss_mask_only(tiny_model_dir):
+    step, rec = _step(tiny_model_dir, ["algorithm.mask_truncated=true", "rollout.max_new_tokens=3"])
+    m = step.run(1, *_batches(step, 1)[0])
+    ro, (exp,) = rec.rollouts[0], rec.experiences
+    assert ro.truncated.any(), "the tiny model should run into a 3-token limit"
+    assert not exp.response_mask[ro.truncated].any()
+    assert torch.equal(exp.response_mask[~ro.truncated], ro.response_mask[~ro.truncated])
+    assert m["response/truncated_frac"] == float(ro.truncated.float().mean())  # still counted in metrics
+
+
+@pytest.mark.parametrize("level, mode", [("token", "truncate"), ("sequence", "mask")])
+def test_rollout_is_weights_reach_the_loss(tiny_model_dir, level, mode):
+    step, rec = _step(tiny_model_dir, [f"algorithm.rollout_is={level}", f"algorithm.rollout_is_mode={mode}",
+                                       "algorithm.rollout_is_threshold=1.5"])
+    m = step.run(1, *_batches(step, 1)[0])
+    (exp,) = rec.experiences
+    w = exp.is_weight
+    assert w.shape == exp.response_mask.shape and (w[~exp.response_mask] == 0).all() and (w <= 1.5).all()
+    # the engine and the trainer are the same fp32 model here: the weights are 1 up to rounding
+    torch.testing.assert_close(w[exp.response_mask], torch.ones(int(exp.response_mask.sum())), atol=1e-3, rtol=0)
+    key = "rollout/is_truncated_frac" if mode == "truncate" else "rollout/is_masked_frac"
+    assert m["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-3) and m[key] == 0.0
+    if level == "sequence":  # one weight per sequence, shared by its tokens
+        for row, mask in zip(w, exp.response_mask):
+            assert (row[mask] == row[mask][0]).all()
