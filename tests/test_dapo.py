@@ -98,9 +98,9 @@ def test_policy_loss_applies_is_weight():
     base = dict(prompt_ids=torch.ones(1, 1, dtype=torch.long), prompt_mask=torch.ones(1, 1, dtype=torch.bool),
                 response_ids=torch.ones(1, 3, dtype=torch.long), response_mask=mask,
                 old_logprobs=torch.tensor([[-1.5, -1.5, 0.0]]), ref_logprobs=None, advantages=torch.tensor([1.0]))
-    plain, _ = policy_loss(logp, None, Experience(**base), PolicyLossSpec(), 2.0)
+    plain, _ = policy_loss(logp, None, Experience(**base), PolicyLossSpec(), 2.0, 1.0)
     weighted, _ = policy_loss(logp, None, Experience(**base, is_weight=torch.tensor([[2.0, 0.0, 0.0]])),
-                              PolicyLossSpec(), 2.0)
+                              PolicyLossSpec(), 2.0, 1.0)
     # per token max(-A r, -A clip(r)), A = 1: ratio e^0.5 counts as 1.2, ratio e^-0.5 as itself
     t0, t1 = -1.2, -torch.exp(torch.tensor(-0.5)).item()
     assert plain.item() == pytest.approx((t0 + t1) / 2)

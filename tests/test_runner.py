@@ -135,7 +135,8 @@ def test_other_estimators_run_a_step(estimator, tiny_model_dir, tmp_path):
     from alignrl.algos.grpo import OUTCOME_ESTIMATORS
     from alignrl.config import AlgorithmConfig
 
-    assert set(OUTCOME_ESTIMATORS) == set(dict(AlgorithmConfig.__dataclass_fields__)["adv_estimator"].metadata["choices"])
+    choices = set(dict(AlgorithmConfig.__dataclass_fields__)["adv_estimator"].metadata["choices"])
+    assert set(OUTCOME_ESTIMATORS) == choices - {"gae"}  # gae takes the critic path
     cfg = load_config(None, _overrides(tiny_model_dir, tmp_path, estimator, 1, 0)
                       + [f"algorithm.adv_estimator={estimator}"])
     assert train_grpo(cfg)["steps"] == 1
@@ -149,3 +150,62 @@ def test_outcome_token_rewards_sit_on_the_last_token():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]]).float()
     out = outcome_token_rewards(torch.tensor([2.0, -1.0, 0.5]), mask)
     assert out.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, -1.0], [0.5, 0.0, 0.0]]
+
+
+def test_ppo_with_critic_checkpoints_and_resumes_the_critic(tiny_model_dir, tmp_path):
+    over = _overrides(tiny_model_dir, tmp_path, "ppo", 2, 1) + ["algorithm.adv_estimator=gae", "critic.enable=true",
+                                                                "critic.warmup_steps=1"]
+    train_grpo(load_config(None, over))
+    run = tmp_path / "ppo"
+    rows = [json.loads(x) for x in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert "critic/vf_loss" in rows[1] and "actor/grad_norm" not in rows[1]  # step 1: critic warm-up only
+    assert "actor/grad_norm" in rows[2] and "critic/vf_loss" in rows[2]
+    assert (run / "checkpoints" / "global_step_2" / "critic" / "model.safetensors").is_file()
+    state = torch.load(run / "checkpoints" / "global_step_2" / "trainer_state.pt", weights_only=False)
+    assert "critic" in state
+    # one more step resumes actor and critic from step 2
+    summary = train_grpo(load_config(None, over + ["trainer.total_training_steps=3"]))
+    assert summary["steps"] == 3
+
+
+def test_ppo_lagrangian_updates_the_multiplier(tiny_model_dir, tmp_path):
+    cost = Path(__file__).parents[1] / "examples" / "length_cost.py"
+    over = _overrides(tiny_model_dir, tmp_path, "safe", 2, 2) + [
+        "algorithm.adv_estimator=gae", "critic.enable=true", f"safety.cost_fn={cost}:compute_score",
+        "safety.cost_limit=0.0", "safety.lambda_lr=0.5"]
+    train_grpo(load_config(None, over))
+    rows = [json.loads(x) for x in (tmp_path / "safe" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    # lambda <- max(0, lambda + 0.5 * (mean cost - 0)): it follows the measured costs exactly
+    lam = 0.0
+    for r in rows[1:]:
+        lam = max(0.0, lam + 0.5 * r["safety/cost_mean"])
+        assert r["safety/lambda"] == pytest.approx(lam)
+        assert "cost_critic/vf_loss" in r
+    state = torch.load(tmp_path / "safe" / "checkpoints" / "global_step_2" / "trainer_state.pt", weights_only=False)
+    assert state["lagrangian"]["value"] == pytest.approx(lam)
+
+
+def test_invalid_combinations_are_rejected():
+    from alignrl.config import ConfigError
+
+    for over, msg in ((["algorithm.adv_estimator=gae"], "needs a critic"),
+                      (["critic.enable=true"], "only used by algorithm.adv_estimator=gae"),
+                      (["safety.cost_fn=x.py:f"], "needs a cost critic"),
+                      (["actor.clip_ratio_c=0.5"], "must be > 1")):
+        with pytest.raises(ConfigError, match=msg):
+            load_config(None, over)
+
+
+@pytest.mark.parametrize("extra", [
+    ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean", "actor.clip_ratio_low=3e-4",
+     "actor.clip_ratio_high=4e-4"],
+    ["actor.policy_loss=cispo"],
+    ["actor.clip_ratio_c=3.0", "actor.loss_agg_mode=seq-mean-token-sum-norm"],
+    ["algorithm.dynamic_sampling=true", "algorithm.overlong_buffer_len=4", "algorithm.mask_truncated=true",
+     "actor.recompute_old_logprobs=true", "algorithm.rollout_is=sequence", "algorithm.rollout_is_mode=mask"],
+])
+def test_policy_loss_variants_run_a_step(extra, tiny_model_dir, tmp_path):
+    cfg = load_config(None, _overrides(tiny_model_dir, tmp_path, "v", 2, 0) + extra)
+    assert train_grpo(cfg)["steps"] == 2
+    rows = [json.loads(x) for x in (tmp_path / "v" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(v) for r in rows for v in r.values())

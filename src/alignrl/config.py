@@ -74,7 +74,15 @@ class ActorConfig:
     ppo_epochs: int = opt(1, "passes over each rollout batch", ge=1)
     clip_ratio_low: float = opt(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0.0, le=1.0)
     clip_ratio_high: float = opt(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher uses 0.28)", ge=0.0)
-    loss_agg_mode: str = opt("token-mean", "how token losses become one number", choices=("token-mean",))
+    policy_loss: str = opt("ppo_clip", "ppo_clip (PPO / DAPO clip-higher / dual-clip), gspo (sequence-level "
+                                       "ratio), cispo (clipped IS weight, stop-gradient)",
+                           choices=("ppo_clip", "gspo", "cispo"))
+    clip_ratio_c: float = opt(0.0, "dual-clip constant c > 1 bounding the loss of negative advantages; 0 disables",
+                              ge=0.0)
+    loss_agg_mode: str = opt("token-mean", "how token losses become one number (seq-mean-token-sum-norm divides "
+                                           "by rollout.max_new_tokens: Dr.GRPO)",
+                             choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                      "seq-mean-token-sum-norm"))
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient", ge=0.0)
     use_kl_loss: bool = opt(True, "add a KL(policy || reference) term to the loss (GRPO)")
     kl_loss_coef: float = opt(0.001, "weight of the KL term", ge=0.0)
@@ -88,7 +96,9 @@ class ActorConfig:
 class AlgorithmConfig:
     adv_estimator: str = opt("grpo", "advantage estimator: grpo (GRPO/Dr.GRPO), rloo (leave-one-out), "
                                      "reinforce_plus_plus (whitened returns), reinforce_plus_plus_baseline",
-                             choices=("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"))
+                             choices=("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"))
+    gamma: float = opt(1.0, "discount of GAE and REINFORCE++ returns", ge=0.0, le=1.0)
+    lam: float = opt(1.0, "GAE lambda", ge=0.0, le=1.0)
     norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false gives Dr.GRPO")
     reward_fn: str | None = opt(None, "custom reward 'path/to/file.py:function' (verl compute_score signature)")
     format_reward_weight: float = opt(0.0, "weight of the '#### N' format reward added to correctness", ge=0.0)
@@ -110,6 +120,27 @@ class AlgorithmConfig:
     rollout_is_threshold: float = opt(2.0, "rollout IS weights above this are truncated or masked", gt=0.0)
     rollout_is_mode: str = opt("truncate", "truncate: min(w, threshold) (TIS); mask: weights above the "
                                            "threshold become 0", choices=("truncate", "mask"))
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    enable: bool = opt(False, "train a value model (PPO with a critic); required by algorithm.adv_estimator=gae")
+    model_path: str | None = opt(None, "value model folder; None initialises it from model.path (new scalar head)")
+    lr: float = opt(1e-5, "critic AdamW learning rate", gt=0.0)
+    lr_warmup_steps: int = opt(0, "linear warm-up of the critic lr (optimizer steps)", ge=0)
+    warmup_steps: int = opt(0, "RL steps that train only the critic before the actor starts (verl's "
+                               "trainer.critic_warmup)", ge=0)
+    cliprange_value: float = opt(0.5, "value clipping around the old values", ge=0.0)
+    grad_clip: float = opt(1.0, "critic max grad norm; 0 disables", ge=0.0)
+
+
+@dataclass(frozen=True)
+class SafetyConfig:
+    cost_fn: str | None = opt(None, "PPO-Lagrangian (Safe RLHF): per-response cost 'path/to/file.py:function' "
+                                    "(compute_score signature); needs algorithm.adv_estimator=gae")
+    cost_limit: float = opt(0.0, "constraint: mean episode cost <= cost_limit")
+    lambda_init: float = opt(0.0, "initial Lagrange multiplier", ge=0.0)
+    lambda_lr: float = opt(0.05, "Lagrange multiplier step size", ge=0.0)
 
 
 @dataclass(frozen=True)
@@ -135,6 +166,8 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    safety: SafetyConfig = field(default_factory=SafetyConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     @property
@@ -177,6 +210,20 @@ def _check_combinations(cfg: RunConfig) -> None:
     unknown = set(cfg.trainer.logger) - {"console", "jsonl", "tensorboard"}
     if unknown:
         raise ConfigError(f"trainer.logger has unknown sink(s) {sorted(unknown)}; allowed: console, jsonl, tensorboard")
+    if 0 < cfg.actor.clip_ratio_c <= 1:
+        raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip), or 0 to disable")
+    if cfg.actor.clip_ratio_c and cfg.actor.policy_loss != "ppo_clip":
+        raise ConfigError("actor.clip_ratio_c (dual-clip) applies to actor.policy_loss=ppo_clip only")
+    gae = cfg.algorithm.adv_estimator == "gae"
+    if gae and not cfg.critic.enable:
+        raise ConfigError("algorithm.adv_estimator=gae needs a critic: set critic.enable=true "
+                          "(or pick a critic-free estimator: grpo, rloo, reinforce_plus_plus)")
+    if cfg.critic.enable and not gae:
+        raise ConfigError(f"critic.enable=true is only used by algorithm.adv_estimator=gae "
+                          f"(got {cfg.algorithm.adv_estimator}); set critic.enable=false or use gae")
+    if cfg.safety.cost_fn and not gae:
+        raise ConfigError("safety.cost_fn (PPO-Lagrangian) needs a cost critic: set algorithm.adv_estimator=gae "
+                          "and critic.enable=true")
 
 
 def _one_line(e: OmegaConfBaseException) -> str:

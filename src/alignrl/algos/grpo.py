@@ -19,6 +19,7 @@ import torch
 from alignrl.algos.rollout_ops import concat_rollouts, group_rows, mixed_reward_groups, select_groups
 from alignrl.config import RunConfig
 from alignrl.core.advantages import ADVANTAGES
+from alignrl.core.lagrangian import LagrangeMultiplier, safe_advantages
 from alignrl.core.losses import masked_mean
 from alignrl.core.rollout_correction import truncated_is_weights
 from alignrl.core.shaping import overlong_penalty
@@ -27,6 +28,7 @@ from alignrl.data.records import Experience, Rollout, Sample
 from alignrl.models.logprobs import response_logprobs
 from alignrl.rollout.hf_engine import SamplingParams
 from alignrl.train.actor import Actor, PolicyLossSpec
+from alignrl.train.critic import Critic
 from alignrl.utils.tracking import console
 
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
@@ -42,6 +44,24 @@ MorePrompts = Callable[[], tuple[Sequence[Sample], Sequence[Sequence[int]]]]
 class Scored:
     rewards: torch.Tensor  # (B,) training reward (correctness + shaping)
     correct: torch.Tensor  # (B,) bool, full correctness reward earned
+    costs: torch.Tensor | None = None  # (B,) safety cost (PPO-Lagrangian), None without one
+
+    def rows(self, idx: torch.Tensor) -> Scored:
+        return Scored(self.rewards[idx], self.correct[idx], None if self.costs is None else self.costs[idx])
+
+    def cat(self, other: Scored) -> Scored:
+        costs = None if self.costs is None else torch.cat([self.costs, other.costs])
+        return Scored(torch.cat([self.rewards, other.rewards]), torch.cat([self.correct, other.correct]), costs)
+
+
+@dataclass
+class CriticParts:
+    """PPO's value model, and for PPO-Lagrangian a cost critic, cost function and multiplier."""
+
+    critic: Critic
+    cost_critic: Critic | None = None
+    cost_fn: Callable | None = None
+    lagrangian: LagrangeMultiplier | None = None
 
 
 def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -88,14 +108,17 @@ def batched_logprobs(model, ro: Rollout, temperature: float, micro_batch: int) -
 class GRPOStep:
     """Holds the interfaces of one RL step; `run` executes the pipeline on a batch of prompts."""
 
-    def __init__(self, cfg: RunConfig, engine, actor: Actor, ref_model, tokenizer, reward_fn, correct_fn):
+    def __init__(self, cfg: RunConfig, engine, actor: Actor, ref_model, tokenizer, reward_fn, correct_fn,
+                 critics: CriticParts | None = None):
         self.cfg, self.engine, self.actor, self.ref = cfg, engine, actor, ref_model
-        self.tokenizer, self.reward_fn, self.correct_fn = tokenizer, reward_fn, correct_fn
+        self.tokenizer, self.reward_fn, self.correct_fn, self.critics = tokenizer, reward_fn, correct_fn, critics
         a = cfg.actor
         self.spec = PolicyLossSpec(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
                                    kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
                                    kl_type=KL_ALIASES.get(a.kl_loss_type, a.kl_loss_type),
-                                   entropy_coeff=a.entropy_coeff, temperature=cfg.rollout.temperature)
+                                   entropy_coeff=a.entropy_coeff, temperature=cfg.rollout.temperature,
+                                   name=a.policy_loss, clip_c=a.clip_ratio_c or None, loss_agg=a.loss_agg_mode,
+                                   max_len=float(cfg.rollout.max_new_tokens))
 
     def sampling_params(self, step: int, gen_round: int = 0) -> SamplingParams:
         """Round 0 is the step's first generation; dynamic sampling's extra rounds get their own seeds
@@ -120,7 +143,11 @@ class GRPOStep:
         if a.overlong_buffer_len:
             out = out + overlong_penalty(ro.response_lengths, self.cfg.rollout.max_new_tokens,
                                          a.overlong_buffer_len, a.overlong_penalty_factor)
-        return Scored(out, torch.tensor(correct))
+        costs = None
+        if self.critics is not None and self.critics.cost_fn is not None:
+            costs = torch.tensor([float(self.critics.cost_fn(s.data_source, t, s.ground_truth, s.extra))
+                                  for s, t in zip(rows, texts)])
+        return Scored(out, torch.tensor(correct), costs)
 
     def dynamic_sample(self, step: int, ro: Rollout, scored: Scored, more_prompts: MorePrompts | None,
                        timings: dict[str, float]) -> tuple[Rollout, Scored, dict[str, float]]:
@@ -139,9 +166,7 @@ class GRPOStep:
             with _timed(timings, "reward"):
                 new_scored = self.score(new, samples)
             new, new_scored = _keep_groups(new, new_scored, mixed_reward_groups(new_scored.rewards, new.group))
-            ro = concat_rollouts(ro, new, pad)
-            scored = Scored(torch.cat([scored.rewards, new_scored.rewards]),
-                            torch.cat([scored.correct, new_scored.correct]))
+            ro, scored = concat_rollouts(ro, new, pad), scored.cat(new_scored)
             rounds += 1
         kept = min(_n_groups(ro), want)
         if kept < want:
@@ -194,17 +219,31 @@ class GRPOStep:
         with _timed(t, "old_logprob"):
             old_lp = (batched_logprobs(self.actor.model, ro, cfg.rollout.temperature, micro)
                       if cfg.actor.recompute_old_logprobs else ro.logprobs)
-        adv = OUTCOME_ESTIMATORS[cfg.algorithm.adv_estimator](scored.rewards, ro.group, ro.response_mask.float(),
-                                                              cfg.algorithm)
+        value_targets: list = []
+        if self.critics is None:
+            adv = OUTCOME_ESTIMATORS[cfg.algorithm.adv_estimator](scored.rewards, ro.group, ro.response_mask.float(),
+                                                                  cfg.algorithm)
+        else:
+            with _timed(t, "values"):
+                adv, value_targets, critic_metrics = self.critic_advantages(ro, scored, micro)
+            metrics.update(critic_metrics)
         # truncated responses keep their place in the group baseline above, but get no gradient
         loss_mask = (ro.response_mask & ~ro.truncated[:, None] if cfg.algorithm.mask_truncated
                      else ro.response_mask)
         is_weight, is_metrics = self.rollout_correction(old_lp, ro, loss_mask)
         exp = Experience(ro.prompt_ids, ro.prompt_mask, ro.response_ids, loss_mask, old_lp, ref_lp, adv, is_weight)
+        mini, epochs = cfg.actor.ppo_mini_batch_size * cfg.rollout.n, cfg.actor.ppo_epochs
+        train_metrics = {}
+        with _timed(t, "critic"):
+            for critic, old_values, returns in value_targets:
+                gen = torch.Generator().manual_seed(cfg.trainer.seed * 7907 + step)
+                train_metrics.update(critic.update(exp, old_values, returns, mini, micro, epochs, gen))
         with _timed(t, "train"):
-            gen = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + step)
-            train_metrics = self.actor.update(exp, self.spec, cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
-                                              micro, cfg.actor.ppo_epochs, gen)
+            if step > cfg.critic.warmup_steps:  # PPO critic warm-up: the actor waits for useful values
+                gen = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + step)
+                train_metrics.update(self.actor.update(exp, self.spec, mini, micro, epochs, gen))
+        if scored.costs is not None:
+            metrics["safety/lambda"] = self.critics.lagrangian.update(float(scored.costs.mean()))
         with _timed(t, "sync"):
             if self.engine.model is not self.actor.model:
                 self.engine.load_weights(self.actor.model.named_parameters())
@@ -213,6 +252,27 @@ class GRPOStep:
         metrics["rollout/kl_vs_trainer"] = float(masked_mean(ro.logprobs - old_lp, ro.response_mask.float()))
         return {**metrics, **is_metrics, **train_metrics, **t,
                 "perf/tokens_per_s": float(ro.prompt_mask.sum() + ro.response_mask.sum()) / t["timing/step"]}
+
+    def critic_advantages(self, ro: Rollout, scored: Scored, micro: int
+                          ) -> tuple[torch.Tensor, list, dict[str, float]]:
+        """GAE advantages (B, R) from the critic's values (PPO); with a cost critic, the PPO-Lagrangian
+        combination (A_r - lambda A_c) / (1 + lambda). Also returns (critic, old values, returns) to train."""
+        c, a = self.critics, self.cfg.algorithm
+        mask = ro.response_mask.float()
+        values = c.critic.values(ro, micro)
+        adv, returns = ADVANTAGES["gae"](outcome_token_rewards(scored.rewards, mask), values, mask, a.gamma, a.lam,
+                                         whiten=True)
+        targets = [(c.critic, values, returns)]
+        metrics = {"critic/values_mean": float(masked_mean(values, mask)),
+                   "critic/returns_mean": float(masked_mean(returns, mask))}
+        if c.cost_critic is not None:
+            cost_values = c.cost_critic.values(ro, micro)
+            cost_adv, cost_returns = ADVANTAGES["gae"](outcome_token_rewards(scored.costs, mask), cost_values, mask,
+                                                       a.gamma, a.lam, whiten=True)
+            adv = safe_advantages(adv, cost_adv, c.lagrangian.value)
+            targets.append((c.cost_critic, cost_values, cost_returns))
+            metrics["safety/cost_mean"] = float(scored.costs.mean())
+        return adv, targets, metrics
 
     @staticmethod
     def _metrics(ro: Rollout, scored: Scored) -> dict[str, float]:
@@ -233,4 +293,4 @@ def _n_groups(ro: Rollout) -> int:
 
 def _keep_groups(ro: Rollout, scored: Scored, keep: torch.Tensor) -> tuple[Rollout, Scored]:
     rows = group_rows(ro.group, keep)
-    return select_groups(ro, keep), Scored(scored.rewards[rows], scored.correct[rows])
+    return select_groups(ro, keep), scored.rows(rows)

@@ -8,21 +8,25 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from alignrl.algos.evaluate import greedy_eval
-from alignrl.algos.grpo import GRPOStep
+from alignrl.algos.grpo import CriticParts, GRPOStep
 from alignrl.config import RunConfig, to_yaml
+from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.data import synthetic
 from alignrl.data.collate import encode_prompts
 from alignrl.data.loaders import load_samples
 from alignrl.data.sampler import BatchSampler
 from alignrl.models.loader import frozen_copy, load_model
+from alignrl.models.value import load_value_model
 from alignrl.rewards.registry import load_reward_fn, make_reward
 from alignrl.rollout.hf_engine import HFRolloutEngine
 from alignrl.train.actor import Actor
+from alignrl.train.critic import Critic
 from alignrl.train.checkpoint import (atomic_write_text, latest_checkpoint, load_trainer_state, save_checkpoint,
                                       set_rng_state)
 from alignrl.utils.tracking import Tracker, console
@@ -60,9 +64,32 @@ def describe_batch(cfg: RunConfig) -> str:
             f"sequences; effective batch on 1 process = {mini * n} sequences")
 
 
-def build_step(cfg: RunConfig, policy_path: str) -> GRPOStep:
+def build_critics(cfg: RunConfig, resume: Path | None, total_opt_steps: int) -> CriticParts | None:
+    """The critic (and, with safety.cost_fn, the cost critic, cost function and multiplier); from the
+    checkpoint's `critic/`, `cost_critic/` folders when resuming."""
+    if not cfg.critic.enable:
+        return None
+    c = cfg.critic
+
+    def make(name: str, seed: int) -> Critic:
+        path = str(resume / name) if resume else (c.model_path or cfg.model.path)
+        return Critic(load_value_model(path, cfg.model.dtype, seed=seed, log=console.print), lr=c.lr,
+                      weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=c.lr_warmup_steps,
+                      total_steps=total_opt_steps, grad_clip=c.grad_clip, cliprange_value=c.cliprange_value,
+                      name=name)
+
+    parts = CriticParts(critic=make("critic", cfg.trainer.seed))
+    if cfg.safety.cost_fn:
+        s = cfg.safety
+        parts.cost_critic = make("cost_critic", cfg.trainer.seed + 1)
+        parts.cost_fn = load_reward_fn(s.cost_fn)
+        parts.lagrangian = LagrangeMultiplier(s.lambda_init, s.lambda_lr, s.cost_limit)
+    return parts
+
+
+def build_step(cfg: RunConfig, policy_path: str, resume: Path | None = None) -> GRPOStep:
     """Policy (from `policy_path`), frozen reference (from the base `cfg.model.path`), actor with its
-    optimizer, colocated rollout engine and reward functions, wired into one GRPOStep."""
+    optimizer, colocated rollout engine, reward functions and critics, wired into one GRPOStep."""
     model, tokenizer = load_model(policy_path, cfg.model.dtype, log=console.print)
     ref_model = None
     if cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0:  # the reference is the base, not a checkpoint
@@ -76,7 +103,15 @@ def build_step(cfg: RunConfig, policy_path: str) -> GRPOStep:
                   grad_clip=a.grad_clip)
     engine = HFRolloutEngine(model, tokenizer)  # colocated: shares the policy's weights
     reward_fn = make_reward(cfg.algorithm.reward_fn, cfg.algorithm.format_reward_weight)
-    return GRPOStep(cfg, engine, actor, ref_model, tokenizer, reward_fn, load_reward_fn(cfg.algorithm.reward_fn))
+    return GRPOStep(cfg, engine, actor, ref_model, tokenizer, reward_fn, load_reward_fn(cfg.algorithm.reward_fn),
+                    build_critics(cfg, resume, total_opt_steps))
+
+
+def critic_objects(step_fn: GRPOStep) -> dict[str, Critic]:
+    parts = step_fn.critics
+    if parts is None:
+        return {}
+    return {"critic": parts.critic, **({"cost_critic": parts.cost_critic} if parts.cost_critic else {})}
 
 
 def _fmt(acc: dict[str, float]) -> str:
@@ -95,7 +130,7 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
     train, val = load_task_data(cfg)
     sampler = BatchSampler(len(train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
     resume = latest_checkpoint(ckpt_root) if cfg.trainer.resume_mode == "auto" else None
-    step_fn = build_step(cfg, str(resume / "model") if resume else cfg.model.path)
+    step_fn = build_step(cfg, str(resume / "model") if resume else cfg.model.path, resume)
     model, tokenizer, actor, engine = step_fn.actor.model, step_fn.tokenizer, step_fn.actor, step_fn.engine
     correct_fn = step_fn.correct_fn
 
@@ -103,6 +138,10 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
     if resume:
         state = load_trainer_state(resume)
         actor.load_state_dict(state["actor"])
+        for name, critic in critic_objects(step_fn).items():
+            critic.load_state_dict(state[name])
+        if step_fn.critics is not None and step_fn.critics.lagrangian is not None:
+            step_fn.critics.lagrangian.load_state_dict(state["lagrangian"])
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         start_step = state["step"]
@@ -128,9 +167,14 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
         tracker.log(0, {f"val/{k}": v for k, v in small.items()})
 
     def checkpoint(step: int) -> None:
+        critics = critic_objects(step_fn)
+        extra_state = {name: c.state_dict() for name, c in critics.items()}
+        if step_fn.critics is not None and step_fn.critics.lagrangian is not None:
+            extra_state["lagrangian"] = step_fn.critics.lagrangian.state_dict()
         save_checkpoint(ckpt_root, step, model, tokenizer,
-                        {"actor": actor.state_dict(), "sampler": sampler.state_dict(),
-                         "base": state["base"]}, cfg.trainer.max_checkpoints)
+                        {"actor": actor.state_dict(), "sampler": sampler.state_dict(), "base": state["base"],
+                         **extra_state}, cfg.trainer.max_checkpoints,
+                        extra_models={name: c.model for name, c in critics.items()})
 
     total = cfg.trainer.total_training_steps
     columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),

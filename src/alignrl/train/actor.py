@@ -1,21 +1,17 @@
-"""Policy updates for one process: PPO mini-batches, micro-batch gradient accumulation, clipping.
-
-The loss of a mini-batch is token-mean over the whole mini-batch: each micro-batch divides its
-token sum by the mini-batch token count, so accumulation gives exactly the mini-batch gradient
-whatever the micro-batch size.
-"""
+"""The policy loss and the actor: the trainable policy with its optimizer, updated with the PPO
+mini-batch loop of `train.minibatch` (token-mean over the whole mini-batch, so accumulation gives
+exactly the mini-batch gradient whatever the micro-batch size)."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
 from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, token_mean
-from alignrl.data.collate import length_sorted_chunks
 from alignrl.data.records import Experience
 from alignrl.models.logprobs import response_logprobs
+from alignrl.train.minibatch import minibatch_updates
 from alignrl.train.optim import build_optimizer
 
 
@@ -27,14 +23,22 @@ class PolicyLossSpec:
     kl_type: str = "k3"
     entropy_coeff: float = 0.0
     temperature: float = 1.0
+    name: str = "ppo_clip"  # a key of POLICY_LOSSES
+    clip_c: float | None = None  # dual-clip constant (> 1), PPO only
+    loss_agg: str = "token-mean"  # a key of LOSS_AGGREGATIONS
+    max_len: float | None = None  # the constant of seq-mean-token-sum-norm (max response length)
 
 
-def policy_loss(logp, entropy, exp: Experience, spec: PolicyLossSpec, global_tokens: float
+def policy_loss(logp, entropy, exp: Experience, spec: PolicyLossSpec, global_tokens: float, global_seqs: float
                 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip + KL-to-reference - entropy bonus, all token-mean over `global_tokens`."""
+    """Policy loss (aggregated by `spec.loss_agg` over the mini-batch's global counts) + KL to the
+    reference - entropy bonus (both token-mean)."""
     mask = exp.response_mask.to(logp.dtype)
-    loss, metrics = POLICY_LOSSES["ppo_clip"](logp, exp.old_logprobs, exp.advantages, mask,
-                                              spec.clip_low, spec.clip_high, global_tokens, is_weight=exp.is_weight)
+    extra = {"clip_c": spec.clip_c} if spec.name == "ppo_clip" else {}
+    loss, metrics = POLICY_LOSSES[spec.name](logp, exp.old_logprobs, exp.advantages, mask, spec.clip_low,
+                                             spec.clip_high, global_tokens, is_weight=exp.is_weight,
+                                             loss_agg=spec.loss_agg, global_seqs=global_seqs, max_len=spec.max_len,
+                                             **extra)
     if spec.kl_coef > 0 and exp.ref_logprobs is not None:
         kl = token_mean(KL_ESTIMATORS[spec.kl_type](logp, exp.ref_logprobs), mask, global_tokens)
         loss = loss + spec.kl_coef * kl
@@ -62,33 +66,15 @@ class Actor:
                generator: torch.Generator) -> dict[str, float]:
         """`mini_batch` and `micro_batch` are in sequences. Mini-batches are shuffled each epoch."""
         self.model.train()
-        sums: dict[str, list[float]] = defaultdict(list)
-        for _ in range(epochs):
-            order = torch.randperm(len(exp), generator=generator)
-            for start in range(0, len(exp), mini_batch):
-                mb = order[start:start + mini_batch]
-                tokens = float(exp.response_mask[mb].sum())
-                self.optimizer.zero_grad(set_to_none=True)
-                for rows in length_sorted_chunks(mb, exp.prompt_mask, exp.response_mask, micro_batch):
-                    micro = exp.select(rows)
-                    logp, ent = response_logprobs(self.model, micro.prompt_ids, micro.prompt_mask,
-                                                  micro.response_ids, micro.response_mask,
-                                                  spec.temperature, with_entropy=True,
-                                                  entropy_grad=spec.entropy_coeff > 0)
-                    loss, m = policy_loss(logp, ent, micro, spec, tokens)
-                    loss.backward()
-                    share = float(micro.response_mask.sum()) / max(tokens, 1.0)
-                    for k, v in m.items():
-                        sums[k].append(v * share)
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                      self.grad_clip if self.grad_clip > 0 else float("inf"))
-                sums["actor/grad_norm"].append(float(norm))
-                self.optimizer.step()
-                self.scheduler.step()
-        n_mini = epochs * ((len(exp) + mini_batch - 1) // mini_batch)
-        out = {k: sum(v) / n_mini for k, v in sums.items()}  # each mini-batch contributes weight 1
-        out["actor/lr"] = self.scheduler.get_last_lr()[0]
-        return out
+
+        def micro_loss(rows, micro: Experience, tokens: float, seqs: float):
+            logp, ent = response_logprobs(self.model, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
+                                          micro.response_mask, spec.temperature, with_entropy=True,
+                                          entropy_grad=spec.entropy_coeff > 0)
+            return policy_loss(logp, ent, micro, spec, tokens, seqs)
+
+        return minibatch_updates(exp, micro_loss, self.optimizer, self.scheduler, self.model.parameters(),
+                                 self.grad_clip, mini_batch, micro_batch, epochs, generator, "actor")
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

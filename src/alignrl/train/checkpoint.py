@@ -41,12 +41,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, trainer_state: dict[str, Any],
-                    keep: int) -> Path:
+                    keep: int, extra_models: dict[str, Any] | None = None) -> Path:
+    """`extra_models` (e.g. {"critic": value_model}) are saved as HF folders beside `model/`."""
     final = ckpt_root / f"global_step_{step}"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=f".global_step_{step}."))
     model.save_pretrained(tmp / "model")
     tokenizer.save_pretrained(tmp / "model")
+    for name, extra in (extra_models or {}).items():
+        extra.save_pretrained(tmp / name)
     torch.save({**trainer_state, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
     if final.exists():
         shutil.rmtree(final)

@@ -14,8 +14,8 @@ from alignrl.train.optim import build_optimizer
 
 class Critic:
     def __init__(self, model, *, lr: float, weight_decay: float, betas, warmup_steps: int, total_steps: int,
-                 grad_clip: float, cliprange_value: float | None):
-        self.model = model
+                 grad_clip: float, cliprange_value: float | None, name: str = "critic"):
+        self.model, self.name = model, name  # name prefixes the metrics: critic/..., cost_critic/...
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), lr, weight_decay, betas, warmup_steps,
                                                          total_steps, "constant", 0.0)
         self.grad_clip, self.cliprange_value = grad_clip, cliprange_value
@@ -39,15 +39,16 @@ class Critic:
         """`old_values`, `returns` (B, R) aligned with `exp`'s responses."""
         self.model.train()
 
-        def micro_loss(rows, micro: Experience, tokens: float):
+        def micro_loss(rows, micro: Experience, tokens: float, seqs: float):
             r1 = micro.response_ids.shape[1]
             v = response_values(self.model, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                 micro.response_mask)
-            return value_loss(v, old_values[rows, :r1], returns[rows, :r1], micro.response_mask.float(),
-                              self.cliprange_value, tokens)
+            loss, m = value_loss(v, old_values[rows, :r1], returns[rows, :r1], micro.response_mask.float(),
+                                 self.cliprange_value, tokens)
+            return loss, {self.name + k.removeprefix("critic"): x for k, x in m.items()}
 
         return minibatch_updates(exp, micro_loss, self.optimizer, self.scheduler, self.model.parameters(),
-                                 self.grad_clip, mini_batch, micro_batch, epochs, generator, "critic")
+                                 self.grad_clip, mini_batch, micro_batch, epochs, generator, self.name)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

@@ -12,11 +12,13 @@ from collections.abc import Callable
 
 import torch
 
+from alignrl.core.aggregation import n_sequences
 from alignrl.data.collate import length_sorted_chunks
 from alignrl.data.records import Experience
 
-# (rows of the full batch, those rows as a trimmed Experience, mini-batch token count) -> (loss, metrics)
-MicroLoss = Callable[[torch.Tensor, Experience, float], tuple[torch.Tensor, dict[str, float]]]
+# (rows of the full batch, those rows as a trimmed Experience, mini-batch token count, mini-batch
+# sequence count) -> (loss, metrics)
+MicroLoss = Callable[[torch.Tensor, Experience, float, float], tuple[torch.Tensor, dict[str, float]]]
 
 
 def minibatch_updates(exp: Experience, micro_loss: MicroLoss, optimizer, scheduler, params, grad_clip: float,
@@ -30,10 +32,11 @@ def minibatch_updates(exp: Experience, micro_loss: MicroLoss, optimizer, schedul
         for start in range(0, len(exp), mini_batch):
             mb = order[start:start + mini_batch]
             tokens = float(exp.response_mask[mb].sum())
+            seqs = n_sequences(exp.response_mask[mb])
             optimizer.zero_grad(set_to_none=True)
             for rows in length_sorted_chunks(mb, exp.prompt_mask, exp.response_mask, micro_batch):
                 micro = exp.select(rows)
-                loss, m = micro_loss(rows, micro, tokens)
+                loss, m = micro_loss(rows, micro, tokens, seqs)
                 loss.backward()
                 share = float(micro.response_mask.sum()) / max(tokens, 1.0)
                 for k, v in m.items():
