@@ -54,3 +54,22 @@ def test_critic_update_moves_values_toward_returns(tiny_model, tiny_model_dir):
         metrics = critic.update(exp, critic.values(ro, 6), returns, 6, 3, 1, torch.Generator().manual_seed(0))
     assert err(critic.values(ro, 6)) < 0.2 * before
     assert {"critic/vf_loss", "critic/grad_norm", "critic/lr"} <= set(metrics)
+
+
+def test_model_scorer_reads_the_last_real_token(tiny_model, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from alignrl.models.value import ModelScorer
+
+    torch.manual_seed(0)
+    seq_cls = AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1)
+    seq_cls.save_pretrained(tmp_path / "cost_model")
+    tiny_model[1].save_pretrained(tmp_path / "cost_model")
+    scorer = ModelScorer(str(tmp_path / "cost_model"), log=lambda *_: None)
+    ro = _rollout(tiny_model)
+    scores = scorer.score(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
+    assert scores.shape == (len(ro.group),)
+    with torch.no_grad():
+        for i in range(len(ro.group)):  # one unpadded sequence at a time through HF's own head
+            ids = torch.cat([ro.prompt_ids[i, ro.prompt_mask[i]], ro.response_ids[i, ro.response_mask[i]]])[None]
+            torch.testing.assert_close(scores[i], seq_cls(input_ids=ids).logits[0, 0], atol=1e-5, rtol=0)

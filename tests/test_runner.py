@@ -209,3 +209,17 @@ def test_policy_loss_variants_run_a_step(extra, tiny_model_dir, tmp_path):
     assert train_grpo(cfg)["steps"] == 2
     rows = [json.loads(x) for x in (tmp_path / "v" / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(v) for r in rows for v in r.values())
+
+
+def test_ppo_lagrangian_with_a_cost_model(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1).save_pretrained(
+        tmp_path / "cost_model")
+    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(tmp_path / "cost_model")
+    over = _overrides(tiny_model_dir, tmp_path, "safe_model", 1, 0) + [
+        "algorithm.adv_estimator=gae", "critic.enable=true", f"safety.cost_model={tmp_path / 'cost_model'}"]
+    train_grpo(load_config(None, over))
+    row = [json.loads(x) for x in (tmp_path / "safe_model" / "logs" / "metrics.jsonl").read_text().splitlines()][1]
+    assert math.isfinite(row["safety/cost_mean"]) and row["safety/lambda"] >= 0.0

@@ -138,6 +138,8 @@ class CriticConfig:
 class SafetyConfig:
     cost_fn: str | None = opt(None, "PPO-Lagrangian (Safe RLHF): per-response cost 'path/to/file.py:function' "
                                     "(compute_score signature); needs algorithm.adv_estimator=gae")
+    cost_model: str | None = opt(None, "PPO-Lagrangian cost from a cost model (HF sequence-classification folder, "
+                                        "one label) instead of safety.cost_fn")
     cost_limit: float = opt(0.0, "constraint: mean episode cost <= cost_limit")
     lambda_init: float = opt(0.0, "initial Lagrange multiplier", ge=0.0)
     lambda_lr: float = opt(0.05, "Lagrange multiplier step size", ge=0.0)
@@ -221,8 +223,10 @@ def _check_combinations(cfg: RunConfig) -> None:
     if cfg.critic.enable and not gae:
         raise ConfigError(f"critic.enable=true is only used by algorithm.adv_estimator=gae "
                           f"(got {cfg.algorithm.adv_estimator}); set critic.enable=false or use gae")
-    if cfg.safety.cost_fn and not gae:
-        raise ConfigError("safety.cost_fn (PPO-Lagrangian) needs a cost critic: set algorithm.adv_estimator=gae "
+    if cfg.safety.cost_fn and cfg.safety.cost_model:
+        raise ConfigError("set one of safety.cost_fn (a rule) or safety.cost_model (a model), not both")
+    if (cfg.safety.cost_fn or cfg.safety.cost_model) and not gae:
+        raise ConfigError("safety.cost_fn / safety.cost_model (PPO-Lagrangian) needs a cost critic: set algorithm.adv_estimator=gae "
                           "and critic.enable=true")
 
 

@@ -26,6 +26,7 @@ from alignrl.core.shaping import overlong_penalty
 from alignrl.data.collate import length_sorted_chunks, padding_bounds
 from alignrl.data.records import Experience, Rollout, Sample
 from alignrl.models.logprobs import response_logprobs
+from alignrl.models.value import ModelScorer
 from alignrl.rollout.hf_engine import SamplingParams
 from alignrl.train.actor import Actor, PolicyLossSpec
 from alignrl.train.critic import Critic
@@ -60,7 +61,8 @@ class CriticParts:
 
     critic: Critic
     cost_critic: Critic | None = None
-    cost_fn: Callable | None = None
+    cost_fn: Callable | None = None  # a rule on the decoded response (reward-function signature)
+    cost_model: ModelScorer | None = None  # or a cost model on the token ids
     lagrangian: LagrangeMultiplier | None = None
 
 
@@ -143,10 +145,12 @@ class GRPOStep:
         if a.overlong_buffer_len:
             out = out + overlong_penalty(ro.response_lengths, self.cfg.rollout.max_new_tokens,
                                          a.overlong_buffer_len, a.overlong_penalty_factor)
-        costs = None
-        if self.critics is not None and self.critics.cost_fn is not None:
-            costs = torch.tensor([float(self.critics.cost_fn(s.data_source, t, s.ground_truth, s.extra))
+        costs, c = None, self.critics
+        if c is not None and c.cost_fn is not None:
+            costs = torch.tensor([float(c.cost_fn(s.data_source, t, s.ground_truth, s.extra))
                                   for s, t in zip(rows, texts)])
+        elif c is not None and c.cost_model is not None:
+            costs = c.cost_model.score(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
         return Scored(out, torch.tensor(correct), costs)
 
     def dynamic_sample(self, step: int, ro: Rollout, scored: Scored, more_prompts: MorePrompts | None,

@@ -22,7 +22,7 @@ from alignrl.data.collate import encode_prompts
 from alignrl.data.loaders import load_samples
 from alignrl.data.sampler import BatchSampler
 from alignrl.models.loader import frozen_copy, load_model
-from alignrl.models.value import load_value_model
+from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.registry import load_reward_fn, make_reward
 from alignrl.rollout.hf_engine import HFRolloutEngine
 from alignrl.train.actor import Actor
@@ -79,10 +79,11 @@ def build_critics(cfg: RunConfig, resume: Path | None, total_opt_steps: int) -> 
                       name=name)
 
     parts = CriticParts(critic=make("critic", cfg.trainer.seed))
-    if cfg.safety.cost_fn:
-        s = cfg.safety
+    s = cfg.safety
+    if s.cost_fn or s.cost_model:
         parts.cost_critic = make("cost_critic", cfg.trainer.seed + 1)
-        parts.cost_fn = load_reward_fn(s.cost_fn)
+        parts.cost_fn = load_reward_fn(s.cost_fn) if s.cost_fn else None
+        parts.cost_model = ModelScorer(s.cost_model, cfg.model.dtype, log=console.print) if s.cost_model else None
         parts.lagrangian = LagrangeMultiplier(s.lambda_init, s.lambda_lr, s.cost_limit)
     return parts
 
