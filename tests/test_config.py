@@ -31,6 +31,21 @@ def test_yaml_then_overrides(tmp_path):
     (["actor.kl_loss_type=k7"], "actor.kl_loss_type='k7' is not allowed; choose one of: k1, k2, k3"),
     (["data.train_batch_size=30"], "must be a multiple of actor.ppo_mini_batch_size"),
     (["actor.lr"], "must look like key.sub=value"),
+    (["algorithm.rollout_is=token", "actor.recompute_old_logprobs=false"],
+     "algorithm.rollout_is=token needs actor.recompute_old_logprobs=true"),
+    (["algorithm.rollout_is=batch"], "algorithm.rollout_is='batch' is not allowed; choose one of: none, token"),
+    (["algorithm.rollout_is_mode=clip"], "algorithm.rollout_is_mode='clip' is not allowed"),
+    (["algorithm.rollout_is_threshold=0"], "algorithm.rollout_is_threshold=0.0 is out of range"),
+    (["algorithm.overlong_buffer_len=65"], "algorithm.overlong_buffer_len=65 must be <= rollout.max_new_tokens=64"),
+    (["algorithm.max_gen_rounds=-1"], "algorithm.max_gen_rounds=-1 is out of range"),
+    (["algorithm.overlong_penalty_factor=-1"], "algorithm.overlong_penalty_factor=-1.0 is out of range"),
+    (["algorithm.adv_estimator=gae"], "needs a critic"),
+    (["critic.enable=true"], "only used by algorithm.adv_estimator=gae"),
+    (["safety.cost_fn=x.py:f"], "needs a cost critic"),
+    (["algorithm.adv_estimator=gae", "critic.enable=true", "safety.cost_fn=x.py:f", "safety.cost_model=m"],
+     "not both"),
+    (["actor.clip_ratio_c=0.5"], "must be > 1"),
+    (["actor.policy_loss=gspo", "actor.clip_ratio_c=3"], "applies to actor.policy_loss=ppo_clip only"),
 ])
 def test_bad_values_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError) as e:
