@@ -130,7 +130,7 @@ def test_too_little_data_is_a_one_line_error(tiny_model_dir, tmp_path):
     assert len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"])
 def test_other_estimators_run_a_step(estimator, tiny_model_dir, tmp_path):
     from alignrl.algos.grpo import OUTCOME_ESTIMATORS
     from alignrl.config import AlgorithmConfig
@@ -212,3 +212,23 @@ def test_ppo_lagrangian_with_a_cost_model(tiny_model_dir, tmp_path):
     train_grpo(load_config(None, over))
     row = [json.loads(x) for x in (tmp_path / "safe_model" / "logs" / "metrics.jsonl").read_text().splitlines()][1]
     assert math.isfinite(row["safety/cost_mean"]) and row["safety/lambda"] >= 0.0
+
+
+def test_remax_baseline_is_the_greedy_reward(tiny_model_dir, tmp_path):
+    from alignrl.algos.runner import LazyPrompts, build_step
+    from alignrl.data import synthetic
+    from alignrl.rollout.hf_engine import SamplingParams
+
+    cfg = load_config(None, _overrides(tiny_model_dir, tmp_path, "remax", 1, 0) + ["algorithm.adv_estimator=remax"])
+    step = build_step(cfg, str(tiny_model_dir))
+    samples = synthetic.generate("train", 3, seed=0)
+    prompts = [LazyPrompts(step.tokenizer, samples, 64)[i] for i in range(3)]
+    # reward = 1 for responses whose text length is odd: greedy and sampled responses then differ in reward
+    step.reward_fn = lambda ds, text, gt, extra=None: float(len(text) % 2)
+    ro = step.engine.generate(prompts, step.sampling_params(1))
+    scored = step.score(ro, samples)
+    greedy = step.engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
+    texts = step.tokenizer.batch_decode(greedy.response_ids.masked_fill(~greedy.response_mask, 0),
+                                        skip_special_tokens=True)
+    expected = torch.tensor([float(len(t) % 2) for t in texts])[ro.group]
+    assert torch.equal(scored.baseline, expected)

@@ -95,8 +95,10 @@ class ActorConfig:
 @dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str = opt("grpo", "advantage estimator: grpo (GRPO/Dr.GRPO), rloo (leave-one-out), "
-                                     "reinforce_plus_plus (whitened returns), reinforce_plus_plus_baseline",
-                             choices=("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"))
+                                     "reinforce_plus_plus (whitened returns), reinforce_plus_plus_baseline, remax "
+                                     "(greedy baseline), gae (PPO with critic.enable=true)",
+                             choices=("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
+                                      "gae"))
     gamma: float = opt(1.0, "discount of GAE and REINFORCE++ returns", ge=0.0, le=1.0)
     lam: float = opt(1.0, "GAE lambda", ge=0.0, le=1.0)
     norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false gives Dr.GRPO")

@@ -46,13 +46,16 @@ class Scored:
     rewards: torch.Tensor  # (B,) training reward (correctness + shaping)
     correct: torch.Tensor  # (B,) bool, full correctness reward earned
     costs: torch.Tensor | None = None  # (B,) safety cost (PPO-Lagrangian), None without one
+    baseline: torch.Tensor | None = None  # (B,) reward of the row's prompt's greedy response (ReMax)
 
     def rows(self, idx: torch.Tensor) -> Scored:
-        return Scored(self.rewards[idx], self.correct[idx], None if self.costs is None else self.costs[idx])
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        return Scored(self.rewards[idx], self.correct[idx], pick(self.costs), pick(self.baseline))
 
     def cat(self, other: Scored) -> Scored:
-        costs = None if self.costs is None else torch.cat([self.costs, other.costs])
-        return Scored(torch.cat([self.rewards, other.rewards]), torch.cat([self.correct, other.correct]), costs)
+        join = lambda a, b: None if a is None else torch.cat([a, b])  # noqa: E731
+        return Scored(torch.cat([self.rewards, other.rewards]), torch.cat([self.correct, other.correct]),
+                      join(self.costs, other.costs), join(self.baseline, other.baseline))
 
 
 @dataclass
@@ -72,13 +75,16 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
     return last.to(rewards.dtype) * rewards[:, None]
 
 
-# How each critic-free estimator is fed from one step's outcome rewards: (rewards (B,), group (B,),
-# response mask (B, R), algorithm config) -> advantages (B,) or (B, R).
+# How each critic-free estimator is fed from one step's scores: (Scored, group (B,), response mask (B, R),
+# algorithm config) -> advantages (B,) or (B, R).
 OUTCOME_ESTIMATORS = {
-    "grpo": lambda r, g, m, a: ADVANTAGES["grpo"](r, g, norm_by_std=a.norm_adv_by_std_in_grpo),
-    "rloo": lambda r, g, m, a: ADVANTAGES["rloo"](r, g),
-    "reinforce_plus_plus": lambda r, g, m, a: ADVANTAGES["reinforce_plus_plus"](outcome_token_rewards(r, m), m),
-    "reinforce_plus_plus_baseline": lambda r, g, m, a: ADVANTAGES["reinforce_plus_plus_baseline"](r, g, m),
+    "grpo": lambda s, g, m, a: ADVANTAGES["grpo"](s.rewards, g, norm_by_std=a.norm_adv_by_std_in_grpo),
+    "rloo": lambda s, g, m, a: ADVANTAGES["rloo"](s.rewards, g),
+    "reinforce_plus_plus": lambda s, g, m, a: ADVANTAGES["reinforce_plus_plus"](outcome_token_rewards(s.rewards, m),
+                                                                                m),
+    "reinforce_plus_plus_baseline": lambda s, g, m, a: ADVANTAGES["reinforce_plus_plus_baseline"](s.rewards, g, m),
+    # the per-row baseline already follows the row's prompt, so each row is its own "group" here
+    "remax": lambda s, g, m, a: ADVANTAGES["remax"](s.rewards, torch.arange(len(g)), s.baseline),
 }
 
 
@@ -151,7 +157,21 @@ class GRPOStep:
                                   for s, t in zip(rows, texts)])
         elif c is not None and c.cost_model is not None:
             costs = c.cost_model.score(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
-        return Scored(out, torch.tensor(correct), costs)
+        baseline = self.greedy_baseline(ro, samples) if self.cfg.algorithm.adv_estimator == "remax" else None
+        return Scored(out, torch.tensor(correct), costs, baseline)
+
+    def greedy_baseline(self, ro: Rollout, samples: Sequence[Sample]) -> torch.Tensor:
+        """ReMax's baseline: the task reward of each prompt's greedy response, per row (B,)."""
+        first = torch.unique_consecutive(ro.group, return_counts=True)[1].cumsum(0) - 1  # a row of each group
+        prompts = [ro.prompt_ids[i][ro.prompt_mask[i]].tolist() for i in first.tolist()]
+        greedy = self.engine.generate(prompts, SamplingParams(n=1, temperature=0.0,
+                                                              max_new_tokens=self.cfg.rollout.max_new_tokens))
+        ids = greedy.response_ids.masked_fill(~greedy.response_mask, self.tokenizer.pad_token_id)
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        per_group = torch.tensor([float(self.reward_fn(samples[g].data_source, t, samples[g].ground_truth,
+                                                       samples[g].extra))
+                                  for g, t in zip(ro.group[first].tolist(), texts)])
+        return per_group[ro.group]
 
     def dynamic_sample(self, step: int, ro: Rollout, scored: Scored, more_prompts: MorePrompts | None,
                        timings: dict[str, float]) -> tuple[Rollout, Scored, dict[str, float]]:
@@ -225,7 +245,7 @@ class GRPOStep:
                       if cfg.actor.recompute_old_logprobs else ro.logprobs)
         value_targets: list = []
         if self.critics is None:
-            adv = OUTCOME_ESTIMATORS[cfg.algorithm.adv_estimator](scored.rewards, ro.group, ro.response_mask.float(),
+            adv = OUTCOME_ESTIMATORS[cfg.algorithm.adv_estimator](scored, ro.group, ro.response_mask.float(),
                                                                   cfg.algorithm)
         else:
             with _timed(t, "values"):
