@@ -232,3 +232,18 @@ def test_remax_baseline_is_the_greedy_reward(tiny_model_dir, tmp_path):
                                         skip_special_tokens=True)
     expected = torch.tensor([float(len(t) % 2) for t in texts])[ro.group]
     assert torch.equal(scored.baseline, expected)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce_plus_plus"])
+def test_kl_in_reward_with_adaptive_controller(estimator, tiny_model_dir, tmp_path):
+    over = _overrides(tiny_model_dir, tmp_path, "klr", 3, 3) + [
+        f"algorithm.adv_estimator={estimator}", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl_type=adaptive",
+        "algorithm.kl_coef=0.1", "algorithm.kl_target=0.01", "algorithm.kl_horizon=100", "actor.use_kl_loss=false"]
+    train_grpo(load_config(None, over))
+    rows = [json.loads(x) for x in (tmp_path / "klr" / "logs" / "metrics.jsonl").read_text().splitlines()][1:]
+    coef = 0.1
+    for r in rows:  # each step uses the current coefficient, then updates it from the measured KL
+        assert r["actor/reward_kl_penalty_coeff"] == pytest.approx(coef)
+        coef *= 1 + min(max(r["actor/reward_kl_penalty"] / 0.01 - 1, -0.2), 0.2) * 16 / 100
+    state = torch.load(tmp_path / "klr" / "checkpoints" / "global_step_3" / "trainer_state.pt", weights_only=False)
+    assert state["kl_coef"] == pytest.approx(coef)

@@ -102,6 +102,15 @@ class AlgorithmConfig:
     gamma: float = opt(1.0, "discount of GAE and REINFORCE++ returns", ge=0.0, le=1.0)
     lam: float = opt(1.0, "GAE lambda", ge=0.0, le=1.0)
     norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false gives Dr.GRPO")
+    use_kl_in_reward: bool = opt(False, "subtract kl_coef × KL(policy || reference) from every token's reward "
+                                        "(InstructGPT-style), instead of or beside actor.use_kl_loss")
+    kl_penalty: str = opt("k1", "KL estimator of the reward penalty (verl aliases: kl=k1, mse=k2, low_var_kl=k3)",
+                          choices=("k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl"))
+    kl_ctrl_type: str = opt("fixed", "reward-penalty coefficient: fixed, or adaptive toward kl_target "
+                                     "(Ziegler et al. 2019)", choices=("fixed", "adaptive"))
+    kl_coef: float = opt(0.001, "initial reward-penalty KL coefficient", ge=0.0)
+    kl_target: float = opt(0.1, "adaptive controller: target per-token KL", gt=0.0)
+    kl_horizon: float = opt(10000.0, "adaptive controller: horizon in samples", gt=0.0)
     reward_fn: str | None = opt(None, "custom reward 'path/to/file.py:function' (verl compute_score signature)")
     format_reward_weight: float = opt(0.0, "weight of the '#### N' format reward added to correctness", ge=0.0)
     dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: drop groups whose rewards are all equal (zero "

@@ -19,6 +19,7 @@ import torch
 from alignrl.algos.rollout_ops import concat_rollouts, group_rows, mixed_reward_groups, select_groups
 from alignrl.config import RunConfig
 from alignrl.core.advantages import ADVANTAGES
+from alignrl.core.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
 from alignrl.core.lagrangian import LagrangeMultiplier, safe_advantages
 from alignrl.core.losses import masked_mean
 from alignrl.core.rollout_correction import truncated_is_weights
@@ -47,6 +48,11 @@ class Scored:
     correct: torch.Tensor  # (B,) bool, full correctness reward earned
     costs: torch.Tensor | None = None  # (B,) safety cost (PPO-Lagrangian), None without one
     baseline: torch.Tensor | None = None  # (B,) reward of the row's prompt's greedy response (ReMax)
+    token_rewards: torch.Tensor | None = None  # (B, R) with the KL penalty, when algorithm.use_kl_in_reward
+
+    def token_level(self, mask: torch.Tensor) -> torch.Tensor:
+        """Per-token rewards (B, R): the KL-penalised ones, or the outcome reward on the last token."""
+        return self.token_rewards if self.token_rewards is not None else outcome_token_rewards(self.rewards, mask)
 
     def rows(self, idx: torch.Tensor) -> Scored:
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
@@ -80,8 +86,7 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 OUTCOME_ESTIMATORS = {
     "grpo": lambda s, g, m, a: ADVANTAGES["grpo"](s.rewards, g, norm_by_std=a.norm_adv_by_std_in_grpo),
     "rloo": lambda s, g, m, a: ADVANTAGES["rloo"](s.rewards, g),
-    "reinforce_plus_plus": lambda s, g, m, a: ADVANTAGES["reinforce_plus_plus"](outcome_token_rewards(s.rewards, m),
-                                                                                m),
+    "reinforce_plus_plus": lambda s, g, m, a: ADVANTAGES["reinforce_plus_plus"](s.token_level(m), m),
     "reinforce_plus_plus_baseline": lambda s, g, m, a: ADVANTAGES["reinforce_plus_plus_baseline"](s.rewards, g, m),
     # the per-row baseline already follows the row's prompt, so each row is its own "group" here
     "remax": lambda s, g, m, a: ADVANTAGES["remax"](s.rewards, torch.arange(len(g)), s.baseline),
@@ -121,6 +126,11 @@ class GRPOStep:
         self.cfg, self.engine, self.actor, self.ref = cfg, engine, actor, ref_model
         self.tokenizer, self.reward_fn, self.correct_fn, self.critics = tokenizer, reward_fn, correct_fn, critics
         a = cfg.actor
+        alg = cfg.algorithm
+        self.kl_ctrl = None
+        if alg.use_kl_in_reward:
+            self.kl_ctrl = (FixedKLController(alg.kl_coef) if alg.kl_ctrl_type == "fixed"
+                            else AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon))
         self.spec = PolicyLossSpec(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
                                    kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
                                    kl_type=KL_ALIASES.get(a.kl_loss_type, a.kl_loss_type),
@@ -239,10 +249,18 @@ class GRPOStep:
                 return {**metrics, **t}
         with _timed(t, "ref"):
             ref_lp = (batched_logprobs(self.ref, ro, cfg.rollout.temperature, micro)
-                      if self.spec.kl_coef > 0 else None)
+                      if self.spec.kl_coef > 0 or self.kl_ctrl is not None else None)
         with _timed(t, "old_logprob"):
             old_lp = (batched_logprobs(self.actor.model, ro, cfg.rollout.temperature, micro)
                       if cfg.actor.recompute_old_logprobs else ro.logprobs)
+        if self.kl_ctrl is not None:  # KL in the reward: per-token penalty, then the estimators see it
+            mask = ro.response_mask.float()
+            alias = KL_ALIASES.get(cfg.algorithm.kl_penalty, cfg.algorithm.kl_penalty)
+            token_rewards, kl_metrics = kl_penalty_rewards(outcome_token_rewards(scored.rewards, mask), old_lp,
+                                                           ref_lp, mask, self.kl_ctrl.value, alias)
+            scored = Scored(token_rewards.sum(-1), scored.correct, scored.costs, scored.baseline, token_rewards)
+            self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], len(ro.group))
+            metrics.update(kl_metrics)
         value_targets: list = []
         if self.critics is None:
             adv = OUTCOME_ESTIMATORS[cfg.algorithm.adv_estimator](scored, ro.group, ro.response_mask.float(),
@@ -284,8 +302,7 @@ class GRPOStep:
         c, a = self.critics, self.cfg.algorithm
         mask = ro.response_mask.float()
         values = c.critic.values(ro, micro)
-        adv, returns = ADVANTAGES["gae"](outcome_token_rewards(scored.rewards, mask), values, mask, a.gamma, a.lam,
-                                         whiten=True)
+        adv, returns = ADVANTAGES["gae"](scored.token_level(mask), values, mask, a.gamma, a.lam, whiten=True)
         targets = [(c.critic, values, returns)]
         metrics = {"critic/values_mean": float(masked_mean(values, mask)),
                    "critic/returns_mean": float(masked_mean(returns, mask))}

@@ -93,7 +93,8 @@ def build_step(cfg: RunConfig, policy_path: str, resume: Path | None = None) -> 
     optimizer, colocated rollout engine, reward functions and critics, wired into one GRPOStep."""
     model, tokenizer = load_model(policy_path, cfg.model.dtype, log=console.print)
     ref_model = None
-    if cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0:  # the reference is the base, not a checkpoint
+    if (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward:
+        # the reference is the base model, not a checkpoint
         base = model if policy_path == cfg.model.path else load_model(cfg.model.path, cfg.model.dtype)[0]
         ref_model = frozen_copy(base)
     a = cfg.actor
@@ -143,6 +144,8 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
             critic.load_state_dict(state[name])
         if step_fn.critics is not None and step_fn.critics.lagrangian is not None:
             step_fn.critics.lagrangian.load_state_dict(state["lagrangian"])
+        if step_fn.kl_ctrl is not None:
+            step_fn.kl_ctrl.value = state["kl_coef"]
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         start_step = state["step"]
@@ -172,6 +175,8 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
         extra_state = {name: c.state_dict() for name, c in critics.items()}
         if step_fn.critics is not None and step_fn.critics.lagrangian is not None:
             extra_state["lagrangian"] = step_fn.critics.lagrangian.state_dict()
+        if step_fn.kl_ctrl is not None:
+            extra_state["kl_coef"] = step_fn.kl_ctrl.value
         save_checkpoint(ckpt_root, step, model, tokenizer,
                         {"actor": actor.state_dict(), "sampler": sampler.state_dict(), "base": state["base"],
                          **extra_state}, cfg.trainer.max_checkpoints,
