@@ -164,10 +164,10 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
     console.print(f"train problems {len(train)}, held-out {len(val)}; run dir {run_dir}")
     if "base" not in state:
         t0 = time.time()
-        state["base"] = evaluate(len(val))
+        state["base"], small = greedy_eval(engine, tokenizer, val, val_prompts, correct_fn, cfg.rollout.max_new_tokens,
+                                           subset=n_val_small)
         console.print(f"base model held-out greedy accuracy: {_fmt(state['base'])} on {len(val)} problems "
                       f"({time.time() - t0:.1f}s)")
-        small = evaluate(n_val_small) if n_val_small < len(val) else state["base"]
         tracker.log(0, {f"val/{k}": v for k, v in small.items()})
 
     def checkpoint(step: int) -> None:
