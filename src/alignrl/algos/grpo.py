@@ -24,7 +24,7 @@ from alignrl.core.lagrangian import LagrangeMultiplier, safe_advantages
 from alignrl.core.losses import masked_mean
 from alignrl.core.rollout_correction import truncated_is_weights
 from alignrl.core.shaping import overlong_penalty
-from alignrl.data.collate import length_sorted_chunks, padding_bounds
+from alignrl.data.collate import per_token_in_chunks
 from alignrl.data.records import Experience, Rollout, Sample
 from alignrl.models.logprobs import response_logprobs
 from alignrl.models.value import ModelScorer
@@ -101,21 +101,13 @@ def _timed(timings: dict[str, float], name: str):
     timings[key] = timings.get(key, 0.0) + (time.perf_counter() - t0)
 
 
-@torch.no_grad()
 def batched_logprobs(model, ro: Rollout, temperature: float, micro_batch: int) -> torch.Tensor:
-    """Log-probs (B, R) of the rollout's responses under `model`, `micro_batch` rows at a time
-    (rows grouped by length, padding columns trimmed per group)."""
-    was_training = model.training
-    model.eval()
-    out = torch.zeros(ro.response_ids.shape)
-    rows = torch.arange(out.shape[0])
-    for idx in length_sorted_chunks(rows, ro.prompt_mask, ro.response_mask, micro_batch):
-        pm, rm = ro.prompt_mask[idx], ro.response_mask[idx]
-        p0, r1 = padding_bounds(pm, rm)
-        out[idx, :r1], _ = response_logprobs(model, ro.prompt_ids[idx, p0:], pm[:, p0:], ro.response_ids[idx, :r1],
-                                             rm[:, :r1], temperature)
-    model.train(was_training)
-    return out
+    """Log-probs (B, R) of the rollout's responses under `model`, in length-grouped, trimmed chunks."""
+    def logprobs(m, *tensors):
+        return response_logprobs(m, *tensors, temperature)[0]
+
+    return per_token_in_chunks(model, logprobs, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask,
+                               micro_batch)
 
 
 class GRPOStep:

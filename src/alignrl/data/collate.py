@@ -67,3 +67,19 @@ def length_sorted_chunks(idx: torch.Tensor, prompt_mask: torch.Tensor, response_
     lengths = prompt_mask[idx].sum(-1) + response_mask[idx].sum(-1)
     ordered = idx[torch.argsort(lengths, stable=True)]
     return list(ordered.split(chunk))
+
+
+@torch.no_grad()
+def per_token_in_chunks(model, fn, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                        response_mask: torch.Tensor, micro_batch: int) -> torch.Tensor:
+    """(B, R) per-token outputs of `fn(model, prompt_ids, prompt_mask, response_ids, response_mask)` in eval
+    mode, `micro_batch` rows at a time, rows grouped by length and each chunk trimmed of padding."""
+    was_training = model.training
+    model.eval()
+    out = torch.zeros(response_ids.shape)
+    for idx in length_sorted_chunks(torch.arange(out.shape[0]), prompt_mask, response_mask, micro_batch):
+        pm, rm = prompt_mask[idx], response_mask[idx]
+        p0, r1 = padding_bounds(pm, rm)
+        out[idx, :r1] = fn(model, prompt_ids[idx, p0:], pm[:, p0:], response_ids[idx, :r1], rm[:, :r1])
+    model.train(was_training)
+    return out

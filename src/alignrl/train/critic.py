@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from alignrl.core.losses import value_loss
-from alignrl.data.collate import length_sorted_chunks, padding_bounds
+from alignrl.data.collate import per_token_in_chunks
 from alignrl.data.records import Experience, Rollout
 from alignrl.models.value import response_values
 from alignrl.train.minibatch import minibatch_updates
@@ -20,19 +20,10 @@ class Critic:
                                                          total_steps, "constant", 0.0)
         self.grad_clip, self.cliprange_value = grad_clip, cliprange_value
 
-    @torch.no_grad()
     def values(self, ro: Rollout, micro_batch: int) -> torch.Tensor:
-        """Values (B, R) of the rollout's states, rows grouped by length and trimmed of padding."""
-        was_training = self.model.training
-        self.model.eval()
-        out = torch.zeros(ro.response_ids.shape)
-        for idx in length_sorted_chunks(torch.arange(out.shape[0]), ro.prompt_mask, ro.response_mask, micro_batch):
-            pm, rm = ro.prompt_mask[idx], ro.response_mask[idx]
-            p0, r1 = padding_bounds(pm, rm)
-            out[idx, :r1] = response_values(self.model, ro.prompt_ids[idx, p0:], pm[:, p0:],
-                                            ro.response_ids[idx, :r1], rm[:, :r1])
-        self.model.train(was_training)
-        return out
+        """Values (B, R) of the rollout's states, in length-grouped, trimmed chunks."""
+        return per_token_in_chunks(self.model, response_values, ro.prompt_ids, ro.prompt_mask, ro.response_ids,
+                                   ro.response_mask, micro_batch)
 
     def update(self, exp: Experience, old_values: torch.Tensor, returns: torch.Tensor, mini_batch: int,
                micro_batch: int, epochs: int, generator: torch.Generator) -> dict[str, float]:
