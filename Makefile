@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation -c constraints.txt 'deepspeed>=0.15'
 	touch $(STAMP)
 
 install: $(STAMP)

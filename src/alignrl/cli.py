@@ -4,6 +4,9 @@
     alignrl demo [key.sub=value ...]
     alignrl build-demo-model [--seed N]
     alignrl config [--config FILE] [overrides] | alignrl config --reference
+    alignrl train rm|dpo ...                       (reward/cost model, DPO family: their own flags)
+    alignrl serve generate|ref|reward|retrieve ... (HTTP services: their own flags)
+    alignrl doctor [--config FILE]
 
 User errors (config, data, model path, reward spec) print one line and exit 2, never a traceback.
 """
@@ -24,6 +27,25 @@ ALGORITHMS = {"grpo": "GRPO / Dr.GRPO: group-relative policy optimisation",
               "ppo": "the RL loop with any algorithm.adv_estimator (grpo, rloo, reinforce_plus_plus, ...)"}
 
 
+# Commands with flags of their own (the seeds' names): `alignrl <words> ...` runs `module.main(rest)`.
+PASSTHROUGH = {
+    ("train", "rm"): ("alignrl.algos.rm", "train a reward or cost model (Bradley-Terry, Safe RLHF cost)"),
+    ("train", "dpo"): ("alignrl.algos.dpo", "DPO, IPO, conservative DPO, hinge, safety-aware DPO"),
+    ("serve", "generate"): ("alignrl.serve.generate", "OpenAI-compatible generation server with weight sync"),
+    ("serve", "ref"): ("alignrl.serve.ref", "reference-model log-prob server"),
+    ("serve", "reward"): ("alignrl.serve.reward", "reward-model scoring server"),
+    ("serve", "retrieve"): ("alignrl.serve.retrieve", "retrieval server (Search-R1 API), BM25 or dense"),
+    ("doctor",): ("alignrl.doctor", "check configured services, model paths, hostfile and ports"),
+}
+
+
+def _passthrough(argv: list[str]) -> tuple[str, list[str]] | None:
+    for words, (module, _) in PASSTHROUGH.items():
+        if tuple(argv[:len(words)]) == words:
+            return module, argv[len(words):]
+    return None
+
+
 def _user_errors() -> tuple[type[Exception], ...]:
     from alignrl.data.loaders import DataError
     from alignrl.models.loader import ModelError
@@ -37,8 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = sub.add_parser("train", help="train a model with an RL algorithm")
-    train.add_argument("algorithm", choices=sorted(ALGORITHMS),
-                       help="; ".join(f"{k}: {v}" for k, v in ALGORITHMS.items()))
+    train.add_argument("algorithm", choices=sorted(ALGORITHMS) + ["dpo", "rm"],
+                       help="; ".join(f"{k}: {v}" for k, v in ALGORITHMS.items())
+                       + "; rm, dpo: " + "; ".join(PASSTHROUGH[("train", k)][1] for k in ("rm", "dpo")))
     train.add_argument("--config", help="YAML config file (see examples/)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-5 rollout.n=8")
 
@@ -53,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     cfg.add_argument("--config", help="YAML config file")
     cfg.add_argument("--reference", action="store_true", help="print every key with default and meaning")
     cfg.add_argument("overrides", nargs="*")
+
+    serve = sub.add_parser("serve", help="run a service: " + ", ".join(w[1] for w in PASSTHROUGH if w[0] == "serve"))
+    serve.add_argument("service", choices=[w[1] for w in PASSTHROUGH if w[0] == "serve"])
+    sub.add_parser("doctor", help=PASSTHROUGH[("doctor",)][1])
     return p
 
 
@@ -84,6 +111,17 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    routed = _passthrough(argv)
+    if routed:
+        import importlib
+
+        module, rest = routed
+        try:
+            return importlib.import_module(module).main(rest)
+        except _user_errors() as e:
+            print(f"alignrl: error: {e}", file=sys.stderr)
+            return 2
     parser = _parser()
     # Overrides may follow options (`--config f.yaml a.b=1`), which argparse's subparsers cannot
     # intermix with positionals; collect them from the leftovers instead.
