@@ -53,7 +53,9 @@ class Encoder:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch
         from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # a server log is no place for weight-loading progress bars
         self.spec = spec
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         try:
