@@ -1,0 +1,235 @@
+"""Clients for the HTTP services, with the interfaces of the in-process pieces they replace.
+
+- `RemoteRolloutEngine`: `generate(prompts, SamplingParams) -> Rollout` and `load_weights`, like
+  `HFRolloutEngine`, against `alignrl serve generate` (token-level endpoint, one-request weight sync).
+- `RemoteRefScorer`: `logprobs(prompt_ids, prompt_mask, response_ids, response_mask) -> (B, R)`.
+- `RemoteReward`: `score(...)` on token ids like `models.value.ModelScorer`, or `score_texts`.
+
+Connection errors, timeouts and 5xx answers are retried with exponential backoff a bounded number
+of times; 4xx answers are the caller's mistake and fail at once. Every failure is a `ServiceError`
+(a ValueError, so the CLI prints it as one line) naming the URL and how to fix it.
+Deliberately left out: async clients, streaming, load balancing over several servers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+from urllib.parse import urlparse
+
+import httpx
+import torch
+
+from alignrl.data.collate import left_pad, right_pad
+from alignrl.data.records import Rollout
+from alignrl.rollout.hf_engine import SamplingParams
+
+START = {"generation": "alignrl serve generate --model PATH --port {port}",
+         "reference": "alignrl serve ref --model PATH --port {port}",
+         "reward": "alignrl serve reward --model RM_PATH --port {port}"}
+
+
+class ServiceError(ValueError):
+    """A service could not answer; `status` is the HTTP status when it answered with an error."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+        return _one_line(body["error"]["message"] if isinstance(body.get("error"), dict) else body)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return _one_line(r.text or r.reason_phrase)
+
+
+class ServiceClient:
+    """JSON/bytes requests to one service with bounded retries; raises ServiceError."""
+
+    def __init__(self, url: str, kind: str, timeout: float = 300.0, retries: int = 3, backoff: float = 0.25,
+                 api_key: str | None = None):
+        if not url.startswith(("http://", "https://")):
+            raise ServiceError(f"{kind} service URL {url!r} must start with http:// or https://, "
+                               "e.g. http://127.0.0.1:8000")
+        self.url, self.kind = url.rstrip("/"), kind
+        self.retries, self.backoff = max(1, int(retries)), backoff
+        key = api_key if api_key is not None else os.environ.get("ALIGNRL_API_KEY")
+        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+                                 headers={"Authorization": f"Bearer {key}"} if key else {})
+
+    def _hint(self) -> str:
+        port = urlparse(self.url).port or (443 if self.url.startswith("https") else 80)
+        return START[self.kind].format(port=port)
+
+    def request(self, method: str, path: str, **kw) -> dict:
+        last, reachable = "", False
+        for attempt in range(self.retries):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                r = self.http.request(method, path, **kw)
+            except httpx.TransportError as e:  # refused, reset, timed out: worth another try
+                last = _one_line(f"{type(e).__name__}: {e}")
+                continue
+            reachable = True
+            if r.status_code >= 500:
+                last = f"HTTP {r.status_code}: {_message(r)}"
+                continue
+            if r.status_code >= 400:
+                raise ServiceError(f"{self.kind} service at {self.url} rejected {method} {path} "
+                                   f"(HTTP {r.status_code}): {_message(r)}", r.status_code)
+            try:
+                return r.json()
+            except ValueError:
+                raise ServiceError(f"{self.kind} service at {self.url} answered {path} with non-JSON; "
+                                   "is another program listening on that port?") from None
+        if reachable:
+            raise ServiceError(f"{self.kind} service at {self.url} kept failing after {self.retries} tries "
+                               f"({last}); see the service's log")
+        raise ServiceError(f"{self.kind} service at {self.url} is not reachable after {self.retries} tries "
+                           f"({last}): start it with `{self._hint()}`")
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def rollout_from_rows(prompts: Sequence[Sequence[int]], n: int,
+                      rows: Sequence[tuple[Sequence[int], Sequence[float], bool]], pad_id: int) -> Rollout:
+    """A Rollout laid out exactly as HFRolloutEngine's: n rows per prompt, left-padded prompts,
+    right-padded responses, zero log-probs on padding. rows: (token ids, log-probs, truncated)."""
+    expanded = [list(p) for p in prompts for _ in range(n)]
+    if len(rows) != len(expanded) or any(len(ids) != len(lps) for ids, lps, _ in rows):
+        raise ServiceError(f"engine returned {len(rows)} rows for {len(expanded)} sequences, or token ids and "
+                           "log-probs of different lengths; the server and client versions may not match")
+    prompt_ids, prompt_mask = left_pad(expanded, pad_id)
+    response_ids, response_mask = right_pad([list(r[0]) for r in rows], pad_id)
+    logprobs = torch.zeros(response_ids.shape)
+    for i, (ids, lps, _) in enumerate(rows):
+        if ids:
+            logprobs[i, :len(ids)] = torch.tensor(lps, dtype=torch.float32)
+    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                   response_mask=response_mask, logprobs=logprobs,
+                   truncated=torch.tensor([bool(r[2]) for r in rows], dtype=torch.bool),
+                   group=torch.arange(len(prompts)).repeat_interleave(n))
+
+
+class RemoteRolloutEngine:
+    """The RolloutEngine interface over `alignrl serve generate`."""
+
+    def __init__(self, url: str, tokenizer, timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
+                 api_key: str | None = None, max_seqs_per_request: int = 1024):
+        self.client = ServiceClient(url, "generation", timeout, retries, backoff, api_key)
+        self.tokenizer = tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.max_seqs = max_seqs_per_request
+        self.last_version: int | None = None  # weight version the last rollout was sampled with
+        self._manifest: dict | None = None
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
+        rows: list[tuple[list[int], list[float], bool]] = []
+        per_request = max(1, self.max_seqs // params.n)  # whole prompts, so each group stays in one request
+        for s in range(0, len(prompts), per_request):
+            body = {"prompts": [[int(t) for t in p] for p in prompts[s:s + per_request]], "n": params.n,
+                    "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                    "max_tokens": params.max_new_tokens, "stop": list(params.stop), "seed": params.seed}
+            out = self.client.request("POST", "/v1/generate_tokens", json=body)
+            rows += [(o["token_ids"], o["logprobs"], o["finish_reason"] == "length") for o in out["outputs"]]
+            self.last_version = out["weight_version"]
+        return rollout_from_rows(prompts, params.n, rows, self.pad_id)
+
+    def weight_version(self) -> int:
+        return int(self.client.request("GET", "/v1/weight_version")["weight_version"])
+
+    def manifest(self) -> dict:
+        """{name: TensorSpec} of the served model, fetched once."""
+        from alignrl.serve.weights import TensorSpec
+
+        if self._manifest is None:
+            t = self.client.request("GET", "/v1/weights_manifest")["tensors"]
+            self._manifest = {n: TensorSpec(tuple(s["shape"]), s["dtype"]) for n, s in t.items()}
+        return self._manifest
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
+        """Push every tensor in one request (cast to the served dtypes); returns the served version.
+        Without `version`, the server's current version + 1."""
+        from alignrl.serve.weights import CONTENT_TYPE, DTYPES, encode
+
+        spec = self.manifest()
+        tensors = [(n, t.detach().to(DTYPES[spec[n].dtype]) if n in spec else t.detach()) for n, t in named_tensors]
+        version = self.weight_version() + 1 if version is None else int(version)
+        body = encode(tensors, version)
+        try:
+            out = self.client.request("POST", "/v1/update_weights", content=body,
+                                      headers={"Content-Type": CONTENT_TYPE})
+        except ServiceError as e:  # a retried push whose first try had landed: the version is already there
+            if e.status == 409 and self.weight_version() == version:
+                return version
+            raise
+        return int(out["weight_version"])
+
+
+def _rows(ids: torch.Tensor, mask: torch.Tensor, left: bool) -> list[list[int]]:
+    """Real tokens per row: masked tokens of left-padded prompts, or response tokens up to the last
+    masked position (a mask with holes keeps its positions, so results line up with the input)."""
+    if left:
+        return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])]
+    ends = torch.where(mask.any(1), mask.shape[1] - mask.long().flip(1).argmax(1), 0)
+    return [ids[i, :int(e)].tolist() for i, e in enumerate(ends)]
+
+
+class RemoteRefScorer:
+    """Reference log-probs from `alignrl serve ref`."""
+
+    def __init__(self, url: str, timeout: float = 300.0, retries: int = 3, backoff: float = 0.5,
+                 api_key: str | None = None, max_rows: int = 256, temperature: float = 1.0):
+        self.client = ServiceClient(url, "reference", timeout, retries, backoff, api_key)
+        self.max_rows, self.temperature = max_rows, temperature
+
+    def logprobs(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                 response_mask: torch.Tensor) -> torch.Tensor:
+        """(B, R) log-probs of each response token given its prompt, zero where response_mask is False."""
+        prompts, responses = _rows(prompt_ids, prompt_mask, True), _rows(response_ids, response_mask, False)
+        out = torch.zeros(response_ids.shape)
+        for s in range(0, len(prompts), self.max_rows):
+            body = {"prompts": prompts[s:s + self.max_rows], "responses": responses[s:s + self.max_rows],
+                    "temperature": self.temperature}
+            for i, lp in enumerate(self.client.request("POST", "/v1/logprobs", json=body)["logprobs"], start=s):
+                if lp:
+                    out[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        return out * response_mask
+
+
+class RemoteReward:
+    """Reward-model scores from `alignrl serve reward`."""
+
+    def __init__(self, url: str, timeout: float = 300.0, retries: int = 3, backoff: float = 0.5,
+                 api_key: str | None = None, max_rows: int = 256):
+        self.client = ServiceClient(url, "reward", timeout, retries, backoff, api_key)
+        self.max_rows = max_rows
+
+    def _score(self, prompts: list, responses: list) -> list[float]:
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses; pass one response per prompt")
+        scores: list[float] = []
+        for s in range(0, len(prompts), self.max_rows):
+            body = {"prompts": prompts[s:s + self.max_rows], "responses": responses[s:s + self.max_rows]}
+            scores += self.client.request("POST", "/v1/score", json=body)["scores"]
+        return scores
+
+    def score_texts(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
+        """One score per (prompt text, response text) pair."""
+        return self._score(list(prompts), list(responses))
+
+    def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+              response_mask: torch.Tensor) -> torch.Tensor:
+        """Scores (B,) of token-id rollouts: the in-process `ModelScorer.score` signature."""
+        scores = self._score(_rows(prompt_ids, prompt_mask, True), _rows(response_ids, response_mask, False))
+        return torch.tensor(scores, dtype=torch.float32)

@@ -1,0 +1,76 @@
+"""vLLM behind the RolloutEngine interface: `generate(prompts, SamplingParams) -> Rollout`, `load_weights`.
+
+A thin adapter for GPU machines (`alignrl serve generate --engine vllm`). vLLM is imported only when
+an engine is built, and its absence is a one-line `EngineUnavailable` (a ValueError, so the CLI
+prints it and exits 2). Log-probs are vLLM's sampled-token log-probs, which vLLM computes from the
+raw (not temperature-scaled) logits by default: compare them with the trainer's accordingly.
+Weights are loaded through vLLM's own `model.load_weights`, which takes Hugging Face parameter names.
+Deliberately left out: LoRA adapters, multi-modal inputs, vLLM's async engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from alignrl.data.records import Rollout
+from alignrl.rollout.hf_engine import SamplingParams
+from alignrl.rollout.remote import rollout_from_rows
+
+
+class EngineUnavailable(ValueError):
+    """The requested engine cannot run here; the message says what to install or use instead."""
+
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError:
+        raise EngineUnavailable("vllm is not installed; install it on a GPU machine or use --engine hf") from None
+    return vllm
+
+
+class VLLMRolloutEngine:
+    def __init__(self, path: str, tensor_parallel_size: int = 1, dtype: str = "auto",
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.85):
+        self.vllm = import_vllm()
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.path = path
+        self.config = AutoConfig.from_pretrained(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+                       else self.tokenizer.eos_token_id)
+        self.llm = self.vllm.LLM(model=path, tensor_parallel_size=tensor_parallel_size,
+                                 dtype="auto" if dtype == "float32" else dtype, max_model_len=max_model_len,
+                                 gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
+        sp = self.vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                                      top_k=params.top_k if params.top_k > 0 else -1,
+                                      max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
+                                      include_stop_str_in_output=True, seed=params.seed, logprobs=0)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        rows = []
+        for out in outs:  # vLLM keeps the input order; its n samples per prompt are contiguous
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps = [c.logprobs[t][tok].logprob for t, tok in enumerate(ids)] if c.logprobs else [0.0] * len(ids)
+                rows.append((ids, lps, c.finish_reason == "length"))
+        return rollout_from_rows(prompts, params.n, rows, self.pad_id)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        weights = list(named_tensors)
+        self.llm.apply_model(lambda model: model.load_weights(weights=weights))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def manifest(self) -> dict:
+        """Names, shapes, dtypes a trainer must push: those of the HF model, built without memory."""
+        from transformers import AutoModelForCausalLM
+
+        from alignrl.serve.weights import manifest_of
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.config, dtype=self.llm.llm_engine.model_config.dtype)
+        return manifest_of(model.named_parameters())

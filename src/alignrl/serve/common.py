@@ -1,0 +1,270 @@
+"""Plumbing shared by the services: flags, auth, request limits, error shape, process control.
+
+Every error a client can cause comes back as a 4xx JSON body in OpenAI's shape,
+`{"error": {"message": "<one line>", "type": ..., "code": <status>}}`, so the `openai` client and our
+own clients both surface the message. Auth is a single shared bearer token (`ALIGNRL_API_KEY`) on the
+endpoints that change server state; serving beyond loopback without one is refused at startup,
+because an open weight-update endpoint lets anyone on the network replace the model.
+
+Deliberately left out: TLS (put a reverse proxy in front), per-user keys, rate limiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+API_KEY_ENV = "ALIGNRL_API_KEY"
+HEALTHY = {"status": "healthy"}  # the exact body the seed's `curl .../health` check expects
+MB = 1 << 20
+
+
+class RequestError(HTTPException):
+    """A client mistake: `message` is one line saying what is wrong and how to fix it."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(status_code=status, detail=message)
+
+
+def base_parser(prog: str, description: str, default_port: int) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--model", required=True, help="Hugging Face model folder, or 'demo' for the embedded model")
+    p.add_argument("--host", default="127.0.0.1",
+                   help=f"address to bind (default loopback only; any other host needs {API_KEY_ENV} set)")
+    p.add_argument("--port", type=int, default=default_port)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max_body_mb", type=float, default=64.0, help="largest JSON request body accepted")
+    p.add_argument("--max_batch", type=int, default=256, help="most sequences in one model call")
+    p.add_argument("--max_request_seqs", type=int, default=1024, help="most sequences one request may ask for")
+    p.add_argument("--batch_window_ms", type=float, default=5.0,
+                   help="how long to wait for concurrent requests to join a batch")
+    return p
+
+
+def host_error(host: str) -> str | None:
+    """Why the service must not start on `host`, or None."""
+    if os.environ.get(API_KEY_ENV) or _is_loopback(host):
+        return None
+    return (f"refusing to serve on non-loopback host {host!r} without authentication: "
+            f"set {API_KEY_ENV}=<secret> (clients send it as a bearer token) or use --host 127.0.0.1")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """The first problem with the common flags, as a one-line message, or None."""
+    if not 0 <= args.port <= 65535:
+        return f"--port {args.port} is not a TCP port; pass 0..65535"
+    for name in ("max_batch", "max_request_seqs"):
+        if getattr(args, name) < 1:
+            return f"--{name} must be at least 1"
+    if args.max_body_mb <= 0 or args.batch_window_ms < 0:
+        return "--max_body_mb must be positive and --batch_window_ms not negative"
+    return host_error(args.host)
+
+
+def fail(prog: str, message: str) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _error_body(status: int, message: str) -> JSONResponse:
+    kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                        status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body"
+    e = errors[0]
+    loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+    if e.get("type") == "json_invalid":
+        return "request body is not valid JSON; send a JSON object with Content-Type: application/json"
+    field = [x for x in e.get("loc", ()) if x != "body"][:1]
+    if field and len(errors) > 1 and all([x for x in o.get("loc", ()) if x != "body"][:1] == field for o in errors):
+        # A union field (e.g. `prompt`: text or token ids) reports one error per accepted form.
+        return f"{field[0]}: the value matches none of the accepted forms ({e.get('msg')} ...); send one of the documented forms"
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return f"{loc}: {e.get('msg', 'invalid value')}{more}; fix that field and resend"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_body(400, _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_body(exc.status_code, str(exc.detail).replace("\n", " "))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        # Inputs are validated before they reach a model, so this is a server fault, not a client's.
+        first = (str(exc).splitlines() or [""])[0]
+        return _error_body(500, f"internal error: {type(exc).__name__}: {first}")
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over the path's limit with 413 before the app parses them.
+
+    The body is read here (and replayed to the app) so a chunked request without Content-Length is
+    bounded too. An over-long body is drained rather than cut off, so the client reads the 413
+    instead of a reset connection."""
+
+    def __init__(self, app, default_bytes: int, per_path: dict[str, int] | None = None):
+        self.app, self.default, self.per_path = app, default_bytes, per_path or {}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.per_path.get(scope["path"], self.default)
+        chunks, total, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            part = msg.get("body", b"")
+            total += len(part)
+            if total <= limit:
+                chunks.append(part)
+            else:
+                chunks.clear()
+            more = msg.get("more_body", False)
+        if total > limit:
+            resp = _error_body(413, f"request body of {total} bytes exceeds this endpoint's limit of {limit} "
+                                    "bytes; send fewer or shorter prompts per request")
+            return await resp(scope, receive, send)
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # one chunk: no copy
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def require_token(request: Request) -> None:
+    """Dependency for state-changing endpoints: the bearer token must equal $ALIGNRL_API_KEY when set."""
+    key = request.app.state.api_key
+    if not key:
+        return
+    got = request.headers.get("authorization", "")
+    if not hmac.compare_digest(got.encode(), f"Bearer {key}".encode()):
+        raise RequestError(f"missing or wrong bearer token: send the header 'Authorization: Bearer "
+                           f"${API_KEY_ENV}' (the key the server was started with)", status=401)
+
+
+def new_app(title: str, max_body: int, per_path_body: dict[str, int] | None = None) -> FastAPI:
+    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.api_key = os.environ.get(API_KEY_ENV) or None
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, default_bytes=max_body, per_path=per_path_body or {})
+
+    @app.get("/health")
+    async def health() -> dict:
+        return HEALTHY
+
+    return app
+
+
+def serve(app: FastAPI, host: str, port: int, name: str) -> int:
+    import uvicorn
+
+    scope = "loopback only" if _is_loopback(host) else f"bearer token from ${API_KEY_ENV} on updates"
+    print(f"alignrl serve {name}: listening on http://{host}:{port} ({scope})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, timeout_keep_alive=30)
+    return 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServiceProcess:
+    """A service started as a subprocess on a free loopback port (tests, benchmarks); stop() by PID."""
+
+    args: Sequence[str]  # after `alignrl serve`, e.g. ["generate", "--model", path]
+    env: dict[str, str] = field(default_factory=dict)
+    startup_s: float = 120.0
+    proc: subprocess.Popen | None = None
+    port: int = 0
+    log: object = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServiceProcess:
+        import httpx
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **self.env}
+        for _ in range(3):  # a free port can be taken between probing and binding: try another
+            self.port = free_port()
+            cmd = [sys.executable, "-m", "alignrl", "serve", *self.args, "--host", "127.0.0.1",
+                   "--port", str(self.port)]
+            # stderr to a file, not a pipe: nobody drains a pipe while the service runs, and a full one blocks it
+            self.log = tempfile.TemporaryFile()
+            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
+            deadline = time.monotonic() + self.startup_s
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+            if self.proc.poll() is None:
+                self.stop()
+                raise RuntimeError(f"service {' '.join(self.args)} not healthy after {self.startup_s:.0f} s")
+            self.log.seek(0)
+            err = self.log.read().decode(errors="replace")
+            if "address already in use" not in err.lower():
+                raise RuntimeError(f"service {' '.join(self.args)} exited with {self.proc.returncode}: {err[-2000:]}")
+        raise RuntimeError("no free port found for the service after 3 tries")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=timeout)
+
+    def __enter__(self) -> ServiceProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,296 @@
+"""Generation server: OpenAI-compatible completions plus a token-level endpoint and weight sync.
+
+    alignrl serve generate --model PATH --port 8000 [--engine hf|vllm] [--tensor_parallel_size N]
+                           [--host H] [--max_batch N]
+
+Endpoints: `GET /health` (exactly {"status": "healthy"}), `GET /v1/models`, `POST /v1/completions`,
+`POST /v1/chat/completions`, `POST /v1/generate_tokens` (token ids in, token ids + per-token
+log-probs + finish reasons + the weight version out: what an RL trainer needs), `POST
+/v1/update_weights` (bearer token when ALIGNRL_API_KEY is set; body in the `serve.weights` format),
+`GET /v1/weight_version`, `GET /v1/weights_manifest` (names, shapes, dtypes to push) and
+`GET /v1/stats` (requests vs engine calls, to see batching at work).
+
+`/v1/generate_tokens` returns the tokens exactly as sampled: a stop string's tokens stay in, as they
+do in the in-process engine's rollouts; the OpenAI endpoints cut the text before the stop string.
+Log-probs are the in-process engine's: of the sampled token under the temperature-scaled distribution.
+Requests with a `seed` are never merged with other requests, so a seeded request gives the same
+output however busy the server is. Deliberately left out: streaming, best_of, echo, tools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from math import prod
+
+from fastapi import Depends, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from alignrl.serve.common import RequestError, base_parser, check_args, fail, new_app, require_token, serve
+
+PROG = "alignrl serve generate"
+MAX_N = 64
+MAX_STOPS, MAX_STOP_LEN = 8, 128
+
+
+class TokensRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    prompts: list[list[StrictInt]] = Field(min_length=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    max_tokens: int = Field(64, ge=1)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+
+
+@dataclass(frozen=True)
+class GenJob:
+    prompts: list[list[int]]
+    top_logprobs: int = 0  # alternatives per position wanted by an OpenAI request; 0: sampled token only
+
+
+@dataclass
+class GenRow:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (eos or stop string) or "length"
+    top: list[list[tuple[int, float]]] | None = None  # per position: (token id, log-prob), best first
+
+
+@dataclass
+class GenResult:
+    rows: list[GenRow]  # n rows per prompt, rows of one prompt contiguous
+    version: int  # the weights every row was sampled with
+
+
+@dataclass
+class Limits:
+    vocab_size: int
+    max_model_len: int
+    max_request_seqs: int
+
+
+@dataclass
+class GenerationService:
+    """The engine behind one batcher; every model call and weight swap runs on its worker thread."""
+
+    engine: object  # HFRolloutEngine or VLLMRolloutEngine: generate(prompts, SamplingParams), load_weights
+    tokenizer: object
+    model_name: str
+    limits: Limits
+    manifest: dict  # name -> serve.weights.TensorSpec
+    max_batch: int = 256
+    window_s: float = 0.005
+    version: int = 0
+    engine_calls: int = 0
+    weight_updates: int = 0
+    _unique: itertools.count = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        from alignrl.serve.batcher import Batcher
+
+        self.batcher = Batcher(self._run, self.window_s, self.max_batch)
+
+    def check(self, prompts: Sequence[Sequence[int]], n: int, max_tokens: int, stop: Sequence[str]) -> None:
+        """Reject what the model cannot run, naming the first offending prompt."""
+        lim = self.limits
+        if not prompts:
+            raise RequestError("no prompts given; send at least one")
+        if len(prompts) * n > lim.max_request_seqs:
+            raise RequestError(f"{len(prompts)} prompts x n={n} = {len(prompts) * n} sequences exceeds this "
+                               f"server's limit of {lim.max_request_seqs} per request; split the request")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise RequestError(f"prompt {i} is empty; every prompt needs at least one token")
+            bad = next((t for t in p if not 0 <= t < lim.vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"prompt {i} has token id {bad}, outside this model's vocabulary "
+                                   f"[0, {lim.vocab_size}); tokenize with the served model's tokenizer")
+            if len(p) + max_tokens > lim.max_model_len:
+                raise RequestError(f"prompt {i} has {len(p)} tokens + max_tokens {max_tokens} > the model's "
+                                   f"context of {lim.max_model_len}; shorten the prompt or lower max_tokens")
+        for s in stop:
+            if not s or len(s) > MAX_STOP_LEN:
+                raise RequestError(f"stop strings must be 1..{MAX_STOP_LEN} characters; got {s!r}")
+
+    async def generate(self, prompts: list[list[int]], params, top_logprobs: int = 0) -> GenResult:
+        self.check(prompts, params.n, params.max_new_tokens, params.stop)
+        # Seeded requests get a key of their own: merged, their samples would depend on the company.
+        key: Hashable = params if params.seed is None else (params, next(self._unique))
+        return await self.batcher.submit(key, GenJob(prompts, top_logprobs), len(prompts) * params.n)
+
+    def _run(self, params, jobs: list[GenJob]) -> list[GenResult]:
+        prompts = [p for j in jobs for p in j.prompts]
+        per_call = max(1, self.max_batch // params.n)  # whole prompts per call, so groups stay together
+        rows: list[GenRow] = []
+        for s in range(0, len(prompts), per_call):
+            ro = self.engine.generate(prompts[s:s + per_call], params)
+            self.engine_calls += 1
+            for i in range(ro.response_ids.shape[0]):
+                m = ro.response_mask[i]
+                rows.append(GenRow(ro.response_ids[i][m].tolist(), ro.logprobs[i][m].tolist(),
+                                   "length" if bool(ro.truncated[i]) else "stop"))
+        out, start = [], 0
+        for j in jobs:
+            mine = rows[start:start + len(j.prompts) * params.n]
+            start += len(mine)
+            if j.top_logprobs and hasattr(self.engine, "model"):
+                expanded = [p for p in j.prompts for _ in range(params.n)]
+                tops = top_logprobs(self.engine.model, expanded, [r.token_ids for r in mine], j.top_logprobs,
+                                    params.temperature, self.engine.pad_id)
+                for r, t in zip(mine, tops):
+                    r.top = t
+            out.append(GenResult(mine, self.version))
+        return out
+
+    async def update_weights(self, body: bytes) -> dict:
+        import asyncio
+
+        from alignrl.serve.weights import WireError, check_against, decode
+
+        t0 = time.perf_counter()
+
+        def parse():
+            upd = decode(body)
+            check_against(upd, self.manifest)
+            return upd
+
+        try:  # decode and validate everything before the swap: a bad body leaves the old weights
+            upd = await asyncio.to_thread(parse)
+        except WireError as e:
+            raise RequestError(f"weight update rejected: {e}") from None
+
+        def swap():
+            if upd.version <= self.version:
+                raise RequestError(f"weight version {upd.version} is not newer than the served version "
+                                   f"{self.version}; send a larger version", status=409)
+            self.engine.load_weights(upd.tensors.items())
+            self.version = upd.version
+            self.weight_updates += 1
+
+        await self.batcher.call(swap)
+        return {"weight_version": self.version, "tensors": len(upd.tensors), "bytes": upd.nbytes,
+                "seconds": round(time.perf_counter() - t0, 4)}
+
+
+def top_logprobs(model, prompts: list[list[int]], responses: list[list[int]], k: int, temperature: float,
+                 pad_id: int) -> list[list[list[tuple[int, float]]]]:
+    """The k most likely tokens at each response position, one extra forward pass (OpenAI `logprobs`)."""
+    import torch
+
+    from alignrl.data.collate import left_pad, position_ids, right_pad
+
+    pids, pm = left_pad(prompts, pad_id)
+    rids, rm = right_pad(responses, pad_id)
+    ids, mask = torch.cat([pids, rids], 1), torch.cat([pm, rm], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask),
+                       use_cache=False, logits_to_keep=rids.shape[1] + 1).logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    vals, idx = torch.log_softmax(logits, -1).topk(min(k, logits.shape[-1]), -1)
+    return [[list(zip(idx[b, t].tolist(), vals[b, t].tolist())) for t in range(len(r))]
+            for b, r in enumerate(responses)]
+
+
+def sampling(n: int, temperature: float, top_p: float, top_k: int, max_tokens: int, stop, seed):
+    from alignrl.rollout.hf_engine import SamplingParams
+
+    return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_tokens,
+                          stop=tuple(stop or ()), seed=seed)
+
+
+def build_app(svc: GenerationService, max_body: int):
+    from alignrl.serve import openai_format as oa
+
+    # Room for every parameter at 8 bytes (float64 at most) plus header: a wrong dtype then gets its
+    # own clear message from the validator instead of a bare 413.
+    weights_body = sum(8 * prod(s.shape) + 256 for s in svc.manifest.values()) + (16 << 20)
+    app = new_app("alignrl generation", max_body, {"/v1/update_weights": weights_body})
+
+    oa.add_routes(app, svc)
+
+    @app.post("/v1/generate_tokens")
+    async def generate_tokens(req: TokensRequest) -> dict:
+        params = sampling(req.n, req.temperature, req.top_p, req.top_k, req.max_tokens, req.stop, req.seed)
+        res = await svc.generate(req.prompts, params)
+        return {"weight_version": res.version,
+                "outputs": [{"prompt_index": i // req.n, "token_ids": r.token_ids, "logprobs": r.logprobs,
+                             "finish_reason": r.finish_reason} for i, r in enumerate(res.rows)]}
+
+    @app.post("/v1/update_weights", dependencies=[Depends(require_token)])
+    async def update_weights(request: Request) -> dict:
+        return await svc.update_weights(await request.body())
+
+    @app.get("/v1/weight_version")
+    async def weight_version() -> dict:
+        return {"weight_version": svc.version}
+
+    @app.get("/v1/weights_manifest")
+    async def weights_manifest() -> dict:
+        return {"weight_version": svc.version, "tensors": {n: s.as_dict() for n, s in svc.manifest.items()}}
+
+    @app.get("/v1/stats")
+    async def stats() -> dict:
+        return {**svc.batcher.stats.as_dict(), "engine_calls": svc.engine_calls, "weight_version": svc.version,
+                "weight_updates": svc.weight_updates}
+
+    return app
+
+
+def parser() -> argparse.ArgumentParser:
+    p = base_parser(PROG, "OpenAI-compatible generation server with weight sync", 8000)
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    p.add_argument("--tensor_parallel_size", type=int, default=1, help="GPUs per model (vllm engine)")
+    p.add_argument("--max_model_len", type=int, default=0, help="context length (default: the model's)")
+    p.add_argument("--served_model_name", default="", help="name in /v1/models (default: the --model value)")
+    return p
+
+
+def load_service(args: argparse.Namespace) -> GenerationService:
+    from alignrl.models.loader import resolve_model_path
+    from alignrl.serve.weights import manifest_of
+
+    folder = resolve_model_path(args.model, log=lambda *a: print(*a, file=sys.stderr))
+    if args.engine == "vllm":
+        from alignrl.rollout.vllm_engine import VLLMRolloutEngine
+
+        engine = VLLMRolloutEngine(str(folder), args.tensor_parallel_size, args.dtype, args.max_model_len or None)
+        tok, cfg, manifest = engine.tokenizer, engine.config, engine.manifest()
+    else:
+        from alignrl.models.loader import load_model
+        from alignrl.rollout.hf_engine import HFRolloutEngine
+
+        model, tok = load_model(str(folder), args.dtype, log=lambda *a: print(*a, file=sys.stderr))
+        model.eval()
+        gen_eos = model.generation_config.eos_token_id
+        eos = {tok.eos_token_id, *([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])} - {None}
+        engine, cfg = HFRolloutEngine(model, tok, sorted(eos)), model.config
+        manifest = manifest_of(model.named_parameters())
+    vocab = getattr(getattr(engine, "model", None), "get_input_embeddings", lambda: None)()
+    limits = Limits(vocab_size=vocab.num_embeddings if vocab is not None else cfg.vocab_size,
+                    max_model_len=args.max_model_len or getattr(cfg, "max_position_embeddings", 4096),
+                    max_request_seqs=args.max_request_seqs)
+    return GenerationService(engine, tok, args.served_model_name or args.model, limits, manifest,
+                             args.max_batch, args.batch_window_ms / 1000)
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    problem = check_args(args)
+    if problem is None and args.tensor_parallel_size < 1:
+        problem = "--tensor_parallel_size must be at least 1"
+    if problem:
+        return fail(PROG, problem)
+    try:
+        svc = load_service(args)
+    except ValueError as e:  # ModelError, missing vllm: one line, no traceback
+        return fail(PROG, str(e))
+    return serve(build_app(svc, int(args.max_body_mb * (1 << 20))), args.host, args.port, "generate")

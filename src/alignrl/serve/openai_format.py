@@ -1,0 +1,205 @@
+"""OpenAI request models and response bodies for `/v1/completions` and `/v1/chat/completions`.
+
+Fields the official `openai` client sends but we do not implement (penalties, logit_bias, user, ...)
+are ignored; `stream`, `echo` and `best_of` > 1 are refused with a 400 rather than silently ignored,
+because their absence would change what the caller receives. Token strings in log-prob entries are
+each token decoded on its own, so a character split across tokens shows as replacement characters.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from alignrl.serve.common import RequestError
+from alignrl.serve.generate import MAX_N, MAX_STOP_LEN, MAX_STOPS, GenRow, sampling
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str = ""
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.stream:
+            raise ValueError("stream=true is not supported by this server; send stream=false")
+        stops = self.stop_list()
+        if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_LEN for s in stops):
+            raise ValueError(f"stop takes up to {MAX_STOPS} strings of 1..{MAX_STOP_LEN} characters")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=1)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+def params_of(req: _Sampling, max_tokens: int):
+    return sampling(req.n, req.temperature, req.top_p, req.top_k, max_tokens, req.stop_list(), req.seed)
+
+
+def completion_prompts(req: CompletionRequest, tokenizer) -> list[list[int]]:
+    if req.echo:
+        raise RequestError("echo=true is not supported; send echo=false")
+    p = req.prompt
+    if isinstance(p, str):
+        p = [p]
+    if not p:
+        raise RequestError("prompt is empty; send a string, a list of strings or token ids")
+    if isinstance(p[0], str):
+        return [tokenizer.encode(s) for s in p]
+    return [list(x) for x in p] if isinstance(p[0], list) else [list(p)]
+
+
+def chat_prompt(req: ChatRequest, tokenizer) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError("this model's tokenizer has no chat template; use /v1/completions with a text prompt")
+    msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # noqa: BLE001 - a template may raise on any message order it dislikes
+        raise RequestError(f"the chat template rejected these messages: {str(e).splitlines()[0] if str(e) else e!r}")
+    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _pieces(tokenizer, ids: list[int]) -> list[str]:
+    return [tokenizer.decode([t], skip_special_tokens=True) for t in ids]
+
+
+def _finish(tokenizer, row: GenRow, stop: list[str]) -> tuple[str, int, str]:
+    """(text without the stop string, tokens that text came from, finish reason)."""
+    text = tokenizer.decode(row.token_ids, skip_special_tokens=True)
+    hits = [text.find(s) for s in stop if s in text]
+    if not hits:
+        return text, len(row.token_ids), row.finish_reason
+    cut = min(hits)
+    kept, pos = 0, 0
+    for piece in _pieces(tokenizer, row.token_ids):
+        if pos >= cut:
+            break
+        kept, pos = kept + 1, pos + len(piece)
+    return text[:cut], kept, "stop"
+
+
+def _usage(prompts: list[list[int]], rows: list[GenRow]) -> dict:
+    p, c = sum(len(x) for x in prompts), sum(len(r.token_ids) for r in rows)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _top(tokenizer, row: GenRow, t: int) -> list[tuple[int, float]]:
+    """Alternatives at position t, always including the sampled token (at least its log-prob)."""
+    alts = list(row.top[t]) if row.top else []
+    if all(tid != row.token_ids[t] for tid, _ in alts):
+        alts.append((row.token_ids[t], row.logprobs[t]))
+    return alts
+
+
+def completion_response(req: CompletionRequest, model: str, tokenizer, prompts: list[list[int]],
+                        rows: list[GenRow]) -> dict:
+    choices = []
+    for i, row in enumerate(rows):
+        text, kept, reason = _finish(tokenizer, row, req.stop_list())
+        lp = None
+        if req.logprobs is not None:
+            pieces = _pieces(tokenizer, row.token_ids[:kept])
+            offsets = [sum(len(x) for x in pieces[:j]) for j in range(kept)]
+            lp = {"tokens": pieces, "token_logprobs": row.logprobs[:kept], "text_offset": offsets,
+                  "top_logprobs": [{tokenizer.decode([tid], skip_special_tokens=True): v
+                                    for tid, v in _top(tokenizer, row, t)[:max(1, req.logprobs) + 1]}
+                                   for t in range(kept)]}
+        choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": _usage(prompts, rows)}
+
+
+def _token_entry(tokenizer, tid: int, lp: float) -> dict:
+    s = tokenizer.decode([tid], skip_special_tokens=True)
+    return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+
+def chat_response(req: ChatRequest, model: str, tokenizer, prompt: list[int], rows: list[GenRow]) -> dict:
+    choices = []
+    for i, row in enumerate(rows):
+        text, kept, reason = _finish(tokenizer, row, req.stop_list())
+        lp = None
+        if req.logprobs:
+            k = req.top_logprobs or 0
+            lp = {"content": [{**_token_entry(tokenizer, row.token_ids[t], row.logprobs[t]),
+                               "top_logprobs": [_token_entry(tokenizer, a, v) for a, v in (row.top[t][:k]
+                                                                                          if row.top else [])]}
+                              for t in range(kept)]}
+        choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                        "finish_reason": reason})
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": _usage([prompt], rows)}
+
+
+def model_list(name: str, max_model_len: int) -> dict:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                        "owned_by": "alignrl", "max_model_len": max_model_len}]}
+
+
+def add_routes(app, svc) -> None:
+    """`/v1/models`, `/v1/completions`, `/v1/chat/completions` over a GenerationService."""
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return model_list(svc.model_name, svc.limits.max_model_len)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> dict:
+        prompts = completion_prompts(req, svc.tokenizer)
+        res = await svc.generate(prompts, params_of(req, req.max_tokens), req.logprobs or 0)
+        return completion_response(req, svc.model_name, svc.tokenizer, prompts, res.rows)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest) -> dict:
+        prompt = chat_prompt(req, svc.tokenizer)
+        k = (req.top_logprobs or 0) if req.logprobs else 0
+        # Like vLLM, no max_tokens means "up to the context", capped to keep one request's cost bounded.
+        max_tokens = (req.max_completion_tokens or req.max_tokens
+                      or max(1, min(1024, svc.limits.max_model_len - len(prompt))))
+        res = await svc.generate([prompt], params_of(req, max_tokens), k)
+        return chat_response(req, svc.model_name, svc.tokenizer, prompt, res.rows)

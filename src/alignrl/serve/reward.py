@@ -1,0 +1,137 @@
+"""Reward-model server: one scalar score per (prompt, response) from a sequence-classification model.
+
+    alignrl serve reward --model RM_PATH --port 8002
+
+`POST /v1/score` takes `{"prompts": [...], "responses": [...]}`, either both lists of strings or both
+lists of token-id lists, and returns `{"scores": [float, ...]}`. Text is tokenized as given, without
+special tokens or a chat template: apply the template the reward model was trained with before
+sending, or send the token ids the policy produced (then the score equals the in-process
+`models.value.ModelScorer` on the same rollout). `GET /health`, `GET /v1/stats`.
+Deliberately left out: pairwise comparison endpoints, per-token rewards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from alignrl.serve.common import RequestError, base_parser, check_args, fail, new_app, serve
+from alignrl.serve.ref import check_pairs
+
+PROG = "alignrl serve reward"
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: list[str] | list[list[StrictInt]] = Field(min_length=1)
+    responses: list[str] | list[list[StrictInt]] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _same_form(self):
+        if isinstance(self.prompts[0], str) != isinstance(self.responses[0], str):
+            raise ValueError("prompts and responses must both be strings or both be token-id lists")
+        return self
+
+
+@dataclass
+class RewardService:
+    scorer: object  # models.value.ModelScorer
+    tokenizer: object | None
+    pad_id: int
+    vocab_size: int
+    max_model_len: int
+    max_request_seqs: int
+    micro_batch: int = 64
+    max_batch: int = 256
+    window_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        from alignrl.serve.batcher import Batcher
+
+        self.batcher = Batcher(self._run, self.window_s, self.max_batch)
+
+    def _run(self, _key: str, jobs: list[tuple[list, list]]) -> list[list[float]]:
+        from alignrl.data.collate import left_pad, right_pad
+
+        prompts = [p for j in jobs for p in j[0]]
+        responses = [r for j in jobs for r in j[1]]
+        scores: list[float] = []
+        for s in range(0, len(prompts), self.micro_batch):
+            pids, pm = left_pad(prompts[s:s + self.micro_batch], self.pad_id)
+            rids, rm = right_pad(responses[s:s + self.micro_batch], self.pad_id)
+            scores += self.scorer.score(pids, pm, rids, rm).tolist()
+        out, start = [], 0
+        for p, _ in jobs:
+            out.append(scores[start:start + len(p)])
+            start += len(p)
+        return out
+
+    def _ids(self, texts: list[str]) -> list[list[int]]:
+        if self.tokenizer is None:
+            raise RequestError("this reward model folder has no tokenizer; send token ids instead of text")
+        return [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+    async def score(self, req: ScoreRequest) -> list[float]:
+        prompts, responses = req.prompts, req.responses
+        if isinstance(prompts[0], str):
+            prompts, responses = self._ids(prompts), self._ids(responses)
+        check_pairs(prompts, responses, self.vocab_size, self.max_model_len, self.max_request_seqs)
+        return await self.batcher.submit("score", (prompts, responses), len(prompts))
+
+
+def build_app(svc: RewardService, max_body: int):
+    app = new_app("alignrl reward model", max_body)
+
+    @app.post("/v1/score")
+    async def score(req: ScoreRequest) -> dict:
+        return {"scores": await svc.score(req)}
+
+    @app.get("/v1/stats")
+    async def stats() -> dict:
+        return svc.batcher.stats.as_dict()
+
+    return app
+
+
+def parser() -> argparse.ArgumentParser:
+    p = base_parser(PROG, "reward-model scoring server", 8002)
+    p.add_argument("--micro_batch", type=int, default=64, help="rows per forward pass")
+    return p
+
+
+def load_service(args: argparse.Namespace) -> RewardService:
+    from alignrl.models.value import ModelScorer
+
+    log = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
+    scorer = ModelScorer(args.model, args.dtype, log=log)
+    try:
+        from transformers import AutoTokenizer
+
+        from alignrl.models.loader import resolve_model_path
+
+        tok = AutoTokenizer.from_pretrained(str(resolve_model_path(args.model, log)))
+    except (OSError, ValueError):  # a folder without tokenizer files: token-id requests still work
+        tok = None
+    cfg = scorer.model.config
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (tok.pad_token_id if tok else None) or 0
+    return RewardService(scorer, tok, pad, scorer.model.get_input_embeddings().num_embeddings,
+                         getattr(cfg, "max_position_embeddings", 4096), args.max_request_seqs, args.micro_batch,
+                         args.max_batch, args.batch_window_ms / 1000)
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    problem = check_args(args)
+    if problem is None and args.micro_batch < 1:
+        problem = "--micro_batch must be at least 1"
+    if problem:
+        return fail(PROG, problem)
+    try:
+        svc = load_service(args)
+    except ValueError as e:
+        return fail(PROG, str(e))
+    return serve(build_app(svc, int(args.max_body_mb * (1 << 20))), args.host, args.port, "reward")
