@@ -157,6 +157,15 @@ def test_index_key_follows_corpus_content_and_retriever(tmp_path):
     assert open_retriever(corpus, "bm25", root).built
 
 
+def test_default_index_root_follows_alignrl_cache(monkeypatch, tmp_path):
+    from alignrl.retrieval import default_index_root
+
+    monkeypatch.setenv("ALIGNRL_CACHE", str(tmp_path))
+    assert default_index_root() == tmp_path / "retrieval"
+    monkeypatch.delenv("ALIGNRL_CACHE")
+    assert default_index_root().parts[-3:] == (".cache", "alignrl", "retrieval")
+
+
 def test_topk_larger_than_corpus_is_clamped(tmp_path):
     corpus = tmp_path / "tiny.jsonl"
     corpus.write_text("".join(json.dumps({"id": i, "contents": f'"T{i}"\nword{i} shared'}) + "\n" for i in range(3)))

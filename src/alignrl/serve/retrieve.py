@@ -231,11 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
 
+    sock = None
     try:
         sock = _bind(args.host, args.port)
         opened = open_retriever(args.corpus_path, name, args.index_path, args.retriever_model,
                                 args.faiss_gpu, log=log)
     except RetrievalError as e:
+        if sock is not None:
+            sock.close()
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     import uvicorn
