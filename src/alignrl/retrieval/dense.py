@@ -143,7 +143,9 @@ class DenseRetriever:
 
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         k = min(topk, len(self.docs))
-        vectors = self.encoder.encode(queries, is_query=True, batch_size=max(1, len(queries)))
+        # One encode() call per request; it forwards in chunks of 128 so a maximal request (512 long
+        # queries) does not allocate gigabytes of attention scores at once.
+        vectors = self.encoder.encode(queries, is_query=True, batch_size=128)
         scores, idx = self._index.search(vectors, k)
         return [[Hit(self.docs[int(i)].id, self.docs[int(i)].contents, float(s))
                  for i, s in zip(row_i, row_s) if i >= 0]

@@ -3,6 +3,7 @@
     POST /retrieve {"queries": [...], "topk": 3, "return_scores": true}
       -> {"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}   (return_scores true)
       -> {"result": [[{"id", "contents"}, ...], ...]}                              (return_scores false)
+    bad request -> 4xx {"error": {"message": "<one line>", "type": "invalid_request_error", "code": status}}
     GET /health -> {"status": "healthy"}
 
 Requests are parsed by hand rather than by a pydantic model so that every bad request gets one
@@ -111,7 +112,9 @@ def create_app(retriever: Retriever, default_topk: int = 3, limits: Limits = Lim
     lock = threading.Lock()
 
     def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status)
+        # The same OpenAI-style error body as the other alignrl services, so one client parses all.
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                       "code": status}}, status_code=status)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, exc: HTTPException):
