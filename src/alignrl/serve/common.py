@@ -225,17 +225,19 @@ class ServiceProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> ServiceProcess:
+    def launch(self) -> None:
+        self.port = free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **self.env}
+        cmd = [sys.executable, "-m", "alignrl", "serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
+        # stderr to a file, not a pipe: nobody drains a pipe while the service runs, and a full one blocks it
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
+
+    def wait(self) -> ServiceProcess:
+        """Until /health answers; relaunch on another port if this one was taken meanwhile."""
         import httpx
 
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **self.env}
-        for _ in range(3):  # a free port can be taken between probing and binding: try another
-            self.port = free_port()
-            cmd = [sys.executable, "-m", "alignrl", "serve", *self.args, "--host", "127.0.0.1",
-                   "--port", str(self.port)]
-            # stderr to a file, not a pipe: nobody drains a pipe while the service runs, and a full one blocks it
-            self.log = tempfile.TemporaryFile()
-            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
+        for _ in range(3):
             deadline = time.monotonic() + self.startup_s
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:
@@ -251,20 +253,39 @@ class ServiceProcess:
             err = self.log.read().decode(errors="replace")
             if "address already in use" not in err.lower():
                 raise RuntimeError(f"service {' '.join(self.args)} exited with {self.proc.returncode}: {err[-2000:]}")
+            self.launch()
         raise RuntimeError("no free port found for the service after 3 tries")
 
+    def start(self) -> ServiceProcess:
+        self.launch()
+        return self.wait()
+
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=timeout)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=timeout)
+        if self.log is not None:
+            self.log.close()
+            self.log = None
 
     def __enter__(self) -> ServiceProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def start_all(services: Sequence[ServiceProcess]) -> list[ServiceProcess]:
+    """Launch every service first, then wait for each: their startups overlap. All stop on failure."""
+    try:
+        for s in services:
+            s.launch()
+        return [s.wait() for s in services]
+    except BaseException:
+        for s in services:
+            s.stop()
+        raise

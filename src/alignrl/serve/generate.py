@@ -38,7 +38,7 @@ MAX_STOPS, MAX_STOP_LEN = 8, 128
 
 
 class TokensRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     prompts: list[list[StrictInt]] = Field(min_length=1)
     n: int = Field(1, ge=1, le=MAX_N)
@@ -123,10 +123,11 @@ class GenerationService:
     async def generate(self, prompts: list[list[int]], params, top_logprobs: int = 0) -> GenResult:
         self.check(prompts, params.n, params.max_new_tokens, params.stop)
         # Seeded requests get a key of their own: merged, their samples would depend on the company.
-        key: Hashable = params if params.seed is None else (params, next(self._unique))
+        key: Hashable = (params, None if params.seed is None else next(self._unique))
         return await self.batcher.submit(key, GenJob(prompts, top_logprobs), len(prompts) * params.n)
 
-    def _run(self, params, jobs: list[GenJob]) -> list[GenResult]:
+    def _run(self, key: tuple, jobs: list[GenJob]) -> list[GenResult]:
+        params = key[0]
         prompts = [p for j in jobs for p in j.prompts]
         per_call = max(1, self.max_batch // params.n)  # whole prompts per call, so groups stay together
         rows: list[GenRow] = []

@@ -19,7 +19,7 @@ from alignrl.serve.generate import MAX_N, MAX_STOP_LEN, MAX_STOPS, GenRow, sampl
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     model: str = ""
     n: int = Field(1, ge=1, le=MAX_N)
@@ -52,12 +52,14 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart]

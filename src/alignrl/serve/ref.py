@@ -24,7 +24,7 @@ PROG = "alignrl serve ref"
 
 
 class LogprobsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     prompts: list[list[StrictInt]] = Field(min_length=1)
     responses: list[list[StrictInt]] = Field(min_length=1)

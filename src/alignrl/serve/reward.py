@@ -25,7 +25,7 @@ PROG = "alignrl serve reward"
 
 
 class ScoreRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompts: list[str] | list[list[StrictInt]] = Field(min_length=1)
     responses: list[str] | list[list[StrictInt]] = Field(min_length=1)

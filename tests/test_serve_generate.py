@@ -1,0 +1,249 @@
+"""The generation server as a subprocess: OpenAI client, batching, weight sync, auth, startup checks."""
+
+import copy
+import math
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
+from alignrl.rollout.remote import RemoteRolloutEngine, ServiceError
+from alignrl.serve.common import ServiceProcess
+from alignrl.serve.weights import encode
+
+pytestmark = pytest.mark.timeout(240)
+KEY = "test-secret-key"
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_model_dir):
+    # A wide batching window so that concurrently fired requests reliably meet in one batch.
+    with ServiceProcess(["generate", "--model", str(tiny_model_dir), "--batch_window_ms", "50"]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def oa(gen):
+    return openai.OpenAI(base_url=gen.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _model_name(oa):
+    return oa.models.list().data[0].id
+
+
+def test_health_is_exactly_the_seed_body(gen):
+    r = httpx.get(gen.url + "/health")
+    assert r.status_code == 200 and r.json() == {"status": "healthy"}
+
+
+def test_completions_n_logprobs_usage(oa, tiny_model):
+    _, tok = tiny_model
+    r = oa.completions.create(model=_model_name(oa), prompt="What is 12 + 7?", n=3, max_tokens=10, logprobs=2,
+                              temperature=1.0, seed=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.prompt_tokens == len(tok.encode("What is 12 + 7?"))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.completion_tokens >= 3
+    for c in r.choices:
+        assert c.finish_reason in ("stop", "length")
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) >= 1
+        assert all(math.isfinite(v) and v <= 0 for v in lp.token_logprobs)
+        assert any(v < 0 for v in lp.token_logprobs)
+        assert all(1 <= len(d) <= 3 for d in lp.top_logprobs)  # 2 alternatives, plus the sampled token if not among them
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_completions_stop_string_is_cut(oa):
+    name = _model_name(oa)
+    free = oa.completions.create(model=name, prompt="Compute 3 * 4.", max_tokens=24, temperature=0).choices[0].text
+    stop = next(ch for ch in free[1:] if ch.strip())  # a character greedy decoding produces mid-text
+    r = oa.completions.create(model=name, prompt="Compute 3 * 4.", max_tokens=24, temperature=0, stop=[stop], n=2)
+    for c in r.choices:
+        assert stop not in c.text and c.finish_reason == "stop"
+        assert c.text == free[:free.index(stop)]
+
+
+def test_chat_completions_use_the_template(oa, tiny_model):
+    _, tok = tiny_model
+    msgs = [{"role": "user", "content": "What is 5 + 6?"}]
+    r = oa.chat.completions.create(model=_model_name(oa), messages=msgs, n=2, max_tokens=8, logprobs=True,
+                                   top_logprobs=3, temperature=0.7, seed=1)
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    assert r.usage.prompt_tokens == len(ids)
+    assert len(r.choices) == 2 and all(c.message.role == "assistant" for c in r.choices)
+    for c in r.choices:
+        assert c.logprobs.content, "logprobs=true returns an entry per token"
+        for e in c.logprobs.content:
+            assert math.isfinite(e.logprob) and e.logprob <= 0
+            assert len(e.top_logprobs) == 3
+            tops = [t.logprob for t in e.top_logprobs]
+            assert tops == sorted(tops, reverse=True) and e.logprob <= tops[0] + 1e-5
+
+
+def test_bad_request_is_a_4xx_through_the_openai_client(oa):
+    with pytest.raises(openai.BadRequestError, match="n"):
+        oa.completions.create(model=_model_name(oa), prompt="hi", n=10_000)
+
+
+def _tokens(url, prompt, **kw):
+    r = httpx.post(url + "/v1/generate_tokens", json={"prompts": [prompt], "temperature": 0, "max_tokens": 12, **kw},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_concurrent_requests_share_engine_calls(gen):
+    prompts = [[5 + i, 17, 30 + 2 * i, 44] for i in range(8)]
+    solo = [_tokens(gen.url, p)["outputs"][0]["token_ids"] for p in prompts]
+    before = httpx.get(gen.url + "/v1/stats").json()
+    barrier, got = threading.Barrier(len(prompts)), [None] * len(prompts)
+
+    def fire(i):
+        barrier.wait()
+        got[i] = _tokens(gen.url, prompts[i])["outputs"][0]["token_ids"]
+
+    threads = [threading.Thread(target=fire, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    after = httpx.get(gen.url + "/v1/stats").json()
+    assert after["requests"] - before["requests"] == len(prompts)
+    assert after["engine_batches"] - before["engine_batches"] < len(prompts) / 2
+    assert got == solo  # each request gets its own rows back, unchanged by the company it was batched with
+
+
+def test_health_answers_while_a_long_batch_runs(gen):
+    done = threading.Event()
+
+    def long():
+        httpx.post(gen.url + "/v1/generate_tokens", json={"prompts": [[3, 4, 5]] * 8, "n": 8, "max_tokens": 200,
+                                                           "temperature": 1.0}, timeout=120)
+        done.set()
+
+    t = threading.Thread(target=long)
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert httpx.get(gen.url + "/health", timeout=5).json() == {"status": "healthy"}
+    waited = time.monotonic() - t0
+    t.join(120)
+    assert waited < 1.0
+
+
+def test_seeded_requests_are_reproducible(gen):
+    a = _tokens(gen.url, [7, 8, 9], n=4, temperature=1.0, seed=11)
+    b = _tokens(gen.url, [7, 8, 9], n=4, temperature=1.0, seed=11)
+    assert [o["token_ids"] for o in a["outputs"]] == [o["token_ids"] for o in b["outputs"]]
+
+
+# --- weight sync and auth, on a server of their own (they change its weights) ---
+
+@pytest.fixture(scope="module")
+def keyed(tiny_model_dir):
+    with ServiceProcess(["generate", "--model", str(tiny_model_dir)], env={"ALIGNRL_API_KEY": KEY}) as s:
+        yield s
+
+
+def _greedy(engine, prompts):
+    return engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10))
+
+
+def _post_update(url, body, key=KEY):
+    return httpx.post(url + "/v1/update_weights", content=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=60)
+
+
+def test_weight_update_auth_and_validation(keyed, tiny_model):
+    model, tok = tiny_model
+    remote = RemoteRolloutEngine(keyed.url, tok, api_key=KEY, retries=1)
+    prompts = [[10, 20, 30], [40, 50]]
+    base = _greedy(remote, prompts)
+    named = list(model.named_parameters())
+
+    # without or with the wrong token: 401 and nothing changes
+    for key in (None, "wrong"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        r = httpx.post(keyed.url + "/v1/update_weights", content=encode(named, 5), headers=headers)
+        assert r.status_code == 401 and "ALIGNRL_API_KEY" in r.json()["error"]["message"]
+
+    body = encode(named, 1)
+    shapes = [(n, t.reshape(-1)) if i == 0 else (n, t) for i, (n, t) in enumerate(named)]
+    bad = {"truncated": body[:-7], "garbage": b"not a weight update at all",
+           "wrong shape": encode(shapes, 1), "wrong dtype": encode([(n, t.double()) for n, t in named], 1),
+           "unknown name": encode(named + [("extra.weight", torch.zeros(2))], 1),
+           "missing tensor": encode(named[1:], 1), "nan": encode([(n, t * float("nan")) for n, t in named], 1)}
+    for what, b in bad.items():
+        r = _post_update(keyed.url, b)
+        assert 400 <= r.status_code < 500, (what, r.status_code, r.text)
+        assert "\n" not in r.json()["error"]["message"]
+    assert remote.weight_version() == 0
+    again = _greedy(remote, prompts)
+    assert torch.equal(again.response_ids, base.response_ids) and torch.equal(again.logprobs, base.logprobs)
+
+    # a valid push: the version advances and the server now samples what a local copy with those weights does
+    perturbed = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        for p in perturbed.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    assert remote.load_weights(perturbed.named_parameters(), version=3) == 3
+    assert remote.weight_version() == 3
+    new = _greedy(remote, prompts)
+    assert remote.last_version == 3
+    assert not torch.equal(new.logprobs, base.logprobs)
+    local = _greedy(HFRolloutEngine(perturbed, tok), prompts)
+    assert torch.equal(new.response_ids, local.response_ids)
+    torch.testing.assert_close(new.logprobs, local.logprobs, atol=1e-4, rtol=0)
+
+    # an old version is refused (409) and leaves version 3 in place
+    r = _post_update(keyed.url, encode(named, 2))
+    assert r.status_code == 409 and remote.weight_version() == 3
+    with pytest.raises(ServiceError, match="HTTP 401"):
+        RemoteRolloutEngine(keyed.url, tok, api_key="wrong", retries=1).load_weights(named, version=9)
+    assert remote.weight_version() == 3
+
+
+def test_generation_needs_no_token(keyed):
+    r = httpx.post(keyed.url + "/v1/generate_tokens", json={"prompts": [[1, 2]], "max_tokens": 3})
+    assert r.status_code == 200
+
+
+def _run_cli(args, env_extra=None, timeout=60):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "ALIGNRL_API_KEY"}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "alignrl", "serve", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+@pytest.mark.parametrize("service", ["generate", "ref", "reward"])
+def test_non_loopback_without_key_refuses_to_start(service):
+    p = _run_cli([service, "--model", "demo", "--host", "0.0.0.0", "--port", "0"])
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1
+    assert "ALIGNRL_API_KEY" in lines[0] and "0.0.0.0" in lines[0]
+
+
+def test_missing_vllm_is_one_line(tiny_model_dir, capsys):
+    from alignrl.serve import generate
+
+    pytest.importorskip("fastapi")
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vllm is installed here")
+    except ImportError:
+        pass
+    assert generate.main(["--model", str(tiny_model_dir), "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["alignrl serve generate: error: vllm is not installed; install it on a GPU machine or use "
+                   "--engine hf"]
