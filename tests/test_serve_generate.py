@@ -247,3 +247,36 @@ def test_missing_vllm_is_one_line(tiny_model_dir, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["alignrl serve generate: error: vllm is not installed; install it on a GPU machine or use "
                    "--engine hf"]
+
+
+SRC = __import__("pathlib").Path(__file__).resolve().parents[1] / "src"
+
+
+@pytest.mark.parametrize("script", ["launch_vllm.py", "launch_ref_model.py"])
+def test_seed_launchers_refuse_open_host_without_key(script):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "ALIGNRL_API_KEY"}
+    p = subprocess.run([sys.executable, str(SRC / script), "--model_path", "demo", "--port", "8000",
+                        "--tensor_parallel_size", "8", "--host", "0.0.0.0"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert p.returncode == 2 and "ALIGNRL_API_KEY" in p.stderr.strip().splitlines()[-1]
+
+
+def test_seed_launchers_serve_the_seed_endpoints(tiny_model_dir):
+    from alignrl.serve.common import start_all
+
+    procs = [ServiceProcess(["--model_path", str(tiny_model_dir), "--tensor_parallel_size", "8"],
+                            command=[sys.executable, str(SRC / script)])
+             for script in ("launch_vllm.py", "launch_ref_model.py")]
+    start_all(procs)
+    try:
+        for p in procs:
+            assert httpx.get(p.url + "/health").json() == {"status": "healthy"}
+        out = _tokens(procs[0].url, [3, 4, 5])["outputs"][0]
+        lp = httpx.post(procs[1].url + "/v1/logprobs", json={"prompts": [[3, 4, 5]], "responses": [out["token_ids"]]})
+        # the reference model scores greedy tokens exactly as the generator sampled them (same weights)
+        assert lp.json()["logprobs"][0] == pytest.approx(out["logprobs"], abs=1e-4)
+    finally:
+        for p in procs:
+            p.stop()

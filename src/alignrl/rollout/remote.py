@@ -136,10 +136,12 @@ class RemoteRolloutEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
         rows: list[tuple[list[int], list[float], bool]] = []
         per_request = max(1, self.max_seqs // params.n)  # whole prompts, so each group stays in one request
-        for s in range(0, len(prompts), per_request):
+        for k, s in enumerate(range(0, len(prompts), per_request)):
+            # Each request of a seeded call gets its own seed, or all would draw the same random numbers.
+            seed = None if params.seed is None else (params.seed + k * 1_000_003) % 2**63
             body = {"prompts": [[int(t) for t in p] for p in prompts[s:s + per_request]], "n": params.n,
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                    "max_tokens": params.max_new_tokens, "stop": list(params.stop), "seed": params.seed}
+                    "max_tokens": params.max_new_tokens, "stop": list(params.stop), "seed": seed}
             out = self.client.request("POST", "/v1/generate_tokens", json=body)
             rows += [(o["token_ids"], o["logprobs"], o["finish_reason"] == "length") for o in out["outputs"]]
             self.last_version = out["weight_version"]

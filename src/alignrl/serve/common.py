@@ -216,6 +216,7 @@ class ServiceProcess:
 
     args: Sequence[str]  # after `alignrl serve`, e.g. ["generate", "--model", path]
     env: dict[str, str] = field(default_factory=dict)
+    command: Sequence[str] = ()  # instead of `python -m alignrl serve`, e.g. a seed launcher script
     startup_s: float = 120.0
     proc: subprocess.Popen | None = None
     port: int = 0
@@ -228,7 +229,8 @@ class ServiceProcess:
     def launch(self) -> None:
         self.port = free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **self.env}
-        cmd = [sys.executable, "-m", "alignrl", "serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
+        prefix = list(self.command) if self.command else [sys.executable, "-m", "alignrl", "serve"]
+        cmd = [*prefix, *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
         # stderr to a file, not a pipe: nobody drains a pipe while the service runs, and a full one blocks it
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self.log)

@@ -24,7 +24,7 @@ import itertools
 import sys
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 
 from fastapi import Depends, Request
@@ -131,8 +131,8 @@ class GenerationService:
         prompts = [p for j in jobs for p in j.prompts]
         per_call = max(1, self.max_batch // params.n)  # whole prompts per call, so groups stay together
         rows: list[GenRow] = []
-        for s in range(0, len(prompts), per_call):
-            ro = self.engine.generate(prompts[s:s + per_call], params)
+        for k, s in enumerate(range(0, len(prompts), per_call)):
+            ro = self.engine.generate(prompts[s:s + per_call], chunk_seed(params, k, 7919))
             self.engine_calls += 1
             for i in range(ro.response_ids.shape[0]):
                 m = ro.response_mask[i]
@@ -179,6 +179,14 @@ class GenerationService:
         await self.batcher.call(swap)
         return {"weight_version": self.version, "tensors": len(upd.tensors), "bytes": upd.nbytes,
                 "seconds": round(time.perf_counter() - t0, 4)}
+
+
+def chunk_seed(params, k: int, stride: int):
+    """Params for the k-th slice of a seeded request: each slice gets its own seed, or all slices would
+    draw the same random numbers row for row."""
+    if k == 0 or params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + k * stride) % 2**63)
 
 
 def top_logprobs(model, prompts: list[list[int]], responses: list[list[int]], k: int, temperature: float,

@@ -1,0 +1,166 @@
+"""The HTTP clients: retries, backoff and one-line errors against stub servers; parity of the remote
+rollout engine with the in-process one against a live generation server."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
+from alignrl.rollout.remote import (RemoteRefScorer, RemoteReward, RemoteRolloutEngine, ServiceClient, ServiceError,
+                                    rollout_from_rows)
+from alignrl.serve.common import ServiceProcess, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Stub:
+    """A loopback HTTP server answering from a script of (status, body, delay) and counting requests."""
+
+    def __init__(self, script):
+        self.script, self.hits = list(script), 0
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self):
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                status, body, delay = stub.script[min(stub.hits, len(stub.script) - 1)]
+                stub.hits += 1
+                time.sleep(delay)
+                data = json.dumps(body).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the client gave up (timeout test)
+                    pass
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stub():
+    made = []
+
+    def make(script):
+        made.append(Stub(script))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.mark.parametrize("make, hint", [
+    (lambda url: RemoteRolloutEngine(url, _Tok(), retries=3, backoff=0.2).generate([[1, 2]], SamplingParams()),
+     "alignrl serve generate --model PATH --port"),
+    (lambda url: RemoteRefScorer(url, retries=3, backoff=0.2).logprobs(*[torch.ones(1, 2, dtype=torch.long)] * 4),
+     "alignrl serve ref --model PATH --port"),
+    (lambda url: RemoteReward(url, retries=3, backoff=0.2).score_texts(["a"], ["b"]),
+     "alignrl serve reward --model RM_PATH --port"),
+])
+def test_dead_port_gives_one_line_error_after_backoff(make, hint):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    with pytest.raises(ServiceError) as e:
+        make(url)
+    elapsed = time.monotonic() - t0
+    msg = str(e.value)
+    assert isinstance(e.value, ValueError) and "\n" not in msg
+    assert f"at {url} is not reachable after 3 tries" in msg and f"{hint} {port}" in msg
+    assert 0.6 <= elapsed < 5.0  # backoff 0.2 s then 0.4 s between the three tries, then give up
+
+
+def test_5xx_is_retried_then_succeeds(stub):
+    s = stub([(500, {"error": {"message": "busy"}}, 0), (503, {}, 0), (200, {"weight_version": 7}, 0)])
+    assert ServiceClient(s.url, "generation", retries=3, backoff=0.01).request("GET", "/v1/weight_version") == \
+        {"weight_version": 7}
+    assert s.hits == 3
+
+
+def test_persistent_5xx_names_the_status_and_message(stub):
+    s = stub([(500, {"error": {"message": "engine crashed"}}, 0)])
+    with pytest.raises(ServiceError, match=r"kept failing after 2 tries \(HTTP 500: engine crashed\)"):
+        ServiceClient(s.url, "reference", retries=2, backoff=0.01).request("POST", "/v1/logprobs", json={})
+    assert s.hits == 2
+
+
+def test_4xx_fails_at_once_with_the_server_message(stub):
+    s = stub([(400, {"error": {"message": "prompt 0 is empty; every prompt needs at least one token"}}, 0)])
+    with pytest.raises(ServiceError) as e:
+        ServiceClient(s.url, "generation", retries=3, backoff=0.01).request("POST", "/v1/generate_tokens", json={})
+    assert s.hits == 1 and e.value.status == 400 and "prompt 0 is empty" in str(e.value)
+
+
+def test_slow_server_times_out_within_bounds(stub):
+    s = stub([(200, {}, 1.5)])
+    t0 = time.monotonic()
+    with pytest.raises(ServiceError, match="ReadTimeout"):
+        ServiceClient(s.url, "reward", timeout=0.3, retries=2, backoff=0.01).request("GET", "/x")
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_bad_url_is_rejected():
+    with pytest.raises(ServiceError, match="must start with http://"):
+        RemoteReward("127.0.0.1:8002")
+
+
+def test_rows_that_do_not_fit_the_prompts_are_an_error():
+    with pytest.raises(ServiceError, match="rows"):
+        rollout_from_rows([[1, 2]], 2, [([3], [-0.1], False)], pad_id=0)
+
+
+class _Tok:
+    pad_token_id, eos_token_id = 0, 1
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_model_dir):
+    with ServiceProcess(["generate", "--model", str(tiny_model_dir)]) as s:
+        yield s
+
+
+def _prompts(tok):
+    return [tok.encode(t) for t in ("What is 3 + 4?", "Add 10 and 25 then double it.", "7 * 8 =", "1")]
+
+
+def test_remote_greedy_rollout_equals_local(gen, tiny_model):
+    model, tok = tiny_model
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=14)
+    local = HFRolloutEngine(model, tok).generate(_prompts(tok), params)
+    remote = RemoteRolloutEngine(gen.url, tok).generate(_prompts(tok), params)
+    for f in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "truncated", "group"):
+        a, b = getattr(remote, f), getattr(local, f)
+        assert a.dtype == b.dtype and torch.equal(a, b), f
+    torch.testing.assert_close(remote.logprobs, local.logprobs, atol=1e-4, rtol=0)
+
+
+def test_remote_sampled_rollout_layout_and_chunking(gen, tiny_model):
+    _, tok = tiny_model
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=4)
+    whole = RemoteRolloutEngine(gen.url, tok).generate(_prompts(tok), params)
+    chunked = RemoteRolloutEngine(gen.url, tok, max_seqs_per_request=3).generate(_prompts(tok), params)
+    assert whole.group.tolist() == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    lengths = whole.response_mask.sum(1)
+    assert torch.equal(whole.truncated, lengths == 10)
+    assert torch.equal(whole.response_mask, torch.arange(whole.response_mask.shape[1]) < lengths[:, None])
+    assert bool((whole.logprobs[whole.response_mask] < 0).all()) and bool((whole.logprobs[~whole.response_mask] == 0).all())
+    # one request per prompt (3 sequences each) gives the same layout
+    assert chunked.response_ids.shape[0] == 12 and torch.equal(chunked.group, whole.group)
