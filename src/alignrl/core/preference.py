@@ -1,0 +1,197 @@
+"""Pairwise preference losses: reward model, cost model and the DPO family. Pure tensor functions.
+
+Shapes: B preference pairs. Scores are one scalar per response (B,); log-probs are per-sequence sums
+over response tokens (B,). Every loss returns `(loss, metrics)`: the loss is the SUM over this batch's
+pairs divided by `global_pairs` (the number of pairs in the global batch across ranks and
+micro-batches; defaults to B), so summing the losses of any split of a batch gives the loss of the
+whole batch, which is what the training engines expect. Metrics are plain floats over this batch.
+
+Left out on purpose: length-normalised variants (SimPO, IPO on token means), reference-free losses
+(ORPO, SimPO), KTO's unpaired data and listwise/ranking losses; they need different data or
+sequence statistics than the sums used here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["bradley_terry_loss", "safe_rlhf_cost_loss", "dpo_sigmoid_loss", "dpo_ipo_loss", "cdpo_loss",
+           "slic_hinge_loss", "odpo_loss", "safe_preference_offset", "safe_odpo_loss", "DPO_LOSSES",
+           "reward_accuracy"]
+
+
+def _norm(n: int, global_pairs: float | None) -> float:
+    return float(global_pairs) if global_pairs else float(max(n, 1))
+
+
+def reward_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """(B,) 1 where chosen > rejected, 0 where below, 0.5 on ties: chance is 0.5, and a DPO policy that
+    still equals its reference (all implicit rewards 0) scores exactly chance instead of 0."""
+    return (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
+
+
+# ---------------------------------------------------------------- reward and cost models
+
+
+def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor,
+                       margin: torch.Tensor | None = None, global_pairs: float | None = None
+                       ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Pairwise reward-model loss (Bradley & Terry 1952; Ouyang et al. 2022, "InstructGPT"):
+    -log σ(r_c - r_r - m). `margin` (B,) is the Llama-2 preference margin m(r) (Touvron et al. 2023,
+    "Llama 2"): the chosen score must exceed the rejected one by m; None means m = 0."""
+    diff = chosen_scores - rejected_scores
+    if margin is not None:
+        diff = diff - margin
+    loss = -F.logsigmoid(diff).sum() / _norm(diff.numel(), global_pairs)
+    with torch.no_grad():
+        metrics = {"rm/accuracy": float(reward_accuracy(chosen_scores, rejected_scores).mean()),
+                   "rm/score_margin": float((chosen_scores - rejected_scores).mean()),
+                   "rm/chosen_score": float(chosen_scores.mean()),
+                   "rm/rejected_score": float(rejected_scores.mean())}
+    return loss, metrics
+
+
+def safe_rlhf_cost_loss(chosen_costs: torch.Tensor, rejected_costs: torch.Tensor, chosen_unsafe: torch.Tensor,
+                        rejected_unsafe: torch.Tensor, global_pairs: float | None = None
+                        ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Cost-model loss of Safe RLHF (Dai et al. 2023, "Safe RLHF").
+
+    The preferred ("chosen") response is the safer one, so the rejected one is the more harmful y_w of
+    the paper: -log σ(c_r - c_c) orders the pair, and -log σ(s·c) for each response, with s = +1 when
+    that response is unsafe and -1 when safe, pins the sign: c > 0 means harmful, c < 0 safe, which is
+    what makes `E[c] <= 0` a meaningful constraint in PPO-Lagrangian. `*_unsafe` are (B,) bool/float."""
+    s_c = 2.0 * chosen_unsafe.float() - 1.0
+    s_r = 2.0 * rejected_unsafe.float() - 1.0
+    pair = -F.logsigmoid(rejected_costs - chosen_costs)
+    sign = -F.logsigmoid(s_c * chosen_costs) - F.logsigmoid(s_r * rejected_costs)
+    loss = (pair + sign).sum() / _norm(pair.numel(), global_pairs)
+    with torch.no_grad():
+        sign_ok = torch.cat([(chosen_costs > 0) == chosen_unsafe.bool(), (rejected_costs > 0) == rejected_unsafe.bool()])
+        metrics = {"cost/accuracy": float(reward_accuracy(rejected_costs, chosen_costs).mean()),
+                   "cost/sign_accuracy": float(sign_ok.float().mean()),
+                   "cost/pair_loss": float(pair.mean()), "cost/sign_loss": float(sign.mean()),
+                   "cost/chosen_cost": float(chosen_costs.mean()),
+                   "cost/rejected_cost": float(rejected_costs.mean())}
+    return loss, metrics
+
+
+# ---------------------------------------------------------------- DPO family
+# Each takes (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta,
+# global_pairs) as (B,) sequence log-prob sums, plus keywords some variants read.
+
+
+def _dpo_metrics(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float,
+                 losses: torch.Tensor) -> dict[str, float]:
+    """The implicit rewards β·(log π - log π_ref) of DPO (Rafailov et al. 2023)."""
+    with torch.no_grad():
+        chosen, rejected = beta * (pc - rc), beta * (pr - rr)
+        return {"dpo/loss": float(losses.mean()), "rewards/chosen": float(chosen.mean()),
+                "rewards/rejected": float(rejected.mean()),
+                "rewards/accuracy": float(reward_accuracy(chosen, rejected).mean()),
+                "rewards/margin": float((chosen - rejected).mean()),
+                "logps/chosen": float(pc.mean()), "logps/rejected": float(pr.mean())}
+
+
+def _h(pc, pr, rc, rr) -> torch.Tensor:
+    """(B,) log-ratio difference h = (log π_c - log π_ref,c) - (log π_r - log π_ref,r)."""
+    return (pc - rc) - (pr - rr)
+
+
+def dpo_sigmoid_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float,
+                     global_pairs: float | None = None, **_) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPO (Rafailov et al. 2023, "Direct Preference Optimization", eq. 7): -log σ(β·h)."""
+    losses = -F.logsigmoid(beta * _h(pc, pr, rc, rr))
+    return losses.sum() / _norm(losses.numel(), global_pairs), _dpo_metrics(pc, pr, rc, rr, beta, losses)
+
+
+def cdpo_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float,
+              global_pairs: float | None = None, *, label_smoothing: float = 0.0, **_
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Conservative DPO (Mitchell 2023, "A note on DPO with noisy preferences"): each label is flipped
+    with probability ε, giving -(1-ε)·log σ(β·h) - ε·log σ(-β·h). ε = 0 is plain DPO."""
+    z = beta * _h(pc, pr, rc, rr)
+    losses = -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+    return losses.sum() / _norm(losses.numel(), global_pairs), _dpo_metrics(pc, pr, rc, rr, beta, losses)
+
+
+def dpo_ipo_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float,
+                 global_pairs: float | None = None, **_) -> tuple[torch.Tensor, dict[str, float]]:
+    """IPO (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human
+    Preferences"): (h - 1/(2τ))², with τ = beta. It regresses the log-ratio gap to a finite
+    target, so it does not push it to infinity on deterministic preferences as DPO does."""
+    losses = (_h(pc, pr, rc, rr) - 1.0 / (2.0 * beta)) ** 2
+    return losses.sum() / _norm(losses.numel(), global_pairs), _dpo_metrics(pc, pr, rc, rr, beta, losses)
+
+
+def slic_hinge_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float,
+                    global_pairs: float | None = None, **_) -> tuple[torch.Tensor, dict[str, float]]:
+    """Hinge (SLiC-HF, Zhao et al. 2023, "Calibrating Sequence Likelihood..."; on the reference-
+    normalised gap as in Liu et al. 2024, RSO): max(0, 1 - β·h)."""
+    losses = torch.relu(1.0 - beta * _h(pc, pr, rc, rr))
+    return losses.sum() / _norm(losses.numel(), global_pairs), _dpo_metrics(pc, pr, rc, rr, beta, losses)
+
+
+def odpo_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float,
+              global_pairs: float | None = None, *, offset: torch.Tensor | None = None, **_
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPO with an offset (Amini et al. 2024, "Direct Preference Optimization with an Offset"):
+    -log σ(β·h - Δ). The preferred response must beat the other by the margin Δ (B,), not just win."""
+    z = beta * _h(pc, pr, rc, rr)
+    if offset is not None:
+        z = z - offset
+    losses = -F.logsigmoid(z)
+    metrics = _dpo_metrics(pc, pr, rc, rr, beta, losses)
+    if offset is not None:
+        metrics["safe/offset"] = float(offset.mean())
+    return losses.sum() / _norm(losses.numel(), global_pairs), metrics
+
+
+def safe_preference_offset(help_a: torch.Tensor, help_b: torch.Tensor, cost_a: torch.Tensor, cost_b: torch.Tensor,
+                           safety_lambda: float, offset_alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which response of each pair (a, b) is preferred, and by how much, from a helpfulness reward
+    model and a harmlessness cost model (all (B,)).
+
+    The combined utility is the Lagrangian of Safe RLHF (Dai et al. 2023) at a fixed
+    multiplier: u = r_help - λ·c_harm. Returns (swap (B,) bool: True where b is preferred over a,
+    offset (B,) >= 0): Δ = α·log(1 + |u_a - u_b|), ODPO's offset as a monotone function of the score
+    gap (Amini et al. 2024); log(1 + ·) gives no offset at equal utilities and keeps large gaps of
+    unnormalised scorers from demanding huge margins."""
+    u_a = help_a - safety_lambda * cost_a
+    u_b = help_b - safety_lambda * cost_b
+    swap = u_b > u_a
+    offset = offset_alpha * torch.log1p((u_a - u_b).abs())
+    return swap, offset.detach()
+
+
+def safe_odpo_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float,
+                   global_pairs: float | None = None, *, help_chosen: torch.Tensor, help_rejected: torch.Tensor,
+                   cost_chosen: torch.Tensor, cost_rejected: torch.Tensor, safety_lambda: float = 1.0,
+                   offset_alpha: float = 0.5, **_) -> tuple[torch.Tensor, dict[str, float]]:
+    """Safety-aware DPO: the pair's order comes from the Safe RLHF utility r - λ·c of the two frozen
+    scorers (a labelled "chosen" that the scorers rank below "rejected" is trained the other way), and
+    the margin from ODPO's offset on the utility gap (see `safe_preference_offset`). With equal scores
+    it is plain DPO on the labelled order."""
+    swap, offset = safe_preference_offset(help_chosen, help_rejected, cost_chosen, cost_rejected, safety_lambda,
+                                          offset_alpha)
+    w_pc, w_pr = torch.where(swap, pr, pc), torch.where(swap, pc, pr)
+    w_rc, w_rr = torch.where(swap, rr, rc), torch.where(swap, rc, rr)
+    loss, metrics = odpo_loss(w_pc, w_pr, w_rc, w_rr, beta, global_pairs, offset=offset)
+    metrics["safe/swapped_frac"] = float(swap.float().mean())
+    # reward metrics stay on the labelled order, comparable with the other losses and the held-out eval
+    metrics.update({k: v for k, v in _dpo_metrics(pc, pr, rc, rr, beta, torch.zeros(1)).items()
+                    if k.startswith("rewards/")})
+    return loss, metrics
+
+
+DpoLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+DPO_LOSSES: dict[str, DpoLoss] = {
+    "sigmoid": dpo_sigmoid_loss,
+    "cdpo": cdpo_loss,
+    "ipo": dpo_ipo_loss,
+    "hinge": slic_hinge_loss,
+    "safe": safe_odpo_loss,
+}
