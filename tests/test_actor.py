@@ -10,7 +10,9 @@ from alignrl.data.collate import encode_prompts
 from alignrl.data.records import Experience
 from alignrl.models.logprobs import response_logprobs
 from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
+from alignrl.dist.env import SINGLE
 from alignrl.train.actor import Actor, PolicyLossSpec
+from alignrl.train.engines import OptimSpec, build_engine
 
 
 def _experience(model, tok, rewards):
@@ -21,8 +23,7 @@ def _experience(model, tok, rewards):
 
 
 def _actor(model, lr=1e-2):
-    return Actor(model, lr=lr, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, total_steps=10,
-                 schedule="constant", min_lr_ratio=0.0, grad_clip=1.0)
+    return Actor(build_engine("single", model, OptimSpec(lr=lr, total_steps=10, grad_clip=1.0), SINGLE))
 
 
 def _seq_logp(model, exp):

@@ -7,7 +7,9 @@ from alignrl.data.collate import encode_prompts
 from alignrl.data.records import Experience
 from alignrl.models.value import load_value_model, response_values
 from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
+from alignrl.dist.env import SINGLE
 from alignrl.train.critic import Critic
+from alignrl.train.engines import OptimSpec, build_engine
 
 
 def _rollout(tiny_model):
@@ -26,10 +28,15 @@ def test_value_model_loads_from_policy_and_is_seeded(tiny_model_dir, tmp_path):
     torch.testing.assert_close(c.score.weight, a.score.weight)
 
 
+def _critic(model_dir, lr, total_steps, cliprange_value):
+    model = load_value_model(str(model_dir), log=lambda *_: None)
+    return Critic(build_engine("single", model, OptimSpec(lr=lr, total_steps=total_steps), SINGLE),
+                  cliprange_value=cliprange_value)
+
+
 def test_batched_values_match_per_row(tiny_model, tiny_model_dir):
     ro = _rollout(tiny_model)
-    critic = Critic(load_value_model(str(tiny_model_dir), log=lambda *_: None), lr=1e-3, weight_decay=0.0,
-                    betas=(0.9, 0.999), warmup_steps=0, total_steps=10, grad_clip=1.0, cliprange_value=0.5)
+    critic = _critic(tiny_model_dir, 1e-3, 10, 0.5)
     v = critic.values(ro, micro_batch=2)
     with torch.no_grad():
         for i in range(len(ro.group)):
@@ -43,8 +50,7 @@ def test_batched_values_match_per_row(tiny_model, tiny_model_dir):
 
 def test_critic_update_moves_values_toward_returns(tiny_model, tiny_model_dir):
     ro = _rollout(tiny_model)
-    critic = Critic(load_value_model(str(tiny_model_dir), log=lambda *_: None), lr=3e-3, weight_decay=0.0,
-                    betas=(0.9, 0.999), warmup_steps=0, total_steps=50, grad_clip=1.0, cliprange_value=None)
+    critic = _critic(tiny_model_dir, 3e-3, 50, None)
     exp = Experience(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, ro.logprobs, None,
                      torch.zeros(len(ro.group)))
     returns = ro.response_mask.float() * 1.0

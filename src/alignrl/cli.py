@@ -8,12 +8,16 @@
     alignrl serve generate|ref|reward|retrieve ... (HTTP services: their own flags)
     alignrl doctor [--config FILE]
 
+Any command takes `--nproc N` to run itself on N local ranks under torchrun; `torchrun
+--nproc_per_node=N -m alignrl ...` works as well.
+
 User errors (config, data, model path, reward spec) print one line and exit 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -104,6 +108,8 @@ def _run(args: argparse.Namespace) -> int:
     from alignrl.algos.runner import train_grpo
 
     summary = train_grpo(cfg, wall_start=start)
+    if summary is None:  # ranks other than 0 under torchrun
+        return 0
     print(f"base_accuracy={summary['base_accuracy']:.3f} final_accuracy={summary['final_accuracy']:.3f} "
           f"gain={summary['gain_points']:+.1f} points steps={summary['steps']} "
           f"wall_seconds={summary['wall_seconds']:.0f}")
@@ -112,6 +118,15 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from alignrl.dist.launch import pop_nproc, torchrun
+
+    try:
+        nproc, argv = pop_nproc(argv)
+    except ValueError as e:
+        print(f"alignrl: error: {e}", file=sys.stderr)
+        return 2
+    if nproc and nproc > 1 and "LOCAL_RANK" not in os.environ:  # `--nproc N`: the same command under torchrun
+        return torchrun(nproc, ["alignrl", *argv])
     routed = _passthrough(argv)
     if routed:
         import importlib

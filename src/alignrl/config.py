@@ -170,6 +170,13 @@ class TrainerConfig:
     logger: list = opt(["console", "jsonl", "tensorboard"], "metric sinks: console, jsonl, tensorboard")
     progress_bar: bool = opt(True, "show a progress bar on the console")
     threads: int = opt(0, "torch CPU threads; 0 keeps torch's default", ge=0)
+    strategy: str = opt("auto", "training engine of actor and critic: auto (ddp under torchrun, else single), "
+                        "single, ddp, fsdp2, deepspeed", choices=("auto", "single", "ddp", "fsdp2", "deepspeed"))
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage (strategy=deepspeed)", ge=0, le=3)
+    offload: bool = opt(False, "DeepSpeed: keep optimizer state on the CPU (ZeRO-Offload)")
+    deepspeed_config: str = opt("", "DeepSpeed JSON config file (e.g. config/deepspeed/zero3.json); empty: "
+                                "generated from these keys and saved in the run folder")
+    device: str = opt("auto", "auto (CUDA when available), cpu or cuda", choices=("auto", "cpu", "cuda"))
 
 
 @dataclass(frozen=True)
@@ -203,6 +210,21 @@ def _check_ranges(obj: Any, prefix: str = "") -> None:
                                 ("le", lambda v, b: v <= b, "<=")):
             if m.get(bound) is not None and not ok(value, m[bound]):
                 raise ConfigError(f"{key}={value} is out of range; it must be {word} {m[bound]}")
+
+
+def check_world_size(cfg: RunConfig, world: int) -> None:
+    """What a data-parallel run of `world` ranks needs from the batch sizes (checked at launch)."""
+    if world <= 1:
+        return
+    if cfg.trainer.strategy == "single":
+        raise ConfigError(f"trainer.strategy=single cannot run on {world} ranks; use ddp, fsdp2 or deepspeed")
+    for key, value in (("data.train_batch_size", cfg.data.train_batch_size),
+                       ("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size)):
+        if value % world:
+            raise ConfigError(f"{key}={value} must be a multiple of the world size {world} (each rank takes "
+                              "an equal share of every batch)")
+    if cfg.algorithm.dynamic_sampling:
+        raise ConfigError("algorithm.dynamic_sampling needs equal batches on every rank; run it on one process")
 
 
 def _check_combinations(cfg: RunConfig) -> None:

@@ -26,6 +26,7 @@ from alignrl.core.rollout_correction import truncated_is_weights
 from alignrl.core.shaping import overlong_penalty
 from alignrl.data.collate import per_token_in_chunks
 from alignrl.data.records import Experience, Rollout, Sample
+from alignrl.dist.env import SINGLE, DistEnv, all_reduce_sum
 from alignrl.models.logprobs import response_logprobs
 from alignrl.models.value import ModelScorer
 from alignrl.rollout.hf_engine import SamplingParams
@@ -114,8 +115,8 @@ class GRPOStep:
     """Holds the interfaces of one RL step; `run` executes the pipeline on a batch of prompts."""
 
     def __init__(self, cfg: RunConfig, engine, actor: Actor, ref_model, tokenizer, reward_fn, correct_fn,
-                 critics: CriticParts | None = None):
-        self.cfg, self.engine, self.actor, self.ref = cfg, engine, actor, ref_model
+                 critics: CriticParts | None = None, env: DistEnv = SINGLE):
+        self.cfg, self.engine, self.actor, self.ref, self.env = cfg, engine, actor, ref_model, env
         self.tokenizer, self.reward_fn, self.correct_fn, self.critics = tokenizer, reward_fn, correct_fn, critics
         a = cfg.actor
         alg = cfg.algorithm
@@ -136,7 +137,8 @@ class GRPOStep:
         r = self.cfg.rollout
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop=tuple(r.stop),
-                              seed=self.cfg.trainer.seed * 1_000_003 + step + gen_round * 1_000_000_007)
+                              seed=self.cfg.trainer.seed * 1_000_003 + step + gen_round * 1_000_000_007
+                              + self.env.rank * 7_919_000_003)  # ranks draw different samples
 
     def score(self, ro: Rollout, samples: Sequence[Sample]) -> Scored:
         """Task rewards plus the overlong penalty when configured; correctness is never shaped."""
@@ -251,7 +253,10 @@ class GRPOStep:
             token_rewards, kl_metrics = kl_penalty_rewards(outcome_token_rewards(scored.rewards, mask), old_lp,
                                                            ref_lp, mask, self.kl_ctrl.value, alias)
             scored = Scored(token_rewards.sum(-1), scored.correct, scored.costs, scored.baseline, token_rewards)
-            self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], len(ro.group))
+            # every rank must hold the same coefficient: update it from the global mean KL
+            kl_sum, n_rows = all_reduce_sum(self.env, [kl_metrics["actor/reward_kl_penalty"] * len(ro.group),
+                                                       float(len(ro.group))])
+            self.kl_ctrl.update(kl_sum / n_rows, int(n_rows))
             metrics.update(kl_metrics)
         value_targets: list = []
         if self.critics is None:
@@ -266,7 +271,9 @@ class GRPOStep:
                      else ro.response_mask)
         is_weight, is_metrics = self.rollout_correction(old_lp, ro, loss_mask)
         exp = Experience(ro.prompt_ids, ro.prompt_mask, ro.response_ids, loss_mask, old_lp, ref_lp, adv, is_weight)
-        mini, epochs = cfg.actor.ppo_mini_batch_size * cfg.rollout.n, cfg.actor.ppo_epochs
+        # this rank's share of each mini-batch (the batch sizes are checked to divide by the world size)
+        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.env.world_size
+        epochs = cfg.actor.ppo_epochs
         train_metrics = {}
         with _timed(t, "critic"):
             for critic, old_values, returns in value_targets:
@@ -277,10 +284,11 @@ class GRPOStep:
                 gen = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + step)
                 train_metrics.update(self.actor.update(exp, self.spec, mini, micro, epochs, gen))
         if scored.costs is not None:
-            metrics["safety/lambda"] = self.critics.lagrangian.update(float(scored.costs.mean()))
+            cost_sum, n_rows = all_reduce_sum(self.env, [float(scored.costs.sum()), float(len(scored.costs))])
+            metrics["safety/lambda"] = self.critics.lagrangian.update(cost_sum / n_rows)
         with _timed(t, "sync"):
-            if self.engine.model is not self.actor.model:
-                self.engine.load_weights(self.actor.model.named_parameters())
+            if self.engine.model is not self.actor.model:  # generation holds a full copy: refresh it
+                self.engine.load_weights(self.actor.engine.full_state_dict().items())
         t["timing/step"] = time.perf_counter() - t_start
         # KL(rollout || trainer) per token (k1 under rollout samples): engine/trainer mismatch
         metrics["rollout/kl_vs_trainer"] = float(masked_mean(ro.logprobs - old_lp, ro.response_mask.float()))

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from alignrl.algos.evaluate import greedy_eval
 from alignrl.algos.grpo import CriticParts, GRPOStep
-from alignrl.config import RunConfig, to_yaml
+from alignrl.config import RunConfig, check_world_size, to_yaml
 from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.data import synthetic
 from alignrl.data.collate import encode_prompts
@@ -25,10 +25,12 @@ from alignrl.models.loader import frozen_copy, load_model
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.registry import load_reward_fn, make_reward
 from alignrl.rollout.hf_engine import HFRolloutEngine
+from alignrl.dist.env import SINGLE, DistEnv, barrier, init_distributed, mean_metrics, shard
 from alignrl.train.actor import Actor
-from alignrl.train.critic import Critic
 from alignrl.train.checkpoint import (atomic_write_text, latest_checkpoint, load_trainer_state, save_checkpoint,
                                       set_rng_state)
+from alignrl.train.critic import Critic
+from alignrl.train.engines import OptimSpec, TrainEngine, build_engine
 from alignrl.utils.tracking import Tracker, console
 
 
@@ -54,17 +56,44 @@ class LazyPrompts:
         return self.cache[i]
 
 
-def describe_batch(cfg: RunConfig) -> str:
+def describe_batch(cfg: RunConfig, world: int = 1) -> str:
     """The batch arithmetic users otherwise get wrong (verl #180)."""
     p, n, mini = cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size
-    n_mini = p // mini
+    n_mini, micro = p // mini, cfg.actor.ppo_micro_batch_size
+    per_rank = mini * n // world
+    accum = -(-per_rank // micro)
     return (f"{p} prompts/step × {n} samples/prompt = {p * n} sequences/step; "
             f"{n_mini} mini-batch(es) of {mini * n} sequences × {cfg.actor.ppo_epochs} epoch(s) = "
-            f"{n_mini * cfg.actor.ppo_epochs} optimizer steps/RL step; micro-batch {cfg.actor.ppo_micro_batch_size} "
-            f"sequences; effective batch on 1 process = {mini * n} sequences")
+            f"{n_mini * cfg.actor.ppo_epochs} optimizer steps/RL step; effective batch = {min(micro, per_rank)} "
+            f"sequences/micro-batch × {world} rank(s) × {accum} accumulation step(s) ≈ {mini * n} sequences")
 
 
-def build_critics(cfg: RunConfig, resume: Path | None, total_opt_steps: int) -> CriticParts | None:
+def resolve_strategy(cfg: RunConfig, env: DistEnv) -> str:
+    s = cfg.trainer.strategy
+    return ("ddp" if env.distributed else "single") if s == "auto" else s
+
+
+def optim_spec(lr: float, warmup: int, total: int, grad_clip: float, weight_decay: float = 0.0, betas=(0.9, 0.999),
+               schedule: str = "constant", min_lr_ratio: float = 0.0) -> OptimSpec:
+    return OptimSpec(lr=lr, weight_decay=weight_decay, betas=tuple(betas), warmup_steps=warmup, total_steps=total,
+                     schedule=schedule, min_lr_ratio=min_lr_ratio, grad_clip=grad_clip)
+
+
+def make_engine(cfg: RunConfig, model, spec: OptimSpec, env: DistEnv) -> TrainEngine:
+    t = cfg.trainer
+    return build_engine(resolve_strategy(cfg, env), model, spec, env, zero_stage=t.zero_stage, offload=t.offload,
+                        deepspeed_config=t.deepspeed_config or None, bf16=cfg.model.dtype == "bfloat16")
+
+
+def shards_weights(cfg: RunConfig, env: DistEnv) -> bool:
+    """Whether the training engine keeps only a shard of the weights on each rank (then generation runs
+    on a full copy, synced after every step)."""
+    strategy = resolve_strategy(cfg, env)
+    return strategy == "fsdp2" or (strategy == "deepspeed" and cfg.trainer.zero_stage == 3)
+
+
+def build_critics(cfg: RunConfig, resume: Path | None, total_opt_steps: int, env: DistEnv = SINGLE
+                  ) -> CriticParts | None:
     """The critic (and, with safety.cost_fn, the cost critic, cost function and multiplier); from the
     checkpoint's `critic/`, `cost_critic/` folders when resuming."""
     if not cfg.critic.enable:
@@ -73,10 +102,11 @@ def build_critics(cfg: RunConfig, resume: Path | None, total_opt_steps: int) -> 
 
     def make(name: str, seed: int) -> Critic:
         path = str(resume / name) if resume else (c.model_path or cfg.model.path)
-        return Critic(load_value_model(path, cfg.model.dtype, seed=seed, log=console.print), lr=c.lr,
-                      weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=c.lr_warmup_steps,
-                      total_steps=total_opt_steps, grad_clip=c.grad_clip, cliprange_value=c.cliprange_value,
-                      name=name)
+        model = load_value_model(path, cfg.model.dtype, seed=seed, log=console.print)
+        engine = make_engine(cfg, model, optim_spec(c.lr, c.lr_warmup_steps, total_opt_steps, c.grad_clip), env)
+        if resume:
+            restore_state(engine, resume / f"{name}_state", name)
+        return Critic(engine, cliprange_value=c.cliprange_value, name=name)
 
     parts = CriticParts(critic=make("critic", cfg.trainer.seed))
     s = cfg.safety
@@ -88,9 +118,16 @@ def build_critics(cfg: RunConfig, resume: Path | None, total_opt_steps: int) -> 
     return parts
 
 
-def build_step(cfg: RunConfig, policy_path: str, resume: Path | None = None) -> GRPOStep:
-    """Policy (from `policy_path`), frozen reference (from the base `cfg.model.path`), actor with its
-    optimizer, colocated rollout engine, reward functions and critics, wired into one GRPOStep."""
+def restore_state(engine: TrainEngine, folder: Path, name: str) -> None:
+    if not engine.load_state(folder):
+        console.print(f"[yellow]{folder.parent.name}: no {name} optimizer state this backend "
+                      f"({engine.name}) can read; continuing from the saved weights with a fresh optimizer[/yellow]")
+
+
+def build_step(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: DistEnv = SINGLE) -> GRPOStep:
+    """Policy (from `policy_path`), frozen reference (from the base `cfg.model.path`), actor on its
+    training engine, rollout engine (colocated, or a full copy when the engine shards the weights),
+    reward functions and critics, wired into one GRPOStep."""
     model, tokenizer = load_model(policy_path, cfg.model.dtype, log=console.print)
     ref_model = None
     if (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward:
@@ -100,13 +137,22 @@ def build_step(cfg: RunConfig, policy_path: str, resume: Path | None = None) -> 
     a = cfg.actor
     total_opt_steps = (cfg.trainer.total_training_steps * a.ppo_epochs
                        * (cfg.data.train_batch_size // a.ppo_mini_batch_size))
-    actor = Actor(model, lr=a.lr, weight_decay=a.weight_decay, betas=a.betas, warmup_steps=a.lr_warmup_steps,
-                  total_steps=total_opt_steps, schedule=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio,
-                  grad_clip=a.grad_clip)
-    engine = HFRolloutEngine(model, tokenizer)  # colocated: shares the policy's weights
+    rollout_model = frozen_copy(model) if shards_weights(cfg, env) else None  # before sharding
+    spec = optim_spec(a.lr, a.lr_warmup_steps, total_opt_steps, a.grad_clip, a.weight_decay, a.betas, a.lr_scheduler,
+                      a.min_lr_ratio)
+    actor = Actor(make_engine(cfg, model, spec, env))
+    if resume:
+        restore_state(actor.engine, resume / "model_state", "actor")
+    # colocated: generation shares the policy's weights unless the engine keeps only a shard of them
+    engine = HFRolloutEngine(rollout_model if rollout_model is not None else actor.model, tokenizer)
     reward_fn = make_reward(cfg.algorithm.reward_fn, cfg.algorithm.format_reward_weight)
     return GRPOStep(cfg, engine, actor, ref_model, tokenizer, reward_fn, load_reward_fn(cfg.algorithm.reward_fn),
-                    build_critics(cfg, resume, total_opt_steps))
+                    build_critics(cfg, resume, total_opt_steps, env), env)
+
+
+def train_engines(step_fn: GRPOStep) -> dict[str, TrainEngine]:
+    """Checkpoint folder name -> engine: `model` (the policy), `critic`, `cost_critic`."""
+    return {"model": step_fn.actor.engine, **{name: c.engine for name, c in critic_objects(step_fn).items()}}
 
 
 def critic_objects(step_fn: GRPOStep) -> dict[str, Critic]:
@@ -120,28 +166,38 @@ def _fmt(acc: dict[str, float]) -> str:
     return f"{acc['accuracy']:.3f} (last-number extraction: {acc['accuracy_flexible']:.3f})"
 
 
-def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
+def save_ds_config(step_fn: GRPOStep, run_dir: Path, env: DistEnv) -> None:
+    """The DeepSpeed config in use is saved with the run (generated or read from the user's file)."""
+    ds = getattr(step_fn.actor.engine, "config", None)
+    if env.is_main and ds is not None:
+        atomic_write_text(run_dir / "deepspeed.json", json.dumps(ds, indent=2))
+
+
+def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict | None:
+    """Runs on every rank of a torchrun launch; returns the summary on rank 0, None elsewhere."""
     wall_start = wall_start or time.time()
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
+    env = init_distributed(cfg.trainer.device)
+    check_world_size(cfg, env.world_size)
+    console.quiet = not env.is_main  # one rank speaks
     run_dir = cfg.run_dir
     ckpt_root, log_dir = run_dir / "checkpoints", run_dir / "logs"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
 
     train, val = load_task_data(cfg)
     sampler = BatchSampler(len(train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
     resume = latest_checkpoint(ckpt_root) if cfg.trainer.resume_mode == "auto" else None
-    step_fn = build_step(cfg, str(resume / "model") if resume else cfg.model.path, resume)
-    model, tokenizer, actor, engine = step_fn.actor.model, step_fn.tokenizer, step_fn.actor, step_fn.engine
+    step_fn = build_step(cfg, str(resume / "model") if resume else cfg.model.path, resume, env)
+    tokenizer, engine = step_fn.tokenizer, step_fn.engine
     correct_fn = step_fn.correct_fn
+    save_ds_config(step_fn, run_dir, env)
 
     start_step, state = 0, {}
     if resume:
         state = load_trainer_state(resume)
-        actor.load_state_dict(state["actor"])
-        for name, critic in critic_objects(step_fn).items():
-            critic.load_state_dict(state[name])
         if step_fn.critics is not None and step_fn.critics.lagrangian is not None:
             step_fn.critics.lagrangian.load_state_dict(state["lagrangian"])
         if step_fn.kl_ctrl is not None:
@@ -150,7 +206,8 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
         set_rng_state(state["rng"])
         start_step = state["step"]
         console.print(f"resumed from {resume} (step {start_step})")
-    tracker = Tracker(log_dir, cfg.trainer.logger, resume_step=start_step)
+    tracker = Tracker(log_dir, cfg.trainer.logger if env.is_main else [], resume_step=start_step,
+                      write=env.is_main)
 
     max_len = cfg.data.max_prompt_length
     train_prompts = LazyPrompts(tokenizer, train, max_len)
@@ -160,27 +217,28 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
     def evaluate(n: int) -> dict[str, float]:
         return greedy_eval(engine, tokenizer, val[:n], val_prompts[:n], correct_fn, cfg.rollout.max_new_tokens)
 
-    console.print(f"[bold]GRPO[/bold] {describe_batch(cfg)}")
+    strategy = resolve_strategy(cfg, env)
+    console.print(f"[bold]GRPO[/bold] on {env.world_size} rank(s), strategy {strategy}: {describe_batch(cfg, env.world_size)}")
     console.print(f"train problems {len(train)}, held-out {len(val)}; run dir {run_dir}")
     if "base" not in state:
         t0 = time.time()
-        state["base"], small = greedy_eval(engine, tokenizer, val, val_prompts, correct_fn, cfg.rollout.max_new_tokens,
-                                           subset=n_val_small)
-        console.print(f"base model held-out greedy accuracy: {_fmt(state['base'])} on {len(val)} problems "
-                      f"({time.time() - t0:.1f}s)")
-        tracker.log(0, {f"val/{k}": v for k, v in small.items()})
+        if env.is_main:  # evaluation runs on rank 0's full (unsharded) rollout model; the others wait
+            state["base"], small = greedy_eval(engine, tokenizer, val, val_prompts, correct_fn,
+                                               cfg.rollout.max_new_tokens, subset=n_val_small)
+            console.print(f"base model held-out greedy accuracy: {_fmt(state['base'])} on {len(val)} problems "
+                          f"({time.time() - t0:.1f}s)")
+            tracker.log(0, {f"val/{k}": v for k, v in small.items()})
+        barrier(env)
 
     def checkpoint(step: int) -> None:
-        critics = critic_objects(step_fn)
-        extra_state = {name: c.state_dict() for name, c in critics.items()}
+        extra_state = {}
         if step_fn.critics is not None and step_fn.critics.lagrangian is not None:
             extra_state["lagrangian"] = step_fn.critics.lagrangian.state_dict()
         if step_fn.kl_ctrl is not None:
             extra_state["kl_coef"] = step_fn.kl_ctrl.value
-        save_checkpoint(ckpt_root, step, model, tokenizer,
-                        {"actor": actor.state_dict(), "sampler": sampler.state_dict(), "base": state["base"],
-                         **extra_state}, cfg.trainer.max_checkpoints,
-                        extra_models={name: c.model for name, c in critics.items()})
+        save_checkpoint(ckpt_root, step, train_engines(step_fn), tokenizer,
+                        {"sampler": sampler.state_dict(), "base": state.get("base"), "strategy": strategy,
+                         **extra_state}, cfg.trainer.max_checkpoints, env)
 
     total = cfg.trainer.total_training_steps
     columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -189,19 +247,24 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict:
         task = bar.add_task("GRPO", total=total, completed=start_step)
         for step in range(start_step + 1, total + 1):
             def batch():  # the sampler's position is checkpointed, so extra DAPO rounds resume exactly
-                idx = sampler.next()
+                idx = shard(sampler.next(), env)  # every rank draws the same batch and keeps its share
                 return [train[i] for i in idx], [train_prompts[i] for i in idx]
 
-            metrics = step_fn.run(step, *batch(), more_prompts=batch)
+            metrics = mean_metrics(env, step_fn.run(step, *batch(), more_prompts=batch))
             if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == total):
                 t0 = time.perf_counter()
-                metrics.update({f"val/{k}": v for k, v in evaluate(n_val_small).items()})
+                if env.is_main:
+                    metrics.update({f"val/{k}": v for k, v in evaluate(n_val_small).items()})
+                barrier(env)
                 metrics["timing/val"] = time.perf_counter() - t0
             tracker.log(step, metrics)
             if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or step == total:
                 checkpoint(step)
             bar.update(task, completed=step)
 
+    if not env.is_main:
+        tracker.close()
+        return None
     t0 = time.time()
     final = evaluate(len(val))
     console.print(f"final held-out greedy accuracy: {_fmt(final)} on {len(val)} problems ({time.time() - t0:.1f}s)")

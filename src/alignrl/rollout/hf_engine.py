@@ -70,11 +70,14 @@ class HFRolloutEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self.eos[0])
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy new weights in place (used when the engine holds its own copy of the policy)."""
-        params = dict(self.model.named_parameters())
+        """Copy new weights in place (used when the engine holds its own copy of the policy). Names are
+        those of `model.state_dict()`; tied aliases (lm_head of tied embeddings) resolve to one tensor."""
+        targets = self.model.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, tensor in named_tensors:
-                params[name].copy_(tensor)
+                if name not in targets:
+                    raise KeyError(f"weight {name!r} is not in the rollout model")
+                targets[name].copy_(tensor)
 
     def _hit_stop(self, rows: torch.Tensor, out_ids: torch.Tensor, t: int, stop: tuple[str, ...]) -> torch.Tensor:
         """Which of `rows` now end with one of the stop strings (checked on the decoded tail)."""

@@ -1,4 +1,4 @@
-"""The policy loss and the actor: the trainable policy with its optimizer, updated with the PPO
+"""The policy loss and the actor: the trainable policy on a training engine, updated with the PPO
 mini-batch loop of `train.minibatch` (token-mean over the whole mini-batch, so accumulation gives
 exactly the mini-batch gradient whatever the micro-batch size)."""
 
@@ -12,7 +12,7 @@ from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, token_mean
 from alignrl.data.records import Experience
 from alignrl.models.logprobs import response_logprobs
 from alignrl.train.minibatch import minibatch_updates
-from alignrl.train.optim import build_optimizer
+from alignrl.train.engines.base import TrainEngine
 
 
 @dataclass(frozen=True)
@@ -52,33 +52,24 @@ def policy_loss(logp, entropy, exp: Experience, spec: PolicyLossSpec, global_tok
 
 
 class Actor:
-    """The trainable policy with its optimizer; `update` runs PPO epochs over an Experience batch."""
+    """The trainable policy on a TrainEngine; `update` runs PPO epochs over an Experience batch (this
+    rank's share of it under data parallelism)."""
 
-    def __init__(self, model, *, lr: float, weight_decay: float, betas, warmup_steps: int, total_steps: int,
-                 schedule: str, min_lr_ratio: float, grad_clip: float):
-        self.model = model
-        self.optimizer, self.scheduler = build_optimizer(
-            [p for p in model.parameters() if p.requires_grad], lr, weight_decay, betas, warmup_steps,
-            total_steps, schedule, min_lr_ratio)
-        self.grad_clip = grad_clip
+    def __init__(self, engine: TrainEngine):
+        self.engine = engine
+        self.model = engine.model  # unwrapped: generation, no-grad log-probs, save_pretrained
 
     def update(self, exp: Experience, spec: PolicyLossSpec, mini_batch: int, micro_batch: int, epochs: int,
                generator: torch.Generator) -> dict[str, float]:
-        """`mini_batch` and `micro_batch` are in sequences. Mini-batches are shuffled each epoch."""
-        self.model.train()
+        """`mini_batch` (this rank's share) and `micro_batch` are in sequences. Mini-batches are shuffled
+        each epoch."""
+        self.engine.module.train()
 
         def micro_loss(rows, micro: Experience, tokens: float, seqs: float):
-            logp, ent = response_logprobs(self.model, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
+            # forward through the engine's module: DDP / DeepSpeed hook gradient reduction there
+            logp, ent = response_logprobs(self.engine.module, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                           micro.response_mask, spec.temperature, with_entropy=True,
                                           entropy_grad=spec.entropy_coeff > 0)
             return policy_loss(logp, ent, micro, spec, tokens, seqs)
 
-        return minibatch_updates(exp, micro_loss, self.optimizer, self.scheduler, self.model.parameters(),
-                                 self.grad_clip, mini_batch, micro_batch, epochs, generator, "actor")
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        return minibatch_updates(exp, micro_loss, self.engine, mini_batch, micro_batch, epochs, generator, "actor")

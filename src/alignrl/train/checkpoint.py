@@ -1,4 +1,5 @@
-"""Atomic checkpoints: `checkpoints/global_step_N/{model/, trainer_state.pt}` plus a tracker file.
+"""Atomic checkpoints: `checkpoints/global_step_N/{model/, model_state/, trainer_state.pt}` (plus
+`critic/`, `critic_state/`... with a critic) and a tracker file.
 
 A checkpoint is written into a temporary folder and renamed into place, and the tracker
 (`latest_checkpointed_iteration.txt`, verl's name) is replaced atomically after it, so a run killed
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from alignrl.dist.env import SINGLE, DistEnv, barrier
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -40,24 +43,35 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, trainer_state: dict[str, Any],
-                    keep: int, extra_models: dict[str, Any] | None = None) -> Path:
-    """`extra_models` (e.g. {"critic": value_model}) are saved as HF folders beside `model/`."""
+def save_checkpoint(ckpt_root: Path, step: int, engines: dict[str, Any], tokenizer, trainer_state: dict[str, Any],
+                    keep: int, env: DistEnv = SINGLE) -> Path:
+    """Collective: every rank calls it. `engines` maps a folder name to a TrainEngine ("model" for the
+    policy, "critic", "cost_critic"): each is saved as a full HF folder plus `<name>_state/` (its resumable
+    optimizer state). Rank 0 writes everything except DeepSpeed's per-rank optimizer shards."""
     final = ckpt_root / f"global_step_{step}"
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=f".global_step_{step}."))
-    model.save_pretrained(tmp / "model")
-    tokenizer.save_pretrained(tmp / "model")
-    for name, extra in (extra_models or {}).items():
-        extra.save_pretrained(tmp / name)
-    torch.save({**trainer_state, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    atomic_write_text(ckpt_root / TRACKER, str(step))
-    steps = sorted(int(p.name.rsplit("_", 1)[1]) for p in ckpt_root.glob("global_step_*") if p.is_dir())
-    for old in steps[:-keep]:
-        shutil.rmtree(ckpt_root / f"global_step_{old}", ignore_errors=True)
+    tmp = ckpt_root / f".global_step_{step}.tmp"  # one name on every rank: DeepSpeed ranks write into it
+    if env.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(env)
+    for name, engine in engines.items():
+        full = engine.full_state_dict()  # collective
+        if env.is_main:
+            engine.model.save_pretrained(tmp / name, state_dict=full)
+        (tmp / f"{name}_state").mkdir(exist_ok=True)
+        engine.save_state(tmp / f"{name}_state")  # collective
+    barrier(env)
+    if env.is_main:
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save({**trainer_state, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        atomic_write_text(ckpt_root / TRACKER, str(step))
+        steps = sorted(int(p.name.rsplit("_", 1)[1]) for p in ckpt_root.glob("global_step_*") if p.is_dir())
+        for old in steps[:-keep]:
+            shutil.rmtree(ckpt_root / f"global_step_{old}", ignore_errors=True)
+    barrier(env)
     return final
 
 

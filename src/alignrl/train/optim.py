@@ -22,8 +22,8 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: 
 
 
 def build_optimizer(params, lr: float, weight_decay: float, betas, warmup_steps: int, total_steps: int,
-                    schedule: str = "constant", min_lr_ratio: float = 0.0):
+                    schedule: str = "constant", min_lr_ratio: float = 0.0, eps: float = 1e-8):
     # foreach kernels are the fastest CPU path for many small parameter tensors
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), foreach=True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup_steps, total_steps, schedule, min_lr_ratio))
     return opt, sched

@@ -22,13 +22,15 @@ _CONSOLE_KEYS = {"reward/mean": "reward", "reward/accuracy": "acc", "val/accurac
 
 
 class Tracker:
-    def __init__(self, log_dir: Path, sinks: list[str], resume_step: int = 0):
+    def __init__(self, log_dir: Path, sinks: list[str], resume_step: int = 0, write: bool = True):
+        """`write=False` (ranks other than 0) keeps history in memory and touches no file."""
         self.log_dir = log_dir
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.sinks = set(sinks)
+        self.sinks = set(sinks) if write else set()
         self.jsonl = log_dir / "metrics.jsonl"
         self.history: list[dict[str, Any]] = []
-        if self.jsonl.exists():
+        if write:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        if write and self.jsonl.exists():
             kept = [json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()]
             self.history = [r for r in kept if r.get("step", 0) <= resume_step]
             atomic_write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in self.history))

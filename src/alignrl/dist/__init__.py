@@ -1,0 +1,1 @@
+"""Placement: process groups, torchrun launch."""

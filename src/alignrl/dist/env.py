@@ -1,0 +1,108 @@
+"""Process groups for torchrun launches, and the one-process fallback without torchrun.
+
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; without them everything runs
+in one process (seed 002's backward compatibility). Process groups always get a timeout, so a rank
+waiting on a dead peer raises instead of hanging; torchrun's agent then stops the other ranks and
+exits non-zero. Collectives here move tensors only: nothing is pickled between ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None  # None: no process group (one process)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+SINGLE = DistEnv()
+
+
+def _on_sigterm(signum, frame):  # torchrun's agent terminates the survivors when a rank fails
+    print(f"alignrl: rank {os.environ.get('RANK', '?')}: stopped because another rank failed "
+          "(its error is printed above)", file=sys.stderr)
+    sys.exit(1)
+
+
+def init_distributed(device: str = "auto", timeout_s: float | None = None) -> DistEnv:
+    """Joins the torchrun process group (gloo on CPU, NCCL on GPUs); one process without torchrun.
+    `timeout_s` (default $ALIGNRL_DIST_TIMEOUT or 600) bounds every collective."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = torch.cuda.is_available() and device != "cpu"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    if world <= 1:
+        return DistEnv(device=dev)
+    if not dist.is_initialized():
+        timeout = timeout_s if timeout_s is not None else float(os.environ.get("ALIGNRL_DIST_TIMEOUT",
+                                                                               DEFAULT_TIMEOUT_S))
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout))
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev,
+                   backend=dist.get_backend())
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(env: DistEnv) -> None:
+    if env.distributed:
+        dist.barrier()
+
+
+def all_reduce_sum(env: DistEnv, values: list[float]) -> list[float]:
+    """Sums of `values` over ranks (one collective for the whole list)."""
+    if not env.distributed:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=env.device if env.backend == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def mean_metrics(env: DistEnv, metrics: dict[str, float]) -> dict[str, float]:
+    """Each metric averaged over ranks. Keys every rank has are reduced; a key missing on some rank
+    keeps rank 0's value (metrics are for logging; the loss never goes through here)."""
+    if not env.distributed:
+        return metrics
+    keys = sorted(metrics)
+    # ranks agree on the key set when the sums of a per-key hash and the counts match
+    sig = [float(len(keys)), float(sum(zlib.crc32(k.encode()) % 1_000_003 for k in keys))]
+    total = all_reduce_sum(env, sig)
+    if total != [s * env.world_size for s in sig]:
+        return metrics
+    sums = all_reduce_sum(env, [float(metrics[k]) for k in keys])
+    return {k: s / env.world_size for k, s in zip(keys, sums)}
+
+
+def shard(items: list, env: DistEnv) -> list:
+    """This rank's contiguous share of a global batch (DistributedSampler's split, without padding:
+    callers make the batch divisible by the world size)."""
+    per = len(items) // env.world_size
+    return items[env.rank * per:(env.rank + 1) * per]

@@ -1,0 +1,32 @@
+"""Training backends behind one interface (`base.TrainEngine`): single, ddp, fsdp2, deepspeed."""
+
+from __future__ import annotations
+
+import torch
+
+from alignrl.dist.env import DistEnv
+from alignrl.train.engines.base import OptimSpec, TrainEngine
+
+__all__ = ["STRATEGIES", "OptimSpec", "TrainEngine", "build_engine"]
+
+STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed")
+
+
+def build_engine(strategy: str, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, *, zero_stage: int = 2,
+                 offload: bool = False, deepspeed_config: str | None = None, bf16: bool = False) -> TrainEngine:
+    """`strategy` single/ddp run the same code (ddp wraps the module when there are several ranks)."""
+    if strategy in ("single", "ddp"):
+        from alignrl.train.engines.single import LocalEngine
+
+        return LocalEngine(model, spec, env, ddp=strategy == "ddp")
+    if strategy == "fsdp2":
+        from alignrl.train.engines.fsdp2 import FSDP2Engine
+
+        return FSDP2Engine(model, spec, env, param_dtype=torch.bfloat16 if bf16 else None)
+    if strategy == "deepspeed":
+        from alignrl.train.engines.deepspeed import DeepSpeedEngine, ds_config, load_ds_config
+
+        cfg = (load_ds_config(deepspeed_config, env.world_size) if deepspeed_config
+               else ds_config(zero_stage, offload, spec.grad_clip, bf16, env.world_size))
+        return DeepSpeedEngine(model, spec, env, cfg)
+    raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")

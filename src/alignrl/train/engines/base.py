@@ -1,0 +1,100 @@
+"""The TrainEngine interface: how a trainable model gets its gradients reduced, its optimizer stepped
+and its full weights and training state saved, whatever the backend.
+
+Losses handed to `backward` are already normalised for the *global* batch (token-mean over the global
+token count, see `train.minibatch`). Data-parallel backends average gradients over ranks, so each
+engine multiplies by the world size first: the summed gradient then equals the one-process gradient
+of the same global batch, which is what the cross-backend equivalence tests check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from alignrl.dist.env import DistEnv
+from alignrl.train.optim import build_optimizer
+
+OPTIM_FILE = "optim.pt"  # the full (unsharded) optimizer + scheduler state: resumable by every backend
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    total_steps: int = 1
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0  # <= 0 disables clipping
+    eps: float = 1e-8
+
+    def build(self, params):
+        return build_optimizer(params, self.lr, self.weight_decay, self.betas, self.warmup_steps, self.total_steps,
+                               self.schedule, self.min_lr_ratio, self.eps)
+
+
+class TrainEngine(Protocol):
+    name: str
+    model: torch.nn.Module  # the HF model itself: save_pretrained, config, generation
+    module: torch.nn.Module  # what forward is called on (a DDP wrapper, a DeepSpeed engine, or `model`)
+    env: DistEnv
+
+    def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
+        """`last_micro`: the last micro-batch before `step` (backends that defer gradient reduction)."""
+
+    def step(self) -> float:
+        """Clip, optimizer step, lr step; returns the pre-clip global grad norm. The next backward starts
+        from zero gradients."""
+
+    def lr(self) -> float: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective. The full, unsharded weights on CPU (on every rank), keyed as `model.state_dict()`."""
+
+    def save_state(self, folder: Path) -> None:
+        """Collective. Resumable optimizer and scheduler state into `folder` (rank 0 writes)."""
+
+    def load_state(self, folder: Path) -> bool:
+        """Restores what `save_state` wrote (by this or a compatible backend); False when `folder` holds
+        no state this backend can read, in which case training resumes from the weights alone."""
+
+
+def save_full_optim(env: DistEnv, folder: Path, optimizer_state: dict, scheduler) -> None:
+    if env.is_main:
+        torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, folder / OPTIM_FILE)
+
+
+def read_full_optim(folder: Path) -> dict | None:
+    path = folder / OPTIM_FILE
+    # our own file written by save_full_optim (optimizer tensors); never bytes from a socket
+    return torch.load(path, weights_only=False, map_location="cpu") if path.is_file() else None
+
+
+def clip_and_step(params, optimizer, scheduler, grad_clip: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+        norm = norm.full_tensor()
+    optimizer.step()
+    scheduler.step()
+    return float(norm)
+
+
+class LazyZeroGrad:
+    """Gradients are cleared at the first backward after a step, not in the step, so the last
+    mini-batch's (clipped) gradient stays inspectable until the next update."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.pending = optimizer, True
+
+    def before_backward(self) -> None:
+        if self.pending:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.pending = False
+
+    def after_step(self) -> None:
+        self.pending = True

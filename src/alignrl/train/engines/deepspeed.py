@@ -1,0 +1,123 @@
+"""DeepSpeed ZeRO-1/2/3 (optional CPU offload of the optimizer), from a JSON config file such as
+`config/deepspeed/zero3.json` / `deepspeed.json`, or generated from our config and saved with the run.
+
+Our own AdamW and schedule are handed to DeepSpeed as the client optimizer and scheduler, so the
+update rule is the same as every other backend's. Micro-batch accumulation is driven by us (the number
+of micro-batches varies with lengths), through `set_gradient_accumulation_boundary`; the loss is
+already normalised for the global batch, so DeepSpeed's own 1/gas scaling is switched off.
+DeepSpeed's checkpoint format is its own: it resumes under DeepSpeed; other backends take the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from alignrl.dist.env import DistEnv
+from alignrl.train.engines.base import OptimSpec
+
+TAG = "deepspeed"  # the sub-folder DeepSpeed's save_checkpoint writes inside a checkpoint
+
+
+class DeepSpeedConfigError(ValueError):
+    """A DeepSpeed JSON config that cannot be used; the message names the file and the key."""
+
+
+def ds_config(stage: int, offload: bool, grad_clip: float, bf16: bool, world: int) -> dict:
+    """The DeepSpeed config our settings imply (batch sizes are nominal: we drive accumulation)."""
+    zero: dict = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
+            "zero_optimization": zero, "gradient_clipping": grad_clip if grad_clip > 0 else 0.0,
+            "bf16": {"enabled": bf16}, "zero_allow_untested_optimizer": True,
+            # our torch AdamW also runs on offloaded CPU partitions (no compiled DeepSpeedCPUAdam needed)
+            "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+def load_ds_config(path: str, world: int) -> dict:
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise DeepSpeedConfigError(f"trainer.deepspeed_config={path!r} does not exist; pass a JSON file "
+                                   "(e.g. config/deepspeed/zero3.json) or leave it empty to generate one") from None
+    except json.JSONDecodeError as e:
+        raise DeepSpeedConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(cfg.get("zero_optimization", {}), dict):
+        raise DeepSpeedConfigError(f"{path}: zero_optimization must be an object like {{\"stage\": 2}}")
+    # users' files carry their own batch numbers (seed 004: 16 = 4 × 1 × 4 GPUs); ours drive accumulation
+    cfg.update({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world})
+    cfg.setdefault("zero_allow_untested_optimizer", True)
+    cfg.setdefault("zero_force_ds_cpu_optimizer", False)
+    cfg.setdefault("steps_per_print", 10**9)
+    if cfg.get("bf16", {}).get("enabled") == "auto":
+        cfg["bf16"]["enabled"] = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return cfg
+
+
+def _ensure_comm(env: DistEnv) -> None:
+    """DeepSpeed needs a process group even in one process; give it a one-rank group there."""
+    import deepspeed
+
+    if not env.distributed:
+        from alignrl.dist.launch import free_port
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    deepspeed.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo", verbose=False)
+
+
+class DeepSpeedEngine:
+    name = "deepspeed"
+
+    def __init__(self, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, config: dict):
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if env.device.type == "cuda" else "cpu")
+        import deepspeed
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        _ensure_comm(env)
+        self.env, self.spec, self.config = env, spec, config
+        self.stage = int(config.get("zero_optimization", {}).get("stage", 0))
+        model.to(env.device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer, scheduler = spec.build(params)
+        self.module, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+        self.model = self.module.module
+
+    def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
+        self.module.set_gradient_accumulation_boundary(last_micro)
+        self.module.backward(loss * self.env.world_size, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        self.module.set_gradient_accumulation_boundary(True)
+        self.module.step()
+        norm = self.module.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.stage < 3:
+            return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(self.model.parameters())):
+            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def save_state(self, folder: Path) -> None:
+        self.module.save_checkpoint(str(folder), tag=TAG)
+
+    def load_state(self, folder: Path) -> bool:
+        if not (folder / TAG).is_dir():
+            return False
+        self.module.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        return True

@@ -1,0 +1,56 @@
+"""One process (and DDP, which differs only in wrapping the module for gradient all-reduce)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from alignrl.dist.env import DistEnv
+from alignrl.train.engines.base import LazyZeroGrad, OptimSpec, clip_and_step, read_full_optim, save_full_optim
+
+
+class LocalEngine:
+    """`single` (world size 1) or `ddp` (torch DistributedDataParallel: every rank holds the full model,
+    gradients are all-reduced in backward). Optimizer state is identical on every rank, so rank 0's copy
+    is the full state any backend can resume from."""
+
+    def __init__(self, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, ddp: bool):
+        self.name = "ddp" if ddp else "single"
+        self.model, self.env, self.spec = model.to(env.device), env, spec
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.module = model
+        if ddp and env.distributed:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.module = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda"
+                                                  else None)
+        self.optimizer, self.scheduler = spec.build(self.params)
+        self.zero = LazyZeroGrad(self.optimizer)
+
+    def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
+        self.zero.before_backward()
+        (loss * self.env.world_size).backward()  # DDP averages over ranks; the loss is already global
+
+    def step(self) -> float:
+        norm = clip_and_step(self.params, self.optimizer, self.scheduler, self.spec.grad_clip)
+        self.zero.after_step()
+        return norm
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def save_state(self, folder: Path) -> None:
+        save_full_optim(self.env, folder, get_optimizer_state_dict(self.model, self.optimizer), self.scheduler)
+
+    def load_state(self, folder: Path) -> bool:
+        state = read_full_optim(folder)
+        if state is None:
+            return False
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        return True
