@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Train the Safe-MM-DPO policy with DDP on NGPU local processes (seed 002):
+#   bash scripts/train_dpo_distributed.sh 8
+# Needs models/helpful_rm and models/harmless_rm (scripts/train_rm_distributed.sh helpful|harmless N).
+# Writes models/aligned (HF folder + eval_results.json) and logs/training/safe_mm_dpo.
+# Without GPUs the same command runs NGPU CPU processes (gloo). Extra arguments are passed on,
+# e.g. `... 2 loss_type=sigmoid`. MASTER_PORT overrides the port (default 29501).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NGPU="${1:-1}"
+shift $(( $# < 1 ? $# : 1 ))
+if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+    echo "usage: bash scripts/train_dpo_distributed.sh NGPU [key=value ...]" >&2
+    exit 2
+fi
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+    CORES="$(nproc 2>/dev/null || echo 1)"
+    export OMP_NUM_THREADS=$(( CORES / NGPU > 0 ? CORES / NGPU : 1 ))
+fi
+
+exec torchrun --nproc_per_node="$NGPU" --master_port="${MASTER_PORT:-29501}" \
+    -m src.training.train_safe_mm_dpo \
+    --config configs/dpo_config.yaml \
+    --output_dir models/aligned \
+    --logging_dir logs/training/safe_mm_dpo \
+    "$@"

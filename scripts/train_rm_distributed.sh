@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Train the helpful reward model or the harmless cost model with DDP on NGPU local processes (seed 002):
+#   bash scripts/train_rm_distributed.sh helpful 8
+#   bash scripts/train_rm_distributed.sh harmless 8
+# Writes models/<task>_rm (HF folder + eval_results.json) and logs/training/<task>_rm.
+# Without GPUs the same command runs NGPU CPU processes (gloo). Extra arguments are passed on,
+# e.g. `... helpful 2 learning_rate=1e-5`. MASTER_PORT overrides the port (default 29500).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TASK="${1:-}"
+NGPU="${2:-1}"
+shift $(( $# < 2 ? $# : 2 ))
+if [[ "$TASK" != "helpful" && "$TASK" != "harmless" ]]; then
+    echo "usage: bash scripts/train_rm_distributed.sh helpful|harmless NGPU [key=value ...]" >&2
+    exit 2
+fi
+if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+    echo "train_rm_distributed.sh: NGPU must be a positive number, got '$NGPU'" >&2
+    exit 2
+fi
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then  # one process per core share, not every process on every core
+    CORES="$(nproc 2>/dev/null || echo 1)"
+    export OMP_NUM_THREADS=$(( CORES / NGPU > 0 ? CORES / NGPU : 1 ))
+fi
+
+exec torchrun --nproc_per_node="$NGPU" --master_port="${MASTER_PORT:-29500}" \
+    -m src.training.train_rm \
+    --config configs/rm_config.yaml \
+    --task "$TASK" \
+    --output_dir "models/${TASK}_rm" \
+    "$@"

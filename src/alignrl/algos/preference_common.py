@@ -1,0 +1,296 @@
+"""What reward-model and DPO training share: flat YAML config + flags, process group and engine,
+DistributedSampler sharding, evaluation sharding, rank-0 logging and atomic HF-folder saves.
+
+The flat config keys are the ones seed 002's users edit (batch_size, max_length, learning_rate,
+gradient_accumulation_steps, ...), plus `key=value` overrides after the flags. Left out: resuming
+an interrupted run (these runs are minutes; they restart from the base model) and packing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from alignrl.config import ConfigError, _check_ranges, opt
+from alignrl.data.loaders import DataError
+from alignrl.data.preference import PreferenceBatch, collate_pairs
+from alignrl.models.loader import ModelError
+
+USER_ERRORS = (ConfigError, DataError, ModelError)
+
+
+@dataclass(frozen=True)
+class CommonConfig:
+    model_path: str = opt("demo", "base model: an HF causal-LM folder, or 'demo' (the embedded tiny Qwen2)")
+    output_dir: str | None = opt(None, "where the trained model folder is written (--output_dir)")
+    logging_dir: str | None = opt(None, "metrics.jsonl and tensorboard/ (--logging_dir); default <output_dir>/logs")
+    batch_size: int = opt(8, "preference pairs per device per micro-batch", ge=1)
+    eval_batch_size: int = opt(16, "pairs per device per evaluation forward", ge=1)
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step", ge=1)
+    max_length: int = opt(256, "tokens of prompt + response (prompt keeps at most half, from its end)", ge=8)
+    learning_rate: float = opt(1e-4, "peak AdamW learning rate", gt=0.0)
+    weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
+    warmup_ratio: float = opt(0.1, "fraction of optimizer steps of linear warm-up", ge=0.0, le=1.0)
+    lr_scheduler: str = opt("cosine", "learning-rate decay after warm-up", choices=("constant", "cosine"))
+    min_lr_ratio: float = opt(0.1, "cosine floor as a fraction of the peak lr", ge=0.0, le=1.0)
+    grad_clip: float = opt(1.0, "max global grad norm; 0 disables", ge=0.0)
+    epochs: int = opt(1, "passes over the training pairs", ge=1)
+    max_steps: int = opt(0, "stop after this many optimizer steps; 0: run all epochs", ge=0)
+    max_train_pairs: int = opt(0, "use only the first N training pairs of each file; 0: all", ge=0)
+    max_eval_pairs: int = opt(0, "use only the first N held-out pairs of each file; 0: all", ge=0)
+    seed: int = opt(42, "seed of the data order and of new score heads")
+    strategy: str = opt("ddp", "training engine (ddp is one process without torchrun)",
+                        choices=("single", "ddp", "fsdp2", "deepspeed"))
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage (strategy=deepspeed)", choices=(0, 1, 2, 3))
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward (less memory, more time)")
+    bf16: str = opt("auto", "bfloat16 mixed precision: auto = on when the GPU supports it; fp32 on CPU",
+                    choices=("auto", "true", "false"))
+    log_every: int = opt(5, "print and record training metrics every N optimizer steps", ge=1)
+    num_workers: int = opt(0, "DataLoader worker processes", ge=0)
+    report_to: list = opt(["jsonl", "tensorboard"], "metric sinks under logging_dir: jsonl, tensorboard")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block: the same shape as every other user error
+        raise ConfigError(f"{self.prog}: {message} (see --help)")
+
+
+def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description=description)
+    p.add_argument("--config", help="YAML file of flat keys (configs/rm_config.yaml, configs/dpo_config.yaml)")
+    p.add_argument("--output_dir", help="trained model folder")
+    p.add_argument("--logging_dir", help="metrics folder")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. learning_rate=1e-5 epochs=2")
+    return p
+
+
+def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: dict[str, Any]):
+    """Defaults < YAML file < key=value overrides < explicit flags; validated like the RL config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.structured(cls)
+        if path:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file not found: {path} (pass --config with an existing YAML file)")
+            try:
+                loaded = OmegaConf.load(path)
+            except Exception as e:  # YAML syntax
+                raise ConfigError(f"cannot parse {path}: {str(e).splitlines()[0]}") from None
+            merged = OmegaConf.merge(merged, loaded)
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"unexpected argument {bad[0]!r} (overrides look like key=value, e.g. epochs=2)")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)),
+                                 {k: v for k, v in flags.items() if v is not None})
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        first = str(e).splitlines()[0]
+        if "not in" in first or ("Key '" in first and "not" in first):
+            allowed = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise ConfigError(f"unknown config key '{key}'; allowed: {allowed}") from None
+        raise ConfigError(f"bad value for '{key}': {first}") from None
+    _check_ranges(cfg)  # choices and ranges from the field metadata, the RL config's own check
+    return cfg
+
+
+def run_cli(argv: list[str] | None, module: str, entry) -> int:
+    """`--nproc N` re-launches `python -m <module>` under torchrun; user errors print one line, exit 2.
+    `entry(argv, dry_run_world)` parses and runs; given a world size it only validates config and data
+    for it (in the parent of --nproc)."""
+    from alignrl.dist.launch import pop_nproc, torchrun
+
+    from transformers.utils import logging as hf_logging
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    hf_logging.disable_progress_bar()  # a bar per load/save of a small model is noise in run logs
+    if not torch.cuda.is_available():  # else transformers' deepspeed probe warns "Setting accelerator to CPU"
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        try:
+            nproc, argv = pop_nproc(argv)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if nproc and "WORLD_SIZE" not in os.environ:
+            entry(argv, nproc)  # bad config or data fails here, before any process starts
+            return torchrun(nproc, [module, *argv])
+        return entry(argv, None)
+    except USER_ERRORS as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank fails the same way; one line is enough
+            print(f"alignrl: error: {e}", file=sys.stderr)
+        return 2
+
+
+# ---------------------------------------------------------------- runtime
+
+
+def use_bf16(cfg: CommonConfig) -> bool:
+    if cfg.bf16 == "auto":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return cfg.bf16 == "true"
+
+
+def autocast(cfg: CommonConfig, device: torch.device):
+    """bf16 autocast over fp32 weights for single/ddp; fsdp2 and deepspeed cast themselves."""
+    if use_bf16(cfg) and cfg.strategy in ("single", "ddp"):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def prepare_trainable(model, cfg: CommonConfig) -> None:
+    model.config.use_cache = False  # no KV cache in training: it only costs memory
+    if cfg.gradient_checkpointing:
+        # transformers >= 5 renamed gradient_checkpointing_enable (still an alias there, with a warning)
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def build_engine_for(cfg: CommonConfig, model, env, total_steps: int):
+    from alignrl.train.engines import OptimSpec, build_engine
+
+    spec = OptimSpec(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, warmup_steps=int(cfg.warmup_ratio * total_steps),
+                     total_steps=total_steps, schedule=cfg.lr_scheduler, min_lr_ratio=cfg.min_lr_ratio,
+                     grad_clip=cfg.grad_clip)
+    return build_engine(cfg.strategy, model, spec, env, zero_stage=cfg.zero_stage, bf16=use_bf16(cfg))
+
+
+def describe_batch(cfg: CommonConfig, world: int) -> str:
+    n = cfg.batch_size * world * cfg.gradient_accumulation_steps
+    return (f"effective batch = per-device batch × world size × gradient accumulation = "
+            f"{cfg.batch_size} × {world} × {cfg.gradient_accumulation_steps} = {n} pairs")
+
+
+def global_batch(cfg: CommonConfig, world: int) -> int:
+    return cfg.batch_size * world * cfg.gradient_accumulation_steps
+
+
+def steps_per_epoch(n_pairs: int, cfg: CommonConfig, world: int) -> int:
+    return n_pairs // global_batch(cfg, world)
+
+
+def check_enough(n_pairs: int, cfg: CommonConfig, world: int, what: str) -> None:
+    if steps_per_epoch(n_pairs, cfg, world) < 1:
+        raise DataError(f"{what}: {n_pairs} training pairs are fewer than one global batch "
+                        f"({describe_batch(cfg, world)}); lower batch_size or gradient_accumulation_steps")
+
+
+def train_loader(encoded: list, pairs: list, pad_id: int, cfg: CommonConfig, env, epoch: int):
+    """This rank's micro-batches of one epoch: torch's DistributedSampler (the same seeded shuffle on
+    every rank, disjoint equal shares, remainder dropped) cut into micro-batches; only whole optimizer
+    steps are kept, so every rank runs the same number of steps."""
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(range(len(encoded)), num_replicas=env.world_size, rank=env.rank, shuffle=True,
+                                 seed=cfg.seed, drop_last=True)
+    sampler.set_epoch(epoch)
+    batches = list(BatchSampler(sampler, cfg.batch_size, drop_last=True))
+    batches = batches[:len(batches) - len(batches) % cfg.gradient_accumulation_steps]
+    return DataLoader(encoded, batch_sampler=batches, num_workers=cfg.num_workers,
+                      collate_fn=lambda items: collate_pairs(items, pairs, pad_id),
+                      pin_memory=env.device.type == "cuda")
+
+
+def eval_batches(encoded: list, pairs: list, pad_id: int, batch_size: int, env) -> list[PreferenceBatch]:
+    """This rank's share of the held-out pairs (rank::world), padded with weight-0 copies so that
+    every rank runs the same number of forwards (sharded engines need all ranks in each one)."""
+    mine = encoded[env.rank::env.world_size]
+    per_rank = -(-len(encoded) // env.world_size)
+    weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
+    mine = mine + [encoded[0]] * (per_rank - len(mine))
+    return [collate_pairs(mine[i:i + batch_size], pairs, pad_id, weights[i:i + batch_size])
+            for i in range(0, len(mine), batch_size)]
+
+
+# ---------------------------------------------------------------- rank-0 outputs
+
+
+class RankZeroLog:
+    """Console lines and metric sinks on rank 0 only; the other ranks stay silent."""
+
+    def __init__(self, env, log_dir: Path, sinks: list[str]):
+        self.env, self.tracker = env, None
+        unknown = set(sinks) - {"jsonl", "tensorboard"}
+        if unknown:
+            raise ConfigError(f"report_to has unknown sink(s) {sorted(unknown)}; allowed: jsonl, tensorboard")
+        if env.is_main:
+            from alignrl.utils.tracking import Tracker
+
+            if (log_dir / "metrics.jsonl").exists():  # a fresh run: do not append to an old run's curve
+                (log_dir / "metrics.jsonl").unlink()
+            self.tracker = Tracker(log_dir, list(sinks))
+
+    def print(self, text: str) -> None:
+        if self.env.is_main:
+            print(text, flush=True)
+
+    def metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if self.tracker is not None:
+            self.tracker.log(step, metrics)
+
+
+def fmt(metrics: dict[str, float], keys: dict[str, str]) -> str:
+    return " ".join(f"{short} {metrics[k]:.4g}" for k, short in keys.items() if k in metrics)
+
+
+class StepMetrics:
+    """Micro-batch metrics averaged per optimizer step, averaged over ranks every `log_every` steps
+    (a collective: every rank calls `end_step` at the same steps), then printed and recorded."""
+
+    def __init__(self, cfg: CommonConfig, env, log: RankZeroLog, total: int, console_keys: dict[str, str]):
+        self.cfg, self.env, self.log, self.total, self.keys = cfg, env, log, total, console_keys
+        self.micro: list[dict[str, float]] = []
+        self.logged_step, self.t = 0, time.time()
+
+    def add(self, metrics: dict[str, float]) -> None:
+        self.micro.append(metrics)
+
+    def end_step(self, step: int, epoch: int, grad_norm: float, lr: float) -> None:
+        from alignrl.dist.env import mean_metrics
+
+        if step % self.cfg.log_every == 0 or step == self.total:
+            m = {k: sum(d[k] for d in self.micro) / len(self.micro) for k in self.micro[0]}
+            m = mean_metrics(self.env, {**m, "grad_norm": grad_norm, "lr": lr,
+                                        "s_per_step": (time.time() - self.t) / (step - self.logged_step)})
+            self.log.metrics(step, m)
+            self.log.print(f"step {step}/{self.total} epoch {epoch + 1} " + fmt(m, {
+                **self.keys, "grad_norm": "grad_norm", "lr": "lr", "s_per_step": "s/step"}))
+            self.logged_step, self.t = step, time.time()
+        self.micro = []
+
+
+def save_hf_folder(out_dir: Path, hf_model, state_dict: dict[str, torch.Tensor], tokenizer,
+                   json_files: dict[str, Any], env) -> None:
+    """Rank 0 writes the model (from the engine's full state dict), tokenizer and JSON files into a
+    temporary folder beside `out_dir` and renames it into place: readers never see a partial model."""
+    if not env.is_main:
+        return
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    try:
+        hf_model.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        for name, obj in json_files.items():
+            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

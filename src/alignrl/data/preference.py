@@ -1,0 +1,224 @@
+"""Preference pairs: loading (.jsonl / .parquet) and collation into token tensors.
+
+Two row layouts are understood:
+
+* TRL's: `prompt`, `chosen`, `rejected`. Either plain strings, or chat messages: `prompt` a list of
+  {"role", "content"} ending with the user turn and `chosen` / `rejected` lists holding the assistant
+  turn (TRL's conversational form). Without a `prompt` key, `chosen` and `rejected` must be full
+  conversations and their shared leading messages are the prompt (TRL's implicit prompt).
+  Optional: `margin` (float, the Llama-2 preference margin) and the safety labels `is_chosen_safe`,
+  `is_rejected_safe` (bool; required to train a cost model).
+* PKU-SafeRLHF's: `prompt`, `response_0`, `response_1`, `is_response_0_safe`,
+  `is_response_1_safe`, `better_response_id`, `safer_response_id`; `prefer="better"` (helpfulness)
+  or `"safer"` (harmlessness) picks which id makes a response "chosen".
+
+`builtin:<name>` names a shipped file (`builtin:helpful`, `builtin:harmless_test`, ...). Problems in a
+file raise `DataError` with one line naming file:line and the key. Left out: multi-response rankings
+and unpaired (KTO-style) feedback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from alignrl.data.collate import left_pad, right_pad
+from alignrl.data.loaders import DataError, _read_rows
+
+SHIPPED = Path(__file__).parent / "preference"
+PKU_KEYS = ("prompt", "response_0", "response_1", "better_response_id", "safer_response_id")
+_LAYOUTS = ("TRL layout needs chosen, rejected (and prompt unless they are full conversations); "
+            "PKU-SafeRLHF layout needs " + ", ".join(PKU_KEYS))
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One prompt with a preferred and a dispreferred response, before tokenisation."""
+
+    prompt: list[dict[str, str]]  # chat messages ending with the user turn
+    chosen: str  # preferred assistant response
+    rejected: str  # dispreferred assistant response
+    chosen_safe: bool | None = None  # Safe RLHF label of each response; None when the file has none
+    rejected_safe: bool | None = None
+    margin: float = 0.0  # Llama-2 preference margin (0: plain Bradley-Terry)
+    loc: str = ""  # file:line, for messages
+
+
+def resolve_data_path(path: str) -> str:
+    if path.startswith("builtin:"):
+        name = path.split(":", 1)[1]
+        target = SHIPPED / f"{name}.jsonl"
+        if not target.is_file():
+            known = sorted(p.stem for p in SHIPPED.glob("*.jsonl"))
+            raise DataError(f"no shipped preference file {path!r}; known: {', '.join('builtin:' + k for k in known)}")
+        return str(target)
+    return path
+
+
+def load_pairs(path: str, prefer: str = "better", limit: int | None = None) -> list[PreferencePair]:
+    """Pairs of a .jsonl / .parquet file (or a `builtin:` name) in either layout (see module doc)."""
+    if prefer not in ("better", "safer"):
+        raise ValueError(f"prefer must be 'better' or 'safer', got {prefer!r}")
+    real = resolve_data_path(path)
+    try:
+        _, rows = _read_rows(real, limit)
+    except DataError as e:  # the shared reader speaks of data.train_files; name our keys instead
+        raise DataError(str(e).replace("set data.train_files to", "point the config's data file keys at")) from None
+    if not rows:
+        raise DataError(f"{path}: file has no rows (a preference file needs one pair per line)")
+    return [_pair(loc, row, prefer) for loc, row in rows]
+
+
+def _text(loc: str, key: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    msgs = _messages(loc, key, value)
+    if len(msgs) != 1 or msgs[0]["role"] != "assistant":
+        raise DataError(f"{loc}: {key} must be a string or one assistant message "
+                        "([{'role': 'assistant', 'content': ...}])")
+    return msgs[0]["content"]
+
+
+def _messages(loc: str, key: str, value: Any) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, dict) or not hasattr(value, "__iter__"):
+        raise DataError(f"{loc}: {key} must be a string or a list of chat messages")
+    out = []
+    for m in value:  # any sequence of dicts, e.g. a numpy array from pandas-built parquet rows
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"{loc}: a message in {key} lacks role/content "
+                            "(each message must be {'role': ..., 'content': ...})")
+        out.append({"role": str(m["role"]), "content": str(m["content"])})
+    if not out:
+        raise DataError(f"{loc}: {key} is an empty list of messages")
+    return out
+
+
+def _flag(loc: str, row: dict, key: str) -> bool | None:
+    value = row.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise DataError(f"{loc}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _pair(loc: str, row: dict[str, Any], prefer: str) -> PreferencePair:
+    if "response_0" in row or "response_1" in row:
+        return _pku_pair(loc, row, prefer)
+    missing = [k for k in ("chosen", "rejected") if k not in row]
+    if missing:
+        raise DataError(f"{loc}: row is missing {', '.join(missing)} ({_LAYOUTS})")
+    if "prompt" in row:
+        prompt = _messages(loc, "prompt", row["prompt"])
+        chosen, rejected = _text(loc, "chosen", row["chosen"]), _text(loc, "rejected", row["rejected"])
+    else:  # implicit prompt: both are full conversations sharing their leading turns
+        c, r = _messages(loc, "chosen", row["chosen"]), _messages(loc, "rejected", row["rejected"])
+        if len(c) < 2 or c[:-1] != r[:-1] or c[-1]["role"] != "assistant" or r[-1]["role"] != "assistant":
+            raise DataError(f"{loc}: row is missing prompt (without it, chosen and rejected must be conversations "
+                            "that differ only in their last, assistant message)")
+        prompt, chosen, rejected = c[:-1], c[-1]["content"], r[-1]["content"]
+    if prompt[-1]["role"] != "user":
+        raise DataError(f"{loc}: prompt must end with a user message, not {prompt[-1]['role']!r}")
+    margin = row.get("margin", 0.0)
+    if not isinstance(margin, (int, float)) or isinstance(margin, bool):
+        raise DataError(f"{loc}: margin must be a number, got {margin!r}")
+    return PreferencePair(prompt, chosen, rejected, _flag(loc, row, "is_chosen_safe"),
+                          _flag(loc, row, "is_rejected_safe"), float(margin), loc)
+
+
+def _pku_pair(loc: str, row: dict[str, Any], prefer: str) -> PreferencePair:
+    id_key = f"{prefer}_response_id"
+    missing = [k for k in ("prompt", "response_0", "response_1", id_key) if k not in row]
+    if missing:
+        raise DataError(f"{loc}: row is missing {', '.join(missing)} (PKU-SafeRLHF layout)")
+    best = row[id_key]
+    if best not in (0, 1) or isinstance(best, bool):
+        raise DataError(f"{loc}: {id_key} must be 0 or 1, got {best!r}")
+    safe = [_flag(loc, row, f"is_response_{i}_safe") for i in (0, 1)]
+    responses = [_text(loc, f"response_{i}", row[f"response_{i}"]) for i in (0, 1)]
+    return PreferencePair(_messages(loc, "prompt", row["prompt"]), responses[best], responses[1 - best],
+                          safe[best], safe[1 - best], 0.0, loc)
+
+
+def require_safety_labels(pairs: Sequence[PreferencePair], path: str) -> None:
+    for p in pairs:
+        if p.chosen_safe is None or p.rejected_safe is None:
+            raise DataError(f"{p.loc or path}: row is missing is_chosen_safe/is_rejected_safe "
+                            "(a cost model needs a safety label for both responses)")
+
+
+# ---------------------------------------------------------------- tokenisation and collation
+
+
+@dataclass(frozen=True)
+class EncodedPair:
+    prompt: list[int]  # chat-templated prompt with the generation prompt, left-truncated
+    chosen: list[int]  # response tokens + eos, right-truncated
+    rejected: list[int]
+    index: int  # position in the dataset (keys precomputed reference log-probs)
+
+
+def encode_pairs(tokenizer, pairs: Sequence[PreferencePair], max_length: int) -> tuple[list[EncodedPair], int]:
+    """Token ids of every pair, and how many were truncated. The prompt keeps at most half of
+    `max_length` (its end, so the generation prompt stays); each response gets the rest."""
+    out, truncated = [], 0
+    for i, p in enumerate(pairs):
+        ids = tokenizer.apply_chat_template(p.prompt, add_generation_prompt=True, tokenize=True)
+        prompt = list(ids if isinstance(ids, list) else ids["input_ids"])
+        c, r = (tokenizer(t + tokenizer.eos_token, add_special_tokens=False)["input_ids"] for t in (p.chosen, p.rejected))
+        prompt_cut = prompt[-(max_length // 2):]
+        room = max_length - len(prompt_cut)
+        truncated += len(prompt_cut) < len(prompt) or len(c) > room or len(r) > room
+        out.append(EncodedPair(prompt_cut, c[:room], r[:room], i))
+    return out, truncated
+
+
+@dataclass
+class PreferenceBatch:
+    """B pairs stacked as 2B rows: rows [0, B) are the chosen responses, [B, 2B) the rejected ones,
+    each after its own (left-padded) prompt, so one forward pass scores both."""
+
+    prompt_ids: torch.Tensor  # (2B, P) long, left-padded
+    prompt_mask: torch.Tensor  # (2B, P) bool
+    response_ids: torch.Tensor  # (2B, R) long, right-padded
+    response_mask: torch.Tensor  # (2B, R) bool
+    index: torch.Tensor  # (B,) long, dataset positions of the pairs
+    chosen_unsafe: torch.Tensor  # (B,) float 1/0 (0 where unlabelled)
+    rejected_unsafe: torch.Tensor  # (B,) float
+    margin: torch.Tensor  # (B,) float
+    weight: torch.Tensor  # (B,) float: 1, or 0 on padding pairs that only keep ranks in step
+
+    @property
+    def n_pairs(self) -> int:
+        return self.index.shape[0]
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> PreferenceBatch:
+        return PreferenceBatch(*(t.to(device, non_blocking=non_blocking) for t in (
+            self.prompt_ids, self.prompt_mask, self.response_ids, self.response_mask, self.index,
+            self.chosen_unsafe, self.rejected_unsafe, self.margin, self.weight)))
+
+    def pin_memory(self) -> PreferenceBatch:  # called by DataLoader(pin_memory=True)
+        return PreferenceBatch(*(t.pin_memory() for t in (
+            self.prompt_ids, self.prompt_mask, self.response_ids, self.response_mask, self.index,
+            self.chosen_unsafe, self.rejected_unsafe, self.margin, self.weight)))
+
+
+def collate_pairs(encoded: Sequence[EncodedPair], pairs: Sequence[PreferencePair], pad_id: int,
+                  weights: Sequence[float] | None = None) -> PreferenceBatch:
+    prompts = [e.prompt for e in encoded] * 2
+    responses = [e.chosen for e in encoded] + [e.rejected for e in encoded]
+    pi, pm = left_pad(prompts, pad_id)
+    ri, rm = right_pad(responses, pad_id)
+    src = [pairs[e.index] for e in encoded]
+    flag = lambda v: 0.0 if v is None else float(not v)  # noqa: E731  unsafe = 1
+    return PreferenceBatch(pi, pm, ri, rm, torch.tensor([e.index for e in encoded], dtype=torch.long),
+                           torch.tensor([flag(p.chosen_safe) for p in src]),
+                           torch.tensor([flag(p.rejected_safe) for p in src]),
+                           torch.tensor([p.margin for p in src]),
+                           torch.tensor(list(weights) if weights is not None else [1.0] * len(encoded)))

@@ -1,0 +1,122 @@
+"""Preference data: shipped files, both row layouts, one-line errors, tokenisation and collation."""
+
+import json
+
+import pytest
+import torch
+
+from alignrl.data.loaders import DataError
+from alignrl.data.preference import (collate_pairs, encode_pairs, load_pairs, require_safety_labels,
+                                     resolve_data_path)
+from alignrl.data.preference_synthetic import SHIPPED, write_shipped
+
+
+def _write(tmp_path, rows, name="pairs.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_shipped_files_are_regenerated_exactly(tmp_path):
+    for p in write_shipped(tmp_path):
+        assert p.read_bytes() == (SHIPPED / p.name).read_bytes(), f"{p.name} drifted from its generator"
+
+
+def test_shipped_splits_sizes_labels_and_disjoint_prompts():
+    for task in ("helpful", "harmless"):
+        train, test = load_pairs(f"builtin:{task}"), load_pairs(f"builtin:{task}_test")
+        assert (len(train), len(test)) == (400, 100)
+        assert not {p.prompt[0]["content"] for p in train} & {p.prompt[0]["content"] for p in test}
+        assert all(p.chosen != p.rejected for p in train + test)
+    harmless = load_pairs("builtin:harmless")
+    require_safety_labels(harmless, "harmless")
+    assert any(p.chosen_safe is False for p in harmless)  # pairs where both responses are unsafe
+    assert all(p.rejected_safe is False for p in harmless)
+    assert all(p.chosen.rstrip().split("\n")[-1].startswith("#### ") for p in load_pairs("builtin:helpful"))
+
+
+def test_trl_string_and_conversational_forms(tmp_path):
+    rows = [{"prompt": "2+2?", "chosen": "4", "rejected": "5", "is_chosen_safe": True, "is_rejected_safe": False,
+             "margin": 1.5},
+            {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+             "chosen": [{"role": "assistant", "content": "hello"}], "rejected": [{"role": "assistant", "content": "go"}]},
+            {"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "good"}],
+             "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "bad"}]}]
+    a, b, c = load_pairs(_write(tmp_path, rows))
+    assert a.prompt == [{"role": "user", "content": "2+2?"}] and (a.chosen, a.rejected) == ("4", "5")
+    assert (a.chosen_safe, a.rejected_safe, a.margin) == (True, False, 1.5)
+    assert b.prompt[0]["role"] == "system" and (b.chosen, b.rejected) == ("hello", "go") and b.chosen_safe is None
+    assert c.prompt == [{"role": "user", "content": "q"}] and (c.chosen, c.rejected) == ("good", "bad")
+
+
+def test_pku_saferlhf_layout_better_or_safer(tmp_path):
+    row = {"prompt": "p", "response_0": "r0", "response_1": "r1", "is_response_0_safe": False,
+           "is_response_1_safe": True, "better_response_id": 0, "safer_response_id": 1}
+    path = _write(tmp_path, [row])
+    better, = load_pairs(path, "better")
+    safer, = load_pairs(path, "safer")
+    assert (better.chosen, better.rejected, better.chosen_safe, better.rejected_safe) == ("r0", "r1", False, True)
+    assert (safer.chosen, safer.rejected, safer.chosen_safe, safer.rejected_safe) == ("r1", "r0", True, False)
+
+
+def test_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "q"}],
+                                          "chosen": [{"role": "assistant", "content": "y"}],
+                                          "rejected": [{"role": "assistant", "content": "n"}]}]), path)
+    pair, = load_pairs(str(path))
+    assert (pair.prompt[0]["content"], pair.chosen, pair.rejected) == ("q", "y", "n")
+
+
+@pytest.mark.parametrize("rows, expect", [
+    (['{"prompt": "a", "chosen": "b", "rejected": "c"}', '{not json'], "pairs.jsonl:2: line is not valid JSON"),
+    ([{"prompt": "a", "chosen": "b"}], "pairs.jsonl:1: row is missing rejected"),
+    ([{"prompt": "a", "chosen": "b", "rejected": "c", "is_chosen_safe": "yes"}],
+     "pairs.jsonl:1: is_chosen_safe must be true or false"),
+    ([{"prompt": "a", "response_0": "x", "response_1": "y"}], "pairs.jsonl:1: row is missing better_response_id"),
+    ([{"prompt": [{"role": "user"}], "chosen": "b", "rejected": "c"}], "lacks role/content"),
+    ([{"chosen": "b", "rejected": "c"}], "pairs.jsonl:1: row is missing prompt"),
+])
+def test_bad_rows_raise_one_line_errors(tmp_path, rows, expect):
+    with pytest.raises(DataError) as e:
+        load_pairs(_write(tmp_path, rows))
+    assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_file_unknown_builtin_and_missing_labels(tmp_path):
+    with pytest.raises(DataError, match="data file not found: .*nope.jsonl"):
+        load_pairs(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(DataError, match="builtin:helpful"):
+        resolve_data_path("builtin:nope")
+    pairs = load_pairs(_write(tmp_path, [{"prompt": "a", "chosen": "b", "rejected": "c"}]))
+    with pytest.raises(DataError, match=r"pairs.jsonl:1: row is missing is_chosen_safe/is_rejected_safe"):
+        require_safety_labels(pairs, "x")
+
+
+def test_encode_and_collate(tiny_model):
+    _, tok = tiny_model
+    pairs = load_pairs("builtin:harmless_test")[:3]
+    enc, cut = encode_pairs(tok, pairs, 512)
+    assert cut == 0
+    e = enc[0]
+    prompt_text = tok.decode(e.prompt)
+    assert prompt_text.endswith("<|im_start|>assistant\n") and pairs[0].prompt[0]["content"] in prompt_text
+    assert e.chosen[-1] == tok.eos_token_id and tok.decode(e.chosen[:-1]) == pairs[0].chosen
+    b = collate_pairs(enc, pairs, tok.pad_token_id)
+    assert b.n_pairs == 3 and b.prompt_ids.shape[0] == b.response_ids.shape[0] == 6
+    assert b.prompt_mask[:, -1].all()  # left-padded prompts end at the last column
+    assert b.response_mask[:, 0].all()  # right-padded responses start at column 0
+    assert b.response_ids[0, :len(e.chosen)].tolist() == e.chosen
+    assert b.response_ids[3, :len(e.rejected)].tolist() == e.rejected  # rejected rows follow the chosen ones
+    assert b.index.tolist() == [0, 1, 2] and b.weight.tolist() == [1.0, 1.0, 1.0]
+    assert b.rejected_unsafe.tolist() == [float(not p.rejected_safe) for p in pairs]
+    # truncation: prompt keeps at most half of max_length (its end), responses the rest
+    enc2, cut2 = encode_pairs(tok, pairs, 24)
+    assert cut2 == 3
+    for a, full in zip(enc2, enc):
+        assert len(a.prompt) <= 12 and a.prompt == full.prompt[-len(a.prompt):]
+        assert len(a.prompt) + max(len(a.chosen), len(a.rejected)) <= 24
+    assert torch.equal(collate_pairs(enc2, pairs, tok.pad_token_id).index, torch.arange(3))

@@ -1,0 +1,181 @@
+"""Reward/cost-model and DPO training end to end on the tiny test model: in process, and as seed 002's
+commands under torchrun with two gloo ranks."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignrl.algos import dpo, rm
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["max_eval_pairs=24", "batch_size=8", "eval_batch_size=24", "log_every=2", "report_to=[jsonl]"]
+
+
+def _rm(tmp: Path, model: Path, task: str, *extra: str) -> dict:
+    out = tmp / f"{task}_rm"
+    rc = rm.main(["--config", str(REPO / "configs/rm_config.yaml"), "--task", task, "--output_dir", str(out),
+                  "--logging_dir", str(tmp / f"logs_{task}"), f"model_path={model}", "max_train_pairs=96", "epochs=2",
+                  "learning_rate=2e-3", *SMALL, *extra])
+    assert rc == 0
+    return json.loads((out / "eval_results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def scorers(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rms")
+    return tmp, _rm(tmp, tiny_model_dir, "helpful"), _rm(tmp, tiny_model_dir, "harmless")
+
+
+def test_reward_and_cost_models_train_save_and_load_as_scorers(scorers):
+    from alignrl.config import load_config
+    from alignrl.data.preference import collate_pairs, encode_pairs, load_pairs
+    from alignrl.models.value import ModelScorer
+
+    tmp, helpful, harmless = scorers
+    assert helpful["model_type"] == "reward" and harmless["model_type"] == "cost"
+    assert helpful["eval_pairs"] == harmless["eval_pairs"] == 24
+    assert helpful["eval_accuracy"] >= 0.75 and helpful["eval_accuracy"] > helpful["eval_accuracy_before"]
+    assert harmless["eval_accuracy"] >= 0.8 and harmless["eval_sign_accuracy"] >= 0.7
+    assert json.loads((tmp / "harmless_rm" / rm.SCORE_INFO).read_text())["model_type"] == "cost"
+    # the RL loop's PPO-Lagrangian takes the folder as safety.cost_model and scores rollouts with ModelScorer
+    cfg = load_config(None, [f"safety.cost_model={tmp / 'harmless_rm'}", "algorithm.adv_estimator=gae",
+                             "critic.enable=true"])
+    scorer = ModelScorer(cfg.safety.cost_model)
+    pairs = load_pairs("builtin:harmless_test", "safer", limit=24)
+    enc, _ = encode_pairs(scorer_tok := __import__("transformers").AutoTokenizer.from_pretrained(
+        cfg.safety.cost_model), pairs, 256)
+    b = collate_pairs(enc, pairs, scorer_tok.pad_token_id)
+    cost = scorer.score(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+    acc = float((cost[24:] > cost[:24]).float().mean())
+    assert acc == pytest.approx(harmless["eval_accuracy"], abs=1e-6)  # the trainer's reading = ModelScorer's
+    # the trainer's scorer and ModelScorer read the same position with the same weights
+    wrapped = rm.LastTokenScorer(scorer.model)
+    same = wrapped(torch.cat([b.prompt_ids, b.response_ids], 1), torch.cat([b.prompt_mask, b.response_mask], 1))
+    assert torch.allclose(same, cost, atol=1e-5)
+
+
+def _dpo(tmp: Path, model: Path, name: str, *extra: str) -> dict:
+    out = tmp / name
+    rc = dpo.main(["--config", str(REPO / "configs/dpo_config.yaml"), "--output_dir", str(out),
+                   "--logging_dir", str(tmp / f"logs_{name}"), f"model_path={model}", "max_train_pairs=48",
+                   "learning_rate=2e-3", "batch_size=4", "gradient_accumulation_steps=2", "gradient_checkpointing=false",
+                   *SMALL[:1], "eval_batch_size=24", "log_every=2", "report_to=[jsonl]", *extra])
+    assert rc == 0
+    return json.loads((out / "eval_results.json").read_text())
+
+
+@pytest.mark.slow
+def test_dpo_raises_heldout_reward_accuracy_and_precompute_matches(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    live = _dpo(tmp_path, tiny_model_dir, "live", "loss_type=sigmoid")
+    pre = _dpo(tmp_path, tiny_model_dir, "pre", "loss_type=sigmoid", "gradient_checkpointing=true",
+               "--precompute_ref_log_probs")
+    b, a = live["before"]["all"], live["after"]["all"]
+    assert b["reward_accuracy"] == 0.5 and b["reward_margin"] == 0.0  # policy == reference: every reward is 0
+    assert a["reward_accuracy"] > 0.7 and a["reward_margin"] > 0
+    assert set(live["after"]) == {"all", "helpful_test", "harmless_test"} and a["pairs"] == 48
+    # a precomputed reference (and checkpointed activations) change nothing but the cost
+    for k in ("reward_accuracy", "reward_margin", "logp_accuracy"):
+        assert pre["after"]["all"][k] == pytest.approx(a[k], abs=1e-4)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "live"))
+    assert model.config.model_type == "qwen2"
+    steps = [json.loads(line) for line in (tmp_path / "logs_live" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0]["step"] == 2 and "rewards/accuracy" in steps[0]
+
+
+@pytest.mark.slow
+def test_safe_dpo_with_trained_scorers(scorers, tiny_model_dir, tmp_path):
+    rms, _, _ = scorers
+    res = _dpo(tmp_path, tiny_model_dir, "safe", "loss_type=safe", f"helpful_rm={rms / 'helpful_rm'}",
+               f"harmless_rm={rms / 'harmless_rm'}", "offset_alpha=0.5")
+    assert res["loss_type"] == "safe" and res["harmless_rm"].endswith("harmless_rm")
+    assert res["after"]["all"]["reward_accuracy"] > 0.6
+    steps = [json.loads(line) for line in (tmp_path / "logs_safe" / "metrics.jsonl").read_text().splitlines()]
+    assert all(s["safe/offset"] > 0 for s in steps if "safe/offset" in s)
+    assert any("safe/swapped_frac" in s for s in steps)
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--task", "helpful", "helpful_train_file=/nope/x.jsonl"], "data file not found: /nope/x.jsonl"),
+    (["--task", "helpful", "bogus_key=1"], "unknown config key 'bogus_key'"),
+    (["--task", "helpful", "batch_size=abc"], "bad value for 'batch_size'"),
+    (["--task", "helpful", "strategy=tpu"], "strategy='tpu' is not allowed"),
+    (["--task", "everything"], "invalid choice: 'everything'"),
+    (["--config", "/nope.yaml"], "config file not found: /nope.yaml"),
+    (["--task", "helpful", "max_train_pairs=3"], "fewer than one global batch"),
+    (["--nproc", "x"], "--nproc 'x'"),
+])
+def test_rm_bad_input_is_one_line_exit_2(argv, expect, capsys):
+    assert rm.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("alignrl: error:") and expect in err and "\n" not in err and "Traceback" not in err
+
+
+def test_cost_model_needs_labels_and_safe_dpo_needs_scorers(tmp_path, capsys):
+    unlabelled = tmp_path / "u.jsonl"
+    unlabelled.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
+    assert rm.main(["--task", "harmless", f"harmless_train_file={unlabelled}"]) == 2
+    assert "u.jsonl:1: row is missing is_chosen_safe/is_rejected_safe" in capsys.readouterr().err
+    assert dpo.main(["--config", str(REPO / "configs/dpo_config.yaml"), f"helpful_rm={tmp_path / 'none'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "helpful_rm=" in err and "scripts/train_rm_distributed.sh helpful" in err and "\n" not in err
+
+
+# ---------------------------------------------------------------- seed 002's commands, two gloo ranks
+
+
+def _seed_root(tmp: Path) -> Path:
+    """A copy of the repository's entry points (configs, scripts, src) in which the seed commands run as
+    written, so their default output folders (models/, logs/) land in tmp."""
+    root = tmp / "repo"
+    root.mkdir()
+    for name in ("configs", "scripts", "src"):
+        (root / name).symlink_to(REPO / name)
+    return root
+
+
+def _run(cmd: list[str], root: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+           "ALIGNRL_DIST_TIMEOUT": "120"}
+    env.pop("WORLD_SIZE", None)
+    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+@pytest.mark.slow
+def test_seed_002_commands_two_ranks(scorers, tiny_model_dir, tmp_path):
+    from alignrl.dist.launch import free_port
+
+    if not shutil.which("bash"):
+        pytest.skip("no bash")
+    root = _seed_root(tmp_path)
+    small = [f"model_path={tiny_model_dir}", "max_train_pairs=64", "max_eval_pairs=24", "eval_batch_size=24",
+             "learning_rate=2e-3", "epochs=1", "report_to=[jsonl]", "batch_size=4"]
+    p = _run(["bash", "scripts/train_rm_distributed.sh", "helpful", "2", *small], root)
+    assert "effective batch = per-device batch × world size × gradient accumulation = 4 × 2 × 1 = 8" in p.stdout
+    assert p.stdout.count("held-out pairwise accuracy before training") == 1  # rank 0 prints, rank 1 does not
+    two = json.loads((root / "models/helpful_rm/eval_results.json").read_text())
+    assert two["world_size"] == 2 and two["steps"] == 8 and (root / "logs/training/helpful_rm/metrics.jsonl").is_file()
+    # held-out pairs sharded over two ranks and summed give the one-process number (same seeded head)
+    assert two["eval_accuracy_before"] == scorers[1]["eval_accuracy_before"]
+    # the single-process fallback, as written in the seed
+    _run([sys.executable, "-m", "src.training.train_rm", "--config", "configs/rm_config.yaml", "--task", "harmless",
+          "--output_dir", "models/harmless_rm", *small], root)
+    one = json.loads((root / "models/harmless_rm/eval_results.json").read_text())
+    assert one["world_size"] == 1 and one["model_type"] == "cost" and one["steps"] == 16
+    p = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+              "-m", "src.training.train_safe_mm_dpo", "--config", "configs/dpo_config.yaml",
+              "--output_dir", "models/aligned", "--logging_dir", "logs/training/safe_mm_dpo",
+              *small, "max_train_pairs=16", "max_eval_pairs=16", "gradient_accumulation_steps=1"], root)
+    res = json.loads((root / "models/aligned/eval_results.json").read_text())
+    assert res["loss_type"] == "safe" and res["world_size"] == 2 and res["steps"] == 4
+    assert (root / "models/aligned/config.json").is_file()
+    assert (root / "logs/training/safe_mm_dpo/metrics.jsonl").is_file()
