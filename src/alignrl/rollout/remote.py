@@ -13,9 +13,11 @@ Deliberately left out: async clients, streaming, load balancing over several ser
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from urllib.parse import urlparse
 
 import httpx
@@ -43,12 +45,12 @@ def _one_line(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _message(r: httpx.Response) -> str:
+def _message(text: str) -> str:
     try:
-        body = r.json()
+        body = json.loads(text)
         return _one_line(body["error"]["message"] if isinstance(body.get("error"), dict) else body)
     except (ValueError, KeyError, TypeError, AttributeError):
-        return _one_line(r.text or r.reason_phrase)
+        return _one_line(text or "(empty body)")
 
 
 class ServiceClient:
@@ -59,35 +61,36 @@ class ServiceClient:
         if not url.startswith(("http://", "https://")):
             raise ServiceError(f"{kind} service URL {url!r} must start with http:// or https://, "
                                "e.g. http://127.0.0.1:8000")
-        self.url, self.kind = url.rstrip("/"), kind
+        self.url, self.kind, self.timeout = url.rstrip("/"), kind, timeout
         self.retries, self.backoff = max(1, int(retries)), backoff
         key = api_key if api_key is not None else os.environ.get("ALIGNRL_API_KEY")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-                                 headers={"Authorization": f"Bearer {key}"} if key else {})
+                                 headers=self.headers)
 
     def _hint(self) -> str:
         port = urlparse(self.url).port or (443 if self.url.startswith("https") else 80)
         return START[self.kind].format(port=port)
 
-    def request(self, method: str, path: str, **kw) -> dict:
+    def _attempts(self, method: str, path: str, send: Callable[[], tuple[int, str]]) -> dict:
         last, reachable = "", False
         for attempt in range(self.retries):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                r = self.http.request(method, path, **kw)
-            except httpx.TransportError as e:  # refused, reset, timed out: worth another try
+                status, text = send()
+            except (httpx.TransportError, OSError, http.client.HTTPException) as e:  # refused, reset, timed out
                 last = _one_line(f"{type(e).__name__}: {e}")
                 continue
             reachable = True
-            if r.status_code >= 500:
-                last = f"HTTP {r.status_code}: {_message(r)}"
+            if status >= 500:
+                last = f"HTTP {status}: {_message(text)}"
                 continue
-            if r.status_code >= 400:
+            if status >= 400:
                 raise ServiceError(f"{self.kind} service at {self.url} rejected {method} {path} "
-                                   f"(HTTP {r.status_code}): {_message(r)}", r.status_code)
+                                   f"(HTTP {status}): {_message(text)}", status)
             try:
-                return r.json()
+                return json.loads(text)
             except ValueError:
                 raise ServiceError(f"{self.kind} service at {self.url} answered {path} with non-JSON; "
                                    "is another program listening on that port?") from None
@@ -96,6 +99,31 @@ class ServiceClient:
                                f"({last}); see the service's log")
         raise ServiceError(f"{self.kind} service at {self.url} is not reachable after {self.retries} tries "
                            f"({last}): start it with `{self._hint()}`")
+
+    def request(self, method: str, path: str, **kw) -> dict:
+        def send() -> tuple[int, str]:
+            r = self.http.request(method, path, **kw)
+            return r.status_code, r.text
+
+        return self._attempts(method, path, send)
+
+    def post_bytes(self, path: str, body: bytes, content_type: str) -> dict:
+        """POST a large body with one `sendall` from the buffer. (httpx's writer copies the unsent rest
+        after every partial socket send, which makes a multi-hundred-MB body quadratic.)"""
+        u = urlparse(self.url)
+
+        def send() -> tuple[int, str]:
+            cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+            conn = cls(u.hostname, u.port, timeout=self.timeout)
+            try:
+                conn.request("POST", u.path + path, body=body,
+                             headers={**self.headers, "Content-Type": content_type, "Content-Length": str(len(body))})
+                resp = conn.getresponse()
+                return resp.status, resp.read().decode(errors="replace")
+            finally:
+                conn.close()
+
+        return self._attempts("POST", path, send)
 
     def close(self) -> None:
         self.http.close()
@@ -169,8 +197,7 @@ class RemoteRolloutEngine:
         version = self.weight_version() + 1 if version is None else int(version)
         body = encode(tensors, version)
         try:
-            out = self.client.request("POST", "/v1/update_weights", content=body,
-                                      headers={"Content-Type": CONTENT_TYPE})
+            out = self.client.post_bytes("/v1/update_weights", body, CONTENT_TYPE)
         except ServiceError as e:  # a retried push whose first try had landed: the version is already there
             if e.status == 409 and self.weight_version() == version:
                 return version
