@@ -161,6 +161,7 @@ def test_remote_sampled_rollout_layout_and_chunking(gen, tiny_model):
     lengths = whole.response_mask.sum(1)
     assert torch.equal(whole.truncated, lengths == 10)
     assert torch.equal(whole.response_mask, torch.arange(whole.response_mask.shape[1]) < lengths[:, None])
-    assert bool((whole.logprobs[whole.response_mask] < 0).all()) and bool((whole.logprobs[~whole.response_mask] == 0).all())
+    assert bool((whole.logprobs[whole.response_mask] < 0).all())
+    assert bool((whole.logprobs[~whole.response_mask] == 0).all())
     # one request per prompt (3 sequences each) gives the same layout
     assert chunked.response_ids.shape[0] == 12 and torch.equal(chunked.group, whole.group)

@@ -41,9 +41,11 @@ COMMON_BAD = ["x", {"a": 1}, [[["deep"]]]]
 TAKES_TEXT = {"prompt", "stop"}  # kinds for which "x" is a valid value
 BAD = {  # invalid values per kind (a trailing ! marks a required field)
     "ids": [5, [5], [[]], [["7"]], [[1.5]], [[True]], [[10**6]], [[-5]], [[10**30]], [], [[1] * 300]],
-    "count": [-2, 0, 1.5, True, *HUGE], "k": [-2, 1.5, True, *HUGE], "seed": [-2, 1.5, True, 2**70], "topk": [-2, 1.5, True],
+    "count": [-2, 0, 1.5, True, *HUGE], "k": [-2, 1.5, True, *HUGE], "seed": [-2, 1.5, True, 2**70],
+    "topk": [-2, 1.5, True],
     "float": [-0.5, True, 1e9, -1e9], "prob": [-0.5, 0.0, 1.5, True], "strs": [5, [5], [""], ["s"] * 100, [None]],
-    "stop": [5, [5], [""], ["s"] * 100, [None], ""], "bool": [5, "yes"], "texts": [5, [5], [], [None], [[10**6]], [[-1]]],
+    "stop": [5, [5], [""], ["s"] * 100, [None], ""], "bool": [5, "yes"],
+    "texts": [5, [5], [], [None], [[10**6]], [[-1]]],
     "prompt": [5, [], [[]], [True], [10**6], [[10**6]], [-1], [1] * 300, {"text": "a"}, ""],
     "messages": [[], [{"role": "wizard", "content": "hi"}], [{"role": "user", "content": 5}],
                  [{"role": "user"}], [{"role": "user", "content": [{"type": "image_url", "url": "x"}]}], ["hi"]],
@@ -117,8 +119,8 @@ def _random_json(rng: random.Random, depth: int = 0):
                lambda: [[rng.randint(-3, 400) for _ in range(3)]]]
     if depth < 3:
         options += [lambda: [_random_json(rng, depth + 1) for _ in range(rng.randrange(4))],
-                    lambda: {rng.choice(["prompts", "n", "responses", "role", "content", "x"]): _random_json(rng, depth + 1)
-                             for _ in range(rng.randrange(4))}]
+                    lambda: {rng.choice(["prompts", "n", "responses", "role", "content", "x"]):
+                             _random_json(rng, depth + 1) for _ in range(rng.randrange(4))}]
     return rng.choice(options)()
 
 

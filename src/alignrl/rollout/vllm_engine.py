@@ -42,6 +42,7 @@ class VLLMRolloutEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                        else self.tokenizer.eos_token_id)
+        # float32 is the CPU default of `alignrl serve`; on a GPU the checkpoint's own dtype ("auto") is the sane one.
         self.llm = self.vllm.LLM(model=path, tensor_parallel_size=tensor_parallel_size,
                                  dtype="auto" if dtype == "float32" else dtype, max_model_len=max_model_len,
                                  gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True)

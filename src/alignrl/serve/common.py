@@ -107,7 +107,8 @@ def _validation_message(exc: RequestValidationError) -> str:
     field = [x for x in e.get("loc", ()) if x != "body"][:1]
     if field and len(errors) > 1 and all([x for x in o.get("loc", ()) if x != "body"][:1] == field for o in errors):
         # A union field (e.g. `prompt`: text or token ids) reports one error per accepted form.
-        return f"{field[0]}: the value matches none of the accepted forms ({e.get('msg')} ...); send one of the documented forms"
+        return (f"{field[0]}: the value matches none of the accepted forms ({e.get('msg')} ...); "
+                "send one of the documented forms")
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return f"{loc}: {e.get('msg', 'invalid value')}{more}; fix that field and resend"
 
