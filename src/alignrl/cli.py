@@ -54,8 +54,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from alignrl.data.loaders import DataError
     from alignrl.models.loader import ModelError
     from alignrl.rewards.registry import RewardError
+    from alignrl.rollout.remote import ServiceError
+    from alignrl.train.engines.deepspeed import DeepSpeedConfigError
 
-    return ConfigError, DataError, ModelError, RewardError
+    return ConfigError, DataError, ModelError, RewardError, ServiceError, DeepSpeedConfigError
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -112,6 +112,8 @@ class AlgorithmConfig:
     kl_target: float = opt(0.1, "adaptive controller: target per-token KL", gt=0.0)
     kl_horizon: float = opt(10000.0, "adaptive controller: horizon in samples", gt=0.0)
     reward_fn: str | None = opt(None, "custom reward 'path/to/file.py:function' (verl compute_score signature)")
+    reward_model: str = opt("", "reward-model folder (from `alignrl train rm`): its score is the reward; the rule "
+                                "reward still measures accuracy")
     format_reward_weight: float = opt(0.0, "weight of the '#### N' format reward added to correctness", ge=0.0)
     dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: drop groups whose rewards are all equal (zero "
                                         "advantage) and generate more prompts until data.train_batch_size groups "
@@ -146,6 +148,16 @@ class CriticConfig:
 
 
 @dataclass(frozen=True)
+class ServicesConfig:
+    generation_url: str = opt("", "`alignrl serve generate` URL: rollouts are generated there and new weights are "
+                                  "pushed to it after every step (seed layout: training.services.generation.url)")
+    reference_url: str = opt("", "`alignrl serve ref` URL for reference log-probs (training.services.reference.url)")
+    reward_url: str = opt("", "`alignrl serve reward` URL: its score is the reward (training.services.reward.url)")
+    timeout_s: float = opt(300.0, "per-request timeout of service clients, seconds", gt=0.0)
+    retries: int = opt(3, "tries per request before a service counts as down (exponential backoff)", ge=1)
+
+
+@dataclass(frozen=True)
 class SafetyConfig:
     cost_fn: str | None = opt(None, "PPO-Lagrangian (Safe RLHF): per-response cost 'path/to/file.py:function' "
                                     "(compute_score signature); needs algorithm.adv_estimator=gae")
@@ -158,8 +170,10 @@ class SafetyConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    experiment_name: str = opt("grpo", "run name: outputs go to <output_dir>/<experiment_name>")
+    experiment_name: str = opt("grpo", "run name: outputs go to <output_dir>/<experiment_name> (empty: <output_dir>)")
     output_dir: str = opt("output", "root of all run folders")
+    checkpoint_dir: str = opt("checkpoints", "checkpoint folder inside the run folder")
+    log_dir: str = opt("logs", "log folder inside the run folder")
     total_training_steps: int = opt(50, "RL steps", ge=1)
     test_freq: int = opt(10, "held-out greedy accuracy every N steps; 0 disables", ge=0)
     save_freq: int = opt(10, "checkpoint every N steps; 0 keeps only the final one", ge=0)
@@ -176,6 +190,9 @@ class TrainerConfig:
     offload: bool = opt(False, "DeepSpeed: keep optimizer state on the CPU (ZeRO-Offload)")
     deepspeed_config: str = opt("", "DeepSpeed JSON config file (e.g. config/deepspeed/zero3.json); empty: "
                                 "generated from these keys and saved in the run folder")
+    master_addr: str = opt("127.0.0.1", "torchrun rendezvous host (seed layout: training.master_node)")
+    master_port: int = opt(29500, "torchrun rendezvous port (training.master_port)", ge=1, le=65535)
+    hostfile: str = opt("", "DeepSpeed-style hostfile ('host slots=N' per line) checked by `alignrl doctor`")
     device: str = opt("auto", "auto (CUDA when available), cpu or cuda", choices=("auto", "cpu", "cuda"))
 
 
@@ -188,11 +205,20 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     safety: SafetyConfig = field(default_factory=SafetyConfig)
+    services: ServicesConfig = field(default_factory=ServicesConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     @property
     def run_dir(self) -> Path:
         return Path(self.trainer.output_dir) / self.trainer.experiment_name
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.run_dir / self.trainer.checkpoint_dir
+
+    @property
+    def log_root(self) -> Path:
+        return self.run_dir / self.trainer.log_dir
 
 
 def _check_ranges(obj: Any, prefix: str = "") -> None:
@@ -277,6 +303,44 @@ def _one_line(e: OmegaConfBaseException) -> str:
     return f"bad value for '{key}': {msg}"
 
 
+# Seed 000's `config/nodes.yaml` layout -> our keys (the rest of such a file merges as usual).
+SEED_KEYS = {"training.master_node": "trainer.master_addr", "training.master_port": "trainer.master_port",
+             "training.hostfile": "trainer.hostfile",
+             "training.services.generation.url": "services.generation_url",
+             "training.services.reference.url": "services.reference_url",
+             "training.services.reward.url": "services.reward_url",
+             "models.train.path": "model.path", "models.output.path": "trainer.output_dir",
+             "models.output.checkpoint_dir": "trainer.checkpoint_dir", "models.output.log_dir": "trainer.log_dir"}
+SEED_INFORMATIONAL = {"models.base_path", "models.train.name"}  # accepted, not used
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def from_seed_layout(raw: Any, path: Path) -> Any:
+    """A YAML with top-level `training:` / `models:` (seed 000's nodes.yaml) mapped onto our keys; the
+    run folder is then `models.output.path` itself (checkpoints and logs inside it, as in the seed)."""
+    if not isinstance(raw, dict) or not ({"training", "models"} & set(raw)):
+        return raw
+    raw = dict(raw)
+    seed = {k: raw.pop(k) for k in ("training", "models") if k in raw}
+    for key, value in _flatten(seed).items():
+        if key in SEED_INFORMATIONAL:
+            continue
+        if key not in SEED_KEYS:
+            raise ConfigError(f"{path}: unknown key '{key}' in the nodes.yaml layout; known: "
+                              f"{', '.join(sorted(SEED_KEYS))}")
+        section, name = SEED_KEYS[key].split(".")
+        raw.setdefault(section, {})[name] = value
+    if "models" in seed and "output" in seed["models"]:
+        raw.setdefault("trainer", {}).setdefault("experiment_name", "")
+    return raw
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """YAML file (optional) + dotted overrides merged onto the defaults, then validated."""
     try:
@@ -286,7 +350,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             if not p.is_file():
                 raise ConfigError(f"config file not found: {p} (pass --config with an existing YAML file)")
             try:
-                merged = OmegaConf.merge(merged, OmegaConf.load(p))
+                merged = OmegaConf.merge(merged, from_seed_layout(OmegaConf.to_container(OmegaConf.load(p)), p))
             except OmegaConfBaseException:
                 raise
             except Exception as e:  # YAML syntax errors

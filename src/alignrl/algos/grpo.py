@@ -26,7 +26,7 @@ from alignrl.core.rollout_correction import truncated_is_weights
 from alignrl.core.shaping import overlong_penalty
 from alignrl.data.collate import per_token_in_chunks
 from alignrl.data.records import Experience, Rollout, Sample
-from alignrl.dist.env import SINGLE, DistEnv, all_reduce_sum
+from alignrl.dist.env import SINGLE, DistEnv, all_reduce_sum, barrier
 from alignrl.models.logprobs import response_logprobs
 from alignrl.models.value import ModelScorer
 from alignrl.rollout.hf_engine import SamplingParams
@@ -111,12 +111,31 @@ def batched_logprobs(model, ro: Rollout, temperature: float, micro_batch: int) -
                                micro_batch)
 
 
+class LocalRefScorer:
+    """Reference log-probs from an in-process frozen model (the RefScorer interface; the HTTP one is
+    `alignrl.rollout.remote.RemoteRefScorer`)."""
+
+    def __init__(self, model, temperature: float, micro_batch: int):
+        self.model, self.temperature, self.micro_batch = model, temperature, micro_batch
+
+    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+        ro = Rollout(prompt_ids, prompt_mask, response_ids, response_mask, response_mask.float(),
+                     torch.zeros(len(prompt_ids), dtype=torch.bool), torch.arange(len(prompt_ids)))
+        return batched_logprobs(self.model, ro, self.temperature, self.micro_batch)
+
+
 class GRPOStep:
     """Holds the interfaces of one RL step; `run` executes the pipeline on a batch of prompts."""
 
-    def __init__(self, cfg: RunConfig, engine, actor: Actor, ref_model, tokenizer, reward_fn, correct_fn,
-                 critics: CriticParts | None = None, env: DistEnv = SINGLE):
-        self.cfg, self.engine, self.actor, self.ref, self.env = cfg, engine, actor, ref_model, env
+    def __init__(self, cfg: RunConfig, engine, actor: Actor, ref, tokenizer, reward_fn, correct_fn,
+                 critics: CriticParts | None = None, env: DistEnv = SINGLE, reward_model=None):
+        """`ref`: a RefScorer (`.logprobs(prompt_ids, prompt_mask, response_ids, response_mask)`) or None;
+        `reward_model`: a scorer (`.score(...)` -> (B,)) whose score replaces the rule reward, or None."""
+        self.cfg, self.engine, self.actor, self.ref, self.env = cfg, engine, actor, ref, env
+        self.reward_model = reward_model
+        # colocated generation shares the actor's weights; anything else gets them pushed after each step
+        self.colocated = getattr(engine, "model", None) is actor.model
+        self.remote = hasattr(engine, "weight_version")  # a generation server: rank 0 pushes for everyone
         self.tokenizer, self.reward_fn, self.correct_fn, self.critics = tokenizer, reward_fn, correct_fn, critics
         a = cfg.actor
         alg = cfg.algorithm
@@ -150,7 +169,8 @@ class GRPOStep:
             correct = [r >= 1.0 for r in rewards]
         else:
             correct = [self.correct_fn(s.data_source, t, s.ground_truth, s.extra) >= 1.0 for s, t in zip(rows, texts)]
-        out = torch.tensor(rewards, dtype=torch.float32)
+        out = (self.reward_model.score(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
+               if self.reward_model is not None else torch.tensor(rewards, dtype=torch.float32))
         a = self.cfg.algorithm
         if a.overlong_buffer_len:
             out = out + overlong_penalty(ro.response_lengths, self.cfg.rollout.max_new_tokens,
@@ -242,7 +262,7 @@ class GRPOStep:
                 t["timing/step"] = time.perf_counter() - t_start
                 return {**metrics, **t}
         with _timed(t, "ref"):
-            ref_lp = (batched_logprobs(self.ref, ro, cfg.rollout.temperature, micro)
+            ref_lp = (self.ref.logprobs(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
                       if self.spec.kl_coef > 0 or self.kl_ctrl is not None else None)
         with _timed(t, "old_logprob"):
             old_lp = (batched_logprobs(self.actor.model, ro, cfg.rollout.temperature, micro)
@@ -287,13 +307,22 @@ class GRPOStep:
             cost_sum, n_rows = all_reduce_sum(self.env, [float(scored.costs.sum()), float(len(scored.costs))])
             metrics["safety/lambda"] = self.critics.lagrangian.update(cost_sum / n_rows)
         with _timed(t, "sync"):
-            if self.engine.model is not self.actor.model:  # generation holds a full copy: refresh it
-                self.engine.load_weights(self.actor.engine.full_state_dict().items())
+            if not self.colocated:  # generation holds its own copy (local full copy or a server): refresh it
+                self.push_weights()
         t["timing/step"] = time.perf_counter() - t_start
         # KL(rollout || trainer) per token (k1 under rollout samples): engine/trainer mismatch
         metrics["rollout/kl_vs_trainer"] = float(masked_mean(ro.logprobs - old_lp, ro.response_mask.float()))
         return {**metrics, **is_metrics, **train_metrics, **t,
                 "perf/tokens_per_s": float(ro.prompt_mask.sum() + ro.response_mask.sum()) / t["timing/step"]}
+
+    def push_weights(self) -> None:
+        """Collective. The actor's full weights to the rollout engine: every rank's local copy, or the
+        generation server once (rank 0). Parameters only, by their unique names (no tied aliases)."""
+        full = self.actor.engine.full_state_dict()
+        names = {n for n, _ in self.actor.model.named_parameters()}
+        if self.env.is_main or not self.remote:
+            self.engine.load_weights([(k, v) for k, v in full.items() if k in names])
+        barrier(self.env)
 
     def critic_advantages(self, ro: Rollout, scored: Scored, micro: int
                           ) -> tuple[torch.Tensor, list, dict[str, float]]:

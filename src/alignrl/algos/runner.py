@@ -7,6 +7,7 @@ summary.json}`; logs hold `metrics.jsonl`, `tensorboard/` and `curves.png`.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from alignrl.algos.evaluate import greedy_eval
-from alignrl.algos.grpo import CriticParts, GRPOStep
+from alignrl.algos.grpo import CriticParts, GRPOStep, LocalRefScorer
 from alignrl.config import RunConfig, check_world_size, to_yaml
 from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.data import synthetic
@@ -25,6 +26,7 @@ from alignrl.models.loader import frozen_copy, load_model
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.registry import load_reward_fn, make_reward
 from alignrl.rollout.hf_engine import HFRolloutEngine
+from alignrl.rollout.remote import RemoteRefScorer, RemoteReward, RemoteRolloutEngine
 from alignrl.dist.env import SINGLE, DistEnv, barrier, init_distributed, mean_metrics, shard
 from alignrl.train.actor import Actor
 from alignrl.train.checkpoint import (atomic_write_text, latest_checkpoint, load_trainer_state, save_checkpoint,
@@ -129,25 +131,49 @@ def build_step(cfg: RunConfig, policy_path: str, resume: Path | None = None, env
     training engine, rollout engine (colocated, or a full copy when the engine shards the weights),
     reward functions and critics, wired into one GRPOStep."""
     model, tokenizer = load_model(policy_path, cfg.model.dtype, log=console.print)
-    ref_model = None
-    if (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward:
-        # the reference is the base model, not a checkpoint
-        base = model if policy_path == cfg.model.path else load_model(cfg.model.path, cfg.model.dtype)[0]
-        ref_model = frozen_copy(base)
     a = cfg.actor
     total_opt_steps = (cfg.trainer.total_training_steps * a.ppo_epochs
                        * (cfg.data.train_batch_size // a.ppo_mini_batch_size))
-    rollout_model = frozen_copy(model) if shards_weights(cfg, env) else None  # before sharding
+    ref = build_ref(cfg, model, policy_path)
+    remote = bool(cfg.services.generation_url)
+    rollout_model = frozen_copy(model) if shards_weights(cfg, env) and not remote else None  # before sharding
     spec = optim_spec(a.lr, a.lr_warmup_steps, total_opt_steps, a.grad_clip, a.weight_decay, a.betas, a.lr_scheduler,
                       a.min_lr_ratio)
     actor = Actor(make_engine(cfg, model, spec, env))
     if resume:
         restore_state(actor.engine, resume / "model_state", "actor")
-    # colocated: generation shares the policy's weights unless the engine keeps only a shard of them
-    engine = HFRolloutEngine(rollout_model if rollout_model is not None else actor.model, tokenizer)
+    if remote:
+        engine = RemoteRolloutEngine(cfg.services.generation_url, tokenizer, **service_args(cfg))
+    else:  # colocated: generation shares the policy's weights unless the engine keeps only a shard of them
+        engine = HFRolloutEngine(rollout_model if rollout_model is not None else actor.model, tokenizer)
     reward_fn = make_reward(cfg.algorithm.reward_fn, cfg.algorithm.format_reward_weight)
-    return GRPOStep(cfg, engine, actor, ref_model, tokenizer, reward_fn, load_reward_fn(cfg.algorithm.reward_fn),
-                    build_critics(cfg, resume, total_opt_steps, env), env)
+    return GRPOStep(cfg, engine, actor, ref, tokenizer, reward_fn, load_reward_fn(cfg.algorithm.reward_fn),
+                    build_critics(cfg, resume, total_opt_steps, env), env, build_reward_model(cfg))
+
+
+def service_args(cfg: RunConfig) -> dict:
+    return {"timeout": cfg.services.timeout_s, "retries": cfg.services.retries,
+            "api_key": os.environ.get("ALIGNRL_API_KEY")}
+
+
+def build_ref(cfg: RunConfig, model, policy_path: str):
+    """The RefScorer: the reference service when configured, else a frozen copy of the base model;
+    None when no KL term needs it."""
+    if not ((cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward):
+        return None
+    if cfg.services.reference_url:
+        return RemoteRefScorer(cfg.services.reference_url, temperature=cfg.rollout.temperature, **service_args(cfg))
+    # the reference is the base model, not a checkpoint
+    base = model if policy_path == cfg.model.path else load_model(cfg.model.path, cfg.model.dtype)[0]
+    return LocalRefScorer(frozen_copy(base), cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size)
+
+
+def build_reward_model(cfg: RunConfig):
+    if cfg.services.reward_url:
+        return RemoteReward(cfg.services.reward_url, **service_args(cfg))
+    if cfg.algorithm.reward_model:
+        return ModelScorer(cfg.algorithm.reward_model, cfg.model.dtype, log=console.print)
+    return None
 
 
 def train_engines(step_fn: GRPOStep) -> dict[str, TrainEngine]:
@@ -182,7 +208,7 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict | None:
     check_world_size(cfg, env.world_size)
     console.quiet = not env.is_main  # one rank speaks
     run_dir = cfg.run_dir
-    ckpt_root, log_dir = run_dir / "checkpoints", run_dir / "logs"
+    ckpt_root, log_dir = cfg.checkpoint_root, cfg.log_root
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
@@ -194,6 +220,10 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None) -> dict | None:
     tokenizer, engine = step_fn.tokenizer, step_fn.engine
     correct_fn = step_fn.correct_fn
     save_ds_config(step_fn, run_dir, env)
+    if step_fn.remote:  # the server may hold other weights (a fresh server, a resumed run): send ours
+        step_fn.push_weights()
+        console.print(f"generation service {cfg.services.generation_url}: weights pushed "
+                      f"(version {engine.weight_version()})")
 
     start_step, state = 0, {}
     if resume:
