@@ -1,0 +1,149 @@
+"""`alignrl doctor [--config FILE]`: checks a run's surroundings before a long job starts.
+
+For each configured service, `/health` must answer `{"status": "healthy"}`; model folders must exist;
+the hostfile must parse (`host slots=N`, `#` comments); the rendezvous port must be free on this host
+(or reachable on another); data files must exist. Prints a table and exits 1 on any failure (2 when the
+config itself is invalid). Leaves out: GPU/driver checks and NCCL connectivity between nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from alignrl.config import RunConfig, load_config
+
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
+HOSTFILE_LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.:-]+)\s+slots=(?P<slots>\d+)$")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    target: str
+    ok: bool
+    detail: str
+
+
+def check_health(name: str, url: str, timeout: float) -> Check:
+    import httpx
+
+    try:
+        r = httpx.get(url.rstrip("/") + "/health", timeout=timeout)
+    except httpx.HTTPError as e:
+        return Check(name, url, False, f"not reachable ({type(e).__name__}); is the service running on that host/port?")
+    if r.status_code != 200:
+        return Check(name, url, False, f"/health answered HTTP {r.status_code}")
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if body != {"status": "healthy"}:
+        return Check(name, url, False, f"/health answered {r.text[:80]!r}, expected {{\"status\": \"healthy\"}}")
+    return Check(name, url, True, "healthy")
+
+
+def check_model(name: str, path: str) -> Check:
+    if path == "demo":
+        return Check(name, path, True, "embedded demo model (built on first use)")
+    ok = (Path(path) / "config.json").is_file()
+    return Check(name, path, ok, "HF model folder" if ok else "no config.json there: not a saved model folder")
+
+
+def parse_hostfile(text: str) -> tuple[dict[str, int], list[str]]:
+    """{host: slots} and one message per bad line."""
+    hosts, errors = {}, []
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = HOSTFILE_LINE.match(" ".join(line.split()))
+        if not m or int(m["slots"]) < 1:
+            errors.append(f"line {n}: {raw.strip()!r} is not 'hostname slots=N' with N >= 1")
+        elif m["host"] in hosts:
+            errors.append(f"line {n}: host {m['host']} is listed twice")
+        else:
+            hosts[m["host"]] = int(m["slots"])
+    return hosts, errors
+
+
+def check_hostfile(path: str) -> Check:
+    p = Path(path)
+    if not p.is_file():
+        return Check("hostfile", path, False, "file not found")
+    hosts, errors = parse_hostfile(p.read_text())
+    if errors:
+        return Check("hostfile", path, False, "; ".join(errors[:3]))
+    if not hosts:
+        return Check("hostfile", path, False, "no 'hostname slots=N' lines")
+    return Check("hostfile", path, True, f"{len(hosts)} host(s), {sum(hosts.values())} slot(s)")
+
+
+def check_port(host: str, port: int, timeout: float) -> Check:
+    target = f"{host}:{port}"
+    if host in LOCAL_HOSTS or host == socket.gethostname():
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return Check("rendezvous port", target, False, "in use on this host; pick another trainer.master_port")
+        return Check("rendezvous port", target, True, "free")
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return Check("rendezvous port", target, True, "reachable")
+    except OSError as e:
+        try:
+            socket.getaddrinfo(host, port)
+        except OSError:
+            return Check("rendezvous port", target, False, "host name does not resolve")
+        return Check("rendezvous port", target, True, f"host resolves; nothing listens yet ({e.strerror or e})")
+
+
+def run_checks(cfg: RunConfig, timeout: float) -> list[Check]:
+    out: list[Check] = []
+    s = cfg.services
+    for name, url in (("generation service", s.generation_url), ("reference service", s.reference_url),
+                      ("reward service", s.reward_url)):
+        if url:
+            out.append(check_health(name, url, timeout))
+    out.append(check_model("policy model", cfg.model.path))
+    for name, path in (("critic model", cfg.critic.model_path), ("cost model", cfg.safety.cost_model),
+                       ("reward model", cfg.algorithm.reward_model)):
+        if path:
+            out.append(check_model(name, path))
+    for name, path in (("train data", cfg.data.train_files), ("held-out data", cfg.data.val_files)):
+        if path != "synthetic":
+            out.append(Check(name, path, Path(path).is_file(), "exists" if Path(path).is_file() else "file not found"))
+    if cfg.trainer.hostfile:
+        out.append(check_hostfile(cfg.trainer.hostfile))
+    out.append(check_port(cfg.trainer.master_addr, cfg.trainer.master_port, timeout))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="alignrl doctor", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="run config (alignrl keys or the nodes.yaml layout)")
+    p.add_argument("--hostfile", help="hostfile to check (default: trainer.hostfile)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per network check")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. services.generation_url=http://h:8000")
+    args = p.parse_args(argv)
+    overrides = list(args.overrides) + ([f"trainer.hostfile={args.hostfile}"] if args.hostfile else [])
+    cfg = load_config(args.config, overrides)
+    checks = run_checks(cfg, args.timeout)
+
+    from rich.table import Table
+
+    from alignrl.utils.tracking import console
+
+    table = Table(title="alignrl doctor")
+    for col in ("check", "target", "result", "detail"):
+        table.add_column(col)
+    for c in checks:
+        table.add_row(c.name, c.target, "[green]ok[/green]" if c.ok else "[red]FAIL[/red]", c.detail)
+    console.print(table)
+    failed = [c for c in checks if not c.ok]
+    console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
