@@ -3,6 +3,7 @@ commands under torchrun with two gloo ranks."""
 
 import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,8 @@ def scorers(tiny_model_dir, tmp_path_factory):
 
 
 def test_reward_and_cost_models_train_save_and_load_as_scorers(scorers):
+    from transformers import AutoTokenizer
+
     from alignrl.config import load_config
     from alignrl.data.preference import collate_pairs, encode_pairs, load_pairs
     from alignrl.models.value import ModelScorer
@@ -48,9 +51,8 @@ def test_reward_and_cost_models_train_save_and_load_as_scorers(scorers):
                              "critic.enable=true"])
     scorer = ModelScorer(cfg.safety.cost_model)
     pairs = load_pairs("builtin:harmless_test", "safer", limit=24)
-    enc, _ = encode_pairs(scorer_tok := __import__("transformers").AutoTokenizer.from_pretrained(
-        cfg.safety.cost_model), pairs, 256)
-    b = collate_pairs(enc, pairs, scorer_tok.pad_token_id)
+    tok = AutoTokenizer.from_pretrained(cfg.safety.cost_model)
+    b = collate_pairs(encode_pairs(tok, pairs, 256)[0], pairs, tok.pad_token_id)
     cost = scorer.score(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
     acc = float((cost[24:] > cost[:24]).float().mean())
     assert acc == pytest.approx(harmless["eval_accuracy"], abs=1e-6)  # the trainer's reading = ModelScorer's
@@ -151,7 +153,7 @@ def _run(cmd: list[str], root: Path, timeout: int = 240) -> subprocess.Completed
 
 
 @pytest.mark.slow
-def test_seed_002_commands_two_ranks(scorers, tiny_model_dir, tmp_path):
+def test_seed_002_commands_two_ranks(scorers, tiny_model_dir, tmp_path, monkeypatch):
     from alignrl.dist.launch import free_port
 
     if not shutil.which("bash"):
@@ -166,9 +168,14 @@ def test_seed_002_commands_two_ranks(scorers, tiny_model_dir, tmp_path):
     assert two["world_size"] == 2 and two["steps"] == 8 and (root / "logs/training/helpful_rm/metrics.jsonl").is_file()
     # held-out pairs sharded over two ranks and summed give the one-process number (same seeded head)
     assert two["eval_accuracy_before"] == scorers[1]["eval_accuracy_before"]
-    # the single-process fallback, as written in the seed
-    _run([sys.executable, "-m", "src.training.train_rm", "--config", "configs/rm_config.yaml", "--task", "harmless",
-          "--output_dir", "models/harmless_rm", *small], root)
+    # the single-process fallback, `python -m src.training.train_rm ...` from the root (run in this process)
+    monkeypatch.chdir(root)
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setattr(sys, "argv", ["train_rm", "--config", "configs/rm_config.yaml", "--task", "harmless",
+                                      "--output_dir", "models/harmless_rm", *small])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("src.training.train_rm", run_name="__main__")
+    assert done.value.code == 0
     one = json.loads((root / "models/harmless_rm/eval_results.json").read_text())
     assert one["world_size"] == 1 and one["model_type"] == "cost" and one["steps"] == 16
     p = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",

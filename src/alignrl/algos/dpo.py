@@ -94,7 +94,7 @@ def per_pair_table(fn, batches, n: int, width: int, env) -> torch.Tensor:
     out = torch.zeros(n, width, dtype=torch.float64)
     for batch in batches:
         vals = fn(batch.to(env.device)).double().cpu()
-        keep = batch.weight.bool()
+        keep = batch.weight.bool()  # the batch stays on the CPU: `out` is indexed with its rows
         out[batch.index[keep]] = vals[keep]
     return torch.tensor(all_reduce_sum(env, out.flatten().tolist()), dtype=torch.float64).view(n, width)
 

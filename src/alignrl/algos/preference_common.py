@@ -131,7 +131,9 @@ def run_cli(argv: list[str] | None, module: str, entry) -> int:
         return entry(argv, None)
     except USER_ERRORS as e:
         if os.environ.get("RANK", "0") == "0":  # every rank fails the same way; one line is enough
-            print(f"alignrl: error: {e}", file=sys.stderr)
+            print(f"alignrl: error: {e}", file=sys.stderr, flush=True)
+        else:  # torchrun stops the others when a rank exits: give rank 0 the moment it needs to print
+            time.sleep(1.0)
         return 2
 
 
