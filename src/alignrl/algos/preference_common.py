@@ -104,6 +104,8 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
             allowed = ", ".join(f.name for f in dataclasses.fields(cls))
             raise ConfigError(f"unknown config key '{key}'; allowed: {allowed}") from None
         raise ConfigError(f"bad value for '{key}': {first}") from None
+    # YAML reads `bf16: true` as a boolean, which the string field holds as "True"
+    cfg = dataclasses.replace(cfg, bf16=str(cfg.bf16).lower())
     _check_ranges(cfg)  # choices and ranges from the field metadata, the RL config's own check
     return cfg
 

@@ -65,7 +65,8 @@ class LastTokenScorer(torch.nn.Module):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask.long(),
                           position_ids=position_ids(attention_mask)).last_hidden_state
         last = attention_mask.shape[1] - 1 - attention_mask.long().flip(-1).argmax(-1)
-        return self.inner.score(hidden[torch.arange(hidden.shape[0], device=hidden.device), last]).squeeze(-1).float()
+        scores = self.inner.score(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+        return scores.squeeze(-1).float().clone()  # not a view: FSDP2 hooks the output for backward
 
 
 def load_score_model(path: str, seed: int, log=print):

@@ -115,7 +115,8 @@ def build_critics(cfg: RunConfig, resume: Path | None, total_opt_steps: int, env
     if s.cost_fn or s.cost_model:
         parts.cost_critic = make("cost_critic", cfg.trainer.seed + 1)
         parts.cost_fn = load_reward_fn(s.cost_fn) if s.cost_fn else None
-        parts.cost_model = ModelScorer(s.cost_model, cfg.model.dtype, log=console.print) if s.cost_model else None
+        parts.cost_model = (ModelScorer(s.cost_model, cfg.model.dtype, log=console.print, device=env.device)
+                            if s.cost_model else None)
         parts.lagrangian = LagrangeMultiplier(s.lambda_init, s.lambda_lr, s.cost_limit)
     return parts
 
@@ -134,9 +135,10 @@ def build_step(cfg: RunConfig, policy_path: str, resume: Path | None = None, env
     a = cfg.actor
     total_opt_steps = (cfg.trainer.total_training_steps * a.ppo_epochs
                        * (cfg.data.train_batch_size // a.ppo_mini_batch_size))
-    ref = build_ref(cfg, model, policy_path)
+    ref = build_ref(cfg, model, policy_path, env.device)
     remote = bool(cfg.services.generation_url)
-    rollout_model = frozen_copy(model) if shards_weights(cfg, env) and not remote else None  # before sharding
+    rollout_model = (frozen_copy(model).to(env.device) if shards_weights(cfg, env) and not remote
+                     else None)  # copied before the engine shards the policy
     spec = optim_spec(a.lr, a.lr_warmup_steps, total_opt_steps, a.grad_clip, a.weight_decay, a.betas, a.lr_scheduler,
                       a.min_lr_ratio)
     actor = Actor(make_engine(cfg, model, spec, env))
@@ -148,7 +150,7 @@ def build_step(cfg: RunConfig, policy_path: str, resume: Path | None = None, env
         engine = HFRolloutEngine(rollout_model if rollout_model is not None else actor.model, tokenizer)
     reward_fn = make_reward(cfg.algorithm.reward_fn, cfg.algorithm.format_reward_weight)
     return GRPOStep(cfg, engine, actor, ref, tokenizer, reward_fn, load_reward_fn(cfg.algorithm.reward_fn),
-                    build_critics(cfg, resume, total_opt_steps, env), env, build_reward_model(cfg))
+                    build_critics(cfg, resume, total_opt_steps, env), env, build_reward_model(cfg, env.device))
 
 
 def service_args(cfg: RunConfig) -> dict:
@@ -156,7 +158,7 @@ def service_args(cfg: RunConfig) -> dict:
             "api_key": os.environ.get("ALIGNRL_API_KEY")}
 
 
-def build_ref(cfg: RunConfig, model, policy_path: str):
+def build_ref(cfg: RunConfig, model, policy_path: str, device: torch.device):
     """The RefScorer: the reference service when configured, else a frozen copy of the base model;
     None when no KL term needs it."""
     if not ((cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward):
@@ -165,14 +167,14 @@ def build_ref(cfg: RunConfig, model, policy_path: str):
         return RemoteRefScorer(cfg.services.reference_url, temperature=cfg.rollout.temperature, **service_args(cfg))
     # the reference is the base model, not a checkpoint
     base = model if policy_path == cfg.model.path else load_model(cfg.model.path, cfg.model.dtype)[0]
-    return LocalRefScorer(frozen_copy(base), cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size)
+    return LocalRefScorer(frozen_copy(base).to(device), cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size)
 
 
-def build_reward_model(cfg: RunConfig):
+def build_reward_model(cfg: RunConfig, device: torch.device):
     if cfg.services.reward_url:
         return RemoteReward(cfg.services.reward_url, **service_args(cfg))
     if cfg.algorithm.reward_model:
-        return ModelScorer(cfg.algorithm.reward_model, cfg.model.dtype, log=console.print)
+        return ModelScorer(cfg.algorithm.reward_model, cfg.model.dtype, log=console.print, device=device)
     return None
 
 

@@ -80,6 +80,6 @@ def per_token_in_chunks(model, fn, prompt_ids: torch.Tensor, prompt_mask: torch.
     for idx in length_sorted_chunks(torch.arange(out.shape[0]), prompt_mask, response_mask, micro_batch):
         pm, rm = prompt_mask[idx], response_mask[idx]
         p0, r1 = padding_bounds(pm, rm)
-        out[idx, :r1] = fn(model, prompt_ids[idx, p0:], pm[:, p0:], response_ids[idx, :r1], rm[:, :r1])
+        out[idx, :r1] = fn(model, prompt_ids[idx, p0:], pm[:, p0:], response_ids[idx, :r1], rm[:, :r1]).to(out.device)
     model.train(was_training)
     return out

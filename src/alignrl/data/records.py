@@ -7,6 +7,7 @@ well-formed batch whose last prompt token sits at column P-1 for every row.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,11 @@ class Experience:
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
+
+    def to(self, device: torch.device) -> Experience:
+        """A copy on `device` (records live on the CPU; a micro-batch moves to the trainer's device)."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Experience(*(move(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
     def select(self, idx: torch.Tensor) -> Experience:
         """Rows `idx`, with the padding columns that no selected row uses trimmed off."""

@@ -21,6 +21,11 @@ def _chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: i
     return torch.cat(parts)
 
 
+def model_device(model) -> torch.device:
+    """Where the model's (local shard of the) weights live: inputs go there."""
+    return next(model.parameters()).device
+
+
 def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                       response_mask: torch.Tensor, temperature: float = 1.0,
                       with_entropy: bool = False, entropy_grad: bool = False
@@ -30,6 +35,9 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     Logits are divided by `temperature` so the values match what the sampler drew from. The entropy
     carries a gradient only with `entropy_grad` (an entropy bonus); as a metric it costs no graph.
     """
+    dev = model_device(model)
+    prompt_ids, prompt_mask, response_ids, response_mask = (t.to(dev) for t in (prompt_ids, prompt_mask, response_ids,
+                                                                                response_mask))
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, response_mask], 1)
     r = response_ids.shape[1]

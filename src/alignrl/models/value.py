@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from alignrl.data.collate import position_ids
+from alignrl.models.logprobs import model_device
 from alignrl.models.loader import DTYPES, resolve_model_path
 
 
@@ -33,8 +34,10 @@ def response_values(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
                     response_mask: torch.Tensor) -> torch.Tensor:
     """Values (B, R): V_t is read at the position before response token t (the state it is chosen in),
     the same alignment as the log-probs."""
-    ids = torch.cat([prompt_ids, response_ids], 1)
-    mask = torch.cat([prompt_mask, response_mask], 1)
+    dev = model_device(model)
+    ids = torch.cat([prompt_ids, response_ids], 1).to(dev)
+    mask = torch.cat([prompt_mask, response_mask], 1).to(dev)
+    response_mask = response_mask.to(dev)
     r = response_ids.shape[1]
     out = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask))
     return out.logits[:, -r - 1:-1, 0].float() * response_mask
@@ -44,21 +47,22 @@ class ModelScorer:
     """A sequence-level scorer (reward or cost model: an HF sequence-classification folder with one
     label) applied to rollouts; the score is read at each sequence's last real token."""
 
-    def __init__(self, path: str, dtype: str = "float32", log=print):
+    def __init__(self, path: str, dtype: str = "float32", log=print, device: str | torch.device = "cpu"):
         from transformers import AutoModelForSequenceClassification
 
         folder = resolve_model_path(path, log)
         self.model = AutoModelForSequenceClassification.from_pretrained(str(folder), num_labels=1,
-                                                                        dtype=DTYPES[dtype])
+                                                                        dtype=DTYPES[dtype]).to(device)
         self.model.eval()
 
     @torch.no_grad()
     def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
               response_mask: torch.Tensor) -> torch.Tensor:
         """Scores (B,) of each (prompt, response)."""
-        ids = torch.cat([prompt_ids, response_ids], 1)
-        mask = torch.cat([prompt_mask, response_mask], 1)
+        dev = model_device(self.model)
+        ids = torch.cat([prompt_ids, response_ids], 1).to(dev)
+        mask = torch.cat([prompt_mask, response_mask], 1).to(dev)
         backbone = getattr(self.model, self.model.base_model_prefix)
         hidden = backbone(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask)).last_hidden_state
         last = mask.shape[1] - 1 - mask.long().flip(-1).argmax(-1)  # index of each row's last real token
-        return self.model.score(hidden[torch.arange(ids.shape[0]), last]).squeeze(-1).float()
+        return self.model.score(hidden[torch.arange(ids.shape[0], device=dev), last]).squeeze(-1).float().cpu()

@@ -91,7 +91,6 @@ class HFRolloutEngine:
     @torch.no_grad()  # not inference_mode: the records feed autograd later (as indices, masks)
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
         """Sample `params.n` responses per prompt; rows of one prompt are contiguous (`group`)."""
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         expanded = [list(p) for p in prompts for _ in range(params.n)]
         group = torch.arange(len(prompts)).repeat_interleave(params.n)
         prompt_ids, prompt_mask = left_pad(expanded, self.pad_id)
@@ -103,18 +102,22 @@ class HFRolloutEngine:
 
         was_training = self.model.training
         self.model.eval()
+        dev = next(self.model.parameters()).device  # records stay on the CPU; the forward runs on `dev`
+        eos = self.eos.to(dev)
+        gen = torch.Generator(device=dev).manual_seed(params.seed) if params.seed is not None else None
         cache = DynamicCache()
-        attn = prompt_mask.long()
-        out = self.model(input_ids=prompt_ids, attention_mask=attn, position_ids=position_ids(prompt_mask),
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        attn = prompt_mask.long().to(dev)
+        out = self.model(input_ids=prompt_ids.to(dev), attention_mask=attn,
+                         position_ids=position_ids(prompt_mask).to(dev), past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
         logits = out.logits[:, -1]
-        next_pos = prompt_mask.sum(-1)  # position of the first response token, per row
-        active = torch.arange(b)  # rows of the full batch that are still in the cache
+        next_pos = prompt_mask.sum(-1).to(dev)  # position of the first response token, per row
+        active = torch.arange(b)  # rows of the full batch that are still in the cache (CPU indices)
         for t in range(steps):
             tok, lp = sample_next(logits, params, gen)
-            out_ids[active, t], out_lp[active, t] = tok, lp
+            out_ids[active, t], out_lp[active, t] = tok.cpu(), lp.cpu()
             length[active] += 1
-            finished = torch.isin(tok, self.eos)
+            finished = torch.isin(tok, eos).cpu()
             if params.stop:
                 finished |= self._hit_stop(active, out_ids, t, params.stop)
             done[active] = finished
@@ -123,9 +126,10 @@ class HFRolloutEngine:
             keep = ~finished
             if not bool(keep.all()):  # compact: drop finished rows from the cache and the batch
                 idx = keep.nonzero().squeeze(-1)
-                cache.batch_select_indices(idx)
-                active, tok, attn, next_pos = active[idx], tok[idx], attn[idx], next_pos[idx]
-            attn = torch.cat([attn, torch.ones((len(active), 1), dtype=attn.dtype)], 1)
+                idx_dev = idx.to(dev)
+                cache.batch_select_indices(idx_dev)
+                active, tok, attn, next_pos = active[idx], tok[idx_dev], attn[idx_dev], next_pos[idx_dev]
+            attn = torch.cat([attn, torch.ones((len(active), 1), dtype=attn.dtype, device=dev)], 1)
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
                              past_key_values=cache, use_cache=True)
             logits = out.logits[:, -1]

@@ -31,7 +31,8 @@ class Critic:
             r1 = micro.response_ids.shape[1]
             v = response_values(self.engine.module, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                 micro.response_mask)
-            loss, m = value_loss(v, old_values[rows, :r1], returns[rows, :r1], micro.response_mask.float(),
+            loss, m = value_loss(v, old_values[rows, :r1].to(v.device), returns[rows, :r1].to(v.device),
+                                 micro.response_mask.float(),
                                  self.cliprange_value, tokens)
             return loss, {self.name + k.removeprefix("critic"): x for k, x in m.items()}
 

@@ -37,7 +37,7 @@ def minibatch_updates(exp: Experience, micro_loss: MicroLoss, engine: TrainEngin
             tokens, seqs = all_reduce_sum(engine.env, [local_tokens, n_sequences(exp.response_mask[mb])])
             chunks = length_sorted_chunks(mb, exp.prompt_mask, exp.response_mask, micro_batch)
             for i, rows in enumerate(chunks):
-                micro = exp.select(rows)
+                micro = exp.select(rows).to(engine.env.device)
                 loss, m = micro_loss(rows, micro, tokens, seqs)
                 engine.backward(loss, last_micro=i == len(chunks) - 1)
                 share = float(micro.response_mask.sum()) / max(local_tokens, 1.0)
