@@ -120,6 +120,19 @@ def test_rm_bad_input_is_one_line_exit_2(argv, expect, capsys):
     assert err.startswith("alignrl: error:") and expect in err and "\n" not in err and "Traceback" not in err
 
 
+def test_flat_config_layers_and_bf16_spellings(tmp_path):
+    from alignrl.algos.preference_common import load_flat_config, use_bf16
+
+    cfg = load_flat_config(rm.RMConfig, str(REPO / "configs/rm_config.yaml"), ["epochs=3", "bf16=false"],
+                           {"task": "harmless", "output_dir": None})
+    assert (cfg.task, cfg.epochs, cfg.bf16, cfg.model_path) == ("harmless", 3, "false", "demo")
+    assert not use_bf16(cfg)
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("bf16: true\nbatch_size: 2\n")
+    cfg = load_flat_config(dpo.DPOConfig, str(yaml), [], {"loss_type": "ipo"})
+    assert (cfg.bf16, cfg.batch_size, cfg.loss_type) == ("true", 2, "ipo")
+
+
 def test_cost_model_needs_labels_and_safe_dpo_needs_scorers(tmp_path, capsys):
     unlabelled = tmp_path / "u.jsonl"
     unlabelled.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
