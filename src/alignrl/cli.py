@@ -118,27 +118,35 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def _launch(argv: list[str]) -> int | None:
+    """`--nproc N` (outside torchrun): validate the config once, then re-run the command on N ranks."""
     from alignrl.dist.launch import pop_nproc, torchrun
 
+    nproc, argv[:] = pop_nproc(argv)
+    if not nproc or nproc < 2 or "LOCAL_RANK" in os.environ:
+        return None
+    args, rest = _parser().parse_known_args(argv)
+    if args.command in ("train", "demo"):  # a bad config fails here, not once per rank
+        load_config(EXAMPLES / "demo.yaml" if args.command == "demo" else args.config,
+                    list(getattr(args, "overrides", [])) + [r for r in rest if "=" in r])
+    return torchrun(nproc, ["alignrl", *argv])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    routed = _passthrough(argv)
     try:
-        nproc, argv = pop_nproc(argv)
-    except ValueError as e:
+        if routed:  # these check their own input and handle `--nproc` themselves
+            import importlib
+
+            module, rest = routed
+            return importlib.import_module(module).main(rest)
+        launched = _launch(argv)  # raises ValueError only for a bad --nproc
+        if launched is not None:
+            return launched
+    except (_user_errors() if routed else (ValueError, *_user_errors())) as e:
         print(f"alignrl: error: {e}", file=sys.stderr)
         return 2
-    if nproc and nproc > 1 and "LOCAL_RANK" not in os.environ:  # `--nproc N`: the same command under torchrun
-        return torchrun(nproc, ["alignrl", *argv])
-    routed = _passthrough(argv)
-    if routed:
-        import importlib
-
-        module, rest = routed
-        try:
-            return importlib.import_module(module).main(rest)
-        except _user_errors() as e:
-            print(f"alignrl: error: {e}", file=sys.stderr)
-            return 2
     parser = _parser()
     # Overrides may follow options (`--config f.yaml a.b=1`), which argparse's subparsers cannot
     # intermix with positionals; collect them from the leftovers instead.

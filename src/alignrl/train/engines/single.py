@@ -31,7 +31,12 @@ class LocalEngine:
 
     def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
         self.zero.before_backward()
-        (loss * self.env.world_size).backward()  # DDP averages over ranks; the loss is already global
+        scaled = loss * self.env.world_size  # DDP averages over ranks; the loss is already global
+        if last_micro or self.module is self.model:
+            scaled.backward()
+        else:  # accumulate locally; the last micro-batch's backward all-reduces the sum once
+            with self.module.no_sync():
+                scaled.backward()
 
     def step(self) -> float:
         norm = clip_and_step(self.params, self.optimizer, self.scheduler, self.spec.grad_clip)
