@@ -19,7 +19,11 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
     export OMP_NUM_THREADS=$(( CORES / NGPU > 0 ? CORES / NGPU : 1 ))
 fi
 
-exec torchrun --nproc_per_node="$NGPU" --master_port="${MASTER_PORT:-29501}" \
+# the project's environment when `make` built one, else torchrun from PATH
+if [[ -z "${TORCHRUN:-}" ]]; then
+    if [[ -x .venv/bin/torchrun ]]; then TORCHRUN=.venv/bin/torchrun; else TORCHRUN=torchrun; fi
+fi
+exec "$TORCHRUN" --nproc_per_node="$NGPU" --master_port="${MASTER_PORT:-29501}" \
     -m src.training.train_safe_mm_dpo \
     --config configs/dpo_config.yaml \
     --output_dir models/aligned \

@@ -24,7 +24,11 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]]; then  # one process per core share, not ever
     export OMP_NUM_THREADS=$(( CORES / NGPU > 0 ? CORES / NGPU : 1 ))
 fi
 
-exec torchrun --nproc_per_node="$NGPU" --master_port="${MASTER_PORT:-29500}" \
+# the project's environment when `make` built one, else torchrun from PATH
+if [[ -z "${TORCHRUN:-}" ]]; then
+    if [[ -x .venv/bin/torchrun ]]; then TORCHRUN=.venv/bin/torchrun; else TORCHRUN=torchrun; fi
+fi
+exec "$TORCHRUN" --nproc_per_node="$NGPU" --master_port="${MASTER_PORT:-29500}" \
     -m src.training.train_rm \
     --config configs/rm_config.yaml \
     --task "$TASK" \
