@@ -246,3 +246,21 @@ def test_kl_in_reward_with_adaptive_controller(estimator, tiny_model_dir, tmp_pa
         coef *= 1 + min(max(r["actor/reward_kl_penalty"] / 0.01 - 1, -0.2), 0.2) * 16 / 100
     state = torch.load(tmp_path / "klr" / "checkpoints" / "global_step_3" / "trainer_state.pt", weights_only=False)
     assert state["kl_coef"] == pytest.approx(coef)
+
+
+def test_reward_model_folder_is_the_reward(tiny_model_dir, tmp_path):
+    """algorithm.reward_model=DIR (an `alignrl train rm` folder): its scores are the rewards the loop trains on."""
+    from transformers import AutoModelForSequenceClassification
+
+    from alignrl.models.value import ModelScorer
+
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1)
+    rm.config.pad_token_id = rm.config.eos_token_id
+    rm.save_pretrained(tmp_path / "rm")
+    train_grpo(load_config(None, _overrides(tiny_model_dir, tmp_path, "rm_run", 1, 1)
+                           + [f"algorithm.reward_model={tmp_path / 'rm'}"]))
+    row = [json.loads(x) for x in (tmp_path / "rm_run" / "logs" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert row["reward/accuracy"] == 0.0  # the random policy never answers correctly by the rule...
+    assert row["reward/std"] > 0  # ...yet its rewards vary: they are the model's scores
+    assert ModelScorer(str(tmp_path / "rm")).model.config.num_labels == 1
