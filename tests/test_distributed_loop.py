@@ -57,6 +57,11 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
         assert (ckpt / "critic" / "model.safetensors").is_file() and (ckpt / "critic_state").is_dir()
     if strategy == "deepspeed":
         assert json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 3
+        # DeepSpeed's optimizer shards are its own format: DDP continues from the full weights, and says so
+        r = run(tiny_model_dir, tmp_path, strategy, "ddp", 3)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "resumed from" in r.stdout and "fresh optimizer" in r.stdout
+        assert (run_dir / "checkpoints" / "global_step_3" / "model_state" / "optim.pt").is_file()
 
 
 def test_ddp_checkpoint_resumes_under_fsdp2(tiny_model_dir, tmp_path):
