@@ -26,7 +26,7 @@ from alignrl.core.rollout_correction import truncated_is_weights
 from alignrl.core.shaping import overlong_penalty
 from alignrl.data.collate import per_token_in_chunks
 from alignrl.data.records import Experience, Rollout, Sample
-from alignrl.dist.env import SINGLE, DistEnv, all_reduce_sum, barrier
+from alignrl.dist.env import SINGLE, DistEnv, all_reduce_sum, barrier, sum_over_ranks
 from alignrl.models.logprobs import response_logprobs
 from alignrl.models.value import ModelScorer
 from alignrl.rollout.hf_engine import SamplingParams
@@ -83,14 +83,16 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 # How each critic-free estimator is fed from one step's scores: (Scored, group (B,), response mask (B, R),
-# algorithm config) -> advantages (B,) or (B, R).
+# algorithm config, sum over ranks) -> advantages (B,) or (B, R). Groups never span ranks (a prompt's n
+# samples are drawn on one rank); batch-wide whitening sums its statistics over ranks.
 OUTCOME_ESTIMATORS = {
-    "grpo": lambda s, g, m, a: ADVANTAGES["grpo"](s.rewards, g, norm_by_std=a.norm_adv_by_std_in_grpo),
-    "rloo": lambda s, g, m, a: ADVANTAGES["rloo"](s.rewards, g),
-    "reinforce_plus_plus": lambda s, g, m, a: ADVANTAGES["reinforce_plus_plus"](s.token_level(m), m),
-    "reinforce_plus_plus_baseline": lambda s, g, m, a: ADVANTAGES["reinforce_plus_plus_baseline"](s.rewards, g, m),
+    "grpo": lambda s, g, m, a, r: ADVANTAGES["grpo"](s.rewards, g, norm_by_std=a.norm_adv_by_std_in_grpo),
+    "rloo": lambda s, g, m, a, r: ADVANTAGES["rloo"](s.rewards, g),
+    "reinforce_plus_plus": lambda s, g, m, a, r: ADVANTAGES["reinforce_plus_plus"](s.token_level(m), m, sum_ranks=r),
+    "reinforce_plus_plus_baseline": lambda s, g, m, a, r: ADVANTAGES["reinforce_plus_plus_baseline"](
+        s.rewards, g, m, sum_ranks=r),
     # the per-row baseline already follows the row's prompt, so each row is its own "group" here
-    "remax": lambda s, g, m, a: ADVANTAGES["remax"](s.rewards, torch.arange(len(g)), s.baseline),
+    "remax": lambda s, g, m, a, r: ADVANTAGES["remax"](s.rewards, torch.arange(len(g)), s.baseline),
 }
 
 
@@ -281,7 +283,7 @@ class GRPOStep:
         value_targets: list = []
         if self.critics is None:
             adv = OUTCOME_ESTIMATORS[cfg.algorithm.adv_estimator](scored, ro.group, ro.response_mask.float(),
-                                                                  cfg.algorithm)
+                                                                  cfg.algorithm, sum_over_ranks(self.env))
         else:
             with _timed(t, "values"):
                 adv, value_targets, critic_metrics = self.critic_advantages(ro, scored, micro)
@@ -331,14 +333,16 @@ class GRPOStep:
         c, a = self.critics, self.cfg.algorithm
         mask = ro.response_mask.float()
         values = c.critic.values(ro, micro)
-        adv, returns = ADVANTAGES["gae"](scored.token_level(mask), values, mask, a.gamma, a.lam, whiten=True)
+        total = sum_over_ranks(self.env)
+        adv, returns = ADVANTAGES["gae"](scored.token_level(mask), values, mask, a.gamma, a.lam, whiten=True,
+                                         sum_ranks=total)
         targets = [(c.critic, values, returns)]
         metrics = {"critic/values_mean": float(masked_mean(values, mask)),
                    "critic/returns_mean": float(masked_mean(returns, mask))}
         if c.cost_critic is not None:
             cost_values = c.cost_critic.values(ro, micro)
             cost_adv, cost_returns = ADVANTAGES["gae"](outcome_token_rewards(scored.costs, mask), cost_values, mask,
-                                                       a.gamma, a.lam, whiten=True)
+                                                       a.gamma, a.lam, whiten=True, sum_ranks=total)
             adv = safe_advantages(adv, cost_adv, c.lagrangian.value)
             targets.append((c.cost_critic, cost_values, cost_returns))
             metrics["safety/cost_mean"] = float(scored.costs.mean())

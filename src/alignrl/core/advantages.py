@@ -8,6 +8,8 @@ has no baseline and gets advantage 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -19,16 +21,22 @@ def _group_sums(x: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, tor
     return count, total
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+# Sums a small 1-D tensor over data-parallel ranks (an all-reduce); None: one process.
+SumRanks = Callable[[torch.Tensor], torch.Tensor] | None
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, sum_ranks: SumRanks = None) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the masked entries; any shape, `mask` of x's shape.
 
     Mean and unbiased variance (n - 1) are taken over the masked entries only; entries outside the
-    mask come back 0. One masked entry (or all equal) gives 0, not NaN.
+    mask come back 0. One masked entry (or all equal) gives 0, not NaN. With `sum_ranks` the
+    statistics are those of the global batch split over ranks, so each rank whitens as one process would.
     """
+    total = sum_ranks or (lambda t: t)
     m = mask.to(x.dtype)
-    n = m.sum()
-    mean = (x * m).sum() / n.clamp(min=1)
-    var = ((x - mean) ** 2 * m).sum() / (n - 1).clamp(min=1)
+    n, s = total(torch.stack([m.sum(), (x * m).sum()]))
+    mean = s / n.clamp(min=1)
+    var = total(((x - mean) ** 2 * m).sum()[None])[0] / (n - 1).clamp(min=1)
     return (x - mean) * torch.rsqrt(var + eps) * m
 
 
@@ -76,7 +84,7 @@ def _discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-                            eps: float = 1e-8) -> torch.Tensor:
+                            eps: float = 1e-8, sum_ranks: SumRanks = None) -> torch.Tensor:
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
     Language Models"): discounted return-to-go, whitened over all masked tokens of the batch.
 
@@ -84,11 +92,11 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gam
     penalty with `kl.kl_penalty_rewards`), mask (B, T) -> advantages (B, T), 0 outside the mask.
     Masked-out tokens inside a response are skipped by the return recursion; their rewards are ignored.
     """
-    return masked_whiten(_discounted_returns(token_rewards, mask, gamma), mask, eps)
+    return masked_whiten(_discounted_returns(token_rewards, mask, gamma), mask, eps, sum_ranks)
 
 
 def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group: torch.Tensor, mask: torch.Tensor,
-                                     eps: float = 1e-8) -> torch.Tensor:
+                                     eps: float = 1e-8, sum_ranks: SumRanks = None) -> torch.Tensor:
     """REINFORCE++ with a group baseline (Hu 2025, "REINFORCE++", the `-baseline` variant):
     r - mean_group(r) broadcast to every token, then whitened over the batch's masked tokens.
 
@@ -99,7 +107,7 @@ def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group: torch.Tensor,
     single = count[group] < 2
     centred = (rewards - (total / count)[group]).masked_fill(single, 0.0)
     keep = mask.to(rewards.dtype) * (~single).to(rewards.dtype)[:, None]
-    return masked_whiten(centred[:, None].expand_as(keep), keep, eps)
+    return masked_whiten(centred[:, None].expand_as(keep), keep, eps, sum_ranks)
 
 
 def remax_advantages(rewards: torch.Tensor, group: torch.Tensor, baseline_rewards: torch.Tensor) -> torch.Tensor:
@@ -113,7 +121,7 @@ def remax_advantages(rewards: torch.Tensor, group: torch.Tensor, baseline_reward
 
 
 def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-                   lam: float = 1.0, whiten: bool = False, eps: float = 1e-8
+                   lam: float = 1.0, whiten: bool = False, eps: float = 1e-8, sum_ranks: SumRanks = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016, "High-Dimensional Continuous Control
     Using Generalized Advantage Estimation").
@@ -137,7 +145,7 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torc
     adv = adv * m
     returns = (adv + values) * m
     if whiten:
-        adv = masked_whiten(adv, m, eps)
+        adv = masked_whiten(adv, m, eps, sum_ranks)
     return adv, returns
 
 

@@ -86,6 +86,19 @@ def all_reduce_sum(env: DistEnv, values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def sum_over_ranks(env: DistEnv):
+    """A function summing a small tensor over ranks (for batch-wide statistics), or None in one process."""
+    if not env.distributed:
+        return None
+
+    def total(t: torch.Tensor) -> torch.Tensor:
+        out = t.detach().clone().to(env.device if env.backend == "nccl" else "cpu")
+        dist.all_reduce(out)
+        return out.to(t.device)
+
+    return total
+
+
 def mean_metrics(env: DistEnv, metrics: dict[str, float]) -> dict[str, float]:
     """Each metric averaged over ranks. Keys every rank has are reduced; a key missing on some rank
     keeps rank 0's value (metrics are for logging; the loss never goes through here)."""
