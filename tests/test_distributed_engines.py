@@ -45,10 +45,12 @@ def single_step(tiny_model_dir):
     return before, engine.full_state_dict()
 
 
-@pytest.mark.parametrize("strategy,stage", [("ddp", 0), ("fsdp2", 0), ("deepspeed", 2), ("deepspeed", 3)])
-def test_one_step_matches_single_process(strategy, stage, tiny_model_dir, single_step, tmp_path):
+@pytest.mark.parametrize("strategy,stage,offload", [("ddp", 0, False), ("fsdp2", 0, False), ("deepspeed", 2, False),
+                                                    ("deepspeed", 3, False), ("deepspeed", 3, True)])
+def test_one_step_matches_single_process(strategy, stage, offload, tiny_model_dir, single_step, tmp_path):
     before, expected = single_step
-    r = torchrun(["--strategy", strategy, "--zero-stage", str(stage), "--model", str(tiny_model_dir)], tmp_path)
+    r = torchrun(["--strategy", strategy, "--zero-stage", str(stage), "--model", str(tiny_model_dir),
+                  *(["--offload"] if offload else [])], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     got = load_file(str(tmp_path / "weights.safetensors"))
     assert set(got) == set(expected)

@@ -56,7 +56,8 @@ def make_engine(args, env, path):
     # last-bit difference in reduction order into an lr-sized one. A larger eps keeps the comparison
     # about the gradients the backends computed, not about float summation order.
     spec = OptimSpec(lr=1e-2, weight_decay=0.01, total_steps=10, grad_clip=1.0, eps=1e-4)
-    engine = build_engine(args.strategy, model, spec, env, zero_stage=args.zero_stage)
+    engine = build_engine(args.strategy, model, spec, env, zero_stage=args.zero_stage,
+                          offload=getattr(args, "offload", False))
     return engine, exp
 
 
@@ -70,6 +71,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", required=True)
     p.add_argument("--zero-stage", type=int, default=2)
+    p.add_argument("--offload", action="store_true", help="DeepSpeed: optimizer state on the CPU")
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--mode", default="step", choices=["step", "roundtrip", "kill"])
