@@ -83,7 +83,7 @@ def main() -> int:
     if args.mode == "kill":
         if env.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(1.0)
+        time.sleep(10.0)  # torchrun (polling every 0.1 s) stops this rank first: SIGTERM ends the sleep
     update(engine, exp, env)
     full = engine.full_state_dict()
     if args.mode == "roundtrip":
