@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from alignrl.config import ConfigError, _check_ranges, opt
+from alignrl.config import ConfigError, check_ranges, opt
 from alignrl.data.loaders import DataError
 from alignrl.data.preference import PreferenceBatch, collate_pairs
 from alignrl.models.loader import ModelError
@@ -109,7 +109,7 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
         raise ConfigError(f"bad value for '{key}': {first}") from None
     # YAML reads `bf16: true` as a boolean, which the string field holds as "True"
     cfg = dataclasses.replace(cfg, bf16=str(cfg.bf16).lower())
-    _check_ranges(cfg)  # choices and ranges from the field metadata, the RL config's own check
+    check_ranges(cfg)  # choices and ranges from the field metadata, the RL config's own check
     return cfg
 
 

@@ -1,22 +1,15 @@
-"""Typed run configuration: frozen dataclasses, YAML files and verl-style `a.b.c=value` overrides.
+"""Typed run configuration: frozen dataclasses, one per section, with help text and ranges in `metadata`.
 
-Every field carries its help text and allowed range in `metadata`, which drives both validation
-(one-line errors naming the key) and the README's config reference (`alignrl config --reference`).
-OmegaConf does the merging and type coercion; this module imports without torch.
+The metadata drives validation (`alignrl.config.checks`) and the README's config reference
+(`alignrl config --reference`). This module imports without torch.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from alignrl.config_layout import LayoutError, check_sections, read_config_file
 
 
 class ConfigError(ValueError):
@@ -244,137 +237,3 @@ class RunConfig:
     @property
     def log_root(self) -> Path:
         return self.run_dir / self.trainer.log_dir
-
-
-def _check_ranges(obj: Any, prefix: str = "") -> None:
-    for f in dataclasses.fields(obj):
-        key, value = f"{prefix}{f.name}", getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            _check_ranges(value, key + ".")
-            continue
-        m = f.metadata
-        if m.get("choices") and value not in m["choices"]:
-            raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, m['choices']))}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{key}={value} must be a finite number")
-        for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-                                ("le", lambda v, b: v <= b, "<=")):
-            if m.get(bound) is not None and not ok(value, m[bound]):
-                raise ConfigError(f"{key}={value} is out of range; it must be {word} {m[bound]}")
-
-
-def check_world_size(cfg: RunConfig, world: int) -> None:
-    """What a data-parallel run of `world` ranks needs from the batch sizes (checked at launch)."""
-    if world <= 1:
-        return
-    if cfg.trainer.strategy == "single":
-        raise ConfigError(f"trainer.strategy=single cannot run on {world} ranks; use ddp, fsdp2 or deepspeed")
-    for key, value in (("data.train_batch_size", cfg.data.train_batch_size),
-                       ("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size)):
-        if value % world:
-            raise ConfigError(f"{key}={value} must be a multiple of the world size {world} (each rank takes "
-                              "an equal share of every batch)")
-    if cfg.algorithm.dynamic_sampling:
-        raise ConfigError("algorithm.dynamic_sampling needs equal batches on every rank; run it on one process")
-
-
-def _check_combinations(cfg: RunConfig) -> None:
-    mini = cfg.actor.ppo_mini_batch_size
-    if cfg.data.train_batch_size % mini:
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
-                          f"actor.ppo_mini_batch_size={mini}")
-    if (mini * cfg.rollout.n) % min(cfg.actor.ppo_micro_batch_size, mini * cfg.rollout.n):
-        raise ConfigError(f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size} must divide "
-                          f"actor.ppo_mini_batch_size × rollout.n = {mini * cfg.rollout.n} sequences")
-    alg = cfg.algorithm
-    if alg.overlong_buffer_len > cfg.rollout.max_new_tokens:
-        raise ConfigError(f"algorithm.overlong_buffer_len={alg.overlong_buffer_len} must be <= "
-                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
-    if alg.rollout_is != "none" and not cfg.actor.recompute_old_logprobs:
-        raise ConfigError(f"algorithm.rollout_is={alg.rollout_is} needs actor.recompute_old_logprobs=true: "
-                          "without it the trainer's old log-probs are the rollout's and every weight is 1")
-    unknown = set(cfg.trainer.logger) - {"console", "jsonl", "tensorboard"}
-    if unknown:
-        raise ConfigError(f"trainer.logger has unknown sink(s) {sorted(unknown)}; allowed: console, jsonl, tensorboard")
-    if 0 < cfg.actor.clip_ratio_c <= 1:
-        raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip), or 0 to disable")
-    if cfg.actor.clip_ratio_c and cfg.actor.policy_loss != "ppo_clip":
-        raise ConfigError("actor.clip_ratio_c (dual-clip) applies to actor.policy_loss=ppo_clip only")
-    gae = cfg.algorithm.adv_estimator == "gae"
-    if gae and not cfg.critic.enable:
-        raise ConfigError("algorithm.adv_estimator=gae needs a critic: set critic.enable=true "
-                          "(or pick a critic-free estimator: grpo, rloo, reinforce_plus_plus)")
-    if cfg.critic.enable and not gae:
-        raise ConfigError(f"critic.enable=true is only used by algorithm.adv_estimator=gae "
-                          f"(got {cfg.algorithm.adv_estimator}); set critic.enable=false or use gae")
-    if cfg.pipeline.placement == "zmq" and (alg.dynamic_sampling or cfg.services.generation_url):
-        raise ConfigError("pipeline.placement=zmq: samplers generate, so algorithm.dynamic_sampling and "
-                          "services.generation_url do not apply; drop them or use pipeline.placement=inline")
-    if cfg.safety.cost_fn and cfg.safety.cost_model:
-        raise ConfigError("set one of safety.cost_fn (a rule) or safety.cost_model (a model), not both")
-    if (cfg.safety.cost_fn or cfg.safety.cost_model) and not gae:
-        raise ConfigError("safety.cost_fn / safety.cost_model (PPO-Lagrangian) needs a cost critic: set algorithm.adv_estimator=gae "
-                          "and critic.enable=true")
-
-
-def _one_line(e: OmegaConfBaseException, fallback_key: str = "?") -> str:
-    key = getattr(e, "full_key", None) or fallback_key
-    msg = str(e).splitlines()[0]
-    if "not in" in msg or "Key '" in msg and "not" in msg:
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        node = RunConfig()
-        for part in filter(None, parent.split(".")):
-            node = getattr(node, part, None)
-        allowed = ", ".join(f.name for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else "?"
-        where = f"under '{parent}'" if parent else "at the top level"
-        return f"unknown config key '{key}'; allowed {where}: {allowed}"
-    return f"bad value for '{key}': {msg}"
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """YAML file (optional) + dotted overrides merged onto the defaults, then validated."""
-    try:
-        merged = OmegaConf.structured(RunConfig)
-        if path is not None:
-            merged = OmegaConf.merge(merged, read_config_file(Path(path), RunConfig))
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"override {bad[0]!r} must look like key.sub=value (e.g. actor.lr=1e-5)")
-        for o in overrides:  # one at a time, so an error without OmegaConf's key still names the override's
-            item = OmegaConf.from_dotlist([o])
-            check_sections(RunConfig, OmegaConf.to_container(item))
-            try:
-                merged = OmegaConf.merge(merged, item)
-            except OmegaConfBaseException as e:
-                raise ConfigError(_one_line(e, o.split("=", 1)[0])) from None
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        raise ConfigError(_one_line(e)) from None
-    except LayoutError as e:
-        raise ConfigError(str(e)) from None
-    _check_ranges(cfg)
-    _check_combinations(cfg)
-    return cfg
-
-
-def to_yaml(cfg: RunConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def reference_markdown() -> str:
-    """The config reference table for the README, generated from the field metadata."""
-    rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
-
-    def walk(cls: type, prefix: str) -> None:
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Config")):
-                walk(f.default_factory, prefix + f.name + ".")  # type: ignore[arg-type]
-                continue
-            m = f.metadata
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            allowed = " / ".join(map(str, m["choices"])) if m.get("choices") else " ".join(
-                f"{w} {m[b]}" for b, w in (("ge", "≥"), ("gt", ">"), ("le", "≤")) if m.get(b) is not None)
-            rows.append(f"| `{prefix}{f.name}` | `{default}` | {allowed} | {m['help']} |")
-
-    walk(RunConfig, "")
-    return "\n".join(rows)

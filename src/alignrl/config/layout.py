@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 
 class LayoutError(ValueError):
-    """A config file or key of the wrong shape (`alignrl.config` reports it as a ConfigError)."""
+    """A config file or key of the wrong shape (`alignrl.config.load` reports it as a ConfigError)."""
 
 
 def read_text(path: Path) -> str:

@@ -1,0 +1,82 @@
+"""What a config must satisfy beyond its types: ranges and choices from the field metadata, and
+combinations of keys that cannot work together. Every failure is one line naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from alignrl.config.schema import ConfigError, RunConfig
+
+
+def check_ranges(obj: Any, prefix: str = "") -> None:
+    for f in dataclasses.fields(obj):
+        key, value = f"{prefix}{f.name}", getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            check_ranges(value, key + ".")
+            continue
+        m = f.metadata
+        if m.get("choices") and value not in m["choices"]:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, m['choices']))}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} must be a finite number")
+        for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                                ("le", lambda v, b: v <= b, "<=")):
+            if m.get(bound) is not None and not ok(value, m[bound]):
+                raise ConfigError(f"{key}={value} is out of range; it must be {word} {m[bound]}")
+
+
+def check_world_size(cfg: RunConfig, world: int) -> None:
+    """What a data-parallel run of `world` ranks needs from the batch sizes (checked at launch)."""
+    if world <= 1:
+        return
+    if cfg.trainer.strategy == "single":
+        raise ConfigError(f"trainer.strategy=single cannot run on {world} ranks; use ddp, fsdp2 or deepspeed")
+    for key, value in (("data.train_batch_size", cfg.data.train_batch_size),
+                       ("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size)):
+        if value % world:
+            raise ConfigError(f"{key}={value} must be a multiple of the world size {world} (each rank takes "
+                              "an equal share of every batch)")
+    if cfg.algorithm.dynamic_sampling:
+        raise ConfigError("algorithm.dynamic_sampling needs equal batches on every rank; run it on one process")
+
+
+def check_combinations(cfg: RunConfig) -> None:
+    mini = cfg.actor.ppo_mini_batch_size
+    if cfg.data.train_batch_size % mini:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
+                          f"actor.ppo_mini_batch_size={mini}")
+    if (mini * cfg.rollout.n) % min(cfg.actor.ppo_micro_batch_size, mini * cfg.rollout.n):
+        raise ConfigError(f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size} must divide "
+                          f"actor.ppo_mini_batch_size × rollout.n = {mini * cfg.rollout.n} sequences")
+    alg = cfg.algorithm
+    if alg.overlong_buffer_len > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong_buffer_len={alg.overlong_buffer_len} must be <= "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+    if alg.rollout_is != "none" and not cfg.actor.recompute_old_logprobs:
+        raise ConfigError(f"algorithm.rollout_is={alg.rollout_is} needs actor.recompute_old_logprobs=true: "
+                          "without it the trainer's old log-probs are the rollout's and every weight is 1")
+    unknown = set(cfg.trainer.logger) - {"console", "jsonl", "tensorboard"}
+    if unknown:
+        raise ConfigError(f"trainer.logger has unknown sink(s) {sorted(unknown)}; allowed: console, jsonl, tensorboard")
+    if 0 < cfg.actor.clip_ratio_c <= 1:
+        raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip), or 0 to disable")
+    if cfg.actor.clip_ratio_c and cfg.actor.policy_loss != "ppo_clip":
+        raise ConfigError("actor.clip_ratio_c (dual-clip) applies to actor.policy_loss=ppo_clip only")
+    gae = cfg.algorithm.adv_estimator == "gae"
+    if gae and not cfg.critic.enable:
+        raise ConfigError("algorithm.adv_estimator=gae needs a critic: set critic.enable=true "
+                          "(or pick a critic-free estimator: grpo, rloo, reinforce_plus_plus)")
+    if cfg.critic.enable and not gae:
+        raise ConfigError(f"critic.enable=true is only used by algorithm.adv_estimator=gae "
+                          f"(got {cfg.algorithm.adv_estimator}); set critic.enable=false or use gae")
+    if cfg.pipeline.placement == "zmq" and (alg.dynamic_sampling or cfg.services.generation_url):
+        raise ConfigError("pipeline.placement=zmq: samplers generate, so algorithm.dynamic_sampling and "
+                          "services.generation_url do not apply; drop them or use pipeline.placement=inline")
+    if cfg.safety.cost_fn and cfg.safety.cost_model:
+        raise ConfigError("set one of safety.cost_fn (a rule) or safety.cost_model (a model), not both")
+    if (cfg.safety.cost_fn or cfg.safety.cost_model) and not gae:
+        raise ConfigError("safety.cost_fn / safety.cost_model (PPO-Lagrangian) needs a cost critic: set algorithm.adv_estimator=gae "
+                          "and critic.enable=true")

@@ -1,0 +1,78 @@
+"""Loading a run config: YAML file (optional) + verl-style `a.b.c=value` overrides merged by OmegaConf onto
+the defaults, then validated; and the config written back out (YAML, the README reference table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from alignrl.config.checks import check_combinations, check_ranges
+from alignrl.config.layout import LayoutError, check_sections, read_config_file
+from alignrl.config.schema import ConfigError, RunConfig
+
+
+def _one_line(e: OmegaConfBaseException, fallback_key: str = "?") -> str:
+    key = getattr(e, "full_key", None) or fallback_key
+    msg = str(e).splitlines()[0]
+    if "not in" in msg or "Key '" in msg and "not" in msg:
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        node = RunConfig()
+        for part in filter(None, parent.split(".")):
+            node = getattr(node, part, None)
+        allowed = ", ".join(f.name for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else "?"
+        where = f"under '{parent}'" if parent else "at the top level"
+        return f"unknown config key '{key}'; allowed {where}: {allowed}"
+    return f"bad value for '{key}': {msg}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """YAML file (optional) + dotted overrides merged onto the defaults, then validated."""
+    try:
+        merged = OmegaConf.structured(RunConfig)
+        if path is not None:
+            merged = OmegaConf.merge(merged, read_config_file(Path(path), RunConfig))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"override {bad[0]!r} must look like key.sub=value (e.g. actor.lr=1e-5)")
+        for o in overrides:  # one at a time, so an error without OmegaConf's key still names the override's
+            item = OmegaConf.from_dotlist([o])
+            check_sections(RunConfig, OmegaConf.to_container(item))
+            try:
+                merged = OmegaConf.merge(merged, item)
+            except OmegaConfBaseException as e:
+                raise ConfigError(_one_line(e, o.split("=", 1)[0])) from None
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e)) from None
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    check_ranges(cfg)
+    check_combinations(cfg)
+    return cfg
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def reference_markdown() -> str:
+    """The config reference table for the README, generated from the field metadata."""
+    rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Config")):
+                walk(f.default_factory, prefix + f.name + ".")  # type: ignore[arg-type]
+                continue
+            m = f.metadata
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            allowed = " / ".join(map(str, m["choices"])) if m.get("choices") else " ".join(
+                f"{w} {m[b]}" for b, w in (("ge", "≥"), ("gt", ">"), ("le", "≤")) if m.get(b) is not None)
+            rows.append(f"| `{prefix}{f.name}` | `{default}` | {allowed} | {m['help']} |")
+
+    walk(RunConfig, "")
+    return "\n".join(rows)
