@@ -2,11 +2,11 @@
 
 from alignrl.config.checks import check_combinations, check_ranges, check_world_size
 from alignrl.config.load import load_config, reference_markdown, to_yaml
-from alignrl.config.schema import (ActorConfig, AlgorithmConfig, ConfigError, CriticConfig, DataConfig, ModelConfig,
-                                   PipelineConfig, RolloutConfig, RunConfig, SafetyConfig, ServicesConfig,
+from alignrl.config.schema import (ActorConfig, AgentConfig, AlgorithmConfig, ConfigError, CriticConfig, DataConfig, ModelConfig,
+                                   PipelineConfig, RetrieverConfig, RolloutConfig, RunConfig, SafetyConfig, ServicesConfig,
                                    TrainerConfig, opt)
 
-__all__ = ["ActorConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig", "ModelConfig",
-           "PipelineConfig", "RolloutConfig", "RunConfig", "SafetyConfig", "ServicesConfig", "TrainerConfig",
+__all__ = ["ActorConfig", "AgentConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig", "ModelConfig",
+           "PipelineConfig", "RetrieverConfig", "RolloutConfig", "RunConfig", "SafetyConfig", "ServicesConfig", "TrainerConfig",
            "check_combinations", "check_ranges", "check_world_size", "load_config", "opt", "reference_markdown",
            "to_yaml"]

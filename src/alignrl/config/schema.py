@@ -41,6 +41,10 @@ class DataConfig:
     val_size_during_training: int = opt(256, "held-out problems evaluated every trainer.test_freq steps", ge=1)
     train_batch_size: int = opt(32, "prompts per RL step (verl's data.train_batch_size)", ge=1)
     max_prompt_length: int = opt(128, "prompt tokens kept (truncated from the left)", ge=8)
+    max_start_length: int = opt(0, "multi-turn: tokens of the initial prompt kept (from the left); 0 uses "
+                                   "data.max_prompt_length (Search-R1's data.max_start_length)", ge=0)
+    max_obs_length: int = opt(500, "multi-turn: tokens of one tool observation kept; longer ones are truncated "
+                                   "(Search-R1's data.max_obs_length)", ge=1)
     system_prompt: str | None = opt(None, "system message prepended to every prompt")
     shuffle: bool = opt(True, "reshuffle the training data every epoch")
 
@@ -83,6 +87,8 @@ class ActorConfig:
     kl_loss_coef: float = opt(0.001, "weight of the KL term", ge=0.0)
     kl_loss_type: str = opt("k3", "KL estimator (verl aliases: kl=k1, mse=k2, low_var_kl=k3)",
                             choices=("k1", "k2", "k3", "kl", "mse", "low_var_kl"))
+    state_masking: bool = opt(True, "multi-turn: tool-observation tokens are attended but never trained on "
+                                    "(policy loss, entropy, KL, critic); verl/Search-R1's actor.state_masking")
     recompute_old_logprobs: bool = opt(True, "recompute old log-probs with the trainer; false reuses the "
                                              "rollout engine's (exact when both are the same fp32 model)")
 
@@ -173,6 +179,22 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True)
+class AgentConfig:
+    max_turns: int = opt(0, "multi-turn tool use (Search-R1): turns that may call the tool before a last turn "
+                            "without it; 0 is single-turn generation (Search-R1's max_turns)", ge=0)
+    search: bool = opt(True, "multi-turn: <search>query</search> calls retriever.url (Search-R1's do_search)")
+
+
+@dataclass(frozen=True)
+class RetrieverConfig:
+    url: str = opt("http://127.0.0.1:8000/retrieve", "retrieval server of multi-turn search (`alignrl serve "
+                                                     "retrieve`, Search-R1's retriever.url)")
+    topk: int = opt(3, "passages per search (Search-R1's retriever.topk)", ge=1)
+    timeout_s: float = opt(30.0, "per-request timeout of the retriever, seconds", gt=0.0)
+    retries: int = opt(3, "tries per request before the retriever counts as down", ge=1)
+
+
+@dataclass(frozen=True)
 class SafetyConfig:
     cost_fn: str | None = opt(None, "PPO-Lagrangian (Safe RLHF): per-response cost 'path/to/file.py:function' "
                                     "(compute_score signature); needs algorithm.adv_estimator=gae")
@@ -224,6 +246,8 @@ class RunConfig:
     safety: SafetyConfig = field(default_factory=SafetyConfig)
     services: ServicesConfig = field(default_factory=ServicesConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     @property
