@@ -94,14 +94,16 @@ def steps_logged(run: Path) -> int:
 
 
 def assert_each_row_once(run: Path, steps: int, batch: int = 4):
-    """Exact accounting: the rows the trainer's data order drew are the rows it trained plus the rows its
-    final checkpoint still owes (leases outstanding at the end), each exactly once."""
+    """Exact accounting: the rows the trainer's data order drew (epoch after epoch) are the rows it trained
+    plus the rows its final checkpoint still owes (leases outstanding at the end), each exactly once."""
     from collections import Counter
 
     from alignrl.data.sampler import BatchSampler
 
     trained = [r for step in trained_rows(run) for r in step]
-    assert len(trained_rows(run)) == steps and len(trained) == len(set(trained)) == steps * batch
+    # no uniqueness check on `trained` alone: leases that expire under load leave their rows owed, so the
+    # data order may reach into the next epoch, whose rows repeat the first's; the multiset check is exact
+    assert len(trained_rows(run)) == steps and len(trained) == steps * batch
     state = torch.load(run / "checkpoints" / f"global_step_{steps}" / "trainer_state.pt", weights_only=False)
     dispatch = state["source"]["dispatch"]
     order = BatchSampler(64, batch, seed=0)

@@ -19,15 +19,17 @@ from alignrl.algos.producer import LocalRefScorer, RolloutMaker
 from alignrl.algos.scoring import RewardStage
 from alignrl.algos.sinks import EngineCopy, Fanout, SharedModule
 from alignrl.algos.trainer import CriticParts, PolicyTrainer, needs_reference
-from alignrl.config import RunConfig
+from alignrl.config import ConfigError, RunConfig
 from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.dist.env import SINGLE, DistEnv
 from alignrl.interfaces import RefScorer, RolloutEngine, WeightSink
 from alignrl.models.loader import frozen_copy, load_model
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.registry import load_reward_fn, make_reward
+from alignrl.rollout.agent import AgentRollout
 from alignrl.rollout.hf_engine import HFRolloutEngine
 from alignrl.rollout.remote import RemoteRefScorer, RemoteReward, RemoteRolloutEngine
+from alignrl.rollout.retriever import RetrieverClient
 from alignrl.train.actor import Actor
 from alignrl.train.critic import Critic
 from alignrl.train.engines import OptimSpec, TrainEngine, build_engine
@@ -90,6 +92,19 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device) -> RewardStag
                        cost_fn=load_reward_fn(s.cost_fn) if s.cost_fn else None,
                        cost_model=ModelScorer(s.cost_model, cfg.model.dtype, log=console.print, device=device)
                        if s.cost_model else None)
+
+
+def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngine:
+    """The multi-turn search rollout over `engine` when agent.max_turns > 0, else `engine` itself."""
+    if cfg.agent.max_turns == 0:
+        return engine
+    if not cfg.actor.state_masking and not cfg.actor.recompute_old_logprobs:
+        raise ConfigError("actor.state_masking=false trains on tool observations, which have no rollout "
+                          "log-probs: set actor.recompute_old_logprobs=true (or keep actor.state_masking=true)")
+    r, d = cfg.retriever, cfg.data
+    tool = RetrieverClient(r.url, r.topk, r.timeout_s, r.retries) if cfg.agent.search else None
+    return AgentRollout(engine, tokenizer, tool, cfg.agent.max_turns, d.max_obs_length,
+                        d.max_start_length or d.max_prompt_length)
 
 
 def build_maker(cfg: RunConfig, engine: RolloutEngine, tokenizer, ref: RefScorer | None, env: DistEnv) -> RolloutMaker:
@@ -168,6 +183,7 @@ def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: Dis
         engine = RemoteRolloutEngine(cfg.services.generation_url, tokenizer, **service_args(cfg))
     else:  # colocated: generation shares the policy's weights unless the engine keeps only a shard of them
         engine = HFRolloutEngine(copy if copy is not None else actor.model, tokenizer)
+    engine = with_tools(cfg, engine, tokenizer)  # evaluation rolls out the same way as training
     if sink_for is not None:  # the evaluation copy (sharded engines) follows the samplers' weights
         sink = sink_for(actor, env) if copy is None else Fanout(EngineCopy(actor, engine, env), sink_for(actor, env))
     else:

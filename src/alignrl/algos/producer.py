@@ -93,8 +93,9 @@ class RolloutMaker:
         with timed(t, "ref"):
             ref_lp = (self.ref.logprobs(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
                       if self.ref is not None and len(ro.group) else None)
-        return ScoredBatch(ro, scores, ro.response_mask.clone(), ref_lp, index[ro.group], version,
-                           metrics={**metrics, **t})
+        # state masking: tool observations are attended (response_mask) but never trained on
+        loss_mask = ro.generated_mask if self.cfg.actor.state_masking else ro.response_mask
+        return ScoredBatch(ro, scores, loss_mask.clone(), ref_lp, index[ro.group], version, metrics={**metrics, **t})
 
     def score(self, ro: Rollout, samples: Sequence[Sample]) -> Scores:
         scores = self.rewards.score(ro, samples)
@@ -140,9 +141,20 @@ class RolloutMaker:
         return ro, scores, index, {"dapo/kept_groups": float(kept), "dapo/gen_rounds": float(rounds)}
 
 
+def agent_metrics(ro: Rollout) -> dict[str, float]:
+    """Multi-turn tool use per episode (empty for single-turn rollouts, which carry no stats)."""
+    if not ro.stats:
+        return {}
+    st = ro.stats
+    return {"agent/searches_per_episode": float(st["searches"].mean()),
+            "agent/valid_action_rate": float(st["valid_actions"].sum() / st["actions"].sum().clamp(min=1)),
+            "agent/turns": float(st["turns"].mean()),
+            "agent/generated_token_frac": float(ro.generated_mask.sum() / ro.response_mask.sum().clamp(min=1))}
+
+
 def first_draw_metrics(ro: Rollout, scores: Scores) -> dict[str, float]:
     lengths = ro.response_lengths.float()
-    return {
+    return {**agent_metrics(ro),
         "reward/mean": float(scores.rewards.mean()),
         "reward/std": float(scores.rewards.std()) if len(scores.rewards) > 1 else 0.0,
         "reward/accuracy": float(scores.correct.float().mean()),

@@ -44,7 +44,9 @@ def select_groups(ro: Rollout, keep_group_ids: Sequence[int] | torch.Tensor) -> 
     return Rollout(prompt_ids=ro.prompt_ids[rows], prompt_mask=ro.prompt_mask[rows],
                    response_ids=ro.response_ids[rows], response_mask=ro.response_mask[rows],
                    logprobs=ro.logprobs[rows], truncated=ro.truncated[rows],
-                   group=torch.searchsorted(torch.unique(kept), kept))
+                   group=torch.searchsorted(torch.unique(kept), kept),
+                   loss_mask=None if ro.loss_mask is None else ro.loss_mask[rows],
+                   stats={k: v[rows] for k, v in ro.stats.items()})
 
 
 def _pad_cols(t: torch.Tensor, width: int, value: float | int | bool, left: bool) -> torch.Tensor:
@@ -65,4 +67,7 @@ def concat_rollouts(a: Rollout, b: Rollout, pad_id: int) -> Rollout:
     return Rollout(prompt_ids=both("prompt_ids", p, pad_id, True), prompt_mask=both("prompt_mask", p, False, True),
                    response_ids=both("response_ids", r, pad_id, False),
                    response_mask=both("response_mask", r, False, False), logprobs=both("logprobs", r, 0.0, False),
-                   truncated=torch.cat([a.truncated, b.truncated]), group=torch.cat([a.group, b.group + offset]))
+                   truncated=torch.cat([a.truncated, b.truncated]), group=torch.cat([a.group, b.group + offset]),
+                   loss_mask=None if a.loss_mask is None and b.loss_mask is None else torch.cat(
+                       [_pad_cols(x.generated_mask, r, False, False) for x in (a, b)]),
+                   stats={k: torch.cat([a.stats[k], b.stats[k]]) for k in a.stats if k in b.stats})

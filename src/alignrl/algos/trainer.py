@@ -18,7 +18,7 @@ from alignrl.core.kl import AdaptiveKLController, FixedKLController, kl_penalty_
 from alignrl.core.lagrangian import LagrangeMultiplier, safe_advantages
 from alignrl.core.losses import masked_mean
 from alignrl.core.rollout_correction import truncated_is_weights
-from alignrl.data.records import Experience, ScoredBatch
+from alignrl.data.records import Experience, Rollout, ScoredBatch
 from alignrl.dist.env import SINGLE, DistEnv, all_reduce_sum, sum_over_ranks
 from alignrl.interfaces import WeightSink
 from alignrl.rewards.registry import RewardError
@@ -51,6 +51,12 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
     """Sequence rewards (B,) placed on each response's last real token -> (B, R)."""
     last = (mask.long().cumsum(-1) == mask.sum(-1, keepdim=True)) & mask.bool()
     return last.to(rewards.dtype) * rewards[:, None]
+
+
+def behaviour_logprobs(ro: Rollout, old_lp: torch.Tensor) -> torch.Tensor:
+    """The rollout's log-probs (B, R), with the trainer's own on tokens no policy sampled (tool
+    observations): those weigh 1 in rollout correction and add nothing to the mismatch KL."""
+    return ro.logprobs if ro.loss_mask is None else torch.where(ro.loss_mask, ro.logprobs, old_lp)
 
 
 def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
@@ -124,9 +130,12 @@ class PolicyTrainer:
             metrics.update(critic_metrics)
         # truncated responses keep their place in the group baseline above, but get no gradient
         loss_mask = batch.loss_mask & ~ro.truncated[:, None] if cfg.algorithm.mask_truncated else batch.loss_mask
-        is_weight, is_metrics = self.rollout_correction(old_lp, ro.logprobs, loss_mask)
+        rollout_lp = behaviour_logprobs(ro, old_lp)
+        is_weight, is_metrics = self.rollout_correction(old_lp, rollout_lp, loss_mask)
+        # the forward attends to tool observations that the loss leaves out (state masking)
+        attention = None if torch.equal(batch.loss_mask, ro.response_mask) else ro.response_mask
         exp = Experience(ro.prompt_ids, ro.prompt_mask, ro.response_ids, loss_mask, old_lp, batch.ref_logprobs, adv,
-                         is_weight)
+                         is_weight, attention)
         metrics.update(self.update(step, exp, value_targets, t))  # raises TrainingDiverged: nothing is published
         if scores.costs is not None:
             cost_sum, n_rows = all_reduce_sum(self.env, [float(scores.costs.sum()), float(len(scores.costs))])
@@ -135,7 +144,7 @@ class PolicyTrainer:
             self.version += 1
             self.sink.publish(self.version)
         # KL(rollout || trainer) per token (k1 under rollout samples): engine/trainer mismatch
-        metrics["rollout/kl_vs_trainer"] = float(masked_mean(ro.logprobs - old_lp, ro.response_mask.float()))
+        metrics["rollout/kl_vs_trainer"] = float(masked_mean(rollout_lp - old_lp, ro.generated_mask.float()))
         return {**metrics, **is_metrics, **t}
 
     def update(self, step: int, exp: Experience, value_targets: list, t: dict[str, float]) -> dict[str, float]:

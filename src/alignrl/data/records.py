@@ -21,7 +21,8 @@ class Sample:
     """One task instance as loaded from a dataset, before tokenisation."""
 
     messages: list[dict[str, str]]  # chat messages ending with the user turn
-    ground_truth: str  # reference answer, e.g. "72" for GSM8K
+    # reference answer as the dataset gives it: "72" for GSM8K, {"target": ["Paris"]} for Search-R1
+    ground_truth: str | list[Any] | dict[str, Any]
     data_source: str = "gsm8k"  # selects the reward function (verl's `data_source`)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -37,6 +38,14 @@ class Rollout:
     logprobs: torch.Tensor  # (B, R) float, log-prob of each sampled token under the sampling distribution
     truncated: torch.Tensor  # (B,) bool, hit max_new_tokens before eos/stop
     group: torch.Tensor  # (B,) long, index of the prompt each row was sampled from
+    # (B, R) bool, True on the tokens the policy generated (within response_mask); a multi-turn rollout
+    # leaves its tool observations out. None: every response token was generated (single-turn)
+    loss_mask: torch.Tensor | None = None
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row (B,) float counts (agent/...)
+
+    @property
+    def generated_mask(self) -> torch.Tensor:  # (B, R) bool, the policy's own tokens
+        return self.response_mask if self.loss_mask is None else self.loss_mask
 
     @property
     def input_ids(self) -> torch.Tensor:  # (B, P+R)
@@ -110,6 +119,13 @@ class Experience:
     ref_logprobs: torch.Tensor | None  # (B, R) frozen reference log-probs; None without a KL term
     advantages: torch.Tensor  # (B,) sequence-level or (B, R) token-level
     is_weight: torch.Tensor | None = None  # (B, R) rollout-correction weight on the token losses; None: all 1
+    # (B, R) bool, the response tokens the forward attends to when they are more than the trained ones
+    # (tool observations under state masking); None: response_mask
+    response_attention: torch.Tensor | None = None
+
+    @property
+    def attended(self) -> torch.Tensor:  # (B, R) bool, the response's attention mask
+        return self.response_mask if self.response_attention is None else self.response_attention
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -120,11 +136,13 @@ class Experience:
         return Experience(*(move(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
     def select(self, idx: torch.Tensor) -> Experience:
-        """Rows `idx`, with the padding columns that no selected row uses trimmed off."""
+        """Rows `idx`, with the padding columns that no selected row trains on trimmed off (attended-only
+        columns after the last trained one go too: a causal model's earlier outputs never see them)."""
         pm, rm = self.prompt_mask[idx], self.response_mask[idx]
         p0, r1 = padding_bounds(pm, rm)
         cut = lambda t: None if t is None else (t[idx][:, :r1] if t.dim() == 2 else t[idx])  # noqa: E731
         return Experience(prompt_ids=self.prompt_ids[idx][:, p0:], prompt_mask=pm[:, p0:],
                           response_ids=cut(self.response_ids), response_mask=cut(self.response_mask),
                           old_logprobs=cut(self.old_logprobs), ref_logprobs=cut(self.ref_logprobs),
-                          advantages=cut(self.advantages), is_weight=cut(self.is_weight))
+                          advantages=cut(self.advantages), is_weight=cut(self.is_weight),
+                          response_attention=cut(self.response_attention))

@@ -5,6 +5,9 @@ Tensors (B rows, P prompt columns left-padded, R response columns right-padded):
     prefix_token_ids (B, P) long, prefix_mask (B, P) bool      the prompt
     generated_token_ids (B, R) long, generated_mask (B, R) bool  the response (attention mask)
     loss_mask (B, R) bool                                        the tokens trained on (within generated_mask)
+    policy_mask (B, R) bool                                      the tokens the policy sampled (absent: all of
+                                                                 generated_mask; a multi-turn rollout's
+                                                                 tool observations are not)
     old_policy_log_probs (B, R) float                            the sampler's log-probs of its own tokens
     ref_policy_log_probs (B, R) float                            reference log-probs (absent without a KL term)
     reward (B,) float, correct (B,) bool, cost (B,), baseline (B,)  the reward stage (cost/baseline optional)
@@ -36,7 +39,8 @@ def to_wire(batch: ScoredBatch, tokenizer, **meta) -> tuple[dict, dict[str, torc
                "loss_mask": batch.loss_mask, "old_policy_log_probs": ro.logprobs, "reward": s.rewards,
                "correct": s.correct, "is_finished": ~ro.truncated, "group": ro.group,
                "prompt_index": batch.prompt_index, "sample_index": batch.sample_index}
-    for name, t in (("ref_policy_log_probs", batch.ref_logprobs), ("cost", s.costs), ("baseline", s.baseline)):
+    for name, t in (("ref_policy_log_probs", batch.ref_logprobs), ("cost", s.costs), ("baseline", s.baseline),
+                    ("policy_mask", ro.loss_mask)):
         if t is not None:
             tensors[name] = t
     pad = tokenizer.pad_token_id
@@ -58,7 +62,8 @@ def from_wire(msg: Message) -> ScoredBatch:
     b = int(t["reward"].shape[0]) if t["reward"].dim() == 1 else -1
     p, r = (t["prefix_token_ids"].shape[-1], t["generated_token_ids"].shape[-1])
     want = {"prefix_token_ids": (b, p), "prefix_mask": (b, p), "generated_token_ids": (b, r), "generated_mask": (b, r),
-            "loss_mask": (b, r), "old_policy_log_probs": (b, r), "ref_policy_log_probs": (b, r), "correct": (b,),
+            "loss_mask": (b, r), "policy_mask": (b, r), "old_policy_log_probs": (b, r),
+            "ref_policy_log_probs": (b, r), "correct": (b,),
             "is_finished": (b,), "group": (b,), "prompt_index": (b,), "cost": (b,), "baseline": (b,)}
     for name, shape in want.items():
         if name in t and tuple(t[name].shape) != shape:
@@ -70,7 +75,7 @@ def from_wire(msg: Message) -> ScoredBatch:
     opt = lambda k, dtype=torch.float32: c[k].to(dtype) if k in c else None  # noqa: E731
     ro = Rollout(c["prefix_token_ids"].long(), c["prefix_mask"].bool(), c["generated_token_ids"].long(),
                  c["generated_mask"].bool(), c["old_policy_log_probs"].float(), ~c["is_finished"].bool(),
-                 c["group"].long())
+                 c["group"].long(), loss_mask=c["policy_mask"].bool() if "policy_mask" in c else None)
     scores = Scores(c["reward"].float(), c["correct"].bool(), opt("cost"), opt("baseline"))
     metrics = msg.meta.get("metrics") or {}
     return ScoredBatch(ro, scores, c["loss_mask"].bool(), opt("ref_policy_log_probs"), c["prompt_index"].long(),

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from alignrl.algos.placement import build_maker, build_ref
+from alignrl.algos.placement import build_maker, build_ref, with_tools
 from alignrl.algos.runner import PromptData, load_task_data
 from alignrl.config import ConfigError, RunConfig, load_config
 from alignrl.dist.coordinator import PipelineError
@@ -93,7 +93,7 @@ class Sampler:
         cfg = self.hello()
         train, _ = load_task_data(cfg)
         rows = PromptData(self.tokenizer, train, cfg.data.max_prompt_length)
-        engine = HFRolloutEngine(self.model, self.tokenizer)
+        engine = with_tools(cfg, HFRolloutEngine(self.model, self.tokenizer), self.tokenizer)
         ref = build_ref(cfg, self.model, cfg.model.path, self.device)  # a frozen copy of the base weights
         maker = build_maker(cfg, engine, self.tokenizer, ref, SINGLE)
         push = Pusher(address(self.args.host, self.args.data_port), hwm=cfg.pipeline.hwm, token=self.token)

@@ -68,7 +68,7 @@ class Actor:
         def micro_loss(rows, micro: Experience, tokens: float, seqs: float):
             # forward through the engine's module: DDP / DeepSpeed hook gradient reduction there
             logp, ent = response_logprobs(self.engine.module, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
-                                          micro.response_mask, spec.temperature, with_entropy=True,
+                                          micro.attended, spec.temperature, with_entropy=True,
                                           entropy_grad=spec.entropy_coeff > 0)
             return policy_loss(logp, ent, micro, spec, tokens, seqs)
 

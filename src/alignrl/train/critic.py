@@ -30,7 +30,7 @@ class Critic:
         def micro_loss(rows, micro: Experience, tokens: float, seqs: float):
             r1 = micro.response_ids.shape[1]
             v = response_values(self.engine.module, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
-                                micro.response_mask)
+                                micro.attended)  # observations are attended; the loss mask leaves them out
             loss, m = value_loss(v, old_values[rows, :r1].to(v.device), returns[rows, :r1].to(v.device),
                                  micro.response_mask.float(),
                                  self.cliprange_value, tokens)

@@ -1,0 +1,205 @@
+"""Multi-turn tool use (Search-R1): a RolloutEngine that runs any other RolloutEngine turn by turn and
+lets the policy call a search tool between turns.
+
+Each turn makes one batched `generate` call over the rows still running; a turn stops at `</search>`,
+`</answer>`, eos or rollout.max_new_tokens. The turn's action is parsed as Search-R1 does (the first
+`<(search|answer)>...</\\1>` of the turn's text, cut after the first `</search>`, else `</answer>`):
+
+- answer: the row is done;
+- search: the query goes to the tool with every other query of the turn (one call), and the passages
+  come back as `\\n\\n<information>...</information>\\n\\n`, cut to `max_obs_length` tokens;
+- no action: Search-R1's corrective observation, and the row tries again;
+- eos without an action: the row is done (the policy ended its episode).
+
+After `max_turns` tool turns a last turn runs without search. The ids each turn generated are kept
+exactly, and the observation ids are appended after them: the trainer sees the ids the engine
+produced, never a re-tokenised text. The returned Rollout's `loss_mask` is True on generated tokens
+only; its `response_mask` covers observations too, since later turns attend to them. Its log-probs
+are the engine's on generated tokens and 0 on observations (no policy sampled them).
+
+The response is bounded by `max_new_tokens` per turn and by `max_response_length` overall (generated
+and observation tokens; default: the most the turns can produce, so only the per-turn limit cuts).
+Deliberately left out: tools other than search, parallel tool calls within a turn, chat-templated
+tool messages (observations are plain text in the assistant's turn, as in Search-R1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from alignrl.data.collate import left_pad, right_pad
+from alignrl.data.records import Rollout
+from alignrl.interfaces import RolloutEngine, SamplingParams
+from alignrl.utils.tracking import console
+
+ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+ACTION_STOPS = ("</search>", "</answer>")
+INVALID_ACTION = ("\nMy previous action is invalid. If I want to search, I should put the query between <search> "
+                  "and </search>. If I want to give the final answer, I should put the answer between <answer> "
+                  "and </answer>. Let me try again.\n")
+INFO_OPEN, INFO_CLOSE = "\n\n<information>", "</information>\n\n"
+STAT_NAMES = ("searches", "valid_actions", "actions", "turns", "obs_truncated")
+
+
+class SearchTool(Protocol):
+    """One observation text per query, in one call (`rollout.retriever.RetrieverClient`)."""
+
+    def search(self, queries: list[str]) -> list[str]: ...
+
+
+def parse_action(text: str) -> tuple[str | None, str]:
+    """(action, content) of one turn's text as Search-R1 reads it; (None, "") when there is none."""
+    for end in ACTION_STOPS:  # Search-R1 cuts after the first </search>, else after the first </answer>
+        if end in text:
+            text = text.split(end, 1)[0] + end
+            break
+    m = ACTION.search(text)
+    return (m.group(1), m.group(2).strip()) if m else (None, "")
+
+
+@dataclass
+class _Row:
+    """One sequence while it is being rolled out."""
+
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)  # the response so far: generated and observation ids
+    logprobs: list[float] = field(default_factory=list)
+    generated: list[bool] = field(default_factory=list)
+    done: bool = False
+    truncated: bool = False
+    stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STAT_NAMES, 0))
+
+    def append(self, ids: list[int], logprobs: list[float], generated: bool) -> None:
+        self.ids += ids
+        self.logprobs += logprobs
+        self.generated += [generated] * len(ids)
+
+
+class AgentRollout:
+    """RolloutEngine over an inner RolloutEngine (embedded, HTTP server, vLLM) and a search tool."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer, tool: SearchTool | None, max_turns: int,
+                 max_obs_length: int, max_start_length: int = 0, max_response_length: int | None = None):
+        """`tool` None: a search gets an empty observation (Search-R1 without do_search).
+        `max_start_length` > 0 keeps that many prompt tokens (from the right). `max_response_length`
+        None: the most the turns can produce, so only the per-turn limit (params.max_new_tokens) cuts."""
+        self.engine, self.tokenizer, self.tool = engine, tokenizer, tool
+        self.max_turns, self.max_obs_length = int(max_turns), int(max_obs_length)
+        self.max_start_length, self.max_response_length = int(max_start_length), max_response_length
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._warned = False
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False, verbose=False))  # passages may be long
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.load_weights(named_tensors)
+
+    def response_cap(self, params: SamplingParams) -> int:
+        if self.max_response_length is not None:
+            return int(self.max_response_length)
+        return (self.max_turns + 1) * params.max_new_tokens + self.max_turns * self.max_obs_length
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
+        """`params.n` multi-turn samples per prompt, contiguous; per-row stats in `Rollout.stats`."""
+        start = self.max_start_length
+        rows = [_Row(list(p)[-start:] if start > 0 else list(p)) for p in prompts for _ in range(params.n)]
+        cap = self.response_cap(params)
+        stops = tuple(dict.fromkeys((*params.stop, *ACTION_STOPS)))
+        for turn in range(self.max_turns + 1):
+            active = [r for r in rows if not r.done]
+            if not active:
+                break
+            seed = None if params.seed is None else (params.seed + turn * 1_000_003) % 2**63  # own draws per turn
+            room = max(cap - len(r.ids) for r in active)
+            turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(params.max_new_tokens, room),
+                                              stop=stops, seed=seed)
+            ro = self.engine.generate([r.prompt + r.ids for r in active], turn_params)
+            queries = self._take_turn(active, ro, cap, last=turn == self.max_turns)
+            self._observe(queries, cap)
+        return self._rollout(rows, len(prompts), params.n)
+
+    def _take_turn(self, active: list[_Row], ro: Rollout, cap: int, last: bool) -> list[tuple[_Row, str | None]]:
+        """Appends each row's generated ids and decides what follows. Returns (row, observation source)
+        pairs: a search query (str) or None for the corrective observation."""
+        follow: list[tuple[_Row, str | None]] = []
+        for j, row in enumerate(active):
+            keep = ro.response_mask[j]
+            ids, lps = ro.response_ids[j][keep].tolist(), ro.logprobs[j][keep].tolist()
+            room = cap - len(row.ids)
+            cut = len(ids) > room
+            row.append(ids[:room], lps[:room], generated=True)
+            row.stats["turns"] += 1
+            row.stats["actions"] += 1
+            text = self.tokenizer.decode(ids[:room], skip_special_tokens=True)
+            action, content = parse_action(text)
+            row.stats["valid_actions"] += action is not None
+            stopped = any(s in self.tokenizer.decode(ids[:room]) for s in ACTION_STOPS)
+            if cut:
+                row.done, row.truncated = True, True
+            elif action == "answer" or last:
+                row.done, row.truncated = True, bool(ro.truncated[j])
+            elif len(row.ids) >= cap:
+                row.done, row.truncated = True, True
+            elif action is None and not bool(ro.truncated[j]) and not stopped:
+                row.done = True  # ended with eos (or a user stop string) without an action
+            else:
+                follow.append((row, content if action == "search" else None))
+        return follow
+
+    def _observe(self, follow: list[tuple[_Row, str | None]], cap: int) -> None:
+        """Runs the turn's searches in one tool call and appends every observation."""
+        searching = [(row, q) for row, q in follow if q is not None]
+        found: list[str] = []
+        if searching and self.tool is not None:
+            found = self.tool.search([q for _, q in searching])
+            if len(found) != len(searching):
+                raise ValueError(f"search tool returned {len(found)} observations for {len(searching)} queries")
+            for row, _ in searching:
+                row.stats["searches"] += 1
+        results = iter(found)
+        for row, query in follow:
+            if query is None:
+                obs = self._encode(INVALID_ACTION)[: self.max_obs_length]
+            else:
+                obs = self.information_ids(next(results, "").strip(), row)
+            if len(row.ids) + len(obs) >= cap:  # no room left to act on it: the row ends here
+                row.done, row.truncated = True, True
+                continue
+            row.append(obs, [0.0] * len(obs), generated=False)
+
+    def information_ids(self, passages: str, row: _Row) -> list[int]:
+        """`<information>passages</information>` as ids, at most max_obs_length of them; a longer one keeps
+        its opening and closing tags and loses the end of the passages."""
+        ids = self._encode(f"{INFO_OPEN}{passages}{INFO_CLOSE}")
+        if len(ids) <= self.max_obs_length:
+            return ids
+        row.stats["obs_truncated"] += 1
+        if not self._warned:
+            self._warned = True
+            console.print(f"[yellow]a search observation of {len(ids)} tokens was cut to data.max_obs_length="
+                          f"{self.max_obs_length}; raise it (or lower retriever.topk) to keep whole passages[/yellow]",
+                          soft_wrap=True)
+        head, tail = self._encode(INFO_OPEN), self._encode(INFO_CLOSE)
+        body = self._encode(passages)[: max(0, self.max_obs_length - len(head) - len(tail))]
+        return (head + body + tail)[: self.max_obs_length]
+
+    def _rollout(self, rows: list[_Row], n_prompts: int, n: int) -> Rollout:
+        prompt_ids, prompt_mask = left_pad([r.prompt for r in rows], self.pad_id)
+        response_ids, response_mask = right_pad([r.ids for r in rows], self.pad_id)
+        loss_mask = torch.zeros_like(response_mask)
+        logprobs = torch.zeros(response_ids.shape)
+        for i, r in enumerate(rows):
+            loss_mask[i, : len(r.ids)] = torch.tensor(r.generated, dtype=torch.bool)
+            logprobs[i, : len(r.ids)] = torch.tensor(r.logprobs, dtype=torch.float32)
+        stats = {k: torch.tensor([float(r.stats[k]) for r in rows]) for k in STAT_NAMES}
+        return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                       response_mask=response_mask, logprobs=logprobs,
+                       truncated=torch.tensor([r.truncated for r in rows], dtype=torch.bool),
+                       group=torch.arange(n_prompts).repeat_interleave(n), loss_mask=loss_mask, stats=stats)

@@ -1,0 +1,272 @@
+"""Multi-turn search rollouts: Search-R1's action parsing, ids kept exactly as generated turn by turn
+(scripted engine, embedded engine, generation server), observation handling and bad retriever input."""
+
+import http.server
+import json
+import threading
+
+import pytest
+import torch
+
+from alignrl.data.collate import left_pad, right_pad
+from alignrl.data.records import Rollout
+from alignrl.interfaces import SamplingParams
+from alignrl.models.logprobs import response_logprobs
+from alignrl.rollout.agent import INFO_CLOSE, INFO_OPEN, INVALID_ACTION, AgentRollout, parse_action
+from alignrl.rollout.hf_engine import HFRolloutEngine
+from alignrl.rollout.remote import RemoteRolloutEngine, ServiceError
+from alignrl.rollout.retriever import RetrieverClient, passages_text
+from alignrl.serve.common import ServiceProcess
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_parse_action_reads_turns_as_search_r1():
+    assert parse_action("<think>x</think><search> capital of France </search>") == ("search", "capital of France")
+    assert parse_action("so <answer>Paris</answer> done") == ("answer", "Paris")
+    assert parse_action("<search>a</search> then <answer>b</answer>") == ("search", "a")
+    assert parse_action("<answer>b</answer><search>a</search>") == ("answer", "b")  # the first tag pair wins
+    assert parse_action("<search>open only") == (None, "")
+    assert parse_action("<search>a</answer>") == (None, "")
+    assert parse_action("<answer>multi\nline</answer>") == ("answer", "multi\nline")
+
+
+def test_passages_are_formatted_as_search_r1():
+    hits = [{"document": {"id": "1", "contents": '"Paris"\nCapital of France.'}, "score": 3.0},
+            {"contents": '"Lyon"\nA city.\nSecond line.'}]
+    assert passages_text(hits) == ('Doc 1(Title: "Paris") Capital of France.\n'
+                                   'Doc 2(Title: "Lyon") A city.\nSecond line.\n')
+
+
+class ScriptedEngine:
+    """Answers each row by the text scripted for its prompt and turn (the turn is read off the number of
+    calls that row has seen); records every call's contexts and the ids it returned."""
+
+    def __init__(self, tokenizer, script: dict[int, list[list[int]]], truncate_turns=()):
+        self.tok, self.script, self.truncate_turns = tokenizer, script, set(truncate_turns)
+        self.calls: list[tuple[list[list[int]], list[list[int]]]] = []
+        self.seen: dict[int, int] = {}
+
+    def generate(self, prompts, params: SamplingParams) -> Rollout:
+        assert params.n == 1 and "</search>" in params.stop and "</answer>" in params.stop
+        outs, trunc = [], []
+        for p in prompts:
+            key = p[0]  # each test prompt starts with its own id
+            turn = self.seen.get(key, 0)
+            self.seen[key] = turn + 1
+            outs.append(self.script[key][turn][: params.max_new_tokens])
+            trunc.append((key, turn) in self.truncate_turns)
+        self.calls.append(([list(p) for p in prompts], outs))
+        pid, pm = left_pad(prompts, 0)
+        rid, rm = right_pad(outs, 0)
+        lp = -(torch.arange(rid.numel(), dtype=torch.float32).view(rid.shape) + 1) / 100 * rm
+        return Rollout(pid, pm, rid, rm, lp, torch.tensor(trunc), torch.arange(len(prompts)))
+
+    def load_weights(self, named_tensors):
+        pass
+
+
+class RecordingTool:
+    def __init__(self, answers=None):
+        self.calls: list[list[str]] = []
+        self.answers = answers or {}
+
+    def search(self, queries):
+        self.calls.append(list(queries))
+        return [self.answers.get(q, f'Doc 1(Title: "{q}") about {q}\n') for q in queries]
+
+
+def _enc(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _check_ids_as_generated(rollout: Rollout, calls, n_rows: int):
+    """Every row's response is its turns' generated ids, each followed by whatever was appended, the
+    loss mask marks exactly the generated ones, and each turn's context is prompt + response so far."""
+    for i in range(n_rows):
+        resp = rollout.response_ids[i][rollout.response_mask[i]].tolist()
+        gen = rollout.loss_mask[i][rollout.response_mask[i]].tolist()
+        prompt = rollout.prompt_ids[i][rollout.prompt_mask[i]].tolist()
+        pos = 0
+        for contexts, outs in calls:
+            mine = [outs[k] for k, c in enumerate(contexts) if c == prompt + resp[:pos]]
+            if not mine:
+                continue
+            # rows of one prompt can share a context; one of them generated this row's next ids
+            out = next(o for o in mine if resp[pos:pos + len(o)] == o)
+            assert all(gen[pos:pos + len(out)])
+            pos += len(out)
+            while pos < len(resp) and not gen[pos]:  # the observation after this turn
+                pos += 1
+        assert pos == len(resp)
+
+
+def test_scripted_turns_keep_ids_observations_and_stats(tiny_model):
+    _, tok = tiny_model
+    pad = tok.pad_token_id
+    a, b, c = 5, 6, 7  # first prompt ids tell the scripted engine which row it is answering
+    script = {
+        a: [_enc(tok, "<search> alpha </search>"), _enc(tok, "ok") + [pad] + _enc(tok, " <answer> x </answer>")],
+        b: [_enc(tok, "no action here"), _enc(tok, "<search> beta </search>"), _enc(tok, "<search> late </search>")],
+        c: [_enc(tok, "<answer> y </answer>")],
+    }
+    engine, tool = ScriptedEngine(tok, script, truncate_turns={(b, 0)}), RecordingTool()
+    agent = AgentRollout(engine, tok, tool, max_turns=2, max_obs_length=200)
+    ro = agent.generate([[a, 11, 12], [b, 13], [c]], SamplingParams(n=1, max_new_tokens=40, seed=3))
+    assert tool.calls == [["alpha"], ["beta"]]  # one batched call per turn; the last turn never searches
+    _check_ids_as_generated(ro, engine.calls, 3)
+    obs_alpha = _enc(tok, f'{INFO_OPEN}Doc 1(Title: "alpha") about alpha{INFO_CLOSE}')
+    row_a = ro.response_ids[0][ro.response_mask[0]].tolist()
+    assert row_a == script[a][0] + obs_alpha + script[a][1]
+    # a generated token equal to the pad id is still a trained token
+    pad_at = len(script[a][0]) + len(obs_alpha) + len(_enc(tok, "ok"))
+    assert row_a[pad_at] == pad and bool(ro.loss_mask[0, pad_at]) and bool(ro.response_mask[0, pad_at])
+    row_b = ro.response_ids[1][ro.response_mask[1]].tolist()
+    assert row_b[len(script[b][0]):len(script[b][0]) + len(_enc(tok, INVALID_ACTION))] == _enc(tok, INVALID_ACTION)
+    # log-probs: the engine's on generated tokens, 0 on observations
+    assert bool((ro.logprobs[~ro.loss_mask] == 0).all()) and bool((ro.logprobs[ro.loss_mask] < 0).all())
+    st = {k: v.tolist() for k, v in ro.stats.items()}
+    assert st["searches"] == [1, 1, 0] and st["turns"] == [2, 3, 1] and st["actions"] == [2, 3, 1]
+    assert st["valid_actions"] == [2, 2, 1] and not ro.truncated.any()
+    assert ro.group.tolist() == [0, 1, 2]
+
+
+def test_eos_ends_a_row_and_truncation_and_caps(tiny_model):
+    _, tok = tiny_model
+    eos = tok.eos_token_id
+    script = {5: [_enc(tok, "thinking") + [eos]], 6: [_enc(tok, "<search> q </search>"), _enc(tok, "aaaa bbbb")]}
+    engine = ScriptedEngine(tok, script, truncate_turns={(6, 1)})
+    agent = AgentRollout(engine, tok, RecordingTool(), max_turns=1, max_obs_length=200, max_start_length=1)
+    ro = agent.generate([[1, 2, 5], [3, 6]], SamplingParams(n=1, max_new_tokens=40))
+    assert ro.stats["turns"].tolist() == [1, 2] and ro.truncated.tolist() == [False, True]
+    assert ro.prompt_ids[ro.prompt_mask].tolist() == [5, 6]  # max_start_length keeps the prompt's end
+    # an overall cap: no room left after the observation ends the row there, truncated
+    engine = ScriptedEngine(tok, script)
+    agent = AgentRollout(engine, tok, RecordingTool(), max_turns=1, max_obs_length=200,
+                         max_response_length=len(script[6][0]) + 3)
+    ro = agent.generate([[6, 3]], SamplingParams(n=1, max_new_tokens=40))
+    assert ro.response_mask.sum() == len(script[6][0]) and ro.truncated.tolist() == [True]
+
+
+def test_long_observation_is_cut_keeping_its_tags(tiny_model, capsys):
+    _, tok = tiny_model
+    script = {5: [_enc(tok, "<search> q </search>"), _enc(tok, "<answer> a </answer>")]}
+    tool = RecordingTool({"q": "word " * 300})
+    agent = AgentRollout(ScriptedEngine(tok, script), tok, tool, max_turns=1, max_obs_length=30)
+    ro = agent.generate([[5]], SamplingParams(n=1, max_new_tokens=40))
+    obs = ro.response_ids[0][ro.response_mask[0] & ~ro.loss_mask[0]].tolist()
+    assert len(obs) == 30 and obs[-len(_enc(tok, INFO_CLOSE)):] == _enc(tok, INFO_CLOSE)
+    assert obs[: len(_enc(tok, INFO_OPEN))] == _enc(tok, INFO_OPEN) and ro.stats["obs_truncated"].tolist() == [1]
+    out = capsys.readouterr().out
+    assert out.count("data.max_obs_length=30") == 1 and len(out.strip().splitlines()) == 1
+
+
+def _hf_agent(model, tok, tool):
+    return AgentRollout(HFRolloutEngine(model, tok), tok, tool, max_turns=2, max_obs_length=40)
+
+
+class Recorder:
+    """A RolloutEngine proxy that records each call's contexts and generated ids."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def generate(self, prompts, params):
+        ro = self.inner.generate(prompts, params)
+        outs = [ro.response_ids[i][ro.response_mask[i]].tolist() for i in range(len(ro.group))]
+        self.calls.append(([list(p) for p in prompts], outs, ro))
+        return ro
+
+    def load_weights(self, named_tensors):
+        self.inner.load_weights(named_tensors)
+
+
+def test_embedded_engine_ids_and_logprobs_line_up_with_the_trainer(tiny_model):
+    model, tok = tiny_model
+    prompts = [_enc(tok, "What is 3 + 4?"), _enc(tok, "Name a city.")]
+    rec = Recorder(HFRolloutEngine(model, tok))
+    agent = AgentRollout(rec, tok, RecordingTool(), max_turns=2, max_obs_length=40)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=11)
+    ro = agent.generate(prompts, params)
+    assert len(rec.calls) >= 2 and ro.group.tolist() == [0, 0, 1, 1]
+    _check_ids_as_generated(ro, [(c, o) for c, o, _ in rec.calls], 4)
+    assert (~ro.loss_mask & ro.response_mask).any()  # observations were appended
+    # the trainer's forward over the final sequences gives the engine's log-probs on generated tokens
+    lp, _ = response_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, 1.0)
+    torch.testing.assert_close(lp[ro.loss_mask], ro.logprobs[ro.loss_mask], atol=2e-4, rtol=0)
+    again = AgentRollout(HFRolloutEngine(model, tok), tok, RecordingTool(), 2, 40).generate(prompts, params)
+    assert torch.equal(again.response_ids, ro.response_ids) and torch.equal(again.loss_mask, ro.loss_mask)
+
+
+def test_generation_server_gives_the_embedded_ids(tiny_model, tiny_model_dir):
+    model, tok = tiny_model
+    prompts = [_enc(tok, "What is 3 + 4?"), _enc(tok, "Name a city."), _enc(tok, "Hello")]
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
+    local = _hf_agent(model, tok, RecordingTool()).generate(prompts, params)
+    with ServiceProcess(["generate", "--model", str(tiny_model_dir)]) as gen:
+        remote = AgentRollout(RemoteRolloutEngine(gen.url, tok), tok, RecordingTool(), 2, 40).generate(prompts, params)
+    for name in ("prompt_ids", "response_ids", "response_mask", "loss_mask", "truncated"):
+        assert torch.equal(getattr(local, name), getattr(remote, name)), name
+    torch.testing.assert_close(remote.logprobs, local.logprobs, atol=2e-4, rtol=0)
+
+
+class _Fixed(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fixed_server():
+    servers = []
+
+    def start(body: bytes) -> str:
+        handler = type("H", (_Fixed,), {"body": body})
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}/retrieve"
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("body", [b"<html>not json</html>", b'{"result": 5}', b'{"result": [[{"doc": 1}]]}',
+                                  b'{"result": [[], []]}'])
+def test_malformed_retriever_answers_are_one_line(fixed_server, body):
+    url = fixed_server(body)
+    with pytest.raises(ServiceError) as e:
+        RetrieverClient(url, retries=1, timeout_s=5).search(["one query"])
+    msg = str(e.value)
+    assert url.rsplit("/", 1)[0] in msg and "\n" not in msg
+
+
+def test_retriever_down_is_one_line_naming_the_url():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/retrieve"
+    with pytest.raises(ServiceError) as e:
+        RetrieverClient(url, retries=2, timeout_s=2).search(["q"])
+    msg = str(e.value)
+    assert f"127.0.0.1:{port}" in msg and "alignrl serve retrieve" in msg and "\n" not in msg
+    with pytest.raises(ServiceError):
+        RetrieverClient("127.0.0.1:8000/retrieve")
+
+
+def test_long_query_is_cut_and_still_answered(fixed_server):
+    url = fixed_server(json.dumps({"result": [[{"document": {"contents": '"T"\nbody'}, "score": 1.0}]]}).encode())
+    client = RetrieverClient(url, retries=1, max_query_chars=50)
+    assert client.search(["x" * 500]) == ['Doc 1(Title: "T") body\n'] and client.cut_queries == 1
