@@ -250,3 +250,53 @@ def test_unknown_format_name(tmp_path: Path) -> None:
     with pytest.raises(DataError) as excinfo:
         load_samples(str(tmp_path / "x.jsonl"), "alpaca")
     assert _error(excinfo) == "unknown data format 'alpaca' (use 'auto', 'gsm8k' or 'verl')"
+
+
+SEARCH_R1_ROW = {  # Search-R1's nq_search.py layout
+    "data_source": "nq",
+    "prompt": [{"role": "user", "content": "Answer the given question. Question: capital of France?"}],
+    "ability": "fact-reasoning",
+    "reward_model": {"style": "rule", "ground_truth": {"target": ["Paris", "Paris, France"]}},
+    "extra_info": {"split": "train", "index": 0},
+}
+
+
+@pytest.mark.parametrize("writer", ["parquet", "jsonl"])
+def test_structured_ground_truth_reaches_reward_as_structure(tmp_path: Path, writer: str) -> None:
+    from alignrl.rewards.registry import default_compute_score
+
+    rows = [SEARCH_R1_ROW]
+    if writer == "jsonl":
+        path = tmp_path / "nq.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        path = tmp_path / "nq.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    sample = load_samples(str(path))[0]
+    assert sample.ground_truth == {"target": ["Paris", "Paris, France"]}
+    assert type(sample.ground_truth["target"]) is list
+    assert default_compute_score("nq", "<answer> paris, france </answer>", sample.ground_truth) == 1.0
+    assert default_compute_score("nq", "<answer>Lyon</answer>", sample.ground_truth) == 0.0
+
+
+def test_list_ground_truth_and_pandas_numpy_rows(tmp_path: Path) -> None:
+    import numpy as np
+
+    from alignrl.data.loaders import plain_ground_truth
+
+    # numpy arrays, as parquet read through pandas/datasets gives for list cells
+    assert plain_ground_truth(np.array(["a", "b"])) == ["a", "b"]
+    assert plain_ground_truth({"target": np.array(["a"]), "extra": None}) == {"target": ["a"], "extra": None}
+    assert plain_ground_truth(np.int64(72)) == "72"  # scalars stay text, as GSM8K/MATH rewards compare
+    assert plain_ground_truth(72) == "72"
+    path = tmp_path / "list.jsonl"
+    path.write_text(json.dumps({**SEARCH_R1_ROW, "reward_model": {"ground_truth": ["x", "y"]}}) + "\n")
+    assert load_samples(str(path))[0].ground_truth == ["x", "y"]
+
+
+def test_structured_ground_truth_survives_write_verl_parquet(tmp_path: Path) -> None:
+    path = tmp_path / "out.parquet"
+    sample = Sample(messages=[{"role": "user", "content": "q"}], ground_truth={"target": ["a", "b"]},
+                    data_source="nq")
+    write_verl_parquet([sample], path)
+    assert load_samples(str(path))[0] == sample

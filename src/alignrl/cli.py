@@ -39,6 +39,8 @@ ALGORITHMS = {"grpo": "GRPO / Dr.GRPO: group-relative policy optimisation",
 PASSTHROUGH = {
     ("train", "rm"): ("alignrl.algos.rm", "train a reward or cost model (Bradley-Terry, Safe RLHF cost)"),
     ("train", "dpo"): ("alignrl.algos.dpo", "DPO, IPO, conservative DPO, hinge, safety-aware DPO"),
+    ("train", "ppo-ray"): ("alignrl.cluster.train_ppo_ray", "PPO/GRPO on a Ray cluster with OpenRLHF's flags"),
+    ("demo", "search"): ("alignrl.demos.search", "PPO teaches a tiny model to search (Search-R1 recipe, CPU)"),
     ("serve", "generate"): ("alignrl.serve.generate", "OpenAI-compatible generation server with weight sync"),
     ("serve", "ref"): ("alignrl.serve.ref", "reference-model log-prob server"),
     ("serve", "reward"): ("alignrl.serve.reward", "reward-model scoring server"),
@@ -98,12 +100,15 @@ def _parser() -> argparse.ArgumentParser:
 def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
     """What can fail about a run without loading a model, checked before anything expensive: the batch
     split over `world` ranks and the data files (and, before a launch, the reward function's import)."""
-    from alignrl.data.loaders import check_data_file
+    from alignrl.data.loaders import check_data_file, check_sources, data_files
+    from alignrl.rewards.registry import REWARDS
 
     check_world_size(cfg, world)
     for key in ("train_files", "val_files"):
-        if getattr(cfg.data, key) != "synthetic":
-            check_data_file(getattr(cfg.data, key), f"data.{key}")
+        for path in data_files(getattr(cfg.data, key)):
+            check_data_file(path, f"data.{key}")
+            if cfg.algorithm.reward_fn is None:  # a user's reward function decides what it scores
+                check_sources(path, REWARDS, f"data.{key}")
     if reward_fn:
         from alignrl.rewards.registry import load_reward_fn
 
@@ -151,8 +156,9 @@ def _run(args: argparse.Namespace) -> int:
     if summary is None:  # ranks other than 0 under torchrun
         return 0
     print(f"base_accuracy={summary['base_accuracy']:.3f} final_accuracy={summary['final_accuracy']:.3f} "
-          f"gain={summary['gain_points']:+.1f} points steps={summary['steps']} "
-          f"wall_seconds={summary['wall_seconds']:.0f}")
+          f"gain={summary['gain_points']:+.1f} points (last-number: {summary['base_accuracy_flexible']:.3f} -> "
+          f"{summary['final_accuracy_flexible']:.3f}, {summary['gain_points_flexible']:+.1f} points) "
+          f"steps={summary['steps']} wall_seconds={summary['wall_seconds']:.0f}")
     return 0
 
 
@@ -172,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         args = _parse(argv)
+        if not nproc and args.command == "train" and "LOCAL_RANK" not in os.environ \
+                and not os.environ.get("RAY_ADDRESS"):  # verl's trainer.nnodes × n_gpus_per_node; Ray places its own
+            from alignrl.config.verl_keys import requested_world_size
+
+            nproc = requested_world_size(_config(args))
         if nproc and nproc > 1 and "LOCAL_RANK" not in os.environ:
             if args.command in ("train", "demo"):  # a bad config fails here, once, not on every rank
                 preflight(_config(args), nproc, reward_fn=True)

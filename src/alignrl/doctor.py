@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from alignrl.config import RunConfig, load_config
+from alignrl.config.checks import data_files
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 HOSTFILE_LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.:-]+)\s+slots=(?P<slots>\d+)$")
@@ -161,8 +162,8 @@ def run_checks(cfg: RunConfig, timeout: float) -> list[Check]:
                        ("reward model", cfg.algorithm.reward_model)):
         if path:
             out.append(check_model(name, path))
-    for name, path in (("train data", cfg.data.train_files), ("held-out data", cfg.data.val_files)):
-        if path != "synthetic":
+    for name, files in (("train data", cfg.data.train_files), ("held-out data", cfg.data.val_files)):
+        for path in data_files(files):
             out.append(Check(name, path, Path(path).is_file(), "exists" if Path(path).is_file() else "file not found"))
     if cfg.trainer.hostfile:
         out.append(check_hostfile(cfg.trainer.hostfile))

@@ -11,6 +11,14 @@ from typing import Any
 from alignrl.config.schema import ConfigError, RunConfig
 
 
+def data_files(value: str | list[str]) -> list[str]:
+    """The files a `data.train_files`/`data.val_files` value names: none for 'synthetic', one for a
+    path, each of a list (verl's `[a.parquet,b.parquet]`)."""
+    if isinstance(value, str):
+        return [] if value == "synthetic" else [value]
+    return [str(v) for v in value]
+
+
 def check_ranges(obj: Any, prefix: str = "") -> None:
     for f in dataclasses.fields(obj):
         key, value = f"{prefix}{f.name}", getattr(obj, f.name)
@@ -58,9 +66,16 @@ def check_combinations(cfg: RunConfig) -> None:
     if alg.rollout_is != "none" and not cfg.actor.recompute_old_logprobs:
         raise ConfigError(f"algorithm.rollout_is={alg.rollout_is} needs actor.recompute_old_logprobs=true: "
                           "without it the trainer's old log-probs are the rollout's and every weight is 1")
-    unknown = set(cfg.trainer.logger) - {"console", "jsonl", "tensorboard"}
+    unknown = set(cfg.trainer.logger) - {"console", "jsonl", "tensorboard", "wandb"}
     if unknown:
-        raise ConfigError(f"trainer.logger has unknown sink(s) {sorted(unknown)}; allowed: console, jsonl, tensorboard")
+        raise ConfigError(f"trainer.logger has unknown sink(s) {sorted(unknown)}; allowed: console, jsonl, "
+                          "tensorboard, wandb")
+    for key in ("train_files", "val_files"):
+        files = getattr(cfg.data, key)
+        if not (isinstance(files, str) or (isinstance(files, list) and files
+                                           and all(isinstance(f, str) for f in files))):
+            raise ConfigError(f"data.{key}={files!r} must be a file path or a list of them "
+                              "(e.g. data.train_files=[a.parquet,b.parquet])")
     if 0 < cfg.actor.clip_ratio_c <= 1:
         raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip), or 0 to disable")
     if cfg.actor.clip_ratio_c and cfg.actor.policy_loss != "ppo_clip":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -13,6 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 from alignrl.config.checks import check_combinations, check_ranges
 from alignrl.config.layout import LayoutError, check_sections, read_config_file
 from alignrl.config.schema import ConfigError, RunConfig
+from alignrl.config.verl_keys import list_not_used, resolve_counts, translate, verl_defaults
 
 
 def _one_line(e: OmegaConfBaseException, fallback_key: str = "?") -> str:
@@ -30,29 +32,48 @@ def _one_line(e: OmegaConfBaseException, fallback_key: str = "?") -> str:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """YAML file (optional) + dotted overrides merged onto the defaults, then validated."""
+    """YAML file (optional) + dotted overrides merged onto the defaults, then validated. Overrides may
+    use verl/Search-R1 spellings (`alignrl.config.verl_keys`)."""
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} must look like key.sub=value (e.g. actor.lr=1e-5)")
+    verl = translate(overrides)
     try:
         merged = OmegaConf.structured(RunConfig)
+        given = set(verl.explicit)
         if path is not None:
-            merged = OmegaConf.merge(merged, read_config_file(Path(path), RunConfig))
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"override {bad[0]!r} must look like key.sub=value (e.g. actor.lr=1e-5)")
-        for o in overrides:  # one at a time, so an error without OmegaConf's key still names the override's
-            item = OmegaConf.from_dotlist([o])
-            check_sections(RunConfig, OmegaConf.to_container(item))
-            try:
-                merged = OmegaConf.merge(merged, item)
-            except OmegaConfBaseException as e:
-                raise ConfigError(_one_line(e, o.split("=", 1)[0])) from None
+            from_file = read_config_file(Path(path), RunConfig)
+            given |= _dotted_keys(from_file if isinstance(from_file, dict) else OmegaConf.to_container(from_file))
+            merged = OmegaConf.merge(merged, from_file)
+        for o in verl.overrides:  # one at a time, so an error without OmegaConf's key still names the override's
+            merged = _merge_one(merged, o)
+        for o in verl_defaults(verl, given, merged.algorithm.adv_estimator):
+            merged = _merge_one(merged, o)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_one_line(e)) from None
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     check_ranges(cfg)
+    cfg = resolve_counts(cfg, given)
     check_combinations(cfg)
+    list_not_used(verl)
     return cfg
+
+
+def _merge_one(merged: Any, override: str) -> Any:
+    item = OmegaConf.from_dotlist([override])
+    check_sections(RunConfig, OmegaConf.to_container(item))
+    try:
+        return OmegaConf.merge(merged, item)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e, override.split("=", 1)[0])) from None
+
+
+def _dotted_keys(tree: Any, prefix: str = "") -> set[str]:
+    if not isinstance(tree, dict):
+        return {prefix.rstrip(".")}
+    return set().union(*(_dotted_keys(v, f"{prefix}{k}.") for k, v in tree.items())) if tree else set()
 
 
 def to_yaml(cfg: RunConfig) -> str:

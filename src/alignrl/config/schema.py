@@ -33,8 +33,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    train_files: str = opt("synthetic", "'synthetic' (built-in arithmetic problems) or a .jsonl/.parquet file")
-    val_files: str = opt("synthetic", "held-out data: 'synthetic' or a .jsonl/.parquet file")
+    # str or list: verl's `data.train_files=[a.parquet,b.parquet]` gives a list (checked in checks.py)
+    train_files: Any = opt("synthetic", "'synthetic' (built-in arithmetic problems), a .jsonl/.parquet file, or a "
+                                        "list of them ([a.parquet,b.parquet], concatenated)")
+    val_files: Any = opt("synthetic", "held-out data: 'synthetic', a .jsonl/.parquet file, or a list of them")
     format: str = opt("auto", "file layout", choices=("auto", "gsm8k", "verl"))
     train_size: int = opt(20000, "number of synthetic training problems (ignored for files)", ge=1)
     val_size: int = opt(1000, "held-out problems for the final evaluation (files: at most this many)", ge=1)
@@ -63,6 +65,9 @@ class RolloutConfig:
 class ActorConfig:
     lr: float = opt(1e-6, "AdamW learning rate", gt=0.0)
     lr_warmup_steps: int = opt(0, "linear warm-up steps (optimizer steps)", ge=0)
+    lr_warmup_steps_ratio: float = opt(0.0, "warm-up as a fraction of trainer.total_training_steps (verl's "
+                                            "optim.lr_warmup_steps_ratio); used when lr_warmup_steps is 0",
+                                       ge=0.0, le=1.0)
     lr_scheduler: str = opt("constant", "schedule after warm-up", choices=("constant", "cosine"))
     min_lr_ratio: float = opt(0.0, "cosine floor as a fraction of lr", ge=0.0, le=1.0)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
@@ -142,6 +147,9 @@ class CriticConfig:
     model_path: str | None = opt(None, "value model folder; None initialises it from model.path (new scalar head)")
     lr: float = opt(1e-5, "critic AdamW learning rate", gt=0.0)
     lr_warmup_steps: int = opt(0, "linear warm-up of the critic lr (optimizer steps)", ge=0)
+    lr_warmup_steps_ratio: float = opt(0.0, "critic warm-up as a fraction of trainer.total_training_steps (verl's "
+                                            "critic.optim.lr_warmup_steps_ratio); used when lr_warmup_steps is 0",
+                                       ge=0.0, le=1.0)
     warmup_steps: int = opt(0, "RL steps that train only the critic before the actor starts (verl's "
                                "trainer.critic_warmup)", ge=0)
     cliprange_value: float = opt(0.5, "value clipping around the old values", ge=0.0)
@@ -212,13 +220,22 @@ class TrainerConfig:
     checkpoint_dir: str = opt("checkpoints", "checkpoint folder inside the run folder")
     log_dir: str = opt("logs", "log folder inside the run folder")
     total_training_steps: int = opt(50, "RL steps", ge=1)
+    total_epochs: int = opt(0, "passes over the training files (verl): when > 0, the run stops after this many "
+                               "epochs or total_training_steps, whichever comes first", ge=0)
+    project_name: str = opt("alignrl", "project of the run in wandb (verl's trainer.project_name)")
+    nnodes: int = opt(1, "nodes × n_gpus_per_node = ranks: without --nproc, `alignrl train` starts that many local "
+                         "torchrun ranks (verl's trainer.nnodes)", ge=1)
+    n_gpus_per_node: int = opt(1, "ranks per node (verl's trainer.n_gpus_per_node); see trainer.nnodes", ge=1)
     test_freq: int = opt(10, "held-out greedy accuracy every N steps; 0 disables", ge=0)
+    eval_pass_at_k: bool = opt(False, "before and after training, also report held-out pass@k at the rollout "
+                                      "temperature (k = rollout.n) beside greedy pass@1, overall and by difficulty")
     save_freq: int = opt(10, "checkpoint every N steps; 0 keeps only the final one", ge=0)
     max_checkpoints: int = opt(2, "checkpoints kept on disk (oldest removed first)", ge=1)
     resume_mode: str = opt("auto", "'auto' continues from the last checkpoint, 'disable' starts fresh",
                            choices=("auto", "disable"))
     seed: int = opt(0, "seed for data order, sampling and initialisation")
-    logger: list = opt(["console", "jsonl", "tensorboard"], "metric sinks: console, jsonl, tensorboard")
+    logger: list = opt(["console", "jsonl", "tensorboard"], "metric sinks: console, jsonl, tensorboard, wandb "
+                                                            "(offline without network or WANDB_API_KEY)")
     progress_bar: bool = opt(True, "show a progress bar on the console")
     threads: int = opt(0, "torch CPU threads; 0 keeps torch's default", ge=0)
     strategy: str = opt("auto", "training engine of actor and critic: auto (ddp under torchrun, else single), "

@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
+from alignrl.config.checks import data_files
 from alignrl.data.records import Sample
 
 GSM8K_COLUMNS = ("question", "answer")
@@ -36,19 +37,30 @@ class DataError(ValueError):
 
 
 def load_samples(
-    path: str,
+    path: str | list[str],
     fmt: str = "auto",
     *,
     system_prompt: str | None = None,
     limit: int | None = None,
     key: str = "data.train_files",
 ) -> list[Sample]:
-    """Read `path` (.jsonl or .parquet) in format "gsm8k", "verl" or "auto" (chosen by columns).
+    """Read `path` (.jsonl or .parquet, or a list of them, concatenated) in format "gsm8k", "verl" or
+    "auto" (chosen by columns, per file).
 
     `system_prompt`, when given, is prepended to prompts that do not already start with a system
     message. `limit` keeps only the first rows, which keeps smoke runs cheap on big files. `key` is
     the config key that named the file, for messages (e.g. "data.val_files").
     """
+    if not isinstance(path, str):
+        samples: list[Sample] = []
+        for one in data_files(path):
+            left = None if limit is None else limit - len(samples)
+            if left is not None and left <= 0:
+                break
+            samples += load_samples(one, fmt, system_prompt=system_prompt, limit=left, key=key)
+        if not samples:
+            raise DataError(f"{key} is an empty list (give one or more .jsonl/.parquet files)")
+        return samples
     if fmt != "auto" and fmt not in _FORMATS:
         raise DataError(f"unknown data format {fmt!r} (use 'auto', 'gsm8k' or 'verl')")
     columns, rows = _read_rows(path, limit, key)
@@ -73,6 +85,24 @@ def gsm8k_ground_truth(answer: str) -> str | None:
     if "####" not in answer:
         return None
     return answer.rsplit("####", 1)[1].strip().replace(",", "") or None
+
+
+def plain_ground_truth(value: Any) -> str | list[Any] | dict[str, Any]:
+    """`reward_model.ground_truth` as reward functions expect it: a structure (Search-R1's
+    `{"target": [...]}`, a list) stays a structure, of plain dicts and lists (parquet read through
+    pandas gives numpy arrays, which break `==` and JSON); a scalar becomes its string, as verl's
+    GSM8K/MATH rewards compare text."""
+    if value is None:  # a struct field that this row leaves empty
+        return None  # type: ignore[return-value]
+    if isinstance(value, dict):
+        return {str(k): plain_ground_truth(v) for k, v in value.items()}
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):  # numpy array or scalar
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [plain_ground_truth(v) for v in value]
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
 
 
 def write_gsm8k_jsonl(rows: list[dict[str, Any]], path: str | os.PathLike[str]) -> None:
@@ -116,6 +146,40 @@ def check_data_file(path: str, key: str = "data.train_files") -> None:
         raise DataError(f"data file not found: {path} (set {key} to an existing .jsonl or .parquet file)")
     if p.suffix.lower() not in (".jsonl", ".parquet"):
         raise DataError(f"unsupported data file extension {p.suffix!r} for {path} (use .jsonl or .parquet)")
+
+
+def check_sources(path: str, known: Collection[str], key: str = "data.train_files") -> None:
+    """A DataError naming the first row whose `data_source` is not in `known` (the sources with a
+    built-in reward), read before any model loads: otherwise the run fails at its first reward."""
+    if Path(path).suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            column = pq.read_table(path, columns=["data_source"]).column("data_source").to_pylist()
+        except Exception:  # no such column (GSM8K layout) or an unreadable file: load_samples reports it
+            return
+        located = ((f"{path} row {i}", v) for i, v in enumerate(column))
+    else:
+        located = ((loc, row.get("data_source")) for loc, row in _iter_jsonl(path) if "data_source" in row)
+    for loc, source in located:
+        if str(source) not in known:
+            raise DataError(f"{loc}: no reward for data_source {source!r} (known: {', '.join(sorted(known))}; "
+                            f"fix the data_source in {key} or pass algorithm.reward_fn=path/to/file.py:function)")
+
+
+def count_rows(path: str) -> int:
+    """Rows of a data file without reading them all (parquet: from its footer)."""
+    check_data_file(path)
+    if Path(path).suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except Exception as exc:  # pyarrow raises several types for a corrupt footer
+            raise DataError(f"could not read parquet file {path}: {str(exc).strip()[:120]} "
+                            "(check the file is a valid parquet table)") from None
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
 
 
 def _read_rows(path: str, limit: int | None, key: str = "data.train_files") -> tuple[list[str], list[_Row]]:
@@ -214,7 +278,7 @@ def _verl_sample(loc: str, row: dict[str, Any], system_prompt: str | None) -> Sa
                         "(set reward_model to {'style': 'rule', 'ground_truth': ...})")
     return Sample(
         messages=_with_system(messages, system_prompt),
-        ground_truth=str(reward_model["ground_truth"]),
+        ground_truth=plain_ground_truth(reward_model["ground_truth"]),
         data_source=str(row["data_source"]),
         extra=dict(row.get("extra_info") or {}),
     )

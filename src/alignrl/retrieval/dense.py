@@ -141,6 +141,27 @@ class DenseRetriever:
             raise RetrievalError(f"index in {folder} does not match the corpus; delete the folder to rebuild it")
         return cls(docs, encoder, index, faiss_gpu)
 
+    @classmethod
+    def from_index_file(cls, path: Path, docs: list[Document], encoder: Encoder,
+                        faiss_gpu: bool = False) -> "DenseRetriever":
+        """A FAISS index file built elsewhere (Search-R1's `index_builder.py`: row i is corpus line i),
+        read as is: it is never re-encoded nor written back."""
+        import faiss
+
+        try:
+            index = faiss.read_index(str(path))
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else "unreadable"
+            raise RetrievalError(f"cannot read FAISS index {path} ({first[:120]}); give a file written by "
+                                 "faiss.write_index (e.g. Search-R1's e5_Flat.index)") from None
+        if index.ntotal != len(docs):
+            raise RetrievalError(f"FAISS index {path} holds {index.ntotal} vectors but the corpus has {len(docs)} "
+                                 "documents; pass the --corpus_path the index was built from")
+        if index.d != encoder.dim:
+            raise RetrievalError(f"FAISS index {path} has dimension {index.d} but the {encoder.spec.name} encoder "
+                                 f"{encoder.spec.model} gives {encoder.dim}; pass the --retriever_model it was built with")
+        return cls(docs, encoder, index, faiss_gpu)
+
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         k = min(topk, len(self.docs))
         # One encode() call per request; it forwards in chunks of 128 so a maximal request (512 long

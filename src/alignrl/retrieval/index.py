@@ -119,11 +119,23 @@ def _is_complete(folder: Path, key: str) -> bool:
 def open_retriever(corpus_path: str | Path | None = None, retriever_name: str = "minilm",
                    index_root: str | Path | None = None, model: str | None = None, faiss_gpu: bool = False,
                    log: Callable[[str], None] = lambda _: None) -> OpenedIndex:
-    """Load the saved index for (corpus, settings) if there is one, else build and save it."""
+    """Load the saved index for (corpus, settings) if there is one, else build and save it. An
+    `index_root` that is a file is a FAISS index built elsewhere (Search-R1's `e5_Flat.index`): it is
+    loaded as is, never rebuilt and never written."""
     start = time.perf_counter()
     corpus_path = Path(corpus_path) if corpus_path else SHIPPED_CORPUS
     settings = settings_for(retriever_name, model)
     docs = load_corpus(corpus_path)
+    if index_root is not None and Path(index_root).is_file():
+        if settings.retriever not in DENSE:
+            raise RetrievalError(f"--index_path {index_root} is a FAISS index file, which needs a dense retriever "
+                                 f"(--retriever_name {' or '.join(DENSE)}), not {settings.retriever}")
+        from alignrl.retrieval.dense import DenseRetriever, Encoder, encoder_spec
+
+        encoder = Encoder(encoder_spec(settings.retriever, settings.model))
+        retriever = DenseRetriever.from_index_file(Path(index_root), docs, encoder, faiss_gpu)
+        log(f"loaded FAISS index {index_root} ({len(docs)} documents; read only)")
+        return OpenedIndex(retriever, Path(index_root), False, time.perf_counter() - start, len(docs))
     key = index_key(file_digest(corpus_path), settings)
     root = Path(index_root) if index_root else default_index_root()
     folder = root / f"{settings.retriever}-{key}"

@@ -63,12 +63,12 @@ class RewardFn(Protocol):
         self,
         data_source: str,
         solution_str: str,
-        ground_truth: str,
+        ground_truth: Any,
         extra_info: dict[str, Any] | None = None,
     ) -> float: ...
 
 
-REWARDS: dict[str, Callable[[str, str], float]] = {
+REWARDS: dict[str, Callable[[str, Any], float]] = {
     "gsm8k": gsm8k.compute_score,
     "openai/gsm8k": gsm8k.compute_score,
     "synthetic_arith": gsm8k.compute_score,
@@ -85,7 +85,7 @@ REWARDS: dict[str, Callable[[str, str], float]] = {
 def default_compute_score(
     data_source: str,
     solution_str: str,
-    ground_truth: str,
+    ground_truth: Any,
     extra_info: dict[str, Any] | None = None,
 ) -> float:
     """Score with the built-in rule for `data_source`; unknown sources are an error, not a 0 reward,
@@ -137,7 +137,7 @@ def checked(fn: Callable[..., Any], who: str) -> RewardFn:
     """`fn` (a user's function, named `who`) with whatever it raises, and any return that is not a finite
     real number, turned into a one-line ScoreError: a user's bug must not end a run in a traceback."""
 
-    def call(data_source: str, solution_str: str, ground_truth: str,
+    def call(data_source: str, solution_str: str, ground_truth: Any,
              extra_info: dict[str, Any] | None = None) -> float:
         try:
             value = fn(data_source, solution_str, ground_truth, extra_info)
@@ -164,7 +164,7 @@ def make_reward(spec: str | None, format_weight: float = 0.0) -> RewardFn:
     def reward(
         data_source: str,
         solution_str: str,
-        ground_truth: str,
+        ground_truth: Any,
         extra_info: dict[str, Any] | None = None,
     ) -> float:
         correctness = base(data_source, solution_str, ground_truth, extra_info)

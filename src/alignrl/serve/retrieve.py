@@ -165,7 +165,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus_path", default=str(SHIPPED_CORPUS),
                    help="jsonl with one {\"id\", \"contents\"} per line (default: the shipped wiki_small corpus)")
     p.add_argument("--index_path", default=None,
-                   help=f"folder for built indexes, keyed by corpus and settings (default: {default_index_root()})")
+                   help="folder for built indexes, keyed by corpus and settings (default: "
+                        f"{default_index_root()}), or a FAISS index file built elsewhere (e.g. Search-R1's "
+                        "e5_Flat.index, row i = corpus line i), loaded read-only")
     p.add_argument("--retriever_name", default="minilm", help="bm25, minilm (alias: dense) or e5")
     p.add_argument("--retriever_model", default=None,
                    help="dense encoder folder (default: the packaged MiniLM; e5 needs a local e5-base-v2)")

@@ -1,4 +1,4 @@
-"""Metric sinks: console (rich), JSONL and TensorBoard, plus the end-of-run PNG.
+"""Metric sinks: console (rich), JSONL, TensorBoard and wandb, plus the end-of-run PNG.
 
 `metrics.jsonl` is append-only during a run; on resume, lines past the checkpoint's step are
 dropped (rewritten atomically) so a resumed run never shows the same step twice.
@@ -6,12 +6,18 @@ dropped (rewritten atomically) so a resumed run never shows the same step twice.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import socket
+import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Any
 
 from rich.console import Console
 
+from alignrl.config import ConfigError
 from alignrl.train.checkpoint import atomic_write_text
 
 console = Console(highlight=False)
@@ -22,8 +28,11 @@ _CONSOLE_KEYS = {"reward/mean": "reward", "reward/accuracy": "acc", "val/accurac
 
 
 class Tracker:
-    def __init__(self, log_dir: Path, sinks: list[str], resume_step: int = 0, write: bool = True):
-        """`write=False` (ranks other than 0) keeps history in memory and touches no file."""
+    def __init__(self, log_dir: Path, sinks: list[str], resume_step: int = 0, write: bool = True,
+                 project: str = "alignrl", run_name: str | None = None, config: Any = None):
+        """`write=False` (ranks other than 0) keeps history in memory and touches no file. `project`,
+        `run_name` (default: the run folder's name) and `config` (a dict or the run's config dataclass)
+        label the wandb run."""
         self.log_dir = log_dir
         self.sinks = set(sinks) if write else set()
         self.jsonl = log_dir / "metrics.jsonl"
@@ -39,6 +48,9 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(log_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+        self.wandb = None
+        if "wandb" in self.sinks:
+            self.wandb = start_wandb(log_dir, project, run_name or log_dir.parent.name, config)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -50,6 +62,8 @@ class Tracker:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(dict(metrics), step=step)
         if "console" in self.sinks:
             shown = "  ".join(f"{name}={metrics[k]:.4g}" for k, name in _CONSOLE_KEYS.items() if k in metrics)
             console.print(f"[bold]step {step}[/bold]  {shown}")
@@ -57,6 +71,14 @@ class Tracker:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.finish()
+            # finish() returns before the service has written the run's file; teardown waits for it,
+            # so a run folder copied or synced right after close is complete
+            wandb.teardown()
+            self.wandb = None
 
     def plot(self, path: Path) -> None:
         """Reward mean and held-out accuracy over steps, as a PNG."""
@@ -81,3 +103,50 @@ class Tracker:
         fig.savefig(tmp, dpi=100)
         plt.close(fig)
         tmp.replace(path)
+
+
+def wandb_mode() -> str:
+    """WANDB_MODE when set; else offline without an API key or without a route to the wandb server
+    (a run on an air-gapped cluster must not hang or fail at its first log), else online."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or "api.wandb.ai" in _netrc_text()
+    if not has_key:
+        return "offline"
+    url = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    try:
+        socket.create_connection((url.hostname or "api.wandb.ai", url.port or 443), timeout=3).close()
+    except (OSError, ValueError):
+        return "offline"
+    return "online"
+
+
+def _netrc_text() -> str:
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def start_wandb(log_dir: Path, project: str, run_name: str, config: Any) -> Any:
+    """A wandb run writing under `log_dir/wandb`; its id is kept in `log_dir` so a resumed run continues
+    the same wandb run. Offline runs are uploaded later with `wandb sync <log_dir>/wandb/offline-run-*`."""
+    import wandb
+
+    id_file = log_dir / "wandb_id.txt"
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+    id_file.write_text(run_id + "\n")
+    mode = wandb_mode()
+    if dataclasses.is_dataclass(config):
+        config = dataclasses.asdict(config)
+    try:
+        run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", dir=str(log_dir), mode=mode,
+                         config=config, settings=wandb.Settings(console="off", silent=True))
+    except Exception as e:  # wandb raises its own error types for a bad key, project or server
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"trainer.logger wandb could not start in {mode} mode ({first[:160]}); set "
+                          "WANDB_MODE=offline, fix WANDB_API_KEY, or drop wandb from trainer.logger") from None
+    if mode == "offline":
+        console.print(f"wandb: offline run in {log_dir / 'wandb'} (upload with `wandb sync`)")
+    return run

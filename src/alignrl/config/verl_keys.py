@@ -1,0 +1,251 @@
+"""verl / Search-R1 command-line spellings mapped onto alignrl's keys, so that a verl script runs with
+`python3 -m verl.trainer.main_ppo` replaced by `alignrl train ppo` and nothing else changed.
+
+Three kinds of verl keys:
+
+* renamed: same behaviour under an alignrl key (`actor_rollout_ref.actor.optim.lr` -> `actor.lr`);
+* not used on this device: settings of GPU memory, FSDP, vLLM or HDFS that change no result here
+  (offload, `gpu_memory_utilization`, micro-batch sizes of log-prob passes, ...); accepted and listed once;
+* accepted at one value only: switches whose other value alignrl does not implement
+  (`+trainer.val_only=true`, `algorithm.no_think_rl=true`) are a one-line error, not a silent no-op.
+
+Anything else goes through unchanged, so alignrl's own keys work beside verl's and a misspelt key
+still gets the usual "unknown config key" line. A verl-spelled command line also gets Search-R1's verl
+defaults where alignrl's differ (`VERL_DEFAULTS`), unless the key is given: a verl user who leaves
+a key out gets what verl would have done. This module leaves out Hydra's config groups
+(`--config-name`); a YAML file goes in `--config`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import sys
+from dataclasses import dataclass, field, replace
+
+from alignrl.config.checks import data_files
+from alignrl.config.schema import ConfigError, RunConfig
+
+A = "actor_rollout_ref.actor."
+R = "actor_rollout_ref.rollout."
+
+RENAMES: dict[str, tuple[str, ...]] = {
+    "actor_rollout_ref.model.path": ("model.path",),
+    A + "optim.lr": ("actor.lr",),
+    A + "optim.lr_warmup_steps": ("actor.lr_warmup_steps",),
+    A + "optim.lr_warmup_steps_ratio": ("actor.lr_warmup_steps_ratio",),
+    A + "optim.warmup_style": ("actor.lr_scheduler",),
+    A + "optim.min_lr_ratio": ("actor.min_lr_ratio",),
+    A + "optim.weight_decay": ("actor.weight_decay",),
+    A + "optim.betas": ("actor.betas",),
+    A + "grad_clip": ("actor.grad_clip",),
+    A + "ppo_mini_batch_size": ("actor.ppo_mini_batch_size",),
+    A + "ppo_micro_batch_size": ("actor.ppo_micro_batch_size",),
+    A + "ppo_epochs": ("actor.ppo_epochs",),
+    A + "clip_ratio": ("actor.clip_ratio_low", "actor.clip_ratio_high"),
+    A + "clip_ratio_low": ("actor.clip_ratio_low",),
+    A + "clip_ratio_high": ("actor.clip_ratio_high",),
+    A + "clip_ratio_c": ("actor.clip_ratio_c",),
+    A + "loss_agg_mode": ("actor.loss_agg_mode",),
+    A + "entropy_coeff": ("actor.entropy_coeff",),
+    A + "use_kl_loss": ("actor.use_kl_loss",),
+    A + "kl_loss_coef": ("actor.kl_loss_coef",),
+    A + "kl_loss_type": ("actor.kl_loss_type",),
+    A + "state_masking": ("actor.state_masking",),
+    R + "n": ("rollout.n",),
+    R + "n_agent": ("rollout.n",),  # Search-R1 repeats each prompt n_agent times: the group size
+    R + "temperature": ("rollout.temperature",),
+    R + "top_p": ("rollout.top_p",),
+    R + "top_k": ("rollout.top_k",),
+    "critic.optim.lr": ("critic.lr",),
+    "critic.optim.lr_warmup_steps": ("critic.lr_warmup_steps",),
+    "critic.optim.lr_warmup_steps_ratio": ("critic.lr_warmup_steps_ratio",),
+    "critic.model.path": ("critic.model_path",),
+    "critic.grad_clip": ("critic.grad_clip",),
+    "critic.cliprange_value": ("critic.cliprange_value",),
+    "algorithm.kl_ctrl.kl_coef": ("algorithm.kl_coef",),
+    "algorithm.kl_ctrl.type": ("algorithm.kl_ctrl_type",),
+    "algorithm.kl_ctrl.target_kl": ("algorithm.kl_target",),
+    "algorithm.kl_ctrl.horizon": ("algorithm.kl_horizon",),
+    "data.max_response_length": ("rollout.max_new_tokens",),
+    "data.shuffle_train_dataloader": ("data.shuffle",),
+    "data.val_data_num": ("data.val_size",),
+    "trainer.critic_warmup": ("critic.warmup_steps",),
+    "trainer.default_local_dir": ("trainer.checkpoint_dir",),
+    "max_turns": ("agent.max_turns",),
+    "do_search": ("agent.search",),
+}
+
+# Settings of GPU memory, sharding, vLLM and remote storage: they change where and how fast, not what.
+NOT_USED = (
+    "*.fsdp_config.*", "*.use_remove_padding", "*.enable_gradient_checkpointing", "*log_prob_micro_batch_size*",
+    "*.log_prob_use_dynamic_bsz", "*.log_prob_max_token_len_per_gpu", "*.ulysses_sequence_parallel_size",
+    "*.use_dynamic_bsz", "*.ppo_max_token_len_per_gpu", "*.forward_max_token_len_per_gpu",
+    "*.forward_micro_batch_size*", "*.ppo_micro_batch_size_per_gpu", "*.external_lib", "*.override_config",
+    "actor_rollout_ref.hybrid_engine", A + "strategy", "critic.strategy", A + "optim.total_training_steps",
+    "critic.optim.total_training_steps", "critic.optim.min_lr_ratio", "critic.ppo_micro_batch_size",
+    "critic.model.tokenizer_path", R + "name", R + "gpu_memory_utilization", R + "tensor_model_parallel_size",
+    R + "dtype", R + "enforce_eager", R + "free_cache_engine", R + "load_format", R + "max_num_batched_tokens",
+    R + "max_num_seqs", R + "prompt_length", R + "response_length",
+    "trainer.default_hdfs_dir", "data.val_batch_size", "data.tokenizer", "data.return_raw_input_ids",
+    "data.return_raw_chat", "trainer.val_generations_to_log_to_wandb",
+)
+
+# Sections that exist only in verl's config: a key under them that is not mapped above is unknown.
+VERL_SECTIONS = ("actor_rollout_ref.", "critic.optim.", "critic.model.", "algorithm.kl_ctrl.", "reward_model.",
+                 "custom_reward_function.")
+
+# Switches accepted at the value alignrl implements; (value, what to do instead of the other value).
+ONLY_VALUE: dict[str, tuple[object, str]] = {
+    "trainer.val_only": (False, "alignrl has no evaluation-only mode; run with trainer.total_training_steps=1 "
+                                "and read base_accuracy"),
+    "algorithm.no_think_rl": (False, "drop it: the no-think variant of Search-R1 is not implemented"),
+    "data.train_data_num": (None, "cut the training file to the rows you want (data.train_data_num=null uses all)"),
+    "data.prompt_key": ("prompt", "name the prompt column 'prompt'"),
+    R + "do_sample": (True, "training rollouts sample; evaluation is greedy"),
+    R + "ignore_eos": (False, "generation always stops at eos"),
+    "critic.optim.warmup_style": ("constant", "the critic's lr is constant after its warm-up"),
+    "reward_model.enable": (False, "a reward model is algorithm.reward_model=<folder from `alignrl train rm`>"),
+}
+# Accepted, with alignrl's behaviour named (it evaluates before training to report base accuracy).
+NOTED = {"trainer.val_before_train": "alignrl always evaluates before training (base_accuracy)"}
+
+# Search-R1's verl defaults where alignrl's differ (verl/trainer/config/ppo_trainer.yaml and
+# ray_trainer.py): no KL loss, KL in the reward instead (verl applies it whenever use_kl_loss is off),
+# an entropy bonus, AdamW weight decay, nucleus 0.95, and a critic exactly when the estimator is GAE.
+VERL_DEFAULTS: dict[str, object] = {
+    "actor.use_kl_loss": False,
+    "actor.entropy_coeff": 0.001,
+    "actor.weight_decay": 0.01,
+    "rollout.top_p": 0.95,
+}
+
+
+@dataclass(frozen=True)
+class Translation:
+    overrides: list[str]  # in alignrl's spelling, in the order given
+    explicit: set[str] = field(default_factory=set)  # alignrl keys the overrides set
+    not_used: list[str] = field(default_factory=list)  # verl keys accepted without effect here
+    notes: list[str] = field(default_factory=list)  # verl settings alignrl follows its own way, named
+    verl_style: bool = False  # some verl spelling was used: VERL_DEFAULTS apply
+
+
+def _value(text: str) -> object:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.from_dotlist([f"v={text}"])["v"]
+
+
+def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
+    """Overrides in verl's spellings (Hydra's `+`/`++` prefixes allowed) rewritten to alignrl's keys."""
+    out: list[str] = []
+    not_used: list[str] = []
+    notes: list[str] = []
+    custom: dict[str, str] = {}  # verl's custom_reward_function.{path,name}
+    verl = False
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if not sep:
+            out.append(o)  # load_config names the malformed override
+            continue
+        key = key.lstrip("+")
+        verl = verl or o.startswith("+") or key.startswith(("actor_rollout_ref.", "critic.optim.", "critic.model."))
+        if key == "data.val_data_num" and _value(value) is None:  # verl: every row; alignrl: a bounded count
+            verl = True
+            notes.append(f"{key}=null: alignrl evaluates the first data.val_size held-out rows")
+        elif key in RENAMES:
+            verl = True
+            if key == "trainer.default_local_dir":  # verl's path is relative to the working directory
+                value = os.path.abspath(value)
+            out += [f"{target}={value}" for target in RENAMES[key]]
+        elif key in ONLY_VALUE:
+            verl = True
+            allowed, instead = ONLY_VALUE[key]
+            if _value(value) != allowed:
+                raise ConfigError(f"{key}={value} is not supported ({instead})")
+        elif key in NOTED:
+            verl = True
+            if _value(value) is False:
+                notes.append(f"{key}={value}: {NOTED[key]}")
+        elif any(fnmatch.fnmatchcase(key, pattern) for pattern in NOT_USED):
+            verl = True
+            if key not in not_used:
+                not_used.append(key)
+        elif key in ("custom_reward_function.path", "custom_reward_function.name"):
+            verl = True
+            custom[key.rsplit(".", 1)[1]] = value
+        elif key.startswith(VERL_SECTIONS):
+            raise ConfigError(f"unknown config key '{key}': not a verl/Search-R1 key alignrl knows (README, section "
+                              "'Search-R1 / verl scripts'; `alignrl config --reference` lists alignrl's own keys)")
+        else:
+            out.append(f"{key}={value}")
+    if custom.get("path") not in (None, "null"):  # verl's default function name is compute_score
+        out.append(f"algorithm.reward_fn={custom['path']}:{custom.get('name', 'compute_score')}")
+    # n_agent is Search-R1's group size; verl's rollout.n beside it is the vLLM sample count (1)
+    agent_n = [o for o in overrides if o.lstrip("+").startswith(R + "n_agent=")]
+    if agent_n:
+        out = [o for o in out if not o.startswith("rollout.n=")] + [f"rollout.n={agent_n[-1].split('=', 1)[1]}"]
+    return Translation(out, {o.split("=", 1)[0] for o in out}, not_used, notes, verl)
+
+
+def verl_defaults(t: Translation, given: set[str], adv_estimator: str) -> list[str]:
+    """The overrides that give a verl-spelled run Search-R1's verl defaults, for the keys it leaves out
+    (`given`: the keys set by the overrides or the config file)."""
+    if not t.verl_style:
+        return []
+    out = [f"{k}={v}" for k, v in VERL_DEFAULTS.items() if k not in given]
+    use_kl_loss = "actor.use_kl_loss=true" in [o.lower() for o in t.overrides]
+    if "algorithm.use_kl_in_reward" not in given:
+        out.append(f"algorithm.use_kl_in_reward={not use_kl_loss}")
+    if "critic.enable" not in given:
+        out.append(f"critic.enable={adv_estimator == 'gae'}")
+    return out
+
+
+def list_not_used(t: Translation) -> None:
+    """Print the keys without effect here, once per launch: a torchrun parent marks it done in the
+    environment its ranks inherit, and under torchrun only rank 0 speaks."""
+    flag = "ALIGNRL_VERL_KEYS_LISTED"
+    if not (t.not_used or t.notes) or os.environ.get(flag) or os.environ.get("RANK", "0") != "0":
+        return
+    os.environ[flag] = "1"
+    # stderr: `alignrl config <verl keys> > run.yaml` must stay a clean YAML file
+    if t.not_used:
+        print(f"alignrl: verl settings not used on this device (GPU memory, vLLM, storage): {', '.join(t.not_used)}",
+              file=sys.stderr, flush=True)
+    for note in t.notes:
+        print(f"alignrl: {note}", file=sys.stderr, flush=True)
+
+
+def resolve_counts(cfg: RunConfig, given: set[str]) -> RunConfig:
+    """verl's step arithmetic: `trainer.total_epochs` bounds the steps by the data size, and a warm-up
+    ratio becomes optimizer steps (verl steps its scheduler once per RL step; alignrl once per
+    mini-batch, so the ratio's RL steps are multiplied by the mini-batches of one RL step)."""
+    t, a, c = cfg.trainer, cfg.actor, cfg.critic
+    steps = t.total_training_steps
+    rows = _train_rows(cfg) if t.total_epochs else None
+    if rows is not None:  # None: a missing file, which preflight reports before any launch
+        per_epoch = max(1, rows // cfg.data.train_batch_size)  # verl drops the last partial batch
+        by_epochs = t.total_epochs * per_epoch
+        steps = min(steps, by_epochs) if "trainer.total_training_steps" in given else by_epochs
+    per_step = a.ppo_epochs * max(1, cfg.data.train_batch_size // a.ppo_mini_batch_size)
+    actor_warmup = a.lr_warmup_steps or int(a.lr_warmup_steps_ratio * steps) * per_step
+    critic_warmup = c.lr_warmup_steps or int(c.lr_warmup_steps_ratio * steps) * per_step
+    return replace(cfg, trainer=replace(t, total_training_steps=steps),
+                   actor=replace(a, lr_warmup_steps=actor_warmup), critic=replace(c, lr_warmup_steps=critic_warmup))
+
+
+def _train_rows(cfg: RunConfig) -> int | None:
+    files = cfg.data.train_files
+    if files == "synthetic":
+        return cfg.data.train_size
+    from alignrl.data.loaders import count_rows  # imports torch: only epoch-counted runs pay for it
+
+    paths = data_files(files)
+    return sum(count_rows(f) for f in paths) if all(os.path.isfile(f) for f in paths) else None
+
+
+def requested_world_size(cfg: RunConfig) -> int:
+    """Ranks the config asks for (verl's trainer.nnodes × trainer.n_gpus_per_node); a launcher (local
+    torchrun, a Ray job) starts that many when no --nproc is given."""
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
