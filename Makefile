@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Pinned so CPU-only machines take the local CPU wheel instead of the multi-GB CUDA stack.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo demo-search test bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/alignrl demo
+
+demo-search: $(STAMP)
+	$(BIN)/alignrl demo search
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -1,0 +1,169 @@
+"""`alignrl demo search`: PPO teaches a tiny model to use a search engine (Search-R1's recipe, end to end).
+
+    alignrl demo search [--seed N] [--heldout N] [key.sub=value ...]
+
+Builds (or takes from the cache) the search demo's base model, starts `alignrl serve retrieve` (BM25 over
+the demo's corpus of invented facts) on loopback, measures the base model on held-out questions, trains
+PPO with a critic through the server (multi-turn rollouts, observation tokens masked out of the loss),
+stops the server, and measures the trained model the same way: greedy exact match, search calls per
+episode and valid-action rate, before and after. The numbers go to `<run dir>/summary.json`
+(`base_exact_match`, `final_exact_match`, `base_searches_per_episode`, ..., `wall_seconds`) beside the
+run's curves (`logs/curves.png`); the last line printed holds them. Dotted overrides go on top of
+`examples/search_demo.yaml`.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from alignrl.config import ConfigError, RunConfig, load_config
+from alignrl.demos.search_data import DATA_DIR, TEST_FILE, TRAIN_FILE, CORPUS_FILE, write_data
+from alignrl.demos.search_model import SearchRecipe, ensure_search_model
+
+PROG = "alignrl demo search"
+CONFIG = Path(__file__).resolve().parent.parent / "examples" / "search_demo.yaml"
+SHIPPED_SEED = 0  # the world whose corpus and questions ship in demos/data
+METRICS = ("exact_match", "searches_per_episode", "valid_action_rate")
+
+
+def demo_files(seed: int, run_dir: Path) -> dict[str, Path]:
+    """Corpus and question files of the world of `seed`: the shipped ones, or written into the run folder."""
+    if seed == SHIPPED_SEED:
+        files = {"corpus": DATA_DIR / CORPUS_FILE, "train": DATA_DIR / TRAIN_FILE, "test": DATA_DIR / TEST_FILE}
+        missing = [str(p) for p in files.values() if not p.is_file()]
+        if missing:
+            from alignrl.data.loaders import DataError
+
+            raise DataError(f"the search demo's shipped data file {missing[0]} is missing (reinstall alignrl, "
+                            f"or pass --seed 1 to generate a world into the run folder)")
+        return files
+    return write_data(run_dir / "data", seed)
+
+
+def retrieval_server(corpus: Path, topk: int):
+    """`alignrl serve retrieve` with BM25 over `corpus` on a free loopback port, started and healthy; the
+    caller stops it (by PID) in a `finally`."""
+    from alignrl.rollout.remote import ServiceError
+    from alignrl.serve.common import ServiceProcess
+
+    server = ServiceProcess(["retrieve", "--corpus_path", str(corpus), "--retriever_name", "bm25",
+                             "--topk", str(topk)], startup_s=60.0)
+    try:
+        return server.start()
+    except RuntimeError as e:
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        raise ServiceError(f"the search demo's retrieval server did not start: {lines[-1] if lines else e}") from None
+
+
+def agent_eval(model_path: str, cfg: RunConfig, samples: Sequence, batch_size: int = 150) -> dict[str, float]:
+    """Greedy multi-turn episodes on `samples` through the configured retriever, as training rolls out:
+    exact match (the task's reward), search calls per episode and the share of turns with a valid action."""
+    from alignrl.algos.placement import with_tools
+    from alignrl.data.collate import encode_prompts
+    from alignrl.interfaces import SamplingParams
+    from alignrl.models.loader import load_model
+    from alignrl.rewards.registry import load_reward_fn
+    from alignrl.rollout.hf_engine import HFRolloutEngine
+
+    model, tokenizer = load_model(model_path, cfg.model.dtype, log=lambda *_: None)
+    engine = with_tools(cfg, HFRolloutEngine(model.eval(), tokenizer), tokenizer)
+    correct_fn = load_reward_fn(cfg.algorithm.reward_fn)
+    prompts = encode_prompts(tokenizer, samples, cfg.data.max_prompt_length)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
+    correct, searches, valid, actions = 0, 0.0, 0.0, 0.0
+    try:
+        for start in range(0, len(samples), batch_size):
+            ro = engine.generate(prompts[start:start + batch_size], params)
+            texts = tokenizer.batch_decode(ro.response_ids.masked_fill(~ro.response_mask, tokenizer.pad_token_id),
+                                           skip_special_tokens=True)
+            for s, t in zip(samples[start:start + batch_size], texts):
+                correct += correct_fn(s.data_source, t, s.ground_truth, s.extra) >= 1.0
+            searches += float(ro.stats["searches"].sum())
+            valid += float(ro.stats["valid_actions"].sum())
+            actions += float(ro.stats["actions"].sum())
+    finally:
+        if getattr(engine, "tool", None) is not None:
+            engine.tool.close()
+    n = max(1, len(samples))
+    return {"exact_match": round(correct / n, 4), "searches_per_episode": round(searches / n, 4),
+            "valid_action_rate": round(valid / max(1.0, actions), 4)}
+
+
+def run(recipe: SearchRecipe, overrides: Sequence[str], heldout: int, log=print) -> dict:
+    """The whole demo; returns the summary (also written to `<run dir>/summary.json`)."""
+    from alignrl.algos.runner import train_grpo
+    from alignrl.data.loaders import load_samples
+    from alignrl.train.checkpoint import atomic_write_text
+
+    t0 = time.time()
+    load_config(CONFIG, list(overrides))  # a bad override fails here, before minutes of model building
+    model = ensure_search_model(recipe, log)
+    run_dir = load_config(CONFIG, list(overrides)).run_dir
+    files = demo_files(recipe.seed, run_dir)
+    settings = [f"model.path={model}", f"data.train_files={files['train']}", f"data.val_files={files['test']}",
+                *overrides]
+    topk = load_config(CONFIG, settings).retriever.topk
+    heldout_set = load_samples(str(files["test"]), limit=heldout, key="data.val_files")
+    server = retrieval_server(files["corpus"], topk)
+    try:
+        cfg = load_config(CONFIG, [*settings, f"retriever.url={server.url}/retrieve"])
+        log(f"retrieval server {server.url} (BM25 over {files['corpus'].name}, pid {server.proc.pid}); "
+            f"measuring the base model on {len(heldout_set)} held-out questions")
+        base = agent_eval(str(model), cfg, heldout_set)
+        log("base model: " + _line(base))
+        summary = train_grpo(cfg, wall_start=t0)
+        final_model = cfg.checkpoint_root / f"global_step_{cfg.trainer.total_training_steps}" / "model"
+        final = agent_eval(str(final_model), cfg, heldout_set)
+        log("trained model: " + _line(final))
+    finally:
+        server.stop()
+    summary.update({f"{when}_{k}": v for when, m in (("base", base), ("final", final)) for k, v in m.items()})
+    summary.update(exact_match_gain_points=round(100 * (final["exact_match"] - base["exact_match"]), 2),
+                   heldout_questions=len(heldout_set), base_model=str(model),
+                   curves=str(cfg.log_root / "curves.png"), wall_seconds=round(time.time() - t0, 1))
+    atomic_write_text(cfg.run_dir / "summary.json", json.dumps(summary, indent=2))
+    return summary
+
+
+def _line(m: dict[str, float]) -> str:
+    return (f"exact match {m['exact_match']:.3f}, {m['searches_per_episode']:.2f} searches/episode, "
+            f"valid-action rate {m['valid_action_rate']:.3f}")
+
+
+def _parser():
+    from alignrl.dist.launch import OneLineParser
+
+    p = OneLineParser(prog=PROG, description="PPO teaches a tiny model to search (Search-R1's recipe, on CPU).")
+    p.add_argument("--seed", type=int, default=SHIPPED_SEED, help="seed of the demo world and base model")
+    p.add_argument("--heldout", type=int, default=300, help="held-out questions measured before and after")
+    p.add_argument("overrides", nargs="*", help="dotted overrides on top of examples/search_demo.yaml")
+    return p
+
+
+def _terminate(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    bad = [r for r in rest if r.startswith("-") or "=" not in r]
+    if bad:
+        raise ConfigError(f"unrecognized argument {bad[0]!r} ({PROG} takes --seed, --heldout and key.sub=value "
+                          "overrides)")
+    if args.heldout < 1:
+        raise ConfigError(f"--heldout must be at least 1, got {args.heldout}")
+    # SIGTERM (a job scheduler, `kill`) ends Python without running `finally` blocks: raise instead, so the
+    # retrieval server is still stopped by its PID
+    signal.signal(signal.SIGTERM, _terminate)
+    s = run(SearchRecipe(seed=args.seed), [*args.overrides, *rest], args.heldout)
+    print(f"base_exact_match={s['base_exact_match']:.3f} final_exact_match={s['final_exact_match']:.3f} "
+          f"gain={s['exact_match_gain_points']:+.1f} points "
+          f"searches/episode={s['base_searches_per_episode']:.2f}->{s['final_searches_per_episode']:.2f} "
+          f"valid_action_rate={s['base_valid_action_rate']:.3f}->{s['final_valid_action_rate']:.3f} "
+          f"steps={s['steps']} wall_seconds={s['wall_seconds']:.0f}")
+    return 0
