@@ -1,0 +1,11 @@
+"""Ray placement of the one RL loop: OpenRLHF-style flags, placement groups, worker-group actors.
+
+    flags (OpenRLHF 0.6 spelling) -> Plan (groups, bundles, colocation) -> placement groups on the cluster
+    actor group (Ray actors, torch.distributed inside)  <- RaySource  <- rollout engines (Ray actors)
+    actor rank 0 -> bucketed collective broadcast (own process group) -> rollout engines
+
+The trainer side is `alignrl.algos.runner.train_grpo` run in every actor-group rank with a Ray
+`RemoteProducers` (`channel.RayProducers`); the producer side is `RolloutMaker` (`build_maker`) run in
+the rollout-engine actors. Entry point: `alignrl train ppo-ray <flags>` / `python -m
+alignrl.cluster.train_ppo_ray`.
+"""

@@ -1,0 +1,173 @@
+"""The Ray channel of the loop: the BatchSource and WeightSink an actor-group rank runs with, and the
+RefScorer a rollout engine uses when the reference group is its own set of Ray actors.
+
+    actor rank r: RaySource.next_batch(step) --batch(step, share e)--> rollout engine e (each share once)
+                  <-- ScoredBatch (Ray's object store) ; all shares merged ; rank r keeps its prompt groups
+    actor rank 0: RayWeightSink.publish(v) --receive--> engines ; bucketed broadcast v ; engines ack v
+
+Every rank asks every engine for the same step's share; an engine makes it once and hands the same
+record to all. With one engine the global batch is the one the in-process loop makes (same rows, same
+sampling seeds), so the Ray placement trains exactly as one process does, up to the all-reduce.
+Deliberately left out: asynchronous (off-policy) generation and DAPO's extra generation rounds.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import ray
+import torch
+import torch.nn.functional as F
+
+from alignrl.algos.producer import InlineSource
+from alignrl.algos.rollout_ops import concat_rollouts
+from alignrl.data.records import ScoredBatch
+from alignrl.data.sampler import BatchSampler
+from alignrl.dist.coordinator import shard_groups
+from alignrl.dist.env import DistEnv, barrier
+from alignrl.train.actor import Actor
+
+BUCKET_BYTES = 32 << 20
+
+
+class ClusterError(RuntimeError):
+    """A worker of the Ray placement died or failed; one line naming its role and node."""
+
+
+class Peer:
+    """A Ray actor handle with the name error lines give it ("rollout engine 0 on node 10.0.0.5 (ab12cd34)")."""
+
+    def __init__(self, handle, name: str):
+        self.handle, self.name = handle, name
+
+
+def get(refs: list, peers: list[Peer], timeout_s: float) -> list:
+    """ray.get of one call per peer; a dead peer or a timeout becomes one ClusterError line."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ClusterError(f"no answer in {timeout_s:g} s from {', '.join(p.name for p in peers)}") from None
+    except ray.exceptions.RayActorError:
+        dead = [p.name for p, r in zip(peers, refs) if _died(r)]
+        raise ClusterError(f"{' and '.join(dead) or 'a worker'} died (killed or out of memory)") from None
+
+
+def _died(ref) -> bool:
+    try:
+        ray.get(ref, timeout=0)
+        return False
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:
+        return False
+
+
+def merge(batches: list[ScoredBatch], pad_id: int) -> ScoredBatch:
+    """The engines' shares as one global batch, in share order (groups renumbered, widths padded)."""
+    out = batches[0]
+    for b in batches[1:]:
+        ro = concat_rollouts(out.rollout, b.rollout, pad_id)
+        width = ro.response_ids.shape[1]
+
+        def cat(x: torch.Tensor, y: torch.Tensor, value) -> torch.Tensor:
+            return torch.cat([F.pad(t, (0, width - t.shape[1]), value=value) for t in (x, y)])
+
+        ref = None if out.ref_logprobs is None else cat(out.ref_logprobs, b.ref_logprobs, 0.0)
+        out = ScoredBatch(ro, out.scores.cat(b.scores), cat(out.loss_mask, b.loss_mask, False), ref,
+                          torch.cat([out.prompt_index, b.prompt_index]), min(out.version, b.version),
+                          "ray", {k: v + b.metrics.get(k, 0.0) for k, v in out.metrics.items()})
+    if len(batches) > 1:
+        out.metrics = {k: v / len(batches) for k, v in out.metrics.items()}
+    return out
+
+
+class RayRefScorer:
+    """RefScorer over the reference group's Ray actors: rows split evenly, one call per worker."""
+
+    def __init__(self, workers: list[Peer], timeout_s: float = 600.0):
+        self.workers, self.timeout_s = workers, timeout_s
+
+    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+        n = len(self.workers)
+        parts = [t.tensor_split(n) for t in (prompt_ids, prompt_mask, response_ids, response_mask)]
+        use = [(w, args) for w, args in zip(self.workers, zip(*parts)) if len(args[0])]
+        refs = [w.handle.logprobs.remote(*args) for w, args in use]
+        return torch.cat(get(refs, [w for w, _ in use], self.timeout_s))
+
+
+class RayWeightSink:
+    """Collective over the actor group; rank 0 broadcasts the full weights to every engine, versioned."""
+
+    def __init__(self, actor: Actor, env: DistEnv, engines: list[Peer], group, timeout_s: float):
+        self.actor, self.env, self.engines, self.group, self.timeout_s = actor, env, engines, group, timeout_s
+        self.names = [n for n, _ in actor.model.named_parameters()]
+        self.publish_s = 0.0
+
+    def publish(self, version: int) -> None:
+        t0 = time.perf_counter()
+        full = self.actor.engine.full_state_dict()  # collective under ZeRO-3 / FSDP2
+        if self.env.is_main:
+            refs = [e.handle.receive.remote(BUCKET_BYTES) for e in self.engines]
+            self.group.send([(n, full[n]) for n in self.names], version, BUCKET_BYTES)
+            got = get(refs, self.engines, self.timeout_s)
+            if got != [version] * len(got):
+                raise ClusterError(f"rollout engines acknowledged weight versions {got}, expected {version}")
+        barrier(self.env)
+        self.publish_s = time.perf_counter() - t0
+
+
+class RaySource(InlineSource):
+    """BatchSource of an actor-group rank: the step's rows from the checkpointed sampler, one contiguous
+    share per engine, the merged batch, this rank's prompt groups. The data position is checkpointed as
+    the in-process source does it (its state_dict / load_state_dict / close)."""
+
+    def __init__(self, sampler: BatchSampler, trainer, env: DistEnv, producers: RayProducers):
+        self.sampler, self.trainer, self.env, self.p = sampler, trainer, env, producers
+        self.pad_id = trainer.actor.model.config.pad_token_id or 0
+        self.started = False
+
+    def next_batch(self, step: int) -> ScoredBatch:
+        if not self.started:  # the engines get this run's weights (a resumed run's, or the base ones)
+            self.p.sink_.publish(self.trainer.version)
+            self.started = True
+        index = self.sampler.next()
+        engines = self.p.engines
+        shares = [index[i * len(index) // len(engines):(i + 1) * len(index) // len(engines)]
+                  for i in range(len(engines))]
+        refs = [e.handle.batch.remote(step, s, self.trainer.version, i) for i, (e, s) in enumerate(zip(engines, shares))]
+        batch = merge(get(refs, engines, self.p.timeout_s), self.pad_id)
+        batch.metrics["ray/publish_s"] = self.p.sink_.publish_s
+        return shard_groups(batch, self.env)
+
+
+class RayProducers:
+    """The runner's RemoteProducers for the Ray placement: rollout-engine actors make the batches and
+    receive the weights. Sent to every actor-group rank (handles only)."""
+
+    def __init__(self, engines: list[Peer], backend: str, timeout_s: float):
+        self.engines, self.backend, self.timeout_s = engines, backend, timeout_s
+        self.sink_: RayWeightSink | None = None
+
+    def sink(self, actor: Actor, env: DistEnv) -> RayWeightSink:
+        from alignrl.cluster.weights import BroadcastGroup
+
+        group = None
+        if env.is_main:  # rank 0 serves the weight group's store; the engines join it
+            host = ray.util.get_node_ip_address()
+            port = free_port_on(host)
+            size = len(self.engines) + 1
+            refs = [e.handle.join.remote(host, port, size, self.backend, self.timeout_s) for e in self.engines]
+            group = BroadcastGroup(host, port, 0, size, self.backend, self.timeout_s, env.device)
+            get(refs, self.engines, self.timeout_s)
+        self.sink_ = RayWeightSink(actor, env, self.engines, group, self.timeout_s)
+        return self.sink_
+
+    def source(self, sampler: BatchSampler, trainer, env: DistEnv) -> RaySource:
+        return RaySource(sampler, trainer, env, self)
+
+
+def free_port_on(ip: str) -> int:
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]

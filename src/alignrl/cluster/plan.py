@@ -1,0 +1,176 @@
+"""Placement groups from the flags: which worker group goes where, reserved before any model loads.
+
+A group of N nodes × G GPUs is one placement group of N node-bundles of G units each, STRICT_SPREAD
+over N distinct nodes (one bundle when N is 1), so "2 nodes × 4 GPUs" is what the cluster gives.
+Colocated roles share a placement group and split each unit between them (actor and reference with
+`--colocate_actor_ref`, critic and reward with `--colocate_critic_reward`, everything including the
+rollout engines with `--colocate_all_models`). A rollout engine of tensor-parallel size T is its own
+placement group of one T-unit bundle (one node) unless colocated. Bundles are sorted by node: rank r of
+a group sits in the (r // G)-th bundle of that order, so consecutive ranks share a node.
+
+On a cluster without GPUs a unit is a CPU: the flags' GPU counts become process counts.
+Before waiting, the demand is compared with the cluster's free resources, so an impossible request
+fails at once with one line; a possible-looking one that is not granted in `timeout_s` fails too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+from alignrl.cluster.flags import FlagError, uses_critic, uses_reference, uses_reward_model
+
+
+class PlacementError(FlagError):
+    """What was asked cannot be placed on this cluster; one line with the request and the cluster."""
+
+
+@dataclass
+class GroupRequest:
+    """One placement group: `nodes` bundles of `per_node` units, and the roles that share it."""
+
+    name: str
+    nodes: int
+    per_node: int
+    roles: list[str] = field(default_factory=list)
+    pg: object = None
+    order: list[int] = field(default_factory=list)  # bundle indices sorted by node
+    node_of: dict[int, str] = field(default_factory=dict)  # bundle index -> node id
+
+    def share(self, role: str) -> float:
+        """The fraction of a unit a worker of `role` takes. As in OpenRLHF, the group's first role takes
+        0.75 of each unit, so Ray's first-fit gives each of its ranks a GPU of its own, and the roles
+        sharing the group split the rest (with one other role: one rank per GPU again)."""
+        if len(self.roles) == 1:
+            return 1.0
+        return 0.75 if role == self.roles[0] else round(0.25 / (len(self.roles) - 1), 4)
+
+
+@dataclass
+class Slot:
+    """Where one worker of a role runs: its placement group, bundle, rank inside the node and share."""
+
+    group: GroupRequest
+    bundle: int
+    local_rank: int
+    units: float
+
+    @property
+    def node(self) -> str:
+        return self.group.node_of[self.bundle]
+
+
+def requests(args) -> dict[str, GroupRequest]:
+    """Placement groups by name, each with the roles that share it."""
+    out: dict[str, GroupRequest] = {}
+
+    def add(role: str, home: str | None = None) -> None:
+        if home is not None and home in out:
+            out[home].roles.append(role)
+            return
+        out[role] = GroupRequest(role, getattr(args, f"{role}_num_nodes"), getattr(args, f"{role}_num_gpus_per_node"),
+                                 [role])
+
+    add("actor")
+    if uses_reference(args):
+        add("ref", "actor" if args.colocate_actor_ref or args.colocate_all_models else None)
+    if uses_critic(args):
+        add("critic", "actor" if args.colocate_all_models else None)
+    if uses_reward_model(args):
+        add("reward", "actor" if args.colocate_all_models else "critic" if args.colocate_critic_reward else None)
+    for e in range(args.vllm_num_engines):
+        if args.colocate_all_models:
+            out["actor"].roles.append(f"engine{e}")
+        else:
+            out[f"engine{e}"] = GroupRequest(f"engine{e}", 1, args.vllm_tensor_parallel_size, [f"engine{e}"])
+    return out
+
+
+def unit(gpus: bool) -> str:
+    return "GPU" if gpus else "CPU"
+
+
+def describe(reqs: dict[str, GroupRequest], gpus: bool) -> str:
+    parts = []
+    for r in reqs.values():
+        shared = f" (with {', '.join(r.roles[1:])})" if len(r.roles) > 1 else ""
+        parts.append(f"{r.name} {r.nodes} node(s) × {r.per_node} {unit(gpus)}{shared}")
+    total = sum(r.nodes * r.per_node for r in reqs.values())
+    return f"{'; '.join(parts)} = {total} {unit(gpus)}"
+
+
+def cluster_view(gpus: bool) -> tuple[list[float], str]:
+    """Free units per alive node, and a line describing the cluster."""
+    res = unit(gpus)
+    free = ray.available_resources()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    totals = [float(n["Resources"].get(res, 0.0)) for n in nodes]
+    line = (f"the cluster has {len(nodes)} node(s) with {', '.join(f'{t:g}' for t in totals)} {res} "
+            f"({free.get(res, 0.0):g} free)")
+    return totals, line
+
+
+def precheck(reqs: dict[str, GroupRequest], gpus: bool) -> None:
+    """Requests no packing can satisfy, refused at once."""
+    totals, line = cluster_view(gpus)
+    free = ray.available_resources().get(unit(gpus), 0.0)
+    need = sum(r.nodes * r.per_node for r in reqs.values())
+    for r in reqs.values():
+        fits = [t for t in totals if t >= r.per_node]
+        if len(fits) < r.nodes:
+            raise PlacementError(f"placement asked for {describe(reqs, gpus)}, but {r.name} needs {r.nodes} node(s) "
+                                 f"with {r.per_node} {unit(gpus)} each; {line}")
+    if need > free:
+        raise PlacementError(f"placement asked for {describe(reqs, gpus)}; {line}")
+
+
+def reserve(reqs: dict[str, GroupRequest], gpus: bool, timeout_s: float) -> None:
+    """Creates every placement group and waits (at most `timeout_s` in all) until each is granted."""
+    precheck(reqs, gpus)
+    res = unit(gpus)
+    for r in reqs.values():
+        bundle = {res: float(r.per_node)} if res == "CPU" else {res: float(r.per_node), "CPU": float(r.per_node)}
+        strategy = "STRICT_SPREAD" if r.nodes > 1 else "STRICT_PACK"
+        r.pg = placement_group([dict(bundle) for _ in range(r.nodes)], strategy=strategy, name=f"alignrl-{r.name}")
+    deadline = time.monotonic() + timeout_s
+    for r in reqs.values():
+        ready, _ = ray.wait([r.pg.ready()], timeout=max(0.1, deadline - time.monotonic()))
+        if not ready:
+            _, line = cluster_view(gpus)
+            release(reqs)
+            raise PlacementError(f"placement group {r.name} ({r.nodes} node(s) × {r.per_node} {res}) was not granted "
+                                 f"in {timeout_s:g} s; asked for {describe(reqs, gpus)}; {line}")
+        table = placement_group_table(r.pg)
+        r.node_of = {int(k): v for k, v in table["bundles_to_node_id"].items()}
+        r.order = sorted(r.node_of, key=lambda i: (r.node_of[i], i))  # same-node bundles together, in order
+
+
+def release(reqs: dict[str, GroupRequest], wait_s: float = 10.0) -> None:
+    """Removes the placement groups and waits (briefly) until Ray has taken them back."""
+    pgs = [r.pg for r in reqs.values() if r.pg is not None]
+    for r in reqs.values():
+        r.pg = None
+    for pg in pgs:
+        remove_placement_group(pg)
+    deadline = time.monotonic() + wait_s
+    while pgs and time.monotonic() < deadline:
+        pgs = [pg for pg in pgs if placement_group_table(pg).get("state") != "REMOVED"]
+        time.sleep(0.05)
+
+
+def slots(reqs: dict[str, GroupRequest], role: str, count: int, per_node: int) -> list[Slot]:
+    """`count` workers of `role` in the group that holds it: rank r in bundle order[r // per_node]."""
+    group = next(r for r in reqs.values() if role in r.roles)
+    return [Slot(group, group.order[r // per_node], r % per_node, group.share(role)) for r in range(count)]
+
+
+def engine_slot(reqs: dict[str, GroupRequest], e: int, tp: int) -> Slot:
+    """Engine e's slot: its own T-unit bundle, or (all colocated) the node bundle holding its T units."""
+    group = next(r for r in reqs.values() if f"engine{e}" in r.roles)
+    if group.name == f"engine{e}":
+        return Slot(group, group.order[0], 0, float(tp))
+    first = e * tp
+    return Slot(group, group.order[first // group.per_node], first % group.per_node, group.share(f"engine{e}"))

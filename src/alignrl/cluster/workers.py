@@ -1,0 +1,161 @@
+"""The worker-group Ray actors: an actor-group rank (the trainer side of the loop), a reference worker,
+a rollout engine (the producer side). Each is a plain class made a Ray actor by the driver
+(`ray.remote(cls).options(...)`); the classes themselves only build the loop's existing pieces.
+
+Every worker has a `watch` method in a concurrency group of its own: it returns only when the worker
+stops, so the driver learns of a dead worker (kill -9, OOM) from that call failing, even while the
+worker is busy in its default thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+
+import ray
+import torch
+import torch.distributed as dist
+
+from alignrl.config import load_config
+from alignrl.dist.env import DistEnv
+
+WATCH = {"watch": 1}
+
+
+def node_label() -> str:
+    """The node as the error lines name it: IP and the first characters of Ray's node id."""
+    ctx = ray.get_runtime_context()
+    return f"{ray.util.get_node_ip_address()} ({ctx.get_node_id()[:8]})"
+
+
+def device_for(local_rank: int) -> torch.device:
+    """The first GPU Ray assigned to this worker (all of the node's GPUs stay visible, so the id is the
+    node's), else the one at this worker's position on its node; the CPU without CUDA."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    ids = ray.get_gpu_ids()
+    return torch.device("cuda", int(ids[0]) if ids else local_rank)
+
+
+class Worker:
+    """What every worker has: a name for error lines, a liveness call, its threads."""
+
+    def __init__(self, threads: int):
+        if threads:
+            torch.set_num_threads(threads)
+        self._stop = threading.Event()
+
+    def where(self) -> dict:
+        return {"node": node_label(), "pid": os.getpid(), "ip": ray.util.get_node_ip_address()}
+
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> None:
+        self._stop.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class PolicyRank(Worker):
+    """Rank `rank` of the actor group: torch.distributed with the other ranks (gloo on CPU, NCCL on
+    GPUs) through the usual environment variables, then the one training loop."""
+
+    def __init__(self, rank: int, world: int, local_rank: int, threads: int, peer_timeout_s: float):
+        super().__init__(threads)
+        self.rank, self.world, self.local_rank, self.peer_timeout_s = rank, world, local_rank, peer_timeout_s
+
+    def free_address(self) -> tuple[str, int]:
+        """This node's IP and a free port on it (rank 0 serves the rendezvous and the weight store)."""
+        from alignrl.cluster.channel import free_port_on
+
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port_on(ip)
+
+    def run(self, overrides: list[str], master: tuple[str, int], producers) -> dict | None:
+        from alignrl.algos.runner import train_grpo
+
+        dev = device_for(self.local_rank)  # the loop picks cuda:LOCAL_RANK
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world),
+                          LOCAL_RANK=str(dev.index if dev.type == "cuda" else self.local_rank),
+                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
+                          ALIGNRL_DIST_TIMEOUT=str(self.peer_timeout_s))
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        if self.world > 1:  # joined here: the loop's own join installs a signal handler, main thread only
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                    timeout=timedelta(seconds=self.peer_timeout_s))
+        try:
+            return train_grpo(load_config(None, overrides), producers=producers)
+        finally:
+            self.stop()
+
+
+class RefWorker(Worker):
+    """A frozen copy of the base policy that scores reference log-probs (the loop's `build_ref`)."""
+
+    def __init__(self, overrides: list[str], local_rank: int, threads: int):
+        from alignrl.algos.placement import build_ref
+        from alignrl.models.loader import load_model
+
+        super().__init__(threads)
+        cfg = load_config(None, overrides)
+        model, _ = load_model(cfg.model.path, cfg.model.dtype)
+        self.scorer = build_ref(cfg, model, cfg.model.path, device_for(local_rank))
+
+    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+        dev = next(self.scorer.model.parameters()).device
+        return self.scorer.logprobs(prompt_ids.to(dev), prompt_mask.to(dev), response_ids.to(dev),
+                                    response_mask.to(dev)).cpu()
+
+
+class RolloutWorker(Worker):
+    """A rollout engine: the embedded HF engine on its own copy of the policy, the loop's RolloutMaker
+    (`build_maker`) around it, weights from actor rank 0 through the broadcast group."""
+
+    def __init__(self, overrides: list[str], index: int, local_rank: int, threads: int, ref_workers: list):
+        from alignrl.algos.runner import PromptData, load_task_data
+        from alignrl.cluster.channel import RayRefScorer
+        from alignrl.models.loader import load_model
+        from alignrl.rollout.hf_engine import HFRolloutEngine
+
+        super().__init__(threads)
+        self.cfg, self.index, self.device = load_config(None, overrides), index, device_for(local_rank)
+        model, self.tokenizer = load_model(self.cfg.model.path, self.cfg.model.dtype)
+        self.model = model.to(self.device)
+        self.engine = HFRolloutEngine(self.model, self.tokenizer)
+        self.ref = RayRefScorer(ref_workers) if ref_workers else None
+        self.rows = PromptData(self.tokenizer, load_task_data(self.cfg)[0], self.cfg.data.max_prompt_length)
+        self.makers: dict[int, object] = {}
+        self.version, self.group, self.cached = 0, None, None
+
+    def maker(self, seed_rank: int):
+        """One maker per seed rank: `seed_rank` decorrelates the samples of the engines' shares."""
+        from alignrl.algos.placement import build_maker
+
+        if seed_rank not in self.makers:
+            env = DistEnv(rank=seed_rank, world_size=seed_rank + 1, device=self.device)
+            self.makers[seed_rank] = build_maker(self.cfg, self.engine, self.tokenizer, self.ref, env)
+        return self.makers[seed_rank]
+
+    def batch(self, step: int, index: list[int], version: int, seed_rank: int):
+        """The scored batch of `step` for dataset rows `index`, made once and handed to every actor rank
+        that asks (they all ask for the same one)."""
+        key = (step, tuple(index), version)
+        if self.cached is None or self.cached[0] != key:
+            if version != self.version:
+                raise RuntimeError(f"rollout engine {self.index} holds weights v{self.version}, asked for v{version}")
+            self.cached = (key, self.maker(seed_rank).make(step, index, self.rows, version))
+        return self.cached[1]
+
+    def join(self, host: str, port: int, size: int, backend: str, timeout_s: float) -> None:
+        from alignrl.cluster.weights import BroadcastGroup, manifest
+
+        self.group = BroadcastGroup(host, port, self.index + 1, size, backend, timeout_s, self.device)
+        self.manifest = manifest([(n, p) for n, p in self.model.named_parameters()])
+
+    def receive(self, bucket_bytes: int) -> int:
+        version, named = self.group.receive(self.manifest, bucket_bytes)
+        self.engine.load_weights(named)
+        self.version = version
+        return version

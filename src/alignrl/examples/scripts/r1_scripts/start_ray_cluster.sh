@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Starts this node of a Ray cluster for `alignrl train ppo-ray`:
+#
+#   start_ray_cluster.sh head   HEAD_HOST    # on the head node (e.g. gpu005)
+#   start_ray_cluster.sh worker HEAD_HOST    # on every other node (e.g. gpu004)
+#   start_ray_cluster.sh stop                # stops what this script started on this node
+#
+# Ray port 8100, dashboard 8101 (non-default ports keep clear of other users' clusters), a per-user temp
+# dir, usage stats off. GPUs: as many as `nvidia-smi -L` lists; on a node without GPUs the node offers
+# ALIGNRL_CPU_SLOTS (default 8) CPU slots instead, and the driver places the flags' GPU counts as CPU
+# processes. Before starting, only this user's Ray processes of this temp dir are stopped.
+#
+# Token authentication stays off (RAY_AUTH_MODE=disabled) unless RAY_AUTH_MODE=token is set here and
+# on every node and client (with the same ~/.ray/auth_token): otherwise a token file left in ~/.ray by a
+# local `ray.init()` would switch the head to tokens that the workers and `ray status` do not send.
+#
+# Environment overrides: RAY_PORT, RAY_DASHBOARD_PORT, RAY_TEMP_DIR, ALIGNRL_CPU_SLOTS, RAY (the ray
+# executable), and for a second node on the same machine RAY_AGENT_PORT, RAY_AGENT_GRPC_PORT,
+# RAY_RUNTIME_ENV_AGENT_PORT, RAY_METRICS_PORT.
+set -euo pipefail
+
+usage() { echo "usage: $0 head|worker HEAD_HOST, or $0 stop" >&2; exit 2; }
+ROLE=${1:-}
+HEAD_HOST=${2:-}
+[[ ($ROLE == head || $ROLE == worker) && -n $HEAD_HOST || $ROLE == stop ]] || usage
+
+RAY=${RAY:-ray}
+RAY_PORT=${RAY_PORT:-8100}
+DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-8101}
+TEMP_DIR=${RAY_TEMP_DIR:-/tmp/ray_$(id -un)}
+export RAY_USAGE_STATS_ENABLED=0
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+
+# Stop this user's Ray processes that run out of this temp dir, and their children (workers and agents
+# rename themselves to "ray::..." and no longer show the dir); other users' processes and this user's
+# other clusters are left alone.
+descendants() {
+    local p
+    for p in "$@"; do
+        echo "$p"
+        descendants $(pgrep -P "$p" || true)
+    done
+}
+mine() { descendants $(pgrep -u "$(id -u)" -f -- "$TEMP_DIR/" | grep -vx "$$" || true) | sort -u; }
+stop_mine() {
+    local pids
+    pids=$(mine)
+    [[ -z $pids ]] && return 0
+    echo "stopping this user's Ray processes under $TEMP_DIR: $(echo $pids | tr '\n' ' ')"
+    kill $pids 2>/dev/null || true
+    for _ in $(seq 20); do
+        pids=$(for p in $pids; do if kill -0 "$p" 2>/dev/null; then echo "$p"; fi; done)
+        [[ -z $pids ]] && return 0
+        sleep 0.5
+    done
+    kill -9 $pids 2>/dev/null || true
+}
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    GPUS=$(nvidia-smi -L | grep -c '^GPU')
+    RESOURCES=(--num-gpus="$GPUS")
+else
+    GPUS=0
+    RESOURCES=(--num-gpus=0 --num-cpus="${ALIGNRL_CPU_SLOTS:-8}")
+fi
+
+EXTRA=()
+[[ -n ${RAY_AGENT_PORT:-} ]] && EXTRA+=(--dashboard-agent-listen-port="$RAY_AGENT_PORT")
+[[ -n ${RAY_AGENT_GRPC_PORT:-} ]] && EXTRA+=(--dashboard-agent-grpc-port="$RAY_AGENT_GRPC_PORT")
+[[ -n ${RAY_RUNTIME_ENV_AGENT_PORT:-} ]] && EXTRA+=(--runtime-env-agent-port="$RAY_RUNTIME_ENV_AGENT_PORT")
+[[ -n ${RAY_METRICS_PORT:-} ]] && EXTRA+=(--metrics-export-port="$RAY_METRICS_PORT")
+
+mkdir -p "$TEMP_DIR"
+stop_mine
+[[ $ROLE == stop ]] && exit 0
+if [[ $ROLE == head ]]; then
+    "$RAY" start --head --port="$RAY_PORT" --dashboard-host=0.0.0.0 --dashboard-port="$DASHBOARD_PORT" \
+        --temp-dir="$TEMP_DIR" --disable-usage-stats "${RESOURCES[@]}" "${EXTRA[@]}"
+else
+    "$RAY" start --address="$HEAD_HOST:$RAY_PORT" --temp-dir="$TEMP_DIR" --disable-usage-stats \
+        "${RESOURCES[@]}" "${EXTRA[@]}"
+fi
+echo "node started ($ROLE, $GPUS GPU(s)); check the cluster with:"
+echo "ray status --address=$HEAD_HOST:$RAY_PORT"

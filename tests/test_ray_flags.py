@@ -1,0 +1,94 @@
+"""OpenRLHF's flags of `alignrl train ppo-ray`: their checks (one line each), their translation into
+config keys, and the placement groups they ask for. No Ray cluster needed."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from alignrl.cluster import flags as F
+from alignrl.cluster.plan import describe, requests
+from alignrl.config import load_config
+
+SEED_001 = ["--ref_num_nodes", "2", "--ref_num_gpus_per_node", "4", "--actor_num_nodes", "2",
+            "--actor_num_gpus_per_node", "4", "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "4",
+            "--colocate_actor_ref", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "8",
+            "--rollout_batch_size", "128", "--train_batch_size", "128", "--micro_train_batch_size", "2",
+            "--use_kl_loss", "--init_kl_coef", "0.001"]
+
+
+def parse(*argv):
+    return F.parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--advantage_estimator", "rloo", "--n_samples_per_prompt", "1"], "--n_samples_per_prompt > 1"),
+    (["--actor_num_gpus_per_node", "3", "--train_batch_size", "8", "--micro_train_batch_size", "2"],
+     "multiple of --micro_train_batch_size"),
+    (["--colocate_actor_ref", "--ref_num_gpus_per_node", "4"], "colocating actor and ref"),
+    (["--colocate_all_models", "--vllm_num_engines", "3"], "--colocate_all_models"),
+    (["--actor_num_gpus_per_node", "2", "--micro_train_batch_size", "1", "--train_batch_size", "8",
+      "--rollout_batch_size", "7"], "multiple of --train_batch_size"),
+    (["--reward_pretrain", "rm", "--remote_rm_url", "http://x"], "not both"),
+])
+def test_openrlhf_checks_are_one_line(argv, words):
+    with pytest.raises(F.FlagError) as e:
+        F.check(parse(*argv))
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_seed_001_flags_translate_to_the_loop_config():
+    args = parse(*SEED_001, "--pretrain", "demo", "--flash_attn", "--bf16")
+    F.check(args)
+    cfg = load_config(None, F.overrides(args, gpus=False, total_steps=3))
+    assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size) == (128, 8, 16)
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef == 0.001
+    assert not cfg.algorithm.use_kl_in_reward and not cfg.critic.enable and cfg.trainer.device == "cpu"
+    assert F.unused_here(args, gpus=False) == ["--flash_attn", "--bf16"] and F.unused_here(args, gpus=True) == []
+    gpu = load_config(None, F.overrides(args, gpus=True, total_steps=3))
+    assert (gpu.trainer.strategy, gpu.model.dtype) == ("deepspeed", "bfloat16")
+
+
+def test_estimators_drop_the_critic_and_zero_kl_drops_the_reference():
+    ppo = parse("--init_kl_coef", "0", "--reward_pretrain", "rm", "--colocate_critic_reward")
+    reqs = requests(ppo)
+    assert list(reqs) == ["actor", "critic", "engine0"] and reqs["critic"].roles == ["critic", "reward"]
+    assert list(requests(parse("--advantage_estimator", "rloo", "--n_samples_per_prompt", "2"))) == \
+        ["actor", "ref", "engine0"]
+
+
+def test_seed_001_placement_groups():
+    reqs = requests(parse(*SEED_001))
+    assert {k: (r.nodes, r.per_node, r.roles) for k, r in reqs.items()} == {
+        "actor": (2, 4, ["actor", "ref"]), "engine0": (1, 4, ["engine0"]), "engine1": (1, 4, ["engine1"])}
+    assert describe(reqs, gpus=True).endswith("= 16 GPU")
+    colocated = requests(parse(*SEED_001, "--colocate_all_models"))
+    assert list(colocated) == ["actor"] and colocated["actor"].roles == ["actor", "ref", "engine0", "engine1"]
+
+
+def test_command_line_errors_are_one_line():
+    out = subprocess.run([sys.executable, "-m", "alignrl", "train", "ppo-ray", "--advantage_estimator", "rloo"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert "--n_samples_per_prompt > 1" in out.stderr
+
+
+@pytest.mark.parametrize("script", ["xDAN-L2-RL-32b-Instruct-0220-nodes.sh", "xDAN-L1-Edge-7b-Math-RL-0220.sh"])
+def test_seed_001_training_scripts_pass_the_checks(script, tmp_path):
+    """The scripts' `ray job submit -- alignrl train ppo-ray ...` (caught by a stand-in `ray`) give the
+    seed's placement and pass OpenRLHF's checks on the demo model."""
+    fake = tmp_path / "ray"
+    fake.write_text('#!/usr/bin/env bash\nwhile [[ $1 != -- ]]; do shift; done\nshift 4\n'
+                    f'printf "%s\\n" "$@" > {tmp_path}/args.txt\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "PRETRAIN": "demo", "PROMPT_DATA": "synthetic",
+           "SAVE_PATH": str(tmp_path / "run"), "HOME": str(tmp_path)}
+    path = Path(__file__).parents[1] / "examples" / "scripts" / "r1_scripts" / script
+    out = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    args = parse(*(tmp_path / "args.txt").read_text().splitlines())
+    F.check(args)
+    load_config(None, F.overrides(args, gpus=False, total_steps=3))
+    assert describe(requests(args), gpus=True) == ("actor 2 node(s) × 4 GPU (with ref); engine0 1 node(s) × 4 GPU; "
+                                                   "engine1 1 node(s) × 4 GPU = 16 GPU")
