@@ -6,7 +6,8 @@
 Both decode the same left-padded prompts (each repeated n times) with a KV cache, stopping at eos,
 sampling at temperature 1 (and, separately, greedy). Runs alternate engine / generate so both share
 whatever else the machine is doing; the first round is warm-up. Prints the median seconds of each,
-the generated tokens, and the ratio generate/engine (> 1: the engine is faster).
+the generated tokens, and the ratio generate/engine (> 1: the engine is faster); greedy outputs are
+checked token for token against `model.generate`.
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ def main() -> None:
             # tokens up to and including the first eos
             is_eos = (resp == tok.eos_token_id).long()
             tokens["generate"] = int(((is_eos.cumsum(1) - is_eos) == 0).sum())
+            if temperature == 0:
+                same = all(ro.response_ids[i, :int(ro.response_mask[i].sum())].tolist()
+                           == resp[i, :int(ro.response_mask[i].sum())].tolist() for i in range(len(resp)))
+                if not same:
+                    raise SystemExit("greedy outputs differ between the engine and model.generate")
         med = {k: statistics.median(v[1:]) for k, v in times.items()}
         print(f"{label}: {args.prompts} prompts x {args.n} = {args.prompts * args.n} sequences, "
               f"<= {args.max_new_tokens} new tokens")

@@ -1,5 +1,6 @@
 """The locally built demo model: HF loadable, tokenizer round trip, deterministic build, SFT learns."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from tokenizers import Tokenizer
@@ -38,3 +39,34 @@ def test_sft_lowers_response_loss(tiny_model_dir):
     torch.manual_seed(0)
     losses = sft_train(model, tok, synthetic.generate("train", 64, seed=1), steps=30, batch_size=16, lr=3e-3)
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+
+
+SMALL = dict(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, tokenizer_corpus=200, sft_steps=2, sft_batch_size=4)
+
+
+def test_shipped_build_is_copied_not_rebuilt(tmp_path, monkeypatch):
+    from alignrl.models import tiny
+
+    recipe = TinyRecipe(**SMALL)
+    shipped = build_demo_model(tmp_path / "shipped", recipe, log=lambda *_: None)
+    monkeypatch.setattr(tiny, "SHIPPED", shipped)
+    monkeypatch.setenv("ALIGNRL_CACHE", str(tmp_path / "cache"))
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("built although a matching build ships with the package")
+
+    monkeypatch.setattr(tiny, "build_demo_model", no_build)
+    path = tiny.ensure_demo_model(recipe, log=lambda *_: None)
+    assert path.parent == tmp_path / "cache"
+    assert (path / "model.safetensors").read_bytes() == (shipped / "model.safetensors").read_bytes()
+    # another recipe is not served the shipped folder: it is built
+    with pytest.raises(AssertionError, match="built although"):
+        tiny.ensure_demo_model(TinyRecipe(**{**SMALL, "seed": 1}), log=lambda *_: None)
+
+
+def test_the_shipped_build_is_the_default_recipe():
+    """`alignrl build-demo-model --out src/alignrl/models/demo_base` refreshes it when the recipe changes."""
+    from alignrl.models.tiny import SHIPPED, demo_model_problem
+
+    assert demo_model_problem(SHIPPED, TinyRecipe()) is None

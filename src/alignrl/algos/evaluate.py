@@ -1,18 +1,52 @@
-"""Held-out evaluation: greedy decoding, scored with the task's reward.
+"""Held-out evaluation: greedy accuracy, and the room RL has to improve it (pass@k when sampling).
 
 Besides `accuracy` (full reward, e.g. strict `#### N` for GSM8K-style sources), GSM8K-style sources
 also get `accuracy_flexible` (last number in the text), which separates learning the answer format
 from learning to compute the answer.
+
+`room` reports greedy pass@1 next to pass@k at the rollout temperature (k = samples per prompt), overall
+and by difficulty (`extra["ops"]`, the number of operations of a synthetic problem): RL mostly turns
+problems the model sometimes solves into problems it solves greedily, so pass@k bounds what a run can
+gain, and the per-difficulty split shows where that room is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from alignrl.data.records import Sample
+from alignrl.interfaces import SamplingParams
 from alignrl.rewards import gsm8k
 from alignrl.rewards.registry import REWARDS
-from alignrl.interfaces import SamplingParams
+
+
+def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
+            params: SamplingParams, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(strict, flexible) correctness, each (len(samples), params.n) of 0/1, batch by batch of prompts."""
+    strict, flexible = [], []
+    for start in range(0, len(samples), batch_size):
+        ro = engine.generate(prompts[start:start + batch_size], params)
+        texts = tokenizer.batch_decode(ro.response_ids.masked_fill(~ro.response_mask, tokenizer.pad_token_id),
+                                       skip_special_tokens=True)
+        for j, t in enumerate(texts):
+            s = samples[start + j // params.n]
+            strict.append(float(correct_fn(s.data_source, t, s.ground_truth, s.extra) >= 1.0))
+            flexible.append(gsm8k.compute_score(t, s.ground_truth, method="flexible")
+                            if REWARDS.get(s.data_source) is gsm8k.compute_score else 0.0)
+    shape = (len(samples), params.n)
+    return torch.tensor(strict).view(shape), torch.tensor(flexible).view(shape)
+
+
+def _by_difficulty(samples: Sequence[Sample], solved: torch.Tensor) -> dict[str, float]:
+    """Mean of `solved` (len(samples),) overall and per `extra["ops"]` value (when the samples have one)."""
+    out = {"all": round(float(solved.mean()), 4) if len(samples) else 0.0}
+    ops = [s.extra.get("ops") for s in samples]
+    for v in sorted({o for o in ops if o is not None}):
+        idx = torch.tensor([i for i, o in enumerate(ops) if o == v])
+        out[f"ops={v}"] = round(float(solved[idx].mean()), 4)
+    return out
 
 
 def greedy_eval(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
@@ -20,19 +54,37 @@ def greedy_eval(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[
                 ) -> dict[str, float] | tuple[dict[str, float], dict[str, float]]:
     """Greedy accuracies over all `samples`; with `subset`, also those of the first `subset` samples
     (the periodic evaluation set) from the same decoding, as a second dict."""
-    strict, flexible = [], []
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
-    for start in range(0, len(samples), batch_size):
-        ro = engine.generate(prompts[start:start + batch_size], params)
-        texts = tokenizer.batch_decode(ro.response_ids.masked_fill(~ro.response_mask, tokenizer.pad_token_id),
-                                       skip_special_tokens=True)
-        for s, t in zip(samples[start:start + batch_size], texts):
-            strict.append(float(correct_fn(s.data_source, t, s.ground_truth, s.extra) >= 1.0))
-            flexible.append(gsm8k.compute_score(t, s.ground_truth, method="flexible")
-                            if REWARDS.get(s.data_source) is gsm8k.compute_score else 0.0)
+    strict, flexible = (x[:, 0] for x in _scores(engine, tokenizer, samples, prompts, correct_fn, params, batch_size))
 
     def summary(n: int) -> dict[str, float]:
-        return {"accuracy": sum(strict[:n]) / max(1, n), "accuracy_flexible": sum(flexible[:n]) / max(1, n)}
+        return {"accuracy": float(strict[:n].sum()) / max(1, n), "accuracy_flexible": float(flexible[:n].sum()) / max(1, n)}
 
     full = summary(len(samples))
     return full if subset is None else (full, summary(min(subset, len(samples))))
+
+
+def room(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
+         max_new_tokens: int, k: int, temperature: float, seed: int = 0, batch_size: int = 128) -> dict:
+    """Greedy pass@1 and pass@k (any of k samples at `temperature` correct), strict and last-number, overall
+    and by difficulty: {"k": k, "pass@1": {"strict": {...}, "flexible": {...}}, "pass@k": {...}}."""
+    greedy = _scores(engine, tokenizer, samples, prompts, correct_fn,
+                     SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens), batch_size * k)
+    sampled = _scores(engine, tokenizer, samples, prompts, correct_fn,
+                      SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed),
+                      batch_size)
+    out: dict = {"k": k, "temperature": temperature}
+    for label, (strict, flexible) in (("pass@1", greedy), ("pass@k", sampled)):
+        out[label] = {"strict": _by_difficulty(samples, strict.amax(1)),
+                      "flexible": _by_difficulty(samples, flexible.amax(1))}
+    return out
+
+
+def format_room(r: dict) -> str:
+    """One console line per extraction: greedy pass@1 -> pass@k, overall then by difficulty."""
+    lines = []
+    for kind in ("strict", "flexible"):
+        one, many = r["pass@1"][kind], r["pass@k"][kind]
+        cells = ", ".join(f"{key} {one[key]:.3f}/{many[key]:.3f}" for key in one)
+        lines.append(f"  {kind:8s} pass@1/pass@{r['k']} (T={r['temperature']:g}): {cells}")
+    return "\n".join(lines)

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from alignrl.algos.evaluate import greedy_eval
+from alignrl.algos.evaluate import format_room, greedy_eval, room
 from alignrl.algos.grpo import GRPOStep
 from alignrl.algos.placement import place, resolve_strategy
 from alignrl.algos.producer import InlineSource
@@ -140,13 +140,25 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
         placed.sink.publish(trainer.version)
         console.print(f"generation service {cfg.services.generation_url}: weights pushed")
     tracker = Tracker(log_dir, cfg.trainer.logger if env.is_main else [], resume_step=start_step,
-                      write=env.is_main)
+                      write=env.is_main, project=cfg.trainer.project_name, run_name=cfg.trainer.experiment_name,
+                      config=cfg)
 
     val_prompts = encode_prompts(tokenizer, val, cfg.data.max_prompt_length)
     n_val_small = min(cfg.data.val_size_during_training, len(val))
 
     def evaluate(n: int) -> dict[str, float]:
         return greedy_eval(engine, tokenizer, val[:n], val_prompts[:n], correct_fn, cfg.rollout.max_new_tokens)
+
+    def measure_room(label: str) -> dict | None:
+        """pass@1 and pass@k on the held-out set (trainer.eval_pass_at_k), printed and returned."""
+        if not cfg.trainer.eval_pass_at_k:
+            return None
+        t0 = time.time()
+        r = room(engine, tokenizer, val, val_prompts, correct_fn, cfg.rollout.max_new_tokens, cfg.rollout.n,
+                 cfg.rollout.temperature, seed=cfg.trainer.seed)
+        console.print(f"{label} held-out room on {len(val)} problems ({time.time() - t0:.1f}s):\n{format_room(r)}",
+                      markup=False)
+        return r
 
     strategy = resolve_strategy(cfg, env)
     console.print(f"[bold]GRPO[/bold] on {env.world_size} rank(s), strategy {strategy}: {describe_batch(cfg, env.world_size)}")
@@ -159,11 +171,13 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
             console.print(f"base model held-out greedy accuracy: {_fmt(state['base'])} on {len(val)} problems "
                           f"({time.time() - t0:.1f}s)")
             tracker.log(0, {f"val/{k}": v for k, v in small.items()})
+            state["base_room"] = measure_room("base model")
         barrier(env)
 
     def checkpoint(step: int) -> None:
         save_checkpoint(ckpt_root, step, placed.engines(), tokenizer,
                         {"source": source.state_dict(), "trainer": trainer.state_dict(), "base": state.get("base"),
+                         "base_room": state.get("base_room"),
                          "strategy": strategy}, cfg.trainer.max_checkpoints, env)
 
     total = cfg.trainer.total_training_steps
@@ -192,14 +206,19 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     t0 = time.time()
     final = evaluate(len(val))
     console.print(f"final held-out greedy accuracy: {_fmt(final)} on {len(val)} problems ({time.time() - t0:.1f}s)")
+    final_room = measure_room("trained model")
     tracker.plot(log_dir / "curves.png")
     tracker.close()
     base = state["base"]
     summary = {"base_accuracy": base["accuracy"], "final_accuracy": final["accuracy"],
                "gain_points": round(100 * (final["accuracy"] - base["accuracy"]), 2),
                "base_accuracy_flexible": base["accuracy_flexible"],
-               "final_accuracy_flexible": final["accuracy_flexible"], "steps": total,
+               "final_accuracy_flexible": final["accuracy_flexible"],
+               "gain_points_flexible": round(100 * (final["accuracy_flexible"] - base["accuracy_flexible"]), 2),
+               "steps": total,
                "heldout_problems": len(val), "wall_seconds": round(time.time() - wall_start, 1),
                "run_dir": str(run_dir)}
+    if final_room is not None:
+        summary.update(base_room=state.get("base_room"), final_room=final_room)
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary

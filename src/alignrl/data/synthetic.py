@@ -84,10 +84,11 @@ def iter_problems(split: str, seed: int, heldout_fraction: float = 0.2) -> Itera
 
 
 def generate(split: str, size: int, seed: int = 0, system_prompt: str | None = None) -> list[Sample]:
-    """`size` problems of `split` as Samples; `extra["answer"]` holds the worked solution (for SFT)."""
+    """`size` problems of `split` as Samples; `extra["answer"]` holds the worked solution (for SFT) and
+    `extra["ops"]` its number of operations (one equation line each), the problem's difficulty."""
     out = []
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for i, (q, sol, ans) in zip(range(size), iter_problems(split, seed)):
         out.append(Sample(messages=system + [{"role": "user", "content": q}], ground_truth=ans,
-                          data_source=DATA_SOURCE, extra={"answer": sol, "index": i}))
+                          data_source=DATA_SOURCE, extra={"answer": sol, "index": i, "ops": sol.count("\n")}))
     return out

@@ -31,6 +31,9 @@ import torch
 from alignrl.data import synthetic
 
 MARKER = "recipe.json"  # written last: a folder without it was never finished
+# The default recipe's build (a few MB), so a fresh clone skips minutes of SFT; `alignrl build-demo-model`
+# rebuilds it bit for bit from its seed (the build is deterministic on one torch version).
+SHIPPED = Path(__file__).parent / "demo_base"
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,8 @@ def _build_lock(path: Path) -> Iterator[None]:
 
 
 def ensure_demo_model(recipe: TinyRecipe = TinyRecipe(), log=print) -> Path:
-    """Path of the cached demo model for `recipe`, (re)building it first if it is absent or incomplete."""
+    """Path of the cached demo model for `recipe`, (re)building it first if it is absent or incomplete. The
+    default recipe's build ships with the package (`SHIPPED`): it is copied into the cache instead."""
     path = cache_root() / f"demo-{recipe.key()}"
     if demo_model_problem(path, recipe) is None:
         return path
@@ -187,4 +191,11 @@ def ensure_demo_model(recipe: TinyRecipe = TinyRecipe(), log=print) -> Path:
             return path
         if path.exists():
             log(f"demo model cache {path} is incomplete ({problem}); rebuilding it")
+        if SHIPPED.is_dir() and demo_model_problem(SHIPPED, recipe) is None:
+            tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+            shutil.copytree(SHIPPED, tmp, dirs_exist_ok=True)
+            _replace_dir(tmp, path)
+            log(f"demo base model: the shipped build of recipe {recipe.key()} (rebuild it from its seed with "
+                f"`alignrl build-demo-model --seed {recipe.seed}`)")
+            return path
         return build_demo_model(path, recipe, log)

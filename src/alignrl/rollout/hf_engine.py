@@ -1,10 +1,12 @@
 """Embedded rollout engine: batched sampling with a KV cache on a Hugging Face causal LM.
 
 It skips `model.generate`'s generic machinery (logits-processor lists, stopping-criteria objects,
-per-step validation) and compacts the KV cache as rows finish, so late decoding steps only pay for
-the sequences still running. Log-probs are those of the sampled token under the temperature-scaled
-distribution before top-k/top-p filtering: the quantity the trainer recomputes, so the two can be
-compared token by token. Deliberately out of scope: beam search, speculative decoding, paging.
+per-step validation): each prompt is prefilled once for its `n` samples, Llama-family models decode on a
+static KV cache (`rollout.decoder`), sampling is one inverse-CDF draw per row, and finished rows leave the
+batch, so late decoding steps only pay for the sequences still running. Log-probs are those of the sampled
+token under the temperature-scaled distribution before top-k/top-p filtering: the quantity the trainer
+recomputes, so the two can be compared token by token. Deliberately out of scope: beam search, speculative
+decoding, paging.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from transformers import DynamicCache
 from alignrl.data.collate import left_pad, position_ids
 from alignrl.data.records import Rollout
 from alignrl.interfaces import SamplingParams
+from alignrl.rollout.decoder import KVDecoder
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -33,6 +36,16 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return logits
 
 
+def _inverse_cdf(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of (N, V) `probs`: the first token whose cumulative probability exceeds a uniform
+    draw. The same distribution as `torch.multinomial`, about 20x cheaper on a CPU at (256, 512): a cumsum
+    and a binary search instead of its general sampler. `right=True` never lands on a zero-probability
+    token (its cumulative value equals its predecessor's); scaling by the row total absorbs rounding."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand((probs.shape[0], 1), generator=gen, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
 def sample_next(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (N, V) -> sampled token (N,), its log-prob (N,) under the temperature-scaled distribution."""
@@ -44,7 +57,7 @@ def sample_next(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
         logp = torch.log_softmax(logits / p.temperature, -1)
         probs = (_filter_logits(logp, p.top_k, p.top_p).softmax(-1)
                  if (p.top_k > 0 or p.top_p < 1.0) else logp.exp())
-        tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        tok = _inverse_cdf(probs, gen)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
@@ -77,6 +90,16 @@ class HFRolloutEngine:
             hit[j] = any(s in text for s in stop)
         return hit
 
+    def _stepper(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, dev: torch.device):
+        """The fast decoder for Llama-family models, `model(...)` with a DynamicCache for anything else.
+        Each prompt is prefilled once and its cache repeated `n` times: the prefill is the largest forward
+        of a rollout, and its `n` copies would be identical."""
+        ids, mask = left_pad([list(p) for p in prompts], self.pad_id)
+        ids, mask = ids.to(dev), mask.to(dev)
+        if KVDecoder.supports(self.model):
+            return KVDecoder(self.model, ids, mask, max_new_tokens, repeats=n)
+        return _HFStepper(self.model, ids, mask, repeats=n)
+
     @torch.no_grad()  # not inference_mode: the records feed autograd later (as indices, masks)
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
         """Sample `params.n` responses per prompt; rows of one prompt are contiguous (`group`)."""
@@ -94,35 +117,29 @@ class HFRolloutEngine:
         dev = next(self.model.parameters()).device  # records stay on the CPU; the forward runs on `dev`
         eos = self.eos.to(dev)
         gen = torch.Generator(device=dev).manual_seed(params.seed) if params.seed is not None else None
-        cache = DynamicCache()
-        attn = prompt_mask.long().to(dev)
-        out = self.model(input_ids=prompt_ids.to(dev), attention_mask=attn,
-                         position_ids=position_ids(prompt_mask).to(dev), past_key_values=cache, use_cache=True,
-                         logits_to_keep=1)
-        logits = out.logits[:, -1]
-        next_pos = prompt_mask.sum(-1).to(dev)  # position of the first response token, per row
-        active = torch.arange(b)  # rows of the full batch that are still in the cache (CPU indices)
+        stepper = self._stepper(prompts, params.n, steps, dev)
+        logits = stepper.logits
+        active = torch.arange(b)  # rows of the full batch still decoded (CPU indices)
+        live = torch.ones(b, dtype=torch.bool)  # which of `active` are unfinished
         for t in range(steps):
             tok, lp = sample_next(logits, params, gen)
-            out_ids[active, t], out_lp[active, t] = tok.cpu(), lp.cpu()
-            length[active] += 1
-            finished = torch.isin(tok, eos).cpu()
+            rows = active[live]
+            out_ids[rows, t], out_lp[rows, t] = tok.cpu()[live], lp.cpu()[live]
+            length[rows] += 1
+            finished = torch.isin(tok, eos).cpu() & live
             if params.stop:
-                finished |= self._hit_stop(active, out_ids, t, params.stop)
-            done[active] = finished
-            if t == steps - 1 or bool(finished.all()):
+                finished[live] |= self._hit_stop(rows, out_ids, t, params.stop)
+            done[active[finished]] = True
+            live &= ~finished
+            if t == steps - 1 or not bool(live.any()):
                 break
-            keep = ~finished
-            if not bool(keep.all()):  # compact: drop finished rows from the cache and the batch
-                idx = keep.nonzero().squeeze(-1)
-                idx_dev = idx.to(dev)
-                cache.batch_select_indices(idx_dev)
-                active, tok, attn, next_pos = active[idx], tok[idx_dev], attn[idx_dev], next_pos[idx_dev]
-            attn = torch.cat([attn, torch.ones((len(active), 1), dtype=attn.dtype, device=dev)], 1)
-            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                             past_key_values=cache, use_cache=True)
-            logits = out.logits[:, -1]
-            next_pos = next_pos + 1
+            # Finished rows leave the batch once they are an eighth of it: every compaction copies the
+            # whole KV cache, so dropping rows one at a time costs more than decoding a few dead ones.
+            if int((~live).sum()) * 8 >= len(live):
+                idx = live.nonzero().squeeze(-1)
+                stepper.keep(idx.to(dev))
+                active, tok, live = active[idx], tok[idx.to(dev)], live[idx]
+            logits = stepper.step(tok)
         self.model.train(was_training)
 
         width = max(1, int(length.max()))
@@ -130,3 +147,27 @@ class HFRolloutEngine:
         return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=out_ids[:, :width].clone(),
                        response_mask=response_mask, logprobs=out_lp[:, :width] * response_mask,
                        truncated=~done, group=group)
+
+
+class _HFStepper:
+    """Decoding through `model(...)` with a DynamicCache: any HF causal LM."""
+
+    def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int = 1):
+        self.model, self.cache = model, DynamicCache()
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask.long(), position_ids=position_ids(prompt_mask),
+                    past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cache.batch_repeat_interleave(repeats)
+        self.logits = out.logits[:, -1].repeat_interleave(repeats, 0)
+        self.attn = prompt_mask.long().repeat_interleave(repeats, 0)
+        self.next_pos = self.attn.sum(-1)  # position of the next token, per row
+
+    def keep(self, idx: torch.Tensor) -> None:
+        self.cache.batch_select_indices(idx)
+        self.attn, self.next_pos = self.attn[idx], self.next_pos[idx]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.attn = torch.cat([self.attn, torch.ones_like(self.attn[:, :1])], 1)
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.attn, position_ids=self.next_pos[:, None],
+                         past_key_values=self.cache, use_cache=True)
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1]

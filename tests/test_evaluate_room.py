@@ -1,0 +1,48 @@
+"""Held-out pass@1 / pass@k by difficulty, on a scripted engine with hand-worked answers."""
+
+from types import SimpleNamespace
+
+import torch
+
+from alignrl.algos.evaluate import format_room, greedy_eval, room
+from alignrl.data.records import Sample
+from alignrl.rewards.registry import load_reward_fn
+
+
+class ScriptedEngine:
+    """Answers from a table: greedy -> GREEDY[prompt], sampled -> SAMPLED[prompt][j]. A row's text is
+    carried as its index into TEXTS in the first response token."""
+
+    def __init__(self, greedy, sampled):
+        self.greedy, self.sampled = greedy, sampled
+
+    def generate(self, prompts, params):
+        rows = [self.greedy[p[0]] if params.temperature == 0 else self.sampled[p[0]][j]
+                for p in prompts for j in range(params.n)]
+        ids = torch.tensor([[TEXTS.index(t) + 1] for t in rows])
+        return SimpleNamespace(response_ids=ids, response_mask=torch.ones_like(ids, dtype=torch.bool))
+
+
+TEXTS = ["2+3=5\n#### 5", "2+3=5\nThe answer is 5.", "2+3=6\n#### 6", "4*2=8\n8+1=9\n#### 9", "#### 1"]
+TOKENIZER = SimpleNamespace(pad_token_id=0, batch_decode=lambda ids, **_: [TEXTS[int(r[0]) - 1] for r in ids])
+
+
+def _sample(answer: str, ops: int) -> Sample:
+    return Sample(messages=[{"role": "user", "content": "q"}], ground_truth=answer, data_source="synthetic_arith",
+                  extra={"ops": ops})
+
+
+def test_room_counts_any_of_k_and_splits_by_difficulty():
+    samples = [_sample("5", 1), _sample("5", 1), _sample("9", 2)]
+    greedy = {0: TEXTS[0], 1: TEXTS[1], 2: TEXTS[4]}  # strict right, right in plain text, wrong
+    sampled = {0: [TEXTS[2], TEXTS[0]], 1: [TEXTS[2], TEXTS[2]], 2: [TEXTS[4], TEXTS[3]]}
+    r = room(ScriptedEngine(greedy, sampled), TOKENIZER, samples, [[0], [1], [2]], load_reward_fn(None),
+             max_new_tokens=8, k=2, temperature=1.0)
+    assert r["pass@1"]["strict"] == {"all": round(1 / 3, 4), "ops=1": 0.5, "ops=2": 0.0}
+    assert r["pass@1"]["flexible"] == {"all": round(2 / 3, 4), "ops=1": 1.0, "ops=2": 0.0}
+    assert r["pass@k"]["strict"] == {"all": round(2 / 3, 4), "ops=1": 0.5, "ops=2": 1.0}
+    assert r["pass@k"]["flexible"] == r["pass@k"]["strict"]
+    assert "ops=2 0.000/1.000" in format_room(r)
+    # greedy_eval agrees with room's pass@1
+    acc = greedy_eval(ScriptedEngine(greedy, sampled), TOKENIZER, samples, [[0], [1], [2]], load_reward_fn(None), 8)
+    assert acc == {"accuracy": 1 / 3, "accuracy_flexible": 2 / 3}
