@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from alignrl.demos.search_data import World, build_world, corpus_rows, sft_samples, tokenizer_texts
-from alignrl.models.tiny import MARKER, TinyRecipe, _build_lock, _replace_dir, cache_root, demo_model_problem
+from alignrl.models.tiny import TinyRecipe, build_into, cache_root, ensure_built, save_built
 from alignrl.rollout.agent import INFO_CLOSE, INFO_OPEN
 
 
@@ -81,9 +79,7 @@ def build_search_model(out_dir: Path, recipe: SearchRecipe = SearchRecipe(), log
     from alignrl.models.tiny import random_tiny_model
 
     t0 = time.time()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    try:
+    with build_into(out_dir) as tmp:
         world = build_world(recipe.seed)
         samples = sft_samples(world, InProcessSearch(world, recipe.topk).observe, recipe.search_fraction,
                               recipe.seed + 1, recipe.bare_fraction)
@@ -107,27 +103,12 @@ def build_search_model(out_dir: Path, recipe: SearchRecipe = SearchRecipe(), log
                 sft_train(model, tokenizer, part, steps=steps, batch_size=recipe.sft_batch_size, lr=recipe.sft_lr,
                           seed=recipe.seed, max_prompt_length=recipe.arch.max_position_embeddings,
                           on_step=lambda step, loss, start=start: on_step(start + step, loss))
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / MARKER).write_text(json.dumps({**asdict(recipe), "key": recipe.key()}, indent=2))
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        save_built(tmp, model, tokenizer, {**asdict(recipe), "key": recipe.key()})
     log(f"search demo base model ready in {time.time() - t0:.0f}s: {out_dir}")
     return out_dir
 
 
 def ensure_search_model(recipe: SearchRecipe = SearchRecipe(), log=print) -> Path:
     """The cached base model for `recipe`, (re)built first when absent or incomplete."""
-    path = cache_root() / f"search-demo-{recipe.key()}"
-    if demo_model_problem(path, recipe) is None:
-        return path
-    with _build_lock(path):
-        problem = demo_model_problem(path, recipe)  # another process may have built it while we waited
-        if problem is None:
-            return path
-        if path.exists():
-            log(f"search demo model cache {path} is incomplete ({problem}); rebuilding it")
-        return build_search_model(path, recipe, log)
+    return ensure_built(cache_root() / f"search-demo-{recipe.key()}", recipe,
+                        lambda path: build_search_model(path, recipe, log), "search demo model", log)

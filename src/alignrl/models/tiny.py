@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -108,9 +108,7 @@ def build_demo_model(out_dir: Path, recipe: TinyRecipe = TinyRecipe(), log=print
     from alignrl.algos.sft import sft_train
 
     t0 = time.time()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    try:
+    with build_into(out_dir) as tmp:
         tokenizer = build_tokenizer(recipe, tmp)
         model = random_tiny_model(tokenizer, recipe)
         n_params = sum(p.numel() for p in model.parameters())
@@ -124,16 +122,31 @@ def build_demo_model(out_dir: Path, recipe: TinyRecipe = TinyRecipe(), log=print
 
         sft_train(model, tokenizer, data, steps=recipe.sft_steps, batch_size=recipe.sft_batch_size,
                   lr=recipe.sft_lr, seed=recipe.seed, on_step=on_step)
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / MARKER).write_text(json.dumps({**asdict(recipe), "key": recipe.key()}, indent=2))
+        save_built(tmp, model, tokenizer, {**asdict(recipe), "key": recipe.key()})
+    log(f"demo base model ready in {time.time() - t0:.0f}s: {out_dir}")
+    return out_dir
+
+
+@contextmanager
+def build_into(out_dir: Path) -> Iterator[Path]:
+    """A fresh folder beside `out_dir` to build in; it becomes `out_dir` when the block ends normally and is
+    removed when it raises, so `out_dir` is never seen half written."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    try:
+        yield tmp
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"demo base model ready in {time.time() - t0:.0f}s: {out_dir}")
-    return out_dir
+
+
+def save_built(folder: Path, model, tokenizer, recipe: dict) -> None:
+    """Model, tokenizer and, last, the recipe marker: a folder without the marker was never finished."""
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / MARKER).write_text(json.dumps(recipe, indent=2))
 
 
 def _replace_dir(new: Path, out_dir: Path) -> None:
@@ -168,7 +181,7 @@ def demo_model_problem(path: Path, recipe: TinyRecipe) -> str | None:
 
 
 @contextmanager
-def _build_lock(path: Path) -> Iterator[None]:
+def build_lock(path: Path) -> Iterator[None]:
     """An exclusive lock beside the cache folder: a second builder (another process, another rank) waits
     here and then finds the folder the first one finished. Released by the OS if the holder dies."""
     import fcntl
@@ -179,23 +192,30 @@ def _build_lock(path: Path) -> Iterator[None]:
         yield
 
 
-def ensure_demo_model(recipe: TinyRecipe = TinyRecipe(), log=print) -> Path:
-    """Path of the cached demo model for `recipe`, (re)building it first if it is absent or incomplete. The
-    default recipe's build ships with the package (`SHIPPED`): it is copied into the cache instead."""
-    path = cache_root() / f"demo-{recipe.key()}"
+def ensure_built(path: Path, recipe, build: Callable[[Path], Path], what: str, log=print) -> Path:
+    """`path` when it holds a complete build of `recipe`, else `build(path)` under the build lock (another
+    process may have finished it while this one waited)."""
     if demo_model_problem(path, recipe) is None:
         return path
-    with _build_lock(path):
-        problem = demo_model_problem(path, recipe)  # another process may have built it while we waited
+    with build_lock(path):
+        problem = demo_model_problem(path, recipe)
         if problem is None:
             return path
         if path.exists():
-            log(f"demo model cache {path} is incomplete ({problem}); rebuilding it")
+            log(f"{what} cache {path} is incomplete ({problem}); rebuilding it")
+        return build(path)
+
+
+def ensure_demo_model(recipe: TinyRecipe = TinyRecipe(), log=print) -> Path:
+    """Path of the cached demo model for `recipe`, (re)building it first if it is absent or incomplete. The
+    default recipe's build ships with the package (`SHIPPED`): it is copied into the cache instead."""
+    def build(path: Path) -> Path:
         if SHIPPED.is_dir() and demo_model_problem(SHIPPED, recipe) is None:
-            tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-            shutil.copytree(SHIPPED, tmp, dirs_exist_ok=True)
-            _replace_dir(tmp, path)
+            with build_into(path) as tmp:
+                shutil.copytree(SHIPPED, tmp, dirs_exist_ok=True)
             log(f"demo base model: the shipped build of recipe {recipe.key()} (rebuild it from its seed with "
                 f"`alignrl build-demo-model --seed {recipe.seed}`)")
             return path
         return build_demo_model(path, recipe, log)
+
+    return ensure_built(cache_root() / f"demo-{recipe.key()}", recipe, build, "demo model", log)
