@@ -134,7 +134,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, cfg: RunConfig | None) -> int:
+    """`cfg`: the loaded run config of `train` / `demo` (None for the other commands)."""
     if args.command == "config":
         from alignrl.config import reference_markdown, to_yaml
 
@@ -147,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
         build_demo_model(Path(args.out) if args.out else cache_root() / f"demo-{recipe.key()}", recipe)
         return 0
     start = time.time()
-    cfg = _config(args)
+    assert cfg is not None
     # under raw torchrun every rank checks before joining the process group, so a bad split fails at once
     preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     from alignrl.algos.runner import train_grpo
@@ -178,16 +179,18 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         args = _parse(argv)
+        # loaded once: with verl's total_epochs it counts the data files' rows
+        cfg = _config(args) if args.command in ("train", "demo") else None
         if not nproc and args.command == "train" and "LOCAL_RANK" not in os.environ \
                 and not os.environ.get("RAY_ADDRESS"):  # verl's trainer.nnodes × n_gpus_per_node; Ray places its own
             from alignrl.config.verl_keys import requested_world_size
 
-            nproc = requested_world_size(_config(args))
+            nproc = requested_world_size(cfg)
         if nproc and nproc > 1 and "LOCAL_RANK" not in os.environ:
-            if args.command in ("train", "demo"):  # a bad config fails here, once, not on every rank
-                preflight(_config(args), nproc, reward_fn=True)
+            if cfg is not None:  # a bad config fails here, once, not on every rank
+                preflight(cfg, nproc, reward_fn=True)
             return torchrun(nproc, ["alignrl", *argv])
-        return _run(args)
+        return _run(args, cfg)
     except Exception as e:
         # ConfigError first: _user_errors() imports torch and friends, seconds before a config error's line
         if not (isinstance(e, ConfigError) or isinstance(e, _user_errors())):
