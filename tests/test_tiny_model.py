@@ -70,3 +70,22 @@ def test_the_shipped_build_is_the_default_recipe():
     from alignrl.models.tiny import SHIPPED, demo_model_problem
 
     assert demo_model_problem(SHIPPED, TinyRecipe()) is None
+
+
+def test_slipped_sft_solutions_add_what_was_given_away_and_keep_the_answers():
+    plain = synthetic.generate("train", 400, seed=2)
+    slipped = synthetic.generate("train", 400, seed=2, slip=0.6)
+    assert [s.messages for s in slipped] == [s.messages for s in plain]
+    assert [s.ground_truth for s in slipped] == [s.ground_truth for s in plain]
+    assert [s.extra["answer"] for s in synthetic.generate("train", 400, seed=2, slip=0.0)] == \
+        [s.extra["answer"] for s in plain]
+    changed = [(a, b) for a, b in zip(plain, slipped) if a.extra["answer"] != b.extra["answer"]]
+    gives = [a for a in plain if "gives" in a.messages[-1]["content"]]
+    assert 0.45 * len(gives) < len(changed) <= len(gives)  # only "gives away" steps slip, about 60% of them
+    for a, b in changed:
+        assert "gives" in a.messages[-1]["content"] and b.extra["answer"].count("-") < a.extra["answer"].count("-")
+        assert b.extra["answer"].rsplit("#### ", 1)[1] != a.ground_truth  # the mistake is carried to the end
+        assert a.extra["answer"].rsplit("#### ", 1)[1] == a.ground_truth
+    loses = [(a, b) for a, b in zip(plain, slipped) if "loses" in a.messages[-1]["content"]
+             and "gives" not in a.messages[-1]["content"]]
+    assert loses and all(a.extra["answer"] == b.extra["answer"] for a, b in loses)  # other subtractions stay

@@ -1,12 +1,16 @@
 """The embedded demo base model, built here from a seed: no hub download.
 
 Recipe: train a byte-level BPE tokenizer on the synthetic arithmetic task, initialise a small
-Qwen2-architecture causal LM, and supervised-fine-tune it briefly on worked solutions so that it is
-mediocre rather than hopeless: it sets problems up correctly but its arithmetic is unreliable, and,
-like a chat model fine-tuned on mixed sources, it ends only part of its answers with the strict
-`#### N` line (the rest with "The answer is N."; `plain_answer_fraction` of the SFT targets). That is
-the situation of the GSM8K GRPO recipes: a strict-format reward has both the format and the
-arithmetic to teach. The result is a plain HF folder loadable with `AutoModelForCausalLM`.
+Qwen2-architecture causal LM, and supervised-fine-tune it on worked solutions that carry two flaws of
+real SFT data, so that RL has something to fix beyond luck:
+- like a chat model fine-tuned on mixed sources, only part of its answers end with the strict `#### N`
+  line (the rest with "The answer is N."; `plain_answer_fraction` of the SFT targets);
+- like a model fine-tuned on a sloppy annotator's solutions, it has a misconception: `slip_fraction` of the
+  "gives N to a friend" steps in its SFT targets add N instead of subtracting it (the same subtraction
+  phrased "loses N" is always right, so the model can subtract). Its greedy answer to a "gives" problem is
+  then usually wrong while its samples are sometimes right: the room (pass@k above pass@1) that RL from the
+  answer reward alone turns into greedy accuracy.
+The result is a plain HF folder loadable with `AutoModelForCausalLM`.
 
 The folder is cached under `$ALIGNRL_CACHE` (default `~/.cache/alignrl`) keyed by a hash of the
 recipe, so a second run reuses it and a changed recipe never picks up a stale model. A cached folder is
@@ -47,10 +51,11 @@ class TinyRecipe:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 256
     tokenizer_corpus: int = 5000  # synthetic problems the tokenizer is trained on
-    sft_steps: int = 400
+    sft_steps: int = 600
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
     plain_answer_fraction: float = 0.5  # SFT targets ending "The answer is N." instead of "#### N"
+    slip_fraction: float = 0.7  # "gives away" steps the SFT targets add instead of subtract
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -94,7 +99,8 @@ def sft_data(recipe: TinyRecipe):
 
     rng = random.Random(recipe.seed + 3)
     out = []
-    for s in synthetic.generate("train", recipe.sft_steps * recipe.sft_batch_size, seed=recipe.seed + 2):
+    for s in synthetic.generate("train", recipe.sft_steps * recipe.sft_batch_size, seed=recipe.seed + 2,
+                                slip=recipe.slip_fraction):
         if rng.random() < recipe.plain_answer_fraction:
             body = s.extra["answer"].rsplit("\n", 1)[0]
             s = replace(s, extra={**s.extra, "answer": f"{body}\nThe answer is {s.ground_truth}."})
@@ -105,9 +111,20 @@ def sft_data(recipe: TinyRecipe):
 def build_demo_model(out_dir: Path, recipe: TinyRecipe = TinyRecipe(), log=print) -> Path:
     """Build tokenizer + SFT'd tiny Qwen2 into `out_dir`. Built in a temporary folder beside it and renamed
     into place, `recipe.json` last: `out_dir` is never seen half written."""
+    t0 = time.time()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: the same float sums, so the same bytes, on any machine's core count
+    try:
+        _build(out_dir, recipe, log, t0)
+    finally:
+        torch.set_num_threads(threads)
+    log(f"demo base model ready in {time.time() - t0:.0f}s: {out_dir}")
+    return out_dir
+
+
+def _build(out_dir: Path, recipe: TinyRecipe, log, t0: float) -> None:
     from alignrl.algos.sft import sft_train
 
-    t0 = time.time()
     with build_into(out_dir) as tmp:
         tokenizer = build_tokenizer(recipe, tmp)
         model = random_tiny_model(tokenizer, recipe)
@@ -123,8 +140,6 @@ def build_demo_model(out_dir: Path, recipe: TinyRecipe = TinyRecipe(), log=print
         sft_train(model, tokenizer, data, steps=recipe.sft_steps, batch_size=recipe.sft_batch_size,
                   lr=recipe.sft_lr, seed=recipe.seed, on_step=on_step)
         save_built(tmp, model, tokenizer, {**asdict(recipe), "key": recipe.key()})
-    log(f"demo base model ready in {time.time() - t0:.0f}s: {out_dir}")
-    return out_dir
 
 
 @contextmanager
