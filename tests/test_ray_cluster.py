@@ -3,6 +3,7 @@ fake GPUs as in seed 001, bound to 127.0.0.1, shut down by the module fixture): 
 read back from Ray's placement tables, the Ray loop against the in-process loop, an impossible
 placement, and a killed worker."""
 
+import json
 import os
 import signal
 import subprocess
@@ -148,23 +149,130 @@ def test_a_placement_that_is_never_granted_fails_after_its_timeout(cluster, caps
     assert all_gpus_free()  # nothing left reserved
 
 
+def reward_model(tiny_model_dir, folder: Path) -> Path:
+    """A sequence-classification head (seeded) on the tiny model: a reward model whose scores differ by row."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.timeout(300)
-def test_two_ray_steps_match_the_in_process_loop(cluster, tiny_model_dir, tmp_path, capsys):
+def test_two_ray_steps_match_the_in_process_loop_and_a_rerun_resumes_exactly(cluster, tiny_model_dir, tmp_path,
+                                                                             capsys):
     """Same global batch (one engine: the in-process rows and seeds), two DDP ranks against one process,
-    one optimizer step per RL step (the mini-batch shuffle is per rank): equal weights up to the float
-    order of the all-reduce and the micro-batches (atol 1e-6)."""
-    argv = tiny(tiny_model_dir, tmp_path / "ray", 2, "--train_batch_size", "16")
+    one optimizer step per RL step (the mini-batch shuffle is per rank), the reward model in a group of
+    its own (2 nodes × 1: each worker scores half the rows) against the in-process one: equal weights up
+    to the float order of the all-reduce and the micro-batches (atol 1e-6). Then the stopped run is rerun
+    with `--load_checkpoint` to step 3: it resumes from the step-2 checkpoint in `--ckpt_path` and ends
+    with the weights of an uninterrupted 3-step in-process run (atol 1e-6; the lr schedule is constant,
+    so the runs' different step counts change nothing else)."""
+    ckpt, rm = tmp_path / "ckpt", reward_model(tiny_model_dir, tmp_path / "rm")
+    argv = tiny(tiny_model_dir, tmp_path / "ray", 2, "--train_batch_size", "16", "--ckpt_path", str(ckpt),
+                "--reward_pretrain", str(rm), "--reward_num_nodes", "2", "--reward_num_gpus_per_node", "1")
     assert main(argv) == 0, capsys.readouterr().err
+    placed = json.loads((tmp_path / "ray" / "placement.json").read_text())
+    rms = [w for w in placed["workers"] if w["name"].startswith("reward model rank")]
+    assert len({w["node_id"] for w in rms}) == 2 and {w["group"] for w in rms} == {"reward"}, rms
     args = F.parser().parse_args(argv)
-    cfg = load_config(None, F.overrides(args, gpus=False, total_steps=2) + [f"trainer.output_dir={tmp_path}",
-                                                                            "trainer.experiment_name=inline"])
-    train_grpo(cfg)
-    a = load_file(tmp_path / "ray" / "checkpoints" / "global_step_2" / "model" / "model.safetensors")
-    b = load_file(tmp_path / "inline" / "checkpoints" / "global_step_2" / "model" / "model.safetensors")
+    for steps in (2, 3):
+        train_grpo(load_config(None, F.overrides(args, gpus=False, total_steps=steps) + [
+            f"trainer.output_dir={tmp_path}", f"trainer.experiment_name=inline{steps}",
+            "trainer.checkpoint_dir=checkpoints"]))
+    a = load_file(ckpt / "global_step_2" / "model" / "model.safetensors")
+    b = load_file(tmp_path / "inline2" / "checkpoints" / "global_step_2" / "model" / "model.safetensors")
     base = load_file(Path(tiny_model_dir) / "model.safetensors")
     assert any(not torch.equal(base[k], a[k]) for k in a), "the Ray run did not train"
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+    before = metric_rows(tmp_path / "ray")
+    assert main(argv + ["--total_steps", "3", "--load_checkpoint"]) == 0, capsys.readouterr().err  # last flag wins
+    after = metric_rows(tmp_path / "ray")
+    assert after[:len(before)] == before and [r["step"] for r in after[len(before):]] == [3], after  # resumed
+    c = load_file(ckpt / "global_step_3" / "model" / "model.safetensors")
+    d = load_file(tmp_path / "inline3" / "checkpoints" / "global_step_3" / "model" / "model.safetensors")
+    assert any(not torch.equal(a[k], c[k]) for k in a), "the rerun did not train step 3"
+    for k in c:
+        torch.testing.assert_close(c[k], d[k], rtol=0, atol=1e-6, msg=k)
+    print(f"max |ray - in-process|: step 2 {max(float((a[k] - b[k]).abs().max()) for k in a):.1e}, "
+          f"step 3 after the resume {max(float((c[k] - d[k]).abs().max()) for k in c):.1e}")
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def verl_args(model_dir, steps: int) -> list[str]:
+    """Seed 003's `python3 -m verl.trainer.main_ppo` arguments (PPO with GAE, KL in the reward, a critic,
+    verl's checkpoint folder) on two nodes × one unit, shrunk to the tiny model and 4 prompts a step."""
+    return ["train", "ppo", "data.train_batch_size=4", "data.val_data_num=4", "data.max_prompt_length=64",
+            "data.max_response_length=8", "data.shuffle_train_dataloader=True", "algorithm.adv_estimator=gae",
+            f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.actor.optim.lr=1e-3",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size=2",
+            "actor_rollout_ref.rollout.n_agent=1", "actor_rollout_ref.rollout.temperature=1",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.name=vllm",
+            "critic.optim.lr=1e-3", f"critic.model.path={model_dir}", "critic.ppo_micro_batch_size=2",
+            "algorithm.kl_ctrl.kl_coef=0.001", "trainer.critic_warmup=0", "trainer.logger=['console','jsonl']",
+            "trainer.n_gpus_per_node=1", "trainer.nnodes=2", "trainer.save_freq=1", "trainer.test_freq=0",
+            "trainer.project_name=ray-job", "trainer.experiment_name=ppo-2x1", f"trainer.total_training_steps={steps}",
+            "trainer.default_local_dir=verl_checkpoints/ppo-2x1", "trainer.threads=1", "trainer.progress_bar=false"]
+
+
+@pytest.mark.timeout(300)
+def test_a_verl_run_inside_a_ray_job_is_placed_on_both_nodes(cluster, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """`alignrl train ppo <seed 003's arguments>` with RAY_ADDRESS set (as inside `ray job submit`): two
+    actor ranks (trainer.nnodes=2 × n_gpus_per_node=1), each with its rollout engine and reference worker
+    in its unit, one per node as Ray's placement table says; checkpoints and logs where trainer.* puts
+    them (relative to the job's working directory). A rerun with trainer.total_training_steps=3 resumes
+    from the step-2 checkpoint (trainer.resume_mode=auto, verl's default here)."""
+    from alignrl.cli import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    assert all_gpus_free()
+    assert cli(verl_args(tiny_model_dir, 2)) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "actor 2 node(s) × 1 GPU (with ref, engine0, engine1) = 2 GPU" in out, out[-3000:]
+    run = tmp_path / "output" / "ppo-2x1"
+    placed = json.loads((run / "placement.json").read_text())
+    table = placed["groups"]["actor"]
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert table["strategy"] == "STRICT_SPREAD" and set(table["bundles_to_node_id"].values()) == alive
+    assert table["roles"] == ["actor", "ref", "engine0", "engine1"]
+    by_name = {w["name"]: w for w in placed["workers"]}
+    for role in ("actor rank", "reference rank", "rollout engine"):
+        nodes = [by_name[f"{role} {i}"]["node_id"] for i in range(2)]
+        assert set(nodes) == alive, (role, nodes)  # one of each on each node
+        assert all(table["bundles_to_node_id"][str(by_name[f"{role} {i}"]["bundle"])] == nodes[i] for i in range(2))
+    ckpt = tmp_path / "verl_checkpoints" / "ppo-2x1"
+    for step in (1, 2):
+        assert (ckpt / f"global_step_{step}" / "model" / "model.safetensors").is_file()
+        assert (ckpt / f"global_step_{step}" / "critic").is_dir()
+    before = metric_rows(run)
+    assert [r["step"] for r in before if "timing/step" in r] == [1, 2]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    assert all_gpus_free()
+    assert cli(verl_args(tiny_model_dir, 3)) == 0, capsys.readouterr().err
+    after = metric_rows(run)  # steps 0..2 kept as they were (a fresh start would rewrite them): resumed
+    assert after[:len(before)] == before and [r["step"] for r in after[len(before):]] == [3], after
+    assert (ckpt / "global_step_3" / "model" / "model.safetensors").is_file()
+
+
+def test_a_verl_run_asking_for_more_nodes_than_the_cluster_has_fails_at_once(cluster, tiny_model_dir, tmp_path,
+                                                                              monkeypatch, capsys):
+    from alignrl.cli import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    assert all_gpus_free()
+    t0 = time.monotonic()
+    argv = [a.replace("trainer.nnodes=2", "trainer.nnodes=4") for a in verl_args(tiny_model_dir, 1)]
+    assert cli(argv) == 2 and time.monotonic() - t0 < 10
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("alignrl train ppo: error: placement asked for actor 4 node(s) × 1 GPU") and \
+        "the cluster has 2 node(s)" in err, err
 
 
 @pytest.mark.slow

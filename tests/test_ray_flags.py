@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from alignrl.cluster import flags as F
-from alignrl.cluster.plan import describe, requests
+from alignrl.cluster.plan import Layout, describe, requests
 from alignrl.config import load_config
 
 SEED_001 = ["--ref_num_nodes", "2", "--ref_num_gpus_per_node", "4", "--actor_num_nodes", "2",
@@ -92,3 +92,31 @@ def test_seed_001_training_scripts_pass_the_checks(script, tmp_path):
     load_config(None, F.overrides(args, gpus=False, total_steps=3))
     assert describe(requests(args), gpus=True) == ("actor 2 node(s) × 4 GPU (with ref); engine0 1 node(s) × 4 GPU; "
                                                    "engine1 1 node(s) × 4 GPU = 16 GPU")
+
+
+def test_verl_hybrid_layout_puts_actor_engine_and_reference_in_every_unit():
+    """trainer.nnodes × trainer.n_gpus_per_node as verl's hybrid engine: one placement group of the actor's
+    units, an engine of TP 1 per rank, the reference colocated (only when a KL term needs it)."""
+    reqs = requests(Layout.hybrid(2, 4, reference=True))
+    assert {k: (r.nodes, r.per_node, r.roles) for k, r in reqs.items()} == {
+        "actor": (2, 4, ["actor", "ref"] + [f"engine{e}" for e in range(8)])}
+    assert describe(reqs, gpus=False) == ("actor 2 node(s) × 4 CPU (with ref, engine0, engine1, engine2, engine3, "
+                                          "engine4, engine5, engine6, engine7) = 8 CPU")
+    assert list(requests(Layout.hybrid(1, 1, reference=False))["actor"].roles) == ["actor", "engine0"]
+
+
+def test_reward_model_group_honours_colocate_critic_reward():
+    flags = ["--reward_pretrain", "rm", "--reward_num_nodes", "2", "--reward_num_gpus_per_node", "1",
+             "--critic_num_nodes", "2", "--critic_num_gpus_per_node", "1"]
+    assert requests(parse(*flags))["reward"].roles == ["reward"]
+    assert "reward" not in requests(parse(*flags, "--colocate_critic_reward"))
+    assert requests(parse(*flags, "--colocate_critic_reward"))["critic"].roles == ["critic", "reward"]
+
+
+def test_a_config_that_places_its_own_producers_is_refused_inside_a_ray_job(monkeypatch, capsys):
+    from alignrl.cli import main
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # never reached: refused before connecting
+    assert main(["train", "ppo", "pipeline.placement=zmq", "trainer.nnodes=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pipeline.placement=zmq" in err and "unset RAY_ADDRESS" in err, err

@@ -1,7 +1,9 @@
 """Seed 001's cluster script on this machine: a head and a worker node (their own ports and temp dirs),
-`ray status` showing both, `ray job submit` of a short `alignrl train ppo-ray` run through the
-dashboard port, and the script's `stop` leaving no process of either node behind."""
+`ray status` showing both, `ray job submit` of a short `alignrl train ppo-ray` run and of a verl-style
+`alignrl train ppo` run (placed on both nodes) through the dashboard port, and the script's `stop`
+leaving no process of either node behind."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -63,6 +65,23 @@ def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
                   base, timeout=300)
         assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, (job.stdout + job.stderr)[-3000:]
         assert (tmp_path / "run" / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
+        # seed 003's form: verl's arguments after `alignrl train ppo`; trainer.nnodes × n_gpus_per_node = 2 × 1
+        # actor ranks (with their engines) placed on the two nodes as CPU processes
+        job = run(["ray", "job", "submit", f"--address=http://127.0.0.1:{ports[1]}", "--", "alignrl", "train", "ppo",
+                   f"actor_rollout_ref.model.path={tiny_model_dir}", "data.train_batch_size=4", "data.val_data_num=4",
+                   "data.max_response_length=8", "actor_rollout_ref.rollout.n_agent=2",
+                   "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                   "actor_rollout_ref.actor.ppo_micro_batch_size=4", "algorithm.use_kl_in_reward=false",
+                   "trainer.nnodes=2", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=1",
+                   "trainer.test_freq=0", "trainer.logger=['console','jsonl']", "trainer.threads=1",
+                   f"trainer.default_local_dir={tmp_path / 'verl_ckpt'}", f"trainer.output_dir={tmp_path}",
+                   "trainer.experiment_name=verl"], base, timeout=300)
+        assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, (job.stdout + job.stderr)[-3000:]
+        assert "placement: actor 2 node(s) × 1 CPU (with engine0, engine1) = 2 CPU" in job.stdout, job.stdout[-3000:]
+        assert (tmp_path / "verl_ckpt" / "global_step_1" / "model" / "model.safetensors").is_file()
+        placed = json.loads((tmp_path / "verl" / "placement.json").read_text())
+        ranks = [w["node_id"] for w in placed["workers"] if w["name"].startswith("actor rank")]
+        assert len(set(ranks)) == 2, placed
     finally:
         for env in (worker, head):
             run(["bash", str(SCRIPT), "stop"], env)

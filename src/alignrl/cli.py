@@ -181,8 +181,14 @@ def main(argv: list[str] | None = None) -> int:
         args = _parse(argv)
         # loaded once: with verl's total_epochs it counts the data files' rows
         cfg = _config(args) if args.command in ("train", "demo") else None
-        if not nproc and args.command == "train" and "LOCAL_RANK" not in os.environ \
-                and not os.environ.get("RAY_ADDRESS"):  # verl's trainer.nnodes × n_gpus_per_node; Ray places its own
+        if not nproc and args.command == "train" and "LOCAL_RANK" not in os.environ and os.environ.get("RAY_ADDRESS"):
+            # inside a Ray job: trainer.nnodes × n_gpus_per_node ranks placed on the cluster (verl's layout)
+            from alignrl.cluster.verl_job import run_on_ray
+
+            preflight(cfg, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node, reward_fn=True)
+            return run_on_ray(cfg, f"alignrl train {args.algorithm}")
+        if not nproc and args.command == "train" and "LOCAL_RANK" not in os.environ:
+            # verl's trainer.nnodes × n_gpus_per_node as local torchrun ranks
             from alignrl.config.verl_keys import requested_world_size
 
             nproc = requested_world_size(cfg)

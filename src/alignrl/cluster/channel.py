@@ -1,5 +1,6 @@
 """The Ray channel of the loop: the BatchSource and WeightSink an actor-group rank runs with, and the
-RefScorer a rollout engine uses when the reference group is its own set of Ray actors.
+RefScorer and reward-model scorer a rollout engine uses when the reference or the reward model is a
+group of Ray actors of its own.
 
     actor rank r: RaySource.next_batch(step) --batch(step, share e)--> rollout engine e (each share once)
                   <-- ScoredBatch (Ray's object store) ; all shares merged ; rank r keeps its prompt groups
@@ -38,8 +39,10 @@ class ClusterError(RuntimeError):
 class Peer:
     """A Ray actor handle with the name error lines give it ("rollout engine 0 on node 10.0.0.5 (ab12cd34)")."""
 
-    def __init__(self, handle, name: str):
+    def __init__(self, handle, name: str, group: str = "", bundle: int = 0, units: float = 0.0):
         self.handle, self.name = handle, name
+        self.group, self.bundle, self.units = group, bundle, units  # where the driver placed it
+        self.pid, self.node_id = 0, ""  # filled in once it is up
 
 
 def get(refs: list, peers: list[Peer], timeout_s: float) -> list:
@@ -93,6 +96,21 @@ class RayRefScorer:
         parts = [t.tensor_split(n) for t in (prompt_ids, prompt_mask, response_ids, response_mask)]
         use = [(w, args) for w, args in zip(self.workers, zip(*parts)) if len(args[0])]
         refs = [w.handle.logprobs.remote(*args) for w, args in use]
+        return torch.cat(get(refs, [w for w, _ in use], self.timeout_s))
+
+
+class RayRewardScorer:
+    """The reward model as the reward stage's SequenceScorer, over the reward group's Ray actors: rows split
+    evenly, one call per worker, scores (B,) in row order."""
+
+    def __init__(self, workers: list[Peer], name: str, timeout_s: float = 600.0):
+        self.workers, self.name, self.timeout_s = workers, name, timeout_s
+
+    def score(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+        n = len(self.workers)
+        parts = [t.tensor_split(n) for t in (prompt_ids, prompt_mask, response_ids, response_mask)]
+        use = [(w, args) for w, args in zip(self.workers, zip(*parts)) if len(args[0])]
+        refs = [w.handle.score.remote(*args) for w, args in use]
         return torch.cat(get(refs, [w for w, _ in use], self.timeout_s))
 
 

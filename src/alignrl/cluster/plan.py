@@ -1,4 +1,5 @@
-"""Placement groups from the flags: which worker group goes where, reserved before any model loads.
+"""Placement groups from a Layout (OpenRLHF's flags, or verl's hybrid engine from trainer.nnodes ×
+trainer.n_gpus_per_node): which worker group goes where, reserved before any model loads.
 
 A group of N nodes × G GPUs is one placement group of N node-bundles of G units each, STRICT_SPREAD
 over N distinct nodes (one bundle when N is 1), so "2 nodes × 4 GPUs" is what the cluster gives.
@@ -63,29 +64,65 @@ class Slot:
         return self.group.node_of[self.bundle]
 
 
-def requests(args) -> dict[str, GroupRequest]:
-    """Placement groups by name, each with the roles that share it."""
-    out: dict[str, GroupRequest] = {}
+@dataclass
+class Layout:
+    """What either command line asks to place: nodes × units of each worker group that runs (actor, and
+    ref / critic / reward when they have Ray workers of their own), the rollout engines, the colocation."""
+
+    groups: dict[str, tuple[int, int]]  # role -> (nodes, units per node)
+    engines: int
+    tp: int
+    colocate_actor_ref: bool = False
+    colocate_critic_reward: bool = False
+    colocate_all_models: bool = False
+
+    def world(self, role: str) -> int:
+        nodes, per_node = self.groups[role]
+        return nodes * per_node
+
+    def per_node(self, role: str) -> int:
+        return self.groups[role][1]
+
+    @classmethod
+    def from_flags(cls, args) -> Layout:
+        """OpenRLHF's flags: the groups their estimator, KL and reward flags make run."""
+        roles = ["actor"] + [r for r, used in (("ref", uses_reference(args)), ("critic", uses_critic(args)),
+                                               ("reward", uses_reward_model(args))) if used]
+        return cls({r: (getattr(args, f"{r}_num_nodes"), getattr(args, f"{r}_num_gpus_per_node")) for r in roles},
+                   args.vllm_num_engines, args.vllm_tensor_parallel_size, args.colocate_actor_ref,
+                   args.colocate_critic_reward, args.colocate_all_models)
+
+    @classmethod
+    def hybrid(cls, nodes: int, per_node: int, reference: bool) -> Layout:
+        """verl's hybrid engine (`trainer.nnodes` × `trainer.n_gpus_per_node`): every unit holds one actor
+        rank, one rollout engine of tensor-parallel size 1 and, with a KL term, one reference worker."""
+        groups = {"actor": (nodes, per_node), **({"ref": (nodes, per_node)} if reference else {})}
+        return cls(groups, nodes * per_node, 1, colocate_actor_ref=True, colocate_all_models=True)
+
+
+def requests(layout) -> dict[str, GroupRequest]:
+    """Placement groups by name, each with the roles that share it (`layout`: a Layout, or the flags)."""
+    if not isinstance(layout, Layout):
+        layout = Layout.from_flags(layout)
+    lay, out = layout, {}
 
     def add(role: str, home: str | None = None) -> None:
+        if role not in lay.groups:
+            return
         if home is not None and home in out:
             out[home].roles.append(role)
             return
-        out[role] = GroupRequest(role, getattr(args, f"{role}_num_nodes"), getattr(args, f"{role}_num_gpus_per_node"),
-                                 [role])
+        out[role] = GroupRequest(role, *lay.groups[role], [role])
 
     add("actor")
-    if uses_reference(args):
-        add("ref", "actor" if args.colocate_actor_ref or args.colocate_all_models else None)
-    if uses_critic(args):
-        add("critic", "actor" if args.colocate_all_models else None)
-    if uses_reward_model(args):
-        add("reward", "actor" if args.colocate_all_models else "critic" if args.colocate_critic_reward else None)
-    for e in range(args.vllm_num_engines):
-        if args.colocate_all_models:
+    add("ref", "actor" if lay.colocate_actor_ref or lay.colocate_all_models else None)
+    add("critic", "actor" if lay.colocate_all_models else None)
+    add("reward", "actor" if lay.colocate_all_models else "critic" if lay.colocate_critic_reward else None)
+    for e in range(lay.engines):
+        if lay.colocate_all_models:
             out["actor"].roles.append(f"engine{e}")
         else:
-            out[f"engine{e}"] = GroupRequest(f"engine{e}", 1, args.vllm_tensor_parallel_size, [f"engine{e}"])
+            out[f"engine{e}"] = GroupRequest(f"engine{e}", 1, lay.tp, [f"engine{e}"])
     return out
 
 

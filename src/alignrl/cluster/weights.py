@@ -56,7 +56,8 @@ class BroadcastGroup:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
         prefix = dist.PrefixStore("alignrl-weights", store)
-        self.store, self.rank, self.device = store, rank, device  # the store lives as long as the group
+        self.store, self.rank = store, rank  # the store lives as long as the group
+        self.device = device if backend == "nccl" else torch.device("cpu")  # gloo: staged through host memory
         if backend == "nccl":
             self.pg = dist.ProcessGroupNCCL(prefix, rank, size, dist.ProcessGroupNCCL.Options())
         else:

@@ -1,5 +1,5 @@
 """The worker-group Ray actors: an actor-group rank (the trainer side of the loop), a reference worker,
-a rollout engine (the producer side). Each is a plain class made a Ray actor by the driver
+a reward-model worker, a rollout engine (the producer side). Each is a plain class made a Ray actor by the driver
 (`ray.remote(cls).options(...)`); the classes themselves only build the loop's existing pieces.
 
 Every worker has a `watch` method in a concurrency group of its own: it returns only when the worker
@@ -11,16 +11,24 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from datetime import timedelta
 
 import ray
 import torch
 import torch.distributed as dist
 
-from alignrl.config import load_config
-from alignrl.dist.env import DistEnv
+from alignrl.config import RunConfig
 
 WATCH = {"watch": 1}
+
+
+def config_of(text: str) -> RunConfig:
+    """The driver's resolved run config from its YAML (already checked and counted there: loading it
+    again through `load_config` would redo verl's step arithmetic)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(text)))
 
 
 def node_label() -> str:
@@ -47,7 +55,8 @@ class Worker:
         self._stop = threading.Event()
 
     def where(self) -> dict:
-        return {"node": node_label(), "pid": os.getpid(), "ip": ray.util.get_node_ip_address()}
+        return {"node": node_label(), "pid": os.getpid(), "ip": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     @ray.method(concurrency_group="watch")
     def watch(self) -> None:
@@ -72,7 +81,7 @@ class PolicyRank(Worker):
         ip = ray.util.get_node_ip_address()
         return ip, free_port_on(ip)
 
-    def run(self, overrides: list[str], master: tuple[str, int], producers) -> dict | None:
+    def run(self, cfg_text: str, master: tuple[str, int], producers) -> dict | None:
         from alignrl.algos.runner import train_grpo
 
         dev = device_for(self.local_rank)  # the loop picks cuda:LOCAL_RANK
@@ -86,7 +95,7 @@ class PolicyRank(Worker):
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                     timeout=timedelta(seconds=self.peer_timeout_s))
         try:
-            return train_grpo(load_config(None, overrides), producers=producers)
+            return train_grpo(config_of(cfg_text), producers=producers)
         finally:
             self.stop()
 
@@ -94,12 +103,12 @@ class PolicyRank(Worker):
 class RefWorker(Worker):
     """A frozen copy of the base policy that scores reference log-probs (the loop's `build_ref`)."""
 
-    def __init__(self, overrides: list[str], local_rank: int, threads: int):
+    def __init__(self, cfg_text: str, local_rank: int, threads: int):
         from alignrl.algos.placement import build_ref
         from alignrl.models.loader import load_model
 
         super().__init__(threads)
-        cfg = load_config(None, overrides)
+        cfg = config_of(cfg_text)
         model, _ = load_model(cfg.model.path, cfg.model.dtype)
         self.scorer = build_ref(cfg, model, cfg.model.path, device_for(local_rank))
 
@@ -109,33 +118,64 @@ class RefWorker(Worker):
                                     response_mask.to(dev)).cpu()
 
 
+class RewardWorker(Worker):
+    """The reward model (`--reward_pretrain`, algorithm.reward_model) in a worker of its own: the loop's
+    ModelScorer on this worker's device, scoring the rows a rollout engine sends."""
+
+    def __init__(self, cfg_text: str, local_rank: int, threads: int):
+        from alignrl.models.value import ModelScorer
+
+        super().__init__(threads)
+        cfg = config_of(cfg_text)
+        self.scorer = ModelScorer(cfg.algorithm.reward_model, cfg.model.dtype, log=lambda *_: None,
+                                  device=device_for(local_rank))
+
+    def score(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+        return self.scorer.score(prompt_ids, prompt_mask, response_ids, response_mask)
+
+
 class RolloutWorker(Worker):
     """A rollout engine: the embedded HF engine on its own copy of the policy, the loop's RolloutMaker
     (`build_maker`) around it, weights from actor rank 0 through the broadcast group."""
 
-    def __init__(self, overrides: list[str], index: int, local_rank: int, threads: int, ref_workers: list):
+    def __init__(self, cfg_text: str, index: int, local_rank: int, threads: int, ref_workers: list,
+                 reward_workers: list):
+        from alignrl.algos.placement import build_ref
         from alignrl.algos.runner import PromptData, load_task_data
         from alignrl.cluster.channel import RayRefScorer
         from alignrl.models.loader import load_model
         from alignrl.rollout.hf_engine import HFRolloutEngine
 
         super().__init__(threads)
-        self.cfg, self.index, self.device = load_config(None, overrides), index, device_for(local_rank)
+        self.cfg, self.index, self.device = config_of(cfg_text), index, device_for(local_rank)
         model, self.tokenizer = load_model(self.cfg.model.path, self.cfg.model.dtype)
         self.model = model.to(self.device)
         self.engine = HFRolloutEngine(self.model, self.tokenizer)
-        self.ref = RayRefScorer(ref_workers) if ref_workers else None
+        # the reference group's workers; else (no group of its own) the loop's own choice: none without a
+        # KL term, the reference service when configured, a frozen base copy in this engine otherwise
+        self.ref = (RayRefScorer(ref_workers) if ref_workers else
+                    build_ref(self.cfg, self.model, self.cfg.model.path, self.device))
+        self.reward_workers = reward_workers
         self.rows = PromptData(self.tokenizer, load_task_data(self.cfg)[0], self.cfg.data.max_prompt_length)
         self.makers: dict[int, object] = {}
         self.version, self.group, self.cached = 0, None, None
 
     def maker(self, seed_rank: int):
-        """One maker per seed rank: `seed_rank` decorrelates the samples of the engines' shares."""
-        from alignrl.algos.placement import build_maker
+        """One maker per seed rank: `seed_rank` decorrelates the samples of the engines' shares. With a
+        reward group, the loop's reward stage scores through it instead of loading the model here."""
+        from alignrl.algos.placement import build_rewards
+        from alignrl.algos.producer import RolloutMaker
+        from alignrl.cluster.channel import RayRewardScorer
 
         if seed_rank not in self.makers:
-            env = DistEnv(rank=seed_rank, world_size=seed_rank + 1, device=self.device)
-            self.makers[seed_rank] = build_maker(self.cfg, self.engine, self.tokenizer, self.ref, env)
+            cfg = self.cfg
+            if self.reward_workers:
+                cfg = replace(cfg, algorithm=replace(cfg.algorithm, reward_model=None))
+            rewards = build_rewards(cfg, self.tokenizer, self.device)
+            if self.reward_workers:
+                rewards = replace(rewards, reward_model=RayRewardScorer(self.reward_workers,
+                                                                        self.cfg.algorithm.reward_model))
+            self.makers[seed_rank] = RolloutMaker(self.cfg, self.engine, rewards, self.ref, seed_rank)
         return self.makers[seed_rank]
 
     def batch(self, step: int, index: list[int], version: int, seed_rank: int):

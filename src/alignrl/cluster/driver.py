@@ -1,0 +1,189 @@
+"""The Ray driver both entry points share: `alignrl train ppo-ray <OpenRLHF flags>` and, inside a Ray job,
+`alignrl train ppo|grpo <verl overrides>`. Each turns its command line into a `Job` (a Layout and the
+resolved run config); the driver places it and runs the one RL loop on it.
+
+Attaches to the cluster in RAY_ADDRESS (set inside `ray job submit`, or by hand: `RAY_ADDRESS=HOST:8100`),
+else starts a local Ray with as many CPUs as the job asks for. Then: placement groups reserved (failing at
+once when the cluster cannot hold them), reference workers, rollout engines and actor-group ranks started
+in their bundles, `placement.json` written to the run folder (Ray's placement table of every group and
+the node of every worker), the training loop run in every actor rank. A worker that dies ends the run
+within seconds with one line naming its role and node; every worker and placement group is released on
+the way out.
+
+A reward model (`--reward_pretrain`) runs in the reward group's workers (in the critic's placement group
+with `--colocate_critic_reward`, in the actor's with `--colocate_all_models`); the engines send them the
+rows to score. The critic group is reserved as the layout says, but the critic trains inside the actor
+ranks (the loop's trainer owns it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import ray
+import torch
+from ray.util.placement_group import placement_group_table
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from alignrl.cluster.channel import ClusterError, Peer, RayProducers
+from alignrl.cluster.plan import Layout, describe, engine_slot, release, requests, reserve, slots
+from alignrl.cluster.workers import WATCH, PolicyRank, RefWorker, RewardWorker, RolloutWorker
+from alignrl.config import ConfigError, RunConfig, check_world_size, to_yaml
+from alignrl.train.checkpoint import atomic_write_text
+
+
+@dataclass
+class Job:
+    """A placed run: where its workers go and the config every worker runs (resolved once, here)."""
+
+    layout: Layout
+    cfg: RunConfig
+    prog: str  # the command, for the driver's lines
+    threads: int = 1  # torch CPU threads per Ray actor
+    peer_timeout_s: float = 120.0
+    placement_timeout_s: float = 60.0
+    weight_backend: str = "nccl"  # on GPUs; gloo without CUDA
+    unused: list[str] = field(default_factory=list)  # settings accepted but not used here, listed once
+
+
+def connect(units_needed: int) -> bool:
+    """Joins RAY_ADDRESS or starts a local Ray; True when this process started it."""
+    address = os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=True)
+        return False
+    ray.init(num_cpus=max(units_needed, os.cpu_count() or 1), include_dashboard=False, logging_level="ERROR")
+    return True
+
+
+class Driver:
+    def __init__(self, job: Job):
+        self.job, self.cuda = job, torch.cuda.is_available()
+        self.reqs: dict = {}
+        self.workers: list[Peer] = []  # everything started, for the watch and the clean-up
+
+    def say(self, line: str) -> None:
+        print(f"{self.job.prog}: {line}", flush=True)
+
+    def start(self, cls, slot, name: str, *init):
+        # the CPU share too: an actor that names GPUs alone takes a whole CPU of its bundle (Ray's default),
+        # and a bundle has one CPU per unit, so colocated workers would wait for CPUs forever
+        res = {"num_gpus": slot.units, "num_cpus": slot.units} if self.gpus else {"num_cpus": slot.units}
+        handle = ray.remote(concurrency_groups=WATCH)(cls).options(
+            **res, max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=slot.group.pg, placement_group_bundle_index=slot.bundle),
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(self.job.threads), "TOKENIZERS_PARALLELISM": "false",
+                                      "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}).remote(*init)
+        peer = Peer(handle, name, slot.group.name, slot.bundle, slot.units)
+        self.workers.append(peer)
+        return peer
+
+    def run(self) -> int:
+        job = self.job
+        check_world_size(job.cfg, job.layout.world("actor"))
+        self.reqs = requests(job.layout)
+        started = connect(sum(r.nodes * r.per_node for r in self.reqs.values()))
+        try:
+            self.gpus = ray.cluster_resources().get("GPU", 0.0) > 0
+            self.say(f"placement: {describe(self.reqs, self.gpus)}")
+            if job.unused:
+                self.say(f"accepted but not used here{'' if self.cuda else ' (no CUDA)'}: {' '.join(job.unused)}")
+            reserve(self.reqs, self.gpus, job.placement_timeout_s)
+            return self.train()
+        finally:
+            self.shutdown(started)
+
+    def train(self) -> int:
+        job, lay = self.job, self.job.layout
+        text, t = to_yaml(job.cfg), job.threads
+        refs = []
+        if "ref" in lay.groups:
+            refs = [self.start(RefWorker, s, f"reference rank {i}", text, s.local_rank, t)
+                    for i, s in enumerate(slots(self.reqs, "ref", lay.world("ref"), lay.per_node("ref")))]
+        rms = []
+        if "reward" in lay.groups:
+            rms = [self.start(RewardWorker, s, f"reward model rank {i}", text, s.local_rank, t)
+                   for i, s in enumerate(slots(self.reqs, "reward", lay.world("reward"), lay.per_node("reward")))]
+        engines = [self.start(RolloutWorker, engine_slot(self.reqs, e, lay.tp), f"rollout engine {e}", text, e,
+                              engine_slot(self.reqs, e, lay.tp).local_rank, t, refs, rms) for e in range(lay.engines)]
+        actors = lay.world("actor")
+        ranks = [self.start(PolicyRank, s, f"actor rank {r}", r, actors, s.local_rank, t, job.peer_timeout_s)
+                 for r, s in enumerate(slots(self.reqs, "actor", actors, lay.per_node("actor")))]
+        self.name_nodes()
+        master = ray.get(ranks[0].handle.free_address.remote())
+        producers = RayProducers(engines, self.weight_backend(), job.peer_timeout_s)
+        t0 = time.time()
+        runs = {r.handle.run.remote(text, master, producers): r for r in ranks}
+        summary = self.wait(runs)
+        self.say(f"done in {time.time() - t0:.1f} s: {json.dumps(summary)}")
+        return 0
+
+    def weight_backend(self) -> str:
+        """NCCL on GPUs, except when the engines share GPUs with the actor ranks (`--colocate_all_models`,
+        verl's hybrid layout): NCCL refuses two ranks of one group on one GPU, so the weights go over
+        gloo through host memory there. Gloo without CUDA."""
+        if not self.cuda or self.job.weight_backend != "nccl":
+            return "gloo"
+        if self.job.layout.colocate_all_models:
+            self.say("weights go to the engines over gloo: they share GPUs with the actor ranks")
+            return "gloo"
+        return "nccl"
+
+    def name_nodes(self) -> None:
+        """Each worker's name gets its node (and the workers are up: their models are loaded); where
+        everything runs goes to the run folder."""
+        where = ray.get([w.handle.where.remote() for w in self.workers], timeout=self.job.placement_timeout_s + 600)
+        for w, info in zip(self.workers, where):
+            w.name = f"{w.name} on node {info['node']}"
+            w.pid, w.node_id = info["pid"], info["node_id"]
+        self.say("workers up: " + "; ".join(f"{w.name} (pid {w.pid})" for w in self.workers))
+        self.write_placement()
+
+    def write_placement(self) -> None:
+        """`placement.json`: Ray's table of each placement group (bundles, their nodes, strategy) and,
+        per worker, its group, bundle and node, so a finished run still says where it ran."""
+        groups = {}
+        for name, r in self.reqs.items():
+            table = placement_group_table(r.pg)
+            groups[name] = {"roles": r.roles, "strategy": table["strategy"], "bundles": table["bundles"],
+                            "bundles_to_node_id": table["bundles_to_node_id"]}
+        workers = [{"name": w.name.split(" on node ")[0], "node_id": w.node_id, "pid": w.pid,
+                    "group": w.group, "bundle": w.bundle, "units": w.units}
+                   for w in self.workers]
+        run_dir = self.job.cfg.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "placement.json", json.dumps({"groups": groups, "workers": workers}, indent=1))
+
+    def wait(self, runs: dict) -> dict | None:
+        """Until every actor rank returns; the first failure or death ends the run with one line."""
+        watches = {w.handle.watch.remote(): w for w in self.workers if w not in runs.values()}
+        pending, summary = list(runs) + list(watches), None
+        while any(r in pending for r in runs):
+            done, pending = ray.wait(pending, num_returns=1)
+            ref = done[0]
+            peer = runs.get(ref) or watches[ref]
+            try:
+                out = ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, (ClusterError, ConfigError)):
+                    raise ClusterError(f"{peer.name}: {cause}") from None
+                first = (str(cause or e).strip().splitlines() or ["?"])[-1]
+                raise ClusterError(f"{peer.name} failed: {first} (its traceback is in the worker log above)") from None
+            except ray.exceptions.RayActorError:
+                raise ClusterError(f"{peer.name} died (killed, or out of memory); the run is stopped") from None
+            if ref in runs and out is not None:
+                summary = out
+        return summary
+
+    def shutdown(self, started: bool) -> None:
+        for w in self.workers:
+            ray.kill(w.handle, no_restart=True)
+        release(self.reqs)
+        if started:
+            ray.shutdown()
