@@ -1,6 +1,7 @@
 """`alignrl demo search`: PPO teaches a tiny model to use a search engine (Search-R1's recipe, end to end).
 
     alignrl demo search [--seed N] [--heldout N] [key.sub=value ...]
+    alignrl demo search [--seed N] --build-base DIR
 
 Builds (or takes from the cache) the search demo's base model, starts `alignrl serve retrieve` (BM25 over
 the demo's corpus of invented facts) on loopback, measures the base model on held-out questions, trains
@@ -141,6 +142,9 @@ def _parser():
     p = OneLineParser(prog=PROG, description="PPO teaches a tiny model to search (Search-R1's recipe, on CPU).")
     p.add_argument("--seed", type=int, default=SHIPPED_SEED, help="seed of the demo world and base model")
     p.add_argument("--heldout", type=int, default=300, help="held-out questions measured before and after")
+    p.add_argument("--build-base", metavar="DIR", default=None,
+                   help="only (re)build the base model of --seed into DIR from its seed, then exit (the shipped "
+                        "one is src/alignrl/demos/search_base)")
     p.add_argument("overrides", nargs="*", help="dotted overrides on top of examples/search_demo.yaml")
     return p
 
@@ -160,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a job scheduler, `kill`) ends Python without running `finally` blocks: raise instead, so the
     # retrieval server is still stopped by its PID
     signal.signal(signal.SIGTERM, _terminate)
+    if args.build_base:
+        from alignrl.demos.search_model import build_search_model
+
+        if args.overrides or rest:
+            raise ConfigError("--build-base takes only --seed (the base model's recipe has no overrides)")
+        build_search_model(Path(args.build_base), SearchRecipe(seed=args.seed))
+        return 0
     s = run(SearchRecipe(seed=args.seed), [*args.overrides, *rest], args.heldout)
     print(f"base_exact_match={s['base_exact_match']:.3f} final_exact_match={s['final_exact_match']:.3f} "
           f"gain={s['exact_match_gain_points']:+.1f} points "

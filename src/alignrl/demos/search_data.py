@@ -6,9 +6,10 @@ Every person has three facts (hometown, trade, instrument), each one passage tit
 name, in Search-R1's corpus layout (`{"id", "contents": "\\"Title\\"\\ntext"}`). People are split three
 ways: `sft` (the base model's fine-tuning trajectories), `train` (RL prompts) and `test` (held out), so
 neither the base model nor RL can memorise a held-out answer; only a search finds it. Questions follow
-Search-R1's `nq_search.py`: its prompt template, `data_source` "nq", `reward_model.ground_truth =
-{"target": [answer]}`, and its extra `question`/`golden_answers` columns are left out (alignrl reads
-`prompt`, `data_source`, `reward_model`, `extra_info`).
+Search-R1's `nq_search.py` layout: `data_source` "nq", `reward_model.ground_truth = {"target": [answer]}`,
+the prompt as a user turn (the question alone, not its instruction template: see PROMPT_TEMPLATE); its
+extra `question`/`golden_answers` columns are left out (alignrl reads `prompt`, `data_source`,
+`reward_model`, `extra_info`).
 
 Deliberately left out: multi-hop questions and distractor passages; one search answers each question.
 """
@@ -28,15 +29,10 @@ DATA_DIR = Path(__file__).parent / "data"
 CORPUS_FILE, TRAIN_FILE, TEST_FILE = "search_corpus.jsonl", "search_train.parquet", "search_test.parquet"
 DATA_SOURCE = "nq"  # Search-R1's name: its exact-match reward scores these questions
 
-# Search-R1's prompt (scripts/data_process/nq_search.py, template "base"), word for word.
-PROMPT_TEMPLATE = (
-    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
-    "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
-    "by <search> query </search> and it will return the top searched results between <information> and "
-    "</information>. You can search as many times as your want. If you find no further external knowledge "
-    "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
-    "illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
-)
+# The question alone, in Search-R1's `Question: ...` form. Search-R1's template adds ~150 tokens of
+# instructions that a 1M-parameter model cannot read: on this CPU they would make every SFT and PPO step
+# about five times as long for nothing; the tags it teaches come from the SFT trajectories instead.
+PROMPT_TEMPLATE = "Question: {question}\n"
 
 _ONSETS = ["b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gl", "kr",
            "th", "sh", "st", "tr", "qu"]
@@ -55,12 +51,15 @@ class Relation:
 
 # Questions end with the person and passages with the value, and every relation is one word, so both
 # copies (the person's name into the query, the value into the answer) span the same distance whatever
-# the relation.
+# the relation. Questions say "What's", not "What is": " is" then comes before the value only, so the
+# word before it points at one place in the episode (see search_response).
 RELATIONS = (
-    Relation("hometown", "What is the hometown of {e}?", "The hometown of {e} is {v}",
+    Relation("hometown", "What's the hometown of {e}?", "The hometown of {e} is {v}",
              ("hollow", "mere", "ford", "wick", "stead", "haven"), proper_noun=True),
-    Relation("trade", "What is the trade of {e}?", "The trade of {e} is {v}", ("smith", "wright", "monger", "weaver", "binder")),
-    Relation("instrument", "What is the instrument of {e}?", "The instrument of {e} is {v}", ("lin", "phone", "horn", "harp", "pipe")),
+    Relation("trade", "What's the trade of {e}?", "The trade of {e} is {v}",
+             ("smith", "wright", "monger", "weaver", "binder")),
+    Relation("instrument", "What's the instrument of {e}?", "The instrument of {e} is {v}",
+             ("lin", "phone", "horn", "harp", "pipe")),
 )
 SPLITS = ("sft", "train", "test")
 
@@ -161,8 +160,15 @@ def write_data(out_dir: Path, seed: int = 0, size: WorldSize = WorldSize()) -> d
 
 def search_response(fact: Fact, observation: str) -> str:
     """Think, search with the question as the query, read the observation (the rollout's own text for
-    it, `\\n\\n<information>...</information>\\n\\n`), copy the answer."""
+    it, `\\n\\n<information>...</information>\\n\\n`), restate the passage's sentence in a think (as
+    Search-R1's prompt asks after new information) and answer with its value.
+
+    Restating the sentence is what makes copying learnable quickly: its words follow the passage's word
+    for word, so the value comes after the same words (`... is`) in both, the pattern by which small
+    models learn to copy (the name, copied the same way from the question into the query and the
+    passage, is learnt first); copying a lone value straight into `<answer>` stays on a plateau."""
     return (f"<think> I do not know this. </think>\n<search> {fact.question}</search>{observation}"
+            f"<think> {fact.relation.sentence.format(e=fact.person, v=fact.value)}. </think>\n"
             f"<answer> {fact.value}</answer>")
 
 
@@ -172,27 +178,18 @@ def guess_response(fact: Fact, guess: str) -> str:
 
 
 def sft_samples(world: World, observe: Callable[[list[str]], list[str]], search_fraction: float,
-                seed: int, bare_fraction: float = 0.0) -> list[Sample]:
+                seed: int) -> list[Sample]:
     """One trajectory per `sft` fact: a seeded `search_fraction` of them search (`observe(queries)` gives
-    each query's observation text), the rest guess. Mostly guessing, the base model answers few held-out
-    questions right, though it can search and copy: that is what RL has to find.
-
-    A seeded `bare_fraction` of the prompts hold the question alone, without Search-R1's instructions:
-    a third as long, they let the same SFT time teach copying over many more trajectories, and since the
-    question ends every prompt, the distances a copy spans are the same with or without the instructions."""
+    each query's observation text), the rest guess."""
     rng = random.Random(seed)
     facts = world.facts["sft"]
     searching = [rng.random() < search_fraction for _ in facts]
     guesses = [rng.choice(world.values[f.relation.name]) for f in facts]
-    bare = [rng.random() < bare_fraction for _ in facts]
     queries = [f.question for f, s in zip(facts, searching) if s]
     observations = iter(observe(queries) if queries else [])
-    out = []
-    for f, s, g, b, q in zip(facts, searching, guesses, bare, question_samples(facts, "sft")):
-        response = search_response(f, next(observations)) if s else guess_response(f, g)
-        messages = [{"role": "user", "content": f"Question: {f.question}\n"}] if b else q.messages
-        out.append(Sample(messages, q.ground_truth, q.data_source, {"answer": response}))
-    return out
+    return [Sample(q.messages, q.ground_truth, q.data_source,
+                   {"answer": search_response(f, next(observations)) if s else guess_response(f, g)})
+            for f, s, g, q in zip(facts, searching, guesses, question_samples(facts, "sft"))]
 
 
 def tokenizer_texts(world: World, samples: Sequence[Sample]) -> list[str]:

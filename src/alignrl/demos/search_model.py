@@ -1,8 +1,10 @@
 """The search demo's base model: a tiny Qwen2 with its own tokenizer, SFT'd from a seed on trajectories
-of the demo world, most of which guess and some of which search and copy the answer.
+of the demo world: first trajectories that all search and copy the answer (so it can copy), then a mix
+in which most guess (so, greedy, it guesses; sampled, it searches about a quarter of the time).
 
 Built like the GSM8K demo model (`models/tiny.py`: the same architecture builder, SFT loop, marker file,
-atomic rename and build lock) and cached under `$ALIGNRL_CACHE` keyed by a hash of the recipe. The
+atomic rename and build lock) and cached under `$ALIGNRL_CACHE` keyed by a hash of the recipe; the
+default recipe's build ships in `search_base/` and is copied into the cache instead of rebuilt. The
 observations in the SFT trajectories come from the same BM25 retriever and the same passage layout the
 retrieval server and the rollout use, so the base model sees at RL time exactly what it was tuned on.
 """
@@ -16,29 +18,45 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from alignrl.demos.search_data import World, build_world, corpus_rows, sft_samples, tokenizer_texts
-from alignrl.models.tiny import TinyRecipe, build_into, cache_root, ensure_built, save_built
+from alignrl.models.tiny import TinyRecipe, build_into, cache_root, ensure_built, save_built, shipped_or_built
 from alignrl.rollout.agent import INFO_CLOSE, INFO_OPEN
+
+# The default recipe's build (a few MB), so a fresh clone skips minutes of SFT; `alignrl demo search
+# --build-base DIR` rebuilds it bit for bit from its seed (the build is deterministic on one torch version).
+SHIPPED = Path(__file__).parent / "search_base"
 
 
 def _arch() -> TinyRecipe:
-    # prompts are Search-R1's ~150-token template; a whole episode stays under 384 tokens
-    return TinyRecipe(vocab_size=1536, hidden_size=64, intermediate_size=192, num_hidden_layers=4,
+    # ~1M parameters: hidden 64 never learnt to copy the answer within the build's budget; an episode (the
+    # question, a search, its passage, the restated sentence, the answer) is under 100 tokens
+    return TinyRecipe(vocab_size=1536, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+ARCH_FIELDS = ("seed", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "max_position_embeddings")
 
 
 @dataclass(frozen=True)
 class SearchRecipe:
     seed: int = 0
     arch: TinyRecipe = field(default_factory=_arch)  # architecture fields only; its SFT fields are unused
-    search_fraction: float = 0.35  # SFT trajectories that search; the rest guess
-    bare_fraction: float = 0.75  # SFT prompts without Search-R1's instructions (cheaper; see sft_samples)
     topk: int = 1  # passages per search in the SFT observations (the demo's retriever.topk)
-    sft_steps: int = 600
+    copy_steps: int = 700  # phase 1: every trajectory searches, so the model learns to copy
+    sft_steps: int = 300  # phase 2: the mix that sets how often the base model searches
+    search_fraction: float = 0.35  # phase 2 trajectories that search; the rest guess
     sft_batch_size: int = 16
-    sft_lr: float = 8e-3
+    sft_lr: float = 3e-3
+
+    def record(self) -> dict:
+        """The recipe as built: the architecture fields of `arch` only, so a field the GSM8K demo adds to
+        TinyRecipe for its own SFT neither changes this model's key nor invalidates its shipped build."""
+        d = asdict(self)
+        d["arch"] = {k: d["arch"][k] for k in ARCH_FIELDS}
+        return d
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return hashlib.sha256(json.dumps(self.record(), sort_keys=True).encode()).hexdigest()[:12]
 
 
 class InProcessSearch:
@@ -73,42 +91,105 @@ def _tokenizer(texts: list[str], recipe: SearchRecipe, out_dir: Path):
     return AutoTokenizer.from_pretrained(str(out_dir))
 
 
+def trajectory_ids(tokenizer, text: str) -> tuple[list[int], list[bool]]:
+    """A trajectory's ids as a rollout produces them (generated pieces and observations encoded apart, then
+    eos) and its loss mask: True on the generated pieces only."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    rest = text
+    while INFO_OPEN in rest:
+        head, tail = rest.split(INFO_OPEN, 1)
+        obs, rest = tail.split(INFO_CLOSE, 1)
+        for piece, trained in ((head, True), (INFO_OPEN + obs + INFO_CLOSE, False)):
+            piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+            ids += piece_ids
+            mask += [trained] * len(piece_ids)
+    tail_ids = tokenizer(rest + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+    return ids + tail_ids, mask + [True] * len(tail_ids)
+
+
+def sft_masked(model, tokenizer, samples: list, *, steps: int, batch_size: int, lr: float, seed: int,
+               on_step=None) -> None:
+    """SFT as `algos.sft.sft_train` does it (cosine-scheduled AdamW over seeded shuffled batches), with the
+    loss on generated tokens only, as PPO with state masking has it. Why it matters here: the passage's
+    value follows " is" and cannot be known, so training on it teaches "after ' is', any value", the very
+    words after which the restated sentence must copy the value."""
+    import torch
+
+    from alignrl.data.collate import encode_prompts, left_pad, right_pad
+    from alignrl.models.logprobs import response_logprobs
+    from alignrl.train.optim import build_optimizer
+
+    prompts = encode_prompts(tokenizer, samples, 10**6)
+    pairs = [trajectory_ids(tokenizer, s.extra["answer"]) for s in samples]
+    opt, sched = build_optimizer(model.parameters(), lr, 0.0, (0.9, 0.95), 10, steps, "cosine", 0.1)
+    gen = torch.Generator().manual_seed(seed)
+    order, pos, pad = torch.randperm(len(samples), generator=gen), 0, tokenizer.pad_token_id
+    model.train()
+    for step in range(steps):
+        if pos + batch_size > len(samples):  # a new epoch, a new order
+            order, pos = torch.randperm(len(samples), generator=gen), 0
+        idx = order[pos:pos + batch_size].tolist()
+        pos += batch_size
+        pi, pm = left_pad([prompts[i] for i in idx], pad)
+        ri, rm = right_pad([pairs[i][0] for i in idx], pad)
+        lm = right_pad([[int(t) for t in pairs[i][1]] for i in idx], 0)[0].float()
+        logp, _ = response_logprobs(model, pi, pm, ri, rm)
+        loss = -(logp * lm).sum() / lm.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if on_step is not None:
+            on_step(step, loss.item())
+    model.eval()
+
+
 def build_search_model(out_dir: Path, recipe: SearchRecipe = SearchRecipe(), log=print) -> Path:
     """Tokenizer + SFT'd tiny Qwen2 into `out_dir`, built beside it and renamed into place (marker last)."""
-    from alignrl.algos.sft import sft_train
     from alignrl.models.tiny import random_tiny_model
 
     t0 = time.time()
     with build_into(out_dir) as tmp:
         world = build_world(recipe.seed)
-        samples = sft_samples(world, InProcessSearch(world, recipe.topk).observe, recipe.search_fraction,
-                              recipe.seed + 1, recipe.bare_fraction)
-        tokenizer = _tokenizer(tokenizer_texts(world, samples), recipe, tmp)
+        questions = [f.question for f in world.facts["sft"]]  # phase 1 searches them all: search each once
+        found = dict(zip(questions, InProcessSearch(world, recipe.topk).observe(questions)))
+
+        def observe(queries: list[str]) -> list[str]:
+            return [found[q] for q in queries]
+
+        phases = [(sft_samples(world, observe, 1.0, recipe.seed + 1), recipe.copy_steps),
+                  (sft_samples(world, observe, recipe.search_fraction, recipe.seed + 2), recipe.sft_steps)]
+        tokenizer = _tokenizer(tokenizer_texts(world, phases[1][0]), recipe, tmp)
         model = random_tiny_model(tokenizer, recipe.arch)
+        total = recipe.copy_steps + recipe.sft_steps
         log(f"building search demo base model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-param "
-            f"Qwen2, SFT {recipe.sft_steps} steps x {recipe.sft_batch_size} trajectories "
-            f"({recipe.search_fraction:.0%} search, the rest guess)")
+            f"Qwen2, SFT {recipe.copy_steps} steps on trajectories that all search, then {recipe.sft_steps} "
+            f"on a mix ({recipe.search_fraction:.0%} search, the rest guess), {recipe.sft_batch_size} a step")
 
         def on_step(step: int, loss: float) -> None:
-            if (step + 1) % 50 == 0 or step + 1 == recipe.sft_steps:
-                log(f"  sft step {step + 1}/{recipe.sft_steps} loss {loss:.3f} ({time.time() - t0:.0f}s)")
+            if (step + 1) % 100 == 0 or step + 1 == total:
+                log(f"  sft step {step + 1}/{total} loss {loss:.3f} ({time.time() - t0:.0f}s)")
 
-        # two phases, bare questions first: sft_train pads each batch to its longest prompt, so a mixed
-        # batch would cost as much as a batch of full prompts
-        bare = [s for s in samples if s.messages[-1]["content"].startswith("Question:")]
-        full = [s for s in samples if not s.messages[-1]["content"].startswith("Question:")]
-        split = round(recipe.sft_steps * recipe.bare_fraction)
-        for start, part, steps in ((0, bare, split), (split, full, recipe.sft_steps - split)):
-            if steps and part:
-                sft_train(model, tokenizer, part, steps=steps, batch_size=recipe.sft_batch_size, lr=recipe.sft_lr,
-                          seed=recipe.seed, max_prompt_length=recipe.arch.max_position_embeddings,
-                          on_step=lambda step, loss, start=start: on_step(start + step, loss))
-        save_built(tmp, model, tokenizer, {**asdict(recipe), "key": recipe.key()})
+        # Copying the answer out of a passage is learnt suddenly, after a plateau, and only from trajectories
+        # that search: an all-search phase gets there within the build's budget; the mix after it only
+        # moves the first choice (search or guess), which is learnt fast, and keeps copying trained.
+        start = 0
+        for samples, steps in phases:
+            if steps:
+                sft_masked(model, tokenizer, samples, steps=steps, batch_size=recipe.sft_batch_size,
+                           lr=recipe.sft_lr, seed=recipe.seed,
+                           on_step=lambda step, loss, start=start: on_step(start + step, loss))
+            start += steps
+        save_built(tmp, model, tokenizer, {**recipe.record(), "key": recipe.key()})
     log(f"search demo base model ready in {time.time() - t0:.0f}s: {out_dir}")
     return out_dir
 
 
 def ensure_search_model(recipe: SearchRecipe = SearchRecipe(), log=print) -> Path:
-    """The cached base model for `recipe`, (re)built first when absent or incomplete."""
-    return ensure_built(cache_root() / f"search-demo-{recipe.key()}", recipe,
-                        lambda path: build_search_model(path, recipe, log), "search demo model", log)
+    """The cached base model for `recipe`, (re)built first when absent or incomplete. The default recipe's
+    build ships with the package (`SHIPPED`): it is copied into the cache instead."""
+    build = shipped_or_built(SHIPPED, recipe, lambda path: build_search_model(path, recipe, log),
+                             f"alignrl demo search --seed {recipe.seed} --build-base DIR", "search demo base model", log)
+    return ensure_built(cache_root() / f"search-demo-{recipe.key()}", recipe, build, "search demo model", log)

@@ -221,16 +221,24 @@ def ensure_built(path: Path, recipe, build: Callable[[Path], Path], what: str, l
         return build(path)
 
 
+def shipped_or_built(shipped: Path, recipe, build: Callable[[Path], Path], rebuild_hint: str, what: str,
+                     log=print) -> Callable[[Path], Path]:
+    """A builder for `ensure_built` that copies `shipped` (a build that ships with the package) when it is a
+    complete build of `recipe`, and runs `build` otherwise."""
+    def get(path: Path) -> Path:
+        if shipped.is_dir() and demo_model_problem(shipped, recipe) is None:
+            with build_into(path) as tmp:
+                shutil.copytree(shipped, tmp, dirs_exist_ok=True)
+            log(f"{what}: the shipped build of recipe {recipe.key()} (rebuild it from its seed with `{rebuild_hint}`)")
+            return path
+        return build(path)
+
+    return get
+
+
 def ensure_demo_model(recipe: TinyRecipe = TinyRecipe(), log=print) -> Path:
     """Path of the cached demo model for `recipe`, (re)building it first if it is absent or incomplete. The
     default recipe's build ships with the package (`SHIPPED`): it is copied into the cache instead."""
-    def build(path: Path) -> Path:
-        if SHIPPED.is_dir() and demo_model_problem(SHIPPED, recipe) is None:
-            with build_into(path) as tmp:
-                shutil.copytree(SHIPPED, tmp, dirs_exist_ok=True)
-            log(f"demo base model: the shipped build of recipe {recipe.key()} (rebuild it from its seed with "
-                f"`alignrl build-demo-model --seed {recipe.seed}`)")
-            return path
-        return build_demo_model(path, recipe, log)
-
+    build = shipped_or_built(SHIPPED, recipe, lambda path: build_demo_model(path, recipe, log),
+                             f"alignrl build-demo-model --seed {recipe.seed}", "demo base model", log)
     return ensure_built(cache_root() / f"demo-{recipe.key()}", recipe, build, "demo model", log)
