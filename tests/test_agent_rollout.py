@@ -131,10 +131,37 @@ def test_scripted_turns_keep_ids_observations_and_stats(tiny_model):
     assert ro.group.tolist() == [0, 1, 2]
 
 
-def test_eos_ends_a_row_and_truncation_and_caps(tiny_model):
+def test_eos_without_an_action_gets_the_corrective_observation_and_goes_on(tiny_model):
+    """Search-R1: a turn without </search> or </answer> is an invalid action whatever ended it (eos
+    included): the corrective observation follows and the row takes the next turn, up to max_turns."""
     _, tok = tiny_model
     eos = tok.eos_token_id
-    script = {5: [_enc(tok, "thinking") + [eos]], 6: [_enc(tok, "<search> q </search>"), _enc(tok, "aaaa bbbb")]}
+    first = _enc(tok, "thinking") + [eos]
+    script = {5: [first, _enc(tok, "more") + [eos], _enc(tok, "<answer> z </answer>"), _enc(tok, "never")],
+              6: [first, _enc(tok, "<search> q </search>"), _enc(tok, "<answer> w </answer>")]}
+    engine, tool = ScriptedEngine(tok, script), RecordingTool()
+    ro = AgentRollout(engine, tok, tool, max_turns=2, max_obs_length=200).generate(
+        [[5], [6]], SamplingParams(n=1, max_new_tokens=40))
+    fix = _enc(tok, INVALID_ACTION)
+    row5 = ro.response_ids[0][ro.response_mask[0]].tolist()
+    assert row5 == first + fix + script[5][1] + fix + script[5][2]  # ids as generated, eos kept in place
+    gen5 = ro.loss_mask[0][ro.response_mask[0]].tolist()
+    assert gen5 == [True] * len(first) + [False] * len(fix) + [True] * len(script[5][1]) + [False] * len(fix) + \
+        [True] * len(script[5][2])  # the loss mask is 1 on generated tokens only
+    assert tool.calls == [["q"]] and engine.seen == {5: 3, 6: 3}  # the answer ended row 5 on its turn 3
+    st = {k: v.tolist() for k, v in ro.stats.items()}
+    assert st["turns"] == [3, 3] and st["valid_actions"] == [1, 2] and st["searches"] == [0, 1]
+    _check_ids_as_generated(ro, engine.calls, 2)
+    assert not ro.truncated.any()
+    # on the last turn (max_turns reached) an eos without an action ends the row, as Search-R1's final turn
+    ro = AgentRollout(ScriptedEngine(tok, script), tok, tool, max_turns=1, max_obs_length=200).generate(
+        [[5]], SamplingParams(n=1, max_new_tokens=40))
+    assert ro.stats["turns"].tolist() == [2] and ro.response_mask.sum() == len(first) + len(fix) + len(script[5][1])
+
+
+def test_truncation_and_caps(tiny_model):
+    _, tok = tiny_model
+    script = {5: [_enc(tok, "<answer> a </answer>")], 6: [_enc(tok, "<search> q </search>"), _enc(tok, "aaaa bbbb")]}
     engine = ScriptedEngine(tok, script, truncate_turns={(6, 1)})
     agent = AgentRollout(engine, tok, RecordingTool(), max_turns=1, max_obs_length=200, max_start_length=1)
     ro = agent.generate([[1, 2, 5], [3, 6]], SamplingParams(n=1, max_new_tokens=40))

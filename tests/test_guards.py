@@ -288,7 +288,7 @@ def _one_line(code, err):
     ("string", "returned a str ('0.5') for row 5 (data_source synthetic_arith): return a finite float"),
     ("none", "returned None for row 5 (data_source synthetic_arith): return a finite float"),
     ("nan", "returned nan for row 5 (data_source synthetic_arith): return a finite float"),
-    ("raises_at_once", "raised KeyError: 'answer' (data_source synthetic_arith): fix it"),  # in base evaluation
+    ("raises_at_once", "raised KeyError: 'answer' for row 0 (data_source synthetic_arith): fix it"),  # base eval
 ])
 def test_bad_reward_function_is_one_line_through_the_cli(fn, says, tiny_model_dir, tmp_path):
     path = _user_file(tmp_path)

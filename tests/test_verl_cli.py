@@ -216,11 +216,14 @@ def test_list_form_files_and_data_source_checked_before_the_model(tmp_path, caps
 
 def test_user_reward_that_raises_names_function_source_and_row(tmp_path):
     from alignrl.algos.scoring import rule_scores
+    from alignrl.data.loaders import load_samples
     from alignrl.data.records import Sample
     from alignrl.rewards.registry import ScoreError, load_reward_fn
 
     (tmp_path / "my_reward.py").write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if ground_truth['target'] == ['teal']:\n"
+        "        raise KeyError('colour')\n"
         "    return 1.0 if ground_truth['target'][0] in solution_str else 0.0\n")
     fn = load_reward_fn(f"{tmp_path / 'my_reward.py'}:compute_score")
     rows = [Sample([{"role": "user", "content": "q"}], {"target": ["Ada"]}, "nq"),
@@ -231,6 +234,15 @@ def test_user_reward_that_raises_names_function_source_and_row(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "my_reward.py:compute_score raised TypeError" in msg
     assert "row 1" in msg and "data_source hotpotqa" in msg
+    # rows loaded from a data file are named by their place in it, not in the (shuffled) batch
+    write_search_r1_split(tmp_path / "train.parquet", "train", data_source="triviaqa")
+    loaded = load_samples(str(tmp_path / "train.parquet"))
+    batch = [loaded[2], loaded[3]]  # the file's row 2 is the batch's row 0
+    with pytest.raises(ScoreError) as e:
+        rule_scores(fn, "reward function", batch, ["teal", "Ada"])
+    assert str(e.value) == (f"reward function {tmp_path / 'my_reward.py'}:compute_score raised KeyError: 'colour' "
+                            f"for {tmp_path / 'train.parquet'} row 2 (data_source triviaqa): fix it so that it "
+                            "returns a float (e.g. 0.0 for answers it cannot score)")
 
 
 def test_wandb_sink_writes_an_offline_run(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ import torch
 from alignrl.data.records import Sample
 from alignrl.interfaces import SamplingParams
 from alignrl.rewards import gsm8k
-from alignrl.rewards.registry import REWARDS
+from alignrl.rewards.registry import REWARDS, ScoreError
 
 
 def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
@@ -32,7 +32,10 @@ def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequ
                                        skip_special_tokens=True)
         for j, t in enumerate(texts):
             s = samples[start + j // params.n]
-            strict.append(float(correct_fn(s.data_source, t, s.ground_truth, s.extra) >= 1.0))
+            try:
+                strict.append(float(correct_fn(s.data_source, t, s.ground_truth, s.extra) >= 1.0))
+            except ScoreError as e:  # name the row: in its data file, else among the evaluated samples
+                raise e.at(s.source or start + j // params.n, "reward function") from e.__cause__
             flexible.append(gsm8k.compute_score(t, s.ground_truth, method="flexible")
                             if REWARDS.get(s.data_source) is gsm8k.compute_score else 0.0)
     shape = (len(samples), params.n)

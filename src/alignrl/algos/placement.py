@@ -20,6 +20,7 @@ from alignrl.algos.scoring import RewardStage
 from alignrl.algos.sinks import EngineCopy, Fanout, SharedModule
 from alignrl.algos.trainer import CriticParts, PolicyTrainer, needs_reference
 from alignrl.config import ConfigError, RunConfig
+from alignrl.config.checks import response_cap
 from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.dist.env import SINGLE, DistEnv
 from alignrl.interfaces import RefScorer, RolloutEngine, WeightSink
@@ -88,7 +89,7 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device) -> RewardStag
                     ModelScorer(a.reward_model, cfg.model.dtype, log=console.print, device=device)
                     if a.reward_model else None)
     return RewardStage(tokenizer, make_reward(a.reward_fn, a.format_reward_weight), load_reward_fn(a.reward_fn),
-                       cfg.rollout.max_new_tokens, a.overlong_buffer_len, a.overlong_penalty_factor, reward_model,
+                       response_cap(cfg), a.overlong_buffer_len, a.overlong_penalty_factor, reward_model,
                        cost_fn=load_reward_fn(s.cost_fn) if s.cost_fn else None,
                        cost_model=ModelScorer(s.cost_model, cfg.model.dtype, log=console.print, device=device)
                        if s.cost_model else None)
@@ -104,7 +105,7 @@ def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngin
     r, d = cfg.retriever, cfg.data
     tool = RetrieverClient(r.url, r.topk, r.timeout_s, r.retries) if cfg.agent.search else None
     return AgentRollout(engine, tokenizer, tool, cfg.agent.max_turns, d.max_obs_length,
-                        d.max_start_length or d.max_prompt_length)
+                        d.max_start_length or d.max_prompt_length, response_cap(cfg))
 
 
 def build_maker(cfg: RunConfig, engine: RolloutEngine, tokenizer, ref: RefScorer | None, env: DistEnv) -> RolloutMaker:

@@ -23,7 +23,7 @@ class RewardStage:
     tokenizer: object
     reward_fn: RewardFn  # the training reward (may add format shaping to correctness)
     correct_fn: RewardFn  # correctness alone (>= 1 counts as correct)
-    max_new_tokens: int
+    max_new_tokens: int  # the longest response: rollout.max_new_tokens, a multi-turn episode's cap (response_cap)
     overlong_buffer_len: int = 0  # DAPO soft overlong punishment (0: off)
     overlong_penalty_factor: float = 1.0
     reward_model: SequenceScorer | None = None  # its score replaces the rule reward
@@ -63,13 +63,15 @@ class RewardStage:
 
 def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence[str]) -> list[float]:
     """`fn` on each (row, text), each result a finite float, else a one-line ScoreError naming `fn`
-    (`file.py:function` for a user's function), the row and its data_source."""
+    (`file.py:function` for a user's function), the row and its data_source. The row is the sample's
+    place in its data file (`train.parquet row 17`, `train.jsonl:18`) when it was loaded from one, else
+    its index in `rows`."""
     out, name = [], getattr(fn, "__name__", repr(fn))
     for i, (s, t) in enumerate(zip(rows, texts)):
         try:
             out.append(finite_score(fn(s.data_source, t, s.ground_truth, s.extra), name, s.data_source))
-        except ScoreError as e:  # raised where the row is unknown: name it
-            raise e.at(i, kind) from e.__cause__
+        except ScoreError as e:  # raised where the row is unknown: name it, in its data file when it has one
+            raise e.at(s.source or i, kind) from e.__cause__
     return out
 
 
@@ -81,5 +83,5 @@ def model_scores(scorer: SequenceScorer, kind: str, ro: Rollout, rows: Sequence[
         i = bad[0]
         name = getattr(scorer, "name", type(scorer).__name__)  # ModelScorer: its folder; a service: its class
         raise ScoreError(name, f"scored {scores[i].item()}", rows[i].data_source,
-                         "check the model's weights (non-finite weights score NaN)", row=i, kind=kind)
+                         "check the model's weights (non-finite weights score NaN)", row=rows[i].source or i, kind=kind)
     return scores

@@ -13,6 +13,7 @@ import torch
 
 from alignrl.algos.producer import batched_logprobs, timed
 from alignrl.config import RunConfig
+from alignrl.config.checks import response_cap
 from alignrl.core.advantages import ADVANTAGES, OutcomeInputs, gae_advantages
 from alignrl.core.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
 from alignrl.core.lagrangian import LagrangeMultiplier, safe_advantages
@@ -65,7 +66,7 @@ def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
                           kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
                           kl_type=KL_ALIASES.get(a.kl_loss_type, a.kl_loss_type), entropy_coeff=a.entropy_coeff,
                           temperature=cfg.rollout.temperature, name=a.policy_loss, clip_c=a.clip_ratio_c or None,
-                          loss_agg=a.loss_agg_mode, max_len=float(cfg.rollout.max_new_tokens))
+                          loss_agg=a.loss_agg_mode, max_len=float(response_cap(cfg)))
 
 
 def needs_reference(cfg: RunConfig) -> bool:

@@ -19,6 +19,23 @@ def data_files(value: str | list[str]) -> list[str]:
     return [str(v) for v in value]
 
 
+def episode_cap(max_turns: int, max_new_tokens: int, max_obs_length: int, max_response_length: int = 0) -> int:
+    """Tokens one multi-turn episode's response can hold: the most its turns can produce (max_turns + 1
+    turns of max_new_tokens, max_turns observations of max_obs_length), or `max_response_length` when
+    that is set and smaller."""
+    most = (max_turns + 1) * max_new_tokens + max_turns * max_obs_length
+    return min(most, int(max_response_length)) if max_response_length else most
+
+
+def response_cap(cfg: RunConfig) -> int:
+    """The longest response a run produces: rollout.max_new_tokens for single-turn generation, the
+    episode's cap for multi-turn tool use. Length-based shaping and normalisation are relative to it."""
+    if cfg.agent.max_turns == 0:
+        return cfg.rollout.max_new_tokens
+    return episode_cap(cfg.agent.max_turns, cfg.rollout.max_new_tokens, cfg.data.max_obs_length,
+                       cfg.agent.max_response_length)
+
+
 def check_ranges(obj: Any, prefix: str = "") -> None:
     for f in dataclasses.fields(obj):
         key, value = f"{prefix}{f.name}", getattr(obj, f.name)
@@ -60,9 +77,10 @@ def check_combinations(cfg: RunConfig) -> None:
         raise ConfigError(f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size} must divide "
                           f"actor.ppo_mini_batch_size × rollout.n = {mini * cfg.rollout.n} sequences")
     alg = cfg.algorithm
-    if alg.overlong_buffer_len > cfg.rollout.max_new_tokens:
-        raise ConfigError(f"algorithm.overlong_buffer_len={alg.overlong_buffer_len} must be <= "
-                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+    if alg.overlong_buffer_len > response_cap(cfg):
+        limit = (f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}" if cfg.agent.max_turns == 0 else
+                 f"the episode's response cap {response_cap(cfg)} (agent.max_response_length)")
+        raise ConfigError(f"algorithm.overlong_buffer_len={alg.overlong_buffer_len} must be <= {limit}")
     if alg.rollout_is != "none" and not cfg.actor.recompute_old_logprobs:
         raise ConfigError(f"algorithm.rollout_is={alg.rollout_is} needs actor.recompute_old_logprobs=true: "
                           "without it the trainer's old log-probs are the rollout's and every weight is 1")

@@ -84,7 +84,8 @@ class ActorConfig:
     clip_ratio_c: float = opt(0.0, "dual-clip constant c > 1 bounding the loss of negative advantages; 0 disables",
                               ge=0.0)
     loss_agg_mode: str = opt("token-mean", "how token losses become one number (seq-mean-token-sum-norm divides "
-                                           "by rollout.max_new_tokens: Dr.GRPO)",
+                                           "by the response cap, rollout.max_new_tokens or a multi-turn "
+                                           "agent.max_response_length: Dr.GRPO)",
                              choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                       "seq-mean-token-sum-norm"))
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient", ge=0.0)
@@ -127,9 +128,10 @@ class AlgorithmConfig:
     max_gen_rounds: int = opt(3, "dynamic sampling: extra generation rounds per step at most; if still short, "
                                  "train on the groups kept (verl's max_num_gen_batches, minus the first)", ge=0)
     overlong_buffer_len: int = opt(0, "DAPO soft overlong punishment: the last N tokens before "
-                                      "rollout.max_new_tokens cost a reward falling linearly to "
+                                      "the response cap (rollout.max_new_tokens; multi-turn: "
+                                      "agent.max_response_length) cost a reward falling linearly to "
                                       "-overlong_penalty_factor; 0 disables", ge=0)
-    overlong_penalty_factor: float = opt(1.0, "reward penalty of a response of rollout.max_new_tokens tokens",
+    overlong_penalty_factor: float = opt(1.0, "reward penalty of a response as long as the response cap",
                                          ge=0.0)
     mask_truncated: bool = opt(False, "responses that hit rollout.max_new_tokens get no gradient (DAPO overlong "
                                       "filtering); they still count in the reward and length metrics")
@@ -191,6 +193,12 @@ class AgentConfig:
     max_turns: int = opt(0, "multi-turn tool use (Search-R1): turns that may call the tool before a last turn "
                             "without it; 0 is single-turn generation (Search-R1's max_turns)", ge=0)
     search: bool = opt(True, "multi-turn: <search>query</search> calls retriever.url (Search-R1's do_search)")
+    max_response_length: int = opt(0, "multi-turn: tokens of one episode's whole response, generated and "
+                                      "observation tokens together; the episode is cut there, and the overlong "
+                                      "penalty and seq-mean-token-sum-norm use it. 0: the most the turns can "
+                                      "produce, (max_turns+1) x rollout.max_new_tokens + max_turns x "
+                                      "data.max_obs_length (verl's actor_rollout_ref.rollout.response_length; "
+                                      "a Search-R1 command line gets its data.max_prompt_length)", ge=0)
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,8 @@ RENAMES: dict[str, tuple[str, ...]] = {
     "trainer.critic_warmup": ("critic.warmup_steps",),
     "trainer.default_local_dir": ("trainer.checkpoint_dir",),
     "max_turns": ("agent.max_turns",),
+    # verl's multi-turn rollout: the whole trajectory's response; data.max_response_length stays per turn (Search-R1)
+    R + "response_length": ("agent.max_response_length",),
     "do_search": ("agent.search",),
 }
 
@@ -86,7 +88,7 @@ NOT_USED = (
     "critic.optim.total_training_steps", "critic.optim.min_lr_ratio", "critic.ppo_micro_batch_size",
     "critic.model.tokenizer_path", R + "name", R + "gpu_memory_utilization", R + "tensor_model_parallel_size",
     R + "dtype", R + "enforce_eager", R + "free_cache_engine", R + "load_format", R + "max_num_batched_tokens",
-    R + "max_num_seqs", R + "prompt_length", R + "response_length",
+    R + "max_num_seqs", R + "prompt_length",
     "trainer.default_hdfs_dir", "data.val_batch_size", "data.tokenizer", "data.return_raw_input_ids",
     "data.return_raw_chat", "trainer.val_generations_to_log_to_wandb",
 )
@@ -112,7 +114,8 @@ NOTED = {"trainer.val_before_train": "alignrl always evaluates before training (
 
 # Search-R1's verl defaults where alignrl's differ (verl/trainer/config/ppo_trainer.yaml and
 # ray_trainer.py): no KL loss, KL in the reward instead (verl applies it whenever use_kl_loss is off),
-# an entropy bonus, AdamW weight decay, nucleus 0.95, and a critic exactly when the estimator is GAE.
+# an entropy bonus, AdamW weight decay, nucleus 0.95, and a critic exactly when the estimator is GAE;
+# a multi-turn episode is cut at data.max_prompt_length tokens (its generation manager's right side).
 VERL_DEFAULTS: dict[str, object] = {
     "actor.use_kl_loss": False,
     "actor.entropy_coeff": 0.001,
@@ -199,6 +202,8 @@ def verl_defaults(t: Translation, given: set[str], adv_estimator: str) -> list[s
         out.append(f"algorithm.use_kl_in_reward={not use_kl_loss}")
     if "critic.enable" not in given:
         out.append(f"critic.enable={adv_estimator == 'gae'}")
+    if "agent.max_response_length" not in given:  # Search-R1 keeps a trajectory's first max_prompt_length tokens
+        out.append("agent.max_response_length=${data.max_prompt_length}")
     return out
 
 

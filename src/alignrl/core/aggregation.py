@@ -50,8 +50,9 @@ def seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, global_seqs:
     """Token sums divided by a constant length, averaged over sequences (Dr.GRPO, Liu et al. 2025,
     "Understanding R1-Zero-Like Training": no per-response length bias). loss, mask (B, T) -> scalar.
 
-    `max_len` should be the configured maximum response length; the default T is only constant
-    when every micro-batch is padded to the same width.
+    `max_len` should be the configured maximum response length (`config.checks.response_cap`: a
+    multi-turn episode's cap, not the per-turn limit); the default T is only constant when every
+    micro-batch is padded to the same width.
     """
     length = float(mask.shape[-1]) if max_len is None else float(max_len)
     return seq_mean_token_sum(loss, mask, global_seqs) / length

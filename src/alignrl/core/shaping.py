@@ -12,7 +12,9 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, facto
     lengths (B,) response lengths in tokens -> penalty (B,) float: 0 while L <= max_len - buffer_len,
     then falling linearly to -factor at L = max_len: -factor * (L - (max_len - buffer_len)) / buffer_len.
     A length past max_len (not produced by a length-capped sampler) is clamped to -factor.
-    buffer_len=0 disables the penalty (all zeros).
+    buffer_len=0 disables the penalty (all zeros). `max_len` is the longest response the run produces
+    (`config.checks.response_cap`): rollout.max_new_tokens, or in a multi-turn run the episode's cap,
+    whose lengths count tool observations too.
     """
     if not 0 <= buffer_len <= max_len:
         raise ValueError(f"buffer_len must be in [0, max_len={max_len}], got {buffer_len}")

@@ -13,6 +13,7 @@ one-line message naming the file (and line or row) and the fix, instead of a dee
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -76,7 +77,7 @@ def load_samples(
         if missing:
             raise DataError(f"{loc}: row is missing {', '.join(missing)} (every {fmt} row needs "
                             f"{', '.join(_FORMATS[fmt])})")
-        samples.append(convert(loc, row, system_prompt))
+        samples.append(dataclasses.replace(convert(loc, row, system_prompt), source=loc))
     return samples
 
 

@@ -25,6 +25,8 @@ class Sample:
     ground_truth: str | list[Any] | dict[str, Any]
     data_source: str = "gsm8k"  # selects the reward function (verl's `data_source`)
     extra: dict[str, Any] = field(default_factory=dict)
+    # its place in the data file ("train.parquet row 17"), for messages; not part of the sample's value
+    source: str | None = field(default=None, compare=False)
 
 
 @dataclass

@@ -31,13 +31,14 @@ class ScoreError(RewardError):
     row. The function's wrapper knows the function and the data_source; the reward stage, which knows
     the row, re-raises `at(row, kind)`: the one-line message names all of them."""
 
-    def __init__(self, who: str, problem: str, data_source: str, fix: str, row: int | None = None,
+    def __init__(self, who: str, problem: str, data_source: str, fix: str, row: int | str | None = None,
                  kind: str = "reward function"):
+        """`row`: an index into the scored rows, or the row's place in its data file ("x.parquet row 3")."""
         self.who, self.problem, self.data_source, self.fix = who, problem, data_source, fix
-        at = f" for row {row}" if row is not None else ""
+        at = "" if row is None else f" for row {row}" if isinstance(row, int) else f" for {row}"
         super().__init__(f"{kind} {who} {problem}{at} (data_source {data_source}): {fix}")
 
-    def at(self, row: int, kind: str) -> ScoreError:
+    def at(self, row: int | str, kind: str) -> ScoreError:
         return ScoreError(self.who, self.problem, self.data_source, self.fix, row, kind)
 
 

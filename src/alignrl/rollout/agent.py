@@ -8,8 +8,8 @@ Each turn makes one batched `generate` call over the rows still running; a turn 
 - answer: the row is done;
 - search: the query goes to the tool with every other query of the turn (one call), and the passages
   come back as `\\n\\n<information>...</information>\\n\\n`, cut to `max_obs_length` tokens;
-- no action: Search-R1's corrective observation, and the row tries again;
-- eos without an action: the row is done (the policy ended its episode).
+- no action (whether the turn ended at eos, a stop string or the length limit): Search-R1's corrective
+  observation, and the row tries again next turn; an eos only ends the episode on the last turn.
 
 After `max_turns` tool turns a last turn runs without search. The ids each turn generated are kept
 exactly, and the observation ids are appended after them: the trainer sees the ids the engine
@@ -18,7 +18,8 @@ only; its `response_mask` covers observations too, since later turns attend to t
 are the engine's on generated tokens and 0 on observations (no policy sampled them).
 
 The response is bounded by `max_new_tokens` per turn and by `max_response_length` overall (generated
-and observation tokens; default: the most the turns can produce, so only the per-turn limit cuts).
+and observation tokens, as Search-R1 cuts its right side; default: the most the turns can produce,
+`episode_cap`, so only the per-turn limit cuts).
 Deliberately left out: tools other than search, parallel tool calls within a turn, chat-templated
 tool messages (observations are plain text in the assistant's turn, as in Search-R1).
 """
@@ -33,6 +34,7 @@ from typing import Protocol
 
 import torch
 
+from alignrl.config.checks import episode_cap
 from alignrl.data.collate import left_pad, right_pad
 from alignrl.data.records import Rollout
 from alignrl.interfaces import RolloutEngine, SamplingParams
@@ -88,7 +90,8 @@ class AgentRollout:
                  max_obs_length: int, max_start_length: int = 0, max_response_length: int | None = None):
         """`tool` None: a search gets an empty observation (Search-R1 without do_search).
         `max_start_length` > 0 keeps that many prompt tokens (from the right). `max_response_length`
-        None: the most the turns can produce, so only the per-turn limit (params.max_new_tokens) cuts."""
+        None (or 0): the most the turns can produce, so only the per-turn limit (params.max_new_tokens) cuts;
+        a larger value than that changes nothing."""
         self.engine, self.tokenizer, self.tool = engine, tokenizer, tool
         self.max_turns, self.max_obs_length = int(max_turns), int(max_obs_length)
         self.max_start_length, self.max_response_length = int(max_start_length), max_response_length
@@ -102,9 +105,7 @@ class AgentRollout:
         self.engine.load_weights(named_tensors)
 
     def response_cap(self, params: SamplingParams) -> int:
-        if self.max_response_length is not None:
-            return int(self.max_response_length)
-        return (self.max_turns + 1) * params.max_new_tokens + self.max_turns * self.max_obs_length
+        return episode_cap(self.max_turns, params.max_new_tokens, self.max_obs_length, self.max_response_length or 0)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
         """`params.n` multi-turn samples per prompt, contiguous; per-row stats in `Rollout.stats`."""
@@ -140,15 +141,12 @@ class AgentRollout:
             text = self.tokenizer.decode(ids[:room], skip_special_tokens=True)
             action, content = parse_action(text)
             row.stats["valid_actions"] += action is not None
-            stopped = any(s in self.tokenizer.decode(ids[:room]) for s in ACTION_STOPS)
             if cut:
                 row.done, row.truncated = True, True
             elif action == "answer" or last:
                 row.done, row.truncated = True, bool(ro.truncated[j])
             elif len(row.ids) >= cap:
                 row.done, row.truncated = True, True
-            elif action is None and not bool(ro.truncated[j]) and not stopped:
-                row.done = True  # ended with eos (or a user stop string) without an action
             else:
                 follow.append((row, content if action == "search" else None))
         return follow
