@@ -27,6 +27,7 @@ from pathlib import Path
 
 from alignrl.config import ConfigError, RunConfig, check_world_size, load_config
 from alignrl.dist.launch import OneLineParser
+from alignrl.errors import user_errors
 
 EXAMPLES = Path(__file__).parent / "examples"
 # Both run the one RL loop; `ppo` (verl's main_ppo) takes any algorithm.adv_estimator from the config,
@@ -55,16 +56,6 @@ def _passthrough(argv: list[str]) -> tuple[str, list[str]] | None:
         if tuple(argv[:len(words)]) == words:
             return module, argv[len(words):]
     return None
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from alignrl.data.loaders import DataError
-    from alignrl.models.loader import ModelError
-    from alignrl.rewards.registry import RewardError
-    from alignrl.rollout.remote import ServiceError
-    from alignrl.train.engines.deepspeed import DeepSpeedConfigError
-
-    return ConfigError, DataError, ModelError, RewardError, ServiceError, DeepSpeedConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -198,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             return torchrun(nproc, ["alignrl", *argv])
         return _run(args, cfg)
     except Exception as e:
-        # ConfigError first: _user_errors() imports torch and friends, seconds before a config error's line
-        if not (isinstance(e, ConfigError) or isinstance(e, _user_errors())):
+        # ConfigError first: user_errors() imports torch and friends, seconds before a config error's line
+        if not (isinstance(e, ConfigError) or isinstance(e, user_errors())):
             raise
         from alignrl.dist.launch import speak_once
 

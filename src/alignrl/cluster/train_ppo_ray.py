@@ -48,13 +48,13 @@ def job(args, prog: str = PROG) -> Job:
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
-    from alignrl.cli import _user_errors
+    from alignrl.errors import user_errors
 
     args = F.parser(prog).parse_args(argv)
     try:
         F.check(args)
         return Driver(job(args, prog)).run()
-    except (ClusterError, *_user_errors()) as e:
+    except (ClusterError, *user_errors()) as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 1 if isinstance(e, ClusterError) else 2
     except KeyboardInterrupt:

@@ -49,7 +49,7 @@ def job(cfg: RunConfig, prog: str):
 def run_on_ray(cfg: RunConfig, prog: str) -> int:
     """Places and runs `cfg` on the cluster in RAY_ADDRESS; one line on failure (exit 1: a worker died or
     failed; 2: the request or the config)."""
-    from alignrl.cli import _user_errors
+    from alignrl.errors import user_errors
     from alignrl.cluster.channel import ClusterError
     from alignrl.cluster.driver import Driver
 
@@ -58,6 +58,6 @@ def run_on_ray(cfg: RunConfig, prog: str) -> int:
         raise ConfigError(f"RAY_ADDRESS is set but {why}: unset RAY_ADDRESS to run it outside Ray")
     try:
         return Driver(job(cfg, prog)).run()
-    except (ClusterError, *_user_errors()) as e:
+    except (ClusterError, *user_errors()) as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 1 if isinstance(e, ClusterError) else 2

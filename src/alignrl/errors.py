@@ -1,0 +1,16 @@
+"""The exception types that mean "the user's input is wrong" (a config, data file, model folder, reward
+function, service or DeepSpeed config): every command line prints them as one line and exits 2, never a
+traceback. Imported lazily: the modules that define them pull in torch."""
+
+from __future__ import annotations
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    from alignrl.config import ConfigError
+    from alignrl.data.loaders import DataError
+    from alignrl.models.loader import ModelError
+    from alignrl.rewards.registry import RewardError
+    from alignrl.rollout.remote import ServiceError
+    from alignrl.train.engines.deepspeed import DeepSpeedConfigError
+
+    return ConfigError, DataError, ModelError, RewardError, ServiceError, DeepSpeedConfigError
