@@ -85,6 +85,15 @@ def merge(batches: list[ScoredBatch], pad_id: int) -> ScoredBatch:
     return out
 
 
+def split_call(workers: list[Peer], method: str, tensors: tuple[torch.Tensor, ...], timeout_s: float) -> torch.Tensor:
+    """`method` of each worker on its even share of the rows of `tensors` (one call per worker that has
+    rows), the results concatenated in row order."""
+    parts = [t.tensor_split(len(workers)) for t in tensors]
+    use = [(w, args) for w, args in zip(workers, zip(*parts)) if len(args[0])]
+    refs = [getattr(w.handle, method).remote(*args) for w, args in use]
+    return torch.cat(get(refs, [w for w, _ in use], timeout_s))
+
+
 class RayRefScorer:
     """RefScorer over the reference group's Ray actors: rows split evenly, one call per worker."""
 
@@ -92,11 +101,8 @@ class RayRefScorer:
         self.workers, self.timeout_s = workers, timeout_s
 
     def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
-        n = len(self.workers)
-        parts = [t.tensor_split(n) for t in (prompt_ids, prompt_mask, response_ids, response_mask)]
-        use = [(w, args) for w, args in zip(self.workers, zip(*parts)) if len(args[0])]
-        refs = [w.handle.logprobs.remote(*args) for w, args in use]
-        return torch.cat(get(refs, [w for w, _ in use], self.timeout_s))
+        return split_call(self.workers, "logprobs", (prompt_ids, prompt_mask, response_ids, response_mask),
+                          self.timeout_s)
 
 
 class RayRewardScorer:
@@ -107,11 +113,8 @@ class RayRewardScorer:
         self.workers, self.name, self.timeout_s = workers, name, timeout_s
 
     def score(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
-        n = len(self.workers)
-        parts = [t.tensor_split(n) for t in (prompt_ids, prompt_mask, response_ids, response_mask)]
-        use = [(w, args) for w, args in zip(self.workers, zip(*parts)) if len(args[0])]
-        refs = [w.handle.score.remote(*args) for w, args in use]
-        return torch.cat(get(refs, [w for w, _ in use], self.timeout_s))
+        return split_call(self.workers, "score", (prompt_ids, prompt_mask, response_ids, response_mask),
+                          self.timeout_s)
 
 
 class RayWeightSink:
