@@ -134,8 +134,9 @@ def generate(split: str, size: int, seed: int = 0, system_prompt: str | None = N
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     slipper = random.Random(f"slip-{seed}")
     for i, (q, start, ops) in zip(range(size), _unique(split, seed, 0.2)):
-        answer = solve(start, ops)[1]
-        sol = solve(start, ops, (lambda: slipper.random() < slip) if slip else None)[0]
+        sol, answer = solve(start, ops)
+        if slip:  # the SFT target only: the ground truth stays `answer`
+            sol = solve(start, ops, lambda: slipper.random() < slip)[0]
         out.append(Sample(messages=system + [{"role": "user", "content": q}], ground_truth=str(answer),
                           data_source=DATA_SOURCE, extra={"answer": sol, "index": i, "ops": sol.count("\n")}))
     return out
