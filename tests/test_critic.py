@@ -28,6 +28,17 @@ def test_value_model_loads_from_policy_and_is_seeded(tiny_model_dir, tmp_path):
     torch.testing.assert_close(c.score.weight, a.score.weight)
 
 
+def test_value_model_has_no_dropout_so_training_mode_values_are_the_values(tiny_model, tiny_model_dir):
+    """The token-classification head comes with dropout 0.1; a critic trained in training mode would see
+    noisy values, and DDP ranks would draw other masks than one process (and train apart from it)."""
+    ro = _rollout(tiny_model)
+    model = load_value_model(str(tiny_model_dir), log=lambda *_: None).train()
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    args = ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask
+    with torch.no_grad():
+        torch.testing.assert_close(response_values(model, *args), response_values(model.eval(), *args), rtol=0, atol=0)
+
+
 def _critic(model_dir, lr, total_steps, cliprange_value):
     model = load_value_model(str(model_dir), log=lambda *_: None)
     return Critic(build_engine("single", model, OptimSpec(lr=lr, total_steps=total_steps), SINGLE),

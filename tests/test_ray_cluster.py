@@ -200,6 +200,46 @@ def test_two_ray_steps_match_the_in_process_loop_and_a_rerun_resumes_exactly(clu
           f"step 3 after the resume {max(float((c[k] - d[k]).abs().max()) for k in c):.1e}")
 
 
+@pytest.mark.timeout(300)
+def test_ppo_with_a_critic_group_of_its_own_matches_the_in_process_loop_after_a_resume(cluster, tiny_model_dir,
+                                                                                     tmp_path, capsys):
+    """`--advantage_estimator gae`: the critic trains in a critic group of its own. Steps 1-2 with two
+    critic ranks (DDP among them; actor rank r -> critic rank r), checkpoints (the critic ranks write
+    `critic/` and `critic_state/` into the run's checkpoint); then a rerun with `--load_checkpoint` to
+    step 3 with one critic rank serving both actor ranks (their rows trained in one update), resumed from
+    those folders. The policy and the critic equal an uninterrupted 3-step in-process run (one optimizer
+    step per RL step). atol 2e-5: the all-reduce's float order moves weights by ~1e-6 here (measured:
+    1.2e-6 policy, 6.8e-6 critic after Adam's three steps), while a step moves them by ~1e-3 (lr 1e-3), so
+    any other batch or a missed update fails it."""
+    ckpt = tmp_path / "ckpt"
+    argv = tiny(tiny_model_dir, tmp_path / "ray", 2, "--train_batch_size", "16", "--ckpt_path", str(ckpt),
+                "--advantage_estimator", "gae", "--critic_pretrain", str(tiny_model_dir), "--critic_num_nodes", "1",
+                "--critic_learning_rate", "1e-3")
+    assert main(argv + ["--critic_num_gpus_per_node", "2"]) == 0, capsys.readouterr().err
+    placed = json.loads((tmp_path / "ray" / "placement.json").read_text())
+    critics = [w for w in placed["workers"] if w["name"].startswith("critic rank")]
+    assert [w["group"] for w in critics] == ["critic", "critic"], placed["workers"]
+    step2 = ckpt / "global_step_2"
+    assert (step2 / "critic" / "model.safetensors").exists() and (step2 / "critic_state").is_dir()
+    assert main(argv + ["--critic_num_gpus_per_node", "1", "--total_steps", "3", "--load_checkpoint"]) == 0, \
+        capsys.readouterr().err
+    rows = [r for r in metric_rows(tmp_path / "ray") if r["step"] > 0]  # step 0: the base evaluation
+    assert [r["step"] for r in rows] == [1, 2, 3] and all("critic/values_mean" in r for r in rows), rows
+    args = F.parser().parse_args(argv)
+    train_grpo(load_config(None, F.overrides(args, gpus=False, total_steps=3) + [
+        f"trainer.output_dir={tmp_path}", "trainer.experiment_name=inline3", "trainer.checkpoint_dir=checkpoints"]))
+    inline = tmp_path / "inline3" / "checkpoints" / "global_step_3"
+    worst = {}
+    for part in ("model", "critic"):
+        a, b = (load_file(root / part / "model.safetensors") for root in (ckpt / "global_step_3", inline))
+        base = load_file(step2 / part / "model.safetensors")
+        assert any(not torch.equal(base[k], a[k]) for k in a), f"the rerun did not train the {part} at step 3"
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-5, msg=f"{part}: {k}")
+        worst[part] = max(float((a[k] - b[k]).abs().max()) for k in a)
+    print(f"max |ray - in-process| at step 3 after the resume: {worst}")
+
+
 def metric_rows(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
 

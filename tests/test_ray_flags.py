@@ -31,6 +31,8 @@ def parse(*argv):
     (["--actor_num_gpus_per_node", "2", "--micro_train_batch_size", "1", "--train_batch_size", "8",
       "--rollout_batch_size", "7"], "multiple of --train_batch_size"),
     (["--reward_pretrain", "rm", "--remote_rm_url", "http://x"], "not both"),
+    (["--actor_num_gpus_per_node", "2", "--micro_train_batch_size", "1", "--critic_num_gpus_per_node", "3"],
+     "must be a multiple of the critic's (3)"),
 ])
 def test_openrlhf_checks_are_one_line(argv, words):
     with pytest.raises(F.FlagError) as e:

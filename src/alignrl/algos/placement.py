@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -22,8 +23,9 @@ from alignrl.algos.trainer import CriticParts, PolicyTrainer, needs_reference
 from alignrl.config import ConfigError, RunConfig
 from alignrl.config.checks import response_cap
 from alignrl.core.lagrangian import LagrangeMultiplier
+from alignrl.data.sampler import BatchSampler
 from alignrl.dist.env import SINGLE, DistEnv
-from alignrl.interfaces import RefScorer, RolloutEngine, WeightSink
+from alignrl.interfaces import BatchSource, RefScorer, RolloutEngine, WeightSink
 from alignrl.models.loader import frozen_copy, load_model
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.registry import load_reward_fn, make_reward
@@ -112,27 +114,40 @@ def build_maker(cfg: RunConfig, engine: RolloutEngine, tokenizer, ref: RefScorer
     return RolloutMaker(cfg, engine, build_rewards(cfg, tokenizer, env.device), ref, env.rank)
 
 
-def build_critics(cfg: RunConfig, resume: Path | None, env: DistEnv = SINGLE) -> CriticParts | None:
-    """The critic (and, with a safety cost, the cost critic and multiplier); from the checkpoint's
-    `critic/`, `cost_critic/` folders when resuming."""
-    if not cfg.critic.enable:
-        return None
+def build_critic(cfg: RunConfig, name: str, resume: Path | None, env: DistEnv = SINGLE) -> Critic:
+    """The critic `name` ("critic", or "cost_critic" seeded one apart); from the checkpoint's `<name>/`
+    folder and its optimizer state when resuming."""
     c = cfg.critic
+    path = str(resume / name) if resume else (c.model_path or cfg.model.path)
+    seed = cfg.trainer.seed + (name == "cost_critic")
+    model = load_value_model(path, cfg.model.dtype, seed=seed, log=console.print)
+    spec = OptimSpec(lr=c.lr, warmup_steps=c.lr_warmup_steps, total_steps=total_optimizer_steps(cfg),
+                     grad_clip=c.grad_clip)
+    engine = make_engine(cfg, model, spec, env)
+    if resume:
+        restore_state(engine, resume / f"{name}_state", name)
+    return Critic(engine, cliprange_value=c.cliprange_value, name=name)
 
-    def make(name: str, seed: int) -> Critic:
-        path = str(resume / name) if resume else (c.model_path or cfg.model.path)
-        model = load_value_model(path, cfg.model.dtype, seed=seed, log=console.print)
-        spec = OptimSpec(lr=c.lr, warmup_steps=c.lr_warmup_steps, total_steps=total_optimizer_steps(cfg),
-                         grad_clip=c.grad_clip)
-        engine = make_engine(cfg, model, spec, env)
-        if resume:
-            restore_state(engine, resume / f"{name}_state", name)
-        return Critic(engine, cliprange_value=c.cliprange_value, name=name)
 
-    parts = CriticParts(critic=make("critic", cfg.trainer.seed))
-    s = cfg.safety
-    if s.cost_fn or s.cost_model:
-        parts.cost_critic = make("cost_critic", cfg.trainer.seed + 1)
+def critic_names(cfg: RunConfig) -> list[str]:
+    """The value models the run trains: none, the critic, or (with a safety cost) the cost critic too."""
+    if not cfg.critic.enable:
+        return []
+    return ["critic", "cost_critic"] if cfg.safety.cost_fn or cfg.safety.cost_model else ["critic"]
+
+
+def build_critics(cfg: RunConfig, resume: Path | None, env: DistEnv = SINGLE,
+                  make: Callable[[str], object] | None = None) -> CriticParts | None:
+    """The critic (and, with a safety cost, the cost critic and multiplier), trained in this process, or
+    made by `make(name)` where they train elsewhere (a Ray critic group); the multiplier stays here."""
+    names = critic_names(cfg)
+    if not names:
+        return None
+    make = make or (lambda name: build_critic(cfg, name, resume, env))
+    parts = CriticParts(critic=make("critic"))
+    if "cost_critic" in names:
+        s = cfg.safety
+        parts.cost_critic = make("cost_critic")
         parts.lagrangian = LagrangeMultiplier(s.lambda_init, s.lambda_lr, s.cost_limit)
     return parts
 
@@ -159,22 +174,45 @@ class Placed:
     sink: WeightSink
 
     def engines(self) -> dict[str, TrainEngine]:
-        """Checkpoint folder name -> engine: `model` (the policy), `critic`, `cost_critic`."""
-        out, c = {"model": self.trainer.actor.engine}, self.trainer.critics
-        if c is not None:
-            out["critic"] = c.critic.engine
-            if c.cost_critic is not None:
-                out["cost_critic"] = c.cost_critic.engine
+        """Checkpoint folder name -> the engines trained in this process: `model` (the policy), `critic`,
+        `cost_critic` (unless they train in workers of their own)."""
+        out = {"model": self.trainer.actor.engine}
+        for name, critic in self.critics():
+            if isinstance(critic, Critic):
+                out[name] = critic.engine
         return out
+
+    def saved_elsewhere(self) -> list[Callable[[Path], str | None]]:
+        """The writers of the checkpoint parts held by other workers (a Ray critic group): each writes its
+        folders into the checkpoint being written and returns None, or the line saying why it could not."""
+        return [critic.save for _, critic in self.critics() if not isinstance(critic, Critic)]
+
+    def critics(self) -> list[tuple[str, object]]:
+        c = self.trainer.critics
+        if c is None:
+            return []
+        return [("critic", c.critic)] + ([("cost_critic", c.cost_critic)] if c.cost_critic is not None else [])
+
+
+class RemoteProducers(Protocol):
+    """Producers in other processes (ZeroMQ samplers, Ray rollout engines): the sink that sends them
+    weights, the BatchSource of the batches they make from the rows this trainer hands out, and the
+    critics (trained here, or in workers of their own)."""
+
+    def sink(self, actor: Actor, env: DistEnv) -> WeightSink: ...
+
+    def source(self, sampler: BatchSampler, trainer: PolicyTrainer, env: DistEnv) -> BatchSource: ...
+
+    def critics(self, cfg: RunConfig, resume: Path | None, env: DistEnv) -> CriticParts | None: ...
 
 
 def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: DistEnv = SINGLE,
-          sink_for: Callable[[Actor, DistEnv], WeightSink] | None = None) -> Placed:
-    """The in-process producer and the trainer, or only the trainer when `sink_for` is given (samplers in
-    other processes make the batches and receive the weights through the sink it makes). Policy from
-    `policy_path`, the frozen reference from the base `cfg.model.path`."""
+          producers: RemoteProducers | None = None) -> Placed:
+    """The in-process producer and the trainer, or only the trainer when `producers` make the batches in
+    other processes (and receive the weights through their sink). Policy from `policy_path`, the frozen
+    reference from the base `cfg.model.path`."""
     model, tokenizer = load_model(policy_path, cfg.model.dtype, log=console.print)
-    inline = sink_for is None
+    inline = producers is None
     ref = build_ref(cfg, model, policy_path, env.device) if inline else None
     remote = bool(cfg.services.generation_url) and inline
     # a full copy for generation / evaluation when the engine keeps only a shard (copied before sharding)
@@ -185,11 +223,14 @@ def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: Dis
     else:  # colocated: generation shares the policy's weights unless the engine keeps only a shard of them
         engine = HFRolloutEngine(copy if copy is not None else actor.model, tokenizer)
     engine = with_tools(cfg, engine, tokenizer)  # evaluation rolls out the same way as training
-    if sink_for is not None:  # the evaluation copy (sharded engines) follows the samplers' weights
-        sink = sink_for(actor, env) if copy is None else Fanout(EngineCopy(actor, engine, env), sink_for(actor, env))
+    if producers is not None:  # the evaluation copy (sharded engines) follows the samplers' weights
+        sink = producers.sink(actor, env)
+        sink = sink if copy is None else Fanout(EngineCopy(actor, engine, env), sink)
+        critics = producers.critics(cfg, resume, env)
     else:
         colocated = not remote and copy is None
         sink = SharedModule() if colocated else EngineCopy(actor, engine, env, main_only=remote)
+        critics = build_critics(cfg, resume, env)
     maker = build_maker(cfg, engine, tokenizer, ref, env) if inline else None
-    trainer = PolicyTrainer(cfg, actor, sink, build_critics(cfg, resume, env), env)
+    trainer = PolicyTrainer(cfg, actor, sink, critics, env)
     return Placed(trainer, tokenizer, engine, maker, sink)

@@ -9,18 +9,16 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from alignrl.algos.evaluate import format_room, greedy_eval, room
 from alignrl.algos.grpo import GRPOStep
-from alignrl.algos.placement import place, resolve_strategy
+from alignrl.algos.placement import RemoteProducers, place, resolve_strategy
+from alignrl.algos.trainer import PolicyTrainer
 from alignrl.algos.producer import InlineSource
 from alignrl.algos.sinks import EngineCopy
-from alignrl.algos.trainer import PolicyTrainer
-from alignrl.train.actor import Actor
 from alignrl.config import RunConfig, check_world_size, to_yaml
 from alignrl.data import synthetic
 from alignrl.data.collate import encode_prompts
@@ -28,7 +26,6 @@ from alignrl.data.loaders import load_samples
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist.coordinator import Coordinator
 from alignrl.dist.env import DistEnv, barrier, init_distributed, mean_metrics
-from alignrl.interfaces import BatchSource, WeightSink
 from alignrl.rewards.registry import load_reward_fn
 from alignrl.train.checkpoint import (atomic_write_text, load_trainer_state, resume_point, save_checkpoint,
                                       set_rng_state)
@@ -59,15 +56,6 @@ class PromptData:
 
     def __call__(self, index) -> tuple[list, list[list[int]]]:
         return [self.samples[i] for i in index], [self.prompt(i) for i in index]
-
-
-class RemoteProducers(Protocol):
-    """Samplers in other processes (the ZeroMQ placement): the sink that sends them weights, and the
-    BatchSource of the batches they make from the rows this trainer hands out."""
-
-    def sink(self, actor: Actor, env: DistEnv) -> WeightSink: ...
-
-    def source(self, sampler: BatchSampler, trainer: PolicyTrainer, env: DistEnv) -> BatchSource: ...
 
 
 def describe_batch(cfg: RunConfig, world: int = 1) -> str:
@@ -117,8 +105,7 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
                           lambda line: console.print(line, markup=False, soft_wrap=True))
     if producers is None and cfg.pipeline.placement == "zmq":  # samplers in other processes make the batches
         producers = Coordinator(cfg, to_yaml(cfg), log_dir)
-    placed = place(cfg, str(resume / "model") if resume else cfg.model.path, resume, env,
-                   producers.sink if producers else None)
+    placed = place(cfg, str(resume / "model") if resume else cfg.model.path, resume, env, producers)
     tokenizer, engine, trainer = placed.tokenizer, placed.eval_engine, placed.trainer
     correct_fn = load_reward_fn(cfg.algorithm.reward_fn)
     rows = PromptData(tokenizer, train, cfg.data.max_prompt_length)
@@ -178,7 +165,7 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
         save_checkpoint(ckpt_root, step, placed.engines(), tokenizer,
                         {"source": source.state_dict(), "trainer": trainer.state_dict(), "base": state.get("base"),
                          "base_room": state.get("base_room"),
-                         "strategy": strategy}, cfg.trainer.max_checkpoints, env)
+                         "strategy": strategy}, cfg.trainer.max_checkpoints, env, placed.saved_elsewhere())
 
     total = cfg.trainer.total_training_steps
     columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),

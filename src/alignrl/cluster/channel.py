@@ -21,6 +21,7 @@ import ray
 import torch
 import torch.nn.functional as F
 
+from alignrl.algos.placement import build_critics
 from alignrl.algos.producer import InlineSource
 from alignrl.algos.rollout_ops import concat_rollouts
 from alignrl.data.records import ScoredBatch
@@ -166,9 +167,16 @@ class RayProducers:
     """The runner's RemoteProducers for the Ray placement: rollout-engine actors make the batches and
     receive the weights. Sent to every actor-group rank (handles only)."""
 
-    def __init__(self, engines: list[Peer], backend: str, timeout_s: float):
+    def __init__(self, engines: list[Peer], backend: str, timeout_s: float, critic_group=None):
         self.engines, self.backend, self.timeout_s = engines, backend, timeout_s
+        self.critic_group = critic_group  # a CriticGroup when the critics have workers of their own
         self.sink_: RayWeightSink | None = None
+
+    def critics(self, cfg, resume, env: DistEnv):
+        """In the critic group's workers when it has them, else in the actor ranks beside the policy."""
+        if self.critic_group is not None:
+            return self.critic_group.critics(cfg, resume, env)
+        return build_critics(cfg, resume, env)
 
     def sink(self, actor: Actor, env: DistEnv) -> RayWeightSink:
         from alignrl.cluster.weights import BroadcastGroup

@@ -12,8 +12,8 @@ the way out.
 
 A reward model (`--reward_pretrain`) runs in the reward group's workers (in the critic's placement group
 with `--colocate_critic_reward`, in the actor's with `--colocate_all_models`); the engines send them the
-rows to score. The critic group is reserved as the layout says, but the critic trains inside the actor
-ranks (the loop's trainer owns it).
+rows to score. The critic (`--advantage_estimator gae`) trains in the critic group's workers
+(`alignrl.cluster.critic`): the actor ranks send them their rows for values and updates.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from alignrl.cluster.channel import ClusterError, Peer, RayProducers
+from alignrl.cluster.critic import CriticGroup, CriticRank
 from alignrl.cluster.plan import Layout, describe, engine_slot, release, requests, reserve, slots
 from alignrl.cluster.workers import WATCH, PolicyRank, RefWorker, RewardWorker, RolloutWorker
 from alignrl.config import ConfigError, RunConfig, check_world_size, to_yaml
@@ -70,12 +71,12 @@ class Driver:
     def say(self, line: str) -> None:
         print(f"{self.job.prog}: {line}", flush=True)
 
-    def start(self, cls, slot, name: str, *init):
+    def start(self, cls, slot, name: str, *init, calls: int = 1):
         # the CPU share too: an actor that names GPUs alone takes a whole CPU of its bundle (Ray's default),
         # and a bundle has one CPU per unit, so colocated workers would wait for CPUs forever
         res = {"num_gpus": slot.units, "num_cpus": slot.units} if self.gpus else {"num_cpus": slot.units}
         handle = ray.remote(concurrency_groups=WATCH)(cls).options(
-            **res, max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            **res, max_restarts=0, max_concurrency=calls, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=slot.group.pg, placement_group_bundle_index=slot.bundle),
             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(self.job.threads), "TOKENIZERS_PARALLELISM": "false",
                                       "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}).remote(*init)
@@ -112,16 +113,27 @@ class Driver:
         engines = [self.start(RolloutWorker, engine_slot(self.reqs, e, lay.tp), f"rollout engine {e}", text, e,
                               engine_slot(self.reqs, e, lay.tp).local_rank, t, refs, rms) for e in range(lay.engines)]
         actors = lay.world("actor")
+        critics = self.start_critics(text, actors) if "critic" in lay.groups else None
         ranks = [self.start(PolicyRank, s, f"actor rank {r}", r, actors, s.local_rank, t, job.peer_timeout_s)
                  for r, s in enumerate(slots(self.reqs, "actor", actors, lay.per_node("actor")))]
         self.name_nodes()
         master = ray.get(ranks[0].handle.free_address.remote())
-        producers = RayProducers(engines, self.weight_backend(), job.peer_timeout_s)
+        producers = RayProducers(engines, self.weight_backend(), job.peer_timeout_s, critics and CriticGroup(
+            critics, ray.get(critics[0].handle.free_address.remote()), job.peer_timeout_s))
         t0 = time.time()
         runs = {r.handle.run.remote(text, master, producers): r for r in ranks}
         summary = self.wait(runs)
         self.say(f"done in {time.time() - t0:.1f} s: {json.dumps(summary)}")
         return 0
+
+    def start_critics(self, text: str, actors: int) -> list[Peer]:
+        """The critic group's ranks; each serves actors // C actor ranks, so it takes that many calls at
+        once (their update rows are trained together)."""
+        lay, job = self.job.layout, self.job
+        world = lay.world("critic")
+        return [self.start(CriticRank, s, f"critic rank {i}", text, i, world, s.local_rank, job.threads,
+                           actors // world, job.peer_timeout_s, calls=actors // world)
+                for i, s in enumerate(slots(self.reqs, "critic", world, lay.per_node("critic")))]
 
     def weight_backend(self) -> str:
         """NCCL on GPUs, except when the engines share GPUs with the actor ranks (`--colocate_all_models`,

@@ -160,6 +160,9 @@ def check(args) -> None:
             raise FlagError(f"--rollout_batch_size {args.rollout_batch_size} and --train_batch_size / "
                             f"--n_samples_per_prompt = {args.train_batch_size // n} prompts must be multiples of "
                             f"{what} ({count}): each takes an equal share")
+    if uses_critic(args) and actors % world(args, "critic"):
+        raise FlagError(f"the actor's GPUs ({actors}) must be a multiple of the critic's ({world(args, 'critic')}): "
+                        "actor rank r sends its rows to critic rank r % critic GPUs")
     if args.remote_rm_url and args.reward_pretrain:
         raise FlagError("give either --reward_pretrain or --remote_rm_url, not both")
 

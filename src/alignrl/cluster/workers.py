@@ -58,6 +58,14 @@ class Worker:
         return {"node": node_label(), "pid": os.getpid(), "ip": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
+    def free_address(self) -> tuple[str, int]:
+        """This node's IP and a free port on it (a group's rank 0 serves its rendezvous; actor rank 0 the
+        weight store too)."""
+        from alignrl.cluster.channel import free_port_on
+
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port_on(ip)
+
     @ray.method(concurrency_group="watch")
     def watch(self) -> None:
         self._stop.wait()
@@ -73,13 +81,6 @@ class PolicyRank(Worker):
     def __init__(self, rank: int, world: int, local_rank: int, threads: int, peer_timeout_s: float):
         super().__init__(threads)
         self.rank, self.world, self.local_rank, self.peer_timeout_s = rank, world, local_rank, peer_timeout_s
-
-    def free_address(self) -> tuple[str, int]:
-        """This node's IP and a free port on it (rank 0 serves the rendezvous and the weight store)."""
-        from alignrl.cluster.channel import free_port_on
-
-        ip = ray.util.get_node_ip_address()
-        return ip, free_port_on(ip)
 
     def run(self, cfg_text: str, master: tuple[str, int], producers) -> dict | None:
         from alignrl.algos.runner import train_grpo

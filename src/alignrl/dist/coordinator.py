@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from alignrl.algos.placement import build_critics
 from alignrl.algos.rollout_ops import group_rows, select_groups
 from alignrl.config import RunConfig
 from alignrl.data.records import ScoredBatch
@@ -87,6 +88,10 @@ class Coordinator:
         self.board = WeightBoard(actor, env, self.p.bucket_mb << 20, self.token, self.lock, self._published,
                                  self.incarnation)
         return self.board
+
+    def critics(self, cfg: RunConfig, resume: Path | None, env: DistEnv):
+        """The critics train in this process, beside the policy."""
+        return build_critics(cfg, resume, env)
 
     def source(self, sampler: BatchSampler, trainer, env: DistEnv) -> Coordinator:
         self.trainer, self.env = trainer, env

@@ -28,6 +28,13 @@ def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print
     finally:
         hf_logging.set_verbosity(verbosity)
     model.config.use_cache = False
+    # no dropout in a value model (TRL and OpenRLHF turn it off too): the token-classification head comes
+    # with p=0.1, which made values noisy in training mode and made data-parallel ranks draw other masks
+    # than one process does, so a DDP critic did not train as a single one
+    model.config.classifier_dropout = 0.0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
     return model
 
 

@@ -129,14 +129,26 @@ def _last_complete(root: Path) -> str:
     return f"the last complete checkpoint is {done[0]}" if done else "no complete checkpoint was written before"
 
 
-def _check_finite(root: Path, step: int, name: str, full: dict[str, torch.Tensor], env: DistEnv) -> None:
-    """Collective: every rank raises, or none does (a rank left alone in the next collective would hang)."""
+class NonFiniteWeights(CheckpointError):
+    """A model to be saved holds NaN/inf weights; raised on every rank of its group."""
+
+    def __init__(self, name: str, tensor: str):
+        self.what, self.tensor = ("model" if name == "model" else f"{name} model"), tensor
+        super().__init__(f"the {self.what} has NaN/inf weights ({tensor})")
+
+
+def save_engine(engine, folder: Path, name: str, env: DistEnv = SINGLE) -> None:
+    """Collective: `folder/name` (full HF weights, written by rank 0) and `folder/name_state` (the engine's
+    resumable optimizer state). Raises NonFiniteWeights on every rank, or none does (a rank left alone in
+    the next collective would hang), before writing anything of it."""
+    full = engine.full_state_dict()  # collective
     bad = nonfinite(full)
     if all_reduce_sum(env, [float(len(bad))])[0]:
-        what = "model" if name == "model" else f"{name} model"
-        raise CheckpointError(f"the {what} has NaN/inf weights after step {step} ({bad[0] if bad else 'some tensor'}"
-                              f"); not saving; {_last_complete(root)} (fix the cause, e.g. a lower learning "
-                              "rate, and resume from it with trainer.resume_mode=auto)")
+        raise NonFiniteWeights(name, bad[0] if bad else "some tensor")
+    if env.is_main:
+        engine.model.save_pretrained(folder / name, state_dict=full)
+    (folder / f"{name}_state").mkdir(exist_ok=True)
+    engine.save_state(folder / f"{name}_state")  # collective
 
 
 def _rotate(root: Path, newest: Path, keep: int) -> None:
@@ -148,11 +160,13 @@ def _rotate(root: Path, newest: Path, keep: int) -> None:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, engines: dict[str, Any], tokenizer, trainer_state: dict[str, Any],
-                    keep: int, env: DistEnv = SINGLE) -> Path:
+                    keep: int, env: DistEnv = SINGLE, elsewhere: list[Callable[[Path], str | None]] = ()) -> Path:
     """Collective: every rank calls it. `engines` maps a folder name to a TrainEngine ("model" for the
     policy, "critic", "cost_critic"): each is saved as a full HF folder plus `<name>_state/` (its resumable
-    optimizer state). Rank 0 writes everything except DeepSpeed's per-rank optimizer shards. Raises
-    CheckpointError, writing nothing, when a weight is not finite."""
+    optimizer state). Rank 0 writes everything except DeepSpeed's per-rank optimizer shards. `elsewhere`:
+    writers of the parts other workers hold (a Ray critic group), called on rank 0 with the folder being
+    written; each returns None or the line saying why it failed. Raises CheckpointError, completing
+    nothing, when a weight is not finite or a part could not be written."""
     final = ckpt_root / f"global_step_{step}"
     tmp = ckpt_root / f".global_step_{step}.tmp"  # one name on every rank: DeepSpeed ranks write into it
     if env.is_main:
@@ -161,12 +175,16 @@ def save_checkpoint(ckpt_root: Path, step: int, engines: dict[str, Any], tokeniz
     barrier(env)
     try:
         for name, engine in engines.items():
-            full = engine.full_state_dict()  # collective
-            _check_finite(ckpt_root, step, name, full, env)
-            if env.is_main:
-                engine.model.save_pretrained(tmp / name, state_dict=full)
-            (tmp / f"{name}_state").mkdir(exist_ok=True)
-            engine.save_state(tmp / f"{name}_state")  # collective
+            try:
+                save_engine(engine, tmp, name, env)
+            except NonFiniteWeights as e:
+                raise CheckpointError(f"the {e.what} has NaN/inf weights after step {step} ({e.tensor}); not saving; "
+                                      f"{_last_complete(ckpt_root)} (fix the cause, e.g. a lower learning rate, "
+                                      "and resume from it with trainer.resume_mode=auto)") from None
+        failed = [line for save in elsewhere for line in [save(tmp)] if line] if env.is_main else []
+        if all_reduce_sum(env, [float(len(failed))])[0]:  # every rank stops, not only the one that knows why
+            raise CheckpointError(f"step {step} not saved: {failed[0] if failed else 'see rank 0'}; "
+                                  f"{_last_complete(ckpt_root)}")
         barrier(env)
         if env.is_main:
             tokenizer.save_pretrained(tmp / "model")
