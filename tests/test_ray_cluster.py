@@ -149,6 +149,16 @@ def test_a_placement_that_is_never_granted_fails_after_its_timeout(cluster, caps
     assert all_gpus_free()  # nothing left reserved
 
 
+def seed_001_data(path: Path) -> list[str]:
+    """OpenRLHF-style prompt data as seed 001's script reads it: `{"messages": [...], "answer": ...}` rows
+    in a .json array, with its data flags."""
+    from alignrl.data import synthetic
+
+    rows = [{"messages": s.messages, "answer": s.ground_truth} for s in synthetic.generate("train", 64, seed=0)]
+    path.write_text(json.dumps(rows))
+    return ["--prompt_data", str(path), "--input_key", "messages", "--label_key", "answer", "--apply_chat_template"]
+
+
 def reward_model(tiny_model_dir, folder: Path) -> Path:
     """A sequence-classification head (seeded) on the tiny model: a reward model whose scores differ by row."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -164,14 +174,16 @@ def test_two_ray_steps_match_the_in_process_loop_and_a_rerun_resumes_exactly(clu
                                                                              capsys):
     """Same global batch (one engine: the in-process rows and seeds), two DDP ranks against one process,
     one optimizer step per RL step (the mini-batch shuffle is per rank), the reward model in a group of
-    its own (2 nodes × 1: each worker scores half the rows) against the in-process one: equal weights up
+    its own (2 nodes × 1: each worker scores half the rows) against the in-process one, the prompts read
+    from a .json file by seed 001's `--input_key messages --label_key answer --apply_chat_template`: equal weights up
     to the float order of the all-reduce and the micro-batches (atol 1e-6). Then the stopped run is rerun
     with `--load_checkpoint` to step 3: it resumes from the step-2 checkpoint in `--ckpt_path` and ends
     with the weights of an uninterrupted 3-step in-process run (atol 1e-6; the lr schedule is constant,
     so the runs' different step counts change nothing else)."""
     ckpt, rm = tmp_path / "ckpt", reward_model(tiny_model_dir, tmp_path / "rm")
     argv = tiny(tiny_model_dir, tmp_path / "ray", 2, "--train_batch_size", "16", "--ckpt_path", str(ckpt),
-                "--reward_pretrain", str(rm), "--reward_num_nodes", "2", "--reward_num_gpus_per_node", "1")
+                "--reward_pretrain", str(rm), "--reward_num_nodes", "2", "--reward_num_gpus_per_node", "1",
+                *seed_001_data(tmp_path / "prompts.json"))
     assert main(argv) == 0, capsys.readouterr().err
     placed = json.loads((tmp_path / "ray" / "placement.json").read_text())
     rms = [w for w in placed["workers"] if w["name"].startswith("reward model rank")]

@@ -31,6 +31,7 @@ def parse(*argv):
     (["--actor_num_gpus_per_node", "2", "--micro_train_batch_size", "1", "--train_batch_size", "8",
       "--rollout_batch_size", "7"], "multiple of --train_batch_size"),
     (["--reward_pretrain", "rm", "--remote_rm_url", "http://x"], "not both"),
+    (["--prompt_data", "p.json", "--input_key", "messages"], "without --label_key the prompts have no answer"),
     (["--actor_num_gpus_per_node", "2", "--micro_train_batch_size", "1", "--critic_num_gpus_per_node", "3"],
      "must be a multiple of the critic's (3)"),
 ])
@@ -122,3 +123,44 @@ def test_a_config_that_places_its_own_producers_is_refused_inside_a_ray_job(monk
     assert main(["train", "ppo", "pipeline.placement=zmq", "trainer.nnodes=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "pipeline.placement=zmq" in err and "unset RAY_ADDRESS" in err, err
+
+
+def test_prompt_data_flags_become_the_data_keys(tmp_path):
+    """OpenRLHF's --input_key/--label_key/--input_template/--apply_chat_template read a --prompt_data file
+    by column; seed 001's flags on its {messages, answer} rows load and count."""
+    import json
+
+    from alignrl.cluster.train_ppo_ray import training_steps
+
+    data = tmp_path / "prompts.json"
+    data.write_text(json.dumps([{"messages": [{"role": "user", "content": f"{i} + 1?"}], "answer": i + 1}
+                                for i in range(4)]))
+    args = parse(*SEED_001, "--prompt_data", str(data), "--input_key", "messages", "--label_key", "answer",
+                 "--apply_chat_template", "--rollout_batch_size", "2", "--train_batch_size", "16",
+                 "--micro_train_batch_size", "2", "--actor_num_gpus_per_node", "1", "--ref_num_gpus_per_node", "1",
+                 "--vllm_num_engines", "1", "--micro_rollout_batch_size", "2")
+    F.check(args)
+    d = load_config(None, F.overrides(args, gpus=False, total_steps=3)).data
+    assert (d.prompt_key, d.label_key, d.input_template, d.apply_chat_template) == ("messages", "answer", None, True)
+    assert F.unused_here(args, gpus=True) == ["--micro_rollout_batch_size"]
+    assert training_steps(args) == 2  # 4 rows / 2 prompts per step
+
+    raw = parse("--prompt_data", str(data), "--label_key", "answer", "--input_template", "Q: {}\nA: ")
+    d = load_config(None, F.overrides(raw, gpus=False, total_steps=3)).data
+    assert (d.prompt_key, d.label_key, d.input_template, d.apply_chat_template) == ("input", "answer", "Q: {}\nA: ",
+                                                                                      False)
+    assert F.unused_here(raw, gpus=True) == []
+    both = parse("--prompt_data", str(data), "--input_key", "messages", "--input_template", "Q: {}",
+                 "--apply_chat_template", "--remote_rm_url", "http://127.0.0.1:1")  # the template is ignored
+    F.check(both)  # no --label_key: the reward model scores
+    assert load_config(None, F.overrides(both, gpus=False, total_steps=3)).data.input_template is None
+    assert F.unused_here(both, gpus=True) == ["--input_template"]
+
+
+def test_prompt_data_flags_leave_detected_layouts_and_synthetic_data_alone():
+    detected = load_config(None, F.overrides(parse("--prompt_data", "gsm8k.jsonl", "--apply_chat_template"),
+                                             gpus=False, total_steps=3)).data
+    assert (detected.prompt_key, detected.apply_chat_template) == (None, True)
+    synthetic = parse("--input_key", "messages", "--label_key", "answer", "--apply_chat_template")
+    assert load_config(None, F.overrides(synthetic, gpus=False, total_steps=3)).data.prompt_key is None
+    assert F.unused_here(synthetic, gpus=True) == ["--input_key", "--label_key", "--apply_chat_template"]

@@ -34,11 +34,14 @@ from alignrl.utils.tracking import Tracker, console
 
 def load_task_data(cfg: RunConfig):
     d = cfg.data
+    # a file's columns: detected (GSM8K/verl), or named by data.prompt_key/label_key (both splits alike)
+    keys = dict(system_prompt=d.system_prompt, prompt_key=d.prompt_key, label_key=d.label_key,
+                input_template=d.input_template, apply_chat_template=d.apply_chat_template)
     train = (synthetic.generate("train", d.train_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
-             if d.train_files == "synthetic" else load_samples(d.train_files, d.format, system_prompt=d.system_prompt))
+             if d.train_files == "synthetic" else load_samples(d.train_files, d.format, **keys))
     val = (synthetic.generate("test", d.val_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
            if d.val_files == "synthetic" else
-           load_samples(d.val_files, d.format, system_prompt=d.system_prompt, limit=d.val_size, key="data.val_files"))
+           load_samples(d.val_files, d.format, limit=d.val_size, key="data.val_files", **keys))
     return train, val
 
 

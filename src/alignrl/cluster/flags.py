@@ -27,7 +27,10 @@ GPU_ONLY = ("flash_attn", "bf16", "adam_offload", "gradient_checkpointing", "ena
             "vllm_enable_sleep", "deepspeed_enable_sleep", "enforce_eager", "packing_samples",
             "vllm_gpu_memory_utilization", "vllm_sync_backend", "zero_stage")
 # flags accepted for compatibility that alignrl does not use on any device
-NEVER_USED = ("input_key", "label_key", "input_template", "micro_rollout_batch_size")
+NEVER_USED = ("micro_rollout_batch_size",)
+# the prompt-column flags, which apply to a --prompt_data file (synthetic data has its own layout)
+DATA_KEYS = ("input_key", "label_key", "input_template", "apply_chat_template")
+OPENRLHF_INPUT_KEY = "input"  # OpenRLHF's --input_key default
 
 
 class FlagError(ConfigError):
@@ -88,11 +91,17 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     o.add_argument("--advantage_estimator", default="gae", choices=sorted(ESTIMATORS))
     o.add_argument("--gamma", type=float, default=1.0)
     d = p.add_argument_group("data and logging")
-    d.add_argument("--prompt_data", default="synthetic", help="'synthetic' or a .jsonl/.parquet file")
-    d.add_argument("--input_key", default="input", help="prompt field (gsm8k/verl layouts are detected)")
-    d.add_argument("--label_key", default=None, help="answer field (gsm8k/verl layouts are detected)")
-    d.add_argument("--input_template", default=None)
-    d.add_argument("--apply_chat_template", action="store_true")
+    d.add_argument("--prompt_data", default="synthetic", help="'synthetic' or a .jsonl/.json/.parquet file")
+    d.add_argument("--input_key", default=None,
+                   help="prompt column: a string or chat messages (default 'input' when --label_key or "
+                        "--input_template is given; with none of the three, GSM8K/verl layouts are detected)")
+    d.add_argument("--label_key", default=None, help="answer column the rule reward compares with (default: none, "
+                                                     "the reward comes from --reward_pretrain/--remote_rm_url)")
+    d.add_argument("--input_template", default=None, help="without --apply_chat_template: the prompt is this text "
+                                                          "with {} replaced by the prompt column")
+    d.add_argument("--apply_chat_template", action="store_true",
+                   help="prompts go through the tokenizer's chat template (without it, the prompt column's string "
+                        "is tokenized as it is; detected GSM8K/verl layouts are always chat-templated)")
     d.add_argument("--use_wandb", default=None, help="log to wandb (its login comes from the environment, "
                                                       "e.g. WANDB_API_KEY)")
     d.add_argument("--use_tensorboard", default=None, help="tensorboard folder (written under the run's logs/)")
@@ -165,6 +174,9 @@ def check(args) -> None:
                         "actor rank r sends its rows to critic rank r % critic GPUs")
     if args.remote_rm_url and args.reward_pretrain:
         raise FlagError("give either --reward_pretrain or --remote_rm_url, not both")
+    if data_keys(args) and args.label_key is None and not (args.reward_pretrain or args.remote_rm_url):
+        raise FlagError("without --label_key the prompts have no answer for the rule reward: give --label_key "
+                        "<answer column>, or a reward model (--reward_pretrain or --remote_rm_url)")
 
 
 def uses_reference(args) -> bool:
@@ -179,12 +191,32 @@ def uses_reward_model(args) -> bool:
     return bool(args.reward_pretrain) and not args.remote_rm_url
 
 
+def data_keys(args) -> dict[str, object]:
+    """`load_samples` keywords for the prompt-column flags: empty (the layout is detected, prompts
+    chat-templated) when --prompt_data is synthetic or none of --input_key/--label_key/--input_template
+    is given, else OpenRLHF's reading of the file (--input_key defaulting to 'input')."""
+    if args.prompt_data == "synthetic" or (args.input_key, args.label_key, args.input_template) == (None,) * 3:
+        return {}
+    return {"prompt_key": args.input_key or OPENRLHF_INPUT_KEY, "label_key": args.label_key,
+            "input_template": None if args.apply_chat_template else args.input_template,
+            "apply_chat_template": args.apply_chat_template}
+
+
 def unused_here(args, gpus: bool) -> list[str]:
-    """Flags given that change nothing here (listed once at start): GPU-only ones without CUDA, and the
-    ones alignrl never uses (the data loader detects the layout and always applies the chat template)."""
+    """Flags given that change nothing here (listed once at start): GPU-only ones without CUDA, the ones
+    alignrl never uses, the prompt-column flags on synthetic data, and --input_template beside
+    --apply_chat_template (OpenRLHF ignores it there too)."""
     defaults = vars(parser().parse_args([]))
-    names = (() if gpus else GPU_ONLY) + NEVER_USED
+    names = (() if gpus else GPU_ONLY) + NEVER_USED + (DATA_KEYS if args.prompt_data == "synthetic" else
+                                                       ("input_template",) if args.apply_chat_template else ())
     return [f"--{f}" for f in names if getattr(args, f) != defaults[f]]
+
+
+def _quoted(text: str) -> str:
+    """`text` as one dotted-override value, whatever it holds (JSON's escapes are YAML's)."""
+    import json
+
+    return json.dumps(text)
 
 
 def overrides(args, gpus: bool, total_steps: int) -> list[str]:
@@ -213,6 +245,9 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
            f"{',wandb' if args.use_wandb else ''}]"]
     if args.prompt_data != "synthetic":
         out.append(f"data.val_files={args.prompt_data}")
+    for key, value in data_keys(args).items():  # quoted: a template's text is not a YAML value
+        out.append(f"data.{key}={value}" if isinstance(value, bool) else
+                   f"data.{key}=null" if value is None else f"data.{key}={_quoted(value)}")
     if args.ckpt_path:
         out.append(f"trainer.checkpoint_dir={Path(args.ckpt_path).absolute()}")
     if args.reward_pretrain:

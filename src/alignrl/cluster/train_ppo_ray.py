@@ -31,7 +31,8 @@ def training_steps(args) -> int:
     else:
         from alignrl.data.loaders import load_samples
 
-        rows = min(args.max_samples, len(load_samples(args.prompt_data, "auto", key="--prompt_data")))
+        rows = min(args.max_samples, len(load_samples(args.prompt_data, "auto", key="--prompt_data",
+                                                      **F.data_keys(args))))
     steps = args.num_episodes * (rows // args.rollout_batch_size)
     if steps < 1:
         raise ConfigError(f"--prompt_data has {rows} prompt(s), fewer than --rollout_batch_size "

@@ -94,6 +94,7 @@ def check_combinations(cfg: RunConfig) -> None:
                                            and all(isinstance(f, str) for f in files))):
             raise ConfigError(f"data.{key}={files!r} must be a file path or a list of them "
                               "(e.g. data.train_files=[a.parquet,b.parquet])")
+    check_prompt_keys(cfg)
     if 0 < cfg.actor.clip_ratio_c <= 1:
         raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip), or 0 to disable")
     if cfg.actor.clip_ratio_c and cfg.actor.policy_loss != "ppo_clip":
@@ -113,3 +114,37 @@ def check_combinations(cfg: RunConfig) -> None:
     if (cfg.safety.cost_fn or cfg.safety.cost_model) and not gae:
         raise ConfigError("safety.cost_fn / safety.cost_model (PPO-Lagrangian) needs a cost critic: set algorithm.adv_estimator=gae "
                           "and critic.enable=true")
+
+
+def check_prompt_keys(cfg: RunConfig) -> None:
+    """The prompt-column keys (OpenRLHF's --input_key/--label_key/--input_template/--apply_chat_template)
+    only mean something together: a template needs its {} slot and untemplated prompts."""
+    d = cfg.data
+    if d.prompt_key is None:
+        templated = "the GSM8K/verl layouts and synthetic data are always chat-templated"
+        for key, value, default, why in (
+                ("label_key", d.label_key, None, "the GSM8K/verl layouts and synthetic data carry their answers"),
+                ("input_template", d.input_template, None, templated),
+                ("apply_chat_template", d.apply_chat_template, True, templated)):
+            if value != default:
+                raise ConfigError(f"data.{key} applies to files read by column: set data.prompt_key=<prompt column> "
+                                  f"({why})")
+        return
+    if d.format != "auto":
+        raise ConfigError(f"data.format={d.format} and data.prompt_key name the layout twice; drop data.format "
+                          "(data.prompt_key reads the prompt from that column)")
+    if d.input_template is not None:
+        if "{}" not in d.input_template:
+            raise ConfigError(f"data.input_template={d.input_template!r} has no {{}} where the prompt goes "
+                              "(e.g. data.input_template='User: {}\\nAssistant: ')")
+        try:
+            d.input_template.format("")
+        except (IndexError, KeyError, ValueError):
+            raise ConfigError(f"data.input_template={d.input_template!r} has braces other than one {{}}; write a "
+                              "literal brace as {{ or }}") from None
+        if d.apply_chat_template:
+            raise ConfigError("data.input_template is used only with data.apply_chat_template=false (with the chat "
+                              "template, OpenRLHF ignores --input_template); set one of them")
+    if not d.apply_chat_template and d.system_prompt is not None:
+        raise ConfigError("data.system_prompt is a chat message: it needs data.apply_chat_template=true (or put the "
+                          "text into data.input_template)")

@@ -34,9 +34,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     # str or list: verl's `data.train_files=[a.parquet,b.parquet]` gives a list (checked in checks.py)
-    train_files: Any = opt("synthetic", "'synthetic' (built-in arithmetic problems), a .jsonl/.parquet file, or a "
-                                        "list of them ([a.parquet,b.parquet], concatenated)")
-    val_files: Any = opt("synthetic", "held-out data: 'synthetic', a .jsonl/.parquet file, or a list of them")
+    train_files: Any = opt("synthetic", "'synthetic' (built-in arithmetic problems), a .jsonl/.json/.parquet file, "
+                                        "or a list of them ([a.parquet,b.parquet], concatenated)")
+    val_files: Any = opt("synthetic", "held-out data: 'synthetic', a .jsonl/.json/.parquet file, or a list of them")
     format: str = opt("auto", "file layout", choices=("auto", "gsm8k", "verl"))
     train_size: int = opt(20000, "number of synthetic training problems (ignored for files)", ge=1)
     val_size: int = opt(1000, "held-out problems for the final evaluation (files: at most this many)", ge=1)
@@ -47,6 +47,18 @@ class DataConfig:
                                    "data.max_prompt_length (Search-R1's data.max_start_length)", ge=0)
     max_obs_length: int = opt(500, "multi-turn: tokens of one tool observation kept; longer ones are truncated "
                                    "(Search-R1's data.max_obs_length)", ge=1)
+    prompt_key: str | None = opt(None, "prompt column (verl's data.prompt_key, OpenRLHF's --input_key): a string or "
+                                       "a list of {role, content} messages; unset: the GSM8K/verl layout is "
+                                       "detected from the columns")
+    label_key: str | None = opt(None, "with data.prompt_key: the answer column the rule reward compares with "
+                                      "(OpenRLHF's --label_key); unset: verl's reward_model.ground_truth when the "
+                                      "row has one, else no answer (the reward comes from a reward model)")
+    input_template: str | None = opt(None, "with data.prompt_key and data.apply_chat_template=false: the prompt "
+                                           "is this text with {} replaced by the prompt column, e.g. "
+                                           "'User: {}\\nAssistant: ' (OpenRLHF's --input_template)")
+    apply_chat_template: bool = opt(True, "prompts go through the tokenizer's chat template; false (with "
+                                          "data.prompt_key) tokenizes the string prompt as it is, or through "
+                                          "data.input_template (OpenRLHF's --apply_chat_template)")
     system_prompt: str | None = opt(None, "system message prepended to every prompt")
     shuffle: bool = opt(True, "reshuffle the training data every epoch")
 

@@ -97,13 +97,15 @@ NOT_USED = (
 VERL_SECTIONS = ("actor_rollout_ref.", "critic.optim.", "critic.model.", "algorithm.kl_ctrl.", "reward_model.",
                  "custom_reward_function.")
 
+# verl's data.prompt_key is alignrl's key of the same name, so it passes through unchanged: a verl file read
+# by column keeps its data_source, reward_model.ground_truth and extra_info (alignrl.data.layouts).
+
 # Switches accepted at the value alignrl implements; (value, what to do instead of the other value).
 ONLY_VALUE: dict[str, tuple[object, str]] = {
     "trainer.val_only": (False, "alignrl has no evaluation-only mode; run with trainer.total_training_steps=1 "
                                 "and read base_accuracy"),
     "algorithm.no_think_rl": (False, "drop it: the no-think variant of Search-R1 is not implemented"),
     "data.train_data_num": (None, "cut the training file to the rows you want (data.train_data_num=null uses all)"),
-    "data.prompt_key": ("prompt", "name the prompt column 'prompt'"),
     R + "do_sample": (True, "training rollouts sample; evaluation is greedy"),
     R + "ignore_eos": (False, "generation always stops at eos"),
     "critic.optim.warmup_style": ("constant", "the critic's lr is constant after its warm-up"),

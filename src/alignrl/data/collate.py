@@ -8,13 +8,18 @@ import torch
 
 
 def encode_prompts(tokenizer, samples: Sequence, max_prompt_length: int) -> list[list[int]]:
-    """Chat-templated prompt ids of `samples` (records.Sample, or anything with `.messages`), truncated
-    from the left so the generation prompt is always kept."""
+    """Prompt ids of `samples` (records.Sample, or anything with `.messages`), truncated from the left so
+    the generation prompt is always kept: chat-templated, or a sample's `prompt_text` tokenized as it is
+    (no special tokens added, as OpenRLHF tokenizes its untemplated prompts)."""
     out = []
     for s in samples:
-        ids = tokenizer.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
+        text = getattr(s, "prompt_text", None)
+        if text is not None:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
         out.append(list(ids)[-max_prompt_length:])
     return out
 

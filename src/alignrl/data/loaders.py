@@ -1,14 +1,18 @@
 """Load task datasets from disk into `Sample` records, and write them back.
 
-Two on-disk layouts are understood, so that stock GSM8K dumps and verl-preprocessed datasets work
-without a conversion step:
+Three on-disk layouts are understood, so that stock GSM8K dumps, verl-preprocessed datasets and
+OpenRLHF prompt sets work without a conversion step:
 
 * GSM8K: rows with `question` and `answer`, where the answer ends in `#### <final answer>`.
 * verl: rows with `prompt` (chat messages), `data_source`, `reward_model` ({ground_truth, style})
   and optional `extra_info`.
+* by column, when `prompt_key` is given (data.prompt_key; OpenRLHF's --input_key): the prompt and the
+  answer come from the named columns (rules in `alignrl.data.layouts`).
 
-Both may be stored as `.jsonl` or `.parquet`. Problems with the user's data raise `DataError` with a
-one-line message naming the file (and line or row) and the fix, instead of a deep traceback.
+GSM8K and verl are detected from the columns when no `prompt_key` is given. Files may be `.jsonl`,
+`.json` (one array of objects, or JSON lines) or `.parquet`. Problems with the user's data raise
+`DataError` with a one-line message naming the file (and line or row) and the fix, instead of a deep
+traceback.
 """
 
 from __future__ import annotations
@@ -22,19 +26,21 @@ from pathlib import Path
 from typing import Any
 
 from alignrl.config.checks import data_files
+# DataError and plain_ground_truth are imported from here by the rest of the package
+from alignrl.data.layouts import DataError, PromptKeys, chat_messages, json_array_rows, keys_sample
+from alignrl.data.layouts import plain_ground_truth  # noqa: F401
+from alignrl.data.layouts import with_system as _with_system
 from alignrl.data.records import Sample
 
 GSM8K_COLUMNS = ("question", "answer")
 VERL_COLUMNS = ("prompt", "data_source", "reward_model")
 _FORMATS = {"gsm8k": GSM8K_COLUMNS, "verl": VERL_COLUMNS}
 _NEEDS = "GSM8K needs question, answer; verl needs prompt, data_source, reward_model"
+_BY_COLUMN = ("for other columns set data.prompt_key=<prompt column> and data.label_key=<answer column> "
+              "(ppo-ray: --input_key, --label_key)")
 
 # (location for error messages, row)
 _Row = tuple[str, dict[str, Any]]
-
-
-class DataError(ValueError):
-    """A dataset file is missing or malformed; the message says what to change."""
 
 
 def load_samples(
@@ -44,29 +50,39 @@ def load_samples(
     system_prompt: str | None = None,
     limit: int | None = None,
     key: str = "data.train_files",
+    prompt_key: str | None = None,
+    label_key: str | None = None,
+    input_template: str | None = None,
+    apply_chat_template: bool = True,
 ) -> list[Sample]:
-    """Read `path` (.jsonl or .parquet, or a list of them, concatenated) in format "gsm8k", "verl" or
-    "auto" (chosen by columns, per file).
+    """Read `path` (.jsonl, .json or .parquet, or a list of them, concatenated) in format "gsm8k",
+    "verl" or "auto" (chosen by columns, per file); with `prompt_key`, by column instead (`label_key`,
+    `input_template` and `apply_chat_template` as the data.* config keys of those names describe).
 
-    `system_prompt`, when given, is prepended to prompts that do not already start with a system
+    `system_prompt`, when given, is prepended to chat prompts that do not already start with a system
     message. `limit` keeps only the first rows, which keeps smoke runs cheap on big files. `key` is
     the config key that named the file, for messages (e.g. "data.val_files").
     """
+    keys = dict(prompt_key=prompt_key, label_key=label_key, input_template=input_template,
+                apply_chat_template=apply_chat_template)
     if not isinstance(path, str):
         samples: list[Sample] = []
         for one in data_files(path):
             left = None if limit is None else limit - len(samples)
             if left is not None and left <= 0:
                 break
-            samples += load_samples(one, fmt, system_prompt=system_prompt, limit=left, key=key)
+            samples += load_samples(one, fmt, system_prompt=system_prompt, limit=left, key=key, **keys)
         if not samples:
-            raise DataError(f"{key} is an empty list (give one or more .jsonl/.parquet files)")
+            raise DataError(f"{key} is an empty list (give one or more .jsonl/.json/.parquet files)")
         return samples
     if fmt != "auto" and fmt not in _FORMATS:
         raise DataError(f"unknown data format {fmt!r} (use 'auto', 'gsm8k' or 'verl')")
     columns, rows = _read_rows(path, limit, key)
     if not rows:
         raise DataError(f"{path}: file has no rows (point {key} at a non-empty dataset)")
+    if prompt_key is not None:
+        by_column = PromptKeys(prompt_key, label_key, input_template, apply_chat_template)
+        return [dataclasses.replace(keys_sample(loc, row, by_column, system_prompt), source=loc) for loc, row in rows]
     fmt = _detect_format(path, columns, fmt)
     convert: Callable[[str, dict[str, Any], str | None], Sample] = (
         _gsm8k_sample if fmt == "gsm8k" else _verl_sample
@@ -86,24 +102,6 @@ def gsm8k_ground_truth(answer: str) -> str | None:
     if "####" not in answer:
         return None
     return answer.rsplit("####", 1)[1].strip().replace(",", "") or None
-
-
-def plain_ground_truth(value: Any) -> str | list[Any] | dict[str, Any]:
-    """`reward_model.ground_truth` as reward functions expect it: a structure (Search-R1's
-    `{"target": [...]}`, a list) stays a structure, of plain dicts and lists (parquet read through
-    pandas gives numpy arrays, which break `==` and JSON); a scalar becomes its string, as verl's
-    GSM8K/MATH rewards compare text."""
-    if value is None:  # a struct field that this row leaves empty
-        return None  # type: ignore[return-value]
-    if isinstance(value, dict):
-        return {str(k): plain_ground_truth(v) for k, v in value.items()}
-    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):  # numpy array or scalar
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        return [plain_ground_truth(v) for v in value]
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    return str(value)
 
 
 def write_gsm8k_jsonl(rows: list[dict[str, Any]], path: str | os.PathLike[str]) -> None:
@@ -144,9 +142,9 @@ def check_data_file(path: str, key: str = "data.train_files") -> None:
     that gave it): cheap enough to run before a launch, ahead of any model load."""
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"data file not found: {path} (set {key} to an existing .jsonl or .parquet file)")
-    if p.suffix.lower() not in (".jsonl", ".parquet"):
-        raise DataError(f"unsupported data file extension {p.suffix!r} for {path} (use .jsonl or .parquet)")
+        raise DataError(f"data file not found: {path} (set {key} to an existing .jsonl, .json or .parquet file)")
+    if p.suffix.lower() not in (".jsonl", ".json", ".parquet"):
+        raise DataError(f"unsupported data file extension {p.suffix!r} for {path} (use .jsonl, .json or .parquet)")
 
 
 def check_sources(path: str, known: Collection[str], key: str = "data.train_files") -> None:
@@ -161,16 +159,16 @@ def check_sources(path: str, known: Collection[str], key: str = "data.train_file
             return
         located = ((f"{path} row {i}", v) for i, v in enumerate(column))
     else:
-        located = ((loc, row.get("data_source")) for loc, row in _iter_jsonl(path) if "data_source" in row)
+        located = ((loc, row.get("data_source")) for loc, row in _iter_json(path) if "data_source" in row)
     for loc, source in located:
-        if str(source) not in known:
+        if source is not None and str(source) not in known:  # None: a by-column row's default (layouts)
             raise DataError(f"{loc}: no reward for data_source {source!r} (known: {', '.join(sorted(known))}; "
                             f"fix the data_source in {key} or pass algorithm.reward_fn=path/to/file.py:function)")
 
 
-def count_rows(path: str) -> int:
+def count_rows(path: str, key: str = "data.train_files") -> int:
     """Rows of a data file without reading them all (parquet: from its footer)."""
-    check_data_file(path)
+    check_data_file(path, key)
     if Path(path).suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
 
@@ -179,6 +177,9 @@ def count_rows(path: str) -> int:
         except Exception as exc:  # pyarrow raises several types for a corrupt footer
             raise DataError(f"could not read parquet file {path}: {str(exc).strip()[:120]} "
                             "(check the file is a valid parquet table)") from None
+    array = json_array_rows(path) if Path(path).suffix.lower() == ".json" else None
+    if array is not None:
+        return len(array)
     with open(path, "rb") as f:
         return sum(1 for line in f if line.strip())
 
@@ -188,7 +189,7 @@ def _read_rows(path: str, limit: int | None, key: str = "data.train_files") -> t
     if Path(path).suffix.lower() == ".parquet":
         return _read_parquet(path, limit)
     rows = []
-    for row in _iter_jsonl(path):
+    for row in _iter_json(path):
         if limit is not None and len(rows) >= limit:
             break
         rows.append(row)
@@ -208,6 +209,12 @@ def _read_parquet(path: str, limit: int | None) -> tuple[list[str], list[_Row]]:
     if limit is not None:
         table = table.slice(0, limit)
     return table.column_names, [(f"{path} row {i}", r) for i, r in enumerate(table.to_pylist())]
+
+
+def _iter_json(path: str) -> Iterator[_Row]:
+    """Rows of a .jsonl file, or of a .json file (one array, or JSON lines as OpenRLHF's loader takes)."""
+    array = json_array_rows(path) if Path(path).suffix.lower() == ".json" else None
+    yield from _iter_jsonl(path) if array is None else array
 
 
 def _iter_jsonl(path: str) -> Iterator[_Row]:
@@ -238,18 +245,13 @@ def _detect_format(path: str, columns: list[str], fmt: str) -> str:
         for name, required in _FORMATS.items():
             if all(c in columns for c in required):
                 return name
-        raise DataError(f"{path}: cannot tell the data format from columns {sorted(columns)} ({_NEEDS})")
+        raise DataError(f"{path}: cannot tell the data format from columns {sorted(columns)} "
+                        f"({_NEEDS}; {_BY_COLUMN})")
     missing = [c for c in _FORMATS[fmt] if c not in columns]
     if missing:
         raise DataError(f"{path}: missing column(s) {', '.join(missing)} for format {fmt!r} "
                         f"(found {sorted(columns)}; {_NEEDS})")
     return fmt
-
-
-def _with_system(messages: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
-    if system_prompt is None or (messages and messages[0]["role"] == "system"):
-        return messages
-    return [{"role": "system", "content": system_prompt}, *messages]
 
 
 def _gsm8k_sample(loc: str, row: dict[str, Any], system_prompt: str | None) -> Sample:
@@ -263,16 +265,7 @@ def _gsm8k_sample(loc: str, row: dict[str, Any], system_prompt: str | None) -> S
 
 
 def _verl_sample(loc: str, row: dict[str, Any], system_prompt: str | None) -> Sample:
-    prompt = row["prompt"]
-    if isinstance(prompt, (str, dict)) or not hasattr(prompt, "__iter__"):
-        raise DataError(f"{loc}: prompt must be a list of chat messages "
-                        "(e.g. [{'role': 'user', 'content': '...'}])")
-    messages = []
-    for m in prompt:  # any sequence of dicts, e.g. a numpy array from pandas-built rows
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise DataError(f"{loc}: prompt message {m!r:.80} lacks role/content "
-                            "(each message must be {'role': ..., 'content': ...})")
-        messages.append({"role": str(m["role"]), "content": str(m["content"])})
+    messages = chat_messages(loc, row["prompt"], "prompt")
     reward_model = row["reward_model"]
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise DataError(f"{loc}: reward_model has no ground_truth "

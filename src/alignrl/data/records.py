@@ -25,6 +25,10 @@ class Sample:
     ground_truth: str | list[Any] | dict[str, Any]
     data_source: str = "gsm8k"  # selects the reward function (verl's `data_source`)
     extra: dict[str, Any] = field(default_factory=dict)
+    # the prompt exactly as the policy reads it, tokenized without a chat template (OpenRLHF without
+    # --apply_chat_template); None: `messages` go through the chat template. `messages` still hold the
+    # question as a user turn, for what reads it as text (evaluation rooms, logs)
+    prompt_text: str | None = None
     # its place in the data file ("train.parquet row 17"), for messages; not part of the sample's value
     source: str | None = field(default=None, compare=False)
 
