@@ -46,3 +46,15 @@ def test_room_counts_any_of_k_and_splits_by_difficulty():
     # greedy_eval agrees with room's pass@1
     acc = greedy_eval(ScriptedEngine(greedy, sampled), TOKENIZER, samples, [[0], [1], [2]], load_reward_fn(None), 8)
     assert acc == {"accuracy": 1 / 3, "accuracy_flexible": 2 / 3}
+
+
+def test_a_task_not_scored_by_last_number_reports_no_last_number_accuracy():
+    """A math-verify task (data_source `math`): the GSM8K last-number reading is left out everywhere
+    instead of showing a column of zeros beside the task's own accuracy."""
+    samples = [Sample(messages=[{"role": "user", "content": "q"}], ground_truth=g, data_source="math")
+               for g in ("5", "9")]
+    greedy, sampled = {0: TEXTS[0], 1: TEXTS[3]}, {0: [TEXTS[0]], 1: [TEXTS[4]]}
+    engine = ScriptedEngine(greedy, sampled)
+    assert greedy_eval(engine, TOKENIZER, samples, [[0], [1]], load_reward_fn(None), 8) == {"accuracy": 1.0}
+    r = room(engine, TOKENIZER, samples, [[0], [1]], load_reward_fn(None), max_new_tokens=8, k=1, temperature=1.0)
+    assert list(r["pass@1"]) == ["strict"] and "flexible" not in format_room(r)

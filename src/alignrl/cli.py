@@ -147,9 +147,10 @@ def _run(args: argparse.Namespace, cfg: RunConfig | None) -> int:
     summary = train_grpo(cfg, wall_start=start)
     if summary is None:  # ranks other than 0 under torchrun
         return 0
+    last_number = (f" (last-number: {summary['base_accuracy_flexible']:.3f} -> {summary['final_accuracy_flexible']:.3f}, "
+                   f"{summary['gain_points_flexible']:+.1f} points)" if "gain_points_flexible" in summary else "")
     print(f"base_accuracy={summary['base_accuracy']:.3f} final_accuracy={summary['final_accuracy']:.3f} "
-          f"gain={summary['gain_points']:+.1f} points (last-number: {summary['base_accuracy_flexible']:.3f} -> "
-          f"{summary['final_accuracy_flexible']:.3f}, {summary['gain_points_flexible']:+.1f} points) "
+          f"gain={summary['gain_points']:+.1f} points{last_number} "
           f"steps={summary['steps']} wall_seconds={summary['wall_seconds']:.0f}")
     return 0
 

@@ -42,6 +42,12 @@ def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequ
     return torch.tensor(strict).view(shape), torch.tensor(flexible).view(shape)
 
 
+def has_last_number(samples: Sequence[Sample]) -> bool:
+    """Whether the last-number reading means anything here: some samples are GSM8K-scored (a QA or math
+    task's answers are not read that way, and a column of zeros beside them only misleads)."""
+    return any(REWARDS.get(s.data_source) is gsm8k.compute_score for s in samples)
+
+
 def _by_difficulty(samples: Sequence[Sample], solved: torch.Tensor) -> dict[str, float]:
     """Mean of `solved` (len(samples),) overall and per `extra["ops"]` value (when the samples have one)."""
     out = {"all": round(float(solved.mean()), 4) if len(samples) else 0.0}
@@ -60,8 +66,13 @@ def greedy_eval(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
     strict, flexible = (x[:, 0] for x in _scores(engine, tokenizer, samples, prompts, correct_fn, params, batch_size))
 
+    last_number = has_last_number(samples)
+
     def summary(n: int) -> dict[str, float]:
-        return {"accuracy": float(strict[:n].sum()) / max(1, n), "accuracy_flexible": float(flexible[:n].sum()) / max(1, n)}
+        out = {"accuracy": float(strict[:n].sum()) / max(1, n)}
+        if last_number:
+            out["accuracy_flexible"] = float(flexible[:n].sum()) / max(1, n)
+        return out
 
     full = summary(len(samples))
     return full if subset is None else (full, summary(min(subset, len(samples))))
@@ -78,15 +89,16 @@ def room(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequenc
                       batch_size)
     out: dict = {"k": k, "temperature": temperature}
     for label, (strict, flexible) in (("pass@1", greedy), ("pass@k", sampled)):
-        out[label] = {"strict": _by_difficulty(samples, strict.amax(1)),
-                      "flexible": _by_difficulty(samples, flexible.amax(1))}
+        out[label] = {"strict": _by_difficulty(samples, strict.amax(1))}
+        if has_last_number(samples):
+            out[label]["flexible"] = _by_difficulty(samples, flexible.amax(1))
     return out
 
 
 def format_room(r: dict) -> str:
     """One console line per extraction: greedy pass@1 -> pass@k, overall then by difficulty."""
     lines = []
-    for kind in ("strict", "flexible"):
+    for kind in r["pass@1"]:
         one, many = r["pass@1"][kind], r["pass@k"][kind]
         cells = ", ".join(f"{key} {one[key]:.3f}/{many[key]:.3f}" for key in one)
         lines.append(f"  {kind:8s} pass@1/pass@{r['k']} (T={r['temperature']:g}): {cells}")

@@ -74,6 +74,8 @@ def describe_batch(cfg: RunConfig, world: int = 1) -> str:
 
 
 def _fmt(acc: dict[str, float]) -> str:
+    if "accuracy_flexible" not in acc:  # not a GSM8K-scored task
+        return f"{acc['accuracy']:.3f}"
     return f"{acc['accuracy']:.3f} (last-number extraction: {acc['accuracy_flexible']:.3f})"
 
 
@@ -202,12 +204,12 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     base = state["base"]
     summary = {"base_accuracy": base["accuracy"], "final_accuracy": final["accuracy"],
                "gain_points": round(100 * (final["accuracy"] - base["accuracy"]), 2),
-               "base_accuracy_flexible": base["accuracy_flexible"],
-               "final_accuracy_flexible": final["accuracy_flexible"],
-               "gain_points_flexible": round(100 * (final["accuracy_flexible"] - base["accuracy_flexible"]), 2),
                "steps": total,
                "heldout_problems": len(val), "wall_seconds": round(time.time() - wall_start, 1),
                "run_dir": str(run_dir)}
+    if "accuracy_flexible" in final:
+        summary.update(base_accuracy_flexible=base["accuracy_flexible"], final_accuracy_flexible=final["accuracy_flexible"],
+                       gain_points_flexible=round(100 * (final["accuracy_flexible"] - base["accuracy_flexible"]), 2))
     if final_room is not None:
         summary.update(base_room=state.get("base_room"), final_room=final_room)
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
