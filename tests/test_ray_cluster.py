@@ -83,8 +83,10 @@ def test_seed_001_placement_from_rays_tables(cluster):
         assert actor["strategy"] == "STRICT_SPREAD" and actor["state"] == "CREATED"
         assert [b["GPU"] for b in actor["bundles"].values()] == [4.0, 4.0]
         assert len(set(actor["bundles_to_node_id"].values())) == 2
-        engines = [tables["engine0"], tables["engine1"]]  # two engines of TP 4, the rest of each node
-        assert all([b["GPU"] for b in t["bundles"].values()] == [4.0] for t in engines)
+        engines = [tables["engine0"], tables["engine1"]]  # two engines of TP 4, the rest of each node:
+        for t in engines:  # four one-GPU bundles each (one per vLLM tensor-parallel worker), all on one node
+            assert [b["GPU"] for b in t["bundles"].values()] == [1.0] * 4 and t["strategy"] == "STRICT_PACK"
+            assert len(set(t["bundles_to_node_id"].values())) == 1
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         used = {n: 0.0 for n in nodes}
         for t in tables.values():

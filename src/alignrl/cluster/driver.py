@@ -18,6 +18,7 @@ rows to score. The critic (`--advantage_estimator gae`) trains in the critic gro
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -47,6 +48,7 @@ class Job:
     peer_timeout_s: float = 120.0
     placement_timeout_s: float = 60.0
     weight_backend: str = "nccl"  # on GPUs; gloo without CUDA
+    gpu_memory_utilization: float = 0.6  # of a vLLM engine's GPUs
     unused: list[str] = field(default_factory=list)  # settings accepted but not used here, listed once
 
 
@@ -71,15 +73,22 @@ class Driver:
     def say(self, line: str) -> None:
         print(f"{self.job.prog}: {line}", flush=True)
 
-    def start(self, cls, slot, name: str, *init, calls: int = 1):
+    def start(self, cls, slot, name: str, *init, calls: int = 1, children_take_gpus: bool = False):
+        """`children_take_gpus`: the worker holds none of its bundle's GPUs; the tasks it starts (vLLM's
+        tensor-parallel workers) are placed in its placement group and take them."""
         # the CPU share too: an actor that names GPUs alone takes a whole CPU of its bundle (Ray's default),
         # and a bundle has one CPU per unit, so colocated workers would wait for CPUs forever
-        res = {"num_gpus": slot.units, "num_cpus": slot.units} if self.gpus else {"num_cpus": slot.units}
+        gpus = 0.0 if children_take_gpus else slot.units
+        res = {"num_gpus": gpus, "num_cpus": slot.units} if self.gpus else {"num_cpus": slot.units}
+        env = {"OMP_NUM_THREADS": str(self.job.threads), "TOKENIZERS_PARALLELISM": "false",
+               "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+        if children_take_gpus:  # vLLM's Ray executor: one worker per listed one-GPU bundle of the group
+            env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(i) for i in slot.group.order)
         handle = ray.remote(concurrency_groups=WATCH)(cls).options(
             **res, max_restarts=0, max_concurrency=calls, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=slot.group.pg, placement_group_bundle_index=slot.bundle),
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(self.job.threads), "TOKENIZERS_PARALLELISM": "false",
-                                      "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}).remote(*init)
+                placement_group=slot.group.pg, placement_group_bundle_index=slot.bundle,
+                placement_group_capture_child_tasks=children_take_gpus),
+            runtime_env={"env_vars": env}).remote(*init)
         peer = Peer(handle, name, slot.group.name, slot.bundle, slot.units)
         self.workers.append(peer)
         return peer
@@ -110,8 +119,7 @@ class Driver:
         if "reward" in lay.groups:
             rms = [self.start(RewardWorker, s, f"reward model rank {i}", text, s.local_rank, t)
                    for i, s in enumerate(slots(self.reqs, "reward", lay.world("reward"), lay.per_node("reward")))]
-        engines = [self.start(RolloutWorker, engine_slot(self.reqs, e, lay.tp), f"rollout engine {e}", text, e,
-                              engine_slot(self.reqs, e, lay.tp).local_rank, t, refs, rms) for e in range(lay.engines)]
+        engines = self.start_engines(text, refs, rms)
         actors = lay.world("actor")
         critics = self.start_critics(text, actors) if "critic" in lay.groups else None
         ranks = [self.start(PolicyRank, s, f"actor rank {r}", r, actors, s.local_rank, t, job.peer_timeout_s)
@@ -125,6 +133,30 @@ class Driver:
         summary = self.wait(runs)
         self.say(f"done in {time.time() - t0:.1f} s: {json.dumps(summary)}")
         return 0
+
+    def engine_kind(self) -> str:
+        """vLLM on GPUs when it is installed and the engines have GPUs of their own; the embedded HF
+        engine otherwise (on CPUs, and for engines colocated with the actor ranks)."""
+        if not self.cuda or self.job.layout.colocate_all_models:
+            return "hf"
+        if importlib.util.find_spec("vllm") is None:
+            self.say("rollout engines: the embedded HF engine on each engine's first GPU (vllm is not installed)")
+            return "hf"
+        self.say(f"rollout engines: vLLM, tensor-parallel size {self.job.layout.tp}")
+        return "vllm"
+
+    def start_engines(self, text: str, refs: list[Peer], rms: list[Peer]) -> list[Peer]:
+        """The rollout engines. A vLLM engine of tensor-parallel size T > 1 holds no GPU itself: vLLM's Ray
+        executor puts its T workers on the T one-GPU bundles of the engine's group."""
+        lay, job = self.job.layout, self.job
+        self.kind = self.engine_kind()
+        out = []
+        for e in range(lay.engines):
+            slot = engine_slot(self.reqs, e, lay.tp)
+            out.append(self.start(RolloutWorker, slot, f"rollout engine {e}", text, e, slot.local_rank, job.threads,
+                                  refs, rms, self.kind, lay.tp, job.gpu_memory_utilization,
+                                  children_take_gpus=self.kind == "vllm" and lay.tp > 1))
+        return out
 
     def start_critics(self, text: str, actors: int) -> list[Peer]:
         """The critic group's ranks; each serves actors // C actor ranks, so it takes that many calls at
@@ -140,6 +172,10 @@ class Driver:
         verl's hybrid layout): NCCL refuses two ranks of one group on one GPU, so the weights go over
         gloo through host memory there. Gloo without CUDA."""
         if not self.cuda or self.job.weight_backend != "nccl":
+            return "gloo"
+        if self.kind == "vllm" and self.job.layout.tp > 1:
+            self.say("weights go to the engines over gloo: a tensor-parallel vLLM engine loads them through its "
+                     "Ray executor's workers")
             return "gloo"
         if self.job.layout.colocate_all_models:
             self.say("weights go to the engines over gloo: they share GPUs with the actor ranks")

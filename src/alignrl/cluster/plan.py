@@ -6,7 +6,8 @@ over N distinct nodes (one bundle when N is 1), so "2 nodes × 4 GPUs" is what t
 Colocated roles share a placement group and split each unit between them (actor and reference with
 `--colocate_actor_ref`, critic and reward with `--colocate_critic_reward`, everything including the
 rollout engines with `--colocate_all_models`). A rollout engine of tensor-parallel size T is its own
-placement group of one T-unit bundle (one node) unless colocated. Bundles are sorted by node: rank r of
+placement group of T one-unit bundles packed on one node unless colocated (as OpenRLHF places them:
+vLLM's Ray executor starts one worker per one-GPU bundle of the group it runs in). Bundles are sorted by node: rank r of
 a group sits in the (r // G)-th bundle of that order, so consecutive ranks share a node.
 
 On a cluster without GPUs a unit is a CPU: the flags' GPU counts become process counts.
@@ -37,6 +38,7 @@ class GroupRequest:
     nodes: int
     per_node: int
     roles: list[str] = field(default_factory=list)
+    unit_bundles: bool = False  # a rollout engine's group: `per_node` one-unit bundles on one node
     pg: object = None
     order: list[int] = field(default_factory=list)  # bundle indices sorted by node
     node_of: dict[int, str] = field(default_factory=dict)  # bundle index -> node id
@@ -122,7 +124,7 @@ def requests(layout) -> dict[str, GroupRequest]:
         if lay.colocate_all_models:
             out["actor"].roles.append(f"engine{e}")
         else:
-            out[f"engine{e}"] = GroupRequest(f"engine{e}", 1, lay.tp, [f"engine{e}"])
+            out[f"engine{e}"] = GroupRequest(f"engine{e}", 1, lay.tp, [f"engine{e}"], unit_bundles=True)
     return out
 
 
@@ -169,9 +171,10 @@ def reserve(reqs: dict[str, GroupRequest], gpus: bool, timeout_s: float) -> None
     precheck(reqs, gpus)
     res = unit(gpus)
     for r in reqs.values():
-        bundle = {res: float(r.per_node)} if res == "CPU" else {res: float(r.per_node), "CPU": float(r.per_node)}
+        size, count = (1, r.per_node) if r.unit_bundles else (r.per_node, r.nodes)
+        bundle = {res: float(size)} if res == "CPU" else {res: float(size), "CPU": float(size)}
         strategy = "STRICT_SPREAD" if r.nodes > 1 else "STRICT_PACK"
-        r.pg = placement_group([dict(bundle) for _ in range(r.nodes)], strategy=strategy, name=f"alignrl-{r.name}")
+        r.pg = placement_group([dict(bundle) for _ in range(count)], strategy=strategy, name=f"alignrl-{r.name}")
     deadline = time.monotonic() + timeout_s
     for r in reqs.values():
         ready, _ = ray.wait([r.pg.ready()], timeout=max(0.1, deadline - time.monotonic()))
@@ -205,9 +208,10 @@ def slots(reqs: dict[str, GroupRequest], role: str, count: int, per_node: int) -
 
 
 def engine_slot(reqs: dict[str, GroupRequest], e: int, tp: int) -> Slot:
-    """Engine e's slot: its own T-unit bundle, or (all colocated) the node bundle holding its T units."""
+    """Engine e's slot: the first of its own group's T one-unit bundles (vLLM's tensor-parallel workers
+    take all T), or (all colocated) the node bundle holding its T units."""
     group = next(r for r in reqs.values() if f"engine{e}" in r.roles)
     if group.name == f"engine{e}":
-        return Slot(group, group.order[0], 0, float(tp))
+        return Slot(group, group.order[0], 0, 1.0)
     first = e * tp
     return Slot(group, group.order[first // group.per_node], first % group.per_node, group.share(f"engine{e}"))

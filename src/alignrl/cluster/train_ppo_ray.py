@@ -45,7 +45,8 @@ def job(args, prog: str = PROG) -> Job:
     cuda = torch.cuda.is_available()
     cfg = load_config(None, F.overrides(args, cuda, training_steps(args)))
     return Job(Layout.from_flags(args), cfg, prog, args.threads, args.peer_timeout, args.placement_timeout,
-               args.vllm_sync_backend, F.unused_here(args, cuda))
+               args.vllm_sync_backend, unused=F.unused_here(args, cuda),
+               gpu_memory_utilization=args.vllm_gpu_memory_utilization)
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:

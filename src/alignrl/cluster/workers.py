@@ -13,6 +13,7 @@ import os
 import threading
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 
 import ray
 import torch
@@ -136,28 +137,40 @@ class RewardWorker(Worker):
 
 
 class RolloutWorker(Worker):
-    """A rollout engine: the embedded HF engine on its own copy of the policy, the loop's RolloutMaker
-    (`build_maker`) around it, weights from actor rank 0 through the broadcast group."""
+    """A rollout engine: vLLM on GPUs (`engine="vllm"`, tensor-parallel size `tp`) or the embedded HF
+    engine on its own copy of the policy, the loop's RolloutMaker (`build_maker`) around it, weights from
+    actor rank 0 through the broadcast group."""
 
     def __init__(self, cfg_text: str, index: int, local_rank: int, threads: int, ref_workers: list,
-                 reward_workers: list):
+                 reward_workers: list, engine: str = "hf", tp: int = 1, gpu_memory_utilization: float = 0.6):
         from alignrl.algos.placement import build_ref
         from alignrl.algos.runner import PromptData, load_task_data
+        from alignrl.algos.trainer import needs_reference
         from alignrl.cluster.channel import RayRefScorer
         from alignrl.models.loader import load_model
-        from alignrl.rollout.hf_engine import HFRolloutEngine
 
         super().__init__(threads)
         self.cfg, self.index, self.device = config_of(cfg_text), index, device_for(local_rank)
-        model, self.tokenizer = load_model(self.cfg.model.path, self.cfg.model.dtype)
-        self.model = model.to(self.device)
-        self.engine = HFRolloutEngine(self.model, self.tokenizer)
+        cfg = self.cfg
+        model = None
+        if engine == "vllm":
+            self.engine, self.tokenizer, self.named = vllm_engine(cfg, tp, gpu_memory_utilization)
+        else:
+            from alignrl.rollout.hf_engine import HFRolloutEngine
+
+            model, self.tokenizer = load_model(cfg.model.path, cfg.model.dtype)
+            model = model.to(self.device)
+            self.engine, self.named = HFRolloutEngine(model, self.tokenizer), list(model.named_parameters())
         # the reference group's workers; else (no group of its own) the loop's own choice: none without a
         # KL term, the reference service when configured, a frozen base copy in this engine otherwise
-        self.ref = (RayRefScorer(ref_workers) if ref_workers else
-                    build_ref(self.cfg, self.model, self.cfg.model.path, self.device))
+        if ref_workers:
+            self.ref = RayRefScorer(ref_workers)
+        else:
+            base = model if model is not None or not needs_reference(cfg) else load_model(cfg.model.path,
+                                                                                          cfg.model.dtype)[0]
+            self.ref = build_ref(cfg, base, cfg.model.path, self.device)
         self.reward_workers = reward_workers
-        self.rows = PromptData(self.tokenizer, load_task_data(self.cfg)[0], self.cfg.data.max_prompt_length)
+        self.rows = PromptData(self.tokenizer, load_task_data(cfg)[0], cfg.data.max_prompt_length)
         self.makers: dict[int, object] = {}
         self.version, self.group, self.cached = 0, None, None
 
@@ -193,10 +206,27 @@ class RolloutWorker(Worker):
         from alignrl.cluster.weights import BroadcastGroup, manifest
 
         self.group = BroadcastGroup(host, port, self.index + 1, size, backend, timeout_s, self.device)
-        self.manifest = manifest([(n, p) for n, p in self.model.named_parameters()])
+        self.manifest = manifest(self.named)
 
     def receive(self, bucket_bytes: int) -> int:
         version, named = self.group.receive(self.manifest, bucket_bytes)
         self.engine.load_weights(named)
         self.version = version
         return version
+
+
+def vllm_engine(cfg: RunConfig, tp: int, gpu_memory_utilization: float):
+    """A vLLM engine of the base policy, its tokenizer, and the policy's parameters as the actor sends
+    them (names, shapes and the actor's dtype, from a model built on the meta device: no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from alignrl.models.loader import DTYPES, load_tokenizer, resolve_model_path
+    from alignrl.rollout.vllm_engine import VLLMRolloutEngine
+
+    folder = str(resolve_model_path(cfg.model.path, lambda *_: None))
+    engine = VLLMRolloutEngine(folder, tensor_parallel_size=tp, dtype=cfg.model.dtype,
+                               gpu_memory_utilization=gpu_memory_utilization,
+                               distributed_executor_backend="ray" if tp > 1 else None)
+    with torch.device("meta"):
+        shapes = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=DTYPES[cfg.model.dtype])
+    return engine, load_tokenizer(Path(folder)), list(shapes.named_parameters())

@@ -1,8 +1,8 @@
 """vLLM behind the RolloutEngine interface: `generate(prompts, SamplingParams) -> Rollout`, `load_weights`.
 
-A thin adapter for GPU machines (`alignrl serve generate --engine vllm`). vLLM is imported only when
-an engine is built, and its absence is a one-line `EngineUnavailable` (a ValueError, so the CLI
-prints it and exits 2). Log-probs are vLLM's sampled-token log-probs, which vLLM computes from the
+A thin adapter for GPU machines (`alignrl serve generate --engine vllm`, the Ray rollout engines). vLLM
+is imported only when an engine is built, and its absence is a one-line `EngineUnavailable` (a
+ValueError, so the CLI prints it and exits 2). Log-probs are vLLM's sampled-token log-probs, which vLLM computes from the
 raw (not temperature-scaled) logits by default: compare them with the trainer's accordingly.
 Weights are loaded through vLLM's own `model.load_weights`, which takes Hugging Face parameter names.
 Deliberately left out: LoRA adapters, multi-modal inputs, vLLM's async engine.
@@ -33,7 +33,8 @@ def import_vllm():
 
 class VLLMRolloutEngine:
     def __init__(self, path: str, tensor_parallel_size: int = 1, dtype: str = "auto",
-                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.85):
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.85,
+                 distributed_executor_backend: str | None = None):
         self.vllm = import_vllm()
         from transformers import AutoConfig, AutoTokenizer
 
@@ -43,9 +44,12 @@ class VLLMRolloutEngine:
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                        else self.tokenizer.eos_token_id)
         # float32 is the CPU default of `alignrl serve`; on a GPU the checkpoint's own dtype ("auto") is the sane one.
+        # inside a Ray actor, tensor parallelism runs on vLLM's Ray executor: its workers take the GPUs of
+        # the placement group the actor was started in ("ray"); None leaves vLLM its own choice
+        extra = {"distributed_executor_backend": distributed_executor_backend} if distributed_executor_backend else {}
         self.llm = self.vllm.LLM(model=path, tensor_parallel_size=tensor_parallel_size,
                                  dtype="auto" if dtype == "float32" else dtype, max_model_len=max_model_len,
-                                 gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True)
+                                 gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True, **extra)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
         sp = self.vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,

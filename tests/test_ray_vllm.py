@@ -1,0 +1,81 @@
+"""The vLLM rollout engine of the Ray placement, on a machine without vLLM or GPUs: a stand-in `vllm`
+module records how the engine is built, and the real weight broadcast (gloo) delivers the actor's
+weights into it. What only a GPU machine with vLLM can show (generation, NCCL, vLLM's Ray executor
+placing its tensor-parallel workers) is not tested here."""
+
+import sys
+import threading
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from alignrl.cluster.channel import free_port_on
+from alignrl.cluster.driver import Driver, Job
+from alignrl.cluster.plan import Layout
+from alignrl.cluster.weights import BroadcastGroup
+from alignrl.cluster.workers import RolloutWorker
+from alignrl.config import load_config, to_yaml
+from alignrl.models.loader import load_model
+
+
+class FakeLLM:
+    """vllm.LLM as far as the engine and the weight sync use it: its arguments, and what the model's
+    `load_weights` is given through `apply_model`."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.loaded, self.cache_resets = kwargs, [], 0
+
+    def apply_model(self, fn):
+        return [fn(SimpleNamespace(load_weights=lambda weights: self.loaded.extend(weights)))]
+
+    def reset_prefix_cache(self):
+        self.cache_resets += 1
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    module = types.ModuleType("vllm")
+    module.LLM, module.SamplingParams = FakeLLM, SimpleNamespace
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    return module
+
+
+def test_a_vllm_engine_is_built_tensor_parallel_and_loads_the_broadcast_weights(fake_vllm, tiny_model_dir):
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "data.train_size=8", "trainer.device=cpu"])
+    worker = RolloutWorker(to_yaml(cfg), 0, 0, 1, [], [], engine="vllm", tp=2, gpu_memory_utilization=0.5)
+    llm = worker.engine.llm
+    assert llm.kwargs["tensor_parallel_size"] == 2 and llm.kwargs["distributed_executor_backend"] == "ray"
+    assert llm.kwargs["gpu_memory_utilization"] == 0.5 and llm.kwargs["model"] == str(tiny_model_dir)
+
+    actor = [(n, p.detach() + 0.5) for n, p in load_model(str(tiny_model_dir))[0].named_parameters()]
+    port = free_port_on("127.0.0.1")
+
+    def send():  # actor rank 0's end of the weight group
+        BroadcastGroup("127.0.0.1", port, 0, 2, "gloo", 30, torch.device("cpu")).send(actor, 3, 1 << 20)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    worker.join("127.0.0.1", port, 2, "gloo", 30)
+    assert worker.receive(1 << 20) == 3 and worker.version == 3
+    sender.join(timeout=30)
+    got = dict(llm.loaded)
+    assert list(got) == [n for n, _ in actor] and llm.cache_resets == 1
+    for name, value in actor:
+        assert torch.equal(got[name], value), name
+
+
+def test_the_engine_kind_is_vllm_only_on_gpus_with_vllm_and_engines_of_their_own(fake_vllm, monkeypatch,
+                                                                                  tiny_model_dir):
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=cpu"])
+    own = Layout({"actor": (1, 2)}, engines=1, tp=2)
+    colocated = Layout({"actor": (1, 2)}, engines=1, tp=2, colocate_all_models=True)
+    kinds = {}
+    for cuda, vllm, layout in ((False, True, own), (True, True, own), (True, False, own), (True, True, colocated)):
+        monkeypatch.setattr("importlib.util.find_spec", lambda name, vllm=vllm: object() if vllm else None)
+        d = Driver(Job(layout, cfg, "test"))
+        d.cuda = cuda
+        kinds[(cuda, vllm, layout.colocate_all_models)] = d.engine_kind()
+    assert kinds == {(False, True, False): "hf", (True, True, False): "vllm", (True, False, False): "hf",
+                     (True, True, True): "hf"}
