@@ -88,9 +88,10 @@ def room(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequenc
                       SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed),
                       batch_size)
     out: dict = {"k": k, "temperature": temperature}
+    last_number = has_last_number(samples)
     for label, (strict, flexible) in (("pass@1", greedy), ("pass@k", sampled)):
         out[label] = {"strict": _by_difficulty(samples, strict.amax(1))}
-        if has_last_number(samples):
+        if last_number:
             out[label]["flexible"] = _by_difficulty(samples, flexible.amax(1))
     return out
 

@@ -16,9 +16,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from alignrl.algos.evaluate import format_room, greedy_eval, room
 from alignrl.algos.grpo import GRPOStep
 from alignrl.algos.placement import RemoteProducers, place, resolve_strategy
-from alignrl.algos.trainer import PolicyTrainer
 from alignrl.algos.producer import InlineSource
 from alignrl.algos.sinks import EngineCopy
+from alignrl.algos.trainer import PolicyTrainer
 from alignrl.config import RunConfig, check_world_size, to_yaml
 from alignrl.data import synthetic
 from alignrl.data.collate import encode_prompts

@@ -67,6 +67,7 @@ def connect(units_needed: int) -> bool:
 class Driver:
     def __init__(self, job: Job):
         self.job, self.cuda = job, torch.cuda.is_available()
+        self.kind = "hf"  # the rollout engines' kind, chosen when they start
         self.reqs: dict = {}
         self.workers: list[Peer] = []  # everything started, for the watch and the clean-up
 

@@ -10,6 +10,7 @@ accepted everywhere and, on a cluster without GPUs, listed once as not used.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from alignrl.config import ConfigError
@@ -212,13 +213,6 @@ def unused_here(args, gpus: bool) -> list[str]:
     return [f"--{f}" for f in names if getattr(args, f) != defaults[f]]
 
 
-def _quoted(text: str) -> str:
-    """`text` as one dotted-override value, whatever it holds (JSON's escapes are YAML's)."""
-    import json
-
-    return json.dumps(text)
-
-
 def overrides(args, gpus: bool, total_steps: int) -> list[str]:
     """alignrl config keys (dotted overrides) for these flags."""
     n, save = args.n_samples_per_prompt, Path(args.save_path).absolute()
@@ -245,9 +239,9 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
            f"{',wandb' if args.use_wandb else ''}]"]
     if args.prompt_data != "synthetic":
         out.append(f"data.val_files={args.prompt_data}")
-    for key, value in data_keys(args).items():  # quoted: a template's text is not a YAML value
+    for key, value in data_keys(args).items():  # JSON-quoted: a template's text is not a YAML value, JSON's is
         out.append(f"data.{key}={value}" if isinstance(value, bool) else
-                   f"data.{key}=null" if value is None else f"data.{key}={_quoted(value)}")
+                   f"data.{key}=null" if value is None else f"data.{key}={json.dumps(value)}")
     if args.ckpt_path:
         out.append(f"trainer.checkpoint_dir={Path(args.ckpt_path).absolute()}")
     if args.reward_pretrain:

@@ -7,8 +7,8 @@ Colocated roles share a placement group and split each unit between them (actor 
 `--colocate_actor_ref`, critic and reward with `--colocate_critic_reward`, everything including the
 rollout engines with `--colocate_all_models`). A rollout engine of tensor-parallel size T is its own
 placement group of T one-unit bundles packed on one node unless colocated (as OpenRLHF places them:
-vLLM's Ray executor starts one worker per one-GPU bundle of the group it runs in). Bundles are sorted by node: rank r of
-a group sits in the (r // G)-th bundle of that order, so consecutive ranks share a node.
+vLLM's Ray executor starts one worker per one-GPU bundle of the group it runs in). Bundles are sorted
+by node: rank r of a group sits in the (r // G)-th bundle of that order, so consecutive ranks share a node.
 
 On a cluster without GPUs a unit is a CPU: the flags' GPU counts become process counts.
 Before waiting, the demand is compared with the cluster's free resources, so an impossible request

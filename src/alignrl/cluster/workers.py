@@ -166,8 +166,9 @@ class RolloutWorker(Worker):
         if ref_workers:
             self.ref = RayRefScorer(ref_workers)
         else:
-            base = model if model is not None or not needs_reference(cfg) else load_model(cfg.model.path,
-                                                                                          cfg.model.dtype)[0]
+            base = model  # a vLLM engine holds no HF copy: load one only if the reference is frozen here
+            if base is None and needs_reference(cfg) and not cfg.services.reference_url:
+                base = load_model(cfg.model.path, cfg.model.dtype)[0]
             self.ref = build_ref(cfg, base, cfg.model.path, self.device)
         self.reward_workers = reward_workers
         self.rows = PromptData(self.tokenizer, load_task_data(cfg)[0], cfg.data.max_prompt_length)

@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from alignrl.config.checks import data_files
-# DataError and plain_ground_truth are imported from here by the rest of the package
-from alignrl.data.layouts import DataError, PromptKeys, chat_messages, json_array_rows, keys_sample
-from alignrl.data.layouts import plain_ground_truth  # noqa: F401
-from alignrl.data.layouts import with_system as _with_system
+# DataError lives in layouts (which raises it too); the package imports it from here
+from alignrl.data.layouts import (DataError, PromptKeys, chat_messages, json_array_rows, keys_sample,
+                                  plain_ground_truth, with_system)
 from alignrl.data.records import Sample
 
 GSM8K_COLUMNS = ("question", "answer")
@@ -260,7 +259,7 @@ def _gsm8k_sample(loc: str, row: dict[str, Any], system_prompt: str | None) -> S
     if truth is None:
         raise DataError(f"{loc}: GSM8K answer has no '#### <answer>' line "
                         "(end every answer with '#### <final answer>')")
-    messages = _with_system([{"role": "user", "content": str(row["question"])}], system_prompt)
+    messages = with_system([{"role": "user", "content": str(row["question"])}], system_prompt)
     return Sample(messages=messages, ground_truth=truth, data_source="gsm8k", extra={"answer": answer})
 
 
@@ -271,7 +270,7 @@ def _verl_sample(loc: str, row: dict[str, Any], system_prompt: str | None) -> Sa
         raise DataError(f"{loc}: reward_model has no ground_truth "
                         "(set reward_model to {'style': 'rule', 'ground_truth': ...})")
     return Sample(
-        messages=_with_system(messages, system_prompt),
+        messages=with_system(messages, system_prompt),
         ground_truth=plain_ground_truth(reward_model["ground_truth"]),
         data_source=str(row["data_source"]),
         extra=dict(row.get("extra_info") or {}),

@@ -181,7 +181,8 @@ def save_checkpoint(ckpt_root: Path, step: int, engines: dict[str, Any], tokeniz
                 raise CheckpointError(f"the {e.what} has NaN/inf weights after step {step} ({e.tensor}); not saving; "
                                       f"{_last_complete(ckpt_root)} (fix the cause, e.g. a lower learning rate, "
                                       "and resume from it with trainer.resume_mode=auto)") from None
-        failed = [line for save in elsewhere for line in [save(tmp)] if line] if env.is_main else []
+        lines = [save(tmp) for save in elsewhere] if env.is_main else []
+        failed = [line for line in lines if line]
         if all_reduce_sum(env, [float(len(failed))])[0]:  # every rank stops, not only the one that knows why
             raise CheckpointError(f"step {step} not saved: {failed[0] if failed else 'see rank 0'}; "
                                   f"{_last_complete(ckpt_root)}")
