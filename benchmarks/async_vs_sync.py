@@ -12,6 +12,7 @@ seed, data, learning rate and loss, with intermediate evaluation and intermediat
 Configurations, one after another, each a fresh trainer process (plus sampler processes):
 
     in-process            `alignrl train grpo`, trainer.threads=2 (generation and training share 2 cores)
+    in-process 1 thread   the same with trainer.threads=1: gives the ceiling below
     zmq k=0               trainer (1 thread) + 1 sampler (1 thread), pipeline.max_staleness=0 (on-policy)
     zmq k=1               trainer (1 thread) + 1 sampler (1 thread), pipeline.max_staleness=1
     zmq k=1 x2 samplers   trainer (1 thread) + 2 samplers (1 thread each): 3 threads on 2 cores
@@ -24,13 +25,17 @@ in the trainer process around "get the next scored batch, then update and publis
 is left out, so process start-up, model loading, sampler connection and the base and final evaluations
 are not counted. Only the per-step logging (and nothing else: checkpoints are written after the last step)
 falls between two steps, so the sum is the trainer's wall time from the end of step 1 to the end of step
-S. The whole trainer process's wall time is printed too, for reference. Also printed per configuration:
+S. The whole trainer process's wall time is printed too, for reference. The ceiling printed under the
+table is cores x the 1-thread in-process samples/s: the same work split perfectly over one-thread
+processes, one per core, with no transfer cost; the pipeline (one-thread trainer and samplers) cannot
+beat it, so it bounds what asynchrony can gain on this machine for this workload. Also printed per configuration:
 mean generation seconds per batch (`timing/gen`, measured where generation ran), mean update seconds
 (`timing/train`), the trainer's mean wait for a batch, mean staleness of the batches trained on, and mean
 publish time.
 
 The asynchronous pipeline overlaps generation of the next batch with the update on the current one, so it
-gains most when both take comparable time; the defaults are chosen so generation dominates the step.
+gains most when both take comparable time; on a fixed number of cores it gains only what the in-process
+loop's threads fail to get out of them (the ceiling).
 Timings only mean something on an otherwise idle machine.
 
 Accuracy: held-out greedy accuracy (summary.json base_accuracy and final_accuracy, `--val` problems) of
@@ -76,10 +81,11 @@ class Case:
     placement: str  # inline | zmq
     staleness: int = 0
     samplers: int = 0
+    threads: int = 2  # in-process only: torch threads of the one process
 
 
-CASES = [Case("in-process", "inline"), Case("zmq k=0", "zmq", 0, 1), Case("zmq k=1", "zmq", 1, 1),
-         Case("zmq k=1 x2 samplers", "zmq", 1, 2)]
+CASES = [Case("in-process", "inline"), Case("in-process 1 thread", "inline", threads=1), Case("zmq k=0", "zmq", 0, 1),
+         Case("zmq k=1", "zmq", 1, 1), Case("zmq k=1 x2 samplers", "zmq", 1, 2)]
 
 
 @dataclass
@@ -146,7 +152,8 @@ def run_case(case: Case, args, model_dir: Path, root: Path) -> Result:
     t0 = time.perf_counter()
     try:
         if case.placement == "inline":
-            procs.append(spawn(["train", "grpo", *ovr, "trainer.threads=2"], 2, logs / f"{slug}.trainer"))
+            procs.append(spawn(["train", "grpo", *ovr, f"trainer.threads={case.threads}"], case.threads,
+                               logs / f"{slug}.trainer"))
             names.append("trainer")
         else:
             from alignrl.dist.launch import free_ports
@@ -407,6 +414,13 @@ def main() -> int:
         print(f"zmq k=1: the trainer waits {wait:.3f} s of its {step:.3f} s/step for batches, so it is "
               f"{'trainer' if wait < 0.25 * step else 'sampler'}-bound; with no wait at all it would reach "
               f"{base_step / (step - wait):.2f}x in-process")
+    one = next((r for r in results if r.case.name == "in-process 1 thread" and r.ok), None)
+    if base and one:  # the most any split of this work over one-thread processes can get from the cores
+        cores = os.cpu_count() or 1
+        print(f"ceiling: the in-process step's work on one thread runs at {one.samples_per_s:.2f} samples/s; "
+              f"{cores} one-thread processes sharing it perfectly would reach {cores * one.samples_per_s:.2f}, "
+              f"{cores * one.samples_per_s / base.samples_per_s:.2f}x in-process (its {cores} threads are "
+              f"{base.samples_per_s / one.samples_per_s:.2f}x one)")
     print()
     print(f"held-out greedy accuracy after {args.steps} steps ({args.val} problems):")
     print(f"  {'config':<12} {'base':>6} {'final':>6}")
