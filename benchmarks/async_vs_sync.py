@@ -134,7 +134,8 @@ def overrides(args, model_dir: Path, out: Path, name: str) -> list[str]:
             f"rollout.n={n}", f"rollout.max_new_tokens={args.max_new_tokens}",
             f"actor.ppo_mini_batch_size={args.mini_batch}", f"actor.ppo_micro_batch_size={args.micro_batch}",
             f"actor.lr={args.lr}", "actor.kl_loss_coef=0.001", "actor.kl_loss_type=low_var_kl",
-            "actor.recompute_old_logprobs=false", f"trainer.total_training_steps={args.steps}",
+            "actor.recompute_old_logprobs=false", f"actor.share_prompt={str(args.share_prompt).lower()}",
+            f"trainer.total_training_steps={args.steps}",
             "trainer.test_freq=0", "trainer.save_freq=0", "trainer.max_checkpoints=1", "trainer.resume_mode=disable",
             "trainer.seed=0", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
             f"trainer.output_dir={out}", f"trainer.experiment_name={name}"]
@@ -328,6 +329,8 @@ def main() -> int:
     ap.add_argument("--mini-batch", type=int, default=None,
                     help="prompts per optimizer step (actor.ppo_mini_batch_size; default --prompts: one update)")
     ap.add_argument("--micro-batch", type=int, default=32, help="sequences per forward/backward")
+    ap.add_argument("--share-prompt", action=argparse.BooleanOptionalAction, default=False,
+                    help="actor.share_prompt: each distinct prompt of a micro-batch runs once")
     ap.add_argument("--lr", type=float, default=4e-5, help="actor.lr (constant; the demo recipe's peak)")
     ap.add_argument("--val", type=int, default=64, help="held-out problems of the base and final evaluation")
     ap.add_argument("--publish-repeats", type=int, default=20)

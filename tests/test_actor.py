@@ -56,3 +56,72 @@ def test_micro_batch_split_gives_identical_gradient(tiny_model):
     scale = results[0].abs().max()
     torch.testing.assert_close(results[0] / scale, results[1] / scale, atol=1e-5, rtol=0)
     torch.testing.assert_close(results[0] / scale, results[2] / scale, atol=1e-5, rtol=0)
+
+
+def _shared_batch(vocab: int, resp_len: int = 7):
+    """3 prompts x 4 samples in shuffled order, ragged left-padded prompts and right-padded responses."""
+    g = torch.Generator().manual_seed(3)
+    p_len = torch.tensor([3, 6, 6])
+    prompts = torch.randint(3, vocab, (3, 6), generator=g) * (torch.arange(6)[None] >= 6 - p_len[:, None])
+    rows = torch.randperm(12, generator=g) % 3
+    r_len = torch.randint(1, resp_len + 1, (12,), generator=g)
+    response_mask = torch.arange(resp_len)[None] < r_len[:, None]
+    response_ids = torch.randint(3, vocab, (12, resp_len), generator=g) * response_mask
+    return prompts[rows], prompts[rows] != 0, response_ids, response_mask, rows
+
+
+def test_shared_prompt_forward_matches_one_pass(tiny_model):
+    from alignrl.algos.producer import batched_logprobs
+
+    model, _ = tiny_model
+    model = copy.deepcopy(model).train()
+    for resp_len in (7, 1):  # 1: the responses' own pass is skipped, the prompt's last logits are all there is
+        pid, pm, rid, rm, _ = _shared_batch(model.config.vocab_size, resp_len)
+        batches = []
+        hook = model.register_forward_pre_hook(lambda m, a, kw: batches.append(kw["input_ids"].shape[0]),
+                                               with_kwargs=True)
+        weights = torch.randn(rm.shape, generator=torch.Generator().manual_seed(0))
+        out = {}
+        for share in (False, True):
+            model.zero_grad()
+            lp, ent = response_logprobs(model, pid, pm, rid, rm, 0.8, with_entropy=True, share_prompt=share)
+            (lp * weights).sum().backward()
+            out[share] = lp.detach(), ent, [p.grad.clone() for p in model.parameters()]
+        hook.remove()
+        assert batches == [12, 3, 12] if resp_len > 1 else batches == [12, 3]  # one pass per distinct prompt
+        torch.testing.assert_close(out[True][0], out[False][0], atol=2e-5, rtol=0)
+        torch.testing.assert_close(out[True][1], out[False][1], atol=2e-5, rtol=0)
+        for a, b in zip(out[True][2], out[False][2]):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert bool((out[True][0] != 0).any())
+        # the no-grad path (reference, old policy) in chunks of 5 rows: same log-probs
+        torch.testing.assert_close(batched_logprobs(model, pid, pm, rid, rm, 0.8, 5, share_prompt=True),
+                                   batched_logprobs(model, pid, pm, rid, rm, 0.8, 5), atol=2e-5, rtol=0)
+
+
+def test_prompt_groups_and_chunks_keep_a_prompt_together():
+    from alignrl.data.collate import length_sorted_chunks, prompt_groups
+
+    pid, pm, _, rm, rows = _shared_batch(100)
+    first, inverse = prompt_groups(pid, pm)
+    assert len(first) == 3 and torch.equal(pid[first][inverse], pid)
+    assert all(len(set(rows[inverse == k].tolist())) == 1 for k in range(3))  # a group is one source prompt
+    chunks = length_sorted_chunks(torch.arange(12), pm, rm, 4, pid)
+    assert sorted(torch.cat(chunks).tolist()) == list(range(12))
+    assert [len(set(rows[c].tolist())) for c in chunks] == [1, 1, 1]  # 4 samples of a prompt per chunk
+    # without prompt ids: ordered by real length only, as before
+    plain = torch.cat(length_sorted_chunks(torch.arange(12), pm, rm, 4))
+    lengths = (pm.sum(-1) + rm.sum(-1))[plain]
+    assert bool((lengths[1:] >= lengths[:-1]).all())
+
+
+def test_by_prompt_shuffle_keeps_a_prompts_samples_in_one_mini_batch():
+    from alignrl.train.minibatch import shuffled_rows
+
+    pid, pm, rid, rm, rows = _shared_batch(100)
+    exp = Experience(pid, pm, rid, rm, torch.zeros(rm.shape), None, torch.zeros(12))
+    orders = [shuffled_rows(exp, torch.Generator().manual_seed(s), True) for s in range(4)]
+    for order in orders:
+        assert sorted(order.tolist()) == list(range(12))
+        assert [len(set(rows[mb].tolist())) for mb in order.split(4)] == [1, 1, 1]  # mini-batches of 4: one prompt
+    assert len({tuple(rows[o].tolist()) for o in orders}) > 1  # the prompts' order is random

@@ -32,17 +32,30 @@ def torchrun(args: list[str], out: Path, timeout: float = 180) -> subprocess.Com
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def single_step(tiny_model_dir):
+def one_process_step(model_dir, share_prompt: bool):
     """The one-process reference: the same global batch, the same update."""
     class Args:
         strategy, zero_stage = "single", 2
 
+    Args.share_prompt = share_prompt
     torch.manual_seed(0)
-    engine, exp = engine_worker.make_engine(Args, SINGLE, str(tiny_model_dir))
-    engine_worker.update(engine, exp, SINGLE)
-    before = engine_worker.make_engine(Args, SINGLE, str(tiny_model_dir))[0].full_state_dict()
+    engine, exp = engine_worker.make_engine(Args, SINGLE, str(model_dir))
+    engine_worker.update(engine, exp, SINGLE, share_prompt)
+    before = engine_worker.make_engine(Args, SINGLE, str(model_dir))[0].full_state_dict()
     return before, engine.full_state_dict()
+
+
+@pytest.fixture(scope="module")
+def single_step(tiny_model_dir):
+    return one_process_step(tiny_model_dir, share_prompt=False)
+
+
+def assert_same_step(got, before, expected, what):
+    assert set(got) == set(expected)
+    moved = max(float((expected[k] - before[k]).abs().max()) for k in expected)
+    assert moved > 1e-3  # the step did something, so agreement is not vacuous
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], atol=ATOL, rtol=0, msg=f"{what}: {k}")
 
 
 @pytest.mark.parametrize("strategy,stage,offload", [("ddp", 0, False), ("fsdp2", 0, False), ("deepspeed", 2, False),
@@ -52,12 +65,18 @@ def test_one_step_matches_single_process(strategy, stage, offload, tiny_model_di
     r = torchrun(["--strategy", strategy, "--zero-stage", str(stage), "--model", str(tiny_model_dir),
                   *(["--offload"] if offload else [])], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    got = load_file(str(tmp_path / "weights.safetensors"))
-    assert set(got) == set(expected)
-    moved = max(float((expected[k] - before[k]).abs().max()) for k in expected)
-    assert moved > 1e-3  # the step did something, so agreement is not vacuous
-    for k in expected:
-        torch.testing.assert_close(got[k], expected[k], atol=ATOL, rtol=0, msg=f"{strategy}: {k}")
+    assert_same_step(load_file(str(tmp_path / "weights.safetensors")), before, expected, strategy)
+
+
+@pytest.mark.parametrize("strategy,stage", [("ddp", 0), ("fsdp2", 0), ("deepspeed", 2), ("deepspeed", 3)])
+def test_shared_prompt_step_matches_single_process(strategy, stage, tiny_model_dir, tmp_path):
+    """A shared-prompt forward calls the wrapped model twice before one backward (the prompt, then the
+    responses over its keys/values); every engine must still reduce its gradients exactly once."""
+    before, expected = one_process_step(tiny_model_dir, share_prompt=True)
+    r = torchrun(["--strategy", strategy, "--zero-stage", str(stage), "--model", str(tiny_model_dir),
+                  "--share-prompt"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_step(load_file(str(tmp_path / "weights.safetensors")), before, expected, f"{strategy} shared")
 
 
 @pytest.mark.parametrize("strategy,stage", [("fsdp2", 0), ("deepspeed", 3)])

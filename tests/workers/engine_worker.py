@@ -26,14 +26,17 @@ from alignrl.train.engines import OptimSpec, build_engine
 GLOBAL_BATCH, PROMPT, RESPONSE = 8, 5, 6
 
 
-def fixed_batch(model) -> Experience:
+def fixed_batch(model, shared: bool = False) -> Experience:
     """A deterministic global batch with ragged prompts/responses and old log-probs near the current
-    ones, so some tokens clip and some do not."""
+    ones, so some tokens clip and some do not. `shared`: rows 0-3 carry one prompt and rows 4-7 another
+    (as GRPO's samples do), so each micro-batch of a shared-prompt update holds one prompt twice."""
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prompt_ids = torch.randint(3, vocab, (GLOBAL_BATCH, PROMPT), generator=g)
     response_ids = torch.randint(3, vocab, (GLOBAL_BATCH, RESPONSE), generator=g)
     p_len = torch.randint(2, PROMPT + 1, (GLOBAL_BATCH,), generator=g)
+    if shared:
+        prompt_ids, p_len = prompt_ids[torch.arange(GLOBAL_BATCH) // 4], p_len[torch.arange(GLOBAL_BATCH) // 4]
     r_len = torch.randint(1, RESPONSE + 1, (GLOBAL_BATCH,), generator=g)
     prompt_mask = torch.arange(PROMPT)[None] >= (PROMPT - p_len)[:, None]  # left-padded
     response_mask = torch.arange(RESPONSE)[None] < r_len[:, None]  # right-padded
@@ -51,7 +54,7 @@ def local_share(exp: Experience, env) -> Experience:
 def make_engine(args, env, path):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False
-    exp = fixed_batch(model)
+    exp = fixed_batch(model, getattr(args, "share_prompt", False))
     # Adam's first step is lr·g/(|g|+eps): with the default eps a gradient element near 1e-8 turns a
     # last-bit difference in reduction order into an lr-sized one. A larger eps keeps the comparison
     # about the gradients the backends computed, not about float summation order.
@@ -61,8 +64,8 @@ def make_engine(args, env, path):
     return engine, exp
 
 
-def update(engine, exp, env) -> None:
-    Actor(engine).update(local_share(exp, env), PolicyLossSpec(clip_low=0.2, clip_high=0.28, kl_coef=0.0),
+def update(engine, exp, env, share_prompt: bool = False) -> None:
+    Actor(engine, share_prompt).update(local_share(exp, env), PolicyLossSpec(clip_low=0.2, clip_high=0.28, kl_coef=0.0),
                          mini_batch=GLOBAL_BATCH // env.world_size, micro_batch=2, epochs=1,
                          generator=torch.Generator().manual_seed(1))
 
@@ -75,6 +78,7 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--mode", default="step", choices=["step", "roundtrip", "kill"])
+    p.add_argument("--share-prompt", action="store_true", help="shared-prompt batch and forward")
     args = p.parse_args()
     torch.set_num_threads(1)
     env = init_distributed(timeout_s=float(os.environ.get("ALIGNRL_DIST_TIMEOUT", "60")))
@@ -84,7 +88,7 @@ def main() -> int:
         if env.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(10.0)  # torchrun (polling every 0.1 s) stops this rank first: SIGTERM ends the sleep
-    update(engine, exp, env)
+    update(engine, exp, env, args.share_prompt)
     full = engine.full_state_dict()
     if args.mode == "roundtrip":
         folder = out / "ckpt"

@@ -82,7 +82,8 @@ def build_ref(cfg: RunConfig, model, policy_path: str, device: torch.device) -> 
         return RemoteRefScorer(cfg.services.reference_url, temperature=cfg.rollout.temperature, **service_args(cfg))
     # the reference is the base model, not a checkpoint
     base = model if policy_path == cfg.model.path else load_model(cfg.model.path, cfg.model.dtype)[0]
-    return LocalRefScorer(frozen_copy(base).to(device), cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size)
+    return LocalRefScorer(frozen_copy(base).to(device), cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size,
+                          cfg.actor.share_prompt)
 
 
 def build_rewards(cfg: RunConfig, tokenizer, device: torch.device) -> RewardStage:
@@ -157,7 +158,7 @@ def build_actor(cfg: RunConfig, model, resume: Path | None, env: DistEnv) -> Act
     spec = OptimSpec(lr=a.lr, weight_decay=a.weight_decay, betas=tuple(a.betas), warmup_steps=a.lr_warmup_steps,
                      total_steps=total_optimizer_steps(cfg), schedule=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio,
                      grad_clip=a.grad_clip)
-    actor = Actor(make_engine(cfg, model, spec, env))
+    actor = Actor(make_engine(cfg, model, spec, env), share_prompt=a.share_prompt)
     if resume:
         restore_state(actor.engine, resume / "model_state", "actor")
     return actor

@@ -38,23 +38,27 @@ def timed(timings: dict[str, float], name: str):
 
 
 def batched_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                     response_mask: torch.Tensor, temperature: float, micro_batch: int) -> torch.Tensor:
-    """Log-probs (B, R) of the responses under `model`, in length-grouped, trimmed chunks."""
+                     response_mask: torch.Tensor, temperature: float, micro_batch: int, share_prompt: bool = False
+                     ) -> torch.Tensor:
+    """Log-probs (B, R) of the responses under `model`, in length-grouped, trimmed chunks; `share_prompt` runs
+    each distinct prompt of a chunk once (models.logprobs)."""
     def logprobs(m, *tensors):
-        return response_logprobs(m, *tensors, temperature)[0]
+        return response_logprobs(m, *tensors, temperature, share_prompt=share_prompt)[0]
 
-    return per_token_in_chunks(model, logprobs, prompt_ids, prompt_mask, response_ids, response_mask, micro_batch)
+    return per_token_in_chunks(model, logprobs, prompt_ids, prompt_mask, response_ids, response_mask, micro_batch,
+                               by_prompt=share_prompt)
 
 
 class LocalRefScorer:
     """Reference log-probs from an in-process frozen model (the HTTP one is `rollout.remote.RemoteRefScorer`)."""
 
-    def __init__(self, model, temperature: float, micro_batch: int):
+    def __init__(self, model, temperature: float, micro_batch: int, share_prompt: bool = False):
         self.model, self.temperature, self.micro_batch = model, temperature, micro_batch
+        self.share_prompt = share_prompt
 
     def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
         return batched_logprobs(self.model, prompt_ids, prompt_mask, response_ids, response_mask, self.temperature,
-                                self.micro_batch)
+                                self.micro_batch, self.share_prompt)
 
 
 class RolloutMaker:

@@ -111,7 +111,7 @@ class PolicyTrainer:
         ro, scores, micro = batch.rollout, batch.scores, cfg.actor.ppo_micro_batch_size
         with timed(t, "old_logprob"):
             old_lp = (batched_logprobs(self.actor.model, ro.prompt_ids, ro.prompt_mask, ro.response_ids,
-                                       ro.response_mask, cfg.rollout.temperature, micro)
+                                       ro.response_mask, cfg.rollout.temperature, micro, cfg.actor.share_prompt)
                       if cfg.actor.recompute_old_logprobs else ro.logprobs)
         mask = batch.loss_mask.float()
         token_rewards = outcome_token_rewards(scores.rewards, mask)

@@ -109,6 +109,11 @@ class ActorConfig:
                                     "(policy loss, entropy, KL, critic); verl/Search-R1's actor.state_masking")
     recompute_old_logprobs: bool = opt(True, "recompute old log-probs with the trainer; false reuses the "
                                              "rollout engine's (exact when both are the same fp32 model)")
+    share_prompt: bool = opt(False, "run each distinct prompt of a micro-batch through the model once and share "
+                                    "its keys/values among its samples (rollout.n), in the update and in the "
+                                    "reference and old-policy forwards (the same log-probs and gradients up to "
+                                    "float rounding, less compute when prompts are long); mini-batches then take "
+                                    "whole prompts' samples instead of rows drawn one by one")
 
 
 @dataclass(frozen=True)

@@ -59,26 +59,45 @@ def padding_bounds(prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> tu
     return p0, max(1, int(used.max()) + 1) if used.numel() else 1
 
 
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a row of each distinct prompt, the distinct prompt of each row): rows are the same prompt when their
+    ids and mask agree column for column, which left padding to a common width makes exact."""
+    key = torch.cat([prompt_ids.long(), prompt_mask.long()], 1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    rows = torch.arange(len(inverse), device=inverse.device)
+    first = torch.full((int(inverse.max()) + 1,), len(inverse), dtype=torch.long, device=inverse.device)
+    return first.scatter_reduce(0, inverse, rows, "amin"), inverse
+
+
 def length_sorted_chunks(idx: torch.Tensor, prompt_mask: torch.Tensor, response_mask: torch.Tensor,
-                         chunk: int) -> list[torch.Tensor]:
-    """Rows `idx` split into chunks of similar real length, so each chunk carries little padding.
+                         chunk: int, prompt_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Rows `idx` split into chunks of similar real length, so each chunk carries little padding. Given
+    `prompt_ids`, the rows of one prompt are kept next to each other (ordered by prompt length, prompt,
+    then response length), so a shared-prompt forward finds few distinct prompts in a chunk.
 
     Sums over chunks (token-mean losses with a global token count, per-row log-probs) do not depend
     on how rows are grouped, so this only saves compute."""
-    lengths = prompt_mask[idx].sum(-1) + response_mask[idx].sum(-1)
-    ordered = idx[torch.argsort(lengths, stable=True)]
-    return list(ordered.split(chunk))
+    if prompt_ids is None:
+        ordered = idx[torch.argsort(prompt_mask[idx].sum(-1) + response_mask[idx].sum(-1), stable=True)]
+        return list(ordered.split(chunk))
+    _, prompt = prompt_groups(prompt_ids[idx], prompt_mask[idx])
+    order = torch.argsort(response_mask[idx].sum(-1), stable=True)  # least significant key first
+    order = order[torch.argsort(prompt[order], stable=True)]
+    order = order[torch.argsort(prompt_mask[idx][order].sum(-1), stable=True)]
+    return list(idx[order].split(chunk))
 
 
 @torch.no_grad()
 def per_token_in_chunks(model, fn, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                        response_mask: torch.Tensor, micro_batch: int) -> torch.Tensor:
+                        response_mask: torch.Tensor, micro_batch: int, by_prompt: bool = False) -> torch.Tensor:
     """(B, R) per-token outputs of `fn(model, prompt_ids, prompt_mask, response_ids, response_mask)` in eval
-    mode, `micro_batch` rows at a time, rows grouped by length and each chunk trimmed of padding."""
+    mode, `micro_batch` rows at a time, rows grouped by length (and by prompt with `by_prompt`) and each
+    chunk trimmed of padding."""
     was_training = model.training
     model.eval()
     out = torch.zeros(response_ids.shape)
-    for idx in length_sorted_chunks(torch.arange(out.shape[0]), prompt_mask, response_mask, micro_batch):
+    rows = torch.arange(out.shape[0])
+    for idx in length_sorted_chunks(rows, prompt_mask, response_mask, micro_batch, prompt_ids if by_prompt else None):
         pm, rm = prompt_mask[idx], response_mask[idx]
         p0, r1 = padding_bounds(pm, rm)
         out[idx, :r1] = fn(model, prompt_ids[idx, p0:], pm[:, p0:], response_ids[idx, :r1], rm[:, :r1]).to(out.device)

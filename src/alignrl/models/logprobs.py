@@ -2,6 +2,12 @@
 
 Only the response positions go through the LM head (`logits_to_keep`), and log-softmax is taken
 in chunks of rows so a long batch never holds two full-vocabulary float copies at once.
+
+With `share_prompt`, rows that carry the same prompt (GRPO's rollout.n samples of one prompt) run that
+prompt through the model once: its keys and values are handed to each of its responses as a cache, and
+gradients flow back through them. Attention sees exactly the same keys as in the one-pass forward, so
+log-probs and gradients agree with it up to float rounding; the prompt's compute is divided by the
+number of samples that share it.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from alignrl.core.entropy import entropy_from_logits
-from alignrl.data.collate import position_ids
+from alignrl.data.collate import position_ids, prompt_groups
 
 
 def _chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
@@ -26,27 +32,55 @@ def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                      response_mask: torch.Tensor, temperature: float = 1.0,
-                      with_entropy: bool = False, entropy_grad: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (B, R) of `response_ids` given left-padded prompts; entropy (B, R) if asked.
-
-    Logits are divided by `temperature` so the values match what the sampler drew from. The entropy
-    carries a gradient only with `entropy_grad` (an entropy bonus); as a metric it costs no graph.
-    """
-    dev = model_device(model)
-    prompt_ids, prompt_mask, response_ids, response_mask = (t.to(dev) for t in (prompt_ids, prompt_mask, response_ids,
-                                                                                response_mask))
+def _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+    """(B, R, V): position P-1+t of the prompt+response forward predicts response token t."""
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, response_mask], 1)
     r = response_ids.shape[1]
     out = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask),
                 use_cache=False, logits_to_keep=r + 1)
-    logits = out.logits[:, :-1]  # (B, R, V): position P-1+t predicts response token t
+    return out.logits[:, :-1]
+
+
+def _shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, first: torch.Tensor,
+                          inverse: torch.Tensor) -> torch.Tensor:
+    """The same (B, R, V) as `_response_logits`, with each distinct prompt (rows `first`; row i carries prompt
+    `inverse[i]`) run once and its keys/values indexed out to its rows as their cache."""
+    pm = prompt_mask[first].long()
+    head = model(input_ids=prompt_ids[first], attention_mask=pm, position_ids=position_ids(pm), use_cache=True,
+                 logits_to_keep=1)
+    first_token = head.logits[inverse]  # (B, 1, V): the prompt's last position predicts response token 0
+    if response_ids.shape[1] == 1:
+        return first_token
+    cache = head.past_key_values
+    cache.batch_select_indices(inverse)  # differentiable indexing: gradients of all rows sum into the prompt
+    # the last response token predicts nothing the loss needs, so it is not fed
+    mask = torch.cat([prompt_mask, response_mask[:, :-1]], 1).long()
+    tail = model(input_ids=response_ids[:, :-1], attention_mask=mask, position_ids=position_ids(mask)[:, pm.shape[1]:],
+                 past_key_values=cache, use_cache=False)
+    return torch.cat([first_token, tail.logits], 1)
+
+
+def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                      response_mask: torch.Tensor, temperature: float = 1.0,
+                      with_entropy: bool = False, entropy_grad: bool = False, share_prompt: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (B, R) of `response_ids` given left-padded prompts; entropy (B, R) if asked.
+
+    Logits are divided by `temperature` so the values match what the sampler drew from. The entropy
+    carries a gradient only with `entropy_grad` (an entropy bonus); as a metric it costs no graph.
+    `share_prompt` runs each distinct prompt once (see the module's docstring)."""
+    dev = model_device(model)
+    prompt_ids, prompt_mask, response_ids, response_mask = (t.to(dev) for t in (prompt_ids, prompt_mask, response_ids,
+                                                                                response_mask))
+    first, inverse = prompt_groups(prompt_ids, prompt_mask) if share_prompt else (None, None)
+    if first is not None and len(first) < len(prompt_ids):
+        logits = _shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, first, inverse)
+    else:
+        logits = _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask)
     if temperature != 1.0:
         logits = logits / temperature
-    b, _, v = logits.shape
+    b, r, v = logits.shape
     lp = _chunked_logprobs(logits.reshape(b * r, v), response_ids.reshape(-1)).view(b, r) * response_mask
     if not with_entropy:
         return lp, None

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from alignrl.core.aggregation import n_sequences
-from alignrl.data.collate import length_sorted_chunks
+from alignrl.data.collate import length_sorted_chunks, prompt_groups
 from alignrl.data.records import Experience
 from alignrl.dist.env import all_reduce_sum
 from alignrl.train.engines.base import TrainEngine
@@ -28,19 +28,22 @@ MicroLoss = Callable[[torch.Tensor, Experience, float, float], tuple[torch.Tenso
 
 
 def minibatch_updates(exp: Experience, micro_loss: MicroLoss, engine: TrainEngine, mini_batch: int,
-                      micro_batch: int, epochs: int, generator: torch.Generator, prefix: str) -> dict[str, float]:
-    """Runs the updates; `mini_batch` is this rank's share of a mini-batch, in sequences. Returns metrics
+                      micro_batch: int, epochs: int, generator: torch.Generator, prefix: str, by_prompt: bool = False
+                      ) -> dict[str, float]:
+    """Runs the updates; `mini_batch` is this rank's share of a mini-batch, in sequences; `by_prompt` keeps the
+    rows of a prompt in the same mini- and micro-batches (for a shared-prompt forward). Returns metrics
     averaged over mini-batches (each weighted 1), and `<prefix>/skipped_nonfinite`: the optimizer steps
     skipped because the loss or the gradient norm was non-finite (see `TrainEngine.step`)."""
     sums: dict[str, list[float]] = defaultdict(list)
     skipped_before = engine.skipped_steps
     for _ in range(epochs):
-        order = torch.randperm(len(exp), generator=generator)
+        order = shuffled_rows(exp, generator, by_prompt)
         for start in range(0, len(exp), mini_batch):
             mb = order[start:start + mini_batch]
             local_tokens = float(exp.response_mask[mb].sum())
             tokens, seqs = all_reduce_sum(engine.env, [local_tokens, n_sequences(exp.response_mask[mb])])
-            chunks = length_sorted_chunks(mb, exp.prompt_mask, exp.response_mask, micro_batch)
+            chunks = length_sorted_chunks(mb, exp.prompt_mask, exp.response_mask, micro_batch,
+                                          exp.prompt_ids if by_prompt else None)
             bad_loss = 0.0
             for i, rows in enumerate(chunks):
                 micro = exp.select(rows).to(engine.env.device)
@@ -58,6 +61,17 @@ def minibatch_updates(exp: Experience, micro_loss: MicroLoss, engine: TrainEngin
     out[f"{prefix}/lr"] = engine.lr()
     out[f"{prefix}/{SKIPPED}"] = float(engine.skipped_steps - skipped_before)
     return out
+
+
+def shuffled_rows(exp: Experience, generator: torch.Generator, by_prompt: bool) -> torch.Tensor:
+    """A random order of the rows; `by_prompt`: a random order of the prompts, each followed by all its rows
+    (so a mini-batch of whole prompts' samples holds each prompt once, as a shared-prompt forward wants)."""
+    if not by_prompt:
+        return torch.randperm(len(exp), generator=generator)
+    _, prompt = prompt_groups(exp.prompt_ids, exp.prompt_mask)
+    place = torch.empty(int(prompt.max()) + 1, dtype=torch.long)
+    place[torch.randperm(len(place), generator=generator)] = torch.arange(len(place))
+    return torch.argsort(place[prompt], stable=True)
 
 
 def optimizer_steps(rows: int, mini_batch: int, epochs: int) -> int:
