@@ -8,7 +8,8 @@ against a raw ZeroMQ copy of the same bytes. Everything runs from one command.
 
 Workload: every configuration trains the same model (`--model`, default the embedded demo model) for
 `--steps` RL steps of `--prompts` prompts x `--n` samples (`--max-new-tokens` at most), the same
-seed, data, learning rate and loss, with intermediate evaluation and intermediate checkpoints off.
+seed, data, learning rate and loss, with intermediate evaluation and intermediate checkpoints off, and
+`actor.share_prompt` as in the demo recipe (`--no-share-prompt` turns it off).
 Configurations, one after another, each a fresh trainer process (plus sampler processes):
 
     in-process            `alignrl train grpo`, trainer.threads=2 (generation and training share 2 cores)
@@ -41,8 +42,8 @@ Timings only mean something on an otherwise idle machine.
 Accuracy: held-out greedy accuracy (summary.json base_accuracy and final_accuracy, `--val` problems) of
 the in-process run and of the zmq k=1 run after the same S steps, side by side.
 
-Weight publish, for two weight sets (the demo model's 3 MiB, and `--publish-mib` MiB of synthetic fp32
-tensors shaped like a transformer's): `--publish-repeats` times, `alignrl.dist.wire.encode_weights` (the
+Weight publish (`publish_bench.py`), for two weight sets (the demo model's 3 MiB, and `--publish-mib` MiB
+of synthetic fp32 tensors shaped like a transformer's): `--publish-repeats` times, `alignrl.dist.wire.encode_weights` (the
 snapshot the trainer keeps while it goes on training) + sending its frames over a ZeroMQ PUSH/PULL pair on
 127.0.0.1 + receiving them + `alignrl.dist.wire.decode` (tensors by name), against a raw ZeroMQ copy of the
 same bytes: one blob sent with copy=True (ZeroMQ copies what it is given) and received. The same blob sent
@@ -70,6 +71,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from publish_bench import demo_weights, publish_bench, synthetic_weights
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 K1_TARGET, PUBLISH_TARGET = 1.3, 1.5
@@ -212,112 +215,6 @@ def mean_of(rows: list[dict], key: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def demo_weights(model_dir: Path) -> list:
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    return list(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).named_parameters())
-
-
-def synthetic_weights(mib: int) -> list:
-    """fp32 tensors shaped like a transformer's (per layer: 4 square projections, 2 MLP matrices, 2 norms),
-    about `mib` MiB in all: large enough that bytes, not per-message overheads, decide the time."""
-    import torch
-
-    d, layers = 1024, max(1, round(mib * 2**20 / (4 * 1024 * 1024 * 12)))
-    named = [("embed", torch.randn(4 * d, d))]
-    for i in range(layers):
-        named += [(f"l{i}.{n}", torch.randn(d, d)) for n in ("q", "k", "v", "o")]
-        named += [(f"l{i}.up", torch.randn(4 * d, d)), (f"l{i}.down", torch.randn(d, 4 * d))]
-        named += [(f"l{i}.norm1", torch.randn(d)), (f"l{i}.norm2", torch.randn(d))]
-    return named
-
-
-def publish_bench(named: list, repeats: int) -> dict:
-    """Medians (s) of: our publish path (`wire`), a raw ZeroMQ copy of the same bytes (`raw_copy`: one blob
-    sent with copy=True, as ZeroMQ copies a message it is given), the same blob sent zero-copy (`raw`), and
-    encode_weights / decode alone."""
-    import torch
-    import zmq
-
-    from alignrl.dist.wire import decode, encode_weights
-
-    torch.set_num_threads(1)
-    n_params = len(named)
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    push = ctx.socket(zmq.PUSH)
-    for s in (pull, push):
-        s.setsockopt(zmq.LINGER, 0)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    push.connect(f"tcp://127.0.0.1:{port}")
-    # Each variant is timed in its own block of rounds, and every round drops its frames before the clock
-    # stops. Zero-copy frames are released later by pyzmq's garbage-collector thread; in a block that cost
-    # falls on the same variant's next round (as it does for a trainer publishing step after step), whereas
-    # interleaving the variants round by round moved it into the raw copy's timing (measured: raw 2.4 ms
-    # after a weights round against 1.0 ms after a raw round).
-    try:
-        sizes = [memoryview(f).nbytes for f in encode_weights(named, 1)]
-        total = sum(sizes)
-        blob = bytes(total)
-
-        def wire() -> float:
-            t = time.perf_counter()
-            frames = encode_weights(named, 1)
-            push.send_multipart(frames, copy=False)
-            got = pull.recv_multipart(copy=False)
-            msg = decode(got)
-            ok = msg.meta["version"] == 1 and len(msg.tensors) == n_params
-            del frames, got, msg
-            dt = time.perf_counter() - t
-            assert ok
-            return dt
-
-        def raw_send(copy: bool):
-            def raw() -> float:
-                t = time.perf_counter()
-                push.send(blob, copy=copy)
-                got = pull.recv(copy=False)
-                n = len(got.buffer)
-                del got
-                dt = time.perf_counter() - t
-                assert n == total
-                return dt
-            return raw
-
-        def encode_only() -> float:
-            t = time.perf_counter()
-            frames = encode_weights(named, 1)
-            del frames
-            return time.perf_counter() - t
-
-        held = encode_weights(named, 1)
-
-        def decode_only() -> float:
-            t = time.perf_counter()
-            msg = decode(held)
-            del msg
-            return time.perf_counter() - t
-
-        fns = {"wire": wire, "raw_copy": raw_send(True), "raw": raw_send(False), "encode": encode_only,
-               "decode": decode_only}
-        times: dict[str, list[float]] = {k: [] for k in fns}
-        for half in (repeats - repeats // 2, repeats // 2):  # two passes over the blocks, so drift hits all
-            for k, fn in fns.items():
-                for i in range(3 + half):  # 3 warm-up rounds absorb what the previous block left behind
-                    dt = fn()
-                    if i >= 3:
-                        times[k].append(dt)
-    finally:
-        push.close()
-        pull.close()
-        ctx.term()
-    return {"bytes": total, "frames": len(sizes), "params": sum(t.numel() for _, t in named),
-            **{k: statistics.median(v) for k, v in times.items()}}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -329,8 +226,8 @@ def main() -> int:
     ap.add_argument("--mini-batch", type=int, default=None,
                     help="prompts per optimizer step (actor.ppo_mini_batch_size; default --prompts: one update)")
     ap.add_argument("--micro-batch", type=int, default=32, help="sequences per forward/backward")
-    ap.add_argument("--share-prompt", action=argparse.BooleanOptionalAction, default=False,
-                    help="actor.share_prompt: each distinct prompt of a micro-batch runs once")
+    ap.add_argument("--share-prompt", action=argparse.BooleanOptionalAction, default=True,
+                    help="actor.share_prompt, as in the demo recipe: each distinct prompt of a micro-batch runs once")
     ap.add_argument("--lr", type=float, default=4e-5, help="actor.lr (constant; the demo recipe's peak)")
     ap.add_argument("--val", type=int, default=64, help="held-out problems of the base and final evaluation")
     ap.add_argument("--publish-repeats", type=int, default=20)
@@ -357,7 +254,7 @@ def main() -> int:
     print(f"workload: {args.steps} steps x {args.prompts} prompts x {args.n} samples = "
           f"{args.prompts * args.n} sequences/step, <= {args.max_new_tokens} new tokens, "
           f"{args.prompts // args.mini_batch} optimizer step(s)/RL step, lr {args.lr:g}, "
-          f"held-out {args.val}; {os.cpu_count()} CPU core(s)")
+          f"share_prompt {str(args.share_prompt).lower()}, held-out {args.val}; {os.cpu_count()} CPU core(s)")
     print("samples/s = sequences trained / sum of the trainer's timing/step over steps 2..S (step 1 = warm-up)")
 
     root = Path(tempfile.mkdtemp(prefix="alignrl-async-bench-"))
