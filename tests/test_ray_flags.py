@@ -142,7 +142,8 @@ def test_prompt_data_flags_become_the_data_keys(tmp_path):
     F.check(args)
     d = load_config(None, F.overrides(args, gpus=False, total_steps=3)).data
     assert (d.prompt_key, d.label_key, d.input_template, d.apply_chat_template) == ("messages", "answer", None, True)
-    assert F.unused_here(args, gpus=True) == ["--micro_rollout_batch_size"]
+    assert F.unused_here(args, gpus=True) == []
+    assert load_config(None, F.overrides(args, gpus=False, total_steps=3)).actor.forward_micro_batch == 2
     assert training_steps(args) == 2  # 4 rows / 2 prompts per step
 
     raw = parse("--prompt_data", str(data), "--label_key", "answer", "--input_template", "Q: {}\nA: ")

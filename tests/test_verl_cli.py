@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from alignrl.config import ConfigError, load_config
 from alignrl.config.verl_keys import requested_world_size
@@ -174,6 +175,25 @@ def test_grpo_with_n_agent_and_alignrl_keys_beside_verl_ones():
     assert custom.algorithm.reward_fn == "my_reward.py:score"
     plain = load_config(None, ["actor.lr=1e-5"])  # no verl spelling: alignrl's own defaults stay
     assert plain.actor.use_kl_loss and plain.actor.entropy_coeff == 0.0 and plain.rollout.top_p == 1.0
+    assert plain.actor.forward_micro_batch == plain.actor.ppo_micro_batch_size  # 0: the update's micro-batch
+    per_gpu = load_config(None, ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+                                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"])
+    assert per_gpu.actor.logprob_micro_batch_size == per_gpu.actor.forward_micro_batch == 4
+
+
+def test_the_no_grad_forwards_run_in_logprob_micro_batches(tiny_model_dir):
+    from alignrl.algos.placement import build_ref
+    from alignrl.models.loader import load_model
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "actor.ppo_micro_batch_size=8",
+                             "actor.logprob_micro_batch_size=3", "actor.use_kl_loss=true"])
+    model, _ = load_model(cfg.model.path)
+    scorer = build_ref(cfg, model, cfg.model.path, torch.device("cpu"))
+    rows = []
+    scorer.model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    ids = torch.randint(3, 50, (7, 4))
+    scorer.logprobs(ids, torch.ones(7, 4, dtype=torch.bool), ids, torch.ones(7, 4, dtype=torch.bool))
+    assert rows == [3, 3, 1]
 
 
 def test_nnodes_times_gpus_pick_the_local_ranks(capsys, monkeypatch):

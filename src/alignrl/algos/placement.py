@@ -82,7 +82,7 @@ def build_ref(cfg: RunConfig, model, policy_path: str, device: torch.device) -> 
         return RemoteRefScorer(cfg.services.reference_url, temperature=cfg.rollout.temperature, **service_args(cfg))
     # the reference is the base model, not a checkpoint
     base = model if policy_path == cfg.model.path else load_model(cfg.model.path, cfg.model.dtype)[0]
-    return LocalRefScorer(frozen_copy(base).to(device), cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size,
+    return LocalRefScorer(frozen_copy(base).to(device), cfg.rollout.temperature, cfg.actor.forward_micro_batch,
                           cfg.actor.share_prompt)
 
 

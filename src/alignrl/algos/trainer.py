@@ -108,7 +108,7 @@ class PolicyTrainer:
         if len(batch) == 0:
             return {}
         cfg, t, metrics = self.cfg, {}, {}
-        ro, scores, micro = batch.rollout, batch.scores, cfg.actor.ppo_micro_batch_size
+        ro, scores, micro = batch.rollout, batch.scores, cfg.actor.forward_micro_batch
         with timed(t, "old_logprob"):
             old_lp = (batched_logprobs(self.actor.model, ro.prompt_ids, ro.prompt_mask, ro.response_ids,
                                        ro.response_mask, cfg.rollout.temperature, micro, cfg.actor.share_prompt)

@@ -222,6 +222,9 @@ class Driver:
                 cause = getattr(e, "cause", None)
                 if isinstance(cause, (ClusterError, ConfigError)):
                     raise ClusterError(f"{peer.name}: {cause}") from None
+                dead = self.died_meanwhile({r: w for r, w in watches.items() if r in pending})
+                if dead is not None:
+                    raise ClusterError(f"{dead.name} died (killed, or out of memory); the run is stopped") from None
                 first = (str(cause or e).strip().splitlines() or ["?"])[-1]
                 raise ClusterError(f"{peer.name} failed: {first} (its traceback is in the worker log above)") from None
             except ray.exceptions.RayActorError:
@@ -229,6 +232,20 @@ class Driver:
             if ref in runs and out is not None:
                 summary = out
         return summary
+
+    def died_meanwhile(self, watches: dict, grace_s: float = 5.0):
+        """The worker among `watches` that died by now or within `grace_s`, if any. A collective fails on
+        every rank when one member dies, often before Ray reports the death: the dead worker is the cause,
+        and the one line should name it rather than a survivor's lost connection."""
+        done, _ = ray.wait(list(watches), num_returns=len(watches), timeout=grace_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                return watches[ref]
+            except ray.exceptions.RayError:
+                continue
+        return None
 
     def shutdown(self, started: bool) -> None:
         for w in self.workers:

@@ -27,8 +27,6 @@ KL_ESTIMATORS = {"k1": "k1", "k2": "k2", "k3": "k3"}
 GPU_ONLY = ("flash_attn", "bf16", "adam_offload", "gradient_checkpointing", "enable_prefix_caching",
             "vllm_enable_sleep", "deepspeed_enable_sleep", "enforce_eager", "packing_samples",
             "vllm_gpu_memory_utilization", "vllm_sync_backend", "zero_stage")
-# flags accepted for compatibility that alignrl does not use on any device
-NEVER_USED = ("micro_rollout_batch_size",)
 # the prompt-column flags, which apply to a --prompt_data file (synthetic data has its own layout)
 DATA_KEYS = ("input_key", "label_key", "input_template", "apply_chat_template")
 OPENRLHF_INPUT_KEY = "input"  # OpenRLHF's --input_key default
@@ -69,7 +67,8 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     b = p.add_argument_group("batches")
     b.add_argument("--micro_train_batch_size", type=int, default=8, help="sequences per forward/backward per rank")
     b.add_argument("--train_batch_size", type=int, default=128, help="sequences per optimizer step (global)")
-    b.add_argument("--micro_rollout_batch_size", type=int, default=8, help="sequences per reference forward")
+    b.add_argument("--micro_rollout_batch_size", type=int, default=8,
+                   help="sequences per no-grad forward: reference, old policy, critic values")
     b.add_argument("--rollout_batch_size", type=int, default=1024, help="prompts per RL step (global)")
     b.add_argument("--n_samples_per_prompt", type=int, default=1)
     b.add_argument("--num_episodes", type=int, default=1, help="passes over the prompts")
@@ -204,12 +203,12 @@ def data_keys(args) -> dict[str, object]:
 
 
 def unused_here(args, gpus: bool) -> list[str]:
-    """Flags given that change nothing here (listed once at start): GPU-only ones without CUDA, the ones
-    alignrl never uses, the prompt-column flags on synthetic data, and --input_template beside
-    --apply_chat_template (OpenRLHF ignores it there too)."""
+    """Flags given that change nothing here (listed once at start): GPU-only ones without CUDA, the
+    prompt-column flags on synthetic data, and --input_template beside --apply_chat_template (OpenRLHF
+    ignores it there too)."""
     defaults = vars(parser().parse_args([]))
-    names = (() if gpus else GPU_ONLY) + NEVER_USED + (DATA_KEYS if args.prompt_data == "synthetic" else
-                                                       ("input_template",) if args.apply_chat_template else ())
+    names = (() if gpus else GPU_ONLY) + (DATA_KEYS if args.prompt_data == "synthetic" else
+                                          ("input_template",) if args.apply_chat_template else ())
     return [f"--{f}" for f in names if getattr(args, f) != defaults[f]]
 
 
@@ -224,6 +223,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
            f"rollout.max_new_tokens={args.generate_max_len}", f"rollout.temperature={args.temperature}",
            f"rollout.top_p={args.top_p}", f"actor.ppo_mini_batch_size={args.train_batch_size // n}",
            f"actor.ppo_micro_batch_size={args.micro_train_batch_size}", f"actor.ppo_epochs={args.max_epochs}",
+           f"actor.logprob_micro_batch_size={args.micro_rollout_batch_size}",
            f"actor.lr={args.actor_learning_rate}", f"algorithm.adv_estimator={ESTIMATORS[args.advantage_estimator]}",
            f"algorithm.gamma={args.gamma}", f"critic.enable={uses_critic(args)}",
            f"critic.lr={args.critic_learning_rate}", f"actor.use_kl_loss={kl and args.use_kl_loss}",

@@ -87,6 +87,10 @@ class ActorConfig:
     grad_clip: float = opt(1.0, "max global grad norm; 0 disables", ge=0.0)
     ppo_mini_batch_size: int = opt(32, "prompts per optimizer step (× rollout.n sequences), as in verl", ge=1)
     ppo_micro_batch_size: int = opt(64, "sequences per forward/backward (gradient accumulation unit)", ge=1)
+    logprob_micro_batch_size: int = opt(0, "sequences per no-grad forward (reference and old-policy log-probs, "
+                                           "critic values); 0: ppo_micro_batch_size. OpenRLHF's "
+                                           "--micro_rollout_batch_size, verl's *.log_prob_micro_batch_size_per_gpu",
+                                        ge=0)
     ppo_epochs: int = opt(1, "passes over each rollout batch", ge=1)
     clip_ratio_low: float = opt(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0.0, le=1.0)
     clip_ratio_high: float = opt(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher uses 0.28)", ge=0.0)
@@ -114,6 +118,11 @@ class ActorConfig:
                                     "reference and old-policy forwards (the same log-probs and gradients up to "
                                     "float rounding, less compute when prompts are long); mini-batches then take "
                                     "whole prompts' samples instead of rows drawn one by one")
+
+    @property
+    def forward_micro_batch(self) -> int:
+        """Sequences per no-grad forward: logprob_micro_batch_size, or ppo_micro_batch_size when it is 0."""
+        return self.logprob_micro_batch_size or self.ppo_micro_batch_size
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ RENAMES: dict[str, tuple[str, ...]] = {
     A + "grad_clip": ("actor.grad_clip",),
     A + "ppo_mini_batch_size": ("actor.ppo_mini_batch_size",),
     A + "ppo_micro_batch_size": ("actor.ppo_micro_batch_size",),
+    # the reference's and the old policy's no-grad passes: one alignrl key serves both
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ("actor.logprob_micro_batch_size",),
+    R + "log_prob_micro_batch_size_per_gpu": ("actor.logprob_micro_batch_size",),
     A + "ppo_epochs": ("actor.ppo_epochs",),
     A + "clip_ratio": ("actor.clip_ratio_low", "actor.clip_ratio_high"),
     A + "clip_ratio_low": ("actor.clip_ratio_low",),
