@@ -125,3 +125,25 @@ def test_by_prompt_shuffle_keeps_a_prompts_samples_in_one_mini_batch():
         assert sorted(order.tolist()) == list(range(12))
         assert [len(set(rows[mb].tolist())) for mb in order.split(4)] == [1, 1, 1]  # mini-batches of 4: one prompt
     assert len({tuple(rows[o].tolist()) for o in orders}) > 1  # the prompts' order is random
+
+
+def test_share_prompt_with_a_model_that_returns_no_cache_is_one_line(tiny_model):
+    import pytest
+
+    from alignrl.models.folder import ModelError
+
+    model, _ = tiny_model
+
+    class NoCache(torch.nn.Module):  # a custom model whose forward ignores use_cache
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, **kw):
+            out = self.inner(**kw)
+            out.past_key_values = None
+            return out
+
+    pid, pm, rid, rm, _ = _shared_batch(model.config.vocab_size)
+    with pytest.raises(ModelError, match="set actor.share_prompt=false"):
+        response_logprobs(NoCache(), pid, pm, rid, rm, share_prompt=True)

@@ -16,6 +16,7 @@ import torch
 
 from alignrl.core.entropy import entropy_from_logits
 from alignrl.data.collate import position_ids, prompt_groups
+from alignrl.models.folder import ModelError
 
 
 def _chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
@@ -52,7 +53,10 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response
     first_token = head.logits[inverse]  # (B, 1, V): the prompt's last position predicts response token 0
     if response_ids.shape[1] == 1:
         return first_token
-    cache = head.past_key_values
+    cache = getattr(head, "past_key_values", None)
+    if not hasattr(cache, "batch_select_indices"):
+        raise ModelError(f"actor.share_prompt needs a model that returns its keys/values as a transformers Cache "
+                         f"(this one returned {type(cache).__name__}): set actor.share_prompt=false")
     cache.batch_select_indices(inverse)  # differentiable indexing: gradients of all rows sum into the prompt
     # the last response token predicts nothing the loss needs, so it is not fed
     mask = torch.cat([prompt_mask, response_mask[:, :-1]], 1).long()
