@@ -27,9 +27,10 @@ is left out, so process start-up, model loading, sampler connection and the base
 are not counted. Only the per-step logging (and nothing else: checkpoints are written after the last step)
 falls between two steps, so the sum is the trainer's wall time from the end of step 1 to the end of step
 S. The whole trainer process's wall time is printed too, for reference. The ceiling printed under the
-table is cores x the 1-thread in-process samples/s: the same work split perfectly over one-thread
-processes, one per core, with no transfer cost; the pipeline (one-thread trainer and samplers) cannot
-beat it, so it bounds what asynchrony can gain on this machine for this workload. Also printed per configuration:
+table is 2 x the 1-thread in-process samples/s: the same work split perfectly over two one-thread
+processes on the in-process loop's 2 threads' worth of cores, with no transfer cost; the pipeline
+(one-thread trainer and samplers) cannot beat it, so it bounds what asynchrony can gain on this machine
+for this workload. Also printed per configuration:
 mean generation seconds per batch (`timing/gen`, measured where generation ran), mean update seconds
 (`timing/train`), the trainer's mean wait for a batch, mean staleness of the batches trained on, and mean
 publish time.
@@ -42,12 +43,12 @@ Timings only mean something on an otherwise idle machine.
 Accuracy: held-out greedy accuracy (summary.json base_accuracy and final_accuracy, `--val` problems) of
 the in-process run and of the zmq k=1 run after the same S steps, side by side.
 
-Weight publish (`publish_bench.py`), for two weight sets (the demo model's 3 MiB, and `--publish-mib` MiB
-of synthetic fp32 tensors shaped like a transformer's): `--publish-repeats` times, `alignrl.dist.wire.encode_weights` (the
-snapshot the trainer keeps while it goes on training) + sending its frames over a ZeroMQ PUSH/PULL pair on
-127.0.0.1 + receiving them + `alignrl.dist.wire.decode` (tensors by name), against a raw ZeroMQ copy of the
-same bytes: one blob sent with copy=True (ZeroMQ copies what it is given) and received. The same blob sent
-zero-copy is printed too (no copy at all, so no snapshot: a lower bound). Each variant is timed in its own
+Weight publish (`publish_bench.py`), for two weight sets (the demo model's 3 MiB, and `--publish-mib`
+MiB of synthetic fp32 tensors shaped like a transformer's): `--publish-repeats` times,
+`alignrl.dist.wire.encode_weights` (the snapshot the trainer keeps while it goes on training) + sending
+its frames over a ZeroMQ PUSH/PULL pair on 127.0.0.1 + receiving them + `alignrl.dist.wire.decode`
+(tensors by name), against a raw ZeroMQ copy of the same bytes: one blob sent with copy=True (ZeroMQ
+copies what it is given) and received. The same blob sent zero-copy is printed too (no copy at all, so no snapshot: a lower bound). Each variant is timed in its own
 blocks of rounds after 3 warm-up rounds, all buffers released inside the timing; medians are printed with
 their ratios, and the medians of encode_weights and decode alone.
 
@@ -315,11 +316,11 @@ def main() -> int:
               f"{'trainer' if wait < 0.25 * step else 'sampler'}-bound; with no wait at all it would reach "
               f"{base_step / (step - wait):.2f}x in-process")
     one = next((r for r in results if r.case.name == "in-process 1 thread" and r.ok), None)
-    if base and one:  # the most any split of this work over one-thread processes can get from the cores
-        cores = os.cpu_count() or 1
+    if base and one:  # the most any split of this work over one-thread processes can get from the same cores
+        n = base.case.threads
         print(f"ceiling: the in-process step's work on one thread runs at {one.samples_per_s:.2f} samples/s; "
-              f"{cores} one-thread processes sharing it perfectly would reach {cores * one.samples_per_s:.2f}, "
-              f"{cores * one.samples_per_s / base.samples_per_s:.2f}x in-process (its {cores} threads are "
+              f"{n} one-thread processes sharing it perfectly would reach {n * one.samples_per_s:.2f}, "
+              f"{n * one.samples_per_s / base.samples_per_s:.2f}x in-process (its {n} threads are "
               f"{base.samples_per_s / one.samples_per_s:.2f}x one)")
     print()
     print(f"held-out greedy accuracy after {args.steps} steps ({args.val} problems):")

@@ -75,8 +75,8 @@ def test_shared_prompt_forward_matches_one_pass(tiny_model):
 
     model, _ = tiny_model
     model = copy.deepcopy(model).train()
-    for resp_len in (7, 1):  # 1: the responses' own pass is skipped, the prompt's last logits are all there is
-        pid, pm, rid, rm, _ = _shared_batch(model.config.vocab_size, resp_len)
+    for resp_len in (7, 1):  # 1: the prompt's last logits are all the loss needs; the second call is made anyway
+        pid, pm, rid, rm, rows = _shared_batch(model.config.vocab_size, resp_len)
         batches = []
         hook = model.register_forward_pre_hook(lambda m, a, kw: batches.append(kw["input_ids"].shape[0]),
                                                with_kwargs=True)
@@ -88,7 +88,7 @@ def test_shared_prompt_forward_matches_one_pass(tiny_model):
             (lp * weights).sum().backward()
             out[share] = lp.detach(), ent, [p.grad.clone() for p in model.parameters()]
         hook.remove()
-        assert batches == [12, 3, 12] if resp_len > 1 else batches == [12, 3]  # one pass per distinct prompt
+        assert batches == [12, 3, 12]  # one-pass, then shared: the prompts once, then the responses
         torch.testing.assert_close(out[True][0], out[False][0], atol=2e-5, rtol=0)
         torch.testing.assert_close(out[True][1], out[False][1], atol=2e-5, rtol=0)
         for a, b in zip(out[True][2], out[False][2]):
@@ -97,6 +97,15 @@ def test_shared_prompt_forward_matches_one_pass(tiny_model):
         # the no-grad path (reference, old policy) in chunks of 5 rows: same log-probs
         torch.testing.assert_close(batched_logprobs(model, pid, pm, rid, rm, 0.8, 5, share_prompt=True),
                                    batched_logprobs(model, pid, pm, rid, rm, 0.8, 5), atol=2e-5, rtol=0)
+    # every rank must make the same calls (FSDP2 / ZeRO-3 gather weights in each): two, even when no prompt
+    # repeats and the responses are one token wide
+    calls = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+    one_each = torch.tensor([rows.tolist().index(k) for k in range(3)])  # a row of each of the 3 prompts
+    with torch.no_grad():
+        response_logprobs(model, pid[one_each], pm[one_each], rid[one_each, :1], rm[one_each, :1], share_prompt=True)
+    hook.remove()
+    assert [c[0] for c in calls] == [3, 3]
 
 
 def test_prompt_groups_and_chunks_keep_a_prompt_together():

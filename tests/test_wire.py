@@ -85,7 +85,10 @@ def test_weights_round_trip_across_buckets():
     named += [("embed", torch.randn(64, 64, generator=g).to(torch.bfloat16)),  # 8 KiB: larger than a bucket
               ("norm.b", torch.randn(7, generator=g).half()), ("step", torch.tensor(3)),
               ("empty", torch.zeros(0, 2)), ("flag", torch.tensor([True, False, True])),
-              ("lm_head", torch.randn(16, 8, generator=g).t())]  # not contiguous
+              ("lm_head", torch.randn(16, 8, generator=g).t()),  # not contiguous
+              ("column", torch.randn(6, 5, generator=g)[:, 0]), ("strided", torch.arange(10.0)[::2]),
+              ("expanded", torch.ones(1).expand(5)), ("bf16_strided", torch.randn(8, generator=g).bfloat16()[::2]),
+              ("flags_strided", torch.tensor([True, False, True, True])[::2])]
     frames = encode_weights(iter(named), version=12, bucket_bytes=4096, meta={"step": 30})
     entries = _entries(frames)
     nbuckets = len(frames) - 1

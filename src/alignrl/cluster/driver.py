@@ -222,7 +222,7 @@ class Driver:
                 cause = getattr(e, "cause", None)
                 if isinstance(cause, (ClusterError, ConfigError)):
                     raise ClusterError(f"{peer.name}: {cause}") from None
-                dead = self.died_meanwhile({r: w for r, w in watches.items() if r in pending})
+                dead = self.died_meanwhile({r: runs.get(r) or watches[r] for r in pending})
                 if dead is not None:
                     raise ClusterError(f"{dead.name} died (killed, or out of memory); the run is stopped") from None
                 first = (str(cause or e).strip().splitlines() or ["?"])[-1]
@@ -233,16 +233,17 @@ class Driver:
                 summary = out
         return summary
 
-    def died_meanwhile(self, watches: dict, grace_s: float = 5.0):
-        """The worker among `watches` that died by now or within `grace_s`, if any. A collective fails on
-        every rank when one member dies, often before Ray reports the death: the dead worker is the cause,
-        and the one line should name it rather than a survivor's lost connection."""
-        done, _ = ray.wait(list(watches), num_returns=len(watches), timeout=grace_s)
+    def died_meanwhile(self, pending: dict, grace_s: float = 5.0):
+        """The worker (actor rank or other) whose pending call (`pending`: ref -> worker) shows it died by now
+        or within `grace_s`, if any. A collective fails on every rank when one member dies, often before Ray
+        reports the death: the dead worker is the cause, and the one line should name it rather than a
+        survivor's lost connection."""
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
         for ref in done:
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError:
-                return watches[ref]
+                return pending[ref]
             except ray.exceptions.RayError:
                 continue
         return None

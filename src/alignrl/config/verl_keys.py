@@ -5,7 +5,8 @@ Three kinds of verl keys:
 
 * renamed: same behaviour under an alignrl key (`actor_rollout_ref.actor.optim.lr` -> `actor.lr`);
 * not used on this device: settings of GPU memory, FSDP, vLLM or HDFS that change no result here
-  (offload, `gpu_memory_utilization`, micro-batch sizes of log-prob passes, ...); accepted and listed once;
+  (offload, `gpu_memory_utilization`, the deprecated global micro-batch sizes of log-prob passes, ...);
+  accepted and listed once;
 * accepted at one value only: switches whose other value alignrl does not implement
   (`+trainer.val_only=true`, `algorithm.no_think_rl=true`) are a one-line error, not a silent no-op.
 
@@ -41,7 +42,7 @@ RENAMES: dict[str, tuple[str, ...]] = {
     A + "grad_clip": ("actor.grad_clip",),
     A + "ppo_mini_batch_size": ("actor.ppo_mini_batch_size",),
     A + "ppo_micro_batch_size": ("actor.ppo_micro_batch_size",),
-    # the reference's and the old policy's no-grad passes: one alignrl key serves both
+    # the reference's and the old policy's no-grad passes: one alignrl key serves both (the last one given)
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ("actor.logprob_micro_batch_size",),
     R + "log_prob_micro_batch_size_per_gpu": ("actor.logprob_micro_batch_size",),
     A + "ppo_epochs": ("actor.ppo_epochs",),
@@ -83,7 +84,7 @@ RENAMES: dict[str, tuple[str, ...]] = {
 
 # Settings of GPU memory, sharding, vLLM and remote storage: they change where and how fast, not what.
 NOT_USED = (
-    "*.fsdp_config.*", "*.use_remove_padding", "*.enable_gradient_checkpointing", "*log_prob_micro_batch_size*",
+    "*.fsdp_config.*", "*.use_remove_padding", "*.enable_gradient_checkpointing", "*.log_prob_micro_batch_size",
     "*.log_prob_use_dynamic_bsz", "*.log_prob_max_token_len_per_gpu", "*.ulysses_sequence_parallel_size",
     "*.use_dynamic_bsz", "*.ppo_max_token_len_per_gpu", "*.forward_max_token_len_per_gpu",
     "*.forward_micro_batch_size*", "*.ppo_micro_batch_size_per_gpu", "*.external_lib", "*.override_config",

@@ -65,7 +65,7 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
     key = torch.cat([prompt_ids.long(), prompt_mask.long()], 1)
     _, inverse = torch.unique(key, dim=0, return_inverse=True)
     rows = torch.arange(len(inverse), device=inverse.device)
-    first = torch.full((int(inverse.max()) + 1,), len(inverse), dtype=torch.long, device=inverse.device)
+    first = torch.full((int(inverse.max()) + 1 if len(rows) else 0,), len(rows), dtype=torch.long, device=rows.device)
     return first.scatter_reduce(0, inverse, rows, "amin"), inverse
 
 

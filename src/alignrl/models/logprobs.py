@@ -7,7 +7,8 @@ With `share_prompt`, rows that carry the same prompt (GRPO's rollout.n samples o
 prompt through the model once: its keys and values are handed to each of its responses as a cache, and
 gradients flow back through them. Attention sees exactly the same keys as in the one-pass forward, so
 log-probs and gradients agree with it up to float rounding; the prompt's compute is divided by the
-number of samples that share it.
+number of samples that share it. A policy with dropout on in training mode (Qwen2 and Llama configs have it
+off) would also share one dropout mask among a prompt's samples instead of drawing one per sample.
 """
 
 from __future__ import annotations
@@ -46,23 +47,25 @@ def _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask
 def _shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, first: torch.Tensor,
                           inverse: torch.Tensor) -> torch.Tensor:
     """The same (B, R, V) as `_response_logits`, with each distinct prompt (rows `first`; row i carries prompt
-    `inverse[i]`) run once and its keys/values indexed out to its rows as their cache."""
+    `inverse[i]`) run once and its keys/values indexed out to its rows as their cache.
+
+    Always exactly two model calls, whatever the rows hold: under FSDP2 / ZeRO-3 every call gathers the
+    weights collectively (and DDP broadcasts buffers), so every rank must make the same calls. That is why
+    the whole response is fed (its last position's logits are dropped) and distinct prompts take this path
+    too."""
     pm = prompt_mask[first].long()
     head = model(input_ids=prompt_ids[first], attention_mask=pm, position_ids=position_ids(pm), use_cache=True,
                  logits_to_keep=1)
-    first_token = head.logits[inverse]  # (B, 1, V): the prompt's last position predicts response token 0
-    if response_ids.shape[1] == 1:
-        return first_token
+    first_token = head.logits[inverse, -1:]  # (B, 1, V): the prompt's last position predicts response token 0
     cache = getattr(head, "past_key_values", None)
     if not hasattr(cache, "batch_select_indices"):
         raise ModelError(f"actor.share_prompt needs a model that returns its keys/values as a transformers Cache "
                          f"(this one returned {type(cache).__name__}): set actor.share_prompt=false")
     cache.batch_select_indices(inverse)  # differentiable indexing: gradients of all rows sum into the prompt
-    # the last response token predicts nothing the loss needs, so it is not fed
-    mask = torch.cat([prompt_mask, response_mask[:, :-1]], 1).long()
-    tail = model(input_ids=response_ids[:, :-1], attention_mask=mask, position_ids=position_ids(mask)[:, pm.shape[1]:],
+    mask = torch.cat([prompt_mask, response_mask], 1).long()
+    tail = model(input_ids=response_ids, attention_mask=mask, position_ids=position_ids(mask)[:, pm.shape[1]:],
                  past_key_values=cache, use_cache=False)
-    return torch.cat([first_token, tail.logits], 1)
+    return torch.cat([first_token, tail.logits[:, :-1]], 1)
 
 
 def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
@@ -77,8 +80,8 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     dev = model_device(model)
     prompt_ids, prompt_mask, response_ids, response_mask = (t.to(dev) for t in (prompt_ids, prompt_mask, response_ids,
                                                                                 response_mask))
-    first, inverse = prompt_groups(prompt_ids, prompt_mask) if share_prompt else (None, None)
-    if first is not None and len(first) < len(prompt_ids):
+    if share_prompt:
+        first, inverse = prompt_groups(prompt_ids, prompt_mask)
         logits = _shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, first, inverse)
     else:
         logits = _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask)

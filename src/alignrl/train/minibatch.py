@@ -68,8 +68,8 @@ def shuffled_rows(exp: Experience, generator: torch.Generator, by_prompt: bool) 
     (so a mini-batch of whole prompts' samples holds each prompt once, as a shared-prompt forward wants)."""
     if not by_prompt:
         return torch.randperm(len(exp), generator=generator)
-    _, prompt = prompt_groups(exp.prompt_ids, exp.prompt_mask)
-    place = torch.empty(int(prompt.max()) + 1, dtype=torch.long)
+    first, prompt = prompt_groups(exp.prompt_ids, exp.prompt_mask)
+    place = torch.empty(len(first), dtype=torch.long)
     place[torch.randperm(len(place), generator=generator)] = torch.arange(len(place))
     return torch.argsort(place[prompt], stable=True)
 
