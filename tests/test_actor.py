@@ -115,7 +115,7 @@ def test_prompt_groups_and_chunks_keep_a_prompt_together():
     first, inverse = prompt_groups(pid, pm)
     assert len(first) == 3 and torch.equal(pid[first][inverse], pid)
     assert all(len(set(rows[inverse == k].tolist())) == 1 for k in range(3))  # a group is one source prompt
-    chunks = length_sorted_chunks(torch.arange(12), pm, rm, 4, pid)
+    chunks = length_sorted_chunks(torch.arange(12), pm, rm, 4, inverse)
     assert sorted(torch.cat(chunks).tolist()) == list(range(12))
     assert [len(set(rows[c].tolist())) for c in chunks] == [1, 1, 1]  # 4 samples of a prompt per chunk
     # without prompt ids: ordered by real length only, as before
@@ -125,11 +125,12 @@ def test_prompt_groups_and_chunks_keep_a_prompt_together():
 
 
 def test_by_prompt_shuffle_keeps_a_prompts_samples_in_one_mini_batch():
+    from alignrl.data.collate import prompt_groups
     from alignrl.train.minibatch import shuffled_rows
 
     pid, pm, rid, rm, rows = _shared_batch(100)
-    exp = Experience(pid, pm, rid, rm, torch.zeros(rm.shape), None, torch.zeros(12))
-    orders = [shuffled_rows(exp, torch.Generator().manual_seed(s), True) for s in range(4)]
+    group = prompt_groups(pid, pm)[1]
+    orders = [shuffled_rows(12, torch.Generator().manual_seed(s), group) for s in range(4)]
     for order in orders:
         assert sorted(order.tolist()) == list(range(12))
         assert [len(set(rows[mb].tolist())) for mb in order.split(4)] == [1, 1, 1]  # mini-batches of 4: one prompt

@@ -70,19 +70,19 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
 
 
 def length_sorted_chunks(idx: torch.Tensor, prompt_mask: torch.Tensor, response_mask: torch.Tensor,
-                         chunk: int, prompt_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+                         chunk: int, group: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Rows `idx` split into chunks of similar real length, so each chunk carries little padding. Given
-    `prompt_ids`, the rows of one prompt are kept next to each other (ordered by prompt length, prompt,
-    then response length), so a shared-prompt forward finds few distinct prompts in a chunk.
+    `group` (each row's prompt, from `prompt_groups`), the rows of one prompt are kept next to each other
+    (ordered by prompt length, prompt, then response length), so a shared-prompt forward finds few distinct
+    prompts in a chunk.
 
     Sums over chunks (token-mean losses with a global token count, per-row log-probs) do not depend
     on how rows are grouped, so this only saves compute."""
-    if prompt_ids is None:
+    if group is None:
         ordered = idx[torch.argsort(prompt_mask[idx].sum(-1) + response_mask[idx].sum(-1), stable=True)]
         return list(ordered.split(chunk))
-    _, prompt = prompt_groups(prompt_ids[idx], prompt_mask[idx])
     order = torch.argsort(response_mask[idx].sum(-1), stable=True)  # least significant key first
-    order = order[torch.argsort(prompt[order], stable=True)]
+    order = order[torch.argsort(group[idx][order], stable=True)]
     order = order[torch.argsort(prompt_mask[idx][order].sum(-1), stable=True)]
     return list(idx[order].split(chunk))
 
@@ -96,8 +96,8 @@ def per_token_in_chunks(model, fn, prompt_ids: torch.Tensor, prompt_mask: torch.
     was_training = model.training
     model.eval()
     out = torch.zeros(response_ids.shape)
-    rows = torch.arange(out.shape[0])
-    for idx in length_sorted_chunks(rows, prompt_mask, response_mask, micro_batch, prompt_ids if by_prompt else None):
+    group = prompt_groups(prompt_ids, prompt_mask)[1] if by_prompt else None
+    for idx in length_sorted_chunks(torch.arange(out.shape[0]), prompt_mask, response_mask, micro_batch, group):
         pm, rm = prompt_mask[idx], response_mask[idx]
         p0, r1 = padding_bounds(pm, rm)
         out[idx, :r1] = fn(model, prompt_ids[idx, p0:], pm[:, p0:], response_ids[idx, :r1], rm[:, :r1]).to(out.device)

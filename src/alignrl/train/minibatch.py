@@ -36,14 +36,14 @@ def minibatch_updates(exp: Experience, micro_loss: MicroLoss, engine: TrainEngin
     skipped because the loss or the gradient norm was non-finite (see `TrainEngine.step`)."""
     sums: dict[str, list[float]] = defaultdict(list)
     skipped_before = engine.skipped_steps
+    group = prompt_groups(exp.prompt_ids, exp.prompt_mask)[1] if by_prompt else None  # each row's prompt
     for _ in range(epochs):
-        order = shuffled_rows(exp, generator, by_prompt)
+        order = shuffled_rows(len(exp), generator, group)
         for start in range(0, len(exp), mini_batch):
             mb = order[start:start + mini_batch]
             local_tokens = float(exp.response_mask[mb].sum())
             tokens, seqs = all_reduce_sum(engine.env, [local_tokens, n_sequences(exp.response_mask[mb])])
-            chunks = length_sorted_chunks(mb, exp.prompt_mask, exp.response_mask, micro_batch,
-                                          exp.prompt_ids if by_prompt else None)
+            chunks = length_sorted_chunks(mb, exp.prompt_mask, exp.response_mask, micro_batch, group)
             bad_loss = 0.0
             for i, rows in enumerate(chunks):
                 micro = exp.select(rows).to(engine.env.device)
@@ -63,15 +63,15 @@ def minibatch_updates(exp: Experience, micro_loss: MicroLoss, engine: TrainEngin
     return out
 
 
-def shuffled_rows(exp: Experience, generator: torch.Generator, by_prompt: bool) -> torch.Tensor:
-    """A random order of the rows; `by_prompt`: a random order of the prompts, each followed by all its rows
-    (so a mini-batch of whole prompts' samples holds each prompt once, as a shared-prompt forward wants)."""
-    if not by_prompt:
-        return torch.randperm(len(exp), generator=generator)
-    first, prompt = prompt_groups(exp.prompt_ids, exp.prompt_mask)
-    place = torch.empty(len(first), dtype=torch.long)
+def shuffled_rows(rows: int, generator: torch.Generator, group: torch.Tensor | None) -> torch.Tensor:
+    """A random order of the rows; given `group` (each row's prompt, from `prompt_groups`): a random order of
+    the prompts, each followed by all its rows (so a mini-batch of whole prompts' samples holds each prompt
+    once, as a shared-prompt forward wants)."""
+    if group is None:
+        return torch.randperm(rows, generator=generator)
+    place = torch.empty(int(group.max()) + 1 if rows else 0, dtype=torch.long)
     place[torch.randperm(len(place), generator=generator)] = torch.arange(len(place))
-    return torch.argsort(place[prompt], stable=True)
+    return torch.argsort(place[group], stable=True)
 
 
 def optimizer_steps(rows: int, mini_batch: int, epochs: int) -> int:
