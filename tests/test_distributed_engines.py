@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from alignrl.dist.env import SINGLE
 from alignrl.dist.launch import free_port
+from alignrl.models.logprobs import Layout
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import engine_worker  # noqa: E402
@@ -32,7 +33,7 @@ def torchrun(args: list[str], out: Path, timeout: float = 180) -> subprocess.Com
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def one_process_step(model_dir, share_prompt: bool):
+def one_process_step(model_dir, share_prompt: bool, remove_padding: bool = False):
     """The one-process reference: the same global batch, the same update."""
     class Args:
         strategy, zero_stage = "single", 2
@@ -40,7 +41,7 @@ def one_process_step(model_dir, share_prompt: bool):
     Args.share_prompt = share_prompt
     torch.manual_seed(0)
     engine, exp = engine_worker.make_engine(Args, SINGLE, str(model_dir))
-    engine_worker.update(engine, exp, SINGLE, share_prompt)
+    engine_worker.update(engine, exp, SINGLE, Layout(share_prompt, remove_padding))
     before = engine_worker.make_engine(Args, SINGLE, str(model_dir))[0].full_state_dict()
     return before, engine.full_state_dict()
 
@@ -77,6 +78,17 @@ def test_shared_prompt_step_matches_single_process(strategy, stage, tiny_model_d
                   "--share-prompt"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_step(load_file(str(tmp_path / "weights.safetensors")), before, expected, f"{strategy} shared")
+
+
+@pytest.mark.parametrize("strategy,stage", [("fsdp2", 0), ("deepspeed", 3)])
+def test_packed_step_matches_single_process(strategy, stage, tiny_model_dir, tmp_path):
+    """A packed (padding-free) forward with shared prompts: one call of the wrapped model per micro-batch, with
+    the attention routed to the packed path on every rank; the step equals the one-process packed step."""
+    before, expected = one_process_step(tiny_model_dir, share_prompt=True, remove_padding=True)
+    r = torchrun(["--strategy", strategy, "--zero-stage", str(stage), "--model", str(tiny_model_dir),
+                  "--share-prompt", "--remove-padding"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_step(load_file(str(tmp_path / "weights.safetensors")), before, expected, f"{strategy} packed")
 
 
 @pytest.mark.parametrize("strategy,stage", [("fsdp2", 0), ("deepspeed", 3)])

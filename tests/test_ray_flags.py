@@ -144,6 +144,10 @@ def test_prompt_data_flags_become_the_data_keys(tmp_path):
     assert (d.prompt_key, d.label_key, d.input_template, d.apply_chat_template) == ("messages", "answer", None, True)
     assert F.unused_here(args, gpus=True) == []
     assert load_config(None, F.overrides(args, gpus=False, total_steps=3)).actor.forward_micro_batch == 2
+    assert not load_config(None, F.overrides(args, gpus=False, total_steps=3)).actor.use_remove_padding
+    packed = parse(*SEED_001, "--packing_samples")
+    assert load_config(None, F.overrides(packed, gpus=False, total_steps=3)).critic.use_remove_padding
+    assert "--packing_samples" not in F.unused_here(packed, gpus=False)  # it runs on the CPU too
     assert training_steps(args) == 2  # 4 rows / 2 prompts per step
 
     raw = parse("--prompt_data", str(data), "--label_key", "answer", "--input_template", "Q: {}\nA: ")

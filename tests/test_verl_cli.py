@@ -136,6 +136,7 @@ def test_seed_003_keys_map_onto_alignrl(capsys, tmp_path):
     # verl's KL: in the reward (k1, coefficient 0.001) because use_kl_loss is off; entropy bonus 0.001
     assert (cfg.actor.use_kl_loss, cfg.algorithm.use_kl_in_reward, cfg.algorithm.kl_coef) == (False, True, 0.001)
     assert cfg.actor.entropy_coeff == 0.001
+    assert cfg.actor.use_remove_padding and cfg.critic.use_remove_padding  # packed forwards run here too
     # 15 epochs of max(1, 4 // 512) batches bound the 1005 steps, as in verl's loop over epochs;
     # warm-up: int(0.285 × 15) RL steps, each of 512/256 optimizer steps
     assert cfg.trainer.total_training_steps == 15
@@ -144,7 +145,7 @@ def test_seed_003_keys_map_onto_alignrl(capsys, tmp_path):
     listed = [line for line in out.splitlines() if "not used on this device" in line]
     assert len(listed) == 1, out
     for key in ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.rollout.gpu_memory_utilization",
-                "actor_rollout_ref.model.use_remove_padding", "actor_rollout_ref.rollout.name",
+                "actor_rollout_ref.rollout.name",
                 "trainer.default_hdfs_dir", "critic.ppo_micro_batch_size"):
         assert key in listed[0]
     assert listed[0].count("trainer.default_hdfs_dir") == 1  # given twice, listed once
@@ -179,6 +180,8 @@ def test_grpo_with_n_agent_and_alignrl_keys_beside_verl_ones():
     per_gpu = load_config(None, ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
                                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"])
     assert per_gpu.actor.logprob_micro_batch_size == per_gpu.actor.forward_micro_batch == 4
+    packed = load_config(None, ["actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=True"])
+    assert packed.actor.use_remove_padding and packed.critic.use_remove_padding and not plain.actor.use_remove_padding
 
 
 def test_the_no_grad_forwards_run_in_logprob_micro_batches(tiny_model_dir):

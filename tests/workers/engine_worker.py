@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from alignrl.data.records import Experience
 from alignrl.dist.env import barrier, init_distributed, shard, shutdown
-from alignrl.models.logprobs import response_logprobs
+from alignrl.models.logprobs import Layout, response_logprobs
 from alignrl.train.actor import Actor, PolicyLossSpec
 from alignrl.train.engines import OptimSpec, build_engine
 
@@ -64,8 +64,8 @@ def make_engine(args, env, path):
     return engine, exp
 
 
-def update(engine, exp, env, share_prompt: bool = False) -> None:
-    Actor(engine, share_prompt).update(local_share(exp, env), PolicyLossSpec(clip_low=0.2, clip_high=0.28, kl_coef=0.0),
+def update(engine, exp, env, layout: Layout = Layout()) -> None:
+    Actor(engine, layout).update(local_share(exp, env), PolicyLossSpec(clip_low=0.2, clip_high=0.28, kl_coef=0.0),
                          mini_batch=GLOBAL_BATCH // env.world_size, micro_batch=2, epochs=1,
                          generator=torch.Generator().manual_seed(1))
 
@@ -79,6 +79,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--mode", default="step", choices=["step", "roundtrip", "kill"])
     p.add_argument("--share-prompt", action="store_true", help="shared-prompt batch and forward")
+    p.add_argument("--remove-padding", action="store_true", help="packed (padding-free) forward")
     args = p.parse_args()
     torch.set_num_threads(1)
     env = init_distributed(timeout_s=float(os.environ.get("ALIGNRL_DIST_TIMEOUT", "60")))
@@ -88,7 +89,7 @@ def main() -> int:
         if env.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(10.0)  # torchrun (polling every 0.1 s) stops this rank first: SIGTERM ends the sleep
-    update(engine, exp, env, args.share_prompt)
+    update(engine, exp, env, Layout(args.share_prompt, args.remove_padding))
     full = engine.full_state_dict()
     if args.mode == "roundtrip":
         folder = out / "ckpt"

@@ -27,6 +27,7 @@ from alignrl.data.sampler import BatchSampler
 from alignrl.dist.env import SINGLE, DistEnv
 from alignrl.interfaces import BatchSource, RefScorer, RolloutEngine, WeightSink
 from alignrl.models.loader import frozen_copy, load_model
+from alignrl.models.logprobs import Layout
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.registry import load_reward_fn, make_reward
 from alignrl.rollout.agent import AgentRollout
@@ -83,7 +84,7 @@ def build_ref(cfg: RunConfig, model, policy_path: str, device: torch.device) -> 
     # the reference is the base model, not a checkpoint
     base = model if policy_path == cfg.model.path else load_model(cfg.model.path, cfg.model.dtype)[0]
     return LocalRefScorer(frozen_copy(base).to(device), cfg.rollout.temperature, cfg.actor.forward_micro_batch,
-                          cfg.actor.share_prompt)
+                          forward_layout(cfg))
 
 
 def build_rewards(cfg: RunConfig, tokenizer, device: torch.device) -> RewardStage:
@@ -127,7 +128,7 @@ def build_critic(cfg: RunConfig, name: str, resume: Path | None, env: DistEnv = 
     engine = make_engine(cfg, model, spec, env)
     if resume:
         restore_state(engine, resume / f"{name}_state", name)
-    return Critic(engine, cliprange_value=c.cliprange_value, name=name)
+    return Critic(engine, cliprange_value=c.cliprange_value, name=name, remove_padding=c.use_remove_padding)
 
 
 def critic_names(cfg: RunConfig) -> list[str]:
@@ -153,12 +154,17 @@ def build_critics(cfg: RunConfig, resume: Path | None, env: DistEnv = SINGLE,
     return parts
 
 
+def forward_layout(cfg: RunConfig) -> Layout:
+    """How the policy's and the reference's forwards lay out a micro-batch (actor.share_prompt, use_remove_padding)."""
+    return Layout(cfg.actor.share_prompt, cfg.actor.use_remove_padding)
+
+
 def build_actor(cfg: RunConfig, model, resume: Path | None, env: DistEnv) -> Actor:
     a = cfg.actor
     spec = OptimSpec(lr=a.lr, weight_decay=a.weight_decay, betas=tuple(a.betas), warmup_steps=a.lr_warmup_steps,
                      total_steps=total_optimizer_steps(cfg), schedule=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio,
                      grad_clip=a.grad_clip)
-    actor = Actor(make_engine(cfg, model, spec, env), share_prompt=a.share_prompt)
+    actor = Actor(make_engine(cfg, model, spec, env), forward_layout(cfg))
     if resume:
         restore_state(actor.engine, resume / "model_state", "actor")
     return actor

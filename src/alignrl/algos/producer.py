@@ -22,7 +22,7 @@ from alignrl.data.records import Rollout, Sample, ScoredBatch, Scores
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist.env import SINGLE, DistEnv, shard
 from alignrl.interfaces import RefScorer, RolloutEngine, SamplingParams
-from alignrl.models.logprobs import response_logprobs
+from alignrl.models.logprobs import Layout, response_logprobs
 from alignrl.utils.tracking import console
 
 # Dataset rows -> (samples, prompt token ids); the runner's `PromptData` is one.
@@ -38,27 +38,26 @@ def timed(timings: dict[str, float], name: str):
 
 
 def batched_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                     response_mask: torch.Tensor, temperature: float, micro_batch: int, share_prompt: bool = False
+                     response_mask: torch.Tensor, temperature: float, micro_batch: int, layout: Layout = Layout()
                      ) -> torch.Tensor:
-    """Log-probs (B, R) of the responses under `model`, in length-grouped, trimmed chunks; `share_prompt` runs
-    each distinct prompt of a chunk once (models.logprobs)."""
+    """Log-probs (B, R) of the responses under `model`, in length-grouped, trimmed chunks, each laid out by
+    `layout` (models.logprobs)."""
     def logprobs(m, *tensors):
-        return response_logprobs(m, *tensors, temperature, share_prompt=share_prompt)[0]
+        return response_logprobs(m, *tensors, temperature, layout=layout)[0]
 
     return per_token_in_chunks(model, logprobs, prompt_ids, prompt_mask, response_ids, response_mask, micro_batch,
-                               by_prompt=share_prompt)
+                               by_prompt=layout.share_prompt)
 
 
 class LocalRefScorer:
     """Reference log-probs from an in-process frozen model (the HTTP one is `rollout.remote.RemoteRefScorer`)."""
 
-    def __init__(self, model, temperature: float, micro_batch: int, share_prompt: bool = False):
-        self.model, self.temperature, self.micro_batch = model, temperature, micro_batch
-        self.share_prompt = share_prompt
+    def __init__(self, model, temperature: float, micro_batch: int, layout: Layout = Layout()):
+        self.model, self.temperature, self.micro_batch, self.layout = model, temperature, micro_batch, layout
 
     def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
         return batched_logprobs(self.model, prompt_ids, prompt_mask, response_ids, response_mask, self.temperature,
-                                self.micro_batch, self.share_prompt)
+                                self.micro_batch, self.layout)
 
 
 class RolloutMaker:

@@ -111,7 +111,7 @@ class PolicyTrainer:
         ro, scores, micro = batch.rollout, batch.scores, cfg.actor.forward_micro_batch
         with timed(t, "old_logprob"):
             old_lp = (batched_logprobs(self.actor.model, ro.prompt_ids, ro.prompt_mask, ro.response_ids,
-                                       ro.response_mask, cfg.rollout.temperature, micro, cfg.actor.share_prompt)
+                                       ro.response_mask, cfg.rollout.temperature, micro, self.actor.layout)
                       if cfg.actor.recompute_old_logprobs else ro.logprobs)
         mask = batch.loss_mask.float()
         token_rewards = outcome_token_rewards(scores.rewards, mask)

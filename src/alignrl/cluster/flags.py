@@ -25,7 +25,7 @@ GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm")
 KL_ESTIMATORS = {"k1": "k1", "k2": "k2", "k3": "k3"}
 # flags that change nothing without GPUs (vLLM, DeepSpeed and kernel options), as (flag, default)
 GPU_ONLY = ("flash_attn", "bf16", "adam_offload", "gradient_checkpointing", "enable_prefix_caching",
-            "vllm_enable_sleep", "deepspeed_enable_sleep", "enforce_eager", "packing_samples",
+            "vllm_enable_sleep", "deepspeed_enable_sleep", "enforce_eager",
             "vllm_gpu_memory_utilization", "vllm_sync_backend", "zero_stage")
 # the prompt-column flags, which apply to a --prompt_data file (synthetic data has its own layout)
 DATA_KEYS = ("input_key", "label_key", "input_template", "apply_chat_template")
@@ -224,6 +224,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
            f"rollout.top_p={args.top_p}", f"actor.ppo_mini_batch_size={args.train_batch_size // n}",
            f"actor.ppo_micro_batch_size={args.micro_train_batch_size}", f"actor.ppo_epochs={args.max_epochs}",
            f"actor.logprob_micro_batch_size={args.micro_rollout_batch_size}",
+           f"actor.use_remove_padding={args.packing_samples}", f"critic.use_remove_padding={args.packing_samples}",
            f"actor.lr={args.actor_learning_rate}", f"algorithm.adv_estimator={ESTIMATORS[args.advantage_estimator]}",
            f"algorithm.gamma={args.gamma}", f"critic.enable={uses_critic(args)}",
            f"critic.lr={args.critic_learning_rate}", f"actor.use_kl_loss={kl and args.use_kl_loss}",

@@ -118,6 +118,11 @@ class ActorConfig:
                                     "reference and old-policy forwards (the same log-probs and gradients up to "
                                     "float rounding, less compute when prompts are long); mini-batches then take "
                                     "whole prompts' samples instead of rows drawn one by one")
+    use_remove_padding: bool = opt(False, "pack a micro-batch's real tokens into one row for the update and the "
+                                          "reference and old-policy forwards, so no matmul runs on padding "
+                                          "(verl's model.use_remove_padding, OpenRLHF's --packing_samples); the same "
+                                          "log-probs and gradients up to float rounding; needs a transformers model "
+                                          "whose attention dispatches through AttentionInterface (Llama, Qwen2/3)")
 
     @property
     def forward_micro_batch(self) -> int:
@@ -182,6 +187,9 @@ class CriticConfig:
                                "trainer.critic_warmup)", ge=0)
     cliprange_value: float = opt(0.5, "value clipping around the old values", ge=0.0)
     grad_clip: float = opt(1.0, "critic max grad norm; 0 disables", ge=0.0)
+    use_remove_padding: bool = opt(False, "pack a micro-batch's real tokens into one row for the value model's "
+                                          "forwards (verl's critic.model.use_remove_padding); see "
+                                          "actor.use_remove_padding")
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,23 @@ off) would also share one dropout mask among a prompt's samples instead of drawi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from alignrl.core.entropy import entropy_from_logits
 from alignrl.data.collate import position_ids, prompt_groups
 from alignrl.models.folder import ModelError
+from alignrl.models.packing import pack, packed_forward, unpack
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a micro-batch goes through the model: `share_prompt` runs each distinct prompt once (above);
+    `remove_padding` packs its real tokens into one row (`models.packing`). Both change only float rounding."""
+
+    share_prompt: bool = False
+    remove_padding: bool = False
 
 
 def _chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
@@ -70,17 +82,20 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response
 
 def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                       response_mask: torch.Tensor, temperature: float = 1.0,
-                      with_entropy: bool = False, entropy_grad: bool = False, share_prompt: bool = False
+                      with_entropy: bool = False, entropy_grad: bool = False, layout: Layout = Layout()
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, R) of `response_ids` given left-padded prompts; entropy (B, R) if asked.
 
     Logits are divided by `temperature` so the values match what the sampler drew from. The entropy
     carries a gradient only with `entropy_grad` (an entropy bonus); as a metric it costs no graph.
-    `share_prompt` runs each distinct prompt once (see the module's docstring)."""
+    `layout` says how the rows go through the model (see `Layout`)."""
     dev = model_device(model)
     prompt_ids, prompt_mask, response_ids, response_mask = (t.to(dev) for t in (prompt_ids, prompt_mask, response_ids,
                                                                                 response_mask))
-    if share_prompt:
+    if layout.remove_padding:
+        return _packed_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature,
+                                with_entropy, entropy_grad, layout.share_prompt)
+    if layout.share_prompt:
         first, inverse = prompt_groups(prompt_ids, prompt_mask)
         logits = _shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, first, inverse)
     else:
@@ -94,3 +109,17 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         ent = entropy_from_logits(logits)
     return lp, ent * response_mask
+
+
+def _packed_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature, with_entropy,
+                     entropy_grad, share_prompt) -> tuple[torch.Tensor, torch.Tensor | None]:
+    packing = pack(prompt_ids, prompt_mask, response_ids, response_mask,
+                   prompt_groups(prompt_ids, prompt_mask) if share_prompt else None)
+    logits = packed_forward(model, packing, logits_to_keep=packing.keep).logits[0]  # (T, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    lp = unpack(_chunked_logprobs(logits, packing.targets), packing)
+    if not with_entropy:
+        return lp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return lp, unpack(entropy_from_logits(logits), packing)

@@ -12,6 +12,7 @@ import torch
 from alignrl.data.collate import position_ids
 from alignrl.models.logprobs import model_device
 from alignrl.models.loader import DTYPES, loading, resolve_model_path
+from alignrl.models.packing import pack, packed_forward, unpack
 
 
 def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print):
@@ -39,10 +40,13 @@ def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print
 
 
 def response_values(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                    response_mask: torch.Tensor) -> torch.Tensor:
+                    response_mask: torch.Tensor, remove_padding: bool = False) -> torch.Tensor:
     """Values (B, R): V_t is read at the position before response token t (the state it is chosen in),
-    the same alignment as the log-probs."""
+    the same alignment as the log-probs. `remove_padding`: one packed row, no padding (models.packing)."""
     dev = model_device(model)
+    if remove_padding:
+        packing = pack(*(t.to(dev) for t in (prompt_ids, prompt_mask, response_ids, response_mask)))
+        return unpack(packed_forward(model, packing).logits[0, packing.keep, 0].float(), packing)
     ids = torch.cat([prompt_ids, response_ids], 1).to(dev)
     mask = torch.cat([prompt_mask, response_mask], 1).to(dev)
     response_mask = response_mask.to(dev)

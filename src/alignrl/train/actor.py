@@ -10,7 +10,7 @@ import torch
 
 from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, token_mean
 from alignrl.data.records import Experience
-from alignrl.models.logprobs import response_logprobs
+from alignrl.models.logprobs import Layout, response_logprobs
 from alignrl.train.minibatch import minibatch_updates
 from alignrl.train.engines.base import TrainEngine
 
@@ -55,10 +55,10 @@ class Actor:
     """The trainable policy on a TrainEngine; `update` runs PPO epochs over an Experience batch (this
     rank's share of it under data parallelism)."""
 
-    def __init__(self, engine: TrainEngine, share_prompt: bool = False):
+    def __init__(self, engine: TrainEngine, layout: Layout = Layout()):
         self.engine = engine
         self.model = engine.model  # unwrapped: generation, no-grad log-probs, save_pretrained
-        self.share_prompt = share_prompt  # a micro-batch runs each distinct prompt once (models.logprobs)
+        self.layout = layout  # how a micro-batch goes through the model (models.logprobs)
 
     def update(self, exp: Experience, spec: PolicyLossSpec, mini_batch: int, micro_batch: int, epochs: int,
                generator: torch.Generator) -> dict[str, float]:
@@ -70,8 +70,8 @@ class Actor:
             # forward through the engine's module: DDP / DeepSpeed hook gradient reduction there
             logp, ent = response_logprobs(self.engine.module, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                           micro.attended, spec.temperature, with_entropy=True,
-                                          entropy_grad=spec.entropy_coeff > 0, share_prompt=self.share_prompt)
+                                          entropy_grad=spec.entropy_coeff > 0, layout=self.layout)
             return policy_loss(logp, ent, micro, spec, tokens, seqs)
 
         return minibatch_updates(exp, micro_loss, self.engine, mini_batch, micro_batch, epochs, generator, "actor",
-                                 by_prompt=self.share_prompt)
+                                 by_prompt=self.layout.share_prompt)
