@@ -139,6 +139,7 @@ def overrides(args, model_dir: Path, out: Path, name: str) -> list[str]:
             f"actor.ppo_mini_batch_size={args.mini_batch}", f"actor.ppo_micro_batch_size={args.micro_batch}",
             f"actor.lr={args.lr}", "actor.kl_loss_coef=0.001", "actor.kl_loss_type=low_var_kl",
             "actor.recompute_old_logprobs=false", f"actor.share_prompt={str(args.share_prompt).lower()}",
+            f"actor.use_remove_padding={str(args.remove_padding).lower()}",
             f"trainer.total_training_steps={args.steps}",
             "trainer.test_freq=0", "trainer.save_freq=0", "trainer.max_checkpoints=1", "trainer.resume_mode=disable",
             "trainer.seed=0", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
@@ -229,6 +230,8 @@ def main() -> int:
     ap.add_argument("--micro-batch", type=int, default=32, help="sequences per forward/backward")
     ap.add_argument("--share-prompt", action=argparse.BooleanOptionalAction, default=True,
                     help="actor.share_prompt, as in the demo recipe: each distinct prompt of a micro-batch runs once")
+    ap.add_argument("--remove-padding", action=argparse.BooleanOptionalAction, default=True,
+                    help="actor.use_remove_padding, as in the demo recipe: packed, padding-free forwards")
     ap.add_argument("--lr", type=float, default=4e-5, help="actor.lr (constant; the demo recipe's peak)")
     ap.add_argument("--val", type=int, default=64, help="held-out problems of the base and final evaluation")
     ap.add_argument("--publish-repeats", type=int, default=20)
@@ -255,7 +258,7 @@ def main() -> int:
     print(f"workload: {args.steps} steps x {args.prompts} prompts x {args.n} samples = "
           f"{args.prompts * args.n} sequences/step, <= {args.max_new_tokens} new tokens, "
           f"{args.prompts // args.mini_batch} optimizer step(s)/RL step, lr {args.lr:g}, "
-          f"share_prompt {str(args.share_prompt).lower()}, held-out {args.val}; {os.cpu_count()} CPU core(s)")
+          f"share_prompt {str(args.share_prompt).lower()}, remove_padding {str(args.remove_padding).lower()}, held-out {args.val}; {os.cpu_count()} CPU core(s)")
     print("samples/s = sequences trained / sum of the trainer's timing/step over steps 2..S (step 1 = warm-up)")
 
     root = Path(tempfile.mkdtemp(prefix="alignrl-async-bench-"))

@@ -1,4 +1,6 @@
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A very small model for pipeline tests: random init, no SFT, built once per session.
 TEST_RECIPE = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=2, num_key_value_heads=1, tokenizer_corpus=500, sft_steps=0)
+
+
+def run_group(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(capture_output, text) in a session of its own: on timeout the whole group (torchrun and its
+    ranks) is killed, not only the launcher, so no rank outlives the test. Raises TimeoutExpired as run does."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **kw) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 @pytest.fixture(scope="session")

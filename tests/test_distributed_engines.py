@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import run_group
 from alignrl.dist.env import SINGLE
 from alignrl.dist.launch import free_port
 from alignrl.models.logprobs import Layout
@@ -30,7 +31,7 @@ def torchrun(args: list[str], out: Path, timeout: float = 180) -> subprocess.Com
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "--master_addr=127.0.0.1", str(WORKER), *args, "--out", str(out)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_group(cmd, timeout, env=env)
 
 
 def one_process_step(model_dir, share_prompt: bool, remove_padding: bool = False):

@@ -3,12 +3,12 @@ a checkpoint written by one engine resumed by another."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_group
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -30,7 +30,7 @@ def run(tiny_model_dir, tmp_path, name, strategy, steps, *extra):
            f"trainer.output_dir={tmp_path}", f"trainer.experiment_name={name}", f"trainer.strategy={strategy}",
            "trainer.progress_bar=false", f"algorithm.reward_fn={reward}:compute_score", "actor.lr=1e-3", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    return run_group(cmd, 240, env=env)
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -79,9 +79,14 @@ def test_pack_layout_of_shared_prompts():
     assert p.position_ids[0, 5:].tolist() == [2, 3, 2, 3, 4]  # after 2, 2 and 3 prompt tokens
     assert p.targets.tolist() == [11, 12, 13, 14, 15]
     assert p.keep.tolist()[:3] == [first_prompt + 1, 5, first_prompt + 1]  # token 6, token 11, token 6
-    row0 = 2  # sequences: 2 prompts, then the responses of rows 0, 1, 2
-    keys = p.k_index[row0][p.mask[row0, 0, 1]]  # what response token 12 attends to: prompt 5, 6, then 11, 12
-    assert [packed[k] for k in keys.tolist()] == [5, 6, 11, 12]
+    sees = {}  # packed token -> the packed tokens it attends to, read off the buckets' slots
+    for bucket in p.buckets:
+        for s, row in enumerate(bucket.q_index.tolist()):
+            for j, token in enumerate(row):
+                sees.setdefault(token, []).append([packed[k] for k in bucket.k_index[s][bucket.mask[s, 0, j]].tolist()])
+    assert sees[6] == [[5, 6, 11, 12]]  # response token 12: its prompt, then causally itself
+    assert sees[7] == [[5, 6, 13]] and sees[9] == [[7, 8, 9, 14, 15]]
+    assert sees[first_prompt + 1] == [[5, 6]]  # the prompt's last token sees only its prompt, once
 
 
 def test_a_model_whose_attention_does_not_dispatch_is_one_line(tiny_model):

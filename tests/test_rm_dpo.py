@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_group
 from alignrl.algos import dpo, rm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,7 +161,7 @@ def _run(cmd: list[str], root: Path, timeout: int = 240) -> subprocess.Completed
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
            "ALIGNRL_DIST_TIMEOUT": "120"}
     env.pop("WORLD_SIZE", None)
-    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    p = run_group(cmd, timeout, cwd=root, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 
@@ -209,12 +210,11 @@ def test_reward_model_on_sharded_engines_two_ranks(strategy, tiny_model_dir, tmp
     from alignrl.models.value import ModelScorer
 
     out = tmp_path / "rm"
-    p = subprocess.run([sys.executable, "-m", "alignrl", "train", "rm", "--nproc", "2", "--config",
-                        str(REPO / "configs/rm_config.yaml"), "--task", "helpful", "--output_dir", str(out),
-                        "--logging_dir", str(tmp_path / "logs"), f"model_path={tiny_model_dir}", f"strategy={strategy}",
-                        "max_train_pairs=32", "max_eval_pairs=24", "eval_batch_size=24", "batch_size=4",
-                        "report_to=[jsonl]"], capture_output=True, text=True, timeout=240,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60"})
+    p = run_group([sys.executable, "-m", "alignrl", "train", "rm", "--nproc", "2", "--config",
+                   str(REPO / "configs/rm_config.yaml"), "--task", "helpful", "--output_dir", str(out),
+                   "--logging_dir", str(tmp_path / "logs"), f"model_path={tiny_model_dir}", f"strategy={strategy}",
+                   "max_train_pairs=32", "max_eval_pairs=24", "eval_batch_size=24", "batch_size=4",
+                   "report_to=[jsonl]"], 240, env={**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60"})
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((out / "eval_results.json").read_text())
     assert res["world_size"] == 2 and res["steps"] == 4

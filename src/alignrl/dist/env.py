@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -69,6 +70,10 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
 
 def shutdown() -> None:
     if dist.is_initialized():
+        # gloo's worker threads free a finished collective's tensors under the GIL, and the process group's
+        # destructor (run when DDP's reducer, which holds the group too, is freed) joins them while holding it: a
+        # rank then hung at exit right after the final barrier. Sleeping releases the GIL so they finish first.
+        time.sleep(0.05)
         dist.destroy_process_group()
 
 

@@ -5,7 +5,8 @@ the log-softmax see no padding: with responses of mixed lengths, padding is ofte
 batch. Each token must still attend only to its own sequence. For the one model call, the model's attention
 layers are routed (through transformers' AttentionInterface) to `_packed_attention`, which gathers each
 sequence's queries and keys into a small padded batch, runs SDPA under a mask and scatters the outputs back.
-Attention is a small share of the FLOPs, so the padding it keeps costs little.
+The sequences are sorted by length into a few buckets, each padded to its own longest, so that padding stays
+small too.
 
 With shared prompts (GRPO's rollout.n samples of one prompt) each distinct prompt is one sequence and each
 response is a sequence whose keys start with its prompt's: the prompt is computed once, gets the gradients
@@ -31,7 +32,17 @@ from alignrl.data.collate import position_ids
 from alignrl.models.folder import ModelError
 
 PACKED = "alignrl_packed"
+BUCKETS = 4  # attention batches per layer: sequences sorted by length, each batch padded to its longest
 FIX = "set actor.use_remove_padding=false (critic.use_remove_padding=false for the value model)"
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """S sequences of similar length, padded to Lq queries and Lk keys."""
+
+    q_index: torch.Tensor  # (S, Lq) the packed token in each query slot (padding slots repeat token 0)
+    k_index: torch.Tensor  # (S, Lk) the packed token in each key slot: the prefix's, then the sequence's own
+    mask: torch.Tensor  # (S, 1, Lq, Lk) bool: query slot may attend key slot
 
 
 @dataclass
@@ -41,10 +52,8 @@ class Packing:
 
     input_ids: torch.Tensor  # (1, N)
     position_ids: torch.Tensor  # (1, N): each token's position in its own (prompt + response) sequence
-    q_index: torch.Tensor  # (S, Lq) the packed token in each query slot (padding slots repeat token 0)
-    k_index: torch.Tensor  # (S, Lk) the packed token in each key slot: the prefix's, then the sequence's own
-    mask: torch.Tensor  # (S, 1, Lq, Lk) bool: query slot may attend key slot
-    out_index: torch.Tensor  # (N,) the query slot (s * Lq + j) of each packed token
+    buckets: list[Bucket]  # the sequences, by length
+    out_index: torch.Tensor  # (N,) each packed token's query slot, counted over the buckets' slots in order
     keep: torch.Tensor  # (T,) the packed token whose logits predict each attended response token
     targets: torch.Tensor  # (T,) those response tokens
     where: torch.Tensor  # (B, R) bool: the attended response positions, in the order of `keep`
@@ -84,11 +93,25 @@ def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torc
     own = resp_start[:, None] + rank  # packed index of each response token
     keep = torch.where(rank == 0, last_prompt[:, None], own - 1)[attended]
 
+    buckets, slot = [], torch.empty_like(lens)  # slot: where each sequence's first query slot lands
+    order = torch.argsort(pre_len + lens, stable=True)
+    used = 0
+    for part in order.tensor_split(min(BUCKETS, len(order))):
+        bucket = _bucket(lens[part], offs[part], pre_len[part], pre_off[part])
+        slot[part] = used + torch.arange(len(part), device=lens.device) * bucket.q_index.shape[1]
+        used += bucket.q_index.numel()
+        buckets.append(bucket)
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
+    out_index = slot[seq] + torch.arange(len(seq), device=lens.device) - offs[seq]
+    return Packing(ids[None], pos[None], buckets, out_index, keep, response_ids[attended], attended)
+
+
+def _bucket(lens, offs, pre_len, pre_off) -> Bucket:
+    """Sequences of `lens` tokens from packed index `offs`, each after a prefix of `pre_len` from `pre_off`."""
     dev = lens.device
     n_q, n_k = max(1, int(lens.max())), max(1, int((pre_len + lens).max()))
     j, jk = torch.arange(n_q, device=dev), torch.arange(n_k, device=dev)
     q_valid = j < lens[:, None]
-    q_index = torch.where(q_valid, offs[:, None] + j, 0)
     in_pre = jk < pre_len[:, None]
     self_k = jk - pre_len[:, None]  # a key slot's index within the sequence's own tokens
     k_valid = jk < (pre_len + lens)[:, None]
@@ -96,10 +119,7 @@ def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torc
     mask = k_valid[:, None, :] & (in_pre[:, None, :] | (self_k[:, None, :] <= j[None, :, None]))
     # a padding query slot attends key slot 0 (ignored) so SDPA never sees a row with no key
     mask |= ~q_valid[:, :, None] & (jk == 0)
-    seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), lens)
-    out_index = seq * n_q + torch.arange(len(seq), device=dev) - offs[seq]
-    return Packing(ids[None], pos[None], q_index, k_index, mask[:, None], out_index, keep,
-                   response_ids[attended], attended)
+    return Bucket(torch.where(q_valid, offs[:, None] + j, 0), k_index, mask[:, None])
 
 
 def _packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -112,14 +132,23 @@ def _packed_attention(module, query, key, value, attention_mask, dropout: float 
     for unsupported in ("sliding_window", "softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise ModelError(f"remove-padding forwards do not support attention with {unsupported}: {FIX}")
-    q = query[0][:, packing.q_index].transpose(0, 1)  # (S, H, Lq, D)
-    k, v = (t[0][:, packing.k_index].transpose(0, 1) for t in (key, value))  # (S, Hkv, Lk, D)
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves consecutive query heads
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=packing.mask, dropout_p=dropout, scale=scaling)
-    s, h, n_q, d = out.shape
+    outs = []
+    for b in packing.buckets:
+        # index_select, not advanced indexing: its backward is index_add_, several times faster on CPU than the
+        # accumulating index_put_ that advanced indexing's backward is
+        q, k, v = (_gather(t, i) for t, i in ((query, b.q_index), (key, b.k_index), (value, b.k_index)))
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves consecutive query heads
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, dropout_p=dropout, scale=scaling)
+        outs.append(out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[3]))  # (S * Lq, H, D)
     packing.calls[0] += 1
-    return out.transpose(1, 2).reshape(s * n_q, h, d)[packing.out_index][None], None
+    return torch.cat(outs).index_select(0, packing.out_index)[None], None
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(1, H, N, D) and an (S, L) index of tokens -> (S, H, L, D)."""
+    h, d = x.shape[1], x.shape[3]
+    return x[0].index_select(1, index.reshape(-1)).view(h, *index.shape, d).transpose(0, 1)
 
 
 AttentionInterface.register(PACKED, _packed_attention)
