@@ -9,7 +9,8 @@ against a raw ZeroMQ copy of the same bytes. Everything runs from one command.
 Workload: every configuration trains the same model (`--model`, default the embedded demo model) for
 `--steps` RL steps of `--prompts` prompts x `--n` samples (`--max-new-tokens` at most), the same
 seed, data, learning rate and loss, with intermediate evaluation and intermediate checkpoints off, and
-`actor.share_prompt` as in the demo recipe (`--no-share-prompt` turns it off).
+`actor.share_prompt` and `actor.use_remove_padding` as in the demo recipe (`--no-share-prompt`, `--no-remove-padding`
+turn them off).
 Configurations, one after another, each a fresh trainer process (plus sampler processes):
 
     in-process            `alignrl train grpo`, trainer.threads=2 (generation and training share 2 cores)
@@ -258,7 +259,8 @@ def main() -> int:
     print(f"workload: {args.steps} steps x {args.prompts} prompts x {args.n} samples = "
           f"{args.prompts * args.n} sequences/step, <= {args.max_new_tokens} new tokens, "
           f"{args.prompts // args.mini_batch} optimizer step(s)/RL step, lr {args.lr:g}, "
-          f"share_prompt {str(args.share_prompt).lower()}, remove_padding {str(args.remove_padding).lower()}, held-out {args.val}; {os.cpu_count()} CPU core(s)")
+          f"share_prompt {str(args.share_prompt).lower()}, remove_padding {str(args.remove_padding).lower()}, "
+          f"held-out {args.val}; {os.cpu_count()} CPU core(s)")
     print("samples/s = sequences trained / sum of the trainer's timing/step over steps 2..S (step 1 = warm-up)")
 
     root = Path(tempfile.mkdtemp(prefix="alignrl-async-bench-"))

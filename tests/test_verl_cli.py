@@ -180,7 +180,8 @@ def test_grpo_with_n_agent_and_alignrl_keys_beside_verl_ones():
     per_gpu = load_config(None, ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
                                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"])
     assert per_gpu.actor.logprob_micro_batch_size == per_gpu.actor.forward_micro_batch == 4
-    packed = load_config(None, ["actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=True"])
+    packed = load_config(None, ["actor_rollout_ref.model.use_remove_padding=True",
+                                "critic.model.use_remove_padding=True"])
     assert packed.actor.use_remove_padding and packed.critic.use_remove_padding and not plain.actor.use_remove_padding
 
 
