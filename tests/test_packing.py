@@ -109,8 +109,11 @@ def test_a_model_whose_attention_does_not_dispatch_is_one_line(tiny_model):
                                            num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
                                            sliding_window=4, max_window_layers=0,
                                            layer_types=["sliding_attention"]))
-    with pytest.raises(ModelError, match="sliding_window: set actor.use_remove_padding=false"):
+    with pytest.raises(ModelError, match=r"longer than the sliding_window \(4\): set actor.use_remove_padding=false"):
         response_logprobs(sliding, pid % 64, pm, rid % 64, rm, layout=PACKED[0])
+    ids, one = torch.tensor([[5, 6], [7, 8]]), torch.ones(2, 2, dtype=torch.bool)  # 3 tokens: within the window
+    torch.testing.assert_close(response_logprobs(sliding, ids, one, ids[:, :1] + 2, one[:, :1], layout=PACKED[0])[0],
+                               response_logprobs(sliding, ids, one, ids[:, :1] + 2, one[:, :1])[0], atol=2e-5, rtol=0)
     assert sliding.config._attn_implementation != "alignrl_packed"  # restored after the error too
 
 

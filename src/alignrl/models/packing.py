@@ -15,7 +15,7 @@ FSDP2 / ZeRO-3 need).
 
 Works for models whose attention dispatches through `ALL_ATTENTION_FUNCTIONS` (Llama, Qwen2/3, Mistral and
 most current transformers decoders); a model that does not is a one-line `ModelError`, never a silent
-padded-layout result. Sliding-window and soft-capped attention are refused the same way.
+padded-layout result. Soft-capped attention, and sequences longer than a sliding window, are refused the same way.
 """
 
 from __future__ import annotations
@@ -129,9 +129,14 @@ def _packed_attention(module, query, key, value, attention_mask, dropout: float 
     if packing is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    for unsupported in ("sliding_window", "softcap", "s_aux"):
+    for unsupported in ("softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise ModelError(f"remove-padding forwards do not support attention with {unsupported}: {FIX}")
+    window = kwargs.get("sliding_window")
+    if window is not None and max(b.k_index.shape[1] for b in packing.buckets) >= window:
+        # shorter sequences see the same keys under a sliding window as under full causal attention
+        raise ModelError(f"remove-padding forwards do not support sequences longer than the sliding_window "
+                         f"({window}): {FIX}")
     outs = []
     for b in packing.buckets:
         # index_select, not advanced indexing: its backward is index_add_, several times faster on CPU than the
