@@ -92,34 +92,22 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     dev = model_device(model)
     prompt_ids, prompt_mask, response_ids, response_mask = (t.to(dev) for t in (prompt_ids, prompt_mask, response_ids,
                                                                                 response_mask))
-    if layout.remove_padding:
-        return _packed_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature,
-                                with_entropy, entropy_grad, layout.share_prompt)
-    if layout.share_prompt:
-        first, inverse = prompt_groups(prompt_ids, prompt_mask)
-        logits = _shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, first, inverse)
-    else:
-        logits = _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    groups = prompt_groups(prompt_ids, prompt_mask) if layout.share_prompt else None
+    if layout.remove_padding:  # (T, V) logits of the attended tokens only, put back in place by `unpack`
+        packing = pack(prompt_ids, prompt_mask, response_ids, response_mask, groups)
+        logits = packed_forward(model, packing, logits_to_keep=packing.keep).logits[0]
+        targets, place = packing.targets, lambda x: unpack(x, packing)
+    else:  # (B, R, V) logits, padding included, masked after
+        logits = (_shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, *groups)
+                  if groups is not None else
+                  _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask))
+        b, r, v = logits.shape
+        logits, targets = logits.reshape(b * r, v), response_ids.reshape(-1)
+        place = lambda x: x.view(b, r) * response_mask  # noqa: E731
     if temperature != 1.0:
         logits = logits / temperature
-    b, r, v = logits.shape
-    lp = _chunked_logprobs(logits.reshape(b * r, v), response_ids.reshape(-1)).view(b, r) * response_mask
+    lp = place(_chunked_logprobs(logits, targets))
     if not with_entropy:
         return lp, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        ent = entropy_from_logits(logits)
-    return lp, ent * response_mask
-
-
-def _packed_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature, with_entropy,
-                     entropy_grad, share_prompt) -> tuple[torch.Tensor, torch.Tensor | None]:
-    packing = pack(prompt_ids, prompt_mask, response_ids, response_mask,
-                   prompt_groups(prompt_ids, prompt_mask) if share_prompt else None)
-    logits = packed_forward(model, packing, logits_to_keep=packing.keep).logits[0]  # (T, V)
-    if temperature != 1.0:
-        logits = logits / temperature
-    lp = unpack(_chunked_logprobs(logits, packing.targets), packing)
-    if not with_entropy:
-        return lp, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        return lp, unpack(entropy_from_logits(logits), packing)
+        return lp, place(entropy_from_logits(logits))
