@@ -289,3 +289,13 @@ def test_pickle_payloads_are_never_unpickled(monkeypatch):
     with pytest.raises(WireError, match="dtype"):  # "object"/"pickle" dtypes do not exist
         decode([_rehead([head, payload], tensors=[{"name": "p", "dtype": "object", "shape": [1], "nbytes": 1}])[0],
                 b"x"])
+
+
+def test_weights_frames_at_odd_addresses_are_realigned():
+    # libzmq may hand a frame over at any address; the typed views must not be misaligned
+    named = [("a", torch.randn(5, 3)), ("b", torch.randn(4).double()), ("c", torch.arange(6, dtype=torch.int32))]
+    frames = encode_weights(named, version=2)
+    odd = [frames[0]] + [memoryview(bytearray(b"\0") + bytes(f))[1:] for f in frames[1:]]
+    msg = decode(odd)
+    _assert_same(dict(named), msg.tensors)
+    assert all(t.data_ptr() % t.element_size() == 0 for t in msg.tensors.values())

@@ -24,6 +24,7 @@ delta updates, and schemas for `meta` (the pipeline validates its own fields).
 
 from __future__ import annotations
 
+import functools
 import hmac
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -50,7 +51,6 @@ MAX_TENSORS = 1 << 20
 MAX_DIMS = 8
 MAX_NAME = 1024
 MAX_KIND = 64
-_ZEROS = torch.zeros(ALIGN, dtype=torch.uint8)  # alignment padding between tensors of a weight bucket
 # Tensors over received frames are read-only views (documented on Message), so torch's warning about
 # non-writable buffers says nothing new. A filter for that one message, set once (catch_warnings() per
 # call would race between threads decoding at once); torch warns only once per process, so that one
@@ -101,20 +101,21 @@ def _header(kind: str, meta: Mapping, token: str, entries: list, **extra) -> byt
 
 
 def _spec(name: object, t: object, seen: set) -> dict:
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+    # Runs once per tensor of every publish: one lookup per check, no helper calls
+    if type(name) is not str or not 0 < len(name) <= MAX_NAME:
         raise WireError(f"tensor name {name!r} must be a non-empty string of at most {MAX_NAME} characters")
     if name in seen:
         raise WireError(f"tensor {name!r} appears twice; names must be unique")
     seen.add(name)
     if not isinstance(t, torch.Tensor):
         raise WireError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
-    if t.dtype not in DTYPE_NAMES:
+    dtype, shape = DTYPE_NAMES.get(t.dtype), t.shape
+    if dtype is None:
         raise WireError(f"tensor {name!r} has dtype {t.dtype}, which the wire format does not carry "
                         f"(one of {', '.join(DTYPES)}): cast it first")
-    if t.dim() > MAX_DIMS:
-        raise WireError(f"tensor {name!r} has {t.dim()} dimensions; the wire format carries at most {MAX_DIMS}")
-    return {"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-            "nbytes": t.numel() * t.element_size()}
+    if len(shape) > MAX_DIMS:
+        raise WireError(f"tensor {name!r} has {len(shape)} dimensions; the wire format carries at most {MAX_DIMS}")
+    return {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": t.nbytes}
 
 
 def encode(kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = None, token: str = "") -> list:
@@ -144,51 +145,67 @@ def encode_weights(named: Iterable[tuple[str, torch.Tensor]], version: int, buck
         raise WireError(f"weights version {version!r} must be a non-negative int")
     if type(bucket_bytes) is not int or bucket_bytes < ALIGN:
         raise WireError(f"bucket_bytes {bucket_bytes!r} must be an int of at least {ALIGN}")
-    entries, parts, sizes, seen, closed = [], [], [], set(), True
-    with torch.no_grad():  # uint8 views of parameters that require grad
+    entries, runs, sizes, seen, closed = [], [], [], set(), True
+    with torch.no_grad():  # flat views of parameters that require grad
         for name, t in named:
             e = _spec(name, t, seen)
             nb = e["nbytes"]
             entries.append(e)
             if nb == 0:  # nothing to carry: the entry alone rebuilds it
-                e.update(bucket=0, offset=0)
+                e["bucket"] = e["offset"] = 0
                 continue
-            if closed or sizes[-1] + _pad(sizes[-1]) + nb > bucket_bytes:
+            pad = 0 if closed else -sizes[-1] % ALIGN
+            if closed or sizes[-1] + pad + nb > bucket_bytes:
                 sizes.append(0)
-                parts.append([])
-            pad = _pad(sizes[-1])
-            if pad:  # zeroed, so no stale process memory goes out on the wire
-                parts[-1].append(_ZEROS[:pad])
-            e.update(bucket=len(sizes) - 1, offset=sizes[-1] + pad)
-            parts[-1].append(t.contiguous().view(-1).view(torch.uint8))  # a copy only when not contiguous
-            sizes[-1] += pad + nb
+                runs.append([])
+                pad = 0
+            bucket, at = runs[-1], sizes[-1] + pad
+            e["bucket"], e["offset"] = len(sizes) - 1, at
+            if not bucket or bucket[-1][1] is not t.dtype:  # a run of one dtype starts at an aligned offset
+                bucket.append([at, t.dtype, [], at])  # [start, dtype, parts, end]
+            elif pad:  # zeroed, so no stale process memory goes out on the wire
+                bucket[-1][2].append(_zeros(t.dtype, pad))
+            bucket[-1][2].append(t.view(-1) if t.is_contiguous() else t.reshape(-1))  # a copy only if needed
+            bucket[-1][3] = sizes[-1] = at + nb
             closed = nb >= bucket_bytes  # a big tensor keeps its frame to itself
-    # One copy per bucket, in one call: torch.cat writes every tensor's bytes straight into a buffer this
-    # function owns (so the frames are a snapshot). Copying tensor by tensor made encoding the demo model's
-    # 50 tensors (3 MiB) take 0.46 ms, of which 0.07 ms was the memcpy; one cat per bucket takes 0.26-0.45
-    # ms. The buffers come uninitialised from numpy's malloc, not torch.empty: torch maps fresh pages for
-    # every large allocation, and faulting them in cost four times the copy itself on each publish (3 MiB:
-    # 1.4 vs 0.3 ms).
+    # One copy per run of same-dtype tensors, in one call: torch.cat writes their values straight into a
+    # typed view of a buffer this function owns (so the frames are a snapshot). Per-tensor work is one
+    # flat view: building a uint8 view of each tensor, or copying tensor by tensor, cost more than the
+    # memcpy itself for the demo model's 50 tensors (3 MiB). The buffers come uninitialised from numpy's
+    # malloc, not torch.empty: torch maps fresh pages for every large allocation, and faulting them in cost
+    # four times the copy itself on each publish (3 MiB: 1.4 vs 0.3 ms).
     arrays = [np.empty(n, dtype=np.uint8) for n in sizes]
-    for a, ps in zip(arrays, parts):
-        _cat_into(torch.from_numpy(a), ps)
+    with torch.no_grad():
+        for a, bucket_runs in zip(arrays, runs):
+            frame = torch.from_numpy(a)
+            for i, (begin, dtype, parts, used) in enumerate(bucket_runs):
+                gap_end = bucket_runs[i + 1][0] if i + 1 < len(bucket_runs) else used
+                if used < gap_end:  # the alignment gap before the next run (zeroed too)
+                    frame[used:gap_end].zero_()
+                _cat_into(frame[begin:used].view(dtype), parts)
     total = sum(e["nbytes"] for e in entries)
     head = _header("weights", {**(meta or {}), "version": version, "nbytes": total}, token, entries,
                    buckets=len(sizes))
     return [head, *(memoryview(a) for a in arrays)]
 
 
-def _cat_into(bucket: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """Concatenates uint8 views (and the CPU zero pads) into the CPU `bucket`: directly when all are on the
-    CPU, else on the device of the first accelerator tensor, then one transfer for the whole bucket (at most
-    `bucket_bytes` of device memory for the gathered copy)."""
+@functools.cache
+def _zeros(dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    """Zero padding of `nbytes` (a multiple of the dtype's size, below ALIGN) in a run of `dtype` tensors."""
+    return torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
+
+
+def _cat_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """Concatenates flat tensors of out's dtype (and the CPU zero pads) into the CPU `out`: directly when
+    all are on the CPU, else on the device of the first accelerator tensor, then one transfer for the
+    whole run (at most `bucket_bytes` of device memory for the gathered copy)."""
     dev = next((p.device for p in parts if p.device.type != "cpu"), None)
     if dev is None:
-        torch.cat(parts, out=bucket)
+        torch.cat(parts, out=out)
     elif len(parts) == 1:  # a tensor alone in its bucket goes straight to the host, no device-side copy
-        bucket.copy_(parts[0])
+        out.copy_(parts[0])
     else:
-        bucket.copy_(torch.cat([p.to(dev) for p in parts]))
+        out.copy_(torch.cat([p.to(dev) for p in parts]))
 
 
 def _buffer(f: object, i: int) -> memoryview:
@@ -235,6 +252,34 @@ def _view(mv: memoryview, dtype: torch.dtype, shape: list, offset: int, nbytes: 
     if t.data_ptr() % dtype.itemsize:  # libzmq may hand over a frame at an odd address: align it (a copy)
         t = t.clone()
     return t.view(shape)
+
+
+class _Buckets:
+    """Tensors over the bucket frames of a weights message: one typed flat tensor per (bucket, dtype),
+    made on first use, and one as_strided view of it per tensor. A frombuffer per tensor cost twice as
+    much as the views themselves, for a model's many small tensors."""
+
+    def __init__(self, bufs: list[memoryview]):
+        self.bufs, self.flat = bufs, {}
+
+    def view(self, b: int, dtype: torch.dtype, shape: list, offset: int) -> torch.Tensor:
+        flat = self.flat.get((b, dtype))
+        if flat is None:
+            mv = self.bufs[b]
+            flat = torch.frombuffer(mv, dtype=dtype, count=mv.nbytes // dtype.itemsize)
+            if flat.data_ptr() % dtype.itemsize:  # libzmq may hand over a frame at an odd address: align it
+                flat = flat.clone()
+            self.flat[(b, dtype)] = flat
+        return flat.as_strided(shape, _strides(tuple(shape)), offset // dtype.itemsize)
+
+
+@functools.lru_cache(maxsize=4096)
+def _strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def decode(frames: Sequence, token: str = "") -> Message:
@@ -287,6 +332,7 @@ def decode(frames: Sequence, token: str = "") -> Message:
     bufs = [_buffer(f, i) for i, f in enumerate(frames[1:], 1)]
     tensors: dict[str, torch.Tensor] = {}
     ends = [0] * len(bufs)  # packed: bytes of each bucket used so far
+    buckets = _Buckets(bufs)
     last = 0  # packed: entries come in (bucket, offset) order, so no byte is read twice
     for i, e in enumerate(entries):
         name, dtype, shape, nb = _entry(e, i, packed)
@@ -304,7 +350,7 @@ def decode(frames: Sequence, token: str = "") -> Message:
                 raise WireError(f"tensor {name!r}: bucket {b} offset {off} (+{nb} bytes) is out of order, "
                                 f"misaligned or out of bounds of the {len(bufs)} bucket frame(s)")
             last, ends[b] = b, off + nb
-        tensors[name] = _view(bufs[b] if nb else memoryview(b""), dtype, shape, off, nb)
+        tensors[name] = buckets.view(b, dtype, shape, off) if nb else torch.empty(shape, dtype=dtype)
     for b, buf in enumerate(bufs if packed else ()):
         if ends[b] != buf.nbytes or not ends[b]:
             raise WireError(f"weights bucket frame {b} holds {buf.nbytes} bytes but its tensors end at byte "
