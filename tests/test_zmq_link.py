@@ -291,3 +291,32 @@ def test_malformed_request_reports_peer_and_can_be_answered():
             th.join(10)
         assert len(seen) == 1 and "shared token" in seen[0]
         assert not rep.reply(b"\x00nobody", encode("x", {}))  # a vanished peer: dropped, no exception
+
+
+def test_wake_ends_a_blocked_recv_and_a_parked_request_is_answered_later():
+    rep = Replier(HOST, 0)
+    try:
+        rep.wake()  # queued before anyone waits: the next recv returns at once
+        t0 = time.monotonic()
+        assert rep.recv(5.0) is None and time.monotonic() - t0 < 1.0
+        got, answered = [], threading.Event()
+
+        def serve():  # parks the request: answers it only after a wake-up from another thread
+            got.append(_recv(rep))
+            assert rep.recv(5.0) is None  # returned early by wake(), not by the timeout
+            got.append(time.monotonic())
+            rep.reply_msg(got[0][0], "lease", {"n": 1})
+            answered.set()
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        with Requester(rep.addr) as req:
+            threading.Timer(0.3, rep.wake).start()
+            t0 = time.monotonic()
+            ans = req.request("work", {}, timeout_s=5.0)
+            assert ans.kind == "lease" and ans.meta == {"n": 1}
+            assert 0.25 <= got[1] - t0 < 2.0 and answered.is_set()
+        thread.join(5)
+    finally:
+        rep.close()
+    rep.wake()  # after close: a no-op, not an error

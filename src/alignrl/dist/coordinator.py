@@ -34,6 +34,8 @@ from alignrl.train.actor import Actor
 from alignrl.train.checkpoint import atomic_write_text
 from alignrl.utils.tracking import console
 
+PARK_S = 0.5  # longest a work request waits for a lease before it is answered "wait"
+
 
 class PipelineError(ValueError):
     """The pipeline cannot go on (no sampler delivers); one line naming what to start or check."""
@@ -80,6 +82,8 @@ class Coordinator:
         self.staleness_hist: dict[int, int] = {}
         self.env: DistEnv | None = None
         self.started, self.thread = False, None
+        self.replier: Replier | None = None
+        self.parked: dict[bytes, tuple[dict, float]] = {}  # work requests waiting for a lease (sync thread)
         self.delivered = 0  # steps this trainer has received batches for (resumed from checkpoints)
 
     # --- the RemoteProducers protocol of the runner -------------------------------------------------
@@ -204,6 +208,8 @@ class Coordinator:
     # --- the sync port (server thread, rank 0) --------------------------------------------------------
     def _published(self, version: int) -> None:
         self.dispatcher.complete()
+        if self.replier is not None:  # parked work requests can be answered now: weights, then a lease
+            self.replier.wake()
 
     def _serve(self) -> None:
         done_until = None
@@ -217,9 +223,12 @@ class Coordinator:
             except WireError as e:
                 if getattr(e, "peer", None) is not None:
                     self.replier.reply_msg(e.peer, "error", {"message": str(e)})
-                continue
+                got = None
             if got is not None:
                 self._answer(*got)
+            for peer, (meta, since) in list(self.parked.items()):
+                if self._work(peer, meta, since):
+                    del self.parked[peer]
 
     def _answer(self, peer: bytes, msg) -> None:
         meta = msg.meta
@@ -233,20 +242,32 @@ class Coordinator:
         if msg.kind != "work":
             self.replier.reply_msg(peer, "error", {"message": f"unknown request {msg.kind!r}"})
             return
+        self.parked.pop(peer, None)  # a sampler asking again replaces its parked request
+        if not self._work(peer, meta, time.monotonic()):
+            self.parked[peer] = (meta, time.monotonic())
+
+    def _work(self, peer: bytes, meta: dict, since: float) -> bool:
+        """Answers a work request if it can: "done", the newest weights, or a lease. While the staleness
+        bound allows no lease, the request is parked (False) and answered as soon as the next publish
+        frees one, instead of the sampler sleeping and asking again: that sleep was a bubble in every
+        step of a balanced pipeline. After PARK_S it is answered "wait", well within the sampler's timeout."""
         if self.stop.is_set():
             self.replier.reply_msg(peer, "done", {})
-            return
+            return True
         with self.lock:
             have = (meta.get("incarnation"), meta.get("version"))
             if have != (self.incarnation, self.board.version):
                 self.replier.reply(peer, self.board.frames)  # the newest weights first
-                return
+                return True
             lease = self.dispatcher.grant(str(meta.get("sampler_id", "?")), self.board.version, time.monotonic())
         if lease is None:
-            self.replier.reply_msg(peer, "wait", {"retry_s": 0.05})
+            if time.monotonic() - since < PARK_S:
+                return False
+            self.replier.reply_msg(peer, "wait", {"retry_s": 0.0})
         else:
             self.replier.reply_msg(peer, "lease", {"lease": lease.id, "number": lease.number, "rows": lease.rows,
                                                    "version": lease.version, "incarnation": self.incarnation})
+        return True
 
     def _check_model(self, manifest) -> str | None:
         mine = self.board.manifest

@@ -26,6 +26,7 @@ import ipaddress
 import math
 import os
 import struct
+import threading
 import time
 from collections.abc import Mapping
 
@@ -224,7 +225,9 @@ class Puller(_Socket):
 class Replier(_Socket):
     """Answers Requesters (trainer side). recv() gives (peer, message); answer with reply()/reply_msg()
     for that peer. A reply to a peer that is gone, or whose queue is full, is dropped and reply()
-    returns False: the Requester times out and asks again, so the trainer never blocks on a sampler."""
+    returns False: the Requester times out and asks again, so the trainer never blocks on a sampler.
+    A request may be answered later (long polling): wake(), the one method any thread may call, makes a
+    recv() waiting in the Replier's own thread return None at once, so it can answer what became possible."""
 
     def __init__(self, host: str, port: int, *, token: str = "", hwm: int = 16, port_flag: str = "--sync-port",
                  max_frame_bytes: int = MAX_FRAME_BYTES):
@@ -238,11 +241,41 @@ class Replier(_Socket):
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self.port = _bind(self._sock, host, port, port_flag)
         self.addr = address(host, self.port)
+        wake_addr = f"inproc://alignrl-wake-{id(self)}"
+        self._wake_rx, self._wake_tx = _socket(zmq.PULL), _socket(zmq.PUSH)
+        self._wake_rx.bind(wake_addr)
+        self._wake_tx.connect(wake_addr)
+        self._wake_tx.setsockopt(zmq.SNDHWM, 1)  # one queued wake-up is enough
+        self._wake_lock = threading.Lock()  # ZeroMQ sockets are not thread-safe: one waker at a time
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_rx, zmq.POLLIN)
+
+    def wake(self) -> None:
+        """Makes a recv() blocked in another thread return None now (or the next one, if none is waiting)."""
+        with self._wake_lock:
+            if self._wake_tx.closed:
+                return
+            try:
+                self._wake_tx.send(b"", flags=zmq.NOBLOCK)
+            except zmq.Again:  # a wake-up is already queued
+                pass
+
+    def close(self) -> None:
+        with self._wake_lock:
+            self._wake_tx.close(linger=0)
+        self._wake_rx.close(linger=0)
+        super().close()
 
     def recv(self, timeout_s: float) -> tuple[bytes, Message] | None:
-        """(peer identity, request) or None on timeout. A malformed request raises WireError with `.peer`
-        set (None if even the envelope was unreadable); reply_msg(e.peer, ...) can still answer it."""
-        if not self._sock.poll(_ms(timeout_s), zmq.POLLIN):
+        """(peer identity, request) or None on timeout or wake(). A malformed request raises WireError with
+        `.peer` set (None if even the envelope was unreadable); reply_msg(e.peer, ...) can still answer it."""
+        ready = dict(self._poller.poll(_ms(timeout_s)))
+        if self._wake_rx in ready:
+            while self._wake_rx.poll(0, zmq.POLLIN):
+                self._wake_rx.recv()
+            return None
+        if self._sock not in ready:
             return None
         try:
             frames = _recv_frames(self._sock)
