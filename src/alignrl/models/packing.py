@@ -59,6 +59,12 @@ class Packing:
     where: torch.Tensor  # (B, R) bool: the attended response positions, in the order of `keep`
     calls: list[int] = field(default_factory=lambda: [0])  # attention layers that took the packed path
 
+    def __post_init__(self):
+        # every bucket's slots in one index, so that a layer gathers queries (and keys, values) with one
+        # index_select each, and its backward zero-fills and accumulates one gradient instead of one per bucket
+        self.q_all = torch.cat([b.q_index.reshape(-1) for b in self.buckets])
+        self.k_all = torch.cat([b.k_index.reshape(-1) for b in self.buckets])
+
 
 def _starts(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(lengths, 0) - lengths
@@ -137,23 +143,25 @@ def _packed_attention(module, query, key, value, attention_mask, dropout: float 
         # shorter sequences see the same keys under a sliding window as under full causal attention
         raise ModelError(f"remove-padding forwards do not support sequences longer than the sliding_window "
                          f"({window}): {FIX}")
+    # index_select, not advanced indexing: its backward is index_add_, several times faster on CPU than the
+    # accumulating index_put_ that advanced indexing's backward is
+    qs = _gather(query, packing.q_all, [b.q_index.shape for b in packing.buckets])
+    ks, vs = (_gather(t, packing.k_all, [b.k_index.shape for b in packing.buckets]) for t in (key, value))
     outs = []
-    for b in packing.buckets:
-        # index_select, not advanced indexing: its backward is index_add_, several times faster on CPU than the
-        # accumulating index_put_ that advanced indexing's backward is
-        q, k, v = (_gather(t, i) for t, i in ((query, b.q_index), (key, b.k_index), (value, b.k_index)))
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves consecutive query heads
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, dropout_p=dropout, scale=scaling)
+    for b, q, k, v in zip(packing.buckets, qs, ks, vs):
+        # grouped-query attention: SDPA pairs each key/value head with its query heads, no repeated copies
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, dropout_p=dropout, scale=scaling,
+                                             enable_gqa=k.shape[1] != q.shape[1])
         outs.append(out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[3]))  # (S * Lq, H, D)
     packing.calls[0] += 1
     return torch.cat(outs).index_select(0, packing.out_index)[None], None
 
 
-def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """(1, H, N, D) and an (S, L) index of tokens -> (S, H, L, D)."""
+def _gather(x: torch.Tensor, index: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    """(1, H, N, D) and the concatenated slots of buckets of (S, L) -> each bucket's (S, H, L, D)."""
     h, d = x.shape[1], x.shape[3]
-    return x[0].index_select(1, index.reshape(-1)).view(h, *index.shape, d).transpose(0, 1)
+    parts = x[0].index_select(1, index).split([s * n for s, n in shapes], 1)
+    return [part.view(h, s, n, d).transpose(0, 1) for part, (s, n) in zip(parts, shapes)]
 
 
 AttentionInterface.register(PACKED, _packed_attention)
