@@ -46,12 +46,13 @@ the in-process run and of the zmq k=1 run after the same S steps, side by side.
 
 Weight publish (`publish_bench.py`), for two weight sets (the demo model's 3 MiB, and `--publish-mib`
 MiB of synthetic fp32 tensors shaped like a transformer's): `--publish-repeats` times,
-`alignrl.dist.wire.encode_weights` (the snapshot the trainer keeps while it goes on training) + sending
+`alignrl.dist.weights_wire.WeightsEncoder` (the snapshot the trainer keeps while it goes on training) + sending
 its frames over a ZeroMQ PUSH/PULL pair on 127.0.0.1 + receiving them + `alignrl.dist.wire.decode`
 (tensors by name), against a raw ZeroMQ copy of the same bytes: one blob sent with copy=True (ZeroMQ
-copies what it is given) and received. The same blob sent zero-copy is printed too (no copy at all, so no snapshot: a lower bound). Each variant is timed in its own
-blocks of rounds after 3 warm-up rounds, all buffers released inside the timing; medians are printed with
-their ratios, and the medians of encode_weights and decode alone.
+copies what it is given) and received. The same blob sent zero-copy is printed too (no copy at all, so no
+snapshot: a lower bound). Each variant is timed in its own blocks of rounds after 3 warm-up rounds, all
+buffers released inside the timing; medians are printed with their ratios, and the medians of the encoder
+and decode alone.
 
 Targets (printed with PASS/MISS): zmq k=1 >= 1.3x in-process samples/s; publish <= 1.5x the raw ZeroMQ
 copy, for the worse of the two weight sets.
@@ -235,7 +236,7 @@ def main() -> int:
                     help="actor.use_remove_padding, as in the demo recipe: packed, padding-free forwards")
     ap.add_argument("--lr", type=float, default=4e-5, help="actor.lr (constant; the demo recipe's peak)")
     ap.add_argument("--val", type=int, default=64, help="held-out problems of the base and final evaluation")
-    ap.add_argument("--publish-repeats", type=int, default=20)
+    ap.add_argument("--publish-repeats", type=int, default=60, help="rounds per variant (medians)")
     ap.add_argument("--publish-mib", type=int, default=256, help="size of the synthetic weight set (0: skip it)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a configuration may take")
     ap.add_argument("--only", action="append", choices=[c.name for c in CASES], help="run only these (repeatable)")
@@ -345,10 +346,10 @@ def main() -> int:
         ratio = pub["wire"] / pub["raw_copy"]
         ratios.append(ratio)
         print(f"weight publish, {label} ({pub['params'] / 1e6:.2f}M params, {pub['bytes'] / 2**20:.1f} MiB in "
-              f"{pub['frames']} frames, median of {args.publish_repeats}): encode_weights+send+recv+decode "
+              f"{pub['frames']} frames, median of {args.publish_repeats}): encode+send+recv+decode "
               f"{1000 * pub['wire']:.2f} ms; raw ZeroMQ copy {1000 * pub['raw_copy']:.2f} ms -> {ratio:.2f}x; "
               f"raw zero-copy send {1000 * pub['raw']:.2f} ms -> {pub['wire'] / pub['raw']:.2f}x "
-              f"(encode_weights alone {1000 * pub['encode']:.2f} ms, decode alone {1000 * pub['decode']:.2f} ms)")
+              f"(encode alone {1000 * pub['encode']:.2f} ms, decode alone {1000 * pub['decode']:.2f} ms)")
     ratio_pub = max(ratios) if ratios and len(ratios) == len(pubs) else None
 
     print()

@@ -1,8 +1,9 @@
 """Weight publish against a raw ZeroMQ copy of the same bytes (part of `async_vs_sync.py`, which prints it).
 
-`publish_bench(named, repeats)` times `alignrl.dist.wire.encode_weights` (the snapshot the trainer keeps
-while it goes on training) + sending its frames over a ZeroMQ PUSH/PULL pair on 127.0.0.1 + receiving them
-+ `alignrl.dist.wire.decode`, against one blob of the same size sent with copy=True and received.
+`publish_bench(named, repeats)` times a `WeightsEncoder` call (the snapshot the trainer keeps while it goes
+on training; one encoder publishes again and again, as the trainer's does) + sending its frames over a
+ZeroMQ PUSH/PULL pair on 127.0.0.1 + receiving them + `alignrl.dist.wire.decode`, against one blob of the
+same size sent with copy=True and received.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def synthetic_weights(mib: int) -> list:
 def publish_bench(named: list, repeats: int) -> dict:
     """Medians (s) of: our publish path (`wire`), a raw ZeroMQ copy of the same bytes (`raw_copy`: one blob
     sent with copy=True, as ZeroMQ copies a message it is given), the same blob sent zero-copy (`raw`), and
-    encode_weights / decode alone."""
+    the encoder / decode alone."""
     import torch
     import zmq
 
-    from alignrl.dist.wire import decode, encode_weights
+    from alignrl.dist.weights_wire import WeightsEncoder
+    from alignrl.dist.wire import decode
 
     torch.set_num_threads(1)
     n_params = len(named)
@@ -59,6 +61,7 @@ def publish_bench(named: list, repeats: int) -> dict:
     # interleaving the variants round by round moved it into the raw copy's timing (measured: raw 2.4 ms
     # after a weights round against 1.0 ms after a raw round).
     try:
+        encode_weights = WeightsEncoder()  # plans on its first call, like the trainer's WeightBoard
         sizes = [memoryview(f).nbytes for f in encode_weights(named, 1)]
         total = sum(sizes)
         blob = bytes(total)

@@ -14,7 +14,7 @@ from alignrl.data.sampler import BatchSampler
 from alignrl.dist import coordinator as coord_mod
 from alignrl.dist.coordinator import Coordinator
 from alignrl.dist.dispatch import Dispatcher
-from alignrl.dist.wire import encode_weights
+from alignrl.dist.weights_wire import encode_weights
 from alignrl.dist.zmq_link import Replier, Requester
 
 pytestmark = pytest.mark.timeout(60)

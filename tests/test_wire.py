@@ -9,8 +9,8 @@ import torch
 import zmq
 
 from alignrl.dist import wire
-from alignrl.dist.wire import (PROTOCOL_VERSION, Message, WireError, check_weights, decode, encode, encode_weights,
-                               manifest_of)
+from alignrl.dist.weights_wire import WeightsEncoder, encode_weights
+from alignrl.dist.wire import PROTOCOL_VERSION, Message, WireError, check_weights, decode, encode, manifest_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,12 +47,15 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
 
 def _rehead(frames: list, drop_frames: int = 0, **changes) -> list:
     header = msgpack.unpackb(frames[0], raw=False)
+    if "tensors" in changes and "layout" in header:  # a weights message carries its entries as one blob
+        changes["layout"] = msgpack.packb(changes.pop("tensors"), use_bin_type=True)
     header.update(changes)
     return [msgpack.packb(header, use_bin_type=True), *frames[1:len(frames) - drop_frames]]
 
 
 def _entries(frames: list) -> list[dict]:
-    return msgpack.unpackb(frames[0], raw=False)["tensors"]
+    header = msgpack.unpackb(frames[0], raw=False)
+    return msgpack.unpackb(header["layout"], raw=False) if "layout" in header else header["tensors"]
 
 
 def test_record_round_trip_all_dtypes():
@@ -219,6 +222,10 @@ def test_malformed_weights():
         (_rehead(frames, tensors=[ea, eb, {**ec, "bucket": 2}]), "out of bounds"),
         (_rehead(frames, tensors=[ea, eb, {**ec, "bucket": 0, "offset": 128}]), "out of bounds"),
         (_rehead(frames, tensors=[ea, eb, {**ec, "bucket": "1"}]), "needs non-negative int 'bucket'"),
+        (_rehead(frames, tensors=[ea, eb, {**ec, "bucket": 2**40}]), "out of bounds"),
+        (_rehead(frames, layout=[ea, eb, ec]), "not a msgpack blob"),
+        (_rehead(frames, layout=b"\xc1"), "weights layout is not msgpack"),
+        (_rehead(frames, layout=msgpack.packb({"a": ea})), "not a list"),
         (_rehead(frames, tensors=[ea, {k: v for k, v in eb.items() if k != "offset"}, ec]), "'offset'"),
         (_rehead(frames, tensors=[ea, ec], buckets=2), "bucket frame 0 holds"),  # b's bytes unaccounted for
         (_rehead(frames, meta={"version": -1}), "version -1"),
@@ -299,3 +306,49 @@ def test_weights_frames_at_odd_addresses_are_realigned():
     msg = decode(odd)
     _assert_same(dict(named), msg.tensors)
     assert all(t.data_ptr() % t.element_size() == 0 for t in msg.tensors.values())
+
+
+def test_an_encoder_plans_once_and_replans_when_the_tensors_change(monkeypatch):
+    enc = WeightsEncoder(bucket_bytes=256)
+    named = [("a", torch.randn(3, 4)), ("b", torch.randn(70)), ("h", torch.randn(5).half())]
+    first = enc(named, 1)
+    plan = enc._plan
+    wire._layout.cache_clear()
+    for v in range(2, 5):  # new values, same names/dtypes/shapes: the plan, the layout and its check are reused
+        named = [(n, t + v) for n, t in named]
+        frames = enc(named, v, meta={"step": v})
+        assert enc._plan is plan and _entries(frames) == _entries(first)
+        msg = decode(frames)
+        assert msg.meta == {"step": v, "version": v, "nbytes": 12 * 4 + 70 * 4 + 5 * 2}
+        _assert_same(dict(named), msg.tensors)
+    assert wire._layout.cache_info().misses == 1 and wire._layout.cache_info().hits == 2
+    for changed in ([("a", torch.randn(4, 3)), *named[1:]], [("a", named[0][1].double()), *named[1:]],
+                    [("z", named[0][1]), *named[1:]], named[:2]):  # shape, dtype, name, count
+        frames = enc(changed, 9)
+        assert enc._plan is not plan
+        plan = enc._plan
+        _assert_same(dict(changed), decode(frames).tensors)
+
+
+def test_an_encoder_reuses_bucket_buffers_only_once_nothing_holds_them():
+    enc = WeightsEncoder(bucket_bytes=256)
+    w = torch.nn.Parameter(torch.zeros(100))  # 400 bytes: two buckets
+
+    def step(version):
+        with torch.no_grad():
+            w.fill_(version)
+        frames = enc([("w", w)], version)
+        return frames, [memoryview(f).obj.ctypes.data for f in frames[1:]]
+
+    v1, first = step(1)
+    v2, second = step(2)  # v1 still held (as the board holds the newest weights): new buffers
+    assert set(second).isdisjoint(first)
+    del v1
+    v3, third = step(3)  # v1's set is free: filled in place, no new memory
+    assert third == first
+    held = decode(v3).tensors["w"]  # a tensor over v3's frames holds them
+    del v3
+    v4, fourth = step(4)  # both sets held (v2's frames, the tensor over v3's): new buffers
+    assert set(fourth).isdisjoint(first + second)
+    assert torch.equal(held, torch.full((100,), 3.0)) and torch.equal(decode(v2).tensors["w"], torch.full((100,), 2.0))
+    assert torch.equal(decode(v4).tensors["w"], torch.full((100,), 4.0))

@@ -10,7 +10,8 @@ import torch
 import zmq
 
 from alignrl.dist import zmq_link
-from alignrl.dist.wire import WireError, decode, encode, encode_weights
+from alignrl.dist.weights_wire import encode_weights
+from alignrl.dist.wire import WireError, decode, encode
 from alignrl.dist.zmq_link import (InsecureBind, PeerTimeout, PortInUse, Puller, Pusher, Replier, Requester, address,
                                    check_bind)
 

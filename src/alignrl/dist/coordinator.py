@@ -28,7 +28,8 @@ from alignrl.data.sampler import BatchSampler
 from alignrl.dist.dispatch import Dispatcher
 from alignrl.dist.env import DistEnv, barrier, broadcast_frames
 from alignrl.dist.records_wire import from_wire
-from alignrl.dist.wire import WireError, decode, encode_weights, manifest_of
+from alignrl.dist.weights_wire import WeightsEncoder
+from alignrl.dist.wire import WireError, decode, manifest_of
 from alignrl.dist.zmq_link import Puller, Replier, token_from_env
 from alignrl.train.actor import Actor
 from alignrl.train.checkpoint import atomic_write_text
@@ -46,7 +47,8 @@ class WeightBoard:
 
     def __init__(self, actor: Actor, env: DistEnv, bucket_bytes: int, token: str, lock: threading.Lock,
                  on_publish, incarnation: str):
-        self.actor, self.env, self.bucket_bytes, self.token, self.lock = actor, env, bucket_bytes, token, lock
+        self.actor, self.env, self.lock = actor, env, lock
+        self.encode = WeightsEncoder(bucket_bytes, token)  # plans the layout once, then refills it
         self.incarnation = incarnation
         self.on_publish = on_publish  # called under the lock with the new version
         self.names = [n for n, _ in actor.model.named_parameters()]
@@ -58,8 +60,7 @@ class WeightBoard:
         t0 = time.perf_counter()
         full = self.actor.engine.full_state_dict()
         if self.env.is_main:
-            frames = encode_weights([(n, full[n]) for n in self.names], version, self.bucket_bytes, self.token,
-                                    meta={"incarnation": self.incarnation})
+            frames = self.encode([(n, full[n]) for n in self.names], version, meta={"incarnation": self.incarnation})
             with self.lock:
                 self.version, self.frames = version, frames
                 self.on_publish(version)

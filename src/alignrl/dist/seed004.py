@@ -169,7 +169,8 @@ def comm_test_main(argv: list[str] | None = None) -> int:
     from alignrl.data import synthetic
     from alignrl.dist.env import SINGLE
     from alignrl.dist.records_wire import KIND, from_wire, seed_rows, to_wire
-    from alignrl.dist.wire import decode, encode_weights
+    from alignrl.dist.weights_wire import encode_weights
+    from alignrl.dist.wire import decode
     from alignrl.dist.zmq_link import Puller, Pusher
     from alignrl.models.loader import load_model
     from alignrl.rollout.hf_engine import HFRolloutEngine

@@ -6,10 +6,12 @@ A message is a list of frames:
                             "tensors": [{"name": str, "dtype": str, "shape": [int, ...], "nbytes": int}, ...]}
     frame 1..  raw tensor bytes in C order
 
-`encode` (records, leases, requests) gives every tensor its own frame, in header order. `encode_weights`
-packs the tensors into buckets instead: the header also holds "buckets": n, each entry holds "bucket" and
-"offset" (a multiple of 64 inside that bucket frame), several small tensors share a frame of up to about
-`bucket_bytes` and a tensor that large travels alone in its frame; n frames follow the header.
+`encode` (records, leases, requests) gives every tensor its own frame, in header order. Weights
+(`alignrl.dist.weights_wire.WeightsEncoder`) are packed into buckets instead: in place of "tensors" the
+header holds "buckets": n and "layout": one msgpack blob of the entries, each with "bucket" and "offset"
+(a multiple of 64 inside that bucket frame); several small tensors share a frame of up to about
+`bucket_bytes`, a tensor that large travels alone in its frame, and n frames follow the header. A publisher
+sends the same layout blob with every update, so `decode` checks it once and remembers it.
 
 Only msgpack scalars, lists and maps are decoded (ext types are refused) and tensors are built with
 `torch.frombuffer` over the received frames, so a message can never run code however it was crafted.
@@ -27,22 +29,21 @@ from __future__ import annotations
 import functools
 import hmac
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import prod
 
 import msgpack
-import numpy as np
 import torch
 import zmq
 
 from alignrl.serve import weights as _weights
 from alignrl.serve.weights import DTYPE_NAMES, DTYPES, TensorSpec, WeightUpdate, manifest_of
 
-__all__ = ["PROTOCOL_VERSION", "WireError", "Message", "encode", "encode_weights", "decode", "check_weights",
+__all__ = ["PROTOCOL_VERSION", "WireError", "Message", "encode", "decode", "check_weights",
            "manifest_of", "TensorSpec", "DTYPES", "DTYPE_NAMES"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a weights header carries its tensor entries as one msgpack blob, "layout"
 TOKEN_ENV = "ALIGNRL_ZMQ_TOKEN"
 ALIGN = 64  # tensor offsets inside a weight bucket: keeps every dtype aligned for frombuffer
 MAX_HEADER = 64 << 20  # a header this large would list about a million tensors: refuse it
@@ -85,7 +86,9 @@ def _pad(n: int) -> int:
     return -n % ALIGN
 
 
-def _header(kind: str, meta: Mapping, token: str, entries: list, **extra) -> bytes:
+def _header(kind: str, meta: Mapping, token: str, **fields) -> bytes:
+    """The msgpack header frame: proto, kind, token, meta and the message's `fields` (tensors, or buckets and
+    layout)."""
     if not isinstance(kind, str) or not 0 < len(kind) <= MAX_KIND:
         raise WireError(f"message kind {kind!r} must be a non-empty string of at most {MAX_KIND} characters")
     if not isinstance(meta, Mapping):
@@ -94,7 +97,7 @@ def _header(kind: str, meta: Mapping, token: str, entries: list, **extra) -> byt
         raise WireError("token must be a string (the value of ALIGNRL_ZMQ_TOKEN, or '' for none)")
     try:
         return msgpack.packb({"proto": PROTOCOL_VERSION, "kind": kind, "token": token, "meta": dict(meta),
-                              "tensors": entries, **extra}, use_bin_type=True)
+                              **fields}, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError(f"meta of a {kind!r} message is not plain msgpack data ({e}): send str/int/float/bool/"
                         "None/bytes/lists/dicts with str keys, and tensors as tensors") from None
@@ -130,82 +133,7 @@ def encode(kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = N
         entries.append(_spec(name, t, seen))
         t = t.detach().cpu().contiguous()
         data.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # the array keeps t alive
-    return [_header(kind, meta, token, entries), *data]
-
-
-def encode_weights(named: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int = 32 << 20,
-                   token: str = "", meta: Mapping | None = None) -> list:
-    """Frames of a "weights" message (meta {"version", "nbytes"} plus `meta`) with the tensors in buckets.
-
-    Every tensor is copied into a bucket this function owns (CPU tensors straight in; tensors on an
-    accelerator are gathered there first, so each bucket is one transfer), so the frames are a snapshot:
-    send them zero-copy to any number of peers and keep training meanwhile. A tensor of at least
-    `bucket_bytes` gets a bucket of its own."""
-    if type(version) is not int or version < 0:
-        raise WireError(f"weights version {version!r} must be a non-negative int")
-    if type(bucket_bytes) is not int or bucket_bytes < ALIGN:
-        raise WireError(f"bucket_bytes {bucket_bytes!r} must be an int of at least {ALIGN}")
-    entries, runs, sizes, seen, closed = [], [], [], set(), True
-    with torch.no_grad():  # flat views of parameters that require grad
-        for name, t in named:
-            e = _spec(name, t, seen)
-            nb = e["nbytes"]
-            entries.append(e)
-            if nb == 0:  # nothing to carry: the entry alone rebuilds it
-                e["bucket"] = e["offset"] = 0
-                continue
-            pad = 0 if closed else -sizes[-1] % ALIGN
-            if closed or sizes[-1] + pad + nb > bucket_bytes:
-                sizes.append(0)
-                runs.append([])
-                pad = 0
-            bucket, at = runs[-1], sizes[-1] + pad
-            e["bucket"], e["offset"] = len(sizes) - 1, at
-            if not bucket or bucket[-1][1] is not t.dtype:  # a run of one dtype starts at an aligned offset
-                bucket.append([at, t.dtype, [], at])  # [start, dtype, parts, end]
-            elif pad:  # zeroed, so no stale process memory goes out on the wire
-                bucket[-1][2].append(_zeros(t.dtype, pad))
-            bucket[-1][2].append(t.view(-1) if t.is_contiguous() else t.reshape(-1))  # a copy only if needed
-            bucket[-1][3] = sizes[-1] = at + nb
-            closed = nb >= bucket_bytes  # a big tensor keeps its frame to itself
-    # One copy per run of same-dtype tensors, in one call: torch.cat writes their values straight into a
-    # typed view of a buffer this function owns (so the frames are a snapshot). Per-tensor work is one
-    # flat view: building a uint8 view of each tensor, or copying tensor by tensor, cost more than the
-    # memcpy itself for the demo model's 50 tensors (3 MiB). The buffers come uninitialised from numpy's
-    # malloc, not torch.empty: torch maps fresh pages for every large allocation, and faulting them in cost
-    # four times the copy itself on each publish (3 MiB: 1.4 vs 0.3 ms).
-    arrays = [np.empty(n, dtype=np.uint8) for n in sizes]
-    with torch.no_grad():
-        for a, bucket_runs in zip(arrays, runs):
-            frame = torch.from_numpy(a)
-            for i, (begin, dtype, parts, used) in enumerate(bucket_runs):
-                gap_end = bucket_runs[i + 1][0] if i + 1 < len(bucket_runs) else used
-                if used < gap_end:  # the alignment gap before the next run (zeroed too)
-                    frame[used:gap_end].zero_()
-                _cat_into(frame[begin:used].view(dtype), parts)
-    total = sum(e["nbytes"] for e in entries)
-    head = _header("weights", {**(meta or {}), "version": version, "nbytes": total}, token, entries,
-                   buckets=len(sizes))
-    return [head, *(memoryview(a) for a in arrays)]
-
-
-@functools.cache
-def _zeros(dtype: torch.dtype, nbytes: int) -> torch.Tensor:
-    """Zero padding of `nbytes` (a multiple of the dtype's size, below ALIGN) in a run of `dtype` tensors."""
-    return torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
-
-
-def _cat_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """Concatenates flat tensors of out's dtype (and the CPU zero pads) into the CPU `out`: directly when
-    all are on the CPU, else on the device of the first accelerator tensor, then one transfer for the
-    whole run (at most `bucket_bytes` of device memory for the gathered copy)."""
-    dev = next((p.device for p in parts if p.device.type != "cpu"), None)
-    if dev is None:
-        torch.cat(parts, out=out)
-    elif len(parts) == 1:  # a tensor alone in its bucket goes straight to the host, no device-side copy
-        out.copy_(parts[0])
-    else:
-        out.copy_(torch.cat([p.to(dev) for p in parts]))
+    return [_header(kind, meta, token, tensors=entries), *data]
 
 
 def _buffer(f: object, i: int) -> memoryview:
@@ -262,7 +190,7 @@ class _Buckets:
     def __init__(self, bufs: list[memoryview]):
         self.bufs, self.flat = bufs, {}
 
-    def view(self, b: int, dtype: torch.dtype, shape: list, offset: int) -> torch.Tensor:
+    def view(self, b: int, dtype: torch.dtype, shape: tuple, strides: tuple, at: int) -> torch.Tensor:
         flat = self.flat.get((b, dtype))
         if flat is None:
             mv = self.bufs[b]
@@ -270,10 +198,9 @@ class _Buckets:
             if flat.data_ptr() % dtype.itemsize:  # libzmq may hand over a frame at an odd address: align it
                 flat = flat.clone()
             self.flat[(b, dtype)] = flat
-        return flat.as_strided(shape, _strides(tuple(shape)), offset // dtype.itemsize)
+        return flat.as_strided(shape, strides, at)
 
 
-@functools.lru_cache(maxsize=4096)
 def _strides(shape: tuple) -> tuple:
     strides, step = [], 1
     for d in reversed(shape):
@@ -317,47 +244,98 @@ def decode(frames: Sequence, token: str = "") -> Message:
         if not isinstance(sent, str) or not hmac.compare_digest(sent.encode(), token.encode()):
             raise WireError(f"peer did not present the shared token ({TOKEN_ENV}): set the same "
                             f"{TOKEN_ENV} for every sampler and trainer process")
-    kind, meta, entries = header.get("kind"), header.get("meta"), header.get("tensors")
+    kind, meta = header.get("kind"), header.get("meta")
     if not isinstance(kind, str) or not 0 < len(kind) <= MAX_KIND:
         raise WireError(f"header kind {kind!r} is not a non-empty string of at most {MAX_KIND} characters")
     if not isinstance(meta, dict):
         raise WireError(f"header meta of a {kind!r} message is not a map")
-    if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
-        raise WireError(f"header 'tensors' of a {kind!r} message is not a list of at most {MAX_TENSORS} entries")
-    packed = "buckets" in header
-    nframes = header["buckets"] if packed else len(entries)
-    if not _int(nframes) or len(frames) != 1 + nframes:
-        raise WireError(f"{kind!r} message has {len(frames)} frames but its header announces 1 + {nframes!r}: "
-                        "truncated, or not built by encode()/encode_weights()")
-    bufs = [_buffer(f, i) for i, f in enumerate(frames[1:], 1)]
-    tensors: dict[str, torch.Tensor] = {}
-    ends = [0] * len(bufs)  # packed: bytes of each bucket used so far
-    buckets = _Buckets(bufs)
-    last = 0  # packed: entries come in (bucket, offset) order, so no byte is read twice
-    for i, e in enumerate(entries):
-        name, dtype, shape, nb = _entry(e, i, packed)
-        if name in tensors:
-            raise WireError(f"tensor {name!r} appears twice in a {kind!r} message")
-        if not packed:
-            if bufs[i].nbytes != nb:
-                raise WireError(f"tensor {name!r}: frame {i + 1} holds {bufs[i].nbytes} bytes but {e['dtype']} "
-                                f"of shape {shape} needs {nb}")
-            tensors[name] = _view(bufs[i], dtype, shape, 0, nb)
-            continue
-        b, off = e["bucket"], e["offset"]
-        if nb:
-            if b >= len(bufs) or b < last or off % ALIGN or off < ends[b] or off + nb > bufs[b].nbytes:
-                raise WireError(f"tensor {name!r}: bucket {b} offset {off} (+{nb} bytes) is out of order, "
-                                f"misaligned or out of bounds of the {len(bufs)} bucket frame(s)")
-            last, ends[b] = b, off + nb
-        tensors[name] = buckets.view(b, dtype, shape, off) if nb else torch.empty(shape, dtype=dtype)
-    for b, buf in enumerate(bufs if packed else ()):
-        if ends[b] != buf.nbytes or not ends[b]:
-            raise WireError(f"weights bucket frame {b} holds {buf.nbytes} bytes but its tensors end at byte "
-                            f"{ends[b]}: send exactly what encode_weights() builds")
+    if "layout" in header:
+        tensors = _bucketed(kind, header["layout"], header.get("buckets"), frames)
+    else:
+        tensors = _framed(kind, header.get("tensors"), frames)
     if kind == "weights" and not _int(meta.get("version")):
         raise WireError(f"weights message has version {meta.get('version')!r}, not a non-negative int")
     return Message(kind, meta, tensors)
+
+
+def _announced(kind: str, frames: Sequence, n: object) -> list[memoryview]:
+    if not _int(n) or len(frames) != 1 + n:
+        raise WireError(f"{kind!r} message has {len(frames)} frames but its header announces 1 + {n!r}: "
+                        "truncated, or not built by encode()/WeightsEncoder")
+    return [_buffer(f, i) for i, f in enumerate(frames[1:], 1)]
+
+
+def _framed(kind: str, entries: object, frames: Sequence) -> dict[str, torch.Tensor]:
+    """The tensors of a message with one frame per tensor (encode)."""
+    if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
+        raise WireError(f"header 'tensors' of a {kind!r} message is not a list of at most {MAX_TENSORS} entries")
+    bufs = _announced(kind, frames, len(entries))
+    tensors: dict[str, torch.Tensor] = {}
+    for i, e in enumerate(entries):
+        name, dtype, shape, nb = _entry(e, i, False)
+        if name in tensors:
+            raise WireError(f"tensor {name!r} appears twice in a {kind!r} message")
+        if bufs[i].nbytes != nb:
+            raise WireError(f"tensor {name!r}: frame {i + 1} holds {bufs[i].nbytes} bytes but {e['dtype']} "
+                            f"of shape {shape} needs {nb}")
+        tensors[name] = _view(bufs[i], dtype, shape, 0, nb)
+    return tensors
+
+
+def _bucketed(kind: str, layout: object, n: object, frames: Sequence) -> dict[str, torch.Tensor]:
+    """The tensors of a weights message: views into its bucket frames where the layout blob puts them."""
+    if not isinstance(layout, bytes):
+        raise WireError(f"header 'layout' of a {kind!r} message is not a msgpack blob of tensor entries")
+    entries, ends = _layout(layout)
+    bufs = _announced(kind, frames, n)
+    if len(ends) > len(bufs):
+        raise WireError(f"weights layout puts tensors in bucket {len(ends) - 1}, out of bounds of the {len(bufs)} "
+                        "bucket frame(s)")
+    for b, buf in enumerate(bufs):
+        end = ends[b] if b < len(ends) else 0
+        if end > buf.nbytes:
+            raise WireError(f"weights bucket frame {b} holds {buf.nbytes} bytes but its tensors run out of bounds to "
+                            f"byte {end}: truncated, or not built by WeightsEncoder")
+        if end != buf.nbytes or not end:
+            raise WireError(f"weights bucket frame {b} holds {buf.nbytes} bytes but its tensors end at byte "
+                            f"{end}: send exactly what WeightsEncoder builds")
+    buckets = _Buckets(bufs)
+    return {name: buckets.view(b, dtype, shape, strides, at) if nb else torch.empty(shape, dtype=dtype)
+            for name, dtype, shape, strides, b, at, nb in entries}
+
+
+@functools.lru_cache(maxsize=16)
+def _layout(raw: bytes) -> tuple[tuple, tuple]:
+    """The checked entries of a weights layout, as (name, dtype, shape, strides, bucket, offset in elements,
+    nbytes), and the bytes each bucket frame must hold. Cached: a publisher sends the same blob with every
+    update (WeightsEncoder), so a sampler checks it once; for the demo model's 50 tensors the checks and the
+    parse cost a third of decoding. A blob that fails raises every time (errors are not cached)."""
+    try:
+        entries = msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
+                                  max_bin_len=MAX_HEADER, max_str_len=MAX_HEADER)
+    except WireError:
+        raise
+    except Exception as e:
+        raise WireError(f"weights layout is not msgpack ({type(e).__name__}): send what WeightsEncoder "
+                        "builds") from None
+    if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
+        raise WireError(f"weights layout is not a list of at most {MAX_TENSORS} tensor entries")
+    out, ends, seen = [], [], set()
+    for i, e in enumerate(entries):
+        name, dtype, shape, nb = _entry(e, i, True)
+        if name in seen:
+            raise WireError(f"tensor {name!r} appears twice in a 'weights' message")
+        seen.add(name)
+        b, off = e["bucket"], e["offset"]
+        if nb:  # entries come in (bucket, offset) order, so no byte is read twice
+            if b >= MAX_FRAMES or b < len(ends) - 1 or off % ALIGN or (b < len(ends) and off < ends[b]):
+                raise WireError(f"tensor {name!r}: bucket {b} offset {off} (+{nb} bytes) is out of order, "
+                                "misaligned or out of bounds of the bucket frames")
+            ends += [0] * (b + 1 - len(ends))
+            ends[b] = off + nb
+        shape = tuple(shape)
+        out.append((name, dtype, shape, _strides(shape), b, off // dtype.itemsize, nb))
+    return tuple(out), tuple(ends)
 
 
 def check_weights(msg: Message, manifest: Mapping[str, TensorSpec]) -> None:

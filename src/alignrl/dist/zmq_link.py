@@ -299,8 +299,8 @@ class Replier(_Socket):
             raise
 
     def reply(self, peer: bytes, frames: list) -> bool:
-        """Sends frames from encode()/encode_weights() (built with this Replier's token) to `peer`, without
-        copying frames of 64 KiB or more: frames of encode_weights() are a snapshot and may be sent to many
+        """Sends frames from encode()/WeightsEncoder (built with this Replier's token) to `peer`, without
+        copying frames of 64 KiB or more: frames of WeightsEncoder are a snapshot and may be sent to many
         peers; tensors given to encode() must not change in place afterwards (or use reply_msg).
         Returns False, dropping the reply, if the peer is gone or its queue is full."""
         return self._send_reply(peer, frames, copy=False)
