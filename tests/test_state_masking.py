@@ -218,5 +218,7 @@ def test_masks_survive_dynamic_sampling_and_the_wire(tiny_model):
     batch = ScoredBatch(ro, Scores(torch.zeros(3), torch.zeros(3, dtype=torch.bool)), ro.loss_mask.clone(), None,
                         torch.tensor([4, 4, 9]))
     meta, tensors = to_wire(batch, tiny_model[1])
+    tok = tiny_model[1]
+    assert meta["prefix"] == [tok.decode(ro.prompt_ids[i][ro.prompt_mask[i]]) for i in range(3)]  # one per row
     back = from_wire(Message("scored_batch", meta, tensors))
     assert torch.equal(back.rollout.loss_mask, ro.loss_mask) and torch.equal(back.loss_mask, batch.loss_mask)

@@ -44,7 +44,11 @@ def to_wire(batch: ScoredBatch, tokenizer, **meta) -> tuple[dict, dict[str, torc
         if t is not None:
             tensors[name] = t
     pad = tokenizer.pad_token_id
-    texts = {"prefix": [tokenizer.decode(ro.prompt_ids[i][ro.prompt_mask[i]]) for i in range(len(ro.group))],
+    prefix: dict[int, str] = {}  # a group's rows share their prompt: decode it once
+    for i, g in enumerate(ro.group.tolist()):
+        if g not in prefix:
+            prefix[g] = tokenizer.decode(ro.prompt_ids[i][ro.prompt_mask[i]])
+    texts = {"prefix": [prefix[g] for g in ro.group.tolist()],
              "text": tokenizer.batch_decode(ro.response_ids.masked_fill(~ro.response_mask, pad),
                                             skip_special_tokens=True)}
     return {"version": batch.version, "sampler_id": batch.sampler_id, "metrics": batch.metrics, **texts,
