@@ -11,7 +11,10 @@ Workload: every configuration trains the same model (`--model`, default the embe
 seed, data, learning rate and loss, with intermediate evaluation and intermediate checkpoints off, and
 `actor.share_prompt` and `actor.use_remove_padding` as in the demo recipe (`--no-share-prompt`, `--no-remove-padding`
 turn them off).
-Configurations, one after another, each a fresh trainer process (plus sampler processes):
+Configurations, one after another, each a fresh trainer process (plus sampler processes), and all of them
+again for each of `--rounds` rounds (default 3): this machine's speed drifts by a quarter between minutes,
+so each configuration's median round is what the table reports, beside every round's samples/s and the
+k=1 / in-process ratio of each round:
 
     in-process            `alignrl train grpo`, trainer.threads=2 (generation and training share 2 cores)
     in-process 1 thread   the same with trainer.threads=1: gives the ceiling below
@@ -148,9 +151,9 @@ def overrides(args, model_dir: Path, out: Path, name: str) -> list[str]:
             f"trainer.output_dir={out}", f"trainer.experiment_name={name}"]
 
 
-def run_case(case: Case, args, model_dir: Path, root: Path) -> Result:
+def run_case(case: Case, args, model_dir: Path, root: Path, round_no: int = 1) -> Result:
     res = Result(case)
-    slug = case.name.replace(" ", "_").replace("=", "").replace("x2_", "x2")
+    slug = case.name.replace(" ", "_").replace("=", "").replace("x2_", "x2") + f"_r{round_no}"
     out = root / "runs"
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -214,6 +217,15 @@ def run_case(case: Case, args, model_dir: Path, root: Path) -> Result:
     return res
 
 
+def median_run(rs: list[Result]) -> Result:
+    """The round with the median samples/s (the lower middle one of an even count), or a failed one if any
+    round failed: a failure is never hidden behind the others."""
+    failed = [r for r in rs if not r.ok]
+    if failed:
+        return failed[0]
+    return sorted(rs, key=lambda r: r.samples_per_s)[(len(rs) - 1) // 2]
+
+
 def mean_of(rows: list[dict], key: str) -> float | None:
     vals = [r[key] for r in rows if key in r]
     return sum(vals) / len(vals) if vals else None
@@ -239,14 +251,18 @@ def main() -> int:
     ap.add_argument("--publish-repeats", type=int, default=60, help="rounds per variant (medians)")
     ap.add_argument("--publish-mib", type=int, default=256, help="size of the synthetic weight set (0: skip it)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a configuration may take")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="runs of every configuration, interleaved; each one's median round is reported")
     ap.add_argument("--only", action="append", choices=[c.name for c in CASES], help="run only these (repeatable)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder (runs and child logs)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 4 steps, 4 prompts x 4, <= 16 tokens")
     args = ap.parse_args()
     if args.quick:
-        args.steps, args.prompts, args.n, args.max_new_tokens = 4, 4, 4, 16
+        args.steps, args.prompts, args.n, args.max_new_tokens, args.rounds = 4, 4, 4, 16, 1
         args.val, args.publish_repeats = min(args.val, 16), min(args.publish_repeats, 5)
     args.mini_batch = args.mini_batch or args.prompts
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.steps < 2:
         ap.error("--steps must be at least 2 (step 1 is warm-up)")
     if args.prompts % args.mini_batch:
@@ -265,13 +281,14 @@ def main() -> int:
     print("samples/s = sequences trained / sum of the trainer's timing/step over steps 2..S (step 1 = warm-up)")
 
     root = Path(tempfile.mkdtemp(prefix="alignrl-async-bench-"))
-    results: list[Result] = []
+    runs: dict[str, list[Result]] = {}
     try:
-        for case in CASES:
-            if args.only and case.name not in args.only:
-                continue
-            print(f"running {case.name} ...", flush=True)
-            results.append(run_case(case, args, model_dir, root))
+        for round_no in range(1, args.rounds + 1):  # rounds interleave the configurations: drift hits them all
+            for case in CASES:
+                if args.only and case.name not in args.only:
+                    continue
+                print(f"running {case.name} (round {round_no}/{args.rounds}) ...", flush=True)
+                runs.setdefault(case.name, []).append(run_case(case, args, model_dir, root, round_no))
         pubs = []
         for label, weights in (("demo model", lambda: demo_weights(model_dir)),
                                (f"{args.publish_mib} MiB synthetic", lambda: synthetic_weights(args.publish_mib))):
@@ -287,8 +304,20 @@ def main() -> int:
         else:
             shutil.rmtree(root, ignore_errors=True)
 
+    results = [median_run(rs) for rs in runs.values()]
     base = next((r for r in results if r.case.name == "in-process" and r.ok), None)
     print()
+    if args.rounds > 1:
+        print("samples/s of each round (the table below shows each configuration's median round):")
+        for name, rs in runs.items():
+            print(f"  {name:<21} " + "  ".join(f"{r.samples_per_s:7.2f}" if r.ok else "FAILED" for r in rs))
+        ins = runs.get("in-process", [])
+        for name in ("zmq k=1",):
+            if name in runs and ins:
+                paired = [f"{r.samples_per_s / b.samples_per_s:.2f}x" if r.ok and b.ok else "-"
+                          for r, b in zip(runs[name], ins)]
+                print(f"  {name} / in-process of the same round: {'  '.join(paired)}")
+        print()
     head = (f"{'config':<21} {'samples/s':>9} {'vs in-proc':>10} {'s/step':>7} {'gen s':>6} {'train s':>7} "
             f"{'wait s':>7} {'stale':>5} {'publish ms':>10} {'proc wall s':>11}")
     print(head)
