@@ -244,8 +244,9 @@ class Coordinator:
             self.replier.reply_msg(peer, "error", {"message": f"unknown request {msg.kind!r}"})
             return
         self.parked.pop(peer, None)  # a sampler asking again replaces its parked request
-        if not self._work(peer, meta, time.monotonic()):
-            self.parked[peer] = (meta, time.monotonic())
+        now = time.monotonic()
+        if not self._work(peer, meta, now):
+            self.parked[peer] = (meta, now)
 
     def _work(self, peer: bytes, meta: dict, since: float) -> bool:
         """Answers a work request if it can: "done", the newest weights, or a lease. While the staleness

@@ -81,7 +81,7 @@ class _Plan:
         entries, seen, closed = [], set(), True
         self.keys = []  # (name, dtype, shape) of each tensor: what a later call must match
         self.sizes: list[int] = []  # bytes of each bucket
-        self.runs: list[list[list]] = []  # per bucket: [start, dtype, items, end]; items: tensor index or pad
+        self.runs: list[list] = []  # per bucket: (start, end, zeroed gap end, dtype, items); items: index or pad
         for i, (name, t) in enumerate(named):
             e = _spec(name, t, seen)
             nb = e["nbytes"]
@@ -104,6 +104,9 @@ class _Plan:
             bucket[-1][2].append(i)
             bucket[-1][3] = self.sizes[-1] = at + nb
             closed = nb >= bucket_bytes  # a big tensor keeps its frame to itself
+        # each run's end, and where the alignment gap after it ends (the next run's start), fixed from now on
+        self.runs = [[(begin, used, nxt[0] if nxt else used, dtype, items)
+                      for (begin, dtype, items, used), nxt in zip(runs, [*runs[1:], None])] for runs in self.runs]
         self.nbytes = sum(e["nbytes"] for e in entries)
         self.layout = msgpack.packb(entries, use_bin_type=True)
 
@@ -124,8 +127,7 @@ class _Plan:
         with torch.no_grad():  # flat views of parameters that require grad
             for a, runs in zip(arrays, self.runs):
                 frame = torch.from_numpy(a)
-                for j, (begin, dtype, items, used) in enumerate(runs):
-                    gap_end = runs[j + 1][0] if j + 1 < len(runs) else used
+                for begin, used, gap_end, dtype, items in runs:
                     if used < gap_end:  # the alignment gap before the next run (zeroed too)
                         frame[used:gap_end].zero_()
                     parts = [x if isinstance(x, torch.Tensor) else _flat(named[x][1]) for x in items]

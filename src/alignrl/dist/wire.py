@@ -82,10 +82,6 @@ class Message:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def _pad(n: int) -> int:
-    return -n % ALIGN
-
-
 def _header(kind: str, meta: Mapping, token: str, **fields) -> bytes:
     """The msgpack header frame: proto, kind, token, meta and the message's `fields` (tensors, or buckets and
     layout)."""
@@ -173,24 +169,17 @@ def _entry(e: object, i: int, packed: bool) -> tuple[str, torch.dtype, list, int
     return name, dt, shape, need
 
 
-def _view(mv: memoryview, dtype: torch.dtype, shape: list, offset: int, nbytes: int) -> torch.Tensor:
-    if not nbytes:
-        return torch.empty(shape, dtype=dtype)
-    t = torch.frombuffer(mv, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
-    if t.data_ptr() % dtype.itemsize:  # libzmq may hand over a frame at an odd address: align it (a copy)
-        t = t.clone()
-    return t.view(shape)
-
-
-class _Buckets:
-    """Tensors over the bucket frames of a weights message: one typed flat tensor per (bucket, dtype),
-    made on first use, and one as_strided view of it per tensor. A frombuffer per tensor cost twice as
-    much as the views themselves, for a model's many small tensors."""
+class _Frames:
+    """Tensors over received frames: one typed flat tensor per (frame, dtype), made on first use, and one
+    as_strided view of it per tensor. For a weights bucket holding many small tensors, a frombuffer per
+    tensor cost twice as much as the views themselves."""
 
     def __init__(self, bufs: list[memoryview]):
         self.bufs, self.flat = bufs, {}
 
-    def view(self, b: int, dtype: torch.dtype, shape: tuple, strides: tuple, at: int) -> torch.Tensor:
+    def view(self, b: int, dtype: torch.dtype, shape: tuple, strides: tuple, at: int, nbytes: int) -> torch.Tensor:
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)
         flat = self.flat.get((b, dtype))
         if flat is None:
             mv = self.bufs[b]
@@ -270,6 +259,7 @@ def _framed(kind: str, entries: object, frames: Sequence) -> dict[str, torch.Ten
     if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
         raise WireError(f"header 'tensors' of a {kind!r} message is not a list of at most {MAX_TENSORS} entries")
     bufs = _announced(kind, frames, len(entries))
+    views = _Frames(bufs)
     tensors: dict[str, torch.Tensor] = {}
     for i, e in enumerate(entries):
         name, dtype, shape, nb = _entry(e, i, False)
@@ -278,7 +268,8 @@ def _framed(kind: str, entries: object, frames: Sequence) -> dict[str, torch.Ten
         if bufs[i].nbytes != nb:
             raise WireError(f"tensor {name!r}: frame {i + 1} holds {bufs[i].nbytes} bytes but {e['dtype']} "
                             f"of shape {shape} needs {nb}")
-        tensors[name] = _view(bufs[i], dtype, shape, 0, nb)
+        shape = tuple(shape)
+        tensors[name] = views.view(i, dtype, shape, _strides(shape), 0, nb)
     return tensors
 
 
@@ -299,9 +290,8 @@ def _bucketed(kind: str, layout: object, n: object, frames: Sequence) -> dict[st
         if end != buf.nbytes or not end:
             raise WireError(f"weights bucket frame {b} holds {buf.nbytes} bytes but its tensors end at byte "
                             f"{end}: send exactly what WeightsEncoder builds")
-    buckets = _Buckets(bufs)
-    return {name: buckets.view(b, dtype, shape, strides, at) if nb else torch.empty(shape, dtype=dtype)
-            for name, dtype, shape, strides, b, at, nb in entries}
+    buckets = _Frames(bufs)
+    return {name: buckets.view(b, dtype, shape, strides, at, nb) for name, dtype, shape, strides, b, at, nb in entries}
 
 
 @functools.lru_cache(maxsize=16)

@@ -58,10 +58,12 @@ class Packing:
     targets: torch.Tensor  # (T,) those response tokens
     where: torch.Tensor  # (B, R) bool: the attended response positions, in the order of `keep`
     calls: list[int] = field(default_factory=lambda: [0])  # attention layers that took the packed path
+    # every bucket's slots in one index, so that a layer gathers queries (and keys, values) with one
+    # index_select each, and its backward zero-fills and accumulates one gradient instead of one per bucket
+    q_all: torch.Tensor = field(init=False)
+    k_all: torch.Tensor = field(init=False)
 
     def __post_init__(self):
-        # every bucket's slots in one index, so that a layer gathers queries (and keys, values) with one
-        # index_select each, and its backward zero-fills and accumulates one gradient instead of one per bucket
         self.q_all = torch.cat([b.q_index.reshape(-1) for b in self.buckets])
         self.k_all = torch.cat([b.k_index.reshape(-1) for b in self.buckets])
 
