@@ -215,7 +215,8 @@ def test_seed_workers_as_written(tiny_model_dir, tmp_path):
 def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
     """A sampler with another model is refused in one line; garbage and a peer of another protocol version
     on the data port are counted and skipped; a sampler pointed at a port with no trainer stops in one line;
-    the run then completes with a good sampler."""
+    the run then completes with a good sampler, which loads the model in fp32 and takes the trainer's
+    bf16 from the hello reply (a dtype is a run setting, not another model)."""
     import msgpack
     import zmq
 
@@ -227,7 +228,7 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
                              log=lambda *_: None)
     ports = free_ports(3)
     trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "bad", 2, ports, "pipeline.placement=zmq",
-                                                 "pipeline.peer_timeout_s=120"))
+                                                 "pipeline.peer_timeout_s=120", "model.dtype=bfloat16"))
     procs = [trainer]
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
@@ -258,3 +259,4 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
     last = [json.loads(x) for x in (tmp_path / "bad" / "logs" / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["pipeline/malformed"] == 2.0
     assert len(trained_rows(tmp_path / "bad")) == 2
+    assert {v.dtype for v in weights(tmp_path / "bad", 2).values()} == {torch.bfloat16}

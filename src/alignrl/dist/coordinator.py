@@ -280,9 +280,9 @@ class Coordinator:
             extra, missing = sorted(theirs.keys() - mine.keys()), sorted(mine.keys() - theirs.keys())
             return (f"the sampler's model has other parameters than the trainer's ({len(missing)} missing, e.g. "
                     f"{(missing or extra)[0]!r}): start it with the trainer's --model-path")
-        for k, v in mine.items():
-            if theirs[k] != v:
-                return (f"the sampler's model differs from the trainer's at {k!r} (shape/dtype {theirs[k]} vs {v}): "
+        for k, v in mine.items():  # shapes only: the sampler takes the trainer's model.dtype from the hello reply
+            if theirs[k][0] != v[0]:
+                return (f"the sampler's model differs from the trainer's at {k!r} (shape {theirs[k][0]} vs {v[0]}): "
                         "start it with the trainer's --model-path")
         return None
 

@@ -27,7 +27,7 @@ from alignrl.dist.launch import OneLineParser
 from alignrl.dist.records_wire import KIND, to_wire
 from alignrl.dist.wire import WireError, check_weights, manifest_of
 from alignrl.dist.zmq_link import PeerTimeout, Pusher, Requester, address, token_from_env
-from alignrl.models.loader import ModelError, load_model
+from alignrl.models.loader import DTYPES, ModelError, load_model
 from alignrl.rollout.hf_engine import HFRolloutEngine
 from alignrl.utils.tracking import console
 
@@ -91,6 +91,10 @@ class Sampler:
 
     def run(self) -> int:
         cfg = self.hello()
+        dtype = DTYPES[cfg.model.dtype]
+        if next(self.model.parameters()).dtype != dtype:  # the trainer's weights arrive in its model.dtype
+            self.model.to(dtype)
+            self.manifest = manifest_of(self.model.named_parameters())
         train, _ = load_task_data(cfg)
         rows = PromptData(self.tokenizer, train, cfg.data.max_prompt_length)
         engine = with_tools(cfg, HFRolloutEngine(self.model, self.tokenizer), self.tokenizer)
