@@ -238,7 +238,9 @@ class Coordinator:
             if problem:
                 self.replier.reply_msg(peer, "error", {"message": problem})
             else:
-                self.replier.reply_msg(peer, "welcome", {"config": self.config_yaml, "incarnation": self.incarnation})
+                dtypes = {k: v[1] for k, v in self.board.manifest.items()}  # what the sampler holds them in
+                self.replier.reply_msg(peer, "welcome", {"config": self.config_yaml, "incarnation": self.incarnation,
+                                                         "dtypes": dtypes})
             return
         if msg.kind != "work":
             self.replier.reply_msg(peer, "error", {"message": f"unknown request {msg.kind!r}"})
@@ -280,7 +282,7 @@ class Coordinator:
             extra, missing = sorted(theirs.keys() - mine.keys()), sorted(mine.keys() - theirs.keys())
             return (f"the sampler's model has other parameters than the trainer's ({len(missing)} missing, e.g. "
                     f"{(missing or extra)[0]!r}): start it with the trainer's --model-path")
-        for k, v in mine.items():  # shapes only: the sampler takes the trainer's model.dtype from the hello reply
+        for k, v in mine.items():  # shapes only: the welcome tells the sampler the trainer's dtypes
             if theirs[k][0] != v[0]:
                 return (f"the sampler's model differs from the trainer's at {k!r} (shape {theirs[k][0]} vs {v[0]}): "
                         "start it with the trainer's --model-path")

@@ -25,9 +25,9 @@ from alignrl.dist.coordinator import PipelineError
 from alignrl.dist.env import SINGLE
 from alignrl.dist.launch import OneLineParser
 from alignrl.dist.records_wire import KIND, to_wire
-from alignrl.dist.wire import WireError, check_weights, manifest_of
+from alignrl.dist.wire import DTYPE_NAMES, DTYPES, WireError, check_weights, manifest_of
 from alignrl.dist.zmq_link import PeerTimeout, Pusher, Requester, address, token_from_env
-from alignrl.models.loader import DTYPES, ModelError, load_model
+from alignrl.models.loader import ModelError, load_model
 from alignrl.rollout.hf_engine import HFRolloutEngine
 from alignrl.utils.tracking import console
 
@@ -81,6 +81,8 @@ class Sampler:
         reply = self.ask("hello", {"sampler_id": self.id, "manifest": manifest})
         if reply.kind == "error":
             raise PipelineError(f"trainer refused this sampler: {reply.meta.get('message')}")
+        dtypes = reply.meta.get("dtypes")
+        self.take_dtypes(dtypes if isinstance(dtypes, dict) else {})
         overrides = [f"model.path={self.args.model_path}"]
         if self.args.data_path:
             overrides.append(f"data.train_files={self.args.data_path}")
@@ -89,12 +91,25 @@ class Sampler:
             f.flush()
             return load_config(f.name, overrides)
 
+    def take_dtypes(self, dtypes: dict) -> None:
+        """Holds each parameter in the dtype the trainer publishes it in (its model.dtype, or bf16 under
+        DeepSpeed's bf16 mode), so weights load without a cast and the sampler's forwards match the trainer's.
+        Parameters only: buffers such as rotary frequencies stay as loaded, as they do in the trainer."""
+        changed = False
+        for name, p in self.model.named_parameters():
+            dt = dtypes.get(name, DTYPE_NAMES[p.dtype])
+            want = DTYPES.get(dt) if isinstance(dt, str) else None
+            if want is None:
+                raise PipelineError(f"the trainer publishes {name!r} as {dt!r}, a dtype this sampler "
+                                    "does not know: run the same alignrl version on both sides")
+            if p.dtype != want:
+                p.data = p.data.to(want)
+                changed = True
+        if changed:
+            self.manifest = manifest_of(self.model.named_parameters())
+
     def run(self) -> int:
         cfg = self.hello()
-        dtype = DTYPES[cfg.model.dtype]
-        if next(self.model.parameters()).dtype != dtype:  # the trainer's weights arrive in its model.dtype
-            self.model.to(dtype)
-            self.manifest = manifest_of(self.model.named_parameters())
         train, _ = load_task_data(cfg)
         rows = PromptData(self.tokenizer, train, cfg.data.max_prompt_length)
         engine = with_tools(cfg, HFRolloutEngine(self.model, self.tokenizer), self.tokenizer)

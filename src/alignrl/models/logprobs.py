@@ -20,6 +20,7 @@ import torch
 from alignrl.core.entropy import entropy_from_logits
 from alignrl.data.collate import position_ids, prompt_groups
 from alignrl.models.folder import ModelError
+from alignrl.models.kv_cache import cache_arg, returned_cache
 from alignrl.models.packing import pack, packed_forward, unpack
 
 
@@ -69,14 +70,14 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response
     head = model(input_ids=prompt_ids[first], attention_mask=pm, position_ids=position_ids(pm), use_cache=True,
                  logits_to_keep=1)
     first_token = head.logits[inverse, -1:]  # (B, 1, V): the prompt's last position predicts response token 0
-    cache = getattr(head, "past_key_values", None)
+    cache = returned_cache(head)
     if not hasattr(cache, "batch_select_indices"):
         raise ModelError(f"actor.share_prompt needs a model that returns its keys/values as a transformers Cache "
                          f"(this one returned {type(cache).__name__}): set actor.share_prompt=false")
     cache.batch_select_indices(inverse)  # differentiable indexing: gradients of all rows sum into the prompt
     mask = torch.cat([prompt_mask, response_mask], 1).long()
     tail = model(input_ids=response_ids, attention_mask=mask, position_ids=position_ids(mask)[:, pm.shape[1]:],
-                 past_key_values=cache, use_cache=False)
+                 **cache_arg(model, cache), use_cache=False)
     return torch.cat([first_token, tail.logits[:, :-1]], 1)
 
 

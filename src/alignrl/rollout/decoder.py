@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from alignrl.data.collate import position_ids
+from alignrl.models.kv_cache import cache_arg
 
 _FAMILY = ("qwen2", "llama")  # Mistral is left out: its default config slides the attention window
 
@@ -76,8 +77,8 @@ class KVDecoder:
         b = prompt_ids.shape[0] * repeats
         self.slot = p  # the cache column the next token's K/V go into (the same for every row)
         cache = DynamicCache()
-        out = model(input_ids=prompt_ids, attention_mask=prompt_mask.long(), position_ids=position_ids(prompt_mask), past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask.long(), position_ids=position_ids(prompt_mask),
+                    use_cache=True, logits_to_keep=1, **cache_arg(model, cache))
         self.logits = out.logits[:, -1].repeat_interleave(repeats, 0)
         total = p + max_new_tokens
         self.k, self.v = [], []

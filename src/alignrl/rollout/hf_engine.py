@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from alignrl.data.collate import left_pad, position_ids
 from alignrl.data.records import Rollout
 from alignrl.interfaces import SamplingParams
+from alignrl.models.kv_cache import cache_arg
 from alignrl.rollout.decoder import KVDecoder
 
 
@@ -155,7 +156,7 @@ class _HFStepper:
     def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int = 1):
         self.model, self.cache = model, DynamicCache()
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask.long(), position_ids=position_ids(prompt_mask),
-                    past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                    **cache_arg(model, self.cache), use_cache=True, logits_to_keep=1)
         self.cache.batch_repeat_interleave(repeats)
         self.logits = out.logits[:, -1].repeat_interleave(repeats, 0)
         self.attn = prompt_mask.long().repeat_interleave(repeats, 0)
@@ -168,6 +169,6 @@ class _HFStepper:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         self.attn = torch.cat([self.attn, torch.ones_like(self.attn[:, :1])], 1)
         out = self.model(input_ids=tokens[:, None], attention_mask=self.attn, position_ids=self.next_pos[:, None],
-                         past_key_values=self.cache, use_cache=True)
+                         **cache_arg(self.model, self.cache), use_cache=True)
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1]
