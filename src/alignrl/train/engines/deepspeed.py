@@ -72,6 +72,11 @@ def _ensure_comm(env: DistEnv) -> None:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
+    if env.device.type == "cpu":
+        # On its first CPU init DeepSpeed compiles a shared-memory all-reduce (40-60 s on 2 cores, once per
+        # torch_extensions cache) that only its inference all-reduce uses; training's collectives go through the
+        # gloo group. DeepSpeed keeps its op table in one dict so that edits to it hold (deepspeed/ops/__init__.py).
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo", verbose=False)
 
 
