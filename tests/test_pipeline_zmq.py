@@ -215,8 +215,9 @@ def test_seed_workers_as_written(tiny_model_dir, tmp_path):
 def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
     """A sampler with another model is refused in one line; garbage and a peer of another protocol version
     on the data port are counted and skipped; a sampler pointed at a port with no trainer stops in one line;
-    the run then completes with a good sampler, which loads the model in fp32 and takes the trainer's
-    bf16 from the hello reply (a dtype is a run setting, not another model)."""
+    the run then completes with a good sampler. The trainer is DeepSpeed in bf16 mode under model.dtype=float32,
+    so it publishes bf16 weights: the sampler loads the model in fp32 and takes the trainer's dtypes from its
+    welcome (a dtype is a run setting, not another model)."""
     import msgpack
     import zmq
 
@@ -227,8 +228,11 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
                                                            num_key_value_heads=1, tokenizer_corpus=500, sft_steps=0),
                              log=lambda *_: None)
     ports = free_ports(3)
+    ds = tmp_path / "deepspeed.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
     trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "bad", 2, ports, "pipeline.placement=zmq",
-                                                 "pipeline.peer_timeout_s=120", "model.dtype=bfloat16"))
+                                                 "pipeline.peer_timeout_s=120", "trainer.strategy=deepspeed",
+                                                 f"trainer.deepspeed_config={ds}"))
     procs = [trainer]
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
@@ -260,3 +264,15 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
     assert last["pipeline/malformed"] == 2.0
     assert len(trained_rows(tmp_path / "bad")) == 2
     assert {v.dtype for v in weights(tmp_path / "bad", 2).values()} == {torch.bfloat16}
+
+
+@pytest.mark.timeout(200)
+def test_a_trainer_without_samplers_stops_in_one_line(tiny_model_dir, tmp_path):
+    trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "alone", 2, free_ports(2),
+                                                 "pipeline.placement=zmq", "pipeline.peer_timeout_s=3"))
+    try:
+        _, err = trainer.communicate(timeout=150)
+    finally:
+        stop(trainer)
+    assert trainer.returncode == 2 and len(err.strip().splitlines()) == 1, err[-3000:]
+    assert "no sampler delivered a batch for step 1 in 3 s: start one with `python sampling_worker.py" in err

@@ -1,5 +1,5 @@
 """The exception types that mean "the user's input is wrong" (a config, data file, model folder, reward
-function, service or DeepSpeed config): every command line prints them as one line and exits 2, never a
+function, service, DeepSpeed config, or a pipeline peer that is absent or speaks nonsense): every command line prints them as one line and exits 2, never a
 traceback. Imported lazily: the modules that define them pull in torch."""
 
 from __future__ import annotations
@@ -8,9 +8,11 @@ from __future__ import annotations
 def user_errors() -> tuple[type[Exception], ...]:
     from alignrl.config import ConfigError
     from alignrl.data.loaders import DataError
+    from alignrl.dist.coordinator import PipelineError
     from alignrl.models.loader import ModelError
     from alignrl.rewards.registry import RewardError
     from alignrl.rollout.remote import ServiceError
+    from alignrl.serve.weights import WireError
     from alignrl.train.engines.deepspeed import DeepSpeedConfigError
 
-    return ConfigError, DataError, ModelError, RewardError, ServiceError, DeepSpeedConfigError
+    return ConfigError, DataError, ModelError, RewardError, ServiceError, DeepSpeedConfigError, PipelineError, WireError
