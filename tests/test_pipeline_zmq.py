@@ -212,6 +212,25 @@ def test_seed_workers_as_written(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+def test_run_distributed_with_a_two_rank_deepspeed_trainer(tiny_model_dir, tmp_path):
+    """run_distributed.py: one sampler and a 2-rank DeepSpeed ZeRO-2 trainer (on CPU the listed ids are process
+    counts); rank 0 receives each batch and scatters it, and publishes the weights it holds whole."""
+    proc = _root_script("run_distributed.py", "--sampling-gpu", "0", "--training-gpus", "1,2", "--model-path",
+                        str(tiny_model_dir), "--max-steps", "2", "--batch-size", "4", "--group-size", "4",
+                        "--output-dir", str(tmp_path), "data.train_size=32", "data.val_size=4",
+                        "rollout.max_new_tokens=8", "trainer.progress_bar=false", cwd=tmp_path)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, (out + err)[-3000:]
+    assert "GRPO on 2 rank(s), strategy deepspeed" in out + err and "the trainer finished" in out + err
+    assert (tmp_path / "deepspeed.json").is_file()  # generated beside the command, as the seed expects
+    assert len(trained_rows(tmp_path / "grpo_zmq")) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
     """A sampler with another model is refused in one line; garbage and a peer of another protocol version
     on the data port are counted and skipped; a sampler pointed at a port with no trainer stops in one line;

@@ -56,11 +56,17 @@ class WeightBoard:
         self.version, self.frames, self.publish_s = 0, None, 0.0
 
     def publish(self, version: int) -> None:
-        """Collective (the full weights are gathered under ZeRO-3 / FSDP2); rank 0 encodes them once."""
+        """Collective (the full weights are gathered under ZeRO-3 / FSDP2); rank 0 encodes them once. Whole
+        weights are encoded from the live parameters: the encoder gathers them on their device and copies each
+        bucket to the host once, where a CPU state dict first cost a host copy (and fresh pages) per tensor."""
         t0 = time.perf_counter()
-        full = self.actor.engine.full_state_dict()
+        if self.actor.engine.whole_weights:
+            named = list(self.actor.model.named_parameters()) if self.env.is_main else []
+        else:
+            full = self.actor.engine.full_state_dict()
+            named = [(n, full[n]) for n in self.names]
         if self.env.is_main:
-            frames = self.encode([(n, full[n]) for n in self.names], version, meta={"incarnation": self.incarnation})
+            frames = self.encode(named, version, meta={"incarnation": self.incarnation})
             with self.lock:
                 self.version, self.frames = version, frames
                 self.on_publish(version)

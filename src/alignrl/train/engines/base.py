@@ -46,6 +46,7 @@ class TrainEngine(Protocol):
     model: torch.nn.Module  # the HF model itself: save_pretrained, config, generation
     module: torch.nn.Module  # what forward is called on (a DDP wrapper, a DeepSpeed engine, or `model`)
     env: DistEnv
+    whole_weights: bool  # every rank's `model` holds all the weights, unsharded (not FSDP2, not ZeRO-3)
 
     def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
         """`last_micro`: the last micro-batch before `step` (backends that defer gradient reduction)."""

@@ -91,6 +91,7 @@ class DeepSpeedEngine:
         _ensure_comm(env)
         self.env, self.spec, self.config = env, spec, config
         self.stage = int(config.get("zero_optimization", {}).get("stage", 0))
+        self.whole_weights = self.stage < 3
         model.to(env.device)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer, scheduler = spec.build(params)

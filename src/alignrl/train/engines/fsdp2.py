@@ -25,6 +25,7 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 class FSDP2Engine:
     name = "fsdp2"
+    whole_weights = False
 
     def __init__(self, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, param_dtype: torch.dtype | None = None):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

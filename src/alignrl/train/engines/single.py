@@ -17,6 +17,7 @@ class LocalEngine:
 
     def __init__(self, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, ddp: bool):
         self.name = "ddp" if ddp else "single"
+        self.whole_weights = True
         self.model, self.env, self.spec = model.to(env.device), env, spec
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.module = model
