@@ -1,6 +1,6 @@
 """The exception types that mean "the user's input is wrong" (a config, data file, model folder, reward
-function, service, DeepSpeed config, or a pipeline peer that is absent or speaks nonsense): every command line prints them as one line and exits 2, never a
-traceback. Imported lazily: the modules that define them pull in torch."""
+function, service, DeepSpeed config, or a pipeline peer that is absent or speaks nonsense): every command line
+prints them as one line and exits 2, never a traceback. Imported lazily: the modules that define them pull in torch."""
 
 from __future__ import annotations
 

@@ -155,8 +155,9 @@ class _HFStepper:
 
     def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int = 1):
         self.model, self.cache = model, DynamicCache()
+        self.cache_kw = cache_arg(model, self.cache)  # the same cache object every step: name it once
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask.long(), position_ids=position_ids(prompt_mask),
-                    **cache_arg(model, self.cache), use_cache=True, logits_to_keep=1)
+                    **self.cache_kw, use_cache=True, logits_to_keep=1)
         self.cache.batch_repeat_interleave(repeats)
         self.logits = out.logits[:, -1].repeat_interleave(repeats, 0)
         self.attn = prompt_mask.long().repeat_interleave(repeats, 0)
@@ -169,6 +170,6 @@ class _HFStepper:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         self.attn = torch.cat([self.attn, torch.ones_like(self.attn[:, :1])], 1)
         out = self.model(input_ids=tokens[:, None], attention_mask=self.attn, position_ids=self.next_pos[:, None],
-                         **cache_arg(self.model, self.cache), use_cache=True)
+                         **self.cache_kw, use_cache=True)
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1]
