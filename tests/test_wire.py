@@ -9,7 +9,7 @@ import torch
 import zmq
 
 from alignrl.dist import wire
-from alignrl.dist.weights_wire import WeightsEncoder, encode_weights
+from alignrl.dist.weights_wire import WeightsEncoder, _Buckets, encode_weights
 from alignrl.dist.wire import PROTOCOL_VERSION, Message, WireError, check_weights, decode, encode, manifest_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -82,7 +82,7 @@ def test_message_without_tensors():
     assert msg.kind == "lease" and msg.meta == {"want": 4} and msg.tensors == {}
 
 
-def test_weights_round_trip_across_buckets():
+def _mixed_weights() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     named = [(f"layer{i}.w", torch.randn(10 + i, 3, generator=g)) for i in range(40)]
     named += [("embed", torch.randn(64, 64, generator=g).to(torch.bfloat16)),  # 8 KiB: larger than a bucket
@@ -92,6 +92,11 @@ def test_weights_round_trip_across_buckets():
               ("column", torch.randn(6, 5, generator=g)[:, 0]), ("strided", torch.arange(10.0)[::2]),
               ("expanded", torch.ones(1).expand(5)), ("bf16_strided", torch.randn(8, generator=g).bfloat16()[::2]),
               ("flags_strided", torch.tensor([True, False, True, True])[::2])]
+    return named
+
+
+def test_weights_round_trip_across_buckets():
+    named = _mixed_weights()
     frames = encode_weights(iter(named), version=12, bucket_bytes=4096, meta={"step": 30})
     entries = _entries(frames)
     nbuckets = len(frames) - 1
@@ -112,6 +117,19 @@ def test_weights_round_trip_across_buckets():
     assert msg.meta["nbytes"] == sum(x.numel() * x.element_size() for _, x in named)
     _assert_same(dict(named), msg.tensors)
     check_weights(msg, manifest_of(named))
+
+
+def test_the_accelerator_staging_path_fills_the_same_bytes():
+    # Tensors on a GPU are gathered there bucket by bucket and each bucket goes to the host in one copy. The
+    # same code runs here with the CPU as the "device" (tests/test_gpu.py runs it on CUDA), against the
+    # foreach copy that CPU tensors take, into a fresh set of buffers
+    named = _mixed_weights()
+    enc = WeightsEncoder(bucket_bytes=4096)
+    direct = [bytes(f) for f in enc(named, 1)[1:]]
+    plan = enc._plan
+    staged = _Buckets(plan)
+    plan.stage([named[slot[0]][1] for slot in plan.slots], staged, torch.device("cpu"))
+    assert [bytes(a) for a in staged.arrays] == direct and len(direct) >= 4
 
 
 def test_weights_are_a_snapshot():
