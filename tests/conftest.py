@@ -38,3 +38,25 @@ def tiny_model(tiny_model_dir):
     from alignrl.models.loader import load_model
 
     return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture
+def cli_in_process(capsys):
+    """`alignrl ...` as `alignrl.cli.main(argv)` in this process, as a CompletedProcess. Where a test
+    family checks a user error's one line through the CLI, one case runs the real `python -m alignrl`
+    process (what a user's terminal shows, import-time warnings included) and the rest run here: a new
+    interpreter costs ~5 s of torch and transformers imports on this machine, the error path is the same."""
+    import torch
+
+    from alignrl.cli import main
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        threads = torch.get_num_threads()  # trainer.threads sets this process's
+        try:
+            code = main(list(argv))
+        finally:
+            torch.set_num_threads(threads)
+        got = capsys.readouterr()
+        return subprocess.CompletedProcess(["alignrl", *argv], code, got.out, got.err)
+
+    return run

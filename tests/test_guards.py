@@ -283,17 +283,22 @@ def _one_line(code, err):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fn, says", [
-    ("raises", "raised ZeroDivisionError: the user's bug for row 5 (data_source synthetic_arith): fix it"),
-    ("string", "returned a str ('0.5') for row 5 (data_source synthetic_arith): return a finite float"),
-    ("none", "returned None for row 5 (data_source synthetic_arith): return a finite float"),
-    ("nan", "returned nan for row 5 (data_source synthetic_arith): return a finite float"),
-    ("raises_at_once", "raised KeyError: 'answer' for row 0 (data_source synthetic_arith): fix it"),  # base eval
+@pytest.mark.parametrize("fn, says, process", [
+    ("raises", "raised ZeroDivisionError: the user's bug for row 5 (data_source synthetic_arith): fix it", True),
+    ("string", "returned a str ('0.5') for row 5 (data_source synthetic_arith): return a finite float", False),
+    ("none", "returned None for row 5 (data_source synthetic_arith): return a finite float", False),
+    ("nan", "returned nan for row 5 (data_source synthetic_arith): return a finite float", False),
+    ("raises_at_once", "raised KeyError: 'answer' for row 0 (data_source synthetic_arith): fix it", False),  # base eval
 ])
-def test_bad_reward_function_is_one_line_through_the_cli(fn, says, tiny_model_dir, tmp_path):
+def test_bad_reward_function_is_one_line_through_the_cli(fn, says, process, tiny_model_dir, tmp_path, cli_in_process):
     path = _user_file(tmp_path)
-    code, _, err = _cli(tiny_model_dir, tmp_path, f"algorithm.reward_fn={path}:{fn}",
-                        "trainer.total_training_steps=1", "trainer.save_freq=0")
+    extra = (f"algorithm.reward_fn={path}:{fn}", "trainer.total_training_steps=1", "trainer.save_freq=0")
+    if process:
+        code, _, err = _cli(tiny_model_dir, tmp_path, *extra)
+    else:
+        done = cli_in_process("train", "grpo", *SMALL, f"model.path={tiny_model_dir}",
+                              f"trainer.output_dir={tmp_path}", "trainer.experiment_name=run", *extra)
+        code, err = done.returncode, done.stderr
     assert _one_line(code, err) == f"alignrl: error: reward function {path}:{fn} {says}" + (
         "" if fn in ("string", "none", "nan") else " so that it returns a float (e.g. 0.0 for answers it cannot "
                                                     "score)")

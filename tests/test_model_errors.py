@@ -72,12 +72,15 @@ def _broken(tiny_model_dir: Path, tmp_path: Path, kind: str) -> Path:
     return folder
 
 
+def _args(tmp_path, *overrides) -> list[str]:
+    return ["train", "grpo", f"trainer.output_dir={tmp_path}", "data.train_size=8", "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=4", "data.val_size=2", "data.val_size_during_training=2",
+            "trainer.progress_bar=false", *overrides]
+
+
 def _cli(tmp_path, *overrides):
     env = {**os.environ, "PYTHONPATH": SRC}
-    proc = subprocess.Popen([sys.executable, "-m", "alignrl", "train", "grpo", f"trainer.output_dir={tmp_path}",
-                             "data.train_size=8", "data.train_batch_size=4",
-                             "actor.ppo_mini_batch_size=4", "data.val_size=2", "data.val_size_during_training=2",
-                             "trainer.progress_bar=false", *overrides],
+    proc = subprocess.Popen([sys.executable, "-m", "alignrl", *_args(tmp_path, *overrides)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         _, err = proc.communicate(timeout=180)
@@ -85,9 +88,13 @@ def _cli(tmp_path, *overrides):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 2, err[-3000:]
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert "Traceback" not in err and len(lines) == 1, err[-3000:]
+    return _one_line(subprocess.CompletedProcess(proc.args, proc.returncode, "", err))
+
+
+def _one_line(done: subprocess.CompletedProcess) -> str:
+    lines = [x for x in done.stderr.splitlines() if x.strip()]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr[-3000:]
     return lines[0]
 
 
@@ -103,20 +110,23 @@ def test_each_break_is_one_model_error_in_process(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["no_weights", "bad_config", "truncated", "no_tokenizer", "no_template"])
-def test_broken_policy_folder_through_the_cli(kind, tiny_model_dir, tmp_path):
+def test_broken_policy_folder_through_the_cli(kind, tiny_model_dir, tmp_path, cli_in_process):
     folder = _broken(tiny_model_dir, tmp_path, kind)
-    line = _cli(tmp_path, f"model.path={folder}")
+    if kind == "truncated":  # one case as a real process, the others through the same main() in this one
+        line = _cli(tmp_path, f"model.path={folder}")
+    else:
+        line = _one_line(cli_in_process(*_args(tmp_path, f"model.path={folder}")))
     assert line.startswith(f"alignrl: error: model folder {folder}: ") and BREAKS[kind][1] in line, line
 
 
 @pytest.mark.slow
-def test_broken_reward_model_and_critic_folders_through_the_cli(tiny_model_dir, tmp_path):
+def test_broken_reward_model_and_critic_folders_through_the_cli(tiny_model_dir, tmp_path, cli_in_process):
     rm = _broken(tiny_model_dir, tmp_path, "truncated")
     line = _cli(tmp_path, f"model.path={tiny_model_dir}", f"algorithm.reward_model={rm}")
     assert line.startswith(f"alignrl: error: model folder {rm}: model.safetensors is truncated or corrupt"), line
     critic = _broken(tiny_model_dir, tmp_path, "no_weights")
-    line = _cli(tmp_path, f"model.path={tiny_model_dir}", "algorithm.adv_estimator=gae", "critic.enable=true",
-                f"critic.model_path={critic}")
+    line = _one_line(cli_in_process(*_args(tmp_path, f"model.path={tiny_model_dir}", "algorithm.adv_estimator=gae",
+                                           "critic.enable=true", f"critic.model_path={critic}")))
     assert line.startswith(f"alignrl: error: model folder {critic}: no weights file"), line
 
 

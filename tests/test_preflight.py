@@ -96,23 +96,23 @@ def test_overrides_may_come_before_or_after_flags(tmp_path):
 # ---------------------------------------------------------------- data
 
 
-def test_missing_val_file_is_blamed_on_data_val_files(tmp_path):
+def test_missing_val_file_is_blamed_on_data_val_files(tmp_path, cli_in_process):
     train = tmp_path / "train.jsonl"
     train.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
     missing = tmp_path / "val.jsonl"
-    _one_line_error(_alignrl("train", "grpo", f"data.train_files={train}", f"data.val_files={missing}",
-                             f"trainer.output_dir={tmp_path / 'out'}"),
+    _one_line_error(cli_in_process("train", "grpo", f"data.train_files={train}", f"data.val_files={missing}",
+                                   f"trainer.output_dir={tmp_path / 'out'}"),
                     f"data file not found: {missing}", "set data.val_files")
     assert not (tmp_path / "out").exists(), "nothing is written before the inputs are checked"
 
 
-def test_non_utf8_byte_in_jsonl_names_its_line(tmp_path):
+def test_non_utf8_byte_in_jsonl_names_its_line(tmp_path, cli_in_process):
     good = json.dumps({"question": "what is 1 + 1?", "answer": "#### 2"}).encode() + b"\n"
     data = tmp_path / "train.jsonl"
     # far past the first read buffer of a text-mode file, whose decoding error named an earlier line
     data.write_bytes(good * 300 + b'{"question": "caf\xe9", "answer": "#### 1"}\n' + good)
-    _one_line_error(_alignrl("train", "grpo", f"data.train_files={data}", "model.path=/nonexistent/model",
-                             f"trainer.output_dir={tmp_path / 'out'}", timeout=180),
+    _one_line_error(cli_in_process("train", "grpo", f"data.train_files={data}", "model.path=/nonexistent/model",
+                                   f"trainer.output_dir={tmp_path / 'out'}"),
                     f"{data}:301: line is not UTF-8 text")
 
 

@@ -172,16 +172,13 @@ def reward_model(tiny_model_dir, folder: Path) -> Path:
 
 
 @pytest.mark.timeout(300)
-def test_two_ray_steps_match_the_in_process_loop_and_a_rerun_resumes_exactly(cluster, tiny_model_dir, tmp_path,
-                                                                             capsys):
+def test_two_ray_steps_match_the_in_process_loop(cluster, tiny_model_dir, tmp_path, capsys):
     """Same global batch (one engine: the in-process rows and seeds), two DDP ranks against one process,
     one optimizer step per RL step (the mini-batch shuffle is per rank), the reward model in a group of
     its own (2 nodes × 1: each worker scores half the rows) against the in-process one, the prompts read
     from a .json file by seed 001's `--input_key messages --label_key answer --apply_chat_template`: equal weights up
-    to the float order of the all-reduce and the micro-batches (atol 1e-6). Then the stopped run is rerun
-    with `--load_checkpoint` to step 3: it resumes from the step-2 checkpoint in `--ckpt_path` and ends
-    with the weights of an uninterrupted 3-step in-process run (atol 1e-6; the lr schedule is constant,
-    so the runs' different step counts change nothing else)."""
+    to the float order of the all-reduce and the micro-batches (atol 1e-6). A rerun with `--load_checkpoint`
+    resuming exactly is the critic test's (below): it checks the policy and the critic after the resume."""
     ckpt, rm = tmp_path / "ckpt", reward_model(tiny_model_dir, tmp_path / "rm")
     argv = tiny(tiny_model_dir, tmp_path / "ray", 2, "--train_batch_size", "16", "--ckpt_path", str(ckpt),
                 "--reward_pretrain", str(rm), "--reward_num_nodes", "2", "--reward_num_gpus_per_node", "1",
@@ -191,27 +188,15 @@ def test_two_ray_steps_match_the_in_process_loop_and_a_rerun_resumes_exactly(clu
     rms = [w for w in placed["workers"] if w["name"].startswith("reward model rank")]
     assert len({w["node_id"] for w in rms}) == 2 and {w["group"] for w in rms} == {"reward"}, rms
     args = F.parser().parse_args(argv)
-    for steps in (2, 3):
-        train_grpo(load_config(None, F.overrides(args, gpus=False, total_steps=steps) + [
-            f"trainer.output_dir={tmp_path}", f"trainer.experiment_name=inline{steps}",
-            "trainer.checkpoint_dir=checkpoints"]))
+    train_grpo(load_config(None, F.overrides(args, gpus=False, total_steps=2) + [
+        f"trainer.output_dir={tmp_path}", "trainer.experiment_name=inline2", "trainer.checkpoint_dir=checkpoints"]))
     a = load_file(ckpt / "global_step_2" / "model" / "model.safetensors")
     b = load_file(tmp_path / "inline2" / "checkpoints" / "global_step_2" / "model" / "model.safetensors")
     base = load_file(Path(tiny_model_dir) / "model.safetensors")
     assert any(not torch.equal(base[k], a[k]) for k in a), "the Ray run did not train"
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
-    before = metric_rows(tmp_path / "ray")
-    assert main(argv + ["--total_steps", "3", "--load_checkpoint"]) == 0, capsys.readouterr().err  # last flag wins
-    after = metric_rows(tmp_path / "ray")
-    assert after[:len(before)] == before and [r["step"] for r in after[len(before):]] == [3], after  # resumed
-    c = load_file(ckpt / "global_step_3" / "model" / "model.safetensors")
-    d = load_file(tmp_path / "inline3" / "checkpoints" / "global_step_3" / "model" / "model.safetensors")
-    assert any(not torch.equal(a[k], c[k]) for k in a), "the rerun did not train step 3"
-    for k in c:
-        torch.testing.assert_close(c[k], d[k], rtol=0, atol=1e-6, msg=k)
-    print(f"max |ray - in-process|: step 2 {max(float((a[k] - b[k]).abs().max()) for k in a):.1e}, "
-          f"step 3 after the resume {max(float((c[k] - d[k]).abs().max()) for k in c):.1e}")
+    print(f"max |ray - in-process| at step 2: {max(float((a[k] - b[k]).abs().max()) for k in a):.1e}")
 
 
 @pytest.mark.timeout(300)
@@ -235,9 +220,12 @@ def test_ppo_with_a_critic_group_of_its_own_matches_the_in_process_loop_after_a_
     assert [w["group"] for w in critics] == ["critic", "critic"], placed["workers"]
     step2 = ckpt / "global_step_2"
     assert (step2 / "critic" / "model.safetensors").exists() and (step2 / "critic_state").is_dir()
+    before = metric_rows(tmp_path / "ray")
     assert main(argv + ["--critic_num_gpus_per_node", "1", "--total_steps", "3", "--load_checkpoint"]) == 0, \
-        capsys.readouterr().err
-    rows = [r for r in metric_rows(tmp_path / "ray") if r["step"] > 0]  # step 0: the base evaluation
+        capsys.readouterr().err  # the last --total_steps wins
+    after = metric_rows(tmp_path / "ray")  # steps 0..2 kept as they were (a fresh start would rewrite them)
+    assert after[:len(before)] == before and [r["step"] for r in after[len(before):]] == [3], after
+    rows = [r for r in after if r["step"] > 0]  # step 0: the base evaluation
     assert [r["step"] for r in rows] == [1, 2, 3] and all("critic/values_mean" in r for r in rows), rows
     args = F.parser().parse_args(argv)
     train_grpo(load_config(None, F.overrides(args, gpus=False, total_steps=3) + [
