@@ -34,22 +34,23 @@ def torchrun(args: list[str], out: Path, timeout: float = 180) -> subprocess.Com
     return run_group(cmd, timeout, env=env)
 
 
-def one_process_step(model_dir, share_prompt: bool, remove_padding: bool = False):
+def one_process_step(model_dir, layout: Layout):
     """The one-process reference: the same global batch, the same update."""
     class Args:
         strategy, zero_stage = "single", 2
 
-    Args.share_prompt = share_prompt
+    Args.share_prompt = layout.share_prompt
     torch.manual_seed(0)
     engine, exp = engine_worker.make_engine(Args, SINGLE, str(model_dir))
-    engine_worker.update(engine, exp, SINGLE, Layout(share_prompt, remove_padding))
+    engine_worker.update(engine, exp, SINGLE, layout)
     before = engine_worker.make_engine(Args, SINGLE, str(model_dir))[0].full_state_dict()
     return before, engine.full_state_dict()
 
 
 @pytest.fixture(scope="module")
-def single_step(tiny_model_dir):
-    return one_process_step(tiny_model_dir, share_prompt=False)
+def reference(tiny_model_dir):
+    """The one-process step of each layout: (weights before, weights after)."""
+    return {name: one_process_step(tiny_model_dir, layout) for name, layout in engine_worker.LAYOUTS.items()}
 
 
 def assert_same_step(got, before, expected, what):
@@ -60,36 +61,26 @@ def assert_same_step(got, before, expected, what):
         torch.testing.assert_close(got[k], expected[k], atol=ATOL, rtol=0, msg=f"{what}: {k}")
 
 
-@pytest.mark.parametrize("strategy,stage,offload", [("ddp", 0, False), ("fsdp2", 0, False), ("deepspeed", 2, False),
-                                                    ("deepspeed", 3, False), ("deepspeed", 3, True)])
-def test_one_step_matches_single_process(strategy, stage, offload, tiny_model_dir, single_step, tmp_path):
-    before, expected = single_step
+# The layouts each engine's step is checked under, all in one launch per engine (a launch's start-up costs
+# more than its steps): plain padded micro-batches; shared prompts, whose forward calls the wrapped model
+# twice before one backward (the prompt, then the responses over its keys/values), so every engine must
+# still reduce its gradients exactly once; packed (padding-free) with shared prompts, one call of the
+# wrapped model per micro-batch with the attention routed to the packed path on every rank.
+STEPS = {("ddp", 0, False): "plain,shared", ("fsdp2", 0, False): "plain,shared,packed",
+         ("deepspeed", 2, False): "plain,shared", ("deepspeed", 3, False): "plain,shared,packed",
+         ("deepspeed", 3, True): "plain"}
+
+
+@pytest.mark.parametrize("strategy,stage,offload", list(STEPS))
+def test_steps_match_single_process(strategy, stage, offload, tiny_model_dir, reference, tmp_path):
+    layouts = STEPS[(strategy, stage, offload)]
     r = torchrun(["--strategy", strategy, "--zero-stage", str(stage), "--model", str(tiny_model_dir),
-                  *(["--offload"] if offload else [])], tmp_path)
+                  "--layouts", layouts, *(["--offload"] if offload else [])], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert_same_step(load_file(str(tmp_path / "weights.safetensors")), before, expected, strategy)
-
-
-@pytest.mark.parametrize("strategy,stage", [("ddp", 0), ("fsdp2", 0), ("deepspeed", 2), ("deepspeed", 3)])
-def test_shared_prompt_step_matches_single_process(strategy, stage, tiny_model_dir, tmp_path):
-    """A shared-prompt forward calls the wrapped model twice before one backward (the prompt, then the
-    responses over its keys/values); every engine must still reduce its gradients exactly once."""
-    before, expected = one_process_step(tiny_model_dir, share_prompt=True)
-    r = torchrun(["--strategy", strategy, "--zero-stage", str(stage), "--model", str(tiny_model_dir),
-                  "--share-prompt"], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert_same_step(load_file(str(tmp_path / "weights.safetensors")), before, expected, f"{strategy} shared")
-
-
-@pytest.mark.parametrize("strategy,stage", [("fsdp2", 0), ("deepspeed", 3)])
-def test_packed_step_matches_single_process(strategy, stage, tiny_model_dir, tmp_path):
-    """A packed (padding-free) forward with shared prompts: one call of the wrapped model per micro-batch, with
-    the attention routed to the packed path on every rank; the step equals the one-process packed step."""
-    before, expected = one_process_step(tiny_model_dir, share_prompt=True, remove_padding=True)
-    r = torchrun(["--strategy", strategy, "--zero-stage", str(stage), "--model", str(tiny_model_dir),
-                  "--share-prompt", "--remove-padding"], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert_same_step(load_file(str(tmp_path / "weights.safetensors")), before, expected, f"{strategy} packed")
+    for name in layouts.split(","):
+        before, expected = reference[name]
+        assert_same_step(load_file(str(tmp_path / f"weights_{name}.safetensors")), before, expected,
+                         f"{strategy} {name}")
 
 
 @pytest.mark.parametrize("strategy,stage", [("fsdp2", 0), ("deepspeed", 3)])

@@ -1,7 +1,8 @@
 """Run under torchrun (or alone for the one-process reference): one actor update of a fixed global
 batch on a chosen training engine, then the full weights to `--out` (rank 0).
 
-    --mode step       one optimisation step, save full weights
+    --mode step       one optimisation step per `--layouts` entry, each on a fresh engine, full weights
+                      saved as weights_<layout>.safetensors
     --mode roundtrip  step, save HF folder + resumable state, rebuild from them, check they match
     --mode kill       rank 1 dies before a collective: the run must exit non-zero, not hang
 """
@@ -24,6 +25,7 @@ from alignrl.train.actor import Actor, PolicyLossSpec
 from alignrl.train.engines import OptimSpec, build_engine
 
 GLOBAL_BATCH, PROMPT, RESPONSE = 8, 5, 6
+LAYOUTS = {"plain": Layout(), "shared": Layout(True, False), "packed": Layout(True, True)}
 
 
 def fixed_batch(model, shared: bool = False) -> Experience:
@@ -78,18 +80,27 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--mode", default="step", choices=["step", "roundtrip", "kill"])
-    p.add_argument("--share-prompt", action="store_true", help="shared-prompt batch and forward")
-    p.add_argument("--remove-padding", action="store_true", help="packed (padding-free) forward")
+    p.add_argument("--layouts", default="plain",
+                   help="comma-separated, each a step of its own (--mode step): plain, shared (shared-prompt batch "
+                        "and forward) or packed (shared and padding-free)")
     args = p.parse_args()
     torch.set_num_threads(1)
     env = init_distributed(timeout_s=float(os.environ.get("ALIGNRL_DIST_TIMEOUT", "60")))
     out = Path(args.out)
+    if args.mode == "step":  # several steps in one launch: a torchrun's start-up costs more than a step
+        for name in args.layouts.split(","):
+            args.share_prompt = name in ("shared", "packed")
+            engine, exp = make_engine(args, env, args.model)
+            update(engine, exp, env, LAYOUTS[name])
+            save_weights(engine.full_state_dict(), env, out, f"weights_{name}.safetensors")
+        shutdown()
+        return 0
     engine, exp = make_engine(args, env, args.model)
     if args.mode == "kill":
         if env.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(10.0)  # torchrun (polling every 0.1 s) stops this rank first: SIGTERM ends the sleep
-    update(engine, exp, env, Layout(args.share_prompt, args.remove_padding))
+    update(engine, exp, env)
     full = engine.full_state_dict()
     if args.mode == "roundtrip":
         folder = out / "ckpt"
@@ -110,12 +121,16 @@ def main() -> int:
         a, b = engine.full_state_dict(), engine2.full_state_dict()
         for k, v in a.items():
             torch.testing.assert_close(v, b[k], atol=1e-6, rtol=0, msg=f"{k} diverged after resume")
-    if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.clone().contiguous() for k, v in full.items()}, str(out / "weights.safetensors"))
-    barrier(env)
+    save_weights(full, env, out, "weights.safetensors")
     shutdown()
     return 0
+
+
+def save_weights(full: dict, env, out: Path, name: str) -> None:
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.clone().contiguous() for k, v in full.items()}, str(out / name))
+    barrier(env)
 
 
 if __name__ == "__main__":
