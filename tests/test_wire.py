@@ -132,6 +132,13 @@ def test_the_accelerator_staging_path_fills_the_same_bytes():
     assert [bytes(a) for a in staged.arrays] == direct and len(direct) >= 4
 
 
+def test_weights_of_empty_tensors_alone_round_trip():
+    named = [("a", torch.zeros(0, 3)), ("b", torch.zeros(2, 0, dtype=torch.bfloat16))]
+    frames = WeightsEncoder()(named, 4)
+    assert len(frames) == 1  # the header alone: no bucket frame
+    _assert_same(dict(named), decode(frames).tensors)
+
+
 def test_weights_are_a_snapshot():
     w = torch.nn.Parameter(torch.ones(100))  # a parameter that requires grad, as a trainer publishes it
     frames = encode_weights([("w", w)], version=1)

@@ -115,6 +115,7 @@ class _Plan:
             closed = nb >= bucket_bytes
         self.nbytes = sum(e["nbytes"] for e in entries)
         self.layout = msgpack.packb(entries, use_bin_type=True)
+        self.in_bucket = [[k for k, slot in enumerate(self.slots) if slot[1] == b] for b in range(len(self.sizes))]
 
     def fits(self, named: list) -> bool:
         if len(named) != len(self.keys):
@@ -131,6 +132,8 @@ class _Plan:
         Tensors on an accelerator are gathered there into one staging bucket each, so a bucket is one transfer
         to the host (at most `bucket_bytes` of device memory for the staging copy)."""
         src = [named[slot[0]][1] for slot in self.slots]
+        if not src:  # only empty tensors: nothing to copy (foreach refuses empty lists)
+            return
         with torch.no_grad():  # parameters that require grad
             if all(t.is_cpu for t in src):
                 torch._foreach_copy_(buckets.views, src)
@@ -139,9 +142,8 @@ class _Plan:
 
     def stage(self, src: list[torch.Tensor], buckets: _Buckets, dev: torch.device) -> None:
         """Each bucket gathered on `dev` (zeroed, so the host's gaps stay zero), then copied to the host."""
-        for b, frame in enumerate(buckets.frames):
+        for frame, mine in zip(buckets.frames, self.in_bucket):
             stage = torch.zeros(frame.numel(), dtype=torch.uint8, device=dev)
-            mine = [k for k, slot in enumerate(self.slots) if slot[1] == b]
             torch._foreach_copy_([_view(stage, *self.slots[k][2:]) for k in mine], [src[k] for k in mine])
             frame.copy_(stage)
 
