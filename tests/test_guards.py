@@ -265,10 +265,14 @@ SMALL = ["data.train_size=64", "data.val_size=4", "data.val_size_during_training
          "trainer.test_freq=2", "trainer.progress_bar=false", "trainer.logger=[jsonl]"]
 
 
+def _argv(tiny_model_dir, tmp_path, *extra) -> list[str]:
+    return ["train", "grpo", *SMALL, f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}",
+            "trainer.experiment_name=run", *extra]
+
+
 def _cli(tiny_model_dir, tmp_path, *extra, timeout=240):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    proc = subprocess.Popen([sys.executable, "-m", "alignrl", "train", "grpo", *SMALL, f"model.path={tiny_model_dir}",
-                             f"trainer.output_dir={tmp_path}", "trainer.experiment_name=run", *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "alignrl", *_argv(tiny_model_dir, tmp_path, *extra)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -300,8 +304,7 @@ def test_bad_reward_function_is_one_line_through_the_cli(fn, says, process, tiny
     if process:
         code, _, err = _cli(tiny_model_dir, tmp_path, *extra)
     else:
-        done = cli_in_process("train", "grpo", *SMALL, f"model.path={tiny_model_dir}",
-                              f"trainer.output_dir={tmp_path}", "trainer.experiment_name=run", *extra)
+        done = cli_in_process(*_argv(tiny_model_dir, tmp_path, *extra))
         code, err = done.returncode, done.stderr
     assert _one_line(code, err) == f"alignrl: error: reward function {path}:{fn} {says}" + (
         "" if fn in ("string", "none", "nan") else " so that it returns a float (e.g. 0.0 for answers it cannot "

@@ -89,7 +89,7 @@ def main() -> int:
     out = Path(args.out)
     if args.mode == "step":  # several steps in one launch: a torchrun's start-up costs more than a step
         for name in args.layouts.split(","):
-            args.share_prompt = name in ("shared", "packed")
+            args.share_prompt = LAYOUTS[name].share_prompt
             engine, exp = make_engine(args, env, args.model)
             update(engine, exp, env, LAYOUTS[name])
             save_weights(engine.full_state_dict(), env, out, f"weights_{name}.safetensors")

@@ -115,7 +115,9 @@ class _Plan:
             closed = nb >= bucket_bytes
         self.nbytes = sum(e["nbytes"] for e in entries)
         self.layout = msgpack.packb(entries, use_bin_type=True)
-        self.in_bucket = [[k for k, slot in enumerate(self.slots) if slot[1] == b] for b in range(len(self.sizes))]
+        self.in_bucket: list[list[int]] = [[] for _ in self.sizes]  # slots of each bucket (accelerator staging)
+        for k, slot in enumerate(self.slots):
+            self.in_bucket[slot[1]].append(k)
 
     def fits(self, named: list) -> bool:
         if len(named) != len(self.keys):
