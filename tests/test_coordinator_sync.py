@@ -13,6 +13,7 @@ from alignrl.config import load_config
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist import coordinator as coord_mod
 from alignrl.dist.coordinator import Coordinator
+from alignrl.dist.ref_share import RefShare
 from alignrl.dist.dispatch import Dispatcher
 from alignrl.dist.weights_wire import encode_weights
 from alignrl.dist.zmq_link import Replier, Requester
@@ -26,6 +27,7 @@ def served(tmp_path):
     c = Coordinator(cfg, "", tmp_path)
     c.dispatcher = Dispatcher(BatchSampler(16, 4, seed=0), max_staleness=0, lease_timeout_s=60, incarnation="i")
     c.incarnation = "i"
+    c.ref_share = RefShare(cfg, ref=None)  # on-policy: the sampler computes every reference row
     c.board = SimpleNamespace(version=0, frames=encode_weights([("w", torch.zeros(3))], 0))
     c.replier = Replier("127.0.0.1", 0)
     c.thread = threading.Thread(target=c._serve, daemon=True)
@@ -47,6 +49,7 @@ def test_a_parked_request_is_answered_at_the_publish(served):
     with Requester(served.replier.addr) as req:
         first = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=5)
         assert first.kind == "lease"  # the one lease k=0 allows
+        assert first.meta["ref_groups"] == served.cfg.data.train_batch_size  # the sampler's share: all groups
         with served.lock:
             served.dispatcher.take(first.meta["lease"])  # its batch is in training
         t_publish = []

@@ -116,14 +116,15 @@ def assert_each_row_once(run: Path, steps: int, batch: int = 4):
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_a_killed_sampler_loses_nothing(tiny_model_dir, tmp_path):
-    """k = 1 (with truncated IS), two samplers; one is killed mid-run: the other finishes, its lease is
-    re-issued, and every prompt drawn is trained exactly once or still owed by the final checkpoint."""
+    """k = 1 (with truncated IS, the reference forward on the trainer), two samplers; one is killed mid-run:
+    the other finishes, its lease is re-issued, and every prompt drawn is trained exactly once or still owed
+    by the final checkpoint."""
     ports = free_ports(2)
     steps = 16
     trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "faults", steps, ports,
                                                  "pipeline.placement=zmq", "pipeline.max_staleness=1",
                                                  "pipeline.lease_timeout_s=3", "pipeline.peer_timeout_s=120",
-                                                 "algorithm.rollout_is=token"))
+                                                 "algorithm.rollout_is=token", "pipeline.ref_logprobs=trainer"))
     a, b = sampler(tiny_model_dir, ports, "--sampler-id", "a"), sampler(tiny_model_dir, ports, "--sampler-id", "b")
     run = tmp_path / "faults"
     try:
@@ -143,6 +144,8 @@ def test_a_killed_sampler_loses_nothing(tiny_model_dir, tmp_path):
     assert stale and all(0 < r["rollout/is_weight_mean"] < 10 for r in stale)
     assert {json.loads(x)["sampler"] for x in (run / "logs" / "prompts.jsonl").read_text().splitlines()} >= {"b"}
     assert "pipeline/dropped_stale" in last
+    # pipeline.ref_logprobs=trainer: the samplers hold no reference, the trainer computes every row's
+    assert all(r["pipeline/ref_rows_trainer"] == 16 and r["pipeline/ref_groups_sampler"] == 0 for r in rows)
 
 
 @pytest.mark.slow
@@ -171,6 +174,9 @@ def test_a_killed_trainer_resumes_and_the_sampler_rejoins(tiny_model_dir, tmp_pa
     finally:
         stop(trainer, worker, *([again] if "again" in dir() else []))
     assert_each_row_once(run, steps)
+    # pipeline.ref_logprobs=balance: the trainer computes the reference rows of whole prompt groups (n=4)
+    rows = [json.loads(x) for x in (run / "logs" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert all(r["pipeline/ref_rows_trainer"] in (0, 4, 8, 12, 16) for r in rows)
 
 
 def _root_script(*args, cwd):
@@ -208,17 +214,22 @@ def test_seed_workers_as_written(tiny_model_dir, tmp_path):
         stop(trainer, worker)
     assert (tmp_path / "grpo_zmq" / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
     assert len(trained_rows(tmp_path / "grpo_zmq")) == 2
+    # each rank computed the reference rows of its own share of the groups (rank 0 logs its 2 x 4 rows)
+    rows = [json.loads(x) for x in (tmp_path / "grpo_zmq" / "logs" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["pipeline/ref_rows_trainer"] for r in rows] == [8.0, 8.0]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_run_distributed_with_a_two_rank_deepspeed_trainer(tiny_model_dir, tmp_path):
     """run_distributed.py: one sampler and a 2-rank DeepSpeed ZeRO-2 trainer (on CPU the listed ids are process
-    counts); rank 0 receives each batch and scatters it, and publishes the weights it holds whole."""
+    counts); rank 0 receives each batch and scatters it, and publishes the weights it holds whole. Each rank
+    runs the reference forward of its share (pipeline.ref_logprobs=trainer)."""
     proc = _root_script("run_distributed.py", "--sampling-gpu", "0", "--training-gpus", "1,2", "--model-path",
                         str(tiny_model_dir), "--max-steps", "2", "--batch-size", "4", "--group-size", "4",
                         "--output-dir", str(tmp_path), "data.train_size=32", "data.val_size=4",
-                        "rollout.max_new_tokens=8", "trainer.progress_bar=false", cwd=tmp_path)
+                        "rollout.max_new_tokens=8", "trainer.progress_bar=false", "--max-staleness", "1",
+                        "pipeline.ref_logprobs=trainer", cwd=tmp_path)
     try:
         out, err = proc.communicate(timeout=300)
     finally:
@@ -227,6 +238,9 @@ def test_run_distributed_with_a_two_rank_deepspeed_trainer(tiny_model_dir, tmp_p
     assert "GRPO on 2 rank(s), strategy deepspeed" in out + err and "the trainer finished" in out + err
     assert (tmp_path / "deepspeed.json").is_file()  # generated beside the command, as the seed expects
     assert len(trained_rows(tmp_path / "grpo_zmq")) == 2
+    # each rank computed the reference rows of its own share of the groups (rank 0 logs its 2 x 4 rows)
+    rows = [json.loads(x) for x in (tmp_path / "grpo_zmq" / "logs" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["pipeline/ref_rows_trainer"] for r in rows] == [8.0, 8.0]
 
 
 @pytest.mark.slow

@@ -74,15 +74,16 @@ def service_args(cfg: RunConfig) -> dict:
             "api_key": os.environ.get("ALIGNRL_API_KEY")}
 
 
-def build_ref(cfg: RunConfig, model, policy_path: str, device: torch.device) -> RefScorer | None:
-    """The reference service when configured, else a frozen copy of the base model; None when no KL
-    term needs it."""
+def build_ref(cfg: RunConfig, model, policy_path: str | None, device: torch.device) -> RefScorer | None:
+    """The reference service when configured, else a frozen copy of the base model (`model` when it was
+    loaded from the base path, else loaded here); None when no KL term needs it."""
     if not needs_reference(cfg):
         return None
     if cfg.services.reference_url:
         return RemoteRefScorer(cfg.services.reference_url, temperature=cfg.rollout.temperature, **service_args(cfg))
     # the reference is the base model, not a checkpoint
-    base = model if policy_path == cfg.model.path else load_model(cfg.model.path, cfg.model.dtype)[0]
+    base = (model if model is not None and policy_path == cfg.model.path else
+            load_model(cfg.model.path, cfg.model.dtype)[0])
     return LocalRefScorer(frozen_copy(base).to(device), cfg.rollout.temperature, cfg.actor.forward_micro_batch,
                           forward_layout(cfg))
 

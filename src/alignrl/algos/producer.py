@@ -78,10 +78,12 @@ class RolloutMaker:
                               + self.rank * 7_919_000_003)  # ranks draw different samples
 
     def make(self, step: int, index: Sequence[int], rows: Rows, version: int = 0,
-             more: Callable[[], Sequence[int]] | None = None) -> ScoredBatch:
+             more: Callable[[], Sequence[int]] | None = None, ref_groups: int | None = None) -> ScoredBatch:
         """The scored batch of RL step `step` for dataset rows `index` (`rows` turns them into samples and
         prompt ids). `more` (dynamic sampling only) returns the next rows to draw when groups run short.
-        The batch's metrics describe the first draw, whatever dynamic sampling keeps."""
+        `ref_groups`: reference log-probs of only the first this many prompt groups (a ZeroMQ trainer
+        computes the rest); None: all of them. The batch's metrics describe the first draw, whatever
+        dynamic sampling keeps."""
         t: dict[str, float] = {}
         samples, prompts = rows(index)
         with timed(t, "gen"):
@@ -94,11 +96,17 @@ class RolloutMaker:
             ro, scores, index, dapo = self.dynamic_sample(step, ro, scores, index, rows, more, t)
             metrics.update(dapo)
         with timed(t, "ref"):
-            ref_lp = (self.ref.logprobs(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
-                      if self.ref is not None and len(ro.group) else None)
+            ref_lp = self.ref_logprobs(ro, ref_groups) if self.ref is not None and len(ro.group) else None
         # state masking: tool observations are attended (response_mask) but never trained on
         loss_mask = ro.generated_mask if self.cfg.actor.state_masking else ro.response_mask
         return ScoredBatch(ro, scores, loss_mask.clone(), ref_lp, index[ro.group], version, metrics={**metrics, **t})
+
+    def ref_logprobs(self, ro: Rollout, groups: int | None) -> torch.Tensor:
+        """Reference log-probs (K, R) of the rows of the first `groups` prompt groups (all rows if None)."""
+        k = len(ro.group) if groups is None else int((ro.group < groups).sum())
+        if k == 0:
+            return ro.logprobs.new_zeros((0, ro.logprobs.shape[1]))
+        return self.ref.logprobs(ro.prompt_ids[:k], ro.prompt_mask[:k], ro.response_ids[:k], ro.response_mask[:k])
 
     def score(self, ro: Rollout, samples: Sequence[Sample]) -> Scores:
         scores = self.rewards.score(ro, samples)

@@ -97,7 +97,9 @@ class ScoredBatch:
     rollout: Rollout
     scores: Scores
     loss_mask: torch.Tensor  # (B, R) bool, within rollout.response_mask
-    ref_logprobs: torch.Tensor | None  # (B, R) frozen reference log-probs; None without a KL term
+    # (B, R) frozen reference log-probs; None without a KL term. In transit from a ZeroMQ sampler it may hold
+    # only the first K rows: the trainer computes the rest before it trains (dist.ref_share)
+    ref_logprobs: torch.Tensor | None
     prompt_index: torch.Tensor  # (B,) long, dataset row of each sequence's prompt
     version: int = 0  # weight version that generated the rollout (trainer updates before it)
     sampler_id: str = "inline"

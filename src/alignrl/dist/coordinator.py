@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from alignrl.algos.placement import build_critics
+from alignrl.algos.placement import build_critics, build_ref
 from alignrl.algos.rollout_ops import group_rows, select_groups
 from alignrl.config import RunConfig
 from alignrl.data.records import ScoredBatch
@@ -28,6 +28,7 @@ from alignrl.data.sampler import BatchSampler
 from alignrl.dist.dispatch import Dispatcher
 from alignrl.dist.env import DistEnv, barrier, broadcast_frames
 from alignrl.dist.records_wire import from_wire
+from alignrl.dist.ref_share import RefShare, trainer_needs_ref
 from alignrl.dist.weights_wire import WeightsEncoder
 from alignrl.dist.wire import WireError, decode, manifest_of
 from alignrl.dist.zmq_link import Puller, Replier, token_from_env
@@ -84,6 +85,7 @@ class Coordinator:
         self.incarnation = uuid.uuid4().hex[:8]
         self.stop = threading.Event()
         self.dispatcher: Dispatcher | None = None
+        self.ref_share: RefShare | None = None
         self.board: WeightBoard | None = None
         self.counters = {"dropped_stale": 0, "dropped_unknown": 0, "malformed": 0}
         self.staleness_hist: dict[int, int] = {}
@@ -107,6 +109,9 @@ class Coordinator:
     def source(self, sampler: BatchSampler, trainer, env: DistEnv) -> Coordinator:
         self.trainer, self.env = trainer, env
         self.dispatcher = Dispatcher(sampler, self.p.max_staleness, self.p.lease_timeout_s, self.incarnation)
+        # the trainer's own frozen reference, for the rows samplers leave to it (pipeline.ref_logprobs)
+        self.ref_share = RefShare(self.cfg, build_ref(self.cfg, None, None, env.device)
+                                  if trainer_needs_ref(self.cfg) else None)
         if env.is_main:
             self.puller = Puller(self.p.host, self.p.data_port, hwm=self.p.hwm, token=self.token)
             self.replier = Replier(self.p.host, self.p.sync_port, token=self.token)
@@ -142,21 +147,25 @@ class Coordinator:
             frames = broadcast_frames(frames, self.env)
         msg = decode(frames, self.token)
         batch = from_wire(msg)
-        waited = time.perf_counter() - t0
+        waited, sampler_wait = time.perf_counter() - t0, float(msg.meta.get("wait_s", 0.0))
         with self.lock:
             depth = len(self.dispatcher.outstanding) if self.dispatcher else 0
+            self.ref_share.observe(waited, sampler_wait)  # the next lease's split
         staleness = self.trainer.version - batch.version
         self.staleness_hist[staleness] = self.staleness_hist.get(staleness, 0) + 1
         self.delivered = step
         if self.env.is_main:
             self._log_rows(step, batch, msg.meta.get("lease"))
         batch.metrics.update({"pipeline/staleness": float(staleness), "pipeline/trainer_wait_s": waited,
-                              "pipeline/sampler_wait_s": float(msg.meta.get("wait_s", 0.0)),
+                              "pipeline/sampler_wait_s": sampler_wait,
+                              "pipeline/ref_groups_sampler": float(self.ref_share.groups),
                               "pipeline/queue_depth": float(depth),
                               "pipeline/publish_s": self.board.publish_s,
                               **{f"pipeline/{k}": float(v) for k, v in self.counters.items()},
                               **{f"pipeline/staleness_{k}": float(v) for k, v in self.staleness_hist.items()}})
-        return shard_groups(batch, self.env)
+        batch, ref_metrics = self.ref_share.complete(shard_groups(batch, self.env))
+        batch.metrics.update(ref_metrics)
+        return batch
 
     def _receive(self, step: int) -> list:
         """Frames of the next acceptable batch (rank 0): a known lease, within the staleness bound."""
@@ -270,13 +279,15 @@ class Coordinator:
                 self.replier.reply(peer, self.board.frames)  # the newest weights first
                 return True
             lease = self.dispatcher.grant(str(meta.get("sampler_id", "?")), self.board.version, time.monotonic())
+            ref_groups = self.ref_share.groups
         if lease is None:
             if time.monotonic() - since < PARK_S:
                 return False
             self.replier.reply_msg(peer, "wait", {"retry_s": 0.0})
         else:
             self.replier.reply_msg(peer, "lease", {"lease": lease.id, "number": lease.number, "rows": lease.rows,
-                                                   "version": lease.version, "incarnation": self.incarnation})
+                                                   "version": lease.version, "incarnation": self.incarnation,
+                                                   "ref_groups": ref_groups})
         return True
 
     def _check_model(self, manifest) -> str | None:
@@ -303,6 +314,7 @@ def shard_groups(batch: ScoredBatch, env: DistEnv) -> ScoredBatch:
     per = n_groups // env.world_size
     keep = torch.arange(env.rank * per, (env.rank + 1) * per)
     rows = group_rows(batch.rollout.group, keep)
+    ref = batch.ref_logprobs  # its first K rows: a prefix of this rank's contiguous rows too (ref_share)
     return ScoredBatch(select_groups(batch.rollout, keep), batch.scores.rows(rows), batch.loss_mask[rows],
-                       None if batch.ref_logprobs is None else batch.ref_logprobs[rows], batch.prompt_index[rows],
+                       None if ref is None else ref[rows[rows < len(ref)]], batch.prompt_index[rows],
                        batch.version, batch.sampler_id, batch.metrics)

@@ -9,7 +9,9 @@ Tensors (B rows, P prompt columns left-padded, R response columns right-padded):
                                                                  generated_mask; a multi-turn rollout's
                                                                  tool observations are not)
     old_policy_log_probs (B, R) float                            the sampler's log-probs of its own tokens
-    ref_policy_log_probs (B, R) float                            reference log-probs (absent without a KL term)
+    ref_policy_log_probs (K, R) float                            reference log-probs of the first K <= B rows
+                                                                 (absent without a KL term; the trainer computes
+                                                                 the other rows: pipeline.ref_logprobs)
     reward (B,) float, correct (B,) bool, cost (B,), baseline (B,)  the reward stage (cost/baseline optional)
     is_finished (B,) bool                                        ended with eos/stop (not truncated)
     group (B,) long, prompt_index (B,) long, sample_index (B,) long
@@ -67,11 +69,15 @@ def from_wire(msg: Message) -> ScoredBatch:
     p, r = (t["prefix_token_ids"].shape[-1], t["generated_token_ids"].shape[-1])
     want = {"prefix_token_ids": (b, p), "prefix_mask": (b, p), "generated_token_ids": (b, r), "generated_mask": (b, r),
             "loss_mask": (b, r), "policy_mask": (b, r), "old_policy_log_probs": (b, r),
-            "ref_policy_log_probs": (b, r), "correct": (b,),
+            "correct": (b,),
             "is_finished": (b,), "group": (b,), "prompt_index": (b,), "cost": (b,), "baseline": (b,)}
     for name, shape in want.items():
         if name in t and tuple(t[name].shape) != shape:
             raise WireError(f"scored batch tensor {name!r} has shape {list(t[name].shape)}, expected {list(shape)}")
+    ref = t.get("ref_policy_log_probs")  # the first K <= B rows; the trainer computes the rest (ref_share)
+    if ref is not None and (ref.dim() != 2 or ref.shape[0] > b or ref.shape[1] != r):
+        raise WireError(f"scored batch tensor 'ref_policy_log_probs' has shape {list(ref.shape)}, expected "
+                        f"[K, {r}] with K <= {b}")
     version = msg.meta.get("version")
     if type(version) is not int or version < 0:
         raise WireError(f"scored batch has version {version!r}, not a non-negative int")
@@ -105,5 +111,6 @@ def seed_rows(msg: Message, tokenizer) -> list[dict]:
                      "whole_token_ids": prefix_ids + gen_ids, "is_finished": bool(t["is_finished"][i]),
                      "text": meta["text"][i], "reward": float(t["reward"][i]), "reward_info": info,
                      "old_policy_log_probs": t["old_policy_log_probs"][i][gen_mask].numpy(),
-                     "ref_policy_log_probs": ref[i][gen_mask].numpy() if ref is not None else None})
+                     "ref_policy_log_probs": ref[i][gen_mask].numpy() if ref is not None and i < len(ref)
+                     else None})
     return rows

@@ -25,6 +25,7 @@ from alignrl.dist.coordinator import PipelineError
 from alignrl.dist.env import SINGLE
 from alignrl.dist.launch import OneLineParser
 from alignrl.dist.records_wire import KIND, to_wire
+from alignrl.dist.ref_share import sampler_needs_ref
 from alignrl.dist.wire import DTYPE_NAMES, DTYPES, WireError, check_weights, manifest_of
 from alignrl.dist.zmq_link import PeerTimeout, Pusher, Requester, address, token_from_env
 from alignrl.models.loader import ModelError, load_model
@@ -113,7 +114,8 @@ class Sampler:
         train, _ = load_task_data(cfg)
         rows = PromptData(self.tokenizer, train, cfg.data.max_prompt_length)
         engine = with_tools(cfg, HFRolloutEngine(self.model, self.tokenizer), self.tokenizer)
-        ref = build_ref(cfg, self.model, cfg.model.path, self.device)  # a frozen copy of the base weights
+        # a frozen copy of the base weights, unless the trainer runs the whole reference forward
+        ref = build_ref(cfg, self.model, cfg.model.path, self.device) if sampler_needs_ref(cfg) else None
         maker = build_maker(cfg, engine, self.tokenizer, ref, SINGLE)
         push = Pusher(address(self.args.host, self.args.data_port), hwm=cfg.pipeline.hwm, token=self.token)
         console.print(f"sampler {self.id}: connected to {self.sync.addr}; making batches of "
@@ -138,7 +140,9 @@ class Sampler:
                 time.sleep(float(reply.meta.get("retry_s", 0.05)))
                 waited += time.perf_counter() - t0
                 continue
-            batch = maker.make(int(reply.meta["number"]), list(reply.meta["rows"]), rows, self.version)
+            groups = reply.meta.get("ref_groups")
+            batch = maker.make(int(reply.meta["number"]), list(reply.meta["rows"]), rows, self.version,
+                               ref_groups=groups if isinstance(groups, int) else None)
             batch.sampler_id = self.id
             meta, tensors = to_wire(batch, self.tokenizer, lease=reply.meta["lease"], wait_s=waited)
             try:

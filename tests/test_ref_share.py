@@ -1,0 +1,109 @@
+"""pipeline.ref_logprobs: the sampler computes the reference log-probs of a prefix of a batch's prompt groups,
+the trainer the rest, and `balance` moves the split toward the side that waits."""
+
+import pytest
+import torch
+
+from alignrl.algos.producer import LocalRefScorer, RolloutMaker
+from alignrl.config import load_config
+from alignrl.data.records import ScoredBatch, Scores
+from alignrl.dist.coordinator import shard_groups
+from alignrl.dist.env import DistEnv
+from alignrl.dist.records_wire import from_wire, to_wire
+from alignrl.dist.ref_share import RefShare, sampler_needs_ref, trainer_needs_ref
+from alignrl.dist.wire import Message, WireError
+from alignrl.interfaces import SamplingParams
+from alignrl.models.logprobs import Layout
+from alignrl.rollout.hf_engine import HFRolloutEngine
+
+GROUPS, N = 4, 2
+
+
+def cfg(mode: str, staleness: int = 1, *extra: str):
+    return load_config(None, [f"pipeline.ref_logprobs={mode}", f"pipeline.max_staleness={staleness}",
+                              f"data.train_batch_size={GROUPS}", f"rollout.n={N}", "actor.ppo_mini_batch_size=2",
+                              "actor.kl_loss_coef=0.01",
+                              *extra])
+
+
+@pytest.fixture(scope="module")
+def made(tiny_model):
+    """A real rollout of GROUPS prompts x N samples, and a reference scorer on the same tiny model."""
+    model, tok = tiny_model
+    prompts = [tok.encode(p) for p in ("1+1=", "23+4=", "7*8=", "100-1=")]
+    ro = HFRolloutEngine(model, tok).generate(prompts, SamplingParams(n=N, temperature=1.0, max_new_tokens=6, seed=3))
+    ref = LocalRefScorer(model, 1.0, micro_batch=3, layout=Layout(share_prompt=True, remove_padding=True))
+    return ro, ref, tok
+
+
+def batch_with(ro, ref_lp) -> ScoredBatch:
+    b = len(ro.group)
+    return ScoredBatch(ro, Scores(torch.zeros(b), torch.zeros(b, dtype=torch.bool)), ro.response_mask.clone(),
+                       ref_lp, ro.group.clone())
+
+
+def test_who_holds_a_reference():
+    assert sampler_needs_ref(cfg("sampler")) and not trainer_needs_ref(cfg("sampler"))
+    assert not sampler_needs_ref(cfg("trainer")) and trainer_needs_ref(cfg("trainer", 0))
+    assert sampler_needs_ref(cfg("balance")) and trainer_needs_ref(cfg("balance", 1))
+    assert not trainer_needs_ref(cfg("balance", 0))  # on-policy, the sides take turns: nothing to balance
+
+
+def test_balance_moves_one_group_toward_the_side_that_waits_less():
+    share = RefShare(cfg("balance"), ref=None)
+    assert share.groups == GROUPS  # starts as seed 004: the sampler computes it all
+    share.row_s = 0.01  # one group's forward: 0.02 s, the dead band
+    share.observe(trainer_wait=0.2, sampler_wait=0.0)
+    assert share.groups == GROUPS - 1  # the trainer idled: it takes a group
+    share.observe(trainer_wait=0.11, sampler_wait=0.1)
+    assert share.groups == GROUPS - 1  # within the dead band: no move
+    for _ in range(GROUPS + 2):
+        share.observe(trainer_wait=0.3, sampler_wait=0.0)
+    assert share.groups == 0
+    share.observe(trainer_wait=0.0, sampler_wait=0.3)
+    assert share.groups == 1  # the sampler idled: it takes one back
+    for mode, staleness, groups in (("sampler", 1, GROUPS), ("trainer", 1, 0), ("balance", 0, GROUPS)):
+        fixed = RefShare(cfg(mode, staleness), ref=None)
+        fixed.observe(trainer_wait=1.0, sampler_wait=0.0)
+        assert fixed.groups == groups, mode
+
+
+@pytest.mark.parametrize("groups", [0, 1, 3, GROUPS])
+def test_the_trainer_completes_what_the_sampler_left(made, groups):
+    ro, ref, tok = made
+    full = ref.logprobs(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
+    maker = RolloutMaker(cfg("balance"), engine=None, rewards=None, ref=ref)
+    prefix = maker.ref_logprobs(ro, groups)
+    assert len(prefix) == groups * N
+    meta, tensors = to_wire(batch_with(ro, prefix), tok)  # across the wire: only the prefix travels
+    sent = from_wire(Message("scored_batch", meta, tensors))
+    done, metrics = RefShare(cfg("balance"), ref).complete(sent)
+    assert metrics["pipeline/ref_rows_trainer"] == (GROUPS - groups) * N
+    # the trainer's forward over fewer rows batches them differently: equal up to float rounding
+    torch.testing.assert_close(done.ref_logprobs, full, rtol=0, atol=1e-5)
+    if groups in (0, GROUPS):  # one side computes every row with the same call: bit for bit
+        torch.testing.assert_close(done.ref_logprobs, full, rtol=0, atol=0)
+
+
+def test_each_rank_completes_its_own_share(made):
+    ro, ref, _ = made
+    full = ref.logprobs(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
+    prefix = full[:3 * N]  # the sampler did 3 of 4 groups: rank 0's share whole, rank 1's in part
+    parts = []
+    for rank in (0, 1):
+        share = shard_groups(batch_with(ro, prefix), DistEnv(rank=rank, world_size=2))
+        assert len(share.ref_logprobs) == (2 * N if rank == 0 else N)
+        parts.append(RefShare(cfg("balance"), ref).complete(share)[0].ref_logprobs)
+    torch.testing.assert_close(torch.cat(parts), full, rtol=0, atol=1e-5)
+
+
+def test_bad_reference_rows_get_one_line(made):
+    ro, ref, tok = made
+    meta, tensors = to_wire(batch_with(ro, torch.zeros(len(ro.group) + 1, ro.response_ids.shape[1])), tok)
+    with pytest.raises(WireError, match=r"ref_policy_log_probs.*K <= 8"):
+        from_wire(Message("scored_batch", meta, tensors))
+    partial = batch_with(ro, torch.zeros(N, ro.response_ids.shape[1]))
+    with pytest.raises(WireError, match="2 of 8 rows under pipeline.ref_logprobs=sampler"):
+        RefShare(cfg("sampler"), ref=None).complete(partial)
+    none_needed = RefShare(cfg("balance", 1, "actor.use_kl_loss=false"), ref=None)
+    assert none_needed.complete(batch_with(ro, None))[0].ref_logprobs is None
