@@ -1,6 +1,6 @@
-"""GRPO samples/s in-process vs the ZeroMQ pipeline (on-policy k=0, asynchronous k=1, k=1 with two
-samplers), the held-out accuracy each way reaches after the same steps, and the weight-publish cost
-against a raw ZeroMQ copy of the same bytes. Everything runs from one command.
+"""GRPO samples/s in-process vs the ZeroMQ pipeline (on-policy k=0, asynchronous k=1, k=1 with the
+reference forward on the sampler alone, k=1 with two samplers), the held-out accuracy each way reaches after
+the same steps, and the weight-publish cost against a raw ZeroMQ copy of the same bytes. One command.
 
     python benchmarks/async_vs_sync.py                      # demo model, 12 steps, 8 prompts x 8, <= 48 tokens
     python benchmarks/async_vs_sync.py --quick              # 4 steps, 4 prompts x 4, <= 16 tokens: a smoke run
@@ -14,12 +14,14 @@ turn them off).
 Configurations, one after another, each a fresh trainer process (plus sampler processes), and all of them
 again for each of `--rounds` rounds (default 3): this machine's speed drifts by a quarter between minutes,
 so each configuration's median round is what the table reports, beside every round's samples/s and the
-k=1 / in-process ratio of each round:
+k=1 / in-process and k=1 / k=1-sampler-ref ratios of each round:
 
     in-process            `alignrl train grpo`, trainer.threads=2 (generation and training share 2 cores)
     in-process 1 thread   the same with trainer.threads=1: gives the ceiling below
     zmq k=0               trainer (1 thread) + 1 sampler (1 thread), pipeline.max_staleness=0 (on-policy)
     zmq k=1               trainer (1 thread) + 1 sampler (1 thread), pipeline.max_staleness=1
+    zmq k=1 sampler ref   the same with pipeline.ref_logprobs=sampler (seed 004: the sampler runs the whole
+                          reference forward; the other zmq rows split it by load, the default `balance`)
     zmq k=1 x2 samplers   trainer (1 thread) + 2 samplers (1 thread each): 3 threads on 2 cores
 
 OMP_NUM_THREADS is set to each process's thread count.
@@ -32,20 +34,13 @@ are not counted. Only the per-step logging (and nothing else: checkpoints are wr
 falls between two steps, so the sum is the trainer's wall time from the end of step 1 to the end of step
 S. The whole trainer process's wall time is printed too, for reference. The ceiling printed under the
 table is 2 x the 1-thread in-process samples/s: the same work split perfectly over two one-thread
-processes on the in-process loop's 2 threads' worth of cores, with no transfer cost; the pipeline
-(one-thread trainer and samplers) cannot beat it, so it bounds what asynchrony can gain on this machine
-for this workload. Also printed per configuration:
-mean generation seconds per batch (`timing/gen`, measured where generation ran), mean update seconds
-(`timing/train`), the trainer's mean wait for a batch, mean staleness of the batches trained on, and mean
-publish time.
+processes, with no transfer cost; the pipeline cannot beat it, so it bounds what asynchrony can gain on
+this machine for this workload (only what the in-process loop's threads fail to get out of the cores).
+Also printed per configuration: mean generation seconds per batch (`timing/gen`, measured where generation
+ran), mean update seconds (`timing/train`), the trainer's mean wait for a batch, mean staleness of the
+batches trained on, and mean publish time. Timings only mean something on an otherwise idle machine.
 
-The asynchronous pipeline overlaps generation of the next batch with the update on the current one, so it
-gains most when both take comparable time; on a fixed number of cores it gains only what the in-process
-loop's threads fail to get out of them (the ceiling).
-Timings only mean something on an otherwise idle machine.
-
-Accuracy: held-out greedy accuracy (summary.json base_accuracy and final_accuracy, `--val` problems) of
-the in-process run and of the zmq k=1 run after the same S steps, side by side.
+Accuracy: held-out greedy accuracy (summary.json, `--val` problems) of the in-process and k=1 runs after S steps.
 
 Weight publish (`publish_bench.py`), for two weight sets (the demo model's 3 MiB, and `--publish-mib`
 MiB of synthetic fp32 tensors shaped like a transformer's): `--publish-repeats` times,
@@ -54,8 +49,7 @@ its frames over a ZeroMQ PUSH/PULL pair on 127.0.0.1 + receiving them + `alignrl
 (tensors by name), against a raw ZeroMQ copy of the same bytes: one blob sent with copy=True (ZeroMQ
 copies what it is given) and received. The same blob sent zero-copy is printed too (no copy at all, so no
 snapshot: a lower bound). Each variant is timed in its own blocks of rounds after 3 warm-up rounds, all
-buffers released inside the timing; medians are printed with their ratios, and the medians of the encoder
-and decode alone.
+buffers released inside the timing; medians are printed with their ratios, and those of encode and decode alone.
 
 Targets (printed with PASS/MISS): zmq k=1 >= 1.3x in-process samples/s; publish <= 1.5x the raw ZeroMQ
 copy, for the worse of the two weight sets.
@@ -91,10 +85,12 @@ class Case:
     staleness: int = 0
     samplers: int = 0
     threads: int = 2  # in-process only: torch threads of the one process
+    ref: str = "balance"  # zmq only: pipeline.ref_logprobs
 
 
 CASES = [Case("in-process", "inline"), Case("in-process 1 thread", "inline", threads=1), Case("zmq k=0", "zmq", 0, 1),
-         Case("zmq k=1", "zmq", 1, 1), Case("zmq k=1 x2 samplers", "zmq", 1, 2)]
+         Case("zmq k=1", "zmq", 1, 1), Case("zmq k=1 sampler ref", "zmq", 1, 1, ref="sampler"),
+         Case("zmq k=1 x2 samplers", "zmq", 1, 2)]
 
 
 @dataclass
@@ -173,6 +169,7 @@ def run_case(case: Case, args, model_dir: Path, root: Path, round_no: int = 1) -
             procs.append(spawn(["train", "grpo", *ovr, "trainer.threads=1", "pipeline.placement=zmq",
                                 "pipeline.host=127.0.0.1", f"pipeline.data_port={data_port}",
                                 f"pipeline.sync_port={sync_port}", f"pipeline.max_staleness={case.staleness}",
+                                f"pipeline.ref_logprobs={case.ref}",
                                 f"pipeline.peer_timeout_s={args.timeout}"], 1, logs / f"{slug}.trainer"))
             names.append("trainer")
             for i in range(case.samplers):
@@ -311,12 +308,11 @@ def main() -> int:
         print("samples/s of each round (the table below shows each configuration's median round):")
         for name, rs in runs.items():
             print(f"  {name:<21} " + "  ".join(f"{r.samples_per_s:7.2f}" if r.ok else "FAILED" for r in rs))
-        ins = runs.get("in-process", [])
-        for name in ("zmq k=1",):
-            if name in runs and ins:
+        for name, other in (("zmq k=1", "in-process"), ("zmq k=1", "zmq k=1 sampler ref")):
+            if name in runs and other in runs:
                 paired = [f"{r.samples_per_s / b.samples_per_s:.2f}x" if r.ok and b.ok else "-"
-                          for r, b in zip(runs[name], ins)]
-                print(f"  {name} / in-process of the same round: {'  '.join(paired)}")
+                          for r, b in zip(runs[name], runs[other])]
+                print(f"  {name} / {other} of the same round: {'  '.join(paired)}")
         print()
     head = (f"{'config':<21} {'samples/s':>9} {'vs in-proc':>10} {'s/step':>7} {'gen s':>6} {'train s':>7} "
             f"{'wait s':>7} {'stale':>5} {'publish ms':>10} {'proc wall s':>11}")

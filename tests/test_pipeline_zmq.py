@@ -214,9 +214,6 @@ def test_seed_workers_as_written(tiny_model_dir, tmp_path):
         stop(trainer, worker)
     assert (tmp_path / "grpo_zmq" / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
     assert len(trained_rows(tmp_path / "grpo_zmq")) == 2
-    # each rank computed the reference rows of its own share of the groups (rank 0 logs its 2 x 4 rows)
-    rows = [json.loads(x) for x in (tmp_path / "grpo_zmq" / "logs" / "metrics.jsonl").read_text().splitlines()][1:]
-    assert [r["pipeline/ref_rows_trainer"] for r in rows] == [8.0, 8.0]
 
 
 @pytest.mark.slow
