@@ -1,5 +1,5 @@
 """GRPO samples/s in-process vs the ZeroMQ pipeline (on-policy k=0, asynchronous k=1, k=1 with the
-reference forward on the sampler alone, k=1 with two samplers), the held-out accuracy each way reaches after
+reference forward split by load, k=1 with two samplers), the held-out accuracy each way reaches after
 the same steps, and the weight-publish cost against a raw ZeroMQ copy of the same bytes. One command.
 
     python benchmarks/async_vs_sync.py                      # demo model, 12 steps, 8 prompts x 8, <= 48 tokens
@@ -14,14 +14,14 @@ turn them off).
 Configurations, one after another, each a fresh trainer process (plus sampler processes), and all of them
 again for each of `--rounds` rounds (default 3): this machine's speed drifts by a quarter between minutes,
 so each configuration's median round is what the table reports, beside every round's samples/s and the
-k=1 / in-process and k=1 / k=1-sampler-ref ratios of each round:
+k=1 / in-process and balanced-ref / k=1 ratios of each round:
 
     in-process            `alignrl train grpo`, trainer.threads=2 (generation and training share 2 cores)
     in-process 1 thread   the same with trainer.threads=1: gives the ceiling below
     zmq k=0               trainer (1 thread) + 1 sampler (1 thread), pipeline.max_staleness=0 (on-policy)
     zmq k=1               trainer (1 thread) + 1 sampler (1 thread), pipeline.max_staleness=1
-    zmq k=1 sampler ref   the same with pipeline.ref_logprobs=sampler (seed 004: the sampler runs the whole
-                          reference forward; the other zmq rows split it by load, the default `balance`)
+    zmq k=1 balanced ref  the same with pipeline.ref_logprobs=balance (the reference forward split between
+                          sampler and trainer by load; the other zmq rows leave it to the sampler, the default)
     zmq k=1 x2 samplers   trainer (1 thread) + 2 samplers (1 thread each): 3 threads on 2 cores
 
 OMP_NUM_THREADS is set to each process's thread count.
@@ -85,11 +85,11 @@ class Case:
     staleness: int = 0
     samplers: int = 0
     threads: int = 2  # in-process only: torch threads of the one process
-    ref: str = "balance"  # zmq only: pipeline.ref_logprobs
+    ref: str = "sampler"  # zmq only: pipeline.ref_logprobs
 
 
 CASES = [Case("in-process", "inline"), Case("in-process 1 thread", "inline", threads=1), Case("zmq k=0", "zmq", 0, 1),
-         Case("zmq k=1", "zmq", 1, 1), Case("zmq k=1 sampler ref", "zmq", 1, 1, ref="sampler"),
+         Case("zmq k=1", "zmq", 1, 1), Case("zmq k=1 balanced ref", "zmq", 1, 1, ref="balance"),
          Case("zmq k=1 x2 samplers", "zmq", 1, 2)]
 
 
@@ -308,7 +308,7 @@ def main() -> int:
         print("samples/s of each round (the table below shows each configuration's median round):")
         for name, rs in runs.items():
             print(f"  {name:<21} " + "  ".join(f"{r.samples_per_s:7.2f}" if r.ok else "FAILED" for r in rs))
-        for name, other in (("zmq k=1", "in-process"), ("zmq k=1", "zmq k=1 sampler ref")):
+        for name, other in (("zmq k=1", "in-process"), ("zmq k=1 balanced ref", "zmq k=1")):
             if name in runs and other in runs:
                 paired = [f"{r.samples_per_s / b.samples_per_s:.2f}x" if r.ok and b.ok else "-"
                           for r, b in zip(runs[name], runs[other])]

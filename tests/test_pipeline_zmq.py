@@ -156,7 +156,8 @@ def test_a_killed_trainer_resumes_and_the_sampler_rejoins(tiny_model_dir, tmp_pa
     ports = free_ports(2)
     steps = 8
     args = ["train", "grpo", *overrides(tiny_model_dir, tmp_path, "restart", steps, ports, "pipeline.placement=zmq",
-                                        "pipeline.max_staleness=1", "pipeline.peer_timeout_s=120")]
+                                        "pipeline.max_staleness=1", "pipeline.peer_timeout_s=120",
+                                        "pipeline.ref_logprobs=balance")]
     run = tmp_path / "restart"
     tracker = run / "checkpoints" / "latest_checkpointed_iteration.txt"
     trainer, worker = spawn(*args), sampler(tiny_model_dir, ports)

@@ -220,10 +220,10 @@ class PipelineConfig:
                                        "trainer, before stopping with a one-line error", gt=0.0)
     hwm: int = opt(2, "zmq: batches queued per socket at most (bounds memory)", ge=1)
     bucket_mb: int = opt(32, "zmq: weight frames of about this size", ge=1)
-    ref_logprobs: str = opt("balance", "zmq: who runs the frozen reference forward of a KL term: sampler (all of it, "
-                                       "as seed 004), trainer (all of it; samplers hold no reference), or balance "
-                                       "(with max_staleness >= 1, split by prompt groups toward the side that waits; "
-                                       "with max_staleness=0, as sampler)",
+    ref_logprobs: str = opt("sampler", "zmq: who runs the frozen reference forward of a KL term: sampler (all of it, "
+                                       "as seed 004), trainer (all of it; samplers hold no reference model), or "
+                                       "balance (with max_staleness >= 1, split by prompt groups toward the side that "
+                                       "waits; with max_staleness=0, as sampler)",
                             choices=("sampler", "trainer", "balance"))
 
 

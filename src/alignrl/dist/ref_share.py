@@ -1,12 +1,13 @@
 """Who runs the frozen reference forward of a KL term in the ZeroMQ placement (pipeline.ref_logprobs).
 
-Either side can do it: the sampler has the rollout in hand (seed 004 sends `ref_policy_log_probs`), and the
-trainer has the batch before it trains. Asynchronous training (max_staleness >= 1) is as fast as its slower
-side, so under `balance` the sampler computes the reference log-probs of the first `groups` prompt groups of
-each batch and the trainer those of the rest; after each step `groups` moves one group toward the side that
-waited less. On two shared CPU cores the one-thread sampler otherwise sets the pace (generation plus the
-whole reference forward) while the trainer idles. Strictly on-policy (max_staleness=0) the two sides take
-turns, so moving work between them gains nothing: `balance` then leaves it all to the sampler.
+Either side can do it: the sampler has the rollout in hand (seed 004 sends `ref_policy_log_probs`, the
+default), and the trainer has the batch before it trains (`trainer`: a sampler then holds no reference model,
+as when it is an inference engine that serves only generation). Asynchronous training (max_staleness >= 1)
+is as fast as its slower side, so under `balance` the sampler computes the reference log-probs of the first
+`groups` prompt groups of each batch and the trainer those of the rest; after each step `groups` moves one
+group toward the side that waited less: for a sampler slower than its trainer on hardware of its own.
+Strictly on-policy (max_staleness=0) the two sides take turns, so moving work between them gains nothing:
+`balance` then leaves it all to the sampler.
 
 The rows travel as a prefix: a batch's `ref_logprobs` holds the first K rows (K <= B), and since prompt
 groups are contiguous, every rank's contiguous share of the groups holds a prefix of its own rows too.
