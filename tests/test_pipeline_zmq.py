@@ -269,13 +269,12 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     try:
-        wrong = sampler(other, ports)
-        procs.append(wrong)
+        # the two refused samplers start side by side
+        wrong, nobody = sampler(other, ports), sampler(tiny_model_dir, [ports[0], ports[2]], "--peer-timeout", "3")
+        procs += [wrong, nobody]
         _, err = wrong.communicate(timeout=120)
         assert wrong.returncode == 2 and "Traceback" not in err
         assert len(err.strip().splitlines()) == 1 and "trainer's --model-path" in err, err
-        nobody = sampler(tiny_model_dir, [ports[0], ports[2]], "--peer-timeout", "3")
-        procs.append(nobody)
         _, err = nobody.communicate(timeout=120)
         assert nobody.returncode == 2 and "no trainer answered" in err and len(err.strip().splitlines()) == 1, err
         push.connect(f"tcp://127.0.0.1:{ports[0]}")
