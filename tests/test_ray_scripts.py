@@ -81,7 +81,11 @@ def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
         follow = {job_id: subprocess.Popen(["ray", "job", "logs", address, "--follow", job_id], env=base,
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                   for job_id in jobs}
-        logs = {job_id: p.communicate(timeout=300)[0] for job_id, p in follow.items()}
+        try:
+            logs = {job_id: p.communicate(timeout=300)[0] for job_id, p in follow.items()}
+        finally:
+            for p in follow.values():
+                p.kill()
         for job_id in jobs:
             status = run(["ray", "job", "status", address, job_id], base)
             assert f"Job '{job_id}' succeeded" in status.stdout, (status.stdout + status.stderr + logs[job_id])[-3000:]

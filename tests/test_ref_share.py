@@ -7,9 +7,10 @@ import torch
 from alignrl.algos.producer import LocalRefScorer, RolloutMaker
 from alignrl.config import load_config
 from alignrl.data.records import ScoredBatch, Scores
-from alignrl.dist.coordinator import shard_groups
+from alignrl.dist.coordinator import PipelineError, shard_groups
 from alignrl.dist.env import DistEnv
 from alignrl.dist.records_wire import from_wire, to_wire
+from alignrl.dist.sampler import ref_groups
 from alignrl.dist.ref_share import RefShare, sampler_needs_ref, trainer_needs_ref
 from alignrl.dist.wire import Message, WireError
 from alignrl.interfaces import SamplingParams
@@ -49,7 +50,7 @@ def test_who_holds_a_reference():
     assert not trainer_needs_ref(cfg("balance", 0))  # on-policy, the sides take turns: nothing to balance
 
 
-def test_balance_moves_one_group_toward_the_side_that_waits_less():
+def test_balance_moves_a_group_to_the_side_that_waited_more():
     share = RefShare(cfg("balance"), ref=None)
     assert share.groups == GROUPS  # starts as seed 004: the sampler computes it all
     share.row_s = 0.01  # one group's forward: 0.02 s, the dead band
@@ -104,6 +105,11 @@ def test_bad_reference_rows_get_one_line(made):
         from_wire(Message("scored_batch", meta, tensors))
     partial = batch_with(ro, torch.zeros(N, ro.response_ids.shape[1]))
     with pytest.raises(WireError, match="2 of 8 rows under pipeline.ref_logprobs=sampler"):
-        RefShare(cfg("sampler"), ref=None).complete(partial)
+        RefShare(cfg("sampler"), ref=None).check(partial)  # on the whole batch: every rank raises
+    RefShare(cfg("balance"), ref).check(partial)  # a trainer with a reference completes it
+    for bad in (-1, GROUPS + 1, 2 ** 64, "3", 1.5):
+        with pytest.raises(PipelineError, match="reference log-probs of .* prompt groups"):
+            ref_groups({"ref_groups": bad}, GROUPS)
+    assert ref_groups({}, GROUPS) is None and ref_groups({"ref_groups": 0}, GROUPS) == 0
     none_needed = RefShare(cfg("balance", 1, "actor.use_kl_loss=false"), ref=None)
     assert none_needed.complete(batch_with(ro, None))[0].ref_logprobs is None

@@ -147,6 +147,7 @@ class Coordinator:
             frames = broadcast_frames(frames, self.env)
         msg = decode(frames, self.token)
         batch = from_wire(msg)
+        self.ref_share.check(batch)
         waited, sampler_wait = time.perf_counter() - t0, float(msg.meta.get("wait_s", 0.0))
         with self.lock:
             depth = len(self.dispatcher.outstanding) if self.dispatcher else 0
@@ -158,7 +159,7 @@ class Coordinator:
             self._log_rows(step, batch, msg.meta.get("lease"))
         batch.metrics.update({"pipeline/staleness": float(staleness), "pipeline/trainer_wait_s": waited,
                               "pipeline/sampler_wait_s": sampler_wait,
-                              "pipeline/ref_groups_sampler": float(self.ref_share.groups),
+                              "pipeline/ref_groups_sampler": float(self.ref_share.groups),  # the next lease's
                               "pipeline/queue_depth": float(depth),
                               "pipeline/publish_s": self.board.publish_s,
                               **{f"pipeline/{k}": float(v) for k, v in self.counters.items()},

@@ -4,8 +4,8 @@ Either side can do it: the sampler has the rollout in hand (seed 004 sends `ref_
 default), and the trainer has the batch before it trains (`trainer`: a sampler then holds no reference model,
 as when it is an inference engine that serves only generation). Asynchronous training (max_staleness >= 1)
 is as fast as its slower side, so under `balance` the sampler computes the reference log-probs of the first
-`groups` prompt groups of each batch and the trainer those of the rest; after each step `groups` moves one
-group toward the side that waited less: for a sampler slower than its trainer on hardware of its own.
+`groups` prompt groups of each batch and the trainer those of the rest; after each step one group's reference
+forward moves to the side that waited more: for a sampler slower than its trainer on hardware of its own.
 Strictly on-policy (max_staleness=0) the two sides take turns, so moving work between them gains nothing:
 `balance` then leaves it all to the sampler.
 
@@ -49,8 +49,8 @@ class RefShare:
         self.row_s = 0.0  # seconds of one row's reference forward here (0 until measured)
 
     def observe(self, trainer_wait: float, sampler_wait: float) -> None:
-        """Moves one group toward the side that waited less, when the waits differ by more than a group's
-        forward (a dead band: noise alone should not move the split)."""
+        """Moves one group's reference forward to the side that waited more, when the waits differ by more
+        than a group's forward (a dead band: noise alone should not move the split)."""
         if not self.moves:
             return
         band = self.row_s * self.per_group
@@ -59,8 +59,17 @@ class RefShare:
         elif sampler_wait > trainer_wait + band:
             self.groups = min(self.total, self.groups + 1)
 
+    def check(self, batch: ScoredBatch) -> None:
+        """Before the batch is split among ranks (so that every rank raises together): WireError if it lacks
+        reference rows that this trainer has no reference to compute."""
+        k = 0 if batch.ref_logprobs is None else len(batch.ref_logprobs)
+        if self.needed and self.ref is None and k < len(batch):
+            raise WireError(f"a sampler sent reference log-probs for {k} of {len(batch)} rows under "
+                            "pipeline.ref_logprobs=sampler: run the same alignrl version on both sides")
+
     def complete(self, batch: ScoredBatch) -> tuple[ScoredBatch, dict[str, float]]:
-        """`batch` with the reference log-probs of every row: the rows the sampler left are computed here."""
+        """`batch` (this rank's share, `check`ed whole) with the reference log-probs of every row: the rows
+        the sampler left are computed here. `pipeline/ref_rows_trainer` counts this rank's."""
         if not self.needed:
             return batch, {}
         ro, have = batch.rollout, batch.ref_logprobs
@@ -68,9 +77,6 @@ class RefShare:
         metrics = {"pipeline/ref_rows_trainer": float(b - k)}
         if k == b:
             return batch, metrics
-        if self.ref is None:
-            raise WireError(f"a sampler sent reference log-probs for {k} of {b} rows under "
-                            "pipeline.ref_logprobs=sampler: run the same alignrl version on both sides")
         t0 = time.perf_counter()
         rest = self.ref.logprobs(ro.prompt_ids[k:], ro.prompt_mask[k:], ro.response_ids[k:], ro.response_mask[k:])
         seconds = time.perf_counter() - t0

@@ -114,8 +114,9 @@ class Sampler:
         train, _ = load_task_data(cfg)
         rows = PromptData(self.tokenizer, train, cfg.data.max_prompt_length)
         engine = with_tools(cfg, HFRolloutEngine(self.model, self.tokenizer), self.tokenizer)
-        # a frozen copy of the base weights, unless the trainer runs the whole reference forward
-        ref = build_ref(cfg, self.model, cfg.model.path, self.device) if sampler_needs_ref(cfg) else None
+        # the base weights in model.dtype, loaded as the trainer loads its own (this policy copy holds the dtypes
+        # the trainer publishes in), unless the trainer runs the whole reference forward
+        ref = build_ref(cfg, None, None, self.device) if sampler_needs_ref(cfg) else None
         maker = build_maker(cfg, engine, self.tokenizer, ref, SINGLE)
         push = Pusher(address(self.args.host, self.args.data_port), hwm=cfg.pipeline.hwm, token=self.token)
         console.print(f"sampler {self.id}: connected to {self.sync.addr}; making batches of "
@@ -140,9 +141,8 @@ class Sampler:
                 time.sleep(float(reply.meta.get("retry_s", 0.05)))
                 waited += time.perf_counter() - t0
                 continue
-            groups = reply.meta.get("ref_groups")
             batch = maker.make(int(reply.meta["number"]), list(reply.meta["rows"]), rows, self.version,
-                               ref_groups=groups if isinstance(groups, int) else None)
+                               ref_groups=ref_groups(reply.meta, cfg.data.train_batch_size))
             batch.sampler_id = self.id
             meta, tensors = to_wire(batch, self.tokenizer, lease=reply.meta["lease"], wait_s=waited)
             try:
@@ -150,6 +150,17 @@ class Sampler:
                 made, waited = made + 1, 0.0
             except PeerTimeout as e:  # the trainer is gone: its lease dies with it; ask the next one for work
                 console.print(f"[yellow]sampler {self.id}: batch dropped: {e}[/yellow]")
+
+
+def ref_groups(lease: dict, groups: int) -> int | None:
+    """The prompt groups whose reference log-probs the lease asks of this sampler (None: all of them)."""
+    n = lease.get("ref_groups")
+    if n is None:
+        return None
+    if type(n) is not int or not 0 <= n <= groups:
+        raise PipelineError(f"the trainer's lease asks for the reference log-probs of {n!r} prompt groups of "
+                            f"{groups}: run the same alignrl version on both sides")
+    return n
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
