@@ -39,9 +39,8 @@ def one_process_step(model_dir, layout: Layout):
     class Args:
         strategy, zero_stage = "single", 2
 
-    Args.share_prompt = layout.share_prompt
     torch.manual_seed(0)
-    engine, exp = engine_worker.make_engine(Args, SINGLE, str(model_dir))
+    engine, exp = engine_worker.make_engine(Args, SINGLE, str(model_dir), layout.share_prompt)
     engine_worker.update(engine, exp, SINGLE, layout)
     before = engine_worker.make_engine(Args, SINGLE, str(model_dir))[0].full_state_dict()
     return before, engine.full_state_dict()

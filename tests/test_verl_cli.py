@@ -192,7 +192,7 @@ def test_the_no_grad_forwards_run_in_logprob_micro_batches(tiny_model_dir):
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "actor.ppo_micro_batch_size=8",
                              "actor.logprob_micro_batch_size=3", "actor.use_kl_loss=true"])
     model, _ = load_model(cfg.model.path)
-    scorer = build_ref(cfg, model, cfg.model.path, torch.device("cpu"))
+    scorer = build_ref(cfg, torch.device("cpu"), model)
     rows = []
     scorer.model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
     ids = torch.randint(3, 50, (7, 4))

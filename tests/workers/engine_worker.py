@@ -53,10 +53,10 @@ def local_share(exp: Experience, env) -> Experience:
     return exp.select(torch.tensor(shard(list(range(GLOBAL_BATCH)), env)))
 
 
-def make_engine(args, env, path):
+def make_engine(args, env, path, shared: bool = False):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False
-    exp = fixed_batch(model, getattr(args, "share_prompt", False))
+    exp = fixed_batch(model, shared)
     # Adam's first step is lr·g/(|g|+eps): with the default eps a gradient element near 1e-8 turns a
     # last-bit difference in reduction order into an lr-sized one. A larger eps keeps the comparison
     # about the gradients the backends computed, not about float summation order.
@@ -89,8 +89,7 @@ def main() -> int:
     out = Path(args.out)
     if args.mode == "step":  # several steps in one launch: a torchrun's start-up costs more than a step
         for name in args.layouts.split(","):
-            args.share_prompt = LAYOUTS[name].share_prompt
-            engine, exp = make_engine(args, env, args.model)
+            engine, exp = make_engine(args, env, args.model, LAYOUTS[name].share_prompt)
             update(engine, exp, env, LAYOUTS[name])
             save_weights(engine.full_state_dict(), env, out, f"weights_{name}.safetensors")
         shutdown()

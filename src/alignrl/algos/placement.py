@@ -74,16 +74,15 @@ def service_args(cfg: RunConfig) -> dict:
             "api_key": os.environ.get("ALIGNRL_API_KEY")}
 
 
-def build_ref(cfg: RunConfig, model, policy_path: str | None, device: torch.device) -> RefScorer | None:
-    """The reference service when configured, else a frozen copy of the base model (`model` when it was
-    loaded from the base path, else loaded here); None when no KL term needs it."""
+def build_ref(cfg: RunConfig, device: torch.device, base=None) -> RefScorer | None:
+    """The reference service when configured, else a frozen copy of the base model: `base` when the caller
+    already loaded model.path (in model.dtype), else loaded here. None when no KL term needs it."""
     if not needs_reference(cfg):
         return None
     if cfg.services.reference_url:
         return RemoteRefScorer(cfg.services.reference_url, temperature=cfg.rollout.temperature, **service_args(cfg))
-    # the reference is the base model, not a checkpoint
-    base = (model if model is not None and policy_path == cfg.model.path else
-            load_model(cfg.model.path, cfg.model.dtype)[0])
+    if base is None:
+        base = load_model(cfg.model.path, cfg.model.dtype)[0]
     return LocalRefScorer(frozen_copy(base).to(device), cfg.rollout.temperature, cfg.actor.forward_micro_batch,
                           forward_layout(cfg))
 
@@ -221,7 +220,8 @@ def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: Dis
     reference from the base `cfg.model.path`."""
     model, tokenizer = load_model(policy_path, cfg.model.dtype, log=console.print)
     inline = producers is None
-    ref = build_ref(cfg, model, policy_path, env.device) if inline else None
+    # the reference is the base model, not a checkpoint
+    ref = build_ref(cfg, env.device, model if policy_path == cfg.model.path else None) if inline else None
     remote = bool(cfg.services.generation_url) and inline
     # a full copy for generation / evaluation when the engine keeps only a shard (copied before sharding)
     copy = frozen_copy(model).to(env.device) if shards_weights(cfg, env) and not remote else None

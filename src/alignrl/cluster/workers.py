@@ -107,12 +107,9 @@ class RefWorker(Worker):
 
     def __init__(self, cfg_text: str, local_rank: int, threads: int):
         from alignrl.algos.placement import build_ref
-        from alignrl.models.loader import load_model
 
         super().__init__(threads)
-        cfg = config_of(cfg_text)
-        model, _ = load_model(cfg.model.path, cfg.model.dtype)
-        self.scorer = build_ref(cfg, model, cfg.model.path, device_for(local_rank))
+        self.scorer = build_ref(config_of(cfg_text), device_for(local_rank))
 
     def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
         dev = next(self.scorer.model.parameters()).device
@@ -145,7 +142,6 @@ class RolloutWorker(Worker):
                  reward_workers: list, engine: str = "hf", tp: int = 1, gpu_memory_utilization: float = 0.6):
         from alignrl.algos.placement import build_ref
         from alignrl.algos.runner import PromptData, load_task_data
-        from alignrl.algos.trainer import needs_reference
         from alignrl.cluster.channel import RayRefScorer
         from alignrl.models.loader import load_model
 
@@ -166,10 +162,8 @@ class RolloutWorker(Worker):
         if ref_workers:
             self.ref = RayRefScorer(ref_workers)
         else:
-            base = model  # a vLLM engine holds no HF copy: load one only if the reference is frozen here
-            if base is None and needs_reference(cfg) and not cfg.services.reference_url:
-                base = load_model(cfg.model.path, cfg.model.dtype)[0]
-            self.ref = build_ref(cfg, base, cfg.model.path, self.device)
+            # a vLLM engine holds no HF copy (model None): build_ref loads one if the reference is frozen here
+            self.ref = build_ref(cfg, self.device, model)
         self.reward_workers = reward_workers
         self.rows = PromptData(self.tokenizer, load_task_data(cfg)[0], cfg.data.max_prompt_length)
         self.makers: dict[int, object] = {}

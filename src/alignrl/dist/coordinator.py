@@ -110,7 +110,7 @@ class Coordinator:
         self.trainer, self.env = trainer, env
         self.dispatcher = Dispatcher(sampler, self.p.max_staleness, self.p.lease_timeout_s, self.incarnation)
         # the trainer's own frozen reference, for the rows samplers leave to it (pipeline.ref_logprobs)
-        self.ref_share = RefShare(self.cfg, build_ref(self.cfg, None, None, env.device)
+        self.ref_share = RefShare(self.cfg, build_ref(self.cfg, env.device)
                                   if trainer_needs_ref(self.cfg) else None)
         if env.is_main:
             self.puller = Puller(self.p.host, self.p.data_port, hwm=self.p.hwm, token=self.token)

@@ -116,7 +116,7 @@ class Sampler:
         engine = with_tools(cfg, HFRolloutEngine(self.model, self.tokenizer), self.tokenizer)
         # the base weights in model.dtype, loaded as the trainer loads its own (this policy copy holds the dtypes
         # the trainer publishes in), unless the trainer runs the whole reference forward
-        ref = build_ref(cfg, None, None, self.device) if sampler_needs_ref(cfg) else None
+        ref = build_ref(cfg, self.device) if sampler_needs_ref(cfg) else None
         maker = build_maker(cfg, engine, self.tokenizer, ref, SINGLE)
         push = Pusher(address(self.args.host, self.args.data_port), hwm=cfg.pipeline.hwm, token=self.token)
         console.print(f"sampler {self.id}: connected to {self.sync.addr}; making batches of "
