@@ -71,3 +71,20 @@ def test_a_request_parked_too_long_is_answered_wait(served, monkeypatch):
         reply = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=5)
         assert reply.kind == "wait" and reply.meta["retry_s"] == 0.0
         assert 0.15 <= time.monotonic() - t0 < 1.0  # the serve loop re-checks parked requests at least every 0.2 s
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_only_a_finished_run_tells_samplers_it_is_over(served, finished):
+    """close(finished=True) answers samplers "done" for a few seconds, and they exit; a run that stopped early
+    (an error, Ctrl-C) answers nothing, so that they wait for the restarted trainer as after a kill -9."""
+    from alignrl.dist.zmq_link import PeerTimeout
+
+    served.say_done = finished
+    served.stop.set()
+    with Requester(served.replier.addr) as req:
+        ask = {"sampler_id": "s", "incarnation": "i", "version": 0}
+        if finished:
+            assert req.request("work", ask, timeout_s=5).kind == "done"
+        else:
+            with pytest.raises(PeerTimeout):
+                req.request("work", ask, timeout_s=1)

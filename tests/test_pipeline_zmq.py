@@ -151,8 +151,10 @@ def test_a_killed_sampler_loses_nothing(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_a_killed_trainer_resumes_and_the_sampler_rejoins(tiny_model_dir, tmp_path):
-    """The trainer is killed after a checkpoint; the sampler waits; the restarted trainer resumes from its
-    checkpoint, the sampler gets its weights, and the logged steps train each prompt exactly once."""
+    """The trainer is stopped twice after a checkpoint, by Ctrl-C (one line, exit 130) and then by kill -9;
+    the sampler waits through both (an interrupted run does not tell it the run is over); each restarted
+    trainer resumes from its checkpoint, the sampler gets its weights, and the logged steps train each prompt
+    exactly once."""
     ports = free_ports(2)
     steps = 8
     args = ["train", "grpo", *overrides(tiny_model_dir, tmp_path, "restart", steps, ports, "pipeline.placement=zmq",
@@ -160,20 +162,33 @@ def test_a_killed_trainer_resumes_and_the_sampler_rejoins(tiny_model_dir, tmp_pa
                                         "pipeline.ref_logprobs=balance")]
     run = tmp_path / "restart"
     tracker = run / "checkpoints" / "latest_checkpointed_iteration.txt"
-    trainer, worker = spawn(*args), sampler(tiny_model_dir, ports)
+    procs = [spawn(*args), sampler(tiny_model_dir, ports)]
+    worker = procs[1]
     try:
         wait_for(tracker.exists, 240, "the first checkpoint")
-        os.killpg(trainer.pid, signal.SIGKILL)
-        trainer.wait(timeout=30)
+        os.kill(procs[0].pid, signal.SIGINT)
+        _, err = procs[0].communicate(timeout=60)
+        assert procs[0].returncode == 130 and "Traceback" not in err, err[-3000:]
+        assert err.strip().splitlines()[-1].startswith("alignrl: interrupted"), err[-3000:]
+        interrupted_at = int(tracker.read_text())
+        procs.append(spawn(*args))
+
+        def resumed() -> bool:
+            assert worker.poll() is None, "the sampler left with the interrupted trainer"
+            return int(tracker.read_text()) > interrupted_at
+
+        wait_for(resumed, 240, "a checkpoint after the resume")
+        os.killpg(procs[2].pid, signal.SIGKILL)
+        procs[2].wait(timeout=30)
         killed_at = int(tracker.read_text())
-        assert killed_at < steps
-        again = spawn(*args)
-        out, err = again.communicate(timeout=400)
-        assert again.returncode == 0, err[-3000:]
+        assert interrupted_at < killed_at < steps
+        procs.append(spawn(*args))
+        out, err = procs[3].communicate(timeout=400)
+        assert procs[3].returncode == 0, err[-3000:]
         assert f"(step {killed_at})" in out
         assert worker.wait(timeout=60) == 0
     finally:
-        stop(trainer, worker, *([again] if "again" in dir() else []))
+        stop(*procs)
     assert_each_row_once(run, steps)
     # pipeline.ref_logprobs=balance: the trainer computes the reference rows of whole prompt groups (n=4)
     rows = [json.loads(x) for x in (run / "logs" / "metrics.jsonl").read_text().splitlines()][1:]
@@ -244,8 +259,9 @@ def test_run_distributed_with_a_two_rank_deepspeed_trainer(tiny_model_dir, tmp_p
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
-    """A sampler with another model is refused in one line; garbage and a peer of another protocol version
-    on the data port are counted and skipped; a sampler pointed at a port with no trainer stops in one line;
+    """A sampler with another model is refused in one line; a second trainer (two ranks) on the same ports
+    stops in one line; garbage and a peer of another protocol version on the data port are counted and
+    skipped; a sampler pointed at a port with no trainer stops in one line;
     the run then completes with a good sampler. The trainer is DeepSpeed in bf16 mode under model.dtype=float32,
     so it publishes bf16 weights: the sampler loads the model in fp32 and takes the trainer's dtypes from its
     welcome (a dtype is a run setting, not another model)."""
@@ -275,6 +291,13 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
         _, err = wrong.communicate(timeout=120)
         assert wrong.returncode == 2 and "Traceback" not in err
         assert len(err.strip().splitlines()) == 1 and "trainer's --model-path" in err, err
+        # the trainer holds its ports now: a second one on two ranks stops, both ranks, with rank 0's one line
+        twin = spawn("train", "grpo", "--nproc", "2", *overrides(tiny_model_dir, tmp_path, "twin", 2, ports,
+                                                                 "pipeline.placement=zmq"))
+        procs.append(twin)
+        _, err = twin.communicate(timeout=120)
+        assert twin.returncode == 2 and len(err.strip().splitlines()) == 1, err[-3000:]
+        assert f"port {ports[0]} on 127.0.0.1 is in use" in err, err
         _, err = nobody.communicate(timeout=120)
         assert nobody.returncode == 2 and "no trainer answered" in err and len(err.strip().splitlines()) == 1, err
         push.connect(f"tcp://127.0.0.1:{ports[0]}")

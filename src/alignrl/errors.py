@@ -1,6 +1,7 @@
 """The exception types that mean "the user's input is wrong" (a config, data file, model folder, reward
-function, service, DeepSpeed config, or a pipeline peer that is absent or speaks nonsense): every command line
-prints them as one line and exits 2, never a traceback. Imported lazily: the modules that define them pull in torch."""
+function, service, DeepSpeed config, a pipeline peer that is absent or speaks nonsense, a pipeline port that is
+taken or unsafe to bind): every command line prints them as one line and exits 2, never a traceback. Imported
+lazily: the modules that define them pull in torch."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ def user_errors() -> tuple[type[Exception], ...]:
     from alignrl.config import ConfigError
     from alignrl.data.loaders import DataError
     from alignrl.dist.coordinator import PipelineError
+    from alignrl.dist.zmq_link import InsecureBind, PortInUse
     from alignrl.models.loader import ModelError
     from alignrl.rewards.registry import RewardError
     from alignrl.rollout.remote import ServiceError
     from alignrl.serve.weights import WireError
     from alignrl.train.engines.deepspeed import DeepSpeedConfigError
 
-    return ConfigError, DataError, ModelError, RewardError, ServiceError, DeepSpeedConfigError, PipelineError, WireError
+    return (ConfigError, DataError, ModelError, RewardError, ServiceError, DeepSpeedConfigError, PipelineError,
+            WireError, PortInUse, InsecureBind)

@@ -62,7 +62,9 @@ class BatchSource(Protocol):
 
     def load_state_dict(self, state: dict) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, finished: bool) -> None:
+        """The loop is over: `finished` when it trained every step, False when it stopped early (an
+        error, an interrupt), so that producers in other processes wait for a restarted trainer."""
 
 
 class WeightSink(Protocol):

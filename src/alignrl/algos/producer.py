@@ -206,5 +206,5 @@ class InlineSource:
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
 
-    def close(self) -> None:
+    def close(self, finished: bool) -> None:
         pass

@@ -175,6 +175,7 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     total = cfg.trainer.total_training_steps
     columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeRemainingColumn()]
+    finished = False
     try:
         with Progress(*columns, console=console, disable=not cfg.trainer.progress_bar) as bar:
             task = bar.add_task("GRPO", total=total, completed=start_step)
@@ -190,8 +191,9 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
                 if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or step == total:
                     checkpoint(step)
                 bar.update(task, completed=step)
-    finally:  # samplers are told the run is over (or stopped), and the ports are freed
-        source.close()
+        finished = True
+    finally:  # samplers are told the run is over, or left waiting for a restarted trainer; the ports are freed
+        source.close(finished)
     if not env.is_main:
         tracker.close()
         return None

@@ -26,12 +26,12 @@ from alignrl.config import RunConfig
 from alignrl.data.records import ScoredBatch
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist.dispatch import Dispatcher
-from alignrl.dist.env import DistEnv, barrier, broadcast_frames
+from alignrl.dist.env import DistEnv, all_reduce_sum, barrier, broadcast_frames
 from alignrl.dist.records_wire import from_wire
 from alignrl.dist.ref_share import RefShare, trainer_needs_ref
 from alignrl.dist.weights_wire import WeightsEncoder
 from alignrl.dist.wire import WireError, decode, manifest_of
-from alignrl.dist.zmq_link import Puller, Replier, token_from_env
+from alignrl.dist.zmq_link import InsecureBind, PortInUse, Puller, Replier, token_from_env
 from alignrl.train.actor import Actor
 from alignrl.train.checkpoint import atomic_write_text
 from alignrl.utils.tracking import console
@@ -84,6 +84,7 @@ class Coordinator:
         self.lock = threading.Lock()
         self.incarnation = uuid.uuid4().hex[:8]
         self.stop = threading.Event()
+        self.say_done = True  # close(): whether samplers are told the run is over
         self.dispatcher: Dispatcher | None = None
         self.ref_share: RefShare | None = None
         self.board: WeightBoard | None = None
@@ -91,6 +92,7 @@ class Coordinator:
         self.staleness_hist: dict[int, int] = {}
         self.env: DistEnv | None = None
         self.started, self.thread = False, None
+        self.puller: Puller | None = None
         self.replier: Replier | None = None
         self.parked: dict[bytes, tuple[dict, float]] = {}  # work requests waiting for a lease (sync thread)
         self.delivered = 0  # steps this trainer has received batches for (resumed from checkpoints)
@@ -112,12 +114,25 @@ class Coordinator:
         # the trainer's own frozen reference, for the rows samplers leave to it (pipeline.ref_logprobs)
         self.ref_share = RefShare(self.cfg, build_ref(self.cfg, env.device)
                                   if trainer_needs_ref(self.cfg) else None)
-        if env.is_main:
+        failed = self._bind() if env.is_main else None
+        # rank 0 alone binds: the others learn here that it could not, and stop with it instead of failing at
+        # the next collective with gloo's "connection closed" traceback
+        if all_reduce_sum(env, [float(failed is not None)])[0]:
+            raise failed or PipelineError("rank 0 could not bind the pipeline's ports (its error says why)")
+        return self
+
+    def _bind(self) -> Exception | None:
+        """Binds the data and sync ports; a taken port or an unsafe host comes back as the error to raise."""
+        try:
             self.puller = Puller(self.p.host, self.p.data_port, hwm=self.p.hwm, token=self.token)
             self.replier = Replier(self.p.host, self.p.sync_port, token=self.token)
-            console.print(f"pipeline: waiting for samplers on {self.puller.addr} (data) and {self.replier.addr} "
-                          f"(sync), max_staleness={self.p.max_staleness}")
-        return self
+        except (PortInUse, InsecureBind) as e:
+            if self.puller is not None:
+                self.puller.close()
+            return e
+        console.print(f"pipeline: waiting for samplers on {self.puller.addr} (data) and {self.replier.addr} "
+                      f"(sync), max_staleness={self.p.max_staleness}")
+        return None
 
     def _start(self) -> None:
         """Publish the starting weights (after any resume) and begin answering samplers."""
@@ -127,10 +142,13 @@ class Coordinator:
             self.thread = threading.Thread(target=self._serve, name="alignrl-sync", daemon=True)
             self.thread.start()
 
-    def close(self) -> None:
-        """Tell samplers the run is over (they ask within a second or two), then release the ports."""
+    def close(self, finished: bool) -> None:
+        """Releases the ports. A finished run first tells samplers it is over (they ask within a second or
+        two) and they exit; a run that stopped early (an error, Ctrl-C) says nothing, so that samplers wait
+        for the restarted trainer (up to their --peer-timeout) as they do after a kill -9."""
         if self.thread is None:
             return
+        self.say_done = finished
         self.stop.set()
         self.thread.join(timeout=10)
         self.puller.close()
@@ -232,8 +250,8 @@ class Coordinator:
         done_until = None
         while True:
             if self.stop.is_set():
-                done_until = done_until or time.monotonic() + 3.0  # keep saying "done" a little while
-                if time.monotonic() > done_until:
+                done_until = done_until or time.monotonic() + (3.0 if self.say_done else 0.0)
+                if time.monotonic() > done_until:  # a finished run says "done" a little while
                     return
             try:
                 got = self.replier.recv(0.2)
@@ -271,8 +289,9 @@ class Coordinator:
         bound allows no lease, the request is parked (False) and answered as soon as the next publish
         frees one, instead of the sampler sleeping and asking again: that sleep was a bubble in every
         step of a balanced pipeline. After PARK_S it is answered "wait", well within the sampler's timeout."""
-        if self.stop.is_set():
-            self.replier.reply_msg(peer, "done", {})
+        if self.stop.is_set():  # unanswered when the run stopped early: the sampler asks the next trainer
+            if self.say_done:
+                self.replier.reply_msg(peer, "done", {})
             return True
         with self.lock:
             have = (meta.get("incarnation"), meta.get("version"))
