@@ -93,7 +93,7 @@ def steps_logged(run: Path) -> int:
     return len(path.read_text().splitlines()) - 1 if path.is_file() else 0
 
 
-def assert_each_row_once(run: Path, steps: int, batch: int = 4):
+def assert_each_row_once(run: Path, steps: int, batch: int = 4, size: int = 64):
     """Exact accounting: the rows the trainer's data order drew (epoch after epoch) are the rows it trained
     plus the rows its final checkpoint still owes (leases outstanding at the end), each exactly once."""
     from collections import Counter
@@ -106,9 +106,9 @@ def assert_each_row_once(run: Path, steps: int, batch: int = 4):
     assert len(trained_rows(run)) == steps and len(trained) == steps * batch
     state = torch.load(run / "checkpoints" / f"global_step_{steps}" / "trainer_state.pt", weights_only=False)
     dispatch = state["source"]["dispatch"]
-    order = BatchSampler(64, batch, seed=0)
+    order = BatchSampler(size, batch, seed=0)
     pos = dispatch["sampler"]
-    drawn = [r for _ in range(pos["epoch"] * (64 // batch) + pos["offset"] // batch) for r in order.next()]
+    drawn = [r for _ in range(pos["epoch"] * (size // batch) + pos["offset"] // batch) for r in order.next()]
     owed = [r for rows in dispatch["requeue"] for r in rows]
     assert Counter(trained) + Counter(owed) == Counter(drawn), "a prompt was trained twice or lost"
 
@@ -232,28 +232,58 @@ def test_seed_workers_as_written(tiny_model_dir, tmp_path):
     assert len(trained_rows(tmp_path / "grpo_zmq")) == 2
 
 
+@pytest.mark.parametrize("argv, said", [(["--training-gpus", "a,b"], "--training-gpus 'a,b': give comma-separated"),
+                                        (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
+                                        (["--bogus", "1"], "unrecognized arguments: --bogus 1")])
+def test_run_distributed_names_a_bad_flag_before_starting_anything(argv, said, capsys, monkeypatch):
+    """The trainer's flags too are checked by run_distributed.py itself, in its own name, before it starts
+    the sampler and the trainer (no process is started: Popen would raise here)."""
+    from alignrl.dist import seed004
+
+    monkeypatch.setattr(seed004.subprocess, "Popen", None)
+    with pytest.raises(SystemExit) as e:
+        seed004.launcher_main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"run_distributed.py: error: {said}"), err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_run_distributed_with_a_two_rank_deepspeed_trainer(tiny_model_dir, tmp_path):
     """run_distributed.py: one sampler and a 2-rank DeepSpeed ZeRO-2 trainer (on CPU the listed ids are process
     counts); rank 0 receives each batch and scatters it, and publishes the weights it holds whole. Each rank
-    runs the reference forward of its share (pipeline.ref_logprobs=trainer)."""
-    proc = _root_script("run_distributed.py", "--sampling-gpu", "0", "--training-gpus", "1,2", "--model-path",
-                        str(tiny_model_dir), "--max-steps", "2", "--batch-size", "4", "--group-size", "4",
-                        "--output-dir", str(tmp_path), "data.train_size=32", "data.val_size=4",
-                        "rollout.max_new_tokens=8", "trainer.progress_bar=false", "--max-staleness", "1",
-                        "pipeline.ref_logprobs=trainer", cwd=tmp_path)
+    runs the reference forward of its share (pipeline.ref_logprobs=trainer). A Ctrl-C after the first
+    checkpoint stops every process with one line (no traceback from the launcher or the other rank), and the
+    same command again resumes and finishes, each prompt trained once."""
+    steps = 6
+    argv = ["run_distributed.py", "--sampling-gpu", "0", "--training-gpus", "1,2", "--model-path", str(tiny_model_dir),
+            "--max-steps", str(steps), "--save-steps", "2", "--batch-size", "4", "--group-size", "4",
+            "--output-dir", str(tmp_path), "data.train_size=32", "data.val_size=4", "rollout.max_new_tokens=8",
+            "trainer.progress_bar=false", "--max-staleness", "1", "pipeline.ref_logprobs=trainer"]
+    run = tmp_path / "grpo_zmq"
+    proc = _root_script(*argv, cwd=tmp_path)
     try:
-        out, err = proc.communicate(timeout=300)
+        wait_for((run / "checkpoints" / "latest_checkpointed_iteration.txt").exists, 240, "the first checkpoint")
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        out, err = proc.communicate(timeout=120)
     finally:
         stop(proc)
-    assert proc.returncode == 0, (out + err)[-3000:]
+    assert proc.returncode == 130, (out + err)[-3000:]
+    said = [x for x in err.splitlines() if x.startswith("alignrl")]
+    assert len(said) == 1 and said[0].startswith("alignrl: interrupted") and "Traceback" not in err, err[-3000:]
+    again = _root_script(*argv, cwd=tmp_path)
+    try:
+        out, err = again.communicate(timeout=300)
+    finally:
+        stop(again)
+    assert again.returncode == 0, (out + err)[-3000:]
     assert "GRPO on 2 rank(s), strategy deepspeed" in out + err and "the trainer finished" in out + err
+    assert "resumed from" in out + err
     assert (tmp_path / "deepspeed.json").is_file()  # generated beside the command, as the seed expects
-    assert len(trained_rows(tmp_path / "grpo_zmq")) == 2
+    assert_each_row_once(run, steps, size=32)
     # each rank computed the reference rows of its own share of the groups (rank 0 logs its 2 x 4 rows)
-    rows = [json.loads(x) for x in (tmp_path / "grpo_zmq" / "logs" / "metrics.jsonl").read_text().splitlines()][1:]
-    assert [r["pipeline/ref_rows_trainer"] for r in rows] == [8.0, 8.0]
+    rows = [json.loads(x) for x in (run / "logs" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["pipeline/ref_rows_trainer"] for r in rows] == [8.0] * steps
 
 
 @pytest.mark.slow

@@ -196,9 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         from alignrl.dist.launch import speak_once
 
         return speak_once(f"alignrl: error: {e}")
-    except KeyboardInterrupt:
-        resume = "" if routed else "; re-run with trainer.resume_mode=auto to continue from the last checkpoint"
-        print(f"alignrl: interrupted{resume}", file=sys.stderr)
+    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches every rank of the launch: rank 0 speaks
+        if os.environ.get("RANK", "0") == "0":
+            rl = not routed and argv[:1] in (["train"], ["demo"])
+            resume = ("; run the same command again to continue from the last checkpoint "
+                      "(trainer.resume_mode=auto, the default)") if rl else ""
+            print(f"alignrl: interrupted{resume}", file=sys.stderr)
         return 130
 
 

@@ -42,7 +42,18 @@ class DistEnv:
 SINGLE = DistEnv()
 
 
+_interrupted = False
+
+
+def _on_sigint(signum, frame):
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
 def _on_sigterm(signum, frame):  # torchrun's agent terminates the survivors when a rank fails
+    if _interrupted:  # a Ctrl-C reached every rank (Python runs a pending SIGINT's handler before SIGTERM's)
+        sys.exit(130)  # and rank 0 said so
     print(f"alignrl: rank {os.environ.get('RANK', '?')}: stopped because another rank failed "
           "(its error is printed above)", file=sys.stderr)
     sys.exit(1)
@@ -64,6 +75,7 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
                                                                                DEFAULT_TIMEOUT_S))
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout))
         signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGINT, _on_sigint)
     return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev,
                    backend=dist.get_backend())
 

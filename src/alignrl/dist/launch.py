@@ -81,7 +81,29 @@ def torchrun(nproc: int, module_argv: list[str], master_port: int | None = None)
            "--master_addr=127.0.0.1", "-m", *module_argv]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
                                                                                        // nproc)))}
-    return subprocess.run(cmd, env=env).returncode
+    return wait_interruptible(subprocess.Popen(cmd, env=env))
+
+
+def wait_interruptible(main: subprocess.Popen, *others: subprocess.Popen) -> int:
+    """`main`'s exit code, or 130 on Ctrl-C once every process has stopped: a terminal's Ctrl-C reaches them
+    too (they say what happened themselves); one sent to this process alone is passed on to them. Later
+    SIGINTs (torchrun's agent passes one on to its group) are ignored; a process still running after 30 s is
+    killed."""
+    try:
+        return main.wait()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        procs = (main, *others)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        return 130
 
 
 def agent(argv: list[str]) -> int:

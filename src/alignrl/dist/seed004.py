@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from alignrl.dist.launch import OneLineParser
+from alignrl.dist.launch import OneLineParser, wait_interruptible
 
 DS_FILE = "deepspeed.json"
 
@@ -79,11 +79,18 @@ def ensure_ds_json(a: argparse.Namespace) -> str:
     return str(path.resolve())
 
 
-def training_main(argv: list[str] | None = None) -> int:
-    a, extra = training_parser().parse_known_args(argv)
+def parse_training(argv: list[str] | None, prog: str = "training_worker.py") -> tuple[argparse.Namespace, list[str]]:
+    """The trainer's flags, and the `key.sub=value` overrides after them."""
+    p = training_parser(prog)
+    a, extra = p.parse_known_args(argv)
     bad = [x for x in extra if "=" not in x or x.startswith("-")]
     if bad:
-        training_parser().error(f"unrecognized arguments: {' '.join(bad)}")
+        p.error(f"unrecognized arguments: {' '.join(bad)}")
+    return a, extra
+
+
+def training_main(argv: list[str] | None = None) -> int:
+    a, extra = parse_training(argv)
     if a.nproc == 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(a.gpu_id)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
@@ -128,6 +135,7 @@ def launcher_main(argv: list[str] | None = None) -> int:
         p.error(f"--training-gpus {a.training_gpus!r}: give comma-separated device ids, e.g. \"1,2,3\"")
     if not gpus:
         p.error("--training-gpus needs at least one device id")
+    parse_training(rest, "run_distributed.py")  # the trainer's flags: a mistake is named now, before anything starts
     threads = max(1, (os.cpu_count() or 1) // (len(gpus) + 1))  # processes sharing a machine split its cores
     ports = ["--data-port", str(a.data_port), "--sync-port", str(a.sync_port)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -138,11 +146,12 @@ def launcher_main(argv: list[str] | None = None) -> int:
     sampler = subprocess.Popen([*this, "sample", *ports, "--gpu-id",
                                 str(a.sampling_gpu), "--model-path", a.model_path, "--threads", str(threads)], env=env)
     try:
-        code = trainer.wait()
-        try:
-            sampler.wait(timeout=30)  # it hears "done" and exits
-        except subprocess.TimeoutExpired:
-            pass
+        code = wait_interruptible(trainer, sampler)
+        if code == 0:
+            try:
+                sampler.wait(timeout=30)  # it hears "done" and exits
+            except subprocess.TimeoutExpired:
+                pass
         return code
     finally:
         for proc in (sampler, trainer):
