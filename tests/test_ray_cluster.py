@@ -267,14 +267,17 @@ def test_a_verl_run_inside_a_ray_job_is_placed_on_both_nodes(cluster, tiny_model
     """`alignrl train ppo <seed 003's arguments>` with RAY_ADDRESS set (as inside `ray job submit`): two
     actor ranks (trainer.nnodes=2 × n_gpus_per_node=1), each with its rollout engine and reference worker
     in its unit, one per node as Ray's placement table says; checkpoints and logs where trainer.* puts
-    them (relative to the job's working directory). A rerun with trainer.total_training_steps=3 resumes
-    from the step-2 checkpoint (trainer.resume_mode=auto, verl's default here)."""
+    them (relative to the job's working directory). The engines make Search-R1's multi-turn rollouts
+    (max_turns; the untrained model never searches, so no retrieval server is asked). A rerun with
+    trainer.total_training_steps=3 resumes from the step-2 checkpoint (trainer.resume_mode=auto, verl's
+    default here)."""
     from alignrl.cli import main as cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     assert all_gpus_free()
-    assert cli(verl_args(tiny_model_dir, 2)) == 0, capsys.readouterr().err
+    turns = ["max_turns=2", "retriever.url=http://127.0.0.1:9/retrieve"]
+    assert cli(verl_args(tiny_model_dir, 2) + turns) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "actor 2 node(s) × 1 GPU (with ref, engine0, engine1) = 2 GPU" in out, out[-3000:]
     run = tmp_path / "output" / "ppo-2x1"
@@ -294,9 +297,10 @@ def test_a_verl_run_inside_a_ray_job_is_placed_on_both_nodes(cluster, tiny_model
         assert (ckpt / f"global_step_{step}" / "critic").is_dir()
     before = metric_rows(run)
     assert [r["step"] for r in before if "timing/step" in r] == [1, 2]
+    assert all("agent/turns" in r for r in before if "timing/step" in r)  # the multi-turn rollout made them
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
     assert all_gpus_free()
-    assert cli(verl_args(tiny_model_dir, 3)) == 0, capsys.readouterr().err
+    assert cli(verl_args(tiny_model_dir, 3) + turns) == 0, capsys.readouterr().err
     after = metric_rows(run)  # steps 0..2 kept as they were (a fresh start would rewrite them): resumed
     assert after[:len(before)] == before and [r["step"] for r in after[len(before):]] == [3], after
     assert (ckpt / "global_step_3" / "model" / "model.safetensors").is_file()
@@ -315,6 +319,32 @@ def test_a_verl_run_asking_for_more_nodes_than_the_cluster_has_fails_at_once(clu
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("alignrl train ppo: error: placement asked for actor 4 node(s) × 1 GPU") and \
         "the cluster has 2 node(s)" in err, err
+
+
+@pytest.mark.timeout(300)
+def test_a_users_mistake_inside_ray_is_one_line(cluster, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """What a worker would meet is the user's to fix, and said in one line (exit 2), not a worker's traceback
+    wrapped in Ray's: a malformed data file and a model folder that is none (checked by the driver before any
+    worker starts), and a reward function that raises (inside a rollout engine, two Ray calls deep)."""
+    from alignrl.cli import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    bad_data = tmp_path / "bad.jsonl"
+    bad_data.write_text('{"foo": "1+1", "bar": "2"}\n')  # valid JSON lines, columns of no known format
+    rewards = tmp_path / "raises.py"
+    rewards.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                       "    raise KeyError('no such field')\n")
+    cases = [([f"data.train_files={bad_data}"], "cannot tell the data format from columns ['bar', 'foo']"),
+             ([f"actor_rollout_ref.model.path={tmp_path}"], "is not a Hugging Face model folder"),
+             ([f"custom_reward_function.path={rewards}", "custom_reward_function.name=compute_score"],
+              "raised KeyError")]
+    for extra, said in cases:
+        assert cli(verl_args(tiny_model_dir, 1) + extra) == 2
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert "Traceback" not in "\n".join(err) and said in err[-1], err[-20:]
+        assert err[-1].startswith("alignrl train ppo: error:"), err[-1]
+    assert all_gpus_free()
 
 
 @pytest.mark.slow

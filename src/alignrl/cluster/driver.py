@@ -22,7 +22,7 @@ import importlib.util
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 import torch
@@ -50,6 +50,31 @@ class Job:
     weight_backend: str = "nccl"  # on GPUs; gloo without CUDA
     gpu_memory_utilization: float = 0.6  # of a vLLM engine's GPUs
     unused: list[str] = field(default_factory=list)  # settings accepted but not used here, listed once
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """What the workers will load, checked here first: a bad data file or model folder is one line from the
+    driver, not a worker's creation traceback wrapped in Ray's."""
+    from alignrl.algos.runner import load_task_data
+    from alignrl.models.loader import resolve_model_path
+    from alignrl.rewards.registry import load_reward_fn
+
+    load_task_data(replace(cfg, data=replace(cfg.data, train_size=1)))  # generated rows need no check
+    for path in (cfg.model.path, cfg.critic.model_path, cfg.algorithm.reward_model):
+        if path and path != "demo":  # the demo model is built by the first worker that needs it
+            resolve_model_path(path)
+    load_reward_fn(cfg.algorithm.reward_fn)
+
+
+def user_error(e: BaseException) -> Exception | None:
+    """The user error (a bad row, a reward function that raised) inside Ray's wrapping of a worker's
+    exception, which nests once per worker it crossed (an engine's, inside the actor rank's). The wrappers
+    are instances of their cause's class too, with the whole remote traceback as their text: unwrapped."""
+    from alignrl.errors import user_errors
+
+    while isinstance(e, ray.exceptions.RayTaskError):
+        e = getattr(e, "cause", None)
+    return e if isinstance(e, (ClusterError, ConfigError, *user_errors())) else None
 
 
 def connect(units_needed: int) -> bool:
@@ -97,6 +122,7 @@ class Driver:
     def run(self) -> int:
         job = self.job
         check_world_size(job.cfg, job.layout.world("actor"))
+        check_inputs(job.cfg)
         self.reqs = requests(job.layout)
         started = connect(sum(r.nodes * r.per_node for r in self.reqs.values()))
         try:
@@ -219,9 +245,11 @@ class Driver:
             try:
                 out = ray.get(ref)
             except ray.exceptions.RayTaskError as e:
-                cause = getattr(e, "cause", None)
-                if isinstance(cause, (ClusterError, ConfigError)):
-                    raise ClusterError(f"{peer.name}: {cause}") from None
+                cause, err = getattr(e, "cause", None), user_error(e)
+                if isinstance(err, (ClusterError, ConfigError)):
+                    raise ClusterError(f"{peer.name}: {err}") from None
+                if err is not None:  # bad data, a reward function that raised: the user's to fix (exit 2)
+                    raise err from None
                 dead = self.died_meanwhile({r: runs.get(r) or watches[r] for r in pending})
                 if dead is not None:
                     raise ClusterError(f"{dead.name} died (killed, or out of memory); the run is stopped") from None

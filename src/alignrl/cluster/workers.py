@@ -172,7 +172,7 @@ class RolloutWorker(Worker):
     def maker(self, seed_rank: int):
         """One maker per seed rank: `seed_rank` decorrelates the samples of the engines' shares. With a
         reward group, the loop's reward stage scores through it instead of loading the model here."""
-        from alignrl.algos.placement import build_rewards
+        from alignrl.algos.placement import build_rewards, with_tools
         from alignrl.algos.producer import RolloutMaker
         from alignrl.cluster.channel import RayRewardScorer
 
@@ -184,7 +184,9 @@ class RolloutWorker(Worker):
             if self.reward_workers:
                 rewards = replace(rewards, reward_model=RayRewardScorer(self.reward_workers,
                                                                         self.cfg.algorithm.reward_model))
-            self.makers[seed_rank] = RolloutMaker(self.cfg, self.engine, rewards, self.ref, seed_rank)
+            # multi-turn search (agent.max_turns > 0) over this engine, as in the in-process loop
+            engine = with_tools(self.cfg, self.engine, self.tokenizer)
+            self.makers[seed_rank] = RolloutMaker(self.cfg, engine, rewards, self.ref, seed_rank)
         return self.makers[seed_rank]
 
     def batch(self, step: int, index: list[int], version: int, seed_rank: int):

@@ -57,6 +57,9 @@ class PortInUse(OSError):
     def __str__(self) -> str:  # one line, without OSError's "[Errno 98]" prefix
         return self.strerror
 
+    def __reduce__(self):
+        return PortInUse, (self.strerror,)
+
 
 class InsecureBind(ValueError):
     """Binding a non-loopback address without a shared token."""

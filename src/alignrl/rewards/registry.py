@@ -35,8 +35,12 @@ class ScoreError(RewardError):
                  kind: str = "reward function"):
         """`row`: an index into the scored rows, or the row's place in its data file ("x.parquet row 3")."""
         self.who, self.problem, self.data_source, self.fix = who, problem, data_source, fix
+        self.row, self.kind = row, kind
         at = "" if row is None else f" for row {row}" if isinstance(row, int) else f" for {row}"
         super().__init__(f"{kind} {who} {problem}{at} (data_source {data_source}): {fix}")
+
+    def __reduce__(self):  # rebuilt from its parts where it crosses processes (a Ray worker's error)
+        return ScoreError, (self.who, self.problem, self.data_source, self.fix, self.row, self.kind)
 
     def at(self, row: int | str, kind: str) -> ScoreError:
         return ScoreError(self.who, self.problem, self.data_source, self.fix, row, kind)

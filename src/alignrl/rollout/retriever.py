@@ -49,7 +49,11 @@ class RetrieverClient:
 
     def __init__(self, url: str, topk: int = 3, timeout_s: float = 30.0, retries: int = 3,
                  max_query_chars: int = MAX_QUERY_CHARS, max_queries: int = MAX_QUERIES):
-        path = urlparse(url).path
+        parts = urlparse(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ServiceError(f"retriever.url={url!r} is not an http(s) URL: give the retrieval server's endpoint, "
+                               "e.g. retriever.url=http://127.0.0.1:8000/retrieve")
+        path = parts.path
         base = url[: len(url) - len(path)] if path else url
         self.client = _RetrievalService(base, "retrieval", timeout=timeout_s, retries=retries)
         self.url, self.path = url, path or "/retrieve"
