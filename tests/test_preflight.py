@@ -106,6 +106,19 @@ def test_missing_val_file_is_blamed_on_data_val_files(tmp_path, cli_in_process):
     assert not (tmp_path / "out").exists(), "nothing is written before the inputs are checked"
 
 
+@pytest.mark.parametrize("key, where", [("trainer.output_dir", "out"), ("trainer.checkpoint_dir", "out/exp/ckpt"),
+                                        ("trainer.log_dir", "out/exp/logs")])
+def test_a_run_folder_that_is_a_file_is_refused_before_anything_runs(tmp_path, cli_in_process, key, where):
+    """Found here, not as a NotADirectoryError traceback after the first step trained."""
+    file = tmp_path / where
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text("a file")
+    value = {"trainer.output_dir": file, "trainer.checkpoint_dir": "ckpt", "trainer.log_dir": "logs"}[key]
+    out = [f"trainer.output_dir={tmp_path / 'out'}"] if key != "trainer.output_dir" else []
+    _one_line_error(cli_in_process("train", "grpo", *out, "trainer.experiment_name=exp", f"{key}={value}"),
+                    f"{key}: {file} is a file", f"set {key} to another path")
+
+
 def test_non_utf8_byte_in_jsonl_names_its_line(tmp_path, cli_in_process):
     good = json.dumps({"question": "what is 1 + 1?", "answer": "#### 2"}).encode() + b"\n"
     data = tmp_path / "train.jsonl"

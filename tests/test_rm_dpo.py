@@ -224,3 +224,19 @@ def test_reward_model_on_sharded_engines_two_ranks(strategy, tiny_model_dir, tmp
     ids = torch.tensor([[5, 6, 7]])
     mask = torch.ones_like(ids, dtype=torch.bool)
     assert torch.isfinite(scorer.score(ids, mask, ids, mask)).all()
+
+
+def test_overrides_may_come_before_between_or_after_the_flags(monkeypatch):
+    """`alignrl train rm|dpo`: key=value overrides anywhere on the line, as for the RL commands."""
+    from types import SimpleNamespace
+
+    from alignrl.algos import dpo, preference_common as pc, rm
+
+    seen = []
+    cfg = SimpleNamespace(model_type="reward", task="helpful", helpful_train_file="builtin:helpful")
+    monkeypatch.setattr(pc, "load_flat_config", lambda cls, path, overrides, flags: seen.append(overrides) or cfg)
+    monkeypatch.setattr(rm, "train_rm", lambda cfg, dry: None)
+    monkeypatch.setattr(dpo, "train_dpo", lambda cfg, dry: None)
+    assert rm._entry(["epochs=1", "--task", "helpful", "max_train_pairs=8", "--output_dir", "x", "lr=1"], None) == 0
+    assert dpo._entry(["loss_type=sigmoid", "--output_dir", "x", "beta=0.2"], None) == 0
+    assert seen == [["epochs=1", "max_train_pairs=8", "lr=1"], ["loss_type=sigmoid", "beta=0.2"]]

@@ -269,3 +269,24 @@ def test_reward_model_folder_is_the_reward(tiny_model_dir, tmp_path):
     assert row["reward/accuracy"] == 0.0  # the random policy never answers correctly by the rule...
     assert row["reward/std"] > 0  # ...yet its rewards vary: they are the model's scores
     assert ModelScorer(str(tmp_path / "rm")).model.config.num_labels == 1
+
+
+def test_metrics_of_steps_trained_again_or_of_an_earlier_run_are_kept_aside(tmp_path):
+    """A resume drops the rows past its checkpoint and a fresh start (trainer.resume_mode=disable) begins an
+    empty metrics.jsonl; in both cases the file as it was is kept whole beside it, never lost."""
+    import json
+
+    from alignrl.utils.tracking import Tracker
+
+    logs = tmp_path / "logs"
+    first = Tracker(logs, ["jsonl"])
+    for step in range(4):
+        first.log(step, {"reward/mean": step / 10})
+    first.close()
+    old = (logs / "metrics.jsonl").read_text()
+    Tracker(logs, ["jsonl"], resume_step=2).close()  # resumed from step 2: steps 3.. are trained again
+    assert [json.loads(x)["step"] for x in (logs / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    Tracker(logs, ["jsonl"]).close()  # a fresh start
+    assert (logs / "metrics.jsonl").read_text() == ""
+    aside = sorted(p.read_text() for p in logs.glob("metrics.*.jsonl"))
+    assert aside == sorted([old, "".join(old.splitlines(True)[:3])]), aside

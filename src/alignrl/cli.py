@@ -95,6 +95,7 @@ def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
     from alignrl.rewards.registry import REWARDS
 
     check_world_size(cfg, world)
+    check_folders(cfg)
     for key in ("train_files", "val_files"):
         for path in data_files(getattr(cfg.data, key)):
             check_data_file(path, f"data.{key}")
@@ -104,6 +105,16 @@ def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
         from alignrl.rewards.registry import load_reward_fn
 
         load_reward_fn(cfg.algorithm.reward_fn)
+
+
+def check_folders(cfg: RunConfig) -> None:
+    """The run's folders can be made: no part of their paths is a file (it would fail after a step trained)."""
+    for key, path in (("trainer.output_dir", cfg.run_dir), ("trainer.checkpoint_dir", cfg.checkpoint_root),
+                      ("trainer.log_dir", cfg.log_root)):
+        file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if file is not None:
+            raise ConfigError(f"{key}: {file} is a file, so {path} cannot be a folder; move the file or "
+                              f"set {key} to another path")
 
 
 def _config(args: argparse.Namespace) -> RunConfig:

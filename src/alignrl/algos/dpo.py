@@ -257,7 +257,7 @@ def _entry(argv: list[str], dry_run: int | None) -> int:
     p = pc.make_parser("alignrl train dpo", "DPO, IPO, conservative DPO, hinge, safety-aware DPO.")
     p.add_argument("--loss_type", choices=tuple(DPO_LOSSES))
     p.add_argument("--precompute_ref_log_probs", action="store_true", default=None)
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value overrides before, between or after the flags
     cfg = pc.load_flat_config(DPOConfig, args.config, args.overrides, {
         "loss_type": args.loss_type, "precompute_ref_log_probs": args.precompute_ref_log_probs,
         "output_dir": args.output_dir, "logging_dir": args.logging_dir})

@@ -140,6 +140,10 @@ def run_cli(argv: list[str] | None, module: str, entry) -> int:
         else:  # torchrun stops the others when a rank exits: give rank 0 the moment it needs to print
             time.sleep(1.0)
         return 2
+    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches every rank: rank 0 speaks
+        if os.environ.get("RANK", "0") == "0":
+            print("alignrl: interrupted (these runs start again from the base model)", file=sys.stderr, flush=True)
+        return 130
 
 
 # ---------------------------------------------------------------- runtime

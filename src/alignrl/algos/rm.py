@@ -210,7 +210,7 @@ def _entry(argv: list[str], dry_run: int | None) -> int:
     p = pc.make_parser("alignrl train rm", "Train a reward model (Bradley-Terry) or a Safe RLHF cost model.")
     p.add_argument("--task", choices=("helpful", "harmless"))
     p.add_argument("--model_type", choices=("auto", "reward", "cost"))
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value overrides before, between or after the flags
     cfg = pc.load_flat_config(RMConfig, args.config, args.overrides, {
         "task": args.task, "model_type": args.model_type, "output_dir": args.output_dir,
         "logging_dir": args.logging_dir})

@@ -1,7 +1,8 @@
 """Metric sinks: console (rich), JSONL, TensorBoard and wandb, plus the end-of-run PNG.
 
 `metrics.jsonl` is append-only during a run; on resume, lines past the checkpoint's step are
-dropped (rewritten atomically) so a resumed run never shows the same step twice.
+dropped (rewritten atomically) so a resumed run never shows the same step twice, and a fresh start
+begins an empty file. Whatever is dropped is first kept aside, whole, as `metrics.<time>.jsonl`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import json
 import os
 import socket
+import time
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -27,6 +29,16 @@ _CONSOLE_KEYS = {"reward/mean": "reward", "reward/accuracy": "acc", "val/accurac
                  "response/length_mean": "len", "perf/tokens_per_s": "tok/s", "timing/step": "s/step"}
 
 
+def keep_aside(log_dir: Path, text: str) -> None:
+    """`text` (an earlier metrics.jsonl) saved whole as metrics.<time>.jsonl, never over another one."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = log_dir / f"metrics.{stamp}.jsonl", 1
+    while path.exists():
+        n += 1
+        path = log_dir / f"metrics.{stamp}-{n}.jsonl"
+    atomic_write_text(path, text)
+
+
 class Tracker:
     def __init__(self, log_dir: Path, sinks: list[str], resume_step: int = 0, write: bool = True,
                  project: str = "alignrl", run_name: str | None = None, config: Any = None):
@@ -40,8 +52,12 @@ class Tracker:
         if write:
             log_dir.mkdir(parents=True, exist_ok=True)
         if write and self.jsonl.exists():
-            kept = [json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()]
-            self.history = [r for r in kept if r.get("step", 0) <= resume_step]
+            text = self.jsonl.read_text()
+            kept = [json.loads(line) for line in text.splitlines() if line.strip()]
+            # a fresh start (resume_step 0) logs its own step 0: the old run's rows all go
+            self.history = [r for r in kept if r.get("step", 0) <= resume_step] if resume_step else []
+            if len(self.history) < len(kept):  # the steps this run trains again, or a whole earlier run
+                keep_aside(log_dir, text)
             atomic_write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in self.history))
         self.tb = None
         if "tensorboard" in self.sinks:
