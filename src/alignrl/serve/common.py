@@ -41,6 +41,19 @@ class RequestError(HTTPException):
         super().__init__(status_code=status, detail=message)
 
 
+def unicode_texts(texts: list[str], what: str) -> list[str]:
+    """`texts` as given, once each is valid Unicode: JSON may carry a lone surrogate ("\\ud800"), which no
+    tokenizer takes (a 500 from deep inside it otherwise)."""
+    for i, s in enumerate(texts):
+        if not s.isascii():
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(f"{what} {i} is not valid Unicode text (it holds a lone surrogate such as "
+                                   "\\ud800); send UTF-8 text") from None
+    return texts
+
+
 def base_parser(prog: str, description: str, default_port: int) -> argparse.ArgumentParser:
     from alignrl.dist.launch import OneLineParser
 

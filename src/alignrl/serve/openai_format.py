@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from alignrl.serve.common import RequestError
+from alignrl.serve.common import RequestError, unicode_texts
 from alignrl.serve.gen_types import MAX_N, MAX_STOP_LEN, MAX_STOPS, GenRow, sampling
 
 
@@ -89,7 +89,7 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[list[int]]:
     if not p:
         raise RequestError("prompt is empty; send a string, a list of strings or token ids")
     if isinstance(p[0], str):
-        return [tokenizer.encode(s) for s in p]
+        return [tokenizer.encode(s) for s in unicode_texts(p, "prompt")]
     return [list(x) for x in p] if isinstance(p[0], list) else [list(p)]
 
 

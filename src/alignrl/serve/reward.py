@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from alignrl.serve.common import RequestError, base_parser, check_args, fail, new_app, start
+from alignrl.serve.common import RequestError, base_parser, check_args, fail, new_app, start, unicode_texts
 from alignrl.serve.ref import check_pairs
 
 PROG = "alignrl serve reward"
@@ -73,7 +73,7 @@ class RewardService:
     def _ids(self, texts: list[str]) -> list[list[int]]:
         if self.tokenizer is None:
             raise RequestError("this reward model folder has no tokenizer; send token ids instead of text")
-        return [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        return [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in unicode_texts(texts, "text")]
 
     async def score(self, req: ScoreRequest) -> list[float]:
         prompts, responses = req.prompts, req.responses
