@@ -290,3 +290,12 @@ def test_metrics_of_steps_trained_again_or_of_an_earlier_run_are_kept_aside(tmp_
     assert (logs / "metrics.jsonl").read_text() == ""
     aside = sorted(p.read_text() for p in logs.glob("metrics.*.jsonl"))
     assert aside == sorted([old, "".join(old.splitlines(True)[:3])]), aside
+
+
+def test_the_header_names_what_the_run_trains():
+    from alignrl.algos.runner import algorithm_name
+    from alignrl.config import load_config
+
+    assert algorithm_name(load_config(None, [])) == "GRPO"
+    assert algorithm_name(load_config(None, ["algorithm.adv_estimator=rloo"])) == "RLOO"
+    assert algorithm_name(load_config(None, ["algorithm.adv_estimator=gae", "critic.enable=true"])) == "PPO"

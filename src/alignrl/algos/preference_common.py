@@ -75,6 +75,8 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file of flat keys (configs/rm_config.yaml, configs/dpo_config.yaml)")
     p.add_argument("--output_dir", help="trained model folder")
     p.add_argument("--logging_dir", help="metrics folder")
+    # taken out of the command line before parsing (run_cli); listed here for --help
+    p.add_argument("--nproc", type=int, help="train on N local processes (torchrun ranks)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. learning_rate=1e-5 epochs=2")
     return p
 

@@ -45,6 +45,13 @@ def load_task_data(cfg: RunConfig):
     return train, val
 
 
+def algorithm_name(cfg: RunConfig) -> str:
+    """What the run trains, for its header and progress bar: PPO when a critic gives the advantages."""
+    names = {"grpo": "GRPO", "rloo": "RLOO", "reinforce_plus_plus": "REINFORCE++",
+             "reinforce_plus_plus_baseline": "REINFORCE++ (baseline)", "remax": "ReMax"}
+    return "PPO" if cfg.critic.enable else names.get(cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator)
+
+
 class PromptData:
     """Dataset rows -> (samples, prompt ids), the ids templated on first use: templating a large dataset up
     front costs seconds."""
@@ -153,7 +160,9 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
         return r
 
     strategy = resolve_strategy(cfg, env)
-    console.print(f"[bold]GRPO[/bold] on {env.world_size} rank(s), strategy {strategy}: {describe_batch(cfg, env.world_size)}")
+    name = algorithm_name(cfg)
+    console.print(f"[bold]{name}[/bold] on {env.world_size} rank(s), strategy {strategy}: "
+                  f"{describe_batch(cfg, env.world_size)}")
     console.print(f"train problems {len(train)}, held-out {len(val)}; run dir {run_dir}")
     if "base" not in state:
         t0 = time.time()
@@ -178,7 +187,7 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     finished = False
     try:
         with Progress(*columns, console=console, disable=not cfg.trainer.progress_bar) as bar:
-            task = bar.add_task("GRPO", total=total, completed=start_step)
+            task = bar.add_task(name, total=total, completed=start_step)
             for step in range(start_step + 1, total + 1):
                 metrics = mean_metrics(env, step_fn.run(step))
                 if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == total):
