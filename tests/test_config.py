@@ -38,6 +38,8 @@ def test_yaml_then_overrides(tmp_path):
     (["algorithm.rollout_is_threshold=0"], "algorithm.rollout_is_threshold=0.0 is out of range"),
     (["algorithm.overlong_buffer_len=65"], "algorithm.overlong_buffer_len=65 must be <= rollout.max_new_tokens=64"),
     (["algorithm.max_gen_rounds=-1"], "algorithm.max_gen_rounds=-1 is out of range"),
+    (["agent.max_turns=2", "retriever.url=127.0.0.1:8000/retrieve"],
+     "retriever.url='127.0.0.1:8000/retrieve' is not an http(s) URL"),
     (["algorithm.overlong_penalty_factor=-1"], "algorithm.overlong_penalty_factor=-1.0 is out of range"),
     (["algorithm.adv_estimator=gae"], "needs a critic"),
     (["critic.enable=true"], "only used by algorithm.adv_estimator=gae"),

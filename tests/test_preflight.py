@@ -184,6 +184,20 @@ def test_taken_rendezvous_port_is_one_line():
     _one_line_error(p, f"torchrun rendezvous at 127.0.0.1:{port} failed", "pick a free port")
 
 
+def test_taken_master_port_under_another_launcher_is_one_line(tmp_path, cli_in_process, monkeypatch):
+    """A launcher that is not ours (DeepSpeed's, a scheduler's) sets RANK / MASTER_PORT itself: rank 0's
+    rendezvous failure is one line, not a DistNetworkError traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"),
+                           ("MASTER_PORT", str(port))):
+            monkeypatch.setenv(key, value)
+        p = cli_in_process("train", "grpo", "trainer.strategy=ddp", f"trainer.output_dir={tmp_path}")
+    _one_line_error(p, f"rank 0: the process group's rendezvous at 127.0.0.1:{port} failed", "pick a free port")
+
+
 @pytest.mark.timeout(180)
 def test_launch_script_checks_config_and_world_size_first(tmp_path):
     if not shutil.which("bash"):

@@ -114,6 +114,10 @@ def check_combinations(cfg: RunConfig) -> None:
     if (cfg.safety.cost_fn or cfg.safety.cost_model) and not gae:
         raise ConfigError("safety.cost_fn / safety.cost_model (PPO-Lagrangian) needs a cost critic: set algorithm.adv_estimator=gae "
                           "and critic.enable=true")
+    url = cfg.retriever.url
+    if cfg.agent.max_turns and cfg.agent.search and not url.startswith(("http://", "https://")):
+        raise ConfigError(f"retriever.url={url!r} is not an http(s) URL: give the retrieval server's endpoint, "
+                          "e.g. retriever.url=http://127.0.0.1:8000/retrieve")
 
 
 def check_prompt_keys(cfg: RunConfig) -> None:

@@ -74,7 +74,16 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
     if not dist.is_initialized():
         timeout = timeout_s if timeout_s is not None else float(os.environ.get("ALIGNRL_DIST_TIMEOUT",
                                                                                DEFAULT_TIMEOUT_S))
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout))
+        try:
+            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout))
+        except dist.DistNetworkError as e:  # most often: the master port is taken (launchers that are not ours)
+            from alignrl.config import ConfigError
+
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"rank {os.environ.get('RANK', '?')}: the process group's rendezvous at {where} failed "
+                              f"({first}); pick a free port (training.master_port, MASTER_PORT) or check the master "
+                              "host") from None
         signal.signal(signal.SIGTERM, _on_sigterm)
         signal.signal(signal.SIGINT, _on_sigint)
     return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev,
