@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from alignrl.algos.runner import train_grpo
-from alignrl.config import load_config
+from alignrl.config import ConfigError, load_config
 
 SMALL = ["data.train_size=64", "data.val_size=16", "data.val_size_during_training=8", "data.train_batch_size=4",
          "rollout.n=4", "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4",
@@ -84,6 +84,11 @@ def test_killed_run_resumes_to_identical_weights(tiny_model_dir, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
     rows = [json.loads(x) for x in (tmp_path / "killed" / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps + 1)), "each step logged exactly once"
+    # a lower step target than the checkpoint's would train nothing and write over the summary: refused
+    summary = (tmp_path / "straight" / "summary.json").read_text()
+    with pytest.raises(ConfigError, match=f"global_step_{steps}, is past trainer.total_training_steps=2"):
+        train_grpo(load_config(None, _overrides(tiny_model_dir, tmp_path, "straight", 2, 2)))
+    assert (tmp_path / "straight" / "summary.json").read_text() == summary
 
 
 @pytest.mark.parametrize("args, expected", [

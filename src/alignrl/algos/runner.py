@@ -19,7 +19,7 @@ from alignrl.algos.placement import RemoteProducers, place, resolve_strategy
 from alignrl.algos.producer import InlineSource
 from alignrl.algos.sinks import EngineCopy
 from alignrl.algos.trainer import PolicyTrainer
-from alignrl.config import RunConfig, check_world_size, to_yaml
+from alignrl.config import ConfigError, RunConfig, check_world_size, to_yaml
 from alignrl.data import synthetic
 from alignrl.data.collate import encode_prompts
 from alignrl.data.loaders import load_samples
@@ -115,6 +115,11 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     # line is printed unwrapped and literally: it holds paths and a user-written tracker file's text.
     resume = resume_point(ckpt_root, cfg.trainer.resume_mode, env,
                           lambda line: console.print(line, markup=False, soft_wrap=True))
+    total = cfg.trainer.total_training_steps
+    done = int(resume.name[len("global_step_"):]) if resume else 0
+    if done > total:  # it would train nothing and write over the summary
+        raise ConfigError(f"the newest checkpoint, {resume}, is past trainer.total_training_steps={total}: set it "
+                          f"above {done} to train on, or trainer.resume_mode=disable to start afresh")
     if producers is None and cfg.pipeline.placement == "zmq":  # samplers in other processes make the batches
         producers = Coordinator(cfg, to_yaml(cfg), log_dir)
     placed = place(cfg, str(resume / "model") if resume else cfg.model.path, resume, env, producers)
@@ -181,7 +186,6 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
                          "base_room": state.get("base_room"),
                          "strategy": strategy}, cfg.trainer.max_checkpoints, env, placed.saved_elsewhere())
 
-    total = cfg.trainer.total_training_steps
     columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeRemainingColumn()]
     finished = False
