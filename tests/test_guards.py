@@ -62,6 +62,12 @@ def _user_file(tmp_path: Path, threshold: int = 5) -> Path:
 @pytest.mark.parametrize("value", [True, 3, 0.5, np.float32(0.25), np.int64(2), np.bool_(False)])
 def test_finite_real_numbers_pass(value):
     assert finite_score(value, "f", "gsm8k") == float(value)
+    assert finite_score({"score": value, "acc": 1.0}, "f", "gsm8k") == float(value)  # verl's dict return
+
+
+def test_a_dict_without_a_score_is_a_one_line_error():
+    with pytest.raises(ScoreError, match=r"returned a dict without a 'score' key \(keys \['acc'\]\)"):
+        finite_score({"acc": 1.0}, "my_reward.py:score", "gsm8k")
 
 
 @pytest.mark.parametrize("value, shown", [(math.nan, "returned nan"), (-math.inf, "returned -inf"),

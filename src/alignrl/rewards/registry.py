@@ -48,7 +48,13 @@ class ScoreError(RewardError):
 
 def finite_score(value: Any, who: str, data_source: str) -> float:
     """`value` as a float when it is a finite real number (bool, int, float, numpy scalar); else a
-    ScoreError: a NaN reward trains every weight into NaN, and a string or None fails far from its cause."""
+    ScoreError: a NaN reward trains every weight into NaN, and a string or None fails far from its cause.
+    A dict with a "score" (verl's functions may return one, with extra information beside it) gives its score."""
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ScoreError(who, f"returned a dict without a 'score' key (keys {sorted(map(str, value))[:5]})",
+                             data_source, "return a finite float, or {'score': float, ...} as verl's functions do")
+        value = value["score"]
     if not isinstance(value, (numbers.Real, np.bool_)):  # numpy's bool is not registered as Real
         shown = "None" if value is None else f"a {type(value).__name__} ({value!r:.40})"
         raise ScoreError(who, f"returned {shown}", data_source, "return a finite float")
