@@ -247,3 +247,16 @@ def test_listening_is_said_only_once_the_server_answers(tiny_model_dir):
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def test_a_collective_that_lost_its_peer_is_told_apart(monkeypatch):
+    """gloo says only in its text that another rank went away: that rank's death is the story, not this
+    rank's traceback (the CLI prints one line for it)."""
+    from alignrl.dist.launch import peer_lost
+
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:32405. GLHF!")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert not peer_lost(lost)  # one process: nothing of the kind
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert peer_lost(lost) and peer_lost(RuntimeError("Connection reset by peer"))
+    assert not peer_lost(RuntimeError("CUDA out of memory")) and not peer_lost(ValueError("Broken pipe"))

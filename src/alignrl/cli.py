@@ -201,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
             return torchrun(nproc, ["alignrl", *argv])
         return _run(args, cfg)
     except Exception as e:
+        from alignrl.dist.launch import peer_lost
+
+        if peer_lost(e):  # torchrun's agent names the rank that died
+            print(f"alignrl: rank {os.environ.get('RANK', '?')}: lost its connection to another rank, which "
+                  "stopped or was killed", file=sys.stderr, flush=True)
+            return 1
         # ConfigError first: user_errors() imports torch and friends, seconds before a config error's line
         if not (isinstance(e, ConfigError) or isinstance(e, user_errors())):
             raise

@@ -55,8 +55,8 @@ def _on_sigterm(signum, frame):  # torchrun's agent terminates the survivors whe
     if _interrupted:  # a Ctrl-C reached every rank (Python runs a pending SIGINT's handler before SIGTERM's)
         sys.stderr.flush()  # and rank 0 said so. os._exit: SystemExit raised inside an atexit callback (where
         os._exit(130)  # the terminate often lands) would print "Exception ignored ..." and a traceback
-    print(f"alignrl: rank {os.environ.get('RANK', '?')}: stopped because another rank failed "
-          "(its error is printed above)", file=sys.stderr)
+    print(f"alignrl: rank {os.environ.get('RANK', '?')}: stopped because another rank failed (the line naming "
+          "that rank says how)", file=sys.stderr)
     sys.exit(1)
 
 

@@ -52,6 +52,12 @@ def pop_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
     return (int(nproc) if nproc is not None else None), out
 
 
+def peer_lost(e: BaseException) -> bool:
+    """A collective failed because another rank of the launch went away (gloo says so only in its text)."""
+    lost = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    return "WORLD_SIZE" in os.environ and isinstance(e, RuntimeError) and any(s in str(e) for s in lost)
+
+
 def speak_once(line: str, code: int = USER_ERROR) -> int:
     """Prints a user error on rank 0 only (every rank of a launch meets the same bad input) and returns
     `code`. The other ranks wait quietly, so that rank 0 prints before torchrun stops them; torchrun's
@@ -130,9 +136,11 @@ def agent(argv: list[str]) -> int:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
-        if code != USER_ERROR:  # a user error was printed by rank 0 already; a crash may have printed nothing
-            reason = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {code}"
-            print(f"alignrl: rank {rank} failed ({reason}); its output above says why", file=sys.stderr)
+        if code != USER_ERROR and failure.exitcode < 0:  # killed: it could say nothing
+            print(f"alignrl: rank {rank} was stopped by signal {failure.signal_name()} (killed, or out of memory)",
+                  file=sys.stderr)
+        elif code != USER_ERROR:  # a user error was printed by rank 0 already
+            print(f"alignrl: rank {rank} failed (exit code {code}); its output above says why", file=sys.stderr)
         return code
     except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: torchrun stopped the ranks
         return 128 + int(e.sigval)
