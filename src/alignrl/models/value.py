@@ -11,7 +11,7 @@ import torch
 
 from alignrl.data.collate import position_ids
 from alignrl.models.logprobs import model_device
-from alignrl.models.loader import DTYPES, loading, resolve_model_path
+from alignrl.models.loader import DTYPES, ModelError, loading, resolve_model_path
 from alignrl.models.packing import pack, packed_forward, unpack
 
 
@@ -64,8 +64,21 @@ class ModelScorer:
 
         folder = resolve_model_path(path, log)
         self.name = path  # how score errors name it
+        from transformers.utils import logging as hf_logging
+
         with loading(folder, "reward/cost model"):
-            model = AutoModelForSequenceClassification.from_pretrained(str(folder), num_labels=1, dtype=DTYPES[dtype])
+            quiet = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # its load report of a missing head: said below in one line
+            try:
+                model, info = AutoModelForSequenceClassification.from_pretrained(
+                    str(folder), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True)
+            finally:
+                hf_logging.set_verbosity(quiet)
+        # a causal LM folder loads too, with a freshly drawn (random) head: scores that mean nothing
+        head = [k for k in info["missing_keys"] if not k.startswith(model.base_model_prefix + ".")]
+        if head:
+            raise ModelError(f"{path} is not a reward/cost model: its weights hold no scoring head ({head[0]} is "
+                             "missing); train one with `alignrl train rm`, or save a sequence-classification model")
         self.model = model.to(device)
         self.model.eval()
 
