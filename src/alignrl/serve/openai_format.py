@@ -8,6 +8,7 @@ each token decoded on its own, so a character split across tokens shows as repla
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Literal
@@ -190,15 +191,16 @@ def add_routes(app, svc) -> None:
     async def models() -> dict:
         return model_list(svc.model_name, svc.limits.max_model_len)
 
+    # tokenizing runs off the event loop: a long prompt must not stall /health and every other request
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> dict:
-        prompts = completion_prompts(req, svc.tokenizer)
+        prompts = await asyncio.to_thread(completion_prompts, req, svc.tokenizer)
         res = await svc.generate(prompts, params_of(req, req.max_tokens), req.logprobs or 0)
         return completion_response(req, svc.model_name, svc.tokenizer, prompts, res.rows)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest) -> dict:
-        prompt = chat_prompt(req, svc.tokenizer)
+        prompt = await asyncio.to_thread(chat_prompt, req, svc.tokenizer)
         k = (req.top_logprobs or 0) if req.logprobs else 0
         # Like vLLM, no max_tokens means "up to the context", capped to keep one request's cost bounded.
         max_tokens = (req.max_completion_tokens or req.max_tokens
