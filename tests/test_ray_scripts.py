@@ -25,8 +25,8 @@ def run(args, env, timeout=120):
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def ray_pids(temp_dir: Path) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"{temp_dir}/"], capture_output=True, text=True)
+def ray_pids(pattern: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
@@ -56,6 +56,10 @@ def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
                 break
             time.sleep(1)
         assert status.count(" node_") == 2 and "0.0/8.0 CPU" in status, status
+        # a second head on the same ports (another user's, say) is refused in one line before Ray starts
+        other = run(["bash", str(SCRIPT), "head", "127.0.0.1"], {**head, "RAY_TEMP_DIR": str(short / "other")})
+        assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr[-2000:]
+        assert f"port {ports[0]} is in use (another Ray cluster?)" in other.stderr
         # the two jobs run side by side (each alone leaves this machine's cores idle about half the time)
         jobs = {"ppo-ray": ["ppo-ray", "--pretrain", str(tiny_model_dir), "--save_path", str(tmp_path / "run"),
                             "--actor_num_nodes", "2", "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1",
@@ -100,5 +104,6 @@ def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
         for env in (worker, head):
             run(["bash", str(SCRIPT), "stop"], env)
     time.sleep(1)
-    assert ray_pids(short / "head") == [] and ray_pids(short / "worker") == []
+    assert ray_pids(f"{short}/") == []
+    assert ray_pids(f"ray.util.client.server .*--address=[^ ]*:{ports[0]}") == []  # it does not name the dir
     shutil.rmtree(short, ignore_errors=True)

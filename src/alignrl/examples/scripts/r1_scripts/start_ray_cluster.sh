@@ -41,7 +41,14 @@ descendants() {
         descendants $(pgrep -P "$p" || true)
     done
 }
-mine() { descendants $(pgrep -u "$(id -u)" -f -- "$TEMP_DIR/" | grep -vx "$$" || true) | sort -u; }
+# The head's Ray client server does not name the temp dir: it is found by the GCS address it serves.
+mine() {
+    descendants $( (pgrep -u "$(id -u)" -f -- "$TEMP_DIR/"
+                    pgrep -u "$(id -u)" -f -- "ray.util.client.server .*--address=[^ ]*:$RAY_PORT( |$)") |
+                  grep -vx "$$" || true) | sort -u
+}
+# Something already answers on 127.0.0.1:PORT (another user's cluster, say): Ray would fail with a traceback.
+taken() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 stop_mine() {
     local pids
     pids=$(mine)
@@ -74,6 +81,13 @@ mkdir -p "$TEMP_DIR"
 stop_mine
 [[ $ROLE == stop ]] && exit 0
 if [[ $ROLE == head ]]; then
+    for port in "$RAY_PORT" "$DASHBOARD_PORT"; do
+        if taken "$port"; then
+            echo "$0: port $port is in use (another Ray cluster?): stop it, or pick free ports with" \
+                 "RAY_PORT / RAY_DASHBOARD_PORT on every node" >&2
+            exit 2
+        fi
+    done
     "$RAY" start --head --port="$RAY_PORT" --dashboard-host=0.0.0.0 --dashboard-port="$DASHBOARD_PORT" \
         --temp-dir="$TEMP_DIR" --disable-usage-stats "${RESOURCES[@]}" "${EXTRA[@]}"
 else
