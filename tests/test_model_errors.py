@@ -131,8 +131,8 @@ def test_broken_reward_model_and_critic_folders_through_the_cli(tiny_model_dir, 
     # a causal LM is not a reward model: loading it as one draws a random head, whose scores mean nothing
     line = _one_line(cli_in_process(*_args(tmp_path, f"model.path={tiny_model_dir}",
                                            f"algorithm.reward_model={tiny_model_dir}")))
-    assert line == (f"alignrl: error: {tiny_model_dir} is not a reward/cost model: its weights hold no scoring head "
-                    "(score.weight is missing); train one with `alignrl train rm`, or save a sequence-classification "
+    assert line == (f"alignrl: error: {tiny_model_dir} is not a reward/cost model: it has no scoring head (its "
+                    "weights lack score.weight); train one with `alignrl train rm`, or save a sequence-classification "
                     "model"), line
 
 

@@ -151,10 +151,9 @@ def test_a_killed_sampler_loses_nothing(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_a_killed_trainer_resumes_and_the_sampler_rejoins(tiny_model_dir, tmp_path):
-    """The trainer is stopped twice after a checkpoint, by Ctrl-C (one line, exit 130) and then by kill -9;
-    the sampler waits through both (an interrupted run does not tell it the run is over); each restarted
-    trainer resumes from its checkpoint, the sampler gets its weights, and the logged steps train each prompt
-    exactly once."""
+    """The trainer is killed after a checkpoint; the sampler waits; the restarted trainer resumes from its
+    checkpoint, the sampler gets its weights, and the logged steps train each prompt exactly once. (A trainer
+    stopped by Ctrl-C leaves its samplers waiting the same way: test_coordinator_sync.)"""
     ports = free_ports(2)
     steps = 8
     args = ["train", "grpo", *overrides(tiny_model_dir, tmp_path, "restart", steps, ports, "pipeline.placement=zmq",
@@ -162,33 +161,20 @@ def test_a_killed_trainer_resumes_and_the_sampler_rejoins(tiny_model_dir, tmp_pa
                                         "pipeline.ref_logprobs=balance")]
     run = tmp_path / "restart"
     tracker = run / "checkpoints" / "latest_checkpointed_iteration.txt"
-    procs = [spawn(*args), sampler(tiny_model_dir, ports)]
-    worker = procs[1]
+    trainer, worker = spawn(*args), sampler(tiny_model_dir, ports)
     try:
         wait_for(tracker.exists, 240, "the first checkpoint")
-        os.kill(procs[0].pid, signal.SIGINT)
-        _, err = procs[0].communicate(timeout=60)
-        assert procs[0].returncode == 130 and "Traceback" not in err, err[-3000:]
-        assert err.strip().splitlines()[-1].startswith("alignrl: interrupted"), err[-3000:]
-        interrupted_at = int(tracker.read_text())
-        procs.append(spawn(*args))
-
-        def resumed() -> bool:
-            assert worker.poll() is None, "the sampler left with the interrupted trainer"
-            return int(tracker.read_text()) > interrupted_at
-
-        wait_for(resumed, 240, "a checkpoint after the resume")
-        os.killpg(procs[2].pid, signal.SIGKILL)
-        procs[2].wait(timeout=30)
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
         killed_at = int(tracker.read_text())
-        assert interrupted_at < killed_at < steps
-        procs.append(spawn(*args))
-        out, err = procs[3].communicate(timeout=400)
-        assert procs[3].returncode == 0, err[-3000:]
+        assert killed_at < steps
+        again = spawn(*args)
+        out, err = again.communicate(timeout=400)
+        assert again.returncode == 0, err[-3000:]
         assert f"(step {killed_at})" in out
         assert worker.wait(timeout=60) == 0
     finally:
-        stop(*procs)
+        stop(trainer, worker, *([again] if "again" in dir() else []))
     assert_each_row_once(run, steps)
     # pipeline.ref_logprobs=balance: the trainer computes the reference rows of whole prompt groups (n=4)
     rows = [json.loads(x) for x in (run / "logs" / "metrics.jsonl").read_text().splitlines()][1:]

@@ -324,27 +324,45 @@ def test_a_verl_run_asking_for_more_nodes_than_the_cluster_has_fails_at_once(clu
 @pytest.mark.timeout(300)
 def test_a_users_mistake_inside_ray_is_one_line(cluster, tiny_model_dir, tmp_path, monkeypatch, capsys):
     """What a worker would meet is the user's to fix, and said in one line (exit 2), not a worker's traceback
-    wrapped in Ray's: a malformed data file and a model folder that is none (checked by the driver before any
-    worker starts), and a reward function that raises (inside a rollout engine, two Ray calls deep)."""
+    wrapped in Ray's: a malformed data file, a model folder that is none and a causal LM as the reward model,
+    checked by the driver before any worker starts. (What a worker raises later: test_a_workers_user_error_...)"""
     from alignrl.cli import main as cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     bad_data = tmp_path / "bad.jsonl"
     bad_data.write_text('{"foo": "1+1", "bar": "2"}\n')  # valid JSON lines, columns of no known format
-    rewards = tmp_path / "raises.py"
-    rewards.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                       "    raise KeyError('no such field')\n")
     cases = [([f"data.train_files={bad_data}"], "cannot tell the data format from columns ['bar', 'foo']"),
              ([f"actor_rollout_ref.model.path={tmp_path}"], "is not a Hugging Face model folder"),
-             ([f"custom_reward_function.path={rewards}", "custom_reward_function.name=compute_score"],
-              "raised KeyError")]
+             ([f"algorithm.reward_model={tiny_model_dir}"], "is not a reward/cost model: it has no scoring head")]
     for extra, said in cases:
         assert cli(verl_args(tiny_model_dir, 1) + extra) == 2
         err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
         assert "Traceback" not in "\n".join(err) and said in err[-1], err[-20:]
         assert err[-1].startswith("alignrl train ppo: error:"), err[-1]
     assert all_gpus_free()
+
+
+def test_a_workers_user_error_is_unwrapped_from_rays_nesting():
+    """A reward function that raises inside a rollout engine reaches the driver wrapped twice (the engine's task
+    error inside the actor rank's), and each wrapper is an instance of the cause's class whose text is the whole
+    remote traceback: the driver's line is the ScoreError's own, which survives Ray's pickling."""
+    import pickle
+
+    from alignrl.cluster.channel import ClusterError
+    from alignrl.cluster.driver import user_error
+    from alignrl.rewards.registry import ScoreError
+
+    cause = pickle.loads(pickle.dumps(ScoreError("r.py:f", "raised KeyError: 'x'", "gsm8k", "fix it", 3)))
+    inner = ray.exceptions.RayTaskError("RolloutWorker.batch", "Traceback ...\n" * 30, cause).as_instanceof_cause()
+    outer = ray.exceptions.RayTaskError("PolicyRank.run", "Traceback ...\n" * 30, inner).as_instanceof_cause()
+    assert isinstance(inner, ScoreError)  # Ray's wrapper passes for the cause: it must be unwrapped, not printed
+    got = user_error(outer)
+    assert type(got) is ScoreError and str(got) == str(cause) and "\n" not in str(got)
+    assert str(got) == "reward function r.py:f raised KeyError: 'x' for row 3 (data_source gsm8k): fix it"
+    died = ClusterError("rollout engine 0 died")
+    assert user_error(ray.exceptions.RayTaskError("f", "tb", died)) is died
+    assert user_error(ray.exceptions.RayTaskError("f", "tb", ZeroDivisionError("bug"))) is None  # a bug stays one
 
 
 @pytest.mark.slow

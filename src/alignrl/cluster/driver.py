@@ -57,12 +57,16 @@ def check_inputs(cfg: RunConfig) -> None:
     driver, not a worker's creation traceback wrapped in Ray's."""
     from alignrl.algos.runner import load_task_data
     from alignrl.models.loader import resolve_model_path
+    from alignrl.models.value import check_scorer_folder
     from alignrl.rewards.registry import load_reward_fn
 
     load_task_data(replace(cfg, data=replace(cfg.data, train_size=1)))  # generated rows need no check
-    for path in (cfg.model.path, cfg.critic.model_path, cfg.algorithm.reward_model):
+    for path in (cfg.model.path, cfg.critic.model_path, cfg.algorithm.reward_model, cfg.safety.cost_model):
         if path and path != "demo":  # the demo model is built by the first worker that needs it
             resolve_model_path(path)
+    for path in (cfg.algorithm.reward_model, cfg.safety.cost_model):
+        if path:
+            check_scorer_folder(path)
     load_reward_fn(cfg.algorithm.reward_fn)
 
 

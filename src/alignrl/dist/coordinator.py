@@ -126,7 +126,7 @@ class Coordinator:
         try:
             self.puller = Puller(self.p.host, self.p.data_port, hwm=self.p.hwm, token=self.token)
             self.replier = Replier(self.p.host, self.p.sync_port, token=self.token)
-        except (PortInUse, InsecureBind) as e:
+        except (OSError, InsecureBind) as e:  # PortInUse among them; a host that is not this machine's too
             if self.puller is not None:
                 self.puller.close()
             return e

@@ -52,9 +52,8 @@ def _on_sigint(signum, frame):
 
 
 def _on_sigterm(signum, frame):  # torchrun's agent terminates the survivors when a rank fails
-    if _interrupted:  # a Ctrl-C reached every rank (Python runs a pending SIGINT's handler before SIGTERM's)
-        sys.stderr.flush()  # and rank 0 said so. os._exit: SystemExit raised inside an atexit callback (where
-        os._exit(130)  # the terminate often lands) would print "Exception ignored ..." and a traceback
+    if _interrupted:  # after a Ctrl-C this rank is already stopping (rank 0 says so): let it finish (Python runs a
+        return  # pending SIGINT's handler before SIGTERM's); torchrun's agent kills a rank that does not stop
     print(f"alignrl: rank {os.environ.get('RANK', '?')}: stopped because another rank failed (the line naming "
           "that rank says how)", file=sys.stderr)
     sys.exit(1)

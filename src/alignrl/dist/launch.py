@@ -92,17 +92,20 @@ def torchrun(nproc: int, module_argv: list[str], master_port: int | None = None)
 
 def wait_interruptible(main: subprocess.Popen, *others: subprocess.Popen) -> int:
     """`main`'s exit code, or 130 on Ctrl-C once every process has stopped: a terminal's Ctrl-C reaches them
-    too (they say what happened themselves); one sent to this process alone is passed on to them. Later
-    SIGINTs (torchrun's agent passes one on to its group) are ignored; a process still running after 30 s is
-    killed."""
+    too (they say what happened themselves). It is passed on only to those outside this process group, which a
+    terminal's Ctrl-C did not reach: a second SIGINT would cut torchrun's agent's shutdown of its ranks short.
+    Later SIGINTs are ignored; a process still running after 30 s is killed."""
     try:
         return main.wait()
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         procs = (main, *others)
         for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
+            try:
+                if p.poll() is None and os.getpgid(p.pid) != os.getpgrp():
+                    p.send_signal(signal.SIGINT)
+            except ProcessLookupError:
+                pass
         for p in procs:
             try:
                 p.wait(timeout=30)

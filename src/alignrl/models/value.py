@@ -55,6 +55,22 @@ def response_values(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
     return out.logits[:, -r - 1:-1, 0].float() * response_mask
 
 
+def not_a_scorer(path: str, why: str) -> ModelError:
+    return ModelError(f"{path} is not a reward/cost model: it has no scoring head ({why}); train one with "
+                      "`alignrl train rm`, or save a sequence-classification model")
+
+
+def check_scorer_folder(path: str) -> None:
+    """What ModelScorer would find, read from the folder's config.json alone (no weights loaded): a causal
+    LM's architecture has no scoring head. For the Ray driver, before any worker loads it."""
+    import json
+
+    config = json.loads((resolve_model_path(path, lambda *_: None) / "config.json").read_text())
+    arch = config.get("architectures") or []
+    if arch and not any(a.endswith("ForSequenceClassification") for a in arch):
+        raise not_a_scorer(path, f"its architecture is {arch[0]}")
+
+
 class ModelScorer:
     """A sequence-level scorer (reward or cost model: an HF sequence-classification folder with one
     label) applied to rollouts; the score is read at each sequence's last real token."""
@@ -77,8 +93,7 @@ class ModelScorer:
         # a causal LM folder loads too, with a freshly drawn (random) head: scores that mean nothing
         head = [k for k in info["missing_keys"] if not k.startswith(model.base_model_prefix + ".")]
         if head:
-            raise ModelError(f"{path} is not a reward/cost model: its weights hold no scoring head ({head[0]} is "
-                             "missing); train one with `alignrl train rm`, or save a sequence-classification model")
+            raise not_a_scorer(path, f"its weights lack {head[0]}")
         self.model = model.to(device)
         self.model.eval()
 

@@ -41,12 +41,15 @@ descendants() {
         descendants $(pgrep -P "$p" || true)
     done
 }
-# The head's Ray client server does not name the temp dir: it is found by the GCS address it serves.
-mine() {
-    descendants $( (pgrep -u "$(id -u)" -f -- "$TEMP_DIR/"
-                    pgrep -u "$(id -u)" -f -- "ray.util.client.server .*--address=[^ ]*:$RAY_PORT( |$)") |
-                  grep -vx "$$" || true) | sort -u
+# The head's Ray client server does not name the temp dir: it is found by the GCS address it serves, and only
+# when this temp dir runs that GCS (a worker, or another head, on this machine must leave it alone).
+client_server() {
+    if pgrep -u "$(id -u)" -f -- "gcs_server .*$TEMP_DIR/.*--gcs_server_port=$RAY_PORT( |$)" >/dev/null ||
+       pgrep -u "$(id -u)" -f -- "gcs_server .*--gcs_server_port=$RAY_PORT .*$TEMP_DIR/" >/dev/null; then
+        pgrep -u "$(id -u)" -f -- "ray.util.client.server .*--address=[^ ]*:$RAY_PORT( |$)" || true
+    fi
 }
+mine() { descendants $( (pgrep -u "$(id -u)" -f -- "$TEMP_DIR/"; client_server) | grep -vx "$$" || true) | sort -u; }
 # Something already answers on 127.0.0.1:PORT (another user's cluster, say): Ray would fail with a traceback.
 taken() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 stop_mine() {
