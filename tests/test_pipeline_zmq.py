@@ -93,7 +93,7 @@ def steps_logged(run: Path) -> int:
     return len(path.read_text().splitlines()) - 1 if path.is_file() else 0
 
 
-def assert_each_row_once(run: Path, steps: int, batch: int = 4, size: int = 64):
+def assert_each_row_once(run: Path, steps: int, batch: int = 4):
     """Exact accounting: the rows the trainer's data order drew (epoch after epoch) are the rows it trained
     plus the rows its final checkpoint still owes (leases outstanding at the end), each exactly once."""
     from collections import Counter
@@ -106,9 +106,9 @@ def assert_each_row_once(run: Path, steps: int, batch: int = 4, size: int = 64):
     assert len(trained_rows(run)) == steps and len(trained) == steps * batch
     state = torch.load(run / "checkpoints" / f"global_step_{steps}" / "trainer_state.pt", weights_only=False)
     dispatch = state["source"]["dispatch"]
-    order = BatchSampler(size, batch, seed=0)
+    order = BatchSampler(64, batch, seed=0)
     pos = dispatch["sampler"]
-    drawn = [r for _ in range(pos["epoch"] * (size // batch) + pos["offset"] // batch) for r in order.next()]
+    drawn = [r for _ in range(pos["epoch"] * (64 // batch) + pos["offset"] // batch) for r in order.next()]
     owed = [r for rows in dispatch["requeue"] for r in rows]
     assert Counter(trained) + Counter(owed) == Counter(drawn), "a prompt was trained twice or lost"
 
