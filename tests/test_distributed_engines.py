@@ -36,13 +36,11 @@ def torchrun(args: list[str], out: Path, timeout: float = 180) -> subprocess.Com
 
 def one_process_step(model_dir, layout: Layout):
     """The one-process reference: the same global batch, the same update."""
-    class Args:
-        strategy, zero_stage = "single", 2
-
+    single = engine_worker.EngineArgs("single")
     torch.manual_seed(0)
-    engine, exp = engine_worker.make_engine(Args, SINGLE, str(model_dir), layout.share_prompt)
+    engine, exp = engine_worker.make_engine(single, SINGLE, str(model_dir), layout.share_prompt)
     engine_worker.update(engine, exp, SINGLE, layout)
-    before = engine_worker.make_engine(Args, SINGLE, str(model_dir))[0].full_state_dict()
+    before = engine_worker.make_engine(single, SINGLE, str(model_dir))[0].full_state_dict()
     return before, engine.full_state_dict()
 
 
@@ -60,53 +58,43 @@ def assert_same_step(got, before, expected, what):
         torch.testing.assert_close(got[k], expected[k], atol=ATOL, rtol=0, msg=f"{what}: {k}")
 
 
-# The layouts each engine's step is checked under, all in one launch per engine (a launch's start-up costs
-# more than its steps): plain padded micro-batches; shared prompts, whose forward calls the wrapped model
-# twice before one backward (the prompt, then the responses over its keys/values), so every engine must
-# still reduce its gradients exactly once; packed (padding-free) with shared prompts, one call of the
-# wrapped model per micro-batch with the attention routed to the packed path on every rank.
-STEPS = {("ddp", 0, False): "plain,shared", ("fsdp2", 0, False): "plain,shared,packed",
-         ("deepspeed", 2, False): "plain,shared", ("deepspeed", 3, False): "plain,shared,packed",
-         ("deepspeed", 3, True): "plain"}
+# The layouts each engine's step is checked under: plain padded micro-batches; shared prompts, whose forward
+# calls the wrapped model twice before one backward (the prompt, then the responses over its keys/values), so
+# every engine must still reduce its gradients exactly once; packed (padding-free) with shared prompts, one call
+# of the wrapped model per micro-batch with the attention routed to the packed path on every rank. `roundtrip`:
+# full weights + state saved, an engine rebuilt from them, equal weights, and the restored engine's next step
+# equals the original's (checked in the worker). The torch engines share one launch and DeepSpeed's stages
+# another: a launch's start-up costs more than its steps.
+LAUNCHES = {"torch": ["ddp:0=plain,shared", "fsdp2:0=plain,shared,packed,roundtrip"],
+            "deepspeed": ["deepspeed:2=plain,shared", "deepspeed:3=plain,shared,packed,roundtrip",
+                          "deepspeed:3:offload=plain"]}
 
 
-@pytest.mark.parametrize("strategy,stage,offload", list(STEPS))
-def test_steps_match_single_process(strategy, stage, offload, tiny_model_dir, reference, tmp_path):
-    layouts = STEPS[(strategy, stage, offload)]
-    r = torchrun(["--strategy", strategy, "--zero-stage", str(stage), "--model", str(tiny_model_dir),
-                  "--layouts", layouts, *(["--offload"] if offload else [])], tmp_path)
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_steps_match_single_process_and_state_round_trips(launch, tiny_model_dir, reference, tmp_path):
+    r = torchrun(["--model", str(tiny_model_dir), "--engines", *LAUNCHES[launch]], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    for name in layouts.split(","):
-        before, expected = reference[name]
-        assert_same_step(load_file(str(tmp_path / f"weights_{name}.safetensors")), before, expected,
-                         f"{strategy} {name}")
-
-
-@pytest.mark.parametrize("strategy,stage", [("fsdp2", 0), ("deepspeed", 3)])
-def test_save_load_round_trip_and_resume_continues_identically(strategy, stage, tiny_model_dir, tmp_path):
-    """In the worker: full weights + state saved, rebuilt from them, equal weights, and the next step of
-    the restored engine equals the next step of the original one."""
-    r = torchrun(["--strategy", strategy, "--zero-stage", str(stage), "--model", str(tiny_model_dir),
-                  "--mode", "roundtrip"], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (tmp_path / "ckpt" / "model" / "config.json").is_file()
-    if strategy != "fsdp2":
-        return
-
-    # Full weights and the FQN-keyed optimizer state move from 2-rank FSDP2 to a single process.
-    class Args:
-        strategy, zero_stage = "single", 2
-
-    engine, _ = engine_worker.make_engine(Args, SINGLE, str(tmp_path / "ckpt" / "model"))
-    assert engine.load_state(tmp_path / "ckpt")
-    steps = {float(s["step"]) for s in engine.optimizer.state.values()}
-    assert steps == {1.0}  # the optimizer state of the one step taken under FSDP2
-    assert engine.scheduler.last_epoch == 1
+    for spec in LAUNCHES[launch]:
+        engine, layouts = engine_worker.parse_spec(spec)
+        for name in layouts:
+            if name == "roundtrip":
+                assert (tmp_path / f"ckpt_{engine.tag}" / "model" / "config.json").is_file()
+                continue
+            before, expected = reference[name]
+            assert_same_step(load_file(str(tmp_path / f"weights_{engine.tag}_{name}.safetensors")), before,
+                             expected, f"{engine.tag} {name}")
+    if launch == "torch":  # full weights and the FQN-keyed optimizer state move from 2-rank FSDP2 to one process
+        engine, _ = engine_worker.make_engine(engine_worker.EngineArgs("single"), SINGLE,
+                                              str(tmp_path / "ckpt_fsdp20" / "model"))
+        assert engine.load_state(tmp_path / "ckpt_fsdp20")
+        steps = {float(s["step"]) for s in engine.optimizer.state.values()}
+        assert steps == {1.0}  # the optimizer state of the one step taken under FSDP2
+        assert engine.scheduler.last_epoch == 1
 
 
 def test_killed_rank_ends_the_run_instead_of_hanging(tiny_model_dir, tmp_path):
     t0 = time.time()
-    r = torchrun(["--strategy", "ddp", "--model", str(tiny_model_dir), "--mode", "kill"], tmp_path, timeout=150)
+    r = torchrun(["--kill", "ddp", "--model", str(tiny_model_dir)], tmp_path, timeout=150)
     assert r.returncode != 0
     assert time.time() - t0 < 120
     assert "SIGKILL" in r.stderr or "Signal 9" in r.stderr

@@ -37,11 +37,10 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
-@pytest.mark.parametrize("strategy,extra", [
-    ("ddp", ()),
-    ("fsdp2", ("algorithm.adv_estimator=gae", "critic.enable=true")),
-    ("deepspeed", ("trainer.zero_stage=3",)),
-])
+CRITIC = ("algorithm.adv_estimator=gae", "critic.enable=true")
+
+
+@pytest.mark.parametrize("strategy,extra", [("ddp", CRITIC), ("deepspeed", ("trainer.zero_stage=3",))])
 def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
     r = run(tiny_model_dir, tmp_path, strategy, strategy, 2, *extra)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -53,13 +52,15 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
     ckpt = run_dir / "checkpoints" / "global_step_2"
     after, before = weights(ckpt / "model"), weights(tiny_model_dir)
     assert max(float((after[k] - before[k]).abs().max()) for k in before) > 1e-5
-    if "critic.enable=true" in extra:
+    if strategy == "ddp":  # FSDP2 resumes DDP's checkpoint, the policy's and the critic's optimizer state included
         assert (ckpt / "critic" / "model.safetensors").is_file() and (ckpt / "critic_state").is_dir()
-    if strategy == "ddp":  # FSDP2 resumes DDP's checkpoint, optimizer state included
-        r = run(tiny_model_dir, tmp_path, strategy, "fsdp2", 3)
+        r = run(tiny_model_dir, tmp_path, strategy, "fsdp2", 3, *extra)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "resumed from" in r.stdout and "fresh optimizer" not in r.stdout
-        assert (run_dir / "checkpoints" / "global_step_3" / "model_state" / "optim.pt").is_file()
+        step3 = run_dir / "checkpoints" / "global_step_3"
+        assert (step3 / "model_state" / "optim.pt").is_file() and (step3 / "critic_state").is_dir()
+        rows = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in rows if "critic/vf_loss" in x] == [1, 2, 3]
     if strategy == "deepspeed":
         assert json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 3
         # DeepSpeed's optimizer shards are its own format: DDP continues from the full weights, and says so

@@ -205,10 +205,7 @@ import engine_worker
 from alignrl.dist.env import SINGLE
 
 for stage in (0, 2):  # 0: a plain torch optimizer, checked by us; 2: ZeRO's own check
-    class Args:
-        strategy, zero_stage = "deepspeed", stage
-
-    engine, exp = engine_worker.make_engine(Args, SINGLE, {model!r})
+    engine, exp = engine_worker.make_engine(engine_worker.EngineArgs("deepspeed", stage), SINGLE, {model!r})
     before = {{k: v.clone() for k, v in engine.full_state_dict().items()}}
     for bad in (True, False):
         engine.backward(engine.module(input_ids=exp.prompt_ids).logits.mean() * (float("nan") if bad else 1.0))

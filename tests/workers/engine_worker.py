@@ -1,10 +1,14 @@
-"""Run under torchrun (or alone for the one-process reference): one actor update of a fixed global
-batch on a chosen training engine, then the full weights to `--out` (rank 0).
+"""Run under torchrun (or alone for the one-process reference): actor updates of a fixed global batch on
+chosen training engines, then the full weights to `--out` (rank 0).
 
-    --mode step       one optimisation step per `--layouts` entry, each on a fresh engine, full weights
-                      saved as weights_<layout>.safetensors
-    --mode roundtrip  step, save HF folder + resumable state, rebuild from them, check they match
-    --mode kill       rank 1 dies before a collective: the run must exit non-zero, not hang
+    --engines SPEC ...  each SPEC `strategy:zero_stage[:offload]=layout,...`: one optimisation step per layout
+                        (plain, shared, packed), each on a fresh engine, full weights saved as
+                        weights_<tag>_<layout>.safetensors (tag: strategy, stage, "o" if offloaded); the layout
+                        `roundtrip` steps, saves an HF folder + resumable state to ckpt_<tag>, rebuilds from them
+                        and checks that the restored engine matches and continues like the original
+    --kill STRATEGY     rank 1 dies before a collective: the run must exit non-zero, not hang
+
+Several engines share one launch: a torchrun's start-up (torch, transformers) costs more than their steps.
 """
 
 import argparse
@@ -12,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +31,24 @@ from alignrl.train.engines import OptimSpec, build_engine
 
 GLOBAL_BATCH, PROMPT, RESPONSE = 8, 5, 6
 LAYOUTS = {"plain": Layout(), "shared": Layout(True, False), "packed": Layout(True, True)}
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    strategy: str
+    zero_stage: int = 2
+    offload: bool = False
+
+    @property
+    def tag(self) -> str:
+        return f"{self.strategy}{self.zero_stage}{'o' if self.offload else ''}"
+
+
+def parse_spec(spec: str) -> tuple[EngineArgs, list[str]]:
+    """`deepspeed:3:offload=plain,roundtrip` -> (EngineArgs("deepspeed", 3, True), ["plain", "roundtrip"])."""
+    engine, layouts = spec.split("=")
+    strategy, stage, *rest = engine.split(":")
+    return EngineArgs(strategy, int(stage), rest == ["offload"]), layouts.split(",")
 
 
 def fixed_batch(model, shared: bool = False) -> Experience:
@@ -62,7 +85,7 @@ def make_engine(args, env, path, shared: bool = False):
     # about the gradients the backends computed, not about float summation order.
     spec = OptimSpec(lr=1e-2, weight_decay=0.01, total_steps=10, grad_clip=1.0, eps=1e-4)
     engine = build_engine(args.strategy, model, spec, env, zero_stage=args.zero_stage,
-                          offload=getattr(args, "offload", False))
+                          offload=args.offload)
     return engine, exp
 
 
@@ -74,55 +97,56 @@ def update(engine, exp, env, layout: Layout = Layout()) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--strategy", required=True)
-    p.add_argument("--zero-stage", type=int, default=2)
-    p.add_argument("--offload", action="store_true", help="DeepSpeed: optimizer state on the CPU")
+    p.add_argument("--engines", nargs="*", default=[], help="strategy:zero_stage[:offload]=layout,...")
+    p.add_argument("--kill", metavar="STRATEGY", help="rank 1 dies before the first collective")
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", default="step", choices=["step", "roundtrip", "kill"])
-    p.add_argument("--layouts", default="plain",
-                   help="comma-separated, each a step of its own (--mode step): plain, shared (shared-prompt batch "
-                        "and forward) or packed (shared and padding-free)")
     args = p.parse_args()
     torch.set_num_threads(1)
     env = init_distributed(timeout_s=float(os.environ.get("ALIGNRL_DIST_TIMEOUT", "60")))
     out = Path(args.out)
-    if args.mode == "step":  # several steps in one launch: a torchrun's start-up costs more than a step
-        for name in args.layouts.split(","):
-            engine, exp = make_engine(args, env, args.model, LAYOUTS[name].share_prompt)
-            update(engine, exp, env, LAYOUTS[name])
-            save_weights(engine.full_state_dict(), env, out, f"weights_{name}.safetensors")
-        shutdown()
-        return 0
-    engine, exp = make_engine(args, env, args.model)
-    if args.mode == "kill":
+    if args.kill:
+        engine, exp = make_engine(EngineArgs(args.kill), env, args.model)
         if env.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(10.0)  # torchrun (polling every 0.1 s) stops this rank first: SIGTERM ends the sleep
-    update(engine, exp, env)
-    full = engine.full_state_dict()
-    if args.mode == "roundtrip":
-        folder = out / "ckpt"
-        if env.is_main:
-            (folder / "model").mkdir(parents=True, exist_ok=True)
-            engine.model.save_pretrained(folder / "model", state_dict=full)
-        barrier(env)
-        engine.save_state(folder)
-        barrier(env)
-        engine2, _ = make_engine(args, env, str(folder / "model"))
-        assert engine2.load_state(folder), "saved training state not found"
-        again = engine2.full_state_dict()
-        for k, v in full.items():
-            assert torch.equal(v, again[k]), f"{k} changed in the round trip"
-        # the restored optimizer continues exactly like the original one
-        update(engine, exp, env)
-        update(engine2, exp, env)
-        a, b = engine.full_state_dict(), engine2.full_state_dict()
-        for k, v in a.items():
-            torch.testing.assert_close(v, b[k], atol=1e-6, rtol=0, msg=f"{k} diverged after resume")
-    save_weights(full, env, out, "weights.safetensors")
+        update(engine, exp, env)  # never reached; if it were, its all-reduce would have no peer
+        save_weights(engine.full_state_dict(), env, out, "weights.safetensors")
+    for spec in args.engines:
+        engine_args, layouts = parse_spec(spec)
+        for name in layouts:
+            if name == "roundtrip":
+                roundtrip(engine_args, env, args.model, out / f"ckpt_{engine_args.tag}")
+                continue
+            engine, exp = make_engine(engine_args, env, args.model, LAYOUTS[name].share_prompt)
+            update(engine, exp, env, LAYOUTS[name])
+            save_weights(engine.full_state_dict(), env, out, f"weights_{engine_args.tag}_{name}.safetensors")
     shutdown()
     return 0
+
+
+def roundtrip(engine_args: EngineArgs, env, model: str, folder: Path) -> None:
+    """A step, the full weights and resumable state saved, an engine rebuilt from them: equal weights, and
+    the restored optimizer continues exactly like the original one."""
+    engine, exp = make_engine(engine_args, env, model)
+    update(engine, exp, env)
+    full = engine.full_state_dict()
+    if env.is_main:
+        (folder / "model").mkdir(parents=True, exist_ok=True)
+        engine.model.save_pretrained(folder / "model", state_dict=full)
+    barrier(env)
+    engine.save_state(folder)
+    barrier(env)
+    engine2, _ = make_engine(engine_args, env, str(folder / "model"))
+    assert engine2.load_state(folder), "saved training state not found"
+    again = engine2.full_state_dict()
+    for k, v in full.items():
+        assert torch.equal(v, again[k]), f"{engine_args.tag}: {k} changed in the round trip"
+    update(engine, exp, env)
+    update(engine2, exp, env)
+    a, b = engine.full_state_dict(), engine2.full_state_dict()
+    for k, v in a.items():
+        torch.testing.assert_close(v, b[k], atol=1e-6, rtol=0, msg=f"{engine_args.tag}: {k} diverged after resume")
 
 
 def save_weights(full: dict, env, out: Path, name: str) -> None:
