@@ -16,7 +16,6 @@ from alignrl.rollout.agent import INFO_CLOSE, INFO_OPEN, INVALID_ACTION, AgentRo
 from alignrl.rollout.hf_engine import HFRolloutEngine
 from alignrl.rollout.remote import RemoteRolloutEngine, ServiceError
 from alignrl.rollout.retriever import RetrieverClient, passages_text
-from alignrl.serve.common import ServiceProcess
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -225,13 +224,13 @@ def test_embedded_engine_ids_and_logprobs_line_up_with_the_trainer(tiny_model):
     assert torch.equal(again.response_ids, ro.response_ids) and torch.equal(again.loss_mask, ro.loss_mask)
 
 
-def test_generation_server_gives_the_embedded_ids(tiny_model, tiny_model_dir):
+def test_generation_server_gives_the_embedded_ids(tiny_model, base_generation):
     model, tok = tiny_model
     prompts = [_enc(tok, "What is 3 + 4?"), _enc(tok, "Name a city."), _enc(tok, "Hello")]
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
     local = _hf_agent(model, tok, RecordingTool()).generate(prompts, params)
-    with ServiceProcess(["generate", "--model", str(tiny_model_dir)]) as gen:
-        remote = AgentRollout(RemoteRolloutEngine(gen.url, tok), tok, RecordingTool(), 2, 40).generate(prompts, params)
+    remote = AgentRollout(RemoteRolloutEngine(base_generation.url, tok), tok, RecordingTool(), 2,
+                          40).generate(prompts, params)
     for name in ("prompt_ids", "response_ids", "response_mask", "loss_mask", "truncated"):
         assert torch.equal(getattr(local, name), getattr(remote, name)), name
     torch.testing.assert_close(remote.logprobs, local.logprobs, atol=2e-4, rtol=0)

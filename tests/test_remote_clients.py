@@ -12,7 +12,7 @@ import torch
 from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
 from alignrl.rollout.remote import (RemoteRefScorer, RemoteReward, RemoteRolloutEngine, ServiceClient, ServiceError,
                                     rollout_from_rows)
-from alignrl.serve.common import ServiceProcess, free_port
+from alignrl.serve.common import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -131,32 +131,26 @@ class _Tok:
     pad_token_id, eos_token_id = 0, 1
 
 
-@pytest.fixture(scope="module")
-def gen(tiny_model_dir):
-    with ServiceProcess(["generate", "--model", str(tiny_model_dir)]) as s:
-        yield s
-
-
 def _prompts(tok):
     return [tok.encode(t) for t in ("What is 3 + 4?", "Add 10 and 25 then double it.", "7 * 8 =", "1")]
 
 
-def test_remote_greedy_rollout_equals_local(gen, tiny_model):
+def test_remote_greedy_rollout_equals_local(base_generation, tiny_model):
     model, tok = tiny_model
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=14)
     local = HFRolloutEngine(model, tok).generate(_prompts(tok), params)
-    remote = RemoteRolloutEngine(gen.url, tok).generate(_prompts(tok), params)
+    remote = RemoteRolloutEngine(base_generation.url, tok).generate(_prompts(tok), params)
     for f in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "truncated", "group"):
         a, b = getattr(remote, f), getattr(local, f)
         assert a.dtype == b.dtype and torch.equal(a, b), f
     torch.testing.assert_close(remote.logprobs, local.logprobs, atol=1e-4, rtol=0)
 
 
-def test_remote_sampled_rollout_layout_and_chunking(gen, tiny_model):
+def test_remote_sampled_rollout_layout_and_chunking(base_generation, tiny_model):
     _, tok = tiny_model
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=4)
-    whole = RemoteRolloutEngine(gen.url, tok).generate(_prompts(tok), params)
-    chunked = RemoteRolloutEngine(gen.url, tok, max_seqs_per_request=3).generate(_prompts(tok), params)
+    whole = RemoteRolloutEngine(base_generation.url, tok).generate(_prompts(tok), params)
+    chunked = RemoteRolloutEngine(base_generation.url, tok, max_seqs_per_request=3).generate(_prompts(tok), params)
     assert whole.group.tolist() == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
     lengths = whole.response_mask.sum(1)
     assert torch.equal(whole.truncated, lengths == 10)

@@ -17,7 +17,6 @@ import pytest
 import yaml
 
 from alignrl.dist.launch import free_port
-from alignrl.serve.common import ServiceProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -51,15 +50,8 @@ exec "$@"
 FAIL_PDSH = '#!/usr/bin/env bash\necho "pdsh must not run for one host" >&2\nexit 99\n'
 
 
-@pytest.fixture(scope="module")
-def services(tiny_model_dir):
-    with ServiceProcess(["generate", "--model", str(tiny_model_dir)]) as gen, \
-            ServiceProcess(["ref", "--model", str(tiny_model_dir)]) as ref:
-        yield gen, ref
-
-
-def nodes_yaml(tmp_path, tiny_model_dir, services, hostfile_text, **trainer):
-    gen, ref = services
+def nodes_yaml(tmp_path, tiny_model_dir, model_services, hostfile_text, **trainer):
+    gen, ref = model_services
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     hostfile = tmp_path / "hostfile"
@@ -146,14 +138,14 @@ def weight_version(gen):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_launch_distributed_starts_both_hosts_of_the_hostfile_through_deepspeed(services, tiny_model_dir, tmp_path):
+def test_launch_distributed_starts_both_hosts_of_the_hostfile_through_deepspeed(model_services, tiny_model_dir, tmp_path):
     """One command, two "nodes" x 1 rank (gloo): DeepSpeed's runner checks ssh, pdsh starts each host's
     deepspeed.launcher.launch with its node rank, each runs src/train_grpo.py, both train through the services."""
-    path = nodes_yaml(tmp_path, tiny_model_dir, services, "# two nodes\nlocalhost slots=1\n127.0.0.1 slots=1\n",
+    path = nodes_yaml(tmp_path, tiny_model_dir, model_services, "# two nodes\nlocalhost slots=1\n127.0.0.1 slots=1\n",
                       strategy="deepspeed", deepspeed_config=str(ROOT / "config/deepspeed/zero3.json"))
     bindir = standins(tmp_path)
     log = tmp_path / "standin.log"
-    v0 = weight_version(services[0])
+    v0 = weight_version(model_services[0])
     rc, out, seen = run(["./scripts/launch_distributed.sh"],
                         {"CONFIG": str(path), "STANDIN_LOG": str(log), "PATH": f"{bindir}:{os.environ['PATH']}"},
                         marker=str(path))
@@ -167,7 +159,7 @@ def test_launch_distributed_starts_both_hosts_of_the_hostfile_through_deepspeed(
     assert "node_rank=0" in out and "node_rank=1" in out and "dist_world_size=2" in out
     assert set(seen) == {0, 1} and all(s.endswith("src/train_grpo.py") for s in seen.values()), seen
     assert "strategy deepspeed" in out
-    assert weight_version(services[0]) >= v0 + 2
+    assert weight_version(model_services[0]) >= v0 + 2
     outdir = tmp_path / "output"
     assert (outdir / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
     assert (outdir / "logs").is_dir() and any((outdir / "logs").iterdir())
@@ -176,24 +168,31 @@ def test_launch_distributed_starts_both_hosts_of_the_hostfile_through_deepspeed(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_one_host_hostfile_runs_locally_without_pdsh(services, tiny_model_dir, tmp_path):
-    path = nodes_yaml(tmp_path, tiny_model_dir, services, "gpu007 slots=1\n", strategy="deepspeed", zero_stage=3)
+def test_one_host_hostfile_runs_locally_without_pdsh(model_services, tiny_model_dir, tmp_path):
+    """The seed's one-node form: a hostfile of one host with 2 slots, config/deepspeed/zero3.json, two local ranks
+    under DeepSpeed's launcher training through the services."""
+    path = nodes_yaml(tmp_path, tiny_model_dir, model_services, "gpu007 slots=2\n", strategy="deepspeed",
+                      deepspeed_config=str(ROOT / "config/deepspeed/zero3.json"))
     bindir = standins(tmp_path, pdsh=FAIL_PDSH)
     log = tmp_path / "standin.log"
+    v0 = weight_version(model_services[0])
     rc, out, seen = run(["./scripts/launch_distributed.sh"],
                         {"CONFIG": str(path), "STANDIN_LOG": str(log), "PATH": f"{bindir}:{os.environ['PATH']}"},
                         marker=str(path))
     assert rc == 0, out[-5000:]
-    assert "nodes=1 node_rank=0 procs_per_node=1" in out and "launcher=deepspeed (local)" in out
+    assert "nodes=1 node_rank=0 procs_per_node=2" in out and "launcher=deepspeed (local)" in out
     assert not log.exists()   # neither pdsh nor ssh
-    assert set(seen) == {0} and seen[0].endswith("src/train_grpo.py")
-    assert (tmp_path / "output" / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
+    assert set(seen) == {0, 1} and all(s.endswith("src/train_grpo.py") for s in seen.values()), seen
+    assert "strategy deepspeed" in out and weight_version(model_services[0]) >= v0 + 3  # start-up push + 2 steps
+    outdir = tmp_path / "output"
+    assert json.loads((outdir / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 3
+    assert (outdir / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_launch_training_runs_torchrun_over_this_hosts_slots(services, tiny_model_dir, tmp_path):
-    path = nodes_yaml(tmp_path, tiny_model_dir, services, "localhost slots=2\n")
+def test_launch_training_runs_torchrun_over_this_hosts_slots(model_services, tiny_model_dir, tmp_path):
+    path = nodes_yaml(tmp_path, tiny_model_dir, model_services, "localhost slots=2\n")
     rc, out, seen = run(["./scripts/launch_training.sh"], {"CONFIG": str(path), "STANDIN_LOG": str(tmp_path / "x")},
                         marker=str(path))
     assert rc == 0, out[-5000:]
@@ -204,9 +203,9 @@ def test_launch_training_runs_torchrun_over_this_hosts_slots(services, tiny_mode
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_accelerate_launch_trains_with_the_zero3_plugin(services, tiny_model_dir, tmp_path):
+def test_accelerate_launch_trains_with_the_zero3_plugin(model_services, tiny_model_dir, tmp_path):
     pytest.importorskip("accelerate")
-    path = nodes_yaml(tmp_path, tiny_model_dir, services, "localhost slots=2\n")
+    path = nodes_yaml(tmp_path, tiny_model_dir, model_services, "localhost slots=2\n")
     port = yaml.safe_load(path.read_text())["training"]["master_port"]
     rc, out, seen = run([str(BIN / "accelerate"), "launch", "--config_file", "config/accelerate_config.yaml",
                          "--main_process_port", str(port), "src/train_grpo.py", "--config", str(path)],
@@ -281,8 +280,8 @@ def test_doctor_notes_that_another_host_needs_ssh(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_node_rank_fallback_runs_this_nodes_ranks_with_torchrun(services, tiny_model_dir, tmp_path):
-    path = nodes_yaml(tmp_path, tiny_model_dir, services, "localhost slots=1\n")
+def test_node_rank_fallback_runs_this_nodes_ranks_with_torchrun(model_services, tiny_model_dir, tmp_path):
+    path = nodes_yaml(tmp_path, tiny_model_dir, model_services, "localhost slots=1\n")
     rc, out, seen = run(["./scripts/launch_distributed.sh"],
                         {"CONFIG": str(path), "NODE_RANK": "0", "STANDIN_LOG": str(tmp_path / "x")}, marker=str(path))
     assert rc == 0, out[-5000:]
