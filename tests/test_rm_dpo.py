@@ -175,13 +175,17 @@ def test_seed_002_commands_two_ranks(scorers, tiny_model_dir, tmp_path, monkeypa
     root = _seed_root(tmp_path)
     small = [f"model_path={tiny_model_dir}", "max_train_pairs=64", "max_eval_pairs=24", "eval_batch_size=24",
              "learning_rate=2e-3", "epochs=1", "report_to=[jsonl]", "batch_size=4"]
-    p = _run(["bash", "scripts/train_rm_distributed.sh", "helpful", "2", *small], root)
+    # the seed's script with an override passed through: FSDP2 (DDP trains the DPO ranks below, DeepSpeed the
+    # reward model of test_reward_model_on_deepspeed_two_ranks)
+    p = _run(["bash", "scripts/train_rm_distributed.sh", "helpful", "2", *small, "strategy=fsdp2"], root)
     assert "effective batch = per-device batch × world size × gradient accumulation = 4 × 2 × 1 = 8" in p.stdout
     assert p.stdout.count("held-out pairwise accuracy before training") == 1  # rank 0 prints, rank 1 does not
     two = json.loads((root / "models/helpful_rm/eval_results.json").read_text())
     assert two["world_size"] == 2 and two["steps"] == 8 and (root / "logs/training/helpful_rm/metrics.jsonl").is_file()
+    assert two["strategy"] == "fsdp2", two
     # held-out pairs sharded over two ranks and summed give the one-process number (same seeded head)
     assert two["eval_accuracy_before"] == scorers[1]["eval_accuracy_before"]
+    assert _complete_scorer(root / "models/helpful_rm")
     # the single-process fallback, `python -m src.training.train_rm ...` from the root (run in this process)
     monkeypatch.chdir(root)
     monkeypatch.syspath_prepend(str(root))
@@ -203,27 +207,29 @@ def test_seed_002_commands_two_ranks(scorers, tiny_model_dir, tmp_path, monkeypa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
-def test_reward_model_on_sharded_engines_two_ranks(strategy, tiny_model_dir, tmp_path):
-    """`alignrl train rm --nproc 2` on FSDP2 and DeepSpeed ZeRO-2: same held-out accuracy before training as
-    one process (the head is seeded), and the saved folder is a complete sequence-classification model."""
-    from alignrl.models.value import ModelScorer
-
+def test_reward_model_on_deepspeed_two_ranks(scorers, tiny_model_dir, tmp_path):
+    """`alignrl train rm --nproc 2` on DeepSpeed ZeRO-2 (FSDP2: the seed 002 test): same held-out accuracy before
+    training as one process (the head is seeded), and the saved folder is a complete sequence-classification
+    model."""
     out = tmp_path / "rm"
     p = run_group([sys.executable, "-m", "alignrl", "train", "rm", "--nproc", "2", "--config",
                    str(REPO / "configs/rm_config.yaml"), "--task", "helpful", "--output_dir", str(out),
-                   "--logging_dir", str(tmp_path / "logs"), f"model_path={tiny_model_dir}", f"strategy={strategy}",
+                   "--logging_dir", str(tmp_path / "logs"), f"model_path={tiny_model_dir}", "strategy=deepspeed",
                    "max_train_pairs=32", "max_eval_pairs=24", "eval_batch_size=24", "batch_size=4",
                    "report_to=[jsonl]"], 240, env={**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60"})
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((out / "eval_results.json").read_text())
-    assert res["world_size"] == 2 and res["steps"] == 4
-    single = _rm(tmp_path / "one", tiny_model_dir, "helpful", "max_train_pairs=32", "epochs=1")
-    assert res["eval_accuracy_before"] == single["eval_accuracy_before"]
-    scorer = ModelScorer(str(out))
+    assert res["world_size"] == 2 and res["steps"] == 4 and res["strategy"] == "deepspeed"
+    assert res["eval_accuracy_before"] == scorers[1]["eval_accuracy_before"]
+    assert _complete_scorer(out)
+
+
+def _complete_scorer(folder) -> bool:
+    from alignrl.models.value import ModelScorer
+
     ids = torch.tensor([[5, 6, 7]])
     mask = torch.ones_like(ids, dtype=torch.bool)
-    assert torch.isfinite(scorer.score(ids, mask, ids, mask)).all()
+    return bool(torch.isfinite(ModelScorer(str(folder)).score(ids, mask, ids, mask)).all())
 
 
 def test_overrides_may_come_before_between_or_after_the_flags(monkeypatch):

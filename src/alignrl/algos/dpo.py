@@ -238,7 +238,7 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
                   f"{after[name]['reward_accuracy']:.3f}, policy prefers chosen {before[name]['logp_accuracy']:.3f} -> "
                   f"{after[name]['logp_accuracy']:.3f}")
     results = {"loss_type": cfg.loss_type, "beta": cfg.beta, "before": before, "after": after, "steps": step,
-               "train_pairs": len(enc_train), "world_size": env.world_size,
+               "train_pairs": len(enc_train), "world_size": env.world_size, "strategy": engine.name,
                "effective_batch": pc.global_batch(cfg, env.world_size), "seconds": round(time.time() - t0, 1),
                **({"helpful_rm": cfg.helpful_rm, "harmless_rm": cfg.harmless_rm, "safety_lambda": cfg.safety_lambda,
                    "offset_alpha": cfg.offset_alpha} if safe else {})}

@@ -191,6 +191,7 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
                **({"eval_sign_accuracy_before": before["sign_accuracy"], "eval_sign_accuracy": after["sign_accuracy"]}
                   if model_type == "cost" else {}),
                "train_file": train_file, "train_pairs": len(enc_train), "steps": step, "world_size": env.world_size,
+               "strategy": engine.name,
                "effective_batch": pc.global_batch(cfg, env.world_size), "seconds": round(time.time() - t0, 1)}
     log.print(f"held-out pairwise accuracy: {before['accuracy']:.3f} -> {after['accuracy']:.3f} on "
               f"{int(after['pairs'])} pairs" + (f"; sign accuracy {after['sign_accuracy']:.3f}"
