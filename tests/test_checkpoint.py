@@ -244,7 +244,9 @@ def _weights(run: Path, step: int) -> dict:
 
 
 @pytest.mark.slow
-def test_killed_mid_checkpoint_resumes_from_the_previous_one_to_identical_weights(tiny_model_dir, tmp_path):
+def test_killed_mid_checkpoint_resumes_from_the_previous_one_to_identical_weights(tiny_model_dir, tmp_path,
+                                                                                   cli_in_process):
+    """The run is killed by SIGKILL in its own process; the resume and the fresh start run the CLI in this one."""
     steps = 4
     train_grpo(load_config(None, _overrides(tiny_model_dir, tmp_path, "straight", steps)))
 
@@ -259,7 +261,7 @@ def test_killed_mid_checkpoint_resumes_from_the_previous_one_to_identical_weight
     (root / TRACKER).write_text("4")
     before = _snapshot(root)
 
-    resumed = _cli(args)
+    resumed = cli_in_process(*args)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "skipped global_step_4 (no manifest.json" in resumed.stdout and "(step 2)" in resumed.stdout
     a, b = _weights(tmp_path / "straight", steps), _weights(tmp_path / "killed", steps)
@@ -274,8 +276,8 @@ def test_killed_mid_checkpoint_resumes_from_the_previous_one_to_identical_weight
 
     # trainer.resume_mode=disable over these checkpoints: says so, starts fresh, deletes nothing
     before = _snapshot(root)
-    fresh = _cli(["train", "grpo", *_overrides(tiny_model_dir, tmp_path, "killed", 1, 0),
-                  "trainer.resume_mode=disable"])
+    fresh = cli_in_process("train", "grpo", *_overrides(tiny_model_dir, tmp_path, "killed", 1, 0),
+                           "trainer.resume_mode=disable")
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert "trainer.resume_mode=disable: starting fresh; the existing checkpoints (global_step_4, global_step_2)" \
            in fresh.stdout and "resumed from" not in fresh.stdout

@@ -58,7 +58,8 @@ def _cli(*args, **kw):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_identical_weights(tiny_model_dir, tmp_path):
+def test_killed_run_resumes_to_identical_weights(tiny_model_dir, tmp_path, cli_in_process):
+    """kill -9 of the CLI's process group after its first checkpoint; the resume runs the CLI in this process."""
     steps = 6
     ref = train_grpo(load_config(None, _overrides(tiny_model_dir, tmp_path, "straight", steps, 2)))
     assert ref["steps"] == steps
@@ -74,10 +75,9 @@ def test_killed_run_resumes_to_identical_weights(tiny_model_dir, tmp_path):
     killed_at = int(tracker.read_text())
     assert killed_at < steps, "the run finished before it could be killed"
 
-    resumed = _cli(*args, "trainer.resume_mode=auto")
-    out, err = resumed.communicate(timeout=240)
-    assert resumed.returncode == 0, err
-    assert f"(step {killed_at})" in out
+    resumed = cli_in_process(*args, "trainer.resume_mode=auto")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"(step {killed_at})" in resumed.stdout
     a, b = _weights(tmp_path / "straight", steps), _weights(tmp_path / "killed", steps)
     assert a.keys() == b.keys()
     for k in a:
