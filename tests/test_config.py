@@ -21,6 +21,13 @@ def test_yaml_then_overrides(tmp_path):
     assert load_config(g) == cfg
 
 
+def test_one_value_given_to_a_list_key_is_a_list_of_one():
+    """verl's `trainer.logger=wandb` as well as `trainer.logger=['console','wandb']`."""
+    assert load_config(None, ["trainer.logger=wandb"]).trainer.logger == ["wandb"]
+    assert load_config(None, ["trainer.logger=['console','wandb']"]).trainer.logger == ["console", "wandb"]
+    assert load_config(None, ["rollout.stop=END"]).rollout.stop == ["END"]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["actor.lrr=1"], "unknown config key 'actor.lrr'; allowed under 'actor': lr, "),
     (["nope=1"], "unknown config key 'nope'; allowed at the top level: model, data"),

@@ -64,6 +64,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def _merge_one(merged: Any, override: str) -> Any:
     item = OmegaConf.from_dotlist([override])
     check_sections(RunConfig, OmegaConf.to_container(item))
+    key = override.split("=", 1)[0]
+    value = OmegaConf.select(item, key, default=None)
+    if value is not None and not OmegaConf.is_list(value) and OmegaConf.is_list(
+            OmegaConf.select(merged, key, default=None, throw_on_missing=False)):
+        OmegaConf.update(item, key, [value], merge=False)  # `trainer.logger=wandb` means [wandb], as in verl
     try:
         return OmegaConf.merge(merged, item)
     except OmegaConfBaseException as e:
