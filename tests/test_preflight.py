@@ -180,7 +180,7 @@ def test_taken_rendezvous_port_is_one_line():
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        p = _alignrl("train", "grpo", "--nproc", "2", env={"MASTER_PORT": str(port)})
+        p = _alignrl("train", "grpo", "--nproc", "2", f"trainer.master_port={port}")  # used when given
     _one_line_error(p, f"torchrun rendezvous at 127.0.0.1:{port} failed", "pick a free port")
 
 

@@ -48,7 +48,7 @@ def test_seed_001_flags_translate_to_the_loop_config():
     assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size) == (128, 8, 16)
     assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef == 0.001
     assert not cfg.algorithm.use_kl_in_reward and not cfg.critic.enable and cfg.trainer.device == "cpu"
-    assert F.unused_here(args, gpus=False) == ["--flash_attn", "--bf16"] and F.unused_here(args, gpus=True) == []
+    assert F.unused_here(args, gpus=False) == ["--flash_attn --bf16 (no CUDA)"] and F.unused_here(args, gpus=True) == []
     gpu = load_config(None, F.overrides(args, gpus=True, total_steps=3))
     assert (gpu.trainer.strategy, gpu.model.dtype) == ("deepspeed", "bfloat16")
 
@@ -147,7 +147,7 @@ def test_prompt_data_flags_become_the_data_keys(tmp_path):
     assert not load_config(None, F.overrides(args, gpus=False, total_steps=3)).actor.use_remove_padding
     packed = parse(*SEED_001, "--packing_samples")
     assert load_config(None, F.overrides(packed, gpus=False, total_steps=3)).critic.use_remove_padding
-    assert "--packing_samples" not in F.unused_here(packed, gpus=False)  # it runs on the CPU too
+    assert "--packing_samples" not in " ".join(F.unused_here(packed, gpus=False))  # it runs on the CPU too
     assert training_steps(args) == 2  # 4 rows / 2 prompts per step
 
     raw = parse("--prompt_data", str(data), "--label_key", "answer", "--input_template", "Q: {}\nA: ")
@@ -159,7 +159,7 @@ def test_prompt_data_flags_become_the_data_keys(tmp_path):
                  "--apply_chat_template", "--remote_rm_url", "http://127.0.0.1:1")  # the template is ignored
     F.check(both)  # no --label_key: the reward model scores
     assert load_config(None, F.overrides(both, gpus=False, total_steps=3)).data.input_template is None
-    assert F.unused_here(both, gpus=True) == ["--input_template"]
+    assert F.unused_here(both, gpus=True) == ["--input_template (--apply_chat_template formats the prompts)"]
 
 
 def test_prompt_data_flags_leave_detected_layouts_and_synthetic_data_alone():
@@ -168,4 +168,5 @@ def test_prompt_data_flags_leave_detected_layouts_and_synthetic_data_alone():
     assert (detected.prompt_key, detected.apply_chat_template) == (None, True)
     synthetic = parse("--input_key", "messages", "--label_key", "answer", "--apply_chat_template")
     assert load_config(None, F.overrides(synthetic, gpus=False, total_steps=3)).data.prompt_key is None
-    assert F.unused_here(synthetic, gpus=True) == ["--input_key", "--label_key", "--apply_chat_template"]
+    assert F.unused_here(synthetic, gpus=True) == ["--input_key --label_key --apply_chat_template (the prompts are "
+                                                    "synthetic)"]

@@ -246,3 +246,14 @@ def test_overrides_may_come_before_between_or_after_the_flags(monkeypatch):
     assert rm._entry(["epochs=1", "--task", "helpful", "max_train_pairs=8", "--output_dir", "x", "lr=1"], None) == 0
     assert dpo._entry(["loss_type=sigmoid", "--output_dir", "x", "beta=0.2"], None) == 0
     assert seen == [["epochs=1", "max_train_pairs=8", "lr=1"], ["loss_type=sigmoid", "beta=0.2"]]
+
+
+@pytest.mark.parametrize("flag", ["--logging_dir", "--output_dir"])
+def test_a_folder_flag_under_a_file_is_one_line_before_training(flag, tmp_path, cli_in_process):
+    file = tmp_path / "notes.txt"
+    file.write_text("a file, not a folder")
+    p = cli_in_process("train", "rm", flag, str(file / "sub"), "model_path=demo")
+    assert p.returncode == 2 and p.stderr.strip() == (
+        f"alignrl: error: {flag}: {file} is a file, so {file if flag == '--output_dir' else file / 'sub'} cannot be "
+        f"a folder; move the file or set {flag} to another path"), p.stderr
+    assert file.read_text() == "a file, not a folder"

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from alignrl.config import ConfigError, RunConfig, check_world_size, load_config
+from alignrl.config import ConfigError, RunConfig, check_folders, check_world_size, load_config
 from alignrl.dist.launch import OneLineParser
 from alignrl.errors import user_errors
 
@@ -95,7 +95,7 @@ def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
     from alignrl.rewards.registry import REWARDS
 
     check_world_size(cfg, world)
-    check_folders(cfg)
+    check_run_folders(cfg)
     for key in ("train_files", "val_files"):
         for path in data_files(getattr(cfg.data, key)):
             check_data_file(path, f"data.{key}")
@@ -107,14 +107,17 @@ def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
         load_reward_fn(cfg.algorithm.reward_fn)
 
 
-def check_folders(cfg: RunConfig) -> None:
-    """The run's folders can be made: no part of their paths is a file (it would fail after a step trained)."""
-    for key, path in (("trainer.output_dir", cfg.run_dir), ("trainer.checkpoint_dir", cfg.checkpoint_root),
-                      ("trainer.log_dir", cfg.log_root)):
-        file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
-        if file is not None:
-            raise ConfigError(f"{key}: {file} is a file, so {path} cannot be a folder; move the file or "
-                              f"set {key} to another path")
+def _port_given(argv: list[str], cfg: RunConfig | None) -> int | None:
+    """trainer.master_port when the command line sets it: else `--nproc` takes MASTER_PORT or a free port, so that
+    two runs on one machine do not meet at the default 29500."""
+    keys = {a.split("=", 1)[0] for a in argv if "=" in a}
+    return cfg.trainer.master_port if cfg is not None and keys & {"trainer.master_port", "training.master_port"} \
+        else None
+
+
+def check_run_folders(cfg: RunConfig) -> None:
+    check_folders({"trainer.output_dir": cfg.run_dir, "trainer.checkpoint_dir": cfg.checkpoint_root,
+                   "trainer.log_dir": cfg.log_root})
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         if nproc and nproc > 1 and "LOCAL_RANK" not in os.environ:
             if cfg is not None:  # a bad config fails here, once, not on every rank
                 preflight(cfg, nproc, reward_fn=True)
-            return torchrun(nproc, ["alignrl", *argv])
+            return torchrun(nproc, ["alignrl", *argv], master_port=_port_given(argv, cfg))
         return _run(args, cfg)
     except Exception as e:
         from alignrl.dist.launch import peer_lost

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from alignrl.config import ConfigError, check_ranges, opt
+from alignrl.config import ConfigError, check_folders, check_ranges, opt
 from alignrl.data.loaders import DataError
 from alignrl.data.preference import PreferenceBatch, collate_pairs
 from alignrl.models.loader import ModelError
@@ -112,6 +112,9 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
     # YAML reads `bf16: true` as a boolean, which the string field holds as "True"
     cfg = dataclasses.replace(cfg, bf16=str(cfg.bf16).lower())
     check_ranges(cfg)  # choices and ranges from the field metadata, the RL config's own check
+    # an existing output folder is moved aside when the model is saved, so only its parents must be folders
+    check_folders({k: v for k, v in (("--logging_dir", cfg.logging_dir and Path(cfg.logging_dir)),
+                                     ("--output_dir", cfg.output_dir and Path(cfg.output_dir).parent)) if v})
     return cfg
 
 

@@ -133,7 +133,7 @@ class Driver:
             self.gpus = ray.cluster_resources().get("GPU", 0.0) > 0
             self.say(f"placement: {describe(self.reqs, self.gpus)}")
             if job.unused:
-                self.say(f"accepted but not used here{'' if self.cuda else ' (no CUDA)'}: {' '.join(job.unused)}")
+                self.say(f"accepted but not used here: {'; '.join(job.unused)}")
             reserve(self.reqs, self.gpus, job.placement_timeout_s)
             return self.train()
         finally:

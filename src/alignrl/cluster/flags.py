@@ -203,13 +203,20 @@ def data_keys(args) -> dict[str, object]:
 
 
 def unused_here(args, gpus: bool) -> list[str]:
-    """Flags given that change nothing here (listed once at start): GPU-only ones without CUDA, the
-    prompt-column flags on synthetic data, and --input_template beside --apply_chat_template (OpenRLHF
-    ignores it there too)."""
+    """Flags given that change nothing here, each group with its reason (listed once at start): GPU-only ones
+    without CUDA, the prompt-column flags on synthetic data, and --input_template beside --apply_chat_template
+    (OpenRLHF ignores it there too)."""
     defaults = vars(parser().parse_args([]))
-    names = (() if gpus else GPU_ONLY) + (DATA_KEYS if args.prompt_data == "synthetic" else
-                                          ("input_template",) if args.apply_chat_template else ())
-    return [f"--{f}" for f in names if getattr(args, f) != defaults[f]]
+    groups = [(() if gpus else GPU_ONLY, "no CUDA"),
+              (DATA_KEYS if args.prompt_data == "synthetic" else (), "the prompts are synthetic"),
+              (("input_template",) if args.apply_chat_template and args.prompt_data != "synthetic" else (),
+               "--apply_chat_template formats the prompts")]
+    out = []
+    for names, why in groups:
+        given = [f"--{f}" for f in names if getattr(args, f) != defaults[f]]
+        if given:
+            out.append(f"{' '.join(given)} ({why})")
+    return out
 
 
 def overrides(args, gpus: bool, total_steps: int) -> list[str]:

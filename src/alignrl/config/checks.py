@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 from alignrl.config.schema import ConfigError, RunConfig
@@ -152,3 +153,13 @@ def check_prompt_keys(cfg: RunConfig) -> None:
     if not d.apply_chat_template and d.system_prompt is not None:
         raise ConfigError("data.system_prompt is a chat message: it needs data.apply_chat_template=true (or put the "
                           "text into data.input_template)")
+
+
+def check_folders(folders: dict[str, Path]) -> None:
+    """Each run folder (by the config key or flag that sets it) can be made: no part of its path is a file, which
+    would fail only after training. Checked before anything is moved aside or trained."""
+    for key, path in folders.items():
+        file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if file is not None:
+            raise ConfigError(f"{key}: {file} is a file, so {path} cannot be a folder; move the file or "
+                              f"set {key} to another path")
