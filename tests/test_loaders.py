@@ -174,7 +174,7 @@ def test_unknown_columns_name_both_formats(tmp_path: Path) -> None:
     assert _error(excinfo) == (
         f"{path}: cannot tell the data format from columns ['a', 'q'] "
         "(GSM8K needs question, answer; verl needs prompt, data_source, reward_model; for other columns "
-        "set data.prompt_key=<prompt column> and data.label_key=<answer column> (ppo-ray: --input_key, --label_key))"
+        "set data.prompt_key=<prompt column> and data.label_key=<answer column>)"
     )
 
 

@@ -77,6 +77,26 @@ def test_command_line_errors_are_one_line():
     assert "--n_samples_per_prompt > 1" in out.stderr
 
 
+def test_input_errors_name_the_flags_not_the_config_keys(tmp_path, capsys):
+    """Bad data and model folders are found by the driver before Ray starts, and said in ppo-ray's own flags."""
+    from alignrl.cluster.train_ppo_ray import main
+
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"q": "1+1", "a": "2"}\n')
+    cases = [(["--pretrain", str(tmp_path)], f"--pretrain '{tmp_path}' is not a Hugging Face model folder (no "
+              "config.json there); pass a local folder saved with save_pretrained, or --pretrain demo"),
+             (["--prompt_data", str(tmp_path / "none.jsonl")], f"data file not found: {tmp_path / 'none.jsonl'} "
+              "(set --prompt_data to an existing .jsonl, .json or .parquet file)"),
+             (["--prompt_data", str(odd)], "for other columns set --input_key <prompt column> and --label_key "
+              "<answer column>)"),
+             (["--advantage_estimator", "gae", "--critic_pretrain", str(tmp_path)], f"--critic_pretrain '{tmp_path}' "
+              "is not a Hugging Face model folder")]
+    for argv, said in cases:
+        assert main(["--pretrain", "demo", "--total_steps", "1", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("alignrl train ppo-ray: error: ") and said in err, err
+
+
 @pytest.mark.parametrize("script", ["xDAN-L2-RL-32b-Instruct-0220-nodes.sh", "xDAN-L1-Edge-7b-Math-RL-0220.sh"])
 def test_seed_001_training_scripts_pass_the_checks(script, tmp_path):
     """The scripts' `ray job submit -- alignrl train ppo-ray ...` (caught by a stand-in `ray`) give the

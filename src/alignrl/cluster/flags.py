@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from alignrl.config import ConfigError
@@ -200,6 +201,19 @@ def data_keys(args) -> dict[str, object]:
     return {"prompt_key": args.input_key or OPENRLHF_INPUT_KEY, "label_key": args.label_key,
             "input_template": None if args.apply_chat_template else args.input_template,
             "apply_chat_template": args.apply_chat_template}
+
+
+# The config keys that ppo-ray's flags set, as its errors name them: a user of these flags never wrote the keys.
+FLAG_OF_KEY = {"data.train_files": "--prompt_data", "data.prompt_key": "--input_key", "data.label_key": "--label_key",
+               "critic.model_path": "--critic_pretrain", "algorithm.reward_model": "--reward_pretrain",
+               "model.path": "--pretrain"}
+
+
+def in_flag_terms(message: str) -> str:
+    """An error naming config keys, said in this command's flags (`model.path='x'` -> `--pretrain 'x'`)."""
+    for key, flag in FLAG_OF_KEY.items():
+        message = re.sub(rf"(?<![\w.]){re.escape(key)}(?![\w])=?", f"{flag} ", message).replace(f"{flag}  ", f"{flag} ")
+    return message
 
 
 def unused_here(args, gpus: bool) -> list[str]:

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         F.check(args)
         return Driver(job(args, prog)).run()
     except (ClusterError, *user_errors()) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {F.in_flag_terms(str(e))}", file=sys.stderr, flush=True)
         return 1 if isinstance(e, ClusterError) else 2
     except KeyboardInterrupt:  # the driver's finally has released the workers and placement groups
         print(f"{prog}: interrupted; the same command with --load_checkpoint continues from the last checkpoint",

@@ -35,8 +35,7 @@ GSM8K_COLUMNS = ("question", "answer")
 VERL_COLUMNS = ("prompt", "data_source", "reward_model")
 _FORMATS = {"gsm8k": GSM8K_COLUMNS, "verl": VERL_COLUMNS}
 _NEEDS = "GSM8K needs question, answer; verl needs prompt, data_source, reward_model"
-_BY_COLUMN = ("for other columns set data.prompt_key=<prompt column> and data.label_key=<answer column> "
-              "(ppo-ray: --input_key, --label_key)")
+_BY_COLUMN = "for other columns set data.prompt_key=<prompt column> and data.label_key=<answer column>"
 
 # (location for error messages, row)
 _Row = tuple[str, dict[str, Any]]

@@ -15,17 +15,17 @@ from alignrl.models.folder import ModelError, check_model_folder, load_tokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_path(path: str, log: Callable = print) -> Path:
+def resolve_model_path(path: str, log: Callable = print, key: str = "model.path") -> Path:
     """The folder of `path` ("demo": the cached demo model, built if needed), checked to hold a config and
-    complete weights; ModelError otherwise."""
+    complete weights; ModelError otherwise, naming the setting (`key`) that gave the path."""
     if path == "demo":
         from alignrl.models.tiny import ensure_demo_model
 
         return ensure_demo_model(log=log)
     p = Path(path)
     if not (p / "config.json").is_file():
-        raise ModelError(f"model.path={path!r} is not a Hugging Face model folder (no config.json there); "
-                         "pass a local folder saved with save_pretrained, or model.path=demo")
+        raise ModelError(f"{key}={path!r} is not a Hugging Face model folder (no config.json there); "
+                         f"pass a local folder saved with save_pretrained, or {key}=demo")
     check_model_folder(p)
     return p
 
