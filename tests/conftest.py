@@ -61,6 +61,35 @@ def base_generation(tiny_model_dir):
         yield gen
 
 
+@pytest.fixture(scope="session")
+def retrieval_stub():
+    """The URL of a Search-R1 /retrieve endpoint that answers every query with one passage (a thread of this
+    process): for runs whose tool must answer but whose searches are not the test's subject."""
+    import http.server
+    import json
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            queries = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))["queries"]
+            body = json.dumps({"result": [[{"document": {"contents": f'"Stub"\nabout {q}'}, "score": 1.0}]
+                                          for q in queries]}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/retrieve"
+    srv.shutdown()
+    srv.server_close()
+
+
 @pytest.fixture
 def cli_in_process(capsys):
     """`alignrl ...` as `alignrl.cli.main(argv)` in this process, as a CompletedProcess. Where a test

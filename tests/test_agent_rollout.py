@@ -296,3 +296,27 @@ def test_long_query_is_cut_and_still_answered(fixed_server):
     url = fixed_server(json.dumps({"result": [[{"document": {"contents": '"T"\nbody'}, "score": 1.0}]]}).encode())
     client = RetrieverClient(url, retries=1, max_query_chars=50)
     assert client.search(["x" * 500]) == ['Doc 1(Title: "T") body\n'] and client.cut_queries == 1
+
+
+def test_a_retriever_that_is_down_or_speaks_another_api_stops_the_run_at_start(tiny_model, fixed_server,
+                                                                                retrieval_stub):
+    """The search tool asks once when it is made (before the first step): an untrained policy may never search,
+    and a run should not train for hours before its first search meets a dead or wrong endpoint."""
+    import socket
+
+    from alignrl.algos.placement import with_tools
+    from alignrl.config import load_config
+
+    model, tok = tiny_model
+    engine = HFRolloutEngine(model, tok)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/retrieve"
+    for url, said in ((dead, "alignrl serve retrieve"), (fixed_server(b"<html>Not Found</html>"), "")):
+        cfg = load_config(None, ["agent.max_turns=2", f"retriever.url={url}", "retriever.retries=1",
+                                 "retriever.timeout_s=5"])
+        with pytest.raises(ServiceError) as e:
+            with_tools(cfg, engine, tok)
+        assert url.rsplit("/", 1)[0] in str(e.value) and said in str(e.value) and "\n" not in str(e.value)
+    cfg = load_config(None, ["agent.max_turns=2", f"retriever.url={retrieval_stub}"])
+    assert isinstance(with_tools(cfg, engine, tok), AgentRollout)

@@ -263,19 +263,20 @@ def verl_args(model_dir, steps: int) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_a_verl_run_inside_a_ray_job_is_placed_on_both_nodes(cluster, tiny_model_dir, tmp_path, monkeypatch, capsys):
+def test_a_verl_run_inside_a_ray_job_is_placed_on_both_nodes(cluster, tiny_model_dir, tmp_path, monkeypatch, capsys,
+                                                             retrieval_stub):
     """`alignrl train ppo <seed 003's arguments>` with RAY_ADDRESS set (as inside `ray job submit`): two
     actor ranks (trainer.nnodes=2 × n_gpus_per_node=1), each with its rollout engine and reference worker
     in its unit, one per node as Ray's placement table says; checkpoints and logs where trainer.* puts
     them (relative to the job's working directory). The engines make Search-R1's multi-turn rollouts
-    (max_turns; the untrained model never searches, so no retrieval server is asked). Resuming in Ray
+    (max_turns; each engine's search tool asks the retrieval endpoint once at start). Resuming in Ray
     (trainer.resume_mode=auto, verl's default, is what --load_checkpoint sets) is the critic test's (above)."""
     from alignrl.cli import main as cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     assert all_gpus_free()
-    turns = ["max_turns=2", "retriever.url=http://127.0.0.1:9/retrieve"]
+    turns = ["max_turns=2", f"retriever.url={retrieval_stub}"]
     assert cli(verl_args(tiny_model_dir, 2) + turns) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "actor 2 node(s) × 1 GPU (with ref, engine0, engine1) = 2 GPU" in out, out[-3000:]

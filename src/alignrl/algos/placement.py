@@ -108,6 +108,8 @@ def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngin
                           "log-probs: set actor.recompute_old_logprobs=true (or keep actor.state_masking=true)")
     r, d = cfg.retriever, cfg.data
     tool = RetrieverClient(r.url, r.topk, r.timeout_s, r.retries) if cfg.agent.search else None
+    if tool is not None:
+        tool.check()
     return AgentRollout(engine, tokenizer, tool, cfg.agent.max_turns, d.max_obs_length,
                         d.max_start_length or d.max_prompt_length, response_cap(cfg))
 

@@ -60,6 +60,11 @@ class RetrieverClient:
         self.topk, self.max_query_chars, self.max_queries = int(topk), int(max_query_chars), int(max_queries)
         self.cut_queries = 0  # queries shortened to max_query_chars so far
 
+    def check(self) -> None:
+        """One query at start: a server that is down, on another path or speaking another API is found before
+        the first step, not at the policy's first search, which an untrained model may never make."""
+        self._request(["start-up check"])
+
     def search(self, queries: list[str]) -> list[str]:
         """One observation text per query (empty list in, empty list out)."""
         out: list[str] = []
