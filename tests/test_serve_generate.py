@@ -249,6 +249,22 @@ def test_missing_vllm_is_one_line(tiny_model_dir, capsys):
                    "--engine hf"]
 
 
+def test_a_context_longer_than_the_models_is_one_line(tiny_model_dir, capsys):
+    """As vLLM refuses a max_model_len past the model's max_position_embeddings: positions it never saw."""
+    import json
+
+    from alignrl.serve import generate
+
+    longest = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    assert generate.main(["--model", str(tiny_model_dir), "--port", "0", "--max_model_len", str(longest + 1)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"alignrl serve generate: error: --max_model_len {longest + 1} is longer than the model's context "
+                   f"of {longest} (max_position_embeddings in {tiny_model_dir / 'config.json'}); give at most "
+                   f"{longest} or leave it out"], err
+    assert generate.main(["--model", str(tiny_model_dir), "--max_model_len", "-5"]) == 2
+    assert "--max_model_len -5 must be a positive context length" in capsys.readouterr().err
+
+
 SRC = __import__("pathlib").Path(__file__).resolve().parents[1] / "src"
 
 

@@ -261,9 +261,13 @@ def load_service(args: argparse.Namespace) -> GenerationService:
         engine, cfg = HFRolloutEngine(model, tok, sorted(eos)), model.config
         manifest = manifest_of(model.named_parameters())
     vocab = getattr(getattr(engine, "model", None), "get_input_embeddings", lambda: None)()
+    longest = getattr(cfg, "max_position_embeddings", 4096)
+    if args.max_model_len > longest:  # past the trained positions a model's output is garbage, as vLLM refuses too
+        raise ValueError(f"--max_model_len {args.max_model_len} is longer than the model's context of {longest} "
+                         f"(max_position_embeddings in {folder / 'config.json'}); give at most {longest} or leave "
+                         "it out")
     limits = Limits(vocab_size=vocab.num_embeddings if vocab is not None else cfg.vocab_size,
-                    max_model_len=args.max_model_len or getattr(cfg, "max_position_embeddings", 4096),
-                    max_request_seqs=args.max_request_seqs)
+                    max_model_len=args.max_model_len or longest, max_request_seqs=args.max_request_seqs)
     return GenerationService(engine, tok, args.served_model_name or args.model, limits, manifest,
                              args.max_batch, args.batch_window_ms / 1000)
 
@@ -273,6 +277,8 @@ def main(argv: list[str]) -> int:
     problem = check_args(args)
     if problem is None and args.tensor_parallel_size < 1:
         problem = "--tensor_parallel_size must be at least 1"
+    if problem is None and args.max_model_len < 0:
+        problem = f"--max_model_len {args.max_model_len} must be a positive context length (0: the model's)"
     if problem:
         return fail(PROG, problem)
     return start("generate", args, load_service, lambda svc: build_app(svc, int(args.max_body_mb * (1 << 20))))
