@@ -65,7 +65,7 @@ def _merge_one(merged: Any, override: str) -> Any:
     item = OmegaConf.from_dotlist([override])
     check_sections(RunConfig, OmegaConf.to_container(item))
     key = override.split("=", 1)[0]
-    value = OmegaConf.select(item, key, default=None)
+    value = OmegaConf.select(item, key, default=None, throw_on_resolution_failure=False)  # `${...}` resolves later
     if value is not None and not OmegaConf.is_list(value) and OmegaConf.is_list(
             OmegaConf.select(merged, key, default=None, throw_on_missing=False)):
         OmegaConf.update(item, key, [value], merge=False)  # `trainer.logger=wandb` means [wandb], as in verl

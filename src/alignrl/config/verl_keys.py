@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from alignrl.config.checks import data_files
+from alignrl.config.layout import SEED_INFORMATIONAL, SEED_KEYS
 from alignrl.config.schema import ConfigError, RunConfig
 
 A = "actor_rollout_ref.actor."
@@ -182,6 +183,12 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
             verl = True
             if key not in not_used:
                 not_used.append(key)
+        elif key in SEED_KEYS:  # seed 000's nodes.yaml spellings, as its file takes them
+            out.append(f"{SEED_KEYS[key]}={value}")
+            if key == "models.output.path":  # the run folder is that path itself, checkpoints and logs inside
+                out.append("trainer.experiment_name=''")
+        elif key in SEED_INFORMATIONAL:
+            pass
         elif key in ("custom_reward_function.path", "custom_reward_function.name"):
             verl = True
             custom[key.rsplit(".", 1)[1]] = value
