@@ -69,11 +69,12 @@ class Tool:
         return ["word " * 50 for _ in queries]  # cut to data.max_obs_length tokens
 
 
-def test_the_episode_is_cut_at_the_configured_cap_observations_included(tiny_model):
+def test_the_episode_is_cut_at_the_configured_cap_observations_included(tiny_model, retrieval_stub):
     _, tok = tiny_model
     lengths, observed = {}, {}
     for cap in (0, 30, 40):
-        cfg = load_config(None, [*MULTI, f"agent.max_response_length={cap}", "rollout.max_new_tokens=12"])
+        cfg = load_config(None, [*MULTI, f"agent.max_response_length={cap}", "rollout.max_new_tokens=12",
+                                 f"retriever.url={retrieval_stub}"])  # asked once when the tool is made
         agent = with_tools(cfg, Babbler(tok), tok)
         assert isinstance(agent, AgentRollout)
         agent.tool = Tool()

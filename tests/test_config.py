@@ -24,10 +24,14 @@ def test_yaml_then_overrides(tmp_path):
 def test_seed_000_nodes_yaml_keys_are_overrides_too(tmp_path):
     """What seed 000's users write in config/nodes.yaml, they may also give on the command line."""
     cfg = load_config(None, ["training.master_port=29600", "models.train.path=demo", "models.base_path=/models",
-                             "training.services.generation.url=http://127.0.0.1:8000", f"models.output.path={tmp_path}"])
+                             "training.services.generation.url=http://127.0.0.1:8000",
+                             f"models.output.path={tmp_path}"])
     assert (cfg.trainer.master_port, cfg.model.path, cfg.services.generation_url) == (29600, "demo",
                                                                                        "http://127.0.0.1:8000")
     assert cfg.run_dir == tmp_path  # the run folder is models.output.path itself, as in the file's layout
+    for order in ([f"models.output.path={tmp_path}", "trainer.experiment_name=x"],
+                  ["trainer.experiment_name=x", f"models.output.path={tmp_path}"]):
+        assert load_config(None, order).run_dir == tmp_path / "x"  # unless a run name is given, in either order
 
 
 def test_one_value_given_to_a_list_key_is_a_list_of_one():

@@ -374,9 +374,9 @@ def test_verl_rows_read_by_column_keep_their_reward(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("rows, keys, words", [
     ([{"messages": "a", "answer": "1"}, {"messages": "b"}], {"label_key": "answer"},
-     "row 1: row has no 'answer' value (data.label_key / --label_key names the answer column"),
+     "row 1: row has no 'answer' value (data.label_key names the answer column"),
     ([{"messages": "a", "answer": None}], {"label_key": "answer"}, "row 0: row has no 'answer' value"),
-    ([{"question": "a"}], {}, "row 0: row has no 'messages' column (data.prompt_key / --input_key"),
+    ([{"question": "a"}], {}, "row 0: row has no 'messages' column (data.prompt_key names the prompt column"),
     ([{"messages": 3}], {}, "row 0: messages is a int, not a string or a list of chat messages"),
     ([{"messages": [{"role": "user"}]}], {}, "row 0: messages message {'role': 'user'} lacks role/content"),
     ([{"messages": [{"role": "user", "content": "a"}]}], {"apply_chat_template": False},

@@ -174,6 +174,21 @@ def test_ranks_report_a_user_error_once():
     _one_line_error(agent, "must be a multiple of the world size 2")
 
 
+def test_nproc_rendezvous_port_is_the_given_one_else_master_port_else_a_free_one(monkeypatch):
+    from alignrl.dist import launch
+
+    seen = []
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, env: seen.append(cmd))
+    monkeypatch.setattr(launch, "wait_interruptible", lambda *procs: 0)
+    monkeypatch.setenv("MASTER_PORT", "29611")
+    launch.torchrun(2, ["alignrl", "train", "grpo"], master_port=29622)
+    launch.torchrun(2, ["alignrl", "train", "grpo"])
+    monkeypatch.delenv("MASTER_PORT")
+    launch.torchrun(2, ["alignrl", "train", "grpo"])
+    ports = [next(a for a in cmd if a.startswith("--master_port=")) for cmd in seen]
+    assert ports[:2] == ["--master_port=29622", "--master_port=29611"] and ports[2] not in ports[:2]
+
+
 @pytest.mark.timeout(120)
 def test_taken_rendezvous_port_is_one_line():
     with socket.socket() as taken:

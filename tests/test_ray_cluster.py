@@ -269,8 +269,9 @@ def test_a_verl_run_inside_a_ray_job_is_placed_on_both_nodes(cluster, tiny_model
     actor ranks (trainer.nnodes=2 × n_gpus_per_node=1), each with its rollout engine and reference worker
     in its unit, one per node as Ray's placement table says; checkpoints and logs where trainer.* puts
     them (relative to the job's working directory). The engines make Search-R1's multi-turn rollouts
-    (max_turns; each engine's search tool asks the retrieval endpoint once at start). Resuming in Ray
-    (trainer.resume_mode=auto, verl's default, is what --load_checkpoint sets) is the critic test's (above)."""
+    (max_turns; each engine's search tool asks the retrieval endpoint once, when its first batch is made).
+    Resuming in Ray (trainer.resume_mode=auto, verl's default, is what --load_checkpoint sets) is the critic
+    test's (above)."""
     from alignrl.cli import main as cli
 
     monkeypatch.chdir(tmp_path)

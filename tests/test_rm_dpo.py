@@ -254,6 +254,6 @@ def test_a_folder_flag_under_a_file_is_one_line_before_training(flag, tmp_path, 
     file.write_text("a file, not a folder")
     p = cli_in_process("train", "rm", flag, str(file / "sub"), "model_path=demo")
     assert p.returncode == 2 and p.stderr.strip() == (
-        f"alignrl: error: {flag}: {file} is a file, so {file if flag == '--output_dir' else file / 'sub'} cannot be "
-        f"a folder; move the file or set {flag} to another path"), p.stderr
+        f"alignrl: error: {flag}: {file} is a file, so {file / 'sub'} cannot be a folder; move the file or set "
+        f"{flag} to another path"), p.stderr
     assert file.read_text() == "a file, not a folder"

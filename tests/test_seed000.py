@@ -138,7 +138,8 @@ def weight_version(gen):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_launch_distributed_starts_both_hosts_of_the_hostfile_through_deepspeed(model_services, tiny_model_dir, tmp_path):
+def test_launch_distributed_starts_both_hosts_of_the_hostfile_through_deepspeed(model_services, tiny_model_dir,
+                                                                                tmp_path):
     """One command, two "nodes" x 1 rank (gloo): DeepSpeed's runner checks ssh, pdsh starts each host's
     deepspeed.launcher.launch with its node rank, each runs src/train_grpo.py, both train through the services."""
     path = nodes_yaml(tmp_path, tiny_model_dir, model_services, "# two nodes\nlocalhost slots=1\n127.0.0.1 slots=1\n",

@@ -10,7 +10,7 @@ import yaml
 
 from alignrl.algos.runner import train_grpo
 from alignrl.config import load_config
-from alignrl.rollout.hf_engine import SamplingParams
+from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
 from alignrl.rollout.remote import RemoteRolloutEngine, ServiceError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -45,11 +45,13 @@ def nodes_yaml(tmp_path, tiny_model_dir, gen_url, ref_url, steps=3):
 
 def test_grpo_through_generation_and_reference_services(model_services, tiny_model, tiny_model_dir, tmp_path):
     gen, ref = model_services
-    _, tok = tiny_model
+    model, tok = tiny_model
     remote = RemoteRolloutEngine(gen.url, tok)
     probe = [tok.encode("12 + 7 =")]
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=8)
-    before, v0 = remote.generate(probe, greedy), remote.weight_version()
+    # the base model's own answer (the shared service may hold another test's trained weights until this run's
+    # start-up push)
+    before, v0 = HFRolloutEngine(model, tok).generate(probe, greedy), remote.weight_version()
     ref_calls = httpx.get(ref.url + "/v1/stats").json()["requests"]
 
     cfg = load_config(nodes_yaml(tmp_path, tiny_model_dir, gen.url, ref.url, steps=3))
@@ -61,8 +63,9 @@ def test_grpo_through_generation_and_reference_services(model_services, tiny_mod
     assert v1 >= v0 + 4  # the start-up push plus one push per step
     after = remote.generate(probe, greedy)
     changed = (not torch.equal(before.response_ids, after.response_ids)
-               or not torch.allclose(before.logprobs, after.logprobs, atol=1e-4))
+               or not torch.allclose(before.logprobs, after.logprobs, atol=2e-3))  # served vs local: ~1e-5
     assert changed, "the served model did not change with the pushed weights"
+    print(f"greedy log-probs moved by {float((before.logprobs - after.logprobs).abs().max()):.1e}")
     assert httpx.get(ref.url + "/v1/stats").json()["requests"] > ref_calls  # reference log-probs came from it
     out = tmp_path / "output"  # the seed's layout: output/checkpoints, output/logs
     assert (out / "checkpoints" / "global_step_3" / "model" / "model.safetensors").is_file()

@@ -48,6 +48,8 @@ def parse_spec(spec: str) -> tuple[EngineArgs, list[str]]:
     """`deepspeed:3:offload=plain,roundtrip` -> (EngineArgs("deepspeed", 3, True), ["plain", "roundtrip"])."""
     engine, layouts = spec.split("=")
     strategy, stage, *rest = engine.split(":")
+    if rest not in ([], ["offload"]):
+        raise ValueError(f"{spec!r}: after the stage only ':offload' may follow")
     return EngineArgs(strategy, int(stage), rest == ["offload"]), layouts.split(",")
 
 

@@ -86,6 +86,8 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from alignrl.config.load import dotted_item
+
     try:
         merged = OmegaConf.structured(cls)
         if path:
@@ -99,7 +101,7 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"unexpected argument {bad[0]!r} (overrides look like key=value, e.g. epochs=2)")
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)),
+        merged = OmegaConf.merge(merged, *(dotted_item(cls, o) for o in overrides),
                                  {k: v for k, v in flags.items() if v is not None})
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -112,9 +114,11 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
     # YAML reads `bf16: true` as a boolean, which the string field holds as "True"
     cfg = dataclasses.replace(cfg, bf16=str(cfg.bf16).lower())
     check_ranges(cfg)  # choices and ranges from the field metadata, the RL config's own check
-    # an existing output folder is moved aside when the model is saved, so only its parents must be folders
+    # an existing output_dir (folder or file) is moved aside when the model is saved: only a file above it fails
+    output = Path(cfg.output_dir) if cfg.output_dir else None
     check_folders({k: v for k, v in (("--logging_dir", cfg.logging_dir and Path(cfg.logging_dir)),
-                                     ("--output_dir", cfg.output_dir and Path(cfg.output_dir).parent)) if v})
+                                     ("--output_dir", output and (output.parent if output.is_file() else output)))
+                   if v})
     return cfg
 
 

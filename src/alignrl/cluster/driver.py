@@ -61,8 +61,9 @@ def check_inputs(cfg: RunConfig) -> None:
     from alignrl.rewards.registry import load_reward_fn
 
     load_task_data(replace(cfg, data=replace(cfg.data, train_size=1)))  # generated rows need no check
-    for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path),
-                      ("algorithm.reward_model", cfg.algorithm.reward_model), ("safety.cost_model", cfg.safety.cost_model)):
+    models = {"model.path": cfg.model.path, "critic.model_path": cfg.critic.model_path,
+              "algorithm.reward_model": cfg.algorithm.reward_model, "safety.cost_model": cfg.safety.cost_model}
+    for key, path in models.items():
         if path and path != "demo":  # the demo model is built by the first worker that needs it
             resolve_model_path(path, key=key)
     for path in (cfg.algorithm.reward_model, cfg.safety.cost_model):

@@ -210,9 +210,11 @@ FLAG_OF_KEY = {"data.train_files": "--prompt_data", "data.prompt_key": "--input_
 
 
 def in_flag_terms(message: str) -> str:
-    """An error naming config keys, said in this command's flags (`model.path='x'` -> `--pretrain 'x'`)."""
+    """An error naming config keys, said in this command's flags (`model.path='x'` -> `--pretrain 'x'`); a path
+    that merely contains a key's text (`/d/model.path`) stays as it is."""
     for key, flag in FLAG_OF_KEY.items():
-        message = re.sub(rf"(?<![\w.]){re.escape(key)}(?![\w])=?", f"{flag} ", message).replace(f"{flag}  ", f"{flag} ")
+        message = re.sub(rf"(?<![\w./-]){re.escape(key)}(?![\w.])(=?)", lambda m: flag + (" " if m[1] else ""),
+                         message)
     return message
 
 

@@ -8,5 +8,5 @@ from alignrl.config.schema import (ActorConfig, AgentConfig, AlgorithmConfig, Co
 
 __all__ = ["ActorConfig", "AgentConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig", "ModelConfig",
            "PipelineConfig", "RetrieverConfig", "RolloutConfig", "RunConfig", "SafetyConfig", "ServicesConfig", "TrainerConfig",
-           "check_combinations", "check_folders", "check_ranges", "check_world_size", "load_config", "opt", "reference_markdown",
-           "to_yaml"]
+           "check_combinations", "check_folders", "check_ranges", "check_world_size", "load_config", "opt",
+           "reference_markdown", "to_yaml"]

@@ -49,6 +49,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             merged = _merge_one(merged, o)
         for o in verl_defaults(verl, given, merged.algorithm.adv_estimator):
             merged = _merge_one(merged, o)
+        if verl.output_is_run_dir and "trainer.experiment_name" not in given:  # as in a nodes.yaml file
+            merged = _merge_one(merged, "trainer.experiment_name=''")
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_one_line(e)) from None
@@ -61,14 +63,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
-def _merge_one(merged: Any, override: str) -> Any:
+def dotted_item(schema: type, override: str) -> Any:
+    """One `key=value` override as a config tree; one value given to a key whose schema type is `list` is a list
+    of one (`trainer.logger=wandb` means [wandb], as in verl)."""
     item = OmegaConf.from_dotlist([override])
-    check_sections(RunConfig, OmegaConf.to_container(item))
     key = override.split("=", 1)[0]
-    value = OmegaConf.select(item, key, default=None, throw_on_resolution_failure=False)  # `${...}` resolves later
-    if value is not None and not OmegaConf.is_list(value) and OmegaConf.is_list(
-            OmegaConf.select(merged, key, default=None, throw_on_missing=False)):
-        OmegaConf.update(item, key, [value], merge=False)  # `trainer.logger=wandb` means [wandb], as in verl
+    field_ = _field(schema, key)
+    if field_ is not None and field_.type in (list, "list"):
+        value = OmegaConf.select(item, key, default=None, throw_on_resolution_failure=False)  # `${...}`: later
+        if value is not None and not OmegaConf.is_list(value):
+            OmegaConf.update(item, key, [value], merge=False)
+    return item
+
+
+def _field(schema: type, key: str) -> dataclasses.Field | None:
+    node: Any = schema
+    for part in key.split("."):
+        fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        if part not in fields:
+            return None
+        found = fields[part]
+        node = found.default_factory if found.default_factory is not dataclasses.MISSING else None
+    return found
+
+
+def _merge_one(merged: Any, override: str) -> Any:
+    item = dotted_item(RunConfig, override)
+    check_sections(RunConfig, OmegaConf.to_container(item))
     try:
         return OmegaConf.merge(merged, item)
     except OmegaConfBaseException as e:

@@ -140,6 +140,7 @@ class Translation:
     not_used: list[str] = field(default_factory=list)  # verl keys accepted without effect here
     notes: list[str] = field(default_factory=list)  # verl settings alignrl follows its own way, named
     verl_style: bool = False  # some verl spelling was used: VERL_DEFAULTS apply
+    output_is_run_dir: bool = False  # seed 000's models.output.path=...: the run folder itself, unless named
 
 
 def _value(text: str) -> object:
@@ -154,7 +155,7 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
     not_used: list[str] = []
     notes: list[str] = []
     custom: dict[str, str] = {}  # verl's custom_reward_function.{path,name}
-    verl = False
+    verl = output_is_run_dir = False
     for o in overrides:
         key, sep, value = o.partition("=")
         if not sep:
@@ -185,8 +186,7 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
                 not_used.append(key)
         elif key in SEED_KEYS:  # seed 000's nodes.yaml spellings, as its file takes them
             out.append(f"{SEED_KEYS[key]}={value}")
-            if key == "models.output.path":  # the run folder is that path itself, checkpoints and logs inside
-                out.append("trainer.experiment_name=''")
+            output_is_run_dir = output_is_run_dir or key == "models.output.path"
         elif key in SEED_INFORMATIONAL:
             pass
         elif key in ("custom_reward_function.path", "custom_reward_function.name"):
@@ -203,7 +203,7 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
     agent_n = [o for o in overrides if o.lstrip("+").startswith(R + "n_agent=")]
     if agent_n:
         out = [o for o in out if not o.startswith("rollout.n=")] + [f"rollout.n={agent_n[-1].split('=', 1)[1]}"]
-    return Translation(out, {o.split("=", 1)[0] for o in out}, not_used, notes, verl)
+    return Translation(out, {o.split("=", 1)[0] for o in out}, not_used, notes, verl, output_is_run_dir)
 
 
 def verl_defaults(t: Translation, given: set[str], adv_estimator: str) -> list[str]:

@@ -107,7 +107,7 @@ def keys_sample(loc: str, row: dict[str, Any], keys: PromptKeys, system_prompt: 
     """One by-column row as a Sample (the rules in the module docstring)."""
     column = keys.prompt_key
     if column not in row:
-        raise DataError(f"{loc}: row has no {column!r} column (data.prompt_key / --input_key names the prompt "
+        raise DataError(f"{loc}: row has no {column!r} column (data.prompt_key names the prompt "
                         f"column; this row has {sorted(row)})")
     prompt = row[column]
     text = prompt if isinstance(prompt, str) else None
@@ -134,7 +134,7 @@ def keys_sample(loc: str, row: dict[str, Any], keys: PromptKeys, system_prompt: 
 def _label(loc: str, row: dict[str, Any], label_key: str | None) -> str | list[Any] | dict[str, Any]:
     if label_key is not None:
         if row.get(label_key) is None:
-            raise DataError(f"{loc}: row has no {label_key!r} value (data.label_key / --label_key names the "
+            raise DataError(f"{loc}: row has no {label_key!r} value (data.label_key names the "
                             "answer column: give every row one, or unset it to score with a reward model)")
         return plain_ground_truth(row[label_key])
     reward_model = row.get("reward_model")

@@ -24,8 +24,9 @@ def resolve_model_path(path: str, log: Callable = print, key: str = "model.path"
         return ensure_demo_model(log=log)
     p = Path(path)
     if not (p / "config.json").is_file():
+        demo = f", or {key}=demo" if key in ("model.path", "critic.model_path") else ""  # demo: a causal LM
         raise ModelError(f"{key}={path!r} is not a Hugging Face model folder (no config.json there); "
-                         f"pass a local folder saved with save_pretrained, or {key}=demo")
+                         f"pass a local folder saved with save_pretrained{demo}")
     check_model_folder(p)
     return p
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from collections.abc import Hashable, Sequence
@@ -245,6 +246,12 @@ def load_service(args: argparse.Namespace) -> GenerationService:
     from alignrl.serve.weights import manifest_of
 
     folder = resolve_model_path(args.model, log=lambda *a: print(*a, file=sys.stderr))
+    # before any engine sees it: past the trained positions a model's output is garbage (vLLM refuses it too)
+    longest = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
+    if longest and args.max_model_len > longest:
+        raise ValueError(f"--max_model_len {args.max_model_len} is longer than the model's context of {longest} "
+                         f"(max_position_embeddings in {folder / 'config.json'}); give at most {longest} or leave "
+                         "it out")
     if args.engine == "vllm":
         from alignrl.rollout.vllm_engine import VLLMRolloutEngine
 
@@ -261,13 +268,9 @@ def load_service(args: argparse.Namespace) -> GenerationService:
         engine, cfg = HFRolloutEngine(model, tok, sorted(eos)), model.config
         manifest = manifest_of(model.named_parameters())
     vocab = getattr(getattr(engine, "model", None), "get_input_embeddings", lambda: None)()
-    longest = getattr(cfg, "max_position_embeddings", 4096)
-    if args.max_model_len > longest:  # past the trained positions a model's output is garbage, as vLLM refuses too
-        raise ValueError(f"--max_model_len {args.max_model_len} is longer than the model's context of {longest} "
-                         f"(max_position_embeddings in {folder / 'config.json'}); give at most {longest} or leave "
-                         "it out")
     limits = Limits(vocab_size=vocab.num_embeddings if vocab is not None else cfg.vocab_size,
-                    max_model_len=args.max_model_len or longest, max_request_seqs=args.max_request_seqs)
+                    max_model_len=args.max_model_len or getattr(cfg, "max_position_embeddings", 4096),
+                    max_request_seqs=args.max_request_seqs)
     return GenerationService(engine, tok, args.served_model_name or args.model, limits, manifest,
                              args.max_batch, args.batch_window_ms / 1000)
 
