@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -169,9 +170,30 @@ def _run(args: argparse.Namespace, cfg: RunConfig | None) -> int:
     return 0
 
 
+def _interrupted_line(argv: list[str], routed) -> str:
+    rl = not routed and argv[:1] in (["train"], ["demo"])
+    resume = ("; run the same command again to continue from the last checkpoint "
+              "(trainer.resume_mode=auto, the default)") if rl else ""
+    return f"alignrl: interrupted{resume}"
+
+
+def _stop_at_once_on_ctrl_c(line: str) -> None:
+    """A rank stopped by Ctrl-C while it is still starting (imports, model load) exits at once, rank 0 saying why:
+    a KeyboardInterrupt inside an import leaves half-loaded extension modules that fail again with other errors.
+    init_distributed's own handlers take over once the process group is up."""
+    def stop(signum, frame):
+        if os.environ.get("RANK", "0") == "0":
+            print(line, file=sys.stderr, flush=True)
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     routed = _passthrough(argv)
+    if "LOCAL_RANK" in os.environ and not routed:
+        _stop_at_once_on_ctrl_c(_interrupted_line(argv, routed))
     try:
         if routed:  # these check their own input and handle `--nproc` themselves
             import importlib
@@ -218,10 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         return speak_once(f"alignrl: error: {e}")
     except KeyboardInterrupt:  # a terminal's Ctrl-C reaches every rank of the launch: rank 0 speaks
         if os.environ.get("RANK", "0") == "0":
-            rl = not routed and argv[:1] in (["train"], ["demo"])
-            resume = ("; run the same command again to continue from the last checkpoint "
-                      "(trainer.resume_mode=auto, the default)") if rl else ""
-            print(f"alignrl: interrupted{resume}", file=sys.stderr)
+            print(_interrupted_line(argv, routed), file=sys.stderr)
         return 130
 
 

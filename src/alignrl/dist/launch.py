@@ -1,8 +1,10 @@
 """`--nproc N`: re-run the same command under torchrun's agent, and the rule that one rank speaks.
 
-The agent is torchrun's own (`torch.distributed.run`), run from here so that a rank exiting with an
-error ends the launch with that rank's exit code and its own message only: torchrun's
-command-line entry point would add a ~40-line ChildFailedError block and agent log lines to it.
+The agent is torchrun's own (`torch.distributed.run`), run in the launching process itself (a process of its
+own would cost another interpreter's start-up) so that a rank exiting with an error ends the launch with that
+rank's exit code and its own message only: torchrun's command-line entry point would add a ~40-line
+ChildFailedError block and agent log lines to it. `python -m alignrl.dist.launch <torchrun args>` is the same
+agent for a user's own command line.
 """
 
 from __future__ import annotations
@@ -83,11 +85,10 @@ def torchrun(nproc: int, module_argv: list[str], master_port: int | None = None)
     that failed (torchrun stops the others), else 0. The rendezvous port is `master_port`, else
     $MASTER_PORT, else a free one."""
     port = master_port or int(os.environ.get("MASTER_PORT") or 0) or free_port()
-    cmd = [sys.executable, "-m", "alignrl.dist.launch", f"--nproc_per_node={nproc}", f"--master_port={port}",
-           "--master_addr=127.0.0.1", "-m", *module_argv]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
-                                                                                       // nproc)))}
-    return wait_interruptible(subprocess.Popen(cmd, env=env))
+    # the ranks split the cores (this process's own torch threads are set already and stay as they are)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return agent([f"--nproc_per_node={nproc}", f"--master_port={port}", "--master_addr=127.0.0.1", "-m",
+                  *module_argv])
 
 
 def wait_interruptible(main: subprocess.Popen, *others: subprocess.Popen) -> int:
