@@ -171,53 +171,31 @@ def reward_model(tiny_model_dir, folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.timeout(300)
-def test_two_ray_steps_match_the_in_process_loop(cluster, tiny_model_dir, tmp_path, capsys):
-    """Same global batch (one engine: the in-process rows and seeds), two DDP ranks against one process,
-    one optimizer step per RL step (the mini-batch shuffle is per rank), the reward model in a group of
-    its own (2 nodes × 1: each worker scores half the rows) against the in-process one, the prompts read
-    from a .json file by seed 001's `--input_key messages --label_key answer --apply_chat_template`: equal weights up
-    to the float order of the all-reduce and the micro-batches (atol 1e-6). A rerun with `--load_checkpoint`
-    resuming exactly is the critic test's (below): it checks the policy and the critic after the resume."""
+@pytest.mark.timeout(400)
+def test_ray_steps_with_critic_and_reward_groups_match_the_in_process_loop_after_a_resume(cluster, tiny_model_dir,
+                                                                                         tmp_path, capsys):
+    """PPO (`--advantage_estimator gae`) with the critic and the reward model each in a group of their own, the
+    prompts read from a .json file by seed 001's `--input_key messages --label_key answer --apply_chat_template`,
+    one engine (the in-process rows and seeds), two DDP actor ranks against one process, one optimizer step per
+    RL step (the mini-batch shuffle is per rank).
+    Steps 1-2: two critic ranks (DDP among them; actor rank r -> critic rank r) and the reward model on 2 nodes
+    × 1 (each worker scores half the rows); the critic ranks write `critic/` and `critic_state/` into the run's
+    checkpoint. Then a rerun with `--load_checkpoint` to step 3 with one critic rank serving both actor ranks
+    (their rows trained in one update), resumed from those folders. The policy and the critic equal an
+    uninterrupted 3-step in-process run. atol 2e-5: the all-reduce's float order moves weights by ~1e-6 here
+    (measured: 2.0e-6 policy, 2.0e-7 critic after Adam's three steps), while a step moves them by ~1e-3 (lr
+    1e-3), so any other batch, reward or a missed update fails it."""
     ckpt, rm = tmp_path / "ckpt", reward_model(tiny_model_dir, tmp_path / "rm")
     argv = tiny(tiny_model_dir, tmp_path / "ray", 2, "--train_batch_size", "16", "--ckpt_path", str(ckpt),
-                "--reward_pretrain", str(rm), "--reward_num_nodes", "2", "--reward_num_gpus_per_node", "1",
-                *seed_001_data(tmp_path / "prompts.json"))
-    assert main(argv) == 0, capsys.readouterr().err
-    placed = json.loads((tmp_path / "ray" / "placement.json").read_text())
-    rms = [w for w in placed["workers"] if w["name"].startswith("reward model rank")]
-    assert len({w["node_id"] for w in rms}) == 2 and {w["group"] for w in rms} == {"reward"}, rms
-    args = F.parser().parse_args(argv)
-    train_grpo(load_config(None, F.overrides(args, gpus=False, total_steps=2) + [
-        f"trainer.output_dir={tmp_path}", "trainer.experiment_name=inline2", "trainer.checkpoint_dir=checkpoints"]))
-    a = load_file(ckpt / "global_step_2" / "model" / "model.safetensors")
-    b = load_file(tmp_path / "inline2" / "checkpoints" / "global_step_2" / "model" / "model.safetensors")
-    base = load_file(Path(tiny_model_dir) / "model.safetensors")
-    assert any(not torch.equal(base[k], a[k]) for k in a), "the Ray run did not train"
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
-    print(f"max |ray - in-process| at step 2: {max(float((a[k] - b[k]).abs().max()) for k in a):.1e}")
-
-
-@pytest.mark.timeout(300)
-def test_ppo_with_a_critic_group_of_its_own_matches_the_in_process_loop_after_a_resume(cluster, tiny_model_dir,
-                                                                                     tmp_path, capsys):
-    """`--advantage_estimator gae`: the critic trains in a critic group of its own. Steps 1-2 with two
-    critic ranks (DDP among them; actor rank r -> critic rank r), checkpoints (the critic ranks write
-    `critic/` and `critic_state/` into the run's checkpoint); then a rerun with `--load_checkpoint` to
-    step 3 with one critic rank serving both actor ranks (their rows trained in one update), resumed from
-    those folders. The policy and the critic equal an uninterrupted 3-step in-process run (one optimizer
-    step per RL step). atol 2e-5: the all-reduce's float order moves weights by ~1e-6 here (measured:
-    1.2e-6 policy, 6.8e-6 critic after Adam's three steps), while a step moves them by ~1e-3 (lr 1e-3), so
-    any other batch or a missed update fails it."""
-    ckpt = tmp_path / "ckpt"
-    argv = tiny(tiny_model_dir, tmp_path / "ray", 2, "--train_batch_size", "16", "--ckpt_path", str(ckpt),
                 "--advantage_estimator", "gae", "--critic_pretrain", str(tiny_model_dir), "--critic_num_nodes", "1",
-                "--critic_learning_rate", "1e-3")
+                "--critic_learning_rate", "1e-3", "--reward_pretrain", str(rm), "--reward_num_nodes", "2",
+                "--reward_num_gpus_per_node", "1", *seed_001_data(tmp_path / "prompts.json"))
     assert main(argv + ["--critic_num_gpus_per_node", "2"]) == 0, capsys.readouterr().err
     placed = json.loads((tmp_path / "ray" / "placement.json").read_text())
     critics = [w for w in placed["workers"] if w["name"].startswith("critic rank")]
     assert [w["group"] for w in critics] == ["critic", "critic"], placed["workers"]
+    rms = [w for w in placed["workers"] if w["name"].startswith("reward model rank")]
+    assert len({w["node_id"] for w in rms}) == 2 and {w["group"] for w in rms} == {"reward"}, rms
     step2 = ckpt / "global_step_2"
     assert (step2 / "critic" / "model.safetensors").exists() and (step2 / "critic_state").is_dir()
     before = metric_rows(tmp_path / "ray")
@@ -270,8 +248,8 @@ def test_a_verl_run_inside_a_ray_job_is_placed_on_both_nodes(cluster, tiny_model
     in its unit, one per node as Ray's placement table says; checkpoints and logs where trainer.* puts
     them (relative to the job's working directory). The engines make Search-R1's multi-turn rollouts
     (max_turns; each engine's search tool asks the retrieval endpoint once, when its first batch is made).
-    Resuming in Ray (trainer.resume_mode=auto, verl's default, is what --load_checkpoint sets) is the critic
-    test's (above)."""
+    Resuming in Ray (trainer.resume_mode=auto, verl's default, is what --load_checkpoint sets) is
+    test_ray_steps_with_critic_and_reward_groups_...'s (above)."""
     from alignrl.cli import main as cli
 
     monkeypatch.chdir(tmp_path)

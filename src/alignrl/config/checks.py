@@ -8,6 +8,7 @@ import dataclasses
 import math
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from alignrl.config.schema import ConfigError, RunConfig
 
@@ -115,10 +116,18 @@ def check_combinations(cfg: RunConfig) -> None:
     if (cfg.safety.cost_fn or cfg.safety.cost_model) and not gae:
         raise ConfigError("safety.cost_fn / safety.cost_model (PPO-Lagrangian) needs a cost critic: set algorithm.adv_estimator=gae "
                           "and critic.enable=true")
-    url = cfg.retriever.url
-    if cfg.agent.max_turns and cfg.agent.search and not url.startswith(("http://", "https://")):
-        raise ConfigError(f"retriever.url={url!r} is not an http(s) URL: give the retrieval server's endpoint, "
-                          "e.g. retriever.url=http://127.0.0.1:8000/retrieve")
+    problem = retriever_url_problem(cfg.retriever.url)
+    if cfg.agent.max_turns and cfg.agent.search and problem:
+        raise ConfigError(problem)
+
+
+def retriever_url_problem(url: str) -> str | None:
+    """What is wrong with a retrieval endpoint's URL, or None (the config's check and the client's)."""
+    parts = urlparse(url)
+    if parts.scheme in ("http", "https") and parts.netloc:
+        return None
+    return (f"retriever.url={url!r} is not an http(s) URL: give the retrieval server's endpoint, "
+            "e.g. retriever.url=http://127.0.0.1:8000/retrieve")
 
 
 def check_prompt_keys(cfg: RunConfig) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from urllib.parse import urlparse
 
+from alignrl.config.checks import retriever_url_problem
 from alignrl.rollout.remote import ServiceClient, ServiceError
 
 MAX_QUERY_CHARS = 8192  # `alignrl serve retrieve` refuses longer queries; a model can write anything
@@ -49,11 +50,10 @@ class RetrieverClient:
 
     def __init__(self, url: str, topk: int = 3, timeout_s: float = 30.0, retries: int = 3,
                  max_query_chars: int = MAX_QUERY_CHARS, max_queries: int = MAX_QUERIES):
-        parts = urlparse(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ServiceError(f"retriever.url={url!r} is not an http(s) URL: give the retrieval server's endpoint, "
-                               "e.g. retriever.url=http://127.0.0.1:8000/retrieve")
-        path = parts.path
+        problem = retriever_url_problem(url)
+        if problem:
+            raise ServiceError(problem)
+        path = urlparse(url).path
         base = url[: len(url) - len(path)] if path else url
         self.client = _RetrievalService(base, "retrieval", timeout=timeout_s, retries=retries)
         self.url, self.path = url, path or "/retrieve"
