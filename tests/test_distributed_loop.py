@@ -40,7 +40,12 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 CRITIC = ("algorithm.adv_estimator=gae", "critic.enable=true")
 
 
-@pytest.mark.parametrize("strategy,extra", [("ddp", CRITIC), ("deepspeed", ("trainer.zero_stage=3",))])
+# DeepSpeed from seed 000's config/deepspeed/zero3.json (trainer.zero_stage left at its default 2: the file's stage
+# decides, also that generation and evaluation run on a full copy of the sharded weights)
+ZERO3_FILE = f"trainer.deepspeed_config={Path(__file__).parents[1] / 'config' / 'deepspeed' / 'zero3.json'}"
+
+
+@pytest.mark.parametrize("strategy,extra", [("ddp", CRITIC), ("deepspeed", (ZERO3_FILE,))])
 def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
     r = run(tiny_model_dir, tmp_path, strategy, strategy, 2, *extra)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

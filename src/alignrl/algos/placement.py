@@ -55,7 +55,11 @@ def shards_weights(cfg: RunConfig, env: DistEnv) -> bool:
     """Whether the training engine keeps only a shard of the weights on each rank (then generation and
     evaluation run on a full copy, synced after every step)."""
     strategy = resolve_strategy(cfg, env)
-    return strategy == "fsdp2" or (strategy == "deepspeed" and cfg.trainer.zero_stage == 3)
+    if strategy != "deepspeed":
+        return strategy == "fsdp2"
+    from alignrl.train.engines.deepspeed import zero_stage
+
+    return zero_stage(cfg.trainer.deepspeed_config, cfg.trainer.zero_stage) == 3  # a JSON file's stage decides
 
 
 def total_optimizer_steps(cfg: RunConfig) -> int:

@@ -60,6 +60,13 @@ def load_ds_config(path: str, world: int) -> dict:
     return cfg
 
 
+def zero_stage(deepspeed_config: str | None, default: int) -> int:
+    """The ZeRO stage a run will train with: its JSON file's, when it gives one, else `default`."""
+    if not deepspeed_config:
+        return default
+    return int(load_ds_config(deepspeed_config, 1).get("zero_optimization", {}).get("stage", 0))
+
+
 def _ensure_comm(env: DistEnv) -> None:
     """DeepSpeed needs a process group even in one process; give it a one-rank group there."""
     import deepspeed
