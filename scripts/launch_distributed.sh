@@ -91,4 +91,7 @@ else
 fi
 DS_ARGS=(--hostfile "$HOSTFILE_ABS" --master_addr "$MASTER" --master_port "$PORT" --no_local_rank)
 if [[ "$NNODES" == 1 ]]; then DS_ARGS+=(--no_ssh_check); else DS_ARGS+=(--launcher "${DS_LAUNCHER:-pdsh}"); fi
-DS_ENV_FILE=$ENVFILE "$PY" -m deepspeed.launcher.runner "${DS_ARGS[@]}" src/train_grpo.py --config "$CONFIG" "$@"
+# DeepSpeed's runner only waits for its launcher, which stops the ranks on Ctrl-C (rank 0 says so in one line); with
+# SIGINT left on, the runner would add a KeyboardInterrupt traceback. The launcher sets its own handler.
+(trap '' INT; exec env DS_ENV_FILE="$ENVFILE" "$PY" -m deepspeed.launcher.runner "${DS_ARGS[@]}" src/train_grpo.py \
+  --config "$CONFIG" "$@")
