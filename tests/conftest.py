@@ -61,6 +61,18 @@ def base_generation(tiny_model_dir):
         yield gen
 
 
+def json_reply(handler, obj, code: int = 200) -> None:
+    """An http.server handler's JSON answer."""
+    import json
+
+    body = json.dumps(obj).encode()
+    handler.send_response(code)
+    handler.send_header("content-type", "application/json")
+    handler.send_header("content-length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 @pytest.fixture(scope="session")
 def retrieval_stub():
     """The URL of a Search-R1 /retrieve endpoint that answers every query with one passage (a thread of this
@@ -72,13 +84,8 @@ def retrieval_stub():
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
             queries = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))["queries"]
-            body = json.dumps({"result": [[{"document": {"contents": f'"Stub"\nabout {q}'}, "score": 1.0}]
-                                          for q in queries]}).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            json_reply(self, {"result": [[{"document": {"contents": f'"Stub"\nabout {q}'}, "score": 1.0}]
+                                         for q in queries]})
 
         def log_message(self, *args):
             pass

@@ -1,6 +1,5 @@
 """`alignrl doctor`: live and dead services, model folders, hostfile syntax, the rendezvous port."""
 
-import json
 import os
 import subprocess
 import sys
@@ -9,6 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
+from conftest import json_reply
 
 from alignrl.dist.launch import free_port
 from alignrl.doctor import parse_hostfile
@@ -16,12 +16,8 @@ from alignrl.doctor import parse_hostfile
 
 class Healthy(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (http.server's naming)
-        body = json.dumps({"status": "healthy"} if self.path == "/health" else {}).encode()
-        self.send_response(200 if self.path == "/health" else 404)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        healthy = self.path == "/health"
+        json_reply(self, {"status": "healthy"} if healthy else {}, 200 if healthy else 404)
 
     def log_message(self, *args):
         pass
