@@ -115,10 +115,11 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
     cfg = dataclasses.replace(cfg, bf16=str(cfg.bf16).lower())
     check_ranges(cfg)  # choices and ranges from the field metadata, the RL config's own check
     # an existing output_dir (folder or file) is moved aside when the model is saved: only a file above it fails
-    output = Path(cfg.output_dir) if cfg.output_dir else None
-    check_folders({k: v for k, v in (("--logging_dir", cfg.logging_dir and Path(cfg.logging_dir)),
-                                     ("--output_dir", output and (output.parent if output.is_file() else output)))
-                   if v})
+    folders = {"--logging_dir": Path(cfg.logging_dir)} if cfg.logging_dir else {}
+    if cfg.output_dir:
+        output = Path(cfg.output_dir)
+        folders["--output_dir"] = output.parent if output.is_file() else output
+    check_folders(folders)
     return cfg
 
 
