@@ -188,6 +188,21 @@ def test_nproc_rendezvous_port_is_the_given_one_else_master_port_else_a_free_one
     assert ports[:2] == ["--master_port=29622", "--master_port=29611"] and ports[2] not in ports[:2]
 
 
+def test_nproc_takes_trainer_master_port_only_where_the_file_or_the_command_line_sets_it(tmp_path):
+    from alignrl import cli
+
+    def port(*argv):
+        args = cli._parse(["train", "grpo", *argv])
+        return cli._port_given(args, cli._config(args))
+
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("trainer:\n  master_port: 29633\n")
+    assert port() is None  # the default 29500 is never forced on two runs of one machine
+    assert port("--config", str(cfg_file)) == 29633
+    assert port("--config", str(cfg_file), "trainer.master_port=29644") == 29644
+    assert port("training.master_port=29655") == 29655  # seed 000's spelling
+
+
 @pytest.mark.timeout(120)
 def test_taken_rendezvous_port_is_one_line():
     with socket.socket() as taken:

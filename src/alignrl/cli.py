@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from alignrl.config import ConfigError, RunConfig, check_folders, check_world_size, load_config
+from alignrl.config import ConfigError, RunConfig, check_folders, check_world_size, keys_given, load_config
 from alignrl.dist.launch import OneLineParser
 from alignrl.errors import user_errors
 
@@ -108,12 +108,12 @@ def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
         load_reward_fn(cfg.algorithm.reward_fn)
 
 
-def _port_given(argv: list[str], cfg: RunConfig | None) -> int | None:
-    """trainer.master_port when the command line sets it: else `--nproc` takes MASTER_PORT or a free port, so that
-    two runs on one machine do not meet at the default 29500."""
-    keys = {a.split("=", 1)[0] for a in argv if "=" in a}
-    return cfg.trainer.master_port if cfg is not None and keys & {"trainer.master_port", "training.master_port"} \
-        else None
+def _port_given(args: argparse.Namespace, cfg: RunConfig | None) -> int | None:
+    """trainer.master_port when the config file or the command line sets it: else `--nproc` takes MASTER_PORT or a
+    free port, so that two runs on one machine do not meet at the default 29500."""
+    if cfg is None or "trainer.master_port" not in keys_given(_config_path(args), args.overrides):
+        return None
+    return cfg.trainer.master_port
 
 
 def check_run_folders(cfg: RunConfig) -> None:
@@ -122,7 +122,11 @@ def check_run_folders(cfg: RunConfig) -> None:
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
-    return load_config(EXAMPLES / "demo.yaml" if args.command == "demo" else args.config, args.overrides)
+    return load_config(_config_path(args), args.overrides)
+
+
+def _config_path(args: argparse.Namespace) -> Path | str | None:
+    return EXAMPLES / "demo.yaml" if args.command == "demo" else args.config
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         if nproc and nproc > 1 and "LOCAL_RANK" not in os.environ:
             if cfg is not None:  # a bad config fails here, once, not on every rank
                 preflight(cfg, nproc, reward_fn=True)
-            return torchrun(nproc, ["alignrl", *argv], master_port=_port_given(argv, cfg))
+            return torchrun(nproc, ["alignrl", *argv], master_port=_port_given(args, cfg))
         return _run(args, cfg)
     except Exception as e:
         from alignrl.dist.launch import peer_lost

@@ -43,7 +43,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         given = set(verl.explicit)
         if path is not None:
             from_file = read_config_file(Path(path), RunConfig)
-            given |= _dotted_keys(from_file if isinstance(from_file, dict) else OmegaConf.to_container(from_file))
+            given |= _file_keys(from_file)
             merged = OmegaConf.merge(merged, from_file)
         for o in verl.overrides:  # one at a time, so an error without OmegaConf's key still names the override's
             merged = _merge_one(merged, o)
@@ -61,6 +61,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     check_combinations(cfg)
     list_not_used(verl)
     return cfg
+
+
+def keys_given(path: str | Path | None, overrides: list[str] | tuple[str, ...]) -> set[str]:
+    """The alignrl keys the config file or the overrides set (verl and seed spellings translated), as opposed
+    to those left at their defaults. Call after `load_config` accepted the same arguments."""
+    given = set(translate(overrides).explicit)
+    return given | _file_keys(read_config_file(Path(path), RunConfig)) if path is not None else given
+
+
+def _file_keys(from_file: Any) -> set[str]:
+    return _dotted_keys(from_file if isinstance(from_file, dict) else OmegaConf.to_container(from_file))
 
 
 def dotted_item(schema: type, override: str) -> Any:

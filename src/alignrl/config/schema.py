@@ -292,8 +292,8 @@ class TrainerConfig:
     deepspeed_config: str = opt("", "DeepSpeed JSON config file (e.g. config/deepspeed/zero3.json); empty: "
                                 "generated from these keys and saved in the run folder")
     master_addr: str = opt("127.0.0.1", "torchrun rendezvous host (seed layout: training.master_node)")
-    master_port: int = opt(29500, "torchrun rendezvous port (training.master_port); `--nproc` uses it when set on "
-                                   "the command line, else MASTER_PORT, else a free port", ge=1, le=65535)
+    master_port: int = opt(29500, "torchrun rendezvous port (training.master_port); `--nproc` uses it when the "
+                                   "config file or the command line sets it, else MASTER_PORT, else a free port", ge=1, le=65535)
     hostfile: str = opt("", "DeepSpeed-style hostfile ('host slots=N' per line) checked by `alignrl doctor`")
     device: str = opt("auto", "auto (CUDA when available), cpu or cuda", choices=("auto", "cpu", "cuda"))
     max_nonfinite_updates: int = opt(3, "RL steps in a row whose updates were all skipped for a non-finite loss or "
