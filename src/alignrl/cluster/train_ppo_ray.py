@@ -23,16 +23,16 @@ PROG = F.PROG
 
 
 def training_steps(args) -> int:
-    """OpenRLHF's count: episodes × full rollout batches in the (capped) prompt data."""
+    """OpenRLHF's count: episodes × full rollout batches in the (capped) prompt data. The rows are counted, not
+    read: the driver's input check reads the file once, after this."""
     if args.total_steps:
         return args.total_steps
     if args.prompt_data == "synthetic":
         rows = args.max_samples
     else:
-        from alignrl.data.loaders import load_samples
+        from alignrl.data.loaders import count_rows
 
-        rows = min(args.max_samples, len(load_samples(args.prompt_data, "auto", key="--prompt_data",
-                                                      **F.data_keys(args))))
+        rows = min(args.max_samples, count_rows(args.prompt_data, key="--prompt_data"))
     steps = args.num_episodes * (rows // args.rollout_batch_size)
     if steps < 1:
         raise ConfigError(f"--prompt_data has {rows} prompt(s), fewer than --rollout_batch_size "
