@@ -93,6 +93,43 @@ def test_bad_request_is_a_4xx_through_the_openai_client(oa):
         oa.completions.create(model=_model_name(oa), prompt="hi", n=10_000)
 
 
+def test_a_megabyte_prompt_is_refused_from_its_beginning(oa, tiny_model):
+    """A text far longer than the context is refused having tokenized only its beginning: the server would
+    otherwise spend seconds on a body of megabytes (64 MiB are accepted) only to find it too long."""
+    from alignrl.serve.common import RequestError
+    from alignrl.serve.openai_format import PREFIX_CHARS_PER_TOKEN, ChatRequest, chat_prompt, refuse_overlong
+
+    huge = "12 + 7 = 19. " * 100_000  # 1.3 MB
+    for call in (lambda: oa.completions.create(model=_model_name(oa), prompt=["hi", huge], max_tokens=2),
+                 lambda: oa.chat.completions.create(model=_model_name(oa), max_tokens=2,
+                                                    messages=[{"role": "user", "content": huge}])):
+        with pytest.raises(openai.BadRequestError, match="more tokens than the model's context"):
+            call()
+    _, tok = tiny_model
+    seen = []
+
+    class Counting:  # the tokenizer, counting the characters it is given to encode
+        chat_template = tok.chat_template
+
+        def encode(self, text, **kw):
+            seen.append(len(text))
+            return tok.encode(text, **kw)
+
+        def apply_chat_template(self, *a, **kw):
+            return tok.apply_chat_template(*a, **kw)
+
+    counting = Counting()
+    with pytest.raises(RequestError, match="prompt 0 has more tokens"):
+        refuse_overlong(counting, huge, 256, "prompt 0")
+    assert seen == [257 * PREFIX_CHARS_PER_TOKEN]
+    with pytest.raises(RequestError, match="the messages' text has more tokens"):
+        chat_prompt(ChatRequest(messages=[{"role": "user", "content": huge}]), counting, 256)
+    seen.clear()
+    short = "12 + 7 = 19. " * 50  # longer than the context, shorter than the prefix: the exact check says so
+    refuse_overlong(counting, short, 256, "prompt 0")
+    assert seen == []
+
+
 def _tokens(url, prompt, **kw):
     r = httpx.post(url + "/v1/generate_tokens", json={"prompts": [prompt], "temperature": 0, "max_tokens": 12, **kw},
                    timeout=60)

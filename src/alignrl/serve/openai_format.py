@@ -81,7 +81,22 @@ def params_of(req: _Sampling, max_tokens: int):
     return sampling(req.n, req.temperature, req.top_p, req.top_k, max_tokens, req.stop_list(), req.seed)
 
 
-def completion_prompts(req: CompletionRequest, tokenizer) -> list[list[int]]:
+# Characters per token that a text longer than the context is tried at: ordinary text runs 3-6 to a token.
+PREFIX_CHARS_PER_TOKEN = 32
+
+
+def refuse_overlong(tokenizer, text: str, max_model_len: int, what: str) -> None:
+    """Refuses a text whose beginning alone is longer than the context, before the whole of it is tokenized: a
+    request body may carry megabytes of text, which would otherwise cost the server seconds to find too long.
+    Exact: only a prefix that already holds more tokens than the context refuses (a token or two of slack for
+    the cut); a shorter prefix (text that tokenizes very densely) leaves the full check to the caller."""
+    cut = (max_model_len + 1) * PREFIX_CHARS_PER_TOKEN
+    if len(text) > cut and len(tokenizer.encode(text[:cut], add_special_tokens=False)) > max_model_len + 2:
+        raise RequestError(f"{what} has more tokens than the model's context of {max_model_len} (its first {cut} "
+                           "characters alone do); shorten it")
+
+
+def completion_prompts(req: CompletionRequest, tokenizer, max_model_len: int) -> list[list[int]]:
     if req.echo:
         raise RequestError("echo=true is not supported; send echo=false")
     p = req.prompt
@@ -90,14 +105,19 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[list[int]]:
     if not p:
         raise RequestError("prompt is empty; send a string, a list of strings or token ids")
     if isinstance(p[0], str):
-        return [tokenizer.encode(s) for s in unicode_texts(p, "prompt")]
+        texts = unicode_texts(p, "prompt")
+        for i, s in enumerate(texts):
+            refuse_overlong(tokenizer, s, max_model_len, f"prompt {i}")
+        return [tokenizer.encode(s) for s in texts]
     return [list(x) for x in p] if isinstance(p[0], list) else [list(p)]
 
 
-def chat_prompt(req: ChatRequest, tokenizer) -> list[int]:
+def chat_prompt(req: ChatRequest, tokenizer, max_model_len: int) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions with a text prompt")
     msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+    # the template only adds text around the contents: their tokens alone bound the prompt's from below
+    refuse_overlong(tokenizer, "\n".join(m["content"] for m in msgs), max_model_len, "the messages' text")
     try:
         ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     except Exception as e:  # noqa: BLE001 - a template may raise on any message order it dislikes
@@ -194,13 +214,13 @@ def add_routes(app, svc) -> None:
     # tokenizing runs off the event loop: a long prompt must not stall /health and every other request
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> dict:
-        prompts = await asyncio.to_thread(completion_prompts, req, svc.tokenizer)
+        prompts = await asyncio.to_thread(completion_prompts, req, svc.tokenizer, svc.limits.max_model_len)
         res = await svc.generate(prompts, params_of(req, req.max_tokens), req.logprobs or 0)
         return completion_response(req, svc.model_name, svc.tokenizer, prompts, res.rows)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest) -> dict:
-        prompt = await asyncio.to_thread(chat_prompt, req, svc.tokenizer)
+        prompt = await asyncio.to_thread(chat_prompt, req, svc.tokenizer, svc.limits.max_model_len)
         k = (req.top_logprobs or 0) if req.logprobs else 0
         # Like vLLM, no max_tokens means "up to the context", capped to keep one request's cost bounded.
         max_tokens = (req.max_completion_tokens or req.max_tokens
