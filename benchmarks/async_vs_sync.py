@@ -20,6 +20,9 @@ k=1 / in-process and balanced-ref / k=1 ratios of each round:
     in-process 1 thread   the same with trainer.threads=1: gives the ceiling below
     zmq k=0               trainer (1 thread) + 1 sampler (1 thread), pipeline.max_staleness=0 (on-policy)
     zmq k=1               trainer (1 thread) + 1 sampler (1 thread), pipeline.max_staleness=1
+    zmq k=1 frames        the same with pipeline.weight_transport=zmq: weights as frames on the sync port
+                          instead of memory both processes map (the other zmq rows: auto, which shares on one
+                          host: shared memory on the CPU, CUDA IPC on a GPU)
     zmq k=1 balanced ref  the same with pipeline.ref_logprobs=balance (the reference forward split between
                           sampler and trainer by load; the other zmq rows leave it to the sampler, the default)
     zmq k=1 x2 samplers   trainer (1 thread) + 2 samplers (1 thread each): 3 threads on 2 cores
@@ -86,10 +89,12 @@ class Case:
     samplers: int = 0
     threads: int = 2  # in-process only: torch threads of the one process
     ref: str = "sampler"  # zmq only: pipeline.ref_logprobs
+    transport: str = "auto"  # zmq only: pipeline.weight_transport
 
 
 CASES = [Case("in-process", "inline"), Case("in-process 1 thread", "inline", threads=1), Case("zmq k=0", "zmq", 0, 1),
-         Case("zmq k=1", "zmq", 1, 1), Case("zmq k=1 balanced ref", "zmq", 1, 1, ref="balance"),
+         Case("zmq k=1", "zmq", 1, 1), Case("zmq k=1 frames", "zmq", 1, 1, transport="zmq"),
+         Case("zmq k=1 balanced ref", "zmq", 1, 1, ref="balance"),
          Case("zmq k=1 x2 samplers", "zmq", 1, 2)]
 
 
@@ -169,7 +174,7 @@ def run_case(case: Case, args, model_dir: Path, root: Path, round_no: int = 1) -
             procs.append(spawn(["train", "grpo", *ovr, "trainer.threads=1", "pipeline.placement=zmq",
                                 "pipeline.host=127.0.0.1", f"pipeline.data_port={data_port}",
                                 f"pipeline.sync_port={sync_port}", f"pipeline.max_staleness={case.staleness}",
-                                f"pipeline.ref_logprobs={case.ref}",
+                                f"pipeline.ref_logprobs={case.ref}", f"pipeline.weight_transport={case.transport}",
                                 f"pipeline.peer_timeout_s={args.timeout}"], 1, logs / f"{slug}.trainer"))
             names.append("trainer")
             for i in range(case.samplers):
@@ -375,6 +380,8 @@ def main() -> int:
               f"{1000 * pub['wire']:.2f} ms; raw ZeroMQ copy {1000 * pub['raw_copy']:.2f} ms -> {ratio:.2f}x; "
               f"raw zero-copy send {1000 * pub['raw']:.2f} ms -> {pub['wire'] / pub['raw']:.2f}x "
               f"(encode alone {1000 * pub['encode']:.2f} ms, decode alone {1000 * pub['decode']:.2f} ms)")
+        print(f"  same host, shared memory (the default there): publish+send handles+map+view "
+              f"{1000 * pub['shared']:.2f} ms -> {pub['shared'] / pub['raw_copy']:.2f}x the raw ZeroMQ copy")
     ratio_pub = max(ratios) if ratios and len(ratios) == len(pubs) else None
 
     print()

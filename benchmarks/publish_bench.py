@@ -3,7 +3,8 @@
 `publish_bench(named, repeats)` times a `WeightsEncoder` call (the snapshot the trainer keeps while it goes
 on training; one encoder publishes again and again, as the trainer's does) + sending its frames over a
 ZeroMQ PUSH/PULL pair on 127.0.0.1 + receiving them + `alignrl.dist.wire.decode`, against one blob of the
-same size sent with copy=True and received.
+same size sent with copy=True and received; and the same-host path (`shared`: the weights copied into a
+shared-memory set, its handles sent, mapped and viewed by name).
 """
 
 from __future__ import annotations
@@ -104,8 +105,31 @@ def publish_bench(named: list, repeats: int) -> dict:
             del msg
             return time.perf_counter() - t
 
+        import threading
+
+        from alignrl.dist.shared_weights import SharedPublisher, SharedReader
+
+        shared_pub, reader = SharedPublisher(32 << 20, "", threading.Lock()), SharedReader()
+
+        def shared() -> float:
+            """The same-host path (pipeline.weight_transport=auto): fill a shared set, send its handles, map them
+            (once; cached after) and view the tensors by name; the sampler's next request releases the set."""
+            t = time.perf_counter()
+            shared_pub.publish(named, 1, {"incarnation": "b"})
+            with shared_pub.lock:
+                frames = shared_pub.shared_frames("s")
+            push.send_multipart(frames, copy=False)
+            tensors = reader.tensors(decode(pull.recv_multipart(copy=False)))
+            ok = len(tensors) == n_params
+            del frames, tensors
+            with shared_pub.lock:
+                shared_pub.release("s")
+            dt = time.perf_counter() - t
+            assert ok
+            return dt
+
         fns = {"wire": wire, "raw_copy": raw_send(True), "raw": raw_send(False), "encode": encode_only,
-               "decode": decode_only}
+               "decode": decode_only, "shared": shared}
         times: dict[str, list[float]] = {k: [] for k in fns}
         for half in (repeats - repeats // 2, repeats // 2):  # two passes over the blocks, so drift hits all
             for k, fn in fns.items():
@@ -114,6 +138,9 @@ def publish_bench(named: list, repeats: int) -> dict:
                     if i >= 3:
                         times[k].append(dt)
     finally:
+        if "reader" in locals():
+            reader.close()
+            shared_pub.close()
         push.close()
         pull.close()
         ctx.term()

@@ -14,8 +14,9 @@ from alignrl.data.sampler import BatchSampler
 from alignrl.dist import coordinator as coord_mod
 from alignrl.dist.coordinator import Coordinator
 from alignrl.dist.ref_share import RefShare
+from alignrl.dist.board import WeightBoard
 from alignrl.dist.dispatch import Dispatcher
-from alignrl.dist.weights_wire import encode_weights
+from alignrl.dist.env import SINGLE
 from alignrl.dist.zmq_link import Replier, Requester
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,7 +29,9 @@ def served(tmp_path):
     c.dispatcher = Dispatcher(BatchSampler(16, 4, seed=0), max_staleness=0, lease_timeout_s=60, incarnation="i")
     c.incarnation = "i"
     c.ref_share = RefShare(cfg, ref=None)  # on-policy: the sampler computes every reference row
-    c.board = SimpleNamespace(version=0, frames=encode_weights([("w", torch.zeros(3))], 0))
+    actor = SimpleNamespace(model=torch.nn.Linear(3, 1, bias=False), engine=SimpleNamespace(whole_weights=True))
+    c.board = WeightBoard(actor, SINGLE, cfg.pipeline, "", c.lock, c._published, "i")
+    publish(c, 0)
     c.replier = Replier("127.0.0.1", 0)
     c.thread = threading.Thread(target=c._serve, daemon=True)
     c.thread.start()
@@ -36,13 +39,14 @@ def served(tmp_path):
     c.stop.set()
     c.thread.join(10)
     c.replier.close()
+    c.board.close()
 
 
 def publish(c: Coordinator, version: int) -> None:
-    """What WeightBoard.publish does on rank 0 once the update is done."""
-    with c.lock:
-        c.board.version, c.board.frames = version, encode_weights([("w", torch.full((3,), float(version)))], version)
-        c._published(version)
+    """An update, then the publish (on rank 0 of a one-process trainer)."""
+    with torch.no_grad():
+        c.board.actor.model.weight.fill_(float(version))
+    c.board.publish(version)
 
 
 def test_a_parked_request_is_answered_at_the_publish(served):
@@ -88,3 +92,41 @@ def test_only_a_finished_run_tells_samplers_it_is_over(served, finished):
         else:
             with pytest.raises(PeerTimeout):
                 req.request("work", ask, timeout_s=1)
+
+
+def test_weights_go_shared_to_a_sampler_that_can_map_them_and_as_frames_to_others(served):
+    """On the trainer's host a sampler gets handles to the shared set (no tensor frames) and reads the same
+    weights through them; one that says it cannot map them, or runs elsewhere, gets the frames."""
+    from alignrl.dist.shared_weights import SHARED_KIND, SharedReader, host_id
+
+    here = {"shared": True, "host": host_id(), "cuda": []}
+    publish(served, 3)
+    reader = SharedReader()
+    with Requester(served.replier.addr) as req:
+        for who, can_map, kind in (("near", here, SHARED_KIND), ("far", {**here, "host": "elsewhere/x"}, "weights"),
+                                   ("unable", {**here, "shared": False}, "weights"), ("old", None, "weights")):
+            reply = req.request("work", {"sampler_id": who, "incarnation": "i", "version": 0, "can_map": can_map},
+                                timeout_s=5)
+            assert reply.kind == kind, who
+            got = reader.tensors(reply) if kind == SHARED_KIND else reply.tensors
+            assert not reply.tensors or kind == "weights"
+            torch.testing.assert_close(got["weight"], torch.full((1, 3), 3.0), rtol=0, atol=0)
+        # the one sampler that holds the shared set has it untouched by the next publish (another set is filled)
+        held = reader.tensors(req.request("work", {"sampler_id": "near", "incarnation": "i", "version": 0,
+                                                   "can_map": here}, timeout_s=5))
+        publish(served, 4)
+        assert float(held["weight"][0, 0]) == 3.0 and len(served.board.shared.sets) == 2
+    reader.close()
+
+
+def test_a_sampler_that_cannot_map_is_refused_when_sharing_is_required(tmp_path):
+    cfg = load_config(None, ["pipeline.weight_transport=shared"])
+    actor = SimpleNamespace(model=torch.nn.Linear(3, 1, bias=False), engine=SimpleNamespace(whole_weights=True))
+    board = WeightBoard(actor, SINGLE, cfg.pipeline, "", threading.Lock(), lambda v: None, "i")
+    board.publish(0)
+    try:
+        problem = board.admit("far", {"shared": True, "host": "elsewhere/x", "cuda": []})
+        assert "pipeline.weight_transport=shared, but this sampler runs on another host" in problem
+        assert "\n" not in problem and board.admit("old", None) is not None
+    finally:
+        board.close()

@@ -91,7 +91,7 @@ def test_nccl_ddp_under_torchrun(tiny_model_dir, tmp_path):
 @pytest.mark.timeout(400)
 def test_bf16_pipeline_sampler_and_trainer_on_cuda(tiny_model_dir, tmp_path):
     """Trainer and sampler processes each on the GPU, in the trainer's bf16: the sampler loads the model
-    in fp32 and takes model.dtype from the trainer's hello reply."""
+    in fp32, takes model.dtype from the trainer's hello reply and maps the trainer's weights (CUDA IPC)."""
     from alignrl.dist.launch import free_ports
 
     if not torch.cuda.is_bf16_supported():
@@ -102,9 +102,10 @@ def test_bf16_pipeline_sampler_and_trainer_on_cuda(tiny_model_dir, tmp_path):
                                                  "pipeline.max_staleness=1", "pipeline.peer_timeout_s=120"))
     worker = sampler(tiny_model_dir, ports, "--gpu-id", "0")
     try:
-        _, err = trainer.communicate(timeout=300)
+        out, err = trainer.communicate(timeout=300)
         assert trainer.returncode == 0, err[-3000:]
         assert worker.wait(timeout=60) == 0, worker.stderr.read()[-2000:]
     finally:
         stop(trainer, worker)
+    assert "receives the weights through CUDA IPC" in out, out[-2000:]  # weight_transport=auto, one GPU
     assert {v.dtype for v in _final_weights(tmp_path / "zmq", 2).values()} == {torch.bfloat16}

@@ -58,12 +58,15 @@ def trained_rows(run: Path) -> list[list[int]]:
 
 @pytest.mark.timeout(400)
 def test_on_policy_pipeline_matches_the_in_process_loop(tiny_model_dir, tmp_path):
-    """k = 0, one sampler: the same batches in the same order with the same seeds, so the same weights."""
+    """k = 0, one sampler: the same batches in the same order with the same seeds, so the same weights. The
+    weights reach the sampler through memory both map (shared memory on the CPU, CUDA IPC on a GPU); the
+    frames on the sync port carry them in the other tests."""
     ports = free_ports(2)
     steps = 3
     train_grpo(load_config(None, overrides(tiny_model_dir, tmp_path, "inline", steps, ports)))
     trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "zmq", steps, ports,
-                                                 "pipeline.placement=zmq", "pipeline.peer_timeout_s=120"))
+                                                 "pipeline.placement=zmq", "pipeline.peer_timeout_s=120",
+                                                 "pipeline.weight_transport=shared"))
     worker = sampler(tiny_model_dir, ports)
     try:
         out, err = trainer.communicate(timeout=300)
@@ -71,6 +74,8 @@ def test_on_policy_pipeline_matches_the_in_process_loop(tiny_model_dir, tmp_path
         assert worker.wait(timeout=60) == 0, worker.stderr.read()[-2000:]
     finally:
         stop(trainer, worker)
+    shared = "through CUDA IPC" if torch.cuda.is_available() else "through shared memory"
+    assert f"receives the weights {shared}" in out, out[-2000:]
     a, b = weights(tmp_path / "inline", steps), weights(tmp_path / "zmq", steps)
     for k in a:  # the sampler's fp32 forward equals the trainer's: no tolerance needed
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
@@ -118,13 +123,14 @@ def assert_each_row_once(run: Path, steps: int, batch: int = 4):
 def test_a_killed_sampler_loses_nothing(tiny_model_dir, tmp_path):
     """k = 1 (with truncated IS, the reference forward on the trainer), two samplers; one is killed mid-run:
     the other finishes, its lease is re-issued, and every prompt drawn is trained exactly once or still owed
-    by the final checkpoint."""
+    by the final checkpoint. The weights travel as frames on the sync port (pipeline.weight_transport=zmq)."""
     ports = free_ports(2)
     steps = 16
     trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "faults", steps, ports,
                                                  "pipeline.placement=zmq", "pipeline.max_staleness=1",
                                                  "pipeline.lease_timeout_s=3", "pipeline.peer_timeout_s=120",
-                                                 "algorithm.rollout_is=token", "pipeline.ref_logprobs=trainer"))
+                                                 "algorithm.rollout_is=token", "pipeline.ref_logprobs=trainer",
+                                                 "pipeline.weight_transport=zmq"))
     a, b = sampler(tiny_model_dir, ports, "--sampler-id", "a"), sampler(tiny_model_dir, ports, "--sampler-id", "b")
     run = tmp_path / "faults"
     try:

@@ -219,7 +219,12 @@ class PipelineConfig:
     peer_timeout_s: float = opt(600.0, "zmq: the trainer waits this long for a batch, a sampler this long for the "
                                        "trainer, before stopping with a one-line error", gt=0.0)
     hwm: int = opt(2, "zmq: batches queued per socket at most (bounds memory)", ge=1)
-    bucket_mb: int = opt(32, "zmq: weight frames of about this size", ge=1)
+    bucket_mb: int = opt(32, "zmq: weight frames (and shared weight buffers) of about this size", ge=1)
+    weight_transport: str = opt("auto", "zmq: how samplers receive new weights: zmq (bucket frames on the sync port), "
+                                        "shared (memory they map on the trainer's host: CUDA IPC for a trainer on a "
+                                        "GPU, which then keeps up to 3 copies of the weights there; POSIX shared "
+                                        "memory for one on the CPU), or auto (shared for the samplers that can map "
+                                        "it, frames for the others)", choices=("auto", "zmq", "shared"))
     ref_logprobs: str = opt("sampler", "zmq: who runs the frozen reference forward of a KL term: sampler (all of it, "
                                        "as seed 004), trainer (all of it; samplers hold no reference model), or "
                                        "balance (with max_staleness >= 1, split by prompt groups toward the side that "

@@ -25,13 +25,13 @@ from alignrl.algos.rollout_ops import group_rows, select_groups
 from alignrl.config import RunConfig
 from alignrl.data.records import ScoredBatch
 from alignrl.data.sampler import BatchSampler
+from alignrl.dist.board import WeightBoard
 from alignrl.dist.dispatch import Dispatcher
-from alignrl.dist.env import DistEnv, all_reduce_sum, barrier, broadcast_frames
+from alignrl.dist.env import DistEnv, all_reduce_sum, broadcast_frames
 from alignrl.dist.records_wire import from_wire
 from alignrl.dist.ref_share import RefShare, trainer_needs_ref
-from alignrl.dist.weights_wire import WeightsEncoder
-from alignrl.dist.wire import WireError, decode, manifest_of
-from alignrl.dist.zmq_link import InsecureBind, PortInUse, Puller, Replier, token_from_env
+from alignrl.dist.wire import WireError, decode
+from alignrl.dist.zmq_link import InsecureBind, Puller, Replier, token_from_env
 from alignrl.train.actor import Actor
 from alignrl.train.checkpoint import atomic_write_text
 from alignrl.utils.tracking import console
@@ -41,38 +41,6 @@ PARK_S = 0.5  # longest a work request waits for a lease before it is answered "
 
 class PipelineError(ValueError):
     """The pipeline cannot go on (no sampler delivers); one line naming what to start or check."""
-
-
-class WeightBoard:
-    """The newest weights as ready-to-send frames (rank 0), and the publish side of the WeightSink."""
-
-    def __init__(self, actor: Actor, env: DistEnv, bucket_bytes: int, token: str, lock: threading.Lock,
-                 on_publish, incarnation: str):
-        self.actor, self.env, self.lock = actor, env, lock
-        self.encode = WeightsEncoder(bucket_bytes, token)  # plans the layout once, then refills it
-        self.incarnation = incarnation
-        self.on_publish = on_publish  # called under the lock with the new version
-        self.names = [n for n, _ in actor.model.named_parameters()]
-        self.manifest = {k: [list(v.shape), v.dtype] for k, v in manifest_of(actor.model.named_parameters()).items()}
-        self.version, self.frames, self.publish_s = 0, None, 0.0
-
-    def publish(self, version: int) -> None:
-        """Collective (the full weights are gathered under ZeRO-3 / FSDP2); rank 0 encodes them once. Whole
-        weights are encoded from the live parameters: the encoder gathers them on their device and copies each
-        bucket to the host once, where a CPU state dict first cost a host copy (and fresh pages) per tensor."""
-        t0 = time.perf_counter()
-        if self.actor.engine.whole_weights:
-            named = list(self.actor.model.named_parameters()) if self.env.is_main else []
-        else:
-            full = self.actor.engine.full_state_dict()
-            named = [(n, full[n]) for n in self.names]
-        if self.env.is_main:
-            frames = self.encode(named, version, meta={"incarnation": self.incarnation})
-            with self.lock:
-                self.version, self.frames = version, frames
-                self.on_publish(version)
-        barrier(self.env)
-        self.publish_s = time.perf_counter() - t0
 
 
 class Coordinator:
@@ -100,8 +68,7 @@ class Coordinator:
     # --- the RemoteProducers protocol of the runner -------------------------------------------------
     def sink(self, actor: Actor, env: DistEnv) -> WeightBoard:
         self.env = env
-        self.board = WeightBoard(actor, env, self.p.bucket_mb << 20, self.token, self.lock, self._published,
-                                 self.incarnation)
+        self.board = WeightBoard(actor, env, self.p, self.token, self.lock, self._published, self.incarnation)
         return self.board
 
     def critics(self, cfg: RunConfig, resume: Path | None, env: DistEnv):
@@ -153,6 +120,7 @@ class Coordinator:
         self.thread.join(timeout=10)
         self.puller.close()
         self.replier.close()
+        self.board.close()
 
     # --- BatchSource ---------------------------------------------------------------------------------
     def next_batch(self, step: int) -> ScoredBatch:
@@ -269,6 +237,9 @@ class Coordinator:
         meta = msg.meta
         if msg.kind == "hello":
             problem = self._check_model(meta.get("manifest"))
+            if problem is None:
+                with self.lock:
+                    problem = self.board.admit(str(meta.get("sampler_id", "?")), meta.get("can_map"))
             if problem:
                 self.replier.reply_msg(peer, "error", {"message": problem})
             else:
@@ -293,12 +264,16 @@ class Coordinator:
             if self.say_done:
                 self.replier.reply_msg(peer, "done", {})
             return True
+        sampler = str(meta.get("sampler_id", "?"))
         with self.lock:
-            have = (meta.get("incarnation"), meta.get("version"))
-            if have != (self.incarnation, self.board.version):
-                self.replier.reply(peer, self.board.frames)  # the newest weights first
+            problem = self.board.admit(sampler, meta.get("can_map"))  # a restarted trainer meets it here
+            if problem:
+                self.replier.reply_msg(peer, "error", {"message": problem})
                 return True
-            lease = self.dispatcher.grant(str(meta.get("sampler_id", "?")), self.board.version, time.monotonic())
+            if self.board.stale(sampler, (meta.get("incarnation"), meta.get("version"))):
+                self.replier.reply(peer, self.board.frames_for(sampler))  # the newest weights first
+                return True
+            lease = self.dispatcher.grant(sampler, self.board.version, time.monotonic())
             ref_groups = self.ref_share.groups
         if lease is None:
             if time.monotonic() - since < PARK_S:

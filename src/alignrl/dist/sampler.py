@@ -26,7 +26,8 @@ from alignrl.dist.env import SINGLE
 from alignrl.dist.launch import OneLineParser
 from alignrl.dist.records_wire import KIND, to_wire
 from alignrl.dist.ref_share import sampler_needs_ref
-from alignrl.dist.wire import DTYPE_NAMES, DTYPES, WireError, check_weights, manifest_of
+from alignrl.dist.shared_weights import SHARED_KIND, SharedReader, SharedUnavailable, cuda_uuids, host_id
+from alignrl.dist.wire import DTYPE_NAMES, DTYPES, Message, WireError, check_weights, manifest_of
 from alignrl.dist.zmq_link import PeerTimeout, Pusher, Requester, address, token_from_env
 from alignrl.models.loader import ModelError, load_model
 from alignrl.rollout.hf_engine import HFRolloutEngine
@@ -55,10 +56,15 @@ class Sampler:
         self.args, self.token = args, token_from_env()
         self.id = args.sampler_id or f"{os.uname().nodename}:{os.getpid()}"
         self.sync = Requester(address(args.host, args.sync_port), token=self.token)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.model, self.tokenizer = load_model(args.model_path, log=console.print)
         self.model.to(self.device)
         self.manifest = manifest_of(self.model.named_parameters())
         self.incarnation, self.version = None, -1
+        # what the trainer needs to know to hand this sampler weights in memory both map (shared_weights)
+        self.can_map = {"shared": True, "host": host_id(), "cuda": cuda_uuids()}
+        self.shared = SharedReader()
 
     @property
     def device(self) -> torch.device:
@@ -79,7 +85,7 @@ class Sampler:
 
     def hello(self) -> RunConfig:
         manifest = {k: [list(v.shape), v.dtype] for k, v in self.manifest.items()}
-        reply = self.ask("hello", {"sampler_id": self.id, "manifest": manifest})
+        reply = self.ask("hello", {"sampler_id": self.id, "manifest": manifest, "can_map": self.can_map})
         if reply.kind == "error":
             raise PipelineError(f"trainer refused this sampler: {reply.meta.get('message')}")
         dtypes = reply.meta.get("dtypes")
@@ -109,6 +115,22 @@ class Sampler:
         if changed:
             self.manifest = manifest_of(self.model.named_parameters())
 
+    def load(self, engine: HFRolloutEngine, reply: Message) -> None:
+        """New weights into the engine: from the frames, or copied out of the trainer's shared buffers before
+        the next request (the trainer refills them only after it). Buffers this process cannot map make it
+        ask for frames instead, from then on."""
+        if reply.kind == SHARED_KIND:
+            try:
+                reply = Message("weights", reply.meta, self.shared.tensors(reply))
+            except SharedUnavailable as e:
+                console.print(f"[yellow]sampler {self.id}: {e}; receiving the weights as frames instead[/yellow]")
+                self.can_map = {**self.can_map, "shared": False}
+                return
+        check_weights(reply, self.manifest)
+        engine.load_weights(reply.tensors.items())
+        self.shared.synchronize()
+        self.incarnation, self.version = reply.meta.get("incarnation"), reply.meta["version"]
+
     def run(self) -> int:
         cfg = self.hello()
         train, _ = load_task_data(cfg)
@@ -125,16 +147,14 @@ class Sampler:
         while True:
             t0 = time.perf_counter()
             reply = self.ask("work", {"sampler_id": self.id, "incarnation": self.incarnation,
-                                      "version": self.version})
+                                      "version": self.version, "can_map": self.can_map})
             if reply.kind == "done":
                 console.print(f"sampler {self.id}: the trainer finished; {made} batches made")
                 return 0
             if reply.kind == "error":
                 raise PipelineError(f"trainer: {reply.meta.get('message')}")
-            if reply.kind == "weights":
-                check_weights(reply, self.manifest)
-                engine.load_weights(reply.tensors.items())
-                self.incarnation, self.version = reply.meta.get("incarnation"), reply.meta["version"]
+            if reply.kind in ("weights", SHARED_KIND):
+                self.load(engine, reply)
                 waited += time.perf_counter() - t0
                 continue
             if reply.kind == "wait":

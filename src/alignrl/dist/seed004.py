@@ -112,11 +112,10 @@ def _has_cuda() -> bool:
 
 
 def sampling_main(argv: list[str] | None = None) -> int:
-    from alignrl.dist.sampler import main, parser
+    from alignrl.dist.sampler import main
 
-    a, _ = parser("sampling_worker.py").parse_known_args(argv)
-    if a.gpu_id is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(a.gpu_id)
+    # --gpu-id picks the device without hiding the others: the trainer's GPU must stay visible for its weights
+    # to be mapped (pipeline.weight_transport)
     return main(argv, prog="sampling_worker.py")
 
 

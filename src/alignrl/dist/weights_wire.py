@@ -70,11 +70,12 @@ class WeightsEncoder:
 
 class _Buckets:
     """One set of bucket buffers, zeroed once (alignment gaps and padding are never written again), with a
-    typed view of each tensor's place in them. The buffers are numpy's (malloc), not torch.empty's: torch
-    maps fresh pages for every large allocation, and faulting them in cost four times the copy itself."""
+    typed view of each tensor's place in them. The buffers are numpy's (malloc, or shared memory given as
+    `arrays`), not torch.empty's: torch maps fresh pages for every large allocation, and faulting them in cost
+    four times the copy itself."""
 
-    def __init__(self, plan: _Plan):
-        self.arrays = [np.zeros(n, dtype=np.uint8) for n in plan.sizes]
+    def __init__(self, plan: _Plan, arrays: list[np.ndarray] | None = None):
+        self.arrays = arrays if arrays is not None else [np.zeros(n, dtype=np.uint8) for n in plan.sizes]
         self.frames = [torch.from_numpy(a) for a in self.arrays]  # one reference to each array (see _UNHELD)
         self.views = [_view(self.frames[slot[1]], *slot[2:]) for slot in plan.slots]
 

@@ -1,0 +1,101 @@
+"""Shared weight sets (`pipeline.weight_transport`), in one process on the CPU (POSIX shared memory; the CUDA
+IPC path of the same code runs in test_gpu.py): what a reader maps is what was published, a set a sampler
+holds is never refilled under it, a sampler silent past the hold limit is sent the weights again, and a bad
+description is one line."""
+
+import threading
+
+import pytest
+import torch
+
+from alignrl.dist import shared_weights as sw
+from alignrl.dist.shared_weights import SharedPublisher, SharedReader, SharedUnavailable
+from alignrl.dist.wire import WireError, decode
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def named(v: float) -> list:
+    return [("a", torch.full((3, 5), v)), ("b", torch.full((7,), v, dtype=torch.bfloat16)),
+            ("empty", torch.zeros(0, 4)), ("c", torch.arange(300, dtype=torch.int64) + int(v))]
+
+
+@pytest.fixture
+def pub():
+    p = SharedPublisher(bucket_bytes=256, token="t", lock=threading.Lock())  # small buckets: several buffers
+    yield p
+    p.close()
+
+
+def read(pub: SharedPublisher, reader: SharedReader, sampler: str) -> dict:
+    with pub.lock:
+        frames = pub.shared_frames(sampler)
+    return reader.tensors(decode(frames, "t"))
+
+
+def test_published_weights_read_back_exactly_through_shared_memory_and_frames(pub):
+    pub.publish(named(1.0), 1, {"incarnation": "i"})
+    reader = SharedReader()
+    got = read(pub, reader, "s")
+    with pub.lock:
+        wired = decode(pub.wire_frames("far"), "t").tensors  # the same buffers, as frames for another host
+    for name, t in named(1.0):
+        for tensors in (got, wired):
+            assert tensors[name].dtype == t.dtype and torch.equal(tensors[name], t)
+    assert pub.kind == "shm" and len(pub.current.buffers) > 1
+    reader.close()
+
+
+def test_a_held_set_is_never_refilled_and_a_silent_sampler_is_sent_the_weights_again(pub, monkeypatch):
+    pub.publish(named(1.0), 1, {"incarnation": "i"})
+    reader = SharedReader()
+    held = read(pub, reader, "s")
+    pub.publish(named(2.0), 2, {"incarnation": "i"})  # "s" may still be copying version 1: another set
+    pub.publish(named(3.0), 3, {"incarnation": "i"})
+    assert float(held["a"][0, 0]) == 1.0 and len(pub.sets) == 3
+    with pub.lock:
+        pub.release("s")  # its next request: it has copied
+    pub.publish(named(4.0), 4, {"incarnation": "i"})
+    assert len(pub.sets) == 3 and float(held["a"][0, 0]) == 4.0 and not pub.torn  # its set, reused
+    read(pub, reader, "s")
+    monkeypatch.setattr(sw, "HOLD_S", 0.0)  # "s" counts as gone at once: its set may be taken
+    for v in (5.0, 6.0, 7.0):
+        pub.publish(named(v), int(v), {"incarnation": "i"})
+    assert pub.torn == {"s"}  # should it come back, it is sent the newest weights before anything else
+    assert torch.equal(read(pub, reader, "s")["c"], named(7.0)[3][1]) and not pub.torn
+    reader.close()
+
+
+def test_a_new_trainer_incarnation_drops_the_old_mappings(pub):
+    pub.publish(named(1.0), 1, {"incarnation": "i"})
+    reader = SharedReader()
+    read(pub, reader, "s")
+    n = len(reader._shm)
+    other = SharedPublisher(bucket_bytes=256, token="t", lock=threading.Lock())
+    try:
+        other.publish(named(9.0), 1, {"incarnation": "j"})
+        assert float(read(other, reader, "s")["a"][0, 0]) == 9.0
+        assert reader.incarnation == "j" and len(reader._shm) == n
+    finally:
+        reader.close()
+        other.close()
+
+
+@pytest.mark.parametrize("buffers, error, said", [
+    ([{"shm": "alignrl-no-such-segment", "size": 4096}], SharedUnavailable, "cannot map the trainer's shared memory"),
+    ([{"shm": "../etc/passwd", "size": 4096}], WireError, "is not a plain segment name"),
+    ([{"shm": "x", "size": "64"}], WireError, "malformed or smaller than"),
+    ([{"cuda": [0, b"h"], "uuid": "GPU-x", "size": 4096}], WireError, "does not hold the handle fields"),
+    ([], WireError, "puts tensors in buffer 0 of 0"),
+])
+def test_a_bad_buffer_description_is_one_line(buffers, error, said):
+    pub = SharedPublisher(bucket_bytes=1 << 20, token="t", lock=threading.Lock())  # one buffer
+    try:
+        pub.publish(named(1.0), 1, {"incarnation": "i"})
+        msg = decode([pub.head], "t")
+    finally:
+        pub.close()
+    msg.meta["buffers"] = buffers
+    with pytest.raises(error, match=said) as e:
+        SharedReader().tensors(msg)
+    assert "\n" not in str(e.value)
