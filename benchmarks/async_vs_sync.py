@@ -55,7 +55,8 @@ snapshot: a lower bound). Each variant is timed in its own blocks of rounds afte
 buffers released inside the timing; medians are printed with their ratios, and those of encode and decode alone.
 
 Targets (printed with PASS/MISS): zmq k=1 >= 1.3x in-process samples/s; publish <= 1.5x the raw ZeroMQ
-copy, for the worse of the two weight sets.
+copy, for the worse of the two weight sets, as frames (samplers elsewhere) and through shared memory (samplers
+on the trainer's host, pipeline.weight_transport=auto; the weights here are on the CPU, so not CUDA IPC).
 Every child process is started in its own session and killed (killpg) at the end; ports are free ones on
 127.0.0.1; outputs go to a temporary folder (removed at the end unless --keep). Not part of `make test`.
 """
@@ -292,7 +293,8 @@ def main() -> int:
                 print(f"running {case.name} (round {round_no}/{args.rounds}) ...", flush=True)
                 runs.setdefault(case.name, []).append(run_case(case, args, model_dir, root, round_no))
         pubs = []
-        for label, weights in (("demo model", lambda: demo_weights(model_dir)),
+        for label, weights in (("demo model" if args.model == "demo" else f"model {model_dir.name}",
+                                lambda: demo_weights(model_dir)),
                                (f"{args.publish_mib} MiB synthetic", lambda: synthetic_weights(args.publish_mib))):
             if label.startswith("0 MiB"):
                 continue
@@ -368,7 +370,7 @@ def main() -> int:
             print(f"  {name:<12} {r.summary['base_accuracy']:>6.3f} {r.summary['final_accuracy']:>6.3f}")
 
     print()
-    ratios = []
+    ratios, shared_ratios = [], []
     for label, pub in pubs:
         if "error" in pub:
             print(f"weight publish, {label}: FAILED: {pub['error']}")
@@ -380,8 +382,9 @@ def main() -> int:
               f"{1000 * pub['wire']:.2f} ms; raw ZeroMQ copy {1000 * pub['raw_copy']:.2f} ms -> {ratio:.2f}x; "
               f"raw zero-copy send {1000 * pub['raw']:.2f} ms -> {pub['wire'] / pub['raw']:.2f}x "
               f"(encode alone {1000 * pub['encode']:.2f} ms, decode alone {1000 * pub['decode']:.2f} ms)")
+        shared_ratios.append(pub["shared"] / pub["raw_copy"])
         print(f"  same host, shared memory (the default there): publish+send handles+map+view "
-              f"{1000 * pub['shared']:.2f} ms -> {pub['shared'] / pub['raw_copy']:.2f}x the raw ZeroMQ copy")
+              f"{1000 * pub['shared']:.2f} ms -> {shared_ratios[-1]:.2f}x the raw ZeroMQ copy")
     ratio_pub = max(ratios) if ratios and len(ratios) == len(pubs) else None
 
     print()
@@ -394,8 +397,10 @@ def main() -> int:
     if ratio_pub is None:
         print(f"target: publish <= {PUBLISH_TARGET:.1f}x raw copy: not measured (it failed)")
     else:
-        print(f"target: publish <= {PUBLISH_TARGET:.1f}x raw copy (worst size): {ratio_pub:.2f}x "
-              f"{'PASS' if ratio_pub <= PUBLISH_TARGET else 'MISS'}")
+        for how, r in (("frames, for samplers on other hosts", ratio_pub),
+                       ("shared memory, for samplers on the trainer's host", max(shared_ratios))):
+            print(f"target: publish <= {PUBLISH_TARGET:.1f}x raw copy (worst size), {how}: {r:.2f}x "
+                  f"{'PASS' if r <= PUBLISH_TARGET else 'MISS'}")
 
     failed = [r for r in results if not r.ok]
     for r in failed:

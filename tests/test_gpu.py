@@ -109,3 +109,24 @@ def test_bf16_pipeline_sampler_and_trainer_on_cuda(tiny_model_dir, tmp_path):
         stop(trainer, worker)
     assert "receives the weights through CUDA IPC" in out, out[-2000:]  # weight_transport=auto, one GPU
     assert {v.dtype for v in _final_weights(tmp_path / "zmq", 2).values()} == {torch.bfloat16}
+
+
+@pytest.mark.timeout(300)
+def test_a_sampler_that_cannot_see_the_trainers_gpu_gets_frames(tiny_model_dir, tmp_path):
+    """weight_transport=auto with the trainer's weights on the GPU and a sampler on the CPU (CUDA hidden from
+    it): that sampler is sent frames copied off the trainer's shared device set, and the run trains."""
+    from alignrl.dist.launch import free_ports
+
+    ports = free_ports(2)
+    trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "cpu_sampler", 2, ports,
+                                                 "trainer.device=cuda", "pipeline.placement=zmq",
+                                                 "pipeline.max_staleness=1", "pipeline.peer_timeout_s=120"))
+    worker = sampler(tiny_model_dir, ports, env={"CUDA_VISIBLE_DEVICES": ""})
+    try:
+        out, err = trainer.communicate(timeout=240)
+        assert trainer.returncode == 0, err[-3000:]
+        assert worker.wait(timeout=60) == 0, worker.stderr.read()[-2000:]
+    finally:
+        stop(trainer, worker)
+    assert "receives the weights as frames on the sync port" in out, out[-2000:]
+    assert _final_weights(tmp_path / "cpu_sampler", 2)

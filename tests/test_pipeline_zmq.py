@@ -30,15 +30,15 @@ def overrides(model_dir, out, name, steps, ports, *extra):
                     f"pipeline.data_port={ports[0]}", f"pipeline.sync_port={ports[1]}", *extra]
 
 
-def spawn(*args, **kw):
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+def spawn(*args, env: dict | None = None, **kw):
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "alignrl", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True, **kw)
 
 
-def sampler(model_dir, ports, *extra):
+def sampler(model_dir, ports, *extra, env: dict | None = None):
     return spawn("sample", "--model-path", str(model_dir), "--data-port", str(ports[0]), "--sync-port",
-                 str(ports[1]), "--threads", "1", "--peer-timeout", "60", *extra)
+                 str(ports[1]), "--threads", "1", "--peer-timeout", "60", *extra, env=env)
 
 
 def stop(*procs):

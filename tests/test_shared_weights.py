@@ -99,3 +99,23 @@ def test_a_bad_buffer_description_is_one_line(buffers, error, said):
     with pytest.raises(error, match=said) as e:
         SharedReader().tensors(msg)
     assert "\n" not in str(e.value)
+
+
+def test_a_sampler_that_cannot_map_the_buffers_asks_for_frames_from_then_on(capsys):
+    """A container with its own /dev/shm passes the host check but cannot open the segments: the sampler
+    says so in its next request (the trainer then sends it frames) and loads nothing meanwhile."""
+    from alignrl.dist.sampler import Sampler
+    from alignrl.dist.shared_weights import host_id
+
+    pub = SharedPublisher(bucket_bytes=1 << 20, token="", lock=threading.Lock())
+    try:
+        pub.publish(named(1.0), 1, {"incarnation": "i"})
+        msg = decode([pub.head])
+    finally:
+        pub.close()  # its segments are gone: mapping them fails as it would elsewhere
+    s = object.__new__(Sampler)
+    s.id, s.shared, s.version, s.incarnation = "s", SharedReader(), -1, None
+    s.can_map = {"shared": True, "host": host_id(), "cuda": []}
+    s.load(engine=None, reply=msg)
+    assert s.can_map["shared"] is False and (s.version, s.incarnation) == (-1, None)
+    assert "receiving the weights as frames instead" in capsys.readouterr().out

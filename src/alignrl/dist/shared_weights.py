@@ -279,6 +279,8 @@ class SharedReader:
             storage = torch.UntypedStorage._new_shared_cuda(*fields)
         except RuntimeError as e:
             raise SharedUnavailable(f"cannot open the trainer's CUDA IPC handle ({str(e).splitlines()[0]})") from None
+        if storage.nbytes() < d["size"]:
+            raise WireError(f"CUDA IPC buffer holds {storage.nbytes()} bytes, not the {d['size']} announced")
         return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
     def synchronize(self) -> None:
