@@ -6,53 +6,41 @@ the same steps, and the weight-publish cost against a raw ZeroMQ copy of the sam
     python benchmarks/async_vs_sync.py --quick              # 4 steps, 4 prompts x 4, <= 16 tokens: a smoke run
     python benchmarks/async_vs_sync.py --model path/to/hf_folder --steps 20 --prompts 16
 
-Workload: every configuration trains the same model (`--model`, default the embedded demo model) for
-`--steps` RL steps of `--prompts` prompts x `--n` samples (`--max-new-tokens` at most), the same
-seed, data, learning rate and loss, with intermediate evaluation and intermediate checkpoints off, and
-`actor.share_prompt` and `actor.use_remove_padding` as in the demo recipe (`--no-share-prompt`, `--no-remove-padding`
-turn them off).
-Configurations, one after another, each a fresh trainer process (plus sampler processes), and all of them
-again for each of `--rounds` rounds (default 3): this machine's speed drifts by a quarter between minutes,
-so each configuration's median round is what the table reports, beside every round's samples/s and the
-k=1 / in-process and balanced-ref / k=1 ratios of each round:
+Workload: every configuration trains the same model (`--model`) for `--steps` RL steps of `--prompts`
+prompts x `--n` samples (`--max-new-tokens` at most), same seed, data, learning rate and loss, intermediate
+evaluation and checkpoints off, `actor.share_prompt` and `actor.use_remove_padding` as in the demo recipe
+(`--no-share-prompt`, `--no-remove-padding`). Each configuration is a fresh trainer process (plus samplers),
+all of them again in each of `--rounds` rounds (default 3; this machine's speed drifts by a quarter between
+minutes): the table reports each one's median round, beside every round's samples/s and paired ratios:
 
     in-process            `alignrl train grpo`, trainer.threads=2 (generation and training share 2 cores)
     in-process 1 thread   the same with trainer.threads=1: gives the ceiling below
     zmq k=0               trainer (1 thread) + 1 sampler (1 thread), pipeline.max_staleness=0 (on-policy)
     zmq k=1               trainer (1 thread) + 1 sampler (1 thread), pipeline.max_staleness=1
-    zmq k=1 frames        the same with pipeline.weight_transport=zmq: weights as frames on the sync port
-                          instead of memory both processes map (the other zmq rows: auto, which shares on one
-                          host: shared memory on the CPU, CUDA IPC on a GPU)
+    zmq k=1 frames        the same with pipeline.weight_transport=zmq (frames on the sync port; the other rows
+                          use auto: memory both processes map, shared memory on the CPU, CUDA IPC on a GPU)
     zmq k=1 balanced ref  the same with pipeline.ref_logprobs=balance (the reference forward split between
                           sampler and trainer by load; the other zmq rows leave it to the sampler, the default)
     zmq k=1 x2 samplers   trainer (1 thread) + 2 samplers (1 thread each): 3 threads on 2 cores
+    (OMP_NUM_THREADS is set to each process's thread count)
 
-OMP_NUM_THREADS is set to each process's thread count.
-
-What is measured: samples/s = sequences trained (prompts x n per step) / seconds, over steps 2..S. The
-seconds are the sum of the trainer's own `timing/step` rows in metrics.jsonl (one row per step, measured
-in the trainer process around "get the next scored batch, then update and publish"); step 1 is warm-up and
-is left out, so process start-up, model loading, sampler connection and the base and final evaluations
-are not counted. Only the per-step logging (and nothing else: checkpoints are written after the last step)
-falls between two steps, so the sum is the trainer's wall time from the end of step 1 to the end of step
-S. The whole trainer process's wall time is printed too, for reference. The ceiling printed under the
-table is 2 x the 1-thread in-process samples/s: the same work split perfectly over two one-thread
-processes, with no transfer cost; the pipeline cannot beat it, so it bounds what asynchrony can gain on
-this machine for this workload (only what the in-process loop's threads fail to get out of the cores).
-Also printed per configuration: mean generation seconds per batch (`timing/gen`, measured where generation
-ran), mean update seconds (`timing/train`), the trainer's mean wait for a batch, mean staleness of the
-batches trained on, and mean publish time. Timings only mean something on an otherwise idle machine.
+What is measured: samples/s = sequences trained (prompts x n per step) / seconds, over steps 2..S: the sum
+of the trainer's own `timing/step` rows in metrics.jsonl ("get the next scored batch, then update and
+publish"; only per-step logging falls between two steps). Step 1 (warm-up), start-up, model loading,
+sampler connection and the evaluations are left out; the trainer process's wall time is printed too. The
+ceiling under the table is 2 x the 1-thread in-process samples/s: the same work split perfectly over two
+one-thread processes with no transfer cost, which the pipeline cannot beat. Also printed per configuration:
+mean generation s per batch (`timing/gen`, where generation ran), update s (`timing/train`), the trainer's
+wait for a batch, staleness, and publish time. Timings only mean something on an otherwise idle machine.
 
 Accuracy: held-out greedy accuracy (summary.json, `--val` problems) of the in-process and k=1 runs after S steps.
 
 Weight publish (`publish_bench.py`), for two weight sets (the demo model's 3 MiB, and `--publish-mib`
 MiB of synthetic fp32 tensors shaped like a transformer's): `--publish-repeats` times,
-`alignrl.dist.weights_wire.WeightsEncoder` (the snapshot the trainer keeps while it goes on training) + sending
-its frames over a ZeroMQ PUSH/PULL pair on 127.0.0.1 + receiving them + `alignrl.dist.wire.decode`
-(tensors by name), against a raw ZeroMQ copy of the same bytes: one blob sent with copy=True (ZeroMQ
-copies what it is given) and received. The same blob sent zero-copy is printed too (no copy at all, so no
-snapshot: a lower bound). Each variant is timed in its own blocks of rounds after 3 warm-up rounds, all
-buffers released inside the timing; medians are printed with their ratios, and those of encode and decode alone.
+`WeightsEncoder` (the trainer's snapshot) + its frames over ZeroMQ PUSH/PULL on 127.0.0.1 + `wire.decode`
+(tensors by name), against a raw ZeroMQ copy of the same bytes (one blob sent with copy=True); the blob
+sent zero-copy (no snapshot: a lower bound), encode and decode alone, and the same-host shared path are
+printed too (medians; details in publish_bench.py).
 
 Targets (printed with PASS/MISS): zmq k=1 >= 1.3x in-process samples/s; publish <= 1.5x the raw ZeroMQ
 copy, for the worse of the two weight sets, as frames (samplers elsewhere) and through shared memory (samplers
