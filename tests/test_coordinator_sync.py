@@ -100,9 +100,13 @@ def test_weights_go_shared_to_a_sampler_that_can_map_them_and_as_frames_to_other
     from alignrl.dist.shared_weights import SHARED_KIND, SharedReader, host_id
 
     here = {"shared": True, "host": host_id(), "cuda": []}
-    publish(served, 3)
     reader = SharedReader()
     with Requester(served.replier.addr) as req:
+        # auto: version 0 was published before any sampler said how it takes weights, as frames only
+        first = req.request("work", {"sampler_id": "near", "incarnation": "?", "version": -1, "can_map": here},
+                            timeout_s=5)
+        assert first.kind == "weights" and served.board.shared.current is None
+        publish(served, 3)  # a sampler maps them now: shared sets from this publish on
         for who, can_map, kind in (("near", here, SHARED_KIND), ("far", {**here, "host": "elsewhere/x"}, "weights"),
                                    ("unable", {**here, "shared": False}, "weights"), ("old", None, "weights")):
             reply = req.request("work", {"sampler_id": who, "incarnation": "i", "version": 0, "can_map": can_map},
@@ -116,13 +120,21 @@ def test_weights_go_shared_to_a_sampler_that_can_map_them_and_as_frames_to_other
                                                    "can_map": here}, timeout_s=5))
         publish(served, 4)
         assert float(held["weight"][0, 0]) == 3.0 and len(served.board.shared.sets) == 2
+        # a sampler that then finds it cannot map them says so, and is sent frames from then on
+        again = req.request("work", {"sampler_id": "near", "incarnation": "i", "version": 3,
+                                     "can_map": {**here, "shared": False}}, timeout_s=5)
+        assert again.kind == "weights" and again.meta["version"] == 4
     reader.close()
 
 
-def test_a_sampler_that_cannot_map_is_refused_when_sharing_is_required(tmp_path):
-    cfg = load_config(None, ["pipeline.weight_transport=shared"])
+def board_of(transport: str) -> WeightBoard:
+    cfg = load_config(None, [f"pipeline.weight_transport={transport}"])
     actor = SimpleNamespace(model=torch.nn.Linear(3, 1, bias=False), engine=SimpleNamespace(whole_weights=True))
-    board = WeightBoard(actor, SINGLE, cfg.pipeline, "", threading.Lock(), lambda v: None, "i")
+    return WeightBoard(actor, SINGLE, cfg.pipeline, "", threading.Lock(), lambda v: None, "i")
+
+
+def test_a_sampler_that_cannot_map_is_refused_when_sharing_is_required():
+    board = board_of("shared")
     board.publish(0)
     try:
         problem = board.admit("far", {"shared": True, "host": "elsewhere/x", "cuda": []})
@@ -130,3 +142,23 @@ def test_a_sampler_that_cannot_map_is_refused_when_sharing_is_required(tmp_path)
         assert "\n" not in problem and board.admit("old", None) is not None
     finally:
         board.close()
+
+
+def test_a_trainer_that_cannot_share_sends_frames_under_auto_and_stops_in_one_line_under_shared(monkeypatch):
+    from alignrl.dist import shared_weights as sw
+    from alignrl.dist.shared_weights import SharedUnavailable, host_id
+    from alignrl.dist.wire import decode
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sw.os, "posix_fallocate", full)
+    auto = board_of("auto")
+    auto.admit("near", {"shared": True, "host": host_id(), "cuda": []})
+    auto.publish(1)  # the shared set cannot be made: frames for everyone, the run goes on
+    assert auto.shared is None and decode(auto.frames_for("near")).meta["version"] == 1
+    assert not auto.stale("near", ("i", 1))
+    required = board_of("shared")
+    with pytest.raises(SharedUnavailable, match="/dev/shm"):
+        required.publish(1)
+    required.close()

@@ -108,6 +108,7 @@ def test_bf16_pipeline_sampler_and_trainer_on_cuda(tiny_model_dir, tmp_path):
     finally:
         stop(trainer, worker)
     assert "receives the weights through CUDA IPC" in out, out[-2000:]  # weight_transport=auto, one GPU
+    assert "shared CUDA tensors" not in err, err[-2000:]  # the sampler let go of them before the trainer exited
     assert {v.dtype for v in _final_weights(tmp_path / "zmq", 2).values()} == {torch.bfloat16}
 
 

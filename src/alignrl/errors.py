@@ -10,6 +10,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     from alignrl.config import ConfigError
     from alignrl.data.loaders import DataError
     from alignrl.dist.coordinator import PipelineError
+    from alignrl.dist.shared_weights import SharedUnavailable
     from alignrl.dist.zmq_link import InsecureBind, PortInUse
     from alignrl.models.loader import ModelError
     from alignrl.rewards.registry import RewardError
@@ -18,4 +19,4 @@ def user_errors() -> tuple[type[Exception], ...]:
     from alignrl.train.engines.deepspeed import DeepSpeedConfigError
 
     return (ConfigError, DataError, ModelError, RewardError, ServiceError, DeepSpeedConfigError, PipelineError,
-            WireError, PortInUse, InsecureBind)
+            WireError, PortInUse, InsecureBind, SharedUnavailable)

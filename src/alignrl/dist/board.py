@@ -1,11 +1,14 @@
 """The trainer's weight board (rank 0 of a ZeroMQ-placed trainer): the newest weights, ready for samplers,
 and the publish side of the loop's WeightSink.
 
-How a sampler receives them is decided per sampler when it says hello (`pipeline.weight_transport`):
+How a sampler receives them is decided per sampler from what it says of its host and devices
+(`pipeline.weight_transport`):
     zmq     bucket frames on the sync port (`weights_wire`), for every sampler
     shared  buffers that samplers on this host map (`shared_weights`: CUDA IPC for weights on a GPU, POSIX
             shared memory for weights on the CPU); a sampler that cannot is refused in one line
-    auto    shared for the samplers that can map them, frames for the others (the default)
+    auto    shared for the samplers that can map them, frames for the others (the default). Each publish
+            makes only what the samplers known so far need, so a GPU trainer whose samplers are all on other
+            hosts keeps no shared copies on its device.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
+
 from alignrl.config.schema import PipelineConfig
 from alignrl.dist.env import DistEnv, barrier
-from alignrl.dist.shared_weights import SharedPublisher, host_id
+from alignrl.dist.shared_weights import SharedPublisher, SharedUnavailable, host_id
 from alignrl.dist.weights_wire import WeightsEncoder
 from alignrl.dist.wire import manifest_of
 from alignrl.train.actor import Actor
@@ -28,12 +33,17 @@ class WeightBoard:
         self.actor, self.env, self.lock = actor, env, lock
         self.transport = p.weight_transport
         self.shared = SharedPublisher(p.bucket_mb << 20, token, lock) if self.transport != "zmq" else None
-        self.encode = WeightsEncoder(p.bucket_mb << 20, token) if self.shared is None else None
+        self.encode = WeightsEncoder(p.bucket_mb << 20, token) if self.transport != "shared" else None
         self.incarnation = incarnation
         self.on_publish = on_publish  # called under the lock with the new version
         self.names = [n for n, _ in actor.model.named_parameters()]
         self.manifest = {k: [list(v.shape), v.dtype] for k, v in manifest_of(actor.model.named_parameters()).items()}
-        self.version, self.frames, self.publish_s = 0, None, 0.0
+        # where the published weights live: whole weights are read off the parameters' device, gathered
+        # ones (ZeRO-3, FSDP2) come as CPU tensors
+        dev = next(actor.model.parameters()).device
+        self.uuid = (str(torch.cuda.get_device_properties(dev).uuid)
+                     if dev.type == "cuda" and actor.engine.whole_weights else None)
+        self.version, self.frames, self.shared_version, self.publish_s = 0, None, -1, 0.0
         self.via: dict[str, tuple[str, str]] = {}  # sampler id -> (what it said it can map, "shared" | "zmq")
 
     def publish(self, version: int) -> None:
@@ -48,16 +58,40 @@ class WeightBoard:
             named = [(n, full[n]) for n in self.names]
         if self.env.is_main:
             meta = {"incarnation": self.incarnation}
-            if self.shared is not None:
-                self.shared.publish(named, version, meta)
-                frames = None
-            else:
-                frames = self.encode(named, version, meta=meta)
+            with self.lock:
+                ways = self._ways()
+            if "shared" in ways:
+                try:
+                    self.shared.publish(named, version, meta)
+                except SharedUnavailable as e:
+                    if self.transport == "shared":
+                        raise
+                    self._give_up_sharing(e)
+                    ways = {"zmq"}
+            frames = self.encode(named, version, meta=meta) if "zmq" in ways else None
             with self.lock:
                 self.version, self.frames = version, frames
+                self.shared_version = version if "shared" in ways else -1
                 self.on_publish(version)
         barrier(self.env)
         self.publish_s = time.perf_counter() - t0
+
+    def _ways(self) -> set[str]:
+        """What this publish makes: frames while any known sampler takes them (or none is known yet, under
+        auto), shared sets while any maps them (always, under shared)."""
+        if self.shared is None:
+            return {"zmq"}
+        if self.transport == "shared":
+            return {"shared"}
+        ways = {via for _, via in self.via.values()}
+        return ways or {"zmq"}
+
+    def _give_up_sharing(self, why: Exception) -> None:
+        console.print(f"[yellow]pipeline: {why}; every sampler gets the weights as frames instead[/yellow]")
+        with self.lock:
+            self.shared.close()
+            self.shared, self.transport = None, "zmq"
+            self.via = {k: (key, "zmq") for k, (key, _) in self.via.items()}
 
     # --- the sync thread, under the lock ---------------------------------------------------------------
     def admit(self, sampler: str, can_map: object) -> str | None:
@@ -71,30 +105,30 @@ class WeightBoard:
         why = "runs an alignrl without shared weights" if not isinstance(can_map, dict) else (
             None if self.shared is None else self._cannot_map(can_map))
         if why is not None and self.transport == "shared":
-            return (f"pipeline.weight_transport=shared, but this sampler {why}: run it there, or start the "
-                    "trainer with pipeline.weight_transport=auto (frames where sharing is impossible)")
+            return f"pipeline.weight_transport=shared, but this sampler {why} (or set pipeline.weight_transport=auto)"
         via = "shared" if why is None and self.shared is not None else "zmq"
         self.via[sampler] = (key, via)
-        how = ("through CUDA IPC" if self.shared.kind == "cuda" else "through shared memory") if via == "shared" \
+        how = ("through CUDA IPC" if self.uuid else "through shared memory") if via == "shared" \
             else "as frames on the sync port"
         console.print(f"pipeline: sampler {sampler} receives the weights {how}")
         return None
 
     def _cannot_map(self, can_map: dict) -> str | None:
         if can_map.get("shared") is not True:
-            return "cannot map shared weights (it found it could not, or runs an alignrl without them)"
+            return "could not map them: see its log for why"
         if can_map.get("host") != host_id():
-            return "runs on another host than the trainer"
-        if self.shared.kind == "cuda" and self.shared.current.described[0]["uuid"] not in (can_map.get("cuda") or []):
-            return "does not see the trainer's GPU (its CUDA_VISIBLE_DEVICES hides it)"
+            return "runs on another host than the trainer: start it on the trainer's host"
+        if self.uuid is not None and self.uuid not in (can_map.get("cuda") or []):
+            return "does not see the trainer's GPU: let it see that device too (CUDA_VISIBLE_DEVICES)"
         return None
 
     def frames_for(self, sampler: str) -> list:
-        """The newest weights for `sampler`, the way its hello decided."""
-        if self.shared is None:
-            return self.frames
-        if self.via.get(sampler, ("", "zmq"))[1] == "shared":
+        """The newest weights for `sampler`: handles where it maps the shared set of this version, else frames
+        (made at the publish, or, for a sampler new since, out of the shared set)."""
+        if self.via.get(sampler, ("", "zmq"))[1] == "shared" and self.shared_version == self.version:
             return self.shared.shared_frames(sampler)
+        if self.frames is not None:
+            return self.frames
         return self.shared.wire_frames(sampler)
 
     def stale(self, sampler: str, have: tuple) -> bool:

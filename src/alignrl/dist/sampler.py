@@ -57,6 +57,9 @@ class Sampler:
         self.id = args.sampler_id or f"{os.uname().nodename}:{os.getpid()}"
         self.sync = Requester(address(args.host, args.sync_port), token=self.token)
         if self.device.type == "cuda":
+            if self.device.index >= torch.cuda.device_count():
+                raise PipelineError(f"--gpu-id {self.device.index}: this process sees {torch.cuda.device_count()} "
+                                    "CUDA device(s), numbered from 0 (CUDA_VISIBLE_DEVICES renumbers them)")
             torch.cuda.set_device(self.device)
         self.model, self.tokenizer = load_model(args.model_path, log=console.print)
         self.model.to(self.device)
@@ -65,6 +68,7 @@ class Sampler:
         # what the trainer needs to know to hand this sampler weights in memory both map (shared_weights)
         self.can_map = {"shared": True, "host": host_id(), "cuda": cuda_uuids()}
         self.shared = SharedReader()
+        self.unmappable = None  # the trainer incarnation whose buffers this process failed to map
 
     @property
     def device(self) -> torch.device:
@@ -119,19 +123,28 @@ class Sampler:
         """New weights into the engine: from the frames, or copied out of the trainer's shared buffers before
         the next request (the trainer refills them only after it). Buffers this process cannot map make it
         ask for frames instead, from then on."""
+        incarnation = reply.meta.get("incarnation")
         if reply.kind == SHARED_KIND:
             try:
                 reply = Message("weights", reply.meta, self.shared.tensors(reply))
             except SharedUnavailable as e:
-                console.print(f"[yellow]sampler {self.id}: {e}; receiving the weights as frames instead[/yellow]")
-                self.can_map = {**self.can_map, "shared": False}
+                console.print(f"[yellow]sampler {self.id}: {e}; asking for the weights as frames[/yellow]")
+                self.can_map, self.unmappable = {**self.can_map, "shared": False}, incarnation
                 return
+        elif self.unmappable is not None and incarnation != self.unmappable:  # a restarted trainer: try again
+            self.can_map, self.unmappable = {**self.can_map, "shared": True}, None
         check_weights(reply, self.manifest)
         engine.load_weights(reply.tensors.items())
         self.shared.synchronize()
-        self.incarnation, self.version = reply.meta.get("incarnation"), reply.meta["version"]
+        self.incarnation, self.version = incarnation, reply.meta["version"]
 
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:  # unmapped before the trainer exits: its CUDA IPC buffers are then released without a warning
+            self.shared.close()
+
+    def _run(self) -> int:
         cfg = self.hello()
         train, _ = load_task_data(cfg)
         rows = PromptData(self.tokenizer, train, cfg.data.max_prompt_length)
@@ -149,6 +162,7 @@ class Sampler:
             reply = self.ask("work", {"sampler_id": self.id, "incarnation": self.incarnation,
                                       "version": self.version, "can_map": self.can_map})
             if reply.kind == "done":
+                self.shared.close()
                 console.print(f"sampler {self.id}: the trainer finished; {made} batches made")
                 return 0
             if reply.kind == "error":

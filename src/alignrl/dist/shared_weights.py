@@ -5,8 +5,8 @@ A trainer that publishes from a CUDA device fills bucket buffers on that device 
 handles to them: a sampler on the same machine copies the new weights device to device, where the frames
 cost a device-to-host copy on the trainer, a loopback TCP transfer and a host-to-device copy on the sampler
 (on one H100, 518 MiB: under a millisecond against about 0.1 s for the trainer's copy alone). A trainer on
-the CPU fills POSIX shared-memory segments, which samplers on the same host map by name; the same buffers
-are the frames sent to samplers elsewhere, so sharing costs a CPU trainer nothing.
+the CPU fills POSIX shared-memory segments, which samplers on the same host map by name (and which can be
+sent as frames too, to a sampler that joins between two publishes and cannot map them).
 
 A "weights_shared" message carries no tensor frames. Its meta holds the version, the layout blob of
 `weights_wire` (the same tensor entries with bucket and offset, checked by `wire`'s cached parser) and one
@@ -37,6 +37,7 @@ import torch
 
 from alignrl.dist.weights_wire import _Buckets, _Plan, _view
 from alignrl.dist.wire import ALIGN, Message, WireError, _header, _layout
+from alignrl.utils.tracking import console
 
 __all__ = ["SHARED_KIND", "host_id", "cuda_uuids", "SharedPublisher", "SharedReader", "SharedUnavailable"]
 
@@ -45,10 +46,12 @@ HOLD_S = 30.0
 MAX_SETS = 3
 _CUDA_FIELDS = (int, bytes, int, int, bytes, int, bytes, bool)  # UntypedStorage._share_cuda_()
 _CREATED: set[str] = set()  # segments this process made (a reader in the same process must not untrack them)
+_LINGER: list[SharedMemory] = []  # closed sets' segments that ZeroMQ was still sending from
 
 
 class SharedUnavailable(RuntimeError):
-    """This process cannot map the trainer's shared weights (another host, a private /dev/shm, no such GPU)."""
+    """Shared weights cannot be had here: the trainer cannot make them (a small /dev/shm, a GPU that exports
+    no IPC handles), or the sampler cannot map them (a private /dev/shm, the trainer's GPU hidden from it)."""
 
 
 def host_id() -> str:
@@ -76,30 +79,50 @@ class _Set:
         if device.type == "cuda":
             self.buffers = [torch.zeros(max(n, ALIGN), dtype=torch.uint8, device=device) for n in plan.sizes]
             uuid = str(torch.cuda.get_device_properties(device).uuid)
-            self.described = [{"cuda": list(b.untyped_storage()._share_cuda_()), "uuid": uuid, "size": n}
-                              for b, n in zip(self.buffers, plan.sizes)]
+            try:
+                self.described = [{"cuda": list(b.untyped_storage()._share_cuda_()), "uuid": uuid, "size": n}
+                                  for b, n in zip(self.buffers, plan.sizes)]
+            except RuntimeError as e:  # e.g. a MIG slice, or an allocator whose blocks cannot be exported
+                raise SharedUnavailable(f"cannot export CUDA IPC handles on {device} ({str(e).splitlines()[0]}): "
+                                        "set pipeline.weight_transport=zmq") from None
             self.host = None
         else:
-            self._shm = [SharedMemory(create=True, size=max(n, ALIGN)) for n in plan.sizes]
-            _CREATED.update(s.name for s in self._shm)
+            try:
+                for n in plan.sizes:
+                    self._shm.append(SharedMemory(create=True, size=max(n, ALIGN)))
+                    _CREATED.add(self._shm[-1].name)
+                    # reserve the pages now: a full /dev/shm is ENOSPC here, not SIGBUS at the first write
+                    os.posix_fallocate(self._shm[-1]._fd, 0, max(n, ALIGN))
+            except OSError as e:
+                self.close()
+                raise SharedUnavailable(f"cannot make {sum(plan.sizes)} bytes of shared memory in /dev/shm "
+                                        f"({e.strerror or e}): enlarge it (docker run --shm-size) or set "
+                                        "pipeline.weight_transport=zmq") from None
             # the frames for samplers elsewhere are these very buffers (zeroed by the kernel)
             self.host = _Buckets(plan, [np.ndarray((n,), np.uint8, buffer=s.buf) for s, n in zip(self._shm, plan.sizes)])
             self.buffers = self.host.frames
             self.described = [{"shm": s.name, "size": n} for s, n in zip(self._shm, plan.sizes)]
         self.views = [_view(self.buffers[slot[1]], *slot[2:]) for slot in plan.slots]
 
+    def holding(self, now: float) -> bool:
+        """A sampler it was handed to may still be copying from it."""
+        return any(now - t < HOLD_S for t in self.held.values())
+
     def free(self, now: float) -> bool:
-        return not any(now - t < HOLD_S for t in self.held.values()) and (self.host is None or self.host.free())
+        return not self.holding(now) and (self.host is None or self.host.free())
 
     def close(self) -> None:
-        """Removes the segments' names; the memory goes once every process has unmapped it."""
+        """Removes the segments' names (the memory goes once every process has unmapped it) and unmaps ours
+        unless ZeroMQ still sends from them (then that happens when the last frame is dropped)."""
         self.host = self.buffers = self.views = None
-        for s in self._shm:
-            _CREATED.discard(s.name)
+        for seg in self._shm:
+            _CREATED.discard(seg.name)
             try:
-                s.unlink()
-            except OSError:
-                pass
+                seg.unlink()
+                seg.close()
+            except (OSError, BufferError):
+                _LINGER.append(seg)  # never collected mid-send: SharedMemory.__del__ would raise BufferError
+        self._shm = []
 
 
 class SharedPublisher:
@@ -111,10 +134,10 @@ class SharedPublisher:
         self.bucket_bytes, self.token, self.lock = bucket_bytes, token, lock
         self.plan: _Plan | None = None
         self.sets: list[_Set] = []
+        self.retired: list[_Set] = []  # sets left to ZeroMQ's sends (no sampler holds them), closed once free
         self.current: _Set | None = None
         self.head = b""  # the "weights_shared" message of the current version (header only)
         self.meta: dict = {}
-        self.kind: str | None = None  # "cuda" or "shm", once the first publish saw where the weights live
         self.torn: set[str] = set()  # samplers whose set was refilled while they may still have been copying
         self._wire: tuple[int, list] | None = None  # (version, frames) made for samplers elsewhere
         self._host: list[_Buckets] = []  # host bucket sets for a CUDA set's frames, reused once unheld
@@ -124,35 +147,47 @@ class SharedPublisher:
         src = [t for _, t in named]
         dev = next((t.device for t in src if not t.is_cpu), torch.device("cpu"))
         with self.lock:
-            if self.plan is None or not self.plan.fits(named):
-                for s in self.sets:
-                    s.close()
-                self.plan, self.sets, self.current, self._host = _Plan(named, self.bucket_bytes), [], None, []
+            if self.plan is None or not self.plan.fits(named):  # the current set stays readable until the swap
+                self.plan, self._host = _Plan(named, self.bucket_bytes), []
+                self.retired += self.sets
+                self.sets = []
             target = self._pick(dev)
         with torch.no_grad():
-            picked = [src[slot[0]] for slot in self.plan.slots]
+            picked = [src[slot[0]] for slot in target.plan.slots]
             if picked:
                 torch._foreach_copy_(target.views, picked)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)  # a sampler's copy must see the whole update
-        meta = {**meta, "version": version, "nbytes": self.plan.nbytes}
-        head = _header(SHARED_KIND, {**meta, "layout": self.plan.layout, "buffers": target.described}, self.token,
+        meta = {**meta, "version": version, "nbytes": target.plan.nbytes}
+        head = _header(SHARED_KIND, {**meta, "layout": target.plan.layout, "buffers": target.described}, self.token,
                        tensors=[])
         with self.lock:
             self.current, self.head, self.meta, self._wire = target, head, meta, None
-            self.kind = "cuda" if dev.type == "cuda" else "shm"
 
     def _pick(self, dev: torch.device) -> _Set:
-        """A set no sampler is copying from (nor ZeroMQ sending), else a new one, else the one whose
+        """A set no sampler is copying from and ZeroMQ is not sending, else a new one (up to MAX_SETS), else
+        a new one in place of a set only ZeroMQ still sends (it is closed once sent), else the one whose
         samplers have been silent longest once they pass HOLD_S (they are sent the weights again)."""
+        said, since = False, time.monotonic()
         while True:
             now = time.monotonic()
+            for s in [s for s in self.retired if s is not self.current and s.free(now)]:
+                s.close()
+                self.retired.remove(s)
             for s in self.sets:
                 if s is not self.current and s.free(now):
                     return self._reset(s)
+            sending = [s for s in self.sets if s is not self.current and not s.holding(now)]
+            if len(self.sets) >= MAX_SETS and sending:
+                self.sets.remove(sending[0])
+                self.retired.append(self._reset(sending[0]))
             if len(self.sets) < MAX_SETS:
                 self.sets.append(_Set(self.plan, dev))
                 return self.sets[-1]
+            if not said and now - since > 5.0:
+                console.print("[yellow]pipeline: every shared weight set is still being copied by a sampler; "
+                              f"waiting (a sampler silent for {HOLD_S:g} s is taken for gone)[/yellow]")
+                said = True
             self.lock.release()  # let the sync thread take the holders' next requests
             try:
                 time.sleep(0.002)
@@ -174,12 +209,13 @@ class SharedPublisher:
         """The current version as bucket frames, for a sampler that cannot map the sets: a CPU set's own
         buffers; a CUDA set's copied to the host once per version (on a side stream, beside training)."""
         self.torn.discard(sampler)
+        plan = self.current.plan
         if self.current.host is not None:
             host = self.current.host
         elif self._wire is not None and self._wire[0] == self.meta["version"]:
             return self._wire[1]
-        else:
-            host = next((b for b in self._host if b.free()), None) or _Buckets(self.plan)
+        else:  # rare (the board encodes frames at the publish while it knows such samplers): under the lock
+            host = next((b for b in self._host if b.free()), None) or _Buckets(plan)
             self._host = [host, *[b for b in self._host if b is not host]][:2]
             dev = self.current.buffers[0].device
             self._stream = self._stream or torch.cuda.Stream(dev)
@@ -187,7 +223,7 @@ class SharedPublisher:
                 for frame, buf in zip(host.frames, self.current.buffers):
                     frame.copy_(buf[:frame.numel()])
             self._stream.synchronize()
-        frames = [_header("weights", self.meta, self.token, buckets=len(self.plan.sizes), layout=self.plan.layout),
+        frames = [_header("weights", self.meta, self.token, buckets=len(plan.sizes), layout=plan.layout),
                   *(memoryview(a) for a in host.arrays)]
         if self.current.host is None:
             self._wire = (self.meta["version"], frames)
@@ -199,9 +235,9 @@ class SharedPublisher:
             s.held.pop(sampler, None)
 
     def close(self) -> None:
-        for s in self.sets:
+        for s in self.sets + self.retired:
             s.close()
-        self.sets, self.current, self._wire, self._host = [], None, None, []
+        self.sets, self.retired, self.current, self._wire, self._host = [], [], None, None, []
 
 
 class SharedReader:
