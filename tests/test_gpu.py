@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from alignrl.models.logprobs import Layout, response_logprobs
 from conftest import run_group
 from test_actor import _shared_batch
-from test_pipeline_zmq import SMALL, overrides, sampler, spawn, stop
+from test_pipeline_zmq import SMALL, finish, overrides, sampler, spawn
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -100,13 +100,7 @@ def test_bf16_pipeline_sampler_and_trainer_on_cuda(tiny_model_dir, tmp_path):
     trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "zmq", 2, ports, "model.dtype=bfloat16",
                                                  "trainer.device=cuda", "pipeline.placement=zmq",
                                                  "pipeline.max_staleness=1", "pipeline.peer_timeout_s=120"))
-    worker = sampler(tiny_model_dir, ports, "--gpu-id", "0")
-    try:
-        out, err = trainer.communicate(timeout=300)
-        assert trainer.returncode == 0, err[-3000:]
-        assert worker.wait(timeout=60) == 0, worker.stderr.read()[-2000:]
-    finally:
-        stop(trainer, worker)
+    out, err = finish(trainer, sampler(tiny_model_dir, ports, "--gpu-id", "0"))
     assert "receives the weights through CUDA IPC" in out, out[-2000:]  # weight_transport=auto, one GPU
     assert "shared CUDA tensors" not in err, err[-2000:]  # the sampler let go of them before the trainer exited
     assert {v.dtype for v in _final_weights(tmp_path / "zmq", 2).values()} == {torch.bfloat16}
@@ -122,12 +116,6 @@ def test_a_sampler_that_cannot_see_the_trainers_gpu_gets_frames(tiny_model_dir, 
     trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "cpu_sampler", 2, ports,
                                                  "trainer.device=cuda", "pipeline.placement=zmq",
                                                  "pipeline.max_staleness=1", "pipeline.peer_timeout_s=120"))
-    worker = sampler(tiny_model_dir, ports, env={"CUDA_VISIBLE_DEVICES": ""})
-    try:
-        out, err = trainer.communicate(timeout=240)
-        assert trainer.returncode == 0, err[-3000:]
-        assert worker.wait(timeout=60) == 0, worker.stderr.read()[-2000:]
-    finally:
-        stop(trainer, worker)
+    out, _ = finish(trainer, sampler(tiny_model_dir, ports, env={"CUDA_VISIBLE_DEVICES": ""}), timeout=240)
     assert "receives the weights as frames on the sync port" in out, out[-2000:]
     assert _final_weights(tmp_path / "cpu_sampler", 2)

@@ -48,6 +48,18 @@ def stop(*procs):
         p.wait(timeout=30)
 
 
+def finish(trainer, *workers, timeout: float = 300) -> tuple[str, str]:
+    """The trainer's stdout and stderr once it has finished; it and then every sampler must exit 0."""
+    try:
+        out, err = trainer.communicate(timeout=timeout)
+        assert trainer.returncode == 0, err[-3000:]
+        for w in workers:
+            assert w.wait(timeout=60) == 0, w.stderr.read()[-2000:]
+    finally:
+        stop(trainer, *workers)
+    return out, err
+
+
 def weights(run: Path, step: int) -> dict:
     return load_file(run / "checkpoints" / f"global_step_{step}" / "model" / "model.safetensors")
 
@@ -67,13 +79,7 @@ def test_on_policy_pipeline_matches_the_in_process_loop(tiny_model_dir, tmp_path
     trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "zmq", steps, ports,
                                                  "pipeline.placement=zmq", "pipeline.peer_timeout_s=120",
                                                  "pipeline.weight_transport=shared"))
-    worker = sampler(tiny_model_dir, ports)
-    try:
-        out, err = trainer.communicate(timeout=300)
-        assert trainer.returncode == 0, err[-3000:]
-        assert worker.wait(timeout=60) == 0, worker.stderr.read()[-2000:]
-    finally:
-        stop(trainer, worker)
+    out, _ = finish(trainer, sampler(tiny_model_dir, ports))
     shared = "through CUDA IPC" if torch.cuda.is_available() else "through shared memory"
     assert f"receives the weights {shared}" in out, out[-2000:]
     a, b = weights(tmp_path / "inline", steps), weights(tmp_path / "zmq", steps)
@@ -213,13 +219,7 @@ def test_seed_workers_as_written(tiny_model_dir, tmp_path):
                            "--batch-size", "4", "--group-size", "4", "--output-dir", str(tmp_path), "--threads", "1",
                            "data.train_size=32", "data.val_size=4", "rollout.max_new_tokens=8",
                            "trainer.progress_bar=false", cwd=tmp_path)
-    worker = _root_script("sampling_worker.py", "--gpu-id", "0", *common, "--threads", "1", cwd=tmp_path)
-    try:
-        out, err = trainer.communicate(timeout=300)
-        assert trainer.returncode == 0, err[-3000:]
-        assert worker.wait(timeout=60) == 0
-    finally:
-        stop(trainer, worker)
+    finish(trainer, _root_script("sampling_worker.py", "--gpu-id", "0", *common, "--threads", "1", cwd=tmp_path))
     assert (tmp_path / "grpo_zmq" / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
     assert len(trained_rows(tmp_path / "grpo_zmq")) == 2
 
