@@ -134,10 +134,11 @@ class WeightBoard:
     def stale(self, sampler: str, have: tuple) -> bool:
         """Whether `sampler`, holding weights `have` (incarnation, version), must be sent the newest ones.
         Any request from it also means it has copied what it was handed last."""
-        if self.shared is None:
-            return have != (self.incarnation, self.version)
-        self.shared.release(sampler)
-        return have != (self.incarnation, self.version) or sampler in self.shared.torn
+        if self.shared is not None:
+            self.shared.release(sampler)
+            if sampler in self.shared.torn:
+                return True
+        return have != (self.incarnation, self.version)
 
     def close(self) -> None:
         if self.shared is not None:

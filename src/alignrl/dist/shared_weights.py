@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from alignrl.dist.weights_wire import _Buckets, _Plan, _view
-from alignrl.dist.wire import ALIGN, Message, WireError, _header, _layout
+from alignrl.dist.wire import ALIGN, Message, WireError, _Frames, _header, _layout
 from alignrl.utils.tracking import console
 
 __all__ = ["SHARED_KIND", "host_id", "cuda_uuids", "SharedPublisher", "SharedReader", "SharedUnavailable"]
@@ -262,15 +262,8 @@ class SharedReader:
         entries, ends = _layout(layout)
         if len(ends) > len(described):
             raise WireError(f"weights_shared layout puts tensors in buffer {len(ends) - 1} of {len(described)}")
-        bufs = [self._map(d, ends[b] if b < len(ends) else 0) for b, d in enumerate(described)]
-        out, dev = {}, bufs[0].device if bufs else torch.device("cpu")
-        for name, dtype, shape, strides, b, at, nb in entries:
-            if not nb:
-                out[name] = torch.empty(shape, dtype=dtype, device=dev)
-                continue
-            buf = bufs[b]
-            out[name] = buf[:buf.numel() - buf.numel() % dtype.itemsize].view(dtype).as_strided(shape, strides, at)
-        return out
+        bufs = _Frames([self._map(d, ends[b] if b < len(ends) else 0) for b, d in enumerate(described)])
+        return {name: bufs.view(b, dtype, shape, strides, at, nb) for name, dtype, shape, strides, b, at, nb in entries}
 
     def _map(self, d: object, need: int) -> torch.Tensor:
         if not isinstance(d, dict) or type(d.get("size")) is not int or d["size"] < need:

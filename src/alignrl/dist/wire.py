@@ -174,16 +174,19 @@ class _Frames:
     as_strided view of it per tensor. For a weights bucket holding many small tensors, a frombuffer per
     tensor cost twice as much as the views themselves."""
 
-    def __init__(self, bufs: list[memoryview]):
-        self.bufs, self.flat = bufs, {}
+    def __init__(self, bufs: list[memoryview] | list[torch.Tensor]):
+        self.bufs, self.flat = bufs, {}  # received frames, or uint8 tensors (buffers shared_weights mapped)
 
     def view(self, b: int, dtype: torch.dtype, shape: tuple, strides: tuple, at: int, nbytes: int) -> torch.Tensor:
         if not nbytes:
             return torch.empty(shape, dtype=dtype)
         flat = self.flat.get((b, dtype))
         if flat is None:
-            mv = self.bufs[b]
-            flat = torch.frombuffer(mv, dtype=dtype, count=mv.nbytes // dtype.itemsize)
+            buf = self.bufs[b]
+            if isinstance(buf, torch.Tensor):
+                flat = buf[:buf.numel() - buf.numel() % dtype.itemsize].view(dtype)
+            else:
+                flat = torch.frombuffer(buf, dtype=dtype, count=buf.nbytes // dtype.itemsize)
             if flat.data_ptr() % dtype.itemsize:  # libzmq may hand over a frame at an odd address: align it
                 flat = flat.clone()
             self.flat[(b, dtype)] = flat
