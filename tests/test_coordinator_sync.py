@@ -127,6 +127,30 @@ def test_weights_go_shared_to_a_sampler_that_can_map_them_and_as_frames_to_other
     reader.close()
 
 
+def test_two_samplers_given_one_name_keep_their_own_hold_on_a_shared_set(served):
+    """Holds belong to a sampler process, not to its --sampler-id: a second process named the same asking
+    again must not free the set the first one is still copying from."""
+    from alignrl.dist.shared_weights import SharedReader, host_id
+
+    here = {"shared": True, "host": host_id(), "cuda": []}
+    reader = SharedReader()
+
+    def ask(proc: str, version: int):
+        return req.request("work", {"sampler_id": "s", "proc": proc, "incarnation": "i", "version": version,
+                                    "can_map": here}, timeout_s=5)
+
+    with Requester(served.replier.addr) as req:
+        ask("one", -1)  # known now: shared sets from the next publish on
+        publish(served, 3)
+        held = reader.tensors(ask("one", 0))  # process "one" copies from the set of version 3 ...
+        reader.tensors(ask("two", 0))
+        assert ask("two", 3).kind == "lease"  # ... while "two" has finished its copy and works
+        publish(served, 4)
+        publish(served, 5)  # the set of version 3 is no longer current, but "one" still holds it
+        assert float(held["weight"][0, 0]) == 3.0 and len(served.board.shared.sets) == 3
+    reader.close()
+
+
 def board_of(transport: str) -> WeightBoard:
     cfg = load_config(None, [f"pipeline.weight_transport={transport}"])
     actor = SimpleNamespace(model=torch.nn.Linear(3, 1, bias=False), engine=SimpleNamespace(whole_weights=True))

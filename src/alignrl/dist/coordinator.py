@@ -39,6 +39,13 @@ from alignrl.utils.tracking import console
 PARK_S = 0.5  # longest a work request waits for a lease before it is answered "wait"
 
 
+def process_of(meta: dict) -> str:
+    """Whom the weight board deals with: one sampler process. --sampler-id names it for people, and two
+    processes given the same name must not release each other's hold on a shared weight set."""
+    name, proc = str(meta.get("sampler_id", "?")), meta.get("proc")
+    return name if proc is None else f"{name}#{proc}"
+
+
 class PipelineError(ValueError):
     """The pipeline cannot go on (no sampler delivers); one line naming what to start or check."""
 
@@ -239,7 +246,7 @@ class Coordinator:
             problem = self._check_model(meta.get("manifest"))
             if problem is None:
                 with self.lock:
-                    problem = self.board.admit(str(meta.get("sampler_id", "?")), meta.get("can_map"))
+                    problem = self.board.admit(process_of(meta), meta.get("can_map"))
             if problem:
                 self.replier.reply_msg(peer, "error", {"message": problem})
             else:
@@ -264,7 +271,7 @@ class Coordinator:
             if self.say_done:
                 self.replier.reply_msg(peer, "done", {})
             return True
-        sampler = str(meta.get("sampler_id", "?"))
+        sampler = process_of(meta)
         with self.lock:
             problem = self.board.admit(sampler, meta.get("can_map"))  # a restarted trainer meets it here
             if problem:

@@ -15,6 +15,7 @@ import os
 import sys
 import tempfile
 import time
+import uuid
 
 import torch
 
@@ -55,6 +56,7 @@ class Sampler:
     def __init__(self, args: argparse.Namespace):
         self.args, self.token = args, token_from_env()
         self.id = args.sampler_id or f"{os.uname().nodename}:{os.getpid()}"
+        self.proc = uuid.uuid4().hex[:8]  # tells this process apart from another given the same --sampler-id
         self.sync = Requester(address(args.host, args.sync_port), token=self.token)
         if self.device.type == "cuda":
             if self.device.index >= torch.cuda.device_count():
@@ -89,7 +91,8 @@ class Sampler:
 
     def hello(self) -> RunConfig:
         manifest = {k: [list(v.shape), v.dtype] for k, v in self.manifest.items()}
-        reply = self.ask("hello", {"sampler_id": self.id, "manifest": manifest, "can_map": self.can_map})
+        reply = self.ask("hello", {"sampler_id": self.id, "proc": self.proc, "manifest": manifest,
+                                   "can_map": self.can_map})
         if reply.kind == "error":
             raise PipelineError(f"trainer refused this sampler: {reply.meta.get('message')}")
         dtypes = reply.meta.get("dtypes")
@@ -159,7 +162,7 @@ class Sampler:
         waited, made = 0.0, 0
         while True:
             t0 = time.perf_counter()
-            reply = self.ask("work", {"sampler_id": self.id, "incarnation": self.incarnation,
+            reply = self.ask("work", {"sampler_id": self.id, "proc": self.proc, "incarnation": self.incarnation,
                                       "version": self.version, "can_map": self.can_map})
             if reply.kind == "done":
                 self.shared.close()
