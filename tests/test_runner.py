@@ -304,3 +304,13 @@ def test_the_header_names_what_the_run_trains():
     assert algorithm_name(load_config(None, [])) == "GRPO"
     assert algorithm_name(load_config(None, ["algorithm.adv_estimator=rloo"])) == "RLOO"
     assert algorithm_name(load_config(None, ["algorithm.adv_estimator=gae", "critic.enable=true"])) == "PPO"
+
+
+def test_a_long_warning_stays_one_line_in_a_log_file():
+    """Logs go to files and pipes, where rich would fold a line at 80 columns: a one-line warning must stay
+    one line there (grep finds it whole)."""
+    code = ("from alignrl.utils.tracking import console; "
+            "console.print('[yellow]pipeline: ' + 'a long reason ' * 20 + '[/yellow]')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "80"}).stdout
+    assert out.count("\n") == 1 and len(out) > 200, out

@@ -22,7 +22,8 @@ from rich.console import Console
 from alignrl.config import ConfigError
 from alignrl.train.checkpoint import atomic_write_text
 
-console = Console(highlight=False)
+# soft_wrap: a long warning stays one line in a log file or pipe (rich would fold it at 80 columns there)
+console = Console(highlight=False, soft_wrap=True)
 
 _CONSOLE_KEYS = {"reward/mean": "reward", "reward/accuracy": "acc", "val/accuracy": "val_acc",
                  "actor/kl_loss": "kl", "actor/entropy": "entropy", "actor/clipfrac": "clipfrac",
