@@ -23,8 +23,12 @@ demo: $(STAMP)
 demo-search: $(STAMP)
 	$(BIN)/alignrl demo search
 
+# Two pytest processes share the tests (a test file each at a time) and the cores; their OpenMP threads sleep
+# while they wait instead of spinning, which would starve the other process's. Tests that time fractions of a
+# second (marked serial) run alone afterwards.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -m serial
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -c constraints.txt -e '.[bench]'

@@ -19,7 +19,7 @@ from alignrl.dist.dispatch import Dispatcher
 from alignrl.dist.env import SINGLE
 from alignrl.dist.zmq_link import Replier, Requester
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]  # answered within 0.1 s of the publish
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from alignrl.rollout.remote import (RemoteRefScorer, RemoteReward, RemoteRollout
                                     rollout_from_rows)
 from alignrl.serve.common import free_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.serial]  # backoff and timeout bounds in seconds
 
 
 class Stub:

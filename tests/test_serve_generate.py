@@ -160,6 +160,7 @@ def test_concurrent_requests_share_engine_calls(gen):
     assert got == solo  # each request gets its own rows back, unchanged by the company it was batched with
 
 
+@pytest.mark.serial  # /health within 1 s while the engine is busy
 def test_health_answers_while_a_long_batch_runs(gen):
     done = threading.Event()
 

@@ -15,7 +15,7 @@ from alignrl.dist.wire import WireError, decode, encode
 from alignrl.dist.zmq_link import (InsecureBind, PeerTimeout, PortInUse, Puller, Pusher, Replier, Requester, address,
                                    check_bind)
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.serial]  # timeouts measured to a fraction of a second
 HOST = "127.0.0.1"
 
 
