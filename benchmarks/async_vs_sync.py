@@ -1,6 +1,6 @@
-"""GRPO samples/s in-process vs the ZeroMQ pipeline (on-policy k=0, asynchronous k=1, k=1 with the
-reference forward split by load, k=1 with two samplers), the held-out accuracy each way reaches after
-the same steps, and the weight-publish cost against a raw ZeroMQ copy of the same bytes. One command.
+"""GRPO samples/s in-process vs the ZeroMQ pipeline (on-policy k=0, asynchronous k=1, each with and without
+lent cores, k=1 with two samplers), the held-out accuracy each way reaches after the same steps, and the
+weight-publish cost against a raw ZeroMQ copy of the same bytes. One command.
 
     python benchmarks/async_vs_sync.py                      # demo model, 12 steps, 8 prompts x 8, <= 48 tokens
     python benchmarks/async_vs_sync.py --quick              # 4 steps, 4 prompts x 4, <= 16 tokens: a smoke run
@@ -17,12 +17,11 @@ minutes): the table reports each one's median round, beside every round's sample
     in-process 1 thread   the same with trainer.threads=1: gives the ceiling below
     zmq k=0               trainer (1 thread) + 1 sampler (1 thread), pipeline.max_staleness=0 (on-policy)
     zmq k=1               trainer (1 thread) + 1 sampler (1 thread), pipeline.max_staleness=1
+    zmq k=0/1 own cores   the same with pipeline.lend_cores=false: each process keeps its one thread (the other
+                          zmq rows lend the cores of the side that waits to the side that works, the default)
     zmq k=1 frames        the same with pipeline.weight_transport=zmq (frames on the sync port; the other rows
                           use auto: memory both processes map, shared memory on the CPU, CUDA IPC on a GPU)
-    zmq k=1 balanced ref  the same with pipeline.ref_logprobs=balance (the reference forward split between
-                          sampler and trainer by load; the other zmq rows leave it to the sampler, the default)
     zmq k=1 x2 samplers   trainer (1 thread) + 2 samplers (1 thread each): 3 threads on 2 cores
-    (OMP_NUM_THREADS is set to each process's thread count)
 
 What is measured: samples/s = sequences trained (prompts x n per step) / seconds, over steps 2..S: the sum
 of the trainer's own `timing/step` rows in metrics.jsonl ("get the next scored batch, then update and
@@ -77,13 +76,13 @@ class Case:
     staleness: int = 0
     samplers: int = 0
     threads: int = 2  # in-process only: torch threads of the one process
-    ref: str = "sampler"  # zmq only: pipeline.ref_logprobs
+    lend: bool = True  # zmq only: pipeline.lend_cores
     transport: str = "auto"  # zmq only: pipeline.weight_transport
 
 
 CASES = [Case("in-process", "inline"), Case("in-process 1 thread", "inline", threads=1), Case("zmq k=0", "zmq", 0, 1),
-         Case("zmq k=1", "zmq", 1, 1), Case("zmq k=1 frames", "zmq", 1, 1, transport="zmq"),
-         Case("zmq k=1 balanced ref", "zmq", 1, 1, ref="balance"),
+         Case("zmq k=0 own cores", "zmq", 0, 1, lend=False), Case("zmq k=1", "zmq", 1, 1),
+         Case("zmq k=1 own cores", "zmq", 1, 1, lend=False), Case("zmq k=1 frames", "zmq", 1, 1, transport="zmq"),
          Case("zmq k=1 x2 samplers", "zmq", 1, 2)]
 
 
@@ -163,7 +162,7 @@ def run_case(case: Case, args, model_dir: Path, root: Path, round_no: int = 1) -
             procs.append(spawn(["train", "grpo", *ovr, "trainer.threads=1", "pipeline.placement=zmq",
                                 "pipeline.host=127.0.0.1", f"pipeline.data_port={data_port}",
                                 f"pipeline.sync_port={sync_port}", f"pipeline.max_staleness={case.staleness}",
-                                f"pipeline.ref_logprobs={case.ref}", f"pipeline.weight_transport={case.transport}",
+                                f"pipeline.lend_cores={str(case.lend).lower()}", f"pipeline.weight_transport={case.transport}",
                                 f"pipeline.peer_timeout_s={args.timeout}"], 1, logs / f"{slug}.trainer"))
             names.append("trainer")
             for i in range(case.samplers):
@@ -303,7 +302,8 @@ def main() -> int:
         print("samples/s of each round (the table below shows each configuration's median round):")
         for name, rs in runs.items():
             print(f"  {name:<21} " + "  ".join(f"{r.samples_per_s:7.2f}" if r.ok else "FAILED" for r in rs))
-        for name, other in (("zmq k=1", "in-process"), ("zmq k=1 balanced ref", "zmq k=1")):
+        for name, other in (("zmq k=1", "in-process"), ("zmq k=1", "zmq k=1 own cores"),
+                            ("zmq k=0", "zmq k=0 own cores")):
             if name in runs and other in runs:
                 paired = [f"{r.samples_per_s / b.samples_per_s:.2f}x" if r.ok and b.ok else "-"
                           for r, b in zip(runs[name], runs[other])]

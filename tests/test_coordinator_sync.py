@@ -77,6 +77,31 @@ def test_a_request_parked_too_long_is_answered_wait(served, monkeypatch):
         assert 0.15 <= time.monotonic() - t0 < 1.0  # the serve loop re-checks parked requests at least every 0.2 s
 
 
+def test_cores_go_to_the_side_that_works(served):
+    """pipeline.lend_cores on policy: each lease lends a sampler on this host the trainer's threads; while that
+    sampler's next request is parked, its thread is the training thread's; a sampler elsewhere is lent none."""
+    from alignrl.dist.cores import CoreLedger, ThreadLoan
+    from alignrl.dist.shared_weights import host_id
+
+    served.cores = CoreLedger(ThreadLoan(own=1, cores=2), host_id(), lend_to_samplers=True)
+    here = {"sampler_id": "s", "incarnation": "i", "version": 0, "threads": 1,
+            "can_map": {"shared": False, "host": host_id(), "cuda": []}}
+    with Requester(served.replier.addr) as req:
+        lease = req.request("work", here, timeout_s=5)
+        assert lease.kind == "lease" and lease.meta["threads"] == 1
+        time.sleep(0.3)
+        assert served.cores.loan.want == 1  # the sampler generates
+        with served.lock:
+            served.dispatcher.take(lease.meta["lease"])  # its batch is in training
+        threading.Timer(0.6, lambda: publish(served, 1)).start()
+        t0, want = time.monotonic(), []
+        threading.Timer(0.4, lambda: want.append(served.cores.loan.want)).start()
+        assert req.request("work", here, timeout_s=5).kind == "weights" and time.monotonic() - t0 >= 0.5
+        assert want == [2]  # parked until the publish: the training thread had its core
+        far = {**here, "sampler_id": "far", "version": 1, "can_map": {**here["can_map"], "host": "elsewhere/x"}}
+        assert req.request("work", far, timeout_s=5).meta["threads"] == 0
+
+
 @pytest.mark.parametrize("finished", [True, False])
 def test_only_a_finished_run_tells_samplers_it_is_over(served, finished):
     """close(finished=True) answers samplers "done" for a few seconds, and they exit; a run that stopped early

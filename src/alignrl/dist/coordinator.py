@@ -26,10 +26,12 @@ from alignrl.config import RunConfig
 from alignrl.data.records import ScoredBatch
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist.board import WeightBoard
+from alignrl.dist.cores import CoreLedger, ThreadLoan
 from alignrl.dist.dispatch import Dispatcher
 from alignrl.dist.env import DistEnv, all_reduce_sum, broadcast_frames
 from alignrl.dist.records_wire import from_wire
 from alignrl.dist.ref_share import RefShare, trainer_needs_ref
+from alignrl.dist.shared_weights import host_id
 from alignrl.dist.wire import WireError, decode
 from alignrl.dist.zmq_link import InsecureBind, Puller, Replier, token_from_env
 from alignrl.train.actor import Actor
@@ -71,11 +73,16 @@ class Coordinator:
         self.replier: Replier | None = None
         self.parked: dict[bytes, tuple[dict, float]] = {}  # work requests waiting for a lease (sync thread)
         self.delivered = 0  # steps this trainer has received batches for (resumed from checkpoints)
+        self.cores = CoreLedger(None, "", False)  # pipeline.lend_cores: set up with the policy (sink)
 
     # --- the RemoteProducers protocol of the runner -------------------------------------------------
     def sink(self, actor: Actor, env: DistEnv) -> WeightBoard:
         self.env = env
         self.board = WeightBoard(actor, env, self.p, self.token, self.lock, self._published, self.incarnation)
+        if self.p.lend_cores and env.world_size == 1 and env.device.type == "cpu":
+            loan = ThreadLoan(torch.get_num_threads())
+            loan.install(actor.model)
+            self.cores = CoreLedger(loan, host_id(), lend_to_samplers=self.p.max_staleness == 0)
         return self.board
 
     def critics(self, cfg: RunConfig, resume: Path | None, env: DistEnv):
@@ -134,6 +141,8 @@ class Coordinator:
         """Collective: every rank calls it with the same step."""
         if not self.started:
             self._start()
+        if self.cores.loan is not None:
+            self.cores.loan.settle()  # waiting now, while a sampler generates
         t0 = time.perf_counter()
         frames = self._receive(step) if self.env.is_main else None
         if self.env.distributed:
@@ -239,6 +248,8 @@ class Coordinator:
             for peer, (meta, since) in list(self.parked.items()):
                 if self._work(peer, meta, since):
                     del self.parked[peer]
+            with self.lock:  # the cores of samplers that wait are the training thread's meanwhile
+                self.cores.update(self.dispatcher.outstanding)
 
     def _answer(self, peer: bytes, msg) -> None:
         meta = msg.meta
@@ -273,6 +284,7 @@ class Coordinator:
             return True
         sampler = process_of(meta)
         with self.lock:
+            self.cores.asked(sampler, meta)
             problem = self.board.admit(sampler, meta.get("can_map"))  # a restarted trainer meets it here
             if problem:
                 self.replier.reply_msg(peer, "error", {"message": problem})
@@ -282,6 +294,7 @@ class Coordinator:
                 return True
             lease = self.dispatcher.grant(sampler, self.board.version, time.monotonic())
             ref_groups = self.ref_share.groups
+            lend = self.cores.leased(sampler, lease.id) if lease is not None else 0
         if lease is None:
             if time.monotonic() - since < PARK_S:
                 return False
@@ -289,7 +302,7 @@ class Coordinator:
         else:
             self.replier.reply_msg(peer, "lease", {"lease": lease.id, "number": lease.number, "rows": lease.rows,
                                                    "version": lease.version, "incarnation": self.incarnation,
-                                                   "ref_groups": ref_groups})
+                                                   "ref_groups": ref_groups, "threads": lend})
         return True
 
     def _check_model(self, manifest) -> str | None:

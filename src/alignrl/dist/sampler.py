@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 
 import torch
 
@@ -23,6 +24,7 @@ from alignrl.algos.placement import build_maker, build_ref, with_tools
 from alignrl.algos.runner import PromptData, load_task_data
 from alignrl.config import ConfigError, RunConfig, load_config
 from alignrl.dist.coordinator import PipelineError
+from alignrl.dist.cores import machine_cores
 from alignrl.dist.env import SINGLE
 from alignrl.dist.launch import OneLineParser
 from alignrl.dist.records_wire import KIND, to_wire
@@ -71,6 +73,8 @@ class Sampler:
         self.can_map = {"shared": True, "host": host_id(), "cuda": cuda_uuids()}
         self.shared = SharedReader()
         self.unmappable = None  # the trainer incarnation whose buffers this process failed to map
+        # the cores this process keeps busy, which a CPU trainer borrows while it waits (pipeline.lend_cores)
+        self.threads = torch.get_num_threads() if self.device.type == "cpu" else 0
 
     @property
     def device(self) -> torch.device:
@@ -163,6 +167,7 @@ class Sampler:
         while True:
             t0 = time.perf_counter()
             reply = self.ask("work", {"sampler_id": self.id, "proc": self.proc, "incarnation": self.incarnation,
+                                      "threads": self.threads,
                                       "version": self.version, "can_map": self.can_map})
             if reply.kind == "done":
                 self.shared.close()
@@ -178,8 +183,9 @@ class Sampler:
                 time.sleep(float(reply.meta.get("retry_s", 0.05)))
                 waited += time.perf_counter() - t0
                 continue
-            batch = maker.make(int(reply.meta["number"]), list(reply.meta["rows"]), rows, self.version,
-                               ref_groups=ref_groups(reply.meta, cfg.data.train_batch_size))
+            with borrowed(self.threads, reply.meta.get("threads")):
+                batch = maker.make(int(reply.meta["number"]), list(reply.meta["rows"]), rows, self.version,
+                                   ref_groups=ref_groups(reply.meta, cfg.data.train_batch_size))
             batch.sampler_id = self.id
             meta, tensors = to_wire(batch, self.tokenizer, lease=reply.meta["lease"], wait_s=waited)
             try:
@@ -187,6 +193,19 @@ class Sampler:
                 made, waited = made + 1, 0.0
             except PeerTimeout as e:  # the trainer is gone: its lease dies with it; ask the next one for work
                 console.print(f"[yellow]sampler {self.id}: batch dropped: {e}[/yellow]")
+
+
+@contextmanager
+def borrowed(own: int, lent: object):
+    """The trainer's threads on top of this process's own while it makes a batch the trainer waits for."""
+    more = min(lent, machine_cores() - own) if own and type(lent) is int and lent > 0 else 0
+    if more > 0:
+        torch.set_num_threads(own + more)
+    try:
+        yield
+    finally:
+        if more > 0:
+            torch.set_num_threads(own)
 
 
 def ref_groups(lease: dict, groups: int) -> int | None:
