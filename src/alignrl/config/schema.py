@@ -231,7 +231,7 @@ class PipelineConfig:
                                        "waits; with max_staleness=0, as sampler)",
                             choices=("sampler", "trainer", "balance"))
     lend_cores: bool = opt(True, "zmq, a one-process trainer on the CPU: while samplers on its machine wait, it trains "
-                                 "with their threads too, and a sampler whose batch it waits for generates with the "
+                                 "with their threads too, and on policy (max_staleness=0) samplers generate with the "
                                  "trainer's; float sums may then round differently, so runs are not guaranteed "
                                  "bit-repeatable (false: each process keeps its own threads)")
 
