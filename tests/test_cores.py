@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from alignrl.dist import cores
-from alignrl.dist.cores import CoreLedger, ThreadLoan, local_threads
-from alignrl.dist.sampler import borrowed
+from alignrl.dist.cores import CoreLedger, ThreadLoan, borrowed, local_threads
 
 HERE = "host-a/boot"
 
@@ -94,7 +93,6 @@ def test_layers_check_the_loan_in_the_forward_and_in_the_backward(counts):
 
 def test_a_sampler_borrows_the_lent_threads_for_one_batch(counts, monkeypatch):
     monkeypatch.setattr(cores, "machine_cores", lambda: 2)
-    monkeypatch.setattr("alignrl.dist.sampler.machine_cores", lambda: 2)
     with borrowed(1, 1):
         assert counts == [2]
     assert counts == [2, 1]

@@ -19,6 +19,7 @@ pipeline.lend_cores=false keeps each process at its own count. GPU trainers and 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -103,3 +104,17 @@ class CoreLedger:
         busy = sum(n + lent for n, lease, lent in self.samplers.values() if lease in outstanding)
         pool = self.loan.own + sum(n for n, _, _ in self.samplers.values())
         self.loan.want = max(self.loan.own, min(pool - busy, self.loan.cores - busy))
+
+
+@contextmanager
+def borrowed(own: int, lent: object):
+    """A sampler's threads while it makes a batch: its own plus those its lease lends (a GPU sampler, own 0,
+    takes none), never more than the machine's cores."""
+    more = min(lent, machine_cores() - own) if own and type(lent) is int and lent > 0 else 0
+    if more > 0:
+        torch.set_num_threads(own + more)
+    try:
+        yield
+    finally:
+        if more > 0:
+            torch.set_num_threads(own)

@@ -16,7 +16,6 @@ import sys
 import tempfile
 import time
 import uuid
-from contextlib import contextmanager
 
 import torch
 
@@ -24,7 +23,7 @@ from alignrl.algos.placement import build_maker, build_ref, with_tools
 from alignrl.algos.runner import PromptData, load_task_data
 from alignrl.config import ConfigError, RunConfig, load_config
 from alignrl.dist.coordinator import PipelineError
-from alignrl.dist.cores import machine_cores
+from alignrl.dist.cores import borrowed
 from alignrl.dist.env import SINGLE
 from alignrl.dist.launch import OneLineParser
 from alignrl.dist.records_wire import KIND, to_wire
@@ -193,19 +192,6 @@ class Sampler:
                 made, waited = made + 1, 0.0
             except PeerTimeout as e:  # the trainer is gone: its lease dies with it; ask the next one for work
                 console.print(f"[yellow]sampler {self.id}: batch dropped: {e}[/yellow]")
-
-
-@contextmanager
-def borrowed(own: int, lent: object):
-    """The trainer's threads on top of this process's own while it makes a batch the trainer waits for."""
-    more = min(lent, machine_cores() - own) if own and type(lent) is int and lent > 0 else 0
-    if more > 0:
-        torch.set_num_threads(own + more)
-    try:
-        yield
-    finally:
-        if more > 0:
-            torch.set_num_threads(own)
 
 
 def ref_groups(lease: dict, groups: int) -> int | None:
