@@ -110,7 +110,7 @@ class WeightBoard:
         self.via[sampler] = (key, via)
         how = ("through CUDA IPC" if self.uuid else "through shared memory") if via == "shared" \
             else "as frames on the sync port"
-        console.print(f"pipeline: sampler {sampler} receives the weights {how}")
+        console.print(f"pipeline: sampler {sampler.partition('#')[0]} receives the weights {how}")  # its --sampler-id
         return None
 
     def _cannot_map(self, can_map: dict) -> str | None:
