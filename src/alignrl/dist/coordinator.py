@@ -141,8 +141,6 @@ class Coordinator:
         """Collective: every rank calls it with the same step."""
         if not self.started:
             self._start()
-        if self.cores.loan is not None:
-            self.cores.loan.settle()  # waiting now, while a sampler generates
         t0 = time.perf_counter()
         frames = self._receive(step) if self.env.is_main else None
         if self.env.distributed:
@@ -226,6 +224,9 @@ class Coordinator:
 
     # --- the sync port (server thread, rank 0) --------------------------------------------------------
     def _published(self, version: int) -> None:
+        """In the training thread (rank 0), under the lock, at the end of an update."""
+        if self.cores.loan is not None:
+            self.cores.loan.settle()  # before a sampler is answered: a lease may lend it the trainer's threads
         self.dispatcher.complete()
         if self.replier is not None:  # parked work requests can be answered now: weights, then a lease
             self.replier.wake()

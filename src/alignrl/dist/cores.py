@@ -43,7 +43,7 @@ class ThreadLoan:
             self.now = self.want
 
     def settle(self) -> None:
-        """Back to its own share: the trainer is about to wait while a sampler generates."""
+        """Back to its own share, at the end of an update: the samplers are about to be answered."""
         if self.now != self.own:
             torch.set_num_threads(self.own)
             self.now = self.own
