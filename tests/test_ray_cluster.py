@@ -93,20 +93,25 @@ def test_seed_001_placement_from_rays_tables(cluster):
             for i, node in t["bundles_to_node_id"].items():
                 used[node] += t["bundles"][i]["GPU"]
         assert sorted(used.values()) == [8.0, 8.0]
-        assert ray.available_resources().get("GPU", 0.0) == 0.0
+        assert gpus_free_become(0.0), ray.available_resources()
         assert reqs["actor"].roles == ["actor", "ref"] and (reqs["actor"].share("actor"), reqs["actor"].share("ref")) == (0.75, 0.25)
     finally:
         release(reqs)
 
 
-def all_gpus_free(timeout: float = 15.0) -> bool:
-    """Ray's view of free resources lags a removed placement group by a moment."""
+def gpus_free_become(n: float, timeout: float = 15.0) -> bool:
+    """Ray's view of free resources lags a created or removed placement group by a moment (seen: 4 GPUs still
+    free after every group was CREATED)."""
     deadline = time.monotonic() + timeout
-    while ray.available_resources().get("GPU", 0.0) < 16.0:
+    while ray.available_resources().get("GPU", 0.0) != n:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
     return True
+
+
+def all_gpus_free() -> bool:
+    return gpus_free_become(16.0)
 
 
 def test_colocate_all_models_puts_one_engine_on_each_node(cluster):

@@ -162,6 +162,10 @@ def precheck(reqs: dict[str, GroupRequest], gpus: bool) -> None:
         if len(fits) < r.nodes:
             raise PlacementError(f"placement asked for {describe(reqs, gpus)}, but {r.name} needs {r.nodes} node(s) "
                                  f"with {r.per_node} {unit(gpus)} each; {line}")
+    deadline = time.monotonic() + 2.0
+    while need > free and time.monotonic() < deadline:  # Ray's view lags groups removed a moment ago
+        time.sleep(0.1)
+        free = ray.available_resources().get(unit(gpus), 0.0)
     if need > free:
         raise PlacementError(f"placement asked for {describe(reqs, gpus)}; {line}")
 
