@@ -37,7 +37,8 @@ ALGORITHMS = {"grpo": "GRPO / Dr.GRPO: group-relative policy optimisation",
               "ppo": "the RL loop with any algorithm.adv_estimator (grpo, rloo, reinforce_plus_plus, ...)"}
 
 
-# Commands with flags of their own (the seeds' names): `alignrl <words> ...` runs `module.main(rest)`.
+# Commands with flags of their own (the seeds' names): `alignrl <words> ...` runs `module.main(rest)` (or the
+# function a "module:function" entry names).
 PASSTHROUGH = {
     ("train", "rm"): ("alignrl.algos.rm", "train a reward or cost model (Bradley-Terry, Safe RLHF cost)"),
     ("train", "dpo"): ("alignrl.algos.dpo", "DPO, IPO, conservative DPO, hinge, safety-aware DPO"),
@@ -48,7 +49,7 @@ PASSTHROUGH = {
     ("serve", "reward"): ("alignrl.serve.reward", "reward-model scoring server"),
     ("serve", "retrieve"): ("alignrl.serve.retrieve", "retrieval server (Search-R1 API), BM25 or dense"),
     ("doctor",): ("alignrl.doctor", "check configured services, model paths, hostfile and ports"),
-    ("sample",): ("alignrl.dist.sampler", "a sampler of the ZeroMQ pipeline (seed 004's sampling_worker.py)"),
+    ("sample",): ("alignrl.dist.seed004:sample_main", "a sampler of the ZeroMQ pipeline (seed 004's sampling_worker.py)"),
 }
 
 
@@ -202,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         if routed:  # these check their own input and handle `--nproc` themselves
             import importlib
 
-            module, rest = routed
-            return importlib.import_module(module).main(rest)
+            (module, _, function), rest = routed[0].partition(":"), routed[1]
+            return getattr(importlib.import_module(module), function or "main")(rest)
         from alignrl.dist.launch import pop_nproc, torchrun
 
         try:

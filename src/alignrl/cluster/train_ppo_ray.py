@@ -11,12 +11,7 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 from alignrl.cluster import flags as F
-from alignrl.cluster.channel import ClusterError
-from alignrl.cluster.driver import Driver, Job
-from alignrl.cluster.plan import Layout
 from alignrl.config import ConfigError, load_config
 
 PROG = F.PROG
@@ -40,8 +35,13 @@ def training_steps(args) -> int:
     return steps
 
 
-def job(args, prog: str = PROG) -> Job:
-    """The checked flags as a placed run: their layout and the run config they translate to."""
+def job(args, prog: str = PROG):
+    """The checked flags as a placed run (a driver.Job): their layout and the run config they translate to."""
+    import torch
+
+    from alignrl.cluster.driver import Job
+    from alignrl.cluster.plan import Layout
+
     cuda = torch.cuda.is_available()
     cfg = load_config(None, F.overrides(args, cuda, training_steps(args)))
     return Job(Layout.from_flags(args), cfg, prog, args.threads, args.peer_timeout, args.placement_timeout,
@@ -55,6 +55,13 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     args = F.parser(prog).parse_args(argv)
     try:
         F.check(args)
+    except ConfigError as e:  # the flags' own checks answer before torch, Ray and the models are imported
+        print(f"{prog}: error: {F.in_flag_terms(str(e))}", file=sys.stderr, flush=True)
+        return 2
+    from alignrl.cluster.channel import ClusterError
+    from alignrl.cluster.driver import Driver
+
+    try:
         return Driver(job(args, prog)).run()
     except (ClusterError, *user_errors()) as e:
         print(f"{prog}: error: {F.in_flag_terms(str(e))}", file=sys.stderr, flush=True)

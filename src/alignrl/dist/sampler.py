@@ -25,7 +25,6 @@ from alignrl.config import ConfigError, RunConfig, load_config
 from alignrl.dist.coordinator import PipelineError
 from alignrl.dist.cores import borrowed
 from alignrl.dist.env import SINGLE
-from alignrl.dist.launch import OneLineParser
 from alignrl.dist.records_wire import KIND, to_wire
 from alignrl.dist.ref_share import sampler_needs_ref
 from alignrl.dist.shared_weights import SHARED_KIND, SharedReader, SharedUnavailable, cuda_uuids, host_id
@@ -36,21 +35,6 @@ from alignrl.rollout.hf_engine import HFRolloutEngine
 from alignrl.utils.tracking import console
 
 PROG = "alignrl sample"
-
-
-def parser(prog: str = PROG) -> argparse.ArgumentParser:
-    p = OneLineParser(prog=prog, description="Sampler of the ZeroMQ pipeline: generates, scores and "
-                                "streams rollouts to a trainer (alignrl train grpo pipeline.placement=zmq).")
-    p.add_argument("--host", default="127.0.0.1", help="the trainer's host")
-    p.add_argument("--data-port", type=int, default=5555, help="the trainer's data port")
-    p.add_argument("--sync-port", type=int, default=5556, help="the trainer's weight/work port")
-    p.add_argument("--model-path", default="demo", help="HF folder of the base policy (the trainer's model.path)")
-    p.add_argument("--data-path", default=None, help="training data file, if the trainer's path differs here")
-    p.add_argument("--gpu-id", type=int, default=None, help="CUDA device to generate on (CPU when none is there)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--sampler-id", default=None, help="name in the trainer's logs (default: host:pid)")
-    p.add_argument("--peer-timeout", type=float, default=600.0, help="seconds to wait for an absent trainer")
-    return p
 
 
 class Sampler:
@@ -205,8 +189,8 @@ def ref_groups(lease: dict, groups: int) -> int | None:
     return n
 
 
-def main(argv: list[str] | None = None, prog: str = PROG) -> int:
-    args = parser(prog).parse_args(argv)
+def run(args: argparse.Namespace, prog: str = PROG) -> int:
+    """The sampler of parsed flags (alignrl.dist.seed004.sampling_parser) until the trainer's run is over."""
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -216,4 +200,3 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-

@@ -111,12 +111,35 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def sampling_main(argv: list[str] | None = None) -> int:
-    from alignrl.dist.sampler import main
+def sampling_parser(prog: str = "alignrl sample") -> argparse.ArgumentParser:
+    p = OneLineParser(prog=prog, description="Sampler of the ZeroMQ pipeline: generates, scores and "
+                                "streams rollouts to a trainer (alignrl train grpo pipeline.placement=zmq).")
+    p.add_argument("--host", default="127.0.0.1", help="the trainer's host")
+    p.add_argument("--data-port", type=int, default=5555, help="the trainer's data port")
+    p.add_argument("--sync-port", type=int, default=5556, help="the trainer's weight/work port")
+    p.add_argument("--model-path", default="demo", help="HF folder of the base policy (the trainer's model.path)")
+    p.add_argument("--data-path", default=None, help="training data file, if the trainer's path differs here")
+    p.add_argument("--gpu-id", type=int, default=None, help="CUDA device to generate on (CPU when none is there)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--sampler-id", default=None, help="name in the trainer's logs (default: host:pid)")
+    p.add_argument("--peer-timeout", type=float, default=600.0, help="seconds to wait for an absent trainer")
+    return p
 
-    # --gpu-id picks the device without hiding the others: the trainer's GPU must stay visible for its weights
-    # to be mapped (pipeline.weight_transport)
-    return main(argv, prog="sampling_worker.py")
+
+
+def sampling_main(argv: list[str] | None = None, prog: str = "sampling_worker.py") -> int:
+    """sampling_worker.py and `alignrl sample`: the flags are checked before torch and the models are imported, so a
+    mistake in them answers at once. --gpu-id picks the device without hiding the others: the trainer's GPU must
+    stay visible for its weights to be mapped (pipeline.weight_transport)."""
+    args = sampling_parser(prog).parse_args(argv)
+    from alignrl.dist.sampler import run
+
+    return run(args, prog)
+
+
+def sample_main(argv: list[str] | None = None) -> int:
+    """`alignrl sample ...`: the same sampler under the package's own name."""
+    return sampling_main(argv, prog="alignrl sample")
 
 
 def launcher_main(argv: list[str] | None = None) -> int:
