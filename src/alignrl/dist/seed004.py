@@ -126,7 +126,6 @@ def sampling_parser(prog: str = "alignrl sample") -> argparse.ArgumentParser:
     return p
 
 
-
 def sampling_main(argv: list[str] | None = None, prog: str = "sampling_worker.py") -> int:
     """sampling_worker.py and `alignrl sample`: the flags are checked before torch and the models are imported, so a
     mistake in them answers at once. --gpu-id picks the device without hiding the others: the trainer's GPU must
