@@ -49,6 +49,11 @@ def job(args, prog: str = PROG):
                gpu_memory_utilization=args.vllm_gpu_memory_utilization)
 
 
+def _error(prog: str, e: Exception, code: int) -> int:
+    print(f"{prog}: error: {F.in_flag_terms(str(e))}", file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     from alignrl.errors import user_errors
 
@@ -56,16 +61,14 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     try:
         F.check(args)
     except ConfigError as e:  # the flags' own checks answer before torch, Ray and the models are imported
-        print(f"{prog}: error: {F.in_flag_terms(str(e))}", file=sys.stderr, flush=True)
-        return 2
+        return _error(prog, e, 2)
     from alignrl.cluster.channel import ClusterError
     from alignrl.cluster.driver import Driver
 
     try:
         return Driver(job(args, prog)).run()
     except (ClusterError, *user_errors()) as e:
-        print(f"{prog}: error: {F.in_flag_terms(str(e))}", file=sys.stderr, flush=True)
-        return 1 if isinstance(e, ClusterError) else 2
+        return _error(prog, e, 1 if isinstance(e, ClusterError) else 2)
     except KeyboardInterrupt:  # the driver's finally has released the workers and placement groups
         print(f"{prog}: interrupted; the same command with --load_checkpoint continues from the last checkpoint",
               file=sys.stderr, flush=True)
