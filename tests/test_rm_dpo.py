@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import run_group
-from alignrl.algos import dpo, rm
+from alignrl.algos import rm
+from alignrl.algos.preference_cli import DPOConfig, RMConfig, dpo_main, parse_dpo, parse_rm, rm_main
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["max_eval_pairs=24", "batch_size=8", "eval_batch_size=24", "log_every=2", "report_to=[jsonl]"]
@@ -21,7 +22,7 @@ SMALL = ["max_eval_pairs=24", "batch_size=8", "eval_batch_size=24", "log_every=2
 
 def _rm(tmp: Path, model: Path, task: str, *extra: str) -> dict:
     out = tmp / f"{task}_rm"
-    rc = rm.main(["--config", str(REPO / "configs/rm_config.yaml"), "--task", task, "--output_dir", str(out),
+    rc = rm_main(["--config", str(REPO / "configs/rm_config.yaml"), "--task", task, "--output_dir", str(out),
                   "--logging_dir", str(tmp / f"logs_{task}"), f"model_path={model}", "max_train_pairs=96", "epochs=2",
                   "learning_rate=2e-3", *SMALL, *extra])
     assert rc == 0
@@ -65,7 +66,7 @@ def test_reward_and_cost_models_train_save_and_load_as_scorers(scorers):
 
 def _dpo(tmp: Path, model: Path, name: str, *extra: str) -> dict:
     out = tmp / name
-    rc = dpo.main(["--config", str(REPO / "configs/dpo_config.yaml"), "--output_dir", str(out),
+    rc = dpo_main(["--config", str(REPO / "configs/dpo_config.yaml"), "--output_dir", str(out),
                    "--logging_dir", str(tmp / f"logs_{name}"), f"model_path={model}", "max_train_pairs=48",
                    "learning_rate=2e-3", "batch_size=4", "gradient_accumulation_steps=2", "gradient_checkpointing=false",
                    *SMALL[:1], "eval_batch_size=24", "log_every=2", "report_to=[jsonl]", *extra])
@@ -116,30 +117,31 @@ def test_safe_dpo_with_trained_scorers(scorers, tiny_model_dir, tmp_path):
     (["--nproc", "x"], "--nproc 'x'"),
 ])
 def test_rm_bad_input_is_one_line_exit_2(argv, expect, capsys):
-    assert rm.main(argv) == 2
+    assert rm_main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("alignrl: error:") and expect in err and "\n" not in err and "Traceback" not in err
 
 
 def test_flat_config_layers_and_bf16_spellings(tmp_path):
-    from alignrl.algos.preference_common import load_flat_config, use_bf16
+    from alignrl.algos.preference_cli import load_flat_config
+    from alignrl.algos.preference_common import use_bf16
 
-    cfg = load_flat_config(rm.RMConfig, str(REPO / "configs/rm_config.yaml"), ["epochs=3", "bf16=false"],
+    cfg = load_flat_config(RMConfig, str(REPO / "configs/rm_config.yaml"), ["epochs=3", "bf16=false"],
                            {"task": "harmless", "output_dir": None})
     assert (cfg.task, cfg.epochs, cfg.bf16, cfg.model_path) == ("harmless", 3, "false", "demo")
     assert not use_bf16(cfg)
     yaml = tmp_path / "c.yaml"
     yaml.write_text("bf16: true\nbatch_size: 2\n")
-    cfg = load_flat_config(dpo.DPOConfig, str(yaml), [], {"loss_type": "ipo"})
+    cfg = load_flat_config(DPOConfig, str(yaml), [], {"loss_type": "ipo"})
     assert (cfg.bf16, cfg.batch_size, cfg.loss_type) == ("true", 2, "ipo")
 
 
 def test_cost_model_needs_labels_and_safe_dpo_needs_scorers(tmp_path, capsys):
     unlabelled = tmp_path / "u.jsonl"
     unlabelled.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
-    assert rm.main(["--task", "harmless", f"harmless_train_file={unlabelled}"]) == 2
+    assert rm_main(["--task", "harmless", f"harmless_train_file={unlabelled}"]) == 2
     assert "u.jsonl:1: row is missing is_chosen_safe/is_rejected_safe" in capsys.readouterr().err
-    assert dpo.main(["--config", str(REPO / "configs/dpo_config.yaml"), f"helpful_rm={tmp_path / 'none'}"]) == 2
+    assert dpo_main(["--config", str(REPO / "configs/dpo_config.yaml"), f"helpful_rm={tmp_path / 'none'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert "helpful_rm=" in err and "scripts/train_rm_distributed.sh helpful" in err and "\n" not in err
 
@@ -232,20 +234,32 @@ def _complete_scorer(folder) -> bool:
     return bool(torch.isfinite(ModelScorer(str(folder)).score(ids, mask, ids, mask)).all())
 
 
-def test_overrides_may_come_before_between_or_after_the_flags(monkeypatch):
+def test_overrides_may_come_before_between_or_after_the_flags(tmp_path):
     """`alignrl train rm|dpo`: key=value overrides anywhere on the line, as for the RL commands."""
-    from types import SimpleNamespace
+    cfg = parse_rm(["epochs=3", "--task", "harmless", "max_train_pairs=8", "--output_dir", str(tmp_path / "x"),
+                    "learning_rate=0.5"])
+    assert (cfg.epochs, cfg.task, cfg.max_train_pairs, cfg.output_dir, cfg.learning_rate) == (
+        3, "harmless", 8, str(tmp_path / "x"), 0.5)
+    cfg = parse_dpo(["loss_type=ipo", "--output_dir", str(tmp_path / "y"), "beta=0.2", "--precompute_ref_log_probs"])
+    assert (cfg.loss_type, cfg.output_dir, cfg.beta, cfg.precompute_ref_log_probs) == ("ipo", str(tmp_path / "y"), 0.2,
+                                                                                        True)
 
-    from alignrl.algos import dpo, preference_common as pc, rm
 
-    seen = []
-    cfg = SimpleNamespace(model_type="reward", task="helpful", helpful_train_file="builtin:helpful")
-    monkeypatch.setattr(pc, "load_flat_config", lambda cls, path, overrides, flags: seen.append(overrides) or cfg)
-    monkeypatch.setattr(rm, "train_rm", lambda cfg, dry: None)
-    monkeypatch.setattr(dpo, "train_dpo", lambda cfg, dry: None)
-    assert rm._entry(["epochs=1", "--task", "helpful", "max_train_pairs=8", "--output_dir", "x", "lr=1"], None) == 0
-    assert dpo._entry(["loss_type=sigmoid", "--output_dir", "x", "beta=0.2"], None) == 0
-    assert seen == [["epochs=1", "max_train_pairs=8", "lr=1"], ["loss_type=sigmoid", "beta=0.2"]]
+def test_the_dpo_loss_choices_are_the_losses_there_are():
+    from alignrl.algos.preference_cli import DPO_LOSS_NAMES
+    from alignrl.core.preference import DPO_LOSSES
+
+    assert DPO_LOSS_NAMES == tuple(DPO_LOSSES)
+
+
+@pytest.mark.parametrize("argv", [["train", "rm", "--bogus"], ["train", "dpo", "beta=-1"],
+                                  ["train", "dpo", "--loss_type", "kto"]])
+def test_a_flag_mistake_answers_before_torch_is_imported(argv):
+    """A mistyped flag, key or value is said at once: importing torch and transformers first took 4-10 s here."""
+    code = ("import sys\nfrom alignrl.cli import main\nrc = main(sys.argv[1:])\nprint(rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
+    assert out.stderr.strip().count("\n") == 0 and out.stderr.startswith("alignrl: error:"), out.stderr
 
 
 @pytest.mark.parametrize("flag", ["--logging_dir", "--output_dir"])

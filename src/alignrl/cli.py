@@ -40,8 +40,9 @@ ALGORITHMS = {"grpo": "GRPO / Dr.GRPO: group-relative policy optimisation",
 # Commands with flags of their own (the seeds' names): `alignrl <words> ...` runs `module.main(rest)` (or the
 # function a "module:function" entry names).
 PASSTHROUGH = {
-    ("train", "rm"): ("alignrl.algos.rm", "train a reward or cost model (Bradley-Terry, Safe RLHF cost)"),
-    ("train", "dpo"): ("alignrl.algos.dpo", "DPO, IPO, conservative DPO, hinge, safety-aware DPO"),
+    ("train", "rm"): ("alignrl.algos.preference_cli:rm_main",
+                      "train a reward or cost model (Bradley-Terry, Safe RLHF cost)"),
+    ("train", "dpo"): ("alignrl.algos.preference_cli:dpo_main", "DPO, IPO, conservative DPO, hinge, safety-aware DPO"),
     ("train", "ppo-ray"): ("alignrl.cluster.train_ppo_ray", "PPO/GRPO on a Ray cluster with OpenRLHF's flags"),
     ("demo", "search"): ("alignrl.demos.search", "PPO teaches a tiny model to search (Search-R1 recipe, CPU)"),
     ("serve", "generate"): ("alignrl.serve.generate", "OpenAI-compatible generation server with weight sync"),
@@ -163,8 +164,10 @@ def _run(args: argparse.Namespace, cfg: RunConfig | None) -> int:
     # under raw torchrun every rank checks before joining the process group, so a bad split fails at once
     preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     from alignrl.algos.runner import train_grpo
+    from alignrl.dist.env import shutdown
 
     summary = train_grpo(cfg, wall_start=start)
+    shutdown()  # leave the process group (NCCL warns of leaked resources otherwise)
     if summary is None:  # ranks other than 0 under torchrun
         return 0
     last_number = (f" (last-number: {summary['base_accuracy_flexible']:.3f} -> {summary['final_accuracy_flexible']:.3f}, "

@@ -29,36 +29,17 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from alignrl.algos import preference_common as pc
+from alignrl.algos.preference_cli import DPOConfig
 from alignrl.algos.rm import SCORE_INFO
-from alignrl.config import ConfigError, opt
+from alignrl.config import ConfigError
 from alignrl.core.preference import DPO_LOSSES, reward_accuracy
 from alignrl.data.preference import encode_pairs, load_pairs
 from alignrl.models.logprobs import response_logprobs
-
-MODULE = "alignrl.algos.dpo"
-
-
-@dataclass(frozen=True)
-class DPOConfig(pc.CommonConfig):
-    ref_model_path: str | None = opt(None, "frozen reference model; default: the initial weights of model_path")
-    train_files: list = opt(["builtin:helpful", "builtin:harmless"], "preference files trained on (concatenated)")
-    eval_files: list = opt(["builtin:helpful_test", "builtin:harmless_test"], "held-out preference files")
-    prefer: str = opt("better", "PKU-SafeRLHF rows: which id is 'chosen'", choices=("better", "safer"))
-    loss_type: str = opt("sigmoid", "DPO-family loss", choices=tuple(DPO_LOSSES))
-    beta: float = opt(0.1, "β: strength of the KL anchor to the reference (IPO: τ)", gt=0.0)
-    label_smoothing: float = opt(0.0, "cdpo: probability that a label is flipped", ge=0.0, le=0.5)
-    precompute_ref_log_probs: bool = opt(False, "reference log-probs once up front, then free the reference copy")
-    helpful_rm: str = opt("models/helpful_rm", "safe: helpfulness reward model folder (alignrl train rm --task helpful)")
-    harmless_rm: str = opt("models/harmless_rm", "safe: harmlessness cost model folder (--task harmless)")
-    safety_lambda: float = opt(1.0, "safe: λ in the utility r - λ·c", ge=0.0)
-    offset_alpha: float = opt(0.5, "safe: α in the ODPO offset α·log(1 + |Δu|)", ge=0.0)
-    learning_rate: float = opt(5e-5, "peak AdamW learning rate", gt=0.0)
 
 
 def check_scorers(cfg: DPOConfig) -> None:
@@ -251,25 +232,3 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     barrier(env)
     shutdown()
     return results
-
-
-def _entry(argv: list[str], dry_run: int | None) -> int:
-    p = pc.make_parser("alignrl train dpo", "DPO, IPO, conservative DPO, hinge, safety-aware DPO.")
-    p.add_argument("--loss_type", choices=tuple(DPO_LOSSES))
-    p.add_argument("--precompute_ref_log_probs", action="store_true", default=None)
-    args = p.parse_intermixed_args(argv)  # key=value overrides before, between or after the flags
-    cfg = pc.load_flat_config(DPOConfig, args.config, args.overrides, {
-        "loss_type": args.loss_type, "precompute_ref_log_probs": args.precompute_ref_log_probs,
-        "output_dir": args.output_dir, "logging_dir": args.logging_dir})
-    train_dpo(cfg, dry_run)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return pc.run_cli(argv, MODULE, _entry)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())

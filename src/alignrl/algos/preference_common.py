@@ -1,162 +1,30 @@
-"""What reward-model and DPO training share: flat YAML config + flags, process group and engine,
-DistributedSampler sharding, evaluation sharding, the optimizer loop, rank-0 logging and atomic
-HF-folder saves. The two trainers differ only in their model, their per-micro-batch loss and their
-held-out metrics.
+"""What reward-model and DPO training share at run time (their flat config and command line are
+`alignrl.algos.preference_cli`'s): process group and engine, DistributedSampler sharding, evaluation
+sharding, the optimizer loop, rank-0 logging and atomic HF-folder saves. The two trainers differ only in
+their model, their per-micro-batch loss and their held-out metrics.
 
-The flat config keys are the ones seed 002's users edit (batch_size, max_length, learning_rate,
-gradient_accumulation_steps, ...), plus `key=value` overrides after the flags. Left out: resuming
-an interrupted run (these runs are minutes; they restart from the base model) and packing.
+Left out: resuming an interrupted run (these runs are minutes; they restart from the base model) and
+packing.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from alignrl.config import ConfigError, check_folders, check_ranges, opt
+from alignrl.algos.preference_cli import CommonConfig
+from alignrl.config import ConfigError
 from alignrl.data.loaders import DataError
 from alignrl.data.preference import PreferenceBatch, collate_pairs
-from alignrl.models.loader import ModelError
 from alignrl.train.checkpoint import CheckpointError, aside_path, nonfinite, write_manifest
-
-USER_ERRORS = (ConfigError, DataError, ModelError)
-
-
-@dataclass(frozen=True)
-class CommonConfig:
-    model_path: str = opt("demo", "base model: an HF causal-LM folder, or 'demo' (the embedded tiny Qwen2)")
-    output_dir: str | None = opt(None, "where the trained model folder is written (--output_dir)")
-    logging_dir: str | None = opt(None, "metrics.jsonl and tensorboard/ (--logging_dir); default <output_dir>/logs")
-    batch_size: int = opt(8, "preference pairs per device per micro-batch", ge=1)
-    eval_batch_size: int = opt(16, "pairs per device per evaluation forward", ge=1)
-    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step", ge=1)
-    max_length: int = opt(256, "tokens of prompt + response (prompt keeps at most half, from its end)", ge=8)
-    learning_rate: float = opt(1e-4, "peak AdamW learning rate", gt=0.0)
-    weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
-    warmup_ratio: float = opt(0.1, "fraction of optimizer steps of linear warm-up", ge=0.0, le=1.0)
-    lr_scheduler: str = opt("cosine", "learning-rate decay after warm-up", choices=("constant", "cosine"))
-    min_lr_ratio: float = opt(0.1, "cosine floor as a fraction of the peak lr", ge=0.0, le=1.0)
-    grad_clip: float = opt(1.0, "max global grad norm; 0 disables", ge=0.0)
-    epochs: int = opt(1, "passes over the training pairs", ge=1)
-    max_steps: int = opt(0, "stop after this many optimizer steps; 0: run all epochs", ge=0)
-    max_train_pairs: int = opt(0, "use only the first N training pairs of each file; 0: all", ge=0)
-    max_eval_pairs: int = opt(0, "use only the first N held-out pairs of each file; 0: all", ge=0)
-    seed: int = opt(42, "seed of the data order and of new score heads")
-    strategy: str = opt("ddp", "training engine (ddp is one process without torchrun)",
-                        choices=("single", "ddp", "fsdp2", "deepspeed"))
-    zero_stage: int = opt(2, "DeepSpeed ZeRO stage (strategy=deepspeed)", choices=(0, 1, 2, 3))
-    gradient_checkpointing: bool = opt(False, "recompute activations in backward (less memory, more time)")
-    bf16: str = opt("auto", "bfloat16 mixed precision: auto = on when the GPU supports it; fp32 on CPU",
-                    choices=("auto", "true", "false"))
-    log_every: int = opt(5, "print and record training metrics every N optimizer steps", ge=1)
-    num_workers: int = opt(0, "DataLoader worker processes", ge=0)
-    report_to: list = opt(["jsonl", "tensorboard"], "metric sinks under logging_dir: jsonl, tensorboard")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage block: the same shape as every other user error
-        raise ConfigError(f"{self.prog}: {message} (see --help)")
-
-
-def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=description)
-    p.add_argument("--config", help="YAML file of flat keys (configs/rm_config.yaml, configs/dpo_config.yaml)")
-    p.add_argument("--output_dir", help="trained model folder")
-    p.add_argument("--logging_dir", help="metrics folder")
-    # taken out of the command line before parsing (run_cli); listed here for --help
-    p.add_argument("--nproc", type=int, help="train on N local processes (torchrun ranks)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. learning_rate=1e-5 epochs=2")
-    return p
-
-
-def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: dict[str, Any]):
-    """Defaults < YAML file < key=value overrides < explicit flags; validated like the RL config."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from alignrl.config.load import dotted_item
-
-    try:
-        merged = OmegaConf.structured(cls)
-        if path:
-            if not Path(path).is_file():
-                raise ConfigError(f"config file not found: {path} (pass --config with an existing YAML file)")
-            try:
-                loaded = OmegaConf.load(path)
-            except Exception as e:  # YAML syntax
-                raise ConfigError(f"cannot parse {path}: {str(e).splitlines()[0]}") from None
-            merged = OmegaConf.merge(merged, loaded)
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"unexpected argument {bad[0]!r} (overrides look like key=value, e.g. epochs=2)")
-        merged = OmegaConf.merge(merged, *(dotted_item(cls, o) for o in overrides),
-                                 {k: v for k, v in flags.items() if v is not None})
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
-        first = str(e).splitlines()[0]
-        if "not in" in first or ("Key '" in first and "not" in first):
-            allowed = ", ".join(f.name for f in dataclasses.fields(cls))
-            raise ConfigError(f"unknown config key '{key}'; allowed: {allowed}") from None
-        raise ConfigError(f"bad value for '{key}': {first}") from None
-    # YAML reads `bf16: true` as a boolean, which the string field holds as "True"
-    cfg = dataclasses.replace(cfg, bf16=str(cfg.bf16).lower())
-    check_ranges(cfg)  # choices and ranges from the field metadata, the RL config's own check
-    # an existing output_dir (folder or file) is moved aside when the model is saved: only a file above it fails
-    folders = {"--logging_dir": Path(cfg.logging_dir)} if cfg.logging_dir else {}
-    if cfg.output_dir:
-        output = Path(cfg.output_dir)
-        folders["--output_dir"] = output.parent if output.is_file() else output
-    check_folders(folders)
-    return cfg
-
-
-def run_cli(argv: list[str] | None, module: str, entry) -> int:
-    """`--nproc N` re-launches `python -m <module>` under torchrun; user errors print one line, exit 2.
-    `entry(argv, dry_run_world)` parses and runs; given a world size it only validates config and data
-    for it (in the parent of --nproc)."""
-    from alignrl.dist.launch import pop_nproc, torchrun
-
-    from transformers.utils import logging as hf_logging
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    hf_logging.disable_progress_bar()  # a bar per load/save of a small model is noise in run logs
-    if not torch.cuda.is_available():  # else transformers' deepspeed probe warns "Setting accelerator to CPU"
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        try:
-            nproc, argv = pop_nproc(argv)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if nproc and "WORLD_SIZE" not in os.environ:
-            entry(argv, nproc)  # bad config or data fails here, before any process starts
-            return torchrun(nproc, [module, *argv])
-        return entry(argv, None)
-    except USER_ERRORS as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank fails the same way; one line is enough
-            print(f"alignrl: error: {e}", file=sys.stderr, flush=True)
-        else:  # torchrun stops the others when a rank exits: give rank 0 the moment it needs to print
-            time.sleep(1.0)
-        return 2
-    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches every rank: rank 0 speaks
-        if os.environ.get("RANK", "0") == "0":
-            print("alignrl: interrupted (these runs start again from the base model)", file=sys.stderr, flush=True)
-        return 130
-
-
-# ---------------------------------------------------------------- runtime
 
 
 def use_bf16(cfg: CommonConfig) -> bool:

@@ -22,31 +22,18 @@ Left out: reward-model ensembles, centring/normalising scores after training.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from alignrl.algos import preference_common as pc
-from alignrl.config import ConfigError, opt
+from alignrl.algos.preference_cli import RMConfig
+from alignrl.config import ConfigError
 from alignrl.core.preference import bradley_terry_loss, reward_accuracy, safe_rlhf_cost_loss
 from alignrl.data.collate import position_ids
 from alignrl.data.preference import encode_pairs, load_pairs, require_safety_labels
 
 SCORE_INFO = "alignrl_score.json"
-MODULE = "alignrl.algos.rm"
-
-
-@dataclass(frozen=True)
-class RMConfig(pc.CommonConfig):
-    task: str = opt("helpful", "which preference data (--task): helpful or harmless", choices=("helpful", "harmless"))
-    model_type: str = opt("auto", "reward (Bradley-Terry) or cost (Safe RLHF cost model); auto: helpful → reward, "
-                                  "harmless → cost", choices=("auto", "reward", "cost"))
-    helpful_train_file: str = opt("builtin:helpful", "helpful training pairs (.jsonl/.parquet or builtin:NAME)")
-    helpful_eval_file: str = opt("builtin:helpful_test", "helpful held-out pairs")
-    harmless_train_file: str = opt("builtin:harmless", "harmless training pairs (with safety labels for a cost model)")
-    harmless_eval_file: str = opt("builtin:harmless_test", "harmless held-out pairs")
-    learning_rate: float = opt(2e-4, "peak AdamW learning rate", gt=0.0)
 
 
 class LastTokenScorer(torch.nn.Module):
@@ -205,27 +192,3 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     barrier(env)
     shutdown()
     return results
-
-
-def _entry(argv: list[str], dry_run: int | None) -> int:
-    p = pc.make_parser("alignrl train rm", "Train a reward model (Bradley-Terry) or a Safe RLHF cost model.")
-    p.add_argument("--task", choices=("helpful", "harmless"))
-    p.add_argument("--model_type", choices=("auto", "reward", "cost"))
-    args = p.parse_intermixed_args(argv)  # key=value overrides before, between or after the flags
-    cfg = pc.load_flat_config(RMConfig, args.config, args.overrides, {
-        "task": args.task, "model_type": args.model_type, "output_dir": args.output_dir,
-        "logging_dir": args.logging_dir})
-    if cfg.model_type == "cost" and cfg.task == "helpful" and cfg.helpful_train_file.startswith("builtin:"):
-        raise ConfigError("model_type=cost needs safety labels, which the helpful data has none of; use --task harmless")
-    train_rm(cfg, dry_run)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return pc.run_cli(argv, MODULE, _entry)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())

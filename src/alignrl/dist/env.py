@@ -74,7 +74,10 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
         timeout = timeout_s if timeout_s is not None else float(os.environ.get("ALIGNRL_DIST_TIMEOUT",
                                                                                DEFAULT_TIMEOUT_S))
         try:
-            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout))
+            # NCCL told its rank's GPU up front: otherwise it guesses one from the global rank (warning that a
+            # rank-to-GPU mapping other than the plain one can hang) and every barrier warns too
+            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout),
+                                    **({"device_id": dev} if use_cuda else {}))
         except dist.DistNetworkError as e:  # most often: the master port is taken (launchers that are not ours)
             from alignrl.config import ConfigError
 
