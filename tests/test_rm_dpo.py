@@ -253,7 +253,7 @@ def test_the_dpo_loss_choices_are_the_losses_there_are():
 
 
 @pytest.mark.parametrize("argv", [["train", "rm", "--bogus"], ["train", "dpo", "beta=-1"],
-                                  ["train", "dpo", "--loss_type", "kto"]])
+                                  ["train", "dpo", "--loss_type", "kto"], ["train", "rm", "report_to=[wandb]"]])
 def test_a_flag_mistake_answers_before_torch_is_imported(argv):
     """A mistyped flag, key or value is said at once: importing torch and transformers first took 4-10 s here."""
     code = ("import sys\nfrom alignrl.cli import main\nrc = main(sys.argv[1:])\nprint(rc, 'torch' in sys.modules)")

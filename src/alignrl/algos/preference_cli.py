@@ -134,6 +134,9 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
     # YAML reads `bf16: true` as a boolean, which the string field holds as "True"
     cfg = dataclasses.replace(cfg, bf16=str(cfg.bf16).lower())
     check_ranges(cfg)  # choices and ranges from the field metadata, the RL config's own check
+    unknown = set(cfg.report_to) - {"jsonl", "tensorboard"}
+    if unknown:
+        raise ConfigError(f"report_to has unknown sink(s) {sorted(unknown)}; allowed: jsonl, tensorboard")
     # an existing output_dir (folder or file) is moved aside when the model is saved: only a file above it fails
     folders = {"--logging_dir": Path(cfg.logging_dir)} if cfg.logging_dir else {}
     if cfg.output_dir:

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from alignrl.algos.preference_cli import CommonConfig
-from alignrl.config import ConfigError
 from alignrl.data.loaders import DataError
 from alignrl.data.preference import PreferenceBatch, collate_pairs
 from alignrl.train.checkpoint import CheckpointError, aside_path, nonfinite, write_manifest
@@ -121,9 +120,6 @@ class RankZeroLog:
 
     def __init__(self, env, log_dir: Path, sinks: list[str]):
         self.env, self.tracker = env, None
-        unknown = set(sinks) - {"jsonl", "tensorboard"}
-        if unknown:
-            raise ConfigError(f"report_to has unknown sink(s) {sorted(unknown)}; allowed: jsonl, tensorboard")
         if env.is_main:
             from alignrl.utils.tracking import Tracker
 
