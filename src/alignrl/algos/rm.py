@@ -28,7 +28,6 @@ import torch
 
 from alignrl.algos import preference_common as pc
 from alignrl.algos.preference_cli import RMConfig
-from alignrl.config import ConfigError
 from alignrl.core.preference import bradley_terry_loss, reward_accuracy, safe_rlhf_cost_loss
 from alignrl.data.collate import position_ids
 from alignrl.data.preference import encode_pairs, load_pairs, require_safety_labels
