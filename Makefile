@@ -25,8 +25,11 @@ demo-search: $(STAMP)
 
 # Two pytest processes share the tests (a test file each at a time) and the cores; their OpenMP threads sleep
 # while they wait instead of spinning, which would starve the other process's. Tests that time fractions of a
-# second (marked serial) run alone afterwards.
+# second (marked serial) run alone afterwards. The package is byte-compiled first: where PYTHONDONTWRITEBYTECODE is
+# set, every process the tests start (ranks, samplers, services, Ray workers) would compile it again, about half a
+# second of CPU each here.
 test: $(STAMP)
+	$(BIN)/python -m compileall -q src
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --dist loadfile -m "not serial"
 	$(BIN)/python -m pytest -m serial
 
