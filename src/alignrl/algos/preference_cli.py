@@ -170,7 +170,8 @@ def parse_dpo(argv: list[str]) -> DPOConfig:
 
 
 # command -> (its parser, the module and function that train; `train(cfg, dry_run_world)`)
-COMMANDS = {"rm": (parse_rm, "alignrl.algos.rm", "train_rm"), "dpo": (parse_dpo, "alignrl.algos.dpo", "train_dpo")}
+COMMANDS = {"rm": (parse_rm, "alignrl.algos.rm", "train_rm"),
+            "dpo": (parse_dpo, "alignrl.algos.dpo", "train_dpo")}
 
 
 def rm_main(argv: list[str] | None = None) -> int:
