@@ -74,10 +74,7 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
         timeout = timeout_s if timeout_s is not None else float(os.environ.get("ALIGNRL_DIST_TIMEOUT",
                                                                                DEFAULT_TIMEOUT_S))
         try:
-            # NCCL told its rank's GPU up front: otherwise it guesses one from the global rank (warning that a
-            # rank-to-GPU mapping other than the plain one can hang) and every barrier warns too
-            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout),
-                                    **({"device_id": dev} if use_cuda else {}))
+            join_group(dev, timedelta(seconds=timeout))
         except dist.DistNetworkError as e:  # most often: the master port is taken (launchers that are not ours)
             from alignrl.config import ConfigError
 
@@ -90,6 +87,15 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
         signal.signal(signal.SIGINT, _on_sigint)
     return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev,
                    backend=dist.get_backend())
+
+
+def join_group(dev: torch.device, timeout: timedelta | None = None) -> None:
+    """Joins the env:// process group: NCCL on a GPU, told that GPU up front (else it guesses one from the global
+    rank, warning that another rank-to-GPU mapping can hang, and every barrier warns too); gloo on the CPU.
+    `timeout`: torch's default when None."""
+    nccl = dev.type == "cuda"
+    dist.init_process_group("nccl" if nccl else "gloo", **({"timeout": timeout} if timeout else {}),
+                            **({"device_id": dev} if nccl else {}))
 
 
 def shutdown() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from alignrl.dist.env import DistEnv
+from alignrl.dist.env import DistEnv, join_group
 from alignrl.train.engines.base import OptimSpec
 
 TAG = "deepspeed"  # the sub-folder DeepSpeed's save_checkpoint writes inside a checkpoint
@@ -84,10 +84,9 @@ def _ensure_comm(env: DistEnv) -> None:
         # torch_extensions cache) that only its inference all-reduce uses; training's collectives go through the
         # gloo group. DeepSpeed keeps its op table in one dict so that edits to it hold (deepspeed/ops/__init__.py).
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    backend = "nccl" if env.device.type == "cuda" else "gloo"
-    if not torch.distributed.is_initialized():  # one rank: the group is made here, where NCCL can be told its GPU
-        torch.distributed.init_process_group(backend, **({"device_id": env.device} if backend == "nccl" else {}))
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)  # takes the group made above
+    if not torch.distributed.is_initialized():  # one rank: our group (NCCL told its GPU), not DeepSpeed's own
+        join_group(env.device)
+    deepspeed.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo", verbose=False)
 
 
 class DeepSpeedEngine:
