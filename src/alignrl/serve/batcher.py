@@ -116,3 +116,17 @@ class Batcher(Generic[P, R]):
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def flat_pairs(jobs: list[tuple[list, list]]) -> tuple[list, list]:
+    """The prompts and the responses of a batch of `(prompts, responses)` requests, each as one list."""
+    return [p for j in jobs for p in j[0]], [r for j in jobs for r in j[1]]
+
+
+def per_job(rows: list[R], jobs: list[tuple[list, list]]) -> list[list[R]]:
+    """One result row per pair of `flat_pairs(jobs)`, handed back as each request's own list."""
+    out, start = [], 0
+    for prompts, _ in jobs:
+        out.append(rows[start:start + len(prompts)])
+        start += len(prompts)
+    return out

@@ -92,8 +92,8 @@ def check_args(args: argparse.Namespace) -> str | None:
     """The first problem with the common flags, as a one-line message, or None."""
     if not 0 <= args.port <= 65535:
         return f"--port {args.port} is not a TCP port; pass 0..65535"
-    for name in ("max_batch", "max_request_seqs"):
-        if getattr(args, name) < 1:
+    for name in ("max_batch", "max_request_seqs", "micro_batch"):  # micro_batch: the ref and reward servers
+        if getattr(args, name, 1) < 1:
             return f"--{name} must be at least 1"
     if args.max_body_mb <= 0 or args.batch_window_ms < 0:
         return "--max_body_mb must be positive and --batch_window_ms not negative"
@@ -265,7 +265,7 @@ def listening(name: str, host: str, sock: socket.socket) -> str:
 
 def start(name: str, args: argparse.Namespace, load, build) -> int:
     """A model service's main after its flags were checked: bind, load the model (`load(args)`), build
-    the app (`build(service)`), serve. Every user error is one line and exit 2."""
+    the app (`build(service, max_body_bytes)`), serve. Every user error is one line and exit 2."""
     try:
         sock = bind(args.host, args.port)
     except PortError as e:
@@ -276,7 +276,7 @@ def start(name: str, args: argparse.Namespace, load, build) -> int:
         sock.close()
         return fail(f"alignrl serve {name}", str(e))
     try:
-        return serve(build(service), sock, listening(name, args.host, sock))
+        return serve(build(service, int(args.max_body_mb * MB)), sock, listening(name, args.host, sock))
     except PortError as e:
         return fail(f"alignrl serve {name}", str(e))
 

@@ -284,4 +284,4 @@ def main(argv: list[str]) -> int:
         problem = f"--max_model_len {args.max_model_len} must be a positive context length (0: the model's)"
     if problem:
         return fail(PROG, problem)
-    return start("generate", args, load_service, lambda svc: build_app(svc, int(args.max_body_mb * (1 << 20))))
+    return start("generate", args, load_service, build_app)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from alignrl.serve.batcher import Batcher, flat_pairs, per_job
 from alignrl.serve.common import RequestError, base_parser, check_args, fail, new_app, start
 
 PROG = "alignrl serve ref"
@@ -60,16 +61,13 @@ class RefService:
     window_s: float = 0.005
 
     def __post_init__(self) -> None:
-        from alignrl.serve.batcher import Batcher
-
         self.batcher = Batcher(self._run, self.window_s, self.max_batch)
 
     def _run(self, temperature: float, jobs: list[tuple[list, list]]) -> list[list[list[float]]]:
         from alignrl.data.collate import left_pad, per_token_in_chunks, right_pad
         from alignrl.models.logprobs import response_logprobs
 
-        prompts = [p for j in jobs for p in j[0]]
-        responses = [r for j in jobs for r in j[1]]
+        prompts, responses = flat_pairs(jobs)
         pids, pm = left_pad(prompts, self.pad_id)
         rids, rm = right_pad(responses, self.pad_id)
         dev = next(self.model.parameters()).device
@@ -78,12 +76,7 @@ class RefService:
             return response_logprobs(m, *(t.to(dev) for t in tensors), temperature=temperature)[0].cpu()
 
         lp = per_token_in_chunks(self.model, fn, pids, pm, rids, rm, self.micro_batch)
-        rows = [lp[i, :len(r)].tolist() for i, r in enumerate(responses)]
-        out, start = [], 0
-        for p, _ in jobs:
-            out.append(rows[start:start + len(p)])
-            start += len(p)
-        return out
+        return per_job([lp[i, :len(r)].tolist() for i, r in enumerate(responses)], jobs)
 
     async def logprobs(self, req: LogprobsRequest) -> list[list[float]]:
         check_pairs(req.prompts, req.responses, self.vocab_size, self.max_model_len, self.max_request_seqs)
@@ -130,8 +123,6 @@ def load_service(args: argparse.Namespace) -> RefService:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     problem = check_args(args)
-    if problem is None and args.micro_batch < 1:
-        problem = "--micro_batch must be at least 1"
     if problem:
         return fail(PROG, problem)
-    return start("ref", args, load_service, lambda svc: build_app(svc, int(args.max_body_mb * (1 << 20))))
+    return start("ref", args, load_service, build_app)

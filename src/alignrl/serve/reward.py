@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from alignrl.serve.batcher import Batcher, flat_pairs, per_job
 from alignrl.serve.common import RequestError, base_parser, check_args, fail, new_app, start, unicode_texts
 from alignrl.serve.ref import check_pairs
 
@@ -50,25 +51,18 @@ class RewardService:
     window_s: float = 0.005
 
     def __post_init__(self) -> None:
-        from alignrl.serve.batcher import Batcher
-
         self.batcher = Batcher(self._run, self.window_s, self.max_batch)
 
     def _run(self, _key: str, jobs: list[tuple[list, list]]) -> list[list[float]]:
         from alignrl.data.collate import left_pad, right_pad
 
-        prompts = [p for j in jobs for p in j[0]]
-        responses = [r for j in jobs for r in j[1]]
+        prompts, responses = flat_pairs(jobs)
         scores: list[float] = []
         for s in range(0, len(prompts), self.micro_batch):
             pids, pm = left_pad(prompts[s:s + self.micro_batch], self.pad_id)
             rids, rm = right_pad(responses[s:s + self.micro_batch], self.pad_id)
             scores += self.scorer.score(pids, pm, rids, rm).tolist()
-        out, start = [], 0
-        for p, _ in jobs:
-            out.append(scores[start:start + len(p)])
-            start += len(p)
-        return out
+        return per_job(scores, jobs)
 
     def _ids(self, texts: list[str]) -> list[list[int]]:
         if self.tokenizer is None:
@@ -126,8 +120,6 @@ def load_service(args: argparse.Namespace) -> RewardService:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     problem = check_args(args)
-    if problem is None and args.micro_batch < 1:
-        problem = "--micro_batch must be at least 1"
     if problem:
         return fail(PROG, problem)
-    return start("reward", args, load_service, lambda svc: build_app(svc, int(args.max_body_mb * (1 << 20))))
+    return start("reward", args, load_service, build_app)

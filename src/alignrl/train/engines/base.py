@@ -123,3 +123,34 @@ class LazyZeroGrad:
 
     def after_step(self) -> None:
         self.pending = True
+
+
+class LocalOptimizerEngine:
+    """What single, DDP and FSDP2 share: the optimizer runs in this process, over this rank's parameters
+    (whole, or FSDP2's shards), and saves the full optimizer state every such engine reads. A subclass wraps
+    `model` first, then calls `_build_optimizer`, and adds its own `backward` and `full_state_dict`."""
+
+    env: DistEnv
+    model: torch.nn.Module
+
+    def _build_optimizer(self, spec: OptimSpec) -> None:
+        self.spec = spec
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = spec.build(self.params)
+        self.zero = LazyZeroGrad(self.optimizer)
+        self.skipped_steps = 0
+
+    def step(self, skip: bool = False) -> float:
+        norm, stepped = clip_and_step(self.params, self.optimizer, self.scheduler, self.spec.grad_clip, skip)
+        self.skipped_steps += not stepped
+        self.zero.after_step()
+        return norm
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def save_state(self, folder: Path) -> None:
+        save_full_state(self.env, folder, self.model, self.optimizer, self.scheduler)
+
+    def load_state(self, folder: Path) -> bool:
+        return load_full_state(folder, self.model, self.optimizer, self.scheduler)

@@ -8,13 +8,11 @@ between single / ddp / fsdp2 in both directions. Left out: HSDP, CPU offload of 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from alignrl.dist.env import DistEnv
-from alignrl.train.engines.base import LazyZeroGrad, OptimSpec, clip_and_step, load_full_state, save_full_state
+from alignrl.train.engines.base import LocalOptimizerEngine, OptimSpec
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -23,7 +21,7 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-class FSDP2Engine:
+class FSDP2Engine(LocalOptimizerEngine):
     name = "fsdp2"
     whole_weights = False
 
@@ -33,7 +31,7 @@ class FSDP2Engine:
         if not env.distributed:
             raise ValueError("trainer.strategy=fsdp2 needs several processes: launch with torchrun "
                              "--nproc_per_node=N or `alignrl ... --nproc N`, or use trainer.strategy=single")
-        self.env, self.spec = env, spec
+        self.env = env
         model.to(env.device)
         # bf16 compute with fp32 gradient reduction where asked; fp32 everywhere by default (CPU)
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
@@ -41,30 +39,12 @@ class FSDP2Engine:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         self.model = self.module = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = spec.build(self.params)
-        self.zero = LazyZeroGrad(self.optimizer)
-        self.skipped_steps = 0
+        self._build_optimizer(spec)
 
     def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
         self.zero.before_backward()
         (loss * self.env.world_size).backward()  # reduce-scatter averages over ranks
 
-    def step(self, skip: bool = False) -> float:
-        norm, stepped = clip_and_step(self.params, self.optimizer, self.scheduler, self.spec.grad_clip, skip)
-        self.skipped_steps += not stepped
-        self.zero.after_step()
-        return norm
-
-    def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
         return {k: v.detach().cpu() for k, v in sd.items()}
-
-    def save_state(self, folder: Path) -> None:
-        save_full_state(self.env, folder, self.model, self.optimizer, self.scheduler)
-
-    def load_state(self, folder: Path) -> bool:
-        return load_full_state(folder, self.model, self.optimizer, self.scheduler)

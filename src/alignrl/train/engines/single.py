@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from alignrl.dist.env import DistEnv
-from alignrl.train.engines.base import LazyZeroGrad, OptimSpec, clip_and_step, load_full_state, save_full_state
+from alignrl.train.engines.base import LocalOptimizerEngine, OptimSpec
 
 
-class LocalEngine:
+class LocalEngine(LocalOptimizerEngine):
     """`single` (world size 1) or `ddp` (torch DistributedDataParallel: every rank holds the full model,
     gradients are all-reduced in backward). Optimizer state is identical on every rank, so rank 0's copy
     is the full state any backend can resume from."""
@@ -18,17 +16,14 @@ class LocalEngine:
     def __init__(self, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, ddp: bool):
         self.name = "ddp" if ddp else "single"
         self.whole_weights = True
-        self.model, self.env, self.spec = model.to(env.device), env, spec
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.model, self.env = model.to(env.device), env
         self.module = model
         if ddp and env.distributed:
             from torch.nn.parallel import DistributedDataParallel
 
             self.module = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda"
                                                   else None)
-        self.optimizer, self.scheduler = spec.build(self.params)
-        self.zero = LazyZeroGrad(self.optimizer)
-        self.skipped_steps = 0
+        self._build_optimizer(spec)
 
     def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
         self.zero.before_backward()
@@ -39,20 +34,5 @@ class LocalEngine:
             with self.module.no_sync():
                 scaled.backward()
 
-    def step(self, skip: bool = False) -> float:
-        norm, stepped = clip_and_step(self.params, self.optimizer, self.scheduler, self.spec.grad_clip, skip)
-        self.skipped_steps += not stepped
-        self.zero.after_step()
-        return norm
-
-    def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-
-    def save_state(self, folder: Path) -> None:
-        save_full_state(self.env, folder, self.model, self.optimizer, self.scheduler)
-
-    def load_state(self, folder: Path) -> bool:
-        return load_full_state(folder, self.model, self.optimizer, self.scheduler)
