@@ -294,7 +294,11 @@ def test_a_collective_that_lost_its_peer_is_told_apart(monkeypatch):
 @pytest.mark.parametrize("argv, prefix", [
     (["train", "ppo-ray", "--advantage_estimator", "rloo"], ""), (["sample", "--data-port", "abc"], ""),
     (["train", "rm", "--bogus"], "alignrl: error:"), (["train", "dpo", "beta=-1"], "alignrl: error:"),
-    (["train", "dpo", "--loss_type", "kto"], "alignrl: error:"), (["train", "rm", "report_to=[wandb]"], "alignrl: error:")])
+    (["train", "dpo", "--loss_type", "kto"], "alignrl: error:"), (["train", "rm", "report_to=[wandb]"], "alignrl: error:"),
+    (["sample", "--data-port", "99999"], "alignrl sample: error: --data-port 99999 is not a TCP port"),
+    (["sample", "--sync-port", "5555"], "alignrl sample: error: --data-port and --sync-port are both 5555"),
+    (["sample", "--host", "not..a..host"], "alignrl sample: error: --host 'not..a..host' does not resolve"),
+    (["sample", "--peer-timeout", "0"], "alignrl sample: error: --peer-timeout 0:")])
 def test_a_flag_mistake_answers_before_torch_is_imported(argv, prefix):
     """A mistyped flag, key or value is said at once: importing torch, Ray and transformers first took 4-10 s of CPU
     here."""
@@ -303,3 +307,17 @@ def test_a_flag_mistake_answers_before_torch_is_imported(argv, prefix):
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
     assert out.stderr.strip().count("\n") == 0 and "error:" in out.stderr and out.stderr.startswith(prefix), out.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data-port", "99999"], "alignrl: error: pipeline.data_port=99999 is out of range"),
+    (["--sync-port", "5555"], "alignrl: error: pipeline.data_port and pipeline.sync_port are both 5555"),
+    (["actor.lr=abc"], "alignrl: error: bad value for 'actor.lr'"),
+    (["--nproc", "0"], "training_worker.py: error: --nproc 0")])
+def test_training_worker_names_a_mistake_before_it_writes_deepspeed_json(tmp_path, argv, message):
+    """Seed 004's trainer generates deepspeed.json in the folder it runs in; a mistaken flag leaves nothing there."""
+    script = Path(__file__).resolve().parents[1] / "training_worker.py"
+    out = subprocess.run([sys.executable, str(script), *argv], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith(message) and out.stderr.count("\n") == 1, out.stderr
+    assert not (tmp_path / "deepspeed.json").exists()

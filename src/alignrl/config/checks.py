@@ -111,6 +111,9 @@ def check_combinations(cfg: RunConfig) -> None:
     if cfg.pipeline.placement == "zmq" and (alg.dynamic_sampling or cfg.services.generation_url):
         raise ConfigError("pipeline.placement=zmq: samplers generate, so algorithm.dynamic_sampling and "
                           "services.generation_url do not apply; drop them or use pipeline.placement=inline")
+    if cfg.pipeline.placement == "zmq" and cfg.pipeline.data_port == cfg.pipeline.sync_port:
+        raise ConfigError(f"pipeline.data_port and pipeline.sync_port are both {cfg.pipeline.data_port}: the "
+                          "trainer binds one socket on each, so give them different ports (seed 004: 5555 and 5556)")
     if cfg.safety.cost_fn and cfg.safety.cost_model:
         raise ConfigError("set one of safety.cost_fn (a rule) or safety.cost_model (a model), not both")
     if (cfg.safety.cost_fn or cfg.safety.cost_model) and not gae:

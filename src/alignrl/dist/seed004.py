@@ -46,7 +46,8 @@ def training_parser(prog: str = "training_worker.py") -> argparse.ArgumentParser
     return p
 
 
-def training_overrides(a: argparse.Namespace, extra: list[str]) -> list[str]:
+def training_overrides(a: argparse.Namespace, extra: list[str], ds_json: str | None = None) -> list[str]:
+    """The trainer's config overrides; `ds_json` is the DeepSpeed file to name (None: leave it out)."""
     o = ["pipeline.placement=zmq", f"pipeline.host={a.host}", f"pipeline.data_port={a.data_port}",
          f"pipeline.sync_port={a.sync_port}", f"model.path={a.model_path}", f"trainer.output_dir={a.output_dir}",
          "trainer.experiment_name=grpo_zmq"]
@@ -59,7 +60,8 @@ def training_overrides(a: argparse.Namespace, extra: list[str]) -> list[str]:
     if a.threads:
         o.append(f"trainer.threads={a.threads}")
     if not a.no_deepspeed:
-        o += ["trainer.strategy=deepspeed", "trainer.zero_stage=2", f"trainer.deepspeed_config={ensure_ds_json(a)}"]
+        o += ["trainer.strategy=deepspeed", "trainer.zero_stage=2"]
+        o += [f"trainer.deepspeed_config={ds_json}"] if ds_json else []
     return o + extra
 
 
@@ -86,11 +88,23 @@ def parse_training(argv: list[str] | None, prog: str = "training_worker.py") -> 
     bad = [x for x in extra if "=" not in x or x.startswith("-")]
     if bad:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
+    if a.nproc < 1:
+        p.error(f"--nproc {a.nproc}: give the number of training processes, 1 or more")
+    if a.gpu_id < 0:
+        p.error(f"--gpu-id {a.gpu_id}: give a CUDA device id from 0")
     return a, extra
 
 
 def training_main(argv: list[str] | None = None) -> int:
     a, extra = parse_training(argv)
+    from alignrl.config import ConfigError, load_config
+
+    try:  # a mistaken value is named before anything is written (deepspeed.json) or started
+        load_config(None, training_overrides(a, extra))
+    except ConfigError as e:
+        print(f"alignrl: error: {e}", file=sys.stderr)
+        return 2
+    overrides = training_overrides(a, extra, None if a.no_deepspeed else ensure_ds_json(a))
     if a.nproc == 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(a.gpu_id)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
@@ -101,8 +115,8 @@ def training_main(argv: list[str] | None = None) -> int:
     if launch and a.nproc == 1 and "LOCAL_RANK" not in os.environ:
         from alignrl.dist.launch import torchrun
 
-        return torchrun(1, ["alignrl", "train", "grpo", *training_overrides(a, extra)])
-    return main([*launch, "train", "grpo", *training_overrides(a, extra)])
+        return torchrun(1, ["alignrl", "train", "grpo", *overrides])
+    return main([*launch, "train", "grpo", *overrides])
 
 
 def _has_cuda() -> bool:
@@ -130,10 +144,38 @@ def sampling_main(argv: list[str] | None = None, prog: str = "sampling_worker.py
     """sampling_worker.py and `alignrl sample`: the flags are checked before torch and the models are imported, so a
     mistake in them answers at once. --gpu-id picks the device without hiding the others: the trainer's GPU must
     stay visible for its weights to be mapped (pipeline.weight_transport)."""
-    args = sampling_parser(prog).parse_args(argv)
+    p = sampling_parser(prog)
+    args = p.parse_args(argv)
+    problem = sampling_args_problem(args)
+    if problem:
+        p.error(problem)
     from alignrl.dist.sampler import run
 
     return run(args, prog)
+
+
+def sampling_args_problem(a: argparse.Namespace) -> str | None:
+    """The first mistake in a sampler's flags, or None: named at once, where the sampler would otherwise load
+    its model and then wait --peer-timeout seconds for a trainer it can never reach."""
+    import socket
+
+    for flag, port in (("--data-port", a.data_port), ("--sync-port", a.sync_port)):
+        if not 1 <= port <= 65535:
+            return f"{flag} {port} is not a TCP port: give the trainer's, 1..65535 (seed 004: 5555 and 5556)"
+    if a.data_port == a.sync_port:
+        return (f"--data-port and --sync-port are both {a.data_port}: give the trainer's two ports "
+                "(seed 004: --data-port 5555 --sync-port 5556)")
+    if a.threads < 0:
+        return f"--threads {a.threads}: give the torch threads of this process, or 0 for torch's default"
+    if a.gpu_id is not None and a.gpu_id < 0:
+        return f"--gpu-id {a.gpu_id}: give a CUDA device id from 0"
+    if not a.peer_timeout > 0:
+        return f"--peer-timeout {a.peer_timeout:g}: give the seconds to wait for an absent trainer, above 0"
+    try:
+        socket.getaddrinfo(a.host, a.sync_port)
+    except (OSError, UnicodeError):
+        return f"--host {a.host!r} does not resolve to an address: give the trainer's host name or IP"
+    return None
 
 
 def sample_main(argv: list[str] | None = None) -> int:
