@@ -115,9 +115,12 @@ def test_only_a_finished_run_tells_samplers_it_is_over(served, finished):
         ask = {"sampler_id": "s", "incarnation": "i", "version": 0}
         if finished:
             assert req.request("work", ask, timeout_s=5).kind == "done"
+            assert req.request("alive", ask, timeout_s=5).kind == "done"  # heard by a sampler mid-generation
         else:
             with pytest.raises(PeerTimeout):
                 req.request("work", ask, timeout_s=1)
+            with pytest.raises(PeerTimeout):
+                req.request("alive", ask, timeout_s=1)
 
 
 def test_weights_go_shared_to_a_sampler_that_can_map_them_and_as_frames_to_others(served):
@@ -212,3 +215,99 @@ def test_a_trainer_that_cannot_share_sends_frames_under_auto_and_stops_in_one_li
     with pytest.raises(SharedUnavailable, match="/dev/shm"):
         required.publish(1)
     required.close()
+
+
+def test_a_malformed_request_is_answered_in_one_line_and_the_sync_port_goes_on(served):
+    with Requester(served.replier.addr) as req:
+        bad = req.request("hello", {"sampler_id": "s", "manifest": {"weight": 5}}, timeout_s=5)
+        assert bad.kind == "error" and "malformed 'hello' request (TypeError" in bad.meta["message"]
+        assert "\n" not in bad.meta["message"]
+        assert req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=5).kind == "lease"
+
+
+def test_a_silent_samplers_lease_goes_to_another_while_a_beating_one_keeps_its_own(served):
+    """A sampler killed mid-generation says nothing more: after pipeline.heartbeat_timeout_s its rows go to the
+    next sampler, long before lease_timeout_s (60 s here). One that keeps beating keeps its lease."""
+    import dataclasses
+
+    served.dispatcher.max_staleness = 1  # two leases may be outstanding
+    served.p = dataclasses.replace(served.p, heartbeat_timeout_s=0.6)
+    with Requester(served.replier.addr) as quiet, Requester(served.replier.addr) as busy:
+        lost = quiet.request("work", {"sampler_id": "quiet", "incarnation": "i", "version": 0}, timeout_s=5)
+        kept = busy.request("work", {"sampler_id": "busy", "incarnation": "i", "version": 0}, timeout_s=5)
+        assert lost.kind == kept.kind == "lease"
+        for _ in range(8):  # 1.6 s of heartbeats from "busy" alone
+            assert busy.request("alive", {"sampler_id": "busy"}, timeout_s=5).kind == "ok"
+            time.sleep(0.2)
+        with served.lock:
+            assert list(served.dispatcher.outstanding) == [kept.meta["lease"]]
+            assert served.dispatcher.requeue == [lost.meta["rows"]] and served.dispatcher.expired == 1
+        again = busy.request("work", {"sampler_id": "busy", "incarnation": "i", "version": 0}, timeout_s=5)
+        assert again.kind == "lease" and again.meta["rows"] == lost.meta["rows"]
+
+
+def scored(rows: list[int], n: int, version: int = 0):
+    """A scored batch of n samples of each dataset row (tiny made-up tokens), as a sampler sends it."""
+    from alignrl.data.records import Rollout, ScoredBatch, Scores
+
+    b = len(rows) * n
+    ro = Rollout(torch.ones(b, 3, dtype=torch.long), torch.ones(b, 3, dtype=torch.bool), torch.ones(b, 2, dtype=torch.long),
+                 torch.ones(b, 2, dtype=torch.bool), torch.zeros(b, 2), torch.zeros(b, dtype=torch.bool),
+                 torch.arange(len(rows)).repeat_interleave(n))
+    return ScoredBatch(ro, Scores(torch.zeros(b), torch.zeros(b, dtype=torch.bool)), ro.response_mask.clone(),
+                       torch.zeros(b, 2), torch.tensor(rows).repeat_interleave(n), version, "s")
+
+
+def test_a_batch_that_does_not_answer_its_lease_is_skipped_and_its_rows_are_made_again(served, capsys):
+    """Checked before it counts as in training: a batch of other rows (or with a foreign field) is one line and
+    its lease's rows go back in the queue; the batch that answers the re-issued lease is trained."""
+    import dataclasses
+
+    from alignrl.dist.coordinator import PipelineError
+    from alignrl.dist.records_wire import KIND, to_wire
+    from alignrl.dist.zmq_link import Puller, Pusher
+
+    tok = SimpleNamespace(pad_token_id=0, decode=lambda ids: "p", batch_decode=lambda t, **_: ["r"] * len(t))
+    n = served.cfg.rollout.n
+    served.trainer = SimpleNamespace(version=0)
+    served.p = dataclasses.replace(served.p, peer_timeout_s=1.5)
+    served.puller = Puller("127.0.0.1", 0)
+    try:
+        with Requester(served.replier.addr) as req, Pusher(served.puller.addr) as push:
+            for break_it in (lambda rows: ([r + 1 for r in rows], {}), lambda rows: (rows, {"metrics": [1]})):
+                lease = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=5)
+                rows, extra = break_it(lease.meta["rows"])
+                meta, tensors = to_wire(scored(rows, n), tok, lease=lease.meta["lease"])
+                push.send(KIND, {**meta, **extra}, tensors, timeout_s=5)
+                with pytest.raises(PipelineError, match="no sampler delivered a batch for step 1"):
+                    served._receive(1)
+                with served.lock:
+                    assert served.dispatcher.requeue == [lease.meta["rows"]] and not served.dispatcher.outstanding
+            assert served.counters["malformed"] == 2
+            said = capsys.readouterr().out
+            assert "the batch does not answer its lease: it holds" in said and "metrics of type list" in said
+            lease = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=5)
+            assert lease.meta["rows"] == rows  # the same rows, leased again
+            meta, tensors = to_wire(scored(rows, n), tok, lease=lease.meta["lease"])
+            push.send(KIND, meta, tensors, timeout_s=5)
+            _, _, batch = served._receive(1)
+            assert batch.prompt_index.tolist() == [r for r in rows for _ in range(n)]
+            assert served.dispatcher.outstanding[lease.meta["lease"]].in_training
+    finally:
+        served.puller.close()
+
+
+def test_a_samplers_heartbeat_hears_that_the_run_is_over(served):
+    """A sampler generating when the run ends learns it from its heartbeat (answered "ok" until then), within the
+    few seconds a finished trainer keeps answering, and drops its batch instead of waiting --peer-timeout."""
+    from alignrl.dist.sampler import BEAT_S, Heartbeat
+
+    beat = Heartbeat(served.replier.addr, "", {"sampler_id": "s", "proc": "p"})
+    try:
+        time.sleep(2.5 * BEAT_S)
+        assert not beat.over.is_set() and "s#p" in served.seen
+        served.say_done = True
+        served.stop.set()
+        assert beat.over.wait(3 * BEAT_S)
+    finally:
+        beat.close()

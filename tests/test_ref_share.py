@@ -10,7 +10,7 @@ from alignrl.data.records import ScoredBatch, Scores
 from alignrl.dist.coordinator import PipelineError, shard_groups
 from alignrl.dist.env import DistEnv
 from alignrl.dist.records_wire import from_wire, to_wire
-from alignrl.dist.sampler import ref_groups
+from alignrl.dist.sampler import lease_of, ref_groups
 from alignrl.dist.ref_share import RefShare, sampler_needs_ref, trainer_needs_ref
 from alignrl.dist.wire import Message, WireError
 from alignrl.interfaces import SamplingParams
@@ -113,3 +113,12 @@ def test_bad_reference_rows_get_one_line(made):
     assert ref_groups({}, GROUPS) is None and ref_groups({"ref_groups": 0}, GROUPS) == 0
     none_needed = RefShare(cfg("balance", 1, "actor.use_kl_loss=false"), ref=None)
     assert none_needed.complete(batch_with(ro, None))[0].ref_logprobs is None
+
+
+def test_a_malformed_lease_is_one_line():
+    good = {"number": 3, "rows": [1, 2], "lease": "i:3"}
+    assert lease_of(Message("lease", good)) == (3, [1, 2], "i:3")
+    for kind, meta in (("lease", {**good, "number": "3"}), ("lease", {**good, "rows": None}),
+                       ("lease", {**good, "rows": [1.5]}), ("lease", {"number": 3, "rows": [1]}), ("surprise", good)):
+        with pytest.raises(PipelineError, match=f"malformed {kind!r}: run the same alignrl version"):
+            lease_of(Message(kind, meta))

@@ -216,6 +216,10 @@ class PipelineConfig:
                                 "0 is strictly on-policy", ge=0)
     lease_timeout_s: float = opt(600.0, "zmq: prompts handed to a sampler that sends no batch in this time go "
                                         "to another sampler", gt=0.0)
+    heartbeat_timeout_s: float = opt(20.0, "zmq: prompts leased to a sampler process the trainer has not heard from "
+                                            "(samplers signal every second, also while they generate) in this "
+                                            "time go to another sampler: a killed sampler's prompts are made "
+                                            "again within seconds, not after lease_timeout_s", gt=0.0)
     peer_timeout_s: float = opt(600.0, "zmq: the trainer waits this long for a batch, a sampler this long for the "
                                        "trainer, before stopping with a one-line error", gt=0.0)
     hwm: int = opt(2, "zmq: batches queued per socket at most (bounds memory)", ge=1)

@@ -27,12 +27,12 @@ from alignrl.data.records import ScoredBatch
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist.board import WeightBoard
 from alignrl.dist.cores import CoreLedger, ThreadLoan
-from alignrl.dist.dispatch import Dispatcher
+from alignrl.dist.dispatch import Dispatcher, Lease
 from alignrl.dist.env import DistEnv, all_reduce_sum, broadcast_frames
 from alignrl.dist.records_wire import from_wire
 from alignrl.dist.ref_share import RefShare, trainer_needs_ref
 from alignrl.dist.shared_weights import host_id
-from alignrl.dist.wire import WireError, decode
+from alignrl.dist.wire import Message, WireError, decode
 from alignrl.dist.zmq_link import InsecureBind, Puller, Replier, token_from_env
 from alignrl.train.actor import Actor
 from alignrl.train.checkpoint import atomic_write_text
@@ -72,6 +72,7 @@ class Coordinator:
         self.puller: Puller | None = None
         self.replier: Replier | None = None
         self.parked: dict[bytes, tuple[dict, float]] = {}  # work requests waiting for a lease (sync thread)
+        self.seen: dict[str, float] = {}  # when each sampler process was last heard from (sync thread)
         self.delivered = 0  # steps this trainer has received batches for (resumed from checkpoints)
         self.cores = CoreLedger(None, "", False)  # pipeline.lend_cores: set up with the policy (sink)
 
@@ -142,12 +143,12 @@ class Coordinator:
         if not self.started:
             self._start()
         t0 = time.perf_counter()
-        frames = self._receive(step) if self.env.is_main else None
+        frames, msg, batch = self._receive(step) if self.env.is_main else (None, None, None)
         if self.env.distributed:
             frames = broadcast_frames(frames, self.env)
-        msg = decode(frames, self.token)
-        batch = from_wire(msg)
-        self.ref_share.check(batch)
+        if batch is None:  # the other ranks: rank 0 has checked these frames
+            msg = decode(frames, self.token)
+            batch = from_wire(msg)
         waited, sampler_wait = time.perf_counter() - t0, float(msg.meta.get("wait_s", 0.0))
         with self.lock:
             depth = len(self.dispatcher.outstanding) if self.dispatcher else 0
@@ -162,14 +163,17 @@ class Coordinator:
                               "pipeline/ref_groups_sampler": float(self.ref_share.groups),  # the next lease's
                               "pipeline/queue_depth": float(depth),
                               "pipeline/publish_s": self.board.publish_s,
+                              "pipeline/leases_expired": float(self.dispatcher.expired),
                               **{f"pipeline/{k}": float(v) for k, v in self.counters.items()},
                               **{f"pipeline/staleness_{k}": float(v) for k, v in self.staleness_hist.items()}})
         batch, ref_metrics = self.ref_share.complete(shard_groups(batch, self.env))
         batch.metrics.update(ref_metrics)
         return batch
 
-    def _receive(self, step: int) -> list:
-        """Frames of the next acceptable batch (rank 0): a known lease, within the staleness bound."""
+    def _receive(self, step: int) -> tuple[list, Message, ScoredBatch]:
+        """The next acceptable batch (rank 0), as frames and parsed: a known lease, within the staleness bound,
+        its rows those of the lease. One that is not (stale, or malformed) gives its lease's rows back to the
+        queue, so that another sampler makes them."""
         deadline = time.monotonic() + self.p.peer_timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -185,19 +189,45 @@ class Coordinator:
                 msg = decode(raw, self.token)
                 version, lease_id = msg.meta.get("version"), str(msg.meta.get("lease"))
             except WireError as e:
-                self.counters["malformed"] += 1
-                console.print(f"[yellow]pipeline: ignored a malformed message on the data port: {e}[/yellow]")
+                self._malformed(None, e)
                 continue
             with self.lock:
-                lease = self.dispatcher.take(lease_id)
-                if lease is None:
+                lease = self.dispatcher.outstanding.get(lease_id)
+                if lease is None or lease.in_training:
                     self.counters["dropped_unknown"] += 1  # expired, or granted before a trainer restart
                     continue
                 if not isinstance(version, int) or self.trainer.version - version > self.p.max_staleness:
                     self.dispatcher.refuse(lease_id)
                     self.counters["dropped_stale"] += 1
                     continue
-            return raw
+            try:
+                batch = self._parse(msg, lease)
+            except (WireError, TypeError, ValueError, AttributeError) as e:  # what a foreign batch raises
+                self._malformed(lease_id, e)
+                continue
+            with self.lock:
+                if self.dispatcher.take(lease_id) is None:  # expired while it was parsed
+                    self.counters["dropped_unknown"] += 1
+                    continue
+            return raw, msg, batch
+
+    def _parse(self, msg: Message, lease: Lease) -> ScoredBatch:
+        """The batch in `msg`, checked before it is trained: WireError if it does not answer `lease` whole."""
+        batch = from_wire(msg)
+        self.ref_share.check(batch)
+        float(msg.meta.get("wait_s", 0.0))
+        problem = lease.answered_by(batch.prompt_index.tolist(), batch.rollout.group.tolist(), self.cfg.rollout.n)
+        if problem:
+            raise WireError(f"the batch does not answer its lease: {problem}")
+        return batch
+
+    def _malformed(self, lease_id: str | None, e: Exception) -> None:
+        """A batch that cannot be trained is skipped with one line; its lease's rows are handed out again."""
+        self.counters["malformed"] += 1
+        if lease_id is not None:
+            with self.lock:
+                self.dispatcher.refuse(lease_id)
+        console.print(f"[yellow]pipeline: ignored a malformed message on the data port: {e}[/yellow]")
 
     def _log_rows(self, step: int, batch: ScoredBatch, lease: str | None) -> None:
         """logs/prompts.jsonl: which dataset rows each step trained on (exactly-once accounting)."""
@@ -245,15 +275,33 @@ class Coordinator:
                     self.replier.reply_msg(e.peer, "error", {"message": str(e)})
                 got = None
             if got is not None:
-                self._answer(*got)
+                self._guarded(got[0], got[1].kind, self._answer, *got)
             for peer, (meta, since) in list(self.parked.items()):
-                if self._work(peer, meta, since):
+                if self._guarded(peer, "work", self._work, peer, meta, since) is not False:
                     del self.parked[peer]
             with self.lock:  # the cores of samplers that wait are the training thread's meanwhile
+                self.dispatcher.expire_lost(self.seen, time.monotonic(), self.p.heartbeat_timeout_s)
                 self.cores.update(self.dispatcher.outstanding)
+
+    def _guarded(self, peer: bytes, kind: str, answer, *args):
+        """`answer(*args)`; a request whose fields are not what this version sends is answered with one line
+        instead of ending the sync thread (which would leave every sampler unanswered)."""
+        try:
+            return answer(*args)
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            self.replier.reply_msg(peer, "error", {"message": f"malformed {kind!r} request ({type(e).__name__}: {e}): "
+                                                              "run the same alignrl version on both sides"})
+            return None
 
     def _answer(self, peer: bytes, msg) -> None:
         meta = msg.meta
+        self.seen[process_of(meta)] = time.monotonic()
+        if msg.kind == "alive":  # a sampler's heartbeat, also sent while it generates
+            if not self.stop.is_set():
+                self.replier.reply_msg(peer, "ok", {})
+            elif self.say_done:  # a sampler still generating when the run ended stops without its batch
+                self.replier.reply_msg(peer, "done", {})
+            return
         if msg.kind == "hello":
             problem = self._check_model(meta.get("manifest"))
             if problem is None:
@@ -300,10 +348,11 @@ class Coordinator:
             if time.monotonic() - since < PARK_S:
                 return False
             self.replier.reply_msg(peer, "wait", {"retry_s": 0.0})
-        else:
-            self.replier.reply_msg(peer, "lease", {"lease": lease.id, "number": lease.number, "rows": lease.rows,
-                                                   "version": lease.version, "incarnation": self.incarnation,
-                                                   "ref_groups": ref_groups, "threads": lend})
+        elif not self.replier.reply_msg(peer, "lease", {"lease": lease.id, "number": lease.number, "rows": lease.rows,
+                                                        "version": lease.version, "incarnation": self.incarnation,
+                                                        "ref_groups": ref_groups, "threads": lend}):
+            with self.lock:  # the sampler is gone: its rows go to the next one at once
+                self.dispatcher.refuse(lease.id)
         return True
 
     def _check_model(self, manifest) -> str | None:

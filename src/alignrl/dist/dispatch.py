@@ -29,6 +29,17 @@ class Lease:
     granted_at: float
     in_training: bool = False  # its batch arrived; it stays outstanding until the update is published
 
+    def answered_by(self, prompt_index: list[int], group: list[int], n: int) -> str | None:
+        """What keeps a batch (its rows' prompt indices and group ids) from answering this lease, or None: n
+        samples of each leased row, one group per row, so that nothing is trained twice or lost."""
+        rows, want = sorted(prompt_index), sorted(r for r in self.rows for _ in range(n))
+        if rows != want:
+            return (f"it holds {len(rows)} samples of rows {sorted(set(rows))[:8]}, but lease {self.id} is for "
+                    f"{n} samples of each of rows {sorted(self.rows)[:8]}")
+        if any(not 0 <= g < len(self.rows) for g in group):
+            return f"its group ids run outside 0..{len(self.rows) - 1}"
+        return None
+
 
 class Dispatcher:
     def __init__(self, sampler: BatchSampler, max_staleness: int, lease_timeout_s: float, incarnation: str):
@@ -58,6 +69,16 @@ class Dispatcher:
             self.refuse(lease.id)
             self.expired += 1
         return old
+
+    def expire_lost(self, last_seen: dict[str, float], now: float, timeout_s: float) -> list[Lease]:
+        """Leases of sampler processes not heard from in `timeout_s` (killed, or cut off): their rows go back
+        in the queue long before lease_timeout_s, which bounds a sampler that is alive but never delivers."""
+        lost = [lease for lease in self.outstanding.values()
+                if not lease.in_training and now - last_seen.get(lease.sampler, lease.granted_at) > timeout_s]
+        for lease in lost:
+            self.refuse(lease.id)
+            self.expired += 1
+        return lost
 
     def take(self, lease_id: str) -> Lease | None:
         """The lease a batch answers, now in training; None if it is unknown (expired, or granted before a

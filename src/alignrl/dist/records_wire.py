@@ -65,6 +65,9 @@ def from_wire(msg: Message) -> ScoredBatch:
     missing = [k for k in REQUIRED if k not in t]
     if missing:
         raise WireError(f"scored batch lacks tensor(s) {', '.join(missing)}: the sampler runs another alignrl version")
+    for name in ("prefix_token_ids", "generated_token_ids"):
+        if t[name].dim() != 2:
+            raise WireError(f"scored batch tensor {name!r} has shape {list(t[name].shape)}, expected [rows, tokens]")
     b = int(t["reward"].shape[0]) if t["reward"].dim() == 1 else -1
     p, r = (t["prefix_token_ids"].shape[-1], t["generated_token_ids"].shape[-1])
     want = {"prefix_token_ids": (b, p), "prefix_mask": (b, p), "generated_token_ids": (b, r), "generated_mask": (b, r),
@@ -88,6 +91,8 @@ def from_wire(msg: Message) -> ScoredBatch:
                  c["group"].long(), loss_mask=c["policy_mask"].bool() if "policy_mask" in c else None)
     scores = Scores(c["reward"].float(), c["correct"].bool(), opt("cost"), opt("baseline"))
     metrics = msg.meta.get("metrics") or {}
+    if not isinstance(metrics, dict):
+        raise WireError(f"scored batch has metrics of type {type(metrics).__name__}, not a map of names to numbers")
     return ScoredBatch(ro, scores, c["loss_mask"].bool(), opt("ref_policy_log_probs"), c["prompt_index"].long(),
                        version, str(msg.meta.get("sampler_id", "?")),
                        {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})

@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
@@ -35,6 +36,34 @@ from alignrl.rollout.hf_engine import HFRolloutEngine
 from alignrl.utils.tracking import console
 
 PROG = "alignrl sample"
+BEAT_S = 1.0  # heartbeat period; the trainer's pipeline.heartbeat_timeout_s spans many of them
+WIRE_BYTES_PER_S = 50 << 20  # the slowest link a weights reply is given time for (a 15 GB model: 5 min)
+
+
+class Heartbeat:
+    """Tells the trainer every BEAT_S, from a thread and socket of its own, that this sampler process lives,
+    so that a generation of any length keeps its lease while a killed sampler's lease goes to another sampler
+    after pipeline.heartbeat_timeout_s. `over` is set when the trainer answers "done": its run ended while
+    this sampler was generating, and the batch is no longer wanted."""
+
+    def __init__(self, addr: str, token: str, meta: dict):
+        self.over, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(addr, token, meta), name="alignrl-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def _beat(self, addr: str, token: str, meta: dict) -> None:
+        with Requester(addr, token=token) as req:  # made, used and closed in this thread
+            while not self._stop.wait(BEAT_S):
+                try:
+                    if req.request("alive", meta, timeout_s=2 * BEAT_S).kind == "done":
+                        self.over.set()
+                except (PeerTimeout, WireError):
+                    pass  # the trainer is away: the main loop waits for it (--peer-timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 class Sampler:
@@ -58,18 +87,25 @@ class Sampler:
         self.unmappable = None  # the trainer incarnation whose buffers this process failed to map
         # the cores this process keeps busy, which a CPU trainer borrows while it waits (pipeline.lend_cores)
         self.threads = torch.get_num_threads() if self.device.type == "cpu" else 0
+        # a work request may be answered with the whole weights, which arrive only once every frame has
+        nbytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        self.work_timeout = 5.0 + nbytes / WIRE_BYTES_PER_S
+        self.beat = Heartbeat(self.sync.addr, self.token, {"sampler_id": self.id, "proc": self.proc})
 
     @property
     def device(self) -> torch.device:
         gpu = self.args.gpu_id
         return torch.device("cuda", gpu if gpu is not None else 0) if torch.cuda.is_available() else torch.device("cpu")
 
-    def ask(self, kind: str, meta: dict):
-        """One request, retried while the trainer is absent (up to --peer-timeout)."""
+    def ask(self, kind: str, meta: dict, timeout_s: float = 5.0):
+        """One request, retried while the trainer is absent (up to --peer-timeout); "done" once the heartbeat
+        heard it."""
         deadline = time.monotonic() + self.args.peer_timeout
         while True:
+            if self.beat.over.is_set():
+                return Message("done", {})
             try:
-                return self.sync.request(kind, meta, timeout_s=min(5.0, self.args.peer_timeout))
+                return self.sync.request(kind, meta, timeout_s=min(timeout_s, self.args.peer_timeout))
             except PeerTimeout:
                 if time.monotonic() > deadline:
                     raise PipelineError(f"no trainer answered on {self.sync.addr} for {self.args.peer_timeout:g} s: "
@@ -82,6 +118,9 @@ class Sampler:
                                    "can_map": self.can_map})
         if reply.kind == "error":
             raise PipelineError(f"trainer refused this sampler: {reply.meta.get('message')}")
+        if reply.kind != "welcome" or not isinstance(reply.meta.get("config"), str):
+            raise PipelineError(f"the trainer answered hello with {reply.kind!r} and no run config: run the same "
+                                "alignrl version on both sides")
         dtypes = reply.meta.get("dtypes")
         self.take_dtypes(dtypes if isinstance(dtypes, dict) else {})
         overrides = [f"model.path={self.args.model_path}"]
@@ -132,6 +171,7 @@ class Sampler:
         try:
             return self._run()
         finally:  # unmapped before the trainer exits: its CUDA IPC buffers are then released without a warning
+            self.beat.close()
             self.shared.close()
 
     def _run(self) -> int:
@@ -150,8 +190,8 @@ class Sampler:
         while True:
             t0 = time.perf_counter()
             reply = self.ask("work", {"sampler_id": self.id, "proc": self.proc, "incarnation": self.incarnation,
-                                      "threads": self.threads,
-                                      "version": self.version, "can_map": self.can_map})
+                                      "threads": self.threads, "version": self.version, "can_map": self.can_map},
+                             self.work_timeout)
             if reply.kind == "done":
                 self.shared.close()
                 console.print(f"sampler {self.id}: the trainer finished; {made} batches made")
@@ -166,16 +206,30 @@ class Sampler:
                 time.sleep(float(reply.meta.get("retry_s", 0.05)))
                 waited += time.perf_counter() - t0
                 continue
+            number, leased, lease_id = lease_of(reply)
             with borrowed(self.threads, reply.meta.get("threads")):
-                batch = maker.make(int(reply.meta["number"]), list(reply.meta["rows"]), rows, self.version,
+                batch = maker.make(number, leased, rows, self.version,
                                    ref_groups=ref_groups(reply.meta, cfg.data.train_batch_size))
+            if self.beat.over.is_set():  # the run ended meanwhile: nobody trains this batch
+                continue
             batch.sampler_id = self.id
-            meta, tensors = to_wire(batch, self.tokenizer, lease=reply.meta["lease"], wait_s=waited)
+            meta, tensors = to_wire(batch, self.tokenizer, lease=lease_id, wait_s=waited)
             try:
                 push.send(KIND, meta, tensors, timeout_s=min(30.0, self.args.peer_timeout))
                 made, waited = made + 1, 0.0
             except PeerTimeout as e:  # the trainer is gone: its lease dies with it; ask the next one for work
                 console.print(f"[yellow]sampler {self.id}: batch dropped: {e}[/yellow]")
+
+
+def lease_of(reply: Message) -> tuple[int, list[int], str]:
+    """(seed number, dataset rows, lease id) of a "lease" reply; PipelineError for any other reply."""
+    m = reply.meta
+    number, rows, lease = m.get("number"), m.get("rows"), m.get("lease")
+    if (reply.kind != "lease" or type(number) is not int or not isinstance(rows, list)
+            or not all(type(r) is int for r in rows) or not isinstance(lease, str)):
+        raise PipelineError(f"the trainer answered a work request with a malformed {reply.kind!r}: run the same "
+                            "alignrl version on both sides")
+    return number, rows, lease
 
 
 def ref_groups(lease: dict, groups: int) -> int | None:
