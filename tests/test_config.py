@@ -105,6 +105,8 @@ def test_example_configs_load():
     assert examples
     for f in examples:
         load_config(f)
+    dr = load_config(Path(__file__).parents[1] / "examples" / "dr_grpo.yaml")  # both halves of Dr.GRPO
+    assert not dr.algorithm.norm_adv_by_std_in_grpo and dr.actor.loss_agg_mode == "seq-mean-token-sum-norm"
 
 
 def test_help_lists_subcommands():

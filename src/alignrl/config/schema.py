@@ -92,8 +92,11 @@ class ActorConfig:
                                            "--micro_rollout_batch_size, verl's *.log_prob_micro_batch_size_per_gpu",
                                         ge=0)
     ppo_epochs: int = opt(1, "passes over each rollout batch", ge=1)
-    clip_ratio_low: float = opt(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0.0, le=1.0)
-    clip_ratio_high: float = opt(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher uses 0.28)", ge=0.0)
+    clip_ratio_low: float = opt(0.2, "PPO clip: ratio >= 1 - clip_ratio_low (GSPO's paper: 3e-4 on its "
+                                                "sequence ratio; CISPO: 1.0, no lower bound on the IS weight)",
+                                ge=0.0, le=1.0)
+    clip_ratio_high: float = opt(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher and CISPO use "
+                                                  "0.28; GSPO's paper 4e-4)", ge=0.0)
     policy_loss: str = opt("ppo_clip", "ppo_clip (PPO / DAPO clip-higher / dual-clip), gspo (sequence-level "
                                        "ratio), cispo (clipped IS weight, stop-gradient)",
                            choices=("ppo_clip", "gspo", "cispo"))
@@ -139,7 +142,8 @@ class AlgorithmConfig:
                                       "gae"))
     gamma: float = opt(1.0, "discount of GAE and REINFORCE++ returns", ge=0.0, le=1.0)
     lam: float = opt(1.0, "GAE lambda", ge=0.0, le=1.0)
-    norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false gives Dr.GRPO")
+    norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false, with actor.loss_agg_mode="
+                                                      "seq-mean-token-sum-norm, gives Dr.GRPO")
     use_kl_in_reward: bool = opt(False, "subtract kl_coef × KL(policy || reference) from every token's reward "
                                         "(InstructGPT-style), instead of or beside actor.use_kl_loss")
     kl_penalty: str = opt("k1", "KL estimator of the reward penalty (verl aliases: kl=k1, mse=k2, low_var_kl=k3)",
