@@ -94,6 +94,23 @@ class WeightBoard:
             self.via = {k: (key, "zmq") for k, (key, _) in self.via.items()}
 
     # --- the sync thread, under the lock ---------------------------------------------------------------
+    def check_model(self, manifest) -> str | None:
+        """What keeps a sampler's model (its hello's manifest: name -> [shape, dtype]) from taking these
+        weights, or None."""
+        mine = self.manifest
+        if not isinstance(manifest, dict):
+            return "hello without a model manifest: the sampler runs another alignrl version"
+        theirs = {k: [list(v[0]), v[1]] for k, v in manifest.items()}
+        if theirs.keys() != mine.keys():
+            extra, missing = sorted(theirs.keys() - mine.keys()), sorted(mine.keys() - theirs.keys())
+            return (f"the sampler's model has other parameters than the trainer's ({len(missing)} missing, e.g. "
+                    f"{(missing or extra)[0]!r}): start it with the trainer's --model-path")
+        for k, v in mine.items():  # shapes only: the welcome tells the sampler the trainer's dtypes
+            if theirs[k][0] != v[0]:
+                return (f"the sampler's model differs from the trainer's at {k!r} (shape {theirs[k][0]} vs {v[0]}): "
+                        "start it with the trainer's --model-path")
+        return None
+
     def admit(self, sampler: str, can_map: object) -> str | None:
         """Decides how `sampler` receives weights, from what it says of its host and devices (`can_map` of its
         hello and work requests: {"shared": bool, "host": host_id(), "cuda": [device uuids]}), again whenever that

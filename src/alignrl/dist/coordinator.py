@@ -303,7 +303,7 @@ class Coordinator:
                 self.replier.reply_msg(peer, "done", {})
             return
         if msg.kind == "hello":
-            problem = self._check_model(meta.get("manifest"))
+            problem = self.board.check_model(meta.get("manifest"))
             if problem is None:
                 with self.lock:
                     problem = self.board.admit(process_of(meta), meta.get("can_map"))
@@ -354,21 +354,6 @@ class Coordinator:
             with self.lock:  # the sampler is gone: its rows go to the next one at once
                 self.dispatcher.refuse(lease.id)
         return True
-
-    def _check_model(self, manifest) -> str | None:
-        mine = self.board.manifest
-        if not isinstance(manifest, dict):
-            return "hello without a model manifest: the sampler runs another alignrl version"
-        theirs = {k: [list(v[0]), v[1]] for k, v in manifest.items()}
-        if theirs.keys() != mine.keys():
-            extra, missing = sorted(theirs.keys() - mine.keys()), sorted(mine.keys() - theirs.keys())
-            return (f"the sampler's model has other parameters than the trainer's ({len(missing)} missing, e.g. "
-                    f"{(missing or extra)[0]!r}): start it with the trainer's --model-path")
-        for k, v in mine.items():  # shapes only: the welcome tells the sampler the trainer's dtypes
-            if theirs[k][0] != v[0]:
-                return (f"the sampler's model differs from the trainer's at {k!r} (shape {theirs[k][0]} vs {v[0]}): "
-                        "start it with the trainer's --model-path")
-        return None
 
 
 def shard_groups(batch: ScoredBatch, env: DistEnv) -> ScoredBatch:
