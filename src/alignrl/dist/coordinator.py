@@ -202,7 +202,7 @@ class Coordinator:
                     continue
             try:
                 batch = self._parse(msg, lease)
-            except (WireError, TypeError, ValueError, AttributeError) as e:  # what a foreign batch raises
+            except (WireError, TypeError, ValueError, AttributeError, IndexError, KeyError) as e:  # a foreign batch
                 self._malformed(lease_id, e)
                 continue
             with self.lock:
@@ -215,7 +215,7 @@ class Coordinator:
         """The batch in `msg`, checked before it is trained: WireError if it does not answer `lease` whole."""
         batch = from_wire(msg)
         self.ref_share.check(batch)
-        float(msg.meta.get("wait_s", 0.0))
+        float(msg.meta.get("wait_s", 0.0))  # read by next_batch: a value of another kind fails here instead
         problem = lease.answered_by(batch.prompt_index.tolist(), batch.rollout.group.tolist(), self.cfg.rollout.n)
         if problem:
             raise WireError(f"the batch does not answer its lease: {problem}")
