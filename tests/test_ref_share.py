@@ -10,7 +10,7 @@ from alignrl.data.records import ScoredBatch, Scores
 from alignrl.dist.coordinator import PipelineError, shard_groups
 from alignrl.dist.env import DistEnv
 from alignrl.dist.records_wire import from_wire, to_wire
-from alignrl.dist.sampler import lease_of, ref_groups
+from alignrl.dist.sampler import lease_of, ref_groups, weights_timeout
 from alignrl.dist.ref_share import RefShare, sampler_needs_ref, trainer_needs_ref
 from alignrl.dist.wire import Message, WireError
 from alignrl.interfaces import SamplingParams
@@ -122,3 +122,8 @@ def test_a_malformed_lease_is_one_line():
                        ("lease", {**good, "rows": [1.5]}), ("lease", {"number": 3, "rows": [1]}), ("surprise", good)):
         with pytest.raises(PipelineError, match=f"malformed {kind!r}: run the same alignrl version"):
             lease_of(Message(kind, meta))
+
+
+def test_a_work_request_waits_long_enough_for_the_weights_it_may_bring():
+    assert 5.0 < weights_timeout(3_400_000) < 5.1  # the demo model: the few seconds that find a dead trainer
+    assert 250 < weights_timeout(15 * 10**9) < 300  # 7B in bf16 over a 50 MiB/s link

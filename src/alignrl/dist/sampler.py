@@ -87,9 +87,7 @@ class Sampler:
         self.unmappable = None  # the trainer incarnation whose buffers this process failed to map
         # the cores this process keeps busy, which a CPU trainer borrows while it waits (pipeline.lend_cores)
         self.threads = torch.get_num_threads() if self.device.type == "cpu" else 0
-        # a work request may be answered with the whole weights, which arrive only once every frame has
-        nbytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
-        self.work_timeout = 5.0 + nbytes / WIRE_BYTES_PER_S
+        self.work_timeout = weights_timeout(sum(t.numel() * t.element_size() for t in self.model.parameters()))
         self.beat = Heartbeat(self.sync.addr, self.token, {"sampler_id": self.id, "proc": self.proc})
 
     @property
@@ -219,6 +217,12 @@ class Sampler:
                 made, waited = made + 1, 0.0
             except PeerTimeout as e:  # the trainer is gone: its lease dies with it; ask the next one for work
                 console.print(f"[yellow]sampler {self.id}: batch dropped: {e}[/yellow]")
+
+
+def weights_timeout(nbytes: int) -> float:
+    """Seconds a work request waits for its answer, which may be the whole weights: ZeroMQ hands over a reply only
+    once every frame has arrived, so a fixed few seconds would cut off a large model's weights every time."""
+    return 5.0 + nbytes / WIRE_BYTES_PER_S
 
 
 def lease_of(reply: Message) -> tuple[int, list[int], str]:
