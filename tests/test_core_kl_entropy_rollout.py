@@ -50,6 +50,12 @@ def test_adaptive_kl_controller_hand_worked():
     restored = AdaptiveKLController(1.0, 6.0, 10000)
     restored.load_state_dict(c.state_dict())  # a resumed run continues from the saved coefficient
     assert restored.value == c.value
+    late = AdaptiveKLController(0.3, 6.0, 10000)
+    late.load_state_dict(None)  # the penalty turned on at the resume: it starts from its own coefficient
+    assert late.value == 0.3
+    changed = FixedKLController(0.2)
+    changed.load_state_dict(f.state_dict())  # a fixed coefficient changed at the resume is the new one
+    assert changed.value == 0.2
 
 
 # ---------------------------------------------------------------- chunked entropy

@@ -100,3 +100,23 @@ def test_killed_rank_ends_the_run_instead_of_hanging(tiny_model_dir, tmp_path):
     assert "SIGKILL" in r.stderr or "Signal 9" in r.stderr
     assert "rank 0: stopped because another rank failed" in r.stderr  # the survivor says why it stopped
     assert not (tmp_path / "weights.safetensors").exists()
+
+
+def test_a_zero_checkpoint_of_another_world_size_is_one_line(tmp_path):
+    """DeepSpeed refuses ZeRO optimizer state split over another number of ranks with a bare Exception; a resume
+    says it in one line. (Its message, from deepspeed/runtime/engine.py, is what the stand-in raises.)"""
+    from types import SimpleNamespace
+
+    from alignrl.train.engines.deepspeed import TAG, DeepSpeedConfigError, DeepSpeedEngine
+
+    (tmp_path / TAG).mkdir()
+
+    def load_checkpoint(*_, **__):
+        raise Exception("The checkpoint being loaded used a DP world size of 2 but the current world size is 1. "
+                        "Automatic adjustment of ZeRO's optimizer state partitioning with a new world size is not "
+                        "currently supported.")
+
+    engine = DeepSpeedEngine.__new__(DeepSpeedEngine)
+    engine.module = SimpleNamespace(load_checkpoint=load_checkpoint)
+    with pytest.raises(DeepSpeedConfigError, match="world size of 2 .* resume with as many processes as wrote it"):
+        engine.load_state(tmp_path)

@@ -258,6 +258,25 @@ def test_kl_in_reward_with_adaptive_controller(estimator, tiny_model_dir, tmp_pa
     assert state["trainer"]["kl_ctrl"]["value"] == pytest.approx(coef)
 
 
+def test_a_resume_may_turn_on_a_kl_penalty_but_not_change_the_placement(tiny_model_dir, tmp_path):
+    """The KL controller of a run saved without one starts from its config; a checkpoint of the in-process loop
+    resumed under pipeline.placement=zmq (whose data order is kept as leases) is one line, not a KeyError."""
+    from alignrl.dist.launch import free_ports
+
+    train_grpo(load_config(None, _overrides(tiny_model_dir, tmp_path, "late", 2, 2)))
+    on = _overrides(tiny_model_dir, tmp_path, "late", 3, 3) + [
+        "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl_type=adaptive", "algorithm.kl_coef=0.1"]
+    train_grpo(load_config(None, on))
+    rows = [json.loads(x) for x in (tmp_path / "late" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[3]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.1)
+    ports = free_ports(2)
+    zmq = _overrides(tiny_model_dir, tmp_path, "late", 4, 4) + [
+        "pipeline.placement=zmq", f"pipeline.data_port={ports[0]}", f"pipeline.sync_port={ports[1]}"]
+    with pytest.raises(ConfigError, match="was written under another pipeline.placement") as e:
+        train_grpo(load_config(None, zmq))
+    assert "\n" not in str(e.value)
+
+
 def test_reward_model_folder_is_the_reward(tiny_model_dir, tmp_path):
     """algorithm.reward_model=DIR (an `alignrl train rm` folder): its scores are the rewards the loop trains on."""
     from transformers import AutoModelForSequenceClassification
@@ -295,6 +314,29 @@ def test_metrics_of_steps_trained_again_or_of_an_earlier_run_are_kept_aside(tmp_
     assert (logs / "metrics.jsonl").read_text() == ""
     aside = sorted(p.read_text() for p in logs.glob("metrics.*.jsonl"))
     assert aside == sorted([old, "".join(old.splitlines(True)[:3])]), aside
+
+
+def test_a_line_a_kill_left_torn_does_not_stop_the_resume_and_a_fresh_start_keeps_tensorboard_apart(tmp_path):
+    """A run killed mid-append leaves half a line: the resume keeps every whole row up to its step and the torn
+    file aside. A fresh start moves the earlier run's TensorBoard events aside (TensorBoard would draw the two
+    runs as one curve); a resume keeps them (purge_step drops the steps trained again)."""
+    import json
+
+    from alignrl.utils.tracking import Tracker
+
+    logs = tmp_path / "logs"
+    first = Tracker(logs, ["jsonl", "tensorboard"])
+    for step in range(4):
+        first.log(step, {"reward/mean": step / 10})
+    first.close()
+    torn = (logs / "metrics.jsonl").read_text() + '{"step": 4, "reward/me'
+    (logs / "metrics.jsonl").write_text(torn)
+    Tracker(logs, ["jsonl", "tensorboard"], resume_step=3).close()
+    assert [json.loads(x)["step"] for x in (logs / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    assert [p.read_text() for p in logs.glob("metrics.*.jsonl")] == [torn]
+    assert not list(logs.glob("tensorboard.*"))
+    Tracker(logs, ["jsonl", "tensorboard"]).close()
+    assert [len(list(p.glob("events.*"))) for p in logs.glob("tensorboard.*")] == [2]  # the first run and its resume
 
 
 def test_the_header_names_what_the_run_trains():

@@ -283,6 +283,11 @@ def test_wandb_sink_writes_an_offline_run(tmp_path, monkeypatch):
     runs = list((log_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and b"reward/mean" in runs[0].read_bytes() and b"Search-R1-release" in runs[0].read_bytes()
     assert json.loads((log_dir / "metrics.jsonl").read_text()) == {"step": 1, "reward/mean": 0.25}
+    first_id = (log_dir / "wandb_id.txt").read_text()
+    Tracker(log_dir, ["wandb"], resume_step=1).close()  # a resume continues the wandb run
+    assert (log_dir / "wandb_id.txt").read_text() == first_id
+    Tracker(log_dir, ["wandb"]).close()  # a fresh start begins its own: wandb drops steps below a run's highest
+    assert (log_dir / "wandb_id.txt").read_text() != first_id
     monkeypatch.setenv("WANDB_MODE", "bogus")  # wandb refuses to start: one line, no traceback
     with pytest.raises(ConfigError, match="wandb could not start in bogus mode") as e:
         Tracker(tmp_path / "run2" / "logs", ["wandb"])

@@ -134,6 +134,11 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     start_step, state = 0, {}
     if resume:
         state = load_trainer_state(resume)
+        if set(state["source"]) != set(source.state_dict()):  # inline/Ray and zmq keep different data-order state
+            source.close(False)
+            raise ConfigError(f"{resume} was written under another pipeline.placement (its data-order state holds "
+                              f"{sorted(state['source'])}): resume with the placement that wrote it, or set "
+                              "trainer.resume_mode=disable to start afresh")
         source.load_state_dict(state["source"])
         trainer.load_state_dict(state["trainer"])
         set_rng_state(state["rng"])

@@ -98,8 +98,8 @@ class PolicyTrainer:
         self.version = int(state["version"])
         self.nonfinite_streak = int(state["nonfinite_streak"])  # a resumed run keeps counting
         if self.kl_ctrl is not None:
-            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        if self.critics is not None and self.critics.lagrangian is not None:
+            self.kl_ctrl.load_state_dict(state.get("kl_ctrl"))  # None: the penalty is new at this resume
+        if self.critics is not None and self.critics.lagrangian is not None and state.get("lagrangian") is not None:
             self.critics.lagrangian.load_state_dict(state["lagrangian"])
 
     def train(self, step: int, batch: ScoredBatch) -> dict[str, float]:

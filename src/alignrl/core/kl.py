@@ -42,10 +42,10 @@ class FixedKLController:
         pass
 
     def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
+        return {}  # nothing moves: a resumed run takes its coefficient from its own config, changed or not
 
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = float(state["value"])
+    def load_state_dict(self, state: dict[str, float] | None) -> None:
+        pass
 
 
 class AdaptiveKLController(FixedKLController):
@@ -62,6 +62,14 @@ class AdaptiveKLController(FixedKLController):
         super().__init__(init_kl_coef)
         self.target = float(target_kl)
         self.horizon = float(horizon)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float] | None) -> None:
+        """The coefficient reached so far; none saved (the run had no KL penalty until now): the initial one."""
+        if state and "value" in state:
+            self.value = float(state["value"])
 
     def update(self, current_kl: float, n_steps: int) -> None:
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)

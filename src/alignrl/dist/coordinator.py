@@ -36,7 +36,7 @@ from alignrl.dist.wire import Message, WireError, decode
 from alignrl.dist.zmq_link import InsecureBind, Puller, Replier, token_from_env
 from alignrl.train.actor import Actor
 from alignrl.train.checkpoint import atomic_write_text
-from alignrl.utils.tracking import console
+from alignrl.utils.tracking import aside, console, json_rows
 
 PARK_S = 0.5  # longest a work request waits for a lease before it is answered "wait"
 
@@ -117,7 +117,11 @@ class Coordinator:
         return None
 
     def _start(self) -> None:
-        """Publish the starting weights (after any resume) and begin answering samplers."""
+        """Publish the starting weights (after any resume) and begin answering samplers. A fresh start moves an
+        earlier run's prompts.jsonl aside: the file accounts for this run's steps alone."""
+        path = self.log_dir / "prompts.jsonl"
+        if self.env.is_main and self.delivered == 0 and path.is_file():
+            path.rename(aside(path))
         self.board.publish(self.trainer.version)
         self.started = True
         if self.env.is_main:
@@ -127,15 +131,15 @@ class Coordinator:
     def close(self, finished: bool) -> None:
         """Releases the ports. A finished run first tells samplers it is over (they ask within a second or
         two) and they exit; a run that stopped early (an error, Ctrl-C) says nothing, so that samplers wait
-        for the restarted trainer (up to their --peer-timeout) as they do after a kill -9."""
-        if self.thread is None:
-            return
-        self.say_done = finished
-        self.stop.set()
-        self.thread.join(timeout=10)
-        self.puller.close()
-        self.replier.close()
-        self.board.close()
+        for the restarted trainer (up to their --peer-timeout) as they do after a kill -9. A run that stops before
+        its first batch (a mistake found at its resume, say) frees the ports too."""
+        if self.thread is not None:
+            self.say_done = finished
+            self.stop.set()
+            self.thread.join(timeout=10)
+        for part in (self.puller, self.replier, self.board):
+            if part is not None:
+                part.close()
 
     # --- BatchSource ---------------------------------------------------------------------------------
     def next_batch(self, step: int) -> ScoredBatch:
@@ -248,9 +252,9 @@ class Coordinator:
             self.dispatcher.load_state_dict(state["dispatch"])
         self.delivered = int(state["step"])
         path = self.log_dir / "prompts.jsonl"
-        if self.env.is_main and path.is_file():
-            keep = [x for x in path.read_text().splitlines() if x and json.loads(x)["step"] <= self.delivered]
-            atomic_write_text(path, "".join(k + "\n" for k in keep))
+        if self.env.is_main and path.is_file():  # a line a kill left torn goes with the steps after the checkpoint
+            keep = [r for r in json_rows(path.read_text()) if r.get("step", 0) <= self.delivered]
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
     # --- the sync port (server thread, rank 0) --------------------------------------------------------
     def _published(self, version: int) -> None:

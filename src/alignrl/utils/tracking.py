@@ -2,7 +2,9 @@
 
 `metrics.jsonl` is append-only during a run; on resume, lines past the checkpoint's step are
 dropped (rewritten atomically) so a resumed run never shows the same step twice, and a fresh start
-begins an empty file. Whatever is dropped is first kept aside, whole, as `metrics.<time>.jsonl`.
+begins an empty file. Whatever is dropped is first kept aside, whole, as `metrics.<time>.jsonl`; so is a
+line a killed run left torn. A fresh start also moves an earlier run's TensorBoard events aside and
+begins a wandb run of its own.
 """
 
 from __future__ import annotations
@@ -30,14 +32,33 @@ _CONSOLE_KEYS = {"reward/mean": "reward", "reward/accuracy": "acc", "val/accurac
                  "response/length_mean": "len", "perf/tokens_per_s": "tok/s", "timing/step": "s/step"}
 
 
+def aside(path: Path) -> Path:
+    """Where to keep an earlier `path` (metrics.jsonl, prompts.jsonl, tensorboard): path's name with the time
+    before its suffix, never an existing one."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    new, n = path.with_name(f"{path.stem}.{stamp}{path.suffix}"), 1
+    while new.exists():
+        n += 1
+        new = path.with_name(f"{path.stem}.{stamp}-{n}{path.suffix}")
+    return new
+
+
 def keep_aside(log_dir: Path, text: str) -> None:
     """`text` (an earlier metrics.jsonl) saved whole as metrics.<time>.jsonl, never over another one."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path, n = log_dir / f"metrics.{stamp}.jsonl", 1
-    while path.exists():
-        n += 1
-        path = log_dir / f"metrics.{stamp}-{n}.jsonl"
-    atomic_write_text(path, text)
+    atomic_write_text(aside(log_dir / "metrics.jsonl"), text)
+
+
+def json_rows(text: str) -> list[dict]:
+    """The JSON object lines of a log; a line a kill left torn (or any other that is not one) is skipped."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 class Tracker:
@@ -54,20 +75,23 @@ class Tracker:
             log_dir.mkdir(parents=True, exist_ok=True)
         if write and self.jsonl.exists():
             text = self.jsonl.read_text()
-            kept = [json.loads(line) for line in text.splitlines() if line.strip()]
+            kept = json_rows(text)
             # a fresh start (resume_step 0) logs its own step 0: the old run's rows all go
             self.history = [r for r in kept if r.get("step", 0) <= resume_step] if resume_step else []
-            if len(self.history) < len(kept):  # the steps this run trains again, or a whole earlier run
+            if len(self.history) < sum(1 for x in text.splitlines() if x.strip()):  # steps again, a run, torn lines
                 keep_aside(log_dir, text)
             atomic_write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in self.history))
         self.tb = None
         if "tensorboard" in self.sinks:
             from torch.utils.tensorboard import SummaryWriter
 
+            if not resume_step and (log_dir / "tensorboard").is_dir():  # TensorBoard would plot both runs as one
+                (log_dir / "tensorboard").rename(aside(log_dir / "tensorboard"))
+
             self.tb = SummaryWriter(str(log_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
         self.wandb = None
         if "wandb" in self.sinks:
-            self.wandb = start_wandb(log_dir, project, run_name or log_dir.parent.name, config)
+            self.wandb = start_wandb(log_dir, project, run_name or log_dir.parent.name, config, resume=resume_step > 0)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -146,13 +170,14 @@ def _netrc_text() -> str:
         return ""
 
 
-def start_wandb(log_dir: Path, project: str, run_name: str, config: Any) -> Any:
+def start_wandb(log_dir: Path, project: str, run_name: str, config: Any, resume: bool = False) -> Any:
     """A wandb run writing under `log_dir/wandb`; its id is kept in `log_dir` so a resumed run continues
-    the same wandb run. Offline runs are uploaded later with `wandb sync <log_dir>/wandb/offline-run-*`."""
+    the same wandb run, and a fresh start makes a new one (wandb drops steps below the highest it has).
+    Offline runs are uploaded later with `wandb sync <log_dir>/wandb/offline-run-*`."""
     import wandb
 
     id_file = log_dir / "wandb_id.txt"
-    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+    run_id = id_file.read_text().strip() if resume and id_file.exists() else uuid.uuid4().hex[:8]
     id_file.write_text(run_id + "\n")
     mode = wandb_mode()
     if dataclasses.is_dataclass(config):

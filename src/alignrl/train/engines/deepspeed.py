@@ -153,5 +153,12 @@ class DeepSpeedEngine:
     def load_state(self, folder: Path) -> bool:
         if not (folder / TAG).is_dir():
             return False
-        self.module.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        try:
+            self.module.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True,
+                                        load_lr_scheduler_states=True)
+        except Exception as e:  # DeepSpeed's ZeRORuntimeException is a bare Exception
+            if "world size" not in str(e):
+                raise
+            raise DeepSpeedConfigError(f"{folder}: {str(e).strip().splitlines()[0]} (its ZeRO optimizer state is "
+                                       "split per rank): resume with as many processes as wrote it") from None
         return True
