@@ -124,3 +124,19 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     assert freq[1] == 0 and freq[4] == 0  # zero-probability tokens are never drawn
     # 20000 draws: the standard error of a frequency near 0.5 is 0.0035; 0.015 is > 4 of them
     torch.testing.assert_close(freq, probs[0], atol=0.015, rtol=0)
+
+
+def test_a_stop_string_split_over_byte_tokens_is_seen_and_a_tiny_temperature_is_greedy(tiny_model):
+    """A stop string of multi-byte characters spans more tokens than it has characters (byte-level BPE); a
+    temperature near zero samples the argmax with finite log-probs instead of overflowing logits / T."""
+    from alignrl.rollout.hf_engine import sample_next
+
+    model, tok = tiny_model
+    engine = HFRolloutEngine(model, tok)
+    ids = tok.encode("1+1=你好", add_special_tokens=False)
+    assert len(ids) > len("你好") + 2  # more tokens than the old window of characters + 2
+    out = torch.tensor([ids])
+    assert engine._hit_stop(torch.tensor([0]), out, len(ids) - 1, ("你好",)).tolist() == [True]
+    logits = torch.randn(4, 50)
+    tok_ids, lp = sample_next(logits, SamplingParams(temperature=1e-40), None)
+    assert torch.equal(tok_ids, logits.argmax(-1)) and torch.isfinite(lp).all()

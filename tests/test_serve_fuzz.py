@@ -48,7 +48,8 @@ BAD = {  # invalid values per kind (a trailing ! marks a required field)
     "texts": [5, [5], [], [None], [[10**6]], [[-1]], ["\ud800"]],  # JSON may carry a lone surrogate
     "prompt": [5, [], [[]], [True], [10**6], [[10**6]], [-1], [1] * 300, {"text": "a"}, "", "\ud800", ["a", "\udfff"]],
     "messages": [[], [{"role": "wizard", "content": "hi"}], [{"role": "user", "content": 5}],
-                 [{"role": "user"}], [{"role": "user", "content": [{"type": "image_url", "url": "x"}]}], ["hi"]],
+                 [{"role": "user"}], [{"role": "user", "content": [{"type": "image_url", "url": "x"}]}], ["hi"],
+                 [{"role": "user", "content": "\ud800" + "a" * 9000}]],  # long enough for the tokenizer itself
 }
 MALFORMED = [b"{", b"", b"null", b"[]", b'"text"', b"123", b"\xff\xfe\x00", b'{"prompts": [[1, 2]', b"{'a': 1}",
              b'{"prompts": NaN}']

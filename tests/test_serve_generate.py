@@ -334,3 +334,41 @@ def test_seed_launchers_serve_the_seed_endpoints(tiny_model_dir):
     finally:
         for p in procs:
             p.stop()
+
+
+def test_openai_details_nulls_surrogates_and_a_stop_inside_a_character(oa, tiny_model):
+    """null for a parameter is "not given" (the openai client sends it for max_tokens=None); a lone surrogate in a
+    long chat message is a 400, not the tokenizer's 500; the tokens kept before a stop string are those whose
+    text holds the kept text, also when a character spans two byte-level tokens."""
+    from alignrl.serve.common import RequestError
+    from alignrl.serve.gen_types import GenRow
+    from alignrl.serve.openai_format import ChatRequest, CompletionRequest, _finish, chat_prompt
+
+    _, tok = tiny_model
+    r = httpx.post(oa.base_url.join("completions").__str__(), json={"prompt": "hi", "max_tokens": None, "n": None,
+                                                                      "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    assert CompletionRequest(prompt="hi", max_tokens=None, top_p=None).max_tokens == 16
+    long = ChatRequest(messages=[{"role": "user", "content": "\ud800" + "a" * 9000}])
+    with pytest.raises(RequestError, match="message 0 is not valid Unicode"):
+        chat_prompt(long, tok, 256)
+    ids = tok.encode("café au lait STOP more", add_special_tokens=False)
+    text, kept, reason = _finish(tok, GenRow(ids, [0.0] * len(ids), "length"), ["STOP"])
+    assert text == "café au lait " and reason == "stop"
+    assert tok.decode(ids[:kept]).startswith(text) and not tok.decode(ids[:kept - 1]).startswith(text)
+
+
+def test_top_logprobs_in_slices_equal_one_pass(tiny_model):
+    """A request's alternatives are computed a few rows at a time (bounded memory), with the one pass's values."""
+    from alignrl.serve.generate import top_logprobs
+
+    model, tok = tiny_model
+    prompts = [tok.encode(p) for p in ("1+1=", "23+4=", "7*8=")]
+    responses = [tok.encode(r, add_special_tokens=False) for r in ("2", "27 is it", "56.")]
+    whole = top_logprobs(model, prompts, responses, 3, 0.7, tok.pad_token_id)
+    sliced = top_logprobs(model, prompts, responses, 3, 0.7, tok.pad_token_id, budget_bytes=1)  # a row at a time
+    assert [len(t) for t in whole] == [len(r) for r in responses]
+    for a, b in zip(whole, sliced):
+        for pa, pb in zip(a, b):
+            assert [i for i, _ in pa] == [i for i, _ in pb]
+            assert [v for _, v in pa] == pytest.approx([v for _, v in pb], abs=1e-5)

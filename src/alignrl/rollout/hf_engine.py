@@ -47,11 +47,16 @@ def _inverse_cdf(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tens
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
+# Temperatures below this are greedy (as vLLM takes them): logits / T overflows fp32 near 1e-37, and long before
+# that one token holds all the probability.
+GREEDY_BELOW = 1e-5
+
+
 def sample_next(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (N, V) -> sampled token (N,), its log-prob (N,) under the temperature-scaled distribution."""
     logits = logits.float()
-    if p.temperature == 0:
+    if p.temperature < GREEDY_BELOW:
         logp = torch.log_softmax(logits, -1)
         tok = logits.argmax(-1)
     else:
@@ -85,7 +90,7 @@ class HFRolloutEngine:
     def _hit_stop(self, rows: torch.Tensor, out_ids: torch.Tensor, t: int, stop: tuple[str, ...]) -> torch.Tensor:
         """Which of `rows` now end with one of the stop strings (checked on the decoded tail)."""
         hit = torch.zeros(len(rows), dtype=torch.bool)
-        tail = max(len(s) for s in stop) + 2  # tokens are at least one character, plus merge slack
+        tail = max(len(s.encode()) for s in stop) + 2  # a byte-level token is at least one byte, plus merge slack
         for j, r in enumerate(rows.tolist()):
             text = self.tokenizer.decode(out_ids[r, max(0, t + 1 - tail): t + 1])
             hit[j] = any(s in text for s in stop)

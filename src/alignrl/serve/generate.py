@@ -177,8 +177,21 @@ def chunk_seed(params, k: int, stride: int):
 
 
 def top_logprobs(model, prompts: list[list[int]], responses: list[list[int]], k: int, temperature: float,
-                 pad_id: int) -> list[list[list[tuple[int, float]]]]:
-    """The k most likely tokens at each response position, one extra forward pass (OpenAI `logprobs`)."""
+                 pad_id: int, budget_bytes: int = 256 << 20) -> list[list[list[tuple[int, float]]]]:
+    """The k most likely tokens at each response position, one extra forward pass (OpenAI `logprobs`), over as
+    many rows at a time as keep their fp32 logits and log_softmax's copy within `budget_bytes`: a whole request
+    (n x max_tokens x the vocabulary) at once would be tens of GB for a 150k vocabulary."""
+    from alignrl.rollout.hf_engine import GREEDY_BELOW
+
+    width, vocab = 1 + max(map(len, responses)), model.config.vocab_size
+    rows = max(1, budget_bytes // (3 * 4 * width * vocab))
+    temperature = temperature if temperature >= GREEDY_BELOW else 0.0
+    return [top for s in range(0, len(responses), rows)
+            for top in _top_logprobs(model, prompts[s:s + rows], responses[s:s + rows], k, temperature, pad_id)]
+
+
+def _top_logprobs(model, prompts: list[list[int]], responses: list[list[int]], k: int, temperature: float,
+                  pad_id: int) -> list[list[list[tuple[int, float]]]]:
     import torch
 
     from alignrl.data.collate import left_pad, position_ids, right_pad

@@ -31,6 +31,13 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data):
+        """The `openai` client sends null for a parameter given as None (max_tokens=None, say); OpenAI and vLLM
+        read it as not given."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     @model_validator(mode="after")
     def _supported(self):
         if self.stream:
@@ -116,6 +123,7 @@ def chat_prompt(req: ChatRequest, tokenizer, max_model_len: int) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions with a text prompt")
     msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+    unicode_texts([m["content"] for m in msgs], "message")
     # the template only adds text around the contents: their tokens alone bound the prompt's from below
     refuse_overlong(tokenizer, "\n".join(m["content"] for m in msgs), max_model_len, "the messages' text")
     try:
@@ -138,12 +146,18 @@ def _finish(tokenizer, row: GenRow, stop: list[str]) -> tuple[str, int, str]:
     if not hits:
         return text, len(row.token_ids), row.finish_reason
     cut = min(hits)
-    kept, pos = 0, 0
-    for piece in _pieces(tokenizer, row.token_ids):
-        if pos >= cut:
-            break
-        kept, pos = kept + 1, pos + len(piece)
-    return text[:cut], kept, "stop"
+    kept = text[:cut]
+    # the fewest tokens whose text holds the kept text: decoded as a prefix, not token by token, where a character
+    # split over byte-level tokens would count as two replacement characters
+    ids = row.token_ids
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tokenizer.decode(ids[:mid], skip_special_tokens=True).startswith(kept):
+            hi = mid
+        else:
+            lo = mid + 1
+    return kept, lo, "stop"
 
 
 def _usage(prompts: list[list[int]], rows: list[GenRow]) -> dict:
