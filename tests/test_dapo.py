@@ -269,3 +269,23 @@ def test_rollout_is_weights_reach_the_loss(tiny_model_dir, level, mode):
     if level == "sequence":  # one weight per sequence, shared by its tokens
         for row, mask in zip(w, exp.response_mask):
             assert (row[mask] == row[mask][0]).all()
+
+
+@pytest.mark.parametrize("mode, per_token", [("token-mean", 1 / 3), ("seq-mean-token-sum", 1 / 2),
+                                             ("seq-mean-token-mean", None)])
+def test_the_kl_term_is_aggregated_like_the_policy_loss(mode, per_token):
+    """verl's agg_loss and TRL's per-token loss aggregate the KL term with the loss mode, so kl_loss_coef keeps
+    its meaning beside the policy term: here the gradient of k1 = logp - ref alone (zero advantages)."""
+    from alignrl.train.actor import PolicyLossSpec, policy_loss
+
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]], requires_grad=True)
+    mask = torch.tensor([[True, True], [True, False]])
+    exp = Experience(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool),
+                     torch.ones(2, 2, dtype=torch.long), mask, logp.detach().clone(), torch.zeros(2, 2),
+                     torch.zeros(2))
+    loss, metrics = policy_loss(logp, None, exp, PolicyLossSpec(kl_coef=1.0, kl_type="k1", loss_agg=mode), 3.0, 2.0)
+    loss.backward()
+    want = (torch.tensor([[1 / 4, 1 / 4], [1 / 2, 0.0]]) if per_token is None  # each row's mean, then over rows
+            else mask.float() * per_token)
+    torch.testing.assert_close(logp.grad, want)
+    assert metrics["actor/kl_loss"] == pytest.approx((-1 - 2 - 0.5) / 3)  # the token mean, whatever the mode

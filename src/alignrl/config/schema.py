@@ -102,9 +102,10 @@ class ActorConfig:
                            choices=("ppo_clip", "gspo", "cispo"))
     clip_ratio_c: float = opt(0.0, "dual-clip constant c > 1 bounding the loss of negative advantages; 0 disables",
                               ge=0.0)
-    loss_agg_mode: str = opt("token-mean", "how token losses become one number (seq-mean-token-sum-norm divides "
-                                           "by the response cap, rollout.max_new_tokens or a multi-turn "
-                                           "agent.max_response_length: Dr.GRPO)",
+    loss_agg_mode: str = opt("token-mean", "how token losses (policy, KL and entropy terms alike) become one "
+                                           "number (seq-mean-token-sum-norm divides by the response cap, "
+                                           "rollout.max_new_tokens or a multi-turn agent.max_response_length: "
+                                           "Dr.GRPO)",
                              choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                       "seq-mean-token-sum-norm"))
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient", ge=0.0)

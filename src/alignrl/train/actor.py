@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, token_mean
+from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, aggregate_loss
 from alignrl.data.records import Experience
 from alignrl.models.logprobs import Layout, response_logprobs
 from alignrl.train.minibatch import minibatch_updates
@@ -31,23 +31,29 @@ class PolicyLossSpec:
 
 def policy_loss(logp, entropy, exp: Experience, spec: PolicyLossSpec, global_tokens: float, global_seqs: float
                 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Policy loss (aggregated by `spec.loss_agg` over the mini-batch's global counts) + KL to the
-    reference - entropy bonus (both token-mean)."""
+    """Policy loss + KL to the reference - entropy bonus, each aggregated by `spec.loss_agg` over the
+    mini-batch's global counts (as verl's agg_loss and TRL's per-token loss do: the three keep their relative
+    weights under every mode). The KL and entropy metrics are token means whatever the mode."""
     mask = exp.response_mask.to(logp.dtype)
     extra = {"clip_c": spec.clip_c} if spec.name == "ppo_clip" else {}
     loss, metrics = POLICY_LOSSES[spec.name](logp, exp.old_logprobs, exp.advantages, mask, spec.clip_low,
                                              spec.clip_high, global_tokens, is_weight=exp.is_weight,
                                              loss_agg=spec.loss_agg, global_seqs=global_seqs, max_len=spec.max_len,
                                              **extra)
+    def agg(per_token: torch.Tensor) -> torch.Tensor:
+        return aggregate_loss(per_token, mask, spec.loss_agg, global_tokens, global_seqs, spec.max_len)
+
+    def token_mean_value(per_token: torch.Tensor) -> float:  # this micro-batch's own mean, for the metric
+        return float((per_token.detach() * mask).sum()) / max(1.0, float(mask.sum()))
+
     if spec.kl_coef > 0 and exp.ref_logprobs is not None:
-        kl = token_mean(KL_ESTIMATORS[spec.kl_type](logp, exp.ref_logprobs), mask, global_tokens)
-        loss = loss + spec.kl_coef * kl
-        metrics["actor/kl_loss"] = float(kl.detach()) * global_tokens / max(1.0, float(mask.sum()))
+        kl = KL_ESTIMATORS[spec.kl_type](logp, exp.ref_logprobs)
+        loss = loss + spec.kl_coef * agg(kl)
+        metrics["actor/kl_loss"] = token_mean_value(kl)
     if entropy is not None:
-        ent = token_mean(entropy, mask, global_tokens)
         if spec.entropy_coeff > 0:
-            loss = loss - spec.entropy_coeff * ent
-        metrics["actor/entropy"] = float(ent.detach()) * global_tokens / max(1.0, float(mask.sum()))
+            loss = loss - spec.entropy_coeff * agg(entropy)
+        metrics["actor/entropy"] = token_mean_value(entropy)
     return loss, metrics
 
 
