@@ -68,6 +68,7 @@ def test_one_value_given_to_a_list_key_is_a_list_of_one():
      "not both"),
     (["actor.clip_ratio_c=0.5"], "must be > 1"),
     (["actor.policy_loss=gspo", "actor.clip_ratio_c=3"], "applies to actor.policy_loss=ppo_clip only"),
+    (["actor.gradient_checkpointing=true", "actor.share_prompt=true"], "does not combine with actor.share_prompt"),
     (["pipeline.placement=zmq", "pipeline.data_port=5555", "pipeline.sync_port=5555"],
      "pipeline.data_port and pipeline.sync_port are both 5555"),
 ])

@@ -42,13 +42,16 @@ def test_openrlhf_checks_are_one_line(argv, words):
 
 
 def test_seed_001_flags_translate_to_the_loop_config():
-    args = parse(*SEED_001, "--pretrain", "demo", "--flash_attn", "--bf16")
+    args = parse(*SEED_001, "--pretrain", "demo", "--flash_attn", "--bf16", "--gradient_checkpointing")
     F.check(args)
     cfg = load_config(None, F.overrides(args, gpus=False, total_steps=3))
     assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size) == (128, 8, 16)
     assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef == 0.001
     assert not cfg.algorithm.use_kl_in_reward and not cfg.critic.enable and cfg.trainer.device == "cpu"
-    assert F.unused_here(args, gpus=False) == ["--flash_attn --bf16 (no CUDA)"] and F.unused_here(args, gpus=True) == []
+    assert cfg.actor.gradient_checkpointing  # applied on any device
+    not_applied = f"--flash_attn ({F.NOT_APPLIED_WHY})"  # said on GPUs too, not dropped in silence
+    assert F.unused_here(args, gpus=False) == [not_applied, "--bf16 (no CUDA)"]
+    assert F.unused_here(args, gpus=True) == [not_applied]
     gpu = load_config(None, F.overrides(args, gpus=True, total_steps=3))
     assert (gpu.trainer.strategy, gpu.model.dtype) == ("deepspeed", "bfloat16")
 

@@ -137,6 +137,7 @@ def test_seed_003_keys_map_onto_alignrl(capsys, tmp_path):
     assert (cfg.actor.use_kl_loss, cfg.algorithm.use_kl_in_reward, cfg.algorithm.kl_coef) == (False, True, 0.001)
     assert cfg.actor.entropy_coeff == 0.001
     assert cfg.actor.use_remove_padding and cfg.critic.use_remove_padding  # packed forwards run here too
+    assert cfg.actor.gradient_checkpointing  # the critic's own flag is listed as not used
     # 15 epochs of max(1, 4 // 512) batches bound the 1005 steps, as in verl's loop over epochs;
     # warm-up: int(0.285 × 15) RL steps, each of 512/256 optimizer steps
     assert cfg.trainer.total_training_steps == 15

@@ -26,7 +26,7 @@ from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist.env import SINGLE, DistEnv
 from alignrl.interfaces import BatchSource, RefScorer, RolloutEngine, WeightSink
-from alignrl.models.loader import frozen_copy, load_model
+from alignrl.models.loader import frozen_copy, load_model, recompute_activations
 from alignrl.models.logprobs import Layout
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.registry import load_reward_fn, make_reward
@@ -170,6 +170,8 @@ def build_actor(cfg: RunConfig, model, resume: Path | None, env: DistEnv) -> Act
     spec = OptimSpec(lr=a.lr, weight_decay=a.weight_decay, betas=tuple(a.betas), warmup_steps=a.lr_warmup_steps,
                      total_steps=total_optimizer_steps(cfg), schedule=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio,
                      grad_clip=a.grad_clip)
+    if a.gradient_checkpointing:  # before the engine wraps the model (DDP, FSDP2, DeepSpeed)
+        recompute_activations(model)
     actor = Actor(make_engine(cfg, model, spec, env), forward_layout(cfg))
     if resume:
         restore_state(actor.engine, resume / "model_state", "actor")

@@ -23,6 +23,7 @@ import torch
 from alignrl.algos.preference_cli import CommonConfig
 from alignrl.data.loaders import DataError
 from alignrl.data.preference import PreferenceBatch, collate_pairs
+from alignrl.models.loader import recompute_activations
 from alignrl.train.checkpoint import CheckpointError, aside_path, nonfinite, write_manifest
 
 
@@ -42,12 +43,7 @@ def autocast(cfg: CommonConfig, device: torch.device):
 def prepare_trainable(model, cfg: CommonConfig) -> None:
     model.config.use_cache = False  # no KV cache in training: it only costs memory
     if cfg.gradient_checkpointing:
-        # transformers >= 5 renamed gradient_checkpointing_enable (still an alias there, with a warning)
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        recompute_activations(model)
 
 
 def build_engine_for(cfg: CommonConfig, model, env, total_steps: int):

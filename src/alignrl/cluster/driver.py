@@ -218,7 +218,18 @@ class Driver:
     def name_nodes(self) -> None:
         """Each worker's name gets its node (and the workers are up: their models are loaded); where
         everything runs goes to the run folder."""
-        where = ray.get([w.handle.where.remote() for w in self.workers], timeout=self.job.placement_timeout_s + 600)
+        refs = [w.handle.where.remote() for w in self.workers]
+        try:
+            where = ray.get(refs, timeout=self.job.placement_timeout_s + 600)
+        except ray.exceptions.GetTimeoutError:
+            late = [w.name for w, r in zip(self.workers, refs) if not ray.wait([r], timeout=0)[0]]
+            raise ClusterError(f"{', '.join(late[:3])} not up after {self.job.placement_timeout_s + 600:g} s "
+                               "(the cluster cannot schedule it, or its model is still loading)") from None
+        except ray.exceptions.RayActorError as e:
+            dead = next((w.name for w in self.workers if w.handle._actor_id.hex() == getattr(e, "actor_id", None)),
+                        "a worker")
+            raise ClusterError(f"{dead} died while starting (killed, out of memory, or its model failed to "
+                               "load: its log above says why); the run is stopped") from None
         for w, info in zip(self.workers, where):
             w.name = f"{w.name} on node {info['node']}"
             w.pid, w.node_id = info["pid"], info["node_id"]

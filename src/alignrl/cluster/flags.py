@@ -24,10 +24,12 @@ ESTIMATORS = {"gae": "gae", "reinforce": "reinforce_plus_plus", "rloo": "rloo",
               "reinforce_baseline": "reinforce_plus_plus_baseline", "group_norm": "grpo"}
 GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm")
 KL_ESTIMATORS = {"k1": "k1", "k2": "k2", "k3": "k3"}
-# flags that change nothing without GPUs (vLLM, DeepSpeed and kernel options), as (flag, default)
-GPU_ONLY = ("flash_attn", "bf16", "adam_offload", "gradient_checkpointing", "enable_prefix_caching",
-            "vllm_enable_sleep", "deepspeed_enable_sleep", "enforce_eager",
-            "vllm_gpu_memory_utilization", "vllm_sync_backend", "zero_stage")
+# flags that change nothing without GPUs (vLLM, DeepSpeed and kernel options)
+GPU_ONLY = ("bf16", "adam_offload", "enable_prefix_caching", "vllm_gpu_memory_utilization", "vllm_sync_backend",
+            "zero_stage")
+# flags this placement does not apply on any device: named at start, never silently dropped
+NOT_APPLIED = ("flash_attn", "vllm_enable_sleep", "deepspeed_enable_sleep", "enforce_eager")
+NOT_APPLIED_WHY = "not applied here: attention runs through PyTorch's SDPA, engines and DeepSpeed stay resident"
 # the prompt-column flags, which apply to a --prompt_data file (synthetic data has its own layout)
 DATA_KEYS = ("input_key", "label_key", "input_template", "apply_chat_template")
 OPENRLHF_INPUT_KEY = "input"  # OpenRLHF's --input_key default
@@ -219,11 +221,11 @@ def in_flag_terms(message: str) -> str:
 
 
 def unused_here(args, gpus: bool) -> list[str]:
-    """Flags given that change nothing here, each group with its reason (listed once at start): GPU-only ones
-    without CUDA, the prompt-column flags on synthetic data, and --input_template beside --apply_chat_template
+    """Flags given that change nothing here, each group with its reason (listed once at start): those this
+    placement does not apply, GPU-only ones without CUDA, the prompt-column flags on synthetic data, and --input_template beside --apply_chat_template
     (OpenRLHF ignores it there too)."""
     defaults = vars(parser().parse_args([]))
-    groups = [(() if gpus else GPU_ONLY, "no CUDA"),
+    groups = [(NOT_APPLIED, NOT_APPLIED_WHY), (() if gpus else GPU_ONLY, "no CUDA"),
               (DATA_KEYS if args.prompt_data == "synthetic" else (), "the prompts are synthetic"),
               (("input_template",) if args.apply_chat_template and args.prompt_data != "synthetic" else (),
                "--apply_chat_template formats the prompts")]
@@ -248,6 +250,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
            f"actor.ppo_micro_batch_size={args.micro_train_batch_size}", f"actor.ppo_epochs={args.max_epochs}",
            f"actor.logprob_micro_batch_size={args.micro_rollout_batch_size}",
            f"actor.use_remove_padding={args.packing_samples}", f"critic.use_remove_padding={args.packing_samples}",
+           f"actor.gradient_checkpointing={args.gradient_checkpointing}",
            f"actor.lr={args.actor_learning_rate}", f"algorithm.adv_estimator={ESTIMATORS[args.advantage_estimator]}",
            f"algorithm.gamma={args.gamma}", f"critic.enable={uses_critic(args)}",
            f"critic.lr={args.critic_learning_rate}", f"actor.use_kl_loss={kl and args.use_kl_loss}",

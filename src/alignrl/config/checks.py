@@ -111,6 +111,9 @@ def check_combinations(cfg: RunConfig) -> None:
     if cfg.pipeline.placement == "zmq" and (alg.dynamic_sampling or cfg.services.generation_url):
         raise ConfigError("pipeline.placement=zmq: samplers generate, so algorithm.dynamic_sampling and "
                           "services.generation_url do not apply; drop them or use pipeline.placement=inline")
+    if cfg.actor.gradient_checkpointing and cfg.actor.share_prompt:  # transformers keeps no cache under it
+        raise ConfigError("actor.gradient_checkpointing does not combine with actor.share_prompt (the shared prompt's "
+                          "keys/values are a cache, which checkpointed layers do not return): drop one of them")
     if cfg.pipeline.placement == "zmq" and cfg.pipeline.data_port == cfg.pipeline.sync_port:
         raise ConfigError(f"pipeline.data_port and pipeline.sync_port are both {cfg.pipeline.data_port}: the "
                           "trainer binds one socket on each, so give them different ports (seed 004: 5555 and 5556)")

@@ -127,6 +127,10 @@ class ActorConfig:
                                           "(verl's model.use_remove_padding, OpenRLHF's --packing_samples); the same "
                                           "log-probs and gradients up to float rounding; needs a transformers model "
                                           "whose attention dispatches through AttentionInterface (Llama, Qwen2/3)")
+    gradient_checkpointing: bool = opt(False, "recompute each transformer layer's activations in the backward "
+                                              "instead of keeping them (OpenRLHF's --gradient_checkpointing, verl's "
+                                              "model.enable_gradient_checkpointing): less memory, about a third "
+                                              "more compute, the same gradients")
 
     @property
     def forward_micro_batch(self) -> int:

@@ -47,6 +47,7 @@ RENAMES: dict[str, tuple[str, ...]] = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ("actor.logprob_micro_batch_size",),
     R + "log_prob_micro_batch_size_per_gpu": ("actor.logprob_micro_batch_size",),
     "actor_rollout_ref.model.use_remove_padding": ("actor.use_remove_padding",),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": ("actor.gradient_checkpointing",),
     "critic.model.use_remove_padding": ("critic.use_remove_padding",),
     A + "ppo_epochs": ("actor.ppo_epochs",),
     A + "clip_ratio": ("actor.clip_ratio_low", "actor.clip_ratio_high"),
@@ -87,7 +88,7 @@ RENAMES: dict[str, tuple[str, ...]] = {
 
 # Settings of GPU memory, sharding, vLLM and remote storage: they change where and how fast, not what.
 NOT_USED = (
-    "*.fsdp_config.*", "*.enable_gradient_checkpointing", "*.log_prob_micro_batch_size",
+    "*.fsdp_config.*", "critic.model.enable_gradient_checkpointing", "*.log_prob_micro_batch_size",
     "*.log_prob_use_dynamic_bsz", "*.log_prob_max_token_len_per_gpu", "*.ulysses_sequence_parallel_size",
     "*.use_dynamic_bsz", "*.ppo_max_token_len_per_gpu", "*.forward_max_token_len_per_gpu",
     "*.forward_micro_batch_size*", "*.ppo_micro_batch_size_per_gpu", "*.external_lib", "*.override_config",

@@ -46,6 +46,22 @@ def load_model(path: str, dtype: str = "float32", log: Callable = print, chat: b
     return model, tokenizer
 
 
+def recompute_activations(model) -> None:
+    """Gradient (activation) checkpointing of every transformer layer: in training its activations are
+    recomputed in the backward instead of kept. Non-reentrant, so layers keep their keyword arguments (the packed
+    and shared-prompt forwards pass theirs that way) and frozen inputs need no grad; the attention stays routed
+    through the packed function, which the recomputation must find as the forward did."""
+    from alignrl.models.packing import keep_routed
+
+    # transformers >= 5 renamed gradient_checkpointing_enable (still an alias there, with a warning)
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    keep_routed(model)
+
+
 def frozen_copy(model):
     """A frozen reference copy (eval mode, no grads), e.g. the KL anchor of GRPO."""
     ref = copy.deepcopy(model)

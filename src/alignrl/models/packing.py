@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from alignrl.data.collate import position_ids
@@ -167,6 +168,9 @@ def _gather(x: torch.Tensor, index: torch.Tensor, shapes: list) -> list[torch.Te
 
 
 AttentionInterface.register(PACKED, _packed_attention)
+# a padded forward under the packed name (keep_routed) gets the attention mask SDPA gets; without an entry here
+# transformers would build none
+AttentionMaskInterface.register(PACKED, sdpa_mask)
 
 
 def _config(model):
@@ -187,6 +191,15 @@ def _routed(model):
         yield
     finally:
         cfg._attn_implementation = before
+
+
+def keep_routed(model) -> None:
+    """Routes an SDPA model's attention through the packed function for good (SDPA itself for any call without a
+    `packing`): under gradient checkpointing a layer's forward runs again in the backward, after
+    packed_forward's routing has ended, and must take the path the forward took."""
+    cfg = _config(model)
+    if cfg._attn_implementation == "sdpa":
+        cfg._attn_implementation = PACKED
 
 
 def packed_forward(model, packing: Packing, **kwargs):

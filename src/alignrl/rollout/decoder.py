@@ -17,6 +17,8 @@ layouts (the engine falls back to `model(...)` for those: see `KVDecoder.support
 from __future__ import annotations
 
 import torch
+
+from alignrl.models.packing import PACKED
 import torch.nn.functional as F
 from transformers import DynamicCache
 
@@ -62,7 +64,7 @@ class KVDecoder:
         cfg, layers = getattr(model, "config", None), getattr(getattr(model, "model", None), "layers", None)
         return (getattr(cfg, "model_type", None) in _FAMILY and layers is not None
                 and not getattr(cfg, "use_sliding_window", False)
-                and getattr(cfg, "_attn_implementation", "sdpa") in ("sdpa", "eager")
+                and getattr(cfg, "_attn_implementation", "sdpa") in ("sdpa", "eager", PACKED)
                 and all(getattr(layer.mlp, "gate_proj", None) is not None for layer in layers))
 
     def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
