@@ -57,6 +57,8 @@ def test_pku_saferlhf_layout_better_or_safer(tmp_path):
     safer, = load_pairs(path, "safer")
     assert (better.chosen, better.rejected, better.chosen_safe, better.rejected_safe) == ("r0", "r1", False, True)
     assert (safer.chosen, safer.rejected, safer.chosen_safe, safer.rejected_safe) == ("r1", "r0", True, False)
+    floats, = load_pairs(_write(tmp_path, [{**row, "better_response_id": 1.0}]), "better")  # pandas with nulls
+    assert floats.chosen == "r1"
 
 
 def test_parquet(tmp_path):
@@ -77,6 +79,8 @@ def test_parquet(tmp_path):
     ([{"prompt": "a", "chosen": "b", "rejected": "c", "is_chosen_safe": "yes"}],
      "pairs.jsonl:1: is_chosen_safe must be true or false"),
     ([{"prompt": "a", "response_0": "x", "response_1": "y"}], "pairs.jsonl:1: row is missing better_response_id"),
+    ([{"prompt": "a", "response_0": "x", "response_1": "y", "better_response_id": 0.5}],
+     "pairs.jsonl:1: better_response_id must be 0 or 1, got 0.5"),
     ([{"prompt": [{"role": "user"}], "chosen": "b", "rejected": "c"}], "lacks role/content"),
     ([{"chosen": "b", "rejected": "c"}], "pairs.jsonl:1: row is missing prompt"),
 ])
@@ -120,3 +124,9 @@ def test_encode_and_collate(tiny_model):
         assert len(a.prompt) <= 12 and a.prompt == full.prompt[-len(a.prompt):]
         assert len(a.prompt) + max(len(a.chosen), len(a.rejected)) <= 24
     assert torch.equal(collate_pairs(enc2, pairs, tok.pad_token_id).index, torch.arange(3))
+    from alignrl.data.preference import truncation_note
+    assert truncation_note(enc, cut, 512) == "0 pairs truncated to max_length=512"
+    # one pair's responses differ only after their 12 tokens' room: the cut leaves them the same
+    assert truncation_note(enc2, cut2, 24) == ("3 pairs truncated to max_length=24, 1 of them now with identical "
+                                               "responses (raise max_length)")
+    assert sum(e.chosen == e.rejected for e in enc2) == 1

@@ -21,7 +21,8 @@ from alignrl.rewards.registry import (
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [("5", "5"), ("5.0", "5"), ("3.50", "3.5"), ("1,234", "1234"), ("$5", "5"), ("-$1,000.00", "-1000"),
-     ("$-2", "-2"), ("-0", "0"), (".25", "0.25"), ("+7", "7"), (" 12 ", "12"), ("abc", "abc")],
+     ("$-2", "-2"), ("-0", "0"), (".25", "0.25"), ("+7", "7"), (" 12 ", "12"), ("abc", "abc"),
+     ("1" * 4301, "1" * 4301)],  # past Python's int-to-text digit limit: kept as text, not a ValueError
 )
 def test_normalize_number(raw: str, expected: str) -> None:
     assert gsm8k.normalize_number(raw) == expected
@@ -110,6 +111,11 @@ def test_format_reward(text: str, expected: float) -> None:
         ("the total is 72", "72", 1.0),
         ("\\boxed{\\frac{1}{3}}", "1/2", 0.0),
         ("I don't know", "1/2", 0.0),
+        ("\\boxed{18.90}", "\\$18.90", 1.0),  # an escaped dollar in the reference is a price, not math mode
+        ("\\boxed{\\$18.90}", "\\$18.90", 1.0),
+        ("\\boxed{9^{9^{9}}}", "5", 0.0),  # an exponent tower: compared as text, never evaluated
+        ("\\boxed{10^{10^{10}}}", "10^{10^{10}}", 1.0),
+        ("\\boxed{2^{10}}", "1024", 1.0),
     ],
 )
 def test_math_compute_score(solution: str, truth: str, expected: float) -> None:

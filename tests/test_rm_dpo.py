@@ -261,3 +261,15 @@ def test_a_folder_flag_under_a_file_is_one_line_before_training(flag, tmp_path, 
         f"alignrl: error: {flag}: {file} is a file, so {file / 'sub'} cannot be a folder; move the file or set "
         f"{flag} to another path"), p.stderr
     assert file.read_text() == "a file, not a folder"
+
+
+def test_preference_training_turns_dropout_off():
+    """As TRL's disable_dropout: the DPO policy is compared with a reference in eval mode, and a reward model's
+    pairwise scores would otherwise carry two different dropout masks."""
+    from alignrl.algos.preference_common import prepare_trainable
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.1), torch.nn.Linear(3, 1))
+    model.config = type("Config", (), {"use_cache": True})()
+    prepare_trainable(model, RMConfig())
+    assert [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)] == [0.0]
+    assert model.config.use_cache is False

@@ -38,7 +38,7 @@ from alignrl.algos.preference_cli import DPOConfig
 from alignrl.algos.rm import SCORE_INFO
 from alignrl.config import ConfigError
 from alignrl.core.preference import DPO_LOSSES, reward_accuracy
-from alignrl.data.preference import encode_pairs, load_pairs
+from alignrl.data.preference import encode_pairs, load_pairs, truncation_note
 from alignrl.models.logprobs import response_logprobs
 
 
@@ -165,7 +165,7 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     enc_train, cut = encode_pairs(tok, train_pairs, cfg.max_length)
     enc_eval, _ = encode_pairs(tok, eval_pairs, cfg.max_length)
     log.print(f"DPO ({cfg.loss_type}, beta {cfg.beta}): {len(enc_train)} train pairs from {', '.join(cfg.train_files)}; "
-              f"{len(enc_eval)} held-out; {cut} pairs truncated to max_length={cfg.max_length}")
+              f"{len(enc_eval)} held-out; {truncation_note(enc_train, cut, cfg.max_length)}")
     ref_lp = lambda b: tuple(t.float() for t in pair_logps(ref, b))  # noqa: E731
     train_ref = eval_ref = None
     if cfg.precompute_ref_log_probs:

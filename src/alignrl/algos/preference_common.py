@@ -42,6 +42,9 @@ def autocast(cfg: CommonConfig, device: torch.device):
 
 def prepare_trainable(model, cfg: CommonConfig) -> None:
     model.config.use_cache = False  # no KV cache in training: it only costs memory
+    for m in model.modules():  # as TRL's disable_dropout: the policy is scored against a reference in eval mode
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
     if cfg.gradient_checkpointing:
         recompute_activations(model)
 

@@ -30,7 +30,7 @@ from alignrl.algos import preference_common as pc
 from alignrl.algos.preference_cli import RMConfig
 from alignrl.core.preference import bradley_terry_loss, reward_accuracy, safe_rlhf_cost_loss
 from alignrl.data.collate import position_ids
-from alignrl.data.preference import encode_pairs, load_pairs, require_safety_labels
+from alignrl.data.preference import encode_pairs, load_pairs, require_safety_labels, truncation_note
 
 SCORE_INFO = "alignrl_score.json"
 
@@ -159,7 +159,7 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     engine = pc.build_engine_for(cfg, LastTokenScorer(hf), env, total)
     log = pc.RankZeroLog(env, log_dir, cfg.report_to)
     log.print(f"{model_type} model on task {cfg.task}: {len(enc_train)} train pairs ({train_file}), "
-              f"{len(enc_eval)} held-out ({eval_file}); {cut} pairs truncated to max_length={cfg.max_length}")
+              f"{len(enc_eval)} held-out ({eval_file}); {truncation_note(enc_train, cut, cfg.max_length)}")
     log.print(f"{pc.describe_batch(cfg, env.world_size)}; {total} optimizer steps, strategy {engine.name}, "
               f"world size {env.world_size}, bf16 {pc.use_bf16(cfg)}")
     evals = pc.eval_batches(enc_eval, eval_pairs, tok.pad_token_id, cfg.eval_batch_size, env)

@@ -143,7 +143,9 @@ def _pku_pair(loc: str, row: dict[str, Any], prefer: str) -> PreferencePair:
     if missing:
         raise DataError(f"{loc}: row is missing {', '.join(missing)} (PKU-SafeRLHF layout)")
     best = row[id_key]
-    if best not in (0, 1) or isinstance(best, bool):
+    if isinstance(best, float) and best in (0.0, 1.0):  # pandas writes an int column with nulls as floats
+        best = int(best)
+    if best not in (0, 1) or type(best) is not int:
         raise DataError(f"{loc}: {id_key} must be 0 or 1, got {best!r}")
     safe = [_flag(loc, row, f"is_response_{i}_safe") for i in (0, 1)]
     responses = [_text(loc, f"response_{i}", row[f"response_{i}"]) for i in (0, 1)]
@@ -183,6 +185,15 @@ def encode_pairs(tokenizer, pairs: Sequence[PreferencePair], max_length: int) ->
         truncated += len(prompt_cut) < len(prompt) or len(c) > room or len(r) > room
         out.append(EncodedPair(prompt_cut, c[:room], r[:room], i))
     return out, truncated
+
+
+def truncation_note(encoded: Sequence[EncodedPair], truncated: int, max_length: int) -> str:
+    """The log's words for what encode_pairs cut: how many pairs, and how many of those lost the difference between
+    their responses (both cut inside a shared beginning): they teach nothing, or for a cost model the same tokens as
+    safe and unsafe."""
+    same = sum(e.chosen == e.rejected for e in encoded)
+    note = f"{truncated} pairs truncated to max_length={max_length}"
+    return note + (f", {same} of them now with identical responses (raise max_length)" if same else "")
 
 
 @dataclass

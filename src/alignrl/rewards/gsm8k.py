@@ -32,7 +32,10 @@ def normalize_number(s: str) -> str:
     if not value.is_finite():
         return text
     if value == value.to_integral_value():
-        return str(int(value))
+        try:
+            return str(int(value))
+        except ValueError:  # past Python's int-to-text digit limit (a model repeating digits): compare as text
+            return cleaned
     return format(value.normalize(), "f")
 
 

@@ -12,6 +12,10 @@ import re
 
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _HASH_RE = re.compile(r"####[ \t]*([^\n]+)")
+# An exponent tower (9^{9^{9}}) or a six-digit exponent makes sympy compute a number of billions of digits, with no
+# timeout to stop it (above): such an answer is compared as text. A "$" that is not escaped ("\$18.90" is a price).
+_HUGE_POWER_RE = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\{?\s*\d{6,}|\*\*\s*\d{6,}")
+_MATH_DOLLAR_RE = re.compile(r"(?<!\\)\$")
 
 
 def last_boxed(text: str) -> str | None:
@@ -41,6 +45,8 @@ def compute_score(solution_str: str, ground_truth: str) -> float:
         if answer is None:
             hashes = _HASH_RE.findall(solution_str)
             answer = hashes[-1].strip() if hashes else None
+        if _HUGE_POWER_RE.search(answer if answer is not None else solution_str):
+            return 1.0 if answer is not None and answer == ground_truth.strip() else 0.0
         pred = (
             parse(f"${answer}$", parsing_timeout=None)
             if answer
@@ -58,7 +64,7 @@ def _parse_gold(ground_truth: str) -> list[object]:
     from math_verify import parse
 
     text = ground_truth.strip()
-    if "$" not in text and "\\boxed" not in text:
+    if not _MATH_DOLLAR_RE.search(text) and "\\boxed" not in text:
         gold = parse(f"${text}$", parsing_timeout=None)
         if gold:
             return gold
