@@ -49,8 +49,8 @@ def load_model(path: str, dtype: str = "float32", log: Callable = print, chat: b
 def recompute_activations(model) -> None:
     """Gradient (activation) checkpointing of every transformer layer: in training its activations are
     recomputed in the backward instead of kept. Non-reentrant, so layers keep their keyword arguments (the packed
-    and shared-prompt forwards pass theirs that way) and frozen inputs need no grad; the attention stays routed
-    through the packed function, which the recomputation must find as the forward did."""
+    forward passes its packing that way) and frozen inputs need no grad; the attention stays routed through the
+    packed function, which the recomputation must find as the forward did."""
     from alignrl.models.packing import keep_routed
 
     # transformers >= 5 renamed gradient_checkpointing_enable (still an alias there, with a warning)

@@ -17,13 +17,12 @@ layouts (the engine falls back to `model(...)` for those: see `KVDecoder.support
 from __future__ import annotations
 
 import torch
-
-from alignrl.models.packing import PACKED
 import torch.nn.functional as F
 from transformers import DynamicCache
 
 from alignrl.data.collate import position_ids
 from alignrl.models.kv_cache import cache_arg
+from alignrl.models.packing import PACKED
 
 _FAMILY = ("qwen2", "llama")  # Mistral is left out: its default config slides the attention window
 
