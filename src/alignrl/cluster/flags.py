@@ -222,8 +222,8 @@ def in_flag_terms(message: str) -> str:
 
 def unused_here(args, gpus: bool) -> list[str]:
     """Flags given that change nothing here, each group with its reason (listed once at start): those this
-    placement does not apply, GPU-only ones without CUDA, the prompt-column flags on synthetic data, and --input_template beside --apply_chat_template
-    (OpenRLHF ignores it there too)."""
+    placement does not apply, GPU-only ones without CUDA, the prompt-column flags on synthetic data, and
+    --input_template beside --apply_chat_template (OpenRLHF ignores it there too)."""
     defaults = vars(parser().parse_args([]))
     groups = [(NOT_APPLIED, NOT_APPLIED_WHY), (() if gpus else GPU_ONLY, "no CUDA"),
               (DATA_KEYS if args.prompt_data == "synthetic" else (), "the prompts are synthetic"),
