@@ -252,8 +252,8 @@ def scored(rows: list[int], n: int, version: int = 0):
 
     b = len(rows) * n
     ro = Rollout(torch.ones(b, 3, dtype=torch.long), torch.ones(b, 3, dtype=torch.bool),
-                 torch.ones(b, 2, dtype=torch.long), torch.ones(b, 2, dtype=torch.bool), torch.zeros(b, 2), torch.zeros(b, dtype=torch.bool),
-                 torch.arange(len(rows)).repeat_interleave(n))
+                 torch.ones(b, 2, dtype=torch.long), torch.ones(b, 2, dtype=torch.bool), torch.zeros(b, 2),
+                 torch.zeros(b, dtype=torch.bool), torch.arange(len(rows)).repeat_interleave(n))
     return ScoredBatch(ro, Scores(torch.zeros(b), torch.zeros(b, dtype=torch.bool)), ro.response_mask.clone(),
                        torch.zeros(b, 2), torch.tensor(rows).repeat_interleave(n), version, "s")
 
