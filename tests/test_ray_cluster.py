@@ -79,10 +79,10 @@ def test_seed_001_placement_from_rays_tables(cluster):
     reserve(reqs, gpus=True, timeout_s=20)
     try:
         tables = {k: placement_group_table(r.pg) for k, r in reqs.items()}
-        actor = tables["actor"]  # actor and reference share it: 4 + 4 on each of the two nodes
-        assert actor["strategy"] == "STRICT_SPREAD" and actor["state"] == "CREATED"
-        assert [b["GPU"] for b in actor["bundles"].values()] == [4.0, 4.0]
-        assert len(set(actor["bundles_to_node_id"].values())) == 2
+        actor = tables["actor"]  # actor and reference share it: 4 + 4 one-GPU bundles on the two nodes
+        assert actor["state"] == "CREATED" and [b["GPU"] for b in actor["bundles"].values()] == [1.0] * 8
+        on = list(actor["bundles_to_node_id"].values())
+        assert len(set(on)) == 2 and sorted(on.count(n) for n in set(on)) == [4, 4]
         engines = [tables["engine0"], tables["engine1"]]  # two engines of TP 4, the rest of each node:
         for t in engines:  # four one-GPU bundles each (one per vLLM tensor-parallel worker), all on one node
             assert [b["GPU"] for b in t["bundles"].values()] == [1.0] * 4 and t["strategy"] == "STRICT_PACK"
@@ -129,6 +129,53 @@ def test_colocate_all_models_puts_one_engine_on_each_node(cluster):
         assert [s.node for s in actors[:4]] == [engines[0].node] * 4
     finally:
         release(reqs)
+
+
+@pytest.mark.parametrize("flags", [["--colocate_actor_ref"], ["--colocate_all_models", "--vllm_tensor_parallel_size", "1",
+                                                             "--vllm_num_engines", "8"]])
+def test_colocated_ranks_share_one_gpu_each_and_every_worker_starts(cluster, flags):
+    """Workers started as the driver starts them (references, then engines, then actor ranks), each
+    reporting the GPU Ray gave it. Ray chose the GPU of a fractional worker inside a node-sized bundle,
+    and its best fit put four reference ranks on one GPU: the fourth actor rank was never scheduled."""
+    from alignrl.cluster.driver import Driver, Job
+    from alignrl.cluster.plan import Layout
+    from alignrl.config import RunConfig
+
+    class GpuProbe:  # defined here, so Ray ships it by value (the workers cannot import this test module)
+        def __init__(self, name: str):
+            self.name = name
+
+        def gpus(self) -> tuple[str, str, list]:
+            return self.name, ray.get_runtime_context().get_node_id(), ray.get_gpu_ids()
+
+    assert all_gpus_free()
+    args = F.parser().parse_args(SEED_001 + flags)
+    F.check(args)
+    layout = Layout.from_flags(args)
+    driver = Driver(Job(layout, RunConfig(), "test"))
+    driver.gpus, driver.reqs = True, requests(layout)
+    reserve(driver.reqs, gpus=True, timeout_s=20)
+    try:
+        peers = [driver.start(GpuProbe, s, f"ref{i}", f"ref{i}") for i, s in enumerate(slots(driver.reqs, "ref", 8, 4))]
+        peers += [driver.start(GpuProbe, engine_slot(driver.reqs, e, layout.tp), f"engine{e}", f"engine{e}")
+                  for e in range(layout.engines)]
+        peers += [driver.start(GpuProbe, s, f"actor{i}", f"actor{i}")
+                  for i, s in enumerate(slots(driver.reqs, "actor", 8, 4))]
+        ready, pending = ray.wait([p.handle.gpus.remote() for p in peers], num_returns=len(peers), timeout=60)
+        assert not pending, f"{len(pending)} of {len(peers)} workers were never scheduled"
+        where = {name: (node, tuple(ids)) for name, node, ids in ray.get(ready)}
+        actors = [where[f"actor{i}"] for i in range(8)]
+        assert len(set(actors)) == 8 and all(len(ids) == 1 for _, ids in actors)  # a GPU of its own each
+        assert [n for n, _ in actors[:4]] == [actors[0][0]] * 4  # ranks 0-3 on one node, 4-7 on the other
+        shared = {f"ref{i}": i for i in range(8)}
+        if layout.colocate_all_models:  # engine e on its first unit's GPU
+            shared |= {f"engine{e}": e * layout.tp for e in range(layout.engines)}
+        for name, rank in shared.items():  # rank i of every colocated role on actor rank i's GPU
+            assert where[name] == actors[rank], (name, where[name], actors)
+    finally:
+        for p in driver.workers:
+            ray.kill(p.handle, no_restart=True)
+        release(driver.reqs)
 
 
 def test_an_impossible_placement_fails_at_once(cluster, capsys):
@@ -268,7 +315,7 @@ def test_a_verl_run_inside_a_ray_job_is_placed_on_both_nodes(cluster, tiny_model
     placed = json.loads((run / "placement.json").read_text())
     table = placed["groups"]["actor"]
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    assert table["strategy"] == "STRICT_SPREAD" and set(table["bundles_to_node_id"].values()) == alive
+    assert set(table["bundles_to_node_id"].values()) == alive and len(table["bundles"]) == 2
     assert table["roles"] == ["actor", "ref", "engine0", "engine1"]
     by_name = {w["name"]: w for w in placed["workers"]}
     for role in ("actor rank", "reference rank", "rollout engine"):

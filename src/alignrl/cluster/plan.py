@@ -1,14 +1,20 @@
 """Placement groups from a Layout (OpenRLHF's flags, or verl's hybrid engine from trainer.nnodes ×
 trainer.n_gpus_per_node): which worker group goes where, reserved before any model loads.
 
-A group of N nodes × G GPUs is one placement group of N node-bundles of G units each, STRICT_SPREAD
-over N distinct nodes (one bundle when N is 1), so "2 nodes × 4 GPUs" is what the cluster gives.
-Colocated roles share a placement group and split each unit between them (actor and reference with
-`--colocate_actor_ref`, critic and reward with `--colocate_critic_reward`, everything including the
-rollout engines with `--colocate_all_models`). A rollout engine of tensor-parallel size T is its own
-placement group of T one-unit bundles packed on one node unless colocated (as OpenRLHF places them:
-vLLM's Ray executor starts one worker per one-GPU bundle of the group it runs in). Bundles are sorted
-by node: rank r of a group sits in the (r // G)-th bundle of that order, so consecutive ranks share a node.
+A group of N nodes × G GPUs is one placement group of N·G one-unit bundles, G on each of N distinct nodes,
+so "2 nodes × 4 GPUs" is what the cluster gives. Every worker is pinned to one bundle, hence to one GPU:
+rank r of a group takes the r-th bundle in node order, so consecutive ranks share a node. Colocated roles
+share a placement group and split each unit between them (actor and reference with `--colocate_actor_ref`,
+critic and reward with `--colocate_critic_reward`, everything including the rollout engines with
+`--colocate_all_models`): rank r of each takes the same bundle. (Bundles of a whole node's G units let
+Ray choose the GPU of each fractional worker, and its best fit put four reference ranks on one GPU, leaving
+no room for the fourth actor rank: the run waited for ever.) A rollout engine of tensor-parallel size T is
+its own group of T bundles on one node unless colocated (vLLM's Ray executor starts one worker per one-GPU
+bundle of the group it runs in).
+
+Ray cannot ask for "G bundles on each of N distinct nodes" in one request, so a group over several nodes
+is reserved in two moves: a STRICT_SPREAD group of N node-sized bundles lets Ray choose the nodes, then it
+is replaced by the one-unit bundles, each pinned to its node by the node-id label.
 
 On a cluster without GPUs a unit is a CPU: the flags' GPU counts become process counts.
 Before waiting, the demand is compared with the cluster's free resources, so an impossible request
@@ -32,21 +38,19 @@ class PlacementError(FlagError):
 
 @dataclass
 class GroupRequest:
-    """One placement group: `nodes` bundles of `per_node` units, and the roles that share it."""
+    """One placement group: `nodes` × `per_node` one-unit bundles, and the roles that share it."""
 
     name: str
     nodes: int
     per_node: int
     roles: list[str] = field(default_factory=list)
-    unit_bundles: bool = False  # a rollout engine's group: `per_node` one-unit bundles on one node
     pg: object = None
     order: list[int] = field(default_factory=list)  # bundle indices sorted by node
     node_of: dict[int, str] = field(default_factory=dict)  # bundle index -> node id
 
     def share(self, role: str) -> float:
-        """The fraction of a unit a worker of `role` takes. As in OpenRLHF, the group's first role takes
-        0.75 of each unit, so Ray's first-fit gives each of its ranks a GPU of its own, and the roles
-        sharing the group split the rest (with one other role: one rank per GPU again)."""
+        """The fraction of its unit a worker of `role` takes: as in OpenRLHF, the group's first role 0.75,
+        and the roles sharing the group split the rest."""
         if len(self.roles) == 1:
             return 1.0
         return 0.75 if role == self.roles[0] else round(0.25 / (len(self.roles) - 1), 4)
@@ -124,7 +128,7 @@ def requests(layout) -> dict[str, GroupRequest]:
         if lay.colocate_all_models:
             out["actor"].roles.append(f"engine{e}")
         else:
-            out[f"engine{e}"] = GroupRequest(f"engine{e}", 1, lay.tp, [f"engine{e}"], unit_bundles=True)
+            out[f"engine{e}"] = GroupRequest(f"engine{e}", 1, lay.tp, [f"engine{e}"])
     return out
 
 
@@ -174,22 +178,44 @@ def reserve(reqs: dict[str, GroupRequest], gpus: bool, timeout_s: float) -> None
     """Creates every placement group and waits (at most `timeout_s` in all) until each is granted."""
     precheck(reqs, gpus)
     res = unit(gpus)
-    for r in reqs.values():
-        size, count = (1, r.per_node) if r.unit_bundles else (r.per_node, r.nodes)
-        bundle = {res: float(size)} if res == "CPU" else {res: float(size), "CPU": float(size)}
-        strategy = "STRICT_SPREAD" if r.nodes > 1 else "STRICT_PACK"
-        r.pg = placement_group([dict(bundle) for _ in range(count)], strategy=strategy, name=f"alignrl-{r.name}")
     deadline = time.monotonic() + timeout_s
+    spread = [r for r in reqs.values() if r.nodes > 1]
+    for r in reqs.values():  # groups over several nodes: node-sized bundles first, to choose the nodes
+        if r.nodes > 1:
+            r.pg = placement_group(_bundles(res, r.per_node, r.nodes), "STRICT_SPREAD", name=f"alignrl-{r.name}")
+        else:
+            r.pg = placement_group(_bundles(res, 1, r.per_node), "STRICT_PACK", name=f"alignrl-{r.name}")
     for r in reqs.values():
-        ready, _ = ray.wait([r.pg.ready()], timeout=max(0.1, deadline - time.monotonic()))
-        if not ready:
-            _, line = cluster_view(gpus)
-            release(reqs)
-            raise PlacementError(f"placement group {r.name} ({r.nodes} node(s) × {r.per_node} {res}) was not granted "
-                                 f"in {timeout_s:g} s; asked for {describe(reqs, gpus)}; {line}")
-        table = placement_group_table(r.pg)
-        r.node_of = {int(k): v for k, v in table["bundles_to_node_id"].items()}
+        _granted(reqs, r, gpus, deadline, timeout_s)
+    for r in spread:  # then one-unit bundles on the nodes Ray chose, in place of the node-sized ones
+        nodes = list(placement_group_table(r.pg)["bundles_to_node_id"].values())
+        remove_placement_group(r.pg)
+        r.pg = placement_group(_bundles(res, 1, r.nodes * r.per_node), "PACK", name=f"alignrl-{r.name}",
+                               bundle_label_selector=[{NODE_LABEL: n} for n in nodes for _ in range(r.per_node)])
+    for r in spread:
+        _granted(reqs, r, gpus, deadline, timeout_s)
+    for r in reqs.values():
+        r.node_of = {int(k): v for k, v in placement_group_table(r.pg)["bundles_to_node_id"].items()}
         r.order = sorted(r.node_of, key=lambda i: (r.node_of[i], i))  # same-node bundles together, in order
+
+
+NODE_LABEL = "ray.io/node-id"  # every Ray node carries it
+
+
+def _bundles(res: str, units: int, count: int) -> list[dict]:
+    """`count` bundles of `units` of the placement's unit each, with one CPU per unit on GPU nodes (a
+    worker process needs a CPU too)."""
+    return [{res: float(units)} if res == "CPU" else {res: float(units), "CPU": float(units)} for _ in range(count)]
+
+
+def _granted(reqs: dict[str, GroupRequest], r: GroupRequest, gpus: bool, deadline: float, timeout_s: float) -> None:
+    """Waits until `r`'s group is granted; releases every group and says why when the deadline passes."""
+    ready, _ = ray.wait([r.pg.ready()], timeout=max(0.1, deadline - time.monotonic()))
+    if not ready:
+        _, line = cluster_view(gpus)
+        release(reqs)
+        raise PlacementError(f"placement group {r.name} ({r.nodes} node(s) × {r.per_node} {unit(gpus)}) was not "
+                             f"granted in {timeout_s:g} s; asked for {describe(reqs, gpus)}; {line}")
 
 
 def release(reqs: dict[str, GroupRequest], wait_s: float = 10.0) -> None:
@@ -206,16 +232,16 @@ def release(reqs: dict[str, GroupRequest], wait_s: float = 10.0) -> None:
 
 
 def slots(reqs: dict[str, GroupRequest], role: str, count: int, per_node: int) -> list[Slot]:
-    """`count` workers of `role` in the group that holds it: rank r in bundle order[r // per_node]."""
+    """`count` workers of `role` in the group that holds it: rank r in bundle order[r]."""
     group = next(r for r in reqs.values() if role in r.roles)
-    return [Slot(group, group.order[r // per_node], r % per_node, group.share(role)) for r in range(count)]
+    return [Slot(group, group.order[r], r % per_node, group.share(role)) for r in range(count)]
 
 
 def engine_slot(reqs: dict[str, GroupRequest], e: int, tp: int) -> Slot:
-    """Engine e's slot: the first of its own group's T one-unit bundles (vLLM's tensor-parallel workers
-    take all T), or (all colocated) the node bundle holding its T units."""
+    """Engine e's slot: the first of its own group's T bundles (vLLM's tensor-parallel workers take all
+    T), or (all colocated) the first of its T units in the actor's group."""
     group = next(r for r in reqs.values() if f"engine{e}" in r.roles)
     if group.name == f"engine{e}":
         return Slot(group, group.order[0], 0, 1.0)
     first = e * tp
-    return Slot(group, group.order[first // group.per_node], first % group.per_node, group.share(f"engine{e}"))
+    return Slot(group, group.order[first], first % group.per_node, group.share(f"engine{e}"))

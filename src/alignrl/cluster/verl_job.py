@@ -3,7 +3,7 @@ it): the run is placed on the cluster the way verl's hybrid engine places it, th
 as `alignrl train ppo-ray`, instead of running as one process on the node that took the job.
 
     trainer.nnodes × trainer.n_gpus_per_node   actor ranks, one placement group spread over that many
-                                               nodes (one bundle of n_gpus_per_node units per node)
+                                               nodes (n_gpus_per_node one-unit bundles on each node)
     one rollout engine per actor rank          colocated in the rank's unit, tensor-parallel size 1
     one reference worker per actor rank        colocated too, when a KL term needs the reference
 
