@@ -1,5 +1,7 @@
 """The value model and the critic's update."""
 
+import time
+
 import torch
 
 from alignrl.data import synthetic
@@ -90,3 +92,42 @@ def test_model_scorer_reads_the_last_real_token(tiny_model, tiny_model_dir, tmp_
         for i in range(len(ro.group)):  # one unpadded sequence at a time through HF's own head
             ids = torch.cat([ro.prompt_ids[i, ro.prompt_mask[i]], ro.response_ids[i, ro.response_mask[i]]])[None]
             torch.testing.assert_close(scores[i], seq_cls(input_ids=ids).logits[0, 0], atol=1e-5, rtol=0)
+
+
+def test_a_critic_rank_keeps_the_reward_and_cost_critics_rounds_apart():
+    """Two actor ranks share one critic rank (PPO-Lagrangian: a reward and a cost critic, each counting its
+    own rounds). Rank A brings the last part of the reward critic's round 1 and goes straight on to the cost
+    critic's round 1, while rank B still waits for the reward critic's result: keyed by round alone, A took
+    the reward critic's metrics as the cost critic's and B waited in vain."""
+    import threading
+
+    from alignrl.cluster.critic import CriticRank
+    from alignrl.config import RunConfig, to_yaml
+
+    class Recording:
+        def __init__(self, name):
+            self.name, self.rows = name, []
+
+        def update(self, exp, old_values, returns, mini, micro, epochs, gen):
+            self.rows.append(len(old_values))
+            return {f"{self.name}/vf_loss": float(len(self.rows))}
+
+    one = torch.zeros(1, 1)
+    exp = Experience(one.long(), one.bool(), one.long(), one.bool(), one, None, one)
+    for _ in range(5):
+        rank = CriticRank(to_yaml(RunConfig()), 0, 1, 0, 0, 2, 2.0)
+        rank.critics = {"critic": Recording("critic"), "cost_critic": Recording("cost_critic")}
+        got_b = {}
+
+        def actor_rank_b():
+            got_b["critic"] = rank.update("critic", 1, 1, exp, one, one, 1, 1, 1, 0)
+            got_b["cost_critic"] = rank.update("cost_critic", 1, 1, exp, one, one, 1, 1, 1, 0)
+
+        b = threading.Thread(target=actor_rank_b, daemon=True)
+        b.start()
+        while not rank.pending:  # B waits for the rest of the reward critic's round
+            time.sleep(0.001)
+        got_a = {name: rank.update(name, 1, 0, exp, one, one, 1, 1, 1, 0) for name in ("critic", "cost_critic")}
+        b.join(10)
+        assert got_a == got_b == {"critic": {"critic/vf_loss": 1.0}, "cost_critic": {"cost_critic/vf_loss": 1.0}}
+        assert [c.rows for c in rank.critics.values()] == [[2], [2]] and not rank.pending and not rank.results

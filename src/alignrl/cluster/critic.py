@@ -52,8 +52,8 @@ class CriticRank(Worker):
         self.critics: dict = {}
         self.compute = threading.Lock()  # one forward or update at a time, in call order
         self.arrived = threading.Condition()
-        self.pending: dict[int, dict[int, tuple]] = {}
-        self.results: dict[int, list] = {}  # round -> [metrics or exception, readers left]
+        self.pending: dict[tuple[str, int], dict[int, tuple]] = {}  # (critic, round) -> parts in so far
+        self.results: dict[tuple[str, int], list] = {}  # (critic, round) -> [metrics or exception, readers left]
 
     def build(self, master: tuple[str, int], resume: str | None) -> None:
         from alignrl.algos.placement import build_critic, critic_names
@@ -78,13 +78,15 @@ class CriticRank(Worker):
     def update(self, name: str, round_: int, part: int, exp: Experience, old_values: torch.Tensor,
                returns: torch.Tensor, mini: int, micro: int, epochs: int, seed: int) -> dict[str, float]:
         """Part `part` of this round's rows; the call that brings the last part trains on all of them,
-        and every part's call returns the same metrics (or raises the same error)."""
+        and every part's call returns the same metrics (or raises the same error). Rounds are counted per
+        critic, so the reward and cost critics are at the same round at once: both name the entries."""
+        key = (name, round_)
         with self.arrived:
-            got = self.pending.setdefault(round_, {})
+            got = self.pending.setdefault(key, {})
             got[part] = (exp, old_values, returns)
             if len(got) == self.parts:
                 rows = [got[i] for i in range(self.parts)]
-                del self.pending[round_]
+                del self.pending[key]
                 try:
                     with self.compute:
                         out = self.critics[name].update(
@@ -93,15 +95,15 @@ class CriticRank(Worker):
                             torch.Generator().manual_seed(seed))
                 except Exception as e:  # every waiting part gets it
                     out = e
-                self.results[round_] = [out, self.parts]
+                self.results[key] = [out, self.parts]
                 self.arrived.notify_all()
-            elif not self.arrived.wait_for(lambda: round_ in self.results, timeout=self.timeout_s):
+            elif not self.arrived.wait_for(lambda: key in self.results, timeout=self.timeout_s):
                 raise ClusterError(f"critic rank {self.rank}: the other actor ranks' rows of this update did not "
                                    f"come in {self.timeout_s:g} s")
-            res = self.results[round_]
+            res = self.results[key]
             res[1] -= 1
             if res[1] == 0:
-                del self.results[round_]
+                del self.results[key]
         if isinstance(res[0], Exception):
             raise res[0]
         return res[0]
