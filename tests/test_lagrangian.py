@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from alignrl.core.lagrangian import LagrangeMultiplier, safe_advantages
+from alignrl.core.advantages import gae_advantages
+from alignrl.core.lagrangian import LagrangeMultiplier, safe_advantages, safe_gae_advantages
 
 
 def test_safe_advantage_hand_worked():
@@ -22,3 +23,36 @@ def test_multiplier_ascends_on_violation_and_projects_at_zero():
     assert lam.update(0.0) == 0.0  # projected: never negative
     lam.load_state_dict({"value": 3.0})
     assert lam.state_dict() == {"value": 3.0}
+
+
+def test_the_kl_penalty_weighs_beta_in_the_combined_advantage_whatever_lambda():
+    """The penalty in the reward alone was divided by 1 + lambda (10x weaker at lambda 9); taken out of the
+    cost too, the combined advantage moves by exactly the penalty's change."""
+    mask = torch.ones(2, 4)
+    rewards, costs = torch.zeros(2, 4), torch.zeros(2, 4)
+    values, cost_values = torch.zeros(2, 4), torch.zeros(2, 4)
+    kl = torch.zeros(2, 4)
+    kl_more = kl.clone()
+    kl_more[0, 2] = -0.1  # -beta KL with beta 0.1 and one more nat of KL at one token
+    for lam in (0.0, 1.0, 9.0):
+        base, *_ = safe_gae_advantages(rewards + kl, costs, kl, values, cost_values, mask, lam, whiten=False)
+        more, *_ = safe_gae_advantages(rewards + kl_more, costs, kl_more, values, cost_values, mask, lam, whiten=False)
+        # gamma = lam_gae = 1: tokens 0-2 of row 0 see the penalty; nothing else moves
+        expected = torch.tensor([[-0.1, -0.1, -0.1, 0.0], [0.0] * 4])
+        torch.testing.assert_close(more - base, expected, atol=1e-7, rtol=0, msg=f"lambda {lam}")
+
+
+def test_cost_critic_noise_is_not_whitened_up_when_every_row_is_safe():
+    """Whitening the cost advantage alone blew critic noise of 1e-4 up to unit scale; whitened once after
+    combining, the advantage is the reward's own."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(8, 6)
+    rewards = torch.zeros(8, 6)
+    rewards[:, -1] = torch.randn(8, generator=g)
+    values = 0.1 * torch.randn(8, 6, generator=g)
+    cost_values = 1e-4 * torch.randn(8, 6, generator=g)
+    adv, returns, cost_returns = safe_gae_advantages(rewards, torch.zeros(8, 6), None, values, cost_values, mask, 1.0)
+    reward_only, reward_returns = gae_advantages(rewards, values, mask, whiten=True)
+    assert float((adv - reward_only).abs().max()) < 1e-3
+    torch.testing.assert_close(returns, reward_returns)
+    assert float(cost_returns.abs().max()) < 1e-3  # the cost critic's targets are the (zero) costs

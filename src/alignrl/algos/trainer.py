@@ -1,5 +1,5 @@
-"""The trainer side of the RL loop: a ScoredBatch -> old log-probs -> (KL in the reward) -> advantages
--> critic and policy updates -> the Lagrange multiplier -> new weights published.
+"""The trainer side of the RL loop: a ScoredBatch -> old log-probs -> (KL in the reward) -> (the Lagrange
+multiplier) -> advantages -> critic and policy updates -> new weights published.
 
 Whatever produced the batch (this process, torchrun ranks, HTTP services, ZeroMQ samplers), this is
 the one place the learning happens. Orchestration only: the math lives in `alignrl.core`.
@@ -16,7 +16,7 @@ from alignrl.config import RunConfig
 from alignrl.config.checks import response_cap
 from alignrl.core.advantages import ADVANTAGES, OutcomeInputs, gae_advantages
 from alignrl.core.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
-from alignrl.core.lagrangian import LagrangeMultiplier, safe_advantages
+from alignrl.core.lagrangian import LagrangeMultiplier, safe_gae_advantages
 from alignrl.core.losses import masked_mean
 from alignrl.core.rollout_correction import truncated_is_weights
 from alignrl.data.records import Experience, Rollout, ScoredBatch
@@ -115,11 +115,15 @@ class PolicyTrainer:
                       if cfg.actor.recompute_old_logprobs else ro.logprobs)
         mask = batch.loss_mask.float()
         token_rewards = outcome_token_rewards(scores.rewards, mask)
-        rewards = scores.rewards
+        rewards, kl_tokens = scores.rewards, None
         if self.kl_ctrl is not None:  # KL in the reward: per-token penalty, then the estimators see it
-            token_rewards, kl_metrics = self.kl_in_reward(token_rewards, old_lp, batch.ref_logprobs, mask)
+            penalized, kl_metrics = self.kl_in_reward(token_rewards, old_lp, batch.ref_logprobs, mask)
+            token_rewards, kl_tokens = penalized, penalized - token_rewards
             rewards = token_rewards.sum(-1)
             metrics.update(kl_metrics)
+        if scores.costs is not None:  # lambda from this batch's costs first, as Safe RLHF's step does
+            cost_sum, n_rows = all_reduce_sum(self.env, [float(scores.costs.sum()), float(len(scores.costs))])
+            metrics["safety/lambda"] = self.critics.lagrangian.update(cost_sum / n_rows)
         value_targets: list = []
         if self.critics is None:
             adv = ADVANTAGES[cfg.algorithm.adv_estimator](OutcomeInputs(
@@ -127,7 +131,7 @@ class PolicyTrainer:
                 cfg.algorithm.gamma, sum_over_ranks(self.env)))
         else:
             with timed(t, "values"):
-                adv, value_targets, critic_metrics = self.critic_advantages(batch, token_rewards, micro)
+                adv, value_targets, critic_metrics = self.critic_advantages(batch, token_rewards, kl_tokens, micro)
             metrics.update(critic_metrics)
         # truncated responses keep their place in the group baseline above, but get no gradient
         loss_mask = batch.loss_mask & ~ro.truncated[:, None] if cfg.algorithm.mask_truncated else batch.loss_mask
@@ -138,9 +142,6 @@ class PolicyTrainer:
         exp = Experience(ro.prompt_ids, ro.prompt_mask, ro.response_ids, loss_mask, old_lp, batch.ref_logprobs, adv,
                          is_weight, attention)
         metrics.update(self.update(step, exp, value_targets, t))  # raises TrainingDiverged: nothing is published
-        if scores.costs is not None:
-            cost_sum, n_rows = all_reduce_sum(self.env, [float(scores.costs.sum()), float(len(scores.costs))])
-            metrics["safety/lambda"] = self.critics.lagrangian.update(cost_sum / n_rows)
         with timed(t, "sync"):
             self.version += 1
             self.sink.publish(self.version)
@@ -203,25 +204,27 @@ class PolicyTrainer:
                    "rollout/is_raw_weight_max": m["rollout_corr/raw_is_weight_max"],
                    IS_OVER_THRESHOLD_KEY[a.rollout_is_mode]: m["rollout_corr/over_threshold_frac"]}
 
-    def critic_advantages(self, batch: ScoredBatch, token_rewards: torch.Tensor, micro: int
-                          ) -> tuple[torch.Tensor, list, dict[str, float]]:
+    def critic_advantages(self, batch: ScoredBatch, token_rewards: torch.Tensor, kl_tokens: torch.Tensor | None,
+                          micro: int) -> tuple[torch.Tensor, list, dict[str, float]]:
         """GAE advantages (B, R) from the critic's values (PPO); with a cost critic, the PPO-Lagrangian
-        combination (A_r - lambda A_c) / (1 + lambda). Also returns (critic, old values, returns) to train."""
+        combination (A_r - lambda A_c) / (1 + lambda). Also returns (critic, old values, returns) to train.
+        `kl_tokens`: the KL penalty in `token_rewards`, which PPO-Lagrangian also takes out of the cost."""
         c, a, ro = self.critics, self.cfg.algorithm, batch.rollout
         mask = batch.loss_mask.float()
         values = c.critic.values(ro, micro)
         total = sum_over_ranks(self.env)
-        adv, returns = gae_advantages(token_rewards, values, mask, a.gamma, a.lam, whiten=True, sum_ranks=total)
-        targets = [(c.critic, values, returns)]
-        metrics = {"critic/values_mean": float(masked_mean(values, mask)),
-                   "critic/returns_mean": float(masked_mean(returns, mask))}
-        if c.cost_critic is not None:
+        if c.cost_critic is None:
+            adv, returns = gae_advantages(token_rewards, values, mask, a.gamma, a.lam, whiten=True, sum_ranks=total)
+            targets, metrics = [(c.critic, values, returns)], {}
+        else:
             costs = batch.scores.costs
             cost_values = c.cost_critic.values(ro, micro)
-            cost_adv, cost_returns = gae_advantages(outcome_token_rewards(costs, mask), cost_values, mask, a.gamma,
-                                                    a.lam, whiten=True, sum_ranks=total)
-            adv = safe_advantages(adv, cost_adv, c.lagrangian.value)
-            targets.append((c.cost_critic, cost_values, cost_returns))
-            metrics["safety/cost_mean"] = float(costs.mean())
+            adv, returns, cost_returns = safe_gae_advantages(
+                token_rewards, outcome_token_rewards(costs, mask), kl_tokens, values, cost_values, mask,
+                c.lagrangian.value, a.gamma, a.lam, sum_ranks=total)
+            targets = [(c.critic, values, returns), (c.cost_critic, cost_values, cost_returns)]
+            metrics = {"safety/cost_mean": float(costs.mean())}
+        metrics |= {"critic/values_mean": float(masked_mean(values, mask)),
+                    "critic/returns_mean": float(masked_mean(returns, mask))}
         return adv, targets, metrics
 

@@ -194,7 +194,7 @@ class CriticConfig:
                                        ge=0.0, le=1.0)
     warmup_steps: int = opt(0, "RL steps that train only the critic before the actor starts (verl's "
                                "trainer.critic_warmup)", ge=0)
-    cliprange_value: float = opt(0.5, "value clipping around the old values", ge=0.0)
+    cliprange_value: float = opt(0.5, "value clipping around the old values; 0 turns it off", ge=0.0)
     grad_clip: float = opt(1.0, "critic max grad norm; 0 disables", ge=0.0)
     use_remove_padding: bool = opt(False, "pack a micro-batch's real tokens into one row for the value model's "
                                           "forwards (verl's critic.model.use_remove_padding); see "

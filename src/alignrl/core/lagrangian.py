@@ -11,10 +11,34 @@ from __future__ import annotations
 
 import torch
 
+from alignrl.core.advantages import SumRanks, gae_advantages, masked_whiten
+
 
 def safe_advantages(reward_adv: torch.Tensor, cost_adv: torch.Tensor, lam: float) -> torch.Tensor:
     """(A_r - lambda A_c) / (1 + lambda); any matching shapes, e.g. (B, T)."""
     return (reward_adv - lam * cost_adv) / (1.0 + lam)
+
+
+def safe_gae_advantages(reward_tokens: torch.Tensor, cost_tokens: torch.Tensor, kl_tokens: torch.Tensor | None,
+                        values: torch.Tensor, cost_values: torch.Tensor, mask: torch.Tensor, lam: float,
+                        gamma: float = 1.0, gae_lambda: float = 1.0, whiten: bool = True, sum_ranks: SumRanks = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO-Lagrangian's advantages (B, T), and the returns of the reward and cost critics.
+
+    `kl_tokens` is the KL penalty per token already in `reward_tokens` (-beta KL), or None. It is taken
+    out of the cost too, as Safe RLHF does, so the combined advantage carries the penalty at weight beta
+    whatever lambda is: in the reward alone it was divided by 1 + lambda, and the KL term weakened just as
+    the constraint started to bind. (Safe RLHF puts half in each, so its `kl_coeff` weighs beta / 2 here.)
+    The two advantages are combined raw and whitened once: whitening the cost advantage alone blew the
+    cost critic's noise up to unit scale when the costs carried no signal (every row safe)."""
+    if kl_tokens is not None:
+        cost_tokens = cost_tokens - kl_tokens
+    adv, returns = gae_advantages(reward_tokens, values, mask, gamma, gae_lambda)
+    cost_adv, cost_returns = gae_advantages(cost_tokens, cost_values, mask, gamma, gae_lambda)
+    adv = safe_advantages(adv, cost_adv, lam)
+    if whiten:
+        adv = masked_whiten(adv, mask.to(adv.dtype), sum_ranks=sum_ranks)
+    return adv, returns, cost_returns
 
 
 class LagrangeMultiplier:
