@@ -138,6 +138,7 @@ def test_seed_003_keys_map_onto_alignrl(capsys, tmp_path):
     assert cfg.actor.entropy_coeff == 0.001
     assert cfg.actor.use_remove_padding and cfg.critic.use_remove_padding  # packed forwards run here too
     assert cfg.actor.gradient_checkpointing  # the critic's own flag is listed as not used
+    assert cfg.actor.ppo_micro_batch_size == 64 // 16  # verl's deprecated global micro-batch, split over the ranks
     # 15 epochs of max(1, 4 // 512) batches bound the 1005 steps, as in verl's loop over epochs;
     # warm-up: int(0.285 × 15) RL steps, each of 512/256 optimizer steps
     assert cfg.trainer.total_training_steps == 15
@@ -354,3 +355,11 @@ def test_seed_003_command_line_end_to_end(tmp_path, tiny_model_dir):
     assert b"reward/mean" in logged and b"Search-R1-release" in logged
     assert b"agent/turns" in logged  # max_turns=4: the multi-turn search rollout made the experience
     assert any((tmp_path / "verl_checkpoints" / "nq-search-r1-ppo").iterdir())  # verl's default_local_dir
+
+
+def test_verls_critic_warmup_counts_the_steps_before_the_actor_trains():
+    """verl trains the actor once global_steps (from 1) reaches trainer.critic_warmup: critic_warmup=3 is two
+    critic-only steps, alignrl's critic.warmup_steps=2."""
+    for verl, ours in ((0, 0), (1, 0), (3, 2)):
+        cfg = load_config(None, [f"trainer.critic_warmup={verl}", "algorithm.adv_estimator=gae"])
+        assert cfg.critic.warmup_steps == ours, verl

@@ -57,7 +57,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     check_ranges(cfg)
-    cfg = resolve_counts(cfg, given)
+    cfg = resolve_counts(cfg, given, verl.global_micro)
     check_combinations(cfg)
     list_not_used(verl)
     return cfg

@@ -193,7 +193,7 @@ class CriticConfig:
                                             "critic.optim.lr_warmup_steps_ratio); used when lr_warmup_steps is 0",
                                        ge=0.0, le=1.0)
     warmup_steps: int = opt(0, "RL steps that train only the critic before the actor starts (verl's "
-                               "trainer.critic_warmup)", ge=0)
+                               "trainer.critic_warmup - 1: verl counts steps from 1)", ge=0)
     cliprange_value: float = opt(0.5, "value clipping around the old values; 0 turns it off", ge=0.0)
     grad_clip: float = opt(1.0, "critic max grad norm; 0 disables", ge=0.0)
     use_remove_padding: bool = opt(False, "pack a micro-batch's real tokens into one row for the value model's "

@@ -42,7 +42,6 @@ RENAMES: dict[str, tuple[str, ...]] = {
     A + "optim.betas": ("actor.betas",),
     A + "grad_clip": ("actor.grad_clip",),
     A + "ppo_mini_batch_size": ("actor.ppo_mini_batch_size",),
-    A + "ppo_micro_batch_size": ("actor.ppo_micro_batch_size",),
     # the reference's and the old policy's no-grad passes: one alignrl key serves both (the last one given)
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ("actor.logprob_micro_batch_size",),
     R + "log_prob_micro_batch_size_per_gpu": ("actor.logprob_micro_batch_size",),
@@ -78,7 +77,6 @@ RENAMES: dict[str, tuple[str, ...]] = {
     "data.max_response_length": ("rollout.max_new_tokens",),
     "data.shuffle_train_dataloader": ("data.shuffle",),
     "data.val_data_num": ("data.val_size",),
-    "trainer.critic_warmup": ("critic.warmup_steps",),
     "trainer.default_local_dir": ("trainer.checkpoint_dir",),
     "max_turns": ("agent.max_turns",),
     # verl's multi-turn rollout: the whole trajectory's response; data.max_response_length stays per turn (Search-R1)
@@ -142,6 +140,7 @@ class Translation:
     notes: list[str] = field(default_factory=list)  # verl settings alignrl follows its own way, named
     verl_style: bool = False  # some verl spelling was used: VERL_DEFAULTS apply
     output_is_run_dir: bool = False  # seed 000's models.output.path=...: the run folder itself, unless named
+    global_micro: int | None = None  # verl's deprecated global ppo_micro_batch_size: divided by the world size
 
 
 def _value(text: str) -> object:
@@ -157,6 +156,7 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
     notes: list[str] = []
     custom: dict[str, str] = {}  # verl's custom_reward_function.{path,name}
     verl = output_is_run_dir = False
+    global_micro = None
     for o in overrides:
         key, sep, value = o.partition("=")
         if not sep:
@@ -172,6 +172,13 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
             if key == "trainer.default_local_dir":  # verl's path is relative to the working directory
                 value = os.path.abspath(value)
             out += [f"{target}={value}" for target in RENAMES[key]]
+        elif key == A + "ppo_micro_batch_size" and isinstance(_value(value), int):
+            verl, global_micro = True, _value(value)  # all ranks together, as verl divides it (resolve_counts)
+        elif key == "trainer.critic_warmup" and isinstance(_value(value), int):
+            # verl trains the actor from global step critic_warmup (steps count from 1); alignrl after
+            # critic.warmup_steps critic-only steps
+            verl = True
+            out.append(f"critic.warmup_steps={max(0, _value(value) - 1)}")
         elif key in ONLY_VALUE:
             verl = True
             allowed, instead = ONLY_VALUE[key]
@@ -204,7 +211,8 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
     agent_n = [o for o in overrides if o.lstrip("+").startswith(R + "n_agent=")]
     if agent_n:
         out = [o for o in out if not o.startswith("rollout.n=")] + [f"rollout.n={agent_n[-1].split('=', 1)[1]}"]
-    return Translation(out, {o.split("=", 1)[0] for o in out}, not_used, notes, verl, output_is_run_dir)
+    explicit = {o.split("=", 1)[0] for o in out} | ({"actor.ppo_micro_batch_size"} if global_micro else set())
+    return Translation(out, explicit, not_used, notes, verl, output_is_run_dir, global_micro)
 
 
 def verl_defaults(t: Translation, given: set[str], adv_estimator: str) -> list[str]:
@@ -238,11 +246,14 @@ def list_not_used(t: Translation) -> None:
         print(f"alignrl: {note}", file=sys.stderr, flush=True)
 
 
-def resolve_counts(cfg: RunConfig, given: set[str]) -> RunConfig:
-    """verl's step arithmetic: `trainer.total_epochs` bounds the steps by the data size, and a warm-up
+def resolve_counts(cfg: RunConfig, given: set[str], global_micro: int | None = None) -> RunConfig:
+    """verl's step arithmetic: `trainer.total_epochs` bounds the steps by the data size, a warm-up
     ratio becomes optimizer steps (verl steps its scheduler once per RL step; alignrl once per
-    mini-batch, so the ratio's RL steps are multiplied by the mini-batches of one RL step)."""
+    mini-batch, so the ratio's RL steps are multiplied by the mini-batches of one RL step), and the
+    deprecated global `ppo_micro_batch_size` becomes each rank's share of it."""
     t, a, c = cfg.trainer, cfg.actor, cfg.critic
+    if global_micro is not None:
+        a = replace(a, ppo_micro_batch_size=max(1, global_micro // requested_world_size(cfg)))
     steps = t.total_training_steps
     rows = _train_rows(cfg) if t.total_epochs else None
     if rows is not None:  # None: a missing file, which preflight reports before any launch
