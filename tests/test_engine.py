@@ -140,3 +140,54 @@ def test_a_stop_string_split_over_byte_tokens_is_seen_and_a_tiny_temperature_is_
     logits = torch.randn(4, 50)
     tok_ids, lp = sample_next(logits, SamplingParams(temperature=1e-40), None)
     assert torch.equal(tok_ids, logits.argmax(-1)) and torch.isfinite(lp).all()
+
+
+class _IdsOnly:
+    eos_token_id, pad_token_id = 1, 0
+
+
+def _llama(**extra):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                         **extra)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
+def test_the_fast_decoder_keeps_the_mlp_and_attention_biases():
+    """Llama with mlp_bias (and attention_bias): the fused gate/up projection dropped the MLP biases, so every
+    token after the first came from another model."""
+    from alignrl.rollout.decoder import KVDecoder
+
+    for extra in ({"mlp_bias": True}, {"mlp_bias": True, "attention_bias": True}):
+        model = _llama(**extra)
+        assert KVDecoder.supports(model)
+        prompts = [torch.randint(2, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 11)]
+        ro = HFRolloutEngine(model, _IdsOnly(), [1]).generate(prompts, SamplingParams(temperature=0.0,
+                                                                                      max_new_tokens=12))
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([p])
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                                 eos_token_id=1, pad_token_id=0)[0, len(p):]
+            got = ro.response_ids[i][ro.response_mask[i]].tolist()
+            assert got == ref.tolist()[:len(got)], extra
+        lp, _ = response_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
+        torch.testing.assert_close(lp, ro.logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_response_ends_at_any_eos_of_the_generation_config():
+    """Qwen2.5-Instruct and Llama 3 list more EOS tokens in generation_config than the tokenizer's one; the
+    training engines stopped at the tokenizer's alone and ran on past a real end."""
+    model = _llama()
+    prompt = [5, 6, 7]
+    first = int(HFRolloutEngine(model, _IdsOnly(), [1]).generate(
+        [prompt], SamplingParams(temperature=0.0, max_new_tokens=4)).response_ids[0, 0])
+    model.generation_config.eos_token_id = [1, first]  # the greedy first token is an EOS too
+    ro = HFRolloutEngine(model, _IdsOnly()).generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert ro.response_ids[0][ro.response_mask[0]].tolist() == [first] and not bool(ro.truncated[0])

@@ -38,6 +38,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _fused_bias(linears: list) -> torch.Tensor | None:
+    """The bias of the fused projection: each one's bias, zeros where one has none; None when none has."""
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in linears])
+
+
 class _Layer:
     """One decoder block's weights, q/k/v and gate/up fused."""
 
@@ -45,10 +52,10 @@ class _Layer:
         att, mlp = block.self_attn, block.mlp
         self.in_norm, self.post_norm = block.input_layernorm, block.post_attention_layernorm
         self.qkv_w = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
-        biases = [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]
-        self.qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
+        self.qkv_b = _fused_bias([att.q_proj, att.k_proj, att.v_proj])
         self.o_proj = att.o_proj
         self.gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self.gate_up_b = _fused_bias([mlp.gate_proj, mlp.up_proj])  # Llama's mlp_bias=True
         self.down = mlp.down_proj
         self.act = mlp.act_fn
         self.scaling = att.scaling
@@ -124,7 +131,7 @@ class KVDecoder:
             att = F.scaled_dot_product_attention(q, self.k[i][:, :, :s + 1], self.v[i][:, :, :s + 1], attn_mask=mask,
                                                  scale=layer.scaling, enable_gqa=self.heads != self.kv_heads)
             h = h + layer.o_proj(att.reshape(n, q_size))
-            gate, up = F.linear(_rms(h, layer.post_norm), layer.gate_up_w).chunk(2, dim=-1)
+            gate, up = F.linear(_rms(h, layer.post_norm), layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
             h = h + layer.down(layer.act(gate) * up)
         self.slot += 1
         self.next_pos = self.next_pos + 1

@@ -67,13 +67,24 @@ def sample_next(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
+def default_eos(model, tokenizer) -> list[int]:
+    """The tokens that end a response: the tokenizer's EOS and the model's generation config's (Qwen2.5's
+    instruct models also end at <|endoftext|>, Llama 3's at <|eot_id|>), as HF's generate and vLLM stop."""
+    model = getattr(model, "module", model)  # DDP's wrapper
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = {tokenizer.eos_token_id, *([gen] if isinstance(gen, int) else gen or [])} - {None}
+    if not ids:
+        raise ValueError("the model has no EOS token (neither its tokenizer nor its generation_config names one)")
+    return sorted(ids)
+
+
 class HFRolloutEngine:
     """RolloutEngine over an in-process HF model (shared with the trainer when colocated)."""
 
     def __init__(self, model, tokenizer, eos_token_ids: Sequence[int] | None = None):
         self.model = model
         self.tokenizer = tokenizer
-        eos = eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id]
+        eos = eos_token_ids if eos_token_ids is not None else default_eos(model, tokenizer)
         self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self.eos[0])
 

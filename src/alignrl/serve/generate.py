@@ -276,9 +276,7 @@ def load_service(args: argparse.Namespace) -> GenerationService:
 
         model, tok = load_model(str(folder), args.dtype, log=lambda *a: print(*a, file=sys.stderr), chat=False)
         model.eval()
-        gen_eos = model.generation_config.eos_token_id
-        eos = {tok.eos_token_id, *([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])} - {None}
-        engine, cfg = HFRolloutEngine(model, tok, sorted(eos)), model.config
+        engine, cfg = HFRolloutEngine(model, tok), model.config
         manifest = manifest_of(model.named_parameters())
     vocab = getattr(getattr(engine, "model", None), "get_input_embeddings", lambda: None)()
     limits = Limits(vocab_size=vocab.num_embeddings if vocab is not None else cfg.vocab_size,
