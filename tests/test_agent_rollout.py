@@ -4,6 +4,7 @@
 import http.server
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -296,6 +297,81 @@ def test_long_query_is_cut_and_still_answered(fixed_server):
     url = fixed_server(json.dumps({"result": [[{"document": {"contents": '"T"\nbody'}, "score": 1.0}]]}).encode())
     client = RetrieverClient(url, retries=1, max_query_chars=50)
     assert client.search(["x" * 500]) == ['Doc 1(Title: "T") body\n'] and client.cut_queries == 1
+
+
+class _Recording(http.server.BaseHTTPRequestHandler):
+    """A retrieval server that names small limits in /health, answers each query with one passage after
+    `delay` seconds, and records every request (path, queries, body bytes)."""
+
+    limits: dict = {}
+    delay = 0.0
+    seen: list = []
+
+    def do_GET(self):  # noqa: N802
+        self._send(json.dumps({"status": "healthy", **self.limits}).encode())
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        queries = json.loads(body)["queries"]
+        self.seen.append((self.path, len(queries), len(body)))
+        time.sleep(self.delay)
+        hits = [[{"document": {"contents": f'"{q[:3]}"\nbody'}, "score": 1.0}] for q in queries]
+        self._send(json.dumps({"result": hits}).encode())
+
+    def _send(self, body: bytes):
+        try:
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:  # the client gave up
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def recording_server():
+    servers = []
+
+    def start(limits: dict, delay: float = 0.0):
+        handler = type("H", (_Recording,), {"limits": limits, "delay": delay, "seen": []})
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}", handler.seen
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_the_client_keeps_to_the_limits_the_server_names(recording_server):
+    """A server started with a lower --max_queries, or a turn's queries over its body cap, refused the request
+    (HTTP 413) mid-run; the client now reads the limits at its start-up check and splits. The URL's query
+    string stays on the path."""
+    queries = [f"q{i:02d}" + "é" * 60 for i in range(5)]  # 126 bytes each in the body
+    for limits, sizes in (({"max_queries": 2}, [2, 2, 1]), ({"max_body_bytes": 300}, [1] * 5)):
+        base, seen = recording_server(limits)
+        client = RetrieverClient(f"{base}/retrieve?token=abc", retries=1, timeout_s=5)
+        client.check()
+        assert client.search(queries) == [f'Doc 1(Title: "q{i:02d}") body\n' for i in range(5)]
+        assert [path for path, _, _ in seen] == ["/retrieve?token=abc"] * len(seen)
+        cap = limits.get("max_body_bytes", 4 << 20)
+        assert [n for _, n, _ in seen[1:]] == sizes and all(size <= cap for _, _, size in seen), seen
+
+
+def test_a_slow_retriever_is_asked_once_and_named_slow(recording_server):
+    """A request that got no answer in time was sent again (the busy server searched it twice or three
+    times) and reported as "not reachable ... start it"."""
+    base, seen = recording_server({}, delay=1.5)
+    with pytest.raises(ServiceError) as e:
+        RetrieverClient(f"{base}/retrieve", retries=3, timeout_s=0.5).search(["q"])
+    msg = str(e.value)
+    assert "did not answer" in msg and "retriever.timeout_s" in msg and "\n" not in msg, msg
+    assert len(seen) == 1
 
 
 def test_a_retriever_that_is_down_or_speaks_another_api_stops_the_run_at_start(tiny_model, fixed_server,

@@ -126,6 +126,16 @@ def test_shipped_base_guesses_greedily_but_can_search_and_copy(world):
     assert right.max(1).values.mean() >= 0.5  # pass@8 well above greedy
 
 
+def test_the_held_out_evaluation_takes_a_run_without_tools(world):
+    """agent.max_turns=0 makes the plain engine, whose rollouts count no tool use: that was a KeyError."""
+    from alignrl.config import load_config
+    from alignrl.demos.search_model import SHIPPED
+
+    cfg = load_config(search.CONFIG, ["agent.max_turns=0", "rollout.max_new_tokens=8"])
+    got = search.agent_eval(str(SHIPPED), cfg, search_data.question_samples(world.facts["test"][:3], "test"))
+    assert got["searches_per_episode"] == 0.0 and got["valid_action_rate"] == 0.0 and 0.0 <= got["exact_match"] <= 1.0
+
+
 TINY = SearchRecipe(arch=replace(TinyRecipe(), vocab_size=400, hidden_size=32, intermediate_size=64,
                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                  max_position_embeddings=512), copy_steps=2, sft_steps=2, sft_batch_size=4)

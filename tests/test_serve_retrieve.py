@@ -53,7 +53,7 @@ def server(tmp_path_factory):
         with httpx.Client(base_url=url, timeout=60) as client:
             while True:
                 try:
-                    if client.get("/health").json() == {"status": "healthy"}:
+                    if client.get("/health").json()["status"] == "healthy":
                         break
                 except httpx.TransportError:
                     pass
@@ -132,7 +132,8 @@ def test_hostile_bodies_get_one_line_4xx_and_server_stays_up(server):
         assert msg and "\n" not in msg and "Traceback" not in msg
     for path, method in (("/nope", "GET"), ("/retrieve", "GET"), ("/health", "POST")):
         assert 400 <= server.request(method, path).status_code < 500
-    assert server.get("/health").json() == {"status": "healthy"}
+    assert server.get("/health").json() == {"status": "healthy", "max_queries": 512, "max_topk": 100,
+                                            "max_query_chars": 8192, "max_body_bytes": 4 << 20}
     assert "Traceback" not in server.server_stderr.read_text()
     r = server.post("/retrieve", content=valid)
     assert r.status_code == 200 and _title(r.json()["result"][0][0]["document"]["contents"]) == "Mount Everest"
@@ -175,6 +176,13 @@ def test_bad_corpus_through_the_cli_is_one_line_exit_2(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.strip().splitlines() == [f"alignrl serve retrieve: error: {bad}:2: missing key 'contents'; "
                                              "each line needs 'id' and 'contents'"]
+    words = tmp_path / "stop_words.jsonl"  # valid lines, but nothing BM25 can index
+    words.write_text('{"id": "0", "contents": "\\"A\\"\\nthe of and"}\n')
+    p = _cli("--retriever_name", "bm25", "--corpus_path", str(words), "--port", "0", "--index_path",
+             str(tmp_path / "i"), tmp_path=tmp_path)
+    errors = [line for line in p.stderr.splitlines() if "error" in line]
+    assert p.returncode == 2 and "Traceback" not in p.stderr and len(errors) == 1, p.stderr
+    assert errors[0].startswith("alignrl serve retrieve: error: ") and "no indexable word" in errors[0]
 
 
 @pytest.mark.timeout(120)
@@ -220,3 +228,59 @@ def test_retrieval_launch_sh_takes_env_overrides(tmp_path):
         assert "bm25 over" in log.read_text()
     finally:
         _stop(proc)
+
+
+def test_a_request_whose_client_gave_up_while_it_waited_is_not_searched():
+    """One search at a time: requests queue for their turn. A client that timed out while its request
+    waited reads no answer, so searching it would only delay the queue behind it (with the client's
+    retries, a busy server searched each query three times)."""
+    import threading
+
+    import uvicorn
+
+    from alignrl.dist.launch import free_ports
+    from alignrl.retrieval.corpus import Hit
+    from alignrl.serve.retrieve import create_app
+
+    class Slow:
+        def __init__(self):
+            self.searched = []
+
+        def search(self, queries, topk):
+            self.searched.append(queries)
+            time.sleep(1.0)
+            return [[Hit("0", '"T"\nbody', 1.0)] for _ in queries]
+
+    slow = Slow()
+    port = free_ports(1)[0]
+    server = uvicorn.Server(uvicorn.Config(create_app(slow), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+        def ask(query: str, timeout: float, out: dict):
+            try:
+                out[query] = httpx.post(f"{url}/retrieve", json={"queries": [query]}, timeout=timeout).status_code
+            except httpx.TimeoutException:
+                out[query] = "gave up"
+
+        answers: dict = {}
+        first = threading.Thread(target=ask, args=("first", 10.0, answers))
+        first.start()
+        while not slow.searched:  # the first request holds the turn
+            time.sleep(0.01)
+        quitters = [threading.Thread(target=ask, args=(f"quitter{i}", 0.3, answers)) for i in range(2)]
+        for t in quitters:
+            t.start()
+        for t in (first, *quitters):
+            t.join(15)
+        ask("last", 10.0, answers)
+        assert answers == {"first": 200, "quitter0": "gave up", "quitter1": "gave up", "last": 200}
+        assert slow.searched == [["first"], ["last"]]
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -84,9 +84,10 @@ def agent_eval(model_path: str, cfg: RunConfig, samples: Sequence, batch_size: i
                                            skip_special_tokens=True)
             for s, t in zip(samples[start:start + batch_size], texts):
                 correct += correct_fn(s.data_source, t, s.ground_truth, s.extra) >= 1.0
-            searches += float(ro.stats["searches"].sum())
-            valid += float(ro.stats["valid_actions"].sum())
-            actions += float(ro.stats["actions"].sum())
+            # a plain engine (agent.max_turns=0) counts no tool use: zeros
+            searches += float(ro.stats["searches"].sum()) if ro.stats else 0.0
+            valid += float(ro.stats["valid_actions"].sum()) if ro.stats else 0.0
+            actions += float(ro.stats["actions"].sum()) if ro.stats else 0.0
     finally:
         if getattr(engine, "tool", None) is not None:
             engine.tool.close()

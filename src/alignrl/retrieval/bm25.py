@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from alignrl.retrieval.corpus import Document, Hit
+from alignrl.retrieval.corpus import CorpusError, Document, Hit
 
 _WORD = re.compile(r"(?u)\b\w\w+\b")
 TOKENIZER_VERSION = "words-en-light1"  # part of the index key: changing tokenisation must rebuild
@@ -62,8 +62,12 @@ class BM25Retriever:
         import bm25s
 
         stop = _stopwords()
+        tokens = [tokenize(d.contents, stop) for d in docs]
+        if not any(tokens):  # bm25s fails on an empty vocabulary with a bare "max() arg is an empty sequence"
+            raise CorpusError(f"the corpus's {len(docs)} document(s) hold no indexable word (every word is a stop "
+                              "word or one character long): give it real text, or use a dense retriever")
         model = bm25s.BM25(k1=k1, b=b)
-        model.index([tokenize(d.contents, stop) for d in docs], show_progress=False)
+        model.index(tokens, show_progress=False)
         return cls(docs, model)
 
     def save(self, folder: Path) -> None:

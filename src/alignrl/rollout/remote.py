@@ -5,8 +5,9 @@
 - `RemoteRefScorer`: `logprobs(prompt_ids, prompt_mask, response_ids, response_mask) -> (B, R)`.
 - `RemoteReward`: `score(...)` on token ids like `models.value.ModelScorer`, or `score_texts`.
 
-Connection errors, timeouts and 5xx answers are retried with exponential backoff a bounded number
-of times; 4xx answers are the caller's mistake and fail at once. Every failure is a `ServiceError`
+Connection errors and 5xx answers are retried with exponential backoff a bounded number of times; 4xx
+answers are the caller's mistake and fail at once. A request that got no answer in time is not sent
+again: the service is busy with it, and a second copy would queue behind the first. Every failure is a `ServiceError`
 (a ValueError, so the CLI prints it as one line) naming the URL and how to fix it.
 Deliberately left out: async clients, streaming, load balancing over several servers.
 """
@@ -56,6 +57,8 @@ def _message(text: str) -> str:
 class ServiceClient:
     """JSON/bytes requests to one service with bounded retries; raises ServiceError."""
 
+    TIMEOUT_KEY = "services.timeout_s"  # the setting a "did not answer in time" line names
+
     def __init__(self, url: str, kind: str, timeout: float = 300.0, retries: int = 3, backoff: float = 0.25,
                  api_key: str | None = None):
         if not url.startswith(("http://", "https://")):
@@ -79,7 +82,11 @@ class ServiceClient:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
                 status, text = send()
-            except (httpx.TransportError, OSError, http.client.HTTPException) as e:  # refused, reset, timed out
+            except (httpx.ReadTimeout, httpx.WriteTimeout, TimeoutError) as e:  # sent, and no answer in time
+                raise ServiceError(f"{self.kind} service at {self.url} did not answer {method} {path} within "
+                                   f"{self.timeout:g} s ({type(e).__name__}): it is busy or stuck; raise "
+                                   f"{self.TIMEOUT_KEY} or give the service more capacity") from None
+            except (httpx.TransportError, OSError, http.client.HTTPException) as e:  # refused, reset
                 last = _one_line(f"{type(e).__name__}: {e}")
                 continue
             reachable = True

@@ -5,26 +5,33 @@ or Search-R1's own `retrieval_server.py`).
       -> {"result": [[{"document": {"contents": "\\"Title\\"\\ntext"}, "score": s}, ...], ...]}
 
 Each query's passages become one observation text laid out as Search-R1 shows them to the model,
-`Doc 1(Title: ...) text\\nDoc 2(Title: ...) text\\n`. All the queries of one turn go in one request
-(split only past the server's per-request limit). Connection errors, timeouts and 5xx answers are
-retried with backoff; every failure is one `ServiceError` line naming the URL. Deliberately left out:
-reranking and caching of repeated queries.
+`Doc 1(Title: ...) text\\nDoc 2(Title: ...) text\\n`. All the queries of one turn go in one request,
+split only past the server's limits (queries and bytes per request: `alignrl serve retrieve` names its
+own in /health, read at the start-up check). Connection errors and 5xx answers are retried with
+backoff; every failure is one `ServiceError` line naming the URL. Deliberately left out: reranking and
+caching of repeated queries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Iterator, Sequence
 from urllib.parse import urlparse
+
+import httpx
 
 from alignrl.config.checks import retriever_url_problem
 from alignrl.rollout.remote import ServiceClient, ServiceError
 
 MAX_QUERY_CHARS = 8192  # `alignrl serve retrieve` refuses longer queries; a model can write anything
 MAX_QUERIES = 512  # queries per request the server accepts by default
+MAX_BODY_BYTES = 4 << 20  # request body the server accepts by default
 
 
 class _RetrievalService(ServiceClient):
-    """The shared HTTP client, with the start hint of the retrieval server."""
+    """The shared HTTP client, with the start hint and the timeout setting of the retrieval server."""
+
+    TIMEOUT_KEY = "retriever.timeout_s"
 
     def _hint(self) -> str:
         port = urlparse(self.url).port or 80
@@ -49,36 +56,67 @@ class RetrieverClient:
     """`search(queries) -> one observation text per query` against a retrieval server."""
 
     def __init__(self, url: str, topk: int = 3, timeout_s: float = 30.0, retries: int = 3,
-                 max_query_chars: int = MAX_QUERY_CHARS, max_queries: int = MAX_QUERIES):
+                 max_query_chars: int = MAX_QUERY_CHARS, max_queries: int = MAX_QUERIES,
+                 max_body_bytes: int = MAX_BODY_BYTES):
         problem = retriever_url_problem(url)
         if problem:
             raise ServiceError(problem)
-        path = urlparse(url).path
-        base = url[: len(url) - len(path)] if path else url
-        self.client = _RetrievalService(base, "retrieval", timeout=timeout_s, retries=retries)
-        self.url, self.path = url, path or "/retrieve"
+        u = urlparse(url)
+        self.client = _RetrievalService(f"{u.scheme}://{u.netloc}", "retrieval", timeout=timeout_s, retries=retries)
+        self.url, self.path = url, (u.path or "/retrieve") + (f"?{u.query}" if u.query else "")
         self.topk, self.max_query_chars, self.max_queries = int(topk), int(max_query_chars), int(max_queries)
+        self.max_body_bytes = int(max_body_bytes)
         self.cut_queries = 0  # queries shortened to max_query_chars so far
 
     def check(self) -> None:
-        """One query at start: a server that is down, on another path or speaking another API is found before
-        the first step, not at the policy's first search, which an untrained model may never make."""
+        """The server's limits, then one query at start: a server that is down, on another path or speaking
+        another API is found before the first step, not at the policy's first search, which an untrained
+        model may never make."""
+        self._learn_limits()
         self._request(["start-up check"])
+
+    def _learn_limits(self) -> None:
+        """`alignrl serve retrieve` names its limits in /health (a server started with a lower --max_queries
+        refused a turn's queries mid-run before). Search-R1's own server has no /health: the defaults stay."""
+        try:  # once, without retries: a server that is down is the check query's to name
+            r = self.client.http.get("/health")
+            health = r.json() if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return
+        for key in ("max_queries", "max_query_chars", "max_body_bytes"):
+            value = health.get(key) if isinstance(health, dict) else None
+            if type(value) is int and value > 0:
+                setattr(self, key, min(getattr(self, key), value))
 
     def search(self, queries: list[str]) -> list[str]:
         """One observation text per query (empty list in, empty list out)."""
         out: list[str] = []
-        for s in range(0, len(queries), self.max_queries):
-            out += self._request(list(queries[s:s + self.max_queries]))
+        for batch in self._batches(queries):
+            out += self._request(batch)
         return out
 
+    def _batches(self, queries: list[str]) -> Iterator[list[str]]:
+        """Queries cut to max_query_chars (one the server would refuse would stop the run for what the policy
+        wrote), in requests of at most max_queries queries and max_body_bytes bytes."""
+        self.cut_queries += sum(len(q) > self.max_query_chars for q in queries)
+        batch: list[str] = []
+        size = room = self.max_body_bytes - len(self._body([])) - 64  # slack for the server's own count
+        for q in (q[: self.max_query_chars] for q in queries):
+            n = len(json.dumps(q, ensure_ascii=False).encode()) + 1
+            if batch and (len(batch) == self.max_queries or n > size):
+                yield batch
+                batch, size = [], room
+            batch.append(q)
+            size -= n
+        if batch:
+            yield batch
+
+    def _body(self, queries: list[str]) -> bytes:
+        return json.dumps({"queries": queries, "topk": self.topk, "return_scores": True}, ensure_ascii=False).encode()
+
     def _request(self, queries: list[str]) -> list[str]:
-        # A query the server would refuse (413) would stop the run for what the policy wrote: cut it.
-        long = [q for q in queries if len(q) > self.max_query_chars]
-        self.cut_queries += len(long)
-        queries = [q[: self.max_query_chars] for q in queries]
-        body = self.client.request("POST", self.path, json={"queries": queries, "topk": self.topk,
-                                                             "return_scores": True})
+        body = self.client.request("POST", self.path, content=self._body(queries),
+                                   headers={"Content-Type": "application/json"})
         result = body.get("result") if isinstance(body, dict) else None
         if not isinstance(result, list) or len(result) != len(queries):
             got = f"{len(result)} result lists" if isinstance(result, list) else "no 'result' list"

@@ -4,7 +4,7 @@
       -> {"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}   (return_scores true)
       -> {"result": [[{"id", "contents"}, ...], ...]}                              (return_scores false)
     bad request -> 4xx {"error": {"message": "<one line>", "type": "invalid_request_error", "code": status}}
-    GET /health -> {"status": "healthy"}
+    GET /health -> {"status": "healthy", "max_queries", "max_query_chars", "max_body_bytes", "max_topk"}
 
 Requests are parsed by hand rather than by a pydantic model so that every bad request gets one
 plain line (and a 4xx), bodies are capped before they are read whole, and no type is coerced
@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import asyncio
 import sys
-import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 # Module level, not inside create_app: FastAPI resolves the (string) annotation `Request` by name.
 from fastapi import Request
@@ -108,7 +108,7 @@ def create_app(retriever: Retriever, default_topk: int = 3, limits: Limits = Lim
     app = FastAPI(title="alignrl retrieval", docs_url=None, redoc_url=None, openapi_url=None)
     # One search at a time: a request's queries are already batched, and parallel encoder calls on a
     # CPU node would only fight over the same cores.
-    lock = threading.Lock()
+    turn = asyncio.Lock()
 
     def error(status: int, message: str) -> JSONResponse:
         # The same OpenAI-style error body as the other alignrl services, so one client parses all.
@@ -140,8 +140,7 @@ def create_app(retriever: Retriever, default_topk: int = 3, limits: Limits = Lim
         return b"".join(chunks)
 
     def search(req: RetrieveRequest) -> dict:
-        with lock:
-            return render(retriever.search(req.queries, req.topk), req.return_scores)
+        return render(retriever.search(req.queries, req.topk), req.return_scores)
 
     @app.post("/retrieve")
     async def retrieve(request: Request):
@@ -149,11 +148,16 @@ def create_app(retriever: Retriever, default_topk: int = 3, limits: Limits = Lim
             req = parse_request(await read_body(request), default_topk, limits)
         except RequestError as e:
             return error(e.status, e.message)
-        return JSONResponse(await run_in_threadpool(search, req))
+        async with turn:
+            # a client that gave up while this request waited its turn reads no answer: searching for it
+            # would only delay the requests queued behind
+            if await request.is_disconnected():
+                return error(499, "the client closed the connection before its turn")
+            return JSONResponse(await run_in_threadpool(search, req))
 
     @app.get("/health")
     async def health():
-        return {"status": "healthy"}
+        return {"status": "healthy", **asdict(limits)}
 
     return app
 
