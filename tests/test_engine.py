@@ -191,3 +191,18 @@ def test_a_response_ends_at_any_eos_of_the_generation_config():
     model.generation_config.eos_token_id = [1, first]  # the greedy first token is an EOS too
     ro = HFRolloutEngine(model, _IdsOnly()).generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=4))
     assert ro.response_ids[0][ro.response_mask[0]].tolist() == [first] and not bool(ro.truncated[0])
+
+
+def test_degenerate_requests_are_one_line_errors(tiny_model):
+    """An empty prompt was sampled from the pad token, max_new_tokens=0 gave a rollout the trainer crashed on,
+    and no prompts at all was a bare error from the padding."""
+    import pytest
+
+    model, tok = tiny_model
+    eng = HFRolloutEngine(model, tok)
+    ok = _prompts(tok, 1)[0]
+    for prompts, params, said in (([ok, []], SamplingParams(max_new_tokens=4), "prompt 1 is empty"),
+                                  ([ok], SamplingParams(max_new_tokens=0), "max_new_tokens must be at least 1"),
+                                  ([], SamplingParams(max_new_tokens=4), "no prompts")):
+        with pytest.raises(ValueError, match=said):
+            eng.generate(prompts, params)

@@ -120,6 +120,11 @@ class HFRolloutEngine:
     @torch.no_grad()  # not inference_mode: the records feed autograd later (as indices, masks)
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
         """Sample `params.n` responses per prompt; rows of one prompt are contiguous (`group`)."""
+        if params.max_new_tokens < 1 or not prompts or not all(len(p) for p in prompts):
+            # an empty prompt was sampled from the pad token; zero new tokens gave records of mismatched widths
+            what = ("max_new_tokens must be at least 1" if params.max_new_tokens < 1 else "no prompts to generate for"
+                    if not prompts else f"prompt {next(i for i, p in enumerate(prompts) if not len(p))} is empty")
+            raise ValueError(f"generate: {what}")
         expanded = [list(p) for p in prompts for _ in range(params.n)]
         group = torch.arange(len(prompts)).repeat_interleave(params.n)
         prompt_ids, prompt_mask = left_pad(expanded, self.pad_id)

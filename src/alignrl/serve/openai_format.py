@@ -1,8 +1,9 @@
 """OpenAI request models and response bodies for `/v1/completions` and `/v1/chat/completions`.
 
-Fields the official `openai` client sends but we do not implement (penalties, logit_bias, user, ...)
-are ignored; `stream`, `echo` and `best_of` > 1 are refused with a 400 rather than silently ignored,
-because their absence would change what the caller receives. Token strings in log-prob entries are
+Fields that change nothing here (`user`, `metadata`, ...) are ignored. Sampling controls this server
+does not implement (penalties, `min_p`, `logit_bias`) are refused with a 400 unless they hold their
+neutral value, as are `stream`, `echo` and `best_of` > 1: ignoring them would change what the caller
+receives without saying so. Token strings in log-prob entries are
 each token decoded on its own, so a character split across tokens shows as replacement characters.
 """
 
@@ -17,6 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from alignrl.serve.common import RequestError, unicode_texts
 from alignrl.serve.gen_types import MAX_N, MAX_STOP_LEN, MAX_STOPS, GenRow, sampling
+
+
+# Sampling controls not implemented, and the value that leaves sampling as it is (the `openai` client's and
+# vLLM's defaults): any other value is refused rather than ignored.
+UNIMPLEMENTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0,
+                 "logit_bias": {}}
 
 
 class _Sampling(BaseModel):
@@ -35,8 +42,14 @@ class _Sampling(BaseModel):
     @classmethod
     def _nulls_are_unset(cls, data):
         """The `openai` client sends null for a parameter given as None (max_tokens=None, say); OpenAI and vLLM
-        read it as not given."""
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        read it as not given. Unimplemented sampling controls off their neutral value are refused."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if v is not None}
+        for key, neutral in UNIMPLEMENTED.items():
+            if key in data and data[key] != neutral:
+                raise ValueError(f"{key}={data[key]!r} is not supported by this server; leave it out")
+        return data
 
     @model_validator(mode="after")
     def _supported(self):
