@@ -1,6 +1,7 @@
 """Seed 001's cluster script on this machine: a head and a worker node (their own ports and temp dirs),
 `ray status` showing both, `ray job submit` of a short `alignrl train ppo-ray` run placed on both nodes through
-the dashboard port, and the script's `stop` leaving no process of either node behind. (A verl-style run inside a
+the dashboard port, seed 003's submission as written (`--runtime-env=verl/trainer/runtime_env.yaml`,
+`python3 -m verl.trainer.main_ppo`), and the script's `stop` leaving no process of either node behind. (A verl-style run inside a
 Ray job is test_ray_cluster's: the job runs the same `alignrl train` with RAY_ADDRESS set.)"""
 
 import json
@@ -30,8 +31,33 @@ def ray_pids(pattern: str) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+def seed_003_job(address: str, env: dict, model_dir: Path, tmp_path: Path) -> None:
+    """Seed 003's submission as written, from the repository root: verl's runtime-env file and entry point
+    (`python3 -m verl.trainer.main_ppo`, the shim in verl/), `--no-wait`, then `ray job status` until it ends.
+    One PPO step of the tiny model over both nodes (trainer.nnodes=2 × n_gpus_per_node=1)."""
+    args = ["data.train_batch_size=4", "data.val_data_num=4", "data.max_prompt_length=64", "data.max_response_length=8",
+            "algorithm.adv_estimator=gae", f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size=4",
+            "actor_rollout_ref.rollout.n_agent=1", "actor_rollout_ref.rollout.name=vllm", f"critic.model.path={model_dir}",
+            "algorithm.kl_ctrl.kl_coef=0.001", "trainer.critic_warmup=0", "trainer.logger=['console']",
+            "trainer.n_gpus_per_node=1", "trainer.nnodes=2", "trainer.save_freq=1", "trainer.test_freq=0",
+            "trainer.total_training_steps=1", f"trainer.default_local_dir={tmp_path / 'verl_checkpoints'}",
+            f"trainer.output_dir={tmp_path / 'verl_out'}", "trainer.threads=1", "trainer.progress_bar=false"]
+    out = subprocess.run(["ray", "job", "submit", address, "--runtime-env=verl/trainer/runtime_env.yaml", "--no-wait",
+                          "--submission-id", "seed-003", "--", "python3", "-m", "verl.trainer.main_ppo", *args],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    deadline, status = time.time() + 240, ""
+    while time.time() < deadline and not any(s in status for s in ("succeeded", "failed", "stopped")):
+        time.sleep(2)
+        status = run(["ray", "job", "status", address, "seed-003"], env, timeout=60).stdout.lower()
+    logs = run(["ray", "job", "logs", address, "seed-003"], env, timeout=60).stdout
+    assert "job 'seed-003' succeeded" in status, (status + logs)[-3000:]
+    assert (tmp_path / "verl_checkpoints" / "global_step_1" / "model" / "model.safetensors").is_file(), logs[-3000:]
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
     ports = free_ports(7)
     short = Path(tempfile.mkdtemp(prefix="rayt", dir="/tmp"))  # Ray's socket paths must stay under 108 bytes
@@ -74,6 +100,7 @@ def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
         placed = json.loads((tmp_path / "run" / "placement.json").read_text())
         ranks = [w["node_id"] for w in placed["workers"] if w["name"].startswith("actor rank")]
         assert len(set(ranks)) == 2, placed
+        seed_003_job(address, base, tiny_model_dir, tmp_path)
     finally:
         for env in (worker, head):
             run(["bash", str(SCRIPT), "stop"], env)
