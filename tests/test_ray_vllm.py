@@ -3,6 +3,8 @@ module records how the engine is built, and the real weight broadcast (gloo) del
 weights into it. What only a GPU machine with vLLM can show (generation, NCCL, vLLM's Ray executor
 placing its tensor-parallel workers) is not tested here."""
 
+import dataclasses
+import os
 import sys
 import threading
 import types
@@ -26,6 +28,7 @@ class FakeLLM:
 
     def __init__(self, **kwargs):
         self.kwargs, self.loaded, self.cache_resets = kwargs, [], 0
+        self.visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # what vLLM's engine process would see
 
     def apply_model(self, fn):
         return [fn(SimpleNamespace(load_weights=lambda weights: self.loaded.extend(weights)))]
@@ -38,7 +41,9 @@ class FakeLLM:
 def fake_vllm(monkeypatch):
     module = types.ModuleType("vllm")
     module.LLM, module.SamplingParams = FakeLLM, SimpleNamespace
+    module.EngineArgs = dataclasses.make_dataclass("EngineArgs", [("model", str), ("logprobs_mode", str)])
     monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # restored after the test
     return module
 
 
@@ -47,6 +52,7 @@ def test_a_vllm_engine_is_built_tensor_parallel_and_loads_the_broadcast_weights(
     worker = RolloutWorker(to_yaml(cfg), 0, 0, 1, [], [], engine="vllm", tp=2, gpu_memory_utilization=0.5)
     llm = worker.engine.llm
     assert llm.kwargs["tensor_parallel_size"] == 2 and llm.kwargs["distributed_executor_backend"] == "ray"
+    assert llm.visible is None  # vLLM's Ray executor places the tensor-parallel workers
     assert llm.kwargs["gpu_memory_utilization"] == 0.5 and llm.kwargs["model"] == str(tiny_model_dir)
 
     actor = [(n, p.detach() + 0.5) for n, p in load_model(str(tiny_model_dir))[0].named_parameters()]
@@ -64,6 +70,28 @@ def test_a_vllm_engine_is_built_tensor_parallel_and_loads_the_broadcast_weights(
     assert list(got) == [n for n, _ in actor] and llm.cache_resets == 1
     for name, value in actor:
         assert torch.equal(got[name], value), name
+
+
+def test_a_one_gpu_vllm_engine_sees_only_the_gpu_ray_gave_its_worker(fake_vllm, monkeypatch, tiny_model_dir):
+    # workers see all of their node's GPUs, and vLLM loads onto the first one it sees: every one-GPU engine
+    # of a node went onto its GPU 0
+    monkeypatch.setattr("ray.get_gpu_ids", lambda: [5])
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "data.train_size=8", "trainer.device=cpu"])
+    llm = RolloutWorker(to_yaml(cfg), 3, 1, 1, [], [], engine="vllm", tp=1).engine.llm
+    assert llm.visible == "5" and "distributed_executor_backend" not in llm.kwargs
+
+
+def test_vllm_log_probs_are_those_of_the_distribution_it_samples(fake_vllm, tiny_model_dir):
+    from alignrl.interfaces import SamplingParams
+    from alignrl.rollout.vllm_engine import EngineUnavailable, VLLMRolloutEngine
+
+    engine = VLLMRolloutEngine(str(tiny_model_dir))
+    assert engine.llm.kwargs["logprobs_mode"] == "processed_logprobs"  # after temperature, as the trainer's
+    del fake_vllm.EngineArgs  # a vLLM before logprobs_mode: its log-probs are of the raw logits
+    old = VLLMRolloutEngine(str(tiny_model_dir))
+    assert "logprobs_mode" not in old.llm.kwargs
+    with pytest.raises(EngineUnavailable, match="raw logits, which at temperature 0.7 .* install vllm 0.10.2"):
+        old.generate([[1, 2]], SamplingParams(n=1, temperature=0.7, max_new_tokens=4))
 
 
 def test_the_engine_kind_is_vllm_only_on_gpus_with_vllm_and_engines_of_their_own(fake_vllm, monkeypatch,

@@ -221,6 +221,12 @@ def vllm_engine(cfg: RunConfig, tp: int, gpu_memory_utilization: float):
     from alignrl.rollout.vllm_engine import VLLMRolloutEngine
 
     folder = str(resolve_model_path(cfg.model.path, lambda *_: None))
+    ids = ray.get_gpu_ids()
+    if tp == 1 and ids:
+        # workers see all of their node's GPUs (NOSET, see Driver.start) and vLLM takes the first one it
+        # sees: without this every one-GPU engine of a node would load onto its GPU 0. (Larger engines hold
+        # no GPU themselves; vLLM's Ray executor places their workers on the group's bundles.)
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(ids[0])
     engine = VLLMRolloutEngine(folder, tensor_parallel_size=tp, dtype=cfg.model.dtype,
                                gpu_memory_utilization=gpu_memory_utilization,
                                distributed_executor_backend="ray" if tp > 1 else None)

@@ -2,8 +2,11 @@
 
 A thin adapter for GPU machines (`alignrl serve generate --engine vllm`, the Ray rollout engines). vLLM
 is imported only when an engine is built, and its absence is a one-line `EngineUnavailable` (a
-ValueError, so the CLI prints it and exits 2). Log-probs are vLLM's sampled-token log-probs, which vLLM computes from the
-raw (not temperature-scaled) logits by default: compare them with the trainer's accordingly.
+ValueError, so the CLI prints it and exits 2). Log-probs are the sampled token's under the distribution
+vLLM samples from (`logprobs_mode="processed_logprobs"`: after temperature), as the trainer computes them.
+vLLM's default gives those of the raw logits, which at a temperature other than 1 are another policy's:
+the rollout (old) log-probs and the rollout correction would compare the trainer with the wrong one. A vLLM
+without `logprobs_mode` (before 0.10.2) can only sample at temperature 1 (or 0) here.
 Weights are loaded through vLLM's own `model.load_weights`, which takes Hugging Face parameter names.
 Deliberately left out: LoRA adapters, multi-modal inputs, vLLM's async engine.
 """
@@ -31,6 +34,14 @@ def import_vllm():
     return vllm
 
 
+def _engine_args(vllm) -> set[str]:
+    """The names vLLM's engine (and so `LLM(...)`) takes; empty for a vLLM without EngineArgs fields."""
+    import dataclasses
+
+    args = getattr(vllm, "EngineArgs", None)
+    return {f.name for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else set()
+
+
 class VLLMRolloutEngine:
     def __init__(self, path: str, tensor_parallel_size: int = 1, dtype: str = "auto",
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.85,
@@ -47,11 +58,19 @@ class VLLMRolloutEngine:
         # inside a Ray actor, tensor parallelism runs on vLLM's Ray executor: its workers take the GPUs of
         # the placement group the actor was started in ("ray"); None leaves vLLM its own choice
         extra = {"distributed_executor_backend": distributed_executor_backend} if distributed_executor_backend else {}
+        self.scaled_logprobs = "logprobs_mode" in _engine_args(self.vllm)
+        if self.scaled_logprobs:
+            extra["logprobs_mode"] = "processed_logprobs"
         self.llm = self.vllm.LLM(model=path, tensor_parallel_size=tensor_parallel_size,
                                  dtype="auto" if dtype == "float32" else dtype, max_model_len=max_model_len,
                                  gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True, **extra)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
+        if not self.scaled_logprobs and params.temperature not in (0.0, 1.0):
+            raise EngineUnavailable(
+                f"vllm {getattr(self.vllm, '__version__', '?')} returns log-probs of the raw logits, which at "
+                f"temperature {params.temperature} are not those of the policy it samples: install vllm 0.10.2 or "
+                "later (logprobs_mode), or sample at temperature 1")
         sp = self.vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
                                       top_k=params.top_k if params.top_k > 0 else -1,
                                       max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
