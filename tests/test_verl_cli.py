@@ -280,13 +280,27 @@ def test_wandb_sink_writes_an_offline_run(tmp_path, monkeypatch):
     assert wandb_mode() == "offline"  # no API key: offline, without touching the network
     log_dir = tmp_path / "run" / "logs"
     tracker = Tracker(log_dir, ["wandb", "jsonl"], project="Search-R1-release", run_name="exp")
+    logged = []
+    real_log = tracker.wandb.log
+    tracker.wandb.log = lambda row, **kw: (logged.append((row, kw)), real_log(row, **kw))
     tracker.log(1, {"reward/mean": 0.25})
+    tracker.log(2, {"reward/mean": 0.5})
     tracker.close()
     runs = list((log_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(runs) == 1 and b"reward/mean" in runs[0].read_bytes() and b"Search-R1-release" in runs[0].read_bytes()
-    assert json.loads((log_dir / "metrics.jsonl").read_text()) == {"step": 1, "reward/mean": 0.25}
+    data = runs[0].read_bytes()
+    assert len(runs) == 1 and b"reward/mean" in data and b"Search-R1-release" in data and b"train/global_step" in data
+    assert json.loads((log_dir / "metrics.jsonl").read_text().splitlines()[0]) == {"step": 1, "reward/mean": 0.25}
     first_id = (log_dir / "wandb_id.txt").read_text()
-    Tracker(log_dir, ["wandb"], resume_step=1).close()  # a resume continues the wandb run
+    # a resume continues the wandb run and logs step 2 again: as a value, since wandb drops a row whose own
+    # step is below the highest it has (the re-run steps between the checkpoint and a crash were lost)
+    tracker = Tracker(log_dir, ["wandb"], resume_step=1)
+    real_log = tracker.wandb.log
+    tracker.wandb.log = lambda row, **kw: (logged.append((row, kw)), real_log(row, **kw))
+    tracker.log(2, {"reward/mean": 0.75})
+    tracker.close()
+    assert logged == [({"reward/mean": 0.25, "train/global_step": 1}, {}),
+                      ({"reward/mean": 0.5, "train/global_step": 2}, {}),
+                      ({"reward/mean": 0.75, "train/global_step": 2}, {})]
     assert (log_dir / "wandb_id.txt").read_text() == first_id
     Tracker(log_dir, ["wandb"]).close()  # a fresh start begins its own: wandb drops steps below a run's highest
     assert (log_dir / "wandb_id.txt").read_text() != first_id

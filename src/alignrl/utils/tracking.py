@@ -32,6 +32,9 @@ _CONSOLE_KEYS = {"reward/mean": "reward", "reward/accuracy": "acc", "val/accurac
                  "response/length_mean": "len", "perf/tokens_per_s": "tok/s", "timing/step": "s/step"}
 
 
+WANDB_STEP = "train/global_step"  # the x-axis of every wandb chart (transformers' and TRL's name for it)
+
+
 def aside(path: Path) -> Path:
     """Where to keep an earlier `path` (metrics.jsonl, prompts.jsonl, tensorboard): path's name with the time
     before its suffix, never an existing one."""
@@ -103,8 +106,8 @@ class Tracker:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
             self.tb.flush()
-        if self.wandb is not None:
-            self.wandb.log(dict(metrics), step=step)
+        if self.wandb is not None:  # the step as a value, not wandb's own step: see start_wandb
+            self.wandb.log({**metrics, WANDB_STEP: step})
         if "console" in self.sinks:
             shown = "  ".join(f"{name}={metrics[k]:.4g}" for k, name in _CONSOLE_KEYS.items() if k in metrics)
             console.print(f"[bold]step {step}[/bold]  {shown}")
@@ -172,7 +175,10 @@ def _netrc_text() -> str:
 
 def start_wandb(log_dir: Path, project: str, run_name: str, config: Any, resume: bool = False) -> Any:
     """A wandb run writing under `log_dir/wandb`; its id is kept in `log_dir` so a resumed run continues
-    the same wandb run, and a fresh start makes a new one (wandb drops steps below the highest it has).
+    the same wandb run, and a fresh start makes a new one. Every metric is plotted against `WANDB_STEP`,
+    logged as a value beside it, while wandb's own step just counts rows: wandb drops a row whose own step
+    is below the highest it has, so a run resumed from a checkpoint before a crash lost the steps between the
+    two (they are logged again; the crashed run's rows of those steps stay too, as in TensorBoard's purge).
     Offline runs are uploaded later with `wandb sync <log_dir>/wandb/offline-run-*`."""
     import wandb
 
@@ -189,6 +195,8 @@ def start_wandb(log_dir: Path, project: str, run_name: str, config: Any, resume:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"trainer.logger wandb could not start in {mode} mode ({first[:160]}); set "
                           "WANDB_MODE=offline, fix WANDB_API_KEY, or drop wandb from trainer.logger") from None
+    run.define_metric(WANDB_STEP)
+    run.define_metric("*", step_metric=WANDB_STEP)
     if mode == "offline":
         console.print(f"wandb: offline run in {log_dir / 'wandb'} (upload with `wandb sync`)")
     return run
