@@ -422,3 +422,28 @@ def test_a_killed_rollout_engine_ends_the_run_with_one_line(cluster, tiny_model_
     errors = [x for x in err.splitlines() if x.startswith("alignrl train ppo-ray: error:")]
     assert p.returncode == 1 and took < 30, (took, err[-2000:])
     assert len(errors) == 1 and "rollout engine 0 on node 127.0.0.1" in errors[0] and "died" in errors[0], err[-2000:]
+
+
+def test_a_long_generation_is_waited_for_while_its_engine_lives(cluster):
+    """A step's generation may take longer than the peer timeout (a big model and batch): the actor ranks wait
+    for it, with a line every period naming the engine still at work (before, 120 s without an answer ended the
+    run); an engine that dies meanwhile is one ClusterError line."""
+    from alignrl.cluster.channel import ClusterError, Peer, patient_get
+
+    @ray.remote(num_cpus=0)
+    class Slow:
+        def work(self, seconds: float) -> str:
+            time.sleep(seconds)
+            return "batch"
+
+    lines = []
+    engine = Peer(Slow.remote(), "rollout engine 0")
+    assert patient_get([engine.handle.work.remote(2.5)], [engine], 1.0, lines.append) == ["batch"]
+    assert lines[:2] == ["rollout engine 0 still at work after 1 s", "rollout engine 0 still at work after 2 s"]
+    ref = engine.handle.work.remote(60)
+    time.sleep(0.5)
+    ray.kill(engine.handle)
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match="rollout engine 0 died"):
+        patient_get([ref], [engine], 1.0, lines.append)
+    assert time.monotonic() - t0 < 20

@@ -57,6 +57,20 @@ def get(refs: list, peers: list[Peer], timeout_s: float) -> list:
         raise ClusterError(f"{' and '.join(dead) or 'a worker'} died (killed or out of memory)") from None
 
 
+def patient_get(refs: list, peers: list[Peer], every_s: float, say) -> list:
+    """ray.get of calls that take as long as their work does (a step's generation, which on a big model and
+    batch runs for many minutes): no time limit while the peers live, one `say` line every `every_s`
+    seconds naming those still at it. Ray fails the call of a peer that dies, and `get` makes that one line."""
+    waited = 0.0
+    while True:
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=every_s)
+        if not pending:
+            return get(refs, peers, every_s)
+        waited += every_s
+        busy = ", ".join(p.name for p, r in zip(peers, refs) if r in pending)
+        say(f"{busy} still at work after {waited:g} s")
+
+
 def _died(ref) -> bool:
     try:
         ray.get(ref, timeout=0)
@@ -158,7 +172,8 @@ class RaySource(InlineSource):
         shares = [index[i * len(index) // len(engines):(i + 1) * len(index) // len(engines)]
                   for i in range(len(engines))]
         refs = [e.handle.batch.remote(step, s, self.trainer.version, i) for i, (e, s) in enumerate(zip(engines, shares))]
-        batch = merge(get(refs, engines, self.p.timeout_s), self.pad_id)
+        say = (lambda line: print(f"step {step}: {line}", flush=True)) if self.env.rank == 0 else (lambda line: None)
+        batch = merge(patient_get(refs, engines, self.p.timeout_s, say), self.pad_id)
         batch.metrics["ray/publish_s"] = self.p.sink_.publish_s
         return shard_groups(batch, self.env)
 

@@ -45,7 +45,7 @@ class Job:
     cfg: RunConfig
     prog: str  # the command, for the driver's lines
     threads: int = 1  # torch CPU threads per Ray actor
-    peer_timeout_s: float = 120.0
+    peer_timeout_s: float = 600.0  # torch.distributed's own default; generation waits without limit
     placement_timeout_s: float = 60.0
     weight_backend: str = "nccl"  # on GPUs; gloo without CUDA
     gpu_memory_utilization: float = 0.6  # of a vLLM engine's GPUs

@@ -111,8 +111,9 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     a = p.add_argument_group("alignrl")
     a.add_argument("--placement_timeout", type=float, default=60.0,
                    help="seconds to wait for the placement groups before failing")
-    a.add_argument("--peer_timeout", type=float, default=120.0,
-                   help="seconds a collective may wait for a dead peer before the run stops")
+    a.add_argument("--peer_timeout", type=float, default=600.0,
+                   help="seconds a collective or a worker's answer may take before the run stops (a step's "
+                        "generation takes as long as it takes: a line every this many seconds says who is at it)")
     a.add_argument("--threads", type=int, default=1, help="torch CPU threads per Ray actor")
     a.add_argument("--total_steps", type=int, default=0, help="RL steps (0: from num_episodes and the data size)")
     a.add_argument("--test_freq", type=int, default=0, help="held-out greedy accuracy every N steps (0: only at end)")
