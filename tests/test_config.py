@@ -34,6 +34,45 @@ def test_seed_000_nodes_yaml_keys_are_overrides_too(tmp_path):
         assert load_config(None, order).run_dir == tmp_path / "x"  # unless a run name is given, in either order
 
 
+SEED_000_NODES = """training:
+  master_node: "gpu007"
+  master_port: 29500
+  services:
+    generation:
+      url: "http://gpu004:8000"
+    reference:
+      url: "http://gpu008:8001"
+models:
+  base_path: "/data/vayu/train/models"
+  train:
+    name: "xDAN-L1-Qwen25-7B-Instruct"
+    path: "/data/vayu/train/models/xDAN-L1-Qwen25-7B-Instruct"
+  output:
+    path: "output"
+    checkpoint_dir: "checkpoints"
+    log_dir: "logs"
+"""
+
+
+def test_seed_000s_own_nodes_yaml_takes_the_hostfile_and_zero3_json_beside_it(tmp_path):
+    """The seed's nodes.yaml names neither its hostfile nor its DeepSpeed config: both sit beside it
+    (config/hostfile, config/deepspeed/zero3.json). Before, the launcher said "hostfile '-' not found" and the
+    ranks trained with DDP."""
+    nodes = tmp_path / "config" / "nodes.yaml"
+    nodes.parent.mkdir()
+    nodes.write_text(SEED_000_NODES)
+    bare = load_config(nodes)
+    assert (bare.trainer.hostfile, bare.trainer.strategy, bare.trainer.deepspeed_config) == ("", "auto", "")
+    (nodes.parent / "hostfile").write_text("gpu007 slots=8\ngpu005 slots=8\n")
+    (nodes.parent / "deepspeed").mkdir()
+    (nodes.parent / "deepspeed" / "zero3.json").write_text('{"zero_optimization": {"stage": 3}}')
+    cfg = load_config(nodes)
+    assert cfg.trainer.hostfile == str(nodes.parent / "hostfile") and cfg.model.path.endswith("7B-Instruct")
+    assert (cfg.trainer.strategy, cfg.trainer.deepspeed_config) == ("deepspeed", str(nodes.parent / "deepspeed" / "zero3.json"))
+    nodes.write_text(SEED_000_NODES + "trainer:\n  strategy: ddp\n")  # what the file names wins
+    assert (load_config(nodes).trainer.strategy, load_config(nodes).trainer.deepspeed_config) == ("ddp", "")
+
+
 def test_one_value_given_to_a_list_key_is_a_list_of_one():
     """verl's `trainer.logger=wandb` as well as `trainer.logger=['console','wandb']`."""
     assert load_config(None, ["trainer.logger=wandb"]).trainer.logger == ["wandb"]

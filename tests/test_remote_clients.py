@@ -88,6 +88,16 @@ def test_dead_port_gives_one_line_error_after_backoff(make, hint):
     assert 0.6 <= elapsed < 5.0  # backoff 0.2 s then 0.4 s between the three tries, then give up
 
 
+def test_a_service_on_another_host_is_told_to_listen_beyond_its_loopback():
+    """Seed 000 starts its services on gpu004/gpu008 without --host, where they listen on loopback only: the
+    trainer's line says how to open them (it said "start it", though the service was running)."""
+    port = free_port()
+    with pytest.raises(ServiceError) as e:
+        RemoteRefScorer(f"http://127.0.0.2:{port}", retries=1).logprobs(*[torch.ones(1, 2, dtype=torch.long)] * 4)
+    assert (f"alignrl serve ref --model PATH --port {port} --host 0.0.0.0` on 127.0.0.2 with ALIGNRL_API_KEY set"
+            in str(e.value)) and "\n" not in str(e.value)
+
+
 def test_5xx_is_retried_then_succeeds(stub):
     s = stub([(500, {"error": {"message": "busy"}}, 0), (503, {}, 0), (200, {"weight_version": 7}, 0)])
     assert ServiceClient(s.url, "generation", retries=3, backoff=0.01).request("GET", "/v1/weight_version") == \

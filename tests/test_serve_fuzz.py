@@ -43,8 +43,9 @@ BAD = {  # invalid values per kind (a trailing ! marks a required field)
     "ids": [5, [5], [[]], [["7"]], [[1.5]], [[True]], [[10**6]], [[-5]], [[10**30]], [], [[1] * 300]],
     "count": [-2, 0, 1.5, True, *HUGE], "k": [-2, 1.5, True, *HUGE], "seed": [-2, 1.5, True, 2**70],
     "topk": [-2, 1.5, True],
-    "float": [-0.5, True, 1e9, -1e9], "prob": [-0.5, 0.0, 1.5, True], "strs": [5, [5], [""], ["s"] * 100, [None]],
-    "stop": [5, [5], [""], ["s"] * 100, [None], ""], "bool": [5, "yes"],
+    "float": [-0.5, True, 1e9, -1e9], "prob": [-0.5, 0.0, 1.5, True],
+    "strs": [5, [5], [""], ["s"] * 100, [None], ["\udfff"]],
+    "stop": [5, [5], [""], ["s"] * 100, [None], "", "\ud800", ["a", "\udfff"]], "bool": [5, "yes"],
     "texts": [5, [5], [], [None], [[10**6]], [[-1]], ["\ud800"]],  # JSON may carry a lone surrogate
     "prompt": [5, [], [[]], [True], [10**6], [[10**6]], [-1], [1] * 300, {"text": "a"}, "", "\ud800", ["a", "\udfff"]],
     "messages": [[], [{"role": "wizard", "content": "hi"}], [{"role": "user", "content": 5}],

@@ -384,3 +384,20 @@ def test_top_logprobs_in_slices_equal_one_pass(tiny_model):
         for pa, pb in zip(a, b):
             assert [i for i, _ in pa] == [i for i, _ in pb]
             assert [v for _, v in pa] == pytest.approx([v for _, v in pb], abs=1e-5)
+
+
+def test_every_server_takes_device_and_names_a_bad_one_in_one_line():
+    """--device (auto: cuda when torch sees a GPU): the generation server's HF engine and the reward server ran
+    on the CPU even on a GPU machine (launch_vllm.py without vLLM served a 7B model in float32 on the CPU)."""
+    import torch
+
+    from alignrl.serve import generate, ref, reward
+    from alignrl.serve.common import check_args, device_of
+
+    for server in (generate, ref, reward):
+        args = server.parser().parse_args(["--model", "demo"])
+        assert check_args(args) is None and device_of(args) == ("cuda" if torch.cuda.is_available() else "cpu")
+        assert "is not a torch device" in check_args(server.parser().parse_args(["--model", "m", "--device", "gpu0"]))
+    if not torch.cuda.is_available():
+        said = check_args(ref.parser().parse_args(["--model", "m", "--device", "cuda:1"]))
+        assert said == "--device cuda:1 but torch sees no CUDA GPU here; pass --device cpu (or auto)"

@@ -167,13 +167,22 @@ def test_unknown_and_unsupported_keys_are_one_line_errors():
         load_config(None, ["data.train_files=[]"])
 
 
-def test_grpo_with_n_agent_and_alignrl_keys_beside_verl_ones():
+def test_grpo_with_n_agent_and_alignrl_keys_beside_verl_ones(tmp_path):
     cfg = load_config(None, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n_agent=5",
                              "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.use_kl_loss=true",
                              "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "data.train_batch_size=10",
                              "actor_rollout_ref.actor.ppo_mini_batch_size=5", "actor.ppo_micro_batch_size=5"])
     assert (cfg.rollout.n, cfg.critic.enable, cfg.actor.kl_loss_type) == (5, False, "low_var_kl")
     assert cfg.actor.use_kl_loss and not cfg.algorithm.use_kl_in_reward  # verl: KL loss replaces the reward KL
+    # the KL loss set in a config file counts as well (it was read off the command line only: KL twice)
+    from_file = tmp_path / "kl.yaml"
+    from_file.write_text("actor:\n  use_kl_loss: true\n")
+    cfg = load_config(from_file, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4"])
+    assert cfg.actor.use_kl_loss and not cfg.algorithm.use_kl_in_reward
+    # verl's clip_ratio is only the fallback of clip_ratio_low/high, whatever the order (DAPO's clip-higher)
+    for order in (1, -1):
+        clip = load_config(None, ["actor_rollout_ref.actor.clip_ratio_high=0.28", "actor_rollout_ref.actor.clip_ratio=0.2"][::order])
+        assert (clip.actor.clip_ratio_low, clip.actor.clip_ratio_high) == (0.2, 0.28)
     custom = load_config(None, ["custom_reward_function.path=my_reward.py", "custom_reward_function.name=score"])
     assert custom.algorithm.reward_fn == "my_reward.py:score"
     plain = load_config(None, ["actor.lr=1e-5"])  # no verl spelling: alignrl's own defaults stay

@@ -96,7 +96,9 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def from_seed_layout(raw: Any, path: Path) -> Any:
     """A YAML with top-level `training:` / `models:` (seed 000's nodes.yaml) mapped onto our keys; the
-    run folder is then `models.output.path` itself (checkpoints and logs inside it, as in the seed)."""
+    run folder is then `models.output.path` itself (checkpoints and logs inside it, as in the seed). As in
+    the seed's project, `hostfile` and `deepspeed/zero3.json` beside the file are the launcher's hosts and
+    the training engine (DeepSpeed ZeRO-3 from that JSON) unless the file names others."""
     if not isinstance(raw, dict) or not ({"training", "models"} & set(raw)):
         return raw
     raw = dict(raw)
@@ -111,4 +113,11 @@ def from_seed_layout(raw: Any, path: Path) -> Any:
         raw.setdefault(section, {})[name] = value
     if "models" in seed and "output" in seed["models"]:
         raw.setdefault("trainer", {}).setdefault("experiment_name", "")
+    # the seed's project keeps its hostfile and DeepSpeed config beside nodes.yaml, which names neither
+    trainer = raw.setdefault("trainer", {})
+    if (path.parent / "hostfile").is_file():
+        trainer.setdefault("hostfile", str(path.parent / "hostfile"))
+    zero3 = path.parent / "deepspeed" / "zero3.json"
+    if zero3.is_file() and "strategy" not in trainer and "deepspeed_config" not in trainer:
+        trainer.update(strategy="deepspeed", deepspeed_config=str(zero3))
     return raw

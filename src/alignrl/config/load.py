@@ -47,7 +47,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             merged = OmegaConf.merge(merged, from_file)
         for o in verl.overrides:  # one at a time, so an error without OmegaConf's key still names the override's
             merged = _merge_one(merged, o)
-        for o in verl_defaults(verl, given, merged.algorithm.adv_estimator):
+        for o in verl_defaults(verl, given, merged.algorithm.adv_estimator, bool(merged.actor.use_kl_loss)):
             merged = _merge_one(merged, o)
         if verl.output_is_run_dir and "trainer.experiment_name" not in given:  # as in a nodes.yaml file
             merged = _merge_one(merged, "trainer.experiment_name=''")

@@ -171,7 +171,10 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
             verl = True
             if key == "trainer.default_local_dir":  # verl's path is relative to the working directory
                 value = os.path.abspath(value)
-            out += [f"{target}={value}" for target in RENAMES[key]]
+            if key == A + "clip_ratio":  # only the fallback of clip_ratio_low/high given beside it (as in verl)
+                out[:0] = [f"{target}={value}" for target in RENAMES[key]]
+            else:
+                out += [f"{target}={value}" for target in RENAMES[key]]
         elif key == A + "ppo_micro_batch_size" and isinstance(_value(value), int):
             verl, global_micro = True, _value(value)  # all ranks together, as verl divides it (resolve_counts)
         elif key == "trainer.critic_warmup" and isinstance(_value(value), int):
@@ -215,13 +218,14 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
     return Translation(out, explicit, not_used, notes, verl, output_is_run_dir, global_micro)
 
 
-def verl_defaults(t: Translation, given: set[str], adv_estimator: str) -> list[str]:
+def verl_defaults(t: Translation, given: set[str], adv_estimator: str, use_kl_loss: bool) -> list[str]:
     """The overrides that give a verl-spelled run Search-R1's verl defaults, for the keys it leaves out
-    (`given`: the keys set by the overrides or the config file)."""
+    (`given`: the keys set by the overrides or the config file; `use_kl_loss`: the merged actor.use_kl_loss,
+    from either of them)."""
     if not t.verl_style:
         return []
     out = [f"{k}={v}" for k, v in VERL_DEFAULTS.items() if k not in given]
-    use_kl_loss = "actor.use_kl_loss=true" in [o.lower() for o in t.overrides]
+    use_kl_loss = use_kl_loss and "actor.use_kl_loss" in given  # else VERL_DEFAULTS' False, just above
     if "algorithm.use_kl_in_reward" not in given:
         out.append(f"algorithm.use_kl_in_reward={not use_kl_loss}")
     if "critic.enable" not in given:

@@ -13,6 +13,7 @@ Deliberately left out: LoRA adapters, multi-modal inputs, vLLM's async engine.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -58,6 +59,9 @@ class VLLMRolloutEngine:
         # inside a Ray actor, tensor parallelism runs on vLLM's Ray executor: its workers take the GPUs of
         # the placement group the actor was started in ("ray"); None leaves vLLM its own choice
         extra = {"distributed_executor_backend": distributed_executor_backend} if distributed_executor_backend else {}
+        # load_weights hands vLLM a function (apply_model), which its V1 engine runs in its own engine-core
+        # process: vLLM refuses to serialize one unless this is set (a child of this process, not a peer)
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         self.scaled_logprobs = "logprobs_mode" in _engine_args(self.vllm)
         if self.scaled_logprobs:
             extra["logprobs_mode"] = "processed_logprobs"

@@ -63,12 +63,20 @@ def base_parser(prog: str, description: str, default_port: int) -> argparse.Argu
                    help=f"address to bind (default loopback only; any other host needs {API_KEY_ENV} set)")
     p.add_argument("--port", type=int, default=default_port)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="where the model runs; auto: cuda when available, else cpu")
     p.add_argument("--max_body_mb", type=float, default=64.0, help="largest JSON request body accepted")
     p.add_argument("--max_batch", type=int, default=256, help="most sequences in one model call")
     p.add_argument("--max_request_seqs", type=int, default=1024, help="most sequences one request may ask for")
     p.add_argument("--batch_window_ms", type=float, default=5.0,
                    help="how long to wait for concurrent requests to join a batch")
     return p
+
+
+def device_of(args: argparse.Namespace) -> str:
+    """--device, with auto resolved: the first GPU when torch sees one, else the CPU."""
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
 
 
 def host_error(host: str) -> str | None:
@@ -97,6 +105,15 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"--{name} must be at least 1"
     if args.max_body_mb <= 0 or args.batch_window_ms < 0:
         return "--max_body_mb must be positive and --batch_window_ms not negative"
+    if args.device != "auto":
+        import torch
+
+        try:
+            device = torch.device(args.device)
+        except (RuntimeError, ValueError):
+            return f"--device {args.device!r} is not a torch device; pass auto, cpu, cuda or cuda:N"
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return f"--device {args.device} but torch sees no CUDA GPU here; pass --device cpu (or auto)"
     return host_error(args.host)
 
 

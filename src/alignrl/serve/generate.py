@@ -32,7 +32,8 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from alignrl.serve import openai_format as oa
-from alignrl.serve.common import RequestError, base_parser, check_args, fail, new_app, require_token, start
+from alignrl.serve.common import (RequestError, base_parser, check_args, device_of, fail, new_app, require_token,
+                                  start, unicode_texts)
 from alignrl.serve.gen_types import MAX_N, MAX_STOP_LEN, MAX_STOPS, GenResult, GenRow, sampling
 
 PROG = "alignrl serve generate"
@@ -106,6 +107,7 @@ class GenerationService:
         for s in stop:
             if not s or len(s) > MAX_STOP_LEN:
                 raise RequestError(f"stop strings must be 1..{MAX_STOP_LEN} characters; got {s!r}")
+        unicode_texts(list(stop), "stop string")  # the engine encodes them: a lone surrogate was a 500
 
     async def generate(self, prompts: list[list[int]], params, top_logprobs: int = 0) -> GenResult:
         self.check(prompts, params.n, params.max_new_tokens, params.stop)
@@ -275,7 +277,7 @@ def load_service(args: argparse.Namespace) -> GenerationService:
         from alignrl.rollout.hf_engine import HFRolloutEngine
 
         model, tok = load_model(str(folder), args.dtype, log=lambda *a: print(*a, file=sys.stderr), chat=False)
-        model.eval()
+        model = model.to(device_of(args)).eval()  # on a GPU machine without vLLM (launch_vllm.py): its GPU
         engine, cfg = HFRolloutEngine(model, tok), model.config
         manifest = manifest_of(model.named_parameters())
     vocab = getattr(getattr(engine, "model", None), "get_input_embeddings", lambda: None)()

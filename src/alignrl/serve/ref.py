@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from alignrl.serve.batcher import Batcher, flat_pairs, per_job
-from alignrl.serve.common import RequestError, base_parser, check_args, fail, new_app, start
+from alignrl.serve.common import RequestError, base_parser, check_args, device_of, fail, new_app, start
 
 PROG = "alignrl serve ref"
 
@@ -102,18 +102,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor_parallel_size", type=int, default=1,
                    help="accepted for the seed's launcher; this server runs the model on one device")
     p.add_argument("--micro_batch", type=int, default=64, help="rows per forward pass")
-    p.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     return p
 
 
 def load_service(args: argparse.Namespace) -> RefService:
-    import torch
-
     from alignrl.models.loader import load_model
 
     model, tok = load_model(args.model, args.dtype, log=lambda *a: print(*a, file=sys.stderr), chat=False)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    model = model.to(device).eval().requires_grad_(False)
+    model = model.to(device_of(args)).eval().requires_grad_(False)
     cfg = model.config
     return RefService(model, tok.pad_token_id, model.get_input_embeddings().num_embeddings,
                       getattr(cfg, "max_position_embeddings", 4096), args.max_request_seqs, args.micro_batch,

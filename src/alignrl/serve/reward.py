@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from alignrl.serve.batcher import Batcher, flat_pairs, per_job
-from alignrl.serve.common import RequestError, base_parser, check_args, fail, new_app, start, unicode_texts
+from alignrl.serve.common import (RequestError, base_parser, check_args, device_of, fail, new_app, start,
+                                  unicode_texts)
 from alignrl.serve.ref import check_pairs
 
 PROG = "alignrl serve reward"
@@ -101,7 +102,7 @@ def load_service(args: argparse.Namespace) -> RewardService:
     from alignrl.models.value import ModelScorer
 
     log = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
-    scorer = ModelScorer(args.model, args.dtype, log=log)
+    scorer = ModelScorer(args.model, args.dtype, log=log, device=device_of(args))
     try:
         from transformers import AutoTokenizer
 
