@@ -280,8 +280,8 @@ def test_run_distributed_with_a_two_rank_deepspeed_trainer(tiny_model_dir, tmp_p
 def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
     """A sampler with another model is refused in one line; a second trainer (two ranks) on the same ports
     stops in one line; garbage and a peer of another protocol version on the data port are counted and
-    skipped; a sampler pointed at a port with no trainer stops in one line;
-    the run then completes with a good sampler. The trainer is DeepSpeed in bf16 mode under model.dtype=float32,
+    skipped, and so is a message of 70000 frames; a sampler pointed at a port with no trainer stops in one line;
+    the run then completes with a good sampler. The trainer is DeepSpeed ZeRO-3 in bf16 mode under model.dtype=float32,
     so it publishes bf16 weights: the sampler loads the model in fp32 and takes the trainer's dtypes from its
     welcome (a dtype is a run setting, not another model)."""
     import msgpack
@@ -295,7 +295,8 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
                              log=lambda *_: None)
     ports = free_ports(3)
     ds = tmp_path / "deepspeed.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
+    # ZeRO-3: the trainer's parameters are empty shards, and the model check must compare the full shapes
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
     trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "bad", 2, ports, "pipeline.placement=zmq",
                                                  "pipeline.peer_timeout_s=120", "trainer.strategy=deepspeed",
                                                  f"trainer.deepspeed_config={ds}"))
@@ -323,6 +324,7 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
         push.send_multipart([b"not msgpack at all"])
         push.send_multipart([msgpack.packb({"proto": 99, "kind": "scored_batch", "token": "", "meta": {},
                                             "tensors": []})])
+        push.send_multipart([b""] * 70000)  # more frames than any message has: dropped, not the end of the run
         good = sampler(tiny_model_dir, ports)
         procs.append(good)
         out, err = trainer.communicate(timeout=300)
@@ -333,7 +335,7 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
         ctx.term()
         stop(*procs)
     last = [json.loads(x) for x in (tmp_path / "bad" / "logs" / "metrics.jsonl").read_text().splitlines()][-1]
-    assert last["pipeline/malformed"] == 2.0
+    assert last["pipeline/malformed"] == 3.0
     assert len(trained_rows(tmp_path / "bad")) == 2
     assert {v.dtype for v in weights(tmp_path / "bad", 2).values()} == {torch.bfloat16}
 

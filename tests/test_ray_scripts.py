@@ -26,6 +26,18 @@ def run(args, env, timeout=120):
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def submit(args, env, timeout, cwd=None):
+    """`ray job submit`, again while the head says its job agent is not up yet: on a loaded machine the dashboard
+    can answer before the head node's agent has registered ("No available agent to submit job, please try again
+    later"), and a submission that fails so has not created its submission id."""
+    deadline = time.time() + 90
+    while True:
+        out = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        if out.returncode == 0 or "No available agent" not in out.stdout + out.stderr or time.time() > deadline:
+            return out
+        time.sleep(3)
+
+
 def ray_pids(pattern: str) -> list[int]:
     out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
@@ -43,9 +55,8 @@ def seed_003_job(address: str, env: dict, model_dir: Path, tmp_path: Path) -> No
             "trainer.n_gpus_per_node=1", "trainer.nnodes=2", "trainer.save_freq=1", "trainer.test_freq=0",
             "trainer.total_training_steps=1", f"trainer.default_local_dir={tmp_path / 'verl_checkpoints'}",
             f"trainer.output_dir={tmp_path / 'verl_out'}", "trainer.threads=1", "trainer.progress_bar=false"]
-    out = subprocess.run(["ray", "job", "submit", address, "--runtime-env=verl/trainer/runtime_env.yaml", "--no-wait",
-                          "--submission-id", "seed-003", "--", "python3", "-m", "verl.trainer.main_ppo", *args],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = submit(["ray", "job", "submit", address, "--runtime-env=verl/trainer/runtime_env.yaml", "--no-wait",
+                  "--submission-id", "seed-003", "--", "python3", "-m", "verl.trainer.main_ppo", *args], env, 120, ROOT)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     deadline, status = time.time() + 240, ""
     while time.time() < deadline and not any(s in status for s in ("succeeded", "failed", "stopped")):
@@ -93,8 +104,8 @@ def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
                 "--max_samples", "64", "--init_kl_coef", "0", "--total_steps", "2", "--val_size", "4"]
         address = f"--address=http://127.0.0.1:{ports[1]}"
         # without --no-wait, as seed 001's scripts submit: the job's log follows, and its end decides the exit code
-        out = run(["ray", "job", "submit", address, "--submission-id", "ppo-ray", "--", "alignrl", "train", *argv],
-                  base, timeout=300)
+        out = submit(["ray", "job", "submit", address, "--submission-id", "ppo-ray", "--", "alignrl", "train", *argv],
+                     base, 300)
         assert out.returncode == 0 and "Job 'ppo-ray' succeeded" in out.stdout, (out.stdout + out.stderr)[-3000:]
         assert (tmp_path / "run" / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
         placed = json.loads((tmp_path / "run" / "placement.json").read_text())

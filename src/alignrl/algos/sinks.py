@@ -24,7 +24,7 @@ class EngineCopy:
         self.actor, self.engine, self.env, self.main_only = actor, engine, env, main_only
 
     def publish(self, version: int) -> None:
-        full = self.actor.engine.full_state_dict()
+        full = self.actor.engine.full_state_dict(main_only=self.main_only)
         names = {n for n, _ in self.actor.model.named_parameters()}
         if self.env.is_main or not self.main_only:
             self.engine.load_weights([(k, v) for k, v in full.items() if k in names])

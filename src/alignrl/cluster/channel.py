@@ -142,7 +142,7 @@ class RayWeightSink:
 
     def publish(self, version: int) -> None:
         t0 = time.perf_counter()
-        full = self.actor.engine.full_state_dict()  # collective under ZeRO-3 / FSDP2
+        full = self.actor.engine.full_state_dict(main_only=True)  # collective under ZeRO-3 / FSDP2
         if self.env.is_main:
             refs = [e.handle.receive.remote(BUCKET_BYTES) for e in self.engines]
             self.group.send([(n, full[n]) for n in self.names], version, BUCKET_BYTES)

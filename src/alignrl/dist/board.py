@@ -37,7 +37,10 @@ class WeightBoard:
         self.incarnation = incarnation
         self.on_publish = on_publish  # called under the lock with the new version
         self.names = [n for n, _ in actor.model.named_parameters()]
-        self.manifest = {k: [list(v.shape), v.dtype] for k, v in manifest_of(actor.model.named_parameters()).items()}
+        # the full shapes: ZeRO-3 leaves each parameter an empty shard here (its own shape in ds_shape), and a
+        # sampler's model was refused as another one
+        self.manifest = {n: [list(getattr(t, "ds_shape", t.shape)), spec.dtype] for (n, t), spec in
+                         zip(actor.model.named_parameters(), manifest_of(actor.model.named_parameters()).values())}
         # where the published weights live: whole weights are read off the parameters' device, gathered
         # ones (ZeRO-3, FSDP2) come as CPU tensors
         dev = next(actor.model.parameters()).device
@@ -54,8 +57,8 @@ class WeightBoard:
         if self.actor.engine.whole_weights:
             named = list(self.actor.model.named_parameters()) if self.env.is_main else []
         else:
-            full = self.actor.engine.full_state_dict()
-            named = [(n, full[n]) for n in self.names]
+            full = self.actor.engine.full_state_dict(main_only=True)
+            named = [(n, full[n]) for n in self.names] if self.env.is_main else []
         if self.env.is_main:
             meta = {"incarnation": self.incarnation}
             with self.lock:

@@ -186,10 +186,10 @@ class Coordinator:
                     f"no sampler delivered a batch for step {step} in {self.p.peer_timeout_s:g} s: start one with "
                     f"`python sampling_worker.py --data-port {self.p.data_port} --sync-port {self.p.sync_port}` "
                     "(or `alignrl sample`), or raise pipeline.peer_timeout_s")
-            raw = self.puller.recv_frames(min(left, 1.0))
-            if raw is None:
-                continue
-            try:
+            try:  # a message of absurdly many frames is dropped whole: one malformed line, as any other
+                raw = self.puller.recv_frames(min(left, 1.0))
+                if raw is None:
+                    continue
                 msg = decode(raw, self.token)
                 version, lease_id = msg.meta.get("version"), str(msg.meta.get("lease"))
             except WireError as e:

@@ -141,7 +141,7 @@ def save_engine(engine, folder: Path, name: str, env: DistEnv = SINGLE) -> None:
     """Collective: `folder/name` (full HF weights, written by rank 0) and `folder/name_state` (the engine's
     resumable optimizer state). Raises NonFiniteWeights on every rank, or none does (a rank left alone in
     the next collective would hang), before writing anything of it."""
-    full = engine.full_state_dict()  # collective
+    full = engine.full_state_dict(main_only=True)  # collective; rank 0 writes
     bad = nonfinite(full)
     if all_reduce_sum(env, [float(len(bad))])[0]:
         raise NonFiniteWeights(name, bad[0] if bad else "some tensor")

@@ -60,8 +60,9 @@ class TrainEngine(Protocol):
 
     def lr(self) -> float: ...
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective. The full, unsharded weights on CPU (on every rank), keyed as `model.state_dict()`."""
+    def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
+        """Collective. The full, unsharded weights on CPU, keyed as `model.state_dict()`: on every rank, or
+        with `main_only` on rank 0 alone (the others get {} and hold no host copy of the model)."""
 
     def save_state(self, folder: Path) -> None:
         """Collective. Resumable optimizer and scheduler state into `folder` (rank 0 writes)."""

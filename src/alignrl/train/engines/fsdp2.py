@@ -45,6 +45,7 @@ class FSDP2Engine(LocalOptimizerEngine):
         self.zero.before_backward()
         (loss * self.env.world_size).backward()  # reduce-scatter averages over ranks
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+    def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
+        # cpu_offload with full_state_dict: rank 0 alone gathers into host memory, the others get {}
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=main_only))
         return {k: v.detach().cpu() for k, v in sd.items()}

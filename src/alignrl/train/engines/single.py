@@ -34,5 +34,7 @@ class LocalEngine(LocalOptimizerEngine):
             with self.module.no_sync():
                 scaled.backward()
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
+        if main_only and not self.env.is_main:
+            return {}
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
