@@ -36,10 +36,10 @@ def test_episode_cap_keys_and_their_verl_spellings():
     # Search-R1 keeps a trajectory's first data.max_prompt_length tokens; the seed's 4 turns of 500 + 4
     # observations of 500 (4500) are cut at its 4096
     cfg = load_config(None, ["max_turns=4", "data.max_prompt_length=4096", "data.max_response_length=500",
-                             "data.max_obs_length=500", "actor_rollout_ref.rollout.n_agent=1"])
+                             "data.max_obs_length=500", "actor_rollout_ref.rollout.n_agent=2"])
     assert (cfg.agent.max_response_length, response_cap(cfg)) == (4096, 4096)
     cfg = load_config(None, ["max_turns=4", "data.max_prompt_length=4096", "agent.max_response_length=1000",
-                             "actor_rollout_ref.rollout.n_agent=1"])
+                             "actor_rollout_ref.rollout.n_agent=2"])
     assert cfg.agent.max_response_length == 1000  # given: kept
     with pytest.raises(ConfigError, match="agent.max_response_length=-1 is out of range"):
         load_config(None, [*MULTI, "agent.max_response_length=-1"])

@@ -106,6 +106,8 @@ def test_one_value_given_to_a_list_key_is_a_list_of_one():
     (["algorithm.adv_estimator=gae", "critic.enable=true", "safety.cost_fn=x.py:f", "safety.cost_model=m"],
      "not both"),
     (["actor.clip_ratio_c=0.5"], "must be > 1"),
+    (["algorithm.adv_estimator=rloo", "rollout.n=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+      "actor.ppo_micro_batch_size=8"], "rollout.n=1 leaves none to compare with"),
     (["actor.policy_loss=gspo", "actor.clip_ratio_c=3"], "applies to actor.policy_loss=ppo_clip only"),
     (["actor.gradient_checkpointing=true", "actor.share_prompt=true"], "does not combine with actor.share_prompt"),
     (["pipeline.placement=zmq", "pipeline.data_port=5555", "pipeline.sync_port=5555"],

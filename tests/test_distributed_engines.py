@@ -1,6 +1,7 @@
 """Two gloo ranks under torchrun: every training engine takes the same step as one process on the same
 global batch, saves and restores its full state, and a dead rank ends the run instead of hanging."""
 
+import json
 import os
 import subprocess
 import sys
@@ -83,6 +84,10 @@ def test_steps_match_single_process_and_state_round_trips(launch, tiny_model_dir
             before, expected = reference[name]
             assert_same_step(load_file(str(tmp_path / f"weights_{engine.tag}_{name}.safetensors")), before,
                              expected, f"{engine.tag} {name}")
+            reductions = tmp_path / f"reductions_{engine.tag}_{name}.json"
+            if engine.strategy == "ddp":  # one all-reduce per bucket a step, not one per micro-batch (2 here)
+                buckets = json.loads(reductions.read_text())
+                assert buckets and len(buckets) == len(set(buckets)), buckets
     if launch == "torch":  # full weights and the FQN-keyed optimizer state move from 2-rank FSDP2 to one process
         engine, _ = engine_worker.make_engine(engine_worker.EngineArgs("single"), SINGLE,
                                               str(tmp_path / "ckpt_fsdp20" / "model"))

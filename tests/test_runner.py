@@ -225,6 +225,7 @@ def test_ppo_lagrangian_with_a_cost_model(tiny_model_dir, tmp_path):
 def test_remax_baseline_is_the_greedy_reward(tiny_model_dir, tmp_path):
     from alignrl.algos.placement import place
     from alignrl.algos.runner import PromptData
+    from alignrl.core.shaping import overlong_penalty
     from alignrl.data import synthetic
     from alignrl.interfaces import SamplingParams
 
@@ -234,12 +235,16 @@ def test_remax_baseline_is_the_greedy_reward(tiny_model_dir, tmp_path):
     samples, prompts = PromptData(placed.tokenizer, synthetic.generate("train", 3, seed=0), 64)(range(3))
     # reward = 1 for responses whose text length is odd: greedy and sampled responses then differ in reward
     maker.rewards.reward_fn = lambda ds, text, gt, extra=None: float(len(text) % 2)
+    # DAPO's overlong penalty past 4 tokens: the baseline is shaped like the rewards it is taken from
+    maker.rewards.overlong_buffer_len, maker.rewards.max_new_tokens = 4, 8
     ro = maker.engine.generate(prompts, maker.sampling_params(1))
     scored = maker.score(ro, samples)
     greedy = maker.engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
     texts = placed.tokenizer.batch_decode(greedy.response_ids.masked_fill(~greedy.response_mask, 0),
                                           skip_special_tokens=True)
-    expected = torch.tensor([float(len(t) % 2) for t in texts])[ro.group]
+    penalty = overlong_penalty(greedy.response_lengths, 8, 4, 1.0)
+    assert penalty.min() < 0  # some greedy response is long enough to be penalised
+    expected = (torch.tensor([float(len(t) % 2) for t in texts]) + penalty)[ro.group]
     assert torch.equal(scored.baseline, expected)
 
 

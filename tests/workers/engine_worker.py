@@ -12,6 +12,7 @@ Several engines share one launch: a torchrun's start-up (torch, transformers) co
 """
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -97,6 +98,23 @@ def update(engine, exp, env, layout: Layout = Layout()) -> None:
                          generator=torch.Generator().manual_seed(1))
 
 
+def count_reductions(engine) -> list[int] | None:
+    """The DDP buckets all-reduced during the step, in order (DDP's default hook, counted); None if not DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    if not isinstance(engine.module, DistributedDataParallel):
+        return None
+    seen: list[int] = []
+
+    def hook(state, bucket):
+        seen.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    engine.module.register_comm_hook(None, hook)
+    return seen
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--engines", nargs="*", default=[], help="strategy:zero_stage[:offload]=layout,...")
@@ -121,8 +139,11 @@ def main() -> int:
                 roundtrip(engine_args, env, args.model, out / f"ckpt_{engine_args.tag}")
                 continue
             engine, exp = make_engine(engine_args, env, args.model, LAYOUTS[name].share_prompt)
+            reduced = count_reductions(engine)
             update(engine, exp, env, LAYOUTS[name])
             save_weights(engine.full_state_dict(), env, out, f"weights_{engine_args.tag}_{name}.safetensors")
+            if reduced is not None and env.is_main:
+                (out / f"reductions_{engine_args.tag}_{name}.json").write_text(json.dumps(reduced))
     shutdown()
     return 0
 

@@ -180,9 +180,10 @@ def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: C
             if step >= total:
                 break
             batch = batch.to(env.device, non_blocking=True)
-            loss, metrics = loss_fn(engine.module, batch, gpairs)
             last = (i + 1) % accum == 0
-            engine.backward(loss, last_micro=last)
+            with engine.micro_batch(last):
+                loss, metrics = loss_fn(engine.module, batch, gpairs)
+                engine.backward(loss, last_micro=last)
             # recorded as this micro-batch's mean, comparable whatever the batch and world size
             tracker.add({**metrics, "loss": loss.item() * gpairs / batch.n_pairs})
             if last:

@@ -115,13 +115,15 @@ class RolloutMaker:
         return scores
 
     def greedy_baseline(self, ro: Rollout, samples: Sequence[Sample]) -> torch.Tensor:
-        """ReMax's baseline: the task reward of each prompt's greedy response, per row (B,)."""
+        """ReMax's baseline: the reward of each prompt's greedy response, per row (B,), scored by the same
+        reward stage as the samples (a reward model, the overlong penalty): the rule reward alone put the
+        baseline on another scale than the rewards it is taken from."""
         first = torch.unique_consecutive(ro.group, return_counts=True)[1].cumsum(0) - 1  # a row of each group
         prompts = [ro.prompt_ids[i][ro.prompt_mask[i]].tolist() for i in first.tolist()]
         greedy = self.engine.generate(prompts, SamplingParams(n=1, temperature=0.0,
                                                               max_new_tokens=self.cfg.rollout.max_new_tokens))
-        rows = [samples[g] for g in ro.group[first].tolist()]
-        return torch.tensor([float(r) for r in self.rewards.task_rewards(rows, self.rewards.texts(greedy))])[ro.group]
+        rows = [samples[g] for g in ro.group[first].tolist()]  # greedy row (group) j is the prompt of rows[j]
+        return self.rewards.score(greedy, rows).rewards[ro.group]
 
     def dynamic_sample(self, step: int, ro: Rollout, scores: Scores, index: torch.Tensor, rows: Rows,
                        more: Callable[[], Sequence[int]] | None, timings: dict[str, float]):

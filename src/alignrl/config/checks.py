@@ -101,6 +101,12 @@ def check_combinations(cfg: RunConfig) -> None:
         raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip), or 0 to disable")
     if cfg.actor.clip_ratio_c and cfg.actor.policy_loss != "ppo_clip":
         raise ConfigError("actor.clip_ratio_c (dual-clip) applies to actor.policy_loss=ppo_clip only")
+    if cfg.rollout.n < 2 and alg.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        # each sample is measured against the others of its prompt: alone, every advantage would be 0 and the
+        # run would train on nothing but its KL and entropy terms
+        raise ConfigError(f"algorithm.adv_estimator={alg.adv_estimator} compares the samples of each prompt: "
+                          f"rollout.n={cfg.rollout.n} leaves none to compare with; set rollout.n >= 2 (verl's "
+                          "actor_rollout_ref.rollout.n), or use reinforce_plus_plus or remax")
     gae = cfg.algorithm.adv_estimator == "gae"
     if gae and not cfg.critic.enable:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic: set critic.enable=true "

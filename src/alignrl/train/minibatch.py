@@ -47,9 +47,11 @@ def minibatch_updates(exp: Experience, micro_loss: MicroLoss, engine: TrainEngin
             bad_loss = 0.0
             for i, rows in enumerate(chunks):
                 micro = exp.select(rows).to(engine.env.device)
-                loss, m = micro_loss(rows, micro, tokens, seqs)
-                bad_loss += not bool(torch.isfinite(loss.detach()))
-                engine.backward(loss, last_micro=i == len(chunks) - 1)
+                last = i == len(chunks) - 1
+                with engine.micro_batch(last):
+                    loss, m = micro_loss(rows, micro, tokens, seqs)
+                    bad_loss += not bool(torch.isfinite(loss.detach()))
+                    engine.backward(loss, last_micro=last)
                 share = float(micro.response_mask.sum()) / max(local_tokens, 1.0)
                 for k, v in m.items():
                     sums[k].append(v * share)

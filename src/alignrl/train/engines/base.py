@@ -10,6 +10,7 @@ of the same global batch, which is what the cross-backend equivalence tests chec
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -47,6 +48,10 @@ class TrainEngine(Protocol):
     module: torch.nn.Module  # what forward is called on (a DDP wrapper, a DeepSpeed engine, or `model`)
     env: DistEnv
     whole_weights: bool  # every rank's `model` holds all the weights, unsharded (not FSDP2, not ZeRO-3)
+
+    def micro_batch(self, last_micro: bool) -> AbstractContextManager:
+        """Around one micro-batch's forward and backward: before the last one of a step, DDP skips its
+        gradient all-reduce (it decides so in the forward, so a context around the backward alone is too late)."""
 
     def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
         """`last_micro`: the last micro-batch before `step` (backends that defer gradient reduction)."""
@@ -149,6 +154,9 @@ class LocalOptimizerEngine:
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+    def micro_batch(self, last_micro: bool) -> AbstractContextManager:
+        return nullcontext()
 
     def save_state(self, folder: Path) -> None:
         save_full_state(self.env, folder, self.model, self.optimizer, self.scheduler)

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -107,6 +108,9 @@ class DeepSpeedEngine:
         self.module, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         self.model = self.module.module
+
+    def micro_batch(self, last_micro: bool) -> AbstractContextManager:
+        return nullcontext()  # the boundary is set in backward
 
     def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
         self.module.set_gradient_accumulation_boundary(last_micro)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 
 from alignrl.dist.env import DistEnv
@@ -25,14 +27,13 @@ class LocalEngine(LocalOptimizerEngine):
                                                   else None)
         self._build_optimizer(spec)
 
+    def micro_batch(self, last_micro: bool) -> AbstractContextManager:
+        # accumulate locally; the last micro-batch's backward all-reduces the sum once
+        return nullcontext() if last_micro or self.module is self.model else self.module.no_sync()
+
     def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
         self.zero.before_backward()
-        scaled = loss * self.env.world_size  # DDP averages over ranks; the loss is already global
-        if last_micro or self.module is self.model:
-            scaled.backward()
-        else:  # accumulate locally; the last micro-batch's backward all-reduces the sum once
-            with self.module.no_sync():
-                scaled.backward()
+        (loss * self.env.world_size).backward()  # DDP averages over ranks; the loss is already global
 
     def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
         if main_only and not self.env.is_main:
