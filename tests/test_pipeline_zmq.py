@@ -176,7 +176,8 @@ def test_a_killed_sampler_loses_nothing(tiny_model_dir, tmp_path):
 @pytest.mark.timeout(500)
 def test_a_killed_trainer_resumes_and_the_sampler_rejoins(tiny_model_dir, tmp_path):
     """The trainer is killed after a checkpoint; the sampler waits; the restarted trainer resumes from its
-    checkpoint, the sampler gets its weights, and the logged steps train each prompt exactly once. (A trainer
+    checkpoint, the sampler says hello to it and gets its weights, and the logged steps train each prompt exactly
+    once. (A trainer
     stopped by Ctrl-C leaves its samplers waiting the same way: test_coordinator_sync.)"""
     ports = free_ports(2)
     steps = 8
@@ -197,6 +198,8 @@ def test_a_killed_trainer_resumes_and_the_sampler_rejoins(tiny_model_dir, tmp_pa
         assert again.returncode == 0, err[-3000:]
         assert f"(step {killed_at})" in out
         assert worker.wait(timeout=60) == 0
+        # the sampler met the restarted trainer as a new one: hello again (its run config, model check, dtypes)
+        assert worker.stdout.read().count("a restarted trainer answers") == 1
     finally:
         stop(trainer, worker, *([again] if "again" in dir() else []))
     assert_each_row_once(run, steps)
@@ -251,6 +254,40 @@ def test_run_distributed_names_a_bad_flag_before_starting_anything(argv, said, c
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"run_distributed.py: error: {said}"), err
 
 
+def test_run_distributed_gives_host_to_both_and_stops_when_its_sampler_fails(monkeypatch):
+    """--host reaches the sampler too (it connected to 127.0.0.1 while the trainer bound the address given), and a
+    sampler that fails ends the run with its exit code at once (the trainer waited pipeline.peer_timeout_s)."""
+    from alignrl.dist import seed004
+    from alignrl.dist.launch import wait_interruptible
+
+    started = []
+
+    class Done:  # a process that has already exited 0
+        returncode = 0
+
+        def __init__(self, argv, **kw):
+            started.append(argv)
+
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    with monkeypatch.context() as m:
+        m.setattr(seed004.subprocess, "Popen", Done)
+        assert seed004.launcher_main(["--host", "10.1.2.3", "--training-gpus", "1"]) == 0
+    assert len(started) == 2 and all(a[a.index("--host") + 1] == "10.1.2.3" for a in started), started
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sampler = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    try:
+        t0 = time.monotonic()
+        assert wait_interruptible(trainer, sampler, watch=(sampler,)) == 3 and time.monotonic() - t0 < 20
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_run_distributed_with_a_two_rank_deepspeed_trainer(tiny_model_dir, tmp_path):
@@ -281,7 +318,7 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
     """A sampler with another model is refused in one line; a second trainer (two ranks) on the same ports
     stops in one line; garbage and a peer of another protocol version on the data port are counted and
     skipped, and so is a message of 70000 frames; a sampler pointed at a port with no trainer stops in one line;
-    the run then completes with a good sampler. The trainer is DeepSpeed ZeRO-3 in bf16 mode under model.dtype=float32,
+    the run then completes with a good sampler. The trainer is DeepSpeed ZeRO-3 on two ranks, in bf16 mode under model.dtype=float32,
     so it publishes bf16 weights: the sampler loads the model in fp32 and takes the trainer's dtypes from its
     welcome (a dtype is a run setting, not another model)."""
     import msgpack
@@ -297,9 +334,11 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
     ds = tmp_path / "deepspeed.json"
     # ZeRO-3: the trainer's parameters are empty shards, and the model check must compare the full shapes
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
-    trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "bad", 2, ports, "pipeline.placement=zmq",
-                                                 "pipeline.peer_timeout_s=120", "trainer.strategy=deepspeed",
-                                                 f"trainer.deepspeed_config={ds}"))
+    # two ranks: what rank 0 alone counts (malformed messages) is logged as counted, not averaged over ranks
+    trainer = spawn("train", "grpo", "--nproc", "2",
+                    *overrides(tiny_model_dir, tmp_path, "bad", 2, ports, "pipeline.placement=zmq",
+                               "pipeline.peer_timeout_s=120", "pipeline.heartbeat_timeout_s=3",
+                               "trainer.strategy=deepspeed", f"trainer.deepspeed_config={ds}"))
     procs = [trainer]
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
@@ -320,6 +359,15 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
         assert f"port {ports[0]} on 127.0.0.1 is in use" in err, err
         _, err = nobody.communicate(timeout=120)
         assert nobody.returncode == 2 and "no trainer answered" in err and len(err.strip().splitlines()) == 1, err
+        # a sampler given a shorter data file than the trainer's: one line (an IndexError's traceback before); the
+        # trainer hands its lease to the next sampler once its heartbeats stop
+        short_data = tmp_path / "short.jsonl"
+        short_data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+        short = sampler(tiny_model_dir, ports, "--data-path", str(short_data))
+        procs.append(short)
+        _, err = short.communicate(timeout=180)
+        assert short.returncode == 2 and len(err.strip().splitlines()) == 1, err
+        assert "but this sampler's data (" in err and "has 1 rows" in err, err
         push.connect(f"tcp://127.0.0.1:{ports[0]}")
         push.send_multipart([b"not msgpack at all"])
         push.send_multipart([msgpack.packb({"proto": 99, "kind": "scored_batch", "token": "", "meta": {},

@@ -162,13 +162,18 @@ class Coordinator:
         self.delivered = step
         if self.env.is_main:
             self._log_rows(step, batch, msg.meta.get("lease"))
+        # what rank 0 alone counts (it receives, leases and checks), on every rank: the step's metrics are
+        # averaged over ranks, which divided these by the number of ranks
+        counted = {"pipeline/ref_groups_sampler": float(self.ref_share.groups),  # the next lease's
+                   "pipeline/queue_depth": float(depth), "pipeline/leases_expired": float(self.dispatcher.expired),
+                   **{f"pipeline/{k}": float(v) for k, v in self.counters.items()}}
+        if self.env.distributed:
+            keys = sorted(counted)
+            counted = dict(zip(keys, all_reduce_sum(self.env, [counted[k] if self.env.is_main else 0.0
+                                                               for k in keys])))
         batch.metrics.update({"pipeline/staleness": float(staleness), "pipeline/trainer_wait_s": waited,
-                              "pipeline/sampler_wait_s": sampler_wait,
-                              "pipeline/ref_groups_sampler": float(self.ref_share.groups),  # the next lease's
-                              "pipeline/queue_depth": float(depth),
-                              "pipeline/publish_s": self.board.publish_s,
-                              "pipeline/leases_expired": float(self.dispatcher.expired),
-                              **{f"pipeline/{k}": float(v) for k, v in self.counters.items()},
+                              "pipeline/sampler_wait_s": sampler_wait, "pipeline/publish_s": self.board.publish_s,
+                              **counted,
                               **{f"pipeline/staleness_{k}": float(v) for k, v in self.staleness_hist.items()}})
         batch, ref_metrics = self.ref_share.complete(shard_groups(batch, self.env))
         batch.metrics.update(ref_metrics)

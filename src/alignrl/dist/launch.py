@@ -91,13 +91,21 @@ def torchrun(nproc: int, module_argv: list[str], master_port: int | None = None)
                   *module_argv])
 
 
-def wait_interruptible(main: subprocess.Popen, *others: subprocess.Popen) -> int:
-    """`main`'s exit code, or 130 on Ctrl-C once every process has stopped: a terminal's Ctrl-C reaches them
-    too (they say what happened themselves). It is passed on only to those outside this process group, which a
-    terminal's Ctrl-C did not reach: a second SIGINT would cut torchrun's agent's shutdown of its ranks short.
-    Later SIGINTs are ignored; a process still running after 30 s is killed."""
+def wait_interruptible(main: subprocess.Popen, *others: subprocess.Popen,
+                       watch: tuple[subprocess.Popen, ...] = ()) -> int:
+    """`main`'s exit code, or that of a `watch` process that failed first (the caller stops the rest), or 130 on
+    Ctrl-C once every process has stopped: a terminal's Ctrl-C reaches them too (they say what happened
+    themselves). It is passed on only to those outside this process group, which a terminal's Ctrl-C did not
+    reach: a second SIGINT would cut torchrun's agent's shutdown of its ranks short. Later SIGINTs are ignored;
+    a process still running after 30 s is killed."""
     try:
-        return main.wait()
+        while True:
+            try:
+                return main.wait(timeout=0.5 if watch else None)
+            except subprocess.TimeoutExpired:
+                failed = next((p for p in watch if p.poll() not in (None, 0)), None)
+                if failed is not None:
+                    return failed.returncode
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         procs = (main, *others)

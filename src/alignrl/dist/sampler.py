@@ -80,7 +80,8 @@ class Sampler:
         self.model, self.tokenizer = load_model(args.model_path, log=console.print)
         self.model.to(self.device)
         self.manifest = manifest_of(self.model.named_parameters())
-        self.incarnation, self.version = None, -1
+        self.incarnation, self.version = None, -1  # of the weights this sampler holds
+        self.trainer = None  # the incarnation of the trainer this sampler said hello to (its run config's)
         # what the trainer needs to know to hand this sampler weights in memory both map (shared_weights)
         self.can_map = {"shared": True, "host": host_id(), "cuda": cuda_uuids()}
         self.shared = SharedReader()
@@ -119,6 +120,7 @@ class Sampler:
         if reply.kind != "welcome" or not isinstance(reply.meta.get("config"), str):
             raise PipelineError(f"the trainer answered hello with {reply.kind!r} and no run config: run the same "
                                 "alignrl version on both sides")
+        self.trainer = reply.meta.get("incarnation")
         dtypes = reply.meta.get("dtypes")
         self.take_dtypes(dtypes if isinstance(dtypes, dict) else {})
         overrides = [f"model.path={self.args.model_path}"]
@@ -173,7 +175,15 @@ class Sampler:
             self.shared.close()
 
     def _run(self) -> int:
-        cfg = self.hello()
+        """Hello, then batches until the trainer's run is over; again from hello when another trainer answers
+        (one restarted from its checkpoint, perhaps with other settings: its run config, its model check, its
+        dtypes; before, a sampler kept the first trainer's config for good)."""
+        while not self._serve(self.hello()):
+            console.print(f"sampler {self.id}: a restarted trainer answers on {self.sync.addr}; saying hello again")
+        return 0
+
+    def _serve(self, cfg: RunConfig) -> bool:
+        """Makes batches for the trainer of `cfg`: True once its run is over, False when another trainer answers."""
         train, _ = load_task_data(cfg)
         rows = PromptData(self.tokenizer, train, cfg.data.max_prompt_length)
         engine = with_tools(cfg, HFRolloutEngine(self.model, self.tokenizer), self.tokenizer)
@@ -181,7 +191,11 @@ class Sampler:
         # the trainer publishes in), unless the trainer runs the whole reference forward
         ref = build_ref(cfg, self.device) if sampler_needs_ref(cfg) else None
         maker = build_maker(cfg, engine, self.tokenizer, ref, SINGLE)
-        push = Pusher(address(self.args.host, self.args.data_port), hwm=cfg.pipeline.hwm, token=self.token)
+        with Pusher(address(self.args.host, self.args.data_port), hwm=cfg.pipeline.hwm, token=self.token) as push:
+            return self._batches(cfg, rows, maker, push)
+
+    def _batches(self, cfg: RunConfig, rows: PromptData, maker, push: Pusher) -> bool:
+        engine = maker.engine
         console.print(f"sampler {self.id}: connected to {self.sync.addr}; making batches of "
                       f"{cfg.data.train_batch_size} prompts × {cfg.rollout.n}")
         waited, made = 0.0, 0
@@ -193,9 +207,11 @@ class Sampler:
             if reply.kind == "done":
                 self.shared.close()
                 console.print(f"sampler {self.id}: the trainer finished; {made} batches made")
-                return 0
+                return True
             if reply.kind == "error":
                 raise PipelineError(f"trainer: {reply.meta.get('message')}")
+            if reply.meta.get("incarnation") not in (None, self.trainer):  # not the trainer of `cfg`
+                return False
             if reply.kind in ("weights", SHARED_KIND):
                 self.load(engine, reply)
                 waited += time.perf_counter() - t0
@@ -205,6 +221,12 @@ class Sampler:
                 waited += time.perf_counter() - t0
                 continue
             number, leased, lease_id = lease_of(reply)
+            beyond = [r for r in leased if not 0 <= r < len(rows.samples)]
+            if beyond:
+                where = self.args.data_path or "the trainer's data.train_files"
+                raise PipelineError(f"the trainer leased dataset row {beyond[0]}, but this sampler's data ({where}) "
+                                    f"has {len(rows.samples)} rows: give it the trainer's data (--data-path, or "
+                                    "none to read what the trainer's config names)")
             with borrowed(self.threads, reply.meta.get("threads")):
                 batch = maker.make(number, leased, rows, self.version,
                                    ref_groups=ref_groups(reply.meta, cfg.data.train_batch_size))

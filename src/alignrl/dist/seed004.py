@@ -191,6 +191,7 @@ def launcher_main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-port", type=int, default=5555)
     p.add_argument("--sync-port", type=int, default=5556)
     p.add_argument("--model-path", default="demo")
+    p.add_argument("--host", default="127.0.0.1", help="the address the trainer binds and the sampler connects to")
     a, rest = p.parse_known_args(argv)
     try:
         gpus = [int(g) for g in a.training_gpus.split(",") if g.strip()]
@@ -200,7 +201,7 @@ def launcher_main(argv: list[str] | None = None) -> int:
         p.error("--training-gpus needs at least one device id")
     parse_training(rest, "run_distributed.py")  # the trainer's flags: a mistake is named now, before anything starts
     threads = max(1, (os.cpu_count() or 1) // (len(gpus) + 1))  # processes sharing a machine split its cores
-    ports = ["--data-port", str(a.data_port), "--sync-port", str(a.sync_port)]
+    ports = ["--host", a.host, "--data-port", str(a.data_port), "--sync-port", str(a.sync_port)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     trainer_env = {**env, **({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if _has_cuda() else {})}
     this = [sys.executable, "-m", "alignrl.dist.seed004"]
@@ -209,7 +210,9 @@ def launcher_main(argv: list[str] | None = None) -> int:
     sampler = subprocess.Popen([*this, "sample", *ports, "--gpu-id",
                                 str(a.sampling_gpu), "--model-path", a.model_path, "--threads", str(threads)], env=env)
     try:
-        code = wait_interruptible(trainer, sampler)
+        # a sampler that cannot start (its model, its data, refused at hello) ends the run with its own line;
+        # the trainer would wait pipeline.peer_timeout_s for a batch and then ask for a sampler
+        code = wait_interruptible(trainer, sampler, watch=(sampler,))
         if code == 0:
             try:
                 sampler.wait(timeout=30)  # it hears "done" and exits
