@@ -170,6 +170,19 @@ def test_save_writes_a_manifest_and_rotates_only_complete_checkpoints(engine, tm
     assert (stray / "notes.txt").read_text() == "keep me" and not list(root.glob(".global_step_*"))
 
 
+def test_a_rank_that_does_not_see_rank_0s_folder_stops_the_save_in_one_line(engine, tmp_path):
+    """Ranks of another node with a node-local output folder: rank 0's temporary folder is not there, which
+    failed with FileNotFoundError on those ranks while the others waited. Seen from such a rank (rank 1 of a
+    world whose collectives are this process's own): one line, nothing written."""
+    from alignrl.dist.env import DistEnv
+
+    eng, tok = engine
+    root = tmp_path / "node-local" / "checkpoints"
+    with pytest.raises(CheckpointError, match="is not shared by all ranks .* every node mounts") as e:
+        save_checkpoint(root, 1, {"model": eng}, tok, {}, keep=1, env=DistEnv(rank=1))
+    assert "\n" not in str(e.value) and not root.exists()
+
+
 def test_non_finite_weights_are_never_written(engine, tmp_path):
     eng, tok = engine
     root = tmp_path / "checkpoints"

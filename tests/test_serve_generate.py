@@ -227,6 +227,15 @@ def test_weight_update_auth_and_validation(keyed, tiny_model):
         r = httpx.post(keyed.url + "/v1/update_weights", content=encode(named, 5), headers=headers)
         assert r.status_code == 401 and "ALIGNRL_API_KEY" in r.json()["error"]["message"]
 
+    # a push without the token is refused before its body is read: announce 10 GB and send none of it
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(keyed.url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(b"POST /v1/update_weights HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000000\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 401")  # without the check: no answer until the body came
+
     body = encode(named, 1)
     shapes = [(n, t.reshape(-1)) if i == 0 else (n, t) for i, (n, t) in enumerate(named)]
     bad = {"truncated": body[:-7], "garbage": b"not a weight update at all",

@@ -166,14 +166,23 @@ class BodyLimit:
 
     The body is read here (and replayed to the app) so a chunked request without Content-Length is
     bounded too. An over-long body is drained rather than cut off, so the client reads the 413
-    instead of a reset connection."""
+    instead of a reset connection. On `token_paths` (the weight update, whose limit is the whole model's
+    size) a request without the server's bearer token is refused with 401 before any of its body is read:
+    anyone who can reach the port could otherwise make the server hold tens of GB."""
 
-    def __init__(self, app, default_bytes: int, per_path: dict[str, int] | None = None):
-        self.app, self.default, self.per_path = app, default_bytes, per_path or {}
+    def __init__(self, app, default_bytes: int, per_path: dict[str, int] | None = None,
+                 token_paths: frozenset[str] = frozenset()):
+        self.app, self.default, self.per_path, self.token_paths = app, default_bytes, per_path or {}, token_paths
+        self.key = os.environ.get(API_KEY_ENV) or None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["path"] in self.token_paths and self.key:
+            sent = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            problem = token_problem(sent, self.key)
+            if problem:
+                return await _error_body(401, problem)(scope, receive, send)
         limit = self.per_path.get(scope["path"], self.default)
         chunks, total, more = [], 0, True
         while more:
@@ -204,22 +213,28 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+def token_problem(authorization: str, key: str) -> str | None:
+    """Why an Authorization header does not carry the bearer token `key` (None: it does)."""
+    if hmac.compare_digest(authorization.encode(), f"Bearer {key}".encode()):
+        return None
+    return (f"missing or wrong bearer token: send the header 'Authorization: Bearer ${API_KEY_ENV}' (the key the "
+            "server was started with)")
+
+
 def require_token(request: Request) -> None:
     """Dependency for state-changing endpoints: the bearer token must equal $ALIGNRL_API_KEY when set."""
     key = request.app.state.api_key
-    if not key:
-        return
-    got = request.headers.get("authorization", "")
-    if not hmac.compare_digest(got.encode(), f"Bearer {key}".encode()):
-        raise RequestError(f"missing or wrong bearer token: send the header 'Authorization: Bearer "
-                           f"${API_KEY_ENV}' (the key the server was started with)", status=401)
+    problem = token_problem(request.headers.get("authorization", ""), key) if key else None
+    if problem:
+        raise RequestError(problem, status=401)
 
 
-def new_app(title: str, max_body: int, per_path_body: dict[str, int] | None = None) -> FastAPI:
+def new_app(title: str, max_body: int, per_path_body: dict[str, int] | None = None,
+            token_paths: frozenset[str] = frozenset()) -> FastAPI:
     app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api_key = os.environ.get(API_KEY_ENV) or None
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, default_bytes=max_body, per_path=per_path_body or {})
+    app.add_middleware(BodyLimit, default_bytes=max_body, per_path=per_path_body or {}, token_paths=token_paths)
 
     @app.get("/health")
     async def health() -> dict:

@@ -173,6 +173,13 @@ def save_checkpoint(ckpt_root: Path, step: int, engines: dict[str, Any], tokeniz
         shutil.rmtree(tmp, ignore_errors=True)  # a killed run's leftover: never complete, never resumed
         tmp.mkdir(parents=True)
     barrier(env)
+    # every rank writes into rank 0's folder (DeepSpeed's optimizer shards): a node that does not see it would
+    # fail with FileNotFoundError while the others wait in the save's collectives
+    if all_reduce_sum(env, [float(not tmp.is_dir())])[0]:
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{ckpt_root} is not shared by all ranks (some do not see the folder rank 0 made "
+                              "there): put trainer.output_dir on a file system every node mounts")
     try:
         for name, engine in engines.items():
             try:
