@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from alignrl.serve.common import ServiceProcess
+from alignrl.serve.process import ServiceProcess
 
 
 def throughput(url: str, prompts: list[list[int]], clients: int, n: int, max_tokens: int) -> tuple[float, float, float]:

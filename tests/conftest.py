@@ -44,7 +44,7 @@ def tiny_model(tiny_model_dir):
 def model_services(tiny_model_dir):
     """A generation and a reference service of the tiny model, shared by the tests that train through them:
     every run pushes its own start-up weights to the generation service first."""
-    from alignrl.serve.common import ServiceProcess
+    from alignrl.serve.process import ServiceProcess
 
     with ServiceProcess(["generate", "--model", str(tiny_model_dir)]) as gen, \
             ServiceProcess(["ref", "--model", str(tiny_model_dir)]) as ref:
@@ -55,7 +55,7 @@ def model_services(tiny_model_dir):
 def base_generation(tiny_model_dir):
     """A generation service that keeps the tiny model's own weights (no test trains through it), for the tests
     that compare what it generates with local generation."""
-    from alignrl.serve.common import ServiceProcess
+    from alignrl.serve.process import ServiceProcess
 
     with ServiceProcess(["generate", "--model", str(tiny_model_dir)]) as gen:
         yield gen

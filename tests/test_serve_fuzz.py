@@ -9,7 +9,7 @@ import httpx
 import msgpack
 import pytest
 
-from alignrl.serve.common import ServiceProcess, start_all
+from alignrl.serve.process import ServiceProcess, start_all
 from alignrl.serve.weights import MAGIC
 
 pytestmark = pytest.mark.timeout(300)

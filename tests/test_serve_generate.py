@@ -14,7 +14,7 @@ import torch
 
 from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
 from alignrl.rollout.remote import RemoteRolloutEngine, ServiceError
-from alignrl.serve.common import ServiceProcess
+from alignrl.serve.process import ServiceProcess
 from alignrl.serve.weights import encode
 
 pytestmark = pytest.mark.timeout(240)
@@ -339,7 +339,7 @@ def test_seed_launchers_refuse_open_host_without_key(script):
 
 
 def test_seed_launchers_serve_the_seed_endpoints(tiny_model_dir):
-    from alignrl.serve.common import start_all
+    from alignrl.serve.process import start_all
 
     procs = [ServiceProcess(["--model_path", str(tiny_model_dir), "--tensor_parallel_size", "8"],
                             command=[sys.executable, str(SRC / script)])

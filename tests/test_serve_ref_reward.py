@@ -10,7 +10,7 @@ from alignrl.data.collate import left_pad, right_pad
 from alignrl.models.logprobs import response_logprobs
 from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
 from alignrl.rollout.remote import RemoteRefScorer, RemoteReward, ServiceError
-from alignrl.serve.common import ServiceProcess, start_all
+from alignrl.serve.process import ServiceProcess, start_all
 
 pytestmark = pytest.mark.timeout(240)
 

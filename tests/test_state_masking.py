@@ -15,7 +15,7 @@ from alignrl.data.collate import encode_prompts, right_pad
 from alignrl.data.records import Experience, Rollout, Sample
 from alignrl.rollout.agent import AgentRollout
 from alignrl.rollout.retriever import RetrieverClient
-from alignrl.serve.common import ServiceProcess
+from alignrl.serve.process import ServiceProcess
 from alignrl.train.actor import PolicyLossSpec, policy_loss
 
 pytestmark = pytest.mark.timeout(240)

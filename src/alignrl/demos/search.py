@@ -50,7 +50,7 @@ def retrieval_server(corpus: Path, topk: int):
     """`alignrl serve retrieve` with BM25 over `corpus` on a free loopback port, started and healthy; the
     caller stops it (by PID) in a `finally`."""
     from alignrl.rollout.remote import ServiceError
-    from alignrl.serve.common import ServiceProcess
+    from alignrl.serve.process import ServiceProcess
 
     server = ServiceProcess(["retrieve", "--corpus_path", str(corpus), "--retriever_name", "bm25",
                              "--topk", str(topk)], startup_s=60.0)

@@ -1,4 +1,4 @@
-"""Plumbing shared by the services: flags, auth, request limits, error shape, process control.
+"""Plumbing shared by the services: flags, auth, request limits, error shape, serving (`process` starts them).
 
 Every error a client can cause comes back as a 4xx JSON body in OpenAI's shape,
 `{"error": {"message": "<one line>", "type": ..., "code": <status>}}`, so the `openai` client and our
@@ -15,14 +15,8 @@ import argparse
 import hmac
 import ipaddress
 import os
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -79,6 +73,17 @@ def device_of(args: argparse.Namespace) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
 
 
+def device_problem(name: str) -> str | None:
+    import torch
+
+    try:
+        cuda = torch.device(name).type == "cuda"
+    except (RuntimeError, ValueError):
+        return f"--device {name!r} is not a torch device; pass auto, cpu, cuda or cuda:N"
+    return (f"--device {name} but torch sees no CUDA GPU here; pass --device cpu (or auto)"
+            if cuda and not torch.cuda.is_available() else None)
+
+
 def host_error(host: str) -> str | None:
     """Why the service must not start on `host`, or None."""
     if os.environ.get(API_KEY_ENV) or is_loopback(host):
@@ -105,16 +110,7 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"--{name} must be at least 1"
     if args.max_body_mb <= 0 or args.batch_window_ms < 0:
         return "--max_body_mb must be positive and --batch_window_ms not negative"
-    if args.device != "auto":
-        import torch
-
-        try:
-            device = torch.device(args.device)
-        except (RuntimeError, ValueError):
-            return f"--device {args.device!r} is not a torch device; pass auto, cpu, cuda or cuda:N"
-        if device.type == "cuda" and not torch.cuda.is_available():
-            return f"--device {args.device} but torch sees no CUDA GPU here; pass --device cpu (or auto)"
-    return host_error(args.host)
+    return (args.device != "auto" and device_problem(args.device)) or host_error(args.host)
 
 
 def fail(prog: str, message: str) -> int:
@@ -311,92 +307,3 @@ def start(name: str, args: argparse.Namespace, load, build) -> int:
         return serve(build(service, int(args.max_body_mb * MB)), sock, listening(name, args.host, sock))
     except PortError as e:
         return fail(f"alignrl serve {name}", str(e))
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class ServiceProcess:
-    """A service started as a subprocess on a free loopback port (tests, benchmarks); stop() by PID."""
-
-    args: Sequence[str]  # after `alignrl serve`, e.g. ["generate", "--model", path]
-    env: dict[str, str] = field(default_factory=dict)
-    command: Sequence[str] = ()  # instead of `python -m alignrl serve`, e.g. a seed launcher script
-    startup_s: float = 120.0
-    proc: subprocess.Popen | None = None
-    port: int = 0
-    log: object = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def launch(self) -> None:
-        self.port = free_port()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **self.env}
-        prefix = list(self.command) if self.command else [sys.executable, "-m", "alignrl", "serve"]
-        cmd = [*prefix, *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
-        # stderr to a file, not a pipe: nobody drains a pipe while the service runs, and a full one blocks it
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
-
-    def wait(self) -> ServiceProcess:
-        """Until /health answers; relaunch on another port if this one was taken meanwhile."""
-        import httpx
-
-        for _ in range(3):
-            deadline = time.monotonic() + self.startup_s
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                        return self
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
-            if self.proc.poll() is None:
-                self.stop()
-                raise RuntimeError(f"service {' '.join(self.args)} not healthy after {self.startup_s:.0f} s")
-            self.log.seek(0)
-            err = self.log.read().decode(errors="replace")
-            if "address already in use" not in err.lower():
-                raise RuntimeError(f"service {' '.join(self.args)} exited with {self.proc.returncode}: {err[-2000:]}")
-            self.launch()
-        raise RuntimeError("no free port found for the service after 3 tries")
-
-    def start(self) -> ServiceProcess:
-        self.launch()
-        return self.wait()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout)
-        if self.log is not None:
-            self.log.close()
-            self.log = None
-
-    def __enter__(self) -> ServiceProcess:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def start_all(services: Sequence[ServiceProcess]) -> list[ServiceProcess]:
-    """Launch every service first, then wait for each: their startups overlap. All stop on failure."""
-    try:
-        for s in services:
-            s.launch()
-        return [s.wait() for s in services]
-    except BaseException:
-        for s in services:
-            s.stop()
-        raise
