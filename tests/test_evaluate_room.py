@@ -58,3 +58,22 @@ def test_a_task_not_scored_by_last_number_reports_no_last_number_accuracy():
     assert greedy_eval(engine, TOKENIZER, samples, [[0], [1]], load_reward_fn(None), 8) == {"accuracy": 1.0}
     r = room(engine, TOKENIZER, samples, [[0], [1]], load_reward_fn(None), max_new_tokens=8, k=1, temperature=1.0)
     assert list(r["pass@1"]) == ["strict"] and "flexible" not in format_room(r)
+
+
+def test_evaluation_samples_as_the_rollouts_do():
+    """The held-out decoding stops at the rollouts' stop strings, and pass@k samples with their top_p/top_k: the
+    evaluation ran on to max_new_tokens and scored text the policy never produces in training."""
+    seen = []
+
+    class Recording(ScriptedEngine):
+        def generate(self, prompts, params):
+            seen.append(params)
+            return super().generate(prompts, params)
+
+    samples = [_sample("5", 1)]
+    engine = Recording({0: TEXTS[0]}, {0: [TEXTS[0], TEXTS[2]]})
+    greedy_eval(engine, TOKENIZER, samples, [[0]], load_reward_fn(None), 8, stop=["\n\n"])
+    room(engine, TOKENIZER, samples, [[0]], load_reward_fn(None), max_new_tokens=8, k=2, temperature=0.7,
+         stop=["\n\n"], top_p=0.9, top_k=5)
+    assert [p.stop for p in seen] == [("\n\n",)] * 3
+    assert (seen[2].top_p, seen[2].top_k, seen[2].temperature) == (0.9, 5, 0.7)

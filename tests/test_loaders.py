@@ -103,6 +103,26 @@ def test_verl_jsonl_without_extra_info(tmp_path: Path) -> None:
     assert sample.extra == {}
 
 
+def test_rows_that_stopped_a_run_later_are_one_line_at_load(tmp_path: Path) -> None:
+    """extra_info that is not an object (a JSON-encoded string, say) was a ValueError traceback; an empty prompt
+    was refused by the engine only when the sampler reached its row. A first line's UTF-8 BOM is read past."""
+    row = {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "2+2?"}],
+           "reward_model": {"style": "rule", "ground_truth": 4}}
+    path = tmp_path / "verl.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "extra_info": '{"split": "train"}'}) + "\n")
+    with pytest.raises(DataError) as e:
+        load_samples(str(path), "verl")
+    assert _error(e).startswith(f"{path}:2: extra_info is a str, not an object")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"input": "1+1?", "label": "2"}) + "\n" + json.dumps({"input": " ", "label": "2"}) + "\n")
+    with pytest.raises(DataError) as e:
+        load_samples(str(empty), prompt_key="input", label_key="label", apply_chat_template=False)
+    assert _error(e) == f"{empty}:2: input is empty; give every row a prompt, or drop the row"
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + (json.dumps(GSM8K_ROWS[0]) + "\n").encode())
+    assert load_samples(str(bom), "gsm8k")[0].ground_truth == "7"
+
+
 def test_write_verl_parquet_round_trip(tmp_path: Path) -> None:
     src = tmp_path / "gsm8k.jsonl"
     write_gsm8k_jsonl(GSM8K_ROWS, src)

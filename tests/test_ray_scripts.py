@@ -70,16 +70,18 @@ def seed_003_job(address: str, env: dict, model_dir: Path, tmp_path: Path) -> No
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
-    ports = free_ports(7)
+    ports = free_ports(10)
     short = Path(tempfile.mkdtemp(prefix="rayt", dir="/tmp"))  # Ray's socket paths must stay under 108 bytes
     base = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_PORT": str(ports[0]),
             "RAY_DASHBOARD_PORT": str(ports[1]), "ALIGNRL_CPU_SLOTS": "4", "PYTHONPATH": str(ROOT / "src"),
             "OMP_NUM_THREADS": "1"}
     base.pop("RAY_ADDRESS", None)
-    head = {**base, "RAY_TEMP_DIR": str(short / "head")}
-    worker = {**base, "RAY_TEMP_DIR": str(short / "worker"), "RAY_AGENT_PORT": str(ports[2]),
-              "RAY_AGENT_GRPC_PORT": str(ports[3]), "RAY_RUNTIME_ENV_AGENT_PORT": str(ports[4]),
-              "RAY_METRICS_PORT": str(ports[5])}
+    # every node's agents on free ports, the head's too: on their fixed defaults (52365, ...) they fail to bind
+    # while another Ray of the test run holds them, and the head then has no agent to take a job ("No available
+    # agent to submit job"), however long one waits
+    agents = ("RAY_AGENT_PORT", "RAY_AGENT_GRPC_PORT", "RAY_RUNTIME_ENV_AGENT_PORT", "RAY_METRICS_PORT")
+    head = {**base, "RAY_TEMP_DIR": str(short / "head"), **dict(zip(agents, map(str, ports[2:6])))}
+    worker = {**base, "RAY_TEMP_DIR": str(short / "worker"), **dict(zip(agents, map(str, ports[6:10])))}
     try:
         out = run(["bash", str(SCRIPT), "head", "127.0.0.1"], head)
         assert out.returncode == 0, out.stderr[-2000:]
@@ -97,6 +99,11 @@ def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
         other = run(["bash", str(SCRIPT), "head", "127.0.0.1"], {**head, "RAY_TEMP_DIR": str(short / "other")})
         assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr[-2000:]
         assert f"port {ports[0]} is in use (another Ray cluster?)" in other.stderr
+        # a node whose dashboard agent port is taken would take no job: refused in one line too
+        clash = run(["bash", str(SCRIPT), "worker", "127.0.0.1"],
+                    {**worker, "RAY_TEMP_DIR": str(short / "clash"), "RAY_AGENT_PORT": str(ports[2])})
+        assert clash.returncode == 2 and clash.stderr.count("\n") == 1, clash.stderr[-2000:]
+        assert f"port {ports[2]} (Ray's dashboard agent) is in use" in clash.stderr
         argv = ["ppo-ray", "--pretrain", str(tiny_model_dir), "--save_path", str(tmp_path / "run"),
                 "--actor_num_nodes", "2", "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1",
                 "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "4",

@@ -59,11 +59,12 @@ def _by_difficulty(samples: Sequence[Sample], solved: torch.Tensor) -> dict[str,
 
 
 def greedy_eval(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
-                max_new_tokens: int, batch_size: int = 500, subset: int | None = None
+                max_new_tokens: int, batch_size: int = 500, subset: int | None = None, stop: Sequence[str] = ()
                 ) -> dict[str, float] | tuple[dict[str, float], dict[str, float]]:
     """Greedy accuracies over all `samples`; with `subset`, also those of the first `subset` samples
-    (the periodic evaluation set) from the same decoding, as a second dict."""
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
+    (the periodic evaluation set) from the same decoding, as a second dict. `stop`: the training rollouts'
+    stop strings (rollout.stop), so the held-out responses end where the policy's do in training."""
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=tuple(stop))
     strict, flexible = (x[:, 0] for x in _scores(engine, tokenizer, samples, prompts, correct_fn, params, batch_size))
 
     last_number = has_last_number(samples)
@@ -79,14 +80,17 @@ def greedy_eval(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[
 
 
 def room(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
-         max_new_tokens: int, k: int, temperature: float, seed: int = 0, batch_size: int = 128) -> dict:
-    """Greedy pass@1 and pass@k (any of k samples at `temperature` correct), strict and last-number, overall
-    and by difficulty: {"k": k, "pass@1": {"strict": {...}, "flexible": {...}}, "pass@k": {...}}."""
+         max_new_tokens: int, k: int, temperature: float, seed: int = 0, batch_size: int = 128,
+         stop: Sequence[str] = (), top_p: float = 1.0, top_k: int = -1) -> dict:
+    """Greedy pass@1 and pass@k (any of k samples at `temperature` correct, with the rollouts' `stop`, `top_p` and
+    `top_k`), strict and last-number, overall and by difficulty: {"k": k, "pass@1": {"strict": {...},
+    "flexible": {...}}, "pass@k": {...}}."""
     greedy = _scores(engine, tokenizer, samples, prompts, correct_fn,
-                     SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens), batch_size * k)
+                     SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=tuple(stop)),
+                     batch_size * k)
     sampled = _scores(engine, tokenizer, samples, prompts, correct_fn,
-                      SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed),
-                      batch_size)
+                      SamplingParams(n=k, temperature=temperature, top_p=top_p, top_k=top_k,
+                                     max_new_tokens=max_new_tokens, stop=tuple(stop), seed=seed), batch_size)
     out: dict = {"k": k, "temperature": temperature}
     last_number = has_last_number(samples)
     for label, (strict, flexible) in (("pass@1", greedy), ("pass@k", sampled)):

@@ -120,7 +120,7 @@ class RolloutMaker:
         baseline on another scale than the rewards it is taken from."""
         first = torch.unique_consecutive(ro.group, return_counts=True)[1].cumsum(0) - 1  # a row of each group
         prompts = [ro.prompt_ids[i][ro.prompt_mask[i]].tolist() for i in first.tolist()]
-        greedy = self.engine.generate(prompts, SamplingParams(n=1, temperature=0.0,
+        greedy = self.engine.generate(prompts, SamplingParams(n=1, temperature=0.0, stop=tuple(self.cfg.rollout.stop),
                                                               max_new_tokens=self.cfg.rollout.max_new_tokens))
         rows = [samples[g] for g in ro.group[first].tolist()]  # greedy row (group) j is the prompt of rows[j]
         return self.rewards.score(greedy, rows).rewards[ro.group]

@@ -156,7 +156,8 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     n_val_small = min(cfg.data.val_size_during_training, len(val))
 
     def evaluate(n: int) -> dict[str, float]:
-        return greedy_eval(engine, tokenizer, val[:n], val_prompts[:n], correct_fn, cfg.rollout.max_new_tokens)
+        return greedy_eval(engine, tokenizer, val[:n], val_prompts[:n], correct_fn, cfg.rollout.max_new_tokens,
+                           stop=cfg.rollout.stop)
 
     def measure_room(label: str) -> dict | None:
         """pass@1 and pass@k on the held-out set (trainer.eval_pass_at_k), printed and returned."""
@@ -164,7 +165,8 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
             return None
         t0 = time.time()
         r = room(engine, tokenizer, val, val_prompts, correct_fn, cfg.rollout.max_new_tokens, cfg.rollout.n,
-                 cfg.rollout.temperature, seed=cfg.trainer.seed)
+                 cfg.rollout.temperature, seed=cfg.trainer.seed, stop=cfg.rollout.stop, top_p=cfg.rollout.top_p,
+                 top_k=cfg.rollout.top_k)
         console.print(f"{label} held-out room on {len(val)} problems ({time.time() - t0:.1f}s):\n{format_room(r)}",
                       markup=False)
         return r
@@ -178,7 +180,7 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
         t0 = time.time()
         if env.is_main:  # evaluation runs on rank 0's full (unsharded) rollout model; the others wait
             state["base"], small = greedy_eval(engine, tokenizer, val, val_prompts, correct_fn,
-                                               cfg.rollout.max_new_tokens, subset=n_val_small)
+                                               cfg.rollout.max_new_tokens, subset=n_val_small, stop=cfg.rollout.stop)
             console.print(f"base model held-out greedy accuracy: {_fmt(state['base'])} on {len(val)} problems "
                           f"({time.time() - t0:.1f}s)")
             tracker.log(0, {f"val/{k}": v for k, v in small.items()})

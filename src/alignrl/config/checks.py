@@ -97,6 +97,10 @@ def check_combinations(cfg: RunConfig) -> None:
             raise ConfigError(f"data.{key}={files!r} must be a file path or a list of them "
                               "(e.g. data.train_files=[a.parquet,b.parquet])")
     check_prompt_keys(cfg)
+    b = cfg.actor.betas
+    if not (isinstance(b, list) and len(b) == 2
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in b)):
+        raise ConfigError(f"actor.betas={b!r} must be two numbers in [0, 1), e.g. [0.9,0.999]")
     if 0 < cfg.actor.clip_ratio_c <= 1:
         raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip), or 0 to disable")
     if cfg.actor.clip_ratio_c and cfg.actor.policy_loss != "ppo_clip":

@@ -77,8 +77,13 @@ def _file_keys(from_file: Any) -> set[str]:
 def dotted_item(schema: type, override: str) -> Any:
     """One `key=value` override as a config tree; one value given to a key whose schema type is `list` is a list
     of one (`trainer.logger=wandb` means [wandb], as in verl)."""
-    item = OmegaConf.from_dotlist([override])
-    key = override.split("=", 1)[0]
+    key, _, value = override.partition("=")
+    try:
+        item = OmegaConf.from_dotlist([override])
+    except Exception as e:  # the value is parsed as YAML: yaml's own errors, each a traceback otherwise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"cannot read the value of {key}={value!r} ({first}): quote it, or close its brackets "
+                          "(lists look like [a,b])") from None
     field_ = _field(schema, key)
     if field_ is not None and field_.type in (list, "list"):
         value = OmegaConf.select(item, key, default=None, throw_on_resolution_failure=False)  # `${...}`: later

@@ -117,6 +117,8 @@ def keys_sample(loc: str, row: dict[str, Any], keys: PromptKeys, system_prompt: 
         raise DataError(f"{loc}: {column} is a {type(prompt).__name__}, not a string or a list of chat messages")
     else:
         messages = [{"role": "user", "content": text}]
+    if text is not None and not text.strip():  # nothing to answer: the engine refuses it, hours into a run
+        raise DataError(f"{loc}: {column} is empty; give every row a prompt, or drop the row")
     prompt_text = None
     if keys.apply_chat_template:
         messages = with_system(messages, system_prompt)

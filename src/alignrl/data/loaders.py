@@ -222,7 +222,7 @@ def _iter_jsonl(path: str) -> Iterator[_Row]:
         for lineno, raw in enumerate(f, start=1):
             loc = f"{path}:{lineno}"
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a BOM, as some editors write
             except UnicodeDecodeError:
                 raise DataError(f"{loc}: line is not UTF-8 text (re-save the file as UTF-8 JSON lines)") from None
             if not line.strip():
@@ -272,8 +272,17 @@ def _verl_sample(loc: str, row: dict[str, Any], system_prompt: str | None) -> Sa
         messages=with_system(messages, system_prompt),
         ground_truth=plain_ground_truth(reward_model["ground_truth"]),
         data_source=str(row["data_source"]),
-        extra=dict(row.get("extra_info") or {}),
+        extra=_extra_info(loc, row.get("extra_info")),
     )
+
+
+def _extra_info(loc: str, value: Any) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise DataError(f"{loc}: extra_info is a {type(value).__name__}, not an object (a dict of the row's extra "
+                        "fields, passed to the reward function)")
+    return dict(value)
 
 
 def _atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:

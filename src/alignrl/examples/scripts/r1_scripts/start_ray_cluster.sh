@@ -91,6 +91,16 @@ if [[ $ROLE == head ]]; then
             exit 2
         fi
     done
+fi
+# the node's dashboard agent takes jobs (`ray job submit`): on a taken port it fails to start, and every
+# submission is then refused with "No available agent to submit job"
+AGENT_PORT=${RAY_AGENT_PORT:-52365}
+if taken "$AGENT_PORT"; then
+    echo "$0: port $AGENT_PORT (Ray's dashboard agent) is in use (another Ray on this node?): stop it, or give" \
+         "this node free ports with RAY_AGENT_PORT, RAY_AGENT_GRPC_PORT, RAY_RUNTIME_ENV_AGENT_PORT" >&2
+    exit 2
+fi
+if [[ $ROLE == head ]]; then
     "$RAY" start --head --port="$RAY_PORT" --dashboard-host=0.0.0.0 --dashboard-port="$DASHBOARD_PORT" \
         --temp-dir="$TEMP_DIR" --disable-usage-stats "${RESOURCES[@]}" "${EXTRA[@]}"
 else
