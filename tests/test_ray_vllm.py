@@ -36,6 +36,13 @@ class FakeLLM:
     def reset_prefix_cache(self):
         self.cache_resets += 1
 
+    def generate(self, prompts, params, use_tqdm=True):
+        """The seed of each prompt's params as its tokens (n samples each), so the test reads what vLLM got."""
+        self.params = params
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[sp.seed % 97 + 1, j + 1], logprobs=None,
+                                                         finish_reason="stop") for j in range(sp.n)])
+                for _, sp in zip(prompts, params)]
+
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
@@ -92,6 +99,18 @@ def test_vllm_log_probs_are_those_of_the_distribution_it_samples(fake_vllm, tiny
     assert "logprobs_mode" not in old.llm.kwargs
     with pytest.raises(EngineUnavailable, match="raw logits, which at temperature 0.7 .* install vllm 0.10.2"):
         old.generate([[1, 2]], SamplingParams(n=1, temperature=0.7, max_new_tokens=4))
+
+
+def test_copies_of_a_prompt_get_seeds_of_their_own(fake_vllm, tiny_model_dir):
+    """The multi-turn loop sends a GRPO group as n copies of its prompt with n=1: given one seed, vLLM's
+    per-request generators drew the same tokens for every copy (a group of identical samples, advantage 0)."""
+    from alignrl.interfaces import SamplingParams
+    from alignrl.rollout.vllm_engine import VLLMRolloutEngine
+
+    engine = VLLMRolloutEngine(str(tiny_model_dir))
+    ro = engine.generate([[5, 6]] * 4, SamplingParams(n=1, max_new_tokens=4, seed=11))
+    assert [sp.seed for sp in engine.llm.params] == [11, 12, 13, 14]
+    assert len({tuple(r) for r in ro.response_ids.tolist()}) == 4
 
 
 def test_the_engine_kind_is_vllm_only_on_gpus_with_vllm_and_engines_of_their_own(fake_vllm, monkeypatch,

@@ -169,9 +169,16 @@ def test_default_index_root_follows_alignrl_cache(monkeypatch, tmp_path):
 def test_topk_larger_than_corpus_is_clamped(tmp_path):
     corpus = tmp_path / "tiny.jsonl"
     corpus.write_text("".join(json.dumps({"id": i, "contents": f'"T{i}"\nword{i} shared'}) + "\n" for i in range(3)))
-    hits = open_retriever(corpus, "bm25", tmp_path / "idx").retriever.search(["shared", "nothing matches"], 10)
-    assert [len(h) for h in hits] == [3, 3]
+    hits = open_retriever(corpus, "bm25", tmp_path / "idx").retriever.search(["shared", "nothing matches", "word1"], 10)
+    # only documents that match a word, as Lucene returns them (bm25s filled k with unrelated score-0 documents)
+    assert [len(h) for h in hits] == [3, 0, 1] and hits[2][0].doc_id == "1"
     assert {h.doc_id for h in hits[0]} == {"0", "1", "2"}
+
+
+def test_a_mistyped_faiss_file_is_one_line_not_a_build(tmp_path):
+    with pytest.raises(RetrievalError, match="no such FAISS index file"):
+        open_retriever(None, "e5", tmp_path / "e5_Flaat.index")
+    assert not (tmp_path / "e5_Flaat.index").exists()
 
 
 def test_bad_retriever_settings_are_one_line_errors(tmp_path):

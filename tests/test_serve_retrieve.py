@@ -102,14 +102,23 @@ def test_search_r1_request_without_scores_and_default_topk(server):
 
 HOSTILE_BODIES = [
     b"", b"{", b"null", b"[]", b'"queries"', b"NaN", b"[" * 50_000,
-    b'{"queries": []}', b'{"queries": "one query"}', b'{"queries": [1, 2]}', b'{"queries": [null]}',
-    b'{"queries": ["a"], "topk": 0}', b'{"queries": ["a"], "topk": -3}', b'{"queries": ["a"], "topk": 10000000}',
+    b'{"queries": "one query"}', b'{"queries": [1, 2]}', b'{"queries": [null]}',
+    b'{"queries": ["a"], "topk": -3}', b'{"queries": ["a"], "topk": 10000000}',
     b'{"queries": ["a"], "topk": "3"}', b'{"queries": ["a"], "topk": true}', b'{"queries": ["a"], "topk": 2.5}',
     b'{"queries": ["a"], "topk": 1e400}', b'{"queries": ["a"], "return_scores": "yes"}',
     b'{"topk": 3}', b'\xff\xfe\x00junk', b'{"queries": ["a"]}' + b" " * (Limits.max_body_bytes + 10),
     json.dumps({"queries": ["q"] * (Limits.max_queries + 1)}).encode(),
     json.dumps({"queries": ["x" * (Limits.max_query_chars + 1)]}).encode(),
 ]
+
+
+def test_what_search_r1s_trainer_sends_is_answered_as_its_server_does(server):
+    """A turn in which no row searched (Search-R1 asks all the same) and topk 0 (its server's default): they were
+    refused with 422, and Search-R1's client then failed on `.json()['result']`."""
+    r = server.post("/retrieve", json={"queries": [], "topk": 3, "return_scores": True})
+    assert r.status_code == 200 and r.json() == {"result": []}
+    r = server.post("/retrieve", json={"queries": ["mount everest height"], "topk": 0})
+    assert r.status_code == 200 and len(r.json()["result"][0]) == 3  # the server's --topk
 
 
 @pytest.mark.timeout(300)

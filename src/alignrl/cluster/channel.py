@@ -100,36 +100,35 @@ def merge(batches: list[ScoredBatch], pad_id: int) -> ScoredBatch:
     return out
 
 
-def split_call(workers: list[Peer], method: str, tensors: tuple[torch.Tensor, ...], timeout_s: float) -> torch.Tensor:
+def split_call(workers: list[Peer], method: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """`method` of each worker on its even share of the rows of `tensors` (one call per worker that has
-    rows), the results concatenated in row order."""
+    rows), the results concatenated in row order. Waited for as long as the workers live: a worker serves one
+    call at a time, so a large batch's calls queue behind other engines' (a fixed limit cut off big steps)."""
     parts = [t.tensor_split(len(workers)) for t in tensors]
     use = [(w, args) for w, args in zip(workers, zip(*parts)) if len(args[0])]
     refs = [getattr(w.handle, method).remote(*args) for w, args in use]
-    return torch.cat(get(refs, [w for w, _ in use], timeout_s))
+    return torch.cat(patient_get(refs, [w for w, _ in use], 600.0, lambda line: None))
 
 
 class RayRefScorer:
     """RefScorer over the reference group's Ray actors: rows split evenly, one call per worker."""
 
-    def __init__(self, workers: list[Peer], timeout_s: float = 600.0):
-        self.workers, self.timeout_s = workers, timeout_s
+    def __init__(self, workers: list[Peer]):
+        self.workers = workers
 
     def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
-        return split_call(self.workers, "logprobs", (prompt_ids, prompt_mask, response_ids, response_mask),
-                          self.timeout_s)
+        return split_call(self.workers, "logprobs", (prompt_ids, prompt_mask, response_ids, response_mask))
 
 
 class RayRewardScorer:
     """The reward model as the reward stage's SequenceScorer, over the reward group's Ray actors: rows split
     evenly, one call per worker, scores (B,) in row order."""
 
-    def __init__(self, workers: list[Peer], name: str, timeout_s: float = 600.0):
-        self.workers, self.name, self.timeout_s = workers, name, timeout_s
+    def __init__(self, workers: list[Peer], name: str):
+        self.workers, self.name = workers, name
 
     def score(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
-        return split_call(self.workers, "score", (prompt_ids, prompt_mask, response_ids, response_mask),
-                          self.timeout_s)
+        return split_call(self.workers, "score", (prompt_ids, prompt_mask, response_ids, response_mask))
 
 
 class RayWeightSink:

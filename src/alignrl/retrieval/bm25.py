@@ -86,5 +86,7 @@ class BM25Retriever:
         tokens = [tokenize(q, self._stop) for q in queries]
         # Unknown query words are dropped by bm25s; a query with none left scores every document 0.
         idx, scores = self._model.retrieve(tokens, k=k, show_progress=False, n_threads=1)
-        return [[Hit(self.docs[int(i)].id, self.docs[int(i)].contents, float(s)) for i, s in zip(row_i, row_s)]
+        # only documents that match a query word, as Lucene (Search-R1's BM25) returns: bm25s fills k with
+        # score-0 documents, which would show the policy unrelated passages for "the" or an empty query
+        return [[Hit(self.docs[int(i)].id, self.docs[int(i)].contents, float(s)) for i, s in zip(row_i, row_s) if s > 0]
                 for row_i, row_s in zip(idx, scores)]

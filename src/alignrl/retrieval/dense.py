@@ -99,7 +99,11 @@ def _to_gpu(index):
     if not hasattr(faiss, "get_num_gpus") or faiss.get_num_gpus() == 0:
         raise RetrievalError("--faiss_gpu given but FAISS sees no GPU (faiss-cpu is installed, or no CUDA "
                              "device); drop --faiss_gpu or install faiss-gpu on a GPU machine")
-    return faiss.index_cpu_to_all_gpus(index)
+    # sharded over the GPUs in float16, as Search-R1 loads it: replicating wiki-18's 65 GB Flat index in float32
+    # on every GPU runs each of them out of memory
+    co = faiss.GpuMultipleClonerOptions()
+    co.shard, co.useFloat16 = True, True
+    return faiss.index_cpu_to_all_gpus(index, co=co)
 
 
 class DenseRetriever:

@@ -136,6 +136,10 @@ def open_retriever(corpus_path: str | Path | None = None, retriever_name: str = 
         retriever = DenseRetriever.from_index_file(Path(index_root), docs, encoder, faiss_gpu)
         log(f"loaded FAISS index {index_root} ({len(docs)} documents; read only)")
         return OpenedIndex(retriever, Path(index_root), False, time.perf_counter() - start, len(docs))
+    if index_root is not None and Path(index_root).suffix == ".index" and not Path(index_root).exists():
+        # a mistyped FAISS file: building a folder of that name would encode the whole corpus (hours on wiki-18)
+        raise RetrievalError(f"--index_path {index_root}: no such FAISS index file; give the path of the one "
+                             "built for this corpus (Search-R1's e5_Flat.index), or a folder for indexes built here")
     key = index_key(file_digest(corpus_path), settings)
     root = Path(index_root) if index_root else default_index_root()
     folder = root / f"{settings.retriever}-{key}"

@@ -75,11 +75,15 @@ class VLLMRolloutEngine:
                 f"vllm {getattr(self.vllm, '__version__', '?')} returns log-probs of the raw logits, which at "
                 f"temperature {params.temperature} are not those of the policy it samples: install vllm 0.10.2 or "
                 "later (logprobs_mode), or sample at temperature 1")
-        sp = self.vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                      top_k=params.top_k if params.top_k > 0 else -1,
-                                      max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
-                                      include_stop_str_in_output=True, seed=params.seed, logprobs=0)
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        # one seed per prompt: vLLM seeds each request's own generator, so copies of a prompt given one seed
+        # (the multi-turn loop sends a GRPO group as n copies) would all sample the same tokens
+        sps = [self.vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                                        top_k=params.top_k if params.top_k > 0 else -1,
+                                        max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
+                                        include_stop_str_in_output=True, logprobs=0,
+                                        seed=None if params.seed is None else params.seed + i)
+               for i in range(len(prompts))]
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sps, use_tqdm=False)
         rows = []
         for out in outs:  # vLLM keeps the input order; its n samples per prompt are contiguous
             for c in out.outputs:
@@ -89,7 +93,9 @@ class VLLMRolloutEngine:
         return rollout_from_rows(prompts, params.n, rows, self.pad_id)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        weights = list(named_tensors)
+        # host tensors: the function travels to vLLM's engine process, which sees only its own GPU (as its
+        # device 0), so a tensor on this process's cuda:k could not be rebuilt there
+        weights = [(n, t.cpu()) for n, t in named_tensors]
         self.llm.apply_model(lambda model: model.load_weights(weights=weights))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 

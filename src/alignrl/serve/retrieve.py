@@ -65,18 +65,16 @@ def parse_request(body: bytes, default_topk: int, limits: Limits) -> RetrieveReq
     queries = obj.get("queries")
     if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
         raise RequestError(422, "'queries' must be a list of strings")
-    if not queries:
-        raise RequestError(422, "'queries' is empty; send at least one query")
     if len(queries) > limits.max_queries:
         raise RequestError(413, f"{len(queries)} queries in one request; at most {limits.max_queries}, "
                                 "split the batch")
-    longest = max(len(q) for q in queries)
+    longest = max((len(q) for q in queries), default=0)
     if longest > limits.max_query_chars:
         raise RequestError(413, f"a query has {longest} characters; at most {limits.max_query_chars}")
     # JSON may carry lone surrogates ("\ud800") that no tokenizer accepts; replace them with "?".
     queries = [q.encode("utf-8", "replace").decode("utf-8") for q in queries]
     topk = obj.get("topk")
-    if topk is None:
+    if topk is None or (topk == 0 and type(topk) is int):  # Search-R1's server: a topk of 0 means its default
         topk = default_topk
     # bool is an int subclass in Python; `"topk": true` is a client bug, not 1.
     if isinstance(topk, bool) or not isinstance(topk, int):
@@ -140,7 +138,8 @@ def create_app(retriever: Retriever, default_topk: int = 3, limits: Limits = Lim
         return b"".join(chunks)
 
     def search(req: RetrieveRequest) -> dict:
-        return render(retriever.search(req.queries, req.topk), req.return_scores)
+        # a turn in which no row searched: Search-R1's trainer asks all the same, and reads {"result": []}
+        return render(retriever.search(req.queries, req.topk) if req.queries else [], req.return_scores)
 
     @app.post("/retrieve")
     async def retrieve(request: Request):
