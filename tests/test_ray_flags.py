@@ -193,3 +193,28 @@ def test_prompt_data_flags_leave_detected_layouts_and_synthetic_data_alone():
     assert load_config(None, F.overrides(synthetic, gpus=False, total_steps=3)).data.prompt_key is None
     assert F.unused_here(synthetic, gpus=True) == ["--input_key --label_key --apply_chat_template (the prompts are "
                                                     "synthetic)"]
+
+
+def test_without_ray_address_a_running_cluster_of_this_machine_is_joined(monkeypatch):
+    """`ray start --head` on this machine, then `alignrl train ppo-ray` without RAY_ADDRESS: Ray finds that cluster
+    and refuses the resource counts of a local start with a ValueError traceback; OpenRLHF's bare ray.init()
+    joins it, and so does the driver now."""
+    import ray
+
+    from alignrl.cluster import driver
+
+    calls = []
+
+    def init(**kw):
+        calls.append(kw)
+        if "num_cpus" in kw:
+            raise ValueError("When connecting to an existing cluster, num_cpus and num_gpus must not be provided.")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    assert driver.connect(4) is False  # joined, not started: the driver must not shut it down
+    assert "num_cpus" in calls[0] and "num_cpus" not in calls[1]
+    monkeypatch.setattr(ray, "init", lambda **kw: (_ for _ in ()).throw(ValueError("something else")))
+    with pytest.raises(ValueError, match="something else"):
+        driver.connect(4)

@@ -84,14 +84,21 @@ def user_error(e: BaseException) -> Exception | None:
 
 
 def connect(units_needed: int) -> bool:
-    """Joins RAY_ADDRESS or starts a local Ray; True when this process started it."""
+    """Joins RAY_ADDRESS, or the cluster `ray start` runs on this machine (as OpenRLHF's bare ray.init() does),
+    or starts a local Ray; True when this process started it."""
     address = os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():
         return False
     if address:
         ray.init(address=address, logging_level="ERROR", log_to_driver=True)
         return False
-    ray.init(num_cpus=max(units_needed, os.cpu_count() or 1), include_dashboard=False, logging_level="ERROR")
+    try:
+        ray.init(num_cpus=max(units_needed, os.cpu_count() or 1), include_dashboard=False, logging_level="ERROR")
+    except ValueError as e:  # Ray found a running cluster, which takes no resource counts: join it as it is
+        if "existing cluster" not in str(e):
+            raise
+        ray.init(logging_level="ERROR", log_to_driver=True)
+        return False
     return True
 
 
