@@ -22,7 +22,7 @@ from alignrl.config.schema import PipelineConfig
 from alignrl.dist.env import DistEnv, barrier
 from alignrl.dist.shared_weights import SharedPublisher, SharedUnavailable, host_id
 from alignrl.dist.weights_wire import WeightsEncoder
-from alignrl.dist.wire import manifest_of
+from alignrl.dist.wire import DTYPE_NAMES
 from alignrl.train.actor import Actor
 from alignrl.utils.tracking import console
 
@@ -39,8 +39,8 @@ class WeightBoard:
         self.names = [n for n, _ in actor.model.named_parameters()]
         # the full shapes: ZeRO-3 leaves each parameter an empty shard here (its own shape in ds_shape), and a
         # sampler's model was refused as another one
-        self.manifest = {n: [list(getattr(t, "ds_shape", t.shape)), spec.dtype] for (n, t), spec in
-                         zip(actor.model.named_parameters(), manifest_of(actor.model.named_parameters()).values())}
+        self.manifest = {n: [list(getattr(t, "ds_shape", t.shape)), DTYPE_NAMES[t.dtype]]
+                         for n, t in actor.model.named_parameters()}
         # where the published weights live: whole weights are read off the parameters' device, gathered
         # ones (ZeRO-3, FSDP2) come as CPU tensors
         dev = next(actor.model.parameters()).device
