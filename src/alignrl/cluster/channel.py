@@ -57,7 +57,7 @@ def get(refs: list, peers: list[Peer], timeout_s: float) -> list:
         raise ClusterError(f"{' and '.join(dead) or 'a worker'} died (killed or out of memory)") from None
 
 
-def patient_get(refs: list, peers: list[Peer], every_s: float, say) -> list:
+def patient_get(refs: list, peers: list[Peer], every_s: float = 600.0, say=lambda line: None) -> list:
     """ray.get of calls that take as long as their work does (a step's generation, which on a big model and
     batch runs for many minutes): no time limit while the peers live, one `say` line every `every_s`
     seconds naming those still at it. Ray fails the call of a peer that dies, and `get` makes that one line."""
@@ -107,7 +107,7 @@ def split_call(workers: list[Peer], method: str, tensors: tuple[torch.Tensor, ..
     parts = [t.tensor_split(len(workers)) for t in tensors]
     use = [(w, args) for w, args in zip(workers, zip(*parts)) if len(args[0])]
     refs = [getattr(w.handle, method).remote(*args) for w, args in use]
-    return torch.cat(patient_get(refs, [w for w, _ in use], 600.0, lambda line: None))
+    return torch.cat(patient_get(refs, [w for w, _ in use]))
 
 
 class RayRefScorer:

@@ -217,18 +217,9 @@ def token_problem(authorization: str, key: str) -> str | None:
             "server was started with)")
 
 
-def require_token(request: Request) -> None:
-    """Dependency for state-changing endpoints: the bearer token must equal $ALIGNRL_API_KEY when set."""
-    key = request.app.state.api_key
-    problem = token_problem(request.headers.get("authorization", ""), key) if key else None
-    if problem:
-        raise RequestError(problem, status=401)
-
-
 def new_app(title: str, max_body: int, per_path_body: dict[str, int] | None = None,
             token_paths: frozenset[str] = frozenset()) -> FastAPI:
     app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.api_key = os.environ.get(API_KEY_ENV) or None
     install_error_handlers(app)
     app.add_middleware(BodyLimit, default_bytes=max_body, per_path=per_path_body or {}, token_paths=token_paths)
 

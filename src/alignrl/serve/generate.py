@@ -28,11 +28,11 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from math import prod
 
-from fastapi import Depends, Request
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from alignrl.serve import openai_format as oa
-from alignrl.serve.common import (RequestError, base_parser, check_args, device_of, fail, new_app, require_token,
+from alignrl.serve.common import (RequestError, base_parser, check_args, device_of, fail, new_app,
                                   start, unicode_texts)
 from alignrl.serve.gen_types import MAX_N, MAX_STOP_LEN, MAX_STOPS, GenResult, GenRow, sampling
 
@@ -228,7 +228,7 @@ def build_app(svc: GenerationService, max_body: int):
                 "outputs": [{"prompt_index": i // req.n, "token_ids": r.token_ids, "logprobs": r.logprobs,
                              "finish_reason": r.finish_reason} for i, r in enumerate(res.rows)]}
 
-    @app.post("/v1/update_weights", dependencies=[Depends(require_token)])
+    @app.post("/v1/update_weights")  # the bearer token is checked before the body is read (BodyLimit)
     async def update_weights(request: Request) -> dict:
         return await svc.update_weights(await request.body())
 
