@@ -6,6 +6,13 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+SRC = str(Path(__file__).parents[1] / "src")
+
+
+def src_path() -> str:
+    """PYTHONPATH for the processes a test starts: the checkout's src first, then the caller's own PYTHONPATH
+    (where packages were installed with `pip --target` rather than into the interpreter's environment)."""
+    return os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))
 
 # A very small model for pipeline tests: random init, no SFT, built once per session.
 TEST_RECIPE = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -20,6 +20,7 @@ from alignrl.data.loaders import DataError
 from alignrl.dist.env import SINGLE
 from alignrl.train.checkpoint import (MANIFEST, TRACKER, CheckpointError, load_trainer_state, manifest_problem,
                                       resume_point, save_checkpoint, write_manifest)
+from conftest import src_path
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["data.train_size=64", "data.val_size=8", "data.val_size_during_training=4", "data.train_batch_size=4",
@@ -240,7 +241,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def _cli(args: list[str], code: str | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    env = {**os.environ, "PYTHONPATH": src_path()}
     cmd = [sys.executable, *(["-c", code] if code else ["-m", "alignrl"]), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:

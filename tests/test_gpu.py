@@ -14,13 +14,12 @@ import torch
 from safetensors.torch import load_file
 
 from alignrl.models.logprobs import Layout, response_logprobs
-from conftest import run_group
+from conftest import run_group, src_path
 from test_actor import _shared_batch
 from test_pipeline_zmq import SMALL, finish, overrides, sampler, spawn
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-SRC = str(Path(__file__).parents[1] / "src")
 BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not torch.cuda.is_available() or not torch.cuda.is_bf16_supported(), reason="needs a bf16 GPU"))
 
@@ -82,7 +81,7 @@ def test_nccl_ddp_under_torchrun(tiny_model_dir, tmp_path):
                      "trainer.strategy=ddp", f"data.train_batch_size={4 * n}", f"actor.ppo_mini_batch_size={2 * n}",
                      f"trainer.output_dir={tmp_path}", "trainer.experiment_name=nccl",
                      "trainer.total_training_steps=2", "trainer.save_freq=2"],
-                    timeout=240, env={**os.environ, "PYTHONPATH": SRC, "NCCL_DEBUG": "INFO"})
+                    timeout=240, env={**os.environ, "PYTHONPATH": src_path(), "NCCL_DEBUG": "INFO"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "NCCL INFO" in out.stdout + out.stderr  # the group ran on NCCL, not gloo
     assert _final_weights(tmp_path / "nccl", 2)

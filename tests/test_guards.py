@@ -26,6 +26,7 @@ from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
 from alignrl.train.actor import Actor, PolicyLossSpec, policy_loss
 from alignrl.train.engines import OptimSpec, build_engine
 from alignrl.train.minibatch import minibatch_updates
+from conftest import src_path
 
 USER_FNS = """
 import math
@@ -221,7 +222,7 @@ for stage in (0, 2):  # 0: a plain torch optimizer, checked by us; 2: ZeRO's own
 def test_deepspeed_skips_a_nan_step(tiny_model_dir):
     # both stages in one process: its start-up (torch, transformers, DeepSpeed) costs more than the steps
     script = DS_SCRIPT.format(workers=str(Path(__file__).parent / "workers"), model=str(tiny_model_dir))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     results = [x.split()[1:] for x in r.stdout.splitlines() if x.startswith("RESULT")]
@@ -274,7 +275,7 @@ def _argv(tiny_model_dir, tmp_path, *extra) -> list[str]:
 
 
 def _cli(tiny_model_dir, tmp_path, *extra, timeout=240):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": src_path()}
     proc = subprocess.Popen([sys.executable, "-m", "alignrl", *_argv(tiny_model_dir, tmp_path, *extra)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -312,6 +313,14 @@ def test_bad_reward_function_is_one_line_through_the_cli(fn, says, process, tiny
     assert _one_line(code, err) == f"alignrl: error: reward function {path}:{fn} {says}" + (
         "" if fn in ("string", "none", "nan") else " so that it returns a float (e.g. 0.0 for answers it cannot "
                                                     "score)")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's answer to trainer.device=cuda")
+def test_cuda_asked_for_without_a_gpu_is_one_line(tiny_model_dir, tmp_path, cli_in_process):
+    done = cli_in_process(*_argv(tiny_model_dir, tmp_path, "trainer.device=cuda", "trainer.total_training_steps=1"))
+    assert _one_line(done.returncode, done.stderr).startswith(
+        f"alignrl: error: trainer.device=cuda, but torch {torch.__version__} sees no CUDA device")
+    assert not (tmp_path / "run" / "logs" / "metrics.jsonl").exists()  # nothing trained on the CPU instead
 
 
 @pytest.mark.slow

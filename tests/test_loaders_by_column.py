@@ -13,6 +13,7 @@ import pytest
 from alignrl.data.loaders import DataError, count_rows, load_samples, write_verl_parquet
 from alignrl.data.records import Sample
 from test_loaders import GSM8K_ROWS, _error
+from conftest import src_path
 
 
 OPENRLHF_ROWS = [{"messages": [{"role": "user", "content": "What is 6 * 7?"}], "answer": 42},
@@ -144,7 +145,7 @@ def test_grpo_trains_a_step_on_a_messages_json_file(tiny_model_dir, tmp_path: Pa
     reward = tmp_path / "reward.py"
     reward.write_text("def score(data_source, solution, ground_truth, extra_info=None):\n"
                       "    return float(data_source == 'math' and ground_truth in ('3', '7', '11', '15', '4'))\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, "-m", "alignrl", "train", "grpo", f"model.path={tiny_model_dir}", f"data.train_files={data}",
          f"data.val_files={data}", "data.prompt_key=messages", "data.label_key=answer", "data.train_batch_size=2",

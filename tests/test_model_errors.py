@@ -13,9 +13,8 @@ import pytest
 from alignrl.models.loader import ModelError, load_model
 from alignrl.models.tiny import MARKER, TinyRecipe, demo_model_problem, ensure_demo_model
 
-from conftest import TEST_RECIPE
+from conftest import TEST_RECIPE, src_path
 
-SRC = str(Path(__file__).parents[1] / "src")
 
 
 def _no_weights(d: Path):
@@ -79,7 +78,7 @@ def _args(tmp_path, *overrides) -> list[str]:
 
 
 def _cli(tmp_path, *overrides):
-    env = {**os.environ, "PYTHONPATH": SRC}
+    env = {**os.environ, "PYTHONPATH": src_path()}
     proc = subprocess.Popen([sys.executable, "-m", "alignrl", *_args(tmp_path, *overrides)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -169,7 +168,7 @@ print(ensure_demo_model(TinyRecipe(**TEST_RECIPE), log=lambda m: print("LOG", m)
 
 @pytest.mark.slow
 def test_concurrent_builders_share_one_build(tmp_path):
-    env = {**os.environ, "PYTHONPATH": SRC, "ALIGNRL_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "PYTHONPATH": src_path(), "ALIGNRL_CACHE": str(tmp_path / "cache")}
     code = BUILDER.format(tests=str(Path(__file__).parent))
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for _ in range(3)]

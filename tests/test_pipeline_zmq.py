@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from alignrl.algos.runner import train_grpo
 from alignrl.config import load_config
 from alignrl.dist.launch import free_ports
+from conftest import SRC, src_path
 
-SRC = str(Path(__file__).parents[1] / "src")
 SMALL = ["data.train_size=64", "data.val_size=8", "data.val_size_during_training=4", "data.train_batch_size=4",
          "rollout.n=4", "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4",
          "actor.lr=1e-3", "actor.kl_loss_coef=0.01", "trainer.test_freq=0", "trainer.progress_bar=false",
@@ -31,7 +31,7 @@ def overrides(model_dir, out, name, steps, ports, *extra):
 
 
 def spawn(*args, env: dict | None = None, **kw):
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", **(env or {})}
+    env = {**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "alignrl", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True, **kw)
 
@@ -209,7 +209,7 @@ def test_a_killed_trainer_resumes_and_the_sampler_rejoins(tiny_model_dir, tmp_pa
 
 
 def _root_script(*args, cwd):
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, str(Path(SRC).parent / args[0]), *args[1:]], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from conftest import src_path
 
 REPO = Path(__file__).resolve().parents[1]
 BAD_SPLIT = ["data.train_batch_size=3", "actor.ppo_mini_batch_size=3", "actor.ppo_micro_batch_size=8"]
@@ -25,7 +26,7 @@ BAD_SPLIT = ["data.train_batch_size=3", "actor.ppo_mini_batch_size=3", "actor.pp
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ALIGNRL_API_KEY")}
-    env.update(PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.update(PYTHONPATH=src_path(), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return env
 
 

@@ -24,9 +24,9 @@ from alignrl.cluster import flags as F  # noqa: E402
 from alignrl.cluster.plan import engine_slot, release, requests, reserve, slots  # noqa: E402
 from alignrl.cluster.train_ppo_ray import main  # noqa: E402
 from alignrl.config import load_config  # noqa: E402
+from conftest import src_path
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-SRC = str(Path(__file__).parents[1] / "src")
 NODE = dict(num_cpus=8, num_gpus=8, node_ip_address="127.0.0.1", include_dashboard=False,
             object_store_memory=80 << 20)
 SEED_001 = ["--ref_num_nodes", "2", "--ref_num_gpus_per_node", "4", "--actor_num_nodes", "2",
@@ -396,7 +396,7 @@ def test_a_workers_user_error_is_unwrapped_from_rays_nesting():
 @pytest.mark.timeout(300)
 def test_a_killed_rollout_engine_ends_the_run_with_one_line(cluster, tiny_model_dir, tmp_path):
     """kill -9 of the engine: the driver stops within 30 s, naming the role and node."""
-    env = {**os.environ, "PYTHONPATH": SRC, "RAY_ADDRESS": cluster.address, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": src_path(), "RAY_ADDRESS": cluster.address, "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen([sys.executable, "-m", "alignrl", "train", "ppo-ray",
                           *tiny(tiny_model_dir, tmp_path / "kill", 500, "--init_kl_coef", "0",
                                 "--actor_num_gpus_per_node", "1")],

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from alignrl.dist.launch import free_ports
+from conftest import src_path
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "examples" / "scripts" / "r1_scripts" / "start_ray_cluster.sh"
@@ -73,7 +74,7 @@ def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
     ports = free_ports(10)
     short = Path(tempfile.mkdtemp(prefix="rayt", dir="/tmp"))  # Ray's socket paths must stay under 108 bytes
     base = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_PORT": str(ports[0]),
-            "RAY_DASHBOARD_PORT": str(ports[1]), "ALIGNRL_CPU_SLOTS": "4", "PYTHONPATH": str(ROOT / "src"),
+            "RAY_DASHBOARD_PORT": str(ports[1]), "ALIGNRL_CPU_SLOTS": "4", "PYTHONPATH": src_path(),
             "OMP_NUM_THREADS": "1"}
     base.pop("RAY_ADDRESS", None)
     # every node's agents on free ports, the head's too: on their fixed defaults (52365, ...) they fail to bind

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from alignrl.algos.runner import train_grpo
 from alignrl.config import ConfigError, load_config
+from conftest import src_path
 
 SMALL = ["data.train_size=64", "data.val_size=16", "data.val_size_during_training=8", "data.train_batch_size=4",
          "rollout.n=4", "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4",
@@ -52,7 +53,7 @@ def test_run_writes_layout_and_summary(tiny_model_dir, tmp_path):
 
 
 def _cli(*args, **kw):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": src_path()}
     return subprocess.Popen([sys.executable, "-m", "alignrl", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, **kw)
 

@@ -63,6 +63,13 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
     """Joins the torchrun process group (gloo on CPU, NCCL on GPUs); one process without torchrun.
     `timeout_s` (default $ALIGNRL_DIST_TIMEOUT or 600) bounds every collective."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device == "cuda" and not torch.cuda.is_available():  # else the run would quietly train on the CPU
+        from alignrl.config import ConfigError
+
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ConfigError(f"trainer.device=cuda, but torch {torch.__version__} sees no CUDA device"
+                          f"{f' (CUDA_VISIBLE_DEVICES={hidden!r})' if hidden is not None else ''}: use "
+                          "trainer.device=auto or cpu, or a CUDA build of torch on a machine with a GPU")
     use_cuda = torch.cuda.is_available() and device != "cpu"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
