@@ -326,6 +326,8 @@ def test_a_verl_run_inside_a_ray_job_is_placed_on_both_nodes(cluster, tiny_model
     for step in (1, 2):
         assert (ckpt / f"global_step_{step}" / "model" / "model.safetensors").is_file()
         assert (ckpt / f"global_step_{step}" / "critic").is_dir()
+    # verl's default strategy (fsdp): actor and critic sharded over the two ranks
+    assert torch.load(ckpt / "global_step_2" / "trainer_state.pt", weights_only=False)["strategy"] == "fsdp2"
     rows = metric_rows(run)
     assert [r["step"] for r in rows if "timing/step" in r] == [1, 2]
     assert all("agent/turns" in r for r in rows if "timing/step" in r)  # the multi-turn rollout made them

@@ -139,6 +139,7 @@ def test_seed_003_keys_map_onto_alignrl(capsys, tmp_path):
     assert cfg.actor.use_remove_padding and cfg.critic.use_remove_padding  # packed forwards run here too
     assert cfg.actor.gradient_checkpointing  # the critic's own flag is listed as not used
     assert cfg.actor.ppo_micro_batch_size == 64 // 16  # verl's deprecated global micro-batch, split over the ranks
+    assert cfg.trainer.strategy == "fsdp"  # verl's default: actor and critic sharded over the 16 ranks
     # 15 epochs of max(1, 4 // 512) batches bound the 1005 steps, as in verl's loop over epochs;
     # warm-up: int(0.285 × 15) RL steps, each of 512/256 optimizer steps
     assert cfg.trainer.total_training_steps == 15
@@ -165,6 +166,24 @@ def test_unknown_and_unsupported_keys_are_one_line_errors():
         load_config(None, ["+trainer.val_only=true"])
     with pytest.raises(ConfigError, match="data.train_files=.* must be a file path or a list"):
         load_config(None, ["data.train_files=[]"])
+
+
+def test_verls_strategy_shards_over_several_ranks_only():
+    from alignrl.algos.placement import resolve_strategy
+    from alignrl.dist.env import DistEnv
+
+    lr = "actor_rollout_ref.actor.optim.lr=1e-6"
+    for extra in ([], ["actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp"]):
+        cfg = load_config(None, [lr, *extra])
+        assert cfg.trainer.strategy == "fsdp"
+        assert resolve_strategy(cfg, DistEnv()) == "single"  # verl's FSDP over one rank shards nothing
+        assert resolve_strategy(cfg, DistEnv(rank=0, world_size=2)) == "fsdp2"
+    assert load_config(None, [lr, "trainer.strategy=deepspeed"]).trainer.strategy == "deepspeed"  # alignrl's key wins
+    assert load_config(None, ["actor.lr=1e-6"]).trainer.strategy == "auto"  # alignrl's own spelling: its own default
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.strategy=megatron is not supported \(alignrl "
+                                          r"shards with FSDP2") as e:
+        load_config(None, [lr, "actor_rollout_ref.actor.strategy=megatron"])
+    assert "\n" not in str(e.value)
 
 
 def test_grpo_with_n_agent_and_alignrl_keys_beside_verl_ones(tmp_path):

@@ -42,7 +42,9 @@ from alignrl.utils.tracking import console
 
 def resolve_strategy(cfg: RunConfig, env: DistEnv) -> str:
     s = cfg.trainer.strategy
-    return ("ddp" if env.distributed else "single") if s == "auto" else s
+    if s in ("auto", "fsdp"):  # fsdp: as verl's FSDP over one rank, which shards nothing
+        return ("fsdp2" if s == "fsdp" else "ddp") if env.distributed else "single"
+    return s
 
 
 def make_engine(cfg: RunConfig, model, spec: OptimSpec, env: DistEnv) -> TrainEngine:

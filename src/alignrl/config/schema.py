@@ -308,7 +308,8 @@ class TrainerConfig:
     progress_bar: bool = opt(True, "show a progress bar on the console")
     threads: int = opt(0, "torch CPU threads; 0 keeps torch's default", ge=0)
     strategy: str = opt("auto", "training engine of actor and critic: auto (ddp under torchrun, else single), "
-                        "single, ddp, fsdp2, deepspeed", choices=("auto", "single", "ddp", "fsdp2", "deepspeed"))
+                        "single, ddp, fsdp2, fsdp (verl's name: fsdp2 on several ranks, single on one), deepspeed",
+                        choices=("auto", "single", "ddp", "fsdp2", "fsdp", "deepspeed"))
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage (strategy=deepspeed)", ge=0, le=3)
     offload: bool = opt(False, "DeepSpeed: keep optimizer state on the CPU (ZeRO-Offload)")
     deepspeed_config: str = opt("", "DeepSpeed JSON config file (e.g. config/deepspeed/zero3.json); empty: "

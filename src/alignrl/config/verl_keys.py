@@ -3,7 +3,9 @@
 
 Three kinds of verl keys:
 
-* renamed: same behaviour under an alignrl key (`actor_rollout_ref.actor.optim.lr` -> `actor.lr`);
+* renamed: same behaviour under an alignrl key (`actor_rollout_ref.actor.optim.lr` -> `actor.lr`; the
+  actor's and critic's `strategy`, fsdp by default as in verl, -> `trainer.strategy=fsdp`: FSDP2 over the
+  ranks, unsharded on one);
 * not used on this device: settings of GPU memory, FSDP, vLLM or HDFS that change no result here
   (offload, `gpu_memory_utilization`, the deprecated global micro-batch sizes of log-prob passes, ...);
   accepted and listed once;
@@ -90,7 +92,7 @@ NOT_USED = (
     "*.log_prob_use_dynamic_bsz", "*.log_prob_max_token_len_per_gpu", "*.ulysses_sequence_parallel_size",
     "*.use_dynamic_bsz", "*.ppo_max_token_len_per_gpu", "*.forward_max_token_len_per_gpu",
     "*.forward_micro_batch_size*", "*.ppo_micro_batch_size_per_gpu", "*.external_lib", "*.override_config",
-    "actor_rollout_ref.hybrid_engine", A + "strategy", "critic.strategy", A + "optim.total_training_steps",
+    "actor_rollout_ref.hybrid_engine", "actor_rollout_ref.ref.strategy", A + "optim.total_training_steps",
     "critic.optim.total_training_steps", "critic.optim.min_lr_ratio", "critic.ppo_micro_batch_size",
     "critic.model.tokenizer_path", R + "name", R + "gpu_memory_utilization", R + "tensor_model_parallel_size",
     R + "dtype", R + "enforce_eager", R + "free_cache_engine", R + "load_format", R + "max_num_batched_tokens",
@@ -125,6 +127,7 @@ NOTED = {"trainer.val_before_train": "alignrl always evaluates before training (
 # an entropy bonus, AdamW weight decay, nucleus 0.95, and a critic exactly when the estimator is GAE;
 # a multi-turn episode is cut at data.max_prompt_length tokens (its generation manager's right side).
 VERL_DEFAULTS: dict[str, object] = {
+    "trainer.strategy": "fsdp",  # verl's actor and critic strategy: FSDP over the ranks (alignrl's fsdp2)
     "actor.use_kl_loss": False,
     "actor.entropy_coeff": 0.001,
     "actor.weight_decay": 0.01,
@@ -177,6 +180,12 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
                 out += [f"{target}={value}" for target in RENAMES[key]]
         elif key == A + "ppo_micro_batch_size" and isinstance(_value(value), int):
             verl, global_micro = True, _value(value)  # all ranks together, as verl divides it (resolve_counts)
+        elif key in (A + "strategy", "critic.strategy"):  # one engine trains both in alignrl
+            verl = True
+            if str(_value(value)) not in ("fsdp", "fsdp2"):
+                raise ConfigError(f"{key}={value} is not supported (alignrl shards with FSDP2: fsdp or fsdp2; "
+                                  "trainer.strategy=deepspeed for ZeRO)")
+            out.append("trainer.strategy=fsdp")
         elif key == "trainer.critic_warmup" and isinstance(_value(value), int):
             # verl trains the actor from global step critic_warmup (steps count from 1); alignrl after
             # critic.warmup_steps critic-only steps
