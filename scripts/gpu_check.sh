@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for a machine with one CUDA device or more (CI has none; these are skipped
 # there and their CPU paths tested instead):
-#   1. tests/test_gpu.py: packed forwards in fp32 and bf16, GRPO on the GPU in each dtype, the bf16 ZeroMQ
-#      pipeline with its weights through CUDA IPC, a CPU sampler fed frames by a GPU trainer (NCCL DDP too
-#      where there are two GPUs);
+#   1. the tests marked gpu: packed forwards in fp32 and bf16, GRPO on the GPU in each dtype, a killed GPU run
+#      resumed to identical weights, the bf16 ZeroMQ pipeline with its weights through CUDA IPC, a CPU sampler
+#      fed frames by a GPU trainer (NCCL DDP too where there are two GPUs);
 #   2. benchmarks/async_vs_sync.py: samples/s in-process and through the ZeroMQ pipeline, the trainer and each
 #      sampler a process of its own on GPU 0 (trainer.device=auto and a sampler's default both take the GPU);
 #   3. seed 004's launcher, run_distributed.py, on GPU 0: a DeepSpeed ZeRO-2 trainer (bf16 where the GPU has
@@ -23,8 +23,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 'bf16', torch.cuda.is_available() and torch.cuda.is_bf16_supported(), 'transformers', transformers.__version__,
 'pyzmq', zmq.__version__)" || exit 1
 
-echo "== 1. tests/test_gpu.py"
-timeout 220 "$PY" -m pytest -p no:cacheprovider -rs --timeout 120 tests/test_gpu.py 2>&1 | tee "$LOGS/tests.log"
+echo "== 1. the tests marked gpu"
+timeout 300 "$PY" -m pytest -p no:cacheprovider -rs --timeout 120 -m gpu tests/test_gpu.py tests/test_runner.py 2>&1 \
+    | tee "$LOGS/tests.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 echo "== 2. benchmarks/async_vs_sync.py on the GPU"

@@ -59,13 +59,17 @@ def _cli(*args, **kw):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_identical_weights(tiny_model_dir, tmp_path, cli_in_process):
-    """kill -9 of the CLI's process group after its first checkpoint; the resume runs the CLI in this process."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_killed_run_resumes_to_identical_weights(tiny_model_dir, tmp_path, cli_in_process, device):
+    """kill -9 of the CLI's process group after its first checkpoint; the resume runs the CLI in this process.
+    On a GPU too: samples come from per-request seeded generators, so no global CUDA RNG state is needed."""
     steps = 6
-    ref = train_grpo(load_config(None, _overrides(tiny_model_dir, tmp_path, "straight", steps, 2)))
+    ref = train_grpo(load_config(None, _overrides(tiny_model_dir, tmp_path, "straight", steps, 2)
+                                 + [f"trainer.device={device}"]))
     assert ref["steps"] == steps
 
-    args = ["train", "grpo", *_overrides(tiny_model_dir, tmp_path, "killed", steps, 2)]
+    args = ["train", "grpo", *_overrides(tiny_model_dir, tmp_path, "killed", steps, 2), f"trainer.device={device}"]
     proc = _cli(*args, start_new_session=True)
     tracker = tmp_path / "killed" / "checkpoints" / "latest_checkpointed_iteration.txt"
     deadline = time.time() + 240
