@@ -125,3 +125,21 @@ def test_a_zero_checkpoint_of_another_world_size_is_one_line(tmp_path):
     engine.module = SimpleNamespace(load_checkpoint=load_checkpoint)
     with pytest.raises(DeepSpeedConfigError, match="world size of 2 .* resume with as many processes as wrote it"):
         engine.load_state(tmp_path)
+
+
+def test_host_copies_keep_a_tied_embedding_one_tensor(tiny_model, tmp_path):
+    """Weights copied to the host (a GPU's, or a ZeRO-3 gather's clone) keep tied keys on one tensor, so the
+    saved folder holds the tied matrix once, as the base model does (twice before: both names written)."""
+    import copy
+
+    from alignrl.train.engines.base import host_state_dict
+
+    model = copy.deepcopy(tiny_model[0])
+    tied = ("lm_head.weight", "model.embed_tokens.weight")
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    out = host_state_dict(model, model.state_dict(), clone=True)  # clone: what a copy off the device makes
+    assert out[tied[0]] is out[tied[1]] and out[tied[0]].data_ptr() != model.lm_head.weight.data_ptr()
+    assert all(torch.equal(out[k], v) for k, v in model.state_dict().items())
+    assert len({t.data_ptr() for t in out.values()}) == len(out) - 1  # nothing else shares
+    model.save_pretrained(tmp_path, state_dict=out)
+    assert set(load_file(tmp_path / "model.safetensors")) == set(out) - {"lm_head.weight"}

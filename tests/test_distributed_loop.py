@@ -56,6 +56,7 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
     assert [x["step"] for x in rows if "actor/grad_norm" in x or "critic/vf_loss" in x] == [1, 2]
     ckpt = run_dir / "checkpoints" / "global_step_2"
     after, before = weights(ckpt / "model"), weights(tiny_model_dir)
+    assert after.keys() == before.keys()  # the tied embedding matrix saved once, as the base model holds it
     assert max(float((after[k] - before[k]).abs().max()) for k in before) > 1e-5
     if strategy == "ddp":  # FSDP2 resumes DDP's checkpoint, the policy's and the critic's optimizer state included
         assert (ckpt / "critic" / "model.safetensors").is_file() and (ckpt / "critic_state").is_dir()
@@ -64,6 +65,7 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
         assert "resumed from" in r.stdout and "fresh optimizer" not in r.stdout
         step3 = run_dir / "checkpoints" / "global_step_3"
         assert (step3 / "model_state" / "optim.pt").is_file() and (step3 / "critic_state").is_dir()
+        assert weights(step3 / "model").keys() == before.keys()
         rows = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
         assert [x["step"] for x in rows if "critic/vf_loss" in x] == [1, 2, 3]
     if strategy == "deepspeed":

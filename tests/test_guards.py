@@ -323,6 +323,23 @@ def test_cuda_asked_for_without_a_gpu_is_one_line(tiny_model_dir, tmp_path, cli_
     assert not (tmp_path / "run" / "logs" / "metrics.jsonl").exists()  # nothing trained on the CPU instead
 
 
+def test_more_ranks_than_gpus_is_one_line(monkeypatch):
+    """Two ranks on a one-GPU node: rank 1 names the mismatch instead of CUDA's invalid-device-ordinal traceback."""
+    from alignrl.config import ConfigError
+    from alignrl.dist.env import init_distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: pytest.fail(f"set_device({dev}) was called"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"^rank 1 is local rank 1, but this node has 1 CUDA device\(s\): start at "
+                                          r"most 1 rank\(s\) per node") as e:
+        init_distributed()
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow
 def test_nan_reward_run_stops_and_keeps_the_previous_checkpoint(tiny_model_dir, tmp_path):
     from alignrl.train.checkpoint import manifest_problem

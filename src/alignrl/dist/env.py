@@ -72,6 +72,13 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
                           "trainer.device=auto or cpu, or a CUDA build of torch on a machine with a GPU")
     use_cuda = torch.cuda.is_available() and device != "cpu"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda and local_rank >= torch.cuda.device_count():  # else CUDA's "invalid device ordinal" traceback
+        from alignrl.config import ConfigError
+
+        n = torch.cuda.device_count()
+        raise ConfigError(f"rank {os.environ.get('RANK', '?')} is local rank {local_rank}, but this node has {n} "
+                          f"CUDA device(s): start at most {n} rank(s) per node (--nproc, --nproc_per_node), one "
+                          "per GPU, or train on the CPU (trainer.device=cpu, CUDA_VISIBLE_DEVICES=)")
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)

@@ -25,6 +25,27 @@ from alignrl.train.optim import build_optimizer
 OPTIM_FILE = "optim.pt"  # the full (unsharded) optimizer + scheduler state: resumable by every backend
 
 
+def host_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor],
+                    clone: bool = False) -> dict[str, torch.Tensor]:
+    """`state` (keyed as `model.state_dict()`) in host memory, where keys that name one tensor of `model` (tied
+    input and output embeddings) still share one copy: save_pretrained then writes the tied matrix once, as
+    from the model itself, instead of the vocabulary matrix twice. `clone` copies tensors already on the host
+    too (weights a gather lends only for the moment)."""
+    first: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        alias[k] = first.setdefault(id(v), k)
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        same = alias.get(k, k)
+        if same != k and same in out:
+            out[k] = out[same]
+            continue
+        host = v.detach().cpu()
+        out[k] = host.clone() if clone and host.data_ptr() == v.data_ptr() else host
+    return out
+
+
 @dataclass(frozen=True)
 class OptimSpec:
     lr: float = 1e-6

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from alignrl.dist.env import DistEnv, join_group
-from alignrl.train.engines.base import OptimSpec
+from alignrl.train.engines.base import OptimSpec, host_state_dict
 
 TAG = "deepspeed"  # the sub-folder DeepSpeed's save_checkpoint writes inside a checkpoint
 
@@ -146,13 +146,13 @@ class DeepSpeedEngine:
     def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
         skip = main_only and not self.env.is_main
         if self.stage < 3:
-            return {} if skip else {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            return {} if skip else host_state_dict(self.model, self.model.state_dict())
         import deepspeed
 
         # every rank takes part in the gather; with main_only only rank 0 copies the model to host memory
         # (a 7B model's 15 GB on each of a node's 8 ranks otherwise, at every publish)
         with deepspeed.zero.GatheredParameters(list(self.model.parameters())):
-            return {} if skip else {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+            return {} if skip else host_state_dict(self.model, self.model.state_dict(), clone=True)
 
     def save_state(self, folder: Path) -> None:
         self.module.save_checkpoint(str(folder), tag=TAG)

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from alignrl.dist.env import DistEnv
-from alignrl.train.engines.base import LocalOptimizerEngine, OptimSpec
+from alignrl.train.engines.base import LocalOptimizerEngine, OptimSpec, host_state_dict
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -48,4 +48,4 @@ class FSDP2Engine(LocalOptimizerEngine):
     def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
         # cpu_offload with full_state_dict: rank 0 alone gathers into host memory, the others get {}
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=main_only))
-        return {k: v.detach().cpu() for k, v in sd.items()}
+        return host_state_dict(self.model, sd)

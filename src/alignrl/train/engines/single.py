@@ -7,7 +7,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from alignrl.dist.env import DistEnv
-from alignrl.train.engines.base import LocalOptimizerEngine, OptimSpec
+from alignrl.train.engines.base import LocalOptimizerEngine, OptimSpec, host_state_dict
 
 
 class LocalEngine(LocalOptimizerEngine):
@@ -38,4 +38,4 @@ class LocalEngine(LocalOptimizerEngine):
     def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
         if main_only and not self.env.is_main:
             return {}
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        return host_state_dict(self.model, self.model.state_dict())
