@@ -64,9 +64,11 @@ def assert_same_step(got, before, expected, what):
 # every engine must still reduce its gradients exactly once; packed (padding-free) with shared prompts, one call
 # of the wrapped model per micro-batch with the attention routed to the packed path on every rank. `roundtrip`:
 # full weights + state saved, an engine rebuilt from them, equal weights, and the restored engine's next step
-# equals the original's (checked in the worker). The torch engines share one launch and DeepSpeed's stages
+# equals the original's (checked in the worker; with `:bf16`, the fp32 master weights the state holds make it
+# so). The torch engines share one launch and DeepSpeed's stages
 # another: a launch's start-up costs more than its steps.
-LAUNCHES = {"torch": ["ddp:0=plain,shared", "fsdp2:0=plain,shared,packed,roundtrip"],
+LAUNCHES = {"torch": ["ddp:0=plain,shared", "fsdp2:0=plain,shared,packed,roundtrip", "ddp:0:bf16=roundtrip",
+                      "fsdp2:0:bf16=roundtrip"],
             "deepspeed": ["deepspeed:2=plain,shared", "deepspeed:3=plain,shared,packed,roundtrip",
                           "deepspeed:3:offload=plain"]}
 
@@ -143,3 +145,37 @@ def test_host_copies_keep_a_tied_embedding_one_tensor(tiny_model, tmp_path):
     assert len({t.data_ptr() for t in out.values()}) == len(out) - 1  # nothing else shares
     model.save_pretrained(tmp_path, state_dict=out)
     assert set(load_file(tmp_path / "model.safetensors")) == set(out) - {"lm_head.weight"}
+
+
+def test_a_bf16_model_trains_through_fp32_master_weights():
+    """At lr 1e-5 every AdamW update of a weight near 0.02 is below half of bf16's step there (6e-5): stepped
+    in place, the bf16 weights never move. The engine steps an fp32 copy instead: it follows the fp32 run, and
+    the model holds it rounded to bf16, moved once the updates add up; its saved state carries the fp32 copy."""
+    from alignrl.train.engines import OptimSpec, build_engine
+
+    def run(dtype, steps=20):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(64, 64, bias=False)
+        with torch.no_grad():  # in [0.016, 0.031), one bf16 binade, and exact in bf16: both runs start equal
+            lin.weight.copy_((0.016 + 0.015 * torch.rand(64, 64)).bfloat16().float())
+        # entries in {-1, 0, 1}: the gradient (sums of 16 products) is exact in bf16 too, so both runs step alike
+        x, target = torch.randint(-1, 2, (16, 64)).float(), torch.randint(-1, 2, (16, 64)).float()
+        engine = build_engine("single", lin.to(dtype), OptimSpec(lr=1e-5, grad_clip=0.0), SINGLE)
+        w0 = lin.weight.detach().clone()
+        for _ in range(steps):
+            engine.backward((lin(x.to(dtype)).float() * target).sum())
+            engine.step()
+        return engine, w0
+
+    ref, _ = run(torch.float32)
+    engine, w0 = run(torch.bfloat16)
+    master = engine.master.shadow.weight
+    assert master.dtype == torch.float32 and engine.model.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(master, ref.model.weight, atol=1e-7, rtol=0)  # 20 updates of 1e-5 each: 2e-4
+    assert torch.equal(engine.model.weight, master.bfloat16())
+    moved = (ref.model.weight - w0).abs() > 1.3e-4  # more than one bf16 step (1.2e-4) in the fp32 run
+    assert float(moved.float().mean()) > 0.5 and bool((engine.model.weight != w0)[moved].all())
+    state = engine.master.state_dict()
+    fresh, _ = run(torch.bfloat16, steps=0)
+    fresh.master.load_state_dict(state)
+    assert torch.equal(fresh.master.shadow.weight, master) and torch.equal(fresh.model.weight, engine.model.weight)

@@ -39,19 +39,21 @@ class EngineArgs:
     strategy: str
     zero_stage: int = 2
     offload: bool = False
+    bf16: bool = False  # the model in bf16: the engine steps fp32 master weights
 
     @property
     def tag(self) -> str:
-        return f"{self.strategy}{self.zero_stage}{'o' if self.offload else ''}"
+        return f"{self.strategy}{self.zero_stage}{'o' if self.offload else ''}{'b' if self.bf16 else ''}"
 
 
 def parse_spec(spec: str) -> tuple[EngineArgs, list[str]]:
-    """`deepspeed:3:offload=plain,roundtrip` -> (EngineArgs("deepspeed", 3, True), ["plain", "roundtrip"])."""
+    """`deepspeed:3:offload=plain,roundtrip` -> (EngineArgs("deepspeed", 3, True), ["plain", "roundtrip"]);
+    `fsdp2:0:bf16=roundtrip`: the model in bf16."""
     engine, layouts = spec.split("=")
     strategy, stage, *rest = engine.split(":")
-    if rest not in ([], ["offload"]):
-        raise ValueError(f"{spec!r}: after the stage only ':offload' may follow")
-    return EngineArgs(strategy, int(stage), rest == ["offload"]), layouts.split(",")
+    if rest not in ([], ["offload"], ["bf16"]):
+        raise ValueError(f"{spec!r}: after the stage only ':offload' or ':bf16' may follow")
+    return EngineArgs(strategy, int(stage), rest == ["offload"], rest == ["bf16"]), layouts.split(",")
 
 
 def fixed_batch(model, shared: bool = False) -> Experience:
@@ -80,7 +82,7 @@ def local_share(exp: Experience, env) -> Experience:
 
 
 def make_engine(args, env, path, shared: bool = False):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if args.bf16 else torch.float32)
     model.config.use_cache = False
     exp = fixed_batch(model, shared)
     # Adam's first step is lr·g/(|g|+eps): with the default eps a gradient element near 1e-8 turns a

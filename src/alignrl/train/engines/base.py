@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict)
 
 from alignrl.dist.env import DistEnv
+from alignrl.train.engines.master import MasterWeights, needs_master
 from alignrl.train.optim import build_optimizer
 
 OPTIM_FILE = "optim.pt"  # the full (unsharded) optimizer + scheduler state: resumable by every backend
@@ -98,25 +99,30 @@ class TrainEngine(Protocol):
         no state this backend can read, in which case training resumes from the weights alone."""
 
 
-def save_full_state(env: DistEnv, folder: Path, model, optimizer, scheduler) -> None:
+def save_full_state(env: DistEnv, folder: Path, model, optimizer, scheduler,
+                    master: dict[str, torch.Tensor] | None = None) -> None:
     """Collective. The optimizer state in the full, FQN-keyed form of `torch.distributed.checkpoint`
     (gathered on rank 0 under FSDP2, as is under DDP or one process), so every local-optimizer engine
-    reads what any of them wrote."""
+    reads what any of them wrote; `master`: the fp32 weights of a bf16/fp16 model (the saved model holds
+    them rounded), so that a resumed run continues from them."""
     state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
                                                                                 cpu_offload=True))
     if env.is_main:
-        torch.save({"optimizer": state, "scheduler": scheduler.state_dict()}, folder / OPTIM_FILE)
+        extra = {"master": master} if master is not None else {}
+        torch.save({"optimizer": state, "scheduler": scheduler.state_dict(), **extra}, folder / OPTIM_FILE)
 
 
-def load_full_state(folder: Path, model, optimizer, scheduler) -> bool:
+def load_full_state(folder: Path, model, optimizer, scheduler) -> dict | None:
+    """What save_full_state wrote, restored into `optimizer` and `scheduler`; the file's contents (its fp32
+    `master` weights, if any), or None without a file."""
     path = folder / OPTIM_FILE
     if not path.is_file():
-        return False
+        return None
     # our own file written by save_full_state (optimizer tensors); never bytes from a socket
     state = torch.load(path, weights_only=False, map_location="cpu")
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
     scheduler.load_state_dict(state["scheduler"])
-    return True
+    return state
 
 
 def clip_and_step(params, optimizer, scheduler, grad_clip: float, skip: bool = False) -> tuple[float, bool]:
@@ -160,15 +166,22 @@ class LocalOptimizerEngine:
     env: DistEnv
     model: torch.nn.Module
 
-    def _build_optimizer(self, spec: OptimSpec) -> None:
+    def _build_optimizer(self, spec: OptimSpec, master: bool = False) -> None:
+        """`master`: the optimizer steps fp32 copies of a bf16/fp16 model's weights (master.py)."""
         self.spec = spec
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.master = MasterWeights(self.model) if master and needs_master(self.model) else None
+        stepped = self.master.shadow if self.master else self.model
+        self.params = [p for p in stepped.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = spec.build(self.params)
         self.zero = LazyZeroGrad(self.optimizer)
         self.skipped_steps = 0
 
     def step(self, skip: bool = False) -> float:
+        if self.master:
+            self.master.grads_in()
         norm, stepped = clip_and_step(self.params, self.optimizer, self.scheduler, self.spec.grad_clip, skip)
+        if stepped and self.master:
+            self.master.weights_out()
         self.skipped_steps += not stepped
         self.zero.after_step()
         return norm
@@ -180,7 +193,15 @@ class LocalOptimizerEngine:
         return nullcontext()
 
     def save_state(self, folder: Path) -> None:
-        save_full_state(self.env, folder, self.model, self.optimizer, self.scheduler)
+        if self.master:
+            save_full_state(self.env, folder, self.master.shadow, self.optimizer, self.scheduler,
+                            self.master.state_dict() if self.env.is_main else None)
+        else:
+            save_full_state(self.env, folder, self.model, self.optimizer, self.scheduler)
 
     def load_state(self, folder: Path) -> bool:
-        return load_full_state(folder, self.model, self.optimizer, self.scheduler)
+        state = load_full_state(folder, self.master.shadow if self.master else self.model, self.optimizer,
+                                self.scheduler)
+        if state is not None and self.master and "master" in state:
+            self.master.load_state_dict(state["master"])  # else the copy of the weights loaded as the model
+        return state is not None

@@ -8,11 +8,15 @@ between single / ddp / fsdp2 in both directions. Left out: HSDP, CPU offload of 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from alignrl.dist.env import DistEnv
-from alignrl.train.engines.base import LocalOptimizerEngine, OptimSpec, host_state_dict
+from alignrl.train.engines.base import (LocalOptimizerEngine, OptimSpec, host_state_dict, load_full_state,
+                                        save_full_state)
+from alignrl.train.engines.master import LOW
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -32,6 +36,12 @@ class FSDP2Engine(LocalOptimizerEngine):
             raise ValueError("trainer.strategy=fsdp2 needs several processes: launch with torchrun "
                              "--nproc_per_node=N or `alignrl ... --nproc N`, or use trainer.strategy=single")
         self.env = env
+        # a bf16/fp16 model keeps fp32 sharded weights for the optimizer and computes in its own dtype
+        # (master.py says why); what leaves the engine (published, saved) is in that dtype again
+        self.dtype = next((p.dtype for p in model.parameters() if p.requires_grad and p.dtype in LOW), None)
+        if self.dtype is not None:
+            model.float()
+            param_dtype = param_dtype or self.dtype
         model.to(env.device)
         # bf16 compute with fp32 gradient reduction where asked; fp32 everywhere by default (CPU)
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
@@ -48,4 +58,17 @@ class FSDP2Engine(LocalOptimizerEngine):
     def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
         # cpu_offload with full_state_dict: rank 0 alone gathers into host memory, the others get {}
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=main_only))
-        return host_state_dict(self.model, sd)
+        return host_state_dict(self.model, {k: v.to(self.dtype) for k, v in sd.items()} if self.dtype else sd)
+
+    def save_state(self, folder: Path) -> None:
+        if self.dtype is None:
+            return super().save_state(folder)
+        master = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        save_full_state(self.env, folder, self.model, self.optimizer, self.scheduler, master if self.env.is_main
+                        else None)
+
+    def load_state(self, folder: Path) -> bool:
+        state = load_full_state(folder, self.model, self.optimizer, self.scheduler)
+        if state is not None and self.dtype is not None and "master" in state:
+            set_model_state_dict(self.model, state["master"], options=StateDictOptions(full_state_dict=True))
+        return state is not None

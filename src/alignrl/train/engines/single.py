@@ -13,7 +13,7 @@ from alignrl.train.engines.base import LocalOptimizerEngine, OptimSpec, host_sta
 class LocalEngine(LocalOptimizerEngine):
     """`single` (world size 1) or `ddp` (torch DistributedDataParallel: every rank holds the full model,
     gradients are all-reduced in backward). Optimizer state is identical on every rank, so rank 0's copy
-    is the full state any backend can resume from."""
+    is the full state any backend can resume from. A bf16/fp16 model is stepped through fp32 master weights."""
 
     def __init__(self, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, ddp: bool):
         self.name = "ddp" if ddp else "single"
@@ -25,7 +25,7 @@ class LocalEngine(LocalOptimizerEngine):
 
             self.module = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda"
                                                   else None)
-        self._build_optimizer(spec)
+        self._build_optimizer(spec, master=True)
 
     def micro_batch(self, last_micro: bool) -> AbstractContextManager:
         # accumulate locally; the last micro-batch's backward all-reduces the sum once
