@@ -1,6 +1,7 @@
 """OpenRLHF's flags of `alignrl train ppo-ray`: their checks (one line each), their translation into
 config keys, and the placement groups they ask for. No Ray cluster needed."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,95 @@ def test_without_ray_address_a_running_cluster_of_this_machine_is_joined(monkeyp
     monkeypatch.setattr(ray, "init", lambda **kw: (_ for _ in ()).throw(ValueError("something else")))
     with pytest.raises(ValueError, match="something else"):
         driver.connect(4)
+
+
+def test_max_samples_takes_the_first_rows_of_a_prompt_file(tmp_path):
+    """OpenRLHF keeps `range(min(max_samples, len(dataset)))` of --prompt_data: the loop reads those rows and
+    no others, and counts its steps from them."""
+    import json
+
+    from alignrl.algos.runner import load_task_data
+    from alignrl.cluster.train_ppo_ray import training_steps
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"input": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(6)))
+    args = parse("--prompt_data", str(data), "--label_key", "answer", "--max_samples", "4",
+                 "--rollout_batch_size", "2", "--train_batch_size", "2", "--micro_train_batch_size", "2")
+    train, _ = load_task_data(load_config(None, F.overrides(args, gpus=False, total_steps=3)))
+    assert [s.ground_truth for s in train] == ["1", "2", "3", "4"]
+    assert training_steps(args) == 2  # 4 prompts / 2 per step
+    every = parse("--prompt_data", str(data), "--label_key", "answer", "--max_samples", "100")
+    assert len(load_task_data(load_config(None, F.overrides(every, gpus=False, total_steps=3)))[0]) == 6
+    with pytest.raises(F.FlagError, match="--max_samples 0 leaves no prompts"):
+        F.check(parse("--max_samples", "0"))
+
+
+KEY = "0123456789abcdef0123456789abcdef01234567"  # the shape of a wandb API key (40 hex characters)
+
+
+def no_env(monkeypatch, *names):
+    """`names` absent from the environment for this test, and whatever the code sets there undone after it."""
+    for name in names:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
+def test_use_wandb_key_becomes_the_runs_wandb_api_key_and_nothing_else(tmp_path, monkeypatch, capsys):
+    """OpenRLHF logs in with `wandb.login(key=args.use_wandb)`: the key is the driver's and the actor ranks'
+    WANDB_API_KEY, and appears in no config, override, Job or printed line."""
+    from alignrl.cluster.train_ppo_ray import job, wandb_env
+    from alignrl.config import to_yaml
+
+    no_env(monkeypatch, "WANDB_API_KEY")
+    args = parse("--use_wandb", KEY, "--save_path", str(tmp_path / "run"), "--total_steps", "1")
+    F.check(args)
+    env = wandb_env(args)
+    assert env == {"WANDB_API_KEY": KEY} and os.environ["WANDB_API_KEY"] == KEY
+    placed = job(args, env=env)
+    assert placed.rank_env == env and "wandb" in placed.cfg.trainer.logger
+    said = to_yaml(placed.cfg) + repr(placed) + " ".join(F.overrides(args, gpus=True, total_steps=1))
+    assert KEY not in said + "".join(capsys.readouterr())
+
+
+def test_a_wandb_api_key_in_the_environment_wins_over_the_flags(monkeypatch, capsys):
+    from alignrl.cluster.train_ppo_ray import wandb_env
+
+    monkeypatch.setenv("WANDB_API_KEY", "from-the-environment")
+    assert wandb_env(parse("--use_wandb", KEY)) == {} and os.environ["WANDB_API_KEY"] == "from-the-environment"
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "WANDB_API_KEY is set in the environment" in out and KEY not in out
+
+
+@pytest.mark.parametrize("value, on", [("True", True), ("1", True), ("YES", True), ("false", False), ("0", False),
+                                       ("No", False)])
+def test_use_wandb_switch_values_carry_no_key(value, on, monkeypatch):
+    from alignrl.cluster.train_ppo_ray import wandb_env
+
+    no_env(monkeypatch, "WANDB_API_KEY")
+    args = parse("--use_wandb", value)
+    assert F.wandb_key(args) is None and wandb_env(args) == {} and "WANDB_API_KEY" not in os.environ
+    cfg = load_config(None, F.overrides(args, gpus=False, total_steps=1))
+    assert ("wandb" in cfg.trainer.logger) is on
+
+
+def test_a_use_wandb_value_that_is_no_key_is_one_line_without_the_value(tmp_path, capsys):
+    from alignrl.cluster.train_ppo_ray import main
+
+    assert main(["--use_wandb", "abc def\tghi", "--save_path", str(tmp_path / "run"), "--total_steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--use_wandb takes a wandb API key" in err and "abc" not in err, err
+
+
+def test_an_actor_rank_logs_with_the_drivers_key(monkeypatch):
+    """The driver passes its rank environment with the run call: rank 0's Tracker, which starts wandb, sees the
+    key even on a cluster whose workers were not started from the driver's environment."""
+    from alignrl.algos import runner
+    from alignrl.cluster.workers import PolicyRank
+    from alignrl.config import to_yaml
+
+    no_env(monkeypatch, "WANDB_API_KEY", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+           "ALIGNRL_DIST_TIMEOUT")
+    seen = []
+    monkeypatch.setattr(runner, "train_grpo", lambda cfg, producers: seen.append(os.environ.get("WANDB_API_KEY")))
+    PolicyRank(0, 1, 0, 0, 60.0).run(to_yaml(load_config(None, [])), ("127.0.0.1", 1), None, {"WANDB_API_KEY": KEY})
+    assert seen == [KEY]

@@ -246,6 +246,8 @@ def test_total_epochs_bounds_the_steps_by_the_data(tmp_path):
             "actor.ppo_mini_batch_size=2", "trainer.total_epochs=3"]
     assert load_config(None, base).trainer.total_training_steps == 6
     assert load_config(None, base + ["trainer.total_training_steps=4"]).trainer.total_training_steps == 4
+    # the first 2 rows only (data.train_max_samples): 1 batch per epoch
+    assert load_config(None, base + ["data.train_max_samples=2"]).trainer.total_training_steps == 3
 
 
 def test_list_form_files_and_data_source_checked_before_the_model(tmp_path, capsys):

@@ -50,6 +50,9 @@ class Job:
     weight_backend: str = "nccl"  # on GPUs; gloo without CUDA
     gpu_memory_utilization: float = 0.6  # of a vLLM engine's GPUs
     unused: list[str] = field(default_factory=list)  # settings accepted but not used here, listed once
+    # set in each actor rank before its loop (a wandb key): passed with the call, never in the config text;
+    # repr=False keeps it out of any printed Job
+    rank_env: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 def check_inputs(cfg: RunConfig) -> None:
@@ -169,7 +172,7 @@ class Driver:
         producers = RayProducers(engines, self.weight_backend(), job.peer_timeout_s, critics and CriticGroup(
             critics, ray.get(critics[0].handle.free_address.remote()), job.peer_timeout_s))
         t0 = time.time()
-        runs = {r.handle.run.remote(text, master, producers): r for r in ranks}
+        runs = {r.handle.run.remote(text, master, producers, job.rank_env): r for r in ranks}
         summary = self.wait(runs)
         self.say(f"done in {time.time() - t0:.1f} s: {json.dumps(summary)}")
         return 0

@@ -33,6 +33,8 @@ NOT_APPLIED_WHY = "not applied here: attention runs through PyTorch's SDPA, engi
 # the prompt-column flags, which apply to a --prompt_data file (synthetic data has its own layout)
 DATA_KEYS = ("input_key", "label_key", "input_template", "apply_chat_template")
 OPENRLHF_INPUT_KEY = "input"  # OpenRLHF's --input_key default
+# --use_wandb values that are a switch; any other value is the API key (OpenRLHF: wandb.login(key=args.use_wandb))
+WANDB_SWITCHES = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 class FlagError(ConfigError):
@@ -76,7 +78,8 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     b.add_argument("--n_samples_per_prompt", type=int, default=1)
     b.add_argument("--num_episodes", type=int, default=1, help="passes over the prompts")
     b.add_argument("--max_epochs", type=int, default=1, help="passes over each rollout batch")
-    b.add_argument("--max_samples", type=int, default=1_000_000, help="prompts used from the data at most")
+    b.add_argument("--max_samples", type=int, default=1_000_000,
+                   help="prompts used at most: the first N rows of a --prompt_data file, or N synthetic problems")
     b.add_argument("--prompt_max_len", type=int, default=1024)
     b.add_argument("--generate_max_len", type=int, default=1024)
     b.add_argument("--temperature", type=float, default=1.0)
@@ -105,8 +108,9 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     d.add_argument("--apply_chat_template", action="store_true",
                    help="prompts go through the tokenizer's chat template (without it, the prompt column's string "
                         "is tokenized as it is; detected GSM8K/verl layouts are always chat-templated)")
-    d.add_argument("--use_wandb", default=None, help="log to wandb (its login comes from the environment, "
-                                                      "e.g. WANDB_API_KEY)")
+    d.add_argument("--use_wandb", default=None,
+                   help="log to wandb: a wandb API key (the run's WANDB_API_KEY, unless the environment sets one: "
+                        "then that one), or true/1/yes to log with the environment's login (false/0/no: no wandb)")
     d.add_argument("--use_tensorboard", default=None, help="tensorboard folder (written under the run's logs/)")
     a = p.add_argument_group("alignrl")
     a.add_argument("--placement_timeout", type=float, default=60.0,
@@ -176,11 +180,36 @@ def check(args) -> None:
     if uses_critic(args) and actors % world(args, "critic"):
         raise FlagError(f"the actor's GPUs ({actors}) must be a multiple of the critic's ({world(args, 'critic')}): "
                         "actor rank r sends its rows to critic rank r % critic GPUs")
+    if args.max_samples < 1:
+        raise FlagError(f"--max_samples {args.max_samples} leaves no prompts: give at least 1")
+    check_wandb(args)
     if args.remote_rm_url and args.reward_pretrain:
         raise FlagError("give either --reward_pretrain or --remote_rm_url, not both")
     if data_keys(args) and args.label_key is None and not (args.reward_pretrain or args.remote_rm_url):
         raise FlagError("without --label_key the prompts have no answer for the rule reward: give --label_key "
                         "<answer column>, or a reward model (--reward_pretrain or --remote_rm_url)")
+
+
+def wandb_on(args) -> bool:
+    """--use_wandb given with a key or a true switch (OpenRLHF logs whenever the value is non-empty; a written-out
+    false here means no wandb)."""
+    return bool(args.use_wandb) and WANDB_SWITCHES.get(args.use_wandb.lower(), True)
+
+
+def wandb_key(args) -> str | None:
+    """The wandb API key --use_wandb carries, or None when its value is a switch (or it is not given)."""
+    if not args.use_wandb or args.use_wandb.lower() in WANDB_SWITCHES:
+        return None
+    return args.use_wandb
+
+
+def check_wandb(args) -> None:
+    """A key goes into a process environment and an HTTP header: printable, without spaces. The message
+    never repeats the value, which may be a real key with a typo."""
+    key = wandb_key(args)
+    if key is not None and (not key.isprintable() or any(c.isspace() for c in key)):
+        raise FlagError("--use_wandb takes a wandb API key or true/false; the value given has spaces or unprintable "
+                        "characters")
 
 
 def uses_reference(args) -> bool:
@@ -238,12 +267,20 @@ def unused_here(args, gpus: bool) -> list[str]:
     return out
 
 
+def prompt_cap(args) -> str:
+    """--max_samples as the config key that caps the prompts: the first rows of a file (OpenRLHF takes
+    `range(min(max_samples, len(dataset)))`), or the number of synthetic problems generated."""
+    if args.prompt_data == "synthetic":
+        return f"data.train_size={args.max_samples}"
+    return f"data.train_max_samples={args.max_samples}"
+
+
 def overrides(args, gpus: bool, total_steps: int) -> list[str]:
     """alignrl config keys (dotted overrides) for these flags."""
     n, save = args.n_samples_per_prompt, Path(args.save_path).absolute()
     kl = uses_reference(args)
-    out = [f"model.path={args.pretrain}", f"data.train_files={args.prompt_data}",
-           f"data.train_size={args.max_samples}", f"data.val_size={args.val_size}",
+    out = [f"model.path={args.pretrain}", f"data.train_files={args.prompt_data}", prompt_cap(args),
+           f"data.val_size={args.val_size}",
            f"data.val_size_during_training={args.val_size}", f"data.train_batch_size={args.rollout_batch_size}",
            f"data.max_prompt_length={args.prompt_max_len}", f"rollout.n={n}",
            f"rollout.max_new_tokens={args.generate_max_len}", f"rollout.temperature={args.temperature}",
@@ -264,7 +301,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
            f"trainer.resume_mode={'auto' if args.load_checkpoint else 'disable'}", f"trainer.threads={args.threads}",
            "trainer.progress_bar=false",
            f"trainer.logger=[console,jsonl{',tensorboard' if args.use_tensorboard else ''}"
-           f"{',wandb' if args.use_wandb else ''}]"]
+           f"{',wandb' if wandb_on(args) else ''}]"]  # a key given as --use_wandb never enters the config
     if args.prompt_data != "synthetic":
         out.append(f"data.val_files={args.prompt_data}")
     for key, value in data_keys(args).items():  # JSON-quoted: a template's text is not a YAML value, JSON's is

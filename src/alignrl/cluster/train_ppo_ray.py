@@ -9,6 +9,7 @@ RAY_ADDRESS (set inside `ray job submit`, or by hand: `RAY_ADDRESS=HOST:8100`), 
 
 from __future__ import annotations
 
+import os
 import sys
 
 from alignrl.cluster import flags as F
@@ -35,8 +36,25 @@ def training_steps(args) -> int:
     return steps
 
 
-def job(args, prog: str = PROG):
-    """The checked flags as a placed run (a driver.Job): their layout and the run config they translate to."""
+def wandb_env(args, prog: str = PROG) -> dict[str, str]:
+    """--use_wandb KEY as the run's WANDB_API_KEY (OpenRLHF logs in with it): set in this process, whose
+    local Ray's workers inherit it, and returned for the actor ranks, which log (on a cluster they were not
+    started from here). A WANDB_API_KEY already in the environment wins. The key lives in process
+    environments only: never in the config, the run folder or a printed line."""
+    key = F.wandb_key(args)
+    if key is None:
+        return {}
+    if os.environ.get("WANDB_API_KEY"):
+        print(f"{prog}: --use_wandb: WANDB_API_KEY is set in the environment; that key is used, not the flag's",
+              flush=True)
+        return {}
+    os.environ["WANDB_API_KEY"] = key
+    return {"WANDB_API_KEY": key}
+
+
+def job(args, prog: str = PROG, env: dict[str, str] | None = None):
+    """The checked flags as a placed run (a driver.Job): their layout and the run config they translate to;
+    `env` (wandb_env's) goes to the actor ranks' environment."""
     import torch
 
     from alignrl.cluster.driver import Job
@@ -46,7 +64,7 @@ def job(args, prog: str = PROG):
     cfg = load_config(None, F.overrides(args, cuda, training_steps(args)))
     return Job(Layout.from_flags(args), cfg, prog, args.threads, args.peer_timeout, args.placement_timeout,
                args.vllm_sync_backend, unused=F.unused_here(args, cuda),
-               gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+               gpu_memory_utilization=args.vllm_gpu_memory_utilization, rank_env=env or {})
 
 
 def _error(prog: str, e: Exception, code: int) -> int:
@@ -66,7 +84,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     from alignrl.cluster.driver import Driver
 
     try:
-        return Driver(job(args, prog)).run()
+        return Driver(job(args, prog, wandb_env(args, prog))).run()
     except (ClusterError, *user_errors()) as e:
         return _error(prog, e, 1 if isinstance(e, ClusterError) else 2)
     except KeyboardInterrupt:  # the driver's finally has released the workers and placement groups

@@ -83,9 +83,12 @@ class PolicyRank(Worker):
         super().__init__(threads)
         self.rank, self.world, self.local_rank, self.peer_timeout_s = rank, world, local_rank, peer_timeout_s
 
-    def run(self, cfg_text: str, master: tuple[str, int], producers) -> dict | None:
+    def run(self, cfg_text: str, master: tuple[str, int], producers, env: dict[str, str] | None = None
+            ) -> dict | None:
+        """`env`: variables the loop needs that stay out of the config text (the wandb key rank 0 logs with)."""
         from alignrl.algos.runner import train_grpo
 
+        os.environ.update(env or {})
         dev = device_for(self.local_rank)  # the loop picks cuda:LOCAL_RANK
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world),
                           LOCAL_RANK=str(dev.index if dev.type == "cuda" else self.local_rank),

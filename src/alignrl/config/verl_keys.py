@@ -287,7 +287,10 @@ def _train_rows(cfg: RunConfig) -> int | None:
     from alignrl.data.loaders import count_rows  # imports torch: only epoch-counted runs pay for it
 
     paths = data_files(files)
-    return sum(count_rows(f) for f in paths) if all(os.path.isfile(f) for f in paths) else None
+    if not all(os.path.isfile(f) for f in paths):
+        return None
+    rows, cap = sum(count_rows(f) for f in paths), cfg.data.train_max_samples
+    return min(rows, cap) if cap > 0 else rows  # the rows the loop reads (data.train_max_samples)
 
 
 def requested_world_size(cfg: RunConfig) -> int:
