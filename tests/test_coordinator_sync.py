@@ -29,7 +29,9 @@ def served(tmp_path):
     c.dispatcher = Dispatcher(BatchSampler(16, 4, seed=0), max_staleness=0, lease_timeout_s=60, incarnation="i")
     c.incarnation = "i"
     c.ref_share = RefShare(cfg, ref=None)  # on-policy: the sampler computes every reference row
-    actor = SimpleNamespace(model=torch.nn.Linear(3, 1, bias=False), engine=SimpleNamespace(whole_weights=True))
+    model = torch.nn.Linear(3, 1, bias=False)
+    actor = SimpleNamespace(model=model, engine=SimpleNamespace(whole_weights=True, weight_dtypes=lambda: {
+        "weight": model.weight.dtype}))
     c.board = WeightBoard(actor, SINGLE, cfg.pipeline, "", c.lock, c._published, "i")
     publish(c, 0)
     c.replier = Replier("127.0.0.1", 0)
@@ -182,7 +184,9 @@ def test_two_samplers_given_one_name_keep_their_own_hold_on_a_shared_set(served)
 
 def board_of(transport: str) -> WeightBoard:
     cfg = load_config(None, [f"pipeline.weight_transport={transport}"])
-    actor = SimpleNamespace(model=torch.nn.Linear(3, 1, bias=False), engine=SimpleNamespace(whole_weights=True))
+    model = torch.nn.Linear(3, 1, bias=False)
+    actor = SimpleNamespace(model=model, engine=SimpleNamespace(whole_weights=True, weight_dtypes=lambda: {
+        "weight": model.weight.dtype}))
     return WeightBoard(actor, SINGLE, cfg.pipeline, "", threading.Lock(), lambda v: None, "i")
 
 

@@ -93,7 +93,7 @@ def test_steps_match_single_process_and_state_round_trips(launch, tiny_model_dir
     if launch == "torch":  # full weights and the FQN-keyed optimizer state move from 2-rank FSDP2 to one process
         engine, _ = engine_worker.make_engine(engine_worker.EngineArgs("single"), SINGLE,
                                               str(tmp_path / "ckpt_fsdp20" / "model"))
-        assert engine.load_state(tmp_path / "ckpt_fsdp20")
+        assert engine.load_state(tmp_path / "ckpt_fsdp20" / "model_state")
         steps = {float(s["step"]) for s in engine.optimizer.state.values()}
         assert steps == {1.0}  # the optimizer state of the one step taken under FSDP2
         assert engine.scheduler.last_epoch == 1

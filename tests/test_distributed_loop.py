@@ -75,3 +75,21 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         assert "resumed from" in r.stdout and "fresh optimizer" in r.stdout
         assert (run_dir / "checkpoints" / "global_step_3" / "model_state" / "optim.pt").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_a_bf16_fsdp2_trainer_feeds_a_zmq_sampler(tiny_model_dir, tmp_path):
+    """FSDP2 keeps a bf16 model's shards in fp32 for the optimizer: the sampler is told the bf16 dtypes the
+    trainer publishes (it was refused with "tensor ... is bfloat16, the served model needs float32"), and the
+    checkpoint holds bf16 weights under a config that says so."""
+    from alignrl.dist.launch import free_ports
+    from test_pipeline_zmq import finish, overrides, sampler, spawn
+
+    ports = free_ports(2)
+    trainer = spawn("train", "grpo", "--nproc", "2", *overrides(
+        tiny_model_dir, tmp_path, "f", 2, ports, "pipeline.placement=zmq", "pipeline.peer_timeout_s=120",
+        "trainer.strategy=fsdp2", "model.dtype=bfloat16", "trainer.save_freq=2"))
+    finish(trainer, sampler(tiny_model_dir, ports), timeout=240)
+    model = tmp_path / "f" / "checkpoints" / "global_step_2" / "model"
+    assert {v.dtype for v in weights(model).values()} == {torch.bfloat16}
+    assert json.loads((model / "config.json").read_text())["dtype"] == "bfloat16"

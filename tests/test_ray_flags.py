@@ -273,7 +273,9 @@ def test_a_wandb_api_key_in_the_environment_wins_over_the_flags(monkeypatch, cap
     from alignrl.cluster.train_ppo_ray import wandb_env
 
     monkeypatch.setenv("WANDB_API_KEY", "from-the-environment")
-    assert wandb_env(parse("--use_wandb", KEY)) == {} and os.environ["WANDB_API_KEY"] == "from-the-environment"
+    # the environment's key goes to the actor ranks too: on other nodes they would have none
+    assert wandb_env(parse("--use_wandb", KEY)) == {"WANDB_API_KEY": "from-the-environment"}
+    assert os.environ["WANDB_API_KEY"] == "from-the-environment"
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "WANDB_API_KEY is set in the environment" in out and KEY not in out
 

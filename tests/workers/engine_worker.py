@@ -28,6 +28,7 @@ from alignrl.data.records import Experience
 from alignrl.dist.env import barrier, init_distributed, shard, shutdown
 from alignrl.models.logprobs import Layout, response_logprobs
 from alignrl.train.actor import Actor, PolicyLossSpec
+from alignrl.train.checkpoint import save_engine
 from alignrl.train.engines import OptimSpec, build_engine
 
 GLOBAL_BATCH, PROMPT, RESPONSE = 8, 5, 6
@@ -156,14 +157,15 @@ def roundtrip(engine_args: EngineArgs, env, model: str, folder: Path) -> None:
     engine, exp = make_engine(engine_args, env, model)
     update(engine, exp, env)
     full = engine.full_state_dict()
-    if env.is_main:
-        (folder / "model").mkdir(parents=True, exist_ok=True)
-        engine.model.save_pretrained(folder / "model", state_dict=full)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_engine(engine, folder, "model", env)  # as a checkpoint saves it: folder/model, folder/model_state
     barrier(env)
-    engine.save_state(folder)
-    barrier(env)
+    if engine_args.bf16:  # published and saved in the model's dtype, whatever the engine steps
+        got = ({v.dtype for v in full.values()}, set(engine.weight_dtypes().values()))
+        assert got == ({torch.bfloat16}, {torch.bfloat16}), (engine_args.tag, got)
+        assert json.loads((folder / "model" / "config.json").read_text())["dtype"] == "bfloat16"
     engine2, _ = make_engine(engine_args, env, str(folder / "model"))
-    assert engine2.load_state(folder), "saved training state not found"
+    assert engine2.load_state(folder / "model_state"), "saved training state not found"
     again = engine2.full_state_dict()
     for k, v in full.items():
         assert torch.equal(v, again[k]), f"{engine_args.tag}: {k} changed in the round trip"

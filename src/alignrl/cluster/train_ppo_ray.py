@@ -47,9 +47,9 @@ def wandb_env(args, prog: str = PROG) -> dict[str, str]:
     if os.environ.get("WANDB_API_KEY"):
         print(f"{prog}: --use_wandb: WANDB_API_KEY is set in the environment; that key is used, not the flag's",
               flush=True)
-        return {}
-    os.environ["WANDB_API_KEY"] = key
-    return {"WANDB_API_KEY": key}
+    else:
+        os.environ["WANDB_API_KEY"] = key
+    return {"WANDB_API_KEY": os.environ["WANDB_API_KEY"]}  # ranks on other nodes lack this environment
 
 
 def job(args, prog: str = PROG, env: dict[str, str] | None = None):

@@ -27,8 +27,8 @@ def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = 
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = opt("demo", "HF model folder, or 'demo' for the embedded tiny Qwen2 model (built or taken from cache)")
-    dtype: str = opt("float32", "parameter dtype for training and rollout (bfloat16/float16: the optimizer steps fp32 "
-                               "master weights, as DeepSpeed's bf16 mode does); use float32 on CPU",
+    dtype: str = opt("float32", "parameter dtype for training and rollout (bfloat16/float16: single, DDP and FSDP2 "
+                               "step fp32 master weights; DeepSpeed: its bf16 mode for bfloat16); use float32 on CPU",
                      choices=("float32", "bfloat16", "float16"))
 
 

@@ -39,7 +39,9 @@ class WeightBoard:
         self.names = [n for n, _ in actor.model.named_parameters()]
         # the full shapes: ZeRO-3 leaves each parameter an empty shard here (its own shape in ds_shape), and a
         # sampler's model was refused as another one
-        self.manifest = {n: [list(getattr(t, "ds_shape", t.shape)), DTYPE_NAMES[t.dtype]]
+        # the published dtypes (FSDP2 keeps a bf16 model's shards in fp32 and publishes bf16)
+        dtypes = actor.engine.weight_dtypes()
+        self.manifest = {n: [list(getattr(t, "ds_shape", t.shape)), DTYPE_NAMES[dtypes[n]]]
                          for n, t in actor.model.named_parameters()}
         # where the published weights live: whole weights are read off the parameters' device, gathered
         # ones (ZeRO-3, FSDP2) come as CPU tensors

@@ -147,6 +147,12 @@ def save_engine(engine, folder: Path, name: str, env: DistEnv = SINGLE) -> None:
         raise NonFiniteWeights(name, bad[0] if bad else "some tensor")
     if env.is_main:
         engine.model.save_pretrained(folder / name, state_dict=full)
+        saved = {v.dtype for v in full.values() if v.is_floating_point()}
+        if len(saved) == 1 and (dtype := saved.pop()) != engine.model.dtype:
+            # FSDP2 keeps a bf16 model's shards in fp32 and saves bf16: config.json names the saved dtype
+            engine.model.config.dtype = str(dtype).removeprefix("torch.")
+            engine.model.config.save_pretrained(folder / name)
+    del full  # the host copy goes before the optimizer state is gathered
     (folder / f"{name}_state").mkdir(exist_ok=True)
     engine.save_state(folder / f"{name}_state")  # collective
 

@@ -91,6 +91,10 @@ class TrainEngine(Protocol):
         """Collective. The full, unsharded weights on CPU, keyed as `model.state_dict()`: on every rank, or
         with `main_only` on rank 0 alone (the others get {} and hold no host copy of the model)."""
 
+    def weight_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype of each weight as `full_state_dict` gives it (the model's own, where the engine keeps
+        fp32 shards of a bf16 model for its optimizer)."""
+
     def save_state(self, folder: Path) -> None:
         """Collective. Resumable optimizer and scheduler state into `folder` (rank 0 writes)."""
 
@@ -119,7 +123,8 @@ def load_full_state(folder: Path, model, optimizer, scheduler) -> dict | None:
     if not path.is_file():
         return None
     # our own file written by save_full_state (optimizer tensors); never bytes from a socket
-    state = torch.load(path, weights_only=False, map_location="cpu")
+    # mapped, not read: every rank loads the file, and with fp32 master weights it holds a model's worth more
+    state = torch.load(path, weights_only=False, map_location="cpu", mmap=True)
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
     scheduler.load_state_dict(state["scheduler"])
     return state
@@ -188,6 +193,9 @@ class LocalOptimizerEngine:
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+    def weight_dtypes(self) -> dict[str, torch.dtype]:
+        return {k: v.dtype for k, v in self.model.state_dict().items()}
 
     def micro_batch(self, last_micro: bool) -> AbstractContextManager:
         return nullcontext()

@@ -143,6 +143,9 @@ class DeepSpeedEngine:
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
+    def weight_dtypes(self) -> dict[str, torch.dtype]:
+        return {k: v.dtype for k, v in self.model.state_dict().items()}
+
     def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
         skip = main_only and not self.env.is_main
         if self.stage < 3:

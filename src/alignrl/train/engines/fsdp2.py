@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from alignrl.dist.env import DistEnv
 from alignrl.train.engines.base import (LocalOptimizerEngine, OptimSpec, host_state_dict, load_full_state,
@@ -37,11 +38,13 @@ class FSDP2Engine(LocalOptimizerEngine):
                              "--nproc_per_node=N or `alignrl ... --nproc N`, or use trainer.strategy=single")
         self.env = env
         # a bf16/fp16 model keeps fp32 sharded weights for the optimizer and computes in its own dtype
-        # (master.py says why); what leaves the engine (published, saved) is in that dtype again
-        self.dtype = next((p.dtype for p in model.parameters() if p.requires_grad and p.dtype in LOW), None)
-        if self.dtype is not None:
+        # (master.py says why); each weight leaves the engine (published, saved) in its own dtype again
+        self.dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+        low = next((p.dtype for p in model.parameters() if p.requires_grad and p.dtype in LOW), None)
+        self.upcast = low is not None
+        if self.upcast:
             model.float()
-            param_dtype = param_dtype or self.dtype
+            param_dtype = param_dtype or low
         model.to(env.device)
         # bf16 compute with fp32 gradient reduction where asked; fp32 everywhere by default (CPU)
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
@@ -55,13 +58,27 @@ class FSDP2Engine(LocalOptimizerEngine):
         self.zero.before_backward()
         (loss * self.env.world_size).backward()  # reduce-scatter averages over ranks
 
+    def weight_dtypes(self) -> dict[str, torch.dtype]:
+        return dict(self.dtypes)
+
     def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
-        # cpu_offload with full_state_dict: rank 0 alone gathers into host memory, the others get {}
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=main_only))
-        return host_state_dict(self.model, {k: v.to(self.dtype) for k, v in sd.items()} if self.dtype else sd)
+        if not self.upcast:
+            # cpu_offload with full_state_dict: rank 0 alone gathers into host memory, the others get {}
+            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                            cpu_offload=main_only))
+            return host_state_dict(self.model, sd)
+        # one fp32 weight gathered at a time (a collective on every rank) and cast to its own dtype, never the
+        # whole model in fp32
+        keep = self.env.is_main or not main_only
+        out = {}
+        for k, v in self.model.state_dict().items():
+            full = v.full_tensor() if isinstance(v, DTensor) else v
+            if keep:
+                out[k] = full.detach().to(self.dtypes[k]).cpu() if main_only else full.detach().to(self.dtypes[k])
+        return host_state_dict(self.model, out) if keep else {}
 
     def save_state(self, folder: Path) -> None:
-        if self.dtype is None:
+        if not self.upcast:
             return super().save_state(folder)
         master = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         save_full_state(self.env, folder, self.model, self.optimizer, self.scheduler, master if self.env.is_main
@@ -69,6 +86,6 @@ class FSDP2Engine(LocalOptimizerEngine):
 
     def load_state(self, folder: Path) -> bool:
         state = load_full_state(folder, self.model, self.optimizer, self.scheduler)
-        if state is not None and self.dtype is not None and "master" in state:
+        if state is not None and self.upcast and "master" in state:
             set_model_state_dict(self.model, state["master"], options=StateDictOptions(full_state_dict=True))
         return state is not None
