@@ -269,15 +269,15 @@ def test_use_wandb_key_becomes_the_runs_wandb_api_key_and_nothing_else(tmp_path,
     assert KEY not in said + "".join(capsys.readouterr())
 
 
-def test_a_wandb_api_key_in_the_environment_wins_over_the_flags(monkeypatch, capsys):
+def test_the_flags_wandb_key_wins_over_the_environments(monkeypatch, capsys):
     from alignrl.cluster.train_ppo_ray import wandb_env
 
     monkeypatch.setenv("WANDB_API_KEY", "from-the-environment")
-    # the environment's key goes to the actor ranks too: on other nodes they would have none
-    assert wandb_env(parse("--use_wandb", KEY)) == {"WANDB_API_KEY": "from-the-environment"}
-    assert os.environ["WANDB_API_KEY"] == "from-the-environment"
+    # as OpenRLHF's wandb.login(key=args.use_wandb); the actor ranks get it too, on other nodes they have none
+    assert wandb_env(parse("--use_wandb", KEY)) == {"WANDB_API_KEY": KEY} and os.environ["WANDB_API_KEY"] == KEY
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "WANDB_API_KEY is set in the environment" in out and KEY not in out
+    assert out.count("\n") == 1 and "its key is used, not the WANDB_API_KEY of the environment" in out
+    assert KEY not in out and "from-the-environment" not in out
 
 
 @pytest.mark.parametrize("value, on", [("True", True), ("1", True), ("YES", True), ("false", False), ("0", False),

@@ -109,8 +109,8 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="prompts go through the tokenizer's chat template (without it, the prompt column's string "
                         "is tokenized as it is; detected GSM8K/verl layouts are always chat-templated)")
     d.add_argument("--use_wandb", default=None,
-                   help="log to wandb: a wandb API key (the run's WANDB_API_KEY, unless the environment sets one: "
-                        "then that one), or true/1/yes to log with the environment's login (false/0/no: no wandb)")
+                   help="log to wandb: a wandb API key (the run's WANDB_API_KEY, in place of the environment's), "
+                        "or true/1/yes to log with the environment's login (false/0/no: no wandb)")
     d.add_argument("--use_tensorboard", default=None, help="tensorboard folder (written under the run's logs/)")
     a = p.add_argument_group("alignrl")
     a.add_argument("--placement_timeout", type=float, default=60.0,

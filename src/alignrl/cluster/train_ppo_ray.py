@@ -39,17 +39,15 @@ def training_steps(args) -> int:
 def wandb_env(args, prog: str = PROG) -> dict[str, str]:
     """--use_wandb KEY as the run's WANDB_API_KEY (OpenRLHF logs in with it): set in this process, whose
     local Ray's workers inherit it, and returned for the actor ranks, which log (on a cluster they were not
-    started from here). A WANDB_API_KEY already in the environment wins. The key lives in process
-    environments only: never in the config, the run folder or a printed line."""
+    started from here). As OpenRLHF's wandb.login(key=...), it wins over a WANDB_API_KEY already set. The key
+    lives in process environments only: never in the config, the run folder or a printed line."""
     key = F.wandb_key(args)
     if key is None:
         return {}
-    if os.environ.get("WANDB_API_KEY"):
-        print(f"{prog}: --use_wandb: WANDB_API_KEY is set in the environment; that key is used, not the flag's",
-              flush=True)
-    else:
-        os.environ["WANDB_API_KEY"] = key
-    return {"WANDB_API_KEY": os.environ["WANDB_API_KEY"]}  # ranks on other nodes lack this environment
+    if os.environ.get("WANDB_API_KEY", key) != key:
+        print(f"{prog}: --use_wandb: its key is used, not the WANDB_API_KEY of the environment", flush=True)
+    os.environ["WANDB_API_KEY"] = key
+    return {"WANDB_API_KEY": key}  # actor ranks on other nodes lack this process's environment
 
 
 def job(args, prog: str = PROG, env: dict[str, str] | None = None):
