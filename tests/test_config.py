@@ -166,3 +166,21 @@ def test_readme_reference_is_current():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     block = readme.split("<!-- config-reference:start -->\n")[1].split("\n<!-- config-reference:end -->")[0]
     assert block == reference_markdown(), "regenerate with: alignrl config --reference"
+
+
+def test_verls_strategy_shards_over_several_ranks_only():
+    from alignrl.algos.placement import resolve_strategy
+    from alignrl.dist.env import DistEnv
+
+    lr = "actor_rollout_ref.actor.optim.lr=1e-6"
+    for extra in ([], ["actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp"]):
+        cfg = load_config(None, [lr, *extra])
+        assert cfg.trainer.strategy == "fsdp"
+        assert resolve_strategy(cfg, DistEnv()) == "single"  # verl's FSDP over one rank shards nothing
+        assert resolve_strategy(cfg, DistEnv(rank=0, world_size=2)) == "fsdp2"
+    assert load_config(None, [lr, "trainer.strategy=deepspeed"]).trainer.strategy == "deepspeed"  # alignrl's key wins
+    assert load_config(None, ["actor.lr=1e-6"]).trainer.strategy == "auto"  # alignrl's own spelling: its own default
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.strategy=megatron is not supported \(alignrl "
+                                          r"shards with FSDP2") as e:
+        load_config(None, [lr, "actor_rollout_ref.actor.strategy=megatron"])
+    assert "\n" not in str(e.value)

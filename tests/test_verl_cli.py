@@ -168,24 +168,6 @@ def test_unknown_and_unsupported_keys_are_one_line_errors():
         load_config(None, ["data.train_files=[]"])
 
 
-def test_verls_strategy_shards_over_several_ranks_only():
-    from alignrl.algos.placement import resolve_strategy
-    from alignrl.dist.env import DistEnv
-
-    lr = "actor_rollout_ref.actor.optim.lr=1e-6"
-    for extra in ([], ["actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp"]):
-        cfg = load_config(None, [lr, *extra])
-        assert cfg.trainer.strategy == "fsdp"
-        assert resolve_strategy(cfg, DistEnv()) == "single"  # verl's FSDP over one rank shards nothing
-        assert resolve_strategy(cfg, DistEnv(rank=0, world_size=2)) == "fsdp2"
-    assert load_config(None, [lr, "trainer.strategy=deepspeed"]).trainer.strategy == "deepspeed"  # alignrl's key wins
-    assert load_config(None, ["actor.lr=1e-6"]).trainer.strategy == "auto"  # alignrl's own spelling: its own default
-    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.strategy=megatron is not supported \(alignrl "
-                                          r"shards with FSDP2") as e:
-        load_config(None, [lr, "actor_rollout_ref.actor.strategy=megatron"])
-    assert "\n" not in str(e.value)
-
-
 def test_grpo_with_n_agent_and_alignrl_keys_beside_verl_ones(tmp_path):
     cfg = load_config(None, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n_agent=5",
                              "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.use_kl_loss=true",
