@@ -184,3 +184,16 @@ def test_verls_strategy_shards_over_several_ranks_only():
                                           r"shards with FSDP2") as e:
         load_config(None, [lr, "actor_rollout_ref.actor.strategy=megatron"])
     assert "\n" not in str(e.value)
+
+
+def test_verl_spelled_runs_compute_in_bf16_where_the_gpu_has_it(monkeypatch):
+    """As verl's FSDP mixed precision: bf16 compute over fp32 master weights (the engines keep those)."""
+    import torch
+
+    lr = "actor_rollout_ref.actor.optim.lr=1e-6"
+    assert load_config(None, [lr]).model.dtype == "float32"  # this machine: no bf16 GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert load_config(None, [lr]).model.dtype == "bfloat16"
+    assert load_config(None, [lr, "model.dtype=float32"]).model.dtype == "float32"  # given: kept
+    assert load_config(None, ["actor.lr=1e-6"]).model.dtype == "float32"  # alignrl's spelling: its own default

@@ -241,7 +241,17 @@ def verl_defaults(t: Translation, given: set[str], adv_estimator: str, use_kl_lo
         out.append(f"critic.enable={adv_estimator == 'gae'}")
     if "agent.max_response_length" not in given:  # Search-R1 keeps a trajectory's first max_prompt_length tokens
         out.append("agent.max_response_length=${data.max_prompt_length}")
+    if "model.dtype" not in given and _bf16_gpu():
+        # verl computes in bf16 over fp32 weights (FSDP mixed precision, a bf16 vLLM and reference): alignrl's
+        # bfloat16 model with its fp32 master weights
+        out.append("model.dtype=bfloat16")
     return out
+
+
+def _bf16_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
 def list_not_used(t: Translation) -> None:
