@@ -288,8 +288,9 @@ def test_killed_mid_checkpoint_resumes_from_the_previous_one_to_identical_weight
     assert {x for x in before if x[0].startswith("global_step_4/")} <= _snapshot(root)
     assert manifest_problem(root / "global_step_2") is None and manifest_problem(root / "global_step_4") is None
 
-    # trainer.resume_mode=disable over these checkpoints: says so, starts fresh, deletes nothing
-    before = _snapshot(root)
+    # trainer.resume_mode=disable over these checkpoints: says so, starts fresh, deletes nothing (the earlier
+    # run's config goes with its checkpoints)
+    before, old_config = _snapshot(root), (tmp_path / "killed" / "config.yaml").read_text()
     fresh = cli_in_process("train", "grpo", *_overrides(tiny_model_dir, tmp_path, "killed", 1, 0),
                            "trainer.resume_mode=disable")
     assert fresh.returncode == 0, fresh.stderr[-2000:]
@@ -297,6 +298,8 @@ def test_killed_mid_checkpoint_resumes_from_the_previous_one_to_identical_weight
            in fresh.stdout and "resumed from" not in fresh.stdout
     assert before <= _snapshot(root)
     assert sorted(p.name for p in root.glob("global_step_*")) == ["global_step_1"]
+    assert [p.read_text() for p in root.glob("previous_run-*/config.yaml")] == [old_config]
+    assert (tmp_path / "killed" / "config.yaml").read_text() != old_config  # the new run's (1 step, not 6)
 
 
 @pytest.mark.slow

@@ -115,14 +115,16 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     ckpt_root, log_dir = cfg.checkpoint_root, cfg.log_root
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
 
     train, val = load_task_data(cfg)
     sampler = BatchSampler(len(train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
-    # the newest complete checkpoint; folders this run would write over are moved aside, never deleted. Its
-    # line is printed unwrapped and literally: it holds paths and a user-written tracker file's text.
+    # the newest complete checkpoint; folders this run would write over are moved aside, never deleted (with
+    # the config of the run that wrote them, on a fresh start). Its line is printed unwrapped and literally:
+    # it holds paths and a user-written tracker file's text.
     resume = resume_point(ckpt_root, cfg.trainer.resume_mode, env,
-                          lambda line: console.print(line, markup=False, soft_wrap=True))
+                          lambda line: console.print(line, markup=False, soft_wrap=True), run_dir / "config.yaml")
+    if env.is_main:
+        atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
     total = cfg.trainer.total_training_steps
     done = int(resume.name[len("global_step_"):]) if resume else 0
     if done > total:  # it would train nothing and write over the summary

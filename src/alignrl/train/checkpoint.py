@@ -267,16 +267,20 @@ def _move_aside(root: Path, why: str, folders: list[Path]) -> Path | None:
     return dest
 
 
-def resume_point(root: Path, mode: str, env: DistEnv = SINGLE, log: Callable[[str], None] = print) -> Path | None:
+def resume_point(root: Path, mode: str, env: DistEnv = SINGLE, log: Callable[[str], None] = print,
+                 config: Path | None = None) -> Path | None:
     """Collective. The checkpoint to resume from under `resume_mode` ('auto' or 'disable'), or None to start
     fresh. The folders this run may write again (all of them when it starts fresh, the skipped newer ones
-    when it resumes) are moved aside, never deleted, and rank 0 says so in one line."""
+    when it resumes) are moved aside, never deleted, and rank 0 says so in one line. Starting fresh, the
+    earlier run's `config` file goes with its checkpoints (the new run writes its own in its place)."""
     folders = step_folders(root)
     resume, skipped = latest_checkpoint(root) if mode == "auto" else (None, [])
     barrier(env)  # every rank decided from the same folders before rank 0 moves any
     if env.is_main and folders:
         moved = folders[:len(skipped)] if resume else folders
         dest = _move_aside(root, "incomplete" if mode == "auto" else "previous_run", moved)
+        if dest is not None and resume is None and config is not None and config.is_file():
+            shutil.copy2(config, dest / config.name)
         if mode != "auto":
             log(f"trainer.resume_mode={mode}: starting fresh; the existing checkpoints "
                 f"({', '.join(f.name for f in moved)}) were moved to {dest}, not deleted")
