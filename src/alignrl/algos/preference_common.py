@@ -23,13 +23,14 @@ import torch
 from alignrl.algos.preference_cli import CommonConfig
 from alignrl.data.loaders import DataError
 from alignrl.data.preference import PreferenceBatch, collate_pairs
+from alignrl.dist.env import cuda_bf16
 from alignrl.models.loader import recompute_activations
 from alignrl.train.checkpoint import CheckpointError, aside_path, nonfinite, write_manifest
 
 
 def use_bf16(cfg: CommonConfig) -> bool:
     if cfg.bf16 == "auto":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return cuda_bf16()
     return cfg.bf16 == "true"
 
 

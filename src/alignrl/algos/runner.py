@@ -39,18 +39,11 @@ def load_task_data(cfg: RunConfig):
                 input_template=d.input_template, apply_chat_template=d.apply_chat_template)
     train = (synthetic.generate("train", d.train_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
              if d.train_files == "synthetic" else
-             load_samples(d.train_files, d.format, limit=train_row_cap(cfg), **keys))
+             load_samples(d.train_files, d.format, limit=d.train_row_cap, **keys))
     val = (synthetic.generate("test", d.val_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
            if d.val_files == "synthetic" else
            load_samples(d.val_files, d.format, limit=d.val_size, key="data.val_files", **keys))
     return train, val
-
-
-def train_row_cap(cfg: RunConfig) -> int | None:
-    """The training rows read from data.train_files: its first data.train_max_samples (across a list of files,
-    in order), or all of them (None) when that is -1 or 0."""
-    n = cfg.data.train_max_samples
-    return n if n > 0 else None
 
 
 def algorithm_name(cfg: RunConfig) -> str:

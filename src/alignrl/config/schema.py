@@ -65,6 +65,11 @@ class DataConfig:
     system_prompt: str | None = opt(None, "system message prepended to every prompt")
     shuffle: bool = opt(True, "reshuffle the training data every epoch")
 
+    @property
+    def train_row_cap(self) -> int | None:
+        """The rows read from data.train_files: its first train_max_samples, or every row (None)."""
+        return self.train_max_samples if self.train_max_samples > 0 else None
+
 
 @dataclass(frozen=True)
 class RolloutConfig:

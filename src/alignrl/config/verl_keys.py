@@ -241,17 +241,17 @@ def verl_defaults(t: Translation, given: set[str], adv_estimator: str, use_kl_lo
         out.append(f"critic.enable={adv_estimator == 'gae'}")
     if "agent.max_response_length" not in given:  # Search-R1 keeps a trajectory's first max_prompt_length tokens
         out.append("agent.max_response_length=${data.max_prompt_length}")
-    if "model.dtype" not in given and _bf16_gpu():
+    if "model.dtype" not in given and _cuda_bf16():
         # verl computes in bf16 over fp32 weights (FSDP mixed precision, a bf16 vLLM and reference): alignrl's
         # bfloat16 model with its fp32 master weights
         out.append("model.dtype=bfloat16")
     return out
 
 
-def _bf16_gpu() -> bool:
-    import torch
+def _cuda_bf16() -> bool:
+    from alignrl.dist.env import cuda_bf16  # torch: only verl-spelled runs pay for it here
 
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return cuda_bf16()
 
 
 def list_not_used(t: Translation) -> None:
@@ -299,8 +299,8 @@ def _train_rows(cfg: RunConfig) -> int | None:
     paths = data_files(files)
     if not all(os.path.isfile(f) for f in paths):
         return None
-    rows, cap = sum(count_rows(f) for f in paths), cfg.data.train_max_samples
-    return min(rows, cap) if cap > 0 else rows  # the rows the loop reads (data.train_max_samples)
+    rows, cap = sum(count_rows(f) for f in paths), cfg.data.train_row_cap
+    return rows if cap is None else min(rows, cap)  # the rows the loop reads
 
 
 def requested_world_size(cfg: RunConfig) -> int:

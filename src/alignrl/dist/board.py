@@ -37,9 +37,8 @@ class WeightBoard:
         self.incarnation = incarnation
         self.on_publish = on_publish  # called under the lock with the new version
         self.names = [n for n, _ in actor.model.named_parameters()]
-        # the full shapes: ZeRO-3 leaves each parameter an empty shard here (its own shape in ds_shape), and a
-        # sampler's model was refused as another one
-        # the published dtypes (FSDP2 keeps a bf16 model's shards in fp32 and publishes bf16)
+        # the full shapes (ZeRO-3 leaves each parameter an empty shard here, its own shape in ds_shape) and the
+        # published dtypes (FSDP2 keeps a bf16 model's shards in fp32 and publishes bf16): a sampler checks both
         dtypes = actor.engine.weight_dtypes()
         self.manifest = {n: [list(getattr(t, "ds_shape", t.shape)), DTYPE_NAMES[dtypes[n]]]
                          for n, t in actor.model.named_parameters()}

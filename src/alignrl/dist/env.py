@@ -59,6 +59,11 @@ def _on_sigterm(signum, frame):  # torchrun's agent terminates the survivors whe
     sys.exit(1)
 
 
+def cuda_bf16() -> bool:
+    """A CUDA device that computes in bf16 is here."""
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
 def init_distributed(device: str = "auto", timeout_s: float | None = None) -> DistEnv:
     """Joins the torchrun process group (gloo on CPU, NCCL on GPUs); one process without torchrun.
     `timeout_s` (default $ALIGNRL_DIST_TIMEOUT or 600) bounds every collective."""

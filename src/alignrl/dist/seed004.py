@@ -70,9 +70,9 @@ def ensure_ds_json(a: argparse.Namespace) -> str:
     (ZeRO-2; bf16 where the GPU has it, fp32 on CPU)."""
     path = Path(DS_FILE)
     if not path.is_file():
-        import torch
+        from alignrl.dist.env import cuda_bf16
 
-        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        bf16 = cuda_bf16()
         cfg = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
                "zero_optimization": {"stage": 2}, "bf16": {"enabled": bf16}, "gradient_clipping": 1.0}
         path.write_text(json.dumps(cfg, indent=4) + "\n")

@@ -76,9 +76,9 @@ class ServiceClient:
         start = START[self.kind].format(port=url.port or (443 if url.scheme == "https" else 80))
         if url.hostname and url.hostname not in ("localhost", "127.0.0.1", "::1"):
             # a service started on that host without --host listens on its loopback only
-            return (f"{start} --host 0.0.0.0` on {url.hostname} with ALIGNRL_API_KEY set there and here (a "
+            return (f"`{start} --host 0.0.0.0` on {url.hostname} with ALIGNRL_API_KEY set there and here (a "
                     f"service started without --host answers on its own machine only)")
-        return f"{start}`"
+        return f"`{start}`"
 
     def _attempts(self, method: str, path: str, send: Callable[[], tuple[int, str]]) -> dict:
         last, reachable = "", False
@@ -110,7 +110,7 @@ class ServiceClient:
             raise ServiceError(f"{self.kind} service at {self.url} kept failing after {self.retries} tries "
                                f"({last}); see the service's log")
         raise ServiceError(f"{self.kind} service at {self.url} is not reachable after {self.retries} tries "
-                           f"({last}): start it with `{self._hint()}")
+                           f"({last}): start it with {self._hint()}")
 
     def request(self, method: str, path: str, **kw) -> dict:
         def send() -> tuple[int, str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,11 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from alignrl.dist.launch import free_port
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from alignrl.dist.env import DistEnv, join_group
+from alignrl.dist.env import DistEnv, cuda_bf16, join_group
 from alignrl.train.engines.base import OptimSpec, host_state_dict
 
 TAG = "deepspeed"  # the sub-folder DeepSpeed's save_checkpoint writes inside a checkpoint
@@ -57,7 +57,7 @@ def load_ds_config(path: str, world: int) -> dict:
     cfg.setdefault("zero_force_ds_cpu_optimizer", False)
     cfg.setdefault("steps_per_print", 10**9)
     if cfg.get("bf16", {}).get("enabled") == "auto":
-        cfg["bf16"]["enabled"] = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        cfg["bf16"]["enabled"] = cuda_bf16()
     return cfg
 
 

@@ -74,7 +74,7 @@ class FSDP2Engine(LocalOptimizerEngine):
         for k, v in self.model.state_dict().items():
             full = v.full_tensor() if isinstance(v, DTensor) else v
             if keep:
-                out[k] = full.detach().to(self.dtypes[k]).cpu() if main_only else full.detach().to(self.dtypes[k])
+                out[k] = full.detach().to(self.dtypes[k]).cpu()
         return host_state_dict(self.model, out) if keep else {}
 
     def save_state(self, folder: Path) -> None:
