@@ -35,29 +35,56 @@ def ask(ledger: CoreLedger, sampler: str, threads: int = 1) -> None:
 def test_the_trainer_gets_the_threads_of_samplers_that_do_not_generate(k0):
     loan = ThreadLoan(own=1, cores=2)
     ledger = CoreLedger(loan, HERE, lend_to_samplers=k0)
-    ledger.update({})
+    ledger.update({}, 0.0)
     assert loan.want == 1  # no sampler known: its own share only
     ask(ledger, "a")
-    ledger.update({})
-    assert loan.want == 2  # a's batch is made and it waits
-    assert ledger.leased("a", "L1") == (1 if k0 else 0)  # on policy the trainer waits for a's batch: lent
-    ledger.update({"L1": object()})
+    ledger.update({}, 0.0)
+    assert loan.want == 2  # a's batch is made and its request waits
+    assert ledger.leased("a", "L1", 1.0) == (1 if k0 else 0)  # on policy the trainer waits for a's batch: lent
+    ledger.update({"L1": object()}, 1.1)
     assert loan.want == 1
-    ledger.update({})  # the lease ended (expired: a died) without a request: a's core is free again
+    ledger.update({}, 1.2)  # the lease ended a moment after its answer: a may be pushing its batch
+    assert loan.want == 1
+    ledger.update({}, 1.0 + cores.ANSWERED_S)  # ... but not for seconds without a request: a died, its core is free
     assert loan.want == 2
     ask(ledger, "b", 4)  # a second sampler here, told to run more threads than the machine has cores
-    ledger.update({})
+    ledger.update({}, 5.0)
     assert loan.want == 2
-    ledger.leased("a", "L2")
-    ledger.update({"L2": object()})
+    ledger.leased("a", "L2", 5.0)
+    ledger.update({"L2": object()}, 5.0)
     assert loan.want == 1  # a generates: never more than the cores it leaves free
+
+
+def test_a_sampler_works_from_its_answer_to_its_next_request(counts):
+    """Answered with weights (or "wait"), a sampler maps them and asks again at once: it is not idle then. A
+    publish answers every parked request, so the trainer takes back only its own share at once, in the training
+    thread, before the sync thread answers them: its next layer must not run on a core the sampler takes back."""
+    loan = ThreadLoan(own=1, cores=2)
+    ledger = CoreLedger(loan, HERE, lend_to_samplers=False)
+    ask(ledger, "a")
+    ledger.update({}, 0.0)
+    loan.apply()
+    assert loan.want == 2 and counts == [2]  # the training thread took a's idle core
+    ledger.published(1.0)
+    assert loan.want == 1 and loan.now == 1 and counts == [2, 1]
+    ledger.update({}, 1.0)  # the sync thread, before it has answered a's parked request
+    assert loan.want == 1
+    ask(ledger, "a")  # the parked request re-checked: the new weights are its answer
+    ledger.answered("a", 1.0)
+    ledger.update({}, 1.0)
+    assert loan.want == 1
+    ask(ledger, "a")  # a asks for a lease that the staleness bound holds back: parked, idle
+    ledger.update({}, 1.01)
+    assert loan.want == 2
 
 
 def test_without_a_loan_the_ledger_does_nothing():
     ledger = CoreLedger(None, HERE, lend_to_samplers=True)
     ask(ledger, "a")
-    assert ledger.leased("a", "L1") == 0 and ledger.samplers == {}
-    ledger.update({})
+    assert ledger.leased("a", "L1", 0.0) == 0 and ledger.samplers == {}
+    ledger.answered("a", 0.0)
+    ledger.published(0.0)
+    ledger.update({}, 0.0)
 
 
 def test_the_loan_follows_want_and_settles_back(counts):

@@ -264,8 +264,7 @@ class Coordinator:
     # --- the sync port (server thread, rank 0) --------------------------------------------------------
     def _published(self, version: int) -> None:
         """In the training thread (rank 0), under the lock, at the end of an update."""
-        if self.cores.loan is not None:
-            self.cores.loan.settle()  # before a sampler is answered: a lease may lend it the trainer's threads
+        self.cores.published(time.monotonic())  # before a sampler is answered: its core is its own again
         self.dispatcher.complete()
         if self.replier is not None:  # parked work requests can be answered now: weights, then a lease
             self.replier.wake()
@@ -290,7 +289,7 @@ class Coordinator:
                     del self.parked[peer]
             with self.lock:  # the cores of samplers that wait are the training thread's meanwhile
                 self.dispatcher.expire_lost(self.seen, time.monotonic(), self.p.heartbeat_timeout_s)
-                self.cores.update(self.dispatcher.outstanding)
+                self.cores.update(self.dispatcher.outstanding, time.monotonic())
 
     def _guarded(self, peer: bytes, kind: str, answer, *args):
         """`answer(*args)`; a request whose fields are not what this version sends is answered with one line
@@ -340,22 +339,26 @@ class Coordinator:
             if self.say_done:
                 self.replier.reply_msg(peer, "done", {})
             return True
-        sampler = process_of(meta)
+        sampler, now = process_of(meta), time.monotonic()
         with self.lock:
             self.cores.asked(sampler, meta)
             problem = self.board.admit(sampler, meta.get("can_map"))  # a restarted trainer meets it here
             if problem:
+                self.cores.answered(sampler, now)
                 self.replier.reply_msg(peer, "error", {"message": problem})
                 return True
             if self.board.stale(sampler, (meta.get("incarnation"), meta.get("version"))):
+                self.cores.answered(sampler, now)  # it maps the weights and asks again at once
                 self.replier.reply(peer, self.board.frames_for(sampler))  # the newest weights first
                 return True
-            lease = self.dispatcher.grant(sampler, self.board.version, time.monotonic())
-            ref_groups = self.ref_share.groups
-            lend = self.cores.leased(sampler, lease.id) if lease is not None else 0
-        if lease is None:
-            if time.monotonic() - since < PARK_S:
+            lease = self.dispatcher.grant(sampler, self.board.version, now)
+            if lease is None and now - since < PARK_S:
                 return False
+            ref_groups = self.ref_share.groups
+            lend = self.cores.leased(sampler, lease.id, now) if lease is not None else 0
+            if lease is None:
+                self.cores.answered(sampler, now)
+        if lease is None:
             self.replier.reply_msg(peer, "wait", {"retry_s": 0.0})
         elif not self.replier.reply_msg(peer, "lease", {"lease": lease.id, "number": lease.number, "rows": lease.rows,
                                                         "version": lease.version, "incarnation": self.incarnation,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -74,35 +75,66 @@ def local_threads(meta: dict, host: str) -> int:
     return 0
 
 
+ANSWERED_S = 2.0  # a sampler answered with weights (or "wait") asks again within milliseconds; one silent longer is gone
+
+
+@dataclass
+class _Sampler:
+    threads: int
+    parked: bool = True  # its work request waits for an answer: its batch is made and its cores are idle
+    lease: str | None = None  # the lease it generates for
+    lent: int = 0  # threads that lease lends it
+    answered_at: float = 0.0
+
+
 class CoreLedger:
     """The sync thread's account of this host's samplers (under the coordinator's lock): their threads, and which
-    of them are generating (they hold a lease they have not answered). Without a loan it does nothing."""
+    of them work. A sampler is idle exactly while its work request is parked; from the answer on it works
+    (loads weights, asks again, generates) until its next request. Without a loan it does nothing."""
 
     def __init__(self, loan: ThreadLoan | None, host: str, lend_to_samplers: bool):
         self.loan, self.host, self.lend_to_samplers = loan, host, lend_to_samplers
-        self.samplers: dict[str, list] = {}  # sampler process -> [threads, lease it generates for, threads lent]
+        self.samplers: dict[str, _Sampler] = {}
 
     def asked(self, sampler: str, meta: dict) -> None:
         """A request: the sampler has made its last batch (it asks only after pushing it)."""
         n = local_threads(meta, self.host) if self.loan is not None else 0
         if n:
-            self.samplers[sampler] = [n, None, 0]
+            self.samplers[sampler] = _Sampler(n)
 
-    def leased(self, sampler: str, lease_id: str) -> int:
+    def answered(self, sampler: str, now: float) -> None:
+        entry = self.samplers.get(sampler)
+        if entry is not None:
+            entry.parked, entry.answered_at = False, now
+
+    def leased(self, sampler: str, lease_id: str, now: float) -> int:
         """`sampler` generates for `lease_id` now; returns the threads lent to it for that batch."""
         entry = self.samplers.get(sampler)
         if entry is None:
             return 0
-        entry[1], entry[2] = lease_id, self.loan.own if self.lend_to_samplers else 0
-        return entry[2]
+        self.answered(sampler, now)
+        entry.lease, entry.lent = lease_id, self.loan.own if self.lend_to_samplers else 0
+        return entry.lent
 
-    def update(self, outstanding: dict) -> None:
-        """The training thread's share: its own plus the threads of samplers here that do not generate, within
-        the cores those that generate leave free (the samplers' own counts may add up to more than the cores)."""
+    def published(self, now: float) -> None:
+        """In the training thread, at a publish: every parked request is about to be answered (with the new
+        weights), so the samplers work again from here; the trainer goes back to its own share at once, before
+        the sync thread answers them, lest its next layer take a core a sampler is taking back."""
+        for sampler in self.samplers:
+            self.answered(sampler, now)
+        if self.loan is not None:
+            self.loan.want = self.loan.own
+            self.loan.settle()
+
+    def update(self, outstanding: dict, now: float) -> None:
+        """The training thread's share: its own plus the threads of the samplers here that are idle, within the
+        cores the working ones leave free (the samplers' own counts may add up to more than the cores). A sampler
+        that holds no lease and has said nothing for ANSWERED_S since its answer is gone: its cores are free."""
         if self.loan is None:
             return
-        busy = sum(n + lent for n, lease, lent in self.samplers.values() if lease in outstanding)
-        pool = self.loan.own + sum(n for n, _, _ in self.samplers.values())
+        busy = sum(e.threads + e.lent for e in self.samplers.values()
+                   if not e.parked and (e.lease in outstanding or now - e.answered_at < ANSWERED_S))
+        pool = self.loan.own + sum(e.threads for e in self.samplers.values())
         self.loan.want = max(self.loan.own, min(pool - busy, self.loan.cores - busy))
 
 
