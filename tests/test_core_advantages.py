@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from alignrl.core.advantages import (ADVANTAGES, OutcomeInputs, gae_advantages, grpo_advantages, masked_whiten,
+                                     outcome_token_rewards, shape_outcome, whiten_by,
                                      reinforce_pp_advantages, reinforce_pp_baseline_advantages, remax_advantages,
                                      rloo_advantages)
 
@@ -239,3 +240,68 @@ def test_whitening_split_over_ranks_equals_whole_batch():
         [t.join(timeout=30) for t in threads]
         torch.testing.assert_close(torch.cat(parts), whole, atol=1e-6, rtol=0, msg=name)
         assert not torch.allclose(parts[0], fn(x[:3], values[:3], mask[:3], None))  # local stats would differ
+
+
+# ---------------------------------------------------------------- OpenRLHF's shaped REINFORCE++
+
+def openrlhf_advantages(r, group_rows, kl, mask, kl_coef, shaping, whiten):
+    """OpenRLHF's steps written out one by one, rows grouped n at a time: the group shapes the reward
+    (process_experiences), the KL penalty goes on every token and the reward on the last (compute_reward),
+    returns-to-go with gamma 1, then the batch whitening over action tokens (std: unbiased, as masked_whiten)."""
+    n = group_rows
+    g = r.reshape(-1, n)
+    if shaping == "loo":
+        g = g - (g.sum(-1, keepdim=True) - g) / (n - 1)
+    elif shaping == "mean":
+        g = g - g.mean(-1, keepdim=True)
+    elif shaping == "mean_std":
+        g = (g - g.mean(-1, keepdim=True)) / (g.std(-1, keepdim=True) + 1e-9)
+    shaped = g.reshape(-1)
+    tokens = -kl_coef * kl * mask
+    for i in range(len(r)):
+        last = int(mask[i].nonzero().max())
+        tokens[i, last] += shaped[i]
+    returns = torch.flip(torch.cumsum(torch.flip(tokens, [1]), 1), [1]) * mask
+    if whiten == "none":
+        return returns
+    sel = returns[mask.bool()]
+    out = (returns - sel.mean()) * mask
+    return out / (sel.std() ** 2 + 1e-8).sqrt() if whiten == "std" else out
+
+
+@pytest.mark.parametrize("shaping, whiten", [("loo", "std"), ("mean", "std"), ("mean_std", "none"), ("mean", "none"),
+                                             ("loo", "center"), ("none", "std")])
+def test_shaped_reinforce_pp_is_openrlhfs_estimator(shaping, whiten):
+    torch.manual_seed(0)
+    r = torch.randn(8)
+    group = torch.arange(2).repeat_interleave(4)
+    mask = torch.ones(8, 5)
+    mask[1, 3:] = 0  # shorter responses: the reward sits on each one's own last token
+    mask[6, 2:] = 0
+    kl, kl_coef = torch.rand(8, 5) * mask, 0.1
+    token_rewards = outcome_token_rewards(r, mask) - kl_coef * kl
+    x = OutcomeInputs(token_rewards.sum(-1), token_rewards, mask, group, outcome=r, outcome_baseline=shaping,
+                      whiten=whiten)
+    torch.testing.assert_close(ADVANTAGES["reinforce_plus_plus"](x),
+                               openrlhf_advantages(r, 4, kl, mask, kl_coef, shaping, whiten), atol=1e-5, rtol=0)
+
+
+def test_the_group_shapes_the_outcome_not_the_kl_penalty():
+    """With the KL penalty in the reward, the baseline comes from the outcomes alone (OpenRLHF): a sample's KL
+    stays its own instead of being shared out over its group, as a baseline on the penalized sum would."""
+    r = torch.tensor([1.0, 1.0])
+    mask = torch.ones(2, 2)
+    kl = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
+    token_rewards = outcome_token_rewards(r, mask) - kl
+    x = OutcomeInputs(token_rewards.sum(-1), token_rewards, mask, torch.zeros(2, dtype=torch.long), outcome=r,
+                      outcome_baseline="mean", whiten="none")
+    assert ADVANTAGES["reinforce_plus_plus"](x).tolist() == [[0.0, 0.0], [-2.0, -1.0]]
+    assert shape_outcome(r, torch.zeros(2, dtype=torch.long), "loo").tolist() == [0.0, 0.0]
+    assert shape_outcome(torch.tensor([3.0]), torch.zeros(1, dtype=torch.long), "mean").tolist() == [0.0]  # alone
+
+
+def test_whiten_modes():
+    x, m = torch.tensor([1.0, 2.0, 6.0, 9.0]), torch.tensor([1.0, 1.0, 1.0, 0.0])
+    assert whiten_by(x, m, "none").tolist() == [1.0, 2.0, 6.0, 0.0]
+    assert whiten_by(x, m, "center").tolist() == [-2.0, -1.0, 3.0, 0.0]
+    torch.testing.assert_close(whiten_by(x, m, "std"), masked_whiten(x, m))

@@ -47,7 +47,9 @@ def test_seed_001_flags_translate_to_the_loop_config():
     F.check(args)
     cfg = load_config(None, F.overrides(args, gpus=False, total_steps=3))
     assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size) == (128, 8, 16)
-    assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef == 0.001
+    a = cfg.algorithm  # OpenRLHF's group_norm: the outcome normalised in its group, not whitened again
+    assert (a.adv_estimator, a.outcome_baseline, a.whiten_advantages) == ("reinforce_plus_plus", "mean_std", "none")
+    assert cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef == 0.001
     assert not cfg.algorithm.use_kl_in_reward and not cfg.critic.enable and cfg.trainer.device == "cpu"
     assert cfg.actor.gradient_checkpointing  # applied on any device
     not_applied = f"--flash_attn ({F.NOT_APPLIED_WHY})"  # said on GPUs too, not dropped in silence
@@ -55,6 +57,23 @@ def test_seed_001_flags_translate_to_the_loop_config():
     assert F.unused_here(args, gpus=True) == [not_applied]
     gpu = load_config(None, F.overrides(args, gpus=True, total_steps=3))
     assert (gpu.trainer.strategy, gpu.model.dtype) == ("deepspeed", "bfloat16")
+
+
+@pytest.mark.parametrize("estimator, extra, want", [
+    ("gae", [], ("gae", "none", "std")), ("gae", ["--no_advantage_std_norm"], ("gae", "none", "center")),
+    ("reinforce", [], ("reinforce_plus_plus", "none", "std")), ("rloo", [], ("reinforce_plus_plus", "loo", "std")),
+    ("rloo", ["--no_advantage_std_norm"], ("reinforce_plus_plus", "loo", "center")),
+    ("reinforce_baseline", [], ("reinforce_plus_plus", "mean", "std")),
+    ("group_norm", ["--no_advantage_std_norm"], ("reinforce_plus_plus", "mean_std", "none")),
+    ("dr_grpo", [], ("reinforce_plus_plus", "mean", "none")),
+])
+def test_openrlhf_estimators_keep_their_shaping_and_whitening(estimator, extra, want):
+    """OpenRLHF shapes the outcome with the group, then KL per token and returns-to-go, then whitens (not
+    group_norm, dr_grpo): REINFORCE++ with an outcome baseline (core.advantages checks the numbers)."""
+    args = parse("--advantage_estimator", estimator, "--n_samples_per_prompt", "4", *extra)
+    F.check(args)
+    a = load_config(None, F.overrides(args, gpus=False, total_steps=3)).algorithm
+    assert (a.adv_estimator, a.outcome_baseline, a.whiten_advantages) == want
 
 
 def test_estimators_drop_the_critic_and_zero_kl_drops_the_reference():

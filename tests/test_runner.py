@@ -159,7 +159,7 @@ def test_other_estimators_run_a_step(estimator, tiny_model_dir, tmp_path):
 
 
 def test_outcome_token_rewards_sit_on_the_last_token():
-    from alignrl.algos.trainer import outcome_token_rewards
+    from alignrl.core.advantages import outcome_token_rewards
 
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]]).float()
     out = outcome_token_rewards(torch.tensor([2.0, -1.0, 0.5]), mask)
@@ -356,6 +356,8 @@ def test_the_header_names_what_the_run_trains():
     assert algorithm_name(load_config(None, [])) == "GRPO"
     assert algorithm_name(load_config(None, ["algorithm.adv_estimator=rloo"])) == "RLOO"
     assert algorithm_name(load_config(None, ["algorithm.adv_estimator=gae", "critic.enable=true"])) == "PPO"
+    assert algorithm_name(load_config(None, ["algorithm.adv_estimator=reinforce_plus_plus",
+                                             "algorithm.outcome_baseline=loo"])) == "REINFORCE++ (loo baseline)"
 
 
 def test_a_long_warning_stays_one_line_in_a_log_file():

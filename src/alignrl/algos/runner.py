@@ -50,7 +50,10 @@ def algorithm_name(cfg: RunConfig) -> str:
     """What the run trains, for its header and progress bar: PPO when a critic gives the advantages."""
     names = {"grpo": "GRPO", "rloo": "RLOO", "reinforce_plus_plus": "REINFORCE++",
              "reinforce_plus_plus_baseline": "REINFORCE++ (baseline)", "remax": "ReMax"}
-    return "PPO" if cfg.critic.enable else names.get(cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator)
+    name = names.get(cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator)
+    if cfg.algorithm.outcome_baseline != "none":
+        name += f" ({cfg.algorithm.outcome_baseline} baseline)"
+    return "PPO" if cfg.critic.enable else name
 
 
 class PromptData:

@@ -14,7 +14,7 @@ import torch
 from alignrl.algos.producer import batched_logprobs, timed
 from alignrl.config import RunConfig
 from alignrl.config.checks import response_cap
-from alignrl.core.advantages import ADVANTAGES, OutcomeInputs, gae_advantages
+from alignrl.core.advantages import ADVANTAGES, OutcomeInputs, gae_advantages, outcome_token_rewards, whiten_by
 from alignrl.core.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
 from alignrl.core.lagrangian import LagrangeMultiplier, safe_gae_advantages
 from alignrl.core.losses import masked_mean
@@ -46,12 +46,6 @@ class CriticParts:
     critic: Critic
     cost_critic: Critic | None = None
     lagrangian: LagrangeMultiplier | None = None
-
-
-def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sequence rewards (B,) placed on each response's last real token -> (B, R)."""
-    last = (mask.long().cumsum(-1) == mask.sum(-1, keepdim=True)) & mask.bool()
-    return last.to(rewards.dtype) * rewards[:, None]
 
 
 def behaviour_logprobs(ro: Rollout, old_lp: torch.Tensor) -> torch.Tensor:
@@ -126,9 +120,10 @@ class PolicyTrainer:
             metrics["safety/lambda"] = self.critics.lagrangian.update(cost_sum / n_rows)
         value_targets: list = []
         if self.critics is None:
-            adv = ADVANTAGES[cfg.algorithm.adv_estimator](OutcomeInputs(
-                rewards, token_rewards, mask, ro.group, scores.baseline, cfg.algorithm.norm_adv_by_std_in_grpo,
-                cfg.algorithm.gamma, sum_over_ranks(self.env)))
+            a = cfg.algorithm
+            adv = ADVANTAGES[a.adv_estimator](OutcomeInputs(
+                rewards, token_rewards, mask, ro.group, scores.baseline, a.norm_adv_by_std_in_grpo, a.gamma,
+                sum_over_ranks(self.env), scores.rewards, a.outcome_baseline, a.whiten_advantages))
         else:
             with timed(t, "values"):
                 adv, value_targets, critic_metrics = self.critic_advantages(batch, token_rewards, kl_tokens, micro)
@@ -214,17 +209,17 @@ class PolicyTrainer:
         values = c.critic.values(ro, micro)
         total = sum_over_ranks(self.env)
         if c.cost_critic is None:
-            adv, returns = gae_advantages(token_rewards, values, mask, a.gamma, a.lam, whiten=True, sum_ranks=total)
+            adv, returns = gae_advantages(token_rewards, values, mask, a.gamma, a.lam)
             targets, metrics = [(c.critic, values, returns)], {}
         else:
             costs = batch.scores.costs
             cost_values = c.cost_critic.values(ro, micro)
             adv, returns, cost_returns = safe_gae_advantages(
                 token_rewards, outcome_token_rewards(costs, mask), kl_tokens, values, cost_values, mask,
-                c.lagrangian.value, a.gamma, a.lam, sum_ranks=total)
+                c.lagrangian.value, a.gamma, a.lam, whiten=False)
             targets = [(c.critic, values, returns), (c.cost_critic, cost_values, cost_returns)]
             metrics = {"safety/cost_mean": float(costs.mean())}
         metrics |= {"critic/values_mean": float(masked_mean(values, mask)),
                     "critic/returns_mean": float(masked_mean(returns, mask))}
-        return adv, targets, metrics
+        return whiten_by(adv, mask, a.whiten_advantages, total), targets, metrics
 

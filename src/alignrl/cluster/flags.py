@@ -19,10 +19,15 @@ from alignrl.dist.launch import OneLineParser
 
 PROG = "alignrl train ppo-ray"
 
-# OpenRLHF estimator name -> alignrl's algorithm.adv_estimator
-ESTIMATORS = {"gae": "gae", "reinforce": "reinforce_plus_plus", "rloo": "rloo",
-              "reinforce_baseline": "reinforce_plus_plus_baseline", "group_norm": "grpo"}
-GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm")
+# OpenRLHF estimator name -> alignrl's (algorithm.adv_estimator, algorithm.outcome_baseline). OpenRLHF shapes
+# the outcome reward with the group (rloo, reinforce_baseline, group_norm, dr_grpo), then subtracts the per-token
+# KL penalty and takes returns-to-go, as REINFORCE++ does, and whitens those over the batch except for group_norm
+# and dr_grpo: that is reinforce_plus_plus with an outcome baseline, not verl's rloo / grpo.
+ESTIMATORS = {"gae": ("gae", "none"), "reinforce": ("reinforce_plus_plus", "none"),
+              "rloo": ("reinforce_plus_plus", "loo"), "reinforce_baseline": ("reinforce_plus_plus", "mean"),
+              "group_norm": ("reinforce_plus_plus", "mean_std"), "dr_grpo": ("reinforce_plus_plus", "mean")}
+GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+UNWHITENED = ("group_norm", "dr_grpo")
 KL_ESTIMATORS = {"k1": "k1", "k2": "k2", "k3": "k3"}
 # flags that change nothing without GPUs (vLLM, DeepSpeed and kernel options)
 GPU_ONLY = ("bf16", "adam_offload", "enable_prefix_caching", "vllm_gpu_memory_utilization", "vllm_sync_backend",
@@ -96,6 +101,8 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     o.add_argument("--kl_estimator", default="k1", choices=sorted(KL_ESTIMATORS))
     o.add_argument("--advantage_estimator", default="gae", choices=sorted(ESTIMATORS))
     o.add_argument("--gamma", type=float, default=1.0)
+    o.add_argument("--no_advantage_std_norm", action="store_true",
+                   help="centre the whitened advantages without dividing by their std")
     d = p.add_argument_group("data and logging")
     d.add_argument("--prompt_data", default="synthetic", help="'synthetic' or a .jsonl/.json/.parquet file")
     d.add_argument("--input_key", default=None,
@@ -216,6 +223,13 @@ def uses_reference(args) -> bool:
     return args.init_kl_coef > 0
 
 
+def estimator_keys(args) -> list[str]:
+    estimator, baseline = ESTIMATORS[args.advantage_estimator]
+    whiten = "none" if args.advantage_estimator in UNWHITENED else "center" if args.no_advantage_std_norm else "std"
+    return [f"algorithm.adv_estimator={estimator}", f"algorithm.outcome_baseline={baseline}",
+            f"algorithm.whiten_advantages={whiten}"]
+
+
 def uses_critic(args) -> bool:
     return args.advantage_estimator == "gae"
 
@@ -289,7 +303,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
            f"actor.logprob_micro_batch_size={args.micro_rollout_batch_size}",
            f"actor.use_remove_padding={args.packing_samples}", f"critic.use_remove_padding={args.packing_samples}",
            f"actor.gradient_checkpointing={args.gradient_checkpointing}",
-           f"actor.lr={args.actor_learning_rate}", f"algorithm.adv_estimator={ESTIMATORS[args.advantage_estimator]}",
+           f"actor.lr={args.actor_learning_rate}", *estimator_keys(args),
            f"algorithm.gamma={args.gamma}", f"critic.enable={uses_critic(args)}",
            f"critic.lr={args.critic_learning_rate}", f"actor.use_kl_loss={kl and args.use_kl_loss}",
            f"actor.kl_loss_coef={args.init_kl_coef}", f"actor.kl_loss_type={KL_ESTIMATORS[args.kl_estimator]}",

@@ -111,6 +111,15 @@ def check_combinations(cfg: RunConfig) -> None:
         raise ConfigError(f"algorithm.adv_estimator={alg.adv_estimator} compares the samples of each prompt: "
                           f"rollout.n={cfg.rollout.n} leaves none to compare with; set rollout.n >= 2 (verl's "
                           "actor_rollout_ref.rollout.n), or use reinforce_plus_plus or remax")
+    if alg.outcome_baseline != "none" and alg.adv_estimator != "reinforce_plus_plus":
+        raise ConfigError(f"algorithm.outcome_baseline={alg.outcome_baseline} shapes REINFORCE++'s outcome rewards: "
+                          f"set algorithm.adv_estimator=reinforce_plus_plus, or outcome_baseline=none")
+    if alg.outcome_baseline != "none" and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.outcome_baseline={alg.outcome_baseline} compares the samples of each prompt: "
+                          f"set rollout.n >= 2, or outcome_baseline=none")
+    if alg.whiten_advantages != "std" and alg.adv_estimator not in ("reinforce_plus_plus", "gae"):
+        raise ConfigError(f"algorithm.whiten_advantages={alg.whiten_advantages} applies to reinforce_plus_plus and "
+                          f"gae (got {alg.adv_estimator}): drop it, or pick one of those estimators")
     gae = cfg.algorithm.adv_estimator == "gae"
     if gae and not cfg.critic.enable:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic: set critic.enable=true "

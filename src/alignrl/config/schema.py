@@ -157,6 +157,13 @@ class AlgorithmConfig:
     lam: float = opt(1.0, "GAE lambda", ge=0.0, le=1.0)
     norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false, with actor.loss_agg_mode="
                                                       "seq-mean-token-sum-norm, gives Dr.GRPO")
+    outcome_baseline: str = opt("none", "reinforce_plus_plus: shape each outcome reward with its prompt's group "
+                                        "before the per-token KL penalty and the returns-to-go, as OpenRLHF's "
+                                        "estimators do: loo (its rloo), mean (reinforce_baseline, dr_grpo), "
+                                        "mean_std (group_norm)", choices=("none", "loo", "mean", "mean_std"))
+    whiten_advantages: str = opt("std", "reinforce_plus_plus and gae: batch normalisation of the advantages: std "
+                                        "(whiten), center (mean only: OpenRLHF's --no_advantage_std_norm), none "
+                                        "(OpenRLHF's group_norm and dr_grpo)", choices=("std", "center", "none"))
     use_kl_in_reward: bool = opt(False, "subtract kl_coef × KL(policy || reference) from every token's reward "
                                         "(InstructGPT-style), instead of or beside actor.use_kl_loss")
     kl_penalty: str = opt("k1", "KL estimator of the reward penalty (verl aliases: kl=k1, mse=k2, low_var_kl=k3)",

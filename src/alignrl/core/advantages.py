@@ -26,19 +26,39 @@ def _group_sums(x: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, tor
 SumRanks = Callable[[torch.Tensor], torch.Tensor] | None
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, sum_ranks: SumRanks = None) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, sum_ranks: SumRanks = None,
+                  divide_by_std: bool = True) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the masked entries; any shape, `mask` of x's shape.
 
     Mean and unbiased variance (n - 1) are taken over the masked entries only; entries outside the
     mask come back 0. One masked entry (or all equal) gives 0, not NaN. With `sum_ranks` the
     statistics are those of the global batch split over ranks, so each rank whitens as one process would.
+    `divide_by_std=False` only centres (OpenRLHF's --no_advantage_std_norm).
     """
     total = sum_ranks or (lambda t: t)
     m = mask.to(x.dtype)
     n, s = total(torch.stack([m.sum(), (x * m).sum()]))
     mean = s / n.clamp(min=1)
+    if not divide_by_std:
+        return (x - mean) * m
     var = total(((x - mean) ** 2 * m).sum()[None])[0] / (n - 1).clamp(min=1)
     return (x - mean) * torch.rsqrt(var + eps) * m
+
+
+WHITEN_MODES = ("std", "center", "none")  # algorithm.whiten_advantages
+
+
+def whiten_by(x: torch.Tensor, mask: torch.Tensor, mode: str, sum_ranks: SumRanks = None) -> torch.Tensor:
+    """The batch-wide normalisation of token advantages `mode` names: std (whiten), center (mean only) or none."""
+    if mode == "none":
+        return x * mask.to(x.dtype)
+    return masked_whiten(x, mask, sum_ranks=sum_ranks, divide_by_std=mode == "std")
+
+
+def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sequence rewards (B,) placed on each response's last real token -> (B, T)."""
+    last = (mask.long().cumsum(-1) == mask.sum(-1, keepdim=True)) & mask.bool()
+    return last.to(rewards.dtype) * rewards[:, None]
 
 
 def grpo_advantages(rewards: torch.Tensor, group: torch.Tensor, norm_by_std: bool = True,
@@ -85,15 +105,34 @@ def _discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-                            eps: float = 1e-8, sum_ranks: SumRanks = None) -> torch.Tensor:
+                            eps: float = 1e-8, sum_ranks: SumRanks = None, whiten: str = "std") -> torch.Tensor:
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
-    Language Models"): discounted return-to-go, whitened over all masked tokens of the batch.
+    Language Models"): discounted return-to-go, whitened over all masked tokens of the batch (`whiten`: a
+    mode of `whiten_by`).
 
     token_rewards (B, T) (an outcome reward sits on the last generated token; add a per-token KL
     penalty with `kl.kl_penalty_rewards`), mask (B, T) -> advantages (B, T), 0 outside the mask.
     Masked-out tokens inside a response are skipped by the return recursion; their rewards are ignored.
     """
-    return masked_whiten(_discounted_returns(token_rewards, mask, gamma), mask, eps, sum_ranks)
+    returns = _discounted_returns(token_rewards, mask, gamma)
+    if whiten == "std":
+        return masked_whiten(returns, mask, eps, sum_ranks)
+    return whiten_by(returns, mask, whiten, sum_ranks)
+
+
+OUTCOME_BASELINES = ("none", "loo", "mean", "mean_std")  # algorithm.outcome_baseline
+
+
+def shape_outcome(rewards: torch.Tensor, group: torch.Tensor, baseline: str) -> torch.Tensor:
+    """Outcome rewards (B,) shaped by their prompt's group, ahead of any per-token KL penalty and the
+    returns-to-go, as OpenRLHF's estimators shape them: none; loo, minus the mean of the group's other samples
+    (its rloo); mean, minus the group mean (reinforce_baseline, dr_grpo); mean_std, that divided by the group's
+    std (group_norm). A sample alone in its group gets 0 (except with none)."""
+    if baseline == "none":
+        return rewards
+    if baseline == "loo":
+        return rloo_advantages(rewards, group)
+    return grpo_advantages(rewards, group, norm_by_std=baseline == "mean_std", eps=1e-9)
 
 
 def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group: torch.Tensor, mask: torch.Tensor,
@@ -154,7 +193,7 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torc
 class OutcomeInputs:
     """What every critic-free estimator reads from one step (each takes the fields it needs)."""
 
-    rewards: torch.Tensor  # (B,) sequence rewards
+    rewards: torch.Tensor  # (B,) sequence rewards (minus the sum of any per-token KL penalty)
     token_rewards: torch.Tensor  # (B, T) per-token rewards (outcome on the last token, minus any KL penalty)
     mask: torch.Tensor  # (B, T) float, 1 on trained tokens
     group: torch.Tensor  # (B,) long prompt ids; groups never span data-parallel ranks
@@ -162,6 +201,9 @@ class OutcomeInputs:
     norm_by_std: bool = True  # GRPO: divide by the group std (False: Dr.GRPO)
     gamma: float = 1.0  # REINFORCE++ discount
     sum_ranks: SumRanks = None  # batch-wide whitening over data-parallel ranks
+    outcome: torch.Tensor | None = None  # (B,) the outcome rewards alone, before any KL penalty (None: rewards)
+    outcome_baseline: str = "none"  # REINFORCE++: a group shaping of the outcome (shape_outcome)
+    whiten: str = "std"  # REINFORCE++: the batch normalisation of its returns (whiten_by)
 
 
 def _grpo(x: OutcomeInputs) -> torch.Tensor:
@@ -173,7 +215,12 @@ def _rloo(x: OutcomeInputs) -> torch.Tensor:
 
 
 def _reinforce_pp(x: OutcomeInputs) -> torch.Tensor:
-    return reinforce_pp_advantages(x.token_rewards, x.mask, x.gamma, sum_ranks=x.sum_ranks)
+    token_rewards = x.token_rewards
+    if x.outcome_baseline != "none":  # the group shapes the outcome alone; the KL penalty stays on its tokens
+        outcome = x.rewards if x.outcome is None else x.outcome
+        shift = shape_outcome(outcome, x.group, x.outcome_baseline) - outcome
+        token_rewards = token_rewards + outcome_token_rewards(shift, x.mask)
+    return reinforce_pp_advantages(token_rewards, x.mask, x.gamma, sum_ranks=x.sum_ranks, whiten=x.whiten)
 
 
 def _reinforce_pp_baseline(x: OutcomeInputs) -> torch.Tensor:
