@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import alignrl.algos.producer as producer_mod
+import alignrl.algos.trainer as trainer_mod
 from alignrl.algos.placement import build_rewards, with_tools
 from alignrl.algos.runner import train_grpo
 from alignrl.algos.trainer import policy_loss_spec
@@ -124,6 +125,8 @@ def test_grpo_with_n_agent_5_samples_five_responses_per_prompt(tiny_model_dir, t
         "trainer.progress_bar=false", "trainer.threads=1", f"trainer.output_dir={tmp_path}",
         "trainer.experiment_name=n_agent"])
     assert cfg.rollout.n == 5
+    # Search-R1 multiplies ppo_mini_batch_size by verl's rollout.n (1), not by n_agent: 2 sequences a step
+    assert (cfg.actor.ppo_mini_batch_unit, cfg.mini_batch_sequences) == ("sequences", 2)
     seen: list[Rollout] = []
     score = producer_mod.RolloutMaker.score
 
@@ -131,9 +134,13 @@ def test_grpo_with_n_agent_5_samples_five_responses_per_prompt(tiny_model_dir, t
         seen.append(ro)
         return score(self, ro, samples)
 
+    steps = []
+    count = trainer_mod.optimizer_steps
     monkeypatch.setattr(producer_mod.RolloutMaker, "score", spy)
+    monkeypatch.setattr(trainer_mod, "optimizer_steps", lambda *a: steps.append(count(*a)) or steps[-1])
     summary = train_grpo(cfg)
     assert summary["steps"] == 2 and len(seen) == 2
+    assert steps == [5, 5]  # 10 sequences in mini-batches of 2, as Search-R1 updates
     for ro in seen:
         assert ro.group.tolist() == [0] * 5 + [1] * 5  # 2 prompts × 5 samples, contiguous
         for g in range(2):

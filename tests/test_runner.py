@@ -349,6 +349,23 @@ def test_a_line_a_kill_left_torn_does_not_stop_the_resume_and_a_fresh_start_keep
     assert [len(list(p.glob("events.*"))) for p in logs.glob("tensorboard.*")] == [2]  # the first run and its resume
 
 
+def test_the_batch_line_counts_search_r1_mini_batches_in_sequences():
+    """Search-R1's GRPO script: 512 prompts × n_agent 5, ppo_mini_batch_size 256 sequences: 10 updates a step."""
+    from alignrl.algos.runner import describe_batch
+    from alignrl.config import load_config
+
+    grpo = ["algorithm.adv_estimator=grpo", "data.train_batch_size=512", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+            "actor_rollout_ref.actor.ppo_micro_batch_size=64", "actor_rollout_ref.rollout.n=1"]
+    line = describe_batch(load_config(None, [*grpo, "actor_rollout_ref.rollout.n_agent=5"]), world=8)
+    assert "2560 sequences/step; 10 mini-batch(es) of 256 sequences" in line
+    verl = load_config(None, [*grpo[:-1], "actor_rollout_ref.rollout.n=4"])  # verl's own meaning: prompts
+    assert verl.actor.ppo_mini_batch_unit == "prompts" and verl.mini_batch_sequences == 1024
+    with pytest.raises(ConfigError, match=r"data.train_batch_size=4 × rollout.n=3 sequences must be a multiple of "
+                                          r"actor.ppo_mini_batch_size=5"):
+        load_config(None, ["data.train_batch_size=4", "rollout.n=3", "actor.ppo_mini_batch_size=5",
+                           "actor.ppo_mini_batch_unit=sequences", "actor.ppo_micro_batch_size=5"])
+
+
 def test_the_header_names_what_the_run_trains():
     from alignrl.algos.runner import algorithm_name
     from alignrl.config import load_config

@@ -74,14 +74,14 @@ class PromptData:
 
 def describe_batch(cfg: RunConfig, world: int = 1) -> str:
     """The batch arithmetic users otherwise get wrong (verl #180)."""
-    p, n, mini = cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size
-    n_mini, micro = p // mini, cfg.actor.ppo_micro_batch_size
-    per_rank = mini * n // world
+    p, n, seqs = cfg.data.train_batch_size, cfg.rollout.n, cfg.mini_batch_sequences
+    n_mini, micro = p * n // seqs, cfg.actor.ppo_micro_batch_size
+    per_rank = seqs // world
     accum = -(-per_rank // micro)
     return (f"{p} prompts/step × {n} samples/prompt = {p * n} sequences/step; "
-            f"{n_mini} mini-batch(es) of {mini * n} sequences × {cfg.actor.ppo_epochs} epoch(s) = "
+            f"{n_mini} mini-batch(es) of {seqs} sequences × {cfg.actor.ppo_epochs} epoch(s) = "
             f"{n_mini * cfg.actor.ppo_epochs} optimizer steps/RL step; effective batch = {min(micro, per_rank)} "
-            f"sequences/micro-batch × {world} rank(s) × {accum} accumulation step(s) ≈ {mini * n} sequences")
+            f"sequences/micro-batch × {world} rank(s) × {accum} accumulation step(s) ≈ {seqs} sequences")
 
 
 def _fmt(acc: dict[str, float]) -> str:

@@ -147,7 +147,7 @@ class PolicyTrainer:
     def update(self, step: int, exp: Experience, value_targets: list, t: dict[str, float]) -> dict[str, float]:
         cfg = self.cfg
         # this rank's share of each mini-batch (the batch sizes are checked to divide by the world size)
-        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.env.world_size
+        mini = cfg.mini_batch_sequences // self.env.world_size
         micro, epochs, out = cfg.actor.ppo_micro_batch_size, cfg.actor.ppo_epochs, {}
         with timed(t, "critic"):
             for critic, old_values, returns in value_targets:

@@ -71,13 +71,16 @@ def check_world_size(cfg: RunConfig, world: int) -> None:
 
 
 def check_combinations(cfg: RunConfig) -> None:
-    mini = cfg.actor.ppo_mini_batch_size
-    if cfg.data.train_batch_size % mini:
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} must be a multiple of "
+    mini, seqs, by_prompts = cfg.actor.ppo_mini_batch_size, cfg.mini_batch_sequences, cfg.actor.ppo_mini_batch_unit == "prompts"
+    step = cfg.data.train_batch_size * (1 if by_prompts else cfg.rollout.n)
+    if step % mini:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size}" + ("" if by_prompts else
+                          f" × rollout.n={cfg.rollout.n} sequences") + f" must be a multiple of "
                           f"actor.ppo_mini_batch_size={mini}")
-    if (mini * cfg.rollout.n) % min(cfg.actor.ppo_micro_batch_size, mini * cfg.rollout.n):
-        raise ConfigError(f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size} must divide "
-                          f"actor.ppo_mini_batch_size × rollout.n = {mini * cfg.rollout.n} sequences")
+    if seqs % min(cfg.actor.ppo_micro_batch_size, seqs):
+        raise ConfigError(f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size} must divide the "
+                          f"mini-batch's {seqs} sequences (actor.ppo_mini_batch_size"
+                          + (" × rollout.n)" if by_prompts else ")"))
     alg = cfg.algorithm
     if alg.overlong_buffer_len > response_cap(cfg):
         limit = (f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}" if cfg.agent.max_turns == 0 else

@@ -93,7 +93,12 @@ class ActorConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
     betas: list = opt([0.9, 0.999], "AdamW betas")
     grad_clip: float = opt(1.0, "max global grad norm; 0 disables", ge=0.0)
-    ppo_mini_batch_size: int = opt(32, "prompts per optimizer step (× rollout.n sequences), as in verl", ge=1)
+    ppo_mini_batch_size: int = opt(32, "prompts per optimizer step (× rollout.n sequences), as in verl; sequences "
+                                       "with ppo_mini_batch_unit=sequences", ge=1)
+    ppo_mini_batch_unit: str = opt("prompts", "what ppo_mini_batch_size counts: prompts (each with its rollout.n "
+                                              "samples, verl's meaning) or sequences (Search-R1's with "
+                                              "rollout.n_agent > 1; a mini-batch may then cut a prompt's group)",
+                                   choices=("prompts", "sequences"))
     ppo_micro_batch_size: int = opt(64, "sequences per forward/backward (gradient accumulation unit)", ge=1)
     logprob_micro_batch_size: int = opt(0, "sequences per no-grad forward (reference and old-policy log-probs, "
                                            "critic values); 0: ppo_micro_batch_size. OpenRLHF's "
@@ -352,6 +357,12 @@ class RunConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def mini_batch_sequences(self) -> int:
+        """Sequences per optimizer step over all ranks (actor.ppo_mini_batch_size in its unit)."""
+        a = self.actor
+        return a.ppo_mini_batch_size * (self.rollout.n if a.ppo_mini_batch_unit == "prompts" else 1)
 
     @property
     def run_dir(self) -> Path:

@@ -222,7 +222,10 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
     # n_agent is Search-R1's group size; verl's rollout.n beside it is the vLLM sample count (1)
     agent_n = [o for o in overrides if o.lstrip("+").startswith(R + "n_agent=")]
     if agent_n:
-        out = [o for o in out if not o.startswith("rollout.n=")] + [f"rollout.n={agent_n[-1].split('=', 1)[1]}"]
+        n_agent = agent_n[-1].split("=", 1)[1]
+        out = [o for o in out if not o.startswith("rollout.n=")] + [f"rollout.n={n_agent}"]
+        if _value(n_agent) != 1:  # Search-R1 multiplies the mini-batch by verl's rollout.n (1), not by n_agent
+            out.append("actor.ppo_mini_batch_unit=sequences")
     explicit = {o.split("=", 1)[0] for o in out} | ({"actor.ppo_micro_batch_size"} if global_micro else set())
     return Translation(out, explicit, not_used, notes, verl, output_is_run_dir, global_micro)
 
@@ -283,7 +286,7 @@ def resolve_counts(cfg: RunConfig, given: set[str], global_micro: int | None = N
         per_epoch = max(1, rows // cfg.data.train_batch_size)  # verl drops the last partial batch
         by_epochs = t.total_epochs * per_epoch
         steps = min(steps, by_epochs) if "trainer.total_training_steps" in given else by_epochs
-    per_step = a.ppo_epochs * max(1, cfg.data.train_batch_size // a.ppo_mini_batch_size)
+    per_step = a.ppo_epochs * max(1, cfg.data.train_batch_size * cfg.rollout.n // cfg.mini_batch_sequences)
     actor_warmup = a.lr_warmup_steps or int(a.lr_warmup_steps_ratio * steps) * per_step
     critic_warmup = c.lr_warmup_steps or int(c.lr_warmup_steps_ratio * steps) * per_step
     return replace(cfg, trainer=replace(t, total_training_steps=steps),
