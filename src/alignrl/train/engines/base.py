@@ -26,6 +26,11 @@ from alignrl.train.optim import build_optimizer
 OPTIM_FILE = "optim.pt"  # the full (unsharded) optimizer + scheduler state: resumable by every backend
 
 
+def state_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    """Each state-dict entry's dtype: what an engine that holds the model's own weights saves."""
+    return {k: v.dtype for k, v in model.state_dict().items()}
+
+
 def host_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor],
                     clone: bool = False) -> dict[str, torch.Tensor]:
     """`state` (keyed as `model.state_dict()`) in host memory, where keys that name one tensor of `model` (tied
@@ -195,7 +200,7 @@ class LocalOptimizerEngine:
         return self.scheduler.get_last_lr()[0]
 
     def weight_dtypes(self) -> dict[str, torch.dtype]:
-        return {k: v.dtype for k, v in self.model.state_dict().items()}
+        return state_dtypes(self.model)
 
     def micro_batch(self, last_micro: bool) -> AbstractContextManager:
         return nullcontext()

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from alignrl.dist.env import DistEnv, cuda_bf16, join_group
-from alignrl.train.engines.base import OptimSpec, host_state_dict
+from alignrl.train.engines.base import OptimSpec, host_state_dict, state_dtypes
 
 TAG = "deepspeed"  # the sub-folder DeepSpeed's save_checkpoint writes inside a checkpoint
 
@@ -144,7 +144,7 @@ class DeepSpeedEngine:
         return self.scheduler.get_last_lr()[0]
 
     def weight_dtypes(self) -> dict[str, torch.dtype]:
-        return {k: v.dtype for k, v in self.model.state_dict().items()}
+        return state_dtypes(self.model)
 
     def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
         skip = main_only and not self.env.is_main
