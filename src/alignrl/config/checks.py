@@ -71,7 +71,8 @@ def check_world_size(cfg: RunConfig, world: int) -> None:
 
 
 def check_combinations(cfg: RunConfig) -> None:
-    mini, seqs, by_prompts = cfg.actor.ppo_mini_batch_size, cfg.mini_batch_sequences, cfg.actor.ppo_mini_batch_unit == "prompts"
+    mini, seqs = cfg.actor.ppo_mini_batch_size, cfg.mini_batch_sequences
+    by_prompts = cfg.actor.ppo_mini_batch_unit == "prompts"
     step = cfg.data.train_batch_size * (1 if by_prompts else cfg.rollout.n)
     if step % mini:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size}" + ("" if by_prompts else

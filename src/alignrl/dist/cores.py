@@ -75,7 +75,8 @@ def local_threads(meta: dict, host: str) -> int:
     return 0
 
 
-ANSWERED_S = 2.0  # a sampler answered with weights (or "wait") asks again within milliseconds; one silent longer is gone
+# a sampler answered with weights (or "wait") asks again within milliseconds; one silent for longer is gone
+ANSWERED_S = 2.0
 
 
 @dataclass

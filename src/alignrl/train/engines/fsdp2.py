@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from alignrl.dist.env import DistEnv
 from alignrl.train.engines.base import (LocalOptimizerEngine, OptimSpec, host_state_dict, load_full_state,
-                                        save_full_state)
+                                        save_full_state, state_dtypes)
 from alignrl.train.engines.master import LOW
 
 
@@ -31,6 +31,7 @@ class FSDP2Engine(LocalOptimizerEngine):
     whole_weights = False
 
     def __init__(self, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, param_dtype: torch.dtype | None = None):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if not env.distributed:
@@ -39,18 +40,20 @@ class FSDP2Engine(LocalOptimizerEngine):
         self.env = env
         # a bf16/fp16 model keeps fp32 sharded weights for the optimizer and computes in its own dtype
         # (master.py says why); each weight leaves the engine (published, saved) in its own dtype again
-        self.dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+        self.dtypes = state_dtypes(model)
         low = next((p.dtype for p in model.parameters() if p.requires_grad and p.dtype in LOW), None)
         self.upcast = low is not None
         if self.upcast:
             model.float()
             param_dtype = param_dtype or low
-        model.to(env.device)
         # bf16 compute with fp32 gradient reduction where asked; fp32 everywhere by default (CPU)
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+        # fully_shard moves the weights it takes to the mesh's device block by block and keeps only this rank's
+        # shard: the whole (fp32) model never sits on one GPU, as it did when it was moved there first
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
         for block in _blocks(model):
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         self.model = self.module = model
         self._build_optimizer(spec)
 
