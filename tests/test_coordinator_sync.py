@@ -101,6 +101,8 @@ def test_cores_go_to_the_side_that_works(served):
         threading.Timer(0.4, lambda: want.append(served.cores.loan.want)).start()
         assert req.request("work", here, timeout_s=5).kind == "weights" and time.monotonic() - t0 >= 0.5
         assert want == [2]  # parked until the publish: the training thread had its core
+        time.sleep(0.3)  # the serve loop has re-counted: answered with weights, the sampler loads them, busy
+        assert served.cores.loan.want == 1
         far = {**here, "sampler_id": "far", "version": 1, "can_map": {**here["can_map"], "host": "elsewhere/x"}}
         assert req.request("work", far, timeout_s=5).meta["threads"] == 0
 

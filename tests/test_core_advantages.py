@@ -247,7 +247,8 @@ def test_whitening_split_over_ranks_equals_whole_batch():
 def openrlhf_advantages(r, group_rows, kl, mask, kl_coef, shaping, whiten):
     """OpenRLHF's steps written out one by one, rows grouped n at a time: the group shapes the reward
     (process_experiences), the KL penalty goes on every token and the reward on the last (compute_reward),
-    returns-to-go with gamma 1, then the batch whitening over action tokens (std: unbiased, as masked_whiten)."""
+    returns-to-go with gamma 1, then the batch whitening over action tokens with OpenRLHF's statistics (the
+    variance over the token count, + 1e-8)."""
     n = group_rows
     g = r.reshape(-1, n)
     if shaping == "loo":
@@ -266,7 +267,7 @@ def openrlhf_advantages(r, group_rows, kl, mask, kl_coef, shaping, whiten):
         return returns
     sel = returns[mask.bool()]
     out = (returns - sel.mean()) * mask
-    return out / (sel.std() ** 2 + 1e-8).sqrt() if whiten == "std" else out
+    return out * torch.rsqrt(((sel - sel.mean()) ** 2).mean() + 1e-8) if whiten == "std" else out
 
 
 @pytest.mark.parametrize("shaping, whiten", [("loo", "std"), ("mean", "std"), ("mean_std", "none"), ("mean", "none"),
@@ -282,8 +283,11 @@ def test_shaped_reinforce_pp_is_openrlhfs_estimator(shaping, whiten):
     token_rewards = outcome_token_rewards(r, mask) - kl_coef * kl
     x = OutcomeInputs(token_rewards.sum(-1), token_rewards, mask, group, outcome=r, outcome_baseline=shaping,
                       whiten=whiten)
-    torch.testing.assert_close(ADVANTAGES["reinforce_plus_plus"](x),
-                               openrlhf_advantages(r, 4, kl, mask, kl_coef, shaping, whiten), atol=1e-5, rtol=0)
+    want = openrlhf_advantages(r, 4, kl, mask, kl_coef, shaping, whiten)
+    if whiten == "std":  # alignrl whitens with the unbiased variance (verl's masked_whiten): sqrt((n-1)/n) apart
+        n = mask.sum()
+        want = want * ((n - 1) / n).sqrt()
+    torch.testing.assert_close(ADVANTAGES["reinforce_plus_plus"](x), want, atol=1e-5, rtol=0)
 
 
 def test_the_group_shapes_the_outcome_not_the_kl_penalty():

@@ -61,19 +61,23 @@ def test_seed_001_flags_translate_to_the_loop_config():
 
 @pytest.mark.parametrize("estimator, extra, want", [
     ("gae", [], ("gae", "none", "std")), ("gae", ["--no_advantage_std_norm"], ("gae", "none", "center")),
-    ("reinforce", [], ("reinforce_plus_plus", "none", "std")), ("rloo", [], ("reinforce_plus_plus", "loo", "std")),
-    ("rloo", ["--no_advantage_std_norm"], ("reinforce_plus_plus", "loo", "center")),
+    ("reinforce", [], ("reinforce_plus_plus", "none", "std")), ("rloo", [], ("reinforce_plus_plus", "loo", "none")),
     ("reinforce_baseline", [], ("reinforce_plus_plus", "mean", "std")),
+    ("reinforce_baseline", ["--no_advantage_std_norm"], ("reinforce_plus_plus", "mean", "center")),
     ("group_norm", ["--no_advantage_std_norm"], ("reinforce_plus_plus", "mean_std", "none")),
     ("dr_grpo", [], ("reinforce_plus_plus", "mean", "none")),
 ])
 def test_openrlhf_estimators_keep_their_shaping_and_whitening(estimator, extra, want):
-    """OpenRLHF shapes the outcome with the group, then KL per token and returns-to-go, then whitens (not
-    group_norm, dr_grpo): REINFORCE++ with an outcome baseline (core.advantages checks the numbers)."""
-    args = parse("--advantage_estimator", estimator, "--n_samples_per_prompt", "4", *extra)
+    """OpenRLHF shapes the outcome with the group, then KL per token and returns-to-go, then whitens (gae,
+    reinforce, reinforce_baseline only): REINFORCE++ with an outcome baseline (core.advantages checks the numbers).
+    Its group estimators run with gamma 1 whatever --gamma says, and say so once."""
+    args = parse("--advantage_estimator", estimator, "--n_samples_per_prompt", "4", "--gamma", "0.9", *extra)
     F.check(args)
     a = load_config(None, F.overrides(args, gpus=False, total_steps=3)).algorithm
     assert (a.adv_estimator, a.outcome_baseline, a.whiten_advantages) == want
+    group = estimator in F.GROUP_ESTIMATORS
+    assert a.gamma == (1.0 if group else 0.9)
+    assert any(line.startswith("--gamma (OpenRLHF sets gamma to 1") for line in F.unused_here(args, False)) == group
 
 
 def test_estimators_drop_the_critic_and_zero_kl_drops_the_reference():

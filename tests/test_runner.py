@@ -358,6 +358,12 @@ def test_the_batch_line_counts_search_r1_mini_batches_in_sequences():
             "actor_rollout_ref.actor.ppo_micro_batch_size=64", "actor_rollout_ref.rollout.n=1"]
     line = describe_batch(load_config(None, [*grpo, "actor_rollout_ref.rollout.n_agent=5"]), world=8)
     assert "2560 sequences/step; 10 mini-batch(es) of 256 sequences" in line
+    from alignrl.algos.placement import total_optimizer_steps
+
+    search = load_config(None, [*grpo, "actor_rollout_ref.rollout.n_agent=5", "trainer.total_training_steps=100"])
+    assert total_optimizer_steps(search) == 1000  # the lr schedule's length: 10 updates a step
+    given = load_config(None, [*grpo, "actor_rollout_ref.rollout.n_agent=5", "actor.ppo_mini_batch_unit=prompts"])
+    assert given.mini_batch_sequences == 1280  # the user's own choice stands
     verl = load_config(None, [*grpo[:-1], "actor_rollout_ref.rollout.n=4"])  # verl's own meaning: prompts
     assert verl.actor.ppo_mini_batch_unit == "prompts" and verl.mini_batch_sequences == 1024
     with pytest.raises(ConfigError, match=r"data.train_batch_size=4 × rollout.n=3 sequences must be a multiple of "

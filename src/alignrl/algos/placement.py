@@ -65,8 +65,8 @@ def shards_weights(cfg: RunConfig, env: DistEnv) -> bool:
 
 
 def total_optimizer_steps(cfg: RunConfig) -> int:
-    a = cfg.actor
-    return cfg.trainer.total_training_steps * a.ppo_epochs * (cfg.data.train_batch_size // a.ppo_mini_batch_size)
+    per_step = cfg.data.train_batch_size * cfg.rollout.n // cfg.mini_batch_sequences
+    return cfg.trainer.total_training_steps * cfg.actor.ppo_epochs * per_step
 
 
 def restore_state(engine: TrainEngine, folder: Path, name: str) -> None:

@@ -19,15 +19,16 @@ from alignrl.dist.launch import OneLineParser
 
 PROG = "alignrl train ppo-ray"
 
-# OpenRLHF estimator name -> alignrl's (algorithm.adv_estimator, algorithm.outcome_baseline). OpenRLHF shapes
-# the outcome reward with the group (rloo, reinforce_baseline, group_norm, dr_grpo), then subtracts the per-token
-# KL penalty and takes returns-to-go, as REINFORCE++ does, and whitens those over the batch except for group_norm
-# and dr_grpo: that is reinforce_plus_plus with an outcome baseline, not verl's rloo / grpo.
+# OpenRLHF estimator name -> alignrl's (algorithm.adv_estimator, algorithm.outcome_baseline). OpenRLHF's
+# experience maker shapes the outcome reward with the group (rloo, reinforce_baseline, group_norm, dr_grpo; gamma
+# forced to 1 for these), then subtracts the per-token KL penalty and takes returns-to-go, as REINFORCE++ does, and
+# whitens them over the batch for gae, reinforce and reinforce_baseline only: that is reinforce_plus_plus with an
+# outcome baseline, not verl's rloo / grpo.
 ESTIMATORS = {"gae": ("gae", "none"), "reinforce": ("reinforce_plus_plus", "none"),
               "rloo": ("reinforce_plus_plus", "loo"), "reinforce_baseline": ("reinforce_plus_plus", "mean"),
               "group_norm": ("reinforce_plus_plus", "mean_std"), "dr_grpo": ("reinforce_plus_plus", "mean")}
 GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
-UNWHITENED = ("group_norm", "dr_grpo")
+WHITENED = ("gae", "reinforce", "reinforce_baseline")
 KL_ESTIMATORS = {"k1": "k1", "k2": "k2", "k3": "k3"}
 # flags that change nothing without GPUs (vLLM, DeepSpeed and kernel options)
 GPU_ONLY = ("bf16", "adam_offload", "enable_prefix_caching", "vllm_gpu_memory_utilization", "vllm_sync_backend",
@@ -225,9 +226,10 @@ def uses_reference(args) -> bool:
 
 def estimator_keys(args) -> list[str]:
     estimator, baseline = ESTIMATORS[args.advantage_estimator]
-    whiten = "none" if args.advantage_estimator in UNWHITENED else "center" if args.no_advantage_std_norm else "std"
+    whiten = "none" if args.advantage_estimator not in WHITENED else "center" if args.no_advantage_std_norm else "std"
+    gamma = 1.0 if args.advantage_estimator in GROUP_ESTIMATORS else args.gamma
     return [f"algorithm.adv_estimator={estimator}", f"algorithm.outcome_baseline={baseline}",
-            f"algorithm.whiten_advantages={whiten}"]
+            f"algorithm.whiten_advantages={whiten}", f"algorithm.gamma={gamma}"]
 
 
 def uses_critic(args) -> bool:
@@ -272,7 +274,9 @@ def unused_here(args, gpus: bool) -> list[str]:
     groups = [(NOT_APPLIED, NOT_APPLIED_WHY), (() if gpus else GPU_ONLY, "no CUDA"),
               (DATA_KEYS if args.prompt_data == "synthetic" else (), "the prompts are synthetic"),
               (("input_template",) if args.apply_chat_template and args.prompt_data != "synthetic" else (),
-               "--apply_chat_template formats the prompts")]
+               "--apply_chat_template formats the prompts"),
+              (("gamma",) if args.advantage_estimator in GROUP_ESTIMATORS else (),
+               f"OpenRLHF sets gamma to 1 for --advantage_estimator {args.advantage_estimator}")]
     out = []
     for names, why in groups:
         given = [f"--{f}" for f in names if getattr(args, f) != defaults[f]]
@@ -303,8 +307,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
            f"actor.logprob_micro_batch_size={args.micro_rollout_batch_size}",
            f"actor.use_remove_padding={args.packing_samples}", f"critic.use_remove_padding={args.packing_samples}",
            f"actor.gradient_checkpointing={args.gradient_checkpointing}",
-           f"actor.lr={args.actor_learning_rate}", *estimator_keys(args),
-           f"algorithm.gamma={args.gamma}", f"critic.enable={uses_critic(args)}",
+           f"actor.lr={args.actor_learning_rate}", *estimator_keys(args), f"critic.enable={uses_critic(args)}",
            f"critic.lr={args.critic_learning_rate}", f"actor.use_kl_loss={kl and args.use_kl_loss}",
            f"actor.kl_loss_coef={args.init_kl_coef}", f"actor.kl_loss_type={KL_ESTIMATORS[args.kl_estimator]}",
            f"algorithm.use_kl_in_reward={kl and not args.use_kl_loss}", f"algorithm.kl_coef={args.init_kl_coef}",

@@ -224,7 +224,8 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
     if agent_n:
         n_agent = agent_n[-1].split("=", 1)[1]
         out = [o for o in out if not o.startswith("rollout.n=")] + [f"rollout.n={n_agent}"]
-        if _value(n_agent) != 1:  # Search-R1 multiplies the mini-batch by verl's rollout.n (1), not by n_agent
+        unit_given = any(o.startswith("actor.ppo_mini_batch_unit=") for o in out)
+        if _value(n_agent) != 1 and not unit_given:  # Search-R1 multiplies it by verl's rollout.n (1), not n_agent
             out.append("actor.ppo_mini_batch_unit=sequences")
     explicit = {o.split("=", 1)[0] for o in out} | ({"actor.ppo_micro_batch_size"} if global_micro else set())
     return Translation(out, explicit, not_used, notes, verl, output_is_run_dir, global_micro)

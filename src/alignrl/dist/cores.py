@@ -121,8 +121,9 @@ class CoreLedger:
         """In the training thread, at a publish: every parked request is about to be answered (with the new
         weights), so the samplers work again from here; the trainer goes back to its own share at once, before
         the sync thread answers them, lest its next layer take a core a sampler is taking back."""
-        for sampler in self.samplers:
-            self.answered(sampler, now)
+        for sampler, entry in self.samplers.items():
+            if entry.parked:  # one that died while working stays busy no longer than ANSWERED_S
+                self.answered(sampler, now)
         if self.loan is not None:
             self.loan.want = self.loan.own
             self.loan.settle()
