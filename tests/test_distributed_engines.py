@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_group
+from conftest import run_group, src_path
 from alignrl.dist.env import SINGLE
 from alignrl.dist.launch import free_port
 from alignrl.models.logprobs import Layout
+from alignrl.train.engines import OptimSpec, build_engine
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import engine_worker  # noqa: E402
@@ -145,6 +146,27 @@ def test_host_copies_keep_a_tied_embedding_one_tensor(tiny_model, tmp_path):
     assert len({t.data_ptr() for t in out.values()}) == len(out) - 1  # nothing else shares
     model.save_pretrained(tmp_path, state_dict=out)
     assert set(load_file(tmp_path / "model.safetensors")) == set(out) - {"lm_head.weight"}
+
+
+def test_bf16_gradients_are_summed_and_averaged_over_ranks_in_fp32(tmp_path):
+    """bf16 gradients that a bf16 running sum or a bf16 all-reduce would round away: the DDP engine's fp32
+    master weights keep them (workers/master_reduce_worker.py checks the exact sum on both ranks)."""
+    worker = Path(__file__).parent / "workers" / "master_reduce_worker.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src_path()}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "--master_addr=127.0.0.1", str(worker)]
+    r = run_group(cmd, 120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_one_process_sums_micro_batch_gradients_in_fp32():
+    model = torch.nn.Linear(2, 1, bias=False).to(torch.bfloat16)
+    engine = build_engine("single", model, OptimSpec(lr=1e-3), SINGLE)
+    grads = [1.0] + [2.0 ** -9] * 64  # in bf16, 1 + 2^-9 is 1: a bf16 running sum never moves
+    for i, g in enumerate(grads):
+        engine.backward((engine.module(torch.full((1, 2), g, dtype=torch.bfloat16))).sum(), i == len(grads) - 1)
+    assert engine.master.params[0].grad.tolist() == [[1.125, 1.125]]
+    assert model.weight.grad is None  # moved, not kept twice
 
 
 def test_a_bf16_model_trains_through_fp32_master_weights():

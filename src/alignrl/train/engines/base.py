@@ -187,8 +187,6 @@ class LocalOptimizerEngine:
         self.skipped_steps = 0
 
     def step(self, skip: bool = False) -> float:
-        if self.master:
-            self.master.grads_in()
         norm, stepped = clip_and_step(self.params, self.optimizer, self.scheduler, self.spec.grad_clip, skip)
         if stepped and self.master:
             self.master.weights_out()

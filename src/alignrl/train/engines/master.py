@@ -6,6 +6,10 @@ model does not train. As DeepSpeed's bf16 optimizer and mixed-precision FSDP do,
 fp32 copy of the weights, and the result is copied into the model, which computes (forward, backward, and the
 generation that shares it) in its own dtype. The copy is a module of the model's structure, so the optimizer
 state keeps the FQN-keyed form every local engine reads.
+
+Gradients are summed in fp32 too: each micro-batch's bf16 gradient moves onto the copy after its backward (a
+bf16 running sum over many micro-batches rounds away the small ones), and under data parallelism the ranks
+average the fp32 sums (DeepSpeed's fp32 gradient accumulation, FSDP's fp32 reduce_dtype), not bf16 buckets.
 """
 
 from __future__ import annotations
@@ -13,8 +17,22 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 
 LOW = (torch.bfloat16, torch.float16)
+BUCKET = 1 << 25  # fp32 gradient elements per all-reduce (128 MiB)
+
+
+def _buckets(tensors: list[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
+    out: list[list[torch.Tensor]] = [[]]
+    filled = 0
+    for t in tensors:
+        if out[-1] and filled + t.numel() > size:
+            out.append([])
+            filled = 0
+        out[-1].append(t)
+        filled += t.numel()
+    return [b for b in out if b]
 
 
 def needs_master(model: torch.nn.Module) -> bool:
@@ -31,11 +49,28 @@ class MasterWeights:
     def params(self) -> list[torch.nn.Parameter]:
         return [m for m, _ in self.pairs]
 
-    def grads_in(self) -> None:
-        """The model's (reduced) gradients, in fp32, onto the copy; the model's are dropped."""
+    def accumulate(self) -> None:
+        """After a backward: the model's gradients added, in fp32, to the copy's; the model's are dropped."""
         for m, p in self.pairs:
-            m.grad = None if p.grad is None else p.grad.float()
-            p.grad = None
+            if p.grad is not None:
+                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                p.grad = None
+
+    @torch.no_grad()
+    def average_over_ranks(self, world_size: int) -> None:
+        """Collective: every rank's fp32 gradient sum becomes their mean, in buckets of BUCKET elements (a weight
+        no micro-batch reached on some rank counts as zeros there, so every rank reduces the same buckets)."""
+        grads = []
+        for m, _ in self.pairs:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+            grads.append(m.grad)
+        for bucket in _buckets(grads, BUCKET):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat)
+            flat.div_(world_size)
+            torch._foreach_copy_(bucket, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in bucket]),
+                                                                           bucket)])
 
     @torch.no_grad()
     def weights_out(self) -> None:

@@ -5,22 +5,30 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+import torch.distributed as dist
 
 from alignrl.dist.env import DistEnv
 from alignrl.train.engines.base import LocalOptimizerEngine, OptimSpec, host_state_dict
+from alignrl.train.engines.master import needs_master
 
 
 class LocalEngine(LocalOptimizerEngine):
-    """`single` (world size 1) or `ddp` (torch DistributedDataParallel: every rank holds the full model,
-    gradients are all-reduced in backward). Optimizer state is identical on every rank, so rank 0's copy
-    is the full state any backend can resume from. A bf16/fp16 model is stepped through fp32 master weights."""
+    """`single` (world size 1) or `ddp` (every rank holds the full model, gradients are averaged over ranks once
+    per optimizer step). Optimizer state is identical on every rank, so rank 0's copy is the full state any
+    backend can resume from. A bf16/fp16 model is stepped through fp32 master weights, whose fp32 gradient sums
+    the ranks average themselves (master.py); an fp32 model's through torch DistributedDataParallel."""
 
     def __init__(self, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, ddp: bool):
         self.name = "ddp" if ddp else "single"
         self.whole_weights = True
         self.model, self.env = model.to(env.device), env
         self.module = model
-        if ddp and env.distributed:
+        self.reduce_master = ddp and env.distributed and needs_master(model)
+        if self.reduce_master:  # every rank starts from rank 0's weights, as DDP's constructor makes them
+            with torch.no_grad():
+                for t in [*model.parameters(), *model.buffers()]:
+                    dist.broadcast(t, 0)
+        elif ddp and env.distributed:
             from torch.nn.parallel import DistributedDataParallel
 
             self.module = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda"
@@ -33,7 +41,11 @@ class LocalEngine(LocalOptimizerEngine):
 
     def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
         self.zero.before_backward()
-        (loss * self.env.world_size).backward()  # DDP averages over ranks; the loss is already global
+        (loss * self.env.world_size).backward()  # the ranks' mean below (or DDP's); the loss is already global
+        if self.master:
+            self.master.accumulate()
+            if last_micro and self.reduce_master:
+                self.master.average_over_ranks(self.env.world_size)
 
     def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
         if main_only and not self.env.is_main:
