@@ -161,12 +161,16 @@ def test_bf16_gradients_are_summed_and_averaged_over_ranks_in_fp32(tmp_path):
 
 def test_one_process_sums_micro_batch_gradients_in_fp32():
     model = torch.nn.Linear(2, 1, bias=False).to(torch.bfloat16)
-    engine = build_engine("single", model, OptimSpec(lr=1e-3), SINGLE)
+    engine = build_engine("single", model, OptimSpec(lr=1e-3, grad_clip=0.0), SINGLE)
     grads = [1.0] + [2.0 ** -9] * 64  # in bf16, 1 + 2^-9 is 1: a bf16 running sum never moves
     for i, g in enumerate(grads):
         engine.backward((engine.module(torch.full((1, 2), g, dtype=torch.bfloat16))).sum(), i == len(grads) - 1)
-    assert engine.master.params[0].grad.tolist() == [[1.125, 1.125]]
-    assert model.weight.grad is None  # moved, not kept twice
+        assert model.weight.grad is None  # moved onto the fp32 copy as the backward made it, not kept twice
+    engine.step()
+    assert engine.master.params[0].grad.tolist() == [[1.125, 1.125]]  # the gradient the step took (kept after it)
+    stepped = engine.master.params[0].detach().clone()
+    engine.step()  # no backward since: no gradient, nothing moves
+    assert torch.equal(engine.master.params[0], stepped)
 
 
 def test_a_bf16_model_trains_through_fp32_master_weights():

@@ -14,7 +14,8 @@ STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed")
 
 def build_engine(strategy: str, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, *, zero_stage: int = 2,
                  offload: bool = False, deepspeed_config: str | None = None, bf16: bool = False) -> TrainEngine:
-    """`strategy` single/ddp run the same code (ddp wraps the module when there are several ranks)."""
+    """`strategy` single/ddp run the same code (under ddp the ranks average gradients: torch DDP for an fp32
+    model, the fp32 master copy's own all-reduce for a bf16/fp16 one)."""
     if strategy in ("single", "ddp"):
         from alignrl.train.engines.single import LocalEngine
 

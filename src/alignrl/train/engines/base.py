@@ -187,6 +187,8 @@ class LocalOptimizerEngine:
         self.skipped_steps = 0
 
     def step(self, skip: bool = False) -> float:
+        if self.zero.pending:  # no backward since the last step: no gradient (the kept ones are that step's)
+            self.optimizer.zero_grad(set_to_none=True)
         norm, stepped = clip_and_step(self.params, self.optimizer, self.scheduler, self.spec.grad_clip, skip)
         if stepped and self.master:
             self.master.weights_out()

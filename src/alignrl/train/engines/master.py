@@ -44,28 +44,40 @@ class MasterWeights:
         self.model = model
         self.shadow = copy.deepcopy(model).float()  # same names, same trainable set, fp32
         self.pairs = [(m, p) for m, p in zip(self.shadow.parameters(), model.parameters()) if p.requires_grad]
+        master_of = {id(p): m for m, p in self.pairs}
+        for _, p in self.pairs:  # each gradient leaves the model as soon as the backward has made it
+            p.register_post_accumulate_grad_hook(lambda p: self._take(master_of[id(p)], p))
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
         return [m for m, _ in self.pairs]
 
-    def accumulate(self) -> None:
-        """After a backward: the model's gradients added, in fp32, to the copy's; the model's are dropped."""
-        for m, p in self.pairs:
-            if p.grad is not None:
-                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
-                p.grad = None
+    @staticmethod
+    @torch.no_grad()
+    def _take(m: torch.nn.Parameter, p: torch.nn.Parameter) -> None:
+        """The model's gradient added, in fp32, to the copy's, and dropped: the bf16 gradients of a backward never
+        all exist at once beside the fp32 sums."""
+        m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+        p.grad = None
 
     @torch.no_grad()
     def average_over_ranks(self, world_size: int) -> None:
-        """Collective: every rank's fp32 gradient sum becomes their mean, in buckets of BUCKET elements (a weight
-        no micro-batch reached on some rank counts as zeros there, so every rank reduces the same buckets)."""
+        """Collective: every rank's fp32 gradient sum becomes their mean, in buckets of BUCKET elements. A weight
+        that some rank's micro-batches did not reach counts as zeros there; one that no rank's did keeps no
+        gradient (the optimizer leaves it alone, as it would in one process)."""
+        reached = torch.tensor([float(m.grad is not None) for m, _ in self.pairs], device=self.pairs[0][0].device)
+        dist.all_reduce(reached)
         grads = []
-        for m, _ in self.pairs:
-            if m.grad is None:
-                m.grad = torch.zeros_like(m)
-            grads.append(m.grad)
+        for (m, _), anywhere in zip(self.pairs, reached.tolist()):
+            if anywhere:
+                if m.grad is None:
+                    m.grad = torch.zeros_like(m)
+                grads.append(m.grad)
         for bucket in _buckets(grads, BUCKET):
+            if len(bucket) == 1:  # a large tensor alone: reduced in place, not copied
+                dist.all_reduce(bucket[0])
+                bucket[0].div_(world_size)
+                continue
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat)
             flat.div_(world_size)

@@ -1,4 +1,4 @@
-"""One process (and DDP, which differs only in wrapping the module for gradient all-reduce)."""
+"""One process, and DDP: every rank holds the whole model and the ranks average their gradients once a step."""
 
 from __future__ import annotations
 
@@ -42,10 +42,8 @@ class LocalEngine(LocalOptimizerEngine):
     def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
         self.zero.before_backward()
         (loss * self.env.world_size).backward()  # the ranks' mean below (or DDP's); the loss is already global
-        if self.master:
-            self.master.accumulate()
-            if last_micro and self.reduce_master:
-                self.master.average_over_ranks(self.env.world_size)
+        if last_micro and self.reduce_master:  # the master copy's hooks have summed this rank's in fp32
+            self.master.average_over_ranks(self.env.world_size)
 
     def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
         if main_only and not self.env.is_main:
