@@ -163,11 +163,13 @@ def test_one_process_sums_micro_batch_gradients_in_fp32():
     model = torch.nn.Linear(2, 1, bias=False).to(torch.bfloat16)
     engine = build_engine("single", model, OptimSpec(lr=1e-3, grad_clip=0.0), SINGLE)
     grads = [1.0] + [2.0 ** -9] * 64  # in bf16, 1 + 2^-9 is 1: a bf16 running sum never moves
+    moved = []
     for i, g in enumerate(grads):
         engine.backward((engine.module(torch.full((1, 2), g, dtype=torch.bfloat16))).sum(), i == len(grads) - 1)
-        assert model.weight.grad is None  # moved onto the fp32 copy as the backward made it, not kept twice
+        moved.append(model.weight.grad is None)
     engine.step()
     assert engine.master.params[0].grad.tolist() == [[1.125, 1.125]]  # the gradient the step took (kept after it)
+    assert all(moved)  # onto the fp32 copy as each backward made it, not kept twice
     stepped = engine.master.params[0].detach().clone()
     engine.step()  # no backward since: no gradient, nothing moves
     assert torch.equal(engine.master.params[0], stepped)
