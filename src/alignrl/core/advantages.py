@@ -45,14 +45,13 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, sum_ra
     return (x - mean) * torch.rsqrt(var + eps) * m
 
 
-WHITEN_MODES = ("std", "center", "none")  # algorithm.whiten_advantages
-
-
-def whiten_by(x: torch.Tensor, mask: torch.Tensor, mode: str, sum_ranks: SumRanks = None) -> torch.Tensor:
-    """The batch-wide normalisation of token advantages `mode` names: std (whiten), center (mean only) or none."""
+def whiten_by(x: torch.Tensor, mask: torch.Tensor, mode: str, sum_ranks: SumRanks = None,
+              eps: float = 1e-8) -> torch.Tensor:
+    """The batch-wide normalisation of token advantages `mode` (algorithm.whiten_advantages) names: std (whiten),
+    center (mean only) or none."""
     if mode == "none":
         return x * mask.to(x.dtype)
-    return masked_whiten(x, mask, sum_ranks=sum_ranks, divide_by_std=mode == "std")
+    return masked_whiten(x, mask, eps, sum_ranks, divide_by_std=mode == "std")
 
 
 def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -114,20 +113,14 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gam
     penalty with `kl.kl_penalty_rewards`), mask (B, T) -> advantages (B, T), 0 outside the mask.
     Masked-out tokens inside a response are skipped by the return recursion; their rewards are ignored.
     """
-    returns = _discounted_returns(token_rewards, mask, gamma)
-    if whiten == "std":
-        return masked_whiten(returns, mask, eps, sum_ranks)
-    return whiten_by(returns, mask, whiten, sum_ranks)
-
-
-OUTCOME_BASELINES = ("none", "loo", "mean", "mean_std")  # algorithm.outcome_baseline
+    return whiten_by(_discounted_returns(token_rewards, mask, gamma), mask, whiten, sum_ranks, eps)
 
 
 def shape_outcome(rewards: torch.Tensor, group: torch.Tensor, baseline: str) -> torch.Tensor:
     """Outcome rewards (B,) shaped by their prompt's group, ahead of any per-token KL penalty and the
     returns-to-go, as OpenRLHF's estimators shape them: none; loo, minus the mean of the group's other samples
     (its rloo); mean, minus the group mean (reinforce_baseline, dr_grpo); mean_std, that divided by the group's
-    std (group_norm). A sample alone in its group gets 0 (except with none)."""
+    std (group_norm): algorithm.outcome_baseline. A sample alone in its group gets 0 (except with none)."""
     if baseline == "none":
         return rewards
     if baseline == "loo":

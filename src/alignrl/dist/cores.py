@@ -44,7 +44,9 @@ class ThreadLoan:
             self.now = self.want
 
     def settle(self) -> None:
-        """Back to its own share, at the end of an update: the samplers are about to be answered."""
+        """Back to its own share, at the end of an update, and wanting no more until the ledger says otherwise:
+        the samplers are about to be answered."""
+        self.want = self.own
         if self.now != self.own:
             torch.set_num_threads(self.own)
             self.now = self.own
@@ -125,7 +127,6 @@ class CoreLedger:
             if entry.parked:  # one that died while working stays busy no longer than ANSWERED_S
                 self.answered(sampler, now)
         if self.loan is not None:
-            self.loan.want = self.loan.own
             self.loan.settle()
 
     def update(self, outstanding: dict, now: float) -> None:

@@ -7,7 +7,7 @@ fp32 copy of the weights, and the result is copied into the model, which compute
 generation that shares it) in its own dtype. The copy is a module of the model's structure, so the optimizer
 state keeps the FQN-keyed form every local engine reads.
 
-Gradients are summed in fp32 too: each micro-batch's bf16 gradient moves onto the copy after its backward (a
+Gradients are summed in fp32 too: each weight's bf16 gradient moves onto the copy as the backward makes it (a
 bf16 running sum over many micro-batches rounds away the small ones), and under data parallelism the ranks
 average the fp32 sums (DeepSpeed's fp32 gradient accumulation, FSDP's fp32 reduce_dtype), not bf16 buckets.
 """
@@ -15,6 +15,7 @@ average the fp32 sums (DeepSpeed's fp32 gradient accumulation, FSDP's fp32 reduc
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -44,9 +45,8 @@ class MasterWeights:
         self.model = model
         self.shadow = copy.deepcopy(model).float()  # same names, same trainable set, fp32
         self.pairs = [(m, p) for m, p in zip(self.shadow.parameters(), model.parameters()) if p.requires_grad]
-        master_of = {id(p): m for m, p in self.pairs}
-        for _, p in self.pairs:  # each gradient leaves the model as soon as the backward has made it
-            p.register_post_accumulate_grad_hook(lambda p: self._take(master_of[id(p)], p))
+        for m, p in self.pairs:  # each gradient leaves the model as soon as the backward has made it
+            p.register_post_accumulate_grad_hook(functools.partial(self._take, m))
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
