@@ -272,6 +272,24 @@ def test_ray_steps_with_critic_and_reward_groups_match_the_in_process_loop_after
     print(f"max |ray - in-process| at step 3 after the resume: {worst}")
 
 
+def test_a_sharded_reference_group_trains_as_whole_copies_do(cluster, tiny_model_dir, tmp_path, capsys):
+    """--zero_stage 3 with two reference ranks: one copy of the reference sharded over them (FSDP, as OpenRLHF's
+    ZeRO-3 reference group; every engine call reaches both ranks), against two whole copies (--zero_stage 2).
+    The reference log-probs are the same numbers (tests/test_sharded_ref.py: exactly), so are the weights."""
+    finals = {}
+    for stage in ("3", "2"):
+        save = tmp_path / f"zero{stage}"
+        argv = tiny(tiny_model_dir, save, 2, "--ref_num_gpus_per_node", "2", "--zero_stage", stage,
+                    "--ckpt_path", str(save / "ckpt"))
+        assert main(argv) == 0, capsys.readouterr().err
+        said = capsys.readouterr().out
+        assert ("one copy sharded over 2 ranks" in said) == (stage == "3"), said
+        finals[stage] = load_file(save / "ckpt" / "global_step_2" / "model" / "model.safetensors")
+        assert [r["step"] for r in metric_rows(save) if r["step"] > 0] == [1, 2]
+    for k, v in finals["3"].items():
+        torch.testing.assert_close(v, finals["2"][k], rtol=0, atol=1e-6, msg=k)
+
+
 def metric_rows(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
 

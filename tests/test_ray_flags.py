@@ -55,6 +55,11 @@ def test_seed_001_flags_translate_to_the_loop_config():
     not_applied = f"--flash_attn ({F.NOT_APPLIED_WHY})"  # said on GPUs too, not dropped in silence
     assert F.unused_here(args, gpus=False) == [not_applied, "--bf16 (no CUDA)"]
     assert F.unused_here(args, gpus=True) == [not_applied]
+    # --zero_stage 3 shards the reference group on any device; below 3, or with no reference, it does nothing on CPUs
+    assert F.unused_here(parse(*SEED_001, "--zero_stage", "3"), gpus=False) == []
+    assert F.unused_here(parse(*SEED_001, "--zero_stage", "1"), gpus=False) == ["--zero_stage (no CUDA)"]
+    assert Layout.from_flags(parse(*SEED_001, "--zero_stage", "3")).shard_ref
+    assert not Layout.from_flags(parse(*SEED_001)).shard_ref
     gpu = load_config(None, F.overrides(args, gpus=True, total_steps=3))
     assert (gpu.trainer.strategy, gpu.model.dtype) == ("deepspeed", "bfloat16")
 

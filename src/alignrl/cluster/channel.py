@@ -100,24 +100,28 @@ def merge(batches: list[ScoredBatch], pad_id: int) -> ScoredBatch:
     return out
 
 
-def split_call(workers: list[Peer], method: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def split_call(workers: list[Peer], method: str, tensors: tuple[torch.Tensor, ...], every: bool = False
+               ) -> torch.Tensor:
     """`method` of each worker on its even share of the rows of `tensors` (one call per worker that has
-    rows), the results concatenated in row order. Waited for as long as the workers live: a worker serves one
-    call at a time, so a large batch's calls queue behind other engines' (a fixed limit cut off big steps)."""
+    rows, or per worker with `every`: a collective call), the results concatenated in row order. Waited for as
+    long as the workers live: a worker serves one call at a time, so a large batch's calls queue behind other
+    engines' (a fixed limit cut off big steps)."""
     parts = [t.tensor_split(len(workers)) for t in tensors]
-    use = [(w, args) for w, args in zip(workers, zip(*parts)) if len(args[0])]
+    use = [(w, args) for w, args in zip(workers, zip(*parts)) if every or len(args[0])]
     refs = [getattr(w.handle, method).remote(*args) for w, args in use]
     return torch.cat(patient_get(refs, [w for w, _ in use]))
 
 
 class RayRefScorer:
-    """RefScorer over the reference group's Ray actors: rows split evenly, one call per worker."""
+    """RefScorer over the reference group's Ray actors: rows split evenly, one call per worker (every worker,
+    with an empty share too, when they hold one sharded model: their forwards are collective)."""
 
-    def __init__(self, workers: list[Peer]):
-        self.workers = workers
+    def __init__(self, workers: list[Peer], sharded: bool = False):
+        self.workers, self.sharded = workers, sharded
 
     def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
-        return split_call(self.workers, "logprobs", (prompt_ids, prompt_mask, response_ids, response_mask))
+        return split_call(self.workers, "logprobs", (prompt_ids, prompt_mask, response_ids, response_mask),
+                          every=self.sharded)
 
 
 class RayRewardScorer:

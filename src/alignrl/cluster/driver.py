@@ -29,7 +29,7 @@ import torch
 from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from alignrl.cluster.channel import ClusterError, Peer, RayProducers
+from alignrl.cluster.channel import ClusterError, Peer, RayProducers, RayRefScorer, patient_get
 from alignrl.cluster.critic import CriticGroup, CriticRank
 from alignrl.cluster.plan import Layout, describe, engine_slot, release, requests, reserve, slots
 from alignrl.cluster.workers import WATCH, PolicyRank, RefWorker, RewardWorker, RolloutWorker
@@ -111,6 +111,7 @@ class Driver:
         self.kind = "hf"  # the rollout engines' kind, chosen when they start
         self.reqs: dict = {}
         self.workers: list[Peer] = []  # everything started, for the watch and the clean-up
+        self.loading: tuple = ()  # the reference group's pending loads, its workers, whether it is sharded
 
     def say(self, line: str) -> None:
         print(f"{self.job.prog}: {line}", flush=True)
@@ -154,10 +155,7 @@ class Driver:
     def train(self) -> int:
         job, lay = self.job, self.job.layout
         text, t = to_yaml(job.cfg), job.threads
-        refs = []
-        if "ref" in lay.groups:
-            refs = [self.start(RefWorker, s, f"reference rank {i}", text, s.local_rank, t)
-                    for i, s in enumerate(slots(self.reqs, "ref", lay.world("ref"), lay.per_node("ref")))]
+        refs = self.start_refs(text) if "ref" in lay.groups else None
         rms = []
         if "reward" in lay.groups:
             rms = [self.start(RewardWorker, s, f"reward model rank {i}", text, s.local_rank, t)
@@ -168,6 +166,8 @@ class Driver:
         ranks = [self.start(PolicyRank, s, f"actor rank {r}", r, actors, s.local_rank, t, job.peer_timeout_s)
                  for r, s in enumerate(slots(self.reqs, "actor", actors, lay.per_node("actor")))]
         self.name_nodes()
+        if refs is not None:
+            self.loaded_refs()
         master = ray.get(ranks[0].handle.free_address.remote())
         producers = RayProducers(engines, self.weight_backend(), job.peer_timeout_s, critics and CriticGroup(
             critics, ray.get(critics[0].handle.free_address.remote()), job.peer_timeout_s))
@@ -188,7 +188,7 @@ class Driver:
         self.say(f"rollout engines: vLLM, tensor-parallel size {self.job.layout.tp}")
         return "vllm"
 
-    def start_engines(self, text: str, refs: list[Peer], rms: list[Peer]) -> list[Peer]:
+    def start_engines(self, text: str, refs: RayRefScorer | None, rms: list[Peer]) -> list[Peer]:
         """The rollout engines. A vLLM engine of tensor-parallel size T > 1 holds no GPU itself: vLLM's Ray
         executor puts its T workers on the T one-GPU bundles of the engine's group."""
         lay, job = self.job.layout, self.job
@@ -200,6 +200,28 @@ class Driver:
                                   refs, rms, self.kind, lay.tp, job.gpu_memory_utilization,
                                   children_take_gpus=self.kind == "vllm" and lay.tp > 1))
         return out
+
+    def start_refs(self, text: str) -> RayRefScorer:
+        """The reference group, loaded: one copy sharded over its ranks (`Layout.shard_ref`, with more than one
+        rank) or a whole copy in each."""
+        lay, job = self.job.layout, self.job
+        world = lay.world("ref")
+        refs = [self.start(RefWorker, s, f"reference rank {i}", text, i, world, s.local_rank, job.threads,
+                           job.peer_timeout_s)
+                for i, s in enumerate(slots(self.reqs, "ref", world, lay.per_node("ref")))]
+        sharded = lay.shard_ref and world > 1
+        master = ray.get(refs[0].handle.free_address.remote()) if sharded else None
+        # loaded while the other workers start (a worker serves its calls in order: no engine asks before)
+        self.loading = [r.handle.build.remote(master) for r in refs], refs, sharded
+        return RayRefScorer(refs, sharded)
+
+    def loaded_refs(self) -> None:
+        """Waits for the reference group to load (a big model takes minutes) while its workers live."""
+        builds, refs, sharded = self.loading
+        held = patient_get(builds, refs, say=self.say)
+        if sharded:
+            self.say(f"reference: one copy sharded over {len(refs)} ranks ({held[0]:,} of {sum(held):,} weights "
+                     "on rank 0)")
 
     def start_critics(self, text: str, actors: int) -> list[Peer]:
         """The critic group's ranks; each serves actors // C actor ranks, so it takes that many calls at

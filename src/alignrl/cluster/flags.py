@@ -30,9 +30,9 @@ ESTIMATORS = {"gae": ("gae", "none"), "reinforce": ("reinforce_plus_plus", "none
 GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
 WHITENED = ("gae", "reinforce", "reinforce_baseline")
 KL_ESTIMATORS = {"k1": "k1", "k2": "k2", "k3": "k3"}
-# flags that change nothing without GPUs (vLLM, DeepSpeed and kernel options)
-GPU_ONLY = ("bf16", "adam_offload", "enable_prefix_caching", "vllm_gpu_memory_utilization", "vllm_sync_backend",
-            "zero_stage")
+# flags that change nothing without GPUs (vLLM, DeepSpeed and kernel options); --zero_stage 3 still shards the
+# reference group's model there (FSDP over gloo), so it is unused on CPUs only without a reference or below 3
+GPU_ONLY = ("bf16", "adam_offload", "enable_prefix_caching", "vllm_gpu_memory_utilization", "vllm_sync_backend")
 # flags this placement does not apply on any device: named at start, never silently dropped
 NOT_APPLIED = ("flash_attn", "vllm_enable_sleep", "deepspeed_enable_sleep", "enforce_eager")
 NOT_APPLIED_WHY = "not applied here: attention runs through PyTorch's SDPA, engines and DeepSpeed stay resident"
@@ -271,7 +271,9 @@ def unused_here(args, gpus: bool) -> list[str]:
     placement does not apply, GPU-only ones without CUDA, the prompt-column flags on synthetic data, and
     --input_template beside --apply_chat_template (OpenRLHF ignores it there too)."""
     defaults = vars(parser().parse_args([]))
-    groups = [(NOT_APPLIED, NOT_APPLIED_WHY), (() if gpus else GPU_ONLY, "no CUDA"),
+    shards_ref = args.zero_stage == 3 and uses_reference(args)
+    groups = [(NOT_APPLIED, NOT_APPLIED_WHY),
+              (() if gpus else GPU_ONLY + (() if shards_ref else ("zero_stage",)), "no CUDA"),
               (DATA_KEYS if args.prompt_data == "synthetic" else (), "the prompts are synthetic"),
               (("input_template",) if args.apply_chat_template and args.prompt_data != "synthetic" else (),
                "--apply_chat_template formats the prompts"),

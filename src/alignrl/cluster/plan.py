@@ -81,6 +81,7 @@ class Layout:
     colocate_actor_ref: bool = False
     colocate_critic_reward: bool = False
     colocate_all_models: bool = False
+    shard_ref: bool = False  # one reference model sharded over the reference group (ZeRO-3, verl's FSDP)
 
     def world(self, role: str) -> int:
         nodes, per_node = self.groups[role]
@@ -96,14 +97,15 @@ class Layout:
                                                ("reward", uses_reward_model(args))) if used]
         return cls({r: (getattr(args, f"{r}_num_nodes"), getattr(args, f"{r}_num_gpus_per_node")) for r in roles},
                    args.vllm_num_engines, args.vllm_tensor_parallel_size, args.colocate_actor_ref,
-                   args.colocate_critic_reward, args.colocate_all_models)
+                   args.colocate_critic_reward, args.colocate_all_models, shard_ref=args.zero_stage == 3)
 
     @classmethod
     def hybrid(cls, nodes: int, per_node: int, reference: bool) -> Layout:
         """verl's hybrid engine (`trainer.nnodes` × `trainer.n_gpus_per_node`): every unit holds one actor
-        rank, one rollout engine of tensor-parallel size 1 and, with a KL term, one reference worker."""
+        rank, one rollout engine of tensor-parallel size 1 and, with a KL term, one reference worker (the
+        reference workers hold one copy sharded among them, as verl's FSDP reference does)."""
         groups = {"actor": (nodes, per_node), **({"ref": (nodes, per_node)} if reference else {})}
-        return cls(groups, nodes * per_node, 1, colocate_actor_ref=True, colocate_all_models=True)
+        return cls(groups, nodes * per_node, 1, colocate_actor_ref=True, colocate_all_models=True, shard_ref=True)
 
 
 def requests(layout) -> dict[str, GroupRequest]:

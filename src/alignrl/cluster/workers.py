@@ -106,18 +106,37 @@ class PolicyRank(Worker):
 
 
 class RefWorker(Worker):
-    """A frozen copy of the base policy that scores reference log-probs (the loop's `build_ref`)."""
+    """Rank `rank` of the reference group: a frozen copy of the base policy scoring reference log-probs (the
+    loop's `build_ref`), or, sharded (`build` given the group's rendezvous), this rank's shard of one copy held
+    by the whole group (`dist.sharded_ref`), as OpenRLHF's reference group holds it under ZeRO-3."""
 
-    def __init__(self, cfg_text: str, local_rank: int, threads: int):
-        from alignrl.algos.placement import build_ref
-
+    def __init__(self, cfg_text: str, rank: int, world: int, local_rank: int, threads: int, peer_timeout_s: float):
         super().__init__(threads)
-        self.scorer = build_ref(config_of(cfg_text), device_for(local_rank))
+        self.cfg, self.rank, self.world, self.local_rank = config_of(cfg_text), rank, world, local_rank
+        self.timeout_s, self.scorer = peer_timeout_s, None
+
+    def build(self, master: tuple[str, int] | None) -> int:
+        """Loads the reference; with `master` (reference rank 0's address) joins the group's torch.distributed
+        and keeps only this rank's shard. Returns the parameter elements this worker holds."""
+        from alignrl.algos.placement import build_ref
+        from alignrl.dist.env import init_distributed
+        from alignrl.dist.sharded_ref import build_sharded_ref, held_elements
+
+        dev = device_for(self.local_rank)
+        if master is None:
+            self.scorer = build_ref(self.cfg, dev)
+        else:
+            os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world),
+                              LOCAL_RANK=str(dev.index if dev.type == "cuda" else self.local_rank),
+                              MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+            if not dist.is_initialized():  # joined here: not from the actor's main thread
+                dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                        timeout=timedelta(seconds=self.timeout_s))
+            self.scorer = build_sharded_ref(self.cfg, init_distributed(self.cfg.trainer.device))
+        return held_elements(self.scorer.model)
 
     def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
-        dev = next(self.scorer.model.parameters()).device
-        return self.scorer.logprobs(prompt_ids.to(dev), prompt_mask.to(dev), response_ids.to(dev),
-                                    response_mask.to(dev)).cpu()
+        return self.scorer.logprobs(prompt_ids, prompt_mask, response_ids, response_mask).cpu()
 
 
 class RewardWorker(Worker):
@@ -141,11 +160,10 @@ class RolloutWorker(Worker):
     engine on its own copy of the policy, the loop's RolloutMaker (`build_maker`) around it, weights from
     actor rank 0 through the broadcast group."""
 
-    def __init__(self, cfg_text: str, index: int, local_rank: int, threads: int, ref_workers: list,
+    def __init__(self, cfg_text: str, index: int, local_rank: int, threads: int, ref_group,
                  reward_workers: list, engine: str = "hf", tp: int = 1, gpu_memory_utilization: float = 0.6):
         from alignrl.algos.placement import build_ref
         from alignrl.algos.runner import PromptData, load_task_data
-        from alignrl.cluster.channel import RayRefScorer
         from alignrl.models.loader import load_model
 
         super().__init__(threads)
@@ -160,10 +178,11 @@ class RolloutWorker(Worker):
             model, self.tokenizer = load_model(cfg.model.path, cfg.model.dtype)
             model = model.to(self.device)
             self.engine, self.named = HFRolloutEngine(model, self.tokenizer), list(model.named_parameters())
-        # the reference group's workers; else (no group of its own) the loop's own choice: none without a
-        # KL term, the reference service when configured, a frozen base copy in this engine otherwise
-        if ref_workers:
-            self.ref = RayRefScorer(ref_workers)
+        # `ref_group`: the reference group (a RayRefScorer over its workers); else (no group of its own) the
+        # loop's own choice: none without a KL term, the reference service when configured, a frozen base copy
+        # in this engine otherwise
+        if ref_group is not None:
+            self.ref = ref_group
         else:
             # a vLLM engine holds no HF copy (model None): build_ref loads one if the reference is frozen here
             self.ref = build_ref(cfg, self.device, model)

@@ -26,13 +26,24 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+def shard_blocks(model: torch.nn.Module, env: DistEnv, **options) -> None:
+    """`fully_shard` on each transformer block, then the root, over all of `env`'s ranks. It moves the weights
+    to the ranks' device block by block and keeps only this rank's shard: the whole model never sits on one GPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+
+
 class FSDP2Engine(LocalOptimizerEngine):
     name = "fsdp2"
     whole_weights = False
 
     def __init__(self, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, param_dtype: torch.dtype | None = None):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if not env.distributed:
             raise ValueError("trainer.strategy=fsdp2 needs several processes: launch with torchrun "
@@ -48,12 +59,7 @@ class FSDP2Engine(LocalOptimizerEngine):
             param_dtype = param_dtype or low
         # bf16 compute with fp32 gradient reduction where asked; fp32 everywhere by default (CPU)
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-        # fully_shard moves the weights it takes to the mesh's device block by block and keeps only this rank's
-        # shard: the whole (fp32) model never sits on one GPU, as it did when it was moved there first
-        mesh = init_device_mesh(env.device.type, (env.world_size,))
-        for block in _blocks(model):
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        shard_blocks(model, env, mp_policy=mp)
         self.model = self.module = model
         self._build_optimizer(spec)
 

@@ -1,0 +1,63 @@
+"""One frozen reference model sharded over a process group (FSDP2), as OpenRLHF's reference group holds it
+under ZeRO-3 and verl's under FSDP: each rank keeps 1/N of the weights, and every forward all-gathers them one
+transformer block at a time. Without it each reference rank held the whole model, which for seed 001's 32B
+policy (64 GB in bf16) does not fit beside the actor on a GPU.
+
+The cost of sharing the weights is that every rank must make the same model calls: a forward is collective.
+The rollout engines split each batch over all reference ranks (`RayRefScorer` with `every=True` calls even the
+ranks whose share is empty), the ranks first agree on the largest number of micro-batches any of them has, and
+those with fewer run one-token forwards until they reach it. Two engines calling at once pair calls of different
+engines on different ranks; that is harmless, as each rank computes only its own rows and every call makes the
+same collectives.
+
+Deliberately left out: CPU offload of the shards (OpenRLHF's `--ref_reward_offload`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from alignrl.algos.producer import batched_logprobs
+from alignrl.dist.env import DistEnv
+from alignrl.models.logprobs import Layout
+
+
+def held_elements(model: torch.nn.Module) -> int:
+    """Parameter elements this rank holds (its shards, or the whole model when unsharded)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+class ShardedRefScorer:
+    """RefScorer over a reference model sharded with `shard_blocks`; `logprobs` is collective over the group."""
+
+    def __init__(self, model, env: DistEnv, temperature: float, micro_batch: int, layout: Layout = Layout()):
+        self.model, self.env = model, env
+        self.temperature, self.micro_batch, self.layout = temperature, micro_batch, layout
+
+    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+        rows = prompt_ids.shape[0]
+        mine = -(-rows // self.micro_batch)  # per_token_in_chunks splits the rows into this many micro-batches
+        most = torch.tensor([mine], device=self.env.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        out = (batched_logprobs(self.model, prompt_ids, prompt_mask, response_ids, response_mask, self.temperature,
+                                self.micro_batch, self.layout) if rows else
+               torch.zeros(response_ids.shape))
+        token, mask = torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)
+        for _ in range(int(most) - mine):  # the same calls as one micro-batch of real rows, on one token each
+            batched_logprobs(self.model, token, mask, token, mask, self.temperature, 1, self.layout)
+        return out
+
+
+def build_sharded_ref(cfg, env: DistEnv) -> ShardedRefScorer:
+    """The base model (`model.path`, frozen) sharded over every rank of `env`'s process group."""
+    from alignrl.algos.placement import forward_layout
+    from alignrl.models.loader import load_model
+    from alignrl.train.engines.fsdp2 import shard_blocks
+
+    model = load_model(cfg.model.path, cfg.model.dtype)[0]
+    model.eval()
+    model.requires_grad_(False)
+    shard_blocks(model, env, reshard_after_forward=True)  # the root too: FSDP2 keeps a root gathered for its backward
+    return ShardedRefScorer(model, env, cfg.rollout.temperature, cfg.actor.forward_micro_batch, forward_layout(cfg))

@@ -1,0 +1,64 @@
+"""One rank of the sharded-reference test (run by torchrun, two gloo ranks): the base model sharded over the
+ranks scores rows of uneven shares (so the ranks run different numbers of micro-batches, one of them none),
+and each rank compares its rows with a whole copy of the model scoring the same rows."""
+
+import argparse
+import json
+from dataclasses import replace
+
+import torch
+
+from alignrl.algos.producer import LocalRefScorer
+from alignrl.config import RunConfig
+from alignrl.dist.env import init_distributed
+from alignrl.dist.sharded_ref import build_sharded_ref, held_elements
+from alignrl.models.loader import frozen_copy, load_model
+from alignrl.models.logprobs import Layout
+
+
+def rows(n: int, vocab: int, gen: torch.Generator):
+    """`n` rows of left-padded prompts and right-padded responses of varied lengths (two rows share a prompt)."""
+    pids, pmask = torch.zeros(n, 6, dtype=torch.long), torch.zeros(n, 6, dtype=torch.bool)
+    rids, rmask = torch.zeros(n, 5, dtype=torch.long), torch.zeros(n, 5, dtype=torch.bool)
+    for i in range(n):
+        p, r = 2 + i % 5, 1 + (3 * i) % 5
+        pids[i, 6 - p:] = torch.randint(3, vocab, (p,), generator=gen)
+        pmask[i, 6 - p:] = True
+        rids[i, :r] = torch.randint(3, vocab, (r,), generator=gen)
+        rmask[i, :r] = True
+    pids[1], pmask[1] = pids[0], pmask[0]
+    return pids, pmask, rids, rmask
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    env = init_distributed("cpu")
+    cfg = RunConfig()
+    cfg = replace(cfg, model=replace(cfg.model, path=a.model, dtype="float32"),
+                  actor=replace(cfg.actor, logprob_micro_batch_size=2))
+    sharded = build_sharded_ref(cfg, env)
+    whole = frozen_copy(load_model(a.model, "float32")[0])
+    vocab = whole.config.vocab_size
+    batch = rows(9, vocab, torch.Generator().manual_seed(0))
+    # (rank 0's rows, rank 1's rows): 3 micro-batches against 1, none against 5, then the same shares
+    shares = [(slice(0, 5), slice(5, 7)), (slice(0, 0), slice(0, 9)), (slice(2, 4), slice(4, 6))]
+    worst = 0.0
+    for layout in (Layout(), Layout(share_prompt=True), Layout(remove_padding=True)):
+        sharded.layout = layout
+        local = LocalRefScorer(whole, cfg.rollout.temperature, 2, layout)
+        for share in shares:
+            mine = tuple(t[share[env.rank]] for t in batch)
+            got = sharded.logprobs(*mine)
+            want = local.logprobs(*mine) if len(mine[0]) else torch.zeros(mine[2].shape)
+            assert got.shape == want.shape, (got.shape, want.shape)
+            worst = max(worst, float((got - want).abs().max()) if got.numel() else 0.0)
+    total = sum(p.numel() for p in whole.parameters())
+    with open(f"{a.out}.{env.rank}.json", "w") as f:
+        json.dump({"held": held_elements(sharded.model), "total": total, "worst": worst}, f)
+
+
+if __name__ == "__main__":
+    main()
