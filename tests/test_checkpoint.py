@@ -169,6 +169,8 @@ def test_save_writes_a_manifest_and_rotates_only_complete_checkpoints(engine, tm
     files = json.loads((root / "global_step_3" / MANIFEST).read_text())["files"]
     assert {"model/model.safetensors", "model_state/optim.pt", "trainer_state.pt"} <= set(files)
     assert (stray / "notes.txt").read_text() == "keep me" and not list(root.glob(".global_step_*"))
+    save_checkpoint(root, 4, {"model": eng}, tok, {"x": 4}, keep=0)  # 0 keeps every one (verl's default)
+    assert sorted(p.name for p in root.glob("global_step_*"))[1:] == ["global_step_2", "global_step_3", "global_step_4"]
 
 
 def test_a_rank_that_does_not_see_rank_0s_folder_stops_the_save_in_one_line(engine, tmp_path):

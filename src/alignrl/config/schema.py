@@ -319,7 +319,8 @@ class TrainerConfig:
     eval_pass_at_k: bool = opt(False, "before and after training, also report held-out pass@k at the rollout "
                                       "temperature (k = rollout.n) beside greedy pass@1, overall and by difficulty")
     save_freq: int = opt(10, "checkpoint every N steps; 0 keeps only the final one", ge=0)
-    max_checkpoints: int = opt(2, "checkpoints kept on disk (oldest removed first)", ge=1)
+    max_checkpoints: int = opt(2, "checkpoints kept on disk (oldest removed first); 0 keeps all (verl's "
+                                  "default)", ge=0)
     resume_mode: str = opt("auto", "'auto' continues from the last checkpoint, 'disable' starts fresh",
                            choices=("auto", "disable"))
     seed: int = opt(0, "seed for data order, sampling and initialisation")

@@ -158,8 +158,10 @@ def save_engine(engine, folder: Path, name: str, env: DistEnv = SINGLE) -> None:
 
 
 def _rotate(root: Path, newest: Path, keep: int) -> None:
-    """Keeps the checkpoint just written and the `keep - 1` newest other complete ones; incomplete folders
-    are never touched (they are not ours to judge)."""
+    """Keeps the checkpoint just written and the `keep - 1` newest other complete ones (all with `keep` 0);
+    incomplete folders are never touched (they are not ours to judge)."""
+    if keep == 0:
+        return
     others = [f for f in step_folders(root) if f != newest and manifest_problem(f) is None]
     for old in others[keep - 1:]:
         shutil.rmtree(old, ignore_errors=True)
