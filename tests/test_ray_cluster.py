@@ -20,6 +20,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
 from alignrl.algos.runner import train_grpo  # noqa: E402
+from alignrl.cluster import flag_keys as K  # noqa: E402
 from alignrl.cluster import flags as F  # noqa: E402
 from alignrl.cluster.plan import engine_slot, release, requests, reserve, slots  # noqa: E402
 from alignrl.cluster.train_ppo_ray import main  # noqa: E402
@@ -241,7 +242,8 @@ def test_ray_steps_with_critic_and_reward_groups_match_the_in_process_loop_after
     argv = tiny(tiny_model_dir, tmp_path / "ray", 2, "--train_batch_size", "16", "--ckpt_path", str(ckpt),
                 "--advantage_estimator", "gae", "--critic_pretrain", str(tiny_model_dir), "--critic_num_nodes", "1",
                 "--critic_learning_rate", "1e-3", "--reward_pretrain", str(rm), "--reward_num_nodes", "2",
-                "--reward_num_gpus_per_node", "1", *seed_001_data(tmp_path / "prompts.json"))
+                "--reward_num_gpus_per_node", "1", *seed_001_data(tmp_path / "prompts.json"),
+                "--lr_scheduler", "constant")  # a cosine's length would change with --total_steps at the resume
     assert main(argv + ["--critic_num_gpus_per_node", "2"]) == 0, capsys.readouterr().err
     placed = json.loads((tmp_path / "ray" / "placement.json").read_text())
     critics = [w for w in placed["workers"] if w["name"].startswith("critic rank")]
@@ -258,7 +260,7 @@ def test_ray_steps_with_critic_and_reward_groups_match_the_in_process_loop_after
     rows = [r for r in after if r["step"] > 0]  # step 0: the base evaluation
     assert [r["step"] for r in rows] == [1, 2, 3] and all("critic/values_mean" in r for r in rows), rows
     args = F.parser().parse_args(argv)
-    train_grpo(load_config(None, F.overrides(args, gpus=False, total_steps=3) + [
+    train_grpo(load_config(None, K.overrides(args, gpus=False, total_steps=3) + [
         f"trainer.output_dir={tmp_path}", "trainer.experiment_name=inline3", "trainer.checkpoint_dir=checkpoints"]))
     inline = tmp_path / "inline3" / "checkpoints" / "global_step_3"
     worst = {}

@@ -1,6 +1,7 @@
 """OpenRLHF's flags of `alignrl train ppo-ray`: their checks (one line each), their translation into
 config keys, and the placement groups they ask for. No Ray cluster needed."""
 
+import math
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from alignrl.cluster import flag_keys as K
 from alignrl.cluster import flags as F
 from alignrl.cluster.plan import Layout, describe, requests
 from alignrl.config import load_config
@@ -21,6 +23,47 @@ SEED_001 = ["--ref_num_nodes", "2", "--ref_num_gpus_per_node", "4", "--actor_num
 
 def parse(*argv):
     return F.parser().parse_args(list(argv))
+
+
+def test_openrlhfs_optimiser_defaults_and_settings_come_with_its_flags():
+    """OpenRLHF's scheduler (warm-up over 3% of the optimizer steps, rounded up, then cosine to 0.1 × lr), Adam betas
+    (0.9, 0.95), GAE lambda 0.95, value clip 0.2 and reward clamp (-10, 10), for actor and critic alike; its other
+    optimiser and PPO flags map to their keys."""
+    cfg = load_config(None, K.overrides(parse(*SEED_001), gpus=False, total_steps=5))
+    steps = 5 * (128 * 8 // 128)  # RL steps × optimizer steps of one (one epoch)
+    for part in (cfg.actor, cfg.critic):
+        assert (part.lr_scheduler, part.min_lr_ratio, part.betas) == ("cosine", 0.1, [0.9, 0.95])
+        assert part.lr_warmup_steps == math.ceil(steps * 0.03) == 2 and part.weight_decay == 0.0
+    a = cfg.algorithm
+    assert (a.lam, cfg.critic.cliprange_value, a.reward_clip, a.kl_ctrl_type) == (0.95, 0.2, [-10.0, 10.0], "fixed")
+    given = parse(*SEED_001, "--lr_warmup_ratio", "0.5", "--adam_betas", "0.8", "0.9", "--l2", "0.1", "--max_norm",
+                  "0.5", "--eps_clip", "0.3", "--value_clip", "0.4", "--lambd", "0.9", "--kl_target", "0.05",
+                  "--use_kl_estimator_k3", "--reward_clip_range", "-1", "2", "--freezing_actor_steps", "2",
+                  "--dual_clip", "3", "--wandb_project", "p", "--eval_steps", "4", "--lr_scheduler", "constant")
+    cfg = load_config(None, K.overrides(given, gpus=False, total_steps=5))
+    assert (cfg.actor.lr_scheduler, cfg.actor.lr_warmup_steps, cfg.actor.betas) == ("constant", 0, [0.8, 0.9])
+    assert (cfg.critic.weight_decay, cfg.critic.grad_clip, cfg.actor.clip_ratio_high, cfg.actor.clip_ratio_c) == \
+        (0.1, 0.5, 0.3, 3.0)
+    a = cfg.algorithm
+    assert (a.lam, cfg.critic.cliprange_value, a.reward_clip, a.kl_ctrl_type, a.kl_target) == \
+        (0.9, 0.4, [-1.0, 2.0], "adaptive", 0.05)
+    assert (cfg.actor.kl_loss_type, cfg.critic.warmup_steps, cfg.trainer.project_name, cfg.trainer.test_freq) == \
+        ("k3", 2, "p", 4)
+    with_warmup = K.overrides(parse(*SEED_001, "--lr_scheduler", "constant_with_warmup"), gpus=False, total_steps=5)
+    assert load_config(None, with_warmup).actor.lr_warmup_steps == 2
+
+
+def test_openrlhf_flags_that_do_nothing_here_are_named_and_the_unsupported_ones_refused():
+    args = parse(*SEED_001, "--normalize_reward", "--save_hf_ckpt", "--wandb_run_name", "r", "--logging_steps", "5")
+    said = K.unused_here(args, gpus=True)
+    assert any(line.startswith("--normalize_reward (not applied here") for line in said), said
+    assert any(line.startswith("--save_hf_ckpt (") for line in said) and any("--wandb_run_name" in x for x in said)
+    assert any(line.startswith("--logging_steps (") for line in said), said
+    for extra, what in ((["--lora_rank", "16"], "LoRA"), (["--load_in_4bit"], "4-bit"), (["--pretrain_data", "x"],
+                                                                                         "PPO-ptx")):
+        with pytest.raises(F.FlagError, match=what) as e:
+            F.check(parse(*SEED_001, *extra))
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -45,22 +88,22 @@ def test_openrlhf_checks_are_one_line(argv, words):
 def test_seed_001_flags_translate_to_the_loop_config():
     args = parse(*SEED_001, "--pretrain", "demo", "--flash_attn", "--bf16", "--gradient_checkpointing")
     F.check(args)
-    cfg = load_config(None, F.overrides(args, gpus=False, total_steps=3))
+    cfg = load_config(None, K.overrides(args, gpus=False, total_steps=3))
     assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size) == (128, 8, 16)
     a = cfg.algorithm  # OpenRLHF's group_norm: the outcome normalised in its group, not whitened again
     assert (a.adv_estimator, a.outcome_baseline, a.whiten_advantages) == ("reinforce_plus_plus", "mean_std", "none")
     assert cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef == 0.001
     assert not cfg.algorithm.use_kl_in_reward and not cfg.critic.enable and cfg.trainer.device == "cpu"
     assert cfg.actor.gradient_checkpointing  # applied on any device
-    not_applied = f"--flash_attn ({F.NOT_APPLIED_WHY})"  # said on GPUs too, not dropped in silence
-    assert F.unused_here(args, gpus=False) == [not_applied, "--bf16 (no CUDA)"]
-    assert F.unused_here(args, gpus=True) == [not_applied]
+    not_applied = f"--flash_attn ({K.RESIDENT_WHY})"  # said on GPUs too, not dropped in silence
+    assert K.unused_here(args, gpus=False) == [not_applied, "--bf16 (no CUDA)"]
+    assert K.unused_here(args, gpus=True) == [not_applied]
     # --zero_stage 3 shards the reference group on any device; below 3, or with no reference, it does nothing on CPUs
-    assert F.unused_here(parse(*SEED_001, "--zero_stage", "3"), gpus=False) == []
-    assert F.unused_here(parse(*SEED_001, "--zero_stage", "1"), gpus=False) == ["--zero_stage (no CUDA)"]
+    assert K.unused_here(parse(*SEED_001, "--zero_stage", "3"), gpus=False) == []
+    assert K.unused_here(parse(*SEED_001, "--zero_stage", "1"), gpus=False) == ["--zero_stage (no CUDA)"]
     assert Layout.from_flags(parse(*SEED_001, "--zero_stage", "3")).shard_ref
     assert not Layout.from_flags(parse(*SEED_001)).shard_ref
-    gpu = load_config(None, F.overrides(args, gpus=True, total_steps=3))
+    gpu = load_config(None, K.overrides(args, gpus=True, total_steps=3))
     assert (gpu.trainer.strategy, gpu.model.dtype) == ("deepspeed", "bfloat16")
 
 
@@ -78,11 +121,11 @@ def test_openrlhf_estimators_keep_their_shaping_and_whitening(estimator, extra, 
     Its group estimators run with gamma 1 whatever --gamma says, and say so once."""
     args = parse("--advantage_estimator", estimator, "--n_samples_per_prompt", "4", "--gamma", "0.9", *extra)
     F.check(args)
-    a = load_config(None, F.overrides(args, gpus=False, total_steps=3)).algorithm
+    a = load_config(None, K.overrides(args, gpus=False, total_steps=3)).algorithm
     assert (a.adv_estimator, a.outcome_baseline, a.whiten_advantages) == want
     group = estimator in F.GROUP_ESTIMATORS
     assert a.gamma == (1.0 if group else 0.9)
-    assert any(line.startswith("--gamma (OpenRLHF sets gamma to 1") for line in F.unused_here(args, False)) == group
+    assert any(line.startswith("--gamma (OpenRLHF sets gamma to 1") for line in K.unused_here(args, False)) == group
 
 
 def test_estimators_drop_the_critic_and_zero_kl_drops_the_reference():
@@ -144,7 +187,7 @@ def test_seed_001_training_scripts_pass_the_checks(script, tmp_path):
     assert out.returncode == 0, out.stderr
     args = parse(*(tmp_path / "args.txt").read_text().splitlines())
     F.check(args)
-    load_config(None, F.overrides(args, gpus=False, total_steps=3))
+    load_config(None, K.overrides(args, gpus=False, total_steps=3))
     assert describe(requests(args), gpus=True) == ("actor 2 node(s) × 4 GPU (with ref); engine0 1 node(s) × 4 GPU; "
                                                    "engine1 1 node(s) × 4 GPU = 16 GPU")
 
@@ -192,35 +235,35 @@ def test_prompt_data_flags_become_the_data_keys(tmp_path):
                  "--micro_train_batch_size", "2", "--actor_num_gpus_per_node", "1", "--ref_num_gpus_per_node", "1",
                  "--vllm_num_engines", "1", "--micro_rollout_batch_size", "2")
     F.check(args)
-    d = load_config(None, F.overrides(args, gpus=False, total_steps=3)).data
+    d = load_config(None, K.overrides(args, gpus=False, total_steps=3)).data
     assert (d.prompt_key, d.label_key, d.input_template, d.apply_chat_template) == ("messages", "answer", None, True)
-    assert F.unused_here(args, gpus=True) == []
-    assert load_config(None, F.overrides(args, gpus=False, total_steps=3)).actor.forward_micro_batch == 2
-    assert not load_config(None, F.overrides(args, gpus=False, total_steps=3)).actor.use_remove_padding
+    assert K.unused_here(args, gpus=True) == []
+    assert load_config(None, K.overrides(args, gpus=False, total_steps=3)).actor.forward_micro_batch == 2
+    assert not load_config(None, K.overrides(args, gpus=False, total_steps=3)).actor.use_remove_padding
     packed = parse(*SEED_001, "--packing_samples")
-    assert load_config(None, F.overrides(packed, gpus=False, total_steps=3)).critic.use_remove_padding
-    assert "--packing_samples" not in " ".join(F.unused_here(packed, gpus=False))  # it runs on the CPU too
+    assert load_config(None, K.overrides(packed, gpus=False, total_steps=3)).critic.use_remove_padding
+    assert "--packing_samples" not in " ".join(K.unused_here(packed, gpus=False))  # it runs on the CPU too
     assert training_steps(args) == 2  # 4 rows / 2 prompts per step
 
     raw = parse("--prompt_data", str(data), "--label_key", "answer", "--input_template", "Q: {}\nA: ")
-    d = load_config(None, F.overrides(raw, gpus=False, total_steps=3)).data
+    d = load_config(None, K.overrides(raw, gpus=False, total_steps=3)).data
     assert (d.prompt_key, d.label_key, d.input_template, d.apply_chat_template) == ("input", "answer", "Q: {}\nA: ",
                                                                                       False)
-    assert F.unused_here(raw, gpus=True) == []
+    assert K.unused_here(raw, gpus=True) == []
     both = parse("--prompt_data", str(data), "--input_key", "messages", "--input_template", "Q: {}",
                  "--apply_chat_template", "--remote_rm_url", "http://127.0.0.1:1")  # the template is ignored
     F.check(both)  # no --label_key: the reward model scores
-    assert load_config(None, F.overrides(both, gpus=False, total_steps=3)).data.input_template is None
-    assert F.unused_here(both, gpus=True) == ["--input_template (--apply_chat_template formats the prompts)"]
+    assert load_config(None, K.overrides(both, gpus=False, total_steps=3)).data.input_template is None
+    assert K.unused_here(both, gpus=True) == ["--input_template (--apply_chat_template formats the prompts)"]
 
 
 def test_prompt_data_flags_leave_detected_layouts_and_synthetic_data_alone():
-    detected = load_config(None, F.overrides(parse("--prompt_data", "gsm8k.jsonl", "--apply_chat_template"),
+    detected = load_config(None, K.overrides(parse("--prompt_data", "gsm8k.jsonl", "--apply_chat_template"),
                                              gpus=False, total_steps=3)).data
     assert (detected.prompt_key, detected.apply_chat_template) == (None, True)
     synthetic = parse("--input_key", "messages", "--label_key", "answer", "--apply_chat_template")
-    assert load_config(None, F.overrides(synthetic, gpus=False, total_steps=3)).data.prompt_key is None
-    assert F.unused_here(synthetic, gpus=True) == ["--input_key --label_key --apply_chat_template (the prompts are "
+    assert load_config(None, K.overrides(synthetic, gpus=False, total_steps=3)).data.prompt_key is None
+    assert K.unused_here(synthetic, gpus=True) == ["--input_key --label_key --apply_chat_template (the prompts are "
                                                     "synthetic)"]
 
 
@@ -261,11 +304,11 @@ def test_max_samples_takes_the_first_rows_of_a_prompt_file(tmp_path):
     data.write_text("".join(json.dumps({"input": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(6)))
     args = parse("--prompt_data", str(data), "--label_key", "answer", "--max_samples", "4",
                  "--rollout_batch_size", "2", "--train_batch_size", "2", "--micro_train_batch_size", "2")
-    train, _ = load_task_data(load_config(None, F.overrides(args, gpus=False, total_steps=3)))
+    train, _ = load_task_data(load_config(None, K.overrides(args, gpus=False, total_steps=3)))
     assert [s.ground_truth for s in train] == ["1", "2", "3", "4"]
     assert training_steps(args) == 2  # 4 prompts / 2 per step
     every = parse("--prompt_data", str(data), "--label_key", "answer", "--max_samples", "100")
-    assert len(load_task_data(load_config(None, F.overrides(every, gpus=False, total_steps=3)))[0]) == 6
+    assert len(load_task_data(load_config(None, K.overrides(every, gpus=False, total_steps=3)))[0]) == 6
     with pytest.raises(F.FlagError, match="--max_samples 0 leaves no prompts"):
         F.check(parse("--max_samples", "0"))
 
@@ -293,7 +336,7 @@ def test_use_wandb_key_becomes_the_runs_wandb_api_key_and_nothing_else(tmp_path,
     assert env == {"WANDB_API_KEY": KEY} and os.environ["WANDB_API_KEY"] == KEY
     placed = job(args, env=env)
     assert placed.rank_env == env and "wandb" in placed.cfg.trainer.logger
-    said = to_yaml(placed.cfg) + repr(placed) + " ".join(F.overrides(args, gpus=True, total_steps=1))
+    said = to_yaml(placed.cfg) + repr(placed) + " ".join(K.overrides(args, gpus=True, total_steps=1))
     assert KEY not in said + "".join(capsys.readouterr())
 
 
@@ -316,7 +359,7 @@ def test_use_wandb_switch_values_carry_no_key(value, on, monkeypatch):
     no_env(monkeypatch, "WANDB_API_KEY")
     args = parse("--use_wandb", value)
     assert F.wandb_key(args) is None and wandb_env(args) == {} and "WANDB_API_KEY" not in os.environ
-    cfg = load_config(None, F.overrides(args, gpus=False, total_steps=1))
+    cfg = load_config(None, K.overrides(args, gpus=False, total_steps=1))
     assert ("wandb" in cfg.trainer.logger) is on
 
 

@@ -131,7 +131,8 @@ def build_critic(cfg: RunConfig, name: str, resume: Path | None, env: DistEnv = 
     path = str(resume / name) if resume else (c.model_path or cfg.model.path)
     seed = cfg.trainer.seed + (name == "cost_critic")
     model = load_value_model(path, cfg.model.dtype, seed=seed, log=console.print)
-    spec = OptimSpec(lr=c.lr, warmup_steps=c.lr_warmup_steps, total_steps=total_optimizer_steps(cfg),
+    spec = OptimSpec(lr=c.lr, weight_decay=c.weight_decay, betas=tuple(c.betas), warmup_steps=c.lr_warmup_steps,
+                     total_steps=total_optimizer_steps(cfg), schedule=c.lr_scheduler, min_lr_ratio=c.min_lr_ratio,
                      grad_clip=c.grad_clip)
     engine = make_engine(cfg, model, spec, env)
     if resume:

@@ -181,13 +181,16 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     name = algorithm_name(cfg)
     console.print(f"[bold]{name}[/bold] on {env.world_size} rank(s), strategy {strategy}: "
                   f"{describe_batch(cfg, env.world_size)}")
-    console.print(f"train problems {len(train)}, held-out {len(val)}; run dir {run_dir}")
+    # a file that is also the training data is no held-out set (OpenRLHF's --prompt_data without --eval_dataset)
+    d = cfg.data
+    held = "held-out" if d.val_files == "synthetic" or d.val_files != d.train_files else "training-prompt"
+    console.print(f"train problems {len(train)}, {held} {len(val)}; run dir {run_dir}")
     if "base" not in state:
         t0 = time.time()
         if env.is_main:  # evaluation runs on rank 0's full (unsharded) rollout model; the others wait
             state["base"], small = greedy_eval(engine, tokenizer, val, val_prompts, correct_fn,
                                                cfg.rollout.max_new_tokens, subset=n_val_small, stop=cfg.rollout.stop)
-            console.print(f"base model held-out greedy accuracy: {_fmt(state['base'])} on {len(val)} problems "
+            console.print(f"base model {held} greedy accuracy: {_fmt(state['base'])} on {len(val)} problems "
                           f"({time.time() - t0:.1f}s)")
             tracker.log(0, {f"val/{k}": v for k, v in small.items()})
             state["base_room"] = measure_room("base model")
@@ -225,7 +228,7 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
         return None
     t0 = time.time()
     final = evaluate(len(val))
-    console.print(f"final held-out greedy accuracy: {_fmt(final)} on {len(val)} problems ({time.time() - t0:.1f}s)")
+    console.print(f"final {held} greedy accuracy: {_fmt(final)} on {len(val)} problems ({time.time() - t0:.1f}s)")
     final_room = measure_room("trained model")
     tracker.plot(log_dir / "curves.png")
     tracker.close()

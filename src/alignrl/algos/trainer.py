@@ -108,8 +108,10 @@ class PolicyTrainer:
                                        ro.response_mask, cfg.rollout.temperature, micro, self.actor.layout)
                       if cfg.actor.recompute_old_logprobs else ro.logprobs)
         mask = batch.loss_mask.float()
-        token_rewards = outcome_token_rewards(scores.rewards, mask)
-        rewards, kl_tokens = scores.rewards, None
+        clip = cfg.algorithm.reward_clip
+        outcome = scores.rewards.clamp(*clip) if clip else scores.rewards
+        token_rewards = outcome_token_rewards(outcome, mask)
+        rewards, kl_tokens = outcome, None
         if self.kl_ctrl is not None:  # KL in the reward: per-token penalty, then the estimators see it
             penalized, kl_metrics = self.kl_in_reward(token_rewards, old_lp, batch.ref_logprobs, mask)
             token_rewards, kl_tokens = penalized, penalized - token_rewards
@@ -123,7 +125,7 @@ class PolicyTrainer:
             a = cfg.algorithm
             adv = ADVANTAGES[a.adv_estimator](OutcomeInputs(
                 rewards, token_rewards, mask, ro.group, scores.baseline, a.norm_adv_by_std_in_grpo, a.gamma,
-                sum_over_ranks(self.env), scores.rewards, a.outcome_baseline, a.whiten_advantages))
+                sum_over_ranks(self.env), outcome, a.outcome_baseline, a.whiten_advantages))
         else:
             with timed(t, "values"):
                 adv, value_targets, critic_metrics = self.critic_advantages(batch, token_rewards, kl_tokens, micro)

@@ -30,14 +30,22 @@ ESTIMATORS = {"gae": ("gae", "none"), "reinforce": ("reinforce_plus_plus", "none
 GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
 WHITENED = ("gae", "reinforce", "reinforce_baseline")
 KL_ESTIMATORS = {"k1": "k1", "k2": "k2", "k3": "k3"}
-# flags that change nothing without GPUs (vLLM, DeepSpeed and kernel options); --zero_stage 3 still shards the
-# reference group's model there (FSDP over gloo), so it is unused on CPUs only without a reference or below 3
-GPU_ONLY = ("bf16", "adam_offload", "enable_prefix_caching", "vllm_gpu_memory_utilization", "vllm_sync_backend")
-# flags this placement does not apply on any device: named at start, never silently dropped
-NOT_APPLIED = ("flash_attn", "vllm_enable_sleep", "deepspeed_enable_sleep", "enforce_eager")
-NOT_APPLIED_WHY = "not applied here: attention runs through PyTorch's SDPA, engines and DeepSpeed stay resident"
-# the prompt-column flags, which apply to a --prompt_data file (synthetic data has its own layout)
-DATA_KEYS = ("input_key", "label_key", "input_template", "apply_chat_template")
+# --lr_scheduler (transformers' names, as OpenRLHF passes them to get_scheduler) -> (actor.lr_scheduler, min_lr_ratio)
+SCHEDULERS = {"cosine_with_min_lr": ("cosine", 0.1), "constant_with_warmup": ("constant", 0.0),
+              "constant": ("constant", 0.0)}
+# OpenRLHF flags accepted for its scripts' sake that change nothing here: (flag, type, default); a value other than
+# the default is named at start with the reason (cluster.flag_keys.NOT_APPLIED)
+ACCEPTED = [("max_len", int, None), ("ptx_coef", float, 0.05), ("normalize_reward", bool, False),
+            ("save_value_network", bool, False), ("logging_steps", int, 1), ("save_hf_ckpt", bool, False),
+            ("disable_ds_ckpt", bool, False), ("max_ckpt_mem", int, 100_000_000), ("prompt_split", str, "train"),
+            ("prompt_data_probs", str, "1.0"), ("value_head_prefix", str, "score"), ("ref_reward_offload", bool, False),
+            ("vllm_sync_with_ray", bool, False), ("wandb_org", str, None), ("wandb_group", str, None),
+            ("wandb_run_name", str, None), ("aux_loss_coef", float, 0.0), ("zpg", int, 1),
+            ("grad_accum_dtype", str, None), ("disable_trace_cache", bool, False),
+            ("gradient_checkpointing_use_reentrant", bool, False), ("disable_fast_tokenizer", bool, False),
+            ("actor_init_on_gpu", bool, False), ("enable_ema", bool, False), ("local_rank", int, -1),
+            ("lora_rank", int, 0), ("lora_alpha", int, 16), ("lora_dropout", float, 0.0), ("load_in_4bit", bool, False),
+            ("target_modules", str, "all-linear"), ("pretrain_data", str, None)]
 OPENRLHF_INPUT_KEY = "input"  # OpenRLHF's --input_key default
 # --use_wandb values that are a switch; any other value is the API key (OpenRLHF: wandb.login(key=args.use_wandb))
 WANDB_SWITCHES = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -104,6 +112,31 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     o.add_argument("--gamma", type=float, default=1.0)
     o.add_argument("--no_advantage_std_norm", action="store_true",
                    help="centre the whitened advantages without dividing by their std")
+    # OpenRLHF's optimiser and PPO settings, with its defaults (its scheduler: cosine to 0.1 × lr after warm-up)
+    o.add_argument("--lr_warmup_ratio", type=float, default=0.03, help="linear warm-up, fraction of optimizer steps")
+    o.add_argument("--lr_scheduler", default="cosine_with_min_lr", choices=sorted(SCHEDULERS),
+                   help="after warm-up: cosine down to 0.1 × the learning rate, or constant")
+    o.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95))
+    o.add_argument("--l2", type=float, default=0.0, help="weight decay")
+    o.add_argument("--max_norm", type=float, default=1.0, help="gradient clipping")
+    o.add_argument("--eps_clip", type=float, default=0.2, help="PPO clip range")
+    o.add_argument("--dual_clip", type=float, default=None, help="dual-clip constant c > 1")
+    o.add_argument("--value_clip", type=float, default=0.2, help="value clip range around the old values")
+    o.add_argument("--lambd", type=float, default=0.95, help="GAE lambda")
+    o.add_argument("--kl_target", type=float, default=None, help="adaptive KL controller toward this KL")
+    o.add_argument("--kl_horizon", type=int, default=10000)
+    o.add_argument("--use_kl_estimator_k3", action="store_true", help="OpenRLHF's older spelling of --kl_estimator k3")
+    o.add_argument("--entropy_loss_coef", type=float, default=None)
+    o.add_argument("--reward_clip_range", type=float, nargs=2, default=(-10.0, 10.0))
+    o.add_argument("--freezing_actor_steps", type=int, default=-1, help="RL steps that train only the critic")
+    o.add_argument("--overlong_buffer_len", type=int, default=None)
+    o.add_argument("--overlong_penalty_factor", type=float, default=1.0)
+    x = p.add_argument_group("accepted, not applied here (listed at start when given)")
+    for flag, kind, default in ACCEPTED:
+        if kind is bool:
+            x.add_argument(f"--{flag}", action="store_true")
+        else:
+            x.add_argument(f"--{flag}", type=kind, default=default, nargs="*" if flag == "target_modules" else None)
     d = p.add_argument_group("data and logging")
     d.add_argument("--prompt_data", default="synthetic", help="'synthetic' or a .jsonl/.json/.parquet file")
     d.add_argument("--input_key", default=None,
@@ -120,6 +153,10 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="log to wandb: a wandb API key (the run's WANDB_API_KEY, in place of the environment's), "
                         "or true/1/yes to log with the environment's login (false/0/no: no wandb)")
     d.add_argument("--use_tensorboard", default=None, help="tensorboard folder (written under the run's logs/)")
+    d.add_argument("--wandb_project", default="openrlhf_train_ppo")
+    d.add_argument("--eval_dataset", default=None, help="held-out prompts (default: the last rows of --prompt_data "
+                                                        "are not held out: the evaluation reads the training file)")
+    d.add_argument("--eval_steps", type=int, default=-1, help="held-out accuracy every N steps (as --test_freq)")
     a = p.add_argument_group("alignrl")
     a.add_argument("--placement_timeout", type=float, default=60.0,
                    help="seconds to wait for the placement groups before failing")
@@ -191,6 +228,10 @@ def check(args) -> None:
     if args.max_samples < 1:
         raise FlagError(f"--max_samples {args.max_samples} leaves no prompts: give at least 1")
     check_wandb(args)
+    for flag, what in (("lora_rank", "LoRA"), ("load_in_4bit", "4-bit loading (QLoRA)"), ("pretrain_data", "PPO-ptx")):
+        if getattr(args, flag):
+            raise FlagError(f"--{flag}: {what} is not supported by alignrl; drop it to train all weights in the "
+                            "model's dtype")
     if args.remote_rm_url and args.reward_pretrain:
         raise FlagError("give either --reward_pretrain or --remote_rm_url, not both")
     if data_keys(args) and args.label_key is None and not (args.reward_pretrain or args.remote_rm_url):
@@ -222,14 +263,6 @@ def check_wandb(args) -> None:
 
 def uses_reference(args) -> bool:
     return args.init_kl_coef > 0
-
-
-def estimator_keys(args) -> list[str]:
-    estimator, baseline = ESTIMATORS[args.advantage_estimator]
-    whiten = "none" if args.advantage_estimator not in WHITENED else "center" if args.no_advantage_std_norm else "std"
-    gamma = 1.0 if args.advantage_estimator in GROUP_ESTIMATORS else args.gamma
-    return [f"algorithm.adv_estimator={estimator}", f"algorithm.outcome_baseline={baseline}",
-            f"algorithm.whiten_advantages={whiten}", f"algorithm.gamma={gamma}"]
 
 
 def uses_critic(args) -> bool:
@@ -264,81 +297,3 @@ def in_flag_terms(message: str) -> str:
         message = re.sub(rf"(?<![\w./-]){re.escape(key)}(?![\w.])(=?)", lambda m: flag + (" " if m[1] else ""),
                          message)
     return message
-
-
-def unused_here(args, gpus: bool) -> list[str]:
-    """Flags given that change nothing here, each group with its reason (listed once at start): those this
-    placement does not apply, GPU-only ones without CUDA, the prompt-column flags on synthetic data, and
-    --input_template beside --apply_chat_template (OpenRLHF ignores it there too)."""
-    defaults = vars(parser().parse_args([]))
-    shards_ref = args.zero_stage == 3 and uses_reference(args)
-    groups = [(NOT_APPLIED, NOT_APPLIED_WHY),
-              (() if gpus else GPU_ONLY + (() if shards_ref else ("zero_stage",)), "no CUDA"),
-              (DATA_KEYS if args.prompt_data == "synthetic" else (), "the prompts are synthetic"),
-              (("input_template",) if args.apply_chat_template and args.prompt_data != "synthetic" else (),
-               "--apply_chat_template formats the prompts"),
-              (("gamma",) if args.advantage_estimator in GROUP_ESTIMATORS else (),
-               f"OpenRLHF sets gamma to 1 for --advantage_estimator {args.advantage_estimator}")]
-    out = []
-    for names, why in groups:
-        given = [f"--{f}" for f in names if getattr(args, f) != defaults[f]]
-        if given:
-            out.append(f"{' '.join(given)} ({why})")
-    return out
-
-
-def prompt_cap(args) -> str:
-    """--max_samples as the config key that caps the prompts: the first rows of a file (OpenRLHF takes
-    `range(min(max_samples, len(dataset)))`), or the number of synthetic problems generated."""
-    if args.prompt_data == "synthetic":
-        return f"data.train_size={args.max_samples}"
-    return f"data.train_max_samples={args.max_samples}"
-
-
-def overrides(args, gpus: bool, total_steps: int) -> list[str]:
-    """alignrl config keys (dotted overrides) for these flags."""
-    n, save = args.n_samples_per_prompt, Path(args.save_path).absolute()
-    kl = uses_reference(args)
-    out = [f"model.path={args.pretrain}", f"data.train_files={args.prompt_data}", prompt_cap(args),
-           f"data.val_size={args.val_size}",
-           f"data.val_size_during_training={args.val_size}", f"data.train_batch_size={args.rollout_batch_size}",
-           f"data.max_prompt_length={args.prompt_max_len}", f"rollout.n={n}",
-           f"rollout.max_new_tokens={args.generate_max_len}", f"rollout.temperature={args.temperature}",
-           f"rollout.top_p={args.top_p}", f"actor.ppo_mini_batch_size={args.train_batch_size // n}",
-           f"actor.ppo_micro_batch_size={args.micro_train_batch_size}", f"actor.ppo_epochs={args.max_epochs}",
-           f"actor.logprob_micro_batch_size={args.micro_rollout_batch_size}",
-           f"actor.use_remove_padding={args.packing_samples}", f"critic.use_remove_padding={args.packing_samples}",
-           f"actor.gradient_checkpointing={args.gradient_checkpointing}",
-           f"actor.lr={args.actor_learning_rate}", *estimator_keys(args), f"critic.enable={uses_critic(args)}",
-           f"critic.lr={args.critic_learning_rate}", f"actor.use_kl_loss={kl and args.use_kl_loss}",
-           f"actor.kl_loss_coef={args.init_kl_coef}", f"actor.kl_loss_type={KL_ESTIMATORS[args.kl_estimator]}",
-           f"algorithm.use_kl_in_reward={kl and not args.use_kl_loss}", f"algorithm.kl_coef={args.init_kl_coef}",
-           f"algorithm.kl_penalty={KL_ESTIMATORS[args.kl_estimator]}", f"trainer.seed={args.seed}",
-           f"trainer.output_dir={save.parent}", f"trainer.experiment_name={save.name}",
-           f"trainer.total_training_steps={total_steps}", f"trainer.save_freq={max(args.save_steps, 0)}",
-           f"trainer.max_checkpoints={max(args.max_ckpt_num, 1)}", f"trainer.test_freq={args.test_freq}",
-           f"trainer.resume_mode={'auto' if args.load_checkpoint else 'disable'}", f"trainer.threads={args.threads}",
-           "trainer.progress_bar=false",
-           f"trainer.logger=[console,jsonl{',tensorboard' if args.use_tensorboard else ''}"
-           f"{',wandb' if wandb_on(args) else ''}]"]  # a key given as --use_wandb never enters the config
-    if args.prompt_data != "synthetic":
-        out.append(f"data.val_files={args.prompt_data}")
-    for key, value in data_keys(args).items():  # JSON-quoted: a template's text is not a YAML value, JSON's is
-        out.append(f"data.{key}={value}" if isinstance(value, bool) else
-                   f"data.{key}=null" if value is None else f"data.{key}={json.dumps(value)}")
-    if args.ckpt_path:
-        out.append(f"trainer.checkpoint_dir={Path(args.ckpt_path).absolute()}")
-    if args.reward_pretrain:
-        out.append(f"algorithm.reward_model={args.reward_pretrain}")
-    if args.remote_rm_url:
-        out.append(f"services.reward_url={args.remote_rm_url}")
-    if uses_critic(args):
-        critic = args.critic_pretrain or args.reward_pretrain
-        if critic:
-            out.append(f"critic.model_path={critic}")
-    if gpus:
-        out += ["trainer.strategy=deepspeed", f"trainer.zero_stage={args.zero_stage}",
-                f"trainer.offload={args.adam_offload}", f"model.dtype={'bfloat16' if args.bf16 else 'float32'}"]
-    else:
-        out += ["trainer.device=cpu"]
-    return out

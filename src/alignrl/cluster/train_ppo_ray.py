@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
+from alignrl.cluster import flag_keys as K
 from alignrl.cluster import flags as F
 from alignrl.config import ConfigError, load_config
 
@@ -59,9 +60,9 @@ def job(args, prog: str = PROG, env: dict[str, str] | None = None):
     from alignrl.cluster.plan import Layout
 
     cuda = torch.cuda.is_available()
-    cfg = load_config(None, F.overrides(args, cuda, training_steps(args)))
+    cfg = load_config(None, K.overrides(args, cuda, training_steps(args)))
     return Job(Layout.from_flags(args), cfg, prog, args.threads, args.peer_timeout, args.placement_timeout,
-               args.vllm_sync_backend, unused=F.unused_here(args, cuda),
+               args.vllm_sync_backend, unused=K.unused_here(args, cuda),
                gpu_memory_utilization=args.vllm_gpu_memory_utilization, rank_env=env or {})
 
 

@@ -101,10 +101,13 @@ def check_combinations(cfg: RunConfig) -> None:
             raise ConfigError(f"data.{key}={files!r} must be a file path or a list of them "
                               "(e.g. data.train_files=[a.parquet,b.parquet])")
     check_prompt_keys(cfg)
-    b = cfg.actor.betas
-    if not (isinstance(b, list) and len(b) == 2
-            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in b)):
-        raise ConfigError(f"actor.betas={b!r} must be two numbers in [0, 1), e.g. [0.9,0.999]")
+    for key, b in (("actor.betas", cfg.actor.betas), ("critic.betas", cfg.critic.betas)):
+        if not (isinstance(b, list) and len(b) == 2 and all(_number(x) and 0 <= x < 1 for x in b)):
+            raise ConfigError(f"{key}={b!r} must be two numbers in [0, 1), e.g. [0.9,0.999]")
+    clip = alg.reward_clip
+    if clip and not (isinstance(clip, list) and len(clip) == 2 and all(map(_number, clip)) and clip[0] < clip[1]):
+        raise ConfigError(f"algorithm.reward_clip={clip!r} must be [low, high] with low < high (e.g. [-10,10]), or [] "
+                          "for none")
     if 0 < cfg.actor.clip_ratio_c <= 1:
         raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip), or 0 to disable")
     if cfg.actor.clip_ratio_c and cfg.actor.policy_loss != "ppo_clip":
@@ -201,3 +204,7 @@ def check_folders(folders: dict[str, Path]) -> None:
         if file is not None:
             raise ConfigError(f"{key}: {file} is a file, so {path} cannot be a folder; move the file or "
                               f"set {key} to another path")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

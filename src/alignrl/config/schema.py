@@ -178,6 +178,8 @@ class AlgorithmConfig:
     kl_coef: float = opt(0.001, "initial reward-penalty KL coefficient", ge=0.0)
     kl_target: float = opt(0.1, "adaptive controller: target per-token KL", gt=0.0)
     kl_horizon: float = opt(10000.0, "adaptive controller: horizon in samples", gt=0.0)
+    reward_clip: list = opt([], "[low, high]: each outcome reward clamped into it before the KL penalty and the "
+                                "advantages (OpenRLHF's --reward_clip_range); empty: none")
     reward_fn: str | None = opt(None, "custom reward 'path/to/file.py:function' (verl compute_score signature)")
     reward_model: str = opt("", "reward-model folder (from `alignrl train rm`): its score is the reward; the rule "
                                 "reward still measures accuracy")
@@ -212,6 +214,10 @@ class CriticConfig:
     lr_warmup_steps_ratio: float = opt(0.0, "critic warm-up as a fraction of trainer.total_training_steps (verl's "
                                             "critic.optim.lr_warmup_steps_ratio); used when lr_warmup_steps is 0",
                                        ge=0.0, le=1.0)
+    lr_scheduler: str = opt("constant", "critic schedule after warm-up", choices=("constant", "cosine"))
+    min_lr_ratio: float = opt(0.0, "critic cosine floor as a fraction of critic.lr", ge=0.0, le=1.0)
+    weight_decay: float = opt(0.0, "critic AdamW weight decay", ge=0.0)
+    betas: list = opt([0.9, 0.999], "critic AdamW betas")
     warmup_steps: int = opt(0, "RL steps that train only the critic before the actor starts (verl's "
                                "trainer.critic_warmup - 1: verl counts steps from 1)", ge=0)
     cliprange_value: float = opt(0.5, "value clipping around the old values; 0 turns it off", ge=0.0)
