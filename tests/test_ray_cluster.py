@@ -282,11 +282,16 @@ def test_a_sharded_reference_group_trains_as_whole_copies_do(cluster, tiny_model
     for stage in ("3", "2"):
         save = tmp_path / f"zero{stage}"
         argv = tiny(tiny_model_dir, save, 2, "--ref_num_gpus_per_node", "2", "--zero_stage", stage,
-                    "--ckpt_path", str(save / "ckpt"))
+                    "--ckpt_path", str(save / "ckpt"), "--use_tensorboard", str(tmp_path / "tb"))
         assert main(argv) == 0, capsys.readouterr().err
         said = capsys.readouterr().out
         assert ("one copy sharded over 2 ranks" in said) == (stage == "3"), said
-        finals[stage] = load_file(save / "ckpt" / "global_step_2" / "model" / "model.safetensors")
+        weights = save / "ckpt" / "global_step_2" / "model" / "model.safetensors"
+        finals[stage] = load_file(weights)
+        # as OpenRLHF: the trained model in --save_path (hard-linked, not copied), events in --use_tensorboard/<run>
+        assert (save / "config.json").is_file() and (save / "tokenizer.json").is_file(), sorted(save.iterdir())
+        assert (save / "model.safetensors").stat().st_ino == weights.stat().st_ino
+        assert list((tmp_path / "tb" / save.name).glob("events.out.tfevents.*"))
         assert [r["step"] for r in metric_rows(save) if r["step"] > 0] == [1, 2]
     for k, v in finals["3"].items():
         torch.testing.assert_close(v, finals["2"][k], rtol=0, atol=1e-6, msg=k)
@@ -389,6 +394,19 @@ def test_a_users_mistake_inside_ray_is_one_line(cluster, tiny_model_dir, tmp_pat
         err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
         assert "Traceback" not in "\n".join(err) and said in err[-1], err[-20:]
         assert err[-1].startswith("alignrl train ppo: error:"), err[-1]
+    # a checkpoint past the last step: said by the driver before any worker starts (it was a worker's error, with
+    # Ray's traceback of the failed call after it, tens of seconds in)
+    from alignrl.train.checkpoint import write_manifest
+
+    done = tmp_path / "verl_checkpoints" / "ppo-2x1" / "global_step_5"
+    done.mkdir(parents=True)
+    torch.save({"step": 5}, done / "trainer_state.pt")
+    write_manifest(done)
+    t0 = time.time()
+    assert cli(verl_args(tiny_model_dir, 1)) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1 and "is past trainer.total_training_steps=1" in err[0], err[-20:]
+    assert time.time() - t0 < 20, "checked after the workers started"
     assert all_gpus_free()
 
 

@@ -49,6 +49,9 @@ def test_openrlhfs_optimiser_defaults_and_settings_come_with_its_flags():
         (0.9, 0.4, [-1.0, 2.0], "adaptive", 0.05)
     assert (cfg.actor.kl_loss_type, cfg.critic.warmup_steps, cfg.trainer.project_name, cfg.trainer.test_freq) == \
         ("k3", 2, "p", 4)
+    tb = load_config(None, K.overrides(parse(*SEED_001, "--use_tensorboard", "/tb", "--save_path", "/c/run"),
+                                       gpus=False, total_steps=5))
+    assert tb.trainer.tensorboard_dir == "/tb/run" and "tensorboard" in tb.trainer.logger  # OpenRLHF: PATH/<run>
     with_warmup = K.overrides(parse(*SEED_001, "--lr_scheduler", "constant_with_warmup"), gpus=False, total_steps=5)
     assert load_config(None, with_warmup).actor.lr_warmup_steps == 2
 

@@ -97,6 +97,14 @@ def save_ds_config(trainer: PolicyTrainer, run_dir: Path, env: DistEnv) -> None:
         atomic_write_text(run_dir / "deepspeed.json", json.dumps(ds, indent=2))
 
 
+def check_not_past(resume: Path | None, total: int) -> None:
+    """A checkpoint past the run's last step would train nothing and write over the summary: one line."""
+    done = int(resume.name[len("global_step_"):]) if resume else 0
+    if done > total:
+        raise ConfigError(f"the newest checkpoint, {resume}, is past trainer.total_training_steps={total}: set it "
+                          f"above {done} to train on, or trainer.resume_mode=disable to start afresh")
+
+
 def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: RemoteProducers | None = None
                ) -> dict | None:
     """Runs on every rank of a torchrun launch; returns the summary on rank 0, None elsewhere. With
@@ -122,10 +130,7 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     if env.is_main:
         atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
     total = cfg.trainer.total_training_steps
-    done = int(resume.name[len("global_step_"):]) if resume else 0
-    if done > total:  # it would train nothing and write over the summary
-        raise ConfigError(f"the newest checkpoint, {resume}, is past trainer.total_training_steps={total}: set it "
-                          f"above {done} to train on, or trainer.resume_mode=disable to start afresh")
+    check_not_past(resume, total)
     if producers is None and cfg.pipeline.placement == "zmq":  # samplers in other processes make the batches
         producers = Coordinator(cfg, to_yaml(cfg), log_dir)
     placed = place(cfg, str(resume / "model") if resume else cfg.model.path, resume, env, producers)
@@ -156,7 +161,8 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
         console.print(f"generation service {cfg.services.generation_url}: weights pushed")
     tracker = Tracker(log_dir, cfg.trainer.logger if env.is_main else [], resume_step=start_step,
                       write=env.is_main, project=cfg.trainer.project_name, run_name=cfg.trainer.experiment_name,
-                      config=cfg)
+                      config=cfg, tensorboard_dir=Path(cfg.trainer.tensorboard_dir) if cfg.trainer.tensorboard_dir
+                      else None)
 
     val_prompts = encode_prompts(tokenizer, val, cfg.data.max_prompt_length)
     n_val_small = min(cfg.data.val_size_during_training, len(val))

@@ -58,12 +58,15 @@ class Job:
 def check_inputs(cfg: RunConfig) -> None:
     """What the workers will load, checked here first: a bad data file or model folder is one line from the
     driver, not a worker's creation traceback wrapped in Ray's."""
-    from alignrl.algos.runner import load_task_data
+    from alignrl.algos.runner import check_not_past, load_task_data
     from alignrl.models.loader import resolve_model_path
     from alignrl.models.value import check_scorer_folder
     from alignrl.rewards.registry import load_reward_fn
+    from alignrl.train.checkpoint import latest_checkpoint
 
     load_task_data(replace(cfg, data=replace(cfg.data, train_size=1)))  # generated rows need no check
+    if cfg.trainer.resume_mode == "auto":  # before any worker starts, not after (tens of seconds on a cluster)
+        check_not_past(latest_checkpoint(cfg.checkpoint_root)[0], cfg.trainer.total_training_steps)
     models = {"model.path": cfg.model.path, "critic.model_path": cfg.critic.model_path,
               "algorithm.reward_model": cfg.algorithm.reward_model, "safety.cost_model": cfg.safety.cost_model}
     for key, path in models.items():
@@ -92,6 +95,9 @@ def connect(units_needed: int) -> bool:
     address = os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():
         return False
+    # a failed worker call is reported by the driver in one line; Ray would add its traceback for every failed
+    # call whose result nobody fetched after that
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     if address:
         ray.init(address=address, logging_level="ERROR", log_to_driver=True)
         return False
@@ -124,7 +130,7 @@ class Driver:
         gpus = 0.0 if children_take_gpus else slot.units
         res = {"num_gpus": gpus, "num_cpus": slot.units} if self.gpus else {"num_cpus": slot.units}
         env = {"OMP_NUM_THREADS": str(self.job.threads), "TOKENIZERS_PARALLELISM": "false",
-               "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+               "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
         if children_take_gpus:  # vLLM's Ray executor: one worker per listed one-GPU bundle of the group
             env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(i) for i in slot.group.order)
         handle = ray.remote(concurrency_groups=WATCH)(cls).options(

@@ -142,6 +142,8 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
     for key, value in data_keys(args).items():  # JSON-quoted: a template's text is not a YAML value, JSON's is
         out.append(f"data.{key}={value}" if isinstance(value, bool) else
                    f"data.{key}=null" if value is None else f"data.{key}={json.dumps(value)}")
+    if args.use_tensorboard:  # OpenRLHF: os.path.join(args.use_tensorboard, run name)
+        out.append(f"trainer.tensorboard_dir={Path(args.use_tensorboard).absolute() / save.name}")
     if args.ckpt_path:
         out.append(f"trainer.checkpoint_dir={Path(args.ckpt_path).absolute()}")
     if args.reward_pretrain:

@@ -152,7 +152,7 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     d.add_argument("--use_wandb", default=None,
                    help="log to wandb: a wandb API key (the run's WANDB_API_KEY, in place of the environment's), "
                         "or true/1/yes to log with the environment's login (false/0/no: no wandb)")
-    d.add_argument("--use_tensorboard", default=None, help="tensorboard folder (written under the run's logs/)")
+    d.add_argument("--use_tensorboard", default=None, help="TensorBoard folder: events go to PATH/<run name>")
     d.add_argument("--wandb_project", default="openrlhf_train_ppo")
     d.add_argument("--eval_dataset", default=None, help="held-out prompts (default: the last rows of --prompt_data "
                                                         "are not held out: the evaluation reads the training file)")

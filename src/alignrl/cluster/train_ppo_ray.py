@@ -10,7 +10,9 @@ RAY_ADDRESS (set inside `ray job submit`, or by hand: `RAY_ADDRESS=HOST:8100`), 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from pathlib import Path
 
 from alignrl.cluster import flag_keys as K
 from alignrl.cluster import flags as F
@@ -66,6 +68,29 @@ def job(args, prog: str = PROG, env: dict[str, str] | None = None):
                gpu_memory_utilization=args.vllm_gpu_memory_utilization, rank_env=env or {})
 
 
+def export_model(save: Path, ckpt_root: Path, prog: str = PROG) -> None:
+    """OpenRLHF leaves the trained model in --save_path, an HF folder that eval and serving read: the final
+    checkpoint's model files, hard-linked (no second copy of the weights on disk; a copy across file systems),
+    each put in place by a rename, so a file there is never half-written."""
+    from alignrl.train.checkpoint import latest_checkpoint
+
+    final = latest_checkpoint(ckpt_root)[0]
+    if final is None:  # on several nodes without a shared file system, rank 0 wrote it on its own node
+        print(f"{prog}: no complete checkpoint under {ckpt_root} on this node: --save_path holds no model (the "
+              "last checkpoint's model/ folder is the trained model)", flush=True)
+        return
+    for src in sorted((final / "model").iterdir()):
+        if src.is_file():
+            tmp = save / f".{src.name}.part"
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(src, tmp)
+            except OSError:
+                shutil.copy2(src, tmp)
+            os.replace(tmp, save / src.name)
+    print(f"{prog}: the trained model ({final.name}) is in {save}", flush=True)
+
+
 def _error(prog: str, e: Exception, code: int) -> int:
     print(f"{prog}: error: {F.in_flag_terms(str(e))}", file=sys.stderr, flush=True)
     return code
@@ -83,7 +108,11 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     from alignrl.cluster.driver import Driver
 
     try:
-        return Driver(job(args, prog, wandb_env(args, prog))).run()
+        placed = job(args, prog, wandb_env(args, prog))
+        code = Driver(placed).run()
+        if code == 0:
+            export_model(placed.cfg.run_dir, placed.cfg.checkpoint_root, prog)
+        return code
     except (ClusterError, *user_errors()) as e:
         return _error(prog, e, 1 if isinstance(e, ClusterError) else 2)
     except KeyboardInterrupt:  # the driver's finally has released the workers and placement groups

@@ -66,10 +66,11 @@ def json_rows(text: str) -> list[dict]:
 
 class Tracker:
     def __init__(self, log_dir: Path, sinks: list[str], resume_step: int = 0, write: bool = True,
-                 project: str = "alignrl", run_name: str | None = None, config: Any = None):
+                 project: str = "alignrl", run_name: str | None = None, config: Any = None,
+                 tensorboard_dir: Path | None = None):
         """`write=False` (ranks other than 0) keeps history in memory and touches no file. `project`,
         `run_name` (default: the run folder's name) and `config` (a dict or the run's config dataclass)
-        label the wandb run."""
+        label the wandb run. TensorBoard events go to `tensorboard_dir` (default: `log_dir/tensorboard`)."""
         self.log_dir = log_dir
         self.sinks = set(sinks) if write else set()
         self.jsonl = log_dir / "metrics.jsonl"
@@ -88,10 +89,11 @@ class Tracker:
         if "tensorboard" in self.sinks:
             from torch.utils.tensorboard import SummaryWriter
 
-            if not resume_step and (log_dir / "tensorboard").is_dir():  # TensorBoard would plot both runs as one
-                (log_dir / "tensorboard").rename(aside(log_dir / "tensorboard"))
-
-            self.tb = SummaryWriter(str(log_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+            events = tensorboard_dir or log_dir / "tensorboard"
+            if not resume_step and events.is_dir():  # TensorBoard would plot both runs as one
+                events.rename(aside(events))
+            events.parent.mkdir(parents=True, exist_ok=True)
+            self.tb = SummaryWriter(str(events), purge_step=resume_step + 1 if resume_step else None)
         self.wandb = None
         if "wandb" in self.sinks:
             self.wandb = start_wandb(log_dir, project, run_name or log_dir.parent.name, config, resume=resume_step > 0)
