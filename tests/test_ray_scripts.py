@@ -2,11 +2,14 @@
 `ray status` showing both, `ray job submit` of a short `alignrl train ppo-ray` run placed on both nodes through
 the dashboard port, seed 003's submission as written (`--runtime-env=verl/trainer/runtime_env.yaml`,
 `python3 -m verl.trainer.main_ppo`), and the script's `stop` leaving no process of either node behind. (A verl-style run inside a
-Ray job is test_ray_cluster's: the job runs the same `alignrl train` with RAY_ADDRESS set.)"""
+Ray job is test_ray_cluster's: the job runs the same `alignrl train` with RAY_ADDRESS set.) Also: the head's
+dashboard (job submission, no auth) listens on 127.0.0.1 only, ports inside Ray's worker port range are refused
+in one line, and submit_ppo_ray.sh says in one line that no cluster answers instead of Ray's traceback."""
 
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +23,7 @@ from conftest import src_path
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "examples" / "scripts" / "r1_scripts" / "start_ray_cluster.sh"
+SUBMIT = SCRIPT.parent / "submit_ppo_ray.sh"
 BIN = str(Path(sys.executable).parent)
 
 
@@ -126,4 +130,101 @@ def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
     time.sleep(1)
     assert ray_pids(f"{short}/") == []
     assert ray_pids(f"ray.util.client.server .*--address=[^ ]*:{ports[0]}") == []  # it does not name the dir
+    shutil.rmtree(short, ignore_errors=True)
+
+
+def listening_hosts(port: int) -> set[str]:
+    """The local addresses of the TCP sockets listening on `port` (from /proc/net/tcp and tcp6, as `ss -ltn`)."""
+    hosts = set()
+    for table in ("tcp", "tcp6"):
+        path = Path("/proc/net") / table
+        for line in path.read_text().splitlines()[1:] if path.exists() else []:
+            fields = line.split()
+            host, hex_port = fields[1].split(":")
+            if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                hosts.add(socket.inet_ntoa(bytes.fromhex(host)[::-1]) if len(host) == 8 else f"[{host}]")
+    return hosts
+
+
+def stub_ray(directory: Path) -> Path:
+    """A `ray` that only prints its arguments: the scripts' checks run, no Ray starts."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stub = directory / "ray"
+    stub.write_text('#!/usr/bin/env bash\necho "ray $*"\n')
+    stub.chmod(0o755)
+    return stub
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("script", ["submit_ppo_ray.sh", "xDAN-L2-RL-32b-Instruct-0220-nodes.sh"])
+def test_submit_without_cluster_is_one_line(script, tmp_path):
+    """No Ray at HEAD_HOST:RAY_DASHBOARD_PORT (nothing listens on the port): one line naming the address and how to
+    start the head, exit 2, instead of `ray job submit`'s traceback."""
+    port = free_ports(1)[0]
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "HEAD_HOST": "127.0.0.1", "RAY_DASHBOARD_PORT": str(port),
+           "PRETRAIN": str(tmp_path / "model"), "PROMPT_DATA": "synthetic", "SAVE_PATH": str(tmp_path / "run")}
+    out = run(["bash", str(SUBMIT.parent / script)], env, timeout=45)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, out.stdout + out.stderr[-3000:]
+    assert f"no Ray cluster answers at http://127.0.0.1:{port}: start one on the head node with start_ray_cluster.sh head" \
+        in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_ports_in_worker_port_range_refused(tmp_path):
+    """A port chosen inside Ray's worker port range (default 10002-19999, or RAY_MIN/MAX_WORKER_PORT) is refused in
+    one line before anything is stopped or started; outside it, Ray is started with that range."""
+    ports = free_ports(6)
+    agents = ("RAY_AGENT_PORT", "RAY_AGENT_GRPC_PORT", "RAY_RUNTIME_ENV_AGENT_PORT", "RAY_METRICS_PORT")
+    env = {**os.environ, "RAY": str(stub_ray(tmp_path / "bin")), "RAY_TEMP_DIR": str(tmp_path / "ray"),
+           "RAY_PORT": str(ports[0]), "RAY_DASHBOARD_PORT": str(ports[1]), **dict(zip(agents, map(str, ports[2:])))}
+    env.pop("RAY_MIN_WORKER_PORT", None), env.pop("RAY_MAX_WORKER_PORT", None)
+    refused = [("head", {"RAY_PORT": "18100"}, "port 18100 (RAY_PORT) is in Ray's worker port range 10002-19999"),
+               ("head", {"RAY_DASHBOARD_PORT": "10002"}, "port 10002 (RAY_DASHBOARD_PORT) is in Ray's worker port range"),
+               ("worker", {"RAY_AGENT_PORT": "19999"}, "port 19999 (RAY_AGENT_PORT) is in Ray's worker port range"),
+               ("head", {"RAY_MIN_WORKER_PORT": str(ports[0] - 5), "RAY_MAX_WORKER_PORT": str(ports[0] + 5)},
+                f"port {ports[0]} (RAY_PORT) is in Ray's worker port range {ports[0] - 5}-{ports[0] + 5}")]
+    for role, change, message in refused:
+        out = run(["bash", str(SCRIPT), role, "127.0.0.1"], {**env, **change}, timeout=45)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, (change, out.stdout + out.stderr[-2000:])
+        assert message in out.stderr and "RAY_MIN_WORKER_PORT / RAY_MAX_WORKER_PORT" in out.stderr, out.stderr
+        assert "ray start" not in out.stdout
+    out = run(["bash", str(SCRIPT), "head", "127.0.0.1"], env, timeout=45)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert f"ray start --head --port={ports[0]} " in out.stdout, out.stdout
+    assert "--min-worker-port=10002 --max-worker-port=19999" in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_head_dashboard_on_loopback(tmp_path):
+    """The head's dashboard, which takes jobs without authentication, listens on 127.0.0.1 only (not 0.0.0.0), and
+    submit_ppo_ray.sh finds it answering there and goes on to `ray job submit` (a stub `ray` that prints its call)."""
+    ports = free_ports(6)
+    short = Path(tempfile.mkdtemp(prefix="rayl", dir="/tmp"))  # Ray's socket paths must stay under 108 bytes
+    agents = ("RAY_AGENT_PORT", "RAY_AGENT_GRPC_PORT", "RAY_RUNTIME_ENV_AGENT_PORT", "RAY_METRICS_PORT")
+    head = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_PORT": str(ports[0]),
+            "RAY_DASHBOARD_PORT": str(ports[1]), "ALIGNRL_CPU_SLOTS": "1", "RAY_TEMP_DIR": str(short / "head"),
+            "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1", **dict(zip(agents, map(str, ports[2:])))}
+    for var in ("RAY_ADDRESS", "RAY_DASHBOARD_HOST", "RAY"):
+        head.pop(var, None)
+    try:
+        out = run(["bash", str(SCRIPT), "head", "127.0.0.1"], head, timeout=180)
+        assert out.returncode == 0, out.stderr[-2000:]
+        deadline, hosts = time.time() + 60, set()
+        while time.time() < deadline and not hosts:  # `ray start` can return before the dashboard listens
+            hosts = listening_hosts(ports[1])
+            time.sleep(0.5)
+        assert hosts == {"127.0.0.1"}, hosts
+        assert f"listening on 127.0.0.1:{ports[1]}" in out.stdout, out.stdout
+        stub_ray(tmp_path / "bin")
+        submit_env = {**head, "PATH": f"{tmp_path / 'bin'}:{head['PATH']}", "HEAD_HOST": "127.0.0.1",
+                      "PRETRAIN": str(tmp_path / "model"), "PROMPT_DATA": "synthetic", "SAVE_PATH": str(tmp_path / "run")}
+        out = run(["bash", str(SUBMIT)], submit_env, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+        assert f"ray job submit --address=http://127.0.0.1:{ports[1]} -- alignrl train ppo-ray" in out.stdout, out.stdout
+    finally:
+        run(["bash", str(SCRIPT), "stop"], head)
+    time.sleep(1)
+    assert ray_pids(f"{short}/") == []
+    assert ray_pids(f"ray.util.client.server .*--address=[^ ]*:{ports[0]}") == []
     shutil.rmtree(short, ignore_errors=True)

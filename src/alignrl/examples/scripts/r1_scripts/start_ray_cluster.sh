@@ -6,7 +6,9 @@
 #   start_ray_cluster.sh stop                # stops what this script started on this node
 #
 # Ray port 8100, dashboard 8101 (non-default ports keep clear of other users' clusters), a per-user temp
-# dir, usage stats off. GPUs: as many as `nvidia-smi -L` lists; on a node without GPUs the node offers
+# dir, usage stats off. The dashboard takes `ray job submit` without authentication, so it listens on
+# 127.0.0.1 only (seed 001 submits on the head node); RAY_DASHBOARD_HOST=0.0.0.0 opens it to other
+# machines, for submitting from elsewhere. GPUs: as many as `nvidia-smi -L` lists; on a node without GPUs the node offers
 # ALIGNRL_CPU_SLOTS (default 8) CPU slots instead, and the driver places the flags' GPU counts as CPU
 # processes. Before starting, only this user's Ray processes of this temp dir are stopped.
 #
@@ -14,9 +16,10 @@
 # on every node and client (with the same ~/.ray/auth_token): otherwise a token file left in ~/.ray by a
 # local `ray.init()` would switch the head to tokens that the workers and `ray status` do not send.
 #
-# Environment overrides: RAY_PORT, RAY_DASHBOARD_PORT, RAY_TEMP_DIR, ALIGNRL_CPU_SLOTS, RAY (the ray
-# executable), and for a second node on the same machine RAY_AGENT_PORT, RAY_AGENT_GRPC_PORT,
-# RAY_RUNTIME_ENV_AGENT_PORT, RAY_METRICS_PORT.
+# Environment overrides: RAY_PORT, RAY_DASHBOARD_PORT, RAY_DASHBOARD_HOST, RAY_TEMP_DIR, ALIGNRL_CPU_SLOTS,
+# RAY (the ray executable), RAY_MIN_WORKER_PORT / RAY_MAX_WORKER_PORT (the range Ray's workers bind,
+# default 10002-19999 as Ray's), and for a second node on the same machine RAY_AGENT_PORT,
+# RAY_AGENT_GRPC_PORT, RAY_RUNTIME_ENV_AGENT_PORT, RAY_METRICS_PORT.
 set -euo pipefail
 
 usage() { echo "usage: $0 head|worker HEAD_HOST, or $0 stop" >&2; exit 2; }
@@ -27,6 +30,9 @@ HEAD_HOST=${2:-}
 RAY=${RAY:-ray}
 RAY_PORT=${RAY_PORT:-8100}
 DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-8101}
+DASHBOARD_HOST=${RAY_DASHBOARD_HOST:-127.0.0.1}
+MIN_WORKER_PORT=${RAY_MIN_WORKER_PORT:-10002}
+MAX_WORKER_PORT=${RAY_MAX_WORKER_PORT:-19999}
 TEMP_DIR=${RAY_TEMP_DIR:-/tmp/ray_$(id -un)}
 export RAY_USAGE_STATS_ENABLED=0
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
@@ -80,6 +86,30 @@ EXTRA=()
 [[ -n ${RAY_RUNTIME_ENV_AGENT_PORT:-} ]] && EXTRA+=(--runtime-env-agent-port="$RAY_RUNTIME_ENV_AGENT_PORT")
 [[ -n ${RAY_METRICS_PORT:-} ]] && EXTRA+=(--metrics-export-port="$RAY_METRICS_PORT")
 
+# Ray reserves every port of the worker range on the node and fails with a traceback when a port chosen for
+# another component lies in it. Checked before anything is stopped: a refused setting changes nothing.
+if [[ $ROLE != stop ]]; then
+    PORTS=("RAY_AGENT_PORT=${RAY_AGENT_PORT:-52365}")  # NAME=PORT, the fixed ports this node binds
+    for var in RAY_AGENT_GRPC_PORT RAY_RUNTIME_ENV_AGENT_PORT RAY_METRICS_PORT; do
+        [[ -n ${!var:-} ]] && PORTS+=("$var=${!var}")
+    done
+    [[ $ROLE == head ]] && PORTS+=("RAY_PORT=$RAY_PORT" "RAY_DASHBOARD_PORT=$DASHBOARD_PORT" "Ray client server=10001")
+    for entry in "RAY_MIN_WORKER_PORT=$MIN_WORKER_PORT" "RAY_MAX_WORKER_PORT=$MAX_WORKER_PORT" "${PORTS[@]}"; do
+        if ! [[ ${entry##*=} =~ ^[0-9]{1,5}$ ]]; then
+            echo "$0: ${entry%=*} is '${entry##*=}', not a port number" >&2
+            exit 2
+        fi
+    done
+    for entry in "${PORTS[@]}"; do
+        port=${entry##*=}
+        if (( 10#$MIN_WORKER_PORT <= 10#$port && 10#$port <= 10#$MAX_WORKER_PORT )); then
+            echo "$0: port $port (${entry%=*}) is in Ray's worker port range $MIN_WORKER_PORT-$MAX_WORKER_PORT:" \
+                 "pick a port outside it, or move the range with RAY_MIN_WORKER_PORT / RAY_MAX_WORKER_PORT" >&2
+            exit 2
+        fi
+    done
+fi
+
 mkdir -p "$TEMP_DIR"
 stop_mine
 [[ $ROLE == stop ]] && exit 0
@@ -101,11 +131,15 @@ if taken "$AGENT_PORT"; then
     exit 2
 fi
 if [[ $ROLE == head ]]; then
-    "$RAY" start --head --port="$RAY_PORT" --dashboard-host=0.0.0.0 --dashboard-port="$DASHBOARD_PORT" \
-        --temp-dir="$TEMP_DIR" --disable-usage-stats "${RESOURCES[@]}" "${EXTRA[@]}"
+    "$RAY" start --head --port="$RAY_PORT" --dashboard-host="$DASHBOARD_HOST" --dashboard-port="$DASHBOARD_PORT" \
+        --temp-dir="$TEMP_DIR" --disable-usage-stats --min-worker-port="$MIN_WORKER_PORT" \
+        --max-worker-port="$MAX_WORKER_PORT" "${RESOURCES[@]}" "${EXTRA[@]}"
 else
     "$RAY" start --address="$HEAD_HOST:$RAY_PORT" --temp-dir="$TEMP_DIR" --disable-usage-stats \
-        "${RESOURCES[@]}" "${EXTRA[@]}"
+        --min-worker-port="$MIN_WORKER_PORT" --max-worker-port="$MAX_WORKER_PORT" "${RESOURCES[@]}" "${EXTRA[@]}"
 fi
 echo "node started ($ROLE, $GPUS GPU(s)); check the cluster with:"
 echo "ray status --address=$HEAD_HOST:$RAY_PORT"
+if [[ $ROLE == head ]]; then
+    echo "jobs go to its dashboard, listening on $DASHBOARD_HOST:$DASHBOARD_PORT (RAY_DASHBOARD_HOST)"
+fi

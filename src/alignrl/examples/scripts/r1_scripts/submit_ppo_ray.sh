@@ -10,7 +10,26 @@ HEAD_HOST=${HEAD_HOST:-127.0.0.1}
 DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-8101}
 
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
-ray job submit --address="http://$HEAD_HOST:$DASHBOARD_PORT" -- \
+# Without a dashboard answering at that address `ray job submit` ends in ~100 lines of traceback: ask it first,
+# with a short timeout. Any HTTP answer counts (with token auth on, the dashboard may answer this probe 401);
+# proxies are bypassed, so that a proxy's own error page does not pass for the dashboard.
+URL="http://$HEAD_HOST:$DASHBOARD_PORT"
+answers() {
+    if command -v curl >/dev/null 2>&1; then
+        curl -s -o /dev/null --noproxy '*' --connect-timeout 5 --max-time 10 "$1/api/version"
+    else
+        python3 -c 'import sys, urllib.error, urllib.request as r
+try: r.build_opener(r.ProxyHandler({})).open(sys.argv[1] + "/api/version", timeout=10)
+except urllib.error.HTTPError: pass' "$1" 2>/dev/null
+    fi
+}
+if ! answers "$URL"; then
+    echo "$0: no Ray cluster answers at $URL: start one on the head node with start_ray_cluster.sh head <host>" \
+         "and run this there, or point HEAD_HOST / RAY_DASHBOARD_PORT at its dashboard (from another machine:" \
+         "start the head with RAY_DASHBOARD_HOST=0.0.0.0)" >&2
+    exit 2
+fi
+ray job submit --address="$URL" -- \
     alignrl train ppo-ray \
     --ref_num_nodes 2 --ref_num_gpus_per_node 4 \
     --actor_num_nodes 2 --actor_num_gpus_per_node 4 \
