@@ -133,6 +133,7 @@ def test_seed_003_keys_map_onto_alignrl(capsys, tmp_path):
     assert cfg.actor.state_masking and cfg.critic.enable and cfg.critic.warmup_steps == 0
     assert (cfg.trainer.project_name, cfg.trainer.logger, requested_world_size(cfg)) == ("Search-R1-release", ["wandb"], 16)
     assert cfg.trainer.checkpoint_dir == os.path.abspath("verl_checkpoints/nq-search-r1-ppo")
+    assert cfg.trainer.max_checkpoints == 0  # Search-R1's verl keeps every checkpoint (save_freq=100 of 1005 steps)
     # verl's KL: in the reward (k1, coefficient 0.001) because use_kl_loss is off; entropy bonus 0.001
     assert (cfg.actor.use_kl_loss, cfg.algorithm.use_kl_in_reward, cfg.algorithm.kl_coef) == (False, True, 0.001)
     assert cfg.actor.entropy_coeff == 0.001

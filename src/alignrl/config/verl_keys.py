@@ -1,7 +1,7 @@
 """verl / Search-R1 command-line spellings mapped onto alignrl's keys, so that a verl script runs with
 `python3 -m verl.trainer.main_ppo` replaced by `alignrl train ppo` and nothing else changed.
 
-Three kinds of verl keys:
+Four kinds of verl keys:
 
 * renamed: same behaviour under an alignrl key (`actor_rollout_ref.actor.optim.lr` -> `actor.lr`; the
   actor's and critic's `strategy`, fsdp by default as in verl, -> `trainer.strategy=fsdp`: FSDP2 over the
@@ -10,7 +10,10 @@ Three kinds of verl keys:
   (offload, `gpu_memory_utilization`, the deprecated global micro-batch sizes of log-prob passes, ...);
   accepted and listed once;
 * accepted at one value only: switches whose other value alignrl does not implement
-  (`+trainer.val_only=true`, `algorithm.no_think_rl=true`) are a one-line error, not a silent no-op.
+  (`+trainer.val_only=true`, `algorithm.no_think_rl=true`) are a one-line error, not a silent no-op;
+* accepted, not applied: keys of Search-R1's ppo_trainer.yaml alignrl has no setting for (mini-batch
+  `shuffle`, the critic's own mini-batch size and epochs, the state-masking markers, v0.3's format-reward
+  credits); a value other than the one alignrl behaves as is listed once at start with the reason.
 
 Anything else goes through unchanged, so alignrl's own keys work beside verl's and a misspelt key
 still gets the usual "unknown config key" line. A verl-spelled command line also gets Search-R1's verl
@@ -119,15 +122,47 @@ ONLY_VALUE: dict[str, tuple[object, str]] = {
     "critic.optim.warmup_style": ("constant", "the critic's lr is constant after its warm-up"),
     "reward_model.enable": (False, "a reward model is algorithm.reward_model=<folder from `alignrl train rm`>"),
 }
-# Accepted, with alignrl's behaviour named (it evaluates before training to report base accuracy).
-NOTED = {"trainer.val_before_train": "alignrl always evaluates before training (base_accuracy)"}
+# Accepted, with alignrl's behaviour named when the value asks for something else (it evaluates before and
+# after training to report base and final accuracy). trainer.final_validation is not Search-R1's (its verl
+# always validates after the last step) but verl forks' scripts pass it.
+NOTED = {"trainer.val_before_train": "alignrl always evaluates before training (base_accuracy)",
+         "trainer.final_validation": "alignrl always evaluates after training (final_accuracy)"}
+
+_FORMAT_REWARD = ("alignrl scores Search-R1's QA data sources with plain exact match, as Search-R1 validates; for "
+                  "v0.3's format credits give algorithm.reward_fn=FILE.py:FUNCTION returning alignrl.rewards.qa_em."
+                  "compute_score_format(solution_str, ground_truth, structure_format_score, final_format_score, "
+                  "retrieval_score) (README, section 'Search-R1 / verl scripts', has the file)")
+_SHUFFLE = ("alignrl draws each epoch's mini-batches in a seeded random order (Search-R1's FSDP workers split the "
+            "batch in order whatever this says)")
+_MARKER = ("the loss mask comes from the rollout: the observation tokens the engine appends, inside <information> "
+           "tags (Search-R1's generation manager builds its mask the same way and never reads these markers)")
+# Keys of Search-R1's ppo_trainer.yaml alignrl has no setting for: (the value alignrl behaves as, why another
+# value is not applied). A value alignrl follows anyway is accepted quietly; any other is listed once at start,
+# since a run must not drop a setting without saying so.
+NOT_APPLIED: dict[str, tuple[object, str]] = {
+    A + "shuffle": (True, _SHUFFLE),
+    "critic.shuffle": (True, _SHUFFLE),
+    "algorithm.state_masking.start_state_marker": ("<information>", _MARKER),
+    "algorithm.state_masking.end_state_marker": ("</information>", _MARKER),
+    "reward_model.structure_format_score": (0, _FORMAT_REWARD),
+    "reward_model.final_format_score": (0, _FORMAT_REWARD),
+    "reward_model.retrieval_score": (0, _FORMAT_REWARD),
+}
+# verl's critic settings whose default is the actor's (ppo_trainer.yaml: ${actor_rollout_ref.actor.<key>}):
+# alignrl's critic always trains on the actor's mini-batches and epochs, so only another value is listed.
+CRITIC_FOLLOWS_ACTOR = {"critic.ppo_mini_batch_size": "actor.ppo_mini_batch_size",
+                        "critic.ppo_epochs": "actor.ppo_epochs"}
+# verl's checkpoint retention (null: keep every one): one alignrl checkpoint holds actor and critic together
+CKPT_TO_KEEP = ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep")
 
 # Search-R1's verl defaults where alignrl's differ (verl/trainer/config/ppo_trainer.yaml and
 # ray_trainer.py): no KL loss, KL in the reward instead (verl applies it whenever use_kl_loss is off),
-# an entropy bonus, AdamW weight decay, nucleus 0.95, and a critic exactly when the estimator is GAE;
-# a multi-turn episode is cut at data.max_prompt_length tokens (its generation manager's right side).
+# an entropy bonus, AdamW weight decay, nucleus 0.95, a critic exactly when the estimator is GAE, and every
+# checkpoint kept; a multi-turn episode is cut at data.max_prompt_length tokens (its generation manager's
+# right side).
 VERL_DEFAULTS: dict[str, object] = {
     "trainer.strategy": "fsdp",  # verl's actor and critic strategy: FSDP over the ranks (alignrl's fsdp2)
+    "trainer.max_checkpoints": 0,  # Search-R1's verl never deletes a checkpoint; alignrl's default keeps 2
     "actor.use_kl_loss": False,
     "actor.entropy_coeff": 0.001,
     "actor.weight_decay": 0.01,
@@ -149,7 +184,10 @@ class Translation:
 def _value(text: str) -> object:
     from omegaconf import OmegaConf
 
-    return OmegaConf.from_dotlist([f"v={text}"])["v"]
+    try:
+        return OmegaConf.from_dotlist([f"v={text}"])["v"]
+    except Exception:  # an interpolation (${...}) or unclosed brackets: the text as given, never a traceback;
+        return text    # a value that goes on to alignrl's key is read (and its error named) by load_config
 
 
 def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
@@ -158,6 +196,9 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
     not_used: list[str] = []
     notes: list[str] = []
     custom: dict[str, str] = {}  # verl's custom_reward_function.{path,name}
+    not_applied: dict[str, tuple[str, str]] = {}  # key -> (value, why); a key given twice: listed once, last value
+    critic_follows: dict[str, str] = {}  # verl's critic.ppo_mini_batch_size / ppo_epochs as given
+    keep: dict[str, int] = {}  # verl's max_{actor,critic}_ckpt_to_keep, 0 for keep-all
     verl = output_is_run_dir = False
     global_micro = None
     for o in overrides:
@@ -200,6 +241,21 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
             verl = True
             if _value(value) is False:
                 notes.append(f"{key}={value}: {NOTED[key]}")
+        elif key in NOT_APPLIED:
+            verl = True
+            followed, why = NOT_APPLIED[key]
+            if _value(value) != followed:
+                not_applied[key] = (value, why)
+            else:
+                not_applied.pop(key, None)
+        elif key in CRITIC_FOLLOWS_ACTOR:
+            verl = True
+            critic_follows[key] = value
+        elif key in CKPT_TO_KEEP:
+            verl = True
+            keep[key] = _checkpoints_to_keep(key, value)
+            # one folder holds actor and critic: keep what the larger request keeps (0: every one)
+            out.append(f"trainer.max_checkpoints={0 if 0 in keep.values() else max(keep.values())}")
         elif any(fnmatch.fnmatchcase(key, pattern) for pattern in NOT_USED):
             verl = True
             if key not in not_used:
@@ -217,6 +273,14 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
                               "'Search-R1 / verl scripts'; `alignrl config --reference` lists alignrl's own keys)")
         else:
             out.append(f"{key}={value}")
+    for key, value in critic_follows.items():
+        if value == "${actor_rollout_ref.%s}" % CRITIC_FOLLOWS_ACTOR[key]:  # verl's own default: the actor's
+            continue
+        actor = [o.split("=", 1)[1] for o in out if o.startswith(CRITIC_FOLLOWS_ACTOR[key] + "=")]
+        if not actor or _value(actor[-1]) != _value(value):
+            not_applied[key] = (value, "alignrl's critic trains on the actor's mini-batches and epochs "
+                                       "(actor_rollout_ref.actor.ppo_mini_batch_size and ppo_epochs)")
+    notes += _grouped(not_applied)
     if custom.get("path") not in (None, "null"):  # verl's default function name is compute_score
         out.append(f"algorithm.reward_fn={custom['path']}:{custom.get('name', 'compute_score')}")
     # n_agent is Search-R1's group size; verl's rollout.n beside it is the vLLM sample count (1)
@@ -229,6 +293,26 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
             out.append("actor.ppo_mini_batch_unit=sequences")
     explicit = {o.split("=", 1)[0] for o in out} | ({"actor.ppo_micro_batch_size"} if global_micro else set())
     return Translation(out, explicit, not_used, notes, verl, output_is_run_dir, global_micro)
+
+
+def _grouped(not_applied: dict[str, tuple[str, str]]) -> list[str]:
+    """One line per reason, naming every key it holds for (the three format credits share one)."""
+    by_why: dict[str, list[str]] = {}
+    for key, (value, why) in not_applied.items():
+        by_why.setdefault(why, []).append(f"{key}={value}")
+    return [f"{', '.join(keys)} {'is' if len(keys) == 1 else 'are'} accepted but not applied: {why}"
+            for why, keys in by_why.items()]
+
+
+def _checkpoints_to_keep(key: str, text: str) -> int:
+    """verl's max_*_ckpt_to_keep as alignrl's trainer.max_checkpoints: null, 0 or less keep every checkpoint
+    (verl deletes only for a positive count)."""
+    value = _value(text)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={text} must be a whole number or null (null keeps every checkpoint)")
+    return max(0, value)
 
 
 def verl_defaults(t: Translation, given: set[str], adv_estimator: str, use_kl_loss: bool) -> list[str]:
