@@ -80,7 +80,7 @@ else
     RESOURCES=(--num-gpus=0 --num-cpus="${ALIGNRL_CPU_SLOTS:-8}")
 fi
 
-EXTRA=()
+EXTRA=()  # expanded as ${EXTRA[@]+...}: bash before 4.4 (CentOS 7) calls an empty array unbound under set -u
 [[ -n ${RAY_AGENT_PORT:-} ]] && EXTRA+=(--dashboard-agent-listen-port="$RAY_AGENT_PORT")
 [[ -n ${RAY_AGENT_GRPC_PORT:-} ]] && EXTRA+=(--dashboard-agent-grpc-port="$RAY_AGENT_GRPC_PORT")
 [[ -n ${RAY_RUNTIME_ENV_AGENT_PORT:-} ]] && EXTRA+=(--runtime-env-agent-port="$RAY_RUNTIME_ENV_AGENT_PORT")
@@ -133,10 +133,11 @@ fi
 if [[ $ROLE == head ]]; then
     "$RAY" start --head --port="$RAY_PORT" --dashboard-host="$DASHBOARD_HOST" --dashboard-port="$DASHBOARD_PORT" \
         --temp-dir="$TEMP_DIR" --disable-usage-stats --min-worker-port="$MIN_WORKER_PORT" \
-        --max-worker-port="$MAX_WORKER_PORT" "${RESOURCES[@]}" "${EXTRA[@]}"
+        --max-worker-port="$MAX_WORKER_PORT" ${RESOURCES[@]+"${RESOURCES[@]}"} ${EXTRA[@]+"${EXTRA[@]}"}
 else
     "$RAY" start --address="$HEAD_HOST:$RAY_PORT" --temp-dir="$TEMP_DIR" --disable-usage-stats \
-        --min-worker-port="$MIN_WORKER_PORT" --max-worker-port="$MAX_WORKER_PORT" "${RESOURCES[@]}" "${EXTRA[@]}"
+        --min-worker-port="$MIN_WORKER_PORT" --max-worker-port="$MAX_WORKER_PORT" \
+        ${RESOURCES[@]+"${RESOURCES[@]}"} ${EXTRA[@]+"${EXTRA[@]}"}
 fi
 echo "node started ($ROLE, $GPUS GPU(s)); check the cluster with:"
 echo "ray status --address=$HEAD_HOST:$RAY_PORT"
