@@ -3,6 +3,7 @@ processes (`alignrl sample`) on loopback, with the tiny model. Every process is 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from alignrl.algos.runner import train_grpo
 from alignrl.config import load_config
@@ -330,6 +331,11 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
                                                            num_hidden_layers=2, num_attention_heads=2,
                                                            num_key_value_heads=1, tokenizer_corpus=500, sft_steps=0),
                              log=lambda *_: None)
+    # the trainer's shapes, other weights: it would score the KL term's reference log-probs with another model
+    same_shapes = tmp_path / "same_shapes"
+    shutil.copytree(tiny_model_dir, same_shapes)
+    moved = {k: v + 0.01 for k, v in load_file(same_shapes / "model.safetensors").items()}
+    save_file(moved, same_shapes / "model.safetensors", metadata={"format": "pt"})
     ports = free_ports(3)
     ds = tmp_path / "deepspeed.json"
     # ZeRO-3: the trainer's parameters are empty shards, and the model check must compare the full shapes
@@ -350,6 +356,11 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
         _, err = wrong.communicate(timeout=120)
         assert wrong.returncode == 2 and "Traceback" not in err
         assert len(err.strip().splitlines()) == 1 and "trainer's --model-path" in err, err
+        impostor = sampler(same_shapes, ports)
+        procs.append(impostor)
+        _, err = impostor.communicate(timeout=120)
+        assert impostor.returncode == 2 and len(err.strip().splitlines()) == 1, err
+        assert "the trainer's parameter shapes but other weights" in err, err
         # the trainer holds its ports now: a second one on two ranks stops, both ranks, with rank 0's one line
         twin = spawn("train", "grpo", "--nproc", "2", *overrides(tiny_model_dir, tmp_path, "twin", 2, ports,
                                                                  "pipeline.placement=zmq"))
@@ -357,8 +368,9 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
         _, err = twin.communicate(timeout=120)
         assert twin.returncode == 2 and len(err.strip().splitlines()) == 1, err[-3000:]
         assert f"port {ports[0]} on 127.0.0.1 is in use" in err, err
-        _, err = nobody.communicate(timeout=120)
+        out, err = nobody.communicate(timeout=120)
         assert nobody.returncode == 2 and "no trainer answered" in err and len(err.strip().splitlines()) == 1, err
+        assert f"waiting for a trainer on tcp://127.0.0.1:{ports[2]}" in out, out  # said at once, not at the end
         # a sampler given a shorter data file than the trainer's: one line (an IndexError's traceback before); the
         # trainer hands its lease to the next sampler once its heartbeats stop
         short_data = tmp_path / "short.jsonl"

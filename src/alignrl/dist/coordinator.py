@@ -22,6 +22,7 @@ import torch
 
 from alignrl.algos.placement import build_critics, build_ref
 from alignrl.algos.rollout_ops import group_rows, select_groups
+from alignrl.algos.trainer import needs_reference
 from alignrl.config import RunConfig
 from alignrl.data.records import ScoredBatch
 from alignrl.data.sampler import BatchSampler
@@ -30,10 +31,12 @@ from alignrl.dist.cores import CoreLedger, ThreadLoan
 from alignrl.dist.dispatch import Dispatcher, Lease
 from alignrl.dist.env import DistEnv, all_reduce_sum, broadcast_frames
 from alignrl.dist.records_wire import from_wire
-from alignrl.dist.ref_share import RefShare, trainer_needs_ref
+from alignrl.dist.ref_share import RefShare, sampler_needs_ref, trainer_needs_ref
 from alignrl.dist.shared_weights import host_id
 from alignrl.dist.wire import Message, WireError, decode
 from alignrl.dist.zmq_link import InsecureBind, Puller, Replier, token_from_env
+from alignrl.models.folder import weights_fingerprint
+from alignrl.models.loader import resolve_model_path
 from alignrl.train.actor import Actor
 from alignrl.train.checkpoint import atomic_write_text
 from alignrl.utils.tracking import aside, console, json_rows
@@ -80,6 +83,10 @@ class Coordinator:
     def sink(self, actor: Actor, env: DistEnv) -> WeightBoard:
         self.env = env
         self.board = WeightBoard(actor, env, self.p, self.token, self.lock, self._published, self.incarnation)
+        # the base weights a sampler's reference must have: other weights of the same shapes pass the manifest
+        # check, and the KL term would then be measured against another model
+        self.base_weights = (weights_fingerprint(resolve_model_path(self.cfg.model.path, log=lambda *_: None))
+                             if env.is_main and needs_reference(self.cfg) and sampler_needs_ref(self.cfg) else None)
         if self.p.lend_cores and env.world_size == 1 and env.device.type == "cpu":
             loan = ThreadLoan(torch.get_num_threads())
             loan.install(actor.model)
@@ -311,7 +318,7 @@ class Coordinator:
                 self.replier.reply_msg(peer, "done", {})
             return
         if msg.kind == "hello":
-            problem = self.board.check_model(meta.get("manifest"))
+            problem = self.board.check_model(meta.get("manifest")) or self._other_base(meta.get("weights"))
             if problem is None:
                 with self.lock:
                     problem = self.board.admit(process_of(meta), meta.get("can_map"))
@@ -329,6 +336,15 @@ class Coordinator:
         now = time.monotonic()
         if not self._work(peer, meta, now):
             self.parked[peer] = (meta, now)
+
+    def _other_base(self, theirs) -> str | None:
+        """Why a sampler whose base weights have digest `theirs` may not score reference log-probs, or None
+        (None also when either side has no digest: a .bin model, or an older alignrl)."""
+        if self.base_weights is None or not isinstance(theirs, str) or theirs == self.base_weights:
+            return None
+        return ("the sampler's model has the trainer's parameter shapes but other weights; the sampler computes the "
+                "reference log-probs of the KL term from them, so they would be another model's: start it with the "
+                "trainer's --model-path")
 
     def _work(self, peer: bytes, meta: dict, since: float) -> bool:
         """Answers a work request if it can: "done", the newest weights, or a lease. While the staleness

@@ -31,7 +31,8 @@ from alignrl.dist.ref_share import sampler_needs_ref
 from alignrl.dist.shared_weights import SHARED_KIND, SharedReader, SharedUnavailable, cuda_uuids, host_id
 from alignrl.dist.wire import DTYPE_NAMES, DTYPES, Message, WireError, check_weights, manifest_of
 from alignrl.dist.zmq_link import PeerTimeout, Pusher, Requester, address, token_from_env
-from alignrl.models.loader import ModelError, load_model
+from alignrl.models.folder import weights_fingerprint
+from alignrl.models.loader import ModelError, load_model, resolve_model_path
 from alignrl.rollout.hf_engine import HFRolloutEngine
 from alignrl.utils.tracking import console
 
@@ -80,6 +81,8 @@ class Sampler:
         self.model, self.tokenizer = load_model(args.model_path, log=console.print)
         self.model.to(self.device)
         self.manifest = manifest_of(self.model.named_parameters())
+        # the trainer checks that a reference computed here is its own base model's (same shapes is not enough)
+        self.base_weights = weights_fingerprint(resolve_model_path(args.model_path, log=lambda *_: None))
         self.incarnation, self.version = None, -1  # of the weights this sampler holds
         self.trainer = None  # the incarnation of the trainer this sampler said hello to (its run config's)
         # what the trainer needs to know to hand this sampler weights in memory both map (shared_weights)
@@ -100,12 +103,17 @@ class Sampler:
         """One request, retried while the trainer is absent (up to --peer-timeout); "done" once the heartbeat
         heard it."""
         deadline = time.monotonic() + self.args.peer_timeout
+        said = False
         while True:
             if self.beat.over.is_set():
                 return Message("done", {})
             try:
                 return self.sync.request(kind, meta, timeout_s=min(timeout_s, self.args.peer_timeout))
             except PeerTimeout:
+                if not said:  # at once, not only when the wait ends: a wrong port or order is seen here
+                    console.print(f"sampler {self.id}: waiting for a trainer on {self.sync.addr} (up to "
+                                  f"{self.args.peer_timeout:g} s, --peer-timeout)")
+                    said = True
                 if time.monotonic() > deadline:
                     raise PipelineError(f"no trainer answered on {self.sync.addr} for {self.args.peer_timeout:g} s: "
                                         "start training_worker.py (or alignrl train grpo pipeline.placement=zmq) "
@@ -114,7 +122,7 @@ class Sampler:
     def hello(self) -> RunConfig:
         manifest = {k: [list(v.shape), v.dtype] for k, v in self.manifest.items()}
         reply = self.ask("hello", {"sampler_id": self.id, "proc": self.proc, "manifest": manifest,
-                                   "can_map": self.can_map})
+                                   "can_map": self.can_map, "weights": self.base_weights})
         if reply.kind == "error":
             raise PipelineError(f"trainer refused this sampler: {reply.meta.get('message')}")
         if reply.kind != "welcome" or not isinstance(reply.meta.get("config"), str):

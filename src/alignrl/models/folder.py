@@ -103,3 +103,28 @@ def load_tokenizer(folder: Path, chat: bool = True):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def weights_fingerprint(folder: Path) -> str | None:
+    """A digest of the folder's weights that tells two models of the same shapes apart: each tensor's name, shape,
+    dtype and first row (first 64 elements of a vector), read from the safetensors files without loading the
+    model. Two processes that load the same weights agree on it whatever dtype they load them in. None for
+    weights in another format (.bin), which would have to be loaded whole."""
+    import hashlib
+
+    import torch
+    from safetensors import safe_open
+
+    files = _weight_files(folder)
+    if not all(f.suffix == ".safetensors" for f in files):
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in sorted(f.keys()):
+                part = f.get_slice(name)
+                shape = part.get_shape()
+                head = part[0:1] if len(shape) > 1 else part[0:min(64, shape[0])] if shape else f.get_tensor(name)
+                digest.update(f"{name}{shape}{part.get_dtype()}".encode())
+                digest.update(head.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
