@@ -1,0 +1,294 @@
+"""Seed 004's command lines as its users type them: communication_test.py between two processes on the given
+ports, one-line answers to bad input, deepspeed.json's batch numbers followed (and checked) by the trainer,
+run_distributed.py's --help and checks, the sampler's --data-path, and the seed's checkpoint interval. Every
+process a test starts runs in a session of its own and is stopped by its PID."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from alignrl.dist.launch import free_ports
+from conftest import SRC, run_group, src_path
+
+ROOT = Path(SRC).parent
+PASSED_ON = ("--no-deepspeed", "--data-path", "--max-steps", "--output-dir", "--max-staleness", "--batch-size",
+             "--group-size", "--lr", "--save-steps", "--threads")
+
+
+def script(name: str, *args, cwd, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"}
+    return run_group([sys.executable, str(ROOT / name), *map(str, args)], timeout, cwd=cwd, env=env)
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    return lines[0]
+
+
+# --- communication_test.py ---------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_communication_test_runs_between_two_processes_on_the_given_ports(tiny_model_dir, tmp_path):
+    data, sync = free_ports(2)
+    out = script("communication_test.py", "--model-path", tiny_model_dir, "--data-port", data, "--sync-port", sync,
+                 "--rounds", 2, cwd=tmp_path, timeout=200)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("two processes:"))
+    assert f"bound tcp://127.0.0.1:{data} (--data-port) and tcp://127.0.0.1:{sync} (--sync-port)" in line, line
+    pids = [int(w) for w in line.replace(",", " ").split() if w.isdigit()]
+    assert len(pids) == 2 and pids[0] != pids[1], line  # the trainer side and a second process, the sampler side
+    # the seed's schema: reference log-probs are an ndarray, made by the sampler side
+    assert "ref_policy_log_probs: numpy.ndarray float32" in out.stdout, out.stdout
+    for field in ("prefix_token_ids", "whole_token_ids", "old_policy_log_probs: numpy.ndarray", "MiB/s",
+                  "communication_test: OK"):
+        assert field in out.stdout, field
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("taken", ["data", "sync"])
+def test_communication_test_fails_in_one_line_on_a_port_another_program_holds(tmp_path, taken):
+    data, sync = free_ports(2)
+    port = data if taken == "data" else sync
+    with socket.socket() as other:  # another program, not ZeroMQ, on one of the two ports
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        out = script("communication_test.py", "--data-port", data, "--sync-port", sync, "--rounds", 1, cwd=tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    line = one_line(out.stderr)
+    assert line.startswith(f"communication_test: FAILED: port {port} on 127.0.0.1 (--{taken}-port) is taken"), line
+    assert "communication_test: OK" not in out.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv, said", [
+    (["--rounds", "0"], "--rounds 0: give the number of timed round trips, 1 or more"),
+    (["--rounds", "-1"], "--rounds -1: give the number of timed round trips, 1 or more"),
+    (["--model-path", "/nonexistent"], "--model-path /nonexistent: not a Hugging Face model folder"),
+    (["--data-port", "99999"], "--data-port 99999 is not a TCP port"),
+    (["--data-port", "5556"], "--data-port and --sync-port are both 5556"),
+    (["--timeout", "0"], "--timeout 0: give the seconds")])
+def test_communication_test_names_bad_input_in_one_line(tmp_path, argv, said):
+    out = script("communication_test.py", *argv, cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert one_line(out.stderr).startswith(f"communication_test.py: error: {said}")
+
+
+@pytest.mark.timeout(120)
+def test_the_sampler_side_says_in_one_line_that_nothing_answers(tiny_model_dir, tmp_path):
+    data, sync = free_ports(2)  # nobody listens there
+    env = {**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"}
+    out = run_group([sys.executable, "-m", "alignrl.dist.seed004", "comm-peer", "--model-path", str(tiny_model_dir),
+                     "--data-port", str(data), "--sync-port", str(sync), "--timeout", "2"], 100, cwd=tmp_path, env=env)
+    assert out.returncode == 1
+    assert one_line(out.stderr).startswith(f"nothing answers on tcp://127.0.0.1:{sync} (--sync-port) within 2 s")
+
+
+# --- deepspeed.json ----------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def trainer(tmp_path, monkeypatch):
+    """training_worker.py's main in `tmp_path`, with the launch replaced: (exit code, the trainer's overrides or
+    None when nothing was launched, stderr)."""
+    from alignrl import cli
+    from alignrl.dist import launch, seed004
+
+    monkeypatch.chdir(tmp_path)
+    for var in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR"):  # training_main sets them; restored after the test
+        monkeypatch.setenv(var, os.environ.get(var, ""))
+        monkeypatch.delenv(var)
+    launched = []
+    monkeypatch.setattr(launch, "torchrun", lambda nproc, argv, *a, **k: launched.append(argv) or 0)
+    monkeypatch.setattr(cli, "main", lambda argv: launched.append(argv) or 0)
+
+    def run(argv, capsys):
+        launched.clear()
+        try:
+            code = seed004.training_main([str(x) for x in argv])
+        except SystemExit as e:
+            code = e.code
+        ran = launched[-1][launched[-1].index("grpo") + 1:] if launched else None
+        return code, ran, capsys.readouterr().err
+
+    return run
+
+
+def _effective(overrides: list[str]) -> str:
+    from alignrl.algos.runner import describe_batch
+    from alignrl.config import load_config
+
+    return describe_batch(load_config(None, overrides), 1).split("effective batch = ")[1]
+
+
+def test_the_generated_deepspeed_json_carries_the_runs_batch(trainer, tmp_path, capsys):
+    code, overrides, err = trainer(["--batch-size", 2, "--group-size", 4, "actor.ppo_micro_batch_size=2"], capsys)
+    assert code == 0 and overrides is not None, err
+    ds = json.loads((tmp_path / "deepspeed.json").read_text())
+    batch = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    assert [ds[k] for k in batch] == [8, 2, 4], ds
+    assert _effective(overrides).startswith("2 sequences/micro-batch × 1 rank(s) × 4 accumulation step(s)")
+    assert "train_batch_size 8 = 2 per micro-batch × 1 process(es) × 4 accumulation step(s)" in err
+    # run again with the file as written: nothing to say, nothing changed
+    code, again, err = trainer(["--batch-size", 2, "--group-size", 4, "actor.ppo_micro_batch_size=2"], capsys)
+    assert code == 0 and again == overrides and err == ""
+
+
+@pytest.mark.parametrize("ds, effective", [
+    ({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4},
+     "1 sequences/micro-batch × 1 rank(s) × 4 accumulation step(s)"),
+    ({"train_micro_batch_size_per_gpu": 2}, "2 sequences/micro-batch × 1 rank(s) × 2 accumulation step(s)"),
+    ({"gradient_accumulation_steps": 4}, "1 sequences/micro-batch × 1 rank(s) × 4 accumulation step(s)")])
+def test_the_batch_numbers_of_an_edited_deepspeed_json_are_the_runs(trainer, tmp_path, capsys, ds, effective):
+    """The seed: lower the batch in deepspeed.json when memory runs out. Its micro-batch is actor.ppo_micro_batch_size,
+    and one line at start says which values came from the file."""
+    (tmp_path / "deepspeed.json").write_text(json.dumps({**ds, "zero_optimization": {"stage": 2}}))
+    code, overrides, err = trainer(["--batch-size", 1, "--group-size", 4], capsys)
+    assert code == 0 and overrides is not None, err
+    assert _effective(overrides).startswith(effective)
+    line = one_line(err)
+    assert line.startswith("training_worker: deepspeed.json: ") and "-> actor.ppo_micro_batch_size=" in line, line
+
+
+def test_a_deepspeed_train_batch_size_sets_the_mini_batch(trainer, tmp_path, capsys):
+    """32 prompts a step (the default) × 4 samples; the file makes it two optimizer steps of 64 sequences."""
+    (tmp_path / "deepspeed.json").write_text(json.dumps({"train_batch_size": 64}))
+    code, overrides, err = trainer(["--group-size", 4], capsys)
+    assert code == 0 and "actor.ppo_mini_batch_size=16" in overrides, (overrides, err)
+    assert "train_batch_size 64 -> actor.ppo_mini_batch_size=16" in one_line(err)
+
+
+@pytest.mark.parametrize("ds, argv, said", [
+    ({"zero_optimization": {"stage": 7}}, [], "zero_optimization.stage 7: DeepSpeed's ZeRO stages are 0, 1, 2 and 3"),
+    ({"zero_optimization": {"stage": "2"}}, [], "zero_optimization.stage \"2\": DeepSpeed's ZeRO stages"),
+    ({"zero_optimization": 2}, [], "zero_optimization must be an object"),
+    ({"bf16": {"enabled": "yes"}}, [], "bf16 {\"enabled\": \"yes\"}: give an object like"),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, [], "bf16 and fp16 are both enabled"),
+    ({"gradient_clipping": -1}, [], "gradient_clipping -1: give the largest gradient norm"),
+    ({"train_micro_batch_size_per_gpu": 0}, [], "train_micro_batch_size_per_gpu 0: give a whole number"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, [], "zero_optimization.offload_optimizer"),
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1},
+     ["--batch-size", 4, "--group-size", 4],
+     "train_batch_size 16 is not train_micro_batch_size_per_gpu 4 × gradient_accumulation_steps 1 × 1 training "
+     "process = 4"),
+    ({"train_batch_size": 6}, ["--batch-size", 4, "--group-size", 4], "train_batch_size 6 is not a whole number"),
+    ({"train_batch_size": 8}, ["--batch-size", 4, "--group-size", 4],
+     "train_batch_size 8 (sequences per optimizer step) differs from the 16 that --batch-size gives"),
+    ({"train_micro_batch_size_per_gpu": 2}, ["actor.ppo_micro_batch_size=4"],
+     "train_micro_batch_size_per_gpu 2 differs from actor.ppo_micro_batch_size=4"),
+    ("{not json", [], "not valid JSON")])
+def test_a_wrong_deepspeed_json_is_one_line_before_anything_starts(trainer, tmp_path, capsys, ds, argv, said):
+    (tmp_path / "deepspeed.json").write_text(ds if isinstance(ds, str) else json.dumps(ds))
+    code, overrides, err = trainer(argv, capsys)
+    assert code == 2 and overrides is None, (code, err)
+    assert one_line(err).startswith(f"training_worker.py: error: deepspeed.json: {said}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_run_distributed_trains_with_the_batch_of_an_edited_deepspeed_json(tiny_model_dir, tmp_path):
+    (tmp_path / "deepspeed.json").write_text(json.dumps({
+        "train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+        "zero_optimization": {"stage": 2}, "bf16": {"enabled": False}}))
+    data, sync = free_ports(2)
+    out = script("run_distributed.py", "--sampling-gpu", 0, "--training-gpus", 1, "--model-path", tiny_model_dir,
+                 "--data-port", data, "--sync-port", sync, "--max-steps", 1, "--batch-size", 1, "--group-size", 4,
+                 "--output-dir", tmp_path, "data.train_size=16", "data.val_size=4", "rollout.max_new_tokens=8",
+                 "trainer.progress_bar=false", cwd=tmp_path, timeout=280)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    assert log.count("training_worker: deepspeed.json: train_micro_batch_size_per_gpu 1") == 1, log[-3000:]
+    assert "effective batch = 1 sequences/micro-batch × 1 rank(s) × 4 accumulation step(s)" in log, log[-3000:]
+
+
+# --- run_distributed.py -------------------------------------------------------------------------------------------
+
+def test_run_distributed_help_lists_the_flags_it_passes_on(capsys):
+    from alignrl.dist import seed004
+
+    with pytest.raises(SystemExit) as e:
+        seed004.launcher_main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for flag in PASSED_ON:
+        assert f"\n  {flag}" in out, flag
+    assert "key.sub=value" in out and "deepspeed.json" in out
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--data-port", "99999"], "--data-port 99999 is not a TCP port"),
+    (["--sync-port", "0"], "--sync-port 0 is not a TCP port"),
+    (["--data-port", "6000", "--sync-port", "6000"], "--data-port and --sync-port are both 6000"),
+    (["--host", "not..a..host"], "--host 'not..a..host' does not resolve"),
+    (["--batch-size", "0"], "data.train_batch_size=0 is out of range"),
+    (["--data-path", "/nonexistent.jsonl"], "--data-path /nonexistent.jsonl: no such file")])
+def test_run_distributed_checks_once_before_starting_anything(argv, said, capsys, monkeypatch, tmp_path):
+    """One line from run_distributed.py itself, not one from the sampler and one from the trainer (Popen would
+    raise here: nothing is started)."""
+    from alignrl.dist import seed004
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(seed004.subprocess, "Popen", None)
+    with pytest.raises(SystemExit) as e:
+        seed004.launcher_main(argv)
+    assert e.value.code == 2
+    assert one_line(capsys.readouterr().err).startswith(f"run_distributed.py: error: {said}")
+
+
+def test_run_distributed_checks_deepspeed_json_before_starting_anything(capsys, monkeypatch, tmp_path):
+    from alignrl.dist import seed004
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "deepspeed.json").write_text(json.dumps({"zero_optimization": {"stage": 7}}))
+    monkeypatch.setattr(seed004.subprocess, "Popen", None)
+    with pytest.raises(SystemExit) as e:
+        seed004.launcher_main(["--training-gpus", "1,2"])
+    assert e.value.code == 2
+    assert one_line(capsys.readouterr().err).startswith("run_distributed.py: error: deepspeed.json: "
+                                                        "zero_optimization.stage 7")
+
+
+# --- sampling_worker.py --data-path ---------------------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name, said", [
+    ("/nonexistent.jsonl", "--data-path /nonexistent.jsonl: no such file"),
+    ("data.txt", "--data-path {}: a .txt file; give a .jsonl, .json or .parquet file")])
+def test_the_sampler_checks_its_data_path_before_it_connects(tmp_path, name, said):
+    """At once, in the flag's name, before torch and the model are loaded and before a trainer is asked (it was
+    read only once a trainer answered, and named data.train_files)."""
+    path = tmp_path / name if not name.startswith("/") else Path(name)
+    if not name.startswith("/"):
+        path.write_text("1+1\n")
+    code = ("import sys\nfrom alignrl.dist.seed004 import sampling_main\ntry:\n    rc = sampling_main(sys.argv[1:])\n"
+            "except SystemExit as e:\n    rc = e.code\nprint(rc, 'torch' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": src_path()}
+    data, sync = free_ports(2)  # nobody listens: the old sampler waited --peer-timeout, then named no file
+    out = run_group([sys.executable, "-c", code, "--data-path", str(path), "--data-port", str(data), "--sync-port",
+                     str(sync), "--peer-timeout", "2"], 100, cwd=tmp_path, env=env)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
+    assert one_line(out.stderr).startswith(f"sampling_worker.py: error: {said.format(path)}")
+
+
+# --- checkpoints every 1000 steps ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, freq", [([], 1000), (["--save-steps", "2"], 2), (["trainer.save_freq=5"], 5)])
+def test_checkpoints_every_1000_steps_as_the_seed_says(trainer, capsys, argv, freq):
+    from alignrl.config import load_config
+
+    code, overrides, err = trainer(["--no-deepspeed", "--nproc", "2", *argv], capsys)
+    assert code == 0 and overrides is not None, err
+    assert load_config(None, overrides).trainer.save_freq == freq
+
+
+def test_training_worker_names_a_bad_save_steps_and_data_path(trainer, capsys):
+    code, overrides, err = trainer(["--save-steps", "-1"], capsys)
+    assert code == 2 and overrides is None
+    assert one_line(err).startswith("training_worker.py: error: --save-steps -1")
+    code, overrides, err = trainer(["--data-path", "/nonexistent.jsonl"], capsys)
+    assert code == 2 and overrides is None
+    assert one_line(err).startswith("training_worker.py: error: --data-path /nonexistent.jsonl: no such file")
