@@ -124,3 +124,37 @@ def cli_in_process(capsys):
         return subprocess.CompletedProcess(["alignrl", *argv], code, got.out, got.err)
 
     return run
+
+
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+RAY_NODE = dict(num_cpus=8, num_gpus=8, node_ip_address="127.0.0.1", include_dashboard=False,
+            object_store_memory=80 << 20)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray nodes × 8 fake GPUs on this machine, as in seed 001 (`ray.cluster_utils.Cluster`, bound to
+    127.0.0.1), for the module; shut down after it."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    # Ray turns a loopback address into the machine's own IP unless clusters are "local only"; the
+    # nodes here listen on 127.0.0.1, so every process of the test (and its drivers) keeps loopback.
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(RAY_LOOPBACK_ENV)
+    ray_constants.ENABLE_RAY_CLUSTER, os.environ[RAY_LOOPBACK_ENV] = False, "0"
+    c = Cluster(initialize_head=True, head_node_args=dict(RAY_NODE))
+    try:
+        c.add_node(**RAY_NODE)
+        c.wait_for_nodes()
+        ray.init(address=c.address, logging_level="ERROR")
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        ray_constants.ENABLE_RAY_CLUSTER = saved[0]
+        if saved[1] is None:
+            os.environ.pop(RAY_LOOPBACK_ENV, None)
+        else:
+            os.environ[RAY_LOOPBACK_ENV] = saved[1]

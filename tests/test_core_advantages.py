@@ -2,6 +2,7 @@
 
 import math
 import statistics
+from dataclasses import replace
 
 import pytest
 import torch
@@ -309,3 +310,15 @@ def test_whiten_modes():
     assert whiten_by(x, m, "none").tolist() == [1.0, 2.0, 6.0, 0.0]
     assert whiten_by(x, m, "center").tolist() == [-2.0, -1.0, 3.0, 0.0]
     torch.testing.assert_close(whiten_by(x, m, "std"), masked_whiten(x, m))
+
+
+def test_openrlhfs_reward_clip_clamps_the_group_shaped_reward():
+    """OpenRLHF's compute_reward clamps the reward its estimator shaped with the group: scores 12 and 18 of one
+    prompt are -3 and +3 after the mean baseline, inside (-10, 10), so they stay apart (clamping the raw scores
+    first would make both 10, and both advantages 0)."""
+    r, g, mask = torch.tensor([12.0, 18.0]), torch.tensor([0, 0]), torch.ones(2, 1)
+    x = OutcomeInputs(r, outcome_token_rewards(r, mask), mask, g, outcome=r, outcome_baseline="mean",
+                      whiten="none", outcome_clip=(-10.0, 10.0))
+    assert torch.equal(ADVANTAGES["reinforce_plus_plus"](x), torch.tensor([[-3.0], [3.0]]))
+    wide = replace(x, rewards=r * 10, token_rewards=outcome_token_rewards(r * 10, mask), outcome=r * 10)
+    assert torch.equal(ADVANTAGES["reinforce_plus_plus"](wide), torch.tensor([[-10.0], [10.0]]))  # ±30 clamped

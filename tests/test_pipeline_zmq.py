@@ -217,7 +217,9 @@ def _root_script(*args, cwd):
 
 @pytest.mark.timeout(200)
 def test_seed_communication_test(tiny_model_dir, tmp_path):
-    proc = _root_script("communication_test.py", "--model-path", str(tiny_model_dir), "--rounds", "3", cwd=tmp_path)
+    ports = free_ports(2)  # the seed's 5555/5556 may be another test's at the same time
+    proc = _root_script("communication_test.py", "--model-path", str(tiny_model_dir), "--rounds", "3", "--data-port",
+                        str(ports[0]), "--sync-port", str(ports[1]), cwd=tmp_path)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-2000:]
     for field in ("prefix_token_ids", "generated_token_ids", "whole_token_ids", "is_finished", "reward_info",

@@ -9,14 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
 from alignrl.algos.runner import train_grpo  # noqa: E402
@@ -26,51 +24,7 @@ from alignrl.cluster.plan import engine_slot, release, requests, reserve, slots 
 from alignrl.cluster.train_ppo_ray import main  # noqa: E402
 from alignrl.config import load_config  # noqa: E402
 from conftest import src_path
-
-LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-NODE = dict(num_cpus=8, num_gpus=8, node_ip_address="127.0.0.1", include_dashboard=False,
-            object_store_memory=80 << 20)
-SEED_001 = ["--ref_num_nodes", "2", "--ref_num_gpus_per_node", "4", "--actor_num_nodes", "2",
-            "--actor_num_gpus_per_node", "4", "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "4",
-            "--colocate_actor_ref", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "8",
-            "--rollout_batch_size", "128", "--train_batch_size", "128", "--micro_train_batch_size", "2",
-            "--use_kl_loss", "--init_kl_coef", "0.001"]
-
-
-def tiny(model_dir, save, steps, *extra):
-    """Two actor ranks, one reference worker, one rollout engine: a small world for the 2-core machine."""
-    return ["--pretrain", str(model_dir), "--save_path", str(save), "--actor_num_nodes", "1",
-            "--actor_num_gpus_per_node", "2", "--ref_num_nodes", "1", "--ref_num_gpus_per_node", "1",
-            "--vllm_num_engines", "1", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
-            "--rollout_batch_size", "4", "--train_batch_size", "8", "--micro_train_batch_size", "4",
-            "--generate_max_len", "8", "--prompt_max_len", "64", "--max_samples", "64", "--use_kl_loss",
-            "--init_kl_coef", "0.01", "--actor_learning_rate", "1e-3", "--val_size", "4",
-            "--total_steps", str(steps), "--peer_timeout", "60", "--placement_timeout", "20", *extra]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    # Ray turns a loopback address into the machine's own IP unless clusters are "local only"; the
-    # nodes here listen on 127.0.0.1, so every process of the test (and its drivers) keeps loopback.
-    from ray._private import ray_constants
-
-    saved = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(LOOPBACK_ENV)
-    ray_constants.ENABLE_RAY_CLUSTER, os.environ[LOOPBACK_ENV] = False, "0"
-    c = Cluster(initialize_head=True, head_node_args=dict(NODE))
-    try:
-        c.add_node(**NODE)
-        c.wait_for_nodes()
-        ray.init(address=c.address, logging_level="ERROR")
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        ray_constants.ENABLE_RAY_CLUSTER = saved[0]
-        if saved[1] is None:
-            os.environ.pop(LOOPBACK_ENV, None)
-        else:
-            os.environ[LOOPBACK_ENV] = saved[1]
-
+from raycluster import SEED_001, all_gpus_free, gpus_free_become, metric_rows, reward_model, seed_001_data, tiny
 
 def test_seed_001_placement_from_rays_tables(cluster):
     assert all_gpus_free()
@@ -98,21 +52,6 @@ def test_seed_001_placement_from_rays_tables(cluster):
         assert reqs["actor"].roles == ["actor", "ref"] and (reqs["actor"].share("actor"), reqs["actor"].share("ref")) == (0.75, 0.25)
     finally:
         release(reqs)
-
-
-def gpus_free_become(n: float, timeout: float = 15.0) -> bool:
-    """Ray's view of free resources lags a created or removed placement group by a moment (seen: 4 GPUs still
-    free after every group was CREATED)."""
-    deadline = time.monotonic() + timeout
-    while ray.available_resources().get("GPU", 0.0) != n:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def all_gpus_free() -> bool:
-    return gpus_free_become(16.0)
 
 
 def test_colocate_all_models_puts_one_engine_on_each_node(cluster):
@@ -204,26 +143,6 @@ def test_a_placement_that_is_never_granted_fails_after_its_timeout(cluster, caps
     assert all_gpus_free()  # nothing left reserved
 
 
-def seed_001_data(path: Path) -> list[str]:
-    """OpenRLHF-style prompt data as seed 001's script reads it: `{"messages": [...], "answer": ...}` rows
-    in a .json array, with its data flags."""
-    from alignrl.data import synthetic
-
-    rows = [{"messages": s.messages, "answer": s.ground_truth} for s in synthetic.generate("train", 64, seed=0)]
-    path.write_text(json.dumps(rows))
-    return ["--prompt_data", str(path), "--input_key", "messages", "--label_key", "answer", "--apply_chat_template"]
-
-
-def reward_model(tiny_model_dir, folder: Path) -> Path:
-    """A sequence-classification head (seeded) on the tiny model: a reward model whose scores differ by row."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    torch.manual_seed(0)
-    AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(folder)
-    return folder
-
-
 @pytest.mark.timeout(400)
 def test_ray_steps_with_critic_and_reward_groups_match_the_in_process_loop_after_a_resume(cluster, tiny_model_dir,
                                                                                          tmp_path, capsys):
@@ -272,33 +191,6 @@ def test_ray_steps_with_critic_and_reward_groups_match_the_in_process_loop_after
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-5, msg=f"{part}: {k}")
         worst[part] = max(float((a[k] - b[k]).abs().max()) for k in a)
     print(f"max |ray - in-process| at step 3 after the resume: {worst}")
-
-
-def test_a_sharded_reference_group_trains_as_whole_copies_do(cluster, tiny_model_dir, tmp_path, capsys):
-    """--zero_stage 3 with two reference ranks: one copy of the reference sharded over them (FSDP, as OpenRLHF's
-    ZeRO-3 reference group; every engine call reaches both ranks), against two whole copies (--zero_stage 2).
-    The reference log-probs are the same numbers (tests/test_sharded_ref.py: exactly), so are the weights."""
-    finals = {}
-    for stage in ("3", "2"):
-        save = tmp_path / f"zero{stage}"
-        argv = tiny(tiny_model_dir, save, 2, "--ref_num_gpus_per_node", "2", "--zero_stage", stage,
-                    "--ckpt_path", str(save / "ckpt"), "--use_tensorboard", str(tmp_path / "tb"))
-        assert main(argv) == 0, capsys.readouterr().err
-        said = capsys.readouterr().out
-        assert ("one copy sharded over 2 ranks" in said) == (stage == "3"), said
-        weights = save / "ckpt" / "global_step_2" / "model" / "model.safetensors"
-        finals[stage] = load_file(weights)
-        # as OpenRLHF: the trained model in --save_path (hard-linked, not copied), events in --use_tensorboard/<run>
-        assert (save / "config.json").is_file() and (save / "tokenizer.json").is_file(), sorted(save.iterdir())
-        assert (save / "model.safetensors").stat().st_ino == weights.stat().st_ino
-        assert list((tmp_path / "tb" / save.name).glob("events.out.tfevents.*"))
-        assert [r["step"] for r in metric_rows(save) if r["step"] > 0] == [1, 2]
-    for k, v in finals["3"].items():
-        torch.testing.assert_close(v, finals["2"][k], rtol=0, atol=1e-6, msg=k)
-
-
-def metric_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
 def verl_args(model_dir, steps: int) -> list[str]:

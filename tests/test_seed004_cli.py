@@ -292,3 +292,18 @@ def test_training_worker_names_a_bad_save_steps_and_data_path(trainer, capsys):
     code, overrides, err = trainer(["--data-path", "/nonexistent.jsonl"], capsys)
     assert code == 2 and overrides is None
     assert one_line(err).startswith("training_worker.py: error: --data-path /nonexistent.jsonl: no such file")
+
+
+def test_the_seeds_three_training_processes_take_a_batch_that_splits_over_them(trainer, capsys):
+    """`run_distributed.py --training-gpus "1,2,3"` as the seed writes it: the default 32 prompts a step do not split
+    over 3 ranks (each takes whole prompts, in whole micro-batches of 64 sequences), so the trainer takes 24 and says
+so; a batch given is kept (or refused)."""
+    from alignrl.config import load_config
+
+    code, overrides, err = trainer(["--nproc", "3"], capsys)
+    assert code == 0 and overrides is not None, err
+    cfg = load_config(None, overrides)
+    assert (cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size) == (24, 24)
+    assert "3 training processes: 24 prompts a step (the default 32 does not split evenly" in err, err
+    code, overrides, err = trainer(["--nproc", "3", "--batch-size", "32"], capsys)
+    assert code == 2 and overrides is None and "32" in one_line(err), err

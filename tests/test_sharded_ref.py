@@ -5,6 +5,7 @@ forwards are collective), and each rank holds about half of the weights."""
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,15 @@ WORKER = Path(__file__).parent / "workers" / "sharded_ref_worker.py"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
-def test_a_sharded_reference_scores_what_a_whole_copy_does(tiny_model_dir, tmp_path):
+def run_ranks(model_dir, out, *extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60", "PYTHONPATH": src_path()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "--master_addr=127.0.0.1", str(WORKER), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r")]
-    done = run_group(cmd, 180, env=env)
+           "--master_addr=127.0.0.1", str(WORKER), "--model", str(model_dir), "--out", str(out), *extra]
+    return run_group(cmd, 180, env=env)
+
+
+def test_a_sharded_reference_scores_what_a_whole_copy_does(tiny_model_dir, tmp_path):
+    done = run_ranks(tiny_model_dir, tmp_path / "r")
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"r.{r}.json").read_text()) for r in (0, 1)]
     # the same weights in the same order of operations: equal up to the packed/shared layouts' own rounding
@@ -29,3 +34,14 @@ def test_a_sharded_reference_scores_what_a_whole_copy_does(tiny_model_dir, tmp_p
     total = ranks[0]["total"]
     assert sum(r["held"] for r in ranks) == total, ranks  # every weight on exactly one rank
     assert all(r["held"] < 0.6 * total for r in ranks), ranks
+
+
+def test_a_rank_that_fails_part_way_stops_at_once(tiny_model_dir, tmp_path):
+    """Its next call's collectives would pair with the rest of this one's on the other ranks: it ends its process
+    with one line, and the group stops long before the 60 s collective timeout (not waited out)."""
+    t0 = time.monotonic()
+    done = run_ranks(tiny_model_dir, tmp_path / "r", "--fail")
+    assert done.returncode != 0 and time.monotonic() - t0 < 45, done.stderr[-2000:]
+    said = [x for x in done.stderr.splitlines() if "a rank of a sharded reference cannot continue alone" in x]
+    # rank 1 says why; rank 0, whose collective then failed, stops too (one line each at most)
+    assert any(x.startswith("reference rank 1: IndexError") for x in said) and len(said) <= 2, done.stderr[-2000:]

@@ -34,6 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--fail", action="store_true", help="rank 1 gets token ids past the vocabulary in its first call")
     a = ap.parse_args()
     env = init_distributed("cpu")
     cfg = RunConfig()
@@ -43,6 +44,10 @@ def main() -> None:
     whole = frozen_copy(load_model(a.model, "float32")[0])
     vocab = whole.config.vocab_size
     batch = rows(9, vocab, torch.Generator().manual_seed(0))
+    if a.fail:  # rank 1 fails in its first forward, after the ranks agreed on two: rank 0 must not wait it out
+        bad = batch[0][:4] + (vocab if env.rank == 1 else 0)
+        sharded.logprobs(bad, *(t[:4] for t in batch[1:]))
+        return
     # (rank 0's rows, rank 1's rows): 3 micro-batches against 1, none against 5, then the same shares
     shares = [(slice(0, 5), slice(5, 7)), (slice(0, 0), slice(0, 9)), (slice(2, 4), slice(4, 6))]
     worst = 0.0

@@ -161,8 +161,8 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
         console.print(f"generation service {cfg.services.generation_url}: weights pushed")
     tracker = Tracker(log_dir, cfg.trainer.logger if env.is_main else [], resume_step=start_step,
                       write=env.is_main, project=cfg.trainer.project_name, run_name=cfg.trainer.experiment_name,
-                      config=cfg, tensorboard_dir=Path(cfg.trainer.tensorboard_dir) if cfg.trainer.tensorboard_dir
-                      else None)
+                      config=cfg, tensorboard_dir=run_dir / cfg.trainer.tensorboard_dir if cfg.trainer.tensorboard_dir
+                      else None)  # relative: inside the run folder, as log_dir
 
     val_prompts = encode_prompts(tokenizer, val, cfg.data.max_prompt_length)
     n_val_small = min(cfg.data.val_size_during_training, len(val))

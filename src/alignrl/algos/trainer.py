@@ -108,8 +108,10 @@ class PolicyTrainer:
                                        ro.response_mask, cfg.rollout.temperature, micro, self.actor.layout)
                       if cfg.actor.recompute_old_logprobs else ro.logprobs)
         mask = batch.loss_mask.float()
-        clip = cfg.algorithm.reward_clip
-        outcome = scores.rewards.clamp(*clip) if clip else scores.rewards
+        # --reward_clip_range as OpenRLHF: the reward clamped before the KL penalty; a group-shaped one (its rloo,
+        # group_norm, ...) after the shaping, inside the estimator
+        clip, shaped = cfg.algorithm.reward_clip, cfg.algorithm.outcome_baseline != "none" and self.critics is None
+        outcome = scores.rewards.clamp(*clip) if clip and not shaped else scores.rewards
         token_rewards = outcome_token_rewards(outcome, mask)
         rewards, kl_tokens = outcome, None
         if self.kl_ctrl is not None:  # KL in the reward: per-token penalty, then the estimators see it
@@ -125,7 +127,8 @@ class PolicyTrainer:
             a = cfg.algorithm
             adv = ADVANTAGES[a.adv_estimator](OutcomeInputs(
                 rewards, token_rewards, mask, ro.group, scores.baseline, a.norm_adv_by_std_in_grpo, a.gamma,
-                sum_over_ranks(self.env), outcome, a.outcome_baseline, a.whiten_advantages))
+                sum_over_ranks(self.env), outcome, a.outcome_baseline, a.whiten_advantages,
+                tuple(clip) if shaped else ()))
         else:
             with timed(t, "values"):
                 adv, value_targets, critic_metrics = self.critic_advantages(batch, token_rewards, kl_tokens, micro)

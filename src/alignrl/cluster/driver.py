@@ -29,7 +29,7 @@ import torch
 from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from alignrl.cluster.channel import ClusterError, Peer, RayProducers, RayRefScorer, patient_get
+from alignrl.cluster.channel import ClusterError, Peer, RayProducers, RayRefScorer
 from alignrl.cluster.critic import CriticGroup, CriticRank
 from alignrl.cluster.plan import Layout, describe, engine_slot, release, requests, reserve, slots
 from alignrl.cluster.workers import WATCH, PolicyRank, RefWorker, RewardWorker, RolloutWorker
@@ -171,9 +171,9 @@ class Driver:
         critics = self.start_critics(text, actors) if "critic" in lay.groups else None
         ranks = [self.start(PolicyRank, s, f"actor rank {r}", r, actors, s.local_rank, t, job.peer_timeout_s)
                  for r, s in enumerate(slots(self.reqs, "actor", actors, lay.per_node("actor")))]
-        self.name_nodes()
-        if refs is not None:
+        if refs is not None:  # before name_nodes: each worker's `where` waits for its load, under a time limit
             self.loaded_refs()
+        self.name_nodes()
         master = ray.get(ranks[0].handle.free_address.remote())
         producers = RayProducers(engines, self.weight_backend(), job.peer_timeout_s, critics and CriticGroup(
             critics, ray.get(critics[0].handle.free_address.remote()), job.peer_timeout_s))
@@ -222,9 +222,19 @@ class Driver:
         return RayRefScorer(refs, sharded)
 
     def loaded_refs(self) -> None:
-        """Waits for the reference group to load (a big model takes minutes) while its workers live."""
+        """Waits for the reference group to load (a big model takes minutes) while its workers live; the first
+        failure ends the run in one line (the other ranks may be waiting for it in the rendezvous)."""
         builds, refs, sharded = self.loading
-        held = patient_get(builds, refs, say=self.say)
+        of = dict(zip(builds, refs))
+        pending, waited = list(builds), 0.0
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=600.0)
+            if not done:
+                waited += 600.0
+                self.say(f"{', '.join(of[r].name for r in pending)} still loading after {waited:g} s")
+            for ref in done:
+                self.result(ref, of[ref], {r: of[r] for r in pending})
+        held = ray.get(builds)
         if sharded:
             self.say(f"reference: one copy sharded over {len(refs)} ranks ({held[0]:,} of {sum(held):,} weights "
                      "on rank 0)")
@@ -297,24 +307,29 @@ class Driver:
             done, pending = ray.wait(pending, num_returns=1)
             ref = done[0]
             peer = runs.get(ref) or watches[ref]
-            try:
-                out = ray.get(ref)
-            except ray.exceptions.RayTaskError as e:
-                cause, err = getattr(e, "cause", None), user_error(e)
-                if isinstance(err, (ClusterError, ConfigError)):
-                    raise ClusterError(f"{peer.name}: {err}") from None
-                if err is not None:  # bad data, a reward function that raised: the user's to fix (exit 2)
-                    raise err from None
-                dead = self.died_meanwhile({r: runs.get(r) or watches[r] for r in pending})
-                if dead is not None:
-                    raise ClusterError(f"{dead.name} died (killed, or out of memory); the run is stopped") from None
-                first = (str(cause or e).strip().splitlines() or ["?"])[-1]
-                raise ClusterError(f"{peer.name} failed: {first} (its traceback is in the worker log above)") from None
-            except ray.exceptions.RayActorError:
-                raise ClusterError(f"{peer.name} died (killed, or out of memory); the run is stopped") from None
+            out = self.result(ref, peer, {r: runs.get(r) or watches[r] for r in pending})
             if ref in runs and out is not None:
                 summary = out
         return summary
+
+    def result(self, ref, peer: Peer, pending: dict):
+        """ray.get of `peer`'s finished call `ref`; its failure as one line (`pending`: the calls still out, ref ->
+        worker, to name a worker that died meanwhile as the cause)."""
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            cause, err = getattr(e, "cause", None), user_error(e)
+            if isinstance(err, (ClusterError, ConfigError)):
+                raise ClusterError(f"{peer.name}: {err}") from None
+            if err is not None:  # bad data, a reward function that raised: the user's to fix (exit 2)
+                raise err from None
+            dead = self.died_meanwhile(pending)
+            if dead is not None:
+                raise ClusterError(f"{dead.name} died (killed, or out of memory); the run is stopped") from None
+            first = (str(cause or e).strip().splitlines() or ["?"])[-1]
+            raise ClusterError(f"{peer.name} failed: {first} (its traceback is in the worker log above)") from None
+        except ray.exceptions.RayActorError:
+            raise ClusterError(f"{peer.name} died (killed, or out of memory); the run is stopped") from None
 
     def died_meanwhile(self, pending: dict, grace_s: float = 5.0):
         """The worker (actor rank or other) whose pending call (`pending`: ref -> worker) shows it died by now

@@ -28,7 +28,8 @@ NOT_APPLIED = {
     "not applied here: one --prompt_data file, read as it is": ("prompt_split", "prompt_data_probs", "max_len"),
     "not applied here: a reward model's score is used as it is (no stored mean/std), its head found by "
     "transformers": ("normalize_reward", "value_head_prefix"),
-    "not applied here: wandb takes the run folder's name (--save_path) and the default entity":
+    "not applied here: wandb takes the run folder's name (--save_path; --wandb_run_name names the TensorBoard "
+    "folder) and the default entity":
         ("wandb_org", "wandb_group", "wandb_run_name"),
     "not applied here: every step is logged; reference and reward models stay on their GPUs; weights reach the "
     "engines by a collective broadcast": ("logging_steps", "ref_reward_offload", "vllm_sync_with_ray"),
@@ -131,7 +132,8 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
            f"algorithm.kl_penalty={kl_estimator(args)}", f"trainer.seed={args.seed}",
            f"trainer.output_dir={save.parent}", f"trainer.experiment_name={save.name}",
            f"trainer.total_training_steps={total_steps}", f"trainer.save_freq={max(args.save_steps, 0)}",
-           f"trainer.max_checkpoints={max(args.max_ckpt_num, 1)}", f"trainer.test_freq={args.eval_steps if args.eval_steps > 0 else args.test_freq}",
+           f"trainer.max_checkpoints={max(args.max_ckpt_num, 1)}",
+           f"trainer.test_freq={args.eval_steps if args.eval_steps > 0 else args.test_freq}",
            f"trainer.project_name={args.wandb_project}",
            f"trainer.resume_mode={'auto' if args.load_checkpoint else 'disable'}", f"trainer.threads={args.threads}",
            "trainer.progress_bar=false",
@@ -142,8 +144,9 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
     for key, value in data_keys(args).items():  # JSON-quoted: a template's text is not a YAML value, JSON's is
         out.append(f"data.{key}={value}" if isinstance(value, bool) else
                    f"data.{key}=null" if value is None else f"data.{key}={json.dumps(value)}")
-    if args.use_tensorboard:  # OpenRLHF: os.path.join(args.use_tensorboard, run name)
-        out.append(f"trainer.tensorboard_dir={Path(args.use_tensorboard).absolute() / save.name}")
+    if args.use_tensorboard:  # OpenRLHF: os.path.join(args.use_tensorboard, args.wandb_run_name)
+        events = Path(args.use_tensorboard).absolute() / (args.wandb_run_name or save.name)
+        out.append(f"trainer.tensorboard_dir={events}")
     if args.ckpt_path:
         out.append(f"trainer.checkpoint_dir={Path(args.ckpt_path).absolute()}")
     if args.reward_pretrain:

@@ -1,5 +1,5 @@
-"""OpenRLHF's `train_ppo_ray` flags (0.6-era underscore spelling), their argument checks, and their
-translation into alignrl config keys.
+"""OpenRLHF's `train_ppo_ray` flags (0.6-era underscore spelling) and their argument checks; their translation
+into alignrl config keys is `cluster.flag_keys`.
 
 The checks are OpenRLHF's: batch sizes divisible by world sizes, the colocation constraints, no
 reference when `--init_kl_coef 0`, no critic unless `--advantage_estimator gae`, group estimators need
@@ -10,9 +10,7 @@ accepted everywhere and, on a cluster without GPUs, listed once as not used.
 from __future__ import annotations
 
 import argparse
-import json
 import re
-from pathlib import Path
 
 from alignrl.config import ConfigError
 from alignrl.dist.launch import OneLineParser

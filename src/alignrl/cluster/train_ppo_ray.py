@@ -9,6 +9,7 @@ RAY_ADDRESS (set inside `ray job submit`, or by hand: `RAY_ADDRESS=HOST:8100`), 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -68,26 +69,40 @@ def job(args, prog: str = PROG, env: dict[str, str] | None = None):
                gpu_memory_utilization=args.vllm_gpu_memory_utilization, rank_env=env or {})
 
 
-def export_model(save: Path, ckpt_root: Path, prog: str = PROG) -> None:
-    """OpenRLHF leaves the trained model in --save_path, an HF folder that eval and serving read: the final
-    checkpoint's model files, hard-linked (no second copy of the weights on disk; a copy across file systems),
-    each put in place by a rename, so a file there is never half-written."""
-    from alignrl.train.checkpoint import latest_checkpoint
+EXPORTED = ".exported.json"  # the files the last export put in --save_path: a new export replaces exactly those
+
+
+def export_model(save: Path, ckpt_root: Path, step: int, prog: str = PROG) -> None:
+    """OpenRLHF leaves the trained model in --save_path, an HF folder that eval and serving read: step `step`'s
+    checkpoint model files, copied (a link would let a later save into --save_path rewrite the checkpoint), each
+    put in place by a rename so no file there is ever half-written; files of an earlier export that this one
+    lacks go. A failure is one line: the checkpoint itself is the trained model."""
+    from alignrl.train.checkpoint import atomic_write_text, latest_checkpoint
 
     final = latest_checkpoint(ckpt_root)[0]
-    if final is None:  # on several nodes without a shared file system, rank 0 wrote it on its own node
-        print(f"{prog}: no complete checkpoint under {ckpt_root} on this node: --save_path holds no model (the "
-              "last checkpoint's model/ folder is the trained model)", flush=True)
+    if final is None or final.name != f"global_step_{step}":  # on several nodes without a shared file system,
+        print(f"{prog}: step {step}'s checkpoint is not under {ckpt_root} on this node: --save_path holds no "
+              "model (the final checkpoint's model/ folder on actor rank 0's node is the trained model)", flush=True)
         return
-    for src in sorted((final / "model").iterdir()):
-        if src.is_file():
+    try:
+        files = sorted(p for p in (final / "model").iterdir() if p.is_file())
+        for src in files:
             tmp = save / f".{src.name}.part"
-            tmp.unlink(missing_ok=True)
-            try:
-                os.link(src, tmp)
-            except OSError:
-                shutil.copy2(src, tmp)
+            shutil.copy2(src, tmp)
             os.replace(tmp, save / src.name)
+        names = [p.name for p in files]
+        try:
+            before = json.loads((save / EXPORTED).read_text())
+        except (OSError, ValueError):
+            before = []
+        for old in set(before if isinstance(before, list) else []) - set(names):
+            if isinstance(old, str) and "/" not in old:
+                (save / old).unlink(missing_ok=True)
+        atomic_write_text(save / EXPORTED, json.dumps(names))
+    except OSError as e:
+        print(f"{prog}: could not put the trained model in {save} ({e.strerror or e}): it is in {final / 'model'}",
+              flush=True)
+        return
     print(f"{prog}: the trained model ({final.name}) is in {save}", flush=True)
 
 
@@ -111,7 +126,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         placed = job(args, prog, wandb_env(args, prog))
         code = Driver(placed).run()
         if code == 0:
-            export_model(placed.cfg.run_dir, placed.cfg.checkpoint_root, prog)
+            export_model(placed.cfg.run_dir, placed.cfg.checkpoint_root, placed.cfg.trainer.total_training_steps, prog)
         return code
     except (ClusterError, *user_errors()) as e:
         return _error(prog, e, 1 if isinstance(e, ClusterError) else 2)

@@ -315,7 +315,7 @@ class TrainerConfig:
     checkpoint_dir: str = opt("checkpoints", "checkpoint folder inside the run folder")
     log_dir: str = opt("logs", "log folder inside the run folder")
     tensorboard_dir: str = opt("", "TensorBoard event folder (OpenRLHF's --use_tensorboard PATH: PATH/<run name>); "
-                                   "empty: <log_dir>/tensorboard")
+                                   "relative to the run folder; empty: <log_dir>/tensorboard")
     total_training_steps: int = opt(50, "RL steps", ge=1)
     total_epochs: int = opt(0, "passes over the training files (verl): when > 0, the run stops after this many "
                                "epochs or total_training_steps, whichever comes first", ge=0)

@@ -197,6 +197,7 @@ class OutcomeInputs:
     outcome: torch.Tensor | None = None  # (B,) the outcome rewards alone, before any KL penalty (None: rewards)
     outcome_baseline: str = "none"  # REINFORCE++: a group shaping of the outcome (shape_outcome)
     whiten: str = "std"  # REINFORCE++: the batch normalisation of its returns (whiten_by)
+    outcome_clip: tuple = ()  # REINFORCE++ with a group shaping: (low, high) clamp of the shaped outcome
 
 
 def _grpo(x: OutcomeInputs) -> torch.Tensor:
@@ -211,7 +212,10 @@ def _reinforce_pp(x: OutcomeInputs) -> torch.Tensor:
     token_rewards = x.token_rewards
     if x.outcome_baseline != "none":  # the group shapes the outcome alone; the KL penalty stays on its tokens
         outcome = x.rewards if x.outcome is None else x.outcome
-        shift = shape_outcome(outcome, x.group, x.outcome_baseline) - outcome
+        shaped = shape_outcome(outcome, x.group, x.outcome_baseline)
+        if x.outcome_clip:  # OpenRLHF clamps the shaped reward (its compute_reward), not the raw one
+            shaped = shaped.clamp(*x.outcome_clip)
+        shift = shaped - outcome
         token_rewards = token_rewards + outcome_token_rewards(shift, x.mask)
     return reinforce_pp_advantages(token_rewards, x.mask, x.gamma, sum_ranks=x.sum_ranks, whiten=x.whiten)
 

@@ -8,12 +8,18 @@ The rollout engines split each batch over all reference ranks (`RayRefScorer` wi
 ranks whose share is empty), the ranks first agree on the largest number of micro-batches any of them has, and
 those with fewer run one-token forwards until they reach it. Two engines calling at once pair calls of different
 engines on different ranks; that is harmless, as each rank computes only its own rows and every call makes the
-same collectives.
+same collectives, as long as no call fails part-way: a rank whose call fails ends its process (the run stops
+with that worker's death) rather than leave the others' collectives paired with its next call.
 
-Deliberately left out: CPU offload of the shards (OpenRLHF's `--ref_reward_offload`).
+Deliberately left out: CPU offload of the shards (OpenRLHF's `--ref_reward_offload`), and loading without the
+whole model in host memory: each rank reads all of it before keeping its shard, so a node briefly holds one host
+copy per reference rank on it (rank 0 reading and broadcasting would avoid that).
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -37,6 +43,18 @@ class ShardedRefScorer:
         self.temperature, self.micro_batch, self.layout = temperature, micro_batch, layout
 
     def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+        try:
+            return self._logprobs(prompt_ids, prompt_mask, response_ids, response_mask)
+        except Exception as e:
+            # a rank that failed part-way (out of memory in a forward) cannot go on: its next call's collectives
+            # would pair with the rest of this one's on the other ranks. Ending the process makes its death the
+            # run's one line at once, where a wait would last the whole peer timeout
+            first = (str(e).strip().splitlines() or [""])[0]
+            print(f"reference rank {self.env.rank}: {type(e).__name__}: {first}; a rank of a sharded reference cannot "
+                  "continue alone: stopping", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def _logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
         rows = prompt_ids.shape[0]
         mine = -(-rows // self.micro_batch)  # per_token_in_chunks splits the rows into this many micro-batches
         most = torch.tensor([mine], device=self.env.device)
