@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -64,9 +65,25 @@ def cuda_bf16() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
+def quiet_deepspeed() -> None:
+    """DeepSpeed's noise in a run that is not wrong. Without CUDA, DeepSpeed warns "Setting accelerator to CPU"
+    when it is imported, which a run does even without trainer.strategy=deepspeed (transformers' save_pretrained
+    imports it through accelerate): DS_ACCELERATOR=cpu says it first, unless the user set it. And DeepSpeed's
+    ZeRO calls torch.distributed.all_gather_into_tensor, which each rank's torch then warns is deprecated."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
+
+
 def init_distributed(device: str = "auto", timeout_s: float | None = None) -> DistEnv:
     """Joins the torchrun process group (gloo on CPU, NCCL on GPUs); one process without torchrun.
-    `timeout_s` (default $ALIGNRL_DIST_TIMEOUT or 600) bounds every collective."""
+    `timeout_s` (default $ALIGNRL_DIST_TIMEOUT or 600) bounds every collective. A torchrun rank dies with
+    torchrun's agent, however the agent dies (alignrl.dist.lifetime)."""
+    from alignrl.dist.lifetime import rank_dies_with_agent
+
+    rank_dies_with_agent()  # first: a rank whose agent was killed while it started stops here
+    quiet_deepspeed()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if device == "cuda" and not torch.cuda.is_available():  # else the run would quietly train on the CPU
         from alignrl.config import ConfigError

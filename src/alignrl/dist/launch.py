@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 USER_ERROR = 2  # the exit code of a one-line user error, on every command
@@ -91,13 +92,26 @@ def torchrun(nproc: int, module_argv: list[str], master_port: int | None = None)
                   *module_argv])
 
 
+class _Terminated(Exception):
+    """SIGTERM reached a launcher waiting in wait_interruptible."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated
+
+
 def wait_interruptible(main: subprocess.Popen, *others: subprocess.Popen,
                        watch: tuple[subprocess.Popen, ...] = ()) -> int:
     """`main`'s exit code, or that of a `watch` process that failed first (the caller stops the rest), or 130 on
     Ctrl-C once every process has stopped: a terminal's Ctrl-C reaches them too (they say what happened
     themselves). It is passed on only to those outside this process group, which a terminal's Ctrl-C did not
-    reach: a second SIGINT would cut torchrun's agent's shutdown of its ranks short. Later SIGINTs are ignored;
-    a process still running after 30 s is killed."""
+    reach: a second SIGINT would cut torchrun's agent's shutdown of its ranks short. Later SIGINTs are ignored.
+    SIGTERM (a scheduler, `kill`) reaches this process alone, so it is passed on to every process, which stop
+    (a torchrun agent stops its ranks), and returns 143. A process still running 30 s after either gets SIGTERM,
+    then SIGKILL 10 s later (a torchrun agent's ranks die with it: alignrl.dist.lifetime)."""
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers are set there only
+    old_term = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    procs = (main, *others)
     try:
         while True:
             try:
@@ -108,20 +122,54 @@ def wait_interruptible(main: subprocess.Popen, *others: subprocess.Popen,
                     return failed.returncode
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        procs = (main, *others)
-        for p in procs:
-            try:
-                if p.poll() is None and os.getpgid(p.pid) != os.getpgrp():
-                    p.send_signal(signal.SIGINT)
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        if main_thread:  # already stopping; _stop's deadlines bound it
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _signal_all([p for p in procs if _outside_group(p)], signal.SIGINT)
+        _stop(procs)
         return 130
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _signal_all(procs, signal.SIGTERM)
+        _stop(procs)
+        return 128 + signal.SIGTERM
+    finally:
+        if main_thread:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if old_term is None else old_term)
+
+
+def _outside_group(p: subprocess.Popen) -> bool:
+    try:
+        return os.getpgid(p.pid) != os.getpgrp()
+    except ProcessLookupError:
+        return False
+
+
+def _signal_all(procs, sig: int) -> None:
+    for p in procs:
+        try:
+            if p.poll() is None:
+                p.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _stop(procs, grace_s: float = 30.0) -> None:
+    """Waits for `procs` to exit: `grace_s`, then SIGTERM and 10 s, then SIGKILL."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_all(procs, signal.SIGTERM)
+    deadline = time.monotonic() + 10.0
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def agent(argv: list[str]) -> int:
@@ -138,6 +186,12 @@ def agent(argv: list[str]) -> int:
         if name.startswith("torch.distributed"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     args = parse_args(argv)
+    from alignrl.dist.lifetime import AGENT_PID
+
+    # the ranks' parent, so that each rank can check it is still alive when it asks to die with it: a rank whose
+    # agent is killed (kill -9 included) dies too (alignrl.dist.lifetime, called in init_distributed)
+    before = os.environ.get(AGENT_PID)
+    os.environ[AGENT_PID] = str(os.getpid())
     try:
         run(args)
     except (DistNetworkError, RendezvousError) as e:  # most often: the rendezvous port is taken
@@ -156,6 +210,11 @@ def agent(argv: list[str]) -> int:
         return code
     except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: torchrun stopped the ranks
         return 128 + int(e.sigval)
+    finally:  # later children of this process are not ranks of this agent
+        if before is None:
+            os.environ.pop(AGENT_PID, None)
+        else:
+            os.environ[AGENT_PID] = before
     return 0
 
 

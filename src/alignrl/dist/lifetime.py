@@ -1,0 +1,69 @@
+"""Processes a run starts die with the process that started them, however it dies (`kill -9` included).
+
+On Linux a child asks the kernel for a signal when its parent exits (prctl PR_SET_PDEATHSIG); elsewhere these
+functions do nothing. The signal is SIGKILL: the parent is gone, so nobody is left to escalate a SIGTERM that a
+rank ignores (its handler returns after a Ctrl-C, a blocking C call such as a gloo collective defers Python
+handlers, a SystemExit can be swallowed), and a half-stopped rank keeps its ZeroMQ ports and GPU. Nothing is
+lost that a `kill -9` of the launcher did not already lose: checkpoints are written atomically, and POSIX
+shared-memory weights are unlinked by multiprocessing's resource tracker.
+
+Two caveats of the kernel's rule: the signal fires when the *thread* that forked the child exits (torchrun's
+agent and our launchers spawn from their main thread, which lives as long as the process), and a parent that
+died before the child's prctl sends nothing, so the child compares its parent with the pid recorded before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+DEATH_SIGNAL = signal.SIGKILL
+AGENT_PID = "ALIGNRL_AGENT_PID"  # set by launch.agent for its ranks: the pid their parent must have
+
+_prctl = None
+if sys.platform.startswith("linux"):
+    try:  # looked up now, in the parent: a preexec_fn runs between fork and exec, where less is safe
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        _prctl = None
+_rank_done = False
+
+
+def die_with_parent(parent_pid: int | None, sig: int = DEATH_SIGNAL) -> bool:
+    """This process gets `sig` when its parent exits. `parent_pid`: the parent it must still have (its pid as
+    the parent recorded it before starting this process); if it has another, that one already died and this
+    process is sent `sig` now. Returns whether the kernel took the request (False off Linux)."""
+    if _prctl is None or _prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if parent_pid is not None and os.getppid() != parent_pid:  # orphaned before prctl: re-parented already
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def preexec_die_with_parent(sig: int = DEATH_SIGNAL):
+    """A `preexec_fn` for subprocess.Popen: the child dies with the process calling Popen. The mark survives
+    the child's exec (not a set-user-ID program's)."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        die_with_parent(parent, sig)
+
+    return preexec
+
+
+def rank_dies_with_agent() -> None:
+    """Called where a rank starts (init_distributed): a torchrun rank (torchrun sets TORCHELASTIC_RUN_ID) dies
+    with torchrun's agent, its parent, instead of training on, holding its ports, after the agent is killed.
+    Under launch.agent the agent's pid is known (AGENT_PID) and checked; under a torchrun that is not ours it is
+    not, and a parent that is already init (pid 1) stands for a dead one. Once per process."""
+    global _rank_done
+    if _rank_done or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    _rank_done = True
+    recorded = os.environ.pop(AGENT_PID, None)  # not for this rank's own children: their parent is this rank
+    parent = int(recorded) if recorded and recorded.isdigit() else None
+    if die_with_parent(parent) and parent is None and os.getppid() == 1:
+        os.kill(os.getpid(), DEATH_SIGNAL)
