@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from alignrl.dist.launch import OneLineParser, wait_interruptible
+from alignrl.dist.lifetime import preexec_die_with_parent
 from alignrl.dist.seed004_deepspeed import DS_FILE, Seed004Error, ds_batch_overrides, read_ds_json, run_batch
 
 SAVE_STEPS = 1000  # seed 004: "每1000步保存一次" (the final step is always saved)
@@ -339,10 +340,13 @@ def launcher_main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     trainer_env = {**env, **({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if _has_cuda() else {})}
     this = [sys.executable, "-m", "alignrl.dist.seed004"]
+    # both die with this launcher, even by kill -9 (they would go on training and holding the ports)
     trainer = subprocess.Popen([*this, "train", *ports, "--nproc", str(len(gpus)),
-                                "--model-path", a.model_path, "--threads", str(threads), *rest], env=trainer_env)
+                                "--model-path", a.model_path, "--threads", str(threads), *rest], env=trainer_env,
+                               preexec_fn=preexec_die_with_parent())
     sampler = subprocess.Popen([*this, "sample", *ports, "--gpu-id",
-                                str(a.sampling_gpu), "--model-path", a.model_path, "--threads", str(threads)], env=env)
+                                str(a.sampling_gpu), "--model-path", a.model_path, "--threads", str(threads)], env=env,
+                               preexec_fn=preexec_die_with_parent())
     try:
         # a sampler that cannot start (its model, its data, refused at hello) ends the run with its own line;
         # the trainer would wait pipeline.peer_timeout_s for a batch and then ask for a sampler
