@@ -225,7 +225,7 @@ class Driver:
         """Waits for the reference group to load (a big model takes minutes) while its workers live; the first
         failure ends the run in one line (the other ranks may be waiting for it in the rendezvous)."""
         builds, refs, sharded = self.loading
-        of = dict(zip(builds, refs))
+        of, held = dict(zip(builds, refs)), {}
         pending, waited = list(builds), 0.0
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=600.0)
@@ -233,11 +233,10 @@ class Driver:
                 waited += 600.0
                 self.say(f"{', '.join(of[r].name for r in pending)} still loading after {waited:g} s")
             for ref in done:
-                self.result(ref, of[ref], {r: of[r] for r in pending})
-        held = ray.get(builds)
+                held[ref] = self.result(ref, of[ref], {r: of[r] for r in pending})
         if sharded:
-            self.say(f"reference: one copy sharded over {len(refs)} ranks ({held[0]:,} of {sum(held):,} weights "
-                     "on rank 0)")
+            self.say(f"reference: one copy sharded over {len(refs)} ranks ({held[builds[0]]:,} of "
+                     f"{sum(held.values()):,} weights on rank 0)")
 
     def start_critics(self, text: str, actors: int) -> list[Peer]:
         """The critic group's ranks; each serves actors // C actor ranks, so it takes that many calls at

@@ -77,10 +77,10 @@ def export_model(save: Path, ckpt_root: Path, step: int, prog: str = PROG) -> No
     checkpoint model files, copied (a link would let a later save into --save_path rewrite the checkpoint), each
     put in place by a rename so no file there is ever half-written; files of an earlier export that this one
     lacks go. A failure is one line: the checkpoint itself is the trained model."""
-    from alignrl.train.checkpoint import atomic_write_text, latest_checkpoint
+    from alignrl.train.checkpoint import atomic_write_text, manifest_problem
 
-    final = latest_checkpoint(ckpt_root)[0]
-    if final is None or final.name != f"global_step_{step}":  # on several nodes without a shared file system,
+    final = ckpt_root / f"global_step_{step}"
+    if manifest_problem(final) is not None:  # on several nodes without a shared file system,
         print(f"{prog}: step {step}'s checkpoint is not under {ckpt_root} on this node: --save_path holds no "
               "model (the final checkpoint's model/ folder on actor rank 0's node is the trained model)", flush=True)
         return
