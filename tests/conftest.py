@@ -142,6 +142,8 @@ def cluster():
     # nodes here listen on 127.0.0.1, so every process of the test (and its drivers) keeps loopback.
     from ray._private import ray_constants
 
+    if ray.is_initialized():  # a Ray an earlier test in this process started implicitly (ray.get_gpu_ids, ...)
+        ray.shutdown()
     saved = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(RAY_LOOPBACK_ENV)
     ray_constants.ENABLE_RAY_CLUSTER, os.environ[RAY_LOOPBACK_ENV] = False, "0"
     c = Cluster(initialize_head=True, head_node_args=dict(RAY_NODE))
