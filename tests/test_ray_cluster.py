@@ -179,8 +179,11 @@ def test_ray_steps_with_critic_and_reward_groups_match_the_in_process_loop_after
     rows = [r for r in after if r["step"] > 0]  # step 0: the base evaluation
     assert [r["step"] for r in rows] == [1, 2, 3] and all("critic/values_mean" in r for r in rows), rows
     args = F.parser().parse_args(argv)
-    train_grpo(load_config(None, K.overrides(args, gpus=False, total_steps=3) + [
+    inline_summary = train_grpo(load_config(None, K.overrides(args, gpus=False, total_steps=3) + [
         f"trainer.output_dir={tmp_path}", "trainer.experiment_name=inline3", "trainer.checkpoint_dir=checkpoints"]))
+    ray_summary = json.loads((tmp_path / "ray" / "summary.json").read_text())  # evaluated on the rollout engine
+    for key in ("base_accuracy", "final_accuracy"):
+        assert ray_summary[key] == inline_summary[key], (ray_summary, inline_summary)
     inline = tmp_path / "inline3" / "checkpoints" / "global_step_3"
     worst = {}
     for part in ("model", "critic"):

@@ -223,6 +223,8 @@ class RemoteProducers(Protocol):
 
     def critics(self, cfg: RunConfig, resume: Path | None, env: DistEnv) -> CriticParts | None: ...
 
+    def evaluator(self, pad_id: int) -> RolloutEngine | None: ...
+
 
 def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: DistEnv = SINGLE,
           producers: RemoteProducers | None = None) -> Placed:
@@ -234,17 +236,24 @@ def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: Dis
     # the reference is the base model, not a checkpoint
     ref = build_ref(cfg, env.device, model if policy_path == cfg.model.path else None) if inline else None
     remote = bool(cfg.services.generation_url) and inline
-    # a full copy for generation / evaluation when the engine keeps only a shard (copied before sharding)
-    copy = frozen_copy(model).to(env.device) if shards_weights(cfg, env) and not remote else None
+    # the held-out evaluation on the producers' own engines where they offer it (Ray's rollout engines)
+    evaluator = producers.evaluator(tokenizer.pad_token_id) if producers is not None else None
+    # a full copy for generation / evaluation when the engine keeps only a shard (copied before sharding): on
+    # every rank that generates (all of them in-process, rank 0 alone for its evaluation beside producers)
+    own_copy = shards_weights(cfg, env) and not remote and evaluator is None
+    copy = frozen_copy(model).to(env.device) if own_copy and (inline or env.is_main) else None
     actor = build_actor(cfg, model, resume, env)
-    if remote:
+    if evaluator is not None:
+        engine = evaluator
+    elif remote:
         engine = RemoteRolloutEngine(cfg.services.generation_url, tokenizer, **service_args(cfg))
     else:  # colocated: generation shares the policy's weights unless the engine keeps only a shard of them
         engine = HFRolloutEngine(copy if copy is not None else actor.model, tokenizer)
     engine = with_tools(cfg, engine, tokenizer)  # evaluation rolls out the same way as training
-    if producers is not None:  # the evaluation copy (sharded engines) follows the samplers' weights
+    if producers is not None:  # rank 0's evaluation copy (sharded engines) follows the samplers' weights
         sink = producers.sink(actor, env)
-        sink = sink if copy is None else Fanout(EngineCopy(actor, engine, env), sink)
+        if own_copy:  # the gather is collective: every rank takes part, rank 0 alone loads
+            sink = Fanout(EngineCopy(actor, engine, env, main_only=True), sink)
         critics = producers.critics(cfg, resume, env)
     else:
         colocated = not remote and copy is None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import socket
 import time
+from dataclasses import replace
 
 import ray
 import torch
@@ -24,10 +25,11 @@ import torch.nn.functional as F
 from alignrl.algos.placement import build_critics
 from alignrl.algos.producer import InlineSource
 from alignrl.algos.rollout_ops import concat_rollouts
-from alignrl.data.records import ScoredBatch
+from alignrl.data.records import Rollout, ScoredBatch
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist.coordinator import shard_groups
 from alignrl.dist.env import DistEnv, barrier
+from alignrl.interfaces import SamplingParams
 from alignrl.train.actor import Actor
 
 BUCKET_BYTES = 32 << 20
@@ -135,6 +137,32 @@ class RayRewardScorer:
         return split_call(self.workers, "score", (prompt_ids, prompt_mask, response_ids, response_mask))
 
 
+class RayEvalEngine:
+    """The held-out evaluation's RolloutEngine: the rollout engines, which hold the actor's weights after every
+    publish (OpenRLHF and verl evaluate on their vLLM engines too). The prompts are split evenly over them, one call
+    each, the rollouts joined in prompt order. The actor ranks keep no full copy for it: a sharded policy's
+    (ZeRO-3, FSDP) would be a whole model on rank 0's GPU beside its shard."""
+
+    def __init__(self, engines: list[Peer], pad_id: int):
+        self.engines, self.pad_id = engines, pad_id
+
+    def generate(self, prompts, params: SamplingParams) -> Rollout:
+        k = max(1, min(len(self.engines), len(prompts)))
+        starts = [i * len(prompts) // k for i in range(k + 1)]
+        # per-prompt seeds (vLLM seeds request i with seed + i) stay those of one unsplit call
+        refs = [e.handle.generate.remote(list(prompts[a:b]), params if params.seed is None else
+                                         replace(params, seed=params.seed + a))
+                for e, a, b in zip(self.engines, starts, starts[1:])]
+        parts = patient_get(refs, self.engines[:k])
+        out = parts[0]
+        for part in parts[1:]:
+            out = concat_rollouts(out, part, self.pad_id)
+        return out
+
+    def load_weights(self, named_tensors) -> None:
+        raise TypeError("the rollout engines receive the actor's weights through the Ray weight sink, not here")
+
+
 class RayWeightSink:
     """Collective over the actor group; rank 0 broadcasts the full weights to every engine, versioned."""
 
@@ -212,6 +240,9 @@ class RayProducers:
 
     def source(self, sampler: BatchSampler, trainer, env: DistEnv) -> RaySource:
         return RaySource(sampler, trainer, env, self)
+
+    def evaluator(self, pad_id: int) -> RayEvalEngine:
+        return RayEvalEngine(self.engines, pad_id)
 
 
 def free_port_on(ip: str) -> int:

@@ -221,6 +221,10 @@ class RolloutWorker(Worker):
             self.cached = (key, self.maker(seed_rank).make(step, index, self.rows, version))
         return self.cached[1]
 
+    def generate(self, prompts: list[list[int]], params):
+        """The held-out evaluation's rollouts (greedy, or pass@k's samples) on this engine's current weights."""
+        return self.engine.generate(prompts, params)
+
     def join(self, host: str, port: int, size: int, backend: str, timeout_s: float) -> None:
         from alignrl.cluster.weights import BroadcastGroup, manifest
 

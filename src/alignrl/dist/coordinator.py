@@ -71,9 +71,8 @@ class Coordinator:
         self.counters = {"dropped_stale": 0, "dropped_unknown": 0, "malformed": 0}
         self.staleness_hist: dict[int, int] = {}
         self.env: DistEnv | None = None
-        self.started, self.thread = False, None
-        self.puller: Puller | None = None
-        self.replier: Replier | None = None
+        self.started, self.thread = False, None  # the sync thread, started at the first batch
+        self.puller, self.replier = None, None  # rank 0's sockets (Puller, Replier), bound by source()
         self.parked: dict[bytes, tuple[dict, float]] = {}  # work requests waiting for a lease (sync thread)
         self.seen: dict[str, float] = {}  # when each sampler process was last heard from (sync thread)
         self.delivered = 0  # steps this trainer has received batches for (resumed from checkpoints)
@@ -96,6 +95,9 @@ class Coordinator:
     def critics(self, cfg: RunConfig, resume: Path | None, env: DistEnv):
         """The critics train in this process, beside the policy."""
         return build_critics(cfg, resume, env)
+
+    def evaluator(self, pad_id: int) -> None:
+        return None  # samplers only make batches: the trainer's rank 0 evaluates on its own weights
 
     def source(self, sampler: BatchSampler, trainer, env: DistEnv) -> Coordinator:
         self.trainer, self.env = trainer, env
