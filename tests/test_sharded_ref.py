@@ -45,3 +45,27 @@ def test_a_rank_that_fails_part_way_stops_at_once(tiny_model_dir, tmp_path):
     said = [x for x in done.stderr.splitlines() if "a rank of a sharded reference cannot continue alone" in x]
     # rank 1 says why; rank 0, whose collective then failed, stops too (one line each at most)
     assert any(x.startswith("reference rank 1: IndexError") for x in said) and len(said) <= 2, done.stderr[-2000:]
+
+
+def test_a_model_read_by_rows_is_the_model_loaded_whole(tiny_model_dir, tmp_path):
+    """load_sharded with no sharding (one rank's rows are all rows): the same logits as transformers' load, so the
+    buffers (rotary frequencies) and the tied embedding came through; a folder of .bin weights is not read by rows."""
+    import shutil
+
+    import torch
+
+    from alignrl.models.loader import load_model
+    from alignrl.models.sharded_load import load_sharded
+
+    whole = load_model(str(tiny_model_dir), "float32")[0].eval()
+    rows = load_sharded(tiny_model_dir, torch.float32, torch.device("cpu"), lambda m: None)
+    assert rows is not None and not any(p.requires_grad for p in rows.parameters())
+    assert rows.lm_head.weight is rows.model.embed_tokens.weight
+    ids = torch.randint(3, whole.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(rows(input_ids=ids).logits, whole(input_ids=ids).logits)
+    bin_dir = tmp_path / "bin"
+    shutil.copytree(tiny_model_dir, bin_dir)
+    (bin_dir / "model.safetensors").unlink()
+    torch.save(whole.state_dict(), bin_dir / "pytorch_model.bin")
+    assert load_sharded(bin_dir, torch.float32, torch.device("cpu"), lambda m: None) is None

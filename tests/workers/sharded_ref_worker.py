@@ -12,6 +12,7 @@ from alignrl.algos.producer import LocalRefScorer
 from alignrl.config import RunConfig
 from alignrl.dist.env import init_distributed
 from alignrl.dist.sharded_ref import build_sharded_ref, held_elements
+from alignrl.models import loader
 from alignrl.models.loader import frozen_copy, load_model
 from alignrl.models.logprobs import Layout
 
@@ -40,7 +41,10 @@ def main() -> None:
     cfg = RunConfig()
     cfg = replace(cfg, model=replace(cfg.model, path=a.model, dtype="float32"),
                   actor=replace(cfg.actor, logprob_micro_batch_size=2))
+    whole_load = loader.load_model
+    loader.load_model = None  # the shards are read by rows: a whole load (the fallback) would fail here
     sharded = build_sharded_ref(cfg, env)
+    loader.load_model = whole_load
     whole = frozen_copy(load_model(a.model, "float32")[0])
     vocab = whole.config.vocab_size
     batch = rows(9, vocab, torch.Generator().manual_seed(0))

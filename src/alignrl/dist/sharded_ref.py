@@ -11,9 +11,9 @@ engines on different ranks; that is harmless, as each rank computes only its own
 same collectives, as long as no call fails part-way: a rank whose call fails ends its process (the run stops
 with that worker's death) rather than leave the others' collectives paired with its next call.
 
-Deliberately left out: CPU offload of the shards (OpenRLHF's `--ref_reward_offload`), and loading without the
-whole model in host memory: each rank reads all of it before keeping its shard, so a node briefly holds one host
-copy per reference rank on it (rank 0 reading and broadcasting would avoid that).
+Each rank reads only its own rows of the weights from the safetensors files (`models/sharded_load.py`); a folder
+of `.bin` weights is loaded whole on every rank before it keeps its shard. Deliberately left out: CPU offload of
+the shards (OpenRLHF's `--ref_reward_offload`).
 """
 
 from __future__ import annotations
@@ -69,13 +69,21 @@ class ShardedRefScorer:
 
 
 def build_sharded_ref(cfg, env: DistEnv) -> ShardedRefScorer:
-    """The base model (`model.path`, frozen) sharded over every rank of `env`'s process group."""
+    """The base model (`model.path`, frozen) sharded over every rank of `env`'s process group, each rank reading only
+    its own rows of the weights (a folder that cannot be read by rows is loaded whole, then sharded)."""
     from alignrl.algos.placement import forward_layout
-    from alignrl.models.loader import load_model
+    from alignrl.models.loader import DTYPES, load_model, resolve_model_path
+    from alignrl.models.sharded_load import load_sharded
     from alignrl.train.engines.fsdp2 import shard_blocks
 
-    model = load_model(cfg.model.path, cfg.model.dtype)[0]
-    model.eval()
-    model.requires_grad_(False)
-    shard_blocks(model, env, reshard_after_forward=True)  # the root too: FSDP2 keeps a root gathered for its backward
+    def shard(model: torch.nn.Module) -> None:
+        shard_blocks(model, env, reshard_after_forward=True)  # the root too: FSDP2 keeps a root gathered for its backward
+
+    folder = resolve_model_path(cfg.model.path, lambda *_: None)
+    model = load_sharded(folder, DTYPES[cfg.model.dtype], env.device, shard)
+    if model is None:
+        model = load_model(str(folder), cfg.model.dtype)[0]
+        model.eval()
+        model.requires_grad_(False)
+        shard(model)
     return ShardedRefScorer(model, env, cfg.rollout.temperature, cfg.actor.forward_micro_batch, forward_layout(cfg))

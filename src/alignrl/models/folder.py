@@ -44,7 +44,7 @@ def loading(folder: str | Path, what: str) -> Iterator[None]:
                            "check that the folder is complete, or " + RESAVE) from exc
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
     """The weight files the folder's layout names (the shards of an index too); ModelError when none."""
     present = [name for name in WEIGHT_FILES if (folder / name).is_file()]
     if not present:
@@ -75,7 +75,7 @@ def check_model_folder(folder: Path) -> None:
         raise folder_error(folder, "config.json has no model_type", RESAVE)
     from safetensors import safe_open
 
-    for path in _weight_files(folder):
+    for path in weight_files(folder):
         if path.suffix != ".safetensors":
             continue
         try:
@@ -115,7 +115,7 @@ def weights_fingerprint(folder: Path) -> str | None:
     import torch
     from safetensors import safe_open
 
-    files = _weight_files(folder)
+    files = weight_files(folder)
     if not all(f.suffix == ".safetensors" for f in files):
         return None
     digest = hashlib.sha256()
