@@ -250,3 +250,58 @@ def test_training_worker_killed_by_sigkill_frees_its_ports(procs, tiny_model_dir
     worker.wait(timeout=10)
     wait_for(lambda: not any(map(alive, ranks)), 5, f"rank(s) {ranks} gone")
     wait_for(lambda: port_free(data) and port_free(sync), 5, f"ports {data}, {sync} free")
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_run_distributed_killed_by_sigkill_takes_its_trainer_ranks_and_sampler_along(procs, tiny_model_dir, tmp_path):
+    """seed 004's `python run_distributed.py`, killed with kill -9 while it trains (a 2-rank DeepSpeed trainer and a
+    sampler under it): every process it started is gone within seconds and the ports can be bound by the next run."""
+    data, sync = free_ports(2)
+    log = tmp_path / "output.txt"
+    metrics = tmp_path / "grpo_zmq" / "logs" / "metrics.jsonl"
+    with log.open("w") as f:
+        launcher = procs.start([sys.executable, str(ROOT / "run_distributed.py"), "--sampling-gpu", "0",
+                                "--training-gpus", "1,2", "--model-path", str(tiny_model_dir), "--max-steps", "200",
+                                "--batch-size", "4", "--group-size", "4", "--output-dir", str(tmp_path),
+                                "--data-port", str(data), "--sync-port", str(sync), "data.train_size=64",
+                                "data.val_size=4", "rollout.max_new_tokens=8", "trainer.progress_bar=false"],
+                               cwd=tmp_path, stdout=f, stderr=f,
+                               env={**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"})
+
+        def training():  # a step trained: the sampler and both ranks are up
+            assert launcher.poll() is None, log.read_text()[-3000:]
+            kids = descendants(launcher.pid)
+            procs.pids.update(kids)
+            return kids if metrics.is_file() and '"step": 1' in metrics.read_text() else None
+
+        kids = wait_for(training, 240, "run_distributed.py trained a step")
+    assert len(kids) >= 4, kids  # the trainer's launcher, its 2 ranks, the sampler
+    launcher.kill()
+    launcher.wait(timeout=10)
+    wait_for(lambda: not any(map(alive, kids)), 10, f"{kids} gone with run_distributed.py")
+    # the next trainer can bind them (the killed connections' TIME_WAIT blocks a plain bind for a minute, not ZeroMQ's)
+    wait_for(lambda: zmq_binds(data) and zmq_binds(sync), 5, f"ports {data}, {sync} free for ZeroMQ")
+
+
+def zmq_binds(port: int) -> bool:
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.bind(f"tcp://127.0.0.1:{port}")
+        return True
+    except zmq.ZMQError:
+        return False
+    finally:
+        sock.close()
