@@ -10,6 +10,7 @@ from alignrl.algos.placement import place
 from alignrl.algos.sinks import Fanout, SharedModule
 from alignrl.config import load_config
 from alignrl.dist.env import barrier, init_distributed
+from alignrl.models.loader import load_model
 from alignrl.rollout.hf_engine import HFRolloutEngine
 
 
@@ -48,20 +49,28 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     env = init_distributed("cpu")
-    cfg = load_config(None, [f"model.path={a.model}", "trainer.strategy=fsdp2", "trainer.progress_bar=false"])
+    base = [f"model.path={a.model}", "trainer.progress_bar=false"]
+    whole = load_model(a.model)[0].state_dict()
     out = {}
-    for name, evaluator in (("own", None), ("producers", Evaluator())):
+    for name, strategy, evaluator in (("own", "fsdp2", None), ("producers", "fsdp2", Evaluator()),
+                                      ("zero3 own", "deepspeed", None), ("zero3 producers", "deepspeed", Evaluator())):
+        cfg = load_config(None, base + [f"trainer.strategy={strategy}", "trainer.zero_stage=3"])
         placed = place(cfg, cfg.model.path, None, env, Producers(evaluator))
         actor, engine = placed.trainer.actor, placed.eval_engine
         copy = isinstance(engine, HFRolloutEngine) and engine.model is not actor.model
-        with torch.no_grad():  # the policy moves; the publish must bring rank 0's copy along
-            for p in actor.model.parameters():
-                p.add_(0.5)
+        loaded = actor.engine.full_state_dict()  # the base weights, whichever way the policy was built
+        loaded_right = all(torch.equal(v, whole[k]) for k, v in loaded.items())
+        partitioned = getattr(actor.engine, "born_partitioned", False)
+        if strategy == "fsdp2":  # the policy moves; the publish must bring rank 0's copy along
+            with torch.no_grad():
+                for p in actor.model.parameters():
+                    p.add_(0.5)
         placed.sink.publish(1)  # collective on every rank
         full = actor.engine.full_state_dict()
         same = copy and all(torch.equal(v, full[k]) for k, v in engine.model.state_dict().items() if k in full)
         out[name] = {"copy": copy, "copy_follows": same, "evaluator": engine is evaluator,
-                     "fanout": isinstance(placed.sink, Fanout)}
+                     "fanout": isinstance(placed.sink, Fanout), "loaded_right": loaded_right,
+                     "partitioned": partitioned}
     with open(f"{a.out}.{env.rank}.json", "w") as f:
         json.dump(out, f)
     barrier(env)  # no rank leaves while the other may still be in a collective

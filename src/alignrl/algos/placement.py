@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -26,7 +27,8 @@ from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist.env import SINGLE, DistEnv
 from alignrl.interfaces import BatchSource, RefScorer, RolloutEngine, WeightSink
-from alignrl.models.loader import frozen_copy, load_model, recompute_activations
+from alignrl.models.loader import (frozen_copy, load_causal_lm, load_model, load_tokenizer, recompute_activations,
+                                   resolve_model_path)
 from alignrl.models.logprobs import Layout
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.registry import load_reward_fn, make_reward
@@ -37,6 +39,7 @@ from alignrl.rollout.retriever import RetrieverClient
 from alignrl.train.actor import Actor
 from alignrl.train.critic import Critic
 from alignrl.train.engines import OptimSpec, TrainEngine, build_engine
+from alignrl.train.engines.deepspeed import engine_config, partitioned_init
 from alignrl.utils.tracking import console
 
 
@@ -51,6 +54,13 @@ def make_engine(cfg: RunConfig, model, spec: OptimSpec, env: DistEnv) -> TrainEn
     t = cfg.trainer
     return build_engine(resolve_strategy(cfg, env), model, spec, env, zero_stage=t.zero_stage, offload=t.offload,
                         deepspeed_config=t.deepspeed_config or None, bf16=cfg.model.dtype == "bfloat16")
+
+
+def ds_settings(cfg: RunConfig, env: DistEnv) -> dict:
+    """The DeepSpeed config `make_engine` gives the policy's engine."""
+    t = cfg.trainer
+    return engine_config(t.deepspeed_config or None, t.zero_stage, t.offload, cfg.actor.grad_clip,
+                         cfg.model.dtype == "bfloat16", env.world_size)
 
 
 def shards_weights(cfg: RunConfig, env: DistEnv) -> bool:
@@ -231,13 +241,21 @@ def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: Dis
     """The in-process producer and the trainer, or only the trainer when `producers` make the batches in
     other processes (and receive the weights through their sink). Policy from `policy_path`, the frozen
     reference from the base `cfg.model.path`."""
-    model, tokenizer = load_model(policy_path, cfg.model.dtype, log=console.print)
+    folder = resolve_model_path(policy_path, console.print)
+    tokenizer = load_tokenizer(folder)
     inline = producers is None
+    # the held-out evaluation on the producers' own engines where they offer it (Ray's rollout engines)
+    evaluator = producers.evaluator(tokenizer.pad_token_id) if producers is not None else None
+    # nothing here then needs the whole model: a ZeRO-3 policy is built partitioned over the ranks
+    partitioned = evaluator is not None and resolve_strategy(cfg, env) == "deepspeed" and shards_weights(cfg, env)
+    with partitioned_init(ds_settings(cfg, env), env) if partitioned else nullcontext():
+        model = load_causal_lm(folder, cfg.model.dtype)
+    if partitioned:
+        console.print(f"policy: built in ZeRO-3 partitions over {env.world_size} ranks as it loads (no rank holds the "
+                      "whole model)")
     # the reference is the base model, not a checkpoint
     ref = build_ref(cfg, env.device, model if policy_path == cfg.model.path else None) if inline else None
     remote = bool(cfg.services.generation_url) and inline
-    # the held-out evaluation on the producers' own engines where they offer it (Ray's rollout engines)
-    evaluator = producers.evaluator(tokenizer.pad_token_id) if producers is not None else None
     # a full copy for generation / evaluation when the engine keeps only a shard (copied before sharding): on
     # every rank that generates (all of them in-process, rank 0 alone for its evaluation beside producers)
     own_copy = shards_weights(cfg, env) and not remote and evaluator is None

@@ -34,16 +34,21 @@ def resolve_model_path(path: str, log: Callable = print, key: str = "model.path"
 def load_model(path: str, dtype: str = "float32", log: Callable = print, chat: bool = True):
     """(model, tokenizer) with a pad token set; the tokenizer pads on the left for generation. `chat=False`
     accepts a tokenizer without a chat template (servers of raw completions and token ids)."""
+    folder = resolve_model_path(path, log)
+    tokenizer = load_tokenizer(folder, chat)
+    return load_causal_lm(folder, dtype), tokenizer
+
+
+def load_causal_lm(folder: Path, dtype: str = "float32"):
+    """The causal LM of a checked folder (`resolve_model_path`), in `dtype`."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar per tiny model load is noise in run logs
-    folder = resolve_model_path(path, log)
-    tokenizer = load_tokenizer(folder, chat)
     with loading(folder, "model"):
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype])
     model.config.use_cache = False  # training default; the rollout engine asks for the cache explicitly
-    return model, tokenizer
+    return model
 
 
 def recompute_activations(model) -> None:

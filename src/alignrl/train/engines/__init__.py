@@ -25,9 +25,8 @@ def build_engine(strategy: str, model: torch.nn.Module, spec: OptimSpec, env: Di
 
         return FSDP2Engine(model, spec, env, param_dtype=torch.bfloat16 if bf16 else None)
     if strategy == "deepspeed":
-        from alignrl.train.engines.deepspeed import DeepSpeedEngine, ds_config, load_ds_config
+        from alignrl.train.engines.deepspeed import DeepSpeedEngine, engine_config
 
-        cfg = (load_ds_config(deepspeed_config, env.world_size) if deepspeed_config
-               else ds_config(zero_stage, offload, spec.grad_clip, bf16, env.world_size))
+        cfg = engine_config(deepspeed_config, zero_stage, offload, spec.grad_clip, bf16, env.world_size)
         return DeepSpeedEngine(model, spec, env, cfg)
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")

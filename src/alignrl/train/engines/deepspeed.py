@@ -14,7 +14,8 @@ import json
 import logging
 import math
 import os
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -61,6 +62,29 @@ def load_ds_config(path: str, world: int) -> dict:
     return cfg
 
 
+def engine_config(deepspeed_config: str | None, stage: int, offload: bool, grad_clip: float, bf16: bool,
+                  world: int) -> dict:
+    """The DeepSpeed config a run trains with: its JSON file's (batch numbers ours), else generated."""
+    return (load_ds_config(deepspeed_config, world) if deepspeed_config
+            else ds_config(stage, offload, grad_clip, bf16, world))
+
+
+@contextmanager
+def partitioned_init(config: dict, env: DistEnv) -> Iterator[None]:
+    """A ZeRO-3 `config`'s models built inside come partitioned over the ranks (deepspeed.zero.Init, through
+    transformers' HfDeepSpeedConfig), as OpenRLHF builds its ZeRO-3 actor: no rank holds the whole model, on the host
+    or its GPU. Without it DeepSpeed moves the whole model to each rank's GPU and only then partitions it."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if env.device.type == "cuda" else "cpu")
+    _ensure_comm(env)
+    live = HfDeepSpeedConfig(config)  # transformers builds under zero.Init while this object lives (a weak reference)
+    try:
+        yield
+    finally:
+        del live
+
+
 def zero_stage(deepspeed_config: str | None, default: int) -> int:
     """The ZeRO stage a run will train with: its JSON file's, when it gives one, else `default`."""
     if not deepspeed_config:
@@ -102,6 +126,7 @@ class DeepSpeedEngine:
         self.env, self.spec, self.config = env, spec, config
         self.stage = int(config.get("zero_optimization", {}).get("stage", 0))
         self.whole_weights = self.stage < 3
+        self.born_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # built in partitioned_init
         model.to(env.device)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer, scheduler = spec.build(params)
