@@ -29,6 +29,8 @@ def test_a_sharded_reference_group_trains_as_whole_copies_do(cluster, tiny_model
         assert main(argv) == 0, capsys.readouterr().err
         said = capsys.readouterr().out
         assert ("one copy sharded over 2 ranks" in said) == (stage == "3"), said
+        # the FSDP2 actor ranks (the ZeRO stages' stand-in without GPUs) build the policy in its shards
+        assert "policy: built in FSDP2 shards over 2 ranks" in said, said
         weights = save / "ckpt" / "global_step_2" / "model" / "model.safetensors"
         finals[stage] = load_file(weights)
         # as OpenRLHF: the trained model in --save_path (a copy: a later save there leaves the checkpoint as it

@@ -52,14 +52,17 @@ def main() -> None:
     base = [f"model.path={a.model}", "trainer.progress_bar=false"]
     whole = load_model(a.model)[0].state_dict()
     out = {}
-    for name, strategy, evaluator in (("own", "fsdp2", None), ("producers", "fsdp2", Evaluator()),
-                                      ("zero3 own", "deepspeed", None), ("zero3 producers", "deepspeed", Evaluator())):
-        cfg = load_config(None, base + [f"trainer.strategy={strategy}", "trainer.zero_stage=3"])
+    for name, strategy, evaluator, dtype in (
+            ("own", "fsdp2", None, "float32"), ("producers", "fsdp2", Evaluator(), "float32"),
+            ("bf16 producers", "fsdp2", Evaluator(), "bfloat16"),  # fp32 master shards read from rows
+            ("zero3 own", "deepspeed", None, "float32"), ("zero3 producers", "deepspeed", Evaluator(), "float32")):
+        cfg = load_config(None, base + [f"trainer.strategy={strategy}", "trainer.zero_stage=3", f"model.dtype={dtype}"])
         placed = place(cfg, cfg.model.path, None, env, Producers(evaluator))
         actor, engine = placed.trainer.actor, placed.eval_engine
         copy = isinstance(engine, HFRolloutEngine) and engine.model is not actor.model
         loaded = actor.engine.full_state_dict()  # the base weights, whichever way the policy was built
-        loaded_right = all(torch.equal(v, whole[k]) for k, v in loaded.items())
+        loaded_right = all(v.dtype == getattr(torch, dtype) and torch.equal(v, whole[k].to(v.dtype))
+                           for k, v in loaded.items())
         partitioned = getattr(actor.engine, "born_partitioned", False)
         if strategy == "fsdp2":  # the policy moves; the publish must bring rank 0's copy along
             with torch.no_grad():

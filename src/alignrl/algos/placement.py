@@ -27,9 +27,10 @@ from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist.env import SINGLE, DistEnv
 from alignrl.interfaces import BatchSource, RefScorer, RolloutEngine, WeightSink
-from alignrl.models.loader import (frozen_copy, load_causal_lm, load_model, load_tokenizer, recompute_activations,
-                                   resolve_model_path)
+from alignrl.models.loader import (DTYPES, frozen_copy, load_causal_lm, load_model, load_tokenizer,
+                                   recompute_activations, resolve_model_path)
 from alignrl.models.logprobs import Layout
+from alignrl.models.sharded_load import fill_shards, meta_model
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.registry import load_reward_fn, make_reward
 from alignrl.rollout.agent import AgentRollout
@@ -50,10 +51,12 @@ def resolve_strategy(cfg: RunConfig, env: DistEnv) -> str:
     return s
 
 
-def make_engine(cfg: RunConfig, model, spec: OptimSpec, env: DistEnv) -> TrainEngine:
+def make_engine(cfg: RunConfig, model, spec: OptimSpec, env: DistEnv, materialize: Callable | None = None
+                ) -> TrainEngine:
     t = cfg.trainer
     return build_engine(resolve_strategy(cfg, env), model, spec, env, zero_stage=t.zero_stage, offload=t.offload,
-                        deepspeed_config=t.deepspeed_config or None, bf16=cfg.model.dtype == "bfloat16")
+                        deepspeed_config=t.deepspeed_config or None, bf16=cfg.model.dtype == "bfloat16",
+                        materialize=materialize)
 
 
 def ds_settings(cfg: RunConfig, env: DistEnv) -> dict:
@@ -178,14 +181,32 @@ def forward_layout(cfg: RunConfig) -> Layout:
     return Layout(cfg.actor.share_prompt, cfg.actor.use_remove_padding)
 
 
-def build_actor(cfg: RunConfig, model, resume: Path | None, env: DistEnv) -> Actor:
+def load_policy(cfg: RunConfig, folder: Path, env: DistEnv, in_shards: bool) -> tuple[torch.nn.Module, Callable | None]:
+    """The policy of `folder`, and FSDP2's `materialize` for it. `in_shards` (nothing in this process needs the whole
+    model): a ZeRO-3 policy is built in its partitions as it loads (deepspeed.zero.Init), an FSDP2 one on the meta
+    device, its shards then reading their own rows of the weights; no rank holds the whole model at any time."""
+    strategy = resolve_strategy(cfg, env)
+    if in_shards and strategy == "fsdp2":
+        model = meta_model(folder, DTYPES[cfg.model.dtype])
+        if model is not None:
+            console.print(f"policy: built in FSDP2 shards over {env.world_size} ranks, each reading its own rows")
+            return model, lambda m: fill_shards(m, folder, env.device)
+    in_shards = in_shards and strategy == "deepspeed"
+    with partitioned_init(ds_settings(cfg, env), env) if in_shards else nullcontext():
+        model = load_causal_lm(folder, cfg.model.dtype)
+    if in_shards:
+        console.print(f"policy: built in ZeRO-3 partitions over {env.world_size} ranks as it loads")
+    return model, None
+
+
+def build_actor(cfg: RunConfig, model, resume: Path | None, env: DistEnv, materialize: Callable | None = None) -> Actor:
     a = cfg.actor
     spec = OptimSpec(lr=a.lr, weight_decay=a.weight_decay, betas=tuple(a.betas), warmup_steps=a.lr_warmup_steps,
                      total_steps=total_optimizer_steps(cfg), schedule=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio,
                      grad_clip=a.grad_clip)
     if a.gradient_checkpointing:  # before the engine wraps the model (DDP, FSDP2, DeepSpeed)
         recompute_activations(model)
-    actor = Actor(make_engine(cfg, model, spec, env), forward_layout(cfg))
+    actor = Actor(make_engine(cfg, model, spec, env, materialize), forward_layout(cfg))
     if resume:
         restore_state(actor.engine, resume / "model_state", "actor")
     return actor
@@ -246,13 +267,8 @@ def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: Dis
     inline = producers is None
     # the held-out evaluation on the producers' own engines where they offer it (Ray's rollout engines)
     evaluator = producers.evaluator(tokenizer.pad_token_id) if producers is not None else None
-    # nothing here then needs the whole model: a ZeRO-3 policy is built partitioned over the ranks
-    partitioned = evaluator is not None and resolve_strategy(cfg, env) == "deepspeed" and shards_weights(cfg, env)
-    with partitioned_init(ds_settings(cfg, env), env) if partitioned else nullcontext():
-        model = load_causal_lm(folder, cfg.model.dtype)
-    if partitioned:
-        console.print(f"policy: built in ZeRO-3 partitions over {env.world_size} ranks as it loads (no rank holds the "
-                      "whole model)")
+    # nothing here then needs the whole model: a sharded policy is built in its shards
+    model, materialize = load_policy(cfg, folder, env, evaluator is not None and shards_weights(cfg, env))
     # the reference is the base model, not a checkpoint
     ref = build_ref(cfg, env.device, model if policy_path == cfg.model.path else None) if inline else None
     remote = bool(cfg.services.generation_url) and inline
@@ -260,7 +276,7 @@ def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: Dis
     # every rank that generates (all of them in-process, rank 0 alone for its evaluation beside producers)
     own_copy = shards_weights(cfg, env) and not remote and evaluator is None
     copy = frozen_copy(model).to(env.device) if own_copy and (inline or env.is_main) else None
-    actor = build_actor(cfg, model, resume, env)
+    actor = build_actor(cfg, model, resume, env, materialize)
     if evaluator is not None:
         engine = evaluator
     elif remote:

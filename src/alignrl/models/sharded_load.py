@@ -62,11 +62,9 @@ def first_rows(param: torch.Tensor, local: torch.Tensor) -> int:
     return min(mesh.get_local_rank() * chunk, param.shape[0])
 
 
-def load_sharded(folder: Path, dtype: torch.dtype, device: torch.device,
-                 shard: Callable[[torch.nn.Module], None]) -> torch.nn.Module | None:
-    """The causal LM of `folder` in `dtype`, sharded by `shard` (e.g. fully_shard over the ranks) before any weight is
-    read, each rank reading its own rows; frozen and in eval mode. None when the folder cannot be read by rows."""
-    from safetensors import safe_open
+def meta_model(folder: Path, dtype: torch.dtype) -> torch.nn.Module | None:
+    """The causal LM of `folder` in `dtype` with its parameters on the meta device, or None when its weights cannot be
+    read by rows (not safetensors, or names the files do not hold)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     where = tensor_files(folder)
@@ -78,9 +76,15 @@ def load_sharded(folder: Path, dtype: torch.dtype, device: torch.device,
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if any(name not in where for name, _ in model.named_parameters()):  # tied weights once, as the files keep them
         return None
-    model.eval()
-    model.requires_grad_(False)
-    shard(model)
+    return model
+
+
+def fill_shards(model: torch.nn.Module, folder: Path, device: torch.device) -> None:
+    """Memory for a `meta_model` (sharded by now, or not at all) on `device`, and each parameter's rows of the weights
+    of `folder` in it, in the parameter's dtype."""
+    from safetensors import safe_open
+
+    where = tensor_files(folder)
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)  # each parameter object kept: tied ones stay tied
@@ -98,7 +102,19 @@ def load_sharded(folder: Path, dtype: torch.dtype, device: torch.device,
                     p = names[name]
                     local = p.to_local() if isinstance(p, DTensor) else p
                     start = first_rows(p, local)
-                    part = f.get_slice(name)
-                    rows = part[start:start + local.shape[0]] if local.dim() else f.get_tensor(name)
-                    local.copy_(rows.to(dtype))
+                    rows = f.get_slice(name)[start:start + local.shape[0]] if local.dim() else f.get_tensor(name)
+                    local.copy_(rows.to(local.dtype))
+
+
+def load_sharded(folder: Path, dtype: torch.dtype, device: torch.device,
+                 shard: Callable[[torch.nn.Module], None]) -> torch.nn.Module | None:
+    """The causal LM of `folder` in `dtype`, frozen and in eval mode, sharded by `shard` (e.g. fully_shard over the
+    ranks) before any weight is read, each rank reading its own rows. None when the folder cannot be read by rows."""
+    model = meta_model(folder, dtype)
+    if model is None:
+        return None
+    model.eval()
+    model.requires_grad_(False)
+    shard(model)
+    fill_shards(model, folder, device)
     return model

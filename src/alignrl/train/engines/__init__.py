@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from alignrl.dist.env import DistEnv
@@ -13,9 +15,11 @@ STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed")
 
 
 def build_engine(strategy: str, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, *, zero_stage: int = 2,
-                 offload: bool = False, deepspeed_config: str | None = None, bf16: bool = False) -> TrainEngine:
+                 offload: bool = False, deepspeed_config: str | None = None, bf16: bool = False,
+                 materialize: Callable[[torch.nn.Module], None] | None = None) -> TrainEngine:
     """`strategy` single/ddp run the same code (under ddp the ranks average gradients: torch DDP for an fp32
-    model, the fp32 master copy's own all-reduce for a bf16/fp16 one)."""
+    model, the fp32 master copy's own all-reduce for a bf16/fp16 one). `materialize`: FSDP2's, for a model on the
+    meta device (FSDP2Engine)."""
     if strategy in ("single", "ddp"):
         from alignrl.train.engines.single import LocalEngine
 
@@ -23,7 +27,7 @@ def build_engine(strategy: str, model: torch.nn.Module, spec: OptimSpec, env: Di
     if strategy == "fsdp2":
         from alignrl.train.engines.fsdp2 import FSDP2Engine
 
-        return FSDP2Engine(model, spec, env, param_dtype=torch.bfloat16 if bf16 else None)
+        return FSDP2Engine(model, spec, env, param_dtype=torch.bfloat16 if bf16 else None, materialize=materialize)
     if strategy == "deepspeed":
         from alignrl.train.engines.deepspeed import DeepSpeedEngine, engine_config
 

@@ -8,6 +8,7 @@ between single / ddp / fsdp2 in both directions. Left out: HSDP, CPU offload of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,7 +43,10 @@ class FSDP2Engine(LocalOptimizerEngine):
     name = "fsdp2"
     whole_weights = False
 
-    def __init__(self, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, param_dtype: torch.dtype | None = None):
+    def __init__(self, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, param_dtype: torch.dtype | None = None,
+                 materialize: Callable[[torch.nn.Module], None] | None = None):
+        """`materialize`: for a model built on the meta device, gives its shards memory and weights once it is sharded
+        (`models.sharded_load.fill_shards`): no rank then holds the whole model, in fp32 or at all."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if not env.distributed:
@@ -60,6 +64,9 @@ class FSDP2Engine(LocalOptimizerEngine):
         # bf16 compute with fp32 gradient reduction where asked; fp32 everywhere by default (CPU)
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
         shard_blocks(model, env, mp_policy=mp)
+        self.born_partitioned = materialize is not None
+        if materialize is not None:
+            materialize(model)
         self.model = self.module = model
         self._build_optimizer(spec)
 
