@@ -297,8 +297,10 @@ def test_run_distributed_with_a_two_rank_deepspeed_trainer(tiny_model_dir, tmp_p
     """run_distributed.py: one sampler and a 2-rank DeepSpeed ZeRO-2 trainer (on CPU the listed ids are process
     counts); rank 0 receives each batch and scatters it, and publishes the weights it holds whole. Each rank
     runs the reference forward of its share (pipeline.ref_logprobs=trainer)."""
+    data, sync = (str(p) for p in free_ports(2))  # not the seed's 5555/5556: another program may hold them
     proc = _root_script("run_distributed.py", "--sampling-gpu", "0", "--training-gpus", "1,2", "--model-path",
-                        str(tiny_model_dir), "--max-steps", "2", "--batch-size", "4", "--group-size", "4",
+                        str(tiny_model_dir), "--data-port", data, "--sync-port", sync, "--max-steps", "2",
+                        "--batch-size", "4", "--group-size", "4",
                         "--output-dir", str(tmp_path), "data.train_size=32", "data.val_size=4",
                         "rollout.max_new_tokens=8", "trainer.progress_bar=false", "--max-staleness", "1",
                         "pipeline.ref_logprobs=trainer", cwd=tmp_path)
