@@ -231,9 +231,10 @@ def test_a_malformed_request_is_answered_in_one_line_and_the_sync_port_goes_on(s
         assert req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=5).kind == "lease"
 
 
-def test_a_silent_samplers_lease_goes_to_another_while_a_beating_one_keeps_its_own(served):
+def test_a_silent_samplers_lease_goes_to_another_while_a_beating_one_keeps_its_own(served, capsys):
     """A sampler killed mid-generation says nothing more: after pipeline.heartbeat_timeout_s its rows go to the
-    next sampler, long before lease_timeout_s (60 s here). One that keeps beating keeps its lease."""
+    next sampler, long before lease_timeout_s (60 s here), and the trainer says so in one line. One that keeps
+    beating keeps its lease."""
     import dataclasses
 
     served.dispatcher.max_staleness = 1  # two leases may be outstanding
@@ -250,6 +251,9 @@ def test_a_silent_samplers_lease_goes_to_another_while_a_beating_one_keeps_its_o
             assert served.dispatcher.requeue == [lost.meta["rows"]] and served.dispatcher.expired == 1
         again = busy.request("work", {"sampler_id": "busy", "incarnation": "i", "version": 0}, timeout_s=5)
         assert again.kind == "lease" and again.meta["rows"] == lost.meta["rows"]
+    said = [x for x in capsys.readouterr().out.splitlines() if "not heard from" in x]
+    assert said == [f"pipeline: sampler quiet not heard from in 0.6 s: its 4 prompts (lease {lost.meta['lease']}) go "
+                    "to the next sampler that asks"], said
 
 
 def scored(rows: list[int], n: int, version: int = 0):
@@ -317,3 +321,17 @@ def test_a_samplers_heartbeat_hears_that_the_run_is_over(served):
         assert beat.over.wait(3 * BEAT_S)
     finally:
         beat.close()
+
+
+def test_a_checkpoint_whose_leases_hold_another_batch_size_is_one_line():
+    """Its queued rows would be leased, refused and queued again for ever: the resume stops at once, saying how."""
+    from alignrl.config import ConfigError
+
+    before = Dispatcher(BatchSampler(64, 8, seed=0), max_staleness=0, lease_timeout_s=60, incarnation="a")
+    leased = before.grant("s0", 0, now=0.0)
+    state = before.state_dict()
+    with pytest.raises(ConfigError, match=r"leased work of 8 prompts per step.*--batch-size 8.*a step now takes 4"):
+        Dispatcher(BatchSampler(64, 4, seed=0), 0, 60, "b").load_state_dict(state)
+    again = Dispatcher(BatchSampler(64, 8, seed=0), 0, 60, "b")
+    again.load_state_dict(state)
+    assert again.grant("s0", 0, now=0.0).rows == leased.rows  # the same batch size takes the queued rows first

@@ -7,8 +7,8 @@ import torch
 from alignrl.algos.producer import LocalRefScorer, RolloutMaker
 from alignrl.config import load_config
 from alignrl.data.records import ScoredBatch, Scores
-from alignrl.dist.coordinator import PipelineError, shard_groups
-from alignrl.dist.env import DistEnv
+from alignrl.algos.rollout_ops import shard_groups
+from alignrl.dist.coordinator import PipelineError
 from alignrl.dist.records_wire import from_wire, to_wire
 from alignrl.dist.sampler import lease_of, ref_groups, weights_timeout
 from alignrl.dist.ref_share import RefShare, sampler_needs_ref, trainer_needs_ref
@@ -92,7 +92,7 @@ def test_each_rank_completes_its_own_share(made):
     prefix = full[:3 * N]  # the sampler did 3 of 4 groups: rank 0's share whole, rank 1's in part
     parts = []
     for rank in (0, 1):
-        share = shard_groups(batch_with(ro, prefix), DistEnv(rank=rank, world_size=2))
+        share = shard_groups(batch_with(ro, prefix), rank, 2)
         assert len(share.ref_logprobs) == (2 * N if rank == 0 else N)
         parts.append(RefShare(cfg("balance"), ref).complete(share)[0].ref_logprobs)
     torch.testing.assert_close(torch.cat(parts), full, rtol=0, atol=1e-5)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from alignrl.data.records import Rollout
+from alignrl.data.records import Rollout, ScoredBatch
 
 
 def mixed_reward_groups(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
@@ -71,3 +71,17 @@ def concat_rollouts(a: Rollout, b: Rollout, pad_id: int) -> Rollout:
                    loss_mask=None if a.loss_mask is None and b.loss_mask is None else torch.cat(
                        [_pad_cols(x.generated_mask, r, False, False) for x in (a, b)]),
                    stats={k: torch.cat([a.stats[k], b.stats[k]]) for k in a.stats if k in b.stats})
+
+
+def shard_groups(batch: ScoredBatch, rank: int, world: int) -> ScoredBatch:
+    """Rank `rank` of `world`'s contiguous share of the batch's prompt groups (the batch sizes divide by the world)."""
+    if world == 1:
+        return batch
+    n_groups = int(batch.rollout.group.max()) + 1
+    per = n_groups // world
+    keep = torch.arange(rank * per, (rank + 1) * per)
+    rows = group_rows(batch.rollout.group, keep)
+    ref = batch.ref_logprobs  # its first K rows: a prefix of this rank's contiguous rows too (ref_share)
+    return ScoredBatch(select_groups(batch.rollout, keep), batch.scores.rows(rows), batch.loss_mask[rows],
+                       None if ref is None else ref[rows[rows < len(ref)]], batch.prompt_index[rows],
+                       batch.version, batch.sampler_id, batch.metrics)

@@ -24,10 +24,9 @@ import torch.nn.functional as F
 
 from alignrl.algos.placement import build_critics
 from alignrl.algos.producer import InlineSource
-from alignrl.algos.rollout_ops import concat_rollouts
+from alignrl.algos.rollout_ops import concat_rollouts, shard_groups
 from alignrl.data.records import Rollout, ScoredBatch
 from alignrl.data.sampler import BatchSampler
-from alignrl.dist.coordinator import shard_groups
 from alignrl.dist.env import DistEnv, barrier
 from alignrl.interfaces import SamplingParams
 from alignrl.train.actor import Actor
@@ -206,7 +205,7 @@ class RaySource(InlineSource):
         say = (lambda line: print(f"step {step}: {line}", flush=True)) if self.env.rank == 0 else (lambda line: None)
         batch = merge(patient_get(refs, engines, self.p.timeout_s, say), self.pad_id)
         batch.metrics["ray/publish_s"] = self.p.sink_.publish_s
-        return shard_groups(batch, self.env)
+        return shard_groups(batch, self.env.rank, self.env.world_size)
 
 
 class RayProducers:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from alignrl.algos.placement import build_critics, build_ref
-from alignrl.algos.rollout_ops import group_rows, select_groups
+from alignrl.algos.rollout_ops import shard_groups
 from alignrl.algos.trainer import needs_reference
 from alignrl.config import RunConfig
 from alignrl.data.records import ScoredBatch
@@ -184,7 +184,7 @@ class Coordinator:
                               "pipeline/sampler_wait_s": sampler_wait, "pipeline/publish_s": self.board.publish_s,
                               **counted,
                               **{f"pipeline/staleness_{k}": float(v) for k, v in self.staleness_hist.items()}})
-        batch, ref_metrics = self.ref_share.complete(shard_groups(batch, self.env))
+        batch, ref_metrics = self.ref_share.complete(shard_groups(batch, self.env.rank, self.env.world_size))
         batch.metrics.update(ref_metrics)
         return batch
 
@@ -297,8 +297,14 @@ class Coordinator:
                 if self._guarded(peer, "work", self._work, peer, meta, since) is not False:
                     del self.parked[peer]
             with self.lock:  # the cores of samplers that wait are the training thread's meanwhile
-                self.dispatcher.expire_lost(self.seen, time.monotonic(), self.p.heartbeat_timeout_s)
-                self.cores.update(self.dispatcher.outstanding, time.monotonic())
+                now = time.monotonic()
+                lost = self.dispatcher.expire_lost(self.seen, now, self.p.heartbeat_timeout_s)
+                late = self.dispatcher.expire(now)
+                self.cores.update(self.dispatcher.outstanding, now)
+            for lease, why in [(x, f"not heard from in {self.p.heartbeat_timeout_s:g} s") for x in lost] + [
+                    (x, f"past pipeline.lease_timeout_s={self.p.lease_timeout_s:g} s") for x in late]:
+                console.print(f"pipeline: sampler {lease.sampler} {why}: its {len(lease.rows)} prompts (lease "
+                              f"{lease.id}) go to the next sampler that asks", markup=False)
 
     def _guarded(self, peer: bytes, kind: str, answer, *args):
         """`answer(*args)`; a request whose fields are not what this version sends is answered with one line
@@ -385,16 +391,3 @@ class Coordinator:
                 self.dispatcher.refuse(lease.id)
         return True
 
-
-def shard_groups(batch: ScoredBatch, env: DistEnv) -> ScoredBatch:
-    """This rank's contiguous share of the batch's prompt groups (the batch sizes divide by the world)."""
-    if not env.distributed:
-        return batch
-    n_groups = int(batch.rollout.group.max()) + 1
-    per = n_groups // env.world_size
-    keep = torch.arange(env.rank * per, (env.rank + 1) * per)
-    rows = group_rows(batch.rollout.group, keep)
-    ref = batch.ref_logprobs  # its first K rows: a prefix of this rank's contiguous rows too (ref_share)
-    return ScoredBatch(select_groups(batch.rollout, keep), batch.scores.rows(rows), batch.loss_mask[rows],
-                       None if ref is None else ref[rows[rows < len(ref)]], batch.prompt_index[rows],
-                       batch.version, batch.sampler_id, batch.metrics)

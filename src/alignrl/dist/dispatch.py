@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from alignrl.config import ConfigError
 from alignrl.data.sampler import BatchSampler
 
 
@@ -108,6 +109,14 @@ class Dispatcher:
                 "requeue": [lease.rows for lease in self.outstanding.values()] + [list(r) for r in self.requeue]}
 
     def load_state_dict(self, state: dict) -> None:
+        """ConfigError when the checkpoint's queued leases hold another number of prompts than a step now takes: they
+        would be handed out, refused and queued again for ever (every row is trained exactly once, in its lease)."""
+        sizes = sorted({len(rows) for rows in state["requeue"]} - {self.sampler.batch_size})
+        if sizes:
+            raise ConfigError(f"the checkpoint holds leased work of {sizes[0]} prompts per step, made with "
+                              f"data.train_batch_size={sizes[0]} (seed 004: --batch-size {sizes[0]}); a step now takes "
+                              f"{self.sampler.batch_size}: resume with that batch size, or set "
+                              "trainer.resume_mode=disable to start afresh")
         self.sampler.load_state_dict(state["sampler"])
         self.issued = int(state["issued"])
         self.requeue = [list(r) for r in state["requeue"]]
