@@ -414,3 +414,27 @@ def test_a_trainer_without_samplers_stops_in_one_line(tiny_model_dir, tmp_path):
         stop(trainer)
     assert trainer.returncode == 2 and len(err.strip().splitlines()) == 1, err[-3000:]
     assert "no sampler delivered a batch for step 1 in 3 s: start one with `python sampling_worker.py" in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_sampler_given_the_wrong_data_port_stops_in_one_line_and_the_trainer_says_its_prompts_go_on(
+        tiny_model_dir, tmp_path):
+    """The trainer answers on the sync port, but nothing reads the batch where the sampler pushes it: the sampler
+    says which flag is wrong and stops (it used to wait on, holding its lease for pipeline.lease_timeout_s), and the
+    trainer says in one line that the lease's prompts go to the next sampler."""
+    ports, wrong = free_ports(2), free_ports(1)[0]
+    trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "wrong", 2, ports, "pipeline.placement=zmq",
+                                                "pipeline.heartbeat_timeout_s=2"), env={"PYTHONUNBUFFERED": "1"})
+    bad = sampler(tiny_model_dir, (wrong, ports[1]), "--peer-timeout", "3")
+    try:
+        _, err = bad.communicate(timeout=150)
+        assert bad.returncode == 2, err[-3000:]
+        assert "Traceback" not in err and err.strip().splitlines()[-1] == (f"alignrl sample: nothing took the batch on tcp://127.0.0.1:{wrong} (--data-port) in "
+                                 f"3 s, though a trainer answers on tcp://127.0.0.1:{ports[1]} (--sync-port): give the "
+                                 "trainer's --data-port"), err[-3000:]
+        time.sleep(4)  # the trainer's heartbeat timeout (2 s) passes
+    finally:
+        stop(trainer, bad)
+    out = trainer.stdout.read()
+    assert "pipeline: sampler" in out and "not heard from in 2 s: its 4 prompts (lease" in out, out[-3000:]

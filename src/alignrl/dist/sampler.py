@@ -49,6 +49,7 @@ class Heartbeat:
 
     def __init__(self, addr: str, token: str, meta: dict):
         self.over, self._stop = threading.Event(), threading.Event()
+        self.answered_at = 0.0  # time.monotonic() of the trainer's last answer
         self._thread = threading.Thread(target=self._beat, args=(addr, token, meta), name="alignrl-heartbeat",
                                         daemon=True)
         self._thread.start()
@@ -59,6 +60,7 @@ class Heartbeat:
                 try:
                     if req.request("alive", meta, timeout_s=2 * BEAT_S).kind == "done":
                         self.over.set()
+                    self.answered_at = time.monotonic()
                 except (PeerTimeout, WireError):
                     pass  # the trainer is away: the main loop waits for it (--peer-timeout)
 
@@ -245,7 +247,12 @@ class Sampler:
             try:
                 push.send(KIND, meta, tensors, timeout_s=min(30.0, self.args.peer_timeout))
                 made, waited = made + 1, 0.0
-            except PeerTimeout as e:  # the trainer is gone: its lease dies with it; ask the next one for work
+            except PeerTimeout as e:
+                if time.monotonic() - self.beat.answered_at < 3 * BEAT_S:  # the trainer lives, reading another port
+                    raise PipelineError(f"nothing took the batch on {push.addr} (--data-port) in "
+                                        f"{min(30.0, self.args.peer_timeout):g} s, though a trainer answers on "
+                                        f"{self.sync.addr} (--sync-port): give the trainer's --data-port") from None
+                # the trainer is gone: its lease dies with it; ask the next one for work
                 console.print(f"[yellow]sampler {self.id}: batch dropped: {e}[/yellow]")
 
 
