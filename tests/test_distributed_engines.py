@@ -106,7 +106,7 @@ def test_killed_rank_ends_the_run_instead_of_hanging(tiny_model_dir, tmp_path):
     assert r.returncode != 0
     assert time.time() - t0 < 120
     assert "SIGKILL" in r.stderr or "Signal 9" in r.stderr
-    assert "rank 0: stopped because another rank failed" in r.stderr  # the survivor says why it stopped
+    assert "rank 0: stopped by SIGTERM (another rank failed" in r.stderr  # the survivor says why it stopped
     assert not (tmp_path / "weights.safetensors").exists()
 
 

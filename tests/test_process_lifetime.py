@@ -261,31 +261,38 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def run_distributed_training(procs, model_dir, tmp_path: Path, ports: list[int]) -> tuple[subprocess.Popen, list[int]]:
+    """seed 004's `python run_distributed.py` (a 2-rank DeepSpeed trainer and a sampler), once it trained a step;
+    its output goes to tmp_path/output.txt. Returns it and the pids of every process under it."""
+    log = tmp_path / "output.txt"
+    metrics = tmp_path / "grpo_zmq" / "logs" / "metrics.jsonl"
+    with log.open("w") as f:
+        launcher = procs.start([sys.executable, str(ROOT / "run_distributed.py"), "--sampling-gpu", "0",
+                                "--training-gpus", "1,2", "--model-path", str(model_dir), "--max-steps", "200",
+                                "--batch-size", "4", "--group-size", "4", "--output-dir", str(tmp_path),
+                                "--data-port", str(ports[0]), "--sync-port", str(ports[1]), "data.train_size=64",
+                                "data.val_size=4", "rollout.max_new_tokens=8", "trainer.progress_bar=false"],
+                               cwd=tmp_path, stdout=f, stderr=f,
+                               env={**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"})
+
+    def training():  # a step trained: the sampler and both ranks are up
+        assert launcher.poll() is None, log.read_text()[-3000:]
+        kids = descendants(launcher.pid)
+        procs.pids.update(kids)
+        return kids if metrics.is_file() and '"step": 1' in metrics.read_text() else None
+
+    kids = wait_for(training, 240, "run_distributed.py trained a step")
+    assert len(kids) >= 4, kids  # the trainer's launcher, its 2 ranks, the sampler
+    return launcher, kids
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_run_distributed_killed_by_sigkill_takes_its_trainer_ranks_and_sampler_along(procs, tiny_model_dir, tmp_path):
     """seed 004's `python run_distributed.py`, killed with kill -9 while it trains (a 2-rank DeepSpeed trainer and a
     sampler under it): every process it started is gone within seconds and the ports can be bound by the next run."""
     data, sync = free_ports(2)
-    log = tmp_path / "output.txt"
-    metrics = tmp_path / "grpo_zmq" / "logs" / "metrics.jsonl"
-    with log.open("w") as f:
-        launcher = procs.start([sys.executable, str(ROOT / "run_distributed.py"), "--sampling-gpu", "0",
-                                "--training-gpus", "1,2", "--model-path", str(tiny_model_dir), "--max-steps", "200",
-                                "--batch-size", "4", "--group-size", "4", "--output-dir", str(tmp_path),
-                                "--data-port", str(data), "--sync-port", str(sync), "data.train_size=64",
-                                "data.val_size=4", "rollout.max_new_tokens=8", "trainer.progress_bar=false"],
-                               cwd=tmp_path, stdout=f, stderr=f,
-                               env={**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"})
-
-        def training():  # a step trained: the sampler and both ranks are up
-            assert launcher.poll() is None, log.read_text()[-3000:]
-            kids = descendants(launcher.pid)
-            procs.pids.update(kids)
-            return kids if metrics.is_file() and '"step": 1' in metrics.read_text() else None
-
-        kids = wait_for(training, 240, "run_distributed.py trained a step")
-    assert len(kids) >= 4, kids  # the trainer's launcher, its 2 ranks, the sampler
+    launcher, kids = run_distributed_training(procs, tiny_model_dir, tmp_path, [data, sync])
     launcher.kill()
     launcher.wait(timeout=10)
     wait_for(lambda: not any(map(alive, kids)), 10, f"{kids} gone with run_distributed.py")
@@ -305,3 +312,18 @@ def zmq_binds(port: int) -> bool:
         return False
     finally:
         sock.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_run_distributed_whose_sampler_is_killed_says_so_and_stops(procs, tiny_model_dir, tmp_path):
+    """The sampler under run_distributed.py killed with kill -9: the launcher names it in one line, stops the trainer
+    and exits 1 (it used to exit 247, sys.exit(-9), with only the ranks' lines)."""
+    launcher, kids = run_distributed_training(procs, tiny_model_dir, tmp_path, free_ports(2))
+    sampler = next(pid for pid in kids if b" sample " in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "))
+    os.kill(sampler, signal.SIGKILL)
+    assert launcher.wait(timeout=60) == 1
+    said = (tmp_path / "output.txt").read_text()
+    assert (f"run_distributed.py: the sampler (pid {sampler}) was killed by SIGKILL; stopping the trainer" in said
+            and "Traceback" not in said), said[-3000:]
+    wait_for(lambda: not any(map(alive, kids)), 15, f"{kids} gone")

@@ -55,8 +55,8 @@ def _on_sigint(signum, frame):
 def _on_sigterm(signum, frame):  # torchrun's agent terminates the survivors when a rank fails
     if _interrupted:  # after a Ctrl-C this rank is already stopping (rank 0 says so): let it finish (Python runs a
         return  # pending SIGINT's handler before SIGTERM's); torchrun's agent kills a rank that does not stop
-    print(f"alignrl: rank {os.environ.get('RANK', '?')}: stopped because another rank failed (the line naming "
-          "that rank says how)", file=sys.stderr)
+    print(f"alignrl: rank {os.environ.get('RANK', '?')}: stopped by SIGTERM (another rank failed, or the launcher "
+          "stopped the run: its line says why)", file=sys.stderr)
     sys.exit(1)
 
 

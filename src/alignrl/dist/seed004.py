@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -351,6 +352,11 @@ def launcher_main(argv: list[str] | None = None) -> int:
         # a sampler that cannot start (its model, its data, refused at hello) ends the run with its own line;
         # the trainer would wait pipeline.peer_timeout_s for a batch and then ask for a sampler
         code = wait_interruptible(trainer, sampler, watch=(sampler,))
+        if trainer.poll() is None and code < 0:  # a signal ended the sampler, which said nothing (an error says why)
+            print(f"run_distributed.py: the sampler (pid {sampler.pid}) was killed by {signal.Signals(-code).name}; "
+                  "stopping the trainer (the same command resumes from its last checkpoint)", file=sys.stderr,
+                  flush=True)
+            return 1
         if code == 0:
             try:
                 sampler.wait(timeout=30)  # it hears "done" and exits
