@@ -372,6 +372,7 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
         _, err = twin.communicate(timeout=120)
         assert twin.returncode == 2 and len(err.strip().splitlines()) == 1, err[-3000:]
         assert f"port {ports[0]} on 127.0.0.1 is in use" in err, err
+        assert not (tmp_path / "twin" / "config.yaml").exists()  # a run that never started writes no config
         out, err = nobody.communicate(timeout=120)
         assert nobody.returncode == 2 and "no trainer answered" in err and len(err.strip().splitlines()) == 1, err
         assert f"waiting for a trainer on tcp://127.0.0.1:{ports[2]}" in out, out  # said at once, not at the end

@@ -127,8 +127,6 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     # it holds paths and a user-written tracker file's text.
     resume = resume_point(ckpt_root, cfg.trainer.resume_mode, env,
                           lambda line: console.print(line, markup=False, soft_wrap=True), run_dir / "config.yaml")
-    if env.is_main:
-        atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
     total = cfg.trainer.total_training_steps
     check_not_past(resume, total)
     if producers is None and cfg.pipeline.placement == "zmq":  # samplers in other processes make the batches
@@ -155,6 +153,8 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
         set_rng_state(state["rng"])
         start_step = state["step"]
         console.print(f"resumed from {resume} (step {start_step})")
+    if env.is_main:  # once the run can start (its ports bound, its checkpoint read): a failed start leaves it be
+        atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
     if isinstance(placed.sink, EngineCopy) and placed.sink.main_only:
         # the server may hold other weights (a fresh server, a resumed run): send ours
         placed.sink.publish(trainer.version)

@@ -322,6 +322,9 @@ def launcher_main(argv: list[str] | None = None) -> int:
         p.error(f"--training-gpus {a.training_gpus!r}: give comma-separated device ids, e.g. \"1,2,3\"")
     if not gpus:
         p.error("--training-gpus needs at least one device id")
+    twice = sorted({g for g in gpus if gpus.count(g) > 1})
+    if twice:  # CUDA_VISIBLE_DEVICES=1,1 would put two ranks on one GPU
+        p.error(f"--training-gpus {a.training_gpus!r}: device {twice[0]} is listed twice; give each device once")
     if a.sampling_gpu < 0 or min(gpus) < 0:
         p.error(f"--sampling-gpu {a.sampling_gpu} --training-gpus {a.training_gpus!r}: give CUDA device ids from 0")
     problem = ports_problem(a.host, a.data_port, a.sync_port)  # once here, not by the sampler and the trainer each
