@@ -136,6 +136,15 @@ def test_the_generated_deepspeed_json_carries_the_runs_batch(trainer, tmp_path, 
     # run again with the file as written: nothing to say, nothing changed
     code, again, err = trainer(["--batch-size", 2, "--group-size", 4, "actor.ppo_micro_batch_size=2"], capsys)
     assert code == 0 and again == overrides and err == ""
+    # the seed's path: one process first, then several; the file nobody edited is written again for the new run
+    code, _, err = trainer(["--batch-size", 2, "--group-size", 4, "actor.ppo_micro_batch_size=2", "--nproc", 2], capsys)
+    assert code == 0 and "train_batch_size 8 = 2 per micro-batch × 2 process(es) × 2 accumulation step(s)" in err, err
+    # once edited it is the user's: the run follows it, or says in one line why it cannot
+    ds = json.loads((tmp_path / "deepspeed.json").read_text())
+    (tmp_path / "deepspeed.json").write_text(json.dumps({**ds, "zero_optimization": {"stage": 1}}))
+    code, _, err = trainer(["--batch-size", 2, "--group-size", 4, "actor.ppo_micro_batch_size=2"], capsys)
+    assert code == 2 and "train_batch_size 8 is not train_micro_batch_size_per_gpu 2 × gradient_accumulation_steps 2 × " \
+                         "1 training process = 4" in err, err
 
 
 @pytest.mark.parametrize("ds, effective", [

@@ -10,8 +10,8 @@ The trainer is `alignrl train grpo pipeline.placement=zmq` (DeepSpeed ZeRO-2 fro
 without GPUs the device ids only count processes. Flags the seed lacks map onto config keys; any
 `key.sub=value` after the flags is passed on as a config override.
 
-`deepspeed.json` is written on the first run with that run's batch numbers; the batch numbers of a file the user
-edited are the run's (train_micro_batch_size_per_gpu -> actor.ppo_micro_batch_size, train_batch_size and
+`deepspeed.json` is written on the first run with that run's batch numbers, and again for each run until the user
+edits it (seed004_deepspeed.untouched); the batch numbers of a file the user edited are the run's (train_micro_batch_size_per_gpu -> actor.ppo_micro_batch_size, train_batch_size and
 gradient_accumulation_steps -> the mini-batch), said in one line at start. alignrl drives the accumulation itself,
 so the engine hands DeepSpeed nominal batch numbers (alignrl.train.engines.deepspeed.load_ds_config).
 
@@ -30,7 +30,8 @@ from pathlib import Path
 
 from alignrl.dist.launch import OneLineParser, wait_interruptible
 from alignrl.dist.lifetime import preexec_die_with_parent
-from alignrl.dist.seed004_deepspeed import DS_FILE, Seed004Error, ds_batch_overrides, read_ds_json, run_batch
+from alignrl.dist.seed004_deepspeed import (DS_FILE, Seed004Error, ds_batch_overrides, generated, read_ds_json,
+                                            run_batch, untouched)
 
 SAVE_STEPS = 1000  # seed 004: "每1000步保存一次" (the final step is always saved)
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -138,8 +139,8 @@ def prepare_training(a: argparse.Namespace, extra: list[str], write: bool, say=N
     if a.no_deepspeed:
         return training_overrides(a, extra)
     path = Path(DS_FILE)
-    if path.is_file():
-        ds = read_ds_json(path)
+    ds = read_ds_json(path) if path.is_file() else None
+    if ds is not None and not untouched(ds):  # the user's (edited, or their own): the run follows it
         try:
             more, line = ds_batch_overrides(ds, cfg, a.nproc, keys_given(None, extra), a.batch_size is not None)
         except Seed004Error as e:
@@ -156,14 +157,14 @@ def prepare_training(a: argparse.Namespace, extra: list[str], write: bool, say=N
                 if run["train_micro_batch_size_per_gpu"] != min(cfg.actor.ppo_micro_batch_size,
                                                             run["train_batch_size"] // a.nproc)
                 else [])
-        ds = {**run, "zero_optimization": {"stage": 2}, "bf16": {"enabled": bf16},
-              "gradient_clipping": cfg.actor.grad_clip}
-        path.write_text(json.dumps(ds, indent=4) + "\n")
-        if say:
-            say(f"wrote {path} (ZeRO-2, bf16 {'on' if bf16 else 'off'}; this run's batch: "
-                f"train_batch_size {run['train_batch_size']} = {run['train_micro_batch_size_per_gpu']} per "
-                f"micro-batch × {a.nproc} process(es) × {run['gradient_accumulation_steps']} accumulation step(s)); "
-                "edit it to change DeepSpeed and the batch")
+        mine = generated(run, bf16, cfg.actor.grad_clip)
+        if mine != ds:  # absent, or alignrl's own for another run and not edited since: written for this one
+            path.write_text(json.dumps(mine, indent=4) + "\n")
+            if say:
+                say(f"wrote {path} (ZeRO-2, bf16 {'on' if bf16 else 'off'}; this run's batch: "
+                    f"train_batch_size {run['train_batch_size']} = {run['train_micro_batch_size_per_gpu']} per "
+                    f"micro-batch × {a.nproc} process(es) × {run['gradient_accumulation_steps']} accumulation "
+                    "step(s)); edit it to change DeepSpeed and the batch")
     else:
         more = []
     return training_overrides(a, extra, str(path.resolve()) if (path.is_file() or write) else None) + more
@@ -295,8 +296,8 @@ def passed_on_help() -> str:
         left = flag if act.nargs == 0 else f"{flag} {act.metavar or act.dest.upper()}"
         lines += textwrap.wrap(act.help or "", 96, initial_indent=f"  {left:<22}", subsequent_indent=" " * 24)
     lines += ["  key.sub=value         any alignrl config override (e.g. trainer.test_freq=0), after the flags", "",
-              *textwrap.wrap(f"The trainer reads {DS_FILE} in this folder unless --no-deepspeed: written on the first "
-                             "run with that run's batch numbers; edit it to change DeepSpeed and the batch "
+              *textwrap.wrap(f"The trainer reads {DS_FILE} in this folder unless --no-deepspeed: written with each "
+                             "run's batch numbers until you edit it; edit it to change DeepSpeed and the batch "
                              "(train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size).", 96)]
     return "\n".join(lines)
 

@@ -4,11 +4,15 @@ gradient_accumulation_steps -> the mini-batch), or written with the run's own.""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 DS_FILE = "deepspeed.json"
 DS_BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# a digest of the rest of the file alignrl wrote: until someone edits it, the file is alignrl's to write again for
+# another run (another process count, batch); once edited, it is the user's, and the run follows it
+MARK = "written_by_alignrl"
 
 
 class Seed004Error(ValueError):
@@ -137,3 +141,18 @@ def read_ds_json(path: Path) -> dict:
     if problem:
         raise Seed004Error(f"{path}: {problem}")
     return ds
+
+
+def _digest(ds: dict) -> str:
+    return hashlib.sha256(json.dumps({k: v for k, v in ds.items() if k != MARK}, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def generated(run: dict[str, int], bf16: bool, grad_clip: float) -> dict:
+    """The deepspeed.json alignrl writes for a run's batch numbers `run` (run_batch), marked as its own."""
+    ds = {**run, "zero_optimization": {"stage": 2}, "bf16": {"enabled": bf16}, "gradient_clipping": grad_clip}
+    return {**ds, MARK: _digest(ds)}
+
+
+def untouched(ds: dict) -> bool:
+    """Whether `ds` is a file alignrl wrote (for this run or an earlier one) that nobody has edited since."""
+    return ds.get(MARK) == _digest(ds)
