@@ -376,15 +376,16 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
         out, err = nobody.communicate(timeout=120)
         assert nobody.returncode == 2 and "no trainer answered" in err and len(err.strip().splitlines()) == 1, err
         assert f"waiting for a trainer on tcp://127.0.0.1:{ports[2]}" in out, out  # said at once, not at the end
-        # a sampler given a shorter data file than the trainer's: one line (an IndexError's traceback before); the
-        # trainer hands its lease to the next sampler once its heartbeats stop
-        short_data = tmp_path / "short.jsonl"
-        short_data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
-        short = sampler(tiny_model_dir, ports, "--data-path", str(short_data))
-        procs.append(short)
-        _, err = short.communicate(timeout=180)
-        assert short.returncode == 2 and len(err.strip().splitlines()) == 1, err
-        assert "but this sampler's data (" in err and "has 1 rows" in err, err
+        # a sampler given another data file than the trainer's, as many rows (64) of other problems: one line before
+        # it takes any work (it trained on the wrong text before)
+        other_data = tmp_path / "other.jsonl"
+        other_data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n"
+                                      for i in range(64)))
+        other = sampler(tiny_model_dir, ports, "--data-path", str(other_data))
+        procs.append(other)
+        _, err = other.communicate(timeout=180)
+        assert other.returncode == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"this sampler's data ({other_data}) holds other rows than the trainer's" in err, err
         push.connect(f"tcp://127.0.0.1:{ports[0]}")
         push.send_multipart([b"not msgpack at all"])
         push.send_multipart([msgpack.packb({"proto": 99, "kind": "scored_batch", "token": "", "meta": {},

@@ -23,6 +23,7 @@ from alignrl.config import ConfigError, RunConfig, check_world_size, to_yaml
 from alignrl.data import synthetic
 from alignrl.data.collate import encode_prompts
 from alignrl.data.loaders import load_samples
+from alignrl.data.records import rows_digest
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist.coordinator import Coordinator
 from alignrl.dist.env import DistEnv, barrier, init_distributed, mean_metrics
@@ -130,7 +131,7 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     total = cfg.trainer.total_training_steps
     check_not_past(resume, total)
     if producers is None and cfg.pipeline.placement == "zmq":  # samplers in other processes make the batches
-        producers = Coordinator(cfg, to_yaml(cfg), log_dir)
+        producers = Coordinator(cfg, to_yaml(cfg), log_dir, rows_digest(train))
     placed = place(cfg, str(resume / "model") if resume else cfg.model.path, resume, env, producers)
     tokenizer, engine, trainer = placed.tokenizer, placed.eval_engine, placed.trainer
     correct_fn = load_reward_fn(cfg.algorithm.reward_fn)

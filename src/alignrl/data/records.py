@@ -33,6 +33,19 @@ class Sample:
     source: str | None = field(default=None, compare=False)
 
 
+def rows_digest(samples: list[Sample]) -> str:
+    """A digest of a dataset's rows (prompt, answer, data source), in order: two processes that index the same rows
+    agree on it, whatever file or path they read them from."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256()
+    for s in samples:
+        digest.update(json.dumps([s.messages, s.prompt_text, s.ground_truth, s.data_source], sort_keys=True,
+                                 default=str).encode())
+    return digest.hexdigest()[:16]
+
+
 @dataclass
 class Rollout:
     """What a RolloutEngine returns for a batch of prompts (n samples each, grouped contiguously)."""

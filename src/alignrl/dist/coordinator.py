@@ -58,8 +58,10 @@ class PipelineError(ValueError):
 class Coordinator:
     """BatchSource and WeightSink of a trainer fed by ZeroMQ samplers."""
 
-    def __init__(self, cfg: RunConfig, config_yaml: str, log_dir: Path):
+    def __init__(self, cfg: RunConfig, config_yaml: str, log_dir: Path, data_digest: str | None = None):
+        """`data_digest`: records.rows_digest of the training rows, which a sampler's own must match."""
         self.cfg, self.p, self.config_yaml, self.log_dir = cfg, cfg.pipeline, config_yaml, log_dir
+        self.data_digest = data_digest
         self.token = token_from_env()
         self.lock = threading.Lock()
         self.incarnation = uuid.uuid4().hex[:8]
@@ -335,7 +337,7 @@ class Coordinator:
             else:
                 dtypes = {k: v[1] for k, v in self.board.manifest.items()}  # what the sampler holds them in
                 self.replier.reply_msg(peer, "welcome", {"config": self.config_yaml, "incarnation": self.incarnation,
-                                                         "dtypes": dtypes})
+                                                         "dtypes": dtypes, "data": self.data_digest})
             return
         if msg.kind != "work":
             self.replier.reply_msg(peer, "error", {"message": f"unknown request {msg.kind!r}"})

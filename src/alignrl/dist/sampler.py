@@ -22,6 +22,7 @@ import torch
 
 from alignrl.algos.placement import build_maker, build_ref, with_tools
 from alignrl.algos.runner import PromptData, load_task_data
+from alignrl.data.records import rows_digest
 from alignrl.config import ConfigError, RunConfig, load_config
 from alignrl.dist.coordinator import PipelineError
 from alignrl.dist.cores import borrowed
@@ -87,6 +88,7 @@ class Sampler:
         self.base_weights = weights_fingerprint(resolve_model_path(args.model_path, log=lambda *_: None))
         self.incarnation, self.version = None, -1  # of the weights this sampler holds
         self.trainer = None  # the incarnation of the trainer this sampler said hello to (its run config's)
+        self.trainer_data = None  # the digest of that trainer's dataset rows (records.rows_digest)
         # what the trainer needs to know to hand this sampler weights in memory both map (shared_weights)
         self.can_map = {"shared": True, "host": host_id(), "cuda": cuda_uuids()}
         self.shared = SharedReader()
@@ -130,7 +132,7 @@ class Sampler:
         if reply.kind != "welcome" or not isinstance(reply.meta.get("config"), str):
             raise PipelineError(f"the trainer answered hello with {reply.kind!r} and no run config: run the same "
                                 "alignrl version on both sides")
-        self.trainer = reply.meta.get("incarnation")
+        self.trainer, self.trainer_data = reply.meta.get("incarnation"), reply.meta.get("data")
         dtypes = reply.meta.get("dtypes")
         self.take_dtypes(dtypes if isinstance(dtypes, dict) else {})
         overrides = [f"model.path={self.args.model_path}"]
@@ -195,6 +197,10 @@ class Sampler:
     def _serve(self, cfg: RunConfig) -> bool:
         """Makes batches for the trainer of `cfg`: True once its run is over, False when another trainer answers."""
         train, _ = load_task_data(cfg)
+        if isinstance(self.trainer_data, str) and rows_digest(train) != self.trainer_data:  # same length, other rows
+            raise PipelineError(f"this sampler's data ({self.args.data_path or cfg.data.train_files}) holds other rows "
+                                "than the trainer's: give it the trainer's data (--data-path, or none to read what "
+                                "the trainer's config names)")
         rows = PromptData(self.tokenizer, train, cfg.data.max_prompt_length)
         engine = with_tools(cfg, HFRolloutEngine(self.model, self.tokenizer), self.tokenizer)
         # the base weights in model.dtype, loaded as the trainer loads its own (this policy copy holds the dtypes
