@@ -248,9 +248,13 @@ def test_a_silent_samplers_lease_goes_to_another_while_a_beating_one_keeps_its_o
             time.sleep(0.2)
         with served.lock:
             assert list(served.dispatcher.outstanding) == [kept.meta["lease"]]
-            assert served.dispatcher.requeue == [lost.meta["rows"]] and served.dispatcher.expired == 1
+            assert served.dispatcher.requeue == [(lost.meta["rows"], lost.meta["number"])]
+            assert served.dispatcher.expired == 1
         again = busy.request("work", {"sampler_id": "busy", "incarnation": "i", "version": 0}, timeout_s=5)
-        assert again.kind == "lease" and again.meta["rows"] == lost.meta["rows"]
+        # the rows go again with their number, the sampling seed: the same samples as the lost lease would have had
+        assert again.kind == "lease" and (again.meta["rows"], again.meta["number"]) == (lost.meta["rows"],
+                                                                                         lost.meta["number"])
+        assert again.meta["lease"] != lost.meta["lease"]
     said = [x for x in capsys.readouterr().out.splitlines() if "not heard from" in x]
     assert said == [f"pipeline: sampler quiet not heard from in 0.6 s: its 4 prompts (lease {lost.meta['lease']}) go "
                     "to the next sampler that asks"], said
@@ -292,7 +296,8 @@ def test_a_batch_that_does_not_answer_its_lease_is_skipped_and_its_rows_are_made
                 with pytest.raises(PipelineError, match="no sampler delivered a batch for step 1"):
                     served._receive(1)
                 with served.lock:
-                    assert served.dispatcher.requeue == [lease.meta["rows"]] and not served.dispatcher.outstanding
+                    assert served.dispatcher.requeue == [(lease.meta["rows"], lease.meta["number"])]
+                    assert not served.dispatcher.outstanding
             assert served.counters["malformed"] == 2
             said = capsys.readouterr().out
             assert "the batch does not answer its lease: it holds" in said and "metrics of type list" in said
@@ -332,6 +337,11 @@ def test_a_checkpoint_whose_leases_hold_another_batch_size_is_one_line():
     state = before.state_dict()
     with pytest.raises(ConfigError, match=r"leased work of 8 prompts per step.*--batch-size 8.*a step now takes 4"):
         Dispatcher(BatchSampler(64, 4, seed=0), 0, 60, "b").load_state_dict(state)
-    again = Dispatcher(BatchSampler(64, 8, seed=0), 0, 60, "b")
+    # the same batch size takes the queued rows first, with their number (the sampling seed: the samples the
+    # uninterrupted run made), then new rows numbered on from there
+    again = Dispatcher(BatchSampler(64, 8, seed=0), max_staleness=1, lease_timeout_s=60, incarnation="b")
     again.load_state_dict(state)
-    assert again.grant("s0", 0, now=0.0).rows == leased.rows  # the same batch size takes the queued rows first
+    first, second = again.grant("s0", 0, now=0.0), again.grant("s0", 0, now=0.0)
+    assert (first.rows, first.number) == (leased.rows, leased.number) == (leased.rows, 1)
+    order = BatchSampler(64, 8, seed=0)
+    assert (second.rows, second.number) == ([order.next(), order.next()][1], 2)

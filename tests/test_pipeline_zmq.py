@@ -126,7 +126,7 @@ def assert_each_row_once(run: Path, steps: int, batch: int = 4):
     order = BatchSampler(64, batch, seed=0)
     pos = dispatch["sampler"]
     drawn = [r for _ in range(pos["epoch"] * (64 // batch) + pos["offset"] // batch) for r in order.next()]
-    owed = [r for rows in dispatch["requeue"] for r in rows]
+    owed = [r for queued in dispatch["requeue"] for r in queued["rows"]]
     assert Counter(trained) + Counter(owed) == Counter(drawn), "a prompt was trained twice or lost"
 
 

@@ -22,8 +22,10 @@ from alignrl.data.sampler import BatchSampler
 
 @dataclass
 class Lease:
-    id: str  # "<trainer incarnation>:<number>": unique across trainer restarts
-    number: int  # 1, 2, ... in grant order: the sampling seed (the in-process step of the same rows)
+    id: str  # "<trainer incarnation>:<grant>": unique across trainer restarts
+    # 1, 2, ... in the order its rows were drawn: the sampling seed (the in-process step of the same rows); rows
+    # handed out again (a dead sampler's, a refused batch's, a checkpoint's outstanding ones) keep theirs
+    number: int
     rows: list[int]
     version: int  # weight version the sampler must generate with
     sampler: str
@@ -47,8 +49,9 @@ class Dispatcher:
         self.sampler, self.max_staleness, self.lease_timeout_s = sampler, max_staleness, lease_timeout_s
         self.incarnation = incarnation
         self.outstanding: dict[str, Lease] = {}
-        self.requeue: list[list[int]] = []  # rows of refused or expired leases, handed out first
-        self.issued = 0
+        self.requeue: list[tuple[list[int], int]] = []  # (rows, number) of refused or expired leases, handed out first
+        self.issued = 0  # row batches drawn from the sampler: the number of the next one is issued + 1
+        self.granted = 0
         self.expired = 0
 
     def grant(self, sampler_id: str, version: int, now: float) -> Lease | None:
@@ -56,9 +59,13 @@ class Dispatcher:
         self.expire(now)
         if len(self.outstanding) > self.max_staleness:
             return None
-        rows = self.requeue.pop(0) if self.requeue else self.sampler.next()
-        self.issued += 1
-        lease = Lease(f"{self.incarnation}:{self.issued}", self.issued, list(rows), version, sampler_id, now)
+        if self.requeue:
+            rows, number = self.requeue.pop(0)
+        else:
+            rows, number = self.sampler.next(), self.issued + 1
+            self.issued += 1
+        self.granted += 1
+        lease = Lease(f"{self.incarnation}:{self.granted}", number, list(rows), version, sampler_id, now)
         self.outstanding[lease.id] = lease
         return lease
 
@@ -101,17 +108,20 @@ class Dispatcher:
         """Its batch will not be trained (too stale, expired): the rows are handed out again first."""
         lease = self.outstanding.pop(lease_id, None)
         if lease is not None:
-            self.requeue.insert(0, lease.rows)
+            self.requeue.insert(0, (lease.rows, lease.number))
 
     def state_dict(self) -> dict:
         """Outstanding leases count as not trained: a restarted trainer hands their rows out again."""
+        queued = sorted(((lease.rows, lease.number) for lease in self.outstanding.values()), key=lambda q: q[1])
         return {"sampler": self.sampler.state_dict(), "issued": self.issued,
-                "requeue": [lease.rows for lease in self.outstanding.values()] + [list(r) for r in self.requeue]}
+                "requeue": [{"rows": list(rows), "number": n} for rows, n in queued + self.requeue]}
 
     def load_state_dict(self, state: dict) -> None:
         """ConfigError when the checkpoint's queued leases hold another number of prompts than a step now takes: they
         would be handed out, refused and queued again for ever (every row is trained exactly once, in its lease)."""
-        sizes = sorted({len(rows) for rows in state["requeue"]} - {self.sampler.batch_size})
+        # (rows, number); a checkpoint of an older alignrl kept the rows alone: they take numbers as new rows did
+        queued = [(q["rows"], int(q["number"])) if isinstance(q, dict) else (q, None) for q in state["requeue"]]
+        sizes = sorted({len(rows) for rows, _ in queued} - {self.sampler.batch_size})
         if sizes:
             raise ConfigError(f"the checkpoint holds leased work of {sizes[0]} prompts per step, made with "
                               f"data.train_batch_size={sizes[0]} (seed 004: --batch-size {sizes[0]}); a step now takes "
@@ -119,5 +129,10 @@ class Dispatcher:
                               "trainer.resume_mode=disable to start afresh")
         self.sampler.load_state_dict(state["sampler"])
         self.issued = int(state["issued"])
-        self.requeue = [list(r) for r in state["requeue"]]
+        self.requeue = []
+        for rows, number in queued:
+            if number is None:
+                self.issued += 1
+                number = self.issued
+            self.requeue.append((list(rows), number))
         self.outstanding = {}
