@@ -267,12 +267,15 @@ def test_run_distributed_checks_deepspeed_json_before_starting_anything(capsys, 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name, said", [
     ("/nonexistent.jsonl", "--data-path /nonexistent.jsonl: no such file"),
-    ("data.txt", "--data-path {}: a .txt file; give a .jsonl, .json or .parquet file")])
+    ("data.txt", "--data-path {}: a .txt file; give a .jsonl, .json or .parquet file"),
+    ("folder/", "--data-path {}: a folder; give the training data (.jsonl, .json or .parquet)")])
 def test_the_sampler_checks_its_data_path_before_it_connects(tmp_path, name, said):
     """At once, in the flag's name, before torch and the model are loaded and before a trainer is asked (it was
     read only once a trainer answered, and named data.train_files)."""
     path = tmp_path / name if not name.startswith("/") else Path(name)
-    if not name.startswith("/"):
+    if name.endswith("/"):
+        path.mkdir()
+    elif not name.startswith("/"):
         path.write_text("1+1\n")
     code = ("import sys\nfrom alignrl.dist.seed004 import sampling_main\ntry:\n    rc = sampling_main(sys.argv[1:])\n"
             "except SystemExit as e:\n    rc = e.code\nprint(rc, 'torch' in sys.modules)")

@@ -88,7 +88,8 @@ def data_path_problem(path: str | None, side: str) -> str | None:
     if path is None or path == "synthetic":
         return None
     if not Path(path).is_file():
-        return f"--data-path {path}: no such file; give the training data (.jsonl, .json or .parquet), or {side}"
+        what = "a folder" if Path(path).is_dir() else "no such file"
+        return f"--data-path {path}: {what}; give the training data (.jsonl, .json or .parquet), or {side}"
     if Path(path).suffix.lower() not in DATA_SUFFIXES:
         return f"--data-path {path}: a {Path(path).suffix or 'suffix-less'} file; give a .jsonl, .json or .parquet file"
     return None
