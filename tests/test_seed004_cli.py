@@ -235,7 +235,8 @@ def test_run_distributed_help_lists_the_flags_it_passes_on(capsys):
     (["--host", "not..a..host"], "--host 'not..a..host' does not resolve"),
     (["--batch-size", "0"], "data.train_batch_size=0 is out of range"),
     (["--data-path", "/nonexistent.jsonl"], "--data-path /nonexistent.jsonl: no such file"),
-    (["--training-gpus", "1,2,1"], "--training-gpus '1,2,1': device 1 is listed twice")])
+    (["--training-gpus", "1,2,1"], "--training-gpus '1,2,1': device 1 is listed twice"),
+    (["--model-path", "/nope"], "--model-path='/nope' is not a Hugging Face model folder")])
 def test_run_distributed_checks_once_before_starting_anything(argv, said, capsys, monkeypatch, tmp_path):
     """One line from run_distributed.py itself, not one from the sampler and one from the trainer (Popen would
     raise here: nothing is started)."""

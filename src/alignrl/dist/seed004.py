@@ -337,9 +337,13 @@ def launcher_main(argv: list[str] | None = None) -> int:
     t.nproc, t.host, t.data_port, t.sync_port, t.model_path = len(gpus), a.host, a.data_port, a.sync_port, a.model_path
     from alignrl.config import ConfigError
 
+    from alignrl.models.loader import ModelError, resolve_model_path
+
     try:
         prepare_training(t, extra, write=False)
-    except (ConfigError, Seed004Error) as e:
+        if a.model_path != "demo":  # a folder both processes load (the demo model is built on first use)
+            resolve_model_path(a.model_path, lambda *_: None, key="--model-path")
+    except (ConfigError, Seed004Error, ModelError) as e:
         p.error(str(e))
     threads = max(1, (os.cpu_count() or 1) // (len(gpus) + 1))  # processes sharing a machine split its cores
     ports = ["--host", a.host, "--data-port", str(a.data_port), "--sync-port", str(a.sync_port)]
