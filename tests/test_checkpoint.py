@@ -330,3 +330,36 @@ sys.exit(main(sys.argv[1:]))
     assert f"the last complete checkpoint is {root / 'global_step_2'}" in lines[0]
     assert sorted(p.name for p in root.iterdir()) == ["global_step_2", TRACKER]
     assert manifest_problem(root / "global_step_2") is None
+
+
+@pytest.mark.timeout(120)
+def test_a_run_folder_another_process_writes_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    """Two runs writing one folder's checkpoints and logs would corrupt each other's: the second stops at once. The
+    claim goes with its process, kill -9 included."""
+    import subprocess
+    import sys
+
+    from alignrl.config import ConfigError
+    from alignrl.train.checkpoint import hold_run_dir
+    from conftest import src_path
+
+    run = tmp_path / "runs" / "held"
+    run.mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"}
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
+                               "from alignrl.train.checkpoint import hold_run_dir\nclaim = hold_run_dir(Path(sys.argv[1]))\n"
+                               "print('held', flush=True)\ntime.sleep(120)", str(run)], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=rf"another run \(pid {holder.pid} on .+\) is writing {run}: stop it"):
+            hold_run_dir(run)
+        done = subprocess.run([sys.executable, "-m", "alignrl", "train", "grpo", f"model.path={tiny_model_dir}",
+                               f"trainer.output_dir={run.parent}", "trainer.experiment_name=held",
+                               "trainer.total_training_steps=1"], capture_output=True, text=True, env=env, timeout=100)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert f"another run (pid {holder.pid} on" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    finally:
+        holder.kill()
+        holder.wait()
+    assert hold_run_dir(run) is not None and hold_run_dir(run) is not None  # and a process may claim it twice

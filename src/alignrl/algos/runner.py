@@ -28,8 +28,8 @@ from alignrl.data.sampler import BatchSampler
 from alignrl.dist.coordinator import Coordinator
 from alignrl.dist.env import DistEnv, barrier, init_distributed, mean_metrics
 from alignrl.rewards.registry import load_reward_fn
-from alignrl.train.checkpoint import (atomic_write_text, load_trainer_state, resume_point, save_checkpoint,
-                                      set_rng_state)
+from alignrl.train.checkpoint import (atomic_write_text, hold_run_dir, load_trainer_state, resume_point,
+                                      save_checkpoint, set_rng_state)
 from alignrl.utils.tracking import Tracker, console
 
 
@@ -120,6 +120,7 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     ckpt_root, log_dir = cfg.checkpoint_root, cfg.log_root
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+    claim = hold_run_dir(run_dir) if env.is_main else None  # held while the run writes there
 
     train, val = load_task_data(cfg)
     sampler = BatchSampler(len(train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
@@ -251,4 +252,6 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     if final_room is not None:
         summary.update(base_room=state.get("base_room"), final_room=final_room)
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    if claim is not None:
+        claim.close()
     return summary

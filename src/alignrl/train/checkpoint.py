@@ -52,6 +52,34 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def hold_run_dir(run_dir: Path):
+    """The run folder, claimed for this process while the returned file stays open (a POSIX lock, which the kernel
+    drops when the process dies, kill -9 included): two runs writing one folder's checkpoints and logs would
+    corrupt each other's. ConfigError in one line when another process holds it; None where the file system has
+    no locks (the run then goes on unguarded). A second claim by the same process succeeds."""
+    import errno
+    import fcntl
+    import socket
+
+    from alignrl.config import ConfigError
+
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            raise ConfigError(f"another run ({holder or 'another process'}) is writing {run_dir}: stop it first, or "
+                              "give this run another trainer.experiment_name or trainer.output_dir") from None
+        return None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
+
+
 def rng_state() -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "python": random.getstate()}
 
