@@ -345,3 +345,11 @@ def test_a_checkpoint_whose_leases_hold_another_batch_size_is_one_line():
     assert (first.rows, first.number) == (leased.rows, leased.number) == (leased.rows, 1)
     order = BatchSampler(64, 8, seed=0)
     assert (second.rows, second.number) == ([order.next(), order.next()][1], 2)
+
+
+def test_a_lease_expired_while_granting_another_is_kept_for_the_coordinators_line():
+    """grant() expires leases past lease_timeout_s on its own: they wait in `late` until the coordinator says so."""
+    d = Dispatcher(BatchSampler(64, 8, seed=0), max_staleness=0, lease_timeout_s=10, incarnation="a")
+    hung = d.grant("hung", 0, now=0.0)
+    taken = d.grant("other", 0, now=11.0)
+    assert [lease.id for lease in d.late] == [hung.id] and taken.rows == hung.rows and d.expired == 1

@@ -61,6 +61,8 @@ def test_a_model_read_by_rows_is_the_model_loaded_whole(tiny_model_dir, tmp_path
     rows = load_sharded(tiny_model_dir, torch.float32, torch.device("cpu"), lambda m: None)
     assert rows is not None and not any(p.requires_grad for p in rows.parameters())
     assert rows.lm_head.weight is rows.model.embed_tokens.weight
+    # what from_pretrained leaves besides the weights: a checkpoint saved from it keeps the folder's generation config
+    assert rows.generation_config.to_dict() == whole.generation_config.to_dict() and not rows.config.use_cache
     ids = torch.randint(3, whole.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(rows(input_ids=ids).logits, whole(input_ids=ids).logits)

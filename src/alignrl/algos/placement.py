@@ -221,6 +221,7 @@ class Placed:
     eval_engine: RolloutEngine  # greedy held-out evaluation on rank 0 (full weights)
     maker: RolloutMaker | None  # the in-process producer; None when samplers produce elsewhere
     sink: WeightSink
+    remote_eval: bool = False  # eval_engine is the producers' (Ray's rollout engines), fed through `sink`
 
     def engines(self) -> dict[str, TrainEngine]:
         """Checkpoint folder name -> the engines trained in this process: `model` (the policy), `critic`,
@@ -295,4 +296,4 @@ def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: Dis
         critics = build_critics(cfg, resume, env)
     maker = build_maker(cfg, engine, tokenizer, ref, env) if inline else None
     trainer = PolicyTrainer(cfg, actor, sink, critics, env)
-    return Placed(trainer, tokenizer, engine, maker, sink)
+    return Placed(trainer, tokenizer, engine, maker, sink, remote_eval=evaluator is not None)

@@ -155,6 +155,8 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
         set_rng_state(state["rng"])
         start_step = state["step"]
         console.print(f"resumed from {resume} (step {start_step})")
+    if placed.remote_eval and start_step == total:  # resumed at its end: no step publishes, and the engines that
+        placed.sink.publish(trainer.version)  # evaluate hold the base weights (collective on every rank)
     if env.is_main:  # once the run can start (its ports bound, its checkpoint read): a failed start leaves it be
         atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
     if isinstance(placed.sink, EngineCopy) and placed.sink.main_only:

@@ -148,7 +148,8 @@ class RayEvalEngine:
     def generate(self, prompts, params: SamplingParams) -> Rollout:
         k = max(1, min(len(self.engines), len(prompts)))
         starts = [i * len(prompts) // k for i in range(k + 1)]
-        # per-prompt seeds (vLLM seeds request i with seed + i) stay those of one unsplit call
+        # vLLM seeds request i with seed + i: its per-prompt seeds stay those of one unsplit call (the HF engine
+        # seeds one generator per call, so its pass@k samples depend on the split)
         refs = [e.handle.generate.remote(list(prompts[a:b]), params if params.seed is None else
                                          replace(params, seed=params.seed + a))
                 for e, a, b in zip(self.engines, starts, starts[1:])]

@@ -301,7 +301,8 @@ class Coordinator:
             with self.lock:  # the cores of samplers that wait are the training thread's meanwhile
                 now = time.monotonic()
                 lost = self.dispatcher.expire_lost(self.seen, now, self.p.heartbeat_timeout_s)
-                late = self.dispatcher.expire(now)
+                self.dispatcher.expire(now)
+                late, self.dispatcher.late = self.dispatcher.late, []
                 self.cores.update(self.dispatcher.outstanding, now)
             for lease, why in [(x, f"not heard from in {self.p.heartbeat_timeout_s:g} s") for x in lost] + [
                     (x, f"past pipeline.lease_timeout_s={self.p.lease_timeout_s:g} s") for x in late]:

@@ -53,6 +53,7 @@ class Dispatcher:
         self.issued = 0  # row batches drawn from the sampler: the number of the next one is issued + 1
         self.granted = 0
         self.expired = 0
+        self.late: list[Lease] = []  # expired since the coordinator last said so (grant expires leases too)
 
     def grant(self, sampler_id: str, version: int, now: float) -> Lease | None:
         """A new lease for `sampler_id` at `version`, or None while the staleness bound is reached."""
@@ -76,6 +77,7 @@ class Dispatcher:
         for lease in old:
             self.refuse(lease.id)
             self.expired += 1
+        self.late += old
         return old
 
     def expire_lost(self, last_seen: dict[str, float], now: float, timeout_s: float) -> list[Lease]:

@@ -254,7 +254,9 @@ class Sampler:
                 push.send(KIND, meta, tensors, timeout_s=min(30.0, self.args.peer_timeout))
                 made, waited = made + 1, 0.0
             except PeerTimeout as e:
-                if time.monotonic() - self.beat.answered_at < 3 * BEAT_S:  # the trainer lives, reading another port
+                # nothing ever went out here while the trainer answers: it reads another port (a busy trainer's full
+                # queue blocks a later send too, and then the batch is dropped as below)
+                if made == 0 and time.monotonic() - self.beat.answered_at < 3 * BEAT_S:
                     raise PipelineError(f"nothing took the batch on {push.addr} (--data-port) in "
                                         f"{min(30.0, self.args.peer_timeout):g} s, though a trainer answers on "
                                         f"{self.sync.addr} (--sync-port): give the trainer's --data-port") from None

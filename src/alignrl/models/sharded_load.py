@@ -76,6 +76,11 @@ def meta_model(folder: Path, dtype: torch.dtype) -> torch.nn.Module | None:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if any(name not in where for name, _ in model.named_parameters()):  # tied weights once, as the files keep them
         return None
+    if (folder / "generation_config.json").is_file():  # as from_pretrained: its checkpoints keep the folder's own
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(folder))
+    model.config.use_cache = False  # as load_causal_lm: training default; the rollout engine asks for the cache
     return model
 
 
