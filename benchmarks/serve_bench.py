@@ -103,16 +103,19 @@ def weight_sync(folder: Path, label: str, repeats: int = 3) -> None:
           f"of the same bytes {raw * 1000:.1f} ms; ratio sync/raw = {sync / raw:.2f}x")
 
 
-def build_100m(tokenizer_from: Path, out: Path) -> Path:
+def random_qwen2(tokenizer_from: Path, out: Path, hidden: int = 768, intermediate: int = 2048, layers: int = 12,
+                 heads: int = 12, dtype=None) -> Path:
+    """A random Qwen2 (32k vocabulary, 4 key/value heads, tied embeddings; ~100M parameters by default) saved in
+    `out` in `dtype` (default fp32), with the tokenizer of `tokenizer_from`."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_from))
-    cfg = Qwen2Config(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                      num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024,
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=4, max_position_embeddings=1024,
                       tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(str(out))
+    Qwen2ForCausalLM(cfg).to(dtype or torch.float32).save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return out
 
@@ -152,7 +155,7 @@ def main() -> None:
     if not args.skip_100m:
         tmp = Path(tempfile.mkdtemp(prefix="alignrl-bench-"))
         try:
-            weight_sync(build_100m(folder, tmp / "qwen2-100m"), "random Qwen2 ~100M")
+            weight_sync(random_qwen2(folder, tmp / "qwen2-100m"), "random Qwen2 ~100M")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

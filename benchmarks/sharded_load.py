@@ -30,17 +30,11 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def build_model(out: Path, tokenizer_from: Path) -> Path:
+    """A random ~240M-parameter Qwen2, saved in bf16 as checkpoints are shared."""
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from serve_bench import random_qwen2
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_from))
-    cfg = Qwen2Config(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024,
-                      tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out))  # checkpoints are shared in bf16
-    tok.save_pretrained(str(out))
-    return out
+    return random_qwen2(tokenizer_from, out, hidden=1024, intermediate=2816, layers=16, heads=16, dtype=torch.bfloat16)
 
 
 def status_mib(key: str) -> float:

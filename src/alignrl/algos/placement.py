@@ -269,13 +269,14 @@ def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: Dis
     # the held-out evaluation on the producers' own engines where they offer it (Ray's rollout engines)
     evaluator = producers.evaluator(tokenizer.pad_token_id) if producers is not None else None
     # nothing here then needs the whole model: a sharded policy is built in its shards
-    model, materialize = load_policy(cfg, folder, env, evaluator is not None and shards_weights(cfg, env))
+    sharded = shards_weights(cfg, env)
+    model, materialize = load_policy(cfg, folder, env, evaluator is not None and sharded)
     # the reference is the base model, not a checkpoint
     ref = build_ref(cfg, env.device, model if policy_path == cfg.model.path else None) if inline else None
     remote = bool(cfg.services.generation_url) and inline
     # a full copy for generation / evaluation when the engine keeps only a shard (copied before sharding): on
     # every rank that generates (all of them in-process, rank 0 alone for its evaluation beside producers)
-    own_copy = shards_weights(cfg, env) and not remote and evaluator is None
+    own_copy = sharded and not remote and evaluator is None
     copy = frozen_copy(model).to(env.device) if own_copy and (inline or env.is_main) else None
     actor = build_actor(cfg, model, resume, env, materialize)
     if evaluator is not None:
