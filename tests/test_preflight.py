@@ -312,9 +312,9 @@ def test_a_flag_mistake_answers_before_torch_is_imported(argv, prefix):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--data-port", "99999"], "alignrl: error: pipeline.data_port=99999 is out of range"),
-    (["--sync-port", "5555"], "alignrl: error: pipeline.data_port and pipeline.sync_port are both 5555"),
-    (["actor.lr=abc"], "alignrl: error: bad value for 'actor.lr'"),
+    (["--data-port", "99999"], "training_worker.py: error: --data-port 99999 is not a TCP port"),
+    (["--sync-port", "5555"], "training_worker.py: error: --data-port and --sync-port are both 5555"),
+    (["actor.lr=abc"], "training_worker.py: error: bad value for 'actor.lr'"),
     (["--nproc", "0"], "training_worker.py: error: --nproc 0")])
 def test_training_worker_names_a_mistake_before_it_writes_deepspeed_json(tmp_path, argv, message):
     """Seed 004's trainer generates deepspeed.json in the folder it runs in; a mistaken flag leaves nothing there."""

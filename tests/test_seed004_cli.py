@@ -99,7 +99,8 @@ def trainer(tmp_path, monkeypatch):
     from alignrl.dist import launch, seed004
 
     monkeypatch.chdir(tmp_path)
-    for var in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR"):  # training_main sets them; restored after the test
+    # training_main sets them; restored after the test
+    for var in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "ALIGNRL_PROG"):
         monkeypatch.setenv(var, os.environ.get(var, ""))
         monkeypatch.delenv(var)
     launched = []
@@ -299,13 +300,29 @@ def test_checkpoints_every_1000_steps_as_the_seed_says(trainer, capsys, argv, fr
     assert load_config(None, overrides).trainer.save_freq == freq
 
 
-def test_training_worker_names_a_bad_save_steps_and_data_path(trainer, capsys):
+def test_training_worker_names_a_bad_save_steps_data_path_and_model_path(trainer, capsys):
     code, overrides, err = trainer(["--save-steps", "-1"], capsys)
     assert code == 2 and overrides is None
     assert one_line(err).startswith("training_worker.py: error: --save-steps -1")
     code, overrides, err = trainer(["--data-path", "/nonexistent.jsonl"], capsys)
     assert code == 2 and overrides is None
     assert one_line(err).startswith("training_worker.py: error: --data-path /nonexistent.jsonl: no such file")
+    code, overrides, err = trainer(["--model-path", "/nope"], capsys)
+    assert code == 2 and overrides is None
+    assert one_line(err).startswith("training_worker.py: error: --model-path='/nope' is not a Hugging Face model")
+
+
+@pytest.mark.timeout(200)
+def test_an_error_inside_the_run_names_training_worker_py(tiny_model_dir, tmp_path):
+    """The run itself (torchrun's rank, for DeepSpeed) names the script the user ran, not `alignrl`."""
+    (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
+    data, sync = free_ports(2)
+    out = script("training_worker.py", "--model-path", tiny_model_dir, "--data-path", "bad.jsonl", "--data-port", data,
+                 "--sync-port", sync, cwd=tmp_path, timeout=180)
+    assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
+    said = [x for x in out.stderr.splitlines() if not x.startswith("training_worker: wrote deepspeed.json")]
+    assert len(said) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert said[0].startswith("training_worker.py: error: bad.jsonl: cannot tell the data format"), said
 
 
 def test_the_seeds_three_training_processes_take_a_batch_that_splits_over_them(trainer, capsys):

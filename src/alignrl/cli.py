@@ -28,7 +28,7 @@ from pathlib import Path
 
 from alignrl.config import ConfigError, RunConfig, check_folders, check_world_size, keys_given, load_config
 from alignrl.dist.launch import OneLineParser
-from alignrl.errors import user_errors
+from alignrl.errors import program, user_errors
 
 EXAMPLES = Path(__file__).parent / "examples"
 # Both run the one RL loop; `ppo` (verl's main_ppo) takes any algorithm.adv_estimator from the config,
@@ -182,7 +182,7 @@ def _interrupted_line(argv: list[str], routed) -> str:
     rl = not routed and argv[:1] in (["train"], ["demo"])
     resume = ("; run the same command again to continue from the last checkpoint "
               "(trainer.resume_mode=auto, the default)") if rl else ""
-    return f"alignrl: interrupted{resume}"
+    return f"{program()}: interrupted{resume}"
 
 
 def _stop_at_once_on_ctrl_c(line: str) -> None:
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         from alignrl.dist.launch import peer_lost
 
         if peer_lost(e):  # torchrun's agent names the rank that died
-            print(f"alignrl: rank {os.environ.get('RANK', '?')}: lost its connection to another rank, which "
+            print(f"{program()}: rank {os.environ.get('RANK', '?')}: lost its connection to another rank, which "
                   "stopped or was killed", file=sys.stderr, flush=True)
             return 1
         # ConfigError first: user_errors() imports torch and friends, seconds before a config error's line
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         from alignrl.dist.launch import speak_once
 
-        return speak_once(f"alignrl: error: {e}")
+        return speak_once(f"{program()}: error: {e}")
     except KeyboardInterrupt:  # a terminal's Ctrl-C reaches every rank of the launch: rank 0 speaks
         if os.environ.get("RANK", "0") == "0":
             print(_interrupted_line(argv, routed), file=sys.stderr)

@@ -5,6 +5,16 @@ lazily: the modules that define them pull in torch."""
 
 from __future__ import annotations
 
+import os
+
+PROGRAM_ENV = "ALIGNRL_PROG"
+
+
+def program() -> str:
+    """The command the user typed, for the front of every error line: `alignrl`, or a seed's script
+    (training_worker.py) that runs alignrl in its own processes and torchrun ranks, which inherit the name."""
+    return os.environ.get(PROGRAM_ENV, "alignrl")
+
 
 def user_errors() -> tuple[type[Exception], ...]:
     from alignrl.config import ConfigError

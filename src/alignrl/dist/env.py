@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from alignrl.errors import program
+
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -55,7 +57,7 @@ def _on_sigint(signum, frame):
 def _on_sigterm(signum, frame):  # torchrun's agent terminates the survivors when a rank fails
     if _interrupted:  # after a Ctrl-C this rank is already stopping (rank 0 says so): let it finish (Python runs a
         return  # pending SIGINT's handler before SIGTERM's); torchrun's agent kills a rank that does not stop
-    print(f"alignrl: rank {os.environ.get('RANK', '?')}: stopped by SIGTERM (another rank failed, or the launcher "
+    print(f"{program()}: rank {os.environ.get('RANK', '?')}: stopped by SIGTERM (another rank failed, or the launcher "
           "stopped the run: its line says why)", file=sys.stderr)
     sys.exit(1)
 

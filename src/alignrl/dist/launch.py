@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 
+from alignrl.errors import program
+
 USER_ERROR = 2  # the exit code of a one-line user error, on every command
 
 
@@ -196,17 +198,17 @@ def agent(argv: list[str]) -> int:
         run(args)
     except (DistNetworkError, RendezvousError) as e:  # most often: the rendezvous port is taken
         first = (str(e).splitlines() or [type(e).__name__])[0]
-        print(f"alignrl: error: torchrun rendezvous at {args.master_addr}:{args.master_port} failed ({first}); "
+        print(f"{program()}: error: torchrun rendezvous at {args.master_addr}:{args.master_port} failed ({first}); "
               "pick a free port (trainer.master_port, MASTER_PORT) or check the master host", file=sys.stderr)
         return USER_ERROR
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
         if code != USER_ERROR and failure.exitcode < 0:  # killed: it could say nothing
-            print(f"alignrl: rank {rank} was stopped by signal {failure.signal_name()} (killed, or out of memory)",
+            print(f"{program()}: rank {rank} was stopped by signal {failure.signal_name()} (killed, or out of memory)",
                   file=sys.stderr)
         elif code != USER_ERROR:  # a user error was printed by rank 0 already
-            print(f"alignrl: rank {rank} failed (exit code {code}); its output above says why", file=sys.stderr)
+            print(f"{program()}: rank {rank} failed (exit code {code}); its output above says why", file=sys.stderr)
         return code
     except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: torchrun stopped the ranks
         return 128 + int(e.sigval)

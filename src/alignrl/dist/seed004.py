@@ -32,6 +32,7 @@ from alignrl.dist.launch import OneLineParser, wait_interruptible
 from alignrl.dist.lifetime import preexec_die_with_parent
 from alignrl.dist.seed004_deepspeed import (DS_FILE, Seed004Error, ds_batch_overrides, generated, read_ds_json,
                                             run_batch, untouched)
+from alignrl.errors import PROGRAM_ENV
 
 SAVE_STEPS = 1000  # seed 004: "每1000步保存一次" (the final step is always saved)
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -121,6 +122,13 @@ def prepare_training(a: argparse.Namespace, extra: list[str], write: bool, say=N
     problem = data_path_problem(a.data_path, "leave it out for synthetic arithmetic")
     if problem:
         raise Seed004Error(problem)
+    if a.model_path != "demo":  # named in the flag's spelling (the demo model is built on first use)
+        from alignrl.models.loader import ModelError, resolve_model_path
+
+        try:
+            resolve_model_path(a.model_path, lambda *_: None, key="--model-path")
+        except ModelError as e:
+            raise Seed004Error(str(e)) from None
     cfg = load_config(None, training_overrides(a, extra))
     prompts = cfg.data.train_batch_size
     if prompts % a.nproc and a.batch_size is None and "data.train_batch_size" not in keys_given(None, extra):
@@ -185,6 +193,9 @@ def parse_training(argv: list[str] | None, prog: str = "training_worker.py") -> 
     if a.save_steps < 0:
         p.error(f"--save-steps {a.save_steps}: give the steps between checkpoints (seed 004: {SAVE_STEPS}), or 0 for "
                 "the final one only")
+    problem = ports_problem(a.host, a.data_port, a.sync_port)  # in the flags' names, not pipeline.*_port's
+    if problem:
+        p.error(problem)
     return a, extra
 
 
@@ -195,12 +206,10 @@ def training_main(argv: list[str] | None = None, prog: str = "training_worker.py
     try:  # a mistaken value is named before anything is written (deepspeed.json) or started
         overrides = prepare_training(a, extra, write=True,
                                      say=lambda line: print(f"training_worker: {line}", file=sys.stderr, flush=True))
-    except ConfigError as e:
-        print(f"alignrl: error: {e}", file=sys.stderr)
-        return 2
-    except Seed004Error as e:
+    except (ConfigError, Seed004Error) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    os.environ[PROGRAM_ENV] = prog  # the run's own lines, on every torchrun rank, name the script the user ran
     if a.nproc == 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(a.gpu_id)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
@@ -337,13 +346,9 @@ def launcher_main(argv: list[str] | None = None) -> int:
     t.nproc, t.host, t.data_port, t.sync_port, t.model_path = len(gpus), a.host, a.data_port, a.sync_port, a.model_path
     from alignrl.config import ConfigError
 
-    from alignrl.models.loader import ModelError, resolve_model_path
-
     try:
         prepare_training(t, extra, write=False)
-        if a.model_path != "demo":  # a folder both processes load (the demo model is built on first use)
-            resolve_model_path(a.model_path, lambda *_: None, key="--model-path")
-    except (ConfigError, Seed004Error, ModelError) as e:
+    except (ConfigError, Seed004Error) as e:
         p.error(str(e))
     threads = max(1, (os.cpu_count() or 1) // (len(gpus) + 1))  # processes sharing a machine split its cores
     ports = ["--host", a.host, "--data-port", str(a.data_port), "--sync-port", str(a.sync_port)]
