@@ -248,11 +248,11 @@ def test_seed_workers_as_written(tiny_model_dir, tmp_path):
 def test_run_distributed_names_a_bad_flag_before_starting_anything(argv, said, capsys, monkeypatch):
     """The trainer's flags too are checked by run_distributed.py itself, in its own name, before it starts
     the sampler and the trainer (no process is started: Popen would raise here)."""
-    from alignrl.dist import seed004
+    from alignrl.dist import seed004_launch
 
-    monkeypatch.setattr(seed004.subprocess, "Popen", None)
+    monkeypatch.setattr(seed004_launch.subprocess, "Popen", None)
     with pytest.raises(SystemExit) as e:
-        seed004.launcher_main(argv)
+        seed004_launch.launcher_main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"run_distributed.py: error: {said}"), err
 
@@ -260,7 +260,7 @@ def test_run_distributed_names_a_bad_flag_before_starting_anything(argv, said, c
 def test_run_distributed_gives_host_to_both_and_stops_when_its_sampler_fails(monkeypatch):
     """--host reaches the sampler too (it connected to 127.0.0.1 while the trainer bound the address given), and a
     sampler that fails ends the run with its exit code at once (the trainer waited pipeline.peer_timeout_s)."""
-    from alignrl.dist import seed004
+    from alignrl.dist import seed004_launch
     from alignrl.dist.launch import wait_interruptible
 
     started = []
@@ -278,8 +278,8 @@ def test_run_distributed_gives_host_to_both_and_stops_when_its_sampler_fails(mon
             return 0
 
     with monkeypatch.context() as m:
-        m.setattr(seed004.subprocess, "Popen", Done)
-        assert seed004.launcher_main(["--host", "10.1.2.3", "--training-gpus", "1"]) == 0
+        m.setattr(seed004_launch.subprocess, "Popen", Done)
+        assert seed004_launch.launcher_main(["--host", "10.1.2.3", "--training-gpus", "1"]) == 0
     assert len(started) == 2 and all(a[a.index("--host") + 1] == "10.1.2.3" for a in started), started
     trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     sampler = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])

@@ -218,10 +218,10 @@ def test_run_distributed_trains_with_the_batch_of_an_edited_deepspeed_json(tiny_
 # --- run_distributed.py -------------------------------------------------------------------------------------------
 
 def test_run_distributed_help_lists_the_flags_it_passes_on(capsys):
-    from alignrl.dist import seed004
+    from alignrl.dist import seed004_launch
 
     with pytest.raises(SystemExit) as e:
-        seed004.launcher_main(["--help"])
+        seed004_launch.launcher_main(["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0
     for flag in PASSED_ON:
@@ -241,24 +241,24 @@ def test_run_distributed_help_lists_the_flags_it_passes_on(capsys):
 def test_run_distributed_checks_once_before_starting_anything(argv, said, capsys, monkeypatch, tmp_path):
     """One line from run_distributed.py itself, not one from the sampler and one from the trainer (Popen would
     raise here: nothing is started)."""
-    from alignrl.dist import seed004
+    from alignrl.dist import seed004_launch
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(seed004.subprocess, "Popen", None)
+    monkeypatch.setattr(seed004_launch.subprocess, "Popen", None)
     with pytest.raises(SystemExit) as e:
-        seed004.launcher_main(argv)
+        seed004_launch.launcher_main(argv)
     assert e.value.code == 2
     assert one_line(capsys.readouterr().err).startswith(f"run_distributed.py: error: {said}")
 
 
 def test_run_distributed_checks_deepspeed_json_before_starting_anything(capsys, monkeypatch, tmp_path):
-    from alignrl.dist import seed004
+    from alignrl.dist import seed004_launch
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "deepspeed.json").write_text(json.dumps({"zero_optimization": {"stage": 7}}))
-    monkeypatch.setattr(seed004.subprocess, "Popen", None)
+    monkeypatch.setattr(seed004_launch.subprocess, "Popen", None)
     with pytest.raises(SystemExit) as e:
-        seed004.launcher_main(["--training-gpus", "1,2"])
+        seed004_launch.launcher_main(["--training-gpus", "1,2"])
     assert e.value.code == 2
     assert one_line(capsys.readouterr().err).startswith("run_distributed.py: error: deepspeed.json: "
                                                         "zero_optimization.stage 7")
