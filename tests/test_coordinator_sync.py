@@ -17,7 +17,9 @@ from alignrl.dist.ref_share import RefShare
 from alignrl.dist.board import WeightBoard
 from alignrl.dist.dispatch import Dispatcher
 from alignrl.dist.env import SINGLE
-from alignrl.dist.zmq_link import Replier, Requester
+from alignrl.dist import zmq_link
+from alignrl.dist.coordinator import process_of
+from alignrl.dist.zmq_link import Replier
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]  # answered within 0.1 s of the publish
 
@@ -34,6 +36,7 @@ def served(tmp_path):
         "weight": model.weight.dtype}))
     c.board = WeightBoard(actor, SINGLE, cfg.pipeline, "", c.lock, c._published, "i")
     publish(c, 0)
+    Requester.manifest = c.board.manifest
     c.replier = Replier("127.0.0.1", 0)
     c.thread = threading.Thread(target=c._serve, daemon=True)
     c.thread.start()
@@ -45,11 +48,40 @@ def served(tmp_path):
     c.board.close()
 
 
+class Requester(zmq_link.Requester):
+    """A sampler's socket: hello (with the trainer's own model manifest) before each sampler process's first work
+    request, as samplers do; the sync port answers work from a sampler it did not welcome with "hello"."""
+    manifest: dict = {}
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.greeted = set()
+
+    def request(self, kind, meta, tensors=None, timeout_s=5.0):
+        if kind == "work" and process_of(meta) not in self.greeted:
+            self.greeted.add(process_of(meta))
+            hello = {k: meta[k] for k in ("sampler_id", "proc", "can_map") if k in meta}
+            assert super().request("hello", {**hello, "manifest": self.manifest}, timeout_s=timeout_s).kind == "welcome"
+        return super().request(kind, meta, tensors, timeout_s=timeout_s)
+
+
 def publish(c: Coordinator, version: int) -> None:
     """An update, then the publish (on rank 0 of a one-process trainer)."""
     with torch.no_grad():
         c.board.actor.model.weight.fill_(float(version))
     c.board.publish(version)
+
+
+def test_work_without_hello_gets_neither_weights_nor_a_lease(served):
+    """A peer that skipped hello (another program, or one of another version) was never checked against the
+    trainer's model and data: it is told to say hello, and learns nothing of the weights or the rows."""
+    with zmq_link.Requester(served.replier.addr) as raw:
+        for version in (-1, 0):
+            reply = raw.request("work", {"sampler_id": "x", "incarnation": "i", "version": version}, timeout_s=5)
+            assert reply.kind == "hello" and reply.meta == {"incarnation": "i"} and not reply.tensors
+        assert not served.dispatcher.outstanding
+    with Requester(served.replier.addr) as req:  # once it said hello, it is served
+        assert req.request("work", {"sampler_id": "x", "incarnation": "i", "version": 0}, timeout_s=5).kind == "lease"
 
 
 def test_a_parked_request_is_answered_at_the_publish(served):

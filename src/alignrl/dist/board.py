@@ -115,6 +115,10 @@ class WeightBoard:
                         "start it with the trainer's --model-path")
         return None
 
+    def knows(self, sampler: str) -> bool:
+        """Whether `sampler` was admitted at its hello, where its model was checked."""
+        return sampler in self.via
+
     def admit(self, sampler: str, can_map: object) -> str | None:
         """Decides how `sampler` receives weights, from what it says of its host and devices (`can_map` of its
         hello and work requests: {"shared": bool, "host": host_id(), "cuda": [device uuids]}), again whenever that
@@ -165,3 +169,13 @@ class WeightBoard:
         if self.shared is not None:
             with self.lock:
                 self.shared.close()
+
+
+def other_base(ours: str | None, theirs) -> str | None:
+    """Why a sampler whose base weights have digest `theirs` may not score reference log-probs against a trainer
+    whose have `ours`, or None (None also when either side has no digest: a .bin model, or an older alignrl)."""
+    if ours is None or not isinstance(theirs, str) or theirs == ours:
+        return None
+    return ("the sampler's model has the trainer's parameter shapes but other weights; the sampler computes the "
+            "reference log-probs of the KL term from them, so they would be another model's: start it with the "
+            "trainer's --model-path")

@@ -26,7 +26,7 @@ from alignrl.algos.trainer import needs_reference
 from alignrl.config import RunConfig
 from alignrl.data.records import ScoredBatch
 from alignrl.data.sampler import BatchSampler
-from alignrl.dist.board import WeightBoard
+from alignrl.dist.board import WeightBoard, other_base
 from alignrl.dist.cores import CoreLedger, ThreadLoan
 from alignrl.dist.dispatch import Dispatcher, Lease
 from alignrl.dist.env import DistEnv, all_reduce_sum, broadcast_frames
@@ -62,6 +62,7 @@ class Coordinator:
         """`data_digest`: records.rows_digest of the training rows, which a sampler's own must match."""
         self.cfg, self.p, self.config_yaml, self.log_dir = cfg, cfg.pipeline, config_yaml, log_dir
         self.data_digest = data_digest
+        self.base_weights: str | None = None  # weights_fingerprint of the base model, where samplers score the KL
         self.token = token_from_env()
         self.lock = threading.Lock()
         self.incarnation = uuid.uuid4().hex[:8]
@@ -329,7 +330,7 @@ class Coordinator:
                 self.replier.reply_msg(peer, "done", {})
             return
         if msg.kind == "hello":
-            problem = self.board.check_model(meta.get("manifest")) or self._other_base(meta.get("weights"))
+            problem = self.board.check_model(meta.get("manifest")) or other_base(self.base_weights, meta.get("weights"))
             if problem is None:
                 with self.lock:
                     problem = self.board.admit(process_of(meta), meta.get("can_map"))
@@ -348,15 +349,6 @@ class Coordinator:
         if not self._work(peer, meta, now):
             self.parked[peer] = (meta, now)
 
-    def _other_base(self, theirs) -> str | None:
-        """Why a sampler whose base weights have digest `theirs` may not score reference log-probs, or None
-        (None also when either side has no digest: a .bin model, or an older alignrl)."""
-        if self.base_weights is None or not isinstance(theirs, str) or theirs == self.base_weights:
-            return None
-        return ("the sampler's model has the trainer's parameter shapes but other weights; the sampler computes the "
-                "reference log-probs of the KL term from them, so they would be another model's: start it with the "
-                "trainer's --model-path")
-
     def _work(self, peer: bytes, meta: dict, since: float) -> bool:
         """Answers a work request if it can: "done", the newest weights, or a lease. While the staleness
         bound allows no lease, the request is parked (False) and answered as soon as the next publish
@@ -368,6 +360,9 @@ class Coordinator:
             return True
         sampler, now = process_of(meta), time.monotonic()
         with self.lock:
+            if not self.board.knows(sampler):  # it skipped hello: its model and data were never checked
+                self.replier.reply_msg(peer, "hello", {"incarnation": self.incarnation})
+                return True
             self.cores.asked(sampler, meta)
             problem = self.board.admit(sampler, meta.get("can_map"))  # a restarted trainer meets it here
             if problem:

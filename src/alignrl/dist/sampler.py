@@ -226,7 +226,7 @@ class Sampler:
                 return True
             if reply.kind == "error":
                 raise PipelineError(f"trainer: {reply.meta.get('message')}")
-            if reply.meta.get("incarnation") not in (None, self.trainer):  # not the trainer of `cfg`
+            if reply.meta.get("incarnation") not in (None, self.trainer) or reply.kind == "hello":  # another trainer
                 return False
             if reply.kind in ("weights", SHARED_KIND):
                 self.load(engine, reply)
