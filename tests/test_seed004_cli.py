@@ -5,6 +5,7 @@ process a test starts runs in a session of its own and is stopped by its PID."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -287,6 +288,34 @@ def test_the_sampler_checks_its_data_path_before_it_connects(tmp_path, name, sai
                      str(sync), "--peer-timeout", "2"], 100, cwd=tmp_path, env=env)
     assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
     assert one_line(out.stderr).startswith(f"sampling_worker.py: error: {said.format(path)}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launched", [False, True])
+def test_ctrl_c_of_a_sampler_is_one_line_unless_a_launcher_speaks_for_it(tiny_model_dir, tmp_path, launched):
+    """A sampler on its own says what Ctrl-C did; under run_distributed.py (ALIGNRL_LAUNCHER) the launcher's one line
+    speaks for it and the trainer."""
+    env = {**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"}
+    if launched:
+        env["ALIGNRL_LAUNCHER"] = "run_distributed.py"
+    data, sync = free_ports(2)  # no trainer: the sampler waits for one
+    with subprocess.Popen([sys.executable, str(ROOT / "sampling_worker.py"), "--model-path", str(tiny_model_dir),
+                           "--data-port", str(data), "--sync-port", str(sync)], cwd=tmp_path, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as p:
+        try:
+            for line in p.stdout:
+                if "waiting for a trainer" in line:
+                    break
+            os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
+            out, err = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, err[-3000:]
+    if launched:
+        assert err.strip() == "", err
+    else:
+        assert one_line(err).startswith("sampling_worker.py: interrupted; the prompts it held go to the next sampler")
 
 
 # --- checkpoints every 1000 steps ---------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 
 PROGRAM_ENV = "ALIGNRL_PROG"
+# set by a launcher (run_distributed.py) for the processes it starts: on Ctrl-C it speaks for them all
+LAUNCHER_ENV = "ALIGNRL_LAUNCHER"
 
 
 def program() -> str:

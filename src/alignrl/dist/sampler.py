@@ -32,6 +32,7 @@ from alignrl.dist.ref_share import sampler_needs_ref
 from alignrl.dist.shared_weights import SHARED_KIND, SharedReader, SharedUnavailable, cuda_uuids, host_id
 from alignrl.dist.wire import DTYPE_NAMES, DTYPES, Message, WireError, check_weights, manifest_of
 from alignrl.dist.zmq_link import PeerTimeout, Pusher, Requester, address, token_from_env
+from alignrl.errors import LAUNCHER_ENV
 from alignrl.models.folder import weights_fingerprint
 from alignrl.models.loader import ModelError, load_model, resolve_model_path
 from alignrl.rollout.hf_engine import HFRolloutEngine
@@ -302,4 +303,7 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if not os.environ.get(LAUNCHER_ENV):
+            print(f"{prog}: interrupted; the prompts it held go to the next sampler that asks (the same command "
+                  "starts it again)", file=sys.stderr)
         return 130
