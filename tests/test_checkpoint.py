@@ -363,3 +363,29 @@ def test_a_run_folder_another_process_writes_is_refused_in_one_line(tiny_model_d
         holder.kill()
         holder.wait()
     assert hold_run_dir(run) is not None and hold_run_dir(run) is not None  # and a process may claim it twice
+
+
+@pytest.mark.timeout(120)
+def test_a_run_that_fails_lets_the_folder_go_while_its_process_lives_on(tiny_model_dir, tmp_path):
+    """A notebook or a Ray worker outlives the run: the claim is dropped when the run fails, not at the process's
+    exit (another process may then claim the folder)."""
+    import subprocess
+    import sys
+
+    from alignrl.algos.runner import train_grpo
+    from alignrl.config import load_config
+    from alignrl.data.loaders import DataError
+    from conftest import src_path
+
+    (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path / 'runs'}",
+                             "trainer.experiment_name=failed", f"data.train_files={tmp_path / 'bad.jsonl'}"])
+    with pytest.raises(DataError, match="cannot tell the data format") as failed:
+        train_grpo(cfg)  # fails after it claimed the folder
+    # kept, as a notebook keeps its last traceback: its frames (and a claim in them) live on
+    assert failed.value.__traceback__ is not None
+    probe = subprocess.run([sys.executable, "-c", "import sys\nfrom pathlib import Path\nfrom alignrl.train.checkpoint "
+                            "import hold_run_dir\nprint(hold_run_dir(Path(sys.argv[1])) is not None)", str(cfg.run_dir)],
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"})
+    assert (probe.returncode, probe.stdout.strip()) == (0, "True"), probe.stderr[-2000:]

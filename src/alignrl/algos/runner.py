@@ -116,12 +116,18 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     env = init_distributed(cfg.trainer.device)
     check_world_size(cfg, env.world_size)
     console.quiet = not env.is_main  # one rank speaks
-    run_dir = cfg.run_dir
-    ckpt_root, log_dir = cfg.checkpoint_root, cfg.log_root
     if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    claim = hold_run_dir(run_dir) if env.is_main else None  # held while the run writes there
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    claim = hold_run_dir(cfg.run_dir) if env.is_main else None  # held while the run writes there
+    try:
+        return _train(cfg, env, wall_start, producers)
+    finally:  # a run that failed lets the next one in at once, even in a process that lives on (a notebook, Ray)
+        if claim is not None:
+            claim.close()
 
+
+def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemoteProducers | None) -> dict | None:
+    run_dir, ckpt_root, log_dir = cfg.run_dir, cfg.checkpoint_root, cfg.log_root
     train, val = load_task_data(cfg)
     sampler = BatchSampler(len(train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
     # the newest complete checkpoint; folders this run would write over are moved aside, never deleted (with
@@ -254,6 +260,4 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     if final_room is not None:
         summary.update(base_room=state.get("base_room"), final_room=final_room)
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
-    if claim is not None:
-        claim.close()
     return summary
