@@ -160,3 +160,11 @@ def cluster():
             os.environ.pop(RAY_LOOPBACK_ENV, None)
         else:
             os.environ[RAY_LOOPBACK_ENV] = saved[1]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Tests kill whole process groups (a trainer with its resource tracker): their shared-memory segments would stay
+    in /dev/shm until the next trainer on this machine sweeps them."""
+    from alignrl.dist import shm_segments
+
+    shm_segments.sweep()

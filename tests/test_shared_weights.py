@@ -157,3 +157,51 @@ def test_shared_memory_that_cannot_be_had_is_one_line(pub, monkeypatch):
                        "pipeline.weight_transport=zmq") as e:
         pub.publish(named(1.0), 1, {"incarnation": "i"})
     assert "No space left on device" in str(e.value) and not sw._CREATED
+
+
+MAKER = ("import os, signal, sys\nfrom alignrl.dist import shm_segments\nseg = shm_segments.create(4096)\n"
+         "print(seg.name, flush=True)\nsys.stdin.readline()\n"
+         "os.killpg(os.getpgrp(), signal.SIGKILL) if sys.argv[1] == 'group' else os.kill(os.getpid(), signal.SIGKILL)")
+
+
+def _killed_maker(how: str) -> tuple[str, str]:
+    """A trainer-like process that made a segment and was then killed with `kill -9`: alone (`self`; its resource
+    tracker lives on) or with its whole process group, tracker included (`group`). Its segment name and stderr."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import src_path
+
+    env = {**os.environ, "PYTHONPATH": src_path()}
+    with subprocess.Popen([sys.executable, "-c", MAKER, how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env, start_new_session=True) as p:
+        name = p.stdout.readline().strip()
+        _, err = p.communicate("\n", timeout=30)  # to the end of stderr, which the tracker holds until it is done
+    return name, err
+
+
+def test_a_trainer_killed_alone_leaves_no_segment_and_no_warning():
+    from alignrl.dist import shm_segments
+
+    name, err = _killed_maker("self")
+    assert name.startswith(shm_segments.PREFIX) and not (shm_segments.SHM_DIR / name).exists()
+    assert "leaked" not in err and "Warning" not in err, err  # the tracker removed it, quietly
+
+
+def test_segments_of_a_killed_process_group_are_swept_by_the_next_trainer():
+    """A kill -9 of the whole group takes the resource tracker too: the next trainer's publisher removes them, and
+    leaves alone the segments of processes that still run (this one's)."""
+    from alignrl.dist import shm_segments
+
+    name, _ = _killed_maker("group")
+    assert (shm_segments.SHM_DIR / name).exists() and name in shm_segments.orphans()
+    mine = shm_segments.create(4096)
+    try:
+        assert mine.name not in shm_segments.orphans()
+        p = SharedPublisher(bucket_bytes=256, token="t", lock=threading.Lock())
+        p.close()
+        assert not (shm_segments.SHM_DIR / name).exists() and (shm_segments.SHM_DIR / mine.name).exists()
+    finally:
+        mine.close()
+        mine.unlink()

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from alignrl.dist import shm_segments
 from alignrl.dist.weights_wire import _Buckets, _Plan, _view
 from alignrl.dist.wire import ALIGN, Message, WireError, _Frames, _header, _layout
 from alignrl.utils.tracking import console
@@ -89,7 +90,7 @@ class _Set:
         else:
             try:
                 for n in plan.sizes:
-                    self._shm.append(SharedMemory(create=True, size=max(n, ALIGN)))
+                    self._shm.append(shm_segments.create(max(n, ALIGN)))
                     _CREATED.add(self._shm[-1].name)
                     # reserve the pages now: a full /dev/shm is ENOSPC here, not SIGBUS at the first write
                     os.posix_fallocate(self._shm[-1]._fd, 0, max(n, ALIGN))
@@ -142,6 +143,9 @@ class SharedPublisher:
         self._wire: tuple[int, list] | None = None  # (version, frames) made for samplers elsewhere
         self._host: list[_Buckets] = []  # host bucket sets for a CUDA set's frames, reused once unheld
         self._stream = None
+        gone = shm_segments.sweep()  # a trainer's whole process group killed (its resource tracker too) left them
+        if gone:
+            console.print(f"pipeline: removed {gone} shared-memory segment(s) that a killed trainer left in /dev/shm")
 
     def publish(self, named: list, version: int, meta: dict) -> None:
         src = [t for _, t in named]
