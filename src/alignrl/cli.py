@@ -245,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         from alignrl.dist.launch import speak_once
 
-        return speak_once(f"{program()}: error: {e}")
+        code = speak_once(f"{program()}: error: {e}")
+        if "torch.distributed" in sys.modules:  # left to the interpreter's exit, gloo's threads could abort it
+            from alignrl.dist.env import shutdown
+
+            shutdown()
+        return code
     except KeyboardInterrupt:  # a terminal's Ctrl-C reaches every rank of the launch: rank 0 speaks
         if os.environ.get("RANK", "0") == "0":
             print(_interrupted_line(argv, routed), file=sys.stderr)
