@@ -159,6 +159,17 @@ def test_bf16_gradients_are_summed_and_averaged_over_ranks_in_fp32(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def test_metrics_of_two_ranks_are_the_whole_batchs():
+    """A maximum over ranks is the largest, the reward spread that of the whole batch, a rate the ranks' sum: each
+    was the mean of the ranks' own (workers/metrics_worker.py checks them against one process's)."""
+    worker = Path(__file__).parent / "workers" / "metrics_worker.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src_path()}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "--master_addr=127.0.0.1", str(worker)]
+    r = run_group(cmd, 120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def test_one_process_sums_micro_batch_gradients_in_fp32():
     model = torch.nn.Linear(2, 1, bias=False).to(torch.bfloat16)
     engine = build_engine("single", model, OptimSpec(lr=1e-3, grad_clip=0.0), SINGLE)

@@ -8,6 +8,7 @@ trainer over ZeroMQ (`alignrl.dist.sampler`). Old-policy log-probs are the train
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from alignrl.config import RunConfig
 from alignrl.data.collate import per_token_in_chunks
 from alignrl.data.records import Rollout, Sample, ScoredBatch, Scores
 from alignrl.data.sampler import BatchSampler
-from alignrl.dist.env import SINGLE, DistEnv, shard
+from alignrl.dist.env import SINGLE, DistEnv, all_reduce_sum, shard
 from alignrl.interfaces import RefScorer, RolloutEngine, SamplingParams
 from alignrl.models.logprobs import Layout, response_logprobs
 from alignrl.utils.tracking import console
@@ -177,6 +178,17 @@ def first_draw_metrics(ro: Rollout, scores: Scores) -> dict[str, float]:
     }
 
 
+def pooled_std(env: DistEnv, mean: float, std: float, n: int) -> float:
+    """The sample standard deviation of all ranks' values together, from each rank's mean and sample standard
+    deviation of its `n` values (every rank holds as many)."""
+    total = n * env.world_size
+    if total < 2:
+        return 0.0
+    means, squares = all_reduce_sum(env, [mean, mean * mean + std * std * (n - 1) / n])  # sums of E[x] and E[x²]
+    m, ex2 = means / env.world_size, squares / env.world_size
+    return math.sqrt(max(ex2 - m * m, 0.0) * total / (total - 1))
+
+
 def _n_groups(ro: Rollout) -> int:
     return int(ro.group.max()) + 1 if len(ro.group) else 0
 
@@ -200,7 +212,12 @@ class InlineSource:
         def draw() -> list[int]:  # the sampler's position is checkpointed, so extra DAPO rounds resume exactly
             return shard(self.sampler.next(), self.env)  # every rank draws the same batch and keeps its share
 
-        return self.maker.make(step, draw(), self.rows, self.version(), more=draw)
+        first = draw()
+        batch = self.maker.make(step, first, self.rows, self.version(), more=draw)
+        if self.env.distributed:  # the reward spread of the whole batch, not the mean of each share's
+            batch.metrics["reward/std"] = pooled_std(self.env, batch.metrics["reward/mean"],
+                                                     batch.metrics["reward/std"], len(first) * self.maker.cfg.rollout.n)
+        return batch
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict()}

@@ -172,9 +172,13 @@ def sum_over_ranks(env: DistEnv):
     return total
 
 
+SUMMED = ("perf/tokens_per_s",)  # each rank's share of the run's rate
+
+
 def mean_metrics(env: DistEnv, metrics: dict[str, float]) -> dict[str, float]:
-    """Each metric averaged over ranks. Keys every rank has are reduced; a key missing on some rank
-    keeps rank 0's value (metrics are for logging; the loss never goes through here)."""
+    """Each metric reduced over ranks: a `*_max` the largest, a `*_min` the smallest, a rate in SUMMED the sum, the
+    others the mean. Keys every rank has are reduced; a key missing on some rank keeps rank 0's value (metrics are
+    for logging; the loss never goes through here)."""
     if not env.distributed:
         return metrics
     keys = sorted(metrics)
@@ -184,7 +188,15 @@ def mean_metrics(env: DistEnv, metrics: dict[str, float]) -> dict[str, float]:
     if total != [s * env.world_size for s in sig]:
         return metrics
     sums = all_reduce_sum(env, [float(metrics[k]) for k in keys])
-    return {k: s / env.world_size for k, s in zip(keys, sums)}
+    out = {k: s if k in SUMMED else s / env.world_size for k, s in zip(keys, sums)}
+    extreme = [k for k in keys if k.endswith(("_max", "_min"))]
+    if extreme:  # one MAX collective: a minimum is the negated maximum of the negated values
+        sign = [1.0 if k.endswith("_max") else -1.0 for k in extreme]
+        t = torch.tensor([s * float(metrics[k]) for s, k in zip(sign, extreme)], dtype=torch.float64,
+                         device=env.device if env.backend == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out.update({k: s * v for s, k, v in zip(sign, extreme, t.tolist())})
+    return out
 
 
 def shard(items: list, env: DistEnv) -> list:
