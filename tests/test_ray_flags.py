@@ -226,6 +226,40 @@ def test_a_config_that_places_its_own_producers_is_refused_inside_a_ray_job(monk
     assert err.count("\n") == 0 and "pipeline.placement=zmq" in err and "unset RAY_ADDRESS" in err, err
 
 
+def test_a_ray_address_nobody_answers_at_is_one_line_at_once():
+    """ray.init waits minutes on a dead address, printing only its GCS client's retries, and answers a dashboard
+    URL with a traceback: both are named before it is called."""
+    import socket
+
+    from alignrl.cluster.driver import address_problem
+    from alignrl.dist.launch import free_port
+
+    dead = free_port()
+    assert f"no Ray cluster answers at RAY_ADDRESS=127.0.0.1:{dead}" in address_problem(f"127.0.0.1:{dead}")
+    assert "`ray start --head --port=" in address_problem(f"ray://127.0.0.1:{dead}")
+    assert "is the dashboard's (job submission) address" in address_problem("http://127.0.0.1:8265")
+    assert "is not host:port" in address_problem("127.0.0.1")
+    assert address_problem("auto") is None
+    with socket.socket() as up:  # something listens: left to ray.init
+        up.bind(("127.0.0.1", 0))
+        up.listen()
+        assert address_problem(f"127.0.0.1:{up.getsockname()[1]}") is None
+
+
+@pytest.mark.timeout(120)
+def test_ppo_ray_with_a_dead_ray_address_stops_in_one_line(tmp_path):
+    from alignrl.dist.launch import free_port
+    from conftest import src_path
+
+    env = {**os.environ, "PYTHONPATH": src_path(), "RAY_ADDRESS": f"127.0.0.1:{free_port()}", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "alignrl", "train", "ppo-ray", "--pretrain", "demo",
+                          "--save_path", str(tmp_path / "run")], capture_output=True, text=True, timeout=100,
+                         env=env, cwd=tmp_path)
+    err = out.stderr.strip()
+    assert out.returncode == 1 and err.count("\n") == 0 and "Traceback" not in err, err[-3000:]
+    assert "no Ray cluster answers at RAY_ADDRESS=127.0.0.1:" in err, err
+
+
 def test_prompt_data_flags_become_the_data_keys(tmp_path):
     """OpenRLHF's --input_key/--label_key/--input_template/--apply_chat_template read a --prompt_data file
     by column; seed 001's flags on its {messages, answer} rows load and count."""

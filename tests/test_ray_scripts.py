@@ -228,3 +228,20 @@ def test_head_dashboard_on_loopback(tmp_path):
     assert ray_pids(f"{short}/") == []
     assert ray_pids(f"ray.util.client.server .*--address=[^ ]*:{ports[0]}") == []
     shutil.rmtree(short, ignore_errors=True)
+
+
+def test_seed_003s_tee_log_stays_out_of_the_jobs_package(tmp_path):
+    """The seed's `| tee $EXPERIMENT_NAME.log` writes into the working directory while `ray job submit` hashes and
+    packs it: a file in the package that changes between the two made the job ask for a package never uploaded.
+    The runtime env's excludes leave logs out, so writing one does not change the package."""
+    import yaml
+    from ray._private.runtime_env import packaging
+
+    excludes = yaml.safe_load((ROOT / "verl" / "trainer" / "runtime_env.yaml").read_text())["excludes"]
+    (tmp_path / "verl").mkdir()
+    (tmp_path / "verl" / "__init__.py").write_text("")
+    before = packaging.get_uri_for_directory(str(tmp_path), False, excludes=excludes)
+    (tmp_path / "nq-nq-search-r1-ppo-qwen2.5-3b-em.log").write_text("step 1\n")
+    assert packaging.get_uri_for_directory(str(tmp_path), False, excludes=excludes) == before
+    (tmp_path / "verl" / "new.py").write_text("")  # the code itself is still packed
+    assert packaging.get_uri_for_directory(str(tmp_path), False, excludes=excludes) != before

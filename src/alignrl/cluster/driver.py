@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass, field, replace
 
@@ -99,7 +100,13 @@ def connect(units_needed: int) -> bool:
     # call whose result nobody fetched after that
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     if address:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=True)
+        problem = address_problem(address)
+        if problem:
+            raise ClusterError(problem)
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=True)
+        except (ValueError, ConnectionError) as e:
+            raise ClusterError(f"RAY_ADDRESS={address}: {str(e).splitlines()[0]}") from None
         return False
     try:
         ray.init(num_cpus=max(units_needed, os.cpu_count() or 1), include_dashboard=False, logging_level="ERROR")
@@ -109,6 +116,26 @@ def connect(units_needed: int) -> bool:
         ray.init(logging_level="ERROR", log_to_driver=True)
         return False
     return True
+
+
+def address_problem(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why RAY_ADDRESS cannot be joined, in one line, or None: ray.init would otherwise wait on a dead address for
+    minutes, printing only its GCS client's retries, and answers a dashboard URL with a traceback."""
+    if address == "auto":
+        return None
+    if address.startswith(("http://", "https://")):
+        return (f"RAY_ADDRESS={address} is the dashboard's (job submission) address: give the cluster's GCS "
+                "address, host:port (`ray start --head` prints it; 6379 by default), or submit the command with "
+                "`ray job submit --address " + address + " -- ...`, which sets RAY_ADDRESS for it")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not port.isdigit() or not host:
+        return f"RAY_ADDRESS={address} is not host:port: give the cluster's GCS address (e.g. 10.0.0.1:6379)"
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        return (f"no Ray cluster answers at RAY_ADDRESS={address} ({e.strerror or e}): start one with "
+                f"`ray start --head --port={port}` on {host}, or unset RAY_ADDRESS to start a local Ray")
+    return None
 
 
 class Driver:
