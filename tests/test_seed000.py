@@ -190,6 +190,52 @@ def test_one_host_hostfile_runs_locally_without_pdsh(model_services, tiny_model_
     assert (outdir / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
 
 
+def _pids(marker: str, module: str) -> list[int]:
+    """Running processes whose command line holds `marker` and `module`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd and module in cmd:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("killed", ["deepspeed.launcher.runner", "deepspeed.launcher.launch"])
+def test_ranks_stop_when_deepspeeds_runner_or_launcher_is_killed(model_services, tiny_model_dir, tmp_path, killed):
+    """kill -9 of DeepSpeed's runner (what the user's shell waits on) or of its per-node launcher: the ranks stop
+    within seconds instead of training on in the background, writing checkpoints."""
+    path = nodes_yaml(tmp_path, tiny_model_dir, model_services, "gpu007 slots=2\n", total_training_steps=500)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60", "DS_ACCELERATOR": "cpu",
+           "TOKENIZERS_PARALLELISM": "false", "ALIGNRL": str(BIN / "alignrl"), "CONFIG": str(path)}
+    with open(tmp_path / "run.log", "w") as out:
+        proc = subprocess.Popen(["./scripts/launch_distributed.sh"], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 150
+        while len(trainer_ranks(str(path))) < 2 or not (tmp_path / "output" / "logs" / "metrics.jsonl").exists():
+            assert time.time() < deadline and proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.5)
+        (target,) = _pids(str(path), killed)
+        os.kill(target, signal.SIGKILL)
+        deadline = time.time() + 20
+        while trainer_ranks(str(path)) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not trainer_ranks(str(path)), (tmp_path / "run.log").read_text()[-3000:]
+        proc.wait(timeout=20)  # the script returns once its runner is gone
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in _pids(str(path), "deepspeed.launcher"):  # an orphaned launcher left the session's group
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_launch_training_runs_torchrun_over_this_hosts_slots(model_services, tiny_model_dir, tmp_path):

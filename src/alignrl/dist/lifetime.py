@@ -18,6 +18,8 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+import time
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 DEATH_SIGNAL = signal.SIGKILL
@@ -58,12 +60,49 @@ def rank_dies_with_agent() -> None:
     """Called where a rank starts (init_distributed): a torchrun rank (torchrun sets TORCHELASTIC_RUN_ID) dies
     with torchrun's agent, its parent, instead of training on, holding its ports, after the agent is killed.
     Under launch.agent the agent's pid is known (AGENT_PID) and checked; under a torchrun that is not ours it is
-    not, and a parent that is already init (pid 1) stands for a dead one. Once per process."""
+    not, and a parent that is already init (pid 1) stands for a dead one. A rank of DeepSpeed's launcher dies with
+    it and with DeepSpeed's runner above it, which a user kills (launch_distributed.sh): the launcher outlives its
+    runner, and both ranks trained on in the background. Once per process."""
     global _rank_done
-    if _rank_done or "TORCHELASTIC_RUN_ID" not in os.environ:
+    deepspeed = _deepspeed_launchers()
+    if _rank_done or not ("TORCHELASTIC_RUN_ID" in os.environ or deepspeed):
         return
     _rank_done = True
     recorded = os.environ.pop(AGENT_PID, None)  # not for this rank's own children: their parent is this rank
     parent = int(recorded) if recorded and recorded.isdigit() else None
     if die_with_parent(parent) and parent is None and os.getppid() == 1:
         os.kill(os.getpid(), DEATH_SIGNAL)
+    if len(deepspeed) > 1:  # the parent is the kernel's to watch; the ones above it, a thread's
+        threading.Thread(target=_watch, args=(deepspeed[1:],), name="alignrl-launcher-watch", daemon=True).start()
+
+
+def _proc(pid: int) -> tuple[int, str, list[str]] | None:
+    """(parent pid, start time, argv) of a process, or None once it is gone (Linux /proc)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ... starttime (field 22)
+    return int(fields[1]), fields[19], argv
+
+
+def _is_deepspeed_launcher(argv: list[str]) -> bool:
+    """`python [-u] -m deepspeed.launcher.launch|runner ...`, or the `deepspeed` script (which runs the runner)."""
+    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    return module.startswith("deepspeed.launcher.") or any(os.path.basename(a) == "deepspeed" for a in argv[:2])
+
+
+def _deepspeed_launchers() -> list[tuple[int, str]]:
+    """(pid, start time) of this process's chain of DeepSpeed launcher ancestors (launch, runner), parent first."""
+    chain, pid = [], os.getppid()
+    while pid > 1 and (info := _proc(pid)) is not None and _is_deepspeed_launcher(info[2]):
+        chain.append((pid, info[1]))
+        pid = info[0]
+    return chain
+
+
+def _watch(launchers: list[tuple[int, str]], every_s: float = 1.0) -> None:
+    while all((info := _proc(pid)) is not None and info[1] == start for pid, start in launchers):
+        time.sleep(every_s)
+    os.kill(os.getpid(), DEATH_SIGNAL)
