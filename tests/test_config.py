@@ -99,6 +99,9 @@ def test_one_value_given_to_a_list_key_is_a_list_of_one():
     (["algorithm.max_gen_rounds=-1"], "algorithm.max_gen_rounds=-1 is out of range"),
     (["agent.max_turns=2", "retriever.url=127.0.0.1:8000/retrieve"],
      "retriever.url='127.0.0.1:8000/retrieve' is not an http(s) URL"),
+    (["services.generation_url=127.0.0.1:8110"], "services.generation_url='127.0.0.1:8110' (the seed layout's "
+                                                   "training.services.generation.url) is not an http(s) URL"),
+    (["services.reference_url=http://"], "services.reference_url='http://' (the seed layout's"),
     (["algorithm.overlong_penalty_factor=-1"], "algorithm.overlong_penalty_factor=-1.0 is out of range"),
     (["algorithm.adv_estimator=gae"], "needs a critic"),
     (["critic.enable=true"], "only used by algorithm.adv_estimator=gae"),

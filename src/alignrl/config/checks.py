@@ -151,6 +151,11 @@ def check_combinations(cfg: RunConfig) -> None:
     problem = retriever_url_problem(cfg.retriever.url)
     if cfg.agent.max_turns and cfg.agent.search and problem:
         raise ConfigError(problem)
+    for kind in ("generation", "reference", "reward"):  # here, once, not on every rank as it connects
+        url = getattr(cfg.services, f"{kind}_url")
+        if url and not (urlparse(url).scheme in ("http", "https") and urlparse(url).netloc):
+            raise ConfigError(f"services.{kind}_url={url!r} (the seed layout's training.services.{kind}.url) is not "
+                              f"an http(s) URL: give the {kind} service's address, e.g. http://127.0.0.1:8000")
 
 
 def retriever_url_problem(url: str) -> str | None:
