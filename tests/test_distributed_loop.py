@@ -70,6 +70,14 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
         assert [x["step"] for x in rows if "critic/vf_loss" in x] == [1, 2, 3]
     if strategy == "deepspeed":
         assert json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 3
+        # rank 1's optimizer shard damaged in place (same size: the manifest passes it): rank 1 names the file
+        (shard,) = (ckpt / "model_state" / "deepspeed").glob("zero_pp_rank_1_*optim_states.pt")
+        good = shard.read_bytes()
+        shard.write_bytes(bytes(200) + good[200:])
+        r = run(tiny_model_dir, tmp_path, strategy, strategy, 3, *extra)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert f"rank 1: cannot read {shard} (" in r.stderr and f"move {ckpt} out of" in r.stderr, r.stderr[-3000:]
+        shard.write_bytes(good)
         # DeepSpeed's optimizer shards are its own format: DDP continues from the full weights, and says so
         r = run(tiny_model_dir, tmp_path, strategy, "ddp", 3)
         assert r.returncode == 0, r.stderr[-3000:]

@@ -245,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         from alignrl.dist.launch import speak_once
 
-        code = speak_once(f"{program()}: error: {e}")
+        if getattr(e, "this_rank_only", False):  # the other ranks met no error: torchrun's agent stops them
+            print(f"{program()}: error: {e}", file=sys.stderr, flush=True)
+            code = 2
+        else:
+            code = speak_once(f"{program()}: error: {e}")
         if "torch.distributed" in sys.modules:  # left to the interpreter's exit, gloo's threads could abort it
             from alignrl.dist.env import shutdown
 

@@ -42,6 +42,13 @@ class CheckpointError(DataError):
     that every command prints it as one line instead of a traceback."""
 
 
+class DamagedShard(CheckpointError):
+    """A checkpoint file that one rank alone reads (its ZeRO optimizer shard) cannot be read: that rank says so,
+    where a user error every rank meets is said by rank 0 alone."""
+
+    this_rank_only = True
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")

@@ -192,8 +192,29 @@ class DeepSpeedEngine:
             self.module.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True,
                                         load_lr_scheduler_states=True)
         except Exception as e:  # DeepSpeed's ZeRORuntimeException is a bare Exception
-            if "world size" not in str(e):
+            if "world size" in str(e):
+                raise DeepSpeedConfigError(f"{folder}: {str(e).strip().splitlines()[0]} (its ZeRO optimizer state "
+                                           "is split per rank): resume with as many processes as wrote it") from None
+            from alignrl.train.checkpoint import DamagedShard
+
+            # the manifest's sizes match (a same-size overwrite, a bad disk block): name the file DeepSpeed choked on
+            found = unreadable(folder / TAG, self.env.rank)
+            if found is None:  # every file opens: not damage
                 raise
-            raise DeepSpeedConfigError(f"{folder}: {str(e).strip().splitlines()[0]} (its ZeRO optimizer state is "
-                                       "split per rank): resume with as many processes as wrote it") from None
+            path, cause = found
+            raise DamagedShard(f"rank {self.env.rank}: cannot read {path} ({cause.splitlines()[0]}); move "
+                               f"{folder.parent} out of {folder.parent.parent} to resume from the checkpoint before "
+                               "it, or start fresh with trainer.resume_mode=disable") from None
         return True
+
+
+def unreadable(folder: Path, rank: int) -> tuple[Path, str] | None:
+    """The first of `rank`'s DeepSpeed checkpoint files (its own shards, and the model states every rank reads) that
+    torch cannot open, with why; None when all open. Opened mapped: nothing is read but their headers and pickles."""
+    mine = sorted(p for p in folder.glob("*.pt") if f"zero_pp_rank_{rank}_" in p.name or p.name.startswith("mp_rank_"))
+    for path in mine:
+        try:
+            torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except Exception as e:  # any damage: a bad pickle, a torn zip
+            return path, str(e).strip() or type(e).__name__
+    return None
