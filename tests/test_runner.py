@@ -406,3 +406,31 @@ def test_gradient_checkpointing_trains_the_same_weights(tiny_model_dir, tmp_path
     assert any(not torch.equal(a[k], v) for k, v in load_file(tiny_model_dir / "model.safetensors").items())
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_the_saved_deepspeed_json_holds_the_runs_batch_and_names_what_it_does_not_follow(tmp_path, capsys):
+    """DeepSpeed is handed nominal batch numbers (alignrl drives the accumulation): the run folder's copy holds the
+    run's own, and a user's file whose numbers the run does not follow gets one line saying which and what to set."""
+    from types import SimpleNamespace
+
+    from alignrl.algos.runner import save_ds_config
+    from alignrl.dist.env import DistEnv
+
+    user = tmp_path / "z3.json"
+    user.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+                                "train_batch_size": 16, "zero_optimization": {"stage": 3}}))
+    cfg = load_config(None, ["data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+                             "actor.ppo_micro_batch_size=8", f"trainer.deepspeed_config={user}"])
+    trainer = SimpleNamespace(actor=SimpleNamespace(engine=SimpleNamespace(config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
+        "zero_optimization": {"stage": 3}})))
+    save_ds_config(cfg, trainer, tmp_path, DistEnv(world_size=2))
+    saved = json.loads((tmp_path / "deepspeed.json").read_text())
+    assert (saved["train_batch_size"], saved["train_micro_batch_size_per_gpu"], saved["gradient_accumulation_steps"],
+            saved["zero_optimization"]["stage"]) == (16, 8, 1, 3)  # 16 sequences an optimizer step, 8 per rank
+    out = capsys.readouterr().out
+    assert f"{user}: train_micro_batch_size_per_gpu 2, gradient_accumulation_steps 4 not followed" in out, out
+    assert "actor.ppo_micro_batch_size" in out and out.count("\n") == 1
+    (tmp_path / "z3.json").write_text(json.dumps({"train_batch_size": "auto", "zero_optimization": {"stage": 3}}))
+    save_ds_config(cfg, trainer, tmp_path, DistEnv(world_size=2))
+    assert capsys.readouterr().out == ""  # "auto" is the run's

@@ -91,11 +91,32 @@ def _fmt(acc: dict[str, float]) -> str:
     return f"{acc['accuracy']:.3f} (last-number extraction: {acc['accuracy_flexible']:.3f})"
 
 
-def save_ds_config(trainer: PolicyTrainer, run_dir: Path, env: DistEnv) -> None:
-    """The DeepSpeed config in use is saved with the run (generated or read from the user's file)."""
+def run_batch_numbers(cfg: RunConfig, world: int) -> dict[str, int]:
+    """DeepSpeed's three batch numbers for what the run does (describe_batch's): sequences per optimizer step, per
+    micro-batch on a rank, micro-batches per optimizer step on a rank."""
+    per_rank = cfg.mini_batch_sequences // world
+    micro = min(cfg.actor.ppo_micro_batch_size, per_rank)
+    return {"train_batch_size": cfg.mini_batch_sequences, "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": -(-per_rank // micro)}
+
+
+def save_ds_config(cfg: RunConfig, trainer: PolicyTrainer, run_dir: Path, env: DistEnv) -> None:
+    """The DeepSpeed config in use is saved with the run (generated or read from the user's file), with the run's
+    batch numbers: DeepSpeed is handed nominal ones, as alignrl drives the accumulation. Batch numbers of the user's
+    file that the run does not follow are named once (seed 004's trainer follows its file: seed004_deepspeed)."""
     ds = getattr(trainer.actor.engine, "config", None)
-    if env.is_main and ds is not None:
-        atomic_write_text(run_dir / "deepspeed.json", json.dumps(ds, indent=2))
+    if not env.is_main or ds is None:
+        return
+    run = run_batch_numbers(cfg, env.world_size)
+    path = cfg.trainer.deepspeed_config
+    theirs = json.loads(Path(path).read_text()) if path else {}
+    differ = [f"{k} {theirs[k]}" for k in run if theirs.get(k) not in (None, "auto", run[k])]
+    if differ:
+        console.print(f"{path}: {', '.join(differ)} not followed: alignrl drives the batch, here "
+                      f"{run['train_micro_batch_size_per_gpu']} sequences a micro-batch "
+                      f"(actor.ppo_micro_batch_size) and {run['train_batch_size']} an optimizer step "
+                      "(actor.ppo_mini_batch_size); set those", markup=False, soft_wrap=True)
+    atomic_write_text(run_dir / "deepspeed.json", json.dumps({**ds, **run}, indent=2))
 
 
 def check_not_past(resume: Path | None, total: int) -> None:
@@ -146,7 +167,7 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
     source = (producers.source(sampler, trainer, env) if producers else
               InlineSource(placed.maker, sampler, rows, lambda: trainer.version, env))
     step_fn = GRPOStep(source, trainer)
-    save_ds_config(trainer, run_dir, env)
+    save_ds_config(cfg, trainer, run_dir, env)
 
     start_step, state = 0, {}
     if resume:
