@@ -382,3 +382,28 @@ def test_a_long_generation_is_waited_for_while_its_engine_lives(cluster):
     with pytest.raises(ClusterError, match="rollout engine 0 died"):
         patient_get([ref], [engine], 1.0, lines.append)
     assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_of_the_driver_stops_the_run_as_ctrl_c(cluster, tiny_model_dir, tmp_path):
+    """kill (and `ray job stop`, which sends SIGTERM): the workers are released and one line says how to continue;
+    Ray's own handler dumped a stack trace and aborted (exit 134)."""
+    env = {**os.environ, "PYTHONPATH": src_path(), "RAY_ADDRESS": cluster.address, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "alignrl", "train", "ppo-ray",
+                          *tiny(tiny_model_dir, tmp_path / "term", 500, "--init_kl_coef", "0",
+                                "--actor_num_gpus_per_node", "1")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        for line in p.stdout:
+            if "step 1 " in line:
+                break
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+    said = [x for x in err.splitlines() if x.startswith("alignrl train ppo-ray:")]
+    assert p.returncode == 130 and "SIGTERM received" not in err, err[-2000:]
+    assert len(said) == 1 and "interrupted; the same command with --load_checkpoint continues" in said[0], err[-2000:]

@@ -21,7 +21,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -138,6 +140,12 @@ def address_problem(address: str, timeout_s: float = 5.0) -> str | None:
     return None
 
 
+def _stop_as_ctrl_c(signum, frame):
+    """`kill` and `ray job stop` (SIGTERM) stop the run as Ctrl-C does: the workers released, one line. Ray's own
+    handler, which ray.init installs in the driver, dumps a stack trace and aborts (exit 134)."""
+    raise KeyboardInterrupt
+
+
 class Driver:
     def __init__(self, job: Job):
         self.job, self.cuda = job, torch.cuda.is_available()
@@ -175,6 +183,8 @@ class Driver:
         check_inputs(job.cfg)
         self.reqs = requests(job.layout)
         started = connect(sum(r.nodes * r.per_node for r in self.reqs.values()))
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _stop_as_ctrl_c)
         try:
             self.gpus = ray.cluster_resources().get("GPU", 0.0) > 0
             self.say(f"placement: {describe(self.reqs, self.gpus)}")
