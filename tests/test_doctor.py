@@ -1,5 +1,6 @@
 """`alignrl doctor`: live and dead services, model folders, hostfile syntax, the rendezvous port."""
 
+import json
 import os
 import subprocess
 import sys
@@ -11,26 +12,50 @@ import yaml
 from conftest import json_reply
 
 from alignrl.dist.launch import free_port
-from alignrl.doctor import parse_hostfile
+from alignrl.doctor import check_health, parse_hostfile
+from alignrl.serve.common import SERVICE_HEADER
 
 
 class Healthy(BaseHTTPRequestHandler):
+    body: dict | None = {"status": "healthy"}  # None: an empty 200, as vLLM's /health answers
+    service: str | None = None  # the SERVICE_HEADER alignrl's services send
+
     def do_GET(self):  # noqa: N802 (http.server's naming)
-        healthy = self.path == "/health"
-        json_reply(self, {"status": "healthy"} if healthy else {}, 200 if healthy else 404)
+        if self.path != "/health":
+            json_reply(self, {}, 404)
+            return
+        self.send_response(200)
+        if self.service:
+            self.send_header(SERVICE_HEADER, self.service)
+        data = b"" if self.body is None else json.dumps(self.body).encode()
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def log_message(self, *args):
         pass
 
 
 @pytest.fixture
-def live_url():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+def health_server():
+    """Starts `/health` servers answering a given body on free loopback ports; all stopped at the end."""
+    servers = []
+
+    def start(body: dict | None = Healthy.body, service: str | None = None) -> str:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), type("Answer", (Healthy,), {"body": body, "service": service}))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def live_url(health_server):
+    return health_server()
 
 
 def doctor(*args):
@@ -83,3 +108,27 @@ def test_port_in_use_fails(tmp_path):
 def test_bad_config_is_one_line(tmp_path):
     r = doctor("trainer.no_such_key=1")
     assert r.returncode == 2 and "unknown config key" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_health_names_a_swapped_service_and_accepts_unnamed_ones(health_server):
+    ref = health_server(service="reference")  # what `alignrl serve ref` answers
+    bad = check_health("generation service", ref, 5, "services.generation_url")
+    assert not bad.ok and bad.detail == (f"{ref} is a reference service; services.generation_url wants the generation "
+                                         "service (swapped URLs?)")
+    assert check_health("reference service", ref, 5, "services.reference_url").ok
+    for body in (None, {"status": "healthy"}):  # vLLM's empty 200; a server that does not say its kind
+        assert check_health("generation service", health_server(body), 5).ok
+    assert not check_health("reward service", health_server({"status": "loading"}), 5).ok
+
+
+def test_swapped_service_urls_fail(health_server, tmp_path):
+    gen, ref = health_server(service="generation"), health_server(service="reference")
+    cfg = {"training": {"master_node": "127.0.0.1", "master_port": free_port(),
+                        "services": {"generation": {"url": ref}, "reference": {"url": gen}}}}
+    (tmp_path / "nodes.yaml").write_text(yaml.safe_dump(cfg))
+    r = doctor("--config", str(tmp_path / "nodes.yaml"), "model.path=demo")
+    assert r.returncode == 1 and "2 failed" in r.stdout, r.stdout
+    assert "is a reference service" in r.stdout and "is a generation service" in r.stdout
+    r = doctor("--config", str(tmp_path / "nodes.yaml"), "model.path=demo", f"training.services.generation.url={gen}",
+               f"training.services.reference.url={ref}")
+    assert r.returncode == 0 and "healthy generation service" in r.stdout, r.stdout

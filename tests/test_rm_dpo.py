@@ -146,6 +146,54 @@ def test_cost_model_needs_labels_and_safe_dpo_needs_scorers(tmp_path, capsys):
     assert "helpful_rm=" in err and "scripts/train_rm_distributed.sh helpful" in err and "\n" not in err
 
 
+def _scorer_folder(path: Path, info: dict | None) -> str:
+    """A folder that passes for a trained scorer up to its kind: config.json and, unless None, alignrl_score.json."""
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    if info is not None:
+        (path / rm.SCORE_INFO).write_text(json.dumps(info))
+    return str(path)
+
+
+def test_safe_dpo_refuses_swapped_scorers_before_training(tmp_path, capsys):
+    helpful = _scorer_folder(tmp_path / "helpful_rm", {"model_type": "reward", "task": "helpful"})
+    harmless = _scorer_folder(tmp_path / "harmless_rm", {"model_type": "cost", "task": "harmless"})
+    base = ["--config", str(REPO / "configs/dpo_config.yaml"), "--output_dir", str(tmp_path / "out")]
+    assert dpo_main([*base, f"helpful_rm={harmless}", f"harmless_rm={helpful}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"alignrl: error: helpful_rm={harmless} is a harmlessness cost model ({rm.SCORE_INFO} "
+                   "model_type=cost, task=harmless); helpful_rm takes a helpfulness reward model (--task helpful): "
+                   "swap helpful_rm and harmless_rm?")
+    assert not (tmp_path / "out").exists()  # refused before any model loaded or trained
+    assert dpo_main([*base, f"helpful_rm={helpful}", f"harmless_rm={helpful}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"harmless_rm={helpful} is a helpfulness reward model" in err and "\n" not in err
+
+
+def test_scorer_kind_accepts_fitting_and_foreign_scorers(tmp_path):
+    from alignrl.algos.dpo import check_scorers
+    from alignrl.config import ConfigError
+
+    foreign = _scorer_folder(tmp_path / "foreign", None)  # a scorer from elsewhere: taken on trust
+    safer = _scorer_folder(tmp_path / "safer", {"model_type": "reward", "task": "harmless"})  # DPO negates it
+    check_scorers(DPOConfig(helpful_rm=foreign, harmless_rm=safer))
+    with pytest.raises(ConfigError, match="safety.cost_model=.* is a harmlessness reward model"):
+        rm.check_scorer_kind("safety.cost_model", safer)  # the RL cost penalty would punish safe answers
+    cost = _scorer_folder(tmp_path / "cost", {"model_type": "cost"})
+    with pytest.raises(ConfigError, match="a cost model goes in safety.cost_model"):
+        rm.check_scorer_kind("algorithm.reward_model", cost)
+
+
+def test_rl_loop_refuses_a_cost_model_as_its_reward_model(tmp_path):
+    from alignrl.algos.placement import build_rewards
+    from alignrl.config import ConfigError, load_config
+
+    cost = _scorer_folder(tmp_path / "cost", {"model_type": "cost", "task": "harmless"})
+    cfg = load_config(None, [f"algorithm.reward_model={cost}"])
+    with pytest.raises(ConfigError, match=r"algorithm.reward_model=.* is a harmlessness cost model"):
+        build_rewards(cfg, None, torch.device("cpu"))
+
+
 # ---------------------------------------------------------------- seed 002's commands, two gloo ranks
 
 

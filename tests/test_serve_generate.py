@@ -40,6 +40,7 @@ def _model_name(oa):
 def test_health_is_exactly_the_seed_body(gen):
     r = httpx.get(gen.url + "/health")
     assert r.status_code == 200 and r.json() == {"status": "healthy"}
+    assert r.headers["X-Alignrl-Service"] == "generation"  # `alignrl doctor` tells swapped URLs apart by it
 
 
 def test_completions_n_logprobs_usage(oa, tiny_model):

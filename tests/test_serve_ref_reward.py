@@ -63,8 +63,9 @@ def rollout(tiny_model):
 
 
 def test_health(ref, reward):
-    for s in (ref, reward):
-        assert httpx.get(s.url + "/health").json() == {"status": "healthy"}
+    for s, kind in ((ref, "reference"), (reward, "reward")):
+        r = httpx.get(s.url + "/health")
+        assert r.json() == {"status": "healthy"} and r.headers["X-Alignrl-Service"] == kind
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -1,6 +1,8 @@
 """`alignrl doctor [--config FILE]`: checks a run's surroundings before a long job starts.
 
-For each configured service, `/health` must answer `{"status": "healthy"}`; model folders must exist;
+For each configured service, `/health` must answer `{"status": "healthy"}` (or an empty 200, as vLLM does), as
+the configured kind when it names one (alignrl's services send `X-Alignrl-Service: generation`, ...); model folders
+must exist;
 the hostfile must parse (`host slots=N`, `#` comments) and each of its hosts must resolve (a host other
 than this one is noted as reached over ssh, as DeepSpeed's launcher does); the rendezvous port must be free on this host
 (or reachable on another); data files must exist. Prints a table and exits 1 on any failure (2 when the
@@ -29,7 +31,8 @@ class Check:
     detail: str
 
 
-def check_health(name: str, url: str, timeout: float) -> Check:
+def check_health(name: str, url: str, timeout: float, key: str = "") -> Check:
+    """`/health` of the service configured at `key` as `name` ("generation service", ...)."""
     import httpx
 
     try:
@@ -38,13 +41,27 @@ def check_health(name: str, url: str, timeout: float) -> Check:
         return Check(name, url, False, f"not reachable ({type(e).__name__}); is the service running on that host/port?")
     if r.status_code != 200:
         return Check(name, url, False, f"/health answered HTTP {r.status_code}")
+    if not r.text.strip():  # vLLM's own server: healthy, its kind unsaid
+        return Check(name, url, True, "healthy (empty 200, as vLLM answers)")
     try:
         body = r.json()
     except ValueError:
         body = None
-    if body != {"status": "healthy"}:
+    if not isinstance(body, dict) or body.get("status") != "healthy":
         return Check(name, url, False, f"/health answered {r.text[:80]!r}, expected {{\"status\": \"healthy\"}}")
-    return Check(name, url, True, "healthy")
+    from alignrl.serve.common import SERVICE_HEADER
+
+    return service_kind(name, url, r.headers.get(SERVICE_HEADER), key)
+
+
+def service_kind(name: str, url: str, service: object, key: str) -> Check:
+    """Fails a healthy service that says it is another kind than `name` wants: swapped URLs pass /health and
+    fail only at the first training request (a 404 on the reference's /v1/logprobs)."""
+    wanted = name.split()[0]
+    if service is None or service == wanted:
+        return Check(name, url, True, "healthy" if service is None else f"healthy {wanted} service")
+    return Check(name, url, False, f"{url} is a {service} service; {key or name} wants the {wanted} service "
+                 "(swapped URLs?)")
 
 
 def check_model(name: str, path: str) -> Check:
@@ -153,10 +170,10 @@ def check_port(host: str, port: int, timeout: float) -> Check:
 def run_checks(cfg: RunConfig, timeout: float) -> list[Check]:
     out: list[Check] = []
     s = cfg.services
-    for name, url in (("generation service", s.generation_url), ("reference service", s.reference_url),
-                      ("reward service", s.reward_url)):
+    for kind in ("generation", "reference", "reward"):
+        url = getattr(s, f"{kind}_url")
         if url:
-            out.append(check_health(name, url, timeout))
+            out.append(check_health(f"{kind} service", url, timeout, f"services.{kind}_url"))
     out.append(check_model("policy model", cfg.model.path))
     for name, path in (("critic model", cfg.critic.model_path), ("cost model", cfg.safety.cost_model),
                        ("reward model", cfg.algorithm.reward_model)):

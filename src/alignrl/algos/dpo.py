@@ -27,7 +27,6 @@ length-normalised losses.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import torch
 
 from alignrl.algos import preference_common as pc
 from alignrl.algos.preference_cli import DPOConfig
-from alignrl.algos.rm import SCORE_INFO
+from alignrl.algos.rm import check_scorer_kind, score_info
 from alignrl.config import ConfigError
 from alignrl.core.preference import DPO_LOSSES, reward_accuracy
 from alignrl.data.preference import encode_pairs, load_pairs, truncation_note
@@ -48,6 +47,7 @@ def check_scorers(cfg: DPOConfig) -> None:
         if not (Path(path) / "config.json").is_file():
             raise ConfigError(f"{key}={path}: no trained model there; run `bash scripts/train_rm_distributed.sh "
                               f"{task} <NGPU>` first (or point {key} at a reward-model folder)")
+        check_scorer_kind(key, path)
 
 
 def _load(files: list[str], cfg: DPOConfig, limit: int) -> tuple[list, list[int]]:
@@ -87,9 +87,7 @@ def _scorer_table(cfg, enc, pairs, pad, env, log) -> torch.Tensor:
     cols = []
     for key in ("helpful_rm", "harmless_rm"):
         path = getattr(cfg, key)
-        info_file = Path(path) / SCORE_INFO
-        info = json.loads(info_file.read_text()) if info_file.is_file() else {}
-        sign = -1.0 if key == "harmless_rm" and info.get("model_type") == "reward" else 1.0
+        sign = -1.0 if key == "harmless_rm" and score_info(path).get("model_type") == "reward" else 1.0
         scorer = ModelScorer(path, "bfloat16" if pc.use_bf16(cfg) else "float32", log=log.print)
         scorer.model.to(env.device)
 

@@ -21,6 +21,7 @@ Left out: reward-model ensembles, centring/normalising scores after training.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -28,11 +29,46 @@ import torch
 
 from alignrl.algos import preference_common as pc
 from alignrl.algos.preference_cli import RMConfig
+from alignrl.config import ConfigError
 from alignrl.core.preference import bradley_terry_loss, reward_accuracy, safe_rlhf_cost_loss
 from alignrl.data.collate import position_ids
 from alignrl.data.preference import encode_pairs, load_pairs, require_safety_labels, truncation_note
 
 SCORE_INFO = "alignrl_score.json"
+# What each scorer key takes, as the (model_type, task) pairs of SCORE_INFO that fit it (task None: any), what
+# to call it and a likely fix. A harmlessness reward model (higher = safer) fits harmless_rm: DPO negates it.
+SCORER_KINDS = {
+    "helpful_rm": ({("reward", "helpful")}, "a helpfulness reward model (--task helpful)",
+                   "swap helpful_rm and harmless_rm?"),
+    "harmless_rm": ({("cost", None), ("reward", "harmless")}, "a harmlessness cost model (--task harmless)",
+                    "swap helpful_rm and harmless_rm?"),
+    "algorithm.reward_model": ({("reward", None)}, "a reward model", "a cost model goes in safety.cost_model"),
+    "safety.cost_model": ({("cost", None)}, "a cost model (alignrl train rm --task harmless)",
+                          "a reward model goes in algorithm.reward_model"),
+}
+
+
+def score_info(folder: str | Path) -> dict:
+    """The folder's SCORE_INFO (what `train rm` says its score means); {} for a scorer from elsewhere."""
+    f = Path(folder) / SCORE_INFO
+    try:
+        info = json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{f} is unreadable ({type(e).__name__}); retrain the scorer or delete that file") from None
+    return info if isinstance(info, dict) else {}
+
+
+def check_scorer_kind(key: str, folder: str | Path) -> None:
+    """Refuses a scorer of the wrong kind for `key` (a cost model as the reward, ...): its scores would train
+    the policy the wrong way with nothing failing. A folder without SCORE_INFO is taken on trust."""
+    info = score_info(folder)
+    kind, task = info.get("model_type"), info.get("task")
+    fits, wanted, hint = SCORER_KINDS[key]
+    if kind is None or any(kind == k and (t is None or task in (None, t)) for k, t in fits):
+        return
+    what = {"helpful": "helpfulness ", "harmless": "harmlessness "}.get(task, "")
+    raise ConfigError(f"{key}={folder} is a {what}{kind} model ({SCORE_INFO} model_type={kind}"
+                      f"{f', task={task}' if task else ''}); {key} takes {wanted}: {hint}")
 
 
 class LastTokenScorer(torch.nn.Module):

@@ -18,13 +18,16 @@ import os
 import socket
 import sys
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 API_KEY_ENV = "ALIGNRL_API_KEY"
 HEALTHY = {"status": "healthy"}  # the exact body the seed's `curl .../health` check expects
+# /health's header naming the service (generation, reference, reward, retrieval): `alignrl doctor` tells swapped
+# service URLs apart by it, where the body stays the seed's
+SERVICE_HEADER = "X-Alignrl-Service"
 MB = 1 << 20
 
 
@@ -217,14 +220,15 @@ def token_problem(authorization: str, key: str) -> str | None:
             "server was started with)")
 
 
-def new_app(title: str, max_body: int, per_path_body: dict[str, int] | None = None,
+def new_app(title: str, service: str, max_body: int, per_path_body: dict[str, int] | None = None,
             token_paths: frozenset[str] = frozenset()) -> FastAPI:
     app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, default_bytes=max_body, per_path=per_path_body or {}, token_paths=token_paths)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health(response: Response) -> dict:
+        response.headers[SERVICE_HEADER] = service
         return HEALTHY
 
     return app

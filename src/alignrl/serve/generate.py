@@ -215,7 +215,7 @@ def build_app(svc: GenerationService, max_body: int):
     # Room for every parameter at 8 bytes (float64 at most) plus header: a wrong dtype then gets its
     # own clear message from the validator instead of a bare 413.
     weights_body = sum(8 * prod(s.shape) + 256 for s in svc.manifest.values()) + (16 << 20)
-    app = new_app("alignrl generation", max_body, {"/v1/update_weights": weights_body},
+    app = new_app("alignrl generation", "generation", max_body, {"/v1/update_weights": weights_body},
                   token_paths=frozenset({"/v1/update_weights"}))
 
     oa.add_routes(app, svc)

@@ -84,7 +84,7 @@ class RefService:
 
 
 def build_app(svc: RefService, max_body: int):
-    app = new_app("alignrl reference log-probs", max_body)
+    app = new_app("alignrl reference log-probs", "reference", max_body)
 
     @app.post("/v1/logprobs")
     async def logprobs(req: LogprobsRequest) -> dict:

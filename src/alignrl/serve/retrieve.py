@@ -22,11 +22,11 @@ import sys
 from dataclasses import asdict, dataclass
 
 # Module level, not inside create_app: FastAPI resolves the (string) annotation `Request` by name.
-from fastapi import Request
+from fastapi import Request, Response
 
 from alignrl.retrieval.corpus import SHIPPED_CORPUS, Hit, RetrievalError, Retriever
 from alignrl.retrieval.index import DENSE, canonical_name, default_index_root, open_retriever
-from alignrl.serve.common import PortError, address, bind, fail, is_loopback, serve
+from alignrl.serve.common import SERVICE_HEADER, PortError, address, bind, fail, is_loopback, serve
 
 PROG = "alignrl serve retrieve"
 
@@ -155,7 +155,8 @@ def create_app(retriever: Retriever, default_topk: int = 3, limits: Limits = Lim
             return JSONResponse(await run_in_threadpool(search, req))
 
     @app.get("/health")
-    async def health():
+    async def health(response: Response):
+        response.headers[SERVICE_HEADER] = "retrieval"
         return {"status": "healthy", **asdict(limits)}
 
     return app

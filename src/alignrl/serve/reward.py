@@ -79,7 +79,7 @@ class RewardService:
 
 
 def build_app(svc: RewardService, max_body: int):
-    app = new_app("alignrl reward model", max_body)
+    app = new_app("alignrl reward model", "reward", max_body)
 
     @app.post("/v1/score")
     async def score(req: ScoreRequest) -> dict:
