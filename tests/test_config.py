@@ -102,6 +102,8 @@ def test_one_value_given_to_a_list_key_is_a_list_of_one():
     (["services.generation_url=127.0.0.1:8110"], "services.generation_url='127.0.0.1:8110' (the seed layout's "
                                                    "training.services.generation.url) is not an http(s) URL"),
     (["services.reference_url=http://"], "services.reference_url='http://' (the seed layout's"),
+    (["training.master_prot=29600"], "unknown key 'training.master_prot' in the nodes.yaml layout; known: "),
+    (["training.services.generaton.url=http://x:1"], "unknown key 'training.services.generaton.url' in the nodes"),
     (["algorithm.overlong_penalty_factor=-1"], "algorithm.overlong_penalty_factor=-1.0 is out of range"),
     (["algorithm.adv_estimator=gae"], "needs a critic"),
     (["critic.enable=true"], "only used by algorithm.adv_estimator=gae"),

@@ -87,6 +87,10 @@ SEED_KEYS = {"training.master_node": "trainer.master_addr", "training.master_por
 SEED_INFORMATIONAL = {"models.base_path", "models.train.name"}  # accepted, not used
 
 
+def unknown_seed_key(key: str) -> str:
+    return f"unknown key '{key}' in the nodes.yaml layout; known: {', '.join(sorted(SEED_KEYS))}"
+
+
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -107,8 +111,7 @@ def from_seed_layout(raw: Any, path: Path) -> Any:
         if key in SEED_INFORMATIONAL:
             continue
         if key not in SEED_KEYS:
-            raise LayoutError(f"{path}: unknown key '{key}' in the nodes.yaml layout; known: "
-                              f"{', '.join(sorted(SEED_KEYS))}")
+            raise LayoutError(f"{path}: {unknown_seed_key(key)}")
         section, name = SEED_KEYS[key].split(".")
         raw.setdefault(section, {})[name] = value
     if "models" in seed and "output" in seed["models"]:

@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from alignrl.config.checks import data_files
-from alignrl.config.layout import SEED_INFORMATIONAL, SEED_KEYS
+from alignrl.config.layout import SEED_INFORMATIONAL, SEED_KEYS, unknown_seed_key
 from alignrl.config.schema import ConfigError, RunConfig
 
 A = "actor_rollout_ref.actor."
@@ -265,6 +265,8 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
             output_is_run_dir = output_is_run_dir or key == "models.output.path"
         elif key in SEED_INFORMATIONAL:
             pass
+        elif key.startswith(("training.", "models.")):  # a mistyped seed key: not "unknown config key 'training'"
+            raise ConfigError(unknown_seed_key(key))
         elif key in ("custom_reward_function.path", "custom_reward_function.name"):
             verl = True
             custom[key.rsplit(".", 1)[1]] = value
