@@ -218,3 +218,16 @@ def test_a_bf16_model_trains_through_fp32_master_weights():
     fresh, _ = run(torch.bfloat16, steps=0)
     fresh.master.load_state_dict(state)
     assert torch.equal(fresh.master.shadow.weight, master) and torch.equal(fresh.model.weight, engine.model.weight)
+
+
+def test_the_logged_learning_rate_is_the_one_each_step_took():
+    """Warm-up shows in the logs: lr() is the rate of the latest step, not the scheduler's next one (which hid a
+    2-step warm-up: 1e-3 logged from the first step on)."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    engine = build_engine("single", model, OptimSpec(lr=1e-3, warmup_steps=2, total_steps=4), SINGLE)
+    seen = []
+    for _ in range(3):
+        engine.backward(model(torch.ones(1, 2)).sum(), True)
+        engine.step()
+        seen.append(engine.lr())
+    assert seen == pytest.approx([5e-4, 1e-3, 1e-3])

@@ -185,8 +185,10 @@ class LocalOptimizerEngine:
         self.optimizer, self.scheduler = spec.build(self.params)
         self.zero = LazyZeroGrad(self.optimizer)
         self.skipped_steps = 0
+        self.applied_lr: float | None = None
 
     def step(self, skip: bool = False) -> float:
+        self.applied_lr = self.scheduler.get_last_lr()[0]  # the scheduler moves on to the next step's in this one
         if self.zero.pending:  # no backward since the last step: no gradient (the kept ones are that step's)
             self.optimizer.zero_grad(set_to_none=True)
         norm, stepped = clip_and_step(self.params, self.optimizer, self.scheduler, self.spec.grad_clip, skip)
@@ -197,7 +199,8 @@ class LocalOptimizerEngine:
         return norm
 
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        """The learning rate of the latest step (warm-up shows), the first step's before any."""
+        return self.scheduler.get_last_lr()[0] if self.applied_lr is None else self.applied_lr
 
     def weight_dtypes(self) -> dict[str, torch.dtype]:
         return state_dtypes(self.model)

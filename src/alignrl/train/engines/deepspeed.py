@@ -133,6 +133,7 @@ class DeepSpeedEngine:
         self.module, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         self.model = self.module.module
+        self.applied_lr: float | None = None
 
     def micro_batch(self, last_micro: bool) -> AbstractContextManager:
         return nullcontext()  # the boundary is set in backward
@@ -151,6 +152,7 @@ class DeepSpeedEngine:
         check, so there the gradients, whole in `.grad` after the boundary backward, are checked here.
         Under ZeRO a non-finite loss whose gradients are finite (`skip`) is not skipped: the reduced
         gradients sit in DeepSpeed's partitions, out of reach; a NaN loss almost always has NaN gradients."""
+        self.applied_lr = self.scheduler.get_last_lr()[0]  # the scheduler moves on to the next step's in this one
         self.module.set_gradient_accumulation_boundary(True)
         if not hasattr(self.module.optimizer, "overflow"):
             norms = [torch.linalg.vector_norm(p.grad) for p in self.model.parameters() if p.grad is not None]
@@ -166,7 +168,8 @@ class DeepSpeedEngine:
         return float(norm) if norm is not None else float("nan")
 
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        """The learning rate of the latest step (warm-up shows), the first step's before any."""
+        return self.scheduler.get_last_lr()[0] if self.applied_lr is None else self.applied_lr
 
     def weight_dtypes(self) -> dict[str, torch.dtype]:
         return state_dtypes(self.model)
