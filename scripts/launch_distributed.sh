@@ -93,5 +93,10 @@ DS_ARGS=(--hostfile "$HOSTFILE_ABS" --master_addr "$MASTER" --master_port "$PORT
 if [[ "$NNODES" == 1 ]]; then DS_ARGS+=(--no_ssh_check); else DS_ARGS+=(--launcher "${DS_LAUNCHER:-pdsh}"); fi
 # DeepSpeed's runner only waits for its launcher, which stops the ranks on Ctrl-C (rank 0 says so in one line); with
 # SIGINT left on, the runner would add a KeyboardInterrupt traceback. The launcher sets its own handler.
+# Ctrl-C: the ranks say so in one line; DeepSpeed's launcher then exits 1, this script 130 as the other launchers do
+trap 'INTERRUPTED=1' INT
+rc=0
 (trap '' INT; exec env DS_ENV_FILE="$ENVFILE" "$PY" -m deepspeed.launcher.runner "${DS_ARGS[@]}" src/train_grpo.py \
-  --config "$CONFIG" "$@")
+  --config "$CONFIG" "$@") || rc=$?
+[[ -n "${INTERRUPTED:-}" ]] && exit 130
+exit "$rc"

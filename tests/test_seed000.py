@@ -238,6 +238,34 @@ def test_ranks_stop_when_deepspeeds_runner_or_launcher_is_killed(model_services,
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_ctrl_c_of_launch_distributed_is_one_line_and_exit_130(model_services, tiny_model_dir, tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the whole foreground group): rank 0's one line, exit 130 as the other launchers
+    (DeepSpeed's own launcher exits 1), and no rank left."""
+    path = nodes_yaml(tmp_path, tiny_model_dir, model_services, "gpu007 slots=2\n", total_training_steps=500)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60", "DS_ACCELERATOR": "cpu",
+           "TOKENIZERS_PARALLELISM": "false", "ALIGNRL": str(BIN / "alignrl"), "CONFIG": str(path)}
+    with open(tmp_path / "run.log", "w") as out:
+        proc = subprocess.Popen(["./scripts/launch_distributed.sh"], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 150
+        while len(trainer_ranks(str(path))) < 2 or not (tmp_path / "output" / "logs" / "metrics.jsonl").exists():
+            assert time.time() < deadline and proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130, (tmp_path / "run.log").read_text()[-3000:]
+        log = (tmp_path / "run.log").read_text()
+        assert log.count("interrupted; run the same command again") == 1 and "Traceback" not in log, log[-3000:]
+        assert not trainer_ranks(str(path))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_launch_training_runs_torchrun_over_this_hosts_slots(model_services, tiny_model_dir, tmp_path):
     path = nodes_yaml(tmp_path, tiny_model_dir, model_services, "localhost slots=2\n")
     rc, out, seen = run(["./scripts/launch_training.sh"], {"CONFIG": str(path), "STANDIN_LOG": str(tmp_path / "x")},
