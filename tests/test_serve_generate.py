@@ -353,6 +353,8 @@ def test_seed_launchers_serve_the_seed_endpoints(tiny_model_dir):
         lp = httpx.post(procs[1].url + "/v1/logprobs", json={"prompts": [[3, 4, 5]], "responses": [out["token_ids"]]})
         # the reference model scores greedy tokens exactly as the generator sampled them (same weights)
         assert lp.json()["logprobs"][0] == pytest.approx(out["logprobs"], abs=1e-4)
+        procs[1].log.seek(0)  # the seed's --tensor_parallel_size 8 is named as not used, not dropped silently
+        assert "--tensor_parallel_size 8 not used" in procs[1].log.read().decode(errors="replace")
     finally:
         for p in procs:
             p.stop()

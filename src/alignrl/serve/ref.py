@@ -121,4 +121,7 @@ def main(argv: list[str]) -> int:
     problem = check_args(args)
     if problem:
         return fail(PROG, problem)
+    if args.tensor_parallel_size > 1:  # the seed's launcher passes 8: say what it does here, once
+        print(f"{PROG}: --tensor_parallel_size {args.tensor_parallel_size} not used: this server runs the model on "
+              "one device (the reference is a forward pass; run more servers to spread the load)", file=sys.stderr)
     return start("ref", args, load_service, build_app)
