@@ -231,3 +231,18 @@ def test_the_logged_learning_rate_is_the_one_each_step_took():
         engine.step()
         seen.append(engine.lr())
     assert seen == pytest.approx([5e-4, 1e-3, 1e-3])
+
+
+def test_the_ray_engines_shares_merge_into_the_whole_batchs_metrics():
+    """Ray's rollout engines each make a share: the merged metrics are the whole batch's (they were the shares'
+    unweighted means: a fractional response/length_max, the mean of the shares' reward spreads)."""
+    from alignrl.algos.producer import merged_metrics
+
+    a, b = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 1.0])
+    parts = [({"reward/mean": float(a.mean()), "reward/std": float(a.std()), "response/length_max": 5.0,
+               "response/length_mean": 3.0}, 6),
+             ({"reward/mean": float(b.mean()), "reward/std": float(b.std()), "response/length_max": 9.0,
+               "response/length_mean": 8.0}, 4)]
+    whole = torch.cat([a, b])
+    assert merged_metrics(parts) == pytest.approx({"reward/mean": float(whole.mean()), "reward/std": float(whole.std()),
+                                                   "response/length_max": 9.0, "response/length_mean": 5.0})

@@ -178,15 +178,35 @@ def first_draw_metrics(ro: Rollout, scores: Scores) -> dict[str, float]:
     }
 
 
+def moments(mean: float, std: float, n: int) -> list[float]:
+    """n, Σx and Σx² of `n` values with this mean and sample standard deviation: what adds up over parts."""
+    return [float(n), n * mean, (n - 1) * std * std + n * mean * mean]
+
+
+def from_moments(n: float, total: float, squares: float) -> tuple[float, float]:
+    """The mean and sample standard deviation of values whose count, sum and sum of squares these are."""
+    mean = total / n if n else 0.0
+    return mean, (math.sqrt(max(squares - n * mean * mean, 0.0) / (n - 1)) if n > 1 else 0.0)
+
+
 def pooled_std(env: DistEnv, mean: float, std: float, n: int) -> float:
     """The sample standard deviation of all ranks' values together, from each rank's mean and sample standard
-    deviation of its `n` values (every rank holds as many)."""
-    total = n * env.world_size
-    if total < 2:
-        return 0.0
-    means, squares = all_reduce_sum(env, [mean, mean * mean + std * std * (n - 1) / n])  # sums of E[x] and E[x²]
-    m, ex2 = means / env.world_size, squares / env.world_size
-    return math.sqrt(max(ex2 - m * m, 0.0) * total / (total - 1))
+    deviation of its `n` values."""
+    return from_moments(*all_reduce_sum(env, moments(mean, std, n)))[1]
+
+
+def merged_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """The metrics of batches made apart (the Ray engines' shares, of `n` sequences each) as those of one batch:
+    a `*_max` the largest, a `*_min` the smallest, reward/std pooled, the others the mean weighted by size."""
+    n = sum(size for _, size in parts) or 1
+    out = {k: sum(m.get(k, 0.0) * size for m, size in parts) / n for k in parts[0][0]}
+    for k in out:
+        if k.endswith(("_max", "_min")):
+            out[k] = (max if k.endswith("_max") else min)(m[k] for m, _ in parts if k in m)
+    if all("reward/std" in m and "reward/mean" in m for m, _ in parts):
+        sums = [sum(x) for x in zip(*(moments(m["reward/mean"], m["reward/std"], size) for m, size in parts))]
+        out["reward/mean"], out["reward/std"] = from_moments(*sums)
+    return out
 
 
 def _n_groups(ro: Rollout) -> int:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from alignrl.algos.placement import build_critics
-from alignrl.algos.producer import InlineSource
+from alignrl.algos.producer import InlineSource, merged_metrics
 from alignrl.algos.rollout_ops import concat_rollouts, shard_groups
 from alignrl.data.records import Rollout, ScoredBatch
 from alignrl.data.sampler import BatchSampler
@@ -95,9 +95,9 @@ def merge(batches: list[ScoredBatch], pad_id: int) -> ScoredBatch:
         ref = None if out.ref_logprobs is None else cat(out.ref_logprobs, b.ref_logprobs, 0.0)
         out = ScoredBatch(ro, out.scores.cat(b.scores), cat(out.loss_mask, b.loss_mask, False), ref,
                           torch.cat([out.prompt_index, b.prompt_index]), min(out.version, b.version),
-                          "ray", {k: v + b.metrics.get(k, 0.0) for k, v in out.metrics.items()})
+                          "ray", out.metrics)
     if len(batches) > 1:
-        out.metrics = {k: v / len(batches) for k, v in out.metrics.items()}
+        out.metrics = merged_metrics([(b.metrics, len(b.rollout.group)) for b in batches])
     return out
 
 
