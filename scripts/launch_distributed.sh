@@ -98,5 +98,5 @@ trap 'INTERRUPTED=1' INT
 rc=0
 (trap '' INT; exec env DS_ENV_FILE="$ENVFILE" "$PY" -m deepspeed.launcher.runner "${DS_ARGS[@]}" src/train_grpo.py \
   --config "$CONFIG" "$@") || rc=$?
-[[ -n "${INTERRUPTED:-}" ]] && exit 130
+[[ -n "${INTERRUPTED:-}" && "$rc" != 0 ]] && exit 130   # a SIGINT the run outlived changes nothing
 exit "$rc"

@@ -192,6 +192,11 @@ def test_rl_loop_refuses_a_cost_model_as_its_reward_model(tmp_path):
     cfg = load_config(None, [f"algorithm.reward_model={cost}"])
     with pytest.raises(ConfigError, match=r"algorithm.reward_model=.* is a harmlessness cost model"):
         build_rewards(cfg, None, torch.device("cpu"))
+    # the command line refuses it before the policy loads, in one line
+    from alignrl.cli import preflight
+
+    with pytest.raises(ConfigError, match=r"algorithm.reward_model=.* is a harmlessness cost model"):
+        preflight(cfg, 1)
 
 
 # ---------------------------------------------------------------- seed 002's commands, two gloo ranks

@@ -244,9 +244,10 @@ def test_ctrl_c_of_launch_distributed_is_one_line_and_exit_130(model_services, t
     path = nodes_yaml(tmp_path, tiny_model_dir, model_services, "gpu007 slots=2\n", total_training_steps=500)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60", "DS_ACCELERATOR": "cpu",
            "TOKENIZERS_PARALLELISM": "false", "ALIGNRL": str(BIN / "alignrl"), "CONFIG": str(path)}
-    with open(tmp_path / "run.log", "w") as out:
+    with open(tmp_path / "run.log", "w") as out:  # SIGINT as in a terminal, even in a test run started with `&`
         proc = subprocess.Popen(["./scripts/launch_distributed.sh"], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 150
         while len(trainer_ranks(str(path))) < 2 or not (tmp_path / "output" / "logs" / "metrics.jsonl").exists():

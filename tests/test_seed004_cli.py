@@ -26,6 +26,12 @@ def script(name: str, *args, cwd, timeout: float = 120) -> subprocess.CompletedP
     return run_group([sys.executable, str(ROOT / name), *map(str, args)], timeout, cwd=cwd, env=env)
 
 
+def ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT as a terminal's foreground process has it: a test run started in the background (bash `&`) ignores it,
+    and so would the processes it starts (Python installs no KeyboardInterrupt handler for an ignored SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def one_line(text: str) -> str:
     lines = text.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
@@ -301,7 +307,8 @@ def test_ctrl_c_of_a_sampler_is_one_line_unless_a_launcher_speaks_for_it(tiny_mo
     data, sync = free_ports(2)  # no trainer: the sampler waits for one
     with subprocess.Popen([sys.executable, str(ROOT / "sampling_worker.py"), "--model-path", str(tiny_model_dir),
                            "--data-port", str(data), "--sync-port", str(sync)], cwd=tmp_path, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as p:
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          preexec_fn=ctrl_c_as_in_a_terminal) as p:
         try:
             for line in p.stdout:
                 if "waiting for a trainer" in line:

@@ -189,6 +189,7 @@ def test_a_trainer_killed_alone_leaves_no_segment_and_no_warning():
     assert "leaked" not in err and "Warning" not in err, err  # the tracker removed it, quietly
 
 
+@pytest.mark.serial  # another worker's trainer would sweep the orphan before this test looks at it
 def test_segments_of_a_killed_process_group_are_swept_by_the_next_trainer():
     """A kill -9 of the whole group takes the resource tracker too: the next trainer's publisher removes them, and
     leaves alone the segments of processes that still run (this one's)."""
@@ -205,3 +206,19 @@ def test_segments_of_a_killed_process_group_are_swept_by_the_next_trainer():
     finally:
         mine.close()
         mine.unlink()
+
+
+def test_a_name_that_is_no_pid_of_ours_is_left_alone():
+    """/dev/shm is anyone's: a file named like ours with a "pid" beyond any pid (os.kill would overflow) is neither
+    judged nor removed, and the sweep goes on."""
+    from alignrl.dist import shm_segments
+
+    ns = shm_segments._namespace()
+    stray = shm_segments.SHM_DIR / f"{shm_segments.PREFIX}{ns}_99999999999999999999_x"
+    stray.write_bytes(b"")
+    try:
+        assert stray.name not in shm_segments.orphans()
+        shm_segments.sweep()
+        assert stray.exists()
+    finally:
+        stray.unlink()

@@ -108,6 +108,10 @@ def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
         from alignrl.rewards.registry import load_reward_fn
 
         load_reward_fn(cfg.algorithm.reward_fn)
+    if cfg.algorithm.reward_model or cfg.safety.cost_model:  # before the policy loads (rm imports torch: last)
+        from alignrl.algos.rm import check_rl_scorers
+
+        check_rl_scorers(cfg)
 
 
 def _port_given(args: argparse.Namespace, cfg: RunConfig | None) -> int | None:

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from alignrl.algos.producer import LocalRefScorer, RolloutMaker
-from alignrl.algos.rm import check_scorer_kind
+from alignrl.algos.rm import check_rl_scorers
 from alignrl.algos.scoring import RewardStage
 from alignrl.algos.sinks import EngineCopy, Fanout, SharedModule
 from alignrl.algos.trainer import CriticParts, PolicyTrainer, needs_reference
@@ -109,9 +109,7 @@ def build_ref(cfg: RunConfig, device: torch.device, base=None) -> RefScorer | No
 
 def build_rewards(cfg: RunConfig, tokenizer, device: torch.device) -> RewardStage:
     a, s = cfg.algorithm, cfg.safety
-    for key, folder in (("algorithm.reward_model", a.reward_model), ("safety.cost_model", s.cost_model)):
-        if folder and not (key == "algorithm.reward_model" and cfg.services.reward_url):
-            check_scorer_kind(key, folder)  # before any model loads: a swapped pair trains with no error
+    check_rl_scorers(cfg)  # before they load: a swapped pair trains with no error (the CLI checked before the policy)
     reward_model = (RemoteReward(cfg.services.reward_url, **service_args(cfg)) if cfg.services.reward_url else
                     ModelScorer(a.reward_model, cfg.model.dtype, log=console.print, device=device)
                     if a.reward_model else None)

@@ -71,6 +71,14 @@ def check_scorer_kind(key: str, folder: str | Path) -> None:
                       f"{f', task={task}' if task else ''}); {key} takes {wanted}: {hint}")
 
 
+def check_rl_scorers(cfg) -> None:
+    """The RL loop's reward and cost model folders (a RunConfig's), each of its kind."""
+    a, s = cfg.algorithm, cfg.safety
+    for key, folder in (("algorithm.reward_model", a.reward_model), ("safety.cost_model", s.cost_model)):
+        if folder and not (key == "algorithm.reward_model" and cfg.services.reward_url):
+            check_scorer_kind(key, folder)
+
+
 class LastTokenScorer(torch.nn.Module):
     """A sequence-classification model read at each row's last real token (left/right padding
     aware), with a gradient; what the engines train. The HF model stays at `.inner` for saving."""

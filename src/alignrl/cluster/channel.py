@@ -82,8 +82,9 @@ def _died(ref) -> bool:
         return False
 
 
-def merge(batches: list[ScoredBatch], pad_id: int) -> ScoredBatch:
-    """The engines' shares as one global batch, in share order (groups renumbered, widths padded)."""
+def merge(batches: list[ScoredBatch], pad_id: int, drawn: list[int]) -> ScoredBatch:
+    """The engines' shares as one global batch, in share order (groups renumbered, widths padded); `drawn`: the
+    sequences each share's metrics describe."""
     out = batches[0]
     for b in batches[1:]:
         ro = concat_rollouts(out.rollout, b.rollout, pad_id)
@@ -97,7 +98,7 @@ def merge(batches: list[ScoredBatch], pad_id: int) -> ScoredBatch:
                           torch.cat([out.prompt_index, b.prompt_index]), min(out.version, b.version),
                           "ray", out.metrics)
     if len(batches) > 1:
-        out.metrics = merged_metrics([(b.metrics, len(b.rollout.group)) for b in batches])
+        out.metrics = merged_metrics(list(zip((b.metrics for b in batches), drawn)))
     return out
 
 
@@ -204,7 +205,9 @@ class RaySource(InlineSource):
                   for i in range(len(engines))]
         refs = [e.handle.batch.remote(step, s, self.trainer.version, i) for i, (e, s) in enumerate(zip(engines, shares))]
         say = (lambda line: print(f"step {step}: {line}", flush=True)) if self.env.rank == 0 else (lambda line: None)
-        batch = merge(patient_get(refs, engines, self.p.timeout_s, say), self.pad_id)
+        # each share's metrics describe its first draw (before dynamic sampling keeps some groups): weighed by it
+        drawn = [len(s) * self.trainer.cfg.rollout.n for s in shares]
+        batch = merge(patient_get(refs, engines, self.p.timeout_s, say), self.pad_id, drawn)
         batch.metrics["ray/publish_s"] = self.p.sink_.publish_s
         return shard_groups(batch, self.env.rank, self.env.world_size)
 

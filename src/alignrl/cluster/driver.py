@@ -123,7 +123,7 @@ def connect(units_needed: int) -> bool:
 def address_problem(address: str, timeout_s: float = 5.0) -> str | None:
     """Why RAY_ADDRESS cannot be joined, in one line, or None: ray.init would otherwise wait on a dead address for
     minutes, printing only its GCS client's retries, and answers a dashboard URL with a traceback."""
-    if address == "auto":
+    if address in ("auto", "local"):
         return None
     if address.startswith(("http://", "https://")):
         return (f"RAY_ADDRESS={address} is the dashboard's (job submission) address: give the cluster's GCS "
@@ -142,7 +142,9 @@ def address_problem(address: str, timeout_s: float = 5.0) -> str | None:
 
 def _stop_as_ctrl_c(signum, frame):
     """`kill` and `ray job stop` (SIGTERM) stop the run as Ctrl-C does: the workers released, one line. Ray's own
-    handler, which ray.init installs in the driver, dumps a stack trace and aborts (exit 134)."""
+    handler, which ray.init installs in the driver, dumps a stack trace and aborts (exit 134). A second SIGTERM (a
+    repeated kill) is ignored: it would cut the release of the workers short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -183,8 +185,8 @@ class Driver:
         check_inputs(job.cfg)
         self.reqs = requests(job.layout)
         started = connect(sum(r.nodes * r.per_node for r in self.reqs.values()))
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _stop_as_ctrl_c)
+        main = threading.current_thread() is threading.main_thread()  # signal handlers are set there only
+        old = signal.signal(signal.SIGTERM, _stop_as_ctrl_c) if main else None
         try:
             self.gpus = ray.cluster_resources().get("GPU", 0.0) > 0
             self.say(f"placement: {describe(self.reqs, self.gpus)}")
@@ -194,6 +196,8 @@ class Driver:
             return self.train()
         finally:
             self.shutdown(started)
+            if main:  # None: Ray's handler, set from C, which cannot be put back
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
 
     def train(self) -> int:
         job, lay = self.job, self.job.layout

@@ -72,18 +72,23 @@ def rank_dies_with_agent() -> None:
     parent = int(recorded) if recorded and recorded.isdigit() else None
     if die_with_parent(parent) and parent is None and os.getppid() == 1:
         os.kill(os.getpid(), DEATH_SIGNAL)
+    top = _proc(deepspeed[-1][0]) if deepspeed else None
+    if top is not None and top[0] == 1 and "deepspeed.launcher.launch" in top[2]:  # its runner died as this started
+        os.kill(os.getpid(), DEATH_SIGNAL)
     if len(deepspeed) > 1:  # the parent is the kernel's to watch; the ones above it, a thread's
         threading.Thread(target=_watch, args=(deepspeed[1:],), name="alignrl-launcher-watch", daemon=True).start()
 
 
 def _proc(pid: int) -> tuple[int, str, list[str]] | None:
-    """(parent pid, start time, argv) of a process, or None once it is gone (Linux /proc)."""
+    """(parent pid, start time, argv) of a process, or None once it is gone, a zombie included (Linux /proc)."""
     try:
         stat = open(f"/proc/{pid}/stat").read()
         argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ... starttime (field 22)
+    if fields[0] in "ZX":  # killed, not yet reaped by its parent: gone all the same
+        return None
     return int(fields[1]), fields[19], argv
 
 

@@ -208,7 +208,8 @@ def training_main(argv: list[str] | None = None, prog: str = "training_worker.py
     except (ConfigError, Seed004Error) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    os.environ[PROGRAM_ENV] = prog  # the run's own lines, on every torchrun rank, name the script the user ran
+    # the run's own lines, on every torchrun rank, name the script the user ran (run_distributed.py sets its own)
+    os.environ.setdefault(PROGRAM_ENV, prog)
     if a.nproc == 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(a.gpu_id)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not has_cuda() else "cuda")

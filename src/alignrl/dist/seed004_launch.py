@@ -14,7 +14,7 @@ from alignrl.dist.launch import OneLineParser, wait_interruptible
 from alignrl.dist.lifetime import preexec_die_with_parent
 from alignrl.dist.seed004 import has_cuda, parse_training, ports_problem, prepare_training, training_parser
 from alignrl.dist.seed004_deepspeed import DS_FILE, Seed004Error
-from alignrl.errors import LAUNCHER_ENV
+from alignrl.errors import LAUNCHER_ENV, PROGRAM_ENV
 
 # the trainer's flags run_distributed.py sets itself (from its own flags): the others are passed on
 LAUNCHER_SETS = ("--gpu-id", "--nproc", "--host", "--data-port", "--sync-port", "--model-path")
@@ -78,7 +78,8 @@ def launcher_main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     threads = max(1, (os.cpu_count() or 1) // (len(gpus) + 1))  # processes sharing a machine split its cores
     ports = ["--host", a.host, "--data-port", str(a.data_port), "--sync-port", str(a.sync_port)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), LAUNCHER_ENV: "run_distributed.py"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), LAUNCHER_ENV: "run_distributed.py",
+           PROGRAM_ENV: "run_distributed.py"}
     trainer_env = {**env, **({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if has_cuda() else {})}
     this = [sys.executable, "-m", "alignrl.dist.seed004"]
     # both die with this launcher, even by kill -9 (they would go on training and holding the ports)

@@ -23,28 +23,32 @@ SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared memory by name
 _QUIET = "ignore:resource_tracker:UserWarning"  # passed to the tracker process, which Python starts with -W options
 
 
-def _namespace() -> str:
+PID_MAX = 1 << 22  # Linux's largest pid_max: a name with a larger "pid" is not ours to judge
+
+
+def _namespace() -> str | None:
     try:
         return str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
-        return "0"
+        return None
 
 
 def create(size: int) -> SharedMemory:
     """A new segment of `size` bytes named after this process."""
     if _QUIET not in sys.warnoptions:  # read when the tracker starts, at the first segment of the process
         sys.warnoptions.append(_QUIET)
-    return SharedMemory(name=f"{PREFIX}{_namespace()}_{os.getpid()}_{secrets.token_hex(6)}", create=True, size=size)
+    return SharedMemory(name=f"{PREFIX}{_namespace() or 0}_{os.getpid()}_{secrets.token_hex(6)}", create=True,
+                        size=size)
 
 
 def orphans() -> list[str]:
     """Names of this host's alignrl segments whose creator, in this pid namespace, is no longer running."""
-    if not SHM_DIR.is_dir():
-        return []
     ns, found = _namespace(), []
+    if ns is None or not SHM_DIR.is_dir():  # without its pid namespace no creator can be judged from here
+        return []
     for path in SHM_DIR.glob(f"{PREFIX}{ns}_*"):
         pid = path.name[len(PREFIX) + len(ns) + 1:].partition("_")[0]
-        if pid.isdigit() and not _running(int(pid)):
+        if pid.isdigit() and 0 < int(pid) <= PID_MAX and not _running(int(pid)):
             found.append(path.name)
     return found
 

@@ -198,16 +198,19 @@ class DeepSpeedEngine:
             if "world size" in str(e):
                 raise DeepSpeedConfigError(f"{folder}: {str(e).strip().splitlines()[0]} (its ZeRO optimizer state "
                                            "is split per rank): resume with as many processes as wrote it") from None
-            from alignrl.train.checkpoint import DamagedShard
+            from alignrl.train.checkpoint import CheckpointError, DamagedShard
 
             # the manifest's sizes match (a same-size overwrite, a bad disk block): name the file DeepSpeed choked on
             found = unreadable(folder / TAG, self.env.rank)
             if found is None:  # every file opens: not damage
                 raise
             path, cause = found
-            raise DamagedShard(f"rank {self.env.rank}: cannot read {path} ({cause.splitlines()[0]}); move "
-                               f"{folder.parent} out of {folder.parent.parent} to resume from the checkpoint before "
-                               "it, or start fresh with trainer.resume_mode=disable") from None
+            line = (f"cannot read {path} ({cause.splitlines()[0]}); move {folder.parent} out of "
+                    f"{folder.parent.parent} to resume from the checkpoint before it, or start fresh with "
+                    "trainer.resume_mode=disable")
+            if path.name.startswith("mp_rank_"):  # a file every rank reads: rank 0 says it for all
+                raise CheckpointError(line) from None
+            raise DamagedShard(f"rank {self.env.rank}: {line}") from None
         return True
 
 
