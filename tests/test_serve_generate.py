@@ -43,6 +43,18 @@ def test_health_is_exactly_the_seed_body(gen):
     assert r.headers["X-Alignrl-Service"] == "generation"  # `alignrl doctor` tells swapped URLs apart by it
 
 
+def test_another_models_name_is_a_404_as_vllm_answers(gen, oa):
+    """A client asking for another model gets vLLM's 404 in one line, not this model's text under that name."""
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})):
+        r = httpx.post(gen.url + path, json={**body, "model": "gpt-4"})
+        assert r.status_code == 404, r.text
+        msg = r.json()["error"]["message"]
+        assert msg.startswith("The model `gpt-4` does not exist: this server serves `") and "\n" not in msg
+        for named in ({"model": _model_name(oa)}, {}):  # its own name, or none: served
+            assert httpx.post(gen.url + path, json={**body, **named}).status_code == 200
+
+
 def test_completions_n_logprobs_usage(oa, tiny_model):
     _, tok = tiny_model
     r = oa.completions.create(model=_model_name(oa), prompt="What is 12 + 7?", n=3, max_tokens=10, logprobs=2,

@@ -231,6 +231,14 @@ def model_list(name: str, max_model_len: int) -> dict:
                                         "owned_by": "alignrl", "max_model_len": max_model_len}]}
 
 
+def check_model(req: _Sampling, served: str) -> None:
+    """A request naming another model than the one served is a 404, as vLLM answers it (the client would otherwise
+    take this model's text for that one's); no name, or this one's, is served."""
+    if req.model and req.model != served:
+        raise RequestError(f"The model `{req.model}` does not exist: this server serves `{served}` (GET /v1/models; "
+                           "alignrl serve generate --served_model_name sets it)", 404)
+
+
 def add_routes(app, svc) -> None:
     """`/v1/models`, `/v1/completions`, `/v1/chat/completions` over a GenerationService."""
 
@@ -241,12 +249,14 @@ def add_routes(app, svc) -> None:
     # tokenizing runs off the event loop: a long prompt must not stall /health and every other request
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> dict:
+        check_model(req, svc.model_name)
         prompts = await asyncio.to_thread(completion_prompts, req, svc.tokenizer, svc.limits.max_model_len)
         res = await svc.generate(prompts, params_of(req, req.max_tokens), req.logprobs or 0)
         return completion_response(req, svc.model_name, svc.tokenizer, prompts, res.rows)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest) -> dict:
+        check_model(req, svc.model_name)
         prompt = await asyncio.to_thread(chat_prompt, req, svc.tokenizer, svc.limits.max_model_len)
         k = (req.top_logprobs or 0) if req.logprobs else 0
         # Like vLLM, no max_tokens means "up to the context", capped to keep one request's cost bounded.
