@@ -162,6 +162,26 @@ def cluster():
             os.environ[RAY_LOOPBACK_ENV] = saved[1]
 
 
+@pytest.fixture
+def http_servers():
+    """Starts stand-in HTTP servers, `start(handler class) -> http://127.0.0.1:<free port>`; all stopped at the end."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    servers = []
+
+    def start(handler) -> str:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Tests kill whole process groups (a trainer with its resource tracker): their shared-memory segments would stay
     in /dev/shm until the next trainer on this machine sweeps them."""

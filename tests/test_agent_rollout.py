@@ -3,7 +3,6 @@
 
 import http.server
 import json
-import threading
 import time
 
 import pytest
@@ -252,20 +251,11 @@ class _Fixed(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def fixed_server():
-    servers = []
-
+def fixed_server(http_servers):
     def start(body: bytes) -> str:
-        handler = type("H", (_Fixed,), {"body": body})
-        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        servers.append(srv)
-        return f"http://127.0.0.1:{srv.server_address[1]}/retrieve"
+        return http_servers(type("H", (_Fixed,), {"body": body})) + "/retrieve"
 
-    yield start
-    for srv in servers:
-        srv.shutdown()
-        srv.server_close()
+    return start
 
 
 @pytest.mark.parametrize("body", [b"<html>not json</html>", b'{"result": 5}', b'{"result": [[{"doc": 1}]]}',
@@ -332,20 +322,12 @@ class _Recording(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def recording_server():
-    servers = []
-
+def recording_server(http_servers):
     def start(limits: dict, delay: float = 0.0):
         handler = type("H", (_Recording,), {"limits": limits, "delay": delay, "seen": []})
-        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        servers.append(srv)
-        return f"http://127.0.0.1:{srv.server_address[1]}", handler.seen
+        return http_servers(handler), handler.seen
 
-    yield start
-    for srv in servers:
-        srv.shutdown()
-        srv.server_close()
+    return start
 
 
 def test_the_client_keeps_to_the_limits_the_server_names(recording_server):

@@ -148,26 +148,25 @@ def test_host_copies_keep_a_tied_embedding_one_tensor(tiny_model, tmp_path):
     assert set(load_file(tmp_path / "model.safetensors")) == set(out) - {"lm_head.weight"}
 
 
+def two_gloo_ranks(worker: str) -> None:
+    """tests/workers/`worker` under torchrun on two gloo ranks; it exits non-zero when its checks fail."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src_path()}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "--master_addr=127.0.0.1", str(Path(__file__).parent / "workers" / worker)]
+    r = run_group(cmd, 120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def test_bf16_gradients_are_summed_and_averaged_over_ranks_in_fp32(tmp_path):
     """bf16 gradients that a bf16 running sum or a bf16 all-reduce would round away: the DDP engine's fp32
     master weights keep them (workers/master_reduce_worker.py checks the exact sum on both ranks)."""
-    worker = Path(__file__).parent / "workers" / "master_reduce_worker.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src_path()}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "--master_addr=127.0.0.1", str(worker)]
-    r = run_group(cmd, 120, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    two_gloo_ranks("master_reduce_worker.py")
 
 
 def test_metrics_of_two_ranks_are_the_whole_batchs():
     """A maximum over ranks is the largest, the reward spread that of the whole batch, a rate the ranks' sum: each
     was the mean of the ranks' own (workers/metrics_worker.py checks them against one process's)."""
-    worker = Path(__file__).parent / "workers" / "metrics_worker.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src_path()}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "--master_addr=127.0.0.1", str(worker)]
-    r = run_group(cmd, 120, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    two_gloo_ranks("metrics_worker.py")
 
 
 def test_one_process_sums_micro_batch_gradients_in_fp32():

@@ -4,8 +4,7 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import yaml
@@ -37,20 +36,12 @@ class Healthy(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def health_server():
-    """Starts `/health` servers answering a given body on free loopback ports; all stopped at the end."""
-    servers = []
-
+def health_server(http_servers):
+    """Starts `/health` servers answering a given body (and SERVICE_HEADER) on free loopback ports."""
     def start(body: dict | None = Healthy.body, service: str | None = None) -> str:
-        server = ThreadingHTTPServer(("127.0.0.1", 0), type("Answer", (Healthy,), {"body": body, "service": service}))
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}"
+        return http_servers(type("Answer", (Healthy,), {"body": body, "service": service}))
 
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+    return start
 
 
 @pytest.fixture

@@ -76,13 +76,12 @@ class PromptData:
 def describe_batch(cfg: RunConfig, world: int = 1) -> str:
     """The batch arithmetic users otherwise get wrong (verl #180)."""
     p, n, seqs = cfg.data.train_batch_size, cfg.rollout.n, cfg.mini_batch_sequences
-    n_mini, micro = p * n // seqs, cfg.actor.ppo_micro_batch_size
-    per_rank = seqs // world
-    accum = -(-per_rank // micro)
+    n_mini, run = p * n // seqs, run_batch_numbers(cfg, world)
     return (f"{p} prompts/step × {n} samples/prompt = {p * n} sequences/step; "
             f"{n_mini} mini-batch(es) of {seqs} sequences × {cfg.actor.ppo_epochs} epoch(s) = "
-            f"{n_mini * cfg.actor.ppo_epochs} optimizer steps/RL step; effective batch = {min(micro, per_rank)} "
-            f"sequences/micro-batch × {world} rank(s) × {accum} accumulation step(s) ≈ {seqs} sequences")
+            f"{n_mini * cfg.actor.ppo_epochs} optimizer steps/RL step; effective batch = "
+            f"{run['train_micro_batch_size_per_gpu']} sequences/micro-batch × {world} rank(s) × "
+            f"{run['gradient_accumulation_steps']} accumulation step(s) ≈ {seqs} sequences")
 
 
 def _fmt(acc: dict[str, float]) -> str:

@@ -153,18 +153,22 @@ def check_combinations(cfg: RunConfig) -> None:
         raise ConfigError(problem)
     for kind in ("generation", "reference", "reward"):  # here, once, not on every rank as it connects
         url = getattr(cfg.services, f"{kind}_url")
-        if url and not (urlparse(url).scheme in ("http", "https") and urlparse(url).netloc):
-            raise ConfigError(f"services.{kind}_url={url!r} (the seed layout's training.services.{kind}.url) is not "
-                              f"an http(s) URL: give the {kind} service's address, e.g. http://127.0.0.1:8000")
+        problem = url and url_problem(f"services.{kind}_url={url!r} (the seed layout's training.services.{kind}.url)",
+                                      url, f"give the {kind} service's address, e.g. http://127.0.0.1:8000")
+        if problem:
+            raise ConfigError(problem)
+
+
+def url_problem(named: str, url: str, fix: str) -> str | None:
+    """Why `url` (`named` so in the line) is not an http(s) URL, with `fix`, or None."""
+    parts = urlparse(url)
+    return None if parts.scheme in ("http", "https") and parts.netloc else f"{named} is not an http(s) URL: {fix}"
 
 
 def retriever_url_problem(url: str) -> str | None:
     """What is wrong with a retrieval endpoint's URL, or None (the config's check and the client's)."""
-    parts = urlparse(url)
-    if parts.scheme in ("http", "https") and parts.netloc:
-        return None
-    return (f"retriever.url={url!r} is not an http(s) URL: give the retrieval server's endpoint, "
-            "e.g. retriever.url=http://127.0.0.1:8000/retrieve")
+    return url_problem(f"retriever.url={url!r}", url, "give the retrieval server's endpoint, e.g. "
+                       "retriever.url=http://127.0.0.1:8000/retrieve")
 
 
 def check_prompt_keys(cfg: RunConfig) -> None:

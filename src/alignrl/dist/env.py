@@ -150,12 +150,12 @@ def barrier(env: DistEnv) -> None:
         dist.barrier()
 
 
-def all_reduce_sum(env: DistEnv, values: list[float]) -> list[float]:
-    """Sums of `values` over ranks (one collective for the whole list)."""
+def all_reduce_sum(env: DistEnv, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    """Sums (or another `op`) of `values` over ranks (one collective for the whole list)."""
     if not env.distributed:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=env.device if env.backend == "nccl" else "cpu")
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=op)
     return t.tolist()
 
 
@@ -192,10 +192,8 @@ def mean_metrics(env: DistEnv, metrics: dict[str, float]) -> dict[str, float]:
     extreme = [k for k in keys if k.endswith(("_max", "_min"))]
     if extreme:  # one MAX collective: a minimum is the negated maximum of the negated values
         sign = [1.0 if k.endswith("_max") else -1.0 for k in extreme]
-        t = torch.tensor([s * float(metrics[k]) for s, k in zip(sign, extreme)], dtype=torch.float64,
-                         device=env.device if env.backend == "nccl" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out.update({k: s * v for s, k, v in zip(sign, extreme, t.tolist())})
+        top = all_reduce_sum(env, [s * float(metrics[k]) for s, k in zip(sign, extreme)], dist.ReduceOp.MAX)
+        out.update({k: s * v for s, k, v in zip(sign, extreme, top)})
     return out
 
 

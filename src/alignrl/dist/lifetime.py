@@ -64,8 +64,10 @@ def rank_dies_with_agent() -> None:
     it and with DeepSpeed's runner above it, which a user kills (launch_distributed.sh): the launcher outlives its
     runner, and both ranks trained on in the background. Once per process."""
     global _rank_done
+    if _rank_done:
+        return
     deepspeed = _deepspeed_launchers()
-    if _rank_done or not ("TORCHELASTIC_RUN_ID" in os.environ or deepspeed):
+    if not ("TORCHELASTIC_RUN_ID" in os.environ or deepspeed):
         return
     _rank_done = True
     recorded = os.environ.pop(AGENT_PID, None)  # not for this rank's own children: their parent is this rank
