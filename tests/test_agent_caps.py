@@ -149,3 +149,14 @@ def test_grpo_with_n_agent_5_samples_five_responses_per_prompt(tiny_model_dir, t
             texts = {tuple(ro.response_ids[i][ro.response_mask[i]].tolist()) for i in rows}
             assert len(texts) > 1  # sampled, not one response copied 5 times
     assert math.isfinite(summary["final_accuracy"])
+
+
+def test_gspo_averages_sequences_unless_told_otherwise():
+    """verl's GSPO aggregates seq-mean-token-mean whatever loss_agg_mode says; here that is what `auto` (the
+    default) gives gspo, while the other losses keep token-mean and an explicit mode is followed."""
+    def agg(*over):
+        return policy_loss_spec(load_config(None, list(over))).loss_agg
+
+    assert agg("actor.policy_loss=gspo") == "seq-mean-token-mean"
+    assert agg() == agg("actor.policy_loss=cispo") == "token-mean"
+    assert agg("actor.policy_loss=gspo", "actor.loss_agg_mode=token-mean") == "token-mean"

@@ -186,9 +186,20 @@ def test_reinforce_pp_baseline_vectorised_matches_loop():
 # ---------------------------------------------------------------- ReMax
 
 def test_remax_hand_worked():
-    # prompt 0 greedy reward 0.5: 1 - 0.5, 0 - 0.5; prompt 1 greedy reward 1: 1 - 1
-    adv = remax_advantages(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 0, 1]), torch.tensor([0.5, 1.0]))
-    assert torch.allclose(adv, torch.tensor([0.5, -0.5, 0.0]))
+    # rows 0, 1 from prompt 0 (greedy reward 0.5), row 2 from prompt 1 (greedy reward 1); outcome on the last
+    # response token (row 1 has 2 response tokens): every token gets reward - baseline
+    tok = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = remax_advantages(tok, mask, torch.tensor([0.5, 0.5, 1.0]))
+    assert torch.allclose(adv, torch.tensor([[0.5, 0.5, 0.5], [-0.5, -0.5, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_remax_keeps_a_kl_penalty_on_the_tokens_after_it():
+    # verl's compute_remax_outcome_advantage: the return-to-go of each token minus the baseline. Outcome 1,
+    # KL 0.1 * [.5, .2, .1, .4] taken from the token rewards, baseline 0.6
+    tok = torch.tensor([[-0.05, -0.02, -0.01, 1.0 - 0.04]])
+    adv = remax_advantages(tok, torch.ones(1, 4), torch.tensor([0.6]))
+    assert torch.allclose(adv, torch.tensor([[0.28, 0.33, 0.35, 0.36]]), atol=1e-6)
 
 
 # ---------------------------------------------------------------- groups of one

@@ -118,29 +118,45 @@ def test_truncated_is_weights_hand_worked():
     ro = torch.zeros(1, 4)
     mask = torch.tensor([[1, 1, 1, 0]])
     # token, truncate at 2: (2, 0.5, 1.5, 0); 1 of 3 tokens over the threshold; mean (2 + 0.5 + 1.5) / 3 = 4/3
-    w, m = truncated_is_weights(tr, ro, mask, "token", 2.0, "truncate")
-    assert torch.allclose(w, torch.tensor([[2.0, 0.5, 1.5, 0.0]]))
-    assert m["rollout_corr/over_threshold_frac"] == pytest.approx(1 / 3)
+    w, keep, m = truncated_is_weights(tr, ro, mask, "token", 2.0, "truncate")
+    assert torch.allclose(w, torch.tensor([[2.0, 0.5, 1.5, 0.0]])) and torch.equal(keep, mask.bool())
+    assert m["rollout_corr/outside_frac"] == pytest.approx(1 / 3)
     assert m["rollout_corr/raw_is_weight_max"] == pytest.approx(3.0)
     assert m["rollout_corr/is_weight_mean"] == pytest.approx(4 / 3)
-    # token, mask: the weight above 2 becomes 0 -> (0, 0.5, 1.5, 0)
-    w, _ = truncated_is_weights(tr, ro, mask, "token", 2.0, "mask")
+    # token, mask within [1/2, 2]: the token at 3 leaves the mask, 0.5 stays (the bound is inclusive)
+    w, keep, m = truncated_is_weights(tr, ro, mask, "token", 2.0, "mask")
     assert torch.allclose(w, torch.tensor([[0.0, 0.5, 1.5, 0.0]]))
-    # sequence: product 3 * 0.5 * 1.5 = 2.25 -> truncate to 2 on every token, mask -> 0, threshold 3 -> 2.25
-    w, m = truncated_is_weights(tr, ro, mask, "sequence", 2.0, "truncate")
-    assert torch.allclose(w, torch.tensor([[2.0, 2.0, 2.0, 0.0]])) and m["rollout_corr/over_threshold_frac"] == 1.0
-    w, _ = truncated_is_weights(tr, ro, mask, "sequence", 2.0, "mask")
-    assert torch.equal(w, torch.zeros(1, 4))
-    w, _ = truncated_is_weights(tr, ro, mask, "sequence", 3.0, "truncate")
+    assert keep.tolist() == [[False, True, True, False]] and m["rollout_corr/outside_frac"] == pytest.approx(1 / 3)
+    assert m["rollout_corr/is_weight_mean"] == pytest.approx(1.0)  # over the kept tokens
+    # a lower bound of 0.6 rejects 0.5 too
+    _, keep, m = truncated_is_weights(tr, ro, mask, "token", 2.0, "mask", lower=0.6)
+    assert keep.tolist() == [[False, False, True, False]] and m["rollout_corr/outside_frac"] == pytest.approx(2 / 3)
+    # sequence: product 3 * 0.5 * 1.5 = 2.25 -> truncate to 2 on every token, mask -> the sequence leaves,
+    # threshold 3 -> 2.25
+    w, _, m = truncated_is_weights(tr, ro, mask, "sequence", 2.0, "truncate")
+    assert torch.allclose(w, torch.tensor([[2.0, 2.0, 2.0, 0.0]])) and m["rollout_corr/outside_frac"] == 1.0
+    w, keep, _ = truncated_is_weights(tr, ro, mask, "sequence", 2.0, "mask")
+    assert torch.equal(w, torch.zeros(1, 4)) and not keep.any()
+    w, _, _ = truncated_is_weights(tr, ro, mask, "sequence", 3.0, "truncate")
     assert torch.allclose(w, torch.tensor([[2.25, 2.25, 2.25, 0.0]]))
     with pytest.raises(ValueError):
         truncated_is_weights(tr, ro, mask, "seq")
+
+
+def test_rejected_tokens_leave_the_token_count():
+    """verl's rollout_is_mode=mask rejects through the loss mask: 4 tokens, one at ratio 3, advantage 1 gives
+    the token-mean loss -1 over the 3 kept tokens, not -3/4 with the rejected one still counted."""
+    from alignrl.core.aggregation import token_mean
+
+    tr = torch.log(torch.tensor([[1.0, 1.0, 3.0, 1.0]]))
+    w, keep, _ = truncated_is_weights(tr, torch.zeros(1, 4), torch.ones(1, 4), "token", 2.0, "mask")
+    assert token_mean(-w, keep.float()).item() == pytest.approx(-1.0)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
 def test_is_weights_finite_and_constant(level, mode):
     tr = torch.tensor([[500.0, 1e4, -1e4], [300.0, 300.0, 300.0]], requires_grad=True)
-    w, m = truncated_is_weights(tr, torch.zeros(2, 3), torch.ones(2, 3), level, 2.0, mode)
+    w, _, m = truncated_is_weights(tr, torch.zeros(2, 3), torch.ones(2, 3), level, 2.0, mode)
     assert torch.isfinite(w).all() and (w <= 2.0).all() and not w.requires_grad
     assert all(math.isfinite(v) for v in m.values())

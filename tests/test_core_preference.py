@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from alignrl.core.preference import (DPO_LOSSES, bradley_terry_loss, cdpo_loss, dpo_ipo_loss, dpo_sigmoid_loss,
+from alignrl.core.preference import (DPO_LOSSES, bradley_terry_loss, dpo_ipo_loss, dpo_sigmoid_loss,
                                      odpo_loss, reward_accuracy, safe_odpo_loss, safe_preference_offset,
                                      safe_rlhf_cost_loss, slic_hinge_loss)
 
@@ -58,10 +58,10 @@ def test_dpo_family_hand_worked():
     assert m["rewards/accuracy"] == 0.75 and m["rewards/margin"] == pytest.approx(0.5)
     # IPO: (h - 1/(2β))² = (2 - 1)², (0 - 1)²
     assert dpo_ipo_loss(PC, PR, RC, RR, BETA)[0].item() == pytest.approx(1.0)
-    # conservative DPO, ε = 0.1: 0.9·nls(z) + 0.1·nls(-z) per pair
+    # label smoothing ε = 0.1 is conservative DPO, as TRL's sigmoid loss: 0.9·nls(z) + 0.1·nls(-z) per pair
     expect = ((0.9 * nls(1) + 0.1 * nls(-1)) + (0.9 * nls(0) + 0.1 * nls(0))) / 2
-    assert cdpo_loss(PC, PR, RC, RR, BETA, label_smoothing=0.1)[0].item() == pytest.approx(expect)
-    assert cdpo_loss(PC, PR, RC, RR, BETA)[0].item() == pytest.approx(dpo_sigmoid_loss(PC, PR, RC, RR, BETA)[0].item())
+    for name in ("sigmoid", "cdpo"):
+        assert DPO_LOSSES[name](PC, PR, RC, RR, BETA, label_smoothing=0.1)[0].item() == pytest.approx(expect)
     # hinge: relu(1 - β·h) = [0, 1]
     assert slic_hinge_loss(PC, PR, RC, RR, BETA)[0].item() == pytest.approx(0.5)
     # ODPO: an offset of 1 on the first pair cancels its β·h = 1

@@ -289,3 +289,18 @@ def test_the_kl_term_is_aggregated_like_the_policy_loss(mode, per_token):
             else mask.float() * per_token)
     torch.testing.assert_close(logp.grad, want)
     assert metrics["actor/kl_loss"] == pytest.approx((-1 - 2 - 0.5) / 3)  # the token mean, whatever the mode
+
+
+def test_reward_clip_clamps_remaxs_baseline_with_the_rewards():
+    # rewards [3, 3, -0.5] with greedy rewards [3, 3, -0.5] are each at their baseline: ReMax's advantage is 0,
+    # not the clamped 1 minus an unclamped 3
+    from alignrl.core.advantages import remax_advantages
+    from alignrl.core.shaping import clip_outcome
+
+    r = torch.tensor([3.0, 3.0, -0.5])
+    out, base = clip_outcome(r, r.clone(), [-1.0, 1.0])
+    assert torch.equal(out, torch.tensor([1.0, 1.0, -0.5])) and torch.equal(base, out)
+    tok = torch.zeros(3, 2)
+    tok[:, -1] = out
+    assert torch.equal(remax_advantages(tok, torch.ones(3, 2), base), torch.zeros(3, 2))
+    assert clip_outcome(r, None, [-1.0, 1.0])[1] is None and clip_outcome(r, None, [])[0] is r

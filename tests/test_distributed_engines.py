@@ -165,7 +165,8 @@ def test_bf16_gradients_are_summed_and_averaged_over_ranks_in_fp32(tmp_path):
 
 def test_metrics_of_two_ranks_are_the_whole_batchs():
     """A maximum over ranks is the largest, the reward spread that of the whole batch, a rate the ranks' sum: each
-    was the mean of the ranks' own (workers/metrics_worker.py checks them against one process's)."""
+    was the mean of the ranks' own (workers/metrics_worker.py checks them against one process's). Episode costs
+    of unequal shares gather in rank order."""
     two_gloo_ranks("metrics_worker.py")
 
 

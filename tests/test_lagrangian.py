@@ -1,5 +1,7 @@
 """PPO-Lagrangian pieces with hand-worked values."""
 
+import math
+
 import pytest
 import torch
 
@@ -15,14 +17,32 @@ def test_safe_advantage_hand_worked():
     assert safe_advantages(torch.tensor([0.5]), torch.tensor([9.0]), 0.0).item() == 0.5
 
 
-def test_multiplier_ascends_on_violation_and_projects_at_zero():
-    lam = LagrangeMultiplier(init=0.0, lr=0.5, threshold=0.2)
-    assert lam.update(0.6) == pytest.approx(0.2)  # 0 + 0.5 * (0.6 - 0.2)
-    assert lam.update(0.0) == pytest.approx(0.1)  # 0.2 + 0.5 * (0.0 - 0.2)
-    assert lam.update(0.0) == 0.0  # 0.1 - 0.1 = 0.0
-    assert lam.update(0.0) == 0.0  # projected: never negative
-    lam.load_state_dict({"value": 3.0})
-    assert lam.state_dict() == {"value": 3.0}
+def test_multiplier_steps_in_log_space_on_the_window_mean_as_safe_rlhf():
+    # log lambda += lr * (J_c - d) * lambda, J_c the mean of the window's episode costs
+    lam = LagrangeMultiplier(init=1.0, lr=0.05, threshold=0.0, window=4)
+    log = 0.0
+    for step, costs in enumerate([[2.0], [2.0, 2.0], [-1.0]], start=1):
+        got = lam.update(step, costs)
+        window = [2.0, 2.0, 2.0] if step == 2 else [2.0, 2.0, 2.0, -1.0] if step == 3 else [2.0]
+        log += 0.05 * (sum(window) / len(window)) * math.exp(log)
+        assert got == pytest.approx(math.exp(log))
+    assert lam.update(4, [-9.0]) == pytest.approx(math.exp(log + 0.05 * (-3.0 / 2) * math.exp(log)))  # 2, 2, -1, -9
+    assert lam.value > 0  # never negative, and never 0: a log
+
+
+def test_multiplier_waits_its_delay_and_stays_under_its_cap():
+    lam = LagrangeMultiplier(init=1.0, lr=1.0, max_value=2.0, delay_steps=2)
+    assert lam.update(1, [5.0]) == 1.0 and lam.update(2, [5.0]) == 1.0  # the costs still fill the window
+    assert lam.update(3, [5.0]) == pytest.approx(2.0)  # exp(0 + 5) capped at 2
+    saved = lam.state_dict()
+    assert saved == {"log_value": pytest.approx(math.log(2.0)), "costs": [5.0, 5.0, 5.0]}
+    again = LagrangeMultiplier(init=1.0, lr=1.0, max_value=2.0)
+    again.load_state_dict(saved)
+    assert again.value == pytest.approx(2.0) and list(again.costs) == [5.0, 5.0, 5.0]
+    again.load_state_dict({"value": 3.0})  # a checkpoint of the earlier linear multiplier
+    assert again.value == pytest.approx(3.0) and not again.costs
+    with pytest.raises(ValueError, match="init must be > 0"):
+        LagrangeMultiplier(init=0.0)
 
 
 def test_the_kl_penalty_weighs_beta_in_the_combined_advantage_whatever_lambda():

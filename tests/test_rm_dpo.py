@@ -15,6 +15,7 @@ import torch
 from conftest import run_group
 from alignrl.algos import rm
 from alignrl.algos.preference_cli import DPOConfig, RMConfig, dpo_main, parse_dpo, parse_rm, rm_main
+from alignrl.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["max_eval_pairs=24", "batch_size=8", "eval_batch_size=24", "log_every=2", "report_to=[jsonl]"]
@@ -296,6 +297,12 @@ def test_overrides_may_come_before_between_or_after_the_flags(tmp_path):
     cfg = parse_dpo(["loss_type=ipo", "--output_dir", str(tmp_path / "y"), "beta=0.2", "--precompute_ref_log_probs"])
     assert (cfg.loss_type, cfg.output_dir, cfg.beta, cfg.precompute_ref_log_probs) == ("ipo", str(tmp_path / "y"), 0.2,
                                                                                         True)
+
+
+def test_label_smoothing_on_a_loss_that_ignores_it_is_one_line(tmp_path):
+    assert parse_dpo(["loss_type=sigmoid", "label_smoothing=0.1"]).label_smoothing == 0.1  # conservative DPO
+    with pytest.raises(ConfigError, match=r"label_smoothing=0.1 is read only by loss_type sigmoid or cdpo, not ipo"):
+        parse_dpo(["loss_type=ipo", "label_smoothing=0.1"])
 
 
 def test_the_dpo_loss_choices_are_the_losses_there_are():

@@ -188,14 +188,16 @@ def test_ppo_lagrangian_updates_the_multiplier(tiny_model_dir, tmp_path):
         "safety.cost_limit=0.0", "safety.lambda_lr=0.5"]
     train_grpo(load_config(None, over))
     rows = [json.loads(x) for x in (tmp_path / "safe" / "logs" / "metrics.jsonl").read_text().splitlines()]
-    # lambda <- max(0, lambda + 0.5 * (mean cost - 0)): it follows the measured costs exactly
-    lam = 0.0
+    # log lambda += 0.5 * (J_c - 0) * lambda from 1, J_c the mean cost of every episode so far (the window holds
+    # 128, the batches are equal): it follows the measured costs exactly
+    log_lam, seen = 0.0, []
     for r in rows[1:]:
-        lam = max(0.0, lam + 0.5 * r["safety/cost_mean"])
-        assert r["safety/lambda"] == pytest.approx(lam)
+        seen.append(r["safety/cost_mean"])
+        log_lam += 0.5 * (sum(seen) / len(seen)) * math.exp(log_lam)
+        assert r["safety/lambda"] == pytest.approx(math.exp(log_lam))
         assert "cost_critic/vf_loss" in r
     state = torch.load(tmp_path / "safe" / "checkpoints" / "global_step_2" / "trainer_state.pt", weights_only=False)
-    assert state["trainer"]["lagrangian"]["value"] == pytest.approx(lam)
+    assert state["trainer"]["lagrangian"]["log_value"] == pytest.approx(log_lam)
 
 
 @pytest.mark.parametrize("extra", [

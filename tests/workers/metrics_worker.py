@@ -8,7 +8,7 @@ import sys
 import torch
 
 from alignrl.algos.producer import pooled_std
-from alignrl.dist.env import init_distributed, mean_metrics, shutdown
+from alignrl.dist.env import gather_values, init_distributed, mean_metrics, shutdown
 
 REWARDS = [[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]]
 LENGTHS = [[3, 9, 4, 4, 5, 6, 2, 7], [31, 2, 4, 5, 6, 8, 1, 3]]
@@ -27,6 +27,8 @@ def main() -> int:
             "response/length_max": float(whole_n.max()), "length_min": float(whole_n.min()), "perf/tokens_per_s": 300.0}
     for k, v in want.items():
         assert math.isclose(got[k], v, rel_tol=1e-6), (k, got[k], v)
+    costs = gather_values(env, [0.5, -1.0, 2.0] if env.rank == 0 else [4.0])
+    assert costs == [0.5, -1.0, 2.0, 4.0], costs
     shutdown()
     return 0
 

@@ -7,7 +7,7 @@
 The policy trains through a TrainEngine (DDP / FSDP2 / DeepSpeed); the frozen reference is a copy
 of the initial policy on every rank in eval mode, or, with `precompute_ref_log_probs`, its sequence
 log-probs are computed once up front and the copy is freed. `loss_type` picks a `core.preference`
-loss: sigmoid (DPO), cdpo (label_smoothing), ipo, hinge (SLiC), safe.
+loss: sigmoid (DPO; conservative DPO with label_smoothing, also named cdpo), ipo, hinge (SLiC), safe.
 
 Safety-aware DPO (`loss_type: safe`): a helpfulness reward model r and a harmlessness cost model c
 (both trained by `alignrl train rm`, loaded on every rank in eval mode) score both responses of

@@ -174,7 +174,8 @@ def build_critics(cfg: RunConfig, resume: Path | None, env: DistEnv = SINGLE,
     if "cost_critic" in names:
         s = cfg.safety
         parts.cost_critic = make("cost_critic")
-        parts.lagrangian = LagrangeMultiplier(s.lambda_init, s.lambda_lr, s.cost_limit)
+        parts.lagrangian = LagrangeMultiplier(s.lambda_init, s.lambda_lr, s.cost_limit, s.lambda_max,
+                                              s.lambda_update_delay_steps, s.episode_cost_window_size)
     return parts
 
 

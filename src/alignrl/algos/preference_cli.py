@@ -23,6 +23,7 @@ from alignrl.config import ConfigError, check_folders, check_ranges, opt
 
 # the DPO-family losses of `alignrl.core.preference.DPO_LOSSES` (a test holds the two equal)
 DPO_LOSS_NAMES = ("sigmoid", "cdpo", "ipo", "hinge", "safe")
+SMOOTHED_LOSSES = ("sigmoid", "cdpo")
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ class DPOConfig(CommonConfig):
     prefer: str = opt("better", "PKU-SafeRLHF rows: which id is 'chosen'", choices=("better", "safer"))
     loss_type: str = opt("sigmoid", "DPO-family loss", choices=DPO_LOSS_NAMES)
     beta: float = opt(0.1, "β: strength of the KL anchor to the reference (IPO: τ)", gt=0.0)
-    label_smoothing: float = opt(0.0, "cdpo: probability that a label is flipped", ge=0.0, le=0.5)
+    label_smoothing: float = opt(0.0, "sigmoid/cdpo: probability that a label is flipped (conservative DPO)",
+                                  ge=0.0, le=0.5)
     precompute_ref_log_probs: bool = opt(False, "reference log-probs once up front, then free the reference copy")
     helpful_rm: str = opt("models/helpful_rm", "safe: helpfulness reward model folder (alignrl train rm --task helpful)")
     harmless_rm: str = opt("models/harmless_rm", "safe: harmlessness cost model folder (--task harmless)")
@@ -164,9 +166,13 @@ def parse_dpo(argv: list[str]) -> DPOConfig:
     p.add_argument("--loss_type", choices=DPO_LOSS_NAMES)
     p.add_argument("--precompute_ref_log_probs", action="store_true", default=None)
     args = p.parse_intermixed_args(argv)
-    return load_flat_config(DPOConfig, args.config, args.overrides, {
+    cfg = load_flat_config(DPOConfig, args.config, args.overrides, {
         "loss_type": args.loss_type, "precompute_ref_log_probs": args.precompute_ref_log_probs,
         "output_dir": args.output_dir, "logging_dir": args.logging_dir})
+    if cfg.label_smoothing and cfg.loss_type not in SMOOTHED_LOSSES:  # the loss would ignore it
+        raise ConfigError(f"label_smoothing={cfg.label_smoothing} is read only by loss_type "
+                          f"{' or '.join(SMOOTHED_LOSSES)}, not {cfg.loss_type}; set label_smoothing=0 or change loss_type")
+    return cfg
 
 
 # command -> (its parser, the module and function that train; `train(cfg, dry_run_world)`)

@@ -19,8 +19,9 @@ from alignrl.core.kl import AdaptiveKLController, FixedKLController, kl_penalty_
 from alignrl.core.lagrangian import LagrangeMultiplier, safe_gae_advantages
 from alignrl.core.losses import masked_mean
 from alignrl.core.rollout_correction import truncated_is_weights
+from alignrl.core.shaping import clip_outcome
 from alignrl.data.records import Experience, Rollout, ScoredBatch
-from alignrl.dist.env import SINGLE, DistEnv, all_reduce_sum, sum_over_ranks
+from alignrl.dist.env import SINGLE, DistEnv, all_reduce_sum, gather_values, sum_over_ranks
 from alignrl.interfaces import WeightSink
 from alignrl.rewards.registry import RewardError
 from alignrl.train.actor import Actor, PolicyLossSpec
@@ -30,7 +31,7 @@ from alignrl.train.minibatch import SKIPPED, optimizer_steps
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 # Fraction of tokens (or sequences) whose rollout IS weight exceeded the threshold, named by what was done to it.
-IS_OVER_THRESHOLD_KEY = {"truncate": "rollout/is_truncated_frac", "mask": "rollout/is_masked_frac"}
+IS_OUTSIDE_KEY = {"truncate": "rollout/is_truncated_frac", "mask": "rollout/is_masked_frac"}
 
 
 class TrainingDiverged(RewardError):
@@ -56,11 +57,14 @@ def behaviour_logprobs(ro: Rollout, old_lp: torch.Tensor) -> torch.Tensor:
 
 def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
     a = cfg.actor
+    agg = a.loss_agg_mode
+    if agg == "auto":  # GSPO's objective averages sequences (Zheng et al. 2025); verl hard-wires it so
+        agg = "seq-mean-token-mean" if a.policy_loss == "gspo" else "token-mean"
     return PolicyLossSpec(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
                           kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
                           kl_type=KL_ALIASES.get(a.kl_loss_type, a.kl_loss_type), entropy_coeff=a.entropy_coeff,
                           temperature=cfg.rollout.temperature, name=a.policy_loss, clip_c=a.clip_ratio_c or None,
-                          loss_agg=a.loss_agg_mode, max_len=float(response_cap(cfg)))
+                          loss_agg=agg, max_len=float(response_cap(cfg)))
 
 
 def needs_reference(cfg: RunConfig) -> bool:
@@ -111,7 +115,7 @@ class PolicyTrainer:
         # --reward_clip_range as OpenRLHF: the reward clamped before the KL penalty; a group-shaped one (its rloo,
         # group_norm, ...) after the shaping, inside the estimator
         clip, shaped = cfg.algorithm.reward_clip, cfg.algorithm.outcome_baseline != "none" and self.critics is None
-        outcome = scores.rewards.clamp(*clip) if clip and not shaped else scores.rewards
+        outcome, baseline = clip_outcome(scores.rewards, scores.baseline, None if shaped else clip)
         token_rewards = outcome_token_rewards(outcome, mask)
         rewards, kl_tokens = outcome, None
         if self.kl_ctrl is not None:  # KL in the reward: per-token penalty, then the estimators see it
@@ -120,13 +124,13 @@ class PolicyTrainer:
             rewards = token_rewards.sum(-1)
             metrics.update(kl_metrics)
         if scores.costs is not None:  # lambda from this batch's costs first, as Safe RLHF's step does
-            cost_sum, n_rows = all_reduce_sum(self.env, [float(scores.costs.sum()), float(len(scores.costs))])
-            metrics["safety/lambda"] = self.critics.lagrangian.update(cost_sum / n_rows)
+            costs = gather_values(self.env, scores.costs.tolist())
+            metrics["safety/lambda"] = self.critics.lagrangian.update(step, costs)
         value_targets: list = []
         if self.critics is None:
             a = cfg.algorithm
             adv = ADVANTAGES[a.adv_estimator](OutcomeInputs(
-                rewards, token_rewards, mask, ro.group, scores.baseline, a.norm_adv_by_std_in_grpo, a.gamma,
+                rewards, token_rewards, mask, ro.group, baseline, a.norm_adv_by_std_in_grpo, a.gamma,
                 sum_over_ranks(self.env), outcome, a.outcome_baseline, a.whiten_advantages,
                 tuple(clip) if shaped else ()))
         else:
@@ -136,7 +140,7 @@ class PolicyTrainer:
         # truncated responses keep their place in the group baseline above, but get no gradient
         loss_mask = batch.loss_mask & ~ro.truncated[:, None] if cfg.algorithm.mask_truncated else batch.loss_mask
         rollout_lp = behaviour_logprobs(ro, old_lp)
-        is_weight, is_metrics = self.rollout_correction(old_lp, rollout_lp, loss_mask)
+        is_weight, loss_mask, is_metrics = self.rollout_correction(old_lp, rollout_lp, loss_mask)
         # the forward attends to tool observations that the loss leaves out (state masking)
         attention = None if torch.equal(batch.loss_mask, ro.response_mask) else ro.response_mask
         exp = Experience(ro.prompt_ids, ro.prompt_mask, ro.response_ids, loss_mask, old_lp, batch.ref_logprobs, adv,
@@ -193,16 +197,17 @@ class PolicyTrainer:
         return token_rewards, kl_metrics
 
     def rollout_correction(self, old_lp: torch.Tensor, rollout_lp: torch.Tensor, loss_mask: torch.Tensor
-                           ) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """Truncated-IS weights pi_trainer / pi_rollout for the policy loss (None when disabled)."""
+                           ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+        """Truncated-IS weights pi_trainer / pi_rollout for the policy loss (None when disabled), and the loss
+        mask left once mode=mask has rejected the tokens outside its bounds."""
         a = self.cfg.algorithm
         if a.rollout_is == "none":
-            return None, {}
-        w, m = truncated_is_weights(old_lp, rollout_lp, loss_mask, a.rollout_is, a.rollout_is_threshold,
-                                    a.rollout_is_mode)
-        return w, {"rollout/is_weight_mean": m["rollout_corr/is_weight_mean"],
-                   "rollout/is_raw_weight_max": m["rollout_corr/raw_is_weight_max"],
-                   IS_OVER_THRESHOLD_KEY[a.rollout_is_mode]: m["rollout_corr/over_threshold_frac"]}
+            return None, loss_mask, {}
+        w, keep, m = truncated_is_weights(old_lp, rollout_lp, loss_mask, a.rollout_is, a.rollout_is_threshold,
+                                          a.rollout_is_mode, a.rollout_is_threshold_lower)
+        return w, keep, {"rollout/is_weight_mean": m["rollout_corr/is_weight_mean"],
+                         "rollout/is_raw_weight_max": m["rollout_corr/raw_is_weight_max"],
+                         IS_OUTSIDE_KEY[a.rollout_is_mode]: m["rollout_corr/outside_frac"]}
 
     def critic_advantages(self, batch: ScoredBatch, token_rewards: torch.Tensor, kl_tokens: torch.Tensor | None,
                           micro: int) -> tuple[torch.Tensor, list, dict[str, float]]:

@@ -51,7 +51,7 @@ def check_ranges(obj: Any, prefix: str = "") -> None:
             raise ConfigError(f"{key}={value} must be a finite number")
         for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
                                 ("le", lambda v, b: v <= b, "<=")):
-            if m.get(bound) is not None and not ok(value, m[bound]):
+            if m.get(bound) is not None and value is not None and not ok(value, m[bound]):
                 raise ConfigError(f"{key}={value} is out of range; it must be {word} {m[bound]}")
 
 
@@ -90,6 +90,9 @@ def check_combinations(cfg: RunConfig) -> None:
     if alg.rollout_is != "none" and not cfg.actor.recompute_old_logprobs:
         raise ConfigError(f"algorithm.rollout_is={alg.rollout_is} needs actor.recompute_old_logprobs=true: "
                           "without it the trainer's old log-probs are the rollout's and every weight is 1")
+    if alg.rollout_is_threshold_lower is not None and alg.rollout_is_threshold_lower >= alg.rollout_is_threshold:
+        raise ConfigError(f"algorithm.rollout_is_threshold_lower={alg.rollout_is_threshold_lower} must be below "
+                          f"algorithm.rollout_is_threshold={alg.rollout_is_threshold}")
     unknown = set(cfg.trainer.logger) - {"console", "jsonl", "tensorboard", "wandb"}
     if unknown:
         raise ConfigError(f"trainer.logger has unknown sink(s) {sorted(unknown)}; allowed: console, jsonl, "

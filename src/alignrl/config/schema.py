@@ -115,11 +115,12 @@ class ActorConfig:
                            choices=("ppo_clip", "gspo", "cispo"))
     clip_ratio_c: float = opt(0.0, "dual-clip constant c > 1 bounding the loss of negative advantages; 0 disables",
                               ge=0.0)
-    loss_agg_mode: str = opt("token-mean", "how token losses (policy, KL and entropy terms alike) become one "
-                                           "number (seq-mean-token-sum-norm divides by the response cap, "
-                                           "rollout.max_new_tokens or a multi-turn agent.max_response_length: "
-                                           "Dr.GRPO)",
-                             choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+    loss_agg_mode: str = opt("auto", "how token losses (policy, KL and entropy terms alike) become one "
+                                     "number; auto: seq-mean-token-mean for gspo (a sequence-level objective, as "
+                                     "verl's GSPO), token-mean otherwise (seq-mean-token-sum-norm divides by the "
+                                     "response cap, rollout.max_new_tokens or a multi-turn "
+                                     "agent.max_response_length: Dr.GRPO)",
+                             choices=("auto", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                       "seq-mean-token-sum-norm"))
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient", ge=0.0)
     use_kl_loss: bool = opt(True, "add a KL(policy || reference) term to the loss (GRPO)")
@@ -201,8 +202,11 @@ class AlgorithmConfig:
                                   "one weight per token or per sequence (needs actor.recompute_old_logprobs)",
                           choices=("none", "token", "sequence"))
     rollout_is_threshold: float = opt(2.0, "rollout IS weights above this are truncated or masked", gt=0.0)
-    rollout_is_mode: str = opt("truncate", "truncate: min(w, threshold) (TIS); mask: weights above the "
-                                           "threshold become 0", choices=("truncate", "mask"))
+    rollout_is_threshold_lower: float | None = opt(None, "mask: weights below this are masked too "
+                                                         "(default 1/rollout_is_threshold)", ge=0.0)
+    rollout_is_mode: str = opt("truncate", "truncate: min(w, threshold) (TIS); mask: tokens (or sequences) "
+                                           "whose weight is outside [lower, threshold] leave the loss and its "
+                                           "token count, as verl's rejection sampling", choices=("truncate", "mask"))
 
 
 @dataclass(frozen=True)
@@ -304,8 +308,12 @@ class SafetyConfig:
     cost_model: str | None = opt(None, "PPO-Lagrangian cost from a cost model (HF sequence-classification folder, "
                                         "one label) instead of safety.cost_fn")
     cost_limit: float = opt(0.0, "constraint: mean episode cost <= cost_limit")
-    lambda_init: float = opt(0.0, "initial Lagrange multiplier", ge=0.0)
-    lambda_lr: float = opt(0.05, "Lagrange multiplier step size", ge=0.0)
+    lambda_init: float = opt(1.0, "initial Lagrange multiplier (kept as log lambda, as Safe RLHF's)", gt=0.0)
+    lambda_lr: float = opt(0.1, "step size of log lambda: log lambda += lambda_lr * (J_c - cost_limit) * lambda",
+                           ge=0.0)
+    lambda_max: float | None = opt(None, "cap on the multiplier (Safe RLHF's lambda_max); empty: none", gt=0.0)
+    lambda_update_delay_steps: int = opt(0, "RL steps before the multiplier starts to move", ge=0)
+    episode_cost_window_size: int = opt(128, "J_c is the mean cost of this many latest episodes", ge=1)
 
 
 @dataclass(frozen=True)

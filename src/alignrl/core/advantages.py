@@ -143,14 +143,18 @@ def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group: torch.Tensor,
     return masked_whiten(centred[:, None].expand_as(keep), keep, eps, sum_ranks)
 
 
-def remax_advantages(rewards: torch.Tensor, group: torch.Tensor, baseline_rewards: torch.Tensor) -> torch.Tensor:
+def remax_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
     """ReMax (Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
-    Method for Aligning Large Language Models"): reward minus the reward of the greedy response.
+    Method for Aligning Large Language Models"): each token's reward-to-go minus the reward of the prompt's
+    greedy response, as verl's `compute_remax_outcome_advantage`. With the outcome alone on the last token every
+    token gets reward - baseline; a per-token KL penalty in the reward stays on the tokens after it.
 
-    rewards (B,), group (B,) prompt ids, baseline_rewards (G,) greedy-decoding reward per prompt
-    -> advantages (B,) = rewards - baseline_rewards[group].
+    token_rewards (B, T), mask (B, T), baseline (B,) greedy-decoding reward of each row's prompt
+    -> advantages (B, T), 0 outside the mask.
     """
-    return rewards - baseline_rewards.to(rewards.dtype)[group]
+    m = mask.to(token_rewards.dtype)
+    to_go = (token_rewards * m).flip(-1).cumsum(-1).flip(-1)
+    return (to_go - baseline.to(token_rewards.dtype)[:, None]) * m
 
 
 def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
@@ -225,8 +229,7 @@ def _reinforce_pp_baseline(x: OutcomeInputs) -> torch.Tensor:
 
 
 def _remax(x: OutcomeInputs) -> torch.Tensor:
-    # the baseline is already per row, so each row is its own "group"
-    return remax_advantages(x.rewards, torch.arange(len(x.rewards)), x.baseline)
+    return remax_advantages(x.token_rewards, x.mask, x.baseline)
 
 
 # The critic-free estimators, one signature: OutcomeInputs -> advantages (B,) or (B, T). GAE (PPO with a

@@ -1,13 +1,16 @@
 """Constrained RL (Safe RLHF): a Lagrange multiplier on the expected cost and the combined advantage.
 
 PPO-Lagrangian (Ray et al. 2019, "Benchmarking Safe Exploration in Deep RL"; used for LLMs by Dai et
-al. 2024, "Safe RLHF"): maximise E[reward] subject to E[cost] <= threshold. The multiplier follows
-projected gradient ascent on the constraint violation, lambda <- max(0, lambda + lr (J_c - d)), and the
-policy climbs the combined advantage (A_r - lambda A_c) / (1 + lambda), whose scale stays bounded as
-lambda grows.
+al. 2024, "Safe RLHF"): maximise E[reward] subject to E[cost] <= threshold. The multiplier ascends the
+constraint violation in log space, as Safe RLHF's trainer does, log lambda <- log lambda + lr (J_c - d) lambda
+(one SGD step on -(J_c - d) lambda), with J_c the mean cost of the latest episodes; the policy climbs the
+combined advantage (A_r - lambda A_c) / (1 + lambda), whose scale stays bounded as lambda grows.
 """
 
 from __future__ import annotations
+
+import math
+from collections import deque
 
 import torch
 
@@ -42,18 +45,40 @@ def safe_gae_advantages(reward_tokens: torch.Tensor, cost_tokens: torch.Tensor, 
 
 
 class LagrangeMultiplier:
-    """lambda >= 0, updated from the mean episode cost against `threshold`."""
+    """lambda > 0 as Safe RLHF keeps it (`log_lambda`, its SGD optimizer, `lambda_max`,
+    `lambda_update_delay_steps`, `episode_cost_window_size`): once `delay_steps` steps have passed, each step
+    takes one step of size `lr` on log lambda against the mean cost of the last `window` episodes, then caps
+    lambda at `max_value` (None: no cap)."""
 
-    def __init__(self, init: float = 0.0, lr: float = 0.05, threshold: float = 0.0, max_value: float = 100.0):
-        self.value, self.lr, self.threshold, self.max_value = max(0.0, init), lr, threshold, max_value
+    def __init__(self, init: float = 1.0, lr: float = 0.1, threshold: float = 0.0, max_value: float | None = None,
+                 delay_steps: int = 0, window: int = 128):
+        if init <= 0:
+            raise ValueError(f"init must be > 0 (lambda is kept as log lambda), got {init}")
+        self.log_value, self.lr, self.threshold = math.log(init), lr, threshold
+        self.log_max = None if max_value is None else math.log(max_value)
+        self.delay_steps, self.costs = delay_steps, deque(maxlen=window)
 
-    def update(self, mean_cost: float) -> float:
-        """One ascent step on (J_c - d); returns the new lambda (clamped to [0, max_value])."""
-        self.value = min(self.max_value, max(0.0, self.value + self.lr * (mean_cost - self.threshold)))
+    @property
+    def value(self) -> float:
+        return math.exp(self.log_value)
+
+    def update(self, step: int, costs: list[float]) -> float:
+        """`costs`: the episode costs of RL step `step` (1-based; every rank's). Returns lambda for this
+        step's advantages."""
+        self.costs.extend(costs)
+        if step > self.delay_steps and self.costs:
+            violation = sum(self.costs) / len(self.costs) - self.threshold
+            self.log_value += self.lr * violation * self.value  # d/d(log lambda) of (J_c - d) * lambda
+            if self.log_max is not None:
+                self.log_value = min(self.log_value, self.log_max)
         return self.value
 
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
+    def state_dict(self) -> dict:
+        return {"log_value": self.log_value, "costs": list(self.costs)}
 
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = float(state["value"])
+    def load_state_dict(self, state: dict) -> None:
+        if "log_value" not in state:  # a checkpoint of the linear multiplier, which kept lambda >= 0 alone
+            state = {"log_value": math.log(max(float(state["value"]), 1e-8)), "costs": []}
+        self.log_value = float(state["log_value"])
+        self.costs.clear()
+        self.costs.extend(float(c) for c in state["costs"])

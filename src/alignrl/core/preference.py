@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["bradley_terry_loss", "safe_rlhf_cost_loss", "dpo_sigmoid_loss", "dpo_ipo_loss", "cdpo_loss",
+__all__ = ["bradley_terry_loss", "safe_rlhf_cost_loss", "dpo_sigmoid_loss", "dpo_ipo_loss",
            "slic_hinge_loss", "odpo_loss", "safe_preference_offset", "safe_odpo_loss", "DPO_LOSSES",
            "reward_accuracy"]
 
@@ -101,17 +101,11 @@ def _h(pc, pr, rc, rr) -> torch.Tensor:
 
 
 def dpo_sigmoid_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float,
-                     global_pairs: float | None = None, **_) -> tuple[torch.Tensor, dict[str, float]]:
-    """DPO (Rafailov et al. 2023, "Direct Preference Optimization", eq. 7): -log σ(β·h)."""
-    losses = -F.logsigmoid(beta * _h(pc, pr, rc, rr))
-    return losses.sum() / _norm(losses.numel(), global_pairs), _dpo_metrics(pc, pr, rc, rr, beta, losses)
-
-
-def cdpo_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float,
-              global_pairs: float | None = None, *, label_smoothing: float = 0.0, **_
-              ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Conservative DPO (Mitchell 2023, "A note on DPO with noisy preferences"): each label is flipped
-    with probability ε, giving -(1-ε)·log σ(β·h) - ε·log σ(-β·h). ε = 0 is plain DPO."""
+                     global_pairs: float | None = None, *, label_smoothing: float = 0.0, **_
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPO (Rafailov et al. 2023, "Direct Preference Optimization", eq. 7): -log σ(β·h). With label smoothing
+    ε it is conservative DPO (Mitchell 2023, "A note on DPO with noisy preferences"), as TRL's sigmoid loss:
+    each label flipped with probability ε, -(1-ε)·log σ(β·h) - ε·log σ(-β·h)."""
     z = beta * _h(pc, pr, rc, rr)
     losses = -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
     return losses.sum() / _norm(losses.numel(), global_pairs), _dpo_metrics(pc, pr, rc, rr, beta, losses)
@@ -190,7 +184,7 @@ DpoLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
 DPO_LOSSES: dict[str, DpoLoss] = {
     "sigmoid": dpo_sigmoid_loss,
-    "cdpo": cdpo_loss,
+    "cdpo": dpo_sigmoid_loss,  # the name some recipes give the sigmoid loss with label smoothing
     "ipo": dpo_ipo_loss,
     "hinge": slic_hinge_loss,
     "safe": safe_odpo_loss,

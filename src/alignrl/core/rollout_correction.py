@@ -32,41 +32,47 @@ def rollout_kl(rollout_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: tor
 
 @torch.no_grad()
 def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
-                         level: str = "token", threshold: float = 2.0, mode: str = "truncate"
-                         ) -> tuple[torch.Tensor, dict[str, float]]:
+                         level: str = "token", threshold: float = 2.0, mode: str = "truncate",
+                         lower: float | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Importance weights pi_trainer / pi_rollout, truncated (TIS; Yao et al. 2025; Ionides 2008,
-    "Truncated Importance Sampling") or masked above `threshold`.
+    "Truncated Importance Sampling") or rejected outside [lower, threshold] (verl's rollout_is_mode=mask).
 
     level="token": one ratio per token. level="sequence": the product of the token ratios of a
-    sequence (a sum of log-ratios), shared by all its tokens. mode="truncate": min(w, threshold);
-    mode="mask": weights above the threshold become 0 (the token or whole sequence is dropped).
-    Returns (weights (B, T), 0 outside the mask; metrics: rollout_corr/is_weight_mean after the
-    correction, rollout_corr/raw_is_weight_max, rollout_corr/over_threshold_frac over tokens or
-    sequences). Pass the weights as `is_weight` to a policy loss.
+    sequence (a sum of log-ratios), shared by all its tokens. mode="truncate": min(w, threshold), every
+    token kept. mode="mask": the tokens (or whole sequences) whose weight is above `threshold` or below
+    `lower` (default 1/threshold) leave the loss mask, so they count neither in the loss nor in its
+    token or sequence count; the others keep their true weight.
+    Returns (weights (B, T), 0 outside the kept mask; the kept mask (B, T) bool, to train on instead of
+    `mask`; metrics: rollout_corr/is_weight_mean over kept tokens, rollout_corr/raw_is_weight_max,
+    rollout_corr/outside_frac: the tokens or sequences truncated or rejected). Pass the weights as
+    `is_weight` to a policy loss.
     """
     if level not in ("token", "sequence") or mode not in ("truncate", "mask"):
         raise ValueError(f"level must be token|sequence and mode truncate|mask, got {level!r}, {mode!r}")
-    if threshold <= 0:
-        raise ValueError(f"threshold must be > 0, got {threshold}")
+    if threshold <= 0 or (lower is not None and not 0 <= lower < threshold):
+        raise ValueError(f"need threshold > 0 and 0 <= lower < threshold, got {threshold}, {lower}")
     m = mask.to(trainer_logp.dtype)
     log_ratio = (trainer_logp - rollout_logp.to(trainer_logp.dtype)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO) * m
     if level == "sequence":
         # clamp the sum too: a long sequence of small log-ratios can overflow exp
         log_w = log_ratio.sum(-1, keepdim=True).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).expand_as(m)
-        units = m.sum(-1) > 0  # one weight per non-empty sequence
-        per_unit = log_w[:, 0][units]
+        units = (m.sum(-1) > 0)[:, None] & (torch.arange(m.shape[-1], device=m.device) == 0)  # one per sequence
     else:
         log_w = log_ratio
         units = m.bool()
-        per_unit = log_w[units]
-    over = log_w > math.log(threshold)
     raw = log_w.exp()
-    weights = raw.clamp(max=threshold) if mode == "truncate" else raw.masked_fill(over, 0.0)
-    weights = weights * m
-    any_ = per_unit.numel() > 0
+    if mode == "truncate":
+        outside = log_w > math.log(threshold)
+        weights, keep = raw.clamp(max=threshold) * m, mask.bool()
+    else:
+        low = 1.0 / threshold if lower is None else lower
+        outside = (log_w > math.log(threshold)) | (log_w < (math.log(low) if low > 0 else -math.inf))
+        keep = mask.bool() & ~outside
+        weights = raw * keep
+    any_ = bool(units.any())
     metrics = {
-        "rollout_corr/is_weight_mean": float(weights[m.bool()].mean()) if any_ else 1.0,
-        "rollout_corr/raw_is_weight_max": float(per_unit.exp().max()) if any_ else 1.0,
-        "rollout_corr/over_threshold_frac": float((per_unit > math.log(threshold)).float().mean()) if any_ else 0.0,
+        "rollout_corr/is_weight_mean": float(weights[keep].mean()) if bool(keep.any()) else 1.0,
+        "rollout_corr/raw_is_weight_max": float(raw[units].max()) if any_ else 1.0,
+        "rollout_corr/outside_frac": float(outside[units].float().mean()) if any_ else 0.0,
     }
-    return weights, metrics
+    return weights, keep, metrics

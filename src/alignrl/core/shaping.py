@@ -22,3 +22,13 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, facto
         return torch.zeros(lengths.shape, dtype=torch.float32)
     over = (lengths.float() - (max_len - buffer_len)).clamp(min=0.0, max=float(buffer_len))
     return -factor * over / buffer_len
+
+
+def clip_outcome(rewards: torch.Tensor, baseline: torch.Tensor | None, clip: tuple | list | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """OpenRLHF's --reward_clip_range on the outcome rewards (B,) and on ReMax's greedy-response baseline (B,)
+    alike: a baseline left outside the range would push every clamped reward below it. `clip`: (low, high),
+    or empty / None for no clamp."""
+    if not clip:
+        return rewards, baseline
+    return rewards.clamp(*clip), None if baseline is None else baseline.clamp(*clip)

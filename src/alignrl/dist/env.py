@@ -159,6 +159,20 @@ def all_reduce_sum(env: DistEnv, values: list[float], op=dist.ReduceOp.SUM) -> l
     return t.tolist()
 
 
+def gather_values(env: DistEnv, values: list[float]) -> list[float]:
+    """Every rank's `values`, in rank order, on every rank (the lists may differ in length): two sums, as
+    gloo's all_gather wants equal shapes."""
+    if not env.distributed:
+        return list(values)
+    counts = [0.0] * env.world_size
+    counts[env.rank] = float(len(values))
+    counts = [int(c) for c in all_reduce_sum(env, counts)]
+    start = sum(counts[:env.rank])
+    placed = [0.0] * sum(counts)
+    placed[start:start + len(values)] = values
+    return all_reduce_sum(env, placed)
+
+
 def sum_over_ranks(env: DistEnv):
     """A function summing a small tensor over ranks (for batch-wide statistics), or None in one process."""
     if not env.distributed:
