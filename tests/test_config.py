@@ -81,7 +81,8 @@ def test_one_value_given_to_a_list_key_is_a_list_of_one():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["actor.lrr=1"], "unknown config key 'actor.lrr'; allowed under 'actor': lr, "),
+    (["actor.lrr=1"], "unknown config key 'actor.lrr' (did you mean 'actor.lr'?); allowed under 'actor': lr, "),
+    (["trainer.total_steps=1"], "(did you mean 'trainer.total_epochs' or 'trainer.total_training_steps'?)"),
     (["nope=1"], "unknown config key 'nope'; allowed at the top level: model, data"),
     (["rollout.n=abc"], "bad value for 'rollout.n'"),
     (["actor.use_kl_loss=maybe"], "bad value for 'actor.use_kl_loss'"),
@@ -169,6 +170,30 @@ def test_help_lists_subcommands():
     out = subprocess.run([sys.executable, "-m", "alignrl", "--help"], capture_output=True, text=True, check=True).stdout
     for sub in ("train", "demo", "build-demo-model", "config"):
         assert sub in out
+
+
+def test_train_and_demo_help_name_every_command_and_nproc():
+    def help_of(*words):
+        return subprocess.run([sys.executable, "-m", "alignrl", *words, "--help"], capture_output=True, text=True,
+                              check=True).stdout
+
+    train, demo = help_of("train"), help_of("demo")
+    assert "ppo-ray" in train and "--nproc N" in train and "its own --help" in train
+    assert "--nproc N" in demo and "alignrl demo search" in demo
+
+
+def test_a_command_with_its_own_flags_is_found_after_the_flags():
+    """`alignrl train --config x.yaml dpo ...` ran GRPO (argparse took dpo as the algorithm, then nothing used
+    it); the word is found wherever the flags leave it."""
+    from alignrl.cli import _passthrough
+
+    assert _passthrough(["train", "--config", "x.yaml", "dpo", "beta=0.2"]) == (
+        "alignrl.algos.preference_cli:dpo_main", ["--config", "x.yaml", "beta=0.2"])
+    assert _passthrough(["train", "--nproc", "2", "a.b=1", "rm", "--task", "harmless"]) == (
+        "alignrl.algos.preference_cli:rm_main", ["--nproc", "2", "a.b=1", "--task", "harmless"])
+    assert _passthrough(["demo", "trainer.seed=1", "search"])[0] == "alignrl.demos.search"
+    assert _passthrough(["train", "--config", "dpo", "grpo"]) is None  # a file named dpo is the config's value
+    assert _passthrough(["train", "grpo", "trainer.experiment_name=dpo"]) is None
 
 
 def test_readme_reference_is_current():

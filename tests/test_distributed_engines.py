@@ -246,3 +246,19 @@ def test_the_ray_engines_shares_merge_into_the_whole_batchs_metrics():
     whole = torch.cat([a, b])
     assert merged_metrics(parts) == pytest.approx({"reward/mean": float(whole.mean()), "reward/std": float(whole.std()),
                                                    "response/length_max": 9.0, "response/length_mean": 5.0})
+
+
+def test_deepspeeds_deprecated_collective_warnings_are_quiet():
+    """DeepSpeed's ZeRO calls torch's all_gather_into_tensor and reduce_scatter_tensor, which warn on every call
+    (4 lines in a 2-step run); other FutureWarnings still show."""
+    import warnings
+
+    from alignrl.dist.env import quiet_deepspeed
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_deepspeed()
+        for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+            warnings.warn(f"`torch.distributed.{name}` is deprecated. Use ...", FutureWarning)
+        warnings.warn("`torch.distributed.something_else` is deprecated.", FutureWarning)
+    assert [str(w.message) for w in seen] == ["`torch.distributed.something_else` is deprecated."]

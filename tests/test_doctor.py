@@ -51,7 +51,7 @@ def live_url(health_server):
 
 def doctor(*args):
     return subprocess.run([sys.executable, "-m", "alignrl", "doctor", *args], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "COLUMNS": "200"})
+                          timeout=60, env={**os.environ, "COLUMNS": "80"})  # a log's width: nothing may be cut
 
 
 def test_hostfile_syntax():
@@ -119,7 +119,9 @@ def test_swapped_service_urls_fail(health_server, tmp_path):
     (tmp_path / "nodes.yaml").write_text(yaml.safe_dump(cfg))
     r = doctor("--config", str(tmp_path / "nodes.yaml"), "model.path=demo")
     assert r.returncode == 1 and "2 failed" in r.stdout, r.stdout
-    assert "is a reference service" in r.stdout and "is a generation service" in r.stdout
+    assert f"FAIL generation service {ref}: {ref} is a reference service; services.generation_url wants the " \
+           "generation service (swapped URLs?)" in r.stdout.splitlines(), r.stdout
+    assert "is a generation service" in r.stdout
     r = doctor("--config", str(tmp_path / "nodes.yaml"), "model.path=demo", f"training.services.generation.url={gen}",
                f"training.services.reference.url={ref}")
     assert r.returncode == 0 and "healthy generation service" in r.stdout, r.stdout

@@ -204,7 +204,8 @@ def test_bad_custom_fn_specs(tmp_path: Path) -> None:
     assert _spec_error("reward.py") == f"algorithm.reward_fn='reward.py' {not_a_spec}"
     assert _spec_error(f"{path}:") == f"algorithm.reward_fn='{path}:' {not_a_spec}"
     assert _spec_error(f"{tmp_path}/missing.py:score") == (
-        f"algorithm.reward_fn file not found: {tmp_path}/missing.py (give an existing .py file)"
+        f"algorithm.reward_fn file not found: {tmp_path}/missing.py (from {Path.cwd()}; give an existing .py file, "
+        "relative to the folder the run starts in, or an absolute path)"
     )
     assert _spec_error(f"{path}:nope") == (
         f"algorithm.reward_fn file {path} has no function 'nope' (define it or fix the name after the colon)"
@@ -214,3 +215,5 @@ def test_bad_custom_fn_specs(tmp_path: Path) -> None:
         f"algorithm.reward_fn file {broken} failed to import: "
         "ModuleNotFoundError: No module named 'not_a_real_module_xyz'"
     )
+    with pytest.raises(RewardError, match=r"^safety.cost_fn file not found: missing.py "):  # the key at fault
+        load_reward_fn("missing.py:score", "safety.cost_fn")

@@ -110,6 +110,7 @@ def test_safe_dpo_with_trained_scorers(scorers, tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("argv, expect", [
     (["--task", "helpful", "helpful_train_file=/nope/x.jsonl"], "data file not found: /nope/x.jsonl"),
     (["--task", "helpful", "bogus_key=1"], "unknown config key 'bogus_key'"),
+    (["--task", "helpful", "epoch=1"], "unknown config key 'epoch' (did you mean 'epochs'?); allowed: "),
     (["--task", "helpful", "batch_size=abc"], "bad value for 'batch_size'"),
     (["--task", "helpful", "strategy=tpu"], "strategy='tpu' is not allowed"),
     (["--task", "everything"], "invalid choice: 'everything'"),

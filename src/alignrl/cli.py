@@ -54,10 +54,31 @@ PASSTHROUGH = {
 }
 
 
+NPROC_HELP = "run on N local ranks under torchrun (torchrun --nproc_per_node=N -m alignrl ... works as well)"
+
+
 def _passthrough(argv: list[str]) -> tuple[str, list[str]] | None:
     for words, (module, _) in PASSTHROUGH.items():
         if tuple(argv[:len(words)]) == words:
             return module, argv[len(words):]
+    if argv[:1] in (["train"], ["demo"]):  # `alignrl train --config x.yaml dpo ...`: the word after the flags
+        i = _first_positional(argv, 1)
+        if i is not None and (argv[0], argv[i]) in PASSTHROUGH:
+            return PASSTHROUGH[(argv[0], argv[i])][0], argv[1:i] + argv[i + 1:]
+    return None
+
+
+def _first_positional(argv: list[str], start: int) -> int | None:
+    """Where the first word that is neither a flag, a flag's value nor a key=value override is."""
+    i = start
+    while i < len(argv):
+        word = argv[i]
+        if word.startswith("-"):
+            i += 2 if word in ("--config", "--nproc") else 1
+        elif "=" in word:
+            i += 1
+        else:
+            return i
     return None
 
 
@@ -65,14 +86,18 @@ def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="alignrl", description="RL post-training of language models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    own_flags = "; each of rm, dpo and ppo-ray has its own --help"
     train = sub.add_parser("train", help="train a model with an RL algorithm")
-    train.add_argument("algorithm", choices=sorted(ALGORITHMS) + ["dpo", "rm"],
-                       help="; ".join(f"{k}: {v}" for k, v in ALGORITHMS.items())
-                       + "; rm, dpo: " + "; ".join(PASSTHROUGH[("train", k)][1] for k in ("rm", "dpo")))
+    train.add_argument("algorithm", choices=sorted(ALGORITHMS) + ["dpo", "rm", "ppo-ray"],
+                       help="; ".join(f"{k}: {v}" for k, v in ALGORITHMS.items()) + "; " +
+                       "; ".join(f"{k}: {PASSTHROUGH[('train', k)][1]}" for k in ("rm", "dpo", "ppo-ray")) + own_flags)
     train.add_argument("--config", help="YAML config file (see examples/)")
+    train.add_argument("--nproc", type=int, metavar="N", help=NPROC_HELP)
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-5 rollout.n=8")
 
-    demo = sub.add_parser("demo", help="GRPO on the embedded tiny model, with before/after held-out accuracy")
+    demo = sub.add_parser("demo", help="GRPO on the embedded tiny model, with before/after held-out accuracy",
+                          epilog="alignrl demo search [--help]: " + PASSTHROUGH[("demo", "search")][1])
+    demo.add_argument("--nproc", type=int, metavar="N", help=NPROC_HELP)
     demo.add_argument("overrides", nargs="*", help="dotted overrides on top of the demo config")
 
     build = sub.add_parser("build-demo-model", help="(re)build the embedded tiny base model from its seed")
@@ -108,6 +133,8 @@ def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
         from alignrl.rewards.registry import load_reward_fn
 
         load_reward_fn(cfg.algorithm.reward_fn)
+        if cfg.safety.cost_fn:
+            load_reward_fn(cfg.safety.cost_fn, "safety.cost_fn")
     if cfg.algorithm.reward_model or cfg.safety.cost_model:  # before the policy loads (rm imports torch: last)
         from alignrl.algos.rm import check_rl_scorers
 

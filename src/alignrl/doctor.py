@@ -206,12 +206,16 @@ def main(argv: list[str]) -> int:
 
     from alignrl.utils.tracking import console
 
-    table = Table(title="alignrl doctor")
-    for col in ("check", "target", "result", "detail"):
-        table.add_column(col)
-    for c in checks:
-        table.add_row(c.name, c.target, "[green]ok[/green]" if c.ok else "[red]FAIL[/red]", c.detail)
-    console.print(table)
+    if console.is_terminal:
+        table = Table(title="alignrl doctor")
+        for col in ("check", "target", "result", "detail"):
+            table.add_column(col, overflow="fold")  # wrapped, never cut: the detail is the diagnosis
+        for c in checks:
+            table.add_row(c.name, c.target, "[green]ok[/green]" if c.ok else "[red]FAIL[/red]", c.detail)
+        console.print(table)
+    else:  # a log or a pipe: one whole line per check, whatever the width
+        for c in checks:
+            print(f"{'ok  ' if c.ok else 'FAIL'} {c.name} {c.target}: {c.detail}")
     failed = [c for c in checks if not c.ok]
     console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0

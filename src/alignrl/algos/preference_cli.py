@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from alignrl.config import ConfigError, check_folders, check_ranges, opt
+from alignrl.config.load import did_you_mean
 
 # the DPO-family losses of `alignrl.core.preference.DPO_LOSSES` (a test holds the two equal)
 DPO_LOSS_NAMES = ("sigmoid", "cdpo", "ipo", "hinge", "safe")
@@ -130,8 +131,9 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
         key = getattr(e, "full_key", None) or "?"
         first = str(e).splitlines()[0]
         if "not in" in first or ("Key '" in first and "not" in first):
-            allowed = ", ".join(f.name for f in dataclasses.fields(cls))
-            raise ConfigError(f"unknown config key '{key}'; allowed: {allowed}") from None
+            names = [f.name for f in dataclasses.fields(cls)]
+            raise ConfigError(f"unknown config key '{key}'{did_you_mean(key, names)}; allowed: {', '.join(names)}"
+                              ) from None
         raise ConfigError(f"bad value for '{key}': {first}") from None
     # YAML reads `bf16: true` as a boolean, which the string field holds as "True"
     cfg = dataclasses.replace(cfg, bf16=str(cfg.bf16).lower())

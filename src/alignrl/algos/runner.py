@@ -36,8 +36,10 @@ from alignrl.utils.tracking import Tracker, console
 def load_task_data(cfg: RunConfig):
     d = cfg.data
     # a file's columns: detected (GSM8K/verl), or named by data.prompt_key/label_key (both splits alike)
+    # `\n` in a template typed on the command line reaches here as two characters: it means a newline
+    template = d.input_template.replace("\\n", "\n").replace("\\t", "\t") if d.input_template else None
     keys = dict(system_prompt=d.system_prompt, prompt_key=d.prompt_key, label_key=d.label_key,
-                input_template=d.input_template, apply_chat_template=d.apply_chat_template)
+                input_template=template, apply_chat_template=d.apply_chat_template)
     train = (synthetic.generate("train", d.train_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
              if d.train_files == "synthetic" else
              load_samples(d.train_files, d.format, limit=d.train_row_cap, **keys))
@@ -205,7 +207,9 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
         """pass@1 and pass@k on the held-out set (trainer.eval_pass_at_k), printed and returned."""
         if not cfg.trainer.eval_pass_at_k:
             return None
-        t0 = time.time()
+        t0 = time.time()  # the longest silent stretch of a run otherwise: say what it is doing
+        console.print(f"{label}: sampling {cfg.rollout.n} answers to each of {len(val)} held-out problems "
+                      f"(pass@{cfg.rollout.n}, trainer.eval_pass_at_k) ...", markup=False)
         r = room(engine, tokenizer, val, val_prompts, correct_fn, cfg.rollout.max_new_tokens, cfg.rollout.n,
                  cfg.rollout.temperature, seed=cfg.trainer.seed, stop=cfg.rollout.stop, top_p=cfg.rollout.top_p,
                  top_k=cfg.rollout.top_k)

@@ -79,6 +79,8 @@ def check_inputs(cfg: RunConfig) -> None:
         if path:
             check_scorer_folder(path)
     load_reward_fn(cfg.algorithm.reward_fn)
+    if cfg.safety.cost_fn:
+        load_reward_fn(cfg.safety.cost_fn, "safety.cost_fn")
 
 
 def user_error(e: BaseException) -> Exception | None:

@@ -5,6 +5,7 @@ the defaults, then validated; and the config written back out (YAML, the README 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,19 @@ def _one_line(e: OmegaConfBaseException, fallback_key: str = "?") -> str:
         node = RunConfig()
         for part in filter(None, parent.split(".")):
             node = getattr(node, part, None)
-        allowed = ", ".join(f.name for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else "?"
+        names = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
         where = f"under '{parent}'" if parent else "at the top level"
-        return f"unknown config key '{key}'; allowed {where}: {allowed}"
+        return f"unknown config key '{key}'{did_you_mean(key, names)}; allowed {where}: {', '.join(names) or '?'}"
     return f"bad value for '{key}': {msg}"
+
+
+def did_you_mean(key: str, names: list[str]) -> str:
+    """` (did you mean 'section.name'?)` for the one or two known names closest to the last part of `key`, or
+    ""."""
+    parent, _, last = key.rpartition(".")
+    close = [f"'{parent + '.' if parent else ''}{name}'" for name in difflib.get_close_matches(last, names, n=2,
+                                                                                                cutoff=0.6)]
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -78,18 +88,41 @@ def dotted_item(schema: type, override: str) -> Any:
     """One `key=value` override as a config tree; one value given to a key whose schema type is `list` is a list
     of one (`trainer.logger=wandb` means [wandb], as in verl)."""
     key, _, value = override.partition("=")
+    field_ = _field(schema, key)
     try:
         item = OmegaConf.from_dotlist([override])
     except Exception as e:  # the value is parsed as YAML: yaml's own errors, each a traceback otherwise
+        if _is_text(field_):
+            return _raw_text(key, value)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"cannot read the value of {key}={value!r} ({first}): quote it, or close its brackets "
                           "(lists look like [a,b])") from None
-    field_ = _field(schema, key)
+    if _is_text(field_):  # `User: {}` reads as a YAML mapping, `[x]` as a list: a text key wants the text
+        picked = OmegaConf.select(item, key, default=None, throw_on_resolution_failure=False)
+        if OmegaConf.is_dict(picked) or OmegaConf.is_list(picked):
+            return _raw_text(key, value)
     if field_ is not None and field_.type in (list, "list"):
         value = OmegaConf.select(item, key, default=None, throw_on_resolution_failure=False)  # `${...}`: later
         if value is not None and not OmegaConf.is_list(value):
             OmegaConf.update(item, key, [value], merge=False)
     return item
+
+
+def _is_text(field_: dataclasses.Field | None) -> bool:
+    return field_ is not None and field_.type in (str, "str", "str | None")
+
+
+def _raw_text(key: str, value: str) -> Any:
+    """`key` set to `value` as it was typed (the shell has already taken its quotes off), YAML aside."""
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        value = value[1:-1]
+    tree: dict = {}
+    node = tree
+    *parents, last = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+    return OmegaConf.create(tree)
 
 
 def _field(schema: type, key: str) -> dataclasses.Field | None:

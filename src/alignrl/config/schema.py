@@ -58,7 +58,8 @@ class DataConfig:
                                       "row has one, else no answer (the reward comes from a reward model)")
     input_template: str | None = opt(None, "with data.prompt_key and data.apply_chat_template=false: the prompt "
                                            "is this text with {} replaced by the prompt column, e.g. "
-                                           "'User: {}\\nAssistant: ' (OpenRLHF's --input_template)")
+                                           "'User: {}\\nAssistant: ' (OpenRLHF's --input_template; a typed \\n or \\t "
+                                           "is a newline or tab)")
     apply_chat_template: bool = opt(True, "prompts go through the tokenizer's chat template; false (with "
                                           "data.prompt_key) tokenizes the string prompt as it is, or through "
                                           "data.input_template (OpenRLHF's --apply_chat_template)")

@@ -71,11 +71,12 @@ def quiet_deepspeed() -> None:
     """DeepSpeed's noise in a run that is not wrong. Without CUDA, DeepSpeed warns "Setting accelerator to CPU"
     when it is imported, which a run does even without trainer.strategy=deepspeed (transformers' save_pretrained
     imports it through accelerate): DS_ACCELERATOR=cpu says it first, unless the user set it. And DeepSpeed's
-    ZeRO calls torch.distributed.all_gather_into_tensor, which each rank's torch then warns is deprecated."""
+    ZeRO calls torch.distributed.all_gather_into_tensor and reduce_scatter_tensor, which each rank's torch then warns
+    are deprecated."""
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                            category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is "
+                            "deprecated", category=FutureWarning)
 
 
 def init_distributed(device: str = "auto", timeout_s: float | None = None) -> DistEnv:

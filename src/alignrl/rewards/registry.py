@@ -110,22 +110,25 @@ def default_compute_score(
     return float(fn(solution_str, ground_truth))
 
 
-def load_reward_fn(spec: str | None) -> RewardFn:
-    """`None` gives `default_compute_score`; "path/to/file.py:function" loads that function, `checked`."""
+def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn") -> RewardFn:
+    """`None` gives `default_compute_score`; "path/to/file.py:function" loads that function, `checked`. `key`:
+    the config key that named it, for the errors. A relative path is taken from the current folder, as verl's
+    custom_reward_function.path."""
     if spec is None:
         return default_compute_score
     path_str, sep, name = spec.rpartition(":")
     if not sep or not path_str or not name:
         raise RewardError(
-            f"algorithm.reward_fn={spec!r} is not of the form path/to/file.py:function"
+            f"{key}={spec!r} is not of the form path/to/file.py:function"
         )
     path = Path(path_str)
     if not path.is_file():
-        raise RewardError(f"algorithm.reward_fn file not found: {path_str} (give an existing .py file)")
+        raise RewardError(f"{key} file not found: {path_str} (from {Path.cwd()}; give an existing .py file, "
+                          "relative to the folder the run starts in, or an absolute path)")
     module_name = "alignrl_custom_reward_" + re.sub(r"\W", "_", str(path.resolve()))
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise RewardError(f"algorithm.reward_fn file {path_str} cannot be imported (give a .py file)")
+        raise RewardError(f"{key} file {path_str} cannot be imported (give a .py file)")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
     try:
@@ -133,14 +136,14 @@ def load_reward_fn(spec: str | None) -> RewardFn:
     except Exception as exc:
         del sys.modules[module_name]
         raise RewardError(
-            f"algorithm.reward_fn file {path_str} failed to import: {type(exc).__name__}: {exc}".splitlines()[0]
+            f"{key} file {path_str} failed to import: {type(exc).__name__}: {exc}".splitlines()[0]
         ) from exc
     if not hasattr(module, name):
-        raise RewardError(f"algorithm.reward_fn file {path_str} has no function {name!r} "
+        raise RewardError(f"{key} file {path_str} has no function {name!r} "
                           "(define it or fix the name after the colon)")
     fn = getattr(module, name)
     if not callable(fn):
-        raise RewardError(f"algorithm.reward_fn {path_str}:{name} is a {type(fn).__name__}, not a function")
+        raise RewardError(f"{key} {path_str}:{name} is a {type(fn).__name__}, not a function")
     return checked(fn, spec)
 
 
