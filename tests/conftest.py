@@ -33,6 +33,15 @@ def run_group(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProce
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
+@pytest.fixture(autouse=True)
+def program_names_stay_in_their_test(monkeypatch):
+    """The seed scripts' mains set the program name and flag names for the processes they start; called in-process
+    by a test, they would rename every later test's errors."""
+    for var in ("ALIGNRL_PROG", "ALIGNRL_FLAG_NAMES"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)  # recorded: whatever the test sets is removed after it
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from alignrl.models.tiny import TinyRecipe, build_demo_model

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from alignrl.config import ConfigError, RunConfig, load_config, reference_markdown, to_yaml
 
@@ -194,6 +195,32 @@ def test_a_command_with_its_own_flags_is_found_after_the_flags():
     assert _passthrough(["demo", "trainer.seed=1", "search"])[0] == "alignrl.demos.search"
     assert _passthrough(["train", "--config", "dpo", "grpo"]) is None  # a file named dpo is the config's value
     assert _passthrough(["train", "grpo", "trainer.experiment_name=dpo"]) is None
+
+
+def test_an_interrupted_run_says_whether_the_same_command_resumes(tmp_path, monkeypatch):
+    """It promised a resume from "the last checkpoint" when none had been written yet (seed 004 checkpoints every
+    1000 steps): the same command then started over."""
+    import json
+
+    from alignrl.cli import _interrupted_line
+    from alignrl.train.checkpoint import write_manifest
+
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}", "trainer.save_freq=100"])
+    assert _interrupted_line(["train", "grpo"], None, cfg) == (
+        "alignrl: interrupted before the first checkpoint (one every trainer.save_freq=100 steps): the same command "
+        "starts over")
+    monkeypatch.setenv("ALIGNRL_PROG", "training_worker.py")
+    monkeypatch.setenv("ALIGNRL_FLAG_NAMES", json.dumps({"trainer.save_freq": "--save-steps"}))
+    assert _interrupted_line(["train", "grpo"], None, cfg, "stopped by SIGTERM") == (
+        "training_worker.py: stopped by SIGTERM before the first checkpoint (one every --save-steps 100 steps): the "
+        "same command starts over")
+    step = cfg.checkpoint_root / "global_step_2"
+    step.mkdir(parents=True)
+    torch.save({"step": 2}, step / "trainer_state.pt")
+    write_manifest(step)
+    assert _interrupted_line(["train", "grpo"], None, cfg) == (
+        f"training_worker.py: interrupted; the same command continues from {step}")
+    assert _interrupted_line(["config"], None, cfg) == "training_worker.py: interrupted"
 
 
 def test_readme_reference_is_current():

@@ -292,6 +292,24 @@ def test_a_silent_samplers_lease_goes_to_another_while_a_beating_one_keeps_its_o
                     "to the next sampler that asks"], said
 
 
+def test_a_sampler_that_says_bye_hands_its_lease_on_at_once(served, capsys):
+    """A sampler stopped by Ctrl-C or kill says "bye": its rows go to the next sampler now, not after
+    pipeline.heartbeat_timeout_s (20 s by default; the other sampler of a run waited that long). Another
+    sampler's lease stays its own."""
+    served.dispatcher.max_staleness = 1
+    with Requester(served.replier.addr) as leaving, Requester(served.replier.addr) as staying:
+        gone = leaving.request("work", {"sampler_id": "leaving", "incarnation": "i", "version": 0}, timeout_s=5)
+        kept = staying.request("work", {"sampler_id": "staying", "incarnation": "i", "version": 0}, timeout_s=5)
+        assert gone.kind == kept.kind == "lease"
+        assert leaving.request("bye", {"sampler_id": "leaving"}, timeout_s=5).kind == "ok"
+        with served.lock:
+            assert list(served.dispatcher.outstanding) == [kept.meta["lease"]]
+            assert served.dispatcher.requeue == [(gone.meta["rows"], gone.meta["number"])]
+    said = [x for x in capsys.readouterr().out.splitlines() if "stopped" in x]
+    assert said == [f"pipeline: sampler leaving stopped: its 4 prompts (lease {gone.meta['lease']}) go to the next "
+                    "sampler that asks"], said
+
+
 def scored(rows: list[int], n: int, version: int = 0):
     """A scored batch of n samples of each dataset row (tiny made-up tokens), as a sampler sends it."""
     from alignrl.data.records import Rollout, ScoredBatch, Scores

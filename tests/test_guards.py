@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -359,3 +360,31 @@ def test_nan_reward_run_stops_and_keeps_the_previous_checkpoint(tiny_model_dir, 
         assert all(torch.isfinite(v).all() for v in weights.values())
     base = load_file(tiny_model_dir / "model.safetensors")
     assert any(not torch.equal(base[k], v) for k, v in weights.items()), "steps 1-2 trained"
+
+
+@pytest.mark.timeout(240)
+def test_kill_of_a_run_says_in_one_line_what_it_leaves(tiny_model_dir, tmp_path):
+    """`kill PID` (SIGTERM) of `alignrl train` ended it with exit 143 and nothing said; it stops as Ctrl-C does,
+    saying whether the same command resumes."""
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"}
+    argv = _argv(tiny_model_dir, tmp_path, "trainer.total_training_steps=500", "trainer.save_freq=1")
+    with subprocess.Popen([sys.executable, "-m", "alignrl", *argv], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            metrics = tmp_path / "run" / "logs" / "metrics.jsonl"
+            deadline = time.time() + 180
+            while not (tmp_path / "run" / "checkpoints" / "global_step_1").is_dir():
+                assert time.time() < deadline and proc.poll() is None, proc.stderr.read()[-3000:]
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            err = proc.communicate(timeout=60)[1]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    said = [x for x in err.splitlines() if "SIGTERM" in x]
+    assert len(said) == 1 and said[0].startswith("alignrl: stopped by SIGTERM; the same command continues from ") \
+        and "Traceback" not in err, err[-3000:]
+    assert metrics.exists()

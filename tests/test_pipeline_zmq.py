@@ -260,7 +260,7 @@ def test_run_distributed_names_a_bad_flag_before_starting_anything(argv, said, c
 def test_run_distributed_gives_host_to_both_and_stops_when_its_sampler_fails(monkeypatch):
     """--host reaches the sampler too (it connected to 127.0.0.1 while the trainer bound the address given), and a
     sampler that fails ends the run with its exit code at once (the trainer waited pipeline.peer_timeout_s)."""
-    from alignrl.dist import seed004_launch
+    from alignrl.dist import seed004, seed004_launch
     from alignrl.dist.launch import wait_interruptible
 
     started = []
@@ -279,6 +279,7 @@ def test_run_distributed_gives_host_to_both_and_stops_when_its_sampler_fails(mon
 
     with monkeypatch.context() as m:
         m.setattr(seed004_launch.subprocess, "Popen", Done)
+        m.setattr(seed004, "before_start", lambda cfg, a: None)  # 10.1.2.3 is no address of this machine
         assert seed004_launch.launcher_main(["--host", "10.1.2.3", "--training-gpus", "1"]) == 0
     assert len(started) == 2 and all(a[a.index("--host") + 1] == "10.1.2.3" for a in started), started
     trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

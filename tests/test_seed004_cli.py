@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from alignrl.dist.launch import free_ports
 from conftest import SRC, run_group, src_path
@@ -241,7 +242,10 @@ def test_run_distributed_help_lists_the_flags_it_passes_on(capsys):
     (["--sync-port", "0"], "--sync-port 0 is not a TCP port"),
     (["--data-port", "6000", "--sync-port", "6000"], "--data-port and --sync-port are both 6000"),
     (["--host", "not..a..host"], "--host 'not..a..host' does not resolve"),
-    (["--batch-size", "0"], "data.train_batch_size=0 is out of range"),
+    (["--batch-size", "0"], "--batch-size 0 is out of range"),
+    (["--nproc", "3"], "unrecognized arguments: --nproc (run_distributed.py sets it from --sampling-gpu and "
+                       "--training-gpus)"),
+    (["--gpu-id=2"], "unrecognized arguments: --gpu-id=2"),
     (["--data-path", "/nonexistent.jsonl"], "--data-path /nonexistent.jsonl: no such file"),
     (["--training-gpus", "1,2,1"], "--training-gpus '1,2,1': device 1 is listed twice"),
     (["--model-path", "/nope"], "--model-path='/nope' is not a Hugging Face model folder")])
@@ -256,6 +260,50 @@ def test_run_distributed_checks_once_before_starting_anything(argv, said, capsys
         seed004_launch.launcher_main(argv)
     assert e.value.code == 2
     assert one_line(capsys.readouterr().err).startswith(f"run_distributed.py: error: {said}")
+
+
+@pytest.mark.parametrize("case", ["port", "host", "past", "elsewhere"])
+def test_run_distributed_checks_what_the_trainer_would_refuse_before_its_sampler_starts(case, capsys, monkeypatch,
+                                                                                      tmp_path):
+    """A port another program holds, binding beyond loopback without a token, a checkpoint past --max-steps: the
+    trainer refused them once started, after the sampler had said it waits for a trainer (and after deepspeed.json
+    was rewritten)."""
+    import socket
+
+    from alignrl.dist import seed004_launch
+    from alignrl.train.checkpoint import write_manifest
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("ALIGNRL_ZMQ_TOKEN", raising=False)
+    monkeypatch.setattr(seed004_launch.subprocess, "Popen", None)
+    data, sync = free_ports(2)
+    argv = ["--training-gpus", "1", "--data-port", str(data), "--sync-port", str(sync)]
+    holder = socket.socket()
+    try:
+        if case == "port":
+            holder.bind(("127.0.0.1", sync))
+            holder.listen()
+            said = f"--sync-port {sync} is in use on 127.0.0.1"
+        elif case == "host":
+            argv += ["--host", "0.0.0.0"]
+            said = "--host 0.0.0.0: refusing to bind 0.0.0.0 without a shared token"
+        elif case == "elsewhere":
+            argv += ["--host", "192.0.2.1"]  # TEST-NET-1: no machine's own address
+            said = "--host 192.0.2.1 is not an address of this machine, where the trainer binds"
+        else:
+            step = tmp_path / "output" / "grpo_zmq" / "checkpoints" / "global_step_5"
+            step.mkdir(parents=True)
+            torch.save({"step": 5}, step / "trainer_state.pt")
+            write_manifest(step)
+            argv += ["--max-steps", "3"]
+            said = f"the newest checkpoint, {Path('output/grpo_zmq/checkpoints/global_step_5')}, is past --max-steps 3"
+        with pytest.raises(SystemExit) as e:
+            seed004_launch.launcher_main(argv)
+    finally:
+        holder.close()
+    assert e.value.code == 2
+    assert one_line(capsys.readouterr().err).startswith(f"run_distributed.py: error: {said}")
+    assert not (tmp_path / "deepspeed.json").exists()
 
 
 def test_run_distributed_checks_deepspeed_json_before_starting_anything(capsys, monkeypatch, tmp_path):
@@ -297,10 +345,10 @@ def test_the_sampler_checks_its_data_path_before_it_connects(tmp_path, name, sai
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("launched", [False, True])
-def test_ctrl_c_of_a_sampler_is_one_line_unless_a_launcher_speaks_for_it(tiny_model_dir, tmp_path, launched):
-    """A sampler on its own says what Ctrl-C did; under run_distributed.py (ALIGNRL_LAUNCHER) the launcher's one line
-    speaks for it and the trainer."""
+@pytest.mark.parametrize("sig, launched", [("SIGINT", False), ("SIGINT", True), ("SIGTERM", False)])
+def test_ctrl_c_of_a_sampler_is_one_line_unless_a_launcher_speaks_for_it(tiny_model_dir, tmp_path, sig, launched):
+    """A sampler on its own says what Ctrl-C (or `kill`: it said nothing) did; under run_distributed.py
+    (ALIGNRL_LAUNCHER) the launcher's one line speaks for it and the trainer."""
     env = {**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"}
     if launched:
         env["ALIGNRL_LAUNCHER"] = "run_distributed.py"
@@ -313,16 +361,20 @@ def test_ctrl_c_of_a_sampler_is_one_line_unless_a_launcher_speaks_for_it(tiny_mo
             for line in p.stdout:
                 if "waiting for a trainer" in line:
                     break
-            os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
+            if sig == "SIGINT":
+                os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
+            else:
+                os.kill(p.pid, signal.SIGTERM)  # `kill PID`
             out, err = p.communicate(timeout=60)
         finally:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    assert p.returncode == 130, err[-3000:]
+    assert p.returncode == (130 if sig == "SIGINT" else 143), err[-3000:]
     if launched:
         assert err.strip() == "", err
     else:
-        assert one_line(err).startswith("sampling_worker.py: interrupted; the prompts it held go to the next sampler")
+        how = "interrupted" if sig == "SIGINT" else "stopped by SIGTERM"
+        assert one_line(err).startswith(f"sampling_worker.py: {how}; the prompts it held go to the next sampler")
 
 
 # --- checkpoints every 1000 steps ---------------------------------------------------------------------------------
@@ -334,6 +386,12 @@ def test_checkpoints_every_1000_steps_as_the_seed_says(trainer, capsys, argv, fr
     code, overrides, err = trainer(["--no-deepspeed", "--nproc", "2", *argv], capsys)
     assert code == 0 and overrides is not None, err
     assert load_config(None, overrides).trainer.save_freq == freq
+
+
+def test_training_worker_names_its_flags_not_the_config_keys_they_set(trainer, capsys):
+    code, overrides, err = trainer(["--max-steps", "0"], capsys)
+    assert code == 2 and overrides is None
+    assert one_line(err) == "training_worker.py: error: --max-steps 0 is out of range; it must be >= 1"
 
 
 def test_training_worker_names_a_bad_save_steps_data_path_and_model_path(trainer, capsys):

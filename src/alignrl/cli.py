@@ -28,7 +28,7 @@ from pathlib import Path
 
 from alignrl.config import ConfigError, RunConfig, check_folders, check_world_size, keys_given, load_config
 from alignrl.dist.launch import OneLineParser
-from alignrl.errors import program, user_errors
+from alignrl.errors import Terminated, in_flag_words, program, stop_on_sigterm, user_errors
 
 EXAMPLES = Path(__file__).parent / "examples"
 # Both run the one RL loop; `ppo` (verl's main_ppo) takes any algorithm.adv_estimator from the config,
@@ -209,11 +209,30 @@ def _run(args: argparse.Namespace, cfg: RunConfig | None) -> int:
     return 0
 
 
-def _interrupted_line(argv: list[str], routed) -> str:
-    rl = not routed and argv[:1] in (["train"], ["demo"])
-    resume = ("; run the same command again to continue from the last checkpoint "
-              "(trainer.resume_mode=auto, the default)") if rl else ""
-    return f"{program()}: interrupted{resume}"
+def _interrupted_line(argv: list[str], routed, cfg: RunConfig | None = None, how: str = "interrupted") -> str:
+    """What Ctrl-C (or SIGTERM: `how`) leaves: with the run's config, whether the same command resumes, and from
+    which checkpoint, or starts over."""
+    if routed or argv[:1] not in (["train"], ["demo"]):
+        return f"{program()}: {how}"
+    if cfg is None or cfg.trainer.resume_mode != "auto":
+        return in_flag_words(f"{program()}: {how}; run the same command again to continue from the last "
+                             "checkpoint (trainer.resume_mode=auto, the default)")
+    from alignrl.train.checkpoint import latest_checkpoint
+
+    found, _ = latest_checkpoint(cfg.checkpoint_root)
+    if found is None:
+        return in_flag_words(f"{program()}: {how} before the first checkpoint (one every trainer.save_freq="
+                             f"{cfg.trainer.save_freq} steps): the same command starts over")
+    return f"{program()}: {how}; the same command continues from {found}"
+
+
+def _leave_process_group() -> None:
+    """Left to the interpreter's exit, gloo's threads could abort it ("terminate called without an active
+    exception") after the run's one line."""
+    if "torch.distributed" in sys.modules:
+        from alignrl.dist.env import shutdown
+
+        shutdown()
 
 
 def _stop_at_once_on_ctrl_c(line: str) -> None:
@@ -233,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     routed = _passthrough(argv)
     if "LOCAL_RANK" in os.environ and not routed:
         _stop_at_once_on_ctrl_c(_interrupted_line(argv, routed))
+    cfg = None
     try:
         if routed:  # these check their own input and handle `--nproc` themselves
             import importlib
@@ -246,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         args = _parse(argv)
+        stop_on_sigterm()  # `kill` of a run says what it leaves, as Ctrl-C does
         # loaded once: with verl's total_epochs it counts the data files' rows
         cfg = _config(args) if args.command in ("train", "demo") else None
         if not nproc and args.command == "train" and "LOCAL_RANK" not in os.environ and os.environ.get("RAY_ADDRESS"):
@@ -277,19 +298,19 @@ def main(argv: list[str] | None = None) -> int:
         from alignrl.dist.launch import speak_once
 
         if getattr(e, "this_rank_only", False):  # the other ranks met no error: torchrun's agent stops them
-            print(f"{program()}: error: {e}", file=sys.stderr, flush=True)
+            print(f"{program()}: error: {in_flag_words(str(e))}", file=sys.stderr, flush=True)
             code = 2
         else:
-            code = speak_once(f"{program()}: error: {e}")
-        if "torch.distributed" in sys.modules:  # left to the interpreter's exit, gloo's threads could abort it
-            from alignrl.dist.env import shutdown
-
-            shutdown()
+            code = speak_once(f"{program()}: error: {in_flag_words(str(e))}")
+        _leave_process_group()
         return code
-    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches every rank of the launch: rank 0 speaks
+    except KeyboardInterrupt as e:  # a terminal's Ctrl-C reaches every rank of the launch: rank 0 speaks
+        term = isinstance(e, Terminated)
         if os.environ.get("RANK", "0") == "0":
-            print(_interrupted_line(argv, routed), file=sys.stderr)
-        return 130
+            print(_interrupted_line(argv, routed, cfg, "stopped by SIGTERM" if term else "interrupted"),
+                  file=sys.stderr, flush=True)
+        _leave_process_group()
+        return 143 if term else 130
 
 
 if __name__ == "__main__":

@@ -5,11 +5,44 @@ lazily: the modules that define them pull in torch."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import signal
+import threading
 
 PROGRAM_ENV = "ALIGNRL_PROG"
 # set by a launcher (run_distributed.py) for the processes it starts: on Ctrl-C it speaks for them all
 LAUNCHER_ENV = "ALIGNRL_LAUNCHER"
+# {config key: flag} of a seed script whose flags set those keys: its errors say `--max-steps 0`, not
+# `trainer.total_training_steps=0` (inherited by the processes and ranks it starts)
+FLAGS_ENV = "ALIGNRL_FLAG_NAMES"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a scheduler) stopping a process that says why in one line, as for Ctrl-C."""
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM raises Terminated in the main thread (once; a second one while stopping is ignored). Elsewhere,
+    and under torchrun (whose agent's SIGTERM alignrl.dist.env handles), nothing changes."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    if threading.current_thread() is threading.main_thread() and "LOCAL_RANK" not in os.environ:
+        signal.signal(signal.SIGTERM, stop)
+
+
+def in_flag_words(text: str) -> str:
+    """`text` with the config keys of FLAGS_ENV said as the flags the user typed: `key=value` becomes
+    `flag value`, a bare `key` the flag."""
+    names = json.loads(os.environ.get(FLAGS_ENV) or "{}")
+    for key in sorted(names, key=len, reverse=True):
+        flag = names[key]
+        text = re.sub(rf"(?<![\w.-]){re.escape(key)}=(\S+?)(?=[,;:)]?(?:\s|$))", rf"{flag} \1", text)
+        text = re.sub(rf"(?<![\w.-]){re.escape(key)}(?![\w.])", flag, text)
+    return text
 
 
 def program() -> str:

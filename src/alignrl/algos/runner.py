@@ -28,8 +28,8 @@ from alignrl.data.sampler import BatchSampler
 from alignrl.dist.coordinator import Coordinator
 from alignrl.dist.env import DistEnv, barrier, init_distributed, mean_metrics
 from alignrl.rewards.registry import load_reward_fn
-from alignrl.train.checkpoint import (atomic_write_text, hold_run_dir, load_trainer_state, resume_point,
-                                      save_checkpoint, set_rng_state)
+from alignrl.train.checkpoint import (atomic_write_text, check_not_past, hold_run_dir, load_trainer_state,
+                                      resume_point, save_checkpoint, set_rng_state)
 from alignrl.utils.tracking import Tracker, console
 
 
@@ -118,14 +118,6 @@ def save_ds_config(cfg: RunConfig, trainer: PolicyTrainer, run_dir: Path, env: D
                       f"(actor.ppo_micro_batch_size) and {run['train_batch_size']} an optimizer step "
                       "(actor.ppo_mini_batch_size); set those", markup=False, soft_wrap=True)
     atomic_write_text(run_dir / "deepspeed.json", json.dumps({**ds, **run}, indent=2))
-
-
-def check_not_past(resume: Path | None, total: int) -> None:
-    """A checkpoint past the run's last step would train nothing and write over the summary: one line."""
-    done = int(resume.name[len("global_step_"):]) if resume else 0
-    if done > total:
-        raise ConfigError(f"the newest checkpoint, {resume}, is past trainer.total_training_steps={total}: set it "
-                          f"above {done} to train on, or trainer.resume_mode=disable to start afresh")
 
 
 def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: RemoteProducers | None = None

@@ -61,15 +61,14 @@ class Job:
 def check_inputs(cfg: RunConfig) -> None:
     """What the workers will load, checked here first: a bad data file or model folder is one line from the
     driver, not a worker's creation traceback wrapped in Ray's."""
-    from alignrl.algos.runner import check_not_past, load_task_data
+    from alignrl.algos.runner import load_task_data
     from alignrl.models.loader import resolve_model_path
     from alignrl.models.value import check_scorer_folder
     from alignrl.rewards.registry import load_reward_fn
-    from alignrl.train.checkpoint import latest_checkpoint
+    from alignrl.train.checkpoint import check_newest_not_past
 
     load_task_data(replace(cfg, data=replace(cfg.data, train_size=1)))  # generated rows need no check
-    if cfg.trainer.resume_mode == "auto":  # before any worker starts, not after (tens of seconds on a cluster)
-        check_not_past(latest_checkpoint(cfg.checkpoint_root)[0], cfg.trainer.total_training_steps)
+    check_newest_not_past(cfg)  # before any worker starts, not after (tens of seconds on a cluster)
     models = {"model.path": cfg.model.path, "critic.model_path": cfg.critic.model_path,
               "algorithm.reward_model": cfg.algorithm.reward_model, "safety.cost_model": cfg.safety.cost_model}
     for key, path in models.items():

@@ -28,7 +28,7 @@ from alignrl.data.records import ScoredBatch
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist.board import WeightBoard, other_base
 from alignrl.dist.cores import CoreLedger, ThreadLoan
-from alignrl.dist.dispatch import Dispatcher, Lease
+from alignrl.dist.dispatch import Dispatcher, Lease, say_requeued
 from alignrl.dist.env import DistEnv, all_reduce_sum, broadcast_frames
 from alignrl.dist.records_wire import from_wire
 from alignrl.dist.ref_share import RefShare, sampler_needs_ref, trainer_needs_ref
@@ -305,10 +305,8 @@ class Coordinator:
                 self.dispatcher.expire(now)
                 late, self.dispatcher.late = self.dispatcher.late, []
                 self.cores.update(self.dispatcher.outstanding, now)
-            for lease, why in [(x, f"not heard from in {self.p.heartbeat_timeout_s:g} s") for x in lost] + [
-                    (x, f"past pipeline.lease_timeout_s={self.p.lease_timeout_s:g} s") for x in late]:
-                console.print(f"pipeline: sampler {lease.sampler} {why}: its {len(lease.rows)} prompts (lease "
-                              f"{lease.id}) go to the next sampler that asks", markup=False)
+            say_requeued(lost, f"not heard from in {self.p.heartbeat_timeout_s:g} s")
+            say_requeued(late, f"past pipeline.lease_timeout_s={self.p.lease_timeout_s:g} s")
 
     def _guarded(self, peer: bytes, kind: str, answer, *args):
         """`answer(*args)`; a request whose fields are not what this version sends is answered with one line
@@ -340,6 +338,12 @@ class Coordinator:
                 dtypes = {k: v[1] for k, v in self.board.manifest.items()}  # what the sampler holds them in
                 self.replier.reply_msg(peer, "welcome", {"config": self.config_yaml, "incarnation": self.incarnation,
                                                          "dtypes": dtypes, "data": self.data_digest})
+            return
+        if msg.kind == "bye":  # a sampler stopping (Ctrl-C, kill): its prompts go to the next one now
+            with self.lock:
+                gone = self.dispatcher.release(process_of(meta))
+            self.replier.reply_msg(peer, "ok", {})
+            say_requeued(gone, "stopped")
             return
         if msg.kind != "work":
             self.replier.reply_msg(peer, "error", {"message": f"unknown request {msg.kind!r}"})

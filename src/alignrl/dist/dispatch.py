@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from alignrl.config import ConfigError
 from alignrl.data.sampler import BatchSampler
+from alignrl.utils.tracking import console
 
 
 @dataclass
@@ -90,6 +91,13 @@ class Dispatcher:
             self.expired += 1
         return lost
 
+    def release(self, sampler_id: str) -> list[Lease]:
+        """The leases of a sampler process that said it stops: back in the queue at once."""
+        gone = [lease for lease in self.outstanding.values() if lease.sampler == sampler_id and not lease.in_training]
+        for lease in gone:
+            self.refuse(lease.id)
+        return gone
+
     def take(self, lease_id: str) -> Lease | None:
         """The lease a batch answers, now in training; None if it is unknown (expired, or granted before a
         restart). It still counts as outstanding until `complete`: a lease granted meanwhile would be
@@ -138,3 +146,10 @@ class Dispatcher:
                 number = self.issued
             self.requeue.append((list(rows), number))
         self.outstanding = {}
+
+
+def say_requeued(leases: list[Lease], why: str) -> None:
+    """One line for each lease whose prompts went back in the queue, and `why`."""
+    for lease in leases:
+        console.print(f"pipeline: sampler {lease.sampler} {why}: its {len(lease.rows)} prompts (lease {lease.id}) go "
+                      "to the next sampler that asks", markup=False)

@@ -32,7 +32,7 @@ from alignrl.dist.ref_share import sampler_needs_ref
 from alignrl.dist.shared_weights import SHARED_KIND, SharedReader, SharedUnavailable, cuda_uuids, host_id
 from alignrl.dist.wire import DTYPE_NAMES, DTYPES, Message, WireError, check_weights, manifest_of
 from alignrl.dist.zmq_link import PeerTimeout, Pusher, Requester, address, token_from_env
-from alignrl.errors import LAUNCHER_ENV
+from alignrl.errors import LAUNCHER_ENV, Terminated, in_flag_words, stop_on_sigterm
 from alignrl.models.folder import weights_fingerprint
 from alignrl.models.loader import ModelError, load_model, resolve_model_path
 from alignrl.rollout.hf_engine import HFRolloutEngine
@@ -98,6 +98,16 @@ class Sampler:
         self.threads = torch.get_num_threads() if self.device.type == "cpu" else 0
         self.work_timeout = weights_timeout(sum(t.numel() * t.element_size() for t in self.model.parameters()))
         self.beat = Heartbeat(self.sync.addr, self.token, {"sampler_id": self.id, "proc": self.proc})
+
+    def bye(self) -> None:
+        """Tells the trainer this process stops, so that its prompts go to another sampler now, not after
+        pipeline.heartbeat_timeout_s (a socket of its own: the main one may be mid-request)."""
+        self.beat.close()
+        try:
+            with Requester(self.sync.addr, token=self.token) as req:
+                req.request("bye", {"sampler_id": self.id, "proc": self.proc}, timeout_s=1.0)
+        except (PeerTimeout, WireError):
+            pass  # no trainer to tell: the heartbeat's silence says it
 
     @property
     def device(self) -> torch.device:
@@ -297,13 +307,18 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
     """The sampler of parsed flags (alignrl.dist.seed004.sampling_parser) until the trainer's run is over."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    stop_on_sigterm()
+    sampler = None
     try:
-        return Sampler(args).run()
+        sampler = Sampler(args)
+        return sampler.run()
     except (PipelineError, WireError, ConfigError, ModelError, ValueError) as e:
-        print(f"{prog}: {e}", file=sys.stderr)
+        print(f"{prog}: {in_flag_words(str(e))}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if sampler is not None:
+            sampler.bye()
         if not os.environ.get(LAUNCHER_ENV):
-            print(f"{prog}: interrupted; the prompts it held go to the next sampler that asks (the same command "
-                  "starts it again)", file=sys.stderr)
-        return 130
+            print(f"{prog}: {'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}; the prompts it "
+                  "held go to the next sampler that asks (the same command starts it again)", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130

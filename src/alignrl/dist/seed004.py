@@ -31,9 +31,16 @@ from pathlib import Path
 from alignrl.dist.launch import OneLineParser
 from alignrl.dist.seed004_deepspeed import (DS_FILE, Seed004Error, ds_batch_overrides, generated, read_ds_json,
                                             run_batch, untouched)
-from alignrl.errors import PROGRAM_ENV
+from alignrl.errors import FLAGS_ENV, PROGRAM_ENV, in_flag_words
 
 SAVE_STEPS = 1000  # seed 004: "每1000步保存一次" (the final step is always saved)
+# the config keys the trainer's and the sampler's flags set: their errors name the flags (alignrl.errors)
+TRAINER_FLAGS = {"trainer.total_training_steps": "--max-steps", "data.train_files": "--data-path",
+                 "model.path": "--model-path", "trainer.output_dir": "--output-dir", "trainer.save_freq": "--save-steps",
+                 "pipeline.max_staleness": "--max-staleness", "data.train_batch_size": "--batch-size",
+                 "rollout.n": "--group-size", "actor.lr": "--lr", "pipeline.host": "--host",
+                 "pipeline.data_port": "--data-port", "pipeline.sync_port": "--sync-port", "trainer.threads": "--threads"}
+SAMPLER_FLAGS = {"model.path": "--model-path", "data.train_files": "--data-path"}
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -112,6 +119,29 @@ def ports_problem(host: str, data_port: int, sync_port: int, whose: str = "") ->
     return None
 
 
+def port_taken(host: str, data_port: int, sync_port: int) -> str | None:
+    """A trainer port another program holds, in the flags' words (None: both free). Binding is the only sure test;
+    the sockets are closed at once (SO_REUSEADDR, as ZeroMQ binds)."""
+    import errno
+    import socket
+
+    where = "0.0.0.0" if host in ("*", "") else host
+    for flag, port in (("--data-port", data_port), ("--sync-port", sync_port)):
+        try:
+            family = socket.getaddrinfo(where, port, type=socket.SOCK_STREAM)[0][0]
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((where.strip("[]"), port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return (f"{flag} {port} is in use on {host} (another training_worker.py, or another program): stop "
+                        f"it or pass another {flag}")
+            if e.errno == errno.EADDRNOTAVAIL:
+                return (f"--host {host} is not an address of this machine, where the trainer binds: give one of "
+                        "its addresses, 0.0.0.0 for all of them, or 127.0.0.1")
+    return None
+
+
 def prepare_training(a: argparse.Namespace, extra: list[str], write: bool, say=None) -> list[str]:
     """The trainer's config overrides once its flags, its config and `deepspeed.json` are checked: ConfigError or
     Seed004Error in one line otherwise. `write`: generate a missing deepspeed.json (with this run's batch numbers)
@@ -144,6 +174,7 @@ def prepare_training(a: argparse.Namespace, extra: list[str], write: bool, say=N
             say(f"{a.nproc} training processes: {a.batch_size} prompts a step (the default {prompts} does not split "
                 "evenly over them; --batch-size sets it)")
     check_world_size(cfg, a.nproc)  # what the launch checks too: before deepspeed.json is written for the split
+    before_start(cfg, a)
     if a.no_deepspeed:
         return training_overrides(a, extra)
     path = Path(DS_FILE)
@@ -178,6 +209,23 @@ def prepare_training(a: argparse.Namespace, extra: list[str], write: bool, say=N
     return training_overrides(a, extra, str(path.resolve()) if (path.is_file() or write) else None) + more
 
 
+def before_start(cfg, a: argparse.Namespace) -> None:
+    """What the trainer would refuse once started, checked before anything is written or started (by
+    run_distributed.py, before its sampler): the ports, binding beyond loopback without a token, a checkpoint
+    past --max-steps."""
+    from alignrl.dist.zmq_link import InsecureBind, check_bind, token_from_env
+    from alignrl.train.checkpoint import check_newest_not_past
+
+    problem = port_taken(a.host, a.data_port, a.sync_port)
+    if problem:
+        raise Seed004Error(problem)
+    try:
+        check_bind(a.host, token_from_env())
+    except InsecureBind as e:
+        raise Seed004Error(f"--host {a.host}: {e}") from None
+    check_newest_not_past(cfg)
+
+
 def parse_training(argv: list[str] | None, prog: str = "training_worker.py") -> tuple[argparse.Namespace, list[str]]:
     """The trainer's flags, and the `key.sub=value` overrides after them."""
     p = training_parser(prog)
@@ -202,11 +250,12 @@ def training_main(argv: list[str] | None = None, prog: str = "training_worker.py
     a, extra = parse_training(argv, prog)
     from alignrl.config import ConfigError
 
+    os.environ.setdefault(FLAGS_ENV, json.dumps(TRAINER_FLAGS))
     try:  # a mistaken value is named before anything is written (deepspeed.json) or started
         overrides = prepare_training(a, extra, write=True,
                                      say=lambda line: print(f"training_worker: {line}", file=sys.stderr, flush=True))
     except (ConfigError, Seed004Error) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {in_flag_words(str(e))}", file=sys.stderr)
         return 2
     # the run's own lines, on every torchrun rank, name the script the user ran (run_distributed.py sets its own)
     os.environ.setdefault(PROGRAM_ENV, prog)
@@ -252,6 +301,7 @@ def sampling_main(argv: list[str] | None = None, prog: str = "sampling_worker.py
     stay visible for its weights to be mapped (pipeline.weight_transport)."""
     p = sampling_parser(prog)
     args = p.parse_args(argv)
+    os.environ.setdefault(FLAGS_ENV, json.dumps(SAMPLER_FLAGS))
     problem = sampling_args_problem(args)
     if problem:
         p.error(problem)

@@ -5,6 +5,7 @@ and both stopped with it."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -12,9 +13,10 @@ import sys
 
 from alignrl.dist.launch import OneLineParser, wait_interruptible
 from alignrl.dist.lifetime import preexec_die_with_parent
-from alignrl.dist.seed004 import has_cuda, parse_training, ports_problem, prepare_training, training_parser
+from alignrl.dist.seed004 import (TRAINER_FLAGS, has_cuda, parse_training, ports_problem, prepare_training,
+                                  training_parser)
 from alignrl.dist.seed004_deepspeed import DS_FILE, Seed004Error
-from alignrl.errors import LAUNCHER_ENV, PROGRAM_ENV
+from alignrl.errors import FLAGS_ENV, LAUNCHER_ENV, PROGRAM_ENV, in_flag_words
 
 # the trainer's flags run_distributed.py sets itself (from its own flags): the others are passed on
 LAUNCHER_SETS = ("--gpu-id", "--nproc", "--host", "--data-port", "--sync-port", "--model-path")
@@ -53,6 +55,10 @@ def launcher_main(argv: list[str] | None = None) -> int:
                    help="HF model folder (default: the embedded demo model)")
     p.add_argument("--host", default="127.0.0.1", help="the address the trainer binds and the sampler connects to")
     a, rest = p.parse_known_args(argv)
+    mine = [w for w in rest if w.split("=", 1)[0] in LAUNCHER_SETS]
+    if mine:  # the trainer's --nproc would disagree with --training-gpus (and its checkpoint with the next run)
+        p.error(f"unrecognized arguments: {mine[0]} (run_distributed.py sets it from --sampling-gpu and "
+                "--training-gpus)")
     try:
         gpus = [int(g) for g in a.training_gpus.split(",") if g.strip()]
     except ValueError:
@@ -72,10 +78,11 @@ def launcher_main(argv: list[str] | None = None) -> int:
     t.nproc, t.host, t.data_port, t.sync_port, t.model_path = len(gpus), a.host, a.data_port, a.sync_port, a.model_path
     from alignrl.config import ConfigError
 
+    os.environ.setdefault(FLAGS_ENV, json.dumps(TRAINER_FLAGS))  # for its errors, and the two processes'
     try:
         prepare_training(t, extra, write=False)
     except (ConfigError, Seed004Error) as e:
-        p.error(str(e))
+        p.error(in_flag_words(str(e)))
     threads = max(1, (os.cpu_count() or 1) // (len(gpus) + 1))  # processes sharing a machine split its cores
     ports = ["--host", a.host, "--data-port", str(a.data_port), "--sync-port", str(a.sync_port)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), LAUNCHER_ENV: "run_distributed.py",

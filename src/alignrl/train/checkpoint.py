@@ -329,3 +329,19 @@ def resume_point(root: Path, mode: str, env: DistEnv = SINGLE, log: Callable[[st
                 + f"resuming from {resume.name}, the newest complete checkpoint" + _tracker_note(root, resume))
     barrier(env)
     return resume
+
+
+def check_not_past(resume: Path | None, total: int) -> None:
+    """A checkpoint past the run's last step would train nothing and write over the summary: one line."""
+    done = int(resume.name[len("global_step_"):]) if resume else 0
+    if done > total:
+        from alignrl.config import ConfigError
+
+        raise ConfigError(f"the newest checkpoint, {resume}, is past trainer.total_training_steps={total}: set it "
+                          f"above {done} to train on, or trainer.resume_mode=disable to start afresh")
+
+
+def check_newest_not_past(cfg) -> None:
+    """check_not_past for the checkpoint a run of `cfg` (a RunConfig) would resume from: before anything starts."""
+    if cfg.trainer.resume_mode == "auto":
+        check_not_past(latest_checkpoint(cfg.checkpoint_root)[0], cfg.trainer.total_training_steps)
