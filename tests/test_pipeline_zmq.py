@@ -207,6 +207,8 @@ def test_a_killed_trainer_resumes_and_the_sampler_rejoins(tiny_model_dir, tmp_pa
     # pipeline.ref_logprobs=balance: the trainer computes the reference rows of whole prompt groups (n=4)
     rows = [json.loads(x) for x in (run / "logs" / "metrics.jsonl").read_text().splitlines()][1:]
     assert all(r["pipeline/ref_rows_trainer"] in (0, 4, 8, 12, 16) for r in rows)
+    # the run's staleness histogram goes on across the restart: one batch a step (it started again from 0)
+    assert sum(v for k, v in rows[-1].items() if k.startswith("pipeline/staleness_")) == steps, rows[-1]
 
 
 def _root_script(*args, cwd):

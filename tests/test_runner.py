@@ -436,3 +436,10 @@ def test_the_saved_deepspeed_json_holds_the_runs_batch_and_names_what_it_does_no
     (tmp_path / "z3.json").write_text(json.dumps({"train_batch_size": "auto", "zero_optimization": {"stage": 3}}))
     save_ds_config(cfg, trainer, tmp_path, DistEnv(world_size=2))
     assert capsys.readouterr().out == ""  # "auto" is the run's
+
+
+def test_a_run_folder_that_cannot_be_made_is_one_line(tmp_path):
+    """/proc/x (no such folder can exist there) ended in mkdir's FileNotFoundError traceback."""
+    with pytest.raises(ConfigError, match=r"^cannot create the run folder /proc/x/r \(No such file or directory\): set "
+                                          "trainer.output_dir to a folder this process can write$"):
+        train_grpo(load_config(None, ["trainer.output_dir=/proc/x", "trainer.experiment_name=r"]))

@@ -388,6 +388,20 @@ def test_checkpoints_every_1000_steps_as_the_seed_says(trainer, capsys, argv, fr
     assert load_config(None, overrides).trainer.save_freq == freq
 
 
+def test_held_out_data_of_the_task_through_eval_data_path(trainer, capsys, tmp_path):
+    """--data-path alone left the held-out accuracy on synthetic arithmetic, whatever the task."""
+    from alignrl.config import load_config
+
+    held = tmp_path / "test.jsonl"
+    held.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    code, overrides, err = trainer(["--no-deepspeed", "--eval-data-path", held], capsys)
+    assert code == 0 and load_config(None, overrides).data.val_files == str(held), err
+    code, overrides, err = trainer(["--eval-data-path", "/nonexistent.jsonl"], capsys)
+    assert code == 2 and overrides is None
+    assert one_line(err).startswith("training_worker.py: error: --eval-data-path /nonexistent.jsonl: no such file; "
+                                    "give the held-out data")
+
+
 def test_training_worker_names_its_flags_not_the_config_keys_they_set(trainer, capsys):
     code, overrides, err = trainer(["--max-steps", "0"], capsys)
     assert code == 2 and overrides is None

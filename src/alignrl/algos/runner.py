@@ -131,7 +131,11 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     check_world_size(cfg, env.world_size)
     console.quiet = not env.is_main  # one rank speaks
     if env.is_main:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a path under /proc, a read-only or full disk: named, not a traceback
+            raise ConfigError(f"cannot create the run folder {cfg.run_dir} ({e.strerror}): set trainer.output_dir "
+                              "to a folder this process can write") from None
     claim = hold_run_dir(cfg.run_dir) if env.is_main else None  # held while the run writes there
     try:
         return _train(cfg, env, wall_start, producers)
@@ -216,7 +220,9 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
     # a file that is also the training data is no held-out set (OpenRLHF's --prompt_data without --eval_dataset)
     d = cfg.data
     held = "held-out" if d.val_files == "synthetic" or d.val_files != d.train_files else "training-prompt"
-    console.print(f"train problems {len(train)}, {held} {len(val)}; run dir {run_dir}")
+    if d.val_files == "synthetic" and d.train_files != "synthetic":  # the accuracy is not on the user's task
+        held += " (synthetic arithmetic: data.val_files names a held-out file of the task)"
+    console.print(f"train problems {len(train)}, {held} {len(val)}; run dir {run_dir}", markup=False)
     if "base" not in state:
         t0 = time.time()
         if env.is_main:  # evaluation runs on rank 0's full (unsharded) rollout model; the others wait

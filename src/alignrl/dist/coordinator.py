@@ -261,13 +261,16 @@ class Coordinator:
 
     def state_dict(self) -> dict:
         with self.lock:
-            return {"dispatch": self.dispatcher.state_dict(), "step": self.delivered}
+            return {"dispatch": self.dispatcher.state_dict(), "step": self.delivered, "counters": dict(self.counters),
+                    "staleness": dict(self.staleness_hist)}  # the run's totals go on across a resume
 
     def load_state_dict(self, state: dict) -> None:
         """Also forgets the logged steps after the checkpoint: they are trained again."""
         with self.lock:
             self.dispatcher.load_state_dict(state["dispatch"])
         self.delivered = int(state["step"])
+        self.counters.update(state.get("counters", {}))
+        self.staleness_hist = {int(k): int(v) for k, v in state.get("staleness", {}).items()}
         path = self.log_dir / "prompts.jsonl"
         if self.env.is_main and path.is_file():  # a line a kill left torn goes with the steps after the checkpoint
             keep = [r for r in json_rows(path.read_text()) if r.get("step", 0) <= self.delivered]

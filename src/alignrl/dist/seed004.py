@@ -36,6 +36,7 @@ from alignrl.errors import FLAGS_ENV, PROGRAM_ENV, in_flag_words
 SAVE_STEPS = 1000  # seed 004: "每1000步保存一次" (the final step is always saved)
 # the config keys the trainer's and the sampler's flags set: their errors name the flags (alignrl.errors)
 TRAINER_FLAGS = {"trainer.total_training_steps": "--max-steps", "data.train_files": "--data-path",
+                 "data.val_files": "--eval-data-path",
                  "model.path": "--model-path", "trainer.output_dir": "--output-dir", "trainer.save_freq": "--save-steps",
                  "pipeline.max_staleness": "--max-staleness", "data.train_batch_size": "--batch-size",
                  "rollout.n": "--group-size", "actor.lr": "--lr", "pipeline.host": "--host",
@@ -56,6 +57,8 @@ def training_parser(prog: str = "training_worker.py") -> argparse.ArgumentParser
                    help="HF model folder (default: the embedded demo model)")
     p.add_argument("--data-path", default=None, metavar="FILE",
                    help="training data (.jsonl/.json/.parquet); default: synthetic arithmetic")
+    p.add_argument("--eval-data-path", default=None, metavar="FILE",
+                   help="held-out data for the accuracy (data.val_files); default: synthetic arithmetic")
     p.add_argument("--max-steps", type=int, default=None, metavar="N", help="RL steps (trainer.total_training_steps)")
     p.add_argument("--output-dir", default="output", metavar="DIR", help="run folders go here (default: output)")
     p.add_argument("--max-staleness", type=int, default=None, metavar="K",
@@ -76,7 +79,8 @@ def training_overrides(a: argparse.Namespace, extra: list[str], ds_json: str | N
     o = ["pipeline.placement=zmq", f"pipeline.host={a.host}", f"pipeline.data_port={a.data_port}",
          f"pipeline.sync_port={a.sync_port}", f"model.path={a.model_path}", f"trainer.output_dir={a.output_dir}",
          "trainer.experiment_name=grpo_zmq"]
-    for key, value in (("data.train_files", a.data_path), ("trainer.total_training_steps", a.max_steps),
+    for key, value in (("data.train_files", a.data_path), ("data.val_files", a.eval_data_path),
+                       ("trainer.total_training_steps", a.max_steps),
                        ("pipeline.max_staleness", a.max_staleness), ("data.train_batch_size", a.batch_size),
                        ("actor.ppo_mini_batch_size", a.batch_size), ("rollout.n", a.group_size),
                        ("actor.lr", a.lr), ("trainer.save_freq", a.save_steps)):
@@ -90,15 +94,17 @@ def training_overrides(a: argparse.Namespace, extra: list[str], ds_json: str | N
     return o + extra
 
 
-def data_path_problem(path: str | None, side: str) -> str | None:
-    """A --data-path that names no readable data file, in the flag's own words (`side`: what leaving it out means)."""
+def data_path_problem(path: str | None, side: str, flag: str = "--data-path") -> str | None:
+    """A --data-path (or `flag`) that names no readable data file, in the flag's own words (`side`: what leaving it
+    out means)."""
     if path is None or path == "synthetic":
         return None
     if not Path(path).is_file():
         what = "a folder" if Path(path).is_dir() else "no such file"
-        return f"--data-path {path}: {what}; give the training data (.jsonl, .json or .parquet), or {side}"
+        return f"{flag} {path}: {what}; give the {'held-out' if 'eval' in flag else 'training'} data (.jsonl, .json " \
+               f"or .parquet), or {side}"
     if Path(path).suffix.lower() not in DATA_SUFFIXES:
-        return f"--data-path {path}: a {Path(path).suffix or 'suffix-less'} file; give a .jsonl, .json or .parquet file"
+        return f"{flag} {path}: a {Path(path).suffix or 'suffix-less'} file; give a .jsonl, .json or .parquet file"
     return None
 
 
@@ -148,7 +154,8 @@ def prepare_training(a: argparse.Namespace, extra: list[str], write: bool, say=N
     and say, through `say`, what it wrote and which values came from the user's file."""
     from alignrl.config import ConfigError, check_world_size, keys_given, load_config
 
-    problem = data_path_problem(a.data_path, "leave it out for synthetic arithmetic")
+    problem = (data_path_problem(a.data_path, "leave it out for synthetic arithmetic")
+               or data_path_problem(a.eval_data_path, "leave it out for synthetic arithmetic", "--eval-data-path"))
     if problem:
         raise Seed004Error(problem)
     if a.model_path != "demo":  # named in the flag's spelling (the demo model is built on first use)
