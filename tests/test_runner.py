@@ -79,6 +79,14 @@ def test_killed_run_resumes_to_identical_weights(tiny_model_dir, tmp_path, cli_i
     proc.wait(timeout=30)
     killed_at = int(tracker.read_text())
     assert killed_at < steps, "the run finished before it could be killed"
+    # the launches before a resume count in the summary's wall_seconds, up to their checkpoint (here set to 1000 s)
+    from alignrl.train.checkpoint import write_manifest
+
+    at = tmp_path / "killed" / "checkpoints" / f"global_step_{killed_at}"
+    state = torch.load(at / "trainer_state.pt", weights_only=False)
+    assert state["wall_seconds"] > 0
+    torch.save({**state, "wall_seconds": 1000.0}, at / "trainer_state.pt")
+    write_manifest(at)
 
     resumed = cli_in_process(*args, "trainer.resume_mode=auto")
     assert resumed.returncode == 0, resumed.stderr
@@ -89,6 +97,7 @@ def test_killed_run_resumes_to_identical_weights(tiny_model_dir, tmp_path, cli_i
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
     rows = [json.loads(x) for x in (tmp_path / "killed" / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps + 1)), "each step logged exactly once"
+    assert 1000 < json.loads((tmp_path / "killed" / "summary.json").read_text())["wall_seconds"] < 1300
     # a lower step target than the checkpoint's would train nothing and write over the summary: refused
     summary = (tmp_path / "straight" / "summary.json").read_text()
     with pytest.raises(ConfigError, match=f"global_step_{steps}, is past trainer.total_training_steps=2"):

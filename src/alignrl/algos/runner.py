@@ -234,10 +234,12 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
             state["base_room"] = measure_room("base model")
         barrier(env)
 
+    earlier_s = float(state.get("wall_seconds", 0.0))  # the launches before a resume, up to their checkpoint
+
     def checkpoint(step: int) -> None:
         save_checkpoint(ckpt_root, step, placed.engines(), tokenizer,
                         {"source": source.state_dict(), "trainer": trainer.state_dict(), "base": state.get("base"),
-                         "base_room": state.get("base_room"),
+                         "base_room": state.get("base_room"), "wall_seconds": earlier_s + time.time() - wall_start,
                          "strategy": strategy}, cfg.trainer.max_checkpoints, env, placed.saved_elsewhere())
 
     columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -274,7 +276,7 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
     summary = {"base_accuracy": base["accuracy"], "final_accuracy": final["accuracy"],
                "gain_points": round(100 * (final["accuracy"] - base["accuracy"]), 2),
                "steps": total,
-               "heldout_problems": len(val), "wall_seconds": round(time.time() - wall_start, 1),
+               "heldout_problems": len(val), "wall_seconds": round(earlier_s + time.time() - wall_start, 1),
                "run_dir": str(run_dir)}
     if "accuracy_flexible" in final:
         summary.update(base_accuracy_flexible=base["accuracy_flexible"], final_accuracy_flexible=final["accuracy_flexible"],
