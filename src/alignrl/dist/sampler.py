@@ -132,7 +132,8 @@ class Sampler:
                 if time.monotonic() > deadline:
                     raise PipelineError(f"no trainer answered on {self.sync.addr} for {self.args.peer_timeout:g} s: "
                                         "start training_worker.py (or alignrl train grpo pipeline.placement=zmq) "
-                                        "with the same --sync-port") from None
+                                        "with the same --sync-port; a trainer that runs answers on its "
+                                        "--sync-port, not its --data-port (swapped?)") from None
 
     def hello(self) -> RunConfig:
         manifest = {k: [list(v.shape), v.dtype] for k, v in self.manifest.items()}
