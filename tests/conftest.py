@@ -197,3 +197,37 @@ def pytest_sessionfinish(session, exitstatus):
     from alignrl.dist import shm_segments
 
     shm_segments.sweep()
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    return lines[0]
+
+
+@pytest.fixture
+def trainer(tmp_path, monkeypatch):
+    """training_worker.py's main in `tmp_path`, with the launch replaced: (exit code, the trainer's overrides or
+    None when nothing was launched, stderr)."""
+    from alignrl import cli
+    from alignrl.dist import launch, seed004
+
+    monkeypatch.chdir(tmp_path)
+    # training_main sets them; restored after the test
+    for var in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "ALIGNRL_PROG"):
+        monkeypatch.setenv(var, os.environ.get(var, ""))
+        monkeypatch.delenv(var)
+    launched = []
+    monkeypatch.setattr(launch, "torchrun", lambda nproc, argv, *a, **k: launched.append(argv) or 0)
+    monkeypatch.setattr(cli, "main", lambda argv: launched.append(argv) or 0)
+
+    def run(argv, capsys):
+        launched.clear()
+        try:
+            code = seed004.training_main([str(x) for x in argv])
+        except SystemExit as e:
+            code = e.code
+        ran = launched[-1][launched[-1].index("grpo") + 1:] if launched else None
+        return code, ran, capsys.readouterr().err
+
+    return run

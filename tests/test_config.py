@@ -97,8 +97,11 @@ def test_one_value_given_to_a_list_key_is_a_list_of_one():
     (["algorithm.rollout_is=batch"], "algorithm.rollout_is='batch' is not allowed; choose one of: none, token"),
     (["algorithm.rollout_is_mode=clip"], "algorithm.rollout_is_mode='clip' is not allowed"),
     (["algorithm.rollout_is_threshold=0"], "algorithm.rollout_is_threshold=0.0 is out of range"),
-    (["algorithm.rollout_is_threshold_lower=2"], "algorithm.rollout_is_threshold_lower=2.0 must be below "
-                                                "algorithm.rollout_is_threshold=2.0"),
+    (["algorithm.rollout_is_mode=mask", "algorithm.rollout_is_threshold_lower=2"],
+     "algorithm.rollout_is_threshold_lower=2.0 must be below algorithm.rollout_is_threshold=2.0"),
+    (["algorithm.rollout_is_mode=mask", "algorithm.rollout_is_threshold=0.5"],
+     "algorithm.rollout_is_threshold_lower=default 1/threshold must be below algorithm.rollout_is_threshold=0.5"),
+    (["algorithm.rollout_is_threshold_lower=0.1"], "is read only by algorithm.rollout_is_mode=mask, not truncate"),
     (["algorithm.overlong_buffer_len=65"], "algorithm.overlong_buffer_len=65 must be <= rollout.max_new_tokens=64"),
     (["algorithm.max_gen_rounds=-1"], "algorithm.max_gen_rounds=-1 is out of range"),
     (["agent.max_turns=2", "retriever.url=127.0.0.1:8000/retrieve"],
@@ -221,6 +224,15 @@ def test_an_interrupted_run_says_whether_the_same_command_resumes(tmp_path, monk
     assert _interrupted_line(["train", "grpo"], None, cfg) == (
         f"training_worker.py: interrupted; the same command continues from {step}")
     assert _interrupted_line(["config"], None, cfg) == "training_worker.py: interrupted"
+    again = load_config(None, [f"trainer.output_dir={tmp_path}", "trainer.resume_mode=disable"])
+    assert _interrupted_line(["train", "grpo"], None, again).endswith(
+        "interrupted; the same command starts over (trainer.resume_mode=disable; auto continues from the last "
+        "checkpoint)")
+    assert _interrupted_line(["train", "grpo"], None, None).endswith(
+        "interrupted while starting; the same command starts it again (from the run's last checkpoint, if it has "
+        "one)")
+    final_only = load_config(None, [f"trainer.output_dir={tmp_path / 'other'}", "trainer.save_freq=0"])
+    assert "(--save-steps 0 saves the final step only)" in _interrupted_line(["train", "grpo"], None, final_only)
 
 
 def test_readme_reference_is_current():

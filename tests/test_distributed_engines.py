@@ -248,13 +248,15 @@ def test_the_ray_engines_shares_merge_into_the_whole_batchs_metrics():
                                                    "response/length_max": 9.0, "response/length_mean": 5.0})
 
 
-def test_deepspeeds_deprecated_collective_warnings_are_quiet():
+def test_deepspeeds_deprecated_collective_warnings_are_quiet(monkeypatch):
     """DeepSpeed's ZeRO calls torch's all_gather_into_tensor and reduce_scatter_tensor, which warn on every call
     (4 lines in a 2-step run); other FutureWarnings still show."""
     import warnings
 
     from alignrl.dist.env import quiet_deepspeed
 
+    monkeypatch.setenv("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", ""))  # quiet_deepspeed may set it
+    monkeypatch.delenv("DS_ACCELERATOR")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         quiet_deepspeed()

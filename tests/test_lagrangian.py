@@ -30,6 +30,15 @@ def test_multiplier_steps_in_log_space_on_the_window_mean_as_safe_rlhf():
     assert lam.value > 0  # never negative, and never 0: a log
 
 
+def test_a_violation_that_lasts_grows_lambda_to_its_cap_not_past_a_float():
+    """The step grows with lambda: 5 over the limit went 1.6, 3.8, 24.6, 5.5e6, then exp overflowed and the run
+    ended in a traceback. Capped at lambda_max (100 by default), or at e^50 without one."""
+    for cap, top in ((100.0, 100.0), (None, math.exp(LagrangeMultiplier.LOG_CAP))):
+        lam = LagrangeMultiplier(init=1.0, lr=0.1, max_value=cap)
+        values = [lam.update(step, [5.0]) for step in range(1, 40)]
+        assert values[-1] == pytest.approx(top) and all(math.isfinite(v) for v in values)
+
+
 def test_multiplier_waits_its_delay_and_stays_under_its_cap():
     lam = LagrangeMultiplier(init=1.0, lr=1.0, max_value=2.0, delay_steps=2)
     assert lam.update(1, [5.0]) == 1.0 and lam.update(2, [5.0]) == 1.0  # the costs still fill the window
@@ -41,6 +50,8 @@ def test_multiplier_waits_its_delay_and_stays_under_its_cap():
     assert again.value == pytest.approx(2.0) and list(again.costs) == [5.0, 5.0, 5.0]
     again.load_state_dict({"value": 3.0})  # a checkpoint of the earlier linear multiplier
     assert again.value == pytest.approx(3.0) and not again.costs
+    again.load_state_dict({"value": 0.0})  # its inactive 0: from lambda_init (a log of 1e-8 never moved again)
+    assert again.value == pytest.approx(1.0)
     with pytest.raises(ValueError, match="init must be > 0"):
         LagrangeMultiplier(init=0.0)
 

@@ -131,21 +131,24 @@ def test_prompt_key_config_checks(over, words) -> None:
                               "data.apply_chat_template=false"]).data.input_template == "Q: {}"
 
 
-def test_the_readme_input_template_as_the_shell_passes_it(tmp_path: Path) -> None:
-    """`data.input_template='User: {}\\nAssistant: '` reaches the program without its quotes, braces and a
-    backslash-n in it: the text key takes it as text (YAML read `User: {}` as a mapping), and the typed \\n
-    becomes a newline in the prompt."""
+def test_the_readme_input_template_as_the_shell_passes_it(tmp_path: Path, capsys) -> None:
+    """`data.input_template=$'User: {}\\nAssistant: '` reaches the program with braces and a newline in it: the text
+    key takes it as text (YAML read `User: {}` as a mapping). Typed as `'User: {}\\nAssistant: '` it holds the two
+    characters backslash-n, kept as they are (a template may hold LaTeX such as \\nabla), with a warning."""
     from alignrl.algos.runner import load_task_data
     from alignrl.config import load_config
 
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps({"input": "What is 6 * 7?", "label": "42"}) + "\n")
-    cfg = load_config(None, [f"data.train_files={path}", f"data.val_files={path}", "data.prompt_key=input",
-                             "data.label_key=label", "data.apply_chat_template=false",
-                             "data.input_template=User: {}\\nAssistant: "])
-    assert cfg.data.input_template == "User: {}\\nAssistant: "
+    base = [f"data.train_files={path}", f"data.val_files={path}", "data.prompt_key=input", "data.label_key=label",
+            "data.apply_chat_template=false"]
+    cfg = load_config(None, [*base, "data.input_template=User: {}\nAssistant: "])
     train, _ = load_task_data(cfg)
     assert train[0].prompt_text == "User: What is 6 * 7?\nAssistant: "
+    assert "not a newline" not in capsys.readouterr().out
+    cfg = load_config(None, [*base, "data.input_template=User: {}\\nAssistant: "])
+    assert load_task_data(cfg)[0][0].prompt_text == "User: What is 6 * 7?\\nAssistant: "
+    assert "data.input_template holds the two characters \\n, not a newline" in capsys.readouterr().out
 
 
 def test_grpo_trains_a_step_on_a_messages_json_file(tiny_model_dir, tmp_path: Path) -> None:

@@ -130,11 +130,9 @@ def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
             if cfg.algorithm.reward_fn is None:  # a user's reward function decides what it scores
                 check_sources(path, REWARDS, f"data.{key}")
     if reward_fn:
-        from alignrl.rewards.registry import load_reward_fn
+        from alignrl.rewards.registry import check_user_fns
 
-        load_reward_fn(cfg.algorithm.reward_fn)
-        if cfg.safety.cost_fn:
-            load_reward_fn(cfg.safety.cost_fn, "safety.cost_fn")
+        check_user_fns(cfg)
     if cfg.algorithm.reward_model or cfg.safety.cost_model:  # before the policy loads (rm imports torch: last)
         from alignrl.algos.rm import check_rl_scorers
 
@@ -214,15 +212,19 @@ def _interrupted_line(argv: list[str], routed, cfg: RunConfig | None = None, how
     which checkpoint, or starts over."""
     if routed or argv[:1] not in (["train"], ["demo"]):
         return f"{program()}: {how}"
-    if cfg is None or cfg.trainer.resume_mode != "auto":
-        return in_flag_words(f"{program()}: {how}; run the same command again to continue from the last "
-                             "checkpoint (trainer.resume_mode=auto, the default)")
+    if cfg is None:  # still starting
+        return f"{program()}: {how} while starting; the same command starts it again (from the run's last " \
+               "checkpoint, if it has one)"
+    if cfg.trainer.resume_mode != "auto":
+        return in_flag_words(f"{program()}: {how}; the same command starts over (trainer.resume_mode="
+                             f"{cfg.trainer.resume_mode}; auto continues from the last checkpoint)")
     from alignrl.train.checkpoint import latest_checkpoint
 
     found, _ = latest_checkpoint(cfg.checkpoint_root)
     if found is None:
-        return in_flag_words(f"{program()}: {how} before the first checkpoint (one every trainer.save_freq="
-                             f"{cfg.trainer.save_freq} steps): the same command starts over")
+        every = (f"one every trainer.save_freq={cfg.trainer.save_freq} steps" if cfg.trainer.save_freq else
+                 "trainer.save_freq=0 saves the final step only")
+        return in_flag_words(f"{program()}: {how} before the first checkpoint ({every}): the same command starts over")
     return f"{program()}: {how}; the same command continues from {found}"
 
 
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     routed = _passthrough(argv)
     if "LOCAL_RANK" in os.environ and not routed:
         _stop_at_once_on_ctrl_c(_interrupted_line(argv, routed))
-    cfg = None
+    cfg, old_term = None, None
     try:
         if routed:  # these check their own input and handle `--nproc` themselves
             import importlib
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         args = _parse(argv)
-        stop_on_sigterm()  # `kill` of a run says what it leaves, as Ctrl-C does
+        old_term = stop_on_sigterm()  # `kill` of a run says what it leaves, as Ctrl-C does
         # loaded once: with verl's total_epochs it counts the data files' rows
         cfg = _config(args) if args.command in ("train", "demo") else None
         if not nproc and args.command == "train" and "LOCAL_RANK" not in os.environ and os.environ.get("RAY_ADDRESS"):
@@ -311,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
         _leave_process_group()
         return 143 if term else 130
+    finally:  # a caller in this process (a notebook, a test) keeps its own SIGTERM handling
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,17 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (`kill`, a scheduler) stopping a process that says why in one line, as for Ctrl-C."""
 
 
-def stop_on_sigterm() -> None:
-    """SIGTERM raises Terminated in the main thread (once; a second one while stopping is ignored). Elsewhere,
-    and under torchrun (whose agent's SIGTERM alignrl.dist.env handles), nothing changes."""
+def stop_on_sigterm():
+    """SIGTERM raises Terminated in the main thread (once; a second one while stopping is ignored). Returns the
+    handler it replaced, for the caller to put back (None: nothing changed, as in another thread or under torchrun,
+    whose agent's SIGTERM alignrl.dist.env handles)."""
     def stop(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated
 
     if threading.current_thread() is threading.main_thread() and "LOCAL_RANK" not in os.environ:
-        signal.signal(signal.SIGTERM, stop)
+        return signal.signal(signal.SIGTERM, stop)
+    return None
 
 
 def in_flag_words(text: str) -> str:
@@ -40,8 +42,8 @@ def in_flag_words(text: str) -> str:
     names = json.loads(os.environ.get(FLAGS_ENV) or "{}")
     for key in sorted(names, key=len, reverse=True):
         flag = names[key]
-        text = re.sub(rf"(?<![\w.-]){re.escape(key)}=(\S+?)(?=[,;:)]?(?:\s|$))", rf"{flag} \1", text)
-        text = re.sub(rf"(?<![\w.-]){re.escape(key)}(?![\w.])", flag, text)
+        text = re.sub(rf"(?<![\w.-]){re.escape(key)}=(\S+?)(?=[,;:.)]?(?:\s|$))", rf"{flag} \1", text)
+        text = re.sub(rf"(?<![\w.-]){re.escape(key)}(?!\w|\.\w)", flag, text)  # "... set rollout.n." too
     return text
 
 

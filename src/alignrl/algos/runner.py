@@ -36,10 +36,11 @@ from alignrl.utils.tracking import Tracker, console
 def load_task_data(cfg: RunConfig):
     d = cfg.data
     # a file's columns: detected (GSM8K/verl), or named by data.prompt_key/label_key (both splits alike)
-    # `\n` in a template typed on the command line reaches here as two characters: it means a newline
-    template = d.input_template.replace("\\n", "\n").replace("\\t", "\t") if d.input_template else None
+    if d.input_template and "\\n" in d.input_template and "\n" not in d.input_template:  # OpenRLHF warns too
+        console.print("data.input_template holds the two characters \\n, not a newline: in bash pass "
+                      "$'...\\n...', or write the template in double quotes in the YAML file", markup=False)
     keys = dict(system_prompt=d.system_prompt, prompt_key=d.prompt_key, label_key=d.label_key,
-                input_template=template, apply_chat_template=d.apply_chat_template)
+                input_template=d.input_template, apply_chat_template=d.apply_chat_template)
     train = (synthetic.generate("train", d.train_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
              if d.train_files == "synthetic" else
              load_samples(d.train_files, d.format, limit=d.train_row_cap, **keys))

@@ -64,7 +64,7 @@ def check_inputs(cfg: RunConfig) -> None:
     from alignrl.algos.runner import load_task_data
     from alignrl.models.loader import resolve_model_path
     from alignrl.models.value import check_scorer_folder
-    from alignrl.rewards.registry import load_reward_fn
+    from alignrl.rewards.registry import check_user_fns
     from alignrl.train.checkpoint import check_newest_not_past
 
     load_task_data(replace(cfg, data=replace(cfg.data, train_size=1)))  # generated rows need no check
@@ -77,9 +77,7 @@ def check_inputs(cfg: RunConfig) -> None:
     for path in (cfg.algorithm.reward_model, cfg.safety.cost_model):
         if path:
             check_scorer_folder(path)
-    load_reward_fn(cfg.algorithm.reward_fn)
-    if cfg.safety.cost_fn:
-        load_reward_fn(cfg.safety.cost_fn, "safety.cost_fn")
+    check_user_fns(cfg)
 
 
 def user_error(e: BaseException) -> Exception | None:

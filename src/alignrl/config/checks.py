@@ -90,9 +90,15 @@ def check_combinations(cfg: RunConfig) -> None:
     if alg.rollout_is != "none" and not cfg.actor.recompute_old_logprobs:
         raise ConfigError(f"algorithm.rollout_is={alg.rollout_is} needs actor.recompute_old_logprobs=true: "
                           "without it the trainer's old log-probs are the rollout's and every weight is 1")
-    if alg.rollout_is_threshold_lower is not None and alg.rollout_is_threshold_lower >= alg.rollout_is_threshold:
-        raise ConfigError(f"algorithm.rollout_is_threshold_lower={alg.rollout_is_threshold_lower} must be below "
-                          f"algorithm.rollout_is_threshold={alg.rollout_is_threshold}")
+    lower = alg.rollout_is_threshold_lower
+    if lower is not None and alg.rollout_is_mode != "mask":
+        raise ConfigError(f"algorithm.rollout_is_threshold_lower={lower} is read only by algorithm.rollout_is_mode="
+                          f"mask, not {alg.rollout_is_mode}; leave it out or set the mode to mask")
+    if alg.rollout_is_mode == "mask" and (lower if lower is not None else 1.0 / alg.rollout_is_threshold) >= \
+            alg.rollout_is_threshold:
+        raise ConfigError(f"algorithm.rollout_is_threshold_lower={lower if lower is not None else 'default 1/threshold'}"
+                          f" must be below algorithm.rollout_is_threshold={alg.rollout_is_threshold}, or every token "
+                          "is rejected: raise the threshold above 1 or set a lower bound below it")
     unknown = set(cfg.trainer.logger) - {"console", "jsonl", "tensorboard", "wandb"}
     if unknown:
         raise ConfigError(f"trainer.logger has unknown sink(s) {sorted(unknown)}; allowed: console, jsonl, "

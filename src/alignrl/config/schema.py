@@ -58,8 +58,7 @@ class DataConfig:
                                       "row has one, else no answer (the reward comes from a reward model)")
     input_template: str | None = opt(None, "with data.prompt_key and data.apply_chat_template=false: the prompt "
                                            "is this text with {} replaced by the prompt column, e.g. "
-                                           "'User: {}\\nAssistant: ' (OpenRLHF's --input_template; a typed \\n or \\t "
-                                           "is a newline or tab)")
+                                           "'User: {}\\nAssistant: ' (OpenRLHF's --input_template)")
     apply_chat_template: bool = opt(True, "prompts go through the tokenizer's chat template; false (with "
                                           "data.prompt_key) tokenizes the string prompt as it is, or through "
                                           "data.input_template (OpenRLHF's --apply_chat_template)")
@@ -312,7 +311,8 @@ class SafetyConfig:
     lambda_init: float = opt(1.0, "initial Lagrange multiplier (kept as log lambda, as Safe RLHF's)", gt=0.0)
     lambda_lr: float = opt(0.1, "step size of log lambda: log lambda += lambda_lr * (J_c - cost_limit) * lambda",
                            ge=0.0)
-    lambda_max: float | None = opt(None, "cap on the multiplier (Safe RLHF's lambda_max); empty: none", gt=0.0)
+    lambda_max: float | None = opt(100.0, "cap on the multiplier (Safe RLHF's lambda_max); null: e^50, where "
+                                          "the float would soon overflow", gt=0.0)
     lambda_update_delay_steps: int = opt(0, "RL steps before the multiplier starts to move", ge=0)
     episode_cost_window_size: int = opt(128, "J_c is the mean cost of this many latest episodes", ge=1)
 

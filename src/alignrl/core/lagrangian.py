@@ -48,14 +48,18 @@ class LagrangeMultiplier:
     """lambda > 0 as Safe RLHF keeps it (`log_lambda`, its SGD optimizer, `lambda_max`,
     `lambda_update_delay_steps`, `episode_cost_window_size`): once `delay_steps` steps have passed, each step
     takes one step of size `lr` on log lambda against the mean cost of the last `window` episodes, then caps
-    lambda at `max_value` (None: no cap)."""
+    lambda at `max_value` (None: at e^LOG_CAP, where exp would soon overflow: the step grows with lambda, so a
+    constraint violated for a few dozen steps would otherwise end the run)."""
 
-    def __init__(self, init: float = 1.0, lr: float = 0.1, threshold: float = 0.0, max_value: float | None = None,
+    LOG_CAP = 50.0
+
+    def __init__(self, init: float = 1.0, lr: float = 0.1, threshold: float = 0.0, max_value: float | None = 100.0,
                  delay_steps: int = 0, window: int = 128):
         if init <= 0:
             raise ValueError(f"init must be > 0 (lambda is kept as log lambda), got {init}")
-        self.log_value, self.lr, self.threshold = math.log(init), lr, threshold
-        self.log_max = None if max_value is None else math.log(max_value)
+        self.log_init, self.lr, self.threshold = math.log(init), lr, threshold
+        self.log_value = self.log_init
+        self.log_max = self.LOG_CAP if max_value is None else min(math.log(max_value), self.LOG_CAP)
         self.delay_steps, self.costs = delay_steps, deque(maxlen=window)
 
     @property
@@ -69,16 +73,16 @@ class LagrangeMultiplier:
         if step > self.delay_steps and self.costs:
             violation = sum(self.costs) / len(self.costs) - self.threshold
             self.log_value += self.lr * violation * self.value  # d/d(log lambda) of (J_c - d) * lambda
-            if self.log_max is not None:
-                self.log_value = min(self.log_value, self.log_max)
+            self.log_value = min(self.log_value, self.log_max)
         return self.value
 
     def state_dict(self) -> dict:
         return {"log_value": self.log_value, "costs": list(self.costs)}
 
     def load_state_dict(self, state: dict) -> None:
-        if "log_value" not in state:  # a checkpoint of the linear multiplier, which kept lambda >= 0 alone
-            state = {"log_value": math.log(max(float(state["value"]), 1e-8)), "costs": []}
+        if "log_value" not in state:  # a checkpoint of the linear multiplier, which kept lambda >= 0: its 0 (the
+            value = float(state["value"])  # constraint inactive) cannot be a log, and a tiny lambda would never move
+            state = {"log_value": math.log(value) if value > 0 else self.log_init, "costs": []}
         self.log_value = float(state["log_value"])
         self.costs.clear()
         self.costs.extend(float(c) for c in state["costs"])

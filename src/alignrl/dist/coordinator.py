@@ -12,7 +12,6 @@ Deliberately left out: several trainers per sampler set, priorities between samp
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -32,14 +31,14 @@ from alignrl.dist.dispatch import Dispatcher, Lease, say_requeued
 from alignrl.dist.env import DistEnv, all_reduce_sum, broadcast_frames
 from alignrl.dist.records_wire import from_wire
 from alignrl.dist.ref_share import RefShare, sampler_needs_ref, trainer_needs_ref
+from alignrl.dist.row_log import RowLog
 from alignrl.dist.shared_weights import host_id
 from alignrl.dist.wire import Message, WireError, decode
 from alignrl.dist.zmq_link import InsecureBind, Puller, Replier, token_from_env
 from alignrl.models.folder import weights_fingerprint
 from alignrl.models.loader import resolve_model_path
 from alignrl.train.actor import Actor
-from alignrl.train.checkpoint import atomic_write_text
-from alignrl.utils.tracking import aside, console, json_rows
+from alignrl.utils.tracking import console
 
 PARK_S = 0.5  # longest a work request waits for a lease before it is answered "wait"
 
@@ -60,7 +59,7 @@ class Coordinator:
 
     def __init__(self, cfg: RunConfig, config_yaml: str, log_dir: Path, data_digest: str | None = None):
         """`data_digest`: records.rows_digest of the training rows, which a sampler's own must match."""
-        self.cfg, self.p, self.config_yaml, self.log_dir = cfg, cfg.pipeline, config_yaml, log_dir
+        self.cfg, self.p, self.config_yaml, self.rows = cfg, cfg.pipeline, config_yaml, RowLog(log_dir)
         self.data_digest = data_digest
         self.base_weights: str | None = None  # weights_fingerprint of the base model, where samplers score the KL
         self.token = token_from_env()
@@ -131,9 +130,8 @@ class Coordinator:
     def _start(self) -> None:
         """Publish the starting weights (after any resume) and begin answering samplers. A fresh start moves an
         earlier run's prompts.jsonl aside: the file accounts for this run's steps alone."""
-        path = self.log_dir / "prompts.jsonl"
-        if self.env.is_main and self.delivered == 0 and path.is_file():
-            path.rename(aside(path))
+        if self.env.is_main and self.delivered == 0:
+            self.rows.start_fresh()
         self.board.publish(self.trainer.version)
         self.started = True
         if self.env.is_main:
@@ -173,7 +171,7 @@ class Coordinator:
         self.staleness_hist[staleness] = self.staleness_hist.get(staleness, 0) + 1
         self.delivered = step
         if self.env.is_main:
-            self._log_rows(step, batch, msg.meta.get("lease"))
+            self.rows.write(step, batch.version, msg.meta.get("lease"), batch.sampler_id, batch.prompt_index.tolist())
         # what rank 0 alone counts (it receives, leases and checks), on every rank: the step's metrics are
         # averaged over ranks, which divided these by the number of ranks
         counted = {"pipeline/ref_groups_sampler": float(self.ref_share.groups),  # the next lease's
@@ -250,15 +248,6 @@ class Coordinator:
                 self.dispatcher.refuse(lease_id)
         console.print(f"[yellow]pipeline: ignored a malformed message on the data port: {e}[/yellow]")
 
-    def _log_rows(self, step: int, batch: ScoredBatch, lease: str | None) -> None:
-        """logs/prompts.jsonl: which dataset rows each step trained on (exactly-once accounting)."""
-        rows = sorted(set(batch.prompt_index.tolist()))
-        line = json.dumps({"step": step, "version": batch.version, "lease": lease, "sampler": batch.sampler_id,
-                           "rows": rows})
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_dir / "prompts.jsonl", "a") as f:
-            f.write(line + "\n")
-
     def state_dict(self) -> dict:
         with self.lock:
             return {"dispatch": self.dispatcher.state_dict(), "step": self.delivered, "counters": dict(self.counters),
@@ -271,10 +260,8 @@ class Coordinator:
         self.delivered = int(state["step"])
         self.counters.update(state.get("counters", {}))
         self.staleness_hist = {int(k): int(v) for k, v in state.get("staleness", {}).items()}
-        path = self.log_dir / "prompts.jsonl"
-        if self.env.is_main and path.is_file():  # a line a kill left torn goes with the steps after the checkpoint
-            keep = [r for r in json_rows(path.read_text()) if r.get("step", 0) <= self.delivered]
-            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+        if self.env.is_main:
+            self.rows.keep_until(self.delivered)
 
     # --- the sync port (server thread, rank 0) --------------------------------------------------------
     def _published(self, version: int) -> None:
@@ -343,6 +330,7 @@ class Coordinator:
                                                          "dtypes": dtypes, "data": self.data_digest})
             return
         if msg.kind == "bye":  # a sampler stopping (Ctrl-C, kill): its prompts go to the next one now
+            self.parked = {p: m for p, m in self.parked.items() if process_of(m[0]) != process_of(meta)}
             with self.lock:
                 gone = self.dispatcher.release(process_of(meta))
             self.replier.reply_msg(peer, "ok", {})

@@ -123,7 +123,7 @@ class Dispatcher:
     def state_dict(self) -> dict:
         """Outstanding leases count as not trained: a restarted trainer hands their rows out again."""
         queued = sorted(((lease.rows, lease.number) for lease in self.outstanding.values()), key=lambda q: q[1])
-        return {"sampler": self.sampler.state_dict(), "issued": self.issued,
+        return {"sampler": self.sampler.state_dict(), "issued": self.issued, "expired": self.expired,
                 "requeue": [{"rows": list(rows), "number": n} for rows, n in queued + self.requeue]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -138,7 +138,7 @@ class Dispatcher:
                               f"{self.sampler.batch_size}: resume with that batch size, or set "
                               "trainer.resume_mode=disable to start afresh")
         self.sampler.load_state_dict(state["sampler"])
-        self.issued = int(state["issued"])
+        self.issued, self.expired = int(state["issued"]), int(state.get("expired", 0))  # the run's count goes on
         self.requeue = []
         for rows, number in queued:
             if number is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -19,6 +20,7 @@ import time
 import uuid
 
 import torch
+import zmq
 
 from alignrl.algos.placement import build_maker, build_ref, with_tools
 from alignrl.algos.runner import PromptData, load_task_data
@@ -102,12 +104,12 @@ class Sampler:
     def bye(self) -> None:
         """Tells the trainer this process stops, so that its prompts go to another sampler now, not after
         pipeline.heartbeat_timeout_s (a socket of its own: the main one may be mid-request)."""
-        self.beat.close()
         try:
+            self.beat.close()
             with Requester(self.sync.addr, token=self.token) as req:
                 req.request("bye", {"sampler_id": self.id, "proc": self.proc}, timeout_s=1.0)
-        except (PeerTimeout, WireError):
-            pass  # no trainer to tell: the heartbeat's silence says it
+        except (PeerTimeout, WireError, zmq.ZMQError, KeyboardInterrupt):
+            pass  # no trainer to tell, or a second Ctrl-C: the heartbeat's silence says it
 
     @property
     def device(self) -> torch.device:
@@ -308,8 +310,7 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
     """The sampler of parsed flags (alignrl.dist.seed004.sampling_parser) until the trainer's run is over."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    stop_on_sigterm()
-    sampler = None
+    old_term, sampler = stop_on_sigterm(), None
     try:
         sampler = Sampler(args)
         return sampler.run()
@@ -323,3 +324,6 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
             print(f"{prog}: {'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}; the prompts it "
                   "held go to the next sampler that asks (the same command starts it again)", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)

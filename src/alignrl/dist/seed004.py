@@ -46,7 +46,8 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def training_parser(prog: str = "training_worker.py") -> argparse.ArgumentParser:
-    p = OneLineParser(prog=prog, description="GRPO trainer fed by ZeroMQ samplers (seed 004).")
+    # no abbreviations: run_distributed.py passes unknown flags on, and `--npro 3` would reach this parser as --nproc
+    p = OneLineParser(prog=prog, description="GRPO trainer fed by ZeroMQ samplers (seed 004).", allow_abbrev=False)
     p.add_argument("--gpu-id", type=int, default=0, metavar="N", help="CUDA device of the (single-process) trainer")
     p.add_argument("--nproc", type=int, default=1, metavar="N", help="training processes (run_distributed.py sets it)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind the two ports on")

@@ -43,7 +43,8 @@ def passed_on_help() -> str:
 def launcher_main(argv: list[str] | None = None) -> int:
     """run_distributed.py: one sampler on --sampling-gpu, a trainer over --training-gpus; stops both."""
     p = OneLineParser(prog="run_distributed.py", description="Sampler + multi-process trainer (seed 004).",
-                      epilog=passed_on_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                      epilog=passed_on_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
+                      allow_abbrev=False)
     p.add_argument("--sampling-gpu", type=int, default=0, metavar="N", help="CUDA device of the sampler")
     p.add_argument("--training-gpus", default="1", metavar="IDS",
                    help='comma-separated device ids of the trainer\'s processes, e.g. "1,2,3" (on CPU: their number)')

@@ -147,6 +147,14 @@ def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn") -> Reward
     return checked(fn, spec)
 
 
+def check_user_fns(cfg) -> None:
+    """The user's reward and cost functions of a RunConfig import and exist (RewardError naming the key if not):
+    checked before a launch, ahead of any model load."""
+    load_reward_fn(cfg.algorithm.reward_fn)
+    if cfg.safety.cost_fn:
+        load_reward_fn(cfg.safety.cost_fn, "safety.cost_fn")
+
+
 def checked(fn: Callable[..., Any], who: str) -> RewardFn:
     """`fn` (a user's function, named `who`) with whatever it raises, and any return that is not a finite
     real number, turned into a one-line ScoreError: a user's bug must not end a run in a traceback."""
