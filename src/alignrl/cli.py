@@ -316,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:  # a caller in this process (a notebook, a test) keeps its own SIGTERM handling
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+        if "alignrl.dist.env" in sys.modules:  # a torchrun rank's exit is not stopped by its agent's SIGTERM
+            sys.modules["alignrl.dist.env"].finished()
 
 
 if __name__ == "__main__":

@@ -46,6 +46,14 @@ SINGLE = DistEnv()
 
 
 _interrupted = False
+_finished = False  # the rank's main returned: it is exiting, with its line said
+
+
+def finished() -> None:
+    """The rank's work is over (its exit code known): a SIGTERM from torchrun's agent now ends it quietly, where
+    SystemExit raised inside an interpreter-exit callback printed a traceback after the run's one line."""
+    global _finished
+    _finished = True
 
 
 def _on_sigint(signum, frame):
@@ -57,6 +65,8 @@ def _on_sigint(signum, frame):
 def _on_sigterm(signum, frame):  # torchrun's agent terminates the survivors when a rank fails
     if _interrupted:  # after a Ctrl-C this rank is already stopping (rank 0 says so): let it finish (Python runs a
         return  # pending SIGINT's handler before SIGTERM's); torchrun's agent kills a rank that does not stop
+    if _finished:
+        os._exit(1)
     print(f"{program()}: rank {os.environ.get('RANK', '?')}: stopped by SIGTERM (another rank failed, or the launcher "
           "stopped the run: its line says why)", file=sys.stderr)
     sys.exit(1)

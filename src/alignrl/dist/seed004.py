@@ -95,6 +95,14 @@ def training_overrides(a: argparse.Namespace, extra: list[str], ds_json: str | N
     return o + extra
 
 
+def trainer_flag_names(a: argparse.Namespace, extra: list[str]) -> dict[str, str]:
+    """{config key: flag} for the keys the trainer's flags set (given, or by the script's defaults) and the user did
+    not type as key=value: an error about `actor.lr=abc` typed as such stays in those words."""
+    by_flags = {o.split("=", 1)[0] for o in training_overrides(a, [])}
+    typed = {x.split("=", 1)[0] for x in extra}
+    return {k: f for k, f in TRAINER_FLAGS.items() if k in by_flags and k not in typed}
+
+
 def data_path_problem(path: str | None, side: str, flag: str = "--data-path") -> str | None:
     """A --data-path (or `flag`) that names no readable data file, in the flag's own words (`side`: what leaving it
     out means)."""
@@ -258,7 +266,7 @@ def training_main(argv: list[str] | None = None, prog: str = "training_worker.py
     a, extra = parse_training(argv, prog)
     from alignrl.config import ConfigError
 
-    os.environ.setdefault(FLAGS_ENV, json.dumps(TRAINER_FLAGS))
+    os.environ.setdefault(FLAGS_ENV, json.dumps(trainer_flag_names(a, extra)))
     try:  # a mistaken value is named before anything is written (deepspeed.json) or started
         overrides = prepare_training(a, extra, write=True,
                                      say=lambda line: print(f"training_worker: {line}", file=sys.stderr, flush=True))
@@ -309,7 +317,8 @@ def sampling_main(argv: list[str] | None = None, prog: str = "sampling_worker.py
     stay visible for its weights to be mapped (pipeline.weight_transport)."""
     p = sampling_parser(prog)
     args = p.parse_args(argv)
-    os.environ.setdefault(FLAGS_ENV, json.dumps(SAMPLER_FLAGS))
+    os.environ.setdefault(FLAGS_ENV, json.dumps({k: f for k, f in SAMPLER_FLAGS.items()
+                                                 if k == "model.path" or args.data_path is not None}))
     problem = sampling_args_problem(args)
     if problem:
         p.error(problem)

@@ -13,7 +13,7 @@ import sys
 
 from alignrl.dist.launch import OneLineParser, wait_interruptible
 from alignrl.dist.lifetime import preexec_die_with_parent
-from alignrl.dist.seed004 import (TRAINER_FLAGS, has_cuda, parse_training, ports_problem, prepare_training,
+from alignrl.dist.seed004 import (has_cuda, parse_training, ports_problem, prepare_training, trainer_flag_names,
                                   training_parser)
 from alignrl.dist.seed004_deepspeed import DS_FILE, Seed004Error
 from alignrl.errors import FLAGS_ENV, LAUNCHER_ENV, PROGRAM_ENV, in_flag_words
@@ -79,7 +79,7 @@ def launcher_main(argv: list[str] | None = None) -> int:
     t.nproc, t.host, t.data_port, t.sync_port, t.model_path = len(gpus), a.host, a.data_port, a.sync_port, a.model_path
     from alignrl.config import ConfigError
 
-    os.environ.setdefault(FLAGS_ENV, json.dumps(TRAINER_FLAGS))  # for its errors, and the two processes'
+    os.environ.setdefault(FLAGS_ENV, json.dumps(trainer_flag_names(t, extra)))  # its errors, and its processes'
     try:
         prepare_training(t, extra, write=False)
     except (ConfigError, Seed004Error) as e:
