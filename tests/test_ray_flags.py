@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from alignrl.cluster import flag_keys as K
 from alignrl.cluster import flags as F
@@ -168,7 +169,10 @@ def test_input_errors_name_the_flags_not_the_config_keys(tmp_path, capsys):
              (["--prompt_data", str(odd)], "for other columns set --input_key <prompt column> and --label_key "
               "<answer column>)"),
              (["--advantage_estimator", "gae", "--critic_pretrain", str(tmp_path)], f"--critic_pretrain '{tmp_path}' "
-              "is not a Hugging Face model folder")]
+              "is not a Hugging Face model folder"),
+             (["--actor_learning_rate", "nan"], "--actor_learning_rate nan must be a finite number"),
+             (["--eps_clip", "-1"], "--eps_clip -1.0 is out of range"),
+             (["--eval_dataset", str(tmp_path / "none.jsonl")], "(set --eval_dataset to an existing")]
     for argv, said in cases:
         assert main(["--pretrain", "demo", "--total_steps", "1", *argv]) == 2
         err = capsys.readouterr().err.strip()
@@ -424,3 +428,21 @@ def test_an_actor_rank_logs_with_the_drivers_key(monkeypatch):
     monkeypatch.setattr(runner, "train_grpo", lambda cfg, producers: seen.append(os.environ.get("WANDB_API_KEY")))
     PolicyRank(0, 1, 0, 0, 60.0).run(to_yaml(load_config(None, [])), ("127.0.0.1", 1), None, {"WANDB_API_KEY": KEY})
     assert seen == [KEY]
+
+
+def test_load_checkpoint_with_nothing_to_load_says_so(tmp_path, capsys):
+    """A mistyped --ckpt_path trained from step 0 without a word; a folder with a checkpoint says nothing extra."""
+    from alignrl.cluster.train_ppo_ray import job
+    from alignrl.train.checkpoint import write_manifest
+
+    args = parse("--load_checkpoint", "--ckpt_path", str(tmp_path / "nock"), "--save_path", str(tmp_path / "run"),
+                 "--total_steps", "4")
+    F.check(args)
+    job(args)
+    assert f"--load_checkpoint: no checkpoint in {tmp_path / 'nock'} yet; starting from step 0" in capsys.readouterr().out
+    step = tmp_path / "nock" / "global_step_2"
+    step.mkdir(parents=True)
+    torch.save({"step": 2}, step / "trainer_state.pt")
+    write_manifest(step)
+    job(args)
+    assert "no checkpoint" not in capsys.readouterr().out

@@ -158,7 +158,8 @@ def test_seed_003_keys_map_onto_alignrl(capsys, tmp_path):
 
 
 def test_unknown_and_unsupported_keys_are_one_line_errors():
-    with pytest.raises(ConfigError, match="unknown config key 'actor_rollout_ref.actor.optim.lrr'") as e:
+    with pytest.raises(ConfigError, match=r"unknown config key 'actor_rollout_ref.actor.optim.lrr' \(did you mean "
+                                          r"'actor_rollout_ref.actor.optim.lr'\?\)") as e:
         load_config(None, ["actor_rollout_ref.actor.optim.lrr=1e-6"])
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="unknown config key 'trainer.no_such_key'"):

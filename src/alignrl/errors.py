@@ -36,14 +36,14 @@ def stop_on_sigterm():
     return None
 
 
-def in_flag_words(text: str) -> str:
-    """`text` with the config keys of FLAGS_ENV said as the flags the user typed: `key=value` becomes
-    `flag value`, a bare `key` the flag."""
-    names = json.loads(os.environ.get(FLAGS_ENV) or "{}")
+def in_flag_words(text: str, names: dict[str, str] | None = None) -> str:
+    """`text` with the config keys of `names` (default: FLAGS_ENV's) said as the flags the user typed: `key=value`
+    becomes `flag value`, a bare `key` the flag; a path that merely contains a key's text (`/d/model.path`) stays."""
+    names = json.loads(os.environ.get(FLAGS_ENV) or "{}") if names is None else names
     for key in sorted(names, key=len, reverse=True):
         flag = names[key]
-        text = re.sub(rf"(?<![\w.-]){re.escape(key)}=(\S+?)(?=[,;:.)]?(?:\s|$))", rf"{flag} \1", text)
-        text = re.sub(rf"(?<![\w.-]){re.escape(key)}(?!\w|\.\w)", flag, text)  # "... set rollout.n." too
+        text = re.sub(rf"(?<![\w./-]){re.escape(key)}=(\S+?)(?=[,;:.)]?(?:\s|$))", rf"{flag} \1", text)
+        text = re.sub(rf"(?<![\w./-]){re.escape(key)}(?!\w|\.\w)", flag, text)  # "... set rollout.n." too
     return text
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from alignrl.config import ConfigError, check_folders, check_ranges, opt
-from alignrl.config.load import did_you_mean
+from alignrl.config.checks import did_you_mean
 
 # the DPO-family losses of `alignrl.core.preference.DPO_LOSSES` (a test holds the two equal)
 DPO_LOSS_NAMES = ("sigmoid", "cdpo", "ipo", "hinge", "safe")

@@ -10,7 +10,6 @@ accepted everywhere and, on a cluster without GPUs, listed once as not used.
 from __future__ import annotations
 
 import argparse
-import re
 
 from alignrl.config import ConfigError
 from alignrl.dist.launch import OneLineParser
@@ -285,13 +284,19 @@ def data_keys(args) -> dict[str, object]:
 # The config keys that ppo-ray's flags set, as its errors name them: a user of these flags never wrote the keys.
 FLAG_OF_KEY = {"data.train_files": "--prompt_data", "data.prompt_key": "--input_key", "data.label_key": "--label_key",
                "critic.model_path": "--critic_pretrain", "algorithm.reward_model": "--reward_pretrain",
-               "model.path": "--pretrain"}
+               "model.path": "--pretrain", "actor.lr": "--actor_learning_rate", "critic.lr": "--critic_learning_rate",
+               "rollout.temperature": "--temperature", "rollout.top_p": "--top_p", "rollout.n": "--n_samples_per_prompt",
+               "rollout.max_new_tokens": "--generate_max_len", "data.max_prompt_length": "--prompt_max_len",
+               "data.train_batch_size": "--rollout_batch_size", "actor.ppo_micro_batch_size": "--micro_train_batch_size",
+               "actor.ppo_epochs": "--max_epochs", "actor.clip_ratio_low": "--eps_clip",
+               "actor.clip_ratio_high": "--eps_clip", "critic.cliprange_value": "--value_clip",
+               "services.reward_url": "--remote_rm_url", "trainer.seed": "--seed"}
 
 
-def in_flag_terms(message: str) -> str:
-    """An error naming config keys, said in this command's flags (`model.path='x'` -> `--pretrain 'x'`); a path
-    that merely contains a key's text (`/d/model.path`) stays as it is."""
-    for key, flag in FLAG_OF_KEY.items():
-        message = re.sub(rf"(?<![\w./-]){re.escape(key)}(?![\w.])(=?)", lambda m: flag + (" " if m[1] else ""),
-                         message)
-    return message
+def in_flag_terms(message: str, args=None) -> str:
+    """An error naming config keys, said in this command's flags (`model.path='x'` -> `--pretrain 'x'`); with the
+    parsed `args`, data.val_files as the flag that set it."""
+    from alignrl.errors import in_flag_words
+
+    val = {"data.val_files": "--eval_dataset" if args.eval_dataset else "--prompt_data"} if args is not None else {}
+    return in_flag_words(message, {**FLAG_OF_KEY, **val})

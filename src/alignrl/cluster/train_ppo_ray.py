@@ -64,6 +64,12 @@ def job(args, prog: str = PROG, env: dict[str, str] | None = None):
 
     cuda = torch.cuda.is_available()
     cfg = load_config(None, K.overrides(args, cuda, training_steps(args)))
+    if args.load_checkpoint:  # asked for, and a mistyped --ckpt_path would otherwise start over without a word
+        from alignrl.train.checkpoint import latest_checkpoint
+
+        if latest_checkpoint(cfg.checkpoint_root)[0] is None:
+            print(f"{prog}: --load_checkpoint: no checkpoint in {cfg.checkpoint_root} yet; starting from step 0",
+                  flush=True)
     return Job(Layout.from_flags(args), cfg, prog, args.threads, args.peer_timeout, args.placement_timeout,
                args.vllm_sync_backend, unused=K.unused_here(args, cuda),
                gpu_memory_utilization=args.vllm_gpu_memory_utilization, rank_env=env or {})
@@ -106,8 +112,8 @@ def export_model(save: Path, ckpt_root: Path, step: int, prog: str = PROG) -> No
     print(f"{prog}: the trained model ({final.name}) is in {save}", flush=True)
 
 
-def _error(prog: str, e: Exception, code: int) -> int:
-    print(f"{prog}: error: {F.in_flag_terms(str(e))}", file=sys.stderr, flush=True)
+def _error(prog: str, e: Exception, code: int, args=None) -> int:
+    print(f"{prog}: error: {F.in_flag_terms(str(e), args)}", file=sys.stderr, flush=True)
     return code
 
 
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     try:
         F.check(args)
     except ConfigError as e:  # the flags' own checks answer before torch, Ray and the models are imported
-        return _error(prog, e, 2)
+        return _error(prog, e, 2, args)
     from alignrl.cluster.channel import ClusterError
     from alignrl.cluster.driver import Driver
 
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
             export_model(placed.cfg.run_dir, placed.cfg.checkpoint_root, placed.cfg.trainer.total_training_steps, prog)
         return code
     except (ClusterError, *user_errors()) as e:
-        return _error(prog, e, 1 if isinstance(e, ClusterError) else 2)
+        return _error(prog, e, 1 if isinstance(e, ClusterError) else 2, args)
     except KeyboardInterrupt:  # the driver's finally has released the workers and placement groups
         print(f"{prog}: interrupted; the same command with --load_checkpoint continues from the last checkpoint",
               file=sys.stderr, flush=True)

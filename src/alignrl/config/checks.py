@@ -5,6 +5,7 @@ combinations of keys that cannot work together. Every failure is one line naming
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from pathlib import Path
 from typing import Any
@@ -226,3 +227,18 @@ def check_folders(folders: dict[str, Path]) -> None:
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def did_you_mean(key: str, names: list[str]) -> str:
+    """` (did you mean 'section.name'?)` for the one or two known names closest to the last part of `key`, or
+    ""."""
+    parent, _, last = key.rpartition(".")
+    close = [f"'{parent + '.' if parent else ''}{name}'" for name in difflib.get_close_matches(last, names, n=2,
+                                                                                                cutoff=0.6)]
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
+def nearest_sibling(key: str, keys) -> str:
+    """did_you_mean among those of the dotted `keys` that share `key`'s parent."""
+    parent = key.rpartition(".")[0]
+    return did_you_mean(key, [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent])

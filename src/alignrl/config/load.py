@@ -5,14 +5,13 @@ the defaults, then validated; and the config written back out (YAML, the README 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from alignrl.config.checks import check_combinations, check_ranges
+from alignrl.config.checks import check_combinations, check_ranges, did_you_mean
 from alignrl.config.layout import LayoutError, check_sections, read_config_file
 from alignrl.config.schema import ConfigError, RunConfig
 from alignrl.config.verl_keys import list_not_used, resolve_counts, translate, verl_defaults
@@ -30,15 +29,6 @@ def _one_line(e: OmegaConfBaseException, fallback_key: str = "?") -> str:
         where = f"under '{parent}'" if parent else "at the top level"
         return f"unknown config key '{key}'{did_you_mean(key, names)}; allowed {where}: {', '.join(names) or '?'}"
     return f"bad value for '{key}': {msg}"
-
-
-def did_you_mean(key: str, names: list[str]) -> str:
-    """` (did you mean 'section.name'?)` for the one or two known names closest to the last part of `key`, or
-    ""."""
-    parent, _, last = key.rpartition(".")
-    close = [f"'{parent + '.' if parent else ''}{name}'" for name in difflib.get_close_matches(last, names, n=2,
-                                                                                                cutoff=0.6)]
-    return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

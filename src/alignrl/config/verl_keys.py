@@ -29,7 +29,7 @@ import os
 import sys
 from dataclasses import dataclass, field, replace
 
-from alignrl.config.checks import data_files
+from alignrl.config.checks import data_files, nearest_sibling
 from alignrl.config.layout import SEED_INFORMATIONAL, SEED_KEYS, unknown_seed_key
 from alignrl.config.schema import ConfigError, RunConfig
 
@@ -271,8 +271,9 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
             verl = True
             custom[key.rsplit(".", 1)[1]] = value
         elif key.startswith(VERL_SECTIONS):
-            raise ConfigError(f"unknown config key '{key}': not a verl/Search-R1 key alignrl knows (README, section "
-                              "'Search-R1 / verl scripts'; `alignrl config --reference` lists alignrl's own keys)")
+            raise ConfigError(f"unknown config key '{key}'{nearest_sibling(key, RENAMES)}: not a verl/Search-R1 key "
+                              "alignrl knows (README, section 'Search-R1 / verl scripts'; `alignrl config --reference` "
+                              "lists alignrl's own keys)")
         else:
             out.append(f"{key}={value}")
     for key, value in critic_follows.items():
