@@ -3,6 +3,8 @@ evaluation beside producers in other processes, with and without an evaluation e
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 
@@ -82,3 +84,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # the results are written: skip the interpreter's teardown of five FSDP2/ZeRO-3 engines built in one process,
+    # where a C++ thread left joinable aborted rank 0 once in a full test run ("terminate called without an active
+    # exception", SIGABRT) after its checks had passed
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
