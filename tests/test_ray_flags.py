@@ -81,7 +81,7 @@ def test_openrlhf_flags_that_do_nothing_here_are_named_and_the_unsupported_ones_
     (["--reward_pretrain", "rm", "--remote_rm_url", "http://x"], "not both"),
     (["--prompt_data", "p.json", "--input_key", "messages"], "without --label_key the prompts have no answer"),
     (["--actor_num_gpus_per_node", "2", "--micro_train_batch_size", "1", "--critic_num_gpus_per_node", "3"],
-     "must be a multiple of the critic's (3)"),
+     "must be a multiple of the critic's (3, --critic_num_nodes × --critic_num_gpus_per_node, 8 by default)"),
 ])
 def test_openrlhf_checks_are_one_line(argv, words):
     with pytest.raises(F.FlagError) as e:

@@ -220,8 +220,10 @@ def check(args) -> None:
                             f"--n_samples_per_prompt = {args.train_batch_size // n} prompts must be multiples of "
                             f"{what} ({count}): each takes an equal share")
     if uses_critic(args) and actors % world(args, "critic"):
-        raise FlagError(f"the actor's GPUs ({actors}) must be a multiple of the critic's ({world(args, 'critic')}): "
-                        "actor rank r sends its rows to critic rank r % critic GPUs")
+        raise FlagError(f"the actor's GPUs ({actors}, --actor_num_nodes × --actor_num_gpus_per_node) must be a "
+                        f"multiple of the critic's ({world(args, 'critic')}, --critic_num_nodes × "
+                        "--critic_num_gpus_per_node, 8 by default): actor rank r sends its rows to critic rank "
+                        "r % critic GPUs")
     if args.max_samples < 1:
         raise FlagError(f"--max_samples {args.max_samples} leaves no prompts: give at least 1")
     check_wandb(args)
