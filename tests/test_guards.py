@@ -369,13 +369,14 @@ def test_kill_of_a_run_says_in_one_line_what_it_leaves(tiny_model_dir, tmp_path)
     import signal
 
     env = {**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"}
-    argv = _argv(tiny_model_dir, tmp_path, "trainer.total_training_steps=500", "trainer.save_freq=1")
+    argv = _argv(tiny_model_dir, tmp_path, "trainer.total_training_steps=100000", "trainer.save_freq=1")
     with subprocess.Popen([sys.executable, "-m", "alignrl", *argv], stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True, env=env) as proc:
         try:
             metrics = tmp_path / "run" / "logs" / "metrics.jsonl"
             deadline = time.time() + 180
-            while not (tmp_path / "run" / "checkpoints" / "global_step_1").is_dir():
+            # the tracker stays (a global_step_N folder may already be rotated away when it is looked for)
+            while not (tmp_path / "run" / "checkpoints" / "latest_checkpointed_iteration.txt").is_file():
                 assert time.time() < deadline and proc.poll() is None, proc.stderr.read()[-3000:]
                 time.sleep(0.2)
             proc.send_signal(signal.SIGTERM)
