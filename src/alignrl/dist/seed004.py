@@ -36,12 +36,11 @@ from alignrl.errors import FLAGS_ENV, PROGRAM_ENV, in_flag_words
 SAVE_STEPS = 1000  # seed 004: "每1000步保存一次" (the final step is always saved)
 # the config keys the trainer's and the sampler's flags set: their errors name the flags (alignrl.errors)
 TRAINER_FLAGS = {"trainer.total_training_steps": "--max-steps", "data.train_files": "--data-path",
-                 "data.val_files": "--eval-data-path",
-                 "model.path": "--model-path", "trainer.output_dir": "--output-dir", "trainer.save_freq": "--save-steps",
-                 "pipeline.max_staleness": "--max-staleness", "data.train_batch_size": "--batch-size",
-                 "rollout.n": "--group-size", "actor.lr": "--lr", "pipeline.host": "--host",
-                 "pipeline.data_port": "--data-port", "pipeline.sync_port": "--sync-port", "trainer.threads": "--threads"}
-SAMPLER_FLAGS = {"model.path": "--model-path", "data.train_files": "--data-path"}
+                 "data.val_files": "--eval-data-path", "model.path": "--model-path", "trainer.output_dir": "--output-dir",
+                 "trainer.save_freq": "--save-steps", "pipeline.max_staleness": "--max-staleness",
+                 "data.train_batch_size": "--batch-size", "rollout.n": "--group-size", "actor.lr": "--lr",
+                 "pipeline.host": "--host", "pipeline.data_port": "--data-port", "pipeline.sync_port": "--sync-port",
+                 "trainer.threads": "--threads"}
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -103,14 +102,14 @@ def trainer_flag_names(a: argparse.Namespace, extra: list[str]) -> dict[str, str
     return {k: f for k, f in TRAINER_FLAGS.items() if k in by_flags and k not in typed}
 
 
-def data_path_problem(path: str | None, side: str, flag: str = "--data-path") -> str | None:
-    """A --data-path (or `flag`) that names no readable data file, in the flag's own words (`side`: what leaving it
-    out means)."""
+def data_path_problem(path: str | None, side: str, flag: str = "--data-path", data: str = "training") -> str | None:
+    """A --data-path (or `flag`, for `data`) that names no readable data file, in the flag's own words (`side`: what
+    leaving it out means)."""
     if path is None or path == "synthetic":
         return None
     if not Path(path).is_file():
         what = "a folder" if Path(path).is_dir() else "no such file"
-        return f"{flag} {path}: {what}; give the {'held-out' if 'eval' in flag else 'training'} data (.jsonl, .json " \
+        return f"{flag} {path}: {what}; give the {data} data (.jsonl, .json " \
                f"or .parquet), or {side}"
     if Path(path).suffix.lower() not in DATA_SUFFIXES:
         return f"{flag} {path}: a {Path(path).suffix or 'suffix-less'} file; give a .jsonl, .json or .parquet file"
@@ -164,7 +163,8 @@ def prepare_training(a: argparse.Namespace, extra: list[str], write: bool, say=N
     from alignrl.config import ConfigError, check_world_size, keys_given, load_config
 
     problem = (data_path_problem(a.data_path, "leave it out for synthetic arithmetic")
-               or data_path_problem(a.eval_data_path, "leave it out for synthetic arithmetic", "--eval-data-path"))
+               or data_path_problem(a.eval_data_path, "leave it out for synthetic arithmetic", "--eval-data-path",
+                                  "held-out"))
     if problem:
         raise Seed004Error(problem)
     if a.model_path != "demo":  # named in the flag's spelling (the demo model is built on first use)
@@ -317,8 +317,8 @@ def sampling_main(argv: list[str] | None = None, prog: str = "sampling_worker.py
     stay visible for its weights to be mapped (pipeline.weight_transport)."""
     p = sampling_parser(prog)
     args = p.parse_args(argv)
-    os.environ.setdefault(FLAGS_ENV, json.dumps({k: f for k, f in SAMPLER_FLAGS.items()
-                                                 if k == "model.path" or args.data_path is not None}))
+    os.environ.setdefault(FLAGS_ENV, json.dumps({"model.path": "--model-path",  # the keys the sampler's flags set
+                                                 **({"data.train_files": "--data-path"} if args.data_path else {})}))
     problem = sampling_args_problem(args)
     if problem:
         p.error(problem)
