@@ -14,6 +14,7 @@ from alignrl.cluster import flag_keys as K
 from alignrl.cluster import flags as F
 from alignrl.cluster.plan import Layout, describe, requests
 from alignrl.config import load_config
+from alignrl.dist.launch import free_port
 
 SEED_001 = ["--ref_num_nodes", "2", "--ref_num_gpus_per_node", "4", "--actor_num_nodes", "2",
             "--actor_num_gpus_per_node", "4", "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "4",
@@ -162,6 +163,7 @@ def test_input_errors_name_the_flags_not_the_config_keys(tmp_path, capsys):
 
     odd = tmp_path / "odd.jsonl"
     odd.write_text('{"q": "1+1", "a": "2"}\n')
+    dead = f"http://127.0.0.1:{free_port()}"  # found before placement: it was found by the first rollout
     cases = [(["--pretrain", str(tmp_path)], f"--pretrain '{tmp_path}' is not a Hugging Face model folder (no "
               "config.json there); pass a local folder saved with save_pretrained, or --pretrain demo"),
              (["--prompt_data", str(tmp_path / "none.jsonl")], f"data file not found: {tmp_path / 'none.jsonl'} "
@@ -172,7 +174,8 @@ def test_input_errors_name_the_flags_not_the_config_keys(tmp_path, capsys):
               "is not a Hugging Face model folder"),
              (["--actor_learning_rate", "nan"], "--actor_learning_rate nan must be a finite number"),
              (["--eps_clip", "-1"], "--eps_clip -1.0 is out of range"),
-             (["--eval_dataset", str(tmp_path / "none.jsonl")], "(set --eval_dataset to an existing")]
+             (["--eval_dataset", str(tmp_path / "none.jsonl")], "(set --eval_dataset to an existing"),
+             (["--remote_rm_url", dead], f"reward service at {dead} is not reachable after 3 tries")]
     for argv, said in cases:
         assert main(["--pretrain", "demo", "--total_steps", "1", *argv]) == 2
         err = capsys.readouterr().err.strip()
@@ -236,7 +239,6 @@ def test_a_ray_address_nobody_answers_at_is_one_line_at_once():
     import socket
 
     from alignrl.cluster.driver import address_problem
-    from alignrl.dist.launch import free_port
 
     dead = free_port()
     assert f"no Ray cluster answers at RAY_ADDRESS=127.0.0.1:{dead}" in address_problem(f"127.0.0.1:{dead}")
@@ -252,7 +254,6 @@ def test_a_ray_address_nobody_answers_at_is_one_line_at_once():
 
 @pytest.mark.timeout(120)
 def test_ppo_ray_with_a_dead_ray_address_stops_in_one_line(tmp_path):
-    from alignrl.dist.launch import free_port
     from conftest import src_path
 
     env = {**os.environ, "PYTHONPATH": src_path(), "RAY_ADDRESS": f"127.0.0.1:{free_port()}", "OMP_NUM_THREADS": "1"}

@@ -2,6 +2,9 @@
 rollout engine with the in-process one against a live generation server."""
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -125,6 +128,37 @@ def test_slow_server_times_out_within_bounds(stub):
     with pytest.raises(ServiceError, match="ReadTimeout"):
         ServiceClient(s.url, "reward", timeout=0.3, retries=2, backoff=0.01).request("GET", "/x")
     assert time.monotonic() - t0 < 3.0
+
+
+def test_configured_services_are_checked_before_a_run_loads_its_model(stub):
+    """`check_services` asks each configured service's /health with the configured tries: a healthy one and vLLM's
+    empty 200 pass; a dead port and a program that has no /health are one line naming the service."""
+    from alignrl.config import load_config
+    from alignrl.rollout.remote import check_services
+
+    healthy, other = stub([(200, {"status": "healthy"}, 0)]), stub([(404, {"detail": "Not Found"}, 0)])
+    check_services(load_config(None, [f"services.generation_url={healthy.url}", f"services.reference_url={healthy.url}"]))
+    assert healthy.hits == 2
+    check_services(load_config(None, []))  # nothing configured: nothing asked
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServiceError) as e:
+        check_services(load_config(None, [f"services.reference_url={healthy.url}", f"services.reward_url={dead}",
+                                          "services.retries=1"]))
+    assert str(e.value).startswith(f"reward service at {dead} is not reachable after 1 tries") and "\n" not in str(e.value)
+    with pytest.raises(ServiceError, match=r"reference service at .* rejected GET /health \(HTTP 404\)"):
+        check_services(load_config(None, [f"services.reference_url={other.url}"]))
+
+
+def test_an_unreachable_service_stops_a_run_before_its_model_loads(tmp_path):
+    from conftest import src_path
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    out = subprocess.run([sys.executable, "-m", "alignrl", "train", "grpo", f"services.reward_url={dead}",
+                          f"trainer.output_dir={tmp_path / 'out'}"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": src_path()})
+    err = out.stderr.strip()
+    assert out.returncode == 2 and "\n" not in err and f"reward service at {dead} is not reachable" in err, err
+    assert not (tmp_path / "out").exists() and "accuracy" not in out.stdout  # no run folder, no base evaluation
 
 
 def test_bad_url_is_rejected():

@@ -137,6 +137,9 @@ def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
         from alignrl.algos.rm import check_rl_scorers
 
         check_rl_scorers(cfg)
+    from alignrl.rollout.remote import check_services
+
+    check_services(cfg)
 
 
 def _port_given(args: argparse.Namespace, cfg: RunConfig | None) -> int | None:

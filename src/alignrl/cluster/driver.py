@@ -65,6 +65,7 @@ def check_inputs(cfg: RunConfig) -> None:
     from alignrl.models.loader import resolve_model_path
     from alignrl.models.value import check_scorer_folder
     from alignrl.rewards.registry import check_user_fns
+    from alignrl.rollout.remote import check_services
     from alignrl.train.checkpoint import check_newest_not_past
 
     load_task_data(replace(cfg, data=replace(cfg.data, train_size=1)))  # generated rows need no check
@@ -78,6 +79,7 @@ def check_inputs(cfg: RunConfig) -> None:
         if path:
             check_scorer_folder(path)
     check_user_fns(cfg)
+    check_services(cfg)  # before placement: an unreachable --remote_rm_url was found by the first rollout
 
 
 def user_error(e: BaseException) -> Exception | None:

@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 import httpx
 import torch
 
+from alignrl.config import RunConfig
 from alignrl.data.collate import left_pad, right_pad
 from alignrl.data.records import Rollout
 from alignrl.interfaces import SamplingParams
@@ -137,8 +138,29 @@ class ServiceClient:
 
         return self._attempts("POST", path, send)
 
+    def check(self) -> None:
+        """GET /health with this client's tries: a service that is down or mistyped is one line before a run
+        loads its model, not after (tens of seconds in). An empty 200 is healthy, as vLLM's own server answers."""
+        def send() -> tuple[int, str]:
+            r = self.http.get("/health")
+            return r.status_code, r.text.strip() or "{}"
+
+        self._attempts("GET", "/health", send)
+
     def close(self) -> None:
         self.http.close()
+
+
+def check_services(cfg: RunConfig) -> None:
+    """Every service the run is configured to use answers /health (ServiceError, one line, otherwise)."""
+    s = cfg.services
+    for kind, url in (("generation", s.generation_url), ("reference", s.reference_url), ("reward", s.reward_url)):
+        if url:
+            client = ServiceClient(url, kind, min(s.timeout_s, 10.0), s.retries)
+            try:
+                client.check()
+            finally:
+                client.close()
 
 
 def rollout_from_rows(prompts: Sequence[Sequence[int]], n: int,
