@@ -2,6 +2,7 @@
 line, non-finite updates skipped and counted, and a run that stops after N skipped RL steps in a row."""
 
 import copy
+import json
 import math
 import os
 import subprocess
@@ -238,7 +239,7 @@ class _Sink:
         self.version = version
 
 
-def test_trainer_stops_after_n_skipped_steps_in_a_row(tiny_model):
+def test_trainer_stops_after_n_skipped_steps_in_a_row(tiny_model, capsys):
     cfg = load_config(None, ["trainer.max_nonfinite_updates=2", "rollout.n=4", "actor.ppo_mini_batch_size=1",
                              "actor.ppo_micro_batch_size=4", "actor.use_kl_loss=false", "data.train_batch_size=1"])
     model = copy.deepcopy(tiny_model[0])
@@ -254,6 +255,9 @@ def test_trainer_stops_after_n_skipped_steps_in_a_row(tiny_model):
     before = _params(model)
     assert trainer.train(1, batch(nan))["actor/skipped_nonfinite"] == 1 and trainer.version == 1
     assert _same(before, _params(model))
+    said = capsys.readouterr().out  # a skipped update is said on the console, not only in a metric
+    assert ("step 1: 1 of 1 optimizer step(s) skipped: a non-finite loss or gradient norm (1 RL step(s) in a row "
+            "wholly skipped; the run stops at trainer.max_nonfinite_updates=2)") in " ".join(said.split()), said
     assert trainer.train(2, batch([1.0, 0.0, 0.0, 1.0]))["actor/skipped_nonfinite"] == 0  # resets the count
     trainer.train(3, batch(nan))
     with pytest.raises(TrainingDiverged) as e:
@@ -389,3 +393,15 @@ def test_kill_of_a_run_says_in_one_line_what_it_leaves(tiny_model_dir, tmp_path)
     assert len(said) == 1 and said[0].startswith("alignrl: stopped by SIGTERM; the same command continues from ") \
         and "Traceback" not in err, err[-3000:]
     assert metrics.exists()
+
+
+def test_metrics_rows_are_strict_json_with_null_for_a_non_finite_value(tmp_path):
+    from alignrl.utils.tracking import Tracker, json_rows
+
+    t = Tracker(tmp_path, ["jsonl"])
+    t.log(1, {"actor/pg_loss": math.nan, "actor/grad_norm": math.inf, "reward/mean": 0.5})
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} is not JSON")) == {
+        "step": 1, "actor/pg_loss": None, "actor/grad_norm": None, "reward/mean": 0.5}
+    assert json_rows(line)[0]["reward/mean"] == 0.5
+    assert Tracker(tmp_path, ["jsonl"], resume_step=1).history[0]["actor/pg_loss"] is None  # a resume keeps the row

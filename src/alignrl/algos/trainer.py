@@ -27,6 +27,7 @@ from alignrl.rewards.registry import RewardError
 from alignrl.train.actor import Actor, PolicyLossSpec
 from alignrl.train.critic import Critic
 from alignrl.train.minibatch import SKIPPED, optimizer_steps
+from alignrl.utils.tracking import console
 
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
@@ -180,6 +181,10 @@ class PolicyTrainer:
             return
         self.nonfinite_streak = self.nonfinite_streak + 1 if skipped >= taken else 0
         limit = self.cfg.trainer.max_nonfinite_updates
+        if skipped and self.env.is_main and self.nonfinite_streak < limit:  # else only a metric said so
+            console.print(f"step {step}: {skipped:g} of {taken} optimizer step(s) skipped: a non-finite loss or "
+                          f"gradient norm ({self.nonfinite_streak} RL step(s) in a row wholly skipped; the run "
+                          f"stops at trainer.max_nonfinite_updates={limit})", markup=False, highlight=False)
         if skipped >= taken and self.nonfinite_streak >= limit:
             raise TrainingDiverged(
                 f"training stopped at step {step}: every update of the last {self.nonfinite_streak} RL step(s) "

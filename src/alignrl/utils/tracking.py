@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
 import time
@@ -64,6 +65,13 @@ def json_rows(text: str) -> list[dict]:
     return rows
 
 
+def json_line(record: dict[str, Any]) -> str:
+    """One metrics row as strict JSON: a non-finite value (a diverged loss) is null, as jq, pandas and other
+    languages' parsers refuse the bare NaN that json.dumps writes."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                       for k, v in record.items()}) + "\n"
+
+
 class Tracker:
     def __init__(self, log_dir: Path, sinks: list[str], resume_step: int = 0, write: bool = True,
                  project: str = "alignrl", run_name: str | None = None, config: Any = None,
@@ -84,7 +92,7 @@ class Tracker:
             self.history = [r for r in kept if r.get("step", 0) <= resume_step] if resume_step else []
             if len(self.history) < sum(1 for x in text.splitlines() if x.strip()):  # steps again, a run, torn lines
                 keep_aside(log_dir, text)
-            atomic_write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in self.history))
+            atomic_write_text(self.jsonl, "".join(json_line(r) for r in self.history))
         self.tb = None
         if "tensorboard" in self.sinks:
             from torch.utils.tensorboard import SummaryWriter
@@ -103,7 +111,7 @@ class Tracker:
         self.history.append(record)
         if "jsonl" in self.sinks:
             with self.jsonl.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json_line(record))
         if self.tb is not None:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
