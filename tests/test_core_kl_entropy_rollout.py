@@ -120,21 +120,21 @@ def test_truncated_is_weights_hand_worked():
     # token, truncate at 2: (2, 0.5, 1.5, 0); 1 of 3 tokens over the threshold; mean (2 + 0.5 + 1.5) / 3 = 4/3
     w, keep, m = truncated_is_weights(tr, ro, mask, "token", 2.0, "truncate")
     assert torch.allclose(w, torch.tensor([[2.0, 0.5, 1.5, 0.0]])) and torch.equal(keep, mask.bool())
-    assert m["rollout_corr/outside_frac"] == pytest.approx(1 / 3)
-    assert m["rollout_corr/raw_is_weight_max"] == pytest.approx(3.0)
-    assert m["rollout_corr/is_weight_mean"] == pytest.approx(4 / 3)
+    assert m["rollout/is_truncated_frac"] == pytest.approx(1 / 3)
+    assert m["rollout/is_raw_weight_max"] == pytest.approx(3.0)
+    assert m["rollout/is_weight_mean"] == pytest.approx(4 / 3)
     # token, mask within [1/2, 2]: the token at 3 leaves the mask, 0.5 stays (the bound is inclusive)
     w, keep, m = truncated_is_weights(tr, ro, mask, "token", 2.0, "mask")
     assert torch.allclose(w, torch.tensor([[0.0, 0.5, 1.5, 0.0]]))
-    assert keep.tolist() == [[False, True, True, False]] and m["rollout_corr/outside_frac"] == pytest.approx(1 / 3)
-    assert m["rollout_corr/is_weight_mean"] == pytest.approx(1.0)  # over the kept tokens
+    assert keep.tolist() == [[False, True, True, False]] and m["rollout/is_masked_frac"] == pytest.approx(1 / 3)
+    assert m["rollout/is_weight_mean"] == pytest.approx(1.0)  # over the kept tokens
     # a lower bound of 0.6 rejects 0.5 too
     _, keep, m = truncated_is_weights(tr, ro, mask, "token", 2.0, "mask", lower=0.6)
-    assert keep.tolist() == [[False, False, True, False]] and m["rollout_corr/outside_frac"] == pytest.approx(2 / 3)
+    assert keep.tolist() == [[False, False, True, False]] and m["rollout/is_masked_frac"] == pytest.approx(2 / 3)
     # sequence: product 3 * 0.5 * 1.5 = 2.25 -> truncate to 2 on every token, mask -> the sequence leaves,
     # threshold 3 -> 2.25
     w, _, m = truncated_is_weights(tr, ro, mask, "sequence", 2.0, "truncate")
-    assert torch.allclose(w, torch.tensor([[2.0, 2.0, 2.0, 0.0]])) and m["rollout_corr/outside_frac"] == 1.0
+    assert torch.allclose(w, torch.tensor([[2.0, 2.0, 2.0, 0.0]])) and m["rollout/is_truncated_frac"] == 1.0
     w, keep, _ = truncated_is_weights(tr, ro, mask, "sequence", 2.0, "mask")
     assert torch.equal(w, torch.zeros(1, 4)) and not keep.any()
     w, _, _ = truncated_is_weights(tr, ro, mask, "sequence", 3.0, "truncate")

@@ -18,7 +18,7 @@ from alignrl.core.advantages import ADVANTAGES, OutcomeInputs, gae_advantages, o
 from alignrl.core.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
 from alignrl.core.lagrangian import LagrangeMultiplier, safe_gae_advantages
 from alignrl.core.losses import masked_mean
-from alignrl.core.rollout_correction import truncated_is_weights
+from alignrl.core.rollout_correction import rollout_kl, truncated_is_weights
 from alignrl.core.shaping import clip_outcome
 from alignrl.data.records import Experience, Rollout, ScoredBatch
 from alignrl.dist.env import SINGLE, DistEnv, all_reduce_sum, gather_values, sum_over_ranks
@@ -29,10 +29,6 @@ from alignrl.train.critic import Critic
 from alignrl.train.minibatch import SKIPPED, optimizer_steps
 from alignrl.utils.tracking import console
 
-KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
-
-# Fraction of tokens (or sequences) whose rollout IS weight exceeded the threshold, named by what was done to it.
-IS_OUTSIDE_KEY = {"truncate": "rollout/is_truncated_frac", "mask": "rollout/is_masked_frac"}
 
 
 class TrainingDiverged(RewardError):
@@ -63,7 +59,7 @@ def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
         agg = "seq-mean-token-mean" if a.policy_loss == "gspo" else "token-mean"
     return PolicyLossSpec(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
                           kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
-                          kl_type=KL_ALIASES.get(a.kl_loss_type, a.kl_loss_type), entropy_coeff=a.entropy_coeff,
+                          kl_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
                           temperature=cfg.rollout.temperature, name=a.policy_loss, clip_c=a.clip_ratio_c or None,
                           loss_agg=agg, max_len=float(response_cap(cfg)))
 
@@ -151,7 +147,7 @@ class PolicyTrainer:
             self.version += 1
             self.sink.publish(self.version)
         # KL(rollout || trainer) per token (k1 under rollout samples): engine/trainer mismatch
-        metrics["rollout/kl_vs_trainer"] = float(masked_mean(rollout_lp - old_lp, ro.generated_mask.float()))
+        metrics["rollout/kl_vs_trainer"] = float(rollout_kl(rollout_lp, old_lp, ro.generated_mask, "k1"))
         return {**metrics, **is_metrics, **t}
 
     def update(self, step: int, exp: Experience, value_targets: list, t: dict[str, float]) -> dict[str, float]:
@@ -193,8 +189,8 @@ class PolicyTrainer:
 
     def kl_in_reward(self, token_rewards: torch.Tensor, old_lp: torch.Tensor, ref_lp: torch.Tensor,
                      mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        alias = KL_ALIASES.get(self.cfg.algorithm.kl_penalty, self.cfg.algorithm.kl_penalty)
-        token_rewards, kl_metrics = kl_penalty_rewards(token_rewards, old_lp, ref_lp, mask, self.kl_ctrl.value, alias)
+        token_rewards, kl_metrics = kl_penalty_rewards(token_rewards, old_lp, ref_lp, mask, self.kl_ctrl.value,
+                                                       self.cfg.algorithm.kl_penalty)
         # every rank must hold the same coefficient: update it from the global mean KL
         rows = float(len(token_rewards))
         kl_sum, n_rows = all_reduce_sum(self.env, [kl_metrics["actor/reward_kl_penalty"] * rows, rows])
@@ -208,11 +204,8 @@ class PolicyTrainer:
         a = self.cfg.algorithm
         if a.rollout_is == "none":
             return None, loss_mask, {}
-        w, keep, m = truncated_is_weights(old_lp, rollout_lp, loss_mask, a.rollout_is, a.rollout_is_threshold,
-                                          a.rollout_is_mode, a.rollout_is_threshold_lower)
-        return w, keep, {"rollout/is_weight_mean": m["rollout_corr/is_weight_mean"],
-                         "rollout/is_raw_weight_max": m["rollout_corr/raw_is_weight_max"],
-                         IS_OUTSIDE_KEY[a.rollout_is_mode]: m["rollout_corr/outside_frac"]}
+        return truncated_is_weights(old_lp, rollout_lp, loss_mask, a.rollout_is, a.rollout_is_threshold,
+                                    a.rollout_is_mode, a.rollout_is_threshold_lower)
 
     def critic_advantages(self, batch: ScoredBatch, token_rewards: torch.Tensor, kl_tokens: torch.Tensor | None,
                           micro: int) -> tuple[torch.Tensor, list, dict[str, float]]:

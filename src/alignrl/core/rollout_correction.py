@@ -30,6 +30,10 @@ def rollout_kl(rollout_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: tor
     return (kl * m).sum() / m.sum().clamp(min=1)
 
 
+# The fraction of tokens (or sequences) whose weight fell outside the bounds, named by what was done to them.
+OUTSIDE_KEY = {"truncate": "rollout/is_truncated_frac", "mask": "rollout/is_masked_frac"}
+
+
 @torch.no_grad()
 def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
                          level: str = "token", threshold: float = 2.0, mode: str = "truncate",
@@ -43,8 +47,8 @@ def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
     `lower` (default 1/threshold) leave the loss mask, so they count neither in the loss nor in its
     token or sequence count; the others keep their true weight.
     Returns (weights (B, T), 0 outside the kept mask; the kept mask (B, T) bool, to train on instead of
-    `mask`; metrics: rollout_corr/is_weight_mean over kept tokens, rollout_corr/raw_is_weight_max,
-    rollout_corr/outside_frac: the tokens or sequences truncated or rejected). Pass the weights as
+    `mask`; metrics: rollout/is_weight_mean over kept tokens, rollout/is_raw_weight_max, and the tokens or
+    sequences truncated or rejected as OUTSIDE_KEY[mode]). Pass the weights as
     `is_weight` to a policy loss.
     """
     if level not in ("token", "sequence") or mode not in ("truncate", "mask"):
@@ -71,8 +75,8 @@ def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
         weights = raw * keep
     any_ = bool(units.any())
     metrics = {
-        "rollout_corr/is_weight_mean": float(weights[keep].mean()) if bool(keep.any()) else 1.0,
-        "rollout_corr/raw_is_weight_max": float(raw[units].max()) if any_ else 1.0,
-        "rollout_corr/outside_frac": float(outside[units].float().mean()) if any_ else 0.0,
+        "rollout/is_weight_mean": float(weights[keep].mean()) if bool(keep.any()) else 1.0,
+        "rollout/is_raw_weight_max": float(raw[units].max()) if any_ else 1.0,
+        OUTSIDE_KEY[mode]: float(outside[units].float().mean()) if any_ else 0.0,
     }
     return weights, keep, metrics
