@@ -1,5 +1,5 @@
 """Seed 004's sampler: `python sampling_worker.py --gpu-id 0 --data-port 5555 --sync-port 5556`.
-Everything lives in `alignrl.dist.sampler` (also `alignrl sample ...`)."""
+Everything lives in the package: `alignrl.dist.seed004` (flags) and `alignrl.dist.sampler` (also `alignrl sample ...`)."""
 
 import sys
 

@@ -84,7 +84,7 @@ def test_communication_test_names_bad_input_in_one_line(tmp_path, argv, said):
 def test_the_sampler_side_says_in_one_line_that_nothing_answers(tiny_model_dir, tmp_path):
     data, sync = free_ports(2)  # nobody listens there
     env = {**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"}
-    out = run_group([sys.executable, "-m", "alignrl.dist.seed004", "comm-peer", "--model-path", str(tiny_model_dir),
+    out = run_group([sys.executable, "-m", "alignrl.dist.seed004_comm", "--model-path", str(tiny_model_dir),
                      "--data-port", str(data), "--sync-port", str(sync), "--timeout", "2"], 100, cwd=tmp_path, env=env)
     assert out.returncode == 1
     assert one_line(out.stderr).startswith(f"nothing answers on tcp://127.0.0.1:{sync} (--sync-port) within 2 s")

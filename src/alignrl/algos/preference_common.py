@@ -24,7 +24,7 @@ from alignrl.algos.preference_cli import CommonConfig
 from alignrl.data.loaders import DataError
 from alignrl.data.preference import PreferenceBatch, collate_pairs
 from alignrl.dist.env import cuda_bf16
-from alignrl.models.loader import recompute_activations
+from alignrl.models.loader import disable_dropout, recompute_activations
 from alignrl.train.checkpoint import CheckpointError, aside_path, nonfinite, write_manifest
 
 
@@ -43,9 +43,7 @@ def autocast(cfg: CommonConfig, device: torch.device):
 
 def prepare_trainable(model, cfg: CommonConfig) -> None:
     model.config.use_cache = False  # no KV cache in training: it only costs memory
-    for m in model.modules():  # as TRL's disable_dropout: the policy is scored against a reference in eval mode
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    disable_dropout(model)  # as TRL's: the policy is scored against a reference in eval mode
     if cfg.gradient_checkpointing:
         recompute_activations(model)
 

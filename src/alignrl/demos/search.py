@@ -29,7 +29,6 @@ from alignrl.demos.search_model import SearchRecipe, ensure_search_model
 PROG = "alignrl demo search"
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "search_demo.yaml"
 SHIPPED_SEED = 0  # the world whose corpus and questions ship in demos/data
-METRICS = ("exact_match", "searches_per_episode", "valid_action_rate")
 
 
 def demo_files(seed: int, run_dir: Path) -> dict[str, Path]:

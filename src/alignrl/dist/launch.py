@@ -23,6 +23,18 @@ from alignrl.errors import program
 USER_ERROR = 2  # the exit code of a one-line user error, on every command
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name, an IP, or an IPv6 address in brackets) is this machine's loopback only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # wildcards ("*", "0.0.0.0"), names and interfaces are not loopback
+        return False
+
+
 def free_ports(n: int) -> list[int]:
     """`n` distinct free ports on 127.0.0.1 (all held at once while picked, so none repeats)."""
     socks = [socket.socket() for _ in range(n)]

@@ -330,24 +330,15 @@ def sampling_main(argv: list[str] | None = None, prog: str = "sampling_worker.py
 def sampling_args_problem(a: argparse.Namespace) -> str | None:
     """The first mistake in a sampler's flags, or None: named at once, where the sampler would otherwise load
     its model and then wait --peer-timeout seconds for a trainer it can never reach."""
-    import socket
-
-    for flag, port in (("--data-port", a.data_port), ("--sync-port", a.sync_port)):
-        if not 1 <= port <= 65535:
-            return f"{flag} {port} is not a TCP port: give the trainer's, 1..65535 (seed 004: 5555 and 5556)"
-    if a.data_port == a.sync_port:
-        return (f"--data-port and --sync-port are both {a.data_port}: give the trainer's two ports "
-                "(seed 004: --data-port 5555 --sync-port 5556)")
+    problem = ports_problem(a.host, a.data_port, a.sync_port, "the trainer's ")
+    if problem:
+        return problem
     if a.threads < 0:
         return f"--threads {a.threads}: give the torch threads of this process, or 0 for torch's default"
     if a.gpu_id is not None and a.gpu_id < 0:
         return f"--gpu-id {a.gpu_id}: give a CUDA device id from 0"
     if not a.peer_timeout > 0:
         return f"--peer-timeout {a.peer_timeout:g}: give the seconds to wait for an absent trainer, above 0"
-    try:
-        socket.getaddrinfo(a.host, a.sync_port)
-    except (OSError, UnicodeError):
-        return f"--host {a.host!r} does not resolve to an address: give the trainer's host name or IP"
     # before the model loads and the trainer is asked (the file was read only once a trainer answered)
     return data_path_problem(a.data_path, "leave --data-path out to read the trainer's data.train_files")
 
@@ -357,12 +348,6 @@ def sample_main(argv: list[str] | None = None) -> int:
     return sampling_main(argv, prog="alignrl sample")
 
 
-# communication_test.py: this process plays the trainer (binds both ports, answers on the sync port) and starts a
-# second one, `python -m alignrl.dist.seed004 comm-peer`, that plays the sampler (connects, pushes, asks)
-if __name__ == "__main__":  # run_distributed.py and communication_test.py start their other processes through here
+if __name__ == "__main__":  # run_distributed.py starts its sampler and trainer processes through here
     command, rest = sys.argv[1], sys.argv[2:]
-    if command == "comm-peer":
-        from alignrl.dist.seed004_comm import comm_peer_main
-
-        sys.exit(comm_peer_main(rest))
     sys.exit({"train": training_main, "sample": sampling_main}[command](rest))

@@ -1,5 +1,5 @@
 """Seed 004's communication_test.py: two processes, as seed 004's pair. This one binds --data-port and --sync-port as
-the trainer does and starts `python -m alignrl.dist.seed004 comm-peer`, which connects as the sampler does; a scored
+the trainer does and starts `python -m alignrl.dist.seed004_comm` (comm_peer_main), which connects as the sampler does; a scored
 batch (with reference log-probs) and the weights make the round trip between them."""
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def comm_test_main(argv: list[str] | None = None) -> int:
     from alignrl.dist.records_wire import KIND, from_wire, seed_rows
     from alignrl.dist.weights_wire import encode_weights
     from alignrl.dist.wire import TOKEN_ENV, WireError
-    from alignrl.dist.zmq_link import InsecureBind, Puller, Replier, _is_loopback, token_from_env
+    from alignrl.dist.launch import is_loopback
+    from alignrl.dist.zmq_link import InsecureBind, Puller, Replier, token_from_env
     from alignrl.models.loader import ModelError
 
     def failed(why: str) -> int:
@@ -90,7 +91,7 @@ def comm_test_main(argv: list[str] | None = None) -> int:
         return 1
 
     # beyond loopback the sockets want a shared token: the two processes of this test make one up between them
-    token = token_from_env() or ("" if _is_loopback(a.host) else secrets.token_hex(16))
+    token = token_from_env() or ("" if is_loopback(a.host) else secrets.token_hex(16))
     socks = []
     try:
         for cls, port, flag, what in ((Puller, a.data_port, "--data-port", "data"),
@@ -118,7 +119,7 @@ def comm_test_main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
                TOKEN_ENV: token}
         with tempfile.TemporaryFile("w+") as err:
-            peer = subprocess.Popen([sys.executable, "-m", "alignrl.dist.seed004", "comm-peer",
+            peer = subprocess.Popen([sys.executable, "-m", "alignrl.dist.seed004_comm",
                                      "--host", _connect_host(a.host), "--data-port", str(pull.port),
                                      "--sync-port", str(rep.port), "--model-path", a.model_path,
                                      "--rounds", str(a.rounds), "--timeout", f"{a.timeout:g}"],
@@ -276,3 +277,7 @@ def comm_peer_main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - one line for the test's report, whatever it was
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
+
+
+if __name__ == "__main__":  # communication_test.py's other process: the sampler's side
+    sys.exit(comm_peer_main(sys.argv[1:]))

@@ -22,7 +22,6 @@ service discovery, and thread safety: use each object from one thread only.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import math
 import os
 import struct
@@ -33,6 +32,7 @@ from collections.abc import Mapping
 import torch
 import zmq
 
+from alignrl.dist.launch import is_loopback
 from alignrl.dist.wire import MAX_FRAMES, TOKEN_ENV, Message, WireError, decode, encode
 
 __all__ = ["TOKEN_ENV", "DEFAULT_DATA_PORT", "DEFAULT_SYNC_PORT", "PeerTimeout", "PortInUse", "InsecureBind",
@@ -73,18 +73,9 @@ def address(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # "*", "0.0.0.0"-like wildcards are handled above; names and interfaces are not loopback
-        return False
-
-
 def check_bind(host: str, token: str) -> None:
     """Anyone who can reach a bound port can feed the trainer records, so beyond loopback a token is required."""
-    if not _is_loopback(host) and not token:
+    if not is_loopback(host) and not token:
         raise InsecureBind(f"refusing to bind {host} without a shared token: set {TOKEN_ENV} on every sampler "
                            "and trainer process, or bind 127.0.0.1")
 

@@ -67,6 +67,15 @@ def recompute_activations(model) -> None:
     keep_routed(model)
 
 
+def disable_dropout(model) -> None:
+    """p = 0 in every dropout layer, as TRL and OpenRLHF do for trained policies and value models: a model scored
+    against a reference in eval mode, or data-parallel ranks drawing other masks than one process, must not
+    differ by dropout noise."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+
+
 def frozen_copy(model):
     """A frozen reference copy (eval mode, no grads), e.g. the KL anchor of GRPO."""
     ref = copy.deepcopy(model)

@@ -11,7 +11,7 @@ import torch
 
 from alignrl.data.collate import position_ids
 from alignrl.models.logprobs import model_device
-from alignrl.models.loader import DTYPES, ModelError, loading, resolve_model_path
+from alignrl.models.loader import DTYPES, ModelError, disable_dropout, loading, resolve_model_path
 from alignrl.models.packing import pack, packed_forward, unpack
 
 
@@ -33,9 +33,7 @@ def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print
     # with p=0.1, which made values noisy in training mode and made data-parallel ranks draw other masks
     # than one process does, so a DDP critic did not train as a single one
     model.config.classifier_dropout = 0.0
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    disable_dropout(model)
     return model
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import hmac
-import ipaddress
 import os
 import socket
 import sys
@@ -22,6 +21,8 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from alignrl.dist.launch import is_loopback
 
 API_KEY_ENV = "ALIGNRL_API_KEY"
 HEALTHY = {"status": "healthy"}  # the exact body the seed's `curl .../health` check expects
@@ -93,15 +94,6 @@ def host_error(host: str) -> str | None:
         return None
     return (f"refusing to serve on non-loopback host {host!r} without authentication: "
             f"set {API_KEY_ENV}=<secret> (clients send it as a bearer token) or use --host 127.0.0.1")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_args(args: argparse.Namespace) -> str | None:

@@ -27,8 +27,8 @@ class GenResult:
 
 
 def sampling(n: int, temperature: float, top_p: float, top_k: int, max_tokens: int, stop, seed):
-    # imported here: the rollout engine pulls in torch, which request validation alone does not need
-    from alignrl.rollout.hf_engine import SamplingParams
+    # imported here: the interfaces pull in torch, which request validation alone does not need
+    from alignrl.interfaces import SamplingParams
 
     return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_tokens,
                           stop=tuple(stop or ()), seed=seed)

@@ -26,7 +26,8 @@ from fastapi import Request, Response
 
 from alignrl.retrieval.corpus import SHIPPED_CORPUS, Hit, RetrievalError, Retriever
 from alignrl.retrieval.index import DENSE, canonical_name, default_index_root, open_retriever
-from alignrl.serve.common import SERVICE_HEADER, PortError, address, bind, fail, is_loopback, serve
+from alignrl.dist.launch import is_loopback
+from alignrl.serve.common import SERVICE_HEADER, PortError, address, bind, fail, serve
 
 PROG = "alignrl serve retrieve"
 
