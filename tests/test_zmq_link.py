@@ -12,6 +12,7 @@ import zmq
 from alignrl.dist import zmq_link
 from alignrl.dist.weights_wire import encode_weights
 from alignrl.dist.wire import WireError, decode, encode
+from alignrl.errors import UserError
 from alignrl.dist.zmq_link import (InsecureBind, PeerTimeout, PortInUse, Puller, Pusher, Replier, Requester, address,
                                    check_bind)
 
@@ -157,7 +158,7 @@ def test_port_in_use_is_one_line():
             Puller(HOST, pull.port)
         assert str(e.value) == (f"port {pull.port} on 127.0.0.1 is in use (another training_worker?): "
                                 "stop it or pass --data-port N")
-        assert isinstance(e.value, OSError)
+        assert isinstance(e.value, UserError)  # said as one line by every command
         with pytest.raises(PortInUse, match="--sync-port N"):
             Replier(HOST, pull.port)
 

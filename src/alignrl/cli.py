@@ -28,7 +28,7 @@ from pathlib import Path
 
 from alignrl.config import ConfigError, RunConfig, check_folders, check_world_size, keys_given, load_config
 from alignrl.dist.launch import OneLineParser
-from alignrl.errors import Terminated, in_flag_words, program, stop_on_sigterm, user_errors
+from alignrl.errors import Terminated, UserError, in_flag_words, program, stop_on_sigterm
 
 EXAMPLES = Path(__file__).parent / "examples"
 # Both run the one RL loop; `ppo` (verl's main_ppo) takes any algorithm.adv_estimator from the config,
@@ -297,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{program()}: rank {os.environ.get('RANK', '?')}: lost its connection to another rank, which "
                   "stopped or was killed", file=sys.stderr, flush=True)
             return 1
-        # ConfigError first: user_errors() imports torch and friends, seconds before a config error's line
-        if not (isinstance(e, ConfigError) or isinstance(e, user_errors())):
+        if not isinstance(e, UserError):
             raise
         from alignrl.dist.launch import speak_once
 

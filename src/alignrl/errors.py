@@ -1,7 +1,8 @@
-"""The exception types that mean "the user's input is wrong" (a config, data file, model folder, reward
-function, service, DeepSpeed config, a pipeline peer that is absent or speaks nonsense, a pipeline port that is
-taken or unsafe to bind): every command line prints them as one line and exits 2, never a traceback. Imported
-lazily: the modules that define them pull in torch."""
+"""`UserError`, the base of the exceptions that mean "the user's input is wrong" (a config, data file, model folder,
+reward function, service, DeepSpeed config, a pipeline peer that is absent or speaks nonsense, a pipeline port that
+is taken or unsafe to bind): every command line prints them as one line and exits 2, never a traceback. Also what
+the entry points share about stopping (SIGTERM) and about saying errors in the flags the user typed. Imports only
+the standard library, so that every module can define its errors on UserError."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ LAUNCHER_ENV = "ALIGNRL_LAUNCHER"
 # {config key: flag} of a seed script whose flags set those keys: its errors say `--max-steps 0`, not
 # `trainer.total_training_steps=0` (inherited by the processes and ranks it starts)
 FLAGS_ENV = "ALIGNRL_FLAG_NAMES"
+
+
+class UserError(ValueError):
+    """A mistake the user can fix: its text is one line that says what is wrong and how to fix it."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -51,19 +56,3 @@ def program() -> str:
     """The command the user typed, for the front of every error line: `alignrl`, or a seed's script
     (training_worker.py) that runs alignrl in its own processes and torchrun ranks, which inherit the name."""
     return os.environ.get(PROGRAM_ENV, "alignrl")
-
-
-def user_errors() -> tuple[type[Exception], ...]:
-    from alignrl.config import ConfigError
-    from alignrl.data.loaders import DataError
-    from alignrl.dist.coordinator import PipelineError
-    from alignrl.dist.shared_weights import SharedUnavailable
-    from alignrl.dist.zmq_link import InsecureBind, PortInUse
-    from alignrl.models.loader import ModelError
-    from alignrl.rewards.registry import RewardError
-    from alignrl.rollout.remote import ServiceError
-    from alignrl.serve.weights import WireError
-    from alignrl.train.engines.deepspeed import DeepSpeedConfigError
-
-    return (ConfigError, DataError, ModelError, RewardError, ServiceError, DeepSpeedConfigError, PipelineError,
-            WireError, PortInUse, InsecureBind, SharedUnavailable)

@@ -22,19 +22,17 @@ from alignrl.core.rollout_correction import rollout_kl, truncated_is_weights
 from alignrl.core.shaping import clip_outcome
 from alignrl.data.records import Experience, Rollout, ScoredBatch
 from alignrl.dist.env import SINGLE, DistEnv, all_reduce_sum, gather_values, sum_over_ranks
+from alignrl.errors import UserError
 from alignrl.interfaces import WeightSink
-from alignrl.rewards.registry import RewardError
 from alignrl.train.actor import Actor, PolicyLossSpec
 from alignrl.train.critic import Critic
 from alignrl.train.minibatch import SKIPPED, optimizer_steps
 from alignrl.utils.tracking import console
 
 
-
-class TrainingDiverged(RewardError):
+class TrainingDiverged(UserError):
     """Every update of several RL steps in a row was skipped as non-finite: the run stops rather than spin
-    without learning. A RewardError so the CLI prints it as one line; non-finite updates most often come
-    from the rewards."""
+    without learning."""
 
 
 @dataclass

@@ -37,6 +37,7 @@ from alignrl.cluster.critic import CriticGroup, CriticRank
 from alignrl.cluster.plan import Layout, describe, engine_slot, release, requests, reserve, slots
 from alignrl.cluster.workers import WATCH, PolicyRank, RefWorker, RewardWorker, RolloutWorker
 from alignrl.config import ConfigError, RunConfig, check_world_size, to_yaml
+from alignrl.errors import UserError
 from alignrl.train.checkpoint import atomic_write_text
 
 
@@ -86,11 +87,9 @@ def user_error(e: BaseException) -> Exception | None:
     """The user error (a bad row, a reward function that raised) inside Ray's wrapping of a worker's
     exception, which nests once per worker it crossed (an engine's, inside the actor rank's). The wrappers
     are instances of their cause's class too, with the whole remote traceback as their text: unwrapped."""
-    from alignrl.errors import user_errors
-
     while isinstance(e, ray.exceptions.RayTaskError):
         e = getattr(e, "cause", None)
-    return e if isinstance(e, (ClusterError, ConfigError, *user_errors())) else None
+    return e if isinstance(e, (ClusterError, UserError)) else None
 
 
 def connect(units_needed: int) -> bool:

@@ -118,7 +118,7 @@ def _error(prog: str, e: Exception, code: int, args=None) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
-    from alignrl.errors import user_errors
+    from alignrl.errors import UserError
 
     args = F.parser(prog).parse_args(argv)
     try:
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         if code == 0:
             export_model(placed.cfg.run_dir, placed.cfg.checkpoint_root, placed.cfg.trainer.total_training_steps, prog)
         return code
-    except (ClusterError, *user_errors()) as e:
+    except (ClusterError, UserError) as e:
         return _error(prog, e, 1 if isinstance(e, ClusterError) else 2, args)
     except KeyboardInterrupt:  # the driver's finally has released the workers and placement groups
         print(f"{prog}: interrupted; the same command with --load_checkpoint continues from the last checkpoint",

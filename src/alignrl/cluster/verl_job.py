@@ -85,7 +85,7 @@ def job(cfg: RunConfig, prog: str):
 def run_on_ray(cfg: RunConfig, prog: str) -> int:
     """Places and runs `cfg` on the cluster in RAY_ADDRESS; one line on failure (exit 1: a worker died or
     failed; 2: the request or the config)."""
-    from alignrl.errors import user_errors
+    from alignrl.errors import UserError
     from alignrl.cluster.channel import ClusterError
     from alignrl.cluster.driver import Driver
 
@@ -97,6 +97,6 @@ def run_on_ray(cfg: RunConfig, prog: str) -> int:
         print(f"{prog}: {warning}", file=sys.stderr, flush=True)
     try:
         return Driver(job(cfg, prog)).run()
-    except (ClusterError, *user_errors()) as e:
+    except (ClusterError, UserError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 1 if isinstance(e, ClusterError) else 2

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from alignrl.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file, key or value that cannot be used; the message names the key and the fix."""
 
 

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from alignrl.data.records import Sample
+from alignrl.errors import UserError
 
 DEFAULT_SOURCE = "math"  # the data_source of by-column rows that name none
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A dataset file is missing or malformed; the message says what to change."""
 
 

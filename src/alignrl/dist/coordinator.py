@@ -33,8 +33,9 @@ from alignrl.dist.records_wire import from_wire
 from alignrl.dist.ref_share import RefShare, sampler_needs_ref, trainer_needs_ref
 from alignrl.dist.row_log import RowLog
 from alignrl.dist.shared_weights import host_id
+from alignrl.errors import UserError
 from alignrl.dist.wire import Message, WireError, decode
-from alignrl.dist.zmq_link import InsecureBind, Puller, Replier, token_from_env
+from alignrl.dist.zmq_link import InsecureBind, PortInUse, Puller, Replier, token_from_env
 from alignrl.models.folder import weights_fingerprint
 from alignrl.models.loader import resolve_model_path
 from alignrl.train.actor import Actor
@@ -50,7 +51,7 @@ def process_of(meta: dict) -> str:
     return name if proc is None else f"{name}#{proc}"
 
 
-class PipelineError(ValueError):
+class PipelineError(UserError):
     """The pipeline cannot go on (no sampler delivers); one line naming what to start or check."""
 
 
@@ -119,7 +120,7 @@ class Coordinator:
         try:
             self.puller = Puller(self.p.host, self.p.data_port, hwm=self.p.hwm, token=self.token)
             self.replier = Replier(self.p.host, self.p.sync_port, token=self.token)
-        except (OSError, InsecureBind) as e:  # PortInUse among them; a host that is not this machine's too
+        except (OSError, PortInUse, InsecureBind) as e:  # OSError: a host that is not this machine's
             if self.puller is not None:
                 self.puller.close()
             return e

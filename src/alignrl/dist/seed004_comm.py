@@ -5,7 +5,6 @@ batch (with reference log-probs) and the weights make the round trip between the
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import subprocess
 import sys
@@ -83,7 +82,7 @@ def comm_test_main(argv: list[str] | None = None) -> int:
     from alignrl.dist.weights_wire import encode_weights
     from alignrl.dist.wire import TOKEN_ENV, WireError
     from alignrl.dist.launch import is_loopback
-    from alignrl.dist.zmq_link import InsecureBind, Puller, Replier, token_from_env
+    from alignrl.dist.zmq_link import InsecureBind, PortInUse, Puller, Replier, token_from_env
     from alignrl.models.loader import ModelError
 
     def failed(why: str) -> int:
@@ -98,11 +97,11 @@ def comm_test_main(argv: list[str] | None = None) -> int:
                                       (Replier, a.sync_port, "--sync-port", "sync")):
             try:
                 socks.append(cls(a.host, port, token=token, port_flag=flag))
-            except OSError as e:
-                taken = e.errno == errno.EADDRINUSE
+            except PortInUse:
                 return failed(f"port {port} on {a.host} ({flag}) is taken by another program: stop it, or give this "
-                              f"test and both workers other ports ({flag} N)" if taken else
-                              f"cannot bind {flag} {port} on {a.host}: {e.strerror or e}")
+                              f"test and both workers other ports ({flag} N)")
+            except OSError as e:
+                return failed(f"cannot bind {flag} {port} on {a.host}: {e.strerror or e}")
             except InsecureBind as e:
                 return failed(str(e))
         pull, rep = socks

@@ -38,6 +38,7 @@ import torch
 from alignrl.dist import shm_segments
 from alignrl.dist.weights_wire import _Buckets, _Plan, _view
 from alignrl.dist.wire import ALIGN, Message, WireError, _Frames, _header, _layout
+from alignrl.errors import UserError
 from alignrl.utils.tracking import console
 
 __all__ = ["SHARED_KIND", "host_id", "cuda_uuids", "SharedPublisher", "SharedReader", "SharedUnavailable"]
@@ -50,7 +51,7 @@ _CREATED: set[str] = set()  # segments this process made (a reader in the same p
 _LINGER: list[SharedMemory] = []  # closed sets' segments that ZeroMQ was still sending from
 
 
-class SharedUnavailable(RuntimeError):
+class SharedUnavailable(UserError, RuntimeError):
     """Shared weights cannot be had here: the trainer cannot make them (a small /dev/shm, a GPU that exports
     no IPC handles), or the sampler cannot map them (a private /dev/shm, the trainer's GPU hidden from it)."""
 

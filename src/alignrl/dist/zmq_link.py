@@ -34,6 +34,7 @@ import zmq
 
 from alignrl.dist.launch import is_loopback
 from alignrl.dist.wire import MAX_FRAMES, TOKEN_ENV, Message, WireError, decode, encode
+from alignrl.errors import UserError
 
 __all__ = ["TOKEN_ENV", "DEFAULT_DATA_PORT", "DEFAULT_SYNC_PORT", "PeerTimeout", "PortInUse", "InsecureBind",
            "address", "check_bind", "token_from_env", "Pusher", "Puller", "Replier", "Requester"]
@@ -50,18 +51,11 @@ class PeerTimeout(RuntimeError):
     """The peer did not take or answer a message in time; the message names the address and what to check."""
 
 
-class PortInUse(OSError):
-    def __init__(self, msg: str):
-        super().__init__(errno.EADDRINUSE, msg)
-
-    def __str__(self) -> str:  # one line, without OSError's "[Errno 98]" prefix
-        return self.strerror
-
-    def __reduce__(self):
-        return PortInUse, (self.strerror,)
+class PortInUse(UserError):
+    """A port another program holds: which one, and the flag that moves it."""
 
 
-class InsecureBind(ValueError):
+class InsecureBind(UserError):
     """Binding a non-loopback address without a shared token."""
 
 

@@ -12,13 +12,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from alignrl.errors import UserError
+
 SAFETENSORS_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
 WEIGHT_FILES = ("model.safetensors", SAFETENSORS_INDEX, "pytorch_model.bin", BIN_INDEX)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 RESAVE = "re-save it with save_pretrained or copy the file again from where the model came from"
 
 
-class ModelError(ValueError):
+class ModelError(UserError):
     """The model path cannot be loaded; the message says what to pass instead."""
 
 

@@ -17,12 +17,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from alignrl.errors import UserError
 from alignrl.rewards import gsm8k
 from alignrl.rewards import math as math_reward
 from alignrl.rewards import qa_em
 
 
-class RewardError(ValueError):
+class RewardError(UserError):
     """The reward configuration cannot be used; the message says what to change."""
 
 

@@ -8,7 +8,7 @@
 Connection errors and 5xx answers are retried with exponential backoff a bounded number of times; 4xx
 answers are the caller's mistake and fail at once. A request that got no answer in time is not sent
 again: the service is busy with it, and a second copy would queue behind the first. Every failure is a `ServiceError`
-(a ValueError, so the CLI prints it as one line) naming the URL and how to fix it.
+(a UserError: the CLI prints it as one line) naming the URL and how to fix it.
 Deliberately left out: async clients, streaming, load balancing over several servers.
 """
 
@@ -27,6 +27,7 @@ import torch
 from alignrl.config import RunConfig
 from alignrl.data.collate import left_pad, right_pad
 from alignrl.data.records import Rollout
+from alignrl.errors import UserError
 from alignrl.interfaces import SamplingParams
 
 START = {"generation": "alignrl serve generate --model PATH --port {port}",
@@ -34,7 +35,7 @@ START = {"generation": "alignrl serve generate --model PATH --port {port}",
          "reward": "alignrl serve reward --model RM_PATH --port {port}"}
 
 
-class ServiceError(ValueError):
+class ServiceError(UserError):
     """A service could not answer; `status` is the HTTP status when it answered with an error."""
 
     def __init__(self, message: str, status: int | None = None):

@@ -2,7 +2,7 @@
 
 A thin adapter for GPU machines (`alignrl serve generate --engine vllm`, the Ray rollout engines). vLLM
 is imported only when an engine is built, and its absence is a one-line `EngineUnavailable` (a
-ValueError, so the CLI prints it and exits 2). Log-probs are the sampled token's under the distribution
+UserError: the CLI prints it and exits 2). Log-probs are the sampled token's under the distribution
 vLLM samples from (`logprobs_mode="processed_logprobs"`: after temperature), as the trainer computes them.
 vLLM's default gives those of the raw logits, which at a temperature other than 1 are another policy's:
 the rollout (old) log-probs and the rollout correction would compare the trainer with the wrong one. A vLLM
@@ -19,11 +19,12 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from alignrl.data.records import Rollout
+from alignrl.errors import UserError
 from alignrl.interfaces import SamplingParams
 from alignrl.rollout.remote import rollout_from_rows
 
 
-class EngineUnavailable(ValueError):
+class EngineUnavailable(UserError):
     """The requested engine cannot run here; the message says what to install or use instead."""
 
 

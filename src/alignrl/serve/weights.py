@@ -31,6 +31,8 @@ from math import prod
 import msgpack
 import torch
 
+from alignrl.errors import UserError
+
 MAGIC = b"ALRLWT01"
 ALIGN = 64
 CONTENT_TYPE = "application/x-alignrl-weights"
@@ -43,7 +45,7 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 64 << 20  # a header this large would list millions of tensors: refuse it instead
 
 
-class WireError(ValueError):
+class WireError(UserError):
     """The body is not a valid weight update; the message says what is wrong."""
 
 

@@ -38,8 +38,7 @@ MANIFEST = "manifest.json"
 
 
 class CheckpointError(DataError):
-    """A checkpoint cannot be written or read; the message names it and says what to do. A DataError so
-    that every command prints it as one line instead of a traceback."""
+    """A checkpoint cannot be written or read; the message names it and says what to do."""
 
 
 class DamagedShard(CheckpointError):

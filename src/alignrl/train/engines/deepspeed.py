@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from alignrl.dist.env import DistEnv, cuda_bf16, join_group
+from alignrl.errors import UserError
 from alignrl.train.engines.base import OptimSpec, host_state_dict, state_dtypes
 
 TAG = "deepspeed"  # the sub-folder DeepSpeed's save_checkpoint writes inside a checkpoint
 
 
-class DeepSpeedConfigError(ValueError):
+class DeepSpeedConfigError(UserError):
     """A DeepSpeed JSON config that cannot be used; the message names the file and the key."""
 
 
