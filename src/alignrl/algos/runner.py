@@ -28,8 +28,9 @@ from alignrl.data.sampler import BatchSampler
 from alignrl.dist.coordinator import Coordinator
 from alignrl.dist.env import DistEnv, barrier, init_distributed, mean_metrics
 from alignrl.rewards.registry import load_reward_fn
-from alignrl.train.checkpoint import (atomic_write_text, check_not_past, hold_run_dir, load_trainer_state,
-                                      resume_point, save_checkpoint, set_rng_state)
+from alignrl.train.checkpoint import (check_not_past, hold_run_dir, load_trainer_state, resume_point,
+                                      save_checkpoint, set_rng_state)
+from alignrl.utils.atomic import atomic_write_text
 from alignrl.utils.tracking import Tracker, console
 
 

@@ -38,7 +38,7 @@ from alignrl.cluster.plan import Layout, describe, engine_slot, release, request
 from alignrl.cluster.workers import WATCH, PolicyRank, RefWorker, RewardWorker, RolloutWorker
 from alignrl.config import ConfigError, RunConfig, check_world_size, to_yaml
 from alignrl.errors import UserError
-from alignrl.train.checkpoint import atomic_write_text
+from alignrl.utils.atomic import atomic_write_text
 
 
 @dataclass

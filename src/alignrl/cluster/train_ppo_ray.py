@@ -83,7 +83,8 @@ def export_model(save: Path, ckpt_root: Path, step: int, prog: str = PROG) -> No
     checkpoint model files, copied (a link would let a later save into --save_path rewrite the checkpoint), each
     put in place by a rename so no file there is ever half-written; files of an earlier export that this one
     lacks go. A failure is one line: the checkpoint itself is the trained model."""
-    from alignrl.train.checkpoint import atomic_write_text, manifest_problem
+    from alignrl.train.checkpoint import manifest_problem
+    from alignrl.utils.atomic import atomic_write, atomic_write_text
 
     final = ckpt_root / f"global_step_{step}"
     if manifest_problem(final) is not None:  # on several nodes without a shared file system,
@@ -93,9 +94,7 @@ def export_model(save: Path, ckpt_root: Path, step: int, prog: str = PROG) -> No
     try:
         files = sorted(p for p in (final / "model").iterdir() if p.is_file())
         for src in files:
-            tmp = save / f".{src.name}.part"
-            shutil.copy2(src, tmp)
-            os.replace(tmp, save / src.name)
+            atomic_write(save / src.name, lambda tmp: shutil.copy2(src, tmp))
         names = [p.name for p in files]
         try:
             before = json.loads((save / EXPORTED).read_text())

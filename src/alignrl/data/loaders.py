@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from alignrl.config.checks import data_files
 from alignrl.data.layouts import (DataError, PromptKeys, chat_messages, json_array_rows, keys_sample,
                                   plain_ground_truth, with_system)
 from alignrl.data.records import Sample
+from alignrl.utils.atomic import atomic_write
 
 GSM8K_COLUMNS = ("question", "answer")
 VERL_COLUMNS = ("prompt", "data_source", "reward_model")
@@ -110,7 +110,7 @@ def write_gsm8k_jsonl(rows: list[dict[str, Any]], path: str | os.PathLike[str]) 
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
-    _atomic_write(path, write)
+    atomic_write(path, write)
 
 
 def write_verl_parquet(samples: list[Sample], path: str | os.PathLike[str]) -> None:
@@ -132,7 +132,7 @@ def write_verl_parquet(samples: list[Sample], path: str | os.PathLike[str]) -> N
         for r in records:
             del r["extra_info"]
     table = pa.Table.from_pylist(records)
-    _atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def check_data_file(path: str, key: str = "data.train_files") -> None:
@@ -283,17 +283,3 @@ def _extra_info(loc: str, value: Any) -> dict:
         raise DataError(f"{loc}: extra_info is a {type(value).__name__}, not an object (a dict of the row's extra "
                         "fields, passed to the reward function)")
     return dict(value)
-
-
-def _atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
-    """Write via a temp file in the target directory, so readers never see a half-written file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

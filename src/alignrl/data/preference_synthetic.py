@@ -133,7 +133,7 @@ GENERATORS = {"helpful": helpful_pairs, "harmless": harmless_pairs}
 
 def write_shipped(out_dir: Path = SHIPPED, seed: int = 0) -> list[Path]:
     """(Re)write `<task>.jsonl` (train) and `<task>_test.jsonl` (held-out) for both tasks."""
-    from alignrl.train.checkpoint import atomic_write_text
+    from alignrl.utils.atomic import atomic_write_text
 
     written = []
     for task, gen in GENERATORS.items():

@@ -99,7 +99,7 @@ def run(recipe: SearchRecipe, overrides: Sequence[str], heldout: int, log=print)
     """The whole demo; returns the summary (also written to `<run dir>/summary.json`)."""
     from alignrl.algos.runner import train_grpo
     from alignrl.data.loaders import load_samples
-    from alignrl.train.checkpoint import atomic_write_text
+    from alignrl.utils.atomic import atomic_write_text
 
     t0 = time.time()
     load_config(CONFIG, list(overrides))  # a bad override fails here, before minutes of model building

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from alignrl.train.checkpoint import atomic_write_text
+from alignrl.utils.atomic import atomic_write_text
 from alignrl.utils.tracking import aside, json_rows
 
 

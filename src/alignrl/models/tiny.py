@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from alignrl.data import synthetic
+from alignrl.utils.atomic import replace_dir
 
 MARKER = "recipe.json"  # written last: a folder without it was never finished
 # The default recipe's build (a few MB), so a fresh clone skips minutes of SFT; `alignrl build-demo-model`
@@ -150,7 +151,7 @@ def build_into(out_dir: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
     try:
         yield tmp
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -162,18 +163,6 @@ def save_built(folder: Path, model, tokenizer, recipe: dict) -> None:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / MARKER).write_text(json.dumps(recipe, indent=2))
-
-
-def _replace_dir(new: Path, out_dir: Path) -> None:
-    """Rename `new` to `out_dir`. An old `out_dir` is renamed aside first and deleted after: deleting it in
-    place could be cut short, leaving a half-deleted folder under the name readers look for."""
-    old = None
-    if out_dir.exists():
-        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old."))
-        os.replace(out_dir, old / out_dir.name)
-    os.replace(new, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def demo_model_problem(path: Path, recipe: TinyRecipe) -> str | None:

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 
 from alignrl.data.loaders import DataError
 from alignrl.dist.env import SINGLE, DistEnv, all_reduce_sum, barrier
+from alignrl.utils.atomic import atomic_write_text
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -46,16 +46,6 @@ class DamagedShard(CheckpointError):
     where a user error every rank meets is said by rank 0 alone."""
 
     this_rank_only = True
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def hold_run_dir(run_dir: Path):

@@ -23,7 +23,7 @@ from typing import Any
 from rich.console import Console
 
 from alignrl.config import ConfigError
-from alignrl.train.checkpoint import atomic_write_text
+from alignrl.utils.atomic import atomic_write_text
 
 # soft_wrap: a long warning stays one line in a log file or pipe (rich would fold it at 80 columns there)
 console = Console(highlight=False, soft_wrap=True)
