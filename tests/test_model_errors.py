@@ -127,12 +127,13 @@ def test_broken_reward_model_and_critic_folders_through_the_cli(tiny_model_dir, 
     line = _one_line(cli_in_process(*_args(tmp_path, f"model.path={tiny_model_dir}", "algorithm.adv_estimator=gae",
                                            "critic.enable=true", f"critic.model_path={critic}")))
     assert line.startswith(f"alignrl: error: model folder {critic}: no weights file"), line
-    # a causal LM is not a reward model: loading it as one draws a random head, whose scores mean nothing
+    # a causal LM is not a reward model: loading it as one draws a random head, whose scores mean nothing (said from
+    # its config.json before the policy loads)
     line = _one_line(cli_in_process(*_args(tmp_path, f"model.path={tiny_model_dir}",
                                            f"algorithm.reward_model={tiny_model_dir}")))
     assert line == (f"alignrl: error: {tiny_model_dir} is not a reward/cost model: it has no scoring head (its "
-                    "weights lack score.weight); train one with `alignrl train rm`, or save a sequence-classification "
-                    "model"), line
+                    "architecture is Qwen2ForCausalLM); train one with `alignrl train rm`, or save a "
+                    "sequence-classification model"), line
 
 
 # --- the demo-model cache ---------------------------------------------------------------------------

@@ -334,3 +334,77 @@ def test_preference_training_turns_dropout_off():
     prepare_trainable(model, RMConfig())
     assert [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)] == [0.0]
     assert model.config.use_cache is False
+
+
+# ---------------------------------------------------------------- folders, divergence, policies (a seed 002 audit)
+
+
+def _quick(tiny_model_dir, out: Path, logs: Path, *extra: str) -> int:
+    return rm_main(["--config", str(REPO / "configs/rm_config.yaml"), "--task", "helpful", "--output_dir", str(out),
+                    "--logging_dir", str(logs), f"model_path={tiny_model_dir}", "max_train_pairs=16", *SMALL, *extra])
+
+
+def test_logs_inside_the_output_folder_move_into_the_saved_model(tiny_model_dir, tmp_path, capsys):
+    """--logging_dir <output_dir>/logs was made at the start, so the save found the folder taken, moved it aside
+    with the logs in it, and the last metrics row failed (a traceback, exit 1, after the model was saved)."""
+    out = tmp_path / "rm"
+    for run in range(2):  # the second run finds the first's model there: moved aside, its own logs carried
+        assert _quick(tiny_model_dir, out, out / "logs", "max_steps=1") == 0
+        assert (out / "model.safetensors").is_file() and (out / "logs" / "metrics.jsonl").is_file()
+    asides = list(tmp_path.glob("rm.previous-*"))
+    assert len(asides) == 1 and (asides[0] / "model.safetensors").is_file(), asides
+    assert _quick(tiny_model_dir, out, out, "max_steps=1") == 2
+    assert "--logging_dir is --output_dir" in capsys.readouterr().err
+
+
+def test_a_run_whose_updates_stay_non_finite_stops_and_saves_nothing(tiny_model_dir, tmp_path, capsys):
+    """learning_rate=1e30 without clipping: the weights stay finite (about 1e30) but every loss after the first
+    step is NaN. The run went on to the end and saved the model (exit 0)."""
+    out = tmp_path / "rm"
+    assert _quick(tiny_model_dir, out, tmp_path / "logs", "max_train_pairs=64", "log_every=1", "learning_rate=1e30",
+                  "grad_clip=0") == 2
+    said = capsys.readouterr()
+    assert said.err.startswith("alignrl: error: training stopped at step ") and said.err.count("\n") == 1
+    assert "the last 3 optimizer step(s) had a non-finite loss or gradient norm and were skipped; nothing is saved" \
+        in said.err and "optimizer step skipped" in said.out
+    assert not out.exists()
+    # a run that ends on such a step (2 steps here) has finite weights and NaN scores: not saved either
+    assert _quick(tiny_model_dir, out, tmp_path / "logs", "log_every=1", "learning_rate=1e30", "grad_clip=0") == 2
+    assert capsys.readouterr().err.strip() == ("alignrl: error: the trained model gives non-finite scores on the "
+                                               "held-out pairs; nothing is saved. Lower learning_rate, keep grad_clip "
+                                               "on, or check the pairs")
+    assert not out.exists()
+
+
+def test_a_held_logging_folder_is_refused(tiny_model_dir, tmp_path, capsys):
+    """Two runs of one task share the default logging folder: their metrics rows interleaved in one file."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from alignrl.train.checkpoint import "
+                               "hold_run_dir; from pathlib import Path; f = hold_run_dir(Path(sys.argv[1])); "
+                               "print('held', flush=True); time.sleep(60)", str(logs)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert _quick(tiny_model_dir, tmp_path / "rm", logs, "max_steps=1") == 2
+        err = capsys.readouterr().err
+        assert f"is writing {logs}: stop it first, or give this run another --logging_dir" in err, err
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_folders_that_cannot_be_written_are_one_line_before_training(cli_in_process):
+    p = cli_in_process("train", "rm", "--output_dir", "/proc/alignrl-out", "model_path=demo")
+    assert p.returncode == 2 and p.stderr.strip().startswith(
+        "alignrl: error: --output_dir: cannot write under /proc/alignrl-out (/proc: "), p.stderr
+
+
+def test_a_scorer_folder_is_refused_as_a_policy(tmp_path):
+    from alignrl.models.loader import ModelError, load_causal_lm
+
+    cost = _scorer_folder(tmp_path / "harmless_rm", {"model_type": "cost", "task": "harmless"})
+    with pytest.raises(ModelError) as e:  # transformers loaded its backbone under a new, random LM head
+        load_causal_lm(Path(cost), key="model_path")
+    assert str(e.value).startswith(f"model_path={cost} is a cost model saved by `alignrl train rm` "
+                                   f"({rm.SCORE_INFO}): it scores text and cannot write it")

@@ -155,8 +155,9 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     env = init_distributed()
     pc.check_enough(len(train_pairs), cfg, env.world_size, ", ".join(cfg.train_files))
     log = pc.RankZeroLog(env, log_dir, cfg.report_to)
-    policy, tok = load_model(cfg.model_path, log=log.print)
-    ref = frozen_copy(policy) if cfg.ref_model_path is None else frozen_copy(load_model(cfg.ref_model_path)[0])
+    policy, tok = load_model(cfg.model_path, log=log.print, key="model_path")
+    ref = (frozen_copy(policy) if cfg.ref_model_path is None else
+           frozen_copy(load_model(cfg.ref_model_path, key="ref_model_path")[0]))
     ref.to(env.device, torch.bfloat16 if pc.use_bf16(cfg) else torch.float32)
     pc.prepare_trainable(policy, cfg)
     pad = tok.pad_token_id
@@ -211,6 +212,7 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
                           {"rewards/accuracy": "acc", "rewards/margin": "margin", "safe/offset": "offset",
                            "safe/swapped_frac": "swapped"})
     after = ev()
+    pc.check_eval_finite(after["all"]["reward_margin"], "log-probabilities")
     log.print("held-out after training:  " + _fmt_eval(after["all"]))
     for name in names:
         log.print(f"  {name}: reward accuracy {before[name]['reward_accuracy']:.3f} -> "
@@ -222,7 +224,7 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
                **({"helpful_rm": cfg.helpful_rm, "harmless_rm": cfg.harmless_rm, "safety_lambda": cfg.safety_lambda,
                    "offset_alpha": cfg.offset_alpha} if safe else {})}
     state = engine.full_state_dict()  # collective
-    pc.save_hf_folder(out_dir, policy, state, tok, {"eval_results.json": results}, env)
+    pc.save_hf_folder(out_dir, policy, state, tok, {"eval_results.json": results}, env, log_dir=log_dir)
     log.metrics(step, {"eval/reward_accuracy": after["all"]["reward_accuracy"],
                        "eval/reward_accuracy_before": before["all"]["reward_accuracy"],
                        "eval/logp_accuracy": after["all"]["logp_accuracy"]})

@@ -21,6 +21,7 @@ from typing import Any
 
 from alignrl.config import ConfigError, check_folders, check_ranges, opt
 from alignrl.config.checks import did_you_mean
+from alignrl.errors import UserError
 
 # the DPO-family losses of `alignrl.core.preference.DPO_LOSSES` (a test holds the two equal)
 DPO_LOSS_NAMES = ("sigmoid", "cdpo", "ipo", "hinge", "safe")
@@ -31,7 +32,8 @@ SMOOTHED_LOSSES = ("sigmoid", "cdpo")
 class CommonConfig:
     model_path: str = opt("demo", "base model: an HF causal-LM folder, or 'demo' (the embedded tiny Qwen2)")
     output_dir: str | None = opt(None, "where the trained model folder is written (--output_dir)")
-    logging_dir: str | None = opt(None, "metrics.jsonl and tensorboard/ (--logging_dir); default <output_dir>/logs")
+    logging_dir: str | None = opt(None, "metrics.jsonl and tensorboard/ (--logging_dir); default "
+                                        "logs/training/<task>_rm (rm) or logs/training/dpo (dpo)")
     batch_size: int = opt(8, "preference pairs per device per micro-batch", ge=1)
     eval_batch_size: int = opt(16, "pairs per device per evaluation forward", ge=1)
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step", ge=1)
@@ -54,6 +56,8 @@ class CommonConfig:
     bf16: str = opt("auto", "bfloat16 mixed precision: auto = on when the GPU supports it; fp32 on CPU",
                     choices=("auto", "true", "false"))
     log_every: int = opt(5, "print and record training metrics every N optimizer steps", ge=1)
+    max_nonfinite_updates: int = opt(3, "optimizer steps in a row skipped for a non-finite loss or gradient norm "
+                                        "after which training stops, saving nothing", ge=1)
     num_workers: int = opt(0, "DataLoader worker processes", ge=0)
     report_to: list = opt(["jsonl", "tensorboard"], "metric sinks under logging_dir: jsonl, tensorboard")
 
@@ -143,6 +147,9 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
         raise ConfigError(f"report_to has unknown sink(s) {sorted(unknown)}; allowed: jsonl, tensorboard")
     # an existing output_dir (folder or file) is moved aside when the model is saved: only a file above it fails
     folders = {"--logging_dir": Path(cfg.logging_dir)} if cfg.logging_dir else {}
+    if cfg.output_dir and cfg.logging_dir and Path(cfg.output_dir).resolve() == Path(cfg.logging_dir).resolve():
+        raise ConfigError(f"--logging_dir is --output_dir ({cfg.output_dir}): the saved model replaces that folder; give "
+                          f"the logs one of their own, e.g. --logging_dir {Path(cfg.output_dir) / 'logs'}")
     if cfg.output_dir:
         output = Path(cfg.output_dir)
         folders["--output_dir"] = output.parent if output.is_file() else output
@@ -210,19 +217,12 @@ def run_cli(argv: list[str] | None, command: str) -> int:
             return torchrun(nproc, ["alignrl", "train", command, *argv])
         train(cfg, None)
         return 0
-    except ConfigError as e:
+    except UserError as e:
         return _one_line(e)
     except KeyboardInterrupt:  # a terminal's Ctrl-C reaches every rank: rank 0 speaks
         if os.environ.get("RANK", "0") == "0":
             print("alignrl: interrupted (these runs start again from the base model)", file=sys.stderr, flush=True)
         return 130
-    except Exception as e:
-        from alignrl.data.loaders import DataError  # their modules import torch: only looked up when needed
-        from alignrl.models.loader import ModelError
-
-        if isinstance(e, (DataError, ModelError)):
-            return _one_line(e)
-        raise
 
 
 def _load_trainer(module: str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -25,7 +26,8 @@ from alignrl.data.loaders import DataError
 from alignrl.data.preference import PreferenceBatch, collate_pairs
 from alignrl.dist.env import cuda_bf16
 from alignrl.models.loader import disable_dropout, recompute_activations
-from alignrl.train.checkpoint import CheckpointError, aside_path, nonfinite, write_manifest
+from alignrl.train.checkpoint import CheckpointError, aside_path, hold_run_dir, nonfinite, write_manifest
+from alignrl.train.engines.base import TrainingDiverged
 
 
 def use_bf16(cfg: CommonConfig) -> bool:
@@ -117,10 +119,14 @@ class RankZeroLog:
     """Console lines and metric sinks on rank 0 only; the other ranks stay silent."""
 
     def __init__(self, env, log_dir: Path, sinks: list[str]):
-        self.env, self.tracker = env, None
+        self.env, self.tracker, self.lock = env, None, None
         if env.is_main:
             from alignrl.utils.tracking import Tracker
 
+            log_dir.mkdir(parents=True, exist_ok=True)
+            # before the tracker sets an old run's metrics aside: a run still writing them (two runs of one task
+            # share the default folder) would otherwise interleave its rows with this one's
+            self.lock = hold_run_dir(log_dir, "another --logging_dir")
             self.tracker = Tracker(log_dir, list(sinks))  # a fresh run: an old run's curve is kept aside
 
     def print(self, text: str) -> None:
@@ -171,7 +177,7 @@ def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: C
     its pairs divided by `global_pairs` (all ranks' pairs of one optimizer step), which the engines
     accumulate into the global batch's mean. `console_keys` (metric -> short name) picks what the
     step lines print besides the loss."""
-    gpairs, accum, step = global_batch(cfg, env.world_size), cfg.gradient_accumulation_steps, 0
+    gpairs, accum, step, streak = global_batch(cfg, env.world_size), cfg.gradient_accumulation_steps, 0, 0
     tracker = StepMetrics(cfg, env, log, total, {"loss": "loss", **console_keys})
     engine.module.train()
     for epoch in range(cfg.epochs):
@@ -186,18 +192,43 @@ def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: C
             # recorded as this micro-batch's mean, comparable whatever the batch and world size
             tracker.add({**metrics, "loss": loss.item() * gpairs / batch.n_pairs})
             if last:
+                skipped = engine.skipped_steps
                 grad_norm = engine.step()
                 step += 1
+                streak = streak + 1 if engine.skipped_steps > skipped else 0
                 tracker.end_step(step, epoch, grad_norm, engine.lr())
+                check_finite(step, streak, cfg.max_nonfinite_updates, log)
     return step
 
 
+def check_finite(step: int, streak: int, limit: int, log: RankZeroLog) -> None:
+    """Says a skipped optimizer step (a non-finite loss or gradient norm: the engine left the weights as they were),
+    and stops the run after `limit` in a row: the weights no longer change, and the cause does not go away. The
+    engines skip on the global norm, so every rank stops at the same step."""
+    if streak >= limit:
+        raise TrainingDiverged(f"training stopped at step {step}: the last {streak} optimizer step(s) had a "
+                               "non-finite loss or gradient norm and were skipped; nothing is saved. Lower "
+                               "learning_rate, keep grad_clip on, check the pairs, or raise max_nonfinite_updates")
+    if streak:
+        log.print(f"step {step}: optimizer step skipped: a non-finite loss or gradient norm ({streak} in a row; "
+                  f"training stops at max_nonfinite_updates={limit})")
+
+
+def check_eval_finite(value: float, what: str) -> None:
+    """A trained model whose held-out `what` are not finite (a sum over all ranks: every rank stops) is not saved:
+    its weights can be finite and still useless (a huge learning rate, no clipping, a last step that was skipped)."""
+    if not math.isfinite(value):
+        raise TrainingDiverged(f"the trained model gives non-finite {what} on the held-out pairs; nothing is saved. "
+                               "Lower learning_rate, keep grad_clip on, or check the pairs")
+
+
 def save_hf_folder(out_dir: Path, hf_model, state_dict: dict[str, torch.Tensor], tokenizer,
-                   json_files: dict[str, Any], env, log=print) -> None:
+                   json_files: dict[str, Any], env, log=print, log_dir: Path | None = None) -> None:
     """Rank 0 writes the model (from the engine's full state dict), tokenizer and JSON files into a
     temporary folder beside `out_dir`, then a manifest (the checkpoint rule of `alignrl.train.checkpoint`),
     and renames it into place: readers never see a partial model. Weights that are not finite are never
-    written; a folder already at `out_dir` is moved aside and named, not deleted."""
+    written; a folder already at `out_dir` is moved aside and named, not deleted. This run's `log_dir`, when it lies
+    inside `out_dir` (made there at the start), moves into the new folder first: it stays where it was asked for."""
     bad = nonfinite(state_dict)  # every rank holds the full weights: all of them stop, not only rank 0
     if bad:
         raise CheckpointError(f"the trained model has NaN/inf weights ({bad[0]}); not saving it to {out_dir} "
@@ -206,17 +237,39 @@ def save_hf_folder(out_dir: Path, hf_model, state_dict: dict[str, torch.Tensor],
         return
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    carried = None
     try:
         hf_model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         for name, obj in json_files.items():
             (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
         write_manifest(tmp)
-        if out_dir.exists():
+        carried = _carry_logs(log_dir, out_dir, tmp)
+        if out_dir.exists() and any(p.is_file() for p in out_dir.rglob("*")):
             old = aside_path(out_dir.parent, f"{out_dir.name}.previous")
             os.replace(out_dir, old)
             log(f"{out_dir} already existed: moved it to {old}, not deleted")
+        elif out_dir.exists():  # only the folders that held this run's logs
+            shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     except BaseException:
+        if carried is not None:  # the logs go back before the unfinished folder does
+            (out_dir / carried).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp / carried, out_dir / carried)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _carry_logs(log_dir: Path | None, out_dir: Path, tmp: Path) -> Path | None:
+    """Moves `log_dir` from inside `out_dir` to the same place in `tmp`; its path inside, or None (not inside)."""
+    if log_dir is None or not log_dir.is_dir() or not out_dir.is_dir():
+        return None
+    try:
+        inner = log_dir.resolve().relative_to(out_dir.resolve())
+    except ValueError:
+        return None
+    if inner == Path("."):  # refused when the config loads
+        return None
+    (tmp / inner).parent.mkdir(parents=True, exist_ok=True)
+    os.replace(log_dir, tmp / inner)
+    return inner

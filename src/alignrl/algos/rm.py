@@ -33,8 +33,8 @@ from alignrl.config import ConfigError
 from alignrl.core.preference import bradley_terry_loss, reward_accuracy, safe_rlhf_cost_loss
 from alignrl.data.collate import position_ids
 from alignrl.data.preference import encode_pairs, load_pairs, require_safety_labels, truncation_note
+from alignrl.models.folder import SCORE_INFO
 
-SCORE_INFO = "alignrl_score.json"
 # What each scorer key takes, as the (model_type, task) pairs of SCORE_INFO that fit it (task None: any), what
 # to call it and a likely fix. A harmlessness reward model (higher = safer) fits harmless_rm: DPO negates it.
 SCORER_KINDS = {
@@ -72,11 +72,14 @@ def check_scorer_kind(key: str, folder: str | Path) -> None:
 
 
 def check_rl_scorers(cfg) -> None:
-    """The RL loop's reward and cost model folders (a RunConfig's), each of its kind."""
+    """The RL loop's reward and cost model folders (a RunConfig's): folders with a scoring head, each of its kind."""
+    from alignrl.models.value import check_scorer_folder
+
     a, s = cfg.algorithm, cfg.safety
     for key, folder in (("algorithm.reward_model", a.reward_model), ("safety.cost_model", s.cost_model)):
         if folder and not (key == "algorithm.reward_model" and cfg.services.reward_url):
-            check_scorer_kind(key, folder)
+            check_scorer_kind(key, folder)  # first: the more telling line
+            check_scorer_folder(folder, key)
 
 
 class LastTokenScorer(torch.nn.Module):
@@ -155,7 +158,7 @@ def evaluate(engine, batches, model_type: str, cfg, env) -> dict[str, float]:
 
     model = engine.model
     model.eval()
-    sums = [0.0, 0.0, 0.0]  # correct pairs, pairs, correct signs
+    sums = [0.0, 0.0, 0.0, 0.0]  # correct pairs, pairs, correct signs, scores (NaN once any score is)
     for batch in batches:
         batch = batch.to(env.device)
         scores = _scores(model, batch, cfg, env)
@@ -168,9 +171,10 @@ def evaluate(engine, batches, model_type: str, cfg, env) -> dict[str, float]:
         else:
             sums[0] += float((reward_accuracy(chosen, rejected) * w).sum())
         sums[1] += float(w.sum())
+        sums[3] += float(scores.float().sum())
     model.train()
-    correct, n, signs = all_reduce_sum(env, sums)
-    out = {"accuracy": correct / max(n, 1), "pairs": n}
+    correct, n, signs, total = all_reduce_sum(env, sums)
+    out = {"accuracy": correct / max(n, 1), "pairs": n, "score_sum": total}
     if model_type == "cost":
         out["sign_accuracy"] = signs / max(n, 1)
     return out
@@ -216,6 +220,7 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     step = pc.train_pairs(engine, loss, enc_train, train_pairs, tok.pad_token_id, cfg, env, log, total,
                           {"rm/accuracy": "acc", "cost/accuracy": "acc", "cost/sign_accuracy": "sign_acc"})
     after = evaluate(engine, evals, model_type, cfg, env)
+    pc.check_eval_finite(after["score_sum"], "scores")
     results = {"task": cfg.task, "model_type": model_type, "eval_file": eval_file, "eval_pairs": int(after["pairs"]),
                "eval_accuracy_before": before["accuracy"], "eval_accuracy": after["accuracy"],
                **({"eval_sign_accuracy_before": before["sign_accuracy"], "eval_sign_accuracy": after["sign_accuracy"]}
@@ -229,7 +234,8 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     state = {k.removeprefix("inner."): v for k, v in engine.full_state_dict().items()}  # collective
     info = {"model_type": model_type, "task": cfg.task,
             "meaning": "higher = more harmful; > 0 unsafe" if model_type == "cost" else "higher = preferred"}
-    pc.save_hf_folder(out_dir, hf, state, tok, {"eval_results.json": results, SCORE_INFO: info}, env)
+    pc.save_hf_folder(out_dir, hf, state, tok, {"eval_results.json": results, SCORE_INFO: info}, env,
+                      log_dir=log_dir)
     log.metrics(step, {"eval/accuracy": after["accuracy"], "eval/accuracy_before": before["accuracy"]})
     log.print(f"saved {model_type} model to {out_dir} ({results['seconds']:.1f}s)")
     barrier(env)

@@ -22,17 +22,12 @@ from alignrl.core.rollout_correction import rollout_kl, truncated_is_weights
 from alignrl.core.shaping import clip_outcome
 from alignrl.data.records import Experience, Rollout, ScoredBatch
 from alignrl.dist.env import SINGLE, DistEnv, all_reduce_sum, gather_values, sum_over_ranks
-from alignrl.errors import UserError
 from alignrl.interfaces import WeightSink
 from alignrl.train.actor import Actor, PolicyLossSpec
 from alignrl.train.critic import Critic
+from alignrl.train.engines.base import TrainingDiverged
 from alignrl.train.minibatch import SKIPPED, optimizer_steps
 from alignrl.utils.tracking import console
-
-
-class TrainingDiverged(UserError):
-    """Every update of several RL steps in a row was skipped as non-finite: the run stops rather than spin
-    without learning."""
 
 
 @dataclass

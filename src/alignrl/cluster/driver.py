@@ -62,23 +62,19 @@ class Job:
 def check_inputs(cfg: RunConfig) -> None:
     """What the workers will load, checked here first: a bad data file or model folder is one line from the
     driver, not a worker's creation traceback wrapped in Ray's."""
+    from alignrl.algos.rm import check_rl_scorers
     from alignrl.algos.runner import load_task_data
     from alignrl.models.loader import resolve_model_path
-    from alignrl.models.value import check_scorer_folder
     from alignrl.rewards.registry import check_user_fns
     from alignrl.rollout.remote import check_services
     from alignrl.train.checkpoint import check_newest_not_past
 
     load_task_data(replace(cfg, data=replace(cfg.data, train_size=1)))  # generated rows need no check
     check_newest_not_past(cfg)  # before any worker starts, not after (tens of seconds on a cluster)
-    models = {"model.path": cfg.model.path, "critic.model_path": cfg.critic.model_path,
-              "algorithm.reward_model": cfg.algorithm.reward_model, "safety.cost_model": cfg.safety.cost_model}
-    for key, path in models.items():
+    for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path)):
         if path and path != "demo":  # the demo model is built by the first worker that needs it
             resolve_model_path(path, key=key)
-    for path in (cfg.algorithm.reward_model, cfg.safety.cost_model):
-        if path:
-            check_scorer_folder(path)
+    check_rl_scorers(cfg)
     check_user_fns(cfg)
     check_services(cfg)  # before placement: an unreachable --remote_rm_url was found by the first rollout
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -223,6 +224,24 @@ def check_folders(folders: dict[str, Path]) -> None:
         if file is not None:
             raise ConfigError(f"{key}: {file} is a file, so {path} cannot be a folder; move the file or "
                               f"set {key} to another path")
+        problem = unwritable(path)
+        if problem:
+            raise ConfigError(f"{key}: cannot write under {path} ({problem}); set {key} to a folder you can write")
+
+
+def unwritable(path: Path) -> str | None:
+    """Why nothing can be written in `path` or the nearest folder above it that exists (None: it can): a folder made
+    and removed there is the only sure test (root passes access() on read-only and virtual file systems)."""
+    import tempfile
+
+    here = next((p for p in (path, *path.parents) if p.is_dir()), None)
+    if here is None:
+        return None
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=here, prefix=".alignrl-write-check-"))
+    except OSError as e:
+        return f"{here}: {e.strerror or e}"
+    return None
 
 
 def _number(x) -> bool:

@@ -211,7 +211,8 @@ def agent(argv: list[str]) -> int:
     except (DistNetworkError, RendezvousError) as e:  # most often: the rendezvous port is taken
         first = (str(e).splitlines() or [type(e).__name__])[0]
         print(f"{program()}: error: torchrun rendezvous at {args.master_addr}:{args.master_port} failed ({first}); "
-              "pick a free port (trainer.master_port, MASTER_PORT) or check the master host", file=sys.stderr)
+              "pick a free port (MASTER_PORT=N before the command; the RL commands also take trainer.master_port=N) "
+              "or check the master host", file=sys.stderr)
         return USER_ERROR
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()

@@ -17,6 +17,7 @@ from alignrl.errors import UserError
 SAFETENSORS_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
 WEIGHT_FILES = ("model.safetensors", SAFETENSORS_INDEX, "pytorch_model.bin", BIN_INDEX)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+SCORE_INFO = "alignrl_score.json"  # what `alignrl train rm` says its folder's score means (models that score, not write)
 RESAVE = "re-save it with save_pretrained or copy the file again from where the model came from"
 
 

@@ -10,9 +10,13 @@ from pathlib import Path
 import torch
 
 # ModelError is re-exported: callers catch it from here
-from alignrl.models.folder import ModelError, check_model_folder, load_tokenizer, loading  # noqa: F401
+from alignrl.models.folder import SCORE_INFO, ModelError, check_model_folder, load_tokenizer, loading  # noqa: F401
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# the settings that take a causal LM, for which the demo model is a valid choice
+CAUSAL_KEYS = ("model.path", "critic.model_path", "model_path", "ref_model_path")
 
 
 def resolve_model_path(path: str, log: Callable = print, key: str = "model.path") -> Path:
@@ -24,23 +28,35 @@ def resolve_model_path(path: str, log: Callable = print, key: str = "model.path"
         return ensure_demo_model(log=log)
     p = Path(path)
     if not (p / "config.json").is_file():
-        demo = f", or {key}=demo" if key in ("model.path", "critic.model_path") else ""  # demo: a causal LM
+        demo = f", or {key}=demo" if key in CAUSAL_KEYS else ""  # demo: a causal LM
         raise ModelError(f"{key}={path!r} is not a Hugging Face model folder (no config.json there); "
                          f"pass a local folder saved with save_pretrained{demo}")
     check_model_folder(p)
     return p
 
 
-def load_model(path: str, dtype: str = "float32", log: Callable = print, chat: bool = True):
+def load_model(path: str, dtype: str = "float32", log: Callable = print, chat: bool = True, key: str = "model.path"):
     """(model, tokenizer) with a pad token set; the tokenizer pads on the left for generation. `chat=False`
-    accepts a tokenizer without a chat template (servers of raw completions and token ids)."""
-    folder = resolve_model_path(path, log)
+    accepts a tokenizer without a chat template (servers of raw completions and token ids). `key`: the setting
+    that gave `path`, for the errors."""
+    folder = resolve_model_path(path, log, key)
     tokenizer = load_tokenizer(folder, chat)
-    return load_causal_lm(folder, dtype), tokenizer
+    return load_causal_lm(folder, dtype, key), tokenizer
 
 
-def load_causal_lm(folder: Path, dtype: str = "float32"):
-    """The causal LM of a checked folder (`resolve_model_path`), in `dtype`."""
+def load_causal_lm(folder: Path, dtype: str = "float32", key: str = "model.path"):
+    """The causal LM of a checked folder (`resolve_model_path`), in `dtype`. A reward or cost model that
+    `alignrl train rm` saved is refused: transformers would load its backbone with a new, random LM head."""
+    info = Path(folder) / SCORE_INFO
+    if info.is_file():
+        import json
+
+        try:
+            kind = json.loads(info.read_text()).get("model_type", "scoring")
+        except (OSError, ValueError, AttributeError):
+            kind = "scoring"
+        raise ModelError(f"{key}={folder} is a {kind} model saved by `alignrl train rm` ({SCORE_INFO}): it scores "
+                         f"text and cannot write it; give {key} a causal LM, such as the model it was trained from")
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 

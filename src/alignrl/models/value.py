@@ -58,12 +58,13 @@ def not_a_scorer(path: str, why: str) -> ModelError:
                       "`alignrl train rm`, or save a sequence-classification model")
 
 
-def check_scorer_folder(path: str) -> None:
-    """What ModelScorer would find, read from the folder's config.json alone (no weights loaded): a causal
-    LM's architecture has no scoring head. For the Ray driver, before any worker loads it."""
+def check_scorer_folder(path: str, key: str) -> None:
+    """What ModelScorer would find, read from the folder's config.json alone (no weights loaded): a folder at all
+    (the error names `key`, the setting that gave it), and a scoring head, which a causal LM's architecture lacks.
+    Checked before the policy loads, or any Ray worker starts."""
     import json
 
-    config = json.loads((resolve_model_path(path, lambda *_: None) / "config.json").read_text())
+    config = json.loads((resolve_model_path(path, lambda *_: None, key) / "config.json").read_text())
     arch = config.get("architectures") or []
     if arch and not any(a.endswith("ForSequenceClassification") for a in arch):
         raise not_a_scorer(path, f"its architecture is {arch[0]}")

@@ -48,11 +48,12 @@ class DamagedShard(CheckpointError):
     this_rank_only = True
 
 
-def hold_run_dir(run_dir: Path):
+def hold_run_dir(run_dir: Path, other: str = "another trainer.experiment_name or trainer.output_dir"):
     """The run folder, claimed for this process while the returned file stays open (a POSIX lock, which the kernel
     drops when the process dies, kill -9 included): two runs writing one folder's checkpoints and logs would
     corrupt each other's. ConfigError in one line when another process holds it; None where the file system has
-    no locks (the run then goes on unguarded). A second claim by the same process succeeds."""
+    no locks (the run then goes on unguarded). A second claim by the same process succeeds. `other`: the settings
+    that give a run a folder of its own, for the message."""
     import errno
     import fcntl
     import socket
@@ -68,7 +69,7 @@ def hold_run_dir(run_dir: Path):
         f.close()
         if e.errno in (errno.EACCES, errno.EAGAIN):
             raise ConfigError(f"another run ({holder or 'another process'}) is writing {run_dir}: stop it first, or "
-                              "give this run another trainer.experiment_name or trainer.output_dir") from None
+                              f"give this run {other}") from None
         return None
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")

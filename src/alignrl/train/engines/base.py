@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict)
 
 from alignrl.dist.env import DistEnv
+from alignrl.errors import UserError
 from alignrl.train.engines.master import MasterWeights, needs_master
 from alignrl.train.optim import build_optimizer
 
@@ -50,6 +51,11 @@ def host_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor],
         host = v.detach().cpu()
         out[k] = host.clone() if clone and host.data_ptr() == v.data_ptr() else host
     return out
+
+
+class TrainingDiverged(UserError):
+    """Optimizer steps were skipped as non-finite (see TrainEngine.step) too many times in a row: the run stops
+    rather than spin without learning, and saves nothing."""
 
 
 @dataclass(frozen=True)
