@@ -161,6 +161,24 @@ def test_an_unreachable_service_stops_a_run_before_its_model_loads(tmp_path):
     assert not (tmp_path / "out").exists() and "accuracy" not in out.stdout  # no run folder, no base evaluation
 
 
+def test_samples_from_weights_this_run_did_not_push_stop_the_run(stub):
+    """Two runs sharing one generation service (or the service restarted): the run sampled from the other run's
+    weights with nothing failing (seen as spikes of rollout/kl_vs_trainer)."""
+    row = {"token_ids": [5], "logprobs": [-0.5], "finish_reason": "stop"}
+    s = stub([(200, {"weight_version": 1, "tensors": {"w": {"shape": [1], "dtype": "float32"}}}, 0),  # manifest
+              (200, {"weight_version": 1}, 0),  # the served version, before the push
+              (200, {"weight_version": 2}, 0),  # the push
+              (200, {"outputs": [row], "weight_version": 2}, 0),  # sampled with this run's weights
+              (200, {"outputs": [row], "weight_version": 3}, 0)])  # another run pushed meanwhile
+    engine = RemoteRolloutEngine(s.url, _Tok(), retries=1)
+    assert engine.load_weights([("w", torch.zeros(1))]) == 2
+    engine.generate([[1, 2]], SamplingParams(n=1))
+    with pytest.raises(ServiceError) as e:
+        engine.generate([[1, 2]], SamplingParams(n=1))
+    assert str(e.value).startswith(f"generation service at {s.url} serves weight version 3, not the 2 this run "
+                                   "pushed last: another run pushes its weights there, or the service restarted")
+
+
 def test_bad_url_is_rejected():
     with pytest.raises(ServiceError, match="must start with http://"):
         RemoteReward("127.0.0.1:8002")

@@ -194,6 +194,7 @@ class RemoteRolloutEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.max_seqs = max_seqs_per_request
         self.last_version: int | None = None  # weight version the last rollout was sampled with
+        self.pushed: int | None = None  # the version this client's last load_weights put there
         self._manifest: dict | None = None
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
@@ -208,7 +209,18 @@ class RemoteRolloutEngine:
             out = self.client.request("POST", "/v1/generate_tokens", json=body)
             rows += [(o["token_ids"], o["logprobs"], o["finish_reason"] == "length") for o in out["outputs"]]
             self.last_version = out["weight_version"]
+            self.check_version(self.last_version)
         return rollout_from_rows(prompts, params.n, rows, self.pad_id)
+
+    def check_version(self, served: int) -> None:
+        """The service samples with the weights this client pushed last: a second run pushing to the same service,
+        or a restart back to its base weights, would otherwise make this run train on another policy's samples
+        with nothing failing (the rollout log-probs would be that policy's too)."""
+        if self.pushed is not None and served != self.pushed:
+            raise ServiceError(f"generation service at {self.client.url} serves weight version {served}, not the "
+                               f"{self.pushed} this run pushed last: another run pushes its weights there, or the "
+                               "service restarted. Give each run a generation service of its own; the same command "
+                               "resumes from the last checkpoint and pushes its weights again")
 
     def weight_version(self) -> int:
         return int(self.client.request("GET", "/v1/weight_version")["weight_version"])
@@ -235,9 +247,11 @@ class RemoteRolloutEngine:
             out = self.client.post_bytes("/v1/update_weights", body, CONTENT_TYPE)
         except ServiceError as e:  # a retried push whose first try had landed: the version is already there
             if e.status == 409 and self.weight_version() == version:
+                self.pushed = version
                 return version
             raise
-        return int(out["weight_version"])
+        self.pushed = int(out["weight_version"])
+        return self.pushed
 
 
 def _rows(ids: torch.Tensor, mask: torch.Tensor, left: bool) -> list[list[int]]:
