@@ -74,6 +74,17 @@ def test_seed_000s_own_nodes_yaml_takes_the_hostfile_and_zero3_json_beside_it(tm
     assert (load_config(nodes).trainer.strategy, load_config(nodes).trainer.deepspeed_config) == ("ddp", "")
 
 
+def test_a_nodes_yaml_without_models_train_path_trains_base_path_slash_name(tmp_path):
+    """The seed spells the model's folder twice (base_path + train.name, and train.path): a file with only the
+    first trained the demo model and pushed it to the generation service, with nothing said."""
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text("training:\n  master_port: 29500\nmodels:\n  base_path: /data/models\n  train:\n"
+                     "    name: xDAN-L1-Qwen25-7B-Instruct\n")
+    assert load_config(nodes).model.path == "/data/models/xDAN-L1-Qwen25-7B-Instruct"
+    nodes.write_text("models:\n  base_path: /data/models\n  train:\n    name: x\n    path: /elsewhere/x\n")
+    assert load_config(nodes).model.path == "/elsewhere/x"  # train.path, when given, is the folder
+
+
 def test_one_value_given_to_a_list_key_is_a_list_of_one():
     """verl's `trainer.logger=wandb` as well as `trainer.logger=['console','wandb']`."""
     assert load_config(None, ["trainer.logger=wandb"]).trainer.logger == ["wandb"]

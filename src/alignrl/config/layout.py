@@ -84,11 +84,13 @@ SEED_KEYS = {"training.master_node": "trainer.master_addr", "training.master_por
              "training.services.reward.url": "services.reward_url",
              "models.train.path": "model.path", "models.output.path": "trainer.output_dir",
              "models.output.checkpoint_dir": "trainer.checkpoint_dir", "models.output.log_dir": "trainer.log_dir"}
-SEED_INFORMATIONAL = {"models.base_path", "models.train.name"}  # accepted, not used
+# the model's folder when models.train.path is not given: models.base_path/models.train.name, as the seed's file
+# spells the same path both ways
+SEED_MODEL_PARTS = ("models.base_path", "models.train.name")
 
 
 def unknown_seed_key(key: str) -> str:
-    return f"unknown key '{key}' in the nodes.yaml layout; known: {', '.join(sorted(SEED_KEYS))}"
+    return f"unknown key '{key}' in the nodes.yaml layout; known: {', '.join(sorted([*SEED_KEYS, *SEED_MODEL_PARTS]))}"
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -107,9 +109,11 @@ def from_seed_layout(raw: Any, path: Path) -> Any:
         return raw
     raw = dict(raw)
     seed = {k: raw.pop(k) for k in ("training", "models") if k in raw}
-    for key, value in _flatten(seed).items():
-        if key in SEED_INFORMATIONAL:
-            continue
+    flat = _flatten(seed)
+    base, name = (flat.pop(k, None) for k in SEED_MODEL_PARTS)
+    if "models.train.path" not in flat and name is not None:  # else the demo model trained without a word
+        flat["models.train.path"] = str(Path(str(base)) / str(name)) if base is not None else str(name)
+    for key, value in flat.items():
         if key not in SEED_KEYS:
             raise LayoutError(f"{path}: {unknown_seed_key(key)}")
         section, name = SEED_KEYS[key].split(".")

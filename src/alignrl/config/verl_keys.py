@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from alignrl.config.checks import data_files, nearest_sibling
-from alignrl.config.layout import SEED_INFORMATIONAL, SEED_KEYS, unknown_seed_key
+from alignrl.config.layout import SEED_KEYS, SEED_MODEL_PARTS, unknown_seed_key
 from alignrl.config.schema import ConfigError, RunConfig
 
 A = "actor_rollout_ref.actor."
@@ -263,7 +263,7 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
         elif key in SEED_KEYS:  # seed 000's nodes.yaml spellings, as its file takes them
             out.append(f"{SEED_KEYS[key]}={value}")
             output_is_run_dir = output_is_run_dir or key == "models.output.path"
-        elif key in SEED_INFORMATIONAL:
+        elif key in SEED_MODEL_PARTS:  # the file's models.train.path, or the path they make in the file, decides
             pass
         elif key.startswith(("training.", "models.")):  # a mistyped seed key: not "unknown config key 'training'"
             raise ConfigError(unknown_seed_key(key))
