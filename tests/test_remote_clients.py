@@ -30,12 +30,14 @@ class Stub:
         class Handler(BaseHTTPRequestHandler):
             def _answer(self):
                 self.rfile.read(int(self.headers.get("content-length") or 0))
-                status, body, delay = stub.script[min(stub.hits, len(stub.script) - 1)]
+                status, body, delay, *headers = stub.script[min(stub.hits, len(stub.script) - 1)]
                 stub.hits += 1
                 time.sleep(delay)
                 data = json.dumps(body).encode()
                 try:
                     self.send_response(status)
+                    for name, value in (headers[0] if headers else {}).items():
+                        self.send_header(name, value)
                     self.send_header("content-type", "application/json")
                     self.send_header("content-length", str(len(data)))
                     self.end_headers()
@@ -147,6 +149,12 @@ def test_configured_services_are_checked_before_a_run_loads_its_model(stub):
     assert str(e.value).startswith(f"reward service at {dead} is not reachable after 1 tries") and "\n" not in str(e.value)
     with pytest.raises(ServiceError, match=r"reference service at .* rejected GET /health \(HTTP 404\)"):
         check_services(load_config(None, [f"services.reference_url={other.url}"]))
+    # swapped URLs: alignrl's services say what they are in a header; the run failed later with a 404
+    gen = stub([(200, {"status": "healthy"}, 0, {"X-Alignrl-Service": "generation"})])
+    with pytest.raises(ServiceError) as e:
+        check_services(load_config(None, [f"services.generation_url={gen.url}", f"services.reference_url={gen.url}"]))
+    assert str(e.value) == (f"services.reference_url={gen.url} is a generation service, not a reference service: "
+                            "are the service URLs swapped?")
 
 
 def test_an_unreachable_service_stops_a_run_before_its_model_loads(tmp_path):

@@ -139,14 +139,23 @@ class ServiceClient:
 
         return self._attempts("POST", path, send)
 
-    def check(self) -> None:
-        """GET /health with this client's tries: a service that is down or mistyped is one line before a run
-        loads its model, not after (tens of seconds in). An empty 200 is healthy, as vLLM's own server answers."""
+    def check(self, key: str) -> None:
+        """GET /health with this client's tries: a service that is down, mistyped or of another kind (swapped URLs,
+        named by alignrl's services in a header) is one line before a run loads its model, not after (tens of seconds
+        in, as a 404). An empty 200 is healthy, as vLLM's own server answers. `key`: the setting of the URL."""
+        from alignrl.serve.common import SERVICE_HEADER
+
+        served: list[str | None] = []
+
         def send() -> tuple[int, str]:
             r = self.http.get("/health")
+            served.append(r.headers.get(SERVICE_HEADER))
             return r.status_code, r.text.strip() or "{}"
 
         self._attempts("GET", "/health", send)
+        if served and served[-1] not in (None, self.kind):
+            raise ServiceError(f"{key}={self.url} is a {served[-1]} service, not a {self.kind} service: are the "
+                               "service URLs swapped?")
 
     def close(self) -> None:
         self.http.close()
@@ -155,11 +164,12 @@ class ServiceClient:
 def check_services(cfg: RunConfig) -> None:
     """Every service the run is configured to use answers /health (ServiceError, one line, otherwise)."""
     s = cfg.services
-    for kind, url in (("generation", s.generation_url), ("reference", s.reference_url), ("reward", s.reward_url)):
+    for kind in ("generation", "reference", "reward"):
+        url = getattr(s, f"{kind}_url")
         if url:
             client = ServiceClient(url, kind, min(s.timeout_s, 10.0), s.retries)
             try:
-                client.check()
+                client.check(f"services.{kind}_url")
             finally:
                 client.close()
 
