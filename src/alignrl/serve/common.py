@@ -109,7 +109,10 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def fail(prog: str, message: str) -> int:
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    """One line, exit 2; in the name and flags of a seed script that started the service (launch_vllm.py)."""
+    from alignrl.errors import PROGRAM_ENV, in_flag_words
+
+    print(f"{os.environ.get(PROGRAM_ENV) or prog}: error: {in_flag_words(message)}", file=sys.stderr)
     return 2
 
 

@@ -261,7 +261,7 @@ def load_service(args: argparse.Namespace) -> GenerationService:
     from alignrl.models.loader import resolve_model_path
     from alignrl.serve.weights import manifest_of
 
-    folder = resolve_model_path(args.model, log=lambda *a: print(*a, file=sys.stderr))
+    folder = resolve_model_path(args.model, log=lambda *a: print(*a, file=sys.stderr), key="--model")
     # before any engine sees it: past the trained positions a model's output is garbage (vLLM refuses it too)
     longest = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
     if longest and args.max_model_len > longest:
@@ -277,7 +277,8 @@ def load_service(args: argparse.Namespace) -> GenerationService:
         from alignrl.models.loader import load_model
         from alignrl.rollout.hf_engine import HFRolloutEngine
 
-        model, tok = load_model(str(folder), args.dtype, log=lambda *a: print(*a, file=sys.stderr), chat=False)
+        model, tok = load_model(str(folder), args.dtype, log=lambda *a: print(*a, file=sys.stderr), chat=False,
+                                key="--model")
         model = model.to(device_of(args)).eval()  # on a GPU machine without vLLM (launch_vllm.py): its GPU
         engine, cfg = HFRolloutEngine(model, tok), model.config
         manifest = manifest_of(model.named_parameters())
@@ -298,4 +299,7 @@ def main(argv: list[str]) -> int:
         problem = f"--max_model_len {args.max_model_len} must be a positive context length (0: the model's)"
     if problem:
         return fail(PROG, problem)
+    if args.engine == "hf" and args.tensor_parallel_size > 1:  # the seed's launcher passes 8: say what it does here
+        print(f"{PROG}: --tensor_parallel_size {args.tensor_parallel_size} not used: the embedded HF engine runs the "
+              "model on one device (vLLM splits it; run more servers to spread the load)", file=sys.stderr)
     return start("generate", args, load_service, build_app)

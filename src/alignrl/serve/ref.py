@@ -108,7 +108,8 @@ def parser() -> argparse.ArgumentParser:
 def load_service(args: argparse.Namespace) -> RefService:
     from alignrl.models.loader import load_model
 
-    model, tok = load_model(args.model, args.dtype, log=lambda *a: print(*a, file=sys.stderr), chat=False)
+    model, tok = load_model(args.model, args.dtype, log=lambda *a: print(*a, file=sys.stderr), chat=False,
+                            key="--model")
     model = model.to(device_of(args)).eval().requires_grad_(False)
     cfg = model.config
     return RefService(model, tok.pad_token_id, model.get_input_embeddings().num_embeddings,
