@@ -23,17 +23,20 @@ ENVFILE=$(mktemp)
 trap 'rm -f "$ENVFILE"' EXIT
 PLAN=$("$PY" - "$CONFIG" "${HOSTFILE:-}" "${NODE_RANK:-}" "$ENVFILE" "$@" <<'PYEOF'
 import os
+import socket
 import sys
 from pathlib import Path
 
 from alignrl.cli import preflight
 from alignrl.config import ConfigError, load_config
-from alignrl.data.loaders import DataError
 from alignrl.doctor import check_host, host_lines, parse_hostfile
-from alignrl.rewards.registry import RewardError
+from alignrl.errors import UserError
+from alignrl.models.loader import resolve_model_path
 
 config, hostfile, node_rank, envfile, overrides = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
 try:
+    if not Path(config).is_file():  # this script takes the file as CONFIG=, not as --config
+        raise ConfigError(f"config file not found: {config} (set CONFIG= to the nodes.yaml to use)")
     cfg = load_config(config, overrides)
     hostfile = hostfile or cfg.trainer.hostfile
     if not hostfile or not Path(hostfile).is_file():
@@ -44,6 +47,14 @@ try:
     slots = list(hosts.values())
     if node_rank and (not node_rank.isdigit() or int(node_rank) >= len(slots)):
         raise ConfigError(f"NODE_RANK={node_rank} but {hostfile} lists {len(slots)} node(s); use 0..{len(slots) - 1}")
+    try:  # else every rank waits on the rendezvous for ever, warning about IPv6 addresses
+        socket.getaddrinfo(cfg.trainer.master_addr, cfg.trainer.master_port)
+    except (OSError, UnicodeError):
+        raise ConfigError(f"training.master_node {cfg.trainer.master_addr} does not resolve to an address; give the "
+                          "host name or IP of the node that runs rank 0") from None
+    for key, path in (("models.train.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path)):
+        if path and path != "demo":  # the demo model is built by the first rank that needs it
+            resolve_model_path(path, key=key)
     preflight(cfg, sum(slots), reward_fn=True)
     if not node_rank and len(hosts) > 1:  # DeepSpeed reaches every host by name
         lines = host_lines(Path(hostfile).read_text())
@@ -51,7 +62,7 @@ try:
             c = check_host(h, lines[h], hostfile)
             if not c.ok:
                 raise ConfigError(c.detail)
-except (ConfigError, DataError, RewardError) as e:
+except UserError as e:
     sys.exit(f"launch_distributed.sh: {e}")
 # what the remote ranks need from this shell, as DeepSpeed's env file (its own ones are read first)
 keep = ("ALIGNRL_", "DS_", "OMP_NUM_THREADS", "NCCL_", "GLOO_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH_")
@@ -87,6 +98,16 @@ else
          "or run this script on each node with NODE_RANK=0..$((NNODES - 1))" >&2
     exit 2
   fi
+  # DeepSpeed asks every host the same way first, and answers a refusal with a traceback
+  IFS=, read -r -a HOST_LIST <<< "$HOSTS"
+  for h in "${HOST_LIST[@]}"; do
+    if ! ssh -o PasswordAuthentication=no -o BatchMode=yes -o ConnectTimeout=10 "$h" hostname >/dev/null 2>&1; then
+      echo "launch_distributed.sh: host $h is not reachable over passwordless ssh from this node (DeepSpeed's" \
+           "launcher starts every host's ranks over ssh, this node's too): set up ssh keys to it, or run this" \
+           "script on each node with NODE_RANK=0..$((NNODES - 1))" >&2
+      exit 2
+    fi
+  done
   echo "nodes=$NNODES hosts=$HOSTS master=$MASTER:$PORT config=$CONFIG launcher=deepspeed ($LAUNCHER)"
 fi
 DS_ARGS=(--hostfile "$HOSTFILE_ABS" --master_addr "$MASTER" --master_port "$PORT" --no_local_rank)

@@ -85,6 +85,12 @@ def test_a_nodes_yaml_without_models_train_path_trains_base_path_slash_name(tmp_
     assert load_config(nodes).model.path == "/elsewhere/x"  # train.path, when given, is the folder
 
 
+def test_an_empty_value_empties_a_text_key():
+    """`services.generation_url=` (no service) was refused as null for a text key."""
+    assert load_config(None, ["services.generation_url="]).services.generation_url == ""
+    assert load_config(None, ["data.input_template="]).data.input_template is None  # an optional key: unset
+
+
 def test_one_value_given_to_a_list_key_is_a_list_of_one():
     """verl's `trainer.logger=wandb` as well as `trainer.logger=['console','wandb']`."""
     assert load_config(None, ["trainer.logger=wandb"]).trainer.logger == ["wandb"]

@@ -339,9 +339,40 @@ def test_unresolvable_hostfile_host_is_one_line_with_its_line_number(tmp_path):
     from alignrl.doctor import run_checks
 
     checks = [c for c in run_checks(load_config(str(cfg), []), 1.0) if c.name == "hostfile host"]
-    assert [(c.ok, c.detail) for c in checks] == [
-        (True, "this host: its ranks start here, no ssh"),
+    assert [(c.ok, c.detail) for c in checks] == [  # several hosts: DeepSpeed's pdsh/ssh reaches this one too
+        (True, "this host: DeepSpeed's launcher reaches it over ssh too, as every host of a hostfile with several "
+               "(passwordless ssh to itself needed)"),
         (False, f"{hostfile} line 3: host no-such-node.invalid does not resolve")]
+
+
+@pytest.mark.timeout(120)
+def test_launcher_mistakes_found_before_any_rank_starts_are_one_line(tmp_path):
+    """Each of these ended in a DeepSpeed traceback, a rank's error after the models loaded, or (NODE_RANK with a
+    master that does not resolve) a rendezvous that waited for ever."""
+    two = tmp_path / "hostfile"
+    two.write_text("localhost slots=1\n127.0.0.2 slots=1\n")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, code in (("pdsh", 0), ("ssh", 255)):  # pdsh installed, ssh refused: no keys
+        (fake / name).write_text(f"#!/bin/sh\nexit {code}\n")
+        (fake / name).chmod(0o755)
+    cfg = tmp_path / "nodes.yaml"
+    cfg.write_text(yaml.safe_dump({"training": {"master_node": "127.0.0.1", "master_port": free_port(),
+                                                "hostfile": str(two)}, "models": {"train": {"path": "demo"}}}))
+    small = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2"]
+    env = {**os.environ, "CONFIG": str(cfg), "ALIGNRL": str(BIN / "alignrl"), "PATH": f"{fake}:{os.environ['PATH']}"}
+    cases = [({}, [], "launch_distributed.sh: host localhost is not reachable over passwordless ssh from this node"),
+             ({"NODE_RANK": "0"}, ["training.master_node=gpu007.invalid"],
+              "launch_distributed.sh: training.master_node gpu007.invalid does not resolve to an address"),
+             ({}, ["models.train.path=/data/vayu/none"],
+              "launch_distributed.sh: models.train.path='/data/vayu/none' is not a Hugging Face model folder"),
+             ({"CONFIG": str(tmp_path / "node.yaml")}, [],
+              f"launch_distributed.sh: config file not found: {tmp_path / 'node.yaml'} (set CONFIG= to the nodes.yaml")]
+    for extra_env, overrides, said in cases:
+        r = subprocess.run(["./scripts/launch_distributed.sh", *small, *overrides], cwd=ROOT, capture_output=True,
+                           text=True, timeout=50, env={**env, **extra_env})
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(said), r.stderr
 
 
 @pytest.mark.timeout(60)
@@ -351,7 +382,9 @@ def test_doctor_notes_that_another_host_needs_ssh(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("127.0.0.1 slots=1\n10.255.255.1 slots=8  # worker\n")
     local, remote = check_hosts(str(hostfile))
-    assert local.ok and "no ssh" in local.detail
+    assert local.ok and "reaches it over ssh too" in local.detail  # pdsh/ssh reaches every host of several
+    hostfile.write_text("127.0.0.1 slots=2\n")
+    assert "no ssh" in check_hosts(str(hostfile))[0].detail  # one host: DeepSpeed starts its ranks locally
     assert remote.ok and remote.target == f"10.255.255.1 ({hostfile} line 2)" and "ssh needed" in remote.detail
 
 

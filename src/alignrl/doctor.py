@@ -108,8 +108,9 @@ def _local_addresses() -> set[str]:
     return addrs
 
 
-def check_host(host: str, line: int, where: str = "hostfile") -> Check:
-    """Resolves `host` of hostfile line `line`; says whether it is this host or one reached over ssh."""
+def check_host(host: str, line: int, where: str = "hostfile", several: bool = False) -> Check:
+    """Resolves `host` of hostfile line `line`; says whether it is this host or one reached over ssh. With `several`
+    hosts in the file DeepSpeed's launcher reaches every one over ssh, this one too."""
     target = f"{host} ({where} line {line})"
     try:
         addrs = sorted({a[4][0] for a in socket.getaddrinfo(host, None)})
@@ -118,7 +119,9 @@ def check_host(host: str, line: int, where: str = "hostfile") -> Check:
     local = _local_addresses()
     if host in LOCAL_HOSTS or host in (socket.gethostname(), socket.getfqdn()) or any(
             a in local or a.startswith("127.") for a in addrs):
-        return Check("hostfile host", target, True, "this host: its ranks start here, no ssh")
+        return Check("hostfile host", target, True, "this host: DeepSpeed's launcher reaches it over ssh too, as "
+                     "every host of a hostfile with several (passwordless ssh to itself needed)" if several else
+                     "this host: its ranks start here, no ssh")
     return Check("hostfile host", target, True, f"resolves ({addrs[0]}); another host: ssh needed (passwordless "
                  "ssh from the launching node, pdsh, the same checkout path there)")
 
@@ -132,7 +135,7 @@ def check_hosts(path: str) -> list[Check]:
     if errors:
         return []
     lines = host_lines(text)
-    return [check_host(h, lines[h], path) for h in hosts]
+    return [check_host(h, lines[h], path, len(hosts) > 1) for h in hosts]
 
 
 def check_hostfile(path: str) -> Check:
@@ -151,6 +154,8 @@ def check_port(host: str, port: int, timeout: float) -> Check:
     target = f"{host}:{port}"
     if host in LOCAL_HOSTS or host == socket.gethostname():
         with socket.socket() as s:
+            # as the rendezvous store binds: the TIME_WAIT sockets a finished run leaves do not hold the port
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:

@@ -89,7 +89,8 @@ def dotted_item(schema: type, override: str) -> Any:
                           "(lists look like [a,b])") from None
     if _is_text(field_):  # `User: {}` reads as a YAML mapping, `[x]` as a list: a text key wants the text
         picked = OmegaConf.select(item, key, default=None, throw_on_resolution_failure=False)
-        if OmegaConf.is_dict(picked) or OmegaConf.is_list(picked):
+        # `key=` on a text key is the empty text (e.g. no service: services.generation_url=), not YAML's null
+        if OmegaConf.is_dict(picked) or OmegaConf.is_list(picked) or (value == "" and field_.type in (str, "str")):
             return _raw_text(key, value)
     if field_ is not None and field_.type in (list, "list"):
         value = OmegaConf.select(item, key, default=None, throw_on_resolution_failure=False)  # `${...}`: later
