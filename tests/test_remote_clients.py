@@ -187,6 +187,14 @@ def test_samples_from_weights_this_run_did_not_push_stop_the_run(stub):
                                    "pushed last: another run pushes its weights there, or the service restarted")
 
 
+def test_a_refused_token_says_what_to_set(stub):
+    s = stub([(401, {"error": {"message": "missing or wrong bearer token"}}, 0)])
+    with pytest.raises(ServiceError) as e:
+        ServiceClient(s.url, "generation", retries=1).request("POST", "/v1/update_weights")
+    assert str(e.value) == (f"generation service at {s.url} refused this run's bearer token (HTTP 401): set "
+                            "ALIGNRL_API_KEY here to the key the service was started with")
+
+
 def test_bad_url_is_rejected():
     with pytest.raises(ServiceError, match="must start with http://"):
         RemoteReward("127.0.0.1:8002")

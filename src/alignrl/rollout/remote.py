@@ -100,6 +100,9 @@ class ServiceClient:
             if status >= 500:
                 last = f"HTTP {status}: {_message(text)}"
                 continue
+            if status == 401:  # the service's message speaks to a client; this is the trainer's side of it
+                raise ServiceError(f"{self.kind} service at {self.url} refused this run's bearer token (HTTP 401): set "
+                                   f"ALIGNRL_API_KEY here to the key the service was started with", status)
             if status >= 400:
                 raise ServiceError(f"{self.kind} service at {self.url} rejected {method} {path} "
                                    f"(HTTP {status}): {_message(text)}", status)
