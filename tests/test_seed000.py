@@ -307,18 +307,16 @@ def test_accelerate_config_points_at_the_zero3_json_and_the_hostfile_layout():
 
 
 def test_train_grpo_shim_builds_the_alignrl_command(monkeypatch):
-    sys.path.insert(0, str(ROOT / "src"))
-    try:
-        import train_grpo
-    finally:
-        sys.path.remove(str(ROOT / "src"))
+    from alignrl.dist.seed000 import train_args
+
+    nodes = ROOT / "config/nodes.yaml"
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
-    assert train_grpo._args(["--local_rank=1", "a.b=1"]) == ["--config", str(ROOT / "config/nodes.yaml"), "a.b=1"]
-    assert train_grpo._args(["--config", "x.yaml", "--local_rank", "0"]) == ["--config", "x.yaml"]
+    assert train_args(["--local_rank=1", "a.b=1"], nodes) == ["--config", str(nodes), "a.b=1"]
+    assert train_args(["--config", "x.yaml", "--local_rank", "0"], nodes) == ["--config", "x.yaml"]
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "z3.json")
-    assert train_grpo._args(["--config", "x.yaml"])[-2:] == ["trainer.strategy=deepspeed",
-                                                               "trainer.deepspeed_config=z3.json"]
+    assert train_args(["--config", "x.yaml"], nodes)[-2:] == ["trainer.strategy=deepspeed",
+                                                            "trainer.deepspeed_config=z3.json"]
 
 
 @pytest.mark.timeout(60)

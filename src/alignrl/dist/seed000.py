@@ -1,13 +1,21 @@
-"""Seed 000's service launchers, `src/launch_vllm.py` and `src/launch_ref_model.py`: the seed's flags
-(`--model_path PATH --port N --tensor_parallel_size K`) onto `alignrl serve generate` / `alignrl serve ref`, run
-through the package's command line so that Ctrl-C and errors are one line in the script's own name. Further flags
-(`--max_batch`, `--dtype`, `--host`, ...) pass through."""
+"""Seed 000's entry points, whose files in src/ are shims over this module.
+
+- `src/launch_vllm.py`, `src/launch_ref_model.py`: the seed's flags (`--model_path PATH --port N
+  --tensor_parallel_size K`) onto `alignrl serve generate` / `alignrl serve ref`, run through the package's command
+  line so that Ctrl-C and errors are one line in the script's own name. Further flags (`--max_batch`, `--dtype`,
+  `--host`, ...) pass through.
+- `src/train_grpo.py`: `alignrl train grpo --config <checkout>/config/nodes.yaml` under that file's name (the
+  launchers start it on every rank, so `ps aux | grep train_grpo.py` finds the trainer). `--local_rank=N`, which
+  DeepSpeed's launcher adds unless told `--no_local_rank`, is dropped (rank and world come from the environment);
+  under `accelerate launch` with a DeepSpeed plugin, the plugin's JSON becomes `trainer.strategy=deepspeed
+  trainer.deepspeed_config=<its file>`."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import sys
+from pathlib import Path
 
 from alignrl.errors import FLAGS_ENV, PROGRAM_ENV
 
@@ -43,6 +51,31 @@ def launch_vllm_main(argv: list[str] | None = None) -> int:
         if engine == "hf":
             print("launch_vllm.py: vllm is not installed; serving with the embedded HF engine", file=sys.stderr)
     return _serve("launch_vllm.py", "generate", args, [*rest, "--engine", engine])
+
+
+def train_args(argv: list[str], default_config: Path) -> list[str]:
+    """The arguments of `alignrl train grpo` for train_grpo.py's."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--local_rank":
+            skip = True
+        elif not a.startswith("--local_rank="):
+            out.append(a)
+    if not any(a == "--config" or a.startswith("--config=") for a in out):
+        out = ["--config", str(default_config), *out]
+    # accelerate launch with a DeepSpeed plugin: train with that JSON on alignrl's DeepSpeed engine
+    ds_json = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and ds_json:
+        out += ["trainer.strategy=deepspeed", f"trainer.deepspeed_config={ds_json}"]
+    return out
+
+
+def train_main(default_config: Path, argv: list[str] | None = None) -> int:
+    from alignrl.cli import main
+
+    return main(["train", "grpo", *train_args(sys.argv[1:] if argv is None else argv, default_config)])
 
 
 def launch_ref_main(argv: list[str] | None = None) -> int:
