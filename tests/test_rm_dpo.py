@@ -108,7 +108,9 @@ def test_safe_dpo_with_trained_scorers(scorers, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("argv, expect", [
-    (["--task", "helpful", "helpful_train_file=/nope/x.jsonl"], "data file not found: /nope/x.jsonl"),
+    (["--task", "helpful", "helpful_train_file=/nope/x.jsonl"], "data file not found: /nope/x.jsonl (set "
+     "helpful_train_file to an existing"),
+    (["--learning_rate", "1e-4"], "--learning_rate is not a flag here; give the config key as learning_rate=VALUE"),
     (["--task", "helpful", "bogus_key=1"], "unknown config key 'bogus_key'"),
     (["--task", "helpful", "epoch=1"], "unknown config key 'epoch' (did you mean 'epochs'?); allowed: "),
     (["--task", "helpful", "batch_size=abc"], "bad value for 'batch_size'"),

@@ -50,10 +50,10 @@ def check_scorers(cfg: DPOConfig) -> None:
         check_scorer_kind(key, path)
 
 
-def _load(files: list[str], cfg: DPOConfig, limit: int) -> tuple[list, list[int]]:
+def _load(files: list[str], cfg: DPOConfig, limit: int, key: str) -> tuple[list, list[int]]:
     pairs, group = [], []
     for g, f in enumerate(files):
-        got = load_pairs(f, cfg.prefer, limit or None)
+        got = load_pairs(f, cfg.prefer, limit or None, key)
         pairs += got
         group += [g] * len(got)
     return pairs, group
@@ -145,8 +145,8 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     safe = cfg.loss_type == "safe"
     if safe:
         check_scorers(cfg)
-    train_pairs, _ = _load(list(cfg.train_files), cfg, cfg.max_train_pairs)
-    eval_pairs, eval_group = _load(list(cfg.eval_files), cfg, cfg.max_eval_pairs)
+    train_pairs, _ = _load(list(cfg.train_files), cfg, cfg.max_train_pairs, "train_files")
+    eval_pairs, eval_group = _load(list(cfg.eval_files), cfg, cfg.max_eval_pairs, "eval_files")
     if dry_run_world:
         pc.check_enough(len(train_pairs), cfg, dry_run_world, ", ".join(cfg.train_files))
         return {}

@@ -94,7 +94,15 @@ class DPOConfig(CommonConfig):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, no usage block: the same shape as every other user error
+        flag = message.removeprefix("unrecognized arguments: ").split(" ")[0]
+        key = flag.removeprefix("--").partition("=")[0]
+        if message.startswith("unrecognized") and flag.startswith("--") and key in _config_keys():  # as HF/TRL
+            raise ConfigError(f"{self.prog}: {flag} is not a flag here; give the config key as {key}=VALUE")
         raise ConfigError(f"{self.prog}: {message} (see --help)")
+
+
+def _config_keys() -> set[str]:
+    return {f.name for cls in (RMConfig, DPOConfig) for f in dataclasses.fields(cls)}
 
 
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:

@@ -126,8 +126,7 @@ def load_score_model(path: str, seed: int, log=print):
 
 
 def _files(cfg: RMConfig) -> tuple[str, str]:
-    return ((cfg.helpful_train_file, cfg.helpful_eval_file) if cfg.task == "helpful"
-            else (cfg.harmless_train_file, cfg.harmless_eval_file))
+    return getattr(cfg, f"{cfg.task}_train_file"), getattr(cfg, f"{cfg.task}_eval_file")
 
 
 def _model_type(cfg: RMConfig) -> str:
@@ -186,8 +185,8 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     model_type = _model_type(cfg)
     train_file, eval_file = _files(cfg)
     prefer = "safer" if cfg.task == "harmless" else "better"
-    train_pairs = load_pairs(train_file, prefer, cfg.max_train_pairs or None)
-    eval_pairs = load_pairs(eval_file, prefer, cfg.max_eval_pairs or None)
+    train_pairs = load_pairs(train_file, prefer, cfg.max_train_pairs or None, f"{cfg.task}_train_file")
+    eval_pairs = load_pairs(eval_file, prefer, cfg.max_eval_pairs or None, f"{cfg.task}_eval_file")
     if model_type == "cost":
         require_safety_labels(train_pairs, train_file)
         require_safety_labels(eval_pairs, eval_file)

@@ -16,17 +16,14 @@ nodes the checkpoint path must be on a filesystem they share, as OpenRLHF's `--c
 
 from __future__ import annotations
 
-import os
 import threading
-from datetime import timedelta
 from pathlib import Path
 
 import ray
 import torch
-import torch.distributed as dist
 
 from alignrl.cluster.channel import ClusterError, Peer, get
-from alignrl.cluster.workers import Worker, config_of, device_for
+from alignrl.cluster.workers import Worker, config_of, join_group
 from alignrl.data.records import Experience, Rollout
 
 
@@ -59,13 +56,7 @@ class CriticRank(Worker):
         from alignrl.algos.placement import build_critic, critic_names
         from alignrl.dist.env import init_distributed
 
-        dev = device_for(self.local_rank)
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world),
-                          LOCAL_RANK=str(dev.index if dev.type == "cuda" else self.local_rank),
-                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
-        if self.world > 1 and not dist.is_initialized():  # joined here: not from the actor's main thread
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                                    timeout=timedelta(seconds=self.timeout_s))
+        join_group(self.rank, self.world, self.local_rank, master, self.timeout_s)
         env = init_distributed(self.cfg.trainer.device)
         self.env = env
         folder = Path(resume) if resume else None

@@ -47,6 +47,22 @@ def device_for(local_rank: int) -> torch.device:
     return torch.device("cuda", int(ids[0]) if ids else local_rank)
 
 
+def join_group(rank: int, world: int, local_rank: int, master: tuple[str, int], timeout_s: float) -> torch.device:
+    """This worker as rank `rank` of a `world`-rank torch.distributed group whose rank 0 serves `master`: the
+    launcher's environment variables set, as the loop's init_distributed reads them, and with more than one rank the
+    group joined here (the loop's own join installs signal handlers, which only a main thread may, and Ray runs
+    calls on another). Returns the worker's device."""
+    dev = device_for(local_rank)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(dev.index if dev.type == "cuda" else
+                                                                             local_rank),
+                      MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), ALIGNRL_DIST_TIMEOUT=str(timeout_s))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    return dev
+
+
 class Worker:
     """What every worker has: a name for error lines, a liveness call, its threads."""
 
@@ -89,16 +105,7 @@ class PolicyRank(Worker):
         from alignrl.algos.runner import train_grpo
 
         os.environ.update(env or {})
-        dev = device_for(self.local_rank)  # the loop picks cuda:LOCAL_RANK
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world),
-                          LOCAL_RANK=str(dev.index if dev.type == "cuda" else self.local_rank),
-                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
-                          ALIGNRL_DIST_TIMEOUT=str(self.peer_timeout_s))
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        if self.world > 1:  # joined here: the loop's own join installs a signal handler, main thread only
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                    timeout=timedelta(seconds=self.peer_timeout_s))
+        join_group(self.rank, self.world, self.local_rank, master, self.peer_timeout_s)  # the loop picks cuda:LOCAL_RANK
         try:
             return train_grpo(config_of(cfg_text), producers=producers)
         finally:
@@ -122,16 +129,10 @@ class RefWorker(Worker):
         from alignrl.dist.env import init_distributed
         from alignrl.dist.sharded_ref import build_sharded_ref, held_elements
 
-        dev = device_for(self.local_rank)
         if master is None:
-            self.scorer = build_ref(self.cfg, dev)
-        else:
-            os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world),
-                              LOCAL_RANK=str(dev.index if dev.type == "cuda" else self.local_rank),
-                              MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
-            if not dist.is_initialized():  # joined here: not from the actor's main thread
-                dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                                        timeout=timedelta(seconds=self.timeout_s))
+            self.scorer = build_ref(self.cfg, device_for(self.local_rank))
+        else:  # sharded: more than one rank
+            join_group(self.rank, self.world, self.local_rank, master, self.timeout_s)
             self.scorer = build_sharded_ref(self.cfg, init_distributed(self.cfg.trainer.device))
         return held_elements(self.scorer.model)
 

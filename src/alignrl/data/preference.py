@@ -59,11 +59,13 @@ def resolve_data_path(path: str) -> str:
     return path
 
 
-def load_pairs(path: str, prefer: str = "better", limit: int | None = None) -> list[PreferencePair]:
-    """Pairs of a .jsonl / .parquet file (or a `builtin:` name) in either layout (see module doc)."""
+def load_pairs(path: str, prefer: str = "better", limit: int | None = None,
+               key: str = "the config's data file key") -> list[PreferencePair]:
+    """Pairs of a .jsonl / .parquet file (or a `builtin:` name) in either layout (see module doc); `key`: the
+    setting that named the file, for the errors."""
     if prefer not in ("better", "safer"):
         raise ValueError(f"prefer must be 'better' or 'safer', got {prefer!r}")
-    _, rows = _read_rows(resolve_data_path(path), limit, key="the config's data file key")
+    _, rows = _read_rows(resolve_data_path(path), limit, key=key)
     if not rows:
         raise DataError(f"{path}: file has no rows (a preference file needs one pair per line)")
     return [_pair(loc, row, prefer) for loc, row in rows]
