@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             # inside a Ray job: trainer.nnodes × n_gpus_per_node ranks placed on the cluster (verl's layout)
             from alignrl.cluster.verl_job import run_on_ray
 
-            preflight(cfg, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node, reward_fn=True)
-            return run_on_ray(cfg, f"alignrl train {args.algorithm}")
+            return run_on_ray(cfg, f"alignrl train {args.algorithm}",
+                              lambda: preflight(cfg, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node, reward_fn=True))
         if not nproc and args.command == "train" and "LOCAL_RANK" not in os.environ:
             # verl's trainer.nnodes × n_gpus_per_node as local torchrun ranks
             from alignrl.config.verl_keys import requested_world_size

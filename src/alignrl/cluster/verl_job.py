@@ -82,12 +82,12 @@ def job(cfg: RunConfig, prog: str):
     return Job(layout, cfg, prog, threads=t.threads or 1)
 
 
-def run_on_ray(cfg: RunConfig, prog: str) -> int:
-    """Places and runs `cfg` on the cluster in RAY_ADDRESS; one line on failure (exit 1: a worker died or
-    failed; 2: the request or the config)."""
-    from alignrl.errors import UserError
+def run_on_ray(cfg: RunConfig, prog: str, preflight=lambda: None) -> int:
+    """Places and runs `cfg` on the cluster in RAY_ADDRESS after `preflight()` (the command line's checks); one line
+    in `prog`'s name on failure (exit 1: a worker died or failed; 2: the request or the config)."""
     from alignrl.cluster.channel import ClusterError
     from alignrl.cluster.driver import Driver
+    from alignrl.errors import UserError
 
     why = placeable(cfg)
     if why:
@@ -96,6 +96,7 @@ def run_on_ray(cfg: RunConfig, prog: str) -> int:
     if warning:  # at start, before any worker: the user can stop and rerun with a lasting path
         print(f"{prog}: {warning}", file=sys.stderr, flush=True)
     try:
+        preflight()
         return Driver(job(cfg, prog)).run()
     except (ClusterError, UserError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
