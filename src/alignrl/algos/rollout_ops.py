@@ -49,7 +49,7 @@ def select_groups(ro: Rollout, keep_group_ids: Sequence[int] | torch.Tensor) -> 
                    stats={k: v[rows] for k, v in ro.stats.items()})
 
 
-def _pad_cols(t: torch.Tensor, width: int, value: float | int | bool, left: bool) -> torch.Tensor:
+def pad_cols(t: torch.Tensor, width: int, value: float | int | bool, left: bool) -> torch.Tensor:
     extra = width - t.shape[1]
     return F.pad(t, (extra, 0) if left else (0, extra), value=value) if extra else t
 
@@ -62,14 +62,14 @@ def concat_rollouts(a: Rollout, b: Rollout, pad_id: int) -> Rollout:
     offset = int(a.group.max()) + 1 if len(a.group) else 0
 
     def both(name: str, width: int, value: float | int | bool, left: bool) -> torch.Tensor:
-        return torch.cat([_pad_cols(getattr(x, name), width, value, left) for x in (a, b)])
+        return torch.cat([pad_cols(getattr(x, name), width, value, left) for x in (a, b)])
 
     return Rollout(prompt_ids=both("prompt_ids", p, pad_id, True), prompt_mask=both("prompt_mask", p, False, True),
                    response_ids=both("response_ids", r, pad_id, False),
                    response_mask=both("response_mask", r, False, False), logprobs=both("logprobs", r, 0.0, False),
                    truncated=torch.cat([a.truncated, b.truncated]), group=torch.cat([a.group, b.group + offset]),
                    loss_mask=None if a.loss_mask is None and b.loss_mask is None else torch.cat(
-                       [_pad_cols(x.generated_mask, r, False, False) for x in (a, b)]),
+                       [pad_cols(x.generated_mask, r, False, False) for x in (a, b)]),
                    stats={k: torch.cat([a.stats[k], b.stats[k]]) for k in a.stats if k in b.stats})
 
 

@@ -20,11 +20,10 @@ from dataclasses import replace
 
 import ray
 import torch
-import torch.nn.functional as F
 
 from alignrl.algos.placement import build_critics
 from alignrl.algos.producer import InlineSource, merged_metrics
-from alignrl.algos.rollout_ops import concat_rollouts, shard_groups
+from alignrl.algos.rollout_ops import concat_rollouts, pad_cols, shard_groups
 from alignrl.data.records import Rollout, ScoredBatch
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist.env import DistEnv, barrier
@@ -90,8 +89,8 @@ def merge(batches: list[ScoredBatch], pad_id: int, drawn: list[int]) -> ScoredBa
         ro = concat_rollouts(out.rollout, b.rollout, pad_id)
         width = ro.response_ids.shape[1]
 
-        def cat(x: torch.Tensor, y: torch.Tensor, value) -> torch.Tensor:
-            return torch.cat([F.pad(t, (0, width - t.shape[1]), value=value) for t in (x, y)])
+        def cat(x: torch.Tensor, y: torch.Tensor, value) -> torch.Tensor:  # response columns, right-padded
+            return torch.cat([pad_cols(t, width, value, left=False) for t in (x, y)])
 
         ref = None if out.ref_logprobs is None else cat(out.ref_logprobs, b.ref_logprobs, 0.0)
         out = ScoredBatch(ro, out.scores.cat(b.scores), cat(out.loss_mask, b.loss_mask, False), ref,
