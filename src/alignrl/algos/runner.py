@@ -107,9 +107,10 @@ def save_ds_config(cfg: RunConfig, trainer: PolicyTrainer, run_dir: Path, env: D
     """The DeepSpeed config in use is saved with the run (generated or read from the user's file), with the run's
     batch numbers: DeepSpeed is handed nominal ones, as alignrl drives the accumulation. Batch numbers of the user's
     file that the run does not follow are named once (seed 004's trainer follows its file: seed004_deepspeed)."""
-    ds = getattr(trainer.actor.engine, "config", None)
-    if not env.is_main or ds is None:
+    engine = trainer.actor.engine
+    if not env.is_main or engine.name != "deepspeed":
         return
+    ds = engine.config
     run = run_batch_numbers(cfg, env.world_size)
     path = cfg.trainer.deepspeed_config
     theirs = json.loads(Path(path).read_text()) if path else {}
