@@ -98,8 +98,10 @@ else
          "or run this script on each node with NODE_RANK=0..$((NNODES - 1))" >&2
     exit 2
   fi
-  # DeepSpeed asks every host the same way first, and answers a refusal with a traceback
+  # pdsh starts the ranks of every host over ssh; a refusal would be DeepSpeed's traceback (other launchers, such
+  # as slurm, do not ssh from this node: DeepSpeed asks the first host only)
   IFS=, read -r -a HOST_LIST <<< "$HOSTS"
+  [[ "$LAUNCHER" == pdsh ]] || HOST_LIST=("${HOST_LIST[0]}")
   for h in "${HOST_LIST[@]}"; do
     if ! ssh -o PasswordAuthentication=no -o BatchMode=yes -o ConnectTimeout=10 "$h" hostname >/dev/null 2>&1; then
       echo "launch_distributed.sh: host $h is not reachable over passwordless ssh from this node (DeepSpeed's" \

@@ -16,9 +16,8 @@ from pathlib import Path
 
 from alignrl.cli import preflight
 from alignrl.config import ConfigError, load_config
-from alignrl.data.loaders import DataError
 from alignrl.doctor import parse_hostfile
-from alignrl.rewards.registry import RewardError
+from alignrl.errors import UserError
 
 config, hostfile, nproc, overrides = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 try:
@@ -33,7 +32,7 @@ try:
     if not nproc.isdigit() or int(nproc) < 1:
         raise ConfigError(f"NPROC={nproc} is not a number of processes >= 1")
     preflight(cfg, int(nproc), reward_fn=True)
-except (ConfigError, DataError, RewardError) as e:
+except UserError as e:
     sys.exit(f"launch_training.sh: {e}")
 print(nproc, cfg.trainer.master_port)
 PYEOF

@@ -30,6 +30,8 @@ def test_seed_000_nodes_yaml_keys_are_overrides_too(tmp_path):
     assert (cfg.trainer.master_port, cfg.model.path, cfg.services.generation_url) == (29600, "demo",
                                                                                        "http://127.0.0.1:8000")
     assert cfg.run_dir == tmp_path  # the run folder is models.output.path itself, as in the file's layout
+    with pytest.raises(ConfigError, match="models.base_path builds the model's folder only inside a nodes.yaml"):
+        load_config(None, ["models.base_path=/models"])  # alone it would name nothing: it was dropped silently
     for order in ([f"models.output.path={tmp_path}", "trainer.experiment_name=x"],
                   ["trainer.experiment_name=x", f"models.output.path={tmp_path}"]):
         assert load_config(None, order).run_dir == tmp_path / "x"  # unless a run name is given, in either order

@@ -157,9 +157,14 @@ def test_command_line_errors_are_one_line():
     assert "--n_samples_per_prompt > 1" in out.stderr
 
 
-def test_input_errors_name_the_flags_not_the_config_keys(tmp_path, capsys):
+def test_input_errors_name_the_flags_not_the_config_keys(tmp_path, capsys, monkeypatch):
     """Bad data and model folders are found by the driver before Ray starts, and said in ppo-ray's own flags."""
+    import functools
+
     from alignrl.cluster.train_ppo_ray import main
+    from alignrl.rollout import remote
+
+    monkeypatch.setattr(remote, "check_services", functools.partial(remote.check_services, wait_s=0))
 
     odd = tmp_path / "odd.jsonl"
     odd.write_text('{"q": "1+1", "a": "2"}\n')

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.serial]  # backoff and timeo
 class Stub:
     """A loopback HTTP server answering from a script of (status, body, delay) and counting requests."""
 
-    def __init__(self, script):
+    def __init__(self, script, port: int = 0):
         self.script, self.hits = list(script), 0
         stub = self
 
@@ -33,7 +33,7 @@ class Stub:
                 status, body, delay, *headers = stub.script[min(stub.hits, len(stub.script) - 1)]
                 stub.hits += 1
                 time.sleep(delay)
-                data = json.dumps(body).encode()
+                data = b"" if body is None else json.dumps(body).encode()
                 try:
                     self.send_response(status)
                     for name, value in (headers[0] if headers else {}).items():
@@ -50,7 +50,7 @@ class Stub:
             def log_message(self, *a):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -139,22 +139,49 @@ def test_configured_services_are_checked_before_a_run_loads_its_model(stub):
     from alignrl.rollout.remote import check_services
 
     healthy, other = stub([(200, {"status": "healthy"}, 0)]), stub([(404, {"detail": "Not Found"}, 0)])
-    check_services(load_config(None, [f"services.generation_url={healthy.url}", f"services.reference_url={healthy.url}"]))
+    check_services(load_config(None, [f"services.generation_url={healthy.url}", f"services.reference_url={healthy.url}",
+                                      "actor.use_kl_loss=true"]))
     assert healthy.hits == 2
+    vllm = stub([(200, "", 0)])  # vLLM's own server: an empty 200
+    vllm.script = [(200, None, 0)]
+    check_services(load_config(None, [f"services.generation_url={vllm.url}"]))
+    assert vllm.hits == 1
+    # a reference the run never asks (no KL term) is not asked either: a config may name one that is down
+    check_services(load_config(None, [f"services.reference_url=http://127.0.0.1:{free_port()}",
+                                      "actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false"]))
     check_services(load_config(None, []))  # nothing configured: nothing asked
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServiceError) as e:
         check_services(load_config(None, [f"services.reference_url={healthy.url}", f"services.reward_url={dead}",
-                                          "services.retries=1"]))
+                                          "services.retries=1", "services.wait_s=0"]))
     assert str(e.value).startswith(f"reward service at {dead} is not reachable after 1 tries") and "\n" not in str(e.value)
     with pytest.raises(ServiceError, match=r"reference service at .* rejected GET /health \(HTTP 404\)"):
-        check_services(load_config(None, [f"services.reference_url={other.url}"]))
+        check_services(load_config(None, [f"services.reference_url={other.url}", "actor.use_kl_loss=true"]))
     # swapped URLs: alignrl's services say what they are in a header; the run failed later with a 404
     gen = stub([(200, {"status": "healthy"}, 0, {"X-Alignrl-Service": "generation"})])
     with pytest.raises(ServiceError) as e:
-        check_services(load_config(None, [f"services.generation_url={gen.url}", f"services.reference_url={gen.url}"]))
+        check_services(load_config(None, [f"services.generation_url={gen.url}", f"services.reference_url={gen.url}",
+                                          "actor.use_kl_loss=true"]))
     assert str(e.value) == (f"services.reference_url={gen.url} is a generation service, not a reference service: "
                             "are the service URLs swapped?")
+
+
+def test_a_service_that_starts_late_is_waited_for(stub, capsys):
+    """A service binds its port once its model is loaded: `serve ... &` then `train` found it refusing connections."""
+    from alignrl.config import load_config
+    from alignrl.rollout.remote import check_services
+
+    port = free_port()
+    late: list = []
+    threading.Timer(1.5, lambda: late.append(Stub([(200, {"status": "healthy"}, 0)], port))).start()
+    try:
+        check_services(load_config(None, [f"services.reward_url=http://127.0.0.1:{port}", "services.retries=1",
+                                          "services.wait_s=20"]))
+    finally:
+        for s in late:
+            s.close()
+    assert late and late[0].hits >= 1
+    assert f"waiting up to 20 s for the reward service at http://127.0.0.1:{port}" in capsys.readouterr().out
 
 
 def test_an_unreachable_service_stops_a_run_before_its_model_loads(tmp_path):
@@ -162,6 +189,7 @@ def test_an_unreachable_service_stops_a_run_before_its_model_loads(tmp_path):
 
     dead = f"http://127.0.0.1:{free_port()}"
     out = subprocess.run([sys.executable, "-m", "alignrl", "train", "grpo", f"services.reward_url={dead}",
+                          "services.wait_s=0",
                           f"trainer.output_dir={tmp_path / 'out'}"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": src_path()})
     err = out.stderr.strip()

@@ -356,7 +356,7 @@ def test_logs_inside_the_output_folder_move_into_the_saved_model(tiny_model_dir,
     asides = list(tmp_path.glob("rm.previous-*"))
     assert len(asides) == 1 and (asides[0] / "model.safetensors").is_file(), asides
     assert _quick(tiny_model_dir, out, out, "max_steps=1") == 2
-    assert "--logging_dir is --output_dir" in capsys.readouterr().err
+    assert "the logging folder is the output folder" in capsys.readouterr().err
 
 
 def test_a_run_whose_updates_stay_non_finite_stops_and_saves_nothing(tiny_model_dir, tmp_path, capsys):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from alignrl.config import ConfigError, load_config
-from alignrl.config.verl_keys import requested_world_size
+from alignrl.config.counts import requested_world_size
 
 REPO = Path(__file__).resolve().parents[1]
 

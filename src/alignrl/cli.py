@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                               lambda: preflight(cfg, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node, reward_fn=True))
         if not nproc and args.command == "train" and "LOCAL_RANK" not in os.environ:
             # verl's trainer.nnodes × n_gpus_per_node as local torchrun ranks
-            from alignrl.config.verl_keys import requested_world_size
+            from alignrl.config.counts import requested_world_size
 
             nproc = requested_world_size(cfg)
         if nproc and nproc > 1 and "LOCAL_RANK" not in os.environ:

@@ -150,7 +150,7 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     if dry_run_world:
         pc.check_enough(len(train_pairs), cfg, dry_run_world, ", ".join(cfg.train_files))
         return {}
-    out_dir, log_dir = Path(cfg.output_dir or "models/aligned"), Path(cfg.logging_dir or "logs/training/dpo")
+    out_dir, log_dir = pc.run_folders(cfg, "models/aligned", "logs/training/dpo")
     t0 = time.time()
     env = init_distributed()
     pc.check_enough(len(train_pairs), cfg, env.world_size, ", ".join(cfg.train_files))

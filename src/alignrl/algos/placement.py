@@ -21,9 +21,9 @@ from alignrl.algos.producer import LocalRefScorer, RolloutMaker
 from alignrl.algos.rm import check_rl_scorers
 from alignrl.algos.scoring import RewardStage
 from alignrl.algos.sinks import EngineCopy, Fanout, SharedModule
-from alignrl.algos.trainer import CriticParts, PolicyTrainer, needs_reference
+from alignrl.algos.trainer import CriticParts, PolicyTrainer
 from alignrl.config import ConfigError, RunConfig
-from alignrl.config.checks import response_cap
+from alignrl.config.checks import needs_reference, response_cap
 from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist.env import SINGLE, DistEnv

@@ -32,8 +32,9 @@ SMOOTHED_LOSSES = ("sigmoid", "cdpo")
 class CommonConfig:
     model_path: str = opt("demo", "base model: an HF causal-LM folder, or 'demo' (the embedded tiny Qwen2)")
     output_dir: str | None = opt(None, "where the trained model folder is written (--output_dir)")
-    logging_dir: str | None = opt(None, "metrics.jsonl and tensorboard/ (--logging_dir); default "
-                                        "logs/training/<task>_rm (rm) or logs/training/dpo (dpo)")
+    logging_dir: str | None = opt(None, "metrics.jsonl and tensorboard/ (--logging_dir); default logs/training/<the "
+                                        "output folder's name>, without --output_dir logs/training/<task>_rm (rm) "
+                                        "or logs/training/dpo (dpo)")
     batch_size: int = opt(8, "preference pairs per device per micro-batch", ge=1)
     eval_batch_size: int = opt(16, "pairs per device per evaluation forward", ge=1)
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step", ge=1)
@@ -155,9 +156,6 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
         raise ConfigError(f"report_to has unknown sink(s) {sorted(unknown)}; allowed: jsonl, tensorboard")
     # an existing output_dir (folder or file) is moved aside when the model is saved: only a file above it fails
     folders = {"--logging_dir": Path(cfg.logging_dir)} if cfg.logging_dir else {}
-    if cfg.output_dir and cfg.logging_dir and Path(cfg.output_dir).resolve() == Path(cfg.logging_dir).resolve():
-        raise ConfigError(f"--logging_dir is --output_dir ({cfg.output_dir}): the saved model replaces that folder; give "
-                          f"the logs one of their own, e.g. --logging_dir {Path(cfg.output_dir) / 'logs'}")
     if cfg.output_dir:
         output = Path(cfg.output_dir)
         folders["--output_dir"] = output.parent if output.is_file() else output

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from alignrl.algos.preference_cli import CommonConfig
+from alignrl.config import ConfigError
 from alignrl.data.loaders import DataError
 from alignrl.data.preference import PreferenceBatch, collate_pairs
 from alignrl.dist.env import cuda_bf16
@@ -113,6 +114,18 @@ def eval_batches(encoded: list, pairs: list, pad_id: int, batch_size: int, env) 
 
 
 # ---------------------------------------------------------------- rank-0 outputs
+
+
+def run_folders(cfg: CommonConfig, default_out: str, default_log: str) -> tuple[Path, Path]:
+    """The trained model's folder and the logging folder: --logging_dir, else logs/training/<the model folder's name>
+    when --output_dir is given (runs of one task into other folders log apart), else the seed's `default_log`."""
+    out = Path(cfg.output_dir or default_out)
+    log = Path(cfg.logging_dir) if cfg.logging_dir else (Path("logs/training") / out.name if cfg.output_dir else
+                                                         Path(default_log))
+    if out.resolve() == log.resolve():
+        raise ConfigError(f"the logging folder is the output folder ({out}): the saved model replaces that folder; "
+                          f"give the logs one of their own, e.g. --logging_dir {out / 'logs'}")
+    return out, log
 
 
 class RankZeroLog:
@@ -245,12 +258,12 @@ def save_hf_folder(out_dir: Path, hf_model, state_dict: dict[str, torch.Tensor],
             (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
         write_manifest(tmp)
         carried = _carry_logs(log_dir, out_dir, tmp)
-        if out_dir.exists() and any(p.is_file() for p in out_dir.rglob("*")):
+        if _only_folders(out_dir):  # what held this run's logs and nothing else
+            shutil.rmtree(out_dir)
+        elif out_dir.exists() or out_dir.is_symlink():
             old = aside_path(out_dir.parent, f"{out_dir.name}.previous")
             os.replace(out_dir, old)
             log(f"{out_dir} already existed: moved it to {old}, not deleted")
-        elif out_dir.exists():  # only the folders that held this run's logs
-            shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     except BaseException:
         if carried is not None:  # the logs go back before the unfinished folder does
@@ -258,6 +271,12 @@ def save_hf_folder(out_dir: Path, hf_model, state_dict: dict[str, torch.Tensor],
             os.replace(tmp / carried, out_dir / carried)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _only_folders(path: Path) -> bool:
+    """A real folder holding folders only (no file, link or other entry at any depth): nothing of the user's."""
+    return (path.is_dir() and not path.is_symlink()
+            and all(p.is_dir() and not p.is_symlink() for p in path.rglob("*")))
 
 
 def _carry_logs(log_dir: Path | None, out_dir: Path, tmp: Path) -> Path | None:

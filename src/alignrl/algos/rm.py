@@ -193,18 +193,17 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     if dry_run_world:
         pc.check_enough(len(train_pairs), cfg, dry_run_world, train_file)
         return {}
-    out_dir = Path(cfg.output_dir or f"models/{cfg.task}_rm")
-    log_dir = Path(cfg.logging_dir or f"logs/training/{cfg.task}_rm")
+    out_dir, log_dir = pc.run_folders(cfg, f"models/{cfg.task}_rm", f"logs/training/{cfg.task}_rm")
     t0 = time.time()
     env = init_distributed()
     pc.check_enough(len(train_pairs), cfg, env.world_size, train_file)
+    log = pc.RankZeroLog(env, log_dir, cfg.report_to)  # held before any model loads
     hf, tok = load_score_model(cfg.model_path, cfg.seed)
     pc.prepare_trainable(hf, cfg)
     enc_train, cut = encode_pairs(tok, train_pairs, cfg.max_length)
     enc_eval, _ = encode_pairs(tok, eval_pairs, cfg.max_length)
     total = pc.total_steps(len(enc_train), cfg, env.world_size)
     engine = pc.build_engine_for(cfg, LastTokenScorer(hf), env, total)
-    log = pc.RankZeroLog(env, log_dir, cfg.report_to)
     log.print(f"{model_type} model on task {cfg.task}: {len(enc_train)} train pairs ({train_file}), "
               f"{len(enc_eval)} held-out ({eval_file}); {truncation_note(enc_train, cut, cfg.max_length)}")
     log.print(f"{pc.describe_batch(cfg, env.world_size)}; {total} optimizer steps, strategy {engine.name}, "

@@ -57,10 +57,6 @@ def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
                           loss_agg=agg, max_len=float(response_cap(cfg)))
 
 
-def needs_reference(cfg: RunConfig) -> bool:
-    return (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward
-
-
 class PolicyTrainer:
     """Learns from scored batches; `version` counts the weight publishes (the updates done)."""
 

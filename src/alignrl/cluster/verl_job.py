@@ -71,7 +71,7 @@ def temporary_output_warning(cfg: RunConfig) -> str | None:
 
 def job(cfg: RunConfig, prog: str):
     """The verl-style config as a placed run (verl's hybrid engine layout)."""
-    from alignrl.algos.trainer import needs_reference
+    from alignrl.config.checks import needs_reference
     from alignrl.cluster.driver import Job
     from alignrl.cluster.plan import Layout
 

@@ -15,6 +15,11 @@ from urllib.parse import urlparse
 from alignrl.config.schema import ConfigError, RunConfig
 
 
+def needs_reference(cfg: RunConfig) -> bool:
+    """Whether the run uses reference log-probs: a KL loss or a KL penalty in the reward."""
+    return (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward
+
+
 def data_files(value: str | list[str]) -> list[str]:
     """The files a `data.train_files`/`data.val_files` value names: none for 'synthetic', one for a
     path, each of a list (verl's `[a.parquet,b.parquet]`)."""
@@ -235,8 +240,8 @@ def unwritable(path: Path) -> str | None:
     import tempfile
 
     here = next((p for p in (path, *path.parents) if p.is_dir()), None)
-    if here is None:
-        return None
+    if here is None or here == Path(here.anchor):  # a path whose top does not exist here (a compute node's
+        return None  # /scratch seen from a login node) cannot be judged from this machine
     try:
         os.rmdir(tempfile.mkdtemp(dir=here, prefix=".alignrl-write-check-"))
     except OSError as e:

@@ -14,7 +14,8 @@ from omegaconf.errors import OmegaConfBaseException
 from alignrl.config.checks import check_combinations, check_ranges, did_you_mean
 from alignrl.config.layout import LayoutError, check_sections, read_config_file
 from alignrl.config.schema import ConfigError, RunConfig
-from alignrl.config.verl_keys import list_not_used, resolve_counts, translate, verl_defaults
+from alignrl.config.counts import resolve_counts
+from alignrl.config.verl_keys import list_not_used, translate, verl_defaults
 
 
 def _one_line(e: OmegaConfBaseException, fallback_key: str = "?") -> str:

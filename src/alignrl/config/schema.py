@@ -240,6 +240,8 @@ class ServicesConfig:
     reward_url: str = opt("", "`alignrl serve reward` URL: its score is the reward (training.services.reward.url)")
     timeout_s: float = opt(300.0, "per-request timeout of service clients, seconds", gt=0.0)
     retries: int = opt(3, "tries per request before a service counts as down (exponential backoff)", ge=1)
+    wait_s: float = opt(30.0, "seconds a run waits at its start for a configured service that does not answer "
+                              "yet (one still loading its model)", ge=0.0)
 
 
 @dataclass(frozen=True)

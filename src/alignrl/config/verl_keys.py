@@ -27,11 +27,11 @@ from __future__ import annotations
 import fnmatch
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from alignrl.config.checks import data_files, nearest_sibling
+from alignrl.config.checks import nearest_sibling
 from alignrl.config.layout import SEED_KEYS, SEED_MODEL_PARTS, unknown_seed_key
-from alignrl.config.schema import ConfigError, RunConfig
+from alignrl.config.schema import ConfigError
 
 A = "actor_rollout_ref.actor."
 R = "actor_rollout_ref.rollout."
@@ -263,8 +263,10 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
         elif key in SEED_KEYS:  # seed 000's nodes.yaml spellings, as its file takes them
             out.append(f"{SEED_KEYS[key]}={value}")
             output_is_run_dir = output_is_run_dir or key == "models.output.path"
-        elif key in SEED_MODEL_PARTS:  # the file's models.train.path, or the path they make in the file, decides
-            pass
+        elif key in SEED_MODEL_PARTS:  # beside models.train.path they only name it; alone they would not apply
+            if not any(o.startswith("models.train.path=") for o in overrides):
+                raise ConfigError(f"{key} builds the model's folder only inside a nodes.yaml; on the command line "
+                                  "give the folder itself: models.train.path=PATH")
         elif key.startswith(("training.", "models.")):  # a mistyped seed key: not "unknown config key 'training'"
             raise ConfigError(unknown_seed_key(key))
         elif key in ("custom_reward_function.path", "custom_reward_function.name"):
@@ -358,43 +360,3 @@ def list_not_used(t: Translation) -> None:
               file=sys.stderr, flush=True)
     for note in t.notes:
         print(f"alignrl: {note}", file=sys.stderr, flush=True)
-
-
-def resolve_counts(cfg: RunConfig, given: set[str], global_micro: int | None = None) -> RunConfig:
-    """verl's step arithmetic: `trainer.total_epochs` bounds the steps by the data size, a warm-up
-    ratio becomes optimizer steps (verl steps its scheduler once per RL step; alignrl once per
-    mini-batch, so the ratio's RL steps are multiplied by the mini-batches of one RL step), and the
-    deprecated global `ppo_micro_batch_size` becomes each rank's share of it."""
-    t, a, c = cfg.trainer, cfg.actor, cfg.critic
-    if global_micro is not None:
-        a = replace(a, ppo_micro_batch_size=max(1, global_micro // requested_world_size(cfg)))
-    steps = t.total_training_steps
-    rows = _train_rows(cfg) if t.total_epochs else None
-    if rows is not None:  # None: a missing file, which preflight reports before any launch
-        per_epoch = max(1, rows // cfg.data.train_batch_size)  # verl drops the last partial batch
-        by_epochs = t.total_epochs * per_epoch
-        steps = min(steps, by_epochs) if "trainer.total_training_steps" in given else by_epochs
-    per_step = a.ppo_epochs * max(1, cfg.data.train_batch_size * cfg.rollout.n // cfg.mini_batch_sequences)
-    actor_warmup = a.lr_warmup_steps or int(a.lr_warmup_steps_ratio * steps) * per_step
-    critic_warmup = c.lr_warmup_steps or int(c.lr_warmup_steps_ratio * steps) * per_step
-    return replace(cfg, trainer=replace(t, total_training_steps=steps),
-                   actor=replace(a, lr_warmup_steps=actor_warmup), critic=replace(c, lr_warmup_steps=critic_warmup))
-
-
-def _train_rows(cfg: RunConfig) -> int | None:
-    files = cfg.data.train_files
-    if files == "synthetic":
-        return cfg.data.train_size
-    from alignrl.data.loaders import count_rows  # imports torch: only epoch-counted runs pay for it
-
-    paths = data_files(files)
-    if not all(os.path.isfile(f) for f in paths):
-        return None
-    rows, cap = sum(count_rows(f) for f in paths), cfg.data.train_row_cap
-    return rows if cap is None else min(rows, cap)  # the rows the loop reads
-
-
-def requested_world_size(cfg: RunConfig) -> int:
-    """Ranks the config asks for (verl's trainer.nnodes × trainer.n_gpus_per_node); a launcher (local
-    torchrun, a Ray job) starts that many when no --nproc is given."""
-    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node

@@ -21,7 +21,7 @@ import torch
 
 from alignrl.algos.placement import build_critics, build_ref
 from alignrl.algos.rollout_ops import shard_groups
-from alignrl.algos.trainer import needs_reference
+from alignrl.config.checks import needs_reference
 from alignrl.config import RunConfig
 from alignrl.data.records import ScoredBatch
 from alignrl.data.sampler import BatchSampler

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from alignrl.algos.trainer import needs_reference
+from alignrl.config.checks import needs_reference
 from alignrl.config import RunConfig
 from alignrl.data.records import ScoredBatch
 from alignrl.dist.wire import WireError

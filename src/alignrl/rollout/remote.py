@@ -164,17 +164,36 @@ class ServiceClient:
         self.http.close()
 
 
-def check_services(cfg: RunConfig) -> None:
-    """Every service the run is configured to use answers /health (ServiceError, one line, otherwise)."""
+def check_services(cfg: RunConfig, log=print, wait_s: float | None = None) -> None:
+    """Every service the run will ask answers /health (ServiceError, one line, otherwise; the reference service only
+    when a KL term needs it). One that refuses connections is waited for up to services.wait_s, saying so once: a
+    service binds its port only once its model is loaded. `wait_s` overrides services.wait_s (the Ray flags of
+    OpenRLHF have no such setting)."""
+    from alignrl.config.checks import needs_reference
+
     s = cfg.services
     for kind in ("generation", "reference", "reward"):
         url = getattr(s, f"{kind}_url")
-        if url:
-            client = ServiceClient(url, kind, min(s.timeout_s, 10.0), s.retries)
-            try:
-                client.check(f"services.{kind}_url")
-            finally:
-                client.close()
+        if not url or (kind == "reference" and not needs_reference(cfg)):
+            continue
+        client = ServiceClient(url, kind, min(s.timeout_s, 30.0), s.retries)
+        wait = s.wait_s if wait_s is None else wait_s
+        deadline, said = time.monotonic() + wait, False
+        try:
+            while True:
+                try:
+                    client.check(f"services.{kind}_url")
+                    break
+                except ServiceError as e:
+                    if e.status is not None or "not reachable" not in str(e) or time.monotonic() >= deadline:
+                        raise
+                    if not said and os.environ.get("RANK", "0") == "0":
+                        log(f"waiting up to {wait:g} s for the {kind} service at {url} (services.wait_s)",
+                            flush=True)
+                        said = True
+                    time.sleep(1.0)
+        finally:
+            client.close()
 
 
 def rollout_from_rows(prompts: Sequence[Sequence[int]], n: int,
