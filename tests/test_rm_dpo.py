@@ -357,6 +357,17 @@ def test_logs_inside_the_output_folder_move_into_the_saved_model(tiny_model_dir,
     assert len(asides) == 1 and (asides[0] / "model.safetensors").is_file(), asides
     assert _quick(tiny_model_dir, out, out, "max_steps=1") == 2
     assert "the logging folder is the output folder" in capsys.readouterr().err
+    # an output path that is a file, or a link to a folder of folders, is moved aside, never removed
+    notes, real = tmp_path / "notes", tmp_path / "real"
+    notes.write_text("keep me")
+    (real / "empty").mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    for target in (notes, link):
+        assert _quick(tiny_model_dir, target, tmp_path / f"logs_{target.name}", "max_steps=1") == 0
+        assert (target / "model.safetensors").is_file() and not target.is_symlink()
+    assert [p.read_text() for p in tmp_path.glob("notes.previous-*")] == ["keep me"]
+    assert (real / "empty").is_dir() and len(list(tmp_path.glob("link.previous-*"))) == 1
 
 
 def test_a_run_whose_updates_stay_non_finite_stops_and_saves_nothing(tiny_model_dir, tmp_path, capsys):
