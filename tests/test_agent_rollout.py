@@ -278,7 +278,9 @@ def test_retriever_down_is_one_line_naming_the_url():
     with pytest.raises(ServiceError) as e:
         RetrieverClient(url, retries=2, timeout_s=2).search(["q"])
     msg = str(e.value)
-    assert f"127.0.0.1:{port}" in msg and "alignrl serve retrieve" in msg and "\n" not in msg
+    assert f"127.0.0.1:{port}" in msg and "\n" not in msg
+    assert msg.endswith(f"start it with `PORT={port} bash retrieval_launch.sh` (or `alignrl serve retrieve --port "
+                        f"{port}`), or check retriever.url"), msg  # the seed's launcher, and the likelier typo
     with pytest.raises(ServiceError):
         RetrieverClient("127.0.0.1:8000/retrieve")
 

@@ -267,6 +267,34 @@ def test_verl_reward_model_without_ground_truth(tmp_path: Path) -> None:
     )
 
 
+def test_search_r1_rows_a_reward_could_not_read_are_one_line_at_load(tmp_path: Path) -> None:
+    """An empty prompt list and a ground truth without 'target' stopped a run with a traceback at the step that
+    drew the row (the second only once a sampled answer reached the reward)."""
+    from alignrl.algos.runner import load_task_data
+    from alignrl.config import load_config
+
+    def rows(truth, empty: int | None = None) -> list[dict]:
+        out = [{"data_source": "nq", "prompt": [{"role": "user", "content": "Who?"}],
+                "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": {"i": 1}} for _ in range(3)]
+        if empty is not None:
+            out[empty]["prompt"] = []
+        return out
+
+    for name, table, said in (
+            ("gt", rows({"answer": ["x"]}), "row 0: ground_truth dict has no 'target' key (keys: ['answer']); "
+             "Search-R1's QA rewards read reward_model.ground_truth as {'target': [...]}, a list or a string"),
+            ("empty", rows({"target": ["x"]}, empty=1), "row 1: prompt is an empty list of chat messages; give every "
+             "row a prompt, or drop the row")):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.Table.from_pylist(table), path)
+        with pytest.raises(DataError) as excinfo:
+            load_task_data(load_config(None, [f"data.train_files={path}", f"data.val_files={path}"]))
+        assert _error(excinfo) == f"{path} {said}"
+    path = tmp_path / "gt.parquet"  # a user's reward function reads its ground truth as it likes
+    load_task_data(load_config(None, [f"data.train_files={path}", f"data.val_files={path}",
+                                      "algorithm.reward_fn=src/alignrl/examples/length_cost.py:compute_score"]))
+
+
 def test_unknown_format_name(tmp_path: Path) -> None:
     with pytest.raises(DataError) as excinfo:
         load_samples(str(tmp_path / "x.jsonl"), "alpaca")

@@ -22,12 +22,12 @@ from alignrl.algos.trainer import PolicyTrainer
 from alignrl.config import ConfigError, RunConfig, check_world_size, to_yaml
 from alignrl.data import synthetic
 from alignrl.data.collate import encode_prompts
-from alignrl.data.loaders import load_samples
+from alignrl.data.loaders import DataError, load_samples
 from alignrl.data.records import rows_digest
 from alignrl.data.sampler import BatchSampler
 from alignrl.dist.coordinator import Coordinator
 from alignrl.dist.env import DistEnv, barrier, init_distributed, mean_metrics
-from alignrl.rewards.registry import load_reward_fn
+from alignrl.rewards.registry import ground_truth_problem, load_reward_fn
 from alignrl.train.checkpoint import (check_not_past, hold_run_dir, load_trainer_state, resume_point,
                                       save_checkpoint, set_rng_state)
 from alignrl.utils.atomic import atomic_write_text
@@ -48,6 +48,11 @@ def load_task_data(cfg: RunConfig):
     val = (synthetic.generate("test", d.val_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
            if d.val_files == "synthetic" else
            load_samples(d.val_files, d.format, limit=d.val_size, key="data.val_files", **keys))
+    if cfg.algorithm.reward_fn is None:  # a user's function decides what its ground truth looks like
+        for s in (*train, *val):
+            problem = ground_truth_problem(s.data_source, s.ground_truth)
+            if problem:
+                raise DataError(f"{s.source or 'a row'}: {problem}")
     return train, val
 
 

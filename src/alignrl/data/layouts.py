@@ -60,6 +60,8 @@ def chat_messages(loc: str, value: Any, column: str) -> list[dict[str, str]]:
             raise DataError(f"{loc}: {column} message {m!r:.80} lacks role/content "
                             "(each message must be {'role': ..., 'content': ...})")
         messages.append({"role": str(m["role"]), "content": str(m["content"])})
+    if not messages:  # nothing to answer: the chat template refuses it when a step draws the row
+        raise DataError(f"{loc}: {column} is an empty list of chat messages; give every row a prompt, or drop the row")
     return messages
 
 

@@ -94,6 +94,17 @@ REWARDS: dict[str, Callable[[str, Any], float]] = {
 }
 
 
+def ground_truth_problem(data_source: str, ground_truth: Any) -> str | None:
+    """Why the built-in reward of `data_source` cannot read `ground_truth` (None: it can), asked as the data loads:
+    the reward meets it only once a sampled answer reaches it, steps into a run."""
+    if REWARDS.get(data_source) is qa_em.compute_score:
+        try:
+            qa_em.targets(ground_truth)
+        except ValueError as e:
+            return f"{e}; Search-R1's QA rewards read reward_model.ground_truth as {{'target': [...]}}, a list or a string"
+    return None
+
+
 def default_compute_score(
     data_source: str,
     solution_str: str,

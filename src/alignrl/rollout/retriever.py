@@ -34,8 +34,9 @@ class _RetrievalService(ServiceClient):
     TIMEOUT_KEY = "retriever.timeout_s"
 
     def _hint(self) -> str:
-        port = urlparse(self.url).port or 80
-        return f"alignrl serve retrieve --port {port}"
+        port = urlparse(self.url).port or 80  # a mistyped port is likelier than a server never started
+        return (f"`PORT={port} bash retrieval_launch.sh` (or `alignrl serve retrieve --port {port}`), or check "
+                "retriever.url")
 
 
 def passages_text(hits: Sequence) -> str:

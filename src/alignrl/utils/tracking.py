@@ -151,7 +151,8 @@ class Tracker:
         ax.set_xlabel("step")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # a run resumed at its last step has no curve to name
+            ax.legend()
         fig.tight_layout()
         tmp = path.with_name(f".{path.name}.tmp.png")
         fig.savefig(tmp, dpi=100)
