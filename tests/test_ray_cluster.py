@@ -305,6 +305,20 @@ def test_a_users_mistake_inside_ray_is_one_line(cluster, tiny_model_dir, tmp_pat
     assert all_gpus_free()
 
 
+def test_an_unexpected_worker_error_keeps_its_traceback_in_the_run_logs(tmp_path):
+    """`ray job submit` shows the driver's output only: the line pointed at a worker log that was not there."""
+    from types import SimpleNamespace
+
+    from alignrl.cluster.driver import Driver
+    from alignrl.config import load_config
+
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}"])
+    said = Driver.keep_traceback(SimpleNamespace(job=SimpleNamespace(cfg=cfg)), SimpleNamespace(name="actor rank 0"),
+                                 "Traceback (most recent call last):\n  ...\nKeyError: 'x'")
+    path = cfg.log_root / "error-actor_rank_0.txt"
+    assert said == f"its traceback: {path}" and path.read_text().endswith("KeyError: 'x'\n")
+
+
 def test_a_workers_user_error_is_unwrapped_from_rays_nesting():
     """A reward function that raises inside a rollout engine reaches the driver wrapped twice (the engine's task
     error inside the actor rank's), and each wrapper is an instance of the cause's class whose text is the whole

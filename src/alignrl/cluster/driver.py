@@ -363,9 +363,19 @@ class Driver:
             if dead is not None:
                 raise ClusterError(f"{dead.name} died (killed, or out of memory); the run is stopped") from None
             first = (str(cause or e).strip().splitlines() or ["?"])[-1]
-            raise ClusterError(f"{peer.name} failed: {first} (its traceback is in the worker log above)") from None
+            raise ClusterError(f"{peer.name} failed: {first} ({self.keep_traceback(peer, str(e))})") from None
         except ray.exceptions.RayActorError:
             raise ClusterError(f"{peer.name} died (killed, or out of memory); the run is stopped") from None
+
+    def keep_traceback(self, peer: Peer, text: str) -> str:
+        """Where the worker's traceback (inside Ray's error) is kept: a file of the run's logs, as `ray job submit`
+        shows the driver's output only."""
+        path = self.job.cfg.log_root / f"error-{peer.name.replace(' ', '_')}.txt"
+        try:
+            atomic_write_text(path, text + "\n")
+        except OSError:
+            return "its traceback is in Ray's worker logs"
+        return f"its traceback: {path}"
 
     def died_meanwhile(self, pending: dict, grace_s: float = 5.0):
         """The worker (actor rank or other) whose pending call (`pending`: ref -> worker) shows it died by now
