@@ -432,7 +432,7 @@ def test_the_saved_deepspeed_json_holds_the_runs_batch_and_names_what_it_does_no
                                 "train_batch_size": 16, "zero_optimization": {"stage": 3}}))
     cfg = load_config(None, ["data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4",
                              "actor.ppo_micro_batch_size=8", f"trainer.deepspeed_config={user}"])
-    trainer = SimpleNamespace(actor=SimpleNamespace(engine=SimpleNamespace(config={
+    trainer = SimpleNamespace(actor=SimpleNamespace(engine=SimpleNamespace(name="deepspeed", config={
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
         "zero_optimization": {"stage": 3}})))
     save_ds_config(cfg, trainer, tmp_path, DistEnv(world_size=2))

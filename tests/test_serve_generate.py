@@ -315,7 +315,7 @@ def test_missing_vllm_is_one_line(tiny_model_dir, capsys):
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")
-    assert generate.main(["--model", str(tiny_model_dir), "--engine", "vllm"]) == 2
+    assert generate.main(["--model", str(tiny_model_dir), "--engine", "vllm", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["alignrl serve generate: error: vllm is not installed; install it on a GPU machine or use "
                    "--engine hf"]
