@@ -195,6 +195,18 @@ def test_an_unreachable_service_stops_a_run_before_its_model_loads(tmp_path):
     err = out.stderr.strip()
     assert out.returncode == 2 and "\n" not in err and f"reward service at {dead} is not reachable" in err, err
     assert not (tmp_path / "out").exists() and "accuracy" not in out.stdout  # no run folder, no base evaluation
+    # with a checkpoint of the run, the line says where the same command continues once the service answers
+    from alignrl.config import load_config
+    from alignrl.train.checkpoint import write_manifest
+
+    argv = [f"services.reward_url={dead}", "services.wait_s=0", f"trainer.output_dir={tmp_path / 'out'}"]
+    done = load_config(None, argv).checkpoint_root / "global_step_2"
+    done.mkdir(parents=True)
+    torch.save({"step": 2}, done / "trainer_state.pt")
+    write_manifest(done)
+    out = subprocess.run([sys.executable, "-m", "alignrl", "train", "grpo", *argv], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": src_path()})
+    assert out.stderr.strip().endswith(f"; once it answers, the same command continues from {done}"), out.stderr
 
 
 def test_samples_from_weights_this_run_did_not_push_stop_the_run(stub):

@@ -231,6 +231,19 @@ def _interrupted_line(argv: list[str], routed, cfg: RunConfig | None = None, how
     return f"{program()}: {how}; the same command continues from {found}"
 
 
+def _resume_note(e: Exception, cfg: RunConfig | None) -> str:
+    """For a service that stopped answering mid-run (it comes back; the config was fine): where the same command
+    continues from, once the service answers again."""
+    from alignrl.rollout.remote import ServiceError
+
+    if not isinstance(e, ServiceError) or e.status is not None or cfg is None or cfg.trainer.resume_mode != "auto":
+        return ""
+    from alignrl.train.checkpoint import latest_checkpoint
+
+    found, _ = latest_checkpoint(cfg.checkpoint_root)
+    return "" if found is None else f"; once it answers, the same command continues from {found}"
+
+
 def _leave_process_group() -> None:
     """Left to the interpreter's exit, gloo's threads could abort it ("terminate called without an active
     exception") after the run's one line."""
@@ -305,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{program()}: error: {in_flag_words(str(e))}", file=sys.stderr, flush=True)
             code = 2
         else:
-            code = speak_once(f"{program()}: error: {in_flag_words(str(e))}")
+            code = speak_once(f"{program()}: error: {in_flag_words(str(e))}{_resume_note(e, cfg)}")
         _leave_process_group()
         return code
     except KeyboardInterrupt as e:  # a terminal's Ctrl-C reaches every rank of the launch: rank 0 speaks
