@@ -83,6 +83,15 @@ def test_training_worker_names_a_bad_save_steps_data_path_and_model_path(trainer
     assert code == 2 and overrides is None
     assert one_line(err).startswith("training_worker.py: error: --model-path='/nope' is not a Hugging Face model")
 
+def test_a_data_file_whose_rows_cannot_be_read_is_named_before_deepspeed_json_is_written(trainer, capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"foo": 1}\n')
+    code, overrides, err = trainer(["--data-path", bad], capsys)
+    assert code == 2 and overrides is None
+    assert one_line(err).startswith(f"training_worker.py: error: {bad}: cannot tell the data format from columns")
+    assert not (tmp_path / "deepspeed.json").exists()  # it was written before the rows were read
+
+
 def test_the_seeds_three_training_processes_take_a_batch_that_splits_over_them(trainer, capsys):
     """`run_distributed.py --training-gpus "1,2,3"` as the seed writes it: the default 32 prompts a step do not split
     over 3 ranks (each takes whole prompts, in whole micro-batches of 64 sequences), so the trainer takes 24 and says

@@ -31,7 +31,7 @@ from pathlib import Path
 from alignrl.dist.launch import OneLineParser
 from alignrl.dist.seed004_deepspeed import (DS_FILE, Seed004Error, ds_batch_overrides, generated, read_ds_json,
                                             run_batch, untouched)
-from alignrl.errors import FLAGS_ENV, PROGRAM_ENV, in_flag_words
+from alignrl.errors import FLAGS_ENV, PROGRAM_ENV, UserError, in_flag_words
 
 SAVE_STEPS = 1000  # seed 004: "每1000步保存一次" (the final step is always saved)
 # the config keys the trainer's and the sampler's flags set: their errors name the flags (alignrl.errors)
@@ -191,6 +191,10 @@ def prepare_training(a: argparse.Namespace, extra: list[str], write: bool, say=N
                 "evenly over them; --batch-size sets it)")
     check_world_size(cfg, a.nproc)  # what the launch checks too: before deepspeed.json is written for the split
     before_start(cfg, a)
+    if a.data_path or a.eval_data_path:  # their rows, read as the run will: a bad one is named before anything starts
+        from alignrl.algos.runner import load_task_data
+
+        load_task_data(cfg)
     if a.no_deepspeed:
         return training_overrides(a, extra)
     path = Path(DS_FILE)
@@ -264,13 +268,11 @@ def parse_training(argv: list[str] | None, prog: str = "training_worker.py") -> 
 
 def training_main(argv: list[str] | None = None, prog: str = "training_worker.py") -> int:
     a, extra = parse_training(argv, prog)
-    from alignrl.config import ConfigError
-
     os.environ.setdefault(FLAGS_ENV, json.dumps(trainer_flag_names(a, extra)))
     try:  # a mistaken value is named before anything is written (deepspeed.json) or started
         overrides = prepare_training(a, extra, write=True,
                                      say=lambda line: print(f"training_worker: {line}", file=sys.stderr, flush=True))
-    except (ConfigError, Seed004Error) as e:
+    except UserError as e:
         print(f"{prog}: error: {in_flag_words(str(e))}", file=sys.stderr)
         return 2
     # the run's own lines, on every torchrun rank, name the script the user ran (run_distributed.py sets its own)

@@ -8,6 +8,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from alignrl.errors import UserError
+
 DS_FILE = "deepspeed.json"
 DS_BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # a digest of the rest of the file alignrl wrote: until someone edits it, the file is alignrl's to write again for
@@ -15,7 +17,7 @@ DS_BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accu
 MARK = "written_by_alignrl"
 
 
-class Seed004Error(ValueError):
+class Seed004Error(UserError):
     """A mistake in seed 004's flags or deepspeed.json, said in one line before anything starts."""
 
 

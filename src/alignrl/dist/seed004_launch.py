@@ -15,8 +15,8 @@ from alignrl.dist.launch import OneLineParser, wait_interruptible
 from alignrl.dist.lifetime import preexec_die_with_parent
 from alignrl.dist.seed004 import (has_cuda, parse_training, ports_problem, prepare_training, trainer_flag_names,
                                   training_parser)
-from alignrl.dist.seed004_deepspeed import DS_FILE, Seed004Error
-from alignrl.errors import FLAGS_ENV, LAUNCHER_ENV, PROGRAM_ENV, in_flag_words
+from alignrl.dist.seed004_deepspeed import DS_FILE
+from alignrl.errors import FLAGS_ENV, LAUNCHER_ENV, PROGRAM_ENV, UserError, in_flag_words
 
 # the trainer's flags run_distributed.py sets itself (from its own flags): the others are passed on
 LAUNCHER_SETS = ("--gpu-id", "--nproc", "--host", "--data-port", "--sync-port", "--model-path")
@@ -77,12 +77,10 @@ def launcher_main(argv: list[str] | None = None) -> int:
     # the trainer's flags, config and deepspeed.json: a mistake is named now, once, before anything starts
     t, extra = parse_training(rest, "run_distributed.py")
     t.nproc, t.host, t.data_port, t.sync_port, t.model_path = len(gpus), a.host, a.data_port, a.sync_port, a.model_path
-    from alignrl.config import ConfigError
-
     os.environ.setdefault(FLAGS_ENV, json.dumps(trainer_flag_names(t, extra)))  # its errors, and its processes'
     try:
         prepare_training(t, extra, write=False)
-    except (ConfigError, Seed004Error) as e:
+    except UserError as e:
         p.error(in_flag_words(str(e)))
     threads = max(1, (os.cpu_count() or 1) // (len(gpus) + 1))  # processes sharing a machine split its cores
     ports = ["--host", a.host, "--data-port", str(a.data_port), "--sync-port", str(a.sync_port)]
