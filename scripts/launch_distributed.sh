@@ -64,6 +64,8 @@ try:
                 raise ConfigError(c.detail)
 except UserError as e:
     sys.exit(f"launch_distributed.sh: {e}")
+except KeyboardInterrupt:  # the service wait can take a while: Ctrl-C there is one line too
+    sys.exit("launch_distributed.sh: interrupted")
 # what the remote ranks need from this shell, as DeepSpeed's env file (its own ones are read first)
 keep = ("ALIGNRL_", "DS_", "OMP_NUM_THREADS", "NCCL_", "GLOO_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH_")
 lines = []

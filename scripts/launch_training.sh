@@ -34,6 +34,8 @@ try:
     preflight(cfg, int(nproc), reward_fn=True)
 except UserError as e:
     sys.exit(f"launch_training.sh: {e}")
+except KeyboardInterrupt:  # the service wait can take a while: Ctrl-C there is one line too
+    sys.exit("launch_training.sh: interrupted")
 print(nproc, cfg.trainer.master_port)
 PYEOF
 ) || exit 2

@@ -181,7 +181,8 @@ def test_a_service_that_starts_late_is_waited_for(stub, capsys):
         for s in late:
             s.close()
     assert late and late[0].hits >= 1
-    assert f"waiting up to 20 s for the reward service at http://127.0.0.1:{port}" in capsys.readouterr().out
+    said = capsys.readouterr()  # on stderr: the launch scripts read their plan from stdout
+    assert said.out == "" and f"waiting up to 20 s for the reward service at http://127.0.0.1:{port}" in said.err
 
 
 def test_an_unreachable_service_stops_a_run_before_its_model_loads(tmp_path):
@@ -207,6 +208,10 @@ def test_an_unreachable_service_stops_a_run_before_its_model_loads(tmp_path):
     out = subprocess.run([sys.executable, "-m", "alignrl", "train", "grpo", *argv], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "PYTHONPATH": src_path()})
     assert out.stderr.strip().endswith(f"; once it answers, the same command continues from {done}"), out.stderr
+    from alignrl.cli import _resume_note  # a mistake in the settings (swapped URLs) is not an outage: no such note
+
+    assert _resume_note(ServiceError("services.reference_url=... is a generation service"), load_config(None, argv)) \
+        == ""
 
 
 def test_samples_from_weights_this_run_did_not_push_stop_the_run(stub):

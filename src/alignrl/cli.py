@@ -236,11 +236,14 @@ def _resume_note(e: Exception, cfg: RunConfig | None) -> str:
     continues from, once the service answers again."""
     from alignrl.rollout.remote import ServiceError
 
-    if not isinstance(e, ServiceError) or e.status is not None or cfg is None or cfg.trainer.resume_mode != "auto":
+    if not (isinstance(e, ServiceError) and e.down) or cfg is None or cfg.trainer.resume_mode != "auto":
         return ""
     from alignrl.train.checkpoint import latest_checkpoint
 
-    found, _ = latest_checkpoint(cfg.checkpoint_root)
+    try:
+        found, _ = latest_checkpoint(cfg.checkpoint_root)
+    except OSError:  # the error line itself must still be one line
+        return ""
     return "" if found is None else f"; once it answers, the same command continues from {found}"
 
 

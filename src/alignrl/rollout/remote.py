@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from urllib.parse import urlparse
@@ -36,11 +37,15 @@ START = {"generation": "alignrl serve generate --model PATH --port {port}",
 
 
 class ServiceError(UserError):
-    """A service could not answer; `status` is the HTTP status when it answered with an error."""
+    """A service could not answer; `status` is the HTTP status when it answered with an error; `down`: it did not
+    answer at all, or kept failing (it may come back, as opposed to a mistake in the run's settings)."""
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, down: bool = False):
         super().__init__(message)
-        self.status = status
+        self.status, self.down = status, down
+
+    def __reduce__(self):  # rebuilt with its fields where it crosses processes (a Ray worker's error)
+        return ServiceError, (str(self), self.status, self.down)
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -113,9 +118,9 @@ class ServiceClient:
                                    "is another program listening on that port?") from None
         if reachable:
             raise ServiceError(f"{self.kind} service at {self.url} kept failing after {self.retries} tries "
-                               f"({last}); see the service's log")
+                               f"({last}); see the service's log", down=True)
         raise ServiceError(f"{self.kind} service at {self.url} is not reachable after {self.retries} tries "
-                           f"({last}): start it with {self._hint()}")
+                           f"({last}): start it with {self._hint()}", down=True)
 
     def request(self, method: str, path: str, **kw) -> dict:
         def send() -> tuple[int, str]:
@@ -185,11 +190,11 @@ def check_services(cfg: RunConfig, log=print, wait_s: float | None = None) -> No
                     client.check(f"services.{kind}_url")
                     break
                 except ServiceError as e:
-                    if e.status is not None or "not reachable" not in str(e) or time.monotonic() >= deadline:
+                    if not e.down or "not reachable" not in str(e) or time.monotonic() >= deadline:
                         raise
-                    if not said and os.environ.get("RANK", "0") == "0":
+                    if not said and os.environ.get("RANK", "0") == "0":  # stderr: launch scripts read stdout
                         log(f"waiting up to {wait:g} s for the {kind} service at {url} (services.wait_s)",
-                            flush=True)
+                            file=sys.stderr, flush=True)
                         said = True
                     time.sleep(1.0)
         finally:
