@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hmac
 import os
+import signal
 import socket
 import sys
 
@@ -261,10 +262,16 @@ def serve(app: FastAPI, sock: socket.socket, ready: str, *, stdout: bool = False
     import uvicorn
 
     class Server(uvicorn.Server):
+        interrupted = False
+
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
             if self.started:
                 print(ready, file=sys.stdout if stdout else sys.stderr, flush=True)
+
+        def handle_exit(self, sig, frame) -> None:
+            self.interrupted = self.interrupted or sig == signal.SIGINT
+            super().handle_exit(sig, frame)
 
     server = Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30))
     try:
@@ -273,6 +280,8 @@ def serve(app: FastAPI, sock: socket.socket, ready: str, *, stdout: bool = False
         raise PortError(f"cannot listen on {address(sock)} ({e.strerror or e}); pick another --port") from None
     finally:
         sock.close()
+    if server.interrupted:  # after the graceful stop uvicorn re-raises Ctrl-C, which asyncio's runner may swallow
+        raise KeyboardInterrupt
     return 0
 
 
