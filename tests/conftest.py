@@ -33,6 +33,26 @@ def run_group(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProce
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
+def signal_after(cmd: list[str], marker: str, sig: int, stream: str = "stderr", timeout: float = 60,
+                 **kw) -> tuple[int, str, str]:
+    """Starts `cmd` in a session of its own, sends it `sig` once a line of `stream` holds `marker` (or the stream
+    ends), and returns (exit code, the rest of stdout, the rest of stderr); the whole group is killed if it
+    outlives `timeout` after the signal."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         **kw)
+    try:
+        for line in getattr(p, stream):
+            if marker in line:
+                break
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+    return p.returncode, out, err
+
+
 @pytest.fixture(autouse=True)
 def program_names_stay_in_their_test(monkeypatch):
     """The seed scripts' mains set the program name and flag names for the processes they start; called in-process

@@ -23,7 +23,7 @@ from alignrl.cluster import flags as F  # noqa: E402
 from alignrl.cluster.plan import engine_slot, release, requests, reserve, slots  # noqa: E402
 from alignrl.cluster.train_ppo_ray import main  # noqa: E402
 from alignrl.config import load_config  # noqa: E402
-from conftest import src_path
+from conftest import signal_after, src_path
 from raycluster import SEED_001, all_gpus_free, gpus_free_become, metric_rows, reward_model, seed_001_data, tiny
 
 def test_seed_001_placement_from_rays_tables(cluster):
@@ -404,20 +404,10 @@ def test_sigterm_of_the_driver_stops_the_run_as_ctrl_c(cluster, tiny_model_dir, 
     """kill (and `ray job stop`, which sends SIGTERM): the workers are released and one line says how to continue;
     Ray's own handler dumped a stack trace and aborted (exit 134)."""
     env = {**os.environ, "PYTHONPATH": src_path(), "RAY_ADDRESS": cluster.address, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "alignrl", "train", "ppo-ray",
-                          *tiny(tiny_model_dir, tmp_path / "term", 500, "--init_kl_coef", "0",
-                                "--actor_num_gpus_per_node", "1")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    try:
-        for line in p.stdout:
-            if "step 1 " in line:
-                break
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
+    code, _, err = signal_after([sys.executable, "-m", "alignrl", "train", "ppo-ray",
+                                 *tiny(tiny_model_dir, tmp_path / "term", 500, "--init_kl_coef", "0",
+                                       "--actor_num_gpus_per_node", "1")], "step 1 ", signal.SIGTERM, "stdout",
+                                env=env)
     said = [x for x in err.splitlines() if x.startswith("alignrl train ppo-ray:")]
-    assert p.returncode == 130 and "SIGTERM received" not in err, err[-2000:]
+    assert code == 130 and "SIGTERM received" not in err, err[-2000:]
     assert len(said) == 1 and "interrupted; the same command with --load_checkpoint continues" in said[0], err[-2000:]

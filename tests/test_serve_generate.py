@@ -354,23 +354,13 @@ def test_seed_launchers_refuse_open_host_without_key(script):
 def test_seed_launchers_say_ctrl_c_and_errors_in_one_line_in_their_own_names(tiny_model_dir):
     """Ctrl-C on launch_ref_model.py printed a 30-line asyncio traceback (the shim called the server directly), and
     a bad --model_path was said as model.path."""
-    import os
     import signal
 
-    p = subprocess.Popen([sys.executable, str(SRC / "launch_ref_model.py"), "--model_path", str(tiny_model_dir),
-                          "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and "listening" not in p.stderr.readline():
-            pass
-        p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=30)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    assert p.returncode == 130 and err.strip() == "launch_ref_model.py: interrupted", err
+    from conftest import signal_after
+
+    code, _, err = signal_after([sys.executable, str(SRC / "launch_ref_model.py"), "--model_path",
+                                 str(tiny_model_dir), "--port", "0"], "listening", signal.SIGINT, timeout=30)
+    assert code == 130 and err.strip() == "launch_ref_model.py: interrupted", err
     bad = subprocess.run([sys.executable, str(SRC / "launch_vllm.py"), "--model_path", "/nonexistent/x", "--port", "0",
                           "--engine", "hf"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
