@@ -112,31 +112,46 @@ def test_a_request_parked_too_long_is_answered_wait(served, monkeypatch):
         assert 0.15 <= time.monotonic() - t0 < 1.0  # the serve loop re-checks parked requests at least every 0.2 s
 
 
-def test_cores_go_to_the_side_that_works(served):
+def test_cores_go_to_the_side_that_works(served, monkeypatch):
     """pipeline.lend_cores on policy: each lease lends a sampler on this host the trainer's threads; while that
-    sampler's next request is parked, its thread is the training thread's; a sampler elsewhere is lent none."""
+    sampler's next request is parked, its thread is the training thread's; a sampler elsewhere is lent none.
+    Each step waits for the state it needs (parked, re-counted) instead of racing timers against PARK_S."""
     from alignrl.dist.cores import CoreLedger, ThreadLoan
     from alignrl.dist.shared_weights import host_id
 
+    monkeypatch.setattr(coord_mod, "PARK_S", 60.0)  # parked until the publish below, however slow the machine
     served.cores = CoreLedger(ThreadLoan(own=1, cores=2), host_id(), lend_to_samplers=True)
     here = {"sampler_id": "s", "incarnation": "i", "version": 0, "threads": 1,
             "can_map": {"shared": False, "host": host_id(), "cuda": []}}
     with Requester(served.replier.addr) as req:
         lease = req.request("work", here, timeout_s=5)
         assert lease.kind == "lease" and lease.meta["threads"] == 1
-        time.sleep(0.3)
+        wait_until(lambda: served.cores.loan.want == 1, "the sampler's thread counted as generating")
         assert served.cores.loan.want == 1  # the sampler generates
         with served.lock:
             served.dispatcher.take(lease.meta["lease"])  # its batch is in training
-        threading.Timer(0.6, lambda: publish(served, 1)).start()
-        t0, want = time.monotonic(), []
-        threading.Timer(0.4, lambda: want.append(served.cores.loan.want)).start()
-        assert req.request("work", here, timeout_s=5).kind == "weights" and time.monotonic() - t0 >= 0.5
+        replies, want = [], []
+        asking = threading.Thread(target=lambda: replies.append(req.request("work", here, timeout_s=30)))
+        asking.start()
+        wait_until(lambda: served.parked and served.cores.loan.want == 2, "the request parked, its core lent back")
+        want.append(served.cores.loan.want)
+        assert not replies  # still parked: nothing answers it before the publish
+        publish(served, 1)
+        asking.join(30)
+        assert replies and replies[0].kind == "weights"
         assert want == [2]  # parked until the publish: the training thread had its core
-        time.sleep(0.3)  # the serve loop has re-counted: answered with weights, the sampler loads them, busy
+        # the serve loop re-counts: answered with weights, the sampler loads them, busy
+        wait_until(lambda: served.cores.loan.want == 1, "the sampler's thread counted as busy again")
         assert served.cores.loan.want == 1
         far = {**here, "sampler_id": "far", "version": 1, "can_map": {**here["can_map"], "host": "elsewhere/x"}}
         assert req.request("work", far, timeout_s=5).meta["threads"] == 0
+
+
+def wait_until(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not seen within {timeout:g} s: {what}"
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("finished", [True, False])

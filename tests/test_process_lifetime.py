@@ -130,8 +130,11 @@ def env_for(tmp_path: Path) -> dict:
 def rank_pids(procs: Procs, out: Path, stage: str, n: int, timeout: float = 90) -> list[int]:
     def got():
         files = [out / f"{stage}{r}" for r in range(n)]
-        for f in out.glob("started*"):  # every rank that started is stopped at the end
-            procs.pids.add(int(f.read_text()))
+        # every rank that started is stopped at the end; only finished names (started0, never the started0.tmp
+        # being renamed into place, which may be gone by the time it is read)
+        for f in out.glob("started*"):
+            if f.name[len("started"):].isdigit():
+                procs.pids.add(int(f.read_text()))
         return all(f.is_file() for f in files) and [int(f.read_text()) for f in files]
 
     return wait_for(got, timeout, f"{n} rank(s) {stage}")
