@@ -2,11 +2,11 @@
 [--sync-port 5556]`: this process binds the two ports as the trainer does and starts a second one that connects as
 the sampler does; a scored batch (with reference log-probs) and the weights make the round trip between them. Prints
 one sample, latency and throughput; exit 1 if a port is taken, nothing answers or anything arrives different.
-Lives in `alignrl.dist.seed004_comm`."""
+Lives in `alignrl.compat.zmq_comm_test`."""
 
 import sys
 
-from alignrl.dist.seed004_comm import comm_test_main
+from alignrl.compat.zmq_comm_test import comm_test_main
 
 if __name__ == "__main__":
     sys.exit(comm_test_main())

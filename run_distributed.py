@@ -1,9 +1,9 @@
 """Seed 004's launcher: `python run_distributed.py --sampling-gpu 0 --training-gpus "1,2,3"` (one sampler,
-a trainer over the listed devices). Everything lives in `alignrl.dist.seed004_launch`."""
+a trainer over the listed devices). Everything lives in `alignrl.compat.zmq_launcher`."""
 
 import sys
 
-from alignrl.dist.seed004_launch import launcher_main
+from alignrl.compat.zmq_launcher import launcher_main
 
 if __name__ == "__main__":
     sys.exit(launcher_main())

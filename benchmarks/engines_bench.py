@@ -27,7 +27,7 @@ def worker(args) -> None:
     from transformers import AutoModelForCausalLM
 
     from alignrl.data.records import Experience
-    from alignrl.dist.env import init_distributed, shard, shutdown
+    from alignrl.runtime.env import init_distributed, shard, shutdown
     from alignrl.train.actor import Actor, PolicyLossSpec
     from alignrl.train.engines import OptimSpec, build_engine
 
@@ -61,7 +61,7 @@ def drive(args) -> None:
         from alignrl.models.tiny import ensure_demo_model
 
         model = str(ensure_demo_model())
-    from alignrl.dist.launch import free_port
+    from alignrl.runtime.launch import free_port
 
     results = []
     for strategy, stage, nproc in CASES:

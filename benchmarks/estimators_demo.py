@@ -30,7 +30,7 @@ ESTIMATORS = {
 
 
 def run(name: str, keys: list[str], out: Path, extra: list[str]) -> dict:
-    from alignrl.algos.runner import train_grpo
+    from alignrl.rl.runner import train_grpo
     from alignrl.config import load_config
 
     slug = "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")

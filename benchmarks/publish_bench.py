@@ -2,7 +2,7 @@
 
 `publish_bench(named, repeats)` times a `WeightsEncoder` call (the snapshot the trainer keeps while it goes
 on training; one encoder publishes again and again, as the trainer's does) + sending its frames over a
-ZeroMQ PUSH/PULL pair on 127.0.0.1 + receiving them + `alignrl.dist.wire.decode`, against one blob of the
+ZeroMQ PUSH/PULL pair on 127.0.0.1 + receiving them + `alignrl.wire.frames.decode`, against one blob of the
 same size sent with copy=True and received; and the same-host path (`shared`: the weights copied into a
 shared-memory set, its handles sent, mapped and viewed by name).
 """
@@ -44,8 +44,8 @@ def publish_bench(named: list, repeats: int) -> dict:
     import torch
     import zmq
 
-    from alignrl.dist.weights_wire import WeightsEncoder
-    from alignrl.dist.wire import decode
+    from alignrl.wire.weight_buckets import WeightsEncoder
+    from alignrl.wire.frames import decode
 
     torch.set_num_threads(1)
     n_params = len(named)
@@ -113,7 +113,7 @@ def publish_bench(named: list, repeats: int) -> dict:
 
         import threading
 
-        from alignrl.dist.shared_weights import SharedPublisher, SharedReader
+        from alignrl.wire.shared_weights import SharedPublisher, SharedReader
 
         shared_pub, reader = SharedPublisher(32 << 20, "", threading.Lock()), SharedReader()
 

@@ -77,7 +77,7 @@ def raw_loopback(nbytes: int) -> float:
 def weight_sync(folder: Path, label: str, repeats: int = 3) -> None:
     from alignrl.models.loader import load_model
     from alignrl.rollout.remote import RemoteRolloutEngine
-    from alignrl.serve.weights import encode
+    from alignrl.wire.http_weights import encode
 
     model, tok = load_model(str(folder), log=lambda *a: None)
     named = list(model.named_parameters())

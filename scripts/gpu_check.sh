@@ -36,7 +36,7 @@ timeout 200 "$PY" benchmarks/async_vs_sync.py --rounds 1 --steps "${STEPS:-12}" 
 
 echo "== 3. run_distributed.py --sampling-gpu 0 --training-gpus 0 (DeepSpeed ZeRO-2)"
 out=$(mktemp -d)
-ports=$("$PY" -c "from alignrl.dist.launch import free_ports; print(*free_ports(2))")
+ports=$("$PY" -c "from alignrl.runtime.launch import free_ports; print(*free_ports(2))")
 set -- $ports
 timeout 120 "$PY" run_distributed.py --sampling-gpu 0 --training-gpus 0 --data-port "$1" --sync-port "$2" \
     --max-steps 4 --save-steps 2 --output-dir "$out" 2>&1 | tee "$LOGS/seed004.log"

@@ -83,11 +83,11 @@ PYEOF
 read -r MASTER PORT NNODES NPROC HOSTS HOSTFILE_ABS <<< "$PLAN"
 
 if [[ -n "${NODE_RANK:-}" ]]; then
-  # fallback: this node's ranks only, with torchrun's agent from alignrl.dist.launch (a failed rank's own
+  # fallback: this node's ranks only, with torchrun's agent from alignrl.runtime.launch (a failed rank's own
   # message, without torchrun's report block)
   echo "nodes=$NNODES node_rank=$NODE_RANK procs_per_node=$NPROC master=$MASTER:$PORT config=$CONFIG launcher=torchrun"
   rm -f "$ENVFILE"
-  exec "$PY" -m alignrl.dist.launch --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC" \
+  exec "$PY" -m alignrl.runtime.launch --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC" \
     --master_addr="$MASTER" --master_port="$PORT" src/train_grpo.py --config "$CONFIG" "$@"
 fi
 

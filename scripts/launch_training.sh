@@ -44,5 +44,5 @@ echo "single node: procs=$NPROC config=$CONFIG"
 if [[ "$NPROC" == 1 ]]; then
   exec "$PY" src/train_grpo.py --config "$CONFIG" "$@"
 fi
-exec "$PY" -m alignrl.dist.launch --nnodes=1 --nproc_per_node="$NPROC" --master_addr=127.0.0.1 \
+exec "$PY" -m alignrl.runtime.launch --nnodes=1 --nproc_per_node="$NPROC" --master_addr=127.0.0.1 \
   --master_port="$PORT" src/train_grpo.py --config "$CONFIG" "$@"

@@ -2,7 +2,7 @@
 
     python src/launch_vllm.py --model_path PATH --port 8000 --tensor_parallel_size 8 [--host H] [--engine E]
 
-A thin shim over `alignrl serve generate` (alignrl.dist.seed000): vLLM when it is installed (or `--engine vllm`), else the
+A thin shim over `alignrl serve generate` (alignrl.compat.deepspeed_launcher): vLLM when it is installed (or `--engine vllm`), else the
 embedded HF engine, said on stderr. Like every alignrl service it binds 127.0.0.1 unless told
 otherwise; to be reached from the training nodes (`curl http://gpu004:8000/health`), pass
 `--host 0.0.0.0` and set ALIGNRL_API_KEY (the trainer sends it when pushing weights). Any further
@@ -11,7 +11,7 @@ flags (`--max_batch`, `--dtype`, ...) are passed through.
 
 import sys
 
-from alignrl.dist.seed000 import launch_vllm_main
+from alignrl.compat.deepspeed_launcher import launch_vllm_main
 
 if __name__ == "__main__":
     sys.exit(launch_vllm_main())

@@ -6,13 +6,13 @@ config/accelerate_config.yaml src/train_grpo.py`), so `ps aux | grep train_grpo.
 
     python src/train_grpo.py [--config FILE] [key.sub=value ...]
 
-Default config: config/nodes.yaml of this checkout. A shim over alignrl.dist.seed000 (train_main).
+Default config: config/nodes.yaml of this checkout. A shim over alignrl.compat.deepspeed_launcher (train_main).
 """
 
 import sys
 from pathlib import Path
 
-from alignrl.dist.seed000 import train_main
+from alignrl.compat.deepspeed_launcher import train_main
 
 if __name__ == "__main__":
     sys.exit(train_main(Path(__file__).resolve().parents[1] / "config" / "nodes.yaml"))

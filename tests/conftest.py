@@ -214,7 +214,7 @@ def http_servers():
 def pytest_sessionfinish(session, exitstatus):
     """Tests kill whole process groups (a trainer with its resource tracker): their shared-memory segments would stay
     in /dev/shm until the next trainer on this machine sweeps them."""
-    from alignrl.dist import shm_segments
+    from alignrl.wire import shm_segments
 
     shm_segments.sweep()
 
@@ -230,7 +230,8 @@ def trainer(tmp_path, monkeypatch):
     """training_worker.py's main in `tmp_path`, with the launch replaced: (exit code, the trainer's overrides or
     None when nothing was launched, stderr)."""
     from alignrl import cli
-    from alignrl.dist import launch, seed004
+    from alignrl.runtime import launch
+    from alignrl.compat import zmq_pipeline as seed004
 
     monkeypatch.chdir(tmp_path)
     # training_main sets them; restored after the test

@@ -10,7 +10,7 @@ from alignrl.data.collate import encode_prompts
 from alignrl.data.records import Experience
 from alignrl.models.logprobs import Layout, response_logprobs
 from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
-from alignrl.dist.env import SINGLE
+from alignrl.runtime.env import SINGLE
 from alignrl.train.actor import Actor, PolicyLossSpec
 from alignrl.train.engines import OptimSpec, build_engine
 
@@ -71,7 +71,7 @@ def _shared_batch(vocab: int, resp_len: int = 7):
 
 
 def test_shared_prompt_forward_matches_one_pass(tiny_model):
-    from alignrl.algos.producer import batched_logprobs
+    from alignrl.rl.producer import batched_logprobs
 
     model, _ = tiny_model
     model = copy.deepcopy(model).train()

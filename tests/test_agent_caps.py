@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-import alignrl.algos.producer as producer_mod
-import alignrl.algos.trainer as trainer_mod
-from alignrl.algos.placement import build_rewards, with_tools
-from alignrl.algos.runner import train_grpo
-from alignrl.algos.trainer import policy_loss_spec
+import alignrl.rl.producer as producer_mod
+import alignrl.rl.trainer as trainer_mod
+from alignrl.placements.build import build_rewards, with_tools
+from alignrl.rl.runner import train_grpo
+from alignrl.rl.trainer import policy_loss_spec
 from alignrl.config import ConfigError, load_config
 from alignrl.config.checks import response_cap
 from alignrl.data.collate import left_pad, right_pad

@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignrl.algos.runner import train_grpo
+from alignrl.rl.runner import train_grpo
 from alignrl.config import load_config
 from alignrl.data.loaders import DataError
-from alignrl.dist.env import SINGLE
+from alignrl.runtime.env import SINGLE
 from alignrl.train.checkpoint import (MANIFEST, TRACKER, CheckpointError, load_trainer_state, manifest_problem,
                                       resume_point, save_checkpoint, write_manifest)
 from conftest import src_path
@@ -177,7 +177,7 @@ def test_a_rank_that_does_not_see_rank_0s_folder_stops_the_save_in_one_line(engi
     """Ranks of another node with a node-local output folder: rank 0's temporary folder is not there, which
     failed with FileNotFoundError on those ranks while the others waited. Seen from such a rank (rank 1 of a
     world whose collectives are this process's own): one line, nothing written."""
-    from alignrl.dist.env import DistEnv
+    from alignrl.runtime.env import DistEnv
 
     eng, tok = engine
     root = tmp_path / "node-local" / "checkpoints"
@@ -204,7 +204,7 @@ def test_non_finite_weights_are_never_written(engine, tmp_path):
 
 
 def test_preference_save_is_complete_keeps_the_old_folder_and_refuses_nan(tiny_model, tmp_path):
-    from alignrl.algos.preference_common import save_hf_folder
+    from alignrl.preference.common import save_hf_folder
 
     model, tok = tiny_model
     out = tmp_path / "models" / "aligned"
@@ -316,7 +316,7 @@ def save_checkpoint(root, step, engines, *a, **k):
         with torch.no_grad():
             next(engines["model"].model.parameters()).fill_(float("nan"))
     return real(root, step, engines, *a, **k)
-import alignrl.algos.runner as runner
+import alignrl.rl.runner as runner
 runner.save_checkpoint = save_checkpoint
 from alignrl.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -372,7 +372,7 @@ def test_a_run_that_fails_lets_the_folder_go_while_its_process_lives_on(tiny_mod
     import subprocess
     import sys
 
-    from alignrl.algos.runner import train_grpo
+    from alignrl.rl.runner import train_grpo
     from alignrl.config import load_config
     from alignrl.data.loaders import DataError
     from conftest import src_path

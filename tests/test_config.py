@@ -211,9 +211,9 @@ def test_a_command_with_its_own_flags_is_found_after_the_flags():
     from alignrl.cli import _passthrough
 
     assert _passthrough(["train", "--config", "x.yaml", "dpo", "beta=0.2"]) == (
-        "alignrl.algos.preference_cli:dpo_main", ["--config", "x.yaml", "beta=0.2"])
+        "alignrl.preference.cli:dpo_main", ["--config", "x.yaml", "beta=0.2"])
     assert _passthrough(["train", "--nproc", "2", "a.b=1", "rm", "--task", "harmless"]) == (
-        "alignrl.algos.preference_cli:rm_main", ["--nproc", "2", "a.b=1", "--task", "harmless"])
+        "alignrl.preference.cli:rm_main", ["--nproc", "2", "a.b=1", "--task", "harmless"])
     assert _passthrough(["demo", "trainer.seed=1", "search"])[0] == "alignrl.demos.search"
     assert _passthrough(["train", "--config", "dpo", "grpo"]) is None  # a file named dpo is the config's value
     assert _passthrough(["train", "grpo", "trainer.experiment_name=dpo"]) is None
@@ -263,8 +263,8 @@ def test_readme_reference_is_current():
 
 
 def test_verls_strategy_shards_over_several_ranks_only():
-    from alignrl.algos.placement import resolve_strategy
-    from alignrl.dist.env import DistEnv
+    from alignrl.placements.build import resolve_strategy
+    from alignrl.runtime.env import DistEnv
 
     lr = "actor_rollout_ref.actor.optim.lr=1e-6"
     for extra in ([], ["actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp"]):

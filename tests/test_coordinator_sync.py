@@ -11,15 +11,15 @@ import torch
 
 from alignrl.config import load_config
 from alignrl.data.sampler import BatchSampler
-from alignrl.dist import coordinator as coord_mod
-from alignrl.dist.coordinator import Coordinator
-from alignrl.dist.ref_share import RefShare
-from alignrl.dist.board import WeightBoard
-from alignrl.dist.dispatch import Dispatcher
-from alignrl.dist.env import SINGLE
-from alignrl.dist import zmq_link
-from alignrl.dist.coordinator import process_of
-from alignrl.dist.zmq_link import Replier
+from alignrl.placements.zmq import coordinator as coord_mod
+from alignrl.placements.zmq.coordinator import Coordinator
+from alignrl.placements.zmq.ref_share import RefShare
+from alignrl.placements.zmq.weight_publisher import WeightBoard
+from alignrl.placements.zmq.leases import Dispatcher
+from alignrl.runtime.env import SINGLE
+from alignrl.wire import zmq_link
+from alignrl.placements.zmq.coordinator import process_of
+from alignrl.wire.zmq_link import Replier
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]  # answered within 0.1 s of the publish
 
@@ -116,8 +116,8 @@ def test_cores_go_to_the_side_that_works(served, monkeypatch):
     """pipeline.lend_cores on policy: each lease lends a sampler on this host the trainer's threads; while that
     sampler's next request is parked, its thread is the training thread's; a sampler elsewhere is lent none.
     Each step waits for the state it needs (parked, re-counted) instead of racing timers against PARK_S."""
-    from alignrl.dist.cores import CoreLedger, ThreadLoan
-    from alignrl.dist.shared_weights import host_id
+    from alignrl.placements.zmq.thread_lending import CoreLedger, ThreadLoan
+    from alignrl.wire.shared_weights import host_id
 
     monkeypatch.setattr(coord_mod, "PARK_S", 60.0)  # parked until the publish below, however slow the machine
     served.cores = CoreLedger(ThreadLoan(own=1, cores=2), host_id(), lend_to_samplers=True)
@@ -158,7 +158,7 @@ def wait_until(cond, what: str, timeout: float = 30.0) -> None:
 def test_only_a_finished_run_tells_samplers_it_is_over(served, finished):
     """close(finished=True) answers samplers "done" for a few seconds, and they exit; a run that stopped early
     (an error, Ctrl-C) answers nothing, so that they wait for the restarted trainer as after a kill -9."""
-    from alignrl.dist.zmq_link import PeerTimeout
+    from alignrl.wire.zmq_link import PeerTimeout
 
     served.say_done = finished
     served.stop.set()
@@ -177,7 +177,7 @@ def test_only_a_finished_run_tells_samplers_it_is_over(served, finished):
 def test_weights_go_shared_to_a_sampler_that_can_map_them_and_as_frames_to_others(served):
     """On the trainer's host a sampler gets handles to the shared set (no tensor frames) and reads the same
     weights through them; one that says it cannot map them, or runs elsewhere, gets the frames."""
-    from alignrl.dist.shared_weights import SHARED_KIND, SharedReader, host_id
+    from alignrl.wire.shared_weights import SHARED_KIND, SharedReader, host_id
 
     here = {"shared": True, "host": host_id(), "cuda": []}
     reader = SharedReader()
@@ -210,7 +210,7 @@ def test_weights_go_shared_to_a_sampler_that_can_map_them_and_as_frames_to_other
 def test_two_samplers_given_one_name_keep_their_own_hold_on_a_shared_set(served):
     """Holds belong to a sampler process, not to its --sampler-id: a second process named the same asking
     again must not free the set the first one is still copying from."""
-    from alignrl.dist.shared_weights import SharedReader, host_id
+    from alignrl.wire.shared_weights import SharedReader, host_id
 
     here = {"shared": True, "host": host_id(), "cuda": []}
     reader = SharedReader()
@@ -251,9 +251,9 @@ def test_a_sampler_that_cannot_map_is_refused_when_sharing_is_required():
 
 
 def test_a_trainer_that_cannot_share_sends_frames_under_auto_and_stops_in_one_line_under_shared(monkeypatch):
-    from alignrl.dist import shared_weights as sw
-    from alignrl.dist.shared_weights import SharedUnavailable, host_id
-    from alignrl.dist.wire import decode
+    from alignrl.wire import shared_weights as sw
+    from alignrl.wire.shared_weights import SharedUnavailable, host_id
+    from alignrl.wire.frames import decode
 
     def full(fd, offset, length):
         raise OSError(28, "No space left on device")
@@ -342,9 +342,9 @@ def test_a_batch_that_does_not_answer_its_lease_is_skipped_and_its_rows_are_made
     its lease's rows go back in the queue; the batch that answers the re-issued lease is trained."""
     import dataclasses
 
-    from alignrl.dist.coordinator import PipelineError
-    from alignrl.dist.records_wire import KIND, to_wire
-    from alignrl.dist.zmq_link import Puller, Pusher
+    from alignrl.placements.zmq.coordinator import PipelineError
+    from alignrl.wire.records import KIND, to_wire
+    from alignrl.wire.zmq_link import Puller, Pusher
 
     tok = SimpleNamespace(pad_token_id=0, decode=lambda ids: "p", batch_decode=lambda t, **_: ["r"] * len(t))
     n = served.cfg.rollout.n
@@ -380,7 +380,7 @@ def test_a_batch_that_does_not_answer_its_lease_is_skipped_and_its_rows_are_made
 def test_a_samplers_heartbeat_hears_that_the_run_is_over(served):
     """A sampler generating when the run ends learns it from its heartbeat (answered "ok" until then), within the
     few seconds a finished trainer keeps answering, and drops its batch instead of waiting --peer-timeout."""
-    from alignrl.dist.sampler import BEAT_S, Heartbeat
+    from alignrl.placements.zmq.sampler import BEAT_S, Heartbeat
 
     beat = Heartbeat(served.replier.addr, "", {"sampler_id": "s", "proc": "p"})
     try:

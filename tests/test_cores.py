@@ -5,8 +5,8 @@ layer forward and backward; a sampler generates with the threads a lease lends i
 import pytest
 import torch
 
-from alignrl.dist import cores
-from alignrl.dist.cores import CoreLedger, ThreadLoan, borrowed, local_threads
+from alignrl.placements.zmq import thread_lending as cores
+from alignrl.placements.zmq.thread_lending import CoreLedger, ThreadLoan, borrowed, local_threads
 
 HERE = "host-a/boot"
 

@@ -9,7 +9,7 @@ from alignrl.data.collate import encode_prompts
 from alignrl.data.records import Experience
 from alignrl.models.value import load_value_model, response_values
 from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
-from alignrl.dist.env import SINGLE
+from alignrl.runtime.env import SINGLE
 from alignrl.train.critic import Critic
 from alignrl.train.engines import OptimSpec, build_engine
 
@@ -101,7 +101,7 @@ def test_a_critic_rank_keeps_the_reward_and_cost_critics_rounds_apart():
     the reward critic's metrics as the cost critic's and B waited in vain."""
     import threading
 
-    from alignrl.cluster.critic import CriticRank
+    from alignrl.placements.ray.critic import CriticRank
     from alignrl.config import RunConfig, to_yaml
 
     class Recording:

@@ -4,7 +4,7 @@ masking, rollout importance sampling and their config checks."""
 import pytest
 import torch
 
-from alignrl.algos.rollout_ops import concat_rollouts, mixed_reward_groups, select_groups
+from alignrl.rl.rollout_ops import concat_rollouts, mixed_reward_groups, select_groups
 from alignrl.config import load_config
 from alignrl.core.shaping import overlong_penalty
 from alignrl.data.records import Experience, Rollout
@@ -165,7 +165,7 @@ class Recorder:
 def _step(tiny_model_dir, extra, rewards=None):
     """The in-process producer and trainer on the tiny model; `rewards` (a list) replaces the reward
     function by those values in call order, so the test decides which groups are mixed."""
-    from alignrl.algos.placement import place
+    from alignrl.placements.build import place
 
     step = Harness(place(load_config(None, STEP + [f"model.path={tiny_model_dir}"] + extra), str(tiny_model_dir)))
     if rewards is not None:

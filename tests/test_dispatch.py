@@ -1,10 +1,10 @@
-"""The dispatcher of the ZeroMQ trainer (alignrl.dist.dispatch): leases of prompt rows, their expiry, release
+"""The dispatcher of the ZeroMQ trainer (alignrl.placements.zmq.leases): leases of prompt rows, their expiry, release
 and requeue, and what a checkpoint keeps of them."""
 
 import pytest
 
 from alignrl.data.sampler import BatchSampler
-from alignrl.dist.dispatch import Dispatcher
+from alignrl.placements.zmq.leases import Dispatcher
 
 
 def test_a_checkpoint_whose_leases_hold_another_batch_size_is_one_line():

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_group, src_path
-from alignrl.dist.env import SINGLE
-from alignrl.dist.launch import free_port
+from alignrl.runtime.env import SINGLE
+from alignrl.runtime.launch import free_port
 from alignrl.models.logprobs import Layout
 from alignrl.train.engines import OptimSpec, build_engine
 
@@ -236,7 +236,7 @@ def test_the_logged_learning_rate_is_the_one_each_step_took():
 def test_the_ray_engines_shares_merge_into_the_whole_batchs_metrics():
     """Ray's rollout engines each make a share: the merged metrics are the whole batch's (they were the shares'
     unweighted means: a fractional response/length_max, the mean of the shares' reward spreads)."""
-    from alignrl.algos.producer import merged_metrics
+    from alignrl.rl.producer import merged_metrics
 
     a, b = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 1.0])
     parts = [({"reward/mean": float(a.mean()), "reward/std": float(a.std()), "response/length_max": 5.0,
@@ -253,7 +253,7 @@ def test_deepspeeds_deprecated_collective_warnings_are_quiet(monkeypatch):
     (4 lines in a 2-step run); other FutureWarnings still show."""
     import warnings
 
-    from alignrl.dist.env import quiet_deepspeed
+    from alignrl.runtime.env import quiet_deepspeed
 
     monkeypatch.setenv("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", ""))  # quiet_deepspeed may set it
     monkeypatch.delenv("DS_ACCELERATOR")

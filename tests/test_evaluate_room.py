@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from alignrl.algos.evaluate import format_room, greedy_eval, room
+from alignrl.rl.evaluate import format_room, greedy_eval, room
 from alignrl.data.records import Sample
 from alignrl.rewards.registry import load_reward_fn
 

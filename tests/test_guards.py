@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignrl.algos.scoring import RewardStage
-from alignrl.algos.trainer import PolicyTrainer, TrainingDiverged
+from alignrl.rl.scoring import RewardStage
+from alignrl.rl.trainer import PolicyTrainer, TrainingDiverged
 from alignrl.config import load_config
 from alignrl.core.advantages import grpo_advantages
 from alignrl.data import synthetic
 from alignrl.data.collate import encode_prompts
 from alignrl.data.records import Experience, Sample, ScoredBatch, Scores
-from alignrl.dist.env import SINGLE
+from alignrl.runtime.env import SINGLE
 from alignrl.rewards.registry import ScoreError, finite_score, load_reward_fn, make_reward
 from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
 from alignrl.train.actor import Actor, PolicyLossSpec, policy_loss
@@ -205,7 +205,7 @@ DS_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {workers!r})
 import engine_worker
-from alignrl.dist.env import SINGLE
+from alignrl.runtime.env import SINGLE
 
 for stage in (0, 2):  # 0: a plain torch optimizer, checked by us; 2: ZeRO's own check
     engine, exp = engine_worker.make_engine(engine_worker.EngineArgs("deepspeed", stage), SINGLE, {model!r})
@@ -331,7 +331,7 @@ def test_cuda_asked_for_without_a_gpu_is_one_line(tiny_model_dir, tmp_path, cli_
 def test_more_ranks_than_gpus_is_one_line(monkeypatch):
     """Two ranks on a one-GPU node: rank 1 names the mismatch instead of CUDA's invalid-device-ordinal traceback."""
     from alignrl.config import ConfigError
-    from alignrl.dist.env import init_distributed
+    from alignrl.runtime.env import init_distributed
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from alignrl.algos.producer import batched_logprobs
+from alignrl.rl.producer import batched_logprobs
 from alignrl.data.collate import prompt_groups
 from alignrl.models.folder import ModelError
 from alignrl.models.logprobs import Layout, response_logprobs

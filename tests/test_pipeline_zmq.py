@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from alignrl.algos.runner import train_grpo
+from alignrl.rl.runner import train_grpo
 from alignrl.config import load_config
-from alignrl.dist.launch import free_ports
+from alignrl.runtime.launch import free_ports
 from conftest import SRC, src_path
 
 SMALL = ["data.train_size=64", "data.val_size=8", "data.val_size_during_training=4", "data.train_batch_size=4",
@@ -250,7 +250,7 @@ def test_seed_workers_as_written(tiny_model_dir, tmp_path):
 def test_run_distributed_names_a_bad_flag_before_starting_anything(argv, said, capsys, monkeypatch):
     """The trainer's flags too are checked by run_distributed.py itself, in its own name, before it starts
     the sampler and the trainer (no process is started: Popen would raise here)."""
-    from alignrl.dist import seed004_launch
+    from alignrl.compat import zmq_launcher as seed004_launch
 
     monkeypatch.setattr(seed004_launch.subprocess, "Popen", None)
     with pytest.raises(SystemExit) as e:
@@ -262,8 +262,8 @@ def test_run_distributed_names_a_bad_flag_before_starting_anything(argv, said, c
 def test_run_distributed_gives_host_to_both_and_stops_when_its_sampler_fails(monkeypatch):
     """--host reaches the sampler too (it connected to 127.0.0.1 while the trainer bound the address given), and a
     sampler that fails ends the run with its exit code at once (the trainer waited pipeline.peer_timeout_s)."""
-    from alignrl.dist import seed004, seed004_launch
-    from alignrl.dist.launch import wait_interruptible
+    from alignrl.compat import zmq_pipeline as seed004, zmq_launcher as seed004_launch
+    from alignrl.runtime.launch import wait_interruptible
 
     started = []
 

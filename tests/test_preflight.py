@@ -165,18 +165,18 @@ def test_nproc_checks_the_batch_split_before_starting_ranks():
 @pytest.mark.timeout(180)
 def test_ranks_report_a_user_error_once():
     """What a user's torchrun sees from the ranks (rank 0 speaks), and our agent adds nothing to it."""
-    from alignrl.dist.launch import free_port
+    from alignrl.runtime.launch import free_port
 
     raw = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                 "-m", "alignrl", "train", "grpo", *BAD_SPLIT], timeout=150)
     assert raw.returncode != 0 and raw.stderr.count("alignrl: error:") == 1, raw.stderr[-3000:]
-    agent = _run([sys.executable, "-m", "alignrl.dist.launch", "--nproc_per_node=2", f"--master_port={free_port()}",
+    agent = _run([sys.executable, "-m", "alignrl.runtime.launch", "--nproc_per_node=2", f"--master_port={free_port()}",
                   "-m", "alignrl", "train", "grpo", *BAD_SPLIT], timeout=150)
     _one_line_error(agent, "must be a multiple of the world size 2")
 
 
 def test_nproc_rendezvous_port_is_the_given_one_else_master_port_else_a_free_one(monkeypatch):
-    from alignrl.dist import launch
+    from alignrl.runtime import launch
 
     seen = []
     monkeypatch.setattr(launch, "agent", lambda argv: seen.append(argv) or 0)
@@ -282,7 +282,7 @@ def test_listening_is_said_only_once_the_server_answers(tiny_model_dir):
 def test_a_collective_that_lost_its_peer_is_told_apart(monkeypatch):
     """gloo says only in its text that another rank went away: that rank's death is the story, not this
     rank's traceback (the CLI prints one line for it)."""
-    from alignrl.dist.launch import peer_lost
+    from alignrl.runtime.launch import peer_lost
 
     lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:32405. GLHF!")
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -1,4 +1,4 @@
-"""Processes a run starts die with the process that started them (alignrl.dist.lifetime): torchrun ranks with
+"""Processes a run starts die with the process that started them (alignrl.runtime.lifetime): torchrun ranks with
 torchrun's agent, killed with `kill -9` included, and a launcher's SIGTERM stops everything it started. CPU, gloo,
 loopback; every process a test starts is stopped by its PID at the end (ranks run in sessions of their own)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from alignrl.dist.launch import free_ports
+from alignrl.runtime.launch import free_ports
 from conftest import src_path
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's"),
@@ -34,7 +34,7 @@ def say(name):
 
 say(f"started{rank}")
 time.sleep(delay)
-from alignrl.dist.env import init_distributed
+from alignrl.runtime.env import init_distributed
 init_distributed("cpu", timeout_s=60)
 say(f"joined{rank}")
 while True:
@@ -42,14 +42,14 @@ while True:
 """
 
 # torchrun's agent in this process, as `--nproc N` and training_worker.py run it (launch.torchrun)
-AGENT = ("import sys; from alignrl.dist.launch import torchrun; "
+AGENT = ("import sys; from alignrl.runtime.launch import torchrun; "
          "sys.exit(torchrun({n}, ['lt_worker', {out!r}, '{delay}']))")
 
 # run_distributed.py's shape (seed004.launcher_main): a trainer that runs torchrun's agent, a sampler, and
 # launch.wait_interruptible until the trainer ends or the sampler fails
 RUN_DISTRIBUTED = """
 import subprocess, sys
-from alignrl.dist.launch import wait_interruptible
+from alignrl.runtime.launch import wait_interruptible
 trainer = subprocess.Popen([sys.executable, "-c", {agent!r}])
 sampler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
 with open({pids!r}, "w") as f:
@@ -193,7 +193,7 @@ def test_a_popen_child_with_the_preexec_dies_with_its_parent(procs, tmp_path):
     """launch's helper for the processes a launcher starts with subprocess (a sampler, a trainer)."""
     script = textwrap.dedent(f"""
         import subprocess, sys, time
-        from alignrl.dist.lifetime import preexec_die_with_parent
+        from alignrl.runtime.lifetime import preexec_die_with_parent
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
                                  preexec_fn=preexec_die_with_parent())
         open({str(tmp_path / "child")!r}, "w").write(str(child.pid))
@@ -211,7 +211,7 @@ def test_a_popen_child_with_the_preexec_dies_with_its_parent(procs, tmp_path):
 
 def test_a_parent_that_died_before_prctl_is_caught():
     """die_with_parent with a parent pid that is not this process's parent any more: it is killed at once."""
-    code = "from alignrl.dist.lifetime import die_with_parent; die_with_parent(1 << 30); print('survived')"
+    code = "from alignrl.runtime.lifetime import die_with_parent; die_with_parent(1 << 30); print('survived')"
     r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": src_path()},
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == -signal.SIGKILL and "survived" not in r.stdout

@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 ray = pytest.importorskip("ray")
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
-from alignrl.algos.runner import train_grpo  # noqa: E402
-from alignrl.cluster import flag_keys as K  # noqa: E402
-from alignrl.cluster import flags as F  # noqa: E402
-from alignrl.cluster.plan import engine_slot, release, requests, reserve, slots  # noqa: E402
-from alignrl.cluster.train_ppo_ray import main  # noqa: E402
+from alignrl.rl.runner import train_grpo  # noqa: E402
+from alignrl.compat import openrlhf_keys as K  # noqa: E402
+from alignrl.compat import openrlhf_flags as F  # noqa: E402
+from alignrl.placements.ray.plan import engine_slot, release, requests, reserve, slots  # noqa: E402
+from alignrl.compat.openrlhf_ppo_ray import main  # noqa: E402
 from alignrl.config import load_config  # noqa: E402
 from conftest import signal_after, src_path
 from raycluster import SEED_001, all_gpus_free, gpus_free_become, metric_rows, reward_model, seed_001_data, tiny
@@ -77,8 +77,8 @@ def test_colocated_ranks_share_one_gpu_each_and_every_worker_starts(cluster, fla
     """Workers started as the driver starts them (references, then engines, then actor ranks), each
     reporting the GPU Ray gave it. Ray chose the GPU of a fractional worker inside a node-sized bundle,
     and its best fit put four reference ranks on one GPU: the fourth actor rank was never scheduled."""
-    from alignrl.cluster.driver import Driver, Job
-    from alignrl.cluster.plan import Layout
+    from alignrl.placements.ray.driver import Driver, Job
+    from alignrl.placements.ray.plan import Layout
     from alignrl.config import RunConfig
 
     class GpuProbe:  # defined here, so Ray ships it by value (the workers cannot import this test module)
@@ -309,7 +309,7 @@ def test_an_unexpected_worker_error_keeps_its_traceback_in_the_run_logs(tmp_path
     """`ray job submit` shows the driver's output only: the line pointed at a worker log that was not there."""
     from types import SimpleNamespace
 
-    from alignrl.cluster.driver import Driver
+    from alignrl.placements.ray.driver import Driver
     from alignrl.config import load_config
 
     cfg = load_config(None, [f"trainer.output_dir={tmp_path}"])
@@ -325,8 +325,8 @@ def test_a_workers_user_error_is_unwrapped_from_rays_nesting():
     remote traceback: the driver's line is the ScoreError's own, which survives Ray's pickling."""
     import pickle
 
-    from alignrl.cluster.channel import ClusterError
-    from alignrl.cluster.driver import user_error
+    from alignrl.placements.ray.channel import ClusterError
+    from alignrl.placements.ray.driver import user_error
     from alignrl.rewards.registry import ScoreError
 
     cause = pickle.loads(pickle.dumps(ScoreError("r.py:f", "raised KeyError: 'x'", "gsm8k", "fix it", 3)))
@@ -377,7 +377,7 @@ def test_a_long_generation_is_waited_for_while_its_engine_lives(cluster):
     """A step's generation may take longer than the peer timeout (a big model and batch): the actor ranks wait
     for it, with a line every period naming the engine still at work (before, 120 s without an answer ended the
     run); an engine that dies meanwhile is one ClusterError line."""
-    from alignrl.cluster.channel import ClusterError, Peer, patient_get
+    from alignrl.placements.ray.channel import ClusterError, Peer, patient_get
 
     @ray.remote(num_cpus=0)
     class Slow:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignrl.cluster import flag_keys as K
-from alignrl.cluster import flags as F
-from alignrl.cluster.plan import Layout, describe, requests
+from alignrl.compat import openrlhf_keys as K
+from alignrl.compat import openrlhf_flags as F
+from alignrl.placements.ray.plan import Layout, describe, requests
 from alignrl.config import load_config
-from alignrl.dist.launch import free_port
+from alignrl.runtime.launch import free_port
 
 SEED_001 = ["--ref_num_nodes", "2", "--ref_num_gpus_per_node", "4", "--actor_num_nodes", "2",
             "--actor_num_gpus_per_node", "4", "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "4",
@@ -161,7 +161,7 @@ def test_input_errors_name_the_flags_not_the_config_keys(tmp_path, capsys, monke
     """Bad data and model folders are found by the driver before Ray starts, and said in ppo-ray's own flags."""
     import functools
 
-    from alignrl.cluster.train_ppo_ray import main
+    from alignrl.compat.openrlhf_ppo_ray import main
     from alignrl.rollout import remote
 
     monkeypatch.setattr(remote, "check_services", functools.partial(remote.check_services, wait_s=0))
@@ -243,7 +243,7 @@ def test_a_ray_address_nobody_answers_at_is_one_line_at_once():
     URL with a traceback: both are named before it is called."""
     import socket
 
-    from alignrl.cluster.driver import address_problem
+    from alignrl.placements.ray.driver import address_problem
 
     dead = free_port()
     assert f"no Ray cluster answers at RAY_ADDRESS=127.0.0.1:{dead}" in address_problem(f"127.0.0.1:{dead}")
@@ -275,7 +275,7 @@ def test_prompt_data_flags_become_the_data_keys(tmp_path):
     by column; seed 001's flags on its {messages, answer} rows load and count."""
     import json
 
-    from alignrl.cluster.train_ppo_ray import training_steps
+    from alignrl.compat.openrlhf_ppo_ray import training_steps
 
     data = tmp_path / "prompts.json"
     data.write_text(json.dumps([{"messages": [{"role": "user", "content": f"{i} + 1?"}], "answer": i + 1}
@@ -323,7 +323,7 @@ def test_without_ray_address_a_running_cluster_of_this_machine_is_joined(monkeyp
     joins it, and so does the driver now."""
     import ray
 
-    from alignrl.cluster import driver
+    from alignrl.placements.ray import driver
 
     calls = []
 
@@ -347,8 +347,8 @@ def test_max_samples_takes_the_first_rows_of_a_prompt_file(tmp_path):
     no others, and counts its steps from them."""
     import json
 
-    from alignrl.algos.runner import load_task_data
-    from alignrl.cluster.train_ppo_ray import training_steps
+    from alignrl.rl.runner import load_task_data
+    from alignrl.compat.openrlhf_ppo_ray import training_steps
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"input": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(6)))
@@ -376,7 +376,7 @@ def no_env(monkeypatch, *names):
 def test_use_wandb_key_becomes_the_runs_wandb_api_key_and_nothing_else(tmp_path, monkeypatch, capsys):
     """OpenRLHF logs in with `wandb.login(key=args.use_wandb)`: the key is the driver's and the actor ranks'
     WANDB_API_KEY, and appears in no config, override, Job or printed line."""
-    from alignrl.cluster.train_ppo_ray import job, wandb_env
+    from alignrl.compat.openrlhf_ppo_ray import job, wandb_env
     from alignrl.config import to_yaml
 
     no_env(monkeypatch, "WANDB_API_KEY")
@@ -391,7 +391,7 @@ def test_use_wandb_key_becomes_the_runs_wandb_api_key_and_nothing_else(tmp_path,
 
 
 def test_the_flags_wandb_key_wins_over_the_environments(monkeypatch, capsys):
-    from alignrl.cluster.train_ppo_ray import wandb_env
+    from alignrl.compat.openrlhf_ppo_ray import wandb_env
 
     monkeypatch.setenv("WANDB_API_KEY", "from-the-environment")
     # as OpenRLHF's wandb.login(key=args.use_wandb); the actor ranks get it too, on other nodes they have none
@@ -404,7 +404,7 @@ def test_the_flags_wandb_key_wins_over_the_environments(monkeypatch, capsys):
 @pytest.mark.parametrize("value, on", [("True", True), ("1", True), ("YES", True), ("false", False), ("0", False),
                                        ("No", False)])
 def test_use_wandb_switch_values_carry_no_key(value, on, monkeypatch):
-    from alignrl.cluster.train_ppo_ray import wandb_env
+    from alignrl.compat.openrlhf_ppo_ray import wandb_env
 
     no_env(monkeypatch, "WANDB_API_KEY")
     args = parse("--use_wandb", value)
@@ -414,7 +414,7 @@ def test_use_wandb_switch_values_carry_no_key(value, on, monkeypatch):
 
 
 def test_a_use_wandb_value_that_is_no_key_is_one_line_without_the_value(tmp_path, capsys):
-    from alignrl.cluster.train_ppo_ray import main
+    from alignrl.compat.openrlhf_ppo_ray import main
 
     assert main(["--use_wandb", "abc def\tghi", "--save_path", str(tmp_path / "run"), "--total_steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
@@ -424,8 +424,8 @@ def test_a_use_wandb_value_that_is_no_key_is_one_line_without_the_value(tmp_path
 def test_an_actor_rank_logs_with_the_drivers_key(monkeypatch):
     """The driver passes its rank environment with the run call: rank 0's Tracker, which starts wandb, sees the
     key even on a cluster whose workers were not started from the driver's environment."""
-    from alignrl.algos import runner
-    from alignrl.cluster.workers import PolicyRank
+    from alignrl.rl import runner
+    from alignrl.placements.ray.workers import PolicyRank
     from alignrl.config import to_yaml
 
     no_env(monkeypatch, "WANDB_API_KEY", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -438,7 +438,7 @@ def test_an_actor_rank_logs_with_the_drivers_key(monkeypatch):
 
 def test_load_checkpoint_with_nothing_to_load_says_so(tmp_path, capsys):
     """A mistyped --ckpt_path trained from step 0 without a word; a folder with a checkpoint says nothing extra."""
-    from alignrl.cluster.train_ppo_ray import job
+    from alignrl.compat.openrlhf_ppo_ray import job
     from alignrl.train.checkpoint import write_manifest
 
     args = parse("--load_checkpoint", "--ckpt_path", str(tmp_path / "nock"), "--save_path", str(tmp_path / "run"),

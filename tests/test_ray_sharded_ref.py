@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 pytest.importorskip("ray")
-from alignrl.cluster.train_ppo_ray import main  # noqa: E402
+from alignrl.compat.openrlhf_ppo_ray import main  # noqa: E402
 from raycluster import metric_rows, tiny  # noqa: E402
 
 

@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from alignrl.cluster.channel import free_port_on
-from alignrl.cluster.driver import Driver, Job
-from alignrl.cluster.plan import Layout
-from alignrl.cluster.weights import BroadcastGroup
-from alignrl.cluster.workers import RolloutWorker
+from alignrl.placements.ray.channel import free_port_on
+from alignrl.placements.ray.driver import Driver, Job
+from alignrl.placements.ray.plan import Layout
+from alignrl.placements.ray.weight_broadcast import BroadcastGroup
+from alignrl.placements.ray.workers import RolloutWorker
 from alignrl.config import load_config, to_yaml
 from alignrl.models.loader import load_model
 

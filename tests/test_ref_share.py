@@ -4,15 +4,15 @@ the trainer the rest, and `balance` moves the split toward the side that waits."
 import pytest
 import torch
 
-from alignrl.algos.producer import LocalRefScorer, RolloutMaker
+from alignrl.rl.producer import LocalRefScorer, RolloutMaker
 from alignrl.config import load_config
 from alignrl.data.records import ScoredBatch, Scores
-from alignrl.algos.rollout_ops import shard_groups
-from alignrl.dist.coordinator import PipelineError
-from alignrl.dist.records_wire import from_wire, to_wire
-from alignrl.dist.sampler import lease_of, ref_groups, weights_timeout
-from alignrl.dist.ref_share import RefShare, sampler_needs_ref, trainer_needs_ref
-from alignrl.dist.wire import Message, WireError
+from alignrl.rl.rollout_ops import shard_groups
+from alignrl.placements.zmq.coordinator import PipelineError
+from alignrl.wire.records import from_wire, to_wire
+from alignrl.placements.zmq.sampler import lease_of, ref_groups, weights_timeout
+from alignrl.placements.zmq.ref_share import RefShare, sampler_needs_ref, trainer_needs_ref
+from alignrl.wire.frames import Message, WireError
 from alignrl.interfaces import SamplingParams
 from alignrl.models.logprobs import Layout
 from alignrl.rollout.hf_engine import HFRolloutEngine

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import run_group
-from alignrl.algos import rm
-from alignrl.algos.preference_cli import DPOConfig, RMConfig, dpo_main, parse_dpo, parse_rm, rm_main
+from alignrl.preference import rm
+from alignrl.preference.cli import DPOConfig, RMConfig, dpo_main, parse_dpo, parse_rm, rm_main
 from alignrl.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,8 +127,8 @@ def test_rm_bad_input_is_one_line_exit_2(argv, expect, capsys):
 
 
 def test_flat_config_layers_and_bf16_spellings(tmp_path):
-    from alignrl.algos.preference_cli import load_flat_config
-    from alignrl.algos.preference_common import use_bf16
+    from alignrl.preference.cli import load_flat_config
+    from alignrl.preference.common import use_bf16
 
     cfg = load_flat_config(RMConfig, str(REPO / "configs/rm_config.yaml"), ["epochs=3", "bf16=false"],
                            {"task": "harmless", "output_dir": None})
@@ -175,7 +175,7 @@ def test_safe_dpo_refuses_swapped_scorers_before_training(tmp_path, capsys):
 
 
 def test_scorer_kind_accepts_fitting_and_foreign_scorers(tmp_path):
-    from alignrl.algos.dpo import check_scorers
+    from alignrl.preference.dpo import check_scorers
     from alignrl.config import ConfigError
 
     foreign = _scorer_folder(tmp_path / "foreign", None)  # a scorer from elsewhere: taken on trust
@@ -189,7 +189,7 @@ def test_scorer_kind_accepts_fitting_and_foreign_scorers(tmp_path):
 
 
 def test_rl_loop_refuses_a_cost_model_as_its_reward_model(tmp_path):
-    from alignrl.algos.placement import build_rewards
+    from alignrl.placements.build import build_rewards
     from alignrl.config import ConfigError, load_config
 
     cost = _scorer_folder(tmp_path / "cost", {"model_type": "cost", "task": "harmless"})
@@ -227,7 +227,7 @@ def _run(cmd: list[str], root: Path, timeout: int = 240) -> subprocess.Completed
 
 @pytest.mark.slow
 def test_seed_002_commands_two_ranks(scorers, tiny_model_dir, tmp_path, monkeypatch):
-    from alignrl.dist.launch import free_port
+    from alignrl.runtime.launch import free_port
 
     if not shutil.which("bash"):
         pytest.skip("no bash")
@@ -309,7 +309,7 @@ def test_label_smoothing_on_a_loss_that_ignores_it_is_one_line(tmp_path):
 
 
 def test_the_dpo_loss_choices_are_the_losses_there_are():
-    from alignrl.algos.preference_cli import DPO_LOSS_NAMES
+    from alignrl.preference.cli import DPO_LOSS_NAMES
     from alignrl.core.preference import DPO_LOSSES
 
     assert DPO_LOSS_NAMES == tuple(DPO_LOSSES)
@@ -329,7 +329,7 @@ def test_a_folder_flag_under_a_file_is_one_line_before_training(flag, tmp_path, 
 def test_preference_training_turns_dropout_off():
     """As TRL's disable_dropout: the DPO policy is compared with a reference in eval mode, and a reward model's
     pairwise scores would otherwise carry two different dropout masks."""
-    from alignrl.algos.preference_common import prepare_trainable
+    from alignrl.preference.common import prepare_trainable
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.1), torch.nn.Linear(3, 1))
     model.config = type("Config", (), {"use_cache": True})()

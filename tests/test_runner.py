@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignrl.algos.runner import train_grpo
+from alignrl.rl.runner import train_grpo
 from alignrl.config import ConfigError, load_config
 from conftest import src_path
 
@@ -239,8 +239,8 @@ def test_ppo_lagrangian_with_a_cost_model(tiny_model_dir, tmp_path):
 
 
 def test_remax_baseline_is_the_greedy_reward(tiny_model_dir, tmp_path):
-    from alignrl.algos.placement import place
-    from alignrl.algos.runner import PromptData
+    from alignrl.placements.build import place
+    from alignrl.rl.runner import PromptData
     from alignrl.core.shaping import overlong_penalty
     from alignrl.data import synthetic
     from alignrl.interfaces import SamplingParams
@@ -282,7 +282,7 @@ def test_kl_in_reward_with_adaptive_controller(estimator, tiny_model_dir, tmp_pa
 def test_a_resume_may_turn_on_a_kl_penalty_but_not_change_the_placement(tiny_model_dir, tmp_path):
     """The KL controller of a run saved without one starts from its config; a checkpoint of the in-process loop
     resumed under pipeline.placement=zmq (whose data order is kept as leases) is one line, not a KeyError."""
-    from alignrl.dist.launch import free_ports
+    from alignrl.runtime.launch import free_ports
 
     train_grpo(load_config(None, _overrides(tiny_model_dir, tmp_path, "late", 2, 2)))
     on = _overrides(tiny_model_dir, tmp_path, "late", 3, 3) + [
@@ -362,14 +362,14 @@ def test_a_line_a_kill_left_torn_does_not_stop_the_resume_and_a_fresh_start_keep
 
 def test_the_batch_line_counts_search_r1_mini_batches_in_sequences():
     """Search-R1's GRPO script: 512 prompts × n_agent 5, ppo_mini_batch_size 256 sequences: 10 updates a step."""
-    from alignrl.algos.runner import describe_batch
+    from alignrl.rl.runner import describe_batch
     from alignrl.config import load_config
 
     grpo = ["algorithm.adv_estimator=grpo", "data.train_batch_size=512", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
             "actor_rollout_ref.actor.ppo_micro_batch_size=64", "actor_rollout_ref.rollout.n=1"]
     line = describe_batch(load_config(None, [*grpo, "actor_rollout_ref.rollout.n_agent=5"]), world=8)
     assert "2560 sequences/step; 10 mini-batch(es) of 256 sequences" in line
-    from alignrl.algos.placement import total_optimizer_steps
+    from alignrl.placements.build import total_optimizer_steps
 
     search = load_config(None, [*grpo, "actor_rollout_ref.rollout.n_agent=5", "trainer.total_training_steps=100"])
     assert total_optimizer_steps(search) == 1000  # the lr schedule's length: 10 updates a step
@@ -384,7 +384,7 @@ def test_the_batch_line_counts_search_r1_mini_batches_in_sequences():
 
 
 def test_the_header_names_what_the_run_trains():
-    from alignrl.algos.runner import algorithm_name
+    from alignrl.rl.runner import algorithm_name
     from alignrl.config import load_config
 
     assert algorithm_name(load_config(None, [])) == "GRPO"
@@ -424,8 +424,8 @@ def test_the_saved_deepspeed_json_holds_the_runs_batch_and_names_what_it_does_no
     run's own, and a user's file whose numbers the run does not follow gets one line saying which and what to set."""
     from types import SimpleNamespace
 
-    from alignrl.algos.runner import save_ds_config
-    from alignrl.dist.env import DistEnv
+    from alignrl.rl.runner import save_ds_config
+    from alignrl.runtime.env import DistEnv
 
     user = tmp_path / "z3.json"
     user.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,

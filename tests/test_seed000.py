@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from alignrl.dist.launch import free_port
+from alignrl.runtime.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -307,7 +307,7 @@ def test_accelerate_config_points_at_the_zero3_json_and_the_hostfile_layout():
 
 
 def test_train_grpo_shim_builds_the_alignrl_command(monkeypatch):
-    from alignrl.dist.seed000 import train_args
+    from alignrl.compat.deepspeed_launcher import train_args
 
     nodes = ROOT / "config/nodes.yaml"
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)

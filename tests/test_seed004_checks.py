@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignrl.dist.launch import free_ports
+from alignrl.runtime.launch import free_ports
 from conftest import one_line
 
 
@@ -19,7 +19,7 @@ def test_run_distributed_checks_what_the_trainer_would_refuse_before_its_sampler
     was rewritten)."""
     import socket
 
-    from alignrl.dist import seed004_launch
+    from alignrl.compat import zmq_launcher as seed004_launch
     from alignrl.train.checkpoint import write_manifest
 
     monkeypatch.chdir(tmp_path)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from alignrl.dist.launch import free_ports
+from alignrl.runtime.launch import free_ports
 from conftest import SRC, one_line, run_group, src_path
 
 ROOT = Path(SRC).parent
@@ -84,7 +84,7 @@ def test_communication_test_names_bad_input_in_one_line(tmp_path, argv, said):
 def test_the_sampler_side_says_in_one_line_that_nothing_answers(tiny_model_dir, tmp_path):
     data, sync = free_ports(2)  # nobody listens there
     env = {**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1"}
-    out = run_group([sys.executable, "-m", "alignrl.dist.seed004_comm", "--model-path", str(tiny_model_dir),
+    out = run_group([sys.executable, "-m", "alignrl.compat.zmq_comm_test", "--model-path", str(tiny_model_dir),
                      "--data-port", str(data), "--sync-port", str(sync), "--timeout", "2"], 100, cwd=tmp_path, env=env)
     assert out.returncode == 1
     assert one_line(out.stderr).startswith(f"nothing answers on tcp://127.0.0.1:{sync} (--sync-port) within 2 s")
@@ -93,7 +93,7 @@ def test_the_sampler_side_says_in_one_line_that_nothing_answers(tiny_model_dir, 
 # --- deepspeed.json ----------------------------------------------------------------------------------------------
 
 def _effective(overrides: list[str]) -> str:
-    from alignrl.algos.runner import describe_batch
+    from alignrl.rl.runner import describe_batch
     from alignrl.config import load_config
 
     return describe_batch(load_config(None, overrides), 1).split("effective batch = ")[1]
@@ -191,7 +191,7 @@ def test_run_distributed_trains_with_the_batch_of_an_edited_deepspeed_json(tiny_
 # --- run_distributed.py -------------------------------------------------------------------------------------------
 
 def test_run_distributed_help_lists_the_flags_it_passes_on(capsys):
-    from alignrl.dist import seed004_launch
+    from alignrl.compat import zmq_launcher as seed004_launch
 
     with pytest.raises(SystemExit) as e:
         seed004_launch.launcher_main(["--help"])
@@ -218,7 +218,7 @@ def test_run_distributed_help_lists_the_flags_it_passes_on(capsys):
 def test_run_distributed_checks_once_before_starting_anything(argv, said, capsys, monkeypatch, tmp_path):
     """One line from run_distributed.py itself, not one from the sampler and one from the trainer (Popen would
     raise here: nothing is started)."""
-    from alignrl.dist import seed004_launch
+    from alignrl.compat import zmq_launcher as seed004_launch
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(seed004_launch.subprocess, "Popen", None)
@@ -229,7 +229,7 @@ def test_run_distributed_checks_once_before_starting_anything(argv, said, capsys
 
 
 def test_run_distributed_checks_deepspeed_json_before_starting_anything(capsys, monkeypatch, tmp_path):
-    from alignrl.dist import seed004_launch
+    from alignrl.compat import zmq_launcher as seed004_launch
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "deepspeed.json").write_text(json.dumps({"zero_optimization": {"stage": 7}}))
@@ -256,7 +256,7 @@ def test_the_sampler_checks_its_data_path_before_it_connects(tmp_path, name, sai
         path.mkdir()
     elif not name.startswith("/"):
         path.write_text("1+1\n")
-    code = ("import sys\nfrom alignrl.dist.seed004 import sampling_main\ntry:\n    rc = sampling_main(sys.argv[1:])\n"
+    code = ("import sys\nfrom alignrl.compat.zmq_pipeline import sampling_main\ntry:\n    rc = sampling_main(sys.argv[1:])\n"
             "except SystemExit as e:\n    rc = e.code\nprint(rc, 'torch' in sys.modules)")
     env = {**os.environ, "PYTHONPATH": src_path()}
     data, sync = free_ports(2)  # nobody listens: the old sampler waited --peer-timeout, then named no file

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from alignrl.serve.process import ServiceProcess, start_all
-from alignrl.serve.weights import MAGIC
+from alignrl.wire.http_weights import MAGIC
 
 pytestmark = pytest.mark.timeout(300)
 LIMIT_MB = 0.25  # a small body limit, so "oversized" stays cheap to send

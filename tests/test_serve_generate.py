@@ -15,7 +15,7 @@ import torch
 from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
 from alignrl.rollout.remote import RemoteRolloutEngine, ServiceError
 from alignrl.serve.process import ServiceProcess
-from alignrl.serve.weights import encode
+from alignrl.wire.http_weights import encode
 
 pytestmark = pytest.mark.timeout(240)
 KEY = "test-secret-key"

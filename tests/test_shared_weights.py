@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from alignrl.dist import shared_weights as sw
-from alignrl.dist.shared_weights import SharedPublisher, SharedReader, SharedUnavailable
-from alignrl.dist.wire import WireError, decode
+from alignrl.wire import shared_weights as sw
+from alignrl.wire.shared_weights import SharedPublisher, SharedReader, SharedUnavailable
+from alignrl.wire.frames import WireError, decode
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,8 +104,8 @@ def test_a_bad_buffer_description_is_one_line(buffers, error, said):
 def test_a_sampler_that_cannot_map_the_buffers_asks_for_frames_from_then_on(capsys):
     """A container with its own /dev/shm passes the host check but cannot open the segments: the sampler
     says so in its next request (the trainer then sends it frames) and loads nothing meanwhile."""
-    from alignrl.dist.sampler import Sampler
-    from alignrl.dist.shared_weights import host_id
+    from alignrl.placements.zmq.sampler import Sampler
+    from alignrl.wire.shared_weights import host_id
 
     pub = SharedPublisher(bucket_bytes=1 << 20, token="", lock=threading.Lock())
     try:
@@ -123,8 +123,8 @@ def test_a_sampler_that_cannot_map_the_buffers_asks_for_frames_from_then_on(caps
     # frames of the same trainer keep it on frames; a restarted trainer (another incarnation) is tried again
     from types import SimpleNamespace
 
-    from alignrl.dist.weights_wire import encode_weights
-    from alignrl.dist.wire import manifest_of
+    from alignrl.wire.weight_buckets import encode_weights
+    from alignrl.wire.frames import manifest_of
 
     s.manifest, engine = manifest_of(named(2.0)), SimpleNamespace(load_weights=lambda items: list(items))
     for incarnation, shared in (("i", False), ("j", True)):
@@ -159,7 +159,7 @@ def test_shared_memory_that_cannot_be_had_is_one_line(pub, monkeypatch):
     assert "No space left on device" in str(e.value) and not sw._CREATED
 
 
-MAKER = ("import os, signal, sys\nfrom alignrl.dist import shm_segments\nseg = shm_segments.create(4096)\n"
+MAKER = ("import os, signal, sys\nfrom alignrl.runtime import shm_segments\nseg = shm_segments.create(4096)\n"
          "print(seg.name, flush=True)\nsys.stdin.readline()\n"
          "os.killpg(os.getpgrp(), signal.SIGKILL) if sys.argv[1] == 'group' else os.kill(os.getpid(), signal.SIGKILL)")
 
@@ -182,7 +182,7 @@ def _killed_maker(how: str) -> tuple[str, str]:
 
 
 def test_a_trainer_killed_alone_leaves_no_segment_and_no_warning():
-    from alignrl.dist import shm_segments
+    from alignrl.wire import shm_segments
 
     name, err = _killed_maker("self")
     assert name.startswith(shm_segments.PREFIX) and not (shm_segments.SHM_DIR / name).exists()
@@ -193,7 +193,7 @@ def test_a_trainer_killed_alone_leaves_no_segment_and_no_warning():
 def test_segments_of_a_killed_process_group_are_swept_by_the_next_trainer():
     """A kill -9 of the whole group takes the resource tracker too: the next trainer's publisher removes them, and
     leaves alone the segments of processes that still run (this one's)."""
-    from alignrl.dist import shm_segments
+    from alignrl.wire import shm_segments
 
     name, _ = _killed_maker("group")
     assert (shm_segments.SHM_DIR / name).exists() and name in shm_segments.orphans()
@@ -211,7 +211,7 @@ def test_segments_of_a_killed_process_group_are_swept_by_the_next_trainer():
 def test_a_name_that_is_no_pid_of_ours_is_left_alone():
     """/dev/shm is anyone's: a file named like ours with a "pid" beyond any pid (os.kill would overflow) is neither
     judged nor removed, and the sweep goes on."""
-    from alignrl.dist import shm_segments
+    from alignrl.wire import shm_segments
 
     ns = shm_segments._namespace()
     stray = shm_segments.SHM_DIR / f"{shm_segments.PREFIX}{ns}_99999999999999999999_x"

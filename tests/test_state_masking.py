@@ -6,7 +6,7 @@ import torch
 
 import alignrl.train.actor as actor_mod
 import alignrl.train.critic as critic_mod
-from alignrl.algos.placement import place, with_tools
+from alignrl.placements.build import place, with_tools
 from alignrl.config import ConfigError, load_config
 from alignrl.core.advantages import gae_advantages
 from alignrl.core.entropy import entropy_from_logits
@@ -202,10 +202,10 @@ def _multi_turn_rollout() -> Rollout:
 
 
 def test_masks_survive_dynamic_sampling_and_the_wire(tiny_model):
-    from alignrl.algos.rollout_ops import concat_rollouts, select_groups
+    from alignrl.rl.rollout_ops import concat_rollouts, select_groups
     from alignrl.data.records import ScoredBatch, Scores
-    from alignrl.dist.records_wire import from_wire, to_wire
-    from alignrl.dist.wire import Message
+    from alignrl.wire.records import from_wire, to_wire
+    from alignrl.wire.frames import Message
 
     ro = _multi_turn_rollout()
     kept = select_groups(ro, [1])

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from tokenizers import Tokenizer
 
-from alignrl.algos.sft import sft_train
+from alignrl.models.sft import sft_train
 from alignrl.data import synthetic
 from alignrl.models.tiny import TinyRecipe, build_demo_model
 

@@ -200,7 +200,7 @@ def test_grpo_with_n_agent_and_alignrl_keys_beside_verl_ones(tmp_path):
 
 
 def test_the_no_grad_forwards_run_in_logprob_micro_batches(tiny_model_dir):
-    from alignrl.algos.placement import build_ref
+    from alignrl.placements.build import build_ref
     from alignrl.models.loader import load_model
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "actor.ppo_micro_batch_size=8",
@@ -255,7 +255,7 @@ def test_list_form_files_and_data_source_checked_before_the_model(tmp_path, caps
 
 
 def test_user_reward_that_raises_names_function_source_and_row(tmp_path):
-    from alignrl.algos.scoring import rule_scores
+    from alignrl.rl.scoring import rule_scores
     from alignrl.data.loaders import load_samples
     from alignrl.data.records import Sample
     from alignrl.rewards.registry import ScoreError, load_reward_fn

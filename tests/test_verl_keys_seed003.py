@@ -59,7 +59,7 @@ def test_a_bad_checkpoints_to_keep_is_one_line():
 def test_a_verl_spelled_run_leaves_every_checkpoint_on_disk(tmp_path, tiny_model_dir):
     """Three saves with alignrl's default of 2 kept would delete global_step_1; the layout is alignrl's
     <default_local_dir>/global_step_N/model, as the README says."""
-    from alignrl.algos.runner import train_grpo
+    from alignrl.rl.runner import train_grpo
 
     ckpt = tmp_path / "verl_checkpoints" / "run"
     cfg = load_config(None, [
@@ -178,7 +178,7 @@ def _ray_pkg(tmp_path: Path) -> Path:
 
 
 def test_relative_paths_inside_rays_working_dir_copy_are_named(tmp_path, monkeypatch):
-    from alignrl.cluster.verl_job import temporary_output_warning
+    from alignrl.placements.ray.verl_job import temporary_output_warning
 
     pkg = _ray_pkg(tmp_path)
     monkeypatch.chdir(pkg)  # the job's cwd, as Ray runs it
@@ -201,7 +201,7 @@ def test_relative_paths_inside_rays_working_dir_copy_are_named(tmp_path, monkeyp
 
 
 def test_a_link_into_rays_working_dir_copy_counts(tmp_path):
-    from alignrl.cluster.verl_job import in_ray_working_dir
+    from alignrl.placements.ray.verl_job import in_ray_working_dir
 
     pkg = _ray_pkg(tmp_path)
     link = tmp_path / "looks_lasting"
@@ -211,8 +211,8 @@ def test_a_link_into_rays_working_dir_copy_counts(tmp_path):
 
 
 def test_the_ray_job_prints_one_warning_line_at_start(tmp_path, monkeypatch, capsys):
-    import alignrl.cluster.driver as driver
-    from alignrl.cluster.verl_job import run_on_ray
+    import alignrl.placements.ray.driver as driver
+    from alignrl.placements.ray.verl_job import run_on_ray
 
     started = []
 

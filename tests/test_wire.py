@@ -1,4 +1,4 @@
-"""alignrl.dist.wire: round trips of records and bucketed weights, and every malformed message refused with
+"""alignrl.wire.frames: round trips of records and bucketed weights, and every malformed message refused with
 one line (and never unpickled)."""
 
 import pickle
@@ -8,9 +8,9 @@ import pytest
 import torch
 import zmq
 
-from alignrl.dist import wire
-from alignrl.dist.weights_wire import WeightsEncoder, _Buckets, encode_weights
-from alignrl.dist.wire import PROTOCOL_VERSION, Message, WireError, check_weights, decode, encode, manifest_of
+from alignrl.wire import frames as wire
+from alignrl.wire.weight_buckets import WeightsEncoder, _Buckets, encode_weights
+from alignrl.wire.frames import PROTOCOL_VERSION, Message, WireError, check_weights, decode, encode, manifest_of
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""alignrl.dist.zmq_link over real sockets on 127.0.0.1: push/pull, bounded queues and waits, the sync
+"""alignrl.wire.zmq_link over real sockets on 127.0.0.1: push/pull, bounded queues and waits, the sync
 request/reply path across a trainer restart, and malformed input that leaves sockets usable."""
 
 import socket
@@ -9,11 +9,11 @@ import pytest
 import torch
 import zmq
 
-from alignrl.dist import zmq_link
-from alignrl.dist.weights_wire import encode_weights
-from alignrl.dist.wire import WireError, decode, encode
+from alignrl.wire import zmq_link
+from alignrl.wire.weight_buckets import encode_weights
+from alignrl.wire.frames import WireError, decode, encode
 from alignrl.errors import UserError
-from alignrl.dist.zmq_link import (InsecureBind, PeerTimeout, PortInUse, Puller, Pusher, Replier, Requester, address,
+from alignrl.wire.zmq_link import (InsecureBind, PeerTimeout, PortInUse, Puller, Pusher, Replier, Requester, address,
                                    check_bind)
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.serial]  # timeouts measured to a fraction of a second

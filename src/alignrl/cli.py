@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from alignrl.config import ConfigError, RunConfig, check_folders, check_world_size, keys_given, load_config
-from alignrl.dist.launch import OneLineParser
+from alignrl.runtime.launch import OneLineParser
 from alignrl.errors import Terminated, UserError, in_flag_words, program, stop_on_sigterm
 
 EXAMPLES = Path(__file__).parent / "examples"
@@ -40,17 +40,17 @@ ALGORITHMS = {"grpo": "GRPO / Dr.GRPO: group-relative policy optimisation",
 # Commands with flags of their own (the seeds' names): `alignrl <words> ...` runs `module.main(rest)` (or the
 # function a "module:function" entry names).
 PASSTHROUGH = {
-    ("train", "rm"): ("alignrl.algos.preference_cli:rm_main",
+    ("train", "rm"): ("alignrl.preference.cli:rm_main",
                       "train a reward or cost model (Bradley-Terry, Safe RLHF cost)"),
-    ("train", "dpo"): ("alignrl.algos.preference_cli:dpo_main", "DPO, IPO, conservative DPO, hinge, safety-aware DPO"),
-    ("train", "ppo-ray"): ("alignrl.cluster.train_ppo_ray", "PPO/GRPO on a Ray cluster with OpenRLHF's flags"),
+    ("train", "dpo"): ("alignrl.preference.cli:dpo_main", "DPO, IPO, conservative DPO, hinge, safety-aware DPO"),
+    ("train", "ppo-ray"): ("alignrl.compat.openrlhf_ppo_ray", "PPO/GRPO on a Ray cluster with OpenRLHF's flags"),
     ("demo", "search"): ("alignrl.demos.search", "PPO teaches a tiny model to search (Search-R1 recipe, CPU)"),
     ("serve", "generate"): ("alignrl.serve.generate", "OpenAI-compatible generation server with weight sync"),
     ("serve", "ref"): ("alignrl.serve.ref", "reference-model log-prob server"),
     ("serve", "reward"): ("alignrl.serve.reward", "reward-model scoring server"),
     ("serve", "retrieve"): ("alignrl.serve.retrieve", "retrieval server (Search-R1 API), BM25 or dense"),
     ("doctor",): ("alignrl.doctor", "check configured services, model paths, hostfile and ports"),
-    ("sample",): ("alignrl.dist.seed004:sample_main", "a sampler of the ZeroMQ pipeline (seed 004's sampling_worker.py)"),
+    ("sample",): ("alignrl.compat.zmq_pipeline:sample_main", "a sampler of the ZeroMQ pipeline (seed 004's sampling_worker.py)"),
 }
 
 
@@ -134,7 +134,7 @@ def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
 
         check_user_fns(cfg)
     if cfg.algorithm.reward_model or cfg.safety.cost_model:  # before the policy loads (rm imports torch: last)
-        from alignrl.algos.rm import check_rl_scorers
+        from alignrl.preference.rm import check_rl_scorers
 
         check_rl_scorers(cfg)
     from alignrl.rollout.remote import check_services
@@ -195,8 +195,8 @@ def _run(args: argparse.Namespace, cfg: RunConfig | None) -> int:
     assert cfg is not None
     # under raw torchrun every rank checks before joining the process group, so a bad split fails at once
     preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    from alignrl.algos.runner import train_grpo
-    from alignrl.dist.env import shutdown
+    from alignrl.rl.runner import train_grpo
+    from alignrl.runtime.env import shutdown
 
     summary = train_grpo(cfg, wall_start=start)
     shutdown()  # leave the process group (NCCL warns of leaked resources otherwise)
@@ -251,7 +251,7 @@ def _leave_process_group() -> None:
     """Left to the interpreter's exit, gloo's threads could abort it ("terminate called without an active
     exception") after the run's one line."""
     if "torch.distributed" in sys.modules:
-        from alignrl.dist.env import shutdown
+        from alignrl.runtime.env import shutdown
 
         shutdown()
 
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
             (module, _, function), rest = routed[0].partition(":"), routed[1]
             return getattr(importlib.import_module(module), function or "main")(rest)
-        from alignrl.dist.launch import pop_nproc, torchrun
+        from alignrl.runtime.launch import pop_nproc, torchrun
 
         try:
             nproc, argv = pop_nproc(argv)
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _config(args) if args.command in ("train", "demo") else None
         if not nproc and args.command == "train" and "LOCAL_RANK" not in os.environ and os.environ.get("RAY_ADDRESS"):
             # inside a Ray job: trainer.nnodes × n_gpus_per_node ranks placed on the cluster (verl's layout)
-            from alignrl.cluster.verl_job import run_on_ray
+            from alignrl.placements.ray.verl_job import run_on_ray
 
             return run_on_ray(cfg, f"alignrl train {args.algorithm}",
                               lambda: preflight(cfg, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node, reward_fn=True))
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             return torchrun(nproc, ["alignrl", *argv], master_port=_port_given(args, cfg))
         return _run(args, cfg)
     except Exception as e:
-        from alignrl.dist.launch import peer_lost
+        from alignrl.runtime.launch import peer_lost
 
         if peer_lost(e):  # torchrun's agent names the rank that died
             print(f"{program()}: rank {os.environ.get('RANK', '?')}: lost its connection to another rank, which "
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if not isinstance(e, UserError):
             raise
-        from alignrl.dist.launch import speak_once
+        from alignrl.runtime.launch import speak_once
 
         if getattr(e, "this_rank_only", False):  # the other ranks met no error: torchrun's agent stops them
             print(f"{program()}: error: {in_flag_words(str(e))}", file=sys.stderr, flush=True)
@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:  # a caller in this process (a notebook, a test) keeps its own SIGTERM handling
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
-        if "alignrl.dist.env" in sys.modules:  # a torchrun rank's exit is not stopped by its agent's SIGTERM
-            sys.modules["alignrl.dist.env"].finished()
+        if "alignrl.runtime.env" in sys.modules:  # a torchrun rank's exit is not stopped by its agent's SIGTERM
+            sys.modules["alignrl.runtime.env"].finished()
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def check_health(name: str, url: str, timeout: float, key: str = "") -> Check:
         body = None
     if not isinstance(body, dict) or body.get("status") != "healthy":
         return Check(name, url, False, f"/health answered {r.text[:80]!r}, expected {{\"status\": \"healthy\"}}")
-    from alignrl.serve.common import SERVICE_HEADER
+    from alignrl.wire.http_service import SERVICE_HEADER
 
     return service_kind(name, url, r.headers.get(SERVICE_HEADER), key)
 
@@ -195,7 +195,7 @@ def run_checks(cfg: RunConfig, timeout: float) -> list[Check]:
 
 
 def main(argv: list[str]) -> int:
-    from alignrl.dist.launch import OneLineParser
+    from alignrl.runtime.launch import OneLineParser
 
     p = OneLineParser(prog="alignrl doctor", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="run config (alignrl keys or the nodes.yaml layout)")

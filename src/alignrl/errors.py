@@ -24,6 +24,11 @@ class UserError(ValueError):
     """A mistake the user can fix: its text is one line that says what is wrong and how to fix it."""
 
 
+class ConfigError(UserError):
+    """A config file, key or value that cannot be used; the message names the key and the fix. Defined here, not
+    in `config`, so that the process foundation below the config (`runtime`) raises it too."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (`kill`, a scheduler) stopping a process that says why in one line, as for Ctrl-C."""
 
@@ -31,7 +36,7 @@ class Terminated(KeyboardInterrupt):
 def stop_on_sigterm():
     """SIGTERM raises Terminated in the main thread (once; a second one while stopping is ignored). Returns the
     handler it replaced, for the caller to put back (None: nothing changed, as in another thread or under torchrun,
-    whose agent's SIGTERM alignrl.dist.env handles)."""
+    whose agent's SIGTERM alignrl.runtime.env handles)."""
     def stop(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated

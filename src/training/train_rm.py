@@ -4,13 +4,13 @@
         --config configs/rm_config.yaml --task helpful --output_dir models/helpful_rm
     python -m src.training.train_rm --config configs/rm_config.yaml --task helpful --output_dir models/helpful_rm
 
-Everything lives in `alignrl.algos.rm`, its command line in `alignrl.algos.preference_cli` (also
+Everything lives in `alignrl.preference.rm`, its command line in `alignrl.preference.cli` (also
 `alignrl train rm ...`).
 """
 
 import sys
 
-from alignrl.algos.preference_cli import rm_main
+from alignrl.preference.cli import rm_main
 
 if __name__ == "__main__":
     sys.exit(rm_main())

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from alignrl.data.records import Experience
-from alignrl.dist.env import barrier, init_distributed, shard, shutdown
+from alignrl.runtime.env import barrier, init_distributed, shard, shutdown
 from alignrl.models.logprobs import Layout, response_logprobs
 from alignrl.train.actor import Actor, PolicyLossSpec
 from alignrl.train.checkpoint import save_engine

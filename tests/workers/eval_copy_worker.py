@@ -8,10 +8,10 @@ import sys
 
 import torch
 
-from alignrl.algos.placement import place
-from alignrl.algos.sinks import Fanout, SharedModule
+from alignrl.placements.build import place
+from alignrl.rl.sinks import Fanout, SharedModule
 from alignrl.config import load_config
-from alignrl.dist.env import barrier, init_distributed
+from alignrl.runtime.env import barrier, init_distributed
 from alignrl.models.loader import load_model
 from alignrl.rollout.hf_engine import HFRolloutEngine
 

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from alignrl.dist.env import init_distributed, shutdown
+from alignrl.runtime.env import init_distributed, shutdown
 from alignrl.train.engines import OptimSpec, build_engine
 
 SMALL = 2.0 ** -9

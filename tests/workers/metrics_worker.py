@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from alignrl.algos.producer import pooled_std
-from alignrl.dist.env import gather_values, init_distributed, mean_metrics, shutdown
+from alignrl.rl.producer import pooled_std
+from alignrl.runtime.env import gather_values, init_distributed, mean_metrics, shutdown
 
 REWARDS = [[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]]
 LENGTHS = [[3, 9, 4, 4, 5, 6, 2, 7], [31, 2, 4, 5, 6, 8, 1, 3]]

@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import torch
 
-from alignrl.algos.producer import LocalRefScorer
+from alignrl.rl.producer import LocalRefScorer
 from alignrl.config import RunConfig
-from alignrl.dist.env import init_distributed
-from alignrl.dist.sharded_ref import build_sharded_ref, held_elements
+from alignrl.runtime.env import init_distributed
+from alignrl.placements.ray.sharded_ref import build_sharded_ref, held_elements
 from alignrl.models import loader
 from alignrl.models.loader import frozen_copy, load_model
 from alignrl.models.logprobs import Layout

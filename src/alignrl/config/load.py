@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from alignrl.config.checks import check_combinations, check_ranges, did_you_mean
-from alignrl.config.layout import LayoutError, check_sections, read_config_file
+from alignrl.config.file_shape import LayoutError, check_sections, read_config_file
 from alignrl.config.schema import ConfigError, RunConfig
 from alignrl.config.counts import resolve_counts
 from alignrl.config.verl_keys import list_not_used, translate, verl_defaults

@@ -10,11 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from alignrl.errors import UserError
-
-
-class ConfigError(UserError):
-    """A config file, key or value that cannot be used; the message names the key and the fix."""
+from alignrl.errors import ConfigError, UserError  # noqa: F401 (ConfigError: the config package's error)
 
 
 def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,

@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 
 from alignrl.config.checks import nearest_sibling
-from alignrl.config.layout import SEED_KEYS, SEED_MODEL_PARTS, unknown_seed_key
+from alignrl.config.file_shape import SEED_KEYS, SEED_MODEL_PARTS, unknown_seed_key
 from alignrl.config.schema import ConfigError
 
 A = "actor_rollout_ref.actor."
@@ -109,7 +109,7 @@ VERL_SECTIONS = ("actor_rollout_ref.", "critic.optim.", "critic.model.", "algori
                  "custom_reward_function.")
 
 # verl's data.prompt_key is alignrl's key of the same name, so it passes through unchanged: a verl file read
-# by column keeps its data_source, reward_model.ground_truth and extra_info (alignrl.data.layouts).
+# by column keeps its data_source, reward_model.ground_truth and extra_info (alignrl.data.row_formats).
 
 # Switches accepted at the value alignrl implements; (value, what to do instead of the other value).
 ONLY_VALUE: dict[str, tuple[object, str]] = {
@@ -342,7 +342,7 @@ def verl_defaults(t: Translation, given: set[str], adv_estimator: str, use_kl_lo
 
 
 def _cuda_bf16() -> bool:
-    from alignrl.dist.env import cuda_bf16  # torch: only verl-spelled runs pay for it here
+    from alignrl.runtime.env import cuda_bf16  # torch: only verl-spelled runs pay for it here
 
     return cuda_bf16()
 

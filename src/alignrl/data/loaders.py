@@ -7,7 +7,7 @@ OpenRLHF prompt sets work without a conversion step:
 * verl: rows with `prompt` (chat messages), `data_source`, `reward_model` ({ground_truth, style})
   and optional `extra_info`.
 * by column, when `prompt_key` is given (data.prompt_key; OpenRLHF's --input_key): the prompt and the
-  answer come from the named columns (rules in `alignrl.data.layouts`).
+  answer come from the named columns (rules in `alignrl.data.row_formats`).
 
 GSM8K and verl are detected from the columns when no `prompt_key` is given. Files may be `.jsonl`,
 `.json` (one array of objects, or JSON lines) or `.parquet`. Problems with the user's data raise
@@ -26,7 +26,7 @@ from typing import Any
 
 from alignrl.config.checks import data_files
 # DataError lives in layouts (which raises it too); the package imports it from here
-from alignrl.data.layouts import (DataError, PromptKeys, chat_messages, json_array_rows, keys_sample,
+from alignrl.data.row_formats import (DataError, PromptKeys, chat_messages, json_array_rows, keys_sample,
                                   plain_ground_truth, with_system)
 from alignrl.data.records import Sample
 from alignrl.utils.atomic import atomic_write

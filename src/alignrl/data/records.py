@@ -101,7 +101,7 @@ class Scores:
 @dataclass
 class ScoredBatch:
     """One step's experience before advantages: what the producer hands the trainer, in one process
-    or across the ZeroMQ channel (`alignrl.dist.records_wire` gives the seed's field names on the wire).
+    or across the ZeroMQ channel (`alignrl.wire.records` gives the seed's field names on the wire).
 
     `rollout.response_mask` is the attention mask of the response; `loss_mask` is the subset the policy
     generated and is trained on (a multi-turn rollout attends to tool observations but never trains on

@@ -63,7 +63,7 @@ def retrieval_server(corpus: Path, topk: int):
 def agent_eval(model_path: str, cfg: RunConfig, samples: Sequence, batch_size: int = 150) -> dict[str, float]:
     """Greedy multi-turn episodes on `samples` through the configured retriever, as training rolls out:
     exact match (the task's reward), search calls per episode and the share of turns with a valid action."""
-    from alignrl.algos.placement import with_tools
+    from alignrl.placements.build import with_tools
     from alignrl.data.collate import encode_prompts
     from alignrl.interfaces import SamplingParams
     from alignrl.models.loader import load_model
@@ -97,7 +97,7 @@ def agent_eval(model_path: str, cfg: RunConfig, samples: Sequence, batch_size: i
 
 def run(recipe: SearchRecipe, overrides: Sequence[str], heldout: int, log=print) -> dict:
     """The whole demo; returns the summary (also written to `<run dir>/summary.json`)."""
-    from alignrl.algos.runner import train_grpo
+    from alignrl.rl.runner import train_grpo
     from alignrl.data.loaders import load_samples
     from alignrl.utils.atomic import atomic_write_text
 
@@ -137,7 +137,7 @@ def _line(m: dict[str, float]) -> str:
 
 
 def _parser():
-    from alignrl.dist.launch import OneLineParser
+    from alignrl.runtime.launch import OneLineParser
 
     p = OneLineParser(prog=PROG, description="PPO teaches a tiny model to search (Search-R1's recipe, on CPU).")
     p.add_argument("--seed", type=int, default=SHIPPED_SEED, help="seed of the demo world and base model")

@@ -124,7 +124,7 @@ def build_demo_model(out_dir: Path, recipe: TinyRecipe = TinyRecipe(), log=print
 
 
 def _build(out_dir: Path, recipe: TinyRecipe, log, t0: float) -> None:
-    from alignrl.algos.sft import sft_train
+    from alignrl.models.sft import sft_train
 
     with build_into(out_dir) as tmp:
         tokenizer = build_tokenizer(recipe, tmp)

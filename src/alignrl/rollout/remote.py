@@ -151,7 +151,7 @@ class ServiceClient:
         """GET /health with this client's tries: a service that is down, mistyped or of another kind (swapped URLs,
         named by alignrl's services in a header) is one line before a run loads its model, not after (tens of seconds
         in, as a 404). An empty 200 is healthy, as vLLM's own server answers. `key`: the setting of the URL."""
-        from alignrl.serve.common import SERVICE_HEADER
+        from alignrl.wire.http_service import SERVICE_HEADER
 
         served: list[str | None] = []
 
@@ -264,7 +264,7 @@ class RemoteRolloutEngine:
 
     def manifest(self) -> dict:
         """{name: TensorSpec} of the served model, fetched once."""
-        from alignrl.serve.weights import TensorSpec
+        from alignrl.wire.http_weights import TensorSpec
 
         if self._manifest is None:
             t = self.client.request("GET", "/v1/weights_manifest")["tensors"]
@@ -274,7 +274,7 @@ class RemoteRolloutEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         """Push every tensor in one request (cast to the served dtypes); returns the served version.
         Without `version`, the server's current version + 1."""
-        from alignrl.serve.weights import CONTENT_TYPE, DTYPES, encode
+        from alignrl.wire.http_weights import CONTENT_TYPE, DTYPES, encode
 
         spec = self.manifest()
         tensors = [(n, t.detach().to(DTYPES[spec[n].dtype]) if n in spec else t.detach()) for n, t in named_tensors]

@@ -104,7 +104,7 @@ class VLLMRolloutEngine:
         """Names, shapes, dtypes a trainer must push: those of the HF model, built without memory."""
         from transformers import AutoModelForCausalLM
 
-        from alignrl.serve.weights import manifest_of
+        from alignrl.wire.http_weights import manifest_of
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(self.config, dtype=self.llm.llm_engine.model_config.dtype)

@@ -23,13 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from alignrl.dist.launch import is_loopback
+from alignrl.runtime.launch import is_loopback
+from alignrl.wire.http_service import API_KEY_ENV, HEALTHY, SERVICE_HEADER  # noqa: F401 (the services' names)
 
-API_KEY_ENV = "ALIGNRL_API_KEY"
-HEALTHY = {"status": "healthy"}  # the exact body the seed's `curl .../health` check expects
-# /health's header naming the service (generation, reference, reward, retrieval): `alignrl doctor` tells swapped
-# service URLs apart by it, where the body stays the seed's
-SERVICE_HEADER = "X-Alignrl-Service"
 MB = 1 << 20
 
 
@@ -54,7 +50,7 @@ def unicode_texts(texts: list[str], what: str) -> list[str]:
 
 
 def base_parser(prog: str, description: str, default_port: int) -> argparse.ArgumentParser:
-    from alignrl.dist.launch import OneLineParser
+    from alignrl.runtime.launch import OneLineParser
 
     p = OneLineParser(prog=prog, description=description)
     p.add_argument("--model", required=True, help="Hugging Face model folder, or 'demo' for the embedded model")

@@ -143,7 +143,7 @@ class GenerationService:
     async def update_weights(self, body: bytes) -> dict:
         import asyncio
 
-        from alignrl.serve.weights import WireError, check_against, decode
+        from alignrl.wire.http_weights import WireError, check_against, decode
 
         t0 = time.perf_counter()
 
@@ -259,7 +259,7 @@ def parser() -> argparse.ArgumentParser:
 
 def load_service(args: argparse.Namespace) -> GenerationService:
     from alignrl.models.loader import resolve_model_path
-    from alignrl.serve.weights import manifest_of
+    from alignrl.wire.http_weights import manifest_of
 
     folder = resolve_model_path(args.model, log=lambda *a: print(*a, file=sys.stderr), key="--model")
     # before any engine sees it: past the trained positions a model's output is garbage (vLLM refuses it too)

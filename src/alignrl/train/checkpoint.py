@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from alignrl.data.loaders import DataError
-from alignrl.dist.env import SINGLE, DistEnv, all_reduce_sum, barrier
+from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, barrier
 from alignrl.utils.atomic import atomic_write_text
 
 TRACKER = "latest_checkpointed_iteration.txt"

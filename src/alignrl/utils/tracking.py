@@ -22,7 +22,7 @@ from typing import Any
 
 from rich.console import Console
 
-from alignrl.config import ConfigError
+from alignrl.errors import ConfigError
 from alignrl.utils.atomic import atomic_write_text
 
 # soft_wrap: a long warning stays one line in a log file or pipe (rich would fold it at 80 columns there)

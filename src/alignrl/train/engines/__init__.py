@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from alignrl.dist.env import DistEnv
+from alignrl.runtime.env import DistEnv
 from alignrl.train.engines.base import OptimSpec, TrainEngine
 
 __all__ = ["STRATEGIES", "OptimSpec", "TrainEngine", "build_engine"]

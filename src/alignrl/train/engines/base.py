@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
-from alignrl.dist.env import DistEnv
+from alignrl.runtime.env import DistEnv
 from alignrl.errors import UserError
 from alignrl.train.engines.master import MasterWeights, needs_master
 from alignrl.train.optim import build_optimizer

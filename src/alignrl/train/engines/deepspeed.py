@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from alignrl.dist.env import DistEnv, cuda_bf16, join_group
+from alignrl.runtime.env import DistEnv, cuda_bf16, join_group
 from alignrl.errors import UserError
 from alignrl.train.engines.base import OptimSpec, host_state_dict, state_dtypes
 
@@ -98,7 +98,7 @@ def _ensure_comm(env: DistEnv) -> None:
     import deepspeed
 
     if not env.distributed:
-        from alignrl.dist.launch import free_port
+        from alignrl.runtime.launch import free_port
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from alignrl.dist.env import DistEnv
+from alignrl.runtime.env import DistEnv
 from alignrl.train.engines.base import (LocalOptimizerEngine, OptimSpec, host_state_dict, load_full_state,
                                         save_full_state, state_dtypes)
 from alignrl.train.engines.master import LOW

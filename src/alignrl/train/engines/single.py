@@ -7,7 +7,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.distributed as dist
 
-from alignrl.dist.env import DistEnv
+from alignrl.runtime.env import DistEnv
 from alignrl.train.engines.base import LocalOptimizerEngine, OptimSpec, host_state_dict
 from alignrl.train.engines.master import needs_master
 

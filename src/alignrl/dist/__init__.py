@@ -1,1 +1,0 @@
-"""Placement: process groups, torchrun launch."""

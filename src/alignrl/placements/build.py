@@ -1,0 +1,303 @@
+"""Placement, done once at start from the config: which implementation of each interface of the RL
+loop this run plugs in (a local or remote rollout engine, reference and reward; a shared module, a
+local copy or a server as the weight sink; the training engine of actor and critics).
+
+The step never asks which one it got. The ZeroMQ sampler process builds its producer with
+`build_maker` too, so a sampler makes exactly the batches the in-process loop would.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from alignrl.rl.producer import LocalRefScorer, RolloutMaker
+from alignrl.preference.rm import check_rl_scorers
+from alignrl.rl.scoring import RewardStage
+from alignrl.rl.sinks import EngineCopy, Fanout, SharedModule
+from alignrl.rl.trainer import CriticParts, PolicyTrainer
+from alignrl.config import ConfigError, RunConfig
+from alignrl.config.checks import needs_reference, response_cap
+from alignrl.core.lagrangian import LagrangeMultiplier
+from alignrl.data.sampler import BatchSampler
+from alignrl.runtime.env import SINGLE, DistEnv
+from alignrl.interfaces import BatchSource, RefScorer, RolloutEngine, WeightSink
+from alignrl.models.loader import (DTYPES, frozen_copy, load_causal_lm, load_model, load_tokenizer,
+                                   recompute_activations, resolve_model_path)
+from alignrl.models.logprobs import Layout
+from alignrl.models.sharded_load import fill_shards, meta_model
+from alignrl.models.value import ModelScorer, load_value_model
+from alignrl.rewards.registry import load_reward_fn, make_reward
+from alignrl.rollout.agent import AgentRollout
+from alignrl.rollout.hf_engine import HFRolloutEngine
+from alignrl.rollout.remote import RemoteRefScorer, RemoteReward, RemoteRolloutEngine
+from alignrl.rollout.retriever import RetrieverClient
+from alignrl.train.actor import Actor
+from alignrl.train.critic import Critic
+from alignrl.train.engines import OptimSpec, TrainEngine, build_engine
+from alignrl.train.engines.deepspeed import engine_config, partitioned_init
+from alignrl.utils.tracking import console
+
+
+def resolve_strategy(cfg: RunConfig, env: DistEnv) -> str:
+    s = cfg.trainer.strategy
+    if s in ("auto", "fsdp"):  # fsdp: as verl's FSDP over one rank, which shards nothing
+        return ("fsdp2" if s == "fsdp" else "ddp") if env.distributed else "single"
+    return s
+
+
+def make_engine(cfg: RunConfig, model, spec: OptimSpec, env: DistEnv, materialize: Callable | None = None
+                ) -> TrainEngine:
+    t = cfg.trainer
+    return build_engine(resolve_strategy(cfg, env), model, spec, env, zero_stage=t.zero_stage, offload=t.offload,
+                        deepspeed_config=t.deepspeed_config or None, bf16=cfg.model.dtype == "bfloat16",
+                        materialize=materialize)
+
+
+def ds_settings(cfg: RunConfig, env: DistEnv) -> dict:
+    """The DeepSpeed config `make_engine` gives the policy's engine."""
+    t = cfg.trainer
+    return engine_config(t.deepspeed_config or None, t.zero_stage, t.offload, cfg.actor.grad_clip,
+                         cfg.model.dtype == "bfloat16", env.world_size)
+
+
+def shards_weights(cfg: RunConfig, env: DistEnv) -> bool:
+    """Whether the training engine keeps only a shard of the weights on each rank (then generation and
+    evaluation run on a full copy, synced after every step)."""
+    strategy = resolve_strategy(cfg, env)
+    if strategy != "deepspeed":
+        return strategy == "fsdp2"
+    from alignrl.train.engines.deepspeed import zero_stage
+
+    return zero_stage(cfg.trainer.deepspeed_config, cfg.trainer.zero_stage) == 3  # a JSON file's stage decides
+
+
+def total_optimizer_steps(cfg: RunConfig) -> int:
+    per_step = cfg.data.train_batch_size * cfg.rollout.n // cfg.mini_batch_sequences
+    return cfg.trainer.total_training_steps * cfg.actor.ppo_epochs * per_step
+
+
+def restore_state(engine: TrainEngine, folder: Path, name: str) -> None:
+    if not engine.load_state(folder):
+        console.print(f"[yellow]{folder.parent.name}: no {name} optimizer state this backend "
+                      f"({engine.name}) can read; continuing from the saved weights with a fresh optimizer[/yellow]")
+
+
+def service_args(cfg: RunConfig) -> dict:
+    return {"timeout": cfg.services.timeout_s, "retries": cfg.services.retries,
+            "api_key": os.environ.get("ALIGNRL_API_KEY")}
+
+
+def build_ref(cfg: RunConfig, device: torch.device, base=None) -> RefScorer | None:
+    """The reference service when configured, else a frozen copy of the base model: `base` when the caller
+    already loaded model.path (in model.dtype), else loaded here. None when no KL term needs it."""
+    if not needs_reference(cfg):
+        return None
+    if cfg.services.reference_url:
+        return RemoteRefScorer(cfg.services.reference_url, temperature=cfg.rollout.temperature, **service_args(cfg))
+    if base is None:
+        base = load_model(cfg.model.path, cfg.model.dtype)[0]
+    return LocalRefScorer(frozen_copy(base).to(device), cfg.rollout.temperature, cfg.actor.forward_micro_batch,
+                          forward_layout(cfg))
+
+
+def build_rewards(cfg: RunConfig, tokenizer, device: torch.device) -> RewardStage:
+    a, s = cfg.algorithm, cfg.safety
+    check_rl_scorers(cfg)  # before they load: a swapped pair trains with no error (the CLI checked before the policy)
+    reward_model = (RemoteReward(cfg.services.reward_url, **service_args(cfg)) if cfg.services.reward_url else
+                    ModelScorer(a.reward_model, cfg.model.dtype, log=console.print, device=device)
+                    if a.reward_model else None)
+    return RewardStage(tokenizer, make_reward(a.reward_fn, a.format_reward_weight), load_reward_fn(a.reward_fn),
+                       response_cap(cfg), a.overlong_buffer_len, a.overlong_penalty_factor, reward_model,
+                       cost_fn=load_reward_fn(s.cost_fn, "safety.cost_fn") if s.cost_fn else None,
+                       cost_model=ModelScorer(s.cost_model, cfg.model.dtype, log=console.print, device=device)
+                       if s.cost_model else None)
+
+
+def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngine:
+    """The multi-turn search rollout over `engine` when agent.max_turns > 0, else `engine` itself."""
+    if cfg.agent.max_turns == 0:
+        return engine
+    if not cfg.actor.state_masking and not cfg.actor.recompute_old_logprobs:
+        raise ConfigError("actor.state_masking=false trains on tool observations, which have no rollout "
+                          "log-probs: set actor.recompute_old_logprobs=true (or keep actor.state_masking=true)")
+    r, d = cfg.retriever, cfg.data
+    tool = RetrieverClient(r.url, r.topk, r.timeout_s, r.retries) if cfg.agent.search else None
+    if tool is not None:
+        tool.check()
+    return AgentRollout(engine, tokenizer, tool, cfg.agent.max_turns, d.max_obs_length,
+                        d.max_start_length or d.max_prompt_length, response_cap(cfg))
+
+
+def build_maker(cfg: RunConfig, engine: RolloutEngine, tokenizer, ref: RefScorer | None, env: DistEnv) -> RolloutMaker:
+    return RolloutMaker(cfg, engine, build_rewards(cfg, tokenizer, env.device), ref, env.rank)
+
+
+def build_critic(cfg: RunConfig, name: str, resume: Path | None, env: DistEnv = SINGLE) -> Critic:
+    """The critic `name` ("critic", or "cost_critic" seeded one apart); from the checkpoint's `<name>/`
+    folder and its optimizer state when resuming."""
+    c = cfg.critic
+    path = str(resume / name) if resume else (c.model_path or cfg.model.path)
+    seed = cfg.trainer.seed + (name == "cost_critic")
+    model = load_value_model(path, cfg.model.dtype, seed=seed, log=console.print)
+    spec = OptimSpec(lr=c.lr, weight_decay=c.weight_decay, betas=tuple(c.betas), warmup_steps=c.lr_warmup_steps,
+                     total_steps=total_optimizer_steps(cfg), schedule=c.lr_scheduler, min_lr_ratio=c.min_lr_ratio,
+                     grad_clip=c.grad_clip)
+    engine = make_engine(cfg, model, spec, env)
+    if resume:
+        restore_state(engine, resume / f"{name}_state", name)
+    return Critic(engine, cliprange_value=c.cliprange_value or None, name=name, remove_padding=c.use_remove_padding)
+
+
+def critic_names(cfg: RunConfig) -> list[str]:
+    """The value models the run trains: none, the critic, or (with a safety cost) the cost critic too."""
+    if not cfg.critic.enable:
+        return []
+    return ["critic", "cost_critic"] if cfg.safety.cost_fn or cfg.safety.cost_model else ["critic"]
+
+
+def build_critics(cfg: RunConfig, resume: Path | None, env: DistEnv = SINGLE,
+                  make: Callable[[str], object] | None = None) -> CriticParts | None:
+    """The critic (and, with a safety cost, the cost critic and multiplier), trained in this process, or
+    made by `make(name)` where they train elsewhere (a Ray critic group); the multiplier stays here."""
+    names = critic_names(cfg)
+    if not names:
+        return None
+    make = make or (lambda name: build_critic(cfg, name, resume, env))
+    parts = CriticParts(critic=make("critic"))
+    if "cost_critic" in names:
+        s = cfg.safety
+        parts.cost_critic = make("cost_critic")
+        parts.lagrangian = LagrangeMultiplier(s.lambda_init, s.lambda_lr, s.cost_limit, s.lambda_max,
+                                              s.lambda_update_delay_steps, s.episode_cost_window_size)
+    return parts
+
+
+def forward_layout(cfg: RunConfig) -> Layout:
+    """How the policy's and the reference's forwards lay out a micro-batch (actor.share_prompt, use_remove_padding)."""
+    return Layout(cfg.actor.share_prompt, cfg.actor.use_remove_padding)
+
+
+def load_policy(cfg: RunConfig, folder: Path, env: DistEnv, in_shards: bool) -> tuple[torch.nn.Module, Callable | None]:
+    """The policy of `folder`, and FSDP2's `materialize` for it. `in_shards` (nothing in this process needs the whole
+    model): a ZeRO-3 policy is built in its partitions as it loads (deepspeed.zero.Init), an FSDP2 one on the meta
+    device, its shards then reading their own rows of the weights; no rank holds the whole model at any time."""
+    strategy = resolve_strategy(cfg, env)
+    if in_shards and strategy == "fsdp2":
+        model = meta_model(folder, DTYPES[cfg.model.dtype])
+        if model is not None:
+            console.print(f"policy: built in FSDP2 shards over {env.world_size} ranks, each reading its own rows")
+            return model, lambda m: fill_shards(m, folder, env.device)
+    in_shards = in_shards and strategy == "deepspeed"
+    with partitioned_init(ds_settings(cfg, env), env) if in_shards else nullcontext():
+        model = load_causal_lm(folder, cfg.model.dtype)
+    if in_shards:
+        console.print(f"policy: built in ZeRO-3 partitions over {env.world_size} ranks as it loads")
+    return model, None
+
+
+def build_actor(cfg: RunConfig, model, resume: Path | None, env: DistEnv, materialize: Callable | None = None) -> Actor:
+    a = cfg.actor
+    spec = OptimSpec(lr=a.lr, weight_decay=a.weight_decay, betas=tuple(a.betas), warmup_steps=a.lr_warmup_steps,
+                     total_steps=total_optimizer_steps(cfg), schedule=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio,
+                     grad_clip=a.grad_clip)
+    if a.gradient_checkpointing:  # before the engine wraps the model (DDP, FSDP2, DeepSpeed)
+        recompute_activations(model)
+    actor = Actor(make_engine(cfg, model, spec, env, materialize), forward_layout(cfg))
+    if resume:
+        restore_state(actor.engine, resume / "model_state", "actor")
+    return actor
+
+
+@dataclass
+class Placed:
+    """The trainer process's parts: the trainer, and what the runner around it needs."""
+
+    trainer: PolicyTrainer
+    tokenizer: object
+    eval_engine: RolloutEngine  # greedy held-out evaluation on rank 0 (full weights)
+    maker: RolloutMaker | None  # the in-process producer; None when samplers produce elsewhere
+    sink: WeightSink
+    remote_eval: bool = False  # eval_engine is the producers' (Ray's rollout engines), fed through `sink`
+
+    def engines(self) -> dict[str, TrainEngine]:
+        """Checkpoint folder name -> the engines trained in this process: `model` (the policy), `critic`,
+        `cost_critic` (unless they train in workers of their own)."""
+        out = {"model": self.trainer.actor.engine}
+        for name, critic in self.critics():
+            if isinstance(critic, Critic):
+                out[name] = critic.engine
+        return out
+
+    def saved_elsewhere(self) -> list[Callable[[Path], str | None]]:
+        """The writers of the checkpoint parts held by other workers (a Ray critic group): each writes its
+        folders into the checkpoint being written and returns None, or the line saying why it could not."""
+        return [critic.save for _, critic in self.critics() if not isinstance(critic, Critic)]
+
+    def critics(self) -> list[tuple[str, object]]:
+        c = self.trainer.critics
+        if c is None:
+            return []
+        return [("critic", c.critic)] + ([("cost_critic", c.cost_critic)] if c.cost_critic is not None else [])
+
+
+class RemoteProducers(Protocol):
+    """Producers in other processes (ZeroMQ samplers, Ray rollout engines): the sink that sends them
+    weights, the BatchSource of the batches they make from the rows this trainer hands out, and the
+    critics (trained here, or in workers of their own)."""
+
+    def sink(self, actor: Actor, env: DistEnv) -> WeightSink: ...
+
+    def source(self, sampler: BatchSampler, trainer: PolicyTrainer, env: DistEnv) -> BatchSource: ...
+
+    def critics(self, cfg: RunConfig, resume: Path | None, env: DistEnv) -> CriticParts | None: ...
+
+    def evaluator(self, pad_id: int) -> RolloutEngine | None: ...
+
+
+def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: DistEnv = SINGLE,
+          producers: RemoteProducers | None = None) -> Placed:
+    """The in-process producer and the trainer, or only the trainer when `producers` make the batches in
+    other processes (and receive the weights through their sink). Policy from `policy_path`, the frozen
+    reference from the base `cfg.model.path`."""
+    folder = resolve_model_path(policy_path, console.print)
+    tokenizer = load_tokenizer(folder)
+    inline = producers is None
+    # the held-out evaluation on the producers' own engines where they offer it (Ray's rollout engines)
+    evaluator = producers.evaluator(tokenizer.pad_token_id) if producers is not None else None
+    # nothing here then needs the whole model: a sharded policy is built in its shards
+    sharded = shards_weights(cfg, env)
+    model, materialize = load_policy(cfg, folder, env, evaluator is not None and sharded)
+    # the reference is the base model, not a checkpoint
+    ref = build_ref(cfg, env.device, model if policy_path == cfg.model.path else None) if inline else None
+    remote = bool(cfg.services.generation_url) and inline
+    # a full copy for generation / evaluation when the engine keeps only a shard (copied before sharding): on
+    # every rank that generates (all of them in-process, rank 0 alone for its evaluation beside producers)
+    own_copy = sharded and not remote and evaluator is None
+    copy = frozen_copy(model).to(env.device) if own_copy and (inline or env.is_main) else None
+    actor = build_actor(cfg, model, resume, env, materialize)
+    if evaluator is not None:
+        engine = evaluator
+    elif remote:
+        engine = RemoteRolloutEngine(cfg.services.generation_url, tokenizer, **service_args(cfg))
+    else:  # colocated: generation shares the policy's weights unless the engine keeps only a shard of them
+        engine = HFRolloutEngine(copy if copy is not None else actor.model, tokenizer)
+    engine = with_tools(cfg, engine, tokenizer)  # evaluation rolls out the same way as training
+    if producers is not None:  # rank 0's evaluation copy (sharded engines) follows the samplers' weights
+        sink = producers.sink(actor, env)
+        if own_copy:  # the gather is collective: every rank takes part, rank 0 alone loads
+            sink = Fanout(EngineCopy(actor, engine, env, main_only=True), sink)
+        critics = producers.critics(cfg, resume, env)
+    else:
+        colocated = not remote and copy is None
+        sink = SharedModule() if colocated else EngineCopy(actor, engine, env, main_only=remote)
+        critics = build_critics(cfg, resume, env)
+    maker = build_maker(cfg, engine, tokenizer, ref, env) if inline else None
+    trainer = PolicyTrainer(cfg, actor, sink, critics, env)
+    return Placed(trainer, tokenizer, engine, maker, sink, remote_eval=evaluator is not None)

@@ -1,0 +1,262 @@
+"""The worker-group Ray actors: an actor-group rank (the trainer side of the loop), a reference worker,
+a reward-model worker, a rollout engine (the producer side). Each is a plain class made a Ray actor by the driver
+(`ray.remote(cls).options(...)`); the classes themselves only build the loop's existing pieces.
+
+Every worker has a `watch` method in a concurrency group of its own: it returns only when the worker
+stops, so the driver learns of a dead worker (kill -9, OOM) from that call failing, even while the
+worker is busy in its default thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import ray
+import torch
+import torch.distributed as dist
+
+from alignrl.config import RunConfig
+
+WATCH = {"watch": 1}
+
+
+def config_of(text: str) -> RunConfig:
+    """The driver's resolved run config from its YAML (already checked and counted there: loading it
+    again through `load_config` would redo verl's step arithmetic)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(text)))
+
+
+def node_label() -> str:
+    """The node as the error lines name it: IP and the first characters of Ray's node id."""
+    ctx = ray.get_runtime_context()
+    return f"{ray.util.get_node_ip_address()} ({ctx.get_node_id()[:8]})"
+
+
+def device_for(local_rank: int) -> torch.device:
+    """The first GPU Ray assigned to this worker (all of the node's GPUs stay visible, so the id is the
+    node's), else the one at this worker's position on its node; the CPU without CUDA."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    ids = ray.get_gpu_ids()
+    return torch.device("cuda", int(ids[0]) if ids else local_rank)
+
+
+def join_group(rank: int, world: int, local_rank: int, master: tuple[str, int], timeout_s: float) -> torch.device:
+    """This worker as rank `rank` of a `world`-rank torch.distributed group whose rank 0 serves `master`: the
+    launcher's environment variables set, as the loop's init_distributed reads them, and with more than one rank the
+    group joined here (the loop's own join installs signal handlers, which only a main thread may, and Ray runs
+    calls on another). Returns the worker's device."""
+    dev = device_for(local_rank)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(dev.index if dev.type == "cuda" else
+                                                                             local_rank),
+                      MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), ALIGNRL_DIST_TIMEOUT=str(timeout_s))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    return dev
+
+
+class Worker:
+    """What every worker has: a name for error lines, a liveness call, its threads."""
+
+    def __init__(self, threads: int):
+        if threads:
+            torch.set_num_threads(threads)
+        self._stop = threading.Event()
+
+    def where(self) -> dict:
+        return {"node": node_label(), "pid": os.getpid(), "ip": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    def free_address(self) -> tuple[str, int]:
+        """This node's IP and a free port on it (a group's rank 0 serves its rendezvous; actor rank 0 the
+        weight store too)."""
+        from alignrl.placements.ray.channel import free_port_on
+
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port_on(ip)
+
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> None:
+        self._stop.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class PolicyRank(Worker):
+    """Rank `rank` of the actor group: torch.distributed with the other ranks (gloo on CPU, NCCL on
+    GPUs) through the usual environment variables, then the one training loop."""
+
+    def __init__(self, rank: int, world: int, local_rank: int, threads: int, peer_timeout_s: float):
+        super().__init__(threads)
+        self.rank, self.world, self.local_rank, self.peer_timeout_s = rank, world, local_rank, peer_timeout_s
+
+    def run(self, cfg_text: str, master: tuple[str, int], producers, env: dict[str, str] | None = None
+            ) -> dict | None:
+        """`env`: variables the loop needs that stay out of the config text (the wandb key rank 0 logs with)."""
+        from alignrl.rl.runner import train_grpo
+
+        os.environ.update(env or {})
+        join_group(self.rank, self.world, self.local_rank, master, self.peer_timeout_s)  # the loop picks cuda:LOCAL_RANK
+        try:
+            return train_grpo(config_of(cfg_text), producers=producers)
+        finally:
+            self.stop()
+
+
+class RefWorker(Worker):
+    """Rank `rank` of the reference group: a frozen copy of the base policy scoring reference log-probs (the
+    loop's `build_ref`), or, sharded (`build` given the group's rendezvous), this rank's shard of one copy held
+    by the whole group (`dist.sharded_ref`), as OpenRLHF's reference group holds it under ZeRO-3."""
+
+    def __init__(self, cfg_text: str, rank: int, world: int, local_rank: int, threads: int, peer_timeout_s: float):
+        super().__init__(threads)
+        self.cfg, self.rank, self.world, self.local_rank = config_of(cfg_text), rank, world, local_rank
+        self.timeout_s, self.scorer = peer_timeout_s, None
+
+    def build(self, master: tuple[str, int] | None) -> int:
+        """Loads the reference; with `master` (reference rank 0's address) joins the group's torch.distributed
+        and keeps only this rank's shard. Returns the parameter elements this worker holds."""
+        from alignrl.placements.build import build_ref
+        from alignrl.runtime.env import init_distributed
+        from alignrl.placements.ray.sharded_ref import build_sharded_ref, held_elements
+
+        if master is None:
+            self.scorer = build_ref(self.cfg, device_for(self.local_rank))
+        else:  # sharded: more than one rank
+            join_group(self.rank, self.world, self.local_rank, master, self.timeout_s)
+            self.scorer = build_sharded_ref(self.cfg, init_distributed(self.cfg.trainer.device))
+        return held_elements(self.scorer.model)
+
+    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+        return self.scorer.logprobs(prompt_ids, prompt_mask, response_ids, response_mask).cpu()
+
+
+class RewardWorker(Worker):
+    """The reward model (`--reward_pretrain`, algorithm.reward_model) in a worker of its own: the loop's
+    ModelScorer on this worker's device, scoring the rows a rollout engine sends."""
+
+    def __init__(self, cfg_text: str, local_rank: int, threads: int):
+        from alignrl.models.value import ModelScorer
+
+        super().__init__(threads)
+        cfg = config_of(cfg_text)
+        self.scorer = ModelScorer(cfg.algorithm.reward_model, cfg.model.dtype, log=lambda *_: None,
+                                  device=device_for(local_rank))
+
+    def score(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+        return self.scorer.score(prompt_ids, prompt_mask, response_ids, response_mask)
+
+
+class RolloutWorker(Worker):
+    """A rollout engine: vLLM on GPUs (`engine="vllm"`, tensor-parallel size `tp`) or the embedded HF
+    engine on its own copy of the policy, the loop's RolloutMaker (`build_maker`) around it, weights from
+    actor rank 0 through the broadcast group."""
+
+    def __init__(self, cfg_text: str, index: int, local_rank: int, threads: int, ref_group,
+                 reward_workers: list, engine: str = "hf", tp: int = 1, gpu_memory_utilization: float = 0.6):
+        from alignrl.placements.build import build_ref
+        from alignrl.rl.runner import PromptData, load_task_data
+        from alignrl.models.loader import load_model
+
+        super().__init__(threads)
+        self.cfg, self.index, self.device = config_of(cfg_text), index, device_for(local_rank)
+        cfg = self.cfg
+        model = None
+        if engine == "vllm":
+            self.engine, self.tokenizer, self.named = vllm_engine(cfg, tp, gpu_memory_utilization)
+        else:
+            from alignrl.rollout.hf_engine import HFRolloutEngine
+
+            model, self.tokenizer = load_model(cfg.model.path, cfg.model.dtype)
+            model = model.to(self.device)
+            self.engine, self.named = HFRolloutEngine(model, self.tokenizer), list(model.named_parameters())
+        # `ref_group`: the reference group (a RayRefScorer over its workers); else (no group of its own) the
+        # loop's own choice: none without a KL term, the reference service when configured, a frozen base copy
+        # in this engine otherwise
+        if ref_group is not None:
+            self.ref = ref_group
+        else:
+            # a vLLM engine holds no HF copy (model None): build_ref loads one if the reference is frozen here
+            self.ref = build_ref(cfg, self.device, model)
+        self.reward_workers = reward_workers
+        self.rows = PromptData(self.tokenizer, load_task_data(cfg)[0], cfg.data.max_prompt_length)
+        self.makers: dict[int, object] = {}
+        self.version, self.group, self.cached = 0, None, None
+
+    def maker(self, seed_rank: int):
+        """One maker per seed rank: `seed_rank` decorrelates the samples of the engines' shares. With a
+        reward group, the loop's reward stage scores through it instead of loading the model here."""
+        from alignrl.placements.build import build_rewards, with_tools
+        from alignrl.rl.producer import RolloutMaker
+        from alignrl.placements.ray.channel import RayRewardScorer
+
+        if seed_rank not in self.makers:
+            cfg = self.cfg
+            if self.reward_workers:
+                cfg = replace(cfg, algorithm=replace(cfg.algorithm, reward_model=None))
+            rewards = build_rewards(cfg, self.tokenizer, self.device)
+            if self.reward_workers:
+                rewards = replace(rewards, reward_model=RayRewardScorer(self.reward_workers,
+                                                                        self.cfg.algorithm.reward_model))
+            # multi-turn search (agent.max_turns > 0) over this engine, as in the in-process loop
+            engine = with_tools(self.cfg, self.engine, self.tokenizer)
+            self.makers[seed_rank] = RolloutMaker(self.cfg, engine, rewards, self.ref, seed_rank)
+        return self.makers[seed_rank]
+
+    def batch(self, step: int, index: list[int], version: int, seed_rank: int):
+        """The scored batch of `step` for dataset rows `index`, made once and handed to every actor rank
+        that asks (they all ask for the same one)."""
+        key = (step, tuple(index), version)
+        if self.cached is None or self.cached[0] != key:
+            if version != self.version:
+                raise RuntimeError(f"rollout engine {self.index} holds weights v{self.version}, asked for v{version}")
+            self.cached = (key, self.maker(seed_rank).make(step, index, self.rows, version))
+        return self.cached[1]
+
+    def generate(self, prompts: list[list[int]], params):
+        """The held-out evaluation's rollouts (greedy, or pass@k's samples) on this engine's current weights."""
+        return self.engine.generate(prompts, params)
+
+    def join(self, host: str, port: int, size: int, backend: str, timeout_s: float) -> None:
+        from alignrl.placements.ray.weight_broadcast import BroadcastGroup, manifest
+
+        self.group = BroadcastGroup(host, port, self.index + 1, size, backend, timeout_s, self.device)
+        self.manifest = manifest(self.named)
+
+    def receive(self, bucket_bytes: int) -> int:
+        version, named = self.group.receive(self.manifest, bucket_bytes)
+        self.engine.load_weights(named)
+        self.version = version
+        return version
+
+
+def vllm_engine(cfg: RunConfig, tp: int, gpu_memory_utilization: float):
+    """A vLLM engine of the base policy, its tokenizer, and the policy's parameters as the actor sends
+    them (names, shapes and the actor's dtype, from a model built on the meta device: no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from alignrl.models.loader import DTYPES, load_tokenizer, resolve_model_path
+    from alignrl.rollout.vllm_engine import VLLMRolloutEngine
+
+    folder = str(resolve_model_path(cfg.model.path, lambda *_: None))
+    ids = ray.get_gpu_ids()
+    if tp == 1 and ids:
+        # workers see all of their node's GPUs (NOSET, see Driver.start) and vLLM takes the first one it
+        # sees: without this every one-GPU engine of a node would load onto its GPU 0. (Larger engines hold
+        # no GPU themselves; vLLM's Ray executor places their workers on the group's bundles.)
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(ids[0])
+    engine = VLLMRolloutEngine(folder, tensor_parallel_size=tp, dtype=cfg.model.dtype,
+                               gpu_memory_utilization=gpu_memory_utilization,
+                               distributed_executor_backend="ray" if tp > 1 else None)
+    with torch.device("meta"):
+        shapes = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=DTYPES[cfg.model.dtype])
+    return engine, load_tokenizer(Path(folder)), list(shapes.named_parameters())

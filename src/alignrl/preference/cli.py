@@ -1,0 +1,250 @@
+"""The command lines of reward-model and DPO training (`alignrl train rm|dpo`, seed 002's
+`python -m src.training.train_rm` and `train_safe_mm_dpo`): their flat config, flags and exit codes.
+
+The flat config keys are the ones seed 002's users edit (batch_size, max_length, learning_rate,
+gradient_accumulation_steps, ...), layered defaults < `--config` YAML < `key=value` overrides anywhere
+on the line < explicit flags. Nothing here imports torch: a mistaken flag, key or value is named in a
+fraction of a second, and only a valid config goes on to `alignrl.preference.rm` / `alignrl.preference.dpo`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from alignrl.config import ConfigError, check_folders, check_ranges, opt
+from alignrl.config.checks import did_you_mean
+from alignrl.errors import UserError
+
+# the DPO-family losses of `alignrl.core.preference.DPO_LOSSES` (a test holds the two equal)
+DPO_LOSS_NAMES = ("sigmoid", "cdpo", "ipo", "hinge", "safe")
+SMOOTHED_LOSSES = ("sigmoid", "cdpo")
+
+
+@dataclass(frozen=True)
+class CommonConfig:
+    model_path: str = opt("demo", "base model: an HF causal-LM folder, or 'demo' (the embedded tiny Qwen2)")
+    output_dir: str | None = opt(None, "where the trained model folder is written (--output_dir)")
+    logging_dir: str | None = opt(None, "metrics.jsonl and tensorboard/ (--logging_dir); default logs/training/<the "
+                                        "output folder's name>, without --output_dir logs/training/<task>_rm (rm) "
+                                        "or logs/training/dpo (dpo)")
+    batch_size: int = opt(8, "preference pairs per device per micro-batch", ge=1)
+    eval_batch_size: int = opt(16, "pairs per device per evaluation forward", ge=1)
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step", ge=1)
+    max_length: int = opt(256, "tokens of prompt + response (prompt keeps at most half, from its end)", ge=8)
+    learning_rate: float = opt(1e-4, "peak AdamW learning rate", gt=0.0)
+    weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
+    warmup_ratio: float = opt(0.1, "fraction of optimizer steps of linear warm-up", ge=0.0, le=1.0)
+    lr_scheduler: str = opt("cosine", "learning-rate decay after warm-up", choices=("constant", "cosine"))
+    min_lr_ratio: float = opt(0.1, "cosine floor as a fraction of the peak lr", ge=0.0, le=1.0)
+    grad_clip: float = opt(1.0, "max global grad norm; 0 disables", ge=0.0)
+    epochs: int = opt(1, "passes over the training pairs", ge=1)
+    max_steps: int = opt(0, "stop after this many optimizer steps; 0: run all epochs", ge=0)
+    max_train_pairs: int = opt(0, "use only the first N training pairs of each file; 0: all", ge=0)
+    max_eval_pairs: int = opt(0, "use only the first N held-out pairs of each file; 0: all", ge=0)
+    seed: int = opt(42, "seed of the data order and of new score heads")
+    strategy: str = opt("ddp", "training engine (ddp is one process without torchrun)",
+                        choices=("single", "ddp", "fsdp2", "deepspeed"))
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage (strategy=deepspeed)", choices=(0, 1, 2, 3))
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward (less memory, more time)")
+    bf16: str = opt("auto", "bfloat16 mixed precision: auto = on when the GPU supports it; fp32 on CPU",
+                    choices=("auto", "true", "false"))
+    log_every: int = opt(5, "print and record training metrics every N optimizer steps", ge=1)
+    max_nonfinite_updates: int = opt(3, "optimizer steps in a row skipped for a non-finite loss or gradient norm "
+                                        "after which training stops, saving nothing", ge=1)
+    num_workers: int = opt(0, "DataLoader worker processes", ge=0)
+    report_to: list = opt(["jsonl", "tensorboard"], "metric sinks under logging_dir: jsonl, tensorboard")
+
+
+@dataclass(frozen=True)
+class RMConfig(CommonConfig):
+    task: str = opt("helpful", "which preference data (--task): helpful or harmless", choices=("helpful", "harmless"))
+    model_type: str = opt("auto", "reward (Bradley-Terry) or cost (Safe RLHF cost model); auto: helpful → reward, "
+                                  "harmless → cost", choices=("auto", "reward", "cost"))
+    helpful_train_file: str = opt("builtin:helpful", "helpful training pairs (.jsonl/.parquet or builtin:NAME)")
+    helpful_eval_file: str = opt("builtin:helpful_test", "helpful held-out pairs")
+    harmless_train_file: str = opt("builtin:harmless", "harmless training pairs (with safety labels for a cost model)")
+    harmless_eval_file: str = opt("builtin:harmless_test", "harmless held-out pairs")
+    learning_rate: float = opt(2e-4, "peak AdamW learning rate", gt=0.0)
+
+
+@dataclass(frozen=True)
+class DPOConfig(CommonConfig):
+    ref_model_path: str | None = opt(None, "frozen reference model; default: the initial weights of model_path")
+    train_files: list = opt(["builtin:helpful", "builtin:harmless"], "preference files trained on (concatenated)")
+    eval_files: list = opt(["builtin:helpful_test", "builtin:harmless_test"], "held-out preference files")
+    prefer: str = opt("better", "PKU-SafeRLHF rows: which id is 'chosen'", choices=("better", "safer"))
+    loss_type: str = opt("sigmoid", "DPO-family loss", choices=DPO_LOSS_NAMES)
+    beta: float = opt(0.1, "β: strength of the KL anchor to the reference (IPO: τ)", gt=0.0)
+    label_smoothing: float = opt(0.0, "sigmoid/cdpo: probability that a label is flipped (conservative DPO)",
+                                  ge=0.0, le=0.5)
+    precompute_ref_log_probs: bool = opt(False, "reference log-probs once up front, then free the reference copy")
+    helpful_rm: str = opt("models/helpful_rm", "safe: helpfulness reward model folder (alignrl train rm --task helpful)")
+    harmless_rm: str = opt("models/harmless_rm", "safe: harmlessness cost model folder (--task harmless)")
+    safety_lambda: float = opt(1.0, "safe: λ in the utility r - λ·c", ge=0.0)
+    offset_alpha: float = opt(0.5, "safe: α in the ODPO offset α·log(1 + |Δu|)", ge=0.0)
+    learning_rate: float = opt(5e-5, "peak AdamW learning rate", gt=0.0)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block: the same shape as every other user error
+        flag = message.removeprefix("unrecognized arguments: ").split(" ")[0]
+        key = flag.removeprefix("--").partition("=")[0]
+        if message.startswith("unrecognized") and flag.startswith("--") and key in _config_keys():  # as HF/TRL
+            raise ConfigError(f"{self.prog}: {flag} is not a flag here; give the config key as {key}=VALUE")
+        raise ConfigError(f"{self.prog}: {message} (see --help)")
+
+
+def _config_keys() -> set[str]:
+    return {f.name for cls in (RMConfig, DPOConfig) for f in dataclasses.fields(cls)}
+
+
+def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description=description)
+    p.add_argument("--config", help="YAML file of flat keys (configs/rm_config.yaml, configs/dpo_config.yaml)")
+    p.add_argument("--output_dir", help="trained model folder")
+    p.add_argument("--logging_dir", help="metrics folder")
+    # taken out of the command line before parsing (run_cli); listed here for --help
+    p.add_argument("--nproc", type=int, help="train on N local processes (torchrun ranks)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. learning_rate=1e-5 epochs=2")
+    return p
+
+
+def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: dict[str, Any]):
+    """Defaults < YAML file < key=value overrides < explicit flags; validated like the RL config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from alignrl.config.load import dotted_item
+
+    try:
+        merged = OmegaConf.structured(cls)
+        if path:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file not found: {path} (pass --config with an existing YAML file)")
+            try:
+                loaded = OmegaConf.load(path)
+            except Exception as e:  # YAML syntax
+                raise ConfigError(f"cannot parse {path}: {str(e).splitlines()[0]}") from None
+            merged = OmegaConf.merge(merged, loaded)
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"unexpected argument {bad[0]!r} (overrides look like key=value, e.g. epochs=2)")
+        merged = OmegaConf.merge(merged, *(dotted_item(cls, o) for o in overrides),
+                                 {k: v for k, v in flags.items() if v is not None})
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        first = str(e).splitlines()[0]
+        if "not in" in first or ("Key '" in first and "not" in first):
+            names = [f.name for f in dataclasses.fields(cls)]
+            raise ConfigError(f"unknown config key '{key}'{did_you_mean(key, names)}; allowed: {', '.join(names)}"
+                              ) from None
+        raise ConfigError(f"bad value for '{key}': {first}") from None
+    # YAML reads `bf16: true` as a boolean, which the string field holds as "True"
+    cfg = dataclasses.replace(cfg, bf16=str(cfg.bf16).lower())
+    check_ranges(cfg)  # choices and ranges from the field metadata, the RL config's own check
+    unknown = set(cfg.report_to) - {"jsonl", "tensorboard"}
+    if unknown:
+        raise ConfigError(f"report_to has unknown sink(s) {sorted(unknown)}; allowed: jsonl, tensorboard")
+    # an existing output_dir (folder or file) is moved aside when the model is saved: only a file above it fails
+    folders = {"--logging_dir": Path(cfg.logging_dir)} if cfg.logging_dir else {}
+    if cfg.output_dir:
+        output = Path(cfg.output_dir)
+        folders["--output_dir"] = output.parent if output.is_file() else output
+    check_folders(folders)
+    return cfg
+
+
+def parse_rm(argv: list[str]) -> RMConfig:
+    p = make_parser("alignrl train rm", "Train a reward model (Bradley-Terry) or a Safe RLHF cost model.")
+    p.add_argument("--task", choices=("helpful", "harmless"))
+    p.add_argument("--model_type", choices=("auto", "reward", "cost"))
+    args = p.parse_intermixed_args(argv)  # key=value overrides before, between or after the flags
+    cfg = load_flat_config(RMConfig, args.config, args.overrides, {
+        "task": args.task, "model_type": args.model_type, "output_dir": args.output_dir,
+        "logging_dir": args.logging_dir})
+    if cfg.model_type == "cost" and cfg.task == "helpful" and cfg.helpful_train_file.startswith("builtin:"):
+        raise ConfigError("model_type=cost needs safety labels, which the helpful data has none of; use --task harmless")
+    return cfg
+
+
+def parse_dpo(argv: list[str]) -> DPOConfig:
+    p = make_parser("alignrl train dpo", "DPO, IPO, conservative DPO, hinge, safety-aware DPO.")
+    p.add_argument("--loss_type", choices=DPO_LOSS_NAMES)
+    p.add_argument("--precompute_ref_log_probs", action="store_true", default=None)
+    args = p.parse_intermixed_args(argv)
+    cfg = load_flat_config(DPOConfig, args.config, args.overrides, {
+        "loss_type": args.loss_type, "precompute_ref_log_probs": args.precompute_ref_log_probs,
+        "output_dir": args.output_dir, "logging_dir": args.logging_dir})
+    if cfg.label_smoothing and cfg.loss_type not in SMOOTHED_LOSSES:  # the loss would ignore it
+        raise ConfigError(f"label_smoothing={cfg.label_smoothing} is read only by loss_type "
+                          f"{' or '.join(SMOOTHED_LOSSES)}, not {cfg.loss_type}; set label_smoothing=0 or change loss_type")
+    return cfg
+
+
+# command -> (its parser, the module and function that train; `train(cfg, dry_run_world)`)
+COMMANDS = {"rm": (parse_rm, "alignrl.preference.rm", "train_rm"),
+            "dpo": (parse_dpo, "alignrl.preference.dpo", "train_dpo")}
+
+
+def rm_main(argv: list[str] | None = None) -> int:
+    return run_cli(argv, "rm")
+
+
+def dpo_main(argv: list[str] | None = None) -> int:
+    return run_cli(argv, "dpo")
+
+
+def run_cli(argv: list[str] | None, command: str) -> int:
+    """`alignrl train <command>`: the config is parsed and checked first; `--nproc N` then re-launches the
+    command under torchrun (after a dry run that checks the data against N ranks). User errors print one
+    line and exit 2."""
+    from alignrl.runtime.launch import pop_nproc, torchrun
+
+    parse, module, function = COMMANDS[command]
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        try:
+            nproc, argv = pop_nproc(argv)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        cfg = parse(argv)
+        train = getattr(_load_trainer(module), function)
+        if nproc and "WORLD_SIZE" not in os.environ:
+            train(cfg, nproc)  # bad data fails here, before any process starts
+            return torchrun(nproc, ["alignrl", "train", command, *argv])
+        train(cfg, None)
+        return 0
+    except UserError as e:
+        return _one_line(e)
+    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches every rank: rank 0 speaks
+        if os.environ.get("RANK", "0") == "0":
+            print("alignrl: interrupted (these runs start again from the base model)", file=sys.stderr, flush=True)
+        return 130
+
+
+def _load_trainer(module: str):
+    import torch
+
+    if not torch.cuda.is_available():  # else transformers' deepspeed probe warns "Setting accelerator to CPU"
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar per load/save of a small model is noise in run logs
+    return importlib.import_module(module)
+
+
+def _one_line(e: Exception) -> int:
+    if os.environ.get("RANK", "0") == "0":  # every rank fails the same way; one line is enough
+        print(f"alignrl: error: {e}", file=sys.stderr, flush=True)
+    else:  # torchrun stops the others when a rank exits: give rank 0 the moment it needs to print
+        time.sleep(1.0)
+    return 2

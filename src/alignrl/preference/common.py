@@ -1,0 +1,294 @@
+"""What reward-model and DPO training share at run time (their flat config and command line are
+`alignrl.preference.cli`'s): process group and engine, DistributedSampler sharding, evaluation
+sharding, the optimizer loop, rank-0 logging and atomic HF-folder saves. The two trainers differ only in
+their model, their per-micro-batch loss and their held-out metrics.
+
+Left out: resuming an interrupted run (these runs are minutes; they restart from the base model) and
+packing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from alignrl.preference.cli import CommonConfig
+from alignrl.config import ConfigError
+from alignrl.data.loaders import DataError
+from alignrl.data.preference import PreferenceBatch, collate_pairs
+from alignrl.runtime.env import cuda_bf16
+from alignrl.models.loader import disable_dropout, recompute_activations
+from alignrl.train.checkpoint import CheckpointError, aside_path, hold_run_dir, nonfinite, write_manifest
+from alignrl.train.engines.base import TrainingDiverged
+
+
+def use_bf16(cfg: CommonConfig) -> bool:
+    if cfg.bf16 == "auto":
+        return cuda_bf16()
+    return cfg.bf16 == "true"
+
+
+def autocast(cfg: CommonConfig, device: torch.device):
+    """bf16 autocast over fp32 weights for single/ddp; fsdp2 and deepspeed cast themselves."""
+    if use_bf16(cfg) and cfg.strategy in ("single", "ddp"):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def prepare_trainable(model, cfg: CommonConfig) -> None:
+    model.config.use_cache = False  # no KV cache in training: it only costs memory
+    disable_dropout(model)  # as TRL's: the policy is scored against a reference in eval mode
+    if cfg.gradient_checkpointing:
+        recompute_activations(model)
+
+
+def build_engine_for(cfg: CommonConfig, model, env, total_steps: int):
+    from alignrl.train.engines import OptimSpec, build_engine
+
+    spec = OptimSpec(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, warmup_steps=int(cfg.warmup_ratio * total_steps),
+                     total_steps=total_steps, schedule=cfg.lr_scheduler, min_lr_ratio=cfg.min_lr_ratio,
+                     grad_clip=cfg.grad_clip)
+    return build_engine(cfg.strategy, model, spec, env, zero_stage=cfg.zero_stage, bf16=use_bf16(cfg))
+
+
+def describe_batch(cfg: CommonConfig, world: int) -> str:
+    n = cfg.batch_size * world * cfg.gradient_accumulation_steps
+    return (f"effective batch = per-device batch × world size × gradient accumulation = "
+            f"{cfg.batch_size} × {world} × {cfg.gradient_accumulation_steps} = {n} pairs")
+
+
+def global_batch(cfg: CommonConfig, world: int) -> int:
+    return cfg.batch_size * world * cfg.gradient_accumulation_steps
+
+
+def steps_per_epoch(n_pairs: int, cfg: CommonConfig, world: int) -> int:
+    return n_pairs // global_batch(cfg, world)
+
+
+def total_steps(n_pairs: int, cfg: CommonConfig, world: int) -> int:
+    """Optimizer steps of the whole run: every epoch's whole global batches, capped at max_steps."""
+    per_epoch = steps_per_epoch(n_pairs, cfg, world)
+    return min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
+
+
+def check_enough(n_pairs: int, cfg: CommonConfig, world: int, what: str) -> None:
+    if steps_per_epoch(n_pairs, cfg, world) < 1:
+        raise DataError(f"{what}: {n_pairs} training pairs are fewer than one global batch "
+                        f"({describe_batch(cfg, world)}); lower batch_size or gradient_accumulation_steps")
+
+
+def train_loader(encoded: list, pairs: list, pad_id: int, cfg: CommonConfig, env, epoch: int):
+    """This rank's micro-batches of one epoch: torch's DistributedSampler (the same seeded shuffle on
+    every rank, disjoint equal shares, remainder dropped) cut into micro-batches; only whole optimizer
+    steps are kept, so every rank runs the same number of steps."""
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(range(len(encoded)), num_replicas=env.world_size, rank=env.rank, shuffle=True,
+                                 seed=cfg.seed, drop_last=True)
+    sampler.set_epoch(epoch)
+    batches = list(BatchSampler(sampler, cfg.batch_size, drop_last=True))
+    batches = batches[:len(batches) - len(batches) % cfg.gradient_accumulation_steps]
+    return DataLoader(encoded, batch_sampler=batches, num_workers=cfg.num_workers,
+                      collate_fn=lambda items: collate_pairs(items, pairs, pad_id),
+                      pin_memory=env.device.type == "cuda")
+
+
+def eval_batches(encoded: list, pairs: list, pad_id: int, batch_size: int, env) -> list[PreferenceBatch]:
+    """This rank's share of the held-out pairs (rank::world), padded with weight-0 copies so that
+    every rank runs the same number of forwards (sharded engines need all ranks in each one)."""
+    mine = encoded[env.rank::env.world_size]
+    per_rank = -(-len(encoded) // env.world_size)
+    weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
+    mine = mine + [encoded[0]] * (per_rank - len(mine))
+    return [collate_pairs(mine[i:i + batch_size], pairs, pad_id, weights[i:i + batch_size])
+            for i in range(0, len(mine), batch_size)]
+
+
+# ---------------------------------------------------------------- rank-0 outputs
+
+
+def run_folders(cfg: CommonConfig, default_out: str, default_log: str) -> tuple[Path, Path]:
+    """The trained model's folder and the logging folder: --logging_dir, else logs/training/<the model folder's name>
+    when --output_dir is given (runs of one task into other folders log apart), else the seed's `default_log`."""
+    out = Path(cfg.output_dir or default_out)
+    log = Path(cfg.logging_dir) if cfg.logging_dir else (Path("logs/training") / out.name if cfg.output_dir else
+                                                         Path(default_log))
+    if out.resolve() == log.resolve():
+        raise ConfigError(f"the logging folder is the output folder ({out}): the saved model replaces that folder; "
+                          f"give the logs one of their own, e.g. --logging_dir {out / 'logs'}")
+    return out, log
+
+
+class RankZeroLog:
+    """Console lines and metric sinks on rank 0 only; the other ranks stay silent."""
+
+    def __init__(self, env, log_dir: Path, sinks: list[str]):
+        self.env, self.tracker, self.lock = env, None, None
+        if env.is_main:
+            from alignrl.utils.tracking import Tracker
+
+            log_dir.mkdir(parents=True, exist_ok=True)
+            # before the tracker sets an old run's metrics aside: a run still writing them (two runs of one task
+            # share the default folder) would otherwise interleave its rows with this one's
+            self.lock = hold_run_dir(log_dir, "another --logging_dir")
+            self.tracker = Tracker(log_dir, list(sinks))  # a fresh run: an old run's curve is kept aside
+
+    def print(self, text: str) -> None:
+        if self.env.is_main:
+            print(text, flush=True)
+
+    def metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if self.tracker is not None:
+            self.tracker.log(step, metrics)
+
+
+def fmt(metrics: dict[str, float], keys: dict[str, str]) -> str:
+    return " ".join(f"{short} {metrics[k]:.4g}" for k, short in keys.items() if k in metrics)
+
+
+class StepMetrics:
+    """Micro-batch metrics averaged per optimizer step, averaged over ranks every `log_every` steps
+    (a collective: every rank calls `end_step` at the same steps), then printed and recorded."""
+
+    def __init__(self, cfg: CommonConfig, env, log: RankZeroLog, total: int, console_keys: dict[str, str]):
+        self.cfg, self.env, self.log, self.total, self.keys = cfg, env, log, total, console_keys
+        self.micro: list[dict[str, float]] = []
+        self.logged_step, self.t = 0, time.time()
+
+    def add(self, metrics: dict[str, float]) -> None:
+        self.micro.append(metrics)
+
+    def end_step(self, step: int, epoch: int, grad_norm: float, lr: float) -> None:
+        from alignrl.runtime.env import mean_metrics
+
+        if step % self.cfg.log_every == 0 or step == self.total:
+            m = {k: sum(d[k] for d in self.micro) / len(self.micro) for k in self.micro[0]}
+            m = mean_metrics(self.env, {**m, "grad_norm": grad_norm, "lr": lr,
+                                        "s_per_step": (time.time() - self.t) / (step - self.logged_step)})
+            self.log.metrics(step, m)
+            self.log.print(f"step {step}/{self.total} epoch {epoch + 1} " + fmt(m, {
+                **self.keys, "grad_norm": "grad_norm", "lr": "lr", "s_per_step": "s/step"}))
+            self.logged_step, self.t = step, time.time()
+        self.micro = []
+
+
+def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: CommonConfig, env,
+                log: RankZeroLog, total: int, console_keys: dict[str, str]) -> int:
+    """Train `engine` on the preference pairs for `total` optimizer steps at most, over `cfg.epochs`
+    epochs of this rank's micro-batches, `gradient_accumulation_steps` micro-batches per step;
+    returns the steps run. `loss_fn(module, batch, global_pairs) -> (loss, metrics)` runs one
+    micro-batch, already on the device, and returns the `core.preference` losses' form: the sum over
+    its pairs divided by `global_pairs` (all ranks' pairs of one optimizer step), which the engines
+    accumulate into the global batch's mean. `console_keys` (metric -> short name) picks what the
+    step lines print besides the loss."""
+    gpairs, accum, step, streak = global_batch(cfg, env.world_size), cfg.gradient_accumulation_steps, 0, 0
+    tracker = StepMetrics(cfg, env, log, total, {"loss": "loss", **console_keys})
+    engine.module.train()
+    for epoch in range(cfg.epochs):
+        for i, batch in enumerate(train_loader(encoded, pairs, pad_id, cfg, env, epoch)):
+            if step >= total:
+                break
+            batch = batch.to(env.device, non_blocking=True)
+            last = (i + 1) % accum == 0
+            with engine.micro_batch(last):
+                loss, metrics = loss_fn(engine.module, batch, gpairs)
+                engine.backward(loss, last_micro=last)
+            # recorded as this micro-batch's mean, comparable whatever the batch and world size
+            tracker.add({**metrics, "loss": loss.item() * gpairs / batch.n_pairs})
+            if last:
+                skipped = engine.skipped_steps
+                grad_norm = engine.step()
+                step += 1
+                streak = streak + 1 if engine.skipped_steps > skipped else 0
+                tracker.end_step(step, epoch, grad_norm, engine.lr())
+                check_finite(step, streak, cfg.max_nonfinite_updates, log)
+    return step
+
+
+def check_finite(step: int, streak: int, limit: int, log: RankZeroLog) -> None:
+    """Says a skipped optimizer step (a non-finite loss or gradient norm: the engine left the weights as they were),
+    and stops the run after `limit` in a row: the weights no longer change, and the cause does not go away. The
+    engines skip on the global norm, so every rank stops at the same step."""
+    if streak >= limit:
+        raise TrainingDiverged(f"training stopped at step {step}: the last {streak} optimizer step(s) had a "
+                               "non-finite loss or gradient norm and were skipped; nothing is saved. Lower "
+                               "learning_rate, keep grad_clip on, check the pairs, or raise max_nonfinite_updates")
+    if streak:
+        log.print(f"step {step}: optimizer step skipped: a non-finite loss or gradient norm ({streak} in a row; "
+                  f"training stops at max_nonfinite_updates={limit})")
+
+
+def check_eval_finite(value: float, what: str) -> None:
+    """A trained model whose held-out `what` are not finite (a sum over all ranks: every rank stops) is not saved:
+    its weights can be finite and still useless (a huge learning rate, no clipping, a last step that was skipped)."""
+    if not math.isfinite(value):
+        raise TrainingDiverged(f"the trained model gives non-finite {what} on the held-out pairs; nothing is saved. "
+                               "Lower learning_rate, keep grad_clip on, or check the pairs")
+
+
+def save_hf_folder(out_dir: Path, hf_model, state_dict: dict[str, torch.Tensor], tokenizer,
+                   json_files: dict[str, Any], env, log=print, log_dir: Path | None = None) -> None:
+    """Rank 0 writes the model (from the engine's full state dict), tokenizer and JSON files into a
+    temporary folder beside `out_dir`, then a manifest (the checkpoint rule of `alignrl.train.checkpoint`),
+    and renames it into place: readers never see a partial model. Weights that are not finite are never
+    written; a folder already at `out_dir` is moved aside and named, not deleted. This run's `log_dir`, when it lies
+    inside `out_dir` (made there at the start), moves into the new folder first: it stays where it was asked for."""
+    bad = nonfinite(state_dict)  # every rank holds the full weights: all of them stop, not only rank 0
+    if bad:
+        raise CheckpointError(f"the trained model has NaN/inf weights ({bad[0]}); not saving it to {out_dir} "
+                              "(lower learning_rate or check the training pairs)")
+    if not env.is_main:
+        return
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    carried = None
+    try:
+        hf_model.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        for name, obj in json_files.items():
+            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
+        write_manifest(tmp)
+        carried = _carry_logs(log_dir, out_dir, tmp)
+        if _only_folders(out_dir):  # what held this run's logs and nothing else
+            shutil.rmtree(out_dir)
+        elif out_dir.exists() or out_dir.is_symlink():
+            old = aside_path(out_dir.parent, f"{out_dir.name}.previous")
+            os.replace(out_dir, old)
+            log(f"{out_dir} already existed: moved it to {old}, not deleted")
+        os.replace(tmp, out_dir)
+    except BaseException:
+        if carried is not None:  # the logs go back before the unfinished folder does
+            (out_dir / carried).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp / carried, out_dir / carried)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _only_folders(path: Path) -> bool:
+    """A real folder holding folders only (no file, link or other entry at any depth): nothing of the user's."""
+    return (path.is_dir() and not path.is_symlink()
+            and all(p.is_dir() and not p.is_symlink() for p in path.rglob("*")))
+
+
+def _carry_logs(log_dir: Path | None, out_dir: Path, tmp: Path) -> Path | None:
+    """Moves `log_dir` from inside `out_dir` to the same place in `tmp`; its path inside, or None (not inside)."""
+    if log_dir is None or not log_dir.is_dir() or not out_dir.is_dir():
+        return None
+    try:
+        inner = log_dir.resolve().relative_to(out_dir.resolve())
+    except ValueError:
+        return None
+    if inner == Path("."):  # refused when the config loads
+        return None
+    (tmp / inner).parent.mkdir(parents=True, exist_ok=True)
+    os.replace(log_dir, tmp / inner)
+    return inner

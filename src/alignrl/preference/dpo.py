@@ -1,0 +1,234 @@
+"""DPO-family training (`alignrl train dpo`, seed 002's train_safe_mm_dpo), safety-aware DPO included.
+
+    torchrun --nproc_per_node=2 -m src.training.train_safe_mm_dpo --config configs/dpo_config.yaml \\
+        --output_dir models/aligned --logging_dir logs/training/safe_mm_dpo
+    alignrl train dpo --config configs/dpo_config.yaml loss_type=sigmoid --nproc 2
+
+The policy trains through a TrainEngine (DDP / FSDP2 / DeepSpeed); the frozen reference is a copy
+of the initial policy on every rank in eval mode, or, with `precompute_ref_log_probs`, its sequence
+log-probs are computed once up front and the copy is freed. `loss_type` picks a `core.preference`
+loss: sigmoid (DPO; conservative DPO with label_smoothing, also named cdpo), ipo, hinge (SLiC), safe.
+
+Safety-aware DPO (`loss_type: safe`): a helpfulness reward model r and a harmlessness cost model c
+(both trained by `alignrl train rm`, loaded on every rank in eval mode) score both responses of
+every pair once before training. The pair is ordered by the Safe RLHF utility u = r - λ·c (Dai et
+al. 2023, "Safe RLHF: Safe Reinforcement Learning from Human Feedback", with a fixed multiplier λ =
+`safety_lambda`), and trained with the ODPO loss -log σ(β·h - Δ) (Amini et al. 2024, "Direct
+Preference Optimization with an Offset"), where h is DPO's log-ratio gap and the offset
+Δ = α·log(1 + |u_w - u_l|) (α = `offset_alpha`) asks for a wider margin the more the scorers
+separate the two responses. A harmless scorer trained as a reward model (higher = safer) enters
+as c = -score.
+
+Held-out reward accuracy (β-scaled implicit rewards, chosen > rejected, ties half) and margins are
+measured before and after training, per eval file, and written to `<output_dir>/eval_results.json`
+beside the saved HF causal-LM folder. Left out: reference-model syncing (TR-DPO), online DPO,
+length-normalised losses.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from alignrl.preference import common as pc
+from alignrl.preference.cli import DPOConfig
+from alignrl.preference.rm import check_scorer_kind, score_info
+from alignrl.config import ConfigError
+from alignrl.core.preference import DPO_LOSSES, reward_accuracy
+from alignrl.data.preference import encode_pairs, load_pairs, truncation_note
+from alignrl.models.logprobs import response_logprobs
+
+
+def check_scorers(cfg: DPOConfig) -> None:
+    for key, task in (("helpful_rm", "helpful"), ("harmless_rm", "harmless")):
+        path = getattr(cfg, key)
+        if not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"{key}={path}: no trained model there; run `bash scripts/train_rm_distributed.sh "
+                              f"{task} <NGPU>` first (or point {key} at a reward-model folder)")
+        check_scorer_kind(key, path)
+
+
+def _load(files: list[str], cfg: DPOConfig, limit: int, key: str) -> tuple[list, list[int]]:
+    pairs, group = [], []
+    for g, f in enumerate(files):
+        got = load_pairs(f, cfg.prefer, limit or None, key)
+        pairs += got
+        group += [g] * len(got)
+    return pairs, group
+
+
+def pair_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence log-prob sums (B,) of the chosen and the rejected responses, one forward for both."""
+    lp, _ = response_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    s = lp.sum(-1)
+    return s[:batch.n_pairs], s[batch.n_pairs:]
+
+
+@torch.no_grad()
+def per_pair_table(fn, batches, n: int, width: int, env) -> torch.Tensor:
+    """(n, width) values of `fn(batch) -> (B, width)` for every pair of the data set: each rank fills
+    its rows and one sum over ranks shares them (plain float tensors, nothing pickled)."""
+    from alignrl.runtime.env import all_reduce_sum
+
+    out = torch.zeros(n, width, dtype=torch.float64)
+    for batch in batches:
+        vals = fn(batch.to(env.device)).double().cpu()
+        keep = batch.weight.bool()  # the batch stays on the CPU: `out` is indexed with its rows
+        out[batch.index[keep]] = vals[keep]
+    return torch.tensor(all_reduce_sum(env, out.flatten().tolist()), dtype=torch.float64).view(n, width)
+
+
+def _scorer_table(cfg, enc, pairs, pad, env, log) -> torch.Tensor:
+    """(N, 4) help_chosen, help_rejected, cost_chosen, cost_rejected of every training pair."""
+    from alignrl.models.value import ModelScorer
+
+    cols = []
+    for key in ("helpful_rm", "harmless_rm"):
+        path = getattr(cfg, key)
+        sign = -1.0 if key == "harmless_rm" and score_info(path).get("model_type") == "reward" else 1.0
+        scorer = ModelScorer(path, "bfloat16" if pc.use_bf16(cfg) else "float32", log=log.print)
+        scorer.model.to(env.device)
+
+        def score(b, s=scorer):
+            v = s.score(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+            return torch.stack([v[:b.n_pairs], v[b.n_pairs:]], 1)
+
+        cols.append(sign * per_pair_table(score, pc.eval_batches(enc, pairs, pad, cfg.eval_batch_size, env),
+                                          len(enc), 2, env))
+        del scorer
+    return torch.cat(cols, 1).float()
+
+
+@torch.no_grad()
+def evaluate(model, ref_fn, batches, groups: list[int], names: list[str], beta: float, cfg, env) -> dict:
+    """Held-out DPO metrics over all ranks, overall and per eval file: reward accuracy and margin of
+    the implicit rewards β·(log π - log π_ref), and how often the policy itself gives the chosen
+    response more probability than the rejected one."""
+    from alignrl.runtime.env import all_reduce_sum
+
+    was = model.training
+    model.eval()
+    k = len(names)
+    sums = torch.zeros(k, 4, dtype=torch.float64)  # reward acc, margin, logp acc, pairs
+    for batch in batches:
+        batch = batch.to(env.device)
+        with pc.autocast(cfg, env.device):
+            pc_, pr_ = pair_logps(model, batch)
+        rc, rr = ref_fn(batch)
+        ch, rj = beta * (pc_.float() - rc), beta * (pr_.float() - rr)
+        w = batch.weight
+        g = torch.tensor([groups[i] for i in batch.index.tolist()])
+        rows = torch.stack([reward_accuracy(ch, rj) * w, (ch - rj) * w, reward_accuracy(pc_, pr_) * w, w], 1).double()
+        sums.index_add_(0, g, rows.cpu())
+    model.train(was)
+    sums = torch.tensor(all_reduce_sum(env, sums.flatten().tolist()), dtype=torch.float64).view(k, 4)
+
+    def block(s: torch.Tensor) -> dict:
+        n = max(float(s[3]), 1.0)
+        return {"reward_accuracy": float(s[0]) / n, "reward_margin": float(s[1]) / n,
+                "logp_accuracy": float(s[2]) / n, "pairs": int(s[3])}
+
+    return {"all": block(sums.sum(0)), **{names[i]: block(sums[i]) for i in range(k)}}
+
+
+def _fmt_eval(e: dict) -> str:
+    return (f"reward accuracy {e['reward_accuracy']:.3f}, margin {e['reward_margin']:+.3f}, "
+            f"policy prefers chosen {e['logp_accuracy']:.3f}")
+
+
+def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
+    from alignrl.runtime.env import barrier, init_distributed, shutdown
+    from alignrl.models.loader import frozen_copy, load_model
+
+    safe = cfg.loss_type == "safe"
+    if safe:
+        check_scorers(cfg)
+    train_pairs, _ = _load(list(cfg.train_files), cfg, cfg.max_train_pairs, "train_files")
+    eval_pairs, eval_group = _load(list(cfg.eval_files), cfg, cfg.max_eval_pairs, "eval_files")
+    if dry_run_world:
+        pc.check_enough(len(train_pairs), cfg, dry_run_world, ", ".join(cfg.train_files))
+        return {}
+    out_dir, log_dir = pc.run_folders(cfg, "models/aligned", "logs/training/dpo")
+    t0 = time.time()
+    env = init_distributed()
+    pc.check_enough(len(train_pairs), cfg, env.world_size, ", ".join(cfg.train_files))
+    log = pc.RankZeroLog(env, log_dir, cfg.report_to)
+    policy, tok = load_model(cfg.model_path, log=log.print, key="model_path")
+    ref = (frozen_copy(policy) if cfg.ref_model_path is None else
+           frozen_copy(load_model(cfg.ref_model_path, key="ref_model_path")[0]))
+    ref.to(env.device, torch.bfloat16 if pc.use_bf16(cfg) else torch.float32)
+    pc.prepare_trainable(policy, cfg)
+    pad = tok.pad_token_id
+    enc_train, cut = encode_pairs(tok, train_pairs, cfg.max_length)
+    enc_eval, _ = encode_pairs(tok, eval_pairs, cfg.max_length)
+    log.print(f"DPO ({cfg.loss_type}, beta {cfg.beta}): {len(enc_train)} train pairs from {', '.join(cfg.train_files)}; "
+              f"{len(enc_eval)} held-out; {truncation_note(enc_train, cut, cfg.max_length)}")
+    ref_lp = lambda b: tuple(t.float() for t in pair_logps(ref, b))  # noqa: E731
+    train_ref = eval_ref = None
+    if cfg.precompute_ref_log_probs:
+        both = lambda b: torch.stack(ref_lp(b), 1)  # noqa: E731
+        train_ref = per_pair_table(both, pc.eval_batches(enc_train, train_pairs, pad, cfg.eval_batch_size, env),
+                                   len(enc_train), 2, env).float()
+        eval_ref = per_pair_table(both, pc.eval_batches(enc_eval, eval_pairs, pad, cfg.eval_batch_size, env),
+                                  len(enc_eval), 2, env).float()
+        del ref
+        log.print("reference log-probs precomputed; the reference copy is freed")
+    scores = _scorer_table(cfg, enc_train, train_pairs, pad, env, log) if safe else None
+
+    def ref_for(batch, table):
+        if table is None:
+            return ref_lp(batch)
+        t = table[batch.index.cpu()].to(env.device)
+        return t[:, 0], t[:, 1]
+
+    total = pc.total_steps(len(enc_train), cfg, env.world_size)
+    engine = pc.build_engine_for(cfg, policy, env, total)
+    log.print(f"{pc.describe_batch(cfg, env.world_size)}; {total} optimizer steps, strategy {engine.name}, "
+              f"world size {env.world_size}, bf16 {pc.use_bf16(cfg)}, gradient checkpointing "
+              f"{cfg.gradient_checkpointing}")
+    evals = pc.eval_batches(enc_eval, eval_pairs, pad, cfg.eval_batch_size, env)
+    names = [str(f).removeprefix("builtin:") for f in cfg.eval_files]
+    ev = lambda: evaluate(engine.model, lambda b: ref_for(b, eval_ref), evals, eval_group, names, cfg.beta,  # noqa: E731
+                          cfg, env)
+    before = ev()
+    log.print("held-out before training: " + _fmt_eval(before["all"]))
+
+    def loss(module, batch, gpairs):
+        with pc.autocast(cfg, env.device):
+            pc_, pr_ = pair_logps(module, batch)
+            with torch.no_grad():
+                rc, rr = ref_for(batch, train_ref)
+        extra = {}
+        if safe:
+            s = scores[batch.index.cpu()].to(env.device)
+            extra = dict(help_chosen=s[:, 0], help_rejected=s[:, 1], cost_chosen=s[:, 2], cost_rejected=s[:, 3],
+                         safety_lambda=cfg.safety_lambda, offset_alpha=cfg.offset_alpha)
+        return DPO_LOSSES[cfg.loss_type](pc_.float(), pr_.float(), rc, rr, cfg.beta, gpairs,
+                                         label_smoothing=cfg.label_smoothing, **extra)
+
+    step = pc.train_pairs(engine, loss, enc_train, train_pairs, pad, cfg, env, log, total,
+                          {"rewards/accuracy": "acc", "rewards/margin": "margin", "safe/offset": "offset",
+                           "safe/swapped_frac": "swapped"})
+    after = ev()
+    pc.check_eval_finite(after["all"]["reward_margin"], "log-probabilities")
+    log.print("held-out after training:  " + _fmt_eval(after["all"]))
+    for name in names:
+        log.print(f"  {name}: reward accuracy {before[name]['reward_accuracy']:.3f} -> "
+                  f"{after[name]['reward_accuracy']:.3f}, policy prefers chosen {before[name]['logp_accuracy']:.3f} -> "
+                  f"{after[name]['logp_accuracy']:.3f}")
+    results = {"loss_type": cfg.loss_type, "beta": cfg.beta, "before": before, "after": after, "steps": step,
+               "train_pairs": len(enc_train), "world_size": env.world_size, "strategy": engine.name,
+               "effective_batch": pc.global_batch(cfg, env.world_size), "seconds": round(time.time() - t0, 1),
+               **({"helpful_rm": cfg.helpful_rm, "harmless_rm": cfg.harmless_rm, "safety_lambda": cfg.safety_lambda,
+                   "offset_alpha": cfg.offset_alpha} if safe else {})}
+    state = engine.full_state_dict()  # collective
+    pc.save_hf_folder(out_dir, policy, state, tok, {"eval_results.json": results}, env, log_dir=log_dir)
+    log.metrics(step, {"eval/reward_accuracy": after["all"]["reward_accuracy"],
+                       "eval/reward_accuracy_before": before["all"]["reward_accuracy"],
+                       "eval/logp_accuracy": after["all"]["logp_accuracy"]})
+    log.print(f"saved policy to {out_dir} ({results['seconds']:.1f}s)")
+    barrier(env)
+    shutdown()
+    return results

@@ -1,0 +1,249 @@
+"""The producer side of the RL loop: prompts -> rollout -> scores -> reference log-probs, one ScoredBatch.
+
+`RolloutMaker` does that for the prompts it is given (dataset rows), in whatever process it runs: the
+trainer's own (`InlineSource`, colocated or against HTTP services) or a sampler process that feeds a
+trainer over ZeroMQ (`alignrl.placements.zmq.sampler`). Old-policy log-probs are the trainer's business
+(`actor.recompute_old_logprobs`); the rollout engine's own log-probs travel with the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from alignrl.rl.rollout_ops import concat_rollouts, group_rows, mixed_reward_groups, select_groups
+from alignrl.rl.scoring import RewardStage
+from alignrl.config import RunConfig
+from alignrl.data.collate import per_token_in_chunks
+from alignrl.data.records import Rollout, Sample, ScoredBatch, Scores
+from alignrl.data.sampler import BatchSampler
+from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, shard
+from alignrl.interfaces import RefScorer, RolloutEngine, SamplingParams
+from alignrl.models.logprobs import Layout, response_logprobs
+from alignrl.utils.tracking import console
+
+# Dataset rows -> (samples, prompt token ids); the runner's `PromptData` is one.
+Rows = Callable[[Sequence[int]], tuple[list[Sample], list[list[int]]]]
+
+
+@contextmanager
+def timed(timings: dict[str, float], name: str):
+    t0 = time.perf_counter()
+    yield
+    key = f"timing/{name}"  # accumulates: dynamic sampling generates and scores several times a step
+    timings[key] = timings.get(key, 0.0) + (time.perf_counter() - t0)
+
+
+def batched_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                     response_mask: torch.Tensor, temperature: float, micro_batch: int, layout: Layout = Layout()
+                     ) -> torch.Tensor:
+    """Log-probs (B, R) of the responses under `model`, in length-grouped, trimmed chunks, each laid out by
+    `layout` (models.logprobs)."""
+    def logprobs(m, *tensors):
+        return response_logprobs(m, *tensors, temperature, layout=layout)[0]
+
+    return per_token_in_chunks(model, logprobs, prompt_ids, prompt_mask, response_ids, response_mask, micro_batch,
+                               by_prompt=layout.share_prompt)
+
+
+class LocalRefScorer:
+    """Reference log-probs from an in-process frozen model (the HTTP one is `rollout.remote.RemoteRefScorer`)."""
+
+    def __init__(self, model, temperature: float, micro_batch: int, layout: Layout = Layout()):
+        self.model, self.temperature, self.micro_batch, self.layout = model, temperature, micro_batch, layout
+
+    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+        return batched_logprobs(self.model, prompt_ids, prompt_mask, response_ids, response_mask, self.temperature,
+                                self.micro_batch, self.layout)
+
+
+class RolloutMaker:
+    """generate -> reward -> (DAPO dynamic sampling) -> reference log-probs, for given dataset rows."""
+
+    def __init__(self, cfg: RunConfig, engine: RolloutEngine, rewards: RewardStage, ref: RefScorer | None,
+                 rank: int = 0):
+        """`ref` None: no KL term needs reference log-probs. `rank` decorrelates the ranks' samples."""
+        self.cfg, self.engine, self.rewards, self.ref, self.rank = cfg, engine, rewards, ref, rank
+
+    def sampling_params(self, step: int, gen_round: int = 0) -> SamplingParams:
+        """Round 0 is the step's first generation; dynamic sampling's extra rounds get their own seeds
+        (offset far past any step count), so a resumed run draws the same samples."""
+        r = self.cfg.rollout
+        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, stop=tuple(r.stop),
+                              seed=self.cfg.trainer.seed * 1_000_003 + step + gen_round * 1_000_000_007
+                              + self.rank * 7_919_000_003)  # ranks draw different samples
+
+    def make(self, step: int, index: Sequence[int], rows: Rows, version: int = 0,
+             more: Callable[[], Sequence[int]] | None = None, ref_groups: int | None = None) -> ScoredBatch:
+        """The scored batch of RL step `step` for dataset rows `index` (`rows` turns them into samples and
+        prompt ids). `more` (dynamic sampling only) returns the next rows to draw when groups run short.
+        `ref_groups`: reference log-probs of only the first this many prompt groups (a ZeroMQ trainer
+        computes the rest); None: all of them. The batch's metrics describe the first draw, whatever
+        dynamic sampling keeps."""
+        t: dict[str, float] = {}
+        samples, prompts = rows(index)
+        with timed(t, "gen"):
+            ro = self.engine.generate(prompts, self.sampling_params(step))
+        with timed(t, "reward"):
+            scores = self.score(ro, samples)
+        metrics = first_draw_metrics(ro, scores)
+        index = torch.as_tensor(list(index), dtype=torch.long)
+        if self.cfg.algorithm.dynamic_sampling:
+            ro, scores, index, dapo = self.dynamic_sample(step, ro, scores, index, rows, more, t)
+            metrics.update(dapo)
+        with timed(t, "ref"):
+            ref_lp = self.ref_logprobs(ro, ref_groups) if self.ref is not None and len(ro.group) else None
+        # state masking: tool observations are attended (response_mask) but never trained on
+        loss_mask = ro.generated_mask if self.cfg.actor.state_masking else ro.response_mask
+        return ScoredBatch(ro, scores, loss_mask.clone(), ref_lp, index[ro.group], version, metrics={**metrics, **t})
+
+    def ref_logprobs(self, ro: Rollout, groups: int | None) -> torch.Tensor:
+        """Reference log-probs (K, R) of the rows of the first `groups` prompt groups (all rows if None)."""
+        k = len(ro.group) if groups is None else int((ro.group < groups).sum())
+        if k == 0:
+            return ro.logprobs.new_zeros((0, ro.logprobs.shape[1]))
+        return self.ref.logprobs(ro.prompt_ids[:k], ro.prompt_mask[:k], ro.response_ids[:k], ro.response_mask[:k])
+
+    def score(self, ro: Rollout, samples: Sequence[Sample]) -> Scores:
+        scores = self.rewards.score(ro, samples)
+        if self.cfg.algorithm.adv_estimator == "remax":
+            scores.baseline = self.greedy_baseline(ro, samples)
+        return scores
+
+    def greedy_baseline(self, ro: Rollout, samples: Sequence[Sample]) -> torch.Tensor:
+        """ReMax's baseline: the reward of each prompt's greedy response, per row (B,), scored by the same
+        reward stage as the samples (a reward model, the overlong penalty): the rule reward alone put the
+        baseline on another scale than the rewards it is taken from."""
+        first = torch.unique_consecutive(ro.group, return_counts=True)[1].cumsum(0) - 1  # a row of each group
+        prompts = [ro.prompt_ids[i][ro.prompt_mask[i]].tolist() for i in first.tolist()]
+        greedy = self.engine.generate(prompts, SamplingParams(n=1, temperature=0.0, stop=tuple(self.cfg.rollout.stop),
+                                                              max_new_tokens=self.cfg.rollout.max_new_tokens))
+        rows = [samples[g] for g in ro.group[first].tolist()]  # greedy row (group) j is the prompt of rows[j]
+        return self.rewards.score(greedy, rows).rewards[ro.group]
+
+    def dynamic_sample(self, step: int, ro: Rollout, scores: Scores, index: torch.Tensor, rows: Rows,
+                       more: Callable[[], Sequence[int]] | None, timings: dict[str, float]):
+        """DAPO dynamic sampling (Yu et al. 2025): keep the groups whose rewards differ, generate and
+        score more prompts (up to algorithm.max_gen_rounds extra rounds, only if `more` is given) until
+        data.train_batch_size groups are kept, then keep exactly that many (the earliest) or, still
+        short, all of them. Returns (rollout, scores, dataset row per group, metrics)."""
+        want, pad = self.cfg.data.train_batch_size, self.rewards.tokenizer.pad_token_id
+        ro, scores, index = _keep_groups(ro, scores, index, mixed_reward_groups(scores.rewards, ro.group))
+        rounds = 1
+        while _n_groups(ro) < want and rounds <= self.cfg.algorithm.max_gen_rounds and more is not None:
+            new_index = torch.as_tensor(list(more()), dtype=torch.long)
+            samples, prompts = rows(new_index.tolist())
+            with timed(timings, "gen"):
+                new = self.engine.generate(prompts, self.sampling_params(step, rounds))
+            with timed(timings, "reward"):
+                new_scores = self.score(new, samples)
+            new, new_scores, new_index = _keep_groups(new, new_scores, new_index,
+                                                      mixed_reward_groups(new_scores.rewards, new.group))
+            ro, scores = concat_rollouts(ro, new, pad), scores.cat(new_scores)
+            index = torch.cat([index, new_index])
+            rounds += 1
+        kept = min(_n_groups(ro), want)
+        if kept < want:
+            console.print(f"step {step}: dynamic sampling kept {kept} of {want} groups after {rounds} "
+                          "generation round(s); training on those")
+        ro, scores, index = _keep_groups(ro, scores, index, torch.arange(kept))
+        return ro, scores, index, {"dapo/kept_groups": float(kept), "dapo/gen_rounds": float(rounds)}
+
+
+def agent_metrics(ro: Rollout) -> dict[str, float]:
+    """Multi-turn tool use per episode (empty for single-turn rollouts, which carry no stats)."""
+    if not ro.stats:
+        return {}
+    st = ro.stats
+    return {"agent/searches_per_episode": float(st["searches"].mean()),
+            "agent/valid_action_rate": float(st["valid_actions"].sum() / st["actions"].sum().clamp(min=1)),
+            "agent/turns": float(st["turns"].mean()),
+            "agent/generated_token_frac": float(ro.generated_mask.sum() / ro.response_mask.sum().clamp(min=1))}
+
+
+def first_draw_metrics(ro: Rollout, scores: Scores) -> dict[str, float]:
+    lengths = ro.response_lengths.float()
+    return {**agent_metrics(ro),
+        "reward/mean": float(scores.rewards.mean()),
+        "reward/std": float(scores.rewards.std()) if len(scores.rewards) > 1 else 0.0,
+        "reward/accuracy": float(scores.correct.float().mean()),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_frac": float(ro.truncated.float().mean()),
+    }
+
+
+def moments(mean: float, std: float, n: int) -> list[float]:
+    """n, Σx and Σx² of `n` values with this mean and sample standard deviation: what adds up over parts."""
+    return [float(n), n * mean, (n - 1) * std * std + n * mean * mean]
+
+
+def from_moments(n: float, total: float, squares: float) -> tuple[float, float]:
+    """The mean and sample standard deviation of values whose count, sum and sum of squares these are."""
+    mean = total / n if n else 0.0
+    return mean, (math.sqrt(max(squares - n * mean * mean, 0.0) / (n - 1)) if n > 1 else 0.0)
+
+
+def pooled_std(env: DistEnv, mean: float, std: float, n: int) -> float:
+    """The sample standard deviation of all ranks' values together, from each rank's mean and sample standard
+    deviation of its `n` values."""
+    return from_moments(*all_reduce_sum(env, moments(mean, std, n)))[1]
+
+
+def merged_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """The metrics of batches made apart (the Ray engines' shares, of `n` sequences each) as those of one batch:
+    a `*_max` the largest, a `*_min` the smallest, reward/std pooled, the others the mean weighted by size."""
+    n = sum(size for _, size in parts) or 1
+    out = {k: sum(m.get(k, 0.0) * size for m, size in parts) / n for k in parts[0][0]}
+    for k in out:
+        if k.endswith(("_max", "_min")):
+            out[k] = (max if k.endswith("_max") else min)(m[k] for m, _ in parts if k in m)
+    if all("reward/std" in m and "reward/mean" in m for m, _ in parts):
+        sums = [sum(x) for x in zip(*(moments(m["reward/mean"], m["reward/std"], size) for m, size in parts))]
+        out["reward/mean"], out["reward/std"] = from_moments(*sums)
+    return out
+
+
+def _n_groups(ro: Rollout) -> int:
+    return int(ro.group.max()) + 1 if len(ro.group) else 0
+
+
+def _keep_groups(ro: Rollout, scores: Scores, index: torch.Tensor, keep: torch.Tensor):
+    """The kept groups of the rollout, their scores, and their dataset rows (one per group)."""
+    keep = torch.as_tensor(keep, dtype=torch.long)
+    return select_groups(ro, keep), scores.rows(group_rows(ro.group, keep)), index[torch.sort(keep).values]
+
+
+class InlineSource:
+    """The BatchSource of one process (or each torchrun rank): draws the step's rows from the
+    checkpointed sampler, keeps this rank's share, and makes the batch here."""
+
+    def __init__(self, maker: RolloutMaker, sampler: BatchSampler, rows: Rows, version: Callable[[], int],
+                 env: DistEnv = SINGLE):
+        """`version`: the trainer's current weight version (generation here always uses the newest)."""
+        self.maker, self.sampler, self.rows, self.version, self.env = maker, sampler, rows, version, env
+
+    def next_batch(self, step: int) -> ScoredBatch:
+        def draw() -> list[int]:  # the sampler's position is checkpointed, so extra DAPO rounds resume exactly
+            return shard(self.sampler.next(), self.env)  # every rank draws the same batch and keeps its share
+
+        first = draw()
+        batch = self.maker.make(step, first, self.rows, self.version(), more=draw)
+        if self.env.distributed:  # the reward spread of the whole batch, not the mean of each share's
+            batch.metrics["reward/std"] = pooled_std(self.env, batch.metrics["reward/mean"],
+                                                     batch.metrics["reward/std"], len(first) * self.maker.cfg.rollout.n)
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+    def close(self, finished: bool) -> None:
+        pass
