@@ -5,7 +5,7 @@
 
 Each run is `alignrl demo` (the demo config, the same base model, data and step budget) with only the
 estimator's keys changed; extra `key=value` overrides apply to every run (e.g. trainer.total_training_steps=50
-for a quicker look). Prints one row per estimator and a Markdown table for the README.
+for a quicker look). Prints one row per estimator and a Markdown table for docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ ESTIMATORS = {
 
 
 def run(name: str, keys: list[str], out: Path, extra: list[str]) -> dict:
-    from alignrl.rl.runner import train_grpo
+    from alignrl.runner import train_grpo
     from alignrl.config import load_config
 
     slug = "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")

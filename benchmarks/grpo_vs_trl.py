@@ -103,10 +103,10 @@ def prepare_model(args) -> Path:
 
 
 def alignrl_side(model_dir: Path, samples, args):
-    """The in-process producer and trainer, placed as `alignrl.rl.runner.train_grpo` does, configured for the
+    """The in-process producer and trainer, placed as `alignrl.runner.train_grpo` does, configured for the
     shared workload."""
-    from alignrl.placements.build import place
-    from alignrl.rl.runner import PromptData
+    from alignrl.placements.local import place
+    from alignrl.data.prompts import PromptData
     from alignrl.config import load_config
 
     P, n = args.prompts, args.n

@@ -11,7 +11,7 @@ import torch
 import alignrl.rl.producer as producer_mod
 import alignrl.rl.trainer as trainer_mod
 from alignrl.placements.build import build_rewards, with_tools
-from alignrl.rl.runner import train_grpo
+from alignrl.runner import train_grpo
 from alignrl.rl.trainer import policy_loss_spec
 from alignrl.config import ConfigError, load_config
 from alignrl.config.checks import response_cap

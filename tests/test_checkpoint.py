@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignrl.rl.runner import train_grpo
+from alignrl.runner import train_grpo
 from alignrl.config import load_config
 from alignrl.data.loaders import DataError
 from alignrl.runtime.env import SINGLE
@@ -316,7 +316,7 @@ def save_checkpoint(root, step, engines, *a, **k):
         with torch.no_grad():
             next(engines["model"].model.parameters()).fill_(float("nan"))
     return real(root, step, engines, *a, **k)
-import alignrl.rl.runner as runner
+import alignrl.runner as runner
 runner.save_checkpoint = save_checkpoint
 from alignrl.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -372,7 +372,7 @@ def test_a_run_that_fails_lets_the_folder_go_while_its_process_lives_on(tiny_mod
     import subprocess
     import sys
 
-    from alignrl.rl.runner import train_grpo
+    from alignrl.runner import train_grpo
     from alignrl.config import load_config
     from alignrl.data.loaders import DataError
     from conftest import src_path

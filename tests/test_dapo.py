@@ -165,7 +165,7 @@ class Recorder:
 def _step(tiny_model_dir, extra, rewards=None):
     """The in-process producer and trainer on the tiny model; `rewards` (a list) replaces the reward
     function by those values in call order, so the test decides which groups are mixed."""
-    from alignrl.placements.build import place
+    from alignrl.placements.local import place
 
     step = Harness(place(load_config(None, STEP + [f"model.path={tiny_model_dir}"] + extra), str(tiny_model_dir)))
     if rewards is not None:

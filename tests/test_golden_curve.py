@@ -42,7 +42,7 @@ RTOL = {"reward/mean": 0.0, "actor/approx_kl": 0.3, "actor/entropy": 0.0, "actor
 
 def run_curve(out_dir: Path, extra: tuple[str, ...] = ()) -> dict[str, list[float]]:
     """Per-step values of CURVES from a fresh short demo run under `out_dir`."""
-    from alignrl.rl.runner import train_grpo
+    from alignrl.runner import train_grpo
     from alignrl.config import load_config
 
     cfg = load_config(Path(alignrl.__file__).parent / "examples" / "demo.yaml",

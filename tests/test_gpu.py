@@ -50,7 +50,7 @@ def _final_weights(run: Path, step: int) -> dict:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"], ids=["fp32", "bf16"])
 def test_grpo_trains_on_cuda(tiny_model_dir, tmp_path, dtype):
-    from alignrl.rl.runner import train_grpo
+    from alignrl.runner import train_grpo
     from alignrl.config import load_config
 
     if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():

@@ -270,7 +270,7 @@ def test_verl_reward_model_without_ground_truth(tmp_path: Path) -> None:
 def test_search_r1_rows_a_reward_could_not_read_are_one_line_at_load(tmp_path: Path) -> None:
     """An empty prompt list and a ground truth without 'target' stopped a run with a traceback at the step that
     drew the row (the second only once a sampled answer reached the reward)."""
-    from alignrl.rl.runner import load_task_data
+    from alignrl.data.prompts import load_task_data
     from alignrl.config import load_config
 
     def rows(truth, empty: int | None = None) -> list[dict]:

@@ -135,7 +135,7 @@ def test_the_readme_input_template_as_the_shell_passes_it(tmp_path: Path, capsys
     """`data.input_template=$'User: {}\\nAssistant: '` reaches the program with braces and a newline in it: the text
     key takes it as text (YAML read `User: {}` as a mapping). Typed as `'User: {}\\nAssistant: '` it holds the two
     characters backslash-n, kept as they are (a template may hold LaTeX such as \\nabla), with a warning."""
-    from alignrl.rl.runner import load_task_data
+    from alignrl.data.prompts import load_task_data
     from alignrl.config import load_config
 
     path = tmp_path / "prompts.jsonl"

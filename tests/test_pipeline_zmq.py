@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from alignrl.rl.runner import train_grpo
+from alignrl.runner import train_grpo
 from alignrl.config import load_config
 from alignrl.runtime.launch import free_ports
 from conftest import SRC, src_path

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 ray = pytest.importorskip("ray")
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
-from alignrl.rl.runner import train_grpo  # noqa: E402
+from alignrl.runner import train_grpo  # noqa: E402
 from alignrl.compat import openrlhf_keys as K  # noqa: E402
 from alignrl.compat import openrlhf_flags as F  # noqa: E402
 from alignrl.placements.ray.plan import engine_slot, release, requests, reserve, slots  # noqa: E402

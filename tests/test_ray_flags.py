@@ -347,7 +347,7 @@ def test_max_samples_takes_the_first_rows_of_a_prompt_file(tmp_path):
     no others, and counts its steps from them."""
     import json
 
-    from alignrl.rl.runner import load_task_data
+    from alignrl.data.prompts import load_task_data
     from alignrl.compat.openrlhf_ppo_ray import training_steps
 
     data = tmp_path / "prompts.jsonl"

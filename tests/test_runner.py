@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignrl.rl.runner import train_grpo
+from alignrl.runner import train_grpo
 from alignrl.config import ConfigError, load_config
 from conftest import src_path
 
@@ -239,8 +239,8 @@ def test_ppo_lagrangian_with_a_cost_model(tiny_model_dir, tmp_path):
 
 
 def test_remax_baseline_is_the_greedy_reward(tiny_model_dir, tmp_path):
-    from alignrl.placements.build import place
-    from alignrl.rl.runner import PromptData
+    from alignrl.placements.local import place
+    from alignrl.data.prompts import PromptData
     from alignrl.core.shaping import overlong_penalty
     from alignrl.data import synthetic
     from alignrl.interfaces import SamplingParams
@@ -362,7 +362,7 @@ def test_a_line_a_kill_left_torn_does_not_stop_the_resume_and_a_fresh_start_keep
 
 def test_the_batch_line_counts_search_r1_mini_batches_in_sequences():
     """Search-R1's GRPO script: 512 prompts × n_agent 5, ppo_mini_batch_size 256 sequences: 10 updates a step."""
-    from alignrl.rl.runner import describe_batch
+    from alignrl.runner import describe_batch
     from alignrl.config import load_config
 
     grpo = ["algorithm.adv_estimator=grpo", "data.train_batch_size=512", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
@@ -384,7 +384,7 @@ def test_the_batch_line_counts_search_r1_mini_batches_in_sequences():
 
 
 def test_the_header_names_what_the_run_trains():
-    from alignrl.rl.runner import algorithm_name
+    from alignrl.runner import algorithm_name
     from alignrl.config import load_config
 
     assert algorithm_name(load_config(None, [])) == "GRPO"
@@ -424,7 +424,7 @@ def test_the_saved_deepspeed_json_holds_the_runs_batch_and_names_what_it_does_no
     run's own, and a user's file whose numbers the run does not follow gets one line saying which and what to set."""
     from types import SimpleNamespace
 
-    from alignrl.rl.runner import save_ds_config
+    from alignrl.runner import save_ds_config
     from alignrl.runtime.env import DistEnv
 
     user = tmp_path / "z3.json"

@@ -93,7 +93,7 @@ def test_the_sampler_side_says_in_one_line_that_nothing_answers(tiny_model_dir, 
 # --- deepspeed.json ----------------------------------------------------------------------------------------------
 
 def _effective(overrides: list[str]) -> str:
-    from alignrl.rl.runner import describe_batch
+    from alignrl.runner import describe_batch
     from alignrl.config import load_config
 
     return describe_batch(load_config(None, overrides), 1).split("effective batch = ")[1]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from alignrl.rl.runner import train_grpo
+from alignrl.runner import train_grpo
 from alignrl.config import load_config
 from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
 from alignrl.rollout.remote import RemoteRolloutEngine, ServiceError

@@ -6,7 +6,8 @@ import torch
 
 import alignrl.train.actor as actor_mod
 import alignrl.train.critic as critic_mod
-from alignrl.placements.build import place, with_tools
+from alignrl.placements.build import with_tools
+from alignrl.placements.local import place
 from alignrl.config import ConfigError, load_config
 from alignrl.core.advantages import gae_advantages
 from alignrl.core.entropy import entropy_from_logits

@@ -59,7 +59,7 @@ def test_a_bad_checkpoints_to_keep_is_one_line():
 def test_a_verl_spelled_run_leaves_every_checkpoint_on_disk(tmp_path, tiny_model_dir):
     """Three saves with alignrl's default of 2 kept would delete global_step_1; the layout is alignrl's
     <default_local_dir>/global_step_N/model, as the README says."""
-    from alignrl.rl.runner import train_grpo
+    from alignrl.runner import train_grpo
 
     ckpt = tmp_path / "verl_checkpoints" / "run"
     cfg = load_config(None, [

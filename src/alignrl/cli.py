@@ -195,7 +195,7 @@ def _run(args: argparse.Namespace, cfg: RunConfig | None) -> int:
     assert cfg is not None
     # under raw torchrun every rank checks before joining the process group, so a bad split fails at once
     preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    from alignrl.rl.runner import train_grpo
+    from alignrl.runner import train_grpo
     from alignrl.runtime.env import shutdown
 
     summary = train_grpo(cfg, wall_start=start)

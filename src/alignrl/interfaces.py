@@ -3,7 +3,7 @@
     producer (BatchSource)                                  trainer
     prompts -> RolloutEngine -> rewards -> RefScorer -> ScoredBatch -> channel -> PolicyTrainer -> WeightSink
 
-Each placement (one process, torchrun ranks, HTTP services, a ZeroMQ sampler pipeline) plugs in its
+Each placement (one process, torchrun ranks, HTTP services, a ZeroMQ sampler pipeline, Ray) plugs in its
 own implementation of these protocols once, at start; the step itself never asks which one it has.
 The records that cross between the stages live in `alignrl.data.records`.
 """
@@ -12,11 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from alignrl.data.records import Rollout, ScoredBatch
+
+if TYPE_CHECKING:  # the trainer-side types a placement's producers are handed; annotations only
+    from alignrl.config import RunConfig
+    from alignrl.data.sampler import BatchSampler
+    from alignrl.rl.trainer import CriticParts, PolicyTrainer
+    from alignrl.runtime.env import DistEnv
+    from alignrl.train.actor import Actor
 
 
 @dataclass(frozen=True)
@@ -73,3 +81,17 @@ class WeightSink(Protocol):
     under torchrun: every rank calls it."""
 
     def publish(self, version: int) -> None: ...
+
+
+class RemoteProducers(Protocol):
+    """Producers in other processes (ZeroMQ samplers, Ray rollout engines): the sink that sends them
+    weights, the BatchSource of the batches they make from the rows this trainer hands out, and the
+    critics (trained here, or in workers of their own)."""
+
+    def sink(self, actor: Actor, env: DistEnv) -> WeightSink: ...
+
+    def source(self, sampler: BatchSampler, trainer: PolicyTrainer, env: DistEnv) -> BatchSource: ...
+
+    def critics(self, cfg: RunConfig, resume: Path | None, env: DistEnv) -> CriticParts | None: ...
+
+    def evaluator(self, pad_id: int) -> RolloutEngine | None: ...

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from alignrl.placements.build import place
+from alignrl.placements.local import place
 from alignrl.rl.sinks import Fanout, SharedModule
 from alignrl.config import load_config
 from alignrl.runtime.env import barrier, init_distributed

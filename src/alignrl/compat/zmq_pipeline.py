@@ -192,7 +192,7 @@ def prepare_training(a: argparse.Namespace, extra: list[str], write: bool, say=N
     check_world_size(cfg, a.nproc)  # what the launch checks too: before deepspeed.json is written for the split
     before_start(cfg, a)
     if a.data_path or a.eval_data_path:  # their rows, read as the run will: a bad one is named before anything starts
-        from alignrl.rl.runner import load_task_data
+        from alignrl.data.prompts import load_task_data
 
         load_task_data(cfg)
     if a.no_deepspeed:

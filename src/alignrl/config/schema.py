@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from alignrl.errors import ConfigError, UserError  # noqa: F401 (ConfigError: the config package's error)
+from alignrl.errors import ConfigError  # noqa: F401 (the config package's error, defined below it for runtime/)
 
 
 def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,

@@ -97,7 +97,7 @@ def agent_eval(model_path: str, cfg: RunConfig, samples: Sequence, batch_size: i
 
 def run(recipe: SearchRecipe, overrides: Sequence[str], heldout: int, log=print) -> dict:
     """The whole demo; returns the summary (also written to `<run dir>/summary.json`)."""
-    from alignrl.rl.runner import train_grpo
+    from alignrl.runner import train_grpo
     from alignrl.data.loaders import load_samples
     from alignrl.utils.atomic import atomic_write_text
 

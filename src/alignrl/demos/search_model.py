@@ -118,7 +118,7 @@ def sft_masked(model, tokenizer, samples: list, *, steps: int, batch_size: int, 
 
     from alignrl.data.collate import encode_prompts, left_pad, right_pad
     from alignrl.models.logprobs import response_logprobs
-    from alignrl.train.optim import build_optimizer
+    from alignrl.core.optim import build_optimizer
 
     prompts = encode_prompts(tokenizer, samples, 10**6)
     pairs = [trajectory_ids(tokenizer, s.extra["answer"]) for s in samples]

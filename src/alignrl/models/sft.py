@@ -13,7 +13,7 @@ import torch
 from alignrl.data.collate import encode_prompts, left_pad, right_pad
 from alignrl.data.records import Sample
 from alignrl.models.logprobs import response_logprobs
-from alignrl.train.optim import build_optimizer
+from alignrl.core.optim import build_optimizer
 
 
 def encode_pairs(tokenizer, samples: Sequence[Sample], max_prompt_length: int) -> tuple[list, list]:

@@ -1,9 +1,8 @@
-"""Placement, done once at start from the config: which implementation of each interface of the RL
-loop this run plugs in (a local or remote rollout engine, reference and reward; a shared module, a
-local copy or a server as the weight sink; the training engine of actor and critics).
-
-The step never asks which one it got. The ZeroMQ sampler process builds its producer with
-`build_maker` too, so a sampler makes exactly the batches the in-process loop would.
+"""The parts every placement builds from a config: the training engines of actor and critics, the frozen
+reference (a local copy or the reference service), the reward stage (rules, a reward model or the reward
+service), the multi-turn tools, and the producer (`build_maker`). The in-process trainer (`placements.local`),
+a ZeroMQ sampler and a Ray rollout engine all build their producer with `build_maker`, so each makes exactly the
+batches the in-process loop would.
 """
 
 from __future__ import annotations
@@ -11,32 +10,27 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from alignrl.rl.producer import LocalRefScorer, RolloutMaker
 from alignrl.preference.rm import check_rl_scorers
 from alignrl.rl.scoring import RewardStage
-from alignrl.rl.sinks import EngineCopy, Fanout, SharedModule
-from alignrl.rl.trainer import CriticParts, PolicyTrainer
+from alignrl.rl.trainer import CriticParts
 from alignrl.config import ConfigError, RunConfig
 from alignrl.config.checks import needs_reference, response_cap
 from alignrl.core.lagrangian import LagrangeMultiplier
-from alignrl.data.sampler import BatchSampler
 from alignrl.runtime.env import SINGLE, DistEnv
-from alignrl.interfaces import BatchSource, RefScorer, RolloutEngine, WeightSink
-from alignrl.models.loader import (DTYPES, frozen_copy, load_causal_lm, load_model, load_tokenizer,
-                                   recompute_activations, resolve_model_path)
+from alignrl.interfaces import RefScorer, RolloutEngine, SequenceScorer
+from alignrl.models.loader import DTYPES, frozen_copy, load_causal_lm, load_model, recompute_activations
 from alignrl.models.logprobs import Layout
 from alignrl.models.sharded_load import fill_shards, meta_model
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.registry import load_reward_fn, make_reward
 from alignrl.rollout.agent import AgentRollout
-from alignrl.rollout.hf_engine import HFRolloutEngine
-from alignrl.rollout.remote import RemoteRefScorer, RemoteReward, RemoteRolloutEngine
+from alignrl.rollout.remote import RemoteRefScorer, RemoteReward
 from alignrl.rollout.retriever import RetrieverClient
 from alignrl.train.actor import Actor
 from alignrl.train.critic import Critic
@@ -135,8 +129,17 @@ def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngin
                         d.max_start_length or d.max_prompt_length, response_cap(cfg))
 
 
-def build_maker(cfg: RunConfig, engine: RolloutEngine, tokenizer, ref: RefScorer | None, env: DistEnv) -> RolloutMaker:
-    return RolloutMaker(cfg, engine, build_rewards(cfg, tokenizer, env.device), ref, env.rank)
+def build_maker(cfg: RunConfig, engine: RolloutEngine, tokenizer, ref: RefScorer | None, device: torch.device,
+                seed_rank: int, reward_model: SequenceScorer | None = None) -> RolloutMaker:
+    """The producer of every placement: `engine` (already with its tools: `with_tools`), the reward stage and the
+    reference. `seed_rank` decorrelates the samples of producers that share a step; `reward_model`: a scorer
+    that lives elsewhere (a Ray reward group), in place of the one `cfg` would load here."""
+    if reward_model is None:
+        rewards = build_rewards(cfg, tokenizer, device)
+    else:  # not loaded here: the stage scores through the given scorer
+        rewards = replace(build_rewards(replace(cfg, algorithm=replace(cfg.algorithm, reward_model=None)), tokenizer,
+                                        device), reward_model=reward_model)
+    return RolloutMaker(cfg, engine, rewards, ref, seed_rank)
 
 
 def build_critic(cfg: RunConfig, name: str, resume: Path | None, env: DistEnv = SINGLE) -> Critic:
@@ -213,91 +216,3 @@ def build_actor(cfg: RunConfig, model, resume: Path | None, env: DistEnv, materi
     if resume:
         restore_state(actor.engine, resume / "model_state", "actor")
     return actor
-
-
-@dataclass
-class Placed:
-    """The trainer process's parts: the trainer, and what the runner around it needs."""
-
-    trainer: PolicyTrainer
-    tokenizer: object
-    eval_engine: RolloutEngine  # greedy held-out evaluation on rank 0 (full weights)
-    maker: RolloutMaker | None  # the in-process producer; None when samplers produce elsewhere
-    sink: WeightSink
-    remote_eval: bool = False  # eval_engine is the producers' (Ray's rollout engines), fed through `sink`
-
-    def engines(self) -> dict[str, TrainEngine]:
-        """Checkpoint folder name -> the engines trained in this process: `model` (the policy), `critic`,
-        `cost_critic` (unless they train in workers of their own)."""
-        out = {"model": self.trainer.actor.engine}
-        for name, critic in self.critics():
-            if isinstance(critic, Critic):
-                out[name] = critic.engine
-        return out
-
-    def saved_elsewhere(self) -> list[Callable[[Path], str | None]]:
-        """The writers of the checkpoint parts held by other workers (a Ray critic group): each writes its
-        folders into the checkpoint being written and returns None, or the line saying why it could not."""
-        return [critic.save for _, critic in self.critics() if not isinstance(critic, Critic)]
-
-    def critics(self) -> list[tuple[str, object]]:
-        c = self.trainer.critics
-        if c is None:
-            return []
-        return [("critic", c.critic)] + ([("cost_critic", c.cost_critic)] if c.cost_critic is not None else [])
-
-
-class RemoteProducers(Protocol):
-    """Producers in other processes (ZeroMQ samplers, Ray rollout engines): the sink that sends them
-    weights, the BatchSource of the batches they make from the rows this trainer hands out, and the
-    critics (trained here, or in workers of their own)."""
-
-    def sink(self, actor: Actor, env: DistEnv) -> WeightSink: ...
-
-    def source(self, sampler: BatchSampler, trainer: PolicyTrainer, env: DistEnv) -> BatchSource: ...
-
-    def critics(self, cfg: RunConfig, resume: Path | None, env: DistEnv) -> CriticParts | None: ...
-
-    def evaluator(self, pad_id: int) -> RolloutEngine | None: ...
-
-
-def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: DistEnv = SINGLE,
-          producers: RemoteProducers | None = None) -> Placed:
-    """The in-process producer and the trainer, or only the trainer when `producers` make the batches in
-    other processes (and receive the weights through their sink). Policy from `policy_path`, the frozen
-    reference from the base `cfg.model.path`."""
-    folder = resolve_model_path(policy_path, console.print)
-    tokenizer = load_tokenizer(folder)
-    inline = producers is None
-    # the held-out evaluation on the producers' own engines where they offer it (Ray's rollout engines)
-    evaluator = producers.evaluator(tokenizer.pad_token_id) if producers is not None else None
-    # nothing here then needs the whole model: a sharded policy is built in its shards
-    sharded = shards_weights(cfg, env)
-    model, materialize = load_policy(cfg, folder, env, evaluator is not None and sharded)
-    # the reference is the base model, not a checkpoint
-    ref = build_ref(cfg, env.device, model if policy_path == cfg.model.path else None) if inline else None
-    remote = bool(cfg.services.generation_url) and inline
-    # a full copy for generation / evaluation when the engine keeps only a shard (copied before sharding): on
-    # every rank that generates (all of them in-process, rank 0 alone for its evaluation beside producers)
-    own_copy = sharded and not remote and evaluator is None
-    copy = frozen_copy(model).to(env.device) if own_copy and (inline or env.is_main) else None
-    actor = build_actor(cfg, model, resume, env, materialize)
-    if evaluator is not None:
-        engine = evaluator
-    elif remote:
-        engine = RemoteRolloutEngine(cfg.services.generation_url, tokenizer, **service_args(cfg))
-    else:  # colocated: generation shares the policy's weights unless the engine keeps only a shard of them
-        engine = HFRolloutEngine(copy if copy is not None else actor.model, tokenizer)
-    engine = with_tools(cfg, engine, tokenizer)  # evaluation rolls out the same way as training
-    if producers is not None:  # rank 0's evaluation copy (sharded engines) follows the samplers' weights
-        sink = producers.sink(actor, env)
-        if own_copy:  # the gather is collective: every rank takes part, rank 0 alone loads
-            sink = Fanout(EngineCopy(actor, engine, env, main_only=True), sink)
-        critics = producers.critics(cfg, resume, env)
-    else:
-        colocated = not remote and copy is None
-        sink = SharedModule() if colocated else EngineCopy(actor, engine, env, main_only=remote)
-        critics = build_critics(cfg, resume, env)
-    maker = build_maker(cfg, engine, tokenizer, ref, env) if inline else None
-    trainer = PolicyTrainer(cfg, actor, sink, critics, env)
-    return Placed(trainer, tokenizer, engine, maker, sink, remote_eval=evaluator is not None)

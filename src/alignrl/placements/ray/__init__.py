@@ -4,7 +4,7 @@
     actor group (Ray actors, torch.distributed inside)  <- RaySource  <- rollout engines (Ray actors)
     actor rank 0 -> bucketed collective broadcast (own process group) -> rollout engines
 
-The trainer side is `alignrl.rl.runner.train_grpo` run in every actor-group rank with a Ray
+The trainer side is `alignrl.runner.train_grpo` run in every actor-group rank with a Ray
 `RemoteProducers` (`channel.RayProducers`); the producer side is `RolloutMaker` (`build_maker`) run in
 the rollout-engine actors. Entry points, one driver (`driver.Driver` runs a `Job`: a `plan.Layout` and
 the resolved run config): `alignrl train ppo-ray <flags>` / `python -m alignrl.compat.openrlhf_ppo_ray`

@@ -63,7 +63,7 @@ def check_inputs(cfg: RunConfig) -> None:
     """What the workers will load, checked here first: a bad data file or model folder is one line from the
     driver, not a worker's creation traceback wrapped in Ray's."""
     from alignrl.preference.rm import check_rl_scorers
-    from alignrl.rl.runner import load_task_data
+    from alignrl.data.prompts import load_task_data
     from alignrl.models.loader import resolve_model_path
     from alignrl.rewards.registry import check_user_fns
     from alignrl.rollout.remote import check_services

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -102,7 +101,7 @@ class PolicyRank(Worker):
     def run(self, cfg_text: str, master: tuple[str, int], producers, env: dict[str, str] | None = None
             ) -> dict | None:
         """`env`: variables the loop needs that stay out of the config text (the wandb key rank 0 logs with)."""
-        from alignrl.rl.runner import train_grpo
+        from alignrl.runner import train_grpo
 
         os.environ.update(env or {})
         join_group(self.rank, self.world, self.local_rank, master, self.peer_timeout_s)  # the loop picks cuda:LOCAL_RANK
@@ -164,7 +163,7 @@ class RolloutWorker(Worker):
     def __init__(self, cfg_text: str, index: int, local_rank: int, threads: int, ref_group,
                  reward_workers: list, engine: str = "hf", tp: int = 1, gpu_memory_utilization: float = 0.6):
         from alignrl.placements.build import build_ref
-        from alignrl.rl.runner import PromptData, load_task_data
+        from alignrl.data.prompts import PromptData, load_task_data
         from alignrl.models.loader import load_model
 
         super().__init__(threads)
@@ -195,21 +194,16 @@ class RolloutWorker(Worker):
     def maker(self, seed_rank: int):
         """One maker per seed rank: `seed_rank` decorrelates the samples of the engines' shares. With a
         reward group, the loop's reward stage scores through it instead of loading the model here."""
-        from alignrl.placements.build import build_rewards, with_tools
-        from alignrl.rl.producer import RolloutMaker
+        from alignrl.placements.build import build_maker, with_tools
         from alignrl.placements.ray.channel import RayRewardScorer
 
         if seed_rank not in self.makers:
-            cfg = self.cfg
-            if self.reward_workers:
-                cfg = replace(cfg, algorithm=replace(cfg.algorithm, reward_model=None))
-            rewards = build_rewards(cfg, self.tokenizer, self.device)
-            if self.reward_workers:
-                rewards = replace(rewards, reward_model=RayRewardScorer(self.reward_workers,
-                                                                        self.cfg.algorithm.reward_model))
+            scorer = (RayRewardScorer(self.reward_workers, self.cfg.algorithm.reward_model) if self.reward_workers
+                      else None)
             # multi-turn search (agent.max_turns > 0) over this engine, as in the in-process loop
             engine = with_tools(self.cfg, self.engine, self.tokenizer)
-            self.makers[seed_rank] = RolloutMaker(self.cfg, engine, rewards, self.ref, seed_rank)
+            self.makers[seed_rank] = build_maker(self.cfg, engine, self.tokenizer, self.ref, self.device, seed_rank,
+                                                 reward_model=scorer)
         return self.makers[seed_rank]
 
     def batch(self, step: int, index: list[int], version: int, seed_rank: int):

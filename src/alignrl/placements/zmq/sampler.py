@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from alignrl.placements.build import build_maker, build_ref, with_tools
-from alignrl.rl.runner import PromptData, load_task_data
+from alignrl.data.prompts import PromptData, load_task_data
 from alignrl.data.records import rows_digest
 from alignrl.config import ConfigError, RunConfig, load_config
 from alignrl.placements.zmq.coordinator import PipelineError
@@ -220,7 +220,7 @@ class Sampler:
         # the base weights in model.dtype, loaded as the trainer loads its own (this policy copy holds the dtypes
         # the trainer publishes in), unless the trainer runs the whole reference forward
         ref = build_ref(cfg, self.device) if sampler_needs_ref(cfg) else None
-        maker = build_maker(cfg, engine, self.tokenizer, ref, SINGLE)
+        maker = build_maker(cfg, engine, self.tokenizer, ref, SINGLE.device, SINGLE.rank)
         with Pusher(address(self.args.host, self.args.data_port), hwm=cfg.pipeline.hwm, token=self.token) as push:
             return self._batches(cfg, rows, maker, push)
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 from alignrl.runtime.env import DistEnv
 from alignrl.errors import UserError
 from alignrl.train.engines.master import MasterWeights, needs_master
-from alignrl.train.optim import build_optimizer
+from alignrl.core.optim import build_optimizer
 
 OPTIM_FILE = "optim.pt"  # the full (unsharded) optimizer + scheduler state: resumable by every backend
 

@@ -1,0 +1,49 @@
+"""The prompt rows every producer shares: the task's train and held-out samples as a run config names them (a
+file's rows, or seeded synthetic arithmetic), and their prompt token ids, templated on first use."""
+
+from __future__ import annotations
+
+from alignrl.config import RunConfig
+from alignrl.data import synthetic
+from alignrl.data.collate import encode_prompts
+from alignrl.data.loaders import DataError, load_samples
+from alignrl.rewards.registry import ground_truth_problem
+from alignrl.utils.tracking import console
+
+
+def load_task_data(cfg: RunConfig):
+    d = cfg.data
+    # a file's columns: detected (GSM8K/verl), or named by data.prompt_key/label_key (both splits alike)
+    if d.input_template and "\\n" in d.input_template and "\n" not in d.input_template:  # OpenRLHF warns too
+        console.print("data.input_template holds the two characters \\n, not a newline: in bash pass "
+                      "$'...\\n...', or write the template in double quotes in the YAML file", markup=False)
+    keys = dict(system_prompt=d.system_prompt, prompt_key=d.prompt_key, label_key=d.label_key,
+                input_template=d.input_template, apply_chat_template=d.apply_chat_template)
+    train = (synthetic.generate("train", d.train_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
+             if d.train_files == "synthetic" else
+             load_samples(d.train_files, d.format, limit=d.train_row_cap, **keys))
+    val = (synthetic.generate("test", d.val_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
+           if d.val_files == "synthetic" else
+           load_samples(d.val_files, d.format, limit=d.val_size, key="data.val_files", **keys))
+    if cfg.algorithm.reward_fn is None:  # a user's function decides what its ground truth looks like
+        for s in (*train, *val):
+            problem = ground_truth_problem(s.data_source, s.ground_truth)
+            if problem:
+                raise DataError(f"{s.source or 'a row'}: {problem}")
+    return train, val
+
+
+class PromptData:
+    """Dataset rows -> (samples, prompt ids), the ids templated on first use: templating a large dataset up
+    front costs seconds."""
+
+    def __init__(self, tokenizer, samples, max_len: int):
+        self.tokenizer, self.samples, self.max_len, self.cache = tokenizer, samples, max_len, {}
+
+    def prompt(self, i: int) -> list[int]:
+        if i not in self.cache:
+            self.cache[i] = encode_prompts(self.tokenizer, [self.samples[i]], self.max_len)[0]
+        return self.cache[i]
+
+    def __call__(self, index) -> tuple[list, list[list[int]]]:
+        return [self.samples[i] for i in index], [self.prompt(i) for i in index]

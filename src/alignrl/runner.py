@@ -1,0 +1,302 @@
+"""Run a GRPO job end to end: set up, resume, loop with metrics and checkpoints, evaluate, summarise.
+
+The runner asks the placement for its parts (`placements.choose` for the producers a config's pipeline names,
+`placements.local.place` for the trainer and its sinks) and never asks which placement it got.
+
+Output layout (as in the seeds): `<output_dir>/<experiment_name>/{config.yaml, checkpoints/, logs/,
+summary.json}`; logs hold `metrics.jsonl`, `tensorboard/` and `curves.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from alignrl.config import ConfigError, RunConfig, check_world_size, to_yaml
+from alignrl.data.collate import encode_prompts
+from alignrl.data.prompts import PromptData, load_task_data
+from alignrl.data.sampler import BatchSampler
+from alignrl.interfaces import BatchSource, RemoteProducers
+from alignrl.placements.build import resolve_strategy
+from alignrl.placements.choose import remote_producers
+from alignrl.placements.local import Placed, place
+from alignrl.rewards.registry import load_reward_fn
+from alignrl.rl.evaluate import format_room, greedy_eval, room
+from alignrl.rl.producer import InlineSource
+from alignrl.rl.step import GRPOStep
+from alignrl.rl.trainer import PolicyTrainer
+from alignrl.runtime.env import DistEnv, barrier, init_distributed, mean_metrics
+from alignrl.train.checkpoint import (check_not_past, hold_run_dir, load_trainer_state, resume_point,
+                                      save_checkpoint, set_rng_state)
+from alignrl.utils.atomic import atomic_write_text
+from alignrl.utils.tracking import Tracker, console
+
+
+def algorithm_name(cfg: RunConfig) -> str:
+    """What the run trains, for its header and progress bar: PPO when a critic gives the advantages."""
+    names = {"grpo": "GRPO", "rloo": "RLOO", "reinforce_plus_plus": "REINFORCE++",
+             "reinforce_plus_plus_baseline": "REINFORCE++ (baseline)", "remax": "ReMax"}
+    name = names.get(cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator)
+    if cfg.algorithm.outcome_baseline != "none":
+        name += f" ({cfg.algorithm.outcome_baseline} baseline)"
+    return "PPO" if cfg.critic.enable else name
+
+
+def describe_batch(cfg: RunConfig, world: int = 1) -> str:
+    """The batch arithmetic users otherwise get wrong (verl #180)."""
+    p, n, seqs = cfg.data.train_batch_size, cfg.rollout.n, cfg.mini_batch_sequences
+    n_mini, run = p * n // seqs, run_batch_numbers(cfg, world)
+    return (f"{p} prompts/step × {n} samples/prompt = {p * n} sequences/step; "
+            f"{n_mini} mini-batch(es) of {seqs} sequences × {cfg.actor.ppo_epochs} epoch(s) = "
+            f"{n_mini * cfg.actor.ppo_epochs} optimizer steps/RL step; effective batch = "
+            f"{run['train_micro_batch_size_per_gpu']} sequences/micro-batch × {world} rank(s) × "
+            f"{run['gradient_accumulation_steps']} accumulation step(s) ≈ {seqs} sequences")
+
+
+def _fmt(acc: dict[str, float]) -> str:
+    if "accuracy_flexible" not in acc:  # not a GSM8K-scored task
+        return f"{acc['accuracy']:.3f}"
+    return f"{acc['accuracy']:.3f} (last-number extraction: {acc['accuracy_flexible']:.3f})"
+
+
+def run_batch_numbers(cfg: RunConfig, world: int) -> dict[str, int]:
+    """DeepSpeed's three batch numbers for what the run does (describe_batch's): sequences per optimizer step, per
+    micro-batch on a rank, micro-batches per optimizer step on a rank."""
+    per_rank = cfg.mini_batch_sequences // world
+    micro = min(cfg.actor.ppo_micro_batch_size, per_rank)
+    return {"train_batch_size": cfg.mini_batch_sequences, "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": -(-per_rank // micro)}
+
+
+def save_ds_config(cfg: RunConfig, trainer: PolicyTrainer, run_dir: Path, env: DistEnv) -> None:
+    """The DeepSpeed config in use is saved with the run (generated or read from the user's file), with the run's
+    batch numbers: DeepSpeed is handed nominal ones, as alignrl drives the accumulation. Batch numbers of the user's
+    file that the run does not follow are named once (seed 004's trainer follows its file: seed004_deepspeed)."""
+    engine = trainer.actor.engine
+    if not env.is_main or engine.name != "deepspeed":
+        return
+    ds = engine.config
+    run = run_batch_numbers(cfg, env.world_size)
+    path = cfg.trainer.deepspeed_config
+    theirs = json.loads(Path(path).read_text()) if path else {}
+    differ = [f"{k} {theirs[k]}" for k in run if theirs.get(k) not in (None, "auto", run[k])]
+    if differ:
+        console.print(f"{path}: {', '.join(differ)} not followed: alignrl drives the batch, here "
+                      f"{run['train_micro_batch_size_per_gpu']} sequences a micro-batch "
+                      f"(actor.ppo_micro_batch_size) and {run['train_batch_size']} an optimizer step "
+                      "(actor.ppo_mini_batch_size); set those", markup=False, soft_wrap=True)
+    atomic_write_text(run_dir / "deepspeed.json", json.dumps({**ds, **run}, indent=2))
+
+
+def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: RemoteProducers | None = None
+               ) -> dict | None:
+    """Runs on every rank of a torchrun launch; returns the summary on rank 0, None elsewhere. With
+    `producers`, batches come from sampler processes instead of this one."""
+    wall_start = wall_start or time.time()
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)
+    env = init_distributed(cfg.trainer.device)
+    check_world_size(cfg, env.world_size)
+    console.quiet = not env.is_main  # one rank speaks
+    if env.is_main:
+        try:
+            cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a path under /proc, a read-only or full disk: named, not a traceback
+            raise ConfigError(f"cannot create the run folder {cfg.run_dir} ({e.strerror}): set trainer.output_dir "
+                              "to a folder this process can write") from None
+    claim = hold_run_dir(cfg.run_dir) if env.is_main else None  # held while the run writes there
+    try:
+        return _train(cfg, env, wall_start, producers)
+    finally:  # a run that failed lets the next one in at once, even in a process that lives on (a notebook, Ray)
+        if claim is not None:
+            claim.close()
+
+
+@dataclass
+class Run:
+    """What one launch of a run works with, once placed: the trainer's parts and the batches' source, the
+    held-out set, and the state a checkpoint carries on (`state`: the base model's scores, earlier wall time)."""
+
+    cfg: RunConfig
+    env: DistEnv
+    placed: Placed
+    source: BatchSource
+    val: list
+    val_prompts: list
+    correct_fn: object
+    held: str = "held-out"
+    state: dict = field(default_factory=dict)
+    start_step: int = 0
+
+    def evaluate(self, n: int) -> dict[str, float]:
+        cfg = self.cfg
+        return greedy_eval(self.placed.eval_engine, self.placed.tokenizer, self.val[:n], self.val_prompts[:n],
+                           self.correct_fn, cfg.rollout.max_new_tokens, stop=cfg.rollout.stop)
+
+    def measure_room(self, label: str) -> dict | None:
+        """pass@1 and pass@k on the held-out set (trainer.eval_pass_at_k), printed and returned."""
+        cfg, val = self.cfg, self.val
+        if not cfg.trainer.eval_pass_at_k:
+            return None
+        t0 = time.time()  # the longest silent stretch of a run otherwise: say what it is doing
+        console.print(f"{label}: sampling {cfg.rollout.n} answers to each of {len(val)} held-out problems "
+                      f"(pass@{cfg.rollout.n}, trainer.eval_pass_at_k) ...", markup=False)
+        r = room(self.placed.eval_engine, self.placed.tokenizer, val, self.val_prompts, self.correct_fn,
+                 cfg.rollout.max_new_tokens, cfg.rollout.n, cfg.rollout.temperature, seed=cfg.trainer.seed,
+                 stop=cfg.rollout.stop, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+        console.print(f"{label} held-out room on {len(val)} problems ({time.time() - t0:.1f}s):\n{format_room(r)}",
+                      markup=False)
+        return r
+
+
+def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemoteProducers | None) -> dict | None:
+    train, val = load_task_data(cfg)
+    sampler = BatchSampler(len(train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
+    # the newest complete checkpoint; folders this run would write over are moved aside, never deleted (with
+    # the config of the run that wrote them, on a fresh start). Its line is printed unwrapped and literally:
+    # it holds paths and a user-written tracker file's text.
+    resume = resume_point(cfg.checkpoint_root, cfg.trainer.resume_mode, env,
+                          lambda line: console.print(line, markup=False, soft_wrap=True), cfg.run_dir / "config.yaml")
+    check_not_past(resume, cfg.trainer.total_training_steps)
+    if producers is None:  # samplers in other processes make the batches where the config's pipeline says so
+        producers = remote_producers(cfg, to_yaml(cfg), cfg.log_root, train)
+    placed = place(cfg, str(resume / "model") if resume else cfg.model.path, resume, env, producers)
+    trainer = placed.trainer
+    correct_fn = load_reward_fn(cfg.algorithm.reward_fn)
+    rows = PromptData(placed.tokenizer, train, cfg.data.max_prompt_length)
+    source = (producers.source(sampler, trainer, env) if producers else
+              InlineSource(placed.maker, sampler, rows, lambda: trainer.version, env))
+    save_ds_config(cfg, trainer, cfg.run_dir, env)
+    run = Run(cfg, env, placed, source, val, [], correct_fn)
+    if resume:
+        _resume(run, resume)
+    placed.before_first_step(trainer.version, resumed_at_end=run.start_step == cfg.trainer.total_training_steps)
+    if env.is_main:  # once the run can start (its ports bound, its checkpoint read): a failed start leaves it be
+        atomic_write_text(cfg.run_dir / "config.yaml", to_yaml(cfg))
+    tracker = Tracker(cfg.log_root, cfg.trainer.logger if env.is_main else [], resume_step=run.start_step,
+                      write=env.is_main, project=cfg.trainer.project_name, run_name=cfg.trainer.experiment_name,
+                      config=cfg, tensorboard_dir=cfg.run_dir / cfg.trainer.tensorboard_dir
+                      if cfg.trainer.tensorboard_dir else None)  # relative: inside the run folder, as log_dir
+    run.val_prompts = encode_prompts(placed.tokenizer, val, cfg.data.max_prompt_length)
+    _announce(run, len(train))
+    _evaluate_base(run, tracker)
+    finished = False
+    try:
+        _loop(run, GRPOStep(source, trainer), tracker, wall_start)
+        finished = True
+    finally:  # samplers are told the run is over, or left waiting for a restarted trainer; the ports are freed
+        source.close(finished)
+    if not env.is_main:
+        tracker.close()
+        return None
+    return _finish(run, tracker, wall_start)
+
+
+def _resume(run: Run, resume: Path) -> None:
+    """The checkpoint's data order, trainer state and RNG, into this launch's parts."""
+    state = load_trainer_state(resume)
+    if set(state["source"]) != set(run.source.state_dict()):  # inline/Ray and zmq keep different data-order state
+        run.source.close(False)
+        raise ConfigError(f"{resume} was written under another pipeline.placement (its data-order state holds "
+                          f"{sorted(state['source'])}): resume with the placement that wrote it, or set "
+                          "trainer.resume_mode=disable to start afresh")
+    run.source.load_state_dict(state["source"])
+    run.placed.trainer.load_state_dict(state["trainer"])
+    set_rng_state(state["rng"])
+    run.state, run.start_step = state, state["step"]
+    console.print(f"resumed from {resume} (step {run.start_step})")
+
+
+def _announce(run: Run, n_train: int) -> None:
+    """The run's header: the algorithm, ranks and batch arithmetic, and what the held-out set is."""
+    cfg, env = run.cfg, run.env
+    console.print(f"[bold]{algorithm_name(cfg)}[/bold] on {env.world_size} rank(s), strategy "
+                  f"{resolve_strategy(cfg, env)}: {describe_batch(cfg, env.world_size)}")
+    # a file that is also the training data is no held-out set (OpenRLHF's --prompt_data without --eval_dataset)
+    d = cfg.data
+    run.held = "held-out" if d.val_files == "synthetic" or d.val_files != d.train_files else "training-prompt"
+    if d.val_files == "synthetic" and d.train_files != "synthetic":  # the accuracy is not on the user's task
+        run.held += " (synthetic arithmetic: data.val_files names a held-out file of the task)"
+    console.print(f"train problems {n_train}, {run.held} {len(run.val)}; run dir {cfg.run_dir}", markup=False)
+
+
+def _evaluate_base(run: Run, tracker: Tracker) -> None:
+    """The base model's held-out scores, once per run (a resumed run keeps its checkpoint's)."""
+    if "base" in run.state:
+        return
+    t0, env, state = time.time(), run.env, run.state
+    if env.is_main:  # evaluation runs on rank 0's full (unsharded) rollout model; the others wait
+        cfg = run.cfg
+        state["base"], small = greedy_eval(run.placed.eval_engine, run.placed.tokenizer, run.val, run.val_prompts,
+                                           run.correct_fn, cfg.rollout.max_new_tokens,
+                                           subset=min(cfg.data.val_size_during_training, len(run.val)),
+                                           stop=cfg.rollout.stop)
+        console.print(f"base model {run.held} greedy accuracy: {_fmt(state['base'])} on {len(run.val)} problems "
+                      f"({time.time() - t0:.1f}s)")
+        tracker.log(0, {f"val/{k}": v for k, v in small.items()})
+        state["base_room"] = run.measure_room("base model")
+    barrier(env)
+
+
+def _loop(run: Run, step_fn: GRPOStep, tracker: Tracker, wall_start: float) -> None:
+    """Steps after the resume point, with their metrics, periodic evaluation and checkpoints."""
+    cfg, env, t = run.cfg, run.env, run.cfg.trainer
+    total, n_val_small = t.total_training_steps, min(cfg.data.val_size_during_training, len(run.val))
+    earlier_s = float(run.state.get("wall_seconds", 0.0))  # the launches before a resume, up to their checkpoint
+    strategy = resolve_strategy(cfg, env)
+
+    def checkpoint(step: int) -> None:
+        placed, state = run.placed, run.state
+        save_checkpoint(cfg.checkpoint_root, step, placed.engines(), placed.tokenizer,
+                        {"source": run.source.state_dict(), "trainer": placed.trainer.state_dict(),
+                         "base": state.get("base"), "base_room": state.get("base_room"),
+                         "wall_seconds": earlier_s + time.time() - wall_start, "strategy": strategy},
+                        t.max_checkpoints, env, placed.saved_elsewhere())
+
+    columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeRemainingColumn()]
+    with Progress(*columns, console=console, disable=not t.progress_bar) as bar:
+        task = bar.add_task(algorithm_name(cfg), total=total, completed=run.start_step)
+        for step in range(run.start_step + 1, total + 1):
+            metrics = mean_metrics(env, step_fn.run(step))
+            if t.test_freq and (step % t.test_freq == 0 or step == total):
+                t0 = time.perf_counter()
+                if env.is_main:
+                    metrics.update({f"val/{k}": v for k, v in run.evaluate(n_val_small).items()})
+                barrier(env)
+                metrics["timing/val"] = time.perf_counter() - t0
+            tracker.log(step, metrics)
+            if (t.save_freq and step % t.save_freq == 0) or step == total:
+                checkpoint(step)
+            bar.update(task, completed=step)
+
+
+def _finish(run: Run, tracker: Tracker, wall_start: float) -> dict:
+    """The trained model's held-out scores against the base's, the curves, and summary.json (rank 0)."""
+    cfg, val = run.cfg, run.val
+    t0 = time.time()
+    final = run.evaluate(len(val))
+    console.print(f"final {run.held} greedy accuracy: {_fmt(final)} on {len(val)} problems "
+                  f"({time.time() - t0:.1f}s)")
+    final_room = run.measure_room("trained model")
+    tracker.plot(cfg.log_root / "curves.png")
+    tracker.close()
+    base = run.state["base"]
+    earlier_s = float(run.state.get("wall_seconds", 0.0))
+    summary = {"base_accuracy": base["accuracy"], "final_accuracy": final["accuracy"],
+               "gain_points": round(100 * (final["accuracy"] - base["accuracy"]), 2),
+               "steps": cfg.trainer.total_training_steps,
+               "heldout_problems": len(val), "wall_seconds": round(earlier_s + time.time() - wall_start, 1),
+               "run_dir": str(cfg.run_dir)}
+    if "accuracy_flexible" in final:
+        summary.update(base_accuracy_flexible=base["accuracy_flexible"], final_accuracy_flexible=final["accuracy_flexible"],
+                       gain_points_flexible=round(100 * (final["accuracy_flexible"] - base["accuracy_flexible"]), 2))
+    if final_room is not None:
+        summary.update(base_room=run.state.get("base_room"), final_room=final_room)
+    atomic_write_text(cfg.run_dir / "summary.json", json.dumps(summary, indent=2))
+    return summary
