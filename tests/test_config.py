@@ -257,7 +257,7 @@ def test_an_interrupted_run_says_whether_the_same_command_resumes(tmp_path, monk
 def test_readme_reference_is_current():
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[1] / "docs" / "config-reference.md").read_text()
     block = readme.split("<!-- config-reference:start -->\n")[1].split("\n<!-- config-reference:end -->")[0]
     assert block == reference_markdown(), "regenerate with: alignrl config --reference"
 
