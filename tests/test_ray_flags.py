@@ -424,7 +424,7 @@ def test_a_use_wandb_value_that_is_no_key_is_one_line_without_the_value(tmp_path
 def test_an_actor_rank_logs_with_the_drivers_key(monkeypatch):
     """The driver passes its rank environment with the run call: rank 0's Tracker, which starts wandb, sees the
     key even on a cluster whose workers were not started from the driver's environment."""
-    from alignrl.rl import runner
+    from alignrl import runner
     from alignrl.placements.ray.workers import PolicyRank
     from alignrl.config import to_yaml
 

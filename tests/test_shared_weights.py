@@ -159,7 +159,7 @@ def test_shared_memory_that_cannot_be_had_is_one_line(pub, monkeypatch):
     assert "No space left on device" in str(e.value) and not sw._CREATED
 
 
-MAKER = ("import os, signal, sys\nfrom alignrl.runtime import shm_segments\nseg = shm_segments.create(4096)\n"
+MAKER = ("import os, signal, sys\nfrom alignrl.wire import shm_segments\nseg = shm_segments.create(4096)\n"
          "print(seg.name, flush=True)\nsys.stdin.readline()\n"
          "os.killpg(os.getpgrp(), signal.SIGKILL) if sys.argv[1] == 'group' else os.kill(os.getpid(), signal.SIGKILL)")
 

@@ -50,7 +50,7 @@ PASSTHROUGH = {
     ("serve", "reward"): ("alignrl.serve.reward", "reward-model scoring server"),
     ("serve", "retrieve"): ("alignrl.serve.retrieve", "retrieval server (Search-R1 API), BM25 or dense"),
     ("doctor",): ("alignrl.doctor", "check configured services, model paths, hostfile and ports"),
-    ("sample",): ("alignrl.compat.zmq_pipeline:sample_main", "a sampler of the ZeroMQ pipeline (seed 004's sampling_worker.py)"),
+    ("sample",): ("alignrl.compat.zmq_pipeline:sample_main", "a sampler of the ZeroMQ pipeline (sampling_worker.py)"),
 }
 
 

@@ -13,18 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import torch
 
+from alignrl.config import RunConfig
 from alignrl.data.records import Rollout, ScoredBatch
-
-if TYPE_CHECKING:  # the trainer-side types a placement's producers are handed; annotations only
-    from alignrl.config import RunConfig
-    from alignrl.data.sampler import BatchSampler
-    from alignrl.rl.trainer import CriticParts, PolicyTrainer
-    from alignrl.runtime.env import DistEnv
-    from alignrl.train.actor import Actor
+from alignrl.data.sampler import BatchSampler
+from alignrl.runtime.env import DistEnv
 
 
 @dataclass(frozen=True)
@@ -86,12 +82,14 @@ class WeightSink(Protocol):
 class RemoteProducers(Protocol):
     """Producers in other processes (ZeroMQ samplers, Ray rollout engines): the sink that sends them
     weights, the BatchSource of the batches they make from the rows this trainer hands out, and the
-    critics (trained here, or in workers of their own)."""
+    critics (trained here, or in workers of their own). The trainer's own objects are typed `Any` here (the
+    policy's `train.actor.Actor`, the loop's `rl.trainer.PolicyTrainer` and `CriticParts`): they live above
+    this module, which every stage imports."""
 
-    def sink(self, actor: Actor, env: DistEnv) -> WeightSink: ...
+    def sink(self, actor: Any, env: DistEnv) -> WeightSink: ...
 
-    def source(self, sampler: BatchSampler, trainer: PolicyTrainer, env: DistEnv) -> BatchSource: ...
+    def source(self, sampler: BatchSampler, trainer: Any, env: DistEnv) -> BatchSource: ...
 
-    def critics(self, cfg: RunConfig, resume: Path | None, env: DistEnv) -> CriticParts | None: ...
+    def critics(self, cfg: RunConfig, resume: Path | None, env: DistEnv) -> Any: ...
 
     def evaluator(self, pad_id: int) -> RolloutEngine | None: ...

@@ -76,7 +76,7 @@ def run_batch_numbers(cfg: RunConfig, world: int) -> dict[str, int]:
 def save_ds_config(cfg: RunConfig, trainer: PolicyTrainer, run_dir: Path, env: DistEnv) -> None:
     """The DeepSpeed config in use is saved with the run (generated or read from the user's file), with the run's
     batch numbers: DeepSpeed is handed nominal ones, as alignrl drives the accumulation. Batch numbers of the user's
-    file that the run does not follow are named once (seed 004's trainer follows its file: seed004_deepspeed)."""
+    file that the run does not follow are named once (the ZeroMQ trainer follows its file)."""
     engine = trainer.actor.engine
     if not env.is_main or engine.name != "deepspeed":
         return

@@ -1,4 +1,4 @@
-"""Seed 002's reward-model entry point, kept so its commands work as written from the repository root:
+"""The reward-model entry point, kept so its commands work as written from the repository root:
 
     torchrun --nproc_per_node=8 --master_port=29500 -m src.training.train_rm \\
         --config configs/rm_config.yaml --task helpful --output_dir models/helpful_rm

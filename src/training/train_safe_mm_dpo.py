@@ -1,4 +1,4 @@
-"""Seed 002's Safe-MM-DPO entry point, kept so its commands work as written from the repository root:
+"""The Safe-MM-DPO entry point, kept so its commands work as written from the repository root:
 
     torchrun --nproc_per_node=8 --master_port=29501 -m src.training.train_safe_mm_dpo \\
         --config configs/dpo_config.yaml --output_dir models/aligned --logging_dir logs/training/safe_mm_dpo

@@ -1,4 +1,4 @@
-"""Seed 000's entry points, whose files in src/ are shims over this module.
+"""The DeepSpeed multi-node launcher's entry points, whose files in src/ are shims over this module.
 
 - `src/launch_vllm.py`, `src/launch_ref_model.py`: the seed's flags (`--model_path PATH --port N
   --tensor_parallel_size K`) onto `alignrl serve generate` / `alignrl serve ref`, run through the package's command

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from alignrl.config import ConfigError
+from alignrl.placements.ray.roles import uses_critic, uses_reference, uses_reward_model  # noqa: F401 (flag checks)
 from alignrl.runtime.launch import OneLineParser
 
 PROG = "alignrl train ppo-ray"
@@ -56,7 +57,18 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog, description="PPO/GRPO on a Ray cluster with OpenRLHF's flags: actor, reference, "
                       "critic, reward and rollout-engine groups placed by the flags; attaches to RAY_ADDRESS "
                       "(inside `ray job submit`) or starts a local Ray.")
-    g = p.add_argument_group("placement")
+    # one helper per --help section; the sections print in the order they are made here
+    _placement_flags(p.add_argument_group("placement"))
+    _model_flags(p.add_argument_group("models and checkpoints"))
+    _batch_flags(p.add_argument_group("batches"))
+    _optimisation_flags(p.add_argument_group("optimisation"))
+    _accepted_flags(p.add_argument_group("accepted, not applied here (listed at start when given)"))
+    _data_flags(p.add_argument_group("data and logging"))
+    _alignrl_flags(p.add_argument_group("alignrl"))
+    return p
+
+
+def _placement_flags(g) -> None:
     for role in ("ref", "actor", "critic", "reward"):
         g.add_argument(f"--{role}_num_nodes", type=int, default=1, help=f"nodes of the {role} group")
         g.add_argument(f"--{role}_num_gpus_per_node", type=int, default=8,
@@ -69,7 +81,9 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     for flag in ("colocate_actor_ref", "colocate_critic_reward", "colocate_all_models", "enable_prefix_caching",
                  "vllm_enable_sleep", "deepspeed_enable_sleep", "enforce_eager"):
         g.add_argument(f"--{flag}", action="store_true")
-    m = p.add_argument_group("models and checkpoints")
+
+
+def _model_flags(m) -> None:
     m.add_argument("--pretrain", default="demo", help="policy model folder ('demo': the embedded tiny model)")
     m.add_argument("--reward_pretrain", default=None, help="reward model folder (default: the rule reward)")
     m.add_argument("--remote_rm_url", default=None, help="`alignrl serve reward` URL")
@@ -80,7 +94,9 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     m.add_argument("--load_checkpoint", action="store_true", help="resume from the newest checkpoint")
     m.add_argument("--max_ckpt_num", type=int, default=3)
     m.add_argument("--save_steps", type=int, default=-1, help="-1: only the final checkpoint")
-    b = p.add_argument_group("batches")
+
+
+def _batch_flags(b) -> None:
     b.add_argument("--micro_train_batch_size", type=int, default=8, help="sequences per forward/backward per rank")
     b.add_argument("--train_batch_size", type=int, default=128, help="sequences per optimizer step (global)")
     b.add_argument("--micro_rollout_batch_size", type=int, default=8,
@@ -96,7 +112,9 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=1.0)
     b.add_argument("--top_p", type=float, default=1.0)
     b.add_argument("--seed", type=int, default=42)
-    o = p.add_argument_group("optimisation")
+
+
+def _optimisation_flags(o) -> None:
     o.add_argument("--zero_stage", type=int, default=2, choices=(0, 1, 2, 3))
     for flag in ("bf16", "adam_offload", "gradient_checkpointing", "flash_attn", "packing_samples"):
         o.add_argument(f"--{flag}", action="store_true")
@@ -128,13 +146,17 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     o.add_argument("--freezing_actor_steps", type=int, default=-1, help="RL steps that train only the critic")
     o.add_argument("--overlong_buffer_len", type=int, default=None)
     o.add_argument("--overlong_penalty_factor", type=float, default=1.0)
-    x = p.add_argument_group("accepted, not applied here (listed at start when given)")
+
+
+def _accepted_flags(x) -> None:
     for flag, kind, default in ACCEPTED:
         if kind is bool:
             x.add_argument(f"--{flag}", action="store_true")
         else:
             x.add_argument(f"--{flag}", type=kind, default=default, nargs="*" if flag == "target_modules" else None)
-    d = p.add_argument_group("data and logging")
+
+
+def _data_flags(d) -> None:
     d.add_argument("--prompt_data", default="synthetic", help="'synthetic' or a .jsonl/.json/.parquet file")
     d.add_argument("--input_key", default=None,
                    help="prompt column: a string or chat messages (default 'input' when --label_key or "
@@ -154,7 +176,9 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     d.add_argument("--eval_dataset", default=None, help="held-out prompts (default: the last rows of --prompt_data "
                                                         "are not held out: the evaluation reads the training file)")
     d.add_argument("--eval_steps", type=int, default=-1, help="held-out accuracy every N steps (as --test_freq)")
-    a = p.add_argument_group("alignrl")
+
+
+def _alignrl_flags(a) -> None:
     a.add_argument("--placement_timeout", type=float, default=60.0,
                    help="seconds to wait for the placement groups before failing")
     a.add_argument("--peer_timeout", type=float, default=600.0,
@@ -164,7 +188,6 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     a.add_argument("--total_steps", type=int, default=0, help="RL steps (0: from num_episodes and the data size)")
     a.add_argument("--test_freq", type=int, default=0, help="held-out greedy accuracy every N steps (0: only at end)")
     a.add_argument("--val_size", type=int, default=64, help="held-out problems of the final evaluation")
-    return p
 
 
 def world(args, role: str) -> int:
@@ -258,18 +281,6 @@ def check_wandb(args) -> None:
     if key is not None and (not key.isprintable() or any(c.isspace() for c in key)):
         raise FlagError("--use_wandb takes a wandb API key or true/false; the value given has spaces or unprintable "
                         "characters")
-
-
-def uses_reference(args) -> bool:
-    return args.init_kl_coef > 0
-
-
-def uses_critic(args) -> bool:
-    return args.advantage_estimator == "gae"
-
-
-def uses_reward_model(args) -> bool:
-    return bool(args.reward_pretrain) and not args.remote_rm_url
 
 
 def data_keys(args) -> dict[str, object]:

@@ -68,6 +68,11 @@ def _load(path: str):
     return load_model(path, log=lambda *_: None)
 
 
+def _failed(why: str) -> int:
+    print(f"{COMM}: FAILED: {why}", file=sys.stderr)
+    return 1
+
+
 def comm_test_main(argv: list[str] | None = None) -> int:
     """communication_test.py: the trainer's side of the test; the sampler's side is a second process."""
     p = comm_parser()
@@ -76,34 +81,19 @@ def comm_test_main(argv: list[str] | None = None) -> int:
     if problem:
         p.error(problem)
     import secrets
-    import tempfile
 
-    from alignrl.wire.records import KIND, from_wire, seed_rows
     from alignrl.wire.weight_buckets import encode_weights
-    from alignrl.wire.frames import TOKEN_ENV, WireError
     from alignrl.runtime.launch import is_loopback
-    from alignrl.wire.zmq_link import InsecureBind, PortInUse, Puller, Replier, token_from_env
+    from alignrl.wire.zmq_link import token_from_env
     from alignrl.models.loader import ModelError
-
-    def failed(why: str) -> int:
-        print(f"{COMM}: FAILED: {why}", file=sys.stderr)
-        return 1
 
     # beyond loopback the sockets want a shared token: the two processes of this test make one up between them
     token = token_from_env() or ("" if is_loopback(a.host) else secrets.token_hex(16))
     socks = []
     try:
-        for cls, port, flag, what in ((Puller, a.data_port, "--data-port", "data"),
-                                      (Replier, a.sync_port, "--sync-port", "sync")):
-            try:
-                socks.append(cls(a.host, port, token=token, port_flag=flag))
-            except PortInUse:
-                return failed(f"port {port} on {a.host} ({flag}) is taken by another program: stop it, or give this "
-                              f"test and both workers other ports ({flag} N)")
-            except OSError as e:
-                return failed(f"cannot bind {flag} {port} on {a.host}: {e.strerror or e}")
-            except InsecureBind as e:
-                return failed(str(e))
+        why = _bind(a, token, socks)
+        if why is not None:
+            return _failed(why)
         pull, rep = socks
         try:
             model, tok = _load(a.model_path)
@@ -112,47 +102,76 @@ def comm_test_main(argv: list[str] | None = None) -> int:
             return 2
         weights = encode_weights(model.named_parameters(), 1, token=token)
         nbytes = sum(len(memoryview(f)) for f in weights)
-        import alignrl
-
-        root = str(Path(alignrl.__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-               TOKEN_ENV: token}
-        with tempfile.TemporaryFile("w+") as err:
-            peer = subprocess.Popen([sys.executable, "-m", "alignrl.compat.zmq_comm_test",
-                                     "--host", _connect_host(a.host), "--data-port", str(pull.port),
-                                     "--sync-port", str(rep.port), "--model-path", a.model_path,
-                                     "--rounds", str(a.rounds), "--timeout", f"{a.timeout:g}"],
-                                    env=env, stdout=subprocess.DEVNULL, stderr=err)
-            try:
-                report, why = _serve(a, pull, rep, peer, weights, tok, KIND, from_wire, seed_rows, WireError)
-                if why is None:
-                    try:
-                        peer.wait(timeout=a.timeout)
-                    except subprocess.TimeoutExpired:
-                        pass
-            finally:
-                if peer.poll() is None:
-                    peer.kill()
-                peer.wait()
-            if why is None and report is None:
-                err.seek(0)
-                lines = [x for x in err.read().splitlines() if x.strip()]
-                why = (f"the sampler process (pid {peer.pid}) stopped: {lines[-1].strip() if lines else 'no message'}"
-                       f" (exit {peer.returncode})")
+        report, why = _run_peer(a, pull, rep, weights, tok, token)
     finally:
         for s in socks:
             s.close()
     if why is not None:
-        return failed(why)
+        return _failed(why)
     print(f"two processes: pid {os.getpid()} (trainer side) bound {pull.addr} (--data-port) and {rep.addr} "
           f"(--sync-port); pid {report['pid']} (sampler side) connected to both")
     batch_ms, weights_s = float(report["batch_ms"]), max(float(report["weights_ms"]) / 1e3, 1e-9)
     print(f"scored batch ({report['samples']} samples): {batch_ms:.2f} ms per round trip; weights "
           f"({nbytes / 2**20:.1f} MiB): {weights_s * 1e3:.1f} ms, {nbytes / 2**20 / weights_s:.0f} MiB/s")
     if not report.get("ok"):
-        return failed(str(report.get("problem")))
+        return _failed(str(report.get("problem")))
     print(f"{COMM}: OK")
     return 0
+
+
+def _bind(a, token: str, socks: list) -> str | None:
+    """Binds --data-port (a Puller) and --sync-port (a Replier) into `socks`, which the caller closes; why not, or
+    None."""
+    from alignrl.wire.zmq_link import InsecureBind, PortInUse, Puller, Replier
+
+    for cls, port, flag, what in ((Puller, a.data_port, "--data-port", "data"),
+                                  (Replier, a.sync_port, "--sync-port", "sync")):
+        try:
+            socks.append(cls(a.host, port, token=token, port_flag=flag))
+        except PortInUse:
+            return (f"port {port} on {a.host} ({flag}) is taken by another program: stop it, or give this "
+                    f"test and both workers other ports ({flag} N)")
+        except OSError as e:
+            return f"cannot bind {flag} {port} on {a.host}: {e.strerror or e}"
+        except InsecureBind as e:
+            return str(e)
+    return None
+
+
+def _run_peer(a, pull, rep, weights, tok, token: str) -> tuple[dict | None, str | None]:
+    """Starts the sampler's side and answers it until its report: (report, None), or (None, why)."""
+    import tempfile
+
+    import alignrl
+    from alignrl.wire.records import KIND, from_wire, seed_rows
+    from alignrl.wire.frames import TOKEN_ENV, WireError
+
+    root = str(Path(alignrl.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           TOKEN_ENV: token}
+    with tempfile.TemporaryFile("w+") as err:
+        peer = subprocess.Popen([sys.executable, "-m", "alignrl.compat.zmq_comm_test",
+                                 "--host", _connect_host(a.host), "--data-port", str(pull.port),
+                                 "--sync-port", str(rep.port), "--model-path", a.model_path,
+                                 "--rounds", str(a.rounds), "--timeout", f"{a.timeout:g}"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            report, why = _serve(a, pull, rep, peer, weights, tok, KIND, from_wire, seed_rows, WireError)
+            if why is None:
+                try:
+                    peer.wait(timeout=a.timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            if peer.poll() is None:
+                peer.kill()
+            peer.wait()
+        if why is None and report is None:  # the process exited first: its last line on stderr says why
+            err.seek(0)
+            lines = [x for x in err.read().splitlines() if x.strip()]
+            why = (f"the sampler process (pid {peer.pid}) stopped: {lines[-1].strip() if lines else 'no message'}"
+                   f" (exit {peer.returncode})")
+    return report, why
 
 
 def _serve(a, pull, rep, peer, weights, tok, kind, from_wire, seed_rows, WireError) -> tuple[dict | None, str | None]:
@@ -220,7 +239,7 @@ def comm_peer_main(argv: list[str] | None = None) -> int:
     import torch
 
     from alignrl.placements.build import build_maker, build_ref
-    from alignrl.rl.runner import PromptData
+    from alignrl.data.prompts import PromptData
     from alignrl.config import load_config
     from alignrl.data import synthetic
     from alignrl.runtime.env import SINGLE
@@ -234,7 +253,7 @@ def comm_peer_main(argv: list[str] | None = None) -> int:
                                  "rollout.n=4", "rollout.max_new_tokens=24"])
         model, tok = _load(a.model_path)
         ref = build_ref(cfg, torch.device("cpu"), base=model)  # seed 004: the sampler computes them
-        maker = build_maker(cfg, HFRolloutEngine(model, tok), tok, ref, SINGLE)
+        maker = build_maker(cfg, HFRolloutEngine(model, tok), tok, ref, SINGLE.device, SINGLE.rank)
         batch = maker.make(1, [0, 1], PromptData(tok, synthetic.generate("train", 2, seed=0), 128))
         meta, tensors = to_wire(batch, tok, lease="test:1")
         meta["sha256"] = _digest(tensors)

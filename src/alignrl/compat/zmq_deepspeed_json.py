@@ -1,4 +1,4 @@
-"""Seed 004's `deepspeed.json`: checked before launching (one line for an impossible value), and its batch numbers
+"""The ZeroMQ deepspeed.json: checked before launching (one line for an impossible value), and its batch numbers
 made the run's (train_micro_batch_size_per_gpu -> actor.ppo_micro_batch_size; train_batch_size and
 gradient_accumulation_steps -> the mini-batch), or written with the run's own."""
 
@@ -17,8 +17,8 @@ DS_BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accu
 MARK = "written_by_alignrl"
 
 
-class Seed004Error(UserError):
-    """A mistake in seed 004's flags or deepspeed.json, said in one line before anything starts."""
+class ZmqScriptError(UserError):
+    """A mistake in the ZeroMQ pipeline's flags or deepspeed.json, said in one line before anything starts."""
 
 
 def run_batch(cfg, world: int) -> dict[str, int]:
@@ -48,7 +48,7 @@ def ds_problem(ds: object) -> str | None:
         return 'zero_optimization must be an object like {"stage": 2}'
     stage = zero.get("stage", 0)
     if not (whole(stage) and 0 <= stage <= 3):
-        return (f"zero_optimization.stage {json.dumps(stage)}: DeepSpeed's ZeRO stages are 0, 1, 2 and 3 (seed 004: 2; "
+        return (f"zero_optimization.stage {json.dumps(stage)}: DeepSpeed's ZeRO stages are 0, 1, 2 and 3 (shipped: 2; "
                 "3 also shards the parameters when memory runs out)")
     for key in ("offload_optimizer", "offload_param"):
         off = zero.get(key)
@@ -73,24 +73,24 @@ def ds_batch_overrides(ds: dict, cfg, world: int, given: set[str], batch_flag: b
     forward/backward on a rank -> actor.ppo_micro_batch_size; gradient_accumulation_steps: micro-batches per
     optimizer step), and one line naming what came from the file (None when it agrees with the run).
     A key left out (or "auto") is worked out from the other two, keeping the run's mini-batch where that is not
-    fixed. Seed004Error in one line when the numbers disagree with each other or with the run."""
+    fixed. ZmqScriptError in one line when the numbers disagree with each other or with the run."""
     run = run_batch(cfg, world)
     t, m, g = (ds.get(k) if ds.get(k) != "auto" else None for k in DS_BATCH)
     if (t, m, g) == (None, None, None) or (t, m, g) == tuple(run[k] for k in DS_BATCH):
         return [], None
     procs = f"{world} training process{'es' if world > 1 else ''}"
     if t is not None and m is not None and g is not None and t != m * g * world:
-        raise Seed004Error(f"train_batch_size {t} is not train_micro_batch_size_per_gpu {m} × "
+        raise ZmqScriptError(f"train_batch_size {t} is not train_micro_batch_size_per_gpu {m} × "
                            f"gradient_accumulation_steps {g} × {procs} = {m * g * world}: make it so, or leave "
                            "one of the three out (it is then worked out from the others)")
     if t is None:
         t = m * g * world if m is not None and g is not None else run["train_batch_size"]
     if t % world:
-        raise Seed004Error(f"train_batch_size {t} does not split evenly over {procs}: make it a multiple of {world}")
+        raise ZmqScriptError(f"train_batch_size {t} does not split evenly over {procs}: make it a multiple of {world}")
     per_rank = t // world
     for have, name in ((m, "train_micro_batch_size_per_gpu"), (g, "gradient_accumulation_steps")):
         if have is not None and per_rank % have:
-            raise Seed004Error(f"{name} {have} does not divide the {per_rank} sequences each of {procs} takes per "
+            raise ZmqScriptError(f"{name} {have} does not divide the {per_rank} sequences each of {procs} takes per "
                                f"optimizer step (train_batch_size {t}): give a divisor of {per_rank}")
     from_file = m is not None or g is not None  # else the run's own micro-batch, made a divisor of per_rank
     if m is None:
@@ -99,27 +99,27 @@ def ds_batch_overrides(ds: dict, cfg, world: int, given: set[str], batch_flag: b
     n, prompts = cfg.rollout.n, cfg.data.train_batch_size
     by_prompts = cfg.actor.ppo_mini_batch_unit == "prompts"
     if by_prompts and t % n:
-        raise Seed004Error(f"train_batch_size {t} is not a whole number of prompt groups of {n} samples "
+        raise ZmqScriptError(f"train_batch_size {t} is not a whole number of prompt groups of {n} samples "
                            f"(--group-size): make it a multiple of {n}")
     if (prompts * n) % t:
-        raise Seed004Error(f"train_batch_size {t} must divide the {prompts * n} sequences of one RL step ({prompts} "
+        raise ZmqScriptError(f"train_batch_size {t} must divide the {prompts * n} sequences of one RL step ({prompts} "
                            f"prompts × {n} samples, --batch-size and --group-size): give a divisor of {prompts * n}")
     if by_prompts and world > 1 and (t // n) % world:
-        raise Seed004Error(f"train_batch_size {t} is {t // n} prompt groups, which do not split evenly over {procs}: "
+        raise ZmqScriptError(f"train_batch_size {t} is {t // n} prompt groups, which do not split evenly over {procs}: "
                            f"make it a multiple of {n * world}")
     o, said = [], []
     mini = t // n if by_prompts else t
     if t != run["train_batch_size"]:
         if "actor.ppo_mini_batch_size" in given or batch_flag:
             flag = "--batch-size" if batch_flag else "actor.ppo_mini_batch_size"
-            raise Seed004Error(f"train_batch_size {t} (sequences per optimizer step) differs from the "
+            raise ZmqScriptError(f"train_batch_size {t} (sequences per optimizer step) differs from the "
                                f"{run['train_batch_size']} that {flag} gives: change one of them, or delete "
                                f"{DS_FILE} to have it written again with this run's values")
         o.append(f"actor.ppo_mini_batch_size={mini}")
         said.append(f"train_batch_size {t} -> actor.ppo_mini_batch_size={mini}")
     if m != min(cfg.actor.ppo_micro_batch_size, per_rank):
         if from_file and "actor.ppo_micro_batch_size" in given:
-            raise Seed004Error(f"train_micro_batch_size_per_gpu {m} differs from actor.ppo_micro_batch_size="
+            raise ZmqScriptError(f"train_micro_batch_size_per_gpu {m} differs from actor.ppo_micro_batch_size="
                                f"{cfg.actor.ppo_micro_batch_size}: change one of them")
         o.append(f"actor.ppo_micro_batch_size={m}")
         said.append(f"train_micro_batch_size_per_gpu {m} -> actor.ppo_micro_batch_size={m}")
@@ -135,13 +135,13 @@ def read_ds_json(path: Path) -> dict:
     try:
         ds = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise Seed004Error(f"{path}: not valid JSON ({e.msg} at line {e.lineno}): fix it, or delete it to have it "
+        raise ZmqScriptError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}): fix it, or delete it to have it "
                            "written again") from None
     except OSError as e:
-        raise Seed004Error(f"{path}: cannot read it ({e.strerror})") from None
+        raise ZmqScriptError(f"{path}: cannot read it ({e.strerror})") from None
     problem = ds_problem(ds)
     if problem:
-        raise Seed004Error(f"{path}: {problem}")
+        raise ZmqScriptError(f"{path}: {problem}")
     return ds
 
 

@@ -1,4 +1,4 @@
-"""Seed 004's launcher, `python run_distributed.py --sampling-gpu 0 --training-gpus "1,2,3"`: one sampler and a
+"""The ZeroMQ launcher, `python run_distributed.py --sampling-gpu 0 --training-gpus "1,2,3"`: one sampler and a
 trainer over the listed devices (`python -m alignrl.compat.zmq_pipeline sample|train`), both checked before either starts
 and both stopped with it."""
 
@@ -42,7 +42,7 @@ def passed_on_help() -> str:
 
 def launcher_main(argv: list[str] | None = None) -> int:
     """run_distributed.py: one sampler on --sampling-gpu, a trainer over --training-gpus; stops both."""
-    p = OneLineParser(prog="run_distributed.py", description="Sampler + multi-process trainer (seed 004).",
+    p = OneLineParser(prog="run_distributed.py", description="Sampler + multi-process trainer (the ZeroMQ pipeline).",
                       epilog=passed_on_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
                       allow_abbrev=False)
     p.add_argument("--sampling-gpu", type=int, default=0, metavar="N", help="CUDA device of the sampler")

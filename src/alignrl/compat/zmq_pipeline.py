@@ -1,4 +1,4 @@
-"""Seed 004's commands, as its users type them from the repository root:
+"""The ZeroMQ pipeline's commands, as its users type them from the repository root:
 
     python communication_test.py
     python sampling_worker.py --gpu-id 0 --data-port 5555 --sync-port 5556
@@ -11,13 +11,13 @@ without GPUs the device ids only count processes. Flags the seed lacks map onto 
 `key.sub=value` after the flags is passed on as a config override.
 
 `deepspeed.json` is written on the first run with that run's batch numbers, and again for each run until the user
-edits it (seed004_deepspeed.untouched); the batch numbers of a file the user edited are the run's
+edits it (zmq_deepspeed_json.untouched); the batch numbers of a file the user edited are the run's
 (train_micro_batch_size_per_gpu -> actor.ppo_micro_batch_size, train_batch_size and gradient_accumulation_steps ->
 the mini-batch), said in one line at start. alignrl drives the accumulation itself,
 so the engine hands DeepSpeed nominal batch numbers (alignrl.train.engines.deepspeed.load_ds_config).
 
-communication_test.py is `seed004_comm`, run_distributed.py `seed004_launch`; the deepspeed.json handling
-`seed004_deepspeed`.
+communication_test.py is `compat.zmq_comm_test`, run_distributed.py `compat.zmq_launcher`; the deepspeed.json handling
+`compat.zmq_deepspeed_json`.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import sys
 from pathlib import Path
 
 from alignrl.runtime.launch import OneLineParser
-from alignrl.compat.zmq_deepspeed_json import (DS_FILE, Seed004Error, ds_batch_overrides, generated, read_ds_json,
+from alignrl.compat.zmq_deepspeed_json import (DS_FILE, ZmqScriptError, ds_batch_overrides, generated, read_ds_json,
                                             run_batch, untouched)
 from alignrl.errors import FLAGS_ENV, PROGRAM_ENV, UserError, in_flag_words
 
-SAVE_STEPS = 1000  # seed 004: "每1000步保存一次" (the final step is always saved)
+SAVE_STEPS = 1000  # the ZeroMQ pipeline's scripts save every 1000 steps (the final step is always saved)
 # the config keys the trainer's and the sampler's flags set: their errors name the flags (alignrl.errors)
 TRAINER_FLAGS = {"trainer.total_training_steps": "--max-steps", "data.train_files": "--data-path",
                  "data.val_files": "--eval-data-path", "model.path": "--model-path", "trainer.output_dir": "--output-dir",
@@ -46,7 +46,7 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 def training_parser(prog: str = "training_worker.py") -> argparse.ArgumentParser:
     # no abbreviations: run_distributed.py passes unknown flags on, and `--npro 3` would reach this parser as --nproc
-    p = OneLineParser(prog=prog, description="GRPO trainer fed by ZeroMQ samplers (seed 004).", allow_abbrev=False)
+    p = OneLineParser(prog=prog, description="GRPO trainer fed by ZeroMQ samplers.", allow_abbrev=False)
     p.add_argument("--gpu-id", type=int, default=0, metavar="N", help="CUDA device of the (single-process) trainer")
     p.add_argument("--nproc", type=int, default=1, metavar="N", help="training processes (run_distributed.py sets it)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind the two ports on")
@@ -67,7 +67,7 @@ def training_parser(prog: str = "training_worker.py") -> argparse.ArgumentParser
     p.add_argument("--group-size", type=int, default=None, metavar="N", help="samples per prompt (rollout.n)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (actor.lr)")
     p.add_argument("--save-steps", type=int, default=SAVE_STEPS, metavar="N",
-                   help=f"checkpoint every N steps (trainer.save_freq; seed 004: {SAVE_STEPS}); the final step is "
+                   help=f"checkpoint every N steps (trainer.save_freq; default {SAVE_STEPS}); the final step is "
                         "always saved")
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="torch CPU threads per process (0: torch's default)")
@@ -122,10 +122,10 @@ def ports_problem(host: str, data_port: int, sync_port: int, whose: str = "") ->
 
     for flag, port in (("--data-port", data_port), ("--sync-port", sync_port)):
         if not 1 <= port <= 65535:
-            return f"{flag} {port} is not a TCP port: give {whose or 'one '}in 1..65535 (seed 004: 5555 and 5556)"
+            return f"{flag} {port} is not a TCP port: give {whose or 'one '}in 1..65535 (defaults: 5555 and 5556)"
     if data_port == sync_port:
         return (f"--data-port and --sync-port are both {data_port}: give {whose}two different ports "
-                "(seed 004: --data-port 5555 --sync-port 5556)")
+                "(the scripts' defaults: --data-port 5555 --sync-port 5556)")
     try:
         socket.getaddrinfo(host, sync_port)
     except (OSError, UnicodeError):
@@ -158,7 +158,7 @@ def port_taken(host: str, data_port: int, sync_port: int) -> str | None:
 
 def prepare_training(a: argparse.Namespace, extra: list[str], write: bool, say=None) -> list[str]:
     """The trainer's config overrides once its flags, its config and `deepspeed.json` are checked: ConfigError or
-    Seed004Error in one line otherwise. `write`: generate a missing deepspeed.json (with this run's batch numbers)
+    ZmqScriptError in one line otherwise. `write`: generate a missing deepspeed.json (with this run's batch numbers)
     and say, through `say`, what it wrote and which values came from the user's file."""
     from alignrl.config import ConfigError, check_world_size, keys_given, load_config
 
@@ -166,14 +166,14 @@ def prepare_training(a: argparse.Namespace, extra: list[str], write: bool, say=N
                or data_path_problem(a.eval_data_path, "leave it out for synthetic arithmetic", "--eval-data-path",
                                   "held-out"))
     if problem:
-        raise Seed004Error(problem)
+        raise ZmqScriptError(problem)
     if a.model_path != "demo":  # named in the flag's spelling (the demo model is built on first use)
         from alignrl.models.loader import ModelError, resolve_model_path
 
         try:
             resolve_model_path(a.model_path, lambda *_: None, key="--model-path")
         except ModelError as e:
-            raise Seed004Error(str(e)) from None
+            raise ZmqScriptError(str(e)) from None
     cfg = load_config(None, training_overrides(a, extra))
     prompts = cfg.data.train_batch_size
     if prompts % a.nproc and a.batch_size is None and "data.train_batch_size" not in keys_given(None, extra):
@@ -202,8 +202,8 @@ def prepare_training(a: argparse.Namespace, extra: list[str], write: bool, say=N
     if ds is not None and not untouched(ds):  # the user's (edited, or their own): the run follows it
         try:
             more, line = ds_batch_overrides(ds, cfg, a.nproc, keys_given(None, extra), a.batch_size is not None)
-        except Seed004Error as e:
-            raise Seed004Error(f"{path}: {e}") from None
+        except ZmqScriptError as e:
+            raise ZmqScriptError(f"{path}: {e}") from None
         if more:
             load_config(None, training_overrides(a, extra) + more)
         if line and say:
@@ -238,11 +238,11 @@ def before_start(cfg, a: argparse.Namespace) -> None:
 
     problem = port_taken(a.host, a.data_port, a.sync_port)
     if problem:
-        raise Seed004Error(problem)
+        raise ZmqScriptError(problem)
     try:
         check_bind(a.host, token_from_env())
     except InsecureBind as e:
-        raise Seed004Error(f"--host {a.host}: {e}") from None
+        raise ZmqScriptError(f"--host {a.host}: {e}") from None
     check_newest_not_past(cfg)
 
 
@@ -258,7 +258,7 @@ def parse_training(argv: list[str] | None, prog: str = "training_worker.py") -> 
     if a.gpu_id < 0:
         p.error(f"--gpu-id {a.gpu_id}: give a CUDA device id from 0")
     if a.save_steps < 0:
-        p.error(f"--save-steps {a.save_steps}: give the steps between checkpoints (seed 004: {SAVE_STEPS}), or 0 for "
+        p.error(f"--save-steps {a.save_steps}: give the steps between checkpoints (default {SAVE_STEPS}), or 0 for "
                 "the final one only")
     problem = ports_problem(a.host, a.data_port, a.sync_port)  # in the flags' names, not pipeline.*_port's
     if problem:

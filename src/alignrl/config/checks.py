@@ -78,101 +78,147 @@ def check_world_size(cfg: RunConfig, world: int) -> None:
 
 
 def check_combinations(cfg: RunConfig) -> None:
+    """Keys that cannot work together: the first problem of `_COMBINATIONS`, in their order, as one line."""
+    for check in _COMBINATIONS:
+        problem = check(cfg)
+        if problem:
+            raise ConfigError(problem)
+
+
+def _batch_sizes(cfg: RunConfig) -> str | None:
     mini, seqs = cfg.actor.ppo_mini_batch_size, cfg.mini_batch_sequences
     by_prompts = cfg.actor.ppo_mini_batch_unit == "prompts"
     step = cfg.data.train_batch_size * (1 if by_prompts else cfg.rollout.n)
     if step % mini:
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size}" + ("" if by_prompts else
-                          f" × rollout.n={cfg.rollout.n} sequences") + f" must be a multiple of "
-                          f"actor.ppo_mini_batch_size={mini}")
+        return (f"data.train_batch_size={cfg.data.train_batch_size}" + ("" if by_prompts else
+                f" × rollout.n={cfg.rollout.n} sequences") + f" must be a multiple of "
+                f"actor.ppo_mini_batch_size={mini}")
     if seqs % min(cfg.actor.ppo_micro_batch_size, seqs):
-        raise ConfigError(f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size} must divide the "
-                          f"mini-batch's {seqs} sequences (actor.ppo_mini_batch_size"
-                          + (" × rollout.n)" if by_prompts else ")"))
+        return (f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size} must divide the "
+                f"mini-batch's {seqs} sequences (actor.ppo_mini_batch_size"
+                + (" × rollout.n)" if by_prompts else ")"))
+    return None
+
+
+def _overlong_buffer(cfg: RunConfig) -> str | None:
     alg = cfg.algorithm
     if alg.overlong_buffer_len > response_cap(cfg):
         limit = (f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}" if cfg.agent.max_turns == 0 else
                  f"the episode's response cap {response_cap(cfg)} (agent.max_response_length)")
-        raise ConfigError(f"algorithm.overlong_buffer_len={alg.overlong_buffer_len} must be <= {limit}")
+        return f"algorithm.overlong_buffer_len={alg.overlong_buffer_len} must be <= {limit}"
+    return None
+
+
+def _rollout_is(cfg: RunConfig) -> str | None:
+    alg = cfg.algorithm
     if alg.rollout_is != "none" and not cfg.actor.recompute_old_logprobs:
-        raise ConfigError(f"algorithm.rollout_is={alg.rollout_is} needs actor.recompute_old_logprobs=true: "
-                          "without it the trainer's old log-probs are the rollout's and every weight is 1")
+        return (f"algorithm.rollout_is={alg.rollout_is} needs actor.recompute_old_logprobs=true: "
+                "without it the trainer's old log-probs are the rollout's and every weight is 1")
     lower = alg.rollout_is_threshold_lower
     if lower is not None and alg.rollout_is_mode != "mask":
-        raise ConfigError(f"algorithm.rollout_is_threshold_lower={lower} is read only by algorithm.rollout_is_mode="
-                          f"mask, not {alg.rollout_is_mode}; leave it out or set the mode to mask")
+        return (f"algorithm.rollout_is_threshold_lower={lower} is read only by algorithm.rollout_is_mode="
+                f"mask, not {alg.rollout_is_mode}; leave it out or set the mode to mask")
     if alg.rollout_is_mode == "mask" and (lower if lower is not None else 1.0 / alg.rollout_is_threshold) >= \
             alg.rollout_is_threshold:
-        raise ConfigError(f"algorithm.rollout_is_threshold_lower={lower if lower is not None else 'default 1/threshold'}"
-                          f" must be below algorithm.rollout_is_threshold={alg.rollout_is_threshold}, or every token "
-                          "is rejected: raise the threshold above 1 or set a lower bound below it")
+        return (f"algorithm.rollout_is_threshold_lower={lower if lower is not None else 'default 1/threshold'}"
+                f" must be below algorithm.rollout_is_threshold={alg.rollout_is_threshold}, or every token "
+                "is rejected: raise the threshold above 1 or set a lower bound below it")
+    return None
+
+
+def _loggers_and_files(cfg: RunConfig) -> str | None:
     unknown = set(cfg.trainer.logger) - {"console", "jsonl", "tensorboard", "wandb"}
     if unknown:
-        raise ConfigError(f"trainer.logger has unknown sink(s) {sorted(unknown)}; allowed: console, jsonl, "
-                          "tensorboard, wandb")
+        return (f"trainer.logger has unknown sink(s) {sorted(unknown)}; allowed: console, jsonl, "
+                "tensorboard, wandb")
     for key in ("train_files", "val_files"):
         files = getattr(cfg.data, key)
         if not (isinstance(files, str) or (isinstance(files, list) and files
                                            and all(isinstance(f, str) for f in files))):
-            raise ConfigError(f"data.{key}={files!r} must be a file path or a list of them "
-                              "(e.g. data.train_files=[a.parquet,b.parquet])")
-    check_prompt_keys(cfg)
+            return (f"data.{key}={files!r} must be a file path or a list of them "
+                    "(e.g. data.train_files=[a.parquet,b.parquet])")
+    return None
+
+
+def _optimiser_and_clips(cfg: RunConfig) -> str | None:
     for key, b in (("actor.betas", cfg.actor.betas), ("critic.betas", cfg.critic.betas)):
         if not (isinstance(b, list) and len(b) == 2 and all(_number(x) and 0 <= x < 1 for x in b)):
-            raise ConfigError(f"{key}={b!r} must be two numbers in [0, 1), e.g. [0.9,0.999]")
-    clip = alg.reward_clip
+            return f"{key}={b!r} must be two numbers in [0, 1), e.g. [0.9,0.999]"
+    clip = cfg.algorithm.reward_clip
     if clip and not (isinstance(clip, list) and len(clip) == 2 and all(map(_number, clip)) and clip[0] < clip[1]):
-        raise ConfigError(f"algorithm.reward_clip={clip!r} must be [low, high] with low < high (e.g. [-10,10]), or [] "
-                          "for none")
+        return (f"algorithm.reward_clip={clip!r} must be [low, high] with low < high (e.g. [-10,10]), or [] "
+                "for none")
     if 0 < cfg.actor.clip_ratio_c <= 1:
-        raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip), or 0 to disable")
+        return f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip), or 0 to disable"
     if cfg.actor.clip_ratio_c and cfg.actor.policy_loss != "ppo_clip":
-        raise ConfigError("actor.clip_ratio_c (dual-clip) applies to actor.policy_loss=ppo_clip only")
+        return "actor.clip_ratio_c (dual-clip) applies to actor.policy_loss=ppo_clip only"
+    return None
+
+
+def _estimator(cfg: RunConfig) -> str | None:
+    alg = cfg.algorithm
     if cfg.rollout.n < 2 and alg.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
         # each sample is measured against the others of its prompt: alone, every advantage would be 0 and the
         # run would train on nothing but its KL and entropy terms
-        raise ConfigError(f"algorithm.adv_estimator={alg.adv_estimator} compares the samples of each prompt: "
-                          f"rollout.n={cfg.rollout.n} leaves none to compare with; set rollout.n >= 2 (verl's "
-                          "actor_rollout_ref.rollout.n), or use reinforce_plus_plus or remax")
+        return (f"algorithm.adv_estimator={alg.adv_estimator} compares the samples of each prompt: "
+                f"rollout.n={cfg.rollout.n} leaves none to compare with; set rollout.n >= 2 (verl's "
+                "actor_rollout_ref.rollout.n), or use reinforce_plus_plus or remax")
     if alg.outcome_baseline != "none" and alg.adv_estimator != "reinforce_plus_plus":
-        raise ConfigError(f"algorithm.outcome_baseline={alg.outcome_baseline} shapes REINFORCE++'s outcome rewards: "
-                          f"set algorithm.adv_estimator=reinforce_plus_plus, or outcome_baseline=none")
+        return (f"algorithm.outcome_baseline={alg.outcome_baseline} shapes REINFORCE++'s outcome rewards: "
+                f"set algorithm.adv_estimator=reinforce_plus_plus, or outcome_baseline=none")
     if alg.outcome_baseline != "none" and cfg.rollout.n < 2:
-        raise ConfigError(f"algorithm.outcome_baseline={alg.outcome_baseline} compares the samples of each prompt: "
-                          f"set rollout.n >= 2, or outcome_baseline=none")
+        return (f"algorithm.outcome_baseline={alg.outcome_baseline} compares the samples of each prompt: "
+                f"set rollout.n >= 2, or outcome_baseline=none")
     if alg.whiten_advantages != "std" and alg.adv_estimator not in ("reinforce_plus_plus", "gae"):
-        raise ConfigError(f"algorithm.whiten_advantages={alg.whiten_advantages} applies to reinforce_plus_plus and "
-                          f"gae (got {alg.adv_estimator}): drop it, or pick one of those estimators")
+        return (f"algorithm.whiten_advantages={alg.whiten_advantages} applies to reinforce_plus_plus and "
+                f"gae (got {alg.adv_estimator}): drop it, or pick one of those estimators")
+    return None
+
+
+def _critic(cfg: RunConfig) -> str | None:
     gae = cfg.algorithm.adv_estimator == "gae"
     if gae and not cfg.critic.enable:
-        raise ConfigError("algorithm.adv_estimator=gae needs a critic: set critic.enable=true "
-                          "(or pick a critic-free estimator: grpo, rloo, reinforce_plus_plus)")
+        return ("algorithm.adv_estimator=gae needs a critic: set critic.enable=true "
+                "(or pick a critic-free estimator: grpo, rloo, reinforce_plus_plus)")
     if cfg.critic.enable and not gae:
-        raise ConfigError(f"critic.enable=true is only used by algorithm.adv_estimator=gae "
-                          f"(got {cfg.algorithm.adv_estimator}); set critic.enable=false or use gae")
-    if cfg.pipeline.placement == "zmq" and (alg.dynamic_sampling or cfg.services.generation_url):
-        raise ConfigError("pipeline.placement=zmq: samplers generate, so algorithm.dynamic_sampling and "
-                          "services.generation_url do not apply; drop them or use pipeline.placement=inline")
+        return (f"critic.enable=true is only used by algorithm.adv_estimator=gae "
+                f"(got {cfg.algorithm.adv_estimator}); set critic.enable=false or use gae")
+    return None
+
+
+def _pipeline(cfg: RunConfig) -> str | None:
+    if cfg.pipeline.placement == "zmq" and (cfg.algorithm.dynamic_sampling or cfg.services.generation_url):
+        return ("pipeline.placement=zmq: samplers generate, so algorithm.dynamic_sampling and "
+                "services.generation_url do not apply; drop them or use pipeline.placement=inline")
     if cfg.actor.gradient_checkpointing and cfg.actor.share_prompt:  # transformers keeps no cache under it
-        raise ConfigError("actor.gradient_checkpointing does not combine with actor.share_prompt (the shared prompt's "
-                          "keys/values are a cache, which checkpointed layers do not return): drop one of them")
+        return ("actor.gradient_checkpointing does not combine with actor.share_prompt (the shared prompt's "
+                "keys/values are a cache, which checkpointed layers do not return): drop one of them")
     if cfg.pipeline.placement == "zmq" and cfg.pipeline.data_port == cfg.pipeline.sync_port:
-        raise ConfigError(f"pipeline.data_port and pipeline.sync_port are both {cfg.pipeline.data_port}: the "
-                          "trainer binds one socket on each, so give them different ports (seed 004: 5555 and 5556)")
+        return (f"pipeline.data_port and pipeline.sync_port are both {cfg.pipeline.data_port}: the "
+                "trainer binds one socket on each, so give them different ports (seed 004: 5555 and 5556)")
+    return None
+
+
+def _safety(cfg: RunConfig) -> str | None:
     if cfg.safety.cost_fn and cfg.safety.cost_model:
-        raise ConfigError("set one of safety.cost_fn (a rule) or safety.cost_model (a model), not both")
-    if (cfg.safety.cost_fn or cfg.safety.cost_model) and not gae:
-        raise ConfigError("safety.cost_fn / safety.cost_model (PPO-Lagrangian) needs a cost critic: set algorithm.adv_estimator=gae "
-                          "and critic.enable=true")
+        return "set one of safety.cost_fn (a rule) or safety.cost_model (a model), not both"
+    if (cfg.safety.cost_fn or cfg.safety.cost_model) and cfg.algorithm.adv_estimator != "gae":
+        return ("safety.cost_fn / safety.cost_model (PPO-Lagrangian) needs a cost critic: set "
+                "algorithm.adv_estimator=gae and critic.enable=true")
+    return None
+
+
+def _urls(cfg: RunConfig) -> str | None:
     problem = retriever_url_problem(cfg.retriever.url)
     if cfg.agent.max_turns and cfg.agent.search and problem:
-        raise ConfigError(problem)
+        return problem
     for kind in ("generation", "reference", "reward"):  # here, once, not on every rank as it connects
         url = getattr(cfg.services, f"{kind}_url")
         problem = url and url_problem(f"services.{kind}_url={url!r} (the seed layout's training.services.{kind}.url)",
                                       url, f"give the {kind} service's address, e.g. http://127.0.0.1:8000")
         if problem:
-            raise ConfigError(problem)
+            return problem
+    return None
 
 
 def url_problem(named: str, url: str, fix: str) -> str | None:
@@ -219,6 +265,12 @@ def check_prompt_keys(cfg: RunConfig) -> None:
     if not d.apply_chat_template and d.system_prompt is not None:
         raise ConfigError("data.system_prompt is a chat message: it needs data.apply_chat_template=true (or put the "
                           "text into data.input_template)")
+
+
+# check_combinations' checks, in the order they run: each returns its one-line problem or None
+# (check_prompt_keys raises its own, with the same kind of line)
+_COMBINATIONS = (_batch_sizes, _overlong_buffer, _rollout_is, _loggers_and_files, check_prompt_keys,
+                 _optimiser_and_clips, _estimator, _critic, _pipeline, _safety, _urls)
 
 
 def check_folders(folders: dict[str, Path]) -> None:

@@ -1,5 +1,5 @@
 """The shape of a config file before OmegaConf sees it: UTF-8 text, sections given as mappings, and
-seed 000's `config/nodes.yaml` layout (top-level `training:` / `models:`) mapped onto our keys.
+the multi-node launcher's `config/nodes.yaml` layout (top-level `training:` / `models:`) mapped onto our keys.
 
 These checks exist because OmegaConf's own errors for such files name no line and no key.
 """
@@ -76,7 +76,7 @@ def read_config_file(p: Path, root: type) -> Any:
     return raw
 
 
-# Seed 000's `config/nodes.yaml` layout -> our keys (the rest of such a file merges as usual).
+# the multi-node launcher's `config/nodes.yaml` layout -> our keys (the rest of such a file merges as usual).
 SEED_KEYS = {"training.master_node": "trainer.master_addr", "training.master_port": "trainer.master_port",
              "training.hostfile": "trainer.hostfile",
              "training.services.generation.url": "services.generation_url",
@@ -101,7 +101,7 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def from_seed_layout(raw: Any, path: Path) -> Any:
-    """A YAML with top-level `training:` / `models:` (seed 000's nodes.yaml) mapped onto our keys; the
+    """A YAML with top-level `training:` / `models:` (the multi-node launcher's nodes.yaml) mapped onto our keys; the
     run folder is then `models.output.path` itself (checkpoints and logs inside it, as in the seed). As in
     the seed's project, `hostfile` and `deepspeed/zero3.json` beside the file are the launcher's hosts and
     the training engine (DeepSpeed ZeRO-3 from that JSON) unless the file names others."""

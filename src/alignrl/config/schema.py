@@ -243,13 +243,13 @@ class ServicesConfig:
 @dataclass(frozen=True)
 class PipelineConfig:
     placement: str = opt("inline", "inline: rollouts are made in the trainer's processes; zmq: sampler processes "
-                                   "(`alignrl sample`, seed 004's sampling_worker.py) make them and stream them in",
+                                   "(`alignrl sample`, sampling_worker.py) make them and stream them in",
                          choices=("inline", "zmq"))
     host: str = opt("127.0.0.1", "zmq: the trainer binds here and samplers connect here; a non-loopback host "
                                  "needs ALIGNRL_ZMQ_TOKEN set on both sides")
-    data_port: int = opt(5555, "zmq: samplers PUSH scored batches to this port (seed 004's --data-port)", ge=1,
+    data_port: int = opt(5555, "zmq: samplers PUSH scored batches to this port (--data-port)", ge=1,
                          le=65535)
-    sync_port: int = opt(5556, "zmq: weights and work go out on this port (seed 004's --sync-port)", ge=1, le=65535)
+    sync_port: int = opt(5556, "zmq: weights and work go out on this port (--sync-port)", ge=1, le=65535)
     max_staleness: int = opt(0, "zmq: train only on batches made with weights at most this many versions old; "
                                 "0 is strictly on-policy", ge=0)
     lease_timeout_s: float = opt(600.0, "zmq: prompts handed to a sampler that sends no batch in this time go "
@@ -268,7 +268,7 @@ class PipelineConfig:
                                         "memory for one on the CPU), or auto (shared for the samplers that can map "
                                         "it, frames for the others)", choices=("auto", "zmq", "shared"))
     ref_logprobs: str = opt("sampler", "zmq: who runs the frozen reference forward of a KL term: sampler (all of it, "
-                                       "as seed 004), trainer (all of it; samplers hold no reference model), or "
+                                       "as the sampler does), trainer (all of it; samplers hold no reference model), or "
                                        "balance (with max_staleness >= 1, split by prompt groups toward the side that "
                                        "waits; with max_staleness=0, as sampler)",
                             choices=("sampler", "trainer", "balance"))

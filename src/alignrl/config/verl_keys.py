@@ -131,7 +131,7 @@ NOTED = {"trainer.val_before_train": "alignrl always evaluates before training (
 _FORMAT_REWARD = ("alignrl scores Search-R1's QA data sources with plain exact match, as Search-R1 validates; for "
                   "v0.3's format credits give algorithm.reward_fn=FILE.py:FUNCTION returning alignrl.rewards.qa_em."
                   "compute_score_format(solution_str, ground_truth, structure_format_score, final_format_score, "
-                  "retrieval_score) (README, section 'Search-R1 / verl scripts', has the file)")
+                  "retrieval_score) (README.md, section 'From verl / Search-R1', has the file)")
 _SHUFFLE = ("alignrl draws each epoch's mini-batches in a seeded random order (Search-R1's FSDP workers split the "
             "batch in order whatever this says)")
 _MARKER = ("the loss mask comes from the rollout: the observation tokens the engine appends, inside <information> "
@@ -190,114 +190,151 @@ def _value(text: str) -> object:
         return text    # a value that goes on to alignrl's key is read (and its error named) by load_config
 
 
+@dataclass
+class _Pass:
+    """What `translate` gathers while it reads the overrides one by one."""
+    overrides: list[str] | tuple[str, ...]
+    out: list[str] = field(default_factory=list)
+    not_used: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    custom: dict[str, str] = field(default_factory=dict)  # verl's custom_reward_function.{path,name}
+    # key -> (value, why); a key given twice: listed once, last value
+    not_applied: dict[str, tuple[str, str]] = field(default_factory=dict)
+    critic_follows: dict[str, str] = field(default_factory=dict)  # verl's critic.ppo_mini_batch_size / ppo_epochs
+    keep: dict[str, int] = field(default_factory=dict)  # verl's max_{actor,critic}_ckpt_to_keep, 0 for keep-all
+    verl: bool = False
+    output_is_run_dir: bool = False
+    global_micro: int | None = None
+
+
 def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
     """Overrides in verl's spellings (Hydra's `+`/`++` prefixes allowed) rewritten to alignrl's keys."""
-    out: list[str] = []
-    not_used: list[str] = []
-    notes: list[str] = []
-    custom: dict[str, str] = {}  # verl's custom_reward_function.{path,name}
-    not_applied: dict[str, tuple[str, str]] = {}  # key -> (value, why); a key given twice: listed once, last value
-    critic_follows: dict[str, str] = {}  # verl's critic.ppo_mini_batch_size / ppo_epochs as given
-    keep: dict[str, int] = {}  # verl's max_{actor,critic}_ckpt_to_keep, 0 for keep-all
-    verl = output_is_run_dir = False
-    global_micro = None
+    st = _Pass(overrides)
     for o in overrides:
         key, sep, value = o.partition("=")
         if not sep:
-            out.append(o)  # load_config names the malformed override
+            st.out.append(o)  # load_config names the malformed override
             continue
         key = key.lstrip("+")
-        verl = verl or o.startswith("+") or key.startswith(("actor_rollout_ref.", "critic.optim.", "critic.model."))
-        if key == "data.val_data_num" and _value(value) is None:  # verl: every row; alignrl: a bounded count
-            verl = True
-            notes.append(f"{key}=null: alignrl evaluates the first data.val_size held-out rows")
-        elif key in RENAMES:
-            verl = True
-            if key == "trainer.default_local_dir":  # verl's path is relative to the working directory
-                value = os.path.abspath(value)
-            if key == A + "clip_ratio":  # only the fallback of clip_ratio_low/high given beside it (as in verl)
-                out[:0] = [f"{target}={value}" for target in RENAMES[key]]
-            else:
-                out += [f"{target}={value}" for target in RENAMES[key]]
-        elif key == A + "ppo_micro_batch_size" and isinstance(_value(value), int):
-            verl, global_micro = True, _value(value)  # all ranks together, as verl divides it (resolve_counts)
-        elif key in (A + "strategy", "critic.strategy"):  # one engine trains both in alignrl
-            verl = True
-            if str(_value(value)) not in ("fsdp", "fsdp2"):
-                raise ConfigError(f"{key}={value} is not supported (alignrl shards with FSDP2: fsdp or fsdp2; "
-                                  "trainer.strategy=deepspeed for ZeRO)")
-            out.append("trainer.strategy=fsdp")
-        elif key == "trainer.critic_warmup" and isinstance(_value(value), int):
-            # verl trains the actor from global step critic_warmup (steps count from 1); alignrl after
-            # critic.warmup_steps critic-only steps
-            verl = True
-            out.append(f"critic.warmup_steps={max(0, _value(value) - 1)}")
-        elif key in ONLY_VALUE:
-            verl = True
-            allowed, instead = ONLY_VALUE[key]
-            if _value(value) != allowed:
-                raise ConfigError(f"{key}={value} is not supported ({instead})")
-        elif key in NOTED:
-            verl = True
-            if _value(value) is False:
-                notes.append(f"{key}={value}: {NOTED[key]}")
-        elif key in NOT_APPLIED:
-            verl = True
-            followed, why = NOT_APPLIED[key]
-            if _value(value) != followed:
-                not_applied[key] = (value, why)
-            else:
-                not_applied.pop(key, None)
-        elif key in CRITIC_FOLLOWS_ACTOR:
-            verl = True
-            critic_follows[key] = value
-        elif key in CKPT_TO_KEEP:
-            verl = True
-            keep[key] = _checkpoints_to_keep(key, value)
-            # one folder holds actor and critic: keep what the larger request keeps (0: every one)
-            out.append(f"trainer.max_checkpoints={0 if 0 in keep.values() else max(keep.values())}")
-        elif any(fnmatch.fnmatchcase(key, pattern) for pattern in NOT_USED):
-            verl = True
-            if key not in not_used:
-                not_used.append(key)
-        elif key in SEED_KEYS:  # seed 000's nodes.yaml spellings, as its file takes them
-            out.append(f"{SEED_KEYS[key]}={value}")
-            output_is_run_dir = output_is_run_dir or key == "models.output.path"
-        elif key in SEED_MODEL_PARTS:  # beside models.train.path they only name it; alone they would not apply
-            if not any(o.startswith("models.train.path=") for o in overrides):
-                raise ConfigError(f"{key} builds the model's folder only inside a nodes.yaml; on the command line "
-                                  "give the folder itself: models.train.path=PATH")
-        elif key.startswith(("training.", "models.")):  # a mistyped seed key: not "unknown config key 'training'"
-            raise ConfigError(unknown_seed_key(key))
-        elif key in ("custom_reward_function.path", "custom_reward_function.name"):
-            verl = True
-            custom[key.rsplit(".", 1)[1]] = value
-        elif key.startswith(VERL_SECTIONS):
-            raise ConfigError(f"unknown config key '{key}'{nearest_sibling(key, RENAMES)}: not a verl/Search-R1 key "
-                              "alignrl knows (README, section 'Search-R1 / verl scripts'; `alignrl config --reference` "
-                              "lists alignrl's own keys)")
+        st.verl = st.verl or o.startswith("+") or key.startswith(("actor_rollout_ref.", "critic.optim.",
+                                                                  "critic.model."))
+        # one chain of cases, split in three: the first case that matches the key takes it
+        if not (_renamed(st, key, value) or _accepted(st, key, value)):
+            _other(st, key, value)
+    return _finish(st)
+
+
+def _renamed(st: _Pass, key: str, value: str) -> bool:
+    """verl keys with an alignrl key of their own (renamed or converted); False: not one of them."""
+    if key == "data.val_data_num" and _value(value) is None:  # verl: every row; alignrl: a bounded count
+        st.verl = True
+        st.notes.append(f"{key}=null: alignrl evaluates the first data.val_size held-out rows")
+    elif key in RENAMES:
+        st.verl = True
+        if key == "trainer.default_local_dir":  # verl's path is relative to the working directory
+            value = os.path.abspath(value)
+        if key == A + "clip_ratio":  # only the fallback of clip_ratio_low/high given beside it (as in verl)
+            st.out[:0] = [f"{target}={value}" for target in RENAMES[key]]
         else:
-            out.append(f"{key}={value}")
-    for key, value in critic_follows.items():
+            st.out += [f"{target}={value}" for target in RENAMES[key]]
+    elif key == A + "ppo_micro_batch_size" and isinstance(_value(value), int):
+        st.verl, st.global_micro = True, _value(value)  # all ranks together, as verl divides it (resolve_counts)
+    elif key in (A + "strategy", "critic.strategy"):  # one engine trains both in alignrl
+        st.verl = True
+        if str(_value(value)) not in ("fsdp", "fsdp2"):
+            raise ConfigError(f"{key}={value} is not supported (alignrl shards with FSDP2: fsdp or fsdp2; "
+                              "trainer.strategy=deepspeed for ZeRO)")
+        st.out.append("trainer.strategy=fsdp")
+    elif key == "trainer.critic_warmup" and isinstance(_value(value), int):
+        # verl trains the actor from global step critic_warmup (steps count from 1); alignrl after
+        # critic.warmup_steps critic-only steps
+        st.verl = True
+        st.out.append(f"critic.warmup_steps={max(0, _value(value) - 1)}")
+    else:
+        return False
+    return True
+
+
+def _accepted(st: _Pass, key: str, value: str) -> bool:
+    """verl keys accepted without an alignrl key (one value only, noted, not applied, not used); False: not one."""
+    if key in ONLY_VALUE:
+        st.verl = True
+        allowed, instead = ONLY_VALUE[key]
+        if _value(value) != allowed:
+            raise ConfigError(f"{key}={value} is not supported ({instead})")
+    elif key in NOTED:
+        st.verl = True
+        if _value(value) is False:
+            st.notes.append(f"{key}={value}: {NOTED[key]}")
+    elif key in NOT_APPLIED:
+        st.verl = True
+        followed, why = NOT_APPLIED[key]
+        if _value(value) != followed:
+            st.not_applied[key] = (value, why)
+        else:
+            st.not_applied.pop(key, None)
+    elif key in CRITIC_FOLLOWS_ACTOR:
+        st.verl = True
+        st.critic_follows[key] = value
+    elif key in CKPT_TO_KEEP:
+        st.verl = True
+        st.keep[key] = _checkpoints_to_keep(key, value)
+        # one folder holds actor and critic: keep what the larger request keeps (0: every one)
+        st.out.append(f"trainer.max_checkpoints={0 if 0 in st.keep.values() else max(st.keep.values())}")
+    elif any(fnmatch.fnmatchcase(key, pattern) for pattern in NOT_USED):
+        st.verl = True
+        if key not in st.not_used:
+            st.not_used.append(key)
+    else:
+        return False
+    return True
+
+
+def _other(st: _Pass, key: str, value: str) -> None:
+    """Seed 000's spellings, verl's custom reward function, an unknown verl key, or an alignrl key as given."""
+    if key in SEED_KEYS:  # seed 000's nodes.yaml spellings, as its file takes them
+        st.out.append(f"{SEED_KEYS[key]}={value}")
+        st.output_is_run_dir = st.output_is_run_dir or key == "models.output.path"
+    elif key in SEED_MODEL_PARTS:  # beside models.train.path they only name it; alone they would not apply
+        if not any(o.startswith("models.train.path=") for o in st.overrides):
+            raise ConfigError(f"{key} builds the model's folder only inside a nodes.yaml; on the command line "
+                              "give the folder itself: models.train.path=PATH")
+    elif key.startswith(("training.", "models.")):  # a mistyped seed key: not "unknown config key 'training'"
+        raise ConfigError(unknown_seed_key(key))
+    elif key in ("custom_reward_function.path", "custom_reward_function.name"):
+        st.verl = True
+        st.custom[key.rsplit(".", 1)[1]] = value
+    elif key.startswith(VERL_SECTIONS):
+        raise ConfigError(f"unknown config key '{key}'{nearest_sibling(key, RENAMES)}: not a verl/Search-R1 key "
+                          "alignrl knows (docs/verl-keys.md lists them; `alignrl config --reference` "
+                          "lists alignrl's own keys)")
+    else:
+        st.out.append(f"{key}={value}")
+
+
+def _finish(st: _Pass) -> Translation:
+    """What needs every override first: the critic's keys against the actor's, the reward function, n_agent."""
+    out, not_applied, custom = st.out, st.not_applied, st.custom
+    for key, value in st.critic_follows.items():
         if value == "${actor_rollout_ref.%s}" % CRITIC_FOLLOWS_ACTOR[key]:  # verl's own default: the actor's
             continue
         actor = [o.split("=", 1)[1] for o in out if o.startswith(CRITIC_FOLLOWS_ACTOR[key] + "=")]
         if not actor or _value(actor[-1]) != _value(value):
             not_applied[key] = (value, "alignrl's critic trains on the actor's mini-batches and epochs "
                                        "(actor_rollout_ref.actor.ppo_mini_batch_size and ppo_epochs)")
-    notes += _grouped(not_applied)
+    notes = st.notes + _grouped(not_applied)
     if custom.get("path") not in (None, "null"):  # verl's default function name is compute_score
         out.append(f"algorithm.reward_fn={custom['path']}:{custom.get('name', 'compute_score')}")
     # n_agent is Search-R1's group size; verl's rollout.n beside it is the vLLM sample count (1)
-    agent_n = [o for o in overrides if o.lstrip("+").startswith(R + "n_agent=")]
+    agent_n = [o for o in st.overrides if o.lstrip("+").startswith(R + "n_agent=")]
     if agent_n:
         n_agent = agent_n[-1].split("=", 1)[1]
         out = [o for o in out if not o.startswith("rollout.n=")] + [f"rollout.n={n_agent}"]
         unit_given = any(o.startswith("actor.ppo_mini_batch_unit=") for o in out)
         if _value(n_agent) != 1 and not unit_given:  # Search-R1 multiplies it by verl's rollout.n (1), not n_agent
             out.append("actor.ppo_mini_batch_unit=sequences")
-    explicit = {o.split("=", 1)[0] for o in out} | ({"actor.ppo_micro_batch_size"} if global_micro else set())
-    return Translation(out, explicit, not_used, notes, verl, output_is_run_dir, global_micro)
+    explicit = {o.split("=", 1)[0] for o in out} | ({"actor.ppo_micro_batch_size"} if st.global_micro else set())
+    return Translation(out, explicit, st.not_used, notes, st.verl, st.output_is_run_dir, st.global_micro)
 
 
 def _grouped(not_applied: dict[str, tuple[str, str]]) -> list[str]:

@@ -1,6 +1,6 @@
 """A model loaded straight into its FSDP2 shards: each rank reads from the safetensors files only the rows of every
 weight it keeps, so no rank ever holds the whole model. Loading whole and then sharding costs a full host copy per
-rank: seed 001's 32B reference is 64 GB of bf16, and a node runs four of its ranks.
+rank: a Ray cluster's 32B reference is 64 GB of bf16, and a node runs four of its ranks.
 
 The model is built with its parameters on the meta device (its buffers, such as the rotary frequencies, are
 computed as usual: they are small and not in the weight files), sharded, and only then given memory. FSDP2 splits

@@ -1,7 +1,7 @@
-"""The command lines of reward-model and DPO training (`alignrl train rm|dpo`, seed 002's
+"""The command lines of reward-model and DPO training (`alignrl train rm|dpo`, training/*.py
 `python -m src.training.train_rm` and `train_safe_mm_dpo`): their flat config, flags and exit codes.
 
-The flat config keys are the ones seed 002's users edit (batch_size, max_length, learning_rate,
+The flat config keys are the ones the torchrun scripts' users edit (batch_size, max_length, learning_rate,
 gradient_accumulation_steps, ...), layered defaults < `--config` YAML < `key=value` overrides anywhere
 on the line < explicit flags. Nothing here imports torch: a mistaken flag, key or value is named in a
 fraction of a second, and only a valid config goes on to `alignrl.preference.rm` / `alignrl.preference.dpo`.

@@ -138,9 +138,63 @@ def _fmt_eval(e: dict) -> str:
             f"policy prefers chosen {e['logp_accuracy']:.3f}")
 
 
+class _Reference:
+    """The frozen reference's sequence log-probs (chosen, rejected) of a batch: from a copy of the initial policy
+    (or of ref_model_path) on this rank, or, once `precompute` has run, from per-pair tables."""
+
+    def __init__(self, cfg: DPOConfig, policy, env):
+        from alignrl.models.loader import frozen_copy, load_model
+
+        # copied before prepare_trainable changes the policy; nothing else holds the copy, so that dropping
+        # self.model frees it
+        self.model = (frozen_copy(policy) if cfg.ref_model_path is None else
+                      frozen_copy(load_model(cfg.ref_model_path, key="ref_model_path")[0]))
+        self.model.to(env.device, torch.bfloat16 if pc.use_bf16(cfg) else torch.float32)
+        self.device = env.device
+        self.tables: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
+
+    def logps(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(t.float() for t in pair_logps(self.model, batch))
+
+    def precompute(self, cfg: DPOConfig, env, log, pad: int, **data) -> None:
+        """Tables of every pair of each `name=(encoded, pairs)` data set, then the copy is freed."""
+        both = lambda b: torch.stack(self.logps(b), 1)  # noqa: E731
+        for name, (enc, pairs) in data.items():
+            self.tables[name] = per_pair_table(both, pc.eval_batches(enc, pairs, pad, cfg.eval_batch_size, env),
+                                               len(enc), 2, env).float()
+        self.model = None
+        log.print("reference log-probs precomputed; the reference copy is freed")
+
+    def __call__(self, batch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.tables[split]
+        if table is None:
+            return self.logps(batch)
+        t = table[batch.index.cpu()].to(self.device)
+        return t[:, 0], t[:, 1]
+
+
+def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None):
+    """The training loss of a micro-batch; `scores`: the scorers' table of safe DPO (None for the other losses)."""
+
+    def loss(module, batch, gpairs):
+        with pc.autocast(cfg, env.device):
+            pc_, pr_ = pair_logps(module, batch)
+            with torch.no_grad():
+                rc, rr = ref(batch, "train")
+        extra = {}
+        if scores is not None:
+            s = scores[batch.index.cpu()].to(env.device)
+            extra = dict(help_chosen=s[:, 0], help_rejected=s[:, 1], cost_chosen=s[:, 2], cost_rejected=s[:, 3],
+                         safety_lambda=cfg.safety_lambda, offset_alpha=cfg.offset_alpha)
+        return DPO_LOSSES[cfg.loss_type](pc_.float(), pr_.float(), rc, rr, cfg.beta, gpairs,
+                                         label_smoothing=cfg.label_smoothing, **extra)
+
+    return loss
+
+
 def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     from alignrl.runtime.env import barrier, init_distributed, shutdown
-    from alignrl.models.loader import frozen_copy, load_model
+    from alignrl.models.loader import load_model
 
     safe = cfg.loss_type == "safe"
     if safe:
@@ -156,33 +210,16 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     pc.check_enough(len(train_pairs), cfg, env.world_size, ", ".join(cfg.train_files))
     log = pc.RankZeroLog(env, log_dir, cfg.report_to)
     policy, tok = load_model(cfg.model_path, log=log.print, key="model_path")
-    ref = (frozen_copy(policy) if cfg.ref_model_path is None else
-           frozen_copy(load_model(cfg.ref_model_path, key="ref_model_path")[0]))
-    ref.to(env.device, torch.bfloat16 if pc.use_bf16(cfg) else torch.float32)
+    ref = _Reference(cfg, policy, env)
     pc.prepare_trainable(policy, cfg)
     pad = tok.pad_token_id
     enc_train, cut = encode_pairs(tok, train_pairs, cfg.max_length)
     enc_eval, _ = encode_pairs(tok, eval_pairs, cfg.max_length)
     log.print(f"DPO ({cfg.loss_type}, beta {cfg.beta}): {len(enc_train)} train pairs from {', '.join(cfg.train_files)}; "
               f"{len(enc_eval)} held-out; {truncation_note(enc_train, cut, cfg.max_length)}")
-    ref_lp = lambda b: tuple(t.float() for t in pair_logps(ref, b))  # noqa: E731
-    train_ref = eval_ref = None
     if cfg.precompute_ref_log_probs:
-        both = lambda b: torch.stack(ref_lp(b), 1)  # noqa: E731
-        train_ref = per_pair_table(both, pc.eval_batches(enc_train, train_pairs, pad, cfg.eval_batch_size, env),
-                                   len(enc_train), 2, env).float()
-        eval_ref = per_pair_table(both, pc.eval_batches(enc_eval, eval_pairs, pad, cfg.eval_batch_size, env),
-                                  len(enc_eval), 2, env).float()
-        del ref
-        log.print("reference log-probs precomputed; the reference copy is freed")
+        ref.precompute(cfg, env, log, pad, train=(enc_train, train_pairs), eval=(enc_eval, eval_pairs))
     scores = _scorer_table(cfg, enc_train, train_pairs, pad, env, log) if safe else None
-
-    def ref_for(batch, table):
-        if table is None:
-            return ref_lp(batch)
-        t = table[batch.index.cpu()].to(env.device)
-        return t[:, 0], t[:, 1]
-
     total = pc.total_steps(len(enc_train), cfg, env.world_size)
     engine = pc.build_engine_for(cfg, policy, env, total)
     log.print(f"{pc.describe_batch(cfg, env.world_size)}; {total} optimizer steps, strategy {engine.name}, "
@@ -190,39 +227,16 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
               f"{cfg.gradient_checkpointing}")
     evals = pc.eval_batches(enc_eval, eval_pairs, pad, cfg.eval_batch_size, env)
     names = [str(f).removeprefix("builtin:") for f in cfg.eval_files]
-    ev = lambda: evaluate(engine.model, lambda b: ref_for(b, eval_ref), evals, eval_group, names, cfg.beta,  # noqa: E731
+    ev = lambda: evaluate(engine.model, lambda b: ref(b, "eval"), evals, eval_group, names, cfg.beta,  # noqa: E731
                           cfg, env)
     before = ev()
     log.print("held-out before training: " + _fmt_eval(before["all"]))
-
-    def loss(module, batch, gpairs):
-        with pc.autocast(cfg, env.device):
-            pc_, pr_ = pair_logps(module, batch)
-            with torch.no_grad():
-                rc, rr = ref_for(batch, train_ref)
-        extra = {}
-        if safe:
-            s = scores[batch.index.cpu()].to(env.device)
-            extra = dict(help_chosen=s[:, 0], help_rejected=s[:, 1], cost_chosen=s[:, 2], cost_rejected=s[:, 3],
-                         safety_lambda=cfg.safety_lambda, offset_alpha=cfg.offset_alpha)
-        return DPO_LOSSES[cfg.loss_type](pc_.float(), pr_.float(), rc, rr, cfg.beta, gpairs,
-                                         label_smoothing=cfg.label_smoothing, **extra)
-
-    step = pc.train_pairs(engine, loss, enc_train, train_pairs, pad, cfg, env, log, total,
+    step = pc.train_pairs(engine, _loss_fn(cfg, env, ref, scores), enc_train, train_pairs, pad, cfg, env, log, total,
                           {"rewards/accuracy": "acc", "rewards/margin": "margin", "safe/offset": "offset",
                            "safe/swapped_frac": "swapped"})
     after = ev()
     pc.check_eval_finite(after["all"]["reward_margin"], "log-probabilities")
-    log.print("held-out after training:  " + _fmt_eval(after["all"]))
-    for name in names:
-        log.print(f"  {name}: reward accuracy {before[name]['reward_accuracy']:.3f} -> "
-                  f"{after[name]['reward_accuracy']:.3f}, policy prefers chosen {before[name]['logp_accuracy']:.3f} -> "
-                  f"{after[name]['logp_accuracy']:.3f}")
-    results = {"loss_type": cfg.loss_type, "beta": cfg.beta, "before": before, "after": after, "steps": step,
-               "train_pairs": len(enc_train), "world_size": env.world_size, "strategy": engine.name,
-               "effective_batch": pc.global_batch(cfg, env.world_size), "seconds": round(time.time() - t0, 1),
-               **({"helpful_rm": cfg.helpful_rm, "harmless_rm": cfg.harmless_rm, "safety_lambda": cfg.safety_lambda,
-                   "offset_alpha": cfg.offset_alpha} if safe else {})}
+    results = _report(cfg, log, names, before, after, step, len(enc_train), env, engine.name, t0)
     state = engine.full_state_dict()  # collective
     pc.save_hf_folder(out_dir, policy, state, tok, {"eval_results.json": results}, env, log_dir=log_dir)
     log.metrics(step, {"eval/reward_accuracy": after["all"]["reward_accuracy"],
@@ -232,3 +246,18 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     barrier(env)
     shutdown()
     return results
+
+
+def _report(cfg: DPOConfig, log, names: list[str], before: dict, after: dict, step: int, n_train: int, env,
+            strategy: str, t0: float) -> dict:
+    """The held-out metrics before -> after, printed, and the run's results (eval_results.json)."""
+    log.print("held-out after training:  " + _fmt_eval(after["all"]))
+    for name in names:
+        log.print(f"  {name}: reward accuracy {before[name]['reward_accuracy']:.3f} -> "
+                  f"{after[name]['reward_accuracy']:.3f}, policy prefers chosen {before[name]['logp_accuracy']:.3f} -> "
+                  f"{after[name]['logp_accuracy']:.3f}")
+    return {"loss_type": cfg.loss_type, "beta": cfg.beta, "before": before, "after": after, "steps": step,
+            "train_pairs": n_train, "world_size": env.world_size, "strategy": strategy,
+            "effective_batch": pc.global_batch(cfg, env.world_size), "seconds": round(time.time() - t0, 1),
+            **({"helpful_rm": cfg.helpful_rm, "harmless_rm": cfg.harmless_rm, "safety_lambda": cfg.safety_lambda,
+                "offset_alpha": cfg.offset_alpha} if cfg.loss_type == "safe" else {})}

@@ -1,4 +1,4 @@
-"""Reward-model and cost-model training on preference pairs (`alignrl train rm`, seed 002's train_rm).
+"""Reward-model and cost-model training on preference pairs (`alignrl train rm`, training/train_rm.py).
 
     python -m src.training.train_rm --config configs/rm_config.yaml --task helpful --output_dir models/helpful_rm
     torchrun --nproc_per_node=2 -m src.training.train_rm --config configs/rm_config.yaml --task harmless

@@ -1,7 +1,7 @@
 """Process groups for torchrun launches, and the one-process fallback without torchrun.
 
 torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; without them everything runs
-in one process (seed 002's backward compatibility). Process groups always get a timeout, so a rank
+in one process (the torchrun scripts' fallback). Process groups always get a timeout, so a rank
 waiting on a dead peer raises instead of hanging; torchrun's agent then stops the other ranks and
 exits non-zero. Collectives here move tensors only: nothing is pickled between ranks.
 """

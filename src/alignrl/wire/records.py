@@ -1,4 +1,4 @@
-"""A ScoredBatch as a wire message, under the field names seed 004's users know.
+"""A ScoredBatch as a wire message, under the field names the ZeroMQ pipeline's users know.
 
 Tensors (B rows, P prompt columns left-padded, R response columns right-padded):
 
@@ -99,7 +99,7 @@ def from_wire(msg: Message) -> ScoredBatch:
 
 
 def seed_rows(msg: Message, tokenizer) -> list[dict]:
-    """The batch as seed 004's per-sample dicts (what `communication_test.py` prints)."""
+    """The batch as the ZeroMQ pipeline's per-sample dicts (what `communication_test.py` prints)."""
     t, meta = msg.tensors, msg.meta
     rows = []
     for i in range(int(t["reward"].shape[0])):

@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-from alignrl.compat.openrlhf_flags import FlagError, uses_critic, uses_reference, uses_reward_model
+from alignrl.errors import ConfigError
+from alignrl.placements.ray.roles import uses_critic, uses_reference, uses_reward_model
 
 
-class PlacementError(FlagError):
+class PlacementError(ConfigError):
     """What was asked cannot be placed on this cluster; one line with the request and the cluster."""
 
 

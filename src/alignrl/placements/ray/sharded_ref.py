@@ -1,6 +1,6 @@
 """One frozen reference model sharded over a process group (FSDP2), as OpenRLHF's reference group holds it
 under ZeRO-3 and verl's under FSDP: each rank keeps 1/N of the weights, and every forward all-gathers them one
-transformer block at a time. Without it each reference rank held the whole model, which for seed 001's 32B
+transformer block at a time. Without it each reference rank held the whole model, which for a Ray cluster's 32B
 policy (64 GB in bf16) does not fit beside the actor on a GPU.
 
 The cost of sharing the weights is that every rank must make the same model calls: a forward is collective.

@@ -134,7 +134,7 @@ class Dispatcher:
         sizes = sorted({len(rows) for rows, _ in queued} - {self.sampler.batch_size})
         if sizes:
             raise ConfigError(f"the checkpoint holds leased work of {sizes[0]} prompts per step, made with "
-                              f"data.train_batch_size={sizes[0]} (seed 004: --batch-size {sizes[0]}); a step now takes "
+                              f"data.train_batch_size={sizes[0]} (--batch-size {sizes[0]}); a step now takes "
                               f"{self.sampler.batch_size}: resume with that batch size, or set "
                               "trainer.resume_mode=disable to start afresh")
         self.sampler.load_state_dict(state["sampler"])

@@ -1,6 +1,6 @@
 """Who runs the frozen reference forward of a KL term in the ZeroMQ placement (pipeline.ref_logprobs).
 
-Either side can do it: the sampler has the rollout in hand (seed 004 sends `ref_policy_log_probs`, the
+Either side can do it: the sampler has the rollout in hand (the ZeroMQ scripts send `ref_policy_log_probs`, the
 default), and the trainer has the batch before it trains (`trainer`: a sampler then holds no reference model,
 as when it is an inference engine that serves only generation). Asynchronous training (max_staleness >= 1)
 is as fast as its slower side, so under `balance` the sampler computes the reference log-probs of the first
@@ -45,7 +45,7 @@ class RefShare:
         self.ref, self.needed = ref, needs_reference(cfg)
         self.total, self.per_group = cfg.data.train_batch_size, cfg.rollout.n
         self.moves = cfg.pipeline.ref_logprobs == "balance" and trainer_needs_ref(cfg)
-        self.groups = 0 if cfg.pipeline.ref_logprobs == "trainer" else self.total  # balance starts as seed 004
+        self.groups = 0 if cfg.pipeline.ref_logprobs == "trainer" else self.total  # balance starts as sampler
         self.row_s = 0.0  # seconds of one row's reference forward here (0 until measured)
 
     def observe(self, trainer_wait: float, sampler_wait: float) -> None:

@@ -1,4 +1,4 @@
-"""`alignrl sample` (seed 004's `sampling_worker.py`): a sampler process of the ZeroMQ placement.
+"""`alignrl sample` (the ZeroMQ pipeline's `sampling_worker.py`): a sampler process of the ZeroMQ placement.
 
 It loads its own copy of the policy (and the frozen reference) from --model-path, says hello to the
 trainer (which checks the model's parameter names and shapes and answers with the run's config), then

@@ -53,7 +53,7 @@ def load_ds_config(path: str, world: int) -> dict:
         raise DeepSpeedConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(cfg.get("zero_optimization", {}), dict):
         raise DeepSpeedConfigError(f"{path}: zero_optimization must be an object like {{\"stage\": 2}}")
-    # users' files carry their own batch numbers (seed 004: 16 = 4 × 1 × 4 GPUs); ours drive accumulation
+    # users' files carry their own batch numbers (the ZeroMQ deepspeed.json: 16 = 4 × 1 × 4); ours drive accumulation
     cfg.update({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world})
     cfg.setdefault("zero_allow_untested_optimizer", True)
     cfg.setdefault("zero_force_ds_cpu_optimizer", False)
