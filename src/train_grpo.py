@@ -1,4 +1,4 @@
-"""Seed 000's training entry: `alignrl train grpo --config config/nodes.yaml` under this file's name.
+"""The multi-node launcher's training entry: `alignrl train grpo --config config/nodes.yaml` under this file's name.
 
 The launchers start it on every rank (scripts/launch_distributed.sh through `deepspeed`,
 scripts/launch_training.sh through torchrun, `accelerate launch --config_file

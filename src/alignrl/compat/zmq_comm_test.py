@@ -1,4 +1,4 @@
-"""Seed 004's communication_test.py: two processes, as seed 004's pair. This one binds --data-port and --sync-port as
+"""communication_test.py: two processes, as the ZeroMQ pipeline runs. This one binds --data-port and --sync-port as
 the trainer does and starts `python -m alignrl.compat.zmq_comm_test` (comm_peer_main), which connects as the sampler does; a scored
 batch (with reference log-probs) and the weights make the round trip between them."""
 
@@ -18,7 +18,7 @@ PEER_START_S = 600.0  # for the sampler process to import torch, load the model 
 
 
 def comm_parser(prog: str = "communication_test.py") -> argparse.ArgumentParser:
-    p = OneLineParser(prog=prog, description="Round trip of seed 004's messages (a scored batch with reference "
+    p = OneLineParser(prog=prog, description="Round trip of the pipeline's messages (a scored batch with reference "
                       "log-probs, the weights) between two processes over the two ports: prints one sample, latency "
                       "and throughput; exits 1 if a port is taken, nothing answers, or anything arrives different.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (this process) and connect to (the other)")
@@ -213,7 +213,7 @@ def _serve(a, pull, rep, peer, weights, tok, kind, from_wire, seed_rows, WireErr
                     return None, f"the scored batch is not one the trainer takes: {e}"
                 if batch.meta.get("sha256") != _digest(batch.tensors):
                     return None, "the scored batch arrived different from what the sampler process sent"
-                print("one sample as the trainer sees it (seed 004's fields):")
+                print("one sample as the trainer sees it (the ZeroMQ pipeline's fields):")
                 for k, v in seed_rows(batch, tok)[0].items():
                     shown_v = v if not hasattr(v, "shape") else f"numpy.ndarray {v.dtype} {list(v.shape)}"
                     print(f"  {k}: {shown_v if len(str(shown_v)) < 100 else str(shown_v)[:97] + '...'}")
@@ -252,7 +252,7 @@ def comm_peer_main(argv: list[str] | None = None) -> int:
         cfg = load_config(None, [f"model.path={a.model_path}", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
                                  "rollout.n=4", "rollout.max_new_tokens=24"])
         model, tok = _load(a.model_path)
-        ref = build_ref(cfg, torch.device("cpu"), base=model)  # seed 004: the sampler computes them
+        ref = build_ref(cfg, torch.device("cpu"), base=model)  # the sampler computes them, as in the pipeline
         maker = build_maker(cfg, HFRolloutEngine(model, tok), tok, ref, SINGLE.device, SINGLE.rank)
         batch = maker.make(1, [0, 1], PromptData(tok, synthetic.generate("train", 2, seed=0), 128))
         meta, tensors = to_wire(batch, tok, lease="test:1")

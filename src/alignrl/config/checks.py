@@ -195,7 +195,7 @@ def _pipeline(cfg: RunConfig) -> str | None:
                 "keys/values are a cache, which checkpointed layers do not return): drop one of them")
     if cfg.pipeline.placement == "zmq" and cfg.pipeline.data_port == cfg.pipeline.sync_port:
         return (f"pipeline.data_port and pipeline.sync_port are both {cfg.pipeline.data_port}: the "
-                "trainer binds one socket on each, so give them different ports (seed 004: 5555 and 5556)")
+                "trainer binds one socket on each, so give them different ports (defaults: 5555 and 5556)")
     return None
 
 

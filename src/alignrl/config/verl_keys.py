@@ -177,7 +177,7 @@ class Translation:
     not_used: list[str] = field(default_factory=list)  # verl keys accepted without effect here
     notes: list[str] = field(default_factory=list)  # verl settings alignrl follows its own way, named
     verl_style: bool = False  # some verl spelling was used: VERL_DEFAULTS apply
-    output_is_run_dir: bool = False  # seed 000's models.output.path=...: the run folder itself, unless named
+    output_is_run_dir: bool = False  # nodes.yaml's models.output.path=...: the run folder itself, unless named
     global_micro: int | None = None  # verl's deprecated global ppo_micro_batch_size: divided by the world size
 
 
@@ -291,8 +291,8 @@ def _accepted(st: _Pass, key: str, value: str) -> bool:
 
 
 def _other(st: _Pass, key: str, value: str) -> None:
-    """Seed 000's spellings, verl's custom reward function, an unknown verl key, or an alignrl key as given."""
-    if key in SEED_KEYS:  # seed 000's nodes.yaml spellings, as its file takes them
+    """nodes.yaml's spellings, verl's custom reward function, an unknown verl key, or an alignrl key as given."""
+    if key in SEED_KEYS:  # the multi-node launcher's nodes.yaml spellings, as its file takes them
         st.out.append(f"{SEED_KEYS[key]}={value}")
         st.output_is_run_dir = st.output_is_run_dir or key == "models.output.path"
     elif key in SEED_MODEL_PARTS:  # beside models.train.path they only name it; alone they would not apply

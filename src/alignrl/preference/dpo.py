@@ -1,4 +1,4 @@
-"""DPO-family training (`alignrl train dpo`, seed 002's train_safe_mm_dpo), safety-aware DPO included.
+"""DPO-family training (`alignrl train dpo`, training/train_safe_mm_dpo.py), safety-aware DPO included.
 
     torchrun --nproc_per_node=2 -m src.training.train_safe_mm_dpo --config configs/dpo_config.yaml \\
         --output_dir models/aligned --logging_dir logs/training/safe_mm_dpo
