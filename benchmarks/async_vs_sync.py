@@ -156,7 +156,7 @@ def run_case(case: Case, args, model_dir: Path, root: Path, round_no: int = 1) -
                                logs / f"{slug}.trainer"))
             names.append("trainer")
         else:
-            from alignrl.runtime.launch import free_ports
+            from alignrl.runtime.ports import free_ports
 
             data_port, sync_port = free_ports(2)
             procs.append(spawn(["train", "grpo", *ovr, "trainer.threads=1", "pipeline.placement=zmq",

@@ -61,7 +61,7 @@ def drive(args) -> None:
         from alignrl.models.tiny import ensure_demo_model
 
         model = str(ensure_demo_model())
-    from alignrl.runtime.launch import free_port
+    from alignrl.runtime.ports import free_port
 
     results = []
     for strategy, stage, nproc in CASES:

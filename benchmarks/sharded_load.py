@@ -96,7 +96,7 @@ def rank_main(way: str, dtype: str, model: str, out: str) -> None:
 
 
 def launch(way: str, dtype: str, model: Path, nproc: int, out: Path) -> list[dict]:
-    from alignrl.runtime.launch import free_port
+    from alignrl.runtime.ports import free_port
 
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from conftest import run_group, src_path
 from alignrl.runtime.env import SINGLE
-from alignrl.runtime.launch import free_port
+from alignrl.runtime.ports import free_port
 from alignrl.models.logprobs import Layout
 from alignrl.train.engines import OptimSpec, build_engine
 

@@ -90,7 +90,7 @@ def test_a_bf16_fsdp2_trainer_feeds_a_zmq_sampler(tiny_model_dir, tmp_path):
     """FSDP2 keeps a bf16 model's shards in fp32 for the optimizer: the sampler is told the bf16 dtypes the
     trainer publishes (it was refused with "tensor ... is bfloat16, the served model needs float32"), and the
     checkpoint holds bf16 weights under a config that says so."""
-    from alignrl.runtime.launch import free_ports
+    from alignrl.runtime.ports import free_ports
     from test_pipeline_zmq import finish, overrides, sampler, spawn
 
     ports = free_ports(2)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from conftest import json_reply
 
-from alignrl.runtime.launch import free_port
+from alignrl.runtime.ports import free_port
 from alignrl.doctor import check_health, parse_hostfile
 from alignrl.serve.common import SERVICE_HEADER
 

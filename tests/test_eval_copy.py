@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from alignrl.runtime.launch import free_port
+from alignrl.runtime.ports import free_port
 from conftest import run_group, src_path
 
 WORKER = Path(__file__).parent / "workers" / "eval_copy_worker.py"

@@ -91,7 +91,7 @@ def test_nccl_ddp_under_torchrun(tiny_model_dir, tmp_path):
 def test_bf16_pipeline_sampler_and_trainer_on_cuda(tiny_model_dir, tmp_path):
     """Trainer and sampler processes each on the GPU, in the trainer's bf16: the sampler loads the model
     in fp32, takes model.dtype from the trainer's hello reply and maps the trainer's weights (CUDA IPC)."""
-    from alignrl.runtime.launch import free_ports
+    from alignrl.runtime.ports import free_ports
 
     if not torch.cuda.is_bf16_supported():
         pytest.skip("needs a bf16 GPU")
@@ -109,7 +109,7 @@ def test_bf16_pipeline_sampler_and_trainer_on_cuda(tiny_model_dir, tmp_path):
 def test_a_sampler_that_cannot_see_the_trainers_gpu_gets_frames(tiny_model_dir, tmp_path):
     """weight_transport=auto with the trainer's weights on the GPU and a sampler on the CPU (CUDA hidden from
     it): that sampler is sent frames copied off the trainer's shared device set, and the run trains."""
-    from alignrl.runtime.launch import free_ports
+    from alignrl.runtime.ports import free_ports
 
     ports = free_ports(2)
     trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "cpu_sampler", 2, ports,

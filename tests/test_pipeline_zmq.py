@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from alignrl.runner import train_grpo
 from alignrl.config import load_config
-from alignrl.runtime.launch import free_ports
+from alignrl.runtime.ports import free_ports
 from conftest import SRC, src_path
 
 SMALL = ["data.train_size=64", "data.val_size=8", "data.val_size_during_training=4", "data.train_batch_size=4",

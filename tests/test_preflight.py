@@ -165,7 +165,7 @@ def test_nproc_checks_the_batch_split_before_starting_ranks():
 @pytest.mark.timeout(180)
 def test_ranks_report_a_user_error_once():
     """What a user's torchrun sees from the ranks (rank 0 speaks), and our agent adds nothing to it."""
-    from alignrl.runtime.launch import free_port
+    from alignrl.runtime.ports import free_port
 
     raw = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                 "-m", "alignrl", "train", "grpo", *BAD_SPLIT], timeout=150)

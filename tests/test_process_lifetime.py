@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from alignrl.runtime.launch import free_ports
+from alignrl.runtime.ports import free_ports
 from conftest import src_path
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's"),

@@ -14,7 +14,7 @@ from alignrl.compat import openrlhf_keys as K
 from alignrl.compat import openrlhf_flags as F
 from alignrl.placements.ray.plan import Layout, describe, requests
 from alignrl.config import load_config
-from alignrl.runtime.launch import free_port
+from alignrl.runtime.ports import free_port
 
 SEED_001 = ["--ref_num_nodes", "2", "--ref_num_gpus_per_node", "4", "--actor_num_nodes", "2",
             "--actor_num_gpus_per_node", "4", "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "4",

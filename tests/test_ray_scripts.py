@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from alignrl.runtime.launch import free_ports
+from alignrl.runtime.ports import free_ports
 from conftest import src_path
 
 ROOT = Path(__file__).parents[1]

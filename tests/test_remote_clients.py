@@ -15,7 +15,7 @@ import torch
 from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
 from alignrl.rollout.remote import (RemoteRefScorer, RemoteReward, RemoteRolloutEngine, ServiceClient, ServiceError,
                                     rollout_from_rows)
-from alignrl.runtime.launch import free_port
+from alignrl.runtime.ports import free_port
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.serial]  # backoff and timeout bounds in seconds
 

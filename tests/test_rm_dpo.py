@@ -227,7 +227,7 @@ def _run(cmd: list[str], root: Path, timeout: int = 240) -> subprocess.Completed
 
 @pytest.mark.slow
 def test_seed_002_commands_two_ranks(scorers, tiny_model_dir, tmp_path, monkeypatch):
-    from alignrl.runtime.launch import free_port
+    from alignrl.runtime.ports import free_port
 
     if not shutil.which("bash"):
         pytest.skip("no bash")

@@ -282,7 +282,7 @@ def test_kl_in_reward_with_adaptive_controller(estimator, tiny_model_dir, tmp_pa
 def test_a_resume_may_turn_on_a_kl_penalty_but_not_change_the_placement(tiny_model_dir, tmp_path):
     """The KL controller of a run saved without one starts from its config; a checkpoint of the in-process loop
     resumed under pipeline.placement=zmq (whose data order is kept as leases) is one line, not a KeyError."""
-    from alignrl.runtime.launch import free_ports
+    from alignrl.runtime.ports import free_ports
 
     train_grpo(load_config(None, _overrides(tiny_model_dir, tmp_path, "late", 2, 2)))
     on = _overrides(tiny_model_dir, tmp_path, "late", 3, 3) + [

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from alignrl.runtime.launch import free_port
+from alignrl.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignrl.runtime.launch import free_ports
+from alignrl.runtime.ports import free_ports
 from conftest import one_line
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from alignrl.runtime.launch import free_ports
+from alignrl.runtime.ports import free_ports
 from conftest import SRC, one_line, run_group, src_path
 
 ROOT = Path(SRC).parent

@@ -247,7 +247,7 @@ def test_a_request_whose_client_gave_up_while_it_waited_is_not_searched():
 
     import uvicorn
 
-    from alignrl.runtime.launch import free_ports
+    from alignrl.runtime.ports import free_ports
     from alignrl.retrieval.corpus import Hit
     from alignrl.serve.retrieve import create_app
 

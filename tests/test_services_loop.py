@@ -74,7 +74,7 @@ def test_grpo_through_generation_and_reference_services(model_services, tiny_mod
 
 
 def test_dead_generation_service_is_a_one_line_error_naming_the_url(tiny_model_dir, tmp_path):
-    from alignrl.runtime.launch import free_port
+    from alignrl.runtime.ports import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     cfg = load_config(nodes_yaml(tmp_path, tiny_model_dir, dead, dead, steps=1),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_group, src_path
-from alignrl.runtime.launch import free_port
+from alignrl.runtime.ports import free_port
 
 WORKER = Path(__file__).parent / "workers" / "sharded_ref_worker.py"
 

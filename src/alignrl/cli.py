@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from alignrl.config import ConfigError, RunConfig, check_folders, check_world_size, keys_given, load_config
-from alignrl.runtime.launch import OneLineParser
+from alignrl.runtime.one_line import OneLineParser
 from alignrl.errors import Terminated, UserError, in_flag_words, program, stop_on_sigterm
 
 EXAMPLES = Path(__file__).parent / "examples"
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if not isinstance(e, UserError):
             raise
-        from alignrl.runtime.launch import speak_once
+        from alignrl.runtime.one_line import speak_once
 
         if getattr(e, "this_rank_only", False):  # the other ranks met no error: torchrun's agent stops them
             print(f"{program()}: error: {in_flag_words(str(e))}", file=sys.stderr, flush=True)

@@ -195,7 +195,7 @@ def run_checks(cfg: RunConfig, timeout: float) -> list[Check]:
 
 
 def main(argv: list[str]) -> int:
-    from alignrl.runtime.launch import OneLineParser
+    from alignrl.runtime.one_line import OneLineParser
 
     p = OneLineParser(prog="alignrl doctor", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="run config (alignrl keys or the nodes.yaml layout)")

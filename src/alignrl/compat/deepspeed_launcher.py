@@ -21,7 +21,7 @@ from alignrl.errors import FLAGS_ENV, PROGRAM_ENV
 
 
 def _seed_args(prog: str, description: str, port: int, argv: list[str] | None, *engines: str):
-    from alignrl.runtime.launch import OneLineParser
+    from alignrl.runtime.one_line import OneLineParser
 
     p = OneLineParser(prog=prog, description=description)
     p.add_argument("--model_path", required=True, help="Hugging Face model folder, or 'demo'")

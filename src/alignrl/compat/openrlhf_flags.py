@@ -13,7 +13,7 @@ import argparse
 
 from alignrl.config import ConfigError
 from alignrl.placements.ray.roles import uses_critic, uses_reference, uses_reward_model  # noqa: F401 (flag checks)
-from alignrl.runtime.launch import OneLineParser
+from alignrl.runtime.one_line import OneLineParser
 
 PROG = "alignrl train ppo-ray"
 

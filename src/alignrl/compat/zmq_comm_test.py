@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from alignrl.runtime.launch import OneLineParser
+from alignrl.runtime.one_line import OneLineParser
 from alignrl.compat.zmq_pipeline import ports_problem
 
 COMM = "communication_test"
@@ -83,7 +83,7 @@ def comm_test_main(argv: list[str] | None = None) -> int:
     import secrets
 
     from alignrl.wire.weight_buckets import encode_weights
-    from alignrl.runtime.launch import is_loopback
+    from alignrl.runtime.ports import is_loopback
     from alignrl.wire.zmq_link import token_from_env
     from alignrl.models.loader import ModelError
 

@@ -11,7 +11,9 @@ import signal
 import subprocess
 import sys
 
-from alignrl.runtime.launch import OneLineParser, wait_interruptible
+from alignrl.runtime.one_line import OneLineParser
+
+from alignrl.runtime.launch import wait_interruptible
 from alignrl.runtime.lifetime import preexec_die_with_parent
 from alignrl.compat.zmq_pipeline import (has_cuda, parse_training, ports_problem, prepare_training, trainer_flag_names,
                                   training_parser)

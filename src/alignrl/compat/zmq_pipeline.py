@@ -28,7 +28,7 @@ import os
 import sys
 from pathlib import Path
 
-from alignrl.runtime.launch import OneLineParser
+from alignrl.runtime.one_line import OneLineParser
 from alignrl.compat.zmq_deepspeed_json import (DS_FILE, ZmqScriptError, ds_batch_overrides, generated, read_ds_json,
                                             run_batch, untouched)
 from alignrl.errors import FLAGS_ENV, PROGRAM_ENV, UserError, in_flag_words

@@ -137,7 +137,7 @@ def _line(m: dict[str, float]) -> str:
 
 
 def _parser():
-    from alignrl.runtime.launch import OneLineParser
+    from alignrl.runtime.one_line import OneLineParser
 
     p = OneLineParser(prog=PROG, description="PPO teaches a tiny model to search (Search-R1's recipe, on CPU).")
     p.add_argument("--seed", type=int, default=SHIPPED_SEED, help="seed of the demo world and base model")

@@ -1,4 +1,4 @@
-"""`--nproc N`: re-run the same command under torchrun's agent, and the rule that one rank speaks.
+"""`--nproc N`: re-run the same command under torchrun's agent, and stop it and its ranks together.
 
 The agent is torchrun's own (`torch.distributed.run`), run in the launching process itself (a process of its
 own would cost another interpreter's start-up) so that a rank exiting with an error ends the launch with that
@@ -9,47 +9,16 @@ agent for a user's own command line.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 from alignrl.errors import program
-
-USER_ERROR = 2  # the exit code of a one-line user error, on every command
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (a name, an IP, or an IPv6 address in brackets) is this machine's loopback only."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # wildcards ("*", "0.0.0.0"), names and interfaces are not loopback
-        return False
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports on 127.0.0.1 (all held at once while picked, so none repeats)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
-
+from alignrl.runtime.one_line import USER_ERROR
+from alignrl.runtime.ports import free_port
 
 def pop_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
     """`--nproc N` / `--nproc=N` taken out of argv."""
@@ -73,26 +42,6 @@ def peer_lost(e: BaseException) -> bool:
     """A collective failed because another rank of the launch went away (gloo says so only in its text)."""
     lost = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
     return "WORLD_SIZE" in os.environ and isinstance(e, RuntimeError) and any(s in str(e) for s in lost)
-
-
-def speak_once(line: str, code: int = USER_ERROR) -> int:
-    """Prints a user error on rank 0 only (every rank of a launch meets the same bad input) and returns
-    `code`. The other ranks wait quietly, so that rank 0 prints before torchrun stops them; torchrun's
-    SIGTERM then ends them with the same code and without the "another rank failed" line."""
-    if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
-        return code
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(code))
-    time.sleep(2.0)
-    return code
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line (`prog: error: ...`, exit 2) without the usage block, which
-    buries the message; `--help` still shows the usage. Subparsers inherit the class."""
-
-    def error(self, message: str):
-        sys.exit(speak_once(f"{self.prog}: error: {message}"))
 
 
 def torchrun(nproc: int, module_argv: list[str], master_port: int | None = None) -> int:

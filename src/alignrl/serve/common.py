@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from alignrl.runtime.launch import is_loopback
+from alignrl.runtime.ports import is_loopback
 from alignrl.wire.http_service import API_KEY_ENV, HEALTHY, SERVICE_HEADER  # noqa: F401 (the services' names)
 
 MB = 1 << 20
@@ -50,7 +50,7 @@ def unicode_texts(texts: list[str], what: str) -> list[str]:
 
 
 def base_parser(prog: str, description: str, default_port: int) -> argparse.ArgumentParser:
-    from alignrl.runtime.launch import OneLineParser
+    from alignrl.runtime.one_line import OneLineParser
 
     p = OneLineParser(prog=prog, description=description)
     p.add_argument("--model", required=True, help="Hugging Face model folder, or 'demo' for the embedded model")

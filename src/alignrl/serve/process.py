@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from alignrl.runtime.launch import free_port
+from alignrl.runtime.ports import free_port
 
 
 @dataclass

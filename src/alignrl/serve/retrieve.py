@@ -26,7 +26,7 @@ from fastapi import Request, Response
 
 from alignrl.retrieval.corpus import SHIPPED_CORPUS, Hit, RetrievalError, Retriever
 from alignrl.retrieval.index import DENSE, canonical_name, default_index_root, open_retriever
-from alignrl.runtime.launch import is_loopback
+from alignrl.runtime.ports import is_loopback
 from alignrl.serve.common import SERVICE_HEADER, PortError, address, bind, fail, serve
 
 PROG = "alignrl serve retrieve"
@@ -164,7 +164,7 @@ def create_app(retriever: Retriever, default_topk: int = 3, limits: Limits = Lim
 
 
 def _parser() -> argparse.ArgumentParser:
-    from alignrl.runtime.launch import OneLineParser
+    from alignrl.runtime.one_line import OneLineParser
 
     p = OneLineParser(prog=PROG, description="Search-R1 retrieval API (POST /retrieve, GET /health).")
     p.add_argument("--corpus_path", default=str(SHIPPED_CORPUS),

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 import torch
 import zmq
 
-from alignrl.runtime.launch import is_loopback
+from alignrl.runtime.ports import is_loopback
 from alignrl.wire.frames import MAX_FRAMES, TOKEN_ENV, Message, WireError, decode, encode
 from alignrl.errors import UserError
 

@@ -98,7 +98,7 @@ def _ensure_comm(env: DistEnv) -> None:
     import deepspeed
 
     if not env.distributed:
-        from alignrl.runtime.launch import free_port
+        from alignrl.runtime.ports import free_port
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
