@@ -1,4 +1,4 @@
-"""The trainer's sync port (Coordinator._serve) in one process, with a stand-in weight board: a work
+"""The trainer's sync port (SyncServer) in one process, with a stand-in weight board: a work
 request that the staleness bound holds back is parked and answered the moment the next publish frees a
 lease, with no polling by the sampler; one parked too long is answered "wait"."""
 
@@ -11,9 +11,11 @@ import torch
 
 from alignrl.config import load_config
 from alignrl.data.sampler import BatchSampler
-from alignrl.placements.zmq import coordinator as coord_mod
-from alignrl.placements.zmq.coordinator import Coordinator
+from alignrl.placements.zmq import sync_server as sync_mod
+from alignrl.placements.zmq.batch_receiver import BatchReceiver
 from alignrl.placements.zmq.ref_share import RefShare
+from alignrl.placements.zmq.sync_server import SyncServer, Welcome
+from alignrl.placements.zmq.thread_lending import CoreLedger
 from alignrl.placements.zmq.weight_publisher import WeightBoard
 from alignrl.placements.zmq.leases import Dispatcher
 from alignrl.runtime.env import SINGLE
@@ -26,25 +28,24 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]  # answered within 0.
 
 @pytest.fixture
 def served(tmp_path):
+    """The parts the Coordinator wires on rank 0, the sync server's thread running."""
     cfg = load_config(None, ["pipeline.max_staleness=0"])
-    c = Coordinator(cfg, "", tmp_path)
+    c = SimpleNamespace(cfg=cfg, lock=threading.Lock())
     c.dispatcher = Dispatcher(BatchSampler(16, 4, seed=0), max_staleness=0, lease_timeout_s=60, incarnation="i")
-    c.incarnation = "i"
     c.ref_share = RefShare(cfg, ref=None)  # on-policy: the sampler computes every reference row
     model = torch.nn.Linear(3, 1, bias=False)
     actor = SimpleNamespace(model=model, engine=SimpleNamespace(whole_weights=True, weight_dtypes=lambda: {
         "weight": model.weight.dtype}))
-    c.board = WeightBoard(actor, SINGLE, cfg.pipeline, "", c.lock, c._published, "i")
+    # the board calls the server at each publish, and the server answers from the board: as in the Coordinator
+    c.board = WeightBoard(actor, SINGLE, cfg.pipeline, "", c.lock, lambda version: c.server.published(version), "i")
+    c.replier = Replier("127.0.0.1", 0)
+    c.server = SyncServer(c.replier, c.board, c.dispatcher, c.ref_share, CoreLedger(None, "", False), c.lock,
+                          Welcome("", "i"), cfg.pipeline)
     publish(c, 0)
     Requester.manifest = c.board.manifest
-    c.replier = Replier("127.0.0.1", 0)
-    c.thread = threading.Thread(target=c._serve, daemon=True)
-    c.thread.start()
+    c.server.start()
     yield c
-    c.say_done = False  # a finished run's farewell keeps the thread 3 s; no sampler here waits for it
-    c.stop.set()
-    c.thread.join(10)
-    c.replier.close()
+    c.server.close(finished=False)  # a finished run's farewell keeps the thread 3 s; no sampler here waits for it
     c.board.close()
 
 
@@ -65,7 +66,7 @@ class Requester(zmq_link.Requester):
         return super().request(kind, meta, tensors, timeout_s=timeout_s)
 
 
-def publish(c: Coordinator, version: int) -> None:
+def publish(c: SimpleNamespace, version: int) -> None:
     """An update, then the publish (on rank 0 of a one-process trainer)."""
     with torch.no_grad():
         c.board.actor.model.weight.fill_(float(version))
@@ -99,11 +100,11 @@ def test_a_parked_request_is_answered_at_the_publish(served):
         assert reply.kind == "weights" and reply.meta["version"] == 1  # held until the publish, not "wait"
         assert done - t0 >= 0.25 and done - t_publish[0] < 0.1  # answered at the publish, without a poll period
         lease = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 1}, timeout_s=5)
-        assert lease.kind == "lease" and lease.meta["version"] == 1 and not served.parked
+        assert lease.kind == "lease" and lease.meta["version"] == 1 and not served.server.parked
 
 
 def test_a_request_parked_too_long_is_answered_wait(served, monkeypatch):
-    monkeypatch.setattr(coord_mod, "PARK_S", 0.2)
+    monkeypatch.setattr(sync_mod, "PARK_S", 0.2)
     with Requester(served.replier.addr) as req:
         assert req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=5).kind == "lease"
         t0 = time.monotonic()
@@ -119,30 +120,31 @@ def test_cores_go_to_the_side_that_works(served, monkeypatch):
     from alignrl.placements.zmq.thread_lending import CoreLedger, ThreadLoan
     from alignrl.wire.shared_weights import host_id
 
-    monkeypatch.setattr(coord_mod, "PARK_S", 60.0)  # parked until the publish below, however slow the machine
-    served.cores = CoreLedger(ThreadLoan(own=1, cores=2), host_id(), lend_to_samplers=True)
+    monkeypatch.setattr(sync_mod, "PARK_S", 60.0)  # parked until the publish below, however slow the machine
+    served.server.cores = CoreLedger(ThreadLoan(own=1, cores=2), host_id(), lend_to_samplers=True)
     here = {"sampler_id": "s", "incarnation": "i", "version": 0, "threads": 1,
             "can_map": {"shared": False, "host": host_id(), "cuda": []}}
     with Requester(served.replier.addr) as req:
         lease = req.request("work", here, timeout_s=5)
         assert lease.kind == "lease" and lease.meta["threads"] == 1
-        wait_until(lambda: served.cores.loan.want == 1, "the sampler's thread counted as generating")
-        assert served.cores.loan.want == 1  # the sampler generates
+        wait_until(lambda: served.server.cores.loan.want == 1, "the sampler's thread counted as generating")
+        assert served.server.cores.loan.want == 1  # the sampler generates
         with served.lock:
             served.dispatcher.take(lease.meta["lease"])  # its batch is in training
         replies, want = [], []
         asking = threading.Thread(target=lambda: replies.append(req.request("work", here, timeout_s=30)))
         asking.start()
-        wait_until(lambda: served.parked and served.cores.loan.want == 2, "the request parked, its core lent back")
-        want.append(served.cores.loan.want)
+        wait_until(lambda: served.server.parked and served.server.cores.loan.want == 2,
+                   "the request parked, its core lent back")
+        want.append(served.server.cores.loan.want)
         assert not replies  # still parked: nothing answers it before the publish
         publish(served, 1)
         asking.join(30)
         assert replies and replies[0].kind == "weights"
         assert want == [2]  # parked until the publish: the training thread had its core
         # the serve loop re-counts: answered with weights, the sampler loads them, busy
-        wait_until(lambda: served.cores.loan.want == 1, "the sampler's thread counted as busy again")
-        assert served.cores.loan.want == 1
+        wait_until(lambda: served.server.cores.loan.want == 1, "the sampler's thread counted as busy again")
+        assert served.server.cores.loan.want == 1
         far = {**here, "sampler_id": "far", "version": 1, "can_map": {**here["can_map"], "host": "elsewhere/x"}}
         assert req.request("work", far, timeout_s=5).meta["threads"] == 0
 
@@ -160,8 +162,8 @@ def test_only_a_finished_run_tells_samplers_it_is_over(served, finished):
     (an error, Ctrl-C) answers nothing, so that they wait for the restarted trainer as after a kill -9."""
     from alignrl.wire.zmq_link import PeerTimeout
 
-    served.say_done = finished
-    served.stop.set()
+    served.server.say_done = finished
+    served.server.stop.set()
     with Requester(served.replier.addr) as req:
         ask = {"sampler_id": "s", "incarnation": "i", "version": 0}
         if finished:
@@ -285,7 +287,7 @@ def test_a_silent_samplers_lease_goes_to_another_while_a_beating_one_keeps_its_o
     import dataclasses
 
     served.dispatcher.max_staleness = 1  # two leases may be outstanding
-    served.p = dataclasses.replace(served.p, heartbeat_timeout_s=0.6)
+    served.server.p = dataclasses.replace(served.server.p, heartbeat_timeout_s=0.6)
     with Requester(served.replier.addr) as quiet, Requester(served.replier.addr) as busy:
         lost = quiet.request("work", {"sampler_id": "quiet", "incarnation": "i", "version": 0}, timeout_s=5)
         kept = busy.request("work", {"sampler_id": "busy", "incarnation": "i", "version": 0}, timeout_s=5)
@@ -348,33 +350,33 @@ def test_a_batch_that_does_not_answer_its_lease_is_skipped_and_its_rows_are_made
 
     tok = SimpleNamespace(pad_token_id=0, decode=lambda ids: "p", batch_decode=lambda t, **_: ["r"] * len(t))
     n = served.cfg.rollout.n
-    served.trainer = SimpleNamespace(version=0)
-    served.p = dataclasses.replace(served.p, peer_timeout_s=1.5)
-    served.puller = Puller("127.0.0.1", 0)
+    port = BatchReceiver(Puller("127.0.0.1", 0), None, served.dispatcher, served.ref_share, served.lock,
+                         SimpleNamespace(version=0), served.cfg, "")
+    port.p = dataclasses.replace(port.p, peer_timeout_s=1.5)
     try:
-        with Requester(served.replier.addr) as req, Pusher(served.puller.addr) as push:
+        with Requester(served.replier.addr) as req, Pusher(port.puller.addr) as push:
             for break_it in (lambda rows: ([r + 1 for r in rows], {}), lambda rows: (rows, {"metrics": [1]})):
                 lease = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=5)
                 rows, extra = break_it(lease.meta["rows"])
                 meta, tensors = to_wire(scored(rows, n), tok, lease=lease.meta["lease"])
                 push.send(KIND, {**meta, **extra}, tensors, timeout_s=5)
                 with pytest.raises(PipelineError, match="no sampler delivered a batch for step 1"):
-                    served._receive(1)
+                    port.receive(1)
                 with served.lock:
                     assert served.dispatcher.requeue == [(lease.meta["rows"], lease.meta["number"])]
                     assert not served.dispatcher.outstanding
-            assert served.counters["malformed"] == 2
+            assert port.counters["malformed"] == 2
             said = capsys.readouterr().out
             assert "the batch does not answer its lease: it holds" in said and "metrics of type list" in said
             lease = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=5)
             assert lease.meta["rows"] == rows  # the same rows, leased again
             meta, tensors = to_wire(scored(rows, n), tok, lease=lease.meta["lease"])
             push.send(KIND, meta, tensors, timeout_s=5)
-            _, _, batch = served._receive(1)
+            _, _, batch = port.receive(1)
             assert batch.prompt_index.tolist() == [r for r in rows for _ in range(n)]
             assert served.dispatcher.outstanding[lease.meta["lease"]].in_training
     finally:
-        served.puller.close()
+        port.close()
 
 
 def test_a_samplers_heartbeat_hears_that_the_run_is_over(served):
@@ -385,9 +387,9 @@ def test_a_samplers_heartbeat_hears_that_the_run_is_over(served):
     beat = Heartbeat(served.replier.addr, "", {"sampler_id": "s", "proc": "p"})
     try:
         time.sleep(2.5 * BEAT_S)
-        assert not beat.over.is_set() and "s#p" in served.seen
-        served.say_done = True
-        served.stop.set()
+        assert not beat.over.is_set() and "s#p" in served.server.seen
+        served.server.say_done = True
+        served.server.stop.set()
         assert beat.over.wait(3 * BEAT_S)
     finally:
         beat.close()

@@ -73,39 +73,56 @@ def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: Dis
     """The in-process producer and the trainer, or only the trainer when `producers` make the batches in
     other processes (and receive the weights through their sink). Policy from `policy_path`, the frozen
     reference from the base `cfg.model.path`."""
+    if producers is None:
+        return _with_producer(cfg, policy_path, resume, env)
+    return _beside_producers(cfg, policy_path, resume, env, producers)
+
+
+def _with_producer(cfg: RunConfig, policy_path: str, resume: Path | None, env: DistEnv) -> Placed:
+    """The trainer and the in-process producer. Generation runs on the policy's own module (nothing to sync), on a
+    full copy beside a policy the engine keeps only a shard of (every rank generates; synced after each update), or
+    on the generation service (`services.generation_url`, which rank 0 updates for everyone)."""
     folder = resolve_model_path(policy_path, console.print)
     tokenizer = load_tokenizer(folder)
-    inline = producers is None
-    # the held-out evaluation on the producers' own engines where they offer it (Ray's rollout engines)
-    evaluator = producers.evaluator(tokenizer.pad_token_id) if producers is not None else None
-    # nothing here then needs the whole model: a sharded policy is built in its shards
-    sharded = shards_weights(cfg, env)
-    model, materialize = load_policy(cfg, folder, env, evaluator is not None and sharded)
+    model, materialize = load_policy(cfg, folder, env, in_shards=False)
     # the reference is the base model, not a checkpoint
-    ref = build_ref(cfg, env.device, model if policy_path == cfg.model.path else None) if inline else None
-    remote = bool(cfg.services.generation_url) and inline
-    # a full copy for generation / evaluation when the engine keeps only a shard (copied before sharding): on
-    # every rank that generates (all of them in-process, rank 0 alone for its evaluation beside producers)
-    own_copy = sharded and not remote and evaluator is None
-    copy = frozen_copy(model).to(env.device) if own_copy and (inline or env.is_main) else None
+    ref = build_ref(cfg, env.device, model if policy_path == cfg.model.path else None)
+    service = cfg.services.generation_url
+    # copied before the engine shards the policy
+    copy = frozen_copy(model).to(env.device) if shards_weights(cfg, env) and not service else None
     actor = build_actor(cfg, model, resume, env, materialize)
-    if evaluator is not None:
-        engine = evaluator
-    elif remote:
-        engine = RemoteRolloutEngine(cfg.services.generation_url, tokenizer, **service_args(cfg))
-    else:  # colocated: generation shares the policy's weights unless the engine keeps only a shard of them
-        engine = HFRolloutEngine(copy if copy is not None else actor.model, tokenizer)
+    engine = (RemoteRolloutEngine(service, tokenizer, **service_args(cfg)) if service else
+              HFRolloutEngine(copy if copy is not None else actor.model, tokenizer))
     engine = with_tools(cfg, engine, tokenizer)  # evaluation rolls out the same way as training
-    if producers is not None:  # rank 0's evaluation copy (sharded engines) follows the samplers' weights
-        sink = producers.sink(actor, env)
-        if own_copy:  # the gather is collective: every rank takes part, rank 0 alone loads
-            sink = Fanout(EngineCopy(actor, engine, env, main_only=True), sink)
-        critics = producers.critics(cfg, resume, env)
-    else:
-        colocated = not remote and copy is None
-        sink = SharedModule() if colocated else EngineCopy(actor, engine, env, main_only=remote)
-        critics = build_critics(cfg, resume, env)
-    maker = build_maker(cfg, engine, tokenizer, ref, env.device, env.rank) if inline else None
+    sink = (EngineCopy(actor, engine, env, main_only=bool(service)) if service or copy is not None else
+            SharedModule())
+    critics = build_critics(cfg, resume, env)
+    maker = build_maker(cfg, engine, tokenizer, ref, env.device, env.rank)
     trainer = PolicyTrainer(cfg, actor, sink, critics, env)
-    return Placed(trainer, tokenizer, engine, maker, sink, remote_eval=evaluator is not None,
-                  push_to=cfg.services.generation_url if remote else "")
+    return Placed(trainer, tokenizer, engine, maker, sink, push_to=service or "")
+
+
+def _beside_producers(cfg: RunConfig, policy_path: str, resume: Path | None, env: DistEnv,
+                      producers: RemoteProducers) -> Placed:
+    """Only the trainer: `producers` in other processes make the batches and get the weights through their sink.
+    Held-out evaluation runs on the producers' own engines where they offer one (Ray's rollout engines), else on
+    rank 0: on the policy's module, or on a full copy beside a sharded policy, which follows the producers'
+    weights."""
+    folder = resolve_model_path(policy_path, console.print)
+    tokenizer = load_tokenizer(folder)
+    evaluator = producers.evaluator(tokenizer.pad_token_id)
+    sharded = shards_weights(cfg, env)
+    # nothing here needs the whole model when the producers evaluate: a sharded policy is built in its shards
+    model, materialize = load_policy(cfg, folder, env, in_shards=evaluator is not None and sharded)
+    own_copy = sharded and evaluator is None
+    copy = frozen_copy(model).to(env.device) if own_copy and env.is_main else None
+    actor = build_actor(cfg, model, resume, env, materialize)
+    engine = evaluator if evaluator is not None else HFRolloutEngine(copy if copy is not None else actor.model,
+                                                                     tokenizer)
+    engine = with_tools(cfg, engine, tokenizer)
+    sink = producers.sink(actor, env)
+    if own_copy:  # the gather is collective: every rank takes part, rank 0 alone loads
+        sink = Fanout(EngineCopy(actor, engine, env, main_only=True), sink)
+    critics = producers.critics(cfg, resume, env)
+    trainer = PolicyTrainer(cfg, actor, sink, critics, env)
+    return Placed(trainer, tokenizer, engine, None, sink, remote_eval=evaluator is not None)
