@@ -1,4 +1,4 @@
-"""Seed 004's launcher: `python run_distributed.py --sampling-gpu 0 --training-gpus "1,2,3"` (one sampler,
+"""The ZeroMQ pipeline's launcher: `python run_distributed.py --sampling-gpu 0 --training-gpus "1,2,3"` (one sampler,
 a trainer over the listed devices). Everything lives in `alignrl.compat.zmq_launcher`."""
 
 import sys

@@ -1,4 +1,4 @@
-"""Seed 004's sampler: `python sampling_worker.py --gpu-id 0 --data-port 5555 --sync-port 5556`.
+"""The ZeroMQ pipeline's sampler: `python sampling_worker.py --gpu-id 0 --data-port 5555 --sync-port 5556`.
 Everything lives in the package: `alignrl.compat.zmq_pipeline` (flags) and `alignrl.placements.zmq.sampler` (also `alignrl sample ...`)."""
 
 import sys

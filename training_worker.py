@@ -1,4 +1,4 @@
-"""Seed 004's trainer: `python training_worker.py --gpu-id 1 --data-port 5555 --sync-port 5556 [--no-deepspeed]`.
+"""The ZeroMQ pipeline's trainer: `python training_worker.py --gpu-id 1 --data-port 5555 --sync-port 5556 [--no-deepspeed]`.
 Everything lives in `alignrl.compat.zmq_pipeline` (also `alignrl train grpo pipeline.placement=zmq ...`)."""
 
 import sys

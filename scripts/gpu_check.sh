@@ -6,7 +6,7 @@
 #      fed frames by a GPU trainer (NCCL DDP too where there are two GPUs);
 #   2. benchmarks/async_vs_sync.py: samples/s in-process and through the ZeroMQ pipeline, the trainer and each
 #      sampler a process of its own on GPU 0 (trainer.device=auto and a sampler's default both take the GPU);
-#   3. seed 004's launcher, run_distributed.py, on GPU 0: a DeepSpeed ZeRO-2 trainer (bf16 where the GPU has
+#   3. the ZeroMQ pipeline's launcher, run_distributed.py, on GPU 0: a DeepSpeed ZeRO-2 trainer (bf16 where the GPU has
 #      it, an NCCL group) and a sampler, with a checkpoint.
 # Each part runs under its own time limit and the next one runs whatever the last did; logs go to $LOGS.
 #
@@ -39,9 +39,9 @@ out=$(mktemp -d)
 ports=$("$PY" -c "from alignrl.runtime.launch import free_ports; print(*free_ports(2))")
 set -- $ports
 timeout 120 "$PY" run_distributed.py --sampling-gpu 0 --training-gpus 0 --data-port "$1" --sync-port "$2" \
-    --max-steps 4 --save-steps 2 --output-dir "$out" 2>&1 | tee "$LOGS/seed004.log"
+    --max-steps 4 --save-steps 2 --output-dir "$out" 2>&1 | tee "$LOGS/zmq_pipeline.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
-find "$out" -maxdepth 4 -name "global_step_*" | sort | tee -a "$LOGS/seed004.log"
+find "$out" -maxdepth 4 -name "global_step_*" | sort | tee -a "$LOGS/zmq_pipeline.log"
 cat deepspeed.json 2>/dev/null
 rm -rf "$out"
 echo "gpu_check: exit $status"

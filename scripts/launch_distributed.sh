@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Distributed GRPO training from config/nodes.yaml and config/hostfile (seed 000's launcher).
+# Distributed GRPO training from config/nodes.yaml and config/hostfile (the DeepSpeed multi-node launcher).
 #   ./scripts/launch_distributed.sh [key.sub=value ...]
 # Run once, on any node: DeepSpeed's multi-node launcher (`deepspeed --hostfile ... --master_addr
 # <training.master_node> --master_port <training.master_port> src/train_grpo.py ...`) starts the ranks of

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Single-node GRPO training (seed 000's scripts/launch_training.sh): every rank on this host.
+# Single-node GRPO training (scripts/launch_training.sh): every rank on this host.
 #   ./scripts/launch_training.sh [key.sub=value ...]
 # Ranks: NPROC, else this host's slots in the hostfile (its line for `hostname`, localhost or 127.0.0.1,
 # else the first line), else 1. More than one: torchrun on 127.0.0.1:<training.master_port>; one: a

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train the Safe-MM-DPO policy with DDP on NGPU local processes (seed 002):
+# Train the Safe-MM-DPO policy with DDP on NGPU local processes:
 #   bash scripts/train_dpo_distributed.sh 8
 # Needs models/helpful_rm and models/harmless_rm (scripts/train_rm_distributed.sh helpful|harmless N).
 # Writes models/aligned (HF folder + eval_results.json) and logs/training/safe_mm_dpo.

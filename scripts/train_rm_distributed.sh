@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train the helpful reward model or the harmless cost model with DDP on NGPU local processes (seed 002):
+# Train the helpful reward model or the harmless cost model with DDP on NGPU local processes:
 #   bash scripts/train_rm_distributed.sh helpful 8
 #   bash scripts/train_rm_distributed.sh harmless 8
 # Writes models/<task>_rm (HF folder + eval_results.json) and logs/training/<task>_rm.

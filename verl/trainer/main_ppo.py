@@ -1,4 +1,4 @@
-"""`python3 -m verl.trainer.main_ppo <verl overrides>` is `alignrl train ppo <verl overrides>` (seed 003); inside
+"""`python3 -m verl.trainer.main_ppo <verl overrides>` is `alignrl train ppo <verl overrides>` (as Search-R1's scripts call it); inside
 `ray job submit` (RAY_ADDRESS set) the run is placed on the cluster as verl's hybrid engine places it."""
 
 import sys

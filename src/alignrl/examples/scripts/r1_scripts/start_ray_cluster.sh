@@ -7,7 +7,7 @@
 #
 # Ray port 8100, dashboard 8101 (non-default ports keep clear of other users' clusters), a per-user temp
 # dir, usage stats off. The dashboard takes `ray job submit` without authentication, so it listens on
-# 127.0.0.1 only (seed 001 submits on the head node); RAY_DASHBOARD_HOST=0.0.0.0 opens it to other
+# 127.0.0.1 only (jobs are submitted on the head node); RAY_DASHBOARD_HOST=0.0.0.0 opens it to other
 # machines, for submitting from elsewhere. GPUs: as many as `nvidia-smi -L` lists; on a node without GPUs the node offers
 # ALIGNRL_CPU_SLOTS (default 8) CPU slots instead, and the driver places the flags' GPU counts as CPU
 # processes. Before starting, only this user's Ray processes of this temp dir are stopped.

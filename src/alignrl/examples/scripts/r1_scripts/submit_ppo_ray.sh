@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Submits `alignrl train ppo-ray` with seed 001's placement to the cluster's dashboard: reference 2 nodes
+# Submits `alignrl train ppo-ray` with the two-node Ray placement to the cluster's dashboard: reference 2 nodes
 # × 4 GPUs and actor 2 nodes × 4 GPUs on the same GPUs (--colocate_actor_ref), 2 rollout engines of tensor
 # parallel size 4 on the other 4 GPUs of each node (16 GPUs). The xDAN-*.sh scripts beside it set the
 # model, data and output paths (PRETRAIN, PROMPT_DATA, SAVE_PATH) and call it; every value below can be

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GRPO of the 7B math model (Edge) on two nodes with seed 001's placement (actor and reference 2 nodes × 4
+# GRPO of the 7B math model (Edge) on two nodes with the two-node Ray placement (actor and reference 2 nodes × 4
 # GPUs, 2 rollout engines of TP 4): see submit_ppo_ray.sh. Start the cluster first (start_ray_cluster.sh
 # head gpu005, then worker gpu005 on gpu004) and run this on the head. Paths come from the environment, so
 # the same script runs the embedded tiny model on a CPU cluster (PRETRAIN=demo PROMPT_DATA=synthetic,
