@@ -11,6 +11,7 @@ The records that cross between the stages live in `alignrl.data.records`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -93,3 +94,46 @@ class RemoteProducers(Protocol):
     def critics(self, cfg: RunConfig, resume: Path | None, env: DistEnv) -> Any: ...
 
     def evaluator(self, pad_id: int) -> RolloutEngine | None: ...
+
+
+class TrainEngine(Protocol):
+    """How a trainable model gets its gradients reduced, its optimizer stepped and its full weights and training
+    state saved, whatever the backend (single, DDP, FSDP2, DeepSpeed: `alignrl.train.engines`). Losses handed to
+    `backward` are already normalised for the global batch."""
+
+    name: str
+    model: torch.nn.Module  # the HF model itself: save_pretrained, config, generation
+    module: torch.nn.Module  # what forward is called on (a DDP wrapper, a DeepSpeed engine, or `model`)
+    env: DistEnv
+    whole_weights: bool  # every rank's `model` holds all the weights, unsharded (not FSDP2, not ZeRO-3)
+
+    def micro_batch(self, last_micro: bool) -> AbstractContextManager:
+        """Around one micro-batch's forward and backward: before the last one of a step, DDP skips its
+        gradient all-reduce (it decides so in the forward, so a context around the backward alone is too late)."""
+
+    def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
+        """`last_micro`: the last micro-batch before `step` (backends that defer gradient reduction)."""
+
+    skipped_steps: int  # steps skipped for a non-finite loss or gradient since the engine was built
+
+    def step(self, skip: bool = False) -> float:
+        """Clip, optimizer step, lr step; returns the pre-clip global grad norm. The next backward starts
+        from zero gradients. A non-finite gradient norm, or `skip` (a non-finite loss on some rank), skips
+        the optimizer and lr step instead and counts it in `skipped_steps`."""
+
+    def lr(self) -> float: ...
+
+    def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
+        """Collective. The full, unsharded weights on CPU, keyed as `model.state_dict()`: on every rank, or
+        with `main_only` on rank 0 alone (the others get {} and hold no host copy of the model)."""
+
+    def weight_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype of each weight as `full_state_dict` gives it (the model's own, where the engine keeps
+        fp32 shards of a bf16 model for its optimizer)."""
+
+    def save_state(self, folder: Path) -> None:
+        """Collective. Resumable optimizer and scheduler state into `folder` (rank 0 writes)."""
+
+    def load_state(self, folder: Path) -> bool:
+        """Restores what `save_state` wrote (by this or a compatible backend); False when `folder` holds
+        no state this backend can read, in which case training resumes from the weights alone."""

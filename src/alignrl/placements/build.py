@@ -34,7 +34,8 @@ from alignrl.rollout.remote import RemoteRefScorer, RemoteReward
 from alignrl.rollout.retriever import RetrieverClient
 from alignrl.train.actor import Actor
 from alignrl.train.critic import Critic
-from alignrl.train.engines import OptimSpec, TrainEngine, build_engine
+from alignrl.interfaces import TrainEngine
+from alignrl.train.engines import OptimSpec, build_engine
 from alignrl.train.engines.deepspeed import engine_config, partitioned_init
 from alignrl.utils.tracking import console
 

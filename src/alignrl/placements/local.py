@@ -23,7 +23,7 @@ from alignrl.rollout.hf_engine import HFRolloutEngine
 from alignrl.rollout.remote import RemoteRolloutEngine
 from alignrl.runtime.env import SINGLE, DistEnv
 from alignrl.train.critic import Critic
-from alignrl.train.engines import TrainEngine
+from alignrl.interfaces import TrainEngine
 from alignrl.utils.tracking import console
 
 

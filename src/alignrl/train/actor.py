@@ -12,7 +12,7 @@ from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, aggregate_loss
 from alignrl.data.records import Experience
 from alignrl.models.logprobs import Layout, response_logprobs
 from alignrl.train.minibatch import minibatch_updates
-from alignrl.train.engines.base import TrainEngine
+from alignrl.interfaces import TrainEngine
 
 
 @dataclass(frozen=True)

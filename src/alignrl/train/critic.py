@@ -9,7 +9,7 @@ from alignrl.data.collate import per_token_in_chunks
 from alignrl.data.records import Experience, Rollout
 from alignrl.models.value import response_values
 from alignrl.train.minibatch import minibatch_updates
-from alignrl.train.engines.base import TrainEngine
+from alignrl.interfaces import TrainEngine
 
 
 class Critic:

@@ -18,7 +18,7 @@ from alignrl.core.aggregation import n_sequences
 from alignrl.data.collate import length_sorted_chunks, prompt_groups
 from alignrl.data.records import Experience
 from alignrl.runtime.env import all_reduce_sum
-from alignrl.train.engines.base import TrainEngine
+from alignrl.interfaces import TrainEngine
 
 SKIPPED = "skipped_nonfinite"  # the metric counting skipped steps, under each model's prefix
 

@@ -1,4 +1,4 @@
-"""Training backends behind one interface (`base.TrainEngine`): single, ddp, fsdp2, deepspeed."""
+"""Training backends behind one interface (`alignrl.interfaces.TrainEngine`): single, ddp, fsdp2, deepspeed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from collections.abc import Callable
 import torch
 
 from alignrl.runtime.env import DistEnv
-from alignrl.train.engines.base import OptimSpec, TrainEngine
+from alignrl.interfaces import TrainEngine
+from alignrl.train.engines.base import OptimSpec
 
 __all__ = ["STRATEGIES", "OptimSpec", "TrainEngine", "build_engine"]
 

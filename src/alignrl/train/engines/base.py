@@ -1,5 +1,5 @@
-"""The TrainEngine interface: how a trainable model gets its gradients reduced, its optimizer stepped
-and its full weights and training state saved, whatever the backend.
+"""What the training engines share (the TrainEngine Protocol itself is in `alignrl.interfaces`): the optimizer
+spec, the full optimizer state every local-optimizer engine reads and writes, and the clipped, skip-safe step.
 
 Losses handed to `backward` are already normalised for the *global* batch (token-mean over the global
 token count, see `train.minibatch`). Data-parallel backends average gradients over ranks, so each
@@ -13,7 +13,6 @@ import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
@@ -73,45 +72,6 @@ class OptimSpec:
     def build(self, params):
         return build_optimizer(params, self.lr, self.weight_decay, self.betas, self.warmup_steps, self.total_steps,
                                self.schedule, self.min_lr_ratio, self.eps)
-
-
-class TrainEngine(Protocol):
-    name: str
-    model: torch.nn.Module  # the HF model itself: save_pretrained, config, generation
-    module: torch.nn.Module  # what forward is called on (a DDP wrapper, a DeepSpeed engine, or `model`)
-    env: DistEnv
-    whole_weights: bool  # every rank's `model` holds all the weights, unsharded (not FSDP2, not ZeRO-3)
-
-    def micro_batch(self, last_micro: bool) -> AbstractContextManager:
-        """Around one micro-batch's forward and backward: before the last one of a step, DDP skips its
-        gradient all-reduce (it decides so in the forward, so a context around the backward alone is too late)."""
-
-    def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
-        """`last_micro`: the last micro-batch before `step` (backends that defer gradient reduction)."""
-
-    skipped_steps: int  # steps skipped for a non-finite loss or gradient since the engine was built
-
-    def step(self, skip: bool = False) -> float:
-        """Clip, optimizer step, lr step; returns the pre-clip global grad norm. The next backward starts
-        from zero gradients. A non-finite gradient norm, or `skip` (a non-finite loss on some rank), skips
-        the optimizer and lr step instead and counts it in `skipped_steps`."""
-
-    def lr(self) -> float: ...
-
-    def full_state_dict(self, main_only: bool = False) -> dict[str, torch.Tensor]:
-        """Collective. The full, unsharded weights on CPU, keyed as `model.state_dict()`: on every rank, or
-        with `main_only` on rank 0 alone (the others get {} and hold no host copy of the model)."""
-
-    def weight_dtypes(self) -> dict[str, torch.dtype]:
-        """The dtype of each weight as `full_state_dict` gives it (the model's own, where the engine keeps
-        fp32 shards of a bf16 model for its optimizer)."""
-
-    def save_state(self, folder: Path) -> None:
-        """Collective. Resumable optimizer and scheduler state into `folder` (rank 0 writes)."""
-
-    def load_state(self, folder: Path) -> bool:
-        """Restores what `save_state` wrote (by this or a compatible backend); False when `folder` holds
-        no state this backend can read, in which case training resumes from the weights alone."""
 
 
 def save_full_state(env: DistEnv, folder: Path, model, optimizer, scheduler,
