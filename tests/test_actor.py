@@ -8,7 +8,7 @@ from alignrl.core.advantages import grpo_advantages
 from alignrl.data import synthetic
 from alignrl.data.collate import encode_prompts
 from alignrl.data.records import Experience
-from alignrl.models.logprobs import Layout, response_logprobs
+from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
 from alignrl.runtime.env import SINGLE
 from alignrl.train.actor import Actor, PolicyLossSpec
@@ -84,7 +84,7 @@ def test_shared_prompt_forward_matches_one_pass(tiny_model):
         out = {}
         for share in (False, True):
             model.zero_grad()
-            lp, ent = response_logprobs(model, pid, pm, rid, rm, 0.8, with_entropy=True, layout=Layout(share))
+            lp, ent = response_logprobs(model, pid, pm, rid, rm, 0.8, with_entropy=True, layout=ForwardLayout(share))
             (lp * weights).sum().backward()
             out[share] = lp.detach(), ent, [p.grad.clone() for p in model.parameters()]
         hook.remove()
@@ -95,7 +95,7 @@ def test_shared_prompt_forward_matches_one_pass(tiny_model):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         assert bool((out[True][0] != 0).any())
         # the no-grad path (reference, old policy) in chunks of 5 rows: same log-probs
-        torch.testing.assert_close(batched_logprobs(model, pid, pm, rid, rm, 0.8, 5, Layout(True)),
+        torch.testing.assert_close(batched_logprobs(model, pid, pm, rid, rm, 0.8, 5, ForwardLayout(True)),
                                    batched_logprobs(model, pid, pm, rid, rm, 0.8, 5), atol=2e-5, rtol=0)
     # every rank must make the same calls (FSDP2 / ZeRO-3 gather weights in each): two, even when no prompt
     # repeats and the responses are one token wide
@@ -104,7 +104,7 @@ def test_shared_prompt_forward_matches_one_pass(tiny_model):
     one_each = torch.tensor([rows.tolist().index(k) for k in range(3)])  # a row of each of the 3 prompts
     with torch.no_grad():
         response_logprobs(model, pid[one_each], pm[one_each], rid[one_each, :1], rm[one_each, :1],
-                          layout=Layout(True))
+                          layout=ForwardLayout(True))
     hook.remove()
     assert [c[0] for c in calls] == [3, 3]
 
@@ -157,4 +157,4 @@ def test_share_prompt_with_a_model_that_returns_no_cache_is_one_line(tiny_model)
 
     pid, pm, rid, rm, _ = _shared_batch(model.config.vocab_size)
     with pytest.raises(ModelError, match="set actor.share_prompt=false"):
-        response_logprobs(NoCache(), pid, pm, rid, rm, layout=Layout(True))
+        response_logprobs(NoCache(), pid, pm, rid, rm, layout=ForwardLayout(True))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from conftest import run_group, src_path
 from alignrl.runtime.env import SINGLE
 from alignrl.runtime.ports import free_port
-from alignrl.models.logprobs import Layout
+from alignrl.models.logprobs import ForwardLayout
 from alignrl.train.engines import OptimSpec, build_engine
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
@@ -36,7 +36,7 @@ def torchrun(args: list[str], out: Path, timeout: float = 180) -> subprocess.Com
     return run_group(cmd, timeout, env=env)
 
 
-def one_process_step(model_dir, layout: Layout):
+def one_process_step(model_dir, layout: ForwardLayout):
     """The one-process reference: the same global batch, the same update."""
     single = engine_worker.EngineArgs("single")
     torch.manual_seed(0)

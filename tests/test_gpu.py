@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignrl.models.logprobs import Layout, response_logprobs
+from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from conftest import run_group, src_path
 from test_actor import _shared_batch
 from test_pipeline_zmq import SMALL, finish, overrides, sampler, spawn
@@ -30,7 +30,7 @@ def test_packed_forward_on_cuda_matches_the_padded_one(tiny_model, dtype):
     pid, pm, rid, rm, _ = (t.cuda() for t in _shared_batch(model.config.vocab_size))
     weights = torch.randn(rm.shape, generator=torch.Generator().manual_seed(0)).cuda()
     outs = []
-    for layout in (Layout(), Layout(share_prompt=True, remove_padding=True)):
+    for layout in (ForwardLayout(), ForwardLayout(share_prompt=True, remove_padding=True)):
         model.zero_grad()
         lp, _ = response_logprobs(model, pid, pm, rid, rm, 0.8, layout=layout)
         (lp.float() * weights).sum().backward()

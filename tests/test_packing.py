@@ -10,12 +10,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from alignrl.rl.producer import batched_logprobs
 from alignrl.data.collate import prompt_groups
 from alignrl.models.folder import ModelError
-from alignrl.models.logprobs import Layout, response_logprobs
+from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.models.packing import pack
 from alignrl.train.actor import PolicyLossSpec
 from test_actor import _actor, _experience, _shared_batch
 
-PACKED = (Layout(remove_padding=True), Layout(share_prompt=True, remove_padding=True))
+PACKED = (ForwardLayout(remove_padding=True), ForwardLayout(share_prompt=True, remove_padding=True))
 
 
 def _outputs(model, batch, layout, weights):
@@ -33,7 +33,7 @@ def test_packed_forward_matches_the_padded_one_in_one_call(tiny_model, layout):
     for resp_len in (7, 1):
         pid, pm, rid, rm, _ = _shared_batch(model.config.vocab_size, resp_len)
         weights = torch.randn(rm.shape, generator=torch.Generator().manual_seed(0))
-        expected = _outputs(model, (pid, pm, rid, rm), Layout(), weights)
+        expected = _outputs(model, (pid, pm, rid, rm), ForwardLayout(), weights)
         shapes = []
         hook = model.register_forward_pre_hook(lambda m, a, kw: shapes.append(kw["input_ids"].shape), with_kwargs=True)
         got = _outputs(model, (pid, pm, rid, rm), layout, weights)
@@ -54,7 +54,7 @@ def test_packed_update_takes_the_padded_gradient(tiny_model):
     model, tok = tiny_model
     exp = _experience(model, tok, [1.0, 0.0, 0.5, 0.0])
     grads = []
-    for layout in (Layout(), Layout(share_prompt=True, remove_padding=True)):
+    for layout in (ForwardLayout(), ForwardLayout(share_prompt=True, remove_padding=True)):
         m = copy.deepcopy(model)
         actor = _actor(m, lr=1e-3)
         actor.layout = layout

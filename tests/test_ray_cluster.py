@@ -78,7 +78,7 @@ def test_colocated_ranks_share_one_gpu_each_and_every_worker_starts(cluster, fla
     reporting the GPU Ray gave it. Ray chose the GPU of a fractional worker inside a node-sized bundle,
     and its best fit put four reference ranks on one GPU: the fourth actor rank was never scheduled."""
     from alignrl.placements.ray.driver import Driver, Job
-    from alignrl.placements.ray.plan import Layout
+    from alignrl.placements.ray.plan import GroupLayout
     from alignrl.config import RunConfig
 
     class GpuProbe:  # defined here, so Ray ships it by value (the workers cannot import this test module)
@@ -91,7 +91,7 @@ def test_colocated_ranks_share_one_gpu_each_and_every_worker_starts(cluster, fla
     assert all_gpus_free()
     args = F.parser().parse_args(SEED_001 + flags)
     F.check(args)
-    layout = Layout.from_flags(args)
+    layout = GroupLayout.from_flags(args)
     driver = Driver(Job(layout, RunConfig(), "test"))
     driver.gpus, driver.reqs = True, requests(layout)
     reserve(driver.reqs, gpus=True, timeout_s=20)

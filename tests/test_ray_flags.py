@@ -12,7 +12,7 @@ import torch
 
 from alignrl.compat import openrlhf_keys as K
 from alignrl.compat import openrlhf_flags as F
-from alignrl.placements.ray.plan import Layout, describe, requests
+from alignrl.placements.ray.plan import GroupLayout, describe, requests
 from alignrl.config import load_config
 from alignrl.runtime.ports import free_port
 
@@ -106,8 +106,8 @@ def test_seed_001_flags_translate_to_the_loop_config():
     # --zero_stage 3 shards the reference group on any device; below 3, or with no reference, it does nothing on CPUs
     assert K.unused_here(parse(*SEED_001, "--zero_stage", "3"), gpus=False) == []
     assert K.unused_here(parse(*SEED_001, "--zero_stage", "1"), gpus=False) == ["--zero_stage (no CUDA)"]
-    assert Layout.from_flags(parse(*SEED_001, "--zero_stage", "3")).shard_ref
-    assert not Layout.from_flags(parse(*SEED_001)).shard_ref
+    assert GroupLayout.from_flags(parse(*SEED_001, "--zero_stage", "3")).shard_ref
+    assert not GroupLayout.from_flags(parse(*SEED_001)).shard_ref
     gpu = load_config(None, K.overrides(args, gpus=True, total_steps=3))
     assert (gpu.trainer.strategy, gpu.model.dtype) == ("deepspeed", "bfloat16")
 
@@ -213,12 +213,12 @@ def test_seed_001_training_scripts_pass_the_checks(script, tmp_path):
 def test_verl_hybrid_layout_puts_actor_engine_and_reference_in_every_unit():
     """trainer.nnodes × trainer.n_gpus_per_node as verl's hybrid engine: one placement group of the actor's
     units, an engine of TP 1 per rank, the reference colocated (only when a KL term needs it)."""
-    reqs = requests(Layout.hybrid(2, 4, reference=True))
+    reqs = requests(GroupLayout.hybrid(2, 4, reference=True))
     assert {k: (r.nodes, r.per_node, r.roles) for k, r in reqs.items()} == {
         "actor": (2, 4, ["actor", "ref"] + [f"engine{e}" for e in range(8)])}
     assert describe(reqs, gpus=False) == ("actor 2 node(s) × 4 CPU (with ref, engine0, engine1, engine2, engine3, "
                                           "engine4, engine5, engine6, engine7) = 8 CPU")
-    assert list(requests(Layout.hybrid(1, 1, reference=False))["actor"].roles) == ["actor", "engine0"]
+    assert list(requests(GroupLayout.hybrid(1, 1, reference=False))["actor"].roles) == ["actor", "engine0"]
 
 
 def test_reward_model_group_honours_colocate_critic_reward():

@@ -15,7 +15,7 @@ import torch
 
 from alignrl.placements.ray.channel import free_port_on
 from alignrl.placements.ray.driver import Driver, Job
-from alignrl.placements.ray.plan import Layout
+from alignrl.placements.ray.plan import GroupLayout
 from alignrl.placements.ray.weight_broadcast import BroadcastGroup
 from alignrl.placements.ray.workers import RolloutWorker
 from alignrl.config import load_config, to_yaml
@@ -119,8 +119,8 @@ def test_copies_of_a_prompt_get_seeds_of_their_own(fake_vllm, tiny_model_dir):
 def test_the_engine_kind_is_vllm_only_on_gpus_with_vllm_and_engines_of_their_own(fake_vllm, monkeypatch,
                                                                                   tiny_model_dir):
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=cpu"])
-    own = Layout({"actor": (1, 2)}, engines=1, tp=2)
-    colocated = Layout({"actor": (1, 2)}, engines=1, tp=2, colocate_all_models=True)
+    own = GroupLayout({"actor": (1, 2)}, engines=1, tp=2)
+    colocated = GroupLayout({"actor": (1, 2)}, engines=1, tp=2, colocate_all_models=True)
     kinds = {}
     for cuda, vllm, layout in ((False, True, own), (True, True, own), (True, False, own), (True, True, colocated)):
         monkeypatch.setattr("importlib.util.find_spec", lambda name, vllm=vllm: object() if vllm else None)

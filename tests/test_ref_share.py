@@ -14,7 +14,7 @@ from alignrl.placements.zmq.sampler import lease_of, ref_groups, weights_timeout
 from alignrl.placements.zmq.ref_share import RefShare, sampler_needs_ref, trainer_needs_ref
 from alignrl.wire.frames import Message, WireError
 from alignrl.interfaces import SamplingParams
-from alignrl.models.logprobs import Layout
+from alignrl.models.logprobs import ForwardLayout
 from alignrl.rollout.hf_engine import HFRolloutEngine
 
 GROUPS, N = 4, 2
@@ -33,7 +33,7 @@ def made(tiny_model):
     model, tok = tiny_model
     prompts = [tok.encode(p) for p in ("1+1=", "23+4=", "7*8=", "100-1=")]
     ro = HFRolloutEngine(model, tok).generate(prompts, SamplingParams(n=N, temperature=1.0, max_new_tokens=6, seed=3))
-    ref = LocalRefScorer(model, 1.0, micro_batch=3, layout=Layout(share_prompt=True, remove_padding=True))
+    ref = LocalRefScorer(model, 1.0, micro_batch=3, layout=ForwardLayout(share_prompt=True, remove_padding=True))
     return ro, ref, tok
 
 

@@ -26,13 +26,13 @@ from transformers import AutoModelForCausalLM
 
 from alignrl.data.records import Experience
 from alignrl.runtime.env import barrier, init_distributed, shard, shutdown
-from alignrl.models.logprobs import Layout, response_logprobs
+from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.train.actor import Actor, PolicyLossSpec
 from alignrl.train.checkpoint import save_engine
 from alignrl.train.engines import OptimSpec, build_engine
 
 GLOBAL_BATCH, PROMPT, RESPONSE = 8, 5, 6
-LAYOUTS = {"plain": Layout(), "shared": Layout(True, False), "packed": Layout(True, True)}
+LAYOUTS = {"plain": ForwardLayout(), "shared": ForwardLayout(True, False), "packed": ForwardLayout(True, True)}
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def make_engine(args, env, path, shared: bool = False):
     return engine, exp
 
 
-def update(engine, exp, env, layout: Layout = Layout()) -> None:
+def update(engine, exp, env, layout: ForwardLayout = ForwardLayout()) -> None:
     Actor(engine, layout).update(local_share(exp, env), PolicyLossSpec(clip_low=0.2, clip_high=0.28, kl_coef=0.0),
                          mini_batch=GLOBAL_BATCH // env.world_size, micro_batch=2, epochs=1,
                          generator=torch.Generator().manual_seed(1))

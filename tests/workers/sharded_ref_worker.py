@@ -14,7 +14,7 @@ from alignrl.runtime.env import init_distributed
 from alignrl.placements.ray.sharded_ref import build_sharded_ref, held_elements
 from alignrl.models import loader
 from alignrl.models.loader import frozen_copy, load_model
-from alignrl.models.logprobs import Layout
+from alignrl.models.logprobs import ForwardLayout
 
 
 def rows(n: int, vocab: int, gen: torch.Generator):
@@ -55,7 +55,7 @@ def main() -> None:
     # (rank 0's rows, rank 1's rows): 3 micro-batches against 1, none against 5, then the same shares
     shares = [(slice(0, 5), slice(5, 7)), (slice(0, 0), slice(0, 9)), (slice(2, 4), slice(4, 6))]
     worst = 0.0
-    for layout in (Layout(), Layout(share_prompt=True), Layout(remove_padding=True)):
+    for layout in (ForwardLayout(), ForwardLayout(share_prompt=True), ForwardLayout(remove_padding=True)):
         sharded.layout = layout
         local = LocalRefScorer(whole, cfg.rollout.temperature, 2, layout)
         for share in shares:

@@ -60,7 +60,7 @@ def job(args, prog: str = PROG, env: dict[str, str] | None = None):
     import torch
 
     from alignrl.placements.ray.driver import Job
-    from alignrl.placements.ray.plan import Layout
+    from alignrl.placements.ray.plan import GroupLayout
 
     cuda = torch.cuda.is_available()
     cfg = load_config(None, K.overrides(args, cuda, training_steps(args)))
@@ -70,7 +70,7 @@ def job(args, prog: str = PROG, env: dict[str, str] | None = None):
         if latest_checkpoint(cfg.checkpoint_root)[0] is None:
             print(f"{prog}: --load_checkpoint: no checkpoint in {cfg.checkpoint_root} yet; starting from step 0",
                   flush=True)
-    return Job(Layout.from_flags(args), cfg, prog, args.threads, args.peer_timeout, args.placement_timeout,
+    return Job(GroupLayout.from_flags(args), cfg, prog, args.threads, args.peer_timeout, args.placement_timeout,
                args.vllm_sync_backend, unused=K.unused_here(args, cuda),
                gpu_memory_utilization=args.vllm_gpu_memory_utilization, rank_env=env or {})
 

@@ -25,7 +25,7 @@ from alignrl.models.packing import pack, packed_forward, unpack
 
 
 @dataclass(frozen=True)
-class Layout:
+class ForwardLayout:
     """How a micro-batch goes through the model: `share_prompt` runs each distinct prompt once (above);
     `remove_padding` packs its real tokens into one row (`models.packing`). Both change only float rounding."""
 
@@ -83,13 +83,13 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response
 
 def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                       response_mask: torch.Tensor, temperature: float = 1.0,
-                      with_entropy: bool = False, entropy_grad: bool = False, layout: Layout = Layout()
+                      with_entropy: bool = False, entropy_grad: bool = False, layout: ForwardLayout = ForwardLayout()
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, R) of `response_ids` given left-padded prompts; entropy (B, R) if asked.
 
     Logits are divided by `temperature` so the values match what the sampler drew from. The entropy
     carries a gradient only with `entropy_grad` (an entropy bonus); as a metric it costs no graph.
-    `layout` says how the rows go through the model (see `Layout`)."""
+    `layout` says how the rows go through the model (see `ForwardLayout`)."""
     dev = model_device(model)
     prompt_ids, prompt_mask, response_ids, response_mask = (t.to(dev) for t in (prompt_ids, prompt_mask, response_ids,
                                                                                 response_mask))

@@ -25,7 +25,7 @@ from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.runtime.env import SINGLE, DistEnv
 from alignrl.interfaces import RefScorer, RolloutEngine, SequenceScorer
 from alignrl.models.loader import DTYPES, frozen_copy, load_causal_lm, load_model, recompute_activations
-from alignrl.models.logprobs import Layout
+from alignrl.models.logprobs import ForwardLayout
 from alignrl.models.sharded_load import fill_shards, meta_model
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.registry import load_reward_fn, make_reward
@@ -183,9 +183,9 @@ def build_critics(cfg: RunConfig, resume: Path | None, env: DistEnv = SINGLE,
     return parts
 
 
-def forward_layout(cfg: RunConfig) -> Layout:
+def forward_layout(cfg: RunConfig) -> ForwardLayout:
     """How the policy's and the reference's forwards lay out a micro-batch (actor.share_prompt, use_remove_padding)."""
-    return Layout(cfg.actor.share_prompt, cfg.actor.use_remove_padding)
+    return ForwardLayout(cfg.actor.share_prompt, cfg.actor.use_remove_padding)
 
 
 def load_policy(cfg: RunConfig, folder: Path, env: DistEnv, in_shards: bool) -> tuple[torch.nn.Module, Callable | None]:

@@ -23,7 +23,7 @@ from alignrl.data.records import Rollout, Sample, ScoredBatch, Scores
 from alignrl.data.sampler import BatchSampler
 from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, shard
 from alignrl.interfaces import RefScorer, RolloutEngine, SamplingParams
-from alignrl.models.logprobs import Layout, response_logprobs
+from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.utils.tracking import console
 
 # Dataset rows -> (samples, prompt token ids); the runner's `PromptData` is one.
@@ -39,7 +39,7 @@ def timed(timings: dict[str, float], name: str):
 
 
 def batched_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                     response_mask: torch.Tensor, temperature: float, micro_batch: int, layout: Layout = Layout()
+                     response_mask: torch.Tensor, temperature: float, micro_batch: int, layout: ForwardLayout = ForwardLayout()
                      ) -> torch.Tensor:
     """Log-probs (B, R) of the responses under `model`, in length-grouped, trimmed chunks, each laid out by
     `layout` (models.logprobs)."""
@@ -53,7 +53,7 @@ def batched_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
 class LocalRefScorer:
     """Reference log-probs from an in-process frozen model (the HTTP one is `rollout.remote.RemoteRefScorer`)."""
 
-    def __init__(self, model, temperature: float, micro_batch: int, layout: Layout = Layout()):
+    def __init__(self, model, temperature: float, micro_batch: int, layout: ForwardLayout = ForwardLayout()):
         self.model, self.temperature, self.micro_batch, self.layout = model, temperature, micro_batch, layout
 
     def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, aggregate_loss
 from alignrl.data.records import Experience
-from alignrl.models.logprobs import Layout, response_logprobs
+from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.train.minibatch import minibatch_updates
 from alignrl.interfaces import TrainEngine
 
@@ -61,7 +61,7 @@ class Actor:
     """The trainable policy on a TrainEngine; `update` runs PPO epochs over an Experience batch (this
     rank's share of it under data parallelism)."""
 
-    def __init__(self, engine: TrainEngine, layout: Layout = Layout()):
+    def __init__(self, engine: TrainEngine, layout: ForwardLayout = ForwardLayout()):
         self.engine = engine
         self.model = engine.model  # unwrapped: generation, no-grad log-probs, save_pretrained
         self.layout = layout  # how a micro-batch goes through the model (models.logprobs)

@@ -1,5 +1,5 @@
 """The Ray driver both entry points share: `alignrl train ppo-ray <OpenRLHF flags>` and, inside a Ray job,
-`alignrl train ppo|grpo <verl overrides>`. Each turns its command line into a `Job` (a Layout and the
+`alignrl train ppo|grpo <verl overrides>`. Each turns its command line into a `Job` (a GroupLayout and the
 resolved run config); the driver places it and runs the one RL loop on it.
 
 Attaches to the cluster in RAY_ADDRESS (set inside `ray job submit`, or by hand: `RAY_ADDRESS=HOST:8100`),
@@ -34,7 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from alignrl.placements.ray.channel import ClusterError, Peer, RayProducers, RayRefScorer
 from alignrl.placements.ray.critic import CriticGroup, CriticRank
-from alignrl.placements.ray.plan import Layout, describe, engine_slot, release, requests, reserve, slots
+from alignrl.placements.ray.plan import GroupLayout, describe, engine_slot, release, requests, reserve, slots
 from alignrl.placements.ray.workers import WATCH, PolicyRank, RefWorker, RewardWorker, RolloutWorker
 from alignrl.config import ConfigError, RunConfig, check_world_size, to_yaml
 from alignrl.errors import UserError
@@ -45,7 +45,7 @@ from alignrl.utils.atomic import atomic_write_text
 class Job:
     """A placed run: where its workers go and the config every worker runs (resolved once, here)."""
 
-    layout: Layout
+    layout: GroupLayout
     cfg: RunConfig
     prog: str  # the command, for the driver's lines
     threads: int = 1  # torch CPU threads per Ray actor
@@ -245,7 +245,7 @@ class Driver:
         return out
 
     def start_refs(self, text: str) -> RayRefScorer:
-        """The reference group, loaded: one copy sharded over its ranks (`Layout.shard_ref`, with more than one
+        """The reference group, loaded: one copy sharded over its ranks (`GroupLayout.shard_ref`, with more than one
         rank) or a whole copy in each."""
         lay, job = self.job.layout, self.job
         world = lay.world("ref")

@@ -1,4 +1,4 @@
-"""Placement groups from a Layout (OpenRLHF's flags, or verl's hybrid engine from trainer.nnodes ×
+"""Placement groups from a GroupLayout (OpenRLHF's flags, or verl's hybrid engine from trainer.nnodes ×
 trainer.n_gpus_per_node): which worker group goes where, reserved before any model loads.
 
 A group of N nodes × G GPUs is one placement group of N·G one-unit bundles, G on each of N distinct nodes,
@@ -72,7 +72,7 @@ class Slot:
 
 
 @dataclass
-class Layout:
+class GroupLayout:
     """What either command line asks to place: nodes × units of each worker group that runs (actor, and
     ref / critic / reward when they have Ray workers of their own), the rollout engines, the colocation."""
 
@@ -92,7 +92,7 @@ class Layout:
         return self.groups[role][1]
 
     @classmethod
-    def from_flags(cls, args) -> Layout:
+    def from_flags(cls, args) -> GroupLayout:
         """OpenRLHF's flags: the groups their estimator, KL and reward flags make run."""
         roles = ["actor"] + [r for r, used in (("ref", uses_reference(args)), ("critic", uses_critic(args)),
                                                ("reward", uses_reward_model(args))) if used]
@@ -101,7 +101,7 @@ class Layout:
                    args.colocate_critic_reward, args.colocate_all_models, shard_ref=args.zero_stage == 3)
 
     @classmethod
-    def hybrid(cls, nodes: int, per_node: int, reference: bool) -> Layout:
+    def hybrid(cls, nodes: int, per_node: int, reference: bool) -> GroupLayout:
         """verl's hybrid engine (`trainer.nnodes` × `trainer.n_gpus_per_node`): every unit holds one actor
         rank, one rollout engine of tensor-parallel size 1 and, with a KL term, one reference worker (the
         reference workers hold one copy sharded among them, as verl's FSDP reference does)."""
@@ -110,9 +110,9 @@ class Layout:
 
 
 def requests(layout) -> dict[str, GroupRequest]:
-    """Placement groups by name, each with the roles that share it (`layout`: a Layout, or the flags)."""
-    if not isinstance(layout, Layout):
-        layout = Layout.from_flags(layout)
+    """Placement groups by name, each with the roles that share it (`layout`: a GroupLayout, or the flags)."""
+    if not isinstance(layout, GroupLayout):
+        layout = GroupLayout.from_flags(layout)
     lay, out = layout, {}
 
     def add(role: str, home: str | None = None) -> None:

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from alignrl.rl.producer import batched_logprobs
 from alignrl.runtime.env import DistEnv
-from alignrl.models.logprobs import Layout
+from alignrl.models.logprobs import ForwardLayout
 
 
 def held_elements(model: torch.nn.Module) -> int:
@@ -38,7 +38,7 @@ def held_elements(model: torch.nn.Module) -> int:
 class ShardedRefScorer:
     """RefScorer over a reference model sharded with `shard_blocks`; `logprobs` is collective over the group."""
 
-    def __init__(self, model, env: DistEnv, temperature: float, micro_batch: int, layout: Layout = Layout()):
+    def __init__(self, model, env: DistEnv, temperature: float, micro_batch: int, layout: ForwardLayout = ForwardLayout()):
         self.model, self.env = model, env
         self.temperature, self.micro_batch, self.layout = temperature, micro_batch, layout
 

@@ -73,12 +73,12 @@ def job(cfg: RunConfig, prog: str):
     """The verl-style config as a placed run (verl's hybrid engine layout)."""
     from alignrl.config.checks import needs_reference
     from alignrl.placements.ray.driver import Job
-    from alignrl.placements.ray.plan import Layout
+    from alignrl.placements.ray.plan import GroupLayout
 
     t = cfg.trainer
     cfg = replace(cfg, trainer=replace(t, output_dir=str(Path(t.output_dir).absolute()), progress_bar=False))
     reference = needs_reference(cfg) and not cfg.services.reference_url  # a service is asked from the engines
-    layout = Layout.hybrid(t.nnodes, t.n_gpus_per_node, reference)
+    layout = GroupLayout.hybrid(t.nnodes, t.n_gpus_per_node, reference)
     return Job(layout, cfg, prog, threads=t.threads or 1)
 
 
