@@ -1,0 +1,141 @@
+"""verl's and Search-R1's keys, by what alignrl does with each (`verl_keys` reads these tables): renamed to an
+alignrl key, not used on this device, accepted at one value only, noted, accepted but not applied; and the verl
+defaults a verl-spelled run gets where alignrl's differ."""
+
+from __future__ import annotations
+
+A = "actor_rollout_ref.actor."
+R = "actor_rollout_ref.rollout."
+
+RENAMES: dict[str, tuple[str, ...]] = {
+    "actor_rollout_ref.model.path": ("model.path",),
+    A + "optim.lr": ("actor.lr",),
+    A + "optim.lr_warmup_steps": ("actor.lr_warmup_steps",),
+    A + "optim.lr_warmup_steps_ratio": ("actor.lr_warmup_steps_ratio",),
+    A + "optim.warmup_style": ("actor.lr_scheduler",),
+    A + "optim.min_lr_ratio": ("actor.min_lr_ratio",),
+    A + "optim.weight_decay": ("actor.weight_decay",),
+    A + "optim.betas": ("actor.betas",),
+    A + "grad_clip": ("actor.grad_clip",),
+    A + "ppo_mini_batch_size": ("actor.ppo_mini_batch_size",),
+    # the reference's and the old policy's no-grad passes: one alignrl key serves both (the last one given)
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ("actor.logprob_micro_batch_size",),
+    R + "log_prob_micro_batch_size_per_gpu": ("actor.logprob_micro_batch_size",),
+    "actor_rollout_ref.model.use_remove_padding": ("actor.use_remove_padding",),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": ("actor.gradient_checkpointing",),
+    "critic.model.use_remove_padding": ("critic.use_remove_padding",),
+    A + "ppo_epochs": ("actor.ppo_epochs",),
+    A + "clip_ratio": ("actor.clip_ratio_low", "actor.clip_ratio_high"),
+    A + "clip_ratio_low": ("actor.clip_ratio_low",),
+    A + "clip_ratio_high": ("actor.clip_ratio_high",),
+    A + "clip_ratio_c": ("actor.clip_ratio_c",),
+    A + "loss_agg_mode": ("actor.loss_agg_mode",),
+    A + "entropy_coeff": ("actor.entropy_coeff",),
+    A + "use_kl_loss": ("actor.use_kl_loss",),
+    A + "kl_loss_coef": ("actor.kl_loss_coef",),
+    A + "kl_loss_type": ("actor.kl_loss_type",),
+    A + "state_masking": ("actor.state_masking",),
+    R + "n": ("rollout.n",),
+    R + "n_agent": ("rollout.n",),  # Search-R1 repeats each prompt n_agent times: the group size
+    R + "temperature": ("rollout.temperature",),
+    R + "top_p": ("rollout.top_p",),
+    R + "top_k": ("rollout.top_k",),
+    "critic.optim.lr": ("critic.lr",),
+    "critic.optim.lr_warmup_steps": ("critic.lr_warmup_steps",),
+    "critic.optim.lr_warmup_steps_ratio": ("critic.lr_warmup_steps_ratio",),
+    "critic.model.path": ("critic.model_path",),
+    "critic.grad_clip": ("critic.grad_clip",),
+    "critic.cliprange_value": ("critic.cliprange_value",),
+    "algorithm.kl_ctrl.kl_coef": ("algorithm.kl_coef",),
+    "algorithm.kl_ctrl.type": ("algorithm.kl_ctrl_type",),
+    "algorithm.kl_ctrl.target_kl": ("algorithm.kl_target",),
+    "algorithm.kl_ctrl.horizon": ("algorithm.kl_horizon",),
+    "data.max_response_length": ("rollout.max_new_tokens",),
+    "data.shuffle_train_dataloader": ("data.shuffle",),
+    "data.val_data_num": ("data.val_size",),
+    "trainer.default_local_dir": ("trainer.checkpoint_dir",),
+    "max_turns": ("agent.max_turns",),
+    # verl's multi-turn rollout: the whole trajectory's response; data.max_response_length stays per turn (Search-R1)
+    R + "response_length": ("agent.max_response_length",),
+    "do_search": ("agent.search",),
+}
+
+# Settings of GPU memory, sharding, vLLM and remote storage: they change where and how fast, not what.
+NOT_USED = (
+    "*.fsdp_config.*", "critic.model.enable_gradient_checkpointing", "*.log_prob_micro_batch_size",
+    "*.log_prob_use_dynamic_bsz", "*.log_prob_max_token_len_per_gpu", "*.ulysses_sequence_parallel_size",
+    "*.use_dynamic_bsz", "*.ppo_max_token_len_per_gpu", "*.forward_max_token_len_per_gpu",
+    "*.forward_micro_batch_size*", "*.ppo_micro_batch_size_per_gpu", "*.external_lib", "*.override_config",
+    "actor_rollout_ref.hybrid_engine", "actor_rollout_ref.ref.strategy", A + "optim.total_training_steps",
+    "critic.optim.total_training_steps", "critic.optim.min_lr_ratio", "critic.ppo_micro_batch_size",
+    "critic.model.tokenizer_path", R + "name", R + "gpu_memory_utilization", R + "tensor_model_parallel_size",
+    R + "dtype", R + "enforce_eager", R + "free_cache_engine", R + "load_format", R + "max_num_batched_tokens",
+    R + "max_num_seqs", R + "prompt_length",
+    "trainer.default_hdfs_dir", "data.val_batch_size", "data.tokenizer", "data.return_raw_input_ids",
+    "data.return_raw_chat", "trainer.val_generations_to_log_to_wandb",
+)
+
+# Sections that exist only in verl's config: a key under them that is not mapped above is unknown.
+VERL_SECTIONS = ("actor_rollout_ref.", "critic.optim.", "critic.model.", "algorithm.kl_ctrl.", "reward_model.",
+                 "custom_reward_function.")
+
+# verl's data.prompt_key is alignrl's key of the same name, so it passes through unchanged: a verl file read
+# by column keeps its data_source, reward_model.ground_truth and extra_info (alignrl.data.row_formats).
+
+# Switches accepted at the value alignrl implements; (value, what to do instead of the other value).
+ONLY_VALUE: dict[str, tuple[object, str]] = {
+    "trainer.val_only": (False, "alignrl has no evaluation-only mode; run with trainer.total_training_steps=1 "
+                                "and read base_accuracy"),
+    "algorithm.no_think_rl": (False, "drop it: the no-think variant of Search-R1 is not implemented"),
+    "data.train_data_num": (None, "cut the training file to the rows you want (data.train_data_num=null uses all)"),
+    R + "do_sample": (True, "training rollouts sample; evaluation is greedy"),
+    R + "ignore_eos": (False, "generation always stops at eos"),
+    "critic.optim.warmup_style": ("constant", "the critic's lr is constant after its warm-up"),
+    "reward_model.enable": (False, "a reward model is algorithm.reward_model=<folder from `alignrl train rm`>"),
+}
+# Accepted, with alignrl's behaviour named when the value asks for something else (it evaluates before and
+# after training to report base and final accuracy). trainer.final_validation is not Search-R1's (its verl
+# always validates after the last step) but verl forks' scripts pass it.
+NOTED = {"trainer.val_before_train": "alignrl always evaluates before training (base_accuracy)",
+         "trainer.final_validation": "alignrl always evaluates after training (final_accuracy)"}
+
+_FORMAT_REWARD = ("alignrl scores Search-R1's QA data sources with plain exact match, as Search-R1 validates; for "
+                  "v0.3's format credits give algorithm.reward_fn=FILE.py:FUNCTION returning alignrl.rewards.qa_em."
+                  "compute_score_format(solution_str, ground_truth, structure_format_score, final_format_score, "
+                  "retrieval_score) (README.md, section 'From verl / Search-R1', has the file)")
+_SHUFFLE = ("alignrl draws each epoch's mini-batches in a seeded random order (Search-R1's FSDP workers split the "
+            "batch in order whatever this says)")
+_MARKER = ("the loss mask comes from the rollout: the observation tokens the engine appends, inside <information> "
+           "tags (Search-R1's generation manager builds its mask the same way and never reads these markers)")
+# Keys of Search-R1's ppo_trainer.yaml alignrl has no setting for: (the value alignrl behaves as, why another
+# value is not applied). A value alignrl follows anyway is accepted quietly; any other is listed once at start,
+# since a run must not drop a setting without saying so.
+NOT_APPLIED: dict[str, tuple[object, str]] = {
+    A + "shuffle": (True, _SHUFFLE),
+    "critic.shuffle": (True, _SHUFFLE),
+    "algorithm.state_masking.start_state_marker": ("<information>", _MARKER),
+    "algorithm.state_masking.end_state_marker": ("</information>", _MARKER),
+    "reward_model.structure_format_score": (0, _FORMAT_REWARD),
+    "reward_model.final_format_score": (0, _FORMAT_REWARD),
+    "reward_model.retrieval_score": (0, _FORMAT_REWARD),
+}
+# verl's critic settings whose default is the actor's (ppo_trainer.yaml: ${actor_rollout_ref.actor.<key>}):
+# alignrl's critic always trains on the actor's mini-batches and epochs, so only another value is listed.
+CRITIC_FOLLOWS_ACTOR = {"critic.ppo_mini_batch_size": "actor.ppo_mini_batch_size",
+                        "critic.ppo_epochs": "actor.ppo_epochs"}
+# verl's checkpoint retention (null: keep every one): one alignrl checkpoint holds actor and critic together
+CKPT_TO_KEEP = ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep")
+
+# Search-R1's verl defaults where alignrl's differ (verl/trainer/config/ppo_trainer.yaml and
+# ray_trainer.py): no KL loss, KL in the reward instead (verl applies it whenever use_kl_loss is off),
+# an entropy bonus, AdamW weight decay, nucleus 0.95, a critic exactly when the estimator is GAE, and every
+# checkpoint kept; a multi-turn episode is cut at data.max_prompt_length tokens (its generation manager's
+# right side).
+VERL_DEFAULTS: dict[str, object] = {
+    "trainer.strategy": "fsdp",  # verl's actor and critic strategy: FSDP over the ranks (alignrl's fsdp2)
+    "trainer.max_checkpoints": 0,  # Search-R1's verl never deletes a checkpoint; alignrl's default keeps 2
+    "actor.use_kl_loss": False,
+    "actor.entropy_coeff": 0.001,
+    "actor.weight_decay": 0.01,
+    "rollout.top_p": 0.95,
+}
