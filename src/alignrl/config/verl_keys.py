@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from alignrl.config.checks import nearest_sibling
 from alignrl.config.file_shape import SEED_KEYS, SEED_MODEL_PARTS, unknown_seed_key
 from alignrl.config.schema import ConfigError
-from alignrl.config.verl_tables import (A, CKPT_TO_KEEP, CRITIC_FOLLOWS_ACTOR, NOT_APPLIED, NOT_USED, NOTED,
-                                        ONLY_VALUE, R, RENAMES, VERL_DEFAULTS, VERL_SECTIONS)
+from alignrl.config.verl_tables import (A, CKPT_TO_KEEP, CRITIC_FOLLOWS_ACTOR, DAPO, FILTER_METRICS, MISSING,
+                                        NOT_APPLIED, NOT_USED, NOTED, ONLY_VALUE, R, RENAMES, REWARD_MANAGERS, TRUNCATIONS,
+                                        VAL_GREEDY,
+                                        VERL_DEFAULTS, VERL_SECTIONS)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Translation:
     verl_style: bool = False  # some verl spelling was used: VERL_DEFAULTS apply
     output_is_run_dir: bool = False  # nodes.yaml's models.output.path=...: the run folder itself, unless named
     global_micro: int | None = None  # verl's deprecated global ppo_micro_batch_size: divided by the world size
+    missing: list[str] = field(default_factory=list)  # verl features alignrl does not have, asked for: one line each
 
 
 def _value(text: str) -> object:
@@ -68,6 +71,8 @@ class _Pass:
     not_applied: dict[str, tuple[str, str]] = field(default_factory=dict)
     critic_follows: dict[str, str] = field(default_factory=dict)  # verl's critic.ppo_mini_batch_size / ppo_epochs
     keep: dict[str, int] = field(default_factory=dict)  # verl's max_{actor,critic}_ckpt_to_keep, 0 for keep-all
+    missing: dict[str, list[str]] = field(default_factory=dict)  # feature -> the keys that ask for it
+    overlong: dict[str, str] = field(default_factory=dict)  # reward_model.overlong_buffer.{enable,len}
     verl: bool = False
     output_is_run_dir: bool = False
     global_micro: int | None = None
@@ -84,8 +89,8 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
         key = key.lstrip("+")
         st.verl = st.verl or o.startswith("+") or key.startswith(("actor_rollout_ref.", "critic.optim.",
                                                                   "critic.model."))
-        # one chain of cases, split in three: the first case that matches the key takes it
-        if not (_renamed(st, key, value) or _accepted(st, key, value)):
+        # one chain of cases, split in four: the first case that matches the key takes it
+        if not (_renamed(st, key, value) or _recent(st, key, value) or _accepted(st, key, value)):
             _other(st, key, value)
     return _finish(st)
 
@@ -121,6 +126,61 @@ def _renamed(st: _Pass, key: str, value: str) -> bool:
     return True
 
 
+def _recent(st: _Pass, key: str, value: str) -> bool:
+    """verl 0.7's spellings: DAPO's (recipe/dapo), the validation sampler, prompt truncation, save_freq=-1;
+    False: not one of them."""
+    v = _value(value)
+    if key == "trainer.save_freq" and isinstance(v, int) and v < 0:  # verl's default: no periodic checkpoint
+        st.out.append("trainer.save_freq=0")
+        st.notes.append(f"{key}={value}: alignrl keeps the final checkpoint only (verl saves none)")
+        return True
+    if not key.startswith(("algorithm.filter_groups.", "reward_model.overlong_buffer.", R + "val_kwargs.",
+                           "data.truncation", "reward_model.reward_manager")):
+        return False
+    st.verl = True
+    if key in DAPO:
+        st.out.append(f"{DAPO[key]}={value}")
+        if key.startswith("reward_model.overlong_buffer."):
+            st.overlong["len" if key.endswith(".len") else "factor"] = value
+    elif key == "reward_model.overlong_buffer.enable":
+        st.overlong["enable"] = value
+    elif key == "algorithm.filter_groups.max_num_gen_batches":
+        _gen_batches(st, key, v)
+    elif key == "algorithm.filter_groups.metric":
+        if v is not None and v not in FILTER_METRICS:
+            raise ConfigError(f"{key}={value} is not supported (alignrl keeps the groups whose rewards differ: "
+                              f"{', '.join(FILTER_METRICS)})")
+    elif key in VAL_GREEDY:
+        if v != VAL_GREEDY[key] and not (key.endswith("temperature") and v == 0.0):
+            st.not_applied[key] = (value, "alignrl evaluates held-out problems greedily (trainer.eval_pass_at_k "
+                                          "also samples rollout.n answers for pass@k)")
+    elif key == "reward_model.reward_manager":
+        if v not in REWARD_MANAGERS:
+            raise ConfigError(f"{key}={value} is not supported (alignrl's reward stage is the rule reward, verl's "
+                              "naive manager, with DAPO's overlong buffer: naive or dapo)")
+    elif key == "data.truncation":
+        if v not in TRUNCATIONS:
+            raise ConfigError(f"{key}={value} is not supported (alignrl keeps a long prompt's last "
+                              "data.max_prompt_length tokens: data.truncation=left)")
+        if v == "error":
+            st.not_applied[key] = (value, "alignrl keeps a long prompt's last data.max_prompt_length tokens "
+                                          "instead of stopping (verl's truncation=left)")
+    else:
+        raise ConfigError(f"unknown config key '{key}': not a verl key alignrl knows (docs/verl-keys.md lists them)")
+    return True
+
+
+def _gen_batches(st: _Pass, key: str, v: object) -> None:
+    """verl's generation batches per step (the first one included; 0 or less: no limit) as alignrl's extra rounds."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{key}={v} must be a whole number (generation batches per step; 0: no limit)")
+    if v > 0:
+        st.out.append(f"algorithm.max_gen_rounds={v - 1}")
+    else:
+        st.notes.append(f"{key}={v}: alignrl bounds the extra generation rounds of a step at "
+                        "algorithm.max_gen_rounds (3), then trains on the groups kept")
+
+
 def _accepted(st: _Pass, key: str, value: str) -> bool:
     """verl keys accepted without an alignrl key (one value only, noted, not applied, not used); False: not one."""
     if key in ONLY_VALUE:
@@ -147,6 +207,12 @@ def _accepted(st: _Pass, key: str, value: str) -> bool:
         st.keep[key] = _checkpoints_to_keep(key, value)
         # one folder holds actor and critic: keep what the larger request keeps (0: every one)
         st.out.append(f"trainer.max_checkpoints={0 if 0 in st.keep.values() else max(st.keep.values())}")
+    elif any(fnmatch.fnmatchcase(key, pattern) for pattern in MISSING):
+        st.verl = True
+        feature, off = next(MISSING[p] for p in MISSING if fnmatch.fnmatchcase(key, p))
+        if _value(value) not in off:
+            asked = st.missing.setdefault(feature, [])
+            asked[:] = [k for k in asked if not k.startswith(key + "=")] + [f"{key}={value}"]
     elif any(fnmatch.fnmatchcase(key, pattern) for pattern in NOT_USED):
         st.verl = True
         if key not in st.not_used:
@@ -189,6 +255,8 @@ def _finish(st: _Pass) -> Translation:
             not_applied[key] = (value, "alignrl's critic trains on the actor's mini-batches and epochs "
                                        "(actor_rollout_ref.actor.ppo_mini_batch_size and ppo_epochs)")
     notes = st.notes + _grouped(not_applied)
+    if st.overlong and _value(st.overlong.get("enable", "false")) is not True:  # verl applies the buffer only when on
+        out.append("algorithm.overlong_buffer_len=0")
     if custom.get("path") not in (None, "null"):  # verl's default function name is compute_score
         out.append(f"algorithm.reward_fn={custom['path']}:{custom.get('name', 'compute_score')}")
     # n_agent is Search-R1's group size; verl's rollout.n beside it is the vLLM sample count (1)
@@ -200,7 +268,8 @@ def _finish(st: _Pass) -> Translation:
         if _value(n_agent) != 1 and not unit_given:  # Search-R1 multiplies it by verl's rollout.n (1), not n_agent
             out.append("actor.ppo_mini_batch_unit=sequences")
     explicit = {o.split("=", 1)[0] for o in out} | ({"actor.ppo_micro_batch_size"} if st.global_micro else set())
-    return Translation(out, explicit, st.not_used, notes, st.verl, st.output_is_run_dir, st.global_micro)
+    missing = [f"{feature}: {', '.join(keys)}" for feature, keys in st.missing.items()]
+    return Translation(out, explicit, st.not_used, notes, st.verl, st.output_is_run_dir, st.global_micro, missing)
 
 
 def _grouped(not_applied: dict[str, tuple[str, str]]) -> list[str]:
@@ -254,12 +323,14 @@ def list_not_used(t: Translation) -> None:
     """Print the keys without effect here, once per launch: a torchrun parent marks it done in the
     environment its ranks inherit, and under torchrun only rank 0 speaks."""
     flag = "ALIGNRL_VERL_KEYS_LISTED"
-    if not (t.not_used or t.notes) or os.environ.get(flag) or os.environ.get("RANK", "0") != "0":
+    if not (t.not_used or t.notes or t.missing) or os.environ.get(flag) or os.environ.get("RANK", "0") != "0":
         return
     os.environ[flag] = "1"
     # stderr: `alignrl config <verl keys> > run.yaml` must stay a clean YAML file
     if t.not_used:
         print(f"alignrl: verl settings not used on this device (GPU memory, vLLM, storage): {', '.join(t.not_used)}",
               file=sys.stderr, flush=True)
+    for line in t.missing:  # features, not hardware: no device would honour them here
+        print(f"alignrl: verl feature alignrl does not have, not applied: {line}", file=sys.stderr, flush=True)
     for note in t.notes:
         print(f"alignrl: {note}", file=sys.stderr, flush=True)

@@ -63,17 +63,31 @@ RENAMES: dict[str, tuple[str, ...]] = {
 # Settings of GPU memory, sharding, vLLM and remote storage: they change where and how fast, not what.
 NOT_USED = (
     "*.fsdp_config.*", "critic.model.enable_gradient_checkpointing", "*.log_prob_micro_batch_size",
-    "*.log_prob_use_dynamic_bsz", "*.log_prob_max_token_len_per_gpu", "*.ulysses_sequence_parallel_size",
-    "*.use_dynamic_bsz", "*.ppo_max_token_len_per_gpu", "*.forward_max_token_len_per_gpu",
     "*.forward_micro_batch_size*", "*.ppo_micro_batch_size_per_gpu", "*.external_lib", "*.override_config",
     "actor_rollout_ref.hybrid_engine", "actor_rollout_ref.ref.strategy", A + "optim.total_training_steps",
     "critic.optim.total_training_steps", "critic.optim.min_lr_ratio", "critic.ppo_micro_batch_size",
     "critic.model.tokenizer_path", R + "name", R + "gpu_memory_utilization", R + "tensor_model_parallel_size",
     R + "dtype", R + "enforce_eager", R + "free_cache_engine", R + "load_format", R + "max_num_batched_tokens",
-    R + "max_num_seqs", R + "prompt_length",
+    R + "max_num_seqs", R + "prompt_length", R + "enable_chunked_prefill", R + "multi_turn.format",
+    "data.filter_overlong_prompts_workers", "reward_model.overlong_buffer.log",
     "trainer.default_hdfs_dir", "data.val_batch_size", "data.tokenizer", "data.return_raw_input_ids",
     "data.return_raw_chat", "trainer.val_generations_to_log_to_wandb",
 )
+
+# verl features alignrl does not have: key pattern -> (the feature, the values that leave it off). A value that
+# leaves it off is accepted quietly; any other is named at start as a feature not applied, never dropped silently.
+_DYNAMIC_BSZ = "dynamic batch size (micro-batches by a token budget; alignrl splits by a count)"
+MISSING: dict[str, tuple[str, tuple[object, ...]]] = {
+    "*.ulysses_sequence_parallel_size": ("Ulysses sequence parallelism", (1,)),
+    "*.use_dynamic_bsz": (_DYNAMIC_BSZ, (False,)),
+    "*.log_prob_use_dynamic_bsz": (_DYNAMIC_BSZ, (False,)),
+    "*.ppo_max_token_len_per_gpu": (_DYNAMIC_BSZ, ()),
+    "*.log_prob_max_token_len_per_gpu": (_DYNAMIC_BSZ, ()),
+    "*.forward_max_token_len_per_gpu": (_DYNAMIC_BSZ, ()),
+    "data.gen_batch_size": ("DAPO's generation batch larger than the training batch (alignrl's dynamic sampling "
+                            "generates up to algorithm.max_gen_rounds more rounds of data.train_batch_size prompts)",
+                            ()),
+}
 
 # Sections that exist only in verl's config: a key under them that is not mapped above is unknown.
 VERL_SECTIONS = ("actor_rollout_ref.", "critic.optim.", "critic.model.", "algorithm.kl_ctrl.", "reward_model.",
@@ -92,7 +106,22 @@ ONLY_VALUE: dict[str, tuple[object, str]] = {
     R + "ignore_eos": (False, "generation always stops at eos"),
     "critic.optim.warmup_style": ("constant", "the critic's lr is constant after its warm-up"),
     "reward_model.enable": (False, "a reward model is algorithm.reward_model=<folder from `alignrl train rm`>"),
+    R + "mode": ("async", "alignrl's engines batch every prompt of a step; verl 0.7 removed the sync mode too"),
 }
+# verl's validation sampler (rollout.val_kwargs): alignrl evaluates held-out problems greedily, pass@k aside
+VAL_GREEDY = {R + "val_kwargs.do_sample": False, R + "val_kwargs.temperature": 0, R + "val_kwargs.n": 1,
+              R + "val_kwargs.top_p": 1.0, R + "val_kwargs.top_k": -1}
+# DAPO (recipe/dapo) as verl spells it -> alignrl's keys (algorithm.dynamic_sampling, the overlong penalty)
+DAPO = {"algorithm.filter_groups.enable": "algorithm.dynamic_sampling",
+        "reward_model.overlong_buffer.len": "algorithm.overlong_buffer_len",
+        "reward_model.overlong_buffer.penalty_factor": "algorithm.overlong_penalty_factor"}
+# filter_groups.metric: alignrl keeps the groups whose rewards differ, which is verl's seq_reward; acc and score are
+# the same numbers for a rule reward (the score is the reward)
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+# verl's reward managers alignrl's reward stage is: the rule reward (naive), with DAPO's overlong buffer (dapo)
+REWARD_MANAGERS = ("naive", "dapo")
+# data.truncation: alignrl keeps a prompt's last data.max_prompt_length tokens (verl's left)
+TRUNCATIONS = ("left", "error")
 # Accepted, with alignrl's behaviour named when the value asks for something else (it evaluates before and
 # after training to report base and final accuracy). trainer.final_validation is not Search-R1's (its verl
 # always validates after the last step) but verl forks' scripts pass it.
@@ -118,6 +147,8 @@ NOT_APPLIED: dict[str, tuple[object, str]] = {
     "reward_model.structure_format_score": (0, _FORMAT_REWARD),
     "reward_model.final_format_score": (0, _FORMAT_REWARD),
     "reward_model.retrieval_score": (0, _FORMAT_REWARD),
+    "data.filter_overlong_prompts": (False, "alignrl keeps long prompts, their last data.max_prompt_length tokens "
+                                            "(verl's truncation=left)"),
 }
 # verl's critic settings whose default is the actor's (ppo_trainer.yaml: ${actor_rollout_ref.actor.<key>}):
 # alignrl's critic always trains on the actor's mini-batches and epochs, so only another value is listed.
