@@ -130,3 +130,59 @@ def test_encode_and_collate(tiny_model):
     assert truncation_note(enc2, cut2, 24) == ("3 pairs truncated to max_length=24, 1 of them now with identical "
                                                "responses (raise max_length)")
     assert sum(e.chosen == e.rejected for e in enc2) == 1
+
+
+def test_trl_implicit_prompt_in_whole_texts_and_whole_conversations(tmp_path):
+    """TRL's implicit prompt: no `prompt` key; the shared beginning of chosen and rejected is the prompt, and a space
+    before the first difference stays with the responses (as TRL's maybe_extract_prompt splits them)."""
+    user, a = {"role": "user", "content": "Sky colour?"}, "assistant"
+    rows = [{"chosen": "The sky is blue.", "rejected": "The sky is green."},
+            {"chosen": [{"role": "system", "content": "Be brief."}, user, {"role": a, "content": "Blue."}],
+             "rejected": [{"role": "system", "content": "Be brief."}, user, {"role": a, "content": "Green."}]}]
+    text, chat = load_pairs(_write(tmp_path, rows))
+    assert (text.prompt, text.chosen, text.rejected) == ([{"role": "user", "content": "The sky is"}], " blue.",
+                                                         " green.")
+    assert (chat.prompt, chat.chosen, chat.rejected) == (rows[1]["chosen"][:2], "Blue.", "Green.")
+
+
+def test_trl_prompt_with_whole_conversations_keeps_what_follows_it(tmp_path):
+    """`prompt` given and chosen/rejected repeating it (whole conversations, or texts that both start with it): the
+    responses are what follows the prompt. A text only one response starts with stays whole."""
+    user = [{"role": "user", "content": "2+2?"}]
+    rows = [{"prompt": user, "chosen": user + [{"role": "assistant", "content": "4"}],
+             "rejected": user + [{"role": "assistant", "content": "5"}]},
+            {"prompt": "2+2? ", "chosen": "2+2? 4", "rejected": "2+2? 5"},
+            {"prompt": "Say 2+2", "chosen": "Say 2+2 is 4", "rejected": "It is 5"}]
+    chat, text, one = load_pairs(_write(tmp_path, rows))
+    assert (chat.prompt, chat.chosen, chat.rejected) == (user, "4", "5")
+    assert (text.prompt, text.chosen, text.rejected) == ([{"role": "user", "content": "2+2? "}], "4", "5")
+    assert (one.chosen, one.rejected) == ("Say 2+2 is 4", "It is 5")
+
+
+LAYOUTS = {
+    "implicit": lambda i: {"chosen": f"Q{i}: what is {i}+{i}? A: {2 * i}", "rejected": f"Q{i}: what is {i}+{i}? A: x"},
+    "prompt_and_conversations": lambda i: {
+        "prompt": [{"role": "user", "content": f"what is {i}+{i}?"}],
+        "chosen": [{"role": "user", "content": f"what is {i}+{i}?"}, {"role": "assistant", "content": f"{2 * i}"}],
+        "rejected": [{"role": "user", "content": f"what is {i}+{i}?"}, {"role": "assistant", "content": "x"}]},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_dpo_and_rm_train_on_trls_other_layouts(layout, tiny_model_dir, tmp_path):
+    """`alignrl train dpo` and `train rm` train on each of these layouts as on the explicit one."""
+    import json as _json
+
+    from alignrl.preference.cli import dpo_main, rm_main
+
+    train = _write(tmp_path, [LAYOUTS[layout](i) for i in range(8)], "train.jsonl")
+    held = _write(tmp_path, [LAYOUTS[layout](i) for i in range(8, 12)], "held.jsonl")
+    small = ["batch_size=4", "eval_batch_size=4", "epochs=1", "log_every=1", "report_to=[jsonl]",
+             f"model_path={tiny_model_dir}"]
+    assert rm_main(["--task", "helpful", "--output_dir", str(tmp_path / "rm"), "--logging_dir", str(tmp_path / "l1"),
+                    f"helpful_train_file={train}", f"helpful_eval_file={held}", *small]) == 0
+    assert dpo_main(["--output_dir", str(tmp_path / "dpo"), "--logging_dir", str(tmp_path / "l2"),
+                     f"train_files=[{train}]", f"eval_files=[{held}]", "gradient_checkpointing=false", *small]) == 0
+    for name in ("rm", "dpo"):
+        assert _json.loads((tmp_path / name / "eval_results.json").read_text())  # trained, evaluated, saved

@@ -4,8 +4,10 @@ Two row layouts are understood:
 
 * TRL's: `prompt`, `chosen`, `rejected`. Either plain strings, or chat messages: `prompt` a list of
   {"role", "content"} ending with the user turn and `chosen` / `rejected` lists holding the assistant
-  turn (TRL's conversational form). Without a `prompt` key, `chosen` and `rejected` must be full
-  conversations and their shared leading messages are the prompt (TRL's implicit prompt).
+  turn (TRL's conversational form). Without a `prompt` key, `chosen` and `rejected` are full texts or
+  full conversations and their shared beginning is the prompt (TRL's implicit prompt, as its
+  `maybe_extract_prompt` splits it); with one, responses that repeat the prompt first (full conversations, or
+  texts that both start with the prompt's text) keep only what follows it.
   Optional: `margin` (float, the Llama-2 preference margin) and the safety labels `is_chosen_safe`,
   `is_rejected_safe` (bool; required to train a cost model).
 * PKU-SafeRLHF's: `prompt`, `response_0`, `response_1`, `is_response_0_safe`,
@@ -122,13 +124,10 @@ def _pair(loc: str, row: dict[str, Any], prefer: str) -> PreferencePair:
         raise DataError(f"{loc}: row is missing {', '.join(missing)} ({_LAYOUTS})")
     if "prompt" in row:
         prompt = _messages(loc, "prompt", row["prompt"])
-        chosen, rejected = _text(loc, "chosen", row["chosen"]), _text(loc, "rejected", row["rejected"])
-    else:  # implicit prompt: both are full conversations sharing their leading turns
-        c, r = _messages(loc, "chosen", row["chosen"]), _messages(loc, "rejected", row["rejected"])
-        if len(c) < 2 or c[:-1] != r[:-1] or c[-1]["role"] != "assistant" or r[-1]["role"] != "assistant":
-            raise DataError(f"{loc}: row is missing prompt (without it, chosen and rejected must be conversations "
-                            "that differ only in their last, assistant message)")
-        prompt, chosen, rejected = c[:-1], c[-1]["content"], r[-1]["content"]
+        chosen, rejected = (_text(loc, key, _without_prompt(row["prompt"], prompt, row[key], row))
+                            for key in ("chosen", "rejected"))
+    else:
+        prompt, chosen, rejected = _implicit_prompt(loc, row["chosen"], row["rejected"])
     if prompt[-1]["role"] != "user":
         raise DataError(f"{loc}: prompt must end with a user message, not {prompt[-1]['role']!r}")
     margin = row.get("margin", 0.0)
@@ -137,6 +136,52 @@ def _pair(loc: str, row: dict[str, Any], prefer: str) -> PreferencePair:
     _differ(loc, "chosen and rejected", chosen, rejected)
     return PreferencePair(prompt, chosen, rejected, _flag(loc, row, "is_chosen_safe"),
                           _flag(loc, row, "is_rejected_safe"), float(margin), loc)
+
+
+def _without_prompt(raw_prompt: Any, prompt: list[dict[str, str]], value: Any, row: dict[str, Any]) -> Any:
+    """A response that repeats its row's prompt (TRL's prompt + full conversation): the part after it. Both responses
+    must repeat it for a text to count as repeated, so an answer that merely starts with the question's words stays."""
+    if isinstance(value, str):
+        both = isinstance(raw_prompt, str) and raw_prompt and all(
+            isinstance(row[k], str) and row[k].startswith(raw_prompt) for k in ("chosen", "rejected"))
+        return value[len(raw_prompt):] if both else value
+    if isinstance(value, (str, dict)) or not hasattr(value, "__iter__"):
+        return value  # _text names what is wrong with it
+    messages = list(value)
+    n = len(prompt)
+    if len(messages) > n and [dict(role=str(m.get("role")), content=str(m.get("content")))
+                              for m in messages[:n] if isinstance(m, dict)] == prompt:
+        return messages[n:]
+    return messages
+
+
+def _shared_prefix(a: Sequence, b: Sequence) -> int:
+    """How long the beginning `a` and `b` share is; in text, a space before the first difference goes with the
+    responses (as TRL's extract_prompt splits "The sky is| blue." / "The sky is| green.")."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    if isinstance(a, str) and 0 < n < min(len(a), len(b)) and a[n - 1] == " ":
+        n -= 1
+    return n
+
+
+def _implicit_prompt(loc: str, chosen: Any, rejected: Any) -> tuple[list[dict[str, str]], str, str]:
+    """TRL's implicit prompt: chosen and rejected are whole texts, or whole conversations, and their shared
+    beginning is the prompt (for texts, one user message holding it)."""
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        n = _shared_prefix(chosen, rejected)
+        if not chosen[:n].strip():
+            raise DataError(f"{loc}: row is missing prompt, and chosen and rejected share no beginning to take as "
+                            "the prompt (give a prompt key, or full texts that start with the same prompt)")
+        return [{"role": "user", "content": chosen[:n]}], chosen[n:], rejected[n:]
+    c, r = _messages(loc, "chosen", chosen), _messages(loc, "rejected", rejected)
+    n = _shared_prefix(c, r)
+    rest = (c[n:], r[n:])
+    if n == 0 or any(len(x) != 1 or x[0]["role"] != "assistant" for x in rest):
+        raise DataError(f"{loc}: row is missing prompt (without it, chosen and rejected must be conversations "
+                        "that differ only in their last, assistant message)")
+    return c[:n], rest[0][0]["content"], rest[1][0]["content"]
 
 
 def _pku_pair(loc: str, row: dict[str, Any], prefer: str) -> PreferencePair:
