@@ -194,3 +194,48 @@ def test_the_dapo_recipe_entry_point_trains_a_step(tiny_model_dir, files, tmp_pa
                          env=env, capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     assert (ckpt / "global_step_1").is_dir()  # verl's trainer.default_local_dir
+
+
+def test_a_reward_model_in_the_loop_as_verl_spells_it(files):
+    """reward_model.enable=True with reward_model.model.path: the model's score is the reward (verl's reward manager
+    returns the model's scores when it runs one); without enable the path is not used, as in verl."""
+    from alignrl.config import ConfigError
+
+    train, test = files
+    base = grpo_math("demo", train, test)
+    on = load_config(None, base + ["reward_model.enable=True", "reward_model.model.path=rm_folder",
+                                   "reward_model.micro_batch_size_per_gpu=2", "reward_model.use_reward_loop=True"])
+    assert on.algorithm.reward_model == "rm_folder"
+    assert load_config(None, base + ["reward_model.model.path=rm_folder"]).algorithm.reward_model == ""
+    with pytest.raises(ConfigError, match="reward_model.enable=True needs reward_model.model.path"):
+        load_config(None, base + ["reward_model.enable=True"])
+    with pytest.raises(ConfigError, match="policy's token ids"):  # another vocabulary's ids would score garbage
+        load_config(None, base + ["reward_model.enable=True", "reward_model.model.path=x",
+                                  "reward_model.model.input_tokenizer=other/tokenizer"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_step_scored_by_a_reward_model_in_the_loop(tiny_model_dir, files, tmp_path, cli_in_process, monkeypatch):
+    """A sequence-classification folder of the policy's vocabulary scores the step (its score is the reward)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    rm_dir = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1).save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(rm_dir)
+    monkeypatch.chdir(tmp_path)
+    train, test = files
+    run = cli_in_process("train", "ppo", *grpo_math(str(tiny_model_dir), train, test), "reward_model.enable=True",
+                         f"reward_model.model.path={rm_dir}", "trainer.total_training_steps=1",
+                         "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'out'}",
+                         "trainer.logger=[console,jsonl]")
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in next((tmp_path / "out").rglob("metrics.jsonl")).read_text().splitlines()]
+    step = [r for r in rows if r.get("step") == 1][-1]
+    # a random scoring head's scores: real numbers that differ between responses, where the rule reward on 8
+    # tokens of an untrained model is all zeros
+    assert step["reward/std"] > 0 and step["reward/accuracy"] == 0.0, step

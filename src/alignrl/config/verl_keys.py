@@ -73,6 +73,7 @@ class _Pass:
     keep: dict[str, int] = field(default_factory=dict)  # verl's max_{actor,critic}_ckpt_to_keep, 0 for keep-all
     missing: dict[str, list[str]] = field(default_factory=dict)  # feature -> the keys that ask for it
     overlong: dict[str, str] = field(default_factory=dict)  # reward_model.overlong_buffer.{enable,len}
+    reward_model: dict[str, str] = field(default_factory=dict)  # reward_model.enable, reward_model.model.path
     verl: bool = False
     output_is_run_dir: bool = False
     global_micro: int | None = None
@@ -135,10 +136,17 @@ def _recent(st: _Pass, key: str, value: str) -> bool:
         st.notes.append(f"{key}={value}: alignrl keeps the final checkpoint only (verl saves none)")
         return True
     if not key.startswith(("algorithm.filter_groups.", "reward_model.overlong_buffer.", R + "val_kwargs.",
-                           "data.truncation", "reward_model.reward_manager")):
+                           "data.truncation", "reward_model.reward_manager", "reward_model.enable",
+                           "reward_model.model.path", "reward_model.model.input_tokenizer")):
         return False
     st.verl = True
-    if key in DAPO:
+    if key in ("reward_model.enable", "reward_model.model.path"):
+        st.reward_model[key] = value
+    elif key == "reward_model.model.input_tokenizer":
+        if v not in (None, ""):  # verl re-tokenizes for a reward model of another vocabulary; alignrl does not
+            raise ConfigError(f"{key}={value} is not supported (alignrl scores responses with the policy's token ids: "
+                              "give a reward model that shares the policy's tokenizer, and drop input_tokenizer)")
+    elif key in DAPO:
         st.out.append(f"{DAPO[key]}={value}")
         if key.startswith("reward_model.overlong_buffer."):
             st.overlong["len" if key.endswith(".len") else "factor"] = value
@@ -168,6 +176,18 @@ def _recent(st: _Pass, key: str, value: str) -> bool:
     else:
         raise ConfigError(f"unknown config key '{key}': not a verl key alignrl knows (docs/verl-keys.md lists them)")
     return True
+
+
+def _reward_model(given: dict[str, str]) -> list[str]:
+    """verl's reward model in the loop (reward_model.enable=True, reward_model.model.path): its score is the reward,
+    as verl's reward manager returns the model's scores when it runs one."""
+    if _value(given.get("reward_model.enable", "false")) is not True:
+        return []  # verl's config always holds a path; without enable it is not used
+    path = given.get("reward_model.model.path")
+    if _value(path or "null") in (None, ""):
+        raise ConfigError("reward_model.enable=True needs reward_model.model.path=<a sequence-classification folder, "
+                          "e.g. from `alignrl train rm`>")
+    return [f"algorithm.reward_model={path}"]
 
 
 def _gen_batches(st: _Pass, key: str, v: object) -> None:
@@ -257,6 +277,7 @@ def _finish(st: _Pass) -> Translation:
     notes = st.notes + _grouped(not_applied)
     if st.overlong and _value(st.overlong.get("enable", "false")) is not True:  # verl applies the buffer only when on
         out.append("algorithm.overlong_buffer_len=0")
+    out += _reward_model(st.reward_model)
     if custom.get("path") not in (None, "null"):  # verl's default function name is compute_score
         out.append(f"algorithm.reward_fn={custom['path']}:{custom.get('name', 'compute_score')}")
     # n_agent is Search-R1's group size; verl's rollout.n beside it is the vLLM sample count (1)

@@ -70,6 +70,8 @@ NOT_USED = (
     R + "dtype", R + "enforce_eager", R + "free_cache_engine", R + "load_format", R + "max_num_batched_tokens",
     R + "max_num_seqs", R + "prompt_length", R + "enable_chunked_prefill", R + "multi_turn.format",
     "data.filter_overlong_prompts_workers", "reward_model.overlong_buffer.log",
+    "reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size", "reward_model.use_reward_loop",
+    "reward_model.num_workers", "reward_model.strategy", "reward_model.max_length", "reward_model.launch_reward_fn_async",
     "trainer.default_hdfs_dir", "data.val_batch_size", "data.tokenizer", "data.return_raw_input_ids",
     "data.return_raw_chat", "trainer.val_generations_to_log_to_wandb",
 )
@@ -105,7 +107,6 @@ ONLY_VALUE: dict[str, tuple[object, str]] = {
     R + "do_sample": (True, "training rollouts sample; evaluation is greedy"),
     R + "ignore_eos": (False, "generation always stops at eos"),
     "critic.optim.warmup_style": ("constant", "the critic's lr is constant after its warm-up"),
-    "reward_model.enable": (False, "a reward model is algorithm.reward_model=<folder from `alignrl train rm`>"),
     R + "mode": ("async", "alignrl's engines batch every prompt of a step; verl 0.7 removed the sync mode too"),
 }
 # verl's validation sampler (rollout.val_kwargs): alignrl evaluates held-out problems greedily, pass@k aside
