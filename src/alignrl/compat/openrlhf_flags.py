@@ -56,7 +56,9 @@ class FlagError(ConfigError):
 def parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog, description="PPO/GRPO on a Ray cluster with OpenRLHF's flags: actor, reference, "
                       "critic, reward and rollout-engine groups placed by the flags; attaches to RAY_ADDRESS "
-                      "(inside `ray job submit`) or starts a local Ray.")
+                      "(inside `ray job submit`) or starts a local Ray.",
+                      epilog="OpenRLHF's current dotted spelling is taken too (--actor.num_nodes, --train.batch_size, "
+                             "--algo.kl.init_coef, --ds.zero_stage, ...): see alignrl.compat.openrlhf_dotted.")
     # one helper per --help section; the sections print in the order they are made here
     _placement_flags(p.add_argument_group("placement"))
     _model_flags(p.add_argument_group("models and checkpoints"))

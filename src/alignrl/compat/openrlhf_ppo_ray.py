@@ -15,8 +15,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from alignrl.compat import openrlhf_keys as K
+from alignrl.compat import openrlhf_dotted as D
 from alignrl.compat import openrlhf_flags as F
+from alignrl.compat import openrlhf_keys as K
 from alignrl.config import ConfigError, load_config
 
 PROG = F.PROG
@@ -111,19 +112,24 @@ def export_model(save: Path, ckpt_root: Path, step: int, prog: str = PROG) -> No
     print(f"{prog}: the trained model ({final.name}) is in {save}", flush=True)
 
 
-def _error(prog: str, e: Exception, code: int, args=None) -> int:
-    print(f"{prog}: error: {F.in_flag_terms(str(e), args)}", file=sys.stderr, flush=True)
+def _error(prog: str, e: Exception, code: int, args=None, typed: list[str] | None = None) -> int:
+    print(f"{prog}: error: {D.in_typed_words(F.in_flag_terms(str(e), args), typed or [])}", file=sys.stderr,
+          flush=True)
     return code
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     from alignrl.errors import UserError
 
-    args = F.parser(prog).parse_args(argv)
+    typed = list(sys.argv[1:] if argv is None else argv)
+    try:  # OpenRLHF's current dotted spelling, as its 0.6-era underscore one
+        args = F.parser(prog).parse_args(D.to_underscore(typed))
+    except D.DottedFlagError as e:
+        return _error(prog, e, 2)
     try:
         F.check(args)
     except ConfigError as e:  # the flags' own checks answer before torch, Ray and the models are imported
-        return _error(prog, e, 2, args)
+        return _error(prog, e, 2, args, typed)
     from alignrl.placements.ray.channel import ClusterError
     from alignrl.placements.ray.driver import Driver
 
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
             export_model(placed.cfg.run_dir, placed.cfg.checkpoint_root, placed.cfg.trainer.total_training_steps, prog)
         return code
     except (ClusterError, UserError) as e:
-        return _error(prog, e, 1 if isinstance(e, ClusterError) else 2, args)
+        return _error(prog, e, 1 if isinstance(e, ClusterError) else 2, args, typed)
     except KeyboardInterrupt:  # the driver's finally has released the workers and placement groups
         print(f"{prog}: interrupted; the same command with --load_checkpoint continues from the last checkpoint",
               file=sys.stderr, flush=True)
