@@ -135,11 +135,11 @@ def test_the_scripts_translate_to_what_verl_does(files, tmp_path, capsys, monkey
     err = capsys.readouterr().err
     features = [line for line in err.splitlines() if "feature alignrl does not have" in line]
     # named at start, apart from the hardware settings: no device would honour them here
-    assert any("dynamic batch size" in line and "use_dynamic_bsz=True" in line for line in features), err
+    assert (d.actor.use_dynamic_bsz, d.actor.ppo_max_token_len) == (True, 512)  # micro-batches by a token budget
     assert any("Ulysses sequence parallelism" in line and "ulysses_sequence_parallel_size=8" in line
                for line in features), err
     assert "val_kwargs.do_sample=True" in err and "data.gen_batch_size=3" in err
-    assert not any("use_dynamic_bsz" in line for line in err.splitlines() if "not used on this device" in line)
+    assert not any("actor.use_dynamic_bsz" in line for line in err.splitlines())  # applied, so not listed
 
 
 def test_an_overlong_buffer_that_is_off_costs_nothing(files):

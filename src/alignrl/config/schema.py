@@ -97,6 +97,10 @@ class ActorConfig:
                                               "rollout.n_agent > 1; a mini-batch may then cut a prompt's group)",
                                    choices=("prompts", "sequences"))
     ppo_micro_batch_size: int = opt(64, "sequences per forward/backward (gradient accumulation unit)", ge=1)
+    use_dynamic_bsz: bool = opt(False, "update micro-batches by a token budget (ppo_max_token_len) instead of "
+                                       "ppo_micro_batch_size: the same gradients, less padding on long-tailed lengths")
+    ppo_max_token_len: int = opt(16384, "dynamic batch size: tokens per micro-batch and rank, padding included "
+                                        "(rows x longest row); the critic's too", ge=1)
     logprob_micro_batch_size: int = opt(0, "sequences per no-grad forward (reference and old-policy log-probs, "
                                            "critic values); 0: ppo_micro_batch_size. OpenRLHF's "
                                            "--micro_rollout_batch_size, verl's *.log_prob_micro_batch_size_per_gpu",

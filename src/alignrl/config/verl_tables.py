@@ -25,6 +25,8 @@ RENAMES: dict[str, tuple[str, ...]] = {
     "actor_rollout_ref.model.enable_gradient_checkpointing": ("actor.gradient_checkpointing",),
     "critic.model.use_remove_padding": ("critic.use_remove_padding",),
     A + "ppo_epochs": ("actor.ppo_epochs",),
+    A + "use_dynamic_bsz": ("actor.use_dynamic_bsz",),
+    A + "ppo_max_token_len_per_gpu": ("actor.ppo_max_token_len",),
     A + "clip_ratio": ("actor.clip_ratio_low", "actor.clip_ratio_high"),
     A + "clip_ratio_low": ("actor.clip_ratio_low",),
     A + "clip_ratio_high": ("actor.clip_ratio_high",),
@@ -63,6 +65,9 @@ RENAMES: dict[str, tuple[str, ...]] = {
 # Settings of GPU memory, sharding, vLLM and remote storage: they change where and how fast, not what.
 NOT_USED = (
     "*.fsdp_config.*", "critic.model.enable_gradient_checkpointing", "*.log_prob_micro_batch_size",
+    # token budgets of the no-grad passes and the critic's (its update follows actor.ppo_max_token_len): memory only
+    "*.log_prob_use_dynamic_bsz", "*.log_prob_max_token_len_per_gpu", "*.forward_max_token_len_per_gpu",
+    "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", "reward_model.use_dynamic_bsz",
     "*.forward_micro_batch_size*", "*.ppo_micro_batch_size_per_gpu", "*.external_lib", "*.override_config",
     "actor_rollout_ref.hybrid_engine", "actor_rollout_ref.ref.strategy", A + "optim.total_training_steps",
     "critic.optim.total_training_steps", "critic.optim.min_lr_ratio", "critic.ppo_micro_batch_size",
@@ -78,14 +83,8 @@ NOT_USED = (
 
 # verl features alignrl does not have: key pattern -> (the feature, the values that leave it off). A value that
 # leaves it off is accepted quietly; any other is named at start as a feature not applied, never dropped silently.
-_DYNAMIC_BSZ = "dynamic batch size (micro-batches by a token budget; alignrl splits by a count)"
 MISSING: dict[str, tuple[str, tuple[object, ...]]] = {
     "*.ulysses_sequence_parallel_size": ("Ulysses sequence parallelism", (1,)),
-    "*.use_dynamic_bsz": (_DYNAMIC_BSZ, (False,)),
-    "*.log_prob_use_dynamic_bsz": (_DYNAMIC_BSZ, (False,)),
-    "*.ppo_max_token_len_per_gpu": (_DYNAMIC_BSZ, ()),
-    "*.log_prob_max_token_len_per_gpu": (_DYNAMIC_BSZ, ()),
-    "*.forward_max_token_len_per_gpu": (_DYNAMIC_BSZ, ()),
     "data.gen_batch_size": ("DAPO's generation batch larger than the training batch (alignrl's dynamic sampling "
                             "generates up to algorithm.max_gen_rounds more rounds of data.train_batch_size prompts)",
                             ()),

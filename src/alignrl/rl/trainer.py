@@ -26,7 +26,7 @@ from alignrl.interfaces import WeightSink
 from alignrl.train.actor import Actor, PolicyLossSpec
 from alignrl.train.critic import Critic
 from alignrl.train.engines.base import TrainingDiverged
-from alignrl.train.minibatch import SKIPPED, optimizer_steps
+from alignrl.train.minibatch import SKIPPED, TokenBudget, optimizer_steps
 from alignrl.utils.tracking import console
 
 
@@ -143,7 +143,9 @@ class PolicyTrainer:
         cfg = self.cfg
         # this rank's share of each mini-batch (the batch sizes are checked to divide by the world size)
         mini = cfg.mini_batch_sequences // self.env.world_size
-        micro, epochs, out = cfg.actor.ppo_micro_batch_size, cfg.actor.ppo_epochs, {}
+        a = cfg.actor
+        micro = TokenBudget(a.ppo_max_token_len) if a.use_dynamic_bsz else a.ppo_micro_batch_size
+        epochs, out = a.ppo_epochs, {}
         with timed(t, "critic"):
             for critic, old_values, returns in value_targets:
                 gen = torch.Generator().manual_seed(cfg.trainer.seed * 7907 + step)

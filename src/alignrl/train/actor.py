@@ -11,7 +11,7 @@ import torch
 from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, aggregate_loss
 from alignrl.data.records import Experience
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
-from alignrl.train.minibatch import minibatch_updates
+from alignrl.train.minibatch import TokenBudget, minibatch_updates
 from alignrl.interfaces import TrainEngine
 
 
@@ -66,8 +66,8 @@ class Actor:
         self.model = engine.model  # unwrapped: generation, no-grad log-probs, save_pretrained
         self.layout = layout  # how a micro-batch goes through the model (models.logprobs)
 
-    def update(self, exp: Experience, spec: PolicyLossSpec, mini_batch: int, micro_batch: int, epochs: int,
-               generator: torch.Generator) -> dict[str, float]:
+    def update(self, exp: Experience, spec: PolicyLossSpec, mini_batch: int, micro_batch: int | TokenBudget,
+               epochs: int, generator: torch.Generator) -> dict[str, float]:
         """`mini_batch` (this rank's share) and `micro_batch` are in sequences. Mini-batches are shuffled
         each epoch."""
         self.engine.module.train()

@@ -8,7 +8,7 @@ from alignrl.core.losses import value_loss
 from alignrl.data.collate import per_token_in_chunks
 from alignrl.data.records import Experience, Rollout
 from alignrl.models.value import response_values
-from alignrl.train.minibatch import minibatch_updates
+from alignrl.train.minibatch import TokenBudget, minibatch_updates
 from alignrl.interfaces import TrainEngine
 
 
@@ -27,7 +27,7 @@ class Critic:
                                    ro.response_mask, micro_batch)
 
     def update(self, exp: Experience, old_values: torch.Tensor, returns: torch.Tensor, mini_batch: int,
-               micro_batch: int, epochs: int, generator: torch.Generator) -> dict[str, float]:
+               micro_batch: int | TokenBudget, epochs: int, generator: torch.Generator) -> dict[str, float]:
         """`old_values`, `returns` (B, R) aligned with `exp`'s responses."""
         self.engine.module.train()
 

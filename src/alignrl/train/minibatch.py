@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from alignrl.core.aggregation import n_sequences
 from alignrl.data.collate import length_sorted_chunks, prompt_groups
 from alignrl.data.records import Experience
-from alignrl.runtime.env import all_reduce_sum
+from alignrl.runtime.env import DistEnv, all_reduce_sum
 from alignrl.interfaces import TrainEngine
 
 SKIPPED = "skipped_nonfinite"  # the metric counting skipped steps, under each model's prefix
@@ -27,10 +29,20 @@ SKIPPED = "skipped_nonfinite"  # the metric counting skipped steps, under each m
 MicroLoss = Callable[[torch.Tensor, Experience, float, float], tuple[torch.Tensor, dict[str, float]]]
 
 
+@dataclass(frozen=True)
+class TokenBudget:
+    """Micro-batches by a token budget instead of a row count (verl's use_dynamic_bsz with its
+    ppo_max_token_len_per_gpu): each holds as many length-sorted rows as fit in `tokens`, padding included. The
+    micro-batch losses take the mini-batch's token count, so the gradient is the fixed split's."""
+
+    tokens: int
+
+
 def minibatch_updates(exp: Experience, micro_loss: MicroLoss, engine: TrainEngine, mini_batch: int,
-                      micro_batch: int, epochs: int, generator: torch.Generator, prefix: str, by_prompt: bool = False
-                      ) -> dict[str, float]:
-    """Runs the updates; `mini_batch` is this rank's share of a mini-batch, in sequences; `by_prompt` keeps the
+                      micro_batch: int | TokenBudget, epochs: int, generator: torch.Generator, prefix: str,
+                      by_prompt: bool = False) -> dict[str, float]:
+    """Runs the updates; `mini_batch` is this rank's share of a mini-batch, in sequences (`micro_batch`: rows, or
+    a TokenBudget); `by_prompt` keeps the
     rows of a prompt in the same mini- and micro-batches (for a shared-prompt forward). Returns metrics
     averaged over mini-batches (each weighted 1), and `<prefix>/skipped_nonfinite`: the optimizer steps
     skipped because the loss or the gradient norm was non-finite (see `TrainEngine.step`)."""
@@ -43,7 +55,7 @@ def minibatch_updates(exp: Experience, micro_loss: MicroLoss, engine: TrainEngin
             mb = order[start:start + mini_batch]
             local_tokens = float(exp.response_mask[mb].sum())
             tokens, seqs = all_reduce_sum(engine.env, [local_tokens, n_sequences(exp.response_mask[mb])])
-            chunks = length_sorted_chunks(mb, exp.prompt_mask, exp.response_mask, micro_batch, group)
+            chunks = micro_batches(mb, exp, micro_batch, group, engine.env)
             bad_loss = 0.0
             for i, rows in enumerate(chunks):
                 micro = exp.select(rows).to(engine.env.device)
@@ -63,6 +75,35 @@ def minibatch_updates(exp: Experience, micro_loss: MicroLoss, engine: TrainEngin
     out[f"{prefix}/lr"] = engine.lr()
     out[f"{prefix}/{SKIPPED}"] = float(engine.skipped_steps - skipped_before)
     return out
+
+
+def micro_batches(rows: torch.Tensor, exp: Experience, micro: int | TokenBudget, group: torch.Tensor | None,
+                  env: DistEnv) -> list[torch.Tensor]:
+    """The mini-batch `rows` in length-sorted micro-batches: `micro` rows each, or within a TokenBudget."""
+    if not isinstance(micro, TokenBudget):
+        return length_sorted_chunks(rows, exp.prompt_mask, exp.response_mask, micro, group)
+    ordered = torch.cat(length_sorted_chunks(rows, exp.prompt_mask, exp.response_mask, max(len(rows), 1), group))
+    lengths = (exp.prompt_mask[ordered].sum(-1) + exp.response_mask[ordered].sum(-1)).tolist()
+    chunks = budget_split(ordered, lengths, micro.tokens)
+    # every rank runs as many micro-batches as the one that needs most: ZeRO-3 gathers weights at each forward
+    want = int(all_reduce_sum(env, [float(len(chunks))], op=dist.ReduceOp.MAX)[0])
+    while len(chunks) < want:  # the largest split in two (each rank has as many rows, so one always splits)
+        big = max(range(len(chunks)), key=lambda i: len(chunks[i]))
+        half = (len(chunks[big]) + 1) // 2
+        chunks[big:big + 1] = [chunks[big][:half], chunks[big][half:]]
+    return chunks
+
+
+def budget_split(ordered: torch.Tensor, lengths: list[int], budget: int) -> list[torch.Tensor]:
+    """Consecutive runs of `ordered` whose padded size (rows x longest row) stays within `budget`; a row longer
+    than the budget goes alone."""
+    chunks, start, longest = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (i - start + 1) * max(longest, n) > budget:
+            chunks.append(ordered[start:i])
+            start, longest = i, 0
+        longest = max(longest, n)
+    return chunks + [ordered[start:]] if len(ordered) else chunks
 
 
 def shuffled_rows(rows: int, generator: torch.Generator, group: torch.Tensor | None) -> torch.Tensor:
