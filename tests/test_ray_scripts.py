@@ -245,3 +245,32 @@ def test_seed_003s_tee_log_stays_out_of_the_jobs_package(tmp_path):
     assert packaging.get_uri_for_directory(str(tmp_path), False, excludes=excludes) == before
     (tmp_path / "verl" / "new.py").write_text("")  # the code itself is still packed
     assert packaging.get_uri_for_directory(str(tmp_path), False, excludes=excludes) != before
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_on_the_heads_machine_with_its_temp_dir_is_refused(tmp_path):
+    """`start_ray_cluster.sh worker HOST` on the head's own machine with the head's temp dir would stop the head (it
+    stops every Ray process of its temp dir first) and then retry the GCS for minutes: refused in one line naming
+    RAY_TEMP_DIR and the agent ports, and the head left running. With a temp dir of its own the worker starts."""
+    temp = tmp_path / "ray"
+    temp.mkdir()
+    # a stand-in head: a process whose command line is a GCS server's under this temp dir
+    head = subprocess.Popen(["bash", "-c", f'exec -a "gcs_server --log_dir={temp}/session/logs --gcs_server_port=8100"'
+                                           " sleep 120"], start_new_session=True)
+    try:
+        ports = free_ports(4)
+        agents = ("RAY_AGENT_PORT", "RAY_AGENT_GRPC_PORT", "RAY_RUNTIME_ENV_AGENT_PORT", "RAY_METRICS_PORT")
+        env = {**os.environ, "RAY": str(stub_ray(tmp_path / "bin")), "RAY_TEMP_DIR": str(temp),
+               **dict(zip(agents, map(str, ports)))}
+        deadline = time.monotonic() + 20
+        while not ray_pids(f"gcs_server .*{temp}/") and time.monotonic() < deadline:  # its exec has happened
+            time.sleep(0.05)
+        out = run(["bash", str(SCRIPT), "worker", "127.0.0.1"], env, timeout=45)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stdout + out.stderr
+        assert f"runs a Ray head under {temp}" in out.stderr and "RAY_TEMP_DIR" in out.stderr
+        assert "RAY_AGENT_PORT" in out.stderr and head.poll() is None  # nothing was stopped
+        own = run(["bash", str(SCRIPT), "worker", "127.0.0.1"], {**env, "RAY_TEMP_DIR": str(tmp_path / "w")}, timeout=45)
+        assert own.returncode == 0 and "ray start --address=127.0.0.1:" in own.stdout, own.stdout + own.stderr
+    finally:
+        os.killpg(head.pid, 9)
+        head.wait(10)

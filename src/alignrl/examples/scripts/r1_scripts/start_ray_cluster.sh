@@ -108,6 +108,14 @@ if [[ $ROLE != stop ]]; then
             exit 2
         fi
     done
+    # A worker started on the head's own machine with the head's temp dir would stop the head (the step below stops
+    # every Ray process of this temp dir) and then wait minutes for the GCS it had just stopped.
+    if [[ $ROLE == worker ]] && pgrep -u "$(id -u)" -f -- "gcs_server .*$TEMP_DIR/" >/dev/null; then
+        echo "$0: this machine runs a Ray head under $TEMP_DIR, which a worker with the same temp dir would stop:" \
+             "give this worker its own RAY_TEMP_DIR and free agent ports (RAY_AGENT_PORT, RAY_AGENT_GRPC_PORT," \
+             "RAY_RUNTIME_ENV_AGENT_PORT, RAY_METRICS_PORT)" >&2
+        exit 2
+    fi
 fi
 
 mkdir -p "$TEMP_DIR"
