@@ -31,7 +31,7 @@ def write_math(path: Path) -> str:
 def grpo_math(model: str, train: str, test: str) -> list[str]:
     """examples/grpo_trainer/run_qwen2-7b_math.sh (volcengine/verl@3f388066), `python3 -m verl.trainer.main_ppo`."""
     return ["algorithm.adv_estimator=grpo", f"data.train_files=['{train}']", f"data.val_files=['{test}']",
-            "data.train_batch_size=2", "data.max_prompt_length=64", "data.max_response_length=8",
+            "data.train_batch_size=2", "data.max_prompt_length=256", "data.max_response_length=8",
             "data.filter_overlong_prompts=True", "data.truncation=error", f"actor_rollout_ref.model.path={model}",
             "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
@@ -54,7 +54,7 @@ def ppo_seq_balance(model: str, train: str, test: str) -> list[str]:
     """examples/ppo_trainer/run_qwen2-7b_seq_balance.sh (verl-project/verl@709c8dfb87fd2863823293517b669b0149dedc87),
     `python3 -m verl.trainer.main_ppo`: PPO with a critic and dynamic batch size."""
     return ["algorithm.adv_estimator=gae", f"data.train_files=['{train}']", f"data.val_files=['{test}']",
-            "data.return_raw_chat=True", "data.train_batch_size=2", "data.max_prompt_length=64",
+            "data.return_raw_chat=True", "data.train_batch_size=2", "data.max_prompt_length=256",
             "data.max_response_length=8", "data.filter_overlong_prompts=True", "data.truncation=error",
             f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.actor.optim.lr=1e-6",
             "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
@@ -136,6 +136,7 @@ def test_the_scripts_translate_to_what_verl_does(files, tmp_path, capsys, monkey
     features = [line for line in err.splitlines() if "feature alignrl does not have" in line]
     # named at start, apart from the hardware settings: no device would honour them here
     assert (d.actor.use_dynamic_bsz, d.actor.ppo_max_token_len) == (True, 512)  # micro-batches by a token budget
+    assert (grpo.data.filter_overlong_prompts, grpo.data.truncation, d.data.truncation) == (True, "error", "left")
     assert any("Ulysses sequence parallelism" in line and "ulysses_sequence_parallel_size=8" in line
                for line in features), err
     assert "val_kwargs.do_sample=True" in err and "data.gen_batch_size=3" in err
@@ -150,7 +151,7 @@ def test_an_overlong_buffer_that_is_off_costs_nothing(files):
 
 
 @pytest.mark.parametrize("key,value,words", [
-    ("data.truncation", "middle", "data.truncation=left"),
+    ("data.truncation", "middle", "choose one of: left, error"),
     ("reward_model.reward_manager", "prime", "naive or dapo"),
     ("algorithm.filter_groups.metric", "length", "keeps the groups whose rewards differ"),
     ("actor_rollout_ref.rollout.mode", "sync", "not supported"),
@@ -239,3 +240,24 @@ def test_a_step_scored_by_a_reward_model_in_the_loop(tiny_model_dir, files, tmp_
     # a random scoring head's scores: real numbers that differ between responses, where the rule reward on 8
     # tokens of an untrained model is all zeros
     assert step["reward/std"] > 0 and step["reward/accuracy"] == 0.0, step
+
+
+def test_overlong_prompts_are_dropped_counted_or_stop_the_run(tiny_model, capsys):
+    """data.filter_overlong_prompts drops, at load, the rows whose whole prompt is over data.max_prompt_length (both
+    splits, counted); data.truncation=error stops at such a row, naming it, where left keeps its last tokens."""
+    from alignrl.data.collate import PromptTooLong, prompt_ids
+    from alignrl.data.prompts import PromptData, load_task_data
+    from alignrl.data.records import Sample
+
+    _, tok = tiny_model
+    cfg = load_config(None, ["data.train_size=40", "data.val_size=20", "data.filter_overlong_prompts=true",
+                             "data.max_prompt_length=64"])
+    lengths = [len(prompt_ids(tok, s)) for s in load_task_data(load_config(None, ["data.train_size=40"]))[0]]
+    train, val = load_task_data(cfg, tok)
+    assert len(train) == sum(n <= 64 for n in lengths) < 40 and all(len(prompt_ids(tok, s)) <= 64 for s in train)
+    assert "dropped" in capsys.readouterr().out
+    assert len(load_task_data(cfg)[0]) == 40  # a check without the tokenizer keeps every row
+    long = Sample(messages=[{"role": "user", "content": "seven " * 80}], ground_truth="7", source="rows.jsonl:3")
+    assert len(PromptData(tok, [long], 64)(range(1))[1][0]) == 64  # left: the last 64 tokens
+    with pytest.raises(PromptTooLong, match=r"rows.jsonl:3: its prompt is \d+ tokens, over data.max_prompt_length=64"):
+        PromptData(tok, [long], 64, "error")(range(1))

@@ -22,6 +22,7 @@ from alignrl.data.collate import encode_prompts
 from alignrl.data.prompts import PromptData, load_task_data
 from alignrl.data.sampler import BatchSampler
 from alignrl.interfaces import BatchSource, RemoteProducers
+from alignrl.models.loader import load_tokenizer, resolve_model_path
 from alignrl.placements.build import resolve_strategy
 from alignrl.placements.choose import remote_producers
 from alignrl.placements.local import Placed, place
@@ -155,7 +156,7 @@ class Run:
 
 
 def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemoteProducers | None) -> dict | None:
-    train, val = load_task_data(cfg)
+    train, val = load_task_data(cfg, _filtering_tokenizer(cfg))
     sampler = BatchSampler(len(train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
     # the newest complete checkpoint; folders this run would write over are moved aside, never deleted (with
     # the config of the run that wrote them, on a fresh start). Its line is printed unwrapped and literally:
@@ -168,7 +169,7 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
     placed = place(cfg, str(resume / "model") if resume else cfg.model.path, resume, env, producers)
     trainer = placed.trainer
     correct_fn = load_reward_fn(cfg.algorithm.reward_fn)
-    rows = PromptData(placed.tokenizer, train, cfg.data.max_prompt_length)
+    rows = PromptData(placed.tokenizer, train, cfg.data.max_prompt_length, cfg.data.truncation)
     source = (producers.source(sampler, trainer, env) if producers else
               InlineSource(placed.maker, sampler, rows, lambda: trainer.version, env))
     save_ds_config(cfg, trainer, cfg.run_dir, env)
@@ -182,7 +183,7 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
                       write=env.is_main, project=cfg.trainer.project_name, run_name=cfg.trainer.experiment_name,
                       config=cfg, tensorboard_dir=cfg.run_dir / cfg.trainer.tensorboard_dir
                       if cfg.trainer.tensorboard_dir else None)  # relative: inside the run folder, as log_dir
-    run.val_prompts = encode_prompts(placed.tokenizer, val, cfg.data.max_prompt_length)
+    run.val_prompts = encode_prompts(placed.tokenizer, val, cfg.data.max_prompt_length, cfg.data.truncation)
     _announce(run, len(train))
     _evaluate_base(run, tracker)
     finished = False
@@ -195,6 +196,14 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
         tracker.close()
         return None
     return _finish(run, tracker, wall_start)
+
+
+def _filtering_tokenizer(cfg: RunConfig):
+    """The policy's tokenizer where data.filter_overlong_prompts measures the prompts at load, else None (the
+    tokenizer loads with the policy; a checkpoint holds the same one)."""
+    if not cfg.data.filter_overlong_prompts:
+        return None
+    return load_tokenizer(resolve_model_path(cfg.model.path, lambda *_: None))
 
 
 def _resume(run: Run, resume: Path) -> None:

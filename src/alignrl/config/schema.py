@@ -43,6 +43,9 @@ class DataConfig:
     val_size_during_training: int = opt(256, "held-out problems evaluated every trainer.test_freq steps", ge=1)
     train_batch_size: int = opt(32, "prompts per RL step (verl's data.train_batch_size)", ge=1)
     max_prompt_length: int = opt(128, "prompt tokens kept (truncated from the left)", ge=8)
+    truncation: str = opt("left", "a prompt over data.max_prompt_length: left keeps its last tokens; error stops the "
+                                  "run naming the row (verl's data.truncation)", choices=("left", "error"))
+    filter_overlong_prompts: bool = opt(False, "drop prompts over data.max_prompt_length at load, counted (verl's)")
     max_start_length: int = opt(0, "multi-turn: tokens of the initial prompt kept (from the left); 0 uses "
                                    "data.max_prompt_length (Search-R1's data.max_start_length)", ge=0)
     max_obs_length: int = opt(500, "multi-turn: tokens of one tool observation kept; longer ones are truncated "
@@ -53,9 +56,8 @@ class DataConfig:
     label_key: str | None = opt(None, "with data.prompt_key: the answer column the rule reward compares with "
                                       "(OpenRLHF's --label_key); unset: verl's reward_model.ground_truth when the "
                                       "row has one, else no answer (the reward comes from a reward model)")
-    input_template: str | None = opt(None, "with data.prompt_key and data.apply_chat_template=false: the prompt "
-                                           "is this text with {} replaced by the prompt column, e.g. "
-                                           "'User: {}\\nAssistant: ' (OpenRLHF's --input_template)")
+    input_template: str | None = opt(None, "with data.prompt_key and data.apply_chat_template=false: the prompt is "
+                                           "this text with {} for the column: 'User: {}\\nAssistant: ' (OpenRLHF's)")
     apply_chat_template: bool = opt(True, "prompts go through the tokenizer's chat template; false (with "
                                           "data.prompt_key) tokenizes the string prompt as it is, or through "
                                           "data.input_template (OpenRLHF's --apply_chat_template)")

@@ -33,8 +33,7 @@ from alignrl.config.checks import nearest_sibling
 from alignrl.config.file_shape import SEED_KEYS, SEED_MODEL_PARTS, unknown_seed_key
 from alignrl.config.schema import ConfigError
 from alignrl.config.verl_tables import (A, CKPT_TO_KEEP, CRITIC_FOLLOWS_ACTOR, DAPO, FILTER_METRICS, MISSING,
-                                        NOT_APPLIED, NOT_USED, NOTED, ONLY_VALUE, R, RENAMES, REWARD_MANAGERS, TRUNCATIONS,
-                                        VAL_GREEDY,
+                                        NOT_APPLIED, NOT_USED, NOTED, ONLY_VALUE, R, RENAMES, REWARD_MANAGERS, VAL_GREEDY,
                                         VERL_DEFAULTS, VERL_SECTIONS)
 
 
@@ -128,7 +127,7 @@ def _renamed(st: _Pass, key: str, value: str) -> bool:
 
 
 def _recent(st: _Pass, key: str, value: str) -> bool:
-    """verl 0.7's spellings: DAPO's (recipe/dapo), the validation sampler, prompt truncation, save_freq=-1;
+    """verl 0.7's spellings: DAPO's (recipe/dapo), the validation sampler, the reward model, save_freq=-1;
     False: not one of them."""
     v = _value(value)
     if key == "trainer.save_freq" and isinstance(v, int) and v < 0:  # verl's default: no periodic checkpoint
@@ -136,7 +135,7 @@ def _recent(st: _Pass, key: str, value: str) -> bool:
         st.notes.append(f"{key}={value}: alignrl keeps the final checkpoint only (verl saves none)")
         return True
     if not key.startswith(("algorithm.filter_groups.", "reward_model.overlong_buffer.", R + "val_kwargs.",
-                           "data.truncation", "reward_model.reward_manager", "reward_model.enable",
+                           "reward_model.reward_manager", "reward_model.enable",
                            "reward_model.model.path", "reward_model.model.input_tokenizer")):
         return False
     st.verl = True
@@ -166,13 +165,6 @@ def _recent(st: _Pass, key: str, value: str) -> bool:
         if v not in REWARD_MANAGERS:
             raise ConfigError(f"{key}={value} is not supported (alignrl's reward stage is the rule reward, verl's "
                               "naive manager, with DAPO's overlong buffer: naive or dapo)")
-    elif key == "data.truncation":
-        if v not in TRUNCATIONS:
-            raise ConfigError(f"{key}={value} is not supported (alignrl keeps a long prompt's last "
-                              "data.max_prompt_length tokens: data.truncation=left)")
-        if v == "error":
-            st.not_applied[key] = (value, "alignrl keeps a long prompt's last data.max_prompt_length tokens "
-                                          "instead of stopping (verl's truncation=left)")
     else:
         raise ConfigError(f"unknown config key '{key}': not a verl key alignrl knows (docs/verl-keys.md lists them)")
     return True

@@ -120,8 +120,7 @@ DAPO = {"algorithm.filter_groups.enable": "algorithm.dynamic_sampling",
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 # verl's reward managers alignrl's reward stage is: the rule reward (naive), with DAPO's overlong buffer (dapo)
 REWARD_MANAGERS = ("naive", "dapo")
-# data.truncation: alignrl keeps a prompt's last data.max_prompt_length tokens (verl's left)
-TRUNCATIONS = ("left", "error")
+
 # Accepted, with alignrl's behaviour named when the value asks for something else (it evaluates before and
 # after training to report base and final accuracy). trainer.final_validation is not Search-R1's (its verl
 # always validates after the last step) but verl forks' scripts pass it.
@@ -147,8 +146,6 @@ NOT_APPLIED: dict[str, tuple[object, str]] = {
     "reward_model.structure_format_score": (0, _FORMAT_REWARD),
     "reward_model.final_format_score": (0, _FORMAT_REWARD),
     "reward_model.retrieval_score": (0, _FORMAT_REWARD),
-    "data.filter_overlong_prompts": (False, "alignrl keeps long prompts, their last data.max_prompt_length tokens "
-                                            "(verl's truncation=left)"),
 }
 # verl's critic settings whose default is the actor's (ppo_trainer.yaml: ${actor_rollout_ref.actor.<key>}):
 # alignrl's critic always trains on the actor's mini-batches and epochs, so only another value is listed.

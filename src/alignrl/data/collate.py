@@ -6,21 +6,34 @@ from collections.abc import Sequence
 
 import torch
 
+from alignrl.errors import UserError
 
-def encode_prompts(tokenizer, samples: Sequence, max_prompt_length: int) -> list[list[int]]:
-    """Prompt ids of `samples` (records.Sample, or anything with `.messages`), truncated from the left so
-    the generation prompt is always kept: chat-templated, or a sample's `prompt_text` tokenized as it is
-    (no special tokens added, as OpenRLHF tokenizes its untemplated prompts)."""
+
+def prompt_ids(tokenizer, sample) -> list[int]:
+    """The whole prompt of `sample` (records.Sample, or anything with `.messages`) as token ids: chat-templated, or
+    its `prompt_text` tokenized as it is (no special tokens added, as OpenRLHF tokenizes its untemplated prompts)."""
+    text = getattr(sample, "prompt_text", None)
+    if text is not None:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template(sample.messages, add_generation_prompt=True, tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])  # transformers 5 returns a BatchEncoding
+
+
+class PromptTooLong(UserError):
+    """A prompt over the length limit where the run asked to stop rather than truncate (data.truncation=error)."""
+
+
+def encode_prompts(tokenizer, samples: Sequence, max_prompt_length: int, truncation: str = "left") -> list[list[int]]:
+    """Prompt ids of `samples`, truncated from the left so the generation prompt is always kept; with
+    `truncation="error"`, a longer prompt raises PromptTooLong naming its row instead."""
     out = []
     for s in samples:
-        text = getattr(s, "prompt_text", None)
-        if text is not None:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = tokenizer.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=True)
-            if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-        out.append(list(ids)[-max_prompt_length:])
+        ids = prompt_ids(tokenizer, s)
+        if truncation == "error" and len(ids) > max_prompt_length:
+            raise PromptTooLong(f"{getattr(s, 'source', None) or 'a row'}: its prompt is {len(ids)} tokens, over "
+                                f"data.max_prompt_length={max_prompt_length} (data.truncation=error): raise the limit, "
+                                "set data.filter_overlong_prompts=true to drop such rows, or data.truncation=left")
+        out.append(ids[-max_prompt_length:])
     return out
 
 

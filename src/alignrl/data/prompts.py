@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from alignrl.config import RunConfig
 from alignrl.data import synthetic
-from alignrl.data.collate import encode_prompts
+from alignrl.data.collate import encode_prompts, prompt_ids
 from alignrl.data.loaders import DataError, load_samples
 from alignrl.rewards.registry import ground_truth_problem
 from alignrl.utils.tracking import console
 
 
-def load_task_data(cfg: RunConfig):
+def load_task_data(cfg: RunConfig, tokenizer=None):
+    """The training and held-out samples. With data.filter_overlong_prompts and the policy's `tokenizer`, prompts
+    longer than data.max_prompt_length are dropped from both (counted); without a tokenizer (a check before any
+    model loads) every row is kept."""
     d = cfg.data
     # a file's columns: detected (GSM8K/verl), or named by data.prompt_key/label_key (both splits alike)
     if d.input_template and "\\n" in d.input_template and "\n" not in d.input_template:  # OpenRLHF warns too
@@ -30,19 +33,35 @@ def load_task_data(cfg: RunConfig):
             problem = ground_truth_problem(s.data_source, s.ground_truth)
             if problem:
                 raise DataError(f"{s.source or 'a row'}: {problem}")
+    if d.filter_overlong_prompts and tokenizer is not None:
+        train, val = (drop_overlong(rows, tokenizer, d.max_prompt_length, what) for rows, what in
+                      ((train, "training"), (val, "held-out")))
     return train, val
+
+
+def drop_overlong(samples: list, tokenizer, max_len: int, what: str) -> list:
+    """`samples` without those whose whole prompt is longer than `max_len` tokens (verl's filter_overlong_prompts)."""
+    kept = [s for s in samples if len(prompt_ids(tokenizer, s)) <= max_len]
+    if len(kept) < len(samples):
+        console.print(f"data.filter_overlong_prompts: dropped {len(samples) - len(kept)} of {len(samples)} {what} "
+                      f"prompts longer than data.max_prompt_length={max_len} tokens", markup=False)
+    if samples and not kept:
+        raise DataError(f"every {what} prompt is longer than data.max_prompt_length={max_len} tokens: raise it, or "
+                        "set data.filter_overlong_prompts=false to keep their last tokens")
+    return kept
 
 
 class PromptData:
     """Dataset rows -> (samples, prompt ids), the ids templated on first use: templating a large dataset up
     front costs seconds."""
 
-    def __init__(self, tokenizer, samples, max_len: int):
+    def __init__(self, tokenizer, samples, max_len: int, truncation: str = "left"):
         self.tokenizer, self.samples, self.max_len, self.cache = tokenizer, samples, max_len, {}
+        self.truncation = truncation  # data.truncation: left, or error (a longer prompt stops the run, named)
 
     def prompt(self, i: int) -> list[int]:
         if i not in self.cache:
-            self.cache[i] = encode_prompts(self.tokenizer, [self.samples[i]], self.max_len)[0]
+            self.cache[i] = encode_prompts(self.tokenizer, [self.samples[i]], self.max_len, self.truncation)[0]
         return self.cache[i]
 
     def __call__(self, index) -> tuple[list, list[list[int]]]:

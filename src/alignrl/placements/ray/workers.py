@@ -187,7 +187,8 @@ class RolloutWorker(Worker):
             # a vLLM engine holds no HF copy (model None): build_ref loads one if the reference is frozen here
             self.ref = build_ref(cfg, self.device, model)
         self.reward_workers = reward_workers
-        self.rows = PromptData(self.tokenizer, load_task_data(cfg)[0], cfg.data.max_prompt_length)
+        self.rows = PromptData(self.tokenizer, load_task_data(cfg, self.tokenizer)[0], cfg.data.max_prompt_length,
+                               cfg.data.truncation)
         self.makers: dict[int, object] = {}
         self.version, self.group, self.cached = 0, None, None
 

@@ -210,12 +210,12 @@ class Sampler:
 
     def _serve(self, cfg: RunConfig) -> bool:
         """Makes batches for the trainer of `cfg`: True once its run is over, False when another trainer answers."""
-        train, _ = load_task_data(cfg)
+        train, _ = load_task_data(cfg, self.tokenizer)
         if isinstance(self.trainer_data, str) and rows_digest(train) != self.trainer_data:  # same length, other rows
             raise PipelineError(f"this sampler's data ({self.args.data_path or cfg.data.train_files}) holds other rows "
                                 "than the trainer's: give it the trainer's data (--data-path, or none to read what "
                                 "the trainer's config names)")
-        rows = PromptData(self.tokenizer, train, cfg.data.max_prompt_length)
+        rows = PromptData(self.tokenizer, train, cfg.data.max_prompt_length, cfg.data.truncation)
         engine = with_tools(cfg, HFRolloutEngine(self.model, self.tokenizer), self.tokenizer)
         # the base weights in model.dtype, loaded as the trainer loads its own (this policy copy holds the dtypes
         # the trainer publishes in), unless the trainer runs the whole reference forward
