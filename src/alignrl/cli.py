@@ -268,6 +268,20 @@ def _stop_at_once_on_ctrl_c(line: str) -> None:
     signal.signal(signal.SIGINT, stop)
 
 
+def _was_interrupted() -> bool:
+    env = sys.modules.get("alignrl.runtime.env")
+    return env is not None and env.interrupted()
+
+
+def _interrupted_exit(argv: list[str], routed, cfg: RunConfig | None, term: bool) -> int:
+    """Ctrl-C (or SIGTERM) stopped the run: rank 0 says so in one line, with where the same command resumes."""
+    if os.environ.get("RANK", "0") == "0":
+        print(_interrupted_line(argv, routed, cfg, "stopped by SIGTERM" if term else "interrupted"),
+              file=sys.stderr, flush=True)
+    _leave_process_group()
+    return 143 if term else 130
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     routed = _passthrough(argv)
@@ -309,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         from alignrl.runtime.launch import peer_lost
 
+        if peer_lost(e) and _was_interrupted():  # this rank's KeyboardInterrupt was lost; its peers stopped on theirs
+            return _interrupted_exit(argv, routed, cfg, term=False)
         if peer_lost(e):  # torchrun's agent names the rank that died
             print(f"{program()}: rank {os.environ.get('RANK', '?')}: lost its connection to another rank, which "
                   "stopped or was killed", file=sys.stderr, flush=True)
@@ -325,12 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         _leave_process_group()
         return code
     except KeyboardInterrupt as e:  # a terminal's Ctrl-C reaches every rank of the launch: rank 0 speaks
-        term = isinstance(e, Terminated)
-        if os.environ.get("RANK", "0") == "0":
-            print(_interrupted_line(argv, routed, cfg, "stopped by SIGTERM" if term else "interrupted"),
-                  file=sys.stderr, flush=True)
-        _leave_process_group()
-        return 143 if term else 130
+        return _interrupted_exit(argv, routed, cfg, term=isinstance(e, Terminated))
     finally:  # a caller in this process (a notebook, a test) keeps its own SIGTERM handling
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)

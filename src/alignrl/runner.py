@@ -31,7 +31,7 @@ from alignrl.rl.evaluate import format_room, greedy_eval, room
 from alignrl.rl.producer import InlineSource
 from alignrl.rl.step import GRPOStep
 from alignrl.rl.trainer import PolicyTrainer
-from alignrl.runtime.env import DistEnv, barrier, init_distributed, mean_metrics
+from alignrl.runtime.env import DistEnv, barrier, init_distributed, interrupted, mean_metrics
 from alignrl.train.checkpoint import (check_not_past, hold_run_dir, load_trainer_state, resume_point,
                                       save_checkpoint, set_rng_state)
 from alignrl.utils.atomic import atomic_write_text
@@ -272,6 +272,8 @@ def _loop(run: Run, step_fn: GRPOStep, tracker: Tracker, wall_start: float) -> N
     with Progress(*columns, console=console, disable=not t.progress_bar) as bar:
         task = bar.add_task(algorithm_name(cfg), total=total, completed=run.start_step)
         for step in range(run.start_step + 1, total + 1):
+            if interrupted():  # a Ctrl-C whose KeyboardInterrupt a finalizer swallowed still stops the run here
+                raise KeyboardInterrupt
             metrics = mean_metrics(env, step_fn.run(step))
             if t.test_freq and (step % t.test_freq == 0 or step == total):
                 t0 = time.perf_counter()

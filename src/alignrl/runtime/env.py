@@ -62,6 +62,13 @@ def _on_sigint(signum, frame):
     raise KeyboardInterrupt
 
 
+def interrupted() -> bool:
+    """A Ctrl-C reached this rank. Its KeyboardInterrupt can be lost: raised while Python runs a finalizer or a
+    weakref callback (an import lock's, say), it is printed as "Exception ignored" and the rank runs on. The loop
+    asks here at each step, and a rank that then finds its peers gone knows they stopped for the same Ctrl-C."""
+    return _interrupted
+
+
 def _on_sigterm(signum, frame):  # torchrun's agent terminates the survivors when a rank fails
     if _interrupted:  # after a Ctrl-C this rank is already stopping (rank 0 says so): let it finish (Python runs a
         return  # pending SIGINT's handler before SIGTERM's); torchrun's agent kills a rank that does not stop
