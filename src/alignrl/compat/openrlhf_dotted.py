@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from alignrl.errors import in_flag_words
+
 _ROLES = ("ref", "actor", "critic", "reward")
 
 # dotted flag -> underscore flag (the value, if any, carries over unchanged)
@@ -110,6 +112,4 @@ def in_typed_words(message: str, argv: list[str]) -> str:
     for dotted, underscore in DOTTED.items():
         names.setdefault(underscore, dotted)
     names.update({DOTTED[a.partition("=")[0]]: a.partition("=")[0] for a in argv if a.partition("=")[0] in DOTTED})
-    for underscore in sorted(names, key=len, reverse=True):
-        message = re.sub(rf"(?<![\w.-]){re.escape(underscore)}(?![\w.])", names[underscore], message)
-    return message
+    return in_flag_words(message, names)  # the same renaming that says config keys as flags
