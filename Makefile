@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Pinned so CPU-only machines take the local CPU wheel instead of the multi-GB CUDA stack.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo demo-search test bench clean
+.PHONY: install demo demo-search demo-safe demo-vision test bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ demo: $(STAMP)
 
 demo-search: $(STAMP)
 	$(BIN)/alignrl demo search
+
+demo-safe: $(STAMP)
+	$(BIN)/alignrl demo safe
+
+demo-vision: $(STAMP)
+	$(BIN)/alignrl demo vision
 
 # Two pytest processes share the tests (a test file each at a time) and the cores; their OpenMP threads sleep
 # while they wait instead of spinning, which would starve the other process's. Tests that time fractions of a

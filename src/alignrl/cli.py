@@ -45,6 +45,8 @@ PASSTHROUGH = {
     ("train", "dpo"): ("alignrl.preference.cli:dpo_main", "DPO, IPO, conservative DPO, hinge, safety-aware DPO"),
     ("train", "ppo-ray"): ("alignrl.compat.openrlhf_ppo_ray", "PPO/GRPO on a Ray cluster with OpenRLHF's flags"),
     ("demo", "search"): ("alignrl.demos.search", "PPO teaches a tiny model to search (Search-R1 recipe, CPU)"),
+    ("demo", "safe"): ("alignrl.demos.safe", "Safe-MM-DPO with LoRA makes a tiny model refuse harm, helpfulness kept"),
+    ("demo", "vision"): ("alignrl.demos.vision", "GRPO teaches a tiny vision-language model to read images (CPU)"),
     ("serve", "generate"): ("alignrl.serve.generate", "OpenAI-compatible generation server with weight sync"),
     ("serve", "ref"): ("alignrl.serve.ref", "reference-model log-prob server"),
     ("serve", "reward"): ("alignrl.serve.reward", "reward-model scoring server"),
@@ -96,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-5 rollout.n=8")
 
     demo = sub.add_parser("demo", help="GRPO on the embedded tiny model, with before/after held-out accuracy",
-                          epilog="alignrl demo search [--help]: " + PASSTHROUGH[("demo", "search")][1])
+                          epilog="; ".join(f"alignrl demo {w[1]} [--help]: {PASSTHROUGH[w][1]}"
+                                           for w in PASSTHROUGH if w[0] == "demo"))
     demo.add_argument("--nproc", type=int, metavar="N", help=NPROC_HELP)
     demo.add_argument("overrides", nargs="*", help="dotted overrides on top of the demo config")
 
