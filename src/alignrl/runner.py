@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from alignrl.config import ConfigError, RunConfig, check_world_size, to_yaml
@@ -31,6 +30,7 @@ from alignrl.rl.evaluate import format_room, greedy_eval, room
 from alignrl.rl.producer import InlineSource
 from alignrl.rl.step import GRPOStep
 from alignrl.rl.trainer import PolicyTrainer
+from alignrl.runtime.cores import fit_threads
 from alignrl.runtime.env import DistEnv, barrier, init_distributed, interrupted, mean_metrics
 from alignrl.train.checkpoint import (check_not_past, hold_run_dir, load_trainer_state, resume_point,
                                       save_checkpoint, set_rng_state)
@@ -99,11 +99,12 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     """Runs on every rank of a torchrun launch; returns the summary on rank 0, None elsewhere. With
     `producers`, batches come from sampler processes instead of this one."""
     wall_start = wall_start or time.time()
-    if cfg.trainer.threads:
-        torch.set_num_threads(cfg.trainer.threads)
+    # ranks of a launch had their share set by the launcher (OMP_NUM_THREADS); a lone process measures its own
+    threads = fit_threads(cfg.trainer.threads)
     env = init_distributed(cfg.trainer.device)
     check_world_size(cfg, env.world_size)
     console.quiet = not env.is_main  # one rank speaks
+    console.print(threads.line(), markup=False)
     if env.is_main:
         try:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)

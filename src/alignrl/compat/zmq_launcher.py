@@ -18,6 +18,7 @@ from alignrl.runtime.lifetime import preexec_die_with_parent
 from alignrl.compat.zmq_pipeline import (has_cuda, parse_training, ports_problem, prepare_training, trainer_flag_names,
                                   training_parser)
 from alignrl.compat.zmq_deepspeed_json import DS_FILE
+from alignrl.runtime.cores import choose_threads
 from alignrl.errors import FLAGS_ENV, LAUNCHER_ENV, PROGRAM_ENV, UserError, in_flag_words
 
 # the trainer's flags run_distributed.py sets itself (from its own flags): the others are passed on
@@ -84,7 +85,7 @@ def launcher_main(argv: list[str] | None = None) -> int:
         prepare_training(t, extra, write=False)
     except UserError as e:
         p.error(in_flag_words(str(e)))
-    threads = max(1, (os.cpu_count() or 1) // (len(gpus) + 1))  # processes sharing a machine split its cores
+    threads = choose_threads(sharing=len(gpus) + 1).threads  # the trainer's ranks and the sampler split the free cores
     ports = ["--host", a.host, "--data-port", str(a.data_port), "--sync-port", str(a.sync_port)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), LAUNCHER_ENV: "run_distributed.py",
            PROGRAM_ENV: "run_distributed.py"}

@@ -17,6 +17,7 @@ import threading
 import time
 
 from alignrl.errors import program
+from alignrl.runtime.cores import choose_threads
 from alignrl.runtime.one_line import USER_ERROR
 from alignrl.runtime.ports import free_port
 
@@ -49,8 +50,8 @@ def torchrun(nproc: int, module_argv: list[str], master_port: int | None = None)
     that failed (torchrun stops the others), else 0. The rendezvous port is `master_port`, else
     $MASTER_PORT, else a free one."""
     port = master_port or int(os.environ.get("MASTER_PORT") or 0) or free_port()
-    # the ranks split the cores (this process's own torch threads are set already and stay as they are)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # the ranks split the free cores (this process's own torch threads are set already and stay as they are)
+    os.environ.setdefault("OMP_NUM_THREADS", str(choose_threads(sharing=nproc).threads))
     return agent([f"--nproc_per_node={nproc}", f"--master_port={port}", "--master_addr=127.0.0.1", "-m",
                   *module_argv])
 

@@ -1,0 +1,124 @@
+"""How many compute threads a process should use: the cores it may run on (affinity, a cgroup quota), less what
+other processes keep busy there now, shared among the alignrl processes of one machine.
+
+torch starts one OpenMP thread per core and, by default, its idle threads spin. Beside one busy neighbour on a
+2-core machine, two spinning threads fight it for the cores at every parallel region and a step can take 35 times
+longer; one thread that sleeps while it waits takes about twice as long, which is the fair share. So the thread
+count comes from the cores that are free, and OpenMP threads wait passively (`passive_waits`, before torch loads).
+
+A count the user gave wins: `trainer.threads`, else OMP_NUM_THREADS. ALIGNRL_IGNORE_LOAD=1 leaves other
+processes' load out of the choice, so a run's thread count (and its float sums) do not depend on what else runs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+IGNORE_LOAD_ENV = "ALIGNRL_IGNORE_LOAD"
+
+
+def passive_waits() -> None:
+    """Idle OpenMP threads sleep instead of spinning (a spinning thread steals a neighbour's core). Takes effect
+    only for a torch loaded after it: the CLI calls it first thing."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def affinity() -> set[int]:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def quota_cores(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The cores a cgroup CPU quota allows (cgroup v2 cpu.max, or v1's cfs quota / period); None when unlimited."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cores() -> int:
+    cores = len(affinity())
+    quota = quota_cores()
+    return max(1, min(cores, int(quota)) if quota is not None else cores)
+
+
+def _busy_ticks(cpus: set[int]) -> tuple[int, int]:
+    """(busy, total) clock ticks of `cpus` since boot, from /proc/stat's per-core lines."""
+    busy = total = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+        total += sum(ticks)
+        busy += sum(ticks) - ticks[3] - ticks[4]
+    return busy, total
+
+
+def _own_ticks() -> int:
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime of all this process's threads
+
+
+def busy_elsewhere(window_s: float = 0.3) -> float:
+    """Cores that other processes kept busy on this process's cores over `window_s` (0.0 where /proc is absent)."""
+    cpus = affinity()
+    try:
+        b0, t0 = _busy_ticks(cpus)
+        o0 = _own_ticks()
+        time.sleep(window_s)
+        b1, t1 = _busy_ticks(cpus)
+        o1 = _own_ticks()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    if t1 <= t0:
+        return 0.0
+    return max(0.0, (b1 - b0) - (o1 - o0)) / (t1 - t0) * len(cpus)
+
+
+def fair_threads(usable: int, busy: float, sharing: int) -> int:
+    """Threads for each of `sharing` processes on `usable` cores of which `busy` are taken by others: the free cores
+    split evenly, at least one each. A core counts as taken once it is more than a quarter busy."""
+    taken = int(busy + 0.75)
+    return max(1, (usable - min(taken, usable - 1)) // max(1, sharing))
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    threads: int
+    why: str
+
+    def line(self) -> str:
+        return f"threads: {self.threads} per process ({self.why})"
+
+
+def choose_threads(requested: int = 0, sharing: int = 1) -> ThreadChoice:
+    """The thread count of one of `sharing` alignrl processes on this machine (see the module's text)."""
+    if requested > 0:
+        return ThreadChoice(requested, "trainer.threads")
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return ThreadChoice(int(given), "OMP_NUM_THREADS")
+    usable = usable_cores()
+    busy = 0.0 if os.environ.get(IGNORE_LOAD_ENV) == "1" else busy_elsewhere()
+    threads = fair_threads(usable, busy, sharing)
+    share = f", shared by {sharing} alignrl processes" if sharing > 1 else ""
+    return ThreadChoice(threads, f"{usable} usable cores, {busy:.1f} busy with other processes{share}")
+
+
+def fit_threads(requested: int = 0, sharing: int = 1) -> ThreadChoice:
+    """Sets this process's torch intra-op threads to `choose_threads`; returns the choice to announce."""
+    import torch
+
+    choice = choose_threads(requested, sharing)
+    torch.set_num_threads(choice.threads)
+    return choice
