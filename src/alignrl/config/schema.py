@@ -201,6 +201,10 @@ class AlgorithmConfig:
     reward_fn: str | None = opt(None, "custom reward 'path/to/file.py:function' (verl compute_score signature)")
     reward_model: str = opt("", "reward-model folder (from `alignrl train rm`): its score is the reward; the rule "
                                 "reward still measures accuracy")
+    reward_model_mix: str = opt("replace", "with a reward model (a folder or services.reward_url): replace uses its "
+                                           "score alone; add adds the rule reward to it on rows whose data has an "
+                                           "answer (verl's hybrid of a reward model and a rule)",
+                                choices=("replace", "add"))
     format_reward_weight: float = opt(0.0, "weight of the '#### N' format reward added to correctness", ge=0.0)
     dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: drop groups whose rewards are all equal (zero "
                                         "advantage) and generate more prompts until data.train_batch_size groups "

@@ -26,7 +26,8 @@ class RewardStage:
     max_new_tokens: int  # the longest response: rollout.max_new_tokens, a multi-turn episode's cap (response_cap)
     overlong_buffer_len: int = 0  # DAPO soft overlong punishment (0: off)
     overlong_penalty_factor: float = 1.0
-    reward_model: SequenceScorer | None = None  # its score replaces the rule reward
+    reward_model: SequenceScorer | None = None  # its score replaces the rule reward...
+    add_rule: bool = False  # ...or the rule reward is added to it on rows that have an answer to check
     cost_fn: RewardFn | None = None  # PPO-Lagrangian cost: a rule on the decoded response...
     cost_model: SequenceScorer | None = None  # ...or a cost model on the ids
 
@@ -48,8 +49,10 @@ class RewardStage:
             correct = [r >= 1.0 for r in rewards]
         else:
             correct = [r >= 1.0 for r in rule_scores(self.correct_fn, "reward function", rows, texts)]
-        out = (model_scores(self.reward_model, "reward model", ro, rows) if self.reward_model is not None
-               else torch.tensor(rewards, dtype=torch.float32))
+        out = torch.tensor(rewards, dtype=torch.float32)
+        if self.reward_model is not None:
+            answered = torch.tensor([bool(self.add_rule and s.ground_truth not in (None, "")) for s in rows])
+            out = model_scores(self.reward_model, "reward model", ro, rows) + torch.where(answered, out, 0.0)
         if self.overlong_buffer_len:
             out = out + overlong_penalty(ro.response_lengths, self.max_new_tokens, self.overlong_buffer_len,
                                          self.overlong_penalty_factor)
