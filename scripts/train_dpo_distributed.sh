@@ -4,7 +4,8 @@
 # Needs models/helpful_rm and models/harmless_rm (scripts/train_rm_distributed.sh helpful|harmless N).
 # Writes models/aligned (HF folder + eval_results.json) and logs/training/safe_mm_dpo.
 # Without GPUs the same command runs NGPU CPU processes (gloo). Extra arguments are passed on,
-# e.g. `... 2 loss_type=sigmoid`. MASTER_PORT overrides the port (default 29501).
+# e.g. `... 2 loss_type=sigmoid` or `... 2 λ_lr=0.05`. MASTER_PORT overrides the port (default 29501).
+# configs/dpo_config.yaml may be ours or the Safe-MM-DPO project's own (λ_init, β_ori, use_lora, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

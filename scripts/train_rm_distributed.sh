@@ -5,6 +5,7 @@
 # Writes models/<task>_rm (HF folder + eval_results.json) and logs/training/<task>_rm.
 # Without GPUs the same command runs NGPU CPU processes (gloo). Extra arguments are passed on,
 # e.g. `... helpful 2 learning_rate=1e-5`. MASTER_PORT overrides the port (default 29500).
+# configs/rm_config.yaml may be ours or the Safe-MM-DPO project's own (base_model_path, use_lora, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -48,6 +48,10 @@ def test_safe_rlhf_cost_loss_hand_worked():
     # a safe response with a positive cost is a sign error and costs more
     worse, m2 = safe_rlhf_cost_loss(T(1.0, 0.5), T(2.0, 1.0), T(0, 1), T(1, 1))
     assert worse.item() > loss.item() and m2["cost/sign_accuracy"] == 0.75
+    # classification_loss_weight scales the sign (classification) term alone
+    for weight in (0.0, 2.5):
+        weighted, _ = safe_rlhf_cost_loss(T(-1.0, 0.5), T(2.0, 1.0), T(0, 1), T(1, 1), sign_weight=weight)
+        assert weighted.item() == pytest.approx((pair + weight * sign) / 2, rel=1e-5)
 
 
 def test_dpo_family_hand_worked():
@@ -96,12 +100,16 @@ def test_losses_sum_over_splits(name):
     """Micro-batches (or ranks) each dividing by the global pair count add up to the full-batch loss."""
     g = torch.Generator().manual_seed(0)
     pc, pr, rc, rr = (torch.randn(8, generator=g) * 3 for _ in range(4))
-    extra = {}
-    if name == "safe":
+    extra, fixed = {}, {}
+    if name in ("safe", "safe_odpo"):
         extra = {k: torch.randn(8, generator=g) for k in ("help_chosen", "help_rejected", "cost_chosen", "cost_rejected")}
-    full, _ = DPO_LOSSES[name](pc, pr, rc, rr, 0.1, label_smoothing=0.2, **extra)
+    if name == "safe_mm_dpo":
+        extra = {k: torch.randn(8, generator=g) for k in ("help_chosen", "help_rejected", "safety_chosen",
+                                                          "safety_rejected", "kl")}
+        fixed = {"safety_lambda": 0.7, "kl_coeff": 0.1}
+    full, _ = DPO_LOSSES[name](pc, pr, rc, rr, 0.1, label_smoothing=0.2, **extra, **fixed)
     parts = sum(DPO_LOSSES[name](pc[i:i + 3], pr[i:i + 3], rc[i:i + 3], rr[i:i + 3], 0.1, 8, label_smoothing=0.2,
-                                 **{k: v[i:i + 3] for k, v in extra.items()})[0] for i in (0, 3, 6))
+                                 **{k: v[i:i + 3] for k, v in extra.items()}, **fixed)[0] for i in (0, 3, 6))
     assert parts.item() == pytest.approx(full.item(), rel=1e-5)
 
 

@@ -183,6 +183,7 @@ def test_dpo_and_rm_train_on_trls_other_layouts(layout, tiny_model_dir, tmp_path
     assert rm_main(["--task", "helpful", "--output_dir", str(tmp_path / "rm"), "--logging_dir", str(tmp_path / "l1"),
                     f"helpful_train_file={train}", f"helpful_eval_file={held}", *small]) == 0
     assert dpo_main(["--output_dir", str(tmp_path / "dpo"), "--logging_dir", str(tmp_path / "l2"),
-                     f"train_files=[{train}]", f"eval_files=[{held}]", "gradient_checkpointing=false", *small]) == 0
+                     f"train_files=[{train}]", f"eval_files=[{held}]", "gradient_checkpointing=false", "loss_type=sigmoid",
+                     *small]) == 0
     for name in ("rm", "dpo"):
         assert _json.loads((tmp_path / name / "eval_results.json").read_text())  # trained, evaluated, saved

@@ -100,7 +100,7 @@ def test_safe_dpo_with_trained_scorers(scorers, tiny_model_dir, tmp_path):
     rms, _, _ = scorers
     res = _dpo(tmp_path, tiny_model_dir, "safe", "loss_type=safe", f"helpful_rm={rms / 'helpful_rm'}",
                f"harmless_rm={rms / 'harmless_rm'}", "offset_alpha=0.5")
-    assert res["loss_type"] == "safe" and res["harmless_rm"].endswith("harmless_rm")
+    assert res["loss_type"] == "safe_odpo" and res["harmless_rm"].endswith("harmless_rm")
     assert res["after"]["all"]["reward_accuracy"] > 0.6
     steps = [json.loads(line) for line in (tmp_path / "logs_safe" / "metrics.jsonl").read_text().splitlines()]
     assert all(s["safe/offset"] > 0 for s in steps if "safe/offset" in s)
@@ -260,7 +260,8 @@ def test_seed_002_commands_two_ranks(scorers, tiny_model_dir, tmp_path, monkeypa
               "--output_dir", "models/aligned", "--logging_dir", "logs/training/safe_mm_dpo",
               *small, "max_train_pairs=16", "max_eval_pairs=16", "gradient_accumulation_steps=1"], root)
     res = json.loads((root / "models/aligned/eval_results.json").read_text())
-    assert res["loss_type"] == "safe" and res["world_size"] == 2 and res["steps"] == 4
+    assert res["loss_type"] == "safe_mm_dpo" and res["world_size"] == 2 and res["steps"] == 4
+    assert json.loads((root / "models/aligned/safe_mm_dpo_state.json").read_text())["updates"] == 4
     assert (root / "models/aligned/config.json").is_file()
     assert (root / "logs/training/safe_mm_dpo/metrics.jsonl").is_file()
 

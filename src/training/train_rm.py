@@ -5,7 +5,8 @@
     python -m src.training.train_rm --config configs/rm_config.yaml --task helpful --output_dir models/helpful_rm
 
 Everything lives in `alignrl.preference.rm`, its command line in `alignrl.preference.cli` (also
-`alignrl train rm ...`).
+`alignrl train rm ...`). The Safe-MM-DPO project's own rm_config.yaml (base_model_path, num_epochs,
+classification_loss_weight, use_lora + lora, ...) loads as it is.
 """
 
 import sys

@@ -4,8 +4,9 @@
         --config configs/dpo_config.yaml --output_dir models/aligned --logging_dir logs/training/safe_mm_dpo
 
 Everything lives in `alignrl.preference.dpo`, its command line in `alignrl.preference.cli` (also
-`alignrl train dpo ...`); configs/dpo_config.yaml selects the safety-aware loss (`loss_type: safe`),
-which needs the two scorers of train_rm.
+`alignrl train dpo ...`). The loss is Safe-MM-DPO (`loss_type: safe_mm_dpo`, the default; `alignrl.core.safe_mm_dpo`),
+which needs the two scorers of train_rm; the Safe-MM-DPO project's own dpo_config.yaml (λ_init, β_ori, λ_lr, w, k,
+use_lora + lora, ...) loads as it is.
 """
 
 import sys

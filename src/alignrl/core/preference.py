@@ -6,6 +6,10 @@ pairs divided by `global_pairs` (the number of pairs in the global batch across 
 micro-batches; defaults to B), so summing the losses of any split of a batch gives the loss of the
 whole batch, which is what the training engines expect. Metrics are plain floats over this batch.
 
+Safe-MM-DPO (`safe_mm_dpo`: two judges, margin-scaled β, a Lagrange multiplier that moves) lives in
+`alignrl.core.safe_mm_dpo` and is listed in DPO_LOSSES with the others; `safe_odpo` (once `safe`) is the fixed-λ
+utility order with an ODPO offset.
+
 Left out on purpose: length-normalised variants (SimPO, IPO on token means), reference-free losses
 (ORPO, SimPO), KTO's unpaired data and listwise/ranking losses; they need different data or
 sequence statistics than the sums used here.
@@ -18,7 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["bradley_terry_loss", "safe_rlhf_cost_loss", "dpo_sigmoid_loss", "dpo_ipo_loss",
+from alignrl.core.safe_mm_dpo import safe_mm_dpo_loss
+
+__all__ = ["safe_mm_dpo_loss", "bradley_terry_loss", "safe_rlhf_cost_loss", "dpo_sigmoid_loss", "dpo_ipo_loss",
            "slic_hinge_loss", "odpo_loss", "safe_preference_offset", "safe_odpo_loss", "DPO_LOSSES",
            "reward_accuracy"]
 
@@ -55,19 +61,21 @@ def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tenso
 
 
 def safe_rlhf_cost_loss(chosen_costs: torch.Tensor, rejected_costs: torch.Tensor, chosen_unsafe: torch.Tensor,
-                        rejected_unsafe: torch.Tensor, global_pairs: float | None = None
+                        rejected_unsafe: torch.Tensor, global_pairs: float | None = None, sign_weight: float = 1.0
                         ) -> tuple[torch.Tensor, dict[str, float]]:
     """Cost-model loss of Safe RLHF (Dai et al. 2023, "Safe RLHF").
 
     The preferred ("chosen") response is the safer one, so the rejected one is the more harmful y_w of
     the paper: -log σ(c_r - c_c) orders the pair, and -log σ(s·c) for each response, with s = +1 when
     that response is unsafe and -1 when safe, pins the sign: c > 0 means harmful, c < 0 safe, which is
-    what makes `E[c] <= 0` a meaningful constraint in PPO-Lagrangian. `*_unsafe` are (B,) bool/float."""
+    what makes `E[c] <= 0` a meaningful constraint in PPO-Lagrangian. `*_unsafe` are (B,) bool/float.
+    `sign_weight` scales the sign (classification) term; 0 leaves the pairwise term alone, whose costs then have
+    no meaningful zero."""
     s_c = 2.0 * chosen_unsafe.float() - 1.0
     s_r = 2.0 * rejected_unsafe.float() - 1.0
     pair = -F.logsigmoid(rejected_costs - chosen_costs)
     sign = -F.logsigmoid(s_c * chosen_costs) - F.logsigmoid(s_r * rejected_costs)
-    loss = (pair + sign).sum() / _norm(pair.numel(), global_pairs)
+    loss = (pair + sign_weight * sign).sum() / _norm(pair.numel(), global_pairs)
     with torch.no_grad():
         sign_ok = torch.cat([(chosen_costs > 0) == chosen_unsafe.bool(), (rejected_costs > 0) == rejected_unsafe.bool()])
         metrics = {"cost/accuracy": float(reward_accuracy(rejected_costs, chosen_costs).mean()),
@@ -183,9 +191,11 @@ def safe_odpo_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: tor
 DpoLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
 DPO_LOSSES: dict[str, DpoLoss] = {
+    "safe_mm_dpo": safe_mm_dpo_loss,  # alignrl.core.safe_mm_dpo
+    "safe_odpo": safe_odpo_loss,
     "sigmoid": dpo_sigmoid_loss,
     "cdpo": dpo_sigmoid_loss,  # the name some recipes give the sigmoid loss with label smoothing
     "ipo": dpo_ipo_loss,
     "hinge": slic_hinge_loss,
-    "safe": safe_odpo_loss,
+    "safe": safe_odpo_loss,  # the older name of safe_odpo
 }

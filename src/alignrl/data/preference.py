@@ -1,6 +1,6 @@
 """Preference pairs: loading (.jsonl / .parquet) and collation into token tensors.
 
-Two row layouts are understood:
+Three row layouts are understood:
 
 * TRL's: `prompt`, `chosen`, `rejected`. Either plain strings, or chat messages: `prompt` a list of
   {"role", "content"} ending with the user turn and `chosen` / `rejected` lists holding the assistant
@@ -13,6 +13,9 @@ Two row layouts are understood:
 * PKU-SafeRLHF's: `prompt`, `response_0`, `response_1`, `is_response_0_safe`,
   `is_response_1_safe`, `better_response_id`, `safer_response_id`; `prefer="better"` (helpfulness)
   or `"safer"` (harmlessness) picks which id makes a response "chosen".
+* the Safe-MM-DPO project's: `prompt`, `chosen_response`, `rejected_response` (strings), optional
+  `safety_labels: {"chosen": ±1, "rejected": ±1}` (Safe RLHF's sign: +1 harmful, -1 harmless) and `dimension`
+  (which file it came from; not read).
 
 `builtin:<name>` names a shipped file (`builtin:helpful`, `builtin:harmless_test`, ...). Problems in a
 file raise `DataError` with one line naming file:line and the key. Left out: multi-response rankings
@@ -119,6 +122,8 @@ def _differ(loc: str, keys: str, a: str, b: str) -> None:
 def _pair(loc: str, row: dict[str, Any], prefer: str) -> PreferencePair:
     if "response_0" in row or "response_1" in row:
         return _pku_pair(loc, row, prefer)
+    if "chosen_response" in row or "rejected_response" in row:
+        return _response_pair(loc, row)
     missing = [k for k in ("chosen", "rejected") if k not in row]
     if missing:
         raise DataError(f"{loc}: row is missing {', '.join(missing)} ({_LAYOUTS})")
@@ -201,10 +206,28 @@ def _pku_pair(loc: str, row: dict[str, Any], prefer: str) -> PreferencePair:
                           safe[best], safe[1 - best], 0.0, loc)
 
 
+def _response_pair(loc: str, row: dict[str, Any]) -> PreferencePair:
+    """The Safe-MM-DPO project's rows (module doc)."""
+    missing = [k for k in ("prompt", "chosen_response", "rejected_response") if k not in row]
+    if missing:
+        raise DataError(f"{loc}: row is missing {', '.join(missing)} (prompt/chosen_response/rejected_response layout)")
+    chosen, rejected = (_text(loc, k, row[k]) for k in ("chosen_response", "rejected_response"))
+    _differ(loc, "chosen_response and rejected_response", chosen, rejected)
+    labels = row.get("safety_labels")
+    safe: list[bool | None] = [None, None]
+    if labels is not None:
+        if not isinstance(labels, dict) or any(labels.get(k) not in (1, -1) or isinstance(labels.get(k), bool)
+                                               for k in ("chosen", "rejected")):
+            raise DataError(f"{loc}: safety_labels must be {{\"chosen\": ±1, \"rejected\": ±1}} (+1 harmful, "
+                            f"-1 harmless), got {labels!r}")
+        safe = [labels["chosen"] == -1, labels["rejected"] == -1]
+    return PreferencePair(_messages(loc, "prompt", row["prompt"]), chosen, rejected, safe[0], safe[1], 0.0, loc)
+
+
 def require_safety_labels(pairs: Sequence[PreferencePair], path: str) -> None:
     for p in pairs:
         if p.chosen_safe is None or p.rejected_safe is None:
-            raise DataError(f"{p.loc or path}: row is missing is_chosen_safe/is_rejected_safe "
+            raise DataError(f"{p.loc or path}: row is missing is_chosen_safe/is_rejected_safe (or safety_labels) "
                             "(a cost model needs a safety label for both responses)")
 
 

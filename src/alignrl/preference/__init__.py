@@ -1,1 +1,2 @@
-"""Training from preference pairs: reward and cost models, and the DPO family (safety-aware DPO among them)."""
+"""Training from preference pairs: reward and cost models, and the DPO family with Safe-MM-DPO as its default;
+all weights or LoRA adapters; the Safe-MM-DPO project's own config files read as they are (`mmdpo_keys`)."""

@@ -3,7 +3,8 @@
 
 The flat config keys are the ones the torchrun scripts' users edit (batch_size, max_length, learning_rate,
 gradient_accumulation_steps, ...), layered defaults < `--config` YAML < `key=value` overrides anywhere
-on the line < explicit flags. Nothing here imports torch: a mistaken flag, key or value is named in a
+on the line < explicit flags. A YAML file in the Safe-MM-DPO project's keys (λ_init, β_ori, policy_model_path,
+use_lora + lora: {r, ...}) is read through `preference.mmdpo_keys`, which maps each to the key here. Nothing here imports torch: a mistaken flag, key or value is named in a
 fraction of a second, and only a valid config goes on to `alignrl.preference.rm` / `alignrl.preference.dpo`.
 """
 
@@ -23,9 +24,13 @@ from alignrl.config import ConfigError, check_folders, check_ranges, opt
 from alignrl.config.checks import did_you_mean
 from alignrl.errors import UserError
 
-# the DPO-family losses of `alignrl.core.preference.DPO_LOSSES` (a test holds the two equal)
-DPO_LOSS_NAMES = ("sigmoid", "cdpo", "ipo", "hinge", "safe")
+# the DPO-family losses of `alignrl.core.preference.DPO_LOSSES` (a test holds the two equal); `safe` is the older
+# name of safe_odpo, kept for the configs that spell it so
+DPO_LOSS_NAMES = ("safe_mm_dpo", "safe_odpo", "sigmoid", "cdpo", "ipo", "hinge", "safe")
 SMOOTHED_LOSSES = ("sigmoid", "cdpo")
+SAFETY_LOSSES = ("safe_mm_dpo", "safe_odpo")  # the losses that read the two scorers
+LORA_STRATEGIES = ("single", "ddp")
+NOTES_SAID = "ALIGNRL_PREFERENCE_NOTES_SAID"  # set for the ranks of `--nproc`: the parent said the notes already
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class CommonConfig:
     learning_rate: float = opt(1e-4, "peak AdamW learning rate", gt=0.0)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
     warmup_ratio: float = opt(0.1, "fraction of optimizer steps of linear warm-up", ge=0.0, le=1.0)
+    warmup_steps: int = opt(0, "optimizer steps of linear warm-up; when > 0 it replaces warmup_ratio", ge=0)
     lr_scheduler: str = opt("cosine", "learning-rate decay after warm-up", choices=("constant", "cosine"))
     min_lr_ratio: float = opt(0.1, "cosine floor as a fraction of the peak lr", ge=0.0, le=1.0)
     grad_clip: float = opt(1.0, "max global grad norm; 0 disables", ge=0.0)
@@ -61,6 +67,16 @@ class CommonConfig:
                                         "after which training stops, saving nothing", ge=1)
     num_workers: int = opt(0, "DataLoader worker processes", ge=0)
     report_to: list = opt(["jsonl", "tensorboard"], "metric sinks under logging_dir: jsonl, tensorboard")
+    use_lora: bool = opt(False, "train LoRA adapters (peft) instead of all weights (Safe-MM-DPO configs: use_lora)")
+    lora_rank: int = opt(16, "LoRA rank r (Safe-MM-DPO configs: lora.r)", ge=1)
+    lora_alpha: int = opt(32, "LoRA alpha: the adapter's update is scaled by alpha/r (lora.alpha)", ge=1)
+    lora_dropout: float = opt(0.1, "dropout on the adapters' input (lora.dropout)", ge=0.0, le=0.9)
+    lora_target_modules: Any = opt("all-linear", "modules that get adapters: a list of names, or all-linear (every "
+                                                 "linear layer of the blocks: q/k/v/o/gate/up/down_proj in Llama-like models)")
+    lora_export: str = opt("merged", "what the saved folder holds with use_lora: merged (a plain HF model, adapters "
+                                     "folded in) or adapter (peft's adapter folder)", choices=("merged", "adapter"))
+    eval_steps: int = opt(0, "also measure the held-out pairs every N optimizer steps (eval/* metrics); 0: only "
+                             "before and after training", ge=0)
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,9 @@ class RMConfig(CommonConfig):
     harmless_train_file: str = opt("builtin:harmless", "harmless training pairs (with safety labels for a cost model)")
     harmless_eval_file: str = opt("builtin:harmless_test", "harmless held-out pairs")
     learning_rate: float = opt(2e-4, "peak AdamW learning rate", gt=0.0)
+    tokenizer_name: str | None = opt(None, "tokenizer folder when it is not model_path's (Safe-MM-DPO configs: tokenizer_name)")
+    classification_loss_weight: float = opt(1.0, "cost model: weight of Safe RLHF's per-response sign term "
+                                                 "-log σ(s·c) beside the pairwise term", ge=0.0)
 
 
 @dataclass(frozen=True)
@@ -81,15 +100,28 @@ class DPOConfig(CommonConfig):
     train_files: list = opt(["builtin:helpful", "builtin:harmless"], "preference files trained on (concatenated)")
     eval_files: list = opt(["builtin:helpful_test", "builtin:harmless_test"], "held-out preference files")
     prefer: str = opt("better", "PKU-SafeRLHF rows: which id is 'chosen'", choices=("better", "safer"))
-    loss_type: str = opt("sigmoid", "DPO-family loss", choices=DPO_LOSS_NAMES)
-    beta: float = opt(0.1, "β: strength of the KL anchor to the reference (IPO: τ)", gt=0.0)
+    loss_type: str = opt("safe_mm_dpo", "DPO-family loss (safe is the older name of safe_odpo)",
+                         choices=DPO_LOSS_NAMES)
+    beta: float = opt(0.1, "β: strength of the KL anchor to the reference (IPO: τ; safe_mm_dpo: β_ori)", gt=0.0)
+    logp_reduction: str = opt("sum", "a response's log-probability: sum over its tokens (DPO's), or sequence_mean: "
+                                     "the mean over prompt and response tokens (the reference Safe-MM-DPO script's)",
+                              choices=("sum", "sequence_mean"))
     label_smoothing: float = opt(0.0, "sigmoid/cdpo: probability that a label is flipped (conservative DPO)",
                                   ge=0.0, le=0.5)
     precompute_ref_log_probs: bool = opt(False, "reference log-probs once up front, then free the reference copy")
-    helpful_rm: str = opt("models/helpful_rm", "safe: helpfulness reward model folder (alignrl train rm --task helpful)")
-    harmless_rm: str = opt("models/harmless_rm", "safe: harmlessness cost model folder (--task harmless)")
-    safety_lambda: float = opt(1.0, "safe: λ in the utility r - λ·c", ge=0.0)
-    offset_alpha: float = opt(0.5, "safe: α in the ODPO offset α·log(1 + |Δu|)", ge=0.0)
+    helpful_rm: str = opt("models/helpful_rm", "safe_*: helpfulness reward model folder (alignrl train rm --task helpful)")
+    harmless_rm: str = opt("models/harmless_rm", "safe_*: harmlessness cost model folder (--task harmless)")
+    safety_lambda: float = opt(1.0, "safe_odpo: λ in the utility r - λ·c", ge=0.0)
+    offset_alpha: float = opt(0.5, "safe_odpo: α in the ODPO offset α·log(1 + |Δu|)", ge=0.0)
+    lambda_init: float = opt(1.0, "safe_mm_dpo: initial Lagrange multiplier λ (Safe-MM-DPO configs: λ_init)", gt=0.0)
+    lambda_lr: float = opt(0.01, "safe_mm_dpo: step of ln λ ← ln λ + λ_lr·λ·J_C (λ_lr)", ge=0.0)
+    cost_threshold: float = opt(0.0, "safe_mm_dpo: d in J_C = E[cost] + d (cost_threshold)")
+    beta_w: float = opt(0.5, "safe_mm_dpo: w of β(δ) = β·(1 + w·(1 - e^(-k|δ|))) (Safe-MM-DPO configs: w)", ge=0.0)
+    beta_k: float = opt(0.5, "safe_mm_dpo: k of β(δ) (Safe-MM-DPO configs: k)", ge=0.0)
+    kl_coeff: float = opt(0.0, "safe_mm_dpo: weight of KL(π‖π_ref) on the chosen responses (kl_coeff)", ge=0.0)
+    save_steps: int = opt(0, "also write a resumable checkpoint every N optimizer steps to <output_dir>.checkpoints/"
+                             "step_N (weights, optimizer, λ); 0: only the final model", ge=0)
+    resume_from: str | None = opt(None, "a <output_dir>.checkpoints/step_N folder to go on from (same config)")
     learning_rate: float = opt(5e-5, "peak AdamW learning rate", gt=0.0)
 
 
@@ -124,19 +156,17 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
 
     from alignrl.config.load import dotted_item
 
+    from alignrl.preference.mmdpo_keys import read_yaml, translate, translate_override
+
+    command = "rm" if issubclass(cls, RMConfig) else "dpo"
     try:
         merged = OmegaConf.structured(cls)
-        if path:
-            if not Path(path).is_file():
-                raise ConfigError(f"config file not found: {path} (pass --config with an existing YAML file)")
-            try:
-                loaded = OmegaConf.load(path)
-            except Exception as e:  # YAML syntax
-                raise ConfigError(f"cannot parse {path}: {str(e).splitlines()[0]}") from None
-            merged = OmegaConf.merge(merged, loaded)
+        if path:  # the Safe-MM-DPO project's keys become ours; a key written twice is said, the last value kept
+            merged = OmegaConf.merge(merged, OmegaConf.create(translate(read_yaml(path, say), command)))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"unexpected argument {bad[0]!r} (overrides look like key=value, e.g. epochs=2)")
+        overrides = [translate_override(o, command) for o in overrides]
         merged = OmegaConf.merge(merged, *(dotted_item(cls, o) for o in overrides),
                                  {k: v for k, v in flags.items() if v is not None})
         cfg = OmegaConf.to_object(merged)
@@ -150,6 +180,7 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
         raise ConfigError(f"bad value for '{key}': {first}") from None
     # YAML reads `bf16: true` as a boolean, which the string field holds as "True"
     cfg = dataclasses.replace(cfg, bf16=str(cfg.bf16).lower())
+    cfg = _check_meaning(cfg)
     check_ranges(cfg)  # choices and ranges from the field metadata, the RL config's own check
     unknown = set(cfg.report_to) - {"jsonl", "tensorboard"}
     if unknown:
@@ -160,6 +191,34 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
         output = Path(cfg.output_dir)
         folders["--output_dir"] = output.parent if output.is_file() else output
     check_folders(folders)
+    return cfg
+
+
+def say(text: str) -> None:
+    """A note about the config (a repeated or unused key), once per run: on rank 0, and not again in the ranks of
+    `--nproc` (their parent said it)."""
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get(NOTES_SAID):
+        print(f"alignrl: {text}", file=sys.stderr, flush=True)
+
+
+def _check_meaning(cfg):
+    """What the ranges cannot say: the λ that moves in log space, LoRA's engines and peft, the older loss name."""
+    if isinstance(cfg, DPOConfig) and cfg.lambda_init <= 0:
+        raise ConfigError(f"λ_init (lambda_init) = {cfg.lambda_init} must be > 0: λ moves in log space "
+                          "(ln λ ← ln λ + λ_lr·λ·J_C), so it starts positive (1.0 is the usual start)")
+    if isinstance(cfg, DPOConfig) and cfg.loss_type == "safe":
+        say("note: loss_type=safe is the older name of safe_odpo (a fixed-λ utility order with an ODPO offset); "
+            "Safe-MM-DPO is loss_type=safe_mm_dpo")
+        cfg = dataclasses.replace(cfg, loss_type="safe_odpo")
+    if cfg.use_lora:
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise ConfigError("use_lora: LoRA needs the peft package, which is not installed; `pip install peft` "
+                              "(or train all weights: use_lora=false)")
+        if cfg.strategy not in LORA_STRATEGIES:
+            raise ConfigError(f"use_lora trains with strategy {' or '.join(LORA_STRATEGIES)} here, not "
+                              f"{cfg.strategy}; set strategy=ddp (the adapters are small: every rank holds them)")
     return cfg
 
 
@@ -184,6 +243,9 @@ def parse_dpo(argv: list[str]) -> DPOConfig:
     cfg = load_flat_config(DPOConfig, args.config, args.overrides, {
         "loss_type": args.loss_type, "precompute_ref_log_probs": args.precompute_ref_log_probs,
         "output_dir": args.output_dir, "logging_dir": args.logging_dir})
+    if cfg.kl_coeff > 0 and cfg.precompute_ref_log_probs:
+        raise ConfigError(f"kl_coeff={cfg.kl_coeff} needs the reference's logits at every step, which "
+                          "precompute_ref_log_probs frees; set kl_coeff=0 or precompute_ref_log_probs=false")
     if cfg.label_smoothing and cfg.loss_type not in SMOOTHED_LOSSES:  # the loss would ignore it
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} is read only by loss_type "
                           f"{' or '.join(SMOOTHED_LOSSES)}, not {cfg.loss_type}; set label_smoothing=0 or change loss_type")
@@ -220,6 +282,7 @@ def run_cli(argv: list[str] | None, command: str) -> int:
         train = getattr(_load_trainer(module), function)
         if nproc and "WORLD_SIZE" not in os.environ:
             train(cfg, nproc)  # bad data fails here, before any process starts
+            os.environ[NOTES_SAID] = "1"
             return torchrun(nproc, ["alignrl", "train", command, *argv])
         train(cfg, None)
         return 0

@@ -3,13 +3,14 @@
 sharding, the optimizer loop, rank-0 logging and atomic HF-folder saves. The two trainers differ only in
 their model, their per-micro-batch loss and their held-out metrics.
 
-Left out: resuming an interrupted run (these runs are minutes; they restart from the base model) and
-packing.
+`train_pairs` can start at a later step of the same seeded order (a DPO run resumed from one of its checkpoints,
+`preference.checkpoints`); reward-model runs are minutes and restart from the base model. Left out: packing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -54,7 +55,8 @@ def prepare_trainable(model, cfg: CommonConfig) -> None:
 def build_engine_for(cfg: CommonConfig, model, env, total_steps: int):
     from alignrl.train.engines import OptimSpec, build_engine
 
-    spec = OptimSpec(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, warmup_steps=int(cfg.warmup_ratio * total_steps),
+    warmup = cfg.warmup_steps or int(cfg.warmup_ratio * total_steps)
+    spec = OptimSpec(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, warmup_steps=min(warmup, total_steps),
                      total_steps=total_steps, schedule=cfg.lr_scheduler, min_lr_ratio=cfg.min_lr_ratio,
                      grad_clip=cfg.grad_clip)
     return build_engine(cfg.strategy, model, spec, env, zero_stage=cfg.zero_stage, bf16=use_bf16(cfg))
@@ -162,6 +164,7 @@ class StepMetrics:
     def __init__(self, cfg: CommonConfig, env, log: RankZeroLog, total: int, console_keys: dict[str, str]):
         self.cfg, self.env, self.log, self.total, self.keys = cfg, env, log, total, console_keys
         self.micro: list[dict[str, float]] = []
+        self.extra: dict[str, float] = {}  # step-level values, the same on every rank (λ after its update)
         self.logged_step, self.t = 0, time.time()
 
     def add(self, metrics: dict[str, float]) -> None:
@@ -172,29 +175,35 @@ class StepMetrics:
 
         if step % self.cfg.log_every == 0 or step == self.total:
             m = {k: sum(d[k] for d in self.micro) / len(self.micro) for k in self.micro[0]}
-            m = mean_metrics(self.env, {**m, "grad_norm": grad_norm, "lr": lr,
+            m = mean_metrics(self.env, {**m, **self.extra, "grad_norm": grad_norm, "lr": lr,
                                         "s_per_step": (time.time() - self.t) / (step - self.logged_step)})
             self.log.metrics(step, m)
             self.log.print(f"step {step}/{self.total} epoch {epoch + 1} " + fmt(m, {
                 **self.keys, "grad_norm": "grad_norm", "lr": "lr", "s_per_step": "s/step"}))
             self.logged_step, self.t = step, time.time()
-        self.micro = []
+        self.micro, self.extra = [], {}
 
 
 def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: CommonConfig, env,
-                log: RankZeroLog, total: int, console_keys: dict[str, str]) -> int:
+                log: RankZeroLog, total: int, console_keys: dict[str, str], after_step=None, start_step: int = 0) -> int:
     """Train `engine` on the preference pairs for `total` optimizer steps at most, over `cfg.epochs`
     epochs of this rank's micro-batches, `gradient_accumulation_steps` micro-batches per step;
     returns the steps run. `loss_fn(module, batch, global_pairs) -> (loss, metrics)` runs one
     micro-batch, already on the device, and returns the `core.preference` losses' form: the sum over
     its pairs divided by `global_pairs` (all ranks' pairs of one optimizer step), which the engines
     accumulate into the global batch's mean. `console_keys` (metric -> short name) picks what the
-    step lines print besides the loss."""
-    gpairs, accum, step, streak = global_batch(cfg, env.world_size), cfg.gradient_accumulation_steps, 0, 0
+    step lines print besides the loss. `after_step(step) -> metrics` runs on every rank after each optimizer step
+    (it may be a collective: every rank reaches the same steps); what it returns joins that step's metrics.
+    `start_step` (a resumed run): the micro-batches of the first steps, in the same seeded order, are skipped."""
+    gpairs, accum, streak = global_batch(cfg, env.world_size), cfg.gradient_accumulation_steps, 0
+    per_epoch, step = steps_per_epoch(len(encoded), cfg, env.world_size), start_step
     tracker = StepMetrics(cfg, env, log, total, {"loss": "loss", **console_keys})
+    tracker.logged_step = start_step
     engine.module.train()
     for epoch in range(cfg.epochs):
-        for i, batch in enumerate(train_loader(encoded, pairs, pad_id, cfg, env, epoch)):
+        done = max(0, min(start_step - epoch * per_epoch, per_epoch))  # steps of this epoch run before a resume
+        loader = itertools.islice(train_loader(encoded, pairs, pad_id, cfg, env, epoch), done * accum, None)
+        for i, batch in enumerate(loader, start=done * accum):
             if step >= total:
                 break
             batch = batch.to(env.device, non_blocking=True)
@@ -209,6 +218,8 @@ def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: C
                 grad_norm = engine.step()
                 step += 1
                 streak = streak + 1 if engine.skipped_steps > skipped else 0
+                if after_step is not None:
+                    tracker.extra.update(after_step(step))
                 tracker.end_step(step, epoch, grad_norm, engine.lr())
                 check_finite(step, streak, cfg.max_nonfinite_updates, log)
     return step

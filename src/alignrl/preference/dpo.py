@@ -1,28 +1,30 @@
-"""DPO-family training (`alignrl train dpo`, training/train_safe_mm_dpo.py), safety-aware DPO included.
+"""DPO-family training (`alignrl train dpo`, training/train_safe_mm_dpo.py): Safe-MM-DPO by default.
 
     torchrun --nproc_per_node=2 -m src.training.train_safe_mm_dpo --config configs/dpo_config.yaml \\
         --output_dir models/aligned --logging_dir logs/training/safe_mm_dpo
     alignrl train dpo --config configs/dpo_config.yaml loss_type=sigmoid --nproc 2
 
-The policy trains through a TrainEngine (DDP / FSDP2 / DeepSpeed); the frozen reference is a copy
-of the initial policy on every rank in eval mode, or, with `precompute_ref_log_probs`, its sequence
-log-probs are computed once up front and the copy is freed. `loss_type` picks a `core.preference`
-loss: sigmoid (DPO; conservative DPO with label_smoothing, also named cdpo), ipo, hinge (SLiC), safe.
+The policy trains through a TrainEngine (DDP / FSDP2 / DeepSpeed; with `use_lora`, LoRA adapters on DDP or one
+process). The frozen reference is a copy of the initial policy (or of `ref_model_path`) on every rank in eval mode;
+with LoRA it is the policy itself with its adapters off (no second copy); with `precompute_ref_log_probs` its
+log-probs are computed once up front and the copy is freed. `loss_type` picks a `core.preference` loss:
 
-Safety-aware DPO (`loss_type: safe`): a helpfulness reward model r and a harmlessness cost model c
-(both trained by `alignrl train rm`, loaded on every rank in eval mode) score both responses of
-every pair once before training. The pair is ordered by the Safe RLHF utility u = r - λ·c (Dai et
-al. 2023, "Safe RLHF: Safe Reinforcement Learning from Human Feedback", with a fixed multiplier λ =
-`safety_lambda`), and trained with the ODPO loss -log σ(β·h - Δ) (Amini et al. 2024, "Direct
-Preference Optimization with an Offset"), where h is DPO's log-ratio gap and the offset
-Δ = α·log(1 + |u_w - u_l|) (α = `offset_alpha`) asks for a wider margin the more the scorers
-separate the two responses. A harmless scorer trained as a reward model (higher = safer) enters
-as c = -score.
+* safe_mm_dpo (default; `alignrl.core.safe_mm_dpo`): a helpfulness reward model and a harmlessness judge (both
+  trained by `alignrl train rm`) score both responses of every pair once before training; each pair gets two DPO
+  losses with MM-DPO's margin-scaled β, mixed by the Safe RLHF multiplier λ, which moves after every optimizer step
+  with the policy's expected cost (`preference.safe_mm`). λ is saved beside the policy (`safe_mm_dpo_state.json`)
+  and a run whose model_path holds that file goes on from its λ.
+* safe_odpo (also `safe`, its older name): the pair is ordered by the fixed-λ utility u = r - λ·c and trained with
+  the ODPO loss -log σ(β·h - Δ), Δ = α·log(1 + |u_w - u_l|) (Amini et al. 2024).
+* sigmoid (DPO; conservative DPO with label_smoothing, also named cdpo), ipo, hinge (SLiC).
 
-Held-out reward accuracy (β-scaled implicit rewards, chosen > rejected, ties half) and margins are
-measured before and after training, per eval file, and written to `<output_dir>/eval_results.json`
-beside the saved HF causal-LM folder. Left out: reference-model syncing (TR-DPO), online DPO,
-length-normalised losses.
+`kl_coeff > 0` adds kl_coeff·KL(π‖π_ref) over the chosen responses (exact over the vocabulary) to any of them;
+`logp_reduction` picks summed response log-probs (DPO's) or the whole sequence's token mean (`preference.pair_logps`).
+
+Held-out reward accuracy (β-scaled implicit rewards, chosen > rejected, ties half) and margins are measured before
+and after training (and every `eval_steps`), per eval file, and written to `<output_dir>/eval_results.json` beside
+the saved HF causal-LM folder. `save_steps` writes resumable checkpoints (weights, optimizer, λ) and `resume_from`
+goes on from one (`preference.checkpoints`). Left out: reference-model syncing (TR-DPO), online DPO.
 """
 
 from __future__ import annotations
@@ -32,21 +34,36 @@ from pathlib import Path
 
 import torch
 
+from alignrl.preference import adapters
+from alignrl.preference import checkpoints as ckpt
 from alignrl.preference import common as pc
-from alignrl.preference.cli import DPOConfig
+from alignrl.preference.cli import SAFETY_LOSSES, DPOConfig
+from alignrl.preference.pair_logps import pair_logps, response_kl
 from alignrl.preference.rm import check_scorer_kind, score_info
+from alignrl.preference.safe_mm import LambdaSchedule
 from alignrl.config import ConfigError
 from alignrl.core.preference import DPO_LOSSES, reward_accuracy
 from alignrl.data.preference import encode_pairs, load_pairs, truncation_note
-from alignrl.models.logprobs import response_logprobs
 
 
 def check_scorers(cfg: DPOConfig) -> None:
+    """The two judges: trained folders, sequence-classification models (a policy has no scoring head), each of its
+    kind (a cost model is not the helpfulness judge)."""
+    import json
+
     for key, task in (("helpful_rm", "helpful"), ("harmless_rm", "harmless")):
         path = getattr(cfg, key)
         if not (Path(path) / "config.json").is_file():
             raise ConfigError(f"{key}={path}: no trained model there; run `bash scripts/train_rm_distributed.sh "
                               f"{task} <NGPU>` first (or point {key} at a reward-model folder)")
+        try:
+            arch = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+        except (OSError, ValueError, AttributeError):
+            arch = []
+        if arch and not any(str(a).endswith("ForSequenceClassification") for a in arch):
+            raise ConfigError(f"{key}={path} is a {arch[0]}, a policy, not a reward model: it "
+                              f"has no scoring head; train one with `bash scripts/train_rm_distributed.sh {task} <NGPU>` "
+                              f"and point {key} there")
         check_scorer_kind(key, path)
 
 
@@ -57,13 +74,6 @@ def _load(files: list[str], cfg: DPOConfig, limit: int, key: str) -> tuple[list,
         pairs += got
         group += [g] * len(got)
     return pairs, group
-
-
-def pair_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence log-prob sums (B,) of the chosen and the rejected responses, one forward for both."""
-    lp, _ = response_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
-    s = lp.sum(-1)
-    return s[:batch.n_pairs], s[batch.n_pairs:]
 
 
 @torch.no_grad()
@@ -115,8 +125,8 @@ def evaluate(model, ref_fn, batches, groups: list[int], names: list[str], beta: 
     for batch in batches:
         batch = batch.to(env.device)
         with pc.autocast(cfg, env.device):
-            pc_, pr_ = pair_logps(model, batch)
-        rc, rr = ref_fn(batch)
+            pc_, pr_, _ = pair_logps(model, batch, cfg.logp_reduction)
+        rc, rr, _ = ref_fn(batch)
         ch, rj = beta * (pc_.float() - rc), beta * (pr_.float() - rr)
         w = batch.weight
         g = torch.tensor([groups[i] for i in batch.index.tolist()])
@@ -138,56 +148,84 @@ def _fmt_eval(e: dict) -> str:
             f"policy prefers chosen {e['logp_accuracy']:.3f}")
 
 
-class _Reference:
-    """The frozen reference's sequence log-probs (chosen, rejected) of a batch: from a copy of the initial policy
-    (or of ref_model_path) on this rank, or, once `precompute` has run, from per-pair tables."""
+def _same_model(a: str | None, b: str) -> bool:
+    return a is None or a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
 
-    def __init__(self, cfg: DPOConfig, policy, env):
+
+class _Reference:
+    """The frozen reference's log-probs (chosen, rejected) of a batch, and its chosen response logits when the KL
+    term needs them: from a copy of the initial policy (or of ref_model_path), from the policy itself with its LoRA
+    adapters off, or, once `precompute` has run, from per-pair tables."""
+
+    def __init__(self, cfg: DPOConfig, policy, env, lora: bool):
         from alignrl.models.loader import frozen_copy, load_model
 
+        self.cfg, self.device, self.adapters_of = cfg, env.device, None
+        self.tables: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
+        if lora and _same_model(cfg.ref_model_path, cfg.model_path):
+            self.model = None  # set by `use_adapters_off` once the adapters are on
+            return
         # copied before prepare_trainable changes the policy; nothing else holds the copy, so that dropping
         # self.model frees it
-        self.model = (frozen_copy(policy) if cfg.ref_model_path is None else
+        self.model = (frozen_copy(policy) if _same_model(cfg.ref_model_path, cfg.model_path) else
                       frozen_copy(load_model(cfg.ref_model_path, key="ref_model_path")[0]))
         self.model.to(env.device, torch.bfloat16 if pc.use_bf16(cfg) else torch.float32)
-        self.device = env.device
-        self.tables: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
 
-    def logps(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(t.float() for t in pair_logps(self.model, batch))
+    def use_adapters_off(self, peft_model) -> None:
+        self.adapters_of = peft_model
+
+    @torch.no_grad()
+    def logps(self, batch, keep_logits: bool = False):
+        from alignrl.models.lora import adapters_off
+
+        if self.adapters_of is not None:
+            with adapters_off(self.adapters_of), pc.autocast(self.cfg, self.device):
+                c, r, logits = pair_logps(self.adapters_of, batch, self.cfg.logp_reduction, keep_logits)
+        else:
+            c, r, logits = pair_logps(self.model, batch, self.cfg.logp_reduction, keep_logits)
+        return c.float(), r.float(), logits
 
     def precompute(self, cfg: DPOConfig, env, log, pad: int, **data) -> None:
         """Tables of every pair of each `name=(encoded, pairs)` data set, then the copy is freed."""
-        both = lambda b: torch.stack(self.logps(b), 1)  # noqa: E731
+        both = lambda b: torch.stack(self.logps(b)[:2], 1)  # noqa: E731
         for name, (enc, pairs) in data.items():
             self.tables[name] = per_pair_table(both, pc.eval_batches(enc, pairs, pad, cfg.eval_batch_size, env),
                                                len(enc), 2, env).float()
         self.model = None
         log.print("reference log-probs precomputed; the reference copy is freed")
 
-    def __call__(self, batch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, batch, split: str, keep_logits: bool = False):
         table = self.tables[split]
         if table is None:
-            return self.logps(batch)
+            return self.logps(batch, keep_logits)
         t = table[batch.index.cpu()].to(self.device)
-        return t[:, 0], t[:, 1]
+        return t[:, 0], t[:, 1], None
 
 
-def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None):
-    """The training loss of a micro-batch; `scores`: the scorers' table of safe DPO (None for the other losses)."""
+def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None, lam: LambdaSchedule | None):
+    """The training loss of a micro-batch; `scores`: the scorers' table of the safety losses (None for the others)."""
+    kl_on = cfg.kl_coeff > 0
 
     def loss(module, batch, gpairs):
         with pc.autocast(cfg, env.device):
-            pc_, pr_ = pair_logps(module, batch)
-            with torch.no_grad():
-                rc, rr = ref(batch, "train")
+            pc_, pr_, logits = pair_logps(module, batch, cfg.logp_reduction, kl_on)
+            rc, rr, ref_logits = ref(batch, "train", kl_on)
+        pc_, pr_ = pc_.float(), pr_.float()
+        kl = response_kl(logits, ref_logits, batch.response_mask[:batch.n_pairs]) if kl_on else None
         extra = {}
         if scores is not None:
             s = scores[batch.index.cpu()].to(env.device)
-            extra = dict(help_chosen=s[:, 0], help_rejected=s[:, 1], cost_chosen=s[:, 2], cost_rejected=s[:, 3],
-                         safety_lambda=cfg.safety_lambda, offset_alpha=cfg.offset_alpha)
-        return DPO_LOSSES[cfg.loss_type](pc_.float(), pr_.float(), rc, rr, cfg.beta, gpairs,
-                                         label_smoothing=cfg.label_smoothing, **extra)
+            if lam is not None:
+                extra = {**lam.loss_kwargs(s, pc_, pr_), "kl": kl}
+            else:
+                extra = dict(help_chosen=s[:, 0], help_rejected=s[:, 1], cost_chosen=s[:, 2], cost_rejected=s[:, 3],
+                             safety_lambda=cfg.safety_lambda, offset_alpha=cfg.offset_alpha)
+        value, metrics = DPO_LOSSES[cfg.loss_type](pc_, pr_, rc, rr, cfg.beta, gpairs,
+                                                   label_smoothing=cfg.label_smoothing, **extra)
+        if kl_on and lam is None:  # the other losses take the KL term here; safe_mm_dpo adds its own
+            value = value + cfg.kl_coeff * kl.sum() / gpairs
+            metrics = {**metrics, "kl_divergence": float(kl.detach().mean())}
+        return value, metrics
 
     return loss
 
@@ -196,8 +234,8 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     from alignrl.runtime.env import barrier, init_distributed, shutdown
     from alignrl.models.loader import load_model
 
-    safe = cfg.loss_type == "safe"
-    if safe:
+    safety = cfg.loss_type in SAFETY_LOSSES
+    if safety:
         check_scorers(cfg)
     train_pairs, _ = _load(list(cfg.train_files), cfg, cfg.max_train_pairs, "train_files")
     eval_pairs, eval_group = _load(list(cfg.eval_files), cfg, cfg.max_eval_pairs, "eval_files")
@@ -210,8 +248,15 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     pc.check_enough(len(train_pairs), cfg, env.world_size, ", ".join(cfg.train_files))
     log = pc.RankZeroLog(env, log_dir, cfg.report_to)
     policy, tok = load_model(cfg.model_path, log=log.print, key="model_path")
-    ref = _Reference(cfg, policy, env)
+    spec = adapters.spec_of(cfg)
+    ref = _Reference(cfg, policy, env, spec is not None)
     pc.prepare_trainable(policy, cfg)
+    model = policy
+    if spec is not None:
+        model = adapters.attach(policy, spec, "CAUSAL_LM")
+        ref.use_adapters_off(model)
+        log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}; "
+                  "the reference is the policy with its adapters off")
     pad = tok.pad_token_id
     enc_train, cut = encode_pairs(tok, train_pairs, cfg.max_length)
     enc_eval, _ = encode_pairs(tok, eval_pairs, cfg.max_length)
@@ -219,9 +264,10 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
               f"{len(enc_eval)} held-out; {truncation_note(enc_train, cut, cfg.max_length)}")
     if cfg.precompute_ref_log_probs:
         ref.precompute(cfg, env, log, pad, train=(enc_train, train_pairs), eval=(enc_eval, eval_pairs))
-    scores = _scorer_table(cfg, enc_train, train_pairs, pad, env, log) if safe else None
+    scores = _scorer_table(cfg, enc_train, train_pairs, pad, env, log) if safety else None
+    lam = LambdaSchedule(cfg, env, log) if cfg.loss_type == "safe_mm_dpo" else None
     total = pc.total_steps(len(enc_train), cfg, env.world_size)
-    engine = pc.build_engine_for(cfg, policy, env, total)
+    engine = pc.build_engine_for(cfg, model, env, total)
     log.print(f"{pc.describe_batch(cfg, env.world_size)}; {total} optimizer steps, strategy {engine.name}, "
               f"world size {env.world_size}, bf16 {pc.use_bf16(cfg)}, gradient checkpointing "
               f"{cfg.gradient_checkpointing}")
@@ -231,14 +277,31 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
                           cfg, env)
     before = ev()
     log.print("held-out before training: " + _fmt_eval(before["all"]))
-    step = pc.train_pairs(engine, _loss_fn(cfg, env, ref, scores), enc_train, train_pairs, pad, cfg, env, log, total,
-                          {"rewards/accuracy": "acc", "rewards/margin": "margin", "safe/offset": "offset",
-                           "safe/swapped_frac": "swapped"})
+
+    start = ckpt.resume(cfg.resume_from, engine, lam) if cfg.resume_from else 0
+    if start:
+        log.print(f"resumed from {cfg.resume_from} at step {start}" + (f", λ {lam.state.value:.6g}" if lam else ""))
+
+    def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
+        out = lam.after_step(step) if lam is not None else {}
+        if cfg.save_steps and step % cfg.save_steps == 0 and step < total:
+            log.print(f"checkpoint {ckpt.save_checkpoint(ckpt.checkpoint_root(out_dir), step, engine, lam, env)}")
+        if cfg.eval_steps and step % cfg.eval_steps == 0 and step < total:
+            e = ev()["all"]
+            out.update({"eval/reward_accuracy": e["reward_accuracy"], "eval/reward_margin": e["reward_margin"],
+                        "eval/logp_accuracy": e["logp_accuracy"]})
+        return out
+
+    step = pc.train_pairs(engine, _loss_fn(cfg, env, ref, scores, lam), enc_train, train_pairs, pad, cfg, env, log,
+                          total, {"rewards/accuracy": "acc", "rewards/margin": "margin", "safe/offset": "offset",
+                                  "safe/swapped_frac": "swapped", "lambda": "lambda", "loss_helpful": "loss_H",
+                                  "loss_safety": "loss_S", "kl_divergence": "kl"}, after_step, start)
     after = ev()
     pc.check_eval_finite(after["all"]["reward_margin"], "log-probabilities")
-    results = _report(cfg, log, names, before, after, step, len(enc_train), env, engine.name, t0)
-    state = engine.full_state_dict()  # collective
-    pc.save_hf_folder(out_dir, policy, state, tok, {"eval_results.json": results}, env, log_dir=log_dir)
+    results = _report(cfg, log, names, before, after, step, len(enc_train), env, engine.name, t0, lam)
+    writer, state = adapters.saver(policy, model, spec, cfg.lora_export, engine.full_state_dict())  # collective
+    files = {"eval_results.json": results, **(lam.files() if lam is not None else {})}
+    pc.save_hf_folder(out_dir, writer, state, tok, files, env, log_dir=log_dir)
     log.metrics(step, {"eval/reward_accuracy": after["all"]["reward_accuracy"],
                        "eval/reward_accuracy_before": before["all"]["reward_accuracy"],
                        "eval/logp_accuracy": after["all"]["logp_accuracy"]})
@@ -249,15 +312,23 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
 
 
 def _report(cfg: DPOConfig, log, names: list[str], before: dict, after: dict, step: int, n_train: int, env,
-            strategy: str, t0: float) -> dict:
+            strategy: str, t0: float, lam: LambdaSchedule | None) -> dict:
     """The held-out metrics before -> after, printed, and the run's results (eval_results.json)."""
     log.print("held-out after training:  " + _fmt_eval(after["all"]))
     for name in names:
         log.print(f"  {name}: reward accuracy {before[name]['reward_accuracy']:.3f} -> "
                   f"{after[name]['reward_accuracy']:.3f}, policy prefers chosen {before[name]['logp_accuracy']:.3f} -> "
                   f"{after[name]['logp_accuracy']:.3f}")
-    return {"loss_type": cfg.loss_type, "beta": cfg.beta, "before": before, "after": after, "steps": step,
-            "train_pairs": n_train, "world_size": env.world_size, "strategy": strategy,
-            "effective_batch": pc.global_batch(cfg, env.world_size), "seconds": round(time.time() - t0, 1),
-            **({"helpful_rm": cfg.helpful_rm, "harmless_rm": cfg.harmless_rm, "safety_lambda": cfg.safety_lambda,
-                "offset_alpha": cfg.offset_alpha} if cfg.loss_type == "safe" else {})}
+    out = {"loss_type": cfg.loss_type, "beta": cfg.beta, "before": before, "after": after, "steps": step,
+           "train_pairs": n_train, "world_size": env.world_size, "strategy": strategy, "use_lora": cfg.use_lora,
+           "logp_reduction": cfg.logp_reduction, "kl_coeff": cfg.kl_coeff,
+           "effective_batch": pc.global_batch(cfg, env.world_size), "seconds": round(time.time() - t0, 1)}
+    if cfg.loss_type in SAFETY_LOSSES:
+        out.update(helpful_rm=cfg.helpful_rm, harmless_rm=cfg.harmless_rm)
+    if cfg.loss_type == "safe_odpo":
+        out.update(safety_lambda=cfg.safety_lambda, offset_alpha=cfg.offset_alpha)
+    if lam is not None:
+        out.update(lambda_init=cfg.lambda_init, lambda_final=lam.state.value, lambda_lr=cfg.lambda_lr,
+                   cost_threshold=cfg.cost_threshold, beta_w=cfg.beta_w, beta_k=cfg.beta_k)
+        log.print(f"λ {cfg.lambda_init:g} -> {lam.state.value:.6g} after {lam.state.updates} updates")
+    return out

@@ -11,8 +11,12 @@ exactly as `models.value.ModelScorer` reads it, so the saved folder plugs into t
 
 `model_type` (default `auto`: helpful → reward, harmless → cost):
 * reward: Bradley-Terry loss with the optional per-pair Llama-2 margin (`margin` in the data).
-* cost: the Safe RLHF cost-model loss (pairwise + sign terms on `is_chosen_safe`/`is_rejected_safe`):
-  higher cost = more harmful, cost > 0 = unsafe.
+* cost: the Safe RLHF cost-model loss (pairwise + sign terms on `is_chosen_safe`/`is_rejected_safe`, or the
+  `safety_labels` of the Safe-MM-DPO project's rows): higher cost = more harmful, cost > 0 = unsafe.
+  `classification_loss_weight` weighs the sign (classification) term (Safe RLHF eq. 6: 1).
+
+With `use_lora`, LoRA adapters (peft) train on the backbone and the score head trains in full (peft's
+modules_to_save); the saved folder is the merged model (or, with lora_export=adapter, peft's adapter folder).
 
 Writes `<output_dir>/` (HF folder + tokenizer), `<output_dir>/eval_results.json` (held-out pairwise
 accuracy before and after training) and `<output_dir>/alignrl_score.json` (what the score means).
@@ -27,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from alignrl.preference import adapters
 from alignrl.preference import common as pc
 from alignrl.preference.cli import RMConfig
 from alignrl.config import ConfigError
@@ -102,16 +107,20 @@ class LastTokenScorer(torch.nn.Module):
         return scores.squeeze(-1).float().clone()  # not a view: FSDP2 hooks the output for backward
 
 
-def load_score_model(path: str, seed: int, log=print):
+def load_score_model(path: str, seed: int, log=print, tokenizer: str | None = None):
     """(sequence-classification model with one label, tokenizer with a pad token) from a causal-LM or
-    sequence-classification folder."""
+    sequence-classification folder; the tokenizer from `tokenizer` when given (tokenizer_name)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from alignrl.models.loader import resolve_model_path
 
     folder = resolve_model_path(path, log)
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer or folder))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"tokenizer_name={tokenizer}: no tokenizer there ({' '.join(str(e).split())[:160]}); "
+                          "leave tokenizer_name empty to use model_path's") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     torch.manual_seed(seed)  # the score head is new: make it reproducible
@@ -141,10 +150,11 @@ def _scores(model, batch, cfg: RMConfig, env) -> torch.Tensor:
     return scores.float()
 
 
-def _loss(model_type: str, scores: torch.Tensor, batch, global_pairs: float):
+def _loss(model_type: str, scores: torch.Tensor, batch, global_pairs: float, sign_weight: float = 1.0):
     b = batch.n_pairs
     if model_type == "cost":
-        return safe_rlhf_cost_loss(scores[:b], scores[b:], batch.chosen_unsafe, batch.rejected_unsafe, global_pairs)
+        return safe_rlhf_cost_loss(scores[:b], scores[b:], batch.chosen_unsafe, batch.rejected_unsafe, global_pairs,
+                                   sign_weight)
     margin = batch.margin if bool(batch.margin.any()) else None
     return bradley_terry_loss(scores[:b], scores[b:], margin, global_pairs)
 
@@ -198,12 +208,17 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     env = init_distributed()
     pc.check_enough(len(train_pairs), cfg, env.world_size, train_file)
     log = pc.RankZeroLog(env, log_dir, cfg.report_to)  # held before any model loads
-    hf, tok = load_score_model(cfg.model_path, cfg.seed)
+    hf, tok = load_score_model(cfg.model_path, cfg.seed, tokenizer=cfg.tokenizer_name)
     pc.prepare_trainable(hf, cfg)
+    spec, peft_model, inner = adapters.spec_of(cfg), None, hf
+    if spec is not None:  # the head trains in full beside the adapters (modules_to_save)
+        peft_model = adapters.attach(hf, spec, "SEQ_CLS")
+        inner = peft_model.get_base_model()
+        log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(inner)}")
     enc_train, cut = encode_pairs(tok, train_pairs, cfg.max_length)
     enc_eval, _ = encode_pairs(tok, eval_pairs, cfg.max_length)
     total = pc.total_steps(len(enc_train), cfg, env.world_size)
-    engine = pc.build_engine_for(cfg, LastTokenScorer(hf), env, total)
+    engine = pc.build_engine_for(cfg, LastTokenScorer(inner), env, total)
     log.print(f"{model_type} model on task {cfg.task}: {len(enc_train)} train pairs ({train_file}), "
               f"{len(enc_eval)} held-out ({eval_file}); {truncation_note(enc_train, cut, cfg.max_length)}")
     log.print(f"{pc.describe_batch(cfg, env.world_size)}; {total} optimizer steps, strategy {engine.name}, "
@@ -213,10 +228,16 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     log.print(f"held-out pairwise accuracy before training: {before['accuracy']:.3f}")
 
     def loss(module, batch, gpairs):
-        return _loss(model_type, _scores(module, batch, cfg, env), batch, gpairs)
+        return _loss(model_type, _scores(module, batch, cfg, env), batch, gpairs, cfg.classification_loss_weight)
+
+    def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
+        if not (cfg.eval_steps and step % cfg.eval_steps == 0 and step < total):
+            return {}
+        return {f"eval/{k}": v for k, v in evaluate(engine, evals, model_type, cfg, env).items()
+                if k in ("accuracy", "sign_accuracy")}
 
     step = pc.train_pairs(engine, loss, enc_train, train_pairs, tok.pad_token_id, cfg, env, log, total,
-                          {"rm/accuracy": "acc", "cost/accuracy": "acc", "cost/sign_accuracy": "sign_acc"})
+                          {"rm/accuracy": "acc", "cost/accuracy": "acc", "cost/sign_accuracy": "sign_acc"}, after_step)
     after = evaluate(engine, evals, model_type, cfg, env)
     pc.check_eval_finite(after["score_sum"], "scores")
     results = {"task": cfg.task, "model_type": model_type, "eval_file": eval_file, "eval_pairs": int(after["pairs"]),
@@ -230,9 +251,10 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
               f"{int(after['pairs'])} pairs" + (f"; sign accuracy {after['sign_accuracy']:.3f}"
                                                 if model_type == "cost" else ""))
     state = {k.removeprefix("inner."): v for k, v in engine.full_state_dict().items()}  # collective
+    writer, state = adapters.saver(hf, peft_model, spec, cfg.lora_export, state)
     info = {"model_type": model_type, "task": cfg.task,
             "meaning": "higher = more harmful; > 0 unsafe" if model_type == "cost" else "higher = preferred"}
-    pc.save_hf_folder(out_dir, hf, state, tok, {"eval_results.json": results, SCORE_INFO: info}, env,
+    pc.save_hf_folder(out_dir, writer, state, tok, {"eval_results.json": results, SCORE_INFO: info}, env,
                       log_dir=log_dir)
     log.metrics(step, {"eval/accuracy": after["accuracy"], "eval/accuracy_before": before["accuracy"]})
     log.print(f"saved {model_type} model to {out_dir} ({results['seconds']:.1f}s)")

@@ -1,0 +1,109 @@
+"""LoRA in the preference trainers: adapters on the reward/cost model or the DPO policy (`use_lora`), and the folder
+that leaves the trainer.
+
+The adapters come from `alignrl.models.lora` (peft). A reward or cost model trains its scoring head in full beside
+the adapters (peft's modules_to_save: a new head has nothing to adapt). The optimizer sees only what requires
+grad, so it holds state for the adapters (and head) alone; the DPO reference is the policy with its adapters off.
+
+The saved folder is by default a plain HF model with the adapters folded in (W + B·A·alpha/r), what the RL loop,
+`load_model` and safety-aware DPO load; `lora_export=adapter` writes peft's adapter folder instead. The fold works
+on the engine's full state dict, so it reads the same under every engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from alignrl.models.folder import ModelError
+from alignrl.models.lora import LoraSpec, add_adapters, lora_spec
+
+_WRAP = "base_model.model."
+_HEAD = ".modules_to_save.default."  # peft's trained copy of a module kept in full
+_FROZEN_HEAD = ".original_module."
+
+
+def spec_of(cfg) -> LoraSpec | None:
+    """The LoRA spec of a preference config, or None without use_lora."""
+    if not cfg.use_lora:
+        return None
+    return lora_spec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+
+
+def attach(model: torch.nn.Module, spec: LoraSpec, task: str):
+    """`model` with adapters (task CAUSAL_LM: the policy; SEQ_CLS: a scorer, head trained in full); one line when
+    peft is missing or a target matches no module."""
+    import warnings
+
+    _check_targets(model, spec)
+    with warnings.catch_warnings():  # peft asks transformers for the old name of activation checkpointing
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return add_adapters(model, spec, key="use_lora", task=task)
+
+
+def _check_targets(model: torch.nn.Module, spec: LoraSpec) -> None:
+    """Every named target matches a module (peft matches a name or a dotted suffix of one); peft itself refuses only
+    when none does, so a misspelt name among others would leave its layers unadapted without a word."""
+    if isinstance(spec.target_modules, str):
+        return
+    names = [n for n, _ in model.named_modules()]
+    missing = [t for t in spec.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ModelError(f"LoRA target_modules: {', '.join(missing)} matches no module of this model; its linear "
+                         f"layers are named {', '.join(linear[:12])} (or use all-linear)")
+
+
+def count(model: torch.nn.Module) -> str:
+    """'N trainable of M parameters (p%)': what a LoRA run trains."""
+    train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return f"{train:,} trainable of {total:,} parameters ({100 * train / max(total, 1):.2f}%)"
+
+
+def _plain(name: str) -> str:
+    return name.removeprefix(_WRAP).replace(".base_layer.", ".").replace(_HEAD, ".")
+
+
+@torch.no_grad()
+def merged_state(state: dict[str, torch.Tensor], spec: LoraSpec, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """A full state dict of an adapted model (any wrapper prefix already removed but peft's) as the plain model's
+    tensors: every LoRA pair folded into its base weight (W + B·A·alpha/r), a fully trained head (modules_to_save)
+    in its module's place, peft's frozen copy of that head dropped. A state without adapters comes back as it is."""
+    scale = spec.alpha / spec.rank
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if ".lora_" in name or _FROZEN_HEAD in name:
+            continue
+        out[_plain(name)] = tensor
+    for name, a in state.items():
+        tail = f".lora_A.{adapter}.weight"
+        if not name.endswith(tail):
+            continue
+        prefix = name[:-len(tail)]
+        b = state[f"{prefix}.lora_B.{adapter}.weight"]
+        key = _plain(prefix) + ".weight"
+        w = out[key]
+        out[key] = (w.float() + (b.float() @ a.float()) * scale).to(w.dtype)
+    return out
+
+
+class AdapterFolder:
+    """What `common.save_hf_folder` writes when the export is the adapter alone: peft's own folder
+    (adapter_config.json and the adapter's weights, a scorer's head included)."""
+
+    def __init__(self, peft_model):
+        self.peft_model = peft_model
+
+    def save_pretrained(self, folder: Path, state_dict=None) -> None:
+        self.peft_model.save_pretrained(str(folder))
+
+
+def saver(model, peft_model, spec: LoraSpec | None, export: str, state: dict[str, torch.Tensor]):
+    """(object whose save_pretrained writes the model folder, the state dict it writes) for the config's export."""
+    if spec is None:
+        return model, state
+    if export == "adapter":
+        return AdapterFolder(peft_model), state
+    return peft_model.get_base_model(), merged_state(state, spec)

@@ -1,0 +1,70 @@
+"""Checkpoints of a DPO run every `save_steps` optimizer steps, and resuming from one (`resume_from`).
+
+A checkpoint is a folder `<output_dir>.checkpoints/step_<N>/`: the engine's full weights (`weights.safetensors`,
+adapters included under LoRA), its optimizer and scheduler state (the engines' own `optim.pt`), and `state.json`
+with the step and the Safe-MM-DPO multiplier λ with its cost average. It is written into a hidden temporary folder
+and renamed into place, so a folder named step_<N> is complete. A resumed run loads all of it, skips the
+micro-batches the first N steps consumed (the data order is the seeded one of the first run), and goes on; with the
+same config it ends where the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from alignrl.config import ConfigError
+
+WEIGHTS, STATE = "weights.safetensors", "state.json"
+
+
+def checkpoint_root(out_dir: Path) -> Path:
+    return out_dir.parent / f"{out_dir.name}.checkpoints"
+
+
+def save_checkpoint(root: Path, step: int, engine, lam, env) -> Path:
+    """Collective (the engine gathers its weights and optimizer state on every rank; rank 0 writes)."""
+    from safetensors.torch import save_file
+
+    from alignrl.runtime.env import barrier
+
+    final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+    if env.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(env)
+    weights = engine.full_state_dict()
+    engine.save_state(tmp)
+    if env.is_main:
+        # tied tensors (input and output embeddings) are written as two copies: safetensors keeps no aliases
+        save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, str(tmp / WEIGHTS))
+        state = {"step": step, **({"lambda_state": lam.state.state_dict()} if lam is not None else {})}
+        (tmp / STATE).write_text(json.dumps(state, indent=2) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    barrier(env)
+    return final
+
+
+def resume(folder: str, engine, lam) -> int:
+    """Loads a checkpoint's weights, optimizer state and λ into this run; returns its step."""
+    from safetensors.torch import load_file
+
+    path = Path(folder)
+    if not (path / WEIGHTS).is_file() or not (path / STATE).is_file():
+        raise ConfigError(f"resume_from={folder} is not a checkpoint of `alignrl train dpo` (no {WEIGHTS} and "
+                          f"{STATE}); give a <output_dir>.checkpoints/step_<N> folder")
+    state = json.loads((path / STATE).read_text())
+    weights = load_file(str(path / WEIGHTS))
+    missing, unexpected = engine.model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        name = (missing or unexpected)[0]
+        raise ConfigError(f"resume_from={folder} was saved from another model or LoRA setting ({name} does not "
+                          "match); resume with the config that wrote it")
+    engine.load_state(path)
+    if lam is not None and "lambda_state" in state:
+        lam.state.load_state_dict(state["lambda_state"])
+    return int(state["step"])

@@ -1,0 +1,184 @@
+"""LoRA in reward/cost-model and DPO training: only the adapters (and a scorer's head) change, the saved folder is a
+plain model with the adapters folded in (or peft's adapter folder), and LoRA's mistakes are one line each."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignrl.preference.cli import dpo_main, parse_dpo, rm_main
+
+REPO = Path(__file__).resolve().parents[1]
+LORA = ["use_lora=true", "lora_rank=4", "lora_alpha=8", "lora_dropout=0", "lora_target_modules=[q_proj,v_proj]"]
+TINY = ["max_train_pairs=8", "max_eval_pairs=8", "batch_size=8", "eval_batch_size=16", "report_to=[jsonl]",
+        "learning_rate=1e-2", "warmup_ratio=0"]
+
+
+def _rm(tmp: Path, model: Path, task: str, *extra: str) -> Path:
+    out = tmp / f"{task}_rm"
+    assert rm_main(["--config", str(REPO / "configs/rm_config.yaml"), "--task", task, "--output_dir", str(out),
+                    "--logging_dir", str(tmp / f"logs_{task}"), f"model_path={model}", *TINY, *LORA, *extra]) == 0
+    return out
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def lora_scorers(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora_rms")
+    return _rm(tmp, tiny_model_dir, "helpful"), _rm(tmp, tiny_model_dir, "harmless")
+
+
+def test_reward_model_lora_trains_adapters_and_head_only(lora_scorers, tiny_model_dir):
+    from alignrl.models.value import ModelScorer
+    from alignrl.preference.rm import load_score_model
+
+    helpful, harmless = lora_scorers
+    base, _ = load_score_model(str(tiny_model_dir), 42)  # the seeded head the run started from
+    start = base.state_dict()
+    for folder in (helpful, harmless):
+        saved = _tensors(folder)
+        assert set(saved) <= set(start) and not any("lora_" in k or "modules_to_save" in k for k in saved)
+        changed = {k for k, v in saved.items() if not torch.equal(v, start[k])}
+        assert "score.weight" in changed  # the head trains in full
+        targeted = {k for k in saved if k.endswith(("q_proj.weight", "v_proj.weight"))}
+        assert changed - {"score.weight"} == targeted  # every adapted weight moved, nothing else did
+        assert ModelScorer(str(folder)).model is not None  # a plain scorer folder, as the RL loop loads it
+    assert json.loads((harmless / "eval_results.json").read_text())["model_type"] == "cost"
+
+
+def test_dpo_lora_trains_adapters_only_and_saves_a_plain_policy(lora_scorers, tiny_model_dir, tmp_path):
+    from alignrl.models.loader import load_model
+
+    helpful, harmless = lora_scorers
+    out = tmp_path / "aligned"
+    assert dpo_main(["--config", str(REPO / "configs/dpo_config.yaml"), "--output_dir", str(out), "--logging_dir",
+                     str(tmp_path / "logs"), f"model_path={tiny_model_dir}", f"helpful_rm={helpful}",
+                     f"harmless_rm={harmless}", "gradient_accumulation_steps=1", "kl_coeff=0.05", "log_every=1",
+                     "eval_steps=1", *TINY, *LORA]) == 0
+    policy, _ = load_model(str(out))  # what the RL loop and `alignrl demo` load
+    start, saved = _tensors(tiny_model_dir), _tensors(out)
+    changed = {k for k, v in saved.items() if k in start and not torch.equal(v, start[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed
+    res = json.loads((out / "eval_results.json").read_text())
+    assert res["use_lora"] and res["loss_type"] == "safe_mm_dpo" and res["after"]["all"]["reward_margin"] != 0
+    lam = json.loads((out / "safe_mm_dpo_state.json").read_text())
+    assert lam["updates"] == res["steps"] and lam["lambda"] == res["lambda_final"]
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["kl_divergence"] == 0.0 and rows[0]["loss_kl"] == 0.0  # the adapters start at zero: π = π_ref
+    steps = [r for r in rows if "lambda" in r]
+    assert steps[-1]["lambda"] == pytest.approx(lam["lambda"])
+    assert "eval/reward_accuracy" in steps[0] and "eval/reward_accuracy" not in steps[-1]  # eval_steps=1: mid-run
+    # the first update: ln λ = ln 1 + λ_lr·1·J, J the first step's expected cost (cost_threshold 0)
+    assert steps[0]["lambda"] == pytest.approx(math.exp(0.01 * steps[0]["expected_cost"]), rel=1e-9)
+
+
+def test_adapter_export_holds_the_adapters_and_the_head(tiny_model_dir, tmp_path):
+    out = _rm(tmp_path, tiny_model_dir, "helpful", "lora_export=adapter", "max_steps=1")
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(out / "adapter_model.safetensors")))
+    assert (out / "adapter_config.json").is_file() and not (out / "model.safetensors").exists()
+    assert names and all("lora_" in n or ".score." in n for n in names), names
+
+
+def test_folded_state_is_peft_merge_and_the_optimizer_holds_adapters_only(tiny_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    from alignrl.models.lora import lora_spec
+    from alignrl.preference.adapters import attach, merged_state
+    from alignrl.runtime.env import DistEnv
+    from alignrl.train.engines import OptimSpec, build_engine
+
+    spec = lora_spec(4, 8, 0.0, ["q_proj", "v_proj"])
+    torch.manual_seed(0)
+    model = attach(AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1), spec,
+                   "SEQ_CLS")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)  # nonzero B and a changed head
+    ours = merged_state(model.state_dict(), spec)
+    engine = build_engine("single", model, OptimSpec(), DistEnv())
+    held = sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])
+    assert held == sum(p.numel() for p in model.parameters() if p.requires_grad) < 0.2 * sum(
+        p.numel() for p in model.parameters())
+    peft_merged = model.merge_and_unload().state_dict()
+    assert set(ours) == set(peft_merged)
+    for k, v in peft_merged.items():
+        assert torch.allclose(ours[k], v, atol=1e-6), k
+
+
+# ---------------------------------------------------------------- one line each
+
+
+def test_lora_without_peft_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
+    assert rm_main(["--task", "helpful", "use_lora=true"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("alignrl: error: use_lora: LoRA needs the peft package, which is not installed; "
+                           "`pip install peft` (or train all weights: use_lora=false)")
+
+
+def test_a_target_module_that_matches_nothing_is_one_line(tiny_model_dir, tmp_path, capsys):
+    assert rm_main(["--task", "helpful", "--output_dir", str(tmp_path / "rm"), "--logging_dir", str(tmp_path / "l"),
+                    f"model_path={tiny_model_dir}", *TINY, "use_lora=true", "lora_target_modules=[wq_proj]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("alignrl: error: LoRA target_modules: wq_proj matches no module of this model; its "
+                          "linear layers are named ") and "q_proj" in err and "\n" not in err
+    assert not (tmp_path / "rm").exists()
+
+
+def test_lora_on_a_sharded_engine_is_one_line():
+    from alignrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="use_lora trains with strategy single or ddp here, not fsdp2"):
+        parse_dpo(["use_lora=true", "strategy=fsdp2"])
+
+
+def test_a_policy_passed_as_a_reward_model_is_one_line(tiny_model_dir, tmp_path, capsys):
+    harmless = tmp_path / "harmless_rm"
+    harmless.mkdir()
+    (harmless / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForSequenceClassification"]}))
+    assert dpo_main(["--config", str(REPO / "configs/dpo_config.yaml"), f"helpful_rm={tiny_model_dir}",
+                     f"harmless_rm={harmless}", "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"alignrl: error: helpful_rm={tiny_model_dir} is a Qwen2ForCausalLM, "
+                   "a policy, not a reward model: it has no scoring head; train one with `bash "
+                   "scripts/train_rm_distributed.sh helpful <NGPU>` and point helpful_rm there")
+
+
+def test_a_dpo_run_resumed_from_its_checkpoint_ends_where_the_whole_run_does(lora_scorers, tiny_model_dir, tmp_path):
+    helpful, harmless = lora_scorers
+    base = ["--config", str(REPO / "configs/dpo_config.yaml"), f"model_path={tiny_model_dir}", f"helpful_rm={helpful}",
+            f"harmless_rm={harmless}", "gradient_accumulation_steps=1", "lambda_lr=0.5", "log_every=1", *TINY, *LORA]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert dpo_main([*base, "--output_dir", str(whole), "--logging_dir", str(tmp_path / "l1"), "save_steps=1"]) == 0
+    ckpt = tmp_path / "whole.checkpoints" / "step_1"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["optim.pt", "state.json", "weights.safetensors"]
+    assert not (tmp_path / "whole.checkpoints" / "step_2").exists()  # the last step is the saved model itself
+    assert dpo_main([*base, "--output_dir", str(resumed), "--logging_dir", str(tmp_path / "l2"),
+                     f"resume_from={ckpt}"]) == 0
+    a, b = (json.loads((d / "safe_mm_dpo_state.json").read_text()) for d in (whole, resumed))
+    assert a["updates"] == b["updates"] == 2 and b["lambda"] == pytest.approx(a["lambda"], rel=1e-9)
+    wa, wb = _tensors(whole), _tensors(resumed)
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+    rows = [json.loads(line) for line in (tmp_path / "l2" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "lambda" in r] == [2]  # only the step after the checkpoint ran
+
+
+def test_resuming_from_a_folder_that_is_no_checkpoint_is_one_line(lora_scorers, tiny_model_dir, tmp_path, capsys):
+    helpful, harmless = lora_scorers
+    assert dpo_main(["--output_dir", str(tmp_path / "out"), "--logging_dir", str(tmp_path / "l"),
+                     f"model_path={tiny_model_dir}", f"helpful_rm={helpful}", f"harmless_rm={harmless}",
+                     f"resume_from={tmp_path}", *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"alignrl: error: resume_from={tmp_path} is not a checkpoint of `alignrl train dpo` (no "
+                   "weights.safetensors and state.json); give a <output_dir>.checkpoints/step_<N> folder")
