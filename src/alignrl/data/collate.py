@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from alignrl.data.images import encode_image_prompt
 from alignrl.errors import UserError
 
 
@@ -28,12 +29,15 @@ def encode_prompts(tokenizer, samples: Sequence, max_prompt_length: int, truncat
     `truncation="error"`, a longer prompt raises PromptTooLong naming its row instead."""
     out = []
     for s in samples:
-        ids = prompt_ids(tokenizer, s)
+        if getattr(s, "images", ()):  # image tokens are never cut: its own truncation (data.images)
+            ids = encode_image_prompt(tokenizer, s, 1 << 30 if truncation == "error" else max_prompt_length)
+        else:
+            ids = prompt_ids(tokenizer, s)
         if truncation == "error" and len(ids) > max_prompt_length:
             raise PromptTooLong(f"{getattr(s, 'source', None) or 'a row'}: its prompt is {len(ids)} tokens, over "
                                 f"data.max_prompt_length={max_prompt_length} (data.truncation=error): raise the limit, "
                                 "set data.filter_overlong_prompts=true to drop such rows, or data.truncation=left")
-        out.append(ids[-max_prompt_length:])
+        out.append(ids if len(ids) <= max_prompt_length else ids[-max_prompt_length:])
     return out
 
 
@@ -102,10 +106,12 @@ def length_sorted_chunks(idx: torch.Tensor, prompt_mask: torch.Tensor, response_
 
 @torch.no_grad()
 def per_token_in_chunks(model, fn, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                        response_mask: torch.Tensor, micro_batch: int, by_prompt: bool = False) -> torch.Tensor:
+                        response_mask: torch.Tensor, micro_batch: int, by_prompt: bool = False, images=None
+                        ) -> torch.Tensor:
     """(B, R) per-token outputs of `fn(model, prompt_ids, prompt_mask, response_ids, response_mask)` in eval
     mode, `micro_batch` rows at a time, rows grouped by length (and by prompt with `by_prompt`) and each
-    chunk trimmed of padding."""
+    chunk trimmed of padding. With `images` (`data.images.ImageRows` of the B rows), `fn` also takes each
+    chunk's rows of them as `images=`."""
     was_training = model.training
     model.eval()
     out = torch.zeros(response_ids.shape)
@@ -113,6 +119,8 @@ def per_token_in_chunks(model, fn, prompt_ids: torch.Tensor, prompt_mask: torch.
     for idx in length_sorted_chunks(torch.arange(out.shape[0]), prompt_mask, response_mask, micro_batch, group):
         pm, rm = prompt_mask[idx], response_mask[idx]
         p0, r1 = padding_bounds(pm, rm)
-        out[idx, :r1] = fn(model, prompt_ids[idx, p0:], pm[:, p0:], response_ids[idx, :r1], rm[:, :r1]).to(out.device)
+        extra = {} if images is None else {"images": images.select(idx)}
+        out[idx, :r1] = fn(model, prompt_ids[idx, p0:], pm[:, p0:], response_ids[idx, :r1], rm[:, :r1],
+                           **extra).to(out.device)
     model.train(was_training)
     return out

@@ -28,6 +28,7 @@ from alignrl.config.checks import data_files
 # DataError lives in layouts (which raises it too); the package imports it from here
 from alignrl.data.row_formats import (DataError, PromptKeys, chat_messages, json_array_rows, keys_sample,
                                   plain_ground_truth, with_system)
+from alignrl.data.images import with_row_images
 from alignrl.data.records import Sample
 from alignrl.utils.atomic import atomic_write
 
@@ -52,17 +53,19 @@ def load_samples(
     label_key: str | None = None,
     input_template: str | None = None,
     apply_chat_template: bool = True,
+    image_key: str = "images",
 ) -> list[Sample]:
     """Read `path` (.jsonl, .json or .parquet, or a list of them, concatenated) in format "gsm8k",
     "verl" or "auto" (chosen by columns, per file); with `prompt_key`, by column instead (`label_key`,
-    `input_template` and `apply_chat_template` as the data.* config keys of those names describe).
+    `input_template` and `apply_chat_template` as the data.* config keys of those names describe). Rows with
+    images (the layouts of `alignrl.data.images`; `image_key` names the image column) carry them in `Sample.images`.
 
     `system_prompt`, when given, is prepended to chat prompts that do not already start with a system
     message. `limit` keeps only the first rows, which keeps smoke runs cheap on big files. `key` is
     the config key that named the file, for messages (e.g. "data.val_files").
     """
     keys = dict(prompt_key=prompt_key, label_key=label_key, input_template=input_template,
-                apply_chat_template=apply_chat_template)
+                apply_chat_template=apply_chat_template, image_key=image_key)
     if not isinstance(path, str):
         samples: list[Sample] = []
         for one in data_files(path):
@@ -78,9 +81,14 @@ def load_samples(
     columns, rows = _read_rows(path, limit, key)
     if not rows:
         raise DataError(f"{path}: file has no rows (point {key} at a non-empty dataset)")
+    base = Path(path).parent  # relative image paths may be relative to the data file
+
+    def placed(loc: str, row: dict[str, Any], sample: Sample) -> Sample:
+        return with_row_images(loc, dataclasses.replace(sample, source=loc), row, image_key, base)
+
     if prompt_key is not None:
         by_column = PromptKeys(prompt_key, label_key, input_template, apply_chat_template)
-        return [dataclasses.replace(keys_sample(loc, row, by_column, system_prompt), source=loc) for loc, row in rows]
+        return [placed(loc, row, keys_sample(loc, row, by_column, system_prompt)) for loc, row in rows]
     fmt = _detect_format(path, columns, fmt)
     convert: Callable[[str, dict[str, Any], str | None], Sample] = (
         _gsm8k_sample if fmt == "gsm8k" else _verl_sample
@@ -91,7 +99,7 @@ def load_samples(
         if missing:
             raise DataError(f"{loc}: row is missing {', '.join(missing)} (every {fmt} row needs "
                             f"{', '.join(_FORMATS[fmt])})")
-        samples.append(dataclasses.replace(convert(loc, row, system_prompt), source=loc))
+        samples.append(placed(loc, row, convert(loc, row, system_prompt)))
     return samples
 
 

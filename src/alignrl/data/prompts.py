@@ -6,6 +6,7 @@ from __future__ import annotations
 from alignrl.config import RunConfig
 from alignrl.data import synthetic
 from alignrl.data.collate import encode_prompts, prompt_ids
+from alignrl.data.images import PROCESSOR_ATTR, ImageDataError, prompt_length, set_pixel_bounds
 from alignrl.data.loaders import DataError, load_samples
 from alignrl.rewards.registry import ground_truth_problem
 from alignrl.utils.tracking import console
@@ -14,14 +15,15 @@ from alignrl.utils.tracking import console
 def load_task_data(cfg: RunConfig, tokenizer=None):
     """The training and held-out samples. With data.filter_overlong_prompts and the policy's `tokenizer`, prompts
     longer than data.max_prompt_length are dropped from both (counted); without a tokenizer (a check before any
-    model loads) every row is kept."""
+    model loads) every row is kept. Given a vision-language model's tokenizer, its processor resizes images within
+    data.min_pixels..max_pixels; given a text-only model's, rows with images are refused."""
     d = cfg.data
     # a file's columns: detected (GSM8K/verl), or named by data.prompt_key/label_key (both splits alike)
     if d.input_template and "\\n" in d.input_template and "\n" not in d.input_template:  # OpenRLHF warns too
         console.print("data.input_template holds the two characters \\n, not a newline: in bash pass "
                       "$'...\\n...', or write the template in double quotes in the YAML file", markup=False)
     keys = dict(system_prompt=d.system_prompt, prompt_key=d.prompt_key, label_key=d.label_key,
-                input_template=d.input_template, apply_chat_template=d.apply_chat_template)
+                input_template=d.input_template, apply_chat_template=d.apply_chat_template, image_key=d.image_key)
     train = (synthetic.generate("train", d.train_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
              if d.train_files == "synthetic" else
              load_samples(d.train_files, d.format, limit=d.train_row_cap, **keys))
@@ -33,6 +35,13 @@ def load_task_data(cfg: RunConfig, tokenizer=None):
             problem = ground_truth_problem(s.data_source, s.ground_truth)
             if problem:
                 raise DataError(f"{s.source or 'a row'}: {problem}")
+    if tokenizer is not None and getattr(tokenizer, PROCESSOR_ATTR, None) is not None:
+        set_pixel_bounds(getattr(tokenizer, PROCESSOR_ATTR), d.min_pixels, d.max_pixels)
+    elif tokenizer is not None:
+        with_images = next((s for s in (*train, *val) if s.images), None)
+        if with_images is not None:
+            raise ImageDataError(f"{with_images.source or 'a row'}: its prompt has images but model.path is a text-only "
+                                 "model; use a vision-language model (e.g. Qwen2-VL) or data without images")
     if d.filter_overlong_prompts and tokenizer is not None:
         train, val = (drop_overlong(rows, tokenizer, d.max_prompt_length, what) for rows, what in
                       ((train, "training"), (val, "held-out")))
@@ -41,7 +50,10 @@ def load_task_data(cfg: RunConfig, tokenizer=None):
 
 def drop_overlong(samples: list, tokenizer, max_len: int, what: str) -> list:
     """`samples` without those whose whole prompt is longer than `max_len` tokens (verl's filter_overlong_prompts)."""
-    kept = [s for s in samples if len(prompt_ids(tokenizer, s)) <= max_len]
+    def length(s) -> int:  # a prompt with images counts its image tokens (data.images)
+        return prompt_length(tokenizer, s) if s.images else len(prompt_ids(tokenizer, s))
+
+    kept = [s for s in samples if length(s) <= max_len]
     if len(kept) < len(samples):
         console.print(f"data.filter_overlong_prompts: dropped {len(samples) - len(kept)} of {len(samples)} {what} "
                       f"prompts longer than data.max_prompt_length={max_len} tokens", markup=False)

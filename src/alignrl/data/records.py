@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from alignrl.data.collate import padding_bounds
+from alignrl.data.images import ImageRows
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class Sample:
     prompt_text: str | None = None
     # its place in the data file ("train.parquet row 17"), for messages; not part of the sample's value
     source: str | None = field(default=None, compare=False)
+    # the prompt's images in the order of the messages' {"type": "image"} items: file paths or encoded bytes
+    # (`data.images`); () for a text prompt
+    images: tuple[str | bytes, ...] = ()
 
 
 def rows_digest(samples: list[Sample]) -> str:
@@ -43,6 +47,8 @@ def rows_digest(samples: list[Sample]) -> str:
     for s in samples:
         digest.update(json.dumps([s.messages, s.prompt_text, s.ground_truth, s.data_source], sort_keys=True,
                                  default=str).encode())
+        for image in s.images:  # a path, or the image's bytes
+            digest.update(image if isinstance(image, bytes) else image.encode())
     return digest.hexdigest()[:16]
 
 
@@ -61,6 +67,7 @@ class Rollout:
     # leaves its tool observations out. None: every response token was generated (single-turn)
     loss_mask: torch.Tensor | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row (B,) float counts (agent/...)
+    images: ImageRows | None = None  # each row's prompt images (B rows); None: no row has any
 
     @property
     def generated_mask(self) -> torch.Tensor:  # (B, R) bool, the policy's own tokens
@@ -143,6 +150,7 @@ class Experience:
     # (B, R) bool, the response tokens the forward attends to when they are more than the trained ones
     # (tool observations under state masking); None: response_mask
     response_attention: torch.Tensor | None = None
+    images: ImageRows | None = None  # each row's prompt images (B rows); None: no row has any
 
     @property
     def attended(self) -> torch.Tensor:  # (B, R) bool, the response's attention mask
@@ -154,7 +162,9 @@ class Experience:
     def to(self, device: torch.device) -> Experience:
         """A copy on `device` (records live on the CPU; a micro-batch moves to the trainer's device)."""
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Experience(*(move(getattr(self, f.name)) for f in dataclasses.fields(self)))
+        # images stay on the CPU: the forward's vision inputs move them (models.vision)
+        return Experience(*(move(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "images"),
+                          images=self.images)
 
     def select(self, idx: torch.Tensor) -> Experience:
         """Rows `idx`, with the padding columns that no selected row trains on trimmed off (attended-only
@@ -166,4 +176,5 @@ class Experience:
                           response_ids=cut(self.response_ids), response_mask=cut(self.response_mask),
                           old_logprobs=cut(self.old_logprobs), ref_logprobs=cut(self.ref_logprobs),
                           advantages=cut(self.advantages), is_weight=cut(self.is_weight),
-                          response_attention=cut(self.response_attention))
+                          response_attention=cut(self.response_attention),
+                          images=None if self.images is None else self.images.select(idx))

@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from alignrl.data.images import parse_message_list
 from alignrl.data.records import Sample
 from alignrl.errors import UserError
 
@@ -59,7 +60,12 @@ def chat_messages(loc: str, value: Any, column: str) -> list[dict[str, str]]:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise DataError(f"{loc}: {column} message {m!r:.80} lacks role/content "
                             "(each message must be {'role': ..., 'content': ...})")
-        messages.append({"role": str(m["role"]), "content": str(m["content"])})
+        content = m["content"]
+        if not isinstance(content, str) and hasattr(content, "__iter__") and not isinstance(content, (dict, bytes)):
+            content = [dict(item) if isinstance(item, dict) else item for item in content]  # text/image items
+        else:
+            content = str(content)
+        messages.append({"role": str(m["role"]), "content": content})
     if not messages:  # nothing to answer: the chat template refuses it when a step draws the row
         raise DataError(f"{loc}: {column} is an empty list of chat messages; give every row a prompt, or drop the row")
     return messages
@@ -112,7 +118,7 @@ def keys_sample(loc: str, row: dict[str, Any], keys: PromptKeys, system_prompt: 
     if column not in row:
         raise DataError(f"{loc}: row has no {column!r} column (data.prompt_key names the prompt "
                         f"column; this row has {sorted(row)})")
-    prompt = row[column]
+    prompt = parse_message_list(row[column])  # LMM-R1 stores its messages as a JSON string
     text = prompt if isinstance(prompt, str) else None
     if text is None and not isinstance(prompt, (dict, bytes)) and hasattr(prompt, "__iter__"):
         messages = chat_messages(loc, prompt, column)

@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 
 # ModelError is re-exported: callers catch it from here
-from alignrl.models.folder import SCORE_INFO, ModelError, check_model_folder, load_tokenizer, loading  # noqa: F401
+from alignrl.models import folder as _folder
+from alignrl.models.folder import SCORE_INFO, ModelError, check_model_folder, loading  # noqa: F401
+from alignrl.models.vision import is_vision_folder, load_processor, load_vision_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,12 +37,24 @@ def resolve_model_path(path: str, log: Callable = print, key: str = "model.path"
     return p
 
 
-def load_model(path: str, dtype: str = "float32", log: Callable = print, chat: bool = True, key: str = "model.path"):
+def load_tokenizer(folder: Path, chat: bool = True, min_pixels: int = 0, max_pixels: int = 0):
+    """The folder's tokenizer (`models.folder.load_tokenizer`); a vision-language model's is its processor's, which
+    carries the processor for prompts with images (`models.vision.load_processor`; `min_pixels`/`max_pixels` as
+    data.min_pixels/max_pixels, 0: the processor's own)."""
+    if is_vision_folder(folder):
+        return load_processor(folder, min_pixels, max_pixels).tokenizer
+    return _folder.load_tokenizer(folder, chat)
+
+
+def load_model(path: str, dtype: str = "float32", log: Callable = print, chat: bool = True, key: str = "model.path",
+               min_pixels: int = 0, max_pixels: int = 0):
     """(model, tokenizer) with a pad token set; the tokenizer pads on the left for generation. `chat=False`
     accepts a tokenizer without a chat template (servers of raw completions and token ids). `key`: the setting
-    that gave `path`, for the errors."""
+    that gave `path`, for the errors. A vision-language folder (`models.vision`) gives its image-text model and its
+    processor's tokenizer, which carries the processor (images resized within `min_pixels`..`max_pixels`, 0: the
+    processor's own bounds)."""
     folder = resolve_model_path(path, log, key)
-    tokenizer = load_tokenizer(folder, chat)
+    tokenizer = load_tokenizer(folder, chat, min_pixels, max_pixels)
     return load_causal_lm(folder, dtype, key), tokenizer
 
 
@@ -61,6 +75,8 @@ def load_causal_lm(folder: Path, dtype: str = "float32", key: str = "model.path"
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar per tiny model load is noise in run logs
+    if is_vision_folder(folder):  # images and text in, text out: generates and scores as a causal LM does
+        return load_vision_model(folder, DTYPES[dtype])
     with loading(folder, "model"):
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype])
     model.config.use_cache = False  # training default; the rollout engine asks for the cache explicitly

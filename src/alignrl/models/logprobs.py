@@ -22,6 +22,7 @@ from alignrl.data.collate import position_ids, prompt_groups
 from alignrl.models.folder import ModelError
 from alignrl.models.kv_cache import cache_arg, returned_cache
 from alignrl.models.packing import pack, packed_forward, unpack
+from alignrl.models.vision import vision_inputs
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,15 @@ def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
-    """(B, R, V): position P-1+t of the prompt+response forward predicts response token t."""
+def _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, images=None) -> torch.Tensor:
+    """(B, R, V): position P-1+t of the prompt+response forward predicts response token t. `images`: the rows'
+    prompt images (`data.images.ImageRows`), for a vision-language model (`models.vision`)."""
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, response_mask], 1)
     r = response_ids.shape[1]
-    out = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask),
-                use_cache=False, logits_to_keep=r + 1)
+    vision = vision_inputs(model, ids, mask, images)  # {} without images
+    vision.setdefault("position_ids", position_ids(mask))
+    out = model(input_ids=ids, attention_mask=mask.long(), **vision, use_cache=False, logits_to_keep=r + 1)
     return out.logits[:, :-1]
 
 
@@ -83,16 +86,20 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response
 
 def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                       response_mask: torch.Tensor, temperature: float = 1.0,
-                      with_entropy: bool = False, entropy_grad: bool = False, layout: ForwardLayout = ForwardLayout()
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False, entropy_grad: bool = False, layout: ForwardLayout = ForwardLayout(),
+                      images=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, R) of `response_ids` given left-padded prompts; entropy (B, R) if asked.
 
     Logits are divided by `temperature` so the values match what the sampler drew from. The entropy
     carries a gradient only with `entropy_grad` (an entropy bonus); as a metric it costs no graph.
-    `layout` says how the rows go through the model (see `ForwardLayout`)."""
+    `layout` says how the rows go through the model (see `ForwardLayout`). `images`: the rows' prompt images
+    (`data.images.ImageRows`, B rows), which only the plain layout takes."""
     dev = model_device(model)
     prompt_ids, prompt_mask, response_ids, response_mask = (t.to(dev) for t in (prompt_ids, prompt_mask, response_ids,
                                                                                 response_mask))
+    if images is not None and images.any() and (layout.share_prompt or layout.remove_padding):
+        raise ModelError("prompts with images take the plain forward: set actor.share_prompt=false and "
+                         "actor.use_remove_padding=false (and critic.use_remove_padding=false)")
     groups = prompt_groups(prompt_ids, prompt_mask) if layout.share_prompt else None
     if layout.remove_padding:  # (T, V) logits of the attended tokens only, put back in place by `unpack`
         packing = pack(prompt_ids, prompt_mask, response_ids, response_mask, groups)
@@ -101,7 +108,7 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     else:  # (B, R, V) logits, padding included, masked after
         logits = (_shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, *groups)
                   if groups is not None else
-                  _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask))
+                  _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, images))
         b, r, v = logits.shape
         logits, targets = logits.reshape(b * r, v), response_ids.reshape(-1)
         place = lambda x: x.view(b, r) * response_mask  # noqa: E731

@@ -38,9 +38,14 @@ def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print
 
 
 def response_values(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                    response_mask: torch.Tensor, remove_padding: bool = False) -> torch.Tensor:
+                    response_mask: torch.Tensor, remove_padding: bool = False, images=None) -> torch.Tensor:
     """Values (B, R): V_t is read at the position before response token t (the state it is chosen in),
-    the same alignment as the log-probs. `remove_padding`: one packed row, no padding (models.packing)."""
+    the same alignment as the log-probs. `remove_padding`: one packed row, no padding (models.packing).
+    `images` (prompts with images) are refused: a value model is a token-classification model, which no
+    vision-language architecture has in transformers."""
+    if images is not None and images.any():
+        raise ModelError("PPO's critic cannot read prompts with images (a value model is text-only): train these "
+                         "prompts with a critic-free estimator (algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus)")
     dev = model_device(model)
     if remove_padding:
         packing = pack(*(t.to(dev) for t in (prompt_ids, prompt_mask, response_ids, response_mask)))

@@ -8,6 +8,7 @@ trainer over ZeroMQ (`alignrl.placements.zmq.sampler`). Old-policy log-probs are
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -19,10 +20,12 @@ from alignrl.rl.rollout_ops import concat_rollouts, group_rows, mixed_reward_gro
 from alignrl.rl.scoring import RewardStage
 from alignrl.config import RunConfig
 from alignrl.data.collate import per_token_in_chunks
+from alignrl.data.images import ImagePrompt
 from alignrl.data.records import Rollout, Sample, ScoredBatch, Scores
 from alignrl.data.sampler import BatchSampler
 from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, shard
 from alignrl.interfaces import RefScorer, RolloutEngine, SamplingParams
+from alignrl.models.folder import ModelError
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.utils.tracking import console
 
@@ -39,15 +42,15 @@ def timed(timings: dict[str, float], name: str):
 
 
 def batched_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                     response_mask: torch.Tensor, temperature: float, micro_batch: int, layout: ForwardLayout = ForwardLayout()
-                     ) -> torch.Tensor:
+                     response_mask: torch.Tensor, temperature: float, micro_batch: int, layout: ForwardLayout = ForwardLayout(),
+                     images=None) -> torch.Tensor:
     """Log-probs (B, R) of the responses under `model`, in length-grouped, trimmed chunks, each laid out by
-    `layout` (models.logprobs)."""
-    def logprobs(m, *tensors):
-        return response_logprobs(m, *tensors, temperature, layout=layout)[0]
+    `layout` (models.logprobs). `images`: each row's prompt images (`data.images.ImageRows`), or None."""
+    def logprobs(m, *tensors, images=None):
+        return response_logprobs(m, *tensors, temperature, layout=layout, images=images)[0]
 
     return per_token_in_chunks(model, logprobs, prompt_ids, prompt_mask, response_ids, response_mask, micro_batch,
-                               by_prompt=layout.share_prompt)
+                               by_prompt=layout.share_prompt, images=images)
 
 
 class LocalRefScorer:
@@ -56,9 +59,9 @@ class LocalRefScorer:
     def __init__(self, model, temperature: float, micro_batch: int, layout: ForwardLayout = ForwardLayout()):
         self.model, self.temperature, self.micro_batch, self.layout = model, temperature, micro_batch, layout
 
-    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask, images=None) -> torch.Tensor:
         return batched_logprobs(self.model, prompt_ids, prompt_mask, response_ids, response_mask, self.temperature,
-                                self.micro_batch, self.layout)
+                                self.micro_batch, self.layout, images)
 
 
 class RolloutMaker:
@@ -107,7 +110,14 @@ class RolloutMaker:
         k = len(ro.group) if groups is None else int((ro.group < groups).sum())
         if k == 0:
             return ro.logprobs.new_zeros((0, ro.logprobs.shape[1]))
-        return self.ref.logprobs(ro.prompt_ids[:k], ro.prompt_mask[:k], ro.response_ids[:k], ro.response_mask[:k])
+        # a scorer of prompts with images takes them as `images` (the in-process one); one that cannot is one line
+        extra = {} if ro.images is None else {"images": ro.images.select(range(k))}
+        if extra and "images" not in inspect.signature(self.ref.logprobs).parameters:
+            raise ModelError(f"the reference ({type(self.ref).__name__}) cannot read prompts with images: run the "
+                             "reference in the trainer's process, or train without a KL term (actor.use_kl_loss=false, "
+                             "algorithm.use_kl_in_reward=false)")
+        return self.ref.logprobs(ro.prompt_ids[:k], ro.prompt_mask[:k], ro.response_ids[:k], ro.response_mask[:k],
+                                 **extra)
 
     def score(self, ro: Rollout, samples: Sequence[Sample]) -> Scores:
         scores = self.rewards.score(ro, samples)
@@ -121,6 +131,9 @@ class RolloutMaker:
         baseline on another scale than the rewards it is taken from."""
         first = torch.unique_consecutive(ro.group, return_counts=True)[1].cumsum(0) - 1  # a row of each group
         prompts = [ro.prompt_ids[i][ro.prompt_mask[i]].tolist() for i in first.tolist()]
+        if ro.images is not None:  # each prompt with its images again
+            prompts = [p if ro.images.rows[i] is None else ImagePrompt(p, ro.images.rows[i])
+                       for p, i in zip(prompts, first.tolist())]
         greedy = self.engine.generate(prompts, SamplingParams(n=1, temperature=0.0, stop=tuple(self.cfg.rollout.stop),
                                                               max_new_tokens=self.cfg.rollout.max_new_tokens))
         rows = [samples[g] for g in ro.group[first].tolist()]  # greedy row (group) j is the prompt of rows[j]

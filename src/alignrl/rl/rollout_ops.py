@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from alignrl.data.images import join_rows
 from alignrl.data.records import Rollout, ScoredBatch
 
 
@@ -46,7 +47,8 @@ def select_groups(ro: Rollout, keep_group_ids: Sequence[int] | torch.Tensor) -> 
                    logprobs=ro.logprobs[rows], truncated=ro.truncated[rows],
                    group=torch.searchsorted(torch.unique(kept), kept),
                    loss_mask=None if ro.loss_mask is None else ro.loss_mask[rows],
-                   stats={k: v[rows] for k, v in ro.stats.items()})
+                   stats={k: v[rows] for k, v in ro.stats.items()},
+                   images=None if ro.images is None else ro.images.select(rows))
 
 
 def pad_cols(t: torch.Tensor, width: int, value: float | int | bool, left: bool) -> torch.Tensor:
@@ -70,7 +72,8 @@ def concat_rollouts(a: Rollout, b: Rollout, pad_id: int) -> Rollout:
                    truncated=torch.cat([a.truncated, b.truncated]), group=torch.cat([a.group, b.group + offset]),
                    loss_mask=None if a.loss_mask is None and b.loss_mask is None else torch.cat(
                        [pad_cols(x.generated_mask, r, False, False) for x in (a, b)]),
-                   stats={k: torch.cat([a.stats[k], b.stats[k]]) for k in a.stats if k in b.stats})
+                   stats={k: torch.cat([a.stats[k], b.stats[k]]) for k in a.stats if k in b.stats},
+                   images=join_rows([a.images, b.images], [len(a.group), len(b.group)]))
 
 
 def shard_groups(batch: ScoredBatch, rank: int, world: int) -> ScoredBatch:

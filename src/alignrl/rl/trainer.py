@@ -95,7 +95,7 @@ class PolicyTrainer:
         ro, scores, micro = batch.rollout, batch.scores, cfg.actor.forward_micro_batch
         with timed(t, "old_logprob"):
             old_lp = (batched_logprobs(self.actor.model, ro.prompt_ids, ro.prompt_mask, ro.response_ids,
-                                       ro.response_mask, cfg.rollout.temperature, micro, self.actor.layout)
+                                       ro.response_mask, cfg.rollout.temperature, micro, self.actor.layout, ro.images)
                       if cfg.actor.recompute_old_logprobs else ro.logprobs)
         mask = batch.loss_mask.float()
         # --reward_clip_range as OpenRLHF: the reward clamped before the KL penalty; a group-shaped one (its rloo,
@@ -130,7 +130,7 @@ class PolicyTrainer:
         # the forward attends to tool observations that the loss leaves out (state masking)
         attention = None if torch.equal(batch.loss_mask, ro.response_mask) else ro.response_mask
         exp = Experience(ro.prompt_ids, ro.prompt_mask, ro.response_ids, loss_mask, old_lp, batch.ref_logprobs, adv,
-                         is_weight, attention)
+                         is_weight, attention, images=ro.images)
         metrics.update(self.update(step, exp, value_targets, t))  # raises TrainingDiverged: nothing is published
         with timed(t, "sync"):
             self.version += 1

@@ -17,9 +17,11 @@ import torch
 from transformers import DynamicCache
 
 from alignrl.data.collate import left_pad, position_ids
+from alignrl.data.images import prompt_images
 from alignrl.data.records import Rollout
 from alignrl.interfaces import SamplingParams
 from alignrl.models.kv_cache import cache_arg
+from alignrl.models.vision import vision_inputs
 from alignrl.rollout.decoder import KVDecoder
 
 
@@ -113,9 +115,10 @@ class HFRolloutEngine:
         of a rollout, and its `n` copies would be identical."""
         ids, mask = left_pad([list(p) for p in prompts], self.pad_id)
         ids, mask = ids.to(dev), mask.to(dev)
-        if KVDecoder.supports(self.model):
+        images = prompt_images(prompts)
+        if images is None and KVDecoder.supports(self.model):
             return KVDecoder(self.model, ids, mask, max_new_tokens, repeats=n)
-        return _HFStepper(self.model, ids, mask, repeats=n)
+        return _HFStepper(self.model, ids, mask, repeats=n, images=images)
 
     @torch.no_grad()  # not inference_mode: the records feed autograd later (as indices, masks)
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
@@ -166,23 +169,33 @@ class HFRolloutEngine:
 
         width = max(1, int(length.max()))
         response_mask = torch.arange(width)[None, :] < length[:, None]
+        images = prompt_images([p for p in prompts for _ in range(params.n)])  # each row's prompt's images
         return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=out_ids[:, :width].clone(),
                        response_mask=response_mask, logprobs=out_lp[:, :width] * response_mask,
-                       truncated=~done, group=group)
+                       truncated=~done, group=group, images=images)
 
 
 class _HFStepper:
-    """Decoding through `model(...)` with a DynamicCache: any HF causal LM."""
+    """Decoding through `model(...)` with a DynamicCache: any HF causal LM, and vision-language models (the prompts'
+    `images`, `data.images.ImageRows`): their prefill takes the images and M-RoPE positions (`models.vision`), and
+    each generated token's position is its row's text position plus the row's M-RoPE delta, as in the one-pass
+    forward the trainer recomputes."""
 
-    def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int = 1):
+    def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int = 1, images=None):
         self.model, self.cache = model, DynamicCache()
         self.cache_kw = cache_arg(model, self.cache)  # the same cache object every step: name it once
-        out = model(input_ids=prompt_ids, attention_mask=prompt_mask.long(), position_ids=position_ids(prompt_mask),
-                    **self.cache_kw, use_cache=True, logits_to_keep=1)
+        vision = vision_inputs(model, prompt_ids, prompt_mask, images)
+        positions = vision.pop("position_ids", None)
+        delta = torch.zeros(prompt_ids.shape[0], dtype=torch.long, device=prompt_ids.device)
+        if positions is not None:  # the next text position is one past the row's largest M-RoPE position
+            delta = positions.amax(dim=(0, 2)) + 1 - prompt_mask.long().sum(-1)
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
+                    position_ids=position_ids(prompt_mask) if positions is None else positions,
+                    **vision, **self.cache_kw, use_cache=True, logits_to_keep=1)
         self.cache.batch_repeat_interleave(repeats)
         self.logits = out.logits[:, -1].repeat_interleave(repeats, 0)
         self.attn = prompt_mask.long().repeat_interleave(repeats, 0)
-        self.next_pos = self.attn.sum(-1)  # position of the next token, per row
+        self.next_pos = self.attn.sum(-1) + delta.repeat_interleave(repeats, 0)  # position of the next token
 
     def keep(self, idx: torch.Tensor) -> None:
         self.cache.batch_select_indices(idx)

@@ -8,7 +8,9 @@ vLLM's default gives those of the raw logits, which at a temperature other than 
 the rollout (old) log-probs and the rollout correction would compare the trainer with the wrong one. A vLLM
 without `logprobs_mode` (before 0.10.2) can only sample at temperature 1 (or 0) here.
 Weights are loaded through vLLM's own `model.load_weights`, which takes Hugging Face parameter names.
-Deliberately left out: LoRA adapters, multi-modal inputs, vLLM's async engine.
+Prompts with images (`data.images.ImagePrompt`) go to vLLM with their Pillow images as `multi_modal_data`; their
+ids already hold the expanded image tokens, which vLLM's Qwen2-VL processing recognises as such.
+Deliberately left out: LoRA adapters, videos, vLLM's async engine.
 """
 
 from __future__ import annotations
@@ -18,10 +20,20 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from alignrl.data.images import prompt_images
 from alignrl.data.records import Rollout
 from alignrl.errors import UserError
 from alignrl.interfaces import SamplingParams
 from alignrl.rollout.remote import rollout_from_rows
+
+
+def request(prompt: Sequence[int]) -> dict:
+    """vLLM's prompt for `prompt`: its token ids, and a prompt with images (an ImagePrompt) its Pillow images."""
+    out = {"prompt_token_ids": list(prompt)}
+    pictures = getattr(prompt, "pictures", ())
+    if pictures:
+        out["multi_modal_data"] = {"image": list(pictures)}
+    return out
 
 
 class EngineUnavailable(UserError):
@@ -53,7 +65,10 @@ class VLLMRolloutEngine:
 
         self.path = path
         self.config = AutoConfig.from_pretrained(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        from alignrl.models.vision import is_vision_folder, load_processor
+
+        # a vision-language model's tokenizer carries its processor: chat requests with images are templated by it
+        self.tokenizer = load_processor(path).tokenizer if is_vision_folder(path) else AutoTokenizer.from_pretrained(path)
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                        else self.tokenizer.eos_token_id)
         # float32 is the CPU default of `alignrl serve`; on a GPU the checkpoint's own dtype ("auto") is the sane one.
@@ -84,14 +99,16 @@ class VLLMRolloutEngine:
                                         include_stop_str_in_output=True, logprobs=0,
                                         seed=None if params.seed is None else params.seed + i)
                for i in range(len(prompts))]
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sps, use_tqdm=False)
+        outs = self.llm.generate([request(p) for p in prompts], sps, use_tqdm=False)
         rows = []
         for out in outs:  # vLLM keeps the input order; its n samples per prompt are contiguous
             for c in out.outputs:
                 ids = list(c.token_ids)
                 lps = [c.logprobs[t][tok].logprob for t, tok in enumerate(ids)] if c.logprobs else [0.0] * len(ids)
                 rows.append((ids, lps, c.finish_reason == "length"))
-        return rollout_from_rows(prompts, params.n, rows, self.pad_id)
+        ro = rollout_from_rows(prompts, params.n, rows, self.pad_id)
+        ro.images = prompt_images([p for p in prompts for _ in range(params.n)])  # the trainer's forwards read them
+        return ro
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # host tensors: the function travels to vLLM's engine process, which sees only its own GPU (as its

@@ -50,6 +50,23 @@ class TokensRequest(BaseModel):
     max_tokens: int = Field(64, ge=1)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
     seed: int | None = Field(None, ge=0, lt=2**63)
+    # per prompt, its images as `data.images.images_to_json` writes them (None: a text prompt); for a
+    # vision-language model, whose prompt ids already hold the image tokens
+    images: list[dict | None] | None = None
+
+    def prompts_with_images(self) -> list[list[int]]:
+        from alignrl.data.images import ImageDataError, ImagePrompt, images_from_json
+
+        if self.images is None:
+            return self.prompts
+        if len(self.images) != len(self.prompts):
+            raise RequestError(f"images has {len(self.images)} entries for {len(self.prompts)} prompts; give one "
+                               "(or null) per prompt")
+        try:
+            loaded = [images_from_json(x, f"prompt {i}") for i, x in enumerate(self.images)]
+        except ImageDataError as e:
+            raise RequestError(str(e)) from None
+        return [p if x is None else ImagePrompt(p, x) for p, x in zip(self.prompts, loaded)]
 
 
 @dataclass(frozen=True)
@@ -170,6 +187,28 @@ class GenerationService:
                 "seconds": round(time.perf_counter() - t0, 4)}
 
 
+def image_prompts(req: TokensRequest, tokenizer) -> list[list[int]]:
+    """The request's prompts, with their images for a vision-language model; 400 when images come for a text-only
+    model or a prompt's image tokens are not its images' (image tokens without images included: the model would
+    read the placeholders' embeddings as pictures)."""
+    from alignrl.data.images import PROCESSOR_ATTR
+
+    prompts = req.prompts_with_images()
+    processor = getattr(tokenizer, PROCESSOR_ATTR, None)
+    if processor is None:
+        if req.images is not None and any(x is not None for x in req.images):
+            raise RequestError("images need a vision-language model; this server's model is text-only")
+        return prompts
+    merge = processor.image_processor.merge_size ** 2
+    for i, p in enumerate(prompts):
+        want = 0 if getattr(p, "images", None) is None else int(p.images.image_grid_thw.prod(-1).sum()) // merge
+        have = sum(t == processor.image_token_id for t in p)
+        if want != have:
+            raise RequestError(f"prompt {i} has {have} image tokens but its images make {want}; send the ids the "
+                               "processor made with these images")
+    return prompts
+
+
 def chunk_seed(params, k: int, stride: int):
     """Params for the k-th slice of a seeded request: each slice gets its own seed, or all slices would
     draw the same random numbers row for row."""
@@ -185,7 +224,7 @@ def top_logprobs(model, prompts: list[list[int]], responses: list[list[int]], k:
     (n x max_tokens x the vocabulary) at once would be tens of GB for a 150k vocabulary."""
     from alignrl.rollout.hf_engine import GREEDY_BELOW
 
-    width, vocab = 1 + max(map(len, responses)), model.config.vocab_size
+    width, vocab = 1 + max(map(len, responses)), model.config.get_text_config().vocab_size
     rows = max(1, budget_bytes // (3 * 4 * width * vocab))
     temperature = temperature if temperature >= GREEDY_BELOW else 0.0
     return [top for s in range(0, len(responses), rows)
@@ -198,11 +237,16 @@ def _top_logprobs(model, prompts: list[list[int]], responses: list[list[int]], k
 
     from alignrl.data.collate import left_pad, position_ids, right_pad
 
+    from alignrl.data.images import prompt_images
+    from alignrl.models.vision import vision_inputs
+
     pids, pm = left_pad(prompts, pad_id)
     rids, rm = right_pad(responses, pad_id)
     ids, mask = torch.cat([pids, rids], 1), torch.cat([pm, rm], 1)
+    vision = vision_inputs(model, ids, mask, prompt_images(prompts))  # {} for text prompts
+    vision.setdefault("position_ids", position_ids(mask))
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask),
+        logits = model(input_ids=ids, attention_mask=mask.long(), **vision,
                        use_cache=False, logits_to_keep=rids.shape[1] + 1).logits[:, :-1].float()
     if temperature > 0:
         logits = logits / temperature
@@ -223,7 +267,7 @@ def build_app(svc: GenerationService, max_body: int):
     @app.post("/v1/generate_tokens")
     async def generate_tokens(req: TokensRequest) -> dict:
         params = sampling(req.n, req.temperature, req.top_p, req.top_k, req.max_tokens, req.stop, req.seed)
-        res = await svc.generate(req.prompts, params)
+        res = await svc.generate(image_prompts(req, svc.tokenizer), params)
         return {"weight_version": res.version,
                 "outputs": [{"prompt_index": i // req.n, "token_ids": r.token_ids, "logprobs": r.logprobs,
                              "finish_reason": r.finish_reason} for i, r in enumerate(res.rows)]}
@@ -263,7 +307,8 @@ def load_service(args: argparse.Namespace) -> GenerationService:
 
     folder = resolve_model_path(args.model, log=lambda *a: print(*a, file=sys.stderr), key="--model")
     # before any engine sees it: past the trained positions a model's output is garbage (vLLM refuses it too)
-    longest = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
+    config = json.loads((folder / "config.json").read_text())
+    longest = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
     if longest and args.max_model_len > longest:
         raise ValueError(f"--max_model_len {args.max_model_len} is longer than the model's context of {longest} "
                          f"(max_position_embeddings in {folder / 'config.json'}); give at most {longest} or leave "
@@ -280,7 +325,7 @@ def load_service(args: argparse.Namespace) -> GenerationService:
         model, tok = load_model(str(folder), args.dtype, log=lambda *a: print(*a, file=sys.stderr), chat=False,
                                 key="--model")
         model = model.to(device_of(args)).eval()  # on a GPU machine without vLLM (launch_vllm.py): its GPU
-        engine, cfg = HFRolloutEngine(model, tok), model.config
+        engine, cfg = HFRolloutEngine(model, tok), model.config.get_text_config()  # a VLM's: its language model's
         manifest = manifest_of(model.named_parameters())
     vocab = getattr(getattr(engine, "model", None), "get_input_embeddings", lambda: None)()
     limits = Limits(vocab_size=vocab.num_embeddings if vocab is not None else cfg.vocab_size,

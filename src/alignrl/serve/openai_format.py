@@ -79,14 +79,32 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    url: str  # a data: URL (base64), a file:// URL or a local path on the server
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart | ImagePart]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content if isinstance(p, TextPart))
+
+    def images(self) -> list[str]:
+        return [] if isinstance(self.content, str) else [p.image_url.url for p in self.content
+                                                         if isinstance(p, ImagePart)]
 
 
 class ChatRequest(_Sampling):
@@ -132,9 +150,37 @@ def completion_prompts(req: CompletionRequest, tokenizer, max_model_len: int) ->
     return [list(x) for x in p] if isinstance(p[0], list) else [list(p)]
 
 
+def image_chat_prompt(req: ChatRequest, tokenizer, max_model_len: int) -> list[int]:
+    """The prompt of messages with `image_url` parts: the images (data: URLs, file:// URLs or paths on this
+    server) decoded and expanded into image tokens by a vision-language model's processor (`data.images`)."""
+    from alignrl.data.images import ImageDataError, encode_image_prompt, image_source
+    from alignrl.data.records import Sample
+
+    msgs = [{"role": m.role, "content": m.text() if isinstance(m.content, str) else
+             [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in m.content]}
+            for m in req.messages]
+    try:
+        sources = tuple(image_source(f"image {i}", url, None)
+                        for i, url in enumerate(u for m in req.messages for u in m.images()))
+        ids = encode_image_prompt(tokenizer, Sample(msgs, "", images=sources, source="the request"), 1 << 30)
+    except ImageDataError as e:
+        raise RequestError(str(e)) from None
+    if len(ids) > max_model_len:
+        raise RequestError(f"the messages with their images are {len(ids)} tokens, longer than the model's context "
+                           f"of {max_model_len}; send fewer or smaller images, or less text")
+    return ids
+
+
 def chat_prompt(req: ChatRequest, tokenizer, max_model_len: int) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions with a text prompt")
+    if any(m.images() for m in req.messages):
+        from alignrl.data.images import PROCESSOR_ATTR
+
+        if getattr(tokenizer, PROCESSOR_ATTR, None) is None:
+            raise RequestError("image_url content needs a vision-language model; this server's model is text-only: "
+                               "send text only, or serve a vision-language model (alignrl serve generate --model)")
+        return image_chat_prompt(req, tokenizer, max_model_len)
     msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
     unicode_texts([m["content"] for m in msgs], "message")
     # the template only adds text around the contents: their tokens alone bound the prompt's from below

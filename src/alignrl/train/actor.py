@@ -76,7 +76,7 @@ class Actor:
             # forward through the engine's module: DDP / DeepSpeed hook gradient reduction there
             logp, ent = response_logprobs(self.engine.module, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                           micro.attended, spec.temperature, with_entropy=True,
-                                          entropy_grad=spec.entropy_coeff > 0, layout=self.layout)
+                                          entropy_grad=spec.entropy_coeff > 0, layout=self.layout, images=micro.images)
             return policy_loss(logp, ent, micro, spec, tokens, seqs)
 
         return minibatch_updates(exp, micro_loss, self.engine, mini_batch, micro_batch, epochs, generator, "actor",

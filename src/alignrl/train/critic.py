@@ -18,13 +18,13 @@ class Critic:
         self.engine, self.model, self.name = engine, engine.model, name  # name prefixes metrics: critic/...
         self.cliprange_value, self.remove_padding = cliprange_value, remove_padding
 
-    def _values(self, model, *tensors) -> torch.Tensor:
-        return response_values(model, *tensors, remove_padding=self.remove_padding)
+    def _values(self, model, *tensors, images=None) -> torch.Tensor:
+        return response_values(model, *tensors, remove_padding=self.remove_padding, images=images)
 
     def values(self, ro: Rollout, micro_batch: int) -> torch.Tensor:
         """Values (B, R) of the rollout's states, in length-grouped, trimmed chunks."""
         return per_token_in_chunks(self.model, self._values, ro.prompt_ids, ro.prompt_mask, ro.response_ids,
-                                   ro.response_mask, micro_batch)
+                                   ro.response_mask, micro_batch, images=ro.images)
 
     def update(self, exp: Experience, old_values: torch.Tensor, returns: torch.Tensor, mini_batch: int,
                micro_batch: int | TokenBudget, epochs: int, generator: torch.Generator) -> dict[str, float]:
@@ -34,7 +34,7 @@ class Critic:
         def micro_loss(rows, micro: Experience, tokens: float, seqs: float):
             r1 = micro.response_ids.shape[1]
             v = self._values(self.engine.module, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
-                             micro.attended)  # observations are attended; the loss mask leaves them out
+                             micro.attended, images=micro.images)  # observations are attended; the loss mask leaves them out
             loss, m = value_loss(v, old_values[rows, :r1].to(v.device), returns[rows, :r1].to(v.device),
                                  micro.response_mask.float(),
                                  self.cliprange_value, tokens)

@@ -15,6 +15,9 @@ Tensors (B rows, P prompt columns left-padded, R response columns right-padded):
     reward (B,) float, correct (B,) bool, cost (B,), baseline (B,)  the reward stage (cost/baseline optional)
     is_finished (B,) bool                                        ended with eos/stop (not truncated)
     group (B,) long, prompt_index (B,) long, sample_index (B,) long
+    image_counts (B,) long, image_grid_thw (N, 3) long,          the prompts' images (absent: none has any):
+    image_pixel_values (M, D) float                              row i's are the next image_counts[i] grids,
+                                                                 and their t*h*w patch rows, in row order
 
 meta: lease, step, version, sampler_id, metrics (the sampler's own), wait_s, and `prefix` / `text` (the
 decoded prompt and response of each row, for people and logs; the trainer trains on the ids, never on text).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from alignrl.data.images import ImageRows, PromptImages
 from alignrl.data.records import Rollout, ScoredBatch, Scores
 from alignrl.wire.frames import Message, WireError
 
@@ -45,6 +49,8 @@ def to_wire(batch: ScoredBatch, tokenizer, **meta) -> tuple[dict, dict[str, torc
                     ("policy_mask", ro.loss_mask)):
         if t is not None:
             tensors[name] = t
+    if ro.images is not None:
+        tensors.update(images_to_wire(ro.images))
     pad = tokenizer.pad_token_id
     prefix: dict[int, str] = {}  # a group's rows share their prompt: decode it once
     for i, g in enumerate(ro.group.tolist()):
@@ -88,7 +94,8 @@ def from_wire(msg: Message) -> ScoredBatch:
     opt = lambda k, dtype=torch.float32: c[k].to(dtype) if k in c else None  # noqa: E731
     ro = Rollout(c["prefix_token_ids"].long(), c["prefix_mask"].bool(), c["generated_token_ids"].long(),
                  c["generated_mask"].bool(), c["old_policy_log_probs"].float(), ~c["is_finished"].bool(),
-                 c["group"].long(), loss_mask=c["policy_mask"].bool() if "policy_mask" in c else None)
+                 c["group"].long(), loss_mask=c["policy_mask"].bool() if "policy_mask" in c else None,
+                 images=images_from_wire(c, b) if "image_counts" in c else None)
     scores = Scores(c["reward"].float(), c["correct"].bool(), opt("cost"), opt("baseline"))
     metrics = msg.meta.get("metrics") or {}
     if not isinstance(metrics, dict):
@@ -96,6 +103,42 @@ def from_wire(msg: Message) -> ScoredBatch:
     return ScoredBatch(ro, scores, c["loss_mask"].bool(), opt("ref_policy_log_probs"), c["prompt_index"].long(),
                        version, str(msg.meta.get("sampler_id", "?")),
                        {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
+
+
+def images_to_wire(images: ImageRows) -> dict[str, torch.Tensor]:
+    """The rows' images as three flat tensors (the module docstring); rows without images count 0."""
+    counts = torch.tensor([0 if r is None else len(r.image_grid_thw) for r in images.rows], dtype=torch.long)
+    if not images.any():
+        return {"image_counts": counts}
+    pixels, grid = images.batch()
+    return {"image_counts": counts, "image_grid_thw": grid.long(), "image_pixel_values": pixels.contiguous()}
+
+
+def images_from_wire(t: dict[str, torch.Tensor], rows: int) -> ImageRows:
+    """`images_to_wire`'s tensors back as per-row images; WireError when they do not add up."""
+    counts = t["image_counts"]
+    if counts.dim() != 1 or counts.shape[0] != rows or bool((counts < 0).any()):
+        raise WireError(f"scored batch tensor 'image_counts' has shape {list(counts.shape)} or negative counts, "
+                        f"expected [{rows}] counts")
+    n = int(counts.sum())
+    grid = t.get("image_grid_thw", torch.zeros((0, 3), dtype=torch.long)).long()
+    pixels = t.get("image_pixel_values", torch.zeros((0, 0)))
+    if grid.dim() != 2 or grid.shape != (n, 3) or bool((grid < 1).any()) or pixels.dim() != 2:
+        raise WireError(f"scored batch image tensors do not match image_counts ({n} images; grid "
+                        f"{list(grid.shape)}, pixels {list(pixels.shape)})")
+    patches = grid.prod(-1)
+    if int(patches.sum()) != pixels.shape[0]:
+        raise WireError(f"scored batch image_pixel_values has {pixels.shape[0]} rows, its grids make "
+                        f"{int(patches.sum())}")
+    out, image, patch = [], 0, 0
+    for k in counts.tolist():
+        if k == 0:
+            out.append(None)
+            continue
+        size = int(patches[image:image + k].sum())
+        out.append(PromptImages(pixels[patch:patch + size].float(), grid[image:image + k]))
+        image, patch = image + k, patch + size
+    return ImageRows(out)
 
 
 def seed_rows(msg: Message, tokenizer) -> list[dict]:

@@ -1,0 +1,95 @@
+"""Prompts with images in the placements that run the producer elsewhere, with the tiny Qwen2-VL model: a ZeroMQ
+sampler process (its batches carry their image tensors as raw frames) trains as the in-process loop does, and Ray
+rollout engines hand their batches, images included, to the actor ranks."""
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from alignrl.config import load_config
+from alignrl.runner import train_grpo
+from alignrl.runtime.ports import free_ports
+from test_pipeline_zmq import finish, sampler, spawn, weights
+
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(len(solution_str) % 3) / 2.0
+'''
+COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0)}
+
+
+@pytest.fixture(scope="module")
+def vl_run(tmp_path_factory):
+    """(tiny VL folder, LMM-R1 data file, reward spec) for the runs below."""
+    from alignrl.models.tiny_vl import build_tiny_vl
+
+    root = tmp_path_factory.mktemp("vl_run")
+    folder = build_tiny_vl(root / "tiny-vl", seed=0)
+    rows = []
+    for i, (name, rgb) in enumerate(COLORS.items()):
+        Image.new("RGB", (56, 56), rgb).save(root / f"{name}.png")
+        content = [{"type": "image", "image": f"file://{root / name}.png"},
+                   {"type": "text", "text": f"Which color is picture {i}?"}]
+        rows.append({"message": json.dumps([{"role": "user", "content": content}]), "answer": name})
+    (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (root / "reward.py").write_text(REWARD)
+    return folder, root / "train.jsonl", f"{root / 'reward.py'}:compute_score"
+
+
+def overrides(vl_run, out, name, *extra):
+    folder, data, reward = vl_run
+    return [f"model.path={folder}", f"data.train_files={data}", f"data.val_files={data}", "data.prompt_key=message",
+            "data.label_key=answer", "data.train_batch_size=2", "data.max_prompt_length=64", "rollout.n=2",
+            "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4",
+            "actor.lr=1e-2", "actor.kl_loss_coef=0.01", f"algorithm.reward_fn={reward}",
+            "trainer.total_training_steps=1", "trainer.test_freq=0", "trainer.save_freq=1", "trainer.progress_bar=false",
+            "trainer.logger=[jsonl]", "trainer.threads=1", f"trainer.output_dir={out}",
+            f"trainer.experiment_name={name}", *extra]
+
+
+@pytest.mark.timeout(400)
+def test_zmq_sampler_with_images_trains_as_in_process(vl_run, tmp_path):
+    ports = free_ports(2)
+    train_grpo(load_config(None, overrides(vl_run, tmp_path, "inline")))
+    trainer = spawn("train", "grpo", *overrides(vl_run, tmp_path, "zmq", "pipeline.placement=zmq",
+                                                f"pipeline.data_port={ports[0]}", f"pipeline.sync_port={ports[1]}",
+                                                "pipeline.peer_timeout_s=120"))
+    finish(trainer, sampler(vl_run[0], ports))
+    rows = [json.loads(x) for x in (tmp_path / "zmq" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["rollout/kl_vs_trainer"] < 1e-6
+    a, b = weights(tmp_path / "inline", 1), weights(tmp_path / "zmq", 1)
+    for k in a:  # the same batch (images included): the same weights up to float rounding in the vision tower's
+        # backward (about 6e-8 measured on a few norm weights; the language model's weights are equal bit for bit)
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+    assert sum(not torch.equal(a[k], b[k]) for k in a if not k.startswith("visual.")) == 0
+
+
+@pytest.mark.timeout(400)
+def test_ray_placement_with_images_trains_a_step(cluster, vl_run, tmp_path, capsys):
+    """`alignrl train ppo-ray` (OpenRLHF's flags, LMM-R1's `--input_key message`) with the tiny VL model: two
+    actor ranks and a rollout engine, whose batches carry the prompts' images across Ray. No KL term: the Ray
+    reference workers' `logprobs` take no images yet."""
+    from alignrl.compat.openrlhf_ppo_ray import main
+    from raycluster import metric_rows
+
+    from alignrl.models.folder import ModelError
+    from alignrl.models.sharded_load import meta_model
+
+    folder, data, _ = vl_run
+    try:  # the Ray actor ranks build the policy in its shards (FSDP2) from a meta-device model of the folder
+        meta_model(folder, torch.float32)
+    except ModelError:
+        pytest.skip("models.sharded_load.meta_model builds causal LMs only (AutoModelForCausalLM)")
+    argv = ["--pretrain", str(folder), "--save_path", str(tmp_path / "ray"), "--actor_num_nodes", "1",
+            "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1", "--advantage_estimator", "group_norm",
+            "--n_samples_per_prompt", "4", "--rollout_batch_size", "2", "--train_batch_size", "8",
+            "--micro_train_batch_size", "4", "--generate_max_len", "6", "--prompt_max_len", "64", "--max_samples", "4",
+            "--actor_learning_rate", "1e-2", "--val_size", "2", "--total_steps", "1", "--peer_timeout", "60",
+            "--placement_timeout", "20", "--prompt_data", str(data), "--input_key", "message", "--label_key", "answer",
+            "--apply_chat_template", "--init_kl_coef", "0", "--ref_num_nodes", "1", "--ref_num_gpus_per_node", "1"]
+    assert main(argv) == 0, capsys.readouterr().err
+    rows = [r for r in metric_rows(tmp_path / "ray") if r["step"] == 1]
+    # the actor ranks' recomputed log-probs (with the images that crossed Ray) are the engine's
+    assert rows and rows[0]["rollout/kl_vs_trainer"] < 1e-6 and "actor/entropy" in rows[0], rows
