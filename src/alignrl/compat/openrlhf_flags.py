@@ -42,8 +42,7 @@ ACCEPTED = [("max_len", int, None), ("ptx_coef", float, 0.05), ("normalize_rewar
             ("grad_accum_dtype", str, None), ("disable_trace_cache", bool, False),
             ("gradient_checkpointing_use_reentrant", bool, False), ("disable_fast_tokenizer", bool, False),
             ("actor_init_on_gpu", bool, False), ("enable_ema", bool, False), ("local_rank", int, -1),
-            ("lora_rank", int, 0), ("lora_alpha", int, 16), ("lora_dropout", float, 0.0), ("load_in_4bit", bool, False),
-            ("target_modules", str, "all-linear"), ("pretrain_data", str, None)]
+            ("load_in_4bit", bool, False), ("pretrain_data", str, None)]
 OPENRLHF_INPUT_KEY = "input"  # OpenRLHF's --input_key default
 # --use_wandb values that are a switch; any other value is the API key (OpenRLHF: wandb.login(key=args.use_wandb))
 WANDB_SWITCHES = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -64,6 +63,7 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     _model_flags(p.add_argument_group("models and checkpoints"))
     _batch_flags(p.add_argument_group("batches"))
     _optimisation_flags(p.add_argument_group("optimisation"))
+    _trained_flags(p.add_argument_group("what trains: LoRA adapters, frozen parameters, vision-language models"))
     _accepted_flags(p.add_argument_group("accepted, not applied here (listed at start when given)"))
     _data_flags(p.add_argument_group("data and logging"))
     _alignrl_flags(p.add_argument_group("alignrl"))
@@ -150,12 +150,25 @@ def _optimisation_flags(o) -> None:
     o.add_argument("--overlong_penalty_factor", type=float, default=1.0)
 
 
+def _trained_flags(t) -> None:
+    t.add_argument("--lora_rank", type=int, default=0, help="LoRA adapters of this rank train in place of the "
+                   "actor's and critic's weights (0: all weights train); the reference is the base, adapters off")
+    t.add_argument("--lora_alpha", type=int, default=16, help="LoRA scale numerator (updates scaled by alpha / rank)")
+    t.add_argument("--lora_dropout", type=float, default=0.0)
+    t.add_argument("--target_modules", nargs="*", default=["all-linear"],
+                   help="modules that get adapters: all-linear, or names such as q_proj v_proj")
+    t.add_argument("--freeze_prefix", nargs="*", default=None,
+                   help="parameters whose names start with one of these do not train (LMM-R1: visual)")
+    t.add_argument("--train_vlm", action="store_true",
+                   help="the policy is a vision-language model (its config.json has a vision_config)")
+
+
 def _accepted_flags(x) -> None:
     for flag, kind, default in ACCEPTED:
         if kind is bool:
             x.add_argument(f"--{flag}", action="store_true")
         else:
-            x.add_argument(f"--{flag}", type=kind, default=default, nargs="*" if flag == "target_modules" else None)
+            x.add_argument(f"--{flag}", type=kind, default=default)
 
 
 def _data_flags(d) -> None:
@@ -252,7 +265,8 @@ def check(args) -> None:
     if args.max_samples < 1:
         raise FlagError(f"--max_samples {args.max_samples} leaves no prompts: give at least 1")
     check_wandb(args)
-    for flag, what in (("lora_rank", "LoRA"), ("load_in_4bit", "4-bit loading (QLoRA)"), ("pretrain_data", "PPO-ptx")):
+    check_trained(args)
+    for flag, what in (("load_in_4bit", "4-bit loading (QLoRA)"), ("pretrain_data", "PPO-ptx")):
         if getattr(args, flag):
             raise FlagError(f"--{flag}: {what} is not supported by alignrl; drop it to train all weights in the "
                             "model's dtype")
@@ -261,6 +275,20 @@ def check(args) -> None:
     if data_keys(args) and args.label_key is None and not (args.reward_pretrain or args.remote_rm_url):
         raise FlagError("without --label_key the prompts have no answer for the rule reward: give --label_key "
                         "<answer column>, or a reward model (--reward_pretrain or --remote_rm_url)")
+
+
+def check_trained(args) -> None:
+    """The LoRA flags' ranges, and --train_vlm only with a vision-language model (the folder decides)."""
+    if args.lora_rank < 0 or (args.lora_rank and args.lora_alpha < 1) or not 0 <= args.lora_dropout <= 1:
+        raise FlagError("--lora_rank must be >= 0 (0: no LoRA), --lora_alpha >= 1, --lora_dropout in [0, 1]")
+    if args.train_vlm:
+        import json
+        from pathlib import Path
+
+        config = Path(args.pretrain) / "config.json"
+        if args.pretrain == "demo" or (config.is_file() and "vision_config" not in json.loads(config.read_text())):
+            raise FlagError(f"--train_vlm: --pretrain {args.pretrain} is a text-only model (its config.json has no "
+                            "vision_config): drop --train_vlm, or give a vision-language model such as Qwen2-VL")
 
 
 def wandb_on(args) -> bool:

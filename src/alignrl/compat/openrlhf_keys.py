@@ -102,6 +102,18 @@ def unused_here(args, gpus: bool) -> list[str]:
     return out
 
 
+def trained_keys(args) -> list[str]:
+    """--lora_* and --freeze_prefix as model.lora_* and actor.freeze_prefix (JSON lists: YAML reads them too)."""
+    out = []
+    if args.lora_rank:
+        out += [f"model.lora_rank={args.lora_rank}", f"model.lora_alpha={args.lora_alpha}",
+                f"model.lora_dropout={args.lora_dropout}",
+                f"model.target_modules={json.dumps(list(args.target_modules or ['all-linear']))}"]
+    if args.freeze_prefix:
+        out.append(f"actor.freeze_prefix={json.dumps(list(args.freeze_prefix))}")
+    return out
+
+
 def prompt_cap(args) -> str:
     """--max_samples as the config key that caps the prompts: the first rows of a file (OpenRLHF takes
     `range(min(max_samples, len(dataset)))`), or the number of synthetic problems generated."""
@@ -157,6 +169,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
         critic = args.critic_pretrain or args.reward_pretrain
         if critic:
             out.append(f"critic.model_path={critic}")
+    out += trained_keys(args)
     if gpus:
         out += ["trainer.strategy=deepspeed", f"trainer.zero_stage={args.zero_stage}",
                 f"trainer.offload={args.adam_offload}", f"model.dtype={'bfloat16' if args.bf16 else 'float32'}"]

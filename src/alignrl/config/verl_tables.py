@@ -23,6 +23,14 @@ RENAMES: dict[str, tuple[str, ...]] = {
     R + "log_prob_micro_batch_size_per_gpu": ("actor.logprob_micro_batch_size",),
     "actor_rollout_ref.model.use_remove_padding": ("actor.use_remove_padding",),
     "actor_rollout_ref.model.enable_gradient_checkpointing": ("actor.gradient_checkpointing",),
+    # LoRA on the policy (verl's model.lora_rank > 0), the reference then being the base with adapters off
+    "actor_rollout_ref.model.lora_rank": ("model.lora_rank",),
+    "actor_rollout_ref.model.lora_alpha": ("model.lora_alpha",),
+    "actor_rollout_ref.model.target_modules": ("model.target_modules",),
+    # one LoRA setting serves the policy and the critic here (verl's recipes give both the same)
+    "critic.model.lora_rank": ("model.lora_rank",),
+    "critic.model.lora_alpha": ("model.lora_alpha",),
+    "critic.model.target_modules": ("model.target_modules",),
     "critic.model.use_remove_padding": ("critic.use_remove_padding",),
     A + "ppo_epochs": ("actor.ppo_epochs",),
     A + "use_dynamic_bsz": ("actor.use_dynamic_bsz",),
@@ -74,6 +82,8 @@ NOT_USED = (
     "critic.model.tokenizer_path", R + "name", R + "gpu_memory_utilization", R + "tensor_model_parallel_size",
     R + "dtype", R + "enforce_eager", R + "free_cache_engine", R + "load_format", R + "max_num_batched_tokens",
     R + "max_num_seqs", R + "prompt_length", R + "enable_chunked_prefill", R + "multi_turn.format",
+    # verl's LoRA recipes: the model through shared memory, the merged weights summoned layer by layer
+    "actor_rollout_ref.model.use_shm", R + "layered_summon",
     "data.filter_overlong_prompts_workers", "reward_model.overlong_buffer.log",
     "reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size", "reward_model.use_reward_loop",
     "reward_model.num_workers", "reward_model.strategy", "reward_model.max_length", "reward_model.launch_reward_fn_async",

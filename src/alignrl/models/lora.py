@@ -52,13 +52,15 @@ def _peft(key: str):
     return peft
 
 
-def add_adapters(model: torch.nn.Module, spec: LoraSpec, key: str = "model.lora_rank", task: str | None = "CAUSAL_LM"):
-    """`model` with LoRA adapters on `spec.target_modules`; only the adapters require grad afterwards. A target
-    that matches no module is one ModelError naming it and some module names the model has."""
+def add_adapters(model: torch.nn.Module, spec: LoraSpec, key: str = "model.lora_rank", task: str | None = "CAUSAL_LM",
+                 exclude: tuple[str, ...] = ()):
+    """`model` with LoRA adapters on `spec.target_modules` (none on the modules named in `exclude`, e.g. a value
+    model's new head, which trains whole); only the adapters require grad afterwards. A target that matches no
+    module is one ModelError naming it and some module names the model has."""
     peft = _peft(key)
     targets = spec.target_modules if isinstance(spec.target_modules, str) else list(spec.target_modules)
     config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets,
-                             task_type=task)
+                             task_type=task, exclude_modules=list(exclude) or None)
     try:
         return peft.get_peft_model(model, config)
     except ValueError as e:
@@ -104,16 +106,7 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     inner = unwrapped(model)
     if not has_adapters(inner):
         return dict(inner.state_dict())
-    out = {plain_name(n): t for n, t in inner.state_dict().items() if "lora_" not in n}
-    for name, module in inner.named_modules():
-        delta = getattr(module, "get_delta_weight", None)
-        if delta is None or not hasattr(module, "base_layer"):
-            continue
-        for adapter in getattr(module, "active_adapters", []):
-            if adapter in getattr(module, "lora_A", {}):
-                key = plain_name(name) + ".weight"
-                out[key] = out[key] + delta(adapter).to(out[key].dtype)
-    return out
+    return merge_state(inner.state_dict(), _lora_layers(inner))
 
 
 def trainable_names(model: torch.nn.Module) -> list[str]:
@@ -123,9 +116,193 @@ def trainable_names(model: torch.nn.Module) -> list[str]:
 def export(model: torch.nn.Module, folder: Path, how: str = "merged") -> None:
     """Writes `model` to `folder`: merged (a plain HF folder, adapters folded in) or adapter (PEFT's adapter folder:
     adapter_config.json and its weights)."""
+    save_model_folder(model, unwrapped(model).state_dict(), folder, how)
+
+
+# ---------------------------------------------------------------- what trains, what leaves the trainer
+
+
+def _matches(name: str, prefix: str) -> bool:
+    # transformers 5 keeps a vision-language model's image tower under model. (model.visual.*): OpenRLHF's and
+    # LMM-R1's `--freeze_prefix visual` was written for the older top-level name, and still means it
+    return name.startswith(prefix) or name.startswith("model." + prefix)
+
+
+def freeze_prefixes(model: torch.nn.Module, prefixes, key: str = "actor.freeze_prefix") -> int:
+    """Parameters whose (plain) names start with one of `prefixes` stop requiring grad; returns how many. A prefix
+    that matches no parameter is one ModelError naming it and some prefixes the model has."""
+    prefixes = [str(p) for p in ([prefixes] if isinstance(prefixes, str) else prefixes or [])]
+    named = [(plain_name(n), p) for n, p in unwrapped(model).named_parameters()]
+    for prefix in prefixes:
+        if not any(_matches(n, prefix) for n, _ in named):
+            real = sorted({".".join(n.split(".")[:k]) for n, _ in named for k in (1, 2, 3)
+                           if len(n.split(".")) > k})
+            raise ModelError(f"{key}: {prefix!r} matches no parameter of the model; its names start with e.g. "
+                             f"{', '.join(real[:10])}")
+    frozen = 0
+    for name, p in named:
+        if any(_matches(name, prefix) for prefix in prefixes) and p.requires_grad:
+            p.requires_grad_(False)
+            frozen += 1
+    return frozen
+
+
+def _lora_layers(model: torch.nn.Module) -> dict[str, tuple[float, bool]]:
+    """Wrapped module name (as in the state dict) -> (scaling, fan_in_fan_out) of each LoRA layer's active
+    adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for name, module in unwrapped(model).named_modules():
+        if isinstance(module, LoraLayer):
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    out[f"{name}.lora_A.{adapter}"] = (float(module.scaling[adapter]),
+                                                       bool(getattr(module, "fan_in_fan_out", False)))
+    return out
+
+
+def merge_state(state: dict[str, torch.Tensor], layers: dict[str, tuple[float, bool]],
+                names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """A wrapped model's state dict (`state`, as `model.state_dict()` or an engine's gathered full one) as the
+    plain model's tensors, every adapter folded in (W + scaling·B·A, computed in fp32 and cast to W's dtype):
+    what rollout engines load and a merged export holds. `layers`: `_lora_layers` of the model. `names`: only
+    these plain names (the rest is not copied or computed)."""
+    keep = None if names is None else set(names)
+    out = {}
+    for k, v in state.items():
+        if "lora_" in k:
+            continue
+        plain = plain_name(k)
+        if keep is None or plain in keep:
+            out[plain] = v
+    for a_key, (scaling, transposed) in layers.items():
+        module, adapter = a_key.rsplit(".lora_A.", 1)
+        target = plain_name(module) + ".weight"
+        if target not in out:
+            continue
+        a, b = state[f"{a_key}.weight"].float(), state[f"{module}.lora_B.{adapter}.weight"].float()
+        delta = (b @ a) * scaling
+        w = out[target]
+        out[target] = w + (delta.T if transposed else delta).to(w.dtype)
+    return out
+
+
+def plain_names(model: torch.nn.Module) -> list[str]:
+    """The plain model's parameter names (each tensor once, tied ones by their first name), in order."""
+    return [plain_name(n) for n, _ in unwrapped(model).named_parameters() if "lora_" not in n]
+
+
+def changing_names(model: torch.nn.Module) -> list[str]:
+    """The plain names of the parameters a training step can change: those that require grad, and, with
+    adapters, the layers they are merged into. The rest (a frozen prefix, the base under LoRA) stays as loaded,
+    so a rollout engine that holds it needs it once, not after every step."""
     inner = unwrapped(model)
-    if how == "adapter" and has_adapters(inner):
-        inner.save_pretrained(str(folder))
-        return
-    base = inner.get_base_model() if has_adapters(inner) else inner
-    base.save_pretrained(str(folder), state_dict=merged_state_dict(inner))
+    merged = {plain_name(k.rsplit(".lora_A.", 1)[0]) + ".weight" for k in _lora_layers(inner)} \
+        if has_adapters(inner) else set()
+    return [plain_name(n) for n, p in inner.named_parameters()
+            if "lora_" not in n and (p.requires_grad or plain_name(n) in merged)]
+
+
+def outgoing(model: torch.nn.Module, state: dict[str, torch.Tensor], names: list[str]) -> list[tuple[str, torch.Tensor]]:
+    """(plain name, tensor) for `names`, in their order, out of `model`'s `state` (its own state dict or an
+    engine's full one): merged tensors where the model has adapters, the state's own otherwise."""
+    if has_adapters(model):
+        plain = merge_state(state, _lora_layers(model), names)
+    else:
+        plain = state
+    return [(n, plain[n]) for n in names]
+
+
+# ---------------------------------------------------------------- resumable state, exports
+
+
+TRAINED_FILE = "trained.safetensors"  # every parameter that trains, by its wrapped name: exact resume
+ADAPTER_DIR = "adapter"
+
+
+def trained_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries of `state` (keyed as `model.state_dict()`) that train: adapters, an unfrozen head."""
+    names = set(trainable_names(model))
+    return {k: v.detach().cpu().contiguous() for k, v in state.items() if k in names}
+
+
+def save_trained(model: torch.nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """`folder/trained.safetensors` (what trains, for resume) and, with adapters, `folder/adapter/` (PEFT's
+    adapter folder)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(trained_state(model, state), str(folder / TRAINED_FILE))
+    if has_adapters(model):
+        write_adapter(model, state, folder / ADAPTER_DIR)
+
+
+def load_trained(model: torch.nn.Module, folder: Path) -> bool:
+    """What `save_trained` wrote, into `model` (the same wrapping, before an engine takes it); False when the
+    folder has no such file. Every trained parameter must be in the file: a checkpoint of another LoRA setting
+    is one ModelError."""
+    from safetensors.torch import load_file
+
+    path = folder / TRAINED_FILE
+    if not path.is_file():
+        return False
+    saved = load_file(str(path))
+    want = set(trainable_names(model))
+    if set(saved) != want:
+        missing = sorted(want - set(saved)) or sorted(set(saved) - want)
+        raise ModelError(f"{path} holds other trained parameters than this run trains (e.g. {missing[0]!r}): resume "
+                         "with the model.lora_* and actor.freeze_prefix settings that wrote it")
+    inner = unwrapped(model)
+    with torch.no_grad():
+        params = dict(inner.named_parameters())
+        for k, v in saved.items():
+            params[k].copy_(v)
+    return True
+
+
+def write_adapter(model: torch.nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """PEFT's adapter folder (adapter_config.json, adapter_model.safetensors) from `state` (the model's own or
+    a gathered full state dict): loads with `PeftModel.from_pretrained(base, folder)`."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    inner = unwrapped(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = get_peft_model_state_dict(inner, state_dict={k: v.detach().cpu() for k, v in state.items()})
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "adapter_model.safetensors"))
+    inner.peft_config["default"].save_pretrained(str(folder))
+
+
+def save_model_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], folder: Path, how: str = "merged") -> None:
+    """`folder` from `state` (keyed as `model.state_dict()`): a plain HF folder with the adapters merged in, or
+    (how=adapter) PEFT's adapter folder. A model without adapters is written as it is."""
+    inner = unwrapped(model)
+    if not has_adapters(inner):
+        inner.save_pretrained(str(folder), state_dict=state)
+    elif how == "adapter":
+        write_adapter(inner, state, folder)
+    else:
+        inner.get_base_model().save_pretrained(str(folder), state_dict=merge_state(state, _lora_layers(inner)))
+
+
+def set_export(model: torch.nn.Module, how: str) -> None:
+    """How the checkpoints' model folder holds this model with adapters (model.lora_export): merged or adapter."""
+    unwrapped(model).alignrl_export = how
+
+
+def export_of(model: torch.nn.Module) -> str:
+    return getattr(unwrapped(model), "alignrl_export", "merged")
+
+
+class AdaptersOffScorer:
+    """A RefScorer that runs `scorer` (built on the trained model itself) with the adapters switched off: the
+    reference of the KL term is the base, and no second copy of it is held. The trainer's forwards never overlap
+    with it (one thread), so switching the adapters off for the call changes nothing else."""
+
+    def __init__(self, scorer, model: torch.nn.Module):
+        self.scorer, self.model = scorer, model
+
+    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+        with adapters_off(self.model):
+            return self.scorer.logprobs(prompt_ids, prompt_mask, response_ids, response_mask)

@@ -14,6 +14,7 @@ from alignrl.data.collate import encode_prompts, left_pad, right_pad
 from alignrl.data.records import Sample
 from alignrl.models.logprobs import response_logprobs
 from alignrl.core.optim import build_optimizer
+from alignrl.models.lora import LoraSpec, add_adapters
 
 
 def encode_pairs(tokenizer, samples: Sequence[Sample], max_prompt_length: int) -> tuple[list, list]:
@@ -30,8 +31,8 @@ def sft_train(model, tokenizer, samples: Sequence[Sample], *, steps: int, batch_
 
     `on_step(step, loss)` is called after each step (progress display)."""
     prompts, responses = encode_pairs(tokenizer, samples, max_prompt_length)
-    opt, sched = build_optimizer(model.parameters(), lr, 0.0, (0.9, 0.95), warmup_steps, steps, "cosine",
-                                 min_lr_ratio)
+    trained = [p for p in model.parameters() if p.requires_grad]  # the adapters alone under LoRA
+    opt, sched = build_optimizer(trained, lr, 0.0, (0.9, 0.95), warmup_steps, steps, "cosine", min_lr_ratio)
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(samples), generator=gen)
     losses, model_was_training = [], model.training
@@ -49,7 +50,7 @@ def sft_train(model, tokenizer, samples: Sequence[Sample], *, steps: int, batch_
         loss = -logp.sum() / rm.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         sched.step()
         losses.append(loss.item())
@@ -57,3 +58,14 @@ def sft_train(model, tokenizer, samples: Sequence[Sample], *, steps: int, batch_
             on_step(step, losses[-1])
     model.train(model_was_training)
     return losses
+
+
+def sft_train_lora(model, tokenizer, samples: Sequence[Sample], spec: LoraSpec, **kw) -> tuple[object, list[float]]:
+    """`sft_train` of LoRA adapters (`spec`) on `model`, whose own weights stay frozen; returns the plain model with
+    the adapters merged in (its save_pretrained writes an ordinary HF folder) and the losses. The adapters' initial
+    values come from `kw["seed"]`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(kw.get("seed", 0))
+        wrapped = add_adapters(model, spec, key="lora rank")
+    losses = sft_train(wrapped, tokenizer, samples, **kw)
+    return wrapped.merge_and_unload(), losses

@@ -24,6 +24,7 @@ from alignrl.config.checks import needs_reference, response_cap
 from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.runtime.env import SINGLE, DistEnv
 from alignrl.interfaces import RefScorer, RolloutEngine, SequenceScorer
+from alignrl.models import lora
 from alignrl.models.loader import DTYPES, frozen_copy, load_causal_lm, load_model, recompute_activations
 from alignrl.models.logprobs import ForwardLayout
 from alignrl.models.sharded_load import fill_shards, meta_model
@@ -89,13 +90,17 @@ def service_args(cfg: RunConfig) -> dict:
             "api_key": os.environ.get("ALIGNRL_API_KEY")}
 
 
-def build_ref(cfg: RunConfig, device: torch.device, base=None) -> RefScorer | None:
-    """The reference service when configured, else a frozen copy of the base model: `base` when the caller
-    already loaded model.path (in model.dtype), else loaded here. None when no KL term needs it."""
+def build_ref(cfg: RunConfig, device: torch.device, base=None, policy=None) -> RefScorer | None:
+    """The reference service when configured, else the base model: the trained `policy` itself with its LoRA
+    adapters switched off when it has them (no second copy), else a frozen copy of `base` when the caller already
+    loaded model.path (in model.dtype), else loaded here. None when no KL term needs it."""
     if not needs_reference(cfg):
         return None
     if cfg.services.reference_url:
         return RemoteRefScorer(cfg.services.reference_url, temperature=cfg.rollout.temperature, **service_args(cfg))
+    if policy is not None and lora.has_adapters(policy):
+        return lora.AdaptersOffScorer(LocalRefScorer(policy, cfg.rollout.temperature, cfg.actor.forward_micro_batch,
+                                                     forward_layout(cfg)), policy)
     if base is None:
         base = load_model(cfg.model.path, cfg.model.dtype)[0]
     return LocalRefScorer(frozen_copy(base).to(device), cfg.rollout.temperature, cfg.actor.forward_micro_batch,
@@ -147,9 +152,12 @@ def build_critic(cfg: RunConfig, name: str, resume: Path | None, env: DistEnv = 
     """The critic `name` ("critic", or "cost_critic" seeded one apart); from the checkpoint's `<name>/`
     folder and its optimizer state when resuming."""
     c = cfg.critic
-    path = str(resume / name) if resume else (c.model_path or cfg.model.path)
+    adapters = cfg.model.lora_rank > 0  # resumed from the base and the checkpoint's trained tensors
+    path = str(resume / name) if resume and not adapters else (c.model_path or cfg.model.path)
     seed = cfg.trainer.seed + (name == "cost_critic")
     model = load_value_model(path, cfg.model.dtype, seed=seed, log=console.print)
+    if adapters:
+        model = with_adapters(cfg, model, resume / f"{name}_state" if resume else None, value_model=True)
     spec = OptimSpec(lr=c.lr, weight_decay=c.weight_decay, betas=tuple(c.betas), warmup_steps=c.lr_warmup_steps,
                      total_steps=total_optimizer_steps(cfg), schedule=c.lr_scheduler, min_lr_ratio=c.min_lr_ratio,
                      grad_clip=c.grad_clip)
@@ -193,6 +201,7 @@ def load_policy(cfg: RunConfig, folder: Path, env: DistEnv, in_shards: bool) -> 
     model): a ZeRO-3 policy is built in its partitions as it loads (deepspeed.zero.Init), an FSDP2 one on the meta
     device, its shards then reading their own rows of the weights; no rank holds the whole model at any time."""
     strategy = resolve_strategy(cfg, env)
+    in_shards = in_shards and cfg.model.lora_rank == 0  # adapters go on the whole model, before an engine shards it
     if in_shards and strategy == "fsdp2":
         model = meta_model(folder, DTYPES[cfg.model.dtype])
         if model is not None:
@@ -206,8 +215,50 @@ def load_policy(cfg: RunConfig, folder: Path, env: DistEnv, in_shards: bool) -> 
     return model, None
 
 
+def lora_of(cfg: RunConfig) -> lora.LoraSpec:
+    m = cfg.model
+    return lora.lora_spec(m.lora_rank, m.lora_alpha, m.lora_dropout, m.target_modules)
+
+
+def with_adapters(cfg: RunConfig, model, state: Path | None, value_model: bool = False):
+    """`model` with LoRA adapters (model.lora_rank > 0): only they train, and a value model's new head, whole.
+    `state`: a checkpoint's `<name>_state` folder, whose trained tensors are loaded (exact resume)."""
+    head = []
+    if value_model:  # the head is not part of the pretrained backbone: it trains whole, without an adapter
+        prefix = getattr(model, "base_model_prefix", "model") + "."
+        head = [n for n, _ in model.named_parameters() if not n.startswith(prefix)]
+    with torch.random.fork_rng(devices=[]):  # the adapters' initial values depend on the seed alone
+        torch.manual_seed(cfg.trainer.seed)
+        model = lora.add_adapters(model, lora_of(cfg), task=None if value_model else "CAUSAL_LM",
+                                  exclude=tuple(sorted({n.rsplit(".", 1)[0] for n in head})))
+    for name, p in lora.unwrapped(model).named_parameters():
+        if lora.plain_name(name) in head:
+            p.requires_grad_(True)
+    if not value_model:
+        lora.set_export(model, cfg.model.lora_export)
+    if state is not None and not lora.load_trained(model, state):
+        from alignrl.train.checkpoint import CheckpointError
+
+        raise CheckpointError(f"{state} has no {lora.TRAINED_FILE}: it was written without LoRA; resume with "
+                              "model.lora_rank=0, or start afresh with trainer.resume_mode=disable")
+    return model
+
+
+def trained_policy(cfg: RunConfig, model, resume: Path | None):
+    """The policy as it trains: with LoRA adapters (model.lora_rank > 0; a resumed run's from its checkpoint),
+    and its actor.freeze_prefix parameters frozen."""
+    if cfg.model.lora_rank > 0:
+        model = with_adapters(cfg, model, resume / "model_state" if resume else None)
+    if cfg.actor.freeze_prefix:
+        lora.freeze_prefixes(model, cfg.actor.freeze_prefix)
+    return model
+
+
 def build_actor(cfg: RunConfig, model, resume: Path | None, env: DistEnv, materialize: Callable | None = None) -> Actor:
+    """The actor on its training engine; `model` as loaded (adapters and frozen prefixes are added here, before
+    an engine wraps it)."""
     a = cfg.actor
+    model = trained_policy(cfg, model, resume)
     spec = OptimSpec(lr=a.lr, weight_decay=a.weight_decay, betas=tuple(a.betas), warmup_steps=a.lr_warmup_steps,
                      total_steps=total_optimizer_steps(cfg), schedule=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio,
                      grad_clip=a.grad_clip)

@@ -17,7 +17,8 @@ from alignrl.models.loader import frozen_copy, load_tokenizer, resolve_model_pat
 from alignrl.placements.build import (build_actor, build_critics, build_maker, build_ref, load_policy, service_args,
                                       shards_weights, with_tools)
 from alignrl.rl.producer import RolloutMaker
-from alignrl.rl.sinks import EngineCopy, Fanout, SharedModule
+from alignrl.placements.weight_sync import copy_sink
+from alignrl.rl.sinks import Fanout, SharedModule
 from alignrl.rl.trainer import PolicyTrainer
 from alignrl.rollout.hf_engine import HFRolloutEngine
 from alignrl.rollout.remote import RemoteRolloutEngine
@@ -73,6 +74,8 @@ def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: Dis
     """The in-process producer and the trainer, or only the trainer when `producers` make the batches in
     other processes (and receive the weights through their sink). Policy from `policy_path`, the frozen
     reference from the base `cfg.model.path`."""
+    if resume is not None and cfg.model.lora_rank > 0:  # the base, and the checkpoint's adapters (build_actor)
+        policy_path = cfg.model.path
     if producers is None:
         return _with_producer(cfg, policy_path, resume, env)
     return _beside_producers(cfg, policy_path, resume, env, producers)
@@ -85,17 +88,20 @@ def _with_producer(cfg: RunConfig, policy_path: str, resume: Path | None, env: D
     folder = resolve_model_path(policy_path, console.print)
     tokenizer = load_tokenizer(folder)
     model, materialize = load_policy(cfg, folder, env, in_shards=False)
-    # the reference is the base model, not a checkpoint
-    ref = build_ref(cfg, env.device, model if policy_path == cfg.model.path else None)
+    adapters = cfg.model.lora_rank > 0
+    # the reference is the base model, not a checkpoint; with LoRA, the policy with its adapters off (below)
+    ref = None if adapters else build_ref(cfg, env.device, model if policy_path == cfg.model.path else None)
     service = cfg.services.generation_url
     # copied before the engine shards the policy
     copy = frozen_copy(model).to(env.device) if shards_weights(cfg, env) and not service else None
     actor = build_actor(cfg, model, resume, env, materialize)
+    if adapters:
+        ref = build_ref(cfg, env.device, policy=actor.model)
     engine = (RemoteRolloutEngine(service, tokenizer, **service_args(cfg)) if service else
               HFRolloutEngine(copy if copy is not None else actor.model, tokenizer))
     engine = with_tools(cfg, engine, tokenizer)  # evaluation rolls out the same way as training
-    sink = (EngineCopy(actor, engine, env, main_only=bool(service)) if service or copy is not None else
-            SharedModule())
+    sink = (copy_sink(actor, engine, env, main_only=bool(service), whole=bool(service))
+            if service or copy is not None else SharedModule())
     critics = build_critics(cfg, resume, env)
     maker = build_maker(cfg, engine, tokenizer, ref, env.device, env.rank)
     trainer = PolicyTrainer(cfg, actor, sink, critics, env)
@@ -122,7 +128,7 @@ def _beside_producers(cfg: RunConfig, policy_path: str, resume: Path | None, env
     engine = with_tools(cfg, engine, tokenizer)
     sink = producers.sink(actor, env)
     if own_copy:  # the gather is collective: every rank takes part, rank 0 alone loads
-        sink = Fanout(EngineCopy(actor, engine, env, main_only=True), sink)
+        sink = Fanout(copy_sink(actor, engine, env, main_only=True), sink)
     critics = producers.critics(cfg, resume, env)
     trainer = PolicyTrainer(cfg, actor, sink, critics, env)
     return Placed(trainer, tokenizer, engine, None, sink, remote_eval=evaluator is not None)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from alignrl.data.loaders import DataError
+from alignrl.models import lora
 from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, barrier
 from alignrl.utils.atomic import atomic_write_text
 
@@ -165,18 +166,24 @@ class NonFiniteWeights(CheckpointError):
 def save_engine(engine, folder: Path, name: str, env: DistEnv = SINGLE) -> None:
     """Collective: `folder/name` (full HF weights, written by rank 0) and `folder/name_state` (the engine's
     resumable optimizer state). Raises NonFiniteWeights on every rank, or none does (a rank left alone in
-    the next collective would hang), before writing anything of it."""
+    the next collective would hang), before writing anything of it. A model with LoRA adapters is written as
+    its model.lora_export says (a plain HF folder with the adapters merged in, or PEFT's adapter folder), and its
+    trained tensors, by their own names, go into `name_state` for an exact resume."""
     full = engine.full_state_dict(main_only=True)  # collective; rank 0 writes
     bad = nonfinite(full)
     if all_reduce_sum(env, [float(len(bad))])[0]:
         raise NonFiniteWeights(name, bad[0] if bad else "some tensor")
+    adapters = lora.has_adapters(engine.model)
     if env.is_main:
-        engine.model.save_pretrained(folder / name, state_dict=full)
+        how = lora.export_of(engine.model)
+        lora.save_model_folder(engine.model, full, folder / name, how)
         saved = {v.dtype for v in full.values() if v.is_floating_point()}
-        if len(saved) == 1 and (dtype := saved.pop()) != engine.model.dtype:
+        if how != "adapter" and len(saved) == 1 and (dtype := saved.pop()) != engine.model.dtype:
             # FSDP2 keeps a bf16 model's shards in fp32 and saves bf16: config.json names the saved dtype
             engine.model.config.dtype = str(dtype).removeprefix("torch.")
             engine.model.config.save_pretrained(folder / name)
+        if adapters:
+            lora.save_trained(engine.model, full, folder / f"{name}_state")
     del full  # the host copy goes before the optimizer state is gathered
     (folder / f"{name}_state").mkdir(exist_ok=True)
     engine.save_state(folder / f"{name}_state")  # collective

@@ -21,6 +21,7 @@ from dataclasses import replace
 import ray
 import torch
 
+from alignrl.placements.weight_sync import Outgoing
 from alignrl.placements.build import build_critics
 from alignrl.rl.producer import InlineSource, merged_metrics
 from alignrl.rl.rollout_ops import concat_rollouts, pad_cols, shard_groups
@@ -168,15 +169,17 @@ class RayWeightSink:
 
     def __init__(self, actor: Actor, env: DistEnv, engines: list[Peer], group, timeout_s: float):
         self.actor, self.env, self.engines, self.group, self.timeout_s = actor, env, engines, group, timeout_s
-        self.names = [n for n, _ in actor.model.named_parameters()]
+        # the plain model's names (LoRA adapters merged in): all at the first publish, then those that change
+        self.out = Outgoing(actor.model)
         self.publish_s = 0.0
 
     def publish(self, version: int) -> None:
         t0 = time.perf_counter()
         full = self.actor.engine.full_state_dict(main_only=True)  # collective under ZeRO-3 / FSDP2
+        names = self.out.names()
         if self.env.is_main:
             refs = [e.handle.receive.remote(BUCKET_BYTES) for e in self.engines]
-            self.group.send([(n, full[n]) for n in self.names], version, BUCKET_BYTES)
+            self.group.send(self.out.tensors(full, names), version, BUCKET_BYTES, partial=self.out.partial(names))
             got = get(refs, self.engines, self.timeout_s)
             if got != [version] * len(got):
                 raise ClusterError(f"rollout engines acknowledged weight versions {got}, expected {version}")

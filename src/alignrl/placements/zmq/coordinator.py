@@ -83,8 +83,10 @@ class Coordinator:
     def source(self, sampler: BatchSampler, trainer, env: DistEnv) -> PipelineSource:
         p = self.cfg.pipeline
         dispatcher = Dispatcher(sampler, p.max_staleness, p.lease_timeout_s, self.incarnation)
-        # the trainer's own frozen reference, for the rows samplers leave to it (pipeline.ref_logprobs)
-        ref_share = RefShare(self.cfg, build_ref(self.cfg, env.device) if trainer_needs_ref(self.cfg) else None)
+        # the trainer's own frozen reference, for the rows samplers leave to it (pipeline.ref_logprobs); with LoRA
+        # the policy itself, adapters off (the batches are taken in the loop's thread, between updates)
+        ref_share = RefShare(self.cfg, build_ref(self.cfg, env.device, policy=trainer.actor.model)
+                             if trainer_needs_ref(self.cfg) else None)
         puller, replier, failed = bind_ports(p, self.token) if env.is_main else (None, None, None)
         # rank 0 alone binds: the others learn here that it could not, and stop with it instead of failing at
         # the next collective with gloo's "connection closed" traceback

@@ -188,7 +188,9 @@ class Sampler:
                 return
         elif self.unmappable is not None and incarnation != self.unmappable:  # a restarted trainer: try again
             self.can_map, self.unmappable = {**self.can_map, "shared": True}, None
-        check_weights(reply, self.manifest)
+        # a partial update (a trainer with LoRA adapters or frozen parameters) names the parameters that changed
+        check_weights(reply, {n: self.manifest[n] for n in reply.tensors if n in self.manifest}
+                      if reply.meta.get("partial") else self.manifest)
         engine.load_weights(reply.tensors.items())
         self.shared.synchronize()
         self.incarnation, self.version = incarnation, reply.meta["version"]

@@ -19,6 +19,8 @@ import time
 import torch
 
 from alignrl.config.schema import PipelineConfig
+from alignrl.models.lora import plain_name
+from alignrl.placements.weight_sync import Outgoing
 from alignrl.runtime.env import DistEnv, barrier
 from alignrl.wire.shared_weights import SharedPublisher, SharedUnavailable, host_id
 from alignrl.wire.weight_buckets import WeightsEncoder
@@ -36,12 +38,13 @@ class WeightBoard:
         self.encode = WeightsEncoder(p.bucket_mb << 20, token) if self.transport != "shared" else None
         self.incarnation = incarnation
         self.on_publish = on_publish  # called under the lock with the new version
-        self.names = [n for n, _ in actor.model.named_parameters()]
+        # the plain model's names (LoRA adapters are merged in), all at the first publish, then those that change
+        self.out = Outgoing(actor.model)
         # the full shapes (ZeRO-3 leaves each parameter an empty shard here, its own shape in ds_shape) and the
         # published dtypes (FSDP2 keeps a bf16 model's shards in fp32 and publishes bf16): a sampler checks both
         dtypes = actor.engine.weight_dtypes()
-        self.manifest = {n: [list(getattr(t, "ds_shape", t.shape)), DTYPE_NAMES[dtypes[n]]]
-                         for n, t in actor.model.named_parameters()}
+        self.manifest = {plain_name(n): [list(getattr(t, "ds_shape", t.shape)), DTYPE_NAMES[dtypes[n]]]
+                         for n, t in actor.model.named_parameters() if "lora_" not in n}
         # where the published weights live: whole weights are read off the parameters' device, gathered
         # ones (ZeRO-3, FSDP2) come as CPU tensors
         dev = next(actor.model.parameters()).device
@@ -55,13 +58,15 @@ class WeightBoard:
         weights are read from the live parameters: the encoder gathers them on their device, where a CPU
         state dict first cost a host copy (and fresh pages) per tensor."""
         t0 = time.perf_counter()
-        if self.actor.engine.whole_weights:
-            named = list(self.actor.model.named_parameters()) if self.env.is_main else []
+        names = self.out.names()
+        if self.actor.engine.whole_weights:  # the live tensors (state_dict() copies nothing)
+            named = self.out.tensors(self.actor.model.state_dict(), names) if self.env.is_main else []
         else:
             full = self.actor.engine.full_state_dict(main_only=True)
-            named = [(n, full[n]) for n in self.names] if self.env.is_main else []
+            named = self.out.tensors(full, names) if self.env.is_main else []
         if self.env.is_main:
-            meta = {"incarnation": self.incarnation}
+            # partial: the parameters a step can change; the sampler keeps the rest as it holds them
+            meta = {"incarnation": self.incarnation, **({"partial": True} if self.out.partial(names) else {})}
             with self.lock:
                 ways = self._ways()
             if "shared" in ways:

@@ -43,7 +43,13 @@ def needs_master(model: torch.nn.Module) -> bool:
 class MasterWeights:
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.shadow = copy.deepcopy(model).float()  # same names, same trainable set, fp32
+        # same names, same trainable set; the trainable weights in fp32, the frozen ones (a LoRA base, a frozen
+        # prefix) the model's own tensors, shared rather than copied: nothing steps them
+        frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
+        self.shadow = copy.deepcopy(model, memo=dict(frozen))
+        for p in self.shadow.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
         self.pairs = [(m, p) for m, p in zip(self.shadow.parameters(), model.parameters()) if p.requires_grad]
         for m, p in self.pairs:  # each gradient leaves the model as soon as the backward has made it
             p.register_post_accumulate_grad_hook(functools.partial(self._take, m))
