@@ -187,6 +187,14 @@ def test_example_configs_load():
         load_config(f)
     dr = load_config(Path(__file__).parents[1] / "examples" / "dr_grpo.yaml")  # both halves of Dr.GRPO
     assert not dr.algorithm.norm_adv_by_std_in_grpo and dr.actor.loss_agg_mode == "seq-mean-token-sum-norm"
+    # the preference trainers' examples (the reference project's keys) load as their own configs
+    from alignrl.preference.cli import DPOConfig, RMConfig, load_flat_config
+
+    dpo = load_flat_config(DPOConfig, str(Path(__file__).parents[1] / "examples" / "preference" / "safe_demo_dpo.yaml"),
+                           [], {})
+    rm = load_flat_config(RMConfig, str(Path(__file__).parents[1] / "examples" / "preference" / "safe_demo_rm.yaml"),
+                          [], {})
+    assert dpo.loss_type == "safe_mm_dpo" and dpo.use_lora and rm.use_lora is not None
 
 
 def test_help_lists_subcommands():

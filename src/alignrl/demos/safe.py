@@ -9,7 +9,7 @@ and complied in three: `demos/safe_data.py`), trains a helpfulness reward model 
 the demo world's preference pairs (`alignrl train rm --task helpful|harmless`), measures the base model on
 held-out prompts (greedy answers; safety rate over red-team prompts, mean helpfulness over everyday ones:
 `alignrl.preference.safety_eval`), trains the policy with Safe-MM-DPO through LoRA adapters (`alignrl train dpo`
-with `examples/safe_demo_dpo.yaml`; λ moves after every step), and measures the trained policy the same way.
+with `examples/preference/safe_demo_dpo.yaml`; λ moves after every step), and measures the trained policy the same way.
 
 Everything goes under the run folder (default output/safe_demo; an earlier run there is moved aside): models/,
 logs/ (each trainer's metrics.jsonl), eval/ (every judged answer), summary.json (`base_safety_rate`,
@@ -35,7 +35,7 @@ from alignrl.errors import UserError
 
 PROG = "alignrl demo safe"
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-RM_CONFIG, DPO_CONFIG = EXAMPLES / "safe_demo_rm.yaml", EXAMPLES / "safe_demo_dpo.yaml"
+RM_CONFIG, DPO_CONFIG = EXAMPLES / "preference" / "safe_demo_rm.yaml", EXAMPLES / "preference" / "safe_demo_dpo.yaml"
 SHIPPED_SEED = 0  # the world whose files ship in demos/data
 DEFAULT_RUN_DIR = "output/safe_demo"
 
@@ -148,7 +148,7 @@ def run(seed: int, overrides: Sequence[str], heldout: int, run_dir: Path, log=pr
     log(f"== the base model on {len(prompts)} held-out prompts (greedy)")
     base_rep, base_rows = se.evaluate_policies({"base": str(base)}, reward, cost, prompts, log=log)["base"]
     log("base model: " + _line(base_rep))
-    log("== Safe-MM-DPO with LoRA: alignrl train dpo --config examples/safe_demo_dpo.yaml")
+    log("== Safe-MM-DPO with LoRA: alignrl train dpo --config examples/preference/safe_demo_dpo.yaml")
     train("dpo", args["dpo"])
     final_rep, final_rows = se.evaluate_policies({"final": str(models / "policy")}, reward, cost, prompts,
                                                  log=log)["final"]
