@@ -299,3 +299,9 @@ def test_verl_spelled_runs_compute_in_bf16_where_the_gpu_has_it(monkeypatch):
     assert load_config(None, [lr]).model.dtype == "bfloat16"
     assert load_config(None, [lr, "model.dtype=float32"]).model.dtype == "float32"  # given: kept
     assert load_config(None, ["actor.lr=1e-6"]).model.dtype == "float32"  # alignrl's spelling: its own default
+
+
+def test_several_held_out_answers_need_sampling():
+    with pytest.raises(ConfigError, match=r"^rollout.val_n=4 answers a problem need sampling: set rollout.val_temperature"):
+        load_config(None, ["rollout.val_n=4"])
+    assert load_config(None, ["rollout.val_n=4", "rollout.val_temperature=0.6"]).rollout.val_n == 4

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from alignrl.rl.evaluate import format_room, greedy_eval, room
+from alignrl.rl.evaluate import format_room, heldout_eval, room
 from alignrl.data.records import Sample
 from alignrl.rewards.registry import load_reward_fn
 
@@ -43,8 +43,8 @@ def test_room_counts_any_of_k_and_splits_by_difficulty():
     assert r["pass@k"]["strict"] == {"all": round(2 / 3, 4), "ops=1": 0.5, "ops=2": 1.0}
     assert r["pass@k"]["flexible"] == r["pass@k"]["strict"]
     assert "ops=2 0.000/1.000" in format_room(r)
-    # greedy_eval agrees with room's pass@1
-    acc = greedy_eval(ScriptedEngine(greedy, sampled), TOKENIZER, samples, [[0], [1], [2]], load_reward_fn(None), 8)
+    # heldout_eval agrees with room's pass@1
+    acc = heldout_eval(ScriptedEngine(greedy, sampled), TOKENIZER, samples, [[0], [1], [2]], load_reward_fn(None), 8)
     assert acc == {"accuracy": 1 / 3, "accuracy_flexible": 2 / 3}
 
 
@@ -55,7 +55,7 @@ def test_a_task_not_scored_by_last_number_reports_no_last_number_accuracy():
                for g in ("5", "9")]
     greedy, sampled = {0: TEXTS[0], 1: TEXTS[3]}, {0: [TEXTS[0]], 1: [TEXTS[4]]}
     engine = ScriptedEngine(greedy, sampled)
-    assert greedy_eval(engine, TOKENIZER, samples, [[0], [1]], load_reward_fn(None), 8) == {"accuracy": 1.0}
+    assert heldout_eval(engine, TOKENIZER, samples, [[0], [1]], load_reward_fn(None), 8) == {"accuracy": 1.0}
     r = room(engine, TOKENIZER, samples, [[0], [1]], load_reward_fn(None), max_new_tokens=8, k=1, temperature=1.0)
     assert list(r["pass@1"]) == ["strict"] and "flexible" not in format_room(r)
 
@@ -72,8 +72,24 @@ def test_evaluation_samples_as_the_rollouts_do():
 
     samples = [_sample("5", 1)]
     engine = Recording({0: TEXTS[0]}, {0: [TEXTS[0], TEXTS[2]]})
-    greedy_eval(engine, TOKENIZER, samples, [[0]], load_reward_fn(None), 8, stop=["\n\n"])
+    heldout_eval(engine, TOKENIZER, samples, [[0]], load_reward_fn(None), 8, stop=["\n\n"])
     room(engine, TOKENIZER, samples, [[0]], load_reward_fn(None), max_new_tokens=8, k=2, temperature=0.7,
          stop=["\n\n"], top_p=0.9, top_k=5)
     assert [p.stop for p in seen] == [("\n\n",)] * 3
     assert (seen[2].top_p, seen[2].top_k, seen[2].temperature) == (0.9, 5, 0.7)
+
+
+def test_sampled_validation_is_the_mean_of_the_answers_with_pass_at_n_beside_it():
+    """verl's val_kwargs with do_sample: n answers a problem at a temperature; accuracy is their mean (mean@n)."""
+    from alignrl.rl.evaluate import validation_params
+
+    samples = [_sample("5", 1), _sample("5", 1), _sample("9", 2)]
+    greedy = {0: TEXTS[4], 1: TEXTS[4], 2: TEXTS[4]}  # greedy gets all wrong: the sampler must be the one used
+    sampled = {0: [TEXTS[2], TEXTS[0]], 1: [TEXTS[2], TEXTS[2]], 2: [TEXTS[3], TEXTS[3]]}
+    params = validation_params(8, temperature=0.6, top_p=0.9, n=2, seed=3)
+    assert (params.n, params.temperature, params.top_p, params.seed) == (2, 0.6, 0.9, 3)
+    full, small = heldout_eval(ScriptedEngine(greedy, sampled), TOKENIZER, samples, [[0], [1], [2]],
+                               load_reward_fn(None), 8, subset=2, params=params)
+    assert full == {"accuracy": 3 / 6, "accuracy_flexible": 3 / 6, "pass@2": 2 / 3}
+    assert small == {"accuracy": 1 / 4, "accuracy_flexible": 1 / 4, "pass@2": 1 / 2}
+    assert validation_params(8, temperature=0.0, n=4).n == 1  # temperature 0: greedy, one answer

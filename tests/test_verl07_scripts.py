@@ -139,7 +139,13 @@ def test_the_scripts_translate_to_what_verl_does(files, tmp_path, capsys, monkey
     assert (grpo.data.filter_overlong_prompts, grpo.data.truncation, d.data.truncation) == (True, "error", "left")
     assert any("Ulysses sequence parallelism" in line and "ulysses_sequence_parallel_size=8" in line
                for line in features), err
-    assert "val_kwargs.do_sample=True" in err and "data.gen_batch_size=3" in err
+    assert "data.gen_batch_size=3" in err and "val_kwargs" not in err  # the validation sampler is applied
+    r = d.rollout  # DAPO's: sampled validation at T=1.0, top_p 0.7, one answer a problem
+    assert (r.val_temperature, r.val_top_p, r.val_top_k, r.val_n) == (1.0, 0.7, -1, 1)
+    assert grpo.rollout.val_temperature == 0.0  # no val_kwargs: greedy
+    quiet = load_config(None, grpo_math("demo", train, test) + [
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=False", "actor_rollout_ref.rollout.val_kwargs.temperature=0.6"])
+    assert quiet.rollout.val_temperature == 0.0  # verl samples only with do_sample=True
     assert not any("actor.use_dynamic_bsz" in line for line in err.splitlines())  # applied, so not listed
 
 

@@ -26,7 +26,7 @@ from alignrl.placements.build import resolve_strategy
 from alignrl.placements.choose import remote_producers
 from alignrl.placements.local import Placed, place
 from alignrl.rewards.registry import load_reward_fn
-from alignrl.rl.evaluate import format_room, greedy_eval, room
+from alignrl.rl.evaluate import format_room, heldout_eval, room, validation_params
 from alignrl.rl.producer import InlineSource
 from alignrl.rl.step import GRPOStep
 from alignrl.rl.trainer import PolicyTrainer
@@ -60,9 +60,10 @@ def describe_batch(cfg: RunConfig, world: int = 1) -> str:
 
 
 def _fmt(acc: dict[str, float]) -> str:
-    if "accuracy_flexible" not in acc:  # not a GSM8K-scored task
-        return f"{acc['accuracy']:.3f}"
-    return f"{acc['accuracy']:.3f} (last-number extraction: {acc['accuracy_flexible']:.3f})"
+    text = f"{acc['accuracy']:.3f}"
+    if "accuracy_flexible" in acc:  # a GSM8K-scored task
+        text += f" (last-number extraction: {acc['accuracy_flexible']:.3f})"
+    return text + "".join(f", {k} {v:.3f}" for k, v in acc.items() if k.startswith("pass@"))
 
 
 def run_batch_numbers(cfg: RunConfig, world: int) -> dict[str, int]:
@@ -135,10 +136,19 @@ class Run:
     state: dict = field(default_factory=dict)
     start_step: int = 0
 
-    def evaluate(self, n: int) -> dict[str, float]:
-        cfg = self.cfg
-        return greedy_eval(self.placed.eval_engine, self.placed.tokenizer, self.val[:n], self.val_prompts[:n],
-                           self.correct_fn, cfg.rollout.max_new_tokens, stop=cfg.rollout.stop)
+    def evaluate(self, n: int, subset: int | None = None):
+        """Held-out accuracy on the first `n` problems (and on the first `subset` of them, from the same answers)."""
+        r = self.cfg.rollout
+        params = validation_params(r.max_new_tokens, r.stop, r.val_temperature, r.val_top_p, r.val_top_k, r.val_n,
+                                   self.cfg.trainer.seed)
+        return heldout_eval(self.placed.eval_engine, self.placed.tokenizer, self.val[:n], self.val_prompts[:n],
+                            self.correct_fn, r.max_new_tokens, subset=subset, params=params)
+
+    @property
+    def how(self) -> str:
+        """How the held-out answers are made, for the console."""
+        r = self.cfg.rollout
+        return "greedy" if r.val_temperature <= 0 else f"sampled (T={r.val_temperature:g}, {r.val_n} a problem)"
 
     def measure_room(self, label: str) -> dict | None:
         """pass@1 and pass@k on the held-out set (trainer.eval_pass_at_k), printed and returned."""
@@ -242,11 +252,8 @@ def _evaluate_base(run: Run, tracker: Tracker) -> None:
     t0, env, state = time.time(), run.env, run.state
     if env.is_main:  # evaluation runs on rank 0's full (unsharded) rollout model; the others wait
         cfg = run.cfg
-        state["base"], small = greedy_eval(run.placed.eval_engine, run.placed.tokenizer, run.val, run.val_prompts,
-                                           run.correct_fn, cfg.rollout.max_new_tokens,
-                                           subset=min(cfg.data.val_size_during_training, len(run.val)),
-                                           stop=cfg.rollout.stop)
-        console.print(f"base model {run.held} greedy accuracy: {_fmt(state['base'])} on {len(run.val)} problems "
+        state["base"], small = run.evaluate(len(run.val), subset=min(cfg.data.val_size_during_training, len(run.val)))
+        console.print(f"base model {run.held} {run.how} accuracy: {_fmt(state['base'])} on {len(run.val)} problems "
                       f"({time.time() - t0:.1f}s)")
         tracker.log(0, {f"val/{k}": v for k, v in small.items()})
         state["base_room"] = run.measure_room("base model")
@@ -293,7 +300,7 @@ def _finish(run: Run, tracker: Tracker, wall_start: float) -> dict:
     cfg, val = run.cfg, run.val
     t0 = time.time()
     final = run.evaluate(len(val))
-    console.print(f"final {run.held} greedy accuracy: {_fmt(final)} on {len(val)} problems "
+    console.print(f"final {run.held} {run.how} accuracy: {_fmt(final)} on {len(val)} problems "
                   f"({time.time() - t0:.1f}s)")
     final_room = run.measure_room("trained model")
     tracker.plot(cfg.log_root / "curves.png")

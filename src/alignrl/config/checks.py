@@ -100,6 +100,14 @@ def _batch_sizes(cfg: RunConfig) -> str | None:
     return None
 
 
+def _validation_sampler(cfg: RunConfig) -> str | None:
+    r = cfg.rollout
+    if r.val_n > 1 and r.val_temperature <= 0:
+        return (f"rollout.val_n={r.val_n} answers a problem need sampling: set rollout.val_temperature > 0 "
+                "(0 decodes greedily, one answer)")
+    return None
+
+
 def _overlong_buffer(cfg: RunConfig) -> str | None:
     alg = cfg.algorithm
     if alg.overlong_buffer_len > response_cap(cfg):
@@ -269,7 +277,7 @@ def check_prompt_keys(cfg: RunConfig) -> None:
 
 # check_combinations' checks, in the order they run: each returns its one-line problem or None
 # (check_prompt_keys raises its own, with the same kind of line)
-_COMBINATIONS = (_batch_sizes, _overlong_buffer, _rollout_is, _loggers_and_files, check_prompt_keys,
+_COMBINATIONS = (_batch_sizes, _validation_sampler, _overlong_buffer, _rollout_is, _loggers_and_files, check_prompt_keys,
                  _optimiser_and_clips, _estimator, _critic, _pipeline, _safety, _urls)
 
 

@@ -89,6 +89,12 @@ class RolloutConfig:
     top_k: int = opt(-1, "keep the k most likely tokens; -1 disables (vLLM convention)", ge=-1)
     max_new_tokens: int = opt(64, "response length limit (verl's data.max_response_length)", ge=1)
     stop: list = opt([], "extra stop strings; generation also stops at the tokenizer's eos")
+    val_temperature: float = opt(0.0, "held-out evaluation: 0 decodes greedily; > 0 samples val_n answers a problem "
+                                       "at this temperature (accuracy: their mean; pass@val_n beside it), as verl's "
+                                       "rollout.val_kwargs", ge=0.0)
+    val_top_p: float = opt(1.0, "held-out sampling: nucleus mass", gt=0.0, le=1.0)
+    val_top_k: int = opt(-1, "held-out sampling: top-k; -1 disables", ge=-1)
+    val_n: int = opt(1, "held-out sampling: answers per problem (needs val_temperature > 0)", ge=1)
 
 
 @dataclass(frozen=True)
@@ -283,7 +289,8 @@ class TrainerConfig:
     nnodes: int = opt(1, "nodes × n_gpus_per_node = ranks: without --nproc, `alignrl train` starts that many local "
                          "torchrun ranks (verl's trainer.nnodes)", ge=1)
     n_gpus_per_node: int = opt(1, "ranks per node (verl's trainer.n_gpus_per_node); see trainer.nnodes", ge=1)
-    test_freq: int = opt(10, "held-out greedy accuracy every N steps; 0 disables", ge=0)
+    test_freq: int = opt(10, "held-out accuracy every N steps (greedy unless rollout.val_temperature > 0); "
+                               "0 disables", ge=0)
     eval_pass_at_k: bool = opt(False, "before and after training, also report held-out pass@k at the rollout "
                                       "temperature (k = rollout.n) beside greedy pass@1, overall and by difficulty")
     save_freq: int = opt(10, "checkpoint every N steps; 0 keeps only the final one", ge=0)

@@ -33,7 +33,7 @@ from alignrl.config.checks import nearest_sibling
 from alignrl.config.file_shape import SEED_KEYS, SEED_MODEL_PARTS, unknown_seed_key
 from alignrl.config.schema import ConfigError
 from alignrl.config.verl_tables import (A, CKPT_TO_KEEP, CRITIC_FOLLOWS_ACTOR, DAPO, FILTER_METRICS, MISSING,
-                                        NOT_APPLIED, NOT_USED, NOTED, ONLY_VALUE, R, RENAMES, REWARD_MANAGERS, VAL_GREEDY,
+                                        NOT_APPLIED, NOT_USED, NOTED, ONLY_VALUE, R, RENAMES, REWARD_MANAGERS, VAL_KWARGS,
                                         VERL_DEFAULTS, VERL_SECTIONS)
 
 
@@ -73,6 +73,7 @@ class _Pass:
     missing: dict[str, list[str]] = field(default_factory=dict)  # feature -> the keys that ask for it
     overlong: dict[str, str] = field(default_factory=dict)  # reward_model.overlong_buffer.{enable,len}
     reward_model: dict[str, str] = field(default_factory=dict)  # reward_model.enable, reward_model.model.path
+    val_kwargs: dict = field(default_factory=dict)  # rollout.val_kwargs.{do_sample,temperature,top_p,top_k,n}
     verl: bool = False
     output_is_run_dir: bool = False
     global_micro: int | None = None
@@ -157,10 +158,8 @@ def _recent(st: _Pass, key: str, value: str) -> bool:
         if v is not None and v not in FILTER_METRICS:
             raise ConfigError(f"{key}={value} is not supported (alignrl keeps the groups whose rewards differ: "
                               f"{', '.join(FILTER_METRICS)})")
-    elif key in VAL_GREEDY:
-        if v != VAL_GREEDY[key] and not (key.endswith("temperature") and v == 0.0):
-            st.not_applied[key] = (value, "alignrl evaluates held-out problems greedily (trainer.eval_pass_at_k "
-                                          "also samples rollout.n answers for pass@k)")
+    elif key in VAL_KWARGS:
+        st.val_kwargs[key.rsplit(".", 1)[1]] = v
     elif key == "reward_model.reward_manager":
         if v not in REWARD_MANAGERS:
             raise ConfigError(f"{key}={value} is not supported (alignrl's reward stage is the rule reward, verl's "
@@ -168,6 +167,14 @@ def _recent(st: _Pass, key: str, value: str) -> bool:
     else:
         raise ConfigError(f"unknown config key '{key}': not a verl key alignrl knows (docs/verl-keys.md lists them)")
     return True
+
+
+def _validation(given: dict) -> list[str]:
+    """verl's validation sampler: greedy unless do_sample is true (its default is false), then val_kwargs' own
+    temperature, top_p, top_k and n."""
+    if given.get("do_sample") is not True:
+        return []
+    return [f"{VAL_KWARGS[R + 'val_kwargs.' + k]}={v}" for k, v in given.items() if k != "do_sample"]
 
 
 def _reward_model(given: dict[str, str]) -> list[str]:
@@ -270,6 +277,7 @@ def _finish(st: _Pass) -> Translation:
     if st.overlong and _value(st.overlong.get("enable", "false")) is not True:  # verl applies the buffer only when on
         out.append("algorithm.overlong_buffer_len=0")
     out += _reward_model(st.reward_model)
+    out += _validation(st.val_kwargs)
     if custom.get("path") not in (None, "null"):  # verl's default function name is compute_score
         out.append(f"algorithm.reward_fn={custom['path']}:{custom.get('name', 'compute_score')}")
     # n_agent is Search-R1's group size; verl's rollout.n beside it is the vLLM sample count (1)

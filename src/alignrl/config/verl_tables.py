@@ -118,9 +118,10 @@ ONLY_VALUE: dict[str, tuple[object, str]] = {
     "critic.optim.warmup_style": ("constant", "the critic's lr is constant after its warm-up"),
     R + "mode": ("async", "alignrl's engines batch every prompt of a step; verl 0.7 removed the sync mode too"),
 }
-# verl's validation sampler (rollout.val_kwargs): alignrl evaluates held-out problems greedily, pass@k aside
-VAL_GREEDY = {R + "val_kwargs.do_sample": False, R + "val_kwargs.temperature": 0, R + "val_kwargs.n": 1,
-              R + "val_kwargs.top_p": 1.0, R + "val_kwargs.top_k": -1}
+# verl's validation sampler (rollout.val_kwargs): ours is rollout.val_*; do_sample=false (verl's default) is greedy
+VAL_KWARGS = {R + "val_kwargs.temperature": "rollout.val_temperature", R + "val_kwargs.top_p": "rollout.val_top_p",
+              R + "val_kwargs.top_k": "rollout.val_top_k", R + "val_kwargs.n": "rollout.val_n",
+              R + "val_kwargs.do_sample": None}
 # DAPO (recipe/dapo) as verl spells it -> alignrl's keys (algorithm.dynamic_sampling, the overlong penalty)
 DAPO = {"algorithm.filter_groups.enable": "algorithm.dynamic_sampling",
         "reward_model.overlong_buffer.len": "algorithm.overlong_buffer_len",

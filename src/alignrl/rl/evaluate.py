@@ -1,4 +1,4 @@
-"""Held-out evaluation: greedy accuracy, and the room RL has to improve it (pass@k when sampling).
+"""Held-out evaluation: accuracy (greedy, or sampled as verl's val_kwargs), and the room RL has to improve it (pass@k when sampling).
 
 Besides `accuracy` (full reward, e.g. strict `#### N` for GSM8K-style sources), GSM8K-style sources
 also get `accuracy_flexible` (last number in the text), which separates learning the answer format
@@ -58,21 +58,36 @@ def _by_difficulty(samples: Sequence[Sample], solved: torch.Tensor) -> dict[str,
     return out
 
 
-def greedy_eval(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
-                max_new_tokens: int, batch_size: int = 500, subset: int | None = None, stop: Sequence[str] = ()
-                ) -> dict[str, float] | tuple[dict[str, float], dict[str, float]]:
-    """Greedy accuracies over all `samples`; with `subset`, also those of the first `subset` samples
-    (the periodic evaluation set) from the same decoding, as a second dict. `stop`: the training rollouts'
-    stop strings (rollout.stop), so the held-out responses end where the policy's do in training."""
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=tuple(stop))
-    strict, flexible = (x[:, 0] for x in _scores(engine, tokenizer, samples, prompts, correct_fn, params, batch_size))
+def validation_params(max_new_tokens: int, stop: Sequence[str] = (), temperature: float = 0.0, top_p: float = 1.0,
+                      top_k: int = -1, n: int = 1, seed: int = 0) -> SamplingParams:
+    """The held-out sampler: greedy (temperature 0, one answer), or `n` answers at `temperature` (verl's
+    rollout.val_kwargs, our rollout.val_*)."""
+    if temperature <= 0.0:
+        return SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=tuple(stop))
+    return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                          stop=tuple(stop), seed=seed)
 
+
+def heldout_eval(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
+                 max_new_tokens: int, batch_size: int = 500, subset: int | None = None, stop: Sequence[str] = (),
+                 params: SamplingParams | None = None) -> dict[str, float] | tuple[dict[str, float], dict[str, float]]:
+    """Held-out accuracies over all `samples`, greedy unless `params` (`validation_params`) samples: then accuracy is
+    the mean over each problem's n answers (verl's mean@n) and, with n > 1, `pass@n` the share of problems some
+    answer solves. With `subset`, also those of the first `subset` samples (the periodic evaluation set) from the
+    same decoding, as a second dict. `stop`: the training rollouts' stop strings (rollout.stop), so the held-out
+    responses end where the policy's do in training."""
+    params = params or validation_params(max_new_tokens, stop)
+    strict, flexible = _scores(engine, tokenizer, samples, prompts, correct_fn, params,
+                               max(1, batch_size // params.n))
     last_number = has_last_number(samples)
 
     def summary(n: int) -> dict[str, float]:
-        out = {"accuracy": float(strict[:n].sum()) / max(1, n)}
+        answers = max(1, n * params.n)
+        out = {"accuracy": float(strict[:n].sum()) / answers}
         if last_number:
-            out["accuracy_flexible"] = float(flexible[:n].sum()) / max(1, n)
+            out["accuracy_flexible"] = float(flexible[:n].sum()) / answers
+        if params.n > 1:
+            out[f"pass@{params.n}"] = float(strict[:n].amax(1).sum()) / max(1, n)
         return out
 
     full = summary(len(samples))
