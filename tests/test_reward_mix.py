@@ -44,3 +44,15 @@ def test_add_puts_the_rule_reward_on_rows_that_have_an_answer():
     # rows 0, 1 answer "1": texts "answer 0" (wrong) and "answer 1" (right); rows 2, 3 have no answer
     assert scores.rewards.tolist() == [0.5, 0.5, 0.25, 0.75]
     assert scores.correct.tolist() == [False, True, False, False]
+
+
+def test_the_config_key_reaches_the_reward_stage(monkeypatch):
+    from alignrl.config import load_config
+    from alignrl.placements import build
+
+    monkeypatch.setattr(build, "check_rl_scorers", lambda cfg: None)
+    monkeypatch.setattr(build, "ModelScorer", lambda folder, *a, **k: _Scorer())
+    for mix, add in (("replace", False), ("add", True)):
+        cfg = load_config(None, ["algorithm.reward_model=rm_folder", f"algorithm.reward_model_mix={mix}"])
+        stage = build.build_rewards(cfg, _Tok(), torch.device("cpu"))
+        assert isinstance(stage.reward_model, _Scorer) and stage.add_rule is add
