@@ -349,3 +349,14 @@ def test_structured_ground_truth_survives_write_verl_parquet(tmp_path: Path) -> 
                     data_source="nq")
     write_verl_parquet([sample], path)
     assert load_samples(str(path))[0] == sample
+
+
+def test_truncation_keeps_the_end_the_start_or_both_halves():
+    """verl's data.truncation: left keeps the last tokens, right the first, middle the first and last halves."""
+    from alignrl.data.collate import truncate
+
+    ids = list(range(10))
+    assert truncate(ids, 4, "left") == [6, 7, 8, 9]
+    assert truncate(ids, 4, "right") == [0, 1, 2, 3]
+    assert truncate(ids, 5, "middle") == [0, 1, 7, 8, 9]
+    assert truncate(ids, 20, "middle") == ids

@@ -48,8 +48,10 @@ class DataConfig:
     val_size_during_training: int = opt(256, "held-out problems evaluated every trainer.test_freq steps", ge=1)
     train_batch_size: int = opt(32, "prompts per RL step (verl's data.train_batch_size)", ge=1)
     max_prompt_length: int = opt(128, "prompt tokens kept (truncated from the left)", ge=8)
-    truncation: str = opt("left", "a prompt over data.max_prompt_length: left keeps its last tokens; error stops the "
-                                  "run naming the row (verl's data.truncation)", choices=("left", "error"))
+    truncation: str = opt("left", "a prompt over data.max_prompt_length: left keeps its last tokens (the generation "
+                                  "prompt); right its first; middle its first and last halves; error stops the run "
+                                  "naming the row (verl's data.truncation). Image tokens are never cut: a prompt with "
+                                  "images loses its earliest text", choices=("left", "right", "middle", "error"))
     filter_overlong_prompts: bool = opt(False, "drop prompts over data.max_prompt_length at load, counted (verl's)")
     max_start_length: int = opt(0, "multi-turn: tokens of the initial prompt kept (from the left); 0 uses "
                                    "data.max_prompt_length (Search-R1's data.max_start_length)", ge=0)

@@ -25,8 +25,9 @@ class PromptTooLong(UserError):
 
 
 def encode_prompts(tokenizer, samples: Sequence, max_prompt_length: int, truncation: str = "left") -> list[list[int]]:
-    """Prompt ids of `samples`, truncated from the left so the generation prompt is always kept; with
-    `truncation="error"`, a longer prompt raises PromptTooLong naming its row instead."""
+    """Prompt ids of `samples`, truncated as `truncation` says (`truncate`; left keeps the generation prompt; a prompt
+    with images loses its earliest text only); with `truncation="error"`, a longer prompt raises PromptTooLong naming
+    its row instead."""
     out = []
     for s in samples:
         if getattr(s, "images", ()):  # image tokens are never cut: its own truncation (data.images)
@@ -37,8 +38,21 @@ def encode_prompts(tokenizer, samples: Sequence, max_prompt_length: int, truncat
             raise PromptTooLong(f"{getattr(s, 'source', None) or 'a row'}: its prompt is {len(ids)} tokens, over "
                                 f"data.max_prompt_length={max_prompt_length} (data.truncation=error): raise the limit, "
                                 "set data.filter_overlong_prompts=true to drop such rows, or data.truncation=left")
-        out.append(ids if len(ids) <= max_prompt_length else ids[-max_prompt_length:])
+        out.append(truncate(ids, max_prompt_length, truncation))
     return out
+
+
+def truncate(ids: list[int], max_len: int, how: str = "left") -> list[int]:
+    """`ids` cut to `max_len` as verl's data.truncation: left keeps the last tokens, right the first, middle the first
+    and last halves (the first half rounded down)."""
+    if len(ids) <= max_len:
+        return ids
+    if how == "right":
+        return ids[:max_len]
+    if how == "middle":
+        head = max_len // 2
+        return ids[:head] + ids[len(ids) - (max_len - head):]
+    return ids[-max_len:]
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

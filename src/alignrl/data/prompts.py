@@ -69,7 +69,7 @@ class PromptData:
 
     def __init__(self, tokenizer, samples, max_len: int, truncation: str = "left"):
         self.tokenizer, self.samples, self.max_len, self.cache = tokenizer, samples, max_len, {}
-        self.truncation = truncation  # data.truncation: left, or error (a longer prompt stops the run, named)
+        self.truncation = truncation  # data.truncation: left, right, middle, or error (stops the run, named)
 
     def prompt(self, i: int) -> list[int]:
         if i not in self.cache:
