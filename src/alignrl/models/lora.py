@@ -64,7 +64,7 @@ def add_adapters(model: torch.nn.Module, spec: LoraSpec, key: str = "model.lora_
     try:
         return peft.get_peft_model(model, config)
     except ValueError as e:
-        if "not found" not in str(e) and "Target modules" not in str(e):
+        if not any(s in str(e) for s in ("not found", "Target modules", "No modules were targeted")):
             raise
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ModelError(f"LoRA target_modules={targets} matches no module of this model; its linear layers are "
