@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import Progress
 
 from alignrl.config import ConfigError, RunConfig, check_world_size, to_yaml
 from alignrl.data.collate import encode_prompts
@@ -28,6 +28,7 @@ from alignrl.placements.local import Placed, place
 from alignrl.rewards.registry import load_reward_fn
 from alignrl.rl.evaluate import format_room, heldout_eval, room, validation_params
 from alignrl.rl.producer import InlineSource
+from alignrl.rl.replay import check_replay, with_replay
 from alignrl.rl.step import GRPOStep
 from alignrl.rl.trainer import PolicyTrainer
 from alignrl.runtime.cores import fit_threads
@@ -35,6 +36,7 @@ from alignrl.runtime.env import DistEnv, barrier, init_distributed, interrupted,
 from alignrl.train.checkpoint import (check_not_past, hold_run_dir, load_trainer_state, resume_point,
                                       save_checkpoint, set_rng_state)
 from alignrl.utils.atomic import atomic_write_text
+from alignrl.utils.progress import Phase, bar_columns
 from alignrl.utils.tracking import Tracker, console
 
 
@@ -101,6 +103,7 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
     `producers`, batches come from sampler processes instead of this one."""
     wall_start = wall_start or time.time()
     # ranks of a launch had their share set by the launcher (OMP_NUM_THREADS); a lone process measures its own
+    check_replay(cfg)  # before any work: a replay setting without its correction is refused at once
     threads = fit_threads(cfg.trainer.threads)
     env = init_distributed(cfg.trainer.device)
     check_world_size(cfg, env.world_size)
@@ -141,8 +144,10 @@ class Run:
         r = self.cfg.rollout
         params = validation_params(r.max_new_tokens, r.stop, r.val_temperature, r.val_top_p, r.val_top_k, r.val_n,
                                    self.cfg.trainer.seed)
-        return heldout_eval(self.placed.eval_engine, self.placed.tokenizer, self.val[:n], self.val_prompts[:n],
-                            self.correct_fn, r.max_new_tokens, subset=subset, params=params)
+        # the callers print the phase's line with its seconds (or log them as timing/val): the bar alone here
+        with Phase("held-out evaluation", n, "problems", say=False, bar=self.cfg.trainer.progress_bar) as p:
+            return heldout_eval(self.placed.eval_engine, self.placed.tokenizer, self.val[:n], self.val_prompts[:n],
+                                self.correct_fn, r.max_new_tokens, subset=subset, params=params, progress=p.advance)
 
     @property
     def how(self) -> str:
@@ -158,9 +163,11 @@ class Run:
         t0 = time.time()  # the longest silent stretch of a run otherwise: say what it is doing
         console.print(f"{label}: sampling {cfg.rollout.n} answers to each of {len(val)} held-out problems "
                       f"(pass@{cfg.rollout.n}, trainer.eval_pass_at_k) ...", markup=False)
-        r = room(self.placed.eval_engine, self.placed.tokenizer, val, self.val_prompts, self.correct_fn,
-                 cfg.rollout.max_new_tokens, cfg.rollout.n, cfg.rollout.temperature, seed=cfg.trainer.seed,
-                 stop=cfg.rollout.stop, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+        with Phase(f"{label} pass@{cfg.rollout.n}", 2 * len(val), "problems (greedy, then sampled)", say=False,
+                   bar=cfg.trainer.progress_bar) as p:
+            r = room(self.placed.eval_engine, self.placed.tokenizer, val, self.val_prompts, self.correct_fn,
+                     cfg.rollout.max_new_tokens, cfg.rollout.n, cfg.rollout.temperature, seed=cfg.trainer.seed,
+                     stop=cfg.rollout.stop, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, progress=p.advance)
         console.print(f"{label} held-out room on {len(val)} problems ({time.time() - t0:.1f}s):\n{format_room(r)}",
                       markup=False)
         return r
@@ -181,8 +188,9 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
     trainer = placed.trainer
     correct_fn = load_reward_fn(cfg.algorithm.reward_fn)
     rows = PromptData(placed.tokenizer, train, cfg.data.max_prompt_length, cfg.data.truncation)
-    source = (producers.source(sampler, trainer, env) if producers else
-              InlineSource(placed.maker, sampler, rows, lambda: trainer.version, env))
+    source = with_replay(producers.source(sampler, trainer, env) if producers else
+                         InlineSource(placed.maker, sampler, rows, lambda: trainer.version, env),
+                         cfg, placed.tokenizer.pad_token_id)
     save_ds_config(cfg, trainer, cfg.run_dir, env)
     run = Run(cfg, env, placed, source, val, [], correct_fn)
     if resume:
@@ -243,6 +251,12 @@ def _announce(run: Run, n_train: int) -> None:
     if d.val_files == "synthetic" and d.train_files != "synthetic":  # the accuracy is not on the user's task
         run.held += " (synthetic arithmetic: data.val_files names a held-out file of the task)"
     console.print(f"train problems {n_train}, {run.held} {len(run.val)}; run dir {cfg.run_dir}", markup=False)
+    p = cfg.pipeline
+    if p.replay_buffer_size:
+        console.print(f"replay buffer: the newest {p.replay_buffer_size} groups with reward spread replace groups "
+                      f"without it{f' and {p.replay_share:g} of each batch' if p.replay_share else ''}; replayed "
+                      f"groups are corrected by truncated importance sampling (algorithm.rollout_is="
+                      f"{cfg.algorithm.rollout_is}); the buffer starts empty on a resume", markup=False)
 
 
 def _evaluate_base(run: Run, tracker: Tracker) -> None:
@@ -275,9 +289,7 @@ def _loop(run: Run, step_fn: GRPOStep, tracker: Tracker, wall_start: float) -> N
                          "wall_seconds": earlier_s + time.time() - wall_start, "strategy": strategy},
                         t.max_checkpoints, env, placed.saved_elsewhere())
 
-    columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeRemainingColumn()]
-    with Progress(*columns, console=console, disable=not t.progress_bar) as bar:
+    with Progress(*bar_columns(), console=console, disable=not t.progress_bar) as bar:
         task = bar.add_task(algorithm_name(cfg), total=total, completed=run.start_step)
         for step in range(run.start_step + 1, total + 1):
             if interrupted():  # a Ctrl-C whose KeyboardInterrupt a finalizer swallowed still stops the run here

@@ -40,7 +40,7 @@ TRAINER_FLAGS = {"trainer.total_training_steps": "--max-steps", "data.train_file
                  "trainer.save_freq": "--save-steps", "pipeline.max_staleness": "--max-staleness",
                  "data.train_batch_size": "--batch-size", "rollout.n": "--group-size", "actor.lr": "--lr",
                  "pipeline.host": "--host", "pipeline.data_port": "--data-port", "pipeline.sync_port": "--sync-port",
-                 "trainer.threads": "--threads"}
+                 "trainer.threads": "--threads", "pipeline.replay_buffer_size": "--replay-buffer-size"}
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -71,6 +71,9 @@ def training_parser(prog: str = "training_worker.py") -> argparse.ArgumentParser
                         "always saved")
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="torch CPU threads per process (0: torch's default)")
+    p.add_argument("--replay-buffer-size", type=int, default=None, metavar="N",
+                   help="prompt groups with reward spread kept to replay in place of groups without it "
+                        "(pipeline.replay_buffer_size; 0: off); turns on algorithm.rollout_is=token unless given")
     return p
 
 
@@ -88,6 +91,10 @@ def training_overrides(a: argparse.Namespace, extra: list[str], ds_json: str | N
             o.append(f"{key}={value}")
     if a.threads:
         o.append(f"trainer.threads={a.threads}")
+    if a.replay_buffer_size is not None:  # replayed groups are off-policy: the IS correction comes with them
+        o.append(f"pipeline.replay_buffer_size={a.replay_buffer_size}")
+        if a.replay_buffer_size > 0 and not any(x.startswith("algorithm.rollout_is=") for x in extra):
+            o.append("algorithm.rollout_is=token")
     if not a.no_deepspeed:
         o += ["trainer.strategy=deepspeed", "trainer.zero_stage=2"]
         o += [f"trainer.deepspeed_config={ds_json}"] if ds_json else []

@@ -56,6 +56,12 @@ class PipelineConfig:
                                  "with their threads too, and on policy (max_staleness=0) samplers generate with the "
                                  "trainer's; float sums may then round differently, so runs are not guaranteed "
                                  "bit-repeatable (false: each process keeps its own threads)")
+    replay_buffer_size: int = opt(0, "prompt groups with reward spread kept on the trainer side to replay in later "
+                                     "batches in place of groups without it (their rewards all equal); 0: no "
+                                     "replay. Replayed groups are off-policy: needs algorithm.rollout_is and "
+                                     "actor.recompute_old_logprobs (--replay-buffer-size)", ge=0)
+    replay_share: float = opt(0.0, "with a replay buffer: the share of every batch's groups (the ones without reward "
+                                   "spread first, then the lowest spread) replaced by stored groups", ge=0.0, le=1.0)
 
 
 @dataclass(frozen=True)

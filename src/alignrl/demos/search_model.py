@@ -20,6 +20,7 @@ from pathlib import Path
 from alignrl.demos.search_data import World, build_world, corpus_rows, sft_samples, tokenizer_texts
 from alignrl.models.tiny import TinyRecipe, build_into, cache_root, ensure_built, save_built, shipped_or_built
 from alignrl.rollout.agent import INFO_CLOSE, INFO_OPEN
+from alignrl.utils.progress import Phase
 
 # The default recipe's build (a few MB), so a fresh clone skips minutes of SFT; `alignrl demo search
 # --build-base DIR` rebuilds it bit for bit from its seed (the build is deterministic on one torch version).
@@ -169,6 +170,7 @@ def build_search_model(out_dir: Path, recipe: SearchRecipe = SearchRecipe(), log
             f"on a mix ({recipe.search_fraction:.0%} search, the rest guess), {recipe.sft_batch_size} a step")
 
         def on_step(step: int, loss: float) -> None:
+            progress.advance()  # the build's bar, opened below
             if (step + 1) % 100 == 0 or step + 1 == total:
                 log(f"  sft step {step + 1}/{total} loss {loss:.3f} ({time.time() - t0:.0f}s)")
 
@@ -176,12 +178,13 @@ def build_search_model(out_dir: Path, recipe: SearchRecipe = SearchRecipe(), log
         # that search: an all-search phase gets there within the build's budget; the mix after it only
         # moves the first choice (search or guess), which is learnt fast, and keeps copying trained.
         start = 0
-        for samples, steps in phases:
-            if steps:
-                sft_masked(model, tokenizer, samples, steps=steps, batch_size=recipe.sft_batch_size,
-                           lr=recipe.sft_lr, seed=recipe.seed,
-                           on_step=lambda step, loss, start=start: on_step(start + step, loss))
-            start += steps
+        with Phase("search demo base model SFT", total, "steps", say=False) as progress:  # the log has its lines
+            for samples, steps in phases:
+                if steps:
+                    sft_masked(model, tokenizer, samples, steps=steps, batch_size=recipe.sft_batch_size,
+                               lr=recipe.sft_lr, seed=recipe.seed,
+                               on_step=lambda step, loss, start=start: on_step(start + step, loss))
+                start += steps
         save_built(tmp, model, tokenizer, {**recipe.record(), "key": recipe.key()})
     log(f"search demo base model ready in {time.time() - t0:.0f}s: {out_dir}")
     return out_dir

@@ -34,6 +34,7 @@ import torch
 
 from alignrl.data import synthetic
 from alignrl.utils.atomic import replace_dir
+from alignrl.utils.progress import Phase
 
 MARKER = "recipe.json"  # written last: a folder without it was never finished
 # The default recipe's build (a few MB), so a fresh clone skips minutes of SFT; `alignrl build-demo-model`
@@ -134,12 +135,15 @@ def _build(out_dir: Path, recipe: TinyRecipe, log, t0: float) -> None:
             f"x {recipe.sft_batch_size} problems")
         data = sft_data(recipe)
 
-        def on_step(step: int, loss: float) -> None:
-            if (step + 1) % 50 == 0 or step + 1 == recipe.sft_steps:
-                log(f"  sft step {step + 1}/{recipe.sft_steps} loss {loss:.3f} ({time.time() - t0:.0f}s)")
+        # a bar on a terminal; the log lines (and the build's closing line with its seconds) everywhere
+        with Phase("demo base model SFT", recipe.sft_steps, "steps", say=False) as progress:
+            def on_step(step: int, loss: float) -> None:
+                progress.advance()
+                if (step + 1) % 50 == 0 or step + 1 == recipe.sft_steps:
+                    log(f"  sft step {step + 1}/{recipe.sft_steps} loss {loss:.3f} ({time.time() - t0:.0f}s)")
 
-        sft_train(model, tokenizer, data, steps=recipe.sft_steps, batch_size=recipe.sft_batch_size,
-                  lr=recipe.sft_lr, seed=recipe.seed, on_step=on_step)
+            sft_train(model, tokenizer, data, steps=recipe.sft_steps, batch_size=recipe.sft_batch_size,
+                      lr=recipe.sft_lr, seed=recipe.seed, on_step=on_step)
         save_built(tmp, model, tokenizer, {**asdict(recipe), "key": recipe.key()})
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,9 @@ class Encoder:
     def dim(self) -> int:
         return int(self.model.config.hidden_size)
 
-    def encode(self, texts: list[str], is_query: bool, batch_size: int = 64) -> np.ndarray:
+    def encode(self, texts: list[str], is_query: bool, batch_size: int = 64,
+               progress: Callable[[int], None] | None = None) -> np.ndarray:
+        """Unit vectors (len(texts), dim), chunk by chunk; `progress` is told each chunk's size once encoded."""
         import torch
 
         self.calls += 1
@@ -88,6 +91,8 @@ class Encoder:
                 mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)      # (B, T, 1)
                 pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)    # mean over real tokens
                 out.append(torch.nn.functional.normalize(pooled, dim=-1).float().cpu().numpy())
+                if progress is not None:
+                    progress(len(batch))
         if not out:
             return np.zeros((0, self.dim), dtype=np.float32)
         return np.ascontiguousarray(np.concatenate(out), dtype=np.float32)
@@ -120,10 +125,11 @@ class DenseRetriever:
         self._cpu_index = index
 
     @classmethod
-    def build(cls, docs: list[Document], encoder: Encoder, faiss_gpu: bool = False) -> "DenseRetriever":
+    def build(cls, docs: list[Document], encoder: Encoder, faiss_gpu: bool = False,
+              progress: Callable[[int], None] | None = None) -> "DenseRetriever":
         import faiss
 
-        vectors = encoder.encode([d.contents for d in docs], is_query=False)
+        vectors = encoder.encode([d.contents for d in docs], is_query=False, progress=progress)
         index = faiss.IndexFlatIP(vectors.shape[1])
         index.add(vectors)
         return cls(docs, encoder, index, faiss_gpu)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from alignrl.retrieval.corpus import SHIPPED_CORPUS, Document, RetrievalError, Retriever, file_digest, load_corpus
+from alignrl.utils.progress import Phase
 
 FORMAT_VERSION = 1
 DENSE = ("minilm", "e5")
@@ -87,14 +88,19 @@ def index_key(corpus_digest: str, settings: IndexSettings) -> str:
 
 
 def _build(settings: IndexSettings, docs: list[Document], folder: Path, faiss_gpu: bool) -> Retriever:
-    if settings.retriever == "bm25":
-        from alignrl.retrieval.bm25 import BM25Retriever
+    # a bar over the documents on a terminal (a dense index encodes them chunk by chunk: minutes on a large
+    # corpus); the caller logs the build's seconds
+    with Phase(f"{settings.retriever} index", len(docs), "documents", say=False) as progress:
+        if settings.retriever == "bm25":
+            from alignrl.retrieval.bm25 import BM25Retriever
 
-        r = BM25Retriever.build(docs, k1=settings.params["k1"], b=settings.params["b"])
-    else:
-        from alignrl.retrieval.dense import DenseRetriever, Encoder, encoder_spec
+            r = BM25Retriever.build(docs, k1=settings.params["k1"], b=settings.params["b"])
+            progress.advance(len(docs))
+        else:
+            from alignrl.retrieval.dense import DenseRetriever, Encoder, encoder_spec
 
-        r = DenseRetriever.build(docs, Encoder(encoder_spec(settings.retriever, settings.model)), faiss_gpu)
+            r = DenseRetriever.build(docs, Encoder(encoder_spec(settings.retriever, settings.model)), faiss_gpu,
+                                     progress=progress.advance)
     r.save(folder)
     return r
 

@@ -12,7 +12,7 @@ gain, and the per-difficulty split shows where that room is.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,8 +23,10 @@ from alignrl.rewards.registry import REWARDS, ScoreError
 
 
 def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
-            params: SamplingParams, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(strict, flexible) correctness, each (len(samples), params.n) of 0/1, batch by batch of prompts."""
+            params: SamplingParams, batch_size: int, progress: Callable[[int], None] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(strict, flexible) correctness, each (len(samples), params.n) of 0/1, batch by batch of prompts;
+    `progress` is told the number of problems of each batch once it is scored."""
     strict, flexible = [], []
     for start in range(0, len(samples), batch_size):
         ro = engine.generate(prompts[start:start + batch_size], params)
@@ -38,6 +40,8 @@ def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequ
                 raise e.at(s.source or start + j // params.n, "reward function") from e.__cause__
             flexible.append(gsm8k.compute_score(t, s.ground_truth, method="flexible")
                             if REWARDS.get(s.data_source) is gsm8k.compute_score else 0.0)
+        if progress is not None:
+            progress(len(prompts[start:start + batch_size]))
     shape = (len(samples), params.n)
     return torch.tensor(strict).view(shape), torch.tensor(flexible).view(shape)
 
@@ -70,15 +74,17 @@ def validation_params(max_new_tokens: int, stop: Sequence[str] = (), temperature
 
 def heldout_eval(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
                  max_new_tokens: int, batch_size: int = 500, subset: int | None = None, stop: Sequence[str] = (),
-                 params: SamplingParams | None = None) -> dict[str, float] | tuple[dict[str, float], dict[str, float]]:
+                 params: SamplingParams | None = None, progress: Callable[[int], None] | None = None
+                 ) -> dict[str, float] | tuple[dict[str, float], dict[str, float]]:
     """Held-out accuracies over all `samples`, greedy unless `params` (`validation_params`) samples: then accuracy is
     the mean over each problem's n answers (verl's mean@n) and, with n > 1, `pass@n` the share of problems some
     answer solves. With `subset`, also those of the first `subset` samples (the periodic evaluation set) from the
     same decoding, as a second dict. `stop`: the training rollouts' stop strings (rollout.stop), so the held-out
-    responses end where the policy's do in training."""
+    responses end where the policy's do in training. `progress`: told the problems of each batch as it is done
+    (len(samples) in all)."""
     params = params or validation_params(max_new_tokens, stop)
     strict, flexible = _scores(engine, tokenizer, samples, prompts, correct_fn, params,
-                               max(1, batch_size // params.n))
+                               max(1, batch_size // params.n), progress)
     last_number = has_last_number(samples)
 
     def summary(n: int) -> dict[str, float]:
@@ -96,16 +102,19 @@ def heldout_eval(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence
 
 def room(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
          max_new_tokens: int, k: int, temperature: float, seed: int = 0, batch_size: int = 128,
-         stop: Sequence[str] = (), top_p: float = 1.0, top_k: int = -1) -> dict:
+         stop: Sequence[str] = (), top_p: float = 1.0, top_k: int = -1,
+         progress: Callable[[int], None] | None = None) -> dict:
     """Greedy pass@1 and pass@k (any of k samples at `temperature` correct, with the rollouts' `stop`, `top_p` and
     `top_k`), strict and last-number, overall and by difficulty: {"k": k, "pass@1": {"strict": {...},
-    "flexible": {...}}, "pass@k": {...}}."""
+    "flexible": {...}}, "pass@k": {...}}. `progress`: told the problems of each batch as it is done, greedy then
+    sampled (2 x len(samples) in all)."""
     greedy = _scores(engine, tokenizer, samples, prompts, correct_fn,
                      SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=tuple(stop)),
-                     batch_size * k)
+                     batch_size * k, progress)
     sampled = _scores(engine, tokenizer, samples, prompts, correct_fn,
                       SamplingParams(n=k, temperature=temperature, top_p=top_p, top_k=top_k,
-                                     max_new_tokens=max_new_tokens, stop=tuple(stop), seed=seed), batch_size)
+                                     max_new_tokens=max_new_tokens, stop=tuple(stop), seed=seed), batch_size,
+                      progress)
     out: dict = {"k": k, "temperature": temperature}
     last_number = has_last_number(samples)
     for label, (strict, flexible) in (("pass@1", greedy), ("pass@k", sampled)):

@@ -33,6 +33,7 @@ from alignrl.data.loaders import DataError
 from alignrl.models import lora
 from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, barrier
 from alignrl.utils.atomic import atomic_write_text
+from alignrl.utils.progress import Phase
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -221,23 +222,9 @@ def save_checkpoint(ckpt_root: Path, step: int, engines: dict[str, Any], tokeniz
         raise CheckpointError(f"{ckpt_root} is not shared by all ranks (some do not see the folder rank 0 made "
                               "there): put trainer.output_dir on a file system every node mounts")
     try:
-        for name, engine in engines.items():
-            try:
-                save_engine(engine, tmp, name, env)
-            except NonFiniteWeights as e:
-                raise CheckpointError(f"the {e.what} has NaN/inf weights after step {step} ({e.tensor}); not saving; "
-                                      f"{_last_complete(ckpt_root)} (fix the cause, e.g. a lower learning rate, "
-                                      "and resume from it with trainer.resume_mode=auto)") from None
-        lines = [save(tmp) for save in elsewhere] if env.is_main else []
-        failed = [line for line in lines if line]
-        if all_reduce_sum(env, [float(len(failed))])[0]:  # every rank stops, not only the one that knows why
-            raise CheckpointError(f"step {step} not saved: {failed[0] if failed else 'see rank 0'}; "
-                                  f"{_last_complete(ckpt_root)}")
-        barrier(env)
+        with Phase(f"checkpoint global_step_{step}", len(engines) + 1, "parts") as progress:
+            _write_parts(ckpt_root, step, engines, tokenizer, trainer_state, tmp, env, elsewhere, progress)
         if env.is_main:
-            tokenizer.save_pretrained(tmp / "model")
-            torch.save({**trainer_state, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
-            write_manifest(tmp)
             if final.exists():  # resume moved later folders aside, so only another writer can have made it
                 raise CheckpointError(f"{final} appeared while this run was writing it; not overwriting it "
                                       "(is another run writing into the same trainer.output_dir?)")
@@ -251,6 +238,31 @@ def save_checkpoint(ckpt_root: Path, step: int, engines: dict[str, Any], tokeniz
         raise
     barrier(env)
     return final
+
+
+def _write_parts(ckpt_root: Path, step: int, engines: dict[str, Any], tokenizer, trainer_state: dict[str, Any],
+                 tmp: Path, env: DistEnv, elsewhere, progress: Phase) -> None:
+    """Collective: each engine's weights and state into `tmp`, then the parts other workers hold, the tokenizer,
+    the trainer state and the manifest (rank 0); `progress` counts the engines and the rest as one part."""
+    for name, engine in engines.items():
+        try:
+            save_engine(engine, tmp, name, env)
+        except NonFiniteWeights as e:
+            raise CheckpointError(f"the {e.what} has NaN/inf weights after step {step} ({e.tensor}); not saving; "
+                                  f"{_last_complete(ckpt_root)} (fix the cause, e.g. a lower learning rate, "
+                                  "and resume from it with trainer.resume_mode=auto)") from None
+        progress.advance()
+    lines = [save(tmp) for save in elsewhere] if env.is_main else []
+    failed = [line for line in lines if line]
+    if all_reduce_sum(env, [float(len(failed))])[0]:  # every rank stops, not only the one that knows why
+        raise CheckpointError(f"step {step} not saved: {failed[0] if failed else 'see rank 0'}; "
+                              f"{_last_complete(ckpt_root)}")
+    barrier(env)
+    if env.is_main:
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save({**trainer_state, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
+        write_manifest(tmp)
+    progress.advance()
 
 
 # ---------------------------------------------------------------- resume
