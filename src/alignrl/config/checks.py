@@ -108,6 +108,22 @@ def _validation_sampler(cfg: RunConfig) -> str | None:
     return None
 
 
+def replay_problem(cfg: RunConfig) -> str | None:
+    """Replayed groups are off-policy: a replay setting that would train them without the IS correction."""
+    p = cfg.pipeline
+    if p.replay_buffer_size == 0:
+        if p.replay_share > 0:
+            return (f"pipeline.replay_share={p.replay_share} needs a replay buffer: set pipeline.replay_buffer_size "
+                    "to the groups to keep (or replay_share=0)")
+        return None
+    why = f"pipeline.replay_buffer_size={p.replay_buffer_size} replays groups sampled by older weights: set "
+    if not cfg.actor.recompute_old_logprobs:
+        return why + "actor.recompute_old_logprobs=true so that the trainer's log-probs correct them"
+    if cfg.algorithm.rollout_is == "none":
+        return why + "algorithm.rollout_is=token (or sequence) to correct them by truncated importance sampling"
+    return None
+
+
 def _overlong_buffer(cfg: RunConfig) -> str | None:
     alg = cfg.algorithm
     if alg.overlong_buffer_len > response_cap(cfg):
@@ -277,7 +293,7 @@ def check_prompt_keys(cfg: RunConfig) -> None:
 
 # check_combinations' checks, in the order they run: each returns its one-line problem or None
 # (check_prompt_keys raises its own, with the same kind of line)
-_COMBINATIONS = (_batch_sizes, _validation_sampler, _overlong_buffer, _rollout_is, _loggers_and_files, check_prompt_keys,
+_COMBINATIONS = (_batch_sizes, _validation_sampler, replay_problem, _overlong_buffer, _rollout_is, _loggers_and_files, check_prompt_keys,
                  _optimiser_and_clips, _estimator, _critic, _pipeline, _safety, _urls)
 
 

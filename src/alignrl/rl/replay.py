@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from alignrl.config.checks import replay_problem
 from alignrl.config import ConfigError, RunConfig
 from alignrl.data.records import ScoredBatch
 from alignrl.interfaces import BatchSource
@@ -84,20 +85,11 @@ def join_batches(a: ScoredBatch, b: ScoredBatch, pad_id: int) -> ScoredBatch:
 
 
 def check_replay(cfg: RunConfig) -> None:
-    """Replayed groups are off-policy: refuse a config that would train them without the IS correction."""
-    p = cfg.pipeline
-    if p.replay_buffer_size == 0:
-        if p.replay_share > 0:
-            raise ConfigError(f"pipeline.replay_share={p.replay_share} needs a replay buffer: set "
-                              "pipeline.replay_buffer_size to the groups to keep (or replay_share=0)")
-        return
-    if not cfg.actor.recompute_old_logprobs:
-        raise ConfigError(f"pipeline.replay_buffer_size={p.replay_buffer_size} replays groups sampled by older "
-                          "weights: set actor.recompute_old_logprobs=true so that the trainer's log-probs correct them")
-    if cfg.algorithm.rollout_is == "none":
-        raise ConfigError(f"pipeline.replay_buffer_size={p.replay_buffer_size} replays groups sampled by older "
-                          "weights: set algorithm.rollout_is=token (or sequence) to correct them by truncated "
-                          "importance sampling")
+    """Replayed groups are off-policy: refuse a config that would train them without the IS correction (also part
+    of the config's own checks; here for configs built in code)."""
+    problem = replay_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
 
 
 class ReplaySource:
