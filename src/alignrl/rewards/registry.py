@@ -20,7 +20,7 @@ import numpy as np
 from alignrl.errors import UserError
 from alignrl.rewards import gsm8k
 from alignrl.rewards import math as math_reward
-from alignrl.rewards import qa_em
+from alignrl.rewards import qa_em, think_answer
 
 
 class RewardError(UserError):
@@ -88,6 +88,7 @@ REWARDS: dict[str, Callable[[str, Any], float]] = {
     "lighteval/MATH": math_reward.compute_score,
     "DigitalLearningGmbH/MATH-lighteval": math_reward.compute_score,
     "math_dapo": math_reward.compute_score,
+    think_answer.DATA_SOURCE: think_answer.compute_score,  # R1 format bonus + math accuracy (LMM-R1's rule)
     # Search-R1's QA sets (its data_source names); ground truth may be {"target": [...]}, a list or a string
     **{name: qa_em.compute_score for name in
        ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")},

@@ -7,6 +7,11 @@ lists of token-id lists, and returns `{"scores": [float, ...]}`. Text is tokeniz
 special tokens or a chat template: apply the template the reward model was trained with before
 sending, or send the token ids the policy produced (then the score equals the in-process
 `models.value.ModelScorer` on the same rollout). `GET /health`, `GET /v1/stats`.
+
+    alignrl serve reward --protocol openrlhf --dataset FILE --input_key message --prompt-template chatml
+
+serves a rule reward (R1 format + math accuracy) on OpenRLHF's `POST /get_reward` instead: `serve.rule_reward`.
+
 Deliberately left out: pairwise comparison endpoints, per-token rewards.
 """
 
@@ -95,6 +100,8 @@ def build_app(svc: RewardService, max_body: int):
 def parser() -> argparse.ArgumentParser:
     p = base_parser(PROG, "reward-model scoring server", 8002)
     p.add_argument("--micro_batch", type=int, default=64, help="rows per forward pass")
+    p.add_argument("--protocol", choices=["alignrl", "openrlhf"], default="alignrl",
+                   help="openrlhf: a rule reward on OpenRLHF's POST /get_reward instead of a model (see its --help)")
     return p
 
 
@@ -118,7 +125,31 @@ def load_service(args: argparse.Namespace) -> RewardService:
                          args.max_batch, args.batch_window_ms / 1000)
 
 
+def protocol_of(argv: list[str]) -> tuple[str, list[str]]:
+    """`--protocol NAME` (or `--protocol=NAME`) taken out of `argv`: "alignrl" (a reward model on /v1/score, the
+    default) or "openrlhf" (a rule reward on /get_reward)."""
+    rest, protocol, i = [], "alignrl", 0
+    while i < len(argv):
+        if argv[i] == "--protocol" and i + 1 < len(argv):
+            protocol, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith("--protocol="):
+            protocol = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    return protocol, rest
+
+
 def main(argv: list[str]) -> int:
+    protocol, argv = protocol_of(list(argv))
+    if protocol == "openrlhf":
+        from alignrl.serve import rule_reward
+
+        return rule_reward.main(argv)
+    if protocol != "alignrl":
+        return fail(PROG, f"--protocol {protocol!r} is unknown; pass alignrl (a reward model on /v1/score) or "
+                          "openrlhf (a rule reward on /get_reward, with --dataset)")
     args = parser().parse_args(argv)
     problem = check_args(args)
     if problem:

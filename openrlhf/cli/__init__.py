@@ -1,0 +1,1 @@
+"""OpenRLHF's entry points: `train_ppo_ray`."""

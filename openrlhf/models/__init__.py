@@ -1,0 +1,1 @@
+"""OpenRLHF's `openrlhf.models` spellings: the remote reward server (`remote_rm`)."""

@@ -1,0 +1,1 @@
+"""LMM-R1's remote reward servers: `math_verifier`."""

@@ -1,0 +1,160 @@
+"""Seed 001's vision script, examples/scripts/r1_scripts/xDAN-L1-VL-RL-Vision-0220.sh: it starts the remote rule reward
+(`python -m openrlhf.models.remote_rm.math_verifier`, OpenRLHF's protocol) from the repository root, submits
+`alignrl train ppo-ray` with LMM-R1's flags (--train_vlm, --freeze_prefix visual, RLOO, all models colocated, the
+reward at /get_reward), and stops the reward server when the job ends. With a stand-in `ray`: the flags pass the
+checks and place as upstream; on a two-node CPU Ray cluster (start_ray_cluster.sh, CPU slots for GPUs): one RLOO step
+of a tiny Qwen2-VL on chatml rows with images, rewarded by the server."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from alignrl.runtime.ports import free_ports
+from conftest import src_path
+
+ROOT = Path(__file__).parents[1]
+SCRIPTS = ROOT / "examples" / "scripts" / "r1_scripts"
+SCRIPT = SCRIPTS / "xDAN-L1-VL-RL-Vision-0220.sh"
+BIN = str(Path(sys.executable).parent)
+
+
+@pytest.fixture(scope="module")
+def vl_data(tmp_path_factory):
+    """A tiny Qwen2-VL and chatml rows of its task (each question names its picture, so every prompt's user text is
+    its own and the reward server finds its row by it)."""
+    from alignrl.demos import vision_data as D
+    from alignrl.models.tiny_vl import build_tiny_vl
+
+    folder = tmp_path_factory.mktemp("vl")
+    model = build_tiny_vl(folder / "model", seed=0, texts=D.tokenizer_texts())
+    (folder / "images").mkdir()
+    rows = []
+    for i, p in enumerate(D.pictures(8, 7)):
+        path = folder / "images" / f"{i}.png"
+        D.draw(p).save(path)
+        content = [{"type": "image", "image": f"file://{path}"},
+                   {"type": "text", "text": f"Picture {i}: " + p.question()}]
+        rows.append({"message": json.dumps([{"role": "user", "content": content}]), "answer": str(p.count)})
+    data = folder / "rows.json"
+    data.write_text(json.dumps(rows))
+    return model, data
+
+
+def answers(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.timeout(180)
+def test_vision_script_serves_the_reward_and_submits_lmm_r1s_flags(vl_data, tmp_path):
+    from alignrl.compat import openrlhf_flags as F
+    from alignrl.compat import openrlhf_keys as K
+    from alignrl.config import load_config
+    from alignrl.placements.ray.plan import describe, requests
+
+    model, data = vl_data
+    port = free_ports(1)[0]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # a stand-in `ray` records the job's command and, while the job would run, asks the reward server
+    (bin_dir / "ray").write_text(f'#!/usr/bin/env bash\nwhile [[ $1 != -- ]]; do shift; done\nshift\n'
+                                 f'printf "%s\\n" "$@" > {tmp_path}/job.txt\n'
+                                 f'curl -s -XPOST -H "Content-Type: application/json" -d \'{{"query": ["x"]}}\' '
+                                 f'http://127.0.0.1:{port}/get_reward > {tmp_path}/reward.txt\n')
+    # the dashboard probe finds a stand-in cluster; every other request goes to the real curl
+    (bin_dir / "curl").write_text('#!/usr/bin/env bash\n[[ $* == */api/version* ]] && exit 0\n'
+                                  'exec /usr/bin/curl "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{BIN}:/usr/bin:/bin", "PRETRAIN": str(model), "DATASET": str(data),
+           "SAVE_PATH": str(tmp_path / "ckpts"), "REWARD_PORT": str(port), "PYTHONPATH": src_path(),
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    job = (tmp_path / "job.txt").read_text().splitlines()
+    assert job[:3] == ["alignrl", "train", "ppo-ray"], job
+    args = F.parser().parse_args(job[3:])
+    F.check(args)
+    assert args.remote_rm_url == f"http://127.0.0.1:{port}/get_reward" and args.train_vlm
+    assert args.freeze_prefix == ["visual"] and args.advantage_estimator == "rloo" and args.input_key == "message"
+    cfg = load_config(None, K.overrides(args, gpus=False, total_steps=1))
+    assert cfg.services.reward_url == args.remote_rm_url and cfg.rollout.n == 16
+    assert describe(requests(args), gpus=True).endswith("= 8 GPU"), describe(requests(args), gpus=True)
+    # the server was up during the job and said why it could not score a prompt it does not know (one line)
+    reward = json.loads((tmp_path / "reward.txt").read_text())
+    assert "in no row of the server's --dataset" in reward["error"]["message"], reward
+    assert (tmp_path / "ckpts" / "xDAN-L1-RL-VL-7B-Instruct" / "remote_rm.log").is_file()
+    deadline = time.time() + 30
+    while answers(port) and time.time() < deadline:  # stopped with the script
+        time.sleep(0.5)
+    assert not answers(port)
+
+
+@pytest.mark.timeout(60)
+def test_vision_script_without_cluster_is_one_line(tmp_path):
+    port = free_ports(1)[0]
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "HEAD_HOST": "127.0.0.1",
+           "RAY_DASHBOARD_PORT": str(port), "DATASET": str(tmp_path / "rows.json"), "SAVE_PATH": str(tmp_path)}
+    out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=45)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stdout + out.stderr
+    assert f"no Ray cluster answers at http://127.0.0.1:{port}" in out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vision_script_trains_a_step_on_a_two_node_cpu_cluster(vl_data, tmp_path):
+    model, data = vl_data
+    ports = free_ports(11)
+    short = Path(tempfile.mkdtemp(prefix="rayv", dir="/tmp"))  # Ray's socket paths must stay under 108 bytes
+    base = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_PORT": str(ports[0]),
+            "RAY_DASHBOARD_PORT": str(ports[1]), "ALIGNRL_CPU_SLOTS": "4", "PYTHONPATH": src_path(),
+            "OMP_NUM_THREADS": "1"}
+    base.pop("RAY_ADDRESS", None)
+    agents = ("RAY_AGENT_PORT", "RAY_AGENT_GRPC_PORT", "RAY_RUNTIME_ENV_AGENT_PORT", "RAY_METRICS_PORT")
+    head = {**base, "RAY_TEMP_DIR": str(short / "head"), **dict(zip(agents, map(str, ports[2:6])))}
+    worker = {**base, "RAY_TEMP_DIR": str(short / "worker"), **dict(zip(agents, map(str, ports[6:10])))}
+    start = SCRIPTS / "start_ray_cluster.sh"
+    try:
+        for role, env in (("head", head), ("worker", worker)):
+            out = subprocess.run(["bash", str(start), role, "127.0.0.1"], env=env, capture_output=True, text=True,
+                                 timeout=180)
+            assert out.returncode == 0, out.stderr[-2000:]
+        sizes = {"ACTOR_NUM_NODES": "2", "GPUS_PER_NODE": "1", "VLLM_NUM_ENGINES": "2", "N_SAMPLES": "4",
+                 "ROLLOUT_BATCH_SIZE": "4", "TRAIN_BATCH_SIZE": "16", "MICRO_TRAIN_BATCH_SIZE": "4",
+                 "MICRO_ROLLOUT_BATCH_SIZE": "4", "GENERATE_MAX_LEN": "16", "PROMPT_MAX_LEN": "96", "TOTAL_STEPS": "1",
+                 "ZERO_STAGE": "2", "SAVE_STEPS": "1", "ACTOR_LR": "1e-4"}
+        env = {**base, **sizes, "HEAD_HOST": "127.0.0.1", "PRETRAIN": str(model), "DATASET": str(data),
+               "SAVE_PATH": str(tmp_path / "ckpts"), "REWARD_PORT": str(ports[10])}
+        deadline = time.time() + 90
+        while True:  # the dashboard can answer before the head's job agent registered ("No available agent")
+            out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=480)
+            if out.returncode == 0 or "No available agent" not in out.stdout + out.stderr or time.time() > deadline:
+                break
+            time.sleep(3)
+        assert out.returncode == 0 and "succeeded" in out.stdout, (out.stdout + out.stderr)[-4000:]
+        run = tmp_path / "ckpts" / "xDAN-L1-RL-VL-7B-Instruct"
+        assert (run / "ckpt" / "global_step_1" / "model" / "model.safetensors").is_file(), (out.stdout[-3000:])
+        assert not answers(ports[10])  # the reward server stopped with the script
+    finally:
+        for env in (worker, head):
+            subprocess.run(["bash", str(start), "stop"], env=env, capture_output=True, text=True, timeout=120)
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def test_openrlhfs_module_spelling_of_the_trainer_is_alignrls_ppo_ray():
+    """`python3 -m openrlhf.cli.train_ppo_ray` (how OpenRLHF's and LMM-R1's scripts submit training), from the
+    repository root, is `alignrl train ppo-ray`: the same flags, the same one-line errors."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), src_path()]), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "openrlhf.cli.train_ppo_ray", "--pretrain", "demo", "--no_such_flag"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "alignrl train ppo-ray: error: unrecognized arguments: --no_such_flag"], out.stderr[-2000:]
