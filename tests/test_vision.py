@@ -355,3 +355,24 @@ def test_cached_greedy_decode_is_the_uncached_one(vl, pictures, tmp_path):
                                **vision_inputs(model, x, mask, ImageRows([prompt.images]))).logits
             ids.append(int(logits[0, -1].argmax()))
         assert ro.response_ids[i].tolist() == ids[len(prompt):]
+
+
+def test_responses_never_hold_image_placeholders(vl, tiny_model):
+    """A vision model's image, video and vision-marker tokens are never sampled into a response (the next forward
+    would count more image tokens than images); the reported log-prob stays the model's own."""
+    from alignrl.interfaces import SamplingParams
+    from alignrl.models.vision import vision_token_ids
+    from alignrl.rollout.hf_engine import sample_next
+
+    model, tok = vl
+    banned = vision_token_ids(model)
+    assert len(banned) == 4 and tok.convert_tokens_to_ids("<|image_pad|>") in banned
+    assert vision_token_ids(tiny_model[0]) == []  # a text model bans nothing
+    logits = torch.zeros(64, 10)
+    logits[:, 3] = 5.0  # the banned token is by far the likeliest
+    ban = torch.tensor([3])
+    greedy, lp = sample_next(logits, SamplingParams(n=1, temperature=0.0), None, ban)
+    assert (greedy != 3).all() and torch.allclose(lp, torch.log_softmax(logits, -1)[:, 0])
+    drawn, lp = sample_next(logits, SamplingParams(n=1, temperature=1.0), torch.Generator().manual_seed(0), ban)
+    assert (drawn != 3).all()
+    assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(-1, drawn[:, None]).squeeze(-1))

@@ -46,7 +46,7 @@ PASSTHROUGH = {
     ("train", "ppo-ray"): ("alignrl.compat.openrlhf_ppo_ray", "PPO/GRPO on a Ray cluster with OpenRLHF's flags"),
     ("demo", "search"): ("alignrl.demos.search", "PPO teaches a tiny model to search (Search-R1 recipe, CPU)"),
     ("demo", "safe"): ("alignrl.demos.safe", "Safe-MM-DPO with LoRA makes a tiny model refuse harm, helpfulness kept"),
-    ("demo", "vision"): ("alignrl.demos.vision", "GRPO teaches a tiny vision-language model to read images (CPU)"),
+    ("demo", "vision"): ("alignrl.demos.vision", "RLOO teaches a tiny vision-language model to count in pictures (CPU)"),
     ("eval", "safety"): ("alignrl.preference.safety_eval", "safety rate and helpfulness of a policy's answers to "
                                                            "held-out red-team and everyday prompts"),
     ("serve", "generate"): ("alignrl.serve.generate", "OpenAI-compatible generation server with weight sync"),

@@ -319,9 +319,11 @@ def data_keys(args) -> dict[str, object]:
     is given, else OpenRLHF's reading of the file (--input_key defaulting to 'input')."""
     if args.prompt_data == "synthetic" or (args.input_key, args.label_key, args.input_template) == (None,) * 3:
         return {}
+    # a vision-language model's chat messages always go through its processor's template (LMM-R1's --train_vlm
+    # renders them so without --apply_chat_template; the seed's vision script does not pass it)
+    templated = args.apply_chat_template or getattr(args, "train_vlm", False)
     return {"prompt_key": args.input_key or OPENRLHF_INPUT_KEY, "label_key": args.label_key,
-            "input_template": None if args.apply_chat_template else args.input_template,
-            "apply_chat_template": args.apply_chat_template}
+            "input_template": None if templated else args.input_template, "apply_chat_template": templated}
 
 
 # The config keys that ppo-ray's flags set, as its errors name them: a user of these flags never wrote the keys.

@@ -105,6 +105,19 @@ def image_token_id(model) -> int:
     return int(getattr(model, "module", model).config.image_token_id)
 
 
+VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def vision_token_ids(model) -> list[int]:
+    """The ids that only a prompt's images may hold (image and video placeholders, their start and end markers): a
+    response must never contain them, or the next forward would count more image tokens than images. [] for a
+    text-only model."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    if getattr(config, "vision_config", None) is None:
+        return []
+    return sorted({int(v) for v in (getattr(config, k, None) for k in VISION_TOKENS) if v is not None})
+
+
 def mrope_positions(model, ids: torch.Tensor, mask: torch.Tensor, grid_thw: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """M-RoPE position ids (3, B, L) of rows `ids` (B, L) whose attended tokens (`mask`) hold the image tokens of

@@ -110,7 +110,8 @@ def build_ref(cfg: RunConfig, device: torch.device, base=None, policy=None) -> R
 def build_rewards(cfg: RunConfig, tokenizer, device: torch.device) -> RewardStage:
     a, s = cfg.algorithm, cfg.safety
     check_rl_scorers(cfg)  # before they load: a swapped pair trains with no error (the CLI checked before the policy)
-    reward_model = (RemoteReward(cfg.services.reward_url, **service_args(cfg)) if cfg.services.reward_url else
+    reward_model = (RemoteReward(cfg.services.reward_url, tokenizer=tokenizer, **service_args(cfg))
+                    if cfg.services.reward_url else
                     ModelScorer(a.reward_model, cfg.model.dtype, log=console.print, device=device)
                     if a.reward_model else None)
     return RewardStage(tokenizer, make_reward(a.reward_fn, a.format_reward_weight), load_reward_fn(a.reward_fn),

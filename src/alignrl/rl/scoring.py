@@ -80,7 +80,10 @@ def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence
 
 def model_scores(scorer: SequenceScorer, kind: str, ro: Rollout, rows: Sequence[Sample]) -> torch.Tensor:
     """The scorer's (B,) scores, checked finite: a reward model with non-finite weights scores NaN."""
-    scores = scorer.score(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
+    tensors = (ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
+    # a rule service (OpenRLHF's /get_reward) checks answers: it gets the rows' ground truth with the texts
+    scores = (scorer.score(*tensors, labels=[r.ground_truth for r in rows]) if getattr(scorer, "takes_labels", False)
+              else scorer.score(*tensors))
     bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
     if bad:
         i = bad[0]

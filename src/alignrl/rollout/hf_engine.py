@@ -21,7 +21,7 @@ from alignrl.data.images import prompt_images
 from alignrl.data.records import Rollout
 from alignrl.interfaces import SamplingParams
 from alignrl.models.kv_cache import cache_arg
-from alignrl.models.vision import vision_inputs
+from alignrl.models.vision import vision_inputs, vision_token_ids
 from alignrl.rollout.decoder import KVDecoder
 
 
@@ -54,17 +54,21 @@ def _inverse_cdf(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tens
 GREEDY_BELOW = 1e-5
 
 
-def sample_next(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (N, V) -> sampled token (N,), its log-prob (N,) under the temperature-scaled distribution."""
+def sample_next(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None,
+                banned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (N, V) -> sampled token (N,), its log-prob (N,) under the temperature-scaled distribution. `banned`
+    tokens (a vision model's image placeholders) are never drawn; the log-prob stays the model's own, which the
+    trainer recomputes (their mass is a trained model's rounding error)."""
     logits = logits.float()
+    pick = logits if banned is None else logits.index_fill(-1, banned, float("-inf"))
     if p.temperature < GREEDY_BELOW:
         logp = torch.log_softmax(logits, -1)
-        tok = logits.argmax(-1)
+        tok = pick.argmax(-1)
     else:
         logp = torch.log_softmax(logits / p.temperature, -1)
-        probs = (_filter_logits(logp, p.top_k, p.top_p).softmax(-1)
-                 if (p.top_k > 0 or p.top_p < 1.0) else logp.exp())
+        draw = logp if banned is None else torch.log_softmax(pick / p.temperature, -1)
+        probs = (_filter_logits(draw, p.top_k, p.top_p).softmax(-1)
+                 if (p.top_k > 0 or p.top_p < 1.0) else draw.exp())
         tok = _inverse_cdf(probs, gen)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
@@ -89,6 +93,8 @@ class HFRolloutEngine:
         eos = eos_token_ids if eos_token_ids is not None else default_eos(model, tokenizer)
         self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self.eos[0])
+        banned = vision_token_ids(model)  # a response holding an image placeholder breaks the next forward
+        self.banned = torch.tensor(banned, dtype=torch.long) if banned else None
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy new weights in place (used when the engine holds its own copy of the policy). Names are
@@ -147,7 +153,7 @@ class HFRolloutEngine:
         active = torch.arange(b)  # rows of the full batch still decoded (CPU indices)
         live = torch.ones(b, dtype=torch.bool)  # which of `active` are unfinished
         for t in range(steps):
-            tok, lp = sample_next(logits, params, gen)
+            tok, lp = sample_next(logits, params, gen, None if self.banned is None else self.banned.to(dev))
             rows = active[live]
             out_ids[rows, t], out_lp[rows, t] = tok.cpu()[live], lp.cpu()[live]
             length[rows] += 1

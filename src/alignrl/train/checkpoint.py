@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from alignrl.models.vision import processor_of, save_processor
 from alignrl.data.loaders import DataError
 from alignrl.models import lora
 from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, barrier
@@ -260,6 +261,9 @@ def _write_parts(ckpt_root: Path, step: int, engines: dict[str, Any], tokenizer,
     barrier(env)
     if env.is_main:
         tokenizer.save_pretrained(tmp / "model")
+        processor = processor_of(tokenizer)
+        if processor is not None:  # a vision-language model's folder loads with its image processor
+            save_processor(processor, tmp / "model")
         torch.save({**trainer_state, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
         write_manifest(tmp)
     progress.advance()
