@@ -3,6 +3,7 @@ sampler process (its batches carry their image tensors as raw frames) trains as 
 rollout engines hand their batches, images included, to the actor ranks."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -69,8 +70,8 @@ def test_zmq_sampler_with_images_trains_as_in_process(vl_run, tmp_path):
 @pytest.mark.timeout(400)
 def test_ray_placement_with_images_trains_a_step(cluster, vl_run, tmp_path, capsys):
     """`alignrl train ppo-ray` (OpenRLHF's flags, LMM-R1's `--input_key message`) with the tiny VL model: two
-    actor ranks and a rollout engine, whose batches carry the prompts' images across Ray. No KL term: the Ray
-    reference workers' `logprobs` take no images yet."""
+    actor ranks, a rollout engine whose batches carry the prompts' images across Ray, and a reference worker of its
+    own scoring them with their images for the KL loss."""
     from alignrl.compat.openrlhf_ppo_ray import main
     from raycluster import metric_rows
 
@@ -81,8 +82,53 @@ def test_ray_placement_with_images_trains_a_step(cluster, vl_run, tmp_path, caps
             "--micro_train_batch_size", "4", "--generate_max_len", "6", "--prompt_max_len", "64", "--max_samples", "4",
             "--actor_learning_rate", "1e-2", "--val_size", "2", "--total_steps", "1", "--peer_timeout", "60",
             "--placement_timeout", "20", "--prompt_data", str(data), "--input_key", "message", "--label_key", "answer",
-            "--apply_chat_template", "--init_kl_coef", "0", "--ref_num_nodes", "1", "--ref_num_gpus_per_node", "1"]
+            "--apply_chat_template", "--use_kl_loss", "--init_kl_coef", "0.01", "--ref_num_nodes", "1",
+            "--ref_num_gpus_per_node", "1"]
     assert main(argv) == 0, capsys.readouterr().err
     rows = [r for r in metric_rows(tmp_path / "ray") if r["step"] == 1]
     # the actor ranks' recomputed log-probs (with the images that crossed Ray) are the engine's
     assert rows and rows[0]["rollout/kl_vs_trainer"] < 1e-6 and "actor/entropy" in rows[0], rows
+    # the reference worker read the images: its log-probs are the base policy's, so before the one update the
+    # KL loss of the policy against it is a finite ~0 (image tokens without their images would have been refused)
+    assert math.isfinite(rows[0]["actor/kl_loss"]) and abs(rows[0]["actor/kl_loss"]) < 1e-4, rows
+    assert math.isfinite(rows[0]["actor/grad_norm"]) and rows[0]["actor/grad_norm"] > 0, rows  # the step trained
+
+
+@pytest.mark.timeout(400)
+def test_zmq_trainer_scores_the_reference_of_image_prompts(vl_run, tmp_path):
+    """pipeline.ref_logprobs=trainer with a KL loss: the sampler holds no reference and the trainer scores every
+    row's reference log-probs with the images its batch carried (image tokens without them would be refused)."""
+    ports = free_ports(2)
+    trainer = spawn("train", "grpo", *overrides(vl_run, tmp_path, "zmq_ref", "pipeline.placement=zmq",
+                                                "actor.use_kl_loss=true", "pipeline.ref_logprobs=trainer",
+                                                f"pipeline.data_port={ports[0]}", f"pipeline.sync_port={ports[1]}",
+                                                "pipeline.peer_timeout_s=120"))
+    finish(trainer, sampler(vl_run[0], ports))
+    rows = [json.loads(x) for x in (tmp_path / "zmq_ref" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    assert last["pipeline/ref_rows_trainer"] == 4 and last["rollout/kl_vs_trainer"] < 1e-6, last
+    # before its one update the policy is the reference: the KL loss against it is a finite ~0
+    assert math.isfinite(last["actor/kl_loss"]) and abs(last["actor/kl_loss"]) < 1e-4, last
+
+
+def test_in_process_run_resizes_images_within_data_max_pixels(vl_run, tmp_path):
+    """The in-process placement loads the processor with data.min_pixels/max_pixels: a 56x56 picture (4 image
+    tokens at the processor's own bounds) becomes one image token under max_pixels=28*28."""
+    from alignrl.data.collate import encode_prompts
+    from alignrl.data.prompts import load_task_data
+    from alignrl.models.vision import processor_of
+    from alignrl.placements.local import place
+
+    tokens = {}
+    for name, extra in (("own", []), ("small", ["data.min_pixels=784", "data.max_pixels=784"])):
+        cfg = load_config(None, overrides(vl_run, tmp_path, name, *extra))
+        placed = place(cfg, cfg.model.path)
+        processor = processor_of(placed.tokenizer)
+        # the rows loaded without a tokenizer (as the runner loads them unless it filters long prompts): only the
+        # placement's processor sets the image size
+        samples = load_task_data(cfg, None)[0][:1]
+        ids = encode_prompts(placed.tokenizer, samples, cfg.data.max_prompt_length)[0]
+        tokens[name] = sum(t == processor.image_token_id for t in ids)
+        if extra:
+            assert processor.image_processor.size["longest_edge"] == 784
+    assert tokens == {"own": 4, "small": 1}, tokens

@@ -1,7 +1,8 @@
 """Supervised fine-tuning on (prompt, response) pairs: loss on response tokens only.
 
 Samples carry their target response in `extra["answer"]` (the GSM8K worked solution); the
-response is followed by the tokenizer's eos so the model learns to stop.
+response is followed by the tokenizer's eos so the model learns to stop. Prompts with images (a vision-language
+model's tokenizer encodes them with their images, `data.images`) train with their images in the forward.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from alignrl.data.collate import encode_prompts, left_pad, right_pad
+from alignrl.data.images import prompt_images
 from alignrl.data.records import Sample
 from alignrl.models.logprobs import response_logprobs
 from alignrl.core.optim import build_optimizer
@@ -44,9 +46,11 @@ def sft_train(model, tokenizer, samples: Sequence[Sample], *, steps: int, batch_
             order, pos = torch.randperm(len(samples), generator=gen), 0
         idx = order[pos:pos + batch_size].tolist()
         pos += batch_size
-        pi, pm = left_pad([prompts[i] for i in idx], pad)
+        batch = [prompts[i] for i in idx]
+        pi, pm = left_pad(batch, pad)
         ri, rm = right_pad([responses[i] for i in idx], pad)
-        logp, _ = response_logprobs(model, pi, pm, ri, rm)
+        # prompts with images (a vision-language model's ImagePrompt) take their images into the forward
+        logp, _ = response_logprobs(model, pi, pm, ri, rm, images=prompt_images(batch))
         loss = -logp.sum() / rm.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()

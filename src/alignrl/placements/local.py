@@ -86,7 +86,7 @@ def _with_producer(cfg: RunConfig, policy_path: str, resume: Path | None, env: D
     full copy beside a policy the engine keeps only a shard of (every rank generates; synced after each update), or
     on the generation service (`services.generation_url`, which rank 0 updates for everyone)."""
     folder = resolve_model_path(policy_path, console.print)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
     model, materialize = load_policy(cfg, folder, env, in_shards=False)
     adapters = cfg.model.lora_rank > 0
     # the reference is the base model, not a checkpoint; with LoRA, the policy with its adapters off (below)
@@ -115,7 +115,7 @@ def _beside_producers(cfg: RunConfig, policy_path: str, resume: Path | None, env
     rank 0: on the policy's module, or on a full copy beside a sharded policy, which follows the producers'
     weights."""
     folder = resolve_model_path(policy_path, console.print)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
     evaluator = producers.evaluator(tokenizer.pad_token_id)
     sharded = shards_weights(cfg, env)
     # nothing here needs the whole model when the producers evaluate: a sharded policy is built in its shards

@@ -7,11 +7,15 @@ objects, per-module dispatch. `KVDecoder` runs the same arithmetic straight on t
   slot (left-padded prompts keep every row at the same slot), attended through a view of the filled part;
 - q/k/v and gate/up projections concatenated into one matmul each (built once per `generate`, so they
   always hold the current weights);
-- rotary embeddings from the model's own `rotary_emb` (any rope scaling it implements carries over).
+- rotary embeddings from the model's own `rotary_emb` (any rope scaling it implements carries over);
+- a model with LoRA adapters (peft) decodes on its projections' weights with the active adapters' deltas added
+  (`get_delta_weight`, as peft's merge adds them), in new tensors: the model's own parameters are never changed,
+  and the steps compute what the merged model would.
 
 The prompt itself goes through the HF model once (prefill), so the first token's logits are exactly those
 of `model.generate`. Deliberately out of scope: sliding-window attention, architectures with other block
-layouts (the engine falls back to `model(...)` for those: see `KVDecoder.supports`).
+layouts, LoRA variants other than plain LoRA (DoRA...) (the engine falls back to `model(...)` for those: see
+`KVDecoder.supports`).
 """
 
 from __future__ import annotations
@@ -38,25 +42,61 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _fused_bias(linears: list) -> torch.Tensor | None:
-    """The bias of the fused projection: each one's bias, zeros where one has none; None when none has."""
-    if all(lin.bias is None for lin in linears):
-        return None
-    return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in linears])
+def base_model(model):
+    """The HF model under a peft wrapper (`get_base_model`), or `model` itself."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
+def _adapters(lin) -> list[str]:
+    """The adapters a peft LoRA layer adds to its base weight in its forward (active, not merged in already)."""
+    if lin.disable_adapters:
+        return []
+    return [a for a in lin.active_adapters if a in lin.lora_A and a not in lin.merged_adapters]
+
+
+def _plain_lora(lin) -> bool:
+    """Whether a projection is a plain linear or a peft LoRA layer whose forward is base + B·A·scaling (no DoRA or
+    other variant, no merged adapter hidden by disabled adapters)."""
+    if not hasattr(lin, "get_delta_weight"):
+        return isinstance(lin, torch.nn.Linear)
+    if lin.disable_adapters and lin.merged:
+        return False
+    return not any(a in getattr(lin, "lora_variant", {}) for a in _adapters(lin))
+
+
+def _weights(lin) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) a projection computes with: a LoRA layer's base weight plus its adapters' deltas (a new
+    tensor, as peft's merge would make the base weight; the parameters stay as they are)."""
+    if not hasattr(lin, "get_delta_weight"):
+        return lin.weight, lin.bias
+    base = lin.get_base_layer()
+    weight, bias = base.weight, base.bias
+    for a in _adapters(lin):
+        weight = weight + lin.get_delta_weight(a)
+        if lin.lora_bias.get(a):
+            bias = bias + lin.lora_B[a].bias * lin.scaling[a]
+    return weight, bias
+
+
+def _fused(linears: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused projection's weight and bias: each one's bias, zeros where one has none; None when none has."""
+    parts = [_weights(lin) for lin in linears]
+    weight = torch.cat([w for w, _ in parts])
+    if all(b is None for _, b in parts):
+        return weight, None
+    return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts])
 
 
 class _Layer:
-    """One decoder block's weights, q/k/v and gate/up fused."""
+    """One decoder block's weights, q/k/v and gate/up fused, LoRA deltas added."""
 
     def __init__(self, block):
         att, mlp = block.self_attn, block.mlp
         self.in_norm, self.post_norm = block.input_layernorm, block.post_attention_layernorm
-        self.qkv_w = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
-        self.qkv_b = _fused_bias([att.q_proj, att.k_proj, att.v_proj])
-        self.o_proj = att.o_proj
-        self.gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        self.gate_up_b = _fused_bias([mlp.gate_proj, mlp.up_proj])  # Llama's mlp_bias=True
-        self.down = mlp.down_proj
+        self.qkv_w, self.qkv_b = _fused([att.q_proj, att.k_proj, att.v_proj])
+        self.o_w, self.o_b = _weights(att.o_proj)
+        self.gate_up_w, self.gate_up_b = _fused([mlp.gate_proj, mlp.up_proj])  # Llama's mlp_bias=True
+        self.down_w, self.down_b = _weights(mlp.down_proj)
         self.act = mlp.act_fn
         self.scaling = att.scaling
 
@@ -66,19 +106,26 @@ class KVDecoder:
 
     @staticmethod
     def supports(model) -> bool:
-        """A plain HF model of the family (not a wrapper such as DDP's, whose forward must run)."""
+        """A plain HF model of the family, or one with plain LoRA adapters (peft), not a wrapper such as DDP's,
+        whose forward must run."""
+        model = base_model(model)
         cfg, layers = getattr(model, "config", None), getattr(getattr(model, "model", None), "layers", None)
         return (getattr(cfg, "model_type", None) in _FAMILY and layers is not None
                 and not getattr(cfg, "use_sliding_window", False)
                 and getattr(cfg, "_attn_implementation", "sdpa") in ("sdpa", "eager", PACKED)
-                and all(getattr(layer.mlp, "gate_proj", None) is not None for layer in layers))
+                and all(getattr(layer.mlp, "gate_proj", None) is not None for layer in layers)
+                and all(_plain_lora(lin) for layer in layers for lin in (
+                    layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)))
 
     def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
                  repeats: int = 1):
         """Runs the prompts (B, P) through `model` once and holds `logits` (B * repeats, V) for the first
-        token, each prompt's row repeated `repeats` times (consecutively)."""
-        cfg, dev = model.config, prompt_ids.device
-        self.model, self.layers = model, [_Layer(b) for b in model.model.layers]
+        token, each prompt's row repeated `repeats` times (consecutively). The steps' weights (adapters added) are
+        taken here: a decoder made at the start of a `generate` decodes on the weights of that moment."""
+        base = base_model(model)
+        cfg, dev = base.config, prompt_ids.device
+        self.model, self.layers = base, [_Layer(b) for b in base.model.layers]
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         p = prompt_ids.shape[1]
@@ -86,7 +133,7 @@ class KVDecoder:
         self.slot = p  # the cache column the next token's K/V go into (the same for every row)
         cache = DynamicCache()
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask.long(), position_ids=position_ids(prompt_mask),
-                    use_cache=True, logits_to_keep=1, **cache_arg(model, cache))
+                    use_cache=True, logits_to_keep=1, **cache_arg(base, cache))  # the adapters' forward
         self.logits = out.logits[:, -1].repeat_interleave(repeats, 0)
         total = p + max_new_tokens
         self.k, self.v = [], []
@@ -130,9 +177,9 @@ class KVDecoder:
             self.v[i][:, :, s:s + 1] = v
             att = F.scaled_dot_product_attention(q, self.k[i][:, :, :s + 1], self.v[i][:, :, :s + 1], attn_mask=mask,
                                                  scale=layer.scaling, enable_gqa=self.heads != self.kv_heads)
-            h = h + layer.o_proj(att.reshape(n, q_size))
+            h = h + F.linear(att.reshape(n, q_size), layer.o_w, layer.o_b)
             gate, up = F.linear(_rms(h, layer.post_norm), layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-            h = h + layer.down(layer.act(gate) * up)
+            h = h + F.linear(layer.act(gate) * up, layer.down_w, layer.down_b)
         self.slot += 1
         self.next_pos = self.next_pos + 1
         return self.model.lm_head(_rms(h, m.norm))

@@ -25,11 +25,13 @@ from alignrl.placements.weight_sync import Outgoing
 from alignrl.placements.build import build_critics
 from alignrl.rl.producer import InlineSource, merged_metrics
 from alignrl.rl.rollout_ops import concat_rollouts, pad_cols, shard_groups
+from alignrl.data.images import ImageRows
 from alignrl.data.records import Rollout, ScoredBatch
 from alignrl.data.sampler import BatchSampler
 from alignrl.runtime.env import DistEnv, barrier
 from alignrl.interfaces import SamplingParams
 from alignrl.train.actor import Actor
+from alignrl.wire.records import images_to_wire
 
 BUCKET_BYTES = 32 << 20
 
@@ -102,16 +104,22 @@ def merge(batches: list[ScoredBatch], pad_id: int, drawn: list[int]) -> ScoredBa
     return out
 
 
-def split_call(workers: list[Peer], method: str, tensors: tuple[torch.Tensor, ...], every: bool = False
-               ) -> torch.Tensor:
+def split_call(workers: list[Peer], method: str, tensors: tuple[torch.Tensor, ...], every: bool = False,
+               images: ImageRows | None = None) -> torch.Tensor:
     """`method` of each worker on its even share of the rows of `tensors` (one call per worker that has
     rows, or per worker with `every`: a collective call), the results concatenated in row order. Waited for as
     long as the workers live: a worker serves one call at a time, so a large batch's calls queue behind other
-    engines' (a fixed limit cut off big steps)."""
+    engines' (a fixed limit cut off big steps). `images` (the rows' prompt images) go with their rows as the wire's
+    flat tensors (`wire.records.images_to_wire`), keyword `images`, as the rows' own tensors travel."""
     parts = [t.tensor_split(len(workers)) for t in tensors]
-    use = [(w, args) for w, args in zip(workers, zip(*parts)) if every or len(args[0])]
-    refs = [getattr(w.handle, method).remote(*args) for w, args in use]
-    return torch.cat(patient_get(refs, [w for w, _ in use]))
+    ends = torch.tensor([len(p) for p in parts[0]]).cumsum(0).tolist()
+    calls = []
+    for w, args, end in zip(workers, zip(*parts), ends):
+        if not (every or len(args[0])):
+            continue
+        extra = {} if images is None else {"images": images_to_wire(images.select(range(end - len(args[0]), end)))}
+        calls.append((w, getattr(w.handle, method).remote(*args, **extra)))
+    return torch.cat(patient_get([r for _, r in calls], [w for w, _ in calls]))
 
 
 class RayRefScorer:
@@ -121,9 +129,10 @@ class RayRefScorer:
     def __init__(self, workers: list[Peer], sharded: bool = False):
         self.workers, self.sharded = workers, sharded
 
-    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask, images: ImageRows | None = None
+                 ) -> torch.Tensor:
         return split_call(self.workers, "logprobs", (prompt_ids, prompt_mask, response_ids, response_mask),
-                          every=self.sharded)
+                          every=self.sharded, images=images)
 
 
 class RayRewardScorer:

@@ -135,8 +135,14 @@ class RefWorker(Worker):
             self.scorer = build_sharded_ref(self.cfg, init_distributed(self.cfg.trainer.device))
         return held_elements(self.scorer.model)
 
-    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
-        return self.scorer.logprobs(prompt_ids, prompt_mask, response_ids, response_mask).cpu()
+    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask,
+                 images: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Reference log-probs of the rows; `images`: their prompt images as `wire.records.images_to_wire`'s flat
+        tensors (RayRefScorer sends them so)."""
+        from alignrl.wire.records import images_from_wire
+
+        extra = {} if images is None else {"images": images_from_wire(images, len(prompt_ids))}
+        return self.scorer.logprobs(prompt_ids, prompt_mask, response_ids, response_mask, **extra).cpu()
 
 
 class RewardWorker(Worker):

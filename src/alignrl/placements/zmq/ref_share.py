@@ -78,7 +78,10 @@ class RefShare:
         if k == b:
             return batch, metrics
         t0 = time.perf_counter()
-        rest = self.ref.logprobs(ro.prompt_ids[k:], ro.prompt_mask[k:], ro.response_ids[k:], ro.response_mask[k:])
+        # prompts with images are scored with their images (the rows' `images`, sent by the sampler)
+        extra = {} if ro.images is None else {"images": ro.images.select(range(k, b))}
+        rest = self.ref.logprobs(ro.prompt_ids[k:], ro.prompt_mask[k:], ro.response_ids[k:], ro.response_mask[k:],
+                                 **extra)
         seconds = time.perf_counter() - t0
         self.row_s = seconds / (b - k)
         batch.ref_logprobs = rest if k == 0 else torch.cat([have, rest.to(have.dtype)])
