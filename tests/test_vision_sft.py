@@ -36,3 +36,22 @@ def test_sft_on_image_prompts_lowers_the_loss(vl_and_samples):
     assert all(torch.isfinite(torch.tensor(losses))), losses
     assert sum(losses[-2:]) / 2 < 0.8 * sum(losses[:2]) / 2, losses
 
+
+
+def test_lora_sft_on_image_prompts(vl_and_samples):
+    """LoRA adapters on a vision-language model: the image positions and tokens are found through peft's wrapper;
+    only the adapters train, and the merged model is an ordinary one."""
+    from alignrl.models.loader import load_model
+    from alignrl.models.lora import lora_spec
+    from alignrl.models.sft import sft_train_lora
+
+    folder, samples = vl_and_samples
+    model, tokenizer = load_model(str(folder))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    merged, losses = sft_train_lora(model, tokenizer, samples, lora_spec(8, 16, 0.0, "q_proj,v_proj"), steps=8,
+                                    batch_size=2, lr=1e-2, warmup_steps=0, seed=0)
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2, losses
+    after = merged.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), sorted(changed)[:5]

@@ -222,7 +222,8 @@ def _filtering_tokenizer(cfg: RunConfig):
     tokenizer loads with the policy; a checkpoint holds the same one)."""
     if not cfg.data.filter_overlong_prompts:
         return None
-    return load_tokenizer(resolve_model_path(cfg.model.path, lambda *_: None))
+    return load_tokenizer(resolve_model_path(cfg.model.path, lambda *_: None), min_pixels=cfg.data.min_pixels,
+                          max_pixels=cfg.data.max_pixels)
 
 
 def _resume(run: Run, resume: Path) -> None:

@@ -303,6 +303,8 @@ class AdaptersOffScorer:
     def __init__(self, scorer, model: torch.nn.Module):
         self.scorer, self.model = scorer, model
 
-    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+    def logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask, images=None) -> torch.Tensor:
         with adapters_off(self.model):
-            return self.scorer.logprobs(prompt_ids, prompt_mask, response_ids, response_mask)
+            if images is None:  # a scorer of text prompts may take no images at all
+                return self.scorer.logprobs(prompt_ids, prompt_mask, response_ids, response_mask)
+            return self.scorer.logprobs(prompt_ids, prompt_mask, response_ids, response_mask, images=images)

@@ -65,8 +65,16 @@ def is_vision_folder(folder: str | Path) -> bool:
     return isinstance(cfg, dict) and "vision_config" in cfg
 
 
+def hf_model(model):
+    """The transformers model inside `model`: through a DDP/FSDP wrapper (`.module`) and LoRA adapters (peft's
+    `get_base_model`), whose own `.model` would be the wrapped model rather than its decoder."""
+    model = getattr(model, "module", model)
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
 def is_vision_model(model) -> bool:
-    model = getattr(model, "module", model)  # DDP's wrapper
+    model = hf_model(model)
     return getattr(getattr(model, "config", None), "vision_config", None) is not None
 
 
@@ -102,7 +110,7 @@ def load_vision_model(folder: str | Path, dtype=torch.float32):
 
 
 def image_token_id(model) -> int:
-    return int(getattr(model, "module", model).config.image_token_id)
+    return int(hf_model(model).config.image_token_id)
 
 
 VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -112,7 +120,7 @@ def vision_token_ids(model) -> list[int]:
     """The ids that only a prompt's images may hold (image and video placeholders, their start and end markers): a
     response must never contain them, or the next forward would count more image tokens than images. [] for a
     text-only model."""
-    config = getattr(getattr(model, "module", model), "config", None)
+    config = getattr(hf_model(model), "config", None)
     if getattr(config, "vision_config", None) is None:
         return []
     return sorted({int(v) for v in (getattr(config, k, None) for k in VISION_TOKENS) if v is not None})
@@ -123,7 +131,7 @@ def mrope_positions(model, ids: torch.Tensor, mask: torch.Tensor, grid_thw: torc
     """M-RoPE position ids (3, B, L) of rows `ids` (B, L) whose attended tokens (`mask`) hold the image tokens of
     `grid_thw` (num_images, 3), in row order; and each row's delta (B, 1): the text position of a token appended
     after the row's last one is its count of attended tokens plus that delta. Padding columns get 0."""
-    inner = getattr(model, "module", model).model
+    inner = hf_model(model).model
     kinds = (ids == image_token_id(model)).long()
     with torch.no_grad():
         pos, delta = inner.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grid_thw,
@@ -146,11 +154,11 @@ def vision_inputs(model, ids: torch.Tensor, mask: torch.Tensor, images) -> dict:
                          "vision-language model (its config.json has a vision_config)")
     dev = ids.device
     pixel_values, grid = images.batch()
-    want = int((grid.prod(-1) // getattr(model, "module", model).config.vision_config.spatial_merge_size ** 2).sum())
+    want = int((grid.prod(-1) // hf_model(model).config.vision_config.spatial_merge_size ** 2).sum())
     have = int(((ids == image_token_id(model)) & mask.bool()).sum())
     if want != have:
         raise ModelError(f"the rows hold {have} image tokens but their images make {want}: a prompt's image tokens "
                          "were cut or its images do not belong to it")
     positions, _ = mrope_positions(model, ids, mask, grid.to(dev))
-    dtype = next(getattr(model, "module", model).parameters()).dtype
+    dtype = next(hf_model(model).parameters()).dtype
     return {"pixel_values": pixel_values.to(dev, dtype), "image_grid_thw": grid.to(dev), "position_ids": positions}
