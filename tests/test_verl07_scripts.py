@@ -157,7 +157,7 @@ def test_an_overlong_buffer_that_is_off_costs_nothing(files):
 
 
 @pytest.mark.parametrize("key,value,words", [
-    ("data.truncation", "middle", "choose one of: left, error"),
+    ("data.truncation", "center", "choose one of: left, right, middle, error"),
     ("reward_model.reward_manager", "prime", "naive or dapo"),
     ("algorithm.filter_groups.metric", "length", "keeps the groups whose rewards differ"),
     ("actor_rollout_ref.rollout.mode", "sync", "not supported"),
