@@ -4,7 +4,6 @@ adapters off, the engine generates from the merged weights, checkpoints resume e
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
