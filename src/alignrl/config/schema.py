@@ -304,7 +304,9 @@ class TrainerConfig:
     logger: list = opt(["console", "jsonl", "tensorboard"], "metric sinks: console, jsonl, tensorboard, wandb "
                                                             "(offline without network or WANDB_API_KEY)")
     progress_bar: bool = opt(True, "show a progress bar on the console")
-    threads: int = opt(0, "torch CPU threads; 0 keeps torch's default", ge=0)
+    threads: int = opt(0, "torch CPU threads; 0: OMP_NUM_THREADS when set, else the cores free to this run (its "
+                          "affinity and cgroup quota, less what other processes keep busy), split among its processes",
+                       ge=0)
     strategy: str = opt("auto", "training engine of actor and critic: auto (ddp under torchrun, else single), "
                         "single, ddp, fsdp2, fsdp (verl's name: fsdp2 on several ranks, single on one), deepspeed",
                         choices=("auto", "single", "ddp", "fsdp2", "fsdp", "deepspeed"))
