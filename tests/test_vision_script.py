@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from alignrl.runtime.ports import free_ports
 from conftest import src_path
@@ -142,7 +143,14 @@ def test_vision_script_trains_a_step_on_a_two_node_cpu_cluster(vl_data, tmp_path
             time.sleep(3)
         assert out.returncode == 0 and "succeeded" in out.stdout, (out.stdout + out.stderr)[-4000:]
         run = tmp_path / "ckpts" / "xDAN-L1-RL-VL-7B-Instruct"
-        assert (run / "ckpt" / "global_step_1" / "model" / "model.safetensors").is_file(), (out.stdout[-3000:])
+        saved = run / "ckpt" / "global_step_1" / "model" / "model.safetensors"
+        assert saved.is_file(), (out.stdout[-3000:])
+        from safetensors.torch import load_file
+
+        before, after = load_file(str(Path(model) / "model.safetensors")), load_file(str(saved))
+        visual = [k for k in before if ".visual." in f".{k}"]
+        assert visual and all(torch.equal(before[k], after[k]) for k in visual)  # --freeze_prefix visual
+        assert any(not torch.equal(before[k], after[k]) for k in before if k not in visual)  # the rest trained
         assert not answers(ports[10])  # the reward server stopped with the script
     finally:
         for env in (worker, head):
