@@ -14,7 +14,6 @@ all of them again in each of `--rounds` rounds (default 3; this machine's speed 
 minutes): the table reports each one's median round, beside every round's samples/s and paired ratios:
 
     in-process            `alignrl train grpo`, trainer.threads=2 (generation and training share 2 cores)
-    in-process 1 thread   the same with trainer.threads=1: gives the ceiling below
     zmq k=0               trainer (1 thread) + 1 sampler (1 thread), pipeline.max_staleness=0 (on-policy)
     zmq k=1               trainer (1 thread) + 1 sampler (1 thread), pipeline.max_staleness=1
     zmq k=0/1 own cores   the same with pipeline.lend_cores=false: each process keeps its one thread (the other
@@ -27,8 +26,10 @@ What is measured: samples/s = sequences trained (prompts x n per step) / seconds
 of the trainer's own `timing/step` rows in metrics.jsonl ("get the next scored batch, then update and
 publish"; only per-step logging falls between two steps). Step 1 (warm-up), start-up, model loading,
 sampler connection and the evaluations are left out; the trainer process's wall time is printed too. The
-ceiling under the table is 2 x the 1-thread in-process samples/s: the same work split perfectly over two
-one-thread processes with no transfer cost, which the pipeline cannot beat. Also printed per configuration:
+bound under the table is the two-stage pipeline's, from the k=1 run's own timings: no step can take less than
+the slower stage, the trainer's update and publish (its step less its wait) or the sampler's generation,
+reference log-probs and reward of one batch. (Twice the one-thread in-process rate is no bound: each pipeline
+process runs one kind of work, and the waiting side lends its core.) Also printed per configuration:
 mean generation s per batch (`timing/gen`, where generation ran), update s (`timing/train`), the trainer's
 wait for a batch, staleness, and publish time. Timings only mean something on an otherwise idle machine.
 
@@ -41,7 +42,7 @@ MiB of synthetic fp32 tensors shaped like a transformer's): `--publish-repeats` 
 sent zero-copy (no snapshot: a lower bound), encode and decode alone, and the same-host shared path are
 printed too (medians; details in publish_bench.py).
 
-Targets (printed with PASS/MISS): zmq k=1 >= 1.3x in-process samples/s; publish <= 1.5x the raw ZeroMQ
+Targets (printed with PASS/MISS): zmq k=1 >= 1.9x in-process samples/s; publish <= 1.5x the raw ZeroMQ
 copy, for the worse of the two weight sets, as frames (samplers elsewhere) and through shared memory (samplers
 on the trainer's host, pipeline.weight_transport=auto; the weights here are on the CPU, so not CUDA IPC).
 Every child process is started in its own session and killed (killpg) at the end; ports are free ones on
@@ -66,7 +67,7 @@ from pathlib import Path
 from publish_bench import demo_weights, publish_bench, synthetic_weights
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-K1_TARGET, PUBLISH_TARGET = 1.3, 1.5
+K1_TARGET, PUBLISH_TARGET = 1.9, 1.5
 
 
 @dataclass
@@ -80,7 +81,7 @@ class Case:
     transport: str = "auto"  # zmq only: pipeline.weight_transport
 
 
-CASES = [Case("in-process", "inline"), Case("in-process 1 thread", "inline", threads=1), Case("zmq k=0", "zmq", 0, 1),
+CASES = [Case("in-process", "inline"), Case("zmq k=0", "zmq", 0, 1),
          Case("zmq k=0 own cores", "zmq", 0, 1, lend=False), Case("zmq k=1", "zmq", 1, 1),
          Case("zmq k=1 own cores", "zmq", 1, 1, lend=False), Case("zmq k=1 frames", "zmq", 1, 1, transport="zmq"),
          Case("zmq k=1 x2 samplers", "zmq", 1, 2)]
@@ -119,10 +120,7 @@ def kill(procs: list[subprocess.Popen]) -> None:
 
 
 def tail(path: Path, n: int = 2500) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return "(no output)"
+    return path.read_text(errors="replace")[-n:] if path.is_file() else "(no output)"
 
 
 def overrides(args, model_dir: Path, out: Path, name: str) -> list[str]:
@@ -219,6 +217,22 @@ def median_run(rs: list[Result]) -> Result:
 def mean_of(rows: list[dict], key: str) -> float | None:
     vals = [r[key] for r in rows if key in r]
     return sum(vals) / len(vals) if vals else None
+
+
+def print_k1_bound(k1, base) -> None:
+    """Where the k=1 step goes, and the bound of a two-stage pipeline measured in the same run: a step cannot
+    take less than the slower stage, the trainer's own work (its step less its wait for a batch) or the
+    sampler's work on one batch (generation, reference log-probs, reward)."""
+    timed = [x for x in k1.rows if x["step"] >= 2]
+    step, wait = statistics.mean(x["timing/step"] for x in timed), mean_of(timed, "pipeline/trainer_wait_s") or 0.0
+    sampler = sum(mean_of(timed, f"timing/{k}") or 0.0 for k in ("gen", "ref", "reward", "old_logprob"))
+    base_step = statistics.mean(x["timing/step"] for x in base.rows if x["step"] >= 2)
+    slower = max(step - wait, sampler)
+    print(f"zmq k=1: the trainer waits {wait:.3f} s of its {step:.3f} s/step for batches "
+          f"({'trainer' if wait < 0.25 * step else 'sampler'}-bound); stages: trainer {step - wait:.3f} s/step, "
+          f"sampler {sampler:.3f} s/batch")
+    print(f"bound: the slower stage allows {base_step / slower:.2f}x in-process; measured "
+          f"{base_step / step:.2f}x ({slower / step:.0%} of the bound)")
 
 
 def main() -> int:
@@ -334,20 +348,8 @@ def main() -> int:
           "generation ran, train s is the trainer's update, wait s its wait for a batch)")
 
     k1 = next((r for r in results if r.case.name == "zmq k=1" and r.ok), None)
-    if base and k1:  # where the k=1 step time goes: the trainer's own work, or waiting for the sampler
-        timed = [x for x in k1.rows if x["step"] >= 2]
-        step, wait = statistics.mean(x["timing/step"] for x in timed), mean_of(timed, "pipeline/trainer_wait_s") or 0
-        base_step = statistics.mean(x["timing/step"] for x in base.rows if x["step"] >= 2)
-        print(f"zmq k=1: the trainer waits {wait:.3f} s of its {step:.3f} s/step for batches, so it is "
-              f"{'trainer' if wait < 0.25 * step else 'sampler'}-bound; with no wait at all it would reach "
-              f"{base_step / (step - wait):.2f}x in-process")
-    one = next((r for r in results if r.case.name == "in-process 1 thread" and r.ok), None)
-    if base and one:  # the most any split of this work over one-thread processes can get from the same cores
-        n = base.case.threads
-        print(f"ceiling: the in-process step's work on one thread runs at {one.samples_per_s:.2f} samples/s; "
-              f"{n} one-thread processes sharing it perfectly would reach {n * one.samples_per_s:.2f}, "
-              f"{n * one.samples_per_s / base.samples_per_s:.2f}x in-process (its {n} threads are "
-              f"{base.samples_per_s / one.samples_per_s:.2f}x one)")
+    if base and k1:
+        print_k1_bound(k1, base)
     print()
     print(f"held-out greedy accuracy after {args.steps} steps ({args.val} problems):")
     print(f"  {'config':<12} {'base':>6} {'final':>6}")
@@ -376,12 +378,9 @@ def main() -> int:
     ratio_pub = max(ratios) if ratios and len(ratios) == len(pubs) else None
 
     print()
-    if base and k1:
-        r = k1.samples_per_s / base.samples_per_s
-        print(f"target: zmq k=1 >= {K1_TARGET:.1f}x in-process samples/s: {r:.2f}x "
-              f"{'PASS' if r >= K1_TARGET else 'MISS'}")
-    else:
-        print(f"target: zmq k=1 >= {K1_TARGET:.1f}x in-process samples/s: not measured (a run failed)")
+    r = f"{k1.samples_per_s / base.samples_per_s:.2f}x" if base and k1 else "not measured (a run failed)"
+    print(f"target: zmq k=1 >= {K1_TARGET:.1f}x in-process samples/s: {r}"
+          + (f" {'PASS' if k1.samples_per_s / base.samples_per_s >= K1_TARGET else 'MISS'}" if base and k1 else ""))
     if ratio_pub is None:
         print(f"target: publish <= {PUBLISH_TARGET:.1f}x raw copy: not measured (it failed)")
     else:

@@ -37,10 +37,13 @@ Same on both sides:
     evaluation.
 
 Remaining differences (inherent to the frameworks, part of what is measured):
+  * forward layout: alignrl runs as the demo recipe does, with each prompt going through the model once
+    for its n samples (actor.share_prompt; its keys and values are the responses' cache, gradients flow
+    back through them) and the real tokens of a micro-batch packed into one row (actor.use_remove_padding);
+    both change only float rounding. `--no-share-prompt` and `--no-remove-padding` turn them off.
   * padding: alignrl accumulates the batch in length-grouped micro-batches of --micro-batch sequences
-    (default 32), each trimmed to its own longest prompt and response, for the reference forward and
-    the forward/backward; TRL runs the whole P*n batch at once, padded to its longest sequence.
-    `--micro-batch 0` makes alignrl do the same as TRL (one forward/backward over the whole batch).
+    (default 32) for the reference forward and the forward/backward; TRL runs the whole P*n batch at
+    once, padded to its longest sequence. `--micro-batch 0` makes alignrl take the whole batch at once.
   * generation: TRL calls `model.generate` (keeps finished rows in the batch until all stop); alignrl uses
     its own KV-cache sampler that drops finished rows. Completions are sampled, so their lengths differ
     run to run and side to side; the mean completion length of each side is printed to show the work done
@@ -83,6 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--micro-batch", type=int, default=32,
                    help="alignrl sequences per forward/backward (length-grouped); 0 = the whole batch at once as TRL")
+    p.add_argument("--no-share-prompt", dest="share_prompt", action="store_false",
+                   help="run every sequence's prompt through the model (alignrl's actor.share_prompt=false)")
+    p.add_argument("--no-remove-padding", dest="remove_padding", action="store_false",
+                   help="forward padded micro-batches (alignrl's actor.use_remove_padding=false)")
     a = p.parse_args(argv)
     if a.steps < 1 or a.prompts < 1 or a.max_new_tokens < 1:
         p.error("--steps, --prompts and --max-new-tokens must be >= 1")
@@ -121,6 +128,8 @@ def alignrl_side(model_dir: Path, samples, args):
         f"actor.use_kl_loss={'true' if args.beta > 0 else 'false'}", f"actor.kl_loss_coef={args.beta}",
         "actor.kl_loss_type=low_var_kl", "actor.recompute_old_logprobs=false",
         "algorithm.norm_adv_by_std_in_grpo=true", f"trainer.seed={args.seed}",
+        f"actor.share_prompt={str(args.share_prompt).lower()}",
+        f"actor.use_remove_padding={str(args.remove_padding).lower()}",
     ])
     placed = place(cfg, str(model_dir))
     rows = PromptData(placed.tokenizer, samples, cfg.data.max_prompt_length)
@@ -193,7 +202,32 @@ def trl_side(model_dir: Path, samples, args, callback, out_dir: str):
             return out
 
         trainer._generate_and_score_completions = recorded
+    wrap_phase_timers(trainer, callback.trl_phases)
     return trainer, dropped
+
+
+def wrap_phase_timers(trainer, phases: dict) -> None:
+    """Adds each TRL step's seconds in generation (its `_generate` call), in log-prob forwards without a graph
+    (the reference's) and in the whole generate-and-score stage to `phases`; the update is the step's rest."""
+    import torch
+
+    def timed(name: str, fn, key=None):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            k = key() if key else name
+            phases[k] = phases.get(k, 0.0) + time.perf_counter() - t0
+            return out
+        return run
+
+    if hasattr(trainer, "_generate"):
+        trainer._generate = timed("gen", trainer._generate)
+    if hasattr(trainer, "_get_per_token_logps_and_entropies"):
+        trainer._get_per_token_logps_and_entropies = timed(
+            "", trainer._get_per_token_logps_and_entropies,
+            key=lambda: "logp_forward" if torch.is_grad_enabled() else "ref")
+    if hasattr(trainer, "_generate_and_score_completions"):
+        trainer._generate_and_score_completions = timed("stage", trainer._generate_and_score_completions)
 
 
 def make_callback(alignrl_run, samples, bench):
@@ -208,6 +242,7 @@ def make_callback(alignrl_run, samples, bench):
             # (prompts, recomputed old log-probs?, reference log-probs?) per TRL generation, from a wrapper
             self.trl_generations: list[tuple[list[str], bool, bool]] = []
             self.mismatches: list[str] = []
+            self.trl_phases: dict[str, float] = {}  # this step's seconds by phase (`wrap_phase_timers`)
             self.checked = 0
             self._t0 = 0.0
 
@@ -228,6 +263,7 @@ def make_callback(alignrl_run, samples, bench):
                 self.mismatches.append(f"step {k}: TRL reference log-probs {'present' if ref_lp else 'missing'}")
 
         def on_step_begin(self, args, state, control, **kwargs):
+            self.trl_phases.clear()
             self._t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -243,12 +279,35 @@ def make_callback(alignrl_run, samples, bench):
             m = alignrl_run(k)
             al_s = time.perf_counter() - t0
             row = {"round": k, "trl": trl_s, "alignrl": al_s, "trl_len": trl_len,
-                   "alignrl_len": m["response/length_mean"], "alignrl_acc": m["reward/accuracy"]}
+                   "alignrl_len": m["response/length_mean"], "alignrl_acc": m["reward/accuracy"],
+                   "phases": {"trl": trl_split(self.trl_phases, trl_s), "alignrl": alignrl_split(m, al_s)}}
             self.rows.append(row)
             print(f"{k:>5}  {trl_s:>9.3f}  {al_s:>9.3f}  {trl_len:>12.1f}  {row['alignrl_len']:>12.1f}"
                   f"{'   (warm-up, not in medians)' if k == 1 and bench.steps > 1 else ''}", flush=True)
 
     return Alternate()
+
+
+PHASES = ("generation", "reference", "update", "other")
+
+
+def trl_split(ph: dict, total: float) -> dict:
+    gen, ref, stage = ph.get("gen", 0.0), ph.get("ref", 0.0), ph.get("stage", 0.0)
+    return {"generation": gen, "reference": ref, "update": total - stage, "other": stage - gen - ref}
+
+
+def alignrl_split(m: dict, total: float) -> dict:
+    gen, ref, upd = m.get("timing/gen", 0.0), m.get("timing/ref", 0.0), m.get("timing/train", 0.0)
+    return {"generation": gen, "reference": ref, "update": upd, "other": total - gen - ref - upd}
+
+
+def print_phases(timed: list[dict]) -> None:
+    """Median seconds per step of each phase (the update: forward, backward, clip, optimizer step; other:
+    reward, advantages, templating, bookkeeping)."""
+    print(f"\n{'where the seconds go':<21}" + "".join(f"{p:>12}" for p in PHASES))
+    for fw in ("alignrl", "trl"):
+        med = {p: statistics.median(r["phases"][fw][p] for r in timed) for p in PHASES}
+        print(f"{fw:<21}" + "".join(f"{med[p]:>12.3f}" for p in PHASES))
 
 
 def summarise(rows: list[dict]) -> None:
@@ -264,6 +323,7 @@ def summarise(rows: list[dict]) -> None:
         lens = [r[f"{fw}_len"] for r in timed]
         print(f"{fw:<10} {med[fw]:>14.3f} {min(xs):>9.3f} {max(xs):>9.3f} {len(xs):>6} "
               f"{statistics.fmean(lens):>9.1f}")
+    print_phases(timed)
     ratio = med["trl"] / med["alignrl"]
     verdict = "alignrl faster" if ratio > 1 else ("TRL faster" if ratio < 1 else "tie")
     print(f"ratio trl/alignrl = {ratio:.2f}x ({verdict})")

@@ -72,3 +72,33 @@ def test_a_busy_neighbour_is_seen_and_our_own_work_is_not():
         spin.kill()
         spin.wait(timeout=30)
     assert ours < quiet + 0.5 <= theirs, (quiet, ours, theirs)
+
+
+def test_the_watch_refits_when_a_neighbour_arrives_mid_run(monkeypatch):
+    import torch
+
+    from alignrl.runtime import cores
+
+    monkeypatch.setattr(cores, "usable_cores", lambda: 2)
+    monkeypatch.setattr(cores, "affinity", lambda: {0, 1})
+    ticks = iter([(0, 0, 0), (100, 200, 100), (300, 400, 200)])  # (busy, total, own): then 1 core of others' work
+    monkeypatch.setattr(cores, "_busy_ticks", lambda cpus: next(ticks)[:2])
+    own = iter([0, 100, 200])
+    monkeypatch.setattr(cores, "_own_ticks", lambda: next(own))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        watch = cores.LoadWatch(cores.ThreadChoice(2, "test", measured=True))
+        assert watch.check() is None  # only our own work on the cores: two threads stay
+        refit = watch.check()
+        assert refit is not None and refit.threads == 1 and torch.get_num_threads() == 1
+        assert "1.0 cores busy" in refit.line()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_count_the_user_gave_is_never_refitted():
+    from alignrl.runtime import cores
+
+    watch = cores.LoadWatch(cores.ThreadChoice(2, "trainer.threads"))
+    assert not watch.active and watch.check() is None

@@ -31,7 +31,7 @@ from alignrl.rl.producer import InlineSource
 from alignrl.rl.replay import check_replay, with_replay
 from alignrl.rl.step import GRPOStep
 from alignrl.rl.trainer import PolicyTrainer
-from alignrl.runtime.cores import fit_threads
+from alignrl.runtime.cores import LoadWatch, fit_threads
 from alignrl.runtime.env import DistEnv, barrier, init_distributed, interrupted, mean_metrics
 from alignrl.train.checkpoint import (check_not_past, hold_run_dir, load_trainer_state, resume_point,
                                       save_checkpoint, set_rng_state)
@@ -117,7 +117,7 @@ def train_grpo(cfg: RunConfig, wall_start: float | None = None, producers: Remot
                               "to a folder this process can write") from None
     claim = hold_run_dir(cfg.run_dir) if env.is_main else None  # held while the run writes there
     try:
-        return _train(cfg, env, wall_start, producers)
+        return _train(cfg, env, wall_start, producers, LoadWatch(threads) if env.world_size == 1 else None)
     finally:  # a run that failed lets the next one in at once, even in a process that lives on (a notebook, Ray)
         if claim is not None:
             claim.close()
@@ -138,6 +138,7 @@ class Run:
     held: str = "held-out"
     state: dict = field(default_factory=dict)
     start_step: int = 0
+    watch: LoadWatch | None = None  # re-fits the threads between steps as other processes come and go
 
     def evaluate(self, n: int, subset: int | None = None):
         """Held-out accuracy on the first `n` problems (and on the first `subset` of them, from the same answers)."""
@@ -173,7 +174,8 @@ class Run:
         return r
 
 
-def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemoteProducers | None) -> dict | None:
+def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemoteProducers | None,
+           watch: LoadWatch | None) -> dict | None:
     train, val = load_task_data(cfg, _filtering_tokenizer(cfg))
     sampler = BatchSampler(len(train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
     # the newest complete checkpoint; folders this run would write over are moved aside, never deleted (with
@@ -192,7 +194,7 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
                          InlineSource(placed.maker, sampler, rows, lambda: trainer.version, env),
                          cfg, placed.tokenizer.pad_token_id)
     save_ds_config(cfg, trainer, cfg.run_dir, env)
-    run = Run(cfg, env, placed, source, val, [], correct_fn)
+    run = Run(cfg, env, placed, source, val, [], correct_fn, watch=watch)
     if resume:
         _resume(run, resume)
     placed.before_first_step(trainer.version, resumed_at_end=run.start_step == cfg.trainer.total_training_steps)
@@ -296,6 +298,9 @@ def _loop(run: Run, step_fn: GRPOStep, tracker: Tracker, wall_start: float) -> N
             if interrupted():  # a Ctrl-C whose KeyboardInterrupt a finalizer swallowed still stops the run here
                 raise KeyboardInterrupt
             metrics = mean_metrics(env, step_fn.run(step))
+            refit = run.watch.check() if run.watch else None
+            if refit:
+                console.print(refit.line(), markup=False)
             if t.test_freq and (step % t.test_freq == 0 or step == total):
                 t0 = time.perf_counter()
                 if env.is_main:

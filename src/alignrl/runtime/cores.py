@@ -1,10 +1,11 @@
 """How many compute threads a process should use: the cores it may run on (affinity, a cgroup quota), less what
 other processes keep busy there now, shared among the alignrl processes of one machine.
 
-torch starts one OpenMP thread per core and, by default, its idle threads spin. Beside one busy neighbour on a
-2-core machine, two spinning threads fight it for the cores at every parallel region and a step can take 35 times
-longer; one thread that sleeps while it waits takes about twice as long, which is the fair share. So the thread
-count comes from the cores that are free, and OpenMP threads wait passively (`passive_waits`, before torch loads).
+torch starts one OpenMP thread per core. Beside one busy neighbour on a 2-core machine, two threads fight it for
+the cores at every parallel region and a step can take many times longer; one thread takes about twice as long,
+which is the fair share. So the thread count comes from the cores that are free. The wait policy stays libgomp's
+default (spin briefly, then sleep): with the count fitted, a forced passive policy only slowed an idle machine's
+step by about half (benchmarks/neighbour.py).
 
 A count the user gave wins: `trainer.threads`, else OMP_NUM_THREADS. ALIGNRL_IGNORE_LOAD=1 leaves other
 processes' load out of the choice, so a run's thread count (and its float sums) do not depend on what else runs.
@@ -18,12 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 IGNORE_LOAD_ENV = "ALIGNRL_IGNORE_LOAD"
-
-
-def passive_waits() -> None:
-    """Idle OpenMP threads sleep instead of spinning (a spinning thread steals a neighbour's core). Takes effect
-    only for a torch loaded after it: the CLI calls it first thing."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def affinity() -> set[int]:
@@ -96,6 +91,7 @@ def fair_threads(usable: int, busy: float, sharing: int) -> int:
 class ThreadChoice:
     threads: int
     why: str
+    measured: bool = False  # chosen from the machine's load (not given by the user): worth re-checking as it changes
 
     def line(self) -> str:
         return f"threads: {self.threads} per process ({self.why})"
@@ -112,7 +108,8 @@ def choose_threads(requested: int = 0, sharing: int = 1) -> ThreadChoice:
     busy = 0.0 if os.environ.get(IGNORE_LOAD_ENV) == "1" else busy_elsewhere()
     threads = fair_threads(usable, busy, sharing)
     share = f", shared by {sharing} alignrl processes" if sharing > 1 else ""
-    return ThreadChoice(threads, f"{usable} usable cores, {busy:.1f} busy with other processes{share}")
+    return ThreadChoice(threads, f"{usable} usable cores, {busy:.1f} busy with other processes{share}",
+                        measured=os.environ.get(IGNORE_LOAD_ENV) != "1")
 
 
 def fit_threads(requested: int = 0, sharing: int = 1) -> ThreadChoice:
@@ -122,3 +119,36 @@ def fit_threads(requested: int = 0, sharing: int = 1) -> ThreadChoice:
     choice = choose_threads(requested, sharing)
     torch.set_num_threads(choice.threads)
     return choice
+
+
+class LoadWatch:
+    """Re-fits a lone process's threads between steps when other processes start or stop on its cores: the load
+    is read over the time since the last check (no sleep), so a neighbour that arrives mid-run takes its core
+    back within a step. A count the user gave, or a run that ignores the load, is left alone."""
+
+    def __init__(self, choice: ThreadChoice, sharing: int = 1):
+        self.threads, self.sharing, self.active = choice.threads, sharing, choice.measured
+        self._last = self._sample() if self.active else None
+
+    @staticmethod
+    def _sample() -> tuple[int, int, int] | None:
+        try:
+            return (*_busy_ticks(affinity()), _own_ticks())
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def check(self) -> ThreadChoice | None:
+        """The new choice when it changed (torch's pool already resized), else None."""
+        now = self._sample() if self.active else None
+        last, self._last = self._last, now
+        if now is None or last is None or now[1] <= last[1]:
+            return None
+        busy = max(0.0, (now[0] - last[0]) - (now[2] - last[2])) / (now[1] - last[1]) * len(affinity())
+        threads = fair_threads(usable_cores(), busy, self.sharing)
+        if threads == self.threads:
+            return None
+        import torch
+
+        self.threads = threads
+        torch.set_num_threads(threads)
+        return ThreadChoice(threads, f"now {busy:.1f} cores busy with other processes", measured=True)
