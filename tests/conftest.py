@@ -1,6 +1,9 @@
 import os
 import signal
 import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -255,3 +258,106 @@ def trainer(tmp_path, monkeypatch):
         return code, ran, capsys.readouterr().err
 
     return run
+
+
+# ---------------------------------------------------------------- a few GRPO steps of the tiny model, in process
+
+SMALL_GRPO = ["data.train_size=32", "data.val_size=4", "data.val_size_during_training=4", "data.train_batch_size=2",
+              "rollout.n=2", "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4",
+              "actor.lr=1e-2", "actor.entropy_coeff=0.05", "trainer.test_freq=0", "trainer.progress_bar=false",
+              "trainer.logger=[jsonl]"]
+
+
+def small_grpo(model_dir, *extra: str):
+    """The config of a GRPO run of seconds (SMALL_GRPO) on the model in `model_dir`, `extra` overrides on top."""
+    from alignrl.config import load_config
+
+    return load_config(None, [*SMALL_GRPO, f"model.path={model_dir}", *extra])
+
+
+def run_settings(out: Path, name: str, steps: int) -> list[str]:
+    """The overrides that put a run of `steps` steps in `out/name`."""
+    return [f"trainer.output_dir={out}", f"trainer.experiment_name={name}", f"trainer.total_training_steps={steps}"]
+
+
+def checkpoint_dir(out: Path, name: str, step: int) -> Path:
+    """The checkpoint of `step` of the run in `out/name`."""
+    return out / name / "checkpoints" / f"global_step_{step}"
+
+
+def recording_copy(cfg, model_dir):
+    """The actor of `cfg` on the model in `model_dir`, and an in-process rollout engine on a copy of that model, joined
+    by the copy sink the in-process placement uses (checked to be a MergedCopy): (actor, the engine's model, sink,
+    the names each load of the engine received, in order)."""
+    from alignrl.models.loader import frozen_copy, load_model
+    from alignrl.placements.build import build_actor
+    from alignrl.placements.weight_sync import MergedCopy, copy_sink
+    from alignrl.rollout.hf_engine import HFRolloutEngine
+    from alignrl.runtime.env import SINGLE
+
+    model, tokenizer = load_model(str(model_dir))
+    copy = frozen_copy(model)
+    actor = build_actor(cfg, model, None, SINGLE)
+    engine = HFRolloutEngine(copy, tokenizer)
+    sent: list[list[str]] = []
+    load = engine.load_weights
+
+    def record(named):
+        named = list(named)
+        sent.append([n for n, _ in named])
+        load(named)
+
+    engine.load_weights = record
+    sink = copy_sink(actor, engine, SINGLE)
+    assert isinstance(sink, MergedCopy)
+    return actor, copy, sink, sent
+
+
+# ---------------------------------------------------------------- seed 001's Ray scripts on this machine
+
+PY_BIN = str(Path(sys.executable).parent)  # where this interpreter's `ray` and `alignrl` are
+# a node's agents, each on a port of its own: on their fixed defaults (52365, ...) they fail to bind while another
+# Ray of the test run holds them, and the node then takes no job ("No available agent to submit job")
+RAY_AGENT_VARS = ("RAY_AGENT_PORT", "RAY_AGENT_GRPC_PORT", "RAY_RUNTIME_ENV_AGENT_PORT", "RAY_METRICS_PORT")
+
+
+def run_captured(args, env, timeout=120, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def run_until_agent(args, env, timeout, cwd=None) -> subprocess.CompletedProcess:
+    """`args` (a `ray job submit`, or a script that makes one), again while the head says its job agent is not up yet:
+    on a loaded machine the dashboard can answer before the head node's agent has registered ("No available agent to
+    submit job, please try again later"), and a submission that fails so has not created its submission id."""
+    deadline = time.time() + 90
+    while True:
+        out = run_captured(args, env, timeout, cwd)
+        if out.returncode == 0 or "No available agent" not in out.stdout + out.stderr or time.time() > deadline:
+            return out
+        time.sleep(3)
+
+
+class TwoRayNodes:
+    """The environments of start_ray_cluster.sh's head and worker on this machine: the GCS on ports[0], the
+    dashboard on ports[1], each node's agents on ports of their own (ports[2:6], ports[6:10]), `extra` more free
+    ports for the test from ports[10]; their temp dirs under `short`, a folder of /tmp (Ray's socket paths must stay
+    under 108 bytes) that the test removes."""
+
+    def __init__(self, prefix: str, extra: int = 0):
+        from alignrl.runtime.ports import free_ports
+
+        self.ports = free_ports(10 + extra)
+        self.short = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+        self.base = {**os.environ, "PATH": f"{PY_BIN}:{os.environ['PATH']}", "RAY_PORT": str(self.ports[0]),
+                     "RAY_DASHBOARD_PORT": str(self.ports[1]), "ALIGNRL_CPU_SLOTS": "4", "PYTHONPATH": src_path(),
+                     "OMP_NUM_THREADS": "1"}
+        self.base.pop("RAY_ADDRESS", None)
+        self.head = {**self.base, "RAY_TEMP_DIR": str(self.short / "head"),
+                     **dict(zip(RAY_AGENT_VARS, map(str, self.ports[2:6])))}
+        self.worker = {**self.base, "RAY_TEMP_DIR": str(self.short / "worker"),
+                       **dict(zip(RAY_AGENT_VARS, map(str, self.ports[6:10])))}
+
+    def stop(self, script: Path) -> None:
+        """`script stop` (start_ray_cluster.sh) on the worker, then on the head."""
+        for env in (self.worker, self.head):
+            run_captured(["bash", str(script), "stop"], env)

@@ -5,54 +5,30 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignrl.config import load_config
 from alignrl.models import lora
 from alignrl.models.folder import ModelError
-from alignrl.models.loader import frozen_copy, load_model
-from alignrl.placements.build import build_actor
-from alignrl.placements.weight_sync import MergedCopy, copy_sink
-from alignrl.rollout.hf_engine import HFRolloutEngine
+from alignrl.models.loader import frozen_copy
 from alignrl.runner import train_grpo
-from alignrl.runtime.env import SINGLE
+from conftest import checkpoint_dir, recording_copy, run_settings, small_grpo
 
-SMALL = ["data.train_size=32", "data.val_size=4", "data.val_size_during_training=4", "data.train_batch_size=2",
-         "rollout.n=2", "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4",
-         "actor.lr=1e-2", "actor.entropy_coeff=0.05", "trainer.test_freq=0", "trainer.progress_bar=false",
-         "trainer.logger=[jsonl]"]
 FROZEN = ("model.embed_tokens", "model.layers.0")
 
 
 def test_frozen_prefixes_stay_bit_identical_through_training(tiny_model_dir, tmp_path):
-    cfg = load_config(None, SMALL + [f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}",
-                                     "trainer.experiment_name=run", "trainer.total_training_steps=2",
-                                     f"actor.freeze_prefix=[{','.join(FROZEN)}]"])
-    train_grpo(cfg)
+    train_grpo(small_grpo(tiny_model_dir, *run_settings(tmp_path, "run", 2),
+                          f"actor.freeze_prefix=[{','.join(FROZEN)}]"))
     base = load_file(tiny_model_dir / "model.safetensors")
-    after = load_file(tmp_path / "run" / "checkpoints" / "global_step_2" / "model" / "model.safetensors")
+    after = load_file(checkpoint_dir(tmp_path, "run", 2) / "model" / "model.safetensors")
     frozen = [k for k in base if k.startswith(FROZEN)]
     assert frozen and all(torch.equal(base[k], after[k]) for k in frozen)
     assert any(not torch.equal(base[k], after[k]) for k in base if not k.startswith(FROZEN))  # the rest trained
 
 
 def test_frozen_parameters_have_no_optimizer_state_and_are_sent_once(tiny_model_dir, tmp_path):
-    cfg = load_config(None, SMALL + [f"model.path={tiny_model_dir}", "actor.freeze_prefix=[model.layers.0]"])
-    model, tokenizer = load_model(str(tiny_model_dir))
-    copy = frozen_copy(model)
-    actor = build_actor(cfg, model, None, SINGLE)
+    actor, copy, sink, sent = recording_copy(small_grpo(tiny_model_dir, "actor.freeze_prefix=[model.layers.0]"),
+                                             tiny_model_dir)
     frozen = {id(p) for n, p in actor.model.named_parameters() if n.startswith("model.layers.0")}
     assert frozen and not any(id(p) in frozen for p in actor.engine.params)
-    engine = HFRolloutEngine(copy, tokenizer)
-    sent: list[list[str]] = []
-    load = engine.load_weights
-
-    def record(named):
-        named = list(named)
-        sent.append([n for n, _ in named])
-        load(named)
-
-    engine.load_weights = record
-    sink = copy_sink(actor, engine, SINGLE)
-    assert isinstance(sink, MergedCopy)
     with torch.no_grad():  # as a step would: the trainable parameters move
         for p in actor.model.parameters():
             if p.requires_grad:

@@ -2,35 +2,25 @@
 adapters off, the engine generates from the merged weights, checkpoints resume exactly and export as asked."""
 
 import json
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from alignrl.config import load_config
 from alignrl.models import lora
 from alignrl.models.loader import load_model
 from alignrl.runner import train_grpo
+from conftest import checkpoint_dir, recording_copy, run_settings, small_grpo
 
-SMALL = ["data.train_size=32", "data.val_size=4", "data.val_size_during_training=4", "data.train_batch_size=2",
-         "rollout.n=2", "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4",
-         "actor.lr=1e-2", "actor.entropy_coeff=0.05", "actor.kl_loss_coef=0.1", "actor.use_kl_loss=true", "trainer.test_freq=0",
-         "trainer.progress_bar=false", "trainer.logger=[jsonl]", "model.lora_rank=4", "model.lora_alpha=8"]
+LORA = ["actor.kl_loss_coef=0.1", "actor.use_kl_loss=true", "model.lora_rank=4", "model.lora_alpha=8"]
 
 
 def _cfg(model_dir, out, name, steps, *extra):
-    return load_config(None, SMALL + [f"model.path={model_dir}", f"trainer.output_dir={out}",
-                                      f"trainer.experiment_name={name}", f"trainer.total_training_steps={steps}",
-                                      "trainer.save_freq=1", *extra])
-
-
-def _ckpt(out: Path, name: str, step: int) -> Path:
-    return out / name / "checkpoints" / f"global_step_{step}"
+    return small_grpo(model_dir, *LORA, *run_settings(out, name, steps), "trainer.save_freq=1", *extra)
 
 
 def test_lora_trains_only_adapters_and_exports_merged(tiny_model_dir, tmp_path):
     train_grpo(_cfg(tiny_model_dir, tmp_path, "run", 2))
-    ckpt = _ckpt(tmp_path, "run", 2)
+    ckpt = checkpoint_dir(tmp_path, "run", 2)
     base = load_file(tiny_model_dir / "model.safetensors")
     merged = load_file(ckpt / "model" / "model.safetensors")
     assert merged.keys() == base.keys()  # a plain HF folder: the base's names
@@ -49,8 +39,8 @@ def test_lora_resume_equals_straight_run(tiny_model_dir, tmp_path):
     train_grpo(_cfg(tiny_model_dir, tmp_path, "straight", 2))
     train_grpo(_cfg(tiny_model_dir, tmp_path, "halted", 1))
     train_grpo(_cfg(tiny_model_dir, tmp_path, "halted", 2, "trainer.resume_mode=auto"))
-    a = load_file(_ckpt(tmp_path, "straight", 2) / "model_state" / lora.TRAINED_FILE)
-    b = load_file(_ckpt(tmp_path, "halted", 2) / "model_state" / lora.TRAINED_FILE)
+    a = load_file(checkpoint_dir(tmp_path, "straight", 2) / "model_state" / lora.TRAINED_FILE)
+    b = load_file(checkpoint_dir(tmp_path, "halted", 2) / "model_state" / lora.TRAINED_FILE)
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
@@ -60,41 +50,22 @@ def test_lora_adapter_export_loads_with_peft(tiny_model_dir, tmp_path):
     from peft import PeftModel
 
     train_grpo(_cfg(tiny_model_dir, tmp_path, "run", 1, "model.lora_export=adapter"))
-    folder = _ckpt(tmp_path, "run", 1) / "model"
+    folder = checkpoint_dir(tmp_path, "run", 1) / "model"
     assert (folder / "adapter_config.json").is_file() and not (folder / "model.safetensors").exists()
     base, _ = load_model(str(tiny_model_dir))
     model = PeftModel.from_pretrained(base, str(folder))
-    trained = load_file(_ckpt(tmp_path, "run", 1) / "model_state" / lora.TRAINED_FILE)
+    trained = load_file(checkpoint_dir(tmp_path, "run", 1) / "model_state" / lora.TRAINED_FILE)
     mine = dict(model.named_parameters())
     for k, v in trained.items():
         torch.testing.assert_close(mine[k], v, rtol=0, atol=0, msg=k)
 
 
 def test_an_engine_copy_receives_the_merged_weights_and_after_a_step_only_the_merged_layers(tiny_model_dir):
-    from alignrl.models.loader import frozen_copy
-    from alignrl.placements.build import build_actor, build_ref
-    from alignrl.placements.weight_sync import MergedCopy, copy_sink
-    from alignrl.rollout.hf_engine import HFRolloutEngine
-    from alignrl.runtime.env import SINGLE
+    from alignrl.placements.build import build_ref
 
-    cfg = load_config(None, SMALL + [f"model.path={tiny_model_dir}"])
-    model, tokenizer = load_model(str(tiny_model_dir))
-    copy = frozen_copy(model)
-    actor = build_actor(cfg, model, None, SINGLE)
+    actor, copy, sink, sent = recording_copy(small_grpo(tiny_model_dir, *LORA), tiny_model_dir)
     assert set(lora.trainable_names(actor.model)) == {n for n, _ in actor.model.named_parameters() if "lora_" in n}
     assert len(actor.engine.params) == len(lora.trainable_names(actor.model))  # the optimizer: adapters alone
-    engine = HFRolloutEngine(copy, tokenizer)
-    sent: list[list[str]] = []
-    load = engine.load_weights
-
-    def record(named):
-        named = list(named)
-        sent.append([n for n, _ in named])
-        load(named)
-
-    engine.load_weights = record
-    sink = copy_sink(actor, engine, SINGLE)
-    assert isinstance(sink, MergedCopy)
     with torch.no_grad():  # as a step would: the adapters move (B leaves zero)
         for n, p in actor.model.named_parameters():
             if "lora_B" in n:
@@ -111,10 +82,9 @@ def test_an_engine_copy_receives_the_merged_weights_and_after_a_step_only_the_me
     assert len(sent[0]) == len(list(copy.parameters()))  # first: every parameter
     assert sent[1] and all(n.endswith("proj.weight") for n in sent[1])  # then the layers the adapters merge into
     # the reference: the trained model with its adapters off is the base model exactly
-    ref = build_ref(load_config(None, SMALL + [f"model.path={tiny_model_dir}", "actor.use_kl_loss=true"]),
-                    torch.device("cpu"), policy=actor.model)
-    base_ref = build_ref(load_config(None, SMALL + [f"model.path={tiny_model_dir}", "actor.use_kl_loss=true"]),
-                         torch.device("cpu"))
+    ref = build_ref(small_grpo(tiny_model_dir, *LORA, "actor.use_kl_loss=true"), torch.device("cpu"),
+                    policy=actor.model)
+    base_ref = build_ref(small_grpo(tiny_model_dir, *LORA, "actor.use_kl_loss=true"), torch.device("cpu"))
     ids = torch.randint(3, 200, (2, 5))
     mask = torch.ones_like(ids, dtype=torch.bool)
     a = ref.logprobs(ids, mask, ids, mask)
@@ -131,13 +101,13 @@ def test_ppo_critic_with_adapters_trains_its_head_and_adapters_and_resumes_exact
     train_grpo(_cfg(tiny_model_dir, tmp_path, "straight", 2, *ppo))
     train_grpo(_cfg(tiny_model_dir, tmp_path, "halted", 1, *ppo))
     train_grpo(_cfg(tiny_model_dir, tmp_path, "halted", 2, *ppo, "trainer.resume_mode=auto"))
-    trained = load_file(_ckpt(tmp_path, "straight", 2) / "critic_state" / lora.TRAINED_FILE)
+    trained = load_file(checkpoint_dir(tmp_path, "straight", 2) / "critic_state" / lora.TRAINED_FILE)
     assert any("score" in k for k in trained) and any("lora_" in k for k in trained)
     assert not any("lora_" in k for k in trained if "score" in k)  # the head trains whole, without an adapter
-    critic = load_file(_ckpt(tmp_path, "straight", 2) / "critic" / "model.safetensors")
+    critic = load_file(checkpoint_dir(tmp_path, "straight", 2) / "critic" / "model.safetensors")
     assert "score.weight" in critic and not any("lora_" in k or "base_layer" in k for k in critic)
     for part in ("critic_state", "model_state"):
-        a = load_file(_ckpt(tmp_path, "straight", 2) / part / lora.TRAINED_FILE)
-        b = load_file(_ckpt(tmp_path, "halted", 2) / part / lora.TRAINED_FILE)
+        a = load_file(checkpoint_dir(tmp_path, "straight", 2) / part / lora.TRAINED_FILE)
+        b = load_file(checkpoint_dir(tmp_path, "halted", 2) / part / lora.TRAINED_FILE)
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=f"{part}: {k}")

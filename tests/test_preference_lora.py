@@ -92,8 +92,8 @@ def test_adapter_export_holds_the_adapters_and_the_head(tiny_model_dir, tmp_path
 def test_folded_state_is_peft_merge_and_the_optimizer_holds_adapters_only(tiny_model_dir):
     from transformers import AutoModelForSequenceClassification
 
-    from alignrl.models.lora import lora_spec
-    from alignrl.preference.adapters import attach, merged_state
+    from alignrl.models.lora import lora_spec, merged_state_dict
+    from alignrl.preference.adapters import attach
     from alignrl.runtime.env import DistEnv
     from alignrl.train.engines import OptimSpec, build_engine
 
@@ -105,7 +105,9 @@ def test_folded_state_is_peft_merge_and_the_optimizer_holds_adapters_only(tiny_m
         for n, p in model.named_parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.1)  # nonzero B and a changed head
-    ours = merged_state(model.state_dict(), spec)
+    ours = merged_state_dict(model)
+    inner = merged_state_dict(model, model.get_base_model().state_dict())  # as the reward trainer's engine holds it
+    assert list(inner) == list(ours) and all(torch.equal(inner[k], v) for k, v in ours.items())
     engine = build_engine("single", model, OptimSpec(), DistEnv())
     held = sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])
     assert held == sum(p.numel() for p in model.parameters() if p.requires_grad) < 0.2 * sum(

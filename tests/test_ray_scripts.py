@@ -11,7 +11,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,28 +18,11 @@ from pathlib import Path
 import pytest
 
 from alignrl.runtime.ports import free_ports
-from conftest import src_path
+from conftest import PY_BIN, RAY_AGENT_VARS, TwoRayNodes, run_captured, run_until_agent, src_path
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "examples" / "scripts" / "r1_scripts" / "start_ray_cluster.sh"
 SUBMIT = SCRIPT.parent / "submit_ppo_ray.sh"
-BIN = str(Path(sys.executable).parent)
-
-
-def run(args, env, timeout=120):
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def submit(args, env, timeout, cwd=None):
-    """`ray job submit`, again while the head says its job agent is not up yet: on a loaded machine the dashboard
-    can answer before the head node's agent has registered ("No available agent to submit job, please try again
-    later"), and a submission that fails so has not created its submission id."""
-    deadline = time.time() + 90
-    while True:
-        out = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-        if out.returncode == 0 or "No available agent" not in out.stdout + out.stderr or time.time() > deadline:
-            return out
-        time.sleep(3)
 
 
 def ray_pids(pattern: str) -> list[int]:
@@ -60,14 +42,14 @@ def seed_003_job(address: str, env: dict, model_dir: Path, tmp_path: Path) -> No
             "trainer.n_gpus_per_node=1", "trainer.nnodes=2", "trainer.save_freq=1", "trainer.test_freq=0",
             "trainer.total_training_steps=1", f"trainer.default_local_dir={tmp_path / 'verl_checkpoints'}",
             f"trainer.output_dir={tmp_path / 'verl_out'}", "trainer.threads=1", "trainer.progress_bar=false"]
-    out = submit(["ray", "job", "submit", address, "--runtime-env=verl/trainer/runtime_env.yaml", "--no-wait",
+    out = run_until_agent(["ray", "job", "submit", address, "--runtime-env=verl/trainer/runtime_env.yaml", "--no-wait",
                   "--submission-id", "seed-003", "--", "python3", "-m", "verl.trainer.main_ppo", *args], env, 120, ROOT)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     deadline, status = time.time() + 240, ""
     while time.time() < deadline and not any(s in status for s in ("succeeded", "failed", "stopped")):
         time.sleep(2)
-        status = run(["ray", "job", "status", address, "seed-003"], env, timeout=60).stdout.lower()
-    logs = run(["ray", "job", "logs", address, "seed-003"], env, timeout=60).stdout
+        status = run_captured(["ray", "job", "status", address, "seed-003"], env, timeout=60).stdout.lower()
+    logs = run_captured(["ray", "job", "logs", address, "seed-003"], env, timeout=60).stdout
     assert "job 'seed-003' succeeded" in status, (status + logs)[-3000:]
     assert (tmp_path / "verl_checkpoints" / "global_step_1" / "model" / "model.safetensors").is_file(), logs[-3000:]
 
@@ -75,37 +57,27 @@ def seed_003_job(address: str, env: dict, model_dir: Path, tmp_path: Path) -> No
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
-    ports = free_ports(10)
-    short = Path(tempfile.mkdtemp(prefix="rayt", dir="/tmp"))  # Ray's socket paths must stay under 108 bytes
-    base = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_PORT": str(ports[0]),
-            "RAY_DASHBOARD_PORT": str(ports[1]), "ALIGNRL_CPU_SLOTS": "4", "PYTHONPATH": src_path(),
-            "OMP_NUM_THREADS": "1"}
-    base.pop("RAY_ADDRESS", None)
-    # every node's agents on free ports, the head's too: on their fixed defaults (52365, ...) they fail to bind
-    # while another Ray of the test run holds them, and the head then has no agent to take a job ("No available
-    # agent to submit job"), however long one waits
-    agents = ("RAY_AGENT_PORT", "RAY_AGENT_GRPC_PORT", "RAY_RUNTIME_ENV_AGENT_PORT", "RAY_METRICS_PORT")
-    head = {**base, "RAY_TEMP_DIR": str(short / "head"), **dict(zip(agents, map(str, ports[2:6])))}
-    worker = {**base, "RAY_TEMP_DIR": str(short / "worker"), **dict(zip(agents, map(str, ports[6:10])))}
+    nodes = TwoRayNodes("rayt")
+    ports, short, base, head, worker = nodes.ports, nodes.short, nodes.base, nodes.head, nodes.worker
     try:
-        out = run(["bash", str(SCRIPT), "head", "127.0.0.1"], head)
+        out = run_captured(["bash", str(SCRIPT), "head", "127.0.0.1"], head)
         assert out.returncode == 0, out.stderr[-2000:]
         assert f"ray status --address=127.0.0.1:{ports[0]}" in out.stdout
-        out = run(["bash", str(SCRIPT), "worker", "127.0.0.1"], worker)
+        out = run_captured(["bash", str(SCRIPT), "worker", "127.0.0.1"], worker)
         assert out.returncode == 0, out.stderr[-2000:]
         deadline, status = time.time() + 60, ""
         while time.time() < deadline:  # the worker registers within seconds
-            status = run(["ray", "status", f"--address=127.0.0.1:{ports[0]}"], base, timeout=60).stdout
+            status = run_captured(["ray", "status", f"--address=127.0.0.1:{ports[0]}"], base, timeout=60).stdout
             if status.count(" node_") == 2:
                 break
             time.sleep(1)
         assert status.count(" node_") == 2 and "0.0/8.0 CPU" in status, status
         # a second head on the same ports (another user's, say) is refused in one line before Ray starts
-        other = run(["bash", str(SCRIPT), "head", "127.0.0.1"], {**head, "RAY_TEMP_DIR": str(short / "other")})
+        other = run_captured(["bash", str(SCRIPT), "head", "127.0.0.1"], {**head, "RAY_TEMP_DIR": str(short / "other")})
         assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr[-2000:]
         assert f"port {ports[0]} is in use (another Ray cluster?)" in other.stderr
         # a node whose dashboard agent port is taken would take no job: refused in one line too
-        clash = run(["bash", str(SCRIPT), "worker", "127.0.0.1"],
+        clash = run_captured(["bash", str(SCRIPT), "worker", "127.0.0.1"],
                     {**worker, "RAY_TEMP_DIR": str(short / "clash"), "RAY_AGENT_PORT": str(ports[2])})
         assert clash.returncode == 2 and clash.stderr.count("\n") == 1, clash.stderr[-2000:]
         assert f"port {ports[2]} (Ray's dashboard agent) is in use" in clash.stderr
@@ -116,8 +88,8 @@ def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
                 "--max_samples", "64", "--init_kl_coef", "0", "--total_steps", "2", "--val_size", "4"]
         address = f"--address=http://127.0.0.1:{ports[1]}"
         # without --no-wait, as seed 001's scripts submit: the job's log follows, and its end decides the exit code
-        out = submit(["ray", "job", "submit", address, "--submission-id", "ppo-ray", "--", "alignrl", "train", *argv],
-                     base, 300)
+        out = run_until_agent(["ray", "job", "submit", address, "--submission-id", "ppo-ray", "--", "alignrl", "train",
+                               *argv], base, 300)
         assert out.returncode == 0 and "Job 'ppo-ray' succeeded" in out.stdout, (out.stdout + out.stderr)[-3000:]
         assert (tmp_path / "run" / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
         placed = json.loads((tmp_path / "run" / "placement.json").read_text())
@@ -125,8 +97,7 @@ def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
         assert len(set(ranks)) == 2, placed
         seed_003_job(address, base, tiny_model_dir, tmp_path)
     finally:
-        for env in (worker, head):
-            run(["bash", str(SCRIPT), "stop"], env)
+        nodes.stop(SCRIPT)
     time.sleep(1)
     assert ray_pids(f"{short}/") == []
     assert ray_pids(f"ray.util.client.server .*--address=[^ ]*:{ports[0]}") == []  # it does not name the dir
@@ -161,9 +132,10 @@ def test_submit_without_cluster_is_one_line(script, tmp_path):
     """No Ray at HEAD_HOST:RAY_DASHBOARD_PORT (nothing listens on the port): one line naming the address and how to
     start the head, exit 2, instead of `ray job submit`'s traceback."""
     port = free_ports(1)[0]
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "HEAD_HOST": "127.0.0.1", "RAY_DASHBOARD_PORT": str(port),
-           "PRETRAIN": str(tmp_path / "model"), "PROMPT_DATA": "synthetic", "SAVE_PATH": str(tmp_path / "run")}
-    out = run(["bash", str(SUBMIT.parent / script)], env, timeout=45)
+    env = {**os.environ, "PATH": f"{PY_BIN}:{os.environ['PATH']}", "HEAD_HOST": "127.0.0.1",
+           "RAY_DASHBOARD_PORT": str(port), "PRETRAIN": str(tmp_path / "model"), "PROMPT_DATA": "synthetic",
+           "SAVE_PATH": str(tmp_path / "run")}
+    out = run_captured(["bash", str(SUBMIT.parent / script)], env, timeout=45)
     assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, out.stdout + out.stderr[-3000:]
     assert f"no Ray cluster answers at http://127.0.0.1:{port}: start one on the head node with start_ray_cluster.sh head" \
         in out.stderr
@@ -174,9 +146,9 @@ def test_ports_in_worker_port_range_refused(tmp_path):
     """A port chosen inside Ray's worker port range (default 10002-19999, or RAY_MIN/MAX_WORKER_PORT) is refused in
     one line before anything is stopped or started; outside it, Ray is started with that range."""
     ports = free_ports(6)
-    agents = ("RAY_AGENT_PORT", "RAY_AGENT_GRPC_PORT", "RAY_RUNTIME_ENV_AGENT_PORT", "RAY_METRICS_PORT")
     env = {**os.environ, "RAY": str(stub_ray(tmp_path / "bin")), "RAY_TEMP_DIR": str(tmp_path / "ray"),
-           "RAY_PORT": str(ports[0]), "RAY_DASHBOARD_PORT": str(ports[1]), **dict(zip(agents, map(str, ports[2:])))}
+           "RAY_PORT": str(ports[0]), "RAY_DASHBOARD_PORT": str(ports[1]),
+           **dict(zip(RAY_AGENT_VARS, map(str, ports[2:])))}
     env.pop("RAY_MIN_WORKER_PORT", None), env.pop("RAY_MAX_WORKER_PORT", None)
     refused = [("head", {"RAY_PORT": "18100"}, "port 18100 (RAY_PORT) is in Ray's worker port range 10002-19999"),
                ("head", {"RAY_DASHBOARD_PORT": "10002"}, "port 10002 (RAY_DASHBOARD_PORT) is in Ray's worker port range"),
@@ -184,11 +156,11 @@ def test_ports_in_worker_port_range_refused(tmp_path):
                ("head", {"RAY_MIN_WORKER_PORT": str(ports[0] - 5), "RAY_MAX_WORKER_PORT": str(ports[0] + 5)},
                 f"port {ports[0]} (RAY_PORT) is in Ray's worker port range {ports[0] - 5}-{ports[0] + 5}")]
     for role, change, message in refused:
-        out = run(["bash", str(SCRIPT), role, "127.0.0.1"], {**env, **change}, timeout=45)
+        out = run_captured(["bash", str(SCRIPT), role, "127.0.0.1"], {**env, **change}, timeout=45)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, (change, out.stdout + out.stderr[-2000:])
         assert message in out.stderr and "RAY_MIN_WORKER_PORT / RAY_MAX_WORKER_PORT" in out.stderr, out.stderr
         assert "ray start" not in out.stdout
-    out = run(["bash", str(SCRIPT), "head", "127.0.0.1"], env, timeout=45)
+    out = run_captured(["bash", str(SCRIPT), "head", "127.0.0.1"], env, timeout=45)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     assert f"ray start --head --port={ports[0]} " in out.stdout, out.stdout
     assert "--min-worker-port=10002 --max-worker-port=19999" in out.stdout, out.stdout
@@ -201,14 +173,13 @@ def test_head_dashboard_on_loopback(tmp_path):
     submit_ppo_ray.sh finds it answering there and goes on to `ray job submit` (a stub `ray` that prints its call)."""
     ports = free_ports(6)
     short = Path(tempfile.mkdtemp(prefix="rayl", dir="/tmp"))  # Ray's socket paths must stay under 108 bytes
-    agents = ("RAY_AGENT_PORT", "RAY_AGENT_GRPC_PORT", "RAY_RUNTIME_ENV_AGENT_PORT", "RAY_METRICS_PORT")
-    head = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_PORT": str(ports[0]),
+    head = {**os.environ, "PATH": f"{PY_BIN}:{os.environ['PATH']}", "RAY_PORT": str(ports[0]),
             "RAY_DASHBOARD_PORT": str(ports[1]), "ALIGNRL_CPU_SLOTS": "1", "RAY_TEMP_DIR": str(short / "head"),
-            "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1", **dict(zip(agents, map(str, ports[2:])))}
+            "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1", **dict(zip(RAY_AGENT_VARS, map(str, ports[2:])))}
     for var in ("RAY_ADDRESS", "RAY_DASHBOARD_HOST", "RAY"):
         head.pop(var, None)
     try:
-        out = run(["bash", str(SCRIPT), "head", "127.0.0.1"], head, timeout=180)
+        out = run_captured(["bash", str(SCRIPT), "head", "127.0.0.1"], head, timeout=180)
         assert out.returncode == 0, out.stderr[-2000:]
         deadline, hosts = time.time() + 60, set()
         while time.time() < deadline and not hosts:  # `ray start` can return before the dashboard listens
@@ -219,11 +190,11 @@ def test_head_dashboard_on_loopback(tmp_path):
         stub_ray(tmp_path / "bin")
         submit_env = {**head, "PATH": f"{tmp_path / 'bin'}:{head['PATH']}", "HEAD_HOST": "127.0.0.1",
                       "PRETRAIN": str(tmp_path / "model"), "PROMPT_DATA": "synthetic", "SAVE_PATH": str(tmp_path / "run")}
-        out = run(["bash", str(SUBMIT)], submit_env, timeout=60)
+        out = run_captured(["bash", str(SUBMIT)], submit_env, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr[-2000:]
         assert f"ray job submit --address=http://127.0.0.1:{ports[1]} -- alignrl train ppo-ray" in out.stdout, out.stdout
     finally:
-        run(["bash", str(SCRIPT), "stop"], head)
+        run_captured(["bash", str(SCRIPT), "stop"], head)
     time.sleep(1)
     assert ray_pids(f"{short}/") == []
     assert ray_pids(f"ray.util.client.server .*--address=[^ ]*:{ports[0]}") == []
@@ -259,17 +230,17 @@ def test_a_worker_on_the_heads_machine_with_its_temp_dir_is_refused(tmp_path):
                                            " sleep 120"], start_new_session=True)
     try:
         ports = free_ports(4)
-        agents = ("RAY_AGENT_PORT", "RAY_AGENT_GRPC_PORT", "RAY_RUNTIME_ENV_AGENT_PORT", "RAY_METRICS_PORT")
         env = {**os.environ, "RAY": str(stub_ray(tmp_path / "bin")), "RAY_TEMP_DIR": str(temp),
-               **dict(zip(agents, map(str, ports)))}
+               **dict(zip(RAY_AGENT_VARS, map(str, ports)))}
         deadline = time.monotonic() + 20
         while not ray_pids(f"gcs_server .*{temp}/") and time.monotonic() < deadline:  # its exec has happened
             time.sleep(0.05)
-        out = run(["bash", str(SCRIPT), "worker", "127.0.0.1"], env, timeout=45)
+        out = run_captured(["bash", str(SCRIPT), "worker", "127.0.0.1"], env, timeout=45)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stdout + out.stderr
         assert f"runs a Ray head under {temp}" in out.stderr and "RAY_TEMP_DIR" in out.stderr
         assert "RAY_AGENT_PORT" in out.stderr and head.poll() is None  # nothing was stopped
-        own = run(["bash", str(SCRIPT), "worker", "127.0.0.1"], {**env, "RAY_TEMP_DIR": str(tmp_path / "w")}, timeout=45)
+        own = run_captured(["bash", str(SCRIPT), "worker", "127.0.0.1"], {**env, "RAY_TEMP_DIR": str(tmp_path / "w")},
+                           timeout=45)
         assert own.returncode == 0 and "ray start --address=127.0.0.1:" in own.stdout, own.stdout + own.stderr
     finally:
         os.killpg(head.pid, 9)

@@ -11,7 +11,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,12 +18,11 @@ import pytest
 import torch
 
 from alignrl.runtime.ports import free_ports
-from conftest import src_path
+from conftest import PY_BIN, TwoRayNodes, run_captured, run_until_agent, src_path
 
 ROOT = Path(__file__).parents[1]
 SCRIPTS = ROOT / "examples" / "scripts" / "r1_scripts"
 SCRIPT = SCRIPTS / "xDAN-L1-VL-RL-Vision-0220.sh"
-BIN = str(Path(sys.executable).parent)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +74,7 @@ def test_vision_script_serves_the_reward_and_submits_lmm_r1s_flags(vl_data, tmp_
                                   'exec /usr/bin/curl "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{BIN}:/usr/bin:/bin", "PRETRAIN": str(model), "DATASET": str(data),
+    env = {**os.environ, "PATH": f"{bin_dir}:{PY_BIN}:/usr/bin:/bin", "PRETRAIN": str(model), "DATASET": str(data),
            "SAVE_PATH": str(tmp_path / "ckpts"), "REWARD_PORT": str(port), "PYTHONPATH": src_path(),
            "OMP_NUM_THREADS": "1"}
     out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=150)
@@ -103,7 +101,7 @@ def test_vision_script_serves_the_reward_and_submits_lmm_r1s_flags(vl_data, tmp_
 @pytest.mark.timeout(60)
 def test_vision_script_without_cluster_is_one_line(tmp_path):
     port = free_ports(1)[0]
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "HEAD_HOST": "127.0.0.1",
+    env = {**os.environ, "PATH": f"{PY_BIN}:{os.environ['PATH']}", "HEAD_HOST": "127.0.0.1",
            "RAY_DASHBOARD_PORT": str(port), "DATASET": str(tmp_path / "rows.json"), "SAVE_PATH": str(tmp_path)}
     out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=45)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stdout + out.stderr
@@ -114,33 +112,19 @@ def test_vision_script_without_cluster_is_one_line(tmp_path):
 @pytest.mark.timeout(600)
 def test_vision_script_trains_a_step_on_a_two_node_cpu_cluster(vl_data, tmp_path):
     model, data = vl_data
-    ports = free_ports(11)
-    short = Path(tempfile.mkdtemp(prefix="rayv", dir="/tmp"))  # Ray's socket paths must stay under 108 bytes
-    base = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_PORT": str(ports[0]),
-            "RAY_DASHBOARD_PORT": str(ports[1]), "ALIGNRL_CPU_SLOTS": "4", "PYTHONPATH": src_path(),
-            "OMP_NUM_THREADS": "1"}
-    base.pop("RAY_ADDRESS", None)
-    agents = ("RAY_AGENT_PORT", "RAY_AGENT_GRPC_PORT", "RAY_RUNTIME_ENV_AGENT_PORT", "RAY_METRICS_PORT")
-    head = {**base, "RAY_TEMP_DIR": str(short / "head"), **dict(zip(agents, map(str, ports[2:6])))}
-    worker = {**base, "RAY_TEMP_DIR": str(short / "worker"), **dict(zip(agents, map(str, ports[6:10])))}
+    nodes = TwoRayNodes("rayv", extra=1)  # ports[10]: the reward server's
     start = SCRIPTS / "start_ray_cluster.sh"
     try:
-        for role, env in (("head", head), ("worker", worker)):
-            out = subprocess.run(["bash", str(start), role, "127.0.0.1"], env=env, capture_output=True, text=True,
-                                 timeout=180)
+        for role, env in (("head", nodes.head), ("worker", nodes.worker)):
+            out = run_captured(["bash", str(start), role, "127.0.0.1"], env, timeout=180)
             assert out.returncode == 0, out.stderr[-2000:]
         sizes = {"ACTOR_NUM_NODES": "2", "GPUS_PER_NODE": "1", "VLLM_NUM_ENGINES": "2", "N_SAMPLES": "4",
                  "ROLLOUT_BATCH_SIZE": "4", "TRAIN_BATCH_SIZE": "16", "MICRO_TRAIN_BATCH_SIZE": "4",
                  "MICRO_ROLLOUT_BATCH_SIZE": "4", "GENERATE_MAX_LEN": "16", "PROMPT_MAX_LEN": "96", "TOTAL_STEPS": "1",
                  "ZERO_STAGE": "2", "SAVE_STEPS": "1", "ACTOR_LR": "1e-4"}
-        env = {**base, **sizes, "HEAD_HOST": "127.0.0.1", "PRETRAIN": str(model), "DATASET": str(data),
-               "SAVE_PATH": str(tmp_path / "ckpts"), "REWARD_PORT": str(ports[10])}
-        deadline = time.time() + 90
-        while True:  # the dashboard can answer before the head's job agent registered ("No available agent")
-            out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=480)
-            if out.returncode == 0 or "No available agent" not in out.stdout + out.stderr or time.time() > deadline:
-                break
-            time.sleep(3)
+        env = {**nodes.base, **sizes, "HEAD_HOST": "127.0.0.1", "PRETRAIN": str(model), "DATASET": str(data),
+               "SAVE_PATH": str(tmp_path / "ckpts"), "REWARD_PORT": str(nodes.ports[10])}
+        out = run_until_agent(["bash", str(SCRIPT)], env, timeout=480)
         assert out.returncode == 0 and "succeeded" in out.stdout, (out.stdout + out.stderr)[-4000:]
         run = tmp_path / "ckpts" / "xDAN-L1-RL-VL-7B-Instruct"
         saved = run / "ckpt" / "global_step_1" / "model" / "model.safetensors"
@@ -151,11 +135,10 @@ def test_vision_script_trains_a_step_on_a_two_node_cpu_cluster(vl_data, tmp_path
         visual = [k for k in before if ".visual." in f".{k}"]
         assert visual and all(torch.equal(before[k], after[k]) for k in visual)  # --freeze_prefix visual
         assert any(not torch.equal(before[k], after[k]) for k in before if k not in visual)  # the rest trained
-        assert not answers(ports[10])  # the reward server stopped with the script
+        assert not answers(nodes.ports[10])  # the reward server stopped with the script
     finally:
-        for env in (worker, head):
-            subprocess.run(["bash", str(start), "stop"], env=env, capture_output=True, text=True, timeout=120)
-        shutil.rmtree(short, ignore_errors=True)
+        nodes.stop(start)
+        shutil.rmtree(nodes.short, ignore_errors=True)
 
 
 def test_openrlhfs_module_spelling_of_the_trainer_is_alignrls_ppo_ray():

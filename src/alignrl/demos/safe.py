@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from alignrl.config import ConfigError
+from alignrl.demos.common import check_overrides
 from alignrl.demos.safe_data import DATA_DIR, FILES, write_data
 from alignrl.demos.safe_model import SafeRecipe, ensure_safe_model
 from alignrl.errors import UserError
@@ -64,11 +65,10 @@ def demo_files(seed: int, run_dir: Path) -> dict[str, Path]:
 
 def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
     """(DPO overrides, scorer overrides without their `rm.` prefix)."""
+    check_overrides(PROG, overrides, "--seed, --heldout, --run_dir, key=value overrides of the DPO run and "
+                    "rm.key=value ones of the scorer runs")
     dpo, rm = [], []
     for o in overrides:
-        if "=" not in o or o.startswith("-"):
-            raise ConfigError(f"unrecognized argument {o!r} ({PROG} takes --seed, --heldout, --run_dir, key=value "
-                              "overrides of the DPO run and rm.key=value ones of the scorer runs)")
         (rm if o.startswith("rm.") else dpo).append(o.removeprefix("rm."))
     return dpo, rm
 

@@ -16,13 +16,13 @@ run's curves (`logs/curves.png`); the last line printed holds them. Dotted overr
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from alignrl.config import ConfigError, RunConfig, load_config
+from alignrl.demos.common import check_overrides, raise_on_sigterm
 from alignrl.demos.search_data import DATA_DIR, TEST_FILE, TRAIN_FILE, CORPUS_FILE, write_data
 from alignrl.demos.search_model import SearchRecipe, ensure_search_model
 
@@ -149,21 +149,12 @@ def _parser():
     return p
 
 
-def _terminate(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     args, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
-    bad = [r for r in rest if r.startswith("-") or "=" not in r]
-    if bad:
-        raise ConfigError(f"unrecognized argument {bad[0]!r} ({PROG} takes --seed, --heldout and key.sub=value "
-                          "overrides)")
+    check_overrides(PROG, rest, "--seed, --heldout and key.sub=value overrides")
     if args.heldout < 1:
         raise ConfigError(f"--heldout must be at least 1, got {args.heldout}")
-    # SIGTERM (a job scheduler, `kill`) ends Python without running `finally` blocks: raise instead, so the
-    # retrieval server is still stopped by its PID
-    signal.signal(signal.SIGTERM, _terminate)
+    raise_on_sigterm()  # the retrieval server is stopped by its PID in a `finally`, on a kill too
     if args.build_base:
         from alignrl.demos.search_model import build_search_model
 

@@ -15,13 +15,13 @@ and pass@8. The numbers go to `<run dir>/summary.json` (`base_accuracy`, `final_
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from alignrl.config import ConfigError, load_config
+from alignrl.demos.common import check_overrides, raise_on_sigterm
 from alignrl.demos.vision_data import SPLIT_SEEDS, pictures, write_data
 from alignrl.demos.vision_model import VisionRecipe, ensure_vision_model, evaluate
 
@@ -81,19 +81,12 @@ def _parser():
     return p
 
 
-def _terminate(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     args, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
-    bad = [r for r in rest if r.startswith("-") or "=" not in r]
-    if bad:
-        raise ConfigError(f"unrecognized argument {bad[0]!r} ({PROG} takes --seed, --heldout, --train-rows and "
-                          "key.sub=value overrides)")
+    check_overrides(PROG, rest, "--seed, --heldout, --train-rows and key.sub=value overrides")
     if args.heldout < 1 or args.train_rows < 1:
         raise ConfigError(f"--heldout and --train-rows must be at least 1, got {args.heldout} and {args.train_rows}")
-    signal.signal(signal.SIGTERM, _terminate)  # `finally` blocks (the build lock, temp folders) run on a kill too
+    raise_on_sigterm()  # `finally` blocks (the build lock, temp folders) run on a kill too
     s = run(VisionRecipe(seed=args.seed), [*args.overrides, *rest], args.heldout, args.train_rows)
     print(f"base_accuracy={s['base_accuracy']:.3f} final_accuracy={s['final_accuracy']:.3f} "
           f"gain={s['accuracy_gain_points']:+.1f} points "

@@ -18,6 +18,9 @@ from alignrl.models.folder import ModelError
 
 # peft wraps a model as base_model.model.<name> and a wrapped linear's own weight as <name>.base_layer.weight
 _WRAP_PREFIX = "base_model.model."
+# a module peft trains in full (modules_to_save: a scorer's new head) is a trained copy beside the frozen original;
+# the plain model's module is the trained copy
+_TRAINED_COPY, _FROZEN_ORIGINAL = ".modules_to_save.default.", ".original_module."
 
 
 @dataclass(frozen=True)
@@ -100,13 +103,18 @@ def plain_name(name: str) -> str:
 
 
 @torch.no_grad()
-def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The plain model's tensors with every adapter folded in (W + B·A·alpha/r), the model left as it is: what a
-    rollout engine loads and a merged export holds. A model without adapters gives its own state dict."""
+    rollout engine loads and a merged export holds. `state`: the model's state dict as an engine gathered it, keyed
+    as `model.state_dict()` or, for peft's wrapper, as the model it wraps (an engine that trained that one); default:
+    the model's own. A model without adapters gives the state as it is."""
     inner = unwrapped(model)
+    state = inner.state_dict() if state is None else state
     if not has_adapters(inner):
-        return dict(inner.state_dict())
-    return merge_state(inner.state_dict(), _lora_layers(inner))
+        return dict(state)
+    if hasattr(inner, "get_base_model") and not any(k.startswith(_WRAP_PREFIX) for k in state):
+        inner = inner.get_base_model()  # the same LoRA layers, named without the wrapper's prefix
+    return merge_state(state, _lora_layers(inner))
 
 
 def trainable_names(model: torch.nn.Module) -> list[str]:
@@ -165,15 +173,16 @@ def _lora_layers(model: torch.nn.Module) -> dict[str, tuple[float, bool]]:
 def merge_state(state: dict[str, torch.Tensor], layers: dict[str, tuple[float, bool]],
                 names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """A wrapped model's state dict (`state`, as `model.state_dict()` or an engine's gathered full one) as the
-    plain model's tensors, every adapter folded in (W + scaling·B·A, computed in fp32 and cast to W's dtype):
-    what rollout engines load and a merged export holds. `layers`: `_lora_layers` of the model. `names`: only
-    these plain names (the rest is not copied or computed)."""
+    plain model's tensors, every adapter folded in (W + scaling·B·A, computed in fp32 and cast to W's dtype), a
+    module trained in full (peft's modules_to_save, a scorer's head) in its own place and peft's frozen original
+    of it dropped: what rollout engines load and a merged export holds. `layers`: `_lora_layers` of the model.
+    `names`: only these plain names (the rest is not copied or computed)."""
     keep = None if names is None else set(names)
     out = {}
     for k, v in state.items():
-        if "lora_" in k:
+        if "lora_" in k or _FROZEN_ORIGINAL in k:
             continue
-        plain = plain_name(k)
+        plain = plain_name(k).replace(_TRAINED_COPY, ".")
         if keep is None or plain in keep:
             out[plain] = v
     for a_key, (scaling, transposed) in layers.items():

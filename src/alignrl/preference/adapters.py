@@ -6,8 +6,8 @@ the adapters (peft's modules_to_save: a new head has nothing to adapt). The opti
 grad, so it holds state for the adapters (and head) alone; the DPO reference is the policy with its adapters off.
 
 The saved folder is by default a plain HF model with the adapters folded in (W + B·A·alpha/r), what the RL loop,
-`load_model` and safety-aware DPO load; `lora_export=adapter` writes peft's adapter folder instead. The fold works
-on the engine's full state dict, so it reads the same under every engine.
+`load_model` and safety-aware DPO load; `lora_export=adapter` writes peft's adapter folder instead. The fold
+(`models.lora.merged_state_dict`) works on the engine's full state dict, so it reads the same under every engine.
 """
 
 from __future__ import annotations
@@ -17,11 +17,7 @@ from pathlib import Path
 import torch
 
 from alignrl.models.folder import ModelError
-from alignrl.models.lora import LoraSpec, add_adapters, lora_spec
-
-_WRAP = "base_model.model."
-_HEAD = ".modules_to_save.default."  # peft's trained copy of a module kept in full
-_FROZEN_HEAD = ".original_module."
+from alignrl.models.lora import LoraSpec, add_adapters, lora_spec, merged_state_dict
 
 
 def spec_of(cfg) -> LoraSpec | None:
@@ -62,33 +58,6 @@ def count(model: torch.nn.Module) -> str:
     return f"{train:,} trainable of {total:,} parameters ({100 * train / max(total, 1):.2f}%)"
 
 
-def _plain(name: str) -> str:
-    return name.removeprefix(_WRAP).replace(".base_layer.", ".").replace(_HEAD, ".")
-
-
-@torch.no_grad()
-def merged_state(state: dict[str, torch.Tensor], spec: LoraSpec, adapter: str = "default") -> dict[str, torch.Tensor]:
-    """A full state dict of an adapted model (any wrapper prefix already removed but peft's) as the plain model's
-    tensors: every LoRA pair folded into its base weight (W + B·A·alpha/r), a fully trained head (modules_to_save)
-    in its module's place, peft's frozen copy of that head dropped. A state without adapters comes back as it is."""
-    scale = spec.alpha / spec.rank
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if ".lora_" in name or _FROZEN_HEAD in name:
-            continue
-        out[_plain(name)] = tensor
-    for name, a in state.items():
-        tail = f".lora_A.{adapter}.weight"
-        if not name.endswith(tail):
-            continue
-        prefix = name[:-len(tail)]
-        b = state[f"{prefix}.lora_B.{adapter}.weight"]
-        key = _plain(prefix) + ".weight"
-        w = out[key]
-        out[key] = (w.float() + (b.float() @ a.float()) * scale).to(w.dtype)
-    return out
-
-
 class AdapterFolder:
     """What `common.save_hf_folder` writes when the export is the adapter alone: peft's own folder
     (adapter_config.json and the adapter's weights, a scorer's head included)."""
@@ -106,4 +75,4 @@ def saver(model, peft_model, spec: LoraSpec | None, export: str, state: dict[str
         return model, state
     if export == "adapter":
         return AdapterFolder(peft_model), state
-    return peft_model.get_base_model(), merged_state(state, spec)
+    return peft_model.get_base_model(), merged_state_dict(peft_model, state)
