@@ -87,6 +87,19 @@ def _fused(linears: list) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts])
 
 
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """One query per row: q (N, H, 1, D) over k, v (N, KV, T, D), bias (N, 1, 1, T) -> (N, KV, H/KV, D).
+
+    The query heads that share a key/value head become that head's query rows, so each key is read once for
+    all of them and never copied out per query head: on a CPU a decode step's attention is bound by reading
+    the cache, and this ran in half the time of `scaled_dot_product_attention(enable_gqa=True)` at 256 rows."""
+    n, heads, _, dim = q.shape
+    groups = k.shape[1]
+    scores = torch.matmul(q.view(n, groups, heads // groups, dim), k.transpose(-1, -2)) * scale + bias
+    return torch.matmul(scores.float().softmax(-1).to(v.dtype), v)
+
+
 class _Layer:
     """One decoder block's weights, q/k/v and gate/up fused, LoRA deltas added."""
 
@@ -144,8 +157,9 @@ class KVDecoder:
             v[:, :, :p] = layer.values.repeat_interleave(repeats, 0)
             self.k.append(k)
             self.v.append(v)
-        self.mask = torch.zeros((b, 1, 1, total), dtype=torch.bool, device=dev)
-        self.mask[:, 0, 0, :p] = prompt_mask.bool().repeat_interleave(repeats, 0)
+        # added to the attention scores: -inf on the prompts' left padding, 0 on every real or generated key
+        self.bias = torch.zeros((b, total), dtype=self.logits.dtype, device=dev)
+        self.bias[:, :p].masked_fill_(~prompt_mask.bool().repeat_interleave(repeats, 0), float("-inf"))
         self.next_pos = prompt_mask.long().sum(-1).repeat_interleave(repeats, 0)  # each row's next position id
 
     def keep(self, idx: torch.Tensor) -> None:
@@ -153,7 +167,7 @@ class KVDecoder:
         for i in range(len(self.k)):
             self.k[i] = self.k[i].index_select(0, idx)
             self.v[i] = self.v[i].index_select(0, idx)
-        self.mask, self.next_pos = self.mask.index_select(0, idx), self.next_pos.index_select(0, idx)
+        self.bias, self.next_pos = self.bias.index_select(0, idx), self.next_pos.index_select(0, idx)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -163,8 +177,7 @@ class KVDecoder:
         h = m.embed_tokens(tokens)
         cos, sin = m.rotary_emb(h, self.next_pos[:, None])  # (N, 1, hd)
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads: (N, 1, 1, hd)
-        self.mask[:, 0, 0, s] = True
-        mask = self.mask[..., :s + 1]
+        bias = self.bias[:, None, None, :s + 1]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for i, layer in enumerate(self.layers):
             x = _rms(h, layer.in_norm)
@@ -175,8 +188,7 @@ class KVDecoder:
             q = q * cos + _rotate_half(q) * sin
             self.k[i][:, :, s:s + 1] = k * cos + _rotate_half(k) * sin
             self.v[i][:, :, s:s + 1] = v
-            att = F.scaled_dot_product_attention(q, self.k[i][:, :, :s + 1], self.v[i][:, :, :s + 1], attn_mask=mask,
-                                                 scale=layer.scaling, enable_gqa=self.heads != self.kv_heads)
+            att = _decode_attention(q, self.k[i][:, :, :s + 1], self.v[i][:, :, :s + 1], bias, layer.scaling)
             h = h + F.linear(att.reshape(n, q_size), layer.o_w, layer.o_b)
             gate, up = F.linear(_rms(h, layer.post_norm), layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
             h = h + F.linear(layer.act(gate) * up, layer.down_w, layer.down_b)
