@@ -206,3 +206,18 @@ def test_degenerate_requests_are_one_line_errors(tiny_model):
                                   ([], SamplingParams(max_new_tokens=4), "no prompts")):
         with pytest.raises(ValueError, match=said):
             eng.generate(prompts, params)
+
+
+def test_decode_attention_equals_sdpa_with_grouped_heads_and_left_padding():
+    from alignrl.rollout.decoder import _decode_attention
+
+    torch.manual_seed(0)
+    n, heads, kv, dim, keys = 6, 4, 2, 8, 11
+    q, k, v = torch.randn(n, heads, 1, dim), torch.randn(n, kv, keys, dim), torch.randn(n, kv, keys, dim)
+    mask = torch.ones(n, 1, 1, keys, dtype=torch.bool)
+    mask[0, ..., :3] = False  # a left-padded prompt
+    mask[4, ..., :1] = False
+    bias = torch.zeros(n, 1, 1, keys).masked_fill(~mask, float("-inf"))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    got = _decode_attention(q, k, v, bias, 0.3).reshape(n, heads, 1, dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
