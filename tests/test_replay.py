@@ -1,6 +1,7 @@
 """Experience replay of prompt groups (pipeline.replay_buffer_size): the pure choice, the source around a batch
 source, a short in-process run, the config checks and the ZeroMQ trainer flag."""
 
+import dataclasses
 import json
 
 import pytest
@@ -10,8 +11,8 @@ from alignrl.compat.zmq_pipeline import parse_training, training_overrides
 from alignrl.config import ConfigError, load_config
 from alignrl.data.images import ImageRows, PromptImages
 from alignrl.data.records import Rollout, ScoredBatch, Scores
-from alignrl.rl.replay import ReplaySource, check_replay, group_reward_std, plan_replay, with_replay
-from alignrl.runner import train_grpo
+from alignrl.rl.replay import (REPLAY_KEY, ReplaySource, check_replay, data_order_keys, group_reward_std,
+                                 plan_replay, with_replay)
 
 
 def test_plan_replaces_flat_groups_with_the_highest_spread_stored_ones():
@@ -89,7 +90,9 @@ def test_source_replays_stored_groups_in_place_of_flat_ones_keeping_size_and_ima
     assert out2.ref_logprobs.shape == (4, 4)
     assert [float(r.pixel_values[0, 0]) for r in out2.rollout.images.rows] == [2.0, 2.0, 1.0, 1.0]
     assert out2.version == 2
-    assert src.state_dict() == {"sampler": {"pos": 3}}  # the data position alone: the buffer is not checkpointed
+    state = src.state_dict()  # the data position, and the buffer beside it
+    assert state["sampler"] == {"pos": 3} and data_order_keys(state) == {"sampler"}
+    assert [len(g["tensors"]["rollout.group"]) for g in state[REPLAY_KEY]["ranks"][0]] == [2]
     src.close(True)
     assert inner.closed is True
 
@@ -99,6 +102,137 @@ def test_size_zero_hands_out_the_very_same_batches(tiny_cfg):
     assert with_replay(inner, tiny_cfg, 0) is inner
     b = inner.batches[0]
     assert inner.next_batch(1) is b and b.metrics == {"reward/mean": 0.0}
+
+
+def _same(a: ScoredBatch, b: ScoredBatch) -> None:
+    """Every field of two batches equal, tensors by value, dtype and shape."""
+    def eq(x, y, name):
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), name
+
+    for f in dataclasses.fields(Rollout):
+        if f.name not in ("stats", "images"):
+            eq(getattr(a.rollout, f.name), getattr(b.rollout, f.name), f.name)
+    assert a.rollout.stats.keys() == b.rollout.stats.keys()
+    for k in a.rollout.stats:
+        eq(a.rollout.stats[k], b.rollout.stats[k], k)
+    assert (a.rollout.images is None) == (b.rollout.images is None)
+    if a.rollout.images is not None:
+        for x, y in zip(a.rollout.images.rows, b.rollout.images.rows, strict=True):
+            eq(x.pixel_values, y.pixel_values, "pixels")
+            eq(x.image_grid_thw, y.image_grid_thw, "grid")
+    for f in dataclasses.fields(Scores):
+        eq(getattr(a.scores, f.name), getattr(b.scores, f.name), f.name)
+    for name in ("loss_mask", "ref_logprobs", "prompt_index"):
+        eq(getattr(a, name), getattr(b, name), name)
+    assert (a.version, a.sampler_id, a.metrics) == (b.version, b.sampler_id, b.metrics)
+
+
+def _batches() -> list[ScoredBatch]:
+    """Six batches of three groups, of other widths, with images, costs and per-row stats: most groups have
+    reward spread, some not, so the buffer fills, is drawn on and wraps around."""
+    rewards = [[[0.0, 1.0], [1.0, 1.0], [0.2, 0.9]], [[0.0, 0.0], [1.0, 0.0], [0.5, 0.1]],
+               [[0.3, 0.3], [0.0, 0.7], [0.4, 1.0]], [[1.0, 1.0], [0.0, 0.0], [0.6, 0.2]],
+               [[0.1, 0.8], [0.0, 0.0], [0.9, 0.9]], [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]]
+    out = []
+    for i, r in enumerate(rewards):
+        b = _batch(r, width=2 + i % 3, tag=i + 1, images=True)
+        b.scores.costs = torch.arange(6, dtype=torch.float32) * (i + 1)
+        b.rollout.stats = {"agent/turns": torch.full((6,), float(i))}
+        out.append(b)
+    return out
+
+
+def test_a_buffer_restored_from_its_checkpointed_state_hands_out_the_same_batches(tmp_path):
+    """state_dict -> a file (tensors and plain values: it loads with weights_only) -> a new source: the next
+    batches are those the uninterrupted source hands out, field by field."""
+    straight = ReplaySource(Listed(_batches()), capacity=3, pad_id=0, share=0.4)
+    halted = ReplaySource(Listed(_batches()), capacity=3, pad_id=0, share=0.4)
+    for step in (1, 2, 3):
+        _same(straight.next_batch(step), halted.next_batch(step))
+    torch.save(halted.state_dict(), tmp_path / "state.pt")
+    resumed = ReplaySource(Listed(_batches()), capacity=3, pad_id=0, share=0.4)
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert resumed.inner.loaded == {"sampler": {"pos": 3}}  # the inner source gets its own state alone
+    assert len(resumed.buffer) == len(straight.buffer) > 0
+    replaced = 0
+    for step in (4, 5, 6):
+        a, b = straight.next_batch(step), resumed.next_batch(step)
+        _same(a, b)
+        replaced += a.metrics["replay/groups_replaced"]
+    assert replaced >= 3  # the restored groups were used
+    # a smaller buffer on resume keeps the newest groups
+    small = ReplaySource(Listed(_batches()), capacity=1, pad_id=0)
+    small.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    _same(small.buffer[0][1], halted.buffer[-1][1])
+
+
+def test_a_state_without_a_buffer_or_of_other_ranks_resumes_empty_and_a_damaged_one_is_one_line(capsys):
+    from alignrl.train.checkpoint import CheckpointError
+
+    src = ReplaySource(Listed(_batches()), capacity=3, pad_id=0)
+    src.next_batch(1)
+    src.load_state_dict({"sampler": {"pos": 1}})  # written with replay off
+    assert len(src.buffer) == 0 and src.inner.loaded == {"sampler": {"pos": 1}}
+    src.next_batch(1)
+    state = src.state_dict()
+    src.load_state_dict({**state, REPLAY_KEY: {"ranks": state[REPLAY_KEY]["ranks"] * 2}})
+    assert len(src.buffer) == 0 and "holds the buffers of 2 rank(s), this run has 1" in capsys.readouterr().out
+    del state[REPLAY_KEY]["ranks"][0][0]["tensors"]["rollout.prompt_ids"]
+    with pytest.raises(CheckpointError, match="replay buffer is damaged") as e:
+        src.load_state_dict(state)
+    assert "\n" not in str(e.value) and len(src.buffer) == 0
+
+
+def _ranks_share(rank: int, world: int, init: str) -> None:
+    """One of two gloo ranks: each fills its buffer from batches of its own; the state holds both ranks' buffers in
+    rank order, and each rank resumes with its own."""
+    import torch.distributed as dist
+
+    from alignrl.runtime.env import DistEnv
+    from alignrl.rl.replay import group_state
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        def source(r: int) -> ReplaySource:
+            inner = Listed(_batches()[r:r + 3])
+            inner.env = DistEnv(rank=r, world_size=world, backend="gloo")
+            return ReplaySource(inner, capacity=4, pad_id=0)
+
+        mine = source(rank)
+        for step in (1, 2, 3):
+            mine.next_batch(step)
+        state = mine.state_dict()  # collective
+        assert len(state[REPLAY_KEY]["ranks"]) == world
+        for r in range(world):  # what rank r holds, made here again from its batches
+            other = source(r) if r != rank else mine
+            if r != rank:
+                for step in (1, 2, 3):
+                    other.next_batch(step)
+            saved = state[REPLAY_KEY]["ranks"][r]
+            assert [g["std"] for g in saved] == [s for s, _ in other.buffer]
+            for g, (std, group) in zip(saved, other.buffer, strict=True):
+                want = group_state(std, group)
+                assert g["tensors"].keys() == want["tensors"].keys()
+                assert all(torch.equal(g["tensors"][k], v) for k, v in want["tensors"].items())
+                assert {k: v for k, v in g.items() if k != "tensors"} == {k: v for k, v in want.items()
+                                                                           if k != "tensors"}
+        resumed = source(rank)
+        resumed.load_state_dict(state)
+        assert len(resumed.buffer) == len(mine.buffer) > 0
+        for (a_std, a), (b_std, b) in zip(resumed.buffer, mine.buffer):
+            assert a_std == b_std
+            _same(a, b)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_rank_of_a_data_parallel_run_resumes_with_its_own_buffer(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ranks_share, args=(2, f"file://{tmp_path / 'rendezvous'}"), nprocs=2, join=True)
 
 
 @pytest.fixture
@@ -143,23 +277,80 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def test_two_step_grpo_run_with_replay_trains_and_logs_the_metrics(tiny_model_dir, tmp_path):
-    (tmp_path / "reward.py").write_text(REWARD)
+REPLAY_ON = ["pipeline.replay_buffer_size=8", "pipeline.replay_share=0.5", "algorithm.rollout_is=token"]
+
+
+def _grpo(model_dir, out, name: str, steps: int, *extra: str) -> dict:
+    """A tiny in-process GRPO run under `out/name` with the length-parity reward; its summary."""
+    from alignrl.runner import train_grpo  # here: the two-rank test's processes import this module quickly
+
+    (out / "reward.py").write_text(REWARD)
     over = ["data.train_size=32", "data.val_size=4", "data.val_size_during_training=4", "data.train_batch_size=4",
             "rollout.n=4", "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=8",
             "trainer.test_freq=0", "trainer.progress_bar=false", "trainer.logger=[jsonl]",
-            f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}", "trainer.experiment_name=replay",
-            "trainer.total_training_steps=2", "trainer.save_freq=0",
-            f"algorithm.reward_fn={tmp_path}/reward.py:compute_score",
-            "pipeline.replay_buffer_size=8", "pipeline.replay_share=0.5", "algorithm.rollout_is=token"]
-    assert train_grpo(load_config(None, over))["steps"] == 2
-    rows = [json.loads(x) for x in (tmp_path / "replay" / "logs" / "metrics.jsonl").read_text().splitlines()]
+            f"model.path={model_dir}", f"trainer.output_dir={out}", f"trainer.experiment_name={name}",
+            f"trainer.total_training_steps={steps}", "trainer.save_freq=0",
+            f"algorithm.reward_fn={out}/reward.py:compute_score", *extra]
+    return train_grpo(load_config(None, over))
+
+
+def _metrics(out, name: str) -> list[dict]:
+    return [json.loads(x) for x in (out / name / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _final_weights(out, name: str, step: int) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / name / "checkpoints" / f"global_step_{step}" / "model" / "model.safetensors")
+
+
+def _same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def test_two_step_grpo_run_with_replay_trains_and_logs_the_metrics(tiny_model_dir, tmp_path):
+    assert _grpo(tiny_model_dir, tmp_path, "replay", 2, *REPLAY_ON)["steps"] == 2
+    rows = _metrics(tmp_path, "replay")
     steps = [r for r in rows if "replay/buffer_size" in r]
     assert len(steps) == 2
     assert steps[0]["replay/groups_replaced"] == 0  # nothing stored before the first batch
     assert steps[0]["replay/buffer_size"] >= 1  # the length-parity reward has spread in some group
     assert steps[1]["replay/groups_replaced"] >= 1  # share 0.5 of 4 groups, from what step 1 stored
     assert "rollout/is_weight_mean" in steps[1]
+
+
+def test_a_run_with_replay_resumed_from_its_checkpoint_ends_where_the_straight_run_does(tiny_model_dir, tmp_path):
+    """Stopped after step 2 and resumed: step 3 replays the groups the checkpoint kept, so its metrics and the
+    final weights are the straight run's, bit for bit."""
+    _grpo(tiny_model_dir, tmp_path, "straight", 3, *REPLAY_ON)
+    _grpo(tiny_model_dir, tmp_path, "halted", 2, *REPLAY_ON)
+    state = torch.load(tmp_path / "halted" / "checkpoints" / "global_step_2" / "trainer_state.pt", weights_only=True)
+    assert len(state["source"][REPLAY_KEY]["ranks"][0]) >= 1  # the buffer is in the checkpoint
+    _grpo(tiny_model_dir, tmp_path, "halted", 3, *REPLAY_ON, "trainer.resume_mode=auto")
+    _same_weights(_final_weights(tmp_path, "straight", 3), _final_weights(tmp_path, "halted", 3))
+    a, b = _metrics(tmp_path, "straight"), _metrics(tmp_path, "halted")
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    assert a[3]["replay/groups_replaced"] >= 1  # step 3 draws on what steps 1-2 stored
+    timing = ("timing/", "perf/")  # wall-clock measurements, the only things that differ
+    assert {k: v for k, v in a[3].items() if not k.startswith(timing)} == \
+        {k: v for k, v in b[3].items() if not k.startswith(timing)}
+
+
+def test_a_buffer_of_size_zero_trains_the_very_same_weights_as_no_replay_key(tiny_model_dir, tmp_path):
+    _grpo(tiny_model_dir, tmp_path, "plain", 2)
+    _grpo(tiny_model_dir, tmp_path, "zero", 2, "pipeline.replay_buffer_size=0")
+    _same_weights(_final_weights(tmp_path, "plain", 2), _final_weights(tmp_path, "zero", 2))
+    assert not any(k.startswith("replay/") for r in _metrics(tmp_path, "zero") for k in r)
+
+
+def test_replay_may_be_turned_on_and_off_across_a_resume(tiny_model_dir, tmp_path):
+    _grpo(tiny_model_dir, tmp_path, "switch", 1)
+    _grpo(tiny_model_dir, tmp_path, "switch", 2, *REPLAY_ON, "trainer.resume_mode=auto")
+    _grpo(tiny_model_dir, tmp_path, "switch", 3, "trainer.resume_mode=auto")
+    assert [r["step"] for r in _metrics(tmp_path, "switch")] == [0, 1, 2, 3]
+    assert "replay/buffer_size" in _metrics(tmp_path, "switch")[2]
 
 
 @pytest.mark.timeout(400)

@@ -28,7 +28,7 @@ from alignrl.placements.local import Placed, place
 from alignrl.rewards.registry import load_reward_fn
 from alignrl.rl.evaluate import format_room, heldout_eval, room, validation_params
 from alignrl.rl.producer import InlineSource
-from alignrl.rl.replay import check_replay, with_replay
+from alignrl.rl.replay import check_replay, data_order_keys, with_replay
 from alignrl.rl.step import GRPOStep
 from alignrl.rl.trainer import PolicyTrainer
 from alignrl.runtime.cores import LoadWatch, fit_threads
@@ -231,7 +231,8 @@ def _filtering_tokenizer(cfg: RunConfig):
 def _resume(run: Run, resume: Path) -> None:
     """The checkpoint's data order, trainer state and RNG, into this launch's parts."""
     state = load_trainer_state(resume)
-    if set(state["source"]) != set(run.source.state_dict()):  # inline/Ray and zmq keep different data-order state
+    # inline/Ray and zmq keep different data-order state (a replay buffer's own entry aside)
+    if data_order_keys(state["source"]) != data_order_keys(run.source.state_dict()):
         run.source.close(False)
         raise ConfigError(f"{resume} was written under another pipeline.placement (its data-order state holds "
                           f"{sorted(state['source'])}): resume with the placement that wrote it, or set "
@@ -259,7 +260,7 @@ def _announce(run: Run, n_train: int) -> None:
         console.print(f"replay buffer: the newest {p.replay_buffer_size} groups with reward spread replace groups "
                       f"without it{f' and {p.replay_share:g} of each batch' if p.replay_share else ''}; replayed "
                       f"groups are corrected by truncated importance sampling (algorithm.rollout_is="
-                      f"{cfg.algorithm.rollout_is}); the buffer starts empty on a resume", markup=False)
+                      f"{cfg.algorithm.rollout_is})", markup=False)
 
 
 def _evaluate_base(run: Run, tracker: Tracker) -> None:
@@ -292,7 +293,8 @@ def _loop(run: Run, step_fn: GRPOStep, tracker: Tracker, wall_start: float) -> N
                          "wall_seconds": earlier_s + time.time() - wall_start, "strategy": strategy},
                         t.max_checkpoints, env, placed.saved_elsewhere())
 
-    with Progress(*bar_columns(), console=console, disable=not t.progress_bar) as bar:
+    # off a terminal each step has its own log line, and a finished bar would only repeat the count
+    with Progress(*bar_columns(), console=console, disable=not t.progress_bar or not console.is_terminal) as bar:
         task = bar.add_task(algorithm_name(cfg), total=total, completed=run.start_step)
         for step in range(run.start_step + 1, total + 1):
             if interrupted():  # a Ctrl-C whose KeyboardInterrupt a finalizer swallowed still stops the run here

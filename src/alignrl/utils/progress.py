@@ -3,8 +3,9 @@ retrieval index builds, checkpoint writes), in the style of the RL loop's bar.
 
 On a terminal a phase shows a rich bar with its count and the time left. Elsewhere (a log file, a pipe, a notebook
 capturing output) nothing moves: the phase prints one line when it ends, with its count and seconds, so a log
-keeps one line per phase. Inside another live display (a periodic evaluation inside the RL loop's bar) a phase
-shows no second bar, as rich allows one live display at a time.
+keeps one line per phase. Inside another live display (a periodic evaluation or a checkpoint write inside the RL
+loop's bar) the phase's bar shows under that one (rich 14.1 and later nest live displays); where rich cannot nest
+them, the phase prints its closing line instead, so no phase passes unseen.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Phase:
             progress = Progress(*bar_columns(), console=self.console, transient=False)
             try:
                 progress.start()
-            except LiveError:  # another bar is live: this phase shows none
+            except LiveError:  # another bar is live and rich cannot nest: this phase says its closing line
                 progress = None
             if progress is not None:
                 self._task = progress.add_task(self.description, total=self.total)
@@ -63,7 +64,7 @@ class Phase:
         self.seconds = time.perf_counter() - self._t0
         if self._progress is not None:
             self._progress.stop()
-        elif self.say and kind is None and not self.show:
+        elif self.say and kind is None:  # no bar was shown (off a terminal, bars off, or none could start)
             unit = f" {self.unit}" if self.unit else ""
             self.console.print(f"{self.description}: {self.done}/{self.total}{unit} in {self.seconds:.1f}s",
                                markup=False, highlight=False)
