@@ -123,6 +123,7 @@ def alignrl_side(model_dir: Path, samples, args):
         f"rollout.n={n}", "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=-1",
         f"rollout.max_new_tokens={args.max_new_tokens}",
         f"actor.ppo_mini_batch_size={P}", f"actor.ppo_micro_batch_size={args.micro_batch or P * n}", "actor.ppo_epochs=1",
+        f"actor.logprob_micro_batch_size={P * n}",  # the reference forward: the whole batch at once, as TRL's
         f"actor.lr={args.lr}", "actor.lr_warmup_steps=0", "actor.lr_scheduler=constant", "actor.weight_decay=0.0",
         "actor.grad_clip=1.0", "actor.clip_ratio_low=0.2", "actor.clip_ratio_high=0.2", "actor.entropy_coeff=0.0",
         f"actor.use_kl_loss={'true' if args.beta > 0 else 'false'}", f"actor.kl_loss_coef={args.beta}",

@@ -25,6 +25,7 @@ import torch
 from alignrl.demos.vision_data import MAX_COUNT, Picture, draw, messages, response, sft_pictures, tokenizer_texts
 from alignrl.models.tiny import MARKER, build_into, cache_root, ensure_built
 from alignrl.models.tiny_vl import TinyVLRecipe
+from alignrl.utils.progress import Phase
 
 
 @dataclass(frozen=True)
@@ -90,24 +91,26 @@ def sft(model, processor, recipe: VisionRecipe, log=print, t0: float | None = No
     total = recipe.count_steps + recipe.slip_steps
     model.train()
     done = 0
-    for steps, lr, slip in ((recipe.count_steps, recipe.sft_lr, 0.0), (recipe.slip_steps, recipe.slip_lr,
-                                                                      recipe.slip_fraction)):
-        if not steps:
-            continue
-        targets = [response(p.colour, slipped(p, rng, slip)) for p in pics]
-        opt, sched = build_optimizer(model.parameters(), lr, 0.0, (0.9, 0.95), min(20, steps // 5), steps,
-                                     "cosine", 0.1)
-        for _ in range(steps):
-            idx = rng.sample(range(len(pics)), recipe.sft_batch_size)
-            loss = sft_loss(model, processor, [pics[i] for i in idx], [targets[i] for i in idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            done += 1
-            if done % 100 == 0 or done == total:
-                log(f"  sft step {done}/{total} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
+    with Phase("vision demo base model SFT", total, "steps", say=False) as progress:  # the log has its lines
+        for steps, lr, slip in ((recipe.count_steps, recipe.sft_lr, 0.0), (recipe.slip_steps, recipe.slip_lr,
+                                                                          recipe.slip_fraction)):
+            if not steps:
+                continue
+            targets = [response(p.colour, slipped(p, rng, slip)) for p in pics]
+            opt, sched = build_optimizer(model.parameters(), lr, 0.0, (0.9, 0.95), min(20, steps // 5), steps,
+                                         "cosine", 0.1)
+            for _ in range(steps):
+                idx = rng.sample(range(len(pics)), recipe.sft_batch_size)
+                loss = sft_loss(model, processor, [pics[i] for i in idx], [targets[i] for i in idx])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                done += 1
+                progress.advance()
+                if done % 100 == 0 or done == total:
+                    log(f"  sft step {done}/{total} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
     model.eval()
 
 
