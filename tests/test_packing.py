@@ -114,7 +114,7 @@ def test_a_model_whose_attention_does_not_dispatch_is_one_line(tiny_model):
     ids, one = torch.tensor([[5, 6], [7, 8]]), torch.ones(2, 2, dtype=torch.bool)  # 3 tokens: within the window
     torch.testing.assert_close(response_logprobs(sliding, ids, one, ids[:, :1] + 2, one[:, :1], layout=PACKED[0])[0],
                                response_logprobs(sliding, ids, one, ids[:, :1] + 2, one[:, :1])[0], atol=2e-5, rtol=0)
-    assert sliding.config._attn_implementation != "alignrl_packed"  # restored after the error too
+    assert sliding.config._attn_implementation == "sdpa"  # restored after the error too
 
 
 def test_packed_values_match_the_padded_ones(tiny_model_dir):

@@ -171,6 +171,11 @@ AttentionInterface.register(PACKED, _packed_attention)
 # a padded forward under the packed name (keep_routed) gets the attention mask SDPA gets; without an entry here
 # transformers would build none
 AttentionMaskInterface.register(PACKED, sdpa_mask)
+# The packed call itself: the same attention under a name with no mask entry, so transformers builds no mask for it
+# (its buckets carry their own; from the packed row's position ids transformers would otherwise build an N x N
+# packed-sequence mask per call, a few milliseconds of CPU each, never read)
+PACKED_CALL = "alignrl_packed_call"
+AttentionInterface.register(PACKED_CALL, _packed_attention)
 
 
 def _config(model):
@@ -186,7 +191,7 @@ def _config(model):
 def _routed(model):
     cfg = _config(model)
     before = cfg._attn_implementation
-    cfg._attn_implementation = PACKED
+    cfg._attn_implementation = PACKED_CALL
     try:
         yield
     finally:
