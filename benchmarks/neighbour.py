@@ -2,6 +2,7 @@
 """The demo's GRPO step alone and beside one busy process (a neighbour spinning on one core), in one run.
 
     python benchmarks/neighbour.py [--steps 8] [--rounds 2] [--fixed-threads] [--arrive-after S]
+    python benchmarks/neighbour.py --steps 0 --rounds 1      # the whole `make demo` run, alone and beside
 
 Each round runs `alignrl demo` for `--steps` steps (no evaluation, no checkpoints) twice: alone, then with a
 CPU-bound neighbour process. The step time is the median `timing/step` of the run's metrics.jsonl, the first two
@@ -33,9 +34,10 @@ def demo_seconds(steps: int, neighbour: bool, fixed_threads: bool, arrive_after:
            if k not in ("OMP_NUM_THREADS", "ALIGNRL_IGNORE_LOAD", "OMP_WAIT_POLICY")}
     if fixed_threads:
         env.update(OMP_NUM_THREADS=str(os.cpu_count() or 1))
-    cmd = [sys.executable, "-m", "alignrl", "demo", f"trainer.total_training_steps={steps}", "trainer.test_freq=0",
-           "trainer.save_freq=0", "trainer.eval_pass_at_k=false", "trainer.progress_bar=false", "data.val_size=8",
-           "trainer.logger=[jsonl]", f"trainer.output_dir={out}", "trainer.experiment_name=run"]
+    short = [f"trainer.total_training_steps={steps}", "trainer.test_freq=0", "trainer.save_freq=0",
+             "trainer.eval_pass_at_k=false", "data.val_size=8"] if steps else []  # 0: the whole demo
+    cmd = [sys.executable, "-m", "alignrl", "demo", *short, "trainer.progress_bar=false", "trainer.logger=[jsonl]",
+           f"trainer.output_dir={out}", "trainer.experiment_name=run"]
     spin = None
     try:
         run = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
@@ -55,7 +57,7 @@ def demo_seconds(steps: int, neighbour: bool, fixed_threads: bool, arrive_after:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8, help="demo steps per run; 0: the whole demo as `make demo` runs it")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--fixed-threads", action="store_true")
     p.add_argument("--arrive-after", type=float, default=0.0, help="seconds into the run the neighbour starts")
