@@ -422,3 +422,24 @@ def test_a_scorer_folder_is_refused_as_a_policy(tmp_path):
         load_causal_lm(Path(cost), key="model_path")
     assert str(e.value).startswith(f"model_path={cost} is a cost model saved by `alignrl train rm` "
                                    f"({rm.SCORE_INFO}): it scores text and cannot write it")
+
+
+def test_a_cost_model_run_resumed_from_its_checkpoint_ends_where_the_whole_run_does(tiny_model_dir, tmp_path,
+                                                                                      capsys):
+    from safetensors.torch import load_file
+
+    small = ["max_train_pairs=32", "max_steps=4", "epochs=1", "batch_size=8", "max_eval_pairs=8"]
+    _rm(tmp_path / "whole", tiny_model_dir, "harmless", *small, "save_steps=2")
+    ckpt = tmp_path / "whole" / "harmless_rm.checkpoints" / "step_2"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["optim.pt", "state.json", "weights.safetensors"]
+    _rm(tmp_path / "resumed", tiny_model_dir, "harmless", *small, f"resume_from={ckpt}")
+    assert "resumed from" in capsys.readouterr().out
+    a, b = (load_file(str(tmp_path / d / "harmless_rm" / "model.safetensors")) for d in ("whole", "resumed"))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    rows = [json.loads(x) for x in (tmp_path / "resumed" / "logs_harmless" / "metrics.jsonl").read_text().splitlines()]
+    assert min(r["step"] for r in rows if "cost/accuracy" in r) > 2  # only the steps after the checkpoint ran
+    assert rm_main(["--task", "harmless", f"model_path={tiny_model_dir}", f"resume_from={tmp_path}",
+                    "--output_dir", str(tmp_path / "bad")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"alignrl: error: resume_from={tmp_path} is not a checkpoint of `alignrl train rm` (no weights.safetensors "
+        "and state.json); give a <output_dir>.checkpoints/step_<N> folder")

@@ -1,8 +1,9 @@
-"""Checkpoints of a DPO run every `save_steps` optimizer steps, and resuming from one (`resume_from`).
+"""Checkpoints of a DPO or reward/cost model run every `save_steps` optimizer steps, and resuming from one
+(`resume_from`).
 
 A checkpoint is a folder `<output_dir>.checkpoints/step_<N>/`: the engine's full weights (`weights.safetensors`,
 adapters included under LoRA), its optimizer and scheduler state (the engines' own `optim.pt`), and `state.json`
-with the step and the Safe-MM-DPO multiplier λ with its cost average. It is written into a hidden temporary folder
+with the step and, for Safe-MM-DPO, the multiplier λ with its cost average. It is written into a hidden temporary folder
 and renamed into place, so a folder named step_<N> is complete. A resumed run loads all of it, skips the
 micro-batches the first N steps consumed (the data order is the seeded one of the first run), and goes on; with the
 same config it ends where the uninterrupted run would have.
@@ -49,13 +50,14 @@ def save_checkpoint(root: Path, step: int, engine, lam, env) -> Path:
     return final
 
 
-def resume(folder: str, engine, lam) -> int:
-    """Loads a checkpoint's weights, optimizer state and λ into this run; returns its step."""
+def resume(folder: str, engine, lam, command: str = "dpo") -> int:
+    """Loads a checkpoint's weights, optimizer state and λ into this run (of `alignrl train <command>`); returns its
+    step."""
     from safetensors.torch import load_file
 
     path = Path(folder)
     if not (path / WEIGHTS).is_file() or not (path / STATE).is_file():
-        raise ConfigError(f"resume_from={folder} is not a checkpoint of `alignrl train dpo` (no {WEIGHTS} and "
+        raise ConfigError(f"resume_from={folder} is not a checkpoint of `alignrl train {command}` (no {WEIGHTS} and "
                           f"{STATE}); give a <output_dir>.checkpoints/step_<N> folder")
     state = json.loads((path / STATE).read_text())
     weights = load_file(str(path / WEIGHTS))

@@ -77,6 +77,9 @@ class CommonConfig:
                                      "folded in) or adapter (peft's adapter folder)", choices=("merged", "adapter"))
     eval_steps: int = opt(0, "also measure the held-out pairs every N optimizer steps (eval/* metrics); 0: only "
                              "before and after training", ge=0)
+    save_steps: int = opt(0, "also write a resumable checkpoint every N optimizer steps to <output_dir>.checkpoints/"
+                             "step_N (weights, optimizer; λ for safe_mm_dpo); 0: only the final model", ge=0)
+    resume_from: str | None = opt(None, "a <output_dir>.checkpoints/step_N folder to go on from (same config)")
 
 
 @dataclass(frozen=True)
@@ -119,9 +122,6 @@ class DPOConfig(CommonConfig):
     beta_w: float = opt(0.5, "safe_mm_dpo: w of β(δ) = β·(1 + w·(1 - e^(-k|δ|))) (Safe-MM-DPO configs: w)", ge=0.0)
     beta_k: float = opt(0.5, "safe_mm_dpo: k of β(δ) (Safe-MM-DPO configs: k)", ge=0.0)
     kl_coeff: float = opt(0.0, "safe_mm_dpo: weight of KL(π‖π_ref) on the chosen responses (kl_coeff)", ge=0.0)
-    save_steps: int = opt(0, "also write a resumable checkpoint every N optimizer steps to <output_dir>.checkpoints/"
-                             "step_N (weights, optimizer, λ); 0: only the final model", ge=0)
-    resume_from: str | None = opt(None, "a <output_dir>.checkpoints/step_N folder to go on from (same config)")
     learning_rate: float = opt(5e-5, "peak AdamW learning rate", gt=0.0)
 
 
