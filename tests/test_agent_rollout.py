@@ -380,3 +380,30 @@ def test_a_retriever_that_is_down_or_speaks_another_api_stops_the_run_at_start(t
         assert url.rsplit("/", 1)[0] in str(e.value) and said in str(e.value) and "\n" not in str(e.value)
     cfg = load_config(None, ["agent.max_turns=2", f"retriever.url={retrieval_stub}"])
     assert isinstance(with_tools(cfg, engine, tok), AgentRollout)
+
+
+def test_a_prompt_s_images_go_with_it_into_every_turn_and_onto_the_rollout(tiny_model):
+    from alignrl.data.images import ImagePrompt, PromptImages
+
+    _, tok = tiny_model
+    a, b = 5, 6
+    script = {a: [_enc(tok, "<search> alpha </search>"), _enc(tok, "<answer> x </answer>")],
+              13: [_enc(tok, "<answer> y </answer>")]}  # [b, 13] is cut to its last token
+    pictures = PromptImages(torch.randn(4, 8), torch.tensor([[1, 2, 2]]))
+    engine = ScriptedEngine(tok, script)
+    seen = []
+    generate = engine.generate
+
+    def recording(prompts, params):
+        seen.append([getattr(p, "images", None) for p in prompts])
+        return generate(prompts, params)
+
+    engine.generate = recording
+    agent = AgentRollout(engine, tok, RecordingTool(), max_turns=2, max_obs_length=200, max_start_length=1)
+    ro = agent.generate([ImagePrompt([a, 11, 12], pictures), [b, 13]], SamplingParams(n=1, max_new_tokens=40))
+    assert seen[0] == [pictures, None] and seen[1] == [pictures]  # turn 2: row a only, with its images again
+    assert engine.calls[0][0][0] == [a, 11, 12]  # a prompt with images is never cut by max_start_length
+    assert engine.calls[0][0][1] == [13]  # a text prompt is
+    assert ro.images is not None and ro.images.rows == [pictures, None]
+    text = AgentRollout(ScriptedEngine(tok, script), tok, RecordingTool(), max_turns=2, max_obs_length=200)
+    assert text.generate([[a, 11, 12]], SamplingParams(n=1, max_new_tokens=40)).images is None  # as before

@@ -376,3 +376,25 @@ def test_responses_never_hold_image_placeholders(vl, tiny_model):
     drawn, lp = sample_next(logits, SamplingParams(n=1, temperature=1.0), torch.Generator().manual_seed(0), ban)
     assert (drawn != 3).all()
     assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(-1, drawn[:, None]).squeeze(-1))
+
+
+def test_a_multi_turn_episode_over_image_prompts_scores_as_the_trainer_recomputes(vl, pictures, tmp_path):
+    """The agent loop hands each turn's engine call the prompt's images, and the rollout carries them: the engine's
+    log-probs of every generated token (after observations too) equal the trainer's recomputed ones."""
+    from alignrl.data.collate import encode_prompts
+    from alignrl.interfaces import SamplingParams
+    from alignrl.rl.producer import batched_logprobs
+    from alignrl.rollout.agent import AgentRollout
+    from alignrl.rollout.hf_engine import HFRolloutEngine
+
+    model, tok = vl
+    rows = [lmm_r1_row(pictures["red"], "What is 2+3?"), lmm_r1_row(pictures["blue"], "Which color is this?")]
+    samples = load_samples(str(write_jsonl(tmp_path / "r.jsonl", rows)), prompt_key="message", label_key="answer")
+    agent = AgentRollout(HFRolloutEngine(model, tok, eos_token_ids=[-1]), tok, None, max_turns=2, max_obs_length=16)
+    ro = agent.generate(encode_prompts(tok, samples, 96), SamplingParams(n=2, temperature=1.0, max_new_tokens=6,
+                                                                         seed=5))
+    assert ro.images is not None and all(r is not None for r in ro.images.rows)
+    assert ro.stats["turns"].max() >= 2 and not bool(ro.loss_mask.all())  # observations between turns
+    recomputed = batched_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, 1.0, 2,
+                                  images=ro.images)
+    assert (recomputed - ro.logprobs)[ro.loss_mask].abs().max() < 1e-4

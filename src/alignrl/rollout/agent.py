@@ -36,6 +36,7 @@ import torch
 
 from alignrl.config.checks import episode_cap
 from alignrl.data.collate import left_pad, right_pad
+from alignrl.data.images import ImagePrompt, prompt_images
 from alignrl.data.records import Rollout
 from alignrl.interfaces import RolloutEngine, SamplingParams
 from alignrl.utils.tracking import console
@@ -71,6 +72,7 @@ class _Row:
 
     prompt: list[int]
     ids: list[int] = field(default_factory=list)  # the response so far: generated and observation ids
+    source: Sequence[int] = ()  # the prompt as given: an ImagePrompt carries its images into every turn
     logprobs: list[float] = field(default_factory=list)
     generated: list[bool] = field(default_factory=list)
     done: bool = False
@@ -81,6 +83,21 @@ class _Row:
         self.ids += ids
         self.logprobs += logprobs
         self.generated += [generated] * len(ids)
+
+    def context(self) -> list[int]:
+        """What the next turn is generated from: the prompt and the response so far, with the prompt's images."""
+        ids = self.prompt + self.ids
+        images = getattr(self.source, "images", None)
+        return ids if images is None else ImagePrompt(ids, images, getattr(self.source, "pictures", ()))
+
+
+def _start(prompt: Sequence[int], keep: int) -> _Row:
+    """A row of `prompt` keeping its last `keep` tokens (0: all). A prompt with images is kept whole: its image
+    tokens must stay, and data loading already bounded it (data.max_prompt_length never cuts image tokens)."""
+    ids = list(prompt)
+    if keep > 0 and getattr(prompt, "images", None) is None:
+        ids = ids[-keep:]
+    return _Row(ids, source=prompt)
 
 
 class AgentRollout:
@@ -109,8 +126,7 @@ class AgentRollout:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
         """`params.n` multi-turn samples per prompt, contiguous; per-row stats in `Rollout.stats`."""
-        start = self.max_start_length
-        rows = [_Row(list(p)[-start:] if start > 0 else list(p)) for p in prompts for _ in range(params.n)]
+        rows = [_start(p, self.max_start_length) for p in prompts for _ in range(params.n)]
         cap = self.response_cap(params)
         stops = tuple(dict.fromkeys((*params.stop, *ACTION_STOPS)))
         for turn in range(self.max_turns + 1):
@@ -121,7 +137,7 @@ class AgentRollout:
             room = max(cap - len(r.ids) for r in active)
             turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(params.max_new_tokens, room),
                                               stop=stops, seed=seed)
-            ro = self.engine.generate([r.prompt + r.ids for r in active], turn_params)
+            ro = self.engine.generate([r.context() for r in active], turn_params)
             queries = self._take_turn(active, ro, cap, last=turn == self.max_turns)
             self._observe(queries, cap)
         return self._rollout(rows, len(prompts), params.n)
@@ -200,4 +216,5 @@ class AgentRollout:
         return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                        response_mask=response_mask, logprobs=logprobs,
                        truncated=torch.tensor([r.truncated for r in rows], dtype=torch.bool),
-                       group=torch.arange(n_prompts).repeat_interleave(n), loss_mask=loss_mask, stats=stats)
+                       group=torch.arange(n_prompts).repeat_interleave(n), loss_mask=loss_mask, stats=stats,
+                       images=prompt_images([r.source for r in rows]))  # the trainer's forwards read them too
