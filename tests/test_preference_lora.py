@@ -141,8 +141,33 @@ def test_a_target_module_that_matches_nothing_is_one_line(tiny_model_dir, tmp_pa
 def test_lora_on_a_sharded_engine_is_one_line():
     from alignrl.config import ConfigError
 
-    with pytest.raises(ConfigError, match="use_lora trains with strategy single or ddp here, not fsdp2"):
+    with pytest.raises(ConfigError, match="use_lora trains DPO with strategy single or ddp here, not fsdp2"):
         parse_dpo(["use_lora=true", "strategy=fsdp2"])
+
+
+@pytest.mark.slow
+def test_a_lora_reward_model_trains_the_same_on_fsdp2_deepspeed_and_ddp(tiny_model_dir, tmp_path):
+    import os
+    import sys
+
+    from conftest import run_group
+
+    losses, weights = {}, {}
+    for strategy in ("ddp", "fsdp2", "deepspeed"):
+        out, logs = tmp_path / strategy, tmp_path / f"logs_{strategy}"
+        p = run_group([sys.executable, "-m", "alignrl", "train", "rm", "--nproc", "2", "--task", "helpful",
+                       "--output_dir", str(out), "--logging_dir", str(logs), f"model_path={tiny_model_dir}",
+                       f"strategy={strategy}", "max_train_pairs=32", "max_eval_pairs=8", "batch_size=4",
+                       "log_every=1", *LORA, "report_to=[jsonl]"], 240,
+                      env={**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60"})
+        assert p.returncode == 0, p.stderr[-3000:]
+        losses[strategy] = [r["loss"] for r in map(json.loads, (logs / "metrics.jsonl").read_text().splitlines())
+                            if "loss" in r]
+        weights[strategy] = _tensors(out)
+    assert len(losses["ddp"]) == 4
+    for strategy in ("fsdp2", "deepspeed"):
+        assert losses[strategy] == pytest.approx(losses["ddp"], rel=1e-5)
+        assert all(torch.allclose(weights[strategy][k], weights["ddp"][k], atol=1e-6) for k in weights["ddp"])
 
 
 def test_a_policy_passed_as_a_reward_model_is_one_line(tiny_model_dir, tmp_path, capsys):

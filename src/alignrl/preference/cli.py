@@ -29,7 +29,7 @@ from alignrl.errors import UserError
 DPO_LOSS_NAMES = ("safe_mm_dpo", "safe_odpo", "sigmoid", "cdpo", "ipo", "hinge", "safe")
 SMOOTHED_LOSSES = ("sigmoid", "cdpo")
 SAFETY_LOSSES = ("safe_mm_dpo", "safe_odpo")  # the losses that read the two scorers
-LORA_STRATEGIES = ("single", "ddp")
+LORA_STRATEGIES = ("single", "ddp")  # DPO with adapters; a reward/cost model trains them on every strategy
 NOTES_SAID = "ALIGNRL_PREFERENCE_NOTES_SAID"  # set for the ranks of `--nproc`: the parent said the notes already
 
 
@@ -216,8 +216,8 @@ def _check_meaning(cfg):
         if importlib.util.find_spec("peft") is None:
             raise ConfigError("use_lora: LoRA needs the peft package, which is not installed; `pip install peft` "
                               "(or train all weights: use_lora=false)")
-        if cfg.strategy not in LORA_STRATEGIES:
-            raise ConfigError(f"use_lora trains with strategy {' or '.join(LORA_STRATEGIES)} here, not "
+        if isinstance(cfg, DPOConfig) and cfg.strategy not in LORA_STRATEGIES:
+            raise ConfigError(f"use_lora trains DPO with strategy {' or '.join(LORA_STRATEGIES)} here, not "
                               f"{cfg.strategy}; set strategy=ddp (the adapters are small: every rank holds them)")
     return cfg
 
