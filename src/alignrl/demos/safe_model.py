@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from alignrl.demos.safe_data import DATA_DIR, sft_samples, tokenizer_texts
-from alignrl.models.tiny import TinyRecipe, build_into, cache_root, ensure_built, save_built, shipped_or_built
-from alignrl.utils.progress import Phase
+from alignrl.models.tiny import (TinyRecipe, build_into, cache_root, ensure_built, save_built, sft_with_progress,
+                                 shipped_or_built)
 
 # The default recipe's build (about 2 MB), so a fresh clone skips the SFT; `alignrl demo safe --build-base DIR`
 # rebuilds it bit for bit from its seed (the build is deterministic on one torch version).
@@ -64,7 +64,6 @@ def build_safe_model(out_dir: Path, recipe: SafeRecipe = SafeRecipe(), log=print
     """Tokenizer + SFT'd tiny Qwen2 into `out_dir`, built beside it and renamed into place (marker last)."""
     import torch
 
-    from alignrl.models.sft import sft_train
     from alignrl.models.tiny import random_tiny_model
 
     t0 = time.time()
@@ -78,15 +77,7 @@ def build_safe_model(out_dir: Path, recipe: SafeRecipe = SafeRecipe(), log=print
             log(f"building safety demo base model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-param "
                 f"Qwen2, SFT {recipe.sft_steps} steps x {recipe.sft_batch_size} of {len(data)} replies")
 
-            # a bar on a terminal; the log lines (and the build's closing line with its seconds) everywhere
-            with Phase("safety demo base model SFT", recipe.sft_steps, "steps", say=False) as progress:
-                def on_step(step: int, loss: float) -> None:
-                    progress.advance()
-                    if (step + 1) % 100 == 0 or step + 1 == recipe.sft_steps:
-                        log(f"  sft step {step + 1}/{recipe.sft_steps} loss {loss:.3f} ({time.time() - t0:.0f}s)")
-
-                sft_train(model, tokenizer, data, steps=recipe.sft_steps, batch_size=recipe.sft_batch_size,
-                          lr=recipe.sft_lr, seed=recipe.seed, on_step=on_step)
+            sft_with_progress("safety demo base model SFT", model, tokenizer, data, recipe, log, t0, every=100)
             save_built(tmp, model, tokenizer, {**asdict(recipe), "key": recipe.key()})
     finally:
         torch.set_num_threads(threads)

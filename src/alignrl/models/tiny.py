@@ -125,8 +125,6 @@ def build_demo_model(out_dir: Path, recipe: TinyRecipe = TinyRecipe(), log=print
 
 
 def _build(out_dir: Path, recipe: TinyRecipe, log, t0: float) -> None:
-    from alignrl.models.sft import sft_train
-
     with build_into(out_dir) as tmp:
         tokenizer = build_tokenizer(recipe, tmp)
         model = random_tiny_model(tokenizer, recipe)
@@ -135,16 +133,23 @@ def _build(out_dir: Path, recipe: TinyRecipe, log, t0: float) -> None:
             f"x {recipe.sft_batch_size} problems")
         data = sft_data(recipe)
 
-        # a bar on a terminal; the log lines (and the build's closing line with its seconds) everywhere
-        with Phase("demo base model SFT", recipe.sft_steps, "steps", say=False) as progress:
-            def on_step(step: int, loss: float) -> None:
-                progress.advance()
-                if (step + 1) % 50 == 0 or step + 1 == recipe.sft_steps:
-                    log(f"  sft step {step + 1}/{recipe.sft_steps} loss {loss:.3f} ({time.time() - t0:.0f}s)")
-
-            sft_train(model, tokenizer, data, steps=recipe.sft_steps, batch_size=recipe.sft_batch_size,
-                      lr=recipe.sft_lr, seed=recipe.seed, on_step=on_step)
+        sft_with_progress("demo base model SFT", model, tokenizer, data, recipe, log, t0, every=50)
         save_built(tmp, model, tokenizer, {**asdict(recipe), "key": recipe.key()})
+
+
+def sft_with_progress(name: str, model, tokenizer, data, recipe, log, t0: float, every: int) -> None:
+    """A demo base model's SFT (`recipe`'s sft_steps, sft_batch_size, sft_lr, seed): a bar on a terminal, and a
+    log line every `every` steps everywhere (the build's closing line has its seconds)."""
+    from alignrl.models.sft import sft_train
+
+    with Phase(name, recipe.sft_steps, "steps", say=False) as progress:
+        def on_step(step: int, loss: float) -> None:
+            progress.advance()
+            if (step + 1) % every == 0 or step + 1 == recipe.sft_steps:
+                log(f"  sft step {step + 1}/{recipe.sft_steps} loss {loss:.3f} ({time.time() - t0:.0f}s)")
+
+        sft_train(model, tokenizer, data, steps=recipe.sft_steps, batch_size=recipe.sft_batch_size,
+                  lr=recipe.sft_lr, seed=recipe.seed, on_step=on_step)
 
 
 @contextmanager

@@ -64,20 +64,27 @@ def _own_ticks() -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime of all this process's threads
 
 
+def _load_sample() -> tuple[int, int, int] | None:
+    """(busy, total) ticks of this process's cores and its own ticks, now; None where /proc is absent."""
+    try:
+        return (*_busy_ticks(affinity()), _own_ticks())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _busy_between(before, after) -> float | None:
+    """Cores other processes kept busy between two `_load_sample`s (None when either is missing or no time passed)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return max(0.0, (after[0] - before[0]) - (after[2] - before[2])) / (after[1] - before[1]) * len(affinity())
+
+
 def busy_elsewhere(window_s: float = 0.3) -> float:
     """Cores that other processes kept busy on this process's cores over `window_s` (0.0 where /proc is absent)."""
-    cpus = affinity()
-    try:
-        b0, t0 = _busy_ticks(cpus)
-        o0 = _own_ticks()
-        time.sleep(window_s)
-        b1, t1 = _busy_ticks(cpus)
-        o1 = _own_ticks()
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    if t1 <= t0:
-        return 0.0
-    return max(0.0, (b1 - b0) - (o1 - o0)) / (t1 - t0) * len(cpus)
+    before = _load_sample()
+    time.sleep(window_s)
+    busy = _busy_between(before, _load_sample())
+    return 0.0 if busy is None else busy
 
 
 def fair_threads(usable: int, busy: float, sharing: int) -> int:
@@ -128,22 +135,14 @@ class LoadWatch:
 
     def __init__(self, choice: ThreadChoice, sharing: int = 1):
         self.threads, self.sharing, self.active = choice.threads, sharing, choice.measured
-        self._last = self._sample() if self.active else None
-
-    @staticmethod
-    def _sample() -> tuple[int, int, int] | None:
-        try:
-            return (*_busy_ticks(affinity()), _own_ticks())
-        except (OSError, ValueError, IndexError):
-            return None
+        self._last = _load_sample() if self.active else None
 
     def check(self) -> ThreadChoice | None:
         """The new choice when it changed (torch's pool already resized), else None."""
-        now = self._sample() if self.active else None
-        last, self._last = self._last, now
-        if now is None or last is None or now[1] <= last[1]:
+        now = _load_sample() if self.active else None
+        busy, self._last = _busy_between(self._last, now), now
+        if busy is None:
             return None
-        busy = max(0.0, (now[0] - last[0]) - (now[2] - last[2])) / (now[1] - last[1]) * len(affinity())
         threads = fair_threads(usable_cores(), busy, self.sharing)
         if threads == self.threads:
             return None
