@@ -29,7 +29,6 @@ from alignrl.errors import UserError
 DPO_LOSS_NAMES = ("safe_mm_dpo", "safe_odpo", "sigmoid", "cdpo", "ipo", "hinge", "safe")
 SMOOTHED_LOSSES = ("sigmoid", "cdpo")
 SAFETY_LOSSES = ("safe_mm_dpo", "safe_odpo")  # the losses that read the two scorers
-LORA_STRATEGIES = ("single", "ddp")  # DPO with adapters; a reward/cost model trains them on every strategy
 NOTES_SAID = "ALIGNRL_PREFERENCE_NOTES_SAID"  # set for the ranks of `--nproc`: the parent said the notes already
 
 
@@ -202,7 +201,7 @@ def say(text: str) -> None:
 
 
 def _check_meaning(cfg):
-    """What the ranges cannot say: the λ that moves in log space, LoRA's engines and peft, the older loss name."""
+    """What the ranges cannot say: the λ that moves in log space, LoRA's peft, the older loss name."""
     if isinstance(cfg, DPOConfig) and cfg.lambda_init <= 0:
         raise ConfigError(f"λ_init (lambda_init) = {cfg.lambda_init} must be > 0: λ moves in log space "
                           "(ln λ ← ln λ + λ_lr·λ·J_C), so it starts positive (1.0 is the usual start)")
@@ -216,9 +215,6 @@ def _check_meaning(cfg):
         if importlib.util.find_spec("peft") is None:
             raise ConfigError("use_lora: LoRA needs the peft package, which is not installed; `pip install peft` "
                               "(or train all weights: use_lora=false)")
-        if isinstance(cfg, DPOConfig) and cfg.strategy not in LORA_STRATEGIES:
-            raise ConfigError(f"use_lora trains DPO with strategy {' or '.join(LORA_STRATEGIES)} here, not "
-                              f"{cfg.strategy}; set strategy=ddp (the adapters are small: every rank holds them)")
     return cfg
 
 

@@ -4,8 +4,8 @@
         --output_dir models/aligned --logging_dir logs/training/safe_mm_dpo
     alignrl train dpo --config configs/dpo_config.yaml loss_type=sigmoid --nproc 2
 
-The policy trains through a TrainEngine (DDP / FSDP2 / DeepSpeed; with `use_lora`, LoRA adapters on DDP or one
-process). The frozen reference is a copy of the initial policy (or of `ref_model_path`) on every rank in eval mode;
+The policy trains through a TrainEngine (one process, DDP, FSDP2 or DeepSpeed; with `use_lora`, its LoRA adapters
+alone). The frozen reference is a copy of the initial policy (or of `ref_model_path`) on every rank in eval mode;
 with LoRA it is the policy itself with its adapters off (no second copy); with `precompute_ref_log_probs` its
 log-probs are computed once up front and the copy is freed. `loss_type` picks a `core.preference` loss:
 
@@ -253,7 +253,7 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     pc.prepare_trainable(policy, cfg)
     model = policy
     if spec is not None:
-        model = adapters.attach(policy, spec, "CAUSAL_LM")
+        model = adapters.attach(policy, spec, "CAUSAL_LM", cfg.seed)
         ref.use_adapters_off(model)
         log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}; "
                   "the reference is the policy with its adapters off")

@@ -213,7 +213,7 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     pc.prepare_trainable(hf, cfg)
     spec, peft_model, inner = adapters.spec_of(cfg), None, hf
     if spec is not None:  # the head trains in full beside the adapters (modules_to_save)
-        peft_model = adapters.attach(hf, spec, "SEQ_CLS")
+        peft_model = adapters.attach(hf, spec, "SEQ_CLS", cfg.seed)
         inner = peft_model.get_base_model()
         log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(inner)}")
     enc_train, cut = encode_pairs(tok, train_pairs, cfg.max_length)
