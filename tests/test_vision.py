@@ -199,10 +199,10 @@ def test_engine_logprobs_are_the_trainers(vl, pictures, tmp_path):
         batched_logprobs(*args)
 
 
-def test_multimodal_batches_refuse_packing_and_critics(vl, pictures, tmp_path):
+def test_multimodal_batches_refuse_packing_and_text_only_critics(vl, pictures, tmp_path, tiny_model_dir):
     from alignrl.models.folder import ModelError
     from alignrl.models.logprobs import ForwardLayout, response_logprobs
-    from alignrl.models.value import response_values
+    from alignrl.models.value import load_value_model, response_values
 
     model, _ = vl
     ro = _rollout(vl, pictures, tmp_path, n=1)
@@ -210,8 +210,43 @@ def test_multimodal_batches_refuse_packing_and_critics(vl, pictures, tmp_path):
     for layout in (ForwardLayout(share_prompt=True), ForwardLayout(remove_padding=True)):
         with pytest.raises(ModelError, match="prompts with images take the plain forward"):
             response_logprobs(model, *tensors, layout=layout, images=ro.images)
-    with pytest.raises(ModelError, match="critic cannot read prompts with images"):
-        response_values(model, *tensors, images=ro.images)
+    with pytest.raises(ModelError, match="critic is a text-only model but the prompts carry images: set "
+                                         "critic.model_path"):
+        response_values(load_value_model(str(tiny_model_dir), log=lambda *_: None), *tensors, images=ro.images)
+
+
+def test_a_vision_value_model_reads_the_images_and_saves_as_a_plain_folder(vl_dir, vl, pictures, tmp_path):
+    """The critic of a VL policy: its backbone (vision tower included) is the policy's, its head is new and seeded;
+    its values follow the picture; gradients reach the vision tower; saved and loaded back, it gives the same
+    values; a packed forward is refused in one line."""
+    from transformers import AutoModelForTokenClassification
+
+    from alignrl.models.folder import ModelError
+    from alignrl.models.value import load_value_model, response_values
+
+    policy, _ = vl
+    critic = load_value_model(str(vl_dir), seed=1, log=lambda *_: None)
+    assert type(critic).__name__ == "Qwen2VLForTokenClassification"
+    backbone = {k: v for k, v in critic.state_dict().items() if k.startswith("model.")}
+    assert backbone and all(torch.equal(v, policy.state_dict()[k]) for k, v in backbone.items())
+    assert any(k.startswith("model.visual.") for k in backbone)
+    assert torch.equal(critic.score.weight, load_value_model(str(vl_dir), seed=1, log=lambda *_: None).score.weight)
+    ro = _rollout(vl, pictures, tmp_path, n=2)  # 2 red, 2 blue, 2 text rows
+    tensors = (ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
+    values = response_values(critic, *tensors, images=ro.images)
+    assert values.shape == ro.response_mask.shape and torch.isfinite(values).all()
+    assert ((values != 0) == ro.response_mask.bool()).all()
+    swapped = ImageRows([ro.images.rows[2], ro.images.rows[3], ro.images.rows[0], ro.images.rows[1]] + ro.images.rows[4:])
+    other = response_values(critic, *tensors, images=swapped)  # the red rows see blue, the blue rows red
+    assert not torch.allclose(other[:4], values[:4]) and torch.equal(other[4:], values[4:])
+    (values * ro.response_mask).sum().backward()
+    assert critic.score.weight.grad.abs().sum() > 0
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in critic.named_parameters() if ".visual." in n)
+    critic.save_pretrained(tmp_path / "critic")
+    again = AutoModelForTokenClassification.from_pretrained(str(tmp_path / "critic"))
+    assert torch.allclose(response_values(again, *tensors, images=ro.images), values.detach(), atol=1e-6)
+    with pytest.raises(ModelError, match="set critic.use_remove_padding=false"):
+        response_values(critic, *tensors, remove_padding=True, images=ro.images)
 
 
 def test_wire_round_trip_keeps_images(vl, pictures, tmp_path):
@@ -280,6 +315,40 @@ def test_grpo_step_in_process_on_images(vl_dir, pictures, tmp_path):
     trained = load_file(tmp_path / "vl" / "checkpoints" / "global_step_1" / "model" / "model.safetensors")
     base = load_file(vl_dir / "model.safetensors")
     assert any(not torch.equal(base[k], v) for k, v in trained.items() if k in base)
+
+
+def test_ppo_with_a_critic_on_images_trains_and_resumes(vl_dir, pictures, tmp_path):
+    """PPO (gae) with the critic initialised from the VL policy's folder: a step trains the policy and the critic
+    (values read with the pictures), the checkpoint's critic folder is a vision value model, and a resumed run
+    loads it and goes on to step 2."""
+    from safetensors.torch import load_file
+
+    from alignrl.config import load_config
+    from alignrl.runner import train_grpo
+
+    rows = [lmm_r1_row(pictures[c], f"Which color is picture {i}?", c) for i, c in enumerate(COLORS)]
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    (tmp_path / "reward.py").write_text(REWARD)
+    common = [
+        f"model.path={vl_dir}", f"data.train_files={data}", f"data.val_files={data}", "data.prompt_key=message",
+        "data.label_key=answer", "data.train_batch_size=2", "data.max_prompt_length=64", "rollout.n=2",
+        "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4", "actor.lr=1e-2",
+        "algorithm.adv_estimator=gae", "critic.enable=true", "critic.lr=1e-2", "actor.use_kl_loss=false",
+        f"algorithm.reward_fn={tmp_path / 'reward.py'}:compute_score", "trainer.test_freq=0", "trainer.save_freq=1",
+        "trainer.progress_bar=false", "trainer.logger=[jsonl]", f"trainer.output_dir={tmp_path}",
+        "trainer.experiment_name=vl_ppo"]
+    assert train_grpo(load_config(None, common + ["trainer.total_training_steps=1"]))["steps"] == 1
+    critic = tmp_path / "vl_ppo" / "checkpoints" / "global_step_1" / "critic"
+    assert json.loads((critic / "config.json").read_text())["architectures"] == ["Qwen2VLForTokenClassification"]
+    trained = load_file(critic / "model.safetensors")
+    base = load_file(vl_dir / "model.safetensors")
+    assert any(k.startswith("visual.") for k in trained) and "score.weight" in trained
+    assert any(not torch.equal(base[k], v) for k, v in trained.items() if k in base)  # the backbone trained too
+    assert train_grpo(load_config(None, common + ["trainer.total_training_steps=2", "trainer.resume_mode=auto"]))[
+        "steps"] == 2
+    metrics = [json.loads(x) for x in (tmp_path / "vl_ppo" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if m.get("step", 0) > 0]
+    assert [m["step"] for m in steps] == [1, 2] and all("critic/values_mean" in m for m in steps), steps
 
 
 def test_vllm_requests_carry_the_pictures(vl, pictures, tmp_path):

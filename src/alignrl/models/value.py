@@ -2,7 +2,8 @@
 
 As in verl's critic, the value model is `AutoModelForTokenClassification` with `num_labels=1`, so it
 saves and loads as a plain HF folder; initialised from a causal-LM folder, the backbone weights are
-copied and the head starts from a seeded small random init.
+copied and the head starts from a seeded small random init. A vision-language folder loads the same way
+through the class `models.vision_value` registers, and reads the prompts' images.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from alignrl.data.collate import position_ids
 from alignrl.models.logprobs import model_device
 from alignrl.models.loader import DTYPES, ModelError, disable_dropout, loading, resolve_model_path
 from alignrl.models.packing import pack, packed_forward, unpack
+from alignrl.models.vision import is_vision_folder, is_vision_model, vision_inputs
 
 
 def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print):
@@ -20,6 +22,10 @@ def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print
     from transformers.utils import logging as hf_logging
 
     folder = resolve_model_path(path, log)
+    if is_vision_folder(folder):  # transformers has no token-classification class for image-text models
+        from alignrl.models.vision_value import register
+
+        register()
     torch.manual_seed(seed)  # the head of a policy-initialised critic is new: make it reproducible
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "newly initialized score weights" is expected here, not a problem
@@ -41,11 +47,14 @@ def response_values(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
                     response_mask: torch.Tensor, remove_padding: bool = False, images=None) -> torch.Tensor:
     """Values (B, R): V_t is read at the position before response token t (the state it is chosen in),
     the same alignment as the log-probs. `remove_padding`: one packed row, no padding (models.packing).
-    `images` (prompts with images) are refused: a value model is a token-classification model, which no
-    vision-language architecture has in transformers."""
-    if images is not None and images.any():
-        raise ModelError("PPO's critic cannot read prompts with images (a value model is text-only): train these "
-                         "prompts with a critic-free estimator (algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus)")
+    `images`: the rows' prompt images (`data.images.ImageRows`), for a vision-language value model
+    (`models.vision_value`), which takes the plain forward."""
+    with_images = images is not None and images.any()
+    if with_images and not is_vision_model(model):
+        raise ModelError("PPO's critic is a text-only model but the prompts carry images: set critic.model_path to "
+                         "a vision-language model (unset, the critic starts from the policy's folder)")
+    if with_images and remove_padding:
+        raise ModelError("prompts with images take the plain forward: set critic.use_remove_padding=false")
     dev = model_device(model)
     if remove_padding:
         packing = pack(*(t.to(dev) for t in (prompt_ids, prompt_mask, response_ids, response_mask)))
@@ -54,7 +63,9 @@ def response_values(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
     mask = torch.cat([prompt_mask, response_mask], 1).to(dev)
     response_mask = response_mask.to(dev)
     r = response_ids.shape[1]
-    out = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask))
+    vision = vision_inputs(model, ids, mask, images)  # {} without images
+    vision.setdefault("position_ids", position_ids(mask))
+    out = model(input_ids=ids, attention_mask=mask.long(), **vision)
     return out.logits[:, -r - 1:-1, 0].float() * response_mask
 
 
