@@ -29,15 +29,14 @@ demo-safe: $(STAMP)
 demo-vision: $(STAMP)
 	$(BIN)/alignrl demo vision
 
-# Two pytest processes share the tests (a test file each at a time) and the two cores, so every process of theirs
-# (runs in-process, ranks, samplers, services, Ray workers) takes one OpenMP thread: a second would only contend
-# with the other test process's work; and threads sleep while they wait instead of spinning. Tests that time
-# fractions of a second (marked serial) run alone afterwards, with the threads their runs choose. The package is byte-compiled first: where PYTHONDONTWRITEBYTECODE is
+# Two pytest processes share the tests (a test file each at a time) and the cores; their OpenMP threads sleep
+# while they wait instead of spinning, which would starve the other process's. Tests that time fractions of a
+# second (marked serial) run alone afterwards. The package is byte-compiled first: where PYTHONDONTWRITEBYTECODE is
 # set, every process the tests start (ranks, samplers, services, Ray workers) would compile it again, about half a
 # second of CPU each here.
 test: $(STAMP)
 	$(BIN)/python -m compileall -q src
-	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile -m "not serial" --durations=25
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --dist loadfile -m "not serial" --durations=25
 	$(BIN)/python -m pytest -m serial
 
 bench: $(STAMP)
