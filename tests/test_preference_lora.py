@@ -140,32 +140,48 @@ def test_a_target_module_that_matches_nothing_is_one_line(tiny_model_dir, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("task", ["rm", "dpo"])
-def test_lora_trains_the_same_on_fsdp2_deepspeed_and_ddp(task, tiny_model_dir, tmp_path):
-    """A reward model (adapters + score head) and a DPO policy (adapters; the reference is the policy with them off),
-    two ranks each: the sharded engines' losses and saved weights equal DDP's. They did not for DPO while each rank
-    drew its adapters from its own random state."""
+def test_lora_trains_the_same_on_fsdp2_deepspeed_and_one_process(task, tiny_model_dir, tmp_path):
+    """A reward model (adapters + score head) and a DPO policy (adapters; the reference is the policy with them off):
+    two fsdp2 ranks and two deepspeed ranks give the losses and saved weights of one process accumulating the same
+    global batches (one thread everywhere: the same float sums). DPO's did not while each rank drew its adapters
+    from its own random state."""
     import os
     import sys
 
     from conftest import run_group
 
     what = (["rm", "--task", "helpful", "max_train_pairs=32"] if task == "rm" else
-            ["dpo", "loss_type=sigmoid", "max_train_pairs=16", "gradient_accumulation_steps=1", "learning_rate=1e-3"])
+            ["dpo", "loss_type=sigmoid", "max_train_pairs=16", "learning_rate=1e-3"])
+    common = ["max_eval_pairs=8", "batch_size=4", "log_every=1", *LORA, "report_to=[jsonl]",
+              f"model_path={tiny_model_dir}"]
     losses, weights = {}, {}
-    for strategy in ("ddp", "fsdp2", "deepspeed"):
-        out, logs = tmp_path / strategy, tmp_path / f"logs_{strategy}"
-        p = run_group([sys.executable, "-m", "alignrl", "train", what[0], "--nproc", "2", *what[1:],
-                       "--output_dir", str(out), "--logging_dir", str(logs), f"model_path={tiny_model_dir}",
-                       f"strategy={strategy}", "max_eval_pairs=8", "batch_size=4", "log_every=1", *LORA,
-                       "report_to=[jsonl]"], 240, env={**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60"})
-        assert p.returncode == 0, p.stderr[-3000:]
+
+    def read(strategy: str, out: Path, logs: Path) -> None:
         losses[strategy] = [r["loss"] for r in map(json.loads, (logs / "metrics.jsonl").read_text().splitlines())
                             if "loss" in r]
         weights[strategy] = _tensors(out)
-    assert len(losses["ddp"]) == 4 and len(set(losses["ddp"])) > 1, losses["ddp"]  # it trained: the loss moved
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # one process: batch 4 x 2 accumulation steps = two ranks' 4 x 2
+        main = rm_main if task == "rm" else dpo_main
+        assert main([*what[1:], "--output_dir", str(tmp_path / "one"), "--logging_dir", str(tmp_path / "logs_one"),
+                     *common, "strategy=single", "gradient_accumulation_steps=2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    read("one", tmp_path / "one", tmp_path / "logs_one")
     for strategy in ("fsdp2", "deepspeed"):
-        assert losses[strategy] == pytest.approx(losses["ddp"], rel=1e-5)
-        assert all(torch.allclose(weights[strategy][k], weights["ddp"][k], atol=1e-6) for k in weights["ddp"])
+        out, logs = tmp_path / strategy, tmp_path / f"logs_{strategy}"
+        p = run_group([sys.executable, "-m", "alignrl", "train", what[0], "--nproc", "2", *what[1:],
+                       "--output_dir", str(out), "--logging_dir", str(logs), *common, f"strategy={strategy}",
+                       "gradient_accumulation_steps=1"], 240,
+                      env={**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60"})
+        assert p.returncode == 0, p.stderr[-3000:]
+        read(strategy, out, logs)
+    assert len(losses["one"]) == 4 and len(set(losses["one"])) > 1, losses["one"]  # it trained: the loss moved
+    for strategy in ("fsdp2", "deepspeed"):
+        assert losses[strategy] == pytest.approx(losses["one"], rel=1e-5)
+        assert all(torch.allclose(weights[strategy][k], weights["one"][k], atol=1e-6) for k in weights["one"])
 
 
 def test_a_policy_passed_as_a_reward_model_is_one_line(tiny_model_dir, tmp_path, capsys):

@@ -129,6 +129,9 @@ def test_vision_script_trains_a_step_on_a_two_node_cpu_cluster(vl_data, tmp_path
         run = tmp_path / "ckpts" / "xDAN-L1-RL-VL-7B-Instruct"
         saved = run / "ckpt" / "global_step_1" / "model" / "model.safetensors"
         assert saved.is_file(), (out.stdout[-3000:])
+        placed = json.loads((run / "placement.json").read_text())  # ACTOR_NUM_NODES=2: one actor rank on each node
+        actors = [w["node_id"] for w in placed["workers"] if w["name"].startswith("actor rank")]
+        assert len(actors) == 2 and len(set(actors)) == 2, placed["workers"]
         from safetensors.torch import load_file
 
         before, after = load_file(str(Path(model) / "model.safetensors")), load_file(str(saved))
