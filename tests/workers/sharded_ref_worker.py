@@ -10,7 +10,7 @@ import torch
 
 from alignrl.rl.producer import LocalRefScorer
 from alignrl.config import RunConfig
-from alignrl.runtime.env import init_distributed
+from alignrl.runtime.env import barrier, init_distributed, shutdown
 from alignrl.placements.ray.sharded_ref import build_sharded_ref, held_elements
 from alignrl.models import loader
 from alignrl.models.loader import frozen_copy, load_model
@@ -67,6 +67,10 @@ def main() -> None:
     total = sum(p.numel() for p in whole.parameters())
     with open(f"{a.out}.{env.rank}.json", "w") as f:
         json.dump({"held": held_elements(sharded.model), "total": total, "worst": worst}, f)
+    # both ranks past their last collective before the group goes: a rank that exited while the other's gloo threads
+    # still ran aborted ("terminate called without an active exception")
+    barrier(env)
+    shutdown()
 
 
 if __name__ == "__main__":

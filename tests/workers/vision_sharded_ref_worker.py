@@ -18,7 +18,7 @@ from alignrl.data.records import Sample
 from alignrl.models.loader import frozen_copy, load_model
 from alignrl.placements.ray.sharded_ref import build_sharded_ref
 from alignrl.rl.producer import LocalRefScorer
-from alignrl.runtime.env import init_distributed
+from alignrl.runtime.env import barrier, init_distributed, shutdown
 
 
 def image_rows(tokenizer, folder: Path, n: int):
@@ -67,6 +67,10 @@ def main() -> None:
         worst = max(worst, float((got - want).abs().max()) if got.numel() else 0.0)
     with open(f"{a.out}.{env.rank}.json", "w") as f:
         json.dump({"worst": worst}, f)
+    # both ranks past their last collective before the group goes: a rank that exited while the other's gloo threads
+    # still ran aborted ("terminate called without an active exception")
+    barrier(env)
+    shutdown()
 
 
 if __name__ == "__main__":
