@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignrl.preference.cli import dpo_main, parse_dpo, rm_main
+from alignrl.preference.cli import dpo_main, rm_main
 
 REPO = Path(__file__).resolve().parents[1]
 LORA = ["use_lora=true", "lora_rank=4", "lora_alpha=8", "lora_dropout=0", "lora_target_modules=[q_proj,v_proj]"]
