@@ -317,14 +317,20 @@ def test_grpo_step_in_process_on_images(vl_dir, pictures, tmp_path):
     assert any(not torch.equal(base[k], v) for k, v in trained.items() if k in base)
 
 
-def test_ppo_with_a_critic_on_images_trains_and_resumes(vl_dir, pictures, tmp_path):
-    """PPO (gae) with the critic initialised from the VL policy's folder: a step trains the policy and the critic
-    (values read with the pictures), the checkpoint's critic folder is a vision value model, and a resumed run
-    loads it and goes on to step 2."""
+@pytest.mark.timeout(400)
+def test_ppo_with_a_critic_on_images_trains_and_resumes_on_fsdp2_and_deepspeed(vl_dir, pictures, tmp_path):
+    """PPO (gae) with the critic initialised from the VL policy's folder: a step in one process trains the policy and
+    the critic (values read with the pictures) and saves the critic as a vision value model; two FSDP2 ranks resume
+    it (critic weights and optimizer state) for step 2, and two DeepSpeed ZeRO-3 ranks for step 3 (weights: its
+    optimizer state is its own format)."""
+    import os
+    import sys
+
     from safetensors.torch import load_file
 
     from alignrl.config import load_config
     from alignrl.runner import train_grpo
+    from conftest import run_group
 
     rows = [lmm_r1_row(pictures[c], f"Which color is picture {i}?", c) for i, c in enumerate(COLORS)]
     data = write_jsonl(tmp_path / "train.jsonl", rows)
@@ -338,17 +344,31 @@ def test_ppo_with_a_critic_on_images_trains_and_resumes(vl_dir, pictures, tmp_pa
         "trainer.progress_bar=false", "trainer.logger=[jsonl]", f"trainer.output_dir={tmp_path}",
         "trainer.experiment_name=vl_ppo"]
     assert train_grpo(load_config(None, common + ["trainer.total_training_steps=1"]))["steps"] == 1
-    critic = tmp_path / "vl_ppo" / "checkpoints" / "global_step_1" / "critic"
+    checkpoints = tmp_path / "vl_ppo" / "checkpoints"
+    critic = checkpoints / "global_step_1" / "critic"
     assert json.loads((critic / "config.json").read_text())["architectures"] == ["Qwen2VLForTokenClassification"]
     trained = load_file(critic / "model.safetensors")
     base = load_file(vl_dir / "model.safetensors")
     assert any(k.startswith("visual.") for k in trained) and "score.weight" in trained
     assert any(not torch.equal(base[k], v) for k, v in trained.items() if k in base)  # the backbone trained too
-    assert train_grpo(load_config(None, common + ["trainer.total_training_steps=2", "trainer.resume_mode=auto"]))[
-        "steps"] == 2
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60"}
+    for step, engine in ((2, ["trainer.strategy=fsdp2"]), (3, ["trainer.strategy=deepspeed", "trainer.zero_stage=3"])):
+        r = run_group([sys.executable, "-m", "alignrl", "train", "grpo", "--nproc", "2", *common, *engine,
+                       f"trainer.total_training_steps={step}", "trainer.resume_mode=auto"], 300, env=env)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        assert "returned a view tensor" not in r.stderr  # torch's FSDP2 warning about the critic's logits: noise
+        # FSDP2 reads the single process's optimizer state; DeepSpeed keeps its own format and says it starts afresh
+        fresh = "no critic optimizer state this backend (deepspeed) can read" in r.stdout
+        assert "resumed from" in r.stdout and fresh == (step == 3), r.stdout[-2000:]
+        saved = checkpoints / f"global_step_{step}" / "critic"
+        assert json.loads((saved / "config.json").read_text())["architectures"] == ["Qwen2VLForTokenClassification"]
+        now = load_file(saved / "model.safetensors")
+        assert now.keys() == trained.keys()  # whole weights, gathered from the shards, under the same names
+        assert any(not torch.equal(trained[k], now[k]) for k in trained if k.startswith("visual."))
+        trained = now
     metrics = [json.loads(x) for x in (tmp_path / "vl_ppo" / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if m.get("step", 0) > 0]
-    assert [m["step"] for m in steps] == [1, 2] and all("critic/values_mean" in m for m in steps), steps
+    assert [m["step"] for m in steps] == [1, 2, 3] and all("critic/values_mean" in m for m in steps), steps
 
 
 def test_vllm_requests_carry_the_pictures(vl, pictures, tmp_path):

@@ -8,6 +8,7 @@ between single / ddp / fsdp2 in both directions. Left out: HSDP, CPU offload of 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +35,11 @@ def shard_blocks(model: torch.nn.Module, env: DistEnv, **options) -> None:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(env.device.type, (env.world_size,))
+    # torch warns at every forward whose output is a view (a token-classification head's logits are one) that an
+    # in-place op on it would skip the backward's all-gather; alignrl's log-prob and value code reads outputs out of
+    # place only, so the warning is noise in every critic run
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
+                            category=UserWarning)
     for block in _blocks(model):
         fully_shard(block, mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
