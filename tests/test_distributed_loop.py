@@ -91,7 +91,7 @@ def test_a_bf16_fsdp2_trainer_feeds_a_zmq_sampler(tiny_model_dir, tmp_path):
     trainer publishes (it was refused with "tensor ... is bfloat16, the served model needs float32"), and the
     checkpoint holds bf16 weights under a config that says so."""
     from alignrl.runtime.ports import free_ports
-    from test_pipeline_zmq import finish, overrides, sampler, spawn
+    from zmqpipeline import finish, overrides, sampler, spawn
 
     ports = free_ports(2)
     trainer = spawn("train", "grpo", "--nproc", "2", *overrides(

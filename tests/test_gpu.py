@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from conftest import run_group, src_path
 from test_actor import _shared_batch
-from test_pipeline_zmq import SMALL, finish, overrides, sampler, spawn
+from zmqpipeline import SMALL, finish, overrides, sampler, spawn
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from alignrl.config import load_config
 from alignrl.runner import train_grpo
 from alignrl.runtime.ports import free_ports
-from test_pipeline_zmq import finish, overrides, sampler, spawn, weights
+from zmqpipeline import finish, overrides, sampler, spawn, weights
 
 LORA = ["model.lora_rank=4", "model.lora_alpha=8", "actor.lr=1e-2", "actor.entropy_coeff=0.05"]
 FREEZE = ["actor.freeze_prefix=[model.embed_tokens,model.layers.0]", "actor.entropy_coeff=0.05"]

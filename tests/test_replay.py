@@ -357,7 +357,7 @@ def test_replay_may_be_turned_on_and_off_across_a_resume(tiny_model_dir, tmp_pat
 def test_zmq_trainer_replays_groups_of_its_samplers(tiny_model_dir, tmp_path):
     """The ZeroMQ placement: the trainer's replay source wraps the batches its sampler sends."""
     from alignrl.runtime.ports import free_ports
-    from test_pipeline_zmq import assert_each_row_once, finish, overrides, sampler, spawn
+    from zmqpipeline import assert_each_row_once, finish, overrides, sampler, spawn
 
     (tmp_path / "reward.py").write_text(REWARD)
     ports = free_ports(2)

@@ -7,18 +7,12 @@ import math
 
 import pytest
 import torch
-from PIL import Image
 
 from alignrl.config import load_config
 from alignrl.runner import train_grpo
 from alignrl.runtime.ports import free_ports
-from test_pipeline_zmq import finish, sampler, spawn, weights
-
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return float(len(solution_str) % 3) / 2.0
-'''
-COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0)}
+from visionrows import REWARD, color_rows, save_pictures, write_jsonl
+from zmqpipeline import finish, sampler, spawn, weights
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +22,7 @@ def vl_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("vl_run")
     folder = build_tiny_vl(root / "tiny-vl", seed=0)
-    rows = []
-    for i, (name, rgb) in enumerate(COLORS.items()):
-        Image.new("RGB", (56, 56), rgb).save(root / f"{name}.png")
-        content = [{"type": "image", "image": f"file://{root / name}.png"},
-                   {"type": "text", "text": f"Which color is picture {i}?"}]
-        rows.append({"message": json.dumps([{"role": "user", "content": content}]), "answer": name})
-    (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    write_jsonl(root / "train.jsonl", color_rows(save_pictures(root)))
     (root / "reward.py").write_text(REWARD)
     return folder, root / "train.jsonl", f"{root / 'reward.py'}:compute_score"
 

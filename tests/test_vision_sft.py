@@ -7,8 +7,7 @@ from PIL import Image
 
 from alignrl.data.records import Sample
 from alignrl.models.sft import sft_train
-
-COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0)}
+from visionrows import COLORS
 
 
 @pytest.fixture(scope="module")
