@@ -94,3 +94,18 @@ def test_lora_grpo_step_samples_what_the_trainer_scores(tiny_model_dir, tmp_path
     steps = [r for r in rows if "rollout/kl_vs_trainer" in r]
     # step 2 generates after an update moved the adapters: the decoder read the new deltas
     assert len(steps) == 2 and all(abs(r["rollout/kl_vs_trainer"]) < 1e-5 for r in steps), steps
+
+
+def test_a_lora_policys_kv_cache_goes_by_its_models_own_argument_name(tiny_model_dir):
+    """peft's forward takes any keyword and hands it on: the cache's name is the wrapped model's (transformers 5.2x
+    warns at every call that still uses `past_key_values`), under a DDP-style `module` wrapper too."""
+    import inspect
+
+    from alignrl.models.kv_cache import cache_arg
+
+    wrapped, _ = _with_adapters(tiny_model_dir, LoraSpec(rank=4, alpha=8, target_modules="all-linear"))
+    base = wrapped.get_base_model()
+    name = "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+    holder = torch.nn.Module()
+    holder.module = wrapped
+    assert cache_arg(wrapped, 1) == cache_arg(holder, 1) == {name: 1}

@@ -22,9 +22,14 @@ def pictures(tmp_path_factory) -> dict[str, Path]:
     return save_pictures(tmp_path_factory.mktemp("pictures"))
 
 
-def test_grpo_step_in_process_on_images(vl_dir, pictures, tmp_path):
-    """One GRPO step with model.path=<tiny VL folder> on LMM-R1 rows: the trainer's recomputed log-probs are the
-    engine's (rollout/kl_vs_trainer ~ 0), the weights move, and held-out evaluation reads the image prompts."""
+@pytest.mark.parametrize("lora", [[], ["model.lora_rank=4"]], ids=["full", "lora"])
+def test_grpo_step_in_process_on_images(vl_dir, pictures, tmp_path, lora):
+    """One GRPO step with model.path=<tiny VL folder> on LMM-R1 rows, all weights or LoRA adapters: the trainer's
+    recomputed log-probs are the engine's (rollout/kl_vs_trainer ~ 0), the weights move, held-out evaluation reads
+    the image prompts, and no deprecation warning is raised (a LoRA policy's KV cache went by transformers' old
+    argument name through peft's wrapper, which warned at every prompt)."""
+    import warnings
+
     from safetensors.torch import load_file
 
     from alignrl.config import load_config
@@ -38,9 +43,13 @@ def test_grpo_step_in_process_on_images(vl_dir, pictures, tmp_path):
         "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4", "actor.lr=1e-2",
         "actor.kl_loss_coef=0.01", f"algorithm.reward_fn={tmp_path / 'reward.py'}:compute_score",
         "trainer.total_training_steps=1", "trainer.test_freq=1", "trainer.save_freq=1", "trainer.progress_bar=false",
-        "trainer.logger=[jsonl]", f"trainer.output_dir={tmp_path}", "trainer.experiment_name=vl"])
-    summary = train_grpo(cfg)
+        "trainer.logger=[jsonl]", f"trainer.output_dir={tmp_path}", "trainer.experiment_name=vl", *lora])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", FutureWarning)
+        warnings.simplefilter("always", DeprecationWarning)
+        summary = train_grpo(cfg)
     assert summary["steps"] == 1
+    assert not [str(w.message) for w in said if issubclass(w.category, (FutureWarning, DeprecationWarning))]
     metrics = [json.loads(x) for x in (tmp_path / "vl" / "logs" / "metrics.jsonl").read_text().splitlines()]
     step = metrics[1]
     assert step["rollout/kl_vs_trainer"] < 1e-6 and step["actor/grad_norm"] > 0 and "val/accuracy" in step

@@ -24,10 +24,15 @@ def _name(cls: type) -> str:
 
 
 def cache_arg(model: torch.nn.Module, cache) -> dict:
-    """{name: cache} for `model(...)`; DDP and DeepSpeed wrappers are looked through to the model's own forward."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return {_name(type(model)): cache}
+    """{name: cache} for `model(...)`; DDP, DeepSpeed and peft (LoRA) wrappers, whose forwards take any keyword and
+    hand it on, are looked through to the model's own forward."""
+    while True:
+        if isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        elif callable(getattr(model, "get_base_model", None)):
+            model = model.get_base_model()
+        else:
+            return {_name(type(model)): cache}
 
 
 def returned_cache(out):

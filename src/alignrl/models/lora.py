@@ -7,6 +7,7 @@ term is the same model with its adapters switched off (`adapters_off`), so no se
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,7 +66,9 @@ def add_adapters(model: torch.nn.Module, spec: LoraSpec, key: str = "model.lora_
     config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets,
                              task_type=task, exclude_modules=list(exclude) or None)
     try:
-        return peft.get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft asks transformers for the old name of activation checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return peft.get_peft_model(model, config)
     except ValueError as e:
         if not any(s in str(e) for s in ("not found", "Target modules", "No modules were targeted")):
             raise

@@ -32,13 +32,9 @@ def attach(model: torch.nn.Module, spec: LoraSpec, task: str, seed: int):
     peft is missing or a target matches no module. The new adapter weights are drawn from `seed`: every rank draws
     the same ones whatever its random state, which differs between engines (a sharded engine assembles each weight
     from its ranks' own draws), so a run trains the same on every strategy."""
-    import warnings
-
     _check_targets(model, spec)
     torch.manual_seed(seed)
-    with warnings.catch_warnings():  # peft asks transformers for the old name of activation checkpointing
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return add_adapters(model, spec, key="use_lora", task=task)
+    return add_adapters(model, spec, key="use_lora", task=task)
 
 
 def _check_targets(model: torch.nn.Module, spec: LoraSpec) -> None:
