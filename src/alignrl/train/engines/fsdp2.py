@@ -35,9 +35,9 @@ def shard_blocks(model: torch.nn.Module, env: DistEnv, **options) -> None:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(env.device.type, (env.world_size,))
-    # torch warns at every forward whose output is a view (a token-classification head's logits are one) that an
-    # in-place op on it would skip the backward's all-gather; alignrl's log-prob and value code reads outputs out of
-    # place only, so the warning is noise in every critic run
+    # torch warns, on every rank, when a sharded module's output is a view (a token-classification head's logits are
+    # one) that an in-place op on it would skip the backward's all-gather; alignrl's log-prob and value code reads
+    # outputs out of place only, so the warning is noise in every critic run
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
                             category=UserWarning)
     for block in _blocks(model):
