@@ -135,6 +135,21 @@ def test_math_score_works_off_the_main_thread() -> None:
     assert scores == [1.0, 0.0] * 4
 
 
+def test_math_scoring_says_nothing_about_its_timeouts_being_off() -> None:
+    """math_verify logs once per process that its timeouts are off; every Ray worker and sampler printed that line.
+    A fresh process, as a worker is: the score on stdout, nothing on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import src_path
+
+    code = "from alignrl.rewards.math import compute_score as c; print(c('so \\\\boxed{1/2}', '0.5'), c('#### 3', '4'))"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": src_path()})
+    assert p.returncode == 0 and p.stdout.split() == ["1.0", "0.0"] and p.stderr == "", p.stderr
+
+
 def test_registry_routes_by_data_source() -> None:
     assert REWARDS["openai/gsm8k"] is gsm8k.compute_score
     assert REWARDS["synthetic_arith"] is gsm8k.compute_score

@@ -58,14 +58,17 @@ def test_zmq_sampler_with_images_trains_as_in_process(vl_run, tmp_path):
 @pytest.mark.timeout(400)
 def test_ray_placement_with_images_trains_a_step(cluster, vl_run, tmp_path, capsys):
     """`alignrl train ppo-ray` (OpenRLHF's flags, LMM-R1's `--input_key message`) with the tiny VL model: two
-    actor ranks, a rollout engine whose batches carry the prompts' images across Ray, and a reference worker of its
-    own scoring them with their images for the KL loss."""
+    actor ranks, a rollout engine whose batches carry the prompts' images across Ray, a reference worker of its
+    own scoring them with their images for the KL loss, and a critic group of two ranks (PPO with gae, the critic
+    from the policy's folder) reading them for its values."""
     from alignrl.compat.openrlhf_ppo_ray import main
     from raycluster import metric_rows
 
     folder, data, _ = vl_run
     argv = ["--pretrain", str(folder), "--save_path", str(tmp_path / "ray"), "--actor_num_nodes", "1",
-            "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1", "--advantage_estimator", "group_norm",
+            "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1", "--advantage_estimator", "gae",
+            "--critic_pretrain", str(folder), "--critic_num_nodes", "1", "--critic_num_gpus_per_node", "2",
+            "--critic_learning_rate", "1e-2",
             "--n_samples_per_prompt", "4", "--rollout_batch_size", "2", "--train_batch_size", "8",
             "--micro_train_batch_size", "4", "--generate_max_len", "6", "--prompt_max_len", "64", "--max_samples", "4",
             "--actor_learning_rate", "1e-2", "--val_size", "2", "--total_steps", "1", "--peer_timeout", "60",
@@ -80,6 +83,8 @@ def test_ray_placement_with_images_trains_a_step(cluster, vl_run, tmp_path, caps
     # KL loss of the policy against it is a finite ~0 (image tokens without their images would have been refused)
     assert math.isfinite(rows[0]["actor/kl_loss"]) and abs(rows[0]["actor/kl_loss"]) < 1e-4, rows
     assert math.isfinite(rows[0]["actor/grad_norm"]) and rows[0]["actor/grad_norm"] > 0, rows  # the step trained
+    # the critic ranks read the images too (a text-only critic is refused), and trained
+    assert math.isfinite(rows[0]["critic/values_mean"]) and rows[0]["critic/grad_norm"] > 0, rows
 
 
 @pytest.mark.timeout(400)

@@ -27,6 +27,7 @@ def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print
 
         register()
     torch.manual_seed(seed)  # the head of a policy-initialised critic is new: make it reproducible
+    hf_logging.disable_progress_bar()  # as for the policy: a critic rank's loads and saves drew bars in its log
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "newly initialized score weights" is expected here, not a problem
     try:

@@ -8,6 +8,7 @@ them with SIGALRM, which raises off the main thread, and rewards are scored in w
 
 from __future__ import annotations
 
+import logging
 import re
 
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -16,6 +17,18 @@ _HASH_RE = re.compile(r"####[ \t]*([^\n]+)")
 # timeout to stop it (above): such an answer is compared as text. A "$" that is not escaped ("\$18.90" is a price).
 _HUGE_POWER_RE = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\{?\s*\d{6,}|\*\*\s*\d{6,}")
 _MATH_DOLLAR_RE = re.compile(r"(?<!\\)\$")
+
+
+class _TimeoutsOffOnPurpose(logging.Filter):
+    """math_verify says once per process that its timeouts are off and the caller must interrupt stuck parses; here
+    they are off on purpose (above) and huge powers never reach sympy, so every worker's copy of that line is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_TimeoutsOffOnPurpose())
 
 
 def last_boxed(text: str) -> str | None:
