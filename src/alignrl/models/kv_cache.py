@@ -11,6 +11,8 @@ from collections.abc import Mapping
 
 import torch
 
+from alignrl.models.lora import base_model, unwrapped
+
 __all__ = ["cache_arg", "returned_cache"]
 
 
@@ -26,13 +28,7 @@ def _name(cls: type) -> str:
 def cache_arg(model: torch.nn.Module, cache) -> dict:
     """{name: cache} for `model(...)`; DDP, DeepSpeed and peft (LoRA) wrappers, whose forwards take any keyword and
     hand it on, are looked through to the model's own forward."""
-    while True:
-        if isinstance(getattr(model, "module", None), torch.nn.Module):
-            model = model.module
-        elif callable(getattr(model, "get_base_model", None)):
-            model = model.get_base_model()
-        else:
-            return {_name(type(model)): cache}
+    return {_name(type(base_model(unwrapped(model)))): cache}
 
 
 def returned_cache(out):

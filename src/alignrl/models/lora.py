@@ -88,6 +88,11 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def base_model(model):
+    """The HF model under a peft wrapper (`get_base_model`), or `model` itself."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
 @contextmanager
 def adapters_off(model: torch.nn.Module) -> Iterator[None]:
     """Inside, `model` computes as its base without adapters (the reference); a model without adapters is

@@ -26,6 +26,7 @@ from transformers import DynamicCache
 
 from alignrl.data.collate import position_ids
 from alignrl.models.kv_cache import cache_arg
+from alignrl.models.lora import base_model
 from alignrl.models.packing import PACKED
 
 _FAMILY = ("qwen2", "llama")  # Mistral is left out: its default config slides the attention window
@@ -40,11 +41,6 @@ def _rms(x: torch.Tensor, norm) -> torch.Tensor:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def base_model(model):
-    """The HF model under a peft wrapper (`get_base_model`), or `model` itself."""
-    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
 
 
 def _adapters(lin) -> list[str]:

@@ -138,16 +138,14 @@ if taken "$AGENT_PORT"; then
          "this node free ports with RAY_AGENT_PORT, RAY_AGENT_GRPC_PORT, RAY_RUNTIME_ENV_AGENT_PORT" >&2
     exit 2
 fi
+if [[ $ROLE == head ]]; then
+    JOIN=(--head --port="$RAY_PORT" --dashboard-host="$DASHBOARD_HOST" --dashboard-port="$DASHBOARD_PORT")
+else
+    JOIN=(--address="$HEAD_HOST:$RAY_PORT")
+fi
 start_node() {
-    if [[ $ROLE == head ]]; then
-        "$RAY" start --head --port="$RAY_PORT" --dashboard-host="$DASHBOARD_HOST" --dashboard-port="$DASHBOARD_PORT" \
-            --temp-dir="$TEMP_DIR" --disable-usage-stats --min-worker-port="$MIN_WORKER_PORT" \
-            --max-worker-port="$MAX_WORKER_PORT" ${RESOURCES[@]+"${RESOURCES[@]}"} ${EXTRA[@]+"${EXTRA[@]}"}
-    else
-        "$RAY" start --address="$HEAD_HOST:$RAY_PORT" --temp-dir="$TEMP_DIR" --disable-usage-stats \
-            --min-worker-port="$MIN_WORKER_PORT" --max-worker-port="$MAX_WORKER_PORT" \
-            ${RESOURCES[@]+"${RESOURCES[@]}"} ${EXTRA[@]+"${EXTRA[@]}"}
-    fi
+    "$RAY" start "${JOIN[@]}" --temp-dir="$TEMP_DIR" --disable-usage-stats --min-worker-port="$MIN_WORKER_PORT" \
+        --max-worker-port="$MAX_WORKER_PORT" ${RESOURCES[@]+"${RESOURCES[@]}"} ${EXTRA[@]+"${EXTRA[@]}"}
 }
 # Ray gives a starting node a fixed 30 s to register with the GCS; on a machine busy with other work (a shared
 # node, another cluster starting) it can miss that and exit ("timed out during startup"). What it left is stopped
