@@ -114,6 +114,15 @@ class TrainEngine(Protocol):
     def backward(self, loss: torch.Tensor, last_micro: bool = True) -> None:
         """`last_micro`: the last micro-batch before `step` (backends that defer gradient reduction)."""
 
+    # micro-batches may run side by side (`runtime.lanes`), their gradients handed to `add_gradients` instead of
+    # going through `backward`: one process whose optimizer steps the model's own parameters
+    parallel_micro_batches: bool
+
+    def add_gradients(self, grads: list[torch.Tensor | None]) -> None:
+        """Adds one gradient per stepped parameter (`params`, in order; None: none), as `backward` accumulates."""
+
+    params: list[torch.nn.Parameter]  # the parameters the optimizer steps
+
     skipped_steps: int  # steps skipped for a non-finite loss or gradient since the engine was built
 
     def step(self, skip: bool = False) -> float:

@@ -8,6 +8,7 @@ import torch
 
 from alignrl.data.images import encode_image_prompt
 from alignrl.errors import UserError
+from alignrl.runtime.lanes import lanes_of, run_lanes
 
 
 def prompt_ids(tokenizer, sample) -> list[int]:
@@ -120,21 +121,29 @@ def length_sorted_chunks(idx: torch.Tensor, prompt_mask: torch.Tensor, response_
 
 @torch.no_grad()
 def per_token_in_chunks(model, fn, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                        response_mask: torch.Tensor, micro_batch: int, by_prompt: bool = False, images=None
-                        ) -> torch.Tensor:
+                        response_mask: torch.Tensor, micro_batch: int, by_prompt: bool = False, images=None,
+                        lanes: int = 1) -> torch.Tensor:
     """(B, R) per-token outputs of `fn(model, prompt_ids, prompt_mask, response_ids, response_mask)` in eval
     mode, `micro_batch` rows at a time, rows grouped by length (and by prompt with `by_prompt`) and each
     chunk trimmed of padding. With `images` (`data.images.ImageRows` of the B rows), `fn` also takes each
-    chunk's rows of them as `images=`."""
+    chunk's rows of them as `images=`. `lanes` > 1 (text only): chunks run side by side (`runtime.lanes`); a batch
+    of one chunk stays whole (one large forward already keeps a CPU's threads busy)."""
     was_training = model.training
     model.eval()
     out = torch.zeros(response_ids.shape)
     group = prompt_groups(prompt_ids, prompt_mask)[1] if by_prompt else None
-    for idx in length_sorted_chunks(torch.arange(out.shape[0]), prompt_mask, response_mask, micro_batch, group):
+    chunks = length_sorted_chunks(torch.arange(out.shape[0]), prompt_mask, response_mask, micro_batch, group)
+
+    def run(idx: torch.Tensor) -> torch.Tensor:
         pm, rm = prompt_mask[idx], response_mask[idx]
         p0, r1 = padding_bounds(pm, rm)
         extra = {} if images is None else {"images": images.select(idx)}
-        out[idx, :r1] = fn(model, prompt_ids[idx, p0:], pm[:, p0:], response_ids[idx, :r1], rm[:, :r1],
-                           **extra).to(out.device)
+        return fn(model, prompt_ids[idx, p0:], pm[:, p0:], response_ids[idx, :r1], rm[:, :r1], **extra)
+
+    plan = lanes_of(len(chunks), 1 if images is not None else lanes)
+    done = run_lanes([lambda part=part: [run(chunks[i]) for i in part] for part in plan])
+    for part, results in zip(plan, done):
+        for i, values in zip(part, results):  # written here, in one thread
+            out[chunks[i], :values.shape[1]] = values.to(out.device)
     model.train(was_training)
     return out

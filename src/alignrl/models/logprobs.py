@@ -28,10 +28,12 @@ from alignrl.models.vision import vision_inputs
 @dataclass(frozen=True)
 class ForwardLayout:
     """How a micro-batch goes through the model: `share_prompt` runs each distinct prompt once (above);
-    `remove_padding` packs its real tokens into one row (`models.packing`). Both change only float rounding."""
+    `remove_padding` packs its real tokens into one row (`models.packing`); `lanes` > 1 lets up to that many
+    micro-batches run side by side on a CPU (`runtime.lanes`). All three change only float rounding."""
 
     share_prompt: bool = False
     remove_padding: bool = False
+    lanes: int = 1
 
 
 def _chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:

@@ -20,6 +20,7 @@ padded-layout result. Soft-capped attention, and sequences longer than a sliding
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -187,15 +188,27 @@ def _config(model):
     return cfg
 
 
+_ROUTING = threading.Lock()
+_ROUTED: dict[int, list] = {}  # id(config) -> [its own attention implementation, packed calls running on it]
+
+
 @contextmanager
 def _routed(model):
+    """The model's attention routed to the packed function for the call. Calls may overlap (micro-batches side
+    by side: `runtime.lanes`); the first to start routes, the last to end restores."""
     cfg = _config(model)
-    before = cfg._attn_implementation
-    cfg._attn_implementation = PACKED_CALL
+    with _ROUTING:
+        entry = _ROUTED.setdefault(id(cfg), [cfg._attn_implementation, 0])
+        entry[1] += 1
+        cfg._attn_implementation = PACKED_CALL
     try:
         yield
     finally:
-        cfg._attn_implementation = before
+        with _ROUTING:
+            entry[1] -= 1
+            if entry[1] == 0:
+                cfg._attn_implementation = entry[0]
+                del _ROUTED[id(cfg)]
 
 
 def keep_routed(model) -> None:

@@ -194,8 +194,9 @@ def build_critics(cfg: RunConfig, resume: Path | None, env: DistEnv = SINGLE,
 
 
 def forward_layout(cfg: RunConfig) -> ForwardLayout:
-    """How the policy's and the reference's forwards lay out a micro-batch (actor.share_prompt, use_remove_padding)."""
-    return ForwardLayout(cfg.actor.share_prompt, cfg.actor.use_remove_padding)
+    """How the policy's and the reference's forwards lay out a micro-batch (actor.share_prompt, use_remove_padding)
+    and how many run side by side on a CPU (trainer.cpu_lanes)."""
+    return ForwardLayout(cfg.actor.share_prompt, cfg.actor.use_remove_padding, cfg.trainer.cpu_lanes)
 
 
 def load_policy(cfg: RunConfig, folder: Path, env: DistEnv, in_shards: bool) -> tuple[torch.nn.Module, Callable | None]:

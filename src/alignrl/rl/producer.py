@@ -27,6 +27,7 @@ from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, shard
 from alignrl.interfaces import RefScorer, RolloutEngine, SamplingParams
 from alignrl.models.folder import ModelError
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
+from alignrl.runtime.lanes import lane_count
 from alignrl.utils.tracking import console
 
 # Dataset rows -> (samples, prompt token ids); the runner's `PromptData` is one.
@@ -49,8 +50,9 @@ def batched_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     def logprobs(m, *tensors, images=None):
         return response_logprobs(m, *tensors, temperature, layout=layout, images=images)[0]
 
+    device = next(model.parameters()).device
     return per_token_in_chunks(model, logprobs, prompt_ids, prompt_mask, response_ids, response_mask, micro_batch,
-                               by_prompt=layout.share_prompt, images=images)
+                               by_prompt=layout.share_prompt, images=images, lanes=lane_count(layout.lanes, device))
 
 
 class LocalRefScorer:

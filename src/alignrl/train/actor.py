@@ -11,6 +11,7 @@ import torch
 from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, aggregate_loss
 from alignrl.data.records import Experience
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
+from alignrl.runtime.lanes import lane_count
 from alignrl.train.minibatch import TokenBudget, minibatch_updates
 from alignrl.interfaces import TrainEngine
 
@@ -80,4 +81,5 @@ class Actor:
             return policy_loss(logp, ent, micro, spec, tokens, seqs)
 
         return minibatch_updates(exp, micro_loss, self.engine, mini_batch, micro_batch, epochs, generator, "actor",
-                                 by_prompt=self.layout.share_prompt)
+                                 by_prompt=self.layout.share_prompt,
+                                 lanes=lane_count(self.layout.lanes, self.engine.env.device))

@@ -20,6 +20,7 @@ from alignrl.core.aggregation import n_sequences
 from alignrl.data.collate import length_sorted_chunks, prompt_groups
 from alignrl.data.records import Experience
 from alignrl.runtime.env import DistEnv, all_reduce_sum
+from alignrl.runtime.lanes import lane_sums, lanes_of, run_lanes
 from alignrl.interfaces import TrainEngine
 
 SKIPPED = "skipped_nonfinite"  # the metric counting skipped steps, under each model's prefix
@@ -40,15 +41,17 @@ class TokenBudget:
 
 def minibatch_updates(exp: Experience, micro_loss: MicroLoss, engine: TrainEngine, mini_batch: int,
                       micro_batch: int | TokenBudget, epochs: int, generator: torch.Generator, prefix: str,
-                      by_prompt: bool = False) -> dict[str, float]:
+                      by_prompt: bool = False, lanes: int = 1) -> dict[str, float]:
     """Runs the updates; `mini_batch` is this rank's share of a mini-batch, in sequences (`micro_batch`: rows, or
     a TokenBudget); `by_prompt` keeps the
-    rows of a prompt in the same mini- and micro-batches (for a shared-prompt forward). Returns metrics
+    rows of a prompt in the same mini- and micro-batches (for a shared-prompt forward); `lanes` > 1: micro-batches
+    side by side where the engine takes it (`runtime.lanes`). Returns metrics
     averaged over mini-batches (each weighted 1), and `<prefix>/skipped_nonfinite`: the optimizer steps
     skipped because the loss or the gradient norm was non-finite (see `TrainEngine.step`)."""
     sums: dict[str, list[float]] = defaultdict(list)
     skipped_before = engine.skipped_steps
     group = prompt_groups(exp.prompt_ids, exp.prompt_mask)[1] if by_prompt else None  # each row's prompt
+    side_by_side = lanes > 1 and engine.parallel_micro_batches and exp.images is None
     for _ in range(epochs):
         order = shuffled_rows(len(exp), generator, group)
         for start in range(0, len(exp), mini_batch):
@@ -56,25 +59,69 @@ def minibatch_updates(exp: Experience, micro_loss: MicroLoss, engine: TrainEngin
             local_tokens = float(exp.response_mask[mb].sum())
             tokens, seqs = all_reduce_sum(engine.env, [local_tokens, n_sequences(exp.response_mask[mb])])
             chunks = micro_batches(mb, exp, micro_batch, group, engine.env)
-            bad_loss = 0.0
-            for i, rows in enumerate(chunks):
-                micro = exp.select(rows).to(engine.env.device)
-                last = i == len(chunks) - 1
-                with engine.micro_batch(last):
-                    loss, m = micro_loss(rows, micro, tokens, seqs)
-                    bad_loss += not bool(torch.isfinite(loss.detach()))
-                    engine.backward(loss, last_micro=last)
-                share = float(micro.response_mask.sum()) / max(local_tokens, 1.0)
+            run = MicroRun(exp, micro_loss, engine, tokens, seqs)
+            done = run.in_lanes(chunks, lanes) if side_by_side and len(chunks) > 1 else run.one_by_one(chunks)
+            for finite, tokens_in, m in done:
                 for k, v in m.items():
-                    sums[k].append(v * share)
+                    sums[k].append(v * tokens_in / max(local_tokens, 1.0))
             # every rank must skip the same steps, or the replicas' weights part ways
-            bad_loss = all_reduce_sum(engine.env, [bad_loss])[0]
+            bad_loss = all_reduce_sum(engine.env, [float(sum(not f for f, _, _ in done))])[0]
             sums[f"{prefix}/grad_norm"].append(engine.step(skip=bad_loss > 0))
     n_mini = optimizer_steps(len(exp), mini_batch, epochs)
     out = {k: sum(v) / n_mini for k, v in sums.items()}
     out[f"{prefix}/lr"] = engine.lr()
     out[f"{prefix}/{SKIPPED}"] = float(engine.skipped_steps - skipped_before)
     return out
+
+
+@dataclass
+class MicroRun:
+    """The micro-batches of one mini-batch, each's loss backpropagated: one after the other through the engine's
+    backward, or side by side. Each gives (loss finite, its response tokens, its metrics), in micro-batch order."""
+
+    exp: Experience
+    micro_loss: MicroLoss
+    engine: TrainEngine
+    tokens: float  # the mini-batch's response tokens and sequences over all ranks
+    seqs: float
+
+    def _loss(self, rows: torch.Tensor) -> tuple[torch.Tensor, tuple[bool, float, dict[str, float]]]:
+        micro = self.exp.select(rows).to(self.engine.env.device)
+        loss, m = self.micro_loss(rows, micro, self.tokens, self.seqs)
+        return loss, (bool(torch.isfinite(loss.detach())), float(micro.response_mask.sum()), m)
+
+    def one_by_one(self, chunks: list[torch.Tensor]) -> list[tuple[bool, float, dict[str, float]]]:
+        done = []
+        for i, rows in enumerate(chunks):
+            last = i == len(chunks) - 1
+            with self.engine.micro_batch(last):
+                loss, result = self._loss(rows)
+                self.engine.backward(loss, last_micro=last)
+            done.append(result)
+        return done
+
+    def in_lanes(self, chunks: list[torch.Tensor], lanes: int) -> list[tuple[bool, float, dict[str, float]]]:
+        """Each lane sums its micro-batches' gradients in order (`autograd.grad`, never into `.grad` from two
+        threads); the lanes' sums are added in lane order: the same result whatever the timing."""
+        params = self.engine.params
+
+        def lane(part: list[int]):
+            grads: list[torch.Tensor | None] = [None] * len(params)
+            results = []
+            for i in part:
+                loss, result = self._loss(chunks[i])
+                got = torch.autograd.grad(loss, params, allow_unused=True)
+                grads = lane_sums([grads, list(got)])
+                results.append(result)
+            return grads, results
+
+        plan = lanes_of(len(chunks), lanes)
+        done = run_lanes([lambda part=part: lane(part) for part in plan])
+        self.engine.add_gradients(lane_sums([grads for grads, _ in done]))
+        ordered: dict[int, tuple[bool, float, dict[str, float]]] = {}
+        for part, (_, results) in zip(plan, done):
+            ordered.update(zip(part, results))
+        return [ordered[i] for i in range(len(chunks))]
 
 
 def micro_batches(rows: torch.Tensor, exp: Experience, micro: int | TokenBudget, group: torch.Tensor | None,

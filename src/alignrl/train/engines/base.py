@@ -141,6 +141,7 @@ class LocalOptimizerEngine:
 
     env: DistEnv
     model: torch.nn.Module
+    parallel_micro_batches = False  # FSDP2 reduces gradients in its backward hooks; LocalEngine decides its own
 
     def _build_optimizer(self, spec: OptimSpec, master: bool = False) -> None:
         """`master`: the optimizer steps fp32 copies of a bf16/fp16 model's weights (master.py)."""
@@ -163,6 +164,15 @@ class LocalOptimizerEngine:
         self.skipped_steps += not stepped
         self.zero.after_step()
         return norm
+
+    def add_gradients(self, grads: list[torch.Tensor | None]) -> None:
+        """Adds gradients computed outside `backward` (micro-batches side by side: `runtime.lanes`), one per
+        stepped parameter in order, as a backward would have accumulated them."""
+        self.zero.before_backward()
+        with torch.no_grad():
+            for p, g in zip(self.params, grads):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
 
     def lr(self) -> float:
         """The learning rate of the latest step (warm-up shows), the first step's before any."""

@@ -117,6 +117,11 @@ def _ensure_comm(env: DistEnv) -> None:
 
 class DeepSpeedEngine:
     name = "deepspeed"
+    parallel_micro_batches = False  # DeepSpeed partitions and reduces gradients inside its own backward
+
+    def add_gradients(self, grads: list[torch.Tensor | None]) -> None:
+        raise RuntimeError("a DeepSpeed engine takes gradients through its own backward only "
+                           "(parallel_micro_batches is False)")
 
     def __init__(self, model: torch.nn.Module, spec: OptimSpec, env: DistEnv, config: dict):
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if env.device.type == "cuda" else "cpu")
@@ -129,7 +134,7 @@ class DeepSpeedEngine:
         self.whole_weights = self.stage < 3
         self.born_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # built in partitioned_init
         model.to(env.device)
-        params = [p for p in model.parameters() if p.requires_grad]
+        self.params = params = [p for p in model.parameters() if p.requires_grad]
         optimizer, scheduler = spec.build(params)
         self.module, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=config)

@@ -34,6 +34,8 @@ class LocalEngine(LocalOptimizerEngine):
             self.module = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda"
                                                   else None)
         self._build_optimizer(spec, master=True)
+        # one process stepping the model's own parameters: gradients taken elsewhere may be added as they are
+        self.parallel_micro_batches = not env.distributed and self.master is None
 
     def micro_batch(self, last_micro: bool) -> AbstractContextManager:
         # accumulate locally; the last micro-batch's backward all-reduces the sum once

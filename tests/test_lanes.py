@@ -1,0 +1,143 @@
+"""Micro-batches side by side on a CPU (runtime.lanes): the same update as one at a time, the same every run."""
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from alignrl.config import load_config
+from alignrl.data.records import Experience
+from alignrl.models.logprobs import ForwardLayout
+from alignrl.placements.build import forward_layout
+from alignrl.rl.producer import batched_logprobs
+from alignrl.runtime import lanes
+from alignrl.runtime.env import SINGLE
+from alignrl.train.actor import Actor, PolicyLossSpec
+from alignrl.train.engines import OptimSpec, build_engine
+
+PACKED = ForwardLayout(share_prompt=True, remove_padding=True)
+
+
+@pytest.fixture
+def two_threads():
+    """Lanes are taken only where the process has a thread per lane; the test process may have been fitted to one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_lanes_alternate_over_micro_batches_and_never_exceed_them():
+    assert lanes.lanes_of(5, 2) == [[0, 2, 4], [1, 3]]
+    assert lanes.lanes_of(1, 2) == [[0]]
+    assert lanes.lanes_of(0, 2) == [[]]
+
+
+def test_lane_count_follows_device_threads_and_distributed_groups(two_threads, monkeypatch):
+    assert lanes.lane_count(2, "cpu") == 2
+    assert lanes.lane_count(4, "cpu") == 2  # no more lanes than threads
+    assert lanes.lane_count(1, "cpu") == 1
+    assert lanes.lane_count(2, "cuda") == 1
+    torch.set_num_threads(1)
+    assert lanes.lane_count(2, "cpu") == 1
+    torch.set_num_threads(2)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    assert lanes.lane_count(2, "cpu") == 1  # a rank's collectives must come in one order
+
+
+def test_run_lanes_gives_each_lane_its_share_of_threads_and_the_callers_grad_mode(two_threads):
+    seen = []
+
+    def probe():
+        seen.append((threading.current_thread().name, torch.get_num_threads(), torch.is_grad_enabled()))
+        return len(seen)
+
+    with torch.no_grad():
+        out = lanes.run_lanes([probe, probe])
+    assert sorted(out) == [1, 2]
+    assert {t for _, t, _ in seen} == {1} and {g for _, _, g in seen} == {False}
+    assert all(name.startswith("alignrl-lane") for name, _, _ in seen)
+    assert torch.get_num_threads() == 2  # the caller keeps its own
+
+
+def test_an_error_in_one_lane_is_raised_after_the_other_lane_finished(two_threads):
+    finished = threading.Event()
+
+    def slow():
+        assert not finished.wait(0.2)  # still running when the other lane has failed
+        finished.set()
+        return 1
+
+    def bad():
+        raise ValueError("lane failed")
+
+    with pytest.raises(ValueError, match="lane failed"):
+        lanes.run_lanes([bad, slow])
+    assert finished.is_set()
+
+
+def test_lane_sums_add_in_lane_order_and_keep_missing_gradients():
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.5])
+    total = lanes.lane_sums([[a, None, None], [b, None, a]])
+    assert torch.equal(total[0], a + b) and total[1] is None and torch.equal(total[2], a)
+
+
+def _experience(rows=16, vocab=60):
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, vocab, (4, 6), generator=g)[torch.arange(rows) % 4]
+    p_len = torch.tensor([3, 6, 5, 4])[torch.arange(rows) % 4]
+    pm = torch.arange(6)[None] >= 6 - p_len[:, None]
+    r_len = torch.randint(1, 9, (rows,), generator=g)
+    rm = torch.arange(8)[None] < r_len[:, None]
+    rid = torch.randint(3, vocab, (rows, 8), generator=g) * rm
+    old = -torch.rand(rows, 8, generator=g) * rm
+    adv = torch.randn(rows, generator=g)[:, None].expand(rows, 8) * rm
+    return Experience(prompts * pm, pm, rid, rm, old, None, adv)
+
+
+def _update(model, layout, exp):
+    actor = Actor(build_engine("single", model, OptimSpec(lr=1e-3, total_steps=10, grad_clip=1.0), SINGLE), layout)
+    metrics = actor.update(exp, PolicyLossSpec(), mini_batch=len(exp), micro_batch=4, epochs=1,
+                           generator=torch.Generator().manual_seed(0))
+    return torch.cat([p.grad.flatten() for p in model.parameters()]), metrics
+
+
+@pytest.mark.parametrize("layout", [ForwardLayout(), PACKED], ids=["padded", "packed"])
+def test_side_by_side_update_equals_one_at_a_time_and_repeats_exactly(tiny_model, two_threads, layout):
+    model, _ = tiny_model
+    exp = _experience(vocab=model.config.vocab_size)
+    ran = []
+    real = lanes.run_lanes
+    lanes_used = lambda work: ran.append(len(work)) or real(work)  # noqa: E731
+    import alignrl.train.minibatch as minibatch
+
+    minibatch.run_lanes = lanes_used
+    try:
+        one, m_one = _update(copy.deepcopy(model), layout, exp)
+        two, m_two = _update(copy.deepcopy(model), ForwardLayout(layout.share_prompt, layout.remove_padding, 2), exp)
+        again, _ = _update(copy.deepcopy(model), ForwardLayout(layout.share_prompt, layout.remove_padding, 2), exp)
+    finally:
+        minibatch.run_lanes = real
+    assert ran == [2, 2]  # the lanes did run, one update each
+    scale = one.abs().max()
+    torch.testing.assert_close(two / scale, one / scale, atol=1e-5, rtol=0)
+    assert torch.equal(two, again)  # lanes sum in a fixed order: the same bits every run
+    assert m_two["actor/grad_norm"] == pytest.approx(m_one["actor/grad_norm"], rel=1e-4)
+    assert m_two["actor/ratio_mean"] == pytest.approx(m_one["actor/ratio_mean"], rel=1e-5)  # micro-batch metrics, by share
+    assert model.config._attn_implementation == "sdpa"  # overlapping packed calls restore the model's own
+
+
+def test_side_by_side_reference_log_probs_equal_one_at_a_time(tiny_model, two_threads):
+    model, _ = tiny_model
+    exp = _experience(vocab=model.config.vocab_size)
+    args = (model, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask, 1.0, 4)
+    one = batched_logprobs(*args, PACKED)
+    two = batched_logprobs(*args, ForwardLayout(True, True, 2))
+    torch.testing.assert_close(two, one, atol=1e-5, rtol=0)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_cpu_lanes_is_a_trainer_key_that_reaches_the_forward_layout():
+    assert forward_layout(load_config(None, [])).lanes == 2
+    assert forward_layout(load_config(None, ["trainer.cpu_lanes=1"])).lanes == 1
