@@ -28,10 +28,11 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def test_lanes_alternate_over_micro_batches_and_never_exceed_them():
-    assert lanes.lanes_of(5, 2) == [[0, 2, 4], [1, 3]]
-    assert lanes.lanes_of(1, 2) == [[0]]
-    assert lanes.lanes_of(0, 2) == [[]]
+def test_lanes_share_the_tokens_evenly_and_never_outnumber_the_micro_batches():
+    assert lanes.lanes_of([850, 950, 1000, 1100], 2) == [[0, 3], [1, 2]]  # 1950 tokens each
+    assert lanes.lanes_of([5, 5, 5], 2) == [[0, 2], [1]]
+    assert lanes.lanes_of([7], 2) == [[0]]
+    assert lanes.lanes_of([], 2) == [[]]
 
 
 def test_lane_count_follows_device_threads_and_distributed_groups(two_threads, monkeypatch):

@@ -140,7 +140,8 @@ def per_token_in_chunks(model, fn, prompt_ids: torch.Tensor, prompt_mask: torch.
         extra = {} if images is None else {"images": images.select(idx)}
         return fn(model, prompt_ids[idx, p0:], pm[:, p0:], response_ids[idx, :r1], rm[:, :r1], **extra)
 
-    plan = lanes_of(len(chunks), 1 if images is not None else lanes)
+    sizes = [float(prompt_mask[idx].sum() + response_mask[idx].sum()) for idx in chunks]
+    plan = lanes_of(sizes, 1 if images is not None else lanes)
     done = run_lanes([lambda part=part: [run(chunks[i]) for i in part] for part in plan])
     for part, results in zip(plan, done):
         for i, values in zip(part, results):  # written here, in one thread

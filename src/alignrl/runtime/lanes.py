@@ -6,9 +6,9 @@ threads, L lanes take T // L threads each and each lane runs its own share of th
 the other; torch releases the GIL inside its ops, so the lanes overlap. A lane is a thread of a pool kept for
 the process (its OpenMP team is made once).
 
-Results are the same whatever the timing: micro-batch i always runs in lane i % L (`lanes_of`), in order within
-its lane, and what the lanes return is summed in lane order (`lane_sums`). Grad mode is per thread in torch, so
-each lane takes the caller's.
+Results are the same whatever the timing: which micro-batch runs in which lane depends on their sizes alone
+(`lanes_of`), each lane runs its own in order, and what the lanes return is summed in lane order (`lane_sums`).
+Grad mode is per thread in torch, so each lane takes the caller's.
 """
 
 from __future__ import annotations
@@ -34,11 +34,17 @@ def lane_count(wanted: int, device: torch.device | str) -> int:
     return max(1, min(wanted, torch.get_num_threads()))
 
 
-def lanes_of(jobs: int, lanes: int) -> list[list[int]]:
-    """The job indices each lane runs, in order: job i in lane i % lanes (length-sorted micro-batches alternate,
-    so each lane gets short and long ones)."""
-    lanes = max(1, min(lanes, jobs))
-    return [list(range(lane, jobs, lanes)) for lane in range(lanes)]
+def lanes_of(sizes: Sequence[float], lanes: int) -> list[list[int]]:
+    """The job indices each lane runs, in order, for jobs of `sizes` (their tokens): the largest job first to the
+    least loaded lane, so the lanes end together; the same sizes always give the same plan."""
+    lanes = max(1, min(lanes, len(sizes)))
+    plan: list[list[int]] = [[] for _ in range(lanes)]
+    load = [0.0] * lanes
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: equal sizes keep their order
+        lane = min(range(lanes), key=lambda j: load[j])
+        plan[lane].append(i)
+        load[lane] += sizes[i]
+    return [sorted(p) for p in plan]
 
 
 def run_lanes(work: Sequence[Callable[[], T]]) -> list[T]:

@@ -115,7 +115,8 @@ class MicroRun:
                 results.append(result)
             return grads, results
 
-        plan = lanes_of(len(chunks), lanes)
+        sizes = [float(self.exp.prompt_mask[rows].sum() + self.exp.response_mask[rows].sum()) for rows in chunks]
+        plan = lanes_of(sizes, lanes)
         done = run_lanes([lambda part=part: lane(part) for part in plan])
         self.engine.add_gradients(lane_sums([grads for grads, _ in done]))
         ordered: dict[int, tuple[bool, float, dict[str, float]]] = {}
