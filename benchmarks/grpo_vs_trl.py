@@ -48,6 +48,9 @@ Remaining differences (inherent to the frameworks, part of what is measured):
     its own KV-cache sampler that drops finished rows. Completions are sampled, so their lengths differ
     run to run and side to side; the mean completion length of each side is printed to show the work done
     was comparable.
+  * threads: with two or more torch threads, alignrl runs the update's micro-batches in two lanes of half the
+    threads each (trainer.cpu_lanes, its default; docs/runs.md), TRL each op on all of them. `--cpu-lanes 1`
+    turns the lanes off.
   * optimizer implementation: TRL uses the Trainer's default AdamW (`adamw_torch_fused` on torch >= 2.8),
     alignrl `torch.optim.AdamW(foreach=True)`; same hyper-parameters.
   * TRL's step also includes its Trainer bookkeeping (metric gathering, flops/token counting); the
@@ -90,6 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run every sequence's prompt through the model (alignrl's actor.share_prompt=false)")
     p.add_argument("--no-remove-padding", dest="remove_padding", action="store_false",
                    help="forward padded micro-batches (alignrl's actor.use_remove_padding=false)")
+    p.add_argument("--cpu-lanes", type=int, default=2,
+                   help="alignrl's trainer.cpu_lanes: micro-batches side by side on a CPU (1: one at a time)")
     a = p.parse_args(argv)
     if a.steps < 1 or a.prompts < 1 or a.max_new_tokens < 1:
         p.error("--steps, --prompts and --max-new-tokens must be >= 1")
@@ -131,6 +136,7 @@ def alignrl_side(model_dir: Path, samples, args):
         "algorithm.norm_adv_by_std_in_grpo=true", f"trainer.seed={args.seed}",
         f"actor.share_prompt={str(args.share_prompt).lower()}",
         f"actor.use_remove_padding={str(args.remove_padding).lower()}",
+        f"trainer.cpu_lanes={args.cpu_lanes}",
     ])
     placed = place(cfg, str(model_dir))
     rows = PromptData(placed.tokenizer, samples, cfg.data.max_prompt_length)
