@@ -142,3 +142,31 @@ def test_side_by_side_reference_log_probs_equal_one_at_a_time(tiny_model, two_th
 def test_cpu_lanes_is_a_trainer_key_that_reaches_the_forward_layout():
     assert forward_layout(load_config(None, [])).lanes == 2
     assert forward_layout(load_config(None, ["trainer.cpu_lanes=1"])).lanes == 1
+
+
+def test_a_critic_update_side_by_side_equals_one_at_a_time(tiny_model_dir, two_threads, monkeypatch):
+    import alignrl.data.collate as collate
+    import alignrl.train.minibatch as minibatch
+    from alignrl.models.value import load_value_model
+    from alignrl.train.critic import Critic
+
+    ran = []
+    for module in (collate, minibatch):
+        real = module.run_lanes
+        monkeypatch.setattr(module, "run_lanes", lambda work, real=real: ran.append(len(work)) or real(work))
+
+    exp = _experience()
+    returns = torch.randn(exp.response_ids.shape, generator=torch.Generator().manual_seed(2)) * exp.response_mask
+    grads = []
+    for lanes_wanted in (1, 2):
+        model = load_value_model(str(tiny_model_dir), seed=5, log=lambda *_: None)
+        engine = build_engine("single", model, OptimSpec(lr=1e-3, total_steps=10, grad_clip=1.0), SINGLE)
+        critic = Critic(engine, cliprange_value=None, remove_padding=True, lanes=lanes_wanted)
+        old = critic.values(exp, 4)
+        critic.update(exp, old, returns, len(exp), 4, 1, torch.Generator().manual_seed(0))
+        grads.append((old, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+    assert ran == [1, 2, 2]  # one lane: the values; two: the values, then the update
+    (old_one, one), (old_two, two) = grads
+    torch.testing.assert_close(old_two, old_one, atol=1e-6, rtol=0)
+    scale = one.abs().max()
+    torch.testing.assert_close(two / scale, one / scale, atol=1e-5, rtol=0)

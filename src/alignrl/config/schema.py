@@ -307,8 +307,8 @@ class TrainerConfig:
     threads: int = opt(0, "torch CPU threads; 0: OMP_NUM_THREADS when set, else the cores free to this run (its "
                           "affinity and cgroup quota, less what other processes keep busy), split among its processes",
                        ge=0)
-    cpu_lanes: int = opt(2, "on a CPU, one process: up to this many micro-batches (policy update, reference and "
-                            "old-policy log-probs) run side by side, each on a share of the torch threads; never more "
+    cpu_lanes: int = opt(2, "on a CPU, one process: up to this many micro-batches (policy and critic updates, "
+                            "log-probs and values without gradients) run side by side, each on a share of the torch threads; never more "
                             "than the threads, so a run fitted to one free core runs one. 1: one at a time", ge=1)
     strategy: str = opt("auto", "training engine of actor and critic: auto (ddp under torchrun, else single), "
                         "single, ddp, fsdp2, fsdp (verl's name: fsdp2 on several ranks, single on one), deepspeed",

@@ -166,7 +166,8 @@ def build_critic(cfg: RunConfig, name: str, resume: Path | None, env: DistEnv = 
     engine = make_engine(cfg, model, spec, env)
     if resume:
         restore_state(engine, resume / f"{name}_state", name)
-    return Critic(engine, cliprange_value=c.cliprange_value or None, name=name, remove_padding=c.use_remove_padding)
+    return Critic(engine, cliprange_value=c.cliprange_value or None, name=name, remove_padding=c.use_remove_padding,
+                  lanes=cfg.trainer.cpu_lanes)
 
 
 def critic_names(cfg: RunConfig) -> list[str]:

@@ -8,15 +8,17 @@ from alignrl.core.losses import value_loss
 from alignrl.data.collate import per_token_in_chunks
 from alignrl.data.records import Experience, Rollout
 from alignrl.models.value import response_values
+from alignrl.runtime.lanes import lane_count
 from alignrl.train.minibatch import TokenBudget, minibatch_updates
 from alignrl.interfaces import TrainEngine
 
 
 class Critic:
     def __init__(self, engine: TrainEngine, *, cliprange_value: float | None, name: str = "critic",
-                 remove_padding: bool = False):
+                 remove_padding: bool = False, lanes: int = 1):
+        """`lanes`: micro-batches side by side on a CPU (trainer.cpu_lanes, `runtime.lanes`)."""
         self.engine, self.model, self.name = engine, engine.model, name  # name prefixes metrics: critic/...
-        self.cliprange_value, self.remove_padding = cliprange_value, remove_padding
+        self.cliprange_value, self.remove_padding, self.lanes = cliprange_value, remove_padding, lanes
 
     def _values(self, model, *tensors, images=None) -> torch.Tensor:
         return response_values(model, *tensors, remove_padding=self.remove_padding, images=images)
@@ -24,7 +26,8 @@ class Critic:
     def values(self, ro: Rollout, micro_batch: int) -> torch.Tensor:
         """Values (B, R) of the rollout's states, in length-grouped, trimmed chunks."""
         return per_token_in_chunks(self.model, self._values, ro.prompt_ids, ro.prompt_mask, ro.response_ids,
-                                   ro.response_mask, micro_batch, images=ro.images)
+                                   ro.response_mask, micro_batch, images=ro.images,
+                                   lanes=lane_count(self.lanes, self.engine.env.device))
 
     def update(self, exp: Experience, old_values: torch.Tensor, returns: torch.Tensor, mini_batch: int,
                micro_batch: int | TokenBudget, epochs: int, generator: torch.Generator) -> dict[str, float]:
@@ -40,4 +43,5 @@ class Critic:
                                  self.cliprange_value, tokens)
             return loss, {self.name + k.removeprefix("critic"): x for k, x in m.items()}
 
-        return minibatch_updates(exp, micro_loss, self.engine, mini_batch, micro_batch, epochs, generator, self.name)
+        return minibatch_updates(exp, micro_loss, self.engine, mini_batch, micro_batch, epochs, generator, self.name,
+                                 lanes=lane_count(self.lanes, self.engine.env.device))
