@@ -170,3 +170,19 @@ def test_a_critic_update_side_by_side_equals_one_at_a_time(tiny_model_dir, two_t
     torch.testing.assert_close(old_two, old_one, atol=1e-6, rtol=0)
     scale = one.abs().max()
     torch.testing.assert_close(two / scale, one / scale, atol=1e-5, rtol=0)
+
+
+def test_a_model_that_draws_dropout_runs_one_micro_batch_at_a_time(tiny_model, two_threads, monkeypatch):
+    """Dropout masks come from one random generator: from two lanes their order would follow the threads' timing."""
+    import alignrl.train.minibatch as minibatch
+
+    model = copy.deepcopy(tiny_model[0])
+    model.config.attention_dropout = 0.1
+    ran = []
+    real = minibatch.run_lanes
+    monkeypatch.setattr(minibatch, "run_lanes", lambda work: ran.append(len(work)) or real(work))
+    _update(model, ForwardLayout(True, True, 2), _experience(vocab=model.config.vocab_size))
+    assert ran == []
+    model.config.attention_dropout = 0.0
+    _update(model, ForwardLayout(True, True, 2), _experience(vocab=model.config.vocab_size))
+    assert ran == [2]
