@@ -8,7 +8,7 @@ import torch
 
 from alignrl.data.images import encode_image_prompt
 from alignrl.errors import UserError
-from alignrl.runtime.lanes import lanes_of, run_lanes
+from alignrl.runtime.lanes import in_job_order, lanes_of, run_lanes
 
 
 def prompt_ids(tokenizer, sample) -> list[int]:
@@ -119,6 +119,11 @@ def length_sorted_chunks(idx: torch.Tensor, prompt_mask: torch.Tensor, response_
     return list(idx[order].split(chunk))
 
 
+def chunk_tokens(chunks: list[torch.Tensor], prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> list[float]:
+    """Each chunk's real tokens (its rows' prompts and responses): the work a lane takes on with it."""
+    return [float(prompt_mask[idx].sum() + response_mask[idx].sum()) for idx in chunks]
+
+
 @torch.no_grad()
 def per_token_in_chunks(model, fn, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                         response_mask: torch.Tensor, micro_batch: int, by_prompt: bool = False, images=None,
@@ -140,11 +145,9 @@ def per_token_in_chunks(model, fn, prompt_ids: torch.Tensor, prompt_mask: torch.
         extra = {} if images is None else {"images": images.select(idx)}
         return fn(model, prompt_ids[idx, p0:], pm[:, p0:], response_ids[idx, :r1], rm[:, :r1], **extra)
 
-    sizes = [float(prompt_mask[idx].sum() + response_mask[idx].sum()) for idx in chunks]
-    plan = lanes_of(sizes, 1 if images is not None else lanes)
+    plan = lanes_of(chunk_tokens(chunks, prompt_mask, response_mask), 1 if images is not None else lanes)
     done = run_lanes([lambda part=part: [run(chunks[i]) for i in part] for part in plan])
-    for part, results in zip(plan, done):
-        for i, values in zip(part, results):  # written here, in one thread
-            out[chunks[i], :values.shape[1]] = values.to(out.device)
+    for idx, values in zip(chunks, in_job_order(plan, done)):  # written here, in one thread
+        out[idx, :values.shape[1]] = values.to(out.device)
     model.train(was_training)
     return out

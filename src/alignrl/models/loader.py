@@ -110,8 +110,8 @@ def disable_dropout(model) -> None:
 
 def draws_dropout(model) -> bool:
     """Whether a training-mode forward of `model` draws dropout masks (a dropout layer or an attention dropout above
-    0): such forwards draw from one random generator, so they are not run side by side (`runtime.lanes`), where the
-    order of the draws would follow the threads' timing."""
+    0): such forwards draw from one random generator, so an engine does not run them side by side (`runtime.lanes`),
+    where the order of the draws would follow the threads' timing."""
     cfg = getattr(model, "config", None)
     return (any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
             or float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0)

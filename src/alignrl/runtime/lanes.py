@@ -69,6 +69,14 @@ def run_lanes(work: Sequence[Callable[[], T]]) -> list[T]:
     return [f.result() for f in futures]
 
 
+def in_job_order(plan: list[list[int]], per_lane: list[list[T]]) -> list[T]:
+    """Each lane's results (in its jobs' order, as `lanes_of` planned them) back in the jobs' own order."""
+    placed: dict[int, T] = {}
+    for jobs, results in zip(plan, per_lane):
+        placed.update(zip(jobs, results))
+    return [placed[i] for i in range(len(placed))]
+
+
 def lane_sums(per_lane: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
     """Element-wise sums of each lane's tensors (None: no gradient there), added in lane order."""
     total = list(per_lane[0])

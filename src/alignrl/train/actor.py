@@ -10,7 +10,6 @@ import torch
 
 from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, aggregate_loss
 from alignrl.data.records import Experience
-from alignrl.models.loader import draws_dropout
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.runtime.lanes import lane_count
 from alignrl.train.minibatch import TokenBudget, minibatch_updates
@@ -67,7 +66,6 @@ class Actor:
         self.engine = engine
         self.model = engine.model  # unwrapped: generation, no-grad log-probs, save_pretrained
         self.layout = layout  # how a micro-batch goes through the model (models.logprobs)
-        self.lanes = 1 if draws_dropout(self.model) else layout.lanes
 
     def update(self, exp: Experience, spec: PolicyLossSpec, mini_batch: int, micro_batch: int | TokenBudget,
                epochs: int, generator: torch.Generator) -> dict[str, float]:
@@ -84,4 +82,4 @@ class Actor:
 
         return minibatch_updates(exp, micro_loss, self.engine, mini_batch, micro_batch, epochs, generator, "actor",
                                  by_prompt=self.layout.share_prompt,
-                                 lanes=lane_count(self.lanes, self.engine.env.device))
+                                 lanes=lane_count(self.layout.lanes, self.engine.env.device))

@@ -7,7 +7,6 @@ import torch
 from alignrl.core.losses import value_loss
 from alignrl.data.collate import per_token_in_chunks
 from alignrl.data.records import Experience, Rollout
-from alignrl.models.loader import draws_dropout
 from alignrl.models.value import response_values
 from alignrl.runtime.lanes import lane_count
 from alignrl.train.minibatch import TokenBudget, minibatch_updates
@@ -19,8 +18,7 @@ class Critic:
                  remove_padding: bool = False, lanes: int = 1):
         """`lanes`: micro-batches side by side on a CPU (trainer.cpu_lanes, `runtime.lanes`)."""
         self.engine, self.model, self.name = engine, engine.model, name  # name prefixes metrics: critic/...
-        self.cliprange_value, self.remove_padding = cliprange_value, remove_padding
-        self.lanes = 1 if draws_dropout(self.model) else lanes
+        self.cliprange_value, self.remove_padding, self.lanes = cliprange_value, remove_padding, lanes
 
     def _values(self, model, *tensors, images=None) -> torch.Tensor:
         return response_values(model, *tensors, remove_padding=self.remove_padding, images=images)

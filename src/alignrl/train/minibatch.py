@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from alignrl.core.aggregation import n_sequences
-from alignrl.data.collate import length_sorted_chunks, prompt_groups
+from alignrl.data.collate import chunk_tokens, length_sorted_chunks, prompt_groups
 from alignrl.data.records import Experience
 from alignrl.runtime.env import DistEnv, all_reduce_sum
-from alignrl.runtime.lanes import lane_sums, lanes_of, run_lanes
+from alignrl.runtime.lanes import in_job_order, lane_sums, lanes_of, run_lanes
 from alignrl.interfaces import TrainEngine
 
 SKIPPED = "skipped_nonfinite"  # the metric counting skipped steps, under each model's prefix
@@ -115,14 +115,10 @@ class MicroRun:
                 results.append(result)
             return grads, results
 
-        sizes = [float(self.exp.prompt_mask[rows].sum() + self.exp.response_mask[rows].sum()) for rows in chunks]
-        plan = lanes_of(sizes, lanes)
+        plan = lanes_of(chunk_tokens(chunks, self.exp.prompt_mask, self.exp.response_mask), lanes)
         done = run_lanes([lambda part=part: lane(part) for part in plan])
         self.engine.add_gradients(lane_sums([grads for grads, _ in done]))
-        ordered: dict[int, tuple[bool, float, dict[str, float]]] = {}
-        for part, (_, results) in zip(plan, done):
-            ordered.update(zip(part, results))
-        return [ordered[i] for i in range(len(chunks))]
+        return in_job_order(plan, [results for _, results in done])
 
 
 def micro_batches(rows: torch.Tensor, exp: Experience, micro: int | TokenBudget, group: torch.Tensor | None,

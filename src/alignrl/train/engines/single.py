@@ -7,6 +7,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.distributed as dist
 
+from alignrl.models.loader import draws_dropout
 from alignrl.runtime.env import DistEnv
 from alignrl.train.engines.base import LocalOptimizerEngine, OptimSpec, host_state_dict
 from alignrl.train.engines.master import needs_master
@@ -34,8 +35,9 @@ class LocalEngine(LocalOptimizerEngine):
             self.module = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda"
                                                   else None)
         self._build_optimizer(spec, master=True)
-        # one process stepping the model's own parameters: gradients taken elsewhere may be added as they are
-        self.parallel_micro_batches = not env.distributed and self.master is None
+        # one process stepping the model's own parameters: gradients taken elsewhere may be added as they are; not
+        # for a model that draws dropout masks, whose order of draws from one generator would follow the threads'
+        self.parallel_micro_batches = not env.distributed and self.master is None and not draws_dropout(model)
 
     def micro_batch(self, last_micro: bool) -> AbstractContextManager:
         # accumulate locally; the last micro-batch's backward all-reduces the sum once
