@@ -8,6 +8,7 @@ import torch
 
 from alignrl.config import load_config
 from alignrl.data.records import Experience
+from alignrl.models.loader import recompute_activations
 from alignrl.models.logprobs import ForwardLayout
 from alignrl.placements.build import forward_layout
 from alignrl.rl.producer import batched_logprobs
@@ -104,9 +105,14 @@ def _update(model, layout, exp):
     return torch.cat([p.grad.flatten() for p in model.parameters()]), metrics
 
 
-@pytest.mark.parametrize("layout", [ForwardLayout(), PACKED], ids=["padded", "packed"])
-def test_side_by_side_update_equals_one_at_a_time_and_repeats_exactly(tiny_model, two_threads, layout):
+@pytest.mark.parametrize("layout,recompute", [(ForwardLayout(), False), (PACKED, False), (PACKED, True)],
+                         ids=["padded", "packed", "packed-recomputed"])
+def test_side_by_side_update_equals_one_at_a_time_and_repeats_exactly(tiny_model, two_threads, layout, recompute):
+    """`recomputed`: activation checkpointing, whose layers run their forward again inside each lane's backward."""
     model, _ = tiny_model
+    if recompute:
+        model = copy.deepcopy(model)
+        recompute_activations(model)
     exp = _experience(vocab=model.config.vocab_size)
     ran = []
     real = lanes.run_lanes
@@ -116,17 +122,23 @@ def test_side_by_side_update_equals_one_at_a_time_and_repeats_exactly(tiny_model
     minibatch.run_lanes = lanes_used
     try:
         one, m_one = _update(copy.deepcopy(model), layout, exp)
-        two, m_two = _update(copy.deepcopy(model), ForwardLayout(layout.share_prompt, layout.remove_padding, 2), exp)
+        laned = copy.deepcopy(model)
+        calls = []
+        laned.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
+        two, m_two = _update(laned, ForwardLayout(layout.share_prompt, layout.remove_padding, 2), exp)
         again, _ = _update(copy.deepcopy(model), ForwardLayout(layout.share_prompt, layout.remove_padding, 2), exp)
     finally:
         minibatch.run_lanes = real
     assert ran == [2, 2]  # the lanes did run, one update each
+    # four micro-batches; recomputed, each one's attention ran again inside its lane's backward
+    assert len(calls) == (2 if recompute else 1) * len(exp) // 4
     scale = one.abs().max()
     torch.testing.assert_close(two / scale, one / scale, atol=1e-5, rtol=0)
     assert torch.equal(two, again)  # lanes sum in a fixed order: the same bits every run
     assert m_two["actor/grad_norm"] == pytest.approx(m_one["actor/grad_norm"], rel=1e-4)
     assert m_two["actor/ratio_mean"] == pytest.approx(m_one["actor/ratio_mean"], rel=1e-5)  # micro-batch metrics, by share
-    assert model.config._attn_implementation == "sdpa"  # overlapping packed calls restore the model's own
+    # overlapping packed calls restore the model's own (a recomputed model keeps the packed route for good)
+    assert model.config._attn_implementation == ("alignrl_packed" if recompute else "sdpa")
 
 
 def test_side_by_side_reference_log_probs_equal_one_at_a_time(tiny_model, two_threads):
