@@ -8,6 +8,7 @@ import torch
 
 from alignrl.config import load_config
 from alignrl.data.records import Experience
+from alignrl.models import lora
 from alignrl.models.loader import recompute_activations
 from alignrl.models.logprobs import ForwardLayout
 from alignrl.placements.build import forward_layout
@@ -102,17 +103,27 @@ def _update(model, layout, exp):
     actor = Actor(build_engine("single", model, OptimSpec(lr=1e-3, total_steps=10, grad_clip=1.0), SINGLE), layout)
     metrics = actor.update(exp, PolicyLossSpec(), mini_batch=len(exp), micro_batch=4, epochs=1,
                            generator=torch.Generator().manual_seed(0))
-    return torch.cat([p.grad.flatten() for p in model.parameters()]), metrics
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]), metrics
 
 
-@pytest.mark.parametrize("layout,recompute", [(ForwardLayout(), False), (PACKED, False), (PACKED, True)],
-                         ids=["padded", "packed", "packed-recomputed"])
-def test_side_by_side_update_equals_one_at_a_time_and_repeats_exactly(tiny_model, two_threads, layout, recompute):
-    """`recomputed`: activation checkpointing, whose layers run their forward again inside each lane's backward."""
+@pytest.mark.parametrize("layout,variant", [(ForwardLayout(), None), (PACKED, None), (PACKED, "recomputed"),
+                                            (PACKED, "lora")], ids=["padded", "packed", "packed-recomputed", "packed-lora"])
+def test_side_by_side_update_equals_one_at_a_time_and_repeats_exactly(tiny_model, two_threads, layout, variant):
+    """`recomputed`: activation checkpointing, whose layers run their forward again inside each lane's backward.
+    `lora`: peft adapters (their B matrices drawn, not zero, so that every adapter weight gets a gradient)."""
     model, _ = tiny_model
-    if recompute:
+    recompute = variant == "recomputed"
+    if variant is not None:
         model = copy.deepcopy(model)
+    if recompute:
         recompute_activations(model)
+    if variant == "lora":
+        model = lora.add_adapters(model, lora.lora_spec(4))
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     exp = _experience(vocab=model.config.vocab_size)
     ran = []
     real = lanes.run_lanes
@@ -124,7 +135,7 @@ def test_side_by_side_update_equals_one_at_a_time_and_repeats_exactly(tiny_model
         one, m_one = _update(copy.deepcopy(model), layout, exp)
         laned = copy.deepcopy(model)
         calls = []
-        laned.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
+        lora.base_model(laned).model.layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
         two, m_two = _update(laned, ForwardLayout(layout.share_prompt, layout.remove_padding, 2), exp)
         again, _ = _update(copy.deepcopy(model), ForwardLayout(layout.share_prompt, layout.remove_padding, 2), exp)
     finally:
