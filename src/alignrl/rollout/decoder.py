@@ -127,39 +127,37 @@ class KVDecoder:
                     layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                     layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)))
 
-    def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
-                 repeats: int = 1):
-        """Runs the prompts (B, P) through `model` once and holds `logits` (B * repeats, V) for the first
-        token, each prompt's row repeated `repeats` times (consecutively). The steps' weights (adapters added) are
-        taken here: a decoder made at the start of a `generate` decodes on the weights of that moment."""
+    def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int):
+        """Runs the prompts (B, P) through `model` once and holds `logits` (B, V) for the first token. The steps'
+        weights (adapters added) are taken here: a decoder made at the start of a `generate` decodes on the weights
+        of that moment."""
         base = base_model(model)
         cfg, dev = base.config, prompt_ids.device
         self.model, self.layers = base, [_Layer(b) for b in base.model.layers]
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        p = prompt_ids.shape[1]
-        b = prompt_ids.shape[0] * repeats
+        b, p = prompt_ids.shape
         self.slot = p  # the cache column the next token's K/V go into (the same for every row)
         cache = DynamicCache()
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask.long(), position_ids=position_ids(prompt_mask),
                     use_cache=True, logits_to_keep=1, **cache_arg(base, cache))  # the adapters' forward
-        self.logits = out.logits[:, -1].repeat_interleave(repeats, 0)
+        self.logits = out.logits[:, -1]
         total = p + max_new_tokens
         self.k, self.v = [], []
         for layer in cache.layers:
             k = layer.keys.new_zeros((b, self.kv_heads, total, self.head_dim))
             v = torch.zeros_like(k)
-            k[:, :, :p] = layer.keys.repeat_interleave(repeats, 0)
-            v[:, :, :p] = layer.values.repeat_interleave(repeats, 0)
+            k[:, :, :p] = layer.keys
+            v[:, :, :p] = layer.values
             self.k.append(k)
             self.v.append(v)
         # added to the attention scores: -inf on the prompts' left padding, 0 on every real or generated key
         self.bias = torch.zeros((b, total), dtype=self.logits.dtype, device=dev)
-        self.bias[:, :p].masked_fill_(~prompt_mask.bool().repeat_interleave(repeats, 0), float("-inf"))
-        self.next_pos = prompt_mask.long().sum(-1).repeat_interleave(repeats, 0)  # each row's next position id
+        self.bias[:, :p].masked_fill_(~prompt_mask.bool(), float("-inf"))
+        self.next_pos = prompt_mask.long().sum(-1)  # each row's next position id
 
     def keep(self, idx: torch.Tensor) -> None:
-        """Drop every row not in `idx` (indices into the current rows)."""
+        """Rows `idx` of the current ones: the others dropped, a repeated index copied (a row that splits in two)."""
         for i in range(len(self.k)):
             self.k[i] = self.k[i].index_select(0, idx)
             self.v[i] = self.v[i].index_select(0, idx)

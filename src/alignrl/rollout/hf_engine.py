@@ -1,9 +1,10 @@
 """Embedded rollout engine: batched sampling with a KV cache on a Hugging Face causal LM.
 
 It skips `model.generate`'s generic machinery (logits-processor lists, stopping-criteria objects,
-per-step validation): each prompt is prefilled once for its `n` samples, Llama-family models decode on a
-static KV cache (`rollout.decoder`), sampling is one inverse-CDF draw per row, and finished rows leave the
-batch, so late decoding steps only pay for the sequences still running. Log-probs are those of the sampled
+per-step validation): each prompt is prefilled once for its `n` samples, and samples that drew the same tokens so
+far are one decoder row until their draws differ (their caches and next-token logits are the same), so a step
+pays for the distinct sequences still running, not for every sample; Llama-family models decode on a static KV
+cache (`rollout.decoder`), sampling is one inverse-CDF draw per sample. Log-probs are those of the sampled
 token under the temperature-scaled distribution before top-k/top-p filtering: the quantity the trainer
 recomputes, so the two can be compared token by token. Deliberately out of scope: beam search, speculative
 decoding, paging.
@@ -115,16 +116,16 @@ class HFRolloutEngine:
             hit[j] = any(s in text for s in stop)
         return hit
 
-    def _stepper(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, dev: torch.device):
-        """The fast decoder for Llama-family models, `model(...)` with a DynamicCache for anything else.
-        Each prompt is prefilled once and its cache repeated `n` times: the prefill is the largest forward
-        of a rollout, and its `n` copies would be identical."""
+    def _stepper(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, dev: torch.device):
+        """The fast decoder for Llama-family models, `model(...)` with a DynamicCache for anything else, holding one
+        row per distinct prompt: each prompt is prefilled once for its `n` samples (the prefill is the largest
+        forward of a rollout, and its `n` copies would be identical)."""
         ids, mask = left_pad([list(p) for p in prompts], self.pad_id)
         ids, mask = ids.to(dev), mask.to(dev)
         images = prompt_images(prompts)
         if images is None and KVDecoder.supports(self.model):
-            return KVDecoder(self.model, ids, mask, max_new_tokens, repeats=n)
-        return _HFStepper(self.model, ids, mask, repeats=n, images=images)
+            return KVDecoder(self.model, ids, mask, max_new_tokens)
+        return _HFStepper(self.model, ids, mask, images=images)
 
     @torch.no_grad()  # not inference_mode: the records feed autograd later (as indices, masks)
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
@@ -146,31 +147,27 @@ class HFRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         dev = next(self.model.parameters()).device  # records stay on the CPU; the forward runs on `dev`
-        eos = self.eos.to(dev)
         gen = torch.Generator(device=dev).manual_seed(params.seed) if params.seed is not None else None
-        stepper = self._stepper(prompts, params.n, steps, dev)
-        logits = stepper.logits
-        active = torch.arange(b)  # rows of the full batch still decoded (CPU indices)
-        live = torch.ones(b, dtype=torch.bool)  # which of `active` are unfinished
+        stepper = self._stepper(prompts, steps, dev)
+        logits = stepper.logits  # one row per decoder state: at first, one per prompt
+        alive = torch.arange(b)  # the rows still generating
+        state = group.clone()  # each alive row's decoder state
+        banned = None if self.banned is None else self.banned.to(dev)
         for t in range(steps):
-            tok, lp = sample_next(logits, params, gen, None if self.banned is None else self.banned.to(dev))
-            rows = active[live]
-            out_ids[rows, t], out_lp[rows, t] = tok.cpu()[live], lp.cpu()[live]
-            length[rows] += 1
-            finished = torch.isin(tok, eos).cpu() & live
+            tok, lp = sample_next(logits.index_select(0, state.to(dev)), params, gen, banned)
+            tok, lp = tok.cpu(), lp.cpu()
+            out_ids[alive, t], out_lp[alive, t] = tok, lp
+            length[alive] += 1
+            finished = torch.isin(tok, self.eos)
             if params.stop:
-                finished[live] |= self._hit_stop(rows, out_ids, t, params.stop)
-            done[active[finished]] = True
-            live &= ~finished
-            if t == steps - 1 or not bool(live.any()):
+                finished |= self._hit_stop(alive, out_ids, t, params.stop)
+            done[alive[finished]] = True
+            if t == steps - 1 or bool(finished.all()):
                 break
-            # Finished rows leave the batch once they are an eighth of it: every compaction copies the
-            # whole KV cache, so dropping rows one at a time costs more than decoding a few dead ones.
-            if int((~live).sum()) * 8 >= len(live):
-                idx = live.nonzero().squeeze(-1)
-                stepper.keep(idx.to(dev))
-                active, tok, live = active[idx], tok[idx.to(dev)], live[idx]
-            logits = stepper.step(tok)
+            going = ~finished
+            alive = alive[going]
+            state, step_tokens = _next_states(stepper, logits.shape, state[going], tok[going], dev)
+            logits = stepper.step(step_tokens.to(dev))
         self.model.train(was_training)
 
         width = max(1, int(length.max()))
@@ -181,13 +178,33 @@ class HFRolloutEngine:
                        truncated=~done, group=group, images=images)
 
 
+def _next_states(stepper, shape: torch.Size, state: torch.Tensor, tok: torch.Tensor,
+                 dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The going rows' decoder states after this step's tokens, and the token each decoder row takes next.
+
+    Rows (samples of one prompt) in one state drew the same tokens so far, so they share a KV cache and the same
+    next-token logits: the decoder computes those once. A state whose rows drew different tokens splits; a state
+    all of whose rows finished is dead. A split, or dead states once they are an eighth of the decoder's `shape[0]`
+    rows, reorganises the rows (`stepper.keep`, a copy of the cache, dead states dropped); otherwise every row keeps
+    its state and a dead one decodes a token nobody reads. `state`, `tok` (L,): the going rows' states and tokens."""
+    rows, vocab = shape
+    key, inverse = torch.unique(state * vocab + tok, return_inverse=True)  # sorted: by parent state, then token
+    parent, token = key // vocab, key % vocab
+    if bool((parent[1:] == parent[:-1]).any()) or (rows - len(key)) * 8 >= rows:
+        stepper.keep(parent.to(dev))
+        return inverse, token
+    step_tokens = torch.zeros(rows, dtype=torch.long)
+    step_tokens[parent] = token
+    return state, step_tokens
+
+
 class _HFStepper:
     """Decoding through `model(...)` with a DynamicCache: any HF causal LM, and vision-language models (the prompts'
     `images`, `data.images.ImageRows`): their prefill takes the images and M-RoPE positions (`models.vision`), and
     each generated token's position is its row's text position plus the row's M-RoPE delta, as in the one-pass
     forward the trainer recomputes."""
 
-    def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int = 1, images=None):
+    def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images=None):
         self.model, self.cache = model, DynamicCache()
         self.cache_kw = cache_arg(model, self.cache)  # the same cache object every step: name it once
         vision = vision_inputs(model, prompt_ids, prompt_mask, images)
@@ -198,12 +215,12 @@ class _HFStepper:
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
                     position_ids=position_ids(prompt_mask) if positions is None else positions,
                     **vision, **self.cache_kw, use_cache=True, logits_to_keep=1)
-        self.cache.batch_repeat_interleave(repeats)
-        self.logits = out.logits[:, -1].repeat_interleave(repeats, 0)
-        self.attn = prompt_mask.long().repeat_interleave(repeats, 0)
-        self.next_pos = self.attn.sum(-1) + delta.repeat_interleave(repeats, 0)  # position of the next token
+        self.logits = out.logits[:, -1]
+        self.attn = prompt_mask.long()
+        self.next_pos = self.attn.sum(-1) + delta  # position of the next token
 
     def keep(self, idx: torch.Tensor) -> None:
+        """Rows `idx` of the current ones (an index may repeat: a row that splits in two)."""
         self.cache.batch_select_indices(idx)
         self.attn, self.next_pos = self.attn[idx], self.next_pos[idx]
 
