@@ -45,7 +45,8 @@ Remaining differences (inherent to the frameworks, part of what is measured):
     (default 32) for the reference forward and the forward/backward; TRL runs the whole P*n batch at
     once, padded to its longest sequence. `--micro-batch 0` makes alignrl take the whole batch at once.
   * generation: TRL calls `model.generate` (keeps finished rows in the batch until all stop); alignrl uses
-    its own KV-cache sampler that drops finished rows. Completions are sampled, so their lengths differ
+    its own KV-cache sampler that drops finished rows and decodes the samples that drew the same tokens so far
+    once (rollout.hf_engine). Completions are sampled, so their lengths differ
     run to run and side to side; the mean completion length of each side is printed to show the work done
     was comparable.
   * threads: with two or more torch threads, alignrl runs the update's micro-batches in two lanes of half the
