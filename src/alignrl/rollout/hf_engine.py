@@ -186,7 +186,8 @@ def _next_states(stepper, shape: torch.Size, state: torch.Tensor, tok: torch.Ten
     next-token logits: the decoder computes those once. A state whose rows drew different tokens splits; a state
     all of whose rows finished is dead. A split, or dead states once they are an eighth of the decoder's `shape[0]`
     rows, reorganises the rows (`stepper.keep`, a copy of the cache, dead states dropped); otherwise every row keeps
-    its state and a dead one decodes a token nobody reads. `state`, `tok` (L,): the going rows' states and tokens."""
+    its state and a dead one decodes a token nobody reads (every reorganisation copies the whole cache, so a few dead
+    rows cost less to decode than to drop one at a time). `state`, `tok` (L,): the going rows' states and tokens."""
     rows, vocab = shape
     key, inverse = torch.unique(state * vocab + tok, return_inverse=True)  # sorted: by parent state, then token
     parent, token = key // vocab, key % vocab
