@@ -217,6 +217,27 @@ def http_servers():
         server.server_close()
 
 
+def pytest_configure(config):
+    """One port pool for the whole run, made before the test processes start so they and every process they start
+    share it: two tests never get the same port, and none is one the kernel hands out (an outgoing connection of a
+    Ray test in the other process took a port a trainer had been given before it could bind it)."""
+    from alignrl.runtime.ports import POOL_ENV, new_pool
+
+    if POOL_ENV not in os.environ:
+        fd, path = tempfile.mkstemp(prefix="alignrl-ports-", dir="/tmp")
+        os.close(fd)
+        if new_pool(Path(path)):
+            os.environ[POOL_ENV] = config.port_pool = path
+        else:
+            os.unlink(path)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "port_pool", None):
+        os.environ.pop("ALIGNRL_PORT_POOL", None)
+        Path(config.port_pool).unlink(missing_ok=True)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Tests kill whole process groups (a trainer with its resource tracker): their shared-memory segments would stay
     in /dev/shm until the next trainer on this machine sweeps them."""

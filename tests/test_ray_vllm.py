@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from alignrl.placements.ray.channel import free_port_on
 from alignrl.placements.ray.driver import Driver, Job
 from alignrl.placements.ray.plan import GroupLayout
+from alignrl.runtime.ports import free_port
 from alignrl.placements.ray.weight_broadcast import BroadcastGroup
 from alignrl.placements.ray.workers import RolloutWorker
 from alignrl.config import load_config, to_yaml
@@ -66,7 +66,7 @@ def test_a_vllm_engine_is_built_tensor_parallel_and_loads_the_broadcast_weights(
     assert llm.kwargs["gpu_memory_utilization"] == 0.5 and llm.kwargs["model"] == str(tiny_model_dir)
 
     actor = [(n, p.detach() + 0.5) for n, p in load_model(str(tiny_model_dir))[0].named_parameters()]
-    port = free_port_on("127.0.0.1")
+    port = free_port()
 
     def send():  # actor rank 0's end of the weight group
         BroadcastGroup("127.0.0.1", port, 0, 2, "gloo", 30, torch.device("cpu")).send(actor, 3, 1 << 20)

@@ -14,7 +14,6 @@ Deliberately left out: asynchronous (off-policy) generation and DAPO's extra gen
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import replace
 
@@ -29,6 +28,7 @@ from alignrl.data.images import ImageRows
 from alignrl.data.records import Rollout, ScoredBatch
 from alignrl.data.sampler import BatchSampler
 from alignrl.runtime.env import DistEnv, barrier
+from alignrl.runtime.ports import free_port
 from alignrl.interfaces import SamplingParams
 from alignrl.train.actor import Actor
 from alignrl.wire.records import images_to_wire
@@ -244,7 +244,7 @@ class RayProducers:
         group = None
         if env.is_main:  # rank 0 serves the weight group's store; the engines join it
             host = ray.util.get_node_ip_address()
-            port = free_port_on(host)
+            port = free_port(host)
             size = len(self.engines) + 1
             refs = [e.handle.join.remote(host, port, size, self.backend, self.timeout_s) for e in self.engines]
             group = BroadcastGroup(host, port, 0, size, self.backend, self.timeout_s, env.device)
@@ -257,9 +257,3 @@ class RayProducers:
 
     def evaluator(self, pad_id: int) -> RayEvalEngine:
         return RayEvalEngine(self.engines, pad_id)
-
-
-def free_port_on(ip: str) -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]

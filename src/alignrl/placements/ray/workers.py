@@ -77,10 +77,10 @@ class Worker:
     def free_address(self) -> tuple[str, int]:
         """This node's IP and a free port on it (a group's rank 0 serves its rendezvous; actor rank 0 the
         weight store too)."""
-        from alignrl.placements.ray.channel import free_port_on
+        from alignrl.runtime.ports import free_port
 
         ip = ray.util.get_node_ip_address()
-        return ip, free_port_on(ip)
+        return ip, free_port(ip)
 
     @ray.method(concurrency_group="watch")
     def watch(self) -> None:
