@@ -23,7 +23,7 @@ from alignrl.wire import zmq_link
 from alignrl.placements.zmq.coordinator import process_of
 from alignrl.wire.zmq_link import Replier
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]  # answered within 0.1 s of the publish
+pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]
 
 
 @pytest.fixture
@@ -85,7 +85,9 @@ def test_work_without_hello_gets_neither_weights_nor_a_lease(served):
         assert req.request("work", {"sampler_id": "x", "incarnation": "i", "version": 0}, timeout_s=5).kind == "lease"
 
 
-def test_a_parked_request_is_answered_at_the_publish(served):
+def test_a_parked_request_is_answered_at_the_publish(served, monkeypatch):
+    monkeypatch.setattr(sync_mod, "POLL_S", 10.0)  # only the publish's wake-up can answer it within 5 s
+    monkeypatch.setattr(sync_mod, "PARK_S", 30.0)
     with Requester(served.replier.addr) as req:
         first = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=5)
         assert first.kind == "lease"  # the one lease k=0 allows
@@ -95,10 +97,10 @@ def test_a_parked_request_is_answered_at_the_publish(served):
         t_publish = []
         threading.Timer(0.3, lambda: (t_publish.append(time.monotonic()), publish(served, 1))).start()
         t0 = time.monotonic()
-        reply = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=5)
+        reply = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=30)
         done = time.monotonic()
         assert reply.kind == "weights" and reply.meta["version"] == 1  # held until the publish, not "wait"
-        assert done - t0 >= 0.25 and done - t_publish[0] < 0.1  # answered at the publish, without a poll period
+        assert done - t0 >= 0.25 and done - t_publish[0] < 5  # answered at the publish, not at the next poll (10 s)
         lease = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 1}, timeout_s=5)
         assert lease.kind == "lease" and lease.meta["version"] == 1 and not served.server.parked
 
@@ -108,9 +110,9 @@ def test_a_request_parked_too_long_is_answered_wait(served, monkeypatch):
     with Requester(served.replier.addr) as req:
         assert req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=5).kind == "lease"
         t0 = time.monotonic()
-        reply = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=5)
-        assert reply.kind == "wait" and reply.meta["retry_s"] == 0.0
-        assert 0.15 <= time.monotonic() - t0 < 1.0  # the serve loop re-checks parked requests at least every 0.2 s
+        reply = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=30)
+        assert reply.kind == "wait" and reply.meta["retry_s"] == 0.0  # no publish comes: the poll answers it
+        assert time.monotonic() - t0 >= 0.15
 
 
 def test_cores_go_to_the_side_that_works(served, monkeypatch):

@@ -132,7 +132,7 @@ def test_send_times_out_without_a_puller(dead_port):
         t0 = time.monotonic()
         with pytest.raises(PeerTimeout) as e:
             push.send("record", {"i": 0}, timeout_s=0.5)
-        assert 0.45 <= time.monotonic() - t0 < 3
+        assert 0.45 <= time.monotonic() - t0 < 30  # gave up after its 0.5 s, not never
     assert addr in str(e.value) and "\n" not in str(e.value)
 
 
@@ -256,7 +256,7 @@ def test_requester_survives_trainer_restart():
             t0 = time.monotonic()
             with pytest.raises(PeerTimeout) as e:
                 req.request("hello", {"n": 2}, timeout_s=0.5)
-            assert 0.45 <= time.monotonic() - t0 < 3
+            assert 0.45 <= time.monotonic() - t0 < 30  # gave up after its 0.5 s, not never
             assert f"tcp://127.0.0.1:{port}" in str(e.value) and "\n" not in str(e.value)
             server = Server(_bind_replier(port), _echo)  # a new trainer on the same port
             assert req.request("hello", {"n": 3}, timeout_s=5.0).meta == {"got": "hello", "n": 3}
@@ -300,7 +300,7 @@ def test_wake_ends_a_blocked_recv_and_a_parked_request_is_answered_later():
     try:
         rep.wake()  # queued before anyone waits: the next recv returns at once
         t0 = time.monotonic()
-        assert rep.recv(5.0) is None and time.monotonic() - t0 < 1.0
+        assert rep.recv(60.0) is None and time.monotonic() - t0 < 30
         got, answered = [], threading.Event()
 
         def serve():  # parks the request: answers it only after a wake-up from another thread

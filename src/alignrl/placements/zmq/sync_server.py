@@ -27,6 +27,7 @@ from alignrl.wire.frames import WireError
 from alignrl.wire.zmq_link import Replier
 
 PARK_S = 0.5  # longest a work request waits for a lease before it is answered "wait"
+POLL_S = 0.2  # longest the serve loop sleeps before it re-checks parked requests and expired leases
 
 
 def process_of(meta: dict) -> str:
@@ -72,6 +73,7 @@ class SyncServer:
         if self.thread is not None:
             self.say_done = finished
             self.stop.set()
+            self.replier.wake()  # not a poll period later
             self.thread.join(timeout=10)
         self.replier.close()
 
@@ -89,7 +91,7 @@ class SyncServer:
                 if time.monotonic() > done_until:  # a finished run says "done" a little while
                     return
             try:
-                got = self.replier.recv(0.2)
+                got = self.replier.recv(POLL_S)
             except WireError as e:
                 if getattr(e, "peer", None) is not None:
                     self.replier.reply_msg(e.peer, "error", {"message": str(e)})
