@@ -211,7 +211,7 @@ def test_the_no_grad_forwards_run_in_logprob_micro_batches(tiny_model_dir):
     scorer.model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
     ids = torch.randint(3, 50, (7, 4))
     scorer.logprobs(ids, torch.ones(7, 4, dtype=torch.bool), ids, torch.ones(7, 4, dtype=torch.bool))
-    assert rows == [3, 3, 1]
+    assert sorted(rows) == [1, 3, 3]  # two lanes run the chunks side by side: their order is the threads'
 
 
 def test_nnodes_times_gpus_pick_the_local_ranks(capsys, monkeypatch):
