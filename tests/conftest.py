@@ -218,24 +218,22 @@ def http_servers():
 
 
 def pytest_configure(config):
-    """One port pool for the whole run, made before the test processes start so they and every process they start
+    """One port pool for the whole run, named before the test processes start so they and every process they start
     share it: two tests never get the same port, and none is one the kernel hands out (an outgoing connection of a
     Ray test in the other process took a port a trainer had been given before it could bind it)."""
-    from alignrl.runtime.ports import POOL_ENV, new_pool
+    from alignrl.runtime.ports import POOL_ENV, pool_range
 
-    if POOL_ENV not in os.environ:
-        fd, path = tempfile.mkstemp(prefix="alignrl-ports-", dir="/tmp")
-        os.close(fd)
-        if new_pool(Path(path)):
-            os.environ[POOL_ENV] = config.port_pool = path
-        else:
-            os.unlink(path)
+    if POOL_ENV not in os.environ and pool_range() is not None:
+        config.port_pool = tempfile.mkdtemp(prefix="alignrl-ports-", dir="/tmp")
+        os.environ[POOL_ENV] = os.path.join(config.port_pool, "pool")  # made by the first process to take a port
 
 
 def pytest_unconfigure(config):
+    import shutil
+
     if getattr(config, "port_pool", None):
         os.environ.pop("ALIGNRL_PORT_POOL", None)
-        Path(config.port_pool).unlink(missing_ok=True)
+        shutil.rmtree(config.port_pool, ignore_errors=True)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -13,13 +13,17 @@ from alignrl.runtime import ports
 
 @pytest.fixture
 def pool(tmp_path, monkeypatch):
+    """A pool file not made yet: the first port taken starts it at the low end of the range."""
     path = tmp_path / "ports"
-    assert ports.new_pool(path)
-    low, high, at = map(int, path.read_text().split())
-    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    assert at == low and high <= ephemeral_low and high - low >= 1000
     monkeypatch.setenv(ports.POOL_ENV, str(path))
     return path
+
+
+def test_the_first_port_starts_the_pool_below_the_ephemeral_range(pool):
+    low, high = ports.pool_range()
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert high <= ephemeral_low and high - low >= 1000
+    assert ports.free_ports(2) == [low, low + 1] and pool.read_text() == f"{low} {high} {low + 2}"
 
 
 def test_processes_sharing_a_pool_never_pick_the_same_port(pool):
@@ -31,7 +35,7 @@ def test_processes_sharing_a_pool_never_pick_the_same_port(pool):
 
 
 def test_a_held_port_is_skipped_and_picks_wrap_round(pool):
-    low, high, _ = map(int, pool.read_text().split())
+    low, high = ports.pool_range()
     pool.write_text(f"{low} {high} {high - 2}")
     with socket.socket() as held:
         held.bind(("127.0.0.1", high - 1))
@@ -50,6 +54,16 @@ def test_a_pool_with_no_free_port_says_so(tmp_path, monkeypatch):
             ports.free_port()
 
 
+@pytest.mark.parametrize("text, said", [("20000 x 1", "does not hold a port pool ('low high next')"),
+                                         ("20000 21000 30000", "not 'low high next' with low <= next < high")])
+def test_a_pool_file_of_something_else_is_one_line(pool, text, said):
+    pool.write_text(text)
+    with pytest.raises(OSError, match=f"ALIGNRL_PORT_POOL={pool}") as e:
+        ports.free_port()
+    assert said in str(e.value) and "remove the file" in str(e.value) and "\n" not in str(e.value)
+    assert pool.read_text() == text  # left as it was
+
+
 def test_without_a_pool_the_kernel_picks(monkeypatch):
     monkeypatch.delenv(ports.POOL_ENV, raising=False)
     got = ports.free_ports(3)
@@ -60,5 +74,6 @@ def test_this_test_run_picks_from_one_pool_below_the_ephemeral_range():
     """conftest made the pool before the test processes started: every test process and what it starts share it."""
     import os
 
+    port = ports.free_port()
     low, high, _ = map(int, Path(os.environ[ports.POOL_ENV]).read_text().split())
-    assert low <= ports.free_port() < high
+    assert low <= port < high
