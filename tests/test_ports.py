@@ -23,7 +23,8 @@ def test_the_first_port_starts_the_pool_below_the_ephemeral_range(pool):
     low, high = ports.pool_range()
     ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     assert high <= ephemeral_low and high - low >= 1000
-    assert ports.free_ports(2) == [low, low + 1] and pool.read_text() == f"{low} {high} {low + 2}"
+    got = ports.free_ports(2)  # the run's own pool, started at the same low end, may hold the first ports
+    assert low <= got[0] < got[1] < high and pool.read_text() == f"{low} {high} {got[1] + 1}"
 
 
 def test_processes_sharing_a_pool_never_pick_the_same_port(pool):
@@ -34,13 +35,14 @@ def test_processes_sharing_a_pool_never_pick_the_same_port(pool):
     assert len(got) == 25 and len(set(got)) == 25
 
 
-def test_a_held_port_is_skipped_and_picks_wrap_round(pool):
+def test_a_held_port_is_skipped_and_picks_wrap_round(pool, monkeypatch):
+    """Which ports are held is the test's (other tests hold ports of the same range)."""
     low, high = ports.pool_range()
+    held = {high - 1, low + 1}
+    monkeypatch.setattr(ports, "_binds", lambda host, port: port not in held)
     pool.write_text(f"{low} {high} {high - 2}")
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", high - 1))
-        assert ports.free_ports(2) == [high - 2, low]
-    assert pool.read_text().split()[2] == str(low + 1)
+    assert ports.free_ports(3) == [high - 2, low, low + 2]
+    assert pool.read_text().split()[2] == str(low + 3)
 
 
 def test_a_pool_with_no_free_port_says_so(tmp_path, monkeypatch):

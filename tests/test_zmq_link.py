@@ -301,23 +301,29 @@ def test_wake_ends_a_blocked_recv_and_a_parked_request_is_answered_later():
         rep.wake()  # queued before anyone waits: the next recv returns at once
         t0 = time.monotonic()
         assert rep.recv(60.0) is None and time.monotonic() - t0 < 30
-        got, answered = [], threading.Event()
+        got, parked, answered, woke = [], threading.Event(), threading.Event(), []
 
         def serve():  # parks the request: answers it only after a wake-up from another thread
-            got.append(_recv(rep))
-            assert rep.recv(5.0) is None  # returned early by wake(), not by the timeout
+            got.append(_recv(rep, 60.0))
+            parked.set()
+            assert rep.recv(60.0) is None  # returned by wake(), long before its timeout
             got.append(time.monotonic())
             rep.reply_msg(got[0][0], "lease", {"n": 1})
             answered.set()
 
+        def wake_once_parked():  # a wake-up before the request arrived would end the wait for it instead
+            assert parked.wait(60)
+            time.sleep(0.3)
+            woke.append(time.monotonic())
+            rep.wake()
+
         thread = threading.Thread(target=serve, daemon=True)
         thread.start()
         with Requester(rep.addr) as req:
-            threading.Timer(0.3, rep.wake).start()
-            t0 = time.monotonic()
-            ans = req.request("work", {}, timeout_s=5.0)
+            threading.Thread(target=wake_once_parked, daemon=True).start()
+            ans = req.request("work", {}, timeout_s=60.0)
             assert ans.kind == "lease" and ans.meta == {"n": 1}
-            assert 0.25 <= got[1] - t0 < 2.0 and answered.is_set()
+            assert 0 <= got[1] - woke[0] < 30 and answered.is_set()
         thread.join(5)
     finally:
         rep.close()
