@@ -231,8 +231,10 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     import shutil
 
+    from alignrl.runtime.ports import POOL_ENV
+
     if getattr(config, "port_pool", None):
-        os.environ.pop("ALIGNRL_PORT_POOL", None)
+        os.environ.pop(POOL_ENV, None)
         shutil.rmtree(config.port_pool, ignore_errors=True)
 
 
