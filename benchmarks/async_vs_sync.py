@@ -29,7 +29,11 @@ sampler connection and the evaluations are left out; the trainer process's wall 
 bound under the table is the two-stage pipeline's, from the k=1 run's own timings: no step can take less than
 the slower stage, the trainer's update and publish (its step less its wait) or the sampler's generation,
 reference log-probs and reward of one batch. (Twice the one-thread in-process rate is no bound: each pipeline
-process runs one kind of work, and the waiting side lends its core.) Also printed per configuration:
+process runs one kind of work, and the waiting side lends its core.) Under it, the machine's bound for any
+placement of those two stages, per round: the one-thread run's (`own cores`) trainer and sampler work added up
+is the core-seconds a step needs at best (a second thread never does more than the first), and the cores give
+no more than their count of core-seconds a second; in-process s/step over that is the most any overlap can
+reach here. Also printed per configuration:
 mean generation s per batch (`timing/gen`, where generation ran), update s (`timing/train`), the trainer's
 wait for a batch, staleness, and publish time. Timings only mean something on an otherwise idle machine.
 
@@ -219,13 +223,19 @@ def mean_of(rows: list[dict], key: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def print_k1_bound(k1, base) -> None:
-    """Where the k=1 step goes, and the bound of a two-stage pipeline measured in the same run: a step cannot
-    take less than the slower stage, the trainer's own work (its step less its wait for a batch) or the
-    sampler's work on one batch (generation, reference log-probs, reward)."""
-    timed = [x for x in k1.rows if x["step"] >= 2]
+def stages(run: Result) -> tuple[float, float, float]:
+    """(step, trainer wait, sampler work) seconds of a pipeline run, means over steps 2..S: the trainer's own work
+    is its step less its wait for a batch; the sampler's is one batch's generation, reference log-probs and reward."""
+    timed = [x for x in run.rows if x["step"] >= 2]
     step, wait = statistics.mean(x["timing/step"] for x in timed), mean_of(timed, "pipeline/trainer_wait_s") or 0.0
     sampler = sum(mean_of(timed, f"timing/{k}") or 0.0 for k in ("gen", "ref", "reward", "old_logprob"))
+    return step, wait, sampler
+
+
+def print_k1_bound(k1, base) -> None:
+    """Where the k=1 step goes, and the bound of a two-stage pipeline measured in the same run: a step cannot
+    take less than the slower stage, the trainer's own work or the sampler's work on one batch."""
+    step, wait, sampler = stages(k1)
     base_step = statistics.mean(x["timing/step"] for x in base.rows if x["step"] >= 2)
     slower = max(step - wait, sampler)
     print(f"zmq k=1: the trainer waits {wait:.3f} s of its {step:.3f} s/step for batches "
@@ -233,6 +243,27 @@ def print_k1_bound(k1, base) -> None:
           f"sampler {sampler:.3f} s/batch")
     print(f"bound: the slower stage allows {base_step / slower:.2f}x in-process; measured "
           f"{base_step / step:.2f}x ({slower / step:.0%} of the bound)")
+
+
+def print_core_bound(owns: list[Result], bases: list[Result], cores: int) -> None:
+    """The bound of any placement of the two stages on this machine, per round, from the run whose processes keep
+    one thread each (`zmq k=1 own cores`) and the in-process run of the same round: a step's work takes at least
+    its one-thread core-seconds (a second thread never does more than the first), and `cores` cores give at
+    most `cores` core-seconds a second."""
+    rounds = []
+    for own, base in zip(owns, bases):
+        if own.ok and base.ok:
+            step, wait, sampler = stages(own)
+            base_step = statistics.mean(x["timing/step"] for x in base.rows if x["step"] >= 2)
+            rounds.append((base_step / ((step - wait + sampler) / cores), step - wait, sampler))
+    if not rounds:
+        return
+    best, trainer, sampler = sorted(rounds)[(len(rounds) - 1) // 2]
+    print(f"machine bound: a step's work is {trainer + sampler:.3f} core-s on one thread per process (trainer "
+          f"{trainer:.3f}, sampler {sampler:.3f}); on {cores} cores no placement of it steps faster than "
+          f"{(trainer + sampler) / cores:.3f} s: at most {best:.2f}x in-process (rounds: "
+          f"{', '.join(f'{r[0]:.2f}x' for r in rounds)}; {'below' if best < K1_TARGET else 'above'} the "
+          f"{K1_TARGET:.1f}x target)")
 
 
 def main() -> int:
@@ -350,6 +381,8 @@ def main() -> int:
     k1 = next((r for r in results if r.case.name == "zmq k=1" and r.ok), None)
     if base and k1:
         print_k1_bound(k1, base)
+    if "in-process" in runs and "zmq k=1 own cores" in runs:
+        print_core_bound(runs["zmq k=1 own cores"], runs["in-process"], len(os.sched_getaffinity(0)))
     print()
     print(f"held-out greedy accuracy after {args.steps} steps ({args.val} problems):")
     print(f"  {'config':<12} {'base':>6} {'final':>6}")
