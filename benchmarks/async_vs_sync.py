@@ -68,6 +68,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline_bounds import mean_of, print_core_bound, print_k1_bound
 from publish_bench import demo_weights, publish_bench, synthetic_weights
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -218,54 +219,6 @@ def median_run(rs: list[Result]) -> Result:
     return sorted(rs, key=lambda r: r.samples_per_s)[(len(rs) - 1) // 2]
 
 
-def mean_of(rows: list[dict], key: str) -> float | None:
-    vals = [r[key] for r in rows if key in r]
-    return sum(vals) / len(vals) if vals else None
-
-
-def stages(run: Result) -> tuple[float, float, float]:
-    """(step, trainer wait, sampler work) seconds of a pipeline run, means over steps 2..S: the trainer's own work
-    is its step less its wait for a batch; the sampler's is one batch's generation, reference log-probs and reward."""
-    timed = [x for x in run.rows if x["step"] >= 2]
-    step, wait = statistics.mean(x["timing/step"] for x in timed), mean_of(timed, "pipeline/trainer_wait_s") or 0.0
-    sampler = sum(mean_of(timed, f"timing/{k}") or 0.0 for k in ("gen", "ref", "reward", "old_logprob"))
-    return step, wait, sampler
-
-
-def print_k1_bound(k1, base) -> None:
-    """Where the k=1 step goes, and the bound of a two-stage pipeline measured in the same run: a step cannot
-    take less than the slower stage, the trainer's own work or the sampler's work on one batch."""
-    step, wait, sampler = stages(k1)
-    base_step = statistics.mean(x["timing/step"] for x in base.rows if x["step"] >= 2)
-    slower = max(step - wait, sampler)
-    print(f"zmq k=1: the trainer waits {wait:.3f} s of its {step:.3f} s/step for batches "
-          f"({'trainer' if wait < 0.25 * step else 'sampler'}-bound); stages: trainer {step - wait:.3f} s/step, "
-          f"sampler {sampler:.3f} s/batch")
-    print(f"bound: the slower stage allows {base_step / slower:.2f}x in-process; measured "
-          f"{base_step / step:.2f}x ({slower / step:.0%} of the bound)")
-
-
-def print_core_bound(owns: list[Result], bases: list[Result], cores: int) -> None:
-    """The bound of any placement of the two stages on this machine, per round, from the run whose processes keep
-    one thread each (`zmq k=1 own cores`) and the in-process run of the same round: a step's work takes at least
-    its one-thread core-seconds (a second thread never does more than the first), and `cores` cores give at
-    most `cores` core-seconds a second."""
-    rounds = []
-    for own, base in zip(owns, bases):
-        if own.ok and base.ok:
-            step, wait, sampler = stages(own)
-            base_step = statistics.mean(x["timing/step"] for x in base.rows if x["step"] >= 2)
-            rounds.append((base_step / ((step - wait + sampler) / cores), step - wait, sampler))
-    if not rounds:
-        return
-    best, trainer, sampler = sorted(rounds)[(len(rounds) - 1) // 2]
-    print(f"machine bound: a step's work is {trainer + sampler:.3f} core-s on one thread per process (trainer "
-          f"{trainer:.3f}, sampler {sampler:.3f}); on {cores} cores no placement of it steps faster than "
-          f"{(trainer + sampler) / cores:.3f} s: at most {best:.2f}x in-process (rounds: "
-          f"{', '.join(f'{r[0]:.2f}x' for r in rounds)}; {'below' if best < K1_TARGET else 'above'} the "
-          f"{K1_TARGET:.1f}x target)")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -382,7 +335,7 @@ def main() -> int:
     if base and k1:
         print_k1_bound(k1, base)
     if "in-process" in runs and "zmq k=1 own cores" in runs:
-        print_core_bound(runs["zmq k=1 own cores"], runs["in-process"], len(os.sched_getaffinity(0)))
+        print_core_bound(runs["zmq k=1 own cores"], runs["in-process"], len(os.sched_getaffinity(0)), K1_TARGET)
     print()
     print(f"held-out greedy accuracy after {args.steps} steps ({args.val} problems):")
     print(f"  {'config':<12} {'base':>6} {'final':>6}")
