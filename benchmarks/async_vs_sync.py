@@ -258,6 +258,9 @@ def main() -> int:
 
     sys.path.insert(0, SRC)
     from alignrl.models.tiny import ensure_demo_model
+    from alignrl.runtime.cores import usable_cores
+
+    cores = usable_cores()  # affinity and a cgroup quota: the cores the bound below may count on
 
     model_dir = ensure_demo_model() if args.model == "demo" else Path(args.model).resolve()
     print(f"model {model_dir}")
@@ -265,7 +268,7 @@ def main() -> int:
           f"{args.prompts * args.n} sequences/step, <= {args.max_new_tokens} new tokens, "
           f"{args.prompts // args.mini_batch} optimizer step(s)/RL step, lr {args.lr:g}, "
           f"share_prompt {str(args.share_prompt).lower()}, remove_padding {str(args.remove_padding).lower()}, "
-          f"held-out {args.val}; {os.cpu_count()} CPU core(s)")
+          f"held-out {args.val}; {cores} usable CPU core(s)")
     print("samples/s = sequences trained / sum of the trainer's timing/step over steps 2..S (step 1 = warm-up)")
 
     root = Path(tempfile.mkdtemp(prefix="alignrl-async-bench-"))
@@ -335,7 +338,7 @@ def main() -> int:
     if base and k1:
         print_k1_bound(k1, base)
     if "in-process" in runs and "zmq k=1 own cores" in runs:
-        print_core_bound(runs["zmq k=1 own cores"], runs["in-process"], len(os.sched_getaffinity(0)), K1_TARGET)
+        print_core_bound(runs["zmq k=1 own cores"], runs["in-process"], cores, K1_TARGET)
     print()
     print(f"held-out greedy accuracy after {args.steps} steps ({args.val} problems):")
     print(f"  {'config':<12} {'base':>6} {'final':>6}")
