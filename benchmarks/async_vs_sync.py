@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline_bounds import mean_of, print_core_bound, print_k1_bound
-from publish_bench import demo_weights, publish_bench, synthetic_weights
+from publish_bench import demo_weights, print_publish, publish_bench, synthetic_weights
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 K1_TARGET, PUBLISH_TARGET = 1.9, 1.5
@@ -219,7 +219,7 @@ def median_run(rs: list[Result]) -> Result:
     return sorted(rs, key=lambda r: r.samples_per_s)[(len(rs) - 1) // 2]
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12, help="RL steps per configuration (step 1 is warm-up)")
@@ -255,69 +255,57 @@ def main() -> int:
         ap.error("--steps must be at least 2 (step 1 is warm-up)")
     if args.prompts % args.mini_batch:
         ap.error("--mini-batch must divide --prompts")
+    return args
 
-    sys.path.insert(0, SRC)
-    from alignrl.models.tiny import ensure_demo_model
-    from alignrl.runtime.cores import usable_cores
 
-    cores = usable_cores()  # affinity and a cgroup quota: the cores the bound below may count on
-
-    model_dir = ensure_demo_model() if args.model == "demo" else Path(args.model).resolve()
-    print(f"model {model_dir}")
-    print(f"workload: {args.steps} steps x {args.prompts} prompts x {args.n} samples = "
-          f"{args.prompts * args.n} sequences/step, <= {args.max_new_tokens} new tokens, "
-          f"{args.prompts // args.mini_batch} optimizer step(s)/RL step, lr {args.lr:g}, "
-          f"share_prompt {str(args.share_prompt).lower()}, remove_padding {str(args.remove_padding).lower()}, "
-          f"held-out {args.val}; {cores} usable CPU core(s)")
-    print("samples/s = sequences trained / sum of the trainer's timing/step over steps 2..S (step 1 = warm-up)")
-
-    root = Path(tempfile.mkdtemp(prefix="alignrl-async-bench-"))
+def run_rounds(args, model_dir: Path, root: Path) -> dict[str, list[Result]]:
+    """Every configuration once a round; rounds interleave the configurations, so drift hits them all."""
     runs: dict[str, list[Result]] = {}
-    try:
-        for round_no in range(1, args.rounds + 1):  # rounds interleave the configurations: drift hits them all
-            for case in CASES:
-                if args.only and case.name not in args.only:
-                    continue
-                print(f"running {case.name} (round {round_no}/{args.rounds}) ...", flush=True)
-                runs.setdefault(case.name, []).append(run_case(case, args, model_dir, root, round_no))
-        pubs = []
-        for label, weights in (("demo model" if args.model == "demo" else f"model {model_dir.name}",
-                                lambda: demo_weights(model_dir)),
-                               (f"{args.publish_mib} MiB synthetic", lambda: synthetic_weights(args.publish_mib))):
-            if label.startswith("0 MiB"):
+    for round_no in range(1, args.rounds + 1):
+        for case in CASES:
+            if args.only and case.name not in args.only:
                 continue
-            try:
-                pubs.append((label, publish_bench(weights(), args.publish_repeats)))
-            except Exception as e:  # the tables above still get printed
-                pubs.append((label, {"error": f"{type(e).__name__}: {e}"}))
-    finally:
-        if args.keep:
-            print(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+            print(f"running {case.name} (round {round_no}/{args.rounds}) ...", flush=True)
+            runs.setdefault(case.name, []).append(run_case(case, args, model_dir, root, round_no))
+    return runs
 
-    results = [median_run(rs) for rs in runs.values()]
-    base = next((r for r in results if r.case.name == "in-process" and r.ok), None)
+
+def run_publish(args, model_dir: Path) -> list[tuple[str, dict]]:
+    pubs = []
+    for label, weights in (("demo model" if args.model == "demo" else f"model {model_dir.name}",
+                            lambda: demo_weights(model_dir)),
+                           (f"{args.publish_mib} MiB synthetic", lambda: synthetic_weights(args.publish_mib))):
+        if label.startswith("0 MiB"):
+            continue
+        try:
+            pubs.append((label, publish_bench(weights(), args.publish_repeats)))
+        except Exception as e:  # the tables above still get printed
+            pubs.append((label, {"error": f"{type(e).__name__}: {e}"}))
+    return pubs
+
+
+def print_rounds(runs: dict[str, list[Result]]) -> None:
+    print("samples/s of each round (the table below shows each configuration's median round):")
+    for name, rs in runs.items():
+        print(f"  {name:<21} " + "  ".join(f"{r.samples_per_s:7.2f}" if r.ok else "FAILED" for r in rs))
+    for name, other in (("zmq k=1", "in-process"), ("zmq k=1", "zmq k=1 own cores"),
+                        ("zmq k=0", "zmq k=0 own cores")):
+        if name in runs and other in runs:
+            paired = [f"{r.samples_per_s / b.samples_per_s:.2f}x" if r.ok and b.ok else "-"
+                      for r, b in zip(runs[name], runs[other])]
+            print(f"  {name} / {other} of the same round: {'  '.join(paired)}")
     print()
-    if args.rounds > 1:
-        print("samples/s of each round (the table below shows each configuration's median round):")
-        for name, rs in runs.items():
-            print(f"  {name:<21} " + "  ".join(f"{r.samples_per_s:7.2f}" if r.ok else "FAILED" for r in rs))
-        for name, other in (("zmq k=1", "in-process"), ("zmq k=1", "zmq k=1 own cores"),
-                            ("zmq k=0", "zmq k=0 own cores")):
-            if name in runs and other in runs:
-                paired = [f"{r.samples_per_s / b.samples_per_s:.2f}x" if r.ok and b.ok else "-"
-                          for r, b in zip(runs[name], runs[other])]
-                print(f"  {name} / {other} of the same round: {'  '.join(paired)}")
-        print()
+
+
+def fmt(v, spec, dash="-"):
+    return dash if v is None else format(v, spec)
+
+
+def print_table(results: list[Result], base: Result | None) -> None:
     head = (f"{'config':<21} {'samples/s':>9} {'vs in-proc':>10} {'s/step':>7} {'gen s':>6} {'train s':>7} "
             f"{'wait s':>7} {'stale':>5} {'publish ms':>10} {'proc wall s':>11}")
     print(head)
     print("-" * len(head))
-
-    def fmt(v, spec, dash="-"):
-        return dash if v is None else format(v, spec)
-
     for r in results:
         if not r.ok:
             print(f"{r.case.name:<21} FAILED: {r.error.splitlines()[0] if r.error else '?'}")
@@ -334,13 +322,10 @@ def main() -> int:
     print("(s/step, gen s, train s, wait s, stale, publish ms: means over steps 2..S; gen s is measured where "
           "generation ran, train s is the trainer's update, wait s its wait for a batch)")
 
-    k1 = next((r for r in results if r.case.name == "zmq k=1" and r.ok), None)
-    if base and k1:
-        print_k1_bound(k1, base)
-    if "in-process" in runs and "zmq k=1 own cores" in runs:
-        print_core_bound(runs["zmq k=1 own cores"], runs["in-process"], cores, K1_TARGET)
+
+def print_accuracy(steps: int, val: int, base: Result | None, k1: Result | None) -> None:
     print()
-    print(f"held-out greedy accuracy after {args.steps} steps ({args.val} problems):")
+    print(f"held-out greedy accuracy after {steps} steps ({val} problems):")
     print(f"  {'config':<12} {'base':>6} {'final':>6}")
     for name, r in (("in-process", base), ("zmq k=1", k1)):
         if r is None:
@@ -348,41 +333,65 @@ def main() -> int:
         else:
             print(f"  {name:<12} {r.summary['base_accuracy']:>6.3f} {r.summary['final_accuracy']:>6.3f}")
 
-    print()
-    ratios, shared_ratios = [], []
-    for label, pub in pubs:
-        if "error" in pub:
-            print(f"weight publish, {label}: FAILED: {pub['error']}")
-            continue
-        ratio = pub["wire"] / pub["raw_copy"]
-        ratios.append(ratio)
-        print(f"weight publish, {label} ({pub['params'] / 1e6:.2f}M params, {pub['bytes'] / 2**20:.1f} MiB in "
-              f"{pub['frames']} frames, median of {args.publish_repeats}): encode+send+recv+decode "
-              f"{1000 * pub['wire']:.2f} ms; raw ZeroMQ copy {1000 * pub['raw_copy']:.2f} ms -> {ratio:.2f}x; "
-              f"raw zero-copy send {1000 * pub['raw']:.2f} ms -> {pub['wire'] / pub['raw']:.2f}x "
-              f"(encode alone {1000 * pub['encode']:.2f} ms, decode alone {1000 * pub['decode']:.2f} ms)")
-        shared_ratios.append(pub["shared"] / pub["raw_copy"])
-        print(f"  same host, shared memory (the default there): publish+send handles+map+view "
-              f"{1000 * pub['shared']:.2f} ms -> {shared_ratios[-1]:.2f}x the raw ZeroMQ copy")
-    ratio_pub = max(ratios) if ratios and len(ratios) == len(pubs) else None
 
+def print_targets(base: Result | None, k1: Result | None, ratio_pub: float | None, shared: list[float]) -> None:
     print()
     r = f"{k1.samples_per_s / base.samples_per_s:.2f}x" if base and k1 else "not measured (a run failed)"
     print(f"target: zmq k=1 >= {K1_TARGET:.1f}x in-process samples/s: {r}"
           + (f" {'PASS' if k1.samples_per_s / base.samples_per_s >= K1_TARGET else 'MISS'}" if base and k1 else ""))
     if ratio_pub is None:
         print(f"target: publish <= {PUBLISH_TARGET:.1f}x raw copy: not measured (it failed)")
-    else:
-        for how, r in (("frames, for samplers on other hosts", ratio_pub),
-                       ("shared memory, for samplers on the trainer's host", max(shared_ratios))):
-            print(f"target: publish <= {PUBLISH_TARGET:.1f}x raw copy (worst size), {how}: {r:.2f}x "
-                  f"{'PASS' if r <= PUBLISH_TARGET else 'MISS'}")
+        return
+    for how, r in (("frames, for samplers on other hosts", ratio_pub),
+                   ("shared memory, for samplers on the trainer's host", max(shared))):
+        print(f"target: publish <= {PUBLISH_TARGET:.1f}x raw copy (worst size), {how}: {r:.2f}x "
+              f"{'PASS' if r <= PUBLISH_TARGET else 'MISS'}")
 
+
+def main() -> int:
+    args = parse_args()
+    sys.path.insert(0, SRC)
+    from alignrl.models.tiny import ensure_demo_model
+    from alignrl.runtime.cores import usable_cores
+
+    cores = usable_cores()  # affinity and a cgroup quota: the cores the bound below may count on
+    model_dir = ensure_demo_model() if args.model == "demo" else Path(args.model).resolve()
+    print(f"model {model_dir}")
+    print(f"workload: {args.steps} steps x {args.prompts} prompts x {args.n} samples = "
+          f"{args.prompts * args.n} sequences/step, <= {args.max_new_tokens} new tokens, "
+          f"{args.prompts // args.mini_batch} optimizer step(s)/RL step, lr {args.lr:g}, "
+          f"share_prompt {str(args.share_prompt).lower()}, remove_padding {str(args.remove_padding).lower()}, "
+          f"held-out {args.val}; {cores} usable CPU core(s)")
+    print("samples/s = sequences trained / sum of the trainer's timing/step over steps 2..S (step 1 = warm-up)")
+    root = Path(tempfile.mkdtemp(prefix="alignrl-async-bench-"))
+    try:
+        runs = run_rounds(args, model_dir, root)
+        pubs = run_publish(args, model_dir)
+    finally:
+        if args.keep:
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+    results = [median_run(rs) for rs in runs.values()]
+    base = next((r for r in results if r.case.name == "in-process" and r.ok), None)
+    k1 = next((r for r in results if r.case.name == "zmq k=1" and r.ok), None)
+    print()
+    if args.rounds > 1:
+        print_rounds(runs)
+    print_table(results, base)
+    if base and k1:
+        print_k1_bound(k1, base)
+    if "in-process" in runs and "zmq k=1 own cores" in runs:
+        print_core_bound(runs["zmq k=1 own cores"], runs["in-process"], cores, K1_TARGET)
+    print_accuracy(args.steps, args.val, base, k1)
+    print()
+    ratio_pub, shared = print_publish(pubs, args.publish_repeats)
+    print_targets(base, k1, ratio_pub, shared)
     failed = [r for r in results if not r.ok]
     for r in failed:
         print(f"\n=== {r.case.name} failed ===\n{r.error}")
     return 1 if failed or ratio_pub is None else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
