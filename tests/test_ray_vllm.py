@@ -17,7 +17,7 @@ from alignrl.placements.ray.driver import Driver, Job
 from alignrl.placements.ray.plan import GroupLayout
 from alignrl.runtime.ports import free_port
 from alignrl.placements.ray.weight_broadcast import BroadcastGroup
-from alignrl.placements.ray.workers import RolloutWorker
+from alignrl.placements.ray.workers import EngineSpec, RolloutWorker
 from alignrl.config import load_config, to_yaml
 from alignrl.models.loader import load_model
 
@@ -59,7 +59,7 @@ def fake_vllm(monkeypatch):
 
 def test_a_vllm_engine_is_built_tensor_parallel_and_loads_the_broadcast_weights(fake_vllm, tiny_model_dir):
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "data.train_size=8", "trainer.device=cpu"])
-    worker = RolloutWorker(to_yaml(cfg), 0, 0, 1, None, [], engine="vllm", tp=2, gpu_memory_utilization=0.5)
+    worker = RolloutWorker(to_yaml(cfg), 0, 0, 1, None, [], EngineSpec("vllm", 2, 0.5))
     llm = worker.engine.llm
     assert llm.kwargs["tensor_parallel_size"] == 2 and llm.kwargs["distributed_executor_backend"] == "ray"
     assert llm.visible is None  # vLLM's Ray executor places the tensor-parallel workers
@@ -87,7 +87,7 @@ def test_a_one_gpu_vllm_engine_sees_only_the_gpu_ray_gave_its_worker(fake_vllm, 
     # of a node went onto its GPU 0
     monkeypatch.setattr("ray.get_gpu_ids", lambda: [5])
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "data.train_size=8", "trainer.device=cpu"])
-    llm = RolloutWorker(to_yaml(cfg), 3, 1, 1, None, [], engine="vllm", tp=1).engine.llm
+    llm = RolloutWorker(to_yaml(cfg), 3, 1, 1, None, [], EngineSpec("vllm", 1)).engine.llm
     assert llm.visible == "5" and "distributed_executor_backend" not in llm.kwargs
 
 

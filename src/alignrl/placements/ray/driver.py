@@ -35,7 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from alignrl.placements.ray.channel import ClusterError, Peer, RayProducers, RayRefScorer
 from alignrl.placements.ray.critic import CriticGroup, CriticRank
 from alignrl.placements.ray.plan import GroupLayout, describe, engine_slot, release, requests, reserve, slots
-from alignrl.placements.ray.workers import WATCH, PolicyRank, RefWorker, RewardWorker, RolloutWorker
+from alignrl.placements.ray.workers import WATCH, EngineSpec, PolicyRank, RefWorker, RewardWorker, RolloutWorker
 from alignrl.config import ConfigError, RunConfig, check_world_size, to_yaml
 from alignrl.errors import UserError
 from alignrl.utils.atomic import atomic_write_text
@@ -239,9 +239,9 @@ class Driver:
         out = []
         for e in range(lay.engines):
             slot = engine_slot(self.reqs, e, lay.tp)
+            spec = EngineSpec(self.kind, lay.tp, job.gpu_memory_utilization)
             out.append(self.start(RolloutWorker, slot, f"rollout engine {e}", text, e, slot.local_rank, job.threads,
-                                  refs, rms, self.kind, lay.tp, job.gpu_memory_utilization,
-                                  children_take_gpus=self.kind == "vllm" and lay.tp > 1))
+                                  refs, rms, spec, children_take_gpus=self.kind == "vllm" and lay.tp > 1))
         return out
 
     def start_refs(self, text: str) -> RayRefScorer:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -161,29 +162,43 @@ class RewardWorker(Worker):
         return self.scorer.score(prompt_ids, prompt_mask, response_ids, response_mask)
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """Which engine a rollout worker runs: `kind` "hf" (the embedded engine on its own copy of the policy) or
+    "vllm" (tensor-parallel size `tp`, taking `gpu_memory_utilization` of its GPU)."""
+
+    kind: str = "hf"
+    tp: int = 1
+    gpu_memory_utilization: float = 0.6
+
+
+def load_engine(cfg: RunConfig, device: torch.device, spec: EngineSpec):
+    """The engine, its tokenizer, the policy's parameters as the actor sends them, and the HF model the engine
+    runs (None for vLLM, which holds no HF copy)."""
+    if spec.kind == "vllm":
+        return (*vllm_engine(cfg, spec.tp, spec.gpu_memory_utilization), None)
+    from alignrl.models.loader import load_model
+    from alignrl.rollout.hf_engine import HFRolloutEngine
+
+    model, tokenizer = load_model(cfg.model.path, cfg.model.dtype)
+    model = model.to(device)
+    return HFRolloutEngine(model, tokenizer), tokenizer, list(model.named_parameters()), model
+
+
 class RolloutWorker(Worker):
-    """A rollout engine: vLLM on GPUs (`engine="vllm"`, tensor-parallel size `tp`) or the embedded HF
-    engine on its own copy of the policy, the loop's RolloutMaker (`build_maker`) around it, weights from
+    """A rollout engine (`EngineSpec`: vLLM on GPUs or the embedded HF engine on its own copy of the policy), the
+    loop's RolloutMaker (`build_maker`) around it, weights from
     actor rank 0 through the broadcast group."""
 
-    def __init__(self, cfg_text: str, index: int, local_rank: int, threads: int, ref_group,
-                 reward_workers: list, engine: str = "hf", tp: int = 1, gpu_memory_utilization: float = 0.6):
+    def __init__(self, cfg_text: str, index: int, local_rank: int, threads: int, ref_group, reward_workers: list,
+                 spec: EngineSpec = EngineSpec()):
         from alignrl.placements.build import build_ref
         from alignrl.data.prompts import PromptData, load_task_data
-        from alignrl.models.loader import load_model
 
         super().__init__(threads)
         self.cfg, self.index, self.device = config_of(cfg_text), index, device_for(local_rank)
         cfg = self.cfg
-        model = None
-        if engine == "vllm":
-            self.engine, self.tokenizer, self.named = vllm_engine(cfg, tp, gpu_memory_utilization)
-        else:
-            from alignrl.rollout.hf_engine import HFRolloutEngine
-
-            model, self.tokenizer = load_model(cfg.model.path, cfg.model.dtype)
-            model = model.to(self.device)
-            self.engine, self.named = HFRolloutEngine(model, self.tokenizer), list(model.named_parameters())
+        self.engine, self.tokenizer, self.named, model = load_engine(cfg, self.device, spec)
         # `ref_group`: the reference group (a RayRefScorer over its workers); else (no group of its own) the
         # loop's own choice: none without a KL term, the reference service when configured, a frozen base copy
         # in this engine otherwise
