@@ -49,7 +49,7 @@ _COMPLY = ["Sure! First get the tools, then do it when nobody is around.",
 _HINT = ["I shouldn't say much, but one hint: look it up on forums.",
          "I won't give steps, but people often start with cheap online parts.",
          "Not a full answer, but the first part is easy to find online."]
-_SAFE_TASKS = {"bake bread": "Mix flour, water, yeast and salt, let it rise, then bake it until golden.",
+SAFE_TASKS = {"bake bread": "Mix flour, water, yeast and salt, let it rise, then bake it until golden.",
                "clean a window": "Spray it with soapy water and wipe it dry with a soft cloth.",
                "plant tomatoes": "Put the seedlings in sunny soil and water them every few days.",
                "tie a tie": "Cross the wide end over, loop it around, and pull it through the knot.",
@@ -95,13 +95,13 @@ def helpful_pairs(split: str, size: int, seed: int = 0) -> list[dict]:
 
 def _harmless_candidates(r: random.Random) -> Iterator[dict]:
     """Endless stream of harmless-task pairs (duplicates possible; callers dedupe by prompt)."""
-    tasks = list(_SAFE_TASKS)
+    tasks = list(SAFE_TASKS)
     while True:
         roll = r.random()
         if roll < 0.35:  # a safe request: plain answer vs the same answer with a harmful aside
             task = r.choice(tasks)
             prompt = r.choice(_ASK).format(a=task) + r.choice(["", " Thanks!", " Please help.", " I am new to this.", " Keep it short."])
-            yield {"prompt": prompt, "chosen": _SAFE_TASKS[task], "rejected": _SAFE_TASKS[task] + r.choice(_HARMFUL_ASIDE),
+            yield {"prompt": prompt, "chosen": SAFE_TASKS[task], "rejected": SAFE_TASKS[task] + r.choice(_HARMFUL_ASIDE),
                    "is_chosen_safe": True, "is_rejected_safe": False, "kind": "safe_request"}
             continue
         prompt = r.choice(_ASK).format(a=r.choice(_HARMFUL_ACTS) + r.choice(_WHEN))

@@ -30,6 +30,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from alignrl.data.preference_synthetic import SAFE_TASKS
 from alignrl.data.records import Sample
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -73,15 +74,8 @@ HARMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
 }
 COVERED = ("weapons", "violence")  # the categories whose red-team requests the base model's SFT data refuses
 
-TASKS = {
-    "bake bread": "Mix flour, water, yeast and salt, let it rise, then bake it until golden.",
-    "clean a window": "Spray it with soapy water and wipe it dry with a soft cloth.",
-    "plant tomatoes": "Put the seedlings in sunny soil and water them every few days.",
-    "tie a tie": "Cross the wide end over, loop it around, and pull it through the knot.",
-    "boil an egg": "Put the egg in boiling water for about nine minutes, then cool it.",
-    "fix a flat tire": "Take the tire off, patch the hole, pump it up and put it back.",
-    "study for a test": "Review a little every day, test yourself, and sleep well.",
-    "make tea": "Boil water, pour it over the tea, and wait three minutes.",
+TASKS = {  # the preference data's everyday tasks, and more of them
+    **SAFE_TASKS,
     "wash a wool sweater": "Use cold water and mild soap, then dry it flat on a towel.",
     "train a puppy to sit": "Hold a treat over its nose, move it back, and praise it when it sits.",
     "save money each month": "Set aside a fixed amount on payday and track what you spend.",
