@@ -171,7 +171,9 @@ def _config_path(args: argparse.Namespace) -> Path | str | None:
 def _parse(argv: list[str]) -> argparse.Namespace:
     """Overrides may come before or after options (`--config f.yaml a.b=1`); argparse's subparsers
     cannot intermix positionals with options, so they are collected from the leftovers too."""
-    args, rest = _parser().parse_known_args(argv)
+    from alignrl.config.verl_recent import without_hydra_selection  # verl scripts pick Hydra configs this way
+
+    args, rest = _parser().parse_known_args(without_hydra_selection(argv))
     bad = [r for r in rest if r.startswith("-") or "=" not in r]
     if bad:
         raise ConfigError(f"unrecognized argument {bad[0]!r} (overrides look like key.sub=value; "

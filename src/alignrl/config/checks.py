@@ -153,8 +153,9 @@ def _rollout_is(cfg: RunConfig) -> str | None:
 def _loggers_and_files(cfg: RunConfig) -> str | None:
     unknown = set(cfg.trainer.logger) - {"console", "jsonl", "tensorboard", "wandb"}
     if unknown:
+        verl = " (verl's file logger is alignrl's jsonl: metrics.jsonl)" if "file" in unknown else ""
         return (f"trainer.logger has unknown sink(s) {sorted(unknown)}; allowed: console, jsonl, "
-                "tensorboard, wandb")
+                f"tensorboard, wandb{verl}")
     for key in ("train_files", "val_files"):
         files = getattr(cfg.data, key)
         if not (isinstance(files, str) or (isinstance(files, list) and files

@@ -16,10 +16,11 @@ Four kinds of verl keys:
   credits); a value other than the one alignrl behaves as is listed once at start with the reason.
 
 Anything else goes through unchanged, so alignrl's own keys work beside verl's and a misspelt key
-still gets the usual "unknown config key" line. A verl-spelled command line also gets Search-R1's verl
-defaults where alignrl's differ (`VERL_DEFAULTS`), unless the key is given: a verl user who leaves
-a key out gets what verl would have done. This module leaves out Hydra's config groups
-(`--config-name`); a YAML file goes in `--config`.
+still gets the usual "unknown config key" line. A verl-spelled command line also gets its verl's defaults
+where alignrl's differ, unless the key is given: Search-R1's (`SEARCH_R1_DEFAULTS`) when it gives a key only
+Search-R1 reads, verl 0.7's (`VERL07_DEFAULTS`) otherwise, so a verl user who leaves a key out gets what that verl
+would have done. verl 0.7's newer spellings are read by `verl_recent`. Hydra's config selection (`--config-name`)
+is refused by the command line (`alignrl.cli`); a YAML file goes in `--config`.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from dataclasses import dataclass, field
 from alignrl.config.checks import nearest_sibling
 from alignrl.config.file_shape import SEED_KEYS, SEED_MODEL_PARTS, unknown_seed_key
 from alignrl.config.schema import ConfigError
-from alignrl.config.verl_tables import (A, CKPT_TO_KEEP, CRITIC_FOLLOWS_ACTOR, DAPO, FILTER_METRICS, MISSING,
-                                        NOT_APPLIED, NOT_USED, NOTED, ONLY_VALUE, R, RENAMES, REWARD_MANAGERS, VAL_KWARGS,
-                                        VERL_DEFAULTS, VERL_SECTIONS)
+from alignrl.config.verl_recent import finish as finish_recent, parsed as _value, recent as _recent
+from alignrl.config.verl_tables import (A, ALIASES, CKPT_TO_KEEP, CRITIC_FOLLOWS_ACTOR, MISSING, NOT_APPLIED,
+                                        NOT_USED, NOTED, ONLY_VALUE, R, RENAMES, SEARCH_R1_DEFAULTS, STRATEGIES, SEARCH_R1_ONLY,
+                                        VERL07_CLIP_RATIO_C, VERL07_DEFAULTS, VERL_SECTIONS)
 
 
 @dataclass(frozen=True)
@@ -47,15 +49,7 @@ class Translation:
     output_is_run_dir: bool = False  # nodes.yaml's models.output.path=...: the run folder itself, unless named
     global_micro: int | None = None  # verl's deprecated global ppo_micro_batch_size: divided by the world size
     missing: list[str] = field(default_factory=list)  # verl features alignrl does not have, asked for: one line each
-
-
-def _value(text: str) -> object:
-    from omegaconf import OmegaConf
-
-    try:
-        return OmegaConf.from_dotlist([f"v={text}"])["v"]
-    except Exception:  # an interpolation (${...}) or unclosed brackets: the text as given, never a traceback;
-        return text    # a value that goes on to alignrl's key is read (and its error named) by load_config
+    search_r1: bool = False  # a Search-R1-only key was given: Search-R1's verl defaults, else verl 0.7's
 
 
 @dataclass
@@ -74,6 +68,10 @@ class _Pass:
     overlong: dict[str, str] = field(default_factory=dict)  # reward_model.overlong_buffer.{enable,len}
     reward_model: dict[str, str] = field(default_factory=dict)  # reward_model.enable, reward_model.model.path
     val_kwargs: dict = field(default_factory=dict)  # rollout.val_kwargs.{do_sample,temperature,top_p,top_k,n}
+    rollout_correction: dict[str, tuple[str, object]] = field(default_factory=dict)  # name -> (text, value)
+    later: dict[str, tuple[str, object]] = field(default_factory=dict)  # keys read once every override is known
+    loss_mode: str = "vanilla"  # verl's actor.policy_loss.loss_mode
+    remote_code: list[str] = field(default_factory=list)  # the *.trust_remote_code keys set true
     verl: bool = False
     output_is_run_dir: bool = False
     global_micro: int | None = None
@@ -87,7 +85,7 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
         if not sep:
             st.out.append(o)  # load_config names the malformed override
             continue
-        key = key.lstrip("+")
+        key = ALIASES.get(key.lstrip("+"), key.lstrip("+"))
         st.verl = st.verl or o.startswith("+") or key.startswith(("actor_rollout_ref.", "critic.optim.",
                                                                   "critic.model."))
         # one chain of cases, split in four: the first case that matches the key takes it
@@ -114,8 +112,7 @@ def _renamed(st: _Pass, key: str, value: str) -> bool:
     elif key in (A + "strategy", "critic.strategy"):  # one engine trains both in alignrl
         st.verl = True
         if str(_value(value)) not in ("fsdp", "fsdp2"):
-            raise ConfigError(f"{key}={value} is not supported (alignrl shards with FSDP2: fsdp or fsdp2; "
-                              "trainer.strategy=deepspeed for ZeRO)")
+            raise ConfigError(f"{key}={value} is not supported ({STRATEGIES})")
         st.out.append("trainer.strategy=fsdp")
     elif key == "trainer.critic_warmup" and isinstance(_value(value), int):
         # verl trains the actor from global step critic_warmup (steps count from 1); alignrl after
@@ -125,79 +122,6 @@ def _renamed(st: _Pass, key: str, value: str) -> bool:
     else:
         return False
     return True
-
-
-def _recent(st: _Pass, key: str, value: str) -> bool:
-    """verl 0.7's spellings: DAPO's (recipe/dapo), the validation sampler, the reward model, save_freq=-1;
-    False: not one of them."""
-    v = _value(value)
-    if key == "trainer.save_freq" and isinstance(v, int) and v < 0:  # verl's default: no periodic checkpoint
-        st.out.append("trainer.save_freq=0")
-        st.notes.append(f"{key}={value}: alignrl keeps the final checkpoint only (verl saves none)")
-        return True
-    if not key.startswith(("algorithm.filter_groups.", "reward_model.overlong_buffer.", R + "val_kwargs.",
-                           "reward_model.reward_manager", "reward_model.enable",
-                           "reward_model.model.path", "reward_model.model.input_tokenizer")):
-        return False
-    st.verl = True
-    if key in ("reward_model.enable", "reward_model.model.path"):
-        st.reward_model[key] = value
-    elif key == "reward_model.model.input_tokenizer":
-        if v not in (None, ""):  # verl re-tokenizes for a reward model of another vocabulary; alignrl does not
-            raise ConfigError(f"{key}={value} is not supported (alignrl scores responses with the policy's token ids: "
-                              "give a reward model that shares the policy's tokenizer, and drop input_tokenizer)")
-    elif key in DAPO:
-        st.out.append(f"{DAPO[key]}={value}")
-        if key.startswith("reward_model.overlong_buffer."):
-            st.overlong["len" if key.endswith(".len") else "factor"] = value
-    elif key == "reward_model.overlong_buffer.enable":
-        st.overlong["enable"] = value
-    elif key == "algorithm.filter_groups.max_num_gen_batches":
-        _gen_batches(st, key, v)
-    elif key == "algorithm.filter_groups.metric":
-        if v is not None and v not in FILTER_METRICS:
-            raise ConfigError(f"{key}={value} is not supported (alignrl keeps the groups whose rewards differ: "
-                              f"{', '.join(FILTER_METRICS)})")
-    elif key in VAL_KWARGS:
-        st.val_kwargs[key.rsplit(".", 1)[1]] = v
-    elif key == "reward_model.reward_manager":
-        if v not in REWARD_MANAGERS:
-            raise ConfigError(f"{key}={value} is not supported (alignrl's reward stage is the rule reward, verl's "
-                              "naive manager, with DAPO's overlong buffer: naive or dapo)")
-    else:
-        raise ConfigError(f"unknown config key '{key}': not a verl key alignrl knows (docs/verl-keys.md lists them)")
-    return True
-
-
-def _validation(given: dict) -> list[str]:
-    """verl's validation sampler: greedy unless do_sample is true (its default is false), then val_kwargs' own
-    temperature, top_p, top_k and n."""
-    if given.get("do_sample") is not True:
-        return []
-    return [f"{VAL_KWARGS[R + 'val_kwargs.' + k]}={v}" for k, v in given.items() if k != "do_sample"]
-
-
-def _reward_model(given: dict[str, str]) -> list[str]:
-    """verl's reward model in the loop (reward_model.enable=True, reward_model.model.path): its score is the reward,
-    as verl's reward manager returns the model's scores when it runs one."""
-    if _value(given.get("reward_model.enable", "false")) is not True:
-        return []  # verl's config always holds a path; without enable it is not used
-    path = given.get("reward_model.model.path")
-    if _value(path or "null") in (None, ""):
-        raise ConfigError("reward_model.enable=True needs reward_model.model.path=<a sequence-classification folder, "
-                          "e.g. from `alignrl train rm`>")
-    return [f"algorithm.reward_model={path}"]
-
-
-def _gen_batches(st: _Pass, key: str, v: object) -> None:
-    """verl's generation batches per step (the first one included; 0 or less: no limit) as alignrl's extra rounds."""
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(f"{key}={v} must be a whole number (generation batches per step; 0: no limit)")
-    if v > 0:
-        st.out.append(f"algorithm.max_gen_rounds={v - 1}")
-    else:
-        st.notes.append(f"{key}={v}: alignrl bounds the extra generation rounds of a step at "
-                        "algorithm.max_gen_rounds (3), then trains on the groups kept")
 
 
 def _accepted(st: _Pass, key: str, value: str) -> bool:
@@ -273,11 +197,8 @@ def _finish(st: _Pass) -> Translation:
         if not actor or _value(actor[-1]) != _value(value):
             not_applied[key] = (value, "alignrl's critic trains on the actor's mini-batches and epochs "
                                        "(actor_rollout_ref.actor.ppo_mini_batch_size and ppo_epochs)")
+    out += finish_recent(st)
     notes = st.notes + _grouped(not_applied)
-    if st.overlong and _value(st.overlong.get("enable", "false")) is not True:  # verl applies the buffer only when on
-        out.append("algorithm.overlong_buffer_len=0")
-    out += _reward_model(st.reward_model)
-    out += _validation(st.val_kwargs)
     if custom.get("path") not in (None, "null"):  # verl's default function name is compute_score
         out.append(f"algorithm.reward_fn={custom['path']}:{custom.get('name', 'compute_score')}")
     # n_agent is Search-R1's group size; verl's rollout.n beside it is the vLLM sample count (1)
@@ -290,7 +211,10 @@ def _finish(st: _Pass) -> Translation:
             out.append("actor.ppo_mini_batch_unit=sequences")
     explicit = {o.split("=", 1)[0] for o in out} | ({"actor.ppo_micro_batch_size"} if st.global_micro else set())
     missing = [f"{feature}: {', '.join(keys)}" for feature, keys in st.missing.items()]
-    return Translation(out, explicit, st.not_used, notes, st.verl, st.output_is_run_dir, st.global_micro, missing)
+    given = [o.split("=", 1)[0].lstrip("+") for o in st.overrides]
+    search_r1 = any(fnmatch.fnmatchcase(k, pattern) for k in given for pattern in SEARCH_R1_ONLY)
+    return Translation(out, explicit, st.not_used, notes, st.verl, st.output_is_run_dir, st.global_micro, missing,
+                       search_r1)
 
 
 def _grouped(not_applied: dict[str, tuple[str, str]]) -> list[str]:
@@ -314,15 +238,17 @@ def _checkpoints_to_keep(key: str, text: str) -> int:
 
 
 def verl_defaults(t: Translation, given: set[str], adv_estimator: str, use_kl_loss: bool) -> list[str]:
-    """The overrides that give a verl-spelled run Search-R1's verl defaults, for the keys it leaves out
-    (`given`: the keys set by the overrides or the config file; `use_kl_loss`: the merged actor.use_kl_loss,
-    from either of them)."""
+    """The overrides that give a verl-spelled run its verl's defaults for the keys it leaves out: Search-R1's
+    (verl 0.1) when it gives a Search-R1-only key, verl 0.7's otherwise (`given`: the keys set by the overrides or
+    the config file; `use_kl_loss`: the merged actor.use_kl_loss, from either of them)."""
     if not t.verl_style:
         return []
-    out = [f"{k}={v}" for k, v in VERL_DEFAULTS.items() if k not in given]
-    use_kl_loss = use_kl_loss and "actor.use_kl_loss" in given  # else VERL_DEFAULTS' False, just above
-    if "algorithm.use_kl_in_reward" not in given:
+    out = [f"{k}={v}" for k, v in (SEARCH_R1_DEFAULTS if t.search_r1 else VERL07_DEFAULTS).items() if k not in given]
+    if t.search_r1 and "algorithm.use_kl_in_reward" not in given:  # its verl applies the KL in the reward whenever
+        use_kl_loss = use_kl_loss and "actor.use_kl_loss" in given  # the loss has none (False: the table's)
         out.append(f"algorithm.use_kl_in_reward={not use_kl_loss}")
+    if not t.search_r1 and "actor.clip_ratio_c" not in given and _policy_loss(t, given) == "ppo_clip":
+        out.append(f"actor.clip_ratio_c={VERL07_CLIP_RATIO_C}")  # verl 0.7's vanilla loss dual-clips
     if "critic.enable" not in given:
         out.append(f"critic.enable={adv_estimator == 'gae'}")
     if "agent.max_response_length" not in given:  # Search-R1 keeps a trajectory's first max_prompt_length tokens
@@ -332,6 +258,15 @@ def verl_defaults(t: Translation, given: set[str], adv_estimator: str, use_kl_lo
         # bfloat16 model with its fp32 master weights
         out.append("model.dtype=bfloat16")
     return out
+
+
+def _policy_loss(t: Translation, given: set[str]) -> str | None:
+    """The run's actor.policy_loss as the overrides set it; alignrl's ppo_clip when nothing sets it; None when only
+    the config file does (its value is not read here, so no dual-clip is added to a loss it may not fit)."""
+    chosen = [o.split("=", 1)[1] for o in t.overrides if o.startswith("actor.policy_loss=")]
+    if chosen:
+        return str(_value(chosen[-1]))
+    return None if "actor.policy_loss" in given else "ppo_clip"
 
 
 def _cuda_bf16() -> bool:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 A = "actor_rollout_ref.actor."
 R = "actor_rollout_ref.rollout."
+# what a verl strategy other than fsdp (megatron, by key or by --config-name) is told
+STRATEGIES = "alignrl shards with FSDP2: fsdp or fsdp2; trainer.strategy=deepspeed for ZeRO"
 
 RENAMES: dict[str, tuple[str, ...]] = {
     "actor_rollout_ref.model.path": ("model.path",),
@@ -53,6 +55,8 @@ RENAMES: dict[str, tuple[str, ...]] = {
     "critic.optim.lr": ("critic.lr",),
     "critic.optim.lr_warmup_steps": ("critic.lr_warmup_steps",),
     "critic.optim.lr_warmup_steps_ratio": ("critic.lr_warmup_steps_ratio",),
+    "critic.optim.weight_decay": ("critic.weight_decay",),
+    "critic.optim.betas": ("critic.betas",),
     "critic.model.path": ("critic.model_path",),
     "critic.grad_clip": ("critic.grad_clip",),
     "critic.cliprange_value": ("critic.cliprange_value",),
@@ -89,12 +93,55 @@ NOT_USED = (
     "reward_model.num_workers", "reward_model.strategy", "reward_model.max_length", "reward_model.launch_reward_fn_async",
     "trainer.default_hdfs_dir", "data.val_batch_size", "data.tokenizer", "data.return_raw_input_ids",
     "data.return_raw_chat", "trainer.val_generations_to_log_to_wandb",
+    # verl 0.7: vLLM's memory, weight transfer and CUDA graphs; kernels, compilation and memory of the trainer's
+    # forwards (the same numbers up to rounding); sharding (fsdp.*: current verl's spelling of fsdp_config), rank
+    # balancing, Ray, timeouts, profiling and logging; which tensors a checkpoint holds (alignrl's hold what a
+    # resume needs); `calculate_log_probs`: alignrl always keeps the rollout's log-probs
+    R + "enable_sleep_mode", R + "checkpoint_engine.*", R + "update_weights_bucket_megabytes",
+    R + "multi_stage_wake_up", R + "engine_kwargs.*", R + "trace.*", R + "cudagraph_capture_sizes",
+    R + "max_model_len", R + "disable_log_stats", R + "calculate_log_probs", R + "agent.num_workers",
+    "actor_rollout_ref.model.use_fused_kernels", "actor_rollout_ref.model.fused_kernel_options.*",
+    "*.enable_activation_offload", "actor_rollout_ref.model.use_liger", "*.entropy_checkpointing",
+    "*.entropy_from_logits_with_chunking", "*.use_torch_compile", "*.override_config.*", "*.fsdp.*",
+    "actor_rollout_ref.nccl_timeout", "*.checkpoint.*", "*.profiler.*", "global_profiler.*", "ray_kwargs.*",
+    "actor_rollout_ref.model.lora.merge", "trainer.balance_batch", "trainer.use_legacy_worker_impl",
+    "trainer.log_val_generations", "trainer.ray_wait_register_center_timeout", "trainer.esi_redundant_time",
+    "data.dataloader_num_workers", "data.use_shm", "data.return_full_prompt", "data.validation_shuffle",
+    "reward_model.inference.*", "reward_model.reward_kwargs.overlong_buffer_cfg.log",
 )
+# verl 0.7's trainer.device (cuda, npu) picks the accelerator's kind; alignrl's trainer.device (auto, cpu, cuda) is
+# its own key, so verl's value passes through and only npu, which alignrl has no backend for, is refused there.
+
+# Another spelling of a key mapped above: main_ppo's DAPO reward manager takes its overlong buffer through
+# reward_kwargs; current verl names the reward model's folder model_path.
+ALIASES = {"reward_model.reward_kwargs.overlong_buffer_cfg." + k: "reward_model.overlong_buffer." + k
+           for k in ("enable", "len", "penalty_factor")} | {"reward_model.model_path": "reward_model.model.path"}
+
+# verl's policy_loss.loss_mode -> alignrl's actor.policy_loss; the other policy_loss.* keys tune only modes alignrl
+# does not have (clip-cov, kl-cov), so whatever they say changes nothing in these two.
+LOSS_MODES = {"vanilla": "ppo_clip", "gspo": "gspo"}
+LOSS_MODE_TUNING = tuple(A + "policy_loss." + k for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
+                                                          "kl_cov_ratio", "ppo_kl_coef"))
+
+# verl 0.7's algorithm.rollout_correction (algorithm/rollout_correction.yaml), key -> the value that leaves it off;
+# rollout_is and the rejection sampler's level and thresholds are read by verl_recent.rollout_correction.
+RC = "algorithm.rollout_correction."
+ROLLOUT_CORRECTION_OFF: dict[str, object] = {
+    RC + "rollout_is": None, RC + "rollout_is_threshold": 2.0, RC + "rollout_rs": None,
+    RC + "rollout_rs_threshold": None, RC + "rollout_rs_threshold_lower": None,
+    RC + "rollout_token_veto_threshold": None, RC + "bypass_old_logprob_for_rollout": False,
+    RC + "use_pure_rollout_correction": False, RC + "rollout_is_batch_normalize": False,
+}
 
 # verl features alignrl does not have: key pattern -> (the feature, the values that leave it off). A value that
 # leaves it off is accepted quietly; any other is named at start as a feature not applied, never dropped silently.
 MISSING: dict[str, tuple[str, tuple[object, ...]]] = {
     "*.ulysses_sequence_parallel_size": ("Ulysses sequence parallelism", (1,)),
+    RC + "rollout_is_batch_normalize": ("rollout IS weights normalized to mean 1 over the batch", (False,)),
+    RC + "rollout_token_veto_threshold": ("the per-token veto of rollout correction", (None,)),
+    RC + "bypass_old_logprob_for_rollout": ("rollout correction's bypass mode (the rollout's log-probs as the old "
+                                            "policy's)", (False,)),
+    RC + "use_pure_rollout_correction": ("the unclipped policy gradient of pure rollout correction", (False,)),
     "data.gen_batch_size": ("DAPO's generation batch larger than the training batch (alignrl's dynamic sampling "
                             "generates up to algorithm.max_gen_rounds more rounds of data.train_batch_size prompts)",
                             ()),
@@ -102,7 +149,7 @@ MISSING: dict[str, tuple[str, tuple[object, ...]]] = {
 
 # Sections that exist only in verl's config: a key under them that is not mapped above is unknown.
 VERL_SECTIONS = ("actor_rollout_ref.", "critic.optim.", "critic.model.", "algorithm.kl_ctrl.", "reward_model.",
-                 "custom_reward_function.")
+                 "custom_reward_function.", RC)
 
 # verl's data.prompt_key is alignrl's key of the same name, so it passes through unchanged: a verl file read
 # by column keeps its data_source, reward_model.ground_truth and extra_info (alignrl.data.row_formats).
@@ -116,6 +163,9 @@ ONLY_VALUE: dict[str, tuple[object, str]] = {
     R + "do_sample": (True, "training rollouts sample; evaluation is greedy"),
     R + "ignore_eos": (False, "generation always stops at eos"),
     "critic.optim.warmup_style": ("constant", "the critic's lr is constant after its warm-up"),
+    R + "multi_turn.enable": (False, "alignrl's multi-turn loop is Search-R1's search agent (max_turns, retriever.url); "
+                                     "verl's tool-calling agent loop is not implemented"),
+    R + "multi_turn.tool_config_path": (None, "verl's tool-calling agent loop is not implemented"),
     R + "mode": ("async", "alignrl's engines batch every prompt of a step; verl 0.7 removed the sync mode too"),
 }
 # verl's validation sampler (rollout.val_kwargs): ours is rollout.val_*; do_sample=false (verl's default) is greedy
@@ -165,16 +215,39 @@ CRITIC_FOLLOWS_ACTOR = {"critic.ppo_mini_batch_size": "actor.ppo_mini_batch_size
 # verl's checkpoint retention (null: keep every one): one alignrl checkpoint holds actor and critic together
 CKPT_TO_KEEP = ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep")
 
+# Keys only Search-R1's verl (0.1) reads: a run that gives one gets Search-R1's defaults, any other verl-spelled
+# run verl 0.7's (`verl_keys.verl_defaults`).
+SEARCH_R1_ONLY = (R + "n_agent", A + "state_masking", "max_turns", "do_search", "retriever.*", "algorithm.state_masking.*",
+                  "reward_model.structure_format_score", "reward_model.final_format_score",
+                  "reward_model.retrieval_score", "algorithm.no_think_rl", "data.max_start_length",
+                  "data.max_obs_length")
+
 # Search-R1's verl defaults where alignrl's differ (verl/trainer/config/ppo_trainer.yaml and
 # ray_trainer.py): no KL loss, KL in the reward instead (verl applies it whenever use_kl_loss is off),
 # an entropy bonus, AdamW weight decay, nucleus 0.95, a critic exactly when the estimator is GAE, and every
 # checkpoint kept; a multi-turn episode is cut at data.max_prompt_length tokens (its generation manager's
-# right side).
-VERL_DEFAULTS: dict[str, object] = {
+# right side). The critic's AdamW decays at 0.01 in both verls (Search-R1's FSDP workers default it so).
+SEARCH_R1_DEFAULTS: dict[str, object] = {
     "trainer.strategy": "fsdp",  # verl's actor and critic strategy: FSDP over the ranks (alignrl's fsdp2)
     "trainer.max_checkpoints": 0,  # Search-R1's verl never deletes a checkpoint; alignrl's default keeps 2
     "actor.use_kl_loss": False,
     "actor.entropy_coeff": 0.001,
     "actor.weight_decay": 0.01,
+    "critic.weight_decay": 0.01,
     "rollout.top_p": 0.95,
 }
+# verl 0.7's (verl/trainer/config/_generated_ppo_trainer.yaml): no KL loss and no KL in the reward, no entropy
+# bonus, full nucleus, token-mean losses, weight decay 0.01 for both optimizers, every checkpoint kept (max ckpt to
+# keep null); its vanilla loss dual-clips at 3.0 (added by verl_defaults only where alignrl's loss is ppo_clip).
+VERL07_DEFAULTS: dict[str, object] = {
+    "trainer.strategy": "fsdp",
+    "trainer.max_checkpoints": 0,
+    "actor.use_kl_loss": False,
+    "algorithm.use_kl_in_reward": False,
+    "actor.entropy_coeff": 0.0,
+    "actor.weight_decay": 0.01,
+    "critic.weight_decay": 0.01,
+    "actor.loss_agg_mode": "token-mean",
+    "rollout.top_p": 1.0,
+}
+VERL07_CLIP_RATIO_C = 3.0

@@ -1,0 +1,285 @@
+"""verl 0.7's spellings (DAPO's recipe, the validation sampler, the reward model, the policy-loss mode, rollout
+correction, the reward manager's overlong buffer, LoRA's excluded modules, remote code, the `file` logger), read for
+`verl_keys.translate`: `recent` takes such a key while the overrides are read, `finish` turns what it gathered into
+alignrl's overrides once every override is known."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from alignrl.config.schema import ConfigError
+from alignrl.config.verl_tables import (A, DAPO, FILTER_METRICS, LOSS_MODE_TUNING, LOSS_MODES, MISSING, NOT_USED, R, RC,
+                                        REWARD_MANAGERS, ROLLOUT_CORRECTION_OFF, STRATEGIES, VAL_KWARGS)
+
+if TYPE_CHECKING:
+    from alignrl.config.verl_keys import _Pass
+
+# verl's LoRA exclusion alignrl has (the regular expression verl's vision-language LoRA scripts give): the image
+# tower's adapters are frozen at their zero start (actor.freeze_prefix=visual), which leaves it exactly as without them
+VISION_TOWER = ".*visual.*"
+_RECENT_PREFIXES = ("algorithm.filter_groups.", "reward_model.overlong_buffer.", R + "val_kwargs.",
+                    "reward_model.reward_manager", "reward_model.enable", "reward_model.model.path",
+                    "reward_model.model.input_tokenizer", A + "policy_loss.", RC)
+_OWN = ("reward_model.reward_kwargs.max_resp_len", "actor_rollout_ref.model.exclude_modules")
+
+
+def parsed(text: str) -> object:
+    """An override's value as Hydra reads it; an interpolation (${...}) or unclosed brackets: the text as given,
+    never a traceback (a value that goes on to alignrl's key is read, and its error named, by load_config)."""
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.from_dotlist([f"v={text}"])["v"]
+    except Exception:
+        return text
+
+
+def recent(st: _Pass, key: str, value: str) -> bool:
+    """verl 0.7's keys, gathered or rewritten into `st`; False: not one of them."""
+    v = parsed(value)
+    whole = isinstance(v, int) and not isinstance(v, bool)
+    if key == "trainer.save_freq" and whole and v < 0:  # verl's default: no periodic checkpoint
+        st.out.append("trainer.save_freq=0")
+        st.notes.append(f"{key}={value}: alignrl keeps the final checkpoint only (verl saves none)")
+        return True
+    if key == "trainer.test_freq" and whole and v < 0:  # verl's default: no validation during training
+        st.out.append("trainer.test_freq=0")
+        return True
+    if key.endswith(".trust_remote_code") and key.split(".")[0] in ("actor_rollout_ref", "critic", "data",
+                                                                     "reward_model"):
+        st.verl = True
+        st.remote_code = [k for k in st.remote_code if k != key] + ([key] if v is True else [])
+        return True
+    if key in MISSING or key in NOT_USED or not (key.startswith(_RECENT_PREFIXES) or key in _OWN):
+        return False  # e.g. rollout correction's switches alignrl lacks, overlong_buffer.log: verl_keys._accepted's
+    st.verl = True
+    if key.startswith(RC):
+        if key not in ROLLOUT_CORRECTION_OFF:
+            raise ConfigError(f"unknown config key '{key}': not a key of verl's algorithm.rollout_correction "
+                              f"({', '.join(k.removeprefix(RC) for k in ROLLOUT_CORRECTION_OFF)})")
+        st.rollout_correction[key.removeprefix(RC)] = (value, v)
+    elif key.startswith(A + "policy_loss."):
+        _policy_loss(st, key, value, v)
+    elif key in _OWN:
+        st.later[key] = (value, v)
+    else:
+        _dapo_and_reward(st, key, value, v)
+    return True
+
+
+def _policy_loss(st: _Pass, key: str, value: str, v: object) -> None:
+    if key == A + "policy_loss.loss_mode":
+        if v not in LOSS_MODES:
+            raise ConfigError(f"{key}={value} is not supported (alignrl's policy losses as verl names them: "
+                              f"{', '.join(LOSS_MODES)}; alignrl's own actor.policy_loss=cispo besides)")
+        st.loss_mode = str(v)
+        st.out.append(f"actor.policy_loss={LOSS_MODES[st.loss_mode]}")
+    elif key not in LOSS_MODE_TUNING:
+        raise ConfigError(f"unknown config key '{key}': verl's policy_loss keys alignrl knows are loss_mode and "
+                          f"{', '.join(k.rsplit('.', 1)[1] for k in LOSS_MODE_TUNING)}")
+
+
+def _dapo_and_reward(st: _Pass, key: str, value: str, v: object) -> None:
+    """DAPO's filter groups and overlong buffer, the validation sampler, the reward manager and the reward model."""
+    if key in ("reward_model.enable", "reward_model.model.path"):
+        st.reward_model[key] = value
+    elif key == "reward_model.model.input_tokenizer":
+        if v not in (None, ""):  # verl re-tokenizes for a reward model of another vocabulary; alignrl does not
+            raise ConfigError(f"{key}={value} is not supported (alignrl scores responses with the policy's token ids: "
+                              "give a reward model that shares the policy's tokenizer, and drop input_tokenizer)")
+    elif key in DAPO:
+        st.out.append(f"{DAPO[key]}={value}")
+        if key.startswith("reward_model.overlong_buffer."):
+            st.overlong["len" if key.endswith(".len") else "factor"] = value
+    elif key == "reward_model.overlong_buffer.enable":
+        st.overlong["enable"] = value
+    elif key == "algorithm.filter_groups.max_num_gen_batches":
+        _gen_batches(st, key, v)
+    elif key == "algorithm.filter_groups.metric":
+        if v is not None and v not in FILTER_METRICS:
+            raise ConfigError(f"{key}={value} is not supported (alignrl keeps the groups whose rewards differ: "
+                              f"{', '.join(FILTER_METRICS)})")
+    elif key in VAL_KWARGS:
+        st.val_kwargs[key.rsplit(".", 1)[1]] = v
+    elif key == "reward_model.reward_manager":
+        if v not in REWARD_MANAGERS:
+            raise ConfigError(f"{key}={value} is not supported (alignrl's reward stage is the rule reward, verl's "
+                              "naive manager, with DAPO's overlong buffer: naive or dapo)")
+    else:
+        raise ConfigError(f"unknown config key '{key}': not a verl key alignrl knows (docs/verl-keys.md lists them)")
+
+
+def _gen_batches(st: _Pass, key: str, v: object) -> None:
+    """verl's generation batches per step (the first one included; 0 or less: no limit) as alignrl's extra rounds."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{key}={v} must be a whole number (generation batches per step; 0: no limit)")
+    if v > 0:
+        st.out.append(f"algorithm.max_gen_rounds={v - 1}")
+    else:
+        st.notes.append(f"{key}={v}: alignrl bounds the extra generation rounds of a step at "
+                        "algorithm.max_gen_rounds (3), then trains on the groups kept")
+
+
+def finish(st: _Pass) -> list[str]:
+    """alignrl's overrides for what `recent` gathered (appended to st.out's), with its notes and missing features."""
+    out = []
+    if st.overlong and parsed(st.overlong.get("enable", "false")) is not True:  # verl applies it only when on
+        out.append("algorithm.overlong_buffer_len=0")
+    out += _reward_model(st.reward_model) + _validation(st.val_kwargs) + rollout_correction(st)
+    if st.loss_mode == "gspo":  # verl's GSPO loss reads no dual-clip constant; alignrl's refuses one
+        st.out[:] = [o for o in st.out if not o.startswith("actor.clip_ratio_c=")]
+    _response_cap_note(st)
+    out += _excluded_modules(st) + _verl_logger(st)
+    _remote_code(st)
+    return out
+
+
+def _validation(given: dict) -> list[str]:
+    """verl's validation sampler: greedy unless do_sample is true (its default is false), then val_kwargs' own
+    temperature, top_p, top_k and n."""
+    if given.get("do_sample") is not True:
+        return []
+    return [f"{VAL_KWARGS[R + 'val_kwargs.' + k]}={v}" for k, v in given.items() if k != "do_sample"]
+
+
+def _reward_model(given: dict[str, str]) -> list[str]:
+    """verl's reward model in the loop (reward_model.enable=True, reward_model.model.path): its score is the reward,
+    as verl's reward manager returns the model's scores when it runs one."""
+    if parsed(given.get("reward_model.enable", "false")) is not True:
+        return []  # verl's config always holds a path; without enable it is not used
+    path = given.get("reward_model.model.path")
+    if parsed(path or "null") in (None, ""):
+        raise ConfigError("reward_model.enable=True needs reward_model.model.path=<a sequence-classification folder, "
+                          "e.g. from `alignrl train rm`>")
+    return [f"algorithm.reward_model={path}"]
+
+
+def rollout_correction(st: _Pass) -> list[str]:
+    """verl's truncated IS (rollout_is at a token or sequence level, rollout_is_threshold) as alignrl's
+    algorithm.rollout_is; with rejection sampling at the same level and bounds, alignrl's mask mode: the weights it
+    keeps lie inside [lower, threshold], where truncation changes nothing, so it is verl's IS + RS. Any other
+    rejection sampling is named as a feature alignrl does not have."""
+    given = {k: v for k, (_, v) in st.rollout_correction.items()}
+    level, rs = given.get("rollout_is"), given.get("rollout_rs")
+    threshold = given.get("rollout_is_threshold", 2.0)
+    if level not in (None, "token", "sequence"):
+        raise ConfigError(f"{RC}rollout_is={level} is not supported (null, token or sequence)")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        raise ConfigError(f"{RC}rollout_is_threshold={threshold} must be a number (the IS weights' upper bound)")
+    out = [f"algorithm.rollout_is={level}", f"algorithm.rollout_is_threshold={threshold}"] if level else []
+    if rs is None:
+        return out
+    if level is not None and rs == level and given.get("rollout_rs_threshold") in (None, threshold):
+        lower = given.get("rollout_rs_threshold_lower")
+        return out + ["algorithm.rollout_is_mode=mask"] + ([f"algorithm.rollout_is_threshold_lower={lower}"]
+                                                           if lower is not None else [])
+    asked = [f"{RC}{k}={text}" for k, (text, _) in st.rollout_correction.items() if k.startswith("rollout_rs")]
+    st.missing["rollout correction's rejection sampling other than at rollout_is's level and threshold"] = asked
+    return out
+
+
+def _response_cap_note(st: _Pass) -> None:
+    """DAPO's reward manager measures the overlong buffer from its own max_resp_len; alignrl from the response cap."""
+    if "reward_model.reward_kwargs.max_resp_len" not in st.later:
+        return
+    text, value = st.later["reward_model.reward_kwargs.max_resp_len"]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"reward_model.reward_kwargs.max_resp_len={text} must be a whole number (tokens)")
+    caps = [parsed(o.split("=", 1)[1]) for o in st.out if o.startswith("rollout.max_new_tokens=")]
+    if caps:
+        cap = caps[-1]
+    else:
+        from alignrl.config.schema import RolloutConfig
+
+        cap = RolloutConfig().max_new_tokens
+    if cap != value:
+        st.notes.append(f"reward_model.reward_kwargs.max_resp_len={text} is not applied: alignrl measures the "
+                        f"overlong buffer from the response cap, rollout.max_new_tokens={cap} "
+                        "(data.max_response_length)")
+
+
+def _excluded_modules(st: _Pass) -> list[str]:
+    """verl reads exclude_modules only with LoRA on; the image tower is the one exclusion alignrl has."""
+    if "actor_rollout_ref.model.exclude_modules" not in st.later:
+        return []
+    text, value = st.later["actor_rollout_ref.model.exclude_modules"]
+    ranks = [parsed(o.split("=", 1)[1]) for o in st.out if o.startswith("model.lora_rank=")]
+    if value in (None, "", []) or not ranks or not isinstance(ranks[-1], int) or ranks[-1] <= 0:
+        return []
+    if value != VISION_TOWER:
+        raise ConfigError(f"actor_rollout_ref.model.exclude_modules={text} is not supported (alignrl's LoRA leaves "
+                          f"out only a vision-language model's image tower: exclude_modules='{VISION_TOWER}'; "
+                          "choose the layers with actor_rollout_ref.model.target_modules instead)")
+    return ["actor.freeze_prefix=[visual]"]
+
+
+def _verl_logger(st: _Pass) -> list[str]:
+    """verl's `file` logger writes each step's metrics as a JSON line: alignrl's jsonl sink (metrics.jsonl)."""
+    given = [o for o in st.out if o.startswith("trainer.logger=")]
+    if not (st.verl and given):
+        return []
+    value = parsed(given[-1].split("=", 1)[1])
+    sinks = [str(s) for s in (value if not isinstance(value, (str, type(None))) else [value] if value else [])]
+    if "file" not in sinks:
+        return []
+    sinks = list(dict.fromkeys("jsonl" if s == "file" else s for s in sinks))
+    return [f"trainer.logger=[{','.join(sinks)}]"]
+
+
+def _remote_code(st: _Pass) -> None:
+    """trust_remote_code changes nothing for an architecture transformers ships; a folder that brings its own
+    modelling code (config.json's auto_map for a model_type transformers lacks) cannot load here: said now."""
+    if not st.remote_code:
+        return
+    folders = [o.split("=", 1)[1] for o in st.out
+               if o.startswith(("model.path=", "critic.model_path=", "algorithm.reward_model="))]
+    for folder in folders:
+        config = Path(folder) / "config.json"
+        try:
+            info = json.loads(config.read_text())
+        except (OSError, ValueError):
+            continue  # not a local folder yet (a hub name): the loader names what is wrong with it
+        kind = info.get("model_type") if isinstance(info, dict) else None
+        if isinstance(info, dict) and info.get("auto_map") and not _shipped(kind):
+            raise ConfigError(f"{st.remote_code[0]}=True: {folder} needs its own modelling code (config.json "
+                              f"auto_map, model_type {kind!r}), which alignrl does not run; give a model of an "
+                              "architecture transformers ships")
+
+
+def _shipped(model_type: object) -> bool:
+    from transformers import CONFIG_MAPPING
+
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING
+
+
+_HYDRA_SELECTION = {"--config-name": "--config-name", "-cn": "--config-name", "--config-path": "--config-path",
+                    "-cp": "--config-path", "--config-dir": "--config-dir", "-cd": "--config-dir"}
+
+
+def without_hydra_selection(argv: list[str]) -> list[str]:
+    """`argv` less Hydra's config selection, refused in one line: alignrl reads no Hydra config folder.
+    `--config-name=ppo_trainer` alone is main_ppo's own default, so it is dropped as saying nothing."""
+    kept, chosen, i = [], [], 0
+    while i < len(argv):
+        flag, sep, value = argv[i].partition("=")
+        if flag not in _HYDRA_SELECTION:
+            kept.append(argv[i])
+        elif sep or i + 1 < len(argv):
+            value = value if sep else argv[i + 1]
+            i += 0 if sep else 1
+            chosen.append((_HYDRA_SELECTION[flag], value.strip("'\"")))
+        else:
+            raise ConfigError(f"{flag} needs a value; alignrl reads no Hydra config folder anyway: put the overrides "
+                              "on the command line, or the settings in a YAML file given to --config")
+        i += 1
+    for flag, value in chosen:
+        if flag == "--config-name" and "megatron" in value:
+            raise ConfigError(f"--config-name={value} selects verl's Megatron trainer, which is not supported "
+                              f"({STRATEGIES})")
+    for flag, value in chosen:
+        if (flag, value.removesuffix(".yaml")) != ("--config-name", "ppo_trainer") or len(chosen) > 1:
+            raise ConfigError(f"{flag}={value}: alignrl reads no Hydra config folder; put the overrides on the "
+                              "command line, or the settings in a YAML file given to --config")
+    return kept
