@@ -254,6 +254,20 @@ def test_lora_excluding_the_image_tower_freezes_its_adapters():
     assert "exclude_modules=.*mlp.* is not supported" in error and "'.*visual.*'" in error
 
 
+def test_excluding_the_image_tower_of_a_text_only_model_excludes_nothing(tmp_path):
+    """verl's pattern matches no module of a text-only model: nothing is frozen (a freeze prefix matching no
+    parameter would fail the load)."""
+    folder = tmp_path / "text"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    args = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.exclude_modules=.*visual.*"]
+    text_only = [o for o in BASE if not o.startswith("actor_rollout_ref.model.path=")] + [
+        f"actor_rollout_ref.model.path={folder}"]
+    assert load_config(None, text_only + args).actor.freeze_prefix == []
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "vision_config": {}}))
+    assert load_config(None, text_only + args).actor.freeze_prefix == ["visual"]
+
+
 @pytest.mark.timeout(300)
 def test_frozen_tower_adapters_leave_the_tower_as_without_them(tmp_path):
     """LoRA's up-projections start at zero: adapters that never train add nothing, so the tower is the base's."""

@@ -212,7 +212,19 @@ def _excluded_modules(st: _Pass) -> list[str]:
         raise ConfigError(f"actor_rollout_ref.model.exclude_modules={text} is not supported (alignrl's LoRA leaves "
                           f"out only a vision-language model's image tower: exclude_modules='{VISION_TOWER}'; "
                           "choose the layers with actor_rollout_ref.model.target_modules instead)")
+    folders = [o.split("=", 1)[1] for o in st.out if o.startswith("model.path=")]
+    if folders and _local_config(folders[-1]) is not None and "vision_config" not in _local_config(folders[-1]):
+        return []  # a text-only model has no tower: verl's pattern matches nothing there, and so nothing is frozen
     return ["actor.freeze_prefix=[visual]"]
+
+
+def _local_config(folder: str) -> dict | None:
+    """A local model folder's config.json; None when there is none to read (a hub name: the loader names it)."""
+    try:
+        info = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
 
 
 def _verl_logger(st: _Pass) -> list[str]:
@@ -236,13 +248,11 @@ def _remote_code(st: _Pass) -> None:
     folders = [o.split("=", 1)[1] for o in st.out
                if o.startswith(("model.path=", "critic.model_path=", "algorithm.reward_model="))]
     for folder in folders:
-        config = Path(folder) / "config.json"
-        try:
-            info = json.loads(config.read_text())
-        except (OSError, ValueError):
-            continue  # not a local folder yet (a hub name): the loader names what is wrong with it
-        kind = info.get("model_type") if isinstance(info, dict) else None
-        if isinstance(info, dict) and info.get("auto_map") and not _shipped(kind):
+        info = _local_config(folder)
+        if info is None:
+            continue
+        kind = info.get("model_type")
+        if info.get("auto_map") and not _shipped(kind):
             raise ConfigError(f"{st.remote_code[0]}=True: {folder} needs its own modelling code (config.json "
                               f"auto_map, model_type {kind!r}), which alignrl does not run; give a model of an "
                               "architecture transformers ships")
