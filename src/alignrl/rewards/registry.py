@@ -20,7 +20,7 @@ import numpy as np
 from alignrl.errors import UserError
 from alignrl.rewards import gsm8k
 from alignrl.rewards import math as math_reward
-from alignrl.rewards import qa_em, think_answer
+from alignrl.rewards import openrlhf_reward, qa_em, think_answer
 
 
 class RewardError(UserError):
@@ -124,11 +124,15 @@ def default_compute_score(
 
 
 def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn") -> RewardFn:
-    """`None` gives `default_compute_score`; "path/to/file.py:function" loads that function, `checked`. `key`:
-    the config key that named it, for the errors. A relative path is taken from the current folder, as verl's
-    custom_reward_function.path."""
+    """`None` gives `default_compute_score`; "path/to/file.py:function" loads that function, `checked`;
+    "openrlhf:path/to/file.py" the file's OpenRLHF `reward_func(queries, prompts, labels)`, called one row at a time
+    (alignrl.rewards.openrlhf_reward). `key`: the config key that named it, for the errors. A relative path is taken
+    from the current folder, as verl's custom_reward_function.path."""
     if spec is None:
         return default_compute_score
+    if openrlhf_reward.is_openrlhf_spec(spec):
+        path_str = spec[len(openrlhf_reward.SPEC_PREFIX):]
+        return checked(openrlhf_reward.load(path_str, key, import_file), f"{path_str}:{openrlhf_reward.FUNCTION}")
     path_str, sep, name = spec.rpartition(":")
     if not sep or not path_str or not name:
         raise RewardError(
@@ -138,19 +142,7 @@ def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn") -> Reward
     if not path.is_file():
         raise RewardError(f"{key} file not found: {path_str} (from {Path.cwd()}; give an existing .py file, "
                           "relative to the folder the run starts in, or an absolute path)")
-    module_name = "alignrl_custom_reward_" + re.sub(r"\W", "_", str(path.resolve()))
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardError(f"{key} file {path_str} cannot be imported (give a .py file)")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[module_name]
-        raise RewardError(
-            f"{key} file {path_str} failed to import: {type(exc).__name__}: {exc}".splitlines()[0]
-        ) from exc
+    module = import_file(path, key)
     if not hasattr(module, name):
         raise RewardError(f"{key} file {path_str} has no function {name!r} "
                           "(define it or fix the name after the colon)")
@@ -158,6 +150,24 @@ def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn") -> Reward
     if not callable(fn):
         raise RewardError(f"{key} {path_str}:{name} is a {type(fn).__name__}, not a function")
     return checked(fn, spec)
+
+
+def import_file(path: Path, key: str):
+    """The user's Python file `path` imported as a module; a failure is one RewardError line naming `key`."""
+    module_name = "alignrl_custom_reward_" + re.sub(r"\W", "_", str(path.resolve()))
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise RewardError(f"{key} file {path} cannot be imported (give a .py file)")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise RewardError(
+            f"{key} file {path} failed to import: {type(exc).__name__}: {exc}".splitlines()[0]
+        ) from exc
+    return module
 
 
 def check_user_fns(cfg) -> None:
