@@ -3,9 +3,11 @@
 underscore one that `openrlhf_flags` parses: one table, read both ways. A command line in the dotted spelling is
 rewritten to the underscore one before parsing, and errors speak of the flags as the user typed them.
 
-Flags whose meaning moved are rewritten with it: `--ds.param_dtype bf16` / `--fsdp.param_dtype bf16` is `--bf16`,
-`--*.attn_implementation flash_attention_2` is `--flash_attn`. Left out: flags with no 0.6-era counterpart (the
-agent function, dynamic filtering's range, token budgets, Muon); they are refused as unknown, in one line."""
+Flags whose meaning moved are rewritten with it: `--ds.param_dtype` / `--fsdp.param_dtype` are `--param_dtype`
+(fp32: no flag), `--data.max_len` (prompt and response in all) sets the prompt cap beside
+`--rollout.max_new_tokens`, else the response cap. The dotted parser's own defaults come with a dotted command line
+(DOTTED_DEFAULTS). Left out: flags with no underscore counterpart here (the agent function, dynamic filtering, Muon);
+they are refused as unknown, in one line."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ DOTTED: dict[str, str] = {
     "--rollout.micro_batch_size": "--micro_rollout_batch_size", "--rollout.batch_size": "--rollout_batch_size",
     "--rollout.n_samples_per_prompt": "--n_samples_per_prompt", "--train.num_episodes": "--num_episodes",
     "--train.max_epochs": "--max_epochs", "--data.max_samples": "--max_samples",
-    "--rollout.max_new_tokens": "--generate_max_len", "--data.max_len": "--max_len",
+    "--rollout.max_new_tokens": "--generate_max_len",
     "--rollout.temperature": "--temperature", "--rollout.top_p": "--top_p", "--train.seed": "--seed",
     "--ds.zero_stage": "--zero_stage", "--ds.adam_offload": "--adam_offload",
     "--actor.gradient_checkpointing_enable": "--gradient_checkpointing",
@@ -65,16 +67,31 @@ DOTTED: dict[str, str] = {
     "--data.input_template": "--input_template", "--data.apply_chat_template": "--apply_chat_template",
     "--logger.wandb.key": "--use_wandb", "--logger.tensorboard_dir": "--use_tensorboard",
     "--logger.wandb.project": "--wandb_project", "--eval.dataset": "--eval_dataset", "--eval.steps": "--eval_steps",
+    **{f"--{b}.attn_implementation": "--attn_implementation" for b in ("ds", "fsdp")},
+    "--actor.eps_clip_low_high": "--eps_clip_low_high", "--train.dynamic_batch_enable": "--use_dynamic_batch",
+    "--train.max_tokens_per_gpu": "--train_max_tokens_per_gpu",
+    "--rollout.max_tokens_per_gpu": "--rollout_max_tokens_per_gpu",
+    "--algo.advantage.is_correction_enable": "--enable_vllm_is_correction",
+    "--algo.advantage.is_correction_type": "--vllm_is_correction_type",
+    "--algo.advantage.is_correction_threshold": "--vllm_is_truncated_threshold",
+    "--reward.stop_properly_penalty_coef": "--stop_properly_penalty_coef",
+    "--actor.freeze_visual_encoder": "--freeze_visual_encoder", "--data.image_key": "--image_key",
+    "--data.max_images_per_prompt": "--max_images_per_prompt",
     **{f"--{b}.lora.{k}": f"--lora_{k}" for b in ("ds", "fsdp") for k in ("rank", "alpha", "dropout")},
     **{f"--{b}.lora.target_modules": "--target_modules" for b in ("ds", "fsdp")},
 }
-# dotted flags that took a value where the underscore spelling is a switch: (flag, value) -> the switch, or None for
-# a value alignrl behaves as without a flag (the default attention, fp32 where no bf16 is asked)
-VALUED_SWITCHES: dict[str, dict[str, str | None]] = {
-    **{f"--{b}.param_dtype": {"bf16": "--bf16", "fp32": None} for b in ("ds", "fsdp")},
-    **{f"--{b}.attn_implementation": {"flash_attention_2": "--flash_attn", "eager": None, "sdpa": None}
-       for b in ("ds", "fsdp")},
-}
+# dotted flags whose values map to underscore tokens: (flag, value) -> the tokens ([] for what alignrl does without
+# a flag: fp32 where no precision is asked)
+VALUED_SWITCHES: dict[str, dict[str, list[str]]] = {
+    f"--{b}.param_dtype": {"bf16": ["--param_dtype", "bf16"], "fp16": ["--param_dtype", "fp16"], "fp32": []}
+    for b in ("ds", "fsdp")}
+# The dotted parser (current OpenRLHF only) defaults that differ from the 0.6-era underscore ones: a dotted command
+# line gets them unless it gives the flag (dotted flag, its underscore tokens)
+DOTTED_DEFAULTS = [("--algo.advantage.lambd", ["--lambd", "1.0"]), ("--critic.value_clip", ["--value_clip", "0.5"]),
+                   ("--train.micro_batch_size", ["--micro_train_batch_size", "1"]),
+                   ("--rollout.micro_batch_size", ["--micro_rollout_batch_size", "1"])]
+PARAM_DTYPE_FLAGS = ("--ds.param_dtype", "--fsdp.param_dtype")  # current OpenRLHF's default: bf16
+PROMPT_CAP = 1024  # the underscore --prompt_max_len default, the prompt cap of a dotted line without one
 
 
 class DottedFlagError(ValueError):
@@ -86,21 +103,52 @@ def is_dotted(argv: list[str]) -> bool:
 
 
 def to_underscore(argv: list[str]) -> list[str]:
-    """`argv` with every dotted flag in its underscore spelling (`--flag=value` and `--flag value` alike)."""
-    out, i = [], 0
+    """`argv` with every dotted flag in its underscore spelling (`--flag=value` and `--flag value` alike), after the
+    dotted parser's own defaults when any flag is dotted (later tokens win, so a given flag overrides them)."""
+    out, i, max_len = [], 0, None
     while i < len(argv):
         flag, eq, inline = argv[i].partition("=")
-        if flag in VALUED_SWITCHES:
+        if flag in VALUED_SWITCHES or flag == "--data.max_len":
             value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else "")
             i += 1 if eq else 2
-            if value not in VALUED_SWITCHES[flag]:
+            if flag == "--data.max_len":
+                max_len = value
+            elif value not in VALUED_SWITCHES[flag]:
                 raise DottedFlagError(f"{flag} {value}: alignrl takes {' or '.join(VALUED_SWITCHES[flag])}")
-            switch = VALUED_SWITCHES[flag][value]
-            out += [switch] if switch else []
+            else:
+                out += VALUED_SWITCHES[flag][value]
             continue
         out.append(DOTTED.get(flag, flag) + (eq + inline if eq else ""))
         i += 1
-    return out
+    if not is_dotted(argv):
+        return out
+    typed = {a.partition("=")[0] for a in argv}
+    defaults = [t for flag, tokens in DOTTED_DEFAULTS if flag not in typed for t in tokens]
+    if not typed & set(PARAM_DTYPE_FLAGS):
+        defaults += ["--param_dtype", "bf16"]
+    return defaults + out + (length_caps(max_len, argv) if max_len is not None else [])
+
+
+def length_caps(max_len: str, argv: list[str]) -> list[str]:
+    """--data.max_len (current OpenRLHF: prompt and response tokens in all) as the underscore caps: beside
+    --rollout.max_new_tokens N, prompts get the rest (--prompt_max_len max_len - N); without it, OpenRLHF lets each
+    response fill what its prompt leaves, which alignrl's one response cap bounds by the longest prompt
+    (--generate_max_len max_len - the prompt cap)."""
+    given = [a.partition("=")[2] or (argv[k + 1] if k + 1 < len(argv) else "") for k, a in enumerate(argv)
+             if a.partition("=")[0] == "--rollout.max_new_tokens"]
+    try:
+        total, new = int(max_len), [int(n) for n in given]
+    except ValueError:
+        raise DottedFlagError(f"--data.max_len {max_len} and --rollout.max_new_tokens take numbers of tokens") from None
+    if new:
+        rest, what = total - new[-1], f"--rollout.max_new_tokens {new[-1]}"
+        tokens = ["--prompt_max_len", str(rest)]
+    else:
+        rest, what = total - PROMPT_CAP, f"a prompt cap of {PROMPT_CAP} tokens"
+        tokens = ["--generate_max_len", str(rest)]
+    if rest < 8:  # alignrl's smallest prompt cap (data.max_prompt_length)
+        raise DottedFlagError(f"--data.max_len {total} leaves {rest} tokens beside {what}: raise it")
+    return tokens
 
 
 def in_typed_words(message: str, argv: list[str]) -> str:

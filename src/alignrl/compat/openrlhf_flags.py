@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from alignrl.compat import openrlhf_recent as R
+from alignrl.compat import openrlhf_sources as S
 from alignrl.config import ConfigError
 from alignrl.placements.ray.roles import uses_critic, uses_reference, uses_reward_model  # noqa: F401 (flag checks)
 from alignrl.runtime.one_line import OneLineParser
@@ -64,6 +66,7 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     _batch_flags(p.add_argument_group("batches"))
     _optimisation_flags(p.add_argument_group("optimisation"))
     _trained_flags(p.add_argument_group("what trains: LoRA adapters, frozen parameters, vision-language models"))
+    R.add_recent_flags(p.add_argument_group("OpenRLHF 0.7 and later"))
     _accepted_flags(p.add_argument_group("accepted, not applied here (listed at start when given)"))
     _data_flags(p.add_argument_group("data and logging"))
     _alignrl_flags(p.add_argument_group("alignrl"))
@@ -88,7 +91,8 @@ def _placement_flags(g) -> None:
 def _model_flags(m) -> None:
     m.add_argument("--pretrain", default="demo", help="policy model folder ('demo': the embedded tiny model)")
     m.add_argument("--reward_pretrain", default=None, help="reward model folder (default: the rule reward)")
-    m.add_argument("--remote_rm_url", default=None, help="`alignrl serve reward` URL")
+    m.add_argument("--remote_rm_url", default=None, help="a reward service URL (`alignrl serve reward`, or an "
+                   "OpenRLHF-style /get_reward), or a .py file defining reward_func(queries, prompts, labels)")
     m.add_argument("--critic_pretrain", default=None, help="critic model folder (default: --reward_pretrain, "
                                                              "else --pretrain)")
     m.add_argument("--save_path", default="./ckpt", help="run folder: config, logs, summary")
@@ -99,7 +103,7 @@ def _model_flags(m) -> None:
 
 
 def _batch_flags(b) -> None:
-    b.add_argument("--micro_train_batch_size", type=int, default=8, help="sequences per forward/backward per rank")
+    b.add_argument("--micro_train_batch_size", type=int, default=4, help="sequences per forward/backward per rank")
     b.add_argument("--train_batch_size", type=int, default=128, help="sequences per optimizer step (global)")
     b.add_argument("--micro_rollout_batch_size", type=int, default=8,
                    help="sequences per no-grad forward: reference, old policy, critic values")
@@ -160,7 +164,8 @@ def _trained_flags(t) -> None:
     t.add_argument("--freeze_prefix", nargs="*", default=None,
                    help="parameters whose names start with one of these do not train (LMM-R1: visual)")
     t.add_argument("--train_vlm", action="store_true",
-                   help="the policy is a vision-language model (its config.json has a vision_config)")
+                   help="LMM-R1's older flag: the policy is a vision-language model (inferred without it from its "
+                        "config.json's vision_config)")
 
 
 def _accepted_flags(x) -> None:
@@ -172,7 +177,8 @@ def _accepted_flags(x) -> None:
 
 
 def _data_flags(d) -> None:
-    d.add_argument("--prompt_data", default="synthetic", help="'synthetic' or a .jsonl/.json/.parquet file")
+    d.add_argument("--prompt_data", default="synthetic", help="'synthetic', or .jsonl/.json/.parquet files separated "
+                   "by commas (concatenated)")
     d.add_argument("--input_key", default=None,
                    help="prompt column: a string or chat messages (default 'input' when --label_key or "
                         "--input_template is given; with none of the three, GSM8K/verl layouts are detected)")
@@ -266,6 +272,8 @@ def check(args) -> None:
         raise FlagError(f"--max_samples {args.max_samples} leaves no prompts: give at least 1")
     check_wandb(args)
     check_trained(args)
+    R.check_recent(args)
+    S.check_sources(args)
     for flag, what in (("load_in_4bit", "4-bit loading (QLoRA)"), ("pretrain_data", "PPO-ptx")):
         if getattr(args, flag):
             raise FlagError(f"--{flag}: {what} is not supported by alignrl; drop it to train all weights in the "
@@ -278,15 +286,13 @@ def check(args) -> None:
 
 
 def check_trained(args) -> None:
-    """The LoRA flags' ranges, and --train_vlm only with a vision-language model (the folder decides)."""
+    """The LoRA flags' ranges, and --train_vlm only with a vision-language model (the folder decides; without the
+    flag its vision_config makes the run a vision-language one, R.is_vlm)."""
     if args.lora_rank < 0 or (args.lora_rank and args.lora_alpha < 1) or not 0 <= args.lora_dropout <= 1:
         raise FlagError("--lora_rank must be >= 0 (0: no LoRA), --lora_alpha >= 1, --lora_dropout in [0, 1]")
     if args.train_vlm:
-        import json
-        from pathlib import Path
-
-        config = Path(args.pretrain) / "config.json"
-        if args.pretrain == "demo" or (config.is_file() and "vision_config" not in json.loads(config.read_text())):
+        config = R.model_config(args.pretrain)
+        if args.pretrain == "demo" or (config and "vision_config" not in config):
             raise FlagError(f"--train_vlm: --pretrain {args.pretrain} is a text-only model (its config.json has no "
                             "vision_config): drop --train_vlm, or give a vision-language model such as Qwen2-VL")
 
@@ -319,9 +325,9 @@ def data_keys(args) -> dict[str, object]:
     is given, else OpenRLHF's reading of the file (--input_key defaulting to 'input')."""
     if args.prompt_data == "synthetic" or (args.input_key, args.label_key, args.input_template) == (None,) * 3:
         return {}
-    # a vision-language model's chat messages always go through its processor's template (LMM-R1's --train_vlm
-    # renders them so without --apply_chat_template; the seed's vision script does not pass it)
-    templated = args.apply_chat_template or getattr(args, "train_vlm", False)
+    # a vision-language model's chat messages always go through its processor's template (LMM-R1 renders them so
+    # without --apply_chat_template, with --train_vlm or, in its current scripts, with neither flag)
+    templated = args.apply_chat_template or R.is_vlm(args)
     return {"prompt_key": args.input_key or OPENRLHF_INPUT_KEY, "label_key": args.label_key,
             "input_template": None if templated else args.input_template, "apply_chat_template": templated}
 
@@ -335,7 +341,8 @@ FLAG_OF_KEY = {"data.train_files": "--prompt_data", "data.prompt_key": "--input_
                "data.train_batch_size": "--rollout_batch_size", "actor.ppo_micro_batch_size": "--micro_train_batch_size",
                "actor.ppo_epochs": "--max_epochs", "actor.clip_ratio_low": "--eps_clip",
                "actor.clip_ratio_high": "--eps_clip", "critic.cliprange_value": "--value_clip",
-               "services.reward_url": "--remote_rm_url", "trainer.seed": "--seed"}
+               "services.reward_url": "--remote_rm_url", "algorithm.reward_fn": "--remote_rm_url",
+               "trainer.seed": "--seed"}
 
 
 def in_flag_terms(message: str, args=None) -> str:

@@ -13,6 +13,8 @@ import json
 import math
 from pathlib import Path
 
+from alignrl.compat import openrlhf_recent as R
+from alignrl.compat import openrlhf_sources as S
 from alignrl.compat.openrlhf_flags import (ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, SCHEDULERS, WHITENED, data_keys,
                                    parser, uses_critic, uses_reference, wandb_on)
 
@@ -25,7 +27,7 @@ RESIDENT_WHY = "not applied here: attention runs through PyTorch's SDPA, engines
 NOT_APPLIED = {
     "not applied here: alignrl checkpoints are HF folders with their optimizer state, every --save_steps, and "
     "the critic's always": ("save_hf_ckpt", "disable_ds_ckpt", "max_ckpt_mem", "save_value_network"),
-    "not applied here: one --prompt_data file, read as it is": ("prompt_split", "prompt_data_probs", "max_len"),
+    "not applied here: --prompt_data files are read as they are, with no dataset split": ("prompt_split",),
     "not applied here: a reward model's score is used as it is (no stored mean/std), its head found by "
     "transformers": ("normalize_reward", "value_head_prefix"),
     "not applied here: wandb takes the run folder's name (--save_path; --wandb_run_name names the TensorBoard "
@@ -93,7 +95,13 @@ def unused_here(args, gpus: bool) -> list[str]:
               (("input_template",) if args.apply_chat_template and args.prompt_data != "synthetic" else (),
                "--apply_chat_template formats the prompts"),
               (("gamma",) if args.advantage_estimator in GROUP_ESTIMATORS else (),
-               f"OpenRLHF sets gamma to 1 for --advantage_estimator {args.advantage_estimator}")]
+               f"OpenRLHF sets gamma to 1 for --advantage_estimator {args.advantage_estimator}"),
+              (() if S.equal_probs(args) else ("prompt_data_probs",),
+               "not applied here: the --prompt_data files are concatenated, each row used once an epoch"),
+              (("max_len",) if args.max_len and args.max_len < args.prompt_max_len + args.generate_max_len else (),
+               "not applied here: each prompt is cut at --prompt_max_len and each response at --generate_max_len, "
+               "whatever their sum (OpenRLHF's engines also stop a sequence at --max_len tokens in all)"),
+              *R.recent_unused(args)]
     out = []
     for names, why in groups:
         given = [f"--{f}" for f in names if getattr(args, f) != defaults[f]]
@@ -109,8 +117,11 @@ def trained_keys(args) -> list[str]:
         out += [f"model.lora_rank={args.lora_rank}", f"model.lora_alpha={args.lora_alpha}",
                 f"model.lora_dropout={args.lora_dropout}",
                 f"model.target_modules={json.dumps(list(args.target_modules or ['all-linear']))}"]
-    if args.freeze_prefix:
-        out.append(f"actor.freeze_prefix={json.dumps(list(args.freeze_prefix))}")
+    # --freeze_visual_encoder is --freeze_prefix visual (alignrl's "visual" matches either naming of the encoder)
+    frozen = list(args.freeze_prefix or []) + (["visual"] if args.freeze_visual_encoder and "visual" not in
+                                               (args.freeze_prefix or []) else [])
+    if frozen:
+        out.append(f"actor.freeze_prefix={json.dumps(frozen)}")
     return out
 
 
@@ -126,7 +137,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
     """alignrl config keys (dotted overrides) for these flags."""
     n, save = args.n_samples_per_prompt, Path(args.save_path).absolute()
     kl = uses_reference(args)
-    out = [f"model.path={args.pretrain}", f"data.train_files={args.prompt_data}", prompt_cap(args),
+    out = [f"model.path={args.pretrain}", f"data.train_files={S.files_value(args.prompt_data)}", prompt_cap(args),
            f"data.val_size={args.val_size}",
            f"data.val_size_during_training={args.val_size}", f"data.train_batch_size={args.rollout_batch_size}",
            f"data.max_prompt_length={args.prompt_max_len}", f"rollout.n={n}",
@@ -152,7 +163,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
            f"trainer.logger=[console,jsonl{',tensorboard' if args.use_tensorboard else ''}"
            f"{',wandb' if wandb_on(args) else ''}]"]  # a key given as --use_wandb never enters the config
     if args.eval_dataset or args.prompt_data != "synthetic":
-        out.append(f"data.val_files={args.eval_dataset or args.prompt_data}")
+        out.append(f"data.val_files={S.files_value(args.eval_dataset or args.prompt_data)}")
     for key, value in data_keys(args).items():  # JSON-quoted: a template's text is not a YAML value, JSON's is
         out.append(f"data.{key}={value}" if isinstance(value, bool) else
                    f"data.{key}=null" if value is None else f"data.{key}={json.dumps(value)}")
@@ -163,16 +174,15 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
         out.append(f"trainer.checkpoint_dir={Path(args.ckpt_path).absolute()}")
     if args.reward_pretrain:
         out.append(f"algorithm.reward_model={args.reward_pretrain}")
-    if args.remote_rm_url:
-        out.append(f"services.reward_url={args.remote_rm_url}")
+    out += S.reward_keys(args)
     if uses_critic(args):
         critic = args.critic_pretrain or args.reward_pretrain
         if critic:
             out.append(f"critic.model_path={critic}")
-    out += trained_keys(args)
+    out += trained_keys(args) + R.recent_keys(args)
     if gpus:
         out += ["trainer.strategy=deepspeed", f"trainer.zero_stage={args.zero_stage}",
-                f"trainer.offload={args.adam_offload}", f"model.dtype={'bfloat16' if args.bf16 else 'float32'}"]
+                f"trainer.offload={args.adam_offload}", R.dtype_key(args)]
     else:
         out += ["trainer.device=cpu"]
     return out

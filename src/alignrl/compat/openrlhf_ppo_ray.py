@@ -33,7 +33,10 @@ def training_steps(args) -> int:
     else:
         from alignrl.data.loaders import count_rows
 
-        rows = min(args.max_samples, count_rows(args.prompt_data, key="--prompt_data"))
+        from alignrl.compat.openrlhf_sources import split_files
+
+        files = split_files(args.prompt_data)  # OpenRLHF blends comma-separated files; alignrl concatenates them
+        rows = min(args.max_samples, sum(count_rows(f, key="--prompt_data") for f in files))
     steps = args.num_episodes * (rows // args.rollout_batch_size)
     if steps < 1:
         raise ConfigError(f"--prompt_data has {rows} prompt(s), fewer than --rollout_batch_size "
@@ -55,9 +58,15 @@ def wandb_env(args, prog: str = PROG) -> dict[str, str]:
     return {"WANDB_API_KEY": key}  # actor ranks on other nodes lack this process's environment
 
 
-def job(args, prog: str = PROG, env: dict[str, str] | None = None):
+def unused_lines(args, gpus: bool, typed: list[str]) -> list[str]:
+    """The flags given that change nothing here (K.unused_here), each named as the user typed it (dotted or not)."""
+    return [D.in_typed_words(line, typed) for line in K.unused_here(args, gpus)]
+
+
+def job(args, prog: str = PROG, env: dict[str, str] | None = None, typed: list[str] | None = None):
     """The checked flags as a placed run (a driver.Job): their layout and the run config they translate to;
-    `env` (wandb_env's) goes to the actor ranks' environment."""
+    `env` (wandb_env's) goes to the actor ranks' environment; `typed`: the command line as given, whose spelling
+    the list of flags not used here keeps."""
     import torch
 
     from alignrl.placements.ray.driver import Job
@@ -72,7 +81,7 @@ def job(args, prog: str = PROG, env: dict[str, str] | None = None):
             print(f"{prog}: --load_checkpoint: no checkpoint in {cfg.checkpoint_root} yet; starting from step 0",
                   flush=True)
     return Job(GroupLayout.from_flags(args), cfg, prog, args.threads, args.peer_timeout, args.placement_timeout,
-               args.vllm_sync_backend, unused=K.unused_here(args, cuda),
+               args.vllm_sync_backend, unused=unused_lines(args, cuda, typed or []),
                gpu_memory_utilization=args.vllm_gpu_memory_utilization, rank_env=env or {})
 
 
@@ -134,7 +143,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     from alignrl.placements.ray.driver import Driver
 
     try:
-        placed = job(args, prog, wandb_env(args, prog))
+        placed = job(args, prog, wandb_env(args, prog), typed)
         code = Driver(placed).run()
         if code == 0:
             export_model(placed.cfg.run_dir, placed.cfg.checkpoint_root, placed.cfg.trainer.total_training_steps, prog)
