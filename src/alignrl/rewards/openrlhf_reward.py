@@ -3,11 +3,10 @@ path/to/file.py`), called as alignrl's per-row reward.
 
 OpenRLHF calls it with lists (current versions: one sample per call) of query texts (the prompt text followed by the
 response), prompt texts and labels, and takes back a tensor of rewards or a dict whose "rewards" are them (beside
-"scores", used by its dynamic filtering, and "extra_logs", logged). alignrl's reward functions see one row: the
-response text, the answer and the row's extra_info, not the prompt text, so the query is the response alone and the
-prompt empty (query = prompt + response still holds): functions that read the answer from the response, or strip the
-prompt off the query, score as in OpenRLHF; one that reads the question from the prompt sees none. "scores" and
-"extra_logs" are not used.
+"scores", used by its dynamic filtering, and "extra_logs", logged). Here the prompt is the text the policy read
+(its chat template's special tokens kept, the padding not), passed by the reward stage and the held-out evaluation
+(`registry.score_row`), and the query that prompt followed by the decoded response. "scores" and "extra_logs" are
+not used.
 """
 
 from __future__ import annotations
@@ -30,9 +29,10 @@ def adapt(reward_func: Callable[..., Any], who: str) -> Callable[..., Any]:
     `checked`, which wraps this)."""
     from alignrl.rewards.registry import ScoreError
 
-    def call(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> Any:
+    def call(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+             prompt: str | None = None) -> Any:
         label = ground_truth if ground_truth is None or isinstance(ground_truth, str) else str(ground_truth)
-        got = reward_func([solution_str], [""], [label])
+        got = reward_func([(prompt or "") + solution_str], [prompt or ""], [label])
         if isinstance(got, dict):
             if "rewards" not in got:
                 raise ScoreError(who, f"returned a dict without 'rewards' (keys {sorted(map(str, got))[:5]})",
@@ -41,6 +41,7 @@ def adapt(reward_func: Callable[..., Any], who: str) -> Callable[..., Any]:
             got = got["rewards"]
         return one_value(got, who, data_source)
 
+    call.reads_prompt = True  # the callers pass the prompt's text: the query is the prompt followed by the response
     return call
 
 

@@ -183,9 +183,9 @@ def checked(fn: Callable[..., Any], who: str) -> RewardFn:
     real number, turned into a one-line ScoreError: a user's bug must not end a run in a traceback."""
 
     def call(data_source: str, solution_str: str, ground_truth: Any,
-             extra_info: dict[str, Any] | None = None) -> float:
+             extra_info: dict[str, Any] | None = None, prompt: str | None = None) -> float:
         try:
-            value = fn(data_source, solution_str, ground_truth, extra_info)
+            value = score_row(fn, data_source, solution_str, ground_truth, extra_info, prompt)
         except Exception as exc:
             text = str(exc).strip()
             cause = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
@@ -194,7 +194,22 @@ def checked(fn: Callable[..., Any], who: str) -> RewardFn:
         return finite_score(value, who, data_source)
 
     call.__name__ = call.__qualname__ = who
+    call.reads_prompt = reads_prompt_text(fn)
     return call
+
+
+def reads_prompt_text(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` takes the prompt's text (a `prompt=` keyword) beside verl's four arguments: OpenRLHF's reward
+    files read the query, the prompt followed by the response."""
+    return bool(getattr(fn, "reads_prompt", False))
+
+
+def score_row(fn: Callable[..., Any], data_source: str, solution_str: str, ground_truth: Any,
+              extra_info: dict[str, Any] | None, prompt: str | None) -> Any:
+    """`fn` on one row, given the prompt's text only when it reads it (verl's functions take four arguments)."""
+    if reads_prompt_text(fn):
+        return fn(data_source, solution_str, ground_truth, extra_info, prompt=prompt)
+    return fn(data_source, solution_str, ground_truth, extra_info)
 
 
 def make_reward(spec: str | None, format_weight: float = 0.0) -> RewardFn:
@@ -211,8 +226,10 @@ def make_reward(spec: str | None, format_weight: float = 0.0) -> RewardFn:
         solution_str: str,
         ground_truth: Any,
         extra_info: dict[str, Any] | None = None,
+        prompt: str | None = None,
     ) -> float:
-        correctness = base(data_source, solution_str, ground_truth, extra_info)
+        correctness = score_row(base, data_source, solution_str, ground_truth, extra_info, prompt)
         return float(correctness) + format_weight * gsm8k.format_reward(solution_str)
 
+    reward.reads_prompt = reads_prompt_text(base)
     return reward

@@ -19,7 +19,8 @@ import torch
 from alignrl.data.records import Sample
 from alignrl.interfaces import SamplingParams
 from alignrl.rewards import gsm8k
-from alignrl.rewards.registry import REWARDS, ScoreError
+from alignrl.rewards.registry import REWARDS, ScoreError, reads_prompt_text, score_row
+from alignrl.rl.scoring import prompt_texts
 
 
 def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
@@ -32,10 +33,12 @@ def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequ
         ro = engine.generate(prompts[start:start + batch_size], params)
         texts = tokenizer.batch_decode(ro.response_ids.masked_fill(~ro.response_mask, tokenizer.pad_token_id),
                                        skip_special_tokens=True)
+        read = prompt_texts(tokenizer, ro.prompt_ids, ro.prompt_mask) if reads_prompt_text(correct_fn) else None
         for j, t in enumerate(texts):
             s = samples[start + j // params.n]
             try:
-                strict.append(float(correct_fn(s.data_source, t, s.ground_truth, s.extra) >= 1.0))
+                value = score_row(correct_fn, s.data_source, t, s.ground_truth, s.extra, read[j] if read else None)
+                strict.append(float(value >= 1.0))
             except ScoreError as e:  # name the row: in its data file, else among the evaluated samples
                 raise e.at(s.source or start + j // params.n, "reward function") from e.__cause__
             flexible.append(gsm8k.compute_score(t, s.ground_truth, method="flexible")

@@ -12,7 +12,7 @@ import torch
 from alignrl.core.shaping import overlong_penalty
 from alignrl.data.records import Rollout, Sample, Scores
 from alignrl.interfaces import SequenceScorer
-from alignrl.rewards.registry import ScoreError, finite_score
+from alignrl.rewards.registry import ScoreError, finite_score, reads_prompt_text, score_row
 
 # verl's compute_score signature: (data_source, solution_str, ground_truth, extra_info) -> float
 RewardFn = Callable[[str, str, str, dict], float]
@@ -35,20 +35,27 @@ class RewardStage:
         ids = ro.response_ids.masked_fill(~ro.response_mask, self.tokenizer.pad_token_id)
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
-    def task_rewards(self, rows: Sequence[Sample], texts: Sequence[str]) -> list[float]:
-        return rule_scores(self.reward_fn, "reward function", rows, texts)
+    def task_rewards(self, rows: Sequence[Sample], texts: Sequence[str],
+                     prompts: Sequence[str] | None = None) -> list[float]:
+        return rule_scores(self.reward_fn, "reward function", rows, texts, prompts)
+
+    def prompt_texts(self, ro: Rollout) -> list[str] | None:
+        """The prompts as the policy read them, for reward functions that read the prompt (None: none does)."""
+        if not any(reads_prompt_text(f) for f in (self.reward_fn, self.correct_fn, self.cost_fn) if f is not None):
+            return None
+        return prompt_texts(self.tokenizer, ro.prompt_ids, ro.prompt_mask)
 
     def score(self, ro: Rollout, samples: Sequence[Sample]) -> Scores:
         """Rewards plus the overlong penalty when configured; correctness is never shaped. `samples`
         are the rollout's prompts in group order. Every reward and cost is checked finite here, at the
         boundary: past it a NaN spreads through the advantages into every weight."""
-        texts = self.texts(ro)
+        texts, prompts = self.texts(ro), self.prompt_texts(ro)
         rows = [samples[g] for g in ro.group.tolist()]
-        rewards = self.task_rewards(rows, texts)
+        rewards = self.task_rewards(rows, texts, prompts)
         if self.correct_fn is self.reward_fn:  # no shaping: correctness is the reward itself
             correct = [r >= 1.0 for r in rewards]
         else:
-            correct = [r >= 1.0 for r in rule_scores(self.correct_fn, "reward function", rows, texts)]
+            correct = [r >= 1.0 for r in rule_scores(self.correct_fn, "reward function", rows, texts, prompts)]
         out = torch.tensor(rewards, dtype=torch.float32)
         if self.reward_model is not None:
             answered = torch.tensor([bool(self.add_rule and s.ground_truth not in (None, "")) for s in rows])
@@ -58,24 +65,32 @@ class RewardStage:
                                          self.overlong_penalty_factor)
         costs = None
         if self.cost_fn is not None:
-            costs = torch.tensor(rule_scores(self.cost_fn, "cost function", rows, texts))
+            costs = torch.tensor(rule_scores(self.cost_fn, "cost function", rows, texts, prompts))
         elif self.cost_model is not None:
             costs = model_scores(self.cost_model, "cost model", ro, rows)
         return Scores(out, torch.tensor(correct), costs)
 
 
-def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence[str]) -> list[float]:
+def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence[str],
+                prompts: Sequence[str] | None = None) -> list[float]:
     """`fn` on each (row, text), each result a finite float, else a one-line ScoreError naming `fn`
     (`file.py:function` for a user's function), the row and its data_source. The row is the sample's
     place in its data file (`train.parquet row 17`, `train.jsonl:18`) when it was loaded from one, else
-    its index in `rows`."""
+    its index in `rows`. `prompts`: each row's prompt text, for a function that reads it."""
     out, name = [], getattr(fn, "__name__", repr(fn))
     for i, (s, t) in enumerate(zip(rows, texts)):
         try:
-            out.append(finite_score(fn(s.data_source, t, s.ground_truth, s.extra), name, s.data_source))
+            value = score_row(fn, s.data_source, t, s.ground_truth, s.extra, prompts[i] if prompts else None)
+            out.append(finite_score(value, name, s.data_source))
         except ScoreError as e:  # raised where the row is unknown: name it, in its data file when it has one
             raise e.at(s.source or i, kind) from e.__cause__
     return out
+
+
+def prompt_texts(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[str]:
+    """Each prompt as the policy read it: its tokens without the padding, special tokens (the chat template's) kept."""
+    return [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=False)
+            for ids, mask in zip(prompt_ids, prompt_mask)]
 
 
 def model_scores(scorer: SequenceScorer, kind: str, ro: Rollout, rows: Sequence[Sample]) -> torch.Tensor:
