@@ -4,7 +4,7 @@ masking, rollout importance sampling and their config checks."""
 import pytest
 import torch
 
-from alignrl.rl.rollout_ops import concat_rollouts, mixed_reward_groups, select_groups
+from alignrl.rl.rollout_ops import concat_rollouts, kept_groups, mixed_reward_groups, reward_band_groups, select_groups
 from alignrl.config import load_config
 from alignrl.core.shaping import overlong_penalty
 from alignrl.data.records import Experience, Rollout
@@ -33,6 +33,37 @@ def test_mixed_reward_groups_keeps_only_groups_with_different_rewards():
     assert mixed_reward_groups(rewards, group).tolist() == [1, 3]
     # ids need not be contiguous or start at 0
     assert mixed_reward_groups(torch.tensor([1.0, 2.0, 3.0, 3.0]), torch.tensor([5, 5, 9, 9])).tolist() == [5]
+
+
+def test_reward_band_groups_keeps_means_strictly_inside():
+    # means: 1.0, 1/3, 0.0, 0.5, 0.9 (shaped rewards may leave [0, 1]: group 4 is -0.2, 1, 1.9)
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, -0.2, 1.0, 1.9])
+    group = torch.arange(5).repeat_interleave(3)
+    assert reward_band_groups(rewards, group, 0.0, 1.0).tolist() == [1, 3, 4]  # 0 and 1 themselves are out
+    assert reward_band_groups(rewards, group, 0.4, 0.95).tolist() == [3, 4]
+    assert reward_band_groups(rewards, group, 0.5, 1.0).tolist() == [4]  # the bound 0.5 is out
+    # ids need not be contiguous; groups may differ in size
+    assert reward_band_groups(torch.tensor([0.2, 1.0, 1.0, 0.0]), torch.tensor([7, 7, 9, 9]), 0, 1).tolist() == [7, 9]
+
+
+def test_a_band_at_the_rewards_range_is_dapos_rule_for_0_1_rewards():
+    g = torch.arange(64).repeat_interleave(4)
+    r = torch.randint(0, 2, (256,), generator=torch.Generator().manual_seed(0)).float()
+    assert torch.equal(kept_groups(r, g, [0.0, 1.0]), mixed_reward_groups(r, g))
+    assert torch.equal(kept_groups(r, g), mixed_reward_groups(r, g))  # no band: rewards differ
+    # not so for shaped rewards: 0.5, 0.5 is kept by the band, not by DAPO's rule
+    assert kept_groups(torch.tensor([0.5, 0.5]), torch.tensor([0, 0]), [0, 1]).tolist() == [0]
+
+
+@pytest.mark.parametrize("keys, message", [
+    (["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_range=[1,0]"], "low < high"),
+    (["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_range=[0.5]"], "low < high"),
+    (["algorithm.dynamic_sampling_range=[0,1]"], "read only with algorithm.dynamic_sampling=true")])
+def test_dynamic_sampling_range_checks(keys, message):
+    from alignrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, keys)
 
 
 def _rollout(prompts: list[list[int]], responses: list[list[int]], truncated: list[bool], n: int) -> Rollout:
@@ -109,6 +140,7 @@ def test_policy_loss_applies_is_weight():
 
 def test_defaults_change_nothing():
     a = load_config().algorithm
+    assert a.dynamic_sampling_range == []
     assert (a.dynamic_sampling, a.max_gen_rounds, a.overlong_buffer_len, a.overlong_penalty_factor,
             a.mask_truncated, a.rollout_is, a.rollout_is_threshold, a.rollout_is_mode) == (
         False, 3, 0, 1.0, False, "none", 2.0, "truncate")
@@ -225,6 +257,19 @@ def test_dynamic_sampling_without_more_prompts_filters_only(tiny_model_dir):
     step, rec = _step(tiny_model_dir, ["algorithm.dynamic_sampling=true"], [1.0, 0.0] + [1.0] * 6)
     m = step.run(1, *_batches(step, 1)[0])
     assert m["dapo/gen_rounds"] == 1 and m["dapo/kept_groups"] == 1 and len(rec.experiences[0]) == 2
+
+
+def test_dynamic_sampling_range_keeps_groups_by_mean_reward(tiny_model_dir):
+    # groups' means: 0.5 (kept), 1.0, 0.75 (kept), 0.25 (out of [0.3, 0.9]); no more prompts: filter only
+    rewards = [1.0, 0.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.0]
+    step, rec = _step(tiny_model_dir, ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_range=[0.3,0.9]"],
+                      rewards)
+    m = step.run(1, *_batches(step, 1)[0])
+    assert m["dapo/kept_groups"] == 2
+    (exp,) = rec.experiences
+    kept = [r[:2] for r in _rows(select_groups(rec.rollouts[0], [0, 2]))]
+    assert [(exp.prompt_ids[i][exp.prompt_mask[i]].tolist(), exp.response_ids[i][exp.response_mask[i]].tolist())
+            for i in range(len(exp))] == kept
 
 
 def test_defaults_ignore_more_prompts(tiny_model_dir):

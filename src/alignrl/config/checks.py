@@ -292,10 +292,21 @@ def check_prompt_keys(cfg: RunConfig) -> None:
                           "text into data.input_template)")
 
 
+def _dynamic_sampling(cfg: RunConfig) -> str | None:
+    band = cfg.algorithm.dynamic_sampling_range
+    if band and not (isinstance(band, list) and len(band) == 2 and all(map(_number, band)) and band[0] < band[1]):
+        return (f"algorithm.dynamic_sampling_range={band!r} must be [low, high] with low < high (e.g. [0,1]), or [] "
+                "to keep the groups whose rewards differ")
+    if band and not cfg.algorithm.dynamic_sampling:  # a filter that never runs: the user expects it to
+        return (f"algorithm.dynamic_sampling_range={band!r} is read only with algorithm.dynamic_sampling=true; "
+                "set it, or leave the range out")
+    return None
+
+
 # check_combinations' checks, in the order they run: each returns its one-line problem or None
 # (check_prompt_keys raises its own, with the same kind of line)
 _COMBINATIONS = (_batch_sizes, _validation_sampler, replay_problem, _overlong_buffer, _rollout_is, _loggers_and_files, check_prompt_keys,
-                 _optimiser_and_clips, _estimator, _critic, _pipeline, _safety, _urls)
+                 _optimiser_and_clips, _dynamic_sampling, _estimator, _critic, _pipeline, _safety, _urls)
 
 
 def check_folders(folders: dict[str, Path]) -> None:

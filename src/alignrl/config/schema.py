@@ -217,6 +217,10 @@ class AlgorithmConfig:
     dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: drop groups whose rewards are all equal (zero "
                                         "advantage) and generate more prompts until data.train_batch_size groups "
                                         "remain (verl's algorithm.filter_groups.enable)")
+    dynamic_sampling_range: list = opt([], "dynamic sampling: [low, high] keeps the groups whose mean reward is "
+                                           "strictly between them instead of those whose rewards differ (the same "
+                                           "for rewards in [low, high]; OpenRLHF's --dynamic_filtering_reward_range)"
+                                           "; empty: rewards differ")
     max_gen_rounds: int = opt(3, "dynamic sampling: extra generation rounds per step at most; if still short, "
                                  "train on the groups kept (verl's max_num_gen_batches, minus the first)", ge=0)
     overlong_buffer_len: int = opt(0, "DAPO soft overlong punishment: the last N tokens before "

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from alignrl.rl.rollout_ops import concat_rollouts, group_rows, mixed_reward_groups, select_groups
+from alignrl.rl.rollout_ops import concat_rollouts, group_rows, kept_groups, select_groups
 from alignrl.rl.scoring import RewardStage
 from alignrl.config import RunConfig
 from alignrl.data.collate import per_token_in_chunks
@@ -143,12 +143,14 @@ class RolloutMaker:
 
     def dynamic_sample(self, step: int, ro: Rollout, scores: Scores, index: torch.Tensor, rows: Rows,
                        more: Callable[[], Sequence[int]] | None, timings: dict[str, float]):
-        """DAPO dynamic sampling (Yu et al. 2025): keep the groups whose rewards differ, generate and
+        """DAPO dynamic sampling (Yu et al. 2025): keep the groups whose rewards differ (or, with
+        algorithm.dynamic_sampling_range, whose mean reward is strictly inside it), generate and
         score more prompts (up to algorithm.max_gen_rounds extra rounds, only if `more` is given) until
         data.train_batch_size groups are kept, then keep exactly that many (the earliest) or, still
         short, all of them. Returns (rollout, scores, dataset row per group, metrics)."""
         want, pad = self.cfg.data.train_batch_size, self.rewards.tokenizer.pad_token_id
-        ro, scores, index = _keep_groups(ro, scores, index, mixed_reward_groups(scores.rewards, ro.group))
+        band = self.cfg.algorithm.dynamic_sampling_range
+        ro, scores, index = _keep_groups(ro, scores, index, kept_groups(scores.rewards, ro.group, band))
         rounds = 1
         while _n_groups(ro) < want and rounds <= self.cfg.algorithm.max_gen_rounds and more is not None:
             new_index = torch.as_tensor(list(more()), dtype=torch.long)
@@ -158,7 +160,7 @@ class RolloutMaker:
             with timed(timings, "reward"):
                 new_scores = self.score(new, samples)
             new, new_scores, new_index = _keep_groups(new, new_scores, new_index,
-                                                      mixed_reward_groups(new_scores.rewards, new.group))
+                                                      kept_groups(new_scores.rewards, new.group, band))
             ro, scores = concat_rollouts(ro, new, pad), scores.cat(new_scores)
             index = torch.cat([index, new_index])
             rounds += 1

@@ -30,6 +30,27 @@ def mixed_reward_groups(rewards: torch.Tensor, group: torch.Tensor) -> torch.Ten
     return ids[hi > lo]
 
 
+def reward_band_groups(rewards: torch.Tensor, group: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Ids of the groups whose mean reward lies strictly between `low` and `high`, ascending. rewards, group
+    (B,) -> (K,) long.
+
+    OpenRLHF's dynamic filtering (--dynamic_filtering_reward_range): a group at either bound, all wrong or all
+    right under a reward in [low, high], is dropped; a band inside the reward's range also drops groups that are
+    nearly always right or wrong. Strict on both sides, as OpenRLHF compares."""
+    ids, inv = torch.unique(group, return_inverse=True)
+    total = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inv, rewards.double())
+    mean = total / torch.bincount(inv, minlength=len(ids)).double()
+    return ids[(mean > low) & (mean < high)]
+
+
+def kept_groups(rewards: torch.Tensor, group: torch.Tensor, band: Sequence[float] = ()) -> torch.Tensor:
+    """The groups dynamic sampling keeps: with `band` ([low, high], algorithm.dynamic_sampling_range) those whose
+    mean reward is strictly inside it, else (DAPO's rule) those whose rewards differ."""
+    if band:
+        return reward_band_groups(rewards, group, float(band[0]), float(band[1]))
+    return mixed_reward_groups(rewards, group)
+
+
 def group_rows(group: torch.Tensor, keep_group_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """Row indices (ascending) of the rows whose group is in `keep_group_ids`. group (B,) -> (K,) long."""
     keep = torch.as_tensor(keep_group_ids, dtype=torch.long)
