@@ -6,8 +6,8 @@ rewritten to the underscore one before parsing, and errors speak of the flags as
 Flags whose meaning moved are rewritten with it: `--ds.param_dtype` / `--fsdp.param_dtype` are `--param_dtype`
 (fp32: no flag), `--data.max_len` (prompt and response in all) sets the prompt cap beside
 `--rollout.max_new_tokens`, else the response cap. The dotted parser's own defaults come with a dotted command line
-(DOTTED_DEFAULTS). Left out: flags with no underscore counterpart here (the agent function, dynamic filtering, Muon);
-they are refused as unknown, in one line."""
+(DOTTED_DEFAULTS). Left out: flags with no underscore counterpart here (Muon); they are refused as unknown, in one
+line."""
 
 from __future__ import annotations
 
@@ -79,6 +79,10 @@ DOTTED: dict[str, str] = {
     "--data.max_images_per_prompt": "--max_images_per_prompt",
     **{f"--{b}.lora.{k}": f"--lora_{k}" for b in ("ds", "fsdp") for k in ("rank", "alpha", "dropout")},
     **{f"--{b}.lora.target_modules": "--target_modules" for b in ("ds", "fsdp")},
+    "--algo.dynamic_filtering_enable": "--dynamic_filtering",
+    "--algo.dynamic_filtering_range": "--dynamic_filtering_reward_range",
+    "--ds.ring_attn_size": "--ring_attn_size", "--ds.ring_attn_head_stride": "--ring_head_stride",
+    "--train.agent_func_path": "--agent_func_path",
 }
 # dotted flags whose values map to underscore tokens: (flag, value) -> the tokens ([] for what alignrl does without
 # a flag: fp32 where no precision is asked)

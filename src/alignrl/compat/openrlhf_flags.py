@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from alignrl.compat import openrlhf_loop as L
 from alignrl.compat import openrlhf_recent as R
 from alignrl.compat import openrlhf_sources as S
 from alignrl.config import ConfigError
@@ -67,6 +68,7 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     _optimisation_flags(p.add_argument_group("optimisation"))
     _trained_flags(p.add_argument_group("what trains: LoRA adapters, frozen parameters, vision-language models"))
     R.add_recent_flags(p.add_argument_group("OpenRLHF 0.7 and later"))
+    L.add_loop_flags(p.add_argument_group("dynamic filtering, ring attention, agent function"))
     _accepted_flags(p.add_argument_group("accepted, not applied here (listed at start when given)"))
     _data_flags(p.add_argument_group("data and logging"))
     _alignrl_flags(p.add_argument_group("alignrl"))
@@ -273,6 +275,7 @@ def check(args) -> None:
     check_wandb(args)
     check_trained(args)
     R.check_recent(args)
+    L.check_loop(args, actors)
     S.check_sources(args)
     for flag, what in (("load_in_4bit", "4-bit loading (QLoRA)"), ("pretrain_data", "PPO-ptx")):
         if getattr(args, flag):

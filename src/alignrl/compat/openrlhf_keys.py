@@ -13,6 +13,7 @@ import json
 import math
 from pathlib import Path
 
+from alignrl.compat import openrlhf_loop as L
 from alignrl.compat import openrlhf_recent as R
 from alignrl.compat import openrlhf_sources as S
 from alignrl.compat.openrlhf_flags import (ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, SCHEDULERS, WHITENED, data_keys,
@@ -101,7 +102,7 @@ def unused_here(args, gpus: bool) -> list[str]:
               (("max_len",) if args.max_len and args.max_len < args.prompt_max_len + args.generate_max_len else (),
                "not applied here: each prompt is cut at --prompt_max_len and each response at --generate_max_len, "
                "whatever their sum (OpenRLHF's engines also stop a sequence at --max_len tokens in all)"),
-              *R.recent_unused(args)]
+              *R.recent_unused(args), *L.loop_unused(args)]
     out = []
     for names, why in groups:
         given = [f"--{f}" for f in names if getattr(args, f) != defaults[f]]
@@ -179,7 +180,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
         critic = args.critic_pretrain or args.reward_pretrain
         if critic:
             out.append(f"critic.model_path={critic}")
-    out += trained_keys(args) + R.recent_keys(args)
+    out += trained_keys(args) + R.recent_keys(args) + L.loop_keys(args)
     if gpus:
         out += ["trainer.strategy=deepspeed", f"trainer.zero_stage={args.zero_stage}",
                 f"trainer.offload={args.adam_offload}", R.dtype_key(args)]
