@@ -6,7 +6,7 @@ import torch
 
 from alignrl.rl.rollout_ops import concat_rollouts, kept_groups, mixed_reward_groups, reward_band_groups, select_groups
 from alignrl.config import load_config
-from alignrl.core.shaping import overlong_penalty
+from alignrl.core.shaping import overlong_penalty, truncated_reward
 from alignrl.data.records import Experience, Rollout
 
 PAD = 0
@@ -24,6 +24,39 @@ def test_overlong_penalty_hand_values():
     assert overlong_penalty(lengths, 10, 0).tolist() == [0.0] * 6
     with pytest.raises(ValueError, match="buffer_len"):
         overlong_penalty(lengths, 10, 11)
+
+
+def test_truncated_reward_scales_or_replaces_only_cut_responses():
+    """ProRL's stop-properly penalty: a coefficient >= 0 scales a cut response's reward, one < 0 replaces it."""
+    rewards, cut = torch.tensor([1.0, 1.0, -0.5, 0.25]), torch.tensor([True, False, True, False])
+    assert truncated_reward(rewards, cut, 0.0).tolist() == [0.0, 1.0, -0.0, 0.25]
+    assert truncated_reward(rewards, cut, 0.5).tolist() == [0.5, 1.0, -0.25, 0.25]
+    assert truncated_reward(rewards, cut, -0.5).tolist() == [-0.5, 1.0, -0.5, 0.25]
+
+
+def test_the_reward_stage_applies_the_truncation_coefficient_after_the_overlong_penalty():
+    from alignrl.data.records import Sample
+    from alignrl.rl.scoring import RewardStage
+
+    class Tok:
+        pad_token_id = 0
+
+        def batch_decode(self, ids, skip_special_tokens=True):
+            return ["7"] * len(ids)
+
+    ro = Rollout(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool),
+                 torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool), torch.zeros(2, 4),
+                 torch.tensor([True, False]), torch.tensor([0, 1]))
+    samples = [Sample([{"role": "user", "content": "?"}], "7", "gsm8k")] * 2
+    stage = RewardStage(Tok(), lambda *a: 1.0, lambda *a: 1.0, max_new_tokens=4, overlong_buffer_len=2,
+                        truncated_reward_coef=-0.25)
+    # both responses are 4 tokens long (the cap): the overlong penalty takes 1, then the cut one is replaced
+    assert stage.score(ro, samples).rewards.tolist() == [-0.25, 0.0]
+    stage.truncated_reward_coef = 0.5
+    assert stage.score(ro, samples).rewards.tolist() == [0.0, 0.0]
+    stage.truncated_reward_coef, stage.overlong_buffer_len = 0.5, 0
+    assert stage.score(ro, samples).rewards.tolist() == [0.5, 1.0]
+    assert load_config(None, ["algorithm.truncated_reward_coef=0"]).algorithm.truncated_reward_coef == 0.0
 
 
 def test_mixed_reward_groups_keeps_only_groups_with_different_rewards():

@@ -58,8 +58,8 @@ def test_precision_and_attention_by_name():
 
 
 def test_clip_higher_gspo_and_held_out_sampling():
-    """G2, G7: --eps_clip_low_high (both spellings) replaces --eps_clip; gspo, the held-out sampler; a truncation
-    reward scale is refused in one line."""
+    """G2, G7: --eps_clip_low_high (both spellings) replaces --eps_clip; gspo, the held-out sampler; ProRL's
+    stop-properly penalty as algorithm.truncated_reward_coef."""
     for flag in ("--eps_clip_low_high", "--actor.eps_clip_low_high"):
         a = config(BASE + [flag, "0.2", "0.27", "--eps_clip", "0.1"])[1].actor
         assert (a.clip_ratio_low, a.clip_ratio_high) == (0.2, 0.27)
@@ -67,9 +67,8 @@ def test_clip_higher_gspo_and_held_out_sampling():
                          "--eval_n_samples_per_prompt", "4"])[1]
     assert (cfg.actor.policy_loss, cfg.rollout.val_temperature, cfg.rollout.val_n) == ("gspo", 1.0, 4)
     for flag in ("--stop_properly_penalty_coef", "--reward.stop_properly_penalty_coef"):
-        with pytest.raises(ConfigError, match="scaling the reward of responses cut at the length cap") as e:
-            config(BASE + [flag, "0.0"])
-        assert "\n" not in str(e.value)
+        assert config(BASE + [flag, "0.0"])[1].algorithm.truncated_reward_coef == 0.0
+    assert config(BASE)[1].algorithm.truncated_reward_coef is None
 
 
 def test_dynamic_batch_and_token_budgets():

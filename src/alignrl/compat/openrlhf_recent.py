@@ -40,7 +40,7 @@ def add_recent_flags(g) -> None:
     g.add_argument("--eval_temperature", type=float, default=None, help="held-out sampling temperature")
     g.add_argument("--eval_n_samples_per_prompt", type=int, default=None, help="held-out answers per problem")
     g.add_argument("--stop_properly_penalty_coef", type=float, default=None,
-                   help="OpenRLHF scales truncated responses' rewards by this; not supported (refused unless 1)")
+                   help="rewards of responses cut at the length cap: scaled by C >= 0, replaced by C < 0")
     g.add_argument("--use_dynamic_batch", action="store_true",
                    help="update micro-batches by a token budget (--train_max_tokens_per_gpu) instead of a row count")
     g.add_argument("--train_max_tokens_per_gpu", type=int, default=None,
@@ -62,10 +62,6 @@ def add_recent_flags(g) -> None:
 
 def check_recent(args) -> None:
     """The post-0.6 flags' values, one line each."""
-    if args.stop_properly_penalty_coef not in (None, 1.0):
-        raise RecentFlagError(f"--stop_properly_penalty_coef {args.stop_properly_penalty_coef}: scaling the reward of "
-                              "responses cut at the length cap is not supported by alignrl; drop it, or use "
-                              "--overlong_buffer_len N (DAPO's soft penalty before the cap)")
     if args.eps_clip_low_high is not None and min(args.eps_clip_low_high) < 0:
         raise RecentFlagError(f"--eps_clip_low_high {args.eps_clip_low_high[0]} {args.eps_clip_low_high[1]}: both "
                               "bounds must be >= 0 (the ratio is clipped to [1 - LOW, 1 + HIGH])")
@@ -123,6 +119,8 @@ def recent_keys(args) -> list[str]:
                 f"algorithm.rollout_is_threshold={high}", "actor.recompute_old_logprobs=true"]
         if low is not None:
             out.append(f"algorithm.rollout_is_threshold_lower={low}")
+    if args.stop_properly_penalty_coef is not None:
+        out.append(f"algorithm.truncated_reward_coef={args.stop_properly_penalty_coef}")
     if args.image_key:
         out.append(f"data.image_key={json.dumps(args.image_key)}")
     return out

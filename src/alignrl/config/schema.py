@@ -229,6 +229,10 @@ class AlgorithmConfig:
                                       "-overlong_penalty_factor; 0 disables", ge=0)
     overlong_penalty_factor: float = opt(1.0, "reward penalty of a response as long as the response cap",
                                          ge=0.0)
+    truncated_reward_coef: float | None = opt(None, "responses cut at the response cap (no eos): a coefficient "
+                                                      ">= 0 scales their reward by it, one < 0 replaces the reward "
+                                                      "by it, after the overlong penalty (ProRL; OpenRLHF's "
+                                                      "--stop_properly_penalty_coef); null leaves them")
     mask_truncated: bool = opt(False, "responses that hit rollout.max_new_tokens get no gradient (DAPO overlong "
                                       "filtering); they still count in the reward and length metrics")
     rollout_is: str = opt("none", "truncated importance sampling against the rollout engine's log-probs: "

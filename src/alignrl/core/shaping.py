@@ -24,6 +24,14 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, facto
     return -factor * over / buffer_len
 
 
+def truncated_reward(rewards: torch.Tensor, truncated: torch.Tensor, coef: float) -> torch.Tensor:
+    """ProRL's stop-properly penalty (OpenRLHF's --stop_properly_penalty_coef) on the rewards (B,) of the responses
+    cut at the length cap (`truncated` (B,) bool): coef >= 0 scales their reward by coef (0: no credit for an
+    answer that never ended), coef < 0 replaces it by coef; the others are unchanged."""
+    cut = rewards * coef if coef >= 0 else torch.full_like(rewards, coef)
+    return torch.where(truncated.to(rewards.device), cut, rewards)
+
+
 def clip_outcome(rewards: torch.Tensor, baseline: torch.Tensor | None, clip: tuple | list | None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """OpenRLHF's --reward_clip_range on the outcome rewards (B,) and on ReMax's greedy-response baseline (B,)

@@ -116,7 +116,7 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device) -> RewardStag
                     if a.reward_model else None)
     return RewardStage(tokenizer, make_reward(a.reward_fn, a.format_reward_weight), load_reward_fn(a.reward_fn),
                        response_cap(cfg), a.overlong_buffer_len, a.overlong_penalty_factor, reward_model,
-                       add_rule=a.reward_model_mix == "add",
+                       add_rule=a.reward_model_mix == "add", truncated_reward_coef=a.truncated_reward_coef,
                        cost_fn=load_reward_fn(s.cost_fn, "safety.cost_fn") if s.cost_fn else None,
                        cost_model=ModelScorer(s.cost_model, cfg.model.dtype, log=console.print, device=device)
                        if s.cost_model else None)

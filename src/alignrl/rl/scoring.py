@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from alignrl.core.shaping import overlong_penalty
+from alignrl.core.shaping import overlong_penalty, truncated_reward
 from alignrl.data.records import Rollout, Sample, Scores
 from alignrl.interfaces import SequenceScorer
 from alignrl.rewards.registry import ScoreError, finite_score, reads_prompt_text, score_row
@@ -30,6 +30,7 @@ class RewardStage:
     add_rule: bool = False  # ...or the rule reward is added to it on rows that have an answer to check
     cost_fn: RewardFn | None = None  # PPO-Lagrangian cost: a rule on the decoded response...
     cost_model: SequenceScorer | None = None  # ...or a cost model on the ids
+    truncated_reward_coef: float | None = None  # responses cut at the cap: reward scaled (>= 0) or replaced (< 0)
 
     def texts(self, ro: Rollout) -> list[str]:
         ids = ro.response_ids.masked_fill(~ro.response_mask, self.tokenizer.pad_token_id)
@@ -63,6 +64,8 @@ class RewardStage:
         if self.overlong_buffer_len:
             out = out + overlong_penalty(ro.response_lengths, self.max_new_tokens, self.overlong_buffer_len,
                                          self.overlong_penalty_factor)
+        if self.truncated_reward_coef is not None:
+            out = truncated_reward(out, ro.truncated, self.truncated_reward_coef)
         costs = None
         if self.cost_fn is not None:
             costs = torch.tensor(rule_scores(self.cost_fn, "cost function", rows, texts, prompts))
