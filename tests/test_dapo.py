@@ -274,6 +274,44 @@ def test_dynamic_sampling_tops_up_with_mixed_groups(tiny_model_dir):
     assert (exp.advantages.view(4, 2).abs().sum(-1) > 0).all() and exp.is_weight is None
 
 
+class OtherRank:
+    """A second rank as this rank sees it through the agreement: short for `short_rounds` more rounds, and keeping
+    `kept` groups."""
+
+    ranks = 2
+
+    def __init__(self, short_rounds: int, kept: int):
+        self.short_rounds, self.kept = short_rounds, kept
+
+    def any(self, flag: bool) -> bool:
+        self.short_rounds -= 1
+        return flag or self.short_rounds >= 0
+
+    def fewest(self, n: int) -> int:
+        return min(n, self.kept)
+
+
+def test_dynamic_sampling_over_ranks_draws_while_any_is_short_and_keeps_the_fewest(tiny_model_dir):
+    # this rank's share is 2 of the 4 groups; its first draw keeps 2 (mixed, equal, equal, mixed): full at once
+    step, rec = _step(tiny_model_dir, ["algorithm.dynamic_sampling=true"], [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    (samples, prompts), extra = _batches(step, 2)
+    pool = list(samples) + list(extra[0])
+    prompt_pool = list(prompts) + list(extra[1])
+    rows = lambda idx: ([pool[i] for i in idx], [prompt_pool[i] for i in idx])  # noqa: E731
+    draws = []
+
+    def more():
+        draws.append(1)
+        return range(4, 8)
+
+    # the other rank is short for two rounds and keeps one group: this rank draws twice without generating, and
+    # trains one group
+    batch = step.maker.make(1, range(4), rows, more=more, agree=OtherRank(short_rounds=2, kept=1))
+    assert len(draws) == 2 and len(rec.rollouts) == 1
+    assert batch.metrics["dapo/gen_rounds"] == 3 and batch.metrics["dapo/kept_groups"] == 2  # 1 a rank, 2 ranks
+    assert batch.rollout.group.tolist() == [0, 0] and batch.prompt_index.tolist() == [0, 0]
+
+
 def test_dynamic_sampling_is_bounded_and_may_train_on_nothing(tiny_model_dir):
     step, rec = _step(tiny_model_dir, ["algorithm.dynamic_sampling=true", "algorithm.max_gen_rounds=2"],
                       [1.0] * 64)

@@ -20,9 +20,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def run(tiny_model_dir, tmp_path, name, strategy, steps, *extra):
+def run(tiny_model_dir, tmp_path, name, strategy, steps, *extra, reward_text=REWARD):
     reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
+    reward.write_text(reward_text)
     cmd = [sys.executable, "-m", "alignrl", "train", "grpo", "--nproc", "2", f"model.path={tiny_model_dir}",
            "data.train_size=64", "data.val_size=8", "data.val_size_during_training=8", "data.train_batch_size=4",
            "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2", "rollout.n=4", "rollout.max_new_tokens=6",
@@ -101,3 +101,35 @@ def test_a_bf16_fsdp2_trainer_feeds_a_zmq_sampler(tiny_model_dir, tmp_path):
     model = tmp_path / "f" / "checkpoints" / "global_step_2" / "model"
     assert {v.dtype for v in weights(model).values()} == {torch.bfloat16}
     assert json.loads((model / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+# Rank 1's groups never differ (every answer scores 1) while rank 0's do: rank 0 fills its share at once, rank 1
+# stays short through every refill round.
+SPLIT_REWARD = '''
+import os
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0 if os.environ.get("RANK") == "1" else float(len(solution_str) % 2)
+'''
+
+
+def test_dynamic_sampling_on_two_ranks_refills_together_and_trains_the_fewest_groups(tiny_model_dir, tmp_path):
+    """Every rank draws as many refill rounds as the shortest needs (rank 0, already full, draws and discards, so the
+    ranks' samplers stay in step) and trains as many groups as the rank that kept fewest: with rank 1's groups all
+    equal, none, so no rank updates and none waits for the other's gradients (a rank updating alone would hang the
+    run). With rewards that differ on both ranks, each fills its share and both train."""
+    dapo = ("algorithm.dynamic_sampling=true", "algorithm.max_gen_rounds=2")
+    r = run(tiny_model_dir, tmp_path, "split", "ddp", 2, *dapo, reward_text=SPLIT_REWARD)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "split" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in rows if "dapo/kept_groups" in x]
+    assert [x["step"] for x in steps] == [1, 2], rows
+    assert all(x["dapo/kept_groups"] == 0 and x["dapo/gen_rounds"] == 3 for x in steps), steps
+    assert not any("actor/grad_norm" in x for x in rows)
+    assert "kept 0 of 2 groups per rank after 3 generation round(s)" in r.stdout + r.stderr
+    r = run(tiny_model_dir, tmp_path, "both", "ddp", 1, *dapo, "algorithm.dynamic_sampling_range=[0,1]",
+            reward_text=SPLIT_REWARD.replace('1.0 if os.environ.get("RANK") == "1" else ', ""))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "both" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    (step,) = [x for x in rows if "dapo/kept_groups" in x]
+    assert step["dapo/kept_groups"] == 4 and "actor/grad_norm" in step, step

@@ -34,6 +34,27 @@ from alignrl.utils.tracking import console
 Rows = Callable[[Sequence[int]], tuple[list[Sample], list[list[int]]]]
 
 
+class RankAgreement:
+    """What the data-parallel ranks of one step agree on while dynamic sampling refills their shares: whether any
+    rank is still short (every rank then draws again, so their samplers stay in step) and the fewest groups a rank
+    kept (every rank trains that many, so all take the same updates). One process agrees with itself."""
+
+    def __init__(self, env: DistEnv = SINGLE):
+        self.env = env
+
+    @property
+    def ranks(self) -> int:
+        return self.env.world_size if self.env.distributed else 1
+
+    def any(self, flag: bool) -> bool:
+        return all_reduce_sum(self.env, [float(flag)])[0] > 0
+
+    def fewest(self, n: int) -> int:
+        import torch.distributed as dist
+
+        return int(all_reduce_sum(self.env, [float(n)], op=dist.ReduceOp.MIN)[0])
+
+
 @contextmanager
 def timed(timings: dict[str, float], name: str):
     t0 = time.perf_counter()
@@ -84,12 +105,13 @@ class RolloutMaker:
                               + self.rank * 7_919_000_003)  # ranks draw different samples
 
     def make(self, step: int, index: Sequence[int], rows: Rows, version: int = 0,
-             more: Callable[[], Sequence[int]] | None = None, ref_groups: int | None = None) -> ScoredBatch:
+             more: Callable[[], Sequence[int]] | None = None, ref_groups: int | None = None,
+             agree: RankAgreement = RankAgreement()) -> ScoredBatch:
         """The scored batch of RL step `step` for dataset rows `index` (`rows` turns them into samples and
-        prompt ids). `more` (dynamic sampling only) returns the next rows to draw when groups run short.
-        `ref_groups`: reference log-probs of only the first this many prompt groups (a ZeroMQ trainer
-        computes the rest); None: all of them. The batch's metrics describe the first draw, whatever
-        dynamic sampling keeps."""
+        prompt ids). `more` (dynamic sampling only) returns the next rows to draw when groups run short;
+        `agree`: the data-parallel ranks drawing them together. `ref_groups`: reference log-probs of only the
+        first this many prompt groups (a ZeroMQ trainer computes the rest); None: all of them. The batch's
+        metrics describe the first draw, whatever dynamic sampling keeps."""
         t: dict[str, float] = {}
         samples, prompts = rows(index)
         with timed(t, "gen"):
@@ -99,7 +121,7 @@ class RolloutMaker:
         metrics = first_draw_metrics(ro, scores)
         index = torch.as_tensor(list(index), dtype=torch.long)
         if self.cfg.algorithm.dynamic_sampling:
-            ro, scores, index, dapo = self.dynamic_sample(step, ro, scores, index, rows, more, t)
+            ro, scores, index, dapo = self.dynamic_sample(step, ro, scores, index, rows, more, t, agree)
             metrics.update(dapo)
         with timed(t, "ref"):
             ref_lp = self.ref_logprobs(ro, ref_groups) if self.ref is not None and len(ro.group) else None
@@ -142,34 +164,40 @@ class RolloutMaker:
         return self.rewards.score(greedy, rows).rewards[ro.group]
 
     def dynamic_sample(self, step: int, ro: Rollout, scores: Scores, index: torch.Tensor, rows: Rows,
-                       more: Callable[[], Sequence[int]] | None, timings: dict[str, float]):
+                       more: Callable[[], Sequence[int]] | None, timings: dict[str, float],
+                       agree: RankAgreement = RankAgreement()):
         """DAPO dynamic sampling (Yu et al. 2025): keep the groups whose rewards differ (or, with
         algorithm.dynamic_sampling_range, whose mean reward is strictly inside it), generate and
         score more prompts (up to algorithm.max_gen_rounds extra rounds, only if `more` is given) until
-        data.train_batch_size groups are kept, then keep exactly that many (the earliest) or, still
-        short, all of them. Returns (rollout, scores, dataset row per group, metrics)."""
-        want, pad = self.cfg.data.train_batch_size, self.rewards.tokenizer.pad_token_id
+        this rank's share of data.train_batch_size groups is kept, then keep exactly that many (the earliest) or,
+        still short, all of them. Over several ranks a round runs while any rank is short (a rank already full
+        draws and discards, keeping the samplers in step) and every rank keeps as many groups as the fewest kept.
+        Returns (rollout, scores, dataset row per group, metrics)."""
+        want, pad = self.cfg.data.train_batch_size // agree.ranks, self.rewards.tokenizer.pad_token_id
         band = self.cfg.algorithm.dynamic_sampling_range
         ro, scores, index = _keep_groups(ro, scores, index, kept_groups(scores.rewards, ro.group, band))
         rounds = 1
-        while _n_groups(ro) < want and rounds <= self.cfg.algorithm.max_gen_rounds and more is not None:
+        while rounds <= self.cfg.algorithm.max_gen_rounds and more is not None and agree.any(_n_groups(ro) < want):
             new_index = torch.as_tensor(list(more()), dtype=torch.long)
+            rounds += 1
+            if _n_groups(ro) >= want:
+                continue
             samples, prompts = rows(new_index.tolist())
             with timed(timings, "gen"):
-                new = self.engine.generate(prompts, self.sampling_params(step, rounds))
+                new = self.engine.generate(prompts, self.sampling_params(step, rounds - 1))
             with timed(timings, "reward"):
                 new_scores = self.score(new, samples)
             new, new_scores, new_index = _keep_groups(new, new_scores, new_index,
                                                       kept_groups(new_scores.rewards, new.group, band))
             ro, scores = concat_rollouts(ro, new, pad), scores.cat(new_scores)
             index = torch.cat([index, new_index])
-            rounds += 1
-        kept = min(_n_groups(ro), want)
+        kept = agree.fewest(min(_n_groups(ro), want))
         if kept < want:
-            console.print(f"step {step}: dynamic sampling kept {kept} of {want} groups after {rounds} "
+            share = " per rank" if agree.ranks > 1 else ""
+            console.print(f"step {step}: dynamic sampling kept {kept} of {want} groups{share} after {rounds} "
                           "generation round(s); training on those")
         ro, scores, index = _keep_groups(ro, scores, index, torch.arange(kept))
-        return ro, scores, index, {"dapo/kept_groups": float(kept), "dapo/gen_rounds": float(rounds)}
+        return ro, scores, index, {"dapo/kept_groups": float(kept * agree.ranks), "dapo/gen_rounds": float(rounds)}
 
 
 def agent_metrics(ro: Rollout) -> dict[str, float]:
@@ -250,7 +278,7 @@ class InlineSource:
             return shard(self.sampler.next(), self.env)  # every rank draws the same batch and keeps its share
 
         first = draw()
-        batch = self.maker.make(step, first, self.rows, self.version(), more=draw)
+        batch = self.maker.make(step, first, self.rows, self.version(), more=draw, agree=RankAgreement(self.env))
         if self.env.distributed:  # the reward spread of the whole batch, not the mean of each share's
             batch.metrics["reward/std"] = pooled_std(self.env, batch.metrics["reward/mean"],
                                                      batch.metrics["reward/std"], len(first) * self.maker.cfg.rollout.n)
