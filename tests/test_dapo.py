@@ -420,3 +420,45 @@ def test_reward_clip_clamps_remaxs_baseline_with_the_rewards():
     tok[:, -1] = out
     assert torch.equal(remax_advantages(tok, torch.ones(3, 2), base), torch.zeros(3, 2))
     assert clip_outcome(r, None, [-1.0, 1.0])[1] is None and clip_outcome(r, None, [])[0] is r
+
+
+def _scored(rewards_by_group: list[list[float]], first_index: int):
+    """A ScoredBatch of len(rewards_by_group) groups of 2 rows, already filtered as an engine filters its share."""
+    from alignrl.data.records import ScoredBatch, Scores
+
+    n = len(rewards_by_group)
+    group = torch.arange(n).repeat_interleave(2)
+    ro = Rollout(torch.ones(2 * n, 1, dtype=torch.long), torch.ones(2 * n, 1, dtype=torch.bool),
+                 torch.ones(2 * n, 2, dtype=torch.long), torch.ones(2 * n, 2, dtype=torch.bool), torch.zeros(2 * n, 2),
+                 torch.zeros(2 * n, dtype=torch.bool), group)
+    rewards = torch.tensor([float(r) for g in rewards_by_group for r in g])
+    return ScoredBatch(ro, Scores(rewards, rewards >= 1), torch.ones(2 * n, 2, dtype=torch.bool), None,
+                       first_index + group, 0, metrics={"reward/mean": float(rewards.mean()) if n else 0.0})
+
+
+def test_the_ray_source_refills_together_and_trains_an_equal_share_on_each_rank():
+    """Every rank of a Ray actor group holds the same merged batch and sampler, so each draws the same extra rounds;
+    the kept groups are cut to the step's batch, then to a multiple of the ranks (shard_groups)."""
+    from types import SimpleNamespace
+
+    from alignrl.placements.ray.channel import RaySource
+    from alignrl.rl.rollout_ops import shard_groups
+
+    cfg = load_config(None, ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "algorithm.dynamic_sampling=true",
+                             "algorithm.max_gen_rounds=2"])
+    draws = iter([[4, 5, 6, 7], [8, 9, 10, 11]])
+    kept_by_draw = {4: [[0, 1]], 8: [[1, 0], [0, 1], [1, 1]]}  # one group kept, then three (the engines' filters)
+    source = object.__new__(RaySource)
+    source.trainer, source.env, source.pad_id = SimpleNamespace(cfg=cfg), SimpleNamespace(rank=0, world_size=2), 0
+    source.sampler = SimpleNamespace(next=lambda: next(draws))
+    source.made = lambda step, index: _scored(kept_by_draw[index[0]], index[0])
+    batch = source.refilled(1, _scored([[1, 0]], 0))  # the first draw kept one group of four
+    assert batch.metrics == {"reward/mean": 0.5, "dapo/kept_groups": 4.0, "dapo/gen_rounds": 3.0}
+    assert batch.prompt_index.tolist() == [0, 0, 4, 4, 8, 8, 9, 9]  # the earliest four groups
+    assert [shard_groups(batch, r, 2).prompt_index.tolist() for r in (0, 1)] == [[0, 0, 4, 4], [8, 8, 9, 9]]
+    draws = iter([[4, 5, 6, 7], [8, 9, 10, 11]])
+    source.sampler = SimpleNamespace(next=lambda: next(draws))
+    kept_by_draw = {4: [], 8: [[0, 1], [1, 0]]}  # still short after both rounds: 3 groups, 2 of them trained
+    batch = source.refilled(1, _scored([[1, 0]], 0))
+    assert batch.metrics["dapo/kept_groups"] == 2.0 and batch.metrics["dapo/gen_rounds"] == 3.0
+    assert [len(shard_groups(batch, r, 2).prompt_index) for r in (0, 1)] == [2, 2]

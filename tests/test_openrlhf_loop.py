@@ -32,8 +32,8 @@ def test_dynamic_filtering_is_dynamic_sampling_by_the_mean_rewards_range(given, 
     args, cfg = config(ONE + given)
     assert (cfg.algorithm.dynamic_sampling, cfg.algorithm.dynamic_sampling_range) == (True, band)
     notes = K.unused_here(args, False)
-    assert any(x.startswith("--dynamic_filtering (filters each step's groups by their mean reward, but this "
-                            "placement generates no extra rounds") for x in notes), notes
+    assert any(x.startswith("--dynamic_filtering (refills the batch for at most algorithm.max_gen_rounds extra "
+                            "rounds") for x in notes), notes
 
 
 def test_without_dynamic_filtering_nothing_is_filtered():
@@ -52,11 +52,7 @@ def test_dynamic_filtering_with_the_overlong_penalty_says_where_the_range_is_tes
     (ONE + ["--dynamic_filtering", "--dynamic_filtering_reward_range", "1", "0"],
      "--dynamic_filtering_reward_range 1 0: L must be below H"),
     (ONE[:6] + ["--advantage_estimator", "reinforce", "--rollout_batch_size", "128", "--train_batch_size", "128",
-                "--dynamic_filtering"], "--dynamic_filtering compares the samples of a prompt: set --n_samples_per"),
-    (["--actor_num_gpus_per_node", "8", "--ref_num_gpus_per_node", "8", "--vllm_num_engines", "8",
-      "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "8", "--rollout_batch_size", "128",
-      "--dynamic_filtering"], "filters prompt groups on one actor rank only, and --actor_num_nodes × "
-                              "--actor_num_gpus_per_node is 8: set both to 1")])
+                "--dynamic_filtering"], "--dynamic_filtering compares the samples of a prompt: set --n_samples_per")])
 def test_dynamic_filtering_refusals_are_one_line(argv, message):
     with pytest.raises(ConfigError) as e:
         config(argv)
@@ -95,7 +91,7 @@ def test_a_dotted_refusal_names_the_dotted_flags(capsys):
     dotted = ["--actor.num_gpus_per_node", "8", "--ref.num_gpus_per_node", "8", "--vllm.num_engines", "8",
               "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "8",
               "--rollout.batch_size", "128", "--train.batch_size", "128", "--algo.dynamic_filtering_enable",
-              "--algo.dynamic_filtering_range", "0", "1"]
+              "--algo.dynamic_filtering_range", "1", "0"]
     assert main(dotted) == 2
     err = capsys.readouterr().err
-    assert "--actor.num_nodes × --actor.num_gpus_per_node is 8" in err and "drop --algo.dynamic_filtering_enable" in err
+    assert "--algo.dynamic_filtering_range 1 0: L must be below H" in err, err

@@ -375,3 +375,22 @@ def test_sigterm_of_the_driver_stops_the_run_as_ctrl_c(cluster, tiny_model_dir, 
     said = [x for x in err.splitlines() if x.startswith("alignrl train ppo-ray:")]
     assert code == 130 and "SIGTERM received" not in err, err[-2000:]
     assert len(said) == 1 and "interrupted; the same command with --load_checkpoint continues" in said[0], err[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_dynamic_filtering_refills_over_two_actor_ranks(cluster, tiny_model_dir, tmp_path, capsys):
+    """OpenRLHF's --dynamic_filtering on two actor ranks: the engine filters its share, the ranks draw the same
+    extra rounds (they hold the same merged batch and sampler), and each trains an equal share of the groups kept.
+    The reward file (OpenRLHF's reward_func) scores a query by its length's parity, so some groups differ."""
+    reward = tmp_path / "reward_func.py"
+    reward.write_text("import torch\n\ndef reward_func(queries, prompts, labels):\n"
+                      "    return torch.tensor([float(len(q) % 2) for q in queries])\n")
+    argv = tiny(tiny_model_dir, tmp_path / "dapo", 2, "--dynamic_filtering", "--remote_rm_url", str(reward),
+                "--init_kl_coef", "0")
+    assert main(argv) == 0, capsys.readouterr().err
+    rows = [r for r in metric_rows(tmp_path / "dapo") if "dapo/kept_groups" in r]
+    assert [r["step"] for r in rows] == [1, 2], rows
+    for r in rows:  # 4 prompts a step: 2 groups for each rank when full, an even count when a refill falls short
+        assert r["dapo/kept_groups"] in (0.0, 2.0, 4.0) and 1 <= r["dapo/gen_rounds"] <= 4, r
+    assert any(r["dapo/kept_groups"] > 0 and "actor/grad_norm" in r for r in rows), rows
+    assert all_gpus_free()

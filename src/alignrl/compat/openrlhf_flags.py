@@ -275,7 +275,7 @@ def check(args) -> None:
     check_wandb(args)
     check_trained(args)
     R.check_recent(args)
-    L.check_loop(args, actors)
+    L.check_loop(args)
     S.check_sources(args)
     for flag, what in (("load_in_4bit", "4-bit loading (QLoRA)"), ("pretrain_data", "PPO-ptx")):
         if getattr(args, flag):

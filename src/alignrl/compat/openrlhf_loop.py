@@ -16,8 +16,8 @@ from alignrl.config import ConfigError
 FILTER_RANGE = (0.0, 1.0)
 RING_WHY = ("not used here: ring attention splits each sequence over N GPUs to fit long ones in memory; alignrl "
             "keeps a sequence on one GPU and computes the same loss")
-REFILL_WHY = ("filters each step's groups by their mean reward, but this placement generates no extra rounds to "
-              "refill the batch (OpenRLHF generates until it is full): a step trains on the groups kept")
+REFILL_WHY = ("refills the batch for at most algorithm.max_gen_rounds extra rounds (OpenRLHF generates until it is "
+              "full), then trains on the groups kept, an equal share on each actor rank")
 PENALTY_WHY = ("with --dynamic_filtering the range is tested on the reward after this penalty (OpenRLHF tests the "
                "reward function's scores, before it)")
 
@@ -41,8 +41,8 @@ def add_loop_flags(g) -> None:
                    help="OpenRLHF's agent function: not supported (alignrl's multi-turn search agent: docs/search.md)")
 
 
-def check_loop(args, actors: int) -> None:
-    """The flags' values, one line each; `actors`: the actor group's ranks."""
+def check_loop(args) -> None:
+    """The flags' values, one line each."""
     if args.agent_func_path:
         raise LoopFlagError(f"--agent_func_path {args.agent_func_path}: OpenRLHF's agent function (a Python step() "
                             "environment) is not supported by alignrl; for multi-turn tool use run alignrl's search "
@@ -58,10 +58,6 @@ def check_loop(args, actors: int) -> None:
                             "when its mean reward is strictly between them)")
     if args.n_samples_per_prompt <= 1:
         raise LoopFlagError("--dynamic_filtering compares the samples of a prompt: set --n_samples_per_prompt > 1")
-    if actors > 1:  # every actor rank must train on equally many groups, which a filter cannot promise
-        raise LoopFlagError(f"--dynamic_filtering: alignrl filters prompt groups on one actor rank only, and "
-                            f"--actor_num_nodes × --actor_num_gpus_per_node is {actors}: set both to 1 (the engines and "
-                            "colocated groups to match), or drop --dynamic_filtering")
 
 
 def loop_keys(args) -> list[str]:

@@ -62,10 +62,8 @@ def check_ranges(obj: Any, prefix: str = "") -> None:
                 raise ConfigError(f"{key}={value} is out of range; it must be {word} {m[bound]}")
 
 
-def check_world_size(cfg: RunConfig, world: int, ranks_refill: bool = True) -> None:
-    """What a data-parallel run of `world` ranks needs from the batch sizes (checked at launch). `ranks_refill`:
-    the ranks draw their own prompts and can refill their shares together (torchrun's); a Ray actor group's ranks
-    train on the batches its engines hand them."""
+def check_world_size(cfg: RunConfig, world: int) -> None:
+    """What a data-parallel run of `world` ranks needs from the batch sizes (checked at launch)."""
     if world <= 1:
         return
     if cfg.trainer.strategy == "single":
@@ -75,10 +73,6 @@ def check_world_size(cfg: RunConfig, world: int, ranks_refill: bool = True) -> N
         if value % world:
             raise ConfigError(f"{key}={value} must be a multiple of the world size {world} (each rank takes "
                               "an equal share of every batch)")
-    if cfg.algorithm.dynamic_sampling and not ranks_refill:
-        raise ConfigError(f"algorithm.dynamic_sampling on {world} actor ranks of a Ray placement is not supported (its "
-                          "engines hand every rank its batch and cannot refill one): run the actor group on one "
-                          "rank, or the job under torchrun (alignrl train ... --nproc N), whose ranks refill together")
 
 
 def check_combinations(cfg: RunConfig) -> None:

@@ -27,7 +27,7 @@ def is_openrlhf_spec(spec: str | None) -> bool:
 def adapt(reward_func: Callable[..., Any], who: str) -> Callable[..., Any]:
     """OpenRLHF's batch `reward_func` as a verl-signature function of one row (its one-line errors are the registry's
     `checked`, which wraps this)."""
-    from alignrl.rewards.registry import ScoreError
+    from alignrl.rewards.errors import ScoreError
 
     def call(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
              prompt: str | None = None) -> Any:
@@ -47,7 +47,7 @@ def adapt(reward_func: Callable[..., Any], who: str) -> Callable[..., Any]:
 
 def one_value(got: Any, who: str, data_source: str) -> Any:
     """The single reward of a one-row call: a number, or a tensor, array or list of one element."""
-    from alignrl.rewards.registry import ScoreError
+    from alignrl.rewards.errors import ScoreError
 
     if isinstance(got, numbers.Real) or got is None or isinstance(got, str):
         return got  # the registry's finite check names what is wrong with a None or a string
@@ -64,7 +64,7 @@ def one_value(got: Any, who: str, data_source: str) -> Any:
 def load(path_str: str, key: str, import_file: Callable[[Path, str], Any]) -> Callable[..., Any]:
     """The adapted reward_func of the file at `path_str`; `import_file(path, key)` (the registry's) imports it with
     its one-line errors. `key` names the setting in the errors."""
-    from alignrl.rewards.registry import RewardError
+    from alignrl.rewards.errors import RewardError
 
     path = Path(path_str)
     if not path.is_file():

@@ -192,7 +192,7 @@ class RolloutMaker:
             ro, scores = concat_rollouts(ro, new, pad), scores.cat(new_scores)
             index = torch.cat([index, new_index])
         kept = agree.fewest(min(_n_groups(ro), want))
-        if kept < want:
+        if kept < want and more is not None:  # without `more` the caller refills (a Ray engine's share)
             share = " per rank" if agree.ranks > 1 else ""
             console.print(f"step {step}: dynamic sampling kept {kept} of {want} groups{share} after {rounds} "
                           "generation round(s); training on those")

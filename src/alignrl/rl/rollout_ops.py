@@ -97,15 +97,27 @@ def concat_rollouts(a: Rollout, b: Rollout, pad_id: int) -> Rollout:
                    images=join_rows([a.images, b.images], [len(a.group), len(b.group)]))
 
 
+def groups_in(batch: ScoredBatch) -> int:
+    return int(batch.rollout.group.max()) + 1 if len(batch.rollout.group) else 0
+
+
 def shard_groups(batch: ScoredBatch, rank: int, world: int) -> ScoredBatch:
-    """Rank `rank` of `world`'s contiguous share of the batch's prompt groups (the batch sizes divide by the world)."""
+    """Rank `rank` of `world`'s contiguous share of the batch's prompt groups: an equal share each, so the groups
+    past the last multiple of `world` (a filtered batch's) are left out."""
     if world == 1:
         return batch
-    n_groups = int(batch.rollout.group.max()) + 1
-    per = n_groups // world
-    keep = torch.arange(rank * per, (rank + 1) * per)
+    per = groups_in(batch) // world
+    return batch_groups(batch, torch.arange(rank * per, (rank + 1) * per))
+
+
+def keep_first_groups(batch: ScoredBatch, k: int) -> ScoredBatch:
+    return batch if groups_in(batch) == k else batch_groups(batch, torch.arange(k))
+
+
+def batch_groups(batch: ScoredBatch, keep: torch.Tensor) -> ScoredBatch:
+    """The batch's rows of the prompt groups `keep` (ascending), renumbered from 0."""
     rows = group_rows(batch.rollout.group, keep)
-    ref = batch.ref_logprobs  # its first K rows: a prefix of this rank's contiguous rows too (ref_share)
+    ref = batch.ref_logprobs  # its first K rows: a prefix of the kept contiguous rows too (ref_share)
     return ScoredBatch(select_groups(batch.rollout, keep), batch.scores.rows(rows), batch.loss_mask[rows],
                        None if ref is None else ref[rows[rows < len(ref)]], batch.prompt_index[rows],
                        batch.version, batch.sampler_id, batch.metrics)

@@ -9,7 +9,10 @@ group of Ray actors of its own.
 Every rank asks every engine for the same step's share; an engine makes it once and hands the same
 record to all. With one engine the global batch is the one the in-process loop makes (same rows, same
 sampling seeds), so the Ray placement trains exactly as one process does, up to the all-reduce.
-Deliberately left out: asynchronous (off-policy) generation and DAPO's extra generation rounds.
+With dynamic sampling every engine filters its share and the ranks refill the merged batch together: they hold
+the same merged batch and the same sampler, so they draw the same extra rounds without a collective, and each
+rank trains an equal share of the groups kept (shard_groups). Deliberately left out: asynchronous (off-policy)
+generation.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from alignrl.placements.weight_sync import Outgoing
 from alignrl.placements.build import build_critics
 from alignrl.rl.producer import InlineSource, merged_metrics
-from alignrl.rl.rollout_ops import concat_rollouts, pad_cols, shard_groups
+from alignrl.rl.rollout_ops import concat_rollouts, groups_in, keep_first_groups, pad_cols, shard_groups
 from alignrl.data.images import ImageRows
 from alignrl.data.records import Rollout, ScoredBatch
 from alignrl.data.sampler import BatchSampler
@@ -210,17 +213,42 @@ class RaySource(InlineSource):
         if not self.started:  # the engines get this run's weights (a resumed run's, or the base ones)
             self.p.sink_.publish(self.trainer.version)
             self.started = True
-        index = self.sampler.next()
+        batch = self.made(step, self.sampler.next())
+        if self.trainer.cfg.algorithm.dynamic_sampling:
+            batch = self.refilled(step, batch)
+        batch.metrics["ray/publish_s"] = self.p.sink_.publish_s
+        return shard_groups(batch, self.env.rank, self.env.world_size)
+
+    def made(self, step: int, index: list[int]) -> ScoredBatch:
+        """The batch of dataset rows `index`: one contiguous share per engine, merged."""
         engines = self.p.engines
         shares = [index[i * len(index) // len(engines):(i + 1) * len(index) // len(engines)]
                   for i in range(len(engines))]
         refs = [e.handle.batch.remote(step, s, self.trainer.version, i) for i, (e, s) in enumerate(zip(engines, shares))]
-        say = (lambda line: print(f"step {step}: {line}", flush=True)) if self.env.rank == 0 else (lambda line: None)
         # each share's metrics describe its first draw (before dynamic sampling keeps some groups): weighed by it
         drawn = [len(s) * self.trainer.cfg.rollout.n for s in shares]
-        batch = merge(patient_get(refs, engines, self.p.timeout_s, say), self.pad_id, drawn)
-        batch.metrics["ray/publish_s"] = self.p.sink_.publish_s
-        return shard_groups(batch, self.env.rank, self.env.world_size)
+        return merge(patient_get(refs, engines, self.p.timeout_s, self.say(step)), self.pad_id, drawn)
+
+    def refilled(self, step: int, batch: ScoredBatch) -> ScoredBatch:
+        """DAPO's extra generation rounds over the engines' filtered shares, up to algorithm.max_gen_rounds, until
+        data.train_batch_size groups are kept; then the earliest that many, or all of them when still short. The
+        metrics stay the first draw's, as the in-process loop keeps them."""
+        cfg = self.trainer.cfg
+        want, rounds, first = cfg.data.train_batch_size, 1, batch.metrics
+        while groups_in(batch) < want and rounds <= cfg.algorithm.max_gen_rounds:
+            batch = merge([batch, self.made(step, self.sampler.next())], self.pad_id, [1, 1])
+            rounds += 1
+        kept = min(groups_in(batch), want)
+        if kept < want:
+            self.say(step)(f"dynamic sampling kept {kept} of {want} groups after {rounds} generation round(s); "
+                           f"training on {kept - kept % self.env.world_size}")
+        batch = keep_first_groups(batch, kept)
+        trained = kept - kept % self.env.world_size  # every rank trains an equal share (shard_groups)
+        batch.metrics = {**first, "dapo/kept_groups": float(trained), "dapo/gen_rounds": float(rounds)}
+        return batch
+
+    def say(self, step: int):
+        return (lambda line: print(f"step {step}: {line}", flush=True)) if self.env.rank == 0 else (lambda line: None)
 
 
 class RayProducers:

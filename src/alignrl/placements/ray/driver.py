@@ -177,7 +177,7 @@ class Driver:
 
     def run(self) -> int:
         job = self.job
-        check_world_size(job.cfg, job.layout.world("actor"), ranks_refill=False)
+        check_world_size(job.cfg, job.layout.world("actor"))
         check_inputs(job.cfg)
         self.reqs = requests(job.layout)
         started = connect(sum(r.nodes * r.per_node for r in self.reqs.values()))
