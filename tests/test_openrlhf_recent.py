@@ -207,3 +207,12 @@ def test_flags_not_used_are_named_as_typed():
     lines = P.unused_lines(args, False, argv)
     assert any(x.startswith("--train.max_tokens_per_gpu (") for x in lines)
     assert any(x.startswith("--ckpt.save_hf (") for x in lines) and not any("--save_hf_ckpt" in x for x in lines)
+
+
+def test_an_openrlhf_command_line_gets_no_verl_defaults():
+    """OpenRLHF's flags map onto alignrl keys some of which verl spells the same (critic.grad_clip,
+    critic.cliprange_value): they must not make the run verl-spelled, whose defaults (verl 0.7's dual-clip,
+    Search-R1's nucleus 0.95 and entropy bonus) OpenRLHF does not have."""
+    cfg = config(BASE + ["--advantage_estimator", "gae"])[1]
+    assert (cfg.actor.clip_ratio_c, cfg.rollout.top_p, cfg.actor.entropy_coeff) == (0.0, 1.0, 0.0)
+    assert cfg.critic.weight_decay == 0.0 and cfg.trainer.max_checkpoints != 0

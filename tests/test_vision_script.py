@@ -27,13 +27,17 @@ SCRIPT = SCRIPTS / "xDAN-L1-VL-RL-Vision-0220.sh"
 
 @pytest.fixture(scope="module")
 def vl_data(tmp_path_factory):
-    """A tiny Qwen2-VL and chatml rows of its task (each question names its picture, so every prompt's user text is
-    its own and the reward server finds its row by it)."""
+    """A tiny Qwen2-VL taught the task's answer format by a few SFT steps (a random one earns no reward, so a step
+    would have nothing to learn from: its answers must differ) and chatml rows of its task (each question names its
+    picture, so every prompt's user text is its own and the reward server finds its row by it)."""
+    from dataclasses import replace
+
     from alignrl.demos import vision_data as D
-    from alignrl.models.tiny_vl import build_tiny_vl
+    from alignrl.demos.vision_model import VisionRecipe, build_vision_model
 
     folder = tmp_path_factory.mktemp("vl")
-    model = build_tiny_vl(folder / "model", seed=0, texts=D.tokenizer_texts())
+    recipe = replace(VisionRecipe(), sft_pictures=64, count_steps=60, slip_steps=0, sft_batch_size=8)  # ~5 s
+    model = build_vision_model(folder / "model", recipe, log=lambda *a: None)
     (folder / "images").mkdir()
     rows = []
     for i, p in enumerate(D.pictures(8, 7)):

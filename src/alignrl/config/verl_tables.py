@@ -58,8 +58,6 @@ RENAMES: dict[str, tuple[str, ...]] = {
     "critic.optim.weight_decay": ("critic.weight_decay",),
     "critic.optim.betas": ("critic.betas",),
     "critic.model.path": ("critic.model_path",),
-    "critic.grad_clip": ("critic.grad_clip",),
-    "critic.cliprange_value": ("critic.cliprange_value",),
     "algorithm.kl_ctrl.kl_coef": ("algorithm.kl_coef",),
     "algorithm.kl_ctrl.type": ("algorithm.kl_ctrl_type",),
     "algorithm.kl_ctrl.target_kl": ("algorithm.kl_target",),
