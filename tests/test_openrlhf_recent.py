@@ -216,3 +216,9 @@ def test_an_openrlhf_command_line_gets_no_verl_defaults():
     cfg = config(BASE + ["--advantage_estimator", "gae"])[1]
     assert (cfg.actor.clip_ratio_c, cfg.rollout.top_p, cfg.actor.entropy_coeff) == (0.0, 1.0, 0.0)
     assert cfg.critic.weight_decay == 0.0 and cfg.trainer.max_checkpoints != 0
+
+
+def test_without_cuda_fsdp2_stands_in_for_zero():
+    """Every ZeRO stage trains on FSDP2 over the actor ranks without CUDA (unsharded on one rank), DeepSpeed with it."""
+    assert config(BASE + ["--zero_stage", "2"])[1].trainer.strategy == "fsdp"
+    assert config(BASE + ["--zero_stage", "3"], gpus=True)[1].trainer.strategy == "deepspeed"

@@ -184,6 +184,6 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
     if gpus:
         out += ["trainer.strategy=deepspeed", f"trainer.zero_stage={args.zero_stage}",
                 f"trainer.offload={args.adam_offload}", R.dtype_key(args)]
-    else:
-        out += ["trainer.device=cpu"]
+    else:  # without CUDA, FSDP2 over the actor ranks stands in for DeepSpeed's ZeRO (one rank: unsharded)
+        out += ["trainer.device=cpu", "trainer.strategy=fsdp"]
     return out
