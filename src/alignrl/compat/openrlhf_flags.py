@@ -294,7 +294,9 @@ def check_trained(args) -> None:
     if args.lora_rank < 0 or (args.lora_rank and args.lora_alpha < 1) or not 0 <= args.lora_dropout <= 1:
         raise FlagError("--lora_rank must be >= 0 (0: no LoRA), --lora_alpha >= 1, --lora_dropout in [0, 1]")
     if args.train_vlm:
-        config = R.model_config(args.pretrain)
+        from alignrl.models.folder import read_config
+
+        config = read_config(args.pretrain)
         if args.pretrain == "demo" or (config and "vision_config" not in config):
             raise FlagError(f"--train_vlm: --pretrain {args.pretrain} is a text-only model (its config.json has no "
                             "vision_config): drop --train_vlm, or give a vision-language model such as Qwen2-VL")

@@ -7,7 +7,6 @@ against the engine's log-probs, and the vision-language data flags. Their checks
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from alignrl.config import ConfigError
 
@@ -151,19 +150,6 @@ def recent_unused(args) -> list[tuple[tuple[str, ...], str]]:
 def is_vlm(args) -> bool:
     """A vision-language policy: --train_vlm (LMM-R1's older flag), or the model folder's config.json has a
     vision_config, which current LMM-R1 and OpenRLHF scripts rely on without any flag."""
-    if getattr(args, "train_vlm", False):
-        return True
-    return "vision_config" in model_config(args.pretrain)
+    from alignrl.models.vision import is_vision_folder
 
-
-def model_config(pretrain: str) -> dict:
-    """The model folder's config.json, {} for the demo model, a hub name or an unreadable file (the model load says
-    what is wrong with those)."""
-    path = Path(pretrain) / "config.json"
-    if pretrain == "demo" or not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
+    return bool(getattr(args, "train_vlm", False)) or (args.pretrain != "demo" and is_vision_folder(args.pretrain))

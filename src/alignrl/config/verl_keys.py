@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from alignrl.config.checks import nearest_sibling
 from alignrl.config.file_shape import SEED_KEYS, SEED_MODEL_PARTS, unknown_seed_key
 from alignrl.config.schema import ConfigError
+from alignrl.config.verl_pass import TranslationPass
 from alignrl.config.verl_recent import finish as finish_recent, parsed as _value, recent as _recent
 from alignrl.config.verl_tables import (A, ALIASES, CKPT_TO_KEEP, CRITIC_FOLLOWS_ACTOR, MISSING, NOT_APPLIED,
                                         NOT_USED, NOTED, ONLY_VALUE, R, RENAMES, SEARCH_R1_DEFAULTS, STRATEGIES, SEARCH_R1_ONLY,
@@ -52,34 +53,9 @@ class Translation:
     search_r1: bool = False  # a Search-R1-only key was given: Search-R1's verl defaults, else verl 0.7's
 
 
-@dataclass
-class _Pass:
-    """What `translate` gathers while it reads the overrides one by one."""
-    overrides: list[str] | tuple[str, ...]
-    out: list[str] = field(default_factory=list)
-    not_used: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    custom: dict[str, str] = field(default_factory=dict)  # verl's custom_reward_function.{path,name}
-    # key -> (value, why); a key given twice: listed once, last value
-    not_applied: dict[str, tuple[str, str]] = field(default_factory=dict)
-    critic_follows: dict[str, str] = field(default_factory=dict)  # verl's critic.ppo_mini_batch_size / ppo_epochs
-    keep: dict[str, int] = field(default_factory=dict)  # verl's max_{actor,critic}_ckpt_to_keep, 0 for keep-all
-    missing: dict[str, list[str]] = field(default_factory=dict)  # feature -> the keys that ask for it
-    overlong: dict[str, str] = field(default_factory=dict)  # reward_model.overlong_buffer.{enable,len}
-    reward_model: dict[str, str] = field(default_factory=dict)  # reward_model.enable, reward_model.model.path
-    val_kwargs: dict = field(default_factory=dict)  # rollout.val_kwargs.{do_sample,temperature,top_p,top_k,n}
-    rollout_correction: dict[str, tuple[str, object]] = field(default_factory=dict)  # name -> (text, value)
-    later: dict[str, tuple[str, object]] = field(default_factory=dict)  # keys read once every override is known
-    loss_mode: str = "vanilla"  # verl's actor.policy_loss.loss_mode
-    remote_code: list[str] = field(default_factory=list)  # the *.trust_remote_code keys set true
-    verl: bool = False
-    output_is_run_dir: bool = False
-    global_micro: int | None = None
-
-
 def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
     """Overrides in verl's spellings (Hydra's `+`/`++` prefixes allowed) rewritten to alignrl's keys."""
-    st = _Pass(overrides)
+    st = TranslationPass(overrides)
     for o in overrides:
         key, sep, value = o.partition("=")
         if not sep:
@@ -94,7 +70,7 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
     return _finish(st)
 
 
-def _renamed(st: _Pass, key: str, value: str) -> bool:
+def _renamed(st: TranslationPass, key: str, value: str) -> bool:
     """verl keys with an alignrl key of their own (renamed or converted); False: not one of them."""
     if key == "data.val_data_num" and _value(value) is None:  # verl: every row; alignrl: a bounded count
         st.verl = True
@@ -124,7 +100,7 @@ def _renamed(st: _Pass, key: str, value: str) -> bool:
     return True
 
 
-def _accepted(st: _Pass, key: str, value: str) -> bool:
+def _accepted(st: TranslationPass, key: str, value: str) -> bool:
     """verl keys accepted without an alignrl key (one value only, noted, not applied, not used); False: not one."""
     if key in ONLY_VALUE:
         st.verl = True
@@ -165,7 +141,7 @@ def _accepted(st: _Pass, key: str, value: str) -> bool:
     return True
 
 
-def _other(st: _Pass, key: str, value: str) -> None:
+def _other(st: TranslationPass, key: str, value: str) -> None:
     """nodes.yaml's spellings, verl's custom reward function, an unknown verl key, or an alignrl key as given."""
     if key in SEED_KEYS:  # the multi-node launcher's nodes.yaml spellings, as its file takes them
         st.out.append(f"{SEED_KEYS[key]}={value}")
@@ -187,7 +163,7 @@ def _other(st: _Pass, key: str, value: str) -> None:
         st.out.append(f"{key}={value}")
 
 
-def _finish(st: _Pass) -> Translation:
+def _finish(st: TranslationPass) -> Translation:
     """What needs every override first: the critic's keys against the actor's, the reward function, n_agent."""
     out, not_applied, custom = st.out, st.not_applied, st.custom
     for key, value in st.critic_follows.items():

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from alignrl.config.schema import ConfigError
+from alignrl.config.verl_pass import TranslationPass
 from alignrl.config.verl_tables import (A, DAPO, FILTER_METRICS, LOSS_MODE_TUNING, LOSS_MODES, MISSING, NOT_USED, R, RC,
                                         REWARD_MANAGERS, ROLLOUT_CORRECTION_OFF, STRATEGIES, VAL_KWARGS)
-
-if TYPE_CHECKING:
-    from alignrl.config.verl_keys import _Pass
 
 # verl's LoRA exclusion alignrl has (the regular expression verl's vision-language LoRA scripts give): the image
 # tower's adapters are frozen at their zero start (actor.freeze_prefix=visual), which leaves it exactly as without them
@@ -36,7 +33,7 @@ def parsed(text: str) -> object:
         return text
 
 
-def recent(st: _Pass, key: str, value: str) -> bool:
+def recent(st: TranslationPass, key: str, value: str) -> bool:
     """verl 0.7's keys, gathered or rewritten into `st`; False: not one of them."""
     v = parsed(value)
     whole = isinstance(v, int) and not isinstance(v, bool)
@@ -69,7 +66,7 @@ def recent(st: _Pass, key: str, value: str) -> bool:
     return True
 
 
-def _policy_loss(st: _Pass, key: str, value: str, v: object) -> None:
+def _policy_loss(st: TranslationPass, key: str, value: str, v: object) -> None:
     if key == A + "policy_loss.loss_mode":
         if v not in LOSS_MODES:
             raise ConfigError(f"{key}={value} is not supported (alignrl's policy losses as verl names them: "
@@ -81,7 +78,7 @@ def _policy_loss(st: _Pass, key: str, value: str, v: object) -> None:
                           f"{', '.join(k.rsplit('.', 1)[1] for k in LOSS_MODE_TUNING)}")
 
 
-def _dapo_and_reward(st: _Pass, key: str, value: str, v: object) -> None:
+def _dapo_and_reward(st: TranslationPass, key: str, value: str, v: object) -> None:
     """DAPO's filter groups and overlong buffer, the validation sampler, the reward manager and the reward model."""
     if key in ("reward_model.enable", "reward_model.model.path"):
         st.reward_model[key] = value
@@ -111,7 +108,7 @@ def _dapo_and_reward(st: _Pass, key: str, value: str, v: object) -> None:
         raise ConfigError(f"unknown config key '{key}': not a verl key alignrl knows (docs/verl-keys.md lists them)")
 
 
-def _gen_batches(st: _Pass, key: str, v: object) -> None:
+def _gen_batches(st: TranslationPass, key: str, v: object) -> None:
     """verl's generation batches per step (the first one included; 0 or less: no limit) as alignrl's extra rounds."""
     if isinstance(v, bool) or not isinstance(v, int):
         raise ConfigError(f"{key}={v} must be a whole number (generation batches per step; 0: no limit)")
@@ -122,7 +119,7 @@ def _gen_batches(st: _Pass, key: str, v: object) -> None:
                         "algorithm.max_gen_rounds (3), then trains on the groups kept")
 
 
-def finish(st: _Pass) -> list[str]:
+def finish(st: TranslationPass) -> list[str]:
     """alignrl's overrides for what `recent` gathered (appended to st.out's), with its notes and missing features."""
     out = []
     if st.overlong and parsed(st.overlong.get("enable", "false")) is not True:  # verl applies it only when on
@@ -156,7 +153,7 @@ def _reward_model(given: dict[str, str]) -> list[str]:
     return [f"algorithm.reward_model={path}"]
 
 
-def rollout_correction(st: _Pass) -> list[str]:
+def rollout_correction(st: TranslationPass) -> list[str]:
     """verl's truncated IS (rollout_is at a token or sequence level, rollout_is_threshold) as alignrl's
     algorithm.rollout_is; with rejection sampling at the same level and bounds, alignrl's mask mode: the weights it
     keeps lie inside [lower, threshold], where truncation changes nothing, so it is verl's IS + RS. Any other
@@ -180,7 +177,7 @@ def rollout_correction(st: _Pass) -> list[str]:
     return out
 
 
-def _response_cap_note(st: _Pass) -> None:
+def _response_cap_note(st: TranslationPass) -> None:
     """DAPO's reward manager measures the overlong buffer from its own max_resp_len; alignrl from the response cap."""
     if "reward_model.reward_kwargs.max_resp_len" not in st.later:
         return
@@ -200,7 +197,7 @@ def _response_cap_note(st: _Pass) -> None:
                         "(data.max_response_length)")
 
 
-def _excluded_modules(st: _Pass) -> list[str]:
+def _excluded_modules(st: TranslationPass) -> list[str]:
     """verl reads exclude_modules only with LoRA on; the image tower is the one exclusion alignrl has."""
     if "actor_rollout_ref.model.exclude_modules" not in st.later:
         return []
@@ -227,7 +224,7 @@ def _local_config(folder: str) -> dict | None:
     return info if isinstance(info, dict) else None
 
 
-def _verl_logger(st: _Pass) -> list[str]:
+def _verl_logger(st: TranslationPass) -> list[str]:
     """verl's `file` logger writes each step's metrics as a JSON line: alignrl's jsonl sink (metrics.jsonl)."""
     given = [o for o in st.out if o.startswith("trainer.logger=")]
     if not (st.verl and given):
@@ -240,7 +237,7 @@ def _verl_logger(st: _Pass) -> list[str]:
     return [f"trainer.logger=[{','.join(sinks)}]"]
 
 
-def _remote_code(st: _Pass) -> None:
+def _remote_code(st: TranslationPass) -> None:
     """trust_remote_code changes nothing for an architecture transformers ships; a folder that brings its own
     modelling code (config.json's auto_map for a model_type transformers lacks) cannot load here: said now."""
     if not st.remote_code:

@@ -25,6 +25,16 @@ class ModelError(UserError):
     """The model path cannot be loaded; the message says what to pass instead."""
 
 
+def read_config(folder: str | Path) -> dict | None:
+    """A local model folder's config.json as a dict; None when there is none to read (a hub name, or a file that is
+    not JSON: the model load says what is wrong with those)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from alignrl.data.images import PROCESSOR_ATTR, set_pixel_bounds
-from alignrl.models.folder import ModelError, loading
+from alignrl.models.folder import ModelError, loading, read_config
 
 
 def _processor_class():
@@ -58,11 +58,7 @@ def save_processor(processor, folder: Path) -> None:
 
 def is_vision_folder(folder: str | Path) -> bool:
     """Whether the folder's config.json is a vision-language model's (it has a vision_config)."""
-    try:
-        cfg = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(cfg, dict) and "vision_config" in cfg
+    return "vision_config" in (read_config(folder) or {})
 
 
 def hf_model(model):

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from alignrl.rl.rollout_ops import concat_rollouts, group_rows, kept_groups, select_groups
+from alignrl.rl.rollout_ops import concat_rollouts, group_count, group_rows, kept_groups, select_groups
 from alignrl.rl.scoring import RewardStage
 from alignrl.config import RunConfig
 from alignrl.data.collate import per_token_in_chunks
@@ -177,10 +177,10 @@ class RolloutMaker:
         band = self.cfg.algorithm.dynamic_sampling_range
         ro, scores, index = _keep_groups(ro, scores, index, kept_groups(scores.rewards, ro.group, band))
         rounds = 1
-        while rounds <= self.cfg.algorithm.max_gen_rounds and more is not None and agree.any(_n_groups(ro) < want):
+        while rounds <= self.cfg.algorithm.max_gen_rounds and more is not None and agree.any(group_count(ro.group) < want):
             new_index = torch.as_tensor(list(more()), dtype=torch.long)
             rounds += 1
-            if _n_groups(ro) >= want:
+            if group_count(ro.group) >= want:
                 continue
             samples, prompts = rows(new_index.tolist())
             with timed(timings, "gen"):
@@ -191,7 +191,7 @@ class RolloutMaker:
                                                       kept_groups(new_scores.rewards, new.group, band))
             ro, scores = concat_rollouts(ro, new, pad), scores.cat(new_scores)
             index = torch.cat([index, new_index])
-        kept = agree.fewest(min(_n_groups(ro), want))
+        kept = agree.fewest(min(group_count(ro.group), want))
         if kept < want and more is not None:  # without `more` the caller refills (a Ray engine's share)
             share = " per rank" if agree.ranks > 1 else ""
             console.print(f"step {step}: dynamic sampling kept {kept} of {want} groups{share} after {rounds} "
@@ -252,10 +252,6 @@ def merged_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float
         sums = [sum(x) for x in zip(*(moments(m["reward/mean"], m["reward/std"], size) for m, size in parts))]
         out["reward/mean"], out["reward/std"] = from_moments(*sums)
     return out
-
-
-def _n_groups(ro: Rollout) -> int:
-    return int(ro.group.max()) + 1 if len(ro.group) else 0
 
 
 def _keep_groups(ro: Rollout, scores: Scores, index: torch.Tensor, keep: torch.Tensor):

@@ -82,7 +82,7 @@ def concat_rollouts(a: Rollout, b: Rollout, pad_id: int) -> Rollout:
     of the two (ids with `pad_id`, masks with False, log-probs with 0); `b`'s groups follow `a`'s
     (b.group + number of groups in a), so the sample lists concatenate in the same order."""
     p, r = max(a.prompt_ids.shape[1], b.prompt_ids.shape[1]), max(a.response_ids.shape[1], b.response_ids.shape[1])
-    offset = int(a.group.max()) + 1 if len(a.group) else 0
+    offset = group_count(a.group)
 
     def both(name: str, width: int, value: float | int | bool, left: bool) -> torch.Tensor:
         return torch.cat([pad_cols(getattr(x, name), width, value, left) for x in (a, b)])
@@ -97,8 +97,13 @@ def concat_rollouts(a: Rollout, b: Rollout, pad_id: int) -> Rollout:
                    images=join_rows([a.images, b.images], [len(a.group), len(b.group)]))
 
 
+def group_count(group: torch.Tensor) -> int:
+    """The prompt groups of rows numbered 0..K-1 (`Rollout.group`): K, 0 for no rows."""
+    return int(group.max()) + 1 if len(group) else 0
+
+
 def groups_in(batch: ScoredBatch) -> int:
-    return int(batch.rollout.group.max()) + 1 if len(batch.rollout.group) else 0
+    return group_count(batch.rollout.group)
 
 
 def shard_groups(batch: ScoredBatch, rank: int, world: int) -> ScoredBatch:

@@ -239,11 +239,11 @@ class RaySource(InlineSource):
             batch = merge([batch, self.made(step, self.sampler.next())], self.pad_id, [1, 1])
             rounds += 1
         kept = min(groups_in(batch), want)
+        trained = kept - kept % self.env.world_size  # every rank trains an equal share (shard_groups)
         if kept < want:
             self.say(step)(f"dynamic sampling kept {kept} of {want} groups after {rounds} generation round(s); "
-                           f"training on {kept - kept % self.env.world_size}")
+                           f"training on {trained}")
         batch = keep_first_groups(batch, kept)
-        trained = kept - kept % self.env.world_size  # every rank trains an equal share (shard_groups)
         batch.metrics = {**first, "dapo/kept_groups": float(trained), "dapo/gen_rounds": float(rounds)}
         return batch
 
