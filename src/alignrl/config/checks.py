@@ -38,7 +38,10 @@ def episode_cap(max_turns: int, max_new_tokens: int, max_obs_length: int, max_re
 
 def response_cap(cfg: RunConfig) -> int:
     """The longest response a run produces: rollout.max_new_tokens for single-turn generation, the
-    episode's cap for multi-turn tool use. Length-based shaping and normalisation are relative to it."""
+    episode's cap for multi-turn tool use, agent.max_response_length (else rollout.max_new_tokens) with an
+    environment. Length-based shaping and normalisation are relative to it."""
+    if cfg.agent.env_path:
+        return cfg.agent.max_response_length or cfg.rollout.max_new_tokens
     if cfg.agent.max_turns == 0:
         return cfg.rollout.max_new_tokens
     return episode_cap(cfg.agent.max_turns, cfg.rollout.max_new_tokens, cfg.data.max_obs_length,
@@ -125,7 +128,7 @@ def replay_problem(cfg: RunConfig) -> str | None:
 def _overlong_buffer(cfg: RunConfig) -> str | None:
     alg = cfg.algorithm
     if alg.overlong_buffer_len > response_cap(cfg):
-        limit = (f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}" if cfg.agent.max_turns == 0 else
+        limit = (f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}" if response_cap(cfg) == cfg.rollout.max_new_tokens else
                  f"the episode's response cap {response_cap(cfg)} (agent.max_response_length)")
         return f"algorithm.overlong_buffer_len={alg.overlong_buffer_len} must be <= {limit}"
     return None
@@ -244,6 +247,22 @@ def _urls(cfg: RunConfig) -> str | None:
     return None
 
 
+def _environment(cfg: RunConfig) -> str | None:
+    """An environment (agent.env_path) gives the rewards and runs the turns: a reward model or a search agent
+    beside it would be ignored, and its feedback ids would be trained on without state masking."""
+    if not cfg.agent.env_path:
+        return None
+    scorer = (cfg.algorithm.reward_model and "algorithm.reward_model") or (cfg.services.reward_url and
+                                                                            "services.reward_url")
+    if scorer:
+        return (f"agent.env_path={cfg.agent.env_path} gives the rewards (its step()'s 'rewards'): drop {scorer}, or "
+                "drop agent.env_path to score with it")
+    if not cfg.actor.state_masking and not cfg.actor.recompute_old_logprobs:
+        return ("actor.state_masking=false trains on the environment's feedback, which has no rollout log-probs: set "
+                "actor.recompute_old_logprobs=true (or keep actor.state_masking=true)")
+    return None
+
+
 def url_problem(named: str, url: str, fix: str) -> str | None:
     """Why `url` (`named` so in the line) is not an http(s) URL, with `fix`, or None."""
     parts = urlparse(url)
@@ -304,7 +323,8 @@ def _dynamic_sampling(cfg: RunConfig) -> str | None:
 # check_combinations' checks, in the order they run: each returns its one-line problem or None
 # (check_prompt_keys raises its own, with the same kind of line)
 _COMBINATIONS = (_batch_sizes, _validation_sampler, replay_problem, _overlong_buffer, _rollout_is, _loggers_and_files, check_prompt_keys,
-                 _optimiser_and_clips, _dynamic_sampling, _estimator, _critic, _pipeline, _safety, _urls)
+                 _optimiser_and_clips, _dynamic_sampling, _estimator, _critic, _pipeline, _safety, _urls,
+                 _environment)
 
 
 def check_folders(folders: dict[str, Path]) -> None:

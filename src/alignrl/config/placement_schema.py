@@ -74,7 +74,12 @@ class AgentConfig:
                                       "penalty and seq-mean-token-sum-norm use it. 0: the most the turns can "
                                       "produce, (max_turns+1) x rollout.max_new_tokens + max_turns x "
                                       "data.max_obs_length (verl's actor_rollout_ref.rollout.response_length; "
-                                      "a Search-R1 command line gets its data.max_prompt_length)", ge=0)
+                                      "a Search-R1 command line gets its data.max_prompt_length); with "
+                                      "agent.env_path: the episode's cap, 0 meaning rollout.max_new_tokens", ge=0)
+    env_path: str = opt("", "a Python file defining an interactive environment in OpenRLHF's agent format (class "
+                            "AgentInstance with async reset() and step(); OpenRLHF's --agent_func_path): episodes "
+                            "run turn by turn against it and its step()s give the rewards; agent.max_turns then "
+                            "bounds the turns (0: until it says done or the response cap is reached). docs/agents.md")
 
 
 @dataclass(frozen=True)
