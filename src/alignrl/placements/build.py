@@ -31,6 +31,8 @@ from alignrl.models.sharded_load import fill_shards, meta_model
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.registry import load_reward_fn, make_reward
 from alignrl.rollout.agent import AgentRollout
+from alignrl.rollout.env_agent import EnvRollout
+from alignrl.rollout.environments import load_environment
 from alignrl.rollout.remote import RemoteRefScorer, RemoteReward
 from alignrl.rollout.retriever import RetrieverClient
 from alignrl.train.actor import Actor
@@ -123,7 +125,11 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device) -> RewardStag
 
 
 def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngine:
-    """The multi-turn search rollout over `engine` when agent.max_turns > 0, else `engine` itself."""
+    """The episodes against the environment of agent.env_path over `engine`, else the multi-turn search rollout when
+    agent.max_turns > 0, else `engine` itself."""
+    if cfg.agent.env_path:
+        make_env = load_environment(cfg.agent.env_path)
+        return EnvRollout(engine, tokenizer, make_env, response_cap(cfg), cfg.agent.max_turns, make_env.env_name)
     if cfg.agent.max_turns == 0:
         return engine
     if not cfg.actor.state_masking and not cfg.actor.recompute_old_logprobs:

@@ -21,6 +21,7 @@ from alignrl.interfaces import SamplingParams
 from alignrl.rewards import gsm8k
 from alignrl.rewards.registry import REWARDS, ScoreError, reads_prompt_text, score_row
 from alignrl.rl.scoring import prompt_texts
+from alignrl.rollout.env_agent import with_labels
 
 
 def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
@@ -30,23 +31,36 @@ def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequ
     `progress` is told the number of problems of each batch once it is scored."""
     strict, flexible = [], []
     for start in range(0, len(samples), batch_size):
-        ro = engine.generate(prompts[start:start + batch_size], params)
+        batch = samples[start:start + batch_size]
+        ro = engine.generate(with_labels(engine, batch, prompts[start:start + batch_size]), params)
         texts = tokenizer.batch_decode(ro.response_ids.masked_fill(~ro.response_mask, tokenizer.pad_token_id),
                                        skip_special_tokens=True)
-        read = prompt_texts(tokenizer, ro.prompt_ids, ro.prompt_mask) if reads_prompt_text(correct_fn) else None
-        for j, t in enumerate(texts):
-            s = samples[start + j // params.n]
-            try:
-                value = score_row(correct_fn, s.data_source, t, s.ground_truth, s.extra, read[j] if read else None)
-                strict.append(float(value >= 1.0))
-            except ScoreError as e:  # name the row: in its data file, else among the evaluated samples
-                raise e.at(s.source or start + j // params.n, "reward function") from e.__cause__
-            flexible.append(gsm8k.compute_score(t, s.ground_truth, method="flexible")
-                            if REWARDS.get(s.data_source) is gsm8k.compute_score else 0.0)
+        if "env_score" in ro.stats:  # an environment played the episodes: its last score >= 1 is correct
+            strict += (ro.stats["env_score"] >= 1.0).float().tolist()
+        else:
+            strict += _rule_correct(tokenizer, ro, texts, batch, start, correct_fn, params.n)
+        flexible += [gsm8k.compute_score(t, batch[j // params.n].ground_truth, method="flexible")
+                     if REWARDS.get(batch[j // params.n].data_source) is gsm8k.compute_score else 0.0
+                     for j, t in enumerate(texts)]
         if progress is not None:
             progress(len(prompts[start:start + batch_size]))
     shape = (len(samples), params.n)
     return torch.tensor(strict).view(shape), torch.tensor(flexible).view(shape)
+
+
+def _rule_correct(tokenizer, ro, texts: Sequence[str], batch: Sequence[Sample], start: int, correct_fn,
+                  n: int) -> list[float]:
+    """1.0 where `correct_fn` scores a row's text >= 1, else 0.0; a ScoreError names the row."""
+    read = prompt_texts(tokenizer, ro.prompt_ids, ro.prompt_mask) if reads_prompt_text(correct_fn) else None
+    out = []
+    for j, t in enumerate(texts):
+        s = batch[j // n]
+        try:
+            value = score_row(correct_fn, s.data_source, t, s.ground_truth, s.extra, read[j] if read else None)
+            out.append(float(value >= 1.0))
+        except ScoreError as e:  # name the row: in its data file, else among the evaluated samples
+            raise e.at(s.source or start + j // n, "reward function") from e.__cause__
+    return out
 
 
 def has_last_number(samples: Sequence[Sample]) -> bool:

@@ -27,6 +27,7 @@ from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, shard
 from alignrl.interfaces import RefScorer, RolloutEngine, SamplingParams
 from alignrl.models.folder import ModelError
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
+from alignrl.rollout.env_agent import with_labels
 from alignrl.runtime.lanes import lane_count
 from alignrl.utils.tracking import console
 
@@ -115,7 +116,7 @@ class RolloutMaker:
         t: dict[str, float] = {}
         samples, prompts = rows(index)
         with timed(t, "gen"):
-            ro = self.engine.generate(prompts, self.sampling_params(step))
+            ro = self.engine.generate(with_labels(self.engine, samples, prompts), self.sampling_params(step))
         with timed(t, "reward"):
             scores = self.score(ro, samples)
         metrics = first_draw_metrics(ro, scores)
@@ -158,9 +159,10 @@ class RolloutMaker:
         if ro.images is not None:  # each prompt with its images again
             prompts = [p if ro.images.rows[i] is None else ImagePrompt(p, ro.images.rows[i])
                        for p, i in zip(prompts, first.tolist())]
-        greedy = self.engine.generate(prompts, SamplingParams(n=1, temperature=0.0, stop=tuple(self.cfg.rollout.stop),
-                                                              max_new_tokens=self.cfg.rollout.max_new_tokens))
         rows = [samples[g] for g in ro.group[first].tolist()]  # greedy row (group) j is the prompt of rows[j]
+        greedy = self.engine.generate(with_labels(self.engine, rows, prompts),
+                                      SamplingParams(n=1, temperature=0.0, stop=tuple(self.cfg.rollout.stop),
+                                                     max_new_tokens=self.cfg.rollout.max_new_tokens))
         return self.rewards.score(greedy, rows).rewards[ro.group]
 
     def dynamic_sample(self, step: int, ro: Rollout, scores: Scores, index: torch.Tensor, rows: Rows,
@@ -184,7 +186,8 @@ class RolloutMaker:
                 continue
             samples, prompts = rows(new_index.tolist())
             with timed(timings, "gen"):
-                new = self.engine.generate(prompts, self.sampling_params(step, rounds - 1))
+                new = self.engine.generate(with_labels(self.engine, samples, prompts),
+                                           self.sampling_params(step, rounds - 1))
             with timed(timings, "reward"):
                 new_scores = self.score(new, samples)
             new, new_scores, new_index = _keep_groups(new, new_scores, new_index,
@@ -201,14 +204,20 @@ class RolloutMaker:
 
 
 def agent_metrics(ro: Rollout) -> dict[str, float]:
-    """Multi-turn tool use per episode (empty for single-turn rollouts, which carry no stats)."""
+    """Multi-turn episodes: turns and the generated share of the response; the search agent's tool use, or an
+    environment's own extra logs (NaN where an episode did not write one). Empty for single-turn rollouts, which
+    carry no stats."""
     if not ro.stats:
         return {}
     st = ro.stats
-    return {"agent/searches_per_episode": float(st["searches"].mean()),
-            "agent/valid_action_rate": float(st["valid_actions"].sum() / st["actions"].sum().clamp(min=1)),
-            "agent/turns": float(st["turns"].mean()),
-            "agent/generated_token_frac": float(ro.generated_mask.sum() / ro.response_mask.sum().clamp(min=1))}
+    out = {"agent/turns": float(st["turns"].mean()),
+           "agent/generated_token_frac": float(ro.generated_mask.sum() / ro.response_mask.sum().clamp(min=1))}
+    if "searches" in st:
+        out.update({"agent/searches_per_episode": float(st["searches"].mean()),
+                    "agent/valid_action_rate": float(st["valid_actions"].sum() / st["actions"].sum().clamp(min=1))})
+    for name in (k for k in st if k.startswith("env/")):
+        out[f"agent/{name[4:]}"] = float(st[name].nanmean())
+    return out
 
 
 def first_draw_metrics(ro: Rollout, scores: Scores) -> dict[str, float]:

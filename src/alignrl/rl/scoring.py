@@ -50,13 +50,8 @@ class RewardStage:
         """Rewards plus the overlong penalty when configured; correctness is never shaped. `samples`
         are the rollout's prompts in group order. Every reward and cost is checked finite here, at the
         boundary: past it a NaN spreads through the advantages into every weight."""
-        texts, prompts = self.texts(ro), self.prompt_texts(ro)
         rows = [samples[g] for g in ro.group.tolist()]
-        rewards = self.task_rewards(rows, texts, prompts)
-        if self.correct_fn is self.reward_fn:  # no shaping: correctness is the reward itself
-            correct = [r >= 1.0 for r in rewards]
-        else:
-            correct = [r >= 1.0 for r in rule_scores(self.correct_fn, "reward function", rows, texts, prompts)]
+        rewards, correct = self.task_scores(ro, rows)
         out = torch.tensor(rewards, dtype=torch.float32)
         if self.reward_model is not None:
             answered = torch.tensor([bool(self.add_rule and s.ground_truth not in (None, "")) for s in rows])
@@ -68,10 +63,22 @@ class RewardStage:
             out = truncated_reward(out, ro.truncated, self.truncated_reward_coef)
         costs = None
         if self.cost_fn is not None:
+            texts, prompts = self.texts(ro), self.prompt_texts(ro)
             costs = torch.tensor(rule_scores(self.cost_fn, "cost function", rows, texts, prompts))
         elif self.cost_model is not None:
             costs = model_scores(self.cost_model, "cost model", ro, rows)
         return Scores(out, torch.tensor(correct), costs)
+
+    def task_scores(self, ro: Rollout, rows: Sequence[Sample]) -> tuple[list[float], list[bool]]:
+        """Each row's task reward and whether it is correct (a correctness score >= 1): from the environment that
+        played the episode (`rollout.env_agent`: its rewards and its last score), else the rule functions."""
+        if "env_reward" in ro.stats:
+            return ro.stats["env_reward"].tolist(), (ro.stats["env_score"] >= 1.0).tolist()
+        texts, prompts = self.texts(ro), self.prompt_texts(ro)
+        rewards = self.task_rewards(rows, texts, prompts)
+        if self.correct_fn is self.reward_fn:  # no shaping: correctness is the reward itself
+            return rewards, [r >= 1.0 for r in rewards]
+        return rewards, [r >= 1.0 for r in rule_scores(self.correct_fn, "reward function", rows, texts, prompts)]
 
 
 def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence[str],

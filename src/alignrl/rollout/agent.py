@@ -77,7 +77,7 @@ class _Row:
     generated: list[bool] = field(default_factory=list)
     done: bool = False
     truncated: bool = False
-    stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STAT_NAMES, 0))
+    stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAT_NAMES, 0))
 
     def append(self, ids: list[int], logprobs: list[float], generated: bool) -> None:
         self.ids += ids
@@ -205,16 +205,22 @@ class AgentRollout:
         return (head + body + tail)[: self.max_obs_length]
 
     def _rollout(self, rows: list[_Row], n_prompts: int, n: int) -> Rollout:
-        prompt_ids, prompt_mask = left_pad([r.prompt for r in rows], self.pad_id)
-        response_ids, response_mask = right_pad([r.ids for r in rows], self.pad_id)
-        loss_mask = torch.zeros_like(response_mask)
-        logprobs = torch.zeros(response_ids.shape)
-        for i, r in enumerate(rows):
-            loss_mask[i, : len(r.ids)] = torch.tensor(r.generated, dtype=torch.bool)
-            logprobs[i, : len(r.ids)] = torch.tensor(r.logprobs, dtype=torch.float32)
-        stats = {k: torch.tensor([float(r.stats[k]) for r in rows]) for k in STAT_NAMES}
-        return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-                       response_mask=response_mask, logprobs=logprobs,
-                       truncated=torch.tensor([r.truncated for r in rows], dtype=torch.bool),
-                       group=torch.arange(n_prompts).repeat_interleave(n), loss_mask=loss_mask, stats=stats,
-                       images=prompt_images([r.source for r in rows]))  # the trainer's forwards read them too
+        return episodes_rollout(rows, n_prompts, n, self.pad_id)
+
+
+def episodes_rollout(rows: list[_Row], n_prompts: int, n: int, pad_id: int) -> Rollout:
+    """The Rollout of finished episodes (`n` contiguous rows per prompt): ids padded, the loss mask on generated
+    tokens, the engine's log-probs there and 0 on observations, and each row's stats (the first row's keys)."""
+    prompt_ids, prompt_mask = left_pad([r.prompt for r in rows], pad_id)
+    response_ids, response_mask = right_pad([r.ids for r in rows], pad_id)
+    loss_mask = torch.zeros_like(response_mask)
+    logprobs = torch.zeros(response_ids.shape)
+    for i, r in enumerate(rows):
+        loss_mask[i, : len(r.ids)] = torch.tensor(r.generated, dtype=torch.bool)
+        logprobs[i, : len(r.ids)] = torch.tensor(r.logprobs, dtype=torch.float32)
+    stats = {k: torch.tensor([float(r.stats[k]) for r in rows]) for k in (rows[0].stats if rows else ())}
+    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                   response_mask=response_mask, logprobs=logprobs,
+                   truncated=torch.tensor([r.truncated for r in rows], dtype=torch.bool),
+                   group=torch.arange(n_prompts).repeat_interleave(n), loss_mask=loss_mask, stats=stats,
+                   images=prompt_images([r.source for r in rows]))  # the trainer's forwards read them too
