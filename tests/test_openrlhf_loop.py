@@ -1,6 +1,6 @@
 """OpenRLHF's rollout-loop flags of `train_ppo_ray` in both spellings: dynamic filtering as alignrl's dynamic sampling
-by the mean reward's open range, ring attention accepted and listed as not used, the agent function refused in one
-line that names alignrl's search agent. No Ray cluster needed."""
+by the mean reward's open range, ring attention accepted and listed as not used, the agent function as the environment file
+(agent.env_path). No Ray cluster needed."""
 
 import pytest
 
@@ -79,12 +79,18 @@ def test_a_ring_size_below_one_is_refused():
 
 
 @pytest.mark.parametrize("flag", ["--agent_func_path", "--train.agent_func_path"])
-def test_the_agent_function_is_refused_naming_the_search_agent(flag, capsys):
-    assert main(ONE + [flag, "agent.py"]) == 2
+def test_the_agent_function_is_the_environment_file(flag, tmp_path):
+    path = tmp_path / "agent_func.py"
+    path.write_text("")  # loaded when the rollout engine is built, not by the config
+    args, cfg = config(ONE + [flag, str(path)])
+    assert (cfg.agent.env_path, cfg.agent.max_turns) == (str(path), 0)  # OpenRLHF bounds episodes by length alone
+
+
+def test_an_agent_function_beside_a_reward_url_is_one_line(capsys):
+    assert main(ONE + ["--agent_func_path", "agent.py", "--remote_rm_url", "http://127.0.0.1:5000/get_reward"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert f"{flag} agent.py: OpenRLHF's agent function" in err and "alignrl's search agent" in err
-    assert "agent.max_turns=N retriever.url=URL" in err and "docs/search.md" in err
+    assert "--agent_func_path agent.py gives the rewards" in err and "drop --remote_rm_url" in err
 
 
 def test_a_dotted_refusal_names_the_dotted_flags(capsys):

@@ -1,5 +1,6 @@
 """OpenRLHF's `train_ppo_ray` flags of the rollout loop: dynamic filtering (DAPO's dynamic sampling as OpenRLHF
-spells it), ring attention and the agent function. Their checks, their alignrl config keys and the ones that change
+spells it), ring attention and the agent function (--agent_func_path: a multi-turn environment file, alignrl's
+agent.env_path, run turn by turn as OpenRLHF's MultiTurnAgentExecutor runs it; `rollout.env_agent`). Their checks, their alignrl config keys and the ones that change
 nothing here; `openrlhf_flags` adds them to its parser, `openrlhf_keys` to its overrides and its start list.
 
 Dynamic filtering keeps a prompt's group when its mean reward lies strictly inside --dynamic_filtering_reward_range
@@ -38,16 +39,15 @@ def add_loop_flags(g) -> None:
                         "sequences")
     g.add_argument("--ring_head_stride", type=int, default=1, help="accepted with --ring_attn_size")
     g.add_argument("--agent_func_path", default=None,
-                   help="OpenRLHF's agent function: not supported (alignrl's multi-turn search agent: docs/search.md)")
+                   help="a Python file defining AgentInstance (async reset() and step()): multi-turn episodes against "
+                        "it, its step()s giving the rewards (agent.env_path; docs/agents.md)")
 
 
 def check_loop(args) -> None:
     """The flags' values, one line each."""
-    if args.agent_func_path:
-        raise LoopFlagError(f"--agent_func_path {args.agent_func_path}: OpenRLHF's agent function (a Python step() "
-                            "environment) is not supported by alignrl; for multi-turn tool use run alignrl's search "
-                            "agent (`alignrl train grpo agent.max_turns=N retriever.url=URL`, docs/search.md), or "
-                            "drop the flag for single-turn rollouts")
+    if args.agent_func_path and getattr(args, "remote_rm_url", None):
+        raise LoopFlagError(f"--agent_func_path {args.agent_func_path} gives the rewards (its step()'s 'rewards'): "
+                            f"drop --remote_rm_url {args.remote_rm_url}, or drop --agent_func_path to score with it")
     if args.ring_attn_size < 1 or args.ring_head_stride < 1:
         raise LoopFlagError("--ring_attn_size and --ring_head_stride must be at least 1")
     if not args.dynamic_filtering:
@@ -61,11 +61,14 @@ def check_loop(args) -> None:
 
 
 def loop_keys(args) -> list[str]:
-    """alignrl config keys of the flags: dynamic filtering as dynamic sampling by the mean reward's range."""
+    """alignrl config keys of the flags: the environment file, and dynamic filtering as dynamic sampling by the mean
+    reward's range. OpenRLHF bounds an episode by its length alone: no turn limit (agent.max_turns=0), each turn
+    generating at most what is left of the response (--generate_max_len)."""
+    keys = [f"agent.env_path={args.agent_func_path}", "agent.max_turns=0"] if args.agent_func_path else []
     if not args.dynamic_filtering:
-        return []
+        return keys
     low, high = args.dynamic_filtering_reward_range
-    return ["algorithm.dynamic_sampling=true", f"algorithm.dynamic_sampling_range=[{low},{high}]"]
+    return [*keys, "algorithm.dynamic_sampling=true", f"algorithm.dynamic_sampling_range=[{low},{high}]"]
 
 
 def loop_unused(args) -> list[tuple[tuple[str, ...], str]]:
