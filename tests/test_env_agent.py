@@ -247,3 +247,21 @@ def test_grpo_trains_against_the_environment(tiny_model_dir, tmp_path, cli_in_pr
     assert all(r["agent/generated_token_frac"] < 1.0 for r in steps if r["agent/turns"] > 1.0)
     assert any(r["agent/turns"] > 1.0 for r in steps)
     assert [r["val/accuracy"] for r in rows if "val/accuracy" in r]  # the base model, scored by the environment
+
+
+def test_the_example_environment_gives_half_the_reward_after_its_hint(tiny_model):
+    from pathlib import Path
+
+    import alignrl
+
+    _, tok = tiny_model
+    path = Path(alignrl.__file__).parent / "examples" / "envs" / "retry_arithmetic.py"
+    prompts = _labeled(tok, [("a", "12"), ("b", "7"), ("c", "3")])
+    engine = ScriptedEngine({prompts[0][0]: [_enc(tok, " so #### 12")],
+                             prompts[1][0]: [_enc(tok, " #### 8"), _enc(tok, " #### 7")],
+                             prompts[2][0]: [_enc(tok, " no idea"), _enc(tok, " #### 4")]})
+    ro = EnvRollout(engine, tok, load_environment(str(path)), 96).generate(prompts, SamplingParams())
+    assert ro.stats["env_reward"].tolist() == [1.0, 0.5, 0.0] and ro.stats["env_score"].tolist() == [1.0, 0.0, 0.0]
+    assert ro.stats["env/solved_after_hint"].tolist() == [0.0, 1.0, 0.0] and ro.stats["turns"].tolist() == [1, 2, 2]
+    hint = _enc(tok, "\nThat is not right. Check each step, then give the answer again as #### N.\n")
+    assert ro.response_ids[1][ro.response_mask[1]].tolist() == _enc(tok, " #### 8") + hint + _enc(tok, " #### 7")
