@@ -6,11 +6,8 @@ extra_info)`, so reward files written for verl work here unchanged via `algorith
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import numbers
-import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,6 +18,7 @@ from alignrl.rewards import gsm8k
 from alignrl.rewards import math as math_reward
 from alignrl.rewards import openrlhf_reward, qa_em, think_answer
 from alignrl.rewards.errors import RewardError, ScoreError
+from alignrl.utils.user_files import import_user_file
 
 
 def finite_score(value: Any, who: str, data_source: str) -> float:
@@ -130,20 +128,7 @@ def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn") -> Reward
 
 def import_file(path: Path, key: str):
     """The user's Python file `path` imported as a module; a failure is one RewardError line naming `key`."""
-    module_name = "alignrl_custom_reward_" + re.sub(r"\W", "_", str(path.resolve()))
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardError(f"{key} file {path} cannot be imported (give a .py file)")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[module_name]
-        raise RewardError(
-            f"{key} file {path} failed to import: {type(exc).__name__}: {exc}".splitlines()[0]
-        ) from exc
-    return module
+    return import_user_file(path, key, RewardError, "alignrl_custom_reward_")
 
 
 def check_user_fns(cfg) -> None:

@@ -15,7 +15,7 @@ an installed OpenRLHF is used as it is.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import inspect
 import sys
 import types
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from alignrl.errors import ConfigError
+from alignrl.utils.user_files import import_user_file
 
 API_MODULE = "openrlhf.utils.agent"
 
@@ -98,7 +99,8 @@ def load_environment(path: str, key: str = "agent.env_path") -> EnvFactory:
         raise EnvironmentFileError(f"{key}={path}: no such file (from {Path.cwd()}); give the Python file that "
                                    "defines the environment's AgentInstance class")
     api = _api_module()
-    module = _import(file, key)
+    module = import_user_file(file, key, EnvironmentFileError, "alignrl_environment_",
+                              f"install what it imports (alignrl provides only {API_MODULE} of OpenRLHF)")
     instance_cls = _instance_class(module, api, path, key)
     executor = getattr(module, "AgentExecutor", None)
     if isinstance(executor, type) and "execute" in vars(executor):
@@ -106,25 +108,6 @@ def load_environment(path: str, key: str = "agent.env_path") -> EnvFactory:
                                    "which alignrl does not run; keep the turns in AgentInstance.reset/step and drop "
                                    "the override")
     return _factory(instance_cls)
-
-
-def _import(file: Path, key: str):
-    name = "alignrl_environment_" + "".join(c if c.isalnum() else "_" for c in str(file.resolve()))
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise EnvironmentFileError(f"{key}={file}: cannot be imported (give a .py file)")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling look the module up by name
-    try:
-        spec.loader.exec_module(module)
-    except ImportError as exc:
-        del sys.modules[name]
-        raise EnvironmentFileError(f"{key}={file}: importing it failed ({exc}); install what it imports (alignrl "
-                                   f"provides only {API_MODULE} of OpenRLHF)") from exc
-    except Exception as exc:
-        del sys.modules[name]
-        raise EnvironmentFileError(f"{key}={file}: importing it raised {type(exc).__name__}: {exc}") from exc
-    return module
 
 
 def _instance_class(module, api, path: str, key: str) -> type:
