@@ -32,6 +32,7 @@ class AgentInstance(AgentInstanceBase):
 
     async def reset(self, states: dict, **kwargs):
         SEEN.append(("reset", states["observation"], states["label"]))
+        SEEN.append(("row", states["sample"].messages[-1]["content"]))  # alignrl's extra key: the dataset row
         return {"observation": states["observation"]}
 
     async def step(self, states: dict, **kwargs):
@@ -87,7 +88,7 @@ def _enc(tok, text):
 
 
 def _labeled(tok, texts_labels):
-    return [TaskPrompt(_enc(tok, t), label) for t, label in texts_labels]
+    return [TaskPrompt(_enc(tok, t), Sample([{"role": "user", "content": t}], label)) for t, label in texts_labels]
 
 
 def test_turns_keep_generated_ids_feedback_between_and_env_rewards(tiny_model, tmp_path):
@@ -112,6 +113,7 @@ def test_turns_keep_generated_ids_feedback_between_and_env_rewards(tiny_model, t
     seen = load_environment.__globals__["sys"].modules  # the file's module, to read what the environment was given
     module = next(m for n, m in seen.items() if n.startswith("alignrl_environment_") and hasattr(m, "SEEN"))
     assert ("reset", "one plus one", "2") in module.SEEN and ("step", " 7", "2") in module.SEEN
+    assert ("row", "two plus two") in module.SEEN
 
 
 def test_n_samples_per_prompt_each_get_their_own_environment(tiny_model, tmp_path):
@@ -169,6 +171,23 @@ def test_reward_stage_and_evaluation_take_the_environment_s_scores(tiny_model, t
     engine.engine.seen.clear()
     strict, _ = _scores(engine, tok, samples, prompts, never, SamplingParams(), batch_size=2)
     assert strict.flatten().tolist() == [1.0, 0.0]
+
+
+def test_an_environment_without_rewards_leaves_scoring_to_the_reward_function(tiny_model, tmp_path):
+    from alignrl.rl.scoring import RewardStage
+
+    _, tok = tiny_model
+    make = load_environment(_env_file(tmp_path, GUESS_ENV.replace('"rewards": reward, ', "")))
+    make.gives_rewards = False  # a tool environment: its feedback shapes the episode, the reward function scores it
+    prompts = _labeled(tok, [("q", "5")])
+    ro = EnvRollout(ScriptedEngine({prompts[0][0]: [_enc(tok, " 1"), _enc(tok, " 5")]}), tok, make, 64).generate(
+        prompts, SamplingParams())
+    assert "env_reward" not in ro.stats and ro.stats["turns"].tolist() == [2.0]
+    texts = []
+    stage = RewardStage(tok, lambda ds, text, gt, extra=None: texts.append(text) or float(gt in text), None, 64)
+    stage.correct_fn = stage.reward_fn
+    assert stage.score(ro, [prompts[0].sample]).rewards.tolist() == [1.0]
+    assert texts == [" 1 wrong, again: 5"]  # the whole response, feedback included, as verl's reward reads it
 
 
 @pytest.mark.parametrize("change, expect", [

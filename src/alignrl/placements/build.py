@@ -129,7 +129,7 @@ def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngin
     agent.max_turns > 0, else `engine` itself."""
     if cfg.agent.env_path:
         make_env = load_environment(cfg.agent.env_path)
-        return EnvRollout(engine, tokenizer, make_env, response_cap(cfg), cfg.agent.max_turns, make_env.env_name)
+        return EnvRollout(engine, tokenizer, make_env, response_cap(cfg), cfg.agent.max_turns)
     if cfg.agent.max_turns == 0:
         return engine
     if not cfg.actor.state_masking and not cfg.actor.recompute_old_logprobs:

@@ -32,7 +32,6 @@ from alignrl.interfaces import RolloutEngine, SamplingParams
 from alignrl.rollout.agent import _Row, episodes_rollout
 from alignrl.rollout.environments import EnvFactory, Environment
 
-BASE_STATS = ("turns", "env_reward", "env_score")
 
 
 class EnvironmentStepError(UserError):
@@ -40,11 +39,12 @@ class EnvironmentStepError(UserError):
 
 
 class TaskPrompt(list):
-    """A prompt's token ids with its row's label, for engines that hand the label to an environment."""
+    """A prompt's token ids with its dataset row (its label: the ground truth), for engines that hand them to an
+    environment."""
 
-    def __init__(self, ids, label: Any):
+    def __init__(self, ids, sample: Sample):
         super().__init__(ids)
-        self.label = label
+        self.sample, self.label = sample, sample.ground_truth
 
 
 def with_labels(engine: RolloutEngine, samples: Sequence[Sample], prompts: Sequence[Sequence[int]]):
@@ -54,7 +54,7 @@ def with_labels(engine: RolloutEngine, samples: Sequence[Sample], prompts: Seque
     if any(getattr(p, "images", None) is not None for p in prompts):  # reset() gets text: the images would be lost
         raise EnvironmentStepError("agent.env_path with prompts that have images is not supported: the environment "
                                    "reads the prompt as text; train on text prompts, or drop agent.env_path")
-    return [TaskPrompt(p, s.ground_truth) for s, p in zip(samples, prompts)]
+    return [TaskPrompt(p, s) for s, p in zip(samples, prompts)]
 
 
 @dataclasses.dataclass
@@ -73,10 +73,13 @@ class EnvRollout:
 
     reads_labels = True  # RolloutMaker and evaluation pass TaskPrompts (`with_labels`)
 
-    def __init__(self, engine: RolloutEngine, tokenizer, make_env: EnvFactory, response_cap: int, max_turns: int = 0,
-                 env_name: str = "AgentInstance"):
+    def __init__(self, engine: RolloutEngine, tokenizer, make_env: EnvFactory, response_cap: int, max_turns: int = 0):
+        """`make_env.gives_rewards` False (a tool environment): the steps' rewards are not the episode's, the run's
+        reward function scores the response instead."""
         self.engine, self.tokenizer, self.make_env = engine, tokenizer, make_env
-        self.cap, self.max_turns, self.env_name = int(response_cap), int(max_turns), env_name
+        self.cap, self.max_turns = int(response_cap), int(max_turns)
+        self.env_name = getattr(make_env, "env_name", "AgentInstance")
+        self.gives_rewards = getattr(make_env, "gives_rewards", True)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.loop = asyncio.new_event_loop()
 
@@ -111,13 +114,15 @@ class EnvRollout:
             text = self.tokenizer.decode(list(prompt), skip_special_tokens=False)
             label = getattr(prompt, "label", None)
             env = await self.make_env()
-            got = await self._call(env.reset({"observation": text, "label": label}), "reset")
+            # OpenRLHF's two keys; the row itself for environments that read more of it (its messages, extra_info)
+            got = await self._call(env.reset({"observation": text, "label": label,
+                                              "sample": getattr(prompt, "sample", None)}), "reset")
             seen = got.get("observation", text) if isinstance(got, dict) else None
             if not isinstance(seen, str):
                 raise EnvironmentStepError(f"{self.env_name}.reset returned {type(got).__name__} without a text "
                                         "'observation'; return {'observation': text} (the prompt, or the states given)")
             ids = list(prompt) if seen == text else self._encode(seen)  # unchanged: the prompt's own ids
-            row = _Row(ids, source=prompt, stats=dict.fromkeys(BASE_STATS, 0.0))
+            row = _Row(ids, source=prompt, stats={"turns": 0.0})
             return _Episode(row, env, label, seen)
 
         return list(await asyncio.gather(*(one(p) for p in prompts for _ in range(n))))
@@ -141,11 +146,12 @@ class EnvRollout:
             self._take_step(e, action, got, last)
 
     def _take_step(self, e: _Episode, action: str, got: Any, last: bool) -> None:
-        if not isinstance(got, dict) or "rewards" not in got:
+        if not isinstance(got, dict) or (self.gives_rewards and "rewards" not in got):
             raise EnvironmentStepError(f"{self.env_name}.step returned {type(got).__name__} without 'rewards'; return "
-                                    "{'rewards': r, 'scores': s, 'environment_feedback': text, 'done': bool}")
-        e.reward += self._number(got["rewards"], "rewards")
-        e.score = self._number(got["scores"], "scores") if got.get("scores") is not None else e.reward
+                                       "{'rewards': r, 'scores': s, 'environment_feedback': text, 'done': bool}")
+        if self.gives_rewards:
+            e.reward += self._number(got["rewards"], "rewards")
+            e.score = self._number(got["scores"], "scores") if got.get("scores") is not None else e.reward
         for name, value in (got.get("extra_logs") or {}).items():
             if isinstance(value, (numbers.Real, torch.Tensor)) and not isinstance(value, bool):
                 e.logs[str(name)] = self._number(value, f"extra_logs[{name!r}]")
@@ -183,6 +189,7 @@ class EnvRollout:
     def _rollout(self, episodes: list[_Episode], n_prompts: int, n: int) -> Rollout:
         names = sorted({k for e in episodes for k in e.logs})
         for e in episodes:  # a log an episode did not write is NaN: averaged over the episodes that did
-            e.row.stats.update(env_reward=e.reward, env_score=e.reward if e.score is None else e.score)
+            if self.gives_rewards:
+                e.row.stats.update(env_reward=e.reward, env_score=e.reward if e.score is None else e.score)
             e.row.stats.update({f"env/{k}": e.logs.get(k, math.nan) for k in names})
         return episodes_rollout([e.row for e in episodes], n_prompts, n, self.pad_id)
