@@ -135,16 +135,17 @@ def test_max_len_is_prompt_and_response_in_all():
 
 
 def test_several_prompt_files(prompts):
-    """G6: comma-separated --prompt_data files are concatenated; unequal --prompt_data_probs are named."""
+    """G6: comma-separated --prompt_data files are concatenated, or blended by --prompt_data_probs (never listed as
+    not applied); a count that does not match the files is one line."""
     argv = BASE + ["--prompt_data", ",".join(prompts), "--input_key", "prompt", "--label_key", "label",
                    "--apply_chat_template"]
     args, cfg = config(argv)
     assert cfg.data.train_files == prompts and cfg.data.val_files == prompts and P.training_steps(args) == 4
-    assert not any("--prompt_data_probs" in x for x in K.unused_here(config(argv + ["--prompt_data_probs",
-                                                                                    "0.5,0.5"])[0], False))
-    unequal = config(argv + ["--prompt_data_probs", "0.7,0.3"])[0]
-    assert any(x.startswith("--prompt_data_probs (not applied here: the --prompt_data files are concatenated")
-               for x in K.unused_here(unequal, False))
+    assert cfg.data.train_files_probs == []
+    for probs in ("0.5,0.5", "0.7,0.3"):
+        args, cfg = config(argv + ["--prompt_data_probs", probs])
+        assert cfg.data.train_files_probs == [float(p) for p in probs.split(",")]
+        assert not any("--prompt_data_probs" in x for x in K.unused_here(args, False))
     with pytest.raises(ConfigError, match="3 probabilities for 2 --prompt_data files"):
         config(argv + ["--prompt_data_probs", "0.2,0.3,0.5"])
 
@@ -177,11 +178,16 @@ def test_a_python_reward_file_is_the_reward(tmp_path, prompts):
     assert "\n" not in str(e.value) and "algorithm.reward_fn" not in F.in_flag_terms(str(e.value))
 
 
-def test_several_reward_urls_are_one_line():
-    """M3: alignrl's reward client talks to one service; a comma list is refused saying so."""
-    with pytest.raises(ConfigError, match="alignrl takes one reward service URL or one .py reward file") as e:
-        config(BASE + ["--remote_rm_url", "http://a:5000/get_reward,http://b:5000/get_reward"])
-    assert "\n" not in str(e.value)
+def test_several_reward_urls_share_the_batch(tmp_path):
+    """M3: a comma list of reward URLs is services.reward_url as given (the client shards each batch over them); several
+    .py files, or a file beside a URL, are one line."""
+    urls = "http://a:5000/get_reward,http://b:5000/get_reward"
+    assert config(BASE + ["--remote_rm_url", urls])[1].services.reward_url == urls
+    path = reward_file(tmp_path, "def reward_func(queries, prompts, labels):\n    return torch.zeros(len(queries))\n")
+    for given in (f"{path},{path}", f"{path},http://a:5000/get_reward"):
+        with pytest.raises(ConfigError, match="give one .py reward file, or reward service URLs") as e:
+            config(BASE + ["--remote_rm_url", given])
+        assert "\n" not in str(e.value)
 
 
 def test_a_vision_model_needs_no_flag(tmp_path, prompts):

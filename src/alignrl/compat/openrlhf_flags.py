@@ -39,7 +39,7 @@ SCHEDULERS = {"cosine_with_min_lr": ("cosine", 0.1), "constant_with_warmup": ("c
 ACCEPTED = [("max_len", int, None), ("ptx_coef", float, 0.05), ("normalize_reward", bool, False),
             ("save_value_network", bool, False), ("logging_steps", int, 1), ("save_hf_ckpt", bool, False),
             ("disable_ds_ckpt", bool, False), ("max_ckpt_mem", int, 100_000_000), ("prompt_split", str, "train"),
-            ("prompt_data_probs", str, "1.0"), ("value_head_prefix", str, "score"), ("ref_reward_offload", bool, False),
+            ("value_head_prefix", str, "score"), ("ref_reward_offload", bool, False),
             ("vllm_sync_with_ray", bool, False), ("wandb_org", str, None), ("wandb_group", str, None),
             ("wandb_run_name", str, None), ("aux_loss_coef", float, 0.0), ("zpg", int, 1),
             ("grad_accum_dtype", str, None), ("disable_trace_cache", bool, False),
@@ -93,8 +93,9 @@ def _placement_flags(g) -> None:
 def _model_flags(m) -> None:
     m.add_argument("--pretrain", default="demo", help="policy model folder ('demo': the embedded tiny model)")
     m.add_argument("--reward_pretrain", default=None, help="reward model folder (default: the rule reward)")
-    m.add_argument("--remote_rm_url", default=None, help="a reward service URL (`alignrl serve reward`, or an "
-                   "OpenRLHF-style /get_reward), or a .py file defining reward_func(queries, prompts, labels)")
+    m.add_argument("--remote_rm_url", default=None, help="reward service URLs separated by commas (`alignrl serve "
+                   "reward`, or OpenRLHF-style /get_reward; several share each batch), or a .py file defining "
+                   "reward_func(queries, prompts, labels)")
     m.add_argument("--critic_pretrain", default=None, help="critic model folder (default: --reward_pretrain, "
                                                              "else --pretrain)")
     m.add_argument("--save_path", default="./ckpt", help="run folder: config, logs, summary")
@@ -180,7 +181,10 @@ def _accepted_flags(x) -> None:
 
 def _data_flags(d) -> None:
     d.add_argument("--prompt_data", default="synthetic", help="'synthetic', or .jsonl/.json/.parquet files separated "
-                   "by commas (concatenated)")
+                   "by commas (concatenated, or blended by --prompt_data_probs)")
+    d.add_argument("--prompt_data_probs", default=None,
+                   help="one weight per --prompt_data file, separated by commas (e.g. 0.7,0.3): rows are drawn by "
+                        "weight, seeded by --seed, until every file was used once (OpenRLHF's interleave_datasets)")
     d.add_argument("--input_key", default=None,
                    help="prompt column: a string or chat messages (default 'input' when --label_key or "
                         "--input_template is given; with none of the three, GSM8K/verl layouts are detected)")
@@ -347,7 +351,7 @@ FLAG_OF_KEY = {"data.train_files": "--prompt_data", "data.prompt_key": "--input_
                "actor.ppo_epochs": "--max_epochs", "actor.clip_ratio_low": "--eps_clip",
                "actor.clip_ratio_high": "--eps_clip", "critic.cliprange_value": "--value_clip",
                "services.reward_url": "--remote_rm_url", "algorithm.reward_fn": "--remote_rm_url",
-               "trainer.seed": "--seed"}
+               "data.train_files_probs": "--prompt_data_probs", "trainer.seed": "--seed"}
 
 
 def in_flag_terms(message: str, args=None) -> str:

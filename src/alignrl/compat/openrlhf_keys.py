@@ -97,8 +97,6 @@ def unused_here(args, gpus: bool) -> list[str]:
                "--apply_chat_template formats the prompts"),
               (("gamma",) if args.advantage_estimator in GROUP_ESTIMATORS else (),
                f"OpenRLHF sets gamma to 1 for --advantage_estimator {args.advantage_estimator}"),
-              (() if S.equal_probs(args) else ("prompt_data_probs",),
-               "not applied here: the --prompt_data files are concatenated, each row used once an epoch"),
               (("max_len",) if args.max_len and args.max_len < args.prompt_max_len + args.generate_max_len else (),
                "not applied here: each prompt is cut at --prompt_max_len and each response at --generate_max_len, "
                "whatever their sum (OpenRLHF's engines also stop a sequence at --max_len tokens in all)"),
@@ -138,7 +136,8 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
     """alignrl config keys (dotted overrides) for these flags."""
     n, save = args.n_samples_per_prompt, Path(args.save_path).absolute()
     kl = uses_reference(args)
-    out = [f"model.path={args.pretrain}", f"data.train_files={S.files_value(args.prompt_data)}", prompt_cap(args),
+    out = [f"model.path={args.pretrain}", f"data.train_files={S.files_value(args.prompt_data)}",
+           *S.probs_keys(args), prompt_cap(args),
            f"data.val_size={args.val_size}",
            f"data.val_size_during_training={args.val_size}", f"data.train_batch_size={args.rollout_batch_size}",
            f"data.max_prompt_length={args.prompt_max_len}", f"rollout.n={n}",

@@ -1,10 +1,11 @@
 """Where an OpenRLHF `train_ppo_ray` run's prompts and rewards come from: `--prompt_data` (one file, or several
-separated by commas, which OpenRLHF blends) and `--remote_rm_url` (a reward service URL, or a Python file defining
-OpenRLHF's `reward_func(queries, prompts, labels)`), checked and said as alignrl config keys."""
+separated by commas, blended by `--prompt_data_probs`) and `--remote_rm_url` (reward service URLs, or a Python file
+defining OpenRLHF's `reward_func(queries, prompts, labels)`), checked and said as alignrl config keys."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from alignrl.config import ConfigError
@@ -22,49 +23,81 @@ def split_files(value: str | None) -> list[str]:
 
 def files_value(value: str) -> str:
     """A data-files config value: the file itself, or a JSON list of the comma-separated files (alignrl's loader
-    concatenates a list)."""
+    concatenates a list, or blends it by data.train_files_probs)."""
     files = split_files(value)
     return files[0] if len(files) == 1 else json.dumps(files)
 
 
 def reward_file(args) -> Path | None:
-    """The Python reward file --remote_rm_url names, or None for a service URL (or no --remote_rm_url)."""
-    url = args.remote_rm_url
-    return Path(url) if url and url.strip().endswith(".py") and "," not in url else None
+    """The Python reward file --remote_rm_url names, or None for service URLs (or no --remote_rm_url)."""
+    parts = split_files(args.remote_rm_url)
+    return Path(parts[0]) if len(parts) == 1 and parts[0].endswith(".py") else None
 
 
 def check_sources(args) -> None:
-    """--remote_rm_url: one service URL or one existing .py file; --prompt_data_probs: one probability per file."""
-    url = args.remote_rm_url
-    if url and "," in url:
-        raise SourceFlagError(f"--remote_rm_url {url}: alignrl takes one reward service URL or one .py reward file; "
-                              "its reward client talks to a single service (OpenRLHF shards each batch over the "
-                              "comma-separated URLs): put the services behind one URL, or give one of them")
+    """--remote_rm_url: service URLs (comma-separated: each batch is sharded over them) or one existing .py file;
+    --prompt_data_probs: one positive weight per --prompt_data file."""
+    url, parts = args.remote_rm_url, split_files(args.remote_rm_url)
+    if len(parts) > 1 and any(part.endswith(".py") for part in parts):
+        raise SourceFlagError(f"--remote_rm_url {url}: give one .py reward file, or reward service URLs separated "
+                              "by commas; several reward files (or files beside URLs) are not combined")
+    bad = next((part for part in parts if len(parts) > 1 and not part.startswith(("http://", "https://"))), None)
+    if bad is not None:
+        raise SourceFlagError(f"--remote_rm_url {url}: {bad!r} is not a reward service URL; give each of the "
+                              "comma-separated services as http://host:port[/path]")
     path = reward_file(args)
     if path is not None and not path.is_file():
         raise SourceFlagError(f"--remote_rm_url {url}: no such file (from {Path.cwd()}); give the Python file that "
                               "defines reward_func(queries, prompts, labels), or a reward service URL")
-    files = split_files(args.prompt_data)
-    probs = split_files(args.prompt_data_probs)
-    if len(files) > 1 and probs not in ([], ["1.0"]) and len(probs) != len(files):
+    files, probs = split_files(args.prompt_data), weights(args)
+    if len(files) > 1 and probs and len(probs) != len(files):
         raise SourceFlagError(f"--prompt_data_probs {args.prompt_data_probs}: {len(probs)} probabilities for "
                               f"{len(files)} --prompt_data files; give one per file")
 
 
-def equal_probs(args) -> bool:
-    """--prompt_data_probs asks for no weighting: absent, OpenRLHF's '1.0', or the same number for every file."""
+def weights(args) -> list[float]:
+    """--prompt_data_probs as numbers ([] when absent or OpenRLHF's old default '1.0', which weights nothing),
+    each finite and above 0: a zero weight never draws its file, and the blend ends only once every file was used."""
     probs = split_files(args.prompt_data_probs)
+    if probs in ([], ["1.0"]):
+        return []
     try:
-        return len({float(p) for p in probs}) <= 1
+        out = [float(p) for p in probs]
     except ValueError:
-        raise SourceFlagError(f"--prompt_data_probs {args.prompt_data_probs}: give numbers separated by commas") \
-            from None
+        raise SourceFlagError(f"--prompt_data_probs {args.prompt_data_probs}: give numbers separated by commas, "
+                              "one per --prompt_data file (e.g. 0.7,0.3)") from None
+    if not all(math.isfinite(p) and p > 0 for p in out):
+        raise SourceFlagError(f"--prompt_data_probs {args.prompt_data_probs}: each probability must be a finite "
+                              "number above 0 (e.g. 0.7,0.3); leave a file out of --prompt_data to not use it")
+    return out
+
+
+def probs_keys(args) -> list[str]:
+    """--prompt_data_probs over several files as data.train_files_probs: the files blended as OpenRLHF's
+    interleave_datasets blends them (equal weights too: OpenRLHF interleaves them rather than concatenating).
+    One file is read as it is, whatever its weight."""
+    probs = weights(args)
+    return [f"data.train_files_probs={json.dumps(probs)}"] if probs and len(split_files(args.prompt_data)) > 1 \
+        else []
+
+
+def prompt_rows(args) -> int:
+    """The prompts a --prompt_data run trains on, counted without reading them, as OpenRLHF has them: each file's
+    first --max_samples rows, concatenated or blended by --prompt_data_probs (a blend repeats rows), then the first
+    --max_samples of those. (OpenRLHF's --num_episodes counts its steps from this.)"""
+    from alignrl.data.loaders import blend_order, count_rows
+
+    files = split_files(args.prompt_data)
+    rows = [min(args.max_samples, count_rows(f, key="--prompt_data")) for f in files]
+    blended = len(blend_order(rows, weights(args), args.seed)) if probs_keys(args) else sum(rows)
+    return min(args.max_samples, blended)
 
 
 def reward_keys(args) -> list[str]:
     """--remote_rm_url as alignrl's reward: a .py file's reward_func as algorithm.reward_fn (OpenRLHF's signature,
-    adapted by alignrl.rewards.openrlhf_reward), a URL as services.reward_url."""
+    adapted by alignrl.rewards.openrlhf_reward), URLs as services.reward_url (comma-separated, as given)."""
     path = reward_file(args)
     if path is not None:
         return [f"algorithm.reward_fn={json.dumps(SPEC_PREFIX + str(path.absolute()))}"]
-    return [f"services.reward_url={args.remote_rm_url}"] if args.remote_rm_url else []
+    urls = split_files(args.remote_rm_url)
+    return [f"services.reward_url={','.join(urls)}"] if urls else []

@@ -166,6 +166,23 @@ def _loggers_and_files(cfg: RunConfig) -> str | None:
     return None
 
 
+def _train_probs(cfg: RunConfig) -> str | None:
+    """data.train_files_probs: one positive finite weight per file (a zero weight would never use its file, so the
+    blend, which ends once every file was used, would never end)."""
+    probs, files = cfg.data.train_files_probs, data_files(cfg.data.train_files)
+    if not probs:
+        return None
+    if not isinstance(probs, list) or len(probs) != len(files):
+        count = len(probs) if isinstance(probs, list) else 1
+        return (f"data.train_files_probs={probs!r} has {count} weight(s) for {len(files)} data.train_files: give "
+                "one per file, e.g. [0.7,0.3] for two, or [] to concatenate them")
+    bad = next((p for p in probs if not (_number(p) and math.isfinite(p) and p > 0)), None)
+    if bad is not None:
+        return (f"data.train_files_probs={probs!r}: {bad!r} is not a finite number above 0; give each file a "
+                "positive weight, e.g. [0.7,0.3]")
+    return None
+
+
 def _optimiser_and_clips(cfg: RunConfig) -> str | None:
     for key, b in (("actor.betas", cfg.actor.betas), ("critic.betas", cfg.critic.betas)):
         if not (isinstance(b, list) and len(b) == 2 and all(_number(x) and 0 <= x < 1 for x in b)):
@@ -323,7 +340,7 @@ def _dynamic_sampling(cfg: RunConfig) -> str | None:
 # check_combinations' checks, in the order they run: each returns its one-line problem or None
 # (check_prompt_keys raises its own, with the same kind of line)
 _COMBINATIONS = (_batch_sizes, _validation_sampler, replay_problem, _overlong_buffer, _rollout_is, _loggers_and_files, check_prompt_keys,
-                 _optimiser_and_clips, _dynamic_sampling, _estimator, _critic, _pipeline, _safety, _urls,
+                 _train_probs, _optimiser_and_clips, _dynamic_sampling, _estimator, _critic, _pipeline, _safety, _urls,
                  _environment)
 
 

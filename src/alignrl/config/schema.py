@@ -39,11 +39,16 @@ class DataConfig:
     # str or list: verl's `data.train_files=[a.parquet,b.parquet]` gives a list (checked in checks.py)
     train_files: Any = opt("synthetic", "'synthetic' (built-in arithmetic problems), a .jsonl/.json/.parquet file, "
                                         "or a list of them ([a.parquet,b.parquet], concatenated)")
+    train_files_probs: list = opt([], "with a list of data.train_files: each file's share of the training rows, one "
+                                      "weight per file ([0.7,0.3]; OpenRLHF's --prompt_data_probs): rows are drawn "
+                                      "by weight, seeded by trainer.seed, until every file was used once (a file "
+                                      "that runs out first starts over); [] concatenates the files")
     val_files: Any = opt("synthetic", "held-out data: 'synthetic', a .jsonl/.json/.parquet file, or a list of them")
     format: str = opt("auto", "file layout", choices=("auto", "gsm8k", "verl"))
     train_size: int = opt(20000, "number of synthetic training problems (ignored for files)", ge=1)
     train_max_samples: int = opt(-1, "files: train on the first N rows of data.train_files only (OpenRLHF's "
-                                     "--max_samples); -1 or 0: every row", ge=-1)
+                                     "--max_samples; with data.train_files_probs, the first N of each file, then of "
+                                     "the blend); -1 or 0: every row", ge=-1)
     val_size: int = opt(1000, "held-out problems for the final evaluation (files: at most this many)", ge=1)
     val_size_during_training: int = opt(256, "held-out problems evaluated every trainer.test_freq steps", ge=1)
     train_batch_size: int = opt(32, "prompts per RL step (verl's data.train_batch_size)", ge=1)

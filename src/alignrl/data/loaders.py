@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,40 @@ def load_samples(
                             f"{', '.join(_FORMATS[fmt])})")
         samples.append(placed(loc, row, convert(loc, row, system_prompt)))
     return samples
+
+
+def blend_order(lengths: Sequence[int], probs: Sequence[float], seed: int) -> list[tuple[int, int]]:
+    """(file, row) pairs in the order HF `datasets.interleave_datasets(probabilities=probs, seed=seed,
+    stopping_strategy="all_exhausted")` reads them, which is how OpenRLHF blends --prompt_data files: each draw
+    picks a file by weight and takes its next row; a file that runs out starts again from its first row, and the
+    blend ends once every file has run out once. The draws are numpy's `default_rng(seed).choice`, 1000 at a time,
+    as datasets makes them, so the same seed gives OpenRLHF's order."""
+    import numpy as np
+
+    p = np.asarray(probs, dtype=np.float64)
+    if abs(p.sum() - 1.0) > 1e-8:  # numpy refuses weights off 1 by more than ~1e-8: any positive weights are taken
+        p = p / p.sum()
+    rng = np.random.default_rng(seed)
+    at, exhausted, order = [0] * len(lengths), [False] * len(lengths), []
+    while not all(exhausted):
+        for f in map(int, rng.choice(len(lengths), size=1000, p=p)):
+            if all(exhausted):
+                break
+            order.append((f, at[f]))
+            at[f] += 1
+            if at[f] >= lengths[f]:
+                exhausted[f], at[f] = True, 0
+    return order
+
+
+def load_blended(paths: str | list[str], probs: Sequence[float], seed: int, fmt: str = "auto", *,
+                 limit: int | None = None, key: str = "data.train_files", **keys: Any) -> list[Sample]:
+    """The rows of several files blended by `probs` (`blend_order`; data.train_files_probs). `limit` caps as
+    OpenRLHF's --max_samples does around its blend: each file's first `limit` rows, then the blend's first `limit`.
+    `keys`: load_samples' keyword arguments."""
+    per_file = [load_samples(one, fmt, limit=limit, key=key, **keys) for one in data_files(paths)]
+    order = blend_order([len(rows) for rows in per_file], probs, seed)
+    return [per_file[f][row] for f, row in order[:limit]]
 
 
 def gsm8k_ground_truth(answer: str) -> str | None:

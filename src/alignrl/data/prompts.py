@@ -7,7 +7,7 @@ from alignrl.config import RunConfig
 from alignrl.data import synthetic
 from alignrl.data.collate import encode_prompts, prompt_ids
 from alignrl.data.images import PROCESSOR_ATTR, ImageDataError, prompt_length, set_pixel_bounds
-from alignrl.data.loaders import DataError, load_samples
+from alignrl.data.loaders import DataError, load_blended, load_samples
 from alignrl.rewards.registry import ground_truth_problem
 from alignrl.utils.tracking import console
 
@@ -26,6 +26,8 @@ def load_task_data(cfg: RunConfig, tokenizer=None):
                 input_template=d.input_template, apply_chat_template=d.apply_chat_template, image_key=d.image_key)
     train = (synthetic.generate("train", d.train_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
              if d.train_files == "synthetic" else
+             load_blended(d.train_files, d.train_files_probs, cfg.trainer.seed, d.format, limit=d.train_row_cap,
+                          **keys) if d.train_files_probs else
              load_samples(d.train_files, d.format, limit=d.train_row_cap, **keys))
     val = (synthetic.generate("test", d.val_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
            if d.val_files == "synthetic" else

@@ -3,14 +3,16 @@
 - `RemoteRolloutEngine`: `generate(prompts, SamplingParams) -> Rollout` and `load_weights`, like
   `HFRolloutEngine`, against `alignrl serve generate` (token-level endpoint, one-request weight sync).
 - `RemoteRefScorer`: `logprobs(prompt_ids, prompt_mask, response_ids, response_mask) -> (B, R)`.
-- `RemoteReward`: `score(...)` on token ids like `models.value.ModelScorer`, or `score_texts`; against
-  `alignrl serve reward` or, for a URL with a path (http://host:5000/get_reward), OpenRLHF's remote reward protocol.
+- `RemoteReward` (in `remote_reward`, importable from here): `score(...)` on token ids like
+  `models.value.ModelScorer`, or `score_texts`; against `alignrl serve reward` or, for a URL with a path
+  (http://host:5000/get_reward), OpenRLHF's remote reward protocol; several comma-separated URLs share each batch.
 
 Connection errors and 5xx answers are retried with exponential backoff a bounded number of times; 4xx
 answers are the caller's mistake and fail at once. A request that got no answer in time is not sent
 again: the service is busy with it, and a second copy would queue behind the first. Every failure is a `ServiceError`
 (a UserError: the CLI prints it as one line) naming the URL and how to fix it.
-Deliberately left out: async clients, streaming, load balancing over several servers.
+Deliberately left out: async clients, streaming, load balancing over several servers (several reward
+services split each batch in fixed shards instead).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -174,37 +175,46 @@ class ServiceClient:
 
 def check_services(cfg: RunConfig, log=print, wait_s: float | None = None) -> None:
     """Every service the run will ask answers /health (ServiceError, one line, otherwise; the reference service only
-    when a KL term needs it). One that refuses connections is waited for up to services.wait_s, saying so once: a
-    service binds its port only once its model is loaded. `wait_s` overrides services.wait_s (the Ray flags of
-    OpenRLHF have no such setting)."""
+    when a KL term needs it; each of several reward URLs). One that refuses connections is waited for up to
+    services.wait_s, saying so once: a service binds its port only once its model is loaded. `wait_s` overrides
+    services.wait_s (the Ray flags of OpenRLHF have no such setting)."""
     from alignrl.config.checks import needs_reference
+    from alignrl.rollout.remote_reward import reward_urls
 
     s = cfg.services
+    wait = s.wait_s if wait_s is None else wait_s
     for kind in ("generation", "reference", "reward"):
         url = getattr(s, f"{kind}_url")
         if not url or (kind == "reference" and not needs_reference(cfg)):
             continue
-        path = reward_endpoint(url)[1] if kind == "reward" else None
-        client = ServiceClient(reward_endpoint(url)[0] if path else url, kind, min(s.timeout_s, 30.0), s.retries)
-        wait = s.wait_s if wait_s is None else wait_s
-        deadline, said = time.monotonic() + wait, False
-        try:
-            while True:
-                try:
-                    client.check(f"services.{kind}_url")
-                    break
-                except ServiceError as e:
-                    if path and e.status == 404:  # an OpenRLHF-style reward server need not have /health: it answered
-                        break
-                    if not e.down or "not reachable" not in str(e) or time.monotonic() >= deadline:
-                        raise
-                    if not said and os.environ.get("RANK", "0") == "0":  # stderr: launch scripts read stdout
-                        log(f"waiting up to {wait:g} s for the {kind} service at {url} (services.wait_s)",
-                            file=sys.stderr, flush=True)
-                        said = True
-                    time.sleep(1.0)
-        finally:
-            client.close()
+        for one in reward_urls(url) if kind == "reward" else [url]:
+            _wait_healthy(one, kind, s.timeout_s, s.retries, wait, log)
+
+
+def _wait_healthy(url: str, kind: str, timeout_s: float, retries: int, wait: float, log) -> None:
+    """check_services for one URL: its /health, waited for up to `wait` seconds while it refuses connections."""
+    from alignrl.rollout.remote_reward import reward_endpoint
+
+    path = reward_endpoint(url)[1] if kind == "reward" else None
+    client = ServiceClient(reward_endpoint(url)[0] if path else url, kind, min(timeout_s, 30.0), retries)
+    deadline, said = time.monotonic() + wait, False
+    try:
+        while True:
+            try:
+                client.check(f"services.{kind}_url")
+                return
+            except ServiceError as e:
+                if path and e.status == 404:  # an OpenRLHF-style reward server need not have /health: it answered
+                    return
+                if not e.down or "not reachable" not in str(e) or time.monotonic() >= deadline:
+                    raise
+                if not said and os.environ.get("RANK", "0") == "0":  # stderr: launch scripts read stdout
+                    log(f"waiting up to {wait:g} s for the {kind} service at {url} (services.wait_s)",
+                        file=sys.stderr, flush=True)
+                    said = True
+                time.sleep(1.0)
+    finally:
+        client.close()
 
 
 def rollout_from_rows(prompts: Sequence[Sequence[int]], n: int,
@@ -328,63 +338,11 @@ class RemoteRefScorer:
         return out * response_mask
 
 
-class RemoteReward:
-    """Rewards from a service: `alignrl serve reward`'s reward model (`/v1/score`, a URL without a path), or an
-    OpenRLHF-style remote reward (a URL with its path, e.g. http://127.0.0.1:5000/get_reward): OpenRLHF's protocol,
-    `{"query": [prompt + response texts], "prompts": [prompt texts], "labels": [...]}` in, `{"rewards": [...]}` out,
-    the texts decoded with `tokenizer` (the policy's), chat tokens kept, as OpenRLHF's experience maker sends them."""
+def __getattr__(name: str):
+    """The reward client's names, from before it moved to remote_reward (a lazy import: remote_reward imports this
+    module's ServiceClient, so importing it at the top would be circular)."""
+    if name in ("RemoteReward", "reward_endpoint", "reward_urls"):
+        from alignrl.rollout import remote_reward
 
-    def __init__(self, url: str, timeout: float = 300.0, retries: int = 3, backoff: float = 0.5,
-                 api_key: str | None = None, max_rows: int = 256, tokenizer=None):
-        base, self.path = reward_endpoint(url)
-        self.client = ServiceClient(base, "reward", timeout, retries, backoff, api_key)
-        self.max_rows, self.tokenizer = max_rows, tokenizer
-        if self.path is not None:
-            self.client.start = "alignrl serve reward --protocol openrlhf --dataset FILE --port {port}"
-        self.takes_labels = self.path is not None  # the reward stage sends the rows' ground truth along
-
-    def _post(self, body_of: Callable[[int, int], dict], n: int, key: str) -> list[float]:
-        out: list[float] = []
-        for s in range(0, n, self.max_rows):
-            got = self.client.request("POST", self.path or "/v1/score", json=body_of(s, min(n, s + self.max_rows)))
-            part = got.get(key) if isinstance(got, dict) else None
-            if not isinstance(part, list) or len(part) != min(self.max_rows, n - s):
-                raise ServiceError(f"reward service at {self.client.url}{self.path or '/v1/score'} answered without "
-                                   f"a list of {min(self.max_rows, n - s)} {key!r}; is it a reward service?")
-            out += part
-        return out
-
-    def score_texts(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence | None = None
-                    ) -> list[float]:
-        """One score per (prompt text, response text) pair (`labels`: what an OpenRLHF-style service reads)."""
-        if len(prompts) != len(responses):
-            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses; pass one response per prompt")
-        if self.path is None:
-            return self._post(lambda a, b: {"prompts": list(prompts[a:b]), "responses": list(responses[a:b])},
-                              len(prompts), "scores")
-        labels = [None if x is None else x if isinstance(x, str) else json.dumps(x) for x in labels or
-                  [None] * len(prompts)]
-        return self._post(lambda a, b: {"query": [p + r for p, r in zip(prompts[a:b], responses[a:b])],
-                                        "prompts": list(prompts[a:b]), "labels": labels[a:b]}, len(prompts), "rewards")
-
-    def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-              response_mask: torch.Tensor, labels: Sequence | None = None) -> torch.Tensor:
-        """Scores (B,) of token-id rollouts: the in-process `ModelScorer.score` signature."""
-        prompts, responses = _rows(prompt_ids, prompt_mask, True), _rows(response_ids, response_mask, False)
-        if self.path is None:
-            return torch.tensor(self._post(lambda a, b: {"prompts": prompts[a:b], "responses": responses[a:b]},
-                                           len(prompts), "scores"), dtype=torch.float32)
-        if self.tokenizer is None:
-            raise ServiceError(f"the reward service {self.client.url}{self.path} takes texts (OpenRLHF's protocol): "
-                               "give RemoteReward the policy's tokenizer")
-        decode = lambda rows: self.tokenizer.batch_decode(rows, skip_special_tokens=False)  # noqa: E731
-        return torch.tensor(self.score_texts(decode(prompts), decode(responses), labels), dtype=torch.float32)
-
-
-def reward_endpoint(url: str) -> tuple[str, str | None]:
-    """(service URL, path) of a reward URL: path None for `alignrl serve reward` (no path, or /v1/score), else the
-    OpenRLHF-style endpoint the URL names (a doubled slash, as in http://host:5000//get_reward, taken as one)."""
-    u = urlparse(url)
-    path = re.sub("/+", "/", u.path).rstrip("/")
-    base = f"{u.scheme}://{u.netloc}" if u.scheme and u.netloc else url  # a malformed URL: ServiceClient says so
-    return base, None if path in ("", "/v1/score") else path
+        return getattr(remote_reward, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
