@@ -125,3 +125,14 @@ def test_swapped_service_urls_fail(health_server, tmp_path):
     r = doctor("--config", str(tmp_path / "nodes.yaml"), "model.path=demo", f"training.services.generation.url={gen}",
                f"training.services.reference.url={ref}")
     assert r.returncode == 0 and "healthy generation service" in r.stdout, r.stdout
+
+
+def test_each_of_several_reward_services_is_checked(health_server):
+    from alignrl.doctor import reward_checks
+
+    live, dead = health_server(service="reward"), f"http://127.0.0.1:{free_port()}"
+    got = reward_checks(f"{live},{dead}", timeout=10)
+    assert [(c.target, c.ok) for c in got] == [(live, True), (dead, False)]
+    assert "not reachable" in got[1].detail
+    openrlhf_style = reward_checks(f"{live}/get_reward", timeout=10)  # a server without /health for that path
+    assert [(c.target, c.ok) for c in openrlhf_style] == [(f"{live}/get_reward", True)]

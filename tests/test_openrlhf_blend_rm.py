@@ -16,7 +16,9 @@ from alignrl.compat import openrlhf_sources as S
 from alignrl.config import ConfigError, load_config
 from alignrl.data.loaders import blend_order, load_blended, load_samples
 from alignrl.data.prompts import load_task_data
-from alignrl.rollout.remote import RemoteReward, ServiceError, check_services
+from alignrl.rollout.remote import ServiceError
+from alignrl.rollout.remote_reward import RemoteReward
+from alignrl.rollout.service_health import check_services
 from alignrl.runtime.ports import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -238,3 +240,12 @@ def test_reward_urls_from_the_command_line(tmp_path):
     with pytest.raises(ConfigError, match="'127.0.0.1:5001' is not a reward service URL") as e:
         config(BASE + ["--remote_rm_url", "http://127.0.0.1:5000/get_reward,127.0.0.1:5001"])
     assert "\n" not in str(e.value)
+
+
+def test_each_reward_url_of_a_list_is_checked_at_load():
+    from alignrl.config import ConfigError, load_config
+
+    cfg = load_config(None, ["services.reward_url=http://127.0.0.1:5001,http://127.0.0.1:5002/get_reward"])
+    assert cfg.services.reward_url.count(",") == 1
+    with pytest.raises(ConfigError, match="services.reward_url='127.0.0.1:5002'"):
+        load_config(None, ["services.reward_url=http://127.0.0.1:5001,127.0.0.1:5002"])

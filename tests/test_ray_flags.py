@@ -161,9 +161,9 @@ def test_input_errors_name_the_flags_not_the_config_keys(tmp_path, capsys, monke
     import functools
 
     from alignrl.compat.openrlhf_ppo_ray import main
-    from alignrl.rollout import remote
+    from alignrl.rollout import service_health
 
-    monkeypatch.setattr(remote, "check_services", functools.partial(remote.check_services, wait_s=0))
+    monkeypatch.setattr(service_health, "check_services", functools.partial(service_health.check_services, wait_s=0))
 
     odd = tmp_path / "odd.jsonl"
     odd.write_text('{"q": "1+1", "a": "2"}\n')

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
-from alignrl.rollout.remote import (RemoteRefScorer, RemoteReward, RemoteRolloutEngine, ServiceClient, ServiceError,
-                                    rollout_from_rows)
+from alignrl.rollout.remote import RemoteRefScorer, RemoteRolloutEngine, ServiceClient, ServiceError, rollout_from_rows
+from alignrl.rollout.remote_reward import RemoteReward
 from alignrl.runtime.ports import free_port
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.serial]  # backoff and timeout bounds in seconds
@@ -136,7 +136,7 @@ def test_configured_services_are_checked_before_a_run_loads_its_model(stub):
     """`check_services` asks each configured service's /health with the configured tries: a healthy one and vLLM's
     empty 200 pass; a dead port and a program that has no /health are one line naming the service."""
     from alignrl.config import load_config
-    from alignrl.rollout.remote import check_services
+    from alignrl.rollout.service_health import check_services
 
     healthy, other = stub([(200, {"status": "healthy"}, 0)]), stub([(404, {"detail": "Not Found"}, 0)])
     check_services(load_config(None, [f"services.generation_url={healthy.url}", f"services.reference_url={healthy.url}",
@@ -169,7 +169,7 @@ def test_configured_services_are_checked_before_a_run_loads_its_model(stub):
 def test_a_service_that_starts_late_is_waited_for(stub, capsys):
     """A service binds its port once its model is loaded: `serve ... &` then `train` found it refusing connections."""
     from alignrl.config import load_config
-    from alignrl.rollout.remote import check_services
+    from alignrl.rollout.service_health import check_services
 
     port = free_port()
     late: list = []

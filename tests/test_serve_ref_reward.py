@@ -9,7 +9,8 @@ import torch
 from alignrl.data.collate import left_pad, right_pad
 from alignrl.models.logprobs import response_logprobs
 from alignrl.rollout.hf_engine import HFRolloutEngine, SamplingParams
-from alignrl.rollout.remote import RemoteRefScorer, RemoteReward, ServiceError
+from alignrl.rollout.remote import RemoteRefScorer, ServiceError
+from alignrl.rollout.remote_reward import RemoteReward
 from alignrl.serve.process import ServiceProcess, start_all
 
 pytestmark = pytest.mark.timeout(240)

@@ -161,7 +161,7 @@ def test_remote_reward_speaks_openrlhfs_protocol_for_an_endpoint_url(server):
     """--remote_rm_url http://host:port/get_reward: the loop's RemoteReward decodes the token rows (left-padded
     prompts, right-padded responses) and posts OpenRLHF's body; the doubled slash of LMM-R1's scripts is one."""
     from alignrl.data.collate import left_pad, right_pad
-    from alignrl.rollout.remote import RemoteReward, reward_endpoint
+    from alignrl.rollout.remote_reward import RemoteReward, reward_endpoint
 
     assert reward_endpoint("http://h:5000//get_reward") == ("http://h:5000", "/get_reward")
     assert reward_endpoint("http://h:8002") == ("http://h:8002", None)
@@ -188,7 +188,7 @@ def test_run_checks_an_endpoint_url_at_its_service_root(server, http_servers):
     from http.server import BaseHTTPRequestHandler
 
     from alignrl.config import load_config
-    from alignrl.rollout.remote import check_services
+    from alignrl.rollout.service_health import check_services
 
     cfg = load_config(None, [f"services.reward_url={server.url}//get_reward", "services.wait_s=0"])
     check_services(cfg, wait_s=0)
@@ -214,7 +214,7 @@ def test_the_loops_reward_stage_scores_through_the_protocol(server, tmp_path):
     from alignrl.models.vision import load_processor
     from alignrl.rewards.registry import load_reward_fn
     from alignrl.rl.scoring import RewardStage
-    from alignrl.rollout.remote import RemoteReward
+    from alignrl.rollout.remote_reward import RemoteReward
 
     texts = [r["message"] for r in ROWS] + ["<think>count</think><answer>3</answer> 0.75"] * 5
     tok = load_processor(build_tiny_vl(tmp_path / "vl", seed=0, texts=texts)).tokenizer

@@ -142,7 +142,7 @@ def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
         from alignrl.preference.rm import check_rl_scorers
 
         check_rl_scorers(cfg)
-    from alignrl.rollout.remote import check_services
+    from alignrl.rollout.service_health import check_services
 
     check_services(cfg)
 

@@ -172,13 +172,36 @@ def check_port(host: str, port: int, timeout: float) -> Check:
         return Check("rendezvous port", target, True, f"host resolves; nothing listens yet ({e.strerror or e})")
 
 
+def reward_checks(value: str, timeout: float) -> list[Check]:
+    """Each reward service of services.reward_url (several, comma-separated, share a batch). An OpenRLHF-style one (a
+    URL with a path, such as /get_reward) need not serve /health: its server is checked to answer at all."""
+    import httpx
+
+    from alignrl.rollout.remote_reward import reward_endpoint, reward_urls
+
+    out = []
+    for url in reward_urls(value or ""):
+        base, path = reward_endpoint(url)
+        if path is None:
+            out.append(check_health("reward service", url, timeout, "services.reward_url"))
+            continue
+        try:
+            httpx.get(base + "/health", timeout=timeout)
+            out.append(Check("reward service", url, True, "its server answers (an OpenRLHF-style reward endpoint)"))
+        except httpx.HTTPError as e:
+            out.append(Check("reward service", url, False, f"not reachable ({type(e).__name__}); is the service "
+                             "running on that host/port?"))
+    return out
+
+
 def run_checks(cfg: RunConfig, timeout: float) -> list[Check]:
     out: list[Check] = []
     s = cfg.services
-    for kind in ("generation", "reference", "reward"):
+    for kind in ("generation", "reference"):
         url = getattr(s, f"{kind}_url")
         if url:
             out.append(check_health(f"{kind} service", url, timeout, f"services.{kind}_url"))
+    out += reward_checks(s.reward_url, timeout)
     out.append(check_model("policy model", cfg.model.path))
     for name, path in (("critic model", cfg.critic.model_path), ("cost model", cfg.safety.cost_model),
                        ("reward model", cfg.algorithm.reward_model)):

@@ -31,12 +31,9 @@ def training_steps(args) -> int:
     if args.prompt_data == "synthetic":
         rows = args.max_samples
     else:
-        from alignrl.data.loaders import count_rows
+        from alignrl.compat.openrlhf_sources import prompt_rows
 
-        from alignrl.compat.openrlhf_sources import split_files
-
-        files = split_files(args.prompt_data)  # OpenRLHF blends comma-separated files; alignrl concatenates them
-        rows = min(args.max_samples, sum(count_rows(f, key="--prompt_data") for f in files))
+        rows = prompt_rows(args)  # each file capped, concatenated or blended (a blend repeats rows), capped again
     steps = args.num_episodes * (rows // args.rollout_batch_size)
     if steps < 1:
         raise ConfigError(f"--prompt_data has {rows} prompt(s), fewer than --rollout_batch_size "

@@ -256,11 +256,13 @@ def _urls(cfg: RunConfig) -> str | None:
     if cfg.agent.max_turns and cfg.agent.search and problem:
         return problem
     for kind in ("generation", "reference", "reward"):  # here, once, not on every rank as it connects
-        url = getattr(cfg.services, f"{kind}_url")
-        problem = url and url_problem(f"services.{kind}_url={url!r} (the seed layout's training.services.{kind}.url)",
-                                      url, f"give the {kind} service's address, e.g. http://127.0.0.1:8000")
-        if problem:
-            return problem
+        value = getattr(cfg.services, f"{kind}_url")
+        # several reward services share a batch (comma-separated): each must be an address
+        for url in [u.strip() for u in value.split(",") if u.strip()] if kind == "reward" else [value] * bool(value):
+            problem = url_problem(f"services.{kind}_url={url!r} (the seed layout's training.services.{kind}.url)",
+                                  url, f"give the {kind} service's address, e.g. http://127.0.0.1:8000")
+            if problem:
+                return problem
     return None
 
 

@@ -33,7 +33,8 @@ from alignrl.rewards.registry import load_reward_fn, make_reward
 from alignrl.rollout.agent import AgentRollout
 from alignrl.rollout.env_agent import EnvRollout
 from alignrl.rollout.environments import load_environment
-from alignrl.rollout.remote import RemoteRefScorer, RemoteReward
+from alignrl.rollout.remote import RemoteRefScorer
+from alignrl.rollout.remote_reward import RemoteReward
 from alignrl.rollout.retriever import RetrieverClient
 from alignrl.train.actor import Actor
 from alignrl.train.critic import Critic

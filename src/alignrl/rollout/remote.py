@@ -3,7 +3,7 @@
 - `RemoteRolloutEngine`: `generate(prompts, SamplingParams) -> Rollout` and `load_weights`, like
   `HFRolloutEngine`, against `alignrl serve generate` (token-level endpoint, one-request weight sync).
 - `RemoteRefScorer`: `logprobs(prompt_ids, prompt_mask, response_ids, response_mask) -> (B, R)`.
-- `RemoteReward` (in `remote_reward`, importable from here): `score(...)` on token ids like
+- `RemoteReward` (in `remote_reward`): `score(...)` on token ids like
   `models.value.ModelScorer`, or `score_texts`; against `alignrl serve reward` or, for a URL with a path
   (http://host:5000/get_reward), OpenRLHF's remote reward protocol; several comma-separated URLs share each batch.
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from urllib.parse import urlparse
@@ -28,7 +27,6 @@ from urllib.parse import urlparse
 import httpx
 import torch
 
-from alignrl.config import RunConfig
 from alignrl.data.collate import left_pad, right_pad
 from alignrl.data.records import Rollout
 from alignrl.errors import UserError
@@ -173,50 +171,6 @@ class ServiceClient:
         self.http.close()
 
 
-def check_services(cfg: RunConfig, log=print, wait_s: float | None = None) -> None:
-    """Every service the run will ask answers /health (ServiceError, one line, otherwise; the reference service only
-    when a KL term needs it; each of several reward URLs). One that refuses connections is waited for up to
-    services.wait_s, saying so once: a service binds its port only once its model is loaded. `wait_s` overrides
-    services.wait_s (the Ray flags of OpenRLHF have no such setting)."""
-    from alignrl.config.checks import needs_reference
-    from alignrl.rollout.remote_reward import reward_urls
-
-    s = cfg.services
-    wait = s.wait_s if wait_s is None else wait_s
-    for kind in ("generation", "reference", "reward"):
-        url = getattr(s, f"{kind}_url")
-        if not url or (kind == "reference" and not needs_reference(cfg)):
-            continue
-        for one in reward_urls(url) if kind == "reward" else [url]:
-            _wait_healthy(one, kind, s.timeout_s, s.retries, wait, log)
-
-
-def _wait_healthy(url: str, kind: str, timeout_s: float, retries: int, wait: float, log) -> None:
-    """check_services for one URL: its /health, waited for up to `wait` seconds while it refuses connections."""
-    from alignrl.rollout.remote_reward import reward_endpoint
-
-    path = reward_endpoint(url)[1] if kind == "reward" else None
-    client = ServiceClient(reward_endpoint(url)[0] if path else url, kind, min(timeout_s, 30.0), retries)
-    deadline, said = time.monotonic() + wait, False
-    try:
-        while True:
-            try:
-                client.check(f"services.{kind}_url")
-                return
-            except ServiceError as e:
-                if path and e.status == 404:  # an OpenRLHF-style reward server need not have /health: it answered
-                    return
-                if not e.down or "not reachable" not in str(e) or time.monotonic() >= deadline:
-                    raise
-                if not said and os.environ.get("RANK", "0") == "0":  # stderr: launch scripts read stdout
-                    log(f"waiting up to {wait:g} s for the {kind} service at {url} (services.wait_s)",
-                        file=sys.stderr, flush=True)
-                    said = True
-                time.sleep(1.0)
-    finally:
-        client.close()
-
-
 def rollout_from_rows(prompts: Sequence[Sequence[int]], n: int,
                       rows: Sequence[tuple[Sequence[int], Sequence[float], bool]], pad_id: int) -> Rollout:
     """A Rollout laid out exactly as HFRolloutEngine's: n rows per prompt, left-padded prompts,
@@ -337,12 +291,3 @@ class RemoteRefScorer:
                     out[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
         return out * response_mask
 
-
-def __getattr__(name: str):
-    """The reward client's names, from before it moved to remote_reward (a lazy import: remote_reward imports this
-    module's ServiceClient, so importing it at the top would be circular)."""
-    if name in ("RemoteReward", "reward_endpoint", "reward_urls"):
-        from alignrl.rollout import remote_reward
-
-        return getattr(remote_reward, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

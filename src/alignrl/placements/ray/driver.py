@@ -66,7 +66,7 @@ def check_inputs(cfg: RunConfig) -> None:
     from alignrl.data.prompts import load_task_data
     from alignrl.models.loader import resolve_model_path
     from alignrl.rewards.registry import check_user_fns
-    from alignrl.rollout.remote import check_services
+    from alignrl.rollout.service_health import check_services
     from alignrl.train.checkpoint import check_newest_not_past
 
     load_task_data(replace(cfg, data=replace(cfg.data, train_size=1)))  # generated rows need no check
