@@ -394,3 +394,28 @@ def test_dynamic_filtering_refills_over_two_actor_ranks(cluster, tiny_model_dir,
         assert r["dapo/kept_groups"] in (0.0, 2.0, 4.0) and 1 <= r["dapo/gen_rounds"] <= 4, r
     assert any(r["dapo/kept_groups"] > 0 and "actor/grad_norm" in r for r in rows), rows
     assert all_gpus_free()
+
+
+@pytest.mark.timeout(300)
+def test_an_agent_function_plays_episodes_on_the_ray_rollout_engine(cluster, tiny_model_dir, tmp_path, capsys):
+    """OpenRLHF's --agent_func_path on the Ray placement: the rollout engine's process loads the file (written as
+    OpenRLHF's examples are, importing openrlhf.utils.agent), plays up to two turns per episode, and the episodes'
+    rewards (the answer's length parity, so groups differ) train both actor ranks."""
+    env = tmp_path / "agent_func.py"
+    env.write_text("import torch\nfrom openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor\n\n\n"
+                   "class AgentInstance(AgentInstanceBase):\n"
+                   "    def __init__(self, *args, **kwargs):\n        self.turn = 0\n\n"
+                   "    async def step(self, states, **kwargs):\n        self.turn += 1\n"
+                   "        done = self.turn == 2\n"
+                   "        return {'rewards': torch.tensor(float(len(states['action_text']) % 2)), 'done': done,\n"
+                   "                'environment_feedback': '' if done else ' again:', 'extra_logs': {'turn': self.turn}}"
+                   "\n\n\nclass AgentExecutor(MultiTurnAgentExecutor):\n    def __init__(self):\n"
+                   "        super().__init__(AgentInstance)\n")
+    argv = tiny(tiny_model_dir, tmp_path / "env", 2, "--agent_func_path", str(env), "--generate_max_len", "24")
+    assert main(argv) == 0, capsys.readouterr().err
+    rows = [r for r in metric_rows(tmp_path / "env") if "agent/turns" in r]
+    assert [r["step"] for r in rows] == [1, 2], rows
+    for r in rows:  # a turn may use the whole 24 tokens (one turn) or stop early (a second after the feedback)
+        assert 1.0 <= r["agent/turns"] <= 2.0 and r["agent/turn"] == r["agent/turns"], r
+        assert r["agent/generated_token_frac"] <= 1.0 and "actor/grad_norm" in r, r
+    assert all_gpus_free()
