@@ -67,7 +67,9 @@ class PipelineConfig:
 @dataclass(frozen=True)
 class AgentConfig:
     max_turns: int = opt(0, "multi-turn tool use (Search-R1): turns that may call the tool before a last turn "
-                            "without it; 0 is single-turn generation (Search-R1's max_turns)", ge=0)
+                            "without it; 0 is single-turn generation (Search-R1's max_turns). With agent.env_path "
+                            "or agent.tool_config_path: the most assistant turns of an episode, 0 for no limit "
+                            "(verl's actor_rollout_ref.rollout.multi_turn.max_assistant_turns)", ge=0)
     search: bool = opt(True, "multi-turn: <search>query</search> calls retriever.url (Search-R1's do_search)")
     max_response_length: int = opt(0, "multi-turn: tokens of one episode's whole response, generated and "
                                       "observation tokens together; the episode is cut there, and the overlong "
@@ -75,11 +77,29 @@ class AgentConfig:
                                       "produce, (max_turns+1) x rollout.max_new_tokens + max_turns x "
                                       "data.max_obs_length (verl's actor_rollout_ref.rollout.response_length; "
                                       "a Search-R1 command line gets its data.max_prompt_length); with "
-                                      "agent.env_path: the episode's cap, 0 meaning rollout.max_new_tokens", ge=0)
+                                      "agent.env_path or agent.tool_config_path: the episode's cap, 0 meaning "
+                                      "rollout.max_new_tokens", ge=0)
     env_path: str = opt("", "a Python file defining an interactive environment in OpenRLHF's agent format (class "
                             "AgentInstance with async reset() and step(); OpenRLHF's --agent_func_path): episodes "
                             "run turn by turn against it and its step()s give the rewards; agent.max_turns then "
                             "bounds the turns (0: until it says done or the response cap is reached). docs/agents.md")
+    tool_config_path: str = opt("", "verl's tool config YAML (tools: [{class_name, config, tool_schema}]; verl's "
+                                    "actor_rollout_ref.rollout.multi_turn.tool_config_path): episodes run verl's tool "
+                                    "agent loop, the prompt templated with the tools' schemas, each turn's tool calls "
+                                    "answered by the tools, the reward function scoring the whole response; \"\": "
+                                    "off. docs/agents.md")
+    tool_format: str = opt("hermes", "the tool-call format parsed from each turn: hermes, <tool_call>{\"name\": ..., "
+                                     "\"arguments\": ...}</tool_call> (verl's multi_turn.format)", choices=("hermes",))
+    max_user_turns: int = opt(0, "with agent.tool_config_path: the most tool-response turns of an episode, 0 for no "
+                                 "limit (verl's multi_turn.max_user_turns)", ge=0)
+    max_parallel_calls: int = opt(1, "with agent.tool_config_path: tool calls of one turn that run (concurrently); "
+                                     "later ones are dropped (verl's multi_turn.max_parallel_calls)", ge=1)
+    max_tool_response_length: int = opt(256, "with agent.tool_config_path: characters of a tool's response kept, "
+                                             "the rest cut (verl's multi_turn.max_tool_response_length)", ge=1)
+    tool_response_truncate_side: str = opt("middle", "with agent.tool_config_path: which part of a long tool response "
+                                                     "is kept: left (its start), right (its end) or middle (both "
+                                                     "ends) (verl's multi_turn.tool_response_truncate_side)",
+                                           choices=("left", "middle", "right"))
 
 
 @dataclass(frozen=True)

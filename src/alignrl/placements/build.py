@@ -36,6 +36,7 @@ from alignrl.rollout.environments import load_environment
 from alignrl.rollout.remote import RemoteRefScorer
 from alignrl.rollout.remote_reward import RemoteReward
 from alignrl.rollout.retriever import RetrieverClient
+from alignrl.rollout.verl_tools import ToolLoop, tool_environment
 from alignrl.train.actor import Actor
 from alignrl.train.critic import Critic
 from alignrl.interfaces import TrainEngine
@@ -126,16 +127,25 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device) -> RewardStag
 
 
 def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngine:
-    """The episodes against the environment of agent.env_path over `engine`, else the multi-turn search rollout when
-    agent.max_turns > 0, else `engine` itself."""
+    """The episodes against the environment of agent.env_path or verl's tool loop of agent.tool_config_path over
+    `engine`, else the multi-turn search rollout when agent.max_turns > 0, else `engine` itself."""
     if cfg.agent.env_path:
+        if cfg.agent.tool_config_path:
+            raise ConfigError("agent.env_path and agent.tool_config_path each run the episodes: give one of them "
+                              "(an OpenRLHF environment file, or verl's tool config YAML)")
         make_env = load_environment(cfg.agent.env_path)
         return EnvRollout(engine, tokenizer, make_env, response_cap(cfg), cfg.agent.max_turns)
-    if cfg.agent.max_turns == 0:
+    if cfg.agent.max_turns == 0 and not cfg.agent.tool_config_path:
         return engine
     if not cfg.actor.state_masking and not cfg.actor.recompute_old_logprobs:
         raise ConfigError("actor.state_masking=false trains on tool observations, which have no rollout "
                           "log-probs: set actor.recompute_old_logprobs=true (or keep actor.state_masking=true)")
+    a = cfg.agent
+    if a.tool_config_path:  # verl's tool agent loop, agent.max_turns its max_assistant_turns
+        loop = ToolLoop(a.max_turns, a.max_user_turns, a.max_parallel_calls, a.max_tool_response_length,
+                        a.tool_response_truncate_side, a.tool_format)
+        return EnvRollout(engine, tokenizer, tool_environment(a.tool_config_path, tokenizer, loop), response_cap(cfg),
+                          a.max_turns)
     r, d = cfg.retriever, cfg.data
     tool = RetrieverClient(r.url, r.topk, r.timeout_s, r.retries) if cfg.agent.search else None
     if tool is not None:

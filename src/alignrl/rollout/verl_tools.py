@@ -1,0 +1,384 @@
+"""verl's tool agent loop (actor_rollout_ref.rollout.multi_turn, alignrl's agent.tool_config_path): a tool config
+YAML in verl's format, its tools, and an environment per episode that `rollout.env_agent.EnvRollout` plays.
+
+The YAML lists `tools: [{class_name, config, tool_schema}]`. `verl.tools.gsm8k_tool.Gsm8kTool` is alignrl's own
+equivalent (`Gsm8kTool` below, scored by `alignrl.rewards.gsm8k`); any other class_name is imported as a module path
+(the working folder and PYTHONPATH) and must subclass verl's `BaseTool`. When verl is not installed, the modules such
+a tool imports (`verl.tools.base_tool`, `verl.tools.schemas`, `verl.utils.rollout_trace`) are provided under their
+names; an installed verl is used as it is.
+
+An episode (`ToolEnvironment`) is verl's ToolAgentLoop: the prompt is the row's messages templated with the tools'
+schemas; after each assistant turn its hermes tool calls (up to max_parallel_calls) run concurrently, each tool
+instance created with the row's `extra_info.tools_kwargs[name].create_kwargs`, executed and released; the responses,
+cut to max_tool_response_length, are appended as tool messages (not trained on) and the policy answers again. A turn
+without calls, the assistant- or user-turn limit, or the response cap ends it. The steps give no rewards: the run's
+reward function scores the whole response, as verl's reward manager does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import types
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from alignrl.data.records import Sample
+from alignrl.errors import ConfigError, UserError
+from alignrl.rewards import gsm8k
+from alignrl.rollout.tool_calls import ToolCall, ToolChat, parse_hermes, truncate_response
+
+KEY = "agent.tool_config_path"
+GSM8K_CLASSES = ("verl.tools.gsm8k_tool.Gsm8kTool", "verl.workers.tool.gsm8k_tool.Gsm8kTool")
+
+
+class ToolConfigError(ConfigError):
+    """agent.tool_config_path names a file or tool alignrl cannot use; one line naming it and the fix."""
+
+
+class ToolResultError(UserError):
+    """A tool returned something the loop cannot append; one line naming the tool and the fix."""
+
+
+# verl.tools.schemas: the OpenAI function-calling models verl's tools are written against
+class OpenAIFunctionPropertySchema(BaseModel):
+    type: str
+    description: str | None = None
+    enum: list[str] | None = None
+
+
+class OpenAIFunctionParametersSchema(BaseModel):
+    type: str
+    properties: dict[str, OpenAIFunctionPropertySchema]
+    required: list[str]
+
+
+class OpenAIFunctionSchema(BaseModel):
+    name: str
+    description: str
+    parameters: OpenAIFunctionParametersSchema
+    strict: bool = False
+
+
+class OpenAIFunctionToolSchema(BaseModel):
+    type: str
+    function: OpenAIFunctionSchema
+
+
+class OpenAIFunctionParsedSchema(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class OpenAIFunctionCallSchema(BaseModel):
+    name: str
+    arguments: dict[str, Any]
+
+
+class OpenAIFunctionToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: OpenAIFunctionCallSchema
+
+
+class ToolResponse(BaseModel):
+    text: str | None = None
+    image: list[Any] | None = None
+    video: list[Any] | None = None
+
+
+def rollout_trace_op(fn):
+    """verl.utils.rollout_trace's tracing decorator; no tracing here."""
+    return fn
+
+
+class BaseTool:
+    """verl's tool base: one object per tool, an instance id per call (create, execute, release)."""
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
+        self.config = config
+        self.tool_schema = tool_schema or self.get_openai_tool_schema()
+        if self.tool_schema is None:
+            raise ValueError("no tool_schema: give one in the tool config or return it from get_openai_tool_schema()")
+        self.name = self.tool_schema.function.name
+
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema | None:
+        return getattr(self, "tool_schema", None)
+
+    async def create(self, instance_id: str | None = None, **kwargs) -> tuple[str, ToolResponse]:
+        return instance_id or str(uuid.uuid4()), ToolResponse()
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
+        return ToolResponse(text="Updated the tool state."), 0.0, {}
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        return 0.0
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        pass
+
+
+class Gsm8kTool(BaseTool):
+    """verl's gsm8k tool: `answer` is scored against the row's ground truth (create_kwargs), flexible extraction."""
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
+        super().__init__(config, tool_schema)
+        self._instances: dict[str, dict] = {}
+
+    async def create(self, instance_id: str | None = None, ground_truth: str | None = None, **kwargs):
+        instance_id = instance_id or str(uuid.uuid4())
+        if ground_truth is None:  # verl's agent loop passes the row's create_kwargs whole
+            ground_truth = (kwargs.get("create_kwargs") or {}).get("ground_truth")
+        self._instances[instance_id] = {"response": "", "ground_truth": ground_truth, "reward": 0.0}
+        return instance_id, ToolResponse()
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
+        answer = parameters.get("answer", "") if isinstance(parameters, dict) else ""
+        answer = answer if isinstance(answer, str) else str(answer)
+        state = self._instances[instance_id]
+        state["response"] = answer if answer.startswith("#### ") else "#### " + answer
+        reward = await self.calc_reward(instance_id)
+        tool_reward = 0.0 if reward > state["reward"] else -0.05  # verl's penalty for an answer that did not improve
+        state["reward"] = reward
+        return ToolResponse(text=f"Current parsed {answer=} {reward=}"), tool_reward, {}
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        state = self._instances[instance_id]
+        if state["ground_truth"] is None:
+            return 0.0
+        return gsm8k.compute_score(state["response"], str(state["ground_truth"]), method="flexible",
+                                   format_score=0.0, score=1.0)
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        self._instances.pop(instance_id, None)
+
+
+_PROVIDED = {
+    "verl.tools.schemas": {c.__name__: c for c in (
+        OpenAIFunctionPropertySchema, OpenAIFunctionParametersSchema, OpenAIFunctionSchema, OpenAIFunctionToolSchema,
+        OpenAIFunctionParsedSchema, OpenAIFunctionCallSchema, OpenAIFunctionToolCall, ToolResponse)},
+    "verl.tools.base_tool": {"BaseTool": BaseTool, "OpenAIFunctionToolSchema": OpenAIFunctionToolSchema,
+                             "ToolResponse": ToolResponse},
+    "verl.utils.rollout_trace": {"rollout_trace_op": rollout_trace_op},
+}
+
+
+def verl_api() -> tuple[type, type]:
+    """verl's BaseTool and OpenAIFunctionToolSchema: an installed verl's, else these, registered under verl's module
+    names so that a tool file importing them runs unchanged (parent packages that are missing, or hold no tools, as
+    the repository's `verl.trainer` shim does, get the missing submodules)."""
+    try:
+        base = importlib.import_module("verl.tools.base_tool")
+        return base.BaseTool, importlib.import_module("verl.tools.schemas").OpenAIFunctionToolSchema
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("verl"):  # an installed verl missing one of its own dependencies
+            raise ToolConfigError(f"{KEY}: the installed verl's tool modules fail to import ({exc}); install what "
+                                  "they need, or uninstall verl to use the tool API alignrl provides") from exc
+    except Exception as exc:
+        raise ToolConfigError(f"{KEY}: the installed verl's tool modules fail to import ({type(exc).__name__}: "
+                              f"{exc})".splitlines()[0] + "; repair or uninstall verl") from exc
+    for name, members in _PROVIDED.items():
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            _module(".".join(parts[:i]))
+        vars(sys.modules[name]).update(members)
+    return BaseTool, OpenAIFunctionToolSchema
+
+
+def _module(name: str) -> types.ModuleType:
+    """The module `name`: imported when it can be, else an empty package of that name, set on its parent."""
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        pass
+    module = types.ModuleType(name, "verl's tool API, as alignrl provides it (verl is not installed)")
+    module.__path__ = []  # a package: its submodules resolve through sys.modules
+    sys.modules[name] = module
+    parent, _, leaf = name.rpartition(".")
+    if parent:
+        setattr(sys.modules[parent], leaf, module)
+    return module
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolLoop:
+    """verl's multi_turn settings (0: no limit)."""
+
+    max_assistant_turns: int = 0
+    max_user_turns: int = 0
+    max_parallel_calls: int = 1
+    max_tool_response_length: int = 256
+    truncate_side: str = "middle"
+    format: str = "hermes"
+
+
+class ToolEnvironment:
+    """One episode of verl's tool loop, in the environment protocol `EnvRollout` plays (reset/step)."""
+
+    def __init__(self, tools: dict[str, Any], chat: ToolChat, loop: ToolLoop):
+        self.tools, self.chat, self.loop = tools, chat, loop
+        self.tools_kwargs: dict = {}
+        self.assistant_turns = self.user_turns = 0
+        self.counts = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_call_parse_errors": 0.0}
+
+    async def reset(self, states: dict, **kwargs) -> dict:
+        sample = states.get("sample")
+        if isinstance(sample, Sample):
+            self.tools_kwargs = (sample.extra or {}).get("tools_kwargs") or {}
+            if sample.messages and sample.prompt_text is None:  # the row's chat, templated with the tools
+                return {"observation": self.chat.prompt(list(sample.messages))}
+        return {"observation": states["observation"]}  # a prompt without a chat template: kept as it is
+
+    async def step(self, states: dict, **kwargs) -> dict:
+        self.assistant_turns += 1
+        loop = self.loop
+        if (loop.max_assistant_turns and self.assistant_turns >= loop.max_assistant_turns) or \
+                (loop.max_user_turns and self.user_turns >= loop.max_user_turns):
+            return self._result("", done=True)
+        calls, bad = parse_hermes(states["action_text"])
+        self.counts["tool_call_parse_errors"] += bad
+        if not calls:
+            return self._result("", done=True)
+        texts = await asyncio.gather(*(self._call(c) for c in calls[:loop.max_parallel_calls]))
+        self.user_turns += 1
+        return self._result(self.chat.feedback(texts), done=False)
+
+    def _result(self, feedback: str, done: bool) -> dict:
+        logs = dict(self.counts, tool_calls_per_turn=self.counts["tool_calls"] / self.assistant_turns)
+        return {"environment_feedback": feedback, "done": done, "extra_logs": logs}
+
+    async def _call(self, call: ToolCall) -> str:
+        """The call's response text, cut to max_tool_response_length; a call that fails (an unknown tool, arguments
+        that are not JSON, an exception in the tool) answers verl's error text, and the episode goes on as in verl."""
+        self.counts["tool_calls"] += 1
+        tool = instance_id = None
+        try:
+            tool = self.tools[call.name]
+            created = await tool.create(create_kwargs=(self.tools_kwargs.get(call.name) or {}).get("create_kwargs",
+                                                                                                    {}))
+            instance_id = created[0] if isinstance(created, tuple) else created
+            got = await tool.execute(instance_id, json.loads(call.arguments))
+        except Exception as exc:
+            self.counts["tool_errors"] += 1
+            return f"Error when executing tool: {exc}"
+        finally:
+            if tool is not None and instance_id:
+                await tool.release(instance_id)
+        text = _response_text(got[0] if isinstance(got, tuple) else got, call.name)
+        return truncate_response(text, self.loop.max_tool_response_length, self.loop.truncate_side)
+
+
+def _response_text(response: Any, name: str) -> str:
+    """A tool's response as text: verl's ToolResponse, a dict with "text", or a string (older verl tools)."""
+    if isinstance(response, str):
+        return response
+    get = response.get if isinstance(response, dict) else lambda k: getattr(response, k, None)
+    media = [k for k in ("image", "video") if get(k)]
+    if media:  # verl appends them through a multimodal processor; here the tool turn is text
+        raise ToolResultError(f"tool {name!r} returned {' and '.join(media)}: alignrl's tool loop appends text only; "
+                              "return the response as text")
+    return get("text") or ""
+
+
+def load_tools(path: str) -> list:
+    """The tools of verl's tool config YAML at `path`, each made as verl makes it (`cls(config=, tool_schema=)`).
+    One line for a missing file, bad YAML, an entry without class_name, an unknown class, a bad schema."""
+    file = Path(path)
+    if not file.is_file():
+        raise ToolConfigError(f"{KEY}={path}: no such file (from {Path.cwd()}); give verl's tool config YAML "
+                              "(tools: [{class_name, config, tool_schema}])")
+    try:
+        doc = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        raise ToolConfigError(f"{KEY}={path} is not valid YAML ({' '.join(str(exc).split())}); fix the file") from exc
+    entries = doc.get("tools") if isinstance(doc, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ToolConfigError(f"{KEY}={path} has no 'tools' list; write tools: [{{class_name: ..., config: "
+                              "{type: native}, tool_schema: {...}}]")
+    base, schema_cls = verl_api()
+    tools = [_make_tool(entry, i, path, base, schema_cls) for i, entry in enumerate(entries)]
+    names = [t.name for t in tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ToolConfigError(f"{KEY}={path}: tool name {twice[0]!r} is given twice; give each tool its own "
+                              "tool_schema.function.name")
+    return tools
+
+
+def _make_tool(entry: Any, i: int, path: str, base: type, schema_cls: type):
+    where = f"{KEY}={path}: tools[{i}]"
+    if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
+        raise ToolConfigError(f"{where} has no class_name; give the tool class's module path, e.g. "
+                              "verl.tools.gsm8k_tool.Gsm8kTool")
+    config = entry.get("config") or {}
+    if not isinstance(config, dict):
+        raise ToolConfigError(f"{where}.config is a {type(config).__name__}; give a mapping (e.g. {{type: native}})")
+    if config.get("type", "native") != "native":
+        raise ToolConfigError(f"{where}.config.type={config['type']!r} is not supported (only native tools, not MCP "
+                              "or benchmax ones); use a BaseTool subclass with type: native")
+    schema = None
+    if entry.get("tool_schema") is not None:
+        try:
+            schema = schema_cls.model_validate(entry["tool_schema"])
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise ToolConfigError(f"{where}.tool_schema: {'.'.join(map(str, first['loc']))}: {first['msg']}; give "
+                                  "an OpenAI function schema {type: function, function: {name, description, "
+                                  "parameters}}") from exc
+    cls = Gsm8kTool if entry["class_name"] in GSM8K_CLASSES else _tool_class(entry["class_name"], where, base)
+    try:
+        return cls(config=config, tool_schema=schema)
+    except Exception as exc:
+        raise ToolConfigError(f"{where}: {entry['class_name']}(config=..., tool_schema=...) raised "
+                              f"{type(exc).__name__}: {exc}".splitlines()[0] + "; fix the tool or its entry") from exc
+
+
+def _tool_class(name: str, where: str, base: type) -> type:
+    """The class at module path `name`, imported with the working folder on the path (as `python -m` has it)."""
+    module_name, _, class_name = name.rpartition(".")
+    if not module_name:
+        raise ToolConfigError(f"{where}.class_name={name!r} is not a module path; write it as package.module.Class")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # last: the working folder's modules never shadow installed ones
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ToolConfigError(f"{where}.class_name={name!r}: module {module_name} failed to import "
+                              f"({type(exc).__name__}: {exc})".splitlines()[0] + "; put it in the working folder or "
+                              "on PYTHONPATH, and install what it imports") from exc
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        raise ToolConfigError(f"{where}.class_name={name!r}: {module_name} has no class {class_name}; check the name")
+    if not issubclass(cls, base):
+        raise ToolConfigError(f"{where}.class_name={name!r} does not subclass verl's BaseTool; derive it from "
+                              "verl.tools.base_tool.BaseTool")
+    return cls
+
+
+def tool_environment(path: str, tokenizer, loop: ToolLoop):
+    """The episode factory `EnvRollout` takes: an awaitable making a fresh `ToolEnvironment`, the tools loaded once
+    (as verl's ToolAgentLoop loads them per worker) and shared, each call using its own instance id."""
+    if loop.format != "hermes":
+        raise ToolConfigError(f"agent.tool_format={loop.format!r} is not supported; use hermes")
+    tools = {t.name: t for t in load_tools(path)}
+    schemas = [t.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for t in tools.values()]
+    chat = ToolChat(tokenizer, schemas)
+
+    async def make() -> ToolEnvironment:
+        return ToolEnvironment(tools, chat, loop)
+
+    make.env_name, make.gives_rewards = "ToolAgentLoop", False
+    return make
+
