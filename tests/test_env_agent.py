@@ -168,6 +168,8 @@ def test_reward_stage_and_evaluation_take_the_environment_s_scores(tiny_model, t
     stage = RewardStage(tok, never, never, 64)
     scores = stage.score(engine.generate(labeled, SamplingParams()), samples)
     assert scores.rewards.tolist() == [1.0, -0.75] and scores.correct.tolist() == [True, False]
+    assert scores.for_filtering.tolist() == [1.0, 0.0]  # dynamic filtering tests the scores, as OpenRLHF's does
+    assert scores.rows(torch.tensor([1])).cat(scores).for_filtering.tolist() == [0.0, 1.0, 0.0]
     engine.engine.seen.clear()
     strict, _ = _scores(engine, tok, samples, prompts, never, SamplingParams(), batch_size=2)
     assert strict.flatten().tolist() == [1.0, 0.0]

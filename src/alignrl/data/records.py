@@ -94,15 +94,24 @@ class Scores:
     correct: torch.Tensor  # (B,) bool, full correctness reward earned
     costs: torch.Tensor | None = None  # (B,) safety cost (PPO-Lagrangian); None without one
     baseline: torch.Tensor | None = None  # (B,) reward of the row's prompt's greedy response (ReMax)
+    # (B,) what dynamic sampling's range tests when it is not the reward: an environment's "scores" (OpenRLHF filters
+    # on them); None: the reward. Used in the producer only, so never sent to a trainer
+    filter_scores: torch.Tensor | None = None
+
+    @property
+    def for_filtering(self) -> torch.Tensor:
+        return self.rewards if self.filter_scores is None else self.filter_scores
 
     def rows(self, idx: torch.Tensor) -> Scores:
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
-        return Scores(self.rewards[idx], self.correct[idx], pick(self.costs), pick(self.baseline))
+        return Scores(self.rewards[idx], self.correct[idx], pick(self.costs), pick(self.baseline),
+                      pick(self.filter_scores))
 
     def cat(self, other: Scores) -> Scores:
         join = lambda a, b: None if a is None else torch.cat([a, b])  # noqa: E731
         return Scores(torch.cat([self.rewards, other.rewards]), torch.cat([self.correct, other.correct]),
-                      join(self.costs, other.costs), join(self.baseline, other.baseline))
+                      join(self.costs, other.costs), join(self.baseline, other.baseline),
+                      join(self.filter_scores, other.filter_scores))
 
 
 @dataclass

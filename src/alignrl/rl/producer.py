@@ -177,7 +177,7 @@ class RolloutMaker:
         Returns (rollout, scores, dataset row per group, metrics)."""
         want, pad = self.cfg.data.train_batch_size // agree.ranks, self.rewards.tokenizer.pad_token_id
         band = self.cfg.algorithm.dynamic_sampling_range
-        ro, scores, index = _keep_groups(ro, scores, index, kept_groups(scores.rewards, ro.group, band))
+        ro, scores, index = _keep_groups(ro, scores, index, kept_groups(scores.for_filtering, ro.group, band))
         rounds = 1
         while rounds <= self.cfg.algorithm.max_gen_rounds and more is not None and agree.any(group_count(ro.group) < want):
             new_index = torch.as_tensor(list(more()), dtype=torch.long)
@@ -191,7 +191,7 @@ class RolloutMaker:
             with timed(timings, "reward"):
                 new_scores = self.score(new, samples)
             new, new_scores, new_index = _keep_groups(new, new_scores, new_index,
-                                                      kept_groups(new_scores.rewards, new.group, band))
+                                                      kept_groups(new_scores.for_filtering, new.group, band))
             ro, scores = concat_rollouts(ro, new, pad), scores.cat(new_scores)
             index = torch.cat([index, new_index])
         kept = agree.fewest(min(group_count(ro.group), want))

@@ -67,7 +67,8 @@ class RewardStage:
             costs = torch.tensor(rule_scores(self.cost_fn, "cost function", rows, texts, prompts))
         elif self.cost_model is not None:
             costs = model_scores(self.cost_model, "cost model", ro, rows)
-        return Scores(out, torch.tensor(correct), costs)
+        # an environment's last score, which OpenRLHF's dynamic filtering tests in place of the reward
+        return Scores(out, torch.tensor(correct), costs, filter_scores=ro.stats.get("env_score"))
 
     def task_scores(self, ro: Rollout, rows: Sequence[Sample]) -> tuple[list[float], list[bool]]:
         """Each row's task reward and whether it is correct (a correctness score >= 1): from the environment that
