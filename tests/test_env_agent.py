@@ -243,6 +243,8 @@ def test_config_checks_name_the_keys_that_do_not_go_with_an_environment(tmp_path
     with pytest.raises(ConfigError, match="recompute_old_logprobs=true"):
         load_config(None, [f"agent.env_path={path}", "actor.state_masking=false",
                                  "actor.recompute_old_logprobs=false"])
+    with pytest.raises(ConfigError, match="what the turns append"):  # Search-R1's search agent alike
+        load_config(None, ["agent.max_turns=2", "actor.state_masking=false", "actor.recompute_old_logprobs=false"])
     cfg = load_config(None, [f"agent.env_path={path}", "rollout.max_new_tokens=24"])
     from alignrl.config.checks import response_cap
 

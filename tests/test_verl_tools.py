@@ -269,7 +269,7 @@ def test_a_gsm8k_episode_keeps_ids_appends_the_tool_turn_and_is_scored_by_the_re
     assert stage.score(ro, rows).rewards.tolist() == [1.0, 0.0]
 
 
-def test_with_tools_builds_the_loop_and_refuses_it_beside_an_environment(tiny_model, tmp_path):
+def test_with_tools_builds_the_loop_and_the_config_refuses_it_beside_an_environment(tiny_model, tmp_path):
     from alignrl.config import ConfigError, load_config
     from alignrl.placements.build import with_tools
 
@@ -283,10 +283,12 @@ def test_with_tools_builds_the_loop_and_refuses_it_beside_an_environment(tiny_mo
     assert env.loop == ToolLoop(4, 0, 3, 256, "left", "hermes") and list(env.tools) == ["calc_gsm8k_reward"]
     env_file = tmp_path / "agent_func.py"
     env_file.write_text("")
-    both = load_config(None, [f"agent.tool_config_path={path}", f"agent.env_path={env_file}"])
-    with pytest.raises(ConfigError) as err:
-        with_tools(both, ScriptedEngine({}), tok)
+    with pytest.raises(ConfigError) as err:  # refused when the config loads, before anything is built
+        load_config(None, [f"agent.tool_config_path={path}", f"agent.env_path={env_file}"])
     assert "give one of them" in one_line(str(err.value))
+    with pytest.raises(ConfigError, match="set actor.recompute_old_logprobs=true"):
+        load_config(None, [f"agent.tool_config_path={path}", "actor.state_masking=false",
+                           "actor.recompute_old_logprobs=false"])
     with pytest.raises(ConfigError, match="tool_response_truncate_side='top' is not allowed"):
         load_config(None, [f"agent.tool_config_path={path}", "agent.tool_response_truncate_side=top"])
 

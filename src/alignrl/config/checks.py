@@ -39,8 +39,8 @@ def episode_cap(max_turns: int, max_new_tokens: int, max_obs_length: int, max_re
 def response_cap(cfg: RunConfig) -> int:
     """The longest response a run produces: rollout.max_new_tokens for single-turn generation, the
     episode's cap for multi-turn tool use, agent.max_response_length (else rollout.max_new_tokens) with an
-    environment. Length-based shaping and normalisation are relative to it."""
-    if cfg.agent.env_path:
+    environment or verl's tool loop. Length-based shaping and normalisation are relative to it."""
+    if cfg.agent.env_path or cfg.agent.tool_config_path:
         return cfg.agent.max_response_length or cfg.rollout.max_new_tokens
     if cfg.agent.max_turns == 0:
         return cfg.rollout.max_new_tokens
@@ -253,7 +253,7 @@ def _safety(cfg: RunConfig) -> str | None:
 
 def _urls(cfg: RunConfig) -> str | None:
     problem = retriever_url_problem(cfg.retriever.url)
-    if cfg.agent.max_turns and cfg.agent.search and problem:
+    if cfg.agent.max_turns and cfg.agent.search and not (cfg.agent.env_path or cfg.agent.tool_config_path) and problem:
         return problem
     for kind in ("generation", "reference", "reward"):  # here, once, not on every rank as it connects
         value = getattr(cfg.services, f"{kind}_url")
@@ -266,19 +266,24 @@ def _urls(cfg: RunConfig) -> str | None:
     return None
 
 
-def _environment(cfg: RunConfig) -> str | None:
-    """An environment (agent.env_path) gives the rewards and runs the turns: a reward model or a search agent
-    beside it would be ignored, and its feedback ids would be trained on without state masking."""
-    if not cfg.agent.env_path:
-        return None
+def _multi_turn(cfg: RunConfig) -> str | None:
+    """Multi-turn rollouts (an environment, verl's tool loop, Search-R1's search): one of them runs the turns; an
+    environment gives the rewards, so a reward model beside it would be ignored; and what the turns append (feedback,
+    tool responses, search results) has no rollout log-probs, so training on it needs them recomputed."""
+    a = cfg.agent
+    if a.env_path and a.tool_config_path:
+        return ("agent.env_path and agent.tool_config_path each run the episodes: give one of them (an OpenRLHF "
+                "environment file, or verl's tool config YAML)")
     scorer = (cfg.algorithm.reward_model and "algorithm.reward_model") or (cfg.services.reward_url and
                                                                             "services.reward_url")
-    if scorer:
-        return (f"agent.env_path={cfg.agent.env_path} gives the rewards (its step()'s 'rewards'): drop {scorer}, or "
-                "drop agent.env_path to score with it")
-    if not cfg.actor.state_masking and not cfg.actor.recompute_old_logprobs:
-        return ("actor.state_masking=false trains on the environment's feedback, which has no rollout log-probs: set "
-                "actor.recompute_old_logprobs=true (or keep actor.state_masking=true)")
+    if scorer and a.env_path:
+        return (f"agent.env_path={a.env_path} gives the rewards (its step()'s 'rewards'): drop {scorer}, or drop "
+                "agent.env_path to score with it")
+    turns = a.env_path or a.tool_config_path or a.max_turns
+    if turns and not cfg.actor.state_masking and not cfg.actor.recompute_old_logprobs:
+        return ("actor.state_masking=false trains on what the turns append (tool observations, an environment's "
+                "feedback), which has no rollout log-probs: set actor.recompute_old_logprobs=true (or keep "
+                "actor.state_masking=true)")
     return None
 
 
@@ -343,7 +348,7 @@ def _dynamic_sampling(cfg: RunConfig) -> str | None:
 # (check_prompt_keys raises its own, with the same kind of line)
 _COMBINATIONS = (_batch_sizes, _validation_sampler, replay_problem, _overlong_buffer, _rollout_is, _loggers_and_files, check_prompt_keys,
                  _train_probs, _optimiser_and_clips, _dynamic_sampling, _estimator, _critic, _pipeline, _safety, _urls,
-                 _environment)
+                 _multi_turn)
 
 
 def check_folders(folders: dict[str, Path]) -> None:

@@ -19,7 +19,7 @@ from alignrl.rl.producer import LocalRefScorer, RolloutMaker
 from alignrl.preference.rm import check_rl_scorers
 from alignrl.rl.scoring import RewardStage
 from alignrl.rl.trainer import CriticParts
-from alignrl.config import ConfigError, RunConfig
+from alignrl.config import RunConfig
 from alignrl.config.checks import needs_reference, response_cap
 from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.runtime.env import SINGLE, DistEnv
@@ -128,30 +128,24 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device) -> RewardStag
 
 def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngine:
     """The episodes against the environment of agent.env_path or verl's tool loop of agent.tool_config_path over
-    `engine`, else the multi-turn search rollout when agent.max_turns > 0, else `engine` itself."""
-    if cfg.agent.env_path:
-        if cfg.agent.tool_config_path:
-            raise ConfigError("agent.env_path and agent.tool_config_path each run the episodes: give one of them "
-                              "(an OpenRLHF environment file, or verl's tool config YAML)")
-        make_env = load_environment(cfg.agent.env_path)
-        return EnvRollout(engine, tokenizer, make_env, response_cap(cfg), cfg.agent.max_turns)
-    if cfg.agent.max_turns == 0 and not cfg.agent.tool_config_path:
-        return engine
-    if not cfg.actor.state_masking and not cfg.actor.recompute_old_logprobs:
-        raise ConfigError("actor.state_masking=false trains on tool observations, which have no rollout "
-                          "log-probs: set actor.recompute_old_logprobs=true (or keep actor.state_masking=true)")
+    `engine`, else the multi-turn search rollout when agent.max_turns > 0, else `engine` itself (the config's checks
+    refused the combinations that cannot work: `checks._multi_turn`)."""
     a = cfg.agent
+    if a.env_path:
+        return EnvRollout(engine, tokenizer, load_environment(a.env_path), response_cap(cfg), a.max_turns)
     if a.tool_config_path:  # verl's tool agent loop, agent.max_turns its max_assistant_turns
         loop = ToolLoop(a.max_turns, a.max_user_turns, a.max_parallel_calls, a.max_tool_response_length,
                         a.tool_response_truncate_side, a.tool_format)
         return EnvRollout(engine, tokenizer, tool_environment(a.tool_config_path, tokenizer, loop), response_cap(cfg),
                           a.max_turns)
+    if a.max_turns == 0:
+        return engine
     r, d = cfg.retriever, cfg.data
-    tool = RetrieverClient(r.url, r.topk, r.timeout_s, r.retries) if cfg.agent.search else None
+    tool = RetrieverClient(r.url, r.topk, r.timeout_s, r.retries) if a.search else None
     if tool is not None:
         tool.check()
-    return AgentRollout(engine, tokenizer, tool, cfg.agent.max_turns, d.max_obs_length,
-                        d.max_start_length or d.max_prompt_length, response_cap(cfg))
+    return AgentRollout(engine, tokenizer, tool, a.max_turns, d.max_obs_length, d.max_start_length or d.max_prompt_length,
+                        response_cap(cfg))
 
 
 def build_maker(cfg: RunConfig, engine: RolloutEngine, tokenizer, ref: RefScorer | None, device: torch.device,
