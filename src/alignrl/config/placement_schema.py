@@ -13,7 +13,9 @@ class ServicesConfig:
     generation_url: str = opt("", "`alignrl serve generate` URL: rollouts are generated there and new weights are "
                                   "pushed to it after every step (seed layout: training.services.generation.url)")
     reference_url: str = opt("", "`alignrl serve ref` URL for reference log-probs (training.services.reference.url)")
-    reward_url: str = opt("", "`alignrl serve reward` URL: its score is the reward (training.services.reward.url)")
+    reward_url: str = opt("", "`alignrl serve reward` URL: its score is the reward (training.services.reward.url); "
+                              "an OpenRLHF-style endpoint (http://host:5000/get_reward); several, comma-separated, "
+                              "share each batch in contiguous shards (OpenRLHF's --remote_rm_url a,b)")
     timeout_s: float = opt(300.0, "per-request timeout of service clients, seconds", gt=0.0)
     retries: int = opt(3, "tries per request before a service counts as down (exponential backoff)", ge=1)
     wait_s: float = opt(30.0, "seconds a run waits at its start for a configured service that does not answer "
