@@ -4,8 +4,9 @@
 Four kinds of verl keys:
 
 * renamed: same behaviour under an alignrl key (`actor_rollout_ref.actor.optim.lr` -> `actor.lr`; the
-  actor's and critic's `strategy`, fsdp by default as in verl, -> `trainer.strategy=fsdp`: FSDP2 over the
-  ranks, unsharded on one);
+  actor's engine, fsdp by default as in verl, -> `trainer.strategy=fsdp`: FSDP2 over the ranks, unsharded on
+  one; verl's DeepSpeed engine (`actor@actor_rollout_ref.actor=ds_actor`, `strategy=deepspeed`, its
+  `zero_stage` and `offload`) -> `trainer.strategy=deepspeed` with its stage and offload: `verl_groups`);
 * not used on this device: settings of GPU memory, FSDP, vLLM or HDFS that change no result here
   (offload, `gpu_memory_utilization`, the deprecated global micro-batch sizes of log-prob passes, ...);
   accepted and listed once;
@@ -20,7 +21,8 @@ still gets the usual "unknown config key" line. A verl-spelled command line also
 where alignrl's differ, unless the key is given: Search-R1's (`SEARCH_R1_DEFAULTS`) when it gives a key only
 Search-R1 reads, verl 0.7's (`VERL07_DEFAULTS`) otherwise, so a verl user who leaves a key out gets what that verl
 would have done. verl 0.7's newer spellings are read by `verl_recent`. Hydra's config selection (`--config-name`)
-is refused by the command line (`alignrl.cli`); a YAML file goes in `--config`.
+other than main_ppo's own `ppo_trainer` is refused by the command line (`alignrl.cli`); a YAML file goes in
+`--config`. Hydra's selection of verl's own config groups is read by `verl_groups`.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ from dataclasses import dataclass, field
 from alignrl.config.checks import nearest_sibling
 from alignrl.config.file_shape import SEED_KEYS, SEED_MODEL_PARTS, unknown_seed_key
 from alignrl.config.schema import ConfigError
+from alignrl.config.verl_groups import engine as _engine, finish as finish_engine
 from alignrl.config.verl_pass import TranslationPass
 from alignrl.config.verl_recent import finish as finish_recent, parsed as _value, recent as _recent
 from alignrl.config.verl_tables import (A, ALIASES, CKPT_TO_KEEP, CRITIC_FOLLOWS_ACTOR, MISSING, NOT_APPLIED,
-                                        NOT_USED, NOTED, ONLY_VALUE, R, RENAMES, SEARCH_R1_DEFAULTS, STRATEGIES, SEARCH_R1_ONLY,
+                                        NOT_USED, NOTED, ONLY_VALUE, R, RENAMES, SEARCH_R1_DEFAULTS, SEARCH_R1_ONLY,
                                         VERL07_CLIP_RATIO_C, VERL07_DEFAULTS, VERL_SECTIONS)
 
 
@@ -64,8 +67,9 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
         key = ALIASES.get(key.lstrip("+"), key.lstrip("+"))
         st.verl = st.verl or o.startswith("+") or key.startswith(("actor_rollout_ref.", "critic.optim.",
                                                                   "critic.model."))
-        # one chain of cases, split in four: the first case that matches the key takes it
-        if not (_renamed(st, key, value) or _recent(st, key, value) or _accepted(st, key, value)):
+        # one chain of cases, split in five: the first case that matches the key takes it
+        if not (_engine(st, key, value) or _renamed(st, key, value) or _recent(st, key, value)
+                or _accepted(st, key, value)):
             _other(st, key, value)
     return _finish(st)
 
@@ -85,11 +89,6 @@ def _renamed(st: TranslationPass, key: str, value: str) -> bool:
             st.out += [f"{target}={value}" for target in RENAMES[key]]
     elif key == A + "ppo_micro_batch_size" and isinstance(_value(value), int):
         st.verl, st.global_micro = True, _value(value)  # all ranks together, as verl divides it (resolve_counts)
-    elif key in (A + "strategy", "critic.strategy"):  # one engine trains both in alignrl
-        st.verl = True
-        if str(_value(value)) not in ("fsdp", "fsdp2"):
-            raise ConfigError(f"{key}={value} is not supported ({STRATEGIES})")
-        st.out.append("trainer.strategy=fsdp")
     elif key == "trainer.critic_warmup" and isinstance(_value(value), int):
         # verl trains the actor from global step critic_warmup (steps count from 1); alignrl after
         # critic.warmup_steps critic-only steps
@@ -174,6 +173,7 @@ def _finish(st: TranslationPass) -> Translation:
             not_applied[key] = (value, "alignrl's critic trains on the actor's mini-batches and epochs "
                                        "(actor_rollout_ref.actor.ppo_mini_batch_size and ppo_epochs)")
     out += finish_recent(st)
+    out += finish_engine(st)  # also puts the critic's engine settings the run does not follow in not_applied
     notes = st.notes + _grouped(not_applied)
     if custom.get("path") not in (None, "null"):  # verl's default function name is compute_score
         out.append(f"algorithm.reward_fn={custom['path']}:{custom.get('name', 'compute_score')}")
@@ -225,8 +225,11 @@ def verl_defaults(t: Translation, given: set[str], adv_estimator: str, use_kl_lo
         out.append(f"algorithm.use_kl_in_reward={not use_kl_loss}")
     if not t.search_r1 and "actor.clip_ratio_c" not in given and _policy_loss(t, given) == "ppo_clip":
         out.append(f"actor.clip_ratio_c={VERL07_CLIP_RATIO_C}")  # verl 0.7's vanilla loss dual-clips
+    estimator = adv_estimator if "algorithm.adv_estimator" in given else "gae"  # the table's when none is given
     if "critic.enable" not in given:
-        out.append(f"critic.enable={adv_estimator == 'gae'}")
+        out.append(f"critic.enable={estimator == 'gae'}")
+    if estimator == "gae" and "rollout.n" not in given:  # verl's PPO samples one response a prompt; a group
+        out.append("rollout.n=1")  # estimator left without rollout.n keeps alignrl's group of 8 (verl's 1 has none)
     if "agent.max_response_length" not in given:  # Search-R1 keeps a trajectory's first max_prompt_length tokens
         out.append("agent.max_response_length=${data.max_prompt_length}")
     if "model.dtype" not in given and _cuda_bf16():

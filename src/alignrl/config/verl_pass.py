@@ -26,6 +26,8 @@ class TranslationPass:
     later: dict[str, tuple[str, object]] = field(default_factory=dict)  # keys read once every override is known
     loss_mode: str = "vanilla"  # verl's actor.policy_loss.loss_mode
     remote_code: list[str] = field(default_factory=list)  # the *.trust_remote_code keys set true
+    # actor / critic -> setting (group, strategy, zero_stage, offload, optimizer_offload) -> ("key=value", value)
+    engine: dict[str, dict[str, tuple[str, object]]] = field(default_factory=dict)
     verl: bool = False
     output_is_run_dir: bool = False
     global_micro: int | None = None

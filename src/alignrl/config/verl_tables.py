@@ -6,8 +6,9 @@ from __future__ import annotations
 
 A = "actor_rollout_ref.actor."
 R = "actor_rollout_ref.rollout."
-# what a verl strategy other than fsdp (megatron, by key or by --config-name) is told
-STRATEGIES = "alignrl shards with FSDP2: fsdp or fsdp2; trainer.strategy=deepspeed for ZeRO"
+# what a verl strategy alignrl lacks (megatron, by key, group or --config-name) is told
+STRATEGIES = ("alignrl shards with FSDP2: strategy fsdp or fsdp2, verl's dp_actor / dp_critic; or with DeepSpeed ZeRO: "
+              "strategy deepspeed, verl's ds_actor / ds_critic")
 
 RENAMES: dict[str, tuple[str, ...]] = {
     "actor_rollout_ref.model.path": ("model.path",),
@@ -102,7 +103,13 @@ NOT_USED = (
     "*.enable_activation_offload", "actor_rollout_ref.model.use_liger", "*.entropy_checkpointing",
     "*.entropy_from_logits_with_chunking", "*.use_torch_compile", "*.override_config.*", "*.fsdp.*",
     "actor_rollout_ref.nccl_timeout", "*.checkpoint.*", "*.profiler.*", "global_profiler.*", "ray_kwargs.*",
-    "actor_rollout_ref.model.lora.merge", "trainer.balance_batch", "trainer.use_legacy_worker_impl",
+    "actor_rollout_ref.model.lora.merge", "trainer.balance_batch",
+    # which of verl's worker classes hosts the roles (its legacy FSDP / DeepSpeed workers or its engine workers): the
+    # same training either way, and alignrl has one trainer of its own
+    "trainer.use_legacy_worker_impl",
+    # verl's DeepSpeed engine besides its ZeRO stage and offload (read by verl_groups): precision, parameter offload
+    # (verl's own is off unless an environment switch allows it at ZeRO-3), NVMe folder, token budgets, compilation
+    "*.deepspeed.*", "*.deepspeed_config.*",
     "trainer.log_val_generations", "trainer.ray_wait_register_center_timeout", "trainer.esi_redundant_time",
     "data.dataloader_num_workers", "data.use_shm", "data.return_full_prompt", "data.validation_shuffle",
     "reward_model.inference.*", "reward_model.reward_kwargs.overlong_buffer_cfg.log",
@@ -226,6 +233,7 @@ SEARCH_R1_ONLY = (R + "n_agent", A + "state_masking", "max_turns", "do_search", 
 # checkpoint kept; a multi-turn episode is cut at data.max_prompt_length tokens (its generation manager's
 # right side). The critic's AdamW decays at 0.01 in both verls (Search-R1's FSDP workers default it so).
 SEARCH_R1_DEFAULTS: dict[str, object] = {
+    "algorithm.adv_estimator": "gae",  # PPO with a critic (and one response a prompt: verl_defaults)
     "trainer.strategy": "fsdp",  # verl's actor and critic strategy: FSDP over the ranks (alignrl's fsdp2)
     "trainer.max_checkpoints": 0,  # Search-R1's verl never deletes a checkpoint; alignrl's default keeps 2
     "actor.use_kl_loss": False,
@@ -238,6 +246,7 @@ SEARCH_R1_DEFAULTS: dict[str, object] = {
 # bonus, full nucleus, token-mean losses, weight decay 0.01 for both optimizers, every checkpoint kept (max ckpt to
 # keep null); its vanilla loss dual-clips at 3.0 (added by verl_defaults only where alignrl's loss is ppo_clip).
 VERL07_DEFAULTS: dict[str, object] = {
+    "algorithm.adv_estimator": "gae",
     "trainer.strategy": "fsdp",
     "trainer.max_checkpoints": 0,
     "actor.use_kl_loss": False,
