@@ -297,9 +297,22 @@ def test_trust_remote_code_is_refused_only_for_a_model_that_needs_its_own_code(t
     load_config(None, BASE + [f"actor_rollout_ref.model.path={custom}", "critic.model.trust_remote_code=False"])
 
 
-def test_verls_tool_agent_loop_is_one_line():
-    assert "tool-calling agent loop is not implemented" in one_line(
-        BASE + ["actor_rollout_ref.rollout.multi_turn.enable=true"])
+def test_verls_tool_agent_loop_maps_to_the_tool_loop_keys(tmp_path):
+    tools = tmp_path / "tool_config.yaml"
+    tools.write_text("tools: []\n")
+    R = "actor_rollout_ref.rollout."
+    cfg = load_config(None, BASE + [f"{R}multi_turn.enable=true", f"{R}multi_turn.tool_config_path={tools}",
+                                    f"{R}multi_turn.max_assistant_turns=5", f"{R}multi_turn.max_user_turns=null",
+                                    f"{R}multi_turn.max_parallel_calls=2", f"{R}multi_turn.format=hermes",
+                                    f"{R}multi_turn.max_tool_response_length=64",
+                                    f"{R}multi_turn.tool_response_truncate_side=left"])
+    a = cfg.agent
+    assert (a.tool_config_path, a.max_turns, a.max_user_turns, a.max_parallel_calls, a.tool_format) == (
+        str(tools), 5, 0, 2, "hermes")
+    assert (a.max_tool_response_length, a.tool_response_truncate_side) == (64, "left")
+    assert "interactions" in one_line(BASE + [f"{R}multi_turn.interaction_config_path=interaction.yaml"])
+    assert "max_assistant_turns" not in " ".join(translate(BASE + [f"{R}multi_turn.max_assistant_turns=null"]).not_used)
+    assert "custom agent loops" in one_line(BASE + [f"{R}agent.agent_loop_config_path=loops.yaml"])
 
 
 # ------------------------------------------------------------------------------------------ Hydra's selection
@@ -308,9 +321,10 @@ def test_verls_tool_agent_loop_is_one_line():
 @pytest.mark.parametrize("argv, words", [
     (["--config-name=ppo_megatron_trainer"], "selects verl's Megatron trainer, which is not supported"),
     (["--config-name", "ppo_megatron_trainer.yaml"], "Megatron"),
-    (["--config-path=config", "--config-name=gsm8k_multiturn_grpo"], "alignrl reads no Hydra config folder"),
-    (["-cn", "dapo_trainer"], "--config-name=dapo_trainer: alignrl reads no Hydra config folder"),
+    (["--config-path=config", "--config-name=gsm8k_multiturn_grpo"], "no such file config/gsm8k_multiturn_grpo.yaml"),
+    (["-cn", "dapo_trainer"], "--config-name=dapo_trainer: alignrl reads verl's ppo_trainer and a config of yours"),
     (["--config-path", "recipe/config", "--config-name=ppo_trainer"], "--config-path=recipe/config"),
+    (["--config-path", "recipe/config"], "without --config-name"),
 ])
 def test_hydras_config_selection_is_one_line(argv, words, capsys):
     from alignrl.cli import main
@@ -319,6 +333,26 @@ def test_hydras_config_selection_is_one_line(argv, words, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
     assert "--config" in err
+
+
+def test_a_config_of_yours_that_extends_ppo_trainer_is_read_before_the_command_line(tmp_path, capsys):
+    """verl's multi-turn examples: `--config-path DIR --config-name NAME` whose file extends ppo_trainer; its settings
+    apply, the command line's win, and a file composing other configs is one line."""
+    from alignrl.cli import main
+
+    (tmp_path / "multiturn_grpo.yaml").write_text(
+        "hydra:\n  searchpath:\n    - file://verl/trainer/config\n\ndefaults:\n  - ppo_trainer\n  - _self_\n\n"
+        "data:\n  max_prompt_length: 96\n  train_batch_size: 8\n  return_raw_chat: True\n"
+        "actor_rollout_ref:\n  hybrid_engine: True\n  rollout:\n    name: sglang\n"
+        "    multi_turn:\n      enable: True\n      max_assistant_turns: 5\n")
+    assert main(["config", f"--config-path={tmp_path}", "--config-name=multiturn_grpo", *BASE]) == 0
+    out = capsys.readouterr().out
+    assert "max_turns: 5" in out and "max_prompt_length: 96" in out
+    assert "train_batch_size: 4" in out  # the command line's (BASE) wins over the file's 8
+    (tmp_path / "composed.yaml").write_text("defaults:\n  - ppo_trainer\n  - override actor: megatron_actor\n")
+    assert main(["config", "-cp", str(tmp_path), "-cn", "composed", *BASE]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "compose other Hydra configs" in err, err
 
 
 def test_main_ppos_own_config_name_says_nothing(capsys):

@@ -66,9 +66,10 @@ def script(train: str, test: str, model: str = "demo", small: bool = False) -> l
 
 def overrides(args: list[str]) -> list[str]:
     """`args` less Hydra's config name, as the command line hands the rest to load_config."""
-    from alignrl.config.verl_recent import without_hydra_selection
+    from alignrl.config.verl_hydra import hydra_selection
 
-    return without_hydra_selection(args)
+    kept, from_config = hydra_selection(args)
+    return from_config + kept
 
 
 def one_line(args: list[str]) -> str:
@@ -167,7 +168,7 @@ def test_main_ppos_own_config_name_is_accepted_silently(argv, capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["-cn", "ppo_megatron_trainer"], "selects verl's Megatron trainer, which is not supported"),
-    (["--config-name=my_trainer"], "--config-name=my_trainer: alignrl reads no Hydra config folder"),
+    (["--config-name=my_trainer"], "--config-name=my_trainer: alignrl reads verl's ppo_trainer and a config of yours"),
 ])
 def test_other_config_names_stay_one_line(argv, words, capsys):
     from alignrl.cli import main

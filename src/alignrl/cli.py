@@ -171,16 +171,17 @@ def _config_path(args: argparse.Namespace) -> Path | str | None:
 def _parse(argv: list[str]) -> argparse.Namespace:
     """Overrides may come before or after options (`--config f.yaml a.b=1`); argparse's subparsers
     cannot intermix positionals with options, so they are collected from the leftovers too."""
-    from alignrl.config.verl_recent import without_hydra_selection  # verl scripts pick Hydra configs this way
+    from alignrl.config.verl_hydra import hydra_selection  # verl scripts pick Hydra configs this way
 
-    args, rest = _parser().parse_known_args(without_hydra_selection(argv))
+    argv, from_config = hydra_selection(argv)
+    args, rest = _parser().parse_known_args(argv)
     bad = [r for r in rest if r.startswith("-") or "=" not in r]
     if bad:
         raise ConfigError(f"unrecognized argument {bad[0]!r} (overrides look like key.sub=value; "
                           f"`alignrl {args.command} --help` lists the options)")
-    if hasattr(args, "overrides"):
-        args.overrides = list(args.overrides) + rest
-    elif rest:
+    if hasattr(args, "overrides"):  # a Hydra config's settings first: the command line's win, as in Hydra
+        args.overrides = from_config + list(args.overrides) + rest
+    elif rest or from_config:
         raise ConfigError(f"`alignrl {args.command}` takes no overrides (got {rest[0]!r})")
     return args
 

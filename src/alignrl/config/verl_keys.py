@@ -36,6 +36,7 @@ from alignrl.config.checks import nearest_sibling
 from alignrl.config.file_shape import SEED_KEYS, SEED_MODEL_PARTS, unknown_seed_key
 from alignrl.config.schema import ConfigError
 from alignrl.config.verl_groups import engine as _engine, finish as finish_engine
+from alignrl.config.verl_multi_turn import multi_turn
 from alignrl.config.verl_pass import TranslationPass
 from alignrl.config.verl_recent import finish as finish_recent, parsed as _value, recent as _recent
 from alignrl.config.verl_tables import (A, ALIASES, CKPT_TO_KEEP, CRITIC_FOLLOWS_ACTOR, MISSING, NOT_APPLIED,
@@ -67,9 +68,9 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
         key = ALIASES.get(key.lstrip("+"), key.lstrip("+"))
         st.verl = st.verl or o.startswith("+") or key.startswith(("actor_rollout_ref.", "critic.optim.",
                                                                   "critic.model."))
-        # one chain of cases, split in five: the first case that matches the key takes it
-        if not (_engine(st, key, value) or _renamed(st, key, value) or _recent(st, key, value)
-                or _accepted(st, key, value)):
+        # one chain of cases, split in six: the first case that matches the key takes it
+        if not (_engine(st, key, value) or multi_turn(st, key, value) or _renamed(st, key, value)
+                or _recent(st, key, value) or _accepted(st, key, value)):
             _other(st, key, value)
     return _finish(st)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from alignrl.config.schema import ConfigError
 from alignrl.config.verl_pass import TranslationPass
 from alignrl.config.verl_tables import (A, DAPO, FILTER_METRICS, LOSS_MODE_TUNING, LOSS_MODES, MISSING, NOT_USED, R, RC,
-                                        REWARD_MANAGERS, ROLLOUT_CORRECTION_OFF, STRATEGIES, VAL_KWARGS)
+                                        REWARD_MANAGERS, ROLLOUT_CORRECTION_OFF, VAL_KWARGS)
 
 # verl's LoRA exclusion alignrl has (the regular expression verl's vision-language LoRA scripts give): the image
 # tower's adapters are frozen at their zero start (actor.freeze_prefix=visual), which leaves it exactly as without them
@@ -259,34 +259,3 @@ def _shipped(model_type: object) -> bool:
     from transformers import CONFIG_MAPPING
 
     return isinstance(model_type, str) and model_type in CONFIG_MAPPING
-
-
-_HYDRA_SELECTION = {"--config-name": "--config-name", "-cn": "--config-name", "--config-path": "--config-path",
-                    "-cp": "--config-path", "--config-dir": "--config-dir", "-cd": "--config-dir"}
-
-
-def without_hydra_selection(argv: list[str]) -> list[str]:
-    """`argv` less Hydra's config selection, refused in one line: alignrl reads no Hydra config folder.
-    `--config-name=ppo_trainer` alone is main_ppo's own default, so it is dropped as saying nothing."""
-    kept, chosen, i = [], [], 0
-    while i < len(argv):
-        flag, sep, value = argv[i].partition("=")
-        if flag not in _HYDRA_SELECTION:
-            kept.append(argv[i])
-        elif sep or i + 1 < len(argv):
-            value = value if sep else argv[i + 1]
-            i += 0 if sep else 1
-            chosen.append((_HYDRA_SELECTION[flag], value.strip("'\"")))
-        else:
-            raise ConfigError(f"{flag} needs a value; alignrl reads no Hydra config folder anyway: put the overrides "
-                              "on the command line, or the settings in a YAML file given to --config")
-        i += 1
-    for flag, value in chosen:
-        if flag == "--config-name" and "megatron" in value:
-            raise ConfigError(f"--config-name={value} selects verl's Megatron trainer, which is not supported "
-                              f"({STRATEGIES})")
-    for flag, value in chosen:
-        if (flag, value.removesuffix(".yaml")) != ("--config-name", "ppo_trainer") or len(chosen) > 1:
-            raise ConfigError(f"{flag}={value}: alignrl reads no Hydra config folder; put the overrides on the "
-                              "command line, or the settings in a YAML file given to --config")
-    return kept

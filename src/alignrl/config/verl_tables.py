@@ -84,7 +84,7 @@ NOT_USED = (
     "critic.optim.total_training_steps", "critic.optim.min_lr_ratio", "critic.ppo_micro_batch_size",
     "critic.model.tokenizer_path", R + "name", R + "gpu_memory_utilization", R + "tensor_model_parallel_size",
     R + "dtype", R + "enforce_eager", R + "free_cache_engine", R + "load_format", R + "max_num_batched_tokens",
-    R + "max_num_seqs", R + "prompt_length", R + "enable_chunked_prefill", R + "multi_turn.format",
+    R + "max_num_seqs", R + "prompt_length", R + "enable_chunked_prefill",
     # verl's LoRA recipes: the model through shared memory, the merged weights summoned layer by layer
     "actor_rollout_ref.model.use_shm", R + "layered_summon",
     "data.filter_overlong_prompts_workers", "reward_model.overlong_buffer.log",
@@ -168,9 +168,6 @@ ONLY_VALUE: dict[str, tuple[object, str]] = {
     R + "do_sample": (True, "training rollouts sample; evaluation is greedy"),
     R + "ignore_eos": (False, "generation always stops at eos"),
     "critic.optim.warmup_style": ("constant", "the critic's lr is constant after its warm-up"),
-    R + "multi_turn.enable": (False, "alignrl's multi-turn loop is Search-R1's search agent (max_turns, retriever.url); "
-                                     "verl's tool-calling agent loop is not implemented"),
-    R + "multi_turn.tool_config_path": (None, "verl's tool-calling agent loop is not implemented"),
     R + "mode": ("async", "alignrl's engines batch every prompt of a step; verl 0.7 removed the sync mode too"),
 }
 # verl's validation sampler (rollout.val_kwargs): ours is rollout.val_*; do_sample=false (verl's default) is greedy
