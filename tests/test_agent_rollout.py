@@ -5,7 +5,6 @@
 import pytest
 import torch
 
-from alignrl.data.collate import left_pad, right_pad
 from alignrl.data.records import Rollout
 from alignrl.interfaces import SamplingParams
 from alignrl.models.logprobs import response_logprobs
@@ -13,6 +12,7 @@ from alignrl.rollout.agent import INFO_CLOSE, INFO_OPEN, INVALID_ACTION, AgentRo
 from alignrl.rollout.hf_engine import HFRolloutEngine
 from alignrl.rollout.remote import RemoteRolloutEngine
 from alignrl.rollout.retriever import passages_text
+from scripted_engine import ScriptedEngine as Scripted
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,32 +34,12 @@ def test_passages_are_formatted_as_search_r1():
                                    'Doc 2(Title: "Lyon") A city.\nSecond line.\n')
 
 
-class ScriptedEngine:
-    """Answers each row by the text scripted for its prompt and turn (the turn is read off the number of
-    calls that row has seen); records every call's contexts and the ids it returned."""
+def _search_stops(params: SamplingParams) -> None:
+    assert "</search>" in params.stop and "</answer>" in params.stop
 
-    def __init__(self, tokenizer, script: dict[int, list[list[int]]], truncate_turns=()):
-        self.tok, self.script, self.truncate_turns = tokenizer, script, set(truncate_turns)
-        self.calls: list[tuple[list[list[int]], list[list[int]]]] = []
-        self.seen: dict[int, int] = {}
 
-    def generate(self, prompts, params: SamplingParams) -> Rollout:
-        assert params.n == 1 and "</search>" in params.stop and "</answer>" in params.stop
-        outs, trunc = [], []
-        for p in prompts:
-            key = p[0]  # each test prompt starts with its own id
-            turn = self.seen.get(key, 0)
-            self.seen[key] = turn + 1
-            outs.append(self.script[key][turn][: params.max_new_tokens])
-            trunc.append((key, turn) in self.truncate_turns)
-        self.calls.append(([list(p) for p in prompts], outs))
-        pid, pm = left_pad(prompts, 0)
-        rid, rm = right_pad(outs, 0)
-        lp = -(torch.arange(rid.numel(), dtype=torch.float32).view(rid.shape) + 1) / 100 * rm
-        return Rollout(pid, pm, rid, rm, lp, torch.tensor(trunc), torch.arange(len(prompts)))
-
-    def load_weights(self, named_tensors):
-        pass
+def ScriptedEngine(tokenizer, script, truncate_turns=()):  # noqa: N802 (the shared engine with Search-R1's stops)
+    return Scripted(script, truncate_turns, check=_search_stops)
 
 
 class RecordingTool:

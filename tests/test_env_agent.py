@@ -8,13 +8,13 @@ import textwrap
 import pytest
 import torch
 
-from alignrl.data.collate import left_pad, right_pad
-from alignrl.data.records import Rollout, Sample
+from alignrl.data.records import Sample
 from alignrl.errors import UserError
 from alignrl.interfaces import SamplingParams
 from alignrl.rollout.env_agent import EnvironmentStepError, EnvRollout, TaskPrompt, with_labels
 from alignrl.rollout.environments import EnvironmentFileError, load_environment
 from conftest import one_line
+from scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -53,30 +53,6 @@ class AgentExecutor(MultiTurnAgentExecutor):
 '''
 
 
-class ScriptedEngine:
-    """Gives each row the ids scripted for its prompt (keyed by the prompt's first id) and turn; records calls."""
-
-    def __init__(self, script: dict[int, list[list[int]]], truncate=()):
-        self.script, self.truncate, self.seen, self.calls = script, set(truncate), {}, []
-
-    def generate(self, prompts, params: SamplingParams) -> Rollout:
-        assert params.n == 1
-        outs, trunc = [], []
-        for p in prompts:
-            turn = self.seen.get(p[0], 0)
-            self.seen[p[0]] = turn + 1
-            outs.append(self.script[p[0]][turn][: params.max_new_tokens])
-            trunc.append((p[0], turn) in self.truncate)
-        self.calls.append([list(p) for p in prompts])
-        pid, pm = left_pad(prompts, 0)
-        rid, rm = right_pad(outs, 0)
-        lp = -(torch.arange(rid.numel(), dtype=torch.float32).view(rid.shape) + 1) / 100 * rm
-        return Rollout(pid, pm, rid, rm, lp, torch.tensor(trunc), torch.arange(len(prompts)))
-
-    def load_weights(self, named_tensors):
-        pass
-
-
 def _env_file(tmp_path, text=GUESS_ENV, name="agent_func.py"):
     path = tmp_path / name
     path.write_text(textwrap.dedent(text))
@@ -106,7 +82,7 @@ def test_turns_keep_generated_ids_feedback_between_and_env_rewards(tiny_model, t
     assert (ro.logprobs[0][len(wrong):len(wrong) + len(feedback)] == 0).all()
     assert (ro.logprobs[0][:len(wrong)] < 0).all()
     assert ro.response_ids[1][ro.response_mask[1]].tolist() == right4
-    assert engine.calls[1] == [prompts[0] + wrong + feedback]  # the second turn reads the first and its feedback
+    assert engine.calls[1][0] == [prompts[0] + wrong + feedback]  # the second turn reads the first and its feedback
     assert ro.stats["env_reward"].tolist() == [0.75, 1.0] and ro.stats["env_score"].tolist() == [1.0, 1.0]
     assert ro.stats["turns"].tolist() == [2.0, 1.0] and ro.stats["env/tries"].tolist() == [2.0, 1.0]
     assert not ro.truncated.any()

@@ -12,8 +12,8 @@ import shlex
 
 import pytest
 
-from alignrl.config import ConfigError, load_config
-from test_verl07_scripts import write_math
+from alignrl.config import load_config
+from test_verl07_sweep import _list_again, files, one_line  # noqa: F401 (fixtures shared with the sweep's tests)
 
 # Everything after `python3 -m verl.trainer.main_ppo` in the script, with its defaults (ZERO_STAGE=2, OFFLOAD=none,
 # STEPS=60) filled in and the shell's variables as the tests fill them in ($M: the model; $TRAIN, $TEST: the data).
@@ -41,19 +41,9 @@ DS_PPO = """-cn ppo_trainer actor@actor_rollout_ref.actor=ds_actor critic=ds_cri
 
 # the script's GPU, batch and length numbers, shrunk to a CPU step of the tiny model
 SMALL = {"trainer.n_gpus_per_node": "1", "data.train_batch_size": "2",
-         "actor_rollout_ref.actor.ppo_mini_batch_size": "2", "critic.ppo_mini_batch_size": "2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "1",
-         "critic.ppo_micro_batch_size_per_gpu": "1", "data.max_prompt_length": "64", "data.max_response_length": "4",
+         "actor_rollout_ref.actor.ppo_mini_batch_size": "2", "critic.ppo_mini_batch_size": "2",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "1", "critic.ppo_micro_batch_size_per_gpu": "1", "data.max_prompt_length": "64", "data.max_response_length": "4",
          "trainer.total_training_steps": "2"}
-
-
-@pytest.fixture(autouse=True)
-def _list_again(monkeypatch):
-    monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED", raising=False)  # each test sees the one-time listing
-
-
-@pytest.fixture
-def files(tmp_path):
-    return write_math(tmp_path / "train.parquet"), write_math(tmp_path / "test.parquet")
 
 
 def script(train: str, test: str, model: str = "demo", small: bool = False) -> list[str]:
@@ -70,13 +60,6 @@ def overrides(args: list[str]) -> list[str]:
 
     kept, from_config = hydra_selection(args)
     return from_config + kept
-
-
-def one_line(args: list[str]) -> str:
-    with pytest.raises(ConfigError) as e:
-        load_config(None, args)
-    assert "\n" not in str(e.value)
-    return str(e.value)
 
 
 BASE = ["algorithm.adv_estimator=gae", "actor_rollout_ref.model.path=demo", "data.train_batch_size=4",

@@ -9,15 +9,15 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from alignrl.data.collate import left_pad, prompt_ids, right_pad
-from alignrl.data.records import Rollout, Sample
+from alignrl.data.records import Sample
 from alignrl.interfaces import SamplingParams
 from alignrl.rollout.env_agent import EnvRollout, TaskPrompt
 from alignrl.rollout.tool_calls import ToolChat, ToolTemplateError, parse_hermes, truncate_response
 from alignrl.rollout.verl_tools import ToolConfigError, ToolLoop, ToolResultError, load_tools, tool_environment
 from conftest import one_line
+from scripted_engine import ScriptedEngine as Scripted
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -219,27 +219,9 @@ def test_prompt_carries_the_schemas_and_feedback_drops_the_empty_conversation_pr
         ToolChat(strict, [])
 
 
-class ScriptedEngine:
-    """Gives each episode the turns scripted for the prompt it started from; records the prompts of each call."""
-
-    def __init__(self, script: dict[tuple, list[list[int]]]):
-        self.script, self.seen, self.calls = script, {}, []
-
-    def generate(self, prompts, params: SamplingParams) -> Rollout:
-        outs = []
-        for p in prompts:
-            key = next(k for k in self.script if tuple(p[:len(k)]) == k)
-            turn = self.seen.get(key, 0)
-            self.seen[key] = turn + 1
-            outs.append(self.script[key][turn][: params.max_new_tokens])
-        self.calls.append([list(p) for p in prompts])
-        pid, pm = left_pad(prompts, 0)
-        rid, rm = right_pad(outs, 0)
-        lp = -(torch.arange(rid.numel(), dtype=torch.float32).view(rid.shape) + 1) / 100 * rm
-        return Rollout(pid, pm, rid, rm, lp, torch.zeros(len(prompts), dtype=torch.bool), torch.arange(len(prompts)))
-
-    def load_weights(self, named_tensors):
-        pass
+def ScriptedEngine(script: dict[tuple, list[list[int]]]):  # noqa: N802
+    """The shared engine keyed by the prompt an episode started from (its leading ids)."""
+    return Scripted(script, key=lambda p: next(k for k in script if tuple(p[:len(k)]) == k))
 
 
 def test_a_gsm8k_episode_keeps_ids_appends_the_tool_turn_and_is_scored_by_the_reward_function(tiny_model, tmp_path):
@@ -261,7 +243,7 @@ def test_a_gsm8k_episode_keeps_ids_appends_the_tool_turn_and_is_scored_by_the_re
     assert ro.loss_mask[0][ro.response_mask[0]].tolist() == [True] * len(call) + [False] * len(feedback) + \
         [True] * len(right)
     assert (ro.logprobs[0][len(call):len(call) + len(feedback)] == 0).all()
-    assert engine.calls[1][0] == list(prompts[0]) + call + feedback  # the answer turn reads the tool's response
+    assert engine.calls[1][0][0] == list(prompts[0]) + call + feedback  # the answer turn reads the tool's response
     assert ro.prompt_ids[0][ro.prompt_mask[0]].tolist() == list(prompts[0])  # the tiny template prints no tools
     assert ro.stats["turns"].tolist() == [2.0, 2.0] and ro.stats["env/tool_calls"].tolist() == [1.0, 1.0]
     assert "env_reward" not in ro.stats  # the steps give no reward: the reward function scores the response
