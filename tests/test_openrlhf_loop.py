@@ -1,6 +1,6 @@
 """OpenRLHF's rollout-loop flags of `train_ppo_ray` in both spellings: dynamic filtering as alignrl's dynamic sampling
-by the mean reward's open range, ring attention accepted and listed as not used, the agent function as the environment file
-(agent.env_path). No Ray cluster needed."""
+by the mean reward's open range, ring attention accepted and listed as not used, the agent function as the
+environment file (agent.env_path). No Ray cluster needed."""
 
 import pytest
 

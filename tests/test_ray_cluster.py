@@ -408,7 +408,8 @@ def test_an_agent_function_plays_episodes_on_the_ray_rollout_engine(cluster, tin
                    "    async def step(self, states, **kwargs):\n        self.turn += 1\n"
                    "        done = self.turn == 2\n"
                    "        return {'rewards': torch.tensor(float(len(states['action_text']) % 2)), 'done': done,\n"
-                   "                'environment_feedback': '' if done else ' again:', 'extra_logs': {'turn': self.turn}}"
+                   "                'environment_feedback': '' if done else ' again:',\n"
+                   "                'extra_logs': {'turn': self.turn}}"
                    "\n\n\nclass AgentExecutor(MultiTurnAgentExecutor):\n    def __init__(self):\n"
                    "        super().__init__(AgentInstance)\n")
     argv = tiny(tiny_model_dir, tmp_path / "env", 2, "--agent_func_path", str(env), "--generate_max_len", "24")

@@ -42,7 +42,8 @@ DS_PPO = """-cn ppo_trainer actor@actor_rollout_ref.actor=ds_actor critic=ds_cri
 # the script's GPU, batch and length numbers, shrunk to a CPU step of the tiny model
 SMALL = {"trainer.n_gpus_per_node": "1", "data.train_batch_size": "2",
          "actor_rollout_ref.actor.ppo_mini_batch_size": "2", "critic.ppo_mini_batch_size": "2",
-         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "1", "critic.ppo_micro_batch_size_per_gpu": "1", "data.max_prompt_length": "64", "data.max_response_length": "4",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "1", "critic.ppo_micro_batch_size_per_gpu": "1",
+         "data.max_prompt_length": "64", "data.max_response_length": "4",
          "trainer.total_training_steps": "2"}
 
 

@@ -1,7 +1,8 @@
 """OpenRLHF's `train_ppo_ray` flags of the rollout loop: dynamic filtering (DAPO's dynamic sampling as OpenRLHF
 spells it), ring attention and the agent function (--agent_func_path: a multi-turn environment file, alignrl's
-agent.env_path, run turn by turn as OpenRLHF's MultiTurnAgentExecutor runs it; `rollout.env_agent`). Their checks, their alignrl config keys and the ones that change
-nothing here; `openrlhf_flags` adds them to its parser, `openrlhf_keys` to its overrides and its start list.
+agent.env_path, played turn by turn as OpenRLHF's MultiTurnAgentExecutor plays it; `rollout.env_agent`). Their
+checks, their alignrl config keys and the ones that change nothing here; `openrlhf_flags` adds them to its parser,
+`openrlhf_keys` to its overrides and its start list.
 
 Dynamic filtering keeps a prompt's group when its mean reward lies strictly inside --dynamic_filtering_reward_range
 (OpenRLHF's default (0, 1)): algorithm.dynamic_sampling with algorithm.dynamic_sampling_range, the same test. For 0/1

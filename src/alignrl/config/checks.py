@@ -128,7 +128,8 @@ def replay_problem(cfg: RunConfig) -> str | None:
 def _overlong_buffer(cfg: RunConfig) -> str | None:
     alg = cfg.algorithm
     if alg.overlong_buffer_len > response_cap(cfg):
-        limit = (f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}" if response_cap(cfg) == cfg.rollout.max_new_tokens else
+        single = response_cap(cfg) == cfg.rollout.max_new_tokens
+        limit = (f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}" if single else
                  f"the episode's response cap {response_cap(cfg)} (agent.max_response_length)")
         return f"algorithm.overlong_buffer_len={alg.overlong_buffer_len} must be <= {limit}"
     return None

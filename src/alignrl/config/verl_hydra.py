@@ -24,7 +24,8 @@ def hydra_selection(argv: list[str]) -> tuple[list[str], list[str]]:
     kept, chosen = _split(argv)
     name, folder = chosen.get("--config-name"), chosen.get("--config-path") or chosen.get("--config-dir")
     if name and "megatron" in name:
-        raise ConfigError(f"--config-name={name} selects verl's Megatron trainer, which is not supported ({STRATEGIES})")
+        raise ConfigError(f"--config-name={name} selects verl's Megatron trainer, which is not supported "
+                          f"({STRATEGIES})")
     if name is None and folder is not None:  # a folder alone: Hydra would still read ppo_trainer from verl's package
         raise ConfigError(f"--config-path={folder} without --config-name: give the config's name too, or put the "
                           "overrides on the command line")

@@ -144,8 +144,8 @@ def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngin
     tool = RetrieverClient(r.url, r.topk, r.timeout_s, r.retries) if a.search else None
     if tool is not None:
         tool.check()
-    return AgentRollout(engine, tokenizer, tool, a.max_turns, d.max_obs_length, d.max_start_length or d.max_prompt_length,
-                        response_cap(cfg))
+    return AgentRollout(engine, tokenizer, tool, a.max_turns, d.max_obs_length,
+                        d.max_start_length or d.max_prompt_length, response_cap(cfg))
 
 
 def build_maker(cfg: RunConfig, engine: RolloutEngine, tokenizer, ref: RefScorer | None, device: torch.device,
