@@ -7,12 +7,15 @@ line."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import sys
 
 import pytest
 
 from alignrl.config import load_config
+from conftest import run_group
 from test_verl07_sweep import _list_again, files, one_line  # noqa: F401 (fixtures shared with the sweep's tests)
 
 # Everything after `python3 -m verl.trainer.main_ppo` in the script, with its defaults (ZERO_STAGE=2, OFFLOAD=none,
@@ -164,13 +167,14 @@ def test_other_config_names_stay_one_line(argv, words, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_script_trains_under_deepspeed(tiny_model_dir, files, tmp_path, cli_in_process, monkeypatch):
+def test_the_script_trains_under_deepspeed(tiny_model_dir, files, tmp_path):
     """Two PPO steps of the script, shrunk to the tiny model on the CPU (DeepSpeed's CPU accelerator), actor and
-    critic under ZeRO-2."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    run = cli_in_process("train", "ppo", *script(*files, str(tiny_model_dir), small=True), "trainer.progress_bar=false",
-                         f"trainer.output_dir={tmp_path / 'out'}", "trainer.logger=[console,jsonl]", "data.val_size=2")
+    critic under ZeRO-2. In a process of its own: one-rank DeepSpeed keeps its process group (and its rendezvous
+    port) for the life of the process, which a test's worker would carry into the tests after it."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    run = run_group([sys.executable, "-m", "alignrl", "train", "ppo", *script(*files, str(tiny_model_dir), small=True),
+                     "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'out'}",
+                     "trainer.logger=[console,jsonl]", "data.val_size=2"], 280, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-2000:]
     assert "PPO on 1 rank(s), strategy deepspeed" in run.stdout, run.stdout[-2000:]
     run_dir = tmp_path / "out" / "qwen3_0p6b_gsm8k_ds_ppo"  # trainer.experiment_name
