@@ -287,3 +287,30 @@ def test_grpo_trains_with_the_tool_loop(tiny_model_dir, tmp_path, cli_in_process
             (tmp_path / "out" / "tools" / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "agent/turns" in r]
     assert len(steps) == 2 and all(1.0 <= r["agent/turns"] <= 2.0 and r["agent/tool_calls"] >= 0.0 for r in steps)
+
+
+def test_verls_multi_turn_script_trains_through_its_config_path(tiny_model_dir, tmp_path, cli_in_process, monkeypatch):
+    """verl's gsm8k multi-turn example as written: `--config-path DIR --config-name gsm8k_multiturn_grpo` (a config
+    that extends ppo_trainer with multi_turn.enable and max_assistant_turns) and multi_turn.tool_config_path on the
+    command line, over verl's GSM8K layout; two GRPO steps of the tiny model in the tool loop."""
+    from test_verl07_scripts import grpo_math, write_math
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gsm8k_multiturn_grpo.yaml").write_text(
+        "hydra:\n  searchpath:\n    - file://verl/trainer/config\n\ndefaults:\n  - ppo_trainer\n  - _self_\n\n"
+        "data:\n  max_prompt_length: 1024\n  max_response_length: 1024\n  train_batch_size: 256\n"
+        "  return_raw_chat: True\n\nactor_rollout_ref:\n  hybrid_engine: True\n  rollout:\n    name: sglang\n"
+        "    multi_turn:\n      enable: True\n      max_assistant_turns: 2\n")
+    train, test = write_math(tmp_path / "train.parquet"), write_math(tmp_path / "test.parquet")
+    got = cli_in_process("train", "ppo", f"--config-path={tmp_path}", "--config-name=gsm8k_multiturn_grpo",
+                         *grpo_math(str(tiny_model_dir), train, test), "trainer.total_training_steps=2",
+                         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={_yaml(tmp_path)}",
+                         "trainer.test_freq=-1", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+                         f"trainer.output_dir={tmp_path / 'out'}", "trainer.logger=[console,jsonl]",
+                         "trainer.progress_bar=false")
+    assert got.returncode == 0, got.stderr[-3000:] + got.stdout[-3000:]
+    rows = [json.loads(line) for line in
+            next((tmp_path / "out").glob("*/logs/metrics.jsonl")).read_text().splitlines()]
+    steps = [r for r in rows if "agent/turns" in r]
+    # the tiny model never writes a tool call: every episode ends after its first turn, as verl's loop ends it
+    assert [r["step"] for r in steps] == [1, 2] and all(r["agent/turns"] == 1.0 for r in steps), steps
