@@ -462,3 +462,30 @@ def test_the_ray_source_refills_together_and_trains_an_equal_share_on_each_rank(
     batch = source.refilled(1, _scored([[1, 0]], 0))
     assert batch.metrics["dapo/kept_groups"] == 2.0 and batch.metrics["dapo/gen_rounds"] == 3.0
     assert [len(shard_groups(batch, r, 2).prompt_index) for r in (0, 1)] == [2, 2]
+
+
+def test_an_openrlhf_reward_files_scores_are_what_dynamic_filtering_tests(tmp_path):
+    """OpenRLHF's reward_func may return "scores" beside "rewards": the rewards train, the scores decide which groups
+    dynamic filtering keeps (as OpenRLHF's filter reads them); a file without them filters on the rewards."""
+    from types import SimpleNamespace
+
+    from alignrl.rewards.registry import ScoreError, load_reward_fn
+    from alignrl.rl.scoring import for_filtering, rule_scores
+    from alignrl.data.records import Sample
+
+    path = tmp_path / "reward.py"  # shaped rewards that differ by length; the scores say every answer is wrong
+    path.write_text("import torch\n\ndef reward_func(queries, prompts, labels):\n"
+                    "    return {'rewards': torch.tensor([0.1 * len(queries[0])]), 'scores': torch.tensor([0.0]),\n"
+                    "            'extra_logs': {}}\n")
+    rows = [Sample([{"role": "user", "content": "q"}], "1")] * 4
+    rewards = rule_scores(load_reward_fn(f"openrlhf:{path}"), "reward function", rows, ["a", "bb", "c", "dd"],
+                          ["p"] * 4)
+    assert [round(r, 6) for r in rewards] == [0.2, 0.3, 0.2, 0.3]  # the query is prompt + response
+    filters = for_filtering(SimpleNamespace(stats={}), rewards)
+    group = torch.tensor([0, 0, 1, 1])
+    assert kept_groups(torch.tensor(rewards), group, (0.0, 1.0)).tolist() == [0, 1]  # the rewards would keep both
+    assert filters.tolist() == [0.0] * 4 and kept_groups(filters, group, (0.0, 1.0)).tolist() == []
+    assert for_filtering(SimpleNamespace(stats={}), [0.2, 1.0]) is None  # no scores: the rewards are tested
+    path.write_text("def reward_func(queries, prompts, labels):\n    return {'rewards': [1.0], 'scores': [float('nan')]}\n")
+    with pytest.raises(ScoreError, match="returned nan"):
+        rule_scores(load_reward_fn(f"openrlhf:{path}"), "reward function", rows[:1], ["a"], ["p"])

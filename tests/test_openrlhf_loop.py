@@ -44,7 +44,8 @@ def test_without_dynamic_filtering_nothing_is_filtered():
 
 def test_dynamic_filtering_with_the_overlong_penalty_says_where_the_range_is_tested():
     args, _ = config(ONE + ["--dynamic_filtering", "--overlong_buffer_len", "16", "--generate_max_len", "64"])
-    assert any(x.startswith("--overlong_buffer_len (with --dynamic_filtering the range is tested on the reward after")
+    assert any(x.startswith("--overlong_buffer_len (with --dynamic_filtering a reward that comes without 'scores' is "
+                            "tested after this penalty")
                for x in K.unused_here(args, False))
 
 

@@ -20,8 +20,8 @@ RING_WHY = ("not used here: ring attention splits each sequence over N GPUs to f
             "keeps a sequence on one GPU and computes the same loss")
 REFILL_WHY = ("refills the batch for at most algorithm.max_gen_rounds extra rounds (OpenRLHF generates until it is "
               "full), then trains on the groups kept, an equal share on each actor rank")
-PENALTY_WHY = ("with --dynamic_filtering the range is tested on the reward after this penalty (OpenRLHF tests the "
-               "reward function's scores, before it)")
+PENALTY_WHY = ("with --dynamic_filtering a reward that comes without 'scores' is tested after this penalty "
+               "(OpenRLHF tests it before)")
 
 
 class LoopFlagError(ConfigError):

@@ -5,8 +5,8 @@ OpenRLHF calls it with lists (current versions: one sample per call) of query te
 response), prompt texts and labels, and takes back a tensor of rewards or a dict whose "rewards" are them (beside
 "scores", used by its dynamic filtering, and "extra_logs", logged). Here the prompt is the text the policy read
 (its chat template's special tokens kept, the padding not), passed by the reward stage and the held-out evaluation
-(`registry.score_row`), and the query that prompt followed by the decoded response. "scores" and "extra_logs" are
-not used.
+(`registry.score_row`), and the query that prompt followed by the decoded response. "scores" ride with the reward
+(`values.FilteredScore`) for dynamic filtering, as OpenRLHF's filter tests them; "extra_logs" are not used.
 """
 
 from __future__ import annotations
@@ -33,13 +33,17 @@ def adapt(reward_func: Callable[..., Any], who: str) -> Callable[..., Any]:
              prompt: str | None = None) -> Any:
         label = ground_truth if ground_truth is None or isinstance(ground_truth, str) else str(ground_truth)
         got = reward_func([(prompt or "") + solution_str], [prompt or ""], [label])
-        if isinstance(got, dict):
-            if "rewards" not in got:
-                raise ScoreError(who, f"returned a dict without 'rewards' (keys {sorted(map(str, got))[:5]})",
-                                 data_source, "return a tensor of rewards or {'rewards': tensor, ...} as OpenRLHF's "
-                                 "reward_func does")
-            got = got["rewards"]
-        return one_value(got, who, data_source)
+        if not isinstance(got, dict):
+            return one_value(got, who, data_source)
+        if "rewards" not in got:
+            raise ScoreError(who, f"returned a dict without 'rewards' (keys {sorted(map(str, got))[:5]})",
+                             data_source, "return a tensor of rewards or {'rewards': tensor, ...} as OpenRLHF's "
+                             "reward_func does")
+        reward = one_value(got["rewards"], who, data_source)
+        if got.get("scores") is None:
+            return reward
+        # "scores" are what OpenRLHF's dynamic filtering tests; both are checked finite by the registry's wrapper
+        return {"score": reward, "filter_score": one_value(got["scores"], who, data_source)}
 
     call.reads_prompt = True  # the callers pass the prompt's text: the query is the prompt followed by the response
     return call

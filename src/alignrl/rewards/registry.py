@@ -18,17 +18,24 @@ from alignrl.rewards import gsm8k
 from alignrl.rewards import math as math_reward
 from alignrl.rewards import openrlhf_reward, qa_em, think_answer
 from alignrl.rewards.errors import RewardError, ScoreError
+from alignrl.rewards.values import FilteredScore
 from alignrl.utils.user_files import import_user_file
 
 
 def finite_score(value: Any, who: str, data_source: str) -> float:
     """`value` as a float when it is a finite real number (bool, int, float, numpy scalar); else a
     ScoreError: a NaN reward trains every weight into NaN, and a string or None fails far from its cause.
-    A dict with a "score" (verl's functions may return one, with extra information beside it) gives its score."""
+    A dict with a "score" (verl's functions may return one, with extra information beside it) gives its score, with
+    its "filter_score" (an OpenRLHF reward file's "scores") riding along as a FilteredScore."""
+    if isinstance(value, FilteredScore):
+        return value  # checked when it was made
     if isinstance(value, dict):
         if "score" not in value:
             raise ScoreError(who, f"returned a dict without a 'score' key (keys {sorted(map(str, value))[:5]})",
                              data_source, "return a finite float, or {'score': float, ...} as verl's functions do")
+        if value.get("filter_score") is not None:
+            return FilteredScore(finite_score(value["score"], who, data_source),
+                                 finite_score(value["filter_score"], who, data_source))
         value = value["score"]
     if not isinstance(value, (numbers.Real, np.bool_)):  # numpy's bool is not registered as Real
         shown = "None" if value is None else f"a {type(value).__name__} ({value!r:.40})"

@@ -13,6 +13,7 @@ from alignrl.core.shaping import overlong_penalty, truncated_reward
 from alignrl.data.records import Rollout, Sample, Scores
 from alignrl.interfaces import SequenceScorer
 from alignrl.rewards.registry import ScoreError, finite_score, reads_prompt_text, score_row
+from alignrl.rewards.values import filter_score
 
 # verl's compute_score signature: (data_source, solution_str, ground_truth, extra_info) -> float
 RewardFn = Callable[[str, str, str, dict], float]
@@ -53,6 +54,7 @@ class RewardStage:
         rows = [samples[g] for g in ro.group.tolist()]
         rewards, correct = self.task_scores(ro, rows)
         out = torch.tensor(rewards, dtype=torch.float32)
+        filters = for_filtering(ro, rewards)
         if self.reward_model is not None:
             answered = torch.tensor([bool(self.add_rule and s.ground_truth not in (None, "")) for s in rows])
             out = model_scores(self.reward_model, "reward model", ro, rows) + torch.where(answered, out, 0.0)
@@ -67,8 +69,7 @@ class RewardStage:
             costs = torch.tensor(rule_scores(self.cost_fn, "cost function", rows, texts, prompts))
         elif self.cost_model is not None:
             costs = model_scores(self.cost_model, "cost model", ro, rows)
-        # an environment's last score, which OpenRLHF's dynamic filtering tests in place of the reward
-        return Scores(out, torch.tensor(correct), costs, filter_scores=ro.stats.get("env_score"))
+        return Scores(out, torch.tensor(correct), costs, filter_scores=filters)
 
     def task_scores(self, ro: Rollout, rows: Sequence[Sample]) -> tuple[list[float], list[bool]]:
         """Each row's task reward and whether it is correct (a correctness score >= 1): from the environment that
@@ -80,6 +81,17 @@ class RewardStage:
         if self.correct_fn is self.reward_fn:  # no shaping: correctness is the reward itself
             return rewards, [r >= 1.0 for r in rewards]
         return rewards, [r >= 1.0 for r in rule_scores(self.correct_fn, "reward function", rows, texts, prompts)]
+
+
+def for_filtering(ro: Rollout, rewards: Sequence[float]) -> torch.Tensor | None:
+    """What OpenRLHF's dynamic filtering tests in place of the task reward, before any shaping: an environment's last
+    scores, or an OpenRLHF reward file's "scores" (`values.FilteredScore`); None when nothing gives them."""
+    if "env_score" in ro.stats:
+        return ro.stats["env_score"]
+    given = [filter_score(r) for r in rewards]
+    if all(g is None for g in given):
+        return None
+    return torch.tensor([float(r) if g is None else g for r, g in zip(rewards, given)], dtype=torch.float32)
 
 
 def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence[str],
