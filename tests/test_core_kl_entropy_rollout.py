@@ -128,6 +128,10 @@ def test_truncated_is_weights_hand_worked():
     assert torch.allclose(w, torch.tensor([[0.0, 0.5, 1.5, 0.0]]))
     assert keep.tolist() == [[False, True, True, False]] and m["rollout/is_masked_frac"] == pytest.approx(1 / 3)
     assert m["rollout/is_weight_mean"] == pytest.approx(1.0)  # over the kept tokens
+    # truncation with a lower bound clamps into [0.6, 2] (OpenRLHF's tis): 0.5 is raised, every token kept
+    w, keep, m = truncated_is_weights(tr, ro, mask, "token", 2.0, "truncate", lower=0.6)
+    assert torch.allclose(w, torch.tensor([[2.0, 0.6, 1.5, 0.0]])) and torch.equal(keep, mask.bool())
+    assert m["rollout/is_truncated_frac"] == pytest.approx(2 / 3)
     # a lower bound of 0.6 rejects 0.5 too
     _, keep, m = truncated_is_weights(tr, ro, mask, "token", 2.0, "mask", lower=0.6)
     assert keep.tolist() == [[False, False, True, False]] and m["rollout/is_masked_frac"] == pytest.approx(2 / 3)

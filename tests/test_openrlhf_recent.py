@@ -90,7 +90,9 @@ def test_dynamic_batch_and_token_budgets():
     (["--enable_vllm_is_correction", "--vllm_is_correction_type", "icepop"], "mask", 5.0, 0.5),
     (["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop",
       "--algo.advantage.is_correction_threshold", "0.8", "4"], "mask", 4.0, 0.8),
-    (["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0", "4"], "truncate", 4.0, None)])
+    (["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0", "4"], "truncate", 4.0, None),
+    (["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.5", "5"], "truncate", 5.0, 0.5),  # tis: clamp
+    (["--enable_vllm_is_correction", "--vllm_is_correction_type", "tis"], "truncate", 5.0, 0.5)])
 def test_is_correction_against_the_engine(argv, mode, high, low):
     """G9: OpenRLHF's vLLM IS correction as alignrl's token-level rollout IS."""
     a = config(BASE + argv)[1].algorithm
@@ -100,8 +102,7 @@ def test_is_correction_against_the_engine(argv, mode, high, low):
 
 def test_is_correction_it_cannot_follow():
     args = config(BASE + ["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.5", "5"])[0]
-    assert any(x.startswith("--vllm_is_truncated_threshold (its LOW bound is not applied") for x in
-               K.unused_here(args, False))
+    assert not any(x.startswith("--vllm_is_truncated_threshold") for x in K.unused_here(args, False))  # both bounds
     with pytest.raises(ConfigError, match="seq-mask-tis .* is not supported by alignrl; use tis or icepop"):
         config(BASE + ["--enable_vllm_is_correction", "--vllm_is_correction_type", "seq-mask-tis"])
 

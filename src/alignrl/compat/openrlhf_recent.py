@@ -85,8 +85,8 @@ def dtype_key(args) -> str:
 
 
 def is_weights(args) -> tuple[str, float, float | None]:
-    """(rollout_is_mode, upper bound, lower bound or None) of the IS-correction flags: tis truncates from above
-    (a one-number threshold is OpenRLHF 0.8's upper bound), icepop drops the tokens outside [low, high]."""
+    """(rollout_is_mode, upper bound, lower bound or None) of the IS-correction flags: tis clamps the weights into
+    [low, high] (a one-number threshold is OpenRLHF 0.8's upper bound alone), icepop drops the tokens outside."""
     given = args.vllm_is_truncated_threshold
     kind = args.vllm_is_correction_type or "tis"
     if given is None:  # the correction type came with the [low, high] pair; the bare switch is 0.8's truncation at 2
@@ -95,7 +95,7 @@ def is_weights(args) -> tuple[str, float, float | None]:
         low, high = (given[0], given[1]) if len(given) == 2 else (None, given[0])
     if kind == "icepop":
         return "mask", high, low if low is not None else 0.0
-    return "truncate", high, None
+    return "truncate", high, low or None  # a low bound of 0 raises nothing
 
 
 def recent_keys(args) -> list[str]:
@@ -134,14 +134,7 @@ def recent_unused(args) -> list[tuple[tuple[str, ...], str]]:
            (("rollout_max_tokens_per_gpu",) if args.use_dynamic_batch else budgets,
             "not applied here: the no-grad forwards take --micro_rollout_batch_size rows" if args.use_dynamic_batch
             else "a token budget applies with --use_dynamic_batch only, as in OpenRLHF")]
-    if args.enable_vllm_is_correction:
-        mode, _, low = is_weights(args)
-        given = args.vllm_is_truncated_threshold
-        if mode == "truncate" and ((given and len(given) == 2 and given[0] > 0) or
-                                   (given is None and args.vllm_is_correction_type)):
-            out.append((("vllm_is_truncated_threshold",), "its LOW bound is not applied here: alignrl truncates "
-                        "the weights from above only (OpenRLHF's tis also raises weights below LOW to LOW)"))
-    else:
+    if not args.enable_vllm_is_correction:
         out.append((("vllm_is_truncated_threshold", "vllm_is_correction_type"),
                     "not applied without --enable_vllm_is_correction"))
     return out

@@ -141,9 +141,9 @@ def _rollout_is(cfg: RunConfig) -> str | None:
         return (f"algorithm.rollout_is={alg.rollout_is} needs actor.recompute_old_logprobs=true: "
                 "without it the trainer's old log-probs are the rollout's and every weight is 1")
     lower = alg.rollout_is_threshold_lower
-    if lower is not None and alg.rollout_is_mode != "mask":
-        return (f"algorithm.rollout_is_threshold_lower={lower} is read only by algorithm.rollout_is_mode="
-                f"mask, not {alg.rollout_is_mode}; leave it out or set the mode to mask")
+    if alg.rollout_is_mode == "truncate" and lower is not None and lower >= alg.rollout_is_threshold:
+        return (f"algorithm.rollout_is_threshold_lower={lower} must be below algorithm.rollout_is_threshold="
+                f"{alg.rollout_is_threshold}: truncation clamps the weights into [lower, threshold]")
     if alg.rollout_is_mode == "mask" and (lower if lower is not None else 1.0 / alg.rollout_is_threshold) >= \
             alg.rollout_is_threshold:
         return (f"algorithm.rollout_is_threshold_lower={lower if lower is not None else 'default 1/threshold'}"

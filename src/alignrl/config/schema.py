@@ -244,8 +244,9 @@ class AlgorithmConfig:
                                   "one weight per token or per sequence (needs actor.recompute_old_logprobs)",
                           choices=("none", "token", "sequence"))
     rollout_is_threshold: float = opt(2.0, "rollout IS weights above this are truncated or masked", gt=0.0)
-    rollout_is_threshold_lower: float | None = opt(None, "mask: weights below this are masked too "
-                                                         "(default 1/rollout_is_threshold)", ge=0.0)
+    rollout_is_threshold_lower: float | None = opt(None, "mask: weights below this are masked too (default "
+                                                         "1/rollout_is_threshold); truncate: raised to it (OpenRLHF's "
+                                                         "tis clamps to [low, high]; default: not raised)", ge=0.0)
     rollout_is_mode: str = opt("truncate", "truncate: min(w, threshold) (TIS); mask: tokens (or sequences) "
                                            "whose weight is outside [lower, threshold] leave the loss and its "
                                            "token count, as verl's rejection sampling", choices=("truncate", "mask"))

@@ -42,8 +42,8 @@ def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
     "Truncated Importance Sampling") or rejected outside [lower, threshold] (verl's rollout_is_mode=mask).
 
     level="token": one ratio per token. level="sequence": the product of the token ratios of a
-    sequence (a sum of log-ratios), shared by all its tokens. mode="truncate": min(w, threshold), every
-    token kept. mode="mask": the tokens (or whole sequences) whose weight is above `threshold` or below
+    sequence (a sum of log-ratios), shared by all its tokens. mode="truncate": min(w, threshold), and
+    max(w, lower) when `lower` is given (OpenRLHF's tis clamps to [low, high]), every token kept. mode="mask": the tokens (or whole sequences) whose weight is above `threshold` or below
     `lower` (default 1/threshold) leave the loss mask, so they count neither in the loss nor in its
     token or sequence count; the others keep their true weight.
     Returns (weights (B, T), 0 outside the kept mask; the kept mask (B, T) bool, to train on instead of
@@ -67,7 +67,9 @@ def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
     raw = log_w.exp()
     if mode == "truncate":
         outside = log_w > math.log(threshold)
-        weights, keep = raw.clamp(max=threshold) * m, mask.bool()
+        if lower:  # raised to the lower bound too (0 or None: from above only, as verl's TIS)
+            outside = outside | (log_w < math.log(lower))
+        weights, keep = raw.clamp(min=lower or None, max=threshold) * m, mask.bool()
     else:
         low = 1.0 / threshold if lower is None else lower
         outside = (log_w > math.log(threshold)) | (log_w < (math.log(low) if low > 0 else -math.inf))
