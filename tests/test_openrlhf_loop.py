@@ -32,8 +32,10 @@ def test_dynamic_filtering_is_dynamic_sampling_by_the_mean_rewards_range(given, 
     args, cfg = config(ONE + given)
     assert (cfg.algorithm.dynamic_sampling, cfg.algorithm.dynamic_sampling_range) == (True, band)
     notes = K.unused_here(args, False)
-    assert any(x.startswith("--dynamic_filtering (refills the batch for at most algorithm.max_gen_rounds extra "
-                            "rounds") for x in notes), notes
+    assert any(x.startswith("--dynamic_filtering (refills the batch until it is full or a whole pass over the "
+                            "prompts") for x in notes), notes
+    # OpenRLHF refills until its prompts run out: one pass a step, --max_samples synthetic prompts in draws of 16
+    assert cfg.algorithm.max_gen_rounds == args.max_samples // 16 - 1
 
 
 def test_without_dynamic_filtering_nothing_is_filtered():

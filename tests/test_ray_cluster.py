@@ -391,7 +391,8 @@ def test_dynamic_filtering_refills_over_two_actor_ranks(cluster, tiny_model_dir,
     rows = [r for r in metric_rows(tmp_path / "dapo") if "dapo/kept_groups" in r]
     assert [r["step"] for r in rows] == [1, 2], rows
     for r in rows:  # 4 prompts a step: 2 groups for each rank when full, an even count when a refill falls short
-        assert r["dapo/kept_groups"] in (0.0, 2.0, 4.0) and 1 <= r["dapo/gen_rounds"] <= 4, r
+        # OpenRLHF's refill: until full, at most one pass over the 64 prompts in draws of 4 (16 rounds)
+        assert r["dapo/kept_groups"] in (0.0, 2.0, 4.0) and 1 <= r["dapo/gen_rounds"] <= 16, r
     assert any(r["dapo/kept_groups"] > 0 and "actor/grad_norm" in r for r in rows), rows
     assert all_gpus_free()
 

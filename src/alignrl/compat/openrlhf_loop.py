@@ -18,8 +18,9 @@ from alignrl.config import ConfigError
 FILTER_RANGE = (0.0, 1.0)
 RING_WHY = ("not used here: ring attention splits each sequence over N GPUs to fit long ones in memory; alignrl "
             "keeps a sequence on one GPU and computes the same loss")
-REFILL_WHY = ("refills the batch for at most algorithm.max_gen_rounds extra rounds (OpenRLHF generates until it is "
-              "full), then trains on the groups kept, an equal share on each actor rank")
+REFILL_WHY = ("refills the batch until it is full or a whole pass over the prompts has been drawn for the step "
+              "(OpenRLHF stops at the end of its data), then trains on the groups kept, an equal share on each actor "
+              "rank")
 PENALTY_WHY = ("with --dynamic_filtering a reward that comes without 'scores' is tested after this penalty "
                "(OpenRLHF tests it before)")
 
@@ -69,7 +70,17 @@ def loop_keys(args) -> list[str]:
     if not args.dynamic_filtering:
         return keys
     low, high = args.dynamic_filtering_reward_range
-    return [*keys, "algorithm.dynamic_sampling=true", f"algorithm.dynamic_sampling_range=[{low},{high}]"]
+    return [*keys, "algorithm.dynamic_sampling=true", f"algorithm.dynamic_sampling_range=[{low},{high}]",
+            f"algorithm.max_gen_rounds={refill_rounds(args)}"]
+
+
+def refill_rounds(args) -> int:
+    """OpenRLHF refills a filtered batch until it is full or its prompts run out: at most one pass over the prompts a
+    step, in --rollout_batch_size draws (the first draw included)."""
+    from alignrl.compat.openrlhf_sources import prompt_rows
+
+    rows = args.max_samples if args.prompt_data == "synthetic" else prompt_rows(args)
+    return max(1, rows // args.rollout_batch_size - 1)
 
 
 def loop_unused(args) -> list[tuple[tuple[str, ...], str]]:
