@@ -168,6 +168,16 @@ def test_an_environment_without_rewards_leaves_scoring_to_the_reward_function(ti
     assert texts == [" 1 wrong, again: 5"]  # the whole response, feedback included, as verl's reward reads it
 
 
+def test_an_environment_whose_constructor_raises_is_one_line(tiny_model, tmp_path):
+    _, tok = tiny_model
+    env = GUESS_ENV.replace("        self.step_idx = 0\n", "        raise RuntimeError('no sandbox')\n", 1)
+    prompts = _labeled(tok, [("q", "5")])
+    with pytest.raises(EnvironmentStepError) as err:
+        EnvRollout(ScriptedEngine({}), tok, load_environment(_env_file(tmp_path, env)), 64).generate(
+            prompts, SamplingParams())
+    assert "AgentInstance.__init__ raised RuntimeError: no sandbox" in one_line(str(err.value))
+
+
 @pytest.mark.parametrize("change, expect", [
     ('raise ValueError("no answer key")', "AgentInstance.step raised ValueError: no answer key"),
     ("return {'done': True}", "AgentInstance.step returned dict without 'rewards'"),

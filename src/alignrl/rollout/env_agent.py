@@ -113,14 +113,15 @@ class EnvRollout:
         async def one(prompt: Sequence[int]) -> _Episode:
             text = self.tokenizer.decode(list(prompt), skip_special_tokens=False)
             label = getattr(prompt, "label", None)
-            env = await self.make_env()
+            env = await self._call(self.make_env(), "__init__")  # a constructor that raises is the user's too
             # OpenRLHF's two keys; the row itself for environments that read more of it (its messages, extra_info)
             got = await self._call(env.reset({"observation": text, "label": label,
                                               "sample": getattr(prompt, "sample", None)}), "reset")
             seen = got.get("observation", text) if isinstance(got, dict) else None
             if not isinstance(seen, str):
                 raise EnvironmentStepError(f"{self.env_name}.reset returned {type(got).__name__} without a text "
-                                        "'observation'; return {'observation': text} (the prompt, or the states given)")
+                                           "'observation'; return {'observation': text} (the prompt, or the states "
+                                           "given)")
             ids = list(prompt) if seen == text else self._encode(seen)  # unchanged: the prompt's own ids
             row = _Row(ids, source=prompt, stats={"turns": 0.0})
             return _Episode(row, env, label, seen)
