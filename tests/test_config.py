@@ -121,6 +121,7 @@ def test_one_value_given_to_a_list_key_is_a_list_of_one():
     (["algorithm.rollout_is_mode=mask", "algorithm.rollout_is_threshold=0.5"],
      "algorithm.rollout_is_threshold_lower=default 1/threshold must be below algorithm.rollout_is_threshold=0.5"),
     (["algorithm.rollout_is_threshold_lower=3"], "must be below algorithm.rollout_is_threshold=2.0: truncation clamps"),
+    (["algorithm.rollout_is=sequence", "algorithm.rollout_is_mode=geo_mask"], "set algorithm.rollout_is=token"),
     (["algorithm.overlong_buffer_len=65"], "algorithm.overlong_buffer_len=65 must be <= rollout.max_new_tokens=64"),
     (["algorithm.max_gen_rounds=-1"], "algorithm.max_gen_rounds=-1 is out of range"),
     (["agent.max_turns=2", "retriever.url=127.0.0.1:8000/retrieve"],

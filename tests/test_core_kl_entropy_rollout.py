@@ -132,6 +132,16 @@ def test_truncated_is_weights_hand_worked():
     w, keep, m = truncated_is_weights(tr, ro, mask, "token", 2.0, "truncate", lower=0.6)
     assert torch.allclose(w, torch.tensor([[2.0, 0.6, 1.5, 0.0]])) and torch.equal(keep, mask.bool())
     assert m["rollout/is_truncated_frac"] == pytest.approx(2 / 3)
+    # geo_mask (OpenRLHF's seq-mask-tis): the geometric mean (3 * 0.5 * 1.5)^(1/3) = 1.31 lies inside [0.5, 2], so the
+    # sequence stays with its own token weights; inside [0.5, 1.2] it leaves whole, counted once
+    w, keep, m = truncated_is_weights(tr, ro, mask, "token", 2.0, "geo_mask", lower=0.5)
+    assert torch.allclose(w, torch.tensor([[3.0, 0.5, 1.5, 0.0]])) and torch.equal(keep, mask.bool())
+    assert m["rollout/is_masked_frac"] == 0.0 and m["rollout/is_raw_weight_max"] == pytest.approx(3.0)
+    w, keep, m = truncated_is_weights(torch.cat([tr, torch.zeros(1, 4)]), torch.zeros(2, 4), mask.repeat(2, 1),
+                                      "token", 1.2, "geo_mask", lower=0.5)
+    assert keep.tolist() == [[False] * 4, [True, True, True, False]] and m["rollout/is_masked_frac"] == 0.5
+    with pytest.raises(ValueError, match="geo_mask at token level"):
+        truncated_is_weights(tr, ro, mask, "sequence", 2.0, "geo_mask")
     # a lower bound of 0.6 rejects 0.5 too
     _, keep, m = truncated_is_weights(tr, ro, mask, "token", 2.0, "mask", lower=0.6)
     assert keep.tolist() == [[False, False, True, False]] and m["rollout/is_masked_frac"] == pytest.approx(2 / 3)

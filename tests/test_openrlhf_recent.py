@@ -103,8 +103,9 @@ def test_is_correction_against_the_engine(argv, mode, high, low):
 def test_is_correction_it_cannot_follow():
     args = config(BASE + ["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.5", "5"])[0]
     assert not any(x.startswith("--vllm_is_truncated_threshold") for x in K.unused_here(args, False))  # both bounds
-    with pytest.raises(ConfigError, match="seq-mask-tis .* is not supported by alignrl; use tis or icepop"):
-        config(BASE + ["--enable_vllm_is_correction", "--vllm_is_correction_type", "seq-mask-tis"])
+    a = config(BASE + ["--enable_vllm_is_correction", "--vllm_is_correction_type", "seq-mask-tis"])[1].algorithm
+    assert (a.rollout_is, a.rollout_is_mode, a.rollout_is_threshold, a.rollout_is_threshold_lower) == \
+        ("token", "geo_mask", 5.0, 0.5)  # sequences dropped by their geometric-mean weight outside [0.5, 5]
 
 
 def test_dotted_defaults_are_current_openrlhfs():

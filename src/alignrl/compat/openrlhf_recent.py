@@ -51,7 +51,8 @@ def add_recent_flags(g) -> None:
     g.add_argument("--vllm_is_truncated_threshold", type=float, nargs="+", default=None, metavar="T",
                    help="one number: the upper truncation bound (OpenRLHF 0.8); two: [low, high] (later)")
     g.add_argument("--vllm_is_correction_type", default=None, choices=("tis", "icepop", "seq-mask-tis"),
-                   help="tis: truncate token weights; icepop: drop tokens whose weight leaves [low, high]")
+                   help="tis: clamp token weights into [low, high]; icepop: drop tokens whose weight leaves it; "
+                        "seq-mask-tis: drop sequences whose geometric-mean weight leaves it")
     g.add_argument("--freeze_visual_encoder", action="store_true", help="the vision encoder does not train "
                    "(as --freeze_prefix visual)")
     g.add_argument("--image_key", default=None, help="column of a row's images (alignrl's default: images)")
@@ -68,9 +69,6 @@ def check_recent(args) -> None:
     if threshold is not None and (len(threshold) > 2 or min(threshold) < 0 or threshold[-1] <= 0 or
                                   (len(threshold) == 2 and threshold[0] >= threshold[1])):
         raise RecentFlagError("--vllm_is_truncated_threshold takes HIGH or LOW HIGH with 0 <= LOW < HIGH and HIGH > 0")
-    if args.enable_vllm_is_correction and args.vllm_is_correction_type == "seq-mask-tis":
-        raise RecentFlagError("--vllm_is_correction_type seq-mask-tis (a sequence kept or dropped by the geometric "
-                              "mean of its weights) is not supported by alignrl; use tis or icepop")
     for flag in ("train_max_tokens_per_gpu", "rollout_max_tokens_per_gpu", "max_images_per_prompt",
                  "eval_n_samples_per_prompt"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -86,15 +84,16 @@ def dtype_key(args) -> str:
 
 def is_weights(args) -> tuple[str, float, float | None]:
     """(rollout_is_mode, upper bound, lower bound or None) of the IS-correction flags: tis clamps the weights into
-    [low, high] (a one-number threshold is OpenRLHF 0.8's upper bound alone), icepop drops the tokens outside."""
+    [low, high] (a one-number threshold is OpenRLHF 0.8's upper bound alone), icepop drops the tokens outside,
+    seq-mask-tis the sequences whose geometric-mean weight is outside (their other tokens keep their own weights)."""
     given = args.vllm_is_truncated_threshold
     kind = args.vllm_is_correction_type or "tis"
     if given is None:  # the correction type came with the [low, high] pair; the bare switch is 0.8's truncation at 2
         low, high = IS_PAIR_DEFAULT if args.vllm_is_correction_type else (None, IS_SINGLE_DEFAULT)
     else:
         low, high = (given[0], given[1]) if len(given) == 2 else (None, given[0])
-    if kind == "icepop":
-        return "mask", high, low if low is not None else 0.0
+    if kind in ("icepop", "seq-mask-tis"):  # tokens, or whole sequences by their weights' geometric mean, dropped
+        return "mask" if kind == "icepop" else "geo_mask", high, low if low is not None else 0.0
     return "truncate", high, low or None  # a low bound of 0 raises nothing
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from alignrl.config.agent_checks import multi_turn_problem
 from alignrl.config.schema import ConfigError, RunConfig
 
 
@@ -144,7 +145,10 @@ def _rollout_is(cfg: RunConfig) -> str | None:
     if alg.rollout_is_mode == "truncate" and lower is not None and lower >= alg.rollout_is_threshold:
         return (f"algorithm.rollout_is_threshold_lower={lower} must be below algorithm.rollout_is_threshold="
                 f"{alg.rollout_is_threshold}: truncation clamps the weights into [lower, threshold]")
-    if alg.rollout_is_mode == "mask" and (lower if lower is not None else 1.0 / alg.rollout_is_threshold) >= \
+    if alg.rollout_is_mode == "geo_mask" and alg.rollout_is == "sequence":
+        return ("algorithm.rollout_is_mode=geo_mask weights each token by its own ratio: set algorithm.rollout_is="
+                "token (the sequence's geometric mean decides only whether it stays)")
+    if alg.rollout_is_mode != "truncate" and (lower if lower is not None else 1.0 / alg.rollout_is_threshold) >= \
             alg.rollout_is_threshold:
         return (f"algorithm.rollout_is_threshold_lower={lower if lower is not None else 'default 1/threshold'}"
                 f" must be below algorithm.rollout_is_threshold={alg.rollout_is_threshold}, or every token "
@@ -267,27 +271,6 @@ def _urls(cfg: RunConfig) -> str | None:
     return None
 
 
-def _multi_turn(cfg: RunConfig) -> str | None:
-    """Multi-turn rollouts (an environment, verl's tool loop, Search-R1's search): one of them runs the turns; an
-    environment gives the rewards, so a reward model beside it would be ignored; and what the turns append (feedback,
-    tool responses, search results) has no rollout log-probs, so training on it needs them recomputed."""
-    a = cfg.agent
-    if a.env_path and a.tool_config_path:
-        return ("agent.env_path and agent.tool_config_path each run the episodes: give one of them (an OpenRLHF "
-                "environment file, or verl's tool config YAML)")
-    scorer = (cfg.algorithm.reward_model and "algorithm.reward_model") or (cfg.services.reward_url and
-                                                                            "services.reward_url")
-    if scorer and a.env_path:
-        return (f"agent.env_path={a.env_path} gives the rewards (its step()'s 'rewards'): drop {scorer}, or drop "
-                "agent.env_path to score with it")
-    turns = a.env_path or a.tool_config_path or a.max_turns
-    if turns and not cfg.actor.state_masking and not cfg.actor.recompute_old_logprobs:
-        return ("actor.state_masking=false trains on what the turns append (tool observations, an environment's "
-                "feedback), which has no rollout log-probs: set actor.recompute_old_logprobs=true (or keep "
-                "actor.state_masking=true)")
-    return None
-
-
 def url_problem(named: str, url: str, fix: str) -> str | None:
     """Why `url` (`named` so in the line) is not an http(s) URL, with `fix`, or None."""
     parts = urlparse(url)
@@ -349,7 +332,7 @@ def _dynamic_sampling(cfg: RunConfig) -> str | None:
 # (check_prompt_keys raises its own, with the same kind of line)
 _COMBINATIONS = (_batch_sizes, _validation_sampler, replay_problem, _overlong_buffer, _rollout_is, _loggers_and_files, check_prompt_keys,
                  _train_probs, _optimiser_and_clips, _dynamic_sampling, _estimator, _critic, _pipeline, _safety, _urls,
-                 _multi_turn)
+                 multi_turn_problem)
 
 
 def check_folders(folders: dict[str, Path]) -> None:

@@ -249,7 +249,10 @@ class AlgorithmConfig:
                                                          "tis clamps to [low, high]; default: not raised)", ge=0.0)
     rollout_is_mode: str = opt("truncate", "truncate: min(w, threshold) (TIS); mask: tokens (or sequences) "
                                            "whose weight is outside [lower, threshold] leave the loss and its "
-                                           "token count, as verl's rejection sampling", choices=("truncate", "mask"))
+                                           "token count, as verl's rejection sampling; geo_mask (rollout_is=token): "
+                                           "a sequence whose geometric-mean weight is outside leaves whole, the "
+                                           "others keep their token weights (OpenRLHF's seq-mask-tis)",
+                               choices=("truncate", "mask", "geo_mask"))
 
 
 @dataclass(frozen=True)

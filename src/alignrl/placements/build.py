@@ -129,7 +129,7 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device) -> RewardStag
 def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngine:
     """The episodes against the environment of agent.env_path or verl's tool loop of agent.tool_config_path over
     `engine`, else the multi-turn search rollout when agent.max_turns > 0, else `engine` itself (the config's checks
-    refused the combinations that cannot work: `checks._multi_turn`)."""
+    refused the combinations that cannot work: `config.agent_checks`)."""
     a = cfg.agent
     if a.env_path:
         return EnvRollout(engine, tokenizer, load_environment(a.env_path), response_cap(cfg), a.max_turns)

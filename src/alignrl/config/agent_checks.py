@@ -1,0 +1,27 @@
+"""The multi-turn settings that cannot work together (an environment, verl's tool loop, Search-R1's search agent),
+checked when the config loads (`checks.check_combinations`)."""
+
+from __future__ import annotations
+
+from alignrl.config.schema import RunConfig
+
+
+def multi_turn_problem(cfg: RunConfig) -> str | None:
+    """Multi-turn rollouts (an environment, verl's tool loop, Search-R1's search): one of them runs the turns; an
+    environment gives the rewards, so a reward model beside it would be ignored; and what the turns append (feedback,
+    tool responses, search results) has no rollout log-probs, so training on it needs them recomputed."""
+    a = cfg.agent
+    if a.env_path and a.tool_config_path:
+        return ("agent.env_path and agent.tool_config_path each run the episodes: give one of them (an OpenRLHF "
+                "environment file, or verl's tool config YAML)")
+    scorer = (cfg.algorithm.reward_model and "algorithm.reward_model") or (cfg.services.reward_url and
+                                                                            "services.reward_url")
+    if scorer and a.env_path:
+        return (f"agent.env_path={a.env_path} gives the rewards (its step()'s 'rewards'): drop {scorer}, or drop "
+                "agent.env_path to score with it")
+    turns = a.env_path or a.tool_config_path or a.max_turns
+    if turns and not cfg.actor.state_masking and not cfg.actor.recompute_old_logprobs:
+        return ("actor.state_masking=false trains on what the turns append (tool observations, an environment's "
+                "feedback), which has no rollout log-probs: set actor.recompute_old_logprobs=true (or keep "
+                "actor.state_masking=true)")
+    return None
