@@ -177,7 +177,8 @@ def reward_checks(value: str, timeout: float) -> list[Check]:
     URL with a path, such as /get_reward) need not serve /health: its server is checked to answer at all."""
     import httpx
 
-    from alignrl.rollout.remote_reward import reward_endpoint, reward_urls
+    from alignrl.config.checks import reward_urls
+    from alignrl.rollout.remote_reward import reward_endpoint
 
     out = []
     for url in reward_urls(value or ""):

@@ -35,6 +35,12 @@ class SamplingParams:
     seed: int | None = None
 
 
+def derived_seed(seed: int | None, k: int) -> int | None:
+    """The seed of the k-th of several generate calls made for one seeded call (a turn, a request): each its own,
+    or all would draw the same random numbers. None stays None."""
+    return None if seed is None else (seed + k * 1_000_003) % 2**63
+
+
 class RolloutEngine(Protocol):
     """Samples `params.n` responses per prompt (token ids); rows of one prompt are contiguous."""
 

@@ -79,8 +79,7 @@ def refill_rounds(args) -> int:
     step, in --rollout_batch_size draws (the first draw included)."""
     from alignrl.compat.openrlhf_sources import prompt_rows
 
-    rows = args.max_samples if args.prompt_data == "synthetic" else prompt_rows(args)
-    return max(1, rows // args.rollout_batch_size - 1)
+    return max(1, prompt_rows(args) // args.rollout_batch_size - 1)
 
 
 def loop_unused(args) -> list[tuple[tuple[str, ...], str]]:

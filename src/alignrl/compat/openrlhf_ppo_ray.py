@@ -28,12 +28,9 @@ def training_steps(args) -> int:
     read: the driver's input check reads the file once, after this."""
     if args.total_steps:
         return args.total_steps
-    if args.prompt_data == "synthetic":
-        rows = args.max_samples
-    else:
-        from alignrl.compat.openrlhf_sources import prompt_rows
+    from alignrl.compat.openrlhf_sources import prompt_rows
 
-        rows = prompt_rows(args)  # each file capped, concatenated or blended (a blend repeats rows), capped again
+    rows = prompt_rows(args)  # each file capped, concatenated or blended (a blend repeats rows), capped again
     steps = args.num_episodes * (rows // args.rollout_batch_size)
     if steps < 1:
         raise ConfigError(f"--prompt_data has {rows} prompt(s), fewer than --rollout_batch_size "

@@ -84,8 +84,12 @@ def probs_keys(args) -> list[str]:
 def prompt_rows(args) -> int:
     """The prompts a --prompt_data run trains on, counted without reading them, as OpenRLHF has them: each file's
     first --max_samples rows, concatenated or blended by --prompt_data_probs (a blend repeats rows), then the first
-    --max_samples of those. (OpenRLHF's --num_episodes counts its steps from this.)"""
+    --max_samples of those; --max_samples problems of the synthetic task. (OpenRLHF's --num_episodes counts its steps
+    from this, and its dynamic filtering refills until they run out.)"""
     from alignrl.data.loaders import blend_order, count_rows
+
+    if args.prompt_data == "synthetic":
+        return args.max_samples
 
     files = split_files(args.prompt_data)
     rows = [min(args.max_samples, count_rows(f, key="--prompt_data")) for f in files]

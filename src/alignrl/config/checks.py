@@ -263,12 +263,17 @@ def _urls(cfg: RunConfig) -> str | None:
     for kind in ("generation", "reference", "reward"):  # here, once, not on every rank as it connects
         value = getattr(cfg.services, f"{kind}_url")
         # several reward services share a batch (comma-separated): each must be an address
-        for url in [u.strip() for u in value.split(",") if u.strip()] if kind == "reward" else [value] * bool(value):
+        for url in reward_urls(value) if kind == "reward" else [value] * bool(value):
             problem = url_problem(f"services.{kind}_url={url!r} (the seed layout's training.services.{kind}.url)",
                                   url, f"give the {kind} service's address, e.g. http://127.0.0.1:8000")
             if problem:
                 return problem
     return None
+
+
+def reward_urls(value: str) -> list[str]:
+    """The reward service URLs of a services.reward_url value: one URL, or several separated by commas."""
+    return [part.strip() for part in value.split(",") if part.strip()]
 
 
 def url_problem(named: str, url: str, fix: str) -> str | None:

@@ -20,7 +20,7 @@ from alignrl.data.records import Sample
 from alignrl.interfaces import SamplingParams
 from alignrl.rewards import gsm8k
 from alignrl.rewards.registry import REWARDS, ScoreError, reads_prompt_text, score_row
-from alignrl.rl.scoring import prompt_texts
+from alignrl.rl.scoring import played_correct, prompt_texts
 from alignrl.rollout.env_agent import with_labels
 
 
@@ -35,8 +35,9 @@ def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequ
         ro = engine.generate(with_labels(engine, batch, prompts[start:start + batch_size]), params)
         texts = tokenizer.batch_decode(ro.response_ids.masked_fill(~ro.response_mask, tokenizer.pad_token_id),
                                        skip_special_tokens=True)
-        if "env_score" in ro.stats:  # an environment played the episodes: its last score >= 1 is correct
-            strict += (ro.stats["env_score"] >= 1.0).float().tolist()
+        played = played_correct(ro)
+        if played is not None:  # an environment played the episodes
+            strict += played.float().tolist()
         else:
             strict += _rule_correct(tokenizer, ro, texts, batch, start, correct_fn, params.n)
         flexible += [gsm8k.compute_score(t, batch[j // params.n].ground_truth, method="flexible")

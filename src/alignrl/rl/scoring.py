@@ -74,13 +74,20 @@ class RewardStage:
     def task_scores(self, ro: Rollout, rows: Sequence[Sample]) -> tuple[list[float], list[bool]]:
         """Each row's task reward and whether it is correct (a correctness score >= 1): from the environment that
         played the episode (`rollout.env_agent`: its rewards and its last score), else the rule functions."""
-        if "env_reward" in ro.stats:
-            return ro.stats["env_reward"].tolist(), (ro.stats["env_score"] >= 1.0).tolist()
+        played = played_correct(ro)
+        if played is not None:
+            return ro.stats["env_reward"].tolist(), played.tolist()
         texts, prompts = self.texts(ro), self.prompt_texts(ro)
         rewards = self.task_rewards(rows, texts, prompts)
         if self.correct_fn is self.reward_fn:  # no shaping: correctness is the reward itself
             return rewards, [r >= 1.0 for r in rewards]
         return rewards, [r >= 1.0 for r in rule_scores(self.correct_fn, "reward function", rows, texts, prompts)]
+
+
+def played_correct(ro: Rollout) -> torch.Tensor | None:
+    """(B,) bool: the episodes an environment played whose last score is 1 or more; None when no environment scored
+    them (`rollout.env_agent` leaves its rewards and scores in `Rollout.stats`)."""
+    return ro.stats["env_score"] >= 1.0 if "env_score" in ro.stats else None
 
 
 def for_filtering(ro: Rollout, rewards: Sequence[float]) -> torch.Tensor | None:

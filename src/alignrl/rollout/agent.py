@@ -38,7 +38,7 @@ from alignrl.config.checks import episode_cap
 from alignrl.data.collate import left_pad, right_pad
 from alignrl.data.images import ImagePrompt, prompt_images
 from alignrl.data.records import Rollout
-from alignrl.interfaces import RolloutEngine, SamplingParams
+from alignrl.interfaces import RolloutEngine, SamplingParams, derived_seed
 from alignrl.utils.tracking import console
 
 ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
@@ -133,10 +133,9 @@ class AgentRollout:
             active = [r for r in rows if not r.done]
             if not active:
                 break
-            seed = None if params.seed is None else (params.seed + turn * 1_000_003) % 2**63  # own draws per turn
             room = max(cap - len(r.ids) for r in active)
             turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(params.max_new_tokens, room),
-                                              stop=stops, seed=seed)
+                                              stop=stops, seed=derived_seed(params.seed, turn))
             ro = self.engine.generate([r.context() for r in active], turn_params)
             queries = self._take_turn(active, ro, cap, last=turn == self.max_turns)
             self._observe(queries, cap)

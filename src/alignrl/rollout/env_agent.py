@@ -28,7 +28,7 @@ import torch
 
 from alignrl.data.records import Rollout, Sample
 from alignrl.errors import UserError
-from alignrl.interfaces import RolloutEngine, SamplingParams
+from alignrl.interfaces import RolloutEngine, SamplingParams, derived_seed
 from alignrl.rollout.agent import _Row, episodes_rollout
 from alignrl.rollout.environments import EnvFactory, Environment
 
@@ -44,7 +44,11 @@ class TaskPrompt(list):
 
     def __init__(self, ids, sample: Sample):
         super().__init__(ids)
-        self.sample, self.label = sample, sample.ground_truth
+        self.sample = sample
+
+    @property
+    def label(self):
+        return self.sample.ground_truth
 
 
 def with_labels(engine: RolloutEngine, samples: Sequence[Sample], prompts: Sequence[Sequence[int]]):
@@ -100,9 +104,9 @@ class EnvRollout:
             live = [e for e in episodes if not e.row.done]
             if not live:
                 break
-            seed = None if params.seed is None else (params.seed + turn * 1_000_003) % 2**63  # own draws per turn
             room = max(self.cap - len(e.row.ids) for e in live)
-            turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(params.max_new_tokens, room), seed=seed)
+            turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(params.max_new_tokens, room),
+                                              seed=derived_seed(params.seed, turn))
             ro = self.engine.generate([e.row.prompt + e.row.ids for e in live], turn_params)
             turn += 1
             actions = [self._act(e, ro, j) for j, e in enumerate(live)]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from alignrl.errors import ConfigError
-from alignrl.utils.user_files import import_user_file
+from alignrl.utils.user_files import import_user_file, provide_modules
 
 API_MODULE = "openrlhf.utils.agent"
 
@@ -77,18 +77,10 @@ def _api_module() -> types.ModuleType:
         return importlib.import_module(API_MODULE)
     except ImportError:
         pass
-    for name in ("openrlhf", "openrlhf.utils"):
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = []  # a package, so `import openrlhf.utils.agent` resolves through sys.modules
-            sys.modules[name] = package
-    module = types.ModuleType(API_MODULE, "OpenRLHF's agent base classes, as alignrl provides them")
-    module.AgentInstanceBase, module.AgentExecutorBase = AgentInstanceBase, AgentExecutorBase
-    module.MultiTurnAgentExecutor = MultiTurnAgentExecutor
-    sys.modules[API_MODULE] = module
-    sys.modules["openrlhf.utils"].agent = module
-    sys.modules["openrlhf"].utils = sys.modules["openrlhf.utils"]
-    return module
+    provide_modules({API_MODULE: {"AgentInstanceBase": AgentInstanceBase, "AgentExecutorBase": AgentExecutorBase,
+                                  "MultiTurnAgentExecutor": MultiTurnAgentExecutor}},
+                    "OpenRLHF's agent base classes, as alignrl provides them (OpenRLHF is not installed)")
+    return sys.modules[API_MODULE]
 
 
 def load_environment(path: str, key: str = "agent.env_path") -> EnvFactory:

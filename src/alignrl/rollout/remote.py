@@ -30,7 +30,7 @@ import torch
 from alignrl.data.collate import left_pad, right_pad
 from alignrl.data.records import Rollout
 from alignrl.errors import UserError
-from alignrl.interfaces import SamplingParams
+from alignrl.interfaces import SamplingParams, derived_seed
 
 START = {"generation": "alignrl serve generate --model PATH --port {port}",
          "reference": "alignrl serve ref --model PATH --port {port}",
@@ -208,8 +208,7 @@ class RemoteRolloutEngine:
         rows: list[tuple[list[int], list[float], bool]] = []
         per_request = max(1, self.max_seqs // params.n)  # whole prompts, so each group stays in one request
         for k, s in enumerate(range(0, len(prompts), per_request)):
-            # Each request of a seeded call gets its own seed, or all would draw the same random numbers.
-            seed = None if params.seed is None else (params.seed + k * 1_000_003) % 2**63
+            seed = derived_seed(params.seed, k)
             body = {"prompts": [[int(t) for t in p] for p in prompts[s:s + per_request]], "n": params.n,
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                     "max_tokens": params.max_new_tokens, "stop": list(params.stop), "seed": seed}

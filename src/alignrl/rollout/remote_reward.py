@@ -17,12 +17,8 @@ from urllib.parse import urlparse
 
 import torch
 
+from alignrl.config.checks import reward_urls
 from alignrl.rollout.remote import ServiceClient, ServiceError, _rows
-
-
-def reward_urls(value: str) -> list[str]:
-    """The reward service URLs of a services.reward_url value: one URL, or several separated by commas."""
-    return [part.strip() for part in value.split(",") if part.strip()]
 
 
 def reward_endpoint(url: str) -> tuple[str, str | None]:

@@ -8,9 +8,9 @@ import sys
 import time
 
 from alignrl.config import RunConfig
-from alignrl.config.checks import needs_reference
+from alignrl.config.checks import needs_reference, reward_urls
 from alignrl.rollout.remote import ServiceClient, ServiceError
-from alignrl.rollout.remote_reward import reward_endpoint, reward_urls
+from alignrl.rollout.remote_reward import reward_endpoint
 
 
 def check_services(cfg: RunConfig, log=print, wait_s: float | None = None) -> None:

@@ -24,9 +24,7 @@ import importlib.util
 import json
 import os
 import sys
-import types
 import uuid
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +35,7 @@ from alignrl.data.records import Sample
 from alignrl.errors import ConfigError, UserError
 from alignrl.rewards import gsm8k
 from alignrl.rollout.tool_calls import ToolCall, ToolChat, parse_hermes, truncate_response
+from alignrl.utils.user_files import provide_modules
 
 KEY = "agent.tool_config_path"
 GSM8K_CLASSES = ("verl.tools.gsm8k_tool.Gsm8kTool", "verl.workers.tool.gsm8k_tool.Gsm8kTool")
@@ -187,29 +186,8 @@ def verl_api() -> tuple[type, type]:
     except Exception as exc:
         raise ToolConfigError(f"{KEY}: the installed verl's tool modules fail to import ({type(exc).__name__}: "
                               f"{exc})".splitlines()[0] + "; repair or uninstall verl") from exc
-    for name, members in _PROVIDED.items():
-        parts = name.split(".")
-        for i in range(1, len(parts) + 1):
-            _module(".".join(parts[:i]))
-        vars(sys.modules[name]).update(members)
+    provide_modules(_PROVIDED, "verl's tool API, as alignrl provides it (verl is not installed)")
     return BaseTool, OpenAIFunctionToolSchema
-
-
-def _module(name: str) -> types.ModuleType:
-    """The module `name`: imported when it can be, else an empty package of that name, set on its parent."""
-    if name in sys.modules:
-        return sys.modules[name]
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        pass
-    module = types.ModuleType(name, "verl's tool API, as alignrl provides it (verl is not installed)")
-    module.__path__ = []  # a package: its submodules resolve through sys.modules
-    sys.modules[name] = module
-    parent, _, leaf = name.rpartition(".")
-    if parent:
-        setattr(sys.modules[parent], leaf, module)
-    return module
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import re
 import sys
@@ -24,4 +25,33 @@ def import_user_file(path: Path, key: str, error: type[Exception], prefix: str, 
         del sys.modules[module_name]
         hint = f"; {missing_hint}" if missing_hint and isinstance(exc, ImportError) else ""
         raise error(f"{key} file {path} failed to import: {type(exc).__name__}: {exc}".splitlines()[0] + hint) from exc
+    return module
+
+
+def provide_modules(provided: dict[str, dict[str, object]], doc: str) -> None:
+    """Registers `provided` ({module name: its members}) under those names, with each missing parent package, so
+    that a user's file written against another framework (`from openrlhf.utils.agent import ...`) imports what
+    alignrl provides in its place. A module that can be imported is imported, and only given the missing members."""
+    for name, members in provided.items():
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            _module(".".join(parts[:i]), doc)
+        for key, value in members.items():
+            vars(sys.modules[name]).setdefault(key, value)
+
+
+def _module(name: str, doc: str) -> ModuleType:
+    """The module `name`: imported when it can be, else an empty package of that name, set on its parent."""
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        pass
+    module = ModuleType(name, doc)
+    module.__path__ = []  # a package: its submodules resolve through sys.modules
+    sys.modules[name] = module
+    parent, _, leaf = name.rpartition(".")
+    if parent:
+        setattr(sys.modules[parent], leaf, module)
     return module
