@@ -97,22 +97,28 @@ def _ensure_comm(env: DistEnv) -> None:
     """DeepSpeed needs a process group even in one process; give it a one-rank group there."""
     import deepspeed
 
-    if not env.distributed:
-        from alignrl.runtime.ports import free_port
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
     if env.device.type == "cpu":
         # On its first CPU init DeepSpeed compiles a shared-memory all-reduce (40-60 s on 2 cores, once per
         # torch_extensions cache) that only its inference all-reduce uses; training's collectives go through the
         # gloo group. DeepSpeed keeps its op table in one dict so that edits to it hold (deepspeed/ops/__init__.py).
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    if not torch.distributed.is_initialized():  # one rank: our group (NCCL told its GPU), not DeepSpeed's own
-        join_group(env.device)
+    if not torch.distributed.is_initialized():
+        if env.distributed:
+            join_group(env.device)  # the launcher's env:// group (NCCL told its GPU)
+        else:
+            _join_alone(env.device)
     deepspeed.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo", verbose=False)
+
+
+def _join_alone(dev: torch.device) -> None:
+    """A one-rank group on an in-memory store: no port, and no MASTER_PORT/RANK/WORLD_SIZE left in `os.environ`,
+    where they would outlive the run in a longer-lived process (a torchrun it starts later would inherit them: a
+    port still held, or WORLD_SIZE=1 telling it it already runs as one rank). DeepSpeed reads only LOCAL_RANK
+    (ZeRO-3's partitioning, before its engine sets it itself)."""
+    os.environ.setdefault("LOCAL_RANK", "0")
+    nccl = dev.type == "cuda"
+    torch.distributed.init_process_group("nccl" if nccl else "gloo", store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1, **({"device_id": dev} if nccl else {}))
 
 
 class DeepSpeedEngine:
