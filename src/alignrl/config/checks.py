@@ -282,10 +282,10 @@ def url_problem(named: str, url: str, fix: str) -> str | None:
     return None if parts.scheme in ("http", "https") and parts.netloc else f"{named} is not an http(s) URL: {fix}"
 
 
-def retriever_url_problem(url: str) -> str | None:
+def retriever_url_problem(url: str, key: str = "retriever.url") -> str | None:
     """What is wrong with a retrieval endpoint's URL, or None (the config's check and the client's)."""
-    return url_problem(f"retriever.url={url!r}", url, "give the retrieval server's endpoint, e.g. "
-                       "retriever.url=http://127.0.0.1:8000/retrieve")
+    return url_problem(f"{key}={url!r}", url, f"give the retrieval server's endpoint, e.g. "
+                       f"{key}=http://127.0.0.1:8000/retrieve")
 
 
 def check_prompt_keys(cfg: RunConfig) -> None:

@@ -8,6 +8,9 @@ Search Engines with Reinforcement Learning"; github.com/PeterGriffinJin/Search-R
   a/an/the, collapse whitespace), applied to the prediction and to every target.
 - `compute_score`: 1 if the last `<answer>...</answer>` equals any target after normalisation, else
   `format_score` (0 by default); 0 if there is no answer tag.
+- `compute_score_tag_capped`: verl's Search-R1-like variant (`search_r1_like_qa_em`, data sources
+  `searchR1_<set>`): the same exact match, but a response with more than 10 opening or closing answer
+  tags earns a quarter of `score` (against answer-tag spraying).
 - `compute_score_format`: the variant that also grades the trajectory's structure
   (`<think>`/`<search>`/`<information>`/`<answer>` in Search-R1's order), so a well-formed but wrong
   trajectory earns `structure_format_score` instead of 0.
@@ -27,6 +30,7 @@ import string
 from collections.abc import Iterable
 from typing import Any
 
+MAX_ANSWER_TAGS = 10  # verl's Search-R1-like reward quarters a correct answer written among more tags
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -114,6 +118,19 @@ def compute_score(solution_str: str, ground_truth: Any, format_score: float = 0.
     if answer is None:
         return 0.0
     return float(score) if em_check(answer, ground_truth) else float(format_score)
+
+
+def compute_score_tag_capped(solution_str: str, ground_truth: Any, format_score: float = 0.0,
+                             score: float = 1.0) -> float:
+    """verl's `search_r1_like_qa_em.compute_score`: `compute_score`, with a correct answer among more than
+    `MAX_ANSWER_TAGS` `<answer>` or `</answer>` tags earning `score / 4`."""
+    answer = extract_answer(solution_str)
+    if answer is None:
+        return 0.0
+    if not em_check(answer, ground_truth):
+        return float(format_score)
+    sprayed = max(solution_str.count("<answer>"), solution_str.count("</answer>")) > MAX_ANSWER_TAGS
+    return float(score) / 4 if sprayed else float(score)
 
 
 def compute_score_format(solution_str: str, ground_truth: Any, structure_format_score: float = 0.2,

@@ -61,6 +61,7 @@ class RewardFn(Protocol):
     ) -> float: ...
 
 
+QA_SETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")  # Search-R1's
 REWARDS: dict[str, Callable[[str, Any], float]] = {
     "gsm8k": gsm8k.compute_score,
     "openai/gsm8k": gsm8k.compute_score,
@@ -71,15 +72,16 @@ REWARDS: dict[str, Callable[[str, Any], float]] = {
     "math_dapo": math_reward.compute_score,
     think_answer.DATA_SOURCE: think_answer.compute_score,  # R1 format bonus + math accuracy (LMM-R1's rule)
     # Search-R1's QA sets (its data_source names); ground truth may be {"target": [...]}, a list or a string
-    **{name: qa_em.compute_score for name in
-       ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")},
+    **{name: qa_em.compute_score for name in QA_SETS},
+    # verl's Search-R1-like example tags them searchR1_<set> and quarters a correct answer among > 10 answer tags
+    **{f"searchR1_{name}": qa_em.compute_score_tag_capped for name in QA_SETS},
 }
 
 
 def ground_truth_problem(data_source: str, ground_truth: Any) -> str | None:
     """Why the built-in reward of `data_source` cannot read `ground_truth` (None: it can), asked as the data loads:
     the reward meets it only once a sampled answer reaches it, steps into a run."""
-    if REWARDS.get(data_source) is qa_em.compute_score:
+    if REWARDS.get(data_source) in (qa_em.compute_score, qa_em.compute_score_tag_capped):
         try:
             qa_em.targets(ground_truth)
         except ValueError as e:

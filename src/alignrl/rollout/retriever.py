@@ -31,26 +31,35 @@ MAX_BODY_BYTES = 4 << 20  # request body the server accepts by default
 class _RetrievalService(ServiceClient):
     """The shared HTTP client, with the start hint and the timeout setting of the retrieval server."""
 
-    TIMEOUT_KEY = "retriever.timeout_s"
+    TIMEOUT_KEY, URL_KEY = "retriever.timeout_s", "retriever.url"  # the settings its lines name
 
     def _hint(self) -> str:
         port = urlparse(self.url).port or 80  # a mistyped port is likelier than a server never started
         return (f"`PORT={port} bash retrieval_launch.sh` (or `alignrl serve retrieve --port {port}`), or check "
-                "retriever.url")
+                f"{self.URL_KEY}")
 
 
 def passages_text(hits: Sequence) -> str:
     """Search-R1's layout of one query's hits: `Doc i(Title: <first line>) <rest>` per line.
     A hit is `{"document": {"contents": ...}, "score": s}` or, without scores, `{"contents": ...}`."""
-    lines = []
+    return search_r1_layout(hit_contents(hits))
+
+
+def search_r1_layout(contents: Sequence[str]) -> str:
+    return "".join(f"Doc {i}(Title: {title}) {text}\n"
+                   for i, (title, _, text) in enumerate((c.partition("\n") for c in contents), start=1))
+
+
+def hit_contents(hits: Sequence) -> list[str]:
+    """The `contents` text of each hit; ValueError naming the first hit without one."""
+    out = []
     for i, hit in enumerate(hits, start=1):
         doc = hit.get("document", hit) if isinstance(hit, dict) else None
         contents = doc.get("contents") if isinstance(doc, dict) else None
         if not isinstance(contents, str):
             raise ValueError(f"hit {i} has no 'contents' string")
-        title, _, text = contents.partition("\n")
-        lines.append(f"Doc {i}(Title: {title}) {text}\n")
-    return "".join(lines)
+        out.append(contents)
+    return out
 
 
 class RetrieverClient:
@@ -58,12 +67,16 @@ class RetrieverClient:
 
     def __init__(self, url: str, topk: int = 3, timeout_s: float = 30.0, retries: int = 3,
                  max_query_chars: int = MAX_QUERY_CHARS, max_queries: int = MAX_QUERIES,
-                 max_body_bytes: int = MAX_BODY_BYTES):
-        problem = retriever_url_problem(url)
+                 max_body_bytes: int = MAX_BODY_BYTES, keys: tuple[str, str] | None = None):
+        """`keys`: the settings of the URL and the timeout, named in failures (retriever.url and
+        retriever.timeout_s unless given)."""
+        problem = retriever_url_problem(url, *(keys or ())[:1])
         if problem:
             raise ServiceError(problem)
         u = urlparse(url)
         self.client = _RetrievalService(f"{u.scheme}://{u.netloc}", "retrieval", timeout=timeout_s, retries=retries)
+        if keys:
+            self.client.URL_KEY, self.client.TIMEOUT_KEY = keys
         self.url, self.path = url, (u.path or "/retrieve") + (f"?{u.query}" if u.query else "")
         self.topk, self.max_query_chars, self.max_queries = int(topk), int(max_query_chars), int(max_queries)
         self.max_body_bytes = int(max_body_bytes)
@@ -91,7 +104,12 @@ class RetrieverClient:
 
     def search(self, queries: list[str]) -> list[str]:
         """One observation text per query (empty list in, empty list out)."""
-        out: list[str] = []
+        return [search_r1_layout(hits) for hits in self.search_contents(queries)]
+
+    def search_contents(self, queries: list[str]) -> list[list[str]]:
+        """Each query's passages (their `contents`: a title line, then the text), for callers that lay them out
+        otherwise (verl's search tool)."""
+        out: list[list[str]] = []
         for batch in self._batches(queries):
             out += self._request(batch)
         return out
@@ -115,19 +133,19 @@ class RetrieverClient:
     def _body(self, queries: list[str]) -> bytes:
         return json.dumps({"queries": queries, "topk": self.topk, "return_scores": True}, ensure_ascii=False).encode()
 
-    def _request(self, queries: list[str]) -> list[str]:
+    def _request(self, queries: list[str]) -> list[list[str]]:
         body = self.client.request("POST", self.path, content=self._body(queries),
                                    headers={"Content-Type": "application/json"})
         result = body.get("result") if isinstance(body, dict) else None
         if not isinstance(result, list) or len(result) != len(queries):
             got = f"{len(result)} result lists" if isinstance(result, list) else "no 'result' list"
             raise ServiceError(f"retrieval service at {self.url} answered {len(queries)} queries with {got}; "
-                               "it does not speak Search-R1's /retrieve API (check retriever.url)")
+                               f"it does not speak Search-R1's /retrieve API (check {self.client.URL_KEY})")
         try:
-            return [passages_text(hits if isinstance(hits, list) else [None]) for hits in result]
+            return [hit_contents(hits if isinstance(hits, list) else [None]) for hits in result]
         except ValueError as e:
             raise ServiceError(f"retrieval service at {self.url} sent a malformed result ({e}); it does not "
-                               "speak Search-R1's /retrieve API (check retriever.url)") from None
+                               f"speak Search-R1's /retrieve API (check {self.client.URL_KEY})") from None
 
     def close(self) -> None:
         self.client.close()

@@ -1,0 +1,77 @@
+"""verl's search tool (`verl.tools.search_tool.SearchTool`, the tool of verl's Search-R1-like example) as alignrl's
+own: the same tool-config entry, call schema and response text, against any server of Search-R1's /retrieve API
+(`alignrl serve retrieve`, or Search-R1's own `retrieval_server.py`).
+
+The entry's `config` takes verl's keys: `retrieval_service_url` (required), `topk` (3), `timeout` or
+`default_timeout` (30 s), `rate_limit` (120 searches at once; `enable_global_rate_limit: false` lifts it; verl's
+`num_workers` sizes a Ray pool alignrl does not need). A call `{"query_list": [...]}` answers, as verl's does,
+`{"result": "<each query's passages, joined by ---> "}` in JSON, each passage `Doc i (Title: t)` and its text on the
+next line. A call without a query list answers verl's error text and the episode goes on. The server is asked once
+when the tool is made, so a server that is down stops the run before its first step; one that stops answering
+mid-run, after the client's retries, stops it too (one line naming the URL) rather than feeding the policy error
+texts to learn from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import uuid
+from typing import Any
+
+from alignrl.errors import ConfigError
+from alignrl.rollout.retriever import RetrieverClient
+from alignrl.rollout.verl_tools import BaseTool, OpenAIFunctionToolSchema, ToolResponse
+
+CLASS_NAMES = ("verl.tools.search_tool.SearchTool",)
+MISSING_QUERIES = "Error: 'query_list' is missing, empty, or not a list in parameters."  # verl's words
+
+
+def verl_layout(contents: list[str]) -> str:
+    """verl's layout of one query's passages (each a title line, then its text)."""
+    return "\n\n".join(f"Doc {i} (Title: {title})\n{text}"
+                       for i, (title, _, text) in enumerate((c.partition("\n") for c in contents), start=1)).strip()
+
+
+class SearchTool(BaseTool):
+    """verl's SearchTool over alignrl's retrieval client: searches run in threads, at most `rate_limit` at once."""
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
+        super().__init__(config, tool_schema)
+        url = config.get("retrieval_service_url")
+        if not isinstance(url, str) or not url:
+            raise ConfigError("verl's SearchTool needs config.retrieval_service_url, e.g. "
+                              "http://127.0.0.1:8000/retrieve (start one with `alignrl serve retrieve`)")
+        timeout = float(config.get("timeout", config.get("default_timeout", 30)))
+        self.client = RetrieverClient(url, topk=int(config.get("topk", 3)), timeout_s=timeout,
+                                      keys=("the search tool's config.retrieval_service_url", "config.timeout"))
+        self.client.check()
+        limit = int(config.get("rate_limit", 120)) if config.get("enable_global_rate_limit", True) else 1 << 16
+        self.slots = threading.BoundedSemaphore(max(1, limit))
+        self._results: dict[str, list[str]] = {}
+
+    async def create(self, instance_id: str | None = None, **kwargs) -> tuple[str, ToolResponse]:
+        instance_id = instance_id or str(uuid.uuid4())
+        self._results[instance_id] = []
+        return instance_id, ToolResponse()
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
+        queries = parameters.get("query_list") if isinstance(parameters, dict) else None
+        if not queries or not isinstance(queries, list):
+            return ToolResponse(text=json.dumps({"result": MISSING_QUERIES})), 0.0, {}
+        contents = await asyncio.to_thread(self._search, [str(q) for q in queries])
+        text = json.dumps({"result": "\n---\n".join(map(verl_layout, contents))}, ensure_ascii=False)
+        self._results.setdefault(instance_id, []).append(text)
+        return ToolResponse(text=text), 0.0, {"query_count": len(queries), "total_results": sum(map(len, contents))}
+
+    def _search(self, queries: list[str]) -> list[list[str]]:
+        with self.slots:
+            return self.client.search_contents(queries)
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> list[str]:
+        """The episode's search results, as verl's tool returns them (the reward comes from the run's reward)."""
+        return list(self._results.get(instance_id, []))
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        self._results.pop(instance_id, None)
