@@ -92,6 +92,23 @@ def test_turns_keep_generated_ids_feedback_between_and_env_rewards(tiny_model, t
     assert ("row", "two plus two") in module.SEEN
 
 
+def test_feedback_returned_with_done_is_appended_as_context_cut_to_the_room_left(tiny_model, tmp_path):
+    _, tok = tiny_model
+    env = _env_file(tmp_path, GUESS_ENV.replace('"" if done else " wrong, again:"',
+                                                '" right, well done!" if right else " wrong, again:"'))
+    prompts = _labeled(tok, [("q", "5")])
+    right, praise = _enc(tok, " 5"), _enc(tok, " right, well done!")
+    ro = EnvRollout(ScriptedEngine({prompts[0][0]: [right]}), tok, load_environment(env), 64).generate(
+        prompts, SamplingParams())
+    assert ro.response_ids[0][ro.response_mask[0]].tolist() == right + praise  # as OpenRLHF appends it
+    assert ro.loss_mask[0][ro.response_mask[0]].tolist() == [True] * len(right) + [False] * len(praise)
+    assert (ro.logprobs[0][len(right):len(right) + len(praise)] == 0).all() and not ro.truncated.any()
+    cut = EnvRollout(ScriptedEngine({prompts[0][0]: [right]}), tok, load_environment(env), len(right) + 2).generate(
+        prompts, SamplingParams())
+    # cut to the room left; the answer itself ended, so the episode is not truncated
+    assert cut.response_ids[0].tolist() == right + praise[:2] and cut.truncated.tolist() == [False]
+
+
 def test_n_samples_per_prompt_each_get_their_own_environment(tiny_model, tmp_path):
     _, tok = tiny_model
     prompts = _labeled(tok, [("q", "5")])

@@ -9,10 +9,14 @@ are 0 and the loss mask leaves them out, under actor.state_masking). The episode
 "rewards", its score the last step's "scores" (OpenRLHF's: dynamic filtering reads it; here a score >= 1 counts as
 correct), and numeric "extra_logs" become per-row stats, logged as agent/<name>.
 
-Turns run batched: every live episode's next turn is one `generate` call, then their `step`s run concurrently on
-one event loop kept for the engine's life (environments may hold connections bound to it). An episode ends when
-`step` says done, after agent.max_turns turns (0: no limit), or when its response reaches the cap (the turn is cut
-there and the episode counts as truncated).
+Turns run batched: every live episode's next turn is one `generate` call (one per set of sampling params, when
+steps changed an episode's: `env_sampling`), then their `step`s run concurrently on one event loop kept for the
+engine's life (environments may hold connections bound to it). `step` gets OpenRLHF's states plus "truncated": True
+when the turn reached the response cap (nothing can follow it; verl's tool loop then runs no calls). An episode ends
+when `step` says done (its feedback is still appended, as OpenRLHF does, as far as the cap allows), after
+agent.max_turns turns (0: no limit), or when its response reaches the cap (the turn is cut there and the episode
+counts as truncated). With `prompt_room` (OpenRLHF's budget of prompt_max_len + generate_max_len), a prompt shorter
+than that lends its unused tokens to its episode's response cap.
 """
 
 from __future__ import annotations
@@ -30,12 +34,10 @@ from alignrl.data.records import Rollout, Sample
 from alignrl.errors import UserError
 from alignrl.interfaces import RolloutEngine, SamplingParams, derived_seed
 from alignrl.rollout.agent import _Row, episodes_rollout
-from alignrl.rollout.environments import EnvFactory, Environment
+from alignrl.rollout.env_sampling import StepSampling, applied, changes, for_step
+from alignrl.rollout.environments import EnvFactory, Environment, EnvironmentStepError
 
-
-
-class EnvironmentStepError(UserError):
-    """The user's environment did something alignrl cannot use: one line naming the method and the fix."""
+__all__ = ["EnvRollout", "EnvironmentStepError", "TaskPrompt", "with_labels"]
 
 
 class TaskPrompt(list):
@@ -67,9 +69,14 @@ class _Episode:
     env: Environment
     label: Any
     text: str  # the observation so far, as the environment reads it: prompt, turns and feedback
+    cap: int  # its response's cap: the run's, plus what its prompt leaves of the prompt room when that is lent
     reward: float = 0.0
     score: float | None = None
     logs: dict[str, float] = dataclasses.field(default_factory=dict)
+    sampling: dict[str, Any] = dataclasses.field(default_factory=dict)  # what its steps changed (alignrl's names)
+    params: SamplingParams | None = None  # its last turn's sampling params, and the most tokens that turn could take
+    turn_max: int = 0
+    action: str = ""  # its last turn's text
 
 
 class EnvRollout:
@@ -77,11 +84,15 @@ class EnvRollout:
 
     reads_labels = True  # RolloutMaker and evaluation pass TaskPrompts (`with_labels`)
 
-    def __init__(self, engine: RolloutEngine, tokenizer, make_env: EnvFactory, response_cap: int, max_turns: int = 0):
+    def __init__(self, engine: RolloutEngine, tokenizer, make_env: EnvFactory, response_cap: int, max_turns: int = 0,
+                 prompt_room: int = 0):
         """`make_env.gives_rewards` False (a tool environment): the steps' rewards are not the episode's, the run's
-        reward function scores the response instead."""
+        reward function scores the response instead. `prompt_room` > 0 (the prompt cap, data.max_prompt_length):
+        episodes are budgeted as OpenRLHF's executor budgets them, prompt_max_len + generate_max_len in all: a
+        response may also use what its prompt leaves of the prompt room, and each turn may take all the room left (a
+        step's max_tokens still caps it). 0: every response has `response_cap`, each turn params.max_new_tokens."""
         self.engine, self.tokenizer, self.make_env = engine, tokenizer, make_env
-        self.cap, self.max_turns = int(response_cap), int(max_turns)
+        self.cap, self.max_turns, self.prompt_room = int(response_cap), int(max_turns), int(prompt_room)
         self.env_name = getattr(make_env, "env_name", "AgentInstance")
         self.gives_rewards = getattr(make_env, "gives_rewards", True)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -104,14 +115,33 @@ class EnvRollout:
             live = [e for e in episodes if not e.row.done]
             if not live:
                 break
-            room = max(self.cap - len(e.row.ids) for e in live)
-            turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(params.max_new_tokens, room),
-                                              seed=derived_seed(params.seed, turn))
-            ro = self.engine.generate([e.row.prompt + e.row.ids for e in live], turn_params)
+            for group_params, group in self._groups(live, params).items():
+                self._turn(group, group_params, turn)
             turn += 1
-            actions = [self._act(e, ro, j) for j, e in enumerate(live)]
-            self.loop.run_until_complete(self._steps(live, actions, last=turn == self.max_turns))
+            self.loop.run_until_complete(self._steps(live, last=turn == self.max_turns))
         return self._rollout(episodes, len(prompts), params.n)
+
+    def _groups(self, live: list[_Episode], params: SamplingParams) -> dict[SamplingParams, list[_Episode]]:
+        """The live episodes by the sampling params of their next turn: all in one group (one generate call, as
+        without environment changes) unless steps changed some episodes' params."""
+        most = self.cap + self.prompt_room
+        if self.prompt_room:  # OpenRLHF's turns are bounded by the budget left alone: each may take all its room
+            params = dataclasses.replace(params, max_new_tokens=most)
+        groups: dict[SamplingParams, list[_Episode]] = {}
+        for e in live:
+            groups.setdefault(applied(params, e.sampling, most), []).append(e)
+        return groups
+
+    def _turn(self, group: list[_Episode], params: SamplingParams, turn: int) -> None:
+        """One batched generate call for `group`, at most the room its roomiest episode has left; each episode's
+        turn appended (`_act`)."""
+        room = max(e.cap - len(e.row.ids) for e in group)
+        turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(params.max_new_tokens, room),
+                                          seed=derived_seed(params.seed, turn))
+        ro = self.engine.generate([e.row.prompt + e.row.ids for e in group], turn_params)
+        for j, e in enumerate(group):
+            e.params, e.turn_max = params, min(params.max_new_tokens, e.cap - len(e.row.ids))
+            e.action = self._act(e, ro, j)
 
     async def _reset(self, prompts: Sequence[Sequence[int]], n: int) -> list[_Episode]:
         async def one(prompt: Sequence[int]) -> _Episode:
@@ -128,7 +158,10 @@ class EnvRollout:
                                            "given)")
             ids = list(prompt) if seen == text else self._encode(seen)  # unchanged: the prompt's own ids
             row = _Row(ids, source=prompt, stats={"turns": 0.0})
-            return _Episode(row, env, label, seen)
+            # OpenRLHF's budget counts the observation reset returned; one over the prompt room leaves the response
+            # its own cap (OpenRLHF cuts such an observation to leave generate_max_len)
+            lent = max(0, self.prompt_room - len(ids)) if self.prompt_room else 0
+            return _Episode(row, env, label, seen, self.cap + lent)
 
         return list(await asyncio.gather(*(one(p) for p in prompts for _ in range(n))))
 
@@ -136,21 +169,25 @@ class EnvRollout:
         """Appends the turn's generated ids (cut at the cap) to the episode; returns their text."""
         keep = ro.response_mask[j]
         ids, lps = ro.response_ids[j][keep].tolist(), ro.logprobs[j][keep].tolist()
-        room = self.cap - len(e.row.ids)
+        room = e.cap - len(e.row.ids)
         e.row.append(ids[:room], lps[:room], generated=True)
         e.row.stats["turns"] += 1
         if len(ids) > room or (len(ids) == room and bool(ro.truncated[j])):
             e.row.truncated = True
         return self.tokenizer.decode(ids[:room], skip_special_tokens=True)
 
-    async def _steps(self, live: list[_Episode], actions: list[str], last: bool) -> None:
-        results = await asyncio.gather(*(self._call(e.env.step({"observation_text": e.text, "action_text": a,
-                                                                 "label": e.label, "sampling_params": None}), "step")
-                                         for e, a in zip(live, actions)))
-        for e, action, got in zip(live, actions, results):
-            self._take_step(e, action, got, last)
+    async def _steps(self, live: list[_Episode], last: bool) -> None:
+        given = [for_step(e.params, e.turn_max, self.env_name) for e in live]
+        # "truncated": the turn reached the cap, so nothing the step answers can follow it (an extra key: OpenRLHF's
+        # files read only theirs)
+        results = await asyncio.gather(*(self._call(e.env.step({"observation_text": e.text, "action_text": e.action,
+                                                                 "label": e.label, "sampling_params": sampling,
+                                                                 "truncated": len(e.row.ids) >= e.cap}), "step")
+                                         for e, (sampling, _) in zip(live, given)))
+        for e, (sampling, values), got in zip(live, given, results):
+            self._take_step(e, got, last, sampling, values)
 
-    def _take_step(self, e: _Episode, action: str, got: Any, last: bool) -> None:
+    def _take_step(self, e: _Episode, got: Any, last: bool, sampling: StepSampling, values: dict) -> None:
         if not isinstance(got, dict) or (self.gives_rewards and "rewards" not in got):
             raise EnvironmentStepError(f"{self.env_name}.step returned {type(got).__name__} without 'rewards'; return "
                                        "{'rewards': r, 'scores': s, 'environment_feedback': text, 'done': bool}")
@@ -164,12 +201,21 @@ class EnvRollout:
         if not isinstance(feedback, str):
             raise EnvironmentStepError(f"{self.env_name}.step returned a {type(feedback).__name__} "
                                     "'environment_feedback'; return the text to append (or '')")
-        e.text += action + feedback
-        if bool(got.get("done", False)) or last or e.row.truncated:
+        # OpenRLHF samples the episode's next turns with a returned sampling_params; an empty one is none
+        e.sampling.update(changes(got.get("sampling_params") or None, sampling, values, self.env_name))
+        e.text += e.action + feedback
+        ids = self._encode(feedback) if feedback else []
+        room = e.cap - len(e.row.ids)
+        if bool(got.get("done", False)):
+            # OpenRLHF appends the last step's feedback too: context (log-prob 0, outside the loss mask), here cut to
+            # the room left. That cut does not make the episode truncated: truncation says the policy's answer was
+            # cut (the overlong penalty, truncated_reward_coef), and this one ended as the environment accepted it
+            e.row.append(ids[:room], [0.0] * min(len(ids), room), generated=False)
             e.row.done = True
             return
-        ids = self._encode(feedback)
-        room = self.cap - len(e.row.ids)
+        if last or e.row.truncated:  # no next turn: feedback asking for one would be read by nobody
+            e.row.done = True
+            return
         if len(ids) >= room:  # no room left to act on the feedback: the episode ends here, cut
             e.row.done, e.row.truncated = True, True
             return

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from alignrl.errors import ConfigError
+from alignrl.errors import ConfigError, UserError
 from alignrl.utils.user_files import import_user_file, provide_modules
 
 API_MODULE = "openrlhf.utils.agent"
@@ -32,6 +32,10 @@ API_MODULE = "openrlhf.utils.agent"
 
 class EnvironmentFileError(ConfigError):
     """agent.env_path names a file alignrl cannot run; one line naming it and the fix."""
+
+
+class EnvironmentStepError(UserError):
+    """The user's environment did something alignrl cannot use: one line naming the method and the fix."""
 
 
 class Environment(Protocol):
