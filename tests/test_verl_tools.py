@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from alignrl.data.collate import left_pad, prompt_ids, right_pad
+from alignrl.data.collate import prompt_ids
 from alignrl.data.records import Sample
 from alignrl.interfaces import SamplingParams
 from alignrl.rollout.env_agent import EnvRollout, TaskPrompt
@@ -174,7 +174,7 @@ def test_parallel_calls_truncation_errors_and_turn_limits(tiny_model, tmp_path, 
     assert got["done"] is False
     assert got["environment_feedback"] == chat.feedback(["abcd...(truncated)", "Error when executing tool: 'nope'"])
     assert got["extra_logs"] == {"tool_calls": 2.0, "tool_errors": 1.0, "tool_call_parse_errors": 0.0,
-                                 "tool_calls_per_turn": 2.0}
+                                 "tool_calls_per_turn": 2.0, "verl_num_turns": 3.0}
     calls = sys.modules[user_tools].CALLS
     assert calls[0] == ("create", {"k": 1}) and calls[1][0] == "release"  # each call: created, released
     got = _step(env, _call("echo", "boom"))  # an exception in the tool: verl's error text, the episode goes on
@@ -249,6 +249,28 @@ def test_a_gsm8k_episode_keeps_ids_appends_the_tool_turn_and_is_scored_by_the_re
     assert "env_reward" not in ro.stats  # the steps give no reward: the reward function scores the response
     stage = RewardStage(tok, default_compute_score, default_compute_score, 400)
     assert stage.score(ro, rows).rewards.tolist() == [1.0, 0.0]
+
+
+def test_a_turn_cut_at_the_response_cap_runs_no_tool_calls(tiny_model, tmp_path, user_tools):
+    _, tok = tiny_model
+    rows = [Sample([{"role": "user", "content": f"question {q}"}], "1") for q in ("one", "two")]
+    prompts = [TaskPrompt(prompt_ids(tok, r), r) for r in rows]
+    call = _enc(tok, _call("echo", "x"))
+    feedback = _enc(tok, ToolChat(tok, []).feedback(["x"]))
+    cap = len(call) + len(feedback) + 4
+    tail = _enc(tok, " and then some more words that run past the cap")
+    assert len(tail) > len(feedback) + 4
+    # the first episode's call is whole but its turn is cut at the cap: verl ends on length before parsing tools
+    script = {tuple(prompts[0]): [call + tail], tuple(prompts[1]): [call, _enc(tok, " ok")]}
+    engine = Scripted(script, truncate={(tuple(prompts[0]), 0)}, key=ScriptedEngine(script).key)  # at its length limit
+    make = tool_environment(_echo_yaml(tmp_path, user_tools), tok, ToolLoop())
+    ro = EnvRollout(engine, tok, make, response_cap=cap).generate(prompts, SamplingParams(max_new_tokens=200))
+    executed = [c for c in sys.modules[user_tools].CALLS if c[0] == "create"]
+    assert len(executed) == 1 and ro.stats["env/tool_calls"].tolist() == [0.0, 1.0]
+    assert ro.truncated.tolist() == [True, False] and ro.stats["turns"].tolist() == [1.0, 2.0]
+    assert ro.response_ids[1][ro.response_mask[1]].tolist() == call + feedback + _enc(tok, " ok")
+    # verl's num_turns: the prompt, the assistant turns and the tool turns
+    assert ro.stats["env/verl_num_turns"].tolist() == [2.0, 4.0]
 
 
 def test_with_tools_builds_the_loop_and_the_config_refuses_it_beside_an_environment(tiny_model, tmp_path):

@@ -11,7 +11,8 @@ An episode (`ToolEnvironment`) is verl's ToolAgentLoop: the prompt is the row's 
 schemas; after each assistant turn its hermes tool calls (up to max_parallel_calls) run concurrently, each tool
 instance created with the row's `extra_info.tools_kwargs[name].create_kwargs`, executed and released; the responses,
 cut to max_tool_response_length, are appended as tool messages (not trained on) and the policy answers again. A turn
-without calls, the assistant- or user-turn limit, or the response cap ends it. The steps give no rewards: the run's
+without calls, the assistant- or user-turn limit, or the response cap ends it (a turn that reached the cap runs no
+calls, as verl stops on length before parsing). The steps give no rewards: the run's
 reward function scores the whole response, as verl's reward manager does.
 """
 
@@ -222,6 +223,8 @@ class ToolEnvironment:
     async def step(self, states: dict, **kwargs) -> dict:
         self.assistant_turns += 1
         loop = self.loop
+        if states.get("truncated"):  # the turn reached the response cap: verl stops before parsing its calls
+            return self._result("", done=True)
         if (loop.max_assistant_turns and self.assistant_turns >= loop.max_assistant_turns) or \
                 (loop.max_user_turns and self.user_turns >= loop.max_user_turns):
             return self._result("", done=True)
@@ -234,7 +237,10 @@ class ToolEnvironment:
         return self._result(self.chat.feedback(texts), done=False)
 
     def _result(self, feedback: str, done: bool) -> dict:
-        logs = dict(self.counts, tool_calls_per_turn=self.counts["tool_calls"] / self.assistant_turns)
+        # verl_num_turns: verl's num_turns metric, which counts the prompt's user turn, the assistant turns and the
+        # tool-response turns (agent/turns counts assistant turns only)
+        logs = dict(self.counts, tool_calls_per_turn=self.counts["tool_calls"] / self.assistant_turns,
+                    verl_num_turns=float(self.user_turns + self.assistant_turns + 1))
         return {"environment_feedback": feedback, "done": done, "extra_logs": logs}
 
     async def _call(self, call: ToolCall) -> str:
