@@ -77,3 +77,52 @@ def test_a_search_server_that_is_down_is_one_line_when_the_tool_is_made(http_ser
     assert "retriev" in one_line(str(err.value)) and "\n" not in str(err.value)
     with pytest.raises(Exception, match="retrieval_service_url"):
         SearchTool({"type": "native"}, OpenAIFunctionToolSchema.model_validate(SCHEMA))
+
+
+SEARCH_CONFIG = """hydra:
+  searchpath:
+    - file:///somewhere/verl/trainer/config
+
+defaults:
+  - ppo_trainer
+  - _self_
+
+trainer:
+  do_debug: False
+
+data:
+  max_prompt_length: 1024
+  max_response_length: 1024
+  train_batch_size: 256
+  return_raw_chat: True
+  shuffle: False
+
+actor_rollout_ref:
+  hybrid_engine: True
+  rollout:
+    name: sglang
+    multi_turn:
+      enable: True
+      max_assistant_turns: 2
+      format: qwen
+"""
+
+
+def test_the_examples_config_file_reads_with_its_own_key_and_verl_04s_format_name(tmp_path, capsys, monkeypatch):
+    """verl's search_multiturn_grpo.yaml as written: a key of its own (trainer.do_debug), which Hydra merges and verl
+    never reads, is named and left unread; `format: qwen` (verl 0.4's name of Qwen's hermes calls) is hermes."""
+    from alignrl.cli import _parse
+    from alignrl.config import ConfigError, load_config
+
+    monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED", raising=False)
+    (tmp_path / "search_multiturn_grpo.yaml").write_text(SEARCH_CONFIG)
+    args = _parse(["train", "ppo", f"--config-path={tmp_path}", "--config-name=search_multiturn_grpo"])
+    cfg = load_config(None, args.overrides)
+    assert cfg.agent.tool_format == "hermes" and cfg.agent.max_turns == 2 and cfg.data.max_prompt_length == 1024
+    assert "trainer.do_debug=false: a key neither verl's trainer nor alignrl reads" in capsys.readouterr().err
+    # a new key on the command line is still refused unless it says it adds one (`+`), as Hydra refuses it
+    with pytest.raises(ConfigError, match="unknown config key 'trainer.do_debug'"):
+        load_config(None, ["trainer.do_debug=false"])
+    assert load_config(None, ["+actor_rollout_ref.rollout.my_flag=1"]).agent.tool_format == "hermes"
+    with pytest.raises(ConfigError, match="agent.tool_format='qwen' is not allowed"):
+        load_config(None, ["agent.tool_format=qwen"])  # alignrl's own key names the format it runs

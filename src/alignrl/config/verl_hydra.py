@@ -73,7 +73,8 @@ def config_overrides(folder: Path, name: str) -> list[str]:
                           f"keep `defaults: [{BASE}, _self_]` and put those settings in the file or on the command "
                           "line")
     data.pop("hydra", None)
-    return [f"{key}={value}" for key, value in _flat(data, "")]
+    # Hydra merges a file's keys into ppo_trainer's, new ones too: `+` marks them so, as on a command line
+    return [f"+{key}={value}" for key, value in _flat(data, "")]
 
 
 def _flat(node: dict, prefix: str) -> list[tuple[str, str]]:

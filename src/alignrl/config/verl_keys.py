@@ -27,6 +27,7 @@ other than main_ppo's own `ppo_trainer` is refused by the command line (`alignrl
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 import sys
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 
 from alignrl.config.checks import nearest_sibling
 from alignrl.config.file_shape import SEED_KEYS, SEED_MODEL_PARTS, unknown_seed_key
-from alignrl.config.schema import ConfigError
+from alignrl.config.schema import ConfigError, RunConfig
 from alignrl.config.verl_groups import engine as _engine, finish as finish_engine
 from alignrl.config.verl_multi_turn import multi_turn
 from alignrl.config.verl_pass import TranslationPass
@@ -71,7 +72,7 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
         # one chain of cases, split in six: the first case that matches the key takes it
         if not (_engine(st, key, value) or multi_turn(st, key, value) or _renamed(st, key, value)
                 or _recent(st, key, value) or _accepted(st, key, value)):
-            _other(st, key, value)
+            _other(st, key, value, added=o.startswith("+"))
     return _finish(st)
 
 
@@ -141,8 +142,9 @@ def _accepted(st: TranslationPass, key: str, value: str) -> bool:
     return True
 
 
-def _other(st: TranslationPass, key: str, value: str) -> None:
-    """nodes.yaml's spellings, verl's custom reward function, an unknown verl key, or an alignrl key as given."""
+def _other(st: TranslationPass, key: str, value: str, added: bool = False) -> None:
+    """nodes.yaml's spellings, verl's custom reward function, an unknown verl key, or an alignrl key as given.
+    `added`: given as `+key` (Hydra's "add a key", as a user's Hydra config file adds its own keys)."""
     if key in SEED_KEYS:  # the multi-node launcher's nodes.yaml spellings, as its file takes them
         st.out.append(f"{SEED_KEYS[key]}={value}")
         st.output_is_run_dir = st.output_is_run_dir or key == "models.output.path"
@@ -155,12 +157,26 @@ def _other(st: TranslationPass, key: str, value: str) -> None:
     elif key in ("custom_reward_function.path", "custom_reward_function.name"):
         st.verl = True
         st.custom[key.rsplit(".", 1)[1]] = value
+    elif added and not _alignrl_key(key):  # verl keeps a key it does not know and never reads it
+        st.verl = True
+        st.notes.append(f"{key}={value}: a key neither verl's trainer nor alignrl reads; left unread, as verl "
+                        "leaves it")
     elif key.startswith(VERL_SECTIONS):
         raise ConfigError(f"unknown config key '{key}'{nearest_sibling(key, RENAMES)}: not a verl/Search-R1 key "
                           "alignrl knows (docs/verl-keys.md lists them; `alignrl config --reference` "
                           "lists alignrl's own keys)")
     else:
         st.out.append(f"{key}={value}")
+
+
+def _alignrl_key(key: str) -> bool:
+    """Whether `key` (dotted) names a setting of alignrl's RunConfig."""
+    node: object = RunConfig()
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
+            return False
+        node = getattr(node, part)
+    return True
 
 
 def _finish(st: TranslationPass) -> Translation:

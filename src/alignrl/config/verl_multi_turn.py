@@ -34,10 +34,17 @@ REFUSED = {M + "interaction_config_path": "verl's interactions (a simulated user
                                                "(agent.env_path)"}
 
 
+# verl 0.4's names of the hermes call format: its examples for Qwen models say `format: qwen` (Qwen's template
+# writes hermes <tool_call> JSON), and its default was chatml
+HERMES_ALIASES = ("qwen", "chatml")
+
+
 def multi_turn(st: TranslationPass, key: str, value: str) -> bool:
     """One multi-turn key translated into `st`; False: not one of them."""
     unset = value.strip().lower() in ("null", "none", "~", "")
-    if key in KEYS:
+    if key == M + "format" and value.strip("'\"").lower() in HERMES_ALIASES:
+        st.out.append("agent.tool_format=hermes")
+    elif key in KEYS:
         target = KEYS[key]
         if unset and target != "agent.tool_config_path":
             st.out.append(f"{target}=0")  # verl's null: no limit
