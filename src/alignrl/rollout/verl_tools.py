@@ -1,11 +1,10 @@
 """verl's tool agent loop (actor_rollout_ref.rollout.multi_turn, alignrl's agent.tool_config_path): a tool config
 YAML in verl's format, its tools, and an environment per episode that `rollout.env_agent.EnvRollout` plays.
 
-The YAML lists `tools: [{class_name, config, tool_schema}]`. `verl.tools.gsm8k_tool.Gsm8kTool` is alignrl's own
-equivalent (`Gsm8kTool` below, scored by `alignrl.rewards.gsm8k`); any other class_name is imported as a module path
-(the working folder and PYTHONPATH) and must subclass verl's `BaseTool`. When verl is not installed, the modules such
-a tool imports (`verl.tools.base_tool`, `verl.tools.schemas`, `verl.utils.rollout_trace`) are provided under their
-names; an installed verl is used as it is.
+The YAML lists `tools: [{class_name, config, tool_schema}]`. verl's gsm8k and search tools are alignrl's own
+(`verl_builtin_tools`); any other class_name is imported as a module path (the working folder and PYTHONPATH) and
+must subclass verl's `BaseTool`. When verl is not installed, the modules such a tool imports are provided under their
+names (`verl_tool_api`); an installed verl is used as it is.
 
 An episode (`ToolEnvironment`) is verl's ToolAgentLoop: the prompt is the row's messages templated with the tools'
 schemas; after each assistant turn its hermes tool calls (up to max_parallel_calls) run concurrently, each tool
@@ -21,174 +20,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
-import importlib.util
 import json
 import os
 import sys
-import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from alignrl.data.records import Sample
-from alignrl.errors import ConfigError, UserError
-from alignrl.rewards import gsm8k
+from alignrl.errors import UserError
+from alignrl.rollout.remote import ServiceError
 from alignrl.rollout.tool_calls import ToolCall, ToolChat, parse_hermes, truncate_response
-from alignrl.utils.user_files import provide_modules
-
-KEY = "agent.tool_config_path"
-GSM8K_CLASSES = ("verl.tools.gsm8k_tool.Gsm8kTool", "verl.workers.tool.gsm8k_tool.Gsm8kTool")
-
-
-class ToolConfigError(ConfigError):
-    """agent.tool_config_path names a file or tool alignrl cannot use; one line naming it and the fix."""
+from alignrl.rollout.verl_builtin_tools import BUILTIN
+from alignrl.rollout.verl_tool_api import KEY, ToolConfigError, verl_api
 
 
 class ToolResultError(UserError):
     """A tool returned something the loop cannot append; one line naming the tool and the fix."""
 
-
-# verl.tools.schemas: the OpenAI function-calling models verl's tools are written against
-class OpenAIFunctionPropertySchema(BaseModel):
-    type: str
-    description: str | None = None
-    enum: list[str] | None = None
-
-
-class OpenAIFunctionParametersSchema(BaseModel):
-    type: str
-    properties: dict[str, OpenAIFunctionPropertySchema]
-    required: list[str]
-
-
-class OpenAIFunctionSchema(BaseModel):
-    name: str
-    description: str
-    parameters: OpenAIFunctionParametersSchema
-    strict: bool = False
-
-
-class OpenAIFunctionToolSchema(BaseModel):
-    type: str
-    function: OpenAIFunctionSchema
-
-
-class OpenAIFunctionParsedSchema(BaseModel):
-    name: str
-    arguments: str  # JSON text
-
-
-class OpenAIFunctionCallSchema(BaseModel):
-    name: str
-    arguments: dict[str, Any]
-
-
-class OpenAIFunctionToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: OpenAIFunctionCallSchema
-
-
-class ToolResponse(BaseModel):
-    text: str | None = None
-    image: list[Any] | None = None
-    video: list[Any] | None = None
-
-
-def rollout_trace_op(fn):
-    """verl.utils.rollout_trace's tracing decorator; no tracing here."""
-    return fn
-
-
-class BaseTool:
-    """verl's tool base: one object per tool, an instance id per call (create, execute, release)."""
-
-    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
-        self.config = config
-        self.tool_schema = tool_schema or self.get_openai_tool_schema()
-        if self.tool_schema is None:
-            raise ValueError("no tool_schema: give one in the tool config or return it from get_openai_tool_schema()")
-        self.name = self.tool_schema.function.name
-
-    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema | None:
-        return getattr(self, "tool_schema", None)
-
-    async def create(self, instance_id: str | None = None, **kwargs) -> tuple[str, ToolResponse]:
-        return instance_id or str(uuid.uuid4()), ToolResponse()
-
-    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
-        return ToolResponse(text="Updated the tool state."), 0.0, {}
-
-    async def calc_reward(self, instance_id: str, **kwargs) -> float:
-        return 0.0
-
-    async def release(self, instance_id: str, **kwargs) -> None:
-        pass
-
-
-class Gsm8kTool(BaseTool):
-    """verl's gsm8k tool: `answer` is scored against the row's ground truth (create_kwargs), flexible extraction."""
-
-    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
-        super().__init__(config, tool_schema)
-        self._instances: dict[str, dict] = {}
-
-    async def create(self, instance_id: str | None = None, ground_truth: str | None = None, **kwargs):
-        instance_id = instance_id or str(uuid.uuid4())
-        if ground_truth is None:  # verl's agent loop passes the row's create_kwargs whole
-            ground_truth = (kwargs.get("create_kwargs") or {}).get("ground_truth")
-        self._instances[instance_id] = {"response": "", "ground_truth": ground_truth, "reward": 0.0}
-        return instance_id, ToolResponse()
-
-    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
-        answer = parameters.get("answer", "") if isinstance(parameters, dict) else ""
-        answer = answer if isinstance(answer, str) else str(answer)
-        state = self._instances[instance_id]
-        state["response"] = answer if answer.startswith("#### ") else "#### " + answer
-        reward = await self.calc_reward(instance_id)
-        tool_reward = 0.0 if reward > state["reward"] else -0.05  # verl's penalty for an answer that did not improve
-        state["reward"] = reward
-        return ToolResponse(text=f"Current parsed {answer=} {reward=}"), tool_reward, {}
-
-    async def calc_reward(self, instance_id: str, **kwargs) -> float:
-        state = self._instances[instance_id]
-        if state["ground_truth"] is None:
-            return 0.0
-        return gsm8k.compute_score(state["response"], str(state["ground_truth"]), method="flexible",
-                                   format_score=0.0, score=1.0)
-
-    async def release(self, instance_id: str, **kwargs) -> None:
-        self._instances.pop(instance_id, None)
-
-
-_PROVIDED = {
-    "verl.tools.schemas": {c.__name__: c for c in (
-        OpenAIFunctionPropertySchema, OpenAIFunctionParametersSchema, OpenAIFunctionSchema, OpenAIFunctionToolSchema,
-        OpenAIFunctionParsedSchema, OpenAIFunctionCallSchema, OpenAIFunctionToolCall, ToolResponse)},
-    "verl.tools.base_tool": {"BaseTool": BaseTool, "OpenAIFunctionToolSchema": OpenAIFunctionToolSchema,
-                             "ToolResponse": ToolResponse},
-    "verl.utils.rollout_trace": {"rollout_trace_op": rollout_trace_op},
-}
-
-
-def verl_api() -> tuple[type, type]:
-    """verl's BaseTool and OpenAIFunctionToolSchema: an installed verl's, else these, registered under verl's module
-    names so that a tool file importing them runs unchanged (parent packages that are missing, or hold no tools, as
-    the repository's `verl.trainer` shim does, get the missing submodules)."""
-    try:
-        base = importlib.import_module("verl.tools.base_tool")
-        return base.BaseTool, importlib.import_module("verl.tools.schemas").OpenAIFunctionToolSchema
-    except ModuleNotFoundError as exc:
-        if not (exc.name or "").startswith("verl"):  # an installed verl missing one of its own dependencies
-            raise ToolConfigError(f"{KEY}: the installed verl's tool modules fail to import ({exc}); install what "
-                                  "they need, or uninstall verl to use the tool API alignrl provides") from exc
-    except Exception as exc:
-        raise ToolConfigError(f"{KEY}: the installed verl's tool modules fail to import ({type(exc).__name__}: "
-                              f"{exc})".splitlines()[0] + "; repair or uninstall verl") from exc
-    provide_modules(_PROVIDED, "verl's tool API, as alignrl provides it (verl is not installed)")
-    return BaseTool, OpenAIFunctionToolSchema
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +96,9 @@ class ToolEnvironment:
 
     async def _call(self, call: ToolCall) -> str:
         """The call's response text, cut to max_tool_response_length; a call that fails (an unknown tool, arguments
-        that are not JSON, an exception in the tool) answers verl's error text, and the episode goes on as in verl."""
+        that are not JSON, an exception in the tool) answers verl's error text, and the episode goes on as in verl;
+        but a service of alignrl's own that stopped answering (the search tool's retrieval server, after its retries)
+        stops the run in one line, rather than training the policy on error texts."""
         self.counts["tool_calls"] += 1
         tool = instance_id = None
         try:
@@ -254,6 +107,8 @@ class ToolEnvironment:
                                                                                                     {}))
             instance_id = created[0] if isinstance(created, tuple) else created
             got = await tool.execute(instance_id, json.loads(call.arguments))
+        except ServiceError:
+            raise
         except Exception as exc:
             self.counts["tool_errors"] += 1
             return f"Error when executing tool: {exc}"
@@ -321,7 +176,7 @@ def _make_tool(entry: Any, i: int, path: str, base: type, schema_cls: type):
             raise ToolConfigError(f"{where}.tool_schema: {'.'.join(map(str, first['loc']))}: {first['msg']}; give "
                                   "an OpenAI function schema {type: function, function: {name, description, "
                                   "parameters}}") from exc
-    cls = Gsm8kTool if entry["class_name"] in GSM8K_CLASSES else _tool_class(entry["class_name"], where, base)
+    cls = BUILTIN.get(entry["class_name"]) or _tool_class(entry["class_name"], where, base)
     try:
         return cls(config=config, tool_schema=schema)
     except Exception as exc:

@@ -1,8 +1,10 @@
-"""verl's search tool (`verl.tools.search_tool.SearchTool`, the tool of verl's Search-R1-like example) as alignrl's
-own: the same tool-config entry, call schema and response text, against any server of Search-R1's /retrieve API
-(`alignrl serve retrieve`, or Search-R1's own `retrieval_server.py`).
+"""verl's own tools, as alignrl's: a tool config naming `verl.tools.gsm8k_tool.Gsm8kTool` or
+`verl.tools.search_tool.SearchTool` gets these (`BUILTIN`), with verl's config keys, call schemas and response texts.
 
-The entry's `config` takes verl's keys: `retrieval_service_url` (required), `topk` (3), `timeout` or
+`Gsm8kTool` scores an `answer` against the row's ground truth (alignrl.rewards.gsm8k, flexible extraction).
+
+`SearchTool` is the tool of verl's Search-R1-like example, against any server of Search-R1's /retrieve API
+(`alignrl serve retrieve`, or Search-R1's own `retrieval_server.py`). Its entry's `config` takes verl's keys: `retrieval_service_url` (required), `topk` (3), `timeout` or
 `default_timeout` (30 s), `rate_limit` (120 searches at once; `enable_global_rate_limit: false` lifts it; verl's
 `num_workers` sizes a Ray pool alignrl does not need). A call `{"query_list": [...]}` answers, as verl's does,
 `{"result": "<each query's passages, joined by ---> "}` in JSON, each passage `Doc i (Title: t)` and its text on the
@@ -21,11 +23,46 @@ import uuid
 from typing import Any
 
 from alignrl.errors import ConfigError
+from alignrl.rewards import gsm8k
 from alignrl.rollout.retriever import RetrieverClient
-from alignrl.rollout.verl_tools import BaseTool, OpenAIFunctionToolSchema, ToolResponse
+from alignrl.rollout.verl_tool_api import BaseTool, OpenAIFunctionToolSchema, ToolResponse
 
-CLASS_NAMES = ("verl.tools.search_tool.SearchTool",)
 MISSING_QUERIES = "Error: 'query_list' is missing, empty, or not a list in parameters."  # verl's words
+
+
+class Gsm8kTool(BaseTool):
+    """verl's gsm8k tool: `answer` is scored against the row's ground truth (create_kwargs), flexible extraction."""
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
+        super().__init__(config, tool_schema)
+        self._instances: dict[str, dict] = {}
+
+    async def create(self, instance_id: str | None = None, ground_truth: str | None = None, **kwargs):
+        instance_id = instance_id or str(uuid.uuid4())
+        if ground_truth is None:  # verl's agent loop passes the row's create_kwargs whole
+            ground_truth = (kwargs.get("create_kwargs") or {}).get("ground_truth")
+        self._instances[instance_id] = {"response": "", "ground_truth": ground_truth, "reward": 0.0}
+        return instance_id, ToolResponse()
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
+        answer = parameters.get("answer", "") if isinstance(parameters, dict) else ""
+        answer = answer if isinstance(answer, str) else str(answer)
+        state = self._instances[instance_id]
+        state["response"] = answer if answer.startswith("#### ") else "#### " + answer
+        reward = await self.calc_reward(instance_id)
+        tool_reward = 0.0 if reward > state["reward"] else -0.05  # verl's penalty for an answer that did not improve
+        state["reward"] = reward
+        return ToolResponse(text=f"Current parsed {answer=} {reward=}"), tool_reward, {}
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        state = self._instances[instance_id]
+        if state["ground_truth"] is None:
+            return 0.0
+        return gsm8k.compute_score(state["response"], str(state["ground_truth"]), method="flexible",
+                                   format_score=0.0, score=1.0)
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        self._instances.pop(instance_id, None)
 
 
 def verl_layout(contents: list[str]) -> str:
@@ -75,3 +112,9 @@ class SearchTool(BaseTool):
 
     async def release(self, instance_id: str, **kwargs) -> None:
         self._results.pop(instance_id, None)
+
+
+BUILTIN: dict[str, type[BaseTool]] = {
+    **dict.fromkeys(("verl.tools.gsm8k_tool.Gsm8kTool", "verl.workers.tool.gsm8k_tool.Gsm8kTool"), Gsm8kTool),
+    "verl.tools.search_tool.SearchTool": SearchTool,
+}

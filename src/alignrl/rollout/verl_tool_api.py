@@ -1,0 +1,128 @@
+"""verl's tool API (`verl.tools.base_tool`, `verl.tools.schemas`, `verl.utils.rollout_trace`) as verl's tools are
+written against it: an installed verl's when there is one, else these classes, registered under verl's module names
+so that a tool file importing them runs unchanged (`verl_api`)."""
+
+from __future__ import annotations
+
+import importlib
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from alignrl.errors import ConfigError
+from alignrl.utils.user_files import provide_modules
+
+KEY = "agent.tool_config_path"
+GSM8K_CLASSES = ("verl.tools.gsm8k_tool.Gsm8kTool", "verl.workers.tool.gsm8k_tool.Gsm8kTool")
+
+
+class ToolConfigError(ConfigError):
+    """agent.tool_config_path names a file or tool alignrl cannot use; one line naming it and the fix."""
+
+
+
+# verl.tools.schemas: the OpenAI function-calling models verl's tools are written against
+class OpenAIFunctionPropertySchema(BaseModel):
+    type: str
+    description: str | None = None
+    enum: list[str] | None = None
+
+
+class OpenAIFunctionParametersSchema(BaseModel):
+    type: str
+    properties: dict[str, OpenAIFunctionPropertySchema]
+    required: list[str]
+
+
+class OpenAIFunctionSchema(BaseModel):
+    name: str
+    description: str
+    parameters: OpenAIFunctionParametersSchema
+    strict: bool = False
+
+
+class OpenAIFunctionToolSchema(BaseModel):
+    type: str
+    function: OpenAIFunctionSchema
+
+
+class OpenAIFunctionParsedSchema(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class OpenAIFunctionCallSchema(BaseModel):
+    name: str
+    arguments: dict[str, Any]
+
+
+class OpenAIFunctionToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: OpenAIFunctionCallSchema
+
+
+class ToolResponse(BaseModel):
+    text: str | None = None
+    image: list[Any] | None = None
+    video: list[Any] | None = None
+
+
+def rollout_trace_op(fn):
+    """verl.utils.rollout_trace's tracing decorator; no tracing here."""
+    return fn
+
+
+class BaseTool:
+    """verl's tool base: one object per tool, an instance id per call (create, execute, release)."""
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
+        self.config = config
+        self.tool_schema = tool_schema or self.get_openai_tool_schema()
+        if self.tool_schema is None:
+            raise ValueError("no tool_schema: give one in the tool config or return it from get_openai_tool_schema()")
+        self.name = self.tool_schema.function.name
+
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema | None:
+        return getattr(self, "tool_schema", None)
+
+    async def create(self, instance_id: str | None = None, **kwargs) -> tuple[str, ToolResponse]:
+        return instance_id or str(uuid.uuid4()), ToolResponse()
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
+        return ToolResponse(text="Updated the tool state."), 0.0, {}
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        return 0.0
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        pass
+
+
+_PROVIDED = {
+    "verl.tools.schemas": {c.__name__: c for c in (
+        OpenAIFunctionPropertySchema, OpenAIFunctionParametersSchema, OpenAIFunctionSchema, OpenAIFunctionToolSchema,
+        OpenAIFunctionParsedSchema, OpenAIFunctionCallSchema, OpenAIFunctionToolCall, ToolResponse)},
+    "verl.tools.base_tool": {"BaseTool": BaseTool, "OpenAIFunctionToolSchema": OpenAIFunctionToolSchema,
+                             "ToolResponse": ToolResponse},
+    "verl.utils.rollout_trace": {"rollout_trace_op": rollout_trace_op},
+}
+
+
+def verl_api() -> tuple[type, type]:
+    """verl's BaseTool and OpenAIFunctionToolSchema: an installed verl's, else these, registered under verl's module
+    names so that a tool file importing them runs unchanged (parent packages that are missing, or hold no tools, as
+    the repository's `verl.trainer` shim does, get the missing submodules)."""
+    try:
+        base = importlib.import_module("verl.tools.base_tool")
+        return base.BaseTool, importlib.import_module("verl.tools.schemas").OpenAIFunctionToolSchema
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("verl"):  # an installed verl missing one of its own dependencies
+            raise ToolConfigError(f"{KEY}: the installed verl's tool modules fail to import ({exc}); install what "
+                                  "they need, or uninstall verl to use the tool API alignrl provides") from exc
+    except Exception as exc:
+        raise ToolConfigError(f"{KEY}: the installed verl's tool modules fail to import ({type(exc).__name__}: "
+                              f"{exc})".splitlines()[0] + "; repair or uninstall verl") from exc
+    provide_modules(_PROVIDED, "verl's tool API, as alignrl provides it (verl is not installed)")
+    return BaseTool, OpenAIFunctionToolSchema
