@@ -180,29 +180,31 @@ def test_a_short_prompt_lends_its_unused_length_to_the_response(tiny_model, tmp_
     assert seen[0].max_new_tokens == 4 and without.response_ids.shape[1] <= cap
 
 
-def test_grpo_trains_on_responses_longer_than_the_cap_when_prompts_lend(tiny_model_dir, tmp_path, cli_in_process,
-                                                                        monkeypatch):
-    """Two GRPO steps of the tiny model whose episodes are budgeted as OpenRLHF budgets them (the rollout built with
-    prompt_room, as a run from --agent_func_path would be): the padded tensors and the trainer take responses longer
-    than the response cap."""
-    import alignrl.placements.build as build
+def test_grpo_trains_on_responses_longer_than_the_cap_when_prompts_lend(tiny_model_dir, tmp_path, cli_in_process):
+    """Two GRPO steps of the tiny model whose episodes are budgeted as OpenRLHF budgets them (agent.lend_prompt_room,
+    which --agent_func_path sets): the padded tensors and the trainer take responses longer than the response cap."""
     from conftest import SMALL_GRPO, run_settings
 
-    built = []
-
-    def lending(*args, **kwargs):
-        built.append(EnvRollout(*args, **kwargs, prompt_room=128))
-        return built[-1]
-
-    monkeypatch.setattr(build, "EnvRollout", lending)
     path = _env_file(tmp_path, LONG_ENV.replace("self.steps >= 2", "self.steps >= 3"))
     got = cli_in_process("train", "grpo", *SMALL_GRPO, f"model.path={tiny_model_dir}",
                          *run_settings(tmp_path / "out", "lend", 2), f"agent.env_path={path}",
-                         "agent.max_response_length=8", "data.max_prompt_length=128")
+                         "agent.max_response_length=8", "data.max_prompt_length=128", "agent.lend_prompt_room=true")
     assert got.returncode == 0, got.stderr[-3000:] + got.stdout[-3000:]
-    assert built and built[0].prompt_room == 128
     metrics = tmp_path / "out" / "lend" / "logs" / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in rows if "agent/turns" in r]
     assert len(steps) == 2
     assert max(r["response/length_max"] for r in steps) > 8  # past agent.max_response_length: the prompts lent
+
+
+def test_lending_needs_an_environment_and_the_environments_rollout_gets_the_prompt_cap(tiny_model, tmp_path):
+    from alignrl.config import ConfigError, load_config
+    from alignrl.placements.build import with_tools
+
+    with pytest.raises(ConfigError, match="set agent.env_path, or drop agent.lend_prompt_room"):
+        load_config(None, ["agent.lend_prompt_room=true"])
+    path = _env_file(tmp_path, LONG_ENV)
+    cfg = load_config(None, [f"agent.env_path={path}", "agent.lend_prompt_room=true", "data.max_prompt_length=96"])
+    assert with_tools(cfg, ScriptedEngine({}), tiny_model[1]).prompt_room == 96
+    cfg = load_config(None, [f"agent.env_path={path}", "data.max_prompt_length=96"])
+    assert with_tools(cfg, ScriptedEngine({}), tiny_model[1]).prompt_room == 0  # alignrl's own keys: its own cap

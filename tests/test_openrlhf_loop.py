@@ -87,6 +87,7 @@ def test_the_agent_function_is_the_environment_file(flag, tmp_path):
     path.write_text("")  # loaded when the rollout engine is built, not by the config
     args, cfg = config(ONE + [flag, str(path)])
     assert (cfg.agent.env_path, cfg.agent.max_turns) == (str(path), 0)  # OpenRLHF bounds episodes by length alone
+    assert cfg.agent.lend_prompt_room  # within prompt_max_len + generate_max_len, a short prompt's room lent
 
 
 def test_an_agent_function_beside_a_reward_url_is_one_line(capsys):

@@ -65,8 +65,10 @@ def check_loop(args) -> None:
 def loop_keys(args) -> list[str]:
     """alignrl config keys of the flags: the environment file, and dynamic filtering as dynamic sampling by the mean
     reward's range. OpenRLHF bounds an episode by its length alone: no turn limit (agent.max_turns=0), each turn
-    generating at most what is left of the response (--generate_max_len)."""
-    keys = [f"agent.env_path={args.agent_func_path}", "agent.max_turns=0"] if args.agent_func_path else []
+    generating at most what is left of its budget, --prompt_max_len + --generate_max_len less the prompt and the turns
+    so far (agent.lend_prompt_room)."""
+    keys = ([f"agent.env_path={args.agent_func_path}", "agent.max_turns=0", "agent.lend_prompt_room=true"]
+            if args.agent_func_path else [])
     if not args.dynamic_filtering:
         return keys
     low, high = args.dynamic_filtering_reward_range

@@ -19,6 +19,9 @@ def multi_turn_problem(cfg: RunConfig) -> str | None:
     if scorer and a.env_path:
         return (f"agent.env_path={a.env_path} gives the rewards (its step()'s 'rewards'): drop {scorer}, or drop "
                 "agent.env_path to score with it")
+    if a.lend_prompt_room and not a.env_path:
+        return ("agent.lend_prompt_room lends a short prompt's length to an environment's episode: set "
+                "agent.env_path, or drop agent.lend_prompt_room")
     turns = a.env_path or a.tool_config_path or a.max_turns
     if turns and not cfg.actor.state_masking and not cfg.actor.recompute_old_logprobs:
         return ("actor.state_masking=false trains on what the turns append (tool observations, an environment's "

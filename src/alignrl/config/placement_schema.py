@@ -90,6 +90,10 @@ class AgentConfig:
                                     "agent loop, the prompt templated with the tools' schemas, each turn's tool calls "
                                     "answered by the tools, the reward function scoring the whole response; \"\": "
                                     "off. docs/agents.md")
+    lend_prompt_room: bool = opt(False, "with agent.env_path: a prompt shorter than data.max_prompt_length lends its "
+                                        "unused length to the episode's response, whose turns may then run past the "
+                                        "response cap, as OpenRLHF budgets an episode prompt_max_len + "
+                                        "generate_max_len in all (set by --agent_func_path)")
     tool_format: str = opt("hermes", "the tool-call format parsed from each turn: hermes, <tool_call>{\"name\": ..., "
                                      "\"arguments\": ...}</tool_call> (verl's multi_turn.format)", choices=("hermes",))
     max_user_turns: int = opt(0, "with agent.tool_config_path: the most tool-response turns of an episode, 0 for no "

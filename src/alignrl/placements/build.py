@@ -132,7 +132,8 @@ def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngin
     refused the combinations that cannot work: `config.agent_checks`)."""
     a = cfg.agent
     if a.env_path:
-        return EnvRollout(engine, tokenizer, load_environment(a.env_path), response_cap(cfg), a.max_turns)
+        return EnvRollout(engine, tokenizer, load_environment(a.env_path), response_cap(cfg), a.max_turns,
+                          prompt_room=cfg.data.max_prompt_length if a.lend_prompt_room else 0)
     if a.tool_config_path:  # verl's tool agent loop, agent.max_turns its max_assistant_turns
         loop = ToolLoop(a.max_turns, a.max_user_turns, a.max_parallel_calls, a.max_tool_response_length,
                         a.tool_response_truncate_side, a.tool_format)
