@@ -163,8 +163,7 @@ def test_unknown_and_unsupported_keys_are_one_line_errors():
         load_config(None, ["actor_rollout_ref.actor.optim.lrr=1e-6"])
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="unknown config key 'trainer.no_such_key'"):
-        load_config(None, ["trainer.no_such_key=1"])  # as Hydra refuses a key not in verl's config
-    load_config(None, ["+trainer.no_such_key=1"])  # added (`+`): Hydra keeps it, verl never reads it; named at start
+        load_config(None, ["+trainer.no_such_key=1"])
     with pytest.raises(ConfigError, match=r"trainer.val_only=true is not supported"):
         load_config(None, ["+trainer.val_only=true"])
     with pytest.raises(ConfigError, match="data.train_files=.* must be a file path or a list"):

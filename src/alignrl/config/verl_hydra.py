@@ -5,11 +5,14 @@ win as they do in Hydra. Anything else Hydra would compose (another config group
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import yaml
 
 from alignrl.config.schema import ConfigError
+from alignrl.config.verl_keys import reads
 from alignrl.config.verl_tables import STRATEGIES
 
 _SELECTION = {"--config-name": "--config-name", "-cn": "--config-name", "--config-path": "--config-path",
@@ -34,7 +37,12 @@ def hydra_selection(argv: list[str]) -> tuple[list[str], list[str]]:
     if folder is None:
         raise ConfigError(f"--config-name={name}: alignrl reads verl's ppo_trainer and a config of yours that extends "
                           "it; give its folder with --config-path, or put the overrides on the command line")
-    return kept, config_overrides(Path(folder), name)
+    read, unread = config_overrides(Path(folder), name)
+    if unread and os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 speaks for all
+        # Hydra merges a file's keys into ppo_trainer's, new ones too, and verl reads only what its code asks for
+        print(f"alignrl: {name}: keys alignrl does not read, left unread: {', '.join(unread)}", file=sys.stderr,
+              flush=True)
+    return kept, read
 
 
 def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -53,9 +61,10 @@ def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return kept, chosen
 
 
-def config_overrides(folder: Path, name: str) -> list[str]:
+def config_overrides(folder: Path, name: str) -> tuple[list[str], list[str]]:
     """The dotted overrides a user's Hydra config in `folder` holds, its `defaults` checked to be verl's ppo_trainer
-    (and _self_) and its `hydra:` section (search paths, run folders) left out."""
+    (and _self_) and its `hydra:` section (search paths, run folders) left out; and the ones alignrl does not read
+    (a fork's own keys, which Hydra merges in and plain verl never reads)."""
     path = folder / (name if name.endswith(".yaml") else name + ".yaml")
     if not path.is_file():
         raise ConfigError(f"--config-path={folder} --config-name={name}: no such file {path}; give the folder and "
@@ -73,8 +82,8 @@ def config_overrides(folder: Path, name: str) -> list[str]:
                           f"keep `defaults: [{BASE}, _self_]` and put those settings in the file or on the command "
                           "line")
     data.pop("hydra", None)
-    # Hydra merges a file's keys into ppo_trainer's, new ones too: `+` marks them so, as on a command line
-    return [f"+{key}={value}" for key, value in _flat(data, "")]
+    judged = [(f"{k}={v}", reads(k, v)) for k, v in _flat(data, "")]
+    return [o for o, read in judged if read], [o for o, read in judged if not read]
 
 
 def _flat(node: dict, prefix: str) -> list[tuple[str, str]]:

@@ -38,7 +38,7 @@ from alignrl.config.file_shape import SEED_KEYS, SEED_MODEL_PARTS, unknown_seed_
 from alignrl.config.schema import ConfigError, RunConfig
 from alignrl.config.verl_groups import engine as _engine, finish as finish_engine
 from alignrl.config.verl_multi_turn import multi_turn
-from alignrl.config.verl_pass import TranslationPass
+from alignrl.config.verl_pass import TranslationPass, UnknownKeyError
 from alignrl.config.verl_recent import finish as finish_recent, parsed as _value, recent as _recent
 from alignrl.config.verl_tables import (A, ALIASES, CKPT_TO_KEEP, CRITIC_FOLLOWS_ACTOR, MISSING, NOT_APPLIED,
                                         NOT_USED, NOTED, ONLY_VALUE, R, RENAMES, SEARCH_R1_DEFAULTS, SEARCH_R1_ONLY,
@@ -72,7 +72,7 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
         # one chain of cases, split in six: the first case that matches the key takes it
         if not (_engine(st, key, value) or multi_turn(st, key, value) or _renamed(st, key, value)
                 or _recent(st, key, value) or _accepted(st, key, value)):
-            _other(st, key, value, added=o.startswith("+"))
+            _other(st, key, value)
     return _finish(st)
 
 
@@ -142,9 +142,8 @@ def _accepted(st: TranslationPass, key: str, value: str) -> bool:
     return True
 
 
-def _other(st: TranslationPass, key: str, value: str, added: bool = False) -> None:
-    """nodes.yaml's spellings, verl's custom reward function, an unknown verl key, or an alignrl key as given.
-    `added`: given as `+key` (Hydra's "add a key", as a user's Hydra config file adds its own keys)."""
+def _other(st: TranslationPass, key: str, value: str) -> None:
+    """nodes.yaml's spellings, verl's custom reward function, an unknown verl key, or an alignrl key as given."""
     if key in SEED_KEYS:  # the multi-node launcher's nodes.yaml spellings, as its file takes them
         st.out.append(f"{SEED_KEYS[key]}={value}")
         st.output_is_run_dir = st.output_is_run_dir or key == "models.output.path"
@@ -157,16 +156,24 @@ def _other(st: TranslationPass, key: str, value: str, added: bool = False) -> No
     elif key in ("custom_reward_function.path", "custom_reward_function.name"):
         st.verl = True
         st.custom[key.rsplit(".", 1)[1]] = value
-    elif added and not _alignrl_key(key):  # verl keeps a key it does not know and never reads it
-        st.verl = True
-        st.notes.append(f"{key}={value}: a key neither verl's trainer nor alignrl reads; left unread, as verl "
-                        "leaves it")
     elif key.startswith(VERL_SECTIONS):
-        raise ConfigError(f"unknown config key '{key}'{nearest_sibling(key, RENAMES)}: not a verl/Search-R1 key "
+        raise UnknownKeyError(f"unknown config key '{key}'{nearest_sibling(key, RENAMES)}: not a verl/Search-R1 key "
                           "alignrl knows (docs/verl-keys.md lists them; `alignrl config --reference` "
                           "lists alignrl's own keys)")
     else:
         st.out.append(f"{key}={value}")
+
+
+def reads(key: str, value: str) -> bool:
+    """Whether alignrl reads the override `key=value`: one of its own keys, or a verl key it maps, accepts or names
+    (a value it refuses still counts: the run's config load names it)."""
+    try:
+        t = translate([f"{key}={value}"])
+    except UnknownKeyError:
+        return False
+    except ConfigError:
+        return True
+    return all(_alignrl_key(o.split("=", 1)[0].lstrip("+")) for o in t.overrides)
 
 
 def _alignrl_key(key: str) -> bool:

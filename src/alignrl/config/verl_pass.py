@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from alignrl.config.schema import ConfigError
+
+
+class UnknownKeyError(ConfigError):
+    """A key in one of verl's sections that alignrl does not know (one line naming it)."""
+
 
 @dataclass
 class TranslationPass:

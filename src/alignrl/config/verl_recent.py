@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from alignrl.config.schema import ConfigError
-from alignrl.config.verl_pass import TranslationPass
+from alignrl.config.verl_pass import TranslationPass, UnknownKeyError
 from alignrl.config.verl_tables import (A, DAPO, FILTER_METRICS, LOSS_MODE_TUNING, LOSS_MODES, MISSING, NOT_USED, R, RC,
                                         REWARD_MANAGERS, ROLLOUT_CORRECTION_OFF, VAL_KWARGS)
 
@@ -54,7 +54,7 @@ def recent(st: TranslationPass, key: str, value: str) -> bool:
     st.verl = True
     if key.startswith(RC):
         if key not in ROLLOUT_CORRECTION_OFF:
-            raise ConfigError(f"unknown config key '{key}': not a key of verl's algorithm.rollout_correction "
+            raise UnknownKeyError(f"unknown config key '{key}': not a key of verl's algorithm.rollout_correction "
                               f"({', '.join(k.removeprefix(RC) for k in ROLLOUT_CORRECTION_OFF)})")
         st.rollout_correction[key.removeprefix(RC)] = (value, v)
     elif key.startswith(A + "policy_loss."):
@@ -74,7 +74,7 @@ def _policy_loss(st: TranslationPass, key: str, value: str, v: object) -> None:
         st.loss_mode = str(v)
         st.out.append(f"actor.policy_loss={LOSS_MODES[st.loss_mode]}")
     elif key not in LOSS_MODE_TUNING:
-        raise ConfigError(f"unknown config key '{key}': verl's policy_loss keys alignrl knows are loss_mode and "
+        raise UnknownKeyError(f"unknown config key '{key}': verl's policy_loss keys alignrl knows are loss_mode and "
                           f"{', '.join(k.rsplit('.', 1)[1] for k in LOSS_MODE_TUNING)}")
 
 
@@ -105,7 +105,8 @@ def _dapo_and_reward(st: TranslationPass, key: str, value: str, v: object) -> No
             raise ConfigError(f"{key}={value} is not supported (alignrl's reward stage is the rule reward, verl's "
                               "naive manager, with DAPO's overlong buffer: naive or dapo)")
     else:
-        raise ConfigError(f"unknown config key '{key}': not a verl key alignrl knows (docs/verl-keys.md lists them)")
+        raise UnknownKeyError(f"unknown config key '{key}': not a verl key alignrl knows (docs/verl-keys.md lists "
+                              "them)")
 
 
 def _gen_batches(st: TranslationPass, key: str, v: object) -> None:
