@@ -11,4 +11,6 @@ def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = 
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=meta)
     return field(default=default, metadata=meta)

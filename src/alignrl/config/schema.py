@@ -74,6 +74,9 @@ class DataConfig:
                                           "data.prompt_key) tokenizes the string prompt as it is, or through "
                                           "data.input_template (OpenRLHF's --apply_chat_template)")
     system_prompt: str | None = opt(None, "system message prepended to every prompt")
+    chat_template_kwargs: dict[str, Any] = opt({}, "extra variables of the chat template wherever a prompt, a tool "
+                                                   "turn or a held-out prompt is templated, e.g. {enable_thinking: "
+                                                   "false} for Qwen3 (verl's data.apply_chat_template_kwargs)")
     image_key: str = opt("images", "multimodal rows: the column of image paths or bytes (verl's data.image_key, "
                                    "TRL's images); images inside chat messages need none")
     min_pixels: int = opt(0, "multimodal: images smaller than this many pixels are upscaled; 0: the processor's own",

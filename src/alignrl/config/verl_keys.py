@@ -45,6 +45,9 @@ from alignrl.config.verl_tables import (A, ALIASES, CKPT_TO_KEEP, CRITIC_FOLLOWS
                                         VERL07_CLIP_RATIO_C, VERL07_DEFAULTS, VERL_SECTIONS)
 
 
+TEMPLATE_KWARGS = "data.apply_chat_template_kwargs"  # verl's variables of the chat template: data.chat_template_kwargs
+
+
 @dataclass(frozen=True)
 class Translation:
     overrides: list[str]  # in alignrl's spelling, in the order given
@@ -81,6 +84,9 @@ def _renamed(st: TranslationPass, key: str, value: str) -> bool:
     if key == "data.val_data_num" and _value(value) is None:  # verl: every row; alignrl: a bounded count
         st.verl = True
         st.notes.append(f"{key}=null: alignrl evaluates the first data.val_size held-out rows")
+    elif key == TEMPLATE_KWARGS or key.startswith(TEMPLATE_KWARGS + "."):
+        st.verl = True  # the whole mapping, or one of its entries (`+data.apply_chat_template_kwargs.x=v`)
+        st.out.append(f"data.chat_template_kwargs{key[len(TEMPLATE_KWARGS):]}={value}")
     elif key in RENAMES:
         st.verl = True
         if key == "trainer.default_local_dir":  # verl's path is relative to the working directory

@@ -4,6 +4,7 @@ first (`alignrl.models.folder`): a broken one is one `ModelError`, not transform
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 # ModelError is re-exported: callers catch it from here
 from alignrl.models import folder as _folder
 from alignrl.models.folder import SCORE_INFO, ModelError, check_model_folder, loading  # noqa: F401
-from alignrl.models.vision import is_vision_folder, load_processor, load_vision_model
+from alignrl.models.vision import is_vision_folder, load_processor, load_vision_model, processor_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,6 +45,22 @@ def load_tokenizer(folder: Path, chat: bool = True, min_pixels: int = 0, max_pix
     if is_vision_folder(folder):
         return load_processor(folder, min_pixels, max_pixels).tokenizer
     return _folder.load_tokenizer(folder, chat)
+
+
+def with_template_variables(tokenizer, variables: dict):
+    """`tokenizer` (and the processor a vision-language model's carries), whose chat template renders with
+    `variables` set (data.chat_template_kwargs, verl's apply_chat_template_kwargs: Qwen3's enable_thinking...) at
+    every call that does not set them itself: the run's prompts, held-out prompts, tool turns and prompts with images
+    all go through `apply_chat_template`. An instance attribute shadows the method, so nothing saved changes; called
+    again (a sampler serving a restarted trainer) it replaces the variables, and none restores the template's own."""
+    for renderer in (tokenizer, processor_of(tokenizer)):
+        if renderer is None:
+            continue
+        renderer.__dict__.pop("apply_chat_template", None)
+        if variables:
+            renderer.apply_chat_template = functools.partial(type(renderer).apply_chat_template, renderer,
+                                                             **variables)
+    return tokenizer
 
 
 def load_model(path: str, dtype: str = "float32", log: Callable = print, chat: bool = True, key: str = "model.path",

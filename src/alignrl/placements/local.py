@@ -13,7 +13,7 @@ from pathlib import Path
 
 from alignrl.config import RunConfig
 from alignrl.interfaces import RemoteProducers, RolloutEngine, WeightSink
-from alignrl.models.loader import frozen_copy, load_tokenizer, resolve_model_path
+from alignrl.models.loader import frozen_copy, load_tokenizer, resolve_model_path, with_template_variables
 from alignrl.placements.build import (build_actor, build_critics, build_maker, build_ref, load_policy, service_args,
                                       shards_weights, with_tools)
 from alignrl.rl.producer import RolloutMaker
@@ -86,7 +86,8 @@ def _with_producer(cfg: RunConfig, policy_path: str, resume: Path | None, env: D
     full copy beside a policy the engine keeps only a shard of (every rank generates; synced after each update), or
     on the generation service (`services.generation_url`, which rank 0 updates for everyone)."""
     folder = resolve_model_path(policy_path, console.print)
-    tokenizer = load_tokenizer(folder, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    tokenizer = with_template_variables(load_tokenizer(folder, min_pixels=cfg.data.min_pixels,
+                                                       max_pixels=cfg.data.max_pixels), cfg.data.chat_template_kwargs)
     model, materialize = load_policy(cfg, folder, env, in_shards=False)
     adapters = cfg.model.lora_rank > 0
     # the reference is the base model, not a checkpoint; with LoRA, the policy with its adapters off (below)
@@ -115,7 +116,8 @@ def _beside_producers(cfg: RunConfig, policy_path: str, resume: Path | None, env
     rank 0: on the policy's module, or on a full copy beside a sharded policy, which follows the producers'
     weights."""
     folder = resolve_model_path(policy_path, console.print)
-    tokenizer = load_tokenizer(folder, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    tokenizer = with_template_variables(load_tokenizer(folder, min_pixels=cfg.data.min_pixels,
+                                                       max_pixels=cfg.data.max_pixels), cfg.data.chat_template_kwargs)
     evaluator = producers.evaluator(tokenizer.pad_token_id)
     sharded = shards_weights(cfg, env)
     # nothing here needs the whole model when the producers evaluate: a sharded policy is built in its shards

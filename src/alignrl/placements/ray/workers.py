@@ -177,10 +177,11 @@ def load_engine(cfg: RunConfig, device: torch.device, spec: EngineSpec):
     runs (None for vLLM, which holds no HF copy)."""
     if spec.kind == "vllm":
         return (*vllm_engine(cfg, spec.tp, spec.gpu_memory_utilization), None)
-    from alignrl.models.loader import load_model
+    from alignrl.models.loader import load_model, with_template_variables
     from alignrl.rollout.hf_engine import HFRolloutEngine
 
     model, tokenizer = load_model(cfg.model.path, cfg.model.dtype)
+    tokenizer = with_template_variables(tokenizer, cfg.data.chat_template_kwargs)
     model = model.to(device)
     return HFRolloutEngine(model, tokenizer), tokenizer, list(model.named_parameters()), model
 
@@ -260,7 +261,7 @@ def vllm_engine(cfg: RunConfig, tp: int, gpu_memory_utilization: float):
     them (names, shapes and the actor's dtype, from a model built on the meta device: no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from alignrl.models.loader import DTYPES, load_tokenizer, resolve_model_path
+    from alignrl.models.loader import DTYPES, load_tokenizer, resolve_model_path, with_template_variables
     from alignrl.rollout.vllm_engine import VLLMRolloutEngine
 
     folder = str(resolve_model_path(cfg.model.path, lambda *_: None))
@@ -275,4 +276,5 @@ def vllm_engine(cfg: RunConfig, tp: int, gpu_memory_utilization: float):
                                distributed_executor_backend="ray" if tp > 1 else None)
     with torch.device("meta"):
         shapes = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=DTYPES[cfg.model.dtype])
-    return engine, load_tokenizer(Path(folder)), list(shapes.named_parameters())
+    tokenizer = with_template_variables(load_tokenizer(Path(folder)), cfg.data.chat_template_kwargs)
+    return engine, tokenizer, list(shapes.named_parameters())

@@ -36,7 +36,7 @@ from alignrl.wire.frames import DTYPE_NAMES, DTYPES, Message, WireError, check_w
 from alignrl.wire.zmq_link import PeerTimeout, Pusher, Requester, address, token_from_env
 from alignrl.errors import LAUNCHER_ENV, Terminated, in_flag_words, stop_on_sigterm
 from alignrl.models.folder import weights_fingerprint
-from alignrl.models.loader import ModelError, load_model, resolve_model_path
+from alignrl.models.loader import ModelError, load_model, resolve_model_path, with_template_variables
 from alignrl.rollout.hf_engine import HFRolloutEngine
 from alignrl.utils.tracking import console
 
@@ -212,6 +212,7 @@ class Sampler:
 
     def _serve(self, cfg: RunConfig) -> bool:
         """Makes batches for the trainer of `cfg`: True once its run is over, False when another trainer answers."""
+        with_template_variables(self.tokenizer, cfg.data.chat_template_kwargs)  # this trainer's, before any prompt
         train, _ = load_task_data(cfg, self.tokenizer)
         if isinstance(self.trainer_data, str) and rows_digest(train) != self.trainer_data:  # same length, other rows
             raise PipelineError(f"this sampler's data ({self.args.data_path or cfg.data.train_files}) holds other rows "
