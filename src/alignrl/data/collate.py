@@ -11,13 +11,16 @@ from alignrl.errors import UserError
 from alignrl.runtime.lanes import in_job_order, lanes_of, run_lanes
 
 
-def prompt_ids(tokenizer, sample) -> list[int]:
+def prompt_ids(tokenizer, sample, tools: Sequence[dict] | None = None) -> list[int]:
     """The whole prompt of `sample` (records.Sample, or anything with `.messages`) as token ids: chat-templated, or
-    its `prompt_text` tokenized as it is (no special tokens added, as OpenRLHF tokenizes its untemplated prompts)."""
+    its `prompt_text` tokenized as it is (no special tokens added, as OpenRLHF tokenizes its untemplated prompts).
+    `tools`: OpenAI function schemas the template renders into the prompt (verl's tool loop), so that they count
+    toward its length; None leaves the template's call as it is without them."""
     text = getattr(sample, "prompt_text", None)
     if text is not None:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    ids = tokenizer.apply_chat_template(sample.messages, add_generation_prompt=True, tokenize=True)
+    extra = {} if tools is None else {"tools": list(tools)}
+    ids = tokenizer.apply_chat_template(sample.messages, add_generation_prompt=True, tokenize=True, **extra)
     return list(ids if isinstance(ids, list) else ids["input_ids"])  # transformers 5 returns a BatchEncoding
 
 
@@ -25,16 +28,17 @@ class PromptTooLong(UserError):
     """A prompt over the length limit where the run asked to stop rather than truncate (data.truncation=error)."""
 
 
-def encode_prompts(tokenizer, samples: Sequence, max_prompt_length: int, truncation: str = "left") -> list[list[int]]:
+def encode_prompts(tokenizer, samples: Sequence, max_prompt_length: int, truncation: str = "left",
+                   tools: Sequence[dict] | None = None) -> list[list[int]]:
     """Prompt ids of `samples`, truncated as `truncation` says (`truncate`; left keeps the generation prompt; a prompt
     with images loses its earliest text only); with `truncation="error"`, a longer prompt raises PromptTooLong naming
-    its row instead."""
+    its row instead. `tools`: the schemas templated into each text prompt (`prompt_ids`), cut with it."""
     out = []
     for s in samples:
         if getattr(s, "images", ()):  # image tokens are never cut: its own truncation (data.images)
             ids = encode_image_prompt(tokenizer, s, 1 << 30 if truncation == "error" else max_prompt_length)
         else:
-            ids = prompt_ids(tokenizer, s)
+            ids = prompt_ids(tokenizer, s, tools)
         if truncation == "error" and len(ids) > max_prompt_length:
             raise PromptTooLong(f"{getattr(s, 'source', None) or 'a row'}: its prompt is {len(ids)} tokens, over "
                                 f"data.max_prompt_length={max_prompt_length} (data.truncation=error): raise the limit, "

@@ -12,10 +12,11 @@ from alignrl.rewards.registry import ground_truth_problem
 from alignrl.utils.tracking import console
 
 
-def load_task_data(cfg: RunConfig, tokenizer=None):
+def load_task_data(cfg: RunConfig, tokenizer=None, tools: list[dict] | None = None):
     """The training and held-out samples. With data.filter_overlong_prompts and the policy's `tokenizer`, prompts
-    longer than data.max_prompt_length are dropped from both (counted); without a tokenizer (a check before any
-    model loads) every row is kept. Given a vision-language model's tokenizer, its processor resizes images within
+    longer than data.max_prompt_length are dropped from both (counted), measured with `tools` (verl's tool schemas,
+    templated into the prompt as the episodes read it); without a tokenizer (a check before any model loads) every
+    row is kept. Given a vision-language model's tokenizer, its processor resizes images within
     data.min_pixels..max_pixels; given a text-only model's, rows with images are refused."""
     d = cfg.data
     # a file's columns: detected (GSM8K/verl), or named by data.prompt_key/label_key (both splits alike)
@@ -45,15 +46,16 @@ def load_task_data(cfg: RunConfig, tokenizer=None):
             raise ImageDataError(f"{with_images.source or 'a row'}: its prompt has images but model.path is a text-only "
                                  "model; use a vision-language model (e.g. Qwen2-VL) or data without images")
     if d.filter_overlong_prompts and tokenizer is not None:
-        train, val = (drop_overlong(rows, tokenizer, d.max_prompt_length, what) for rows, what in
+        train, val = (drop_overlong(rows, tokenizer, d.max_prompt_length, what, tools) for rows, what in
                       ((train, "training"), (val, "held-out")))
     return train, val
 
 
-def drop_overlong(samples: list, tokenizer, max_len: int, what: str) -> list:
-    """`samples` without those whose whole prompt is longer than `max_len` tokens (verl's filter_overlong_prompts)."""
+def drop_overlong(samples: list, tokenizer, max_len: int, what: str, tools: list[dict] | None = None) -> list:
+    """`samples` without those whose whole prompt, with `tools`' schemas where given, is longer than `max_len` tokens
+    (verl's filter_overlong_prompts, which templates its tool config's schemas in too)."""
     def length(s) -> int:  # a prompt with images counts its image tokens (data.images)
-        return prompt_length(tokenizer, s) if s.images else len(prompt_ids(tokenizer, s))
+        return prompt_length(tokenizer, s) if s.images else len(prompt_ids(tokenizer, s, tools))
 
     kept = [s for s in samples if length(s) <= max_len]
     if len(kept) < len(samples):
@@ -67,15 +69,17 @@ def drop_overlong(samples: list, tokenizer, max_len: int, what: str) -> list:
 
 class PromptData:
     """Dataset rows -> (samples, prompt ids), the ids templated on first use: templating a large dataset up
-    front costs seconds."""
+    front costs seconds. `tools`: verl's tool schemas, templated into each prompt before it is cut."""
 
-    def __init__(self, tokenizer, samples, max_len: int, truncation: str = "left"):
+    def __init__(self, tokenizer, samples, max_len: int, truncation: str = "left", tools: list[dict] | None = None):
         self.tokenizer, self.samples, self.max_len, self.cache = tokenizer, samples, max_len, {}
         self.truncation = truncation  # data.truncation: left, right, middle, or error (stops the run, named)
+        self.tools = tools
 
     def prompt(self, i: int) -> list[int]:
         if i not in self.cache:
-            self.cache[i] = encode_prompts(self.tokenizer, [self.samples[i]], self.max_len, self.truncation)[0]
+            self.cache[i] = encode_prompts(self.tokenizer, [self.samples[i]], self.max_len, self.truncation,
+                                           self.tools)[0]
         return self.cache[i]
 
     def __call__(self, index) -> tuple[list, list[list[int]]]:
