@@ -204,9 +204,13 @@ def test_prompt_carries_the_schemas_and_feedback_drops_the_empty_conversation_pr
     qwen.chat_template = QWENISH
     env = _env(qwen, _yaml(tmp_path))
     row = Sample([{"role": "user", "content": "q"}], "72")
-    got = asyncio.run(env.reset({"observation": "ignored", "label": "72", "sample": row}))
-    assert got["observation"] == "<|im_start|>system\ncalc_gsm8k_reward;<|im_end|>\n<|im_start|>user\nq<|im_end|>\n" \
-                                 "<|im_start|>assistant\n"
+    tooled = "<|im_start|>system\ncalc_gsm8k_reward;<|im_end|>\n<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"
+    # the run's prompt, templated with the schemas (and perhaps cut to data.max_prompt_length), is kept as given
+    for given in (tooled, tooled[-30:]):
+        assert asyncio.run(env.reset({"observation": given, "label": "72", "sample": row})) == {"observation": given}
+    # one templated without them (a caller that did not pass them) gets them
+    bare = "<|im_start|>system\nhelpful<|im_end|>\n<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"
+    assert asyncio.run(env.reset({"observation": bare, "label": "72", "sample": row})) == {"observation": tooled}
     # verl's system_prompt ("helpful", the template's empty conversation) is cut from the tool turn's text
     assert ToolChat(qwen, []).feedback(["R"]) == "<|im_start|>user\n<tool_response>\nR\n</tool_response><|im_end|>\n" \
                                                  "<|im_start|>assistant\n"

@@ -73,6 +73,8 @@ class ToolChat:
     def __init__(self, tokenizer, schemas: Sequence[dict[str, Any]]):
         self.tokenizer, self.schemas = tokenizer, list(schemas)
         self.base, self.prefix = self._context()
+        probe = [{"role": "user", "content": "x"}]  # a template that prints no tools renders both alike
+        self.prints_schemas = bool(self.schemas) and self.prompt(probe) != self._render(probe, True)
 
     def _render(self, messages: list[dict], generation: bool, **kwargs) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False,
@@ -109,6 +111,10 @@ class ToolChat:
     def prompt(self, messages: list[dict]) -> str:
         """The row's messages with the tools' schemas and the generation prompt (verl's first prompt)."""
         return self._render(messages, True, tools=self.schemas or None)
+
+    def lacks_schemas(self, text: str, messages: list[dict]) -> bool:
+        """Whether `text` is `messages`' prompt templated without the schemas, where the template prints them."""
+        return self.prints_schemas and text == self._render(messages, True)
 
     def feedback(self, responses: Sequence[str]) -> str:
         """The text after an assistant turn: its tool responses as tool messages, then the generation prompt."""

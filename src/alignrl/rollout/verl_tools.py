@@ -7,12 +7,14 @@ must subclass verl's `BaseTool`. When verl is not installed, the modules such a 
 names (`verl_tool_api`); an installed verl is used as it is.
 
 An episode (`ToolEnvironment`) is verl's ToolAgentLoop: the prompt is the row's messages templated with the tools'
-schemas; after each assistant turn its hermes tool calls (up to max_parallel_calls) run concurrently, each tool
-instance created with the row's `extra_info.tools_kwargs[name].create_kwargs`, executed and released; the responses,
-cut to max_tool_response_length, are appended as tool messages (not trained on) and the policy answers again. A turn
+schemas, which the run's prompts carry (`tool_schemas`: data.filter_overlong_prompts and data.max_prompt_length
+count their tokens, as verl's dataset does); after each assistant turn its hermes tool calls (up to
+max_parallel_calls) run concurrently, each tool instance created with the row's
+`extra_info.tools_kwargs[name].create_kwargs`, executed and released; the responses, cut to
+max_tool_response_length, are appended as tool messages (not trained on) and the policy answers again. A turn
 without calls, the assistant- or user-turn limit, or the response cap ends it (a turn that reached the cap runs no
-calls, as verl stops on length before parsing). The steps give no rewards: the run's
-reward function scores the whole response, as verl's reward manager does.
+calls, as verl stops on length before parsing). The steps give no rewards: the run's reward function scores the
+whole response, as verl's reward manager does.
 """
 
 from __future__ import annotations
@@ -64,12 +66,16 @@ class ToolEnvironment:
         self.counts = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_call_parse_errors": 0.0}
 
     async def reset(self, states: dict, **kwargs) -> dict:
+        """The prompt as given: the row's chat templated with the tools' schemas and cut to data.max_prompt_length
+        (`tool_schemas` in the run's prompts), or a prompt without a chat template. A prompt templated without the
+        schemas where the template prints them (a caller that did not pass them) gets them, uncut."""
         sample = states.get("sample")
         if isinstance(sample, Sample):
             self.tools_kwargs = (sample.extra or {}).get("tools_kwargs") or {}
-            if sample.messages and sample.prompt_text is None:  # the row's chat, templated with the tools
-                return {"observation": self.chat.prompt(list(sample.messages))}
-        return {"observation": states["observation"]}  # a prompt without a chat template: kept as it is
+            messages = list(sample.messages)
+            if messages and sample.prompt_text is None and self.chat.lacks_schemas(states["observation"], messages):
+                return {"observation": self.chat.prompt(messages)}
+        return {"observation": states["observation"]}
 
     async def step(self, states: dict, **kwargs) -> dict:
         self.assistant_turns += 1
@@ -134,6 +140,36 @@ def _response_text(response: Any, name: str) -> str:
 def load_tools(path: str) -> list:
     """The tools of verl's tool config YAML at `path`, each made as verl makes it (`cls(config=, tool_schema=)`).
     One line for a missing file, bad YAML, an entry without class_name, an unknown class, a bad schema."""
+    entries = _entries(path)
+    base, schema_cls = verl_api()
+    tools = [_make_tool(entry, i, path, base, schema_cls) for i, entry in enumerate(entries)]
+    _check_names([t.name for t in tools], path)
+    return tools
+
+
+def tool_schemas(path: str) -> list[dict]:
+    """The tools' schemas of the tool config at `path`, as the episodes' prompts render them (`tool_environment`),
+    read without making the tools: the prompts are measured and cut with them before the tools load, and making one
+    may contact its service (the search tool asks its retrieval server). An entry without a tool_schema takes it
+    from its class, as verl's BaseTool does: that tool alone is made here."""
+    entries = _entries(path)
+    base, schema_cls = verl_api()
+    schemas = []
+    for i, entry in enumerate(entries):
+        schema = _schema(entry, _where(entry, i, path), schema_cls)
+        schemas.append(dump_schema(schema if schema is not None else
+                                   _make_tool(entry, i, path, base, schema_cls).tool_schema))
+    _check_names([s["function"]["name"] for s in schemas], path)
+    return schemas
+
+
+def dump_schema(schema) -> dict:
+    """A tool's schema as the chat template gets it (verl's dump: the fields the file or the tool set)."""
+    return schema.model_dump(exclude_unset=True, exclude_none=True)
+
+
+def _entries(path: str) -> list:
+    """The 'tools' list of the tool config at `path`; one line for a missing file, bad YAML or no list."""
     file = Path(path)
     if not file.is_file():
         raise ToolConfigError(f"{KEY}={path}: no such file (from {Path.cwd()}); give verl's tool config YAML "
@@ -146,17 +182,18 @@ def load_tools(path: str) -> list:
     if not isinstance(entries, list) or not entries:
         raise ToolConfigError(f"{KEY}={path} has no 'tools' list; write tools: [{{class_name: ..., config: "
                               "{type: native}, tool_schema: {...}}]")
-    base, schema_cls = verl_api()
-    tools = [_make_tool(entry, i, path, base, schema_cls) for i, entry in enumerate(entries)]
-    names = [t.name for t in tools]
+    return entries
+
+
+def _check_names(names: list, path: str) -> None:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ToolConfigError(f"{KEY}={path}: tool name {twice[0]!r} is given twice; give each tool its own "
                               "tool_schema.function.name")
-    return tools
 
 
-def _make_tool(entry: Any, i: int, path: str, base: type, schema_cls: type):
+def _where(entry: Any, i: int, path: str) -> str:
+    """Where entry `i` is, for its errors, once its class_name and config are checked."""
     where = f"{KEY}={path}: tools[{i}]"
     if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
         raise ToolConfigError(f"{where} has no class_name; give the tool class's module path, e.g. "
@@ -167,18 +204,28 @@ def _make_tool(entry: Any, i: int, path: str, base: type, schema_cls: type):
     if config.get("type", "native") != "native":
         raise ToolConfigError(f"{where}.config.type={config['type']!r} is not supported (only native tools, not MCP "
                               "or benchmax ones); use a BaseTool subclass with type: native")
-    schema = None
-    if entry.get("tool_schema") is not None:
-        try:
-            schema = schema_cls.model_validate(entry["tool_schema"])
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            raise ToolConfigError(f"{where}.tool_schema: {'.'.join(map(str, first['loc']))}: {first['msg']}; give "
-                                  "an OpenAI function schema {type: function, function: {name, description, "
-                                  "parameters}}") from exc
+    return where
+
+
+def _schema(entry: dict, where: str, schema_cls: type):
+    """The entry's tool_schema validated as verl validates it, or None where the file gives none."""
+    if entry.get("tool_schema") is None:
+        return None
+    try:
+        return schema_cls.model_validate(entry["tool_schema"])
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ToolConfigError(f"{where}.tool_schema: {'.'.join(map(str, first['loc']))}: {first['msg']}; give "
+                              "an OpenAI function schema {type: function, function: {name, description, "
+                              "parameters}}") from exc
+
+
+def _make_tool(entry: Any, i: int, path: str, base: type, schema_cls: type):
+    where = _where(entry, i, path)
+    schema = _schema(entry, where, schema_cls)
     cls = BUILTIN.get(entry["class_name"]) or _tool_class(entry["class_name"], where, base)
     try:
-        return cls(config=config, tool_schema=schema)
+        return cls(config=entry.get("config") or {}, tool_schema=schema)
     except Exception as exc:
         raise ToolConfigError(f"{where}: {entry['class_name']}(config=..., tool_schema=...) raised "
                               f"{type(exc).__name__}: {exc}".splitlines()[0] + "; fix the tool or its entry") from exc
@@ -212,7 +259,7 @@ def tool_environment(path: str, tokenizer, loop: ToolLoop):
     if loop.format != "hermes":
         raise ToolConfigError(f"agent.tool_format={loop.format!r} is not supported; use hermes")
     tools = {t.name: t for t in load_tools(path)}
-    schemas = [t.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for t in tools.values()]
+    schemas = [dump_schema(t.tool_schema) for t in tools.values()]  # what `tool_schemas` reads
     chat = ToolChat(tokenizer, schemas)
 
     async def make() -> ToolEnvironment:
