@@ -31,6 +31,7 @@ from alignrl.rl.producer import InlineSource
 from alignrl.rl.replay import check_replay, data_order_keys, with_replay
 from alignrl.rl.step import GRPOStep
 from alignrl.rl.trainer import PolicyTrainer
+from alignrl.rollout.verl_tools import tool_schemas
 from alignrl.runtime.cores import LoadWatch, fit_threads
 from alignrl.runtime.env import DistEnv, barrier, init_distributed, interrupted, mean_metrics
 from alignrl.train.checkpoint import (check_not_past, hold_run_dir, load_trainer_state, resume_point,
@@ -176,7 +177,9 @@ class Run:
 
 def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemoteProducers | None,
            watch: LoadWatch | None) -> dict | None:
-    train, val = load_task_data(cfg, _filtering_tokenizer(cfg))
+    # verl's tool schemas are part of each prompt: the overlong filter and the cut count them, as verl's dataset does
+    tools = tool_schemas(cfg.agent.tool_config_path) if cfg.agent.tool_config_path else None
+    train, val = load_task_data(cfg, _filtering_tokenizer(cfg), tools)
     sampler = BatchSampler(len(train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
     # the newest complete checkpoint; folders this run would write over are moved aside, never deleted (with
     # the config of the run that wrote them, on a fresh start). Its line is printed unwrapped and literally:
@@ -189,7 +192,7 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
     placed = place(cfg, str(resume / "model") if resume else cfg.model.path, resume, env, producers)
     trainer = placed.trainer
     correct_fn = load_reward_fn(cfg.algorithm.reward_fn)
-    rows = PromptData(placed.tokenizer, train, cfg.data.max_prompt_length, cfg.data.truncation)
+    rows = PromptData(placed.tokenizer, train, cfg.data.max_prompt_length, cfg.data.truncation, tools)
     source = with_replay(producers.source(sampler, trainer, env) if producers else
                          InlineSource(placed.maker, sampler, rows, lambda: trainer.version, env),
                          cfg, placed.tokenizer.pad_token_id)
@@ -204,7 +207,7 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
                       write=env.is_main, project=cfg.trainer.project_name, run_name=cfg.trainer.experiment_name,
                       config=cfg, tensorboard_dir=cfg.run_dir / cfg.trainer.tensorboard_dir
                       if cfg.trainer.tensorboard_dir else None)  # relative: inside the run folder, as log_dir
-    run.val_prompts = encode_prompts(placed.tokenizer, val, cfg.data.max_prompt_length, cfg.data.truncation)
+    run.val_prompts = encode_prompts(placed.tokenizer, val, cfg.data.max_prompt_length, cfg.data.truncation, tools)
     _announce(run, len(train))
     _evaluate_base(run, tracker)
     finished = False
