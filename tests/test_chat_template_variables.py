@@ -75,3 +75,28 @@ def test_the_tokenizer_renders_with_the_variables_and_saves_unchanged(thinking_m
     with_template_variables(tok, {"enable_thinking": False})
     with_template_variables(tok, {})
     assert "<think>" not in _text(tok, row)
+
+
+# a template whose prompts are long unless the run sets enable_thinking=false
+LONG_UNLESS_SET = ("{%- if add_generation_prompt and not (enable_thinking is defined and enable_thinking is false) %}"
+                   "{{- 'thinking ' * 400 }}{%- endif %}")
+
+
+def test_a_run_templates_its_prompts_and_its_overlong_filter_with_the_variables(tiny_model_dir, tmp_path,
+                                                                                cli_in_process):
+    """The variables reach the filter of overlong prompts and the prompts the run trains on: with the template's
+    long branch every prompt is over data.max_prompt_length, without it the run trains."""
+    from conftest import SMALL_GRPO, run_settings
+
+    folder = tmp_path / "long"
+    shutil.copytree(tiny_model_dir, folder)
+    tok = load_tokenizer(folder)
+    tok.chat_template = tok.chat_template + LONG_UNLESS_SET
+    tok.save_pretrained(str(folder))
+    common = [*SMALL_GRPO, f"model.path={folder}", "data.filter_overlong_prompts=true", "data.max_prompt_length=128"]
+    refused = cli_in_process("train", "grpo", *common, *run_settings(tmp_path / "out", "long", 1))
+    assert refused.returncode != 0 and "data.max_prompt_length" in refused.stderr, refused.stderr[-2000:]
+    got = cli_in_process("train", "grpo", *common, *run_settings(tmp_path / "out", "short", 1),
+                         "+data.apply_chat_template_kwargs.enable_thinking=False")
+    assert got.returncode == 0, got.stderr[-3000:] + got.stdout[-3000:]
+    assert "dropped" not in got.stdout + got.stderr  # every prompt fit: templated with enable_thinking=false

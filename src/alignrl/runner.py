@@ -21,7 +21,7 @@ from alignrl.data.collate import encode_prompts
 from alignrl.data.prompts import PromptData, load_task_data
 from alignrl.data.sampler import BatchSampler
 from alignrl.interfaces import BatchSource, RemoteProducers
-from alignrl.models.loader import load_tokenizer, resolve_model_path
+from alignrl.models.loader import load_tokenizer, resolve_model_path, with_template_variables
 from alignrl.placements.build import resolve_strategy
 from alignrl.placements.choose import remote_producers
 from alignrl.placements.local import Placed, place
@@ -178,7 +178,7 @@ class Run:
 def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemoteProducers | None,
            watch: LoadWatch | None) -> dict | None:
     # verl's tool schemas are part of each prompt: the overlong filter and the cut count them, as verl's dataset does
-    tools = tool_schemas(cfg.agent.tool_config_path) if cfg.agent.tool_config_path else None
+    tools = tool_schemas(cfg.agent.tool_config_path)
     train, val = load_task_data(cfg, _filtering_tokenizer(cfg), tools)
     sampler = BatchSampler(len(train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
     # the newest complete checkpoint; folders this run would write over are moved aside, never deleted (with
@@ -227,8 +227,9 @@ def _filtering_tokenizer(cfg: RunConfig):
     tokenizer loads with the policy; a checkpoint holds the same one)."""
     if not cfg.data.filter_overlong_prompts:
         return None
-    return load_tokenizer(resolve_model_path(cfg.model.path, lambda *_: None), min_pixels=cfg.data.min_pixels,
-                          max_pixels=cfg.data.max_pixels)
+    return with_template_variables(load_tokenizer(resolve_model_path(cfg.model.path, lambda *_: None),
+                                                  min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels),
+                                   cfg.data.chat_template_kwargs)
 
 
 def _resume(run: Run, resume: Path) -> None:

@@ -147,11 +147,14 @@ def load_tools(path: str) -> list:
     return tools
 
 
-def tool_schemas(path: str) -> list[dict]:
-    """The tools' schemas of the tool config at `path`, as the episodes' prompts render them (`tool_environment`),
+def tool_schemas(path: str) -> list[dict] | None:
+    """The tools' schemas of the tool config at `path` (None without one: agent.tool_config_path unset), as the
+    episodes' prompts render them (`tool_environment`),
     read without making the tools: the prompts are measured and cut with them before the tools load, and making one
     may contact its service (the search tool asks its retrieval server). An entry without a tool_schema takes it
     from its class, as verl's BaseTool does: that tool alone is made here."""
+    if not path:
+        return None
     entries = _entries(path)
     base, schema_cls = verl_api()
     schemas = []

@@ -195,6 +195,7 @@ class RolloutWorker(Worker):
                  spec: EngineSpec = EngineSpec()):
         from alignrl.placements.build import build_ref
         from alignrl.data.prompts import PromptData, load_task_data
+        from alignrl.rollout.verl_tools import tool_schemas
 
         super().__init__(threads)
         self.cfg, self.index, self.device = config_of(cfg_text), index, device_for(local_rank)
@@ -209,8 +210,9 @@ class RolloutWorker(Worker):
             # a vLLM engine holds no HF copy (model None): build_ref loads one if the reference is frozen here
             self.ref = build_ref(cfg, self.device, model)
         self.reward_workers = reward_workers
-        self.rows = PromptData(self.tokenizer, load_task_data(cfg, self.tokenizer)[0], cfg.data.max_prompt_length,
-                               cfg.data.truncation)
+        tools = tool_schemas(cfg.agent.tool_config_path)  # verl's tool loop: its prompts carry the schemas
+        self.rows = PromptData(self.tokenizer, load_task_data(cfg, self.tokenizer, tools)[0],
+                               cfg.data.max_prompt_length, cfg.data.truncation, tools)
         self.makers: dict[int, object] = {}
         self.version, self.group, self.cached = 0, None, None
 

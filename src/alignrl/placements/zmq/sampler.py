@@ -38,6 +38,7 @@ from alignrl.errors import LAUNCHER_ENV, Terminated, in_flag_words, stop_on_sigt
 from alignrl.models.folder import weights_fingerprint
 from alignrl.models.loader import ModelError, load_model, resolve_model_path, with_template_variables
 from alignrl.rollout.hf_engine import HFRolloutEngine
+from alignrl.rollout.verl_tools import tool_schemas
 from alignrl.utils.tracking import console
 
 PROG = "alignrl sample"
@@ -213,12 +214,13 @@ class Sampler:
     def _serve(self, cfg: RunConfig) -> bool:
         """Makes batches for the trainer of `cfg`: True once its run is over, False when another trainer answers."""
         with_template_variables(self.tokenizer, cfg.data.chat_template_kwargs)  # this trainer's, before any prompt
-        train, _ = load_task_data(cfg, self.tokenizer)
+        tools = tool_schemas(cfg.agent.tool_config_path)  # verl's tool loop: its prompts carry the schemas
+        train, _ = load_task_data(cfg, self.tokenizer, tools)
         if isinstance(self.trainer_data, str) and rows_digest(train) != self.trainer_data:  # same length, other rows
             raise PipelineError(f"this sampler's data ({self.args.data_path or cfg.data.train_files}) holds other rows "
                                 "than the trainer's: give it the trainer's data (--data-path, or none to read what "
                                 "the trainer's config names)")
-        rows = PromptData(self.tokenizer, train, cfg.data.max_prompt_length, cfg.data.truncation)
+        rows = PromptData(self.tokenizer, train, cfg.data.max_prompt_length, cfg.data.truncation, tools)
         engine = with_tools(cfg, HFRolloutEngine(self.model, self.tokenizer), self.tokenizer)
         # the base weights in model.dtype, loaded as the trainer loads its own (this policy copy holds the dtypes
         # the trainer publishes in), unless the trainer runs the whole reference forward
