@@ -3,7 +3,6 @@ params its `step` reads and changes for the following turns (OpenRLHF's states["
 length budget, under which a short prompt lends its unused length to the response."""
 
 import json
-import textwrap
 
 import pytest
 
@@ -12,6 +11,7 @@ from alignrl.interfaces import SamplingParams
 from alignrl.rollout.env_agent import EnvironmentStepError, EnvRollout, TaskPrompt
 from alignrl.rollout.environments import load_environment
 from conftest import one_line
+from test_env_agent import _enc, _labeled, _env_file as write_env
 from scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.timeout(240)
@@ -54,17 +54,7 @@ class AgentInstance(AgentInstanceBase):
 
 
 def _env_file(tmp_path, text=SAMPLING_ENV):
-    path = tmp_path / "agent_func.py"
-    path.write_text(textwrap.dedent(text))
-    return str(path)
-
-
-def _enc(tok, text):
-    return tok.encode(text, add_special_tokens=False)
-
-
-def _labeled(tok, texts_labels):
-    return [TaskPrompt(_enc(tok, t), Sample([{"role": "user", "content": t}], label)) for t, label in texts_labels]
+    return write_env(tmp_path, text)
 
 
 def _module(name_part="SAMPLING_SEEN"):
