@@ -109,7 +109,7 @@ def test_one_value_given_to_a_list_key_is_a_list_of_one():
     (["rollout.top_p=1.5"], "rollout.top_p=1.5 is out of range; it must be <= 1.0"),
     (["rollout.temperature=0"], "rollout.temperature=0.0 is out of range; it must be > 0.0"),
     (["actor.kl_loss_type=k7"], "actor.kl_loss_type='k7' is not allowed; choose one of: k1, k2, k3"),
-    (["data.train_batch_size=30"], "must be a multiple of actor.ppo_mini_batch_size"),
+    (["data.train_batch_size=1", "rollout.n=1"], "is smaller than one mini-batch, actor.ppo_mini_batch_size="),
     (["actor.lr"], "must look like key.sub=value"),
     (["algorithm.rollout_is=token", "actor.recompute_old_logprobs=false"],
      "algorithm.rollout_is=token needs actor.recompute_old_logprobs=true"),

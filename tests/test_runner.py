@@ -199,9 +199,15 @@ def test_the_batch_line_counts_search_r1_mini_batches_in_sequences():
     assert given.mini_batch_sequences == 1280  # the user's own choice stands
     verl = load_config(None, [*grpo[:-1], "actor_rollout_ref.rollout.n=4"])  # verl's own meaning: prompts
     assert verl.actor.ppo_mini_batch_unit == "prompts" and verl.mini_batch_sequences == 1024
-    with pytest.raises(ConfigError, match=r"data.train_batch_size=4 × rollout.n=3 sequences must be a multiple of "
-                                          r"actor.ppo_mini_batch_size=5"):
-        load_config(None, ["data.train_batch_size=4", "rollout.n=3", "actor.ppo_mini_batch_size=5",
+    # a batch that is no multiple of the mini-batch ends in a smaller one, as verl splits it: 12 = 5 + 5 + 2
+    ragged = load_config(None, ["data.train_batch_size=4", "rollout.n=3", "actor.ppo_mini_batch_size=5",
+                                "actor.ppo_mini_batch_unit=sequences", "actor.ppo_micro_batch_size=5",
+                                "trainer.total_training_steps=10"])
+    assert ragged.mini_batches_per_step == 3 and total_optimizer_steps(ragged) == 30
+    assert "2 mini-batch(es) of 5 sequences and one of 2" in describe_batch(ragged)
+    with pytest.raises(ConfigError, match=r"data.train_batch_size=1 × rollout.n=3 sequences is smaller than one "
+                                          r"mini-batch, actor.ppo_mini_batch_size=5"):
+        load_config(None, ["data.train_batch_size=1", "rollout.n=3", "actor.ppo_mini_batch_size=5",
                            "actor.ppo_mini_batch_unit=sequences", "actor.ppo_micro_batch_size=5"])
 
 
@@ -274,3 +280,22 @@ def test_a_run_folder_that_cannot_be_made_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^cannot create the run folder /proc/x/r \(No such file or directory\): set "
                                           "trainer.output_dir to a folder this process can write$"):
         train_grpo(load_config(None, ["trainer.output_dir=/proc/x", "trainer.experiment_name=r"]))
+
+
+def test_a_batch_that_is_no_multiple_of_the_mini_batch_trains_its_last_smaller_one(tiny_model_dir, tmp_path,
+                                                                                   cli_in_process):
+    """3 prompts × 2 samples = 6 sequences in mini-batches of 4: two optimizer steps, the second on 2 sequences, as
+    verl's split gives them (its run_qwen3-1.7b.sh trains 1024 × 3 in mini-batches of 80 × 3)."""
+    import torch
+
+    from conftest import SMALL_GRPO, checkpoint_dir, run_settings
+
+    got = cli_in_process("train", "grpo", *SMALL_GRPO, f"model.path={tiny_model_dir}", "data.train_batch_size=3",
+                         "actor.ppo_mini_batch_size=4", "actor.ppo_mini_batch_unit=sequences",
+                         "actor.ppo_micro_batch_size=2", *run_settings(tmp_path, "ragged", 2), "trainer.save_freq=2")
+    assert got.returncode == 0, got.stderr[-3000:] + got.stdout[-3000:]
+    assert "1 mini-batch(es) of 4 sequences and one of 2 × 1 epoch(s) = 2 optimizer steps/RL step" in got.stdout
+    saved = torch.load(checkpoint_dir(tmp_path, "ragged", 2) / "model_state" / "optim.pt", weights_only=False)
+    # two RL steps of two optimizer steps each, and the lr schedule stepped with them
+    assert float(next(iter(saved["optimizer"]["state"].values()))["step"]) == 4.0
+    assert saved["scheduler"]["last_epoch"] == 4

@@ -170,6 +170,23 @@ def test_unknown_and_unsupported_keys_are_one_line_errors():
         load_config(None, ["data.train_files=[]"])
 
 
+def test_verls_qwen3_gsm8k_batch_splits_as_verl_splits_it_and_a_ref_sync_is_named(capsys, monkeypatch):
+    """examples/grpo_trainer/run_qwen3-1.7b.sh: 1024 prompts × 3 in mini-batches of 80 × 3 (verl asserts only that
+    the batch holds one mini-batch; its last one is smaller) with verl's micro-batch of 10 a GPU;
+    run_qwen2-7b_sync_ref_model.sh: the reference sync alignrl does not have is named at start."""
+    monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED", raising=False)
+    cfg = load_config(None, ["algorithm.adv_estimator=grpo", "data.train_batch_size=1024",
+                             "actor_rollout_ref.rollout.n=3", "actor_rollout_ref.actor.ppo_mini_batch_size=80",
+                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=10", "trainer.n_gpus_per_node=8"])
+    assert (cfg.mini_batch_sequences, cfg.mini_batches_per_step) == (240, 13)  # 12 × 240 + 192
+    capsys.readouterr()
+    monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED")  # listed once per launch: this is another
+    load_config(None, ["actor_rollout_ref.ref.sync_ref_model=True", "actor_rollout_ref.ref.ref_model_sync_steps=128",
+                       "actor_rollout_ref.ref.ref_model_mixup_alpha=0.9"])
+    err = capsys.readouterr().err
+    assert "not applied: the reference moved toward the policy" in err and "sync_ref_model=True" in err
+
+
 def test_grpo_with_n_agent_and_alignrl_keys_beside_verl_ones(tmp_path):
     cfg = load_config(None, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n_agent=5",
                              "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.use_kl_loss=true",

@@ -54,10 +54,11 @@ def algorithm_name(cfg: RunConfig) -> str:
 def describe_batch(cfg: RunConfig, world: int = 1) -> str:
     """The batch arithmetic users otherwise get wrong (verl #180)."""
     p, n, seqs = cfg.data.train_batch_size, cfg.rollout.n, cfg.mini_batch_sequences
-    n_mini, run = p * n // seqs, run_batch_numbers(cfg, world)
-    return (f"{p} prompts/step × {n} samples/prompt = {p * n} sequences/step; "
-            f"{n_mini} mini-batch(es) of {seqs} sequences × {cfg.actor.ppo_epochs} epoch(s) = "
-            f"{n_mini * cfg.actor.ppo_epochs} optimizer steps/RL step; effective batch = "
+    n_mini, last, run = cfg.mini_batches_per_step, p * n % seqs, run_batch_numbers(cfg, world)
+    minis = f"{n_mini - 1} mini-batch(es) of {seqs} sequences and one of {last}" if last else \
+        f"{n_mini} mini-batch(es) of {seqs} sequences"
+    return (f"{p} prompts/step × {n} samples/prompt = {p * n} sequences/step; {minis} × {cfg.actor.ppo_epochs} "
+            f"epoch(s) = {n_mini * cfg.actor.ppo_epochs} optimizer steps/RL step; effective batch = "
             f"{run['train_micro_batch_size_per_gpu']} sequences/micro-batch × {world} rank(s) × "
             f"{run['gradient_accumulation_steps']} accumulation step(s) ≈ {seqs} sequences")
 

@@ -88,17 +88,15 @@ def check_combinations(cfg: RunConfig) -> None:
 
 
 def _batch_sizes(cfg: RunConfig) -> str | None:
-    mini, seqs = cfg.actor.ppo_mini_batch_size, cfg.mini_batch_sequences
+    mini = cfg.actor.ppo_mini_batch_size
     by_prompts = cfg.actor.ppo_mini_batch_unit == "prompts"
     step = cfg.data.train_batch_size * (1 if by_prompts else cfg.rollout.n)
-    if step % mini:
+    if step < mini:  # as verl asserts; a batch that is no multiple of it ends in a smaller mini-batch, as in verl
         return (f"data.train_batch_size={cfg.data.train_batch_size}" + ("" if by_prompts else
-                f" × rollout.n={cfg.rollout.n} sequences") + f" must be a multiple of "
-                f"actor.ppo_mini_batch_size={mini}")
-    if seqs % min(cfg.actor.ppo_micro_batch_size, seqs):
-        return (f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size} must divide the "
-                f"mini-batch's {seqs} sequences (actor.ppo_mini_batch_size"
-                + (" × rollout.n)" if by_prompts else ")"))
+                f" × rollout.n={cfg.rollout.n} sequences") + f" is smaller than one mini-batch, "
+                f"actor.ppo_mini_batch_size={mini}: lower it or raise the batch")
+    # a micro-batch size that does not divide the mini-batch leaves a smaller last micro-batch: the loss sums over
+    # micro-batches with the mini-batch's token count, so the split changes memory, not the update
     return None
 
 

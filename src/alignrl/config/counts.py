@@ -24,7 +24,7 @@ def resolve_counts(cfg: RunConfig, given: set[str], global_micro: int | None = N
         per_epoch = max(1, rows // cfg.data.train_batch_size)  # verl drops the last partial batch
         by_epochs = t.total_epochs * per_epoch
         steps = min(steps, by_epochs) if "trainer.total_training_steps" in given else by_epochs
-    per_step = a.ppo_epochs * max(1, cfg.data.train_batch_size * cfg.rollout.n // cfg.mini_batch_sequences)
+    per_step = a.ppo_epochs * cfg.mini_batches_per_step
     actor_warmup = a.lr_warmup_steps or int(a.lr_warmup_steps_ratio * steps) * per_step
     critic_warmup = c.lr_warmup_steps or int(c.lr_warmup_steps_ratio * steps) * per_step
     return replace(cfg, trainer=replace(t, total_training_steps=steps),

@@ -368,6 +368,12 @@ class RunConfig:
         return a.ppo_mini_batch_size * (self.rollout.n if a.ppo_mini_batch_unit == "prompts" else 1)
 
     @property
+    def mini_batches_per_step(self) -> int:
+        """Optimizer steps of one epoch over an RL step's batch: the last mini-batch is smaller when the batch is
+        not a multiple of the mini-batch, as verl splits it."""
+        return -(-self.data.train_batch_size * self.rollout.n // self.mini_batch_sequences)
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.trainer.output_dir) / self.trainer.experiment_name
 

@@ -87,6 +87,8 @@ NOT_USED = (
     R + "max_num_seqs", R + "prompt_length", R + "enable_chunked_prefill",
     # verl's LoRA recipes: the model through shared memory, the merged weights summoned layer by layer
     "actor_rollout_ref.model.use_shm", R + "layered_summon",
+    # the reference sync's pace and mix: read only with ref.sync_ref_model, which alignrl does not have (MISSING)
+    "actor_rollout_ref.ref.ref_model_sync_steps", "actor_rollout_ref.ref.ref_model_mixup_alpha",
     "data.filter_overlong_prompts_workers", "reward_model.overlong_buffer.log",
     "reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size", "reward_model.use_reward_loop",
     "reward_model.num_workers", "reward_model.strategy", "reward_model.max_length", "reward_model.launch_reward_fn_async",
@@ -147,6 +149,8 @@ MISSING: dict[str, tuple[str, tuple[object, ...]]] = {
     RC + "bypass_old_logprob_for_rollout": ("rollout correction's bypass mode (the rollout's log-probs as the old "
                                             "policy's)", (False,)),
     RC + "use_pure_rollout_correction": ("the unclipped policy gradient of pure rollout correction", (False,)),
+    "actor_rollout_ref.ref.sync_ref_model": ("the reference moved toward the policy every ref_model_sync_steps "
+                                             "steps (TR-DPO's ref sync)", (False,)),
     "data.gen_batch_size": ("DAPO's generation batch larger than the training batch (alignrl's dynamic sampling "
                             "generates up to algorithm.max_gen_rounds more rounds of data.train_batch_size prompts)",
                             ()),

@@ -79,8 +79,7 @@ def shards_weights(cfg: RunConfig, env: DistEnv) -> bool:
 
 
 def total_optimizer_steps(cfg: RunConfig) -> int:
-    per_step = cfg.data.train_batch_size * cfg.rollout.n // cfg.mini_batch_sequences
-    return cfg.trainer.total_training_steps * cfg.actor.ppo_epochs * per_step
+    return cfg.trainer.total_training_steps * cfg.actor.ppo_epochs * cfg.mini_batches_per_step
 
 
 def restore_state(engine: TrainEngine, folder: Path, name: str) -> None:
