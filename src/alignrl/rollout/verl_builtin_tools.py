@@ -6,12 +6,12 @@
 `SearchTool` is the tool of verl's Search-R1-like example, against any server of Search-R1's /retrieve API
 (`alignrl serve retrieve`, or Search-R1's own `retrieval_server.py`). Its entry's `config` takes verl's keys:
 `retrieval_service_url` (required), `topk` (3), `timeout` or `default_timeout` (30 s), `rate_limit` (120 searches at
-once; `enable_global_rate_limit: false` lifts it; verl's `num_workers` sizes a Ray pool alignrl does not need). A call `{"query_list": [...]}` answers, as verl's does,
-`{"result": "<each query's passages, joined by ---> "}` in JSON, each passage `Doc i (Title: t)` and its text on the
-next line. A call without a query list answers verl's error text and the episode goes on. The server is asked once
-when the tool is made, so a server that is down stops the run before its first step; one that stops answering
-mid-run, after the client's retries, stops it too (one line naming the URL) rather than feeding the policy error
-texts to learn from.
+once; `enable_global_rate_limit: false` lifts it; verl's `num_workers` sizes a Ray pool alignrl does not need).
+A call `{"query_list": [...]}` answers, as verl's does, `{"result": "<each query's passages, joined by ---> "}` in
+JSON, each passage `Doc i (Title: t)` and its text on the next line. A call without a query list answers verl's
+error text and the episode goes on. The server is asked once when the tool is made, so a server that is down stops
+the run before its first step; one that stops answering mid-run, after the client's retries, stops it too (one line
+naming the URL) rather than feeding the policy error texts to learn from.
 """
 
 from __future__ import annotations
