@@ -143,9 +143,16 @@ def test_the_scripts_translate_to_what_verl_does(files, tmp_path, capsys, monkey
     r = d.rollout  # DAPO's: sampled validation at T=1.0, top_p 0.7, one answer a problem
     assert (r.val_temperature, r.val_top_p, r.val_top_k, r.val_n) == (1.0, 0.7, -1, 1)
     assert grpo.rollout.val_temperature == 0.0  # no val_kwargs: greedy
-    quiet = load_config(None, grpo_math("demo", train, test) + [
-        "actor_rollout_ref.rollout.val_kwargs.do_sample=False", "actor_rollout_ref.rollout.val_kwargs.temperature=0.6"])
-    assert quiet.rollout.val_temperature == 0.0  # verl samples only with do_sample=True
+    # verl 0.7's agent loop samples validation with val_kwargs whatever do_sample says, n times a prompt
+    sampled = load_config(None, grpo_math("demo", train, test) + [
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=False", "actor_rollout_ref.rollout.val_kwargs.temperature=0.6",
+        "actor_rollout_ref.rollout.val_kwargs.n=4"])
+    assert (sampled.rollout.val_temperature, sampled.rollout.val_n) == (0.6, 4)
+    # Search-R1's verl (a key only it reads) samples with them only when do_sample is true
+    search_r1 = load_config(None, grpo_math("demo", train, test) + [
+        "actor_rollout_ref.rollout.n_agent=2", "actor_rollout_ref.rollout.val_kwargs.do_sample=False",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=0.6"])
+    assert search_r1.rollout.val_temperature == 0.0
     assert not any("actor.use_dynamic_bsz" in line for line in err.splitlines())  # applied, so not listed
 
 
@@ -158,7 +165,7 @@ def test_an_overlong_buffer_that_is_off_costs_nothing(files):
 
 @pytest.mark.parametrize("key,value,words", [
     ("data.truncation", "center", "choose one of: left, right, middle, error"),
-    ("reward_model.reward_manager", "prime", "naive or dapo"),
+    ("reward_model.reward_manager", "batch", "naive, dapo or prime"),
     ("algorithm.filter_groups.metric", "length", "keeps the groups whose rewards differ"),
     ("actor_rollout_ref.rollout.mode", "sync", "not supported"),
 ])

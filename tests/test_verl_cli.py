@@ -187,6 +187,35 @@ def test_verls_qwen3_gsm8k_batch_splits_as_verl_splits_it_and_a_ref_sync_is_name
     assert "not applied: the reference moved toward the policy" in err and "sync_ref_model=True" in err
 
 
+@pytest.mark.parametrize("given, key, expect", [
+    (["actor_rollout_ref.actor.optim.clip_grad=0.5"], "actor.grad_clip", 0.5),  # the engine workers' spelling
+    (["critic.optim.clip_grad=2.0"], "critic.grad_clip", 2.0),
+    (["data.val_max_samples=7"], "data.val_size", 7),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=cispo"], "actor.policy_loss", "cispo"),
+    (["reward_model.reward_manager=prime"], "algorithm.reward_fn", None),  # naive's scores, in a process pool
+    # memory, engines, dumps and Hydra's folder: accepted, listed as not used
+    (["reward_model.model.use_remove_padding=True", "reward_model.rollout.name=vllm", "hydra.run.dir=outputs",
+      "actor_rollout_ref.rollout.quantization.weight_dtype=fp8", "+trainer.dump_high_diff_tokens=True"],
+     "trainer.strategy", "fsdp"),
+    # current verl's names of rollout correction's switches, at their off values
+    (["algorithm.rollout_correction.bypass_mode=False", "algorithm.rollout_correction.loss_type=ppo_clip",
+      "algorithm.rollout_correction.use_policy_gradient=False"], "algorithm.rollout_is", "none"),
+])
+def test_current_verl_spellings_map_or_are_accepted(given, key, expect):
+    cfg = load_config(None, ["algorithm.adv_estimator=grpo", *given])
+    section, name = key.split(".")
+    assert getattr(getattr(cfg, section), name) == expect
+
+
+def test_current_verl_features_alignrl_lacks_are_named_or_one_line(capsys, monkeypatch):
+    monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED", raising=False)
+    load_config(None, ["algorithm.rollout_correction.bypass_mode=True"])
+    assert "not applied: rollout correction's bypass mode" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="custom_chat_template=.* is not supported .save the template with the "
+                                          "model's tokenizer"):
+        load_config(None, ["actor_rollout_ref.model.custom_chat_template={{ messages }}"])
+
+
 def test_grpo_with_n_agent_and_alignrl_keys_beside_verl_ones(tmp_path):
     cfg = load_config(None, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n_agent=5",
                              "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.use_kl_loss=true",

@@ -41,7 +41,7 @@ from alignrl.config.verl_multi_turn import multi_turn
 from alignrl.config.verl_pass import TranslationPass, UnknownKeyError
 from alignrl.config.verl_recent import finish as finish_recent, parsed as _value, recent as _recent
 from alignrl.config.verl_tables import (A, ALIASES, CKPT_TO_KEEP, CRITIC_FOLLOWS_ACTOR, MISSING, NOT_APPLIED,
-                                        NOT_USED, NOTED, ONLY_VALUE, R, RENAMES, SEARCH_R1_DEFAULTS, SEARCH_R1_ONLY,
+                                        NOT_USED, NOTED, ONLY_VALUE, R, RENAMES, SEARCH_R1_DEFAULTS, search_r1_spelled,
                                         VERL07_CLIP_RATIO_C, VERL07_DEFAULTS, VERL_SECTIONS)
 
 
@@ -81,9 +81,9 @@ def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
 
 def _renamed(st: TranslationPass, key: str, value: str) -> bool:
     """verl keys with an alignrl key of their own (renamed or converted); False: not one of them."""
-    if key == "data.val_data_num" and _value(value) is None:  # verl: every row; alignrl: a bounded count
+    if key in ("data.val_data_num", "data.val_max_samples") and _value(value) in (None, -1):  # verl: every row
         st.verl = True
-        st.notes.append(f"{key}=null: alignrl evaluates the first data.val_size held-out rows")
+        st.notes.append(f"{key}={value}: alignrl evaluates the first data.val_size held-out rows")
     elif key == TEMPLATE_KWARGS or key.startswith(TEMPLATE_KWARGS + "."):
         st.verl = True  # the whole mapping, or one of its entries (`+data.apply_chat_template_kwargs.x=v`)
         st.out.append(f"data.chat_template_kwargs{key[len(TEMPLATE_KWARGS):]}={value}")
@@ -217,10 +217,8 @@ def _finish(st: TranslationPass) -> Translation:
             out.append("actor.ppo_mini_batch_unit=sequences")
     explicit = {o.split("=", 1)[0] for o in out} | ({"actor.ppo_micro_batch_size"} if st.global_micro else set())
     missing = [f"{feature}: {', '.join(keys)}" for feature, keys in st.missing.items()]
-    given = [o.split("=", 1)[0].lstrip("+") for o in st.overrides]
-    search_r1 = any(fnmatch.fnmatchcase(k, pattern) for k in given for pattern in SEARCH_R1_ONLY)
     return Translation(out, explicit, st.not_used, notes, st.verl, st.output_is_run_dir, st.global_micro, missing,
-                       search_r1)
+                       search_r1_spelled(st.overrides))
 
 
 def _grouped(not_applied: dict[str, tuple[str, str]]) -> list[str]:

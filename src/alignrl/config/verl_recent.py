@@ -11,7 +11,7 @@ from pathlib import Path
 from alignrl.config.schema import ConfigError
 from alignrl.config.verl_pass import TranslationPass, UnknownKeyError
 from alignrl.config.verl_tables import (A, DAPO, FILTER_METRICS, LOSS_MODE_TUNING, LOSS_MODES, MISSING, NOT_USED, R, RC,
-                                        REWARD_MANAGERS, ROLLOUT_CORRECTION_OFF, VAL_KWARGS)
+                                        REWARD_MANAGERS, ROLLOUT_CORRECTION_OFF, VAL_KWARGS, search_r1_spelled)
 
 # verl's LoRA exclusion alignrl has (the regular expression verl's vision-language LoRA scripts give): the image
 # tower's adapters are frozen at their zero start (actor.freeze_prefix=visual), which leaves it exactly as without them
@@ -103,7 +103,7 @@ def _dapo_and_reward(st: TranslationPass, key: str, value: str, v: object) -> No
     elif key == "reward_model.reward_manager":
         if v not in REWARD_MANAGERS:
             raise ConfigError(f"{key}={value} is not supported (alignrl's reward stage is the rule reward, verl's "
-                              "naive manager, with DAPO's overlong buffer: naive or dapo)")
+                              "naive manager, with DAPO's overlong buffer: naive, dapo or prime)")
     else:
         raise UnknownKeyError(f"unknown config key '{key}': not a verl key alignrl knows (docs/verl-keys.md lists "
                               "them)")
@@ -125,7 +125,8 @@ def finish(st: TranslationPass) -> list[str]:
     out = []
     if st.overlong and parsed(st.overlong.get("enable", "false")) is not True:  # verl applies it only when on
         out.append("algorithm.overlong_buffer_len=0")
-    out += _reward_model(st.reward_model) + _validation(st.val_kwargs) + rollout_correction(st)
+    out += _reward_model(st.reward_model) + _validation(st.val_kwargs, search_r1_spelled(st.overrides))
+    out += rollout_correction(st)
     if st.loss_mode == "gspo":  # verl's GSPO loss reads no dual-clip constant; alignrl's refuses one
         st.out[:] = [o for o in st.out if not o.startswith("actor.clip_ratio_c=")]
     _response_cap_note(st)
@@ -134,10 +135,12 @@ def finish(st: TranslationPass) -> list[str]:
     return out
 
 
-def _validation(given: dict) -> list[str]:
-    """verl's validation sampler: greedy unless do_sample is true (its default is false), then val_kwargs' own
-    temperature, top_p, top_k and n."""
-    if given.get("do_sample") is not True:
+def _validation(given: dict, search_r1: bool) -> list[str]:
+    """verl's validation sampler. verl 0.7's agent loop (its only rollout) samples with val_kwargs' temperature,
+    top_p and top_k whatever do_sample says, and its trainer repeats each prompt val_kwargs.n times (its defaults:
+    temperature 0, greedy, and n 1). Search-R1's verl samples with them only when do_sample is true (its default
+    false: greedy)."""
+    if search_r1 and given.get("do_sample") is not True:
         return []
     return [f"{VAL_KWARGS[R + 'val_kwargs.' + k]}={v}" for k, v in given.items() if k != "do_sample"]
 

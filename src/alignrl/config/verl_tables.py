@@ -4,6 +4,8 @@ defaults a verl-spelled run gets where alignrl's differ."""
 
 from __future__ import annotations
 
+import fnmatch
+
 A = "actor_rollout_ref.actor."
 R = "actor_rollout_ref.rollout."
 # what a verl strategy alignrl lacks (megatron, by key, group or --config-name) is told
@@ -20,6 +22,8 @@ RENAMES: dict[str, tuple[str, ...]] = {
     A + "optim.weight_decay": ("actor.weight_decay",),
     A + "optim.betas": ("actor.betas",),
     A + "grad_clip": ("actor.grad_clip",),
+    # the engine workers' spelling (verl 0.7's optim config): the same gradient-norm clip
+    A + "optim.clip_grad": ("actor.grad_clip",), "critic.optim.clip_grad": ("critic.grad_clip",),
     A + "ppo_mini_batch_size": ("actor.ppo_mini_batch_size",),
     # the reference's and the old policy's no-grad passes: one alignrl key serves both (the last one given)
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ("actor.logprob_micro_batch_size",),
@@ -65,7 +69,7 @@ RENAMES: dict[str, tuple[str, ...]] = {
     "algorithm.kl_ctrl.horizon": ("algorithm.kl_horizon",),
     "data.max_response_length": ("rollout.max_new_tokens",),
     "data.shuffle_train_dataloader": ("data.shuffle",),
-    "data.val_data_num": ("data.val_size",),
+    "data.val_data_num": ("data.val_size",), "data.val_max_samples": ("data.val_size",),
     "trainer.default_local_dir": ("trainer.checkpoint_dir",),
     "max_turns": ("agent.max_turns",),
     # verl's multi-turn rollout: the whole trajectory's response; data.max_response_length stays per turn (Search-R1)
@@ -89,6 +93,13 @@ NOT_USED = (
     "actor_rollout_ref.model.use_shm", R + "layered_summon",
     # the reference sync's pace and mix: read only with ref.sync_ref_model, which alignrl does not have (MISSING)
     "actor_rollout_ref.ref.ref_model_sync_steps", "actor_rollout_ref.ref.ref_model_mixup_alpha",
+    # the reward model's forward and its reward-loop server (engine, memory, parallelism, length caps); fp8 rollout
+    # weights (vLLM speed); debug dumps; Hydra's own output folder
+    "reward_model.model.use_remove_padding", "reward_model.rollout.*", R + "quantization.*", "trainer.dump_high_diff_*",
+    "hydra.*",
+    # spellings verl itself never reads: a GLM script's data.enable_thinking (verl reads apply_chat_template_kwargs),
+    # a misspelt activation offload
+    "data.enable_thinking", "actor_rollout_ref.model.enable_activation_offloading",
     "data.filter_overlong_prompts_workers", "reward_model.overlong_buffer.log",
     "reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size", "reward_model.use_reward_loop",
     "reward_model.num_workers", "reward_model.strategy", "reward_model.max_length", "reward_model.launch_reward_fn_async",
@@ -126,7 +137,7 @@ ALIASES = {"reward_model.reward_kwargs.overlong_buffer_cfg." + k: "reward_model.
 
 # verl's policy_loss.loss_mode -> alignrl's actor.policy_loss; the other policy_loss.* keys tune only modes alignrl
 # does not have (clip-cov, kl-cov), so whatever they say changes nothing in these two.
-LOSS_MODES = {"vanilla": "ppo_clip", "gspo": "gspo"}
+LOSS_MODES = {"vanilla": "ppo_clip", "gspo": "gspo", "cispo": "cispo"}  # cispo: clipped by clip_ratio_low/high
 LOSS_MODE_TUNING = tuple(A + "policy_loss." + k for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
                                                           "kl_cov_ratio", "ppo_kl_coef"))
 
@@ -138,6 +149,8 @@ ROLLOUT_CORRECTION_OFF: dict[str, object] = {
     RC + "rollout_rs_threshold": None, RC + "rollout_rs_threshold_lower": None,
     RC + "rollout_token_veto_threshold": None, RC + "bypass_old_logprob_for_rollout": False,
     RC + "use_pure_rollout_correction": False, RC + "rollout_is_batch_normalize": False,
+    # current verl's names of the two above, and the loss its bypass mode trains with
+    RC + "bypass_mode": False, RC + "use_policy_gradient": False, RC + "loss_type": "ppo_clip",
 }
 
 # verl features alignrl does not have: key pattern -> (the feature, the values that leave it off). A value that
@@ -149,6 +162,9 @@ MISSING: dict[str, tuple[str, tuple[object, ...]]] = {
     RC + "bypass_old_logprob_for_rollout": ("rollout correction's bypass mode (the rollout's log-probs as the old "
                                             "policy's)", (False,)),
     RC + "use_pure_rollout_correction": ("the unclipped policy gradient of pure rollout correction", (False,)),
+    RC + "bypass_mode": ("rollout correction's bypass mode (the rollout's log-probs as the old policy's)", (False,)),
+    RC + "use_policy_gradient": ("the unclipped policy gradient of pure rollout correction", (False,)),
+    RC + "loss_type": ("rollout correction's bypass losses other than ppo_clip", ("ppo_clip",)),
     "actor_rollout_ref.ref.sync_ref_model": ("the reference moved toward the policy every ref_model_sync_steps "
                                              "steps (TR-DPO's ref sync)", (False,)),
     "data.gen_batch_size": ("DAPO's generation batch larger than the training batch (alignrl's dynamic sampling "
@@ -168,6 +184,8 @@ ONLY_VALUE: dict[str, tuple[object, str]] = {
     "trainer.val_only": (False, "alignrl has no evaluation-only mode; run with trainer.total_training_steps=1 "
                                 "and read base_accuracy"),
     "algorithm.no_think_rl": (False, "drop it: the no-think variant of Search-R1 is not implemented"),
+    "actor_rollout_ref.model.custom_chat_template": (None, "save the template with the model's tokenizer "
+                                                           "(tokenizer.chat_template, chat_template.jinja) instead"),
     "data.train_data_num": (None, "cut the training file to the rows you want (data.train_data_num=null uses all)"),
     R + "do_sample": (True, "training rollouts sample; evaluation is greedy"),
     R + "ignore_eos": (False, "generation always stops at eos"),
@@ -186,7 +204,7 @@ DAPO = {"algorithm.filter_groups.enable": "algorithm.dynamic_sampling",
 # the same numbers for a rule reward (the score is the reward)
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 # verl's reward managers alignrl's reward stage is: the rule reward (naive), with DAPO's overlong buffer (dapo)
-REWARD_MANAGERS = ("naive", "dapo")
+REWARD_MANAGERS = ("naive", "dapo", "prime")  # prime: naive's scores over a process pool (a timeout aside)
 
 # Accepted, with alignrl's behaviour named when the value asks for something else (it evaluates before and
 # after training to report base and final accuracy). trainer.final_validation is not Search-R1's (its verl
@@ -223,6 +241,12 @@ CKPT_TO_KEEP = ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_ke
 
 # Keys only Search-R1's verl (0.1) reads: a run that gives one gets Search-R1's defaults, any other verl-spelled
 # run verl 0.7's (`verl_keys.verl_defaults`).
+def search_r1_spelled(overrides) -> bool:
+    """Whether the overrides give a key only Search-R1's verl reads: they get that verl's behaviour, else 0.7's."""
+    given = [o.split("=", 1)[0].lstrip("+") for o in overrides]
+    return any(fnmatch.fnmatchcase(k, pattern) for k in given for pattern in SEARCH_R1_ONLY)
+
+
 SEARCH_R1_ONLY = (R + "n_agent", A + "state_masking", "max_turns", "do_search", "retriever.*", "algorithm.state_masking.*",
                   "reward_model.structure_format_score", "reward_model.final_format_score",
                   "reward_model.retrieval_score", "algorithm.no_think_rl", "data.max_start_length",
