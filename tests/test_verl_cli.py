@@ -193,6 +193,9 @@ def test_verls_qwen3_gsm8k_batch_splits_as_verl_splits_it_and_a_ref_sync_is_name
     (["data.val_max_samples=7"], "data.val_size", 7),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=cispo"], "actor.policy_loss", "cispo"),
     (["reward_model.reward_manager=prime"], "algorithm.reward_fn", None),  # naive's scores, in a process pool
+    # the newest verl's reward section, its legacy keys' new home
+    (["reward.custom_reward_function.path=my_reward.py", "reward.reward_manager.name=naive", "reward.num_workers=8",
+      "reward.reward_model.rollout.name=vllm"], "algorithm.reward_fn", "my_reward.py:compute_score"),
     # memory, engines, dumps and Hydra's folder: accepted, listed as not used
     (["reward_model.model.use_remove_padding=True", "reward_model.rollout.name=vllm", "hydra.run.dir=outputs",
       "actor_rollout_ref.rollout.quantization.weight_dtype=fp8", "+trainer.dump_high_diff_tokens=True"],
@@ -211,6 +214,11 @@ def test_current_verl_features_alignrl_lacks_are_named_or_one_line(capsys, monke
     monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED", raising=False)
     load_config(None, ["algorithm.rollout_correction.bypass_mode=True"])
     assert "not applied: rollout correction's bypass mode" in capsys.readouterr().err
+    monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED")
+    load_config(None, ["reward.sandbox_fusion.url=http://127.0.0.1:8080/run_code"])
+    assert "not applied: code rewards run in a sandbox service" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="unknown config key 'reward.no_such_key': not a verl"):
+        load_config(None, ["reward.no_such_key=1"])
     with pytest.raises(ConfigError, match="custom_chat_template=.* is not supported .save the template with the "
                                           "model's tokenizer"):
         load_config(None, ["actor_rollout_ref.model.custom_chat_template={{ messages }}"])

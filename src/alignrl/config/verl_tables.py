@@ -96,6 +96,8 @@ NOT_USED = (
     # the reward model's forward and its reward-loop server (engine, memory, parallelism, length caps); fp8 rollout
     # weights (vLLM speed); debug dumps; Hydra's own output folder
     "reward_model.model.use_remove_padding", "reward_model.rollout.*", R + "quantization.*", "trainer.dump_high_diff_*",
+    "reward.reward_model.rollout.*", "reward.reward_model.enable_resource_pool", "reward.reward_model.n_gpus_per_node",
+    "reward.reward_model.nnodes",
     "hydra.*",
     # spellings verl itself never reads: a GLM script's data.enable_thinking (verl reads apply_chat_template_kwargs),
     # a misspelt activation offload
@@ -133,7 +135,13 @@ NOT_USED = (
 # Another spelling of a key mapped above: main_ppo's DAPO reward manager takes its overlong buffer through
 # reward_kwargs; current verl names the reward model's folder model_path.
 ALIASES = {"reward_model.reward_kwargs.overlong_buffer_cfg." + k: "reward_model.overlong_buffer." + k
-           for k in ("enable", "len", "penalty_factor")} | {"reward_model.model_path": "reward_model.model.path"}
+           for k in ("enable", "len", "penalty_factor")} | {"reward_model.model_path": "reward_model.model.path"} | {
+    # the newest verl's reward section, which its main_ppo migrates the legacy keys into (migrate_legacy_reward_impl)
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "reward.custom_reward_function.path": "custom_reward_function.path",
+    "reward.custom_reward_function.name": "custom_reward_function.name",
+    "reward.reward_model.enable": "reward_model.enable", "reward.reward_model.model_path": "reward_model.model.path",
+    "reward.num_workers": "reward_model.num_workers"}
 
 # verl's policy_loss.loss_mode -> alignrl's actor.policy_loss; the other policy_loss.* keys tune only modes alignrl
 # does not have (clip-cov, kl-cov), so whatever they say changes nothing in these two.
@@ -165,6 +173,7 @@ MISSING: dict[str, tuple[str, tuple[object, ...]]] = {
     RC + "bypass_mode": ("rollout correction's bypass mode (the rollout's log-probs as the old policy's)", (False,)),
     RC + "use_policy_gradient": ("the unclipped policy gradient of pure rollout correction", (False,)),
     RC + "loss_type": ("rollout correction's bypass losses other than ppo_clip", ("ppo_clip",)),
+    "*sandbox_fusion*": ("code rewards run in a sandbox service (sandbox_fusion)", (None, "")),
     "actor_rollout_ref.ref.sync_ref_model": ("the reference moved toward the policy every ref_model_sync_steps "
                                              "steps (TR-DPO's ref sync)", (False,)),
     "data.gen_batch_size": ("DAPO's generation batch larger than the training batch (alignrl's dynamic sampling "
@@ -174,7 +183,7 @@ MISSING: dict[str, tuple[str, tuple[object, ...]]] = {
 
 # Sections that exist only in verl's config: a key under them that is not mapped above is unknown.
 VERL_SECTIONS = ("actor_rollout_ref.", "critic.optim.", "critic.model.", "algorithm.kl_ctrl.", "reward_model.",
-                 "custom_reward_function.", RC)
+                 "custom_reward_function.", RC, "reward.")
 
 # verl's data.prompt_key is alignrl's key of the same name, so it passes through unchanged: a verl file read
 # by column keeps its data_source, reward_model.ground_truth and extra_info (alignrl.data.row_formats).
