@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Pinned so CPU-only machines take the local CPU wheel instead of the multi-GB CUDA stack.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo demo-search demo-safe demo-vision test bench clean
+.PHONY: install demo demo-search demo-search-tools demo-safe demo-vision test bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ demo: $(STAMP)
 
 demo-search: $(STAMP)
 	$(BIN)/alignrl demo search
+
+demo-search-tools: $(STAMP)
+	$(BIN)/alignrl demo search --tool-loop
 
 demo-safe: $(STAMP)
 	$(BIN)/alignrl demo safe

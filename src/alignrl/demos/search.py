@@ -1,7 +1,7 @@
 """`alignrl demo search`: PPO teaches a tiny model to use a search engine (Search-R1's recipe, end to end).
 
-    alignrl demo search [--seed N] [--heldout N] [key.sub=value ...]
-    alignrl demo search [--seed N] --build-base DIR
+    alignrl demo search [--seed N] [--heldout N] [--tool-loop] [key.sub=value ...]
+    alignrl demo search [--seed N] [--tool-loop] --build-base DIR
 
 Builds (or takes from the cache) the search demo's base model, starts `alignrl serve retrieve` (BM25 over
 the demo's corpus of invented facts) on loopback, measures the base model on held-out questions, trains
@@ -11,6 +11,11 @@ episode and valid-action rate, before and after. The numbers go to `<run dir>/su
 (`base_exact_match`, `final_exact_match`, `base_searches_per_episode`, ..., `wall_seconds`) beside the
 run's curves (`logs/curves.png`); the last line printed holds them. Dotted overrides go on top of
 `examples/search_demo.yaml`.
+
+`--tool-loop` plays the same world through verl's tool agent loop instead (`agent.tool_config_path`): its own base
+model (SFT'd on the loop's chat text, `demos.search_tools`), verl's Search-R1-like rows (`searchR1_nq`), a tool
+config naming verl's SearchTool at the server (written into the run folder), `examples/search_tools_demo.yaml`;
+searches per episode count the tool calls, and a turn with a `<tool_call>` that does not parse is not a valid action.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from pathlib import Path
 from alignrl.config import ConfigError, RunConfig, load_config
 from alignrl.demos.common import check_overrides, raise_on_sigterm
 from alignrl.demos.search_data import DATA_DIR, TEST_FILE, TRAIN_FILE, CORPUS_FILE, write_data
-from alignrl.demos.search_model import SearchRecipe, ensure_search_model
+from alignrl.demos.search_model import SearchRecipe, demo_recipe, ensure_search_model
 
 PROG = "alignrl demo search"
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "search_demo.yaml"
+TOOLS_CONFIG = CONFIG.parent / "search_tools_demo.yaml"  # --tool-loop
 SHIPPED_SEED = 0  # the world whose corpus and questions ship in demos/data
 
 
@@ -68,12 +74,16 @@ def agent_eval(model_path: str, cfg: RunConfig, samples: Sequence, batch_size: i
     from alignrl.interfaces import SamplingParams
     from alignrl.models.loader import load_model
     from alignrl.rewards.registry import load_reward_fn
+    from alignrl.rollout.env_agent import with_labels
     from alignrl.rollout.hf_engine import HFRolloutEngine
+    from alignrl.rollout.verl_tools import tool_schemas
 
     model, tokenizer = load_model(model_path, cfg.model.dtype, log=lambda *_: None)
     engine = with_tools(cfg, HFRolloutEngine(model.eval(), tokenizer), tokenizer)
     correct_fn = load_reward_fn(cfg.algorithm.reward_fn)
-    prompts = encode_prompts(tokenizer, samples, cfg.data.max_prompt_length)
+    # as the run templates and hands them over: with the tool config's schemas, and each row for the tool loop
+    prompts = with_labels(engine, samples, encode_prompts(tokenizer, samples, cfg.data.max_prompt_length,
+                                                          tools=tool_schemas(cfg.agent.tool_config_path)))
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
     correct, searches, valid, actions = 0, 0.0, 0.0, 0.0
     try:
@@ -83,16 +93,26 @@ def agent_eval(model_path: str, cfg: RunConfig, samples: Sequence, batch_size: i
                                            skip_special_tokens=True)
             for s, t in zip(samples[start:start + batch_size], texts):
                 correct += correct_fn(s.data_source, t, s.ground_truth, s.extra) >= 1.0
-            # a plain engine (agent.max_turns=0) counts no tool use: zeros
-            searches += float(ro.stats["searches"].sum()) if ro.stats else 0.0
-            valid += float(ro.stats["valid_actions"].sum()) if ro.stats else 0.0
-            actions += float(ro.stats["actions"].sum()) if ro.stats else 0.0
+            got = _tool_use(ro.stats)
+            searches, valid, actions = searches + got[0], valid + got[1], actions + got[2]
     finally:
         if getattr(engine, "tool", None) is not None:
             engine.tool.close()
     n = max(1, len(samples))
     return {"exact_match": round(correct / n, 4), "searches_per_episode": round(searches / n, 4),
             "valid_action_rate": round(valid / max(1.0, actions), 4)}
+
+
+def _tool_use(stats) -> tuple[float, float, float]:
+    """A batch's searches, valid actions and actions: Search-R1's agent counts them; in verl's tool loop a search is
+    a tool call, an action a turn, and a turn is invalid when one of its <tool_call> blocks does not parse."""
+    if not stats:  # a plain engine (agent.max_turns=0) counts no tool use: zeros
+        return 0.0, 0.0, 0.0
+    if "env/tool_calls" in stats:
+        turns = float(stats["turns"].sum())
+        return (float(stats["env/tool_calls"].nansum()), turns - float(stats["env/tool_call_parse_errors"].nansum()),
+                turns)
+    return float(stats["searches"].sum()), float(stats["valid_actions"].sum()), float(stats["actions"].sum())
 
 
 def run(recipe: SearchRecipe, overrides: Sequence[str], heldout: int, log=print) -> dict:
@@ -102,17 +122,31 @@ def run(recipe: SearchRecipe, overrides: Sequence[str], heldout: int, log=print)
     from alignrl.utils.atomic import atomic_write_text
 
     t0 = time.time()
-    load_config(CONFIG, list(overrides))  # a bad override fails here, before minutes of model building
+    tools = recipe.loop == "tool"
+    config = TOOLS_CONFIG if tools else CONFIG
+    load_config(config, list(overrides))  # a bad override fails here, before minutes of model building
     model = ensure_search_model(recipe, log)
-    run_dir = load_config(CONFIG, list(overrides)).run_dir
+    run_dir = load_config(config, list(overrides)).run_dir
     files = demo_files(recipe.seed, run_dir)
+    if tools:  # the same questions as verl's Search-R1-like rows
+        from alignrl.demos.search_data import build_world
+        from alignrl.demos.search_tools import write_tool_data
+
+        files.update(write_tool_data(run_dir / "data", build_world(recipe.seed)))
     settings = [f"model.path={model}", f"data.train_files={files['train']}", f"data.val_files={files['test']}",
                 *overrides]
-    topk = load_config(CONFIG, settings).retriever.topk
+    retriever = load_config(config, settings).retriever
     heldout_set = load_samples(str(files["test"]), limit=heldout, key="data.val_files")
-    server = retrieval_server(files["corpus"], topk)
+    server = retrieval_server(files["corpus"], retriever.topk)
     try:
-        cfg = load_config(CONFIG, [*settings, f"retriever.url={server.url}/retrieve"])
+        if tools:
+            from alignrl.demos.search_tools import TOOL_CONFIG_FILE, write_tool_config
+
+            path = write_tool_config(run_dir / TOOL_CONFIG_FILE, f"{server.url}/retrieve", retriever.topk,
+                                     retriever.timeout_s)
+            cfg = load_config(config, [*settings, f"agent.tool_config_path={path}"])
+        else:
+            cfg = load_config(config, [*settings, f"retriever.url={server.url}/retrieve"])
         log(f"retrieval server {server.url} (BM25 over {files['corpus'].name}, pid {server.proc.pid}); "
             f"measuring the base model on {len(heldout_set)} held-out questions")
         base = agent_eval(str(model), cfg, heldout_set)
@@ -124,7 +158,8 @@ def run(recipe: SearchRecipe, overrides: Sequence[str], heldout: int, log=print)
     finally:
         server.stop()
     summary.update({f"{when}_{k}": v for when, m in (("base", base), ("final", final)) for k, v in m.items()})
-    summary.update(exact_match_gain_points=round(100 * (final["exact_match"] - base["exact_match"]), 2),
+    summary.update(loop="verl_tool_agent_loop" if tools else "search_r1_agent",
+                   exact_match_gain_points=round(100 * (final["exact_match"] - base["exact_match"]), 2),
                    heldout_questions=len(heldout_set), base_model=str(model),
                    curves=str(cfg.log_root / "curves.png"), wall_seconds=round(time.time() - t0, 1))
     atomic_write_text(cfg.run_dir / "summary.json", json.dumps(summary, indent=2))
@@ -142,30 +177,36 @@ def _parser():
     p = OneLineParser(prog=PROG, description="PPO teaches a tiny model to search (Search-R1's recipe, on CPU).")
     p.add_argument("--seed", type=int, default=SHIPPED_SEED, help="seed of the demo world and base model")
     p.add_argument("--heldout", type=int, default=300, help="held-out questions measured before and after")
+    p.add_argument("--tool-loop", action="store_true",
+                   help="play it through verl's tool agent loop and verl's SearchTool (agent.tool_config_path), with "
+                        "its own base model and examples/search_tools_demo.yaml")
     p.add_argument("--build-base", metavar="DIR", default=None,
-                   help="only (re)build the base model of --seed into DIR from its seed, then exit (the shipped "
-                        "one is src/alignrl/demos/search_base)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides on top of examples/search_demo.yaml")
+                   help="only (re)build the base model of --seed (and --tool-loop) into DIR from its seed, then exit "
+                        "(the shipped ones are src/alignrl/demos/search_base and search_tools_base)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides on top of examples/search_demo.yaml "
+                                                "(search_tools_demo.yaml with --tool-loop)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
-    check_overrides(PROG, rest, "--seed, --heldout and key.sub=value overrides")
+    check_overrides(PROG, rest, "--seed, --heldout, --tool-loop and key.sub=value overrides")
     if args.heldout < 1:
         raise ConfigError(f"--heldout must be at least 1, got {args.heldout}")
     raise_on_sigterm()  # the retrieval server is stopped by its PID in a `finally`, on a kill too
+    recipe = demo_recipe(args.seed, "tool" if args.tool_loop else "search_r1")
     if args.build_base:
         from alignrl.demos.search_model import build_search_model
 
         if args.overrides or rest:
-            raise ConfigError("--build-base takes only --seed (the base model's recipe has no overrides)")
-        build_search_model(Path(args.build_base), SearchRecipe(seed=args.seed))
+            raise ConfigError("--build-base takes only --seed and --tool-loop (the base model's recipe has no "
+                              "overrides)")
+        build_search_model(Path(args.build_base), recipe)
         return 0
-    s = run(SearchRecipe(seed=args.seed), [*args.overrides, *rest], args.heldout)
+    s = run(recipe, [*args.overrides, *rest], args.heldout)
     print(f"base_exact_match={s['base_exact_match']:.3f} final_exact_match={s['final_exact_match']:.3f} "
           f"gain={s['exact_match_gain_points']:+.1f} points "
           f"searches/episode={s['base_searches_per_episode']:.2f}->{s['final_searches_per_episode']:.2f} "
           f"valid_action_rate={s['base_valid_action_rate']:.3f}->{s['final_valid_action_rate']:.3f} "
-          f"steps={s['steps']} wall_seconds={s['wall_seconds']:.0f}")
+          f"steps={s['steps']} loop={s['loop']} wall_seconds={s['wall_seconds']:.0f}")
     return 0

@@ -25,6 +25,9 @@ from alignrl.utils.progress import Phase
 # The default recipe's build (a few MB), so a fresh clone skips minutes of SFT; `alignrl demo search
 # --build-base DIR` rebuilds it bit for bit from its seed (the build is deterministic on one torch version).
 SHIPPED = Path(__file__).parent / "search_base"
+SHIPPED_TOOLS = Path(__file__).parent / "search_tools_base"  # the default recipe's build in the tool loop's format
+LOOPS = ("search_r1", "tool")
+TOOL_COPY_STEPS = 2000  # `demo_recipe`: at 700 (Search-R1's), the tool loop's build had not learnt to copy  # the trajectory formats: Search-R1's agent, verl's tool agent loop
 
 
 def _arch() -> TinyRecipe:
@@ -48,12 +51,22 @@ class SearchRecipe:
     search_fraction: float = 0.35  # phase 2 trajectories that search; the rest guess
     sft_batch_size: int = 16
     sft_lr: float = 3e-3
+    loop: str = "search_r1"  # the trajectories' format (LOOPS): Search-R1's tags, or verl's tool loop's chat
+
+    def __post_init__(self):
+        if self.loop not in LOOPS:
+            from alignrl.config import ConfigError
+
+            raise ConfigError(f"SearchRecipe.loop={self.loop!r}: use one of {', '.join(LOOPS)}")
 
     def record(self) -> dict:
         """The recipe as built: the architecture fields of `arch` only, so a field the GSM8K demo adds to
-        TinyRecipe for its own SFT neither changes this model's key nor invalidates its shipped build."""
+        TinyRecipe for its own SFT neither changes this model's key nor invalidates its shipped build; `loop`
+        only when it is not Search-R1's, so the recipes from before it keep their keys and shipped build."""
         d = asdict(self)
         d["arch"] = {k: d["arch"][k] for k in ARCH_FIELDS}
+        if self.loop == "search_r1":
+            del d["loop"]
         return d
 
     def key(self) -> str:
@@ -76,6 +89,10 @@ class InProcessSearch:
 
         return [passages_text([{"contents": h.contents} for h in hits])
                 for hits in self.retriever.search(queries, self.topk)]
+
+    def contents(self, queries: list[str]) -> list[list[str]]:
+        """Each query's passages as the server answers them (`RetrieverClient.search_contents`)."""
+        return [[h.contents for h in hits] for hits in self.retriever.search(queries, self.topk)]
 
     def observe(self, queries: list[str]) -> list[str]:
         """The observation text a search appends to the episode (`AgentRollout.information_ids`' text)."""
@@ -109,27 +126,26 @@ def trajectory_ids(tokenizer, text: str) -> tuple[list[int], list[bool]]:
     return ids + tail_ids, mask + [True] * len(tail_ids)
 
 
-def sft_masked(model, tokenizer, samples: list, *, steps: int, batch_size: int, lr: float, seed: int,
+def sft_masked(model, tokenizer, prompts: list, pairs: list, *, steps: int, batch_size: int, lr: float, seed: int,
                on_step=None) -> None:
     """SFT as `algos.sft.sft_train` does it (cosine-scheduled AdamW over seeded shuffled batches), with the
     loss on generated tokens only, as PPO with state masking has it. Why it matters here: the passage's
     value follows " is" and cannot be known, so training on it teaches "after ' is', any value", the very
-    words after which the restated sentence must copy the value."""
+    words after which the restated sentence must copy the value. `prompts`: each trajectory's prompt ids;
+    `pairs`: its response ids and loss mask."""
     import torch
 
-    from alignrl.data.collate import encode_prompts, left_pad, right_pad
+    from alignrl.data.collate import left_pad, right_pad
     from alignrl.models.logprobs import response_logprobs
     from alignrl.core.optim import build_optimizer
 
-    prompts = encode_prompts(tokenizer, samples, 10**6)
-    pairs = [trajectory_ids(tokenizer, s.extra["answer"]) for s in samples]
     opt, sched = build_optimizer(model.parameters(), lr, 0.0, (0.9, 0.95), 10, steps, "cosine", 0.1)
     gen = torch.Generator().manual_seed(seed)
-    order, pos, pad = torch.randperm(len(samples), generator=gen), 0, tokenizer.pad_token_id
+    order, pos, pad = torch.randperm(len(prompts), generator=gen), 0, tokenizer.pad_token_id
     model.train()
     for step in range(steps):
-        if pos + batch_size > len(samples):  # a new epoch, a new order
-            order, pos = torch.randperm(len(samples), generator=gen), 0
+        if pos + batch_size > len(prompts):  # a new epoch, a new order
+            order, pos = torch.randperm(len(prompts), generator=gen), 0
         idx = order[pos:pos + batch_size].tolist()
         pos += batch_size
         pi, pm = left_pad([prompts[i] for i in idx], pad)
@@ -147,6 +163,48 @@ def sft_masked(model, tokenizer, samples: list, *, steps: int, batch_size: int, 
     model.eval()
 
 
+def _search_r1_phases(world: World, recipe: SearchRecipe, folder: Path) -> tuple:
+    """The tokenizer (trained into `folder`) and the SFT phases, (prompt ids, (response ids, loss mask), steps)
+    each, in Search-R1's format."""
+    from alignrl.data.collate import encode_prompts
+
+    questions = [f.question for f in world.facts["sft"]]  # phase 1 searches them all: search each once
+    found = dict(zip(questions, InProcessSearch(world, recipe.topk).observe(questions)))
+
+    def observe(queries: list[str]) -> list[str]:
+        return [found[q] for q in queries]
+
+    sets = [sft_samples(world, observe, 1.0, recipe.seed + 1),
+            sft_samples(world, observe, recipe.search_fraction, recipe.seed + 2)]
+    tokenizer = _tokenizer(tokenizer_texts(world, sets[1]), recipe, folder)
+    return tokenizer, [(encode_prompts(tokenizer, samples, 10**6),
+                        [trajectory_ids(tokenizer, s.extra["answer"]) for s in samples], steps)
+                       for samples, steps in zip(sets, (recipe.copy_steps, recipe.sft_steps))]
+
+
+def _tool_phases(world: World, recipe: SearchRecipe, folder: Path) -> tuple:
+    """`_search_r1_phases` in verl's tool loop's format: the prompts templated with the demo tool config's schemas,
+    the tool turns rendered by the loop itself (`search_tools.tool_turns`), the chat template printing the tools."""
+    import tempfile
+
+    from alignrl.data.collate import encode_prompts
+    from alignrl.demos import search_tools as st
+
+    with tempfile.TemporaryDirectory() as scratch:
+        schemas = st.demo_schemas(Path(scratch))
+        # the tool turns' text is the template's, whatever the vocabulary: a throwaway tokenizer renders them
+        render = _tokenizer(["x"], recipe, Path(scratch))
+    render.chat_template = st.TOOL_CHAT_TEMPLATE
+    feedback = st.tool_turns(world.facts["sft"], InProcessSearch(world, recipe.topk).contents, render, schemas)
+    sets = [st.tool_sft_samples(world, feedback, fraction, recipe.seed + k, render.eos_token)
+            for k, fraction in ((1, 1.0), (2, recipe.search_fraction))]
+    tokenizer = _tokenizer(st.tool_tokenizer_texts(world, sets[1], schemas), recipe, folder)
+    tokenizer.chat_template = st.TOOL_CHAT_TEMPLATE  # saved with the model (chat_template.jinja)
+    return tokenizer, [(encode_prompts(tokenizer, samples, 10**6, tools=schemas),
+                        [st.tool_trajectory_ids(tokenizer, s.extra["turns"]) for s in samples], steps)
+                       for samples, steps in zip(sets, (recipe.copy_steps, recipe.sft_steps))]
+
+
 def build_search_model(out_dir: Path, recipe: SearchRecipe = SearchRecipe(), log=print) -> Path:
     """Tokenizer + SFT'd tiny Qwen2 into `out_dir`, built beside it and renamed into place (marker last)."""
     from alignrl.models.tiny import random_tiny_model
@@ -154,15 +212,7 @@ def build_search_model(out_dir: Path, recipe: SearchRecipe = SearchRecipe(), log
     t0 = time.time()
     with build_into(out_dir) as tmp:
         world = build_world(recipe.seed)
-        questions = [f.question for f in world.facts["sft"]]  # phase 1 searches them all: search each once
-        found = dict(zip(questions, InProcessSearch(world, recipe.topk).observe(questions)))
-
-        def observe(queries: list[str]) -> list[str]:
-            return [found[q] for q in queries]
-
-        phases = [(sft_samples(world, observe, 1.0, recipe.seed + 1), recipe.copy_steps),
-                  (sft_samples(world, observe, recipe.search_fraction, recipe.seed + 2), recipe.sft_steps)]
-        tokenizer = _tokenizer(tokenizer_texts(world, phases[1][0]), recipe, tmp)
+        tokenizer, phases = (_tool_phases if recipe.loop == "tool" else _search_r1_phases)(world, recipe, tmp)
         model = random_tiny_model(tokenizer, recipe.arch)
         total = recipe.copy_steps + recipe.sft_steps
         log(f"building search demo base model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-param "
@@ -179,9 +229,9 @@ def build_search_model(out_dir: Path, recipe: SearchRecipe = SearchRecipe(), log
         # moves the first choice (search or guess), which is learnt fast, and keeps copying trained.
         start = 0
         with Phase("search demo base model SFT", total, "steps", say=False) as progress:  # the log has its lines
-            for samples, steps in phases:
+            for prompts, pairs, steps in phases:
                 if steps:
-                    sft_masked(model, tokenizer, samples, steps=steps, batch_size=recipe.sft_batch_size,
+                    sft_masked(model, tokenizer, prompts, pairs, steps=steps, batch_size=recipe.sft_batch_size,
                                lr=recipe.sft_lr, seed=recipe.seed,
                                on_step=lambda step, loss, start=start: on_step(start + step, loss))
                 start += steps
@@ -190,9 +240,18 @@ def build_search_model(out_dir: Path, recipe: SearchRecipe = SearchRecipe(), log
     return out_dir
 
 
+def demo_recipe(seed: int = 0, loop: str = "search_r1") -> SearchRecipe:
+    """The demo's recipe for `loop`. The tool loop's episodes are longer (the schema in the prompt, the hermes call's
+    JSON, the tool turn's): copying the question into the query and the value into the answer took longer to learn
+    there; its copy phase is longer."""
+    return SearchRecipe(seed=seed, loop=loop, copy_steps=TOOL_COPY_STEPS) if loop == "tool" else SearchRecipe(seed)
+
+
 def ensure_search_model(recipe: SearchRecipe = SearchRecipe(), log=print) -> Path:
     """The cached base model for `recipe`, (re)built first when absent or incomplete. The default recipe's
     build ships with the package (`SHIPPED`): it is copied into the cache instead."""
-    build = shipped_or_built(SHIPPED, recipe, lambda path: build_search_model(path, recipe, log),
-                             f"alignrl demo search --seed {recipe.seed} --build-base DIR", "search demo base model", log)
+    tools = recipe.loop == "tool"
+    hint = f"alignrl demo search --seed {recipe.seed}{' --tool-loop' if tools else ''} --build-base DIR"
+    build = shipped_or_built(SHIPPED_TOOLS if tools else SHIPPED, recipe,
+                             lambda path: build_search_model(path, recipe, log), hint, "search demo base model", log)
     return ensure_built(cache_root() / f"search-demo-{recipe.key()}", recipe, build, "search demo model", log)
