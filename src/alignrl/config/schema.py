@@ -141,8 +141,8 @@ class ActorConfig:
     clip_ratio_high: float = opt(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher and CISPO use "
                                                   "0.28; GSPO's paper 4e-4)", ge=0.0)
     policy_loss: str = opt("ppo_clip", "ppo_clip (PPO / DAPO clip-higher / dual-clip), gspo (sequence-level "
-                                       "ratio), cispo (clipped IS weight, stop-gradient)",
-                           choices=("ppo_clip", "gspo", "cispo"))
+                                       "ratio), cispo (clipped IS weight, stop-gradient), gpg (-A log pi, no ratio)",
+                           choices=("ppo_clip", "gspo", "cispo", "gpg"))
     clip_ratio_c: float = opt(0.0, "dual-clip constant c > 1 bounding the loss of negative advantages; 0 disables",
                               ge=0.0)
     loss_agg_mode: str = opt("auto", "how token losses (policy, KL and entropy terms alike) become one "
@@ -189,9 +189,10 @@ class ActorConfig:
 class AlgorithmConfig:
     adv_estimator: str = opt("grpo", "advantage estimator: grpo (GRPO/Dr.GRPO), rloo (leave-one-out), "
                                      "reinforce_plus_plus (whitened returns), reinforce_plus_plus_baseline, remax "
-                                     "(greedy baseline), gae (PPO with critic.enable=true)",
+                                     "(greedy baseline), gpg (GPG's scaled group baseline), gae (PPO with "
+                                     "critic.enable=true)",
                              choices=("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                                      "gae"))
+                                      "gpg", "gae"))
     gamma: float = opt(1.0, "discount of GAE and REINFORCE++ returns", ge=0.0, le=1.0)
     lam: float = opt(1.0, "GAE lambda", ge=0.0, le=1.0)
     norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false, with actor.loss_agg_mode="

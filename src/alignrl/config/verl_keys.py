@@ -97,6 +97,10 @@ def _renamed(st: TranslationPass, key: str, value: str) -> bool:
             st.out += [f"{target}={value}" for target in RENAMES[key]]
     elif key == A + "ppo_micro_batch_size" and isinstance(_value(value), int):
         st.verl, st.global_micro = True, _value(value)  # all ranks together, as verl divides it (resolve_counts)
+    elif key == A + "use_gpg_loss":  # verl's earlier switch of GPG's loss (now policy_loss.loss_mode=gpg)
+        st.verl = True
+        if _value(value) is True:
+            st.out.append("actor.policy_loss=gpg")
     elif key == "trainer.critic_warmup" and isinstance(_value(value), int):
         # verl trains the actor from global step critic_warmup (steps count from 1); alignrl after
         # critic.warmup_steps critic-only steps

@@ -91,6 +91,22 @@ def rloo_advantages(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     return (rewards - baseline).masked_fill(n < 2, 0.0)
 
 
+def gpg_advantages(rewards: torch.Tensor, group: torch.Tensor, sum_ranks: SumRanks = None) -> torch.Tensor:
+    """Group Policy Gradient (GPG; Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for
+    Model Reasoning"), as verl computes it (compute_gpg_outcome_advantage).
+
+    rewards (B,), group (B,) -> (B,). A = alpha * (r - mean_group(r)) with alpha = the batch's size over its count
+    of nonzero rewards (over every rank with `sum_ranks`): batches with few rewarded samples get larger steps. A
+    group of one keeps its reward (its mean is taken as 0, as verl's)."""
+    total = sum_ranks or (lambda t: t)
+    sizes = torch.tensor([float(rewards.numel()), float((rewards != 0).sum())], dtype=torch.float64,
+                         device=rewards.device)
+    size, nonzero = total(sizes).tolist()
+    count, summed = _group_sums(rewards, group)
+    mean = torch.where(count > 1, summed / count.clamp(min=1), torch.zeros_like(summed))
+    return (size / max(nonzero, 1.0)) * (rewards - mean[group])
+
+
 def _discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """Return-to-go over the masked tokens only: masked-out tokens (tool output, padding) are
     skipped, neither discounted nor adding their reward. (B, T) -> (B, T), 0 outside the mask."""
@@ -228,6 +244,10 @@ def _reinforce_pp_baseline(x: OutcomeInputs) -> torch.Tensor:
     return reinforce_pp_baseline_advantages(x.rewards, x.group, x.mask, sum_ranks=x.sum_ranks)
 
 
+def _gpg(x: OutcomeInputs) -> torch.Tensor:
+    return gpg_advantages(x.rewards, x.group, x.sum_ranks)
+
+
 def _remax(x: OutcomeInputs) -> torch.Tensor:
     return remax_advantages(x.token_rewards, x.mask, x.baseline)
 
@@ -240,4 +260,5 @@ ADVANTAGES: dict[str, Callable[[OutcomeInputs], torch.Tensor]] = {
     "reinforce_plus_plus": _reinforce_pp,
     "reinforce_plus_plus_baseline": _reinforce_pp_baseline,
     "remax": _remax,
+    "gpg": _gpg,
 }

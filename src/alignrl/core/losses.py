@@ -16,8 +16,8 @@ import torch
 from alignrl.core.aggregation import LOSS_AGGREGATIONS, aggregate_loss, token_mean
 
 __all__ = ["MAX_LOG_RATIO", "K3_MAX", "masked_mean", "kl_k1", "kl_k2", "kl_k3", "kl_abs", "KL_ESTIMATORS", "token_mean",
-           "LOSS_AGGREGATIONS", "aggregate_loss", "ppo_clip_loss", "gspo_loss", "cispo_loss", "POLICY_LOSSES",
-           "value_loss"]
+           "LOSS_AGGREGATIONS", "aggregate_loss", "ppo_clip_loss", "gspo_loss", "cispo_loss", "gpg_loss",
+           "POLICY_LOSSES", "value_loss"]
 
 MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: large enough never to bind in practice, small enough to stay finite
 
@@ -168,7 +168,22 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
     return loss, metrics
 
 
-POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+def gpg_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+             clip_low: float = 0.2, clip_high: float = 0.2, global_tokens: float | None = None, *,
+             is_weight: torch.Tensor | None = None, loss_agg: str = "token-mean",
+             global_seqs: float | None = None, max_len: float | None = None
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+    """GPG's policy gradient (verl's compute_policy_loss_gpg): -A * log pi per token, no ratio and no clip (the clip
+    arguments are taken for the common signature and unused). The ratio is still reported, for the same metrics."""
+    advantages = _per_token(advantages, logp)
+    log_ratio = (logp - old_logp).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = log_ratio.exp()
+    metrics = _ratio_metrics(log_ratio, ratio, torch.zeros_like(mask, dtype=torch.bool), mask)
+    loss = _finish(-advantages * logp, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len)
+    return loss, metrics
+
+
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss, "gpg": gpg_loss}
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
