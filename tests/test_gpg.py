@@ -1,5 +1,5 @@
-"""GPG (Group Policy Gradient): verl's advantage (alpha-scaled group baseline) and loss (-A log pi), and a run of
-verl's GPG script spelling."""
+"""GPG (Group Policy Gradient): verl's advantage (alpha-scaled group baseline) and loss (-A log pi); GMPO's
+geometric-mean loss; runs of both in verl's spellings."""
 
 import json
 
@@ -52,3 +52,38 @@ def test_verls_gpg_spellings_select_it_and_a_run_trains(tiny_model_dir, tmp_path
     assert got.returncode == 0, got.stderr[-3000:] + got.stdout[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "gpg" / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "actor/pg_loss" in r or "actor/grad_norm" in r] == [1, 2]
+    got = cli_in_process("train", "grpo", *SMALL_GRPO, f"model.path={tiny_model_dir}", "actor.policy_loss=gmpo",
+                         "actor.clip_ratio_low=0.4", "actor.clip_ratio_high=0.4", *run_settings(tmp_path, "gmpo", 2))
+    assert got.returncode == 0, got.stderr[-3000:] + got.stdout[-3000:]
+
+
+def _gmpo_by_hand(logp, old, adv, mask, low, high):
+    """verl's geo_mean loss written out one sequence at a time."""
+    losses = []
+    for i in range(logp.shape[0]):
+        keep = mask[i].bool()
+        lr, a = (logp[i] - old[i])[keep], adv[i][keep]
+        clipped = lr.clamp(-low, high)
+        pessimistic = torch.where(a >= 0, torch.minimum(lr, clipped), torch.maximum(lr, clipped))
+        losses.append(-a.mean() * torch.exp(pessimistic.mean()))
+    return torch.stack(losses).mean()
+
+
+def test_gmpo_loss_is_verls_geometric_mean_loss_and_verls_spelling_selects_it():
+    from alignrl.core.losses import gmpo_loss
+
+    torch.manual_seed(0)
+    logp = (-torch.rand(3, 5) * 2).requires_grad_()
+    old = logp.detach() + torch.randn(3, 5) * 0.6  # some log-ratios beyond ±0.4: clipped on one side
+    adv = torch.tensor([1.5, -0.7, 0.3])[:, None].expand(3, 5)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.float32)
+    loss, metrics = gmpo_loss(logp, old, adv, mask, 0.4, 0.4, global_seqs=3.0)
+    logp2 = logp.detach().clone().requires_grad_()
+    expect = _gmpo_by_hand(logp2, old, adv, mask, 0.4, 0.4)
+    torch.testing.assert_close(loss, expect)
+    loss.backward()
+    expect.backward()
+    torch.testing.assert_close(logp.grad, logp2.grad)
+    assert 0.0 < metrics["actor/clipfrac"] < 1.0
+    assert POLICY_LOSSES["gmpo"] is gmpo_loss
+    assert load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean"]).actor.policy_loss == "gmpo"

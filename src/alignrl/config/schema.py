@@ -141,8 +141,9 @@ class ActorConfig:
     clip_ratio_high: float = opt(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher and CISPO use "
                                                   "0.28; GSPO's paper 4e-4)", ge=0.0)
     policy_loss: str = opt("ppo_clip", "ppo_clip (PPO / DAPO clip-higher / dual-clip), gspo (sequence-level "
-                                       "ratio), cispo (clipped IS weight, stop-gradient), gpg (-A log pi, no ratio)",
-                           choices=("ppo_clip", "gspo", "cispo", "gpg"))
+                                       "ratio), cispo (clipped IS weight, stop-gradient), gpg (-A log pi, no ratio), "
+                                       "gmpo (geometric mean of the token ratios, clipped in log space)",
+                           choices=("ppo_clip", "gspo", "cispo", "gpg", "gmpo"))
     clip_ratio_c: float = opt(0.0, "dual-clip constant c > 1 bounding the loss of negative advantages; 0 disables",
                               ge=0.0)
     loss_agg_mode: str = opt("auto", "how token losses (policy, KL and entropy terms alike) become one "

@@ -146,7 +146,7 @@ ALIASES = {"reward_model.reward_kwargs.overlong_buffer_cfg." + k: "reward_model.
 # verl's policy_loss.loss_mode -> alignrl's actor.policy_loss; the other policy_loss.* keys tune only modes alignrl
 # does not have (clip-cov, kl-cov), so whatever they say changes nothing in these two.
 LOSS_MODES = {"vanilla": "ppo_clip", "gspo": "gspo", "cispo": "cispo",  # cispo: clipped by clip_ratio_low/high
-              "gpg": "gpg"}
+              "gpg": "gpg", "geo_mean": "gmpo"}
 LOSS_MODE_TUNING = tuple(A + "policy_loss." + k for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
                                                           "kl_cov_ratio", "ppo_kl_coef"))
 

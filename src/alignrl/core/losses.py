@@ -16,7 +16,7 @@ import torch
 from alignrl.core.aggregation import LOSS_AGGREGATIONS, aggregate_loss, token_mean
 
 __all__ = ["MAX_LOG_RATIO", "K3_MAX", "masked_mean", "kl_k1", "kl_k2", "kl_k3", "kl_abs", "KL_ESTIMATORS", "token_mean",
-           "LOSS_AGGREGATIONS", "aggregate_loss", "ppo_clip_loss", "gspo_loss", "cispo_loss", "gpg_loss",
+           "LOSS_AGGREGATIONS", "aggregate_loss", "ppo_clip_loss", "gspo_loss", "cispo_loss", "gpg_loss", "gmpo_loss",
            "POLICY_LOSSES", "value_loss"]
 
 MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: large enough never to bind in practice, small enough to stay finite
@@ -183,7 +183,35 @@ def gpg_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
     return loss, metrics
 
 
-POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss, "gpg": gpg_loss}
+def gmpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              clip_low: float = 0.4, clip_high: float = 0.4, global_tokens: float | None = None, *,
+              is_weight: torch.Tensor | None = None, loss_agg: str = "seq-mean-token-mean",
+              global_seqs: float | None = None, max_len: float | None = None
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Geometric-Mean Policy Optimization (GMPO; Zhao et al. 2025, "Geometric-Mean Policy Optimization"), as verl's
+    compute_policy_loss_geo_mean: each token's log-ratio is clipped to [-clip_low, clip_high] in log space, on the
+    side the advantage's sign makes pessimistic; a sequence's ratio is the exponential of their mean (the geometric
+    mean of its token ratios) and its loss -mean(A) * ratio, times the geometric mean of its IS weights; the loss is
+    the mean over sequences, whatever `loss_agg` (as verl's)."""
+    adv_tok = _per_token(advantages, logp)
+    m = mask.to(logp.dtype)
+    n = m.sum(-1) + 1e-8
+    log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    clamped = log_ratio.clamp(-clip_low, clip_high)
+    sign = torch.sign(adv_tok)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    per_seq = -((adv_tok * m).sum(-1) / n) * torch.exp((pessimistic * m).sum(-1) / n)
+    if is_weight is not None:  # a correction constant: its geometric mean over the sequence
+        per_seq = per_seq * torch.exp((torch.log(is_weight.detach() + 1e-10) * m).sum(-1) / n)
+    metrics = _ratio_metrics(log_ratio, log_ratio.exp(), clamped != log_ratio, mask)
+    # the sequence's loss on each of its tokens: their token-mean is it, the sequence mean the batch's
+    loss = _finish(per_seq[:, None].expand_as(logp), mask, None, "seq-mean-token-mean", global_tokens, global_seqs,
+                   max_len)
+    return loss, metrics
+
+
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss, "gpg": gpg_loss,
+                 "gmpo": gmpo_loss}
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
