@@ -26,8 +26,10 @@ from alignrl.utils.progress import Phase
 # --build-base DIR` rebuilds it bit for bit from its seed (the build is deterministic on one torch version).
 SHIPPED = Path(__file__).parent / "search_base"
 SHIPPED_TOOLS = Path(__file__).parent / "search_tools_base"  # the default recipe's build in the tool loop's format
-LOOPS = ("search_r1", "tool")
-TOOL_COPY_STEPS = 2000  # `demo_recipe`: at 700 (Search-R1's), the tool loop's build had not learnt to copy  # the trajectory formats: Search-R1's agent, verl's tool agent loop
+LOOPS = ("search_r1", "tool")  # the trajectory formats: Search-R1's agent, verl's tool agent loop
+# `demo_recipe`'s copy phase for the tool loop: at 700 steps (Search-R1's) its build copied neither the question nor
+# the value; at 2000 it copied the value but the question into the query only 63% of the time (greedy)
+TOOL_COPY_STEPS = 3000
 
 
 def _arch() -> TinyRecipe:
