@@ -185,14 +185,16 @@ def prepare_training(a: argparse.Namespace, extra: list[str], write: bool, say=N
     prompts = cfg.data.train_batch_size
     if prompts % a.nproc and a.batch_size is None and "data.train_batch_size" not in keys_given(None, extra):
         # the seed's own `--training-gpus "1,2,3"` with the default batch: each rank takes whole prompts, in whole
-        # micro-batches; the largest such batch below the default
+        # micro-batches (DeepSpeed's train_batch_size = micro-batch × accumulation × ranks, which deepspeed.json
+        # states); the largest such batch below the default
         for a.batch_size in range(prompts // a.nproc * a.nproc, 0, -a.nproc):
             try:
                 cfg = load_config(None, training_overrides(a, extra))
                 check_world_size(cfg, a.nproc)
-                break
             except ConfigError:
                 continue
+            if (cfg.mini_batch_sequences // a.nproc) % cfg.actor.ppo_micro_batch_size == 0:
+                break
         if say:
             say(f"{a.nproc} training processes: {a.batch_size} prompts a step (the default {prompts} does not split "
                 "evenly over them; --batch-size sets it)")
