@@ -25,7 +25,9 @@ from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.runtime.env import SINGLE, DistEnv
 from alignrl.interfaces import RefScorer, RolloutEngine, SequenceScorer
 from alignrl.models import lora
-from alignrl.models.loader import DTYPES, frozen_copy, load_causal_lm, load_model, recompute_activations
+from alignrl.data.prompts import PromptData, load_task_data
+from alignrl.models.loader import (DTYPES, frozen_copy, load_causal_lm, load_model, recompute_activations,
+                                   with_template_variables)
 from alignrl.models.logprobs import ForwardLayout
 from alignrl.models.sharded_load import fill_shards, meta_model
 from alignrl.models.value import ModelScorer, load_value_model
@@ -36,7 +38,7 @@ from alignrl.rollout.environments import load_environment
 from alignrl.rollout.remote import RemoteRefScorer
 from alignrl.rollout.remote_reward import RemoteReward
 from alignrl.rollout.retriever import RetrieverClient
-from alignrl.rollout.verl_tools import ToolLoop, tool_environment
+from alignrl.rollout.verl_tools import ToolLoop, tool_environment, tool_schemas
 from alignrl.train.actor import Actor
 from alignrl.train.critic import Critic
 from alignrl.interfaces import TrainEngine
@@ -123,6 +125,16 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device) -> RewardStag
                        cost_fn=load_reward_fn(s.cost_fn, "safety.cost_fn") if s.cost_fn else None,
                        cost_model=ModelScorer(s.cost_model, cfg.model.dtype, log=console.print, device=device)
                        if s.cost_model else None)
+
+
+def producer_prompts(cfg: RunConfig, tokenizer) -> tuple[list, PromptData]:
+    """A producer's training rows (a ZeroMQ sampler, a Ray rollout worker) and their prompts, templated as the
+    trainer templates its own: with the run's chat-template variables (data.chat_template_kwargs, bound to
+    `tokenizer` here, for the tool turns too) and verl's tool schemas."""
+    with_template_variables(tokenizer, cfg.data.chat_template_kwargs)
+    tools = tool_schemas(cfg.agent.tool_config_path)
+    train = load_task_data(cfg, tokenizer, tools)[0]
+    return train, PromptData(tokenizer, train, cfg.data.max_prompt_length, cfg.data.truncation, tools)
 
 
 def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngine:

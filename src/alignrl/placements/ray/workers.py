@@ -177,11 +177,10 @@ def load_engine(cfg: RunConfig, device: torch.device, spec: EngineSpec):
     runs (None for vLLM, which holds no HF copy)."""
     if spec.kind == "vllm":
         return (*vllm_engine(cfg, spec.tp, spec.gpu_memory_utilization), None)
-    from alignrl.models.loader import load_model, with_template_variables
+    from alignrl.models.loader import load_model
     from alignrl.rollout.hf_engine import HFRolloutEngine
 
     model, tokenizer = load_model(cfg.model.path, cfg.model.dtype)
-    tokenizer = with_template_variables(tokenizer, cfg.data.chat_template_kwargs)
     model = model.to(device)
     return HFRolloutEngine(model, tokenizer), tokenizer, list(model.named_parameters()), model
 
@@ -193,9 +192,7 @@ class RolloutWorker(Worker):
 
     def __init__(self, cfg_text: str, index: int, local_rank: int, threads: int, ref_group, reward_workers: list,
                  spec: EngineSpec = EngineSpec()):
-        from alignrl.placements.build import build_ref
-        from alignrl.data.prompts import PromptData, load_task_data
-        from alignrl.rollout.verl_tools import tool_schemas
+        from alignrl.placements.build import build_ref, producer_prompts
 
         super().__init__(threads)
         self.cfg, self.index, self.device = config_of(cfg_text), index, device_for(local_rank)
@@ -210,9 +207,7 @@ class RolloutWorker(Worker):
             # a vLLM engine holds no HF copy (model None): build_ref loads one if the reference is frozen here
             self.ref = build_ref(cfg, self.device, model)
         self.reward_workers = reward_workers
-        tools = tool_schemas(cfg.agent.tool_config_path)  # verl's tool loop: its prompts carry the schemas
-        self.rows = PromptData(self.tokenizer, load_task_data(cfg, self.tokenizer, tools)[0],
-                               cfg.data.max_prompt_length, cfg.data.truncation, tools)
+        _, self.rows = producer_prompts(cfg, self.tokenizer)
         self.makers: dict[int, object] = {}
         self.version, self.group, self.cached = 0, None, None
 
@@ -263,7 +258,7 @@ def vllm_engine(cfg: RunConfig, tp: int, gpu_memory_utilization: float):
     them (names, shapes and the actor's dtype, from a model built on the meta device: no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from alignrl.models.loader import DTYPES, load_tokenizer, resolve_model_path, with_template_variables
+    from alignrl.models.loader import DTYPES, load_tokenizer, resolve_model_path
     from alignrl.rollout.vllm_engine import VLLMRolloutEngine
 
     folder = str(resolve_model_path(cfg.model.path, lambda *_: None))
@@ -278,5 +273,4 @@ def vllm_engine(cfg: RunConfig, tp: int, gpu_memory_utilization: float):
                                distributed_executor_backend="ray" if tp > 1 else None)
     with torch.device("meta"):
         shapes = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=DTYPES[cfg.model.dtype])
-    tokenizer = with_template_variables(load_tokenizer(Path(folder)), cfg.data.chat_template_kwargs)
-    return engine, tokenizer, list(shapes.named_parameters())
+    return engine, load_tokenizer(Path(folder)), list(shapes.named_parameters())

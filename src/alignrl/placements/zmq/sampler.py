@@ -22,8 +22,8 @@ import uuid
 import torch
 import zmq
 
-from alignrl.placements.build import build_maker, build_ref, with_tools
-from alignrl.data.prompts import PromptData, load_task_data
+from alignrl.placements.build import build_maker, build_ref, producer_prompts, with_tools
+from alignrl.data.prompts import PromptData
 from alignrl.data.records import rows_digest
 from alignrl.config import ConfigError, RunConfig, load_config
 from alignrl.placements.zmq.coordinator import PipelineError
@@ -36,9 +36,8 @@ from alignrl.wire.frames import DTYPE_NAMES, DTYPES, Message, WireError, check_w
 from alignrl.wire.zmq_link import PeerTimeout, Pusher, Requester, address, token_from_env
 from alignrl.errors import LAUNCHER_ENV, Terminated, in_flag_words, stop_on_sigterm
 from alignrl.models.folder import weights_fingerprint
-from alignrl.models.loader import ModelError, load_model, resolve_model_path, with_template_variables
+from alignrl.models.loader import ModelError, load_model, resolve_model_path
 from alignrl.rollout.hf_engine import HFRolloutEngine
-from alignrl.rollout.verl_tools import tool_schemas
 from alignrl.utils.tracking import console
 
 PROG = "alignrl sample"
@@ -213,14 +212,11 @@ class Sampler:
 
     def _serve(self, cfg: RunConfig) -> bool:
         """Makes batches for the trainer of `cfg`: True once its run is over, False when another trainer answers."""
-        with_template_variables(self.tokenizer, cfg.data.chat_template_kwargs)  # this trainer's, before any prompt
-        tools = tool_schemas(cfg.agent.tool_config_path)  # verl's tool loop: its prompts carry the schemas
-        train, _ = load_task_data(cfg, self.tokenizer, tools)
+        train, rows = producer_prompts(cfg, self.tokenizer)  # this trainer's templating, before any prompt
         if isinstance(self.trainer_data, str) and rows_digest(train) != self.trainer_data:  # same length, other rows
             raise PipelineError(f"this sampler's data ({self.args.data_path or cfg.data.train_files}) holds other rows "
                                 "than the trainer's: give it the trainer's data (--data-path, or none to read what "
                                 "the trainer's config names)")
-        rows = PromptData(self.tokenizer, train, cfg.data.max_prompt_length, cfg.data.truncation, tools)
         engine = with_tools(cfg, HFRolloutEngine(self.model, self.tokenizer), self.tokenizer)
         # the base weights in model.dtype, loaded as the trainer loads its own (this policy copy holds the dtypes
         # the trainer publishes in), unless the trainer runs the whole reference forward
