@@ -63,7 +63,7 @@ class Translation:
 
 def translate(overrides: list[str] | tuple[str, ...]) -> Translation:
     """Overrides in verl's spellings (Hydra's `+`/`++` prefixes allowed) rewritten to alignrl's keys."""
-    st = TranslationPass(overrides)
+    st = TranslationPass(overrides, search_r1=search_r1_spelled(overrides))
     for o in overrides:
         key, sep, value = o.partition("=")
         if not sep:
@@ -186,9 +186,12 @@ def reads(key: str, value: str) -> bool:
     return all(_alignrl_key(o.split("=", 1)[0].lstrip("+")) for o in t.overrides)
 
 
+_DEFAULT_CONFIG = RunConfig()  # walked by _alignrl_key, once per key of a user's Hydra file
+
+
 def _alignrl_key(key: str) -> bool:
     """Whether `key` (dotted) names a setting of alignrl's RunConfig."""
-    node: object = RunConfig()
+    node: object = _DEFAULT_CONFIG
     for part in key.split("."):
         if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
             return False
@@ -222,7 +225,7 @@ def _finish(st: TranslationPass) -> Translation:
     explicit = {o.split("=", 1)[0] for o in out} | ({"actor.ppo_micro_batch_size"} if st.global_micro else set())
     missing = [f"{feature}: {', '.join(keys)}" for feature, keys in st.missing.items()]
     return Translation(out, explicit, st.not_used, notes, st.verl, st.output_is_run_dir, st.global_micro, missing,
-                       search_r1_spelled(st.overrides))
+                       st.search_r1)
 
 
 def _grouped(not_applied: dict[str, tuple[str, str]]) -> list[str]:

@@ -16,6 +16,7 @@ class TranslationPass:
     """What `verl_keys.translate` gathers while it reads the overrides one by one (`verl_recent` reads and fills it
     too)."""
     overrides: list[str] | tuple[str, ...]
+    search_r1: bool = False  # a key only Search-R1's verl reads was given: that verl's behaviour, else 0.7's
     out: list[str] = field(default_factory=list)
     not_used: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

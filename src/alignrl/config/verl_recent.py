@@ -11,7 +11,7 @@ from pathlib import Path
 from alignrl.config.schema import ConfigError
 from alignrl.config.verl_pass import TranslationPass, UnknownKeyError
 from alignrl.config.verl_tables import (A, DAPO, FILTER_METRICS, LOSS_MODE_TUNING, LOSS_MODES, MISSING, NOT_USED, R, RC,
-                                        REWARD_MANAGERS, ROLLOUT_CORRECTION_OFF, VAL_KWARGS, search_r1_spelled)
+                                        REWARD_MANAGERS, ROLLOUT_CORRECTION_OFF, VAL_KWARGS)
 
 # verl's LoRA exclusion alignrl has (the regular expression verl's vision-language LoRA scripts give): the image
 # tower's adapters are frozen at their zero start (actor.freeze_prefix=visual), which leaves it exactly as without them
@@ -125,7 +125,7 @@ def finish(st: TranslationPass) -> list[str]:
     out = []
     if st.overlong and parsed(st.overlong.get("enable", "false")) is not True:  # verl applies it only when on
         out.append("algorithm.overlong_buffer_len=0")
-    out += _reward_model(st.reward_model) + _validation(st.val_kwargs, search_r1_spelled(st.overrides))
+    out += _reward_model(st.reward_model) + _validation(st.val_kwargs, st.search_r1)
     out += rollout_correction(st)
     if st.loss_mode == "gspo":  # verl's GSPO loss reads no dual-clip constant; alignrl's refuses one
         st.out[:] = [o for o in st.out if not o.startswith("actor.clip_ratio_c=")]

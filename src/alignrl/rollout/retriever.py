@@ -31,7 +31,7 @@ MAX_BODY_BYTES = 4 << 20  # request body the server accepts by default
 class _RetrievalService(ServiceClient):
     """The shared HTTP client, with the start hint and the timeout setting of the retrieval server."""
 
-    TIMEOUT_KEY, URL_KEY = "retriever.timeout_s", "retriever.url"  # the settings its lines name
+    TIMEOUT_KEY, URL_KEY = "retriever.timeout_s", "retriever.url"  # the settings its lines name (the client's own)
 
     def _hint(self) -> str:
         port = urlparse(self.url).port or 80  # a mistyped port is likelier than a server never started
@@ -67,16 +67,15 @@ class RetrieverClient:
 
     def __init__(self, url: str, topk: int = 3, timeout_s: float = 30.0, retries: int = 3,
                  max_query_chars: int = MAX_QUERY_CHARS, max_queries: int = MAX_QUERIES,
-                 max_body_bytes: int = MAX_BODY_BYTES, keys: tuple[str, str] | None = None):
-        """`keys`: the settings of the URL and the timeout, named in failures (retriever.url and
-        retriever.timeout_s unless given)."""
-        problem = retriever_url_problem(url, *(keys or ())[:1])
+                 max_body_bytes: int = MAX_BODY_BYTES,
+                 keys: tuple[str, str] = ("retriever.url", "retriever.timeout_s")):
+        """`keys`: the settings of the URL and the timeout, named in failures."""
+        problem = retriever_url_problem(url, keys[0])
         if problem:
             raise ServiceError(problem)
         u = urlparse(url)
         self.client = _RetrievalService(f"{u.scheme}://{u.netloc}", "retrieval", timeout=timeout_s, retries=retries)
-        if keys:
-            self.client.URL_KEY, self.client.TIMEOUT_KEY = keys
+        self.client.URL_KEY, self.client.TIMEOUT_KEY = keys
         self.url, self.path = url, (u.path or "/retrieve") + (f"?{u.query}" if u.query else "")
         self.topk, self.max_query_chars, self.max_queries = int(topk), int(max_query_chars), int(max_queries)
         self.max_body_bytes = int(max_body_bytes)
