@@ -53,6 +53,8 @@ PASSTHROUGH = {
     ("serve", "ref"): ("alignrl.serve.ref", "reference-model log-prob server"),
     ("serve", "reward"): ("alignrl.serve.reward", "reward-model scoring server"),
     ("serve", "retrieve"): ("alignrl.serve.retrieve", "retrieval server (Search-R1 API), BM25 or dense"),
+    ("serve", "sandbox"): ("alignrl.serve.sandbox", "runs Python programs for code rewards and tools (SandboxFusion's "
+                                                "/run_code)"),
     ("doctor",): ("alignrl.doctor", "check configured services, model paths, hostfile and ports"),
     ("sample",): ("alignrl.compat.zmq_pipeline:sample_main", "a sampler of the ZeroMQ pipeline (sampling_worker.py)"),
 }

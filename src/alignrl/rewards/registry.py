@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from alignrl.rewards import gsm8k
+from alignrl.rewards import code, gsm8k
 from alignrl.rewards import math as math_reward
 from alignrl.rewards import openrlhf_reward, qa_em, think_answer
 from alignrl.rewards.errors import RewardError, ScoreError
@@ -75,6 +75,8 @@ REWARDS: dict[str, Callable[[str, Any], float]] = {
     **{name: qa_em.compute_score for name in QA_SETS},
     # verl's Search-R1-like example tags them searchR1_<set> and quarters a correct answer among > 10 answer tags
     **{f"searchR1_{name}": qa_em.compute_score_tag_capped for name in QA_SETS},
+    # verl's code sets: the response's program run on the row's test cases (locally unless a sandbox is set)
+    **{name: code.LOCAL for name in code.DATA_SOURCES},
 }
 
 
@@ -86,6 +88,11 @@ def ground_truth_problem(data_source: str, ground_truth: Any) -> str | None:
             qa_em.targets(ground_truth)
         except ValueError as e:
             return f"{e}; Search-R1's QA rewards read reward_model.ground_truth as {{'target': [...]}}, a list or a string"
+    if data_source in code.DATA_SOURCES:
+        try:
+            code.parse_cases(ground_truth)
+        except ValueError as e:
+            return f"{e} (the code reward of data_source {data_source!r} runs the response on them)"
     return None
 
 
@@ -106,13 +113,26 @@ def default_compute_score(
     return float(fn(solution_str, ground_truth))
 
 
-def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn") -> RewardFn:
+def with_code_reward(code_reward: code.CodeReward) -> RewardFn:
+    """The built-in rules with the code sets scored by `code_reward` (a run's sandbox and limits)."""
+
+    def compute_score(data_source: str, solution_str: str, ground_truth: Any,
+                      extra_info: dict[str, Any] | None = None) -> float:
+        if data_source in code.DATA_SOURCES:
+            return code_reward(solution_str, ground_truth)
+        return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+
+    return compute_score
+
+
+def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn",
+                   code_reward: code.CodeReward | None = None) -> RewardFn:
     """`None` gives `default_compute_score`; "path/to/file.py:function" loads that function, `checked`;
     "openrlhf:path/to/file.py" the file's OpenRLHF `reward_func(queries, prompts, labels)`, called one row at a time
     (alignrl.rewards.openrlhf_reward). `key`: the config key that named it, for the errors. A relative path is taken
-    from the current folder, as verl's custom_reward_function.path."""
+    from the current folder, as verl's custom_reward_function.path. `code_reward`: how the built-in rules run code."""
     if spec is None:
-        return default_compute_score
+        return default_compute_score if code_reward is None else with_code_reward(code_reward)
     if openrlhf_reward.is_openrlhf_spec(spec):
         path_str = spec[len(openrlhf_reward.SPEC_PREFIX):]
         return checked(openrlhf_reward.load(path_str, key, import_file), f"{path_str}:{openrlhf_reward.FUNCTION}")
@@ -182,12 +202,13 @@ def score_row(fn: Callable[..., Any], data_source: str, solution_str: str, groun
     return fn(data_source, solution_str, ground_truth, extra_info)
 
 
-def make_reward(spec: str | None, format_weight: float = 0.0) -> RewardFn:
-    """The reward from `spec`, plus `format_weight` times the `#### N` format bonus when nonzero.
+def make_reward(spec: str | None, format_weight: float = 0.0, code_reward: code.CodeReward | None = None) -> RewardFn:
+    """The reward from `spec` (the built-in rules scoring code with `code_reward` when given), plus `format_weight`
+    times the `#### N` format bonus when nonzero.
 
     The bonus gives a shaped signal early in training, before correct answers are common.
     """
-    base = load_reward_fn(spec)
+    base = load_reward_fn(spec, code_reward=code_reward)
     if format_weight == 0.0:
         return base
 

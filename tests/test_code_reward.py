@@ -1,0 +1,181 @@
+"""Code rewards: the local runner's limits, verl's code extraction and test cases, and `alignrl serve sandbox`
+(SandboxFusion's /run_code) as a real subprocess reached by the sandbox client."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from alignrl.rewards import code
+from alignrl.rewards.code_exec import FINISHED, TIME_LIMIT, LocalRunner
+from alignrl.rewards.errors import RewardError
+from alignrl.rewards.registry import default_compute_score, ground_truth_problem, load_reward_fn
+from alignrl.rewards.sandbox_client import SandboxClient, endpoint
+from alignrl.serve.sandbox import Limits, create_app
+
+REPO = Path(__file__).resolve().parents[1]
+RUNNER = LocalRunner()
+ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+CASES = json.dumps({"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]})
+
+
+def test_runner_reads_stdin_and_reports_exit_codes():
+    ok = RUNNER.run("print(int(input()) * 2)", "21\n")
+    assert (ok.status, ok.return_code, ok.stdout, ok.succeeded) == (FINISHED, 0, "42\n", True)
+    failed = RUNNER.run("import sys\nprint('x')\nsys.exit(3)")
+    assert (failed.status, failed.return_code, failed.stdout, failed.succeeded) == (FINISHED, 3, "x\n", False)
+
+
+def test_runner_traceback_names_only_the_program():
+    r = RUNNER.run("def f():\n    raise ValueError('boom')\nf()")
+    assert r.return_code == 1 and r.stderr.startswith("Traceback") and 'File "main.py", line 2' in r.stderr
+    assert "runpy" not in r.stderr and r.stderr.rstrip().endswith("ValueError: boom")
+
+
+def test_runner_limits_memory_time_and_output():
+    assert "MemoryError" in RUNNER.run("x = bytearray(2 << 30)", memory_mb=256).stderr
+    assert RUNNER.run("while True:\n    pass", timeout_s=1).status == TIME_LIMIT
+    flood = RUNNER.run("while True:\n    print('x' * 1000)", timeout_s=60)
+    assert flood.status == FINISHED and not flood.succeeded  # the output cap ended it, not the clock
+    assert len(flood.stdout) <= 1 << 20
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state == "Z"  # killed, waiting for init to reap it
+
+
+def test_runner_kills_what_the_program_started():
+    r = RUNNER.run("import subprocess\np = subprocess.Popen(['sleep', '300'])\nprint(p.pid, flush=True)\n"
+                   "while True:\n    pass", timeout_s=2)
+    assert r.status == TIME_LIMIT
+    pid = int(r.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while not _gone(pid):
+        assert time.monotonic() < deadline, "the program's child outlived its run"
+        time.sleep(0.1)
+
+
+def test_runner_refuses_other_languages():
+    r = RUNNER.run("int main(){}", language="cpp")
+    assert r.status == "Error" and "python only" in r.stderr
+
+
+def test_extract_code_follows_verl():
+    assert code.extract_code("a\n```python\nx=1\n```\nthen\n```python\ny=2\n```") == "\ny=2\n"
+    assert code.extract_code("```py\nprint(1)\n```") == "print(1)\n"
+    assert code.extract_code("```\nprint(1)\n```") == "\nprint(1)\n"
+    assert code.extract_code("print(1)") == "print(1)"
+
+
+@pytest.mark.parametrize("truth, words", [
+    ("not json", "not JSON"), ({"inputs": [1]}, "inputs"), ({"inputs": [1], "outputs": [1, 2]}, "1 inputs but 2"),
+    ({"inputs": [], "outputs": []}, "no test cases"), ({"inputs": [1], "outputs": [1], "fn_name": "a b"}, "fn_name")])
+def test_bad_test_cases_are_named(truth, words):
+    with pytest.raises(ValueError, match=words):
+        code.parse_cases(truth)
+    assert words in ground_truth_problem("codecontests", truth)
+
+
+def test_stdin_cases_score_the_pass_rate():
+    assert default_compute_score("codecontests", f"Sum:\n{ADD}", CASES) == 1.0
+    assert default_compute_score("apps", "```python\nprint(3)\n```", CASES) == 0.5
+    assert default_compute_score("codeforces", "```python\nprint(int(input())\n```", CASES) == 0.0
+    assert ground_truth_problem("taco", CASES) is None
+
+
+def test_only_the_first_ten_cases_count():
+    truth = {"inputs": [str(i) for i in range(12)], "outputs": [str(i) for i in range(10)] + ["x", "y"]}
+    assert default_compute_score("taco", "print(input())", truth) == 1.0
+
+
+def test_call_cases_call_the_function_or_solution_method():
+    truth = json.dumps({"inputs": [[1, 2], [5, 5]], "outputs": [[3], [10]], "fn_name": "add"})
+    method = "```python\nclass Solution:\n    def add(self, a, b):\n        return a + b\n```"
+    assert default_compute_score("taco", method, truth) == 1.0
+    assert default_compute_score("taco", "def add(a, b):\n    return a + b if a < 5 else 0", truth) == 0.5
+
+
+def test_sandbox_app_answers_in_sandbox_fusion_form():
+    client = TestClient(create_app(RUNNER, Limits(max_timeout_s=5, workers=1)))
+    r = client.post("/run_code", json={"code": "print(input())", "stdin": "hi", "language": "python"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "Success" and body["run_result"]["stdout"] == "hi\n"
+    assert body["run_result"]["status"] == FINISHED and body["compile_result"] is None
+    failed = client.post("/run_code", json={"code": "raise SystemExit(2)"}).json()
+    assert failed["status"] == "Failed" and failed["run_result"]["return_code"] == 2
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"{", "not valid JSON"), (b"[]", "JSON object"), (b'{"code": 1}', "'code' must be a string"),
+    (b'{"code": "", "language": "cpp"}', "python only"), (b'{"code": "", "run_timeout": -1}', "positive"),
+    (b'{"code": "", "files": {"a": "b"}}', "not supported")])
+def test_sandbox_app_refuses_bad_requests_in_one_line(body, words):
+    client = TestClient(create_app(RUNNER))
+    r = client.post("/run_code", content=body, headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500
+    message = r.json()["error"]["message"]
+    assert words in message and "\n" not in message
+
+
+def test_sandbox_urls():
+    assert endpoint("http://127.0.0.1:8080") == "http://127.0.0.1:8080/run_code"
+    assert endpoint("https://x.example/run_code") == "https://x.example/run_code"
+    with pytest.raises(RewardError, match="not an http"):
+        endpoint("127.0.0.1:8080")
+
+
+def test_dead_sandbox_is_one_line():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RewardError, match=r"cannot reach it.*alignrl serve sandbox"):
+        SandboxClient(f"http://127.0.0.1:{port}", retries=1).run("print(1)")
+
+
+@pytest.fixture(scope="module")
+def sandbox_url(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sandbox")
+    out, err = (tmp / "stdout.txt").open("w"), (tmp / "stderr.txt").open("w")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "alignrl", "serve", "sandbox", "--port", "0", "--workers", "2"],
+                            cwd=REPO, env=env, stdout=out, stderr=err)
+    try:
+        deadline = time.monotonic() + 120
+        while not (m := re.search(r"ready on (http://127\.0\.0\.1:\d+/run_code)", (tmp / "stdout.txt").read_text())):
+            assert proc.poll() is None, (tmp / "stderr.txt").read_text()[-2000:]
+            assert time.monotonic() < deadline, "sandbox server not ready in 120 s"
+            time.sleep(0.1)
+        yield m.group(1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        out.close()
+        err.close()
+
+
+def test_code_reward_through_the_sandbox_service(sandbox_url):
+    client = SandboxClient(sandbox_url)
+    r = client.run("print(input()[::-1])", "abc")
+    assert (r.status, r.return_code, r.stdout) == (FINISHED, 0, "cba\n")
+    assert client.run("while True:\n    pass", timeout_s=1).status == TIME_LIMIT
+    reward = load_reward_fn(None, code_reward=code.CodeReward(client, code.CodeSettings(timeout_s=5)))
+    assert reward("codecontests", ADD, CASES) == 1.0
+    assert reward("apps", "```python\nprint(3)\n```", CASES) == 0.5
+    assert reward("gsm8k", "#### 4", "4") == 1.0  # the other rules are as before
