@@ -179,3 +179,42 @@ def test_code_reward_through_the_sandbox_service(sandbox_url):
     assert reward("codecontests", ADD, CASES) == 1.0
     assert reward("apps", "```python\nprint(3)\n```", CASES) == 0.5
     assert reward("gsm8k", "#### 4", "4") == 1.0  # the other rules are as before
+
+
+def test_verl_code_tool_runs_programs_on_the_sandbox(sandbox_url):
+    import asyncio
+
+    from alignrl.rollout.verl_code_tool import NOT_FINISHED, SandboxFusionTool
+
+    tool = SandboxFusionTool({"sandbox_fusion_url": sandbox_url, "default_timeout": 5}, None)
+
+    async def episode() -> list:
+        instance, _ = await tool.create()
+        texts = [(await tool.execute(instance, {"code": code, **extra}))[0].text for code, extra in (
+            ("print(6 * 7)", {}), ("print('a')\nraise ValueError('b')", {}), ("while True:\n    pass", {"timeout": 1}))]
+        kept = await tool.calc_reward(instance)
+        await tool.release(instance)
+        return texts, kept
+
+    texts, kept = asyncio.run(episode())
+    assert texts[0] == "42\n" and texts[1].startswith("a\nTraceback") and "ValueError: b" in texts[1]
+    assert texts[2] == NOT_FINISHED and kept == texts
+
+
+def test_verl_code_tool_needs_a_url_and_a_live_service():
+    import asyncio
+    import socket
+
+    from alignrl.errors import ConfigError
+    from alignrl.rollout.remote import ServiceError
+    from alignrl.rollout.verl_code_tool import SandboxFusionTool
+
+    with pytest.raises(ConfigError, match="needs config.sandbox_fusion_url.*alignrl serve sandbox"):
+        SandboxFusionTool({}, None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tool = SandboxFusionTool({"sandbox_fusion_url": f"http://127.0.0.1:{port}"}, None)
+    tool.client.retries = 1
+    with pytest.raises(ServiceError, match="cannot reach it"):
+        asyncio.run(tool.execute("x", {"code": "print(1)"}))
