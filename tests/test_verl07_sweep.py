@@ -310,7 +310,10 @@ def test_verls_tool_agent_loop_maps_to_the_tool_loop_keys(tmp_path):
     assert (a.tool_config_path, a.max_turns, a.max_user_turns, a.max_parallel_calls, a.tool_format) == (
         str(tools), 5, 0, 2, "hermes")
     assert (a.max_tool_response_length, a.tool_response_truncate_side) == (64, "left")
-    assert "interactions" in one_line(BASE + [f"{R}multi_turn.interaction_config_path=interaction.yaml"])
+    interactions = tmp_path / "interaction.yaml"
+    interactions.write_text("interaction: []\n")
+    assert load_config(None, BASE + [f"{R}multi_turn.interaction_config_path={interactions}"]
+                       ).agent.interaction_config_path == str(interactions)
     assert "max_assistant_turns" not in " ".join(translate(BASE + [f"{R}multi_turn.max_assistant_turns=null"]).not_used)
     assert "custom agent loops" in one_line(BASE + [f"{R}agent.agent_loop_config_path=loops.yaml"])
 

@@ -41,7 +41,7 @@ def response_cap(cfg: RunConfig) -> int:
     """The longest response a run produces: rollout.max_new_tokens for single-turn generation, the
     episode's cap for multi-turn tool use, agent.max_response_length (else rollout.max_new_tokens) with an
     environment or verl's tool loop. Length-based shaping and normalisation are relative to it."""
-    if cfg.agent.env_path or cfg.agent.tool_config_path:
+    if cfg.agent.env_path or cfg.agent.tool_config_path or cfg.agent.interaction_config_path:
         return cfg.agent.max_response_length or cfg.rollout.max_new_tokens
     if cfg.agent.max_turns == 0:
         return cfg.rollout.max_new_tokens
@@ -256,7 +256,8 @@ def _safety(cfg: RunConfig) -> str | None:
 
 def _urls(cfg: RunConfig) -> str | None:
     problem = retriever_url_problem(cfg.retriever.url)
-    if cfg.agent.max_turns and cfg.agent.search and not (cfg.agent.env_path or cfg.agent.tool_config_path) and problem:
+    a = cfg.agent
+    if a.max_turns and a.search and not (a.env_path or a.tool_config_path or a.interaction_config_path) and problem:
         return problem
     for kind in ("generation", "reference", "reward"):  # here, once, not on every rank as it connects
         value = getattr(cfg.services, f"{kind}_url")

@@ -70,8 +70,9 @@ class PipelineConfig:
 class AgentConfig:
     max_turns: int = opt(0, "multi-turn tool use (Search-R1): turns that may call the tool before a last turn "
                             "without it; 0 is single-turn generation (Search-R1's max_turns). With agent.env_path "
-                            "or agent.tool_config_path: the most assistant turns of an episode, 0 for no limit "
-                            "(verl's actor_rollout_ref.rollout.multi_turn.max_assistant_turns)", ge=0)
+                            "or verl's tool loop (agent.tool_config_path, agent.interaction_config_path): the most "
+                            "assistant turns of an episode, 0 for no limit (verl's "
+                            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns)", ge=0)
     search: bool = opt(True, "multi-turn: <search>query</search> calls retriever.url (Search-R1's do_search)")
     max_response_length: int = opt(0, "multi-turn: tokens of one episode's whole response, generated and "
                                       "observation tokens together; the episode is cut there, and the overlong "
@@ -79,7 +80,7 @@ class AgentConfig:
                                       "produce, (max_turns+1) x rollout.max_new_tokens + max_turns x "
                                       "data.max_obs_length (verl's actor_rollout_ref.rollout.response_length; "
                                       "a Search-R1 command line gets its data.max_prompt_length); with "
-                                      "agent.env_path or agent.tool_config_path: the episode's cap, 0 meaning "
+                                      "agent.env_path or verl's tool loop: the episode's cap, 0 meaning "
                                       "rollout.max_new_tokens", ge=0)
     env_path: str = opt("", "a Python file defining an interactive environment in OpenRLHF's agent format (class "
                             "AgentInstance with async reset() and step(); OpenRLHF's --agent_func_path): episodes "
@@ -90,14 +91,20 @@ class AgentConfig:
                                     "agent loop, the prompt templated with the tools' schemas, each turn's tool calls "
                                     "answered by the tools, the reward function scoring the whole response; \"\": "
                                     "off. docs/agents.md")
+    interaction_config_path: str = opt("", "verl's interaction config YAML (interaction: [{name, class_name, config}]; "
+                                           "verl's actor_rollout_ref.rollout.multi_turn.interaction_config_path): "
+                                           "episodes run verl's tool agent loop with a simulated user, the interaction "
+                                           "a row's extra_info.interaction_kwargs.name picks answering each assistant "
+                                           "turn without tool calls as a user message until it ends the episode; the "
+                                           "reward function scores the whole response; \"\": off. docs/agents.md")
     lend_prompt_room: bool = opt(False, "with agent.env_path: a prompt shorter than data.max_prompt_length lends its "
                                         "unused length to the episode's response, whose turns may then run past the "
                                         "response cap, as OpenRLHF budgets an episode prompt_max_len + "
                                         "generate_max_len in all (set by --agent_func_path)")
     tool_format: str = opt("hermes", "the tool-call format parsed from each turn: hermes, <tool_call>{\"name\": ..., "
                                      "\"arguments\": ...}</tool_call> (verl's multi_turn.format)", choices=("hermes",))
-    max_user_turns: int = opt(0, "with agent.tool_config_path: the most tool-response turns of an episode, 0 for no "
-                                 "limit (verl's multi_turn.max_user_turns)", ge=0)
+    max_user_turns: int = opt(0, "in verl's tool loop: the most tool-response and interaction-reply turns of an "
+                                 "episode, 0 for no limit (verl's multi_turn.max_user_turns)", ge=0)
     max_parallel_calls: int = opt(1, "with agent.tool_config_path: tool calls of one turn that run (concurrently); "
                                      "later ones are dropped (verl's multi_turn.max_parallel_calls)", ge=1)
     max_tool_response_length: int = opt(256, "with agent.tool_config_path: characters of a tool's response kept, "

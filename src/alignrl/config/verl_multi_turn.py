@@ -1,9 +1,10 @@
 """verl's multi-turn rollout keys (actor_rollout_ref.rollout.multi_turn.*, rollout.agent.*) as alignrl's agent.* keys:
-verl's tool agent loop is alignrl's agent.tool_config_path (`rollout.verl_tools`).
+verl's tool agent loop is alignrl's agent.tool_config_path (`rollout.verl_tools`), its interactions (a simulated user)
+agent.interaction_config_path (`rollout.verl_interactions`).
 
-`multi_turn.enable` and the agent loop's name only choose verl's loop; the tool config is what makes the episodes
-multi-turn, here as in verl (its tool loop with no tools ends after the first turn). verl's null turn limits are
-alignrl's 0 (no limit)."""
+`multi_turn.enable` and the agent loop's name only choose verl's loop; the tool and interaction configs are what make
+the episodes multi-turn, here as in verl (its tool loop with neither ends after the first turn). verl's null turn
+limits are alignrl's 0 (no limit)."""
 
 from __future__ import annotations
 
@@ -13,21 +14,21 @@ from alignrl.config.verl_tables import R
 
 M = R + "multi_turn."
 # verl's key -> alignrl's; a null turn limit is no limit (0)
-KEYS = {M + "tool_config_path": "agent.tool_config_path", M + "max_assistant_turns": "agent.max_turns",
+KEYS = {M + "tool_config_path": "agent.tool_config_path",
+        M + "interaction_config_path": "agent.interaction_config_path", M + "max_assistant_turns": "agent.max_turns",
         M + "max_user_turns": "agent.max_user_turns", M + "max_parallel_calls": "agent.max_parallel_calls",
         M + "max_tool_response_length": "agent.max_tool_response_length",
         M + "tool_response_truncate_side": "agent.tool_response_truncate_side", M + "format": "agent.tool_format"}
-# accepted quietly: they choose verl's loop, and the tool config is what makes the episodes multi-turn
+# the config files: unset is off, not a number
+PATHS = ("agent.tool_config_path", "agent.interaction_config_path")
+# accepted quietly: they choose verl's loop, and the tool and interaction configs make the episodes multi-turn
 QUIET = (M + "enable", R + "agent.default_agent_loop")
 # accepted and listed as not used: the chat-template and tokenization checks guard verl's re-tokenizing (alignrl
 # keeps each turn's ids as generated and appends tool responses in the template's form); each prompt's rollout.n
 # episodes are played once
 NOT_USED = (M + "use_inference_chat_template", M + "tokenization_sanity_check_mode", M + "num_repeat_rollouts")
 # accepted only unset: (what verl would run, what to do instead)
-REFUSED = {M + "interaction_config_path": "verl's interactions (a simulated user) are not supported; write the "
-                                          "environment's turns as an OpenRLHF agent file (agent.env_path, "
-                                          "docs/agents.md)",
-           M + "function_tool_path": "Python function tools are not supported; give them as a tool config YAML "
+REFUSED = {M + "function_tool_path": "Python function tools are not supported; give them as a tool config YAML "
                                      "(multi_turn.tool_config_path) of BaseTool classes",
            R + "agent.agent_loop_config_path": "custom agent loops are not supported; alignrl runs verl's tool loop "
                                                "(multi_turn.tool_config_path) or an OpenRLHF agent file "
@@ -46,7 +47,7 @@ def multi_turn(st: TranslationPass, key: str, value: str) -> bool:
         st.out.append("agent.tool_format=hermes")
     elif key in KEYS:
         target = KEYS[key]
-        if unset and target != "agent.tool_config_path":
+        if unset and target not in PATHS:
             st.out.append(f"{target}=0")  # verl's null: no limit
         elif not unset:
             st.out.append(f"{target}={value}")

@@ -138,18 +138,20 @@ def producer_prompts(cfg: RunConfig, tokenizer) -> tuple[list, PromptData]:
 
 
 def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngine:
-    """The episodes against the environment of agent.env_path or verl's tool loop of agent.tool_config_path over
+    """The episodes against the environment of agent.env_path or verl's tool loop of agent.tool_config_path (and
+    agent.interaction_config_path) over
     `engine`, else the multi-turn search rollout when agent.max_turns > 0, else `engine` itself (the config's checks
     refused the combinations that cannot work: `config.agent_checks`)."""
     a = cfg.agent
     if a.env_path:
         return EnvRollout(engine, tokenizer, load_environment(a.env_path), response_cap(cfg), a.max_turns,
                           prompt_room=cfg.data.max_prompt_length if a.lend_prompt_room else 0)
-    if a.tool_config_path:  # verl's tool agent loop, agent.max_turns its max_assistant_turns
+    if a.tool_config_path or a.interaction_config_path:  # verl's tool agent loop, agent.max_turns its
+        # max_assistant_turns; its tools, its interactions (a simulated user) or both
         loop = ToolLoop(a.max_turns, a.max_user_turns, a.max_parallel_calls, a.max_tool_response_length,
                         a.tool_response_truncate_side, a.tool_format)
-        return EnvRollout(engine, tokenizer, tool_environment(a.tool_config_path, tokenizer, loop), response_cap(cfg),
-                          a.max_turns)
+        make = tool_environment(a.tool_config_path, tokenizer, loop, a.interaction_config_path)
+        return EnvRollout(engine, tokenizer, make, response_cap(cfg), a.max_turns)
     if a.max_turns == 0:
         return engine
     r, d = cfg.retriever, cfg.data

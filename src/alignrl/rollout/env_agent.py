@@ -119,7 +119,13 @@ class EnvRollout:
                 self._turn(group, group_params, turn)
             turn += 1
             self.loop.run_until_complete(self._steps(live, last=turn == self.max_turns))
+        self.loop.run_until_complete(self._ended(episodes))
         return self._rollout(episodes, len(prompts), params.n)
+
+    async def _ended(self, episodes: list[_Episode]) -> None:
+        """Environments that hold something per episode (verl's tool loop: its interaction's instance) release it
+        once the episode ended, whether its step said done or a limit ended it."""
+        await asyncio.gather(*(e.env.episode_ended() for e in episodes if hasattr(e.env, "episode_ended")))
 
     def _groups(self, live: list[_Episode], params: SamplingParams) -> dict[SamplingParams, list[_Episode]]:
         """The live episodes by the sampling params of their next turn: all in one group (one generate call, as

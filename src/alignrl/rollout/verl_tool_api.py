@@ -5,12 +5,14 @@ so that a tool file importing them runs unchanged (`verl_api`)."""
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from alignrl.errors import ConfigError
+from alignrl.errors import ConfigError, UserError
 from alignrl.utils.user_files import provide_modules
 
 KEY = "agent.tool_config_path"
@@ -126,3 +128,24 @@ def verl_api() -> tuple[type, type]:
                               f"{exc})".splitlines()[0] + "; repair or uninstall verl") from exc
     provide_modules(_PROVIDED, "verl's tool API, as alignrl provides it (verl is not installed)")
     return BaseTool, OpenAIFunctionToolSchema
+
+
+def import_class(name: str, where: str, error: type[UserError]) -> type:
+    """The class at module path `name` (a tool's or an interaction's class_name), imported with the working folder
+    on the path (as `python -m` has it); one line raising `error` for a name that is not a module path, a module that
+    fails to import, or a class that is not there."""
+    module_name, _, class_name = name.rpartition(".")
+    if not module_name:
+        raise error(f"{where}.class_name={name!r} is not a module path; write it as package.module.Class")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # last: the working folder's modules never shadow installed ones
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise error(f"{where}.class_name={name!r}: module {module_name} failed to import "
+                    f"({type(exc).__name__}: {exc})".splitlines()[0] + "; put it in the working folder or "
+                    "on PYTHONPATH, and install what it imports") from exc
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        raise error(f"{where}.class_name={name!r}: {module_name} has no class {class_name}; check the name")
+    return cls

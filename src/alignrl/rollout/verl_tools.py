@@ -1,5 +1,6 @@
 """verl's tool agent loop (actor_rollout_ref.rollout.multi_turn, alignrl's agent.tool_config_path): a tool config
-YAML in verl's format, its tools, and an environment per episode that `rollout.env_agent.EnvRollout` plays.
+YAML in verl's format, its tools, and an environment per episode that `rollout.env_agent.EnvRollout` plays (with
+verl's interactions too).
 
 The YAML lists `tools: [{class_name, config, tool_schema}]`. verl's gsm8k and search tools are alignrl's own
 (`verl_builtin_tools`); any other class_name is imported as a module path (the working folder and PYTHONPATH) and
@@ -15,16 +16,18 @@ max_tool_response_length, are appended as tool messages (not trained on) and the
 without calls, the assistant- or user-turn limit, or the response cap ends it (a turn that reached the cap runs no
 calls, as verl stops on length before parsing). The steps give no rewards: the run's reward function scores the
 whole response, as verl's reward manager does.
+
+With verl's interactions (agent.interaction_config_path, `verl_interactions`), a turn without calls of a row that
+has `extra_info.interaction_kwargs` is answered by the interaction that row names, as a user message (not trained
+on); its should_terminate ends the episode, the turn limits and the response cap end it as they end tool turns, and
+its replies count as user turns. Without tools, turns are not parsed for calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,8 @@ from alignrl.errors import UserError
 from alignrl.rollout.remote import ServiceError
 from alignrl.rollout.tool_calls import ToolCall, ToolChat, parse_hermes, truncate_response
 from alignrl.rollout.verl_builtin_tools import BUILTIN
-from alignrl.rollout.verl_tool_api import KEY, ToolConfigError, verl_api
+from alignrl.rollout.verl_interactions import Interactions, Talk
+from alignrl.rollout.verl_tool_api import KEY, ToolConfigError, import_class, verl_api
 
 
 class ToolResultError(UserError):
@@ -59,9 +63,12 @@ class ToolLoop:
 class ToolEnvironment:
     """One episode of verl's tool loop, in the environment protocol `EnvRollout` plays (reset/step)."""
 
-    def __init__(self, tools: dict[str, Any], chat: ToolChat, loop: ToolLoop):
-        self.tools, self.chat, self.loop = tools, chat, loop
+    def __init__(self, tools: dict[str, Any], chat: ToolChat | None, loop: ToolLoop,
+                 interactions: Interactions | None = None):
+        """`chat` None: no tools (a loop of interactions alone), so turns are not parsed for calls."""
+        self.tools, self.chat, self.loop, self.interactions = tools, chat, loop, interactions
         self.tools_kwargs: dict = {}
+        self.talk: Talk | None = None  # the episode's conversation with its interaction, when its row names one
         self.assistant_turns = self.user_turns = 0
         self.counts = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_call_parse_errors": 0.0}
 
@@ -72,8 +79,11 @@ class ToolEnvironment:
         sample = states.get("sample")
         if isinstance(sample, Sample):
             self.tools_kwargs = (sample.extra or {}).get("tools_kwargs") or {}
+            if self.interactions is not None:
+                self.talk = await self.interactions.start(sample)
             messages = list(sample.messages)
-            if messages and sample.prompt_text is None and self.chat.lacks_schemas(states["observation"], messages):
+            if messages and sample.prompt_text is None and self.chat is not None and \
+                    self.chat.lacks_schemas(states["observation"], messages):
                 return {"observation": self.chat.prompt(messages)}
         return {"observation": states["observation"]}
 
@@ -85,19 +95,34 @@ class ToolEnvironment:
         if (loop.max_assistant_turns and self.assistant_turns >= loop.max_assistant_turns) or \
                 (loop.max_user_turns and self.user_turns >= loop.max_user_turns):
             return self._result("", done=True)
-        calls, bad = parse_hermes(states["action_text"])
+        calls, bad = parse_hermes(states["action_text"]) if self.chat is not None else ([], 0)
         self.counts["tool_call_parse_errors"] += bad
-        if not calls:
-            return self._result("", done=True)
+        if self.talk is not None:
+            self.talk.assistant(states["action_text"])
+        if not calls:  # the interaction answers a turn without calls, as a user; without one the episode ends
+            if self.talk is None:
+                return self._result("", done=True)
+            feedback, done = await self.talk.reply()
+            self.user_turns += 1
+            return self._result(feedback, done)
         texts = await asyncio.gather(*(self._call(c) for c in calls[:loop.max_parallel_calls]))
         self.user_turns += 1
+        if self.talk is not None:
+            self.talk.tools(texts)
         return self._result(self.chat.feedback(texts), done=False)
+
+    async def episode_ended(self) -> None:
+        """Called once the episode ended, however it ended (`EnvRollout`): verl's interaction is finalized."""
+        if self.talk is not None:
+            await self.talk.finish()
 
     def _result(self, feedback: str, done: bool) -> dict:
         # verl_num_turns: verl's num_turns metric, which counts the prompt's user turn, the assistant turns and the
-        # tool-response turns (agent/turns counts assistant turns only)
+        # tool-response and interaction turns (agent/turns counts assistant turns only)
         logs = dict(self.counts, tool_calls_per_turn=self.counts["tool_calls"] / self.assistant_turns,
                     verl_num_turns=float(self.user_turns + self.assistant_turns + 1))
+        if self.talk is not None:
+            logs.update(self.talk.logs())
         return {"environment_feedback": feedback, "done": done, "extra_logs": logs}
 
     async def _call(self, call: ToolCall) -> str:
@@ -235,39 +260,26 @@ def _make_tool(entry: Any, i: int, path: str, base: type, schema_cls: type):
 
 
 def _tool_class(name: str, where: str, base: type) -> type:
-    """The class at module path `name`, imported with the working folder on the path (as `python -m` has it)."""
-    module_name, _, class_name = name.rpartition(".")
-    if not module_name:
-        raise ToolConfigError(f"{where}.class_name={name!r} is not a module path; write it as package.module.Class")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())  # last: the working folder's modules never shadow installed ones
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ToolConfigError(f"{where}.class_name={name!r}: module {module_name} failed to import "
-                              f"({type(exc).__name__}: {exc})".splitlines()[0] + "; put it in the working folder or "
-                              "on PYTHONPATH, and install what it imports") from exc
-    cls = getattr(module, class_name, None)
-    if not isinstance(cls, type):
-        raise ToolConfigError(f"{where}.class_name={name!r}: {module_name} has no class {class_name}; check the name")
+    cls = import_class(name, where, ToolConfigError)
     if not issubclass(cls, base):
         raise ToolConfigError(f"{where}.class_name={name!r} does not subclass verl's BaseTool; derive it from "
                               "verl.tools.base_tool.BaseTool")
     return cls
 
 
-def tool_environment(path: str, tokenizer, loop: ToolLoop):
-    """The episode factory `EnvRollout` takes: an awaitable making a fresh `ToolEnvironment`, the tools loaded once
-    (as verl's ToolAgentLoop loads them per worker) and shared, each call using its own instance id."""
+def tool_environment(path: str, tokenizer, loop: ToolLoop, interaction_path: str = ""):
+    """The episode factory `EnvRollout` takes: an awaitable making a fresh `ToolEnvironment`, the tools of `path` and
+    the interactions of `interaction_path` (either may be "") loaded once, as verl's ToolAgentLoop loads them per
+    worker, and shared, each call or episode using its own instance id."""
     if loop.format != "hermes":
         raise ToolConfigError(f"agent.tool_format={loop.format!r} is not supported; use hermes")
-    tools = {t.name: t for t in load_tools(path)}
+    tools = {t.name: t for t in load_tools(path)} if path else {}
     schemas = [dump_schema(t.tool_schema) for t in tools.values()]  # what `tool_schemas` reads
-    chat = ToolChat(tokenizer, schemas)
+    chat = ToolChat(tokenizer, schemas) if tools else None
+    interactions = Interactions(interaction_path, tokenizer) if interaction_path else None
 
     async def make() -> ToolEnvironment:
-        return ToolEnvironment(tools, chat, loop)
+        return ToolEnvironment(tools, chat, loop, interactions)
 
     make.env_name, make.gives_rewards = "ToolAgentLoop", False
     return make
-
