@@ -65,6 +65,13 @@ class CountingInteraction(BaseInteraction):
         SEEN.append(("finalize", instance_id))
 
 
+class OldStyleInteraction(BaseInteraction):
+    """verl's base replies; finalize_interaction without the instance id, as older verl's base declared it."""
+
+    async def finalize_interaction(self):
+        SEEN.append(("old-finalize",))
+
+
 class SyncInteraction(BaseInteraction):
     def generate_response(self, instance_id, messages, **kwargs):
         return True, "", 0.0, {}
@@ -127,6 +134,29 @@ def test_a_users_interaction_runs_without_verl_and_is_named_after_its_class(tmp_
     from verl.interactions.base import BaseInteraction  # provided under verl's name
 
     assert isinstance(got["counting"], BaseInteraction)
+
+
+def test_the_base_interactions_replies_and_a_finalize_without_an_id(tiny_model, tmp_path, user_module):
+    from alignrl.rollout.verl_interactions import Interactions
+
+    _, tok = tiny_model
+    interactions = Interactions(_yaml(tmp_path, f"interaction:\n  - class_name: {user_module}.OldStyleInteraction\n"),
+                                tok)
+    row = Sample([{"role": "user", "content": "q"}], "1", extra={"interaction_kwargs": {"name": "oldstyle"}})
+
+    async def episode():
+        talk = await interactions.start(row)
+        talk.assistant("an answer")
+        got = await talk.reply()
+        await talk.finish()
+        return talk, got, await interactions.start(Sample([{"role": "user", "content": "q"}], "1"))
+
+    talk, (text, done), unplayed = asyncio.run(episode())
+    assert text == UserChat(tok).feedback("Your current result seems acceptable.") and done is False
+    assert talk.scores == [0.8] and talk.logs() == {"interaction_turns": 1.0, "interaction_score": 0.8,
+                                                    "interaction_score_mean": 0.8}
+    assert [m["role"] for m in talk.messages] == ["user", "assistant", "user"]
+    assert sys.modules[user_module].SEEN == [("old-finalize",)] and unplayed is None
 
 
 @pytest.mark.parametrize("text, expect", [

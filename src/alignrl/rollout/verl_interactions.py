@@ -243,7 +243,7 @@ class Talk:
 
     async def reply(self) -> tuple[str, bool]:
         """The interaction's reply as the text to append, and whether it ends the episode."""
-        got = await self._call("generate_response", self.instance_id, self.messages, **self.kwargs)
+        got = await self.call("generate_response", self.instance_id, self.messages, **self.kwargs)
         what = f"{self._name()}.generate_response returned"
         if not isinstance(got, (tuple, list)) or len(got) != 4:
             raise InteractionError(f"{what} {type(got).__name__} {got!r:.80}; return (should_terminate, reply text, "
@@ -260,8 +260,16 @@ class Talk:
         return self.chat.feedback(text), bool(done)
 
     async def finish(self) -> None:
-        if getattr(self.interaction, "finalize_interaction", None) is not None:
-            await self._call("finalize_interaction", self.instance_id)
+        """finalize_interaction(instance_id); without the id where it takes none (older verl's base signature)."""
+        method = getattr(self.interaction, "finalize_interaction", None)
+        if method is None:
+            return
+        try:
+            inspect.signature(method).bind(self.instance_id)
+            args: tuple = (self.instance_id,)
+        except (TypeError, ValueError):
+            args = ()
+        await self.call("finalize_interaction", *args)
 
     def logs(self) -> dict[str, float]:
         """interaction_turns, and the turn scores' last and mean where there are any (NaN-free: an episode without
@@ -274,7 +282,8 @@ class Talk:
     def _name(self) -> str:
         return type(self.interaction).__name__
 
-    async def _call(self, method: str, *args, **kwargs) -> Any:
+    async def call(self, method: str, *args, **kwargs) -> Any:
+        """The interaction's `method` awaited; an exception in it is one line naming the class and the method."""
         try:
             return await getattr(self.interaction, method)(*args, **kwargs)
         except UserError:
@@ -306,5 +315,5 @@ class Interactions:
             raise InteractionError(f"{row}: extra_info.interaction_kwargs.name={kwargs['name']!r} is not in "
                                    f"{KEY}={self.path} (it has {', '.join(self.by_name)}); fix the data or the config")
         talk = Talk(interaction, dict(kwargs), [dict(m) for m in sample.messages], self.chat, uuid.uuid4().hex)
-        await talk._call("start_interaction", talk.instance_id, **talk.kwargs)
+        await talk.call("start_interaction", talk.instance_id, **talk.kwargs)
         return talk
