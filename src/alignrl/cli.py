@@ -143,7 +143,7 @@ def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
     if cfg.algorithm.reward_model or cfg.safety.cost_model:  # before the policy loads (rm imports torch: last)
         from alignrl.preference.rm import check_rl_scorers
 
-        check_rl_scorers(cfg)
+        check_rl_scorers(cfg, tokenizers=True)
     from alignrl.rollout.service_health import check_services
 
     check_services(cfg)

@@ -223,6 +223,12 @@ class AlgorithmConfig:
                                            "score alone; add adds the rule reward to it on rows whose data has an "
                                            "answer (verl's hybrid of a reward model and a rule)",
                                 choices=("replace", "add"))
+    reward_model_retemplate: bool = opt(False, "the reward model has its own tokenizer (verl's reward_model.model."
+                                               "input_tokenizer): each prompt's messages and the decoded response go "
+                                               "through its chat template; one with the policy's scores the ids")
+    reward_model_max_length: int = opt(0, "re-templated reward-model inputs keep their first N tokens (verl's "
+                                          "reward_model.max_length); 0: data.max_prompt_length + the response cap",
+                                       ge=0)
     format_reward_weight: float = opt(0.0, "weight of the '#### N' format reward added to correctness", ge=0.0)
     dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: drop groups whose rewards are all equal (zero "
                                         "advantage) and generate more prompts until data.train_batch_size groups "

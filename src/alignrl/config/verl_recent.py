@@ -44,6 +44,13 @@ def recent(st: TranslationPass, key: str, value: str) -> bool:
     if key == "trainer.test_freq" and whole and v < 0:  # verl's default: no validation during training
         st.out.append("trainer.test_freq=0")
         return True
+    if key == "reward_model.max_length":  # read when the reward model re-templates only, as in verl
+        if v is not None and not (whole and v > 0):
+            raise ConfigError(f"{key}={value} must be a positive whole number (the reward model's longest input) "
+                              "or null (the policy's prompt and response lengths)")
+        st.verl = True
+        st.out += [] if v is None else [f"algorithm.reward_model_max_length={v}"]
+        return True
     if key.endswith(".trust_remote_code") and key.split(".")[0] in ("actor_rollout_ref", "critic", "data",
                                                                      "reward_model"):
         st.verl = True
@@ -83,9 +90,8 @@ def _dapo_and_reward(st: TranslationPass, key: str, value: str, v: object) -> No
     if key in ("reward_model.enable", "reward_model.model.path"):
         st.reward_model[key] = value
     elif key == "reward_model.model.input_tokenizer":
-        if v not in (None, ""):  # verl re-tokenizes for a reward model of another vocabulary; alignrl does not
-            raise ConfigError(f"{key}={value} is not supported (alignrl scores responses with the policy's token ids: "
-                              "give a reward model that shares the policy's tokenizer, and drop input_tokenizer)")
+        # verl decodes with the tokenizer at this path (the policy's); alignrl decodes with the policy's own
+        st.out.append(f"algorithm.reward_model_retemplate={str(v not in (None, '')).lower()}")
     elif key in DAPO:
         st.out.append(f"{DAPO[key]}={value}")
         if key.startswith("reward_model.overlong_buffer."):

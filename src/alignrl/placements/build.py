@@ -30,6 +30,7 @@ from alignrl.models.loader import (DTYPES, frozen_copy, load_causal_lm, load_mod
                                    with_template_variables)
 from alignrl.models.logprobs import ForwardLayout
 from alignrl.models.sharded_load import fill_shards, meta_model
+from alignrl.models.rm_template import RetemplatingScorer, reward_input
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.registry import load_reward_fn, make_reward
 from alignrl.rollout.agent import AgentRollout
@@ -112,13 +113,31 @@ def build_ref(cfg: RunConfig, device: torch.device, base=None, policy=None) -> R
                           forward_layout(cfg))
 
 
-def build_rewards(cfg: RunConfig, tokenizer, device: torch.device) -> RewardStage:
+def reward_scorer(cfg: RunConfig, tokenizer, device: torch.device, loaded: SequenceScorer | None = None
+                  ) -> SequenceScorer | None:
+    """The reward model's scorer of the policy's rows: the reward service, else algorithm.reward_model (`loaded`
+    when it is loaded elsewhere: a Ray reward group), through its own chat template when its tokenizer is not the
+    policy's (`models.rm_template`)."""
+    a = cfg.algorithm
+    if cfg.services.reward_url:
+        return RemoteReward(cfg.services.reward_url, tokenizer=tokenizer, **service_args(cfg))
+    if not a.reward_model or loaded is not None and not a.reward_model_retemplate:
+        return loaded  # a reward group's ids path: its workers checked and loaded the folder
+    # decided before the weights load: a vocabulary the model cannot read is one line, not a load later
+    template = reward_input(tokenizer, Path(a.reward_model), a.reward_model_retemplate,
+                            a.reward_model_max_length or cfg.data.max_prompt_length + response_cap(cfg))
+    scorer = loaded or ModelScorer(a.reward_model, cfg.model.dtype, log=console.print, device=device)
+    return scorer if template is None else RetemplatingScorer(scorer, tokenizer, template)
+
+
+def build_rewards(cfg: RunConfig, tokenizer, device: torch.device, loaded: SequenceScorer | None = None
+                  ) -> RewardStage:
+    """The reward stage; `loaded`: the reward model's scorer when it lives elsewhere (`reward_scorer`)."""
     a, s = cfg.algorithm, cfg.safety
-    check_rl_scorers(cfg)  # before they load: a swapped pair trains with no error (the CLI checked before the policy)
-    reward_model = (RemoteReward(cfg.services.reward_url, tokenizer=tokenizer, **service_args(cfg))
-                    if cfg.services.reward_url else
-                    ModelScorer(a.reward_model, cfg.model.dtype, log=console.print, device=device)
-                    if a.reward_model else None)
+    # before they load: a swapped pair trains with no error (the CLI checked before the policy); a reward model loaded
+    # elsewhere was checked where it loads
+    check_rl_scorers(cfg if loaded is None else replace(cfg, algorithm=replace(a, reward_model="")))
+    reward_model = reward_scorer(cfg, tokenizer, device, loaded)
     return RewardStage(tokenizer, make_reward(a.reward_fn, a.format_reward_weight), load_reward_fn(a.reward_fn),
                        response_cap(cfg), a.overlong_buffer_len, a.overlong_penalty_factor, reward_model,
                        add_rule=a.reward_model_mix == "add", truncated_reward_coef=a.truncated_reward_coef,
@@ -167,12 +186,7 @@ def build_maker(cfg: RunConfig, engine: RolloutEngine, tokenizer, ref: RefScorer
     """The producer of every placement: `engine` (already with its tools: `with_tools`), the reward stage and the
     reference. `seed_rank` decorrelates the samples of producers that share a step; `reward_model`: a scorer
     that lives elsewhere (a Ray reward group), in place of the one `cfg` would load here."""
-    if reward_model is None:
-        rewards = build_rewards(cfg, tokenizer, device)
-    else:  # not loaded here: the stage scores through the given scorer
-        rewards = replace(build_rewards(replace(cfg, algorithm=replace(cfg.algorithm, reward_model=None)), tokenizer,
-                                        device), reward_model=reward_model)
-    return RolloutMaker(cfg, engine, rewards, ref, seed_rank)
+    return RolloutMaker(cfg, engine, build_rewards(cfg, tokenizer, device, reward_model), ref, seed_rank)
 
 
 def build_critic(cfg: RunConfig, name: str, resume: Path | None, env: DistEnv = SINGLE) -> Critic:

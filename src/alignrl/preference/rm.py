@@ -77,8 +77,10 @@ def check_scorer_kind(key: str, folder: str | Path) -> None:
                       f"{f', task={task}' if task else ''}); {key} takes {wanted}: {hint}")
 
 
-def check_rl_scorers(cfg) -> None:
-    """The RL loop's reward and cost model folders (a RunConfig's): folders with a scoring head, each of its kind."""
+def check_rl_scorers(cfg, tokenizers: bool = False) -> None:
+    """The RL loop's reward and cost model folders (a RunConfig's): folders with a scoring head, each of its kind;
+    with `tokenizers` (a launcher's check, before the policy loads), the reward model's tokenizer against the
+    policy's too (`models.rm_template.reward_input`, which the reward stage decides again as it builds)."""
     from alignrl.models.value import check_scorer_folder
 
     a, s = cfg.algorithm, cfg.safety
@@ -86,6 +88,12 @@ def check_rl_scorers(cfg) -> None:
         if folder and not (key == "algorithm.reward_model" and cfg.services.reward_url):
             check_scorer_kind(key, folder)  # first: the more telling line
             check_scorer_folder(folder, key)
+    if tokenizers and a.reward_model and not cfg.services.reward_url:
+        from alignrl.models.loader import load_tokenizer, resolve_model_path
+        from alignrl.models.rm_template import reward_input
+
+        policy = load_tokenizer(resolve_model_path(cfg.model.path, lambda *_: None), chat=False)
+        reward_input(policy, Path(a.reward_model), a.reward_model_retemplate, 1)
 
 
 class LastTokenScorer(torch.nn.Module):

@@ -126,9 +126,11 @@ def prompt_texts(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor)
 def model_scores(scorer: SequenceScorer, kind: str, ro: Rollout, rows: Sequence[Sample]) -> torch.Tensor:
     """The scorer's (B,) scores, checked finite: a reward model with non-finite weights scores NaN."""
     tensors = (ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
-    # a rule service (OpenRLHF's /get_reward) checks answers: it gets the rows' ground truth with the texts
+    # a rule service (OpenRLHF's /get_reward) checks answers: it gets the rows' ground truth with the texts; a reward
+    # model of its own chat template (`models.rm_template`) reads the prompts as messages
     scores = (scorer.score(*tensors, labels=[r.ground_truth for r in rows]) if getattr(scorer, "takes_labels", False)
-              else scorer.score(*tensors))
+              else scorer.score(*tensors, messages=[r.messages for r in rows])
+              if getattr(scorer, "takes_messages", False) else scorer.score(*tensors))
     bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
     if bad:
         i = bad[0]

@@ -74,7 +74,7 @@ def check_inputs(cfg: RunConfig) -> None:
     for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path)):
         if path and path != "demo":  # the demo model is built by the first worker that needs it
             resolve_model_path(path, key=key)
-    check_rl_scorers(cfg)
+    check_rl_scorers(cfg, tokenizers=True)
     check_user_fns(cfg)
     check_services(cfg)  # before placement: an unreachable --remote_rm_url was found by the first rollout
 
