@@ -172,6 +172,44 @@ def test_a_reward_model_loaded_elsewhere_is_given_the_retemplated_ids(tiny_model
     assert plain.reward_model is group  # the group's folder is checked and loaded where it lives
 
 
+@pytest.mark.timeout(240)
+def test_a_reward_service_of_its_own_template_scores_as_in_process(tiny_model, tiny_model_dir, other_rm):
+    """`alignrl serve reward --input_tokenizer POLICY` with the rows' messages sent along (services.reward_url with
+    algorithm.reward_model_retemplate): the in-process re-templating scorer's scores."""
+    from alignrl.models.rm_template import RetemplatingScorer, reward_input
+    from alignrl.models.value import ModelScorer
+    from alignrl.rollout.remote import ServiceError
+    from alignrl.rollout.remote_reward import RemoteReward
+    from alignrl.serve.process import ServiceProcess
+
+    tok = tiny_model[1]
+    messages, tensors = policy_rows(tok)
+    want = RetemplatingScorer(ModelScorer(str(other_rm)), tok, reward_input(tok, other_rm, True, 256)).score(
+        *tensors, messages=messages)
+    with ServiceProcess(["reward", "--model", str(other_rm), "--input_tokenizer", str(tiny_model_dir),
+                         "--max_length", "256"]) as svc:
+        got = RemoteReward(svc.url, messages=True).score(*tensors, messages=messages)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        with pytest.raises(ServiceError, match="send the policy's token ids with each row's prompt") as e:
+            RemoteReward(svc.url, retries=1).score(*tensors)  # no messages: a re-templating service says so
+        assert "HTTP 400" in one_line(e)
+    with pytest.raises(ServiceError, match="takes texts") as e:  # OpenRLHF's endpoint templates its texts itself
+        RemoteReward("http://127.0.0.1:5000/get_reward", messages=True)
+    one_line(e)
+
+
+def test_a_reward_service_of_the_policys_ids_refuses_messages():
+    import asyncio
+
+    from alignrl.serve.common import RequestError
+    from alignrl.serve.reward import RewardService, ScoreRequest
+
+    svc = RewardService(scorer=None, tokenizer=None, pad_id=0, vocab_size=10, max_model_len=16, max_request_seqs=4)
+    req = ScoreRequest(prompts=[[1]], responses=[[2]], messages=[[{"role": "user", "content": "hi"}]])
+    with pytest.raises(RequestError, match="start it with --input_tokenizer"):
+        asyncio.run(svc.score(req))
+
+
 def one_line(exc: pytest.ExceptionInfo) -> str:
     text = str(exc.value)
     assert "\n" not in text
@@ -198,8 +236,6 @@ def test_what_cannot_work_is_one_line(tiny_model, other_rm, tmp_path):
     with pytest.raises(ModelError, match="fewer than the policy's") as e:  # no tokenizer, too few embeddings
         reward_input(tok, no_tok, retemplate=False, max_length=256)
     one_line(e)
-    with pytest.raises(ConfigError, match="scores the policy's ids: drop one of them"):
-        load_config(None, ["services.reward_url=http://127.0.0.1:8002", "algorithm.reward_model_retemplate=true"])
 
 
 def test_the_cli_refuses_another_vocabulary_before_the_policy_loads(tiny_model_dir, other_rm, cli_in_process,

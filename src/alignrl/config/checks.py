@@ -267,9 +267,6 @@ def _urls(cfg: RunConfig) -> str | None:
                                   url, f"give the {kind} service's address, e.g. http://127.0.0.1:8000")
             if problem:
                 return problem
-    if cfg.services.reward_url and cfg.algorithm.reward_model_retemplate:  # the service reads what it is sent
-        return ("algorithm.reward_model_retemplate=true re-templates a reward model this run loads; the reward service "
-                "(services.reward_url) scores the policy's ids: drop one of them")
     return None
 
 

@@ -53,13 +53,17 @@ def chat_ids(rm_tokenizer, messages: Sequence[dict], response: str, max_length: 
     return rm_tokenizer(text, add_special_tokens=False)["input_ids"][:max_length]
 
 
+def row_ids(policy_tokenizer, template: RmTemplate, messages: Sequence[dict], response: Sequence[int]) -> list[int]:
+    """One row's reward-model ids: its prompt `messages` and the policy's `response` ids (no padding)."""
+    return chat_ids(template.tokenizer, messages, response_text(policy_tokenizer, response), template.max_length)
+
+
 def retemplated_ids(policy_tokenizer, template: RmTemplate, messages: Sequence[Sequence[dict]],
                     response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[list[int]]:
     """Each row's reward-model ids (`messages[i]`: row i's prompt messages; responses (B, R) right-padded)."""
     if len(messages) != len(response_ids):
         raise ValueError(f"{len(messages)} prompts' messages for {len(response_ids)} responses; give one per row")
-    return [chat_ids(template.tokenizer, m, response_text(policy_tokenizer, ids[mask.bool()].tolist()),
-                     template.max_length)
+    return [row_ids(policy_tokenizer, template, m, ids[mask.bool()].tolist())
             for m, ids, mask in zip(messages, response_ids, response_mask)]
 
 
@@ -106,10 +110,10 @@ def reads_ids_of(own, policy_tokenizer) -> bool:
 
 
 def reward_input(policy_tokenizer, folder: Path, retemplate: bool, max_length: int,
-                 key: str = "algorithm.reward_model") -> RmTemplate | None:
+                 key: str = "algorithm.reward_model", flag: str = KEY + "=true") -> RmTemplate | None:
     """How the reward model in `folder` reads the rows: None, the policy's ids (its tokenizer is the policy's, or
     it has none and its embeddings cover the policy's ids); else its own chat template and tokenizer (`retemplate`
-    set). One-line ModelError for a vocabulary it cannot read, or a template it lacks."""
+    set, by `flag`). One-line ModelError for a vocabulary it cannot read, or a template it lacks."""
     own = rm_tokenizer(folder)
     if not retemplate:
         size = (read_config(folder) or {}).get("vocab_size")
@@ -124,11 +128,11 @@ def reward_input(policy_tokenizer, folder: Path, retemplate: bool, max_length: i
                              f"folder and set {KEY}=true")
         return None
     if own is None:
-        raise ModelError(f"{KEY}=true needs the reward model's tokenizer, but {key}={folder} has no tokenizer files; "
+        raise ModelError(f"{flag} needs the reward model's tokenizer, but {key}={folder} has no tokenizer files; "
                          "save its tokenizer there (tokenizer.save_pretrained)")
     if same_tokenizer(own, policy_tokenizer):
         return None  # re-templating would only round-trip the policy's own ids through text
     if not own.chat_template:
-        raise ModelError(f"{KEY}=true: the tokenizer of {key}={folder} has no chat template to put the conversation "
+        raise ModelError(f"{flag}: the tokenizer of {key}={folder} has no chat template to put the conversation "
                          "in; add the one the reward model was trained with (tokenizer.chat_template, saved)")
     return RmTemplate(own, max_length)

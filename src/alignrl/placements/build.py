@@ -120,7 +120,8 @@ def reward_scorer(cfg: RunConfig, tokenizer, device: torch.device, loaded: Seque
     policy's (`models.rm_template`)."""
     a = cfg.algorithm
     if cfg.services.reward_url:
-        return RemoteReward(cfg.services.reward_url, tokenizer=tokenizer, **service_args(cfg))
+        return RemoteReward(cfg.services.reward_url, tokenizer=tokenizer, messages=a.reward_model_retemplate,
+                            **service_args(cfg))
     if not a.reward_model or loaded is not None and not a.reward_model_retemplate:
         return loaded  # a reward group's ids path: its workers checked and loaded the folder
     # decided before the weights load: a vocabulary the model cannot read is one line, not a load later

@@ -42,10 +42,12 @@ class RemoteReward:
     OpenRLHF-style remote reward (a URL with its path, e.g. http://127.0.0.1:5000/get_reward): OpenRLHF's protocol,
     `{"query": [prompt + response texts], "prompts": [prompt texts], "labels": [...]}` in, `{"rewards": [...]}` out,
     the texts decoded with `tokenizer` (the policy's), chat tokens kept, as OpenRLHF's experience maker sends them.
-    `url` may name several services of one protocol, separated by commas: each batch is sharded over them."""
+    `url` may name several services of one protocol, separated by commas: each batch is sharded over them.
+    `messages`: `alignrl serve reward --input_tokenizer` services, sent each row's prompt messages with its ids, to
+    score it in the reward model's own chat template (algorithm.reward_model_retemplate)."""
 
     def __init__(self, url: str, timeout: float = 300.0, retries: int = 3, backoff: float = 0.5,
-                 api_key: str | None = None, max_rows: int = 256, tokenizer=None):
+                 api_key: str | None = None, max_rows: int = 256, tokenizer=None, messages: bool = False):
         ends = [reward_endpoint(one) for one in reward_urls(url) or [url]]
         if len({path is None for _, path in ends}) > 1:
             raise ServiceError(f"reward URLs {url!r} mix `alignrl serve reward` services (no path) with OpenRLHF-style "
@@ -57,6 +59,11 @@ class RemoteReward:
         for client in self.clients if self.path is not None else ():
             client.start = "alignrl serve reward --protocol openrlhf --dataset FILE --port {port}"
         self.takes_labels = self.path is not None  # the reward stage sends the rows' ground truth along
+        if messages and self.path is not None:
+            raise ServiceError(f"algorithm.reward_model_retemplate=true: the reward service {self.client.url}"
+                               f"{self.path} takes texts (OpenRLHF's protocol) and templates them itself; drop the "
+                               "key, or serve the model with `alignrl serve reward --input_tokenizer POLICY_FOLDER`")
+        self.takes_messages = messages  # ...or the rows' prompt messages
 
     def _post_shard(self, i: int, body_of: Callable[[int, int], dict], start: int, end: int, key: str) -> list[float]:
         """Rows [start, end) scored by service `i`, at most max_rows a request."""
@@ -96,12 +103,17 @@ class RemoteReward:
                                         "prompts": list(prompts[a:b]), "labels": labels[a:b]}, len(prompts), "rewards")
 
     def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-              response_mask: torch.Tensor, labels: Sequence | None = None) -> torch.Tensor:
-        """Scores (B,) of token-id rollouts: the in-process `ModelScorer.score` signature."""
+              response_mask: torch.Tensor, labels: Sequence | None = None,
+              messages: Sequence[Sequence[dict]] | None = None) -> torch.Tensor:
+        """Scores (B,) of token-id rollouts: the in-process `ModelScorer.score` signature; `messages`: the rows'
+        prompts as chat messages, sent along (`takes_messages`)."""
         prompts, responses = _rows(prompt_ids, prompt_mask, True), _rows(response_ids, response_mask, False)
         if self.path is None:
-            return torch.tensor(self._post(lambda a, b: {"prompts": prompts[a:b], "responses": responses[a:b]},
-                                           len(prompts), "scores"), dtype=torch.float32)
+            def body(a: int, b: int) -> dict:
+                rows = {"prompts": prompts[a:b], "responses": responses[a:b]}
+                return rows if messages is None else {**rows, "messages": [list(m) for m in messages[a:b]]}
+
+            return torch.tensor(self._post(body, len(prompts), "scores"), dtype=torch.float32)
         if self.tokenizer is None:
             raise ServiceError(f"the reward service {self.client.url}{self.path} takes texts (OpenRLHF's protocol): "
                                "give RemoteReward the policy's tokenizer")

@@ -8,6 +8,13 @@ special tokens or a chat template: apply the template the reward model was train
 sending, or send the token ids the policy produced (then the score equals the in-process
 `models.value.ModelScorer` on the same rollout). `GET /health`, `GET /v1/stats`.
 
+    alignrl serve reward --model RM_PATH --input_tokenizer POLICY_PATH [--max_length N]
+
+serves a reward model of its own tokenizer (verl's reward_model.model.input_tokenizer): requests send the policy's
+token ids with each row's prompt `messages`; each response is decoded with the policy's tokenizer and the
+conversation scored in the reward model's chat template (`models.rm_template`), its first N tokens (default: the
+model's context). A run sends them so with `algorithm.reward_model_retemplate=true` and `services.reward_url`.
+
     alignrl serve reward --protocol openrlhf --dataset FILE --input_key message --prompt-template chatml
 
 serves a rule reward (R1 format + math accuracy) on OpenRLHF's `POST /get_reward` instead: `serve.rule_reward`.
@@ -36,6 +43,7 @@ class ScoreRequest(BaseModel):
 
     prompts: list[str] | list[list[StrictInt]] = Field(min_length=1)
     responses: list[str] | list[list[StrictInt]] = Field(min_length=1)
+    messages: list[list[dict[str, str]]] | None = None  # each row's prompt as chat messages (--input_tokenizer)
 
     @model_validator(mode="after")
     def _same_form(self):
@@ -55,6 +63,8 @@ class RewardService:
     micro_batch: int = 64
     max_batch: int = 256
     window_s: float = 0.005
+    policy_tokenizer: object | None = None  # --input_tokenizer: rows come as the policy's ids with their messages
+    template: object | None = None  # models.rm_template.RmTemplate; None: the reward model reads the policy's ids
 
     def __post_init__(self) -> None:
         self.batcher = Batcher(self._run, self.window_s, self.max_batch)
@@ -75,9 +85,32 @@ class RewardService:
             raise RequestError("this reward model folder has no tokenizer; send token ids instead of text")
         return [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in unicode_texts(texts, "text")]
 
+    def _retemplated(self, req: ScoreRequest) -> tuple[list[list[int]], list[list[int]]]:
+        """The rows in the reward model's own ids (each a whole conversation, scored as a prompt alone)."""
+        from alignrl.models.rm_template import row_ids
+
+        if req.messages is None or isinstance(req.responses[0], str):
+            raise RequestError("this reward service re-templates (--input_tokenizer): send the policy's token ids "
+                               "with each row's prompt as chat messages (\"messages\")")
+        if len(req.messages) != len(req.responses):
+            raise RequestError(f"{len(req.messages)} rows of messages but {len(req.responses)} responses; send one "
+                               "per row")
+        size = len(self.policy_tokenizer)
+        for i, r in enumerate(req.responses):
+            bad = next((t for t in r if not 0 <= t < size), None)
+            if bad is not None:
+                raise RequestError(f"row {i} has token id {bad}, outside the policy's vocabulary [0, {size})")
+        rows = [row_ids(self.policy_tokenizer, self.template, m, r) for m, r in zip(req.messages, req.responses)]
+        return rows, [[] for _ in rows]
+
     async def score(self, req: ScoreRequest) -> list[float]:
         prompts, responses = req.prompts, req.responses
-        if isinstance(prompts[0], str):
+        if req.messages is not None and self.policy_tokenizer is None:
+            raise RequestError("this reward service scores token ids as sent; start it with --input_tokenizer "
+                               "POLICY_FOLDER to score rows with messages in its own chat template")
+        if self.template is not None:
+            prompts, responses = self._retemplated(req)
+        elif isinstance(prompts[0], str):
             prompts, responses = self._ids(prompts), self._ids(responses)
         check_pairs(prompts, responses, self.vocab_size, self.max_model_len, self.max_request_seqs)
         return await self.batcher.submit("score", (prompts, responses), len(prompts))
@@ -100,6 +133,11 @@ def build_app(svc: RewardService, max_body: int):
 def parser() -> argparse.ArgumentParser:
     p = base_parser(PROG, "reward-model scoring server", 8002)
     p.add_argument("--micro_batch", type=int, default=64, help="rows per forward pass")
+    p.add_argument("--input_tokenizer", default="", help="the policy's model folder: rows come as its token ids with "
+                   "their prompt messages and are scored in this model's chat template (verl's "
+                   "reward_model.model.input_tokenizer); a model of the policy's tokenizer scores the ids")
+    p.add_argument("--max_length", type=int, default=0, help="with --input_tokenizer: a conversation keeps its first "
+                   "N tokens (verl's reward_model.max_length); 0: the model's context")
     p.add_argument("--protocol", choices=["alignrl", "openrlhf"], default="alignrl",
                    help="openrlhf: a rule reward on OpenRLHF's POST /get_reward instead of a model (see its --help)")
     return p
@@ -120,9 +158,23 @@ def load_service(args: argparse.Namespace) -> RewardService:
         tok = None
     cfg = scorer.model.config
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (tok.pad_token_id if tok else None) or 0
-    return RewardService(scorer, tok, pad, scorer.model.get_input_embeddings().num_embeddings,
-                         getattr(cfg, "max_position_embeddings", 4096), args.max_request_seqs, args.micro_batch,
-                         args.max_batch, args.batch_window_ms / 1000)
+    context = getattr(cfg, "max_position_embeddings", 4096)
+    policy, template = input_template(args, context, log)
+    return RewardService(scorer, tok, pad, scorer.model.get_input_embeddings().num_embeddings, context,
+                         args.max_request_seqs, args.micro_batch, args.max_batch, args.batch_window_ms / 1000,
+                         policy, template)
+
+
+def input_template(args: argparse.Namespace, context: int, log) -> tuple[object | None, object | None]:
+    """(the policy's tokenizer, the reward model's RmTemplate) of --input_tokenizer; (None, None) without it."""
+    if not args.input_tokenizer:
+        return None, None
+    from alignrl.models.loader import load_tokenizer, resolve_model_path
+    from alignrl.models.rm_template import reward_input
+
+    policy = load_tokenizer(resolve_model_path(args.input_tokenizer, log, "--input_tokenizer"), chat=False)
+    return policy, reward_input(policy, resolve_model_path(args.model, log, "--model"), True,
+                                min(args.max_length or context, context), key="--model", flag="--input_tokenizer")
 
 
 def protocol_of(argv: list[str]) -> tuple[str, list[str]]:
@@ -151,7 +203,7 @@ def main(argv: list[str]) -> int:
         return fail(PROG, f"--protocol {protocol!r} is unknown; pass alignrl (a reward model on /v1/score) or "
                           "openrlhf (a rule reward on /get_reward, with --dataset)")
     args = parser().parse_args(argv)
-    problem = check_args(args)
+    problem = check_args(args) or (args.max_length < 0 and "--max_length must not be negative (0: the model's context)")
     if problem:
         return fail(PROG, problem)
     return start("reward", args, load_service, build_app)
