@@ -236,6 +236,12 @@ def test_what_cannot_work_is_one_line(tiny_model, other_rm, tmp_path):
     with pytest.raises(ModelError, match="fewer than the policy's") as e:  # no tokenizer, too few embeddings
         reward_input(tok, no_tok, retemplate=False, max_length=256)
     one_line(e)
+    from alignrl.models.rm_template import chat_ids
+
+    strict = rm_tokenizer(tmp_path / "strict", template="{{ raise_exception('roles must alternate\nuser/assistant') }}")
+    with pytest.raises(ModelError, match="cannot render a row's conversation .*roles must alternate") as e:
+        chat_ids(strict, [{"role": "user", "content": "hi"}], "hello", 64)
+    one_line(e)
 
 
 def test_the_cli_refuses_another_vocabulary_before_the_policy_loads(tiny_model_dir, other_rm, cli_in_process,
@@ -275,6 +281,9 @@ def test_verls_keys_map_onto_retemplating(tmp_path):
     cfg = load_config(None, skywork_hhrlhf("demo", "rm_folder", train))
     a = cfg.algorithm
     assert (a.reward_model, a.reward_model_retemplate, a.reward_model_max_length) == ("rm_folder", True, 0)
+    # verl's default input_tokenizer is the policy's path: it re-templates unless told null
+    unset = [o for o in skywork_hhrlhf("demo", "rm_folder", train) if not o.startswith("reward_model.model.input_")]
+    assert load_config(None, unset).algorithm.reward_model_retemplate
     # null: the reward model shares the policy's tokenizer (verl's ids path); max_length read for the template
     cfg = load_config(None, skywork_hhrlhf("demo", "rm_folder", train)
                       + ["reward_model.model.input_tokenizer=null", "reward_model.max_length=512"])

@@ -87,11 +87,8 @@ def _policy_loss(st: TranslationPass, key: str, value: str, v: object) -> None:
 
 def _dapo_and_reward(st: TranslationPass, key: str, value: str, v: object) -> None:
     """DAPO's filter groups and overlong buffer, the validation sampler, the reward manager and the reward model."""
-    if key in ("reward_model.enable", "reward_model.model.path"):
+    if key in ("reward_model.enable", "reward_model.model.path", "reward_model.model.input_tokenizer"):
         st.reward_model[key] = value
-    elif key == "reward_model.model.input_tokenizer":
-        # verl decodes with the tokenizer at this path (the policy's); alignrl decodes with the policy's own
-        st.out.append(f"algorithm.reward_model_retemplate={str(v not in (None, '')).lower()}")
     elif key in DAPO:
         st.out.append(f"{DAPO[key]}={value}")
         if key.startswith("reward_model.overlong_buffer."):
@@ -160,7 +157,11 @@ def _reward_model(given: dict[str, str]) -> list[str]:
     if parsed(path or "null") in (None, ""):
         raise ConfigError("reward_model.enable=True needs reward_model.model.path=<a sequence-classification folder, "
                           "e.g. from `alignrl train rm`>")
-    return [f"algorithm.reward_model={path}"]
+    # verl re-templates unless input_tokenizer is null (its default is the policy's path); it decodes with the
+    # tokenizer at that path, alignrl with the policy's own, and keeps the ids for a reward model of the same one
+    given_tokenizer = parsed(given.get("reward_model.model.input_tokenizer", "${actor_rollout_ref.model.path}"))
+    return [f"algorithm.reward_model={path}",
+            f"algorithm.reward_model_retemplate={str(given_tokenizer not in (None, '')).lower()}"]
 
 
 def rollout_correction(st: TranslationPass) -> list[str]:

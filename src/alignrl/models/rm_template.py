@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from alignrl.data.collate import left_pad
-from alignrl.models.folder import TOKENIZER_FILES, ModelError, read_config
+from alignrl.models.folder import TOKENIZER_FILES, ModelError, first_line, read_config
 
 KEY = "algorithm.reward_model_retemplate"
 
@@ -48,7 +48,11 @@ def chat_ids(rm_tokenizer, messages: Sequence[dict], response: str, max_length: 
     """The reward model's ids of `messages` plus the assistant's `response`, in its chat template, at most
     `max_length` of them (the first ones: the end of a longer conversation is not scored)."""
     chat = [dict(m) for m in messages] + [{"role": "assistant", "content": response}]
-    text = rm_tokenizer.apply_chat_template(chat, add_generation_prompt=False, tokenize=False)
+    try:
+        text = rm_tokenizer.apply_chat_template(chat, add_generation_prompt=False, tokenize=False)
+    except Exception as exc:  # the template's own check (a role order it refuses, an image part): its first line
+        raise ModelError(f"the reward model's chat template cannot render a row's conversation ({first_line(exc)}); "
+                         "give it prompts its template takes, or a reward model of the policy's tokenizer") from exc
     # the template wrote the special tokens it wants; the tokenizer's own (a second bos) would be extra
     return rm_tokenizer(text, add_special_tokens=False)["input_ids"][:max_length]
 

@@ -88,7 +88,8 @@ def check_rl_scorers(cfg, tokenizers: bool = False) -> None:
         if folder and not (key == "algorithm.reward_model" and cfg.services.reward_url):
             check_scorer_kind(key, folder)  # first: the more telling line
             check_scorer_folder(folder, key)
-    if tokenizers and a.reward_model and not cfg.services.reward_url:
+    # the demo policy is built where it is first needed (not in a Ray driver); the reward stage checks as it builds
+    if tokenizers and a.reward_model and not cfg.services.reward_url and cfg.model.path != "demo":
         from alignrl.models.loader import load_tokenizer, resolve_model_path
         from alignrl.models.rm_template import reward_input
 
