@@ -133,7 +133,8 @@ def reward_input(policy_tokenizer, folder: Path, retemplate: bool, max_length: i
         return None
     if own is None:
         raise ModelError(f"{flag} needs the reward model's tokenizer, but {key}={folder} has no tokenizer files; "
-                         "save its tokenizer there (tokenizer.save_pretrained)")
+                         "save its tokenizer there (tokenizer.save_pretrained), or turn re-templating off for a model "
+                         "of the policy's tokenizer (verl: reward_model.model.input_tokenizer=null)")
     if same_tokenizer(own, policy_tokenizer):
         return None  # re-templating would only round-trip the policy's own ids through text
     if not own.chat_template:
