@@ -121,7 +121,11 @@ def test_a_longer_conversation_keeps_its_first_tokens(tiny_model, other_rm):
     scorer = ModelScorer(str(other_rm))
     first = torch.tensor([ids[:9] for ids in whole])  # both rows are longer than 9 tokens
     want = scorer.score(first, torch.ones_like(first, dtype=torch.bool), first[:, :0], first[:, :0].bool())
-    assert torch.allclose(RetemplatingScorer(scorer, tok, cut).score(pids, pm, rids, rm, messages=messages), want)
+    said = []
+    cutting = RetemplatingScorer(scorer, tok, cut, said.append)
+    assert torch.allclose(cutting.score(pids, pm, rids, rm, messages=messages), want)
+    cutting.score(pids, pm, rids, rm, messages=messages)
+    assert len(said) == 1 and "2 of 2 conversations are over 9 tokens" in said[0]  # said once
 
 
 def test_the_policys_own_tokenizer_keeps_the_ids_path(tiny_model, tiny_model_dir, same_rm, tmp_path):
@@ -262,7 +266,8 @@ def skywork_hhrlhf(model: str, rm: str, train: str) -> list[str]:
             "data.max_prompt_length=128", "data.max_response_length=6", "data.filter_overlong_prompts=True",
             "data.truncation=error", f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.actor.optim.lr=1e-6",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-            "actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.actor.use_kl_loss=False",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
             "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.name=vllm",
             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.gpu_memory_utilization=0.7",
             "actor_rollout_ref.model.enable_gradient_checkpointing=True", "reward_model.enable=True",

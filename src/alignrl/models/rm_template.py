@@ -15,7 +15,7 @@ Deliberately left out: verl's left/middle truncation modes, and re-templating th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,9 +44,9 @@ def response_text(policy_tokenizer, ids: Sequence[int]) -> str:
     return text.replace(eos, "") if eos else text
 
 
-def chat_ids(rm_tokenizer, messages: Sequence[dict], response: str, max_length: int) -> list[int]:
+def chat_ids(rm_tokenizer, messages: Sequence[dict], response: str, max_length: int | None) -> list[int]:
     """The reward model's ids of `messages` plus the assistant's `response`, in its chat template, at most
-    `max_length` of them (the first ones: the end of a longer conversation is not scored)."""
+    `max_length` of them (the first ones: the end of a longer conversation is not scored; None: all)."""
     chat = [dict(m) for m in messages] + [{"role": "assistant", "content": response}]
     try:
         text = rm_tokenizer.apply_chat_template(chat, add_generation_prompt=False, tokenize=False)
@@ -57,17 +57,20 @@ def chat_ids(rm_tokenizer, messages: Sequence[dict], response: str, max_length: 
     return rm_tokenizer(text, add_special_tokens=False)["input_ids"][:max_length]
 
 
-def row_ids(policy_tokenizer, template: RmTemplate, messages: Sequence[dict], response: Sequence[int]) -> list[int]:
-    """One row's reward-model ids: its prompt `messages` and the policy's `response` ids (no padding)."""
-    return chat_ids(template.tokenizer, messages, response_text(policy_tokenizer, response), template.max_length)
+def row_ids(policy_tokenizer, template: RmTemplate, messages: Sequence[dict], response: Sequence[int],
+            cut: bool = True) -> list[int]:
+    """One row's reward-model ids: its prompt `messages` and the policy's `response` ids (no padding); `cut`: at most
+    template.max_length of them."""
+    return chat_ids(template.tokenizer, messages, response_text(policy_tokenizer, response),
+                    template.max_length if cut else None)
 
 
 def retemplated_ids(policy_tokenizer, template: RmTemplate, messages: Sequence[Sequence[dict]],
-                    response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[list[int]]:
+                    response_ids: torch.Tensor, response_mask: torch.Tensor, cut: bool = True) -> list[list[int]]:
     """Each row's reward-model ids (`messages[i]`: row i's prompt messages; responses (B, R) right-padded)."""
     if len(messages) != len(response_ids):
         raise ValueError(f"{len(messages)} prompts' messages for {len(response_ids)} responses; give one per row")
-    return [row_ids(policy_tokenizer, template, m, ids[mask.bool()].tolist())
+    return [row_ids(policy_tokenizer, template, m, ids[mask.bool()].tolist(), cut)
             for m, ids, mask in zip(messages, response_ids, response_mask)]
 
 
@@ -78,17 +81,23 @@ class RetemplatingScorer:
 
     takes_messages = True
 
-    def __init__(self, inner, policy_tokenizer, template: RmTemplate):
-        self.inner, self.policy_tokenizer, self.template = inner, policy_tokenizer, template
+    def __init__(self, inner, policy_tokenizer, template: RmTemplate, log: Callable = print):
+        self.inner, self.policy_tokenizer, self.template, self.log = inner, policy_tokenizer, template, log
         self.name = getattr(inner, "name", type(inner).__name__)
         pad = template.tokenizer.pad_token_id
         self.pad_id = 0 if pad is None else pad  # masked out: any id the model has will do
+        self.noted = False
 
     def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
               response_mask: torch.Tensor, messages: Sequence[Sequence[dict]] = ()) -> torch.Tensor:
         """Scores (B,); the prompts' ids are the policy's, unused: the prompts are read from `messages`."""
-        rows = retemplated_ids(self.policy_tokenizer, self.template, messages, response_ids, response_mask)
-        ids, mask = left_pad(rows, self.pad_id)
+        rows = retemplated_ids(self.policy_tokenizer, self.template, messages, response_ids, response_mask, cut=False)
+        n, over = self.template.max_length, sum(len(r) > self.template.max_length for r in rows)
+        if over and not self.noted:  # verl cuts as silently; a score of half a response should not be a surprise
+            self.noted = True
+            self.log(f"reward model: {over} of {len(rows)} conversations are over {n} tokens in its chat template and "
+                     f"are scored on their first {n} (algorithm.reward_model_max_length; said once)")
+        ids, mask = left_pad([r[:n] for r in rows], self.pad_id)
         return self.inner.score(ids, mask, ids[:, :0], mask[:, :0])
 
 

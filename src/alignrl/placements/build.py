@@ -128,7 +128,7 @@ def reward_scorer(cfg: RunConfig, tokenizer, device: torch.device, loaded: Seque
     template = reward_input(tokenizer, Path(a.reward_model), a.reward_model_retemplate,
                             a.reward_model_max_length or cfg.data.max_prompt_length + response_cap(cfg))
     scorer = loaded or ModelScorer(a.reward_model, cfg.model.dtype, log=console.print, device=device)
-    return scorer if template is None else RetemplatingScorer(scorer, tokenizer, template)
+    return scorer if template is None else RetemplatingScorer(scorer, tokenizer, template, console.print)
 
 
 def build_rewards(cfg: RunConfig, tokenizer, device: torch.device, loaded: SequenceScorer | None = None
