@@ -218,3 +218,65 @@ def test_verl_code_tool_needs_a_url_and_a_live_service():
     tool.client.retries = 1
     with pytest.raises(ServiceError, match="cannot reach it"):
         asyncio.run(tool.execute("x", {"code": "print(1)"}))
+
+
+def _code_rows(n: int) -> list[dict]:
+    """verl's code layout (PRIME's Eurus data): chat prompt, a code data_source, test cases as JSON text."""
+    cases = json.dumps({"inputs": ["2 3\n"], "outputs": ["5\n"]})
+    return [{"data_source": "codecontests", "ability": "code",
+             "prompt": [{"role": "user", "content": f"Write a program that adds two numbers. ({i})"}],
+             "reward_model": {"ground_truth": cases, "style": "rule"}, "extra_info": {"index": i}} for i in range(n)]
+
+
+def test_verls_sandbox_fusion_script_scores_code_on_the_sandbox(tiny_model_dir, tmp_path, cli_in_process,
+                                                                http_servers, monkeypatch):
+    """examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh as written (sizes cut to the tiny model): every
+    program of the two PPO steps and the held-out passes runs on the service at reward_model.sandbox_fusion_url, a
+    stand-in here that passes every run, so the logged scores are all 1."""
+    import http.server
+    import threading
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from conftest import json_reply
+
+    runs, lock = [], threading.Lock()
+
+    class Sandbox(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            with lock:
+                runs.append((self.path, body["stdin"], body["language"]))
+            json_reply(self, {"status": "Success", "run_result": {"status": "Finished", "return_code": 0,
+                                                                  "stdout": "5\n", "stderr": "",
+                                                                  "execution_time": 0.01}})
+
+        def log_message(self, *args):
+            pass
+
+    url = http_servers(Sandbox) + "/run_code"
+    monkeypatch.chdir(tmp_path)
+    pq.write_table(pa.Table.from_pylist(_code_rows(8)), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(_code_rows(4)), tmp_path / "test.parquet")
+    got = cli_in_process(
+        "train", "ppo", f"reward_model.sandbox_fusion_url={url}", "reward_model.reward_manager=prime",
+        "algorithm.adv_estimator=gae", "data.train_files=train.parquet", "data.val_files=test.parquet",
+        "data.train_batch_size=2", "data.max_prompt_length=64", "data.max_response_length=8",
+        "data.filter_overlong_prompts=True", "data.truncation='error'", f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.n=2", "critic.optim.lr=1e-5",
+        f"critic.model.path={tiny_model_dir}", "critic.ppo_micro_batch_size_per_gpu=2",
+        "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", "trainer.logger=['console','jsonl']",
+        "trainer.project_name='verl_example_gsm8k'", "trainer.experiment_name='code'", "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1", "trainer.save_freq=100", "trainer.test_freq=-1", "trainer.total_epochs=1",
+        "trainer.total_training_steps=2", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+        f"trainer.output_dir={tmp_path / 'out'}", "trainer.progress_bar=false")
+    assert got.returncode == 0, got.stderr[-3000:] + got.stdout[-3000:]
+    rows = [json.loads(line) for line in
+            next((tmp_path / "out").glob("*/logs/metrics.jsonl")).read_text().splitlines()]
+    scores = [r[k] for r in rows for k in ("reward/mean", "val/accuracy") if k in r]
+    assert len(scores) == 3 and all(s == 1.0 for s in scores), rows  # the held-out pass before step 1, two steps
+    assert len(runs) >= 2 * 2 * 2 and {r for r in runs} == {("/run_code", "2 3\n", "python")}

@@ -166,7 +166,7 @@ def test_registry_unknown_source() -> None:
     message = str(excinfo.value)
     assert "\n" not in message
     assert message.startswith("no built-in reward for data_source 'my/dataset' (known: ")
-    assert "DigitalLearningGmbH/MATH-lighteval, bamboogle, gsm8k, " in message
+    assert "DigitalLearningGmbH/MATH-lighteval, apps, bamboogle, codecontests, codeforces, gsm8k, " in message
     assert message.endswith("for other data pass algorithm.reward_fn=path/to/file.py:function)")
 
 

@@ -203,6 +203,10 @@ def test_verls_qwen3_gsm8k_batch_splits_as_verl_splits_it_and_a_ref_sync_is_name
     # current verl's names of rollout correction's switches, at their off values
     (["algorithm.rollout_correction.bypass_mode=False", "algorithm.rollout_correction.loss_type=ppo_clip",
       "algorithm.rollout_correction.use_policy_gradient=False"], "algorithm.rollout_is", "none"),
+    (["reward.sandbox_fusion.url=http://127.0.0.1:8080/run_code"], "sandbox.url", "http://127.0.0.1:8080/run_code"),
+    (["reward_model.sandbox_fusion.url=null"], "sandbox.url", ""),
+    (["reward_model.sandbox_fusion_url=http://h:8080"], "sandbox.url", "http://h:8080"),
+    (["reward_model.sandbox_fusion.max_concurrent=8"], "sandbox.max_concurrent", 8),
 ])
 def test_current_verl_spellings_map_or_are_accepted(given, key, expect):
     cfg = load_config(None, ["algorithm.adv_estimator=grpo", *given])
@@ -215,8 +219,8 @@ def test_current_verl_features_alignrl_lacks_are_named_or_one_line(capsys, monke
     load_config(None, ["algorithm.rollout_correction.bypass_mode=True"])
     assert "not applied: rollout correction's bypass mode" in capsys.readouterr().err
     monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED")
-    load_config(None, ["reward.sandbox_fusion.url=http://127.0.0.1:8080/run_code"])
-    assert "not applied: code rewards run in a sandbox service" in capsys.readouterr().err
+    load_config(None, ["actor_rollout_ref.ref.sync_ref_model=True"])
+    assert "not applied: the reference moved toward the policy" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="unknown config key 'reward.no_such_key': not a verl"):
         load_config(None, ["reward.no_such_key=1"])
     with pytest.raises(ConfigError, match="custom_chat_template=.* is not supported .save the template with the "

@@ -387,6 +387,9 @@ def test_verls_gsm8k_interaction_example_trains(tiny_model_dir, tmp_path, cli_in
         "train", "ppo", f"--config-path={tmp_path / 'config'}", "--config-name=gsm8k_multiturn_grpo",
         "algorithm.adv_estimator=grpo", "data.train_batch_size=2", "data.max_prompt_length=1024",
         "data.max_response_length=12", "data.filter_overlong_prompts=True", "data.truncation='error'",
+        # the tiny model never ends a turn itself: each turn is data.max_response_length tokens, so the episode's
+        # cap (verl's rollout.response_length, data.max_response_length unless given) leaves room for more turns
+        "actor_rollout_ref.rollout.response_length=300",
         "data.return_raw_chat=True", f"actor_rollout_ref.model.path={tiny_model_dir}",
         "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
         "+actor_rollout_ref.model.enable_activation_offloading=True", "actor_rollout_ref.actor.optim.lr=1e-6",

@@ -13,6 +13,7 @@ from typing import Any
 from alignrl.config.option import opt
 # re-exported: the config package's names
 from alignrl.config.placement_schema import AgentConfig, PipelineConfig, RetrieverConfig, ServicesConfig  # noqa: F401
+from alignrl.config.sandbox_schema import SandboxConfig
 from alignrl.errors import ConfigError  # noqa: F401 (the config package's error, defined below it for runtime/)
 
 
@@ -367,6 +368,7 @@ class RunConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     @property

@@ -91,6 +91,8 @@ def _renamed(st: TranslationPass, key: str, value: str) -> bool:
         st.verl = True
         if key == "trainer.default_local_dir":  # verl's path is relative to the working directory
             value = os.path.abspath(value)
+        if "sandbox_fusion" in key and _value(value) is None:  # verl's null: no sandbox (programs run locally)
+            value = ""
         if key == A + "clip_ratio":  # only the fallback of clip_ratio_low/high given beside it (as in verl)
             st.out[:0] = [f"{target}={value}" for target in RENAMES[key]]
         else:
@@ -265,7 +267,9 @@ def verl_defaults(t: Translation, given: set[str], adv_estimator: str, use_kl_lo
         out.append(f"critic.enable={estimator == 'gae'}")
     if estimator == "gae" and "rollout.n" not in given:  # verl's PPO samples one response a prompt; a group
         out.append("rollout.n=1")  # estimator left without rollout.n keeps alignrl's group of 8 (verl's 1 has none)
-    if "agent.max_response_length" not in given:  # Search-R1 keeps a trajectory's first max_prompt_length tokens
+    if t.search_r1 and "agent.max_response_length" not in given:
+        # Search-R1 keeps a trajectory's first max_prompt_length tokens; verl's agent loop caps an episode's response
+        # at rollout.response_length, data.max_response_length unless given (alignrl's 0: rollout.max_new_tokens)
         out.append("agent.max_response_length=${data.max_prompt_length}")
     if "model.dtype" not in given and _cuda_bf16():
         # verl computes in bf16 over fp32 weights (FSDP mixed precision, a bf16 vLLM and reference): alignrl's

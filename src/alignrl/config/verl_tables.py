@@ -25,6 +25,9 @@ RENAMES: dict[str, tuple[str, ...]] = {
     # the engine workers' spelling (verl 0.7's optim config): the same gradient-norm clip
     A + "optim.clip_grad": ("actor.grad_clip",), "critic.optim.clip_grad": ("critic.grad_clip",),
     A + "ppo_mini_batch_size": ("actor.ppo_mini_batch_size",),
+    # the code reward's sandbox (docs/code.md); sandbox_fusion_url is the key's name before verl 0.4
+    **{f"reward_model.sandbox_fusion.{k}": (f"sandbox.{k}",) for k in ("url", "max_concurrent", "memory_limit_mb")},
+    "reward_model.sandbox_fusion_url": ("sandbox.url",),
     # the reference's and the old policy's no-grad passes: one alignrl key serves both (the last one given)
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ("actor.logprob_micro_batch_size",),
     R + "log_prob_micro_batch_size_per_gpu": ("actor.logprob_micro_batch_size",),
@@ -141,7 +144,8 @@ ALIASES = {"reward_model.reward_kwargs.overlong_buffer_cfg." + k: "reward_model.
     "reward.custom_reward_function.path": "custom_reward_function.path",
     "reward.custom_reward_function.name": "custom_reward_function.name",
     "reward.reward_model.enable": "reward_model.enable", "reward.reward_model.model_path": "reward_model.model.path",
-    "reward.num_workers": "reward_model.num_workers"}
+    "reward.num_workers": "reward_model.num_workers",
+    **{f"reward.sandbox_fusion.{k}": f"reward_model.sandbox_fusion.{k}" for k in ("url", "max_concurrent", "memory_limit_mb")}}
 
 # verl's policy_loss.loss_mode -> alignrl's actor.policy_loss; the other policy_loss.* keys tune only modes alignrl
 # does not have (clip-cov, kl-cov), so whatever they say changes nothing in these two.
@@ -174,7 +178,6 @@ MISSING: dict[str, tuple[str, tuple[object, ...]]] = {
     RC + "bypass_mode": ("rollout correction's bypass mode (the rollout's log-probs as the old policy's)", (False,)),
     RC + "use_policy_gradient": ("the unclipped policy gradient of pure rollout correction", (False,)),
     RC + "loss_type": ("rollout correction's bypass losses other than ppo_clip", ("ppo_clip",)),
-    "*sandbox_fusion*": ("code rewards run in a sandbox service (sandbox_fusion)", (None, "")),
     "actor_rollout_ref.ref.sync_ref_model": ("the reference moved toward the policy every ref_model_sync_steps "
                                              "steps (TR-DPO's ref sync)", (False,)),
     "data.gen_batch_size": ("DAPO's generation batch larger than the training batch (alignrl's dynamic sampling "

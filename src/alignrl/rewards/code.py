@@ -16,6 +16,7 @@ block, else the whole response (verl's rule).
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -147,3 +148,15 @@ class CodeReward:
 
 
 LOCAL = CodeReward(LocalRunner())  # verl without a sandbox URL runs the cases on its own machine too
+
+
+def code_reward(sandbox) -> CodeReward:
+    """The code reward of a run's `sandbox` config section (url, max_concurrent, memory_limit_mb, timeout_s): on
+    its service, 64 cases at once unless said (verl's), or here, as many at once as this process has cores."""
+    if sandbox.url:
+        from alignrl.rewards.sandbox_client import SandboxClient
+
+        runner, at_once = SandboxClient(sandbox.url), sandbox.max_concurrent or 64
+    else:
+        runner, at_once = LocalRunner(), sandbox.max_concurrent or len(os.sched_getaffinity(0))
+    return CodeReward(runner, CodeSettings(sandbox.timeout_s, sandbox.memory_limit_mb, at_once))

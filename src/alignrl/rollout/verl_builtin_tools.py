@@ -1,5 +1,6 @@
-"""verl's own tools, as alignrl's: a tool config naming `verl.tools.gsm8k_tool.Gsm8kTool` or
-`verl.tools.search_tool.SearchTool` gets these (`BUILTIN`), with verl's config keys, call schemas and response texts.
+"""verl's own tools, as alignrl's: a tool config naming `verl.tools.gsm8k_tool.Gsm8kTool`,
+`verl.tools.search_tool.SearchTool` or `verl.tools.sandbox_fusion_tools.SandboxFusionTool` (`verl_code_tool`) gets
+these (`BUILTIN`), with verl's config keys, call schemas and response texts.
 
 `Gsm8kTool` scores an `answer` against the row's ground truth (alignrl.rewards.gsm8k, flexible extraction).
 
@@ -25,6 +26,7 @@ from typing import Any
 from alignrl.errors import ConfigError
 from alignrl.rewards import gsm8k
 from alignrl.rollout.retriever import RetrieverClient
+from alignrl.rollout.verl_code_tool import SandboxFusionTool
 from alignrl.rollout.verl_tool_api import BaseTool, OpenAIFunctionToolSchema, ToolResponse
 
 MISSING_QUERIES = "Error: 'query_list' is missing, empty, or not a list in parameters."  # verl's words
@@ -117,4 +119,5 @@ class SearchTool(BaseTool):
 BUILTIN: dict[str, type[BaseTool]] = {
     **dict.fromkeys(("verl.tools.gsm8k_tool.Gsm8kTool", "verl.workers.tool.gsm8k_tool.Gsm8kTool"), Gsm8kTool),
     "verl.tools.search_tool.SearchTool": SearchTool,
+    "verl.tools.sandbox_fusion_tools.SandboxFusionTool": SandboxFusionTool,
 }
