@@ -107,7 +107,7 @@ NOT_USED = (
     "data.enable_thinking", "actor_rollout_ref.model.enable_activation_offloading",
     "data.filter_overlong_prompts_workers", "reward_model.overlong_buffer.log",
     "reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size", "reward_model.use_reward_loop",
-    "reward_model.num_workers", "reward_model.strategy", "reward_model.max_length", "reward_model.launch_reward_fn_async",
+    "reward_model.num_workers", "reward_model.strategy", "reward_model.launch_reward_fn_async",
     "trainer.default_hdfs_dir", "data.val_batch_size", "data.tokenizer", "data.return_raw_input_ids",
     "data.return_raw_chat", "trainer.val_generations_to_log_to_wandb",
     # verl 0.7: vLLM's memory, weight transfer and CUDA graphs; kernels, compilation and memory of the trainer's
