@@ -24,7 +24,6 @@ Left out: OmegaConf interpolations in the YAML (read as plain YAML), and multimo
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import math
 import numbers
@@ -36,7 +35,7 @@ import yaml
 
 from alignrl.errors import ConfigError, UserError
 from alignrl.rewards import gsm8k
-from alignrl.rollout.verl_tool_api import import_class
+from alignrl.rollout.verl_tool_api import import_class, installed_verl
 from alignrl.utils.user_files import provide_modules
 
 KEY = "agent.interaction_config_path"
@@ -116,16 +115,9 @@ BUILTIN: dict[str, type] = {GSM8K_CLASS: Gsm8kInteraction}
 
 def interaction_api() -> type:
     """verl's BaseInteraction: an installed verl's, else this one, registered as verl.interactions.base."""
-    try:
-        return importlib.import_module("verl.interactions.base").BaseInteraction
-    except ModuleNotFoundError as exc:
-        if not (exc.name or "").startswith("verl"):  # an installed verl missing one of its own dependencies
-            raise InteractionConfigError(f"{KEY}: the installed verl's interaction module fails to import ({exc}); "
-                                         "install what it needs, or uninstall verl") from exc
-    except Exception as exc:
-        raise InteractionConfigError(f"{KEY}: the installed verl's interaction module fails to import "
-                                     f"({type(exc).__name__}: {exc})".splitlines()[0] + "; repair or uninstall verl"
-                                     ) from exc
+    installed = installed_verl(("verl.interactions.base",), InteractionConfigError, KEY, "interaction module")
+    if installed:
+        return installed[0].BaseInteraction
     provide_modules({"verl.interactions.base": {"BaseInteraction": BaseInteraction}},
                     "verl's interaction API, as alignrl provides it (verl is not installed)")
     return BaseInteraction

@@ -112,20 +112,28 @@ _PROVIDED = {
 }
 
 
+def installed_verl(modules: tuple[str, ...], error: type[UserError], key: str, what: str) -> list | None:
+    """The installed verl's `modules`; None when verl is not installed (alignrl then provides its own). An installed
+    verl that fails to import (a dependency of its own missing, a broken file) is one line raising `error`."""
+    try:
+        return [importlib.import_module(name) for name in modules]
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("verl"):  # an installed verl missing one of its own dependencies
+            raise error(f"{key}: the installed verl's {what} fail to import ({exc}); install what they need, or "
+                        f"uninstall verl to use the {what} alignrl provides") from exc
+    except Exception as exc:
+        raise error(f"{key}: the installed verl's {what} fail to import ({type(exc).__name__}: "
+                    f"{exc})".splitlines()[0] + "; repair or uninstall verl") from exc
+    return None
+
+
 def verl_api() -> tuple[type, type]:
     """verl's BaseTool and OpenAIFunctionToolSchema: an installed verl's, else these, registered under verl's module
     names so that a tool file importing them runs unchanged (parent packages that are missing, or hold no tools, as
     the repository's `verl.trainer` shim does, get the missing submodules)."""
-    try:
-        base = importlib.import_module("verl.tools.base_tool")
-        return base.BaseTool, importlib.import_module("verl.tools.schemas").OpenAIFunctionToolSchema
-    except ModuleNotFoundError as exc:
-        if not (exc.name or "").startswith("verl"):  # an installed verl missing one of its own dependencies
-            raise ToolConfigError(f"{KEY}: the installed verl's tool modules fail to import ({exc}); install what "
-                                  "they need, or uninstall verl to use the tool API alignrl provides") from exc
-    except Exception as exc:
-        raise ToolConfigError(f"{KEY}: the installed verl's tool modules fail to import ({type(exc).__name__}: "
-                              f"{exc})".splitlines()[0] + "; repair or uninstall verl") from exc
+    installed = installed_verl(("verl.tools.base_tool", "verl.tools.schemas"), ToolConfigError, KEY, "tool modules")
+    if installed:
+        return installed[0].BaseTool, installed[1].OpenAIFunctionToolSchema
     provide_modules(_PROVIDED, "verl's tool API, as alignrl provides it (verl is not installed)")
     return BaseTool, OpenAIFunctionToolSchema
 
