@@ -131,7 +131,7 @@ def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
 
     check_world_size(cfg, world)
     check_run_folders(cfg)
-    for key in ("train_files", "val_files"):
+    for key in ("train_files", "val_files") if not cfg.data.dataset_class else ():  # a dataset class reads them
         for path in data_files(getattr(cfg.data, key)):
             check_data_file(path, f"data.{key}")
             if cfg.algorithm.reward_fn is None:  # a user's reward function decides what it scores

@@ -46,6 +46,8 @@ class DataConfig:
                                       "that runs out first starts over); [] concatenates the files")
     val_files: Any = opt("synthetic", "held-out data: 'synthetic', a .jsonl/.json/.parquet file, or a list of them")
     format: str = opt("auto", "file layout", choices=("auto", "gsm8k", "verl"))
+    dataset_class: str = opt("", "path/to/file.py:Class, a verl dataset class (RLHFDataset subclass; verl's "
+                                 "data.custom_cls) that makes the rows of the data files (docs/data.md)")
     train_size: int = opt(20000, "number of synthetic training problems (ignored for files)", ge=1)
     train_max_samples: int = opt(-1, "files: train on the first N rows of data.train_files only (OpenRLHF's "
                                      "--max_samples; with data.train_files_probs, the first N of each file, then of "

@@ -168,6 +168,9 @@ def _other(st: TranslationPass, key: str, value: str) -> None:
     elif key in ("custom_reward_function.path", "custom_reward_function.name"):
         st.verl = True
         st.custom[key.rsplit(".", 1)[1]] = value
+    elif key in ("data.custom_cls.path", "data.custom_cls.name"):  # verl's dataset class: both parts, or neither
+        st.verl = True
+        st.dataset_cls[key.rsplit(".", 1)[1]] = value
     elif key.startswith(VERL_SECTIONS):
         raise UnknownKeyError(f"unknown config key '{key}'{nearest_sibling(key, RENAMES)}: not a verl/Search-R1 key "
                           "alignrl knows (docs/verl-keys.md lists them; `alignrl config --reference` "
@@ -216,6 +219,7 @@ def _finish(st: TranslationPass) -> Translation:
     notes = st.notes + _grouped(not_applied)
     if custom.get("path") not in (None, "null"):  # verl's default function name is compute_score
         out.append(f"algorithm.reward_fn={custom['path']}:{custom.get('name', 'compute_score')}")
+    out += _dataset_class(st.dataset_cls)
     # n_agent is Search-R1's group size; verl's rollout.n beside it is the vLLM sample count (1)
     agent_n = [o for o in st.overrides if o.lstrip("+").startswith(R + "n_agent=")]
     if agent_n:
@@ -276,6 +280,16 @@ def verl_defaults(t: Translation, given: set[str], adv_estimator: str, use_kl_lo
         # bfloat16 model with its fp32 master weights
         out.append("model.dtype=bfloat16")
     return out
+
+
+def _dataset_class(given: dict[str, str]) -> list[str]:
+    """verl's data.custom_cls.{path,name} as data.dataset_class=path:name (a null path: verl's own dataset)."""
+    path, name = (_value(given.get(part, "null")) for part in ("path", "name"))
+    if path in (None, ""):
+        return []
+    if name in (None, ""):
+        raise ConfigError(f"data.custom_cls.path={path} needs data.custom_cls.name=<the dataset class in it>")
+    return [f"data.dataset_class={path}:{name}"]
 
 
 def _policy_loss(t: Translation, given: set[str]) -> str | None:

@@ -21,6 +21,7 @@ class TranslationPass:
     not_used: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     custom: dict[str, str] = field(default_factory=dict)  # verl's custom_reward_function.{path,name}
+    dataset_cls: dict[str, str] = field(default_factory=dict)  # verl's data.custom_cls.{path,name}
     # key -> (value, why); a key given twice: listed once, last value
     not_applied: dict[str, tuple[str, str]] = field(default_factory=dict)
     critic_follows: dict[str, str] = field(default_factory=dict)  # verl's critic.ppo_mini_batch_size / ppo_epochs

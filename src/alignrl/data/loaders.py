@@ -30,6 +30,7 @@ from alignrl.data.row_formats import (DataError, PromptKeys, chat_messages, json
                                   plain_ground_truth, with_system)
 from alignrl.data.images import with_row_images
 from alignrl.data.records import Sample
+from alignrl.data.verl_dataset import dataset_class_rows, verl_data_config
 from alignrl.utils.atomic import atomic_write
 
 GSM8K_COLUMNS = ("question", "answer")
@@ -89,7 +90,35 @@ def load_samples(
     if prompt_key is not None:
         by_column = PromptKeys(prompt_key, label_key, input_template, apply_chat_template)
         return [placed(loc, row, keys_sample(loc, row, by_column, system_prompt)) for loc, row in rows]
-    fmt = _detect_format(path, columns, fmt)
+    return _converted(rows, _detect_format(path, columns, fmt), system_prompt, placed)
+
+
+def verl_samples(rows: list[dict[str, Any]], where: str, *, system_prompt: str | None = None,
+                 image_key: str = "images") -> list[Sample]:
+    """Rows in verl's layout made elsewhere (a verl dataset class, `data.verl_dataset`), as samples; `where` names
+    their maker in messages. Relative image paths are taken from the working folder."""
+
+    def placed(loc: str, row: dict[str, Any], sample: Sample) -> Sample:
+        return with_row_images(loc, dataclasses.replace(sample, source=loc), row, image_key, None)
+
+    return _converted([(f"{where} row {i}", row) for i, row in enumerate(rows)], "verl", system_prompt, placed)
+
+
+def dataset_class_samples(d: Any, files: str | list[str], limit: int | None, key: str) -> list[Sample]:
+    """The samples the data section's dataset class (`d.dataset_class`, `data.verl_dataset`) makes of `files`
+    (data.train_files or data.val_files, named by `key`), at most `limit` of them."""
+    rows = dataset_class_rows(d.dataset_class, data_files(files), verl_data_config(d), -1 if limit is None else limit)
+    return verl_samples(rows if limit is None else rows[:limit], f"{key} through {d.dataset_class}",
+                        system_prompt=d.system_prompt, image_key=d.image_key)
+
+
+def dataset_class_count(d: Any) -> int:
+    """The training rows the data section's dataset class makes (verl counts its epochs in them)."""
+    return len(dataset_class_rows(d.dataset_class, data_files(d.train_files), verl_data_config(d), -1))
+
+
+def _converted(rows: list[_Row], fmt: str, system_prompt: str | None,
+               placed: Callable[[str, dict[str, Any], Sample], Sample]) -> list[Sample]:
     convert: Callable[[str, dict[str, Any], str | None], Sample] = (
         _gsm8k_sample if fmt == "gsm8k" else _verl_sample
     )

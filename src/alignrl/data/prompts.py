@@ -7,7 +7,7 @@ from alignrl.config import RunConfig
 from alignrl.data import synthetic
 from alignrl.data.collate import encode_prompts, prompt_ids
 from alignrl.data.images import PROCESSOR_ATTR, ImageDataError, prompt_length, set_pixel_bounds
-from alignrl.data.loaders import DataError, load_blended, load_samples
+from alignrl.data.loaders import DataError, dataset_class_samples, load_blended, load_samples
 from alignrl.rewards.registry import ground_truth_problem
 from alignrl.utils.tracking import console
 
@@ -27,11 +27,13 @@ def load_task_data(cfg: RunConfig, tokenizer=None, tools: list[dict] | None = No
                 input_template=d.input_template, apply_chat_template=d.apply_chat_template, image_key=d.image_key)
     train = (synthetic.generate("train", d.train_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
              if d.train_files == "synthetic" else
+             dataset_class_samples(d, d.train_files, d.train_row_cap, "data.train_files") if d.dataset_class else
              load_blended(d.train_files, d.train_files_probs, cfg.trainer.seed, d.format, limit=d.train_row_cap,
                           **keys) if d.train_files_probs else
              load_samples(d.train_files, d.format, limit=d.train_row_cap, **keys))
     val = (synthetic.generate("test", d.val_size, seed=cfg.trainer.seed, system_prompt=d.system_prompt)
            if d.val_files == "synthetic" else
+           dataset_class_samples(d, d.val_files, d.val_size, "data.val_files") if d.dataset_class else
            load_samples(d.val_files, d.format, limit=d.val_size, key="data.val_files", **keys))
     if cfg.algorithm.reward_fn is None:  # a user's function decides what its ground truth looks like
         for s in (*train, *val):
