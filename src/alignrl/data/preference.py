@@ -244,7 +244,8 @@ class EncodedPair:
 
 def encode_pairs(tokenizer, pairs: Sequence[PreferencePair], max_length: int) -> tuple[list[EncodedPair], int]:
     """Token ids of every pair, and how many were truncated. The prompt keeps at most half of
-    `max_length` (its end, so the generation prompt stays); each response gets the rest."""
+    `max_length` (its end, so the generation prompt stays); each response gets the rest. The prompt renders with
+    the variables bound to `tokenizer` (chat_template_kwargs, `models.loader.with_template_variables`)."""
     out, truncated = [], 0
     for i, p in enumerate(pairs):
         ids = tokenizer.apply_chat_template(p.prompt, add_generation_prompt=True, tokenize=True)

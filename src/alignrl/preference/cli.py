@@ -29,6 +29,7 @@ from alignrl.errors import UserError
 DPO_LOSS_NAMES = ("safe_mm_dpo", "safe_odpo", "sigmoid", "cdpo", "ipo", "hinge", "safe")
 SMOOTHED_LOSSES = ("sigmoid", "cdpo")
 SAFETY_LOSSES = ("safe_mm_dpo", "safe_odpo")  # the losses that read the two scorers
+MAPPING_KEYS = ("chat_template_kwargs",)  # the keys whose values are mappings, checked before OmegaConf merges them
 NOTES_SAID = "ALIGNRL_PREFERENCE_NOTES_SAID"  # set for the ranks of `--nproc`: the parent said the notes already
 
 
@@ -79,6 +80,9 @@ class CommonConfig:
     save_steps: int = opt(0, "also write a resumable checkpoint every N optimizer steps to <output_dir>.checkpoints/"
                              "step_N (weights, optimizer; λ for safe_mm_dpo); 0: only the final model", ge=0)
     resume_from: str | None = opt(None, "a <output_dir>.checkpoints/step_N folder to go on from (same config)")
+    chat_template_kwargs: dict[str, Any] = opt({}, "extra variables of the chat template wherever a pair's prompt is "
+                                                   "templated, e.g. {enable_thinking: false} for Qwen3 (the RL runs' "
+                                                   "data.chat_template_kwargs; verl's apply_chat_template_kwargs)")
 
 
 @dataclass(frozen=True)
@@ -161,12 +165,12 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
     try:
         merged = OmegaConf.structured(cls)
         if path:  # the Safe-MM-DPO project's keys become ours; a key written twice is said, the last value kept
-            merged = OmegaConf.merge(merged, OmegaConf.create(translate(read_yaml(path, say), command)))
+            merged = OmegaConf.merge(merged, _mappings_checked(translate(read_yaml(path, say), command), path))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"unexpected argument {bad[0]!r} (overrides look like key=value, e.g. epochs=2)")
-        overrides = [translate_override(o, command) for o in overrides]
-        merged = OmegaConf.merge(merged, *(dotted_item(cls, o) for o in overrides),
+        merged = OmegaConf.merge(merged, *(_mappings_checked(OmegaConf.to_container(
+                                     dotted_item(cls, translate_override(o, command))), o) for o in overrides),
                                  {k: v for k, v in flags.items() if v is not None})
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -191,6 +195,22 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
         folders["--output_dir"] = output.parent if output.is_file() else output
     check_folders(folders)
     return cfg
+
+
+def _mappings_checked(tree: dict[str, Any], source: str) -> dict[str, Any]:
+    """`tree` (a YAML file's keys, or one override's) with its mapping-valued keys checked: OmegaConf refuses a list
+    given to one without naming the key, and a null there means no variables, as verl's `{}` does."""
+    for key in MAPPING_KEYS:
+        value = tree.get(key)
+        if value is None and key in tree:
+            tree = {**tree, key: {}}
+        elif value is not None and not isinstance(value, dict):
+            raise ConfigError(f"bad value for '{key}' ({source}): {value!r} is not a mapping; give the template's "
+                              f"variables as {key}={{enable_thinking: false}} or {key}.enable_thinking=false")
+        elif value is not None and not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"bad value for '{key}' ({source}): the names of template variables are text, "
+                              f"not {sorted(map(repr, value))}")
+    return tree
 
 
 def say(text: str) -> None:

@@ -27,7 +27,7 @@ from alignrl.config import ConfigError
 from alignrl.data.loaders import DataError
 from alignrl.data.preference import PreferenceBatch, collate_pairs
 from alignrl.runtime.env import cuda_bf16
-from alignrl.models.loader import disable_dropout, recompute_activations
+from alignrl.models.loader import disable_dropout, recompute_activations, with_template_variables
 from alignrl.train.checkpoint import CheckpointError, aside_path, hold_run_dir, nonfinite, write_manifest
 from alignrl.train.engines.base import TrainingDiverged
 
@@ -50,6 +50,14 @@ def prepare_trainable(model, cfg: CommonConfig) -> None:
     disable_dropout(model)  # as TRL's: the policy is scored against a reference in eval mode
     if cfg.gradient_checkpointing:
         recompute_activations(model)
+
+
+def bind_template_variables(tokenizer, cfg: CommonConfig, log) -> None:
+    """`chat_template_kwargs` set on `tokenizer` before any pair is templated: the training and held-out rows (and
+    the scorers' tables, which read the same ids) render with them; the saved tokenizer stays the model's own."""
+    if cfg.chat_template_kwargs:
+        log.print(f"chat template variables (chat_template_kwargs): {dict(cfg.chat_template_kwargs)}")
+    with_template_variables(tokenizer, dict(cfg.chat_template_kwargs))
 
 
 def build_engine_for(cfg: CommonConfig, model, env, total_steps: int):

@@ -248,6 +248,7 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     pc.check_enough(len(train_pairs), cfg, env.world_size, ", ".join(cfg.train_files))
     log = pc.RankZeroLog(env, log_dir, cfg.report_to)
     policy, tok = load_model(cfg.model_path, log=log.print, key="model_path")
+    pc.bind_template_variables(tok, cfg, log)
     spec = adapters.spec_of(cfg)
     ref = _Reference(cfg, policy, env, spec is not None)
     pc.prepare_trainable(policy, cfg)

@@ -27,6 +27,8 @@ RM_FILES = {"train_helpful_path": "helpful_train_file", "val_helpful_path": "hel
             "train_harmless_path": "harmless_train_file", "val_harmless_path": "harmless_eval_file"}
 DPO_FILES = {"train_files": ("train_helpful_path", "train_harmless_path"),
              "eval_files": ("val_helpful_path", "val_harmless_path")}
+# verl's name of the template variables (its data.apply_chat_template_kwargs); ours is the RL runs' and vLLM's
+VERL_NAMES = {"apply_chat_template_kwargs": "chat_template_kwargs"}
 LORA_KEYS = {"r": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "lora_target_modules"}
 
 
@@ -87,8 +89,8 @@ def translate(raw: dict[str, Any], command: str) -> dict[str, Any]:
         out[key], given[key] = value, source
 
     for key, value in raw.items():
-        if key in MMDPO_KEYS:
-            put(MMDPO_KEYS[key], value, key)
+        if key in MMDPO_KEYS or key in VERL_NAMES:
+            put(MMDPO_KEYS.get(key) or VERL_NAMES[key], value, key)
         elif command == "rm" and key in RM_FILES:
             put(RM_FILES[key], value, key)
         elif command == "dpo" and key in RM_FILES:
@@ -127,5 +129,8 @@ def translate_override(override: str, command: str) -> str:
         return override
     if key.startswith("lora.") and key[5:] in LORA_KEYS:
         return f"{LORA_KEYS[key[5:]]}={value}"
+    head, dot, rest = key.lstrip("+").partition(".")  # verl's `+key.name=v` adds an entry: here every key exists
+    if head in VERL_NAMES:
+        return f"{VERL_NAMES[head]}{dot}{rest}={value}"
     files = RM_FILES if command == "rm" else {}
     return f"{MMDPO_KEYS.get(key, files.get(key, key))}={value}"

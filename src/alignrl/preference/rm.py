@@ -219,6 +219,7 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     pc.check_enough(len(train_pairs), cfg, env.world_size, train_file)
     log = pc.RankZeroLog(env, log_dir, cfg.report_to)  # held before any model loads
     hf, tok = load_score_model(cfg.model_path, cfg.seed, tokenizer=cfg.tokenizer_name)
+    pc.bind_template_variables(tok, cfg, log)
     pc.prepare_trainable(hf, cfg)
     spec, peft_model, inner = adapters.spec_of(cfg), None, hf
     if spec is not None:  # the head trains in full beside the adapters (modules_to_save)

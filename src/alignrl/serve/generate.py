@@ -1,7 +1,7 @@
 """Generation server: OpenAI-compatible completions plus a token-level endpoint and weight sync.
 
     alignrl serve generate --model PATH --port 8000 [--engine hf|vllm] [--tensor_parallel_size N]
-                           [--host H] [--max_batch N]
+                           [--host H] [--max_batch N] [--default_chat_template_kwargs JSON]
 
 Endpoints: `GET /health` (exactly {"status": "healthy"}), `GET /v1/models`, `POST /v1/completions`,
 `POST /v1/chat/completions`, `POST /v1/generate_tokens` (token ids in, token ids + per-token
@@ -14,7 +14,9 @@ log-probs + finish reasons + the weight version out: what an RL trainer needs), 
 do in the in-process engine's rollouts; the OpenAI endpoints cut the text before the stop string.
 Log-probs are the in-process engine's: of the sampled token under the temperature-scaled distribution.
 Requests with a `seed` are never merged with other requests, so a seeded request gives the same
-output however busy the server is. Deliberately left out: streaming, best_of, echo, tools.
+output however busy the server is. `--default_chat_template_kwargs` (vLLM's `--default-chat-template-kwargs`, e.g.
+'{"enable_thinking": false}') are variables of the chat template for every chat request; a request's own
+`chat_template_kwargs` win over them, name by name. Deliberately left out: streaming, best_of, echo, tools.
 """
 
 from __future__ import annotations
@@ -298,7 +300,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor_parallel_size", type=int, default=1, help="GPUs per model (vllm engine)")
     p.add_argument("--max_model_len", type=int, default=0, help="context length (default: the model's)")
     p.add_argument("--served_model_name", default="", help="name in /v1/models (default: the --model value)")
+    p.add_argument("--default_chat_template_kwargs", "--default-chat-template-kwargs", default="", metavar="JSON",
+                   help="variables of the chat template for every chat request, as a JSON object, e.g. "
+                        "'{\"enable_thinking\": false}'; a request's chat_template_kwargs win, name by name")
     return p
+
+
+def default_template_variables(text: str) -> dict:
+    """--default_chat_template_kwargs as a mapping ({} when not given); ValueError in one line otherwise."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--default_chat_template_kwargs is not JSON ({e}); give an object, e.g. "
+                         "'{\"enable_thinking\": false}'") from None
+    return oa.template_variables(value, "--default_chat_template_kwargs")
 
 
 def load_service(args: argparse.Namespace) -> GenerationService:
@@ -327,6 +344,10 @@ def load_service(args: argparse.Namespace) -> GenerationService:
         model = model.to(device_of(args)).eval()  # on a GPU machine without vLLM (launch_vllm.py): its GPU
         engine, cfg = HFRolloutEngine(model, tok), model.config.get_text_config()  # a VLM's: its language model's
         manifest = manifest_of(model.named_parameters())
+    from alignrl.models.loader import with_template_variables
+
+    # every chat request renders with them unless it sets a variable itself (its own apply_chat_template keywords)
+    with_template_variables(tok, default_template_variables(args.default_chat_template_kwargs))
     vocab = getattr(getattr(engine, "model", None), "get_input_embeddings", lambda: None)()
     limits = Limits(vocab_size=vocab.num_embeddings if vocab is not None else cfg.vocab_size,
                     max_model_len=args.max_model_len or getattr(cfg, "max_position_embeddings", 4096),
@@ -342,6 +363,11 @@ def main(argv: list[str]) -> int:
         problem = "--tensor_parallel_size must be at least 1"
     if problem is None and args.max_model_len < 0:
         problem = f"--max_model_len {args.max_model_len} must be a positive context length (0: the model's)"
+    if problem is None:
+        try:  # before the model loads: a typo in the JSON is said at once
+            default_template_variables(args.default_chat_template_kwargs)
+        except ValueError as e:
+            problem = str(e)
     if problem:
         return fail(PROG, problem)
     if args.engine == "hf" and args.tensor_parallel_size > 1:  # the seed's launcher passes 8: say what it does here

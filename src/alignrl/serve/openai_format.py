@@ -5,6 +5,10 @@ does not implement (penalties, `min_p`, `logit_bias`) are refused with a 400 unl
 neutral value, as are `stream`, `echo` and `best_of` > 1: ignoring them would change what the caller
 receives without saying so. Token strings in log-prob entries are
 each token decoded on its own, so a character split across tokens shows as replacement characters.
+
+A chat request's `chat_template_kwargs` (vLLM's: `{"enable_thinking": false}` for Qwen3) are variables of the chat
+template for that request alone, over the server's `--default_chat_template_kwargs` (bound to its tokenizer at
+start): a per-request view of the tokenizer passes them, so concurrent requests never see each other's.
 """
 
 from __future__ import annotations
@@ -12,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from alignrl.serve.common import RequestError, unicode_texts
 from alignrl.serve.gen_types import MAX_N, MAX_STOP_LEN, MAX_STOPS, GenRow, sampling
@@ -107,12 +111,60 @@ class ChatMessage(BaseModel):
                                                          if isinstance(p, ImagePart)]
 
 
+# apply_chat_template's own arguments: given as template variables they would change what the server renders
+# (tokenize, add_generation_prompt), swap its template, or clash with the call (conversation)
+NOT_VARIABLES = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                           "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                           "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+                           "processor_kwargs"})
+
+
+def template_variables(value: Any, what: str) -> dict[str, Any]:
+    """`value` as the variables of a chat template (a JSON object of names to values); ValueError naming `what`
+    otherwise. JSON object keys are always text, so only the reserved names can be wrong among them."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object of template variables, e.g. {{\"enable_thinking\": false}}; "
+                         f"got {type(value).__name__}")
+    taken = sorted(NOT_VARIABLES.intersection(value))
+    if taken:
+        raise ValueError(f"{what} names {', '.join(taken)}: argument(s) of apply_chat_template itself, not variables "
+                         "of the template; leave them out")
+    return value
+
+
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    chat_template_kwargs: Any = None  # checked below: pydantic's own message would not say what the field holds
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _variables(cls, value: Any) -> dict[str, Any]:
+        return {} if value is None else template_variables(value, "chat_template_kwargs")
+
+
+class TemplateView:
+    """`inner` (a tokenizer, or the processor a vision-language model's carries) whose `apply_chat_template` renders
+    with `variables` unless a call sets them: one request's view, leaving the shared tokenizer as it is. Everything
+    else is the inner object's."""
+
+    def __init__(self, inner, variables: dict[str, Any]):
+        self._inner, self._variables = inner, variables
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self._inner.apply_chat_template(*args, **{**self._variables, **kwargs})
+
+    def __call__(self, *args, **kwargs):
+        return self._inner(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        from alignrl.data.images import PROCESSOR_ATTR
+
+        value = getattr(self._inner, name)
+        return TemplateView(value, self._variables) if name == PROCESSOR_ATTR and value is not None else value
 
 
 def params_of(req: _Sampling, max_tokens: int):
@@ -174,6 +226,8 @@ def image_chat_prompt(req: ChatRequest, tokenizer, max_model_len: int) -> list[i
 def chat_prompt(req: ChatRequest, tokenizer, max_model_len: int) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions with a text prompt")
+    if req.chat_template_kwargs:
+        tokenizer = TemplateView(tokenizer, req.chat_template_kwargs)
     if any(m.images() for m in req.messages):
         from alignrl.data.images import PROCESSOR_ATTR
 
