@@ -306,3 +306,9 @@ def test_several_held_out_answers_need_sampling():
     with pytest.raises(ConfigError, match=r"^rollout.val_n=4 answers a problem need sampling: set rollout.val_temperature"):
         load_config(None, ["rollout.val_n=4"])
     assert load_config(None, ["rollout.val_n=4", "rollout.val_temperature=0.6"]).rollout.val_n == 4
+
+
+def test_a_list_for_a_mapping_is_one_line():
+    with pytest.raises(ConfigError, match=r"bad value for 'data.chat_template_kwargs': .*a list where the key takes a "
+                                          r"mapping"):
+        load_config(None, ["data.chat_template_kwargs=[1,2]"])

@@ -135,6 +135,9 @@ def _merge_one(merged: Any, override: str) -> Any:
         return OmegaConf.merge(merged, item)
     except OmegaConfBaseException as e:
         raise ConfigError(_one_line(e, override.split("=", 1)[0])) from None
+    except TypeError as e:  # a list given for a mapping (or the reverse): OmegaConf's own TypeError, no key in it
+        raise ConfigError(f"bad value for '{override.split('=', 1)[0]}': {e} (a list where the key takes a mapping, "
+                          "or the reverse; `alignrl config --reference` lists each key's type)") from None
 
 
 def _dotted_keys(tree: Any, prefix: str = "") -> set[str]:
