@@ -126,3 +126,41 @@ def test_a_run_trains_on_the_rows_the_class_made(retool_like, tiny_model_dir, cl
     rows = [json.loads(line) for line in next((retool_like / "out").glob("*/logs/metrics.jsonl")).read_text()
             .splitlines()]
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
+
+
+def test_verls_reading_goes_through_the_datasets_package_where_it_is_installed(tmp_path, monkeypatch):
+    """verl's RLHFDataset leaves a datasets.Dataset in self.dataframe, which a subclass may map further: alignrl's does
+    too where the package is installed (a stand-in module here, recording what it was asked)."""
+    import sys
+    import types
+
+    asked = []
+
+    class Frame(list):
+        def select(self, keep):
+            return Frame(self[i] for i in keep)
+
+        def to_list(self):
+            return list(self)
+
+        def map(self, fn):
+            return Frame(fn(dict(r)) for r in self)
+
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda kind, data_files: asked.append((kind, data_files)) or {
+        "train": Frame(pq.read_table(data_files).to_pylist())}
+    fake.concatenate_datasets = lambda parts: Frame(r for p in parts for r in p)
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mapped.py").write_text(
+        "from verl.utils.dataset import RLHFDataset\n\nclass Mapped(RLHFDataset):\n"
+        "    def _read_files_and_tokenize(self):\n        super()._read_files_and_tokenize()\n"
+        "        self.dataframe = self.dataframe.map(lambda r: dict(r, data_source='gsm8k'))\n")
+    rows = [{"data_source": "x", "prompt": [{"role": "user", "content": f"q{i}"}],
+             "reward_model": {"ground_truth": str(i)}} for i in range(4)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    cfg = load_config(None, ["data.train_files=t.parquet", "data.val_files=t.parquet",
+                             "data.dataset_class=mapped.py:Mapped", "data.val_size=2"])
+    train, val = load_task_data(cfg)
+    assert [(s.data_source, s.ground_truth) for s in train] == [("gsm8k", str(i)) for i in range(4)]
+    assert len(val) == 2 and asked[0] == ("parquet", "t.parquet")

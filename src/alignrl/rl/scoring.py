@@ -4,8 +4,9 @@ nothing of where the rollout came from or where the scores go."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,7 +52,7 @@ class RewardStage:
         """Rewards plus the overlong penalty when configured; correctness is never shaped. `samples`
         are the rollout's prompts in group order. Every reward and cost is checked finite here, at the
         boundary: past it a NaN spreads through the advantages into every weight."""
-        rows = [samples[g] for g in ro.group.tolist()]
+        rows = with_turn_counts(ro, [samples[g] for g in ro.group.tolist()])
         rewards, correct = self.task_scores(ro, rows)
         out = torch.tensor(rewards, dtype=torch.float32)
         filters = for_filtering(ro, rewards)
@@ -82,6 +83,16 @@ class RewardStage:
         if self.correct_fn is self.reward_fn:  # no shaping: correctness is the reward itself
             return rewards, [r >= 1.0 for r in rewards]
         return rewards, [r >= 1.0 for r in rule_scores(self.correct_fn, "reward function", rows, texts, prompts)]
+
+
+def with_turn_counts(ro: Rollout, rows: list[Sample]) -> list[Sample]:
+    """`rows` with each episode's turn count in extra_info["num_turns"] where verl's tool loop played them, as verl
+    passes it to the reward function (ReTool's reward credits tool calls by it)."""
+    turns = ro.stats.get("env/verl_num_turns")
+    if turns is None:
+        return rows
+    return [replace(s, extra={**(s.extra or {}), "num_turns": int(t)}) if math.isfinite(t) else s
+            for s, t in zip(rows, turns.tolist())]
 
 
 def played_correct(ro: Rollout) -> torch.Tensor | None:

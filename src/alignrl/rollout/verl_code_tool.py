@@ -30,24 +30,41 @@ SCHEMA = {"type": "function", "function": {
                    "required": ["code"]}}}
 
 
+class ThreadPool:
+    """verl's execution pool as its tools call it, `await pool.execute.remote(fn, *args)`: `fn` in a thread, at most
+    `limit` at once (verl runs it on a Ray actor under a global rate limiter)."""
+
+    def __init__(self, limit: int):
+        self.slots = threading.BoundedSemaphore(max(1, limit))
+        self.execute = self  # verl's `execution_pool.execute.remote(...)`
+
+    def remote(self, fn, *args, **kwargs):
+        return asyncio.to_thread(self._limited, fn, *args, **kwargs)
+
+    def _limited(self, fn, *args, **kwargs):
+        with self.slots:
+            return fn(*args, **kwargs)
+
+
 class SandboxFusionTool(BaseTool):
-    """verl's code interpreter over the sandbox client: runs go in threads, at most `rate_limit` at once."""
+    """verl's code interpreter over the sandbox client, with verl's attributes (a recipe's subclass, as ReTool's,
+    overrides `execute` and calls `self.execution_pool.execute.remote(self.execute_code, ...)`)."""
 
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
         super().__init__(config, tool_schema)
-        url = config.get("sandbox_fusion_url")
-        if not isinstance(url, str) or not url:
+        self.sandbox_fusion_url = config.get("sandbox_fusion_url")
+        if not isinstance(self.sandbox_fusion_url, str) or not self.sandbox_fusion_url:
             raise ConfigError("verl's SandboxFusionTool needs config.sandbox_fusion_url, e.g. "
                               "http://127.0.0.1:8080/run_code (start one with `alignrl serve sandbox`)")
         try:
-            self.client = SandboxClient(url)
+            self.client = SandboxClient(self.sandbox_fusion_url)
         except RewardError as e:
             raise ConfigError(f"the code tool's config.sandbox_fusion_url: {e}") from None
-        self.timeout = float(config.get("default_timeout", 30))
-        self.language = str(config.get("default_language", "python"))
-        self.memory_mb = int(config.get("memory_limit_mb", 1024))
-        limit = int(config.get("rate_limit", 10)) if config.get("enable_global_rate_limit", True) else 1 << 16
-        self.slots = threading.BoundedSemaphore(max(1, limit))
+        self.default_timeout = float(config.get("default_timeout", 30))
+        self.default_language = str(config.get("default_language", "python"))
+        self.memory_limit_mb = int(config.get("memory_limit_mb", 1024))
+        self.rate_limit = int(config.get("rate_limit", 10))
+        self.execution_pool = ThreadPool(self.rate_limit if config.get("enable_global_rate_limit", True) else 1 << 16)
         self._outputs: dict[str, list[str]] = {}
 
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
@@ -61,20 +78,23 @@ class SandboxFusionTool(BaseTool):
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
         parameters = parameters if isinstance(parameters, dict) else {}
         code = parameters.get("code", "")
-        timeout = parameters.get("timeout", self.timeout)
-        timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else self.timeout
-        text = await asyncio.to_thread(self._run, code if isinstance(code, str) else str(code), timeout,
-                                       str(parameters.get("language", self.language)))
-        self._outputs.setdefault(instance_id, []).append(text)
-        return ToolResponse(text=text), None, None  # verl's: a run gives no score and no metrics
+        timeout = parameters.get("timeout", self.default_timeout)
+        timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else self.default_timeout
+        language = str(parameters.get("language", self.default_language))
+        result = await self.execution_pool.execute.remote(self.execute_code, instance_id,
+                                                          code if isinstance(code, str) else str(code), timeout,
+                                                          language)
+        return result, None, None  # verl's: a run gives no score and no metrics
 
-    def _run(self, code: str, timeout: float, language: str) -> str:
-        with self.slots:
-            try:
-                result = self.client.run(code, "", timeout, self.memory_mb, language)
-            except RewardError as e:
-                raise ServiceError(str(e), down=True) from None
-        return result.stdout + result.stderr if result.status == "Finished" else NOT_FINISHED
+    def execute_code(self, instance_id: str, code: str, timeout: float = 30, language: str = "python") -> ToolResponse:
+        """One run on the service: its stdout then its stderr, or verl's words for a run that did not finish."""
+        try:
+            result = self.client.run(code, "", float(timeout), self.memory_limit_mb, language)
+        except RewardError as e:
+            raise ServiceError(str(e), down=True) from None
+        text = result.stdout + result.stderr if result.status == "Finished" else NOT_FINISHED
+        self._outputs.setdefault(instance_id, []).append(text)
+        return ToolResponse(text=text)
 
     async def calc_reward(self, instance_id: str, **kwargs) -> list[str]:
         """The episode's outputs (verl's tool keeps a list; the reward comes from the run's reward function)."""

@@ -36,11 +36,13 @@ from pydantic import ValidationError
 
 from alignrl.data.records import Sample
 from alignrl.errors import UserError
+from alignrl.utils.user_files import provide_modules
 from alignrl.rollout.remote import ServiceError
 from alignrl.rollout.tool_calls import ToolCall, ToolChat, parse_hermes, truncate_response
 from alignrl.rollout.verl_builtin_tools import BUILTIN
+from alignrl.rollout.verl_code_tool import SandboxFusionTool
 from alignrl.rollout.verl_interactions import Interactions, Talk
-from alignrl.rollout.verl_tool_api import KEY, ToolConfigError, import_class, verl_api
+from alignrl.rollout.verl_tool_api import KEY, BaseTool, ToolConfigError, import_class, verl_api
 
 
 class ToolResultError(UserError):
@@ -162,11 +164,21 @@ def _response_text(response: Any, name: str) -> str:
     return get("text") or ""
 
 
+def _api() -> tuple[type, type]:
+    """verl's tool API (`verl_api`); where alignrl provides it, verl's code tool module too, which recipes subclass
+    (ReTool's CustomSandboxFusionTool)."""
+    base, schema_cls = verl_api()
+    if base is BaseTool:
+        provide_modules({"verl.tools.sandbox_fusion_tools": {"SandboxFusionTool": SandboxFusionTool}},
+                        "verl's code tool, as alignrl provides it (verl is not installed)")
+    return base, schema_cls
+
+
 def load_tools(path: str) -> list:
     """The tools of verl's tool config YAML at `path`, each made as verl makes it (`cls(config=, tool_schema=)`).
     One line for a missing file, bad YAML, an entry without class_name, an unknown class, a bad schema."""
     entries = _entries(path)
-    base, schema_cls = verl_api()
+    base, schema_cls = _api()
     tools = [_make_tool(entry, i, path, base, schema_cls) for i, entry in enumerate(entries)]
     _check_names([t.name for t in tools], path)
     return tools
@@ -181,7 +193,7 @@ def tool_schemas(path: str) -> list[dict] | None:
     if not path:
         return None
     entries = _entries(path)
-    base, schema_cls = verl_api()
+    base, schema_cls = _api()
     schemas = []
     for i, entry in enumerate(entries):
         schema = _schema(entry, _where(entry, i, path), schema_cls)
