@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from alignrl.rewards import gsm8k
+from alignrl.rewards import gsm8k, math_dapo
 from alignrl.rewards import math as math_reward
 from alignrl.rewards.registry import (
     REWARDS,
@@ -153,7 +153,10 @@ def test_math_scoring_says_nothing_about_its_timeouts_being_off() -> None:
 def test_registry_routes_by_data_source() -> None:
     assert REWARDS["openai/gsm8k"] is gsm8k.compute_score
     assert REWARDS["synthetic_arith"] is gsm8k.compute_score
-    assert REWARDS["math_dapo"] is math_reward.compute_score
+    # math_dapo rows are scored as verl scores them, by DAPO's "Answer:" rule with a reward of +1/-1 (they were
+    # math-verify's 1/0 before): tests/test_math_dapo.py holds that rule's cases.
+    assert REWARDS["math_dapo"] is math_dapo.compute_score
+    assert REWARDS["lighteval/MATH"] is math_reward.compute_score
     # 1/2 is only equal to 0.5 under the math rule; gsm8k's strict rule needs "#### 0.5".
     assert default_compute_score("lighteval/MATH", "\\boxed{1/2}", "0.5") == 1.0
     assert default_compute_score("gsm8k", "\\boxed{1/2}", "0.5") == 0.0

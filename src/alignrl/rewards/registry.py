@@ -14,9 +14,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from alignrl.rewards import code, gsm8k
+from alignrl.rewards import code, gsm8k, math_dapo
 from alignrl.rewards import math as math_reward
-from alignrl.rewards import openrlhf_reward, qa_em, think_answer
+from alignrl.rewards import openrlhf_reward, qa_em, think_answer, verl_reward_modules
 from alignrl.rewards.errors import RewardError, ScoreError
 from alignrl.rewards.values import FilteredScore
 from alignrl.utils.user_files import import_user_file
@@ -61,15 +61,46 @@ class RewardFn(Protocol):
     ) -> float: ...
 
 
+class RewardTable(dict):
+    """{data_source: reward}, also answering for the names that start with one of `prefixes`' keys (verl scores every
+    data_source starting with "aime" by the DAPO rule): `in`, `[]` and `get` see them, so the data checks made before
+    a run and the evaluator read the same table as the reward stage."""
+
+    def __init__(self, exact: dict[str, Callable[..., Any]], prefixes: dict[str, Callable[..., Any]]):
+        super().__init__(exact)
+        self.prefixes = prefixes
+
+    def by_prefix(self, key: object) -> Callable[..., Any] | None:
+        """The reward of the first prefix `key` starts with (None: none)."""
+        if isinstance(key, str):
+            for prefix, fn in self.prefixes.items():
+                if key.startswith(prefix):
+                    return fn
+        return None
+
+    def __missing__(self, key: object) -> Callable[..., Any]:
+        fn = self.by_prefix(key)
+        if fn is None:
+            raise KeyError(key)
+        return fn
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(key) or self.by_prefix(key) is not None
+
+    def get(self, key: object, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+
 QA_SETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")  # Search-R1's
-REWARDS: dict[str, Callable[[str, Any], float]] = {
+# A reward returns a float, or verl's dict whose "score" is the reward (the DAPO rule's: score, acc, pred).
+REWARDS: RewardTable = RewardTable({
     "gsm8k": gsm8k.compute_score,
     "openai/gsm8k": gsm8k.compute_score,
     "synthetic_arith": gsm8k.compute_score,
     "math": math_reward.compute_score,
     "lighteval/MATH": math_reward.compute_score,
     "DigitalLearningGmbH/MATH-lighteval": math_reward.compute_score,
-    "math_dapo": math_reward.compute_score,
+    "math_dapo": math_dapo.compute_score,  # verl's DAPO rule: the last "Answer:" line, +1 right, -1 otherwise
     think_answer.DATA_SOURCE: think_answer.compute_score,  # R1 format bonus + math accuracy (LMM-R1's rule)
     # Search-R1's QA sets (its data_source names); ground truth may be {"target": [...]}, a list or a string
     **{name: qa_em.compute_score for name in QA_SETS},
@@ -77,7 +108,7 @@ REWARDS: dict[str, Callable[[str, Any], float]] = {
     **{f"searchR1_{name}": qa_em.compute_score_tag_capped for name in QA_SETS},
     # verl's code sets: the response's program run on the row's test cases (locally unless a sandbox is set)
     **{name: code.LOCAL for name in code.DATA_SOURCES},
-}
+}, prefixes={"aime": math_dapo.compute_score})  # AIME sets: aime_2024, aime2025, ... (verl's routing)
 
 
 def ground_truth_problem(data_source: str, ground_truth: Any) -> str | None:
@@ -93,6 +124,11 @@ def ground_truth_problem(data_source: str, ground_truth: Any) -> str | None:
             code.parse_cases(ground_truth)
         except ValueError as e:
             return f"{e} (the code reward of data_source {data_source!r} runs the response on them)"
+    if REWARDS.get(data_source) is math_dapo.compute_score:
+        problem = math_dapo.reference_problem(ground_truth)
+        if problem is not None:
+            return (f"{problem}; the DAPO math reward of data_source {data_source!r} reads reward_model.ground_truth "
+                    "as the answer's text")
     return None
 
 
@@ -107,10 +143,12 @@ def default_compute_score(
     fn = REWARDS.get(data_source)
     if fn is None:
         raise RewardError(
-            f"no built-in reward for data_source {data_source!r} (known: {', '.join(sorted(REWARDS))}; "
+            f"no built-in reward for data_source {data_source!r} (known: {', '.join(sorted(REWARDS))}, and names "
+            f"starting with {', '.join(map(repr, REWARDS.prefixes))}; "
             "for other data pass algorithm.reward_fn=path/to/file.py:function)"
         )
-    return float(fn(solution_str, ground_truth))
+    value = fn(solution_str, ground_truth)
+    return float(value["score"] if isinstance(value, dict) else value)
 
 
 def with_code_reward(code_reward: code.CodeReward) -> RewardFn:
@@ -156,7 +194,9 @@ def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn",
 
 
 def import_file(path: Path, key: str):
-    """The user's Python file `path` imported as a module; a failure is one RewardError line naming `key`."""
+    """The user's Python file `path` imported as a module; a failure is one RewardError line naming `key`. verl's
+    reward_score modules are importable by it, verl's own when installed, else alignrl's (verl_reward_modules)."""
+    verl_reward_modules.provide(REWARDS)
     return import_user_file(path, key, RewardError, "alignrl_custom_reward_")
 
 
