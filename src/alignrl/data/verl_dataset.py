@@ -95,7 +95,7 @@ def _file_rows(path: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def _dataset_base() -> type:
+def dataset_base() -> type:
     """The RLHFDataset classes subclass: an installed verl's, else the one above, provided under verl's names."""
     try:
         from verl.utils.dataset import RLHFDataset as installed  # type: ignore[import-not-found]
@@ -117,7 +117,7 @@ def load_dataset_class(spec: str) -> type:
     path = Path(path_str)
     if not path.is_file():
         raise DataError(f"{KEY} file not found: {path_str} (from {Path.cwd()}; give an existing .py file)")
-    base = _dataset_base()
+    base = dataset_base()
     cls = getattr(import_user_file(path, KEY, DataError, "alignrl_dataset_"), name, None)
     if not isinstance(cls, type):
         raise DataError(f"{KEY} file {path_str} has no class {name!r} (define it or fix the name after the colon)")

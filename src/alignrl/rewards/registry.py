@@ -195,9 +195,14 @@ def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn",
 
 def import_file(path: Path, key: str):
     """The user's Python file `path` imported as a module; a failure is one RewardError line naming `key`. verl's
-    reward_score modules are importable by it, verl's own when installed, else alignrl's (verl_reward_modules)."""
-    verl_reward_modules.provide(REWARDS)
+    reward_score modules are importable by it, verl's own when installed, else alignrl's (`provide_verl_rewards`,
+    which `import_user_file` calls)."""
     return import_user_file(path, key, RewardError, "alignrl_custom_reward_")
+
+
+def provide_verl_rewards() -> None:
+    """verl's reward_score modules scoring by the built-in rules, where verl is not installed (verl_reward_modules)."""
+    verl_reward_modules.provide(REWARDS)
 
 
 def check_user_fns(cfg) -> None:

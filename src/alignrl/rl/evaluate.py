@@ -20,7 +20,7 @@ from alignrl.data.records import Sample
 from alignrl.interfaces import SamplingParams
 from alignrl.rewards import gsm8k
 from alignrl.rewards.registry import REWARDS, ScoreError, reads_prompt_text, score_row
-from alignrl.rl.scoring import played_correct, prompt_texts
+from alignrl.rl.scoring import played_correct, prompt_texts, with_turn_counts
 from alignrl.rollout.env_agent import with_labels
 
 
@@ -53,9 +53,9 @@ def _rule_correct(tokenizer, ro, texts: Sequence[str], batch: Sequence[Sample], 
                   n: int) -> list[float]:
     """1.0 where `correct_fn` scores a row's text >= 1, else 0.0; a ScoreError names the row."""
     read = prompt_texts(tokenizer, ro.prompt_ids, ro.prompt_mask) if reads_prompt_text(correct_fn) else None
+    rows = with_turn_counts(ro, [batch[j // n] for j in range(len(texts))])  # verl's num_turns, as in training
     out = []
-    for j, t in enumerate(texts):
-        s = batch[j // n]
+    for j, (t, s) in enumerate(zip(texts, rows)):
         try:
             value = score_row(correct_fn, s.data_source, t, s.ground_truth, s.extra, read[j] if read else None)
             out.append(float(value >= 1.0))

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from alignrl.errors import ConfigError, UserError
-from alignrl.utils.user_files import provide_modules
+from alignrl.utils.user_files import provide_modules, provide_verl_apis
 
 KEY = "agent.tool_config_path"
 GSM8K_CLASSES = ("verl.tools.gsm8k_tool.Gsm8kTool", "verl.workers.tool.gsm8k_tool.Gsm8kTool")
@@ -147,6 +147,7 @@ def import_class(name: str, where: str, error: type[UserError]) -> type:
         raise error(f"{where}.class_name={name!r} is not a module path; write it as package.module.Class")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())  # last: the working folder's modules never shadow installed ones
+    provide_verl_apis()
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:

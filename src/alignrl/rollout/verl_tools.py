@@ -164,7 +164,7 @@ def _response_text(response: Any, name: str) -> str:
     return get("text") or ""
 
 
-def _api() -> tuple[type, type]:
+def verl_tool_modules() -> tuple[type, type]:
     """verl's tool API (`verl_api`); where alignrl provides it, verl's code tool module too, which recipes subclass
     (ReTool's CustomSandboxFusionTool)."""
     base, schema_cls = verl_api()
@@ -178,7 +178,7 @@ def load_tools(path: str) -> list:
     """The tools of verl's tool config YAML at `path`, each made as verl makes it (`cls(config=, tool_schema=)`).
     One line for a missing file, bad YAML, an entry without class_name, an unknown class, a bad schema."""
     entries = _entries(path)
-    base, schema_cls = _api()
+    base, schema_cls = verl_tool_modules()
     tools = [_make_tool(entry, i, path, base, schema_cls) for i, entry in enumerate(entries)]
     _check_names([t.name for t in tools], path)
     return tools
@@ -193,7 +193,7 @@ def tool_schemas(path: str) -> list[dict] | None:
     if not path:
         return None
     entries = _entries(path)
-    base, schema_cls = _api()
+    base, schema_cls = verl_tool_modules()
     schemas = []
     for i, entry in enumerate(entries):
         schema = _schema(entry, _where(entry, i, path), schema_cls)

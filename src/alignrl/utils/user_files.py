@@ -10,9 +10,27 @@ from pathlib import Path
 from types import ModuleType
 
 
+# verl's APIs that users' files import (its tool classes, interactions, dataset class and reward functions), which
+# alignrl provides under verl's module names where verl is not installed. One file may hold a tool, a dataset class
+# and a reward function together (verl's ReTool recipe), and the first of them to load (the dataset class, as the
+# config counts its epochs) must find them all; their providers live in the layers above this one, so they are named
+# here and imported when a user's file is. Each provides its modules once, and nothing where verl is installed.
+VERL_PROVIDERS = ("alignrl.rollout.verl_tools:verl_tool_modules", "alignrl.rollout.verl_interactions:interaction_api",
+                  "alignrl.data.verl_dataset:dataset_base", "alignrl.rewards.registry:provide_verl_rewards")
+
+
+def provide_verl_apis() -> None:
+    """Registers verl's APIs alignrl provides (`VERL_PROVIDERS`) before a user's file is imported."""
+    for provider in VERL_PROVIDERS:
+        module, _, function = provider.partition(":")
+        getattr(importlib.import_module(module), function)()
+
+
 def import_user_file(path: Path, key: str, error: type[Exception], prefix: str, missing_hint: str = "") -> ModuleType:
-    """`path` imported as module `prefix` + its resolved path; a failure raises `error` naming `key` in one line,
-    with `missing_hint` after it when what failed was an import inside the file."""
+    """`path` imported as module `prefix` + its resolved path, verl's APIs importable by it (`provide_verl_apis`); a
+    failure raises `error` naming `key` in one line, with `missing_hint` after it when what failed was an import
+    inside the file."""
+    provide_verl_apis()
     module_name = prefix + re.sub(r"\W", "_", str(path.resolve()))
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
