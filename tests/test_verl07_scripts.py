@@ -165,7 +165,7 @@ def test_an_overlong_buffer_that_is_off_costs_nothing(files):
 
 @pytest.mark.parametrize("key,value,words", [
     ("data.truncation", "center", "choose one of: left, right, middle, error"),
-    ("reward_model.reward_manager", "batch", "naive, dapo or prime"),
+    ("reward_model.reward_manager", "limo", "naive, dapo, prime or batch"),
     ("algorithm.filter_groups.metric", "length", "keeps the groups whose rewards differ"),
     ("actor_rollout_ref.rollout.mode", "sync", "not supported"),
 ])

@@ -26,7 +26,7 @@ from alignrl.placements.build import resolve_strategy
 from alignrl.placements.choose import remote_producers
 from alignrl.placements.local import Placed, place
 from alignrl.rewards.code import code_reward
-from alignrl.rewards.registry import load_reward_fn
+from alignrl.rewards.registry import load_reward_fn, user_fn_options
 from alignrl.rl.evaluate import format_room, heldout_eval, room, validation_params
 from alignrl.rl.producer import InlineSource
 from alignrl.rl.replay import check_replay, data_order_keys, with_replay
@@ -193,7 +193,8 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
         producers = remote_producers(cfg, to_yaml(cfg), cfg.log_root, train)
     placed = place(cfg, str(resume / "model") if resume else cfg.model.path, resume, env, producers)
     trainer = placed.trainer
-    correct_fn = load_reward_fn(cfg.algorithm.reward_fn, code_reward=code_reward(cfg.sandbox))
+    correct_fn = load_reward_fn(cfg.algorithm.reward_fn, code_reward=code_reward(cfg.sandbox),
+                                **user_fn_options(cfg.algorithm))
     rows = PromptData(placed.tokenizer, train, cfg.data.max_prompt_length, cfg.data.truncation, tools)
     source = with_replay(producers.source(sampler, trainer, env) if producers else
                          InlineSource(placed.maker, sampler, rows, lambda: trainer.version, env),

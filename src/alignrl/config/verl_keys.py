@@ -45,6 +45,7 @@ from alignrl.config.verl_tables import (A, ALIASES, CKPT_TO_KEEP, CRITIC_FOLLOWS
                                         VERL07_CLIP_RATIO_C, VERL07_DEFAULTS, VERL_SECTIONS)
 
 
+KWARGS = "custom_reward_function.reward_kwargs"  # verl's keyword arguments of the reward function
 TEMPLATE_KWARGS = "data.apply_chat_template_kwargs"  # verl's variables of the chat template: data.chat_template_kwargs
 
 
@@ -168,6 +169,9 @@ def _other(st: TranslationPass, key: str, value: str) -> None:
     elif key in ("custom_reward_function.path", "custom_reward_function.name"):
         st.verl = True
         st.custom[key.rsplit(".", 1)[1]] = value
+    elif key.startswith((KWARGS, "reward." + KWARGS)):  # the mapping, or one entry (+...reward_kwargs.x=v)
+        st.verl = True
+        st.out.append(f"algorithm.reward_fn_kwargs{key.split(KWARGS, 1)[1]}={value}")
     elif key in ("data.custom_cls.path", "data.custom_cls.name"):  # verl's dataset class: both parts, or neither
         st.verl = True
         st.dataset_cls[key.rsplit(".", 1)[1]] = value

@@ -106,7 +106,8 @@ def _dapo_and_reward(st: TranslationPass, key: str, value: str, v: object) -> No
     elif key == "reward_model.reward_manager":
         if v not in REWARD_MANAGERS:
             raise ConfigError(f"{key}={value} is not supported (alignrl's reward stage is the rule reward, verl's "
-                              "naive manager, with DAPO's overlong buffer: naive, dapo or prime)")
+                              "naive manager, with DAPO's overlong buffer: naive, dapo, prime or batch)")
+        st.out.append(f"algorithm.reward_fn_batch={str(v == 'batch').lower()}")  # batch: one call per batch
     else:
         raise UnknownKeyError(f"unknown config key '{key}': not a verl key alignrl knows (docs/verl-keys.md lists "
                               "them)")

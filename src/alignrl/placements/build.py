@@ -33,7 +33,7 @@ from alignrl.models.sharded_load import fill_shards, meta_model
 from alignrl.models.rm_template import RetemplatingScorer, reward_input
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.code import code_reward
-from alignrl.rewards.registry import load_reward_fn, make_reward
+from alignrl.rewards.registry import load_reward_fn, make_reward, user_fn_options
 from alignrl.rollout.agent import AgentRollout
 from alignrl.rollout.env_agent import EnvRollout
 from alignrl.rollout.environments import load_environment
@@ -141,8 +141,9 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device, loaded: Seque
     check_rl_scorers(cfg if loaded is None else replace(cfg, algorithm=replace(a, reward_model="")))
     reward_model = reward_scorer(cfg, tokenizer, device, loaded)
     code = code_reward(cfg.sandbox)  # how the built-in rules run the programs of code rows
-    return RewardStage(tokenizer, make_reward(a.reward_fn, a.format_reward_weight, code),
-                       load_reward_fn(a.reward_fn, code_reward=code),
+    options = user_fn_options(a)  # verl's reward_kwargs and batch manager
+    return RewardStage(tokenizer, make_reward(a.reward_fn, a.format_reward_weight, code, **options),
+                       load_reward_fn(a.reward_fn, code_reward=code, **options),
                        response_cap(cfg), a.overlong_buffer_len, a.overlong_penalty_factor, reward_model,
                        add_rule=a.reward_model_mix == "add", truncated_reward_coef=a.truncated_reward_coef,
                        cost_fn=load_reward_fn(s.cost_fn, "safety.cost_fn") if s.cost_fn else None,

@@ -6,6 +6,7 @@ extra_info)`, so reward files written for verl work here unchanged via `algorith
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import numpy as np
 from alignrl.rewards import code, gsm8k, math_dapo
 from alignrl.rewards import math as math_reward
 from alignrl.rewards import openrlhf_reward, qa_em, think_answer, verl_reward_modules
+from alignrl.rewards.batch_reward import BatchedReward
 from alignrl.rewards.errors import RewardError, ScoreError
 from alignrl.rewards.values import FilteredScore
 from alignrl.utils.user_files import import_user_file
@@ -163,12 +165,17 @@ def with_code_reward(code_reward: code.CodeReward) -> RewardFn:
     return compute_score
 
 
-def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn",
-                   code_reward: code.CodeReward | None = None) -> RewardFn:
+def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn", code_reward: code.CodeReward | None = None,
+                   kwargs: dict[str, Any] | None = None, batched: bool = False) -> RewardFn:
     """`None` gives `default_compute_score`; "path/to/file.py:function" loads that function, `checked`;
     "openrlhf:path/to/file.py" the file's OpenRLHF `reward_func(queries, prompts, labels)`, called one row at a time
     (alignrl.rewards.openrlhf_reward). `key`: the config key that named it, for the errors. A relative path is taken
-    from the current folder, as verl's custom_reward_function.path. `code_reward`: how the built-in rules run code."""
+    from the current folder, as verl's custom_reward_function.path. `code_reward`: how the built-in rules run code;
+    `kwargs`: keyword arguments the user's function is called with (verl's reward_kwargs); `batched`: it scores a whole
+    batch in one call (`batch_reward`, verl's batch manager)."""
+    if batched and (spec is None or openrlhf_reward.is_openrlhf_spec(spec)):
+        raise RewardError(f"algorithm.reward_fn_batch needs {key}=path/to/file.py:function, a function taking "
+                          "data_sources=, solution_strs=, ground_truths=, extra_infos= (verl's reward_manager=batch)")
     if spec is None:
         return default_compute_score if code_reward is None else with_code_reward(code_reward)
     if openrlhf_reward.is_openrlhf_spec(spec):
@@ -190,7 +197,9 @@ def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn",
     fn = getattr(module, name)
     if not callable(fn):
         raise RewardError(f"{key} {path_str}:{name} is a {type(fn).__name__}, not a function")
-    return checked(fn, spec)
+    if kwargs:  # verl binds its reward_kwargs to the function the same way
+        fn = functools.partial(fn, **kwargs)
+    return BatchedReward(fn, spec) if batched else checked(fn, spec)
 
 
 def import_file(path: Path, key: str):
@@ -205,10 +214,15 @@ def provide_verl_rewards() -> None:
     verl_reward_modules.provide(REWARDS)
 
 
+def user_fn_options(algorithm) -> dict[str, Any]:
+    """How a run's algorithm section calls its reward function: load_reward_fn's kwargs and batched."""
+    return {"kwargs": dict(algorithm.reward_fn_kwargs), "batched": algorithm.reward_fn_batch}
+
+
 def check_user_fns(cfg) -> None:
     """The user's reward and cost functions of a RunConfig import and exist (RewardError naming the key if not):
     checked before a launch, ahead of any model load."""
-    load_reward_fn(cfg.algorithm.reward_fn)
+    load_reward_fn(cfg.algorithm.reward_fn, **user_fn_options(cfg.algorithm))
     if cfg.safety.cost_fn:
         load_reward_fn(cfg.safety.cost_fn, "safety.cost_fn")
 
@@ -247,13 +261,14 @@ def score_row(fn: Callable[..., Any], data_source: str, solution_str: str, groun
     return fn(data_source, solution_str, ground_truth, extra_info)
 
 
-def make_reward(spec: str | None, format_weight: float = 0.0, code_reward: code.CodeReward | None = None) -> RewardFn:
+def make_reward(spec: str | None, format_weight: float = 0.0, code_reward: code.CodeReward | None = None,
+                **options: Any) -> RewardFn:
     """The reward from `spec` (the built-in rules scoring code with `code_reward` when given), plus `format_weight`
     times the `#### N` format bonus when nonzero.
 
     The bonus gives a shaped signal early in training, before correct answers are common.
     """
-    base = load_reward_fn(spec, code_reward=code_reward)
+    base = load_reward_fn(spec, code_reward=code_reward, **options)
     if format_weight == 0.0:
         return base
 

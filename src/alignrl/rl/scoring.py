@@ -119,9 +119,13 @@ def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence
     place in its data file (`train.parquet row 17`, `train.jsonl:18`) when it was loaded from one, else
     its index in `rows`. `prompts`: each row's prompt text, for a function that reads it."""
     out, name = [], getattr(fn, "__name__", repr(fn))
+    whole = getattr(fn, "batch", None)  # a batch function (verl's batch manager): one call for all the rows
+    values = whole([s.data_source for s in rows], list(texts), [s.ground_truth for s in rows],
+                   [s.extra for s in rows]) if whole is not None and rows else None
     for i, (s, t) in enumerate(zip(rows, texts)):
         try:
-            value = score_row(fn, s.data_source, t, s.ground_truth, s.extra, prompts[i] if prompts else None)
+            value = values[i] if values is not None else score_row(fn, s.data_source, t, s.ground_truth, s.extra,
+                                                                    prompts[i] if prompts else None)
             out.append(finite_score(value, name, s.data_source))
         except ScoreError as e:  # raised where the row is unknown: name it, in its data file when it has one
             raise e.at(s.source or i, kind) from e.__cause__
