@@ -355,7 +355,38 @@ def test_a_config_of_yours_that_extends_ppo_trainer_is_read_before_the_command_l
     (tmp_path / "composed.yaml").write_text("defaults:\n  - ppo_trainer\n  - override actor: megatron_actor\n")
     assert main(["config", "-cp", str(tmp_path), "-cn", "composed", *BASE]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "compose other Hydra configs" in err, err
+    assert len(err.splitlines()) == 1 and "one of verl's own config groups" in err, err
+
+
+def test_a_users_config_composes_configs_of_its_folder_as_hydra_does(tmp_path, capsys):
+    """defaults naming a config of the same folder, a group option kept there (under its package), _self_ before or
+    after them, and Hydra's optional and null entries."""
+    from alignrl.cli import main
+
+    (tmp_path / "base_run.yaml").write_text("defaults:\n  - ppo_trainer\n  - _self_\n"
+                                            "data:\n  max_prompt_length: 80\n  train_batch_size: 8\n")
+    (tmp_path / "rollout").mkdir()
+    (tmp_path / "rollout" / "short.yaml").write_text("response_length: 24\n")
+    (tmp_path / "run.yaml").write_text(
+        "defaults:\n  - base_run\n  - actor_rollout_ref/rollout@actor_rollout_ref.rollout: short\n"
+        "  - optional extras: none\n  - later: null\n  - _self_\n"
+        "data:\n  max_prompt_length: 72\n")
+    assert main(["config", "-cp", str(tmp_path), "-cn", "run", *BASE]) == 2  # the group folder is rollout/, not there
+    assert "actor_rollout_ref/rollout/short.yaml, which is not there" in capsys.readouterr().err
+    (tmp_path / "run.yaml").write_text(
+        "defaults:\n  - base_run\n  - rollout@actor_rollout_ref.rollout: short\n"
+        "  - optional extras: none\n  - later: null\n  - _self_\n"
+        "data:\n  max_prompt_length: 72\n")
+    assert main(["config", "-cp", str(tmp_path), "-cn", "run", *BASE]) == 0
+    out = capsys.readouterr().out
+    assert "max_prompt_length: 72" in out  # the file's own keys after its defaults: they win
+    assert "max_response_length: 24" in out  # rollout.response_length from the group option, under its package
+    (tmp_path / "first.yaml").write_text("defaults:\n  - _self_\n  - base_run\ndata:\n  max_prompt_length: 72\n")
+    assert main(["config", "-cp", str(tmp_path), "-cn", "first", *BASE]) == 0
+    assert "max_prompt_length: 80" in capsys.readouterr().out  # _self_ first: base_run's keys win
+    (tmp_path / "loop.yaml").write_text("defaults:\n  - loop\n")
+    assert main(["config", "-cp", str(tmp_path), "-cn", "loop", *BASE]) == 2
+    assert "compose it again (loop -> loop)" in capsys.readouterr().err
 
 
 def test_main_ppos_own_config_name_says_nothing(capsys):

@@ -1,7 +1,8 @@
 """Hydra's config selection on a verl command line (`--config-path DIR --config-name NAME`, `-cp`/`-cn`): verl's own
 `ppo_trainer` says nothing, and a user's config that extends it (`defaults: [ppo_trainer, _self_]`, as verl's
 multi-turn examples are written) is read as the overrides it holds, placed before the command line's, so that those
-win as they do in Hydra. Anything else Hydra would compose (another config group, another base) is one line."""
+win as they do in Hydra. Its defaults list may compose other configs of its folder, and options of config groups kept
+there (group/option.yaml); one of verl's own groups, which alignrl does not read, is one line."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from alignrl.config.verl_tables import STRATEGIES
 _SELECTION = {"--config-name": "--config-name", "-cn": "--config-name", "--config-path": "--config-path",
               "-cp": "--config-path", "--config-dir": "--config-dir", "-cd": "--config-dir"}
 BASE = "ppo_trainer"  # main_ppo's own config: the defaults every verl-spelled run starts from
-_OWN_DEFAULTS = (BASE, "_self_")
 
 
 def hydra_selection(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -62,10 +62,64 @@ def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def config_overrides(folder: Path, name: str) -> tuple[list[str], list[str]]:
-    """The dotted overrides a user's Hydra config in `folder` holds, its `defaults` checked to be verl's ppo_trainer
-    (and _self_) and its `hydra:` section (search paths, run folders) left out; and the ones alignrl does not read
-    (a fork's own keys, which Hydra merges in and plain verl never reads)."""
-    path = folder / (name if name.endswith(".yaml") else name + ".yaml")
+    """The dotted overrides a user's Hydra config in `folder` holds, composed as Hydra composes it (`_composed`), its
+    `hydra:` section (search paths, run folders) left out; and the ones alignrl does not read (a fork's own keys,
+    which Hydra merges in and plain verl never reads)."""
+    judged = [(f"{k}={v}", reads(k, v)) for k, v in _composed(folder, name.removesuffix(".yaml"), ())]
+    return [o for o, read in judged if read], [o for o, read in judged if not read]
+
+
+def _composed(folder: Path, name: str, within: tuple[str, ...], package: str = "") -> list[tuple[str, str]]:
+    """(key, value) of the config `name` in merge order, later ones winning, as Hydra composes its defaults list:
+    verl's ppo_trainer gives nothing (alignrl's defaults are its), another config of this folder is composed in its
+    place, a group entry `group: option` (`override`/`optional` and `@package` as Hydra reads them) reads
+    group/option.yaml of this folder under the group's package, and `_self_` marks where the file's own keys go (the
+    end when it is not listed, as Hydra 1.1 composes). A config that names one of verl's own groups is one line."""
+    path = folder / f"{name}.yaml"
+    data = _read(path, folder, name)
+    if name in within:
+        raise ConfigError(f"{path}: its defaults compose it again ({' -> '.join((*within, name))})")
+    defaults = data.pop("defaults", [BASE] if not within else [])
+    data.pop("hydra", None)
+    own = _flat(data, package)
+    if not isinstance(defaults, list):
+        raise ConfigError(f"{path}: defaults must be a list (of configs, group: option entries and _self_)")
+    out, placed = [], False
+    for entry in defaults:
+        if entry == "_self_":
+            out, placed = out + own, True
+        elif entry in (BASE, "/" + BASE):
+            continue  # verl's ppo_trainer: alignrl's defaults are its defaults
+        elif isinstance(entry, str) and (folder / f"{entry}.yaml").is_file():
+            out += _composed(folder, entry, (*within, name), package)
+        elif isinstance(entry, dict) and len(entry) == 1:
+            out += _group(folder, path, *next(iter(entry.items())), (*within, name))
+        else:
+            raise ConfigError(f"{path}: its defaults entry {entry!r} composes a config alignrl cannot read (verl's own "
+                              f"or missing); keep `defaults: [{BASE}, _self_]` with configs of {folder}, or put those "
+                              "settings in the file or on the command line")
+    return out if placed else out + own
+
+
+def _group(folder: Path, path: Path, group: str, option: object, within: tuple[str, ...]) -> list[tuple[str, str]]:
+    """A `group: option` entry of a defaults list: group/option.yaml of `folder` under the group's package."""
+    words = str(group).split()
+    optional = "optional" in words[:-1]
+    group, _, package = words[-1].partition("@")
+    if option is None:
+        return []  # Hydra's placeholder for an option chosen later
+    file = folder / group.strip("/") / f"{option}.yaml"
+    if not file.is_file():
+        if optional:
+            return []
+        raise ConfigError(f"{path}: its defaults entry {group}: {option} names {file}, which is not there (one of "
+                          "verl's own config groups, which alignrl does not read); put those settings in the file or "
+                          "on the command line")
+    prefix = (package or group.strip("/").replace("/", ".")).removeprefix("_global_").strip(".")
+    return _composed(file.parent, str(option), within, prefix + "." if prefix else "")
+
+
+def _read(path: Path, folder: Path, name: str) -> dict:
     if not path.is_file():
         raise ConfigError(f"--config-path={folder} --config-name={name}: no such file {path}; give the folder and "
                           "the name of a YAML config (without .yaml)")
@@ -75,15 +129,7 @@ def config_overrides(folder: Path, name: str) -> tuple[list[str], list[str]]:
         raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a Hydra config is a mapping of settings; this file holds a {type(data).__name__}")
-    defaults = data.pop("defaults", [BASE])
-    other = [d for d in defaults if d not in _OWN_DEFAULTS] if isinstance(defaults, list) else [defaults]
-    if other:
-        raise ConfigError(f"{path}: its defaults {other} compose other Hydra configs, which alignrl does not read; "
-                          f"keep `defaults: [{BASE}, _self_]` and put those settings in the file or on the command "
-                          "line")
-    data.pop("hydra", None)
-    judged = [(f"{k}={v}", reads(k, v)) for k, v in _flat(data, "")]
-    return [o for o, read in judged if read], [o for o, read in judged if not read]
+    return data
 
 
 def _flat(node: dict, prefix: str) -> list[tuple[str, str]]:
