@@ -68,6 +68,32 @@ def program_names_stay_in_their_test(monkeypatch):
         monkeypatch.delenv(var)  # recorded: whatever the test sets is removed after it
 
 
+# top-level names alignrl provides modules under (verl's APIs for users' files), or a test's recipe package takes
+PROVIDED_ROOTS = ("verl", "recipe")
+
+
+@pytest.fixture(autouse=True)
+def provided_modules_stay_in_their_test():
+    """Modules a test registered under verl's names (alignrl's provided APIs, a recipe package of a test's folder)
+    are removed after it, and the ones before it put back: a later test in the same process starts as a fresh process
+    does, whatever the order the test files run in."""
+    def ours(name: str) -> bool:
+        return name.split(".", 1)[0] in PROVIDED_ROOTS
+
+    before = {name: module for name, module in sys.modules.items() if ours(name)}
+    yield
+    for name in [n for n in sys.modules if ours(n) and sys.modules[n] is not before.get(n)]:
+        del sys.modules[name]
+        parent, _, leaf = name.rpartition(".")
+        if parent in before and leaf in vars(before[parent]):  # the submodule set as its parent's attribute
+            delattr(before[parent], leaf)
+    sys.modules.update(before)
+    for name, module in before.items():  # as the import system links a submodule to its package
+        parent, _, leaf = name.rpartition(".")
+        if parent in before:
+            setattr(before[parent], leaf, module)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from alignrl.models.tiny import TinyRecipe, build_demo_model

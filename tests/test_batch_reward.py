@@ -50,7 +50,8 @@ def test_reward_kwargs_reach_a_row_function(tmp_path):
 
 @pytest.mark.parametrize("returned, words", [
     ("[1.0]", "returned 1 scores for 2 rows"), ("'ab'", "returned a str for a batch"),
-    ("{'score': 1}", "returned a dict for a batch"), ("1 / 0", "raised ZeroDivisionError: division by zero on a batch of 2"),
+    ("{'score': 1}", "returned a dict for a batch"),
+    ("1 / 0", "raised ZeroDivisionError: division by zero on a batch of 2"),
     ("[1.0, float('nan')]", "returned nan"),
 ])
 def test_what_a_batch_function_gets_wrong_is_one_line(tmp_path, returned, words):
@@ -101,10 +102,12 @@ def test_a_verl_run_with_the_batch_manager_trains(tmp_path, tiny_model_dir, cli_
 
 
 def test_the_reward_stage_calls_a_batch_function_once(tmp_path):
-    from alignrl.rl.scoring import RewardStage
+    """build_rewards gives the stage one function as the reward and the correctness (no format bonus): one call."""
+    from alignrl.placements.build import build_rewards
 
     (tmp_path / "r.py").write_text(BATCH_FILE)
-    fn = load_reward_fn(f"{tmp_path / 'r.py'}:compute_score", batched=True)
+    cfg = load_config(None, [f"algorithm.reward_fn={tmp_path / 'r.py'}:compute_score",
+                             "algorithm.reward_fn_batch=true"])
 
     class Tok:
         pad_token_id = 0
@@ -116,6 +119,8 @@ def test_the_reward_stage_calls_a_batch_function_once(tmp_path):
     ro = Rollout(prompt_ids=torch.zeros(3, 1, dtype=torch.long), prompt_mask=torch.ones(3, 1, dtype=torch.bool),
                  response_ids=ids, response_mask=torch.ones(3, 1, dtype=torch.bool),
                  logprobs=torch.zeros(3, 1), truncated=torch.zeros(3, dtype=torch.bool), group=torch.tensor([0, 1, 2]))
-    scores = RewardStage(Tok(), fn, fn, 8).score(ro, _rows(3))
-    assert scores.rewards.tolist() == [1.0, 0.0, 1.0]
-    assert fn.fn.__globals__["CALLS"] == [3]  # one call: correctness is the same function's score
+    stage = build_rewards(cfg, Tok(), torch.device("cpu"))
+    assert stage.reward_fn is stage.correct_fn
+    scores = stage.score(ro, _rows(3))
+    assert scores.rewards.tolist() == [1.0, 0.0, 1.0] and scores.correct.tolist() == [True, False, True]
+    assert stage.reward_fn.fn.__globals__["CALLS"] == [3]  # one call for the reward and the correctness

@@ -93,6 +93,12 @@ def test_stdin_cases_score_the_pass_rate():
     assert ground_truth_problem("taco", CASES) is None
 
 
+def test_outputs_compare_line_by_line_without_trailing_spaces():
+    truth = {"inputs": [""], "outputs": ["1 2 \n3\n"]}
+    assert default_compute_score("codecontests", "print('1 2')\nprint('3  ')\nprint()", truth) == 1.0
+    assert default_compute_score("codecontests", "print('1  2')\nprint(3)", truth) == 0.0  # inner spaces count
+
+
 def test_only_the_first_ten_cases_count():
     truth = {"inputs": [str(i) for i in range(12)], "outputs": [str(i) for i in range(10)] + ["x", "y"]}
     assert default_compute_score("taco", "print(input())", truth) == 1.0
@@ -128,6 +134,13 @@ def test_sandbox_app_refuses_bad_requests_in_one_line(body, words):
     assert words in message and "\n" not in message
 
 
+def test_a_request_cannot_lift_the_memory_limit():
+    from alignrl.serve.sandbox import parse_request
+
+    assert parse_request(b'{"code": "", "memory_limit_MB": 0.5}', Limits()).memory_mb == 1
+    assert parse_request(b'{"code": "", "memory_limit_MB": 99999}', Limits()).memory_mb == Limits().max_memory_mb
+
+
 def test_sandbox_urls():
     assert endpoint("http://127.0.0.1:8080") == "http://127.0.0.1:8080/run_code"
     assert endpoint("https://x.example/run_code") == "https://x.example/run_code"
@@ -136,11 +149,9 @@ def test_sandbox_urls():
 
 
 def test_dead_sandbox_is_one_line():
-    import socket
+    from alignrl.runtime.ports import free_port
 
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # from the test run's pool: free, and given to no other test
     with pytest.raises(RewardError, match=r"cannot reach it.*alignrl serve sandbox"):
         SandboxClient(f"http://127.0.0.1:{port}", retries=1).run("print(1)")
 
@@ -203,17 +214,15 @@ def test_verl_code_tool_runs_programs_on_the_sandbox(sandbox_url):
 
 def test_verl_code_tool_needs_a_url_and_a_live_service():
     import asyncio
-    import socket
 
     from alignrl.errors import ConfigError
     from alignrl.rollout.remote import ServiceError
     from alignrl.rollout.verl_code_tool import SandboxFusionTool
+    from alignrl.runtime.ports import free_port
 
     with pytest.raises(ConfigError, match="needs config.sandbox_fusion_url.*alignrl serve sandbox"):
         SandboxFusionTool({}, None)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     tool = SandboxFusionTool({"sandbox_fusion_url": f"http://127.0.0.1:{port}"}, None)
     tool.client.retries = 1
     with pytest.raises(ServiceError, match="cannot reach it"):
@@ -263,7 +272,8 @@ def test_verls_sandbox_fusion_script_scores_code_on_the_sandbox(tiny_model_dir, 
         "train", "ppo", f"reward_model.sandbox_fusion_url={url}", "reward_model.reward_manager=prime",
         "algorithm.adv_estimator=gae", "data.train_files=train.parquet", "data.val_files=test.parquet",
         "data.train_batch_size=2", "data.max_prompt_length=64", "data.max_response_length=8",
-        "data.filter_overlong_prompts=True", "data.truncation='error'", f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "data.filter_overlong_prompts=True", "data.truncation='error'",
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
         "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
@@ -280,3 +290,72 @@ def test_verls_sandbox_fusion_script_scores_code_on_the_sandbox(tiny_model_dir, 
     scores = [r[k] for r in rows for k in ("reward/mean", "val/accuracy") if k in r]
     assert len(scores) == 3 and all(s == 1.0 for s in scores), rows  # the held-out pass before step 1, two steps
     assert len(runs) >= 2 * 2 * 2 and {r for r in runs} == {("/run_code", "2 3\n", "python")}
+
+
+def test_the_sandbox_server_makes_itself_undumpable():
+    """A process that is not dumpable has its /proc files (environ: ALIGNRL_API_KEY) owned by root, out of reach of
+    the programs it runs as its own user; the kernel's flag is what is checked (PR_GET_DUMPABLE = 3)."""
+    got = subprocess.run([sys.executable, "-c", "import ctypes\nfrom alignrl.serve.sandbox import _hide_environment\n"
+                          "libc = ctypes.CDLL(None)\nbefore = libc.prctl(3, 0, 0, 0, 0)\n_hide_environment()\n"
+                          "print(before, libc.prctl(3, 0, 0, 0, 0))"], capture_output=True, text=True, timeout=120)
+    assert got.stdout.split() == ["1", "0"], got.stderr[-2000:]
+
+
+class _Stub:
+    """A stand-in service: /health with or without alignrl's header, /run_code answering `answers` in turn (an HTTP
+    status, or a SandboxFusion body), recording each request's Authorization header."""
+
+    def __init__(self, http_servers, answers, alignrl_health=False):
+        import http.server
+
+        from conftest import json_reply
+
+        stub = self
+        self.answers, self.auth = list(answers), []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                self.send_response(200)
+                if alignrl_health:
+                    self.send_header("X-Alignrl-Service", "sandbox")
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers["content-length"]))
+                stub.auth.append(self.headers.get("Authorization"))
+                answer = stub.answers.pop(0)
+                if isinstance(answer, int):
+                    json_reply(self, {"error": "busy"}, answer)
+                else:
+                    json_reply(self, answer)
+
+            def log_message(self, *args):
+                pass
+
+        self.url = http_servers(Handler) + "/run_code"
+
+
+FINISHED_BODY = {"status": "Success", "run_result": {"status": "Finished", "return_code": 0, "stdout": "ok\n",
+                                                     "stderr": "", "execution_time": 0.0}}
+
+
+def test_the_key_goes_to_alignrls_sandbox_only(http_servers, monkeypatch):
+    monkeypatch.setenv("ALIGNRL_API_KEY", "k")
+    other = _Stub(http_servers, [FINISHED_BODY])
+    assert SandboxClient(other.url).run("print('ok')").stdout == "ok\n" and other.auth == [None]
+    ours = _Stub(http_servers, [FINISHED_BODY], alignrl_health=True)
+    SandboxClient(ours.url).run("print('ok')")
+    assert ours.auth == ["Bearer k"]
+
+
+def test_busy_answers_are_tried_again_and_a_sandbox_failure_is_one_line(http_servers):
+    busy = _Stub(http_servers, [503, 502, FINISHED_BODY])
+    assert SandboxClient(busy.url).run("print('ok')").stdout == "ok\n" and len(busy.auth) == 3
+    failed = _Stub(http_servers, [{"status": "SandboxError", "message": "disk full", "run_result": None}])
+    with pytest.raises(RewardError, match="failed to run a program .SandboxError: disk full"):
+        SandboxClient(failed.url).run("print('ok')")
+    refused = _Stub(http_servers, [401])
+    with pytest.raises(RewardError, match="refused the request .401.: set ALIGNRL_API_KEY"):
+        SandboxClient(refused.url).run("print('ok')")

@@ -74,7 +74,8 @@ def test_a_class_that_keeps_verls_reading_gets_the_files_rows(tmp_path, monkeypa
              "reward_model": {"ground_truth": str(i)}} for i in range(5)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
     (tmp_path / "v.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
-    cfg = load_config(None, ["data.train_files=t.parquet", "data.val_files=v.jsonl", "data.dataset_class=plain.py:Plain",
+    cfg = load_config(None, ["data.train_files=t.parquet", "data.val_files=v.jsonl",
+                             "data.dataset_class=plain.py:Plain",
                              "data.val_size=1"])
     train, val = load_task_data(cfg)
     assert [s.ground_truth for s in train] == ["0", "1", "2", "3", "4"] and [s.ground_truth for s in val] == ["0"]

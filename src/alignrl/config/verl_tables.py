@@ -145,7 +145,8 @@ ALIASES = {"reward_model.reward_kwargs.overlong_buffer_cfg." + k: "reward_model.
     "reward.custom_reward_function.name": "custom_reward_function.name",
     "reward.reward_model.enable": "reward_model.enable", "reward.reward_model.model_path": "reward_model.model.path",
     "reward.num_workers": "reward_model.num_workers",
-    **{f"reward.sandbox_fusion.{k}": f"reward_model.sandbox_fusion.{k}" for k in ("url", "max_concurrent", "memory_limit_mb")}}
+    **{f"reward.sandbox_fusion.{k}": f"reward_model.sandbox_fusion.{k}"
+       for k in ("url", "max_concurrent", "memory_limit_mb")}}
 
 # verl's policy_loss.loss_mode -> alignrl's actor.policy_loss; the other policy_loss.* keys tune only modes alignrl
 # does not have (clip-cov, kl-cov), so whatever they say changes nothing in these two.

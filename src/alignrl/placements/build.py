@@ -33,7 +33,7 @@ from alignrl.models.sharded_load import fill_shards, meta_model
 from alignrl.models.rm_template import RetemplatingScorer, reward_input
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.code import code_reward
-from alignrl.rewards.registry import load_reward_fn, make_reward, user_fn_options
+from alignrl.rewards.registry import load_reward_fn, user_fn_options, with_format_bonus
 from alignrl.rollout.agent import AgentRollout
 from alignrl.rollout.env_agent import EnvRollout
 from alignrl.rollout.environments import load_environment
@@ -140,10 +140,10 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device, loaded: Seque
     # elsewhere was checked where it loads
     check_rl_scorers(cfg if loaded is None else replace(cfg, algorithm=replace(a, reward_model="")))
     reward_model = reward_scorer(cfg, tokenizer, device, loaded)
-    code = code_reward(cfg.sandbox)  # how the built-in rules run the programs of code rows
-    options = user_fn_options(a)  # verl's reward_kwargs and batch manager
-    return RewardStage(tokenizer, make_reward(a.reward_fn, a.format_reward_weight, code, **options),
-                       load_reward_fn(a.reward_fn, code_reward=code, **options),
+    # loaded once: the reward is the correctness itself unless a format bonus shapes it, and the stage then scores
+    # each row once (a code row's program runs once, a batch function is called once)
+    correct = load_reward_fn(a.reward_fn, code_reward=code_reward(cfg.sandbox), **user_fn_options(a))
+    return RewardStage(tokenizer, with_format_bonus(correct, a.format_reward_weight), correct,
                        response_cap(cfg), a.overlong_buffer_len, a.overlong_penalty_factor, reward_model,
                        add_rule=a.reward_model_mix == "add", truncated_reward_coef=a.truncated_reward_coef,
                        cost_fn=load_reward_fn(s.cost_fn, "safety.cost_fn") if s.cost_fn else None,

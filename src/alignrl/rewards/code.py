@@ -6,11 +6,11 @@ both cases continuously, as the share of the first 10 test cases that pass. The 
 `code_exec.LocalRunner` or `sandbox_client.SandboxClient`.
 
 The ground truth is verl's: a JSON object (or its text) {"inputs": [...], "outputs": [...]}, optionally with
-"fn_name". Without it a case is a whole program: the input on stdin, passing when stdout equals the output but for
-trailing newlines. With it a case is a call (LeetCode style): the input is the list of arguments, the function (or
-the method of class `Solution`) is called on them, and it passes when the result equals the output (or the output's
-one element: APPS writes `[answer]`). The code is the last ```python block of the response, else its first ```
-block, else the whole response (verl's rule).
+"fn_name". Without it a case is a whole program: the input on stdin, passing when stdout equals the output line by
+line, trailing spaces and trailing empty lines aside. With it a case is a call (LeetCode style): the input is the
+list of arguments, the function (or the method of class `Solution`) is called on them, and it passes when the result
+equals the output (or the output's one element: APPS writes `[answer]`). The code is the last ```python block of the
+response, else its first ``` block, else the whole response (verl's rule).
 """
 
 from __future__ import annotations
@@ -101,12 +101,21 @@ def case_run(code: str, cases: TestCases, i: int) -> tuple[str, str]:
     return code + CALL.format(name=cases.fn_name), json.dumps(args if isinstance(args, list) else [args])
 
 
+def _lines(text: str) -> list[str]:
+    """Output as compared: its lines without trailing spaces, trailing empty lines dropped (judges' outputs often end
+    lines with a space; verl's sandbox comparison forgives trailing newlines only, its local checker more)."""
+    lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
 def case_passed(result: RunResult, cases: TestCases, i: int) -> bool:
     if not result.succeeded:
         return False
     expected = cases.outputs[i]
     if cases.fn_name is None:
-        return result.stdout.replace("\r\n", "\n").rstrip("\n") == _text(expected).rstrip("\n")
+        return _lines(result.stdout) == _lines(_text(expected))
     lines = result.stdout.strip().splitlines()
     try:
         got = json.loads(lines[-1]) if lines else None

@@ -4,12 +4,14 @@
 there under a small launcher that first lowers its own limits (address space, CPU seconds, the size of any file it
 writes, no core dumps) and then runs the code as `__main__`. stdout and stderr go to files in that folder, so the
 file-size limit also bounds what a runaway print loop can make the parent read. The child runs in a session of its
-own, which is killed whole at the wall-clock timeout. `python -I` keeps the user's site folder, PYTHON* variables
+own, which is killed whole at the wall-clock timeout and when the run ends (a process the code starts in a session
+of its own escapes that). `python -I` keeps the user's site folder, PYTHON* variables
 and the working folder off the import path; the environment is a short fixed one, one thread per math library.
 
-These are resource limits, not isolation: the code runs as the user, with the network and the file system the
-user has. Code that is not trusted belongs in a sandbox service (SandboxFusion, or `alignrl serve sandbox` in a
-container), which `rewards.sandbox_client` reaches over HTTP with the same `run` interface (`CodeRunner`).
+These are resource limits, not isolation: the code runs as the user, with the network and the file system the user
+has, and reads what the user can read (root: everything, every process's environment included). Code that is not
+trusted belongs in a sandbox service (SandboxFusion, or `alignrl serve sandbox` in a container), which
+`rewards.sandbox_client` reaches over HTTP with the same `run` interface (`CodeRunner`).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def _read(path: Path) -> str:
 
 def _kill_session(proc: subprocess.Popen) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the session: whatever the code started goes too
+        os.killpg(proc.pid, signal.SIGKILL)  # the session: what the code started in it goes too
     except ProcessLookupError:
         pass
     proc.wait()

@@ -264,11 +264,16 @@ def score_row(fn: Callable[..., Any], data_source: str, solution_str: str, groun
 def make_reward(spec: str | None, format_weight: float = 0.0, code_reward: code.CodeReward | None = None,
                 **options: Any) -> RewardFn:
     """The reward from `spec` (the built-in rules scoring code with `code_reward` when given), plus `format_weight`
-    times the `#### N` format bonus when nonzero.
+    times the `#### N` format bonus when nonzero (`with_format_bonus`)."""
+    return with_format_bonus(load_reward_fn(spec, code_reward=code_reward, **options), format_weight)
+
+
+def with_format_bonus(base: RewardFn, format_weight: float) -> RewardFn:
+    """`base` plus `format_weight` times the `#### N` format bonus; `base` itself when the weight is 0, so that a
+    reward stage given both sees they are one function and scores each row once (the correctness is the reward).
 
     The bonus gives a shaped signal early in training, before correct answers are common.
     """
-    base = load_reward_fn(spec, code_reward=code_reward, **options)
     if format_weight == 0.0:
         return base
 

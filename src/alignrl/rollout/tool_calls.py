@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from alignrl.errors import ConfigError
@@ -66,6 +66,27 @@ def truncate_response(text: str, limit: int, side: str) -> str:
     return text[:half] + "...(truncated)..." + (text[-half:] if half else "")
 
 
+def turn_context(render: Callable[[list[dict], bool], str], role: str) -> tuple[list[dict], str] | None:
+    """What messages of `role` appended after an assistant turn are rendered after, and the text that renders to, cut
+    from each appended turn's render; None when the template renders the earlier turns differently once such messages
+    follow them (their text cannot be appended).
+
+    verl renders the appended messages alone and drops what the template prints for an empty conversation (a default
+    system block, for Qwen's); that is done here whenever that text is the render's start. Templates whose empty
+    conversation is not (one that prints an empty turn for it) get the messages after a short user and assistant
+    exchange instead, less that exchange's text: the same turn, without text of another turn."""
+    probe = [{"role": role, "content": "x"}]
+    try:
+        empty = render([{}], False)
+    except Exception:  # a template that reads every message's role: no empty-conversation text
+        empty = None
+    if empty is not None and render(probe, True).startswith(empty):
+        return [], empty
+    base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    prefix = render(base, False)
+    return (base, prefix) if render(base + probe, True).startswith(prefix) else None
+
+
 class ToolChat:
     """A tokenizer's chat template as the tool loop uses it: the prompt with the tools' schemas, and the text that
     follows an assistant turn with the turn's tool responses and the next generation prompt."""
@@ -81,32 +102,19 @@ class ToolChat:
                                                   **kwargs)
 
     def _context(self) -> tuple[list[dict], str]:
-        """The messages rendered before the tool messages and the text they render to, cut from every feedback.
-
-        verl renders the tool messages alone and drops what the template prints for an empty conversation (a default
-        system block, for Qwen's); that is done here whenever that text is the tool render's start. Templates whose
-        empty conversation is not (one that prints an empty turn for it) get the tool messages after a short user and
-        assistant exchange instead, less that exchange's text: the same turn, without text of another turn."""
-        probe = [{"role": "tool", "content": "x"}]
+        """The messages rendered before the tool messages and the text they render to (`turn_context`)."""
         try:
-            alone = self._render(probe, True)
+            self._render([{"role": "tool", "content": "x"}], True)
         except Exception as exc:  # the template's own check (roles must alternate, no tool role)
             raise ToolTemplateError(f"the tokenizer's chat template cannot render a tool message ({type(exc).__name__}"
                                     f": {exc}); use a model whose template has a tool role (Qwen2.5, Llama 3.1)"
                                     ) from exc
-        try:
-            empty = self._render([{}], False)
-        except Exception:  # a template that reads every message's role: no empty-conversation text
-            empty = None
-        if empty is not None and alone.startswith(empty):
-            return [], empty
-        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        prefix = self._render(base, False)
-        if not self._render(base + probe, True).startswith(prefix):
+        context = turn_context(self._render, "tool")
+        if context is None:
             raise ToolTemplateError("the tokenizer's chat template renders a conversation's earlier turns differently "
                                     "once tool messages follow them, so a tool response cannot be appended as text; "
                                     "use a model whose template appends turns (Qwen2.5, Llama 3.1)")
-        return base, prefix
+        return context
 
     def prompt(self, messages: list[dict]) -> str:
         """The row's messages with the tools' schemas and the generation prompt (verl's first prompt)."""

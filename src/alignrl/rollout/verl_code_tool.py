@@ -4,9 +4,9 @@ answers its stdout followed by its stderr, or verl's "no stdout here" when the r
 
 The entry's `config` takes verl's keys: `sandbox_fusion_url` (required, as in verl), `default_timeout` (30 s),
 `default_language` (python), `memory_limit_mb` (1024), `rate_limit` (10 runs at once; `enable_global_rate_limit:
-false` lifts it; verl's `num_workers` sizes a Ray pool alignrl does not need). A call may set its own `timeout` and
-`language`. A service that cannot be reached stops the run in one line naming its URL, as the search tool's does,
-rather than feeding the policy error texts to learn from.
+false` lifts it; verl's `num_workers` sizes a Ray pool alignrl does not need). A call may set its own `language`,
+and a `timeout` up to default_timeout. A service that cannot be reached stops the run in one line naming its URL, as
+the search tool's does, rather than feeding the policy error texts to learn from.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ class SandboxFusionTool(BaseTool):
         parameters = parameters if isinstance(parameters, dict) else {}
         code = parameters.get("code", "")
         timeout = parameters.get("timeout", self.default_timeout)
-        timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else self.default_timeout
+        # the policy may shorten its run, never lengthen it: a slot of the service would be held as long as it asked
+        timeout = min(float(timeout), self.default_timeout) if isinstance(timeout, (int, float)) and timeout > 0 \
+            else self.default_timeout
         language = str(parameters.get("language", self.default_language))
         result = await self.execution_pool.execute.remote(self.execute_code, instance_id,
                                                           code if isinstance(code, str) else str(code), timeout,

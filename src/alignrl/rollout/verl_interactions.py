@@ -35,6 +35,7 @@ import yaml
 
 from alignrl.errors import ConfigError, UserError
 from alignrl.rewards import gsm8k
+from alignrl.rollout.tool_calls import turn_context
 from alignrl.rollout.verl_tool_api import import_class, installed_verl
 from alignrl.utils.user_files import provide_modules
 
@@ -188,25 +189,16 @@ def _interaction_class(name: str, where: str) -> type:
 
 class UserChat:
     """The text a user message adds after an assistant turn: the message and the next generation prompt, as the
-    chat template renders them, less what it prints for an empty conversation (verl's system_prompt); a template
-    whose empty conversation is not that render's start gets it after a short exchange, less that exchange."""
+    chat template renders them after the conversation so far (`tool_calls.turn_context`)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        probe = [{"role": "user", "content": "x"}]
-        try:
-            empty = self._render([{}], False)
-        except Exception:  # a template that reads every message's role: no empty-conversation text
-            empty = None
-        if empty is not None and self._render(probe, True).startswith(empty):
-            self.base, self.prefix = [], empty
-            return
-        self.base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        self.prefix = self._render(self.base, False)
-        if not self._render(self.base + probe, True).startswith(self.prefix):
+        context = turn_context(self._render, "user")
+        if context is None:
             raise InteractionConfigError("the tokenizer's chat template renders a conversation's earlier turns "
                                          "differently once a user message follows them, so an interaction's reply "
                                          "cannot be appended as text; use a model whose template appends turns")
+        self.base, self.prefix = context
 
     def _render(self, messages: list[dict], generation: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)

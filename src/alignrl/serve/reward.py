@@ -27,9 +27,11 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from alignrl.errors import UserError
 from alignrl.serve.batcher import Batcher, flat_pairs, per_job
 from alignrl.serve.common import (RequestError, base_parser, check_args, device_of, fail, new_app, start,
                                   unicode_texts)
@@ -43,7 +45,9 @@ class ScoreRequest(BaseModel):
 
     prompts: list[str] | list[list[StrictInt]] = Field(min_length=1)
     responses: list[str] | list[list[StrictInt]] = Field(min_length=1)
-    messages: list[list[dict[str, str]]] | None = None  # each row's prompt as chat messages (--input_tokenizer)
+    # each row's prompt as chat messages (--input_tokenizer); a message's content may be a list of parts, and a
+    # message may carry tool calls, as chat templates take them
+    messages: list[list[dict[str, Any]]] | None = None
 
     @model_validator(mode="after")
     def _same_form(self):
@@ -100,7 +104,10 @@ class RewardService:
             bad = next((t for t in r if not 0 <= t < size), None)
             if bad is not None:
                 raise RequestError(f"row {i} has token id {bad}, outside the policy's vocabulary [0, {size})")
-        rows = [row_ids(self.policy_tokenizer, self.template, m, r) for m, r in zip(req.messages, req.responses)]
+        try:
+            rows = [row_ids(self.policy_tokenizer, self.template, m, r) for m, r in zip(req.messages, req.responses)]
+        except UserError as e:  # a row the reward model's chat template cannot render: the request's, not ours
+            raise RequestError(str(e), 422) from None
         return rows, [[] for _ in rows]
 
     async def score(self, req: ScoreRequest) -> list[float]:

@@ -11,7 +11,9 @@ verl's code tool (`sandbox_fusion_url` / `reward_model.sandbox_fusion.url`).
 "Success" is a run that finished with exit code 0, "Failed" any other. Each run is `rewards.code_exec.LocalRunner`'s:
 a child process with resource limits, which is not isolation — run this server in a container (or use
 SandboxFusion) when the code is not trusted. At most --workers runs go at once; the others wait their turn. Off
-loopback it needs ALIGNRL_API_KEY, and /run_code then takes only requests that carry it as a bearer token.
+loopback it needs ALIGNRL_API_KEY, and /run_code then takes only requests that carry it as a bearer token; the
+server makes itself undumpable, so that the programs, which run as its user, cannot read the key from its
+/proc/<pid>/environ (root reads it anyway: run the server as another user).
 Deliberately left out: languages other than Python, compiling, files in and out (`files` and `fetch_files` are
 accepted only empty).
 """
@@ -22,6 +24,7 @@ import asyncio
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 # Module level, not inside the factory: FastAPI resolves the (string) annotation `Request` by name.
@@ -76,24 +79,36 @@ def parse_request(body: bytes, limits: Limits) -> RunRequest:
     if obj.get("files") or obj.get("fetch_files"):
         raise RequestError("'files' and 'fetch_files' are not supported; send them empty", 422)
     timeout = _number(obj, "run_timeout", 10.0, limits.max_timeout_s)
-    memory = int(_number(obj, "memory_limit_MB", 1024, limits.max_memory_mb))
+    memory = max(1, int(_number(obj, "memory_limit_MB", 1024, limits.max_memory_mb)))  # never "no limit"
     return RunRequest(code, stdin, timeout, memory, language)
 
 
 def create_app(runner: CodeRunner, limits: Limits = Limits()):
     app = new_app("alignrl sandbox", "sandbox", 8 * MB, token_paths=frozenset({"/run_code"}))
-    turns = asyncio.Semaphore(limits.workers)
+    # its own pool: exactly `workers` runs at once, the others queued in arrival order (the loop's default executor
+    # would cap them at its own size and share its threads with the server's other work)
+    workers = ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="sandbox-run")
 
     @app.post("/run_code")
     async def run_code(request: Request) -> dict:
         req = parse_request(await request.body(), limits)
-        async with turns:
-            result = await asyncio.to_thread(runner.run, req.code, req.stdin, req.timeout_s, req.memory_mb,
-                                             req.language)
+        result = await asyncio.get_running_loop().run_in_executor(
+            workers, runner.run, req.code, req.stdin, req.timeout_s, req.memory_mb, req.language)
         return {"status": "Success" if result.succeeded else "Failed", "message": "", "compile_result": None,
                 "run_result": result.as_json(), "executor_pod_name": None, "files": {}}
 
     return app
+
+
+def _hide_environment() -> None:
+    """The programs run as this process's user, who may read /proc/<this pid>/environ (its ALIGNRL_API_KEY): a
+    process that is not dumpable has those files owned by root. Linux only; elsewhere nothing changes."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4, off
+    except (OSError, AttributeError):
+        pass
 
 
 def _parser():
@@ -124,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         sock = bind(args.host, args.port)
     except PortError as e:
         return fail(PROG, str(e))
+    _hide_environment()
     limits = Limits(args.max_timeout, args.max_memory_mb, args.workers)
     ready = f"{PROG}: {args.workers} workers; ready on {address(sock)}/run_code"
     try:

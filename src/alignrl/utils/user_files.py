@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from alignrl.errors import UserError
+
 
 # verl's APIs that users' files import (its tool classes, interactions, dataset class and reward functions), which
 # alignrl provides under verl's module names where verl is not installed. One file may hold a tool, a dataset class
@@ -20,10 +22,14 @@ VERL_PROVIDERS = ("alignrl.rollout.verl_tools:verl_tool_modules", "alignrl.rollo
 
 
 def provide_verl_apis() -> None:
-    """Registers verl's APIs alignrl provides (`VERL_PROVIDERS`) before a user's file is imported."""
+    """Registers verl's APIs alignrl provides (`VERL_PROVIDERS`) before a user's file is imported. One that cannot
+    (an installed verl whose module fails to import) is skipped here: the key whose file needs it says so."""
     for provider in VERL_PROVIDERS:
         module, _, function = provider.partition(":")
-        getattr(importlib.import_module(module), function)()
+        try:
+            getattr(importlib.import_module(module), function)()
+        except UserError:
+            pass
 
 
 def import_user_file(path: Path, key: str, error: type[Exception], prefix: str, missing_hint: str = "") -> ModuleType:
