@@ -15,12 +15,14 @@ response, else its first ``` block, else the whole response (verl's rule).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from alignrl.config.sandbox_schema import SandboxConfig
 from alignrl.rewards.code_exec import CodeRunner, LocalRunner, RunResult
 
 DATA_SOURCES = ("codecontests", "apps", "codeforces", "taco")
@@ -159,9 +161,11 @@ class CodeReward:
 LOCAL = CodeReward(LocalRunner())  # verl without a sandbox URL runs the cases on its own machine too
 
 
-def code_reward(sandbox) -> CodeReward:
+@functools.lru_cache(maxsize=16)
+def code_reward(sandbox: SandboxConfig) -> CodeReward:
     """The code reward of a run's `sandbox` config section (url, max_concurrent, memory_limit_mb, timeout_s): on
-    its service, 64 cases at once unless said (verl's), or here, as many at once as this process has cores."""
+    its service, 64 cases at once unless said (verl's), or here, as many at once as this process has cores. Made once
+    per section: the reward stage and the held-out scoring share it, and its sandbox client keeps its connections."""
     if sandbox.url:
         from alignrl.rewards.sandbox_client import SandboxClient
 

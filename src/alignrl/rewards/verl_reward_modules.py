@@ -13,12 +13,11 @@ provided: a file importing them fails to import, naming the module. An installed
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable, Mapping
-from types import SimpleNamespace
 from typing import Any
 
+from alignrl.config.sandbox_schema import SandboxConfig
 from alignrl.rewards import code, gsm8k, math_dapo, qa_em
 from alignrl.rewards import math as math_reward
 from alignrl.utils.user_files import provide_modules
@@ -82,14 +81,12 @@ def make_default_compute_score(rewards: Mapping[str, Callable[..., Any]]) -> Cal
     return default_compute_score
 
 
-@functools.lru_cache(maxsize=16)
 def code_reward(sandbox_fusion_url: str | None, memory_limit_mb: int | None) -> code.CodeReward:
-    """The code reward of one sandbox URL and memory limit, made once: a sandbox client keeps its connections."""
+    """The code reward of one sandbox URL and memory limit (made once: `code.code_reward` keeps it)."""
     if sandbox_fusion_url is None:
         return code.LOCAL
-    defaults = code.CodeSettings()
-    return code.code_reward(SimpleNamespace(url=sandbox_fusion_url, max_concurrent=0, timeout_s=defaults.timeout_s,
-                                            memory_limit_mb=memory_limit_mb or defaults.memory_mb))
+    return code.code_reward(SandboxConfig(url=sandbox_fusion_url,
+                                          memory_limit_mb=memory_limit_mb or code.CodeSettings().memory_mb))
 
 
 def search_r1_compute_score(solution_str: str, ground_truth: Any, method: str = "strict", format_score: float = 0.0,
