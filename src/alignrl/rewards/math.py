@@ -72,6 +72,22 @@ def compute_score(solution_str: str, ground_truth: str) -> float:
         return 0.0
 
 
+def answer_equals(answer: str, ground_truth: str) -> bool:
+    """Whether `answer`, a final answer already picked from a response (LaTeX without `$`), is mathematically equal
+    to `ground_truth` under math_verify; other rules (verl's prime_math) pick the answer their own way and ask this.
+    A huge power is compared as text, as above; anything math_verify cannot parse is unequal."""
+    from math_verify import parse, verify
+
+    if _HUGE_POWER_RE.search(answer) or _HUGE_POWER_RE.search(ground_truth):
+        return answer.strip() == ground_truth.strip()
+    try:
+        gold = _parse_gold(ground_truth)
+        pred = parse(f"${answer}$", parsing_timeout=None) if gold else []
+        return bool(pred) and bool(verify(gold, pred, timeout_seconds=None))
+    except Exception:  # math_verify/sympy can fail on arbitrary model output; that is a wrong answer
+        return False
+
+
 def _parse_gold(ground_truth: str) -> list[object]:
     """Parse the reference, reading bare strings such as "\\sqrt{2}" as LaTeX math first."""
     from math_verify import parse

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from alignrl.rewards import code, gsm8k, math_dapo
+from alignrl.rewards import code, geo3k, gsm8k, math_dapo, prime_math
 from alignrl.rewards import math as math_reward
 from alignrl.rewards import openrlhf_reward, qa_em, think_answer, verl_reward_modules
 from alignrl.rewards.batch_reward import BatchedReward
@@ -110,7 +110,16 @@ REWARDS: RewardTable = RewardTable({
     **{f"searchR1_{name}": qa_em.compute_score_tag_capped for name in QA_SETS},
     # verl's code sets: the response's program run on the row's test cases (locally unless a sandbox is set)
     **{name: code.LOCAL for name in code.DATA_SOURCES},
+    # verl's vision-language examples' data: 0.9 x a right \boxed{} answer + 0.1 x the <think>...</think> format
+    geo3k.DATA_SOURCE: geo3k.compute_score,
+    # PRIME's NuminaMath sets: 1.0 for a right answer, picked as verl's prime_math picks it, else 0.0
+    **{name: prime_math.score for name in prime_math.DATA_SOURCES},
 }, prefixes={"aime": math_dapo.compute_score})  # AIME sets: aime_2024, aime2025, ... (verl's routing)
+# rules whose reference is an answer's text (or a number): (reward, why a ground truth is not one, the rule's name)
+TEXT_REFERENCES: tuple[tuple[Callable[..., Any], Callable[[Any], str | None], str], ...] = (
+    (geo3k.compute_score, geo3k.reference_problem, "geo3k"),
+    (prime_math.score, prime_math.reference_problem, "PRIME math"),
+)
 
 
 def ground_truth_problem(data_source: str, ground_truth: Any) -> str | None:
@@ -126,6 +135,10 @@ def ground_truth_problem(data_source: str, ground_truth: Any) -> str | None:
             code.parse_cases(ground_truth)
         except ValueError as e:
             return f"{e} (the code reward of data_source {data_source!r} runs the response on them)"
+    for reward, reference_problem, rule in TEXT_REFERENCES:
+        if REWARDS.get(data_source) is reward and (problem := reference_problem(ground_truth)) is not None:
+            return (f"{problem}; the {rule} reward of data_source {data_source!r} reads reward_model.ground_truth "
+                    "as the answer's text")
     if REWARDS.get(data_source) is math_dapo.compute_score:
         problem = math_dapo.reference_problem(ground_truth)
         if problem is not None:

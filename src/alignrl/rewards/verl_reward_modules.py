@@ -5,10 +5,13 @@ compute_score`): when verl is not installed, `provide` registers alignrl's rules
 * `verl.utils.reward_score`: `default_compute_score(data_source, solution_str, ground_truth, extra_info=None,
   sandbox_fusion_url=None, concurrent_semaphore=None, memory_limit_mb=None, **kwargs)`, by the built-in rules of
   the registry (a dict result, as the DAPO rule's, is returned as it is, as verl does);
-* `.gsm8k`, `.math`, `.math_dapo` and `.search_r1_like_qa_em`, each with verl's `compute_score` signature.
+* `.gsm8k`, `.math`, `.math_dapo`, `.search_r1_like_qa_em`, `.geo3k` (`compute_score(predict_str, ground_truth,
+  use_boxed=True, format_score=0.1)`, `format_reward`, `acc_reward`) and `.prime_math` (`compute_score(model_output,
+  ground_truth)` returning verl's (right, well formatted, answer), `match_answer`, `grade_answer`), each with verl's
+  `compute_score` signature.
 
-verl's other modules (prime_math, prime_code, geo3k, sandbox_fusion, ...) have no alignrl equivalent and are not
-provided: a file importing them fails to import, naming the module. An installed verl's modules are used as they are.
+verl's other modules (prime_code, sandbox_fusion, ...) have no alignrl equivalent and are not provided: a file
+importing them fails to import, naming the module. An installed verl's modules are used as they are.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from alignrl.config.sandbox_schema import SandboxConfig
-from alignrl.rewards import code, gsm8k, math_dapo, qa_em
+from alignrl.rewards import code, geo3k, gsm8k, math_dapo, prime_math, qa_em
 from alignrl.rewards import math as math_reward
 from alignrl.utils.user_files import provide_modules
 
@@ -43,6 +46,9 @@ def provide(rewards: Mapping[str, Callable[..., Any]]) -> None:
         f"{PACKAGE}.search_r1_like_qa_em": {"compute_score": search_r1_compute_score, "em_check": qa_em.em_check,
                                             "normalize_answer": qa_em.normalize_answer,
                                             "extract_solution": qa_em.extract_answer},
+        f"{PACKAGE}.geo3k": {name: getattr(geo3k, name) for name in ("compute_score", "format_reward", "acc_reward")},
+        f"{PACKAGE}.prime_math": {name: getattr(prime_math, name)
+                                  for name in ("compute_score", "match_answer", "grade_answer")},
     }, DOC)
 
 

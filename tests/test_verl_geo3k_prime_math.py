@@ -1,0 +1,174 @@
+"""verl's geo3k reward (hiyouga/geometry3k rows: 0.9 x a right boxed answer + 0.1 x the <think> format) and PRIME's
+math reward (the numina_* sets: 1.0 for a right answer, picked as verl's prime_math picks it), their routing, their
+verl modules as a user's reward file imports them, and a geo3k row of verl's parquet layout passing the data checks."""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from alignrl.config import load_config
+from alignrl.data.loaders import DataError, check_sources
+from alignrl.data.prompts import load_task_data
+from alignrl.rewards import geo3k, prime_math, ruler
+from alignrl.rewards.registry import REWARDS, default_compute_score, ground_truth_problem, load_reward_fn
+
+NUMINA = ("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc", "numina_cn_k12",
+          "numina_olympiads")
+
+
+@pytest.mark.parametrize(("response", "truth", "score"), [
+    ("<think>half of 3 times 4</think>The area is \\boxed{6}.", "6", 1.0),  # 0.9 x 1 + 0.1 x 1
+    ("The area is \\boxed{6}.", "6", 0.9),  # right, no thinking block: 0.9 x 1 + 0.1 x 0
+    ("<think>guess</think>\\boxed{7}", "6", 0.1),  # wrong, well formed: 0.9 x 0 + 0.1 x 1
+    ("The area is 6.", "6", 0.0),  # no box: the answer read is "None", and no format
+    ("Sure! <think>x</think>\\boxed{6}", "6", 0.9),  # text before <think>: not the format
+    ("<think>x \\boxed{6}", "6", 0.9),  # <think> never closed
+    ("<think>x</think>\\boxed{2\\sqrt{3}}", "\\sqrt{12}", 1.0),  # equal under sympy
+    ("<think>x</think>\\boxed{60^\\circ}", "60", 1.0),  # degrees dropped by the normal form
+    ("<think>x</think>\\boxed{\\frac{1}{2}} then \\boxed{3}", "3", 1.0),  # the last box is the answer
+    ("<think>x</think>\\boxed{6}", 6, 1.0),  # a number as the reference
+])
+def test_geo3k_scores_accuracy_and_format(response: str, truth: object, score: float) -> None:
+    assert geo3k.compute_score(response, truth) == pytest.approx(score)
+
+
+def test_geo3k_right_and_formatted_is_exactly_one() -> None:
+    """Held-out accuracy counts a score >= 1.0 as solved: 0.9 + 0.1 must not round below it."""
+    assert geo3k.compute_score("<think>a</think>\\boxed{3}", "3") == 1.0
+    assert geo3k.compute_score("\\boxed{3}", "3", format_score=0.5) == 0.5
+    assert geo3k.acc_reward("3", "3", use_boxed=False) == 1.0 and geo3k.acc_reward("3", "3") == 0.0
+
+
+def test_geo3k_format_is_verls_pattern_in_linear_time() -> None:
+    verl = re.compile(geo3k.FORMAT_PATTERN, re.DOTALL)
+    for text in ("<think></think>\\boxed{}", "<think>a</think>b\\boxed{c}d", "<think>\\boxed{1}</think>", "<think>",
+                 "<think></think>\\boxed{", "<think></think>}\\boxed{", " <think></think>\\boxed{1}",
+                 "<think>\n</think>\n\\boxed{\n}\n", "<think></think></think>\\boxed{1}", ""):
+        assert geo3k.format_reward(text) == (1.0 if verl.fullmatch(text) else 0.0), text
+    start = time.perf_counter()  # the regex takes minutes on this degenerate response
+    assert geo3k.format_reward("<think>" + "</think>\\boxed{ " * 3000) == 0.0
+    assert time.perf_counter() - start < 0.1
+
+
+@pytest.mark.parametrize(("response", "matched", "answer"), [
+    ("So the answer is \\boxed{\\frac{1}{2}}.", True, "\\frac{1}{2}"),
+    ("Answer: 42", True, "42"),
+    ("The answer is 5. So we are done.", True, "5"),  # cut at the last ". "
+    ("We get x = 7. Done", True, "7"),  # then what follows the last "="
+    ("Thus 12 is the answer", True, "Thus 12"),  # what precedes "is the answer"
+    ("\\fbox{8}", True, "8"),
+    ("no digits here", False, "no digits here"),  # nothing marked: the whole response is graded
+    ("The answer is \\boxed{x}", False, "x"),  # marked, but an answer without a digit does not count as matched
+])
+def test_prime_math_picks_the_answer_as_prime_does(response: str, matched: bool, answer: str) -> None:
+    assert prime_math.match_answer(response) == (matched, answer)
+
+
+@pytest.mark.parametrize(("response", "truth", "expected"), [
+    ("So \\boxed{\\frac{1}{2}}", "0.5", (True, True, "\\frac{1}{2}")),  # mathruler: equal normal forms
+    ("The answer is 0.5", "\\frac12", (True, True, "0.5")),
+    ("Step 1: add. Step 2: so \\boxed{3}", "4", (False, True, "3")),  # wrong, in prime's format
+    ("\\boxed{3}", "4", (False, False, "3")),
+    ("\\boxed{\\{1,2\\}}", "\\{2,1\\}", (True, True, "\\{1,2\\}")),  # math_verify: mathruler reads no sets
+    ("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}", (True, True, "\\frac{2}{4}")),  # math_verify: mathruler wants 1/2
+    ("\\boxed{10^3}", 1000, (True, True, "10^3")),  # math_verify, a number as the reference
+    ("\\boxed{(1,2)}", "(2,1)", (False, False, "(1,2)")),  # an ordered pair is not a set
+])
+def test_prime_math_grades_with_mathruler_then_math_verify(response: str, truth: object, expected: tuple) -> None:
+    assert prime_math.compute_score(response, truth) == expected
+    assert prime_math.score(response, truth) == (1.0 if expected[0] else 0.0)
+
+
+def test_answers_sympy_cannot_finish_are_compared_as_text() -> None:
+    """mathruler's sympy step (and math_verify) compute 9**9**9 or 9999999! in full, without a timeout."""
+    start = time.perf_counter()
+    for answer in ("9**9**9", "9999999!", "(9999999)!"):
+        assert ruler.unbounded(answer) and not prime_math.score(f"\\boxed{{{answer}}}", "\\frac{1}{3}")
+        assert geo3k.compute_score(f"\\boxed{{{answer}}}", "\\frac{1}{3}") == 0.0
+    assert ruler.grade_answer("5!", "5!") and not ruler.unbounded("1,\\!000")  # TeX's thin space is not a factorial
+    assert prime_math.score("lots of prose " * 2000, "7") == 0.0  # graded whole: too long for math_verify
+    assert time.perf_counter() - start < 2.0
+
+
+def test_default_compute_score_routes_geo3k_and_the_numina_sets() -> None:
+    assert REWARDS["hiyouga/geometry3k"] is geo3k.compute_score
+    assert default_compute_score("hiyouga/geometry3k", "<think>a</think>\\boxed{6}", "6") == 1.0
+    assert default_compute_score("hiyouga/geometry3k", "\\boxed{6}", "6") == pytest.approx(0.9)
+    for source in NUMINA:
+        assert REWARDS[source] is prime_math.score
+        assert default_compute_score(source, "the answer is \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+        assert default_compute_score(source, "the answer is \\boxed{\\frac{1}{3}}", "0.5") == 0.0
+
+
+def test_a_ground_truth_these_rules_cannot_read_is_named() -> None:
+    assert ground_truth_problem("hiyouga/geometry3k", "3") is None and ground_truth_problem("numina_cn_k12", 7) is None
+    for source, rule in (("hiyouga/geometry3k", "geo3k"), ("numina_olympiads", "PRIME math")):
+        for bad in (None, ["3"], {"target": "3"}, "  "):
+            problem = ground_truth_problem(source, bad)
+            assert problem is not None and f"the {rule} reward of data_source {source!r}" in problem, bad
+            assert "\n" not in problem
+    with pytest.raises(TypeError, match="the reference is a list"):
+        prime_math.compute_score("\\boxed{3}", ["3"])
+
+
+USER_FILE = '''
+from verl.utils.reward_score import default_compute_score, geo3k, prime_math
+from verl.utils.reward_score.prime_math import compute_score as prime_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if data_source == "my_geo":
+        return geo3k.compute_score(solution_str, ground_truth, use_boxed=True, format_score=0.2)
+    if data_source == "my_prime":
+        return float(prime_score(solution_str, ground_truth)[0])
+    if data_source == "my_match":
+        return 1.0 if prime_math.match_answer(solution_str)[0] else 0.0
+    return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+'''
+
+
+def test_a_verl_reward_file_imports_geo3k_and_prime_math(tmp_path: Path) -> None:
+    path = tmp_path / "verl_reward.py"
+    path.write_text(USER_FILE)
+    fn = load_reward_fn(f"{path}:compute_score")
+    assert fn("my_geo", "\\boxed{2}", "2") == pytest.approx(0.8)  # 0.8 x 1 + 0.2 x 0
+    assert fn("my_prime", "Answer: 2", "2") == 1.0 and fn("my_prime", "Answer: 3", "2") == 0.0
+    assert fn("my_match", "Answer: 2", "x") == 1.0
+    assert fn("hiyouga/geometry3k", "<think>a</think>\\boxed{2}", "2") == 1.0
+    assert fn("numina_amc_aime", "\\boxed{204}", "204") == 1.0
+
+
+def geo3k_rows(ground_truth: object) -> list[dict]:
+    """Two rows as verl's examples/data_preprocess/geo3k.py writes them: <image> in the prompt's text, the picture's
+    bytes in the images column."""
+    png = io.BytesIO()
+    Image.new("RGB", (56, 56), (255, 0, 0)).save(png, format="PNG")
+    prompt = ("<image>Find x. You FIRST think about the reasoning process as an internal monologue and then provide "
+              "the final answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final "
+              "answer MUST BE put in \\boxed{}.")
+    return [{"data_source": "hiyouga/geometry3k", "prompt": [{"role": "user", "content": prompt}],
+             "images": [{"bytes": png.getvalue()}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": ground_truth},
+             "extra_info": {"split": "train", "index": i, "answer": "3", "question": "Find x."}} for i in range(2)]
+
+
+def test_a_verl_geo3k_parquet_passes_the_data_checks(tmp_path: Path) -> None:
+    path = tmp_path / "geo3k.parquet"
+    pq.write_table(pa.Table.from_pylist(geo3k_rows("3")), path)
+    check_sources(str(path), REWARDS)  # the check before a launch: the data_source has a built-in reward
+    train, val = load_task_data(load_config(None, [f"data.train_files={path}", f"data.val_files={path}"]))
+    assert len(train) == len(val) == 2 and len(train[0].images) == 1
+    assert train[0].data_source == "hiyouga/geometry3k" and train[0].ground_truth == "3"
+    assert default_compute_score(train[0].data_source, "<think>a</think>\\boxed{3}", train[0].ground_truth) == 1.0
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(geo3k_rows(["3"])), bad)
+    with pytest.raises(DataError, match=r"bad.parquet row 0: the reference is a list .*the geo3k reward"):
+        load_task_data(load_config(None, [f"data.train_files={bad}", f"data.val_files={path}"]))
