@@ -20,8 +20,9 @@ class ScriptedEngine:
         rows = [self.greedy[p[0]] if params.temperature == 0 else self.sampled[p[0]][j]
                 for p in prompts for j in range(params.n)]
         ids = torch.tensor([[TEXTS.index(t) + 1] for t in rows])
+        # a single-turn rollout carries no stats, and adds nothing to the rows' extra_info
         return SimpleNamespace(response_ids=ids, response_mask=torch.ones_like(ids, dtype=torch.bool),
-                               stats={})  # a single-turn rollout carries no stats
+                               stats={}, reward_extras=None)
 
 
 TEXTS = ["2+3=5\n#### 5", "2+3=5\nThe answer is 5.", "2+3=6\n#### 6", "4*2=8\n8+1=9\n#### 9", "#### 1"]

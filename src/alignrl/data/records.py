@@ -68,6 +68,9 @@ class Rollout:
     loss_mask: torch.Tensor | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row (B,) float counts (agent/...)
     images: ImageRows | None = None  # each row's prompt images (B rows); None: no row has any
+    # (B,) what each row's episode adds to the reward function's extra_info, which is per episode and may hold lists
+    # (verl's tool loop: num_turns, turn_scores, tool_rewards); None: nothing, the rows' own extra_info is read
+    reward_extras: list[dict[str, Any]] | None = None
 
     @property
     def generated_mask(self) -> torch.Tensor:  # (B, R) bool, the policy's own tokens

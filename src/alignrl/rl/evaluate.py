@@ -20,7 +20,7 @@ from alignrl.data.records import Sample
 from alignrl.interfaces import SamplingParams
 from alignrl.rewards import gsm8k
 from alignrl.rewards.registry import REWARDS, ScoreError, reads_prompt_text, score_row
-from alignrl.rl.scoring import played_correct, prompt_texts, with_turn_counts
+from alignrl.rl.scoring import played_correct, prompt_texts, with_reward_extras
 from alignrl.rollout.env_agent import with_labels
 
 
@@ -53,7 +53,8 @@ def _rule_correct(tokenizer, ro, texts: Sequence[str], batch: Sequence[Sample], 
                   n: int) -> list[float]:
     """1.0 where `correct_fn` scores a row's text >= 1, else 0.0; a ScoreError names the row."""
     read = prompt_texts(tokenizer, ro.prompt_ids, ro.prompt_mask) if reads_prompt_text(correct_fn) else None
-    rows = with_turn_counts(ro, [batch[j // n] for j in range(len(texts))])  # verl's num_turns, as in training
+    # verl's num_turns, turn_scores and tool_rewards in extra_info, as in training
+    rows = with_reward_extras(ro, [batch[j // n] for j in range(len(texts))])
     out = []
     for j, (t, s) in enumerate(zip(texts, rows)):
         try:

@@ -69,7 +69,8 @@ def select_groups(ro: Rollout, keep_group_ids: Sequence[int] | torch.Tensor) -> 
                    group=torch.searchsorted(torch.unique(kept), kept),
                    loss_mask=None if ro.loss_mask is None else ro.loss_mask[rows],
                    stats={k: v[rows] for k, v in ro.stats.items()},
-                   images=None if ro.images is None else ro.images.select(rows))
+                   images=None if ro.images is None else ro.images.select(rows),
+                   reward_extras=None if ro.reward_extras is None else [ro.reward_extras[i] for i in rows.tolist()])
 
 
 def pad_cols(t: torch.Tensor, width: int, value: float | int | bool, left: bool) -> torch.Tensor:
@@ -94,7 +95,9 @@ def concat_rollouts(a: Rollout, b: Rollout, pad_id: int) -> Rollout:
                    loss_mask=None if a.loss_mask is None and b.loss_mask is None else torch.cat(
                        [pad_cols(x.generated_mask, r, False, False) for x in (a, b)]),
                    stats={k: torch.cat([a.stats[k], b.stats[k]]) for k in a.stats if k in b.stats},
-                   images=join_rows([a.images, b.images], [len(a.group), len(b.group)]))
+                   images=join_rows([a.images, b.images], [len(a.group), len(b.group)]),
+                   reward_extras=None if a.reward_extras is None and b.reward_extras is None else
+                   [x for r in (a, b) for x in (r.reward_extras or [{} for _ in r.group])])
 
 
 def group_count(group: torch.Tensor) -> int:

@@ -4,7 +4,7 @@ nothing of where the rollout came from or where the scores go."""
 
 from __future__ import annotations
 
-import math
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -52,7 +52,7 @@ class RewardStage:
         """Rewards plus the overlong penalty when configured; correctness is never shaped. `samples`
         are the rollout's prompts in group order. Every reward and cost is checked finite here, at the
         boundary: past it a NaN spreads through the advantages into every weight."""
-        rows = with_turn_counts(ro, [samples[g] for g in ro.group.tolist()])
+        rows = with_reward_extras(ro, [samples[g] for g in ro.group.tolist()])
         rewards, correct = self.task_scores(ro, rows)
         out = torch.tensor(rewards, dtype=torch.float32)
         filters = for_filtering(ro, rewards)
@@ -85,14 +85,15 @@ class RewardStage:
         return rewards, [r >= 1.0 for r in rule_scores(self.correct_fn, "reward function", rows, texts, prompts)]
 
 
-def with_turn_counts(ro: Rollout, rows: list[Sample]) -> list[Sample]:
-    """`rows` with each episode's turn count in extra_info["num_turns"] where verl's tool loop played them, as verl
-    passes it to the reward function (ReTool's reward credits tool calls by it)."""
-    turns = ro.stats.get("env/verl_num_turns")
-    if turns is None:
+def with_reward_extras(ro: Rollout, rows: list[Sample]) -> list[Sample]:
+    """`rows` (one per rollout row) with what each episode adds to its extra_info (`Rollout.reward_extras`), over
+    the row's own keys as verl's reward manager merges them: where verl's tool loop played an episode, its num_turns
+    (ReTool's reward credits tool calls by it), turn_scores and tool_rewards. `rows` itself where nothing is added.
+    The values are copies: a reward function that edits its extra_info leaves the rollout's record as it was."""
+    if ro.reward_extras is None:
         return rows
-    return [replace(s, extra={**(s.extra or {}), "num_turns": int(t)}) if math.isfinite(t) else s
-            for s, t in zip(rows, turns.tolist())]
+    return [replace(s, extra={**(s.extra or {}), **copy.deepcopy(x)}) if x else s
+            for s, x in zip(rows, ro.reward_extras)]
 
 
 def played_correct(ro: Rollout) -> torch.Tensor | None:

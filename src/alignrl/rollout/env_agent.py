@@ -7,7 +7,8 @@ its reward, a feedback text appended after the turn's ids, and whether the episo
 generated are kept exactly (token in, token out); feedback ids are attended but not trained on (their log-probs
 are 0 and the loss mask leaves them out, under actor.state_masking). The episode's reward is the sum of its steps'
 "rewards", its score the last step's "scores" (OpenRLHF's: dynamic filtering reads it; here a score >= 1 counts as
-correct), and numeric "extra_logs" become per-row stats, logged as agent/<name>.
+correct), and numeric "extra_logs" become per-row stats, logged as agent/<name>. An environment of alignrl's own may
+say, once its episode ended, what the reward function reads of it in extra_info (verl's tool loop: `episode_ended`).
 
 Turns run batched: every live episode's next turn is one `generate` call (one per set of sampling params, when
 steps changed an episode's: `env_sampling`), then their `step`s run concurrently on one event loop kept for the
@@ -77,6 +78,7 @@ class _Episode:
     params: SamplingParams | None = None  # its last turn's sampling params, and the most tokens that turn could take
     turn_max: int = 0
     action: str = ""  # its last turn's text
+    extras: dict[str, Any] | None = None  # what its environment adds to the reward function's extra_info
 
 
 class EnvRollout:
@@ -124,8 +126,11 @@ class EnvRollout:
 
     async def _ended(self, episodes: list[_Episode]) -> None:
         """Environments that hold something per episode (verl's tool loop: its interaction's instance) release it
-        once the episode ended, whether its step said done or a limit ended it."""
-        await asyncio.gather(*(e.env.episode_ended() for e in episodes if hasattr(e.env, "episode_ended")))
+        once the episode ended, whether its step said done or a limit ended it, and return what the reward function
+        reads of the episode beyond its row (verl's: its turn count, turn scores and tool rewards), or None."""
+        ending = [e for e in episodes if hasattr(e.env, "episode_ended")]
+        for e, extras in zip(ending, await asyncio.gather(*(e.env.episode_ended() for e in ending))):
+            e.extras = extras if isinstance(extras, dict) else None  # a hook that returns nothing adds nothing
 
     def _groups(self, live: list[_Episode], params: SamplingParams) -> dict[SamplingParams, list[_Episode]]:
         """The live episodes by the sampling params of their next turn: all in one group (one generate call, as
@@ -249,4 +254,7 @@ class EnvRollout:
             if self.gives_rewards:
                 e.row.stats.update(env_reward=e.reward, env_score=e.reward if e.score is None else e.score)
             e.row.stats.update({f"env/{k}": e.logs.get(k, math.nan) for k in names})
-        return episodes_rollout([e.row for e in episodes], n_prompts, n, self.pad_id)
+        ro = episodes_rollout([e.row for e in episodes], n_prompts, n, self.pad_id)
+        if any(e.extras is not None for e in episodes):  # else None: the rows' extra_info is read unchanged
+            ro.reward_extras = [dict(e.extras or {}) for e in episodes]
+        return ro

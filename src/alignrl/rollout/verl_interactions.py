@@ -16,7 +16,7 @@ responses and the earlier replies) and returns (should_terminate, reply, turn sc
 appended as a user message, rendered as the chat template renders one (not trained on), and should_terminate ends
 the episode after it. Each episode ends with `finalize_interaction(instance_id)`, however it ended. The turn scores
 are logged (agent/interaction_score, the last; agent/interaction_score_mean); as in verl, the episode's reward is the
-run's reward function on the whole response.
+run's reward function on the whole response, which reads them in extra_info["turn_scores"] (`verl_tools`).
 
 Left out: OmegaConf interpolations in the YAML (read as plain YAML), and multimodal replies.
 """

@@ -15,7 +15,8 @@ max_parallel_calls) run concurrently, each tool instance created with the row's
 max_tool_response_length, are appended as tool messages (not trained on) and the policy answers again. A turn
 without calls, the assistant- or user-turn limit, or the response cap ends it (a turn that reached the cap runs no
 calls, as verl stops on length before parsing). The steps give no rewards: the run's reward function scores the
-whole response, as verl's reward manager does.
+whole response, as verl's reward manager does, and reads the episode's num_turns, its interaction's turn_scores and
+its tools' step rewards (tool_rewards) in extra_info, as verl merges its agent loop's extra_fields there.
 
 With verl's interactions (agent.interaction_config_path, `verl_interactions`), a turn without calls of a row that
 has `extra_info.interaction_kwargs` is answered by the interaction that row names, as a user message (not trained
@@ -28,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +75,7 @@ class ToolEnvironment:
         self.tools_kwargs: dict = {}
         self.talk: Talk | None = None  # the episode's conversation with its interaction, when its row names one
         self.assistant_turns = self.user_turns = 0
+        self.tool_rewards: list[float] = []  # each call's step reward, in call order, as verl's loop collects them
         self.counts = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_call_parse_errors": 0.0}
 
     async def reset(self, states: dict, **kwargs) -> dict:
@@ -107,31 +111,41 @@ class ToolEnvironment:
             feedback, done = await self.talk.reply()
             self.user_turns += 1
             return self._result(feedback, done)
-        texts = await asyncio.gather(*(self._call(c) for c in calls[:loop.max_parallel_calls]))
+        answers = await asyncio.gather(*(self._call(c) for c in calls[:loop.max_parallel_calls]))
+        texts = [text for text, _ in answers]
+        self.tool_rewards += [reward for _, reward in answers if reward is not None]  # verl skips a None reward
         self.user_turns += 1
         if self.talk is not None:
             self.talk.tools(texts)
         return self._result(self.chat.feedback(texts), done=False)
 
-    async def episode_ended(self) -> None:
-        """Called once the episode ended, however it ended (`EnvRollout`): verl's interaction is finalized."""
+    async def episode_ended(self) -> dict[str, Any]:
+        """Called once the episode ended, however it ended (`EnvRollout`): verl's interaction is finalized. Returns
+        what verl's reward manager adds to the reward function's extra_info: the agent loop's extra_fields (the
+        interaction's turn scores and the tools' step rewards, empty lists when there were none) and num_turns."""
         if self.talk is not None:
             await self.talk.finish()
+        return {"turn_scores": list(self.talk.scores) if self.talk is not None else [],
+                "tool_rewards": list(self.tool_rewards), "num_turns": self._num_turns()}
+
+    def _num_turns(self) -> int:
+        """verl's num_turns: the prompt's user turn, the assistant turns and the tool-response and interaction turns
+        (agent/turns counts assistant turns only)."""
+        return self.user_turns + self.assistant_turns + 1
 
     def _result(self, feedback: str, done: bool) -> dict:
-        # verl_num_turns: verl's num_turns metric, which counts the prompt's user turn, the assistant turns and the
-        # tool-response and interaction turns (agent/turns counts assistant turns only)
         logs = dict(self.counts, tool_calls_per_turn=self.counts["tool_calls"] / self.assistant_turns,
-                    verl_num_turns=float(self.user_turns + self.assistant_turns + 1))
+                    verl_num_turns=float(self._num_turns()))
         if self.talk is not None:
             logs.update(self.talk.logs())
         return {"environment_feedback": feedback, "done": done, "extra_logs": logs}
 
-    async def _call(self, call: ToolCall) -> str:
-        """The call's response text, cut to max_tool_response_length; a call that fails (an unknown tool, arguments
-        that are not JSON, an exception in the tool) answers verl's error text, and the episode goes on as in verl;
-        but a service of alignrl's own that stopped answering (the search tool's retrieval server, after its retries)
-        stops the run in one line, rather than training the policy on error texts."""
+    async def _call(self, call: ToolCall) -> tuple[str, float | None]:
+        """The call's response text, cut to max_tool_response_length, and its step reward (execute's second value;
+        None: none). A call that fails (an unknown tool, arguments that are not JSON, an exception in the tool)
+        answers verl's error text with reward 0.0, and the episode goes on as in verl; but a service of alignrl's own
+        that stopped answering (the search tool's retrieval server, after its retries) stops the run in one line,
+        rather than training the policy on error texts."""
         self.counts["tool_calls"] += 1
         tool = instance_id = None
         try:
@@ -144,12 +158,24 @@ class ToolEnvironment:
             raise
         except Exception as exc:
             self.counts["tool_errors"] += 1
-            return f"Error when executing tool: {exc}"
+            return f"Error when executing tool: {exc}", 0.0
         finally:
             if tool is not None and instance_id:
                 await tool.release(instance_id)
         text = _response_text(got[0] if isinstance(got, tuple) else got, call.name)
-        return truncate_response(text, self.loop.max_tool_response_length, self.loop.truncate_side)
+        reward = _step_reward(got[1], call.name) if isinstance(got, tuple) and len(got) > 1 else None
+        return truncate_response(text, self.loop.max_tool_response_length, self.loop.truncate_side), reward
+
+
+def _step_reward(value: Any, name: str) -> float | None:
+    """A tool's step reward as the reward function reads it in extra_info["tool_rewards"]: a finite float, or None
+    (no reward: verl leaves it out). Checked here, where the tool is known, rather than in the user's reward."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ToolResultError(f"tool {name!r} returned the step reward {value!r:.80}; return a finite number (or None) "
+                              "as execute's second value")
+    return float(value)
 
 
 def _response_text(response: Any, name: str) -> str:
