@@ -243,6 +243,16 @@ def http_servers():
         server.server_close()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Heaviest test files first (tests/file_seconds.json; `make test` turns xdist's own order, by test count, off):
+    the two test processes then end together instead of one running a two-minute file alone at the end. A stable
+    sort: each file's tests keep their order, and files not listed keep theirs, after the listed ones."""
+    import json
+
+    seconds = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
+    items.sort(key=lambda item: -seconds.get(item.path.name, 0))
+
+
 def pytest_configure(config):
     """One port pool for the whole run, named before the test processes start so they and every process they start
     share it: two tests never get the same port, and none is one the kernel hands out (an outgoing connection of a

@@ -28,9 +28,11 @@ class BatchStats:
     requests: int = 0  # requests answered by the engine
     batches: int = 0  # `run` calls
     items: int = 0  # total size (sequences) of all requests
+    running: int = 0  # requests in the engine now (vLLM's num_requests_running): 0 while it waits for work
 
     def as_dict(self) -> dict[str, int]:
-        return {"requests": self.requests, "engine_batches": self.batches, "sequences": self.items}
+        return {"requests": self.requests, "engine_batches": self.batches, "sequences": self.items,
+                "running": self.running}
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Batcher(Generic[P, R]):
                 batch = [p for p in self._take_batch() if not p.future.done()]  # drop cancelled
                 if not batch:
                     continue
+                self.stats.running = len(batch)
                 try:
                     results = await loop.run_in_executor(self._executor, self._run_locked, batch[0].key,
                                                          [p.payload for p in batch])
@@ -106,6 +109,8 @@ class Batcher(Generic[P, R]):
                         if not p.future.done():
                             p.future.set_exception(e)
                     continue
+                finally:
+                    self.stats.running = 0
                 self.stats.batches += 1
                 self.stats.requests += len(batch)
                 self.stats.items += sum(p.size for p in batch)

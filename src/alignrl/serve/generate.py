@@ -8,7 +8,7 @@ Endpoints: `GET /health` (exactly {"status": "healthy"}), `GET /v1/models`, `POS
 log-probs + finish reasons + the weight version out: what an RL trainer needs), `POST
 /v1/update_weights` (bearer token when ALIGNRL_API_KEY is set; body in the `serve.weights` format),
 `GET /v1/weight_version`, `GET /v1/weights_manifest` (names, shapes, dtypes to push) and
-`GET /v1/stats` (requests vs engine calls, to see batching at work).
+`GET /v1/stats` (requests vs engine calls, to see batching at work; `running`: requests in the engine now).
 
 `/v1/generate_tokens` returns the tokens exactly as sampled: a stop string's tokens stay in, as they
 do in the in-process engine's rollouts; the OpenAI endpoints cut the text before the stop string.
