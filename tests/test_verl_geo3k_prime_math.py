@@ -172,3 +172,31 @@ def test_a_verl_geo3k_parquet_passes_the_data_checks(tmp_path: Path) -> None:
     pq.write_table(pa.Table.from_pylist(geo3k_rows(["3"])), bad)
     with pytest.raises(DataError, match=r"bad.parquet row 0: the reference is a list .*the geo3k reward"):
         load_task_data(load_config(None, [f"data.train_files={bad}", f"data.val_files={path}"]))
+
+
+def test_verls_geo3k_tool_grades_each_answer_and_penalises_one_that_did_not_improve(tmp_path):
+    """The tool of verl's multi-turn geo3k example (`verl.tools.geo3k_tool.Geo3kTool` in a tool config) is built in:
+    an answer is graded whole by the geo3k rule's accuracy (no format term), and a call whose score did not beat the
+    episode's last one gets verl's step reward of -0.05."""
+    import asyncio
+
+    from alignrl.rollout.verl_tools import load_tools
+
+    config = tmp_path / "geo3k_tool_config.yaml"
+    config.write_text('tools:\n  - class_name: "verl.tools.geo3k_tool.Geo3kTool"\n    config: {}\n'
+                      '    tool_schema:\n      type: function\n      function:\n        name: calc_geo3k_reward\n'
+                      '        description: grade\n        parameters: {type: object, properties: {answer: '
+                      '{type: string}}, required: [answer]}\n')
+    (tool,) = load_tools(str(config))
+
+    async def episode():
+        instance, _ = await tool.create(create_kwargs={"ground_truth": "\\frac{1}{2}"})
+        calls = [await tool.execute(instance, {"answer": a}) for a in ("3", "0.5", "1/2", "7")]
+        await tool.release(instance)
+        return [(r.text, step) for r, step, _ in calls]
+
+    assert asyncio.run(episode()) == [
+        ("Current parsed answer='3' reward=0.0", -0.05),  # no better than the 0.0 it starts from
+        ("Current parsed answer='0.5' reward=1.0", 0.0),
+        ("Current parsed answer='1/2' reward=1.0", -0.05),  # right again: no improvement
+        ("Current parsed answer='7' reward=0.0", -0.05)]

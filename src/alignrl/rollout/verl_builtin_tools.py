@@ -1,8 +1,10 @@
 """verl's own tools, as alignrl's: a tool config naming `verl.tools.gsm8k_tool.Gsm8kTool`,
-`verl.tools.search_tool.SearchTool` or `verl.tools.sandbox_fusion_tools.SandboxFusionTool` (`verl_code_tool`) gets
-these (`BUILTIN`), with verl's config keys, call schemas and response texts.
+`verl.tools.geo3k_tool.Geo3kTool`, `verl.tools.search_tool.SearchTool` or
+`verl.tools.sandbox_fusion_tools.SandboxFusionTool` (`verl_code_tool`) gets these (`BUILTIN`), with verl's config
+keys, call schemas and response texts.
 
-`Gsm8kTool` scores an `answer` against the row's ground truth (alignrl.rewards.gsm8k, flexible extraction).
+`Gsm8kTool` scores an `answer` against the row's ground truth (alignrl.rewards.gsm8k, flexible extraction);
+`Geo3kTool` grades it by verl's geo3k rule (alignrl.rewards.geo3k, accuracy alone).
 
 `SearchTool` is the tool of verl's Search-R1-like example, against any server of Search-R1's /retrieve API
 (`alignrl serve retrieve`, or Search-R1's own `retrieval_server.py`). Its entry's `config` takes verl's keys:
@@ -21,10 +23,11 @@ import asyncio
 import json
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from alignrl.errors import ConfigError
-from alignrl.rewards import gsm8k
+from alignrl.rewards import geo3k, gsm8k
 from alignrl.rollout.retriever import RetrieverClient
 from alignrl.rollout.verl_code_tool import SandboxFusionTool
 from alignrl.rollout.verl_tool_api import BaseTool, OpenAIFunctionToolSchema, ToolResponse
@@ -32,8 +35,12 @@ from alignrl.rollout.verl_tool_api import BaseTool, OpenAIFunctionToolSchema, To
 MISSING_QUERIES = "Error: 'query_list' is missing, empty, or not a list in parameters."  # verl's words
 
 
-class Gsm8kTool(BaseTool):
-    """verl's gsm8k tool: `answer` is scored against the row's ground truth (create_kwargs), flexible extraction."""
+class AnswerTool(BaseTool):
+    """verl's answer-checking tools (Gsm8kTool, Geo3kTool): a call's `answer` is scored against the row's ground truth
+    (create_kwargs) by `score`, the response says the parsed answer and its score, and the step reward is verl's
+    penalty of -0.05 for an answer that did not improve on the episode's last one (0.0 otherwise)."""
+
+    score: Callable[[str, Any], float]  # (answer, ground truth) -> reward: each tool's own rule, below
 
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
         super().__init__(config, tool_schema)
@@ -50,21 +57,38 @@ class Gsm8kTool(BaseTool):
         answer = parameters.get("answer", "") if isinstance(parameters, dict) else ""
         answer = answer if isinstance(answer, str) else str(answer)
         state = self._instances[instance_id]
-        state["response"] = answer if answer.startswith("#### ") else "#### " + answer
+        state["response"] = answer
         reward = await self.calc_reward(instance_id)
-        tool_reward = 0.0 if reward > state["reward"] else -0.05  # verl's penalty for an answer that did not improve
+        tool_reward = 0.0 if reward > state["reward"] else -0.05
         state["reward"] = reward
         return ToolResponse(text=f"Current parsed {answer=} {reward=}"), tool_reward, {}
 
     async def calc_reward(self, instance_id: str, **kwargs) -> float:
         state = self._instances[instance_id]
-        if state["ground_truth"] is None:
-            return 0.0
-        return gsm8k.compute_score(state["response"], str(state["ground_truth"]), method="flexible",
-                                   format_score=0.0, score=1.0)
+        return 0.0 if state["ground_truth"] is None else self.score(state["response"], state["ground_truth"])
 
     async def release(self, instance_id: str, **kwargs) -> None:
         self._instances.pop(instance_id, None)
+
+
+def gsm8k_answer_score(answer: str, ground_truth: Any) -> float:
+    """verl's gsm8k tool: the answer read as a "#### " line, flexible extraction, 1.0 when right."""
+    response = answer if answer.startswith("#### ") else "#### " + answer
+    return gsm8k.compute_score(response, str(ground_truth), method="flexible", format_score=0.0, score=1.0)
+
+
+def geo3k_answer_score(answer: str, ground_truth: Any) -> float:
+    """verl's geo3k tool (its multi-turn vision example): the whole answer graded by the geo3k rule's accuracy
+    (mathruler), no format term: 1.0 when right."""
+    return geo3k.compute_score(answer, ground_truth, use_boxed=False, format_score=0.0)
+
+
+class Gsm8kTool(AnswerTool):
+    score = staticmethod(gsm8k_answer_score)
+
+
+class Geo3kTool(AnswerTool):
+    score = staticmethod(geo3k_answer_score)
 
 
 def verl_layout(contents: list[str]) -> str:
@@ -119,5 +143,6 @@ class SearchTool(BaseTool):
 BUILTIN: dict[str, type[BaseTool]] = {
     **dict.fromkeys(("verl.tools.gsm8k_tool.Gsm8kTool", "verl.workers.tool.gsm8k_tool.Gsm8kTool"), Gsm8kTool),
     "verl.tools.search_tool.SearchTool": SearchTool,
+    "verl.tools.geo3k_tool.Geo3kTool": Geo3kTool,
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": SandboxFusionTool,
 }
