@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import re
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +17,10 @@ from alignrl.config import load_config
 from alignrl.data.loaders import DataError, check_sources
 from alignrl.data.prompts import load_task_data
 from alignrl.rewards import geo3k, prime_math, ruler
-from alignrl.rewards.registry import REWARDS, default_compute_score, ground_truth_problem, load_reward_fn
+from alignrl.rewards import math as math_reward
+from alignrl.rewards.registry import REWARDS, default_compute_score, finite_score, ground_truth_problem, load_reward_fn
+from alignrl.rewards.values import is_correct
+from alignrl.rewards.verl_reward_modules import make_default_compute_score as verl_default
 
 NUMINA = ("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc", "numina_cn_k12",
           "numina_olympiads")
@@ -53,9 +55,10 @@ def test_geo3k_format_is_verls_pattern_in_linear_time() -> None:
                  "<think></think>\\boxed{", "<think></think>}\\boxed{", " <think></think>\\boxed{1}",
                  "<think>\n</think>\n\\boxed{\n}\n", "<think></think></think>\\boxed{1}", ""):
         assert geo3k.format_reward(text) == (1.0 if verl.fullmatch(text) else 0.0), text
-    start = time.perf_counter()  # the regex takes minutes on this degenerate response
+
+@pytest.mark.timeout(30)  # verl's regex takes minutes on this degenerate response; one pass takes microseconds
+def test_geo3k_format_of_a_degenerate_loop_is_decided_at_once() -> None:
     assert geo3k.format_reward("<think>" + "</think>\\boxed{ " * 3000) == 0.0
-    assert time.perf_counter() - start < 0.1
 
 
 @pytest.mark.parametrize(("response", "matched", "answer"), [
@@ -87,19 +90,23 @@ def test_prime_math_grades_with_mathruler_then_math_verify(response: str, truth:
     assert prime_math.score(response, truth) == (1.0 if expected[0] else 0.0)
 
 
-def test_answers_sympy_cannot_finish_are_compared_as_text() -> None:
-    """mathruler's sympy step (and math_verify) compute 9**9**9 or 9999999! in full, without a timeout."""
-    start = time.perf_counter()
+@pytest.mark.timeout(60)  # a guard that let them through would hang here for good
+def test_answers_sympy_cannot_finish_are_compared_as_text(monkeypatch) -> None:
+    """mathruler's sympy step (and math_verify) compute 9**9**9 or 9999999! in full, without a timeout, and
+    math_verify takes seconds on a long unmarked response: neither is asked."""
+    def never(*args, **kwargs):
+        raise AssertionError(f"math_verify asked about {str(args)[:60]}")
+
+    monkeypatch.setattr(math_reward, "answer_equals", never)
     for answer in ("9**9**9", "9999999!", "(9999999)!"):
         assert ruler.unbounded(answer) and not prime_math.score(f"\\boxed{{{answer}}}", "\\frac{1}{3}")
         assert geo3k.compute_score(f"\\boxed{{{answer}}}", "\\frac{1}{3}") == 0.0
     assert ruler.grade_answer("5!", "5!") and not ruler.unbounded("1,\\!000")  # TeX's thin space is not a factorial
     assert prime_math.score("lots of prose " * 2000, "7") == 0.0  # graded whole: too long for math_verify
-    assert time.perf_counter() - start < 2.0
 
 
 def test_default_compute_score_routes_geo3k_and_the_numina_sets() -> None:
-    assert REWARDS["hiyouga/geometry3k"] is geo3k.compute_score
+    assert REWARDS["hiyouga/geometry3k"] is geo3k.graded
     assert default_compute_score("hiyouga/geometry3k", "<think>a</think>\\boxed{6}", "6") == 1.0
     assert default_compute_score("hiyouga/geometry3k", "\\boxed{6}", "6") == pytest.approx(0.9)
     for source in NUMINA:
@@ -200,3 +207,17 @@ def test_verls_geo3k_tool_grades_each_answer_and_penalises_one_that_did_not_impr
         ("Current parsed answer='0.5' reward=1.0", 0.0),
         ("Current parsed answer='1/2' reward=1.0", -0.05),  # right again: no improvement
         ("Current parsed answer='7' reward=0.0", -0.05)]
+
+
+def test_a_right_answer_counts_as_solved_by_its_acc_not_by_reaching_1() -> None:
+    """geo3k scores a right answer without the thinking block 0.9: the accuracy still counts it (its "acc", as verl's
+    validation reports acc), and a user's verl function returning {"score", "acc"} is read the same way."""
+    builtin = load_reward_fn(None)
+    for response, score, right in (("\\boxed{6}", 0.9, True), ("<think>x</think>\\boxed{5}", 0.1, False),
+                                   ("<think>x</think>\\boxed{6}", 1.0, True)):
+        value = builtin("hiyouga/geometry3k", response, "6", None)
+        assert (value, is_correct(value)) == (pytest.approx(score), right)
+        assert type(verl_default(REWARDS)("hiyouga/geometry3k", response, "6")) is float  # verl's return type
+    assert is_correct(finite_score({"score": 0.5, "acc": True}, "f", "s"))
+    assert not is_correct(finite_score({"score": 2.0, "acc": 0}, "f", "s"))
+    assert is_correct(finite_score({"score": 1.0, "pred": "6"}, "f", "s")) and not is_correct(0.99)

@@ -14,6 +14,7 @@ from typing import Any
 
 from alignrl.rewards import ruler
 from alignrl.rewards.math_dapo import reference_text
+from alignrl.rewards.values import RowScore
 
 DATA_SOURCE = "hiyouga/geometry3k"
 FORMAT_SCORE = 0.1  # verl's default weight of the format term
@@ -50,6 +51,13 @@ def compute_score(predict_str: str, ground_truth: Any, use_boxed: bool = True,
     """verl's geo3k score (module docstring); `ground_truth` is the reference's text or a number."""
     return ((1.0 - format_score) * acc_reward(predict_str, ground_truth, use_boxed)
             + format_score * format_reward(predict_str))
+
+
+def graded(predict_str: str, ground_truth: Any) -> RowScore:
+    """verl's geo3k score, carrying whether the answer is right (a right answer without the thinking block scores
+    0.9 and still counts as solved): the built-in reward of geo3k rows."""
+    acc = acc_reward(predict_str, ground_truth)
+    return RowScore((1.0 - FORMAT_SCORE) * acc + FORMAT_SCORE * format_reward(predict_str), correct=acc == 1.0)
 
 
 def reference_problem(ground_truth: Any) -> str | None:

@@ -6,7 +6,7 @@ response), prompt texts and labels, and takes back a tensor of rewards or a dict
 "scores", used by its dynamic filtering, and "extra_logs", logged). Here the prompt is the text the policy read
 (its chat template's special tokens kept, the padding not), passed by the reward stage and the held-out evaluation
 (`registry.score_row`), and the query that prompt followed by the decoded response. "scores" ride with the reward
-(`values.FilteredScore`) for dynamic filtering, as OpenRLHF's filter tests them; "extra_logs" are not used.
+(`values.RowScore`) for dynamic filtering, as OpenRLHF's filter tests them; "extra_logs" are not used.
 """
 
 from __future__ import annotations

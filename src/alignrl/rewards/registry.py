@@ -20,7 +20,7 @@ from alignrl.rewards import math as math_reward
 from alignrl.rewards import openrlhf_reward, qa_em, think_answer, verl_reward_modules
 from alignrl.rewards.batch_reward import BatchedReward
 from alignrl.rewards.errors import RewardError, ScoreError
-from alignrl.rewards.values import FilteredScore
+from alignrl.rewards.values import RowScore
 from alignrl.utils.user_files import import_user_file
 
 
@@ -28,16 +28,19 @@ def finite_score(value: Any, who: str, data_source: str) -> float:
     """`value` as a float when it is a finite real number (bool, int, float, numpy scalar); else a
     ScoreError: a NaN reward trains every weight into NaN, and a string or None fails far from its cause.
     A dict with a "score" (verl's functions may return one, with extra information beside it) gives its score, with
-    its "filter_score" (an OpenRLHF reward file's "scores") riding along as a FilteredScore."""
-    if isinstance(value, FilteredScore):
+    its "filter_score" (an OpenRLHF reward file's "scores") and "acc" (verl's: whether the answer is right) riding
+    along as a RowScore."""
+    if isinstance(value, RowScore):
         return value  # checked when it was made
     if isinstance(value, dict):
         if "score" not in value:
             raise ScoreError(who, f"returned a dict without a 'score' key (keys {sorted(map(str, value))[:5]})",
                              data_source, "return a finite float, or {'score': float, ...} as verl's functions do")
-        if value.get("filter_score") is not None:
-            return FilteredScore(finite_score(value["score"], who, data_source),
-                                 finite_score(value["filter_score"], who, data_source))
+        filtered, acc = value.get("filter_score"), value.get("acc")
+        if filtered is not None or acc is not None:
+            return RowScore(finite_score(value["score"], who, data_source),
+                            None if filtered is None else finite_score(filtered, who, data_source),
+                            None if acc is None else finite_score(acc, who, data_source) > 0)
         value = value["score"]
     if not isinstance(value, (numbers.Real, np.bool_)):  # numpy's bool is not registered as Real
         shown = "None" if value is None else f"a {type(value).__name__} ({value!r:.40})"
@@ -111,13 +114,13 @@ REWARDS: RewardTable = RewardTable({
     # verl's code sets: the response's program run on the row's test cases (locally unless a sandbox is set)
     **{name: code.LOCAL for name in code.DATA_SOURCES},
     # verl's vision-language examples' data: 0.9 x a right \boxed{} answer + 0.1 x the <think>...</think> format
-    geo3k.DATA_SOURCE: geo3k.compute_score,
+    geo3k.DATA_SOURCE: geo3k.graded,  # a right answer counts as solved with or without the format
     # PRIME's NuminaMath sets: 1.0 for a right answer, picked as verl's prime_math picks it, else 0.0
     **{name: prime_math.score for name in prime_math.DATA_SOURCES},
 }, prefixes={"aime": math_dapo.compute_score})  # AIME sets: aime_2024, aime2025, ... (verl's routing)
 # rules whose reference is an answer's text (or a number): (reward, why a ground truth is not one, the rule's name)
 TEXT_REFERENCES: tuple[tuple[Callable[..., Any], Callable[[Any], str | None], str], ...] = (
-    (geo3k.compute_score, geo3k.reference_problem, "geo3k"),
+    (geo3k.graded, geo3k.reference_problem, "geo3k"),
     (prime_math.score, prime_math.reference_problem, "PRIME math"),
 )
 
@@ -162,8 +165,8 @@ def default_compute_score(
             f"starting with {', '.join(map(repr, REWARDS.prefixes))}; "
             "for other data pass algorithm.reward_fn=path/to/file.py:function)"
         )
-    value = fn(solution_str, ground_truth)
-    return float(value["score"] if isinstance(value, dict) else value)
+    # a dict's "acc" and a RowScore's correctness ride along (finite_score): the accuracy counts by them
+    return finite_score(fn(solution_str, ground_truth), "the built-in reward", data_source)
 
 
 def with_code_reward(code_reward: code.CodeReward) -> RewardFn:

@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 
-class FilteredScore(float):
-    """A reward with the score dynamic filtering tests in its place: OpenRLHF's reward files return both ("rewards"
-    train, "scores" filter). A plain float wherever the reward is used."""
+class RowScore(float):
+    """A reward (a plain float wherever the reward is used) with what the function said beside it: the score dynamic
+    filtering tests in its place (OpenRLHF's reward files return both: "rewards" train, "scores" filter), and whether
+    the answer is right (verl's "acc", which its validation reports as the accuracy: a rule whose right answers score
+    below 1, as geo3k's 0.9 without the format, still counts them right)."""
 
-    def __new__(cls, reward: float, filter_score: float):
+    def __new__(cls, reward: float, filter_score: float | None = None, correct: bool | None = None):
         obj = super().__new__(cls, reward)
-        obj.filter_score = float(filter_score)
+        obj.filter_score = None if filter_score is None else float(filter_score)
+        obj.correct = None if correct is None else bool(correct)
         return obj
 
 
 def filter_score(value: object) -> float | None:
     """The score dynamic filtering tests for a row's reward value, None when it is the reward."""
     return getattr(value, "filter_score", None)
+
+
+def is_correct(value: float) -> bool:
+    """Whether a row's reward value counts as a right answer: the function's own "acc" where it gave one, else a
+    score of 1 or more."""
+    said = getattr(value, "correct", None)
+    return value >= 1.0 if said is None else said

@@ -20,6 +20,7 @@ from alignrl.data.records import Sample
 from alignrl.interfaces import SamplingParams
 from alignrl.rewards import gsm8k
 from alignrl.rewards.registry import REWARDS, ScoreError, reads_prompt_text, score_row
+from alignrl.rewards.values import is_correct
 from alignrl.rl.scoring import played_correct, prompt_texts, with_reward_extras
 from alignrl.rollout.env_agent import with_labels
 
@@ -51,7 +52,8 @@ def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequ
 
 def _rule_correct(tokenizer, ro, texts: Sequence[str], batch: Sequence[Sample], start: int, correct_fn,
                   n: int) -> list[float]:
-    """1.0 where `correct_fn` scores a row's text >= 1, else 0.0; a ScoreError names the row."""
+    """1.0 where `correct_fn` counts a row's text right (its "acc", else a score >= 1), else 0.0; a ScoreError names
+    the row."""
     read = prompt_texts(tokenizer, ro.prompt_ids, ro.prompt_mask) if reads_prompt_text(correct_fn) else None
     # verl's num_turns, turn_scores and tool_rewards in extra_info, as in training
     rows = with_reward_extras(ro, [batch[j // n] for j in range(len(texts))])
@@ -59,7 +61,7 @@ def _rule_correct(tokenizer, ro, texts: Sequence[str], batch: Sequence[Sample], 
     for j, (t, s) in enumerate(zip(texts, rows)):
         try:
             value = score_row(correct_fn, s.data_source, t, s.ground_truth, s.extra, read[j] if read else None)
-            out.append(float(value >= 1.0))
+            out.append(float(is_correct(value)))
         except ScoreError as e:  # name the row: in its data file, else among the evaluated samples
             raise e.at(s.source or start + j // n, "reward function") from e.__cause__
     return out

@@ -14,7 +14,7 @@ from alignrl.core.shaping import overlong_penalty, truncated_reward
 from alignrl.data.records import Rollout, Sample, Scores
 from alignrl.interfaces import SequenceScorer
 from alignrl.rewards.registry import ScoreError, finite_score, reads_prompt_text, score_row
-from alignrl.rewards.values import filter_score
+from alignrl.rewards.values import filter_score, is_correct
 
 # verl's compute_score signature: (data_source, solution_str, ground_truth, extra_info) -> float
 RewardFn = Callable[[str, str, str, dict], float]
@@ -24,7 +24,7 @@ RewardFn = Callable[[str, str, str, dict], float]
 class RewardStage:
     tokenizer: object
     reward_fn: RewardFn  # the training reward (may add format shaping to correctness)
-    correct_fn: RewardFn  # correctness alone (>= 1 counts as correct)
+    correct_fn: RewardFn  # correctness alone (its "acc" where it gives one, else >= 1 counts as correct)
     max_new_tokens: int  # the longest response: rollout.max_new_tokens, a multi-turn episode's cap (response_cap)
     overlong_buffer_len: int = 0  # DAPO soft overlong punishment (0: off)
     overlong_penalty_factor: float = 1.0
@@ -81,8 +81,8 @@ class RewardStage:
         texts, prompts = self.texts(ro), self.prompt_texts(ro)
         rewards = self.task_rewards(rows, texts, prompts)
         if self.correct_fn is self.reward_fn:  # no shaping: correctness is the reward itself
-            return rewards, [r >= 1.0 for r in rewards]
-        return rewards, [r >= 1.0 for r in rule_scores(self.correct_fn, "reward function", rows, texts, prompts)]
+            return rewards, [is_correct(r) for r in rewards]
+        return rewards, [is_correct(r) for r in rule_scores(self.correct_fn, "reward function", rows, texts, prompts)]
 
 
 def with_reward_extras(ro: Rollout, rows: list[Sample]) -> list[Sample]:
@@ -104,7 +104,7 @@ def played_correct(ro: Rollout) -> torch.Tensor | None:
 
 def for_filtering(ro: Rollout, rewards: Sequence[float]) -> torch.Tensor | None:
     """What OpenRLHF's dynamic filtering tests in place of the task reward, before any shaping: an environment's last
-    scores, or an OpenRLHF reward file's "scores" (`values.FilteredScore`); None when nothing gives them."""
+    scores, or an OpenRLHF reward file's "scores" (`values.RowScore`); None when nothing gives them."""
     if "env_score" in ro.stats:
         return ro.stats["env_score"]
     given = [filter_score(r) for r in rewards]
