@@ -23,7 +23,7 @@ from alignrl.wire import zmq_link
 from alignrl.placements.zmq.coordinator import process_of
 from alignrl.wire.zmq_link import Replier
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ def test_a_parked_request_is_answered_at_the_publish(served, monkeypatch):
         reply = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 0}, timeout_s=30)
         done = time.monotonic()
         assert reply.kind == "weights" and reply.meta["version"] == 1  # held until the publish, not "wait"
-        assert done - t0 >= 0.25 and done - t_publish[0] < 5  # answered at the publish, not at the next poll (10 s)
+        assert done - t0 >= 0.25 and done - t_publish[0] < 9  # answered at the publish, not at the next poll (10 s)
         lease = req.request("work", {"sampler_id": "s", "incarnation": "i", "version": 1}, timeout_s=5)
         assert lease.kind == "lease" and lease.meta["version"] == 1 and not served.server.parked
 

@@ -184,7 +184,6 @@ def test_concurrent_requests_share_engine_calls(gen):
     assert got == solo  # each request gets its own rows back, unchanged by the company it was batched with
 
 
-@pytest.mark.serial  # a long batch of its own in the engine
 def test_health_answers_while_a_long_batch_runs(gen):
     """/health is answered while the engine is busy with a batch: the batch seen running before the health check is
     still running after its answer (no request was answered in between), not waited for."""

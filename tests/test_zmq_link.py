@@ -16,7 +16,7 @@ from alignrl.errors import UserError
 from alignrl.wire.zmq_link import (InsecureBind, PeerTimeout, PortInUse, Puller, Pusher, Replier, Requester, address,
                                    check_bind)
 
-pytestmark = [pytest.mark.timeout(30), pytest.mark.serial]  # timeouts measured to a fraction of a second
+pytestmark = pytest.mark.timeout(60)  # a timeout waits at least its length (lower bounds), and far less than 30 s
 HOST = "127.0.0.1"
 
 
