@@ -183,7 +183,10 @@ def test_engine_logprobs_are_the_trainers(vl, pictures, tmp_path):
         batched_logprobs(*args)
 
 
-def test_multimodal_batches_refuse_packing_and_text_only_critics(vl, pictures, tmp_path, tiny_model_dir):
+def test_multimodal_batches_skip_packing_refuse_prompt_sharing_and_text_only_critics(vl, pictures, tmp_path,
+                                                                                     tiny_model_dir):
+    """use_remove_padding (set by verl's vision-language scripts) is a speed-up for text: rows with images take the
+    plain forward and get its log-probs; prompt sharing, alignrl's own option, is refused in one line."""
     from alignrl.models.folder import ModelError
     from alignrl.models.logprobs import ForwardLayout, response_logprobs
     from alignrl.models.value import load_value_model, response_values
@@ -191,9 +194,11 @@ def test_multimodal_batches_refuse_packing_and_text_only_critics(vl, pictures, t
     model, _ = vl
     ro = _rollout(vl, pictures, tmp_path, n=1)
     tensors = (ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
-    for layout in (ForwardLayout(share_prompt=True), ForwardLayout(remove_padding=True)):
-        with pytest.raises(ModelError, match="prompts with images take the plain forward"):
-            response_logprobs(model, *tensors, layout=layout, images=ro.images)
+    plain, _ = response_logprobs(model, *tensors, images=ro.images)
+    packed, _ = response_logprobs(model, *tensors, layout=ForwardLayout(remove_padding=True), images=ro.images)
+    assert torch.equal(packed, plain)
+    with pytest.raises(ModelError, match="prompts with images take the plain forward: set actor.share_prompt=false"):
+        response_logprobs(model, *tensors, layout=ForwardLayout(share_prompt=True), images=ro.images)
     with pytest.raises(ModelError, match="critic is a text-only model but the prompts carry images: set "
                                          "critic.model_path"):
         response_values(load_value_model(str(tiny_model_dir), log=lambda *_: None), *tensors, images=ro.images)
@@ -202,10 +207,9 @@ def test_multimodal_batches_refuse_packing_and_text_only_critics(vl, pictures, t
 def test_a_vision_value_model_reads_the_images_and_saves_as_a_plain_folder(vl_dir, vl, pictures, tmp_path):
     """The critic of a VL policy: its backbone (vision tower included) is the policy's, its head is new and seeded;
     its values follow the picture; gradients reach the vision tower; saved and loaded back, it gives the same
-    values; a packed forward is refused in one line."""
+    values; asked to pack, it takes the plain forward for rows with images."""
     from transformers import AutoModelForTokenClassification
 
-    from alignrl.models.folder import ModelError
     from alignrl.models.value import load_value_model, response_values
 
     policy, _ = vl
@@ -229,8 +233,7 @@ def test_a_vision_value_model_reads_the_images_and_saves_as_a_plain_folder(vl_di
     critic.save_pretrained(tmp_path / "critic")
     again = AutoModelForTokenClassification.from_pretrained(str(tmp_path / "critic"))
     assert torch.allclose(response_values(again, *tensors, images=ro.images), values.detach(), atol=1e-6)
-    with pytest.raises(ModelError, match="set critic.use_remove_padding=false"):
-        response_values(critic, *tensors, remove_padding=True, images=ro.images)
+    assert torch.equal(response_values(critic, *tensors, remove_padding=True, images=ro.images), values.detach())
 
 
 def test_wire_round_trip_keeps_images(vl, pictures, tmp_path):

@@ -95,15 +95,17 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     Logits are divided by `temperature` so the values match what the sampler drew from. The entropy
     carries a gradient only with `entropy_grad` (an entropy bonus); as a metric it costs no graph.
     `layout` says how the rows go through the model (see `ForwardLayout`). `images`: the rows' prompt images
-    (`data.images.ImageRows`, B rows), which only the plain layout takes."""
+    (`data.images.ImageRows`, B rows), which only the plain layout takes (packing is skipped for them)."""
     dev = model_device(model)
     prompt_ids, prompt_mask, response_ids, response_mask = (t.to(dev) for t in (prompt_ids, prompt_mask, response_ids,
                                                                                 response_mask))
-    if images is not None and images.any() and (layout.share_prompt or layout.remove_padding):
-        raise ModelError("prompts with images take the plain forward: set actor.share_prompt=false and "
-                         "actor.use_remove_padding=false (and critic.use_remove_padding=false)")
+    with_images = images is not None and images.any()
+    if with_images and layout.share_prompt:
+        raise ModelError("prompts with images take the plain forward: set actor.share_prompt=false")
     groups = prompt_groups(prompt_ids, prompt_mask) if layout.share_prompt else None
-    if layout.remove_padding:  # (T, V) logits of the attended tokens only, put back in place by `unpack`
+    # packing is a speed-up for text: rows with images take the plain forward, one model call as a packed one
+    # (verl's vision-language scripts set use_remove_padding=True)
+    if layout.remove_padding and not with_images:  # (T, V) logits of the attended tokens only, put back by `unpack`
         packing = pack(prompt_ids, prompt_mask, response_ids, response_mask, groups)
         logits = packed_forward(model, packing, logits_to_keep=packing.keep).logits[0]
         targets, place = packing.targets, lambda x: unpack(x, packing)

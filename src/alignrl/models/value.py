@@ -49,15 +49,13 @@ def response_values(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
     """Values (B, R): V_t is read at the position before response token t (the state it is chosen in),
     the same alignment as the log-probs. `remove_padding`: one packed row, no padding (models.packing).
     `images`: the rows' prompt images (`data.images.ImageRows`), for a vision-language value model
-    (`models.vision_value`), which takes the plain forward."""
+    (`models.vision_value`), which takes the plain forward (packing is skipped for them)."""
     with_images = images is not None and images.any()
     if with_images and not is_vision_model(model):
         raise ModelError("PPO's critic is a text-only model but the prompts carry images: set critic.model_path to "
                          "a vision-language model (unset, the critic starts from the policy's folder)")
-    if with_images and remove_padding:
-        raise ModelError("prompts with images take the plain forward: set critic.use_remove_padding=false")
     dev = model_device(model)
-    if remove_padding:
+    if remove_padding and not with_images:  # rows with images take the plain forward (as in response_logprobs)
         packing = pack(*(t.to(dev) for t in (prompt_ids, prompt_mask, response_ids, response_mask)))
         return unpack(packed_forward(model, packing).logits[0, packing.keep, 0].float(), packing)
     ids = torch.cat([prompt_ids, response_ids], 1).to(dev)
