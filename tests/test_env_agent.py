@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from alignrl.data.records import Sample
-from alignrl.errors import UserError
 from alignrl.interfaces import SamplingParams
 from alignrl.rollout.env_agent import EnvironmentStepError, EnvRollout, TaskPrompt, with_labels
 from alignrl.rollout.environments import EnvironmentFileError, load_environment
@@ -228,13 +227,15 @@ def test_a_bad_environment_file_is_one_line(tmp_path, text, expect):
     assert expect in one_line(str(err.value)) and "agent.env_path" in str(err.value)
 
 
-def test_image_prompts_are_refused_in_one_line(tiny_model, tmp_path):
+def test_image_prompts_keep_their_images_beside_their_labels(tiny_model, tmp_path):
+    """An environment reads the prompt as text; the images stay with the prompt for the engine and the trainer."""
     from alignrl.data.images import ImagePrompt
 
     _, tok = tiny_model
     engine = EnvRollout(ScriptedEngine({}), tok, load_environment(_env_file(tmp_path)), 64)
-    with pytest.raises(UserError, match="prompts that have images"):
-        with_labels(engine, [Sample([], "1")], [ImagePrompt([1, 2], object())])
+    pictures = object()
+    (task,) = with_labels(engine, [Sample([], "1")], [ImagePrompt([1, 2], pictures, ("p",))])
+    assert list(task) == [1, 2] and task.label == "1" and task.images is pictures and task.pictures == ("p",)
 
 
 def test_config_checks_name_the_keys_that_do_not_go_with_an_environment(tmp_path):

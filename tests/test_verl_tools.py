@@ -255,6 +255,49 @@ def test_a_gsm8k_episode_keeps_ids_appends_the_tool_turn_and_is_scored_by_the_re
     assert stage.score(ro, rows).rewards.tolist() == [1.0, 0.0]
 
 
+GEO3K_YAML = 'tools:\n  - class_name: "verl.tools.geo3k_tool.Geo3kTool"\n    config: {}' + \
+    '\n    tool_schema: {type: function, function: {name: calc_geo3k_reward, description: grade, ' + \
+    'parameters: {type: object, properties: {answer: {type: string}}, required: [answer]}}}\n'
+
+
+def test_an_image_prompt_keeps_its_images_through_every_tool_turn(tiny_model, tmp_path):
+    """verl's multi-turn geo3k example: prompts with images in the tool loop. Every turn is generated with the prompt's
+    images, the tool (verl's Geo3kTool) grades the answer, and the rollout hands the images to the trainer's
+    forwards; an environment that rewrites an image prompt's observation is one line."""
+    import torch
+
+    from alignrl.data.images import ImagePrompt, PromptImages
+    from alignrl.rollout.env_agent import EnvironmentStepError
+
+    _, tok = tiny_model
+    pictures = PromptImages(torch.zeros(4, 6), torch.tensor([[1, 2, 2]]))
+    row = Sample([{"role": "user", "content": "<image>angle?"}], "30",
+                 extra={"tools_kwargs": {"calc_geo3k_reward": {"create_kwargs": {"ground_truth": "30"}}}})
+    prompt = TaskPrompt(ImagePrompt(prompt_ids(tok, row), pictures), row)
+    call, answer = _enc(tok, _call("calc_geo3k_reward", "30")), _enc(tok, " \\boxed{30}")
+    engine = ScriptedEngine({tuple(prompt): [call, answer]})
+    make = tool_environment(_yaml(tmp_path, GEO3K_YAML), tok, ToolLoop())
+    seen = []
+    generate = engine.generate
+    engine.generate = lambda prompts, params: (seen.extend(getattr(p, "images", None) for p in prompts),
+                                               generate(prompts, params))[1]
+    ro = EnvRollout(engine, tok, make, response_cap=400).generate([prompt], SamplingParams(max_new_tokens=200))
+    assert seen == [pictures, pictures]  # the tool turn and the answer turn both saw the picture
+    assert "reward=1.0" in tok.decode(engine.calls[1][0][0][len(prompt) + len(call):])
+    assert ro.images is not None and ro.images.rows == [pictures]
+    assert ro.reward_extras[0]["tool_rewards"] == [0.0]  # the first right answer improved on 0.0
+
+    class Rewriting:
+        async def reset(self, states):
+            return {"observation": states["observation"] + " more"}
+
+    async def rewriter():  # an environment factory, as OpenRLHF's AgentInstance is made
+        return Rewriting()
+
+    with pytest.raises(EnvironmentStepError, match="rewrote the observation of a prompt with images"):
+        EnvRollout(engine, tok, rewriter, response_cap=400).generate([prompt], SamplingParams(max_new_tokens=20))
+
+
 def test_a_turn_cut_at_the_response_cap_runs_no_tool_calls(tiny_model, tmp_path, user_tools):
     _, tok = tiny_model
     rows = [Sample([{"role": "user", "content": f"question {q}"}], "1") for q in ("one", "two")]

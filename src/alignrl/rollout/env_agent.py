@@ -43,11 +43,13 @@ __all__ = ["EnvRollout", "EnvironmentStepError", "TaskPrompt", "with_labels"]
 
 class TaskPrompt(list):
     """A prompt's token ids with its dataset row (its label: the ground truth), for engines that hand them to an
-    environment."""
+    environment, and the images of a prompt that has some (as an ImagePrompt carries them: every turn is generated
+    with them, and the trainer's forwards read them)."""
 
     def __init__(self, ids, sample: Sample):
         super().__init__(ids)
         self.sample = sample
+        self.images, self.pictures = getattr(ids, "images", None), getattr(ids, "pictures", ())
 
     @property
     def label(self):
@@ -58,9 +60,6 @@ def with_labels(engine: RolloutEngine, samples: Sequence[Sample], prompts: Seque
     """`prompts` as the engine takes them: with each row's ground truth when it reads labels (`EnvRollout`)."""
     if not getattr(engine, "reads_labels", False):
         return prompts
-    if any(getattr(p, "images", None) is not None for p in prompts):  # reset() gets text: the images would be lost
-        raise EnvironmentStepError("agent.env_path with prompts that have images is not supported: the environment "
-                                   "reads the prompt as text; train on text prompts, or drop agent.env_path")
     return [TaskPrompt(p, s) for s, p in zip(samples, prompts)]
 
 
@@ -149,7 +148,7 @@ class EnvRollout:
         room = max(e.cap - len(e.row.ids) for e in group)
         turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(params.max_new_tokens, room),
                                           seed=derived_seed(params.seed, turn))
-        ro = self.engine.generate([e.row.prompt + e.row.ids for e in group], turn_params)
+        ro = self.engine.generate([e.row.context() for e in group], turn_params)  # with the prompt's images
         for j, e in enumerate(group):
             e.params, e.turn_max = params, min(params.max_new_tokens, e.cap - len(e.row.ids))
             e.action = self._act(e, ro, j)
@@ -167,6 +166,10 @@ class EnvRollout:
                 raise EnvironmentStepError(f"{self.env_name}.reset returned {type(got).__name__} without a text "
                                            "'observation'; return {'observation': text} (the prompt, or the states "
                                            "given)")
+            if seen != text and getattr(prompt, "images", None) is not None:  # its image tokens stand for pixels
+                raise EnvironmentStepError(f"{self.env_name}.reset rewrote the observation of a prompt with images; "
+                                           "return it unchanged ({'observation': states['observation']}) for such "
+                                           "prompts, or train on text prompts")
             ids = list(prompt) if seen == text else self._encode(seen)  # unchanged: the prompt's own ids
             row = _Row(ids, source=prompt, stats={"turns": 0.0})
             # OpenRLHF's budget counts the observation reset returned; one over the prompt room leaves the response
