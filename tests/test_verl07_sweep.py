@@ -316,6 +316,8 @@ def test_verls_tool_agent_loop_maps_to_the_tool_loop_keys(tmp_path):
                        ).agent.interaction_config_path == str(interactions)
     assert "max_assistant_turns" not in " ".join(translate(BASE + [f"{R}multi_turn.max_assistant_turns=null"]).not_used)
     assert "custom agent loops" in one_line(BASE + [f"{R}agent.agent_loop_config_path=loops.yaml"])
+    # verl 0.4's name of the assistant-turn limit, in its multi-turn geo3k example's config
+    assert load_config(None, BASE + [f"{R}multi_turn.max_turns=5"]).agent.max_turns == 5
 
 
 # ------------------------------------------------------------------------------------------ Hydra's selection

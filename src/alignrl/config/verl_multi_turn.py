@@ -18,7 +18,8 @@ KEYS = {M + "tool_config_path": "agent.tool_config_path",
         M + "interaction_config_path": "agent.interaction_config_path", M + "max_assistant_turns": "agent.max_turns",
         M + "max_user_turns": "agent.max_user_turns", M + "max_parallel_calls": "agent.max_parallel_calls",
         M + "max_tool_response_length": "agent.max_tool_response_length",
-        M + "tool_response_truncate_side": "agent.tool_response_truncate_side", M + "format": "agent.tool_format"}
+        M + "tool_response_truncate_side": "agent.tool_response_truncate_side", M + "format": "agent.tool_format",
+        M + "max_turns": "agent.max_turns"}  # verl 0.4's name of max_assistant_turns (its geo3k example's config)
 # the config files: unset is off, not a number
 PATHS = ("agent.tool_config_path", "agent.interaction_config_path")
 # accepted quietly: they choose verl's loop, and the tool and interaction configs make the episodes multi-turn
