@@ -58,13 +58,3 @@ def graded(predict_str: str, ground_truth: Any) -> RowScore:
     0.9 and still counts as solved): the built-in reward of geo3k rows."""
     acc = acc_reward(predict_str, ground_truth)
     return RowScore((1.0 - FORMAT_SCORE) * acc + FORMAT_SCORE * format_reward(predict_str), correct=acc == 1.0)
-
-
-def reference_problem(ground_truth: Any) -> str | None:
-    """Why `ground_truth` cannot be a reference of this reward (None: it can): not text or a number, or blank (an
-    empty \\boxed{} would then be right)."""
-    try:
-        text = reference_text(ground_truth)
-    except TypeError as e:
-        return str(e)
-    return None if text.strip() else "the reference is blank"

@@ -143,6 +143,16 @@ def reference_text(ground_truth: Any) -> str:
     raise TypeError(f"the reference is a {type(ground_truth).__name__} ({ground_truth!r:.40}), not text or a number")
 
 
+def text_reference_problem(ground_truth: Any) -> str | None:
+    """Why `ground_truth` cannot be the reference of a rule that reads the answer's text (geo3k, PRIME math; None: it
+    can): not text or a number, or blank (an empty answer would then be right)."""
+    try:
+        text = reference_text(ground_truth)
+    except TypeError as e:
+        return str(e)
+    return None if text.strip() else "the reference is blank"
+
+
 def compute_score(solution_str: str, ground_truth: Any, strict_box_verify: bool = False,
                   pause_tokens_index: list[int] | None = None) -> dict[str, Any]:
     """{"score": 1.0 when the answer at the end of `solution_str` is right else -1.0, "acc": right, "pred": the

@@ -111,13 +111,3 @@ def score(solution_str: str, ground_truth: Any) -> float:
     """1.0 for a right answer, else 0.0: the registry's rule (verl's default_compute_score keeps `compute_score`'s
     first item)."""
     return 1.0 if compute_score(solution_str, ground_truth)[0] else 0.0
-
-
-def reference_problem(ground_truth: Any) -> str | None:
-    """Why `ground_truth` cannot be a reference of this reward (None: it can): not text or a number, or blank (the
-    answer picked from a response without any would then be right)."""
-    try:
-        text = reference_text(ground_truth)
-    except TypeError as e:
-        return str(e)
-    return None if text.strip() else "the reference is blank"

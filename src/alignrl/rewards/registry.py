@@ -120,8 +120,8 @@ REWARDS: RewardTable = RewardTable({
 }, prefixes={"aime": math_dapo.compute_score})  # AIME sets: aime_2024, aime2025, ... (verl's routing)
 # rules whose reference is an answer's text (or a number): (reward, why a ground truth is not one, the rule's name)
 TEXT_REFERENCES: tuple[tuple[Callable[..., Any], Callable[[Any], str | None], str], ...] = (
-    (geo3k.graded, geo3k.reference_problem, "geo3k"),
-    (prime_math.score, prime_math.reference_problem, "PRIME math"),
+    (geo3k.graded, math_dapo.text_reference_problem, "geo3k"),
+    (prime_math.score, math_dapo.text_reference_problem, "PRIME math"),
 )
 
 
