@@ -39,7 +39,8 @@ demo-vision: $(STAMP)
 # second of CPU each here.
 test: $(STAMP)
 	$(BIN)/python -m compileall -q src
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --dist loadfile -m "not serial" --no-loadscope-reorder --durations=25
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder \
+		-m "not serial" --durations=25
 	$(BIN)/python -m pytest -m serial
 
 bench: $(STAMP)

@@ -318,6 +318,8 @@ def test_verls_tool_agent_loop_maps_to_the_tool_loop_keys(tmp_path):
     assert "custom agent loops" in one_line(BASE + [f"{R}agent.agent_loop_config_path=loops.yaml"])
     # verl 0.4's name of the assistant-turn limit, in its multi-turn geo3k example's config
     assert load_config(None, BASE + [f"{R}multi_turn.max_turns=5"]).agent.max_turns == 5
+    for keys in (["max_turns=null", "max_assistant_turns=3"], ["max_assistant_turns=3", "max_turns=null"]):
+        assert load_config(None, BASE + [f"{R}multi_turn.{k}" for k in keys]).agent.max_turns == 3
 
 
 # ------------------------------------------------------------------------------------------ Hydra's selection

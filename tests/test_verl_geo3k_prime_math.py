@@ -56,6 +56,7 @@ def test_geo3k_format_is_verls_pattern_in_linear_time() -> None:
                  "<think>\n</think>\n\\boxed{\n}\n", "<think></think></think>\\boxed{1}", ""):
         assert geo3k.format_reward(text) == (1.0 if verl.fullmatch(text) else 0.0), text
 
+
 @pytest.mark.timeout(30)  # verl's regex takes minutes on this degenerate response; one pass takes microseconds
 def test_geo3k_format_of_a_degenerate_loop_is_decided_at_once() -> None:
     assert geo3k.format_reward("<think>" + "</think>\\boxed{ " * 3000) == 0.0
@@ -220,4 +221,14 @@ def test_a_right_answer_counts_as_solved_by_its_acc_not_by_reaching_1() -> None:
         assert type(verl_default(REWARDS)("hiyouga/geometry3k", response, "6")) is float  # verl's return type
     assert is_correct(finite_score({"score": 0.5, "acc": True}, "f", "s"))
     assert not is_correct(finite_score({"score": 2.0, "acc": 0}, "f", "s"))
+    assert not is_correct(finite_score({"score": 0.5, "acc": 0.5}, "f", "s"))  # a partial acc is not solved
+    assert is_correct(finite_score({"score": 1.0, "acc": "right"}, "f", "s"))  # not a verdict: information only
     assert is_correct(finite_score({"score": 1.0, "pred": "6"}, "f", "s")) and not is_correct(0.99)
+
+
+@pytest.mark.timeout(60)  # math_verify computed \binom{10^9}{5 * 10^8} without end
+def test_huge_binomials_and_gammas_are_compared_as_text() -> None:
+    for answer in ("\\binom{1000000000}{500000000}", "\\dbinom{100000}{3}", "{123456 \\choose 2}", "\\Gamma(100000)"):
+        assert prime_math.score(f"\\boxed{{{answer}}}", "5") == 0.0
+        assert math_reward.compute_score(f"\\boxed{{{answer}}}", "5") == 0.0
+    assert math_reward.compute_score("\\boxed{\\binom{5}{2}}", "10") == 1.0  # small ones are still worked out

@@ -116,8 +116,8 @@ class ActorConfig:
                                           "reference and old-policy forwards, so no matmul runs on padding "
                                           "(verl's model.use_remove_padding, OpenRLHF's --packing_samples); the same "
                                           "log-probs and gradients up to float rounding; needs a transformers model "
-                                          "whose attention dispatches through AttentionInterface (Llama, Qwen2/3); rows "
-                                          "with images take the plain forward")
+                                          "whose attention dispatches through AttentionInterface (Llama, Qwen2/3); "
+                                          "micro-batches holding images take the plain forward")
     freeze_prefix: list = opt([], "parameters whose names start with one of these are not trained: no gradient, "
                                   "no optimizer state, not re-sent to rollout engines (OpenRLHF's --freeze_prefix: "
                                   "visual freezes a vision model's image encoder)")

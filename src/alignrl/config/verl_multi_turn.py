@@ -20,6 +20,8 @@ KEYS = {M + "tool_config_path": "agent.tool_config_path",
         M + "max_tool_response_length": "agent.max_tool_response_length",
         M + "tool_response_truncate_side": "agent.tool_response_truncate_side", M + "format": "agent.tool_format",
         M + "max_turns": "agent.max_turns"}  # verl 0.4's name of max_assistant_turns (its geo3k example's config)
+# old names of a key above: unset, they say nothing (a null would undo the current name's limit, given in any order)
+ALIASES = (M + "max_turns",)
 # the config files: unset is off, not a number
 PATHS = ("agent.tool_config_path", "agent.interaction_config_path")
 # accepted quietly: they choose verl's loop, and the tool and interaction configs make the episodes multi-turn
@@ -48,10 +50,10 @@ def multi_turn(st: TranslationPass, key: str, value: str) -> bool:
         st.out.append("agent.tool_format=hermes")
     elif key in KEYS:
         target = KEYS[key]
-        if unset and target not in PATHS:
-            st.out.append(f"{target}=0")  # verl's null: no limit
-        elif not unset:
+        if not unset:
             st.out.append(f"{target}={value}")
+        elif target not in PATHS and key not in ALIASES:
+            st.out.append(f"{target}=0")  # verl's null: no limit
     elif key in NOT_USED or key in QUIET:
         if key in NOT_USED and key not in st.not_used:
             st.not_used.append(key)

@@ -13,9 +13,12 @@ import re
 
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _HASH_RE = re.compile(r"####[ \t]*([^\n]+)")
-# An exponent tower (9^{9^{9}}) or a six-digit exponent makes sympy compute a number of billions of digits, with no
-# timeout to stop it (above): such an answer is compared as text. A "$" that is not escaped ("\$18.90" is a price).
-_HUGE_POWER_RE = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\{?\s*\d{6,}|\*\*\s*\d{6,}")
+# An exponent tower (9^{9^{9}}), a six-digit exponent, or a binomial or Gamma of a five-digit number makes sympy
+# compute a number of billions of digits, with no timeout to stop it (above): such an answer is compared as text.
+_HUGE_POWER_RE = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\{?\s*\d{6,}|\*\*\s*\d{6,}"
+                            r"|\\[dt]?binom\s*\{[^{}]*\d{5,}|\d{5,}[^{}]*\\choose|\\choose\s*\{?\s*\d{5,}"
+                            r"|\\Gamma\s*[({]\s*\d{5,}")
+# A "$" that is not escaped ("\$18.90" is a price).
 _MATH_DOLLAR_RE = re.compile(r"(?<!\\)\$")
 
 

@@ -36,11 +36,10 @@ def finite_score(value: Any, who: str, data_source: str) -> float:
         if "score" not in value:
             raise ScoreError(who, f"returned a dict without a 'score' key (keys {sorted(map(str, value))[:5]})",
                              data_source, "return a finite float, or {'score': float, ...} as verl's functions do")
-        filtered, acc = value.get("filter_score"), value.get("acc")
+        filtered, acc = value.get("filter_score"), solved(value.get("acc"))
         if filtered is not None or acc is not None:
             return RowScore(finite_score(value["score"], who, data_source),
-                            None if filtered is None else finite_score(filtered, who, data_source),
-                            None if acc is None else finite_score(acc, who, data_source) > 0)
+                            None if filtered is None else finite_score(filtered, who, data_source), acc)
         value = value["score"]
     if not isinstance(value, (numbers.Real, np.bool_)):  # numpy's bool is not registered as Real
         shown = "None" if value is None else f"a {type(value).__name__} ({value!r:.40})"
@@ -52,6 +51,18 @@ def finite_score(value: Any, who: str, data_source: str) -> float:
     if not math.isfinite(x):
         raise ScoreError(who, f"returned {x}", data_source, "return a finite float")
     return x
+
+
+def solved(acc: Any) -> bool | None:
+    """Whether verl's "acc" beside a score says the answer is right: a bool, or a number (1 or more: right, as a
+    score of 1 is); None for anything else, which is then information beside the score, as verl logs it."""
+    if hasattr(acc, "item") and getattr(acc, "ndim", 1) == 0:  # a 0-d tensor or numpy scalar
+        acc = acc.item()
+    if isinstance(acc, bool):
+        return acc
+    if isinstance(acc, numbers.Real) and math.isfinite(float(acc)):
+        return float(acc) >= 1.0
+    return None
 
 
 class RewardFn(Protocol):
