@@ -74,8 +74,7 @@ def agent_eval(model_path: str, cfg: RunConfig, samples: Sequence, batch_size: i
     from alignrl.interfaces import SamplingParams
     from alignrl.models.loader import load_model
     from alignrl.rewards.registry import load_reward_fn
-    from alignrl.rewards.values import is_correct
-    from alignrl.rl.scoring import with_reward_extras
+    from alignrl.rl.evaluate import rule_correct
     from alignrl.rollout.env_agent import with_labels
     from alignrl.rollout.hf_engine import HFRolloutEngine
     from alignrl.rollout.verl_tools import tool_schemas
@@ -93,9 +92,7 @@ def agent_eval(model_path: str, cfg: RunConfig, samples: Sequence, batch_size: i
             ro = engine.generate(prompts[start:start + batch_size], params)
             texts = tokenizer.batch_decode(ro.response_ids.masked_fill(~ro.response_mask, tokenizer.pad_token_id),
                                            skip_special_tokens=True)
-            rows = with_reward_extras(ro, list(samples[start:start + batch_size]))  # verl's tool-loop extra_info
-            for s, t in zip(rows, texts):
-                correct += is_correct(correct_fn(s.data_source, t, s.ground_truth, s.extra))
+            correct += sum(rule_correct(tokenizer, ro, texts, samples[start:start + batch_size], start, correct_fn, 1))
             got = _tool_use(ro.stats)
             searches, valid, actions = searches + got[0], valid + got[1], actions + got[2]
     finally:

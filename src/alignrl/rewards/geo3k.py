@@ -49,12 +49,16 @@ def acc_reward(predict_str: str, ground_truth: Any, use_boxed: bool = True) -> f
 def compute_score(predict_str: str, ground_truth: Any, use_boxed: bool = True,
                   format_score: float = FORMAT_SCORE) -> float:
     """verl's geo3k score (module docstring); `ground_truth` is the reference's text or a number."""
-    return ((1.0 - format_score) * acc_reward(predict_str, ground_truth, use_boxed)
-            + format_score * format_reward(predict_str))
+    return weighted(acc_reward(predict_str, ground_truth, use_boxed), format_reward(predict_str), format_score)
+
+
+def weighted(acc: float, form: float, format_score: float = FORMAT_SCORE) -> float:
+    """verl's mix of the accuracy and format terms."""
+    return (1.0 - format_score) * acc + format_score * form
 
 
 def graded(predict_str: str, ground_truth: Any) -> RowScore:
     """verl's geo3k score, carrying whether the answer is right (a right answer without the thinking block scores
     0.9 and still counts as solved): the built-in reward of geo3k rows."""
     acc = acc_reward(predict_str, ground_truth)
-    return RowScore((1.0 - FORMAT_SCORE) * acc + FORMAT_SCORE * format_reward(predict_str), correct=acc == 1.0)
+    return RowScore(weighted(acc, format_reward(predict_str)), correct=acc == 1.0)

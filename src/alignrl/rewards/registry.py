@@ -20,7 +20,7 @@ from alignrl.rewards import math as math_reward
 from alignrl.rewards import openrlhf_reward, qa_em, think_answer, verl_reward_modules
 from alignrl.rewards.batch_reward import BatchedReward
 from alignrl.rewards.errors import RewardError, ScoreError
-from alignrl.rewards.values import RowScore
+from alignrl.rewards.values import RowScore, plain_number
 from alignrl.utils.user_files import import_user_file
 
 
@@ -56,8 +56,7 @@ def finite_score(value: Any, who: str, data_source: str) -> float:
 def solved(acc: Any) -> bool | None:
     """Whether verl's "acc" beside a score says the answer is right: a bool, or a number (1 or more: right, as a
     score of 1 is); None for anything else, which is then information beside the score, as verl logs it."""
-    if hasattr(acc, "item") and getattr(acc, "ndim", 1) == 0:  # a 0-d tensor or numpy scalar
-        acc = acc.item()
+    acc = plain_number(acc)
     if isinstance(acc, bool):
         return acc
     if isinstance(acc, numbers.Real) and math.isfinite(float(acc)):

@@ -16,6 +16,11 @@ class RowScore(float):
         return obj
 
 
+def plain_number(value: object) -> object:
+    """A 0-d tensor or numpy scalar (what users' functions often return) as its Python number; else `value`."""
+    return value.item() if hasattr(value, "item") and getattr(value, "ndim", 1) == 0 else value
+
+
 def filter_score(value: object) -> float | None:
     """The score dynamic filtering tests for a row's reward value, None when it is the reward."""
     return getattr(value, "filter_score", None)

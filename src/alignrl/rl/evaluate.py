@@ -40,7 +40,7 @@ def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequ
         if played is not None:  # an environment played the episodes
             strict += played.float().tolist()
         else:
-            strict += _rule_correct(tokenizer, ro, texts, batch, start, correct_fn, params.n)
+            strict += rule_correct(tokenizer, ro, texts, batch, start, correct_fn, params.n)
         flexible += [gsm8k.compute_score(t, batch[j // params.n].ground_truth, method="flexible")
                      if REWARDS.get(batch[j // params.n].data_source) is gsm8k.compute_score else 0.0
                      for j, t in enumerate(texts)]
@@ -50,10 +50,10 @@ def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequ
     return torch.tensor(strict).view(shape), torch.tensor(flexible).view(shape)
 
 
-def _rule_correct(tokenizer, ro, texts: Sequence[str], batch: Sequence[Sample], start: int, correct_fn,
-                  n: int) -> list[float]:
-    """1.0 where `correct_fn` counts a row's text right (its "acc", else a score >= 1), else 0.0; a ScoreError names
-    the row."""
+def rule_correct(tokenizer, ro, texts: Sequence[str], batch: Sequence[Sample], start: int, correct_fn,
+                 n: int) -> list[float]:
+    """1.0 where `correct_fn` counts a row's text right (its "acc", else a score >= 1), else 0.0, for the rollout
+    `ro` of `batch` (`n` rows per sample, the first at `start` among the evaluated ones); a ScoreError names the row."""
     read = prompt_texts(tokenizer, ro.prompt_ids, ro.prompt_mask) if reads_prompt_text(correct_fn) else None
     # verl's num_turns, turn_scores and tool_rewards in extra_info, as in training
     rows = with_reward_extras(ro, [batch[j // n] for j in range(len(texts))])

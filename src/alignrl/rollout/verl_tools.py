@@ -39,6 +39,7 @@ from pydantic import ValidationError
 
 from alignrl.data.records import Sample
 from alignrl.errors import UserError
+from alignrl.rewards.values import plain_number
 from alignrl.utils.user_files import provide_modules
 from alignrl.rollout.remote import ServiceError
 from alignrl.rollout.tool_calls import ToolCall, ToolChat, parse_hermes, truncate_response
@@ -172,8 +173,7 @@ def _step_reward(value: Any, name: str) -> float | None:
     (no reward: verl leaves it out). Checked here, where the tool is known, rather than in the user's reward."""
     if value is None:
         return None
-    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # a 0-d tensor or numpy scalar, as tools return
-        value = value.item()
+    value = plain_number(value)  # a 0-d tensor or numpy scalar, as tools return
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
         raise ToolResultError(f"tool {name!r} returned the step reward {value!r:.80}; return a finite number (or None) "
                               "as execute's second value")
