@@ -204,6 +204,39 @@ def test_multimodal_batches_skip_packing_refuse_prompt_sharing_and_text_only_cri
         response_values(load_value_model(str(tiny_model_dir), log=lambda *_: None), *tensors, images=ro.images)
 
 
+def test_text_forwards_run_the_encoder_when_ranks_share_the_model(vl, pictures, tmp_path, monkeypatch):
+    """With several ranks holding the model, a text-only forward (plain or packed) runs the image encoder once on a
+    blank patch, as another rank's image micro-batch runs it, so DDP/FSDP2/ZeRO-3 collectives pair up
+    (test_vision_sharded_ref runs the ranks). Log-probs stay bit-equal, and the encoder's gradient is zero, not
+    absent; a forward with images and a single process run it only for the images."""
+    from alignrl.models import vision
+    from alignrl.models.logprobs import ForwardLayout, response_logprobs
+
+    model, _ = vl
+    ro = _rollout(vl, pictures, tmp_path, n=1)
+    text = [i for i, r in enumerate(ro.images.rows) if r is None]
+    tensors = tuple(t[text] for t in (ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask))
+    runs = []
+    hook = model.model.visual.register_forward_hook(lambda *_: runs.append(1))
+    try:
+        alone = [response_logprobs(model, *tensors, layout=ForwardLayout(remove_padding=p))[0] for p in (False, True)]
+        assert not runs
+        monkeypatch.setattr(vision, "ranks_share_model", lambda: True)
+        for packed, want in zip((False, True), alone):
+            model.zero_grad(set_to_none=True)
+            got, _ = response_logprobs(model, *tensors, layout=ForwardLayout(remove_padding=packed))
+            assert torch.equal(got, want)
+            got.sum().backward()
+            grads = [p.grad for p in model.model.visual.parameters()]
+            assert all(g is not None and not g.any() for g in grads), packed
+        assert len(runs) == 2
+        response_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, images=ro.images)
+        assert len(runs) == 3  # the images' own run only
+    finally:
+        hook.remove()
+        model.zero_grad(set_to_none=True)
+
+
 def test_a_vision_value_model_reads_the_images_and_saves_as_a_plain_folder(vl_dir, vl, pictures, tmp_path):
     """The critic of a VL policy: its backbone (vision tower included) is the policy's, its head is new and seeded;
     its values follow the picture; gradients reach the vision tower; saved and loaded back, it gives the same

@@ -4,12 +4,14 @@ over the ranks, on each engine of `--engines`; rank 0 saves each engine's full w
 same update of the whole batch in one process (`single`) and the weights before it (`before`)."""
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from alignrl.data.images import ImageRows
 from alignrl.data.records import Experience
 from alignrl.models.loader import load_tokenizer
 from alignrl.models.value import load_value_model
@@ -26,9 +28,15 @@ ROWS = 4
 SPEC = OptimSpec(lr=1.0, total_steps=10, grad_clip=0.0, eps=1.0)
 
 
-def fixed_batch(model_dir: str, folder: Path) -> tuple[Experience, torch.Tensor, torch.Tensor]:
-    """Four image prompts with ragged responses, and deterministic old values and returns (B, R)."""
-    (pids, pmask, rids, rmask), images = image_rows(load_tokenizer(Path(model_dir)), folder, ROWS)
+def fixed_batch(model_dir: str, folder: Path, mixed: bool = False) -> tuple[Experience, torch.Tensor, torch.Tensor]:
+    """Four image prompts with ragged responses, and deterministic old values and returns (B, R). `mixed`: the
+    second half of the rows (rank 1's share) are text-only, their image tokens replaced by a plain one."""
+    tokenizer = load_tokenizer(Path(model_dir))
+    (pids, pmask, rids, rmask), images = image_rows(tokenizer, folder, ROWS)
+    if mixed:
+        text = torch.arange(ROWS)[:, None] >= ROWS // 2
+        pids = pids.masked_fill(text & (pids == json.loads((Path(model_dir) / "config.json").read_text())["image_token_id"]), 11)
+        images = ImageRows(images.rows[:ROWS // 2] + [None] * (ROWS - ROWS // 2))
     g = torch.Generator().manual_seed(0)
     old_values = torch.randn(rids.shape, generator=g) * rmask
     returns = (old_values + torch.randn(rids.shape, generator=g)) * rmask
@@ -57,11 +65,12 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--engines", nargs="+", required=True)
+    ap.add_argument("--mixed", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)
     env = init_distributed("cpu")
     out = Path(a.out)
-    batch = fixed_batch(a.model, out)
+    batch = fixed_batch(a.model, out, a.mixed)
     for strategy in a.engines:
         full = step(strategy, a.model, batch, env)
         if env.is_main:

@@ -1,10 +1,11 @@
 """One rank of the sharded vision-language reference test (torchrun, two gloo ranks): the tiny Qwen2-VL model
 sharded over the ranks (its image encoder's blocks too) scores image prompts in uneven shares, so one rank pads
 with forwards that must run the image encoder as the other's image micro-batches do; each rank compares its rows
-with a whole copy. `--mixed`: rank 0 scores image prompts while rank 1 scores text-only ones (refused)."""
+with a whole copy. `--mixed`: rank 1's prompts are text-only, so its forwards run the encoder on a blank patch."""
 
 import argparse
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,8 +26,10 @@ def image_rows(tokenizer, folder: Path, n: int):
     """`n` prompts with one picture each (different colours and sizes), and responses of varied lengths."""
     prompts, responses = [], []
     for i in range(n):
-        path = folder / f"p{i}.png"
-        Image.new("RGB", (28 * (1 + i % 2), 56), (40 * i, 255 - 30 * i, 90)).save(path)
+        path, part = folder / f"p{i}.png", folder / f"p{i}.png.{os.getpid()}"
+        # every rank writes the same pictures: each whole through a rename, so no rank reads another's half-written one
+        Image.new("RGB", (28 * (1 + i % 2), 56), (40 * i, 255 - 30 * i, 90)).save(part, format="PNG")
+        os.replace(part, path)
         content = [{"type": "image"}, {"type": "text", "text": f"What is in picture {i}?"}]
         prompts.append(encode_image_prompt(tokenizer, Sample([{"role": "user", "content": content}], "x",
                                                              images=(str(path),)), 256))
@@ -53,16 +56,15 @@ def main() -> None:
     batch, images = image_rows(tokenizer, Path(a.out).parent, 5)
     if a.mixed:  # rank 1's rows are text: the same token ids with the image tokens replaced by plain ones
         plain = batch[0].masked_fill(batch[0] == whole.config.image_token_id, 11)
-        rows = batch if env.rank == 0 else (plain, *batch[1:])
-        sharded.logprobs(*rows, images=images if env.rank == 0 else None)
-        return
+        batch, images = (batch, images) if env.rank == 0 else ((plain, *batch[1:]), None)
     worst = 0.0
     # (rank 0's rows, rank 1's rows): 3 micro-batches against 1, then none against 3
     for share in ((slice(0, 5), slice(1, 3)), (slice(0, 0), slice(0, 5))):
         idx = range(5)[share[env.rank]]
         mine = tuple(t[share[env.rank]] for t in batch)
-        got = sharded.logprobs(*mine, images=images.select(idx) if len(idx) else None)
-        want = local.logprobs(*mine, images=images.select(idx)) if len(idx) else torch.zeros(mine[2].shape)
+        mine_images = images.select(idx) if images is not None and len(idx) else None
+        got = sharded.logprobs(*mine, images=mine_images)
+        want = local.logprobs(*mine, images=mine_images) if len(idx) else torch.zeros(mine[2].shape)
         assert got.shape == want.shape, (got.shape, want.shape)
         worst = max(worst, float((got - want).abs().max()) if got.numel() else 0.0)
     with open(f"{a.out}.{env.rank}.json", "w") as f:

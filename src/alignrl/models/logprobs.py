@@ -22,7 +22,7 @@ from alignrl.data.collate import position_ids, prompt_groups
 from alignrl.models.folder import ModelError
 from alignrl.models.kv_cache import cache_arg, returned_cache
 from alignrl.models.packing import pack, packed_forward, unpack
-from alignrl.models.vision import vision_inputs
+from alignrl.models.vision import encoder_in_every_forward, vision_inputs
 
 
 @dataclass(frozen=True)
@@ -107,12 +107,14 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     # (verl's vision-language scripts set use_remove_padding=True)
     if layout.remove_padding and not with_images:  # (T, V) logits of the attended tokens only, put back by `unpack`
         packing = pack(prompt_ids, prompt_mask, response_ids, response_mask, groups)
-        logits = packed_forward(model, packing, logits_to_keep=packing.keep).logits[0]
+        with encoder_in_every_forward(model, images):
+            logits = packed_forward(model, packing, logits_to_keep=packing.keep).logits[0]
         targets, place = packing.targets, lambda x: unpack(x, packing)
     else:  # (B, R, V) logits, padding included, masked after
-        logits = (_shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, *groups)
-                  if groups is not None else
-                  _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, images))
+        with encoder_in_every_forward(model, images):
+            logits = (_shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, *groups)
+                      if groups is not None else
+                      _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, images))
         b, r, v = logits.shape
         logits, targets = logits.reshape(b * r, v), response_ids.reshape(-1)
         place = lambda x: x.view(b, r) * response_mask  # noqa: E731

@@ -14,7 +14,7 @@ from alignrl.data.collate import position_ids
 from alignrl.models.logprobs import model_device
 from alignrl.models.loader import DTYPES, ModelError, disable_dropout, loading, resolve_model_path
 from alignrl.models.packing import pack, packed_forward, unpack
-from alignrl.models.vision import is_vision_folder, is_vision_model, vision_inputs
+from alignrl.models.vision import encoder_in_every_forward, is_vision_folder, is_vision_model, vision_inputs
 
 
 def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print):
@@ -57,14 +57,16 @@ def response_values(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
     dev = model_device(model)
     if remove_padding and not with_images:  # rows with images take the plain forward (as in response_logprobs)
         packing = pack(*(t.to(dev) for t in (prompt_ids, prompt_mask, response_ids, response_mask)))
-        return unpack(packed_forward(model, packing).logits[0, packing.keep, 0].float(), packing)
+        with encoder_in_every_forward(model, images):
+            return unpack(packed_forward(model, packing).logits[0, packing.keep, 0].float(), packing)
     ids = torch.cat([prompt_ids, response_ids], 1).to(dev)
     mask = torch.cat([prompt_mask, response_mask], 1).to(dev)
     response_mask = response_mask.to(dev)
     r = response_ids.shape[1]
     vision = vision_inputs(model, ids, mask, images)  # {} without images
     vision.setdefault("position_ids", position_ids(mask))
-    out = model(input_ids=ids, attention_mask=mask.long(), **vision)
+    with encoder_in_every_forward(model, images):
+        out = model(input_ids=ids, attention_mask=mask.long(), **vision)
     return out.logits[:, -r - 1:-1, 0].float() * response_mask
 
 

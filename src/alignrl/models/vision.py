@@ -14,11 +14,12 @@ loads it wherever torchvision is installed. Deliberately out of scope: videos.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from alignrl.data.images import PROCESSOR_ATTR, set_pixel_bounds
+from alignrl.data.images import PROCESSOR_ATTR, ImageRows, PromptImages, set_pixel_bounds
 from alignrl.models.folder import ModelError, loading, read_config
 
 
@@ -158,3 +159,46 @@ def vision_inputs(model, ids: torch.Tensor, mask: torch.Tensor, images) -> dict:
     positions, _ = mrope_positions(model, ids, mask, grid.to(dev))
     dtype = next(hf_model(model).parameters()).dtype
     return {"pixel_values": pixel_values.to(dev, dtype), "image_grid_thw": grid.to(dev), "position_ids": positions}
+
+
+def ranks_share_model() -> bool:
+    """Whether this process is one of several ranks holding one model together (torch.distributed up with more than
+    one rank), whose collectives (DDP's gradient all-reduce, FSDP2's and ZeRO-3's gathers of each block) pair up only
+    while every rank runs the same modules."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def one_patch_image(model) -> ImageRows:
+    """One row's image of a single merged patch (one image token), zeros: what a forward without real images feeds
+    the image encoder of a vision-language model to keep it in step with other ranks'."""
+    vc = hf_model(model).config.vision_config
+    merge = vc.spatial_merge_size
+    width = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+    return ImageRows([PromptImages(torch.zeros(merge * merge, width), torch.tensor([[1, merge, merge]]))])
+
+
+@contextmanager
+def encoder_in_every_forward(model, images):
+    """Within it, when several ranks share `model` (a vision-language one) and `images` (this forward's
+    `data.images.ImageRows`, or None) hold none, each forward also runs the image encoder on one blank patch and adds
+    0 x its mean to the token embeddings. A rank whose micro-batch is text-only would otherwise skip the encoder that
+    another rank's image micro-batch runs, and their collectives would pair wrongly (gloo: "collective mismatch";
+    NCCL: a hang). Adding 0 leaves values, log-probs and the text's gradients bit-equal, and gives the encoder a zero
+    gradient (verl's Qwen2-VL forward does the same)."""
+    if (images is not None and images.any()) or not is_vision_model(model) or not ranks_share_model():
+        yield
+        return
+    inner = hf_model(model)
+    pixels, grid = one_patch_image(model).batch()
+
+    def add_encoder(_module, _args, embeds):
+        features = inner.model.get_image_features(pixels.to(embeds.device), grid.to(embeds.device)).pooler_output
+        return embeds + 0.0 * torch.cat(features).mean().to(embeds.dtype)
+
+    handle = inner.get_input_embeddings().register_forward_hook(add_encoder)
+    try:
+        yield
+    finally:
+        handle.remove()

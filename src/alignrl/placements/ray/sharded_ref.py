@@ -15,10 +15,9 @@ Each rank reads only its own rows of the weights from the safetensors files (`mo
 of `.bin` weights is loaded whole on every rank before it keeps its shard. Deliberately left out: CPU offload of
 the shards (OpenRLHF's `--ref_reward_offload`).
 
-A vision-language reference shards its image encoder's blocks too, so the ranks must also agree on running it: the
-padding forwards of a batch with images carry one image of a single merged patch, and a call whose rows mix prompts
-with and without images over the group is refused (one line), as a text-only micro-batch would skip the encoder's
-collectives that another rank's image micro-batch makes.
+A vision-language reference shards its image encoder's blocks too, so the ranks must also agree on running it: a
+forward whose rows have no images (a text-only prompt, a padding forward) runs the encoder on one blank patch
+(`models.vision.encoder_in_every_forward`), as another rank's image micro-batch runs it on its images.
 """
 
 from __future__ import annotations
@@ -30,9 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from alignrl.data.images import ImageRows, PromptImages
-from alignrl.models.folder import ModelError
-from alignrl.models.vision import image_token_id, is_vision_model
+from alignrl.data.images import ImageRows
 from alignrl.rl.producer import batched_logprobs
 from alignrl.runtime.env import DistEnv
 from alignrl.models.logprobs import ForwardLayout
@@ -67,34 +64,15 @@ class ShardedRefScorer:
     def _logprobs(self, prompt_ids, prompt_mask, response_ids, response_mask, images) -> torch.Tensor:
         rows = prompt_ids.shape[0]
         mine = -(-rows // self.micro_batch)  # per_token_in_chunks splits the rows into this many micro-batches
-        with_images = 0 if images is None else sum(r is not None for r in images.rows)
-        # the most micro-batches of any rank; whether any rank has rows with images, and rows without
-        agree = torch.tensor([mine, int(with_images > 0), int(with_images < rows)], device=self.env.device)
-        dist.all_reduce(agree, op=dist.ReduceOp.MAX)
-        most, any_images, any_plain = (int(x) for x in agree.tolist())
-        if any_images and any_plain and is_vision_model(self.model):
-            raise ModelError("a sharded vision-language reference scores batches whose prompts all have images or "
-                             "none do: keep image and text-only prompts in separate runs, or hold a whole reference "
-                             "on each rank (ZeRO stage below 3)")
+        most = torch.tensor([mine], device=self.env.device)  # the most micro-batches of any rank
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
         out = (batched_logprobs(self.model, prompt_ids, prompt_mask, response_ids, response_mask, self.temperature,
                                 self.micro_batch, self.layout, images) if rows else
                torch.zeros(response_ids.shape))
-        token, pad, mask = torch.ones(1, 1, dtype=torch.long), None, torch.ones(1, 1, dtype=torch.bool)
-        if any_images:  # the padding forwards run the image encoder, as the image micro-batches do
-            token, pad = torch.tensor([[image_token_id(self.model)]]), one_patch_image(self.model)
-        for _ in range(most - mine):  # the same calls as one micro-batch of real rows, on one token each
-            batched_logprobs(self.model, token, mask, torch.zeros_like(token), mask, self.temperature, 1,
-                             self.layout, pad)
+        token, mask = torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)
+        for _ in range(int(most) - mine):  # the same calls as one micro-batch of real rows, on one token each
+            batched_logprobs(self.model, token, mask, torch.zeros_like(token), mask, self.temperature, 1, self.layout)
         return out
-
-
-def one_patch_image(model) -> ImageRows:
-    """One row's image of a single merged patch (one image token), zeros: what a padding forward feeds the image
-    encoder of a vision-language model."""
-    vc = model.config.vision_config
-    merge = vc.spatial_merge_size
-    width = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
-    return ImageRows([PromptImages(torch.zeros(merge * merge, width), torch.tensor([[1, merge, merge]]))])
 
 
 def build_sharded_ref(cfg, env: DistEnv) -> ShardedRefScorer:
