@@ -5,7 +5,6 @@ temporary working_dir copy."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
