@@ -70,6 +70,15 @@ class ImageRows:
         return torch.cat([r.pixel_values for r in real]), torch.cat([r.image_grid_thw for r in real])
 
 
+def join_images(parts: list[PromptImages | None]) -> PromptImages | None:
+    """One row's images from several sources in order (its prompt's, then its tool observations'): their patches and
+    grids concatenated, as the row's image tokens appear in its ids; None when none has images."""
+    real = [p for p in parts if p is not None]
+    if len(real) < 2:
+        return real[0] if real else None
+    return PromptImages(torch.cat([p.pixel_values for p in real]), torch.cat([p.image_grid_thw for p in real]))
+
+
 def join_rows(parts: list[ImageRows | None], sizes: list[int]) -> ImageRows | None:
     """The rows of several batches' images, in order (None when none has images)."""
     if all(p is None for p in parts):

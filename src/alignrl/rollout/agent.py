@@ -36,7 +36,7 @@ import torch
 
 from alignrl.config.checks import episode_cap
 from alignrl.data.collate import left_pad, right_pad
-from alignrl.data.images import ImagePrompt, prompt_images
+from alignrl.data.images import ImagePrompt, ImageRows, PromptImages, join_images
 from alignrl.data.records import Rollout
 from alignrl.interfaces import RolloutEngine, SamplingParams, derived_seed
 from alignrl.utils.tracking import console
@@ -78,17 +78,34 @@ class _Row:
     done: bool = False
     truncated: bool = False
     stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAT_NAMES, 0))
+    observed: list[PromptImages] = field(default_factory=list)  # the images of observations in `ids`, in order
+    observed_pictures: list = field(default_factory=list)  # the same images as Pillow images (for vLLM)
 
     def append(self, ids: list[int], logprobs: list[float], generated: bool) -> None:
         self.ids += ids
         self.logprobs += logprobs
         self.generated += [generated] * len(ids)
 
+    def add_images(self, images: PromptImages, pictures: Sequence) -> None:
+        """The images of the observation just appended, whose image tokens are now at the end of `ids`."""
+        self.observed.append(images)
+        self.observed_pictures += list(pictures)
+
+    def images(self) -> PromptImages | None:
+        """All the row's images in the order of their image tokens: the prompt's, then its observations'."""
+        return join_images([getattr(self.source, "images", None), *self.observed])
+
     def context(self) -> list[int]:
-        """What the next turn is generated from: the prompt and the response so far, with the prompt's images."""
+        """What the next turn is generated from: the prompt and the response so far, with the row's images."""
         ids = self.prompt + self.ids
-        images = getattr(self.source, "images", None)
-        return ids if images is None else ImagePrompt(ids, images, getattr(self.source, "pictures", ()))
+        images = self.images()
+        if images is None:
+            return ids
+        own = getattr(self.source, "pictures", ())
+        # an engine that reads the Pillow images (vLLM) needs all of them or none: a prompt whose images came without
+        # their pictures (decoded elsewhere) gives none, rather than only the observations', misplaced
+        whole = bool(own) or getattr(self.source, "images", None) is None
+        return ImagePrompt(ids, images, (*own, *self.observed_pictures) if whole else ())
 
 
 def _start(prompt: Sequence[int], keep: int) -> _Row:
@@ -222,4 +239,10 @@ def episodes_rollout(rows: list[_Row], n_prompts: int, n: int, pad_id: int) -> R
                    response_mask=response_mask, logprobs=logprobs,
                    truncated=torch.tensor([r.truncated for r in rows], dtype=torch.bool),
                    group=torch.arange(n_prompts).repeat_interleave(n), loss_mask=loss_mask, stats=stats,
-                   images=prompt_images([r.source for r in rows]))  # the trainer's forwards read them too
+                   images=_row_images(rows))  # the trainer's forwards read them too
+
+
+def _row_images(rows: list[_Row]) -> ImageRows | None:
+    """Each row's images (its prompt's and its observations'), or None when no row has any."""
+    images = [r.images() for r in rows]
+    return ImageRows(images) if any(i is not None for i in images) else None

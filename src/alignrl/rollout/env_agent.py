@@ -16,8 +16,13 @@ engine's life (environments may hold connections bound to it). `step` gets OpenR
 when the turn reached the response cap (nothing can follow it; verl's tool loop then runs no calls). An episode ends
 when `step` says done (its feedback is still appended, as OpenRLHF does, as far as the cap allows), after
 agent.max_turns turns (0: no limit), or when its response reaches the cap (the turn is cut there and the episode
-counts as truncated). With `prompt_room` (OpenRLHF's budget of prompt_max_len + generate_max_len), a prompt shorter
-than that lends its unused tokens to its episode's response cap.
+counts as truncated). A step may also return "environment_images" (alignrl's key, which verl's tool loop fills with
+its tools' images): Pillow images, one per image placeholder of the feedback's text, which a vision-language policy's
+processor widens to the images' tokens; the images follow the row's earlier ones (`_Row.images`) for its next turns
+and the trainer's forwards. Such feedback is appended whole or not at all, never cut inside its image tokens: one
+that does not fit in the room left ends the episode as truncated, as verl ends it (a done step's such feedback is
+left out). With `prompt_room` (OpenRLHF's budget of prompt_max_len + generate_max_len), a prompt shorter than that
+lends its unused tokens to its episode's response cap.
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ from typing import Any
 
 import torch
 
+from alignrl.data.images import PromptImages
 from alignrl.data.records import Rollout, Sample
 from alignrl.errors import UserError
 from alignrl.interfaces import RolloutEngine, SamplingParams, derived_seed
 from alignrl.rollout.agent import _Row, episodes_rollout
 from alignrl.rollout.env_sampling import StepSampling, applied, changes, for_step
 from alignrl.rollout.environments import EnvFactory, Environment, EnvironmentStepError
+from alignrl.rollout.observation_images import observation_ids, pictures_of
 
 __all__ = ["EnvRollout", "EnvironmentStepError", "TaskPrompt", "with_labels"]
 
@@ -218,22 +225,39 @@ class EnvRollout:
         # OpenRLHF samples the episode's next turns with a returned sampling_params; an empty one is none
         e.sampling.update(changes(got.get("sampling_params") or None, sampling, values, self.env_name))
         e.text += e.action + feedback
-        ids = self._encode(feedback) if feedback else []
+        ids, images, pictures = self._feedback_ids(feedback, got.get("environment_images"))
         room = e.cap - len(e.row.ids)
         if bool(got.get("done", False)):
             # OpenRLHF appends the last step's feedback too: context (log-prob 0, outside the loss mask), here cut to
             # the room left. That cut does not make the episode truncated: truncation says the policy's answer was
-            # cut (the overlong penalty, truncated_reward_coef), and this one ended as the environment accepted it
-            e.row.append(ids[:room], [0.0] * min(len(ids), room), generated=False)
+            # cut (the overlong penalty, truncated_reward_coef), and this one ended as the environment accepted it.
+            # Feedback with images is appended whole or not at all: a cut would split its images' tokens
+            keep = room if images is None else (len(ids) if len(ids) <= room else 0)
+            e.row.append(ids[:keep], [0.0] * min(len(ids), keep), generated=False)
+            if images is not None and keep:
+                e.row.add_images(images, pictures)
             e.row.done = True
             return
         if last or e.row.truncated:  # no next turn: feedback asking for one would be read by nobody
             e.row.done = True
             return
-        if len(ids) >= room:  # no room left to act on the feedback: the episode ends here, cut
+        if len(ids) >= room:  # no room left to act on the feedback (verl's too): the episode ends here, cut
             e.row.done, e.row.truncated = True, True
             return
         e.row.append(ids, [0.0] * len(ids), generated=False)
+        if images is not None:  # the next turns and the trainer read them after the row's earlier images
+            e.row.add_images(images, pictures)
+
+    def _feedback_ids(self, feedback: str, given: Any) -> tuple[list[int], PromptImages | None, list]:
+        """The feedback's ids; with images (alignrl's "environment_images", verl's tools' images), each image
+        placeholder of its text widened to the image's tokens by the model's processor, with those images as the
+        model reads them and as Pillow images. Without images, the text's ids alone, as they always were."""
+        if not given:
+            return (self._encode(feedback) if feedback else []), None, []
+        what = f"{self.env_name}.step"
+        pictures = pictures_of(given, what, EnvironmentStepError)
+        ids, images = observation_ids(self.tokenizer, feedback, pictures, what, EnvironmentStepError)
+        return ids, images, pictures
 
     def _number(self, value: Any, what: str) -> float:
         got = value.float().sum().item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value

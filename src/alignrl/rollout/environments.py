@@ -4,10 +4,11 @@
 The file defines a class `AgentInstance` (subclassing `openrlhf.utils.agent.AgentInstanceBase`) with two coroutines:
 `reset({"observation": prompt text, "label": label})` returning {"observation": text}, and `step({"observation_text",
 "action_text", "label", "sampling_params"})` returning {"rewards", "scores", "environment_feedback", "done",
-"extra_logs"}. Each episode gets its own instance, made with no arguments (an `async def __init__`, as older
-OpenRLHF examples write it, is awaited). Its `AgentExecutor` class is not used: alignrl runs the turns itself
-(`rollout.env_agent`), as OpenRLHF's MultiTurnAgentExecutor does; a file whose executor overrides `execute` is
-refused, since its custom token-level loop would be skipped.
+"extra_logs"}; with a vision-language policy it may also return "environment_images", Pillow images whose
+placeholders the feedback holds (alignrl's key, `rollout.env_agent`). Each episode gets its own instance, made with
+no arguments (an `async def __init__`, as older OpenRLHF examples write it, is awaited). Its `AgentExecutor` class
+is not used: alignrl runs the turns itself (`rollout.env_agent`), as OpenRLHF's MultiTurnAgentExecutor does; a file
+whose executor overrides `execute` is refused, since its custom token-level loop would be skipped.
 
 When OpenRLHF is not installed, `openrlhf.utils.agent` is provided here (the three base classes the files import);
 an installed OpenRLHF is used as it is.

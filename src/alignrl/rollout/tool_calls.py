@@ -124,7 +124,12 @@ class ToolChat:
         """Whether `text` is `messages`' prompt templated without the schemas, where the template prints them."""
         return self.prints_schemas and text == self._render(messages, True)
 
-    def feedback(self, responses: Sequence[str]) -> str:
-        """The text after an assistant turn: its tool responses as tool messages, then the generation prompt."""
-        messages = [{"role": "tool", "content": text} for text in responses]
+    def feedback(self, responses: Sequence[str], images: Sequence[int] = ()) -> str:
+        """The text after an assistant turn: its tool responses as tool messages, then the generation prompt.
+        `images[i]` > 0: response i came with that many images, and its message's content is verl's multimodal
+        list, an image item per image and then its text (if any), which the template renders as image placeholders."""
+        messages = [{"role": "tool", "content": text} if not (images and images[i]) else
+                    {"role": "tool", "content": [*({"type": "image"} for _ in range(images[i])),
+                                                 *([{"type": "text", "text": text}] if text else [])]}
+                    for i, text in enumerate(responses)]
         return self._render(self.base + messages, True)[len(self.prefix):]

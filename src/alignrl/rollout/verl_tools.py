@@ -12,7 +12,11 @@ schemas, which the run's prompts carry (`tool_schemas`: data.filter_overlong_pro
 count their tokens, as verl's dataset does); after each assistant turn its hermes tool calls (up to
 max_parallel_calls) run concurrently, each tool instance created with the row's
 `extra_info.tools_kwargs[name].create_kwargs`, executed and released; the responses, cut to
-max_tool_response_length, are appended as tool messages (not trained on) and the policy answers again. A turn
+max_tool_response_length, are appended as tool messages (not trained on) and the policy answers again. A response
+with images (verl's `ToolResponse(image=[...])` of Pillow images, as its image_zoom_in_tool returns) is verl's
+multimodal tool message, an image item per image before its text (only the text is cut), whose images a
+vision-language policy reads after the row's earlier ones (`env_agent`); a video, an image that is not a Pillow image,
+or images for a text-only policy is one line. A turn
 without calls, the assistant- or user-turn limit, or the response cap ends it (a turn that reached the cap runs no
 calls, as verl stops on length before parsing). The steps give no rewards: the run's reward function scores the
 whole response, as verl's reward manager does, and reads the episode's num_turns, its interaction's turn_scores and
@@ -41,6 +45,7 @@ from alignrl.data.records import Sample
 from alignrl.errors import UserError
 from alignrl.rewards.values import plain_number
 from alignrl.utils.user_files import provide_modules
+from alignrl.rollout.observation_images import needs_vision, pictures_of
 from alignrl.rollout.remote import ServiceError
 from alignrl.rollout.tool_calls import ToolCall, ToolChat, parse_hermes, truncate_response
 from alignrl.rollout.verl_builtin_tools import BUILTIN
@@ -113,12 +118,17 @@ class ToolEnvironment:
             self.user_turns += 1
             return self._result(feedback, done)
         answers = await asyncio.gather(*(self._call(c) for c in calls[:loop.max_parallel_calls]))
-        texts = [text for text, _ in answers]
-        self.tool_rewards += [reward for _, reward in answers if reward is not None]  # verl skips a None reward
+        texts = [text for text, _, _ in answers]
+        self.tool_rewards += [reward for _, reward, _ in answers if reward is not None]  # verl skips a None reward
         self.user_turns += 1
         if self.talk is not None:
             self.talk.tools(texts)
-        return self._result(self.chat.feedback(texts), done=False)
+        pictures = [p for _, _, p in answers]
+        if not any(pictures):  # text alone: the tool turn exactly as before images were supported
+            return self._result(self.chat.feedback(texts), done=False)
+        result = self._result(self.chat.feedback(texts, [len(p) for p in pictures]), done=False)
+        result["environment_images"] = [p for some in pictures for p in some]  # in the order of their placeholders
+        return result
 
     async def episode_ended(self) -> dict[str, Any]:
         """Called once the episode ended, however it ended (`EnvRollout`): verl's interaction is finalized. Returns
@@ -141,12 +151,13 @@ class ToolEnvironment:
             logs.update(self.talk.logs())
         return {"environment_feedback": feedback, "done": done, "extra_logs": logs}
 
-    async def _call(self, call: ToolCall) -> tuple[str, float | None]:
-        """The call's response text, cut to max_tool_response_length, and its step reward (execute's second value;
-        None: none). A call that fails (an unknown tool, arguments that are not JSON, an exception in the tool)
-        answers verl's error text with reward 0.0, and the episode goes on as in verl; but a service of alignrl's own
-        that stopped answering (the search tool's retrieval server, after its retries) stops the run in one line,
-        rather than training the policy on error texts."""
+    async def _call(self, call: ToolCall) -> tuple[str, float | None, list]:
+        """The call's response text, cut to max_tool_response_length (the text alone: its images are kept whole), its
+        step reward (execute's second value; None: none) and its images (Pillow images, [] without). A call that fails
+        (an unknown tool, arguments that are not JSON, an exception in the tool) answers verl's error text with reward
+        0.0, and the episode goes on as in verl; but a service of alignrl's own that stopped answering (the search
+        tool's retrieval server, after its retries) stops the run in one line, rather than training the policy on error
+        texts. Images the loop cannot append (a video, not Pillow images, a text-only policy) stop it in one line."""
         self.counts["tool_calls"] += 1
         tool = instance_id = None
         try:
@@ -159,13 +170,15 @@ class ToolEnvironment:
             raise
         except Exception as exc:
             self.counts["tool_errors"] += 1
-            return f"Error when executing tool: {exc}", 0.0
+            return f"Error when executing tool: {exc}", 0.0, []
         finally:
             if tool is not None and instance_id:
                 await tool.release(instance_id)
-        text = _response_text(got[0] if isinstance(got, tuple) else got, call.name)
+        text, pictures = _response(got[0] if isinstance(got, tuple) else got, call.name)
+        if pictures:
+            needs_vision(self.chat.tokenizer, f"tool {call.name!r}", ToolResultError)
         reward = _step_reward(got[1], call.name) if isinstance(got, tuple) and len(got) > 1 else None
-        return truncate_response(text, self.loop.max_tool_response_length, self.loop.truncate_side), reward
+        return truncate_response(text, self.loop.max_tool_response_length, self.loop.truncate_side), reward, pictures
 
 
 def _step_reward(value: Any, name: str) -> float | None:
@@ -180,16 +193,23 @@ def _step_reward(value: Any, name: str) -> float | None:
     return float(value)
 
 
-def _response_text(response: Any, name: str) -> str:
-    """A tool's response as text: verl's ToolResponse, a dict with "text", or a string (older verl tools)."""
+def _response(response: Any, name: str) -> tuple[str, list]:
+    """A tool's response as its text and its images (Pillow images, as verl's tools return them; [] without): verl's
+    ToolResponse, a dict with "text" (and "image"), or a string (older verl tools). Videos are refused."""
     if isinstance(response, str):
-        return response
+        return response, []
     get = response.get if isinstance(response, dict) else lambda k: getattr(response, k, None)
-    media = [k for k in ("image", "video") if get(k)]
-    if media:  # verl appends them through a multimodal processor; here the tool turn is text
-        raise ToolResultError(f"tool {name!r} returned {' and '.join(media)}: alignrl's tool loop appends text only; "
-                              "return the response as text")
-    return get("text") or ""
+    if _given(get("video")):  # Qwen2-VL's video inputs (frames, their own grids and tokens) are not read here
+        raise ToolResultError(f"tool {name!r} returned video: alignrl's tool loop appends text and images only; "
+                              "return its frames as images (ToolResponse(image=[...]))")
+    image = get("image")
+    return get("text") or "", pictures_of(image, f"tool {name!r}", ToolResultError) if _given(image) else []
+
+
+def _given(media: Any) -> bool:
+    """Whether a response's image or video field holds something: None and an empty list are nothing, as in verl; an
+    array or tensor (whose truth value is ambiguous) is something, for the check that names what to return."""
+    return media is not None and not (isinstance(media, (list, tuple, str)) and not media)
 
 
 def verl_tool_modules() -> tuple[type, type]:
