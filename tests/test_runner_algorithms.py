@@ -114,7 +114,7 @@ def test_remax_baseline_is_the_greedy_reward(tiny_model_dir, tmp_path):
     # DAPO's overlong penalty past 4 tokens: the baseline is shaped like the rewards it is taken from
     maker.rewards.overlong_buffer_len, maker.rewards.max_new_tokens = 4, 8
     ro = maker.engine.generate(prompts, maker.sampling_params(1))
-    scored = maker.score(ro, samples)
+    scored = maker.score(ro, samples, prompts)
     greedy = maker.engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
     texts = placed.tokenizer.batch_decode(greedy.response_ids.masked_fill(~greedy.response_mask, 0),
                                           skip_special_tokens=True)

@@ -225,8 +225,38 @@ def test_what_cannot_be_appended_is_one_line(vl, tiny_model, pictures, zoom_yaml
         assert expect in one_line(str(err.value))
     prompts = _prompts(tok, pictures, tmp_path)[1:]
     for make, expect in ((_shows("a.png"), "returned image str 'a.png'"),
-                         (_shows([Image.new("RGB", (56, 56))], text="look"), "holds 0 image placeholder(s)")):
+                         (_shows(torch.zeros(4, 4, 3)), "returned image Tensor"),
+                         (_shows([Image.new("RGB", (56, 56))], text="look"), "holds 0 image placeholder(s)"),
+                         (_shows([]), "returned 0 image(s) but its observation text holds 1 image placeholder"),
+                         (_shows([Image.new("RGB", (3000, 5))]), "an image the model's processor cannot read")):
         with pytest.raises(EnvironmentStepError) as err:
             EnvRollout(FirstTurns(None, _enc(tok, " ok")), tok, make, response_cap=100).generate(
                 prompts, SamplingParams(max_new_tokens=4))
         assert expect in one_line(str(err.value))
+
+
+def test_remax_greedy_baseline_regenerates_from_the_prompts_not_the_rows_images(vl, pictures, zoom_yaml, tmp_path):
+    """A row's images hold its tool observations' after its prompt's: ReMax's greedy episode starts again from the
+    prompt as the samples did (its own images only), not from the rollout row's images."""
+    from types import SimpleNamespace
+
+    from alignrl.rl.producer import RolloutMaker
+
+    _, tok = vl
+    prompts = _prompts(tok, pictures, tmp_path)
+    make = tool_environment(zoom_yaml, tok, ToolLoop(max_assistant_turns=2))
+    engine = FirstTurns(None, _enc(tok, _call("blue")), then=_enc(tok, " blue"))
+    ro = EnvRollout(engine, tok, make, response_cap=200).generate(prompts, SamplingParams(n=2, max_new_tokens=4))
+    assert [r.image_grid_thw.shape[0] for r in ro.images.rows] == [2, 2, 1, 1]  # prompt + tool, tool alone
+    greedy_engine = FirstTurns(None, _enc(tok, " red"))
+    seen = []
+    maker = SimpleNamespace(engine=EnvRollout(greedy_engine, tok, make, response_cap=200),
+                            cfg=SimpleNamespace(rollout=SimpleNamespace(stop=(), max_new_tokens=4)),
+                            rewards=SimpleNamespace(score=lambda g, rows: seen.append(g) or
+                                                    SimpleNamespace(rewards=torch.tensor([1.0, 2.0]))))
+    baseline = RolloutMaker.greedy_baseline(maker, ro, [p.sample for p in prompts], prompts)
+    assert baseline.tolist() == [1.0, 1.0, 2.0, 2.0]
+    first_turn = greedy_engine.calls[0]
+    assert [list(p) for p in first_turn] == [list(p) for p in prompts]
+    assert first_turn[0].images.image_grid_thw.tolist() == [[1, 4, 4]] and not hasattr(first_turn[1], "images")
+    assert len(seen) == 1 and seen[0].images.rows[1] is None  # the greedy text episode: no image of another row

@@ -204,11 +204,12 @@ def test_multimodal_batches_skip_packing_refuse_prompt_sharing_and_text_only_cri
         response_values(load_value_model(str(tiny_model_dir), log=lambda *_: None), *tensors, images=ro.images)
 
 
-def test_text_forwards_run_the_encoder_when_ranks_share_the_model(vl, pictures, tmp_path, monkeypatch):
-    """With several ranks holding the model, a text-only forward (plain or packed) runs the image encoder once on a
-    blank patch, as another rank's image micro-batch runs it, so DDP/FSDP2/ZeRO-3 collectives pair up
-    (test_vision_sharded_ref runs the ranks). Log-probs stay bit-equal, and the encoder's gradient is zero, not
-    absent; a forward with images and a single process run it only for the images."""
+def test_text_forwards_run_the_encoder_when_ranks_share_the_model_or_it_trains(vl, pictures, tmp_path, monkeypatch):
+    """A text-only forward (plain or packed) runs the image encoder once on a blank patch when several ranks hold the
+    model, as another rank's image micro-batch runs it, so DDP/FSDP2/ZeRO-3 collectives pair up (test_vision_sharded_ref
+    runs the ranks), and in one process when a gradient goes through a trainable encoder, so AdamW sees a zero
+    gradient as it does over ranks. Log-probs stay bit-equal and the encoder's gradient is zero, not absent; a forward
+    with images runs it only for them; a frozen encoder in one process, or a forward without gradient, not at all."""
     from alignrl.models import vision
     from alignrl.models.logprobs import ForwardLayout, response_logprobs
 
@@ -216,24 +217,34 @@ def test_text_forwards_run_the_encoder_when_ranks_share_the_model(vl, pictures, 
     ro = _rollout(vl, pictures, tmp_path, n=1)
     text = [i for i, r in enumerate(ro.images.rows) if r is None]
     tensors = tuple(t[text] for t in (ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask))
-    runs = []
-    hook = model.model.visual.register_forward_hook(lambda *_: runs.append(1))
+    layouts = [ForwardLayout(remove_padding=p) for p in (False, True)]
+    runs, visual = [], model.model.visual
+    hook = visual.register_forward_hook(lambda *_: runs.append(1))
     try:
-        alone = [response_logprobs(model, *tensors, layout=ForwardLayout(remove_padding=p))[0] for p in (False, True)]
-        assert not runs
-        monkeypatch.setattr(vision, "ranks_share_model", lambda: True)
-        for packed, want in zip((False, True), alone):
+        with torch.no_grad():
+            alone = [response_logprobs(model, *tensors, layout=layout)[0] for layout in layouts]
+        visual.requires_grad_(False)
+        frozen = [response_logprobs(model, *tensors, layout=layout)[0] for layout in layouts]
+        visual.requires_grad_(True)
+        assert not runs and all(torch.equal(a, b) for a, b in zip(alone, frozen))
+        for layout, want in zip(layouts, alone):  # one process, gradient through the trainable encoder
             model.zero_grad(set_to_none=True)
-            got, _ = response_logprobs(model, *tensors, layout=ForwardLayout(remove_padding=packed))
+            got, _ = response_logprobs(model, *tensors, layout=layout)
             assert torch.equal(got, want)
             got.sum().backward()
-            grads = [p.grad for p in model.model.visual.parameters()]
-            assert all(g is not None and not g.any() for g in grads), packed
+            assert all(p.grad is not None and not p.grad.any() for p in visual.parameters()), layout
         assert len(runs) == 2
-        response_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, images=ro.images)
-        assert len(runs) == 3  # the images' own run only
+        monkeypatch.setattr(vision, "ranks_share_model", lambda: True)
+        with torch.no_grad():  # ranks sharing the model: also without a gradient (ZeRO-3's and FSDP2's gathers)
+            assert all(torch.equal(response_logprobs(model, *tensors, layout=layout)[0], want)
+                       for layout, want in zip(layouts, alone))
+            assert len(runs) == 4
+            response_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask,
+                              images=ro.images)
+        assert len(runs) == 5  # the images' own run only
     finally:
         hook.remove()
+        visual.requires_grad_(True)
         model.zero_grad(set_to_none=True)
 
 

@@ -1,6 +1,6 @@
 """Vision-language models sharded over two gloo ranks. A reference (FSDP2, as the Ray reference group holds it under
-ZeRO-3) scores image prompts as a whole copy does, though one rank has fewer micro-batches, and also when one rank's prompts
-are text-only (its forwards run the sharded image encoder on a blank patch). A vision critic on DDP, FSDP2 and
+ZeRO-3) scores image prompts as a whole copy does, though one rank has fewer micro-batches, and also when one rank's
+prompts are text-only (its forwards run the sharded image encoder on a blank patch). A vision critic on DDP, FSDP2 and
 DeepSpeed ZeRO-3 ranks, one with images and one without, takes the update one process takes on the whole batch."""
 
 import json

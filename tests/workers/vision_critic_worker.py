@@ -35,7 +35,8 @@ def fixed_batch(model_dir: str, folder: Path, mixed: bool = False) -> tuple[Expe
     (pids, pmask, rids, rmask), images = image_rows(tokenizer, folder, ROWS)
     if mixed:
         text = torch.arange(ROWS)[:, None] >= ROWS // 2
-        pids = pids.masked_fill(text & (pids == json.loads((Path(model_dir) / "config.json").read_text())["image_token_id"]), 11)
+        image_token = json.loads((Path(model_dir) / "config.json").read_text())["image_token_id"]
+        pids = pids.masked_fill(text & (pids == image_token), 11)
         images = ImageRows(images.rows[:ROWS // 2] + [None] * (ROWS - ROWS // 2))
     g = torch.Generator().manual_seed(0)
     old_values = torch.randn(rids.shape, generator=g) * rmask

@@ -179,15 +179,22 @@ def one_patch_image(model) -> ImageRows:
     return ImageRows([PromptImages(torch.zeros(merge * merge, width), torch.tensor([[1, merge, merge]]))])
 
 
+def encoder_trains(model) -> bool:
+    """Whether the image encoder of vision-language `model` has trainable weights (not frozen, not left out of LoRA)."""
+    return any(p.requires_grad for p in hf_model(model).model.visual.parameters())
+
+
 @contextmanager
 def encoder_in_every_forward(model, images):
-    """Within it, when several ranks share `model` (a vision-language one) and `images` (this forward's
-    `data.images.ImageRows`, or None) hold none, each forward also runs the image encoder on one blank patch and adds
-    0 x its mean to the token embeddings. A rank whose micro-batch is text-only would otherwise skip the encoder that
-    another rank's image micro-batch runs, and their collectives would pair wrongly (gloo: "collective mismatch";
-    NCCL: a hang). Adding 0 leaves values, log-probs and the text's gradients bit-equal, and gives the encoder a zero
-    gradient (verl's Qwen2-VL forward does the same)."""
-    if (images is not None and images.any()) or not is_vision_model(model) or not ranks_share_model():
+    """Within it, a forward of vision-language `model` whose `images` (`data.images.ImageRows`, or None) hold none
+    also runs the image encoder on one blank patch and adds 0 x its mean to the token embeddings, when several ranks
+    share the model or a gradient is taken through a trainable encoder. A rank whose micro-batch is text-only would
+    otherwise skip the encoder that another rank's image micro-batch runs, and their collectives would pair wrongly
+    (gloo: "collective mismatch"; NCCL: a hang). In one process it keeps the optimizer's view the same as over ranks:
+    the encoder gets a zero gradient, not none, so AdamW moves it by its momentum on a text-only step either way.
+    Adding 0 leaves values, log-probs and the text's gradients bit-equal (verl's Qwen2-VL forward always does it)."""
+    if (images is not None and images.any()) or not is_vision_model(model) or \
+            not (ranks_share_model() or (torch.is_grad_enabled() and encoder_trains(model))):
         yield
         return
     inner = hf_model(model)

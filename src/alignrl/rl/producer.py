@@ -20,7 +20,6 @@ from alignrl.rl.rollout_ops import concat_rollouts, group_count, group_rows, kep
 from alignrl.rl.scoring import RewardStage
 from alignrl.config import RunConfig
 from alignrl.data.collate import per_token_in_chunks
-from alignrl.data.images import ImagePrompt
 from alignrl.data.records import Rollout, Sample, ScoredBatch, Scores
 from alignrl.data.sampler import BatchSampler
 from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, shard
@@ -118,7 +117,7 @@ class RolloutMaker:
         with timed(t, "gen"):
             ro = self.engine.generate(with_labels(self.engine, samples, prompts), self.sampling_params(step))
         with timed(t, "reward"):
-            scores = self.score(ro, samples)
+            scores = self.score(ro, samples, prompts)
         metrics = first_draw_metrics(ro, scores)
         index = torch.as_tensor(list(index), dtype=torch.long)
         if self.cfg.algorithm.dynamic_sampling:
@@ -144,23 +143,24 @@ class RolloutMaker:
         return self.ref.logprobs(ro.prompt_ids[:k], ro.prompt_mask[:k], ro.response_ids[:k], ro.response_mask[:k],
                                  **extra)
 
-    def score(self, ro: Rollout, samples: Sequence[Sample]) -> Scores:
+    def score(self, ro: Rollout, samples: Sequence[Sample], prompts: Sequence[Sequence[int]]) -> Scores:
+        """The rewards of `ro`, generated from `prompts` (the encoded `samples`, in order)."""
         scores = self.rewards.score(ro, samples)
         if self.cfg.algorithm.adv_estimator == "remax":
-            scores.baseline = self.greedy_baseline(ro, samples)
+            scores.baseline = self.greedy_baseline(ro, samples, prompts)
         return scores
 
-    def greedy_baseline(self, ro: Rollout, samples: Sequence[Sample]) -> torch.Tensor:
+    def greedy_baseline(self, ro: Rollout, samples: Sequence[Sample], prompts: Sequence[Sequence[int]]
+                        ) -> torch.Tensor:
         """ReMax's baseline: the reward of each prompt's greedy response, per row (B,), scored by the same
         reward stage as the samples (a reward model, the overlong penalty): the rule reward alone put the
-        baseline on another scale than the rewards it is taken from."""
+        baseline on another scale than the rewards it is taken from. Each greedy response is generated from the
+        prompt as the samples were (`prompts`, images included: a rollout row's images may also hold its tool
+        observations')."""
         first = torch.unique_consecutive(ro.group, return_counts=True)[1].cumsum(0) - 1  # a row of each group
-        prompts = [ro.prompt_ids[i][ro.prompt_mask[i]].tolist() for i in first.tolist()]
-        if ro.images is not None:  # each prompt with its images again
-            prompts = [p if ro.images.rows[i] is None else ImagePrompt(p, ro.images.rows[i])
-                       for p, i in zip(prompts, first.tolist())]
-        rows = [samples[g] for g in ro.group[first].tolist()]  # greedy row (group) j is the prompt of rows[j]
-        greedy = self.engine.generate(with_labels(self.engine, rows, prompts),
+        groups = ro.group[first].tolist()
+        rows = [samples[g] for g in groups]  # greedy row (group) j is the prompt of rows[j]
+        greedy = self.engine.generate(with_labels(self.engine, rows, [prompts[g] for g in groups]),
                                       SamplingParams(n=1, temperature=0.0, stop=tuple(self.cfg.rollout.stop),
                                                      max_new_tokens=self.cfg.rollout.max_new_tokens))
         return self.rewards.score(greedy, rows).rewards[ro.group]
@@ -189,7 +189,7 @@ class RolloutMaker:
                 new = self.engine.generate(with_labels(self.engine, samples, prompts),
                                            self.sampling_params(step, rounds - 1))
             with timed(timings, "reward"):
-                new_scores = self.score(new, samples)
+                new_scores = self.score(new, samples, prompts)
             new, new_scores, new_index = _keep_groups(new, new_scores, new_index,
                                                       kept_groups(new_scores.for_filtering, new.group, band))
             ro, scores = concat_rollouts(ro, new, pad), scores.cat(new_scores)

@@ -43,7 +43,7 @@ from alignrl.interfaces import RolloutEngine, SamplingParams, derived_seed
 from alignrl.rollout.agent import _Row, episodes_rollout
 from alignrl.rollout.env_sampling import StepSampling, applied, changes, for_step
 from alignrl.rollout.environments import EnvFactory, Environment, EnvironmentStepError
-from alignrl.rollout.observation_images import observation_ids, pictures_of
+from alignrl.rollout.observation_images import check_placeholders, given_media, observation_ids, pictures_of
 
 __all__ = ["EnvRollout", "EnvironmentStepError", "TaskPrompt", "with_labels"]
 
@@ -252,9 +252,10 @@ class EnvRollout:
         """The feedback's ids; with images (alignrl's "environment_images", verl's tools' images), each image
         placeholder of its text widened to the image's tokens by the model's processor, with those images as the
         model reads them and as Pillow images. Without images, the text's ids alone, as they always were."""
-        if not given:
-            return (self._encode(feedback) if feedback else []), None, []
         what = f"{self.env_name}.step"
+        if not given_media(given):
+            check_placeholders(self.tokenizer, feedback, 0, what, EnvironmentStepError)
+            return (self._encode(feedback) if feedback else []), None, []
         pictures = pictures_of(given, what, EnvironmentStepError)
         ids, images = observation_ids(self.tokenizer, feedback, pictures, what, EnvironmentStepError)
         return ids, images, pictures

@@ -19,6 +19,12 @@ from alignrl.models.vision import processor_of
 RETURN_IMAGES = "return Pillow images (PIL.Image.Image), as verl's tools do, e.g. ToolResponse(image=[image])"
 
 
+def given_media(media: Any) -> bool:
+    """Whether a response's image or video field holds something: None and an empty list are nothing, as in verl; an
+    array or tensor (whose truth value is ambiguous) is something, for the check that names what to return."""
+    return media is not None and not (isinstance(media, (list, tuple, str)) and not media)
+
+
 def pictures_of(value: Any, what: str, error: type[UserError]) -> list:
     """`value` (the images an observation returned) as a list of RGB Pillow images; `error` naming `what` (the tool
     or the environment's step) for anything else: verl's tools return a list of Pillow images."""
@@ -48,12 +54,23 @@ def observation_ids(tokenizer, text: str, pictures: list, what: str,
     placeholders do not match the pictures (a chat template that drops image items, a tool text holding one)."""
     needs_vision(tokenizer, what, error)
     processor = processor_of(tokenizer)
-    marks = text.count(processor.image_token)
-    if marks != len(pictures):
-        raise error(f"{what} returned {len(pictures)} image(s) but its observation text holds {marks} image "
-                    f"placeholder(s) ({processor.image_token}); the chat template must render each "
-                    "{'type': 'image'} item once, and the tool's text must hold no placeholder")
-    # no special tokens: the observation follows the response's ids, as text feedback is encoded
-    enc = processor(text=[text], images=pictures, return_tensors="pt", add_special_tokens=False)
+    check_placeholders(tokenizer, text, len(pictures), what, error)
+    try:  # no special tokens: the observation follows the response's ids, as text feedback is encoded
+        enc = processor(text=[text], images=pictures, return_tensors="pt", add_special_tokens=False)
+    except Exception as exc:  # an image the processor cannot resize: a sliver (aspect ratio over 200), 0 pixels
+        first = (str(exc).strip().splitlines() or [""])[0][:160]
+        raise error(f"{what} returned an image the model's processor cannot read ({type(exc).__name__}: {first}); "
+                    f"return images of at least a few pixels a side (sizes: {[p.size for p in pictures]})") from None
     images = PromptImages(enc["pixel_values"].float(), enc["image_grid_thw"].long())
     return enc["input_ids"][0].tolist(), images
+
+
+def check_placeholders(tokenizer, text: str, count: int, what: str, error: type[UserError]) -> None:
+    """`error` naming `what` unless observation `text` holds exactly `count` image placeholders (none for a text
+    observation): a placeholder without its image would fail a turn later, in a forward that cannot say whose it is."""
+    processor = processor_of(tokenizer)
+    marks = text.count(processor.image_token) if processor is not None else 0
+    if marks != count:
+        raise error(f"{what} returned {count} image(s) but its observation text holds {marks} image "
+                    f"placeholder(s) ({processor.image_token}); the chat template must render each "
+                    "{'type': 'image'} item once, and the text itself must hold no placeholder")

@@ -45,7 +45,7 @@ from alignrl.data.records import Sample
 from alignrl.errors import UserError
 from alignrl.rewards.values import plain_number
 from alignrl.utils.user_files import provide_modules
-from alignrl.rollout.observation_images import needs_vision, pictures_of
+from alignrl.rollout.observation_images import given_media, needs_vision, pictures_of
 from alignrl.rollout.remote import ServiceError
 from alignrl.rollout.tool_calls import ToolCall, ToolChat, parse_hermes, truncate_response
 from alignrl.rollout.verl_builtin_tools import BUILTIN
@@ -199,17 +199,11 @@ def _response(response: Any, name: str) -> tuple[str, list]:
     if isinstance(response, str):
         return response, []
     get = response.get if isinstance(response, dict) else lambda k: getattr(response, k, None)
-    if _given(get("video")):  # Qwen2-VL's video inputs (frames, their own grids and tokens) are not read here
+    if given_media(get("video")):  # Qwen2-VL's video inputs (frames, their own grids and tokens) are not read here
         raise ToolResultError(f"tool {name!r} returned video: alignrl's tool loop appends text and images only; "
                               "return its frames as images (ToolResponse(image=[...]))")
     image = get("image")
-    return get("text") or "", pictures_of(image, f"tool {name!r}", ToolResultError) if _given(image) else []
-
-
-def _given(media: Any) -> bool:
-    """Whether a response's image or video field holds something: None and an empty list are nothing, as in verl; an
-    array or tensor (whose truth value is ambiguous) is something, for the check that names what to return."""
-    return media is not None and not (isinstance(media, (list, tuple, str)) and not media)
+    return get("text") or "", pictures_of(image, f"tool {name!r}", ToolResultError) if given_media(image) else []
 
 
 def verl_tool_modules() -> tuple[type, type]:
