@@ -57,27 +57,29 @@ def test_bad_images_are_one_line_400s(vl_service, base_generation):
 
 
 def test_generate_tokens_takes_prompt_images(vl_service, tmp_path):
-    """/v1/generate_tokens with each prompt's images (`images_to_json`): what a trainer's remote engine sends. The
-    service's sampled log-probs are the local model's recomputed ones."""
-    from alignrl.data.collate import encode_prompts, left_pad, right_pad
-    from alignrl.data.images import ImageRows, images_to_json
+    """/v1/generate_tokens with each prompt's images (`images_to_json`), as a trainer's remote engine sends them
+    (`RemoteRolloutEngine`, a text prompt beside): the rollout carries the images, and the service's sampled log-probs
+    are the local model's recomputed ones."""
+    from alignrl.data.collate import encode_prompts
+    from alignrl.data.images import images_to_json
     from alignrl.data.records import Sample
+    from alignrl.interfaces import SamplingParams
     from alignrl.models.loader import load_model
     from alignrl.rl.producer import batched_logprobs
+    from alignrl.rollout.remote import RemoteRolloutEngine
 
     gen, root = vl_service
     model, tok = load_model(str(root / "tiny-vl"))
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which color?"}]}]
-    prompt = encode_prompts(tok, [Sample(msgs, "", images=(str(root / "red.png"),))], 64)[0]
+    prompt, text = encode_prompts(tok, [Sample(msgs, "", images=(str(root / "red.png"),)),
+                                        Sample([{"role": "user", "content": "Which color?"}], "")], 64)
+    ro = RemoteRolloutEngine(gen.url, tok).generate([prompt, text], SamplingParams(n=2, max_new_tokens=5, seed=1))
+    assert [r is None for r in ro.images.rows] == [False, False, True, True]
+    assert ro.response_mask.sum() > 0
+    lp = batched_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, 1.0, 2,
+                          images=ro.images)
+    assert ((lp - ro.logprobs) * ro.response_mask).abs().max() < 1e-4
     body = {"prompts": [list(prompt)], "images": [images_to_json(prompt.images)], "n": 2, "max_tokens": 5, "seed": 1}
-    out = httpx.post(f"{gen.url}/v1/generate_tokens", json=body, timeout=60)
-    assert out.status_code == 200, out.text
-    rows = out.json()["outputs"]
-    pids, pm = left_pad([list(prompt)] * 2, tok.pad_token_id)
-    rids, rm = right_pad([r["token_ids"] for r in rows], tok.pad_token_id)
-    lp = batched_logprobs(model, pids, pm, rids, rm, 1.0, 2, images=ImageRows([prompt.images] * 2))
-    for i, r in enumerate(rows):
-        assert max(abs(a - b) for a, b in zip(lp[i][: len(r["logprobs"])].tolist(), r["logprobs"])) < 1e-4
     bad = {**body, "images": [{**body["images"][0], "shape": [3, 5]}]}
     r = httpx.post(f"{gen.url}/v1/generate_tokens", json=bad, timeout=60)
     assert r.status_code == 400 and "do not add up" in r.text

@@ -28,6 +28,7 @@ import httpx
 import torch
 
 from alignrl.data.collate import left_pad, right_pad
+from alignrl.data.images import images_to_json, prompt_images
 from alignrl.data.records import Rollout
 from alignrl.errors import UserError
 from alignrl.interfaces import SamplingParams, derived_seed
@@ -209,14 +210,19 @@ class RemoteRolloutEngine:
         per_request = max(1, self.max_seqs // params.n)  # whole prompts, so each group stays in one request
         for k, s in enumerate(range(0, len(prompts), per_request)):
             seed = derived_seed(params.seed, k)
-            body = {"prompts": [[int(t) for t in p] for p in prompts[s:s + per_request]], "n": params.n,
+            chunk = prompts[s:s + per_request]
+            body = {"prompts": [[int(t) for t in p] for p in chunk], "n": params.n,
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                     "max_tokens": params.max_new_tokens, "stop": list(params.stop), "seed": seed}
+            if prompt_images(chunk) is not None:  # a vision-language model's prompts: each with its images, or null
+                body["images"] = [images_to_json(getattr(p, "images", None)) for p in chunk]
             out = self.client.request("POST", "/v1/generate_tokens", json=body)
             rows += [(o["token_ids"], o["logprobs"], o["finish_reason"] == "length") for o in out["outputs"]]
             self.last_version = out["weight_version"]
             self.check_version(self.last_version)
-        return rollout_from_rows(prompts, params.n, rows, self.pad_id)
+        ro = rollout_from_rows(prompts, params.n, rows, self.pad_id)
+        ro.images = prompt_images([p for p in prompts for _ in range(params.n)])  # the trainer's forwards read them
+        return ro
 
     def check_version(self, served: int) -> None:
         """The service samples with the weights this client pushed last: a second run pushing to the same service,
