@@ -153,3 +153,16 @@ def test_in_process_run_resizes_images_within_data_max_pixels(vl_run, tmp_path):
         if extra:
             assert processor.image_processor.size["longest_edge"] == 784
     assert tokens == {"own": 4, "small": 1}, tokens
+
+
+def test_image_prompts_with_shared_prompt_forwards_are_refused_at_loading(vl_run, tmp_path):
+    """actor.share_prompt cannot take prompts with images: refused as the data loads, on every rank alike, rather than
+    in the first forward of only the ranks whose rows have images (the others would wait in their collectives)."""
+    from alignrl.data.images import ImageDataError
+    from alignrl.data.prompts import load_task_data
+
+    cfg = load_config(None, overrides(vl_run, tmp_path, "shared", "actor.share_prompt=true"))
+    with pytest.raises(ImageDataError, match="prompts with images take the plain forward, which actor.share_prompt "
+                                             "does not: set actor.share_prompt=false"):
+        load_task_data(cfg, None)
+    assert load_task_data(load_config(None, overrides(vl_run, tmp_path, "plain")), None)[0][0].images
