@@ -29,6 +29,7 @@ class FakeLLM:
     def __init__(self, **kwargs):
         self.kwargs, self.loaded, self.cache_resets = kwargs, [], 0
         self.visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # what vLLM's engine process would see
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
 
     def apply_model(self, fn):
         return [fn(SimpleNamespace(load_weights=lambda weights: self.loaded.extend(weights)))]
@@ -48,7 +49,8 @@ class FakeLLM:
 def fake_vllm(monkeypatch):
     module = types.ModuleType("vllm")
     module.LLM, module.SamplingParams = FakeLLM, SimpleNamespace
-    module.EngineArgs = dataclasses.make_dataclass("EngineArgs", [("model", str), ("logprobs_mode", str)])
+    module.EngineArgs = dataclasses.make_dataclass("EngineArgs", [("model", str), ("logprobs_mode", str),
+                                                                  ("mm_processor_kwargs", dict)])
     monkeypatch.setitem(sys.modules, "vllm", module)
     # vllm_engine sets it in this process: set first, so that monkeypatch restores it (or its absence) after the
     # test; a bare delenv of an unset variable records nothing, and a later Ray cluster in this process saw GPU 5
@@ -129,3 +131,28 @@ def test_the_engine_kind_is_vllm_only_on_gpus_with_vllm_and_engines_of_their_own
         kinds[(cuda, vllm, layout.colocate_all_models)] = d.engine_kind()
     assert kinds == {(False, True, False): "hf", (True, True, False): "vllm", (True, False, False): "hf",
                      (True, True, True): "hf"}
+
+
+def test_a_vision_language_vllm_engine_takes_the_image_bounds_and_the_image_text_weights(fake_vllm, tmp_path):
+    """A Qwen2-VL folder: the worker's parameter list (what the actor's weights are checked against and sent as) is
+    the image-text model's, vision tower included (a causal-LM class cannot be built from its config), and vLLM
+    resizes images within data.min_pixels/max_pixels as the trainer's processor does; a vLLM that cannot be told
+    so is one line."""
+    from alignrl.models.tiny_vl import build_tiny_vl
+    from alignrl.models.vision import processor_of
+    from alignrl.rollout.vllm_engine import EngineUnavailable, VLLMRolloutEngine
+
+    folder = build_tiny_vl(tmp_path / "tiny-vl", seed=0)
+    bounds = ["data.min_pixels=784", "data.max_pixels=784"]
+    cfg = load_config(None, [f"model.path={folder}", "data.train_size=8", "trainer.device=cpu", *bounds])
+    worker = RolloutWorker(to_yaml(cfg), 0, 0, 1, None, [], EngineSpec("vllm", 1))
+    assert worker.engine.llm.kwargs["mm_processor_kwargs"] == {"min_pixels": 784, "max_pixels": 784}
+    assert processor_of(worker.tokenizer).image_processor.size["longest_edge"] == 784
+    actor = load_model(str(folder))[0]
+    assert [(n, p.shape) for n, p in worker.named] == [(n, p.shape) for n, p in actor.named_parameters()]
+    assert any(n.startswith("model.visual.") for n, _ in worker.named)
+    assert set(worker.engine.manifest()) == {n for n, _ in actor.named_parameters()}
+    assert "mm_processor_kwargs" not in VLLMRolloutEngine(str(folder)).llm.kwargs  # the processor's own bounds
+    fake_vllm.EngineArgs = dataclasses.make_dataclass("EngineArgs", [("model", str), ("logprobs_mode", str)])
+    with pytest.raises(EngineUnavailable, match="takes no mm_processor_kwargs, so it would resize images"):
+        VLLMRolloutEngine(str(folder), min_pixels=784, max_pixels=784)

@@ -100,6 +100,18 @@ def load_causal_lm(folder: Path, dtype: str = "float32", key: str = "model.path"
     return model
 
 
+def meta_model(folder: str | Path, dtype: str | torch.dtype = "float32"):
+    """The model `load_causal_lm` loads from `folder`, built on the meta device (no memory, no weights read): the
+    names, shapes and dtypes of the parameters a trainer sends an engine that holds no HF copy (vLLM). A
+    vision-language folder's is its image-text model, whose names (vision tower included) the trainer's are."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(str(folder))
+    auto = AutoModelForImageTextToText if is_vision_folder(folder) else AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(config, dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype)
+
+
 def recompute_activations(model) -> None:
     """Gradient (activation) checkpointing of every transformer layer: in training its activations are
     recomputed in the backward instead of kept. Non-reentrant, so layers keep their keyword arguments (the packed

@@ -59,7 +59,10 @@ def _engine_args(vllm) -> set[str]:
 class VLLMRolloutEngine:
     def __init__(self, path: str, tensor_parallel_size: int = 1, dtype: str = "auto",
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.85,
-                 distributed_executor_backend: str | None = None):
+                 distributed_executor_backend: str | None = None, min_pixels: int = 0, max_pixels: int = 0):
+        """`min_pixels`/`max_pixels` (data.min_pixels/max_pixels, 0: the processor's own bounds): a vision-language
+        model's images are resized within them by vLLM's processor as by the trainer's, so both count the same image
+        tokens in a prompt."""
         self.vllm = import_vllm()
         from transformers import AutoConfig, AutoTokenizer
 
@@ -68,7 +71,9 @@ class VLLMRolloutEngine:
         from alignrl.models.vision import is_vision_folder, load_processor
 
         # a vision-language model's tokenizer carries its processor: chat requests with images are templated by it
-        self.tokenizer = load_processor(path).tokenizer if is_vision_folder(path) else AutoTokenizer.from_pretrained(path)
+        vision = is_vision_folder(path)
+        self.tokenizer = (load_processor(path, min_pixels, max_pixels).tokenizer if vision else
+                          AutoTokenizer.from_pretrained(path))
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                        else self.tokenizer.eos_token_id)
         # float32 is the CPU default of `alignrl serve`; on a GPU the checkpoint's own dtype ("auto") is the sane one.
@@ -81,6 +86,13 @@ class VLLMRolloutEngine:
         self.scaled_logprobs = "logprobs_mode" in _engine_args(self.vllm)
         if self.scaled_logprobs:
             extra["logprobs_mode"] = "processed_logprobs"
+        bounds = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
+        if vision and bounds:  # vLLM processes the Pillow images again, with these kwargs to the HF processor
+            if "mm_processor_kwargs" not in _engine_args(self.vllm):
+                raise EngineUnavailable(f"vllm {getattr(self.vllm, '__version__', '?')} takes no mm_processor_kwargs, "
+                                        "so it would resize images otherwise than data.min_pixels/max_pixels say: "
+                                        "install a newer vllm, or leave both at 0")
+            extra["mm_processor_kwargs"] = bounds
         self.llm = self.vllm.LLM(model=path, tensor_parallel_size=tensor_parallel_size,
                                  dtype="auto" if dtype == "float32" else dtype, max_model_len=max_model_len,
                                  gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True, **extra)
@@ -119,10 +131,7 @@ class VLLMRolloutEngine:
 
     def manifest(self) -> dict:
         """Names, shapes, dtypes a trainer must push: those of the HF model, built without memory."""
-        from transformers import AutoModelForCausalLM
-
+        from alignrl.models.loader import meta_model
         from alignrl.wire.http_weights import manifest_of
 
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.config, dtype=self.llm.llm_engine.model_config.dtype)
-        return manifest_of(model.named_parameters())
+        return manifest_of(meta_model(self.path, self.llm.llm_engine.model_config.dtype).named_parameters())

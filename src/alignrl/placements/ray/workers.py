@@ -256,9 +256,7 @@ class RolloutWorker(Worker):
 def vllm_engine(cfg: RunConfig, tp: int, gpu_memory_utilization: float):
     """A vLLM engine of the base policy, its tokenizer, and the policy's parameters as the actor sends
     them (names, shapes and the actor's dtype, from a model built on the meta device: no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from alignrl.models.loader import DTYPES, load_tokenizer, resolve_model_path
+    from alignrl.models.loader import load_tokenizer, meta_model, resolve_model_path
     from alignrl.rollout.vllm_engine import VLLMRolloutEngine
 
     folder = str(resolve_model_path(cfg.model.path, lambda *_: None))
@@ -270,7 +268,8 @@ def vllm_engine(cfg: RunConfig, tp: int, gpu_memory_utilization: float):
         os.environ["CUDA_VISIBLE_DEVICES"] = str(ids[0])
     engine = VLLMRolloutEngine(folder, tensor_parallel_size=tp, dtype=cfg.model.dtype,
                                gpu_memory_utilization=gpu_memory_utilization,
-                               distributed_executor_backend="ray" if tp > 1 else None)
-    with torch.device("meta"):
-        shapes = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=DTYPES[cfg.model.dtype])
-    return engine, load_tokenizer(Path(folder)), list(shapes.named_parameters())
+                               distributed_executor_backend="ray" if tp > 1 else None,
+                               min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    # a vision-language folder's tokenizer carries its processor: the worker's prompts with images are encoded by it
+    tokenizer = load_tokenizer(Path(folder), min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    return engine, tokenizer, list(meta_model(folder, cfg.model.dtype).named_parameters())
