@@ -52,6 +52,9 @@ def fake_vllm(monkeypatch):
     module.EngineArgs = dataclasses.make_dataclass("EngineArgs", [("model", str), ("logprobs_mode", str),
                                                                   ("mm_processor_kwargs", dict)])
     monkeypatch.setitem(sys.modules, "vllm", module)
+    # a worker built outside Ray, as one without GPUs: ray.get_gpu_ids would otherwise start a local Ray instance in
+    # the test's process (or join one that another test's `ray start` left on this machine)
+    monkeypatch.setattr("ray.get_gpu_ids", lambda: [])
     # vllm_engine sets it in this process: set first, so that monkeypatch restores it (or its absence) after the
     # test; a bare delenv of an unset variable records nothing, and a later Ray cluster in this process saw GPU 5
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", ""))

@@ -141,3 +141,11 @@ def weights_fingerprint(folder: Path) -> str | None:
                 digest.update(f"{name}{shape}{part.get_dtype()}".encode())
                 digest.update(head.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def auto_class(config):
+    """The transformers Auto class that builds a model of `config` (a transformers config) as alignrl loads it: the
+    image-text-to-text model for a config with a vision part (its image encoder included), else the causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM

@@ -12,7 +12,7 @@ import torch
 
 # ModelError is re-exported: callers catch it from here
 from alignrl.models import folder as _folder
-from alignrl.models.folder import SCORE_INFO, ModelError, check_model_folder, loading  # noqa: F401
+from alignrl.models.folder import SCORE_INFO, ModelError, auto_class, check_model_folder, loading  # noqa: F401
 from alignrl.models.vision import is_vision_folder, load_processor, load_vision_model, processor_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,12 +104,11 @@ def meta_model(folder: str | Path, dtype: str | torch.dtype = "float32"):
     """The model `load_causal_lm` loads from `folder`, built on the meta device (no memory, no weights read): the
     names, shapes and dtypes of the parameters a trainer sends an engine that holds no HF copy (vLLM). A
     vision-language folder's is its image-text model, whose names (vision tower included) the trainer's are."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(folder))
-    auto = AutoModelForImageTextToText if is_vision_folder(folder) else AutoModelForCausalLM
     with torch.device("meta"):
-        return auto.from_config(config, dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype)
+        return auto_class(config).from_config(config, dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype)
 
 
 def recompute_activations(model) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from alignrl.models.folder import loading, weight_files
+from alignrl.models.folder import auto_class, loading, weight_files
 
 
 @contextmanager
@@ -65,7 +65,7 @@ def first_rows(param: torch.Tensor, local: torch.Tensor) -> int:
 def meta_model(folder: Path, dtype: torch.dtype) -> torch.nn.Module | None:
     """The causal LM of `folder` in `dtype` with its parameters on the meta device, or None when its weights cannot be
     read by rows (not safetensors, or names the files do not hold)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
     where = tensor_files(folder)
     if where is None:
@@ -73,9 +73,7 @@ def meta_model(folder: Path, dtype: torch.dtype) -> torch.nn.Module | None:
     with loading(folder, "model"):
         config = AutoConfig.from_pretrained(str(folder))
         with params_on_meta():
-            # a vision-language model (its config has a vision part) is built with its image encoder
-            auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) else AutoModelForCausalLM
-            model = auto.from_config(config, dtype=dtype)
+            model = auto_class(config).from_config(config, dtype=dtype)
     if any(name not in where for name, _ in model.named_parameters()):  # tied weights once, as the files keep them
         return None
     if (folder / "generation_config.json").is_file():  # as from_pretrained: its checkpoints keep the folder's own
