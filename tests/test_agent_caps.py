@@ -130,9 +130,9 @@ def test_grpo_with_n_agent_5_samples_five_responses_per_prompt(tiny_model_dir, t
     seen: list[Rollout] = []
     score = producer_mod.RolloutMaker.score
 
-    def spy(self, ro, samples):
+    def spy(self, ro, samples, prompts):
         seen.append(ro)
-        return score(self, ro, samples)
+        return score(self, ro, samples, prompts)
 
     steps = []
     count = trainer_mod.optimizer_steps
