@@ -4,6 +4,7 @@ weights into it. What only a GPU machine with vLLM can show (generation, NCCL, v
 placing its tensor-parallel workers) is not tested here."""
 
 import dataclasses
+import json
 import os
 import sys
 import threading
@@ -141,6 +142,7 @@ def test_a_vision_language_vllm_engine_takes_the_image_bounds_and_the_image_text
     the image-text model's, vision tower included (a causal-LM class cannot be built from its config), and vLLM
     resizes images within data.min_pixels/max_pixels as the trainer's processor does; a vLLM that cannot be told
     so is one line."""
+    from alignrl.interfaces import SamplingParams
     from alignrl.models.tiny_vl import build_tiny_vl
     from alignrl.models.vision import processor_of
     from alignrl.rollout.vllm_engine import EngineUnavailable, VLLMRolloutEngine
@@ -150,6 +152,10 @@ def test_a_vision_language_vllm_engine_takes_the_image_bounds_and_the_image_text
     cfg = load_config(None, [f"model.path={folder}", "data.train_size=8", "trainer.device=cpu", *bounds])
     worker = RolloutWorker(to_yaml(cfg), 0, 0, 1, None, [], EngineSpec("vllm", 1))
     assert worker.engine.llm.kwargs["mm_processor_kwargs"] == {"min_pixels": 784, "max_pixels": 784}
+    worker.engine.generate([[5, 6]], SamplingParams(n=1, max_new_tokens=4, seed=1))  # responses never hold image
+    vision = json.loads((folder / "config.json").read_text())  # placeholders, as the embedded engine bans them
+    banned = {vision[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    assert worker.engine.llm.params[0].logit_bias == dict.fromkeys(sorted(banned), -100.0)
     assert processor_of(worker.tokenizer).image_processor.size["longest_edge"] == 784
     actor = load_model(str(folder))[0]
     assert [(n, p.shape) for n, p in worker.named] == [(n, p.shape) for n, p in actor.named_parameters()]

@@ -56,7 +56,7 @@ def test_bad_images_are_one_line_400s(vl_service, base_generation):
         assert r.status_code == 400 and said in r.text and "\n" not in r.json()["error"]["message"], r.text
 
 
-def test_generate_tokens_takes_prompt_images(vl_service, tmp_path):
+def test_generate_tokens_takes_prompt_images(vl_service, tmp_path, monkeypatch):
     """/v1/generate_tokens with each prompt's images (`images_to_json`), as a trainer's remote engine sends them
     (`RemoteRolloutEngine`, a text prompt beside): the rollout carries the images, and the service's sampled log-probs
     are the local model's recomputed ones."""
@@ -79,9 +79,47 @@ def test_generate_tokens_takes_prompt_images(vl_service, tmp_path):
     lp = batched_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, 1.0, 2,
                           images=ro.images)
     assert ((lp - ro.logprobs) * ro.response_mask).abs().max() < 1e-4
+    from alignrl.rollout import remote
+
+    # a request's pixel rows are bounded (the service refuses a body over its --max_body_mb in one line): here each
+    # image prompt goes in a request of its own, text prompts together, and the rows come back in order
+    monkeypatch.setattr(remote, "IMAGE_BODY_BYTES", 1)
+    assert remote.request_slices([prompt, text, prompt, text, text], 8) == [(0, 1), (1, 2), (2, 3), (3, 5)]
+    ro = RemoteRolloutEngine(gen.url, tok).generate([prompt, text, prompt], SamplingParams(n=2, max_new_tokens=5,
+                                                                                            seed=2))
+    assert [r is None for r in ro.images.rows] == [False, False, True, True, False, False]
+    lp = batched_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, 1.0, 2,
+                          images=ro.images)
+    assert ((lp - ro.logprobs) * ro.response_mask).abs().max() < 1e-4
     body = {"prompts": [list(prompt)], "images": [images_to_json(prompt.images)], "n": 2, "max_tokens": 5, "seed": 1}
     bad = {**body, "images": [{**body["images"][0], "shape": [3, 5]}]}
     r = httpx.post(f"{gen.url}/v1/generate_tokens", json=bad, timeout=60)
     assert r.status_code == 400 and "do not add up" in r.text
     r = httpx.post(f"{gen.url}/v1/generate_tokens", json={**body, "images": None}, timeout=60)  # ids alone
     assert r.status_code == 400 and "has 4 image tokens but its images make 0" in r.text, r.text
+
+
+def test_a_vllm_server_refuses_image_prompts_it_could_only_read_as_pixel_rows(vl_service):
+    """/v1/generate_tokens carries pixel rows; vLLM reads pictures: a vLLM server answers such a request with a
+    one-line 400 instead of sampling without the images, and vLLM's prompt builder refuses images without pictures."""
+    from types import SimpleNamespace
+
+    from alignrl.data.collate import encode_prompts
+    from alignrl.data.images import ImagePrompt, images_to_json
+    from alignrl.data.records import Sample
+    from alignrl.models.loader import load_tokenizer
+    from alignrl.rollout.vllm_engine import EngineUnavailable, request
+    from alignrl.serve.generate import RequestError, TokensRequest, image_prompts
+
+    _, root = vl_service
+    tok = load_tokenizer(root / "tiny-vl")
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which color?"}]}]
+    prompt = encode_prompts(tok, [Sample(msgs, "", images=(str(root / "red.png"),))], 64)[0]
+    req = TokensRequest(prompts=[list(prompt)], images=[images_to_json(prompt.images)])
+    assert image_prompts(req, tok, SimpleNamespace())[0].images is not None  # the embedded engine reads rows
+    with pytest.raises(RequestError, match="generates with vLLM, which reads images as pictures.*--engine hf"):
+        image_prompts(req, tok, SimpleNamespace(needs_pictures=True))
+    assert image_prompts(TokensRequest(prompts=[[1, 2]]), tok, SimpleNamespace(needs_pictures=True)) == [[1, 2]]
+    assert request(prompt)["multi_modal_data"]["image"] == list(prompt.pictures)
+    with pytest.raises(EngineUnavailable, match="pixel rows without their pictures"):
+        request(ImagePrompt(list(prompt), prompt.images))

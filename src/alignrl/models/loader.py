@@ -106,7 +106,8 @@ def meta_model(folder: str | Path, dtype: str | torch.dtype = "float32"):
     vision-language folder's is its image-text model, whose names (vision tower included) the trainer's are."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(folder))
+    with loading(folder, "model"):
+        config = AutoConfig.from_pretrained(str(folder))
     with torch.device("meta"):
         return auto_class(config).from_config(config, dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype)
 

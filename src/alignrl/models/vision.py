@@ -59,7 +59,7 @@ def save_processor(processor, folder: Path) -> None:
 
 def is_vision_folder(folder: str | Path) -> bool:
     """Whether the folder's config.json is a vision-language model's (it has a vision_config)."""
-    return "vision_config" in (read_config(folder) or {})
+    return (read_config(folder) or {}).get("vision_config") is not None  # as `folder.auto_class` decides
 
 
 def hf_model(model):
@@ -117,7 +117,11 @@ def vision_token_ids(model) -> list[int]:
     """The ids that only a prompt's images may hold (image and video placeholders, their start and end markers): a
     response must never contain them, or the next forward would count more image tokens than images. [] for a
     text-only model."""
-    config = getattr(hf_model(model), "config", None)
+    return config_vision_token_ids(getattr(hf_model(model), "config", None))
+
+
+def config_vision_token_ids(config) -> list[int]:
+    """`vision_token_ids` of a transformers config ([] for a text-only model's)."""
     if getattr(config, "vision_config", None) is None:
         return []
     return sorted({int(v) for v in (getattr(config, k, None) for k in VISION_TOKENS) if v is not None})

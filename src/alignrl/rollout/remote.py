@@ -192,6 +192,26 @@ def rollout_from_rows(prompts: Sequence[Sequence[int]], n: int,
                    group=torch.arange(len(prompts)).repeat_interleave(n))
 
 
+# the pixel rows of a request's images, as base64 of float32 (4/3 of 4 bytes a value): half of the generation
+# service's default body limit (--max_body_mb 64), the rest left to the ids
+IMAGE_BODY_BYTES = 32 << 20
+
+
+def request_slices(prompts: Sequence[Sequence[int]], per_request: int) -> list[tuple[int, int]]:
+    """[start, end) of each request's prompts: at most `per_request` whole prompts, and while prompts carry images, no
+    more than IMAGE_BODY_BYTES of their pixel rows (always at least one prompt: one larger than that alone is the
+    service's one-line 413). Text prompts are cut by count alone, as they always were."""
+    out, start, size = [], 0, 0
+    for i, p in enumerate(prompts):
+        images = getattr(p, "images", None)
+        need = 0 if images is None else images.pixel_values.numel() * 16 // 3
+        if i > start and (i - start == per_request or size + need > IMAGE_BODY_BYTES):
+            out.append((start, i))
+            start, size = i, 0
+        size += need
+    return out + ([(start, len(prompts))] if len(prompts) > start else [])
+
+
 class RemoteRolloutEngine:
     """The RolloutEngine interface over `alignrl serve generate`."""
 
@@ -208,9 +228,9 @@ class RemoteRolloutEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
         rows: list[tuple[list[int], list[float], bool]] = []
         per_request = max(1, self.max_seqs // params.n)  # whole prompts, so each group stays in one request
-        for k, s in enumerate(range(0, len(prompts), per_request)):
+        for k, (s, e) in enumerate(request_slices(prompts, per_request)):
             seed = derived_seed(params.seed, k)
-            chunk = prompts[s:s + per_request]
+            chunk = prompts[s:e]
             body = {"prompts": [[int(t) for t in p] for p in chunk], "n": params.n,
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                     "max_tokens": params.max_new_tokens, "stop": list(params.stop), "seed": seed}

@@ -28,9 +28,13 @@ from alignrl.rollout.remote import rollout_from_rows
 
 
 def request(prompt: Sequence[int]) -> dict:
-    """vLLM's prompt for `prompt`: its token ids, and a prompt with images (an ImagePrompt) its Pillow images."""
+    """vLLM's prompt for `prompt`: its token ids, and a prompt with images (an ImagePrompt) its Pillow images, which
+    vLLM processes itself (pixel rows alone, without the pictures, it cannot read)."""
     out = {"prompt_token_ids": list(prompt)}
     pictures = getattr(prompt, "pictures", ())
+    if getattr(prompt, "images", None) is not None and not pictures:
+        raise EngineUnavailable("a prompt's images came as pixel rows without their pictures, which vLLM needs: "
+                                "generate prompts with images with the embedded engine (--engine hf)")
     if pictures:
         out["multi_modal_data"] = {"image": list(pictures)}
     return out
@@ -57,6 +61,8 @@ def _engine_args(vllm) -> set[str]:
 
 
 class VLLMRolloutEngine:
+    needs_pictures = True  # reads a prompt's images as Pillow pictures (`request`), not as pixel rows
+
     def __init__(self, path: str, tensor_parallel_size: int = 1, dtype: str = "auto",
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.85,
                  distributed_executor_backend: str | None = None, min_pixels: int = 0, max_pixels: int = 0):
@@ -66,9 +72,14 @@ class VLLMRolloutEngine:
         self.vllm = import_vllm()
         from transformers import AutoConfig, AutoTokenizer
 
+        from alignrl.models.vision import config_vision_token_ids, is_vision_folder, load_processor
+
         self.path = path
         self.config = AutoConfig.from_pretrained(path)
-        from alignrl.models.vision import is_vision_folder, load_processor
+        # a response holding an image placeholder breaks the trainer's next forward (the embedded engine bans them too);
+        # vLLM clamps a logit bias to -100, which leaves them a probability of about e^-100 of the top token's
+        banned = config_vision_token_ids(self.config)
+        self.banned = {"logit_bias": dict.fromkeys(banned, -100.0)} if banned else {}
 
         # a vision-language model's tokenizer carries its processor: chat requests with images are templated by it
         vision = is_vision_folder(path)
@@ -109,7 +120,7 @@ class VLLMRolloutEngine:
                                         top_k=params.top_k if params.top_k > 0 else -1,
                                         max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
                                         include_stop_str_in_output=True, logprobs=0,
-                                        seed=None if params.seed is None else params.seed + i)
+                                        seed=None if params.seed is None else params.seed + i, **self.banned)
                for i in range(len(prompts))]
         outs = self.llm.generate([request(p) for p in prompts], sps, use_tqdm=False)
         rows = []

@@ -189,7 +189,8 @@ class BodyLimit:
             more = msg.get("more_body", False)
         if total > limit:
             resp = _error_body(413, f"request body of {total} bytes exceeds this endpoint's limit of {limit} "
-                                    "bytes; send fewer or shorter prompts per request")
+                                    "bytes; send fewer or shorter prompts per request, or start the server with a "
+                                    "larger --max_body_mb")
             return await resp(scope, receive, send)
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # one chunk: no copy
         sent = False

@@ -189,18 +189,23 @@ class GenerationService:
                 "seconds": round(time.perf_counter() - t0, 4)}
 
 
-def image_prompts(req: TokensRequest, tokenizer) -> list[list[int]]:
+def image_prompts(req: TokensRequest, tokenizer, engine=None) -> list[list[int]]:
     """The request's prompts, with their images for a vision-language model; 400 when images come for a text-only
-    model or a prompt's image tokens are not its images' (image tokens without images included: the model would
-    read the placeholders' embeddings as pictures)."""
+    model, for an `engine` that reads only decoded pictures (vLLM: the body carries pixel rows), or when a prompt's
+    image tokens are not its images' (image tokens without images included: the model would read the placeholders'
+    embeddings as pictures)."""
     from alignrl.data.images import PROCESSOR_ATTR
 
     prompts = req.prompts_with_images()
     processor = getattr(tokenizer, PROCESSOR_ATTR, None)
+    with_images = req.images is not None and any(x is not None for x in req.images)
     if processor is None:
-        if req.images is not None and any(x is not None for x in req.images):
+        if with_images:
             raise RequestError("images need a vision-language model; this server's model is text-only")
         return prompts
+    if with_images and getattr(engine, "needs_pictures", False):
+        raise RequestError("this server generates with vLLM, which reads images as pictures, not the pixel rows of "
+                           "/v1/generate_tokens: serve prompts with images with --engine hf")
     merge = processor.image_processor.merge_size ** 2
     for i, p in enumerate(prompts):
         want = 0 if getattr(p, "images", None) is None else int(p.images.image_grid_thw.prod(-1).sum()) // merge
@@ -269,7 +274,7 @@ def build_app(svc: GenerationService, max_body: int):
     @app.post("/v1/generate_tokens")
     async def generate_tokens(req: TokensRequest) -> dict:
         params = sampling(req.n, req.temperature, req.top_p, req.top_k, req.max_tokens, req.stop, req.seed)
-        res = await svc.generate(image_prompts(req, svc.tokenizer), params)
+        res = await svc.generate(image_prompts(req, svc.tokenizer, svc.engine), params)
         return {"weight_version": res.version,
                 "outputs": [{"prompt_index": i // req.n, "token_ids": r.token_ids, "logprobs": r.logprobs,
                              "finish_reason": r.finish_reason} for i, r in enumerate(res.rows)]}
