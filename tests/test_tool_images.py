@@ -260,3 +260,24 @@ def test_remax_greedy_baseline_regenerates_from_the_prompts_not_the_rows_images(
     assert [list(p) for p in first_turn] == [list(p) for p in prompts]
     assert first_turn[0].images.image_grid_thw.tolist() == [[1, 4, 4]] and not hasattr(first_turn[1], "images")
     assert len(seen) == 1 and seen[0].images.rows[1] is None  # the greedy text episode: no image of another row
+
+
+def test_transparent_pixels_are_white_in_prompts_and_tool_images_as_the_processor_makes_them(vl, tmp_path):
+    """An RGBA picture (a diagram on a transparent background) reads as transformers' processor reads it, on white:
+    Pillow's convert("RGB") made the background black, a picture the processor would not have shown the model."""
+    from alignrl.data.images import decode_image
+    from alignrl.models.vision import processor_of
+    from alignrl.rollout.observation_images import pictures_of
+
+    _, tok = vl
+    picture = Image.new("RGBA", (56, 56), (0, 0, 0, 0))
+    picture.paste((200, 30, 30, 255), (14, 14, 42, 42))  # an opaque square on a transparent ground
+    picture.save(tmp_path / "diagram.png")
+    decoded = decode_image("row 1", str(tmp_path / "diagram.png"))
+    tool = pictures_of([picture], "tool 'zoom'", ToolResultError)[0]
+    assert decoded.mode == tool.mode == "RGB"
+    assert decoded.getpixel((0, 0)) == tool.getpixel((0, 0)) == (255, 255, 255)
+    assert decoded.getpixel((20, 20)) == tool.getpixel((20, 20)) == (200, 30, 30)
+    processor = processor_of(tok).image_processor
+    own = processor(images=[picture], return_tensors="pt")["pixel_values"]
+    assert torch.equal(processor(images=[decoded], return_tensors="pt")["pixel_values"], own)

@@ -253,13 +253,24 @@ def with_row_images(loc: str, sample, row: dict[str, Any], image_key: str, base:
     return replace(sample, messages=messages, images=tuple(found))
 
 
+def to_rgb(image):
+    """A Pillow image as RGB, its transparent pixels on white, as transformers' processors and verl's image loading
+    flatten them (Pillow's own convert("RGB") drops the alpha channel: a transparent background turned black)."""
+    from PIL import Image
+
+    if image.mode == "RGB":
+        return image
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+
+
 def decode_image(loc: str, source: str | bytes):
-    """The image as a Pillow RGB image; ImageDataError when it is not an image Pillow reads."""
+    """The image as a Pillow RGB image (`to_rgb`); ImageDataError when it is not an image Pillow reads."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
-            return im.convert("RGB")
+            return to_rgb(im) if im.mode != "RGB" else im.convert("RGB")  # a copy either way, read before the close
     except (OSError, UnidentifiedImageError, ValueError) as exc:
         what = f"{len(source)} bytes" if isinstance(source, bytes) else source
         raise ImageDataError(f"{loc}: the image {what} cannot be decoded ({type(exc).__name__}); replace it with a "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from alignrl.data.images import PromptImages
+from alignrl.data.images import PromptImages, to_rgb
 from alignrl.errors import UserError
 from alignrl.models.vision import processor_of
 
@@ -37,7 +37,7 @@ def pictures_of(value: Any, what: str, error: type[UserError]) -> list:
     if bad is not None:
         raise error(f"{what} returned image {type(bad).__name__} {str(bad)[:60]!r}, not a Pillow image; "
                     f"{RETURN_IMAGES}")
-    return [v if v.mode == "RGB" else v.convert("RGB") for v in items]  # as the prompts' images are decoded
+    return [to_rgb(v) for v in items]  # as the prompts' images are decoded
 
 
 def needs_vision(tokenizer, what: str, error: type[UserError]) -> None:
