@@ -105,19 +105,18 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     groups = prompt_groups(prompt_ids, prompt_mask) if layout.share_prompt else None
     # packing is a speed-up for text: rows with images take the plain forward, one model call as a packed one
     # (verl's vision-language scripts set use_remove_padding=True)
-    if layout.remove_padding and not with_images:  # (T, V) logits of the attended tokens only, put back by `unpack`
-        packing = pack(prompt_ids, prompt_mask, response_ids, response_mask, groups)
-        with encoder_in_every_forward(model, images):
+    with encoder_in_every_forward(model, images):  # the forwards below, whichever layout
+        if layout.remove_padding and not with_images:  # (T, V) logits of the attended tokens only, put back by unpack
+            packing = pack(prompt_ids, prompt_mask, response_ids, response_mask, groups)
             logits = packed_forward(model, packing, logits_to_keep=packing.keep).logits[0]
-        targets, place = packing.targets, lambda x: unpack(x, packing)
-    else:  # (B, R, V) logits, padding included, masked after
-        with encoder_in_every_forward(model, images):
+            targets, place = packing.targets, lambda x: unpack(x, packing)
+        else:  # (B, R, V) logits, padding included, masked after
             logits = (_shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, *groups)
                       if groups is not None else
                       _response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, images))
-        b, r, v = logits.shape
-        logits, targets = logits.reshape(b * r, v), response_ids.reshape(-1)
-        place = lambda x: x.view(b, r) * response_mask  # noqa: E731
+            b, r, v = logits.shape
+            logits, targets = logits.reshape(b * r, v), response_ids.reshape(-1)
+            place = lambda x: x.view(b, r) * response_mask  # noqa: E731
     if temperature != 1.0:
         logits = logits / temperature
     lp = place(_chunked_logprobs(logits, targets))

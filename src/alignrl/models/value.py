@@ -55,19 +55,17 @@ def response_values(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
         raise ModelError("PPO's critic is a text-only model but the prompts carry images: set critic.model_path to "
                          "a vision-language model (unset, the critic starts from the policy's folder)")
     dev = model_device(model)
-    if remove_padding and not with_images:  # rows with images take the plain forward (as in response_logprobs)
-        packing = pack(*(t.to(dev) for t in (prompt_ids, prompt_mask, response_ids, response_mask)))
-        with encoder_in_every_forward(model, images):
+    with encoder_in_every_forward(model, images):  # the forward below, whichever layout
+        if remove_padding and not with_images:  # rows with images take the plain forward (as in response_logprobs)
+            packing = pack(*(t.to(dev) for t in (prompt_ids, prompt_mask, response_ids, response_mask)))
             return unpack(packed_forward(model, packing).logits[0, packing.keep, 0].float(), packing)
-    ids = torch.cat([prompt_ids, response_ids], 1).to(dev)
-    mask = torch.cat([prompt_mask, response_mask], 1).to(dev)
-    response_mask = response_mask.to(dev)
-    r = response_ids.shape[1]
-    vision = vision_inputs(model, ids, mask, images)  # {} without images
-    vision.setdefault("position_ids", position_ids(mask))
-    with encoder_in_every_forward(model, images):
+        ids = torch.cat([prompt_ids, response_ids], 1).to(dev)
+        mask = torch.cat([prompt_mask, response_mask], 1).to(dev)
+        r = response_ids.shape[1]
+        vision = vision_inputs(model, ids, mask, images)  # {} without images
+        vision.setdefault("position_ids", position_ids(mask))
         out = model(input_ids=ids, attention_mask=mask.long(), **vision)
-    return out.logits[:, -r - 1:-1, 0].float() * response_mask
+    return out.logits[:, -r - 1:-1, 0].float() * response_mask.to(dev)
 
 
 def not_a_scorer(path: str, why: str) -> ModelError:

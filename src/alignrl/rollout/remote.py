@@ -175,7 +175,8 @@ class ServiceClient:
 def rollout_from_rows(prompts: Sequence[Sequence[int]], n: int,
                       rows: Sequence[tuple[Sequence[int], Sequence[float], bool]], pad_id: int) -> Rollout:
     """A Rollout laid out exactly as HFRolloutEngine's: n rows per prompt, left-padded prompts,
-    right-padded responses, zero log-probs on padding. rows: (token ids, log-probs, truncated)."""
+    right-padded responses, zero log-probs on padding, each row with its prompt's images (ImagePrompt).
+    rows: (token ids, log-probs, truncated)."""
     expanded = [list(p) for p in prompts for _ in range(n)]
     if len(rows) != len(expanded) or any(len(ids) != len(lps) for ids, lps, _ in rows):
         raise ServiceError(f"engine returned {len(rows)} rows for {len(expanded)} sequences, or token ids and "
@@ -189,7 +190,8 @@ def rollout_from_rows(prompts: Sequence[Sequence[int]], n: int,
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                    response_mask=response_mask, logprobs=logprobs,
                    truncated=torch.tensor([bool(r[2]) for r in rows], dtype=torch.bool),
-                   group=torch.arange(len(prompts)).repeat_interleave(n))
+                   group=torch.arange(len(prompts)).repeat_interleave(n),
+                   images=prompt_images([p for p in prompts for _ in range(n)]))  # the trainer's forwards read them
 
 
 # the pixel rows of a request's images, as base64 of float32 (4/3 of 4 bytes a value): half of the generation
@@ -240,9 +242,7 @@ class RemoteRolloutEngine:
             rows += [(o["token_ids"], o["logprobs"], o["finish_reason"] == "length") for o in out["outputs"]]
             self.last_version = out["weight_version"]
             self.check_version(self.last_version)
-        ro = rollout_from_rows(prompts, params.n, rows, self.pad_id)
-        ro.images = prompt_images([p for p in prompts for _ in range(params.n)])  # the trainer's forwards read them
-        return ro
+        return rollout_from_rows(prompts, params.n, rows, self.pad_id)
 
     def check_version(self, served: int) -> None:
         """The service samples with the weights this client pushed last: a second run pushing to the same service,

@@ -20,7 +20,6 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from alignrl.data.images import prompt_images
 from alignrl.data.records import Rollout
 from alignrl.errors import UserError
 from alignrl.interfaces import SamplingParams
@@ -129,9 +128,7 @@ class VLLMRolloutEngine:
                 ids = list(c.token_ids)
                 lps = [c.logprobs[t][tok].logprob for t, tok in enumerate(ids)] if c.logprobs else [0.0] * len(ids)
                 rows.append((ids, lps, c.finish_reason == "length"))
-        ro = rollout_from_rows(prompts, params.n, rows, self.pad_id)
-        ro.images = prompt_images([p for p in prompts for _ in range(params.n)])  # the trainer's forwards read them
-        return ro
+        return rollout_from_rows(prompts, params.n, rows, self.pad_id)  # with the prompts' images
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # host tensors: the function travels to vLLM's engine process, which sees only its own GPU (as its
