@@ -183,10 +183,10 @@ def test_engine_logprobs_are_the_trainers(vl, pictures, tmp_path):
         batched_logprobs(*args)
 
 
-def test_multimodal_batches_skip_packing_refuse_prompt_sharing_and_text_only_critics(vl, pictures, tmp_path,
-                                                                                     tiny_model_dir):
-    """use_remove_padding (set by verl's vision-language scripts) is a speed-up for text: rows with images take the
-    plain forward and get its log-probs; prompt sharing, alignrl's own option, is refused in one line."""
+def test_multimodal_batches_skip_packing_and_prompt_sharing_and_refuse_text_only_critics(vl, pictures, tmp_path,
+                                                                                         tiny_model_dir):
+    """use_remove_padding (set by verl's vision-language scripts) and prompt sharing are speed-ups for text: rows with
+    images take the plain forward and get its log-probs."""
     from alignrl.models.folder import ModelError
     from alignrl.models.logprobs import ForwardLayout, response_logprobs
     from alignrl.models.value import load_value_model, response_values
@@ -197,8 +197,8 @@ def test_multimodal_batches_skip_packing_refuse_prompt_sharing_and_text_only_cri
     plain, _ = response_logprobs(model, *tensors, images=ro.images)
     packed, _ = response_logprobs(model, *tensors, layout=ForwardLayout(remove_padding=True), images=ro.images)
     assert torch.equal(packed, plain)
-    with pytest.raises(ModelError, match="prompts with images take the plain forward: set actor.share_prompt=false"):
-        response_logprobs(model, *tensors, layout=ForwardLayout(share_prompt=True), images=ro.images)
+    for layout in (ForwardLayout(share_prompt=True), ForwardLayout(share_prompt=True, remove_padding=True)):
+        assert torch.equal(response_logprobs(model, *tensors, layout=layout, images=ro.images)[0], plain)
     with pytest.raises(ModelError, match="critic is a text-only model but the prompts carry images: set "
                                          "critic.model_path"):
         response_values(load_value_model(str(tiny_model_dir), log=lambda *_: None), *tensors, images=ro.images)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from alignrl.config import load_config
+from alignrl.models import logprobs
 from alignrl.runner import train_grpo
 from alignrl.runtime.ports import free_ports
 from visionrows import REWARD, color_rows, save_pictures, write_jsonl
@@ -155,14 +156,35 @@ def test_in_process_run_resizes_images_within_data_max_pixels(vl_run, tmp_path):
     assert tokens == {"own": 4, "small": 1}, tokens
 
 
-def test_image_prompts_with_shared_prompt_forwards_are_refused_at_loading(vl_run, tmp_path):
-    """actor.share_prompt cannot take prompts with images: refused as the data loads, on every rank alike, rather than
-    in the first forward of only the ranks whose rows have images (the others would wait in their collectives)."""
-    from alignrl.data.images import ImageDataError
-    from alignrl.data.prompts import load_task_data
+def test_shared_prompt_forwards_take_image_prompts_and_share_the_text_ones(vl_run, tmp_path, monkeypatch):
+    """actor.share_prompt with prompts with and without images: a micro-batch holding images takes the plain forward
+    (the shared one cannot carry pictures), a text-only one shares its prompt, and the step equals the run without
+    sharing up to float rounding of the shared forward."""
+    folder, data, reward = vl_run
+    rows = [json.loads(x) for x in data.read_text().splitlines()][:2]
+    text = {"message": json.dumps([{"role": "user", "content": "Which colour has no picture?"}]), "answer": "red"}
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [rows[0], text, rows[1], text])
+    run = (folder, mixed, reward)  # in file order: one prompt with a picture, one without
+    # micro-batches of one prompt's two samples: the image prompt's alone, the text prompt's alone
+    extra = ("actor.ppo_micro_batch_size=2", "data.shuffle=false")
+    train_grpo(load_config(None, overrides(run, tmp_path, "plain", *extra)))
+    calls = {"shared": 0, "pictures": 0}
 
-    cfg = load_config(None, overrides(vl_run, tmp_path, "shared", "actor.share_prompt=true"))
-    with pytest.raises(ImageDataError, match="prompts with images take the plain forward, which actor.share_prompt "
-                                             "does not: set actor.share_prompt=false"):
-        load_task_data(cfg, None)
-    assert load_task_data(load_config(None, overrides(vl_run, tmp_path, "plain")), None)[0][0].images
+    def count(name, real):
+        def forward(*args, **kw):
+            images = args[5] if len(args) > 5 else kw.get("images")
+            calls[name] += name == "shared" or images is not None
+            return real(*args, **kw)
+        monkeypatch.setattr(logprobs, real.__name__, forward)
+
+    count("shared", logprobs._shared_prompt_logits)
+    count("pictures", logprobs._response_logits)
+    train_grpo(load_config(None, overrides(run, tmp_path, "shared", *extra, "actor.share_prompt=true")))
+    assert calls["shared"] > 0 and calls["pictures"] > 0, calls
+    logs = [json.loads((tmp_path / r / "logs" / "metrics.jsonl").read_text().splitlines()[-1]) for r in ("plain", "shared")]
+    for key in ("actor/entropy", "actor/grad_norm"):
+        assert logs[1][key] == pytest.approx(logs[0][key], rel=1e-5), key
+    a, b = weights(tmp_path / "plain", 1), weights(tmp_path / "shared", 1)
+    for k in a:  # Adam's first step (lr 1e-2) moves a weight by about lr whatever its gradient's size, so the rounding
+        # of a near-zero gradient shows at 1e-5 (one element of 29376 measured); 1e-4 is a hundredth of such a move
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4, msg=k)

@@ -40,10 +40,6 @@ def load_task_data(cfg: RunConfig, tokenizer=None, tools: list[dict] | None = No
             problem = ground_truth_problem(s.data_source, s.ground_truth)
             if problem:
                 raise DataError(f"{s.source or 'a row'}: {problem}")
-    pictured = next((s for s in train if s.images), None)
-    if pictured is not None and cfg.actor.share_prompt:  # refused here, on every rank, before any collective
-        raise ImageDataError(f"{pictured.source or 'a row'}: prompts with images take the plain forward, which "
-                             "actor.share_prompt does not: set actor.share_prompt=false")
     if tokenizer is not None and getattr(tokenizer, PROCESSOR_ATTR, None) is not None:
         set_pixel_bounds(getattr(tokenizer, PROCESSOR_ATTR), d.min_pixels, d.max_pixels)
     elif tokenizer is not None:

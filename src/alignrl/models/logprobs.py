@@ -100,11 +100,10 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     prompt_ids, prompt_mask, response_ids, response_mask = (t.to(dev) for t in (prompt_ids, prompt_mask, response_ids,
                                                                                 response_mask))
     with_images = images is not None and images.any()
-    if with_images and layout.share_prompt:
-        raise ModelError("prompts with images take the plain forward: set actor.share_prompt=false")
-    groups = prompt_groups(prompt_ids, prompt_mask) if layout.share_prompt else None
-    # packing is a speed-up for text: rows with images take the plain forward, one model call as a packed one
-    # (verl's vision-language scripts set use_remove_padding=True)
+    # packing and prompt sharing are speed-ups for text: rows with images take the plain forward, one model call as a
+    # packed one (verl's vision-language scripts set use_remove_padding=True), so a micro-batch holding a tool's or a
+    # prompt's image costs its speed-up and nothing else
+    groups = prompt_groups(prompt_ids, prompt_mask) if layout.share_prompt and not with_images else None
     with encoder_in_every_forward(model, images):  # the forwards below, whichever layout
         if layout.remove_padding and not with_images:  # (T, V) logits of the attended tokens only, put back by unpack
             packing = pack(prompt_ids, prompt_mask, response_ids, response_mask, groups)
