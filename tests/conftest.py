@@ -13,6 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # happens to be doing: the same thread count, the same float sums, in every run
 os.environ.setdefault("ALIGNRL_IGNORE_LOAD", "1")
 SRC = str(Path(__file__).parents[1] / "src")
+pytest_plugins = ["vision_fixtures"]  # the vision tests' tiny model and pictures, made once per module
 
 
 def src_path() -> str:

@@ -5,7 +5,6 @@ their image tokens, and what cannot be appended is one line."""
 
 import asyncio
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from alignrl.rollout.observation_images import observation_ids
 from alignrl.rollout.tool_calls import ToolChat
 from alignrl.rollout.verl_tools import ToolLoop, ToolResultError, tool_environment
 from conftest import one_line
-from visionrows import lmm_r1_row, save_pictures, write_jsonl
+from visionrows import lmm_r1_row, write_jsonl
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -54,19 +53,6 @@ SCHEMA = """
                   properties: {answer: {type: string}}, required: [answer]}}}
 """
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-
-
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
-    from alignrl.models.loader import load_model
-    from alignrl.models.tiny_vl import build_tiny_vl
-
-    return load_model(str(build_tiny_vl(tmp_path_factory.mktemp("vl") / "tiny-vl", seed=0)))
-
-
-@pytest.fixture(scope="module")
-def pictures(tmp_path_factory) -> dict[str, Path]:
-    return save_pictures(tmp_path_factory.mktemp("pictures"))
 
 
 @pytest.fixture

@@ -21,13 +21,6 @@ WORKERS = Path(__file__).parent / "workers"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory):
-    from alignrl.models.tiny_vl import build_tiny_vl
-
-    return build_tiny_vl(tmp_path_factory.mktemp("vl") / "tiny-vl", seed=0)
-
-
 def run_ranks(model_dir, out, *extra, worker: str = "vision_sharded_ref_worker.py"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60", "PYTHONPATH": src_path()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",

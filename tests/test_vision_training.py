@@ -2,24 +2,11 @@
 vision critic that resumes on FSDP2 and DeepSpeed ZeRO-3 ranks."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from visionrows import REWARD, color_rows, save_pictures, write_jsonl
-
-
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory) -> Path:
-    from alignrl.models.tiny_vl import build_tiny_vl
-
-    return build_tiny_vl(tmp_path_factory.mktemp("vl") / "tiny-vl", seed=0)
-
-
-@pytest.fixture(scope="module")
-def pictures(tmp_path_factory) -> dict[str, Path]:
-    return save_pictures(tmp_path_factory.mktemp("pictures"))
+from visionrows import REWARD, color_rows, write_jsonl
 
 
 @pytest.mark.parametrize("lora", [[], ["model.lora_rank=4"]], ids=["full", "lora"])

@@ -38,3 +38,24 @@ def color_rows(pictures: dict[str, Path]) -> list[dict]:
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
+
+
+def image_tokens(tokenizer, ids) -> int:
+    """How many image placeholder tokens `ids` holds."""
+    return sum(t == tokenizer.convert_tokens_to_ids("<|image_pad|>") for t in ids)
+
+
+def vl_rollout(vl, pictures, tmp_path, n=3):
+    """A rollout of the tiny VL model (`vl`: model, tokenizer) over two picture prompts and one text prompt."""
+    from alignrl.data.collate import encode_prompts
+    from alignrl.data.loaders import load_samples
+    from alignrl.data.synthetic import generate
+    from alignrl.interfaces import SamplingParams
+    from alignrl.rollout.hf_engine import HFRolloutEngine
+
+    model, tok = vl
+    rows = [lmm_r1_row(pictures["red"], "What is 2+3?"), lmm_r1_row(pictures["blue"], "Which color is this?")]
+    samples = load_samples(str(write_jsonl(tmp_path / "r.jsonl", rows)), prompt_key="message", label_key="answer")
+    prompts = encode_prompts(tok, samples + generate("train", 1, seed=0), 96)  # a text prompt among them
+    return HFRolloutEngine(model, tok).generate(prompts, SamplingParams(n=n, temperature=1.0, max_new_tokens=10,
+                                                                        seed=3))
