@@ -18,6 +18,7 @@ from alignrl.data.loaders import DataError, check_sources
 from alignrl.data.prompts import load_task_data
 from alignrl.rewards import geo3k, prime_math, ruler
 from alignrl.rewards import math as math_reward
+from alignrl.rewards.huge_numbers import huge
 from alignrl.rewards.registry import REWARDS, default_compute_score, finite_score, ground_truth_problem, load_reward_fn
 from alignrl.rewards.values import is_correct
 from alignrl.rewards.verl_reward_modules import make_default_compute_score as verl_default
@@ -100,9 +101,9 @@ def test_answers_sympy_cannot_finish_are_compared_as_text(monkeypatch) -> None:
 
     monkeypatch.setattr(math_reward, "answer_equals", never)
     for answer in ("9**9**9", "9999999!", "(9999999)!"):
-        assert ruler.unbounded(answer) and not prime_math.score(f"\\boxed{{{answer}}}", "\\frac{1}{3}")
+        assert huge(answer) and not prime_math.score(f"\\boxed{{{answer}}}", "\\frac{1}{3}")
         assert geo3k.compute_score(f"\\boxed{{{answer}}}", "\\frac{1}{3}") == 0.0
-    assert ruler.grade_answer("5!", "5!") and not ruler.unbounded("1,\\!000")  # TeX's thin space is not a factorial
+    assert ruler.grade_answer("5!", "5!") and not huge("1,\\!000")  # TeX's thin space is not a factorial
     assert prime_math.score("lots of prose " * 2000, "7") == 0.0  # graded whole: too long for math_verify
 
 
@@ -232,3 +233,16 @@ def test_huge_binomials_and_gammas_are_compared_as_text() -> None:
         assert prime_math.score(f"\\boxed{{{answer}}}", "5") == 0.0
         assert math_reward.compute_score(f"\\boxed{{{answer}}}", "5") == 0.0
     assert math_reward.compute_score("\\boxed{\\binom{5}{2}}", "10") == 1.0  # small ones are still worked out
+
+
+@pytest.mark.timeout(60)  # the math reward (math_verify) computed 9999999! and (10^{100})! without end
+def test_every_grader_compares_huge_factorials_and_towers_as_text() -> None:
+    for answer in ("9999999!", "(10^{100})!", "10^{100}!", "9**9**9", "9^{9^{9}}", "2**1000000"):
+        assert huge(answer), answer
+        assert math_reward.compute_score(f"\\boxed{{{answer}}}", "5") == 0.0
+        assert math_reward.compute_score(f"#### {answer}", answer) == 1.0  # the same text is still the same answer
+        assert not ruler.grade_answer(answer, "\\frac{1}{3}") and geo3k.compute_score(f"\\boxed{{{answer}}}", "3") == 0
+    for small in ("5!", "120", "2^{10}", "\\binom{5}{2}", "**5**", "1,\\!000", "x \\neq 3", "(a+b)^2"):
+        assert not huge(small), small
+    assert math_reward.compute_score("\\boxed{5!}", "120") == 1.0 and math_reward.answer_equals("2^{10}", "1024")
+    assert math_reward.compute_score("The answer is **42**.", "42") == 1.0  # Markdown's bold is no power

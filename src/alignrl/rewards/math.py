@@ -11,20 +11,18 @@ from __future__ import annotations
 import logging
 import re
 
+from alignrl.rewards.huge_numbers import huge
+
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _HASH_RE = re.compile(r"####[ \t]*([^\n]+)")
-# An exponent tower (9^{9^{9}}), a six-digit exponent, or a binomial or Gamma of a five-digit number makes sympy
-# compute a number of billions of digits, with no timeout to stop it (above): such an answer is compared as text.
-_HUGE_POWER_RE = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\{?\s*\d{6,}|\*\*\s*\d{6,}"
-                            r"|\\[dt]?binom\s*\{[^{}]*\d{5,}|\d{5,}[^{}]*\\choose|\\choose\s*\{?\s*\d{5,}"
-                            r"|\\Gamma\s*[({]\s*\d{5,}")
 # A "$" that is not escaped ("\$18.90" is a price).
 _MATH_DOLLAR_RE = re.compile(r"(?<!\\)\$")
 
 
 class _TimeoutsOffOnPurpose(logging.Filter):
     """math_verify says once per process that its timeouts are off and the caller must interrupt stuck parses; here
-    they are off on purpose (above) and huge powers never reach sympy, so every worker's copy of that line is noise."""
+    they are off on purpose (above) and huge numbers never reach sympy (`huge_numbers`), so every worker's copy of
+    that line is noise."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Timeout is disabled")
@@ -61,7 +59,7 @@ def compute_score(solution_str: str, ground_truth: str) -> float:
         if answer is None:
             hashes = _HASH_RE.findall(solution_str)
             answer = hashes[-1].strip() if hashes else None
-        if _HUGE_POWER_RE.search(answer if answer is not None else solution_str):
+        if huge(answer if answer is not None else solution_str):
             return 1.0 if answer is not None and answer == ground_truth.strip() else 0.0
         pred = (
             parse(f"${answer}$", parsing_timeout=None)
@@ -78,10 +76,10 @@ def compute_score(solution_str: str, ground_truth: str) -> float:
 def answer_equals(answer: str, ground_truth: str) -> bool:
     """Whether `answer`, a final answer already picked from a response (LaTeX without `$`), is mathematically equal
     to `ground_truth` under math_verify; other rules (verl's prime_math) pick the answer their own way and ask this.
-    A huge power is compared as text, as above; anything math_verify cannot parse is unequal."""
+    A huge number is compared as text, as above; anything math_verify cannot parse is unequal."""
     from math_verify import parse, verify
 
-    if _HUGE_POWER_RE.search(answer) or _HUGE_POWER_RE.search(ground_truth):
+    if huge(answer) or huge(ground_truth):
         return answer.strip() == ground_truth.strip()
     try:
         gold = _parse_gold(ground_truth)

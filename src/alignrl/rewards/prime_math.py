@@ -19,6 +19,7 @@ from typing import Any
 
 from alignrl.rewards import ruler
 from alignrl.rewards import math as math_reward
+from alignrl.rewards.huge_numbers import huge
 from alignrl.rewards.math_dapo import reference_text
 
 DATA_SOURCES = ("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
@@ -88,11 +89,11 @@ def match_answer(response: str) -> tuple[bool, str]:
 
 def grade_answer(given_answer: str, ground_truth: str) -> bool:
     """Whether the picked answer equals the reference `ground_truth` (verl's argument names): mathruler's grader,
-    else math_verify (module docstring). An answer sympy could not finish with (`ruler.unbounded`), or longer than
+    else math_verify (module docstring). An answer sympy could not finish with (`huge_numbers.huge`), or longer than
     FALLBACK_MAX_CHARS, gets no second try."""
     if ruler.grade_answer(given_answer, ground_truth):
         return True
-    return (len(given_answer) <= FALLBACK_MAX_CHARS and not ruler.unbounded(given_answer)
+    return (len(given_answer) <= FALLBACK_MAX_CHARS and not huge(given_answer)
             and math_reward.answer_equals(given_answer, ground_truth))
 
 

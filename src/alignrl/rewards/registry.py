@@ -142,7 +142,8 @@ def ground_truth_problem(data_source: str, ground_truth: Any) -> str | None:
         try:
             qa_em.targets(ground_truth)
         except ValueError as e:
-            return f"{e}; Search-R1's QA rewards read reward_model.ground_truth as {{'target': [...]}}, a list or a string"
+            return (f"{e}; Search-R1's QA rewards read reward_model.ground_truth as {{'target': [...]}}, a list or "
+                    "a string")
     if data_source in code.DATA_SOURCES:
         try:
             code.parse_cases(ground_truth)

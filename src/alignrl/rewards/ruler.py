@@ -4,22 +4,13 @@ safe to call on any model output.
 The grader equates two answers when their MATH-style normal forms are equal, or when sympy simplifies their
 difference to 0. It has no timeout, and it already declines `^{`, `^(` and two-digit exponents, but a Python power
 (`9**9**9`) or a factorial of a large number (`9999999!`) still makes sympy compute a number of millions of digits:
-a reward worker would hang on one sampled answer (math_verify, our fallback, hangs on the factorial too). Answers
-holding either are compared by their normal forms alone, without sympy; no reference answer of a math set is
-written that way, so only a model's answer ever takes that path.
+a reward worker would hang on one sampled answer. Answers that could (`huge_numbers.huge`, the guard math_verify's
+callers use too) are compared by their normal forms alone, without sympy.
 """
 
 from __future__ import annotations
 
-import re
-
-# a Python power, or a factorial (a "!" that is not TeX's "\!" thin space, as in "1,\!000")
-_UNBOUNDED_RE = re.compile(r"\*\*|(?<!\\)!")
-
-
-def unbounded(text: str) -> bool:
-    """Whether sympy could be asked to compute an unboundedly large number from `text`."""
-    return _UNBOUNDED_RE.search(text) is not None
+from alignrl.rewards.huge_numbers import huge
 
 
 def grade_answer(given: str, reference: str) -> bool:
@@ -28,7 +19,7 @@ def grade_answer(given: str, reference: str) -> bool:
     from mathruler.grader import grade_answer as mathruler_grade
     from mathruler.math_normalize import normalize_answer
 
-    if unbounded(given) or unbounded(reference):
+    if huge(given) or huge(reference):
         return given.strip() == reference.strip() or normalize_answer(given) == normalize_answer(reference)
     try:
         return bool(mathruler_grade(given, reference))
