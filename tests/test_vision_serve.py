@@ -99,9 +99,10 @@ def test_generate_tokens_takes_prompt_images(vl_service, tmp_path, monkeypatch):
     assert r.status_code == 400 and "has 4 image tokens but its images make 0" in r.text, r.text
 
 
-def test_a_vllm_server_refuses_image_prompts_it_could_only_read_as_pixel_rows(vl_service):
-    """/v1/generate_tokens carries pixel rows; vLLM reads pictures: a vLLM server answers such a request with a
-    one-line 400 instead of sampling without the images, and vLLM's prompt builder refuses images without pictures."""
+def test_a_vllm_server_refuses_image_prompts_sent_as_pixel_rows(vl_service):
+    """vLLM reads pictures: a vLLM server answers a request whose images are pixel rows with a one-line 400 naming
+    the picture form instead of sampling without the images, and vLLM's prompt builder refuses images without
+    pictures (tests/test_vision_serve_pictures.py sends it pictures)."""
     from types import SimpleNamespace
 
     from alignrl.data.collate import encode_prompts
@@ -117,7 +118,8 @@ def test_a_vllm_server_refuses_image_prompts_it_could_only_read_as_pixel_rows(vl
     prompt = encode_prompts(tok, [Sample(msgs, "", images=(str(root / "red.png"),))], 64)[0]
     req = TokensRequest(prompts=[list(prompt)], images=[images_to_json(prompt.images)])
     assert image_prompts(req, tok, SimpleNamespace())[0].images is not None  # the embedded engine reads rows
-    with pytest.raises(RequestError, match="generates with vLLM, which reads images as pictures.*--engine hf"):
+    with pytest.raises(RequestError, match="prompt 0: this server generates with vLLM, which reads images as "
+                                           "pictures, not pixel rows; send its images as pictures"):
         image_prompts(req, tok, SimpleNamespace(needs_pictures=True))
     assert image_prompts(TokensRequest(prompts=[[1, 2]]), tok, SimpleNamespace(needs_pictures=True)) == [[1, 2]]
     assert request(prompt)["multi_modal_data"]["image"] == list(prompt.pictures)

@@ -194,24 +194,47 @@ def rollout_from_rows(prompts: Sequence[Sequence[int]], n: int,
                    images=prompt_images([p for p in prompts for _ in range(n)]))  # the trainer's forwards read them
 
 
-# the pixel rows of a request's images, as base64 of float32 (4/3 of 4 bytes a value): half of the generation
-# service's default body limit (--max_body_mb 64), the rest left to the ids
+# the images of a request as sent (pictures as base64 PNG, or pixel rows as base64 of float32: 4/3 of 4 bytes a
+# value): half of the generation service's default body limit (--max_body_mb 64), the rest left to the ids
 IMAGE_BODY_BYTES = 32 << 20
 
 
-def request_slices(prompts: Sequence[Sequence[int]], per_request: int) -> list[tuple[int, int]]:
+def request_slices(prompts: Sequence[Sequence[int]], per_request: int,
+                   image_bytes: Sequence[int] | None = None) -> list[tuple[int, int]]:
     """[start, end) of each request's prompts: at most `per_request` whole prompts, and while prompts carry images, no
-    more than IMAGE_BODY_BYTES of their pixel rows (always at least one prompt: one larger than that alone is the
-    service's one-line 413). Text prompts are cut by count alone, as they always were."""
+    more than IMAGE_BODY_BYTES of them in the body (always at least one prompt: one larger than that alone is the
+    service's one-line 413). `image_bytes`: what each prompt's images take in the body (default: their pixel rows).
+    Text prompts are cut by count alone, as they always were."""
     out, start, size = [], 0, 0
     for i, p in enumerate(prompts):
         images = getattr(p, "images", None)
-        need = 0 if images is None else images.pixel_values.numel() * 16 // 3
+        need = (image_bytes[i] if image_bytes is not None else
+                0 if images is None else images.pixel_values.numel() * 16 // 3)
         if i > start and (i - start == per_request or size + need > IMAGE_BODY_BYTES):
             out.append((start, i))
             start, size = i, 0
         size += need
     return out + ([(start, len(prompts))] if len(prompts) > start else [])
+
+
+def picture_forms(prompts: Sequence[Sequence[int]]) -> list[dict | None] | None:
+    """Each prompt's images as pictures (`data.picture_json`, a tenth to a twentieth of the pixel rows' bytes, and
+    what a vLLM service reads) when every prompt with images carries its pictures, one per grid; None otherwise (the
+    images then go as pixel rows). Copies of a prompt (a group's rows in a multi-turn episode) share their picture
+    objects: each is encoded once."""
+    from alignrl.data.picture_json import png_base64, pictures_to_json
+
+    with_images = [p for p in prompts if getattr(p, "images", None) is not None]
+    if not with_images or any(len(getattr(p, "pictures", ())) != len(p.images.image_grid_thw) for p in with_images):
+        return None
+    encoded: dict[int, str] = {}  # by id: every picture stays alive in `prompts` meanwhile
+
+    def encode(picture) -> str:
+        if id(picture) not in encoded:
+            encoded[id(picture)] = png_base64(picture)
+        return encoded[id(picture)]
+
+    return [pictures_to_json(p, encode) for p in prompts]
 
 
 class RemoteRolloutEngine:
@@ -230,13 +253,17 @@ class RemoteRolloutEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
         rows: list[tuple[list[int], list[float], bool]] = []
         per_request = max(1, self.max_seqs // params.n)  # whole prompts, so each group stays in one request
-        for k, (s, e) in enumerate(request_slices(prompts, per_request)):
+        pictures = picture_forms(prompts)
+        sizes = None if pictures is None else [0 if x is None else sum(map(len, x["pictures"])) for x in pictures]
+        for k, (s, e) in enumerate(request_slices(prompts, per_request, sizes)):
             seed = derived_seed(params.seed, k)
             chunk = prompts[s:e]
             body = {"prompts": [[int(t) for t in p] for p in chunk], "n": params.n,
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                     "max_tokens": params.max_new_tokens, "stop": list(params.stop), "seed": seed}
-            if prompt_images(chunk) is not None:  # a vision-language model's prompts: each with its images, or null
+            if pictures is not None:  # a vision-language model's prompts: each with its images, or null
+                body["images"] = pictures[s:e]
+            elif prompt_images(chunk) is not None:
                 body["images"] = [images_to_json(getattr(p, "images", None)) for p in chunk]
             out = self.client.request("POST", "/v1/generate_tokens", json=body)
             rows += [(o["token_ids"], o["logprobs"], o["finish_reason"] == "length") for o in out["outputs"]]

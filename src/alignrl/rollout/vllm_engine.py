@@ -9,7 +9,8 @@ the rollout (old) log-probs and the rollout correction would compare the trainer
 without `logprobs_mode` (before 0.10.2) can only sample at temperature 1 (or 0) here.
 Weights are loaded through vLLM's own `model.load_weights`, which takes Hugging Face parameter names.
 Prompts with images (`data.images.ImagePrompt`) go to vLLM with their Pillow images as `multi_modal_data`; their
-ids already hold the expanded image tokens, which vLLM's Qwen2-VL processing recognises as such.
+ids already hold the expanded image tokens, which vLLM's Qwen2-VL processing recognises as such. Behind
+`alignrl serve generate --engine vllm` the pictures come as PNG in the request (`serve.request_images`).
 Deliberately left out: LoRA adapters, videos, vLLM's async engine.
 """
 

@@ -2,6 +2,7 @@
 
     alignrl serve generate --model PATH --port 8000 [--engine hf|vllm] [--tensor_parallel_size N]
                            [--host H] [--max_batch N] [--default_chat_template_kwargs JSON]
+                           [--min_pixels N] [--max_pixels N]
 
 Endpoints: `GET /health` (exactly {"status": "healthy"}), `GET /v1/models`, `POST /v1/completions`,
 `POST /v1/chat/completions`, `POST /v1/generate_tokens` (token ids in, token ids + per-token
@@ -16,7 +17,10 @@ Log-probs are the in-process engine's: of the sampled token under the temperatur
 Requests with a `seed` are never merged with other requests, so a seeded request gives the same
 output however busy the server is. `--default_chat_template_kwargs` (vLLM's `--default-chat-template-kwargs`, e.g.
 '{"enable_thinking": false}') are variables of the chat template for every chat request; a request's own
-`chat_template_kwargs` win over them, name by name. Deliberately left out: streaming, best_of, echo, tools.
+`chat_template_kwargs` win over them, name by name. A vision-language prompt's images come in `images`, as PNG
+pictures with their grids or as float32 pixel rows (`serve.request_images`); the server processes pictures itself,
+resizing them within `--min_pixels`/`--max_pixels` (give the trainer's data.min_pixels/max_pixels), and vLLM takes
+pictures only. Deliberately left out: streaming, best_of, echo, tools.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from alignrl.serve import openai_format as oa
 from alignrl.serve.common import (RequestError, base_parser, check_args, device_of, fail, new_app,
                                   start, unicode_texts)
 from alignrl.serve.gen_types import MAX_N, MAX_STOP_LEN, MAX_STOPS, GenResult, GenRow, sampling
+from alignrl.serve.request_images import image_prompts
 
 PROG = "alignrl serve generate"
 
@@ -52,23 +57,9 @@ class TokensRequest(BaseModel):
     max_tokens: int = Field(64, ge=1)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    # per prompt, its images as `data.images.images_to_json` writes them (None: a text prompt); for a
+    # per prompt, its images (None: a text prompt), as pictures or pixel rows (`serve.request_images`); for a
     # vision-language model, whose prompt ids already hold the image tokens
     images: list[dict | None] | None = None
-
-    def prompts_with_images(self) -> list[list[int]]:
-        from alignrl.data.images import ImageDataError, ImagePrompt, images_from_json
-
-        if self.images is None:
-            return self.prompts
-        if len(self.images) != len(self.prompts):
-            raise RequestError(f"images has {len(self.images)} entries for {len(self.prompts)} prompts; give one "
-                               "(or null) per prompt")
-        try:
-            loaded = [images_from_json(x, f"prompt {i}") for i, x in enumerate(self.images)]
-        except ImageDataError as e:
-            raise RequestError(str(e)) from None
-        return [p if x is None else ImagePrompt(p, x) for p, x in zip(self.prompts, loaded)]
 
 
 @dataclass(frozen=True)
@@ -189,33 +180,6 @@ class GenerationService:
                 "seconds": round(time.perf_counter() - t0, 4)}
 
 
-def image_prompts(req: TokensRequest, tokenizer, engine=None) -> list[list[int]]:
-    """The request's prompts, with their images for a vision-language model; 400 when images come for a text-only
-    model, for an `engine` that reads only decoded pictures (vLLM: the body carries pixel rows), or when a prompt's
-    image tokens are not its images' (image tokens without images included: the model would read the placeholders'
-    embeddings as pictures)."""
-    from alignrl.data.images import PROCESSOR_ATTR
-
-    prompts = req.prompts_with_images()
-    processor = getattr(tokenizer, PROCESSOR_ATTR, None)
-    with_images = req.images is not None and any(x is not None for x in req.images)
-    if processor is None:
-        if with_images:
-            raise RequestError("images need a vision-language model; this server's model is text-only")
-        return prompts
-    if with_images and getattr(engine, "needs_pictures", False):
-        raise RequestError("this server generates with vLLM, which reads images as pictures, not the pixel rows of "
-                           "/v1/generate_tokens: serve prompts with images with --engine hf")
-    merge = processor.image_processor.merge_size ** 2
-    for i, p in enumerate(prompts):
-        want = 0 if getattr(p, "images", None) is None else int(p.images.image_grid_thw.prod(-1).sum()) // merge
-        have = sum(t == processor.image_token_id for t in p)
-        if want != have:
-            raise RequestError(f"prompt {i} has {have} image tokens but its images make {want}; send the ids the "
-                               "processor made with these images")
-    return prompts
-
-
 def chunk_seed(params, k: int, stride: int):
     """Params for the k-th slice of a seeded request: each slice gets its own seed, or all slices would
     draw the same random numbers row for row."""
@@ -274,7 +238,13 @@ def build_app(svc: GenerationService, max_body: int):
     @app.post("/v1/generate_tokens")
     async def generate_tokens(req: TokensRequest) -> dict:
         params = sampling(req.n, req.temperature, req.top_p, req.top_k, req.max_tokens, req.stop, req.seed)
-        res = await svc.generate(image_prompts(req, svc.tokenizer, svc.engine), params)
+        if req.images is None:  # a vision-language model's image tokens without images are still refused
+            prompts = image_prompts(req, svc.tokenizer, svc.engine)
+        else:  # decoding and resizing pictures takes a while: off the event loop, which keeps answering /health
+            import asyncio
+
+            prompts = await asyncio.to_thread(image_prompts, req, svc.tokenizer, svc.engine)
+        res = await svc.generate(prompts, params)
         return {"weight_version": res.version,
                 "outputs": [{"prompt_index": i // req.n, "token_ids": r.token_ids, "logprobs": r.logprobs,
                              "finish_reason": r.finish_reason} for i, r in enumerate(res.rows)]}
@@ -308,6 +278,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--default_chat_template_kwargs", "--default-chat-template-kwargs", default="", metavar="JSON",
                    help="variables of the chat template for every chat request, as a JSON object, e.g. "
                         "'{\"enable_thinking\": false}'; a request's chat_template_kwargs win, name by name")
+    for bound, side in (("min", "smaller"), ("max", "larger")):  # as data.min_pixels/max_pixels in a run
+        p.add_argument(f"--{bound}_pixels", type=int, default=0, metavar="N",
+                       help=f"a vision-language model's images {side} than N pixels are resized to N (0: the "
+                            f"processor's own bound); give the trainer's data.{bound}_pixels, whose processor made "
+                            "the request's image grids")
     return p
 
 
@@ -338,14 +313,16 @@ def load_service(args: argparse.Namespace) -> GenerationService:
     if args.engine == "vllm":
         from alignrl.rollout.vllm_engine import VLLMRolloutEngine
 
-        engine = VLLMRolloutEngine(str(folder), args.tensor_parallel_size, args.dtype, args.max_model_len or None)
-        tok, cfg, manifest = engine.tokenizer, engine.config, engine.manifest()
+        engine = VLLMRolloutEngine(str(folder), args.tensor_parallel_size, args.dtype, args.max_model_len or None,
+                                   min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+        # a vision-language model's vocabulary and context are its language model's (none at the top of its config)
+        tok, cfg, manifest = engine.tokenizer, engine.config.get_text_config(), engine.manifest()
     else:
         from alignrl.models.loader import load_model
         from alignrl.rollout.hf_engine import HFRolloutEngine
 
         model, tok = load_model(str(folder), args.dtype, log=lambda *a: print(*a, file=sys.stderr), chat=False,
-                                key="--model")
+                                key="--model", min_pixels=args.min_pixels, max_pixels=args.max_pixels)
         model = model.to(device_of(args)).eval()  # on a GPU machine without vLLM (launch_vllm.py): its GPU
         engine, cfg = HFRolloutEngine(model, tok), model.config.get_text_config()  # a VLM's: its language model's
         manifest = manifest_of(model.named_parameters())
@@ -366,6 +343,10 @@ def main(argv: list[str]) -> int:
     problem = check_args(args)
     if problem is None and args.tensor_parallel_size < 1:
         problem = "--tensor_parallel_size must be at least 1"
+    if problem is None and min(args.min_pixels, args.max_pixels) < 0:
+        problem = "--min_pixels and --max_pixels are pixel counts: give a positive number, or 0 for the processor's own"
+    if problem is None and 0 < args.max_pixels < args.min_pixels:
+        problem = f"--min_pixels {args.min_pixels} is above --max_pixels {args.max_pixels}: give min <= max"
     if problem is None and args.max_model_len < 0:
         problem = f"--max_model_len {args.max_model_len} must be a positive context length (0: the model's)"
     if problem is None:
