@@ -71,7 +71,8 @@ def test_every_aggregation_invariant_to_micro_batch_split(mode, splits):
     assert torch.allclose(g_full, g_parts, rtol=0, atol=1e-14)
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+# Clip-Cov and KL-Cov pick their tokens by this micro-batch's covariances and counts, as verl's do: not split-free
+@pytest.mark.parametrize("name", sorted(set(POLICY_LOSSES) - {"clip_cov", "kl_cov"}))
 @pytest.mark.parametrize("mode", sorted(LOSS_AGGREGATIONS))
 @pytest.mark.parametrize("splits", [2, 4])
 def test_policy_losses_invariant_to_micro_batch_split(name, mode, splits):

@@ -161,17 +161,19 @@ def test_a_negative_test_freq_is_no_validation_during_training():
     assert load_config(None, BASE + ["trainer.test_freq=7"]).trainer.test_freq == 7
 
 
-@pytest.mark.parametrize("mode, loss", [("vanilla", "ppo_clip"), ("gspo", "gspo")])
+@pytest.mark.parametrize("mode, loss", [("vanilla", "ppo_clip"), ("gspo", "gspo"), ("clip_cov", "clip_cov"),
+                                        ("kl_cov", "kl_cov")])
 def test_verls_loss_modes_alignrl_has(mode, loss, capsys):
     cfg = load_config(None, BASE + [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}",
                                     "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.0002",
                                     "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.0002",
                                     "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=0.1"])
     assert cfg.actor.policy_loss == loss
-    assert "policy_loss" not in capsys.readouterr().err  # the clip-cov / kl-cov tuning: quietly accepted
+    assert (cfg.actor.clip_cov_ratio, cfg.actor.kl_cov_ratio, cfg.actor.ppo_kl_coef) == (0.0002, 0.0002, 0.1)
+    assert "policy_loss" not in capsys.readouterr().err  # the clip-cov / kl-cov settings: read, whatever the mode
 
 
-@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov", "sapo"])
+@pytest.mark.parametrize("mode", ["sapo", "unknown"])
 def test_other_loss_modes_are_one_line(mode):
     error = one_line(BASE + [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}"])
     assert f"policy_loss.loss_mode={mode} is not supported" in error and "vanilla, gspo" in error

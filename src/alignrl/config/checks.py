@@ -198,6 +198,9 @@ def _optimiser_and_clips(cfg: RunConfig) -> str | None:
         return f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip), or 0 to disable"
     if cfg.actor.clip_ratio_c and cfg.actor.policy_loss != "ppo_clip":
         return "actor.clip_ratio_c (dual-clip) applies to actor.policy_loss=ppo_clip only"
+    if cfg.actor.clip_cov_lb >= cfg.actor.clip_cov_ub:
+        return (f"actor.clip_cov_lb={cfg.actor.clip_cov_lb} must be below actor.clip_cov_ub={cfg.actor.clip_cov_ub}: "
+                "clip_cov draws its tokens among those whose covariance lies between them")
     return None
 
 

@@ -87,10 +87,21 @@ class ActorConfig:
                                                   "0.28; GSPO's paper 4e-4)", ge=0.0)
     policy_loss: str = opt("ppo_clip", "ppo_clip (PPO / DAPO clip-higher / dual-clip), gspo (sequence-level "
                                        "ratio), cispo (clipped IS weight, stop-gradient), gpg (-A log pi, no ratio), "
-                                       "gmpo (geometric mean of the token ratios, clipped in log space)",
-                           choices=("ppo_clip", "gspo", "cispo", "gpg", "gmpo"))
+                                       "gmpo (geometric mean of the token ratios, clipped in log space), "
+                                       "clip_cov / kl_cov (PPO with the gradient of the few tokens of highest "
+                                       "advantage-log-prob covariance removed / the unclipped ratio with a KL "
+                                       "penalty on them)",
+                           choices=("ppo_clip", "gspo", "cispo", "gpg", "gmpo", "clip_cov", "kl_cov"))
     clip_ratio_c: float = opt(0.0, "dual-clip constant c > 1 bounding the loss of negative advantages; 0 disables",
                               ge=0.0)
+    # Clip-Cov / KL-Cov (Cui et al. 2025): restrain the tokens whose log-prob moves most with their advantage
+    clip_cov_ratio: float = opt(2e-4, "clip_cov: share of a micro-batch's tokens whose gradient is removed, drawn "
+                                      "among those whose covariance lies in (clip_cov_lb, clip_cov_ub)", gt=0.0, le=1.0)
+    clip_cov_lb: float = opt(1.0, "clip_cov: lower bound of the covariance of the tokens drawn")
+    clip_cov_ub: float = opt(5.0, "clip_cov: upper bound of the covariance of the tokens drawn")
+    kl_cov_ratio: float = opt(2e-4, "kl_cov: share of a micro-batch's tokens, those of largest covariance, that get "
+                                    "the ppo_kl_coef * |log ratio| penalty", gt=0.0, le=1.0)
+    ppo_kl_coef: float = opt(1.0, "kl_cov: weight of the |log ratio| penalty", ge=0.0)
     loss_agg_mode: str = opt("auto", "how token losses (policy, KL and entropy terms alike) become one "
                                      "number; auto: seq-mean-token-mean for gspo (a sequence-level objective, as "
                                      "verl's GSPO), token-mean otherwise (seq-mean-token-sum-norm divides by the "

@@ -77,10 +77,12 @@ def _policy_loss(st: TranslationPass, key: str, value: str, v: object) -> None:
     if key == A + "policy_loss.loss_mode":
         if v not in LOSS_MODES:
             raise ConfigError(f"{key}={value} is not supported (alignrl's policy losses as verl names them: "
-                              f"{', '.join(LOSS_MODES)}; alignrl's own actor.policy_loss=cispo besides)")
+                              f"{', '.join(LOSS_MODES)})")
         st.loss_mode = str(v)
         st.out.append(f"actor.policy_loss={LOSS_MODES[st.loss_mode]}")
-    elif key not in LOSS_MODE_TUNING:
+    elif key in LOSS_MODE_TUNING:  # Clip-Cov's and KL-Cov's settings, under alignrl's actor.* names
+        st.out.append(f"actor.{key.rsplit('.', 1)[1]}={value}")
+    else:
         raise UnknownKeyError(f"unknown config key '{key}': verl's policy_loss keys alignrl knows are loss_mode and "
                           f"{', '.join(k.rsplit('.', 1)[1] for k in LOSS_MODE_TUNING)}")
 
@@ -131,7 +133,7 @@ def finish(st: TranslationPass) -> list[str]:
         out.append("algorithm.overlong_buffer_len=0")
     out += _reward_model(st.reward_model) + _validation(st.val_kwargs, st.search_r1)
     out += rollout_correction(st)
-    if st.loss_mode == "gspo":  # verl's GSPO loss reads no dual-clip constant; alignrl's refuses one
+    if st.loss_mode != "vanilla":  # verl's other losses read no dual-clip constant; alignrl's refuse one
         st.out[:] = [o for o in st.out if not o.startswith("actor.clip_ratio_c=")]
     _response_cap_note(st)
     out += _excluded_modules(st) + _verl_logger(st)

@@ -148,10 +148,10 @@ ALIASES = {"reward_model.reward_kwargs.overlong_buffer_cfg." + k: "reward_model.
     **{f"reward.sandbox_fusion.{k}": f"reward_model.sandbox_fusion.{k}"
        for k in ("url", "max_concurrent", "memory_limit_mb")}}
 
-# verl's policy_loss.loss_mode -> alignrl's actor.policy_loss; the other policy_loss.* keys tune only modes alignrl
-# does not have (clip-cov, kl-cov), so whatever they say changes nothing in these two.
+# verl's policy_loss.loss_mode -> alignrl's actor.policy_loss; the other policy_loss.* keys tune Clip-Cov and KL-Cov
+# (alignrl's actor.<the same name>)
 LOSS_MODES = {"vanilla": "ppo_clip", "gspo": "gspo", "cispo": "cispo",  # cispo: clipped by clip_ratio_low/high
-              "gpg": "gpg", "geo_mean": "gmpo"}
+              "gpg": "gpg", "geo_mean": "gmpo", "clip_cov": "clip_cov", "kl_cov": "kl_cov"}
 LOSS_MODE_TUNING = tuple(A + "policy_loss." + k for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
                                                           "kl_cov_ratio", "ppo_kl_coef"))
 

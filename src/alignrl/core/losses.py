@@ -14,13 +14,12 @@ from __future__ import annotations
 import torch
 
 from alignrl.core.aggregation import LOSS_AGGREGATIONS, aggregate_loss, token_mean
+from alignrl.core.covariance_losses import clip_cov_loss, kl_cov_loss
+from alignrl.core.policy_terms import MAX_LOG_RATIO, finish_loss, per_token_advantages, ratio_metrics
 
 __all__ = ["MAX_LOG_RATIO", "K3_MAX", "masked_mean", "kl_k1", "kl_k2", "kl_k3", "kl_abs", "KL_ESTIMATORS", "token_mean",
            "LOSS_AGGREGATIONS", "aggregate_loss", "ppo_clip_loss", "gspo_loss", "cispo_loss", "gpg_loss", "gmpo_loss",
-           "POLICY_LOSSES", "value_loss"]
-
-MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: large enough never to bind in practice, small enough to stay finite
-
+           "clip_cov_loss", "kl_cov_loss", "POLICY_LOSSES", "value_loss"]
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
@@ -60,30 +59,6 @@ KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "abs": kl_abs,
                  "kl": kl_k1, "mse": kl_k2, "low_var_kl": kl_k3}
 
 
-def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return advantages[:, None].expand_as(like) if advantages.dim() == 1 else advantages
-
-
-def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor
-                   ) -> dict[str, float]:
-    with torch.no_grad():
-        m = mask.bool()
-        if not m.any():
-            return {"actor/clipfrac": 0.0, "actor/ratio_mean": 1.0, "actor/approx_kl": 0.0}
-        return {
-            "actor/clipfrac": float(clipped[m].float().mean()),
-            "actor/ratio_mean": float(ratio[m].mean()),
-            "actor/approx_kl": float((0.5 * log_ratio**2)[m].mean()),
-        }
-
-
-def _finish(per_token: torch.Tensor, mask: torch.Tensor, is_weight: torch.Tensor | None, loss_agg: str,
-            global_tokens: float | None, global_seqs: float | None, max_len: float | None) -> torch.Tensor:
-    if is_weight is not None:
-        per_token = per_token * is_weight.detach()  # a correction constant, never a path for gradients
-    return aggregate_loss(per_token, mask, loss_agg, global_tokens, global_seqs, max_len)
-
-
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                   clip_low: float = 0.2, clip_high: float = 0.2, global_tokens: float | None = None, *,
                   clip_c: float | None = None, is_weight: torch.Tensor | None = None,
@@ -96,13 +71,13 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     with Deep Reinforcement Learning"): for A < 0 the per-token loss is capped at -A * clip_c, so a
     huge ratio on a bad token cannot blow the loss up. `is_weight` (B, T) multiplies the per-token loss.
     """
-    advantages = _per_token(advantages, logp)
+    advantages = per_token_advantages(advantages, logp)
     log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    metrics = _ratio_metrics(log_ratio, ratio, clipped > unclipped, mask)
+    metrics = ratio_metrics(log_ratio, ratio, clipped > unclipped, mask)
     if clip_c is not None:
         if clip_c <= 1.0:
             raise ValueError(f"dual-clip constant clip_c must be > 1, got {clip_c}")
@@ -111,7 +86,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         per_token = torch.where(dual, cap, per_token)
         m = mask.bool()
         metrics["actor/dualclip_frac"] = float(dual[m].float().mean()) if m.any() else 0.0
-    loss = _finish(per_token, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len)
+    loss = finish_loss(per_token, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len)
     return loss, metrics
 
 
@@ -129,7 +104,7 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     to s_i in value, with gradient s_i * grad log pi(y_t), so with the paper's seq-mean-token-mean
     aggregation and a sequence advantage the gradient is exactly GSPO's.
     """
-    advantages = _per_token(advantages, logp)
+    advantages = per_token_advantages(advantages, logp)
     m = mask.to(logp.dtype)
     token_lr = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     seq_lr = (token_lr * m).sum(-1) / m.sum(-1).clamp(min=1)
@@ -139,8 +114,8 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    metrics = _ratio_metrics(token_lr, ratio, clipped > unclipped, mask)
-    loss = _finish(per_token, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len)
+    metrics = ratio_metrics(token_lr, ratio, clipped > unclipped, mask)
+    loss = finish_loss(per_token, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len)
     return loss, metrics
 
 
@@ -158,13 +133,13 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
     lower bound on the weight: clip_low >= 1 by default. The loss value is not a surrogate value;
     only its gradient sg[w] * A * grad log pi is meaningful.
     """
-    advantages = _per_token(advantages, logp)
+    advantages = per_token_advantages(advantages, logp)
     log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     weight = ratio.clamp(max(0.0, 1 - clip_low), 1 + clip_high).detach()
     per_token = -weight * advantages * logp
-    metrics = _ratio_metrics(log_ratio, ratio, weight != ratio.detach(), mask)
-    loss = _finish(per_token, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len)
+    metrics = ratio_metrics(log_ratio, ratio, weight != ratio.detach(), mask)
+    loss = finish_loss(per_token, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len)
     return loss, metrics
 
 
@@ -175,11 +150,11 @@ def gpg_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
              ) -> tuple[torch.Tensor, dict[str, float]]:
     """GPG's policy gradient (verl's compute_policy_loss_gpg): -A * log pi per token, no ratio and no clip (the clip
     arguments are taken for the common signature and unused). The ratio is still reported, for the same metrics."""
-    advantages = _per_token(advantages, logp)
+    advantages = per_token_advantages(advantages, logp)
     log_ratio = (logp - old_logp).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
-    metrics = _ratio_metrics(log_ratio, ratio, torch.zeros_like(mask, dtype=torch.bool), mask)
-    loss = _finish(-advantages * logp, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len)
+    metrics = ratio_metrics(log_ratio, ratio, torch.zeros_like(mask, dtype=torch.bool), mask)
+    loss = finish_loss(-advantages * logp, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len)
     return loss, metrics
 
 
@@ -193,7 +168,7 @@ def gmpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     side the advantage's sign makes pessimistic; a sequence's ratio is the exponential of their mean (the geometric
     mean of its token ratios) and its loss -mean(A) * ratio, times the geometric mean of its IS weights; the loss is
     the mean over sequences, whatever `loss_agg` (as verl's)."""
-    adv_tok = _per_token(advantages, logp)
+    adv_tok = per_token_advantages(advantages, logp)
     m = mask.to(logp.dtype)
     n = m.sum(-1) + 1e-8
     log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
@@ -203,15 +178,15 @@ def gmpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     per_seq = -((adv_tok * m).sum(-1) / n) * torch.exp((pessimistic * m).sum(-1) / n)
     if is_weight is not None:  # a correction constant: its geometric mean over the sequence
         per_seq = per_seq * torch.exp((torch.log(is_weight.detach() + 1e-10) * m).sum(-1) / n)
-    metrics = _ratio_metrics(log_ratio, log_ratio.exp(), clamped != log_ratio, mask)
+    metrics = ratio_metrics(log_ratio, log_ratio.exp(), clamped != log_ratio, mask)
     # the sequence's loss on each of its tokens: their token-mean is it, the sequence mean the batch's
-    loss = _finish(per_seq[:, None].expand_as(logp), mask, None, "seq-mean-token-mean", global_tokens, global_seqs,
+    loss = finish_loss(per_seq[:, None].expand_as(logp), mask, None, "seq-mean-token-mean", global_tokens, global_seqs,
                    max_len)
     return loss, metrics
 
 
 POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss, "gpg": gpg_loss,
-                 "gmpo": gmpo_loss}
+                 "gmpo": gmpo_loss, "clip_cov": clip_cov_loss, "kl_cov": kl_cov_loss}
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

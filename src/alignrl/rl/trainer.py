@@ -54,7 +54,9 @@ def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
                           kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
                           kl_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
                           temperature=cfg.rollout.temperature, name=a.policy_loss, clip_c=a.clip_ratio_c or None,
-                          loss_agg=agg, max_len=float(response_cap(cfg)))
+                          loss_agg=agg, max_len=float(response_cap(cfg)),
+                          clip_cov=(a.clip_cov_ratio, a.clip_cov_lb, a.clip_cov_ub),
+                          kl_cov=(a.kl_cov_ratio, a.ppo_kl_coef))
 
 
 class PolicyTrainer:

@@ -28,15 +28,37 @@ class PolicyLossSpec:
     clip_c: float | None = None  # dual-clip constant (> 1), PPO only
     loss_agg: str = "token-mean"  # a key of LOSS_AGGREGATIONS
     max_len: float | None = None  # the constant of seq-mean-token-sum-norm (max response length)
+    clip_cov: tuple[float, float, float] = (2e-4, 1.0, 5.0)  # clip_cov's share of tokens and covariance bounds
+    kl_cov: tuple[float, float] = (2e-4, 1.0)  # kl_cov's share of tokens and penalty weight
 
 
-def policy_loss(logp, entropy, exp: Experience, spec: PolicyLossSpec, global_tokens: float, global_seqs: float
-                ) -> tuple[torch.Tensor, dict[str, float]]:
+def loss_options(spec: PolicyLossSpec, generator: torch.Generator | None) -> dict:
+    """The keywords of `spec.name`'s loss beyond the common call (`core.losses`)."""
+    if spec.name == "ppo_clip":
+        return {"clip_c": spec.clip_c}
+    if spec.name == "clip_cov":
+        ratio, low, high = spec.clip_cov
+        return {"cov_ratio": ratio, "cov_lb": low, "cov_ub": high, "generator": generator}
+    if spec.name == "kl_cov":
+        return {"cov_ratio": spec.kl_cov[0], "kl_coef": spec.kl_cov[1]}
+    return {}
+
+
+def token_draws(generator: torch.Generator):
+    """clip_cov's draws of tokens: a generator per micro-batch, seeded by one draw of the update's generator and the
+    micro-batch's rows, so micro-batches run side by side (lanes) draw as one after the other."""
+    base = int(torch.randint(2**31, (1,), generator=generator))
+    return lambda rows: torch.Generator().manual_seed(base * 1_000_003 + hash(tuple(rows.tolist())) % 2**31)
+
+
+def policy_loss(logp, entropy, exp: Experience, spec: PolicyLossSpec, global_tokens: float, global_seqs: float,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss + KL to the reference - entropy bonus, each aggregated by `spec.loss_agg` over the
     mini-batch's global counts (as verl's agg_loss and TRL's per-token loss do: the three keep their relative
-    weights under every mode). The KL and entropy metrics are token means whatever the mode."""
+    weights under every mode). The KL and entropy metrics are token means whatever the mode. `generator`: clip_cov's
+    draws of tokens."""
     mask = exp.response_mask.to(logp.dtype)
-    extra = {"clip_c": spec.clip_c} if spec.name == "ppo_clip" else {}
+    extra = loss_options(spec, generator)
     loss, metrics = POLICY_LOSSES[spec.name](logp, exp.old_logprobs, exp.advantages, mask, spec.clip_low,
                                              spec.clip_high, global_tokens, is_weight=exp.is_weight,
                                              loss_agg=spec.loss_agg, global_seqs=global_seqs, max_len=spec.max_len,
@@ -72,13 +94,14 @@ class Actor:
         """`mini_batch` (this rank's share) and `micro_batch` are in sequences. Mini-batches are shuffled
         each epoch."""
         self.engine.module.train()
+        draws = token_draws(generator) if spec.name == "clip_cov" else None
 
         def micro_loss(rows, micro: Experience, tokens: float, seqs: float):
             # forward through the engine's module: DDP / DeepSpeed hook gradient reduction there
             logp, ent = response_logprobs(self.engine.module, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                           micro.attended, spec.temperature, with_entropy=True,
                                           entropy_grad=spec.entropy_coeff > 0, layout=self.layout, images=micro.images)
-            return policy_loss(logp, ent, micro, spec, tokens, seqs)
+            return policy_loss(logp, ent, micro, spec, tokens, seqs, None if draws is None else draws(rows))
 
         return minibatch_updates(exp, micro_loss, self.engine, mini_batch, micro_batch, epochs, generator, "actor",
                                  by_prompt=self.layout.share_prompt,
