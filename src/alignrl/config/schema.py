@@ -90,8 +90,8 @@ class ActorConfig:
                                        "gmpo (geometric mean of the token ratios, clipped in log space), "
                                        "clip_cov / kl_cov (PPO with the gradient of the few tokens of highest "
                                        "advantage-log-prob covariance removed / the unclipped ratio with a KL "
-                                       "penalty on them)",
-                           choices=("ppo_clip", "gspo", "cispo", "gpg", "gmpo", "clip_cov", "kl_cov"))
+                                       "penalty on them), sapo (a smooth gate of the ratio instead of the clip)",
+                           choices=("ppo_clip", "gspo", "cispo", "gpg", "gmpo", "clip_cov", "kl_cov", "sapo"))
     clip_ratio_c: float = opt(0.0, "dual-clip constant c > 1 bounding the loss of negative advantages; 0 disables",
                               ge=0.0)
     # Clip-Cov / KL-Cov (Cui et al. 2025): restrain the tokens whose log-prob moves most with their advantage
@@ -102,6 +102,8 @@ class ActorConfig:
     kl_cov_ratio: float = opt(2e-4, "kl_cov: share of a micro-batch's tokens, those of largest covariance, that get "
                                     "the ppo_kl_coef * |log ratio| penalty", gt=0.0, le=1.0)
     ppo_kl_coef: float = opt(1.0, "kl_cov: weight of the |log ratio| penalty", ge=0.0)
+    tau_pos: float = opt(1.0, "sapo: temperature of the gate of tokens with a positive advantage", gt=0.0)
+    tau_neg: float = opt(1.05, "sapo: temperature of the gate of the other tokens", gt=0.0)
     loss_agg_mode: str = opt("auto", "how token losses (policy, KL and entropy terms alike) become one "
                                      "number; auto: seq-mean-token-mean for gspo (a sequence-level objective, as "
                                      "verl's GSPO), token-mean otherwise (seq-mean-token-sum-norm divides by the "

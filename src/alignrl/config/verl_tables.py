@@ -49,6 +49,7 @@ RENAMES: dict[str, tuple[str, ...]] = {
     A + "clip_ratio_low": ("actor.clip_ratio_low",),
     A + "clip_ratio_high": ("actor.clip_ratio_high",),
     A + "clip_ratio_c": ("actor.clip_ratio_c",),
+    A + "tau_pos": ("actor.tau_pos",), A + "tau_neg": ("actor.tau_neg",),  # SAPO's temperatures
     A + "loss_agg_mode": ("actor.loss_agg_mode",),
     A + "entropy_coeff": ("actor.entropy_coeff",),
     A + "use_kl_loss": ("actor.use_kl_loss",),
@@ -151,7 +152,7 @@ ALIASES = {"reward_model.reward_kwargs.overlong_buffer_cfg." + k: "reward_model.
 # verl's policy_loss.loss_mode -> alignrl's actor.policy_loss; the other policy_loss.* keys tune Clip-Cov and KL-Cov
 # (alignrl's actor.<the same name>)
 LOSS_MODES = {"vanilla": "ppo_clip", "gspo": "gspo", "cispo": "cispo",  # cispo: clipped by clip_ratio_low/high
-              "gpg": "gpg", "geo_mean": "gmpo", "clip_cov": "clip_cov", "kl_cov": "kl_cov"}
+              "gpg": "gpg", "geo_mean": "gmpo", "clip_cov": "clip_cov", "kl_cov": "kl_cov", "sapo": "sapo"}
 LOSS_MODE_TUNING = tuple(A + "policy_loss." + k for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
                                                           "kl_cov_ratio", "ppo_kl_coef"))
 

@@ -19,7 +19,7 @@ from alignrl.core.policy_terms import MAX_LOG_RATIO, finish_loss, per_token_adva
 
 __all__ = ["MAX_LOG_RATIO", "K3_MAX", "masked_mean", "kl_k1", "kl_k2", "kl_k3", "kl_abs", "KL_ESTIMATORS", "token_mean",
            "LOSS_AGGREGATIONS", "aggregate_loss", "ppo_clip_loss", "gspo_loss", "cispo_loss", "gpg_loss", "gmpo_loss",
-           "clip_cov_loss", "kl_cov_loss", "POLICY_LOSSES", "value_loss"]
+           "clip_cov_loss", "kl_cov_loss", "sapo_loss", "POLICY_LOSSES", "value_loss"]
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
@@ -185,8 +185,27 @@ def gmpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     return loss, metrics
 
 
+def sapo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              clip_low: float = 0.2, clip_high: float = 0.2, global_tokens: float | None = None, *,
+              tau_pos: float = 1.0, tau_neg: float = 1.05, is_weight: torch.Tensor | None = None,
+              loss_agg: str = "seq-mean-token-mean", global_seqs: float | None = None, max_len: float | None = None
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Soft Adaptive Policy Optimization (SAPO; Gao et al. 2025, arXiv:2511.20347), as verl's compute_policy_loss_
+    sapo: PPO's hard clip replaced by a smooth gate of the token ratio, -A * (4 / tau) * sigmoid(tau * (r - 1)), with
+    tau = tau_pos where A > 0 and tau_neg elsewhere. At r = 1 its gradient is PPO's (A * grad log pi); far from 1 it
+    fades instead of stopping. No clip (the clip arguments are taken for the common call and unused)."""
+    advantages = per_token_advantages(advantages, logp)
+    log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = log_ratio.exp()
+    tau = torch.where(advantages > 0, torch.as_tensor(tau_pos, dtype=logp.dtype),
+                      torch.as_tensor(tau_neg, dtype=logp.dtype))
+    per_token = -advantages * torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
+    metrics = ratio_metrics(log_ratio, ratio, torch.zeros_like(mask, dtype=torch.bool), mask)
+    return finish_loss(per_token, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len), metrics
+
+
 POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss, "gpg": gpg_loss,
-                 "gmpo": gmpo_loss, "clip_cov": clip_cov_loss, "kl_cov": kl_cov_loss}
+                 "gmpo": gmpo_loss, "clip_cov": clip_cov_loss, "kl_cov": kl_cov_loss, "sapo": sapo_loss}
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -48,15 +48,15 @@ def behaviour_logprobs(ro: Rollout, old_lp: torch.Tensor) -> torch.Tensor:
 def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
     a = cfg.actor
     agg = a.loss_agg_mode
-    if agg == "auto":  # GSPO's objective averages sequences (Zheng et al. 2025); verl hard-wires it so
-        agg = "seq-mean-token-mean" if a.policy_loss == "gspo" else "token-mean"
+    if agg == "auto":  # GSPO's and SAPO's objectives average sequences (Zheng et al., Gao et al. 2025); verl too
+        agg = "seq-mean-token-mean" if a.policy_loss in ("gspo", "sapo") else "token-mean"
     return PolicyLossSpec(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
                           kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
                           kl_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
                           temperature=cfg.rollout.temperature, name=a.policy_loss, clip_c=a.clip_ratio_c or None,
                           loss_agg=agg, max_len=float(response_cap(cfg)),
                           clip_cov=(a.clip_cov_ratio, a.clip_cov_lb, a.clip_cov_ub),
-                          kl_cov=(a.kl_cov_ratio, a.ppo_kl_coef))
+                          kl_cov=(a.kl_cov_ratio, a.ppo_kl_coef), sapo=(a.tau_pos, a.tau_neg))
 
 
 class PolicyTrainer:

@@ -30,6 +30,7 @@ class PolicyLossSpec:
     max_len: float | None = None  # the constant of seq-mean-token-sum-norm (max response length)
     clip_cov: tuple[float, float, float] = (2e-4, 1.0, 5.0)  # clip_cov's share of tokens and covariance bounds
     kl_cov: tuple[float, float] = (2e-4, 1.0)  # kl_cov's share of tokens and penalty weight
+    sapo: tuple[float, float] = (1.0, 1.05)  # sapo's temperatures (positive advantages, the others)
 
 
 def loss_options(spec: PolicyLossSpec, generator: torch.Generator | None) -> dict:
@@ -41,6 +42,8 @@ def loss_options(spec: PolicyLossSpec, generator: torch.Generator | None) -> dic
         return {"cov_ratio": ratio, "cov_lb": low, "cov_ub": high, "generator": generator}
     if spec.name == "kl_cov":
         return {"cov_ratio": spec.kl_cov[0], "kl_coef": spec.kl_cov[1]}
+    if spec.name == "sapo":
+        return {"tau_pos": spec.sapo[0], "tau_neg": spec.sapo[1]}
     return {}
 
 
