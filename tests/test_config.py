@@ -143,7 +143,7 @@ def test_one_value_given_to_a_list_key_is_a_list_of_one():
     (["data.train_files=[a.jsonl"], "cannot read the value of data.train_files='[a.jsonl' (while parsing"),
     (["algorithm.adv_estimator=rloo", "rollout.n=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
       "actor.ppo_micro_batch_size=8"], "rollout.n=1 leaves none to compare with"),
-    (["actor.policy_loss=gspo", "actor.clip_ratio_c=3"], "applies to actor.policy_loss=ppo_clip only"),
+    (["actor.policy_loss=gspo", "actor.clip_ratio_c=3"], "applies to actor.policy_loss=ppo_clip, dppo_tv, dppo_kl only"),
     (["algorithm.outcome_baseline=loo"], "set algorithm.adv_estimator=reinforce_plus_plus, or outcome_baseline=none"),
     (["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.outcome_baseline=mean", "rollout.n=1",
       "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=8"], "set rollout.n >= 2"),

@@ -162,7 +162,7 @@ def test_a_negative_test_freq_is_no_validation_during_training():
 
 
 @pytest.mark.parametrize("mode, loss", [("vanilla", "ppo_clip"), ("gspo", "gspo"), ("clip_cov", "clip_cov"),
-                                        ("kl_cov", "kl_cov"), ("sapo", "sapo")])
+                                        ("kl_cov", "kl_cov"), ("sapo", "sapo"), ("dppo_tv", "dppo_tv")])
 def test_verls_loss_modes_alignrl_has(mode, loss, capsys):
     cfg = load_config(None, BASE + [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}",
                                     "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.0002",
@@ -173,7 +173,7 @@ def test_verls_loss_modes_alignrl_has(mode, loss, capsys):
     assert "policy_loss" not in capsys.readouterr().err  # the clip-cov / kl-cov settings: read, whatever the mode
 
 
-@pytest.mark.parametrize("mode", ["dppo_kl", "unknown"])
+@pytest.mark.parametrize("mode", ["bypass_mode", "unknown"])
 def test_other_loss_modes_are_one_line(mode):
     error = one_line(BASE + [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}"])
     assert f"policy_loss.loss_mode={mode} is not supported" in error and "vanilla, gspo" in error

@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from alignrl.config.agent_checks import multi_turn_problem
-from alignrl.config.schema import ConfigError, RunConfig
+from alignrl.config.schema import CLIP_C_LOSSES, ConfigError, RunConfig
 
 
 def needs_reference(cfg: RunConfig) -> bool:
@@ -196,8 +196,9 @@ def _optimiser_and_clips(cfg: RunConfig) -> str | None:
                 "for none")
     if 0 < cfg.actor.clip_ratio_c <= 1:
         return f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip), or 0 to disable"
-    if cfg.actor.clip_ratio_c and cfg.actor.policy_loss != "ppo_clip":
-        return "actor.clip_ratio_c (dual-clip) applies to actor.policy_loss=ppo_clip only"
+    if cfg.actor.clip_ratio_c and cfg.actor.policy_loss not in CLIP_C_LOSSES:
+        return ("actor.clip_ratio_c (dual-clip, or DPPO's truncation of the ratio) applies to actor.policy_loss="
+                f"{', '.join(CLIP_C_LOSSES)} only")
     if cfg.actor.clip_cov_lb >= cfg.actor.clip_cov_ub:
         return (f"actor.clip_cov_lb={cfg.actor.clip_cov_lb} must be below actor.clip_cov_ub={cfg.actor.clip_cov_ub}: "
                 "clip_cov draws its tokens among those whose covariance lies between them")

@@ -52,6 +52,10 @@ class RolloutConfig:
     val_n: int = opt(1, "held-out sampling: answers per problem (needs val_temperature > 0)", ge=1)
 
 
+# the policy losses that read actor.clip_ratio_c: PPO's dual clip, DPPO's truncation of the ratio
+CLIP_C_LOSSES = ("ppo_clip", "dppo_tv", "dppo_kl")
+
+
 @dataclass(frozen=True)
 class ActorConfig:
     lr: float = opt(1e-6, "AdamW learning rate", gt=0.0)
@@ -90,9 +94,13 @@ class ActorConfig:
                                        "gmpo (geometric mean of the token ratios, clipped in log space), "
                                        "clip_cov / kl_cov (PPO with the gradient of the few tokens of highest "
                                        "advantage-log-prob covariance removed / the unclipped ratio with a KL "
-                                       "penalty on them), sapo (a smooth gate of the ratio instead of the clip)",
-                           choices=("ppo_clip", "gspo", "cispo", "gpg", "gmpo", "clip_cov", "kl_cov", "sapo"))
-    clip_ratio_c: float = opt(0.0, "dual-clip constant c > 1 bounding the loss of negative advantages; 0 disables",
+                                       "penalty on them), sapo (a smooth gate of the ratio instead of the clip), "
+                                       "dppo_tv / dppo_kl (the gradient kept while the token's probability stays "
+                                       "within a total variation / binary KL of clip_ratio_low/high of the old one)",
+                           choices=("ppo_clip", "gspo", "cispo", "gpg", "gmpo", "clip_cov", "kl_cov", "sapo", "dppo_tv",
+                                    "dppo_kl"))
+    clip_ratio_c: float = opt(0.0, "dual-clip constant c > 1 bounding the loss of negative advantages; 0 disables "
+                                   "(dppo_tv / dppo_kl: the truncation of their importance ratio, 0: 20)",
                               ge=0.0)
     # Clip-Cov / KL-Cov (Cui et al. 2025): restrain the tokens whose log-prob moves most with their advantage
     clip_cov_ratio: float = opt(2e-4, "clip_cov: share of a micro-batch's tokens whose gradient is removed, drawn "

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from alignrl.config.checks import nearest_sibling
 from alignrl.config.file_shape import SEED_KEYS, SEED_MODEL_PARTS, unknown_seed_key
-from alignrl.config.schema import ConfigError, RunConfig
+from alignrl.config.schema import CLIP_C_LOSSES, ConfigError, RunConfig
 from alignrl.config.verl_groups import engine as _engine, finish as finish_engine
 from alignrl.config.verl_multi_turn import multi_turn
 from alignrl.config.verl_pass import TranslationPass, UnknownKeyError
@@ -270,8 +270,8 @@ def verl_defaults(t: Translation, given: set[str], adv_estimator: str, use_kl_lo
     if t.search_r1 and "algorithm.use_kl_in_reward" not in given:  # its verl applies the KL in the reward whenever
         use_kl_loss = use_kl_loss and "actor.use_kl_loss" in given  # the loss has none (False: the table's)
         out.append(f"algorithm.use_kl_in_reward={not use_kl_loss}")
-    if not t.search_r1 and "actor.clip_ratio_c" not in given and _policy_loss(t, given) == "ppo_clip":
-        out.append(f"actor.clip_ratio_c={VERL07_CLIP_RATIO_C}")  # verl 0.7's vanilla loss dual-clips
+    if not t.search_r1 and "actor.clip_ratio_c" not in given and _policy_loss(t, given) in CLIP_C_LOSSES:
+        out.append(f"actor.clip_ratio_c={VERL07_CLIP_RATIO_C}")  # verl 0.7's vanilla loss dual-clips, DPPO truncates
     estimator = adv_estimator if "algorithm.adv_estimator" in given else "gae"  # the table's when none is given
     if "critic.enable" not in given:
         out.append(f"critic.enable={estimator == 'gae'}")

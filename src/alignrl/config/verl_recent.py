@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from alignrl.config.schema import ConfigError
+from alignrl.config.schema import CLIP_C_LOSSES, ConfigError
 from alignrl.config.verl_pass import TranslationPass, UnknownKeyError
 from alignrl.config.verl_tables import (A, DAPO, FILTER_METRICS, LOSS_MODE_TUNING, LOSS_MODES, MISSING, NOT_USED, R, RC,
                                         REWARD_MANAGERS, ROLLOUT_CORRECTION_OFF, VAL_KWARGS)
@@ -133,7 +133,7 @@ def finish(st: TranslationPass) -> list[str]:
         out.append("algorithm.overlong_buffer_len=0")
     out += _reward_model(st.reward_model) + _validation(st.val_kwargs, st.search_r1)
     out += rollout_correction(st)
-    if st.loss_mode != "vanilla":  # verl's other losses read no dual-clip constant; alignrl's refuse one
+    if LOSS_MODES[st.loss_mode] not in CLIP_C_LOSSES:  # verl's other losses read no clip_ratio_c; alignrl's refuse one
         st.out[:] = [o for o in st.out if not o.startswith("actor.clip_ratio_c=")]
     _response_cap_note(st)
     out += _excluded_modules(st) + _verl_logger(st)

@@ -152,7 +152,8 @@ ALIASES = {"reward_model.reward_kwargs.overlong_buffer_cfg." + k: "reward_model.
 # verl's policy_loss.loss_mode -> alignrl's actor.policy_loss; the other policy_loss.* keys tune Clip-Cov and KL-Cov
 # (alignrl's actor.<the same name>)
 LOSS_MODES = {"vanilla": "ppo_clip", "gspo": "gspo", "cispo": "cispo",  # cispo: clipped by clip_ratio_low/high
-              "gpg": "gpg", "geo_mean": "gmpo", "clip_cov": "clip_cov", "kl_cov": "kl_cov", "sapo": "sapo"}
+              "gpg": "gpg", "geo_mean": "gmpo", "clip_cov": "clip_cov", "kl_cov": "kl_cov", "sapo": "sapo",
+              "dppo_tv": "dppo_tv", "dppo_kl": "dppo_kl"}
 LOSS_MODE_TUNING = tuple(A + "policy_loss." + k for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
                                                           "kl_cov_ratio", "ppo_kl_coef"))
 

@@ -15,11 +15,13 @@ import torch
 
 from alignrl.core.aggregation import LOSS_AGGREGATIONS, aggregate_loss, token_mean
 from alignrl.core.covariance_losses import clip_cov_loss, kl_cov_loss
+from alignrl.core.divergence_losses import dppo_kl_loss, dppo_tv_loss
 from alignrl.core.policy_terms import MAX_LOG_RATIO, finish_loss, per_token_advantages, ratio_metrics
 
 __all__ = ["MAX_LOG_RATIO", "K3_MAX", "masked_mean", "kl_k1", "kl_k2", "kl_k3", "kl_abs", "KL_ESTIMATORS", "token_mean",
            "LOSS_AGGREGATIONS", "aggregate_loss", "ppo_clip_loss", "gspo_loss", "cispo_loss", "gpg_loss", "gmpo_loss",
-           "clip_cov_loss", "kl_cov_loss", "sapo_loss", "POLICY_LOSSES", "value_loss"]
+           "clip_cov_loss", "kl_cov_loss", "sapo_loss", "dppo_tv_loss", "dppo_kl_loss", "POLICY_LOSSES",
+           "value_loss"]
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
@@ -205,7 +207,8 @@ def sapo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
 
 
 POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss, "gpg": gpg_loss,
-                 "gmpo": gmpo_loss, "clip_cov": clip_cov_loss, "kl_cov": kl_cov_loss, "sapo": sapo_loss}
+                 "gmpo": gmpo_loss, "clip_cov": clip_cov_loss, "kl_cov": kl_cov_loss, "sapo": sapo_loss,
+                 "dppo_tv": dppo_tv_loss, "dppo_kl": dppo_kl_loss}
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from alignrl.config.schema import CLIP_C_LOSSES
 from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, aggregate_loss
 from alignrl.data.records import Experience
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
@@ -35,7 +36,7 @@ class PolicyLossSpec:
 
 def loss_options(spec: PolicyLossSpec, generator: torch.Generator | None) -> dict:
     """The keywords of `spec.name`'s loss beyond the common call (`core.losses`)."""
-    if spec.name == "ppo_clip":
+    if spec.name in CLIP_C_LOSSES:
         return {"clip_c": spec.clip_c}
     if spec.name == "clip_cov":
         ratio, low, high = spec.clip_cov
