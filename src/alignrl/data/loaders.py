@@ -253,6 +253,12 @@ def count_rows(path: str, key: str = "data.train_files") -> int:
         return sum(1 for line in f if line.strip())
 
 
+def read_rows(path: str, key: str, limit: int | None = None) -> list[_Row]:
+    """The rows of a .jsonl/.json/.parquet file as (location for messages, row), each a dict of its columns;
+    DataError naming `key` (the setting that named the file) when it cannot be read."""
+    return _read_rows(path, limit, key)[1]
+
+
 def _read_rows(path: str, limit: int | None, key: str = "data.train_files") -> tuple[list[str], list[_Row]]:
     check_data_file(path, key)
     if Path(path).suffix.lower() == ".parquet":

@@ -12,8 +12,10 @@ from alignrl.config.schema import CLIP_C_LOSSES
 from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, aggregate_loss
 from alignrl.data.records import Experience
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
+from alignrl.models.vision import encoder_in_every_forward
 from alignrl.runtime.lanes import lane_count
 from alignrl.train.minibatch import TokenBudget, minibatch_updates
+from alignrl.train.ptx import PretrainMix, language_model_loss
 from alignrl.interfaces import TrainEngine
 
 
@@ -88,15 +90,16 @@ class Actor:
     """The trainable policy on a TrainEngine; `update` runs PPO epochs over an Experience batch (this
     rank's share of it under data parallelism)."""
 
-    def __init__(self, engine: TrainEngine, layout: ForwardLayout = ForwardLayout()):
+    def __init__(self, engine: TrainEngine, layout: ForwardLayout = ForwardLayout(), ptx: PretrainMix | None = None):
         self.engine = engine
         self.model = engine.model  # unwrapped: generation, no-grad log-probs, save_pretrained
         self.layout = layout  # how a micro-batch goes through the model (models.logprobs)
+        self.ptx = ptx  # pretraining texts mixed into the updates (PPO-ptx), or None
 
     def update(self, exp: Experience, spec: PolicyLossSpec, mini_batch: int, micro_batch: int | TokenBudget,
-               epochs: int, generator: torch.Generator) -> dict[str, float]:
+               epochs: int, generator: torch.Generator, step: int = 0) -> dict[str, float]:
         """`mini_batch` (this rank's share) and `micro_batch` are in sequences. Mini-batches are shuffled
-        each epoch."""
+        each epoch. `step`: the RL step, which picks PPO-ptx's texts."""
         self.engine.module.train()
         draws = token_draws(generator) if spec.name == "clip_cov" else None
 
@@ -109,4 +112,18 @@ class Actor:
 
         return minibatch_updates(exp, micro_loss, self.engine, mini_batch, micro_batch, epochs, generator, "actor",
                                  by_prompt=self.layout.share_prompt,
-                                 lanes=lane_count(self.layout.lanes, self.engine.env.device))
+                                 lanes=lane_count(self.layout.lanes, self.engine.env.device),
+                                 follow=None if self.ptx is None else self._ptx_loss(step))
+
+    def _ptx_loss(self, step: int):
+        """PPO-ptx's term after each micro-batch (`train.ptx`): coef x the next texts' language-model loss x the
+        micro-batch's share of the mini-batch's tokens; `actor/ptx_loss` is the texts' loss itself."""
+        draw, coef = self.ptx.for_step(step), self.ptx.coef
+
+        def follow(share: float) -> tuple[torch.Tensor, dict[str, float]]:
+            ids, mask = draw()
+            with encoder_in_every_forward(self.engine.module, None):  # a vision-language policy's ranks agree
+                loss = language_model_loss(self.engine.module, ids, mask)
+            return coef * share * loss, {"actor/ptx_loss": float(loss.detach())}
+
+        return follow

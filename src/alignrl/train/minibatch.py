@@ -28,6 +28,8 @@ SKIPPED = "skipped_nonfinite"  # the metric counting skipped steps, under each m
 # (rows of the full batch, those rows as a trimmed Experience, mini-batch token count, mini-batch
 # sequence count) -> (loss, metrics)
 MicroLoss = Callable[[torch.Tensor, Experience, float, float], tuple[torch.Tensor, dict[str, float]]]
+# a loss of its own given a micro-batch's share of its mini-batch's tokens, and its metrics (MicroRun.follow)
+FollowLoss = Callable[[float], tuple[torch.Tensor, dict[str, float]]]
 
 
 @dataclass(frozen=True)
@@ -41,17 +43,18 @@ class TokenBudget:
 
 def minibatch_updates(exp: Experience, micro_loss: MicroLoss, engine: TrainEngine, mini_batch: int,
                       micro_batch: int | TokenBudget, epochs: int, generator: torch.Generator, prefix: str,
-                      by_prompt: bool = False, lanes: int = 1) -> dict[str, float]:
+                      by_prompt: bool = False, lanes: int = 1, follow: FollowLoss | None = None) -> dict[str, float]:
     """Runs the updates; `mini_batch` is this rank's share of a mini-batch, in sequences (`micro_batch`: rows, or
     a TokenBudget); `by_prompt` keeps the
     rows of a prompt in the same mini- and micro-batches (for a shared-prompt forward); `lanes` > 1: micro-batches
-    side by side where the engine takes it (`runtime.lanes`). Returns metrics
+    side by side where the engine takes it (`runtime.lanes`); `follow`: a loss backpropagated after each micro-batch
+    (`MicroRun.follow`, PPO-ptx's). Returns metrics
     averaged over mini-batches (each weighted 1), and `<prefix>/skipped_nonfinite`: the optimizer steps
     skipped because the loss or the gradient norm was non-finite (see `TrainEngine.step`)."""
     sums: dict[str, list[float]] = defaultdict(list)
     skipped_before = engine.skipped_steps
     group = prompt_groups(exp.prompt_ids, exp.prompt_mask)[1] if by_prompt else None  # each row's prompt
-    side_by_side = lanes > 1 and engine.parallel_micro_batches and exp.images is None
+    side_by_side = lanes > 1 and engine.parallel_micro_batches and exp.images is None and follow is None
     for _ in range(epochs):
         order = shuffled_rows(len(exp), generator, group)
         for start in range(0, len(exp), mini_batch):
@@ -59,7 +62,7 @@ def minibatch_updates(exp: Experience, micro_loss: MicroLoss, engine: TrainEngin
             local_tokens = float(exp.response_mask[mb].sum())
             tokens, seqs = all_reduce_sum(engine.env, [local_tokens, n_sequences(exp.response_mask[mb])])
             chunks = micro_batches(mb, exp, micro_batch, group, engine.env)
-            run = MicroRun(exp, micro_loss, engine, tokens, seqs)
+            run = MicroRun(exp, micro_loss, engine, tokens, seqs, follow)
             done = run.in_lanes(chunks, lanes) if side_by_side and len(chunks) > 1 else run.one_by_one(chunks)
             for finite, tokens_in, m in done:
                 for k, v in m.items():
@@ -84,6 +87,9 @@ class MicroRun:
     engine: TrainEngine
     tokens: float  # the mini-batch's response tokens and sequences over all ranks
     seqs: float
+    # after each micro-batch, a loss of its own given the micro-batch's share of the mini-batch's tokens, with its
+    # metrics (PPO-ptx's language-model term): backpropagated into the same optimizer step
+    follow: FollowLoss | None = None
 
     def _loss(self, rows: torch.Tensor) -> tuple[torch.Tensor, tuple[bool, float, dict[str, float]]]:
         micro = self.exp.select(rows).to(self.engine.env.device)
@@ -94,11 +100,19 @@ class MicroRun:
         done = []
         for i, rows in enumerate(chunks):
             last = i == len(chunks) - 1
-            with self.engine.micro_batch(last):
+            with self.engine.micro_batch(last and self.follow is None):
                 loss, result = self._loss(rows)
-                self.engine.backward(loss, last_micro=last)
-            done.append(result)
+                self.engine.backward(loss, last_micro=last and self.follow is None)
+            done.append(result if self.follow is None else self._followed(result, last))
         return done
+
+    def _followed(self, result: tuple[bool, float, dict[str, float]], last: bool
+                  ) -> tuple[bool, float, dict[str, float]]:
+        finite, tokens_in, metrics = result
+        with self.engine.micro_batch(last):
+            loss, extra = self.follow(tokens_in / max(self.tokens, 1.0))
+            self.engine.backward(loss, last_micro=last)
+        return finite and bool(torch.isfinite(loss.detach())), tokens_in, {**metrics, **extra}
 
     def in_lanes(self, chunks: list[torch.Tensor], lanes: int) -> list[tuple[bool, float, dict[str, float]]]:
         """Each lane sums its micro-batches' gradients in order (`autograd.grad`, never into `.grad` from two

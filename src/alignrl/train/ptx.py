@@ -1,0 +1,53 @@
+"""PPO-ptx (Ouyang et al. 2022, "Training language models to follow instructions with human feedback"; OpenRLHF's
+--pretrain_data / --ptx_coef): a language-model loss on pretraining texts added to the actor's updates, so the
+policy keeps what it knew while RL moves it.
+
+As OpenRLHF does it, each micro-batch of the update is followed by one micro-batch of texts, whose token-mean
+cross-entropy (every token a target) is backpropagated times `coef` into the same optimizer step. Here the term of
+each micro-batch is also weighted by that micro-batch's share of the mini-batch's response tokens (over all ranks),
+as the policy loss is, so the optimizer step sees coef x the token-weighted mean of its texts' losses however the
+mini-batch is split. The texts of a step are drawn from a permutation seeded by the run's seed and the step, so a
+resumed run draws the same texts without any saved position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from alignrl.data.pretrain_text import PretrainTexts
+
+
+def language_model_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Token-mean cross-entropy of next-token prediction over the attended tokens of right-padded rows."""
+    device = next(model.parameters()).device
+    ids, mask = input_ids.to(device), attention_mask.to(device)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
+
+
+@dataclass
+class PretrainMix:
+    """The pretraining texts mixed into the actor's updates; `coef` the weight of their loss."""
+
+    texts: PretrainTexts
+    coef: float
+    micro_batch: int
+    seed: int
+
+    def for_step(self, step: int):
+        """The draws of one update: each call gives the next micro-batch of texts (input_ids, attention_mask),
+        cycling through a permutation of all texts seeded by (seed, step)."""
+        order = torch.randperm(len(self.texts), generator=torch.Generator().manual_seed(self.seed * 104_729 + step))
+        at = 0
+
+        def draw() -> tuple[torch.Tensor, torch.Tensor]:
+            nonlocal at
+            rows = [int(order[(at + i) % len(order)]) for i in range(self.micro_batch)]
+            at += self.micro_batch
+            return self.texts.batch(rows)
+
+        return draw
