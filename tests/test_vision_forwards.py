@@ -52,6 +52,21 @@ def test_multimodal_batches_skip_packing_and_prompt_sharing_and_refuse_text_only
         response_values(load_value_model(str(tiny_model_dir), log=lambda *_: None), *tensors, images=ro.images)
 
 
+def test_shared_prompts_of_a_vision_language_model_over_ranks_take_the_plain_forward(vl, tiny_model, monkeypatch):
+    """The shared-prompt forward makes two model calls, the plain one one: where several ranks hold a vision-language
+    model, one rank's image micro-batch (plain) and another's text micro-batch (shared) would pair their collectives
+    wrongly, so every micro-batch takes the plain forward there; a text-only model and one process still share."""
+    from alignrl.models import logprobs
+    from alignrl.models.logprobs import ForwardLayout
+
+    shared = ForwardLayout(share_prompt=True)
+    assert logprobs.shares_prompts(vl[0], shared, with_images=False)
+    assert not logprobs.shares_prompts(vl[0], shared, with_images=True)
+    monkeypatch.setattr(logprobs, "ranks_share_model", lambda: True)
+    assert not logprobs.shares_prompts(vl[0], shared, with_images=False)
+    assert logprobs.shares_prompts(tiny_model[0], shared, with_images=False)
+
+
 def test_text_forwards_run_the_encoder_when_ranks_share_the_model_or_it_trains(vl, pictures, tmp_path, monkeypatch):
     """A text-only forward (plain or packed) runs the image encoder once on a blank patch when several ranks hold the
     model, as another rank's image micro-batch runs it, so DDP/FSDP2/ZeRO-3 collectives pair up (test_vision_sharded_ref

@@ -22,7 +22,7 @@ from alignrl.data.collate import position_ids, prompt_groups
 from alignrl.models.folder import ModelError
 from alignrl.models.kv_cache import cache_arg, returned_cache
 from alignrl.models.packing import pack, packed_forward, unpack
-from alignrl.models.vision import encoder_in_every_forward, vision_inputs
+from alignrl.models.vision import encoder_in_every_forward, is_vision_model, ranks_share_model, vision_inputs
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,14 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response
     return torch.cat([first_token, tail.logits[:, :-1]], 1)
 
 
+def shares_prompts(model, layout: ForwardLayout, with_images: bool) -> bool:
+    """Whether a micro-batch takes the shared-prompt forward: with share_prompt, for text alone. Its two model calls
+    against the plain forward's one would pair ranks' collectives wrongly (FSDP2's and ZeRO-3's gathers, DDP's buffer
+    broadcasts) where one rank's micro-batch holds an image and another's does not, so a vision-language model shared
+    by several ranks takes the plain forward throughout, on every rank alike."""
+    return layout.share_prompt and not with_images and not (ranks_share_model() and is_vision_model(model))
+
+
 def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                       response_mask: torch.Tensor, temperature: float = 1.0,
                       with_entropy: bool = False, entropy_grad: bool = False, layout: ForwardLayout = ForwardLayout(),
@@ -103,7 +111,7 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     # packing and prompt sharing are speed-ups for text: rows with images take the plain forward, one model call as a
     # packed one (verl's vision-language scripts set use_remove_padding=True), so a micro-batch holding a tool's or a
     # prompt's image costs its speed-up and nothing else
-    groups = prompt_groups(prompt_ids, prompt_mask) if layout.share_prompt and not with_images else None
+    groups = prompt_groups(prompt_ids, prompt_mask) if shares_prompts(model, layout, with_images) else None
     with encoder_in_every_forward(model, images):  # the forwards below, whichever layout
         if layout.remove_padding and not with_images:  # (T, V) logits of the attended tokens only, put back by unpack
             packing = pack(prompt_ids, prompt_mask, response_ids, response_mask, groups)
