@@ -5,9 +5,12 @@ service (a stand-in `vllm` module, no GPU) gets the very pictures as `multi_moda
 
 import base64
 import dataclasses
+import io
 import json
+import struct
 import sys
 import types
+import zlib
 from types import SimpleNamespace
 
 import httpx
@@ -143,7 +146,7 @@ def test_a_server_that_grids_pictures_otherwise_is_one_line_and_its_pixel_flags_
 
 def test_pictures_that_are_not_images_are_one_line_400s(served, vl):
     from alignrl.data.images import images_to_json
-    from alignrl.data.picture_json import pictures_from_json, png_base64
+    from alignrl.data.picture_json import PixelBudget, pictures_from_json, png_base64
 
     gen, root = served
     _, tok = vl
@@ -151,9 +154,16 @@ def test_pictures_that_are_not_images_are_one_line_400s(served, vl):
     good = {"pictures": [png_base64(prompt.pictures[0])], "image_grid_thw": prompt.images.image_grid_thw.tolist()}
     body = {"prompts": [list(prompt)], "max_tokens": 2}
     sliver = Image.new("RGB", (300, 1))
+    buf = io.BytesIO()
+    prompt.pictures[0].save(buf, format="JPEG")
+    jpeg = base64.b64encode(buf.getvalue()).decode()
     for images, said in [
-        ({**good, "pictures": ["@@@"]}, "prompt 0: picture 0 is not a base64 image"),
-        ({**good, "pictures": [base64.b64encode(b"no picture").decode()]}, "picture 0 is not a base64 image"),
+        ({**good, "pictures": ["@@@"]}, "prompt 0: picture 0 is not a base64 PNG"),
+        ({**good, "pictures": [base64.b64encode(b"no picture").decode()]}, "picture 0 is not a base64 PNG"),
+        ({**good, "pictures": [jpeg]}, "picture 0 is not a base64 PNG"),
+        # a header claiming 20000 x 20000 pixels (Pillow's own bomb check raises at opening) and 9000 x 9000
+        ({**good, "pictures": [png_header(20000, 20000)]}, "picture 0 is over 67108864 pixels"),
+        ({**good, "pictures": [png_header(9000, 9000)]}, "picture 0 is over 67108864 pixels"),
         ({"pictures": good["pictures"]}, "send {pictures: [base64 PNG, ...], image_grid_thw"),
         ({**good, "image_grid_thw": [[1, 2]]}, "images are not pictures with their grids"),
         ({**good, "pictures": [png_base64(sliver)]}, "the model's processor cannot read its pictures"),
@@ -166,8 +176,22 @@ def test_pictures_that_are_not_images_are_one_line_400s(served, vl):
     r = httpx.post(f"{gen.url}/v1/generate_tokens", json={**body, "images": [images_to_json(prompt.images)]},
                    timeout=120)  # the pixel-row form is still read
     assert r.status_code == 200, r.text
-    with pytest.raises(Exception, match="picture 0 is 56x84, over 100 pixels"):
+    with pytest.raises(Exception, match="picture 0 is over 100 pixels"):
         pictures_from_json(good, "prompt 0", max_pixels=100)  # checked from the header, before decoding
+    budget = PixelBudget(56 * 84 + 10)  # a request's pictures are counted together: the second one is over
+    pictures_from_json(good, "prompt 0", budget=budget)
+    with pytest.raises(Exception, match="prompt 1: picture 0: the request's pictures exceed 4714 pixels in all"):
+        pictures_from_json(good, "prompt 1", budget=budget)
+
+
+def png_header(width: int, height: int) -> str:
+    """Base64 of a PNG whose header claims width x height pixels, a few dozen bytes in all."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    raw = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(bytes(10))) + chunk(b"IEND", b""))
+    return base64.b64encode(raw).decode()
 
 
 class FakeLLM:
@@ -224,3 +248,19 @@ def test_a_vllm_service_gets_the_pictures_as_multi_modal_data(vllm_service, vl, 
     message = r.json()["error"]["message"]
     assert r.status_code == 400 and "\n" not in message, r.text
     assert "generates with vLLM, which reads images as pictures, not pixel rows; send its images as pictures" in message
+
+
+def test_a_picture_is_encoded_once_for_every_prompt_and_call_that_holds_it(vl, tmp_path, monkeypatch):
+    from alignrl.data import picture_json
+    from alignrl.rollout import remote
+
+    _, tok = vl
+    Image.new("RGB", (56, 56), (200, 10, 10)).save(tmp_path / "red.png")
+    prompt = image_prompt(tok, tmp_path / "red.png")
+    calls = []
+    encode = picture_json.png_base64
+    monkeypatch.setattr(picture_json, "png_base64", lambda picture: calls.append(1) or encode(picture))
+    first = remote.picture_forms([prompt, prompt])
+    again = remote.picture_forms([prompt])  # a later turn or step holding the same picture
+    assert len(calls) == 1 and first[0] == first[1] == again[0]
+    assert first[0]["pictures"] == [encode(prompt.pictures[0])]

@@ -14,6 +14,24 @@ import io
 
 from alignrl.data.images import ImageDataError, PromptImages, decode_image
 
+MAX_PICTURE_PIXELS = 1 << 26  # one picture's pixels (a 8192 x 8192 one decodes to 200 MB of RGB)
+MAX_REQUEST_PIXELS = 1 << 27  # all pictures of one request: what it may make the service decode (400 MB of RGB)
+
+
+class PixelBudget:
+    """The pixels a request's pictures may still decode to, counted from their headers before any is decoded: a
+    PNG of one colour is a few hundred kB for 8000 x 8000 pixels, so the body's size does not bound them."""
+
+    def __init__(self, pixels: int = MAX_REQUEST_PIXELS):
+        self.total = self.left = pixels
+
+    def take(self, pixels: int, what: str) -> None:
+        if pixels > self.left:
+            raise ImageDataError(f"{what}: the request's pictures exceed {self.total} pixels in all; send "
+                                 "them resized as the trainer's processor resizes them (data.max_pixels), or fewer "
+                                 "prompts a request")
+        self.left -= pixels
+
 
 def png_base64(picture) -> str:
     """A Pillow picture as base64 of its PNG bytes: lossless, so whoever processes it gets the pixel rows its
@@ -21,7 +39,7 @@ def png_base64(picture) -> str:
     import base64
 
     buf = io.BytesIO()
-    picture.save(buf, format="PNG")
+    picture.save(buf, format="PNG", compress_level=1)  # fast: a lower level costs seconds a photo, saves little
     return base64.b64encode(buf.getvalue()).decode()
 
 
@@ -35,9 +53,11 @@ def pictures_to_json(prompt, encode=png_base64) -> dict | None:
     return {"pictures": [encode(p) for p in prompt.pictures], "image_grid_thw": images.image_grid_thw.tolist()}
 
 
-def pictures_from_json(value: dict, what: str, max_pixels: int = 1 << 26) -> tuple[list, list]:
+def pictures_from_json(value: dict, what: str, max_pixels: int = MAX_PICTURE_PIXELS,
+                       budget: PixelBudget | None = None) -> tuple[list, list]:
     """`pictures_to_json`'s form back: (RGB Pillow pictures, grids as lists); ImageDataError naming `what` and the
-    picture when it is not that form, not an image, or over `max_pixels` pixels (checked before decoding)."""
+    picture when it is not that form, not a PNG, over `max_pixels` pixels or over the request's `budget` (both
+    checked from the header, before decoding)."""
     import base64
     import binascii
 
@@ -51,17 +71,21 @@ def pictures_from_json(value: dict, what: str, max_pixels: int = 1 << 26) -> tup
             or not all(isinstance(g, list) and len(g) == 3 and all(type(x) is int and x > 0 for x in g)
                        for g in grids)):
         raise ImageDataError(f"{what}: images are not pictures with their grids; {form}")
-    out = []
+    out, budget = [], budget or PixelBudget()
     for k, text in enumerate(pictures):
         try:
             raw = base64.b64decode(text, validate=True)
-            with Image.open(io.BytesIO(raw)) as im:  # the header alone: a huge picture is refused before decoding
+            # the header alone: a huge picture is refused before decoding (Pillow's own bomb check raises on some)
+            with Image.open(io.BytesIO(raw), formats=["PNG"]) as im:
                 size = im.size
+        except Image.DecompressionBombError:
+            size = (max_pixels + 1, 1)
         except (TypeError, ValueError, binascii.Error, OSError, UnidentifiedImageError) as exc:
-            raise ImageDataError(f"{what}: picture {k} is not a base64 image ({type(exc).__name__}); {form}") from None
+            raise ImageDataError(f"{what}: picture {k} is not a base64 PNG ({type(exc).__name__}); {form}") from None
         if size[0] * size[1] > max_pixels:
-            raise ImageDataError(f"{what}: picture {k} is {size[0]}x{size[1]}, over {max_pixels} pixels; send it "
-                                 "resized as the trainer's processor resizes it (data.max_pixels)")
+            raise ImageDataError(f"{what}: picture {k} is over {max_pixels} pixels; send it resized as the trainer's "
+                                 "processor resizes it (data.max_pixels)")
+        budget.take(size[0] * size[1], f"{what}: picture {k}")
         out.append(decode_image(f"{what}: picture {k}", raw))
     return out, grids
 

@@ -33,7 +33,8 @@ from alignrl.data.records import Rollout
 from alignrl.errors import UserError
 from alignrl.interfaces import SamplingParams, derived_seed
 
-START = {"generation": "alignrl serve generate --model PATH --port {port}",
+START = {"generation": "alignrl serve generate --model PATH --port {port} (a vision-language model's with "
+                        "--min_pixels/--max_pixels as the run's data.min_pixels/max_pixels)",
          "reference": "alignrl serve ref --model PATH --port {port}",
          "reward": "alignrl serve reward --model RM_PATH --port {port}"}
 
@@ -220,21 +221,22 @@ def request_slices(prompts: Sequence[Sequence[int]], per_request: int,
 def picture_forms(prompts: Sequence[Sequence[int]]) -> list[dict | None] | None:
     """Each prompt's images as pictures (`data.picture_json`, a tenth to a twentieth of the pixel rows' bytes, and
     what a vLLM service reads) when every prompt with images carries its pictures, one per grid; None otherwise (the
-    images then go as pixel rows). Copies of a prompt (a group's rows in a multi-turn episode) share their picture
-    objects: each is encoded once."""
+    images then go as pixel rows). A picture is encoded once: its PNG is kept on it (in Pillow's `info`, which PNG
+    saving does not write out), for the copies of a prompt and the turns of an episode that hold it."""
     from alignrl.data.picture_json import png_base64, pictures_to_json
 
     with_images = [p for p in prompts if getattr(p, "images", None) is not None]
     if not with_images or any(len(getattr(p, "pictures", ())) != len(p.images.image_grid_thw) for p in with_images):
         return None
-    encoded: dict[int, str] = {}  # by id: every picture stays alive in `prompts` meanwhile
-
     def encode(picture) -> str:
-        if id(picture) not in encoded:
-            encoded[id(picture)] = png_base64(picture)
-        return encoded[id(picture)]
+        if PNG_KEY not in picture.info:
+            picture.info[PNG_KEY] = png_base64(picture)
+        return picture.info[PNG_KEY]
 
     return [pictures_to_json(p, encode) for p in prompts]
+
+
+PNG_KEY = "alignrl.png_base64"  # a picture's encoding for the generation service, kept on the picture
 
 
 class RemoteRolloutEngine:

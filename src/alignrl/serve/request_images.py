@@ -38,16 +38,19 @@ def image_prompts(req, tokenizer, engine=None) -> list[list[int]]:
         if given is not None and any(x is not None for x in given):
             raise RequestError("images need a vision-language model; this server's model is text-only")
         return req.prompts
-    pictures_only = getattr(engine, "needs_pictures", False)
+    from alignrl.data.picture_json import PixelBudget
+
+    pictures_only, budget = getattr(engine, "needs_pictures", False), PixelBudget()
     prompts = req.prompts if given is None else [
-        p if x is None else with_images(i, p, x, processor, pictures_only)
+        p if x is None else with_images(i, p, x, processor, pictures_only, budget)
         for i, (p, x) in enumerate(zip(req.prompts, given))]
     check_image_tokens(prompts, processor)
     return prompts
 
 
-def with_images(i: int, ids: list[int], value, processor, pictures_only: bool):
-    """Prompt `i`'s ids with its images (an ImagePrompt), from either form."""
+def with_images(i: int, ids: list[int], value, processor, pictures_only: bool, budget=None):
+    """Prompt `i`'s ids with its images (an ImagePrompt), from either form; `budget`: the request's pixels left
+    (`data.picture_json.PixelBudget`). The pictures stay with the prompt only for an engine that reads them."""
     from alignrl.data.images import ImageDataError, ImagePrompt, images_from_json
     from alignrl.data.picture_json import picture_images, pictures_from_json
 
@@ -60,7 +63,7 @@ def with_images(i: int, ids: list[int], value, processor, pictures_only: bool):
                 raise RequestError(f"{what}: this server generates with vLLM, which reads images as pictures, not "
                                    f"pixel rows; {PICTURE_FORM}")
             return ImagePrompt(ids, images_from_json(value, what))
-        pictures, grids = pictures_from_json(value, what)
+        pictures, grids = pictures_from_json(value, what, budget=budget)
         images = picture_images(processor, pictures, what)
     except ImageDataError as e:
         raise RequestError(str(e)) from None
@@ -70,7 +73,7 @@ def with_images(i: int, ids: list[int], value, processor, pictures_only: bool):
                            f"{grids}: the server resizes images otherwise than the trainer; start it with the "
                            "trainer's bounds (alignrl serve generate --min_pixels/--max_pixels as data.min_pixels/"
                            "data.max_pixels)")
-    return ImagePrompt(ids, images, tuple(pictures))
+    return ImagePrompt(ids, images, tuple(pictures) if pictures_only else ())
 
 
 def check_image_tokens(prompts: Sequence[Sequence[int]], processor) -> None:
