@@ -4,8 +4,10 @@ verl's interactions too).
 
 The YAML lists `tools: [{class_name, config, tool_schema}]`. verl's gsm8k and search tools are alignrl's own
 (`verl_builtin_tools`); any other class_name is imported as a module path (the working folder and PYTHONPATH) and
-must subclass verl's `BaseTool`. When verl is not installed, the modules such a tool imports are provided under their
-names (`verl_tool_api`); an installed verl is used as it is.
+must subclass verl's `BaseTool`. An entry with `config.type: mcp` and verl's `mcp` section is a tool per tool of its
+MCP servers (`mcp_tools`), connected when the tools are made (and when their schemas are read). When verl is not
+installed, the modules such a tool imports are provided under their names (`verl_tool_api`); an installed verl is
+used as it is.
 
 An episode (`ToolEnvironment`) is verl's ToolAgentLoop: the prompt is the row's messages templated with the tools'
 schemas, which the run's prompts carry (`tool_schemas`: data.filter_overlong_prompts and data.max_prompt_length
@@ -45,6 +47,7 @@ from alignrl.data.records import Sample
 from alignrl.errors import UserError
 from alignrl.rewards.values import plain_number
 from alignrl.utils.user_files import provide_modules
+from alignrl.rollout import mcp_tools
 from alignrl.rollout.observation_images import given_media, needs_vision, pictures_of
 from alignrl.rollout.remote import ServiceError
 from alignrl.rollout.tool_calls import ToolCall, ToolChat, parse_hermes, truncate_response
@@ -166,7 +169,7 @@ class ToolEnvironment:
                                                                                                     {}))
             instance_id = created[0] if isinstance(created, tuple) else created
             got = await tool.execute(instance_id, json.loads(call.arguments))
-        except ServiceError:
+        except (ServiceError, mcp_tools.McpResultError):  # a service gone, an MCP image that cannot be read
             raise
         except Exception as exc:
             self.counts["tool_errors"] += 1
@@ -211,8 +214,9 @@ def verl_tool_modules() -> tuple[type, type]:
     (ReTool's CustomSandboxFusionTool)."""
     base, schema_cls = verl_api()
     if base is BaseTool:
-        provide_modules({"verl.tools.sandbox_fusion_tools": {"SandboxFusionTool": SandboxFusionTool}},
-                        "verl's code tool, as alignrl provides it (verl is not installed)")
+        provide_modules({"verl.tools.sandbox_fusion_tools": {"SandboxFusionTool": SandboxFusionTool},
+                         **mcp_tools.PROVIDED}, "verl's code and MCP tools, as alignrl provides them (verl is not "
+                        "installed)")
     return base, schema_cls
 
 
@@ -221,7 +225,7 @@ def load_tools(path: str) -> list:
     One line for a missing file, bad YAML, an entry without class_name, an unknown class, a bad schema."""
     entries = _entries(path)
     base, schema_cls = verl_tool_modules()
-    tools = [_make_tool(entry, i, path, base, schema_cls) for i, entry in enumerate(entries)]
+    tools = [t for i, entry in enumerate(entries) for t in _make_tools(entry, i, path, base, schema_cls)]
     _check_names([t.name for t in tools], path)
     return tools
 
@@ -238,7 +242,11 @@ def tool_schemas(path: str) -> list[dict] | None:
     base, schema_cls = verl_tool_modules()
     schemas = []
     for i, entry in enumerate(entries):
-        schema = _schema(entry, _where(entry, i, path), schema_cls)
+        where = _where(entry, i, path)
+        if _is_mcp(entry):  # the servers give the schemas: they are connected here, once for the run's process
+            schemas += [dump_schema(t.tool_schema) for t in _make_tools(entry, i, path, base, schema_cls)]
+            continue
+        schema = _schema(entry, where, schema_cls)
         schemas.append(dump_schema(schema if schema is not None else
                                    _make_tool(entry, i, path, base, schema_cls).tool_schema))
     _check_names([s["function"]["name"] for s in schemas], path)
@@ -283,10 +291,24 @@ def _where(entry: Any, i: int, path: str) -> str:
     config = entry.get("config") or {}
     if not isinstance(config, dict):
         raise ToolConfigError(f"{where}.config is a {type(config).__name__}; give a mapping (e.g. {{type: native}})")
-    if config.get("type", "native") != "native":
-        raise ToolConfigError(f"{where}.config.type={config['type']!r} is not supported (only native tools, not MCP "
-                              "or benchmax ones); use a BaseTool subclass with type: native")
+    if config.get("type", "native") not in ("native", "mcp"):
+        raise ToolConfigError(f"{where}.config.type={config['type']!r} is not supported (only native and MCP tools, "
+                              "not benchmax ones); use a BaseTool subclass with type: native or type: mcp")
     return where
+
+
+def _is_mcp(entry: dict) -> bool:
+    return (entry.get("config") or {}).get("type") == "mcp"
+
+
+def _make_tools(entry: Any, i: int, path: str, base: type, schema_cls: type) -> list:
+    """Entry `i`'s tools: one for a native entry, one per selected tool of its servers for an MCP one."""
+    where = _where(entry, i, path)
+    if not _is_mcp(entry):
+        return [_make_tool(entry, i, path, base, schema_cls)]
+    name = entry["class_name"]
+    return mcp_tools.entry_tools(entry, where, path, lambda: mcp_tools.BUILTIN_MCP.get(name) or BUILTIN.get(name) or
+                                 _tool_class(name, where, base), schema_cls)
 
 
 def _schema(entry: dict, where: str, schema_cls: type):
