@@ -32,8 +32,8 @@ def test_texts_are_tokenized_whole_and_cut_as_openrlhfs_pretraining_rows(tiny_mo
     ids, mask = texts.batch([0, 3])
     assert ids.shape == mask.shape == (2, max(len(texts.ids[0]), len(texts.ids[3])))
     assert mask.sum(1).tolist() == [len(texts.ids[0]), len(texts.ids[3])]
-    blended = load_pretrain_texts([_jsonl(tmp_path / "a.jsonl", [{"text": TEXTS[0]}]),
-                                   _jsonl(tmp_path / "b.jsonl", [{"text": TEXTS[1]}])], "text", tok, 64, probs=[0.5, 0.5])
+    files = [_jsonl(tmp_path / "a.jsonl", [{"text": TEXTS[0]}]), _jsonl(tmp_path / "b.jsonl", [{"text": TEXTS[1]}])]
+    blended = load_pretrain_texts(files, "text", tok, 64, probs=[0.5, 0.5])
     assert set(map(tuple, blended.ids)) == {tuple(tok(t, add_special_tokens=False)["input_ids"]) for t in TEXTS[:2]}
 
 
@@ -103,3 +103,38 @@ def test_each_step_draws_its_own_texts_the_same_way_every_time():
     rows = [tuple(map(tuple, draw()[0].tolist())) for _ in range(4)]  # 12 draws of 10 texts: every text, cycling
     assert {r for batch in rows for r in batch} == {(i, i + 1) for i in range(10)}
     assert mix.for_step(5)()[0].tolist() != first[0]
+
+
+def test_openrlhfs_flags_are_the_ptx_keys(tmp_path):
+    from alignrl.compat import openrlhf_flags as F
+    from alignrl.compat import openrlhf_keys as K
+    from alignrl.config import load_config
+
+    a, b = (_jsonl(tmp_path / f"{n}.jsonl", [{"input": t} for t in TEXTS]) for n in "ab")
+    base = ["--pretrain", "demo", "--micro_train_batch_size", "2", "--n_samples_per_prompt", "2",
+            "--train_batch_size", "8", "--rollout_batch_size", "8", "--prompt_max_len", "32",
+            "--generate_max_len", "16"]
+    args = F.parser().parse_args(base + ["--pretrain_data", f"{a},{b}", "--pretrain_data_probs", "0.7,0.3",
+                                         "--ptx_coef", "0.1", "--pretrain_split", "train"])
+    F.check(args)
+    p = load_config(None, K.overrides(args, False, 3)).ptx
+    assert (p.data, p.data_probs, p.key, p.coef, p.max_length) == ([a, b], [0.7, 0.3], "input", 0.1, 0)
+    assert not any("pretrain" in line for line in K.unused_here(args, gpus=False))
+    capped = F.parser().parse_args(base + ["--pretrain_data", a, "--max_len", "24", "--input_key", "q"])
+    p = load_config(None, K.overrides(capped, False, 3)).ptx
+    assert (p.data, p.data_probs, p.key, p.max_length) == (a, [], "q", 24)
+
+
+def test_a_run_with_pretraining_texts_trains_and_logs_their_loss(tiny_model_dir, tmp_path, cli_in_process):
+    from conftest import SMALL_GRPO, run_settings
+
+    texts = _jsonl(tmp_path / "texts.jsonl", [{"text": t} for t in TEXTS * 4])
+    got = cli_in_process("train", "grpo", *SMALL_GRPO, f"model.path={tiny_model_dir}", f"ptx.data={texts}",
+                         "ptx.coef=0.5", *run_settings(tmp_path, "ptx", 2))
+    assert got.returncode == 0, got.stderr[-3000:] + got.stdout[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "ptx" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["actor/ptx_loss"] for r in rows if "actor/ptx_loss" in r]
+    assert len(losses) == 2 and all(0 < x < 50 for x in losses), losses
+    bad = cli_in_process("train", "grpo", *SMALL_GRPO, f"model.path={tiny_model_dir}", f"ptx.data={texts}",
+                         "ptx.key=content", *run_settings(tmp_path, "ptx_bad", 1))
+    assert bad.returncode != 0 and "no column 'content'" in bad.stderr and "Traceback" not in bad.stderr

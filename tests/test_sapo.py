@@ -58,9 +58,10 @@ def test_verls_sapo_keys_select_it_and_a_run_trains(tiny_model_dir, tmp_path, cl
     averages sequences whatever loss_agg_mode says, so a verl run without one gets that, not verl's token-mean."""
     from conftest import SMALL_GRPO, run_settings
 
-    cfg = load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_pos=0.9",
-                             "actor_rollout_ref.actor.tau_neg=1.2"])
-    assert (cfg.actor.policy_loss, cfg.actor.tau_pos, cfg.actor.tau_neg, cfg.actor.clip_ratio_c) == ("sapo", 0.9, 1.2, 0)
+    actor = "actor_rollout_ref.actor."
+    cfg = load_config(None, [f"{actor}policy_loss.loss_mode=sapo", f"{actor}tau_pos=0.9", f"{actor}tau_neg=1.2"])
+    a = cfg.actor
+    assert (a.policy_loss, a.tau_pos, a.tau_neg, a.clip_ratio_c) == ("sapo", 0.9, 1.2, 0)
     spec = policy_loss_spec(cfg)
     assert (spec.loss_agg, spec.sapo) == ("seq-mean-token-mean", (0.9, 1.2))
     got = cli_in_process("train", "grpo", *SMALL_GRPO, f"model.path={tiny_model_dir}", "actor.policy_loss=sapo",

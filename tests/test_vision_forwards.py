@@ -131,7 +131,8 @@ def test_a_vision_value_model_reads_the_images_and_saves_as_a_plain_folder(vl_di
     values = response_values(critic, *tensors, images=ro.images)
     assert values.shape == ro.response_mask.shape and torch.isfinite(values).all()
     assert ((values != 0) == ro.response_mask.bool()).all()
-    swapped = ImageRows([ro.images.rows[2], ro.images.rows[3], ro.images.rows[0], ro.images.rows[1]] + ro.images.rows[4:])
+    rows = ro.images.rows
+    swapped = ImageRows([rows[2], rows[3], rows[0], rows[1]] + rows[4:])
     other = response_values(critic, *tensors, images=swapped)  # the red rows see blue, the blue rows red
     assert not torch.allclose(other[:4], values[:4]) and torch.equal(other[4:], values[4:])
     (values * ro.response_mask).sum().backward()

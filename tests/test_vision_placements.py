@@ -181,7 +181,8 @@ def test_shared_prompt_forwards_take_image_prompts_and_share_the_text_ones(vl_ru
     count("pictures", logprobs._response_logits)
     train_grpo(load_config(None, overrides(run, tmp_path, "shared", *extra, "actor.share_prompt=true")))
     assert calls["shared"] > 0 and calls["pictures"] > 0, calls
-    logs = [json.loads((tmp_path / r / "logs" / "metrics.jsonl").read_text().splitlines()[-1]) for r in ("plain", "shared")]
+    logs = [json.loads((tmp_path / r / "logs" / "metrics.jsonl").read_text().splitlines()[-1])
+            for r in ("plain", "shared")]
     for key in ("actor/entropy", "actor/grad_norm"):
         assert logs[1][key] == pytest.approx(logs[0][key], rel=1e-5), key
     a, b = weights(tmp_path / "plain", 1), weights(tmp_path / "shared", 1)

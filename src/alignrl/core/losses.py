@@ -23,6 +23,7 @@ __all__ = ["MAX_LOG_RATIO", "K3_MAX", "masked_mean", "kl_k1", "kl_k2", "kl_k3", 
            "clip_cov_loss", "kl_cov_loss", "sapo_loss", "dppo_tv_loss", "dppo_kl_loss", "POLICY_LOSSES",
            "value_loss"]
 
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
@@ -182,8 +183,8 @@ def gmpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         per_seq = per_seq * torch.exp((torch.log(is_weight.detach() + 1e-10) * m).sum(-1) / n)
     metrics = ratio_metrics(log_ratio, log_ratio.exp(), clamped != log_ratio, mask)
     # the sequence's loss on each of its tokens: their token-mean is it, the sequence mean the batch's
-    loss = finish_loss(per_seq[:, None].expand_as(logp), mask, None, "seq-mean-token-mean", global_tokens, global_seqs,
-                   max_len)
+    loss = finish_loss(per_seq[:, None].expand_as(logp), mask, None, "seq-mean-token-mean", global_tokens,
+                       global_seqs, max_len)
     return loss, metrics
 
 
@@ -199,8 +200,8 @@ def sapo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     advantages = per_token_advantages(advantages, logp)
     log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
-    tau = torch.where(advantages > 0, torch.as_tensor(tau_pos, dtype=logp.dtype),
-                      torch.as_tensor(tau_neg, dtype=logp.dtype))
+    tau = torch.where(advantages > 0, torch.as_tensor(tau_pos, dtype=logp.dtype, device=logp.device),
+                      torch.as_tensor(tau_neg, dtype=logp.dtype, device=logp.device))
     per_token = -advantages * torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
     metrics = ratio_metrics(log_ratio, ratio, torch.zeros_like(mask, dtype=torch.bool), mask)
     return finish_loss(per_token, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len), metrics
