@@ -103,6 +103,9 @@ def test_each_step_draws_its_own_texts_the_same_way_every_time():
     rows = [tuple(map(tuple, draw()[0].tolist())) for _ in range(4)]  # 12 draws of 10 texts: every text, cycling
     assert {r for batch in rows for r in batch} == {(i, i + 1) for i in range(10)}
     assert mix.for_step(5)()[0].tolist() != first[0]
+    ranks = [PretrainMix(texts, 0.1, micro_batch=3, seed=1, rank=r, ranks=2).for_step(4) for r in (0, 1)]
+    one = mix.for_step(4)
+    assert [ranks[0]()[0].tolist(), ranks[1]()[0].tolist()] == [one()[0].tolist(), one()[0].tolist()]  # in turns
 
 
 def test_openrlhfs_flags_are_the_ptx_keys(tmp_path):
@@ -112,7 +115,7 @@ def test_openrlhfs_flags_are_the_ptx_keys(tmp_path):
 
     a, b = (_jsonl(tmp_path / f"{n}.jsonl", [{"input": t} for t in TEXTS]) for n in "ab")
     base = ["--pretrain", "demo", "--micro_train_batch_size", "2", "--n_samples_per_prompt", "2",
-            "--train_batch_size", "8", "--rollout_batch_size", "8", "--prompt_max_len", "32",
+            "--train_batch_size", "16", "--rollout_batch_size", "16", "--prompt_max_len", "32",
             "--generate_max_len", "16"]
     args = F.parser().parse_args(base + ["--pretrain_data", f"{a},{b}", "--pretrain_data_probs", "0.7,0.3",
                                          "--ptx_coef", "0.1", "--pretrain_split", "train"])

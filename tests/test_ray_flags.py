@@ -64,10 +64,9 @@ def test_openrlhf_flags_that_do_nothing_here_are_named_and_the_unsupported_ones_
     assert any(line.startswith("--normalize_reward (not applied here") for line in said), said
     assert any(line.startswith("--save_hf_ckpt (") for line in said) and any("--wandb_run_name" in x for x in said)
     assert any(line.startswith("--logging_steps (") for line in said), said
-    for extra, what in ((["--load_in_4bit"], "4-bit"), (["--pretrain_data", "x"], "PPO-ptx")):
-        with pytest.raises(F.FlagError, match=what) as e:
-            F.check(parse(*SEED_001, *extra))
-        assert "\n" not in str(e.value)
+    with pytest.raises(F.FlagError, match="4-bit") as e:
+        F.check(parse(*SEED_001, "--load_in_4bit"))
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("argv, words", [

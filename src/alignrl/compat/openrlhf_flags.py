@@ -45,8 +45,7 @@ ACCEPTED = [("max_len", int, None), ("ptx_coef", float, 0.05), ("normalize_rewar
             ("grad_accum_dtype", str, None), ("disable_trace_cache", bool, False),
             ("gradient_checkpointing_use_reentrant", bool, False), ("disable_fast_tokenizer", bool, False),
             ("actor_init_on_gpu", bool, False), ("enable_ema", bool, False), ("local_rank", int, -1),
-            ("load_in_4bit", bool, False), ("pretrain_data", str, None)]
-OPENRLHF_INPUT_KEY = "input"  # OpenRLHF's --input_key default
+            ("load_in_4bit", bool, False)]
 # --use_wandb values that are a switch; any other value is the API key (OpenRLHF: wandb.login(key=args.use_wandb))
 WANDB_SWITCHES = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -185,6 +184,12 @@ def _data_flags(d) -> None:
     d.add_argument("--prompt_data_probs", default=None,
                    help="one weight per --prompt_data file, separated by commas (e.g. 0.7,0.3): rows are drawn by "
                         "weight, seeded by --seed, until every file was used once (OpenRLHF's interleave_datasets)")
+    d.add_argument("--pretrain_data", default=None,
+                   help="PPO-ptx: .jsonl/.json/.parquet files of text (the --input_key column), separated by commas, "
+                        "whose language-model loss times --ptx_coef joins the actor's updates")
+    d.add_argument("--pretrain_data_probs", default="1.0", help="one weight per --pretrain_data file (blended as "
+                                                                  "--prompt_data_probs blends prompts)")
+    d.add_argument("--pretrain_split", default="train", help="accepted: --pretrain_data files are read whole")
     d.add_argument("--input_key", default=None,
                    help="prompt column: a string or chat messages (default 'input' when --label_key or "
                         "--input_template is given; with none of the three, GSM8K/verl layouts are detected)")
@@ -281,10 +286,9 @@ def check(args) -> None:
     R.check_recent(args)
     L.check_loop(args)
     S.check_sources(args)
-    for flag, what in (("load_in_4bit", "4-bit loading (QLoRA)"), ("pretrain_data", "PPO-ptx")):
-        if getattr(args, flag):
-            raise FlagError(f"--{flag}: {what} is not supported by alignrl; drop it to train all weights in the "
-                            "model's dtype")
+    if args.load_in_4bit:
+        raise FlagError("--load_in_4bit: 4-bit loading (QLoRA) is not supported by alignrl; drop it to train all "
+                        "weights in the model's dtype")
     if args.remote_rm_url and args.reward_pretrain:
         raise FlagError("give either --reward_pretrain or --remote_rm_url, not both")
     if data_keys(args) and args.label_key is None and not (args.reward_pretrain or args.remote_rm_url):
@@ -337,7 +341,7 @@ def data_keys(args) -> dict[str, object]:
     # a vision-language model's chat messages always go through its processor's template (LMM-R1 renders them so
     # without --apply_chat_template, with --train_vlm or, in its current scripts, with neither flag)
     templated = args.apply_chat_template or R.is_vlm(args)
-    return {"prompt_key": args.input_key or OPENRLHF_INPUT_KEY, "label_key": args.label_key,
+    return {"prompt_key": args.input_key or S.OPENRLHF_INPUT_KEY, "label_key": args.label_key,
             "input_template": None if templated else args.input_template, "apply_chat_template": templated}
 
 

@@ -28,7 +28,8 @@ RESIDENT_WHY = "not applied here: attention runs through PyTorch's SDPA, engines
 NOT_APPLIED = {
     "not applied here: alignrl checkpoints are HF folders with their optimizer state, every --save_steps, and "
     "the critic's always": ("save_hf_ckpt", "disable_ds_ckpt", "max_ckpt_mem", "save_value_network"),
-    "not applied here: --prompt_data files are read as they are, with no dataset split": ("prompt_split",),
+    "not applied here: --prompt_data files are read as they are, with no dataset split": ("prompt_split",
+                                                                                          "pretrain_split"),
     "not applied here: a reward model's score is used as it is (no stored mean/std), its head found by "
     "transformers": ("normalize_reward", "value_head_prefix"),
     "not applied here: wandb takes the run folder's name (--save_path; --wandb_run_name names the TensorBoard "
@@ -97,7 +98,8 @@ def unused_here(args, gpus: bool) -> list[str]:
                "--apply_chat_template formats the prompts"),
               (("gamma",) if args.advantage_estimator in GROUP_ESTIMATORS else (),
                f"OpenRLHF sets gamma to 1 for --advantage_estimator {args.advantage_estimator}"),
-              (("max_len",) if args.max_len and args.max_len < args.prompt_max_len + args.generate_max_len else (),
+              (("max_len",) if args.max_len and args.max_len < args.prompt_max_len + args.generate_max_len
+               and not args.pretrain_data else (),
                "not applied here: each prompt is cut at --prompt_max_len and each response at --generate_max_len, "
                "whatever their sum (OpenRLHF's engines also stop a sequence at --max_len tokens in all)"),
               *R.recent_unused(args), *L.loop_unused(args)]
@@ -174,7 +176,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
         out.append(f"trainer.checkpoint_dir={Path(args.ckpt_path).absolute()}")
     if args.reward_pretrain:
         out.append(f"algorithm.reward_model={args.reward_pretrain}")
-    out += S.reward_keys(args)
+    out += S.reward_keys(args) + S.ptx_keys(args)
     if uses_critic(args):
         critic = args.critic_pretrain or args.reward_pretrain
         if critic:

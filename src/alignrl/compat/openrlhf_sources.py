@@ -11,6 +11,8 @@ from pathlib import Path
 from alignrl.config import ConfigError
 from alignrl.rewards.openrlhf_reward import SPEC_PREFIX
 
+OPENRLHF_INPUT_KEY = "input"  # OpenRLHF's --input_key default
+
 
 class SourceFlagError(ConfigError):
     """A --prompt_data or --remote_rm_url value alignrl cannot read; one line naming it and the fix."""
@@ -105,3 +107,23 @@ def reward_keys(args) -> list[str]:
         return [f"algorithm.reward_fn={json.dumps(SPEC_PREFIX + str(path.absolute()))}"]
     urls = split_files(args.remote_rm_url)
     return [f"services.reward_url={','.join(urls)}"] if urls else []
+
+
+def ptx_keys(args) -> list[str]:
+    """--pretrain_data (PPO-ptx) as the ptx.* keys: its files, their weights (--pretrain_data_probs, over several
+    files), the text column (OpenRLHF reads its --input_key, 'input' by default), --ptx_coef, and --max_len, which
+    caps a text where given (OpenRLHF: else --prompt_max_len + --generate_max_len, ptx.max_length's 0)."""
+    if not args.pretrain_data:
+        return []
+    out = [f"ptx.data={files_value(args.pretrain_data)}", f"ptx.coef={args.ptx_coef}",
+           f"ptx.key={json.dumps(args.input_key or OPENRLHF_INPUT_KEY)}"]
+    probs = split_files(args.pretrain_data_probs)
+    if len(split_files(args.pretrain_data)) > 1 and probs not in ([], ["1.0"]):
+        try:
+            out.append(f"ptx.data_probs={json.dumps([float(p) for p in probs])}")
+        except ValueError:
+            raise SourceFlagError(f"--pretrain_data_probs {args.pretrain_data_probs}: give numbers separated by "
+                                  "commas, one per --pretrain_data file (e.g. 0.7,0.3)") from None
+    if args.max_len:
+        out.append(f"ptx.max_length={args.max_len}")
+    return out

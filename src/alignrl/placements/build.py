@@ -25,6 +25,7 @@ from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.runtime.env import SINGLE, DistEnv
 from alignrl.interfaces import RefScorer, RolloutEngine, SequenceScorer
 from alignrl.models import lora
+from alignrl.data.pretrain_text import load_pretrain_texts
 from alignrl.data.prompts import PromptData, load_task_data
 from alignrl.models.loader import (DTYPES, frozen_copy, load_causal_lm, load_model, recompute_activations,
                                    with_template_variables)
@@ -46,6 +47,7 @@ from alignrl.train.critic import Critic
 from alignrl.interfaces import TrainEngine
 from alignrl.train.engines import OptimSpec, build_engine
 from alignrl.train.engines.deepspeed import engine_config, partitioned_init
+from alignrl.train.ptx import PretrainMix
 from alignrl.utils.tracking import console
 
 
@@ -302,9 +304,10 @@ def trained_policy(cfg: RunConfig, model, resume: Path | None):
     return model
 
 
-def build_actor(cfg: RunConfig, model, resume: Path | None, env: DistEnv, materialize: Callable | None = None) -> Actor:
+def build_actor(cfg: RunConfig, model, resume: Path | None, env: DistEnv, materialize: Callable | None = None,
+                tokenizer=None) -> Actor:
     """The actor on its training engine; `model` as loaded (adapters and frozen prefixes are added here, before
-    an engine wraps it)."""
+    an engine wraps it). `tokenizer` reads PPO-ptx's texts (ptx.data)."""
     a = cfg.actor
     model = trained_policy(cfg, model, resume)
     spec = OptimSpec(lr=a.lr, weight_decay=a.weight_decay, betas=tuple(a.betas), warmup_steps=a.lr_warmup_steps,
@@ -312,7 +315,18 @@ def build_actor(cfg: RunConfig, model, resume: Path | None, env: DistEnv, materi
                      grad_clip=a.grad_clip)
     if a.gradient_checkpointing:  # before the engine wraps the model (DDP, FSDP2, DeepSpeed)
         recompute_activations(model)
-    actor = Actor(make_engine(cfg, model, spec, env, materialize), forward_layout(cfg))
+    actor = Actor(make_engine(cfg, model, spec, env, materialize), forward_layout(cfg), build_ptx(cfg, tokenizer, env))
     if resume:
         restore_state(actor.engine, resume / "model_state", "actor")
     return actor
+
+
+def build_ptx(cfg: RunConfig, tokenizer, env: DistEnv = SINGLE) -> PretrainMix | None:
+    """PPO-ptx's texts and weight (ptx.*), or None when ptx.data is not set; each rank draws its own texts."""
+    p = cfg.ptx
+    if not p.data or tokenizer is None:
+        return None
+    cap = p.max_length or cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    texts = load_pretrain_texts(p.data, p.key, tokenizer, cap, p.data_probs, cfg.trainer.seed)
+    return PretrainMix(texts, p.coef, p.micro_batch_size or cfg.actor.ppo_micro_batch_size, cfg.trainer.seed,
+                       env.rank, env.world_size)

@@ -95,7 +95,7 @@ def _with_producer(cfg: RunConfig, policy_path: str, resume: Path | None, env: D
     service = cfg.services.generation_url
     # copied before the engine shards the policy
     copy = frozen_copy(model).to(env.device) if shards_weights(cfg, env) and not service else None
-    actor = build_actor(cfg, model, resume, env, materialize)
+    actor = build_actor(cfg, model, resume, env, materialize, tokenizer)
     if adapters:
         ref = build_ref(cfg, env.device, policy=actor.model)
     engine = (RemoteRolloutEngine(service, tokenizer, **service_args(cfg)) if service else
@@ -124,7 +124,7 @@ def _beside_producers(cfg: RunConfig, policy_path: str, resume: Path | None, env
     model, materialize = load_policy(cfg, folder, env, in_shards=evaluator is not None and sharded)
     own_copy = sharded and evaluator is None
     copy = frozen_copy(model).to(env.device) if own_copy and env.is_main else None
-    actor = build_actor(cfg, model, resume, env, materialize)
+    actor = build_actor(cfg, model, resume, env, materialize, tokenizer)
     engine = evaluator if evaluator is not None else HFRolloutEngine(copy if copy is not None else actor.model,
                                                                      tokenizer)
     engine = with_tools(cfg, engine, tokenizer)

@@ -7,7 +7,8 @@ cross-entropy (every token a target) is backpropagated times `coef` into the sam
 each micro-batch is also weighted by that micro-batch's share of the mini-batch's response tokens (over all ranks),
 as the policy loss is, so the optimizer step sees coef x the token-weighted mean of its texts' losses however the
 mini-batch is split. The texts of a step are drawn from a permutation seeded by the run's seed and the step, so a
-resumed run draws the same texts without any saved position.
+resumed run draws the same texts without any saved position; data-parallel ranks take turns through it, so each
+draws other texts (as OpenRLHF's distributed sampler gives each rank its own rows).
 """
 
 from __future__ import annotations
@@ -37,17 +38,19 @@ class PretrainMix:
     coef: float
     micro_batch: int
     seed: int
+    rank: int = 0  # this process's data-parallel rank among `ranks`
+    ranks: int = 1
 
     def for_step(self, step: int):
         """The draws of one update: each call gives the next micro-batch of texts (input_ids, attention_mask),
-        cycling through a permutation of all texts seeded by (seed, step)."""
+        cycling through a permutation of all texts seeded by (seed, step), the ranks' draws taking turns."""
         order = torch.randperm(len(self.texts), generator=torch.Generator().manual_seed(self.seed * 104_729 + step))
-        at = 0
+        draws = 0
 
         def draw() -> tuple[torch.Tensor, torch.Tensor]:
-            nonlocal at
-            rows = [int(order[(at + i) % len(order)]) for i in range(self.micro_batch)]
-            at += self.micro_batch
-            return self.texts.batch(rows)
+            nonlocal draws
+            start = (draws * self.ranks + self.rank) * self.micro_batch
+            draws += 1
+            return self.texts.batch([int(order[(start + i) % len(order)]) for i in range(self.micro_batch)])
 
         return draw
