@@ -152,11 +152,15 @@ def test_grpo_with_n_agent_5_samples_five_responses_per_prompt(tiny_model_dir, t
 
 
 def test_gspo_averages_sequences_unless_told_otherwise():
-    """verl's GSPO aggregates seq-mean-token-mean whatever loss_agg_mode says; here that is what `auto` (the
-    default) gives gspo, while the other losses keep token-mean and an explicit mode is followed."""
+    """verl's GSPO and SAPO terms average sequences whatever loss_agg_mode says; `auto` (the default) gives their KL
+    and entropy terms the same, the other losses token-mean, and an explicit mode is followed by those terms."""
     def agg(*over):
-        return policy_loss_spec(load_config(None, list(over))).loss_agg
+        spec = policy_loss_spec(load_config(None, list(over)))
+        return spec.loss_agg, spec.policy_agg
 
-    assert agg("actor.policy_loss=gspo") == "seq-mean-token-mean"
-    assert agg() == agg("actor.policy_loss=cispo") == "token-mean"
-    assert agg("actor.policy_loss=gspo", "actor.loss_agg_mode=token-mean") == "token-mean"
+    assert agg("actor.policy_loss=gspo") == agg("actor.policy_loss=sapo") == ("seq-mean-token-mean",) * 2
+    assert agg() == agg("actor.policy_loss=cispo") == ("token-mean", None)
+    # an explicit mode aggregates the KL and entropy terms; the GSPO term averages sequences whatever it says
+    assert agg("actor.policy_loss=gspo", "actor.loss_agg_mode=token-mean") == ("token-mean", "seq-mean-token-mean")
+    verl = policy_loss_spec(load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=sapo"]))
+    assert (verl.loss_agg, verl.policy_agg) == ("token-mean", "seq-mean-token-mean")  # verl's default for the rest

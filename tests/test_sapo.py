@@ -55,7 +55,8 @@ def test_where_the_policy_has_not_moved_sapo_steps_as_ppo():
 
 def test_verls_sapo_keys_select_it_and_a_run_trains(tiny_model_dir, tmp_path, cli_in_process):
     """examples/sapo_trainer's keys: policy_loss.loss_mode=sapo with actor.tau_pos / tau_neg; verl's SAPO loss
-    averages sequences whatever loss_agg_mode says, so a verl run without one gets that, not verl's token-mean."""
+    averages sequences whatever loss_agg_mode says, which aggregates the KL and entropy terms alone (token-mean, verl's
+    default)."""
     from conftest import SMALL_GRPO, run_settings
 
     actor = "actor_rollout_ref.actor."
@@ -63,7 +64,7 @@ def test_verls_sapo_keys_select_it_and_a_run_trains(tiny_model_dir, tmp_path, cl
     a = cfg.actor
     assert (a.policy_loss, a.tau_pos, a.tau_neg, a.clip_ratio_c) == ("sapo", 0.9, 1.2, 0)
     spec = policy_loss_spec(cfg)
-    assert (spec.loss_agg, spec.sapo) == ("seq-mean-token-mean", (0.9, 1.2))
+    assert (spec.policy_agg, spec.loss_agg, spec.sapo) == ("seq-mean-token-mean", "token-mean", (0.9, 1.2))
     got = cli_in_process("train", "grpo", *SMALL_GRPO, f"model.path={tiny_model_dir}", "actor.policy_loss=sapo",
                          *run_settings(tmp_path, "sapo", 2))
     assert got.returncode == 0, got.stderr[-3000:] + got.stdout[-3000:]

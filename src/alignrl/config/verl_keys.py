@@ -265,8 +265,6 @@ def verl_defaults(t: Translation, given: set[str], adv_estimator: str, use_kl_lo
     if not t.verl_style:
         return []
     out = [f"{k}={v}" for k, v in (SEARCH_R1_DEFAULTS if t.search_r1 else VERL07_DEFAULTS).items() if k not in given]
-    if _policy_loss(t, given) in ("gspo", "sapo"):  # verl's GSPO and SAPO losses average sequences whatever
-        out = [o for o in out if not o.startswith("actor.loss_agg_mode=")]  # loss_agg_mode says: alignrl's auto
     if t.search_r1 and "algorithm.use_kl_in_reward" not in given:  # its verl applies the KL in the reward whenever
         use_kl_loss = use_kl_loss and "actor.use_kl_loss" in given  # the loss has none (False: the table's)
         out.append(f"algorithm.use_kl_in_reward={not use_kl_loss}")

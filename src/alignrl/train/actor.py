@@ -30,6 +30,7 @@ class PolicyLossSpec:
     name: str = "ppo_clip"  # a key of POLICY_LOSSES
     clip_c: float | None = None  # dual-clip constant (> 1), PPO only
     loss_agg: str = "token-mean"  # a key of LOSS_AGGREGATIONS
+    policy_agg: str | None = None  # the policy term's own, where its loss fixes it (GSPO, SAPO); None: loss_agg
     max_len: float | None = None  # the constant of seq-mean-token-sum-norm (max response length)
     clip_cov: tuple[float, float, float] = (2e-4, 1.0, 5.0)  # clip_cov's share of tokens and covariance bounds
     kl_cov: tuple[float, float] = (2e-4, 1.0)  # kl_cov's share of tokens and penalty weight
@@ -59,16 +60,17 @@ def token_draws(generator: torch.Generator):
 
 def policy_loss(logp, entropy, exp: Experience, spec: PolicyLossSpec, global_tokens: float, global_seqs: float,
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Policy loss + KL to the reference - entropy bonus, each aggregated by `spec.loss_agg` over the
-    mini-batch's global counts (as verl's agg_loss and TRL's per-token loss do: the three keep their relative
-    weights under every mode). The KL and entropy metrics are token means whatever the mode. `generator`: clip_cov's
-    draws of tokens."""
+    """Policy loss + KL to the reference - entropy bonus, each aggregated by `spec.loss_agg` (the policy term by
+    `spec.policy_agg` where its loss fixes it) over the mini-batch's global counts (as verl's agg_loss and TRL's
+    per-token loss do). The KL and entropy metrics are token means whatever the mode. `generator`: clip_cov's draws
+    of tokens."""
     mask = exp.response_mask.to(logp.dtype)
     extra = loss_options(spec, generator)
     loss, metrics = POLICY_LOSSES[spec.name](logp, exp.old_logprobs, exp.advantages, mask, spec.clip_low,
                                              spec.clip_high, global_tokens, is_weight=exp.is_weight,
-                                             loss_agg=spec.loss_agg, global_seqs=global_seqs, max_len=spec.max_len,
-                                             **extra)
+                                             loss_agg=spec.policy_agg or spec.loss_agg, global_seqs=global_seqs,
+                                             max_len=spec.max_len, **extra)
+
     def agg(per_token: torch.Tensor) -> torch.Tensor:
         return aggregate_loss(per_token, mask, spec.loss_agg, global_tokens, global_seqs, spec.max_len)
 
