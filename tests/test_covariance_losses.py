@@ -133,6 +133,7 @@ def test_runs_train_in_alignrls_and_verls_spellings(tiny_model_dir, tmp_path, cl
                              f"{verl}clip_cov_ub=4"])
     assert (cfg.actor.policy_loss, cfg.actor.clip_cov_ratio, cfg.actor.clip_cov_lb, cfg.actor.clip_cov_ub,
             cfg.actor.clip_ratio_c) == ("clip_cov", 0.01, 0.5, 4.0, 0.0)  # verl's clip_cov reads no dual clip
+    assert load_config(None, [f"{verl}loss_mode=kl_cov"]).actor.ppo_kl_coef == 0.1  # verl's actor.yaml default
     for mode in ("kl_cov", "geo_mean"):  # nor do its other losses, where a script gives one
         given = load_config(None, [f"{verl}loss_mode={mode}", "actor_rollout_ref.actor.clip_ratio_c=3.0"])
         assert given.actor.clip_ratio_c == 0.0
