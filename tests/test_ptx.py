@@ -141,3 +141,17 @@ def test_a_run_with_pretraining_texts_trains_and_logs_their_loss(tiny_model_dir,
     bad = cli_in_process("train", "grpo", *SMALL_GRPO, f"model.path={tiny_model_dir}", f"ptx.data={texts}",
                          "ptx.key=content", *run_settings(tmp_path, "ptx_bad", 1))
     assert bad.returncode != 0 and "no column 'content'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed"])
+def test_pretraining_texts_train_on_two_ranks(strategy, tiny_model_dir, tmp_path):
+    """The texts' backward after each micro-batch keeps the engines' accumulation (DDP's no_sync, DeepSpeed's
+    boundary): two ranks train and log the texts' loss."""
+    from test_distributed_loop import run
+
+    texts = _jsonl(tmp_path / "texts.jsonl", [{"text": t} for t in TEXTS * 4])
+    r = run(tiny_model_dir, tmp_path, strategy, strategy, 2, f"ptx.data={texts}", "ptx.coef=0.5")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / strategy / "logs" / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["actor/ptx_loss"] for x in rows if "actor/ptx_loss" in x]
+    assert len(losses) == 2 and all(0 < x < 50 for x in losses), losses
