@@ -1,11 +1,14 @@
 #!/usr/bin/env python
-"""Every advantage estimator on the demo: held-out gains, strict and last-number, one run each.
+"""Every advantage estimator (or, with --losses, every policy loss) on the demo: held-out gains, strict and
+last-number, and the policy's entropy at the end, one run each.
 
-    python benchmarks/estimators_demo.py [--only grpo,rloo] [--out output/estimators] [key=value ...]
+    python benchmarks/estimators_demo.py [--only GRPO,RLOO] [--out output/estimators] [key=value ...]
+    python benchmarks/estimators_demo.py --losses [--only clip_cov,sapo] [key=value ...]
 
 Each run is `alignrl demo` (the demo config, the same base model, data and step budget) with only the
-estimator's keys changed; extra `key=value` overrides apply to every run (e.g. trainer.total_training_steps=50
-for a quicker look). Prints one row per estimator and a Markdown table for docs/algorithms.md.
+estimator's (or loss's) keys changed; extra `key=value` overrides apply to every run (e.g.
+trainer.total_training_steps=50 for a quicker look). Prints one row per run and a Markdown table for
+docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -27,6 +30,18 @@ ESTIMATORS = {
     "REINFORCE++": ["algorithm.adv_estimator=reinforce_plus_plus"],
     "PPO (critic)": ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.lr=1e-4", "critic.warmup_steps=5"],
 }
+# The policy losses with the demo's GRPO advantages; the settings are each method's paper's (or verl's) defaults,
+# except Clip-Cov's and KL-Cov's share of tokens: the demo's micro-batches hold a few hundred response tokens, where
+# 2e-4 of them is a single token (the least), so 1e-2 (a few tokens each) is used.
+LOSSES = {
+    "ppo_clip": ["actor.policy_loss=ppo_clip"],
+    "clip_cov": ["actor.policy_loss=clip_cov", "actor.clip_cov_ratio=1e-2"],
+    "kl_cov": ["actor.policy_loss=kl_cov", "actor.kl_cov_ratio=1e-2"],
+    "sapo": ["actor.policy_loss=sapo"],
+    "dppo_tv": ["actor.policy_loss=dppo_tv"],
+    "dppo_kl": ["actor.policy_loss=dppo_kl"],
+    "gspo": ["actor.policy_loss=gspo", "actor.clip_ratio_low=3e-4", "actor.clip_ratio_high=4e-4"],
+}
 
 
 def run(name: str, keys: list[str], out: Path, extra: list[str]) -> dict:
@@ -39,35 +54,44 @@ def run(name: str, keys: list[str], out: Path, extra: list[str]) -> dict:
                               "trainer.progress_bar=false", "trainer.resume_mode=disable", *extra])
     t0 = time.time()
     summary = train_grpo(cfg, wall_start=t0)
+    logged = [json.loads(x) for x in (out / slug / "logs" / "metrics.jsonl").read_text().splitlines()]
+    entropy = [r["actor/entropy"] for r in logged if "actor/entropy" in r]
     return {"estimator": name, **{k: summary[k] for k in ("base_accuracy", "final_accuracy", "gain_points",
                                                            "base_accuracy_flexible", "final_accuracy_flexible",
                                                            "gain_points_flexible", "steps")},
-            "seconds": round(time.time() - t0)}
+            "entropy_first": entropy[0], "entropy_last": entropy[-1], "seconds": round(time.time() - t0)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="", help="comma-separated subset of: " + ", ".join(ESTIMATORS))
-    ap.add_argument("--out", default="output/estimators")
+    ap.add_argument("--losses", action="store_true", help="compare the policy losses instead of the estimators")
+    ap.add_argument("--only", default="", help="comma-separated subset of: " + ", ".join(ESTIMATORS) + " (with "
+                    "--losses: " + ", ".join(LOSSES) + ")")
+    ap.add_argument("--out", default="")
     ap.add_argument("overrides", nargs="*", help="key=value applied to every run")
     args = ap.parse_args()
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(ESTIMATORS)
-    unknown = [n for n in names if n not in ESTIMATORS]
+    table = LOSSES if args.losses else ESTIMATORS
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(table)
+    unknown = [n for n in names if n not in table]
     if unknown:
-        raise SystemExit(f"unknown estimator {unknown[0]!r}; choose from {', '.join(ESTIMATORS)}")
-    out = Path(args.out)
+        raise SystemExit(f"unknown {'loss' if args.losses else 'estimator'} {unknown[0]!r}; choose from "
+                         f"{', '.join(table)}")
+    out = Path(args.out or ("output/losses" if args.losses else "output/estimators"))
     rows = []
     for name in names:
-        rows.append(run(name, ESTIMATORS[name], out, args.overrides))
+        rows.append(run(name, table[name], out, args.overrides))
         r = rows[-1]
         print(f"{name:14s} strict {r['base_accuracy']:.3f} -> {r['final_accuracy']:.3f} ({r['gain_points']:+.1f}) "
               f"last-number {r['base_accuracy_flexible']:.3f} -> {r['final_accuracy_flexible']:.3f} "
-              f"({r['gain_points_flexible']:+.1f})  {r['steps']} steps, {r['seconds']}s", flush=True)
+              f"({r['gain_points_flexible']:+.1f})  entropy {r['entropy_first']:.3f} -> {r['entropy_last']:.3f}  "
+              f"{r['steps']} steps, {r['seconds']}s", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "estimators.json").write_text(json.dumps(rows, indent=2))
-    print("\n| estimator | strict gain (points) | last-number gain (points) |\n|---|---|---|")
+    (out / ("losses.json" if args.losses else "estimators.json")).write_text(json.dumps(rows, indent=2))
+    print(f"\n| {'loss' if args.losses else 'estimator'} | strict gain (points) | last-number gain (points) | "
+          "entropy first -> last step |\n|---|---|---|---|")
     for r in rows:
-        print(f"| {r['estimator']} | {r['gain_points']:+.1f} | {r['gain_points_flexible']:+.1f} |")
+        print(f"| {r['estimator']} | {r['gain_points']:+.1f} | {r['gain_points_flexible']:+.1f} | "
+              f"{r['entropy_first']:.3f} -> {r['entropy_last']:.3f} |")
 
 
 if __name__ == "__main__":
