@@ -205,38 +205,77 @@ RC = "algorithm.rollout_correction."
 
 
 @pytest.mark.parametrize("given, want", [
-    ([], ("none", 2.0, "truncate", None)),
-    ([RC + "rollout_is=token", RC + "rollout_is_threshold=3.0"], ("token", 3.0, "truncate", None)),
-    # rejection at the same level and bounds: alignrl's mask mode, whose kept weights need no truncation
-    ([RC + "rollout_is=sequence", RC + "rollout_rs=sequence"], ("sequence", 2.0, "mask", None)),
+    ([], ("none", 2.0, "none", None, None, None, False)),
+    ([RC + "rollout_is=token", RC + "rollout_is_threshold=3.0"], ("token", 3.0, "none", None, None, None, False)),
+    # rejection sampling beside IS, as verl: the IS weights truncated, the rejected tokens or sequences masked
+    ([RC + "rollout_is=sequence", RC + "rollout_rs=sequence"], ("sequence", 2.0, "sequence", 2.0, None, None, False)),
     ([RC + "rollout_is=token", RC + "rollout_is_threshold=2.0", RC + "rollout_rs=token",
-      RC + "rollout_rs_threshold=2.0", RC + "rollout_rs_threshold_lower=0.25"], ("token", 2.0, "mask", 0.25)),
+      RC + "rollout_rs_threshold=2.0", RC + "rollout_rs_threshold_lower=0.25"],
+     ("token", 2.0, "token", 2.0, 0.25, None, False)),
+    # and without it; the rejection bound defaults to rollout_is_threshold even where IS is off (verl's yaml)
+    ([RC + "rollout_rs=token"], ("none", 2.0, "token", 2.0, None, None, False)),
+    ([RC + "rollout_is_threshold=3.0", RC + "rollout_rs=geometric"],
+     ("none", 2.0, "geometric", 3.0, None, None, False)),
+    ([RC + "rollout_is=token", RC + "rollout_rs=token", RC + "rollout_rs_threshold=5.0"],
+     ("token", 2.0, "token", 5.0, None, None, False)),
+    ([RC + "rollout_is=token", RC + "rollout_is_batch_normalize=true"], ("token", 2.0, "none", None, None, None, True)),
+    ([RC + "rollout_is_batch_normalize=true"], ("none", 2.0, "none", None, None, None, False)),  # no weights to scale
+    ([RC + "rollout_is=token", RC + "rollout_token_veto_threshold=1e-4"],
+     ("token", 2.0, "none", None, None, 1e-4, False)),
+    ([RC + "rollout_token_veto_threshold=1e-4"], ("none", 2.0, "none", None, None, 1e-4, False)),  # veto alone
 ])
 def test_rollout_correction_maps_onto_rollout_is(given, want, capsys):
     a = load_config(None, BASE + given).algorithm
-    assert (a.rollout_is, a.rollout_is_threshold, a.rollout_is_mode, a.rollout_is_threshold_lower) == want
+    assert (a.rollout_is, a.rollout_is_threshold, a.rollout_rs, a.rollout_rs_threshold, a.rollout_rs_threshold_lower,
+            a.rollout_token_veto_threshold, a.rollout_is_batch_normalize) == want
+    assert a.rollout_is_mode == "truncate"
+    assert "feature alignrl does not have" not in capsys.readouterr().err
+
+
+# verl's bypass mode (current and older spellings): the rollout's log-probs are the old policy's, and verl's loss
+@pytest.mark.parametrize("given, want", [
+    ([RC + "bypass_mode=true"], ("ppo_clip", 0.2, 0.2, 10.0)),
+    ([RC + "bypass_mode=true", RC + "loss_type=ppo_clip", RC + "rollout_is=sequence"], ("ppo_clip", 0.2, 0.2, 10.0)),
+    ([RC + "bypass_old_logprob_for_rollout=true"], ("ppo_clip", 0.2, 0.2, 10.0)),
+    ([RC + "bypass_mode=true", RC + "loss_type=reinforce"], ("gpg", 0.2, 0.2, 0.0)),
+    ([RC + "bypass_mode=true", RC + "use_policy_gradient=true", RC + "rollout_is=token"], ("cispo", 1.0, 1.0, 0.0)),
+    ([RC + "bypass_old_logprob_for_rollout=true", RC + "use_pure_rollout_correction=true", RC + "rollout_is=token",
+      RC + "rollout_is_threshold=3.0"], ("cispo", 1.0, 2.0, 0.0)),
+])
+def test_bypass_mode_is_the_rollouts_logprobs_and_verls_loss(given, want, capsys):
+    cfg = load_config(None, BASE + ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                                    "actor_rollout_ref.actor.clip_ratio_c=10.0"] + given)
+    a = cfg.actor
+    assert (a.policy_loss, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == want
+    assert not a.recompute_old_logprobs and cfg.algorithm.rollout_is == "none"
     assert "feature alignrl does not have" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("given, named", [
-    ([RC + "rollout_rs=token"], "rejection sampling"),  # rs without is
-    ([RC + "rollout_is=token", RC + "rollout_rs=geometric"], "rollout_rs=geometric"),
-    ([RC + "rollout_is=token", RC + "rollout_rs=token", RC + "rollout_rs_threshold=5.0"], "rollout_rs_threshold=5.0"),
     ([RC + "rollout_is=sequence", RC + "rollout_rs=seq_mean_k1"], "rollout_rs=seq_mean_k1"),
-    ([RC + "rollout_is=token", RC + "rollout_is_batch_normalize=true"], "normalized to mean 1"),
-    ([RC + "rollout_is=token", RC + "rollout_token_veto_threshold=1e-4"], "veto"),
-    ([RC + "rollout_is=token", RC + "bypass_old_logprob_for_rollout=true"], "bypass mode"),
-    ([RC + "rollout_is=token", RC + "use_pure_rollout_correction=true"], "pure rollout correction"),
+    ([RC + "rollout_is=token", RC + "use_pure_rollout_correction=true"], "without bypass mode"),
+    ([RC + "rollout_is=token", RC + "loss_type=reinforce"], "without bypass mode"),
+    ([RC + "bypass_mode=true", RC + "loss_type=reinforce", RC + "rollout_is=sequence"], "sequence-level IS"),
+    ([RC + "bypass_mode=true", RC + "rollout_rs=geometric", RC + "rollout_token_veto_threshold=1e-4"],
+     "rollout_token_veto_threshold=1e-4"),
+    ([RC + "bypass_mode=true", RC + "loss_type=reinforce", RC + "rollout_is=token",
+      RC + "rollout_is_batch_normalize=true"], "in bypass mode"),
 ])
 def test_other_rollout_corrections_are_named_at_start(given, named, capsys):
-    a = load_config(None, BASE + given).algorithm
-    assert a.rollout_is_mode == "truncate"  # truncated IS where rollout_is asks for it, never a silent rejection
+    load_config(None, BASE + given)
     features = [line for line in capsys.readouterr().err.splitlines() if "feature alignrl does not have" in line]
     assert len(features) == 1 and named in features[0], features
 
 
 def test_a_bad_rollout_correction_key_is_one_line():
     assert "rollout_is=geometric is not supported" in one_line(BASE + [RC + "rollout_is=geometric"])
+    assert "loss_type=pg is not supported (ppo_clip or reinforce" in one_line(BASE + [RC + "loss_type=pg"])
+    veto = RC + "rollout_token_veto_threshold="
+    assert "rollout_token_veto_threshold=low must be a number" in one_line(BASE + [veto + "low"])
+    assert "rollout_token_veto_threshold=0.0 is out of range" in one_line(BASE + [veto + "0"])
+    assert "rollout_is_threshold=0.5 must be >= 1 in bypass mode" in one_line(
+        BASE + [RC + "bypass_mode=true", RC + "loss_type=reinforce", RC + "rollout_is=token",
+                RC + "rollout_is_threshold=0.5"])
     assert "unknown config key 'algorithm.rollout_correction.rollout_iss'" in one_line(BASE + [RC + "rollout_iss=x"])
 
 

@@ -136,9 +136,18 @@ def _overlong_buffer(cfg: RunConfig) -> str | None:
 
 def _rollout_is(cfg: RunConfig) -> str | None:
     alg = cfg.algorithm
-    if alg.rollout_is != "none" and not cfg.actor.recompute_old_logprobs:
-        return (f"algorithm.rollout_is={alg.rollout_is} needs actor.recompute_old_logprobs=true: "
-                "without it the trainer's old log-probs are the rollout's and every weight is 1")
+    asked = [f"algorithm.{k}={v}" for k, v in (("rollout_is", alg.rollout_is), ("rollout_rs", alg.rollout_rs),
+                                                ("rollout_token_veto_threshold", alg.rollout_token_veto_threshold))
+             if v not in ("none", None)]
+    if asked and not cfg.actor.recompute_old_logprobs:  # the old log-probs would be the rollout's: every ratio 1
+        return f"{asked[0]} needs actor.recompute_old_logprobs=true (the trainer's log-probs to compare)"
+    if alg.rollout_is_batch_normalize and alg.rollout_is == "none":
+        return "algorithm.rollout_is_batch_normalize=true normalises the IS weights: set algorithm.rollout_is=token"
+    upper = alg.rollout_rs_threshold if alg.rollout_rs_threshold is not None else alg.rollout_is_threshold
+    low = alg.rollout_rs_threshold_lower
+    if alg.rollout_rs != "none" and (low if low is not None else 1.0 / upper) > upper:
+        return (f"algorithm.rollout_rs_threshold_lower={'default 1/upper' if low is None else low} exceeds the upper "
+                f"bound {upper} (rollout_rs_threshold, else rollout_is_threshold): every token would be rejected")
     lower = alg.rollout_is_threshold_lower
     if alg.rollout_is_mode == "truncate" and lower is not None and lower >= alg.rollout_is_threshold:
         return (f"algorithm.rollout_is_threshold_lower={lower} must be below algorithm.rollout_is_threshold="
@@ -195,7 +204,8 @@ def _optimiser_and_clips(cfg: RunConfig) -> str | None:
         return (f"algorithm.reward_clip={clip!r} must be [low, high] with low < high (e.g. [-10,10]), or [] "
                 "for none")
     if 0 < cfg.actor.clip_ratio_c <= 1:
-        return f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip), or 0 to disable"
+        return (f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (the dual clip, or DPPO's truncation of the "
+                "ratio), or 0 (no dual clip; DPPO: 20)")
     if cfg.actor.clip_ratio_c and cfg.actor.policy_loss not in CLIP_C_LOSSES:
         return ("actor.clip_ratio_c (dual-clip, or DPPO's truncation of the ratio) applies to actor.policy_loss="
                 f"{', '.join(CLIP_C_LOSSES)} only")

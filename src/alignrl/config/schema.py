@@ -14,6 +14,7 @@ from alignrl.config.option import opt
 # re-exported: the config package's names
 from alignrl.config.placement_schema import AgentConfig, PipelineConfig, RetrieverConfig, ServicesConfig  # noqa: F401
 from alignrl.config.data_schema import DataConfig  # noqa: F401 (re-exported)
+from alignrl.config.ptx_schema import PtxConfig
 from alignrl.config.sandbox_schema import SandboxConfig
 from alignrl.errors import ConfigError  # noqa: F401 (the config package's error, defined below it for runtime/)
 
@@ -109,12 +110,13 @@ class ActorConfig:
     clip_cov_ub: float = opt(5.0, "clip_cov: upper bound of the covariance of the tokens drawn")
     kl_cov_ratio: float = opt(2e-4, "kl_cov: share of a micro-batch's tokens, those of largest covariance, that get "
                                     "the ppo_kl_coef * |log ratio| penalty", gt=0.0, le=1.0)
-    ppo_kl_coef: float = opt(1.0, "kl_cov: weight of the |log ratio| penalty", ge=0.0)
+    ppo_kl_coef: float = opt(0.1, "kl_cov: weight of the |log ratio| penalty (verl's default)", ge=0.0)
     tau_pos: float = opt(1.0, "sapo: temperature of the gate of tokens with a positive advantage", gt=0.0)
     tau_neg: float = opt(1.05, "sapo: temperature of the gate of the other tokens", gt=0.0)
-    loss_agg_mode: str = opt("auto", "how token losses (policy, KL and entropy terms alike) become one "
-                                     "number; auto: seq-mean-token-mean for gspo (a sequence-level objective, as "
-                                     "verl's GSPO), token-mean otherwise (seq-mean-token-sum-norm divides by the "
+    loss_agg_mode: str = opt("auto", "how token losses (policy, KL and entropy terms) become one number; the "
+                                     "policy term of gspo and sapo averages sequences whatever this says (as verl's); "
+                                     "auto: seq-mean-token-mean for gspo and sapo (sequence-level objectives), "
+                                     "token-mean otherwise (seq-mean-token-sum-norm divides by the "
                                      "response cap, rollout.max_new_tokens or a multi-turn "
                                      "agent.max_response_length: Dr.GRPO)",
                              choices=("auto", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
@@ -236,6 +238,18 @@ class AlgorithmConfig:
                                            "a sequence whose geometric-mean weight is outside leaves whole, the "
                                            "others keep their token weights (OpenRLHF's seq-mask-tis)",
                                choices=("truncate", "mask", "geo_mask"))
+    rollout_is_batch_normalize: bool = opt(False, "rollout IS weights divided by their mean over the global batch's "
+                                                  "tokens (rollout_is=token) or sequences, after truncation (verl's)")
+    rollout_rs: str = opt("none", "rejection sampling against the rollout's log-probs, beside or without rollout_is: "
+                                  "tokens, or sequences by the product or the geometric mean of their token ratios, "
+                                  "outside [rollout_rs_threshold_lower, rollout_rs_threshold] leave the loss (verl's)",
+                          choices=("none", "token", "sequence", "geometric"))
+    rollout_rs_threshold: float | None = opt(None, "rollout_rs: upper bound of the kept ratios; null: "
+                                                   "rollout_is_threshold", gt=0.0)
+    rollout_rs_threshold_lower: float | None = opt(None, "rollout_rs: lower bound; null: 1/upper", ge=0.0)
+    rollout_token_veto_threshold: float | None = opt(None, "a sequence with a token whose ratio pi_trainer/pi_rollout "
+                                                           "is below this leaves the loss whole (verl's veto); null: "
+                                                           "none", gt=0.0)
 
 
 @dataclass(frozen=True)
@@ -340,6 +354,7 @@ class RunConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    ptx: PtxConfig = field(default_factory=PtxConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     @property

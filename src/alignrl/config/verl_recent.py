@@ -168,27 +168,80 @@ def _reward_model(given: dict[str, str]) -> list[str]:
 
 
 def rollout_correction(st: TranslationPass) -> list[str]:
-    """verl's truncated IS (rollout_is at a token or sequence level, rollout_is_threshold) as alignrl's
-    algorithm.rollout_is; with rejection sampling at the same level and bounds, alignrl's mask mode: the weights it
-    keeps lie inside [lower, threshold], where truncation changes nothing, so it is verl's IS + RS. Any other
-    rejection sampling is named as a feature alignrl does not have."""
+    """verl's algorithm.rollout_correction as alignrl's algorithm.rollout_* keys: truncated IS (rollout_is, its
+    threshold, rollout_is_batch_normalize), rejection sampling (rollout_rs at a token, sequence or geometric level and
+    its bounds) and the veto, all decided from the trainer's recomputed log-probs (verl's decoupled mode); or verl's
+    bypass mode (`_bypass`)."""
     given = {k: v for k, (_, v) in st.rollout_correction.items()}
     level, rs = given.get("rollout_is"), given.get("rollout_rs")
     threshold = given.get("rollout_is_threshold", 2.0)
     if level not in (None, "token", "sequence"):
         raise ConfigError(f"{RC}rollout_is={level} is not supported (null, token or sequence)")
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
-        raise ConfigError(f"{RC}rollout_is_threshold={threshold} must be a number (the IS weights' upper bound)")
+    for key in ("rollout_is_threshold", "rollout_rs_threshold", "rollout_rs_threshold_lower",
+                "rollout_token_veto_threshold"):
+        v = given.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ConfigError(f"{RC}{key}={v} must be a number (a bound on the ratio pi_trainer / pi_rollout)")
+    loss = given.get("loss_type", "ppo_clip")
+    if loss not in ("ppo_clip", "reinforce"):
+        raise ConfigError(f"{RC}loss_type={loss} is not supported (ppo_clip or reinforce, the losses of bypass mode)")
+    reinforce = loss == "reinforce" or any(given.get(k) is True for k in ("use_policy_gradient",
+                                                                            "use_pure_rollout_correction"))
+    if any(given.get(k) is True for k in ("bypass_mode", "bypass_old_logprob_for_rollout")):
+        return _bypass(st, given, level, threshold, reinforce)
+    if reinforce:
+        _missing(st, "the policy-gradient loss of rollout correction without bypass mode", ("loss_type",
+                 "use_policy_gradient", "use_pure_rollout_correction"))
     out = [f"algorithm.rollout_is={level}", f"algorithm.rollout_is_threshold={threshold}"] if level else []
-    if rs is None:
-        return out
-    if level is not None and rs == level and given.get("rollout_rs_threshold") in (None, threshold):
-        lower = given.get("rollout_rs_threshold_lower")
-        return out + ["algorithm.rollout_is_mode=mask"] + ([f"algorithm.rollout_is_threshold_lower={lower}"]
-                                                           if lower is not None else [])
-    asked = [f"{RC}{k}={text}" for k, (text, _) in st.rollout_correction.items() if k.startswith("rollout_rs")]
-    st.missing["rollout correction's rejection sampling other than at rollout_is's level and threshold"] = asked
+    if level and given.get("rollout_is_batch_normalize") is True:  # verl normalises only weights it computes
+        out.append("algorithm.rollout_is_batch_normalize=true")
+    if rs is not None:
+        if rs not in ("token", "sequence", "geometric"):
+            _missing(st, f"rollout correction's rejection sampling rollout_rs={rs}", ("rollout_rs",))
+        else:
+            upper = given.get("rollout_rs_threshold")  # null: rollout_is_threshold's, given or not (verl's yaml)
+            out += [f"algorithm.rollout_rs={rs}",
+                    f"algorithm.rollout_rs_threshold={threshold if upper is None else upper}"]
+            if given.get("rollout_rs_threshold_lower") is not None:
+                out.append(f"algorithm.rollout_rs_threshold_lower={given['rollout_rs_threshold_lower']}")
+    if given.get("rollout_token_veto_threshold") is not None:
+        out.append(f"algorithm.rollout_token_veto_threshold={given['rollout_token_veto_threshold']}")
     return out
+
+
+def _bypass(st: TranslationPass, given: dict, level: object, threshold: float, reinforce: bool) -> list[str]:
+    """verl's bypass mode: the rollout's log-probs are the old policy's (actor.recompute_old_logprobs=false) and verl
+    trains with its own loss whatever policy_loss.loss_mode says: ppo_clip, PPO's clipped ratio pi / pi_rollout with no
+    IS weight (rollout_is is then logged only); or reinforce, -A * w * log pi with w = min(pi / pi_rollout, threshold)
+    taken from the policy being trained (no IS: GPG's -A * log pi; token IS: CISPO's loss with the weight bounded to
+    [0, threshold]). Rejection and normalisation that verl decides again in every micro-batch are named as missing."""
+    out = ["actor.recompute_old_logprobs=false"]
+    if not reinforce:
+        st.loss_mode = "vanilla"
+        if level:
+            st.notes.append(f"{RC}rollout_is={level} in bypass mode with loss_type=ppo_clip: verl logs the IS "
+                            "weights and trains with none (PPO's ratio is already pi / pi_rollout)")
+    elif level == "token":
+        if threshold < 1:
+            raise ConfigError(f"{RC}rollout_is_threshold={threshold} must be >= 1 in bypass mode with loss_type="
+                              "reinforce (alignrl's CISPO bounds the token weight to [0, threshold])")
+        st.loss_mode = "cispo"
+        out += ["actor.clip_ratio_low=1.0", f"actor.clip_ratio_high={threshold - 1}"]
+    else:
+        st.loss_mode = "gpg"
+        if level == "sequence":
+            _missing(st, "bypass mode's policy gradient with sequence-level IS weights", ("rollout_is",))
+    out.append(f"actor.policy_loss={LOSS_MODES[st.loss_mode]}")
+    asked = [k for k in ("rollout_rs", "rollout_token_veto_threshold") if given.get(k) is not None]
+    asked += ["rollout_is_batch_normalize"] if given.get("rollout_is_batch_normalize") is True and reinforce else []
+    if asked:
+        _missing(st, "rollout correction's rejection, veto and IS normalisation in bypass mode (verl decides them "
+                     "in each micro-batch from the policy being trained)", tuple(asked))
+    return out
+
+
+def _missing(st: TranslationPass, feature: str, keys: tuple[str, ...]) -> None:
+    st.missing[feature] = [f"{RC}{k}={text}" for k, (text, _) in st.rollout_correction.items() if k in keys]
 
 
 def _response_cap_note(st: TranslationPass) -> None:

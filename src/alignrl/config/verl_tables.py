@@ -158,7 +158,7 @@ LOSS_MODE_TUNING = tuple(A + "policy_loss." + k for k in ("clip_cov_ratio", "cli
                                                           "kl_cov_ratio", "ppo_kl_coef"))
 
 # verl 0.7's algorithm.rollout_correction (algorithm/rollout_correction.yaml), key -> the value that leaves it off;
-# rollout_is and the rejection sampler's level and thresholds are read by verl_recent.rollout_correction.
+# every one is read by verl_recent.rollout_correction.
 RC = "algorithm.rollout_correction."
 ROLLOUT_CORRECTION_OFF: dict[str, object] = {
     RC + "rollout_is": None, RC + "rollout_is_threshold": 2.0, RC + "rollout_rs": None,
@@ -173,14 +173,6 @@ ROLLOUT_CORRECTION_OFF: dict[str, object] = {
 # leaves it off is accepted quietly; any other is named at start as a feature not applied, never dropped silently.
 MISSING: dict[str, tuple[str, tuple[object, ...]]] = {
     "*.ulysses_sequence_parallel_size": ("Ulysses sequence parallelism", (1,)),
-    RC + "rollout_is_batch_normalize": ("rollout IS weights normalized to mean 1 over the batch", (False,)),
-    RC + "rollout_token_veto_threshold": ("the per-token veto of rollout correction", (None,)),
-    RC + "bypass_old_logprob_for_rollout": ("rollout correction's bypass mode (the rollout's log-probs as the old "
-                                            "policy's)", (False,)),
-    RC + "use_pure_rollout_correction": ("the unclipped policy gradient of pure rollout correction", (False,)),
-    RC + "bypass_mode": ("rollout correction's bypass mode (the rollout's log-probs as the old policy's)", (False,)),
-    RC + "use_policy_gradient": ("the unclipped policy gradient of pure rollout correction", (False,)),
-    RC + "loss_type": ("rollout correction's bypass losses other than ppo_clip", ("ppo_clip",)),
     "actor_rollout_ref.ref.sync_ref_model": ("the reference moved toward the policy every ref_model_sync_steps "
                                              "steps (TR-DPO's ref sync)", (False,)),
     "data.gen_batch_size": ("DAPO's generation batch larger than the training batch (alignrl's dynamic sampling "

@@ -19,6 +19,7 @@ from alignrl.core.kl import AdaptiveKLController, FixedKLController, kl_penalty_
 from alignrl.core.lagrangian import LagrangeMultiplier, safe_gae_advantages
 from alignrl.core.losses import masked_mean
 from alignrl.core.rollout_correction import rollout_kl, truncated_is_weights
+from alignrl.core.rollout_rejection import batch_normalized, rejection_mask, token_veto, weight_sums
 from alignrl.core.shaping import clip_outcome
 from alignrl.data.records import Experience, Rollout, ScoredBatch
 from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, gather_values, sum_over_ranks
@@ -55,6 +56,9 @@ def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
                           kl_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
                           temperature=cfg.rollout.temperature, name=a.policy_loss, clip_c=a.clip_ratio_c or None,
                           loss_agg=agg, max_len=float(response_cap(cfg)),
+                          # verl's GSPO and SAPO losses average sequences whatever loss_agg_mode says, which then
+                          # aggregates the KL and entropy terms only
+                          policy_agg="seq-mean-token-mean" if a.policy_loss in ("gspo", "sapo") else None,
                           clip_cov=(a.clip_cov_ratio, a.clip_cov_lb, a.clip_cov_ub),
                           kl_cov=(a.kl_cov_ratio, a.ppo_kl_coef), sapo=(a.tau_pos, a.tau_neg))
 
@@ -156,7 +160,7 @@ class PolicyTrainer:
         with timed(t, "train"):
             if actor_trains:
                 gen = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + step)
-                out.update(self.actor.update(exp, self.spec, mini, micro, epochs, gen))
+                out.update(self.actor.update(exp, self.spec, mini, micro, epochs, gen, step=step))
         taken = (len(value_targets) + actor_trains) * optimizer_steps(len(exp), mini, epochs)
         self.check_finite(step, sum(v for k, v in out.items() if k.endswith("/" + SKIPPED)), taken)
         return out
@@ -192,13 +196,28 @@ class PolicyTrainer:
 
     def rollout_correction(self, old_lp: torch.Tensor, rollout_lp: torch.Tensor, loss_mask: torch.Tensor
                            ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
-        """Truncated-IS weights pi_trainer / pi_rollout for the policy loss (None when disabled), and the loss
-        mask left once mode=mask has rejected the tokens outside its bounds."""
-        a = self.cfg.algorithm
-        if a.rollout_is == "none":
-            return None, loss_mask, {}
-        return truncated_is_weights(old_lp, rollout_lp, loss_mask, a.rollout_is, a.rollout_is_threshold,
-                                    a.rollout_is_mode, a.rollout_is_threshold_lower)
+        """Truncated-IS weights pi_trainer / pi_rollout for the policy loss (None when disabled), normalised to mean
+        1 over the global batch if asked; and the loss mask left once mode=mask, rejection sampling (rollout_rs) and
+        the veto have taken out what they reject, in verl's order (IS, its normalisation, RS, veto)."""
+        a, weights, metrics, given = self.cfg.algorithm, None, {}, loss_mask  # each decides on the mask given, as verl
+        if a.rollout_is != "none":
+            weights, loss_mask, metrics = truncated_is_weights(old_lp, rollout_lp, loss_mask, a.rollout_is,
+                                                               a.rollout_is_threshold, a.rollout_is_mode,
+                                                               a.rollout_is_threshold_lower)
+            if a.rollout_is_batch_normalize:  # the global batch's mean, as verl's driver takes it over the whole batch
+                total, count = all_reduce_sum(self.env, list(weight_sums(weights, loss_mask, a.rollout_is)))
+                weights, norm = batch_normalized(weights, total, count)
+                metrics |= norm
+        if a.rollout_rs != "none":
+            upper = a.rollout_is_threshold if a.rollout_rs_threshold is None else a.rollout_rs_threshold
+            keep, rs = rejection_mask(old_lp, rollout_lp, given, a.rollout_rs, upper, a.rollout_rs_threshold_lower)
+            loss_mask, metrics = loss_mask & keep, metrics | rs
+        if a.rollout_token_veto_threshold is not None:
+            keep, veto = token_veto(old_lp, rollout_lp, given, a.rollout_token_veto_threshold)
+            loss_mask, metrics = loss_mask & keep, metrics | veto
+        if weights is not None:
+            weights = weights * loss_mask  # 0 where rejected, as truncated_is_weights leaves them
+        return weights, loss_mask, metrics
 
     def critic_advantages(self, batch: ScoredBatch, token_rewards: torch.Tensor, kl_tokens: torch.Tensor | None,
                           micro: int) -> tuple[torch.Tensor, list, dict[str, float]]:
