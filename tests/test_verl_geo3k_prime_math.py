@@ -238,13 +238,15 @@ def test_huge_binomials_and_gammas_are_compared_as_text() -> None:
 @pytest.mark.timeout(60)  # the math reward (math_verify) computed 9999999! and (10^{100})! without end
 def test_every_grader_compares_huge_factorials_and_towers_as_text() -> None:
     for answer in ("9999999!", "(10^{100})!", "10^{100}!", "9**9**9", "9^{9^{9}}", "2**1000000", "9^(9^9)", "2^{13!}",
-                   "\\Gamma(10^{7})", "\\binom{10^{7}}{10^{6}}"):
+                   "\\Gamma(10^{7})", "\\binom{10^{7}}{10^{6}}", "{10^{10}}!", "\\Gamma\\left(10^{7}\\right)",
+                   "10^{99999 \\times 99999}", "10^{2 \\cdot 999999999}"):
         assert huge(answer), answer
         assert math_reward.compute_score(f"\\boxed{{{answer}}}", "5") == 0.0
         assert math_reward.compute_score(f"#### {answer}", answer) == 1.0  # the same text is still the same answer
         assert not ruler.grade_answer(answer, "\\frac{1}{3}") and geo3k.compute_score(f"\\boxed{{{answer}}}", "3") == 0
     for small in ("5!", "120", "2^{10}", "\\binom{5}{2}", "**5**", "1,\\!000", "x \\neq 3", "(a+b)^2", "(1+n)!", "{4}!",
-                  "(3)!", "\\frac{(2n)!}{n!\\,n!}", "We are done (finally)! The answer is $5$."):
+                  "(3)!", "\\frac{(2n)!}{n!\\,n!}", "We are done (finally)! The answer is $5$.", "2^{n!}",
+                  "(a+b)^{n}!", "10^{12}", "\\left(\\frac{1}{2}\\right)^{3}"):
         assert not huge(small), small
     # factorials of brackets are still worked out, and prose with an exclamation is graded as before
     for answer, truth in (("(1+n)!", "(n+1)!"), ("(3)!", "6"), ("{4}!", "24"),
