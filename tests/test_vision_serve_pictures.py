@@ -264,3 +264,11 @@ def test_a_picture_is_encoded_once_for_every_prompt_and_call_that_holds_it(vl, t
     again = remote.picture_forms([prompt])  # a later turn or step holding the same picture
     assert len(calls) == 1 and first[0] == first[1] == again[0]
     assert first[0]["pictures"] == [encode(prompt.pictures[0])]
+    crop = prompt.pictures[0].crop((0, 0, 28, 28))  # a picture made from it (a tool's zoom) is encoded anew
+    assert remote.picture_forms([with_picture(prompt, crop)])[0]["pictures"] == [encode(crop)] and len(calls) == 2
+
+
+def with_picture(prompt, picture):
+    from alignrl.data.images import ImagePrompt
+
+    return ImagePrompt(list(prompt), prompt.images, (picture,))

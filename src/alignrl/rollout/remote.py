@@ -221,22 +221,22 @@ def request_slices(prompts: Sequence[Sequence[int]], per_request: int,
 def picture_forms(prompts: Sequence[Sequence[int]]) -> list[dict | None] | None:
     """Each prompt's images as pictures (`data.picture_json`, a tenth to a twentieth of the pixel rows' bytes, and
     what a vLLM service reads) when every prompt with images carries its pictures, one per grid; None otherwise (the
-    images then go as pixel rows). A picture is encoded once: its PNG is kept on it (in Pillow's `info`, which PNG
-    saving does not write out), for the copies of a prompt and the turns of an episode that hold it."""
+    images then go as pixel rows). A picture is encoded once: its PNG is kept on it as an attribute (not in Pillow's
+    `info`, which crops, resizes and copies inherit), for the copies of a prompt and the turns of an episode."""
     from alignrl.data.picture_json import png_base64, pictures_to_json
 
     with_images = [p for p in prompts if getattr(p, "images", None) is not None]
     if not with_images or any(len(getattr(p, "pictures", ())) != len(p.images.image_grid_thw) for p in with_images):
         return None
     def encode(picture) -> str:
-        if PNG_KEY not in picture.info:
-            picture.info[PNG_KEY] = png_base64(picture)
-        return picture.info[PNG_KEY]
+        if getattr(picture, PNG_ATTR, None) is None:
+            setattr(picture, PNG_ATTR, png_base64(picture))
+        return getattr(picture, PNG_ATTR)
 
     return [pictures_to_json(p, encode) for p in prompts]
 
 
-PNG_KEY = "alignrl.png_base64"  # a picture's encoding for the generation service, kept on the picture
+PNG_ATTR = "_alignrl_png_base64"  # a picture's encoding for the generation service, kept on the picture
 
 
 class RemoteRolloutEngine:
