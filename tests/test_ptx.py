@@ -27,19 +27,20 @@ def _jsonl(path, rows):
 
 def test_texts_are_tokenized_whole_and_cut_as_openrlhfs_pretraining_rows(tiny_model, tmp_path):
     _, tok = tiny_model
-    texts = load_pretrain_texts(_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in TEXTS]), "text", tok, 5)
-    assert texts.ids == [tok(t, add_special_tokens=False)["input_ids"][:5] for t in TEXTS]
+    texts = load_pretrain_texts(_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in TEXTS + [" "]]), "text", tok, 5)
+    want = [tok(t, add_special_tokens=False)["input_ids"][:5] for t in TEXTS]  # the blank text left out
+    assert [texts.ids(r) for r in range(len(texts))] == want
     ids, mask = texts.batch([0, 3])
-    assert ids.shape == mask.shape == (2, max(len(texts.ids[0]), len(texts.ids[3])))
-    assert mask.sum(1).tolist() == [len(texts.ids[0]), len(texts.ids[3])]
+    assert ids.shape == mask.shape == (2, max(len(want[0]), len(want[3])))
+    assert mask.sum(1).tolist() == [len(want[0]), len(want[3])] and ids[0, :len(want[0])].tolist() == want[0]
     files = [_jsonl(tmp_path / "a.jsonl", [{"text": TEXTS[0]}]), _jsonl(tmp_path / "b.jsonl", [{"text": TEXTS[1]}])]
     blended = load_pretrain_texts(files, "text", tok, 64, probs=[0.5, 0.5])
-    assert set(map(tuple, blended.ids)) == {tuple(tok(t, add_special_tokens=False)["input_ids"]) for t in TEXTS[:2]}
+    assert set(blended.texts) == set(TEXTS[:2])
 
 
 @pytest.mark.parametrize("rows, problem", [([{"content": "x y z"}], "no column 'text'"),
                                             ([{"text": ["x"]}], "is list, not text"),
-                                            ([], "no rows"), ([{"text": "x"}], "no text of two tokens or more")])
+                                            ([], "no text in column 'text'"), ([{"text": "  "}], "no text in")])
 def test_bad_pretraining_rows_are_one_line(tiny_model, tmp_path, rows, problem):
     _, tok = tiny_model
     path = tmp_path / "bad.jsonl"
@@ -51,16 +52,19 @@ def test_bad_pretraining_rows_are_one_line(tiny_model, tmp_path, rows, problem):
 
 def test_the_language_model_loss_is_the_token_mean_cross_entropy_of_the_attended_tokens(tiny_model):
     model, tok = tiny_model
-    texts = PretrainTexts([tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS[:2]], tok.pad_token_id)
+    texts = PretrainTexts(TEXTS[:2], tok, 64, tok.pad_token_id)
     ids, mask = texts.batch([0, 1])
+    rows = [texts.ids(0), texts.ids(1)]
     with torch.no_grad():
         got = language_model_loss(model, ids, mask)
         terms = []
-        for row in texts.ids:
+        for row in rows:
             logits = model(input_ids=torch.tensor([row])).logits[0, :-1]
             terms.append(F.cross_entropy(logits, torch.tensor(row[1:]), reduction="sum"))
-    want = sum(terms) / sum(len(r) - 1 for r in texts.ids)
+        one_token = language_model_loss(model, ids[:, :1], mask[:, :1])  # nothing to predict: zero, not NaN
+    want = sum(terms) / sum(len(r) - 1 for r in rows)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    assert one_token.item() == 0.0
 
 
 def _grads(model):
@@ -77,7 +81,7 @@ def test_the_update_adds_coef_times_the_texts_gradient(tiny_model):
     drawn texts' language-model gradient; coef 0 leaves it as without the term."""
     model, tok = tiny_model
     exp = _experience(model, tok, [1.0, 0.0, 0.5, 0.0])
-    texts = PretrainTexts([tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS], tok.pad_token_id)
+    texts = PretrainTexts(TEXTS, tok, 64, tok.pad_token_id)
     kw = dict(mini_batch=4, micro_batch=4, epochs=1)
     plain = copy.deepcopy(model)
     _actor(plain).update(exp, PolicyLossSpec(), generator=torch.Generator().manual_seed(0), **kw)
@@ -95,7 +99,10 @@ def test_the_update_adds_coef_times_the_texts_gradient(tiny_model):
 
 
 def test_each_step_draws_its_own_texts_the_same_way_every_time():
-    texts = PretrainTexts([[i, i + 1] for i in range(10)], 0)
+    def pairs(text, **kw):  # a tokenizer whose text "i" is the ids [i, i + 1]
+        return {"input_ids": [int(text), int(text) + 1]}
+
+    texts = PretrainTexts([str(i) for i in range(10)], pairs, 8, 0)
     mix = PretrainMix(texts, 0.1, micro_batch=3, seed=1)
     first = [mix.for_step(4)()[0].tolist() for _ in range(2)]
     assert first[0] == first[1]  # a step's draws start over the same: a resumed run draws them again
@@ -155,3 +162,12 @@ def test_pretraining_texts_train_on_two_ranks(strategy, tiny_model_dir, tmp_path
     rows = [json.loads(x) for x in (tmp_path / strategy / "logs" / "metrics.jsonl").read_text().splitlines()]
     losses = [x["actor/ptx_loss"] for x in rows if "actor/ptx_loss" in x]
     assert len(losses) == 2 and all(0 < x < 50 for x in losses), losses
+
+
+@pytest.mark.parametrize("extra", [['ptx.data_probs=["x"]'], ["ptx.data_probs=[0.5]"], ["ptx.data_probs=[0.5,.nan]"]])
+def test_bad_weights_are_one_line_before_any_model_loads(extra):
+    from alignrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="ptx.data_probs=.* must be one finite weight above 0 per ptx.data file") as e:
+        load_config(None, ["ptx.data=[a.jsonl,b.jsonl]", *extra])
+    assert "\n" not in str(e.value)

@@ -1,6 +1,5 @@
 """What a config must satisfy beyond its types: ranges and choices from the field metadata, and
-combinations of keys that cannot work together. Every failure is one line naming the key and the fix.
-"""
+combinations of keys that cannot work together. Every failure is one line naming the key and the fix."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from alignrl.config.agent_checks import multi_turn_problem
+from alignrl.config.ptx_schema import ptx_problem
 from alignrl.config.schema import CLIP_C_LOSSES, ConfigError, RunConfig
 
 
@@ -350,7 +350,7 @@ def _dynamic_sampling(cfg: RunConfig) -> str | None:
 # (check_prompt_keys raises its own, with the same kind of line)
 _COMBINATIONS = (_batch_sizes, _validation_sampler, replay_problem, _overlong_buffer, _rollout_is, _loggers_and_files, check_prompt_keys,
                  _train_probs, _optimiser_and_clips, _dynamic_sampling, _estimator, _critic, _pipeline, _safety, _urls,
-                 multi_turn_problem)
+                 multi_turn_problem, ptx_problem)
 
 
 def check_folders(folders: dict[str, Path]) -> None:

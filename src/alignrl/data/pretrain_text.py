@@ -3,7 +3,7 @@ text, each a column of a .jsonl/.json/.parquet file, tokenized whole and trained
 policy loss (`train.ptx`).
 
 As OpenRLHF's pretraining dataset, a text is tokenized without special tokens, cut to its first `max_length`
-tokens, and every token of it is a target. Several files are blended by their weights as OpenRLHF blends them
+tokens, and every token of it is a target; here when it is drawn, so a large set costs its text only. Several files are blended by their weights as OpenRLHF blends them
 (`loaders.blend_order`), or concatenated without weights.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,18 +24,25 @@ KEY = "ptx.data"
 
 @dataclass(frozen=True)
 class PretrainTexts:
-    """Tokenized texts, each at least two tokens (one prediction)."""
+    """Texts, tokenized when drawn (a step needs only its own: the set is never held as ids)."""
 
-    ids: list[list[int]]
+    texts: list[str]
+    tokenizer: Any
+    max_length: int
     pad_id: int
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.texts)
+
+    def ids(self, row: int) -> list[int]:
+        """Text `row` as OpenRLHF's pretraining rows hold it: no special tokens, its first `max_length` tokens."""
+        return self.tokenizer(self.texts[row], add_special_tokens=False, truncation=True,
+                              max_length=self.max_length)["input_ids"]
 
     def batch(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, attention_mask) (B, L) of texts `rows`, right-padded to the longest."""
-        texts = [self.ids[r] for r in rows]
-        width = max(len(t) for t in texts)
+        texts = [self.ids(r) for r in rows]
+        width = max(1, max(len(t) for t in texts))
         ids = torch.full((len(texts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(texts), width), dtype=torch.long)
         for i, t in enumerate(texts):
@@ -52,29 +60,22 @@ def _texts_of(path: str, column: str) -> list[str]:
         if not isinstance(row[column], str):
             raise DataError(f"{loc}: column {column!r} is {type(row[column]).__name__}, not text; pretraining rows "
                             "hold plain text (chat messages belong in the prompt data)")
-        texts.append(row[column])
+        if row[column].strip():  # an empty text predicts nothing
+            texts.append(row[column])
     if not texts:
-        raise DataError(f"{path}: no rows; ptx.data needs at least one text")
+        raise DataError(f"{path}: no text in column {column!r}; ptx.data needs at least one")
     return texts
 
 
 def load_pretrain_texts(paths: str | list[str], column: str, tokenizer, max_length: int,
                         probs: Sequence[float] = (), seed: int = 0) -> PretrainTexts:
-    """The texts of `paths` (one file or a list), blended by `probs` when given, tokenized and cut to `max_length`
-    tokens; texts of fewer than two tokens are left out (they predict nothing)."""
+    """The texts of `paths` (one file or a list), blended by `probs` when given (checked with the config), to be
+    tokenized and cut to `max_length` tokens as they are drawn."""
     files = data_files(paths)
     per_file = [_texts_of(f, column) for f in files]
     if probs:
-        if len(probs) != len(files) or any(p <= 0 for p in probs):
-            raise DataError(f"ptx.data_probs={list(probs)} must give one positive weight per file of ptx.data "
-                            f"({len(files)})")
         texts = [per_file[f][r] for f, r in blend_order([len(t) for t in per_file], probs, seed)]
     else:
         texts = [t for part in per_file for t in part]
-    ids = [tokenizer(t, add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]
-           for t in texts]
-    kept = [x for x in ids if len(x) >= 2]
-    if not kept:
-        raise DataError(f"ptx.data ({', '.join(files)}): no text of two tokens or more in column {column!r}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return PretrainTexts(kept, int(pad))
+    return PretrainTexts(texts, tokenizer, max_length, int(pad))

@@ -36,7 +36,7 @@ class ForwardLayout:
     lanes: int = 1
 
 
-def _chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
+def chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
     """logits (N, V), targets (N,) -> log-prob of each target (N,), `chunk_rows` rows upcast at a time."""
     parts = []
     for start in range(0, logits.shape[0], chunk_rows):
@@ -126,7 +126,7 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
             place = lambda x: x.view(b, r) * response_mask  # noqa: E731
     if temperature != 1.0:
         logits = logits / temperature
-    lp = place(_chunked_logprobs(logits, targets))
+    lp = place(chunked_logprobs(logits, targets))
     if not with_entropy:
         return lp, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):

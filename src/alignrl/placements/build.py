@@ -324,8 +324,10 @@ def build_actor(cfg: RunConfig, model, resume: Path | None, env: DistEnv, materi
 def build_ptx(cfg: RunConfig, tokenizer, env: DistEnv = SINGLE) -> PretrainMix | None:
     """PPO-ptx's texts and weight (ptx.*), or None when ptx.data is not set; each rank draws its own texts."""
     p = cfg.ptx
-    if not p.data or tokenizer is None:
+    if not p.data:
         return None
+    if tokenizer is None:  # a caller that cannot read texts must not turn the term off quietly
+        raise ValueError("ptx.data is set but the actor was built without a tokenizer to read its texts")
     cap = p.max_length or cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     texts = load_pretrain_texts(p.data, p.key, tokenizer, cap, p.data_probs, cfg.trainer.seed)
     return PretrainMix(texts, p.coef, p.micro_batch_size or cfg.actor.ppo_micro_batch_size, cfg.trainer.seed,

@@ -16,18 +16,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from alignrl.data.pretrain_text import PretrainTexts
+from alignrl.models.logprobs import chunked_logprobs
 
 
 def language_model_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Token-mean cross-entropy of next-token prediction over the attended tokens of right-padded rows."""
+    """Token-mean cross-entropy of next-token prediction over the attended tokens of right-padded rows. Each row's
+    log-probs come from its own logits, upcast a chunk at a time (`chunked_logprobs`), never from a second or fp32
+    copy of the whole (B, L, V); rows of one token predict nothing, and a batch of them gives a zero loss."""
     device = next(model.parameters()).device
     ids, mask = input_ids.to(device), attention_mask.to(device)
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
-    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    lengths = mask.sum(-1).tolist()
+    total, count = logits.sum() * 0.0, 0  # zero with a graph: a batch without targets still backpropagates
+    for row, n in enumerate(lengths):
+        if n >= 2:
+            total = total - chunked_logprobs(logits[row, :n - 1], ids[row, 1:n]).sum()
+            count += n - 1
+    return total / max(count, 1)
 
 
 @dataclass
