@@ -72,7 +72,9 @@ class ServerSpec:
     cwd: str | None = None
 
     def where(self) -> str:
-        return f"MCP server {self.name!r} ({self.url or ' '.join((self.command, *self.args))[:120]})"
+        """The server as messages and logs name it: its URL without query, or its command without arguments
+        (arguments and query strings often carry keys)."""
+        return f"MCP server {self.name!r} ({self.url.split('?')[0] if self.url else self.command[:120]})"
 
 
 def read_servers(path: Path, where: str) -> list[ServerSpec]:
@@ -247,8 +249,13 @@ class Server:
             raise self._down()
         call = asyncio.ensure_future(self.client.call_tool(name, arguments, read_timeout_seconds=timeout))
         gone = asyncio.ensure_future(self.gone.wait())
-        done, _ = await asyncio.wait({call, gone}, timeout=timeout + 5, return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
+        try:
+            done, _ = await asyncio.wait({call, gone}, timeout=timeout + 5, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the episode awaiting this call was cancelled: take both tasks with it
+            call.cancel()
+            raise
+        finally:
+            gone.cancel()
         if call not in done:
             call.cancel()
             raise self._down() if self.gone.is_set() else TimeoutError(f"no answer within {timeout:g}s")

@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from alignrl.data.picture_json import MAX_PICTURE_PIXELS
 from alignrl.errors import UserError
 from alignrl.rollout import mcp_client
 from alignrl.rollout.remote import ServiceError
@@ -154,8 +155,10 @@ def images_of(content: list, name: str) -> list:
             continue
         try:
             image = Image.open(io.BytesIO(base64.b64decode(part.data, validate=True)))
+            if image.size[0] * image.size[1] > MAX_PICTURE_PIXELS:  # from the header, before decoding
+                raise ValueError(f"{image.size[0]}x{image.size[1]} is over {MAX_PICTURE_PIXELS} pixels")
             image.load()
-        except (binascii.Error, OSError, ValueError) as exc:
+        except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as exc:
             raise McpResultError(f"MCP tool {name!r} returned an image ({getattr(part, 'mime_type', '?')}) that "
                                  f"cannot be decoded ({exc}); return base64 PNG or JPEG data") from None
         images.append(image)
