@@ -98,6 +98,34 @@ def test_the_update_adds_coef_times_the_texts_gradient(tiny_model):
         torch.testing.assert_close(_grads(mixed), want, rtol=1e-5, atol=1e-7)
 
 
+def test_each_micro_batch_adds_its_texts_weighted_by_its_share_of_the_tokens(tiny_model, monkeypatch):
+    """Two micro-batches: the step's gradient is the policy loss's plus coef x each micro-batch's share of the
+    mini-batch's response tokens x its texts' gradient, and the shares add up to 1."""
+    from alignrl.train import minibatch
+
+    model, tok = tiny_model
+    exp = _experience(model, tok, [1.0, 0.0, 0.5, 0.0])
+    texts = PretrainTexts(TEXTS, tok, 64, tok.pad_token_id)
+    kw = dict(mini_batch=4, micro_batch=2, epochs=1)
+    plain = copy.deepcopy(model)
+    _actor(plain).update(exp, PolicyLossSpec(), generator=torch.Generator().manual_seed(0), **kw)
+    shares, follow = [], minibatch.MicroRun._followed
+
+    def record(run, result, last):
+        shares.append(result[1] / run.tokens)
+        return follow(run, result, last)
+
+    monkeypatch.setattr(minibatch.MicroRun, "_followed", record)
+    mixed = copy.deepcopy(model)
+    _actor(mixed, PretrainMix(texts, 0.3, micro_batch=2, seed=5)).update(
+        exp, PolicyLossSpec(), generator=torch.Generator().manual_seed(0), step=3, **kw)
+    assert len(shares) == 2 and sum(shares) == pytest.approx(1.0)
+    by_hand, draw = copy.deepcopy(model), PretrainMix(texts, 0.3, micro_batch=2, seed=5).for_step(3)
+    sum(0.3 * share * language_model_loss(by_hand, *draw()) for share in shares).backward()
+    want = _grads(plain) + torch.cat([p.grad.flatten() for p in by_hand.parameters()])
+    torch.testing.assert_close(_grads(mixed), want, rtol=1e-5, atol=1e-7)
+
+
 def test_each_step_draws_its_own_texts_the_same_way_every_time():
     def pairs(text, **kw):  # a tokenizer whose text "i" is the ids [i, i + 1]
         return {"input_ids": [int(text), int(text) + 1]}
