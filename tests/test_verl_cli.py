@@ -216,9 +216,9 @@ def test_current_verl_spellings_map_or_are_accepted(given, key, expect):
 
 def test_current_verl_features_alignrl_lacks_are_named_or_one_line(capsys, monkeypatch):
     monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED", raising=False)
-    load_config(None, ["algorithm.rollout_correction.bypass_mode=True"])
-    assert "not applied: rollout correction's bypass mode" in capsys.readouterr().err
-    monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED")
+    bypass = load_config(None, ["algorithm.rollout_correction.bypass_mode=True"])  # applied: the rollout's log-probs
+    assert not bypass.actor.recompute_old_logprobs and "bypass" not in capsys.readouterr().err  # as the old policy's
+    monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED", raising=False)
     load_config(None, ["actor_rollout_ref.ref.sync_ref_model=True"])
     assert "not applied: the reference moved toward the policy" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="unknown config key 'reward.no_such_key': not a verl"):
