@@ -76,19 +76,23 @@ def _actor(model, ptx=None):
     return Actor(build_engine("single", model, OptimSpec(lr=1e-3, total_steps=10, grad_clip=1e9), SINGLE), ptx=ptx)
 
 
+def _updated(model, exp, micro_batch: int, ptx=None):
+    """A copy of `model` after one update of `exp` (step 3), its gradient left in .grad."""
+    copied = copy.deepcopy(model)
+    _actor(copied, ptx).update(exp, PolicyLossSpec(), mini_batch=4, micro_batch=micro_batch, epochs=1,
+                               generator=torch.Generator().manual_seed(0), step=3)
+    return copied
+
+
 def test_the_update_adds_coef_times_the_texts_gradient(tiny_model):
     """With one micro-batch (its share of the tokens is 1) the step's gradient is the policy loss's plus coef x the
     drawn texts' language-model gradient; coef 0 leaves it as without the term."""
     model, tok = tiny_model
     exp = _experience(model, tok, [1.0, 0.0, 0.5, 0.0])
     texts = PretrainTexts(TEXTS, tok, 64, tok.pad_token_id)
-    kw = dict(mini_batch=4, micro_batch=4, epochs=1)
-    plain = copy.deepcopy(model)
-    _actor(plain).update(exp, PolicyLossSpec(), generator=torch.Generator().manual_seed(0), **kw)
+    plain = _updated(model, exp, 4)
     for coef in (0.0, 0.3):
-        mixed = copy.deepcopy(model)
-        _actor(mixed, PretrainMix(texts, coef, micro_batch=2, seed=5)).update(
-            exp, PolicyLossSpec(), generator=torch.Generator().manual_seed(0), step=3, **kw)
+        mixed = _updated(model, exp, 4, PretrainMix(texts, coef, micro_batch=2, seed=5))
         by_hand = copy.deepcopy(model)
         ids, mask = PretrainMix(texts, coef, micro_batch=2, seed=5).for_step(3)()
         (coef * language_model_loss(by_hand, ids, mask)).backward()
@@ -106,9 +110,7 @@ def test_each_micro_batch_adds_its_texts_weighted_by_its_share_of_the_tokens(tin
     model, tok = tiny_model
     exp = _experience(model, tok, [1.0, 0.0, 0.5, 0.0])
     texts = PretrainTexts(TEXTS, tok, 64, tok.pad_token_id)
-    kw = dict(mini_batch=4, micro_batch=2, epochs=1)
-    plain = copy.deepcopy(model)
-    _actor(plain).update(exp, PolicyLossSpec(), generator=torch.Generator().manual_seed(0), **kw)
+    plain = _updated(model, exp, 2)
     shares, follow = [], minibatch.MicroRun._followed
 
     def record(run, result, last):
@@ -116,9 +118,7 @@ def test_each_micro_batch_adds_its_texts_weighted_by_its_share_of_the_tokens(tin
         return follow(run, result, last)
 
     monkeypatch.setattr(minibatch.MicroRun, "_followed", record)
-    mixed = copy.deepcopy(model)
-    _actor(mixed, PretrainMix(texts, 0.3, micro_batch=2, seed=5)).update(
-        exp, PolicyLossSpec(), generator=torch.Generator().manual_seed(0), step=3, **kw)
+    mixed = _updated(model, exp, 2, PretrainMix(texts, 0.3, micro_batch=2, seed=5))
     assert len(shares) == 2 and sum(shares) == pytest.approx(1.0)
     by_hand, draw = copy.deepcopy(model), PretrainMix(texts, 0.3, micro_batch=2, seed=5).for_step(3)
     sum(0.3 * share * language_model_loss(by_hand, *draw()) for share in shares).backward()

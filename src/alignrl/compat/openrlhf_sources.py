@@ -58,19 +58,25 @@ def check_sources(args) -> None:
 
 
 def weights(args) -> list[float]:
-    """--prompt_data_probs as numbers ([] when absent or OpenRLHF's old default '1.0', which weights nothing),
-    each finite and above 0: a zero weight never draws its file, and the blend ends only once every file was used."""
-    probs = split_files(args.prompt_data_probs)
+    """--prompt_data_probs as numbers (`flag_weights`)."""
+    return flag_weights(args.prompt_data_probs, "--prompt_data_probs", "--prompt_data")
+
+
+def flag_weights(value: str | None, flag: str, files_flag: str) -> list[float]:
+    """A weights flag (`flag`, over the files of `files_flag`) as numbers ([] when absent or OpenRLHF's old default
+    '1.0', which weights nothing), each finite and above 0: a zero weight never draws its file, and the blend ends
+    only once every file was used."""
+    probs = split_files(value)
     if probs in ([], ["1.0"]):
         return []
     try:
         out = [float(p) for p in probs]
     except ValueError:
-        raise SourceFlagError(f"--prompt_data_probs {args.prompt_data_probs}: give numbers separated by commas, "
-                              "one per --prompt_data file (e.g. 0.7,0.3)") from None
+        raise SourceFlagError(f"{flag} {value}: give numbers separated by commas, one per {files_flag} file "
+                              "(e.g. 0.7,0.3)") from None
     if not all(math.isfinite(p) and p > 0 for p in out):
-        raise SourceFlagError(f"--prompt_data_probs {args.prompt_data_probs}: each probability must be a finite "
-                              "number above 0 (e.g. 0.7,0.3); leave a file out of --prompt_data to not use it")
+        raise SourceFlagError(f"{flag} {value}: each probability must be a finite number above 0 (e.g. 0.7,0.3); "
+                              f"leave a file out of {files_flag} to not use it")
     return out
 
 
@@ -117,13 +123,9 @@ def ptx_keys(args) -> list[str]:
         return []
     out = [f"ptx.data={files_value(args.pretrain_data)}", f"ptx.coef={args.ptx_coef}",
            f"ptx.key={json.dumps(args.input_key or OPENRLHF_INPUT_KEY)}"]
-    probs = split_files(args.pretrain_data_probs)
-    if len(split_files(args.pretrain_data)) > 1 and probs not in ([], ["1.0"]):
-        try:
-            out.append(f"ptx.data_probs={json.dumps([float(p) for p in probs])}")
-        except ValueError:
-            raise SourceFlagError(f"--pretrain_data_probs {args.pretrain_data_probs}: give numbers separated by "
-                                  "commas, one per --pretrain_data file (e.g. 0.7,0.3)") from None
+    probs = flag_weights(args.pretrain_data_probs, "--pretrain_data_probs", "--pretrain_data")
+    if len(split_files(args.pretrain_data)) > 1 and probs:
+        out.append(f"ptx.data_probs={json.dumps(probs)}")
     if args.max_len:
         out.append(f"ptx.max_length={args.max_len}")
     return out
