@@ -134,7 +134,7 @@ def test_too_little_data_is_a_one_line_error(tiny_model_dir, tmp_path, cli_in_pr
     data = _gsm8k_file(tmp_path, 3)
     done = cli_in_process("train", "grpo", *_overrides(tiny_model_dir, tmp_path, "small", 1, 0),
                           f"data.train_files={data}")
-    assert done.returncode == 2 and "training data has 3 rows but data.train_batch_size=4" in done.stderr
+    assert done.returncode == 2 and "training data has 3 rows but a step draws 4 prompts" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
 
 

@@ -139,7 +139,8 @@ def test_the_scripts_translate_to_what_verl_does(files, tmp_path, capsys, monkey
     assert (grpo.data.filter_overlong_prompts, grpo.data.truncation, d.data.truncation) == (True, "error", "left")
     assert any("Ulysses sequence parallelism" in line and "ulysses_sequence_parallel_size=8" in line
                for line in features), err
-    assert "data.gen_batch_size=3" in err and "val_kwargs" not in err  # the validation sampler is applied
+    assert "gen_batch_size" not in err and "val_kwargs" not in err  # both applied: DAPO's generation batch, the
+    assert (d.data.gen_batch_size, d.data.train_batch_size) == (3, 2)  # validation sampler
     r = d.rollout  # DAPO's: sampled validation at T=1.0, top_p 0.7, one answer a problem
     assert (r.val_temperature, r.val_top_p, r.val_top_k, r.val_n) == (1.0, 0.7, -1, 1)
     assert grpo.rollout.val_temperature == 0.0  # no val_kwargs: greedy

@@ -182,7 +182,7 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
     # verl's tool schemas are part of each prompt: the overlong filter and the cut count them, as verl's dataset does
     tools = tool_schemas(cfg.agent.tool_config_path)
     train, val = load_task_data(cfg, _filtering_tokenizer(cfg), tools)
-    sampler = BatchSampler(len(train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
+    sampler = BatchSampler(len(train), cfg.data.draw_size, cfg.trainer.seed, cfg.data.shuffle)
     # the newest complete checkpoint; folders this run would write over are moved aside, never deleted (with
     # the config of the run that wrote them, on a fresh start). Its line is printed unwrapped and literally:
     # it holds paths and a user-written tracker file's text.

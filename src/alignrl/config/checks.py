@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import os
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -73,6 +71,7 @@ def check_world_size(cfg: RunConfig, world: int) -> None:
     if cfg.trainer.strategy == "single":
         raise ConfigError(f"trainer.strategy=single cannot run on {world} ranks; use ddp, fsdp2 or deepspeed")
     for key, value in (("data.train_batch_size", cfg.data.train_batch_size),
+                       ("data.gen_batch_size", cfg.data.gen_batch_size),
                        ("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size)):
         if value % world:
             raise ConfigError(f"{key}={value} must be a multiple of the world size {world} (each rank takes "
@@ -343,6 +342,10 @@ def _dynamic_sampling(cfg: RunConfig) -> str | None:
     if band and not cfg.algorithm.dynamic_sampling:  # a filter that never runs: the user expects it to
         return (f"algorithm.dynamic_sampling_range={band!r} is read only with algorithm.dynamic_sampling=true; "
                 "set it, or leave the range out")
+    gen = cfg.data.gen_batch_size
+    if gen and gen != cfg.data.train_batch_size and not cfg.algorithm.dynamic_sampling:
+        return (f"data.gen_batch_size={gen} is read only with algorithm.dynamic_sampling=true (without it every "
+                "prompt drawn is trained): set data.train_batch_size instead, or turn dynamic sampling on")
     return None
 
 
@@ -351,34 +354,6 @@ def _dynamic_sampling(cfg: RunConfig) -> str | None:
 _COMBINATIONS = (_batch_sizes, _validation_sampler, replay_problem, _overlong_buffer, _rollout_is, _loggers_and_files, check_prompt_keys,
                  _train_probs, _optimiser_and_clips, _dynamic_sampling, _estimator, _critic, _pipeline, _safety, _urls,
                  multi_turn_problem, ptx_problem)
-
-
-def check_folders(folders: dict[str, Path]) -> None:
-    """Each run folder (by the config key or flag that sets it) can be made: no part of its path is a file, which
-    would fail only after training. Checked before anything is moved aside or trained."""
-    for key, path in folders.items():
-        file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
-        if file is not None:
-            raise ConfigError(f"{key}: {file} is a file, so {path} cannot be a folder; move the file or "
-                              f"set {key} to another path")
-        problem = unwritable(path)
-        if problem:
-            raise ConfigError(f"{key}: cannot write under {path} ({problem}); set {key} to a folder you can write")
-
-
-def unwritable(path: Path) -> str | None:
-    """Why nothing can be written in `path` or the nearest folder above it that exists (None: it can): a folder made
-    and removed there is the only sure test (root passes access() on read-only and virtual file systems)."""
-    import tempfile
-
-    here = next((p for p in (path, *path.parents) if p.is_dir()), None)
-    if here is None or here == Path(here.anchor):  # a path whose top does not exist here (a compute node's
-        return None  # /scratch seen from a login node) cannot be judged from this machine
-    try:
-        os.rmdir(tempfile.mkdtemp(dir=here, prefix=".alignrl-write-check-"))
-    except OSError as e:
-        return f"{here}: {e.strerror or e}"
-    return None
 
 
 def _number(x) -> bool:

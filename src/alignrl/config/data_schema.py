@@ -29,6 +29,9 @@ class DataConfig:
     val_size: int = opt(1000, "held-out problems for the final evaluation (files: at most this many)", ge=1)
     val_size_during_training: int = opt(256, "held-out problems evaluated every trainer.test_freq steps", ge=1)
     train_batch_size: int = opt(32, "prompts per RL step (verl's data.train_batch_size)", ge=1)
+    gen_batch_size: int = opt(0, "with algorithm.dynamic_sampling: prompts drawn per generation round, of which the "
+                                 "first data.train_batch_size groups kept are trained (verl's data.gen_batch_size, "
+                                 "DAPO's gen_prompt_bsz); 0: data.train_batch_size", ge=0)
     max_prompt_length: int = opt(128, "prompt tokens kept (truncated from the left)", ge=8)
     truncation: str = opt("left", "a prompt over data.max_prompt_length: left keeps its last tokens (the generation "
                                   "prompt); right its first; middle its first and last halves; error stops the run "
@@ -61,6 +64,12 @@ class DataConfig:
     max_pixels: int = opt(0, "multimodal: images larger than this many pixels are downscaled (fewer image tokens); "
                              "0: the processor's own", ge=0)
     shuffle: bool = opt(True, "reshuffle the training data every epoch")
+
+    @property
+    def draw_size(self) -> int:
+        """Prompts drawn from the training data per generation round (a step's first, and dynamic sampling's
+        extra ones)."""
+        return self.gen_batch_size or self.train_batch_size
 
     @property
     def train_row_cap(self) -> int | None:

@@ -136,7 +136,7 @@ def finish(st: TranslationPass) -> list[str]:
     if LOSS_MODES[st.loss_mode] not in CLIP_C_LOSSES:  # verl's other losses read no clip_ratio_c; alignrl's refuse one
         st.out[:] = [o for o in st.out if not o.startswith("actor.clip_ratio_c=")]
     _response_cap_note(st)
-    out += _excluded_modules(st) + _verl_logger(st)
+    out += _excluded_modules(st) + _verl_logger(st) + _generation_batch(st)
     _remote_code(st)
     return out
 
@@ -262,6 +262,18 @@ def _response_cap_note(st: TranslationPass) -> None:
         st.notes.append(f"reward_model.reward_kwargs.max_resp_len={text} is not applied: alignrl measures the "
                         f"overlong buffer from the response cap, rollout.max_new_tokens={cap} "
                         "(data.max_response_length)")
+
+
+def _generation_batch(st: TranslationPass) -> list[str]:
+    """verl draws data.gen_batch_size prompts a generation batch and, without DAPO's filter, trains every one of
+    them: a verl-spelled run's data.train_batch_size then (alignrl reads data.gen_batch_size with dynamic sampling
+    only)."""
+    sizes = [o.split("=", 1)[1] for o in st.out if o.startswith("data.gen_batch_size=")]
+    filters = [parsed(o.split("=", 1)[1]) for o in st.out if o.startswith("algorithm.dynamic_sampling=")]
+    if not sizes or (parsed(sizes[-1]) is not None and (not st.verl or (filters and filters[-1] is True))):
+        return []
+    st.out[:] = [o for o in st.out if not o.startswith("data.gen_batch_size=")]  # null: the training batch
+    return [] if parsed(sizes[-1]) is None else [f"data.train_batch_size={sizes[-1]}"]
 
 
 def _excluded_modules(st: TranslationPass) -> list[str]:

@@ -175,9 +175,6 @@ MISSING: dict[str, tuple[str, tuple[object, ...]]] = {
     "*.ulysses_sequence_parallel_size": ("Ulysses sequence parallelism", (1,)),
     "actor_rollout_ref.ref.sync_ref_model": ("the reference moved toward the policy every ref_model_sync_steps "
                                              "steps (TR-DPO's ref sync)", (False,)),
-    "data.gen_batch_size": ("DAPO's generation batch larger than the training batch (alignrl's dynamic sampling "
-                            "generates up to algorithm.max_gen_rounds more rounds of data.train_batch_size prompts)",
-                            ()),
 }
 
 # Sections that exist only in verl's config: a key under them that is not mapped above is unknown.

@@ -14,8 +14,8 @@ from alignrl.data.loaders import DataError
 class BatchSampler:
     def __init__(self, size: int, batch_size: int, seed: int, shuffle: bool = True):
         if size < batch_size:
-            raise DataError(f"training data has {size} rows but data.train_batch_size={batch_size}; "
-                             "lower data.train_batch_size or add data")
+            raise DataError(f"training data has {size} rows but a step draws {batch_size} prompts "
+                            "(data.train_batch_size, or data.gen_batch_size with dynamic sampling); lower it or add data")
         self.size, self.batch_size, self.seed, self.shuffle = size, batch_size, seed, shuffle
         self.epoch, self.offset = 0, 0
 

@@ -170,9 +170,9 @@ class RolloutMaker:
                        agree: RankAgreement = RankAgreement()):
         """DAPO dynamic sampling (Yu et al. 2025): keep the groups whose rewards differ (or, with
         algorithm.dynamic_sampling_range, whose mean reward is strictly inside it), generate and
-        score more prompts (up to algorithm.max_gen_rounds extra rounds, only if `more` is given) until
-        this rank's share of data.train_batch_size groups is kept, then keep exactly that many (the earliest) or,
-        still short, all of them. Over several ranks a round runs while any rank is short (a rank already full
+        score more prompts (up to algorithm.max_gen_rounds extra rounds of data.gen_batch_size prompts, only if
+        `more` is given) until this rank's share of data.train_batch_size groups is kept, then keep exactly that
+        many (the earliest) or, still short, all of them. Over several ranks a round runs while any rank is short (a rank already full
         draws and discards, keeping the samplers in step) and every rank keeps as many groups as the fewest kept.
         Returns (rollout, scores, dataset row per group, metrics)."""
         want, pad = self.cfg.data.train_batch_size // agree.ranks, self.rewards.tokenizer.pad_token_id
