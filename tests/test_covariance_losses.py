@@ -153,3 +153,16 @@ def test_bounds_that_leave_no_room_are_one_line():
     with pytest.raises(ConfigError, match=r"actor.clip_cov_lb=5.0 must be below actor.clip_cov_ub=1.0") as e:
         load_config(None, ["actor.policy_loss=clip_cov", "actor.clip_cov_lb=5", "actor.clip_cov_ub=1"])
     assert "\n" not in str(e.value)
+
+
+def test_the_same_rows_draw_afresh_in_a_later_epoch_and_alike_in_a_rerun():
+    from alignrl.train.actor import token_draws
+
+    def draws_of(seed: int) -> list[list[int]]:
+        draw = token_draws(torch.Generator().manual_seed(seed))
+        rows = [torch.tensor([0, 1, 2]), torch.tensor([3, 4]), torch.tensor([0, 1, 2])]  # epoch 2 meets rows 0-2 again
+        return [torch.randperm(1000, generator=draw(r))[:8].tolist() for r in rows]
+
+    first, again = draws_of(5), draws_of(5)
+    assert first == again  # a rerun (or a resumed run) draws the same tokens
+    assert first[0] != first[2] and first[0] != first[1]  # the same rows in a later epoch draw other tokens

@@ -4,6 +4,8 @@ exactly the mini-batch gradient whatever the micro-batch size)."""
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -52,10 +54,21 @@ def loss_options(spec: PolicyLossSpec, generator: torch.Generator | None) -> dic
 
 
 def token_draws(generator: torch.Generator):
-    """clip_cov's draws of tokens: a generator per micro-batch, seeded by one draw of the update's generator and the
-    micro-batch's rows, so micro-batches run side by side (lanes) draw as one after the other."""
+    """clip_cov's draws of tokens: a generator per micro-batch, seeded by one draw of the update's generator, the
+    micro-batch's rows and how often these rows were drawn before in this update, so micro-batches run side by side
+    (lanes) draw as one after the other, and the same rows in a later PPO epoch draw afresh (as verl's global
+    generator does)."""
     base = int(torch.randint(2**31, (1,), generator=generator))
-    return lambda rows: torch.Generator().manual_seed(base * 1_000_003 + hash(tuple(rows.tolist())) % 2**31)
+    seen: Counter = Counter()
+    lock = threading.Lock()  # lanes draw from threads
+
+    def draw(rows: torch.Tensor) -> torch.Generator:
+        key = tuple(rows.tolist())
+        with lock:
+            again, seen[key] = seen[key], seen[key] + 1
+        return torch.Generator().manual_seed((base * 1_000_003 + hash(key) % 2**31 + again * 7_919) % 2**62)
+
+    return draw
 
 
 def policy_loss(logp, entropy, exp: Experience, spec: PolicyLossSpec, global_tokens: float, global_seqs: float,
