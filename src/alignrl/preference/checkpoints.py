@@ -3,10 +3,11 @@
 
 A checkpoint is a folder `<output_dir>.checkpoints/step_<N>/`: the engine's full weights (`weights.safetensors`,
 adapters included under LoRA), its optimizer and scheduler state (the engines' own `optim.pt`), and `state.json`
-with the step and, for Safe-MM-DPO, the multiplier λ with its cost average. It is written into a hidden temporary folder
-and renamed into place, so a folder named step_<N> is complete. A resumed run loads all of it, skips the
-micro-batches the first N steps consumed (the data order is the seeded one of the first run), and goes on; with the
-same config it ends where the uninterrupted run would have.
+with the step and, for Safe-MM-DPO, the multiplier λ with its cost average; with `sync_ref_model`, once the reference
+has moved, its weights (`reference.safetensors`) and the step of its latest sync. It is written into a hidden
+temporary folder and renamed into place, so a folder named step_<N> is complete. A resumed run loads all of it, skips
+the micro-batches the first N steps consumed (the data order is the seeded one of the first run), and goes on; with
+the same config it ends where the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ from pathlib import Path
 
 from alignrl.config import ConfigError
 
-WEIGHTS, STATE = "weights.safetensors", "state.json"
+WEIGHTS, STATE, REFERENCE = "weights.safetensors", "state.json", "reference.safetensors"
 
 
 def checkpoint_root(out_dir: Path) -> Path:
     return out_dir.parent / f"{out_dir.name}.checkpoints"
 
 
-def save_checkpoint(root: Path, step: int, engine, lam, env) -> Path:
-    """Collective (the engine gathers its weights and optimizer state on every rank; rank 0 writes)."""
+def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None) -> Path:
+    """Collective (the engine gathers its weights and optimizer state on every rank; rank 0 writes). `reference`: the
+    run's `ref_sync.ReferenceSync` (its copy is the same on every rank), or None."""
     from safetensors.torch import save_file
 
     from alignrl.runtime.env import barrier
@@ -42,6 +44,10 @@ def save_checkpoint(root: Path, step: int, engine, lam, env) -> Path:
         # tied tensors (input and output embeddings) are written as two copies: safetensors keeps no aliases
         save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, str(tmp / WEIGHTS))
         state = {"step": step, **({"lambda_state": lam.state.state_dict()} if lam is not None else {})}
+        ref_weights = reference.weights() if reference is not None else None
+        if ref_weights is not None:
+            save_file(ref_weights, str(tmp / REFERENCE))
+            state["reference_synced_at"] = reference.synced_at
         (tmp / STATE).write_text(json.dumps(state, indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)
@@ -50,9 +56,9 @@ def save_checkpoint(root: Path, step: int, engine, lam, env) -> Path:
     return final
 
 
-def resume(folder: str, engine, lam, command: str = "dpo") -> int:
-    """Loads a checkpoint's weights, optimizer state and λ into this run (of `alignrl train <command>`); returns its
-    step."""
+def resume(folder: str, engine, lam, command: str = "dpo", reference=None) -> int:
+    """Loads a checkpoint's weights, optimizer state, λ and synced reference (into `reference`, the run's
+    `ref_sync.ReferenceSync`) into this run (of `alignrl train <command>`); returns its step."""
     from safetensors.torch import load_file
 
     path = Path(folder)
@@ -69,4 +75,24 @@ def resume(folder: str, engine, lam, command: str = "dpo") -> int:
     engine.load_state(path)
     if lam is not None and "lambda_state" in state:
         lam.state.load_state_dict(state["lambda_state"])
+    _resume_reference(path, state, reference)
     return int(state["step"])
+
+
+def _resume_reference(path: Path, state: dict, reference) -> None:
+    """The synced reference of a `sync_ref_model` run; a checkpoint and a config that disagree on syncing are one
+    line, as the run would otherwise go on against another reference than the one it trained with."""
+    from safetensors.torch import load_file
+
+    held = (path / REFERENCE).is_file()
+    if held and reference is None:
+        raise ConfigError(f"resume_from={path} holds a reference moved by sync_ref_model; resume with "
+                          "sync_ref_model=true (and the same ref_model_mixup_alpha, ref_model_sync_steps)")
+    if reference is None:
+        return
+    if held:
+        reference.load(load_file(str(path / REFERENCE)), int(state["reference_synced_at"]), str(path))
+    elif int(state["step"]) >= reference.every:
+        raise ConfigError(f"resume_from={path} (step {state['step']}) holds no synced reference, though "
+                          f"ref_model_sync_steps={reference.every} would have synced it: it was written with "
+                          "sync_ref_model=false or a larger ref_model_sync_steps; resume with that config")

@@ -115,6 +115,11 @@ class DPOConfig(CommonConfig):
     label_smoothing: float = opt(0.0, "sigmoid/cdpo: probability that a label is flipped (conservative DPO)",
                                   ge=0.0, le=0.5)
     precompute_ref_log_probs: bool = opt(False, "reference log-probs once up front, then free the reference copy")
+    sync_ref_model: bool = opt(False, "TR-DPO: every ref_model_sync_steps optimizer steps the reference moves toward "
+                                      "the policy, ref ← α·policy + (1 - α)·ref (TRL's sync_ref_model)")
+    ref_model_mixup_alpha: float = opt(0.6, "sync_ref_model: α, the policy's share in each reference update (1: a "
+                                            "hard copy)", gt=0.0, le=1.0)
+    ref_model_sync_steps: int = opt(512, "sync_ref_model: optimizer steps between reference updates", ge=1)
     helpful_rm: str = opt("models/helpful_rm", "safe_*: helpfulness reward model folder (alignrl train rm --task helpful)")
     harmless_rm: str = opt("models/harmless_rm", "safe_*: harmlessness cost model folder (--task harmless)")
     safety_lambda: float = opt(1.0, "safe_odpo: λ in the utility r - λ·c", ge=0.0)
@@ -255,10 +260,16 @@ def parse_dpo(argv: list[str]) -> DPOConfig:
     p = make_parser("alignrl train dpo", "DPO, IPO, conservative DPO, hinge, safety-aware DPO.")
     p.add_argument("--loss_type", choices=DPO_LOSS_NAMES)
     p.add_argument("--precompute_ref_log_probs", action="store_true", default=None)
+    p.add_argument("--sync_ref_model", action="store_true", default=None)
+    p.add_argument("--ref_model_mixup_alpha", type=float)
+    p.add_argument("--ref_model_sync_steps", type=int)
     args = p.parse_intermixed_args(argv)
     cfg = load_flat_config(DPOConfig, args.config, args.overrides, {
         "loss_type": args.loss_type, "precompute_ref_log_probs": args.precompute_ref_log_probs,
-        "output_dir": args.output_dir, "logging_dir": args.logging_dir})
+        "sync_ref_model": args.sync_ref_model, "ref_model_mixup_alpha": args.ref_model_mixup_alpha,
+        "ref_model_sync_steps": args.ref_model_sync_steps, "output_dir": args.output_dir,
+        "logging_dir": args.logging_dir})
+    _check_ref_sync(cfg)
     if cfg.kl_coeff > 0 and cfg.precompute_ref_log_probs:
         raise ConfigError(f"kl_coeff={cfg.kl_coeff} needs the reference's logits at every step, which "
                           "precompute_ref_log_probs frees; set kl_coeff=0 or precompute_ref_log_probs=false")
@@ -266,6 +277,30 @@ def parse_dpo(argv: list[str]) -> DPOConfig:
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} is read only by loss_type "
                           f"{' or '.join(SMOOTHED_LOSSES)}, not {cfg.loss_type}; set label_smoothing=0 or change loss_type")
     return cfg
+
+
+def same_model(ref_model_path: str | None, model_path: str) -> bool:
+    """Whether the reference is the policy's own starting point (no ref_model_path, or the same folder)."""
+    return (ref_model_path is None or ref_model_path == model_path
+            or (Path(ref_model_path).exists() and Path(model_path).exists()
+                and Path(ref_model_path).resolve() == Path(model_path).resolve()))
+
+
+def _check_ref_sync(cfg: DPOConfig) -> None:
+    """sync_ref_model moves a reference copy, so it needs one that lives through training; its two settings alone
+    are kept (a config may carry them switched off) but said, since they change nothing then."""
+    if not cfg.sync_ref_model:
+        unused = [f"{k}={getattr(cfg, k)}" for k in ("ref_model_mixup_alpha", "ref_model_sync_steps")
+                  if getattr(cfg, k) != DPOConfig.__dataclass_fields__[k].default]
+        if unused:
+            say(f"note: {' and '.join(unused)} take effect only with sync_ref_model=true; the reference stays fixed")
+        return
+    if cfg.precompute_ref_log_probs:
+        raise ConfigError("sync_ref_model moves the reference during training, so log-probs precomputed up front "
+                          "would go stale; set precompute_ref_log_probs=false or sync_ref_model=false")
+    if cfg.use_lora and same_model(cfg.ref_model_path, cfg.model_path):
+        raise ConfigError("sync_ref_model with use_lora: the reference is the policy with its adapters off, no copy "
+                          "that could move; give ref_model_path (a folder other than model_path) or set use_lora=false")
 
 
 # command -> (its parser, the module and function that train; `train(cfg, dry_run_world)`)

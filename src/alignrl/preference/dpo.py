@@ -24,7 +24,8 @@ log-probs are computed once up front and the copy is freed. `loss_type` picks a 
 Held-out reward accuracy (β-scaled implicit rewards, chosen > rejected, ties half) and margins are measured before
 and after training (and every `eval_steps`), per eval file, and written to `<output_dir>/eval_results.json` beside
 the saved HF causal-LM folder. `save_steps` writes resumable checkpoints (weights, optimizer, λ) and `resume_from`
-goes on from one (`preference.checkpoints`). Left out: reference-model syncing (TR-DPO), online DPO.
+goes on from one (`preference.checkpoints`). `sync_ref_model` (TR-DPO) moves the reference copy toward the policy
+every `ref_model_sync_steps` optimizer steps (`preference.ref_sync`). Left out: online DPO.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ import torch
 from alignrl.preference import adapters
 from alignrl.preference import checkpoints as ckpt
 from alignrl.preference import common as pc
-from alignrl.preference.cli import SAFETY_LOSSES, DPOConfig
+from alignrl.preference.cli import SAFETY_LOSSES, DPOConfig, same_model
 from alignrl.preference.pair_logps import pair_logps, response_kl
+from alignrl.preference.ref_sync import ReferenceSync
 from alignrl.preference.rm import check_scorer_kind, score_info
 from alignrl.preference.safe_mm import LambdaSchedule
 from alignrl.config import ConfigError
@@ -148,10 +150,6 @@ def _fmt_eval(e: dict) -> str:
             f"policy prefers chosen {e['logp_accuracy']:.3f}")
 
 
-def _same_model(a: str | None, b: str) -> bool:
-    return a is None or a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
-
-
 class _Reference:
     """The frozen reference's log-probs (chosen, rejected) of a batch, and its chosen response logits when the KL
     term needs them: from a copy of the initial policy (or of ref_model_path), from the policy itself with its LoRA
@@ -162,12 +160,12 @@ class _Reference:
 
         self.cfg, self.device, self.adapters_of = cfg, env.device, None
         self.tables: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
-        if lora and _same_model(cfg.ref_model_path, cfg.model_path):
+        if lora and same_model(cfg.ref_model_path, cfg.model_path):
             self.model = None  # set by `use_adapters_off` once the adapters are on
             return
         # copied before prepare_trainable changes the policy; nothing else holds the copy, so that dropping
         # self.model frees it
-        self.model = (frozen_copy(policy) if _same_model(cfg.ref_model_path, cfg.model_path) else
+        self.model = (frozen_copy(policy) if same_model(cfg.ref_model_path, cfg.model_path) else
                       frozen_copy(load_model(cfg.ref_model_path, key="ref_model_path")[0]))
         self.model.to(env.device, torch.bfloat16 if pc.use_bf16(cfg) else torch.float32)
 
@@ -230,6 +228,24 @@ def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None, 
     return loss
 
 
+def _trained_and_reference(cfg: DPOConfig, policy, spec, env, log):
+    """(the module trained: the policy, or its peft wrapper under LoRA; the reference; its ReferenceSync with
+    sync_ref_model, else None). The reference copy is taken before the policy changes."""
+    ref = _Reference(cfg, policy, env, spec is not None)
+    sync = ReferenceSync(cfg, ref.model, policy, log) if cfg.sync_ref_model else None  # a copy: cli refuses others
+    pc.prepare_trainable(policy, cfg)
+    if spec is None:
+        return policy, ref, sync
+    model = adapters.attach(policy, spec, "CAUSAL_LM", cfg.seed)
+    if sync is not None:
+        sync.lora_policy = model
+    if ref.model is None:  # else ref_model_path's own copy stays the reference
+        ref.use_adapters_off(model)
+    log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}; the reference "
+              "is " + ("the policy with its adapters off" if ref.model is None else cfg.ref_model_path))
+    return model, ref, sync
+
+
 def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     from alignrl.runtime.env import barrier, init_distributed, shutdown
     from alignrl.models.loader import load_model
@@ -250,14 +266,7 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     policy, tok = load_model(cfg.model_path, log=log.print, key="model_path")
     pc.bind_template_variables(tok, cfg, log)
     spec = adapters.spec_of(cfg)
-    ref = _Reference(cfg, policy, env, spec is not None)
-    pc.prepare_trainable(policy, cfg)
-    model = policy
-    if spec is not None:
-        model = adapters.attach(policy, spec, "CAUSAL_LM", cfg.seed)
-        ref.use_adapters_off(model)
-        log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}; "
-                  "the reference is the policy with its adapters off")
+    model, ref, sync = _trained_and_reference(cfg, policy, spec, env, log)
     pad = tok.pad_token_id
     enc_train, cut = encode_pairs(tok, train_pairs, cfg.max_length)
     enc_eval, _ = encode_pairs(tok, eval_pairs, cfg.max_length)
@@ -279,14 +288,17 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     before = ev()
     log.print("held-out before training: " + _fmt_eval(before["all"]))
 
-    start = ckpt.resume(cfg.resume_from, engine, lam) if cfg.resume_from else 0
+    start = ckpt.resume(cfg.resume_from, engine, lam, reference=sync) if cfg.resume_from else 0
     if start:
         log.print(f"resumed from {cfg.resume_from} at step {start}" + (f", λ {lam.state.value:.6g}" if lam else ""))
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
         out = lam.after_step(step) if lam is not None else {}
+        if sync is not None:  # before a checkpoint or an eval of this step, which then see the moved reference
+            sync.after_step(step, engine)
         if cfg.save_steps and step % cfg.save_steps == 0 and step < total:
-            log.print(f"checkpoint {ckpt.save_checkpoint(ckpt.checkpoint_root(out_dir), step, engine, lam, env)}")
+            where = ckpt.save_checkpoint(ckpt.checkpoint_root(out_dir), step, engine, lam, env, reference=sync)
+            log.print(f"checkpoint {where}")
         if cfg.eval_steps and step % cfg.eval_steps == 0 and step < total:
             e = ev()["all"]
             out.update({"eval/reward_accuracy": e["reward_accuracy"], "eval/reward_margin": e["reward_margin"],
