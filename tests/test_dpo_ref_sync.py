@@ -18,10 +18,11 @@ from alignrl.preference import ref_sync
 from alignrl.preference.cli import dpo_main, parse_dpo
 
 ALPHA = 0.6
-# 16 pairs in micro-batches of 4, one per optimizer step: four steps, synced after steps 2 and 4
+# 8 pairs of each of the two train files in micro-batches of 4, one per optimizer step: four steps, synced after
+# steps 2 and 4
 TINY = ["loss_type=sigmoid", "max_train_pairs=8", "max_eval_pairs=4", "batch_size=4", "eval_batch_size=8",
         "gradient_accumulation_steps=1", "learning_rate=1e-2", "warmup_ratio=0", "log_every=1", "report_to=[jsonl]",
-        "gradient_checkpointing=false", "sync_ref_model=true", f"ref_model_mixup_alpha={ALPHA}",
+        "gradient_checkpointing=false", "bf16=false", "sync_ref_model=true", f"ref_model_mixup_alpha={ALPHA}",
         "ref_model_sync_steps=2"]
 
 
@@ -75,7 +76,7 @@ def test_the_mix_refuses_unpaired_tensors():
     (["--sync_ref_model", "--ref_model_mixup_alpha", "0"], "ref_model_mixup_alpha"),
     (["--sync_ref_model", "ref_model_mixup_alpha=1.5"], "ref_model_mixup_alpha"),
     (["--sync_ref_model", "--ref_model_sync_steps", "0"], "ref_model_sync_steps"),
-])
+], ids=["precompute", "lora_adapters_off_reference", "alpha_zero", "alpha_above_one", "sync_steps_zero"])
 def test_combinations_that_cannot_work_are_one_line_before_any_model_loads(argv, expect, capsys, monkeypatch):
     monkeypatch.setattr("alignrl.models.loader.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     assert dpo_main(["loss_type=sigmoid", *argv]) == 2
@@ -91,8 +92,11 @@ def test_the_keys_and_trl_flags_parse_and_unused_settings_are_said(capsys):
     assert capsys.readouterr().err == ""
     cfg = parse_dpo(["ref_model_sync_steps=8"])  # accepted, but said: without sync_ref_model it changes nothing
     assert cfg.ref_model_sync_steps == 8 and not cfg.sync_ref_model
-    assert capsys.readouterr().err.strip() == ("alignrl: note: ref_model_sync_steps=8 take effect only with "
+    assert capsys.readouterr().err.strip() == ("alignrl: note: ref_model_sync_steps=8 takes effect only with "
                                                "sync_ref_model=true; the reference stays fixed")
+    parse_dpo(["ref_model_sync_steps=8", "ref_model_mixup_alpha=1"])
+    assert capsys.readouterr().err.strip() == ("alignrl: note: ref_model_mixup_alpha=1.0 and ref_model_sync_steps=8 "
+                                               "take effect only with sync_ref_model=true; the reference stays fixed")
 
 
 # ---------------------------------------------------------------- tiny runs

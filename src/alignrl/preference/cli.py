@@ -293,7 +293,8 @@ def _check_ref_sync(cfg: DPOConfig) -> None:
         unused = [f"{k}={getattr(cfg, k)}" for k in ("ref_model_mixup_alpha", "ref_model_sync_steps")
                   if getattr(cfg, k) != DPOConfig.__dataclass_fields__[k].default]
         if unused:
-            say(f"note: {' and '.join(unused)} take effect only with sync_ref_model=true; the reference stays fixed")
+            verb = "takes" if len(unused) == 1 else "take"
+            say(f"note: {' and '.join(unused)} {verb} effect only with sync_ref_model=true; the reference stays fixed")
         return
     if cfg.precompute_ref_log_probs:
         raise ConfigError("sync_ref_model moves the reference during training, so log-probs precomputed up front "
