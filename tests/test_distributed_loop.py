@@ -45,7 +45,11 @@ CRITIC = ("algorithm.adv_estimator=gae", "critic.enable=true")
 ZERO3_FILE = f"trainer.deepspeed_config={Path(__file__).parents[1] / 'config' / 'deepspeed' / 'zero3.json'}"
 
 
-@pytest.mark.parametrize("strategy,extra", [("ddp", CRITIC), ("deepspeed", (ZERO3_FILE,))])
+# the reference moved halfway toward the policy after every update (actor.ref_sync_steps), gathered from FSDP2's shards
+REF_SYNC = ("actor.ref_sync_steps=1", "actor.ref_mixup_alpha=0.5", "trainer.max_checkpoints=0")
+
+
+@pytest.mark.parametrize("strategy,extra", [("ddp", CRITIC + REF_SYNC), ("deepspeed", (ZERO3_FILE,))])
 def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
     r = run(tiny_model_dir, tmp_path, strategy, strategy, 2, *extra)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -66,6 +70,9 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
         step3 = run_dir / "checkpoints" / "global_step_3"
         assert (step3 / "model_state" / "optim.pt").is_file() and (step3 / "critic_state").is_dir()
         assert weights(step3 / "model").keys() == before.keys()
+        ref2, ref3, policy3 = weights(ckpt / "reference"), weights(step3 / "reference"), weights(step3 / "model")
+        for k in ref3:  # the resumed reference (step 2's, not the base), then half of FSDP2's gathered policy
+            torch.testing.assert_close(ref3[k], 0.5 * policy3[k] + 0.5 * ref2[k], rtol=0, atol=1e-6)
         rows = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
         assert [x["step"] for x in rows if "critic/vf_loss" in x] == [1, 2, 3]
     if strategy == "deepspeed":

@@ -258,6 +258,23 @@ def _pipeline(cfg: RunConfig) -> str | None:
     return None
 
 
+def _ref_sync(cfg: RunConfig) -> str | None:
+    """actor.ref_sync_steps moves a frozen reference copy held in the trainer's own processes (placements.ref_sync)."""
+    if not cfg.actor.ref_sync_steps:
+        return None
+    key = f"actor.ref_sync_steps={cfg.actor.ref_sync_steps}"
+    if not needs_reference(cfg):
+        return (f"{key} moves the reference, which this run never reads (no KL term): add one (actor.use_kl_loss "
+                "with actor.kl_loss_coef > 0, or algorithm.use_kl_in_reward) or set actor.ref_sync_steps=0")
+    where = ("model.lora_rank > 0 makes the reference the policy with its adapters off, with no weights of its "
+             "own" if cfg.model.lora_rank > 0 else
+             "services.reference_url computes the reference's log-probs in a service with weights of its own"
+             if cfg.services.reference_url else
+             "pipeline.placement=zmq computes the reference's log-probs in the samplers"
+             if cfg.pipeline.placement == "zmq" else "")
+    return f"{key} cannot move the reference: {where}; set actor.ref_sync_steps=0" if where else None
+
+
 def _safety(cfg: RunConfig) -> str | None:
     if cfg.safety.cost_fn and cfg.safety.cost_model:
         return "set one of safety.cost_fn (a rule) or safety.cost_model (a model), not both"
@@ -351,9 +368,9 @@ def _dynamic_sampling(cfg: RunConfig) -> str | None:
 
 # check_combinations' checks, in the order they run: each returns its one-line problem or None
 # (check_prompt_keys raises its own, with the same kind of line)
-_COMBINATIONS = (_batch_sizes, _validation_sampler, replay_problem, _overlong_buffer, _rollout_is, _loggers_and_files, check_prompt_keys,
-                 _train_probs, _optimiser_and_clips, _dynamic_sampling, _estimator, _critic, _pipeline, _safety, _urls,
-                 multi_turn_problem, ptx_problem)
+_COMBINATIONS = (_batch_sizes, _validation_sampler, replay_problem, _overlong_buffer, _rollout_is,
+                 _loggers_and_files, check_prompt_keys, _train_probs, _optimiser_and_clips, _dynamic_sampling,
+                 _estimator, _critic, _pipeline, _ref_sync, _safety, _urls, multi_turn_problem, ptx_problem)
 
 
 def _number(x) -> bool:

@@ -21,7 +21,8 @@ def resolve_counts(cfg: RunConfig, given: set[str], global_micro: int | None = N
     steps = t.total_training_steps
     rows = _train_rows(cfg) if t.total_epochs else None
     if rows is not None:  # None: a missing file, which preflight reports before any launch
-        per_epoch = max(1, rows // cfg.data.draw_size)  # verl's batches of data.gen_batch_size, the last partial one dropped
+        # verl's batches of data.gen_batch_size (the training batch without it), the last partial one dropped
+        per_epoch = max(1, rows // cfg.data.draw_size)
         by_epochs = t.total_epochs * per_epoch
         steps = min(steps, by_epochs) if "trainer.total_training_steps" in given else by_epochs
     per_step = a.ppo_epochs * cfg.mini_batches_per_step

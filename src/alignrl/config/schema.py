@@ -126,6 +126,11 @@ class ActorConfig:
     kl_loss_coef: float = opt(0.001, "weight of the KL term", ge=0.0)
     kl_loss_type: str = opt("k3", "KL estimator (verl aliases: kl=k1, mse=k2, low_var_kl=k3)",
                             choices=("k1", "k2", "k3", "kl", "mse", "low_var_kl"))
+    ref_sync_steps: int = opt(0, "every N updates the reference moves toward the policy: ref = ref_mixup_alpha x "
+                                 "policy + (1 - alpha) x ref (TR-DPO; TRL's sync_ref_model with ref_model_sync_steps)"
+                                 "; 0: the reference stays the base model", ge=0)
+    ref_mixup_alpha: float = opt(0.6, "with actor.ref_sync_steps: the policy's share of each reference weight at a "
+                                      "sync (TRL's ref_model_mixup_alpha; 1 copies the policy)", gt=0.0, le=1.0)
     state_masking: bool = opt(True, "multi-turn: tool-observation tokens are attended but never trained on "
                                     "(policy loss, entropy, KL, critic); verl/Search-R1's actor.state_masking")
     recompute_old_logprobs: bool = opt(True, "recompute old log-probs with the trainer; false reuses the "

@@ -19,7 +19,9 @@ VISION_TOWER = ".*visual.*"
 _RECENT_PREFIXES = ("algorithm.filter_groups.", "reward_model.overlong_buffer.", R + "val_kwargs.",
                     "reward_model.reward_manager", "reward_model.enable", "reward_model.model.path",
                     "reward_model.model.input_tokenizer", A + "policy_loss.", RC)
-_OWN = ("reward_model.reward_kwargs.max_resp_len", "actor_rollout_ref.model.exclude_modules")
+_REF_SYNC = ("actor_rollout_ref.ref.sync_ref_model", "actor_rollout_ref.ref.ref_model_sync_steps",
+             "actor_rollout_ref.ref.ref_model_mixup_alpha")
+_OWN = ("reward_model.reward_kwargs.max_resp_len", "actor_rollout_ref.model.exclude_modules", *_REF_SYNC)
 
 
 def parsed(text: str) -> object:
@@ -136,7 +138,7 @@ def finish(st: TranslationPass) -> list[str]:
     if LOSS_MODES[st.loss_mode] not in CLIP_C_LOSSES:  # verl's other losses read no clip_ratio_c; alignrl's refuse one
         st.out[:] = [o for o in st.out if not o.startswith("actor.clip_ratio_c=")]
     _response_cap_note(st)
-    out += _excluded_modules(st) + _verl_logger(st) + _generation_batch(st)
+    out += _excluded_modules(st) + _verl_logger(st) + _generation_batch(st) + _reference_sync(st)
     _remote_code(st)
     return out
 
@@ -274,6 +276,16 @@ def _generation_batch(st: TranslationPass) -> list[str]:
         return []
     st.out[:] = [o for o in st.out if not o.startswith("data.gen_batch_size=")]  # null: the training batch
     return [] if parsed(sizes[-1]) is None else [f"data.train_batch_size={sizes[-1]}"]
+
+
+def _reference_sync(st: TranslationPass) -> list[str]:
+    """verl forks' reference sync (TR-DPO's): its pace and mix are read only when it is on, with TRL's defaults
+    (512 steps, 0.6) where they are left out."""
+    given = {key.rsplit(".", 1)[1]: value for key, (_, value) in st.later.items() if key in _REF_SYNC}
+    if given.get("sync_ref_model") is not True:
+        return []
+    return [f"actor.ref_sync_steps={given.get('ref_model_sync_steps', 512)}",
+            f"actor.ref_mixup_alpha={given.get('ref_model_mixup_alpha', 0.6)}"]
 
 
 def _excluded_modules(st: TranslationPass) -> list[str]:

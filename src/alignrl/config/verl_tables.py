@@ -95,8 +95,6 @@ NOT_USED = (
     R + "max_num_seqs", R + "prompt_length", R + "enable_chunked_prefill",
     # verl's LoRA recipes: the model through shared memory, the merged weights summoned layer by layer
     "actor_rollout_ref.model.use_shm", R + "layered_summon",
-    # the reference sync's pace and mix: read only with ref.sync_ref_model, which alignrl does not have (MISSING)
-    "actor_rollout_ref.ref.ref_model_sync_steps", "actor_rollout_ref.ref.ref_model_mixup_alpha",
     # the reward model's forward and its reward-loop server (engine, memory, parallelism, length caps); fp8 rollout
     # weights (vLLM speed); debug dumps; Hydra's own output folder
     "reward_model.model.use_remove_padding", "reward_model.rollout.*", R + "quantization.*", "trainer.dump_high_diff_*",
@@ -173,8 +171,6 @@ ROLLOUT_CORRECTION_OFF: dict[str, object] = {
 # leaves it off is accepted quietly; any other is named at start as a feature not applied, never dropped silently.
 MISSING: dict[str, tuple[str, tuple[object, ...]]] = {
     "*.ulysses_sequence_parallel_size": ("Ulysses sequence parallelism", (1,)),
-    "actor_rollout_ref.ref.sync_ref_model": ("the reference moved toward the policy every ref_model_sync_steps "
-                                             "steps (TR-DPO's ref sync)", (False,)),
 }
 
 # Sections that exist only in verl's config: a key under them that is not mapped above is unknown.

@@ -11,11 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from alignrl.config import RunConfig
+from alignrl.config import ConfigError, RunConfig
 from alignrl.interfaces import RemoteProducers, RolloutEngine, WeightSink
 from alignrl.models.loader import frozen_copy, load_tokenizer, resolve_model_path, with_template_variables
 from alignrl.placements.build import (build_actor, build_critics, build_maker, build_ref, load_policy, service_args,
                                       shards_weights, with_tools)
+from alignrl.placements.ref_sync import ReferenceMix, reference_mix
 from alignrl.rl.producer import RolloutMaker
 from alignrl.placements.weight_sync import copy_sink
 from alignrl.rl.sinks import Fanout, SharedModule
@@ -39,6 +40,7 @@ class Placed:
     sink: WeightSink
     remote_eval: bool = False  # eval_engine is the producers' (Ray's rollout engines), fed through `sink`
     push_to: str = ""  # the generation service the sink feeds, which may hold other weights than ours
+    reference_mix: ReferenceMix | None = None  # the reference moved toward the policy (actor.ref_sync_steps)
 
     def before_first_step(self, version: int, resumed_at_end: bool) -> None:
         """The weights engines outside the trainer must hold before the loop starts (collective on every rank)."""
@@ -60,7 +62,8 @@ class Placed:
     def saved_elsewhere(self) -> list[Callable[[Path], str | None]]:
         """The writers of the checkpoint parts held by other workers (a Ray critic group): each writes its
         folders into the checkpoint being written and returns None, or the line saying why it could not."""
-        return [critic.save for _, critic in self.critics() if not isinstance(critic, Critic)]
+        return ([critic.save for _, critic in self.critics() if not isinstance(critic, Critic)]
+                + ([self.reference_mix.save] if self.reference_mix is not None else []))
 
     def critics(self) -> list[tuple[str, object]]:
         c = self.trainer.critics
@@ -103,10 +106,12 @@ def _with_producer(cfg: RunConfig, policy_path: str, resume: Path | None, env: D
     engine = with_tools(cfg, engine, tokenizer)  # evaluation rolls out the same way as training
     sink = (copy_sink(actor, engine, env, main_only=bool(service), whole=bool(service))
             if service or copy is not None else SharedModule())
+    mix = reference_mix(actor, ref, cfg.actor.ref_sync_steps, cfg.actor.ref_mixup_alpha, resume)
+    sink = sink if mix is None else Fanout(sink, mix)
     critics = build_critics(cfg, resume, env)
     maker = build_maker(cfg, engine, tokenizer, ref, env.device, env.rank)
     trainer = PolicyTrainer(cfg, actor, sink, critics, env)
-    return Placed(trainer, tokenizer, engine, maker, sink, push_to=service or "")
+    return Placed(trainer, tokenizer, engine, maker, sink, push_to=service or "", reference_mix=mix)
 
 
 def _beside_producers(cfg: RunConfig, policy_path: str, resume: Path | None, env: DistEnv,
@@ -115,6 +120,10 @@ def _beside_producers(cfg: RunConfig, policy_path: str, resume: Path | None, env
     Held-out evaluation runs on the producers' own engines where they offer one (Ray's rollout engines), else on
     rank 0: on the policy's module, or on a full copy beside a sharded policy, which follows the producers'
     weights."""
+    if cfg.actor.ref_sync_steps:  # the reference's log-probs come from the producers' processes
+        raise ConfigError(f"actor.ref_sync_steps={cfg.actor.ref_sync_steps} moves a reference held in the trainer's "
+                          "processes, and this run's reference log-probs are computed where its rollouts are made "
+                          "(Ray rollout engines, ZeroMQ samplers): set actor.ref_sync_steps=0")
     folder = resolve_model_path(policy_path, console.print)
     tokenizer = with_template_variables(load_tokenizer(folder, min_pixels=cfg.data.min_pixels,
                                                        max_pixels=cfg.data.max_pixels), cfg.data.chat_template_kwargs)

@@ -1,0 +1,75 @@
+"""The reference moved toward the policy during RL (TR-DPO's reference update, as TRL's GRPO `sync_ref_model` and
+verl forks' `actor_rollout_ref.ref.sync_ref_model` do it): after every `actor.ref_sync_steps`-th update every
+reference weight becomes α·policy + (1 − α)·reference (α = `actor.ref_mixup_alpha`).
+
+It runs where the reference is a frozen copy in the trainer's own processes (one process, or each torchrun rank with
+its own copy): a sink beside the policy's, so it sees each update's weights, gathered in full from a sharded policy
+on every rank (a collective), and so every rank's copy stays the same. Once moved, the reference is no longer the base
+model: each checkpoint holds it (`reference/model.safetensors`) and a resumed run loads it back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+import torch
+from safetensors.torch import load_file, save_file
+
+from alignrl.core.ref_mix import mix_into_reference
+from alignrl.errors import ConfigError
+from alignrl.train.actor import Actor
+from alignrl.utils.tracking import console
+
+FOLDER, FILE = "reference", "model.safetensors"
+
+
+class ReferenceMix:
+    """WeightSink: after every `steps`-th publish, the frozen `reference` takes `alpha` of the policy's weights."""
+
+    def __init__(self, actor: Actor, reference: torch.nn.Module, steps: int, alpha: float):
+        self.actor, self.reference, self.steps, self.alpha = actor, reference, steps, alpha
+        self.names = [name for name, _ in reference.named_parameters()]  # tied weights once
+
+    def publish(self, version: int) -> None:
+        if version % self.steps:
+            return
+        full = self.actor.engine.full_state_dict()  # collective: every rank keeps its own copy
+        own = dict(self.reference.named_parameters())
+        mix_into_reference([own[n] for n in self.names], [full[n] for n in self.names], self.alpha)
+
+    def save(self, folder: Path) -> str | None:
+        """Checkpoint writer (rank 0, into the folder being written): the reference's weights, or why not."""
+        try:
+            (folder / FOLDER).mkdir()
+            save_file({n: p.detach().cpu().contiguous() for n, p in self.reference.named_parameters()},
+                      folder / FOLDER / FILE)
+        except OSError as e:
+            return f"the reference's weights could not be written to {folder / FOLDER} ({e.strerror or e})"
+        return None
+
+    def load(self, checkpoint: Path) -> None:
+        """The reference a checkpoint holds; one written before any sync (or by a run without it) has none, and the
+        base model stays the reference."""
+        path = checkpoint / FOLDER / FILE
+        if not path.is_file():
+            return
+        saved, own = load_file(path), dict(self.reference.named_parameters())
+        if set(saved) != set(self.names):
+            raise ConfigError(f"{path} holds other weights than this run's reference model (its model.path): resume "
+                              "with the model that wrote it, or set trainer.resume_mode=disable to start afresh")
+        with torch.no_grad():
+            for n in self.names:
+                own[n].copy_(saved[n])
+        console.print(f"reference weights loaded from {path} (moved toward the policy before the checkpoint)",
+                      markup=False)
+
+
+def reference_mix(actor: Actor, reference, steps: int, alpha: float, resume: Path | None
+                  ) -> ReferenceMix | None:
+    """The sink moving `reference` (a LocalRefScorer's model) toward the policy, with a resumed run's reference
+    loaded; None when actor.ref_sync_steps is 0."""
+    if steps <= 0 or reference is None:
+        return None
+    mix = ReferenceMix(actor, reference.model, steps, alpha)
+    if resume is not None:
+        mix.load(resume)
+    return mix
