@@ -22,11 +22,12 @@ from alignrl.data.prompts import PromptData, load_task_data
 from alignrl.data.sampler import BatchSampler
 from alignrl.interfaces import BatchSource, RemoteProducers
 from alignrl.models.loader import load_tokenizer, resolve_model_path, with_template_variables
-from alignrl.placements.build import resolve_strategy
+from alignrl.placements.build import resolve_strategy, timed_rule
 from alignrl.placements.choose import remote_producers
 from alignrl.placements.local import Placed, place
 from alignrl.rewards.code import code_reward
 from alignrl.rewards.registry import load_reward_fn, user_fn_options
+from alignrl.rewards.timed_rules import late_rows, say_timeouts
 from alignrl.rl.evaluate import format_room, heldout_eval, room, validation_params
 from alignrl.rl.producer import InlineSource
 from alignrl.rl.replay import check_replay, data_order_keys, with_replay
@@ -150,8 +151,10 @@ class Run:
                                    self.cfg.trainer.seed)
         # the callers print the phase's line with its seconds (or log them as timing/val): the bar alone here
         with Phase("held-out evaluation", n, "problems", say=False, bar=self.cfg.trainer.progress_bar) as p:
-            return heldout_eval(self.placed.eval_engine, self.placed.tokenizer, self.val[:n], self.val_prompts[:n],
-                                self.correct_fn, r.max_new_tokens, subset=subset, params=params, progress=p.advance)
+            out = heldout_eval(self.placed.eval_engine, self.placed.tokenizer, self.val[:n], self.val_prompts[:n],
+                               self.correct_fn, r.max_new_tokens, subset=subset, params=params, progress=p.advance)
+        say_timeouts("held-out evaluation", late_rows([self.correct_fn]), self.cfg.algorithm.reward_timeout_s)
+        return out
 
     @property
     def how(self) -> str:
@@ -193,8 +196,8 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
         producers = remote_producers(cfg, to_yaml(cfg), cfg.log_root, train)
     placed = place(cfg, str(resume / "model") if resume else cfg.model.path, resume, env, producers)
     trainer = placed.trainer
-    correct_fn = load_reward_fn(cfg.algorithm.reward_fn, code_reward=code_reward(cfg.sandbox),
-                                **user_fn_options(cfg.algorithm))
+    correct_fn = timed_rule(cfg, load_reward_fn(cfg.algorithm.reward_fn, code_reward=code_reward(cfg.sandbox),
+                                                **user_fn_options(cfg.algorithm)))
     rows = PromptData(placed.tokenizer, train, cfg.data.max_prompt_length, cfg.data.truncation, tools)
     source = with_replay(producers.source(sampler, trainer, env) if producers else
                          InlineSource(placed.maker, sampler, rows, lambda: trainer.version, env),

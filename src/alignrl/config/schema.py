@@ -196,6 +196,10 @@ class AlgorithmConfig:
     reward_fn_batch: bool = opt(False, "algorithm.reward_fn scores a whole batch in one call: fn(data_sources=, "
                                        "solution_strs=, ground_truths=, extra_infos=) returns a list of scores "
                                        "(verl's reward_manager=batch)")
+    reward_timeout_s: float = opt(0.0, "rule rewards: each row's limit in seconds; rows are scored side by side in "
+                                       "worker processes and a row past the limit scores 0, its worker replaced "
+                                       "(verl's reward_manager=prime: 300); 0: scored here, no limit", ge=0.0)
+    reward_workers: int = opt(0, "with algorithm.reward_timeout_s: the worker processes; 0: the usable cores", ge=0)
     reward_model: str = opt("", "reward-model folder (from `alignrl train rm`): its score is the reward; the rule "
                                 "reward still measures accuracy")
     reward_model_mix: str = opt("replace", "with a reward model (a folder or services.reward_url): replace uses its "

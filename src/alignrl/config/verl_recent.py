@@ -112,6 +112,8 @@ def _dapo_and_reward(st: TranslationPass, key: str, value: str, v: object) -> No
             raise ConfigError(f"{key}={value} is not supported (alignrl's reward stage is the rule reward, verl's "
                               "naive manager, with DAPO's overlong buffer: naive, dapo, prime or batch)")
         st.out.append(f"algorithm.reward_fn_batch={str(v == 'batch').lower()}")  # batch: one call per batch
+        if v == "prime":  # its process pool: each row at most 300 s, a row past it scoring 0
+            st.out.append("algorithm.reward_timeout_s=300")
     else:
         raise UnknownKeyError(f"unknown config key '{key}': not a verl key alignrl knows (docs/verl-keys.md lists "
                               "them)")

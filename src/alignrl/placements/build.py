@@ -35,6 +35,7 @@ from alignrl.models.rm_template import RetemplatingScorer, reward_input
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.code import code_reward
 from alignrl.rewards.registry import load_reward_fn, user_fn_options, with_format_bonus
+from alignrl.rewards.timed_rules import timed
 from alignrl.rollout.agent import AgentRollout
 from alignrl.rollout.env_agent import EnvRollout
 from alignrl.rollout.environments import load_environment
@@ -144,13 +145,20 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device, loaded: Seque
     reward_model = reward_scorer(cfg, tokenizer, device, loaded)
     # loaded once: the reward is the correctness itself unless a format bonus shapes it, and the stage then scores
     # each row once (a code row's program runs once, a batch function is called once)
-    correct = load_reward_fn(a.reward_fn, code_reward=code_reward(cfg.sandbox), **user_fn_options(a))
-    return RewardStage(tokenizer, with_format_bonus(correct, a.format_reward_weight), correct,
+    rule = load_reward_fn(a.reward_fn, code_reward=code_reward(cfg.sandbox), **user_fn_options(a))
+    shaped = with_format_bonus(rule, a.format_reward_weight)
+    correct = timed_rule(cfg, rule)  # under algorithm.reward_timeout_s in workers, or `rule` itself
+    return RewardStage(tokenizer, correct if shaped is rule else timed_rule(cfg, shaped), correct,
                        response_cap(cfg), a.overlong_buffer_len, a.overlong_penalty_factor, reward_model,
                        add_rule=a.reward_model_mix == "add", truncated_reward_coef=a.truncated_reward_coef,
-                       cost_fn=load_reward_fn(s.cost_fn, "safety.cost_fn") if s.cost_fn else None,
+                       cost_fn=timed_rule(cfg, load_reward_fn(s.cost_fn, "safety.cost_fn")) if s.cost_fn else None,
                        cost_model=ModelScorer(s.cost_model, cfg.model.dtype, log=console.print, device=device)
                        if s.cost_model else None)
+
+
+def timed_rule(cfg: RunConfig, fn):
+    """A rule reward scored under algorithm.reward_timeout_s (`rewards.timed_rules`), or `fn` itself without one."""
+    return timed(fn, cfg.algorithm.reward_timeout_s, cfg.algorithm.reward_workers)
 
 
 def producer_prompts(cfg: RunConfig, tokenizer) -> tuple[list, PromptData]:

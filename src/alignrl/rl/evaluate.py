@@ -21,7 +21,7 @@ from alignrl.interfaces import SamplingParams
 from alignrl.rewards import gsm8k
 from alignrl.rewards.registry import REWARDS, ScoreError, reads_prompt_text, score_row
 from alignrl.rewards.values import is_correct
-from alignrl.rl.scoring import played_correct, prompt_texts, with_reward_extras
+from alignrl.rl.scoring import played_correct, prompt_texts, timed_values, with_reward_extras
 from alignrl.rollout.env_agent import with_labels
 
 
@@ -57,10 +57,13 @@ def rule_correct(tokenizer, ro, texts: Sequence[str], batch: Sequence[Sample], s
     read = prompt_texts(tokenizer, ro.prompt_ids, ro.prompt_mask) if reads_prompt_text(correct_fn) else None
     # verl's num_turns, turn_scores and tool_rewards in extra_info, as in training
     rows = with_reward_extras(ro, [batch[j // n] for j in range(len(texts))])
-    out = []
+    values, out = timed_values(correct_fn, rows, texts, read), []
     for j, (t, s) in enumerate(zip(texts, rows)):
         try:
-            value = score_row(correct_fn, s.data_source, t, s.ground_truth, s.extra, read[j] if read else None)
+            value = (values[j] if values is not None else
+                     score_row(correct_fn, s.data_source, t, s.ground_truth, s.extra, read[j] if read else None))
+            if isinstance(value, ScoreError):
+                raise value
             out.append(float(is_correct(value)))
         except ScoreError as e:  # name the row: in its data file, else among the evaluated samples
             raise e.at(s.source or start + j // n, "reward function") from e.__cause__

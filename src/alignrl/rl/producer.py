@@ -24,6 +24,7 @@ from alignrl.data.records import Rollout, Sample, ScoredBatch, Scores
 from alignrl.data.sampler import BatchSampler
 from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, shard
 from alignrl.interfaces import RefScorer, RolloutEngine, SamplingParams
+from alignrl.rewards.timed_rules import late_rows, say_timeouts
 from alignrl.models.folder import ModelError
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.rollout.env_agent import with_labels
@@ -123,6 +124,10 @@ class RolloutMaker:
         if self.cfg.algorithm.dynamic_sampling:
             ro, scores, index, dapo = self.dynamic_sample(step, ro, scores, index, rows, more, t, agree)
             metrics.update(dapo)
+        late = late_rows([self.rewards.reward_fn, self.rewards.correct_fn, self.rewards.cost_fn])
+        if late is not None:  # rule rewards under algorithm.reward_timeout_s
+            metrics["reward/timeouts"] = float(late)
+            say_timeouts(f"step {step}", late, self.cfg.algorithm.reward_timeout_s)
         with timed(t, "ref"):
             ref_lp = self.ref_logprobs(ro, ref_groups) if self.ref is not None and len(ro.group) else None
         # state masking: tool observations are attended (response_mask) but never trained on

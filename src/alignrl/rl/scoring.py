@@ -14,6 +14,7 @@ from alignrl.core.shaping import overlong_penalty, truncated_reward
 from alignrl.data.records import Rollout, Sample, Scores
 from alignrl.interfaces import SequenceScorer
 from alignrl.rewards.registry import ScoreError, finite_score, reads_prompt_text, score_row
+from alignrl.rewards.timed_rules import TimedRule
 from alignrl.rewards.values import filter_score, is_correct
 
 # verl's compute_score signature: (data_source, solution_str, ground_truth, extra_info) -> float
@@ -122,15 +123,26 @@ def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence
     out, name = [], getattr(fn, "__name__", repr(fn))
     whole = getattr(fn, "batch", None)  # a batch function (verl's batch manager): one call for all the rows
     values = whole([s.data_source for s in rows], list(texts), [s.ground_truth for s in rows],
-                   [s.extra for s in rows]) if whole is not None and rows else None
+                   [s.extra for s in rows]) if whole is not None and rows else timed_values(fn, rows, texts, prompts)
     for i, (s, t) in enumerate(zip(rows, texts)):
         try:
             value = values[i] if values is not None else score_row(fn, s.data_source, t, s.ground_truth, s.extra,
                                                                     prompts[i] if prompts else None)
+            if isinstance(value, ScoreError):  # a row scored in a worker (timed_values)
+                raise value
             out.append(finite_score(value, name, s.data_source))
         except ScoreError as e:  # raised where the row is unknown: name it, in its data file when it has one
             raise e.at(s.source or i, kind) from e.__cause__
     return out
+
+
+def timed_values(fn, rows: Sequence[Sample], texts: Sequence[str], prompts: Sequence[str] | None) -> list | None:
+    """Each row's value from a rule under a time limit (`rewards.timed_rules`: scored side by side in workers, a
+    failed row holding its ScoreError), or None for a rule scored here row by row."""
+    if not isinstance(fn, TimedRule):
+        return None
+    return fn.rows([(s.data_source, t, s.ground_truth, s.extra, prompts[i] if prompts else None)
+                    for i, (s, t) in enumerate(zip(rows, texts))])
 
 
 def prompt_texts(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[str]:
