@@ -16,6 +16,7 @@ from conftest import run_group
 from alignrl.core.ref_mix import mix_into_reference
 from alignrl.preference import ref_sync
 from alignrl.preference.cli import dpo_main, parse_dpo
+from alignrl.config import ConfigError
 
 ALPHA = 0.6
 # 8 pairs of each of the two train files in micro-batches of 4, one per optimizer step: four steps, synced after
@@ -219,3 +220,12 @@ def test_two_ranks_mix_the_full_policy_into_identical_references(engine, tiny_mo
             torch.testing.assert_close(r0[k], ALPHA * r0["policy." + name] + (1 - ALPHA) * r0["before." + name],
                                        rtol=0, atol=1e-6)
             assert r0["policy." + name].shape == r0[k].shape  # the full tensor, not a rank's shard
+
+
+def test_trls_spellings_of_the_switches():
+    assert parse_dpo(["--sync_ref_model", "True", "beta=0.2"]).sync_ref_model is True
+    assert parse_dpo(["--sync_ref_model", "beta=0.2"]).sync_ref_model is True  # bare, before an override
+    assert parse_dpo(["--sync_ref_model=false"]).sync_ref_model is False
+    assert parse_dpo(["--precompute_ref_log_probs", "False"]).precompute_ref_log_probs is False
+    with pytest.raises(ConfigError, match="--sync_ref_model takes true or false"):
+        parse_dpo(["--sync_ref_model=maybe"])

@@ -263,7 +263,7 @@ def parse_dpo(argv: list[str]) -> DPOConfig:
     p.add_argument("--sync_ref_model", action="store_true", default=None)
     p.add_argument("--ref_model_mixup_alpha", type=float)
     p.add_argument("--ref_model_sync_steps", type=int)
-    args = p.parse_intermixed_args(argv)
+    args = p.parse_intermixed_args(trl_switches(argv, ("precompute_ref_log_probs", "sync_ref_model")))
     cfg = load_flat_config(DPOConfig, args.config, args.overrides, {
         "loss_type": args.loss_type, "precompute_ref_log_probs": args.precompute_ref_log_probs,
         "sync_ref_model": args.sync_ref_model, "ref_model_mixup_alpha": args.ref_model_mixup_alpha,
@@ -277,6 +277,27 @@ def parse_dpo(argv: list[str]) -> DPOConfig:
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} is read only by loss_type "
                           f"{' or '.join(SMOOTHED_LOSSES)}, not {cfg.loss_type}; set label_smoothing=0 or change loss_type")
     return cfg
+
+
+def trl_switches(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """TRL's spellings of a switch (HfArgumentParser: `--sync_ref_model True`, `--sync_ref_model=false`) as ours: the
+    bare flag, or the `name=false` override. A bare flag keeps its meaning, also before a `key=value` override."""
+    words = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+    out, i = [], 0
+    while i < len(argv):
+        flag, eq, given = argv[i].partition("=")
+        name = flag[2:] if flag.startswith("--") else ""
+        value = (words.get(given.lower()) if eq else
+                 words.get(argv[i + 1].lower()) if i + 1 < len(argv) else None) if name in names else None
+        if name in names and eq and value is None:
+            raise ConfigError(f"{argv[i]}: --{name} takes true or false, or nothing (true)")
+        if value is None:
+            out.append(argv[i])
+        else:
+            out.append(flag if value else f"{name}=false")
+            i += 0 if eq else 1
+        i += 1
+    return out
 
 
 def same_model(ref_model_path: str | None, model_path: str) -> bool:
