@@ -170,7 +170,7 @@ def test_unknown_and_unsupported_keys_are_one_line_errors():
         load_config(None, ["data.train_files=[]"])
 
 
-def test_verls_qwen3_gsm8k_batch_splits_as_verl_splits_it_and_a_ref_sync_is_named(capsys, monkeypatch):
+def test_verls_qwen3_gsm8k_batch_splits_as_verl_splits_it_and_a_ref_sync_is_applied(capsys, monkeypatch):
     """examples/grpo_trainer/run_qwen3-1.7b.sh: 1024 prompts × 3 in mini-batches of 80 × 3 (verl asserts only that
     the batch holds one mini-batch; its last one is smaller) with verl's micro-batch of 10 a GPU;
     run_qwen2-7b_sync_ref_model.sh: the reference sync alignrl does not have is named at start."""
@@ -181,10 +181,13 @@ def test_verls_qwen3_gsm8k_batch_splits_as_verl_splits_it_and_a_ref_sync_is_name
     assert (cfg.mini_batch_sequences, cfg.mini_batches_per_step) == (240, 13)  # 12 × 240 + 192
     capsys.readouterr()
     monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED")  # listed once per launch: this is another
-    load_config(None, ["actor_rollout_ref.ref.sync_ref_model=True", "actor_rollout_ref.ref.ref_model_sync_steps=128",
-                       "actor_rollout_ref.ref.ref_model_mixup_alpha=0.9"])
-    err = capsys.readouterr().err
-    assert "not applied: the reference moved toward the policy" in err and "sync_ref_model=True" in err
+    sync = ["actor_rollout_ref.ref.sync_ref_model=True", "actor_rollout_ref.ref.ref_model_sync_steps=128",
+            "actor_rollout_ref.ref.ref_model_mixup_alpha=0.9"]
+    cfg = load_config(None, sync + ["actor_rollout_ref.actor.use_kl_loss=True"])  # applied: actor.ref_sync_steps
+    assert (cfg.actor.ref_sync_steps, cfg.actor.ref_mixup_alpha) == (128, 0.9)
+    assert "sync_ref_model" not in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="actor.ref_sync_steps=128 moves the reference, which this run never reads"):
+        load_config(None, sync)  # verl 0.7 reads no reference without a KL term
 
 
 @pytest.mark.parametrize("given, key, expect", [
@@ -219,8 +222,8 @@ def test_current_verl_features_alignrl_lacks_are_named_or_one_line(capsys, monke
     bypass = load_config(None, ["algorithm.rollout_correction.bypass_mode=True"])  # applied: the rollout's log-probs
     assert not bypass.actor.recompute_old_logprobs and "bypass" not in capsys.readouterr().err  # as the old policy's
     monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED", raising=False)
-    load_config(None, ["actor_rollout_ref.ref.sync_ref_model=True"])
-    assert "not applied: the reference moved toward the policy" in capsys.readouterr().err
+    load_config(None, ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=4"])
+    assert "not applied: Ulysses sequence parallelism" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="unknown config key 'reward.no_such_key': not a verl"):
         load_config(None, ["reward.no_such_key=1"])
     with pytest.raises(ConfigError, match="custom_chat_template=.* is not supported .save the template with the "
