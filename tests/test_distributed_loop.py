@@ -51,6 +51,7 @@ REF_SYNC = ("actor.ref_sync_steps=1", "actor.ref_mixup_alpha=0.5", "trainer.max_
 
 @pytest.mark.parametrize("strategy,extra", [("ddp", CRITIC + REF_SYNC), ("deepspeed", (ZERO3_FILE,))])
 def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
+    extra = (*extra, f"trainer.rollout_data_dir={tmp_path / 'rollouts'}")  # both ranks' rollouts, gathered
     r = run(tiny_model_dir, tmp_path, strategy, strategy, 2, *extra)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert f"on 2 rank(s), strategy {strategy}" in r.stdout
@@ -58,6 +59,8 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
     run_dir = tmp_path / strategy
     rows = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows if "actor/grad_norm" in x or "critic/vf_loss" in x] == [1, 2]
+    dumped = [json.loads(x) for x in (tmp_path / "rollouts" / "2.jsonl").read_text().splitlines()]
+    assert len(dumped) == 16 and len({d["input"] for d in dumped}) == 4  # 2 prompts x 4 answers on each rank
     ckpt = run_dir / "checkpoints" / "global_step_2"
     after, before = weights(ckpt / "model"), weights(tiny_model_dir)
     assert after.keys() == before.keys()  # the tied embedding matrix saved once, as the base model holds it

@@ -29,6 +29,7 @@ from alignrl.rewards.code import code_reward
 from alignrl.rewards.registry import load_reward_fn, user_fn_options
 from alignrl.rewards.timed_rules import late_rows, say_timeouts
 from alignrl.rl.evaluate import format_room, heldout_eval, room, validation_params
+from alignrl.rl.generation_logs import RolloutDump, jsonl, log_generations, records, write_jsonl
 from alignrl.rl.producer import InlineSource
 from alignrl.rl.replay import check_replay, data_order_keys, with_replay
 from alignrl.rl.step import GRPOStep
@@ -143,17 +144,27 @@ class Run:
     state: dict = field(default_factory=dict)
     start_step: int = 0
     watch: LoadWatch | None = None  # re-fits the threads between steps as other processes come and go
+    tracker: Tracker | None = None  # where held-out answers are logged (trainer.log_val_generations)
 
-    def evaluate(self, n: int, subset: int | None = None):
-        """Held-out accuracy on the first `n` problems (and on the first `subset` of them, from the same answers)."""
-        r = self.cfg.rollout
+    def evaluate(self, n: int, subset: int | None = None, step: int = 0):
+        """Held-out accuracy on the first `n` problems (and on the first `subset` of them, from the same answers),
+        after RL step `step`; the answers go where trainer.validation_data_dir and log_val_generations say."""
+        r, t = self.cfg.rollout, self.cfg.trainer
         params = validation_params(r.max_new_tokens, r.stop, r.val_temperature, r.val_top_p, r.val_top_k, r.val_n,
-                                   self.cfg.trainer.seed)
+                                   t.seed)
+        answers = [] if t.validation_data_dir or t.log_val_generations else None
         # the callers print the phase's line with its seconds (or log them as timing/val): the bar alone here
-        with Phase("held-out evaluation", n, "problems", say=False, bar=self.cfg.trainer.progress_bar) as p:
+        with Phase("held-out evaluation", n, "problems", say=False, bar=t.progress_bar) as p:
             out = heldout_eval(self.placed.eval_engine, self.placed.tokenizer, self.val[:n], self.val_prompts[:n],
-                               self.correct_fn, r.max_new_tokens, subset=subset, params=params, progress=p.advance)
+                               self.correct_fn, r.max_new_tokens, subset=subset, params=params, progress=p.advance,
+                               answers=answers)
         say_timeouts("held-out evaluation", late_rows([self.correct_fn]), self.cfg.algorithm.reward_timeout_s)
+        if answers:
+            rows = records(*zip(*answers), step=step)
+            if t.validation_data_dir:
+                write_jsonl(Path(t.validation_data_dir), step, jsonl(rows))
+            if t.log_val_generations and self.tracker is not None:
+                log_generations(self.cfg.log_root, self.tracker, step, rows, t.log_val_generations)
         return out
 
     @property
@@ -214,11 +225,14 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
                       config=cfg, tensorboard_dir=cfg.run_dir / cfg.trainer.tensorboard_dir
                       if cfg.trainer.tensorboard_dir else None)  # relative: inside the run folder, as log_dir
     run.val_prompts = encode_prompts(placed.tokenizer, val, cfg.data.max_prompt_length, cfg.data.truncation, tools)
+    run.tracker = tracker
     _announce(run, len(train))
     _evaluate_base(run, tracker)
+    dump = (RolloutDump(Path(cfg.trainer.rollout_data_dir), placed.tokenizer, train, env)
+            if cfg.trainer.rollout_data_dir else None)
     finished = False
     try:
-        _loop(run, GRPOStep(source, trainer), tracker, wall_start)
+        _loop(run, GRPOStep(source, trainer, dump), tracker, wall_start)
         finished = True
     finally:  # samplers are told the run is over, or left waiting for a restarted trainer; the ports are freed
         source.close(finished)
@@ -316,7 +330,7 @@ def _loop(run: Run, step_fn: GRPOStep, tracker: Tracker, wall_start: float) -> N
             if t.test_freq and (step % t.test_freq == 0 or step == total):
                 t0 = time.perf_counter()
                 if env.is_main:
-                    metrics.update({f"val/{k}": v for k, v in run.evaluate(n_val_small).items()})
+                    metrics.update({f"val/{k}": v for k, v in run.evaluate(n_val_small, step=step).items()})
                 barrier(env)
                 metrics["timing/val"] = time.perf_counter() - t0
             tracker.log(step, metrics)
@@ -329,7 +343,7 @@ def _finish(run: Run, tracker: Tracker, wall_start: float) -> dict:
     """The trained model's held-out scores against the base's, the curves, and summary.json (rank 0)."""
     cfg, val = run.cfg, run.val
     t0 = time.time()
-    final = run.evaluate(len(val))
+    final = run.evaluate(len(val), step=cfg.trainer.total_training_steps)
     console.print(f"final {run.held} {run.how} accuracy: {_fmt(final)} on {len(val)} problems "
                   f"({time.time() - t0:.1f}s)")
     final_room = run.measure_room("trained model")

@@ -127,7 +127,7 @@ NOT_USED = (
     # verl's DeepSpeed engine besides its ZeRO stage and offload (read by verl_groups): precision, parameter offload
     # (verl's own is off unless an environment switch allows it at ZeRO-3), NVMe folder, token budgets, compilation
     "*.deepspeed.*", "*.deepspeed_config.*",
-    "trainer.log_val_generations", "trainer.ray_wait_register_center_timeout", "trainer.esi_redundant_time",
+    "trainer.ray_wait_register_center_timeout", "trainer.esi_redundant_time",
     "data.dataloader_num_workers", "data.use_shm", "data.return_full_prompt", "data.validation_shuffle",
     "reward_model.inference.*", "reward_model.reward_kwargs.overlong_buffer_cfg.log",
 )

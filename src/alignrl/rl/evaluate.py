@@ -21,26 +21,30 @@ from alignrl.interfaces import SamplingParams
 from alignrl.rewards import gsm8k
 from alignrl.rewards.registry import REWARDS, ScoreError, reads_prompt_text, score_row
 from alignrl.rewards.values import is_correct
+from alignrl.rl.generation_logs import decoded
 from alignrl.rl.scoring import played_correct, prompt_texts, timed_values, with_reward_extras
 from alignrl.rollout.env_agent import with_labels
 
 
 def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
-            params: SamplingParams, batch_size: int, progress: Callable[[int], None] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            params: SamplingParams, batch_size: int, progress: Callable[[int], None] | None = None,
+            answers: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(strict, flexible) correctness, each (len(samples), params.n) of 0/1, batch by batch of prompts;
-    `progress` is told the number of problems of each batch once it is scored."""
+    `progress` is told the number of problems of each batch once it is scored; `answers`, when given, gets each
+    answer's (prompt text, response text, ground truth, strict correctness)."""
     strict, flexible = [], []
     for start in range(0, len(samples), batch_size):
         batch = samples[start:start + batch_size]
         ro = engine.generate(with_labels(engine, batch, prompts[start:start + batch_size]), params)
-        texts = tokenizer.batch_decode(ro.response_ids.masked_fill(~ro.response_mask, tokenizer.pad_token_id),
-                                       skip_special_tokens=True)
+        texts = decoded(tokenizer, ro.response_ids, ro.response_mask)
         played = played_correct(ro)
-        if played is not None:  # an environment played the episodes
-            strict += played.float().tolist()
-        else:
-            strict += rule_correct(tokenizer, ro, texts, batch, start, correct_fn, params.n)
+        # an environment played the episodes, or the rule scores them
+        right = (played.float().tolist() if played is not None else
+                 rule_correct(tokenizer, ro, texts, batch, start, correct_fn, params.n))
+        strict += right
+        if answers is not None:
+            answers += zip(decoded(tokenizer, ro.prompt_ids, ro.prompt_mask), texts,
+                           [batch[j // params.n].ground_truth for j in range(len(texts))], right)
         flexible += [gsm8k.compute_score(t, batch[j // params.n].ground_truth, method="flexible")
                      if REWARDS.get(batch[j // params.n].data_source) is gsm8k.compute_score else 0.0
                      for j, t in enumerate(texts)]
@@ -98,17 +102,17 @@ def validation_params(max_new_tokens: int, stop: Sequence[str] = (), temperature
 
 def heldout_eval(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
                  max_new_tokens: int, batch_size: int = 500, subset: int | None = None, stop: Sequence[str] = (),
-                 params: SamplingParams | None = None, progress: Callable[[int], None] | None = None
-                 ) -> dict[str, float] | tuple[dict[str, float], dict[str, float]]:
+                 params: SamplingParams | None = None, progress: Callable[[int], None] | None = None,
+                 answers: list | None = None) -> dict[str, float] | tuple[dict[str, float], dict[str, float]]:
     """Held-out accuracies over all `samples`, greedy unless `params` (`validation_params`) samples: then accuracy is
     the mean over each problem's n answers (verl's mean@n) and, with n > 1, `pass@n` the share of problems some
     answer solves. With `subset`, also those of the first `subset` samples (the periodic evaluation set) from the
     same decoding, as a second dict. `stop`: the training rollouts' stop strings (rollout.stop), so the held-out
     responses end where the policy's do in training. `progress`: told the problems of each batch as it is done
-    (len(samples) in all)."""
+    (len(samples) in all). `answers`: see _scores."""
     params = params or validation_params(max_new_tokens, stop)
     strict, flexible = _scores(engine, tokenizer, samples, prompts, correct_fn, params,
-                               max(1, batch_size // params.n), progress)
+                               max(1, batch_size // params.n), progress, answers)
     last_number = has_last_number(samples)
 
     def summary(n: int) -> dict[str, float]:

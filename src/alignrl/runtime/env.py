@@ -185,6 +185,22 @@ def gather_values(env: DistEnv, values: list[float]) -> list[float]:
     return all_reduce_sum(env, placed)
 
 
+def gather_bytes(env: DistEnv, blob: bytes) -> list[bytes]:
+    """Every rank's `blob`, in rank order, on every rank: each rank's bytes at its own offset of one zero tensor,
+    summed (tensors only, so nothing is unpickled)."""
+    if not env.distributed:
+        return [blob]
+    sizes = [int(n) for n in gather_values(env, [float(len(blob))])]
+    start = sum(sizes[:env.rank])
+    placed = torch.zeros(sum(sizes), dtype=torch.uint8)
+    if blob:
+        placed[start:start + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    placed = placed.to(env.device if env.backend == "nccl" else "cpu")
+    dist.all_reduce(placed)
+    data = placed.cpu().numpy().tobytes()
+    return [data[sum(sizes[:r]):sum(sizes[:r + 1])] for r in range(env.world_size)]
+
+
 def sum_over_ranks(env: DistEnv):
     """A function summing a small tensor over ranks (for batch-wide statistics), or None in one process."""
     if not env.distributed:

@@ -102,7 +102,7 @@ class Tracker:
                 events.rename(aside(events))
             events.parent.mkdir(parents=True, exist_ok=True)
             self.tb = SummaryWriter(str(events), purge_step=resume_step + 1 if resume_step else None)
-        self.wandb = None
+        self.wandb, self.tables = None, {}
         if "wandb" in self.sinks:
             self.wandb = start_wandb(log_dir, project, run_name or log_dir.parent.name, config, resume=resume_step > 0)
 
@@ -121,6 +121,24 @@ class Tracker:
         if "console" in self.sinks:
             shown = "  ".join(f"{name}={metrics[k]:.4g}" for k, name in _CONSOLE_KEYS.items() if k in metrics)
             console.print(f"[bold]step {step}[/bold]  {shown}")
+
+    def log_table(self, name: str, step: int, rows: list[list[Any]]) -> None:
+        """(input, output, score) rows of one step: TensorBoard text, and a wandb table growing one row a step
+        (verl's columns: step, input_1, output_1, score_1, ...)."""
+        if self.tb is not None:
+            text = "\n\n".join(f"**input:** {i}\n\n**output:** {o}\n\n**score:** {sc:g}" for i, o, sc in rows)
+            self.tb.add_text(name, text, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            import wandb
+
+            columns = ["step"] + [f"{part}_{k + 1}" for k in range(len(rows)) for part in ("input", "output", "score")]
+            earlier = self.tables.get(name)
+            table = wandb.Table(columns=columns, data=earlier.data if earlier is not None and
+                                earlier.columns == columns else [])
+            table.add_data(step, *[x for row in rows for x in row])
+            self.tables[name] = table
+            self.wandb.log({name: table, WANDB_STEP: step})
 
     def close(self) -> None:
         if self.tb is not None:
