@@ -30,8 +30,7 @@ def test_the_reference_is_the_mix_at_every_sync_and_a_resume_reloads_it(tiny_mod
     straight = overrides(tiny_model_dir, tmp_path, "straight", 3, 1) + SYNC
     assert train_grpo(load_config(None, straight))["steps"] == 3
     run, base = tmp_path / "straight", _base(tiny_model_dir)
-    first = _reference(run, 1)  # before the first sync: the base model
-    assert all(torch.equal(first[n], p.detach()) for n, p in base.items())
+    assert not (run / "checkpoints" / "global_step_1" / "reference").exists()  # before the first sync: the base
     policy, synced = weights(run, 2), _reference(run, 2)  # the sync after update 2: half policy, half base
     for n, p in base.items():
         torch.testing.assert_close(synced[n], 0.5 * policy[n] + 0.5 * p.detach(), rtol=0, atol=1e-6)
@@ -50,6 +49,29 @@ def test_the_reference_is_the_mix_at_every_sync_and_a_resume_reloads_it(tiny_mod
     want, got, without = weights(run, 3), weights(tmp_path / "resumed", 3), weights(tmp_path / "forgot", 3)
     assert all(torch.equal(want[n], got[n]) for n in want)
     assert any(not torch.equal(want[n], without[n]) for n in want)
+    # resumed without the sync, the moved reference would silently become the base model again
+    with pytest.raises(ConfigError, match="holds a reference moved toward the policy"):
+        train_grpo(load_config(None, overrides(tiny_model_dir, tmp_path, "resumed", 4, 4) + SYNC[2:]
+                               + ["actor.ref_sync_steps=0"]))
+
+
+def test_weights_already_mixed_are_not_mixed_again():
+    """The first publish after a resume (a generation service is sent the resumed weights) and a fresh run's first,
+    of the base weights, leave the reference as it is."""
+    from types import SimpleNamespace
+
+    from alignrl.placements.ref_sync import ReferenceMix
+
+    policy, reference = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    actor = SimpleNamespace(engine=SimpleNamespace(full_state_dict=lambda: dict(policy.state_dict())))
+    mix, before = ReferenceMix(actor, reference, steps=2, alpha=0.5), reference.weight.detach().clone()
+    mix.publish(0)
+    assert torch.equal(reference.weight, before)
+    mix.publish(2)
+    once = reference.weight.detach().clone()
+    torch.testing.assert_close(once, 0.5 * policy.weight.detach() + 0.5 * before)
+    mix.publish(2)  # the same update published again
+    assert torch.equal(reference.weight, once) and mix.mixed_at == 2
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from alignrl.core.ref_mix import mix_into_reference
@@ -23,32 +24,38 @@ FOLDER, FILE = "reference", "model.safetensors"
 
 
 class ReferenceMix:
-    """WeightSink: after every `steps`-th publish, the frozen `reference` takes `alpha` of the policy's weights."""
+    """WeightSink: after every `steps`-th update, the frozen `reference` takes `alpha` of the policy's weights. A
+    publish of weights already mixed (the first one after a resume, a fresh run's base weights) changes nothing."""
 
     def __init__(self, actor: Actor, reference: torch.nn.Module, steps: int, alpha: float):
         self.actor, self.reference, self.steps, self.alpha = actor, reference, steps, alpha
         self.names = [name for name, _ in reference.named_parameters()]  # tied weights once
+        self.mixed_at = 0  # the update the reference was last moved at (0: it is the base model)
 
     def publish(self, version: int) -> None:
-        if version % self.steps:
+        if version <= self.mixed_at or version % self.steps:
             return
         full = self.actor.engine.full_state_dict()  # collective: every rank keeps its own copy
         own = dict(self.reference.named_parameters())
         mix_into_reference([own[n] for n in self.names], [full[n] for n in self.names], self.alpha)
+        self.mixed_at = version
 
     def save(self, folder: Path) -> str | None:
-        """Checkpoint writer (rank 0, into the folder being written): the reference's weights, or why not."""
+        """Checkpoint writer (rank 0, into the folder being written): the moved reference's weights and the update
+        it was moved at (nothing while it is the base model), or why they could not be written."""
+        if not self.mixed_at:
+            return None
         try:
             (folder / FOLDER).mkdir()
             save_file({n: p.detach().cpu().contiguous() for n, p in self.reference.named_parameters()},
-                      folder / FOLDER / FILE)
+                      folder / FOLDER / FILE, metadata={"mixed_at": str(self.mixed_at)})
         except OSError as e:
             return f"the reference's weights could not be written to {folder / FOLDER} ({e.strerror or e})"
         return None
 
     def load(self, checkpoint: Path) -> None:
-        """The reference a checkpoint holds; one written before any sync (or by a run without it) has none, and the
-        base model stays the reference."""
+        """The moved reference a checkpoint holds; one written before any sync has none, and the base model stays
+        the reference."""
         path = checkpoint / FOLDER / FILE
         if not path.is_file():
             return
@@ -59,15 +66,23 @@ class ReferenceMix:
         with torch.no_grad():
             for n in self.names:
                 own[n].copy_(saved[n])
-        console.print(f"reference weights loaded from {path} (moved toward the policy before the checkpoint)",
+        with safe_open(path, "pt") as f:
+            self.mixed_at = int((f.metadata() or {}).get("mixed_at", 0))
+        console.print(f"reference weights loaded from {path} (moved toward the policy at update {self.mixed_at})",
                       markup=False)
 
 
 def reference_mix(actor: Actor, reference, steps: int, alpha: float, resume: Path | None
                   ) -> ReferenceMix | None:
     """The sink moving `reference` (a LocalRefScorer's model) toward the policy, with a resumed run's reference
-    loaded; None when actor.ref_sync_steps is 0."""
-    if steps <= 0 or reference is None:
+    loaded; None when actor.ref_sync_steps is 0 (a checkpoint whose reference moved is then one line: resuming
+    against the base model would change the KL term's anchor without a word)."""
+    if reference is None:
+        return None
+    if steps <= 0:
+        if resume is not None and (resume / FOLDER / FILE).is_file():
+            raise ConfigError(f"{resume} holds a reference moved toward the policy (actor.ref_sync_steps): resume "
+                              "with actor.ref_sync_steps set, or set trainer.resume_mode=disable to start afresh")
         return None
     mix = ReferenceMix(actor, reference.model, steps, alpha)
     if resume is not None:
