@@ -98,3 +98,13 @@ def test_verls_reference_sync_keys():
     off = load_config(None, base + ["actor_rollout_ref.ref.sync_ref_model=False",
                                     "actor_rollout_ref.ref.ref_model_sync_steps=8"])
     assert off.actor.ref_sync_steps == 0
+
+
+def test_a_ray_job_refuses_it_before_any_worker_starts():
+    from alignrl.placements.ray.verl_job import run_on_ray
+
+    cfg = load_config(None, ["actor.ref_sync_steps=4"])
+    with pytest.raises(ConfigError, match="RAY_ADDRESS is set but actor.ref_sync_steps=4 moves a reference held by "
+                                          "the trainer") as e:
+        run_on_ray(cfg, "alignrl train grpo")
+    assert "\n" not in str(e.value)

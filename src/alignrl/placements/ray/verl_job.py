@@ -32,6 +32,9 @@ def placeable(cfg: RunConfig) -> str | None:
         return "pipeline.placement=zmq places its own sampler processes"
     if cfg.services.generation_url:
         return "services.generation_url generates on an outside server"
+    if cfg.actor.ref_sync_steps:  # before any worker starts; the actor ranks would refuse it (placements.local)
+        return (f"actor.ref_sync_steps={cfg.actor.ref_sync_steps} moves a reference held by the trainer, and Ray's "
+                "reference log-probs come from its reference workers")
     return None
 
 
