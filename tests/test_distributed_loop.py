@@ -45,7 +45,8 @@ CRITIC = ("algorithm.adv_estimator=gae", "critic.enable=true")
 ZERO3_FILE = f"trainer.deepspeed_config={Path(__file__).parents[1] / 'config' / 'deepspeed' / 'zero3.json'}"
 
 
-# the reference moved halfway toward the policy after every update (actor.ref_sync_steps), gathered from FSDP2's shards
+# the reference moved halfway toward the policy after every update (actor.ref_sync_steps): from DDP's replicas, then,
+# resumed, from FSDP2's gathered shards
 REF_SYNC = ("actor.ref_sync_steps=1", "actor.ref_mixup_alpha=0.5", "trainer.max_checkpoints=0")
 
 

@@ -173,7 +173,7 @@ def test_unknown_and_unsupported_keys_are_one_line_errors():
 def test_verls_qwen3_gsm8k_batch_splits_as_verl_splits_it_and_a_ref_sync_is_applied(capsys, monkeypatch):
     """examples/grpo_trainer/run_qwen3-1.7b.sh: 1024 prompts × 3 in mini-batches of 80 × 3 (verl asserts only that
     the batch holds one mini-batch; its last one is smaller) with verl's micro-batch of 10 a GPU;
-    run_qwen2-7b_sync_ref_model.sh: the reference sync alignrl does not have is named at start."""
+    run_qwen2-7b_sync_ref_model.sh: the reference sync is applied (actor.ref_sync_steps)."""
     monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED", raising=False)
     cfg = load_config(None, ["algorithm.adv_estimator=grpo", "data.train_batch_size=1024",
                              "actor_rollout_ref.rollout.n=3", "actor_rollout_ref.actor.ppo_mini_batch_size=80",

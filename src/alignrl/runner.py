@@ -25,8 +25,6 @@ from alignrl.models.loader import load_tokenizer, resolve_model_path, with_templ
 from alignrl.placements.build import resolve_strategy, timed_rule
 from alignrl.placements.choose import remote_producers
 from alignrl.placements.local import Placed, place
-from alignrl.rewards.code import code_reward
-from alignrl.rewards.registry import load_reward_fn, user_fn_options
 from alignrl.rewards.timed_rules import late_rows, say_timeouts
 from alignrl.rl.evaluate import format_room, heldout_eval, room, validation_params
 from alignrl.rl.generation_logs import RolloutDump, jsonl, log_generations, records, write_jsonl
@@ -188,6 +186,7 @@ class Run:
                      stop=cfg.rollout.stop, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, progress=p.advance)
         console.print(f"{label} held-out room on {len(val)} problems ({time.time() - t0:.1f}s):\n{format_room(r)}",
                       markup=False)
+        say_timeouts(f"{label} pass@{cfg.rollout.n}", late_rows([self.correct_fn]), cfg.algorithm.reward_timeout_s)
         return r
 
 
@@ -207,8 +206,7 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
         producers = remote_producers(cfg, to_yaml(cfg), cfg.log_root, train)
     placed = place(cfg, str(resume / "model") if resume else cfg.model.path, resume, env, producers)
     trainer = placed.trainer
-    correct_fn = timed_rule(cfg, load_reward_fn(cfg.algorithm.reward_fn, code_reward=code_reward(cfg.sandbox),
-                                                **user_fn_options(cfg.algorithm)))
+    correct_fn = timed_rule(cfg, "reward")
     rows = PromptData(placed.tokenizer, train, cfg.data.max_prompt_length, cfg.data.truncation, tools)
     source = with_replay(producers.source(sampler, trainer, env) if producers else
                          InlineSource(placed.maker, sampler, rows, lambda: trainer.version, env),

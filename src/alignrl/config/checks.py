@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 
 from alignrl.config.agent_checks import multi_turn_problem
 from alignrl.config.ptx_schema import ptx_problem
+from alignrl.config.reward_checks import reward_limit_problem
 from alignrl.config.schema import CLIP_C_LOSSES, ConfigError, RunConfig
 
 
@@ -370,7 +371,8 @@ def _dynamic_sampling(cfg: RunConfig) -> str | None:
 # (check_prompt_keys raises its own, with the same kind of line)
 _COMBINATIONS = (_batch_sizes, _validation_sampler, replay_problem, _overlong_buffer, _rollout_is,
                  _loggers_and_files, check_prompt_keys, _train_probs, _optimiser_and_clips, _dynamic_sampling,
-                 _estimator, _critic, _pipeline, _ref_sync, _safety, _urls, multi_turn_problem, ptx_problem)
+                 _estimator, _critic, _pipeline, _ref_sync, _safety, _urls, multi_turn_problem, ptx_problem,
+                 reward_limit_problem)
 
 
 def _number(x) -> bool:

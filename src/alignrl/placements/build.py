@@ -7,6 +7,7 @@ batches the in-process loop would.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -33,8 +34,7 @@ from alignrl.models.logprobs import ForwardLayout
 from alignrl.models.sharded_load import fill_shards, meta_model
 from alignrl.models.rm_template import RetemplatingScorer, reward_input
 from alignrl.models.value import ModelScorer, load_value_model
-from alignrl.rewards.code import code_reward
-from alignrl.rewards.registry import load_reward_fn, user_fn_options, with_format_bonus
+from alignrl.rewards.registry import run_rule, with_format_bonus
 from alignrl.rewards.timed_rules import timed
 from alignrl.rollout.agent import AgentRollout
 from alignrl.rollout.env_agent import EnvRollout
@@ -145,20 +145,21 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device, loaded: Seque
     reward_model = reward_scorer(cfg, tokenizer, device, loaded)
     # loaded once: the reward is the correctness itself unless a format bonus shapes it, and the stage then scores
     # each row once (a code row's program runs once, a batch function is called once)
-    rule = load_reward_fn(a.reward_fn, code_reward=code_reward(cfg.sandbox), **user_fn_options(a))
-    shaped = with_format_bonus(rule, a.format_reward_weight)
-    correct = timed_rule(cfg, rule)  # under algorithm.reward_timeout_s in workers, or `rule` itself
-    return RewardStage(tokenizer, correct if shaped is rule else timed_rule(cfg, shaped), correct,
+    correct = timed_rule(cfg, "reward")  # under algorithm.reward_timeout_s in workers, or the rule itself
+    return RewardStage(tokenizer, with_format_bonus(correct, a.format_reward_weight), correct,
                        response_cap(cfg), a.overlong_buffer_len, a.overlong_penalty_factor, reward_model,
                        add_rule=a.reward_model_mix == "add", truncated_reward_coef=a.truncated_reward_coef,
-                       cost_fn=timed_rule(cfg, load_reward_fn(s.cost_fn, "safety.cost_fn")) if s.cost_fn else None,
+                       cost_fn=timed_rule(cfg, "cost") if s.cost_fn else None,
                        cost_model=ModelScorer(s.cost_model, cfg.model.dtype, log=console.print, device=device)
                        if s.cost_model else None)
 
 
-def timed_rule(cfg: RunConfig, fn):
-    """A rule reward scored under algorithm.reward_timeout_s (`rewards.timed_rules`), or `fn` itself without one."""
-    return timed(fn, cfg.algorithm.reward_timeout_s, cfg.algorithm.reward_workers)
+def timed_rule(cfg: RunConfig, which: str):
+    """run_rule's rule scored under algorithm.reward_timeout_s (`rewards.timed_rules`), or the rule itself without a
+    limit. A cost past the limit stops the run with one line: scored 0 it would read as safe."""
+    a = cfg.algorithm
+    return timed(run_rule(cfg, which), functools.partial(run_rule, cfg, which), a.reward_timeout_s,
+                 a.reward_workers, give_up=which != "cost")
 
 
 def producer_prompts(cfg: RunConfig, tokenizer) -> tuple[list, PromptData]:

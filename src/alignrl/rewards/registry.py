@@ -246,6 +246,16 @@ def user_fn_options(algorithm) -> dict[str, Any]:
     return {"kwargs": dict(algorithm.reward_fn_kwargs), "batched": algorithm.reward_fn_batch}
 
 
+def run_rule(cfg, which: str) -> RewardFn:
+    """A run's rule (`cfg` a RunConfig): "reward", algorithm.reward_fn or the built-in rules (code on the sandbox
+    section's runner), or "cost", safety.cost_fn. The reward stage, the held-out evaluation and the workers of a
+    timed rule (`timed_rules`, which call it by name) each load theirs with it."""
+    if which == "cost":
+        return load_reward_fn(cfg.safety.cost_fn, "safety.cost_fn")
+    return load_reward_fn(cfg.algorithm.reward_fn, code_reward=code.code_reward(cfg.sandbox),
+                          **user_fn_options(cfg.algorithm))
+
+
 def check_user_fns(cfg) -> None:
     """The user's reward and cost functions of a RunConfig import and exist (RewardError naming the key if not):
     checked before a launch, ahead of any model load."""
@@ -315,4 +325,8 @@ def with_format_bonus(base: RewardFn, format_weight: float) -> RewardFn:
         return float(correctness) + format_weight * gsm8k.format_reward(solution_str)
 
     reward.reads_prompt = reads_prompt_text(base)
+    if getattr(base, "rows", None) is not None:  # a timed rule scores a batch in its workers: the bonus is added here
+        reward.rows = lambda calls: [v if isinstance(v, ScoreError) else
+                                     float(v) + format_weight * gsm8k.format_reward(c[1])
+                                     for v, c in zip(base.rows(calls), calls)]
     return reward

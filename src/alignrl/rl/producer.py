@@ -125,9 +125,10 @@ class RolloutMaker:
             ro, scores, index, dapo = self.dynamic_sample(step, ro, scores, index, rows, more, t, agree)
             metrics.update(dapo)
         late = late_rows([self.rewards.reward_fn, self.rewards.correct_fn, self.rewards.cost_fn])
-        if late is not None:  # rule rewards under algorithm.reward_timeout_s
+        if late is not None:  # rule rewards under algorithm.reward_timeout_s: summed over ranks
             metrics["reward/timeouts"] = float(late)
-            say_timeouts(f"step {step}", late, self.cfg.algorithm.reward_timeout_s)
+            say_timeouts(f"step {step}" + (f" (rank {self.rank})" if self.rank else ""), late,
+                         self.cfg.algorithm.reward_timeout_s)
         with timed(t, "ref"):
             ref_lp = self.ref_logprobs(ro, ref_groups) if self.ref is not None and len(ro.group) else None
         # state masking: tool observations are attended (response_mask) but never trained on
@@ -177,8 +178,9 @@ class RolloutMaker:
         algorithm.dynamic_sampling_range, whose mean reward is strictly inside it), generate and
         score more prompts (up to algorithm.max_gen_rounds extra rounds of data.gen_batch_size prompts, only if
         `more` is given) until this rank's share of data.train_batch_size groups is kept, then keep exactly that
-        many (the earliest) or, still short, all of them. Over several ranks a round runs while any rank is short (a rank already full
-        draws and discards, keeping the samplers in step) and every rank keeps as many groups as the fewest kept.
+        many (the earliest) or, still short, all of them. Over several ranks a round runs while any rank is short
+        (a rank already full draws and discards, keeping the samplers in step) and every rank keeps as many groups
+        as the fewest kept.
         Returns (rollout, scores, dataset row per group, metrics)."""
         want, pad = self.cfg.data.train_batch_size // agree.ranks, self.rewards.tokenizer.pad_token_id
         band = self.cfg.algorithm.dynamic_sampling_range

@@ -14,7 +14,6 @@ from alignrl.core.shaping import overlong_penalty, truncated_reward
 from alignrl.data.records import Rollout, Sample, Scores
 from alignrl.interfaces import SequenceScorer
 from alignrl.rewards.registry import ScoreError, finite_score, reads_prompt_text, score_row
-from alignrl.rewards.timed_rules import TimedRule
 from alignrl.rewards.values import filter_score, is_correct
 
 # verl's compute_score signature: (data_source, solution_str, ground_truth, extra_info) -> float
@@ -139,7 +138,7 @@ def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence
 def timed_values(fn, rows: Sequence[Sample], texts: Sequence[str], prompts: Sequence[str] | None) -> list | None:
     """Each row's value from a rule under a time limit (`rewards.timed_rules`: scored side by side in workers, a
     failed row holding its ScoreError), or None for a rule scored here row by row."""
-    if not isinstance(fn, TimedRule):
+    if getattr(fn, "rows", None) is None:
         return None
     return fn.rows([(s.data_source, t, s.ground_truth, s.extra, prompts[i] if prompts else None)
                     for i, (s, t) in enumerate(zip(rows, texts))])

@@ -214,7 +214,7 @@ def sum_over_ranks(env: DistEnv):
     return total
 
 
-SUMMED = ("perf/tokens_per_s",)  # each rank's share of the run's rate
+SUMMED = ("perf/tokens_per_s", "reward/timeouts")  # each rank's share of the run's rate, of the step's rows
 
 
 def mean_metrics(env: DistEnv, metrics: dict[str, float]) -> dict[str, float]:

@@ -231,8 +231,8 @@ class RaySource(InlineSource):
 
     def refilled(self, step: int, batch: ScoredBatch) -> ScoredBatch:
         """DAPO's extra generation rounds (of data.gen_batch_size prompts) over the engines' filtered shares, up to
-        algorithm.max_gen_rounds, until data.train_batch_size groups are kept; then the earliest that many, or all of them when still short. The
-        metrics stay the first draw's, as the in-process loop keeps them."""
+        algorithm.max_gen_rounds, until data.train_batch_size groups are kept; then the earliest that many, or all
+        of them when still short. The metrics stay the first draw's, as the in-process loop keeps them."""
         cfg = self.trainer.cfg
         want, rounds, first = cfg.data.train_batch_size, 1, batch.metrics
         while groups_in(batch) < want and rounds <= cfg.algorithm.max_gen_rounds:

@@ -1,0 +1,16 @@
+"""Checks of the rule rewards' time limit (algorithm.reward_timeout_s): settings it would silently ignore."""
+
+from __future__ import annotations
+
+from alignrl.config.schema import RunConfig
+
+
+def reward_limit_problem(cfg: RunConfig) -> str | None:
+    a = cfg.algorithm
+    if a.reward_workers and not a.reward_timeout_s:
+        return (f"algorithm.reward_workers={a.reward_workers} is read only with algorithm.reward_timeout_s > 0 "
+                "(without a limit the rows are scored in the trainer's process): set a limit, or drop it")
+    if a.reward_timeout_s and a.reward_fn_batch:
+        return ("algorithm.reward_timeout_s limits each row's call, and algorithm.reward_fn_batch scores a whole "
+                "batch in one call: drop one of them")
+    return None
