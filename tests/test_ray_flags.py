@@ -61,7 +61,10 @@ def test_openrlhfs_optimiser_defaults_and_settings_come_with_its_flags():
 def test_openrlhf_flags_that_do_nothing_here_are_named_and_the_unsupported_ones_refused():
     args = parse(*SEED_001, "--normalize_reward", "--save_hf_ckpt", "--wandb_run_name", "r", "--logging_steps", "5")
     said = K.unused_here(args, gpus=True)
-    assert any(line.startswith("--normalize_reward (not applied here") for line in said), said
+    assert any(line.startswith("--normalize_reward (not applied here: it normalizes a reward model") for line in said)
+    rm = parse(*SEED_001, "--normalize_reward", "--reward_pretrain", "/models/rm")
+    assert not any("--normalize_reward" in line for line in K.unused_here(rm, gpus=True))  # applied: below
+    assert "algorithm.reward_model_normalize=true" in K.overrides(rm, gpus=False, total_steps=5)
     assert any(line.startswith("--save_hf_ckpt (") for line in said) and any("--wandb_run_name" in x for x in said)
     assert any(line.startswith("--logging_steps (") for line in said), said
     with pytest.raises(F.FlagError, match="4-bit") as e:

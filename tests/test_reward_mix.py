@@ -1,5 +1,6 @@
 """A reward model's score alone, or with the rule reward added on rows whose data has an answer to check."""
 
+import pytest
 import torch
 
 from alignrl.data.records import Rollout, Sample
@@ -56,3 +57,29 @@ def test_the_config_key_reaches_the_reward_stage(monkeypatch):
         cfg = load_config(None, ["algorithm.reward_model=rm_folder", f"algorithm.reward_model_mix={mix}"])
         stage = build.build_rewards(cfg, _Tok(), torch.device("cpu"))
         assert isinstance(stage.reward_model, _Scorer) and stage.add_rule is add
+
+
+def test_reward_model_normalization_needs_a_folder_and_one_without_statistics_scores_as_it_is(tiny_model_dir,
+                                                                                                tmp_path):
+    """algorithm.reward_model_normalize (OpenRLHF's --normalize_reward) reads the folder's config.json; without a
+    folder it is one line, and a folder without a mean and std scores as it is, saying so."""
+    from transformers import AutoModelForSequenceClassification
+
+    from alignrl.config import ConfigError, load_config
+    from alignrl.models.value import ModelScorer
+
+    with pytest.raises(ConfigError, match="algorithm.reward_model_normalize normalizes the scores of"):
+        load_config(None, ["algorithm.reward_model_normalize=true"])
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1)
+    rm.config.pad_token_id = rm.config.eos_token_id
+    rm.save_pretrained(tmp_path / "plain")
+    said = []
+    ids, mask = torch.tensor([[3, 4, 5]]), torch.ones(1, 3, dtype=torch.bool)
+    plain = ModelScorer(str(tmp_path / "plain"), log=said.append, normalize=True).score(ids, mask, ids, mask)
+    assert torch.equal(plain, ModelScorer(str(tmp_path / "plain")).score(ids, mask, ids, mask))
+    assert any("holds no mean and std" in line for line in said)
+    rm.config.mean, rm.config.std = 2.0, 4.0
+    rm.save_pretrained(tmp_path / "stats")
+    normalized = ModelScorer(str(tmp_path / "stats"), log=said.append, normalize=True).score(ids, mask, ids, mask)
+    torch.testing.assert_close(normalized, (plain - 2.0) / 4.0)

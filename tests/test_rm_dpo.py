@@ -62,6 +62,14 @@ def test_reward_and_cost_models_train_save_and_load_as_scorers(scorers):
     wrapped = rm.LastTokenScorer(scorer.model)
     same = wrapped(torch.cat([b.prompt_ids, b.response_ids], 1), torch.cat([b.prompt_mask, b.response_mask], 1))
     assert torch.allclose(same, cost, atol=1e-5)
+    # the saved config holds the held-out scores' mean and std (OpenRLHF's), which a normalizing run divides by
+    config = json.loads((tmp / "harmless_rm" / "config.json").read_text())
+    assert config["mean"] == pytest.approx(float(cost.mean()), abs=1e-4)
+    assert config["std"] == pytest.approx(float(cost.std()), abs=1e-4)
+    normalized = ModelScorer(cfg.safety.cost_model, normalize=True).score(b.prompt_ids, b.prompt_mask, b.response_ids,
+                                                                          b.response_mask)
+    assert torch.allclose(normalized, (cost - config["mean"]) / config["std"], atol=1e-5)
+    assert float(normalized.mean()) == pytest.approx(0.0, abs=1e-3)
 
 
 def _dpo(tmp: Path, model: Path, name: str, *extra: str) -> dict:

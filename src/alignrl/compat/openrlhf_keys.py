@@ -30,8 +30,7 @@ NOT_APPLIED = {
     "the critic's always": ("save_hf_ckpt", "disable_ds_ckpt", "max_ckpt_mem", "save_value_network"),
     "not applied here: --prompt_data files are read as they are, with no dataset split": ("prompt_split",
                                                                                           "pretrain_split"),
-    "not applied here: a reward model's score is used as it is (no stored mean/std), its head found by "
-    "transformers": ("normalize_reward", "value_head_prefix"),
+    "not applied here: a reward model's head is found by transformers": ("value_head_prefix",),
     "not applied here: wandb takes the run folder's name (--save_path; --wandb_run_name names the TensorBoard "
     "folder) and the default entity":
         ("wandb_org", "wandb_group", "wandb_run_name"),
@@ -96,6 +95,8 @@ def unused_here(args, gpus: bool) -> list[str]:
               (DATA_KEYS if args.prompt_data == "synthetic" else (), "the prompts are synthetic"),
               (("input_template",) if args.apply_chat_template and args.prompt_data != "synthetic" else (),
                "--apply_chat_template formats the prompts"),
+              (() if args.reward_pretrain else ("normalize_reward",),
+               "not applied here: it normalizes a reward model's scores, and no --reward_pretrain gives one"),
               (("gamma",) if args.advantage_estimator in GROUP_ESTIMATORS else (),
                f"OpenRLHF sets gamma to 1 for --advantage_estimator {args.advantage_estimator}"),
               (("max_len",) if args.max_len and args.max_len < args.prompt_max_len + args.generate_max_len
@@ -176,6 +177,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
         out.append(f"trainer.checkpoint_dir={Path(args.ckpt_path).absolute()}")
     if args.reward_pretrain:
         out.append(f"algorithm.reward_model={args.reward_pretrain}")
+        out += ["algorithm.reward_model_normalize=true"] if args.normalize_reward else []
     out += S.reward_keys(args) + S.ptx_keys(args)
     if uses_critic(args):
         critic = args.critic_pretrain or args.reward_pretrain

@@ -1,4 +1,5 @@
-"""Checks of the rule rewards' time limit (algorithm.reward_timeout_s): settings it would silently ignore."""
+"""Checks of the reward settings that another would leave without effect: the rule rewards' time limit
+(algorithm.reward_timeout_s) and the reward model's normalization."""
 
 from __future__ import annotations
 
@@ -13,4 +14,7 @@ def reward_limit_problem(cfg: RunConfig) -> str | None:
     if a.reward_timeout_s and a.reward_fn_batch:
         return ("algorithm.reward_timeout_s limits each row's call, and algorithm.reward_fn_batch scores a whole "
                 "batch in one call: drop one of them")
+    if a.reward_model_normalize and not a.reward_model:
+        return ("algorithm.reward_model_normalize normalizes the scores of algorithm.reward_model (a folder whose "
+                "config.json holds their mean and std): give the folder, or drop it")
     return None

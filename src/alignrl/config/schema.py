@@ -203,6 +203,9 @@ class AlgorithmConfig:
     reward_workers: int = opt(0, "with algorithm.reward_timeout_s: the worker processes; 0: the usable cores", ge=0)
     reward_model: str = opt("", "reward-model folder (from `alignrl train rm`): its score is the reward; the rule "
                                 "reward still measures accuracy")
+    reward_model_normalize: bool = opt(False, "the reward model's score as (score - mean) / std, with the mean and "
+                                              "std of its config.json (`alignrl train rm` writes its held-out "
+                                              "scores', as OpenRLHF's reward trainer; OpenRLHF's --normalize_reward)")
     reward_model_mix: str = opt("replace", "with a reward model (a folder or services.reward_url): replace uses its "
                                            "score alone; add adds the rule reward to it on rows whose data has an "
                                            "answer (verl's hybrid of a reward model and a rule)",

@@ -85,11 +85,26 @@ def check_scorer_folder(path: str, key: str) -> None:
         raise not_a_scorer(path, f"its architecture is {arch[0]}")
 
 
+def score_normalization(config, path: str, log) -> tuple[float, float]:
+    """(mean, std) of a reward model's config.json, which normalize its scores; (0, 1), said once, when it holds
+    none (OpenRLHF's reward model falls back the same way) or a std that is not positive."""
+    mean, std = getattr(config, "mean", None), getattr(config, "std", None)
+    if isinstance(mean, (int, float)) and isinstance(std, (int, float)) and std > 0:
+        log(f"reward model {path}: scores normalized as (score - {mean:.4g}) / {std:.4g} (its config.json)")
+        return float(mean), float(std)
+    log(f"reward model {path}: its config.json holds no mean and std to normalize by: scores used as they are "
+        "(`alignrl train rm` writes them)")
+    return 0.0, 1.0
+
+
 class ModelScorer:
     """A sequence-level scorer (reward or cost model: an HF sequence-classification folder with one
     label) applied to rollouts; the score is read at each sequence's last real token."""
 
-    def __init__(self, path: str, dtype: str = "float32", log=print, device: str | torch.device = "cpu"):
+    def __init__(self, path: str, dtype: str = "float32", log=print, device: str | torch.device = "cpu",
+                 normalize: bool = False):
+        """`normalize`: scores as (score - mean) / std with the mean and std of the folder's config.json (a folder
+        without them scores as it is, and says so)."""
         from transformers import AutoModelForSequenceClassification
 
         folder = resolve_model_path(path, log)
@@ -110,6 +125,9 @@ class ModelScorer:
             raise not_a_scorer(path, f"its weights lack {head[0]}")
         self.model = model.to(device)
         self.model.eval()
+        self.shift, self.scale = 0.0, 1.0
+        if normalize:
+            self.shift, self.scale = score_normalization(model.config, path, log)
 
     @torch.no_grad()
     def score(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
@@ -121,4 +139,5 @@ class ModelScorer:
         backbone = getattr(self.model, self.model.base_model_prefix)
         hidden = backbone(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask)).last_hidden_state
         last = mask.shape[1] - 1 - mask.long().flip(-1).argmax(-1)  # index of each row's last real token
-        return self.model.score(hidden[torch.arange(ids.shape[0], device=dev), last]).squeeze(-1).float().cpu()
+        scores = self.model.score(hidden[torch.arange(ids.shape[0], device=dev), last]).squeeze(-1).float().cpu()
+        return (scores - self.shift) / self.scale

@@ -131,7 +131,8 @@ def reward_scorer(cfg: RunConfig, tokenizer, device: torch.device, loaded: Seque
     # decided before the weights load: a vocabulary the model cannot read is one line, not a load later
     template = reward_input(tokenizer, Path(a.reward_model), a.reward_model_retemplate,
                             a.reward_model_max_length or cfg.data.max_prompt_length + response_cap(cfg))
-    scorer = loaded or ModelScorer(a.reward_model, cfg.model.dtype, log=console.print, device=device)
+    scorer = loaded or ModelScorer(a.reward_model, cfg.model.dtype, log=console.print, device=device,
+                                   normalize=a.reward_model_normalize)
     return scorer if template is None else RetemplatingScorer(scorer, tokenizer, template, console.print)
 
 

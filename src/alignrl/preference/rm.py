@@ -26,6 +26,7 @@ Left out: reward-model ensembles, centring/normalising scores after training.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -177,7 +178,7 @@ def evaluate(engine, batches, model_type: str, cfg, env) -> dict[str, float]:
 
     model = engine.model
     model.eval()
-    sums = [0.0, 0.0, 0.0, 0.0]  # correct pairs, pairs, correct signs, scores (NaN once any score is)
+    sums = [0.0] * 6  # correct pairs, pairs, correct signs, scores (NaN once any is), their squares, their count
     for batch in batches:
         batch = batch.to(env.device)
         scores = _scores(model, batch, cfg, env)
@@ -190,13 +191,21 @@ def evaluate(engine, batches, model_type: str, cfg, env) -> dict[str, float]:
         else:
             sums[0] += float((reward_accuracy(chosen, rejected) * w).sum())
         sums[1] += float(w.sum())
-        sums[3] += float(scores.float().sum())
+        sums[3:] = [sums[3] + float(scores.sum()), sums[4] + float(scores.square().sum()), sums[5] + len(scores)]
     model.train()
-    correct, n, signs, total = all_reduce_sum(env, sums)
-    out = {"accuracy": correct / max(n, 1), "pairs": n, "score_sum": total}
+    correct, n, signs, total, squares, count = all_reduce_sum(env, sums)
+    out = {"accuracy": correct / max(n, 1), "pairs": n, "score_sum": total, **score_moments(total, squares, count)}
     if model_type == "cost":
         out["sign_accuracy"] = signs / max(n, 1)
     return out
+
+
+def score_moments(total: float, squares: float, count: float) -> dict[str, float]:
+    """The held-out scores' mean and (sample) standard deviation, at least 1e-8: what the saved model's config.json
+    holds for a run that normalizes its rewards by them (OpenRLHF's reward trainer writes the same two)."""
+    mean = total / max(count, 1.0)
+    var = (squares - count * mean * mean) / max(count - 1.0, 1.0)
+    return {"score_mean": mean, "score_std": max(math.sqrt(max(var, 0.0)), 1e-8)}
 
 
 def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
@@ -258,6 +267,7 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
                           start)
     after = evaluate(engine, evals, model_type, cfg, env)
     pc.check_eval_finite(after["score_sum"], "scores")
+    hf.config.mean, hf.config.std = after["score_mean"], after["score_std"]  # a normalizing run reads them
     results = {"task": cfg.task, "model_type": model_type, "eval_file": eval_file, "eval_pairs": int(after["pairs"]),
                "eval_accuracy_before": before["accuracy"], "eval_accuracy": after["accuracy"],
                **({"eval_sign_accuracy_before": before["sign_accuracy"], "eval_sign_accuracy": after["sign_accuracy"]}
@@ -265,9 +275,8 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
                "train_file": train_file, "train_pairs": len(enc_train), "steps": step, "world_size": env.world_size,
                "strategy": engine.name,
                "effective_batch": pc.global_batch(cfg, env.world_size), "seconds": round(time.time() - t0, 1)}
-    log.print(f"held-out pairwise accuracy: {before['accuracy']:.3f} -> {after['accuracy']:.3f} on "
-              f"{int(after['pairs'])} pairs" + (f"; sign accuracy {after['sign_accuracy']:.3f}"
-                                                if model_type == "cost" else ""))
+    log.print(f"held-out pairwise accuracy: {before['accuracy']:.3f} -> {after['accuracy']:.3f} on {int(after['pairs'])}"
+              f" pairs" + (f"; sign accuracy {after['sign_accuracy']:.3f}" if model_type == "cost" else ""))
     state = {k.removeprefix("inner."): v for k, v in engine.full_state_dict().items()}  # collective
     writer, state = adapters.saver(hf, peft_model, spec, cfg.lora_export, state)
     info = {"model_type": model_type, "task": cfg.task,

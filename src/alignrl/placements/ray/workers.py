@@ -156,7 +156,7 @@ class RewardWorker(Worker):
         super().__init__(threads)
         cfg = config_of(cfg_text)
         self.scorer = ModelScorer(cfg.algorithm.reward_model, cfg.model.dtype, log=lambda *_: None,
-                                  device=device_for(local_rank))
+                                  device=device_for(local_rank), normalize=cfg.algorithm.reward_model_normalize)
 
     def score(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
         return self.scorer.score(prompt_ids, prompt_mask, response_ids, response_mask)
