@@ -47,7 +47,8 @@ ZERO3_FILE = f"trainer.deepspeed_config={Path(__file__).parents[1] / 'config' / 
 
 # the reference moved halfway toward the policy after every update (actor.ref_sync_steps): from DDP's replicas, then,
 # resumed, from FSDP2's gathered shards
-REF_SYNC = ("actor.ref_sync_steps=1", "actor.ref_mixup_alpha=0.5", "trainer.max_checkpoints=0")
+REF_SYNC = ("actor.ref_sync_steps=1", "actor.ref_mixup_alpha=0.5", "trainer.max_checkpoints=0",
+            "actor.ema_beta=0.9")  # and a moving average of the policy, gathered after every optimizer step
 
 
 @pytest.mark.parametrize("strategy,extra", [("ddp", CRITIC + REF_SYNC), ("deepspeed", (ZERO3_FILE,))])
@@ -77,6 +78,8 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
         ref2, ref3, policy3 = weights(ckpt / "reference"), weights(step3 / "reference"), weights(step3 / "model")
         for k in ref3:  # the resumed reference (step 2's, not the base), then half of FSDP2's gathered policy
             torch.testing.assert_close(ref3[k], 0.5 * policy3[k] + 0.5 * ref2[k], rtol=0, atol=1e-6)
+        ema2, ema3 = weights(ckpt / "ema"), weights(step3 / "ema")  # carried on over the resume
+        assert ema3.keys() == ema2.keys() and any(not torch.equal(ema3[k], ema2[k]) for k in ema2)
         rows = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
         assert [x["step"] for x in rows if "critic/vf_loss" in x] == [1, 2, 3]
     if strategy == "deepspeed":

@@ -44,7 +44,8 @@ ACCEPTED = [("max_len", int, None), ("ptx_coef", float, 0.05), ("normalize_rewar
             ("wandb_run_name", str, None), ("aux_loss_coef", float, 0.0), ("zpg", int, 1),
             ("grad_accum_dtype", str, None), ("disable_trace_cache", bool, False),
             ("gradient_checkpointing_use_reentrant", bool, False), ("disable_fast_tokenizer", bool, False),
-            ("actor_init_on_gpu", bool, False), ("enable_ema", bool, False), ("local_rank", int, -1),
+            ("actor_init_on_gpu", bool, False), ("enable_ema", bool, False), ("ema_beta", float, 0.992),
+            ("local_rank", int, -1),
             ("load_in_4bit", bool, False)]
 # --use_wandb values that are a switch; any other value is the API key (OpenRLHF: wandb.login(key=args.use_wandb))
 WANDB_SWITCHES = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}

@@ -38,7 +38,7 @@ NOT_APPLIED = {
     "engines by a collective broadcast": ("logging_steps", "ref_reward_offload", "vllm_sync_with_ray"),
     "not applied here: DeepSpeed and kernel options alignrl does not use": (
         "aux_loss_coef", "zpg", "grad_accum_dtype", "disable_trace_cache", "gradient_checkpointing_use_reentrant",
-        "disable_fast_tokenizer", "actor_init_on_gpu", "enable_ema", "local_rank"),
+        "disable_fast_tokenizer", "actor_init_on_gpu", "local_rank"),
 }
 # the prompt-column flags, which apply to a --prompt_data file (synthetic data has its own layout)
 DATA_KEYS = ("input_key", "label_key", "input_template", "apply_chat_template")
@@ -178,6 +178,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
     if args.reward_pretrain:
         out.append(f"algorithm.reward_model={args.reward_pretrain}")
         out += ["algorithm.reward_model_normalize=true"] if args.normalize_reward else []
+    out += [f"actor.ema_beta={args.ema_beta}"] if args.enable_ema else []
     out += S.reward_keys(args) + S.ptx_keys(args)
     if uses_critic(args):
         critic = args.critic_pretrain or args.reward_pretrain

@@ -260,7 +260,11 @@ def _pipeline(cfg: RunConfig) -> str | None:
 
 
 def _ref_sync(cfg: RunConfig) -> str | None:
-    """actor.ref_sync_steps moves a frozen reference copy held in the trainer's own processes (placements.ref_sync)."""
+    """actor.ref_sync_steps moves a frozen reference copy held in the trainer's own processes (placements.ref_sync);
+    actor.ema_beta averages every weight of the policy (train.ema)."""
+    if cfg.actor.ema_beta and cfg.model.lora_rank > 0:  # its average would be of the frozen base and the adapters
+        return ("actor.ema_beta averages all the policy's weights, and with model.lora_rank > 0 only its adapters "
+                "train: set one of them")
     if not cfg.actor.ref_sync_steps:
         return None
     key = f"actor.ref_sync_steps={cfg.actor.ref_sync_steps}"

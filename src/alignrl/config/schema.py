@@ -127,6 +127,9 @@ class ActorConfig:
     kl_loss_coef: float = opt(0.001, "weight of the KL term", ge=0.0)
     kl_loss_type: str = opt("k3", "KL estimator (verl aliases: kl=k1, mse=k2, low_var_kl=k3)",
                             choices=("k1", "k2", "k3", "kl", "mse", "low_var_kl"))
+    ema_beta: float = opt(0.0, "an exponential moving average of the policy's weights, moved by 1 - ema_beta after "
+                               "every optimizer step and saved in each checkpoint's ema/ folder (OpenRLHF's "
+                               "--enable_ema --ema_beta: 0.992); 0: none", ge=0.0, le=0.9999)
     ref_sync_steps: int = opt(0, "every N updates the reference moves toward the policy: ref = ref_mixup_alpha x "
                                  "policy + (1 - alpha) x ref (TR-DPO; TRL's sync_ref_model with ref_model_sync_steps)"
                                  "; 0: the reference stays the base model", ge=0)

@@ -36,6 +36,7 @@ from alignrl.models.rm_template import RetemplatingScorer, reward_input
 from alignrl.models.value import ModelScorer, load_value_model
 from alignrl.rewards.registry import run_rule, with_format_bonus
 from alignrl.rewards.timed_rules import timed
+from alignrl.train.ema import PolicyAverage
 from alignrl.rollout.agent import AgentRollout
 from alignrl.rollout.env_agent import EnvRollout
 from alignrl.rollout.environments import load_environment
@@ -325,10 +326,11 @@ def build_actor(cfg: RunConfig, model, resume: Path | None, env: DistEnv, materi
                      grad_clip=a.grad_clip)
     if a.gradient_checkpointing:  # before the engine wraps the model (DDP, FSDP2, DeepSpeed)
         recompute_activations(model)
-    actor = Actor(make_engine(cfg, model, spec, env, materialize), forward_layout(cfg), build_ptx(cfg, tokenizer, env))
+    engine = make_engine(cfg, model, spec, env, materialize)
     if resume:
-        restore_state(actor.engine, resume / "model_state", "actor")
-    return actor
+        restore_state(engine, resume / "model_state", "actor")
+    average = PolicyAverage(engine, a.ema_beta, tokenizer, resume) if a.ema_beta else None
+    return Actor(engine, forward_layout(cfg), build_ptx(cfg, tokenizer, env), average)
 
 
 def build_ptx(cfg: RunConfig, tokenizer, env: DistEnv = SINGLE) -> PretrainMix | None:

@@ -62,8 +62,10 @@ class Placed:
     def saved_elsewhere(self) -> list[Callable[[Path], str | None]]:
         """The writers of the checkpoint parts held by other workers (a Ray critic group): each writes its
         folders into the checkpoint being written and returns None, or the line saying why it could not."""
+        average = self.trainer.actor.average
         return ([critic.save for _, critic in self.critics() if not isinstance(critic, Critic)]
-                + ([self.reference_mix.save] if self.reference_mix is not None else []))
+                + ([self.reference_mix.save] if self.reference_mix is not None else [])
+                + ([average.save] if average is not None else []))
 
     def critics(self) -> list[tuple[str, object]]:
         c = self.trainer.critics

@@ -17,6 +17,7 @@ from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.models.vision import encoder_in_every_forward
 from alignrl.runtime.lanes import lane_count
 from alignrl.train.minibatch import TokenBudget, minibatch_updates
+from alignrl.train.ema import PolicyAverage
 from alignrl.train.ptx import PretrainMix, language_model_loss
 from alignrl.interfaces import TrainEngine
 
@@ -105,11 +106,13 @@ class Actor:
     """The trainable policy on a TrainEngine; `update` runs PPO epochs over an Experience batch (this
     rank's share of it under data parallelism)."""
 
-    def __init__(self, engine: TrainEngine, layout: ForwardLayout = ForwardLayout(), ptx: PretrainMix | None = None):
+    def __init__(self, engine: TrainEngine, layout: ForwardLayout = ForwardLayout(), ptx: PretrainMix | None = None,
+                 average: PolicyAverage | None = None):
         self.engine = engine
         self.model = engine.model  # unwrapped: generation, no-grad log-probs, save_pretrained
         self.layout = layout  # how a micro-batch goes through the model (models.logprobs)
         self.ptx = ptx  # pretraining texts mixed into the updates (PPO-ptx), or None
+        self.average = average  # the moving average of the weights each optimizer step moves (actor.ema_beta)
 
     def update(self, exp: Experience, spec: PolicyLossSpec, mini_batch: int, micro_batch: int | TokenBudget,
                epochs: int, generator: torch.Generator, step: int = 0) -> dict[str, float]:
@@ -125,7 +128,8 @@ class Actor:
                                           entropy_grad=spec.entropy_coeff > 0, layout=self.layout, images=micro.images)
             return policy_loss(logp, ent, micro, spec, tokens, seqs, None if draws is None else draws(rows))
 
-        return minibatch_updates(exp, micro_loss, self.engine, mini_batch, micro_batch, epochs, generator, "actor",
+        engine = self.engine if self.average is None else self.average.stepping(self.engine)
+        return minibatch_updates(exp, micro_loss, engine, mini_batch, micro_batch, epochs, generator, "actor",
                                  by_prompt=self.layout.share_prompt,
                                  lanes=lane_count(self.layout.lanes, self.engine.env.device),
                                  follow=None if self.ptx is None else self._ptx_loss(step))
