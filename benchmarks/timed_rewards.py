@@ -59,8 +59,8 @@ def main() -> int:
     args = p.parse_args()
     rule_file = Path("/tmp") / "alignrl_bench_stalling_rule.py"
     rule_file.write_text(STALL)
-    cfg = load_config(None, [f"algorithm.reward_fn={rule_file}:compute_score", f"algorithm.reward_timeout_s={args.limit}",
-                             f"algorithm.reward_workers={args.workers}"])
+    cfg = load_config(None, [f"algorithm.reward_fn={rule_file}:compute_score",
+                             f"algorithm.reward_timeout_s={args.limit}", f"algorithm.reward_workers={args.workers}"])
     plain = run_rule(cfg, "reward")
     limited = timed(plain, functools.partial(run_rule, cfg, "reward"), args.limit, args.workers)
     here, there = [], []

@@ -21,7 +21,7 @@ RULE = '''
 import os, time
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    if solution_str == "stall":
+    if solution_str.startswith("stall"):
         try:
             time.sleep(120)  # a rule that never returns on one odd response
         finally:  # a worker told to stop unwinds: its cleanup runs
@@ -71,9 +71,10 @@ def test_a_shaped_reward_scores_each_row_once_in_the_workers(rule):
     fn, recipe = rule
     correct = timed(fn, recipe, 2.0, workers=2)
     shaped = with_format_bonus(correct, 0.5)
-    texts = ["#### 7", "stall"]
+    texts = ["#### 7", "stall #### 7"]
     rows = _rows(2)
-    assert rule_scores(shaped, "reward function", rows, texts) == [0.5, 0.0]  # "#### 7" is not "7"; the format
+    # "#### 7" is not "7" but has the format; a row past the limit was never scored: no bonus either
+    assert rule_scores(shaped, "reward function", rows, texts) == [0.5, 0.0]
     assert rule_scores(correct, "reward function", rows, texts) == [0.0, 0.0]  # the same rows: not scored again
     assert late_rows([shaped, correct]) == 1
 
@@ -89,6 +90,43 @@ def test_a_raising_function_a_dead_worker_and_a_late_cost_are_one_line_naming_th
     with pytest.raises(ScoreError, match=r"cost function .* ran past algorithm.reward_timeout_s=1 s for row 0") as e:
         rule_scores(timed(fn, recipe, 1.0, workers=1, give_up=False), "cost function", _rows(1), ["stall"])
     assert "\n" not in str(e.value)
+
+
+def test_a_rule_its_workers_cannot_load_is_one_line(rule, tmp_path):
+    gone = tmp_path / "gone.py"
+    gone.write_text(RULE)
+    recipe = functools.partial(load_reward_fn, f"{gone}:compute_score")
+    fn = recipe()
+    gone.unlink()  # loaded here, then moved away: the workers cannot load it
+    with pytest.raises(ScoreError, match=r"could not be loaded in a reward worker .* for row 0") as e:
+        rule_scores(timed(fn, recipe, 5.0, workers=1), "reward function", _rows(1), ["7"])
+    assert "\n" not in str(e.value)
+
+
+def test_a_script_without_a_main_guard_is_not_run_again_by_the_workers(tmp_path):
+    """Workers come from a fork server without the main module's preparation: a script that scores at its top level
+    runs once."""
+    import subprocess
+    import sys
+
+    rule_file = tmp_path / "rule.py"
+    rule_file.write_text(RULE)
+    script = tmp_path / "score.py"
+    script.write_text(
+        "import functools\n"
+        "from alignrl.data.records import Sample\n"
+        "from alignrl.rewards.registry import load_reward_fn\n"
+        "from alignrl.rewards.timed_rules import timed\n"
+        "from alignrl.rl.scoring import rule_scores\n"
+        "print('script body', flush=True)\n"
+        f"recipe = functools.partial(load_reward_fn, {str(rule_file)!r} + ':compute_score')\n"
+        "rows = [Sample('q', '7', 'gsm8k', {})] * 2\n"
+        "print(rule_scores(timed(recipe(), recipe, 5.0, workers=2), 'reward function', rows, ['7', '8']))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                          env={**__import__("os").environ, "ALIGNRL_TEST_MARK": str(tmp_path / "mark")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("script body") == 1 and "[1.0, 0.0]" in done.stdout
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
 def test_settings_it_would_ignore_and_verls_prime_manager():

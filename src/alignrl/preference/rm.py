@@ -191,7 +191,9 @@ def evaluate(engine, batches, model_type: str, cfg, env) -> dict[str, float]:
         else:
             sums[0] += float((reward_accuracy(chosen, rejected) * w).sum())
         sums[1] += float(w.sum())
-        sums[3:] = [sums[3] + float(scores.sum()), sums[4] + float(scores.square().sum()), sums[5] + len(scores)]
+        both = torch.cat([w, w])  # a weight-0 row pads the batch to the world size: left out of the statistics
+        sums[3:] = [sums[3] + float((scores * both).sum()), sums[4] + float((scores.square() * both).sum()),
+                    sums[5] + float(both.sum())]
     model.train()
     correct, n, signs, total, squares, count = all_reduce_sum(env, sums)
     out = {"accuracy": correct / max(n, 1), "pairs": n, "score_sum": total, **score_moments(total, squares, count)}
@@ -206,6 +208,12 @@ def score_moments(total: float, squares: float, count: float) -> dict[str, float
     mean = total / max(count, 1.0)
     var = (squares - count * mean * mean) / max(count - 1.0, 1.0)
     return {"score_mean": mean, "score_std": max(math.sqrt(max(var, 0.0)), 1e-8)}
+
+
+def _accuracy_line(before: dict[str, float], after: dict[str, float], model_type: str) -> str:
+    sign = f"; sign accuracy {after['sign_accuracy']:.3f}" if model_type == "cost" else ""
+    return (f"held-out pairwise accuracy: {before['accuracy']:.3f} -> {after['accuracy']:.3f} on "
+            f"{int(after['pairs'])} pairs{sign}")
 
 
 def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
@@ -275,8 +283,7 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
                "train_file": train_file, "train_pairs": len(enc_train), "steps": step, "world_size": env.world_size,
                "strategy": engine.name,
                "effective_batch": pc.global_batch(cfg, env.world_size), "seconds": round(time.time() - t0, 1)}
-    log.print(f"held-out pairwise accuracy: {before['accuracy']:.3f} -> {after['accuracy']:.3f} on {int(after['pairs'])}"
-              f" pairs" + (f"; sign accuracy {after['sign_accuracy']:.3f}" if model_type == "cost" else ""))
+    log.print(_accuracy_line(before, after, model_type))
     state = {k.removeprefix("inner."): v for k, v in engine.full_state_dict().items()}  # collective
     writer, state = adapters.saver(hf, peft_model, spec, cfg.lora_export, state)
     info = {"model_type": model_type, "task": cfg.task,

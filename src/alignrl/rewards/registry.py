@@ -20,7 +20,7 @@ from alignrl.rewards import math as math_reward
 from alignrl.rewards import openrlhf_reward, qa_em, think_answer, verl_reward_modules
 from alignrl.rewards.batch_reward import BatchedReward
 from alignrl.rewards.errors import RewardError, ScoreError
-from alignrl.rewards.values import RowScore, plain_number
+from alignrl.rewards.values import RowScore, TimedOut, plain_number
 from alignrl.utils.user_files import import_user_file
 
 
@@ -326,7 +326,7 @@ def with_format_bonus(base: RewardFn, format_weight: float) -> RewardFn:
 
     reward.reads_prompt = reads_prompt_text(base)
     if getattr(base, "rows", None) is not None:  # a timed rule scores a batch in its workers: the bonus is added here
-        reward.rows = lambda calls: [v if isinstance(v, ScoreError) else
+        reward.rows = lambda calls: [v if isinstance(v, (ScoreError, TimedOut)) else
                                      float(v) + format_weight * gsm8k.format_reward(c[1])
                                      for v, c in zip(base.rows(calls), calls)]
     return reward

@@ -13,22 +13,29 @@ removed). A ScoreError raised in a worker is the row's: the caller raises it nam
 from __future__ import annotations
 
 import atexit
-import multiprocessing
 import os
 import signal
+import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import context as mp_context
+from multiprocessing import popen_forkserver, spawn
 from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from pebble import ProcessExpired, ProcessPool
+
 from alignrl.rewards.errors import ScoreError
 from alignrl.rewards.registry import reads_prompt_text, score_row
+from alignrl.rewards.values import TimedOut
 from alignrl.runtime.cores import usable_cores
 from alignrl.utils.tracking import console
 from alignrl.utils.user_files import VERL_PROVIDERS
 
 _RECIPES: list[Callable[[], Callable[..., Any]]] = []  # every rule's recipe, by number (this process)
-_RULES: list[Callable[..., Any]] = []  # in a worker: the rules its recipes built
+_RULES: list[Any] = []  # in a worker: the rules its recipes built, or the one-line error of one that failed to
+_LAUNCH = threading.Lock()  # one worker's start at a time (_Popen)
 
 
 class _Stopped(BaseException):
@@ -40,9 +47,12 @@ _SCORING = [False]  # in a worker: whether a rule is running
 
 def _run(number: int, args: tuple) -> Any:
     """In a worker: rule `number` on one row."""
+    rule = _RULES[number]
+    if isinstance(rule, ScoreError):
+        return rule
     _SCORING[0] = True
     try:
-        return score_row(_RULES[number], *args)
+        return score_row(rule, *args)
     except _Stopped:  # unwound (a code reward has killed its program, removed its folder): now go
         os._exit(1)
     finally:
@@ -65,7 +75,44 @@ def _start_worker(recipes: list) -> None:
         torch.set_num_threads(1)
     except ImportError:  # torch is not needed to score text
         pass
-    _RULES[:] = [recipe() for recipe in recipes]
+    _RULES[:] = [_built(recipe) for recipe in recipes]
+
+
+def _built(recipe):
+    """The rule, or the one line saying why it cannot be loaded (a recipe of an earlier run in this process whose
+    file has gone is then a problem only if that rule is asked for)."""
+    try:
+        return recipe()
+    except Exception as e:  # noqa: BLE001 (any failure of a user's file to load: said as one line, by row)
+        text = f"{type(e).__name__}: {e}".splitlines()[0]
+        return ScoreError("the rule reward", f"could not be loaded in a reward worker ({text})", "any",
+                          "check the reward file and its imports")
+
+
+class _Popen(popen_forkserver.Popen):
+    """Starts a worker without the main module's preparation: spawn's children import the main script again (a
+    script without a `__main__` guard would run in every worker), and a rule comes from its recipe, never from
+    it."""
+
+    def _launch(self, process_obj):
+        with _LAUNCH:
+            real = spawn.get_preparation_data
+            spawn.get_preparation_data = lambda name: {k: v for k, v in real(name).items()
+                                                       if not k.startswith("init_main_from")}
+            try:
+                super()._launch(process_obj)
+            finally:
+                spawn.get_preparation_data = real
+
+
+class _Process(mp_context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _Popen(process_obj)
+
+
+class _Context(mp_context.ForkServerContext):
+    Process = _Process
 
 
 RESTART_S = 2.0  # a worker forked from the fork server is up well within this
@@ -80,16 +127,15 @@ class _Workers:
         self.at_exit = False
 
     def get(self, size: int):
-        from pebble import ProcessPool
 
         if self.pool is None or self.rules != len(_RECIPES) or self.size != size:
             self.close()
-            context = multiprocessing.get_context("forkserver")
-            # the server imports the main module, the recipes' and those a user's file is given (verl's APIs) once;
-            # each worker forked from it then starts at once (one replaced after a timeout too)
+            context = _Context()
+            # the server imports the recipes' modules and those a user's file is given (verl's APIs) once; each
+            # worker forked from it then starts at once (one replaced after a timeout too)
             modules = {__name__, *(getattr(r, "func", r).__module__ for r in _RECIPES),
                        *(provider.partition(":")[0] for provider in VERL_PROVIDERS)}
-            context.set_forkserver_preload(["__main__", *sorted(modules)])
+            context.set_forkserver_preload(sorted(modules))
             self.pool = ProcessPool(max_workers=size, initializer=_start_worker, initargs=(list(_RECIPES),),
                                     context=context)
             self.rules, self.size = len(_RECIPES), size
@@ -165,16 +211,15 @@ class TimedRule:
             self.timed_out += 1
             _WORKERS.replaced_at = time.monotonic()
             if self.give_up:
-                return 0.0
+                return TimedOut(0.0)
             return ScoreError(self.__name__, f"ran past algorithm.reward_timeout_s={self.timeout_s:g} s",
                               str(call[0]), "a cost cannot be guessed: raise the limit or make it return sooner")
         except ScoreError as e:
             return e
-        except Exception as e:
-            if type(e).__name__ != "ProcessExpired":  # pebble's: the worker ended without an answer
-                raise
+        except (ProcessExpired, BrokenProcessPool, RuntimeError) as e:  # the worker, or the pool, ended
             _WORKERS.replaced_at = time.monotonic()
-            return ScoreError(self.__name__, f"lost its worker process ({e})", str(call[0]),
+            text = f"{type(e).__name__}: {e}".splitlines()[0]
+            return ScoreError(self.__name__, f"lost its worker process ({text})", str(call[0]),
                               "check the machine's memory, or whether something killed the worker")
 
     def take_timeouts(self) -> int:

@@ -31,3 +31,8 @@ def is_correct(value: float) -> bool:
     score of 1 or more."""
     said = getattr(value, "correct", None)
     return value >= 1.0 if said is None else said
+
+
+class TimedOut(float):
+    """A row's 0.0 when its rule ran past algorithm.reward_timeout_s (`timed_rules`): a shaped reward adds no bonus
+    to it, as the row was never scored."""

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from alignrl.core.ref_mix import mix_into_reference
 from alignrl.interfaces import TrainEngine
+from alignrl.utils.tracking import console
 
 FOLDER = "ema"
 
@@ -34,12 +35,21 @@ class PolicyAverage:
         self.names = list(first.values())  # each tensor once: mixed once a step
         self.average = {n: full[n].detach().to(torch.float32, copy=True) for n in self.names}
         self.average.update({n: self.average[first[id(t)]] for n, t in full.items() if id(t) in first})
-        saved = resume / FOLDER / "model.safetensors" if resume is not None else None
-        if saved is not None and saved.is_file() and engine.env.is_main:
-            state = load_file(saved)
-            for n in self.names:
-                if n in state:  # a tied weight is written once: its other name keeps the policy's start
-                    self.average[n].copy_(state[n])
+        if resume is not None and engine.env.is_main:
+            self._load(resume / FOLDER)
+
+    def _load(self, folder: Path) -> None:
+        """A resumed run's average, from every weight file of the checkpoint's `ema/` (a large one is split);
+        without one (an average new at this resume) it starts from the policy's weights, as said."""
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            console.print(f"no moving average in {folder.parent}: actor.ema_beta starts it from the resumed "
+                          "policy's weights", markup=False)
+            return
+        state = {k: v for f in files for k, v in load_file(f).items()}
+        for n in self.names:
+            if n in state:  # a tied weight is written once: its other name is the same tensor here
+                self.average[n].copy_(state[n])
 
     def update(self) -> None:
         """After an optimizer step (collective): the average takes 1 − β of the new weights."""
@@ -53,6 +63,9 @@ class PolicyAverage:
     def save(self, folder: Path) -> str | None:
         """Checkpoint writer (rank 0): `folder/ema`, a loadable HF folder of the average, or why not."""
         target = folder / FOLDER
+        bad = next((n for n in self.names if not torch.isfinite(self.average[n]).all()), None)
+        if bad is not None:
+            return f"the policy's moving average has NaN/inf weights ({bad})"
         try:
             self.engine.model.save_pretrained(str(target), state_dict=self.average)
             config = self.engine.model.config

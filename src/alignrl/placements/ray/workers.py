@@ -155,8 +155,10 @@ class RewardWorker(Worker):
 
         super().__init__(threads)
         cfg = config_of(cfg_text)
-        self.scorer = ModelScorer(cfg.algorithm.reward_model, cfg.model.dtype, log=lambda *_: None,
-                                  device=device_for(local_rank), normalize=cfg.algorithm.reward_model_normalize)
+        # what the normalization reads from the folder is said at start: Ray shows a worker's output
+        say = (lambda line: print(line, flush=True)) if cfg.algorithm.reward_model_normalize else (lambda *_: None)
+        self.scorer = ModelScorer(cfg.algorithm.reward_model, cfg.model.dtype, log=say, device=device_for(local_rank),
+                                  normalize=cfg.algorithm.reward_model_normalize)
 
     def score(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
         return self.scorer.score(prompt_ids, prompt_mask, response_ids, response_mask)
