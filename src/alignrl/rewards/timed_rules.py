@@ -17,11 +17,11 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import context as mp_context
 from multiprocessing import popen_forkserver, spawn
-from collections.abc import Callable, Sequence
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from pebble import ProcessExpired, ProcessPool
@@ -34,7 +34,7 @@ from alignrl.utils.tracking import console
 from alignrl.utils.user_files import VERL_PROVIDERS
 
 _RECIPES: list[Callable[[], Callable[..., Any]]] = []  # every rule's recipe, by number (this process)
-_RULES: list[Any] = []  # in a worker: the rules its recipes built, or the one-line error of one that failed to
+_RULES: list[Any] = []  # in a worker: the rules its recipes built, or the one-line error of one that did not load
 _LAUNCH = threading.Lock()  # one worker's start at a time (_Popen)
 
 
@@ -127,7 +127,6 @@ class _Workers:
         self.at_exit = False
 
     def get(self, size: int):
-
         if self.pool is None or self.rules != len(_RECIPES) or self.size != size:
             self.close()
             context = _Context()
