@@ -118,7 +118,8 @@ def test_the_sweeps_scripts_translate(files, capsys, monkeypatch):
     err = capsys.readouterr().err
     listed = [line for line in err.splitlines() if "not used on this device" in line]
     assert len(listed) == 1 and "override_config.max_position_embeddings" in listed[0], err
-    assert "calculate_log_probs" in listed[0] and "log_val_generations" in listed[0]
+    assert "calculate_log_probs" in listed[0] and "log_val_generations" not in err  # applied: verl's key
+    assert dapo.trainer.log_val_generations == 10
     assert "max_resp_len" not in err  # the same as data.max_response_length: nothing to say
 
 
@@ -138,7 +139,7 @@ NOT_USED_KEYS = [
     "actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.nccl_timeout=1200",
     "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer]", "actor_rollout_ref.actor.profiler.enable=True",
     "global_profiler.tool=nsys", "+ray_kwargs.ray_init.num_cpus=8", "trainer.use_legacy_worker_impl=disable",
-    "trainer.log_val_generations=10", "trainer.ray_wait_register_center_timeout=300", "trainer.esi_redundant_time=0",
+    "trainer.ray_wait_register_center_timeout=300", "trainer.esi_redundant_time=0",
     "data.dataloader_num_workers=8", "data.use_shm=True", "data.return_full_prompt=True", "data.validation_shuffle=False",
     "critic.fsdp.param_offload=True", "actor_rollout_ref.actor.fsdp.optimizer_offload=True",
     "reward_model.inference.gpu_memory_utilization=0.8", "+actor_rollout_ref.model.lora.merge=True",
