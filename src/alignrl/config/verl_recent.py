@@ -255,9 +255,9 @@ def _response_cap_note(st: TranslationPass) -> None:
     text, value = st.later["reward_model.reward_kwargs.max_resp_len"]
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"reward_model.reward_kwargs.max_resp_len={text} must be a whole number (tokens)")
-    caps = [parsed(o.split("=", 1)[1]) for o in st.out if o.startswith("rollout.max_new_tokens=")]
+    caps = _given(st, "rollout.max_new_tokens")
     if caps:
-        cap = caps[-1]
+        cap = parsed(caps[-1])
     else:
         from alignrl.config.schema import RolloutConfig
 
@@ -268,13 +268,17 @@ def _response_cap_note(st: TranslationPass) -> None:
                         "(data.max_response_length)")
 
 
+def _given(st: TranslationPass, key: str) -> list[str]:
+    """The values (as written) the overrides gathered so far give alignrl's `key`, in order: the last one wins."""
+    return [o.split("=", 1)[1] for o in st.out if o.startswith(key + "=")]
+
+
 def _generation_batch(st: TranslationPass) -> list[str]:
     """verl draws data.gen_batch_size prompts a generation batch and, without DAPO's filter, trains every one of
     them: a verl-spelled run's data.train_batch_size then (alignrl reads data.gen_batch_size with dynamic sampling
     only)."""
-    sizes = [o.split("=", 1)[1] for o in st.out if o.startswith("data.gen_batch_size=")]
-    filters = [parsed(o.split("=", 1)[1]) for o in st.out if o.startswith("algorithm.dynamic_sampling=")]
-    if not sizes or (parsed(sizes[-1]) is not None and (not st.verl or (filters and filters[-1] is True))):
+    sizes, filters = _given(st, "data.gen_batch_size"), _given(st, "algorithm.dynamic_sampling")
+    if not sizes or (parsed(sizes[-1]) is not None and (not st.verl or (filters and parsed(filters[-1]) is True))):
         return []
     st.out[:] = [o for o in st.out if not o.startswith("data.gen_batch_size=")]  # null: the training batch
     return [] if parsed(sizes[-1]) is None else [f"data.train_batch_size={sizes[-1]}"]
@@ -295,14 +299,14 @@ def _excluded_modules(st: TranslationPass) -> list[str]:
     if "actor_rollout_ref.model.exclude_modules" not in st.later:
         return []
     text, value = st.later["actor_rollout_ref.model.exclude_modules"]
-    ranks = [parsed(o.split("=", 1)[1]) for o in st.out if o.startswith("model.lora_rank=")]
+    ranks = [parsed(r) for r in _given(st, "model.lora_rank")]
     if value in (None, "", []) or not ranks or not isinstance(ranks[-1], int) or ranks[-1] <= 0:
         return []
     if value != VISION_TOWER:
         raise ConfigError(f"actor_rollout_ref.model.exclude_modules={text} is not supported (alignrl's LoRA leaves "
                           f"out only a vision-language model's image tower: exclude_modules='{VISION_TOWER}'; "
                           "choose the layers with actor_rollout_ref.model.target_modules instead)")
-    folders = [o.split("=", 1)[1] for o in st.out if o.startswith("model.path=")]
+    folders = _given(st, "model.path")
     if folders and _local_config(folders[-1]) is not None and "vision_config" not in _local_config(folders[-1]):
         return []  # a text-only model has no tower: verl's pattern matches nothing there, and so nothing is frozen
     return ["actor.freeze_prefix=[visual]"]

@@ -161,12 +161,16 @@ class _Workers:
 _WORKERS = _Workers()
 
 
+def _recipe_key(recipe) -> tuple:
+    """What makes two recipes the same: the function and its arguments (a partial has no equality of its own)."""
+    return getattr(recipe, "func", recipe), getattr(recipe, "args", ()), getattr(recipe, "keywords", {})
+
+
 def _number(recipe: Callable[[], Callable[..., Any]]) -> int:
     """The recipe's number among this process's, registered once (an equal recipe, e.g. the evaluation's rule and
     the reward stage's, shares its number and its workers)."""
-    key = (getattr(recipe, "func", recipe), getattr(recipe, "args", ()), getattr(recipe, "keywords", {}))
     for i, known in enumerate(_RECIPES):
-        if (getattr(known, "func", known), getattr(known, "args", ()), getattr(known, "keywords", {})) == key:
+        if _recipe_key(known) == _recipe_key(recipe):
             return i
     _RECIPES.append(recipe)
     return len(_RECIPES) - 1

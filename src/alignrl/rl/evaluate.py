@@ -21,8 +21,7 @@ from alignrl.interfaces import SamplingParams
 from alignrl.rewards import gsm8k
 from alignrl.rewards.registry import REWARDS, ScoreError, reads_prompt_text, score_row
 from alignrl.rewards.values import is_correct
-from alignrl.rl.generation_logs import decoded
-from alignrl.rl.scoring import played_correct, prompt_texts, timed_values, with_reward_extras
+from alignrl.rl.scoring import decoded, played_correct, prompt_texts, timed_values, with_reward_extras
 from alignrl.rollout.env_agent import with_labels
 
 

@@ -15,18 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from alignrl.data.records import Sample, ScoredBatch
+from alignrl.rl.scoring import decoded
 from alignrl.runtime.env import DistEnv, gather_bytes
 from alignrl.utils.atomic import atomic_write_text
 
 VAL_GENERATIONS = "val_generations.jsonl"
-
-
-def decoded(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    """Each row's tokens under `mask` as text, special tokens left out (verl decodes its dumps so)."""
-    return tokenizer.batch_decode(ids.masked_fill(~mask.bool(), tokenizer.pad_token_id), skip_special_tokens=True)
 
 
 def records(inputs: Sequence[str], outputs: Sequence[str], gts: Sequence[Any], scores: Sequence[float],

@@ -35,8 +35,7 @@ class RewardStage:
     truncated_reward_coef: float | None = None  # responses cut at the cap: reward scaled (>= 0) or replaced (< 0)
 
     def texts(self, ro: Rollout) -> list[str]:
-        ids = ro.response_ids.masked_fill(~ro.response_mask, self.tokenizer.pad_token_id)
-        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return decoded(self.tokenizer, ro.response_ids, ro.response_mask)
 
     def task_rewards(self, rows: Sequence[Sample], texts: Sequence[str],
                      prompts: Sequence[str] | None = None) -> list[float]:
@@ -142,6 +141,12 @@ def timed_values(fn, rows: Sequence[Sample], texts: Sequence[str], prompts: Sequ
         return None
     return fn.rows([(s.data_source, t, s.ground_truth, s.extra, prompts[i] if prompts else None)
                     for i, (s, t) in enumerate(zip(rows, texts))])
+
+
+def decoded(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """Each row's tokens under `mask` as text, special tokens left out: what a rule scores, and what verl's dumps
+    hold."""
+    return tokenizer.batch_decode(ids.masked_fill(~mask.bool(), tokenizer.pad_token_id), skip_special_tokens=True)
 
 
 def prompt_texts(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[str]:
