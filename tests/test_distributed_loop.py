@@ -39,6 +39,28 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 
 CRITIC = ("algorithm.adv_estimator=gae", "critic.enable=true")
 
+# A moving average of the policy, moved after every optimizer step from the weights gathered from the ranks; with the
+# whole batch as one mini-batch each RL step is one optimizer step (its gradient accumulated over micro-batches), so a
+# checkpoint's average follows from the one before it and the policy saved beside it.
+BETA = 0.9
+EMA = (f"actor.ema_beta={BETA}", "actor.ppo_mini_batch_size=4")
+
+
+def assert_moving_average(run_dir: Path, steps: list[int], start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each step's ema/ is BETA of the previous average (`start` before the first) plus 1 - BETA of that step's
+    saved policy; returns the last average."""
+    for step in steps:
+        folder = run_dir / "checkpoints" / f"global_step_{step}"
+        average, policy = weights(folder / "ema"), weights(folder / "model")
+        assert average.keys() == policy.keys() == start.keys()
+        # the step moved the policy well past the tolerance, so a wrong beta or a missed update shows
+        assert max(float((policy[k].float() - start[k].float()).abs().max()) for k in start) > 1e-4
+        for k in average:
+            want = BETA * start[k].float() + (1 - BETA) * policy[k].float()
+            torch.testing.assert_close(average[k], want, rtol=0, atol=1e-6, msg=lambda m, k=k: f"step {step} {k}: {m}")
+        start = average
+    return start
+
 
 # DeepSpeed from seed 000's config/deepspeed/zero3.json (trainer.zero_stage left at its default 2: the file's stage
 # decides, also that generation and evaluation run on a full copy of the sharded weights)
@@ -47,11 +69,10 @@ ZERO3_FILE = f"trainer.deepspeed_config={Path(__file__).parents[1] / 'config' / 
 
 # the reference moved halfway toward the policy after every update (actor.ref_sync_steps): from DDP's replicas, then,
 # resumed, from FSDP2's gathered shards
-REF_SYNC = ("actor.ref_sync_steps=1", "actor.ref_mixup_alpha=0.5", "trainer.max_checkpoints=0",
-            "actor.ema_beta=0.9")  # and a moving average of the policy, gathered after every optimizer step
+REF_SYNC = ("actor.ref_sync_steps=1", "actor.ref_mixup_alpha=0.5", "trainer.max_checkpoints=0")
 
 
-@pytest.mark.parametrize("strategy,extra", [("ddp", CRITIC + REF_SYNC), ("deepspeed", (ZERO3_FILE,))])
+@pytest.mark.parametrize("strategy,extra", [("ddp", CRITIC + REF_SYNC + EMA), ("deepspeed", (ZERO3_FILE, *EMA))])
 def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
     extra = (*extra, f"trainer.rollout_data_dir={tmp_path / 'rollouts'}")  # both ranks' rollouts, gathered
     r = run(tiny_model_dir, tmp_path, strategy, strategy, 2, *extra)
@@ -67,6 +88,8 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
     after, before = weights(ckpt / "model"), weights(tiny_model_dir)
     assert after.keys() == before.keys()  # the tied embedding matrix saved once, as the base model holds it
     assert max(float((after[k] - before[k]).abs().max()) for k in before) > 1e-5
+    # from the base weights, over DDP's replicas or ZeRO-3's gathered partitions
+    ema2 = assert_moving_average(run_dir, [1, 2], before)
     if strategy == "ddp":  # FSDP2 resumes DDP's checkpoint, the policy's and the critic's optimizer state included
         assert (ckpt / "critic" / "model.safetensors").is_file() and (ckpt / "critic_state").is_dir()
         r = run(tiny_model_dir, tmp_path, strategy, "fsdp2", 3, *extra)
@@ -78,8 +101,7 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
         ref2, ref3, policy3 = weights(ckpt / "reference"), weights(step3 / "reference"), weights(step3 / "model")
         for k in ref3:  # the resumed reference (step 2's, not the base), then half of FSDP2's gathered policy
             torch.testing.assert_close(ref3[k], 0.5 * policy3[k] + 0.5 * ref2[k], rtol=0, atol=1e-6)
-        ema2, ema3 = weights(ckpt / "ema"), weights(step3 / "ema")  # carried on over the resume
-        assert ema3.keys() == ema2.keys() and any(not torch.equal(ema3[k], ema2[k]) for k in ema2)
+        assert_moving_average(run_dir, [3], ema2)  # carried on over the resume, then from FSDP2's gathered shards
         rows = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
         assert [x["step"] for x in rows if "critic/vf_loss" in x] == [1, 2, 3]
     if strategy == "deepspeed":

@@ -83,3 +83,30 @@ def test_reward_model_normalization_needs_a_folder_and_one_without_statistics_sc
     rm.save_pretrained(tmp_path / "stats")
     normalized = ModelScorer(str(tmp_path / "stats"), log=said.append, normalize=True).score(ids, mask, ids, mask)
     torch.testing.assert_close(normalized, (plain - 2.0) / 4.0)
+
+
+def test_the_critic_normalizes_its_values_as_the_reward_model_with_normalize_reward(tiny_model_dir, tmp_path):
+    """OpenRLHF's --normalize_reward normalizes the critic too: one initialised from a reward model whose config.json
+    holds a mean and std predicts (value - mean) / std, in scoring and in its loss; the cost critic, not on the reward
+    model's scale, stays as it is."""
+    from transformers import AutoModelForSequenceClassification
+
+    from alignrl.config import load_config
+    from alignrl.placements.build import build_critic
+
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1)
+    rm.config.pad_token_id, rm.config.mean, rm.config.std = rm.config.eos_token_id, 2.0, 4.0
+    rm.save_pretrained(tmp_path / "rm")
+    over = [f"model.path={tiny_model_dir}", f"algorithm.reward_model={tmp_path / 'rm'}", "critic.enable=true",
+            "algorithm.adv_estimator=gae",
+            f"critic.model_path={tmp_path / 'rm'}"]
+    plain = build_critic(load_config(None, over), "critic", None)
+    normal = build_critic(load_config(None, [*over, "algorithm.reward_model_normalize=true"]), "critic", None)
+    cost = build_critic(load_config(None, [*over, "algorithm.reward_model_normalize=true"]), "cost_critic", None)
+    ids, mask = torch.tensor([[3, 4, 5], [6, 7, 8]]), torch.ones(2, 3, dtype=torch.bool)
+    ro = Rollout(prompt_ids=ids, prompt_mask=mask, response_ids=ids, response_mask=mask, logprobs=torch.zeros(2, 3),
+                 truncated=torch.zeros(2, dtype=torch.bool), group=torch.arange(2))
+    raw = plain.values(ro, 2)
+    torch.testing.assert_close(normal.values(ro, 2), (raw - 2.0) / 4.0)
+    assert (normal.shift, normal.scale) == (2.0, 4.0) and (cost.shift, cost.scale) == (0.0, 1.0)

@@ -208,7 +208,9 @@ class AlgorithmConfig:
                                 "reward still measures accuracy")
     reward_model_normalize: bool = opt(False, "the reward model's score as (score - mean) / std, with the mean and "
                                               "std of its config.json (`alignrl train rm` writes its held-out "
-                                              "scores', as OpenRLHF's reward trainer; OpenRLHF's --normalize_reward)")
+                                              "scores', as OpenRLHF's reward trainer), and the critic's values by "
+                                              "the mean and std of its own config.json (one initialised from the "
+                                              "reward model has them); OpenRLHF's --normalize_reward")
     reward_model_mix: str = opt("replace", "with a reward model (a folder or services.reward_url): replace uses its "
                                            "score alone; add adds the rule reward to it on rows whose data has an "
                                            "answer (verl's hybrid of a reward model and a rule)",

@@ -85,14 +85,16 @@ def check_scorer_folder(path: str, key: str) -> None:
         raise not_a_scorer(path, f"its architecture is {arch[0]}")
 
 
-def score_normalization(config, path: str, log) -> tuple[float, float]:
-    """(mean, std) of a reward model's config.json, which normalize its scores; (0, 1), said once, when it holds
-    none (OpenRLHF's reward model falls back the same way) or a std that is not positive."""
+def score_normalization(config, path: str, log, what: str = "reward model") -> tuple[float, float]:
+    """(mean, std) of a reward model's config.json, which normalize its scores (and, with `what`="critic", the values
+    of a critic initialised from it, as OpenRLHF's critic does); (0, 1), said once, when it holds none (OpenRLHF
+    falls back the same way) or a std that is not positive."""
     mean, std = getattr(config, "mean", None), getattr(config, "std", None)
+    outputs = "values" if what == "critic" else "scores"
     if isinstance(mean, (int, float)) and isinstance(std, (int, float)) and std > 0:
-        log(f"reward model {path}: scores normalized as (score - {mean:.4g}) / {std:.4g} (its config.json)")
+        log(f"{what} {path}: {outputs} normalized as ({outputs[:-1]} - {mean:.4g}) / {std:.4g} (its config.json)")
         return float(mean), float(std)
-    log(f"reward model {path}: its config.json holds no mean and std to normalize by: scores used as they are "
+    log(f"{what} {path}: its config.json holds no mean and std to normalize by: {outputs} used as they are "
         "(`alignrl train rm` writes them)")
     return 0.0, 1.0
 

@@ -33,7 +33,7 @@ from alignrl.models.loader import (DTYPES, frozen_copy, load_causal_lm, load_mod
 from alignrl.models.logprobs import ForwardLayout
 from alignrl.models.sharded_load import fill_shards, meta_model
 from alignrl.models.rm_template import RetemplatingScorer, reward_input
-from alignrl.models.value import ModelScorer, load_value_model
+from alignrl.models.value import ModelScorer, load_value_model, score_normalization
 from alignrl.rewards.registry import run_rule, with_format_bonus
 from alignrl.rewards.timed_rules import timed
 from alignrl.train.ema import PolicyAverage
@@ -223,8 +223,11 @@ def build_critic(cfg: RunConfig, name: str, resume: Path | None, env: DistEnv = 
     engine = make_engine(cfg, model, spec, env)
     if resume:
         restore_state(engine, resume / f"{name}_state", name)
+    # the reward's critic normalizes as the reward model does (a cost critic's scale is the cost model's, not it)
+    scale = (score_normalization(model.config, path, console.print, "critic")
+             if cfg.algorithm.reward_model_normalize and name == "critic" else (0.0, 1.0))
     return Critic(engine, cliprange_value=c.cliprange_value or None, name=name, remove_padding=c.use_remove_padding,
-                  lanes=cfg.trainer.cpu_lanes)
+                  lanes=cfg.trainer.cpu_lanes, normalization=scale)
 
 
 def critic_names(cfg: RunConfig) -> list[str]:

@@ -15,13 +15,17 @@ from alignrl.interfaces import TrainEngine
 
 class Critic:
     def __init__(self, engine: TrainEngine, *, cliprange_value: float | None, name: str = "critic",
-                 remove_padding: bool = False, lanes: int = 1):
-        """`lanes`: micro-batches side by side on a CPU (trainer.cpu_lanes, `runtime.lanes`)."""
+                 remove_padding: bool = False, lanes: int = 1, normalization: tuple[float, float] = (0.0, 1.0)):
+        """`lanes`: micro-batches side by side on a CPU (trainer.cpu_lanes, `runtime.lanes`). `normalization`:
+        (mean, std) the head's outputs are normalized by, in training as in scoring (OpenRLHF's critic with
+        --normalize_reward: a critic initialised from a reward model predicts on its normalized scale)."""
         self.engine, self.model, self.name = engine, engine.model, name  # name prefixes metrics: critic/...
         self.cliprange_value, self.remove_padding, self.lanes = cliprange_value, remove_padding, lanes
+        self.shift, self.scale = normalization
 
     def _values(self, model, *tensors, images=None) -> torch.Tensor:
-        return response_values(model, *tensors, remove_padding=self.remove_padding, images=images)
+        v = response_values(model, *tensors, remove_padding=self.remove_padding, images=images)
+        return v if (self.shift, self.scale) == (0.0, 1.0) else (v - self.shift) / self.scale
 
     def values(self, ro: Rollout, micro_batch: int) -> torch.Tensor:
         """Values (B, R) of the rollout's states, in length-grouped, trimmed chunks."""
