@@ -17,7 +17,9 @@ model's context). A run sends them so with `algorithm.reward_model_retemplate=tr
 
     alignrl serve reward --protocol openrlhf --dataset FILE --input_key message --prompt-template chatml
 
-serves a rule reward (R1 format + math accuracy) on OpenRLHF's `POST /get_reward` instead: `serve.rule_reward`.
+serves a rule reward (R1 format + math accuracy) on OpenRLHF's `POST /get_reward` instead: `serve.rule_reward`;
+with `--reward_pretrain RM_FOLDER` in place of the dataset, a reward model as `openrlhf.cli.serve_rm` serves it:
+`serve.openrlhf_rm`. `--normalize_reward` scores (score - mean) / std of the model folder's config.json.
 
 Deliberately left out: pairwise comparison endpoints, per-token rewards.
 """
@@ -145,8 +147,11 @@ def parser() -> argparse.ArgumentParser:
                    "reward_model.model.input_tokenizer); a model of the policy's tokenizer scores the ids")
     p.add_argument("--max_length", type=int, default=0, help="with --input_tokenizer: a conversation keeps its first "
                    "N tokens (verl's reward_model.max_length); 0: the model's context")
+    p.add_argument("--normalize_reward", action="store_true",
+                   help="scores as (score - mean) / std with the mean and std of the model folder's config.json")
     p.add_argument("--protocol", choices=["alignrl", "openrlhf"], default="alignrl",
-                   help="openrlhf: a rule reward on OpenRLHF's POST /get_reward instead of a model (see its --help)")
+                   help="openrlhf: OpenRLHF's POST /get_reward, a reward model with --reward_pretrain or a rule "
+                   "reward with --dataset (see its --help)")
     return p
 
 
@@ -154,7 +159,7 @@ def load_service(args: argparse.Namespace) -> RewardService:
     from alignrl.models.value import ModelScorer
 
     log = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
-    scorer = ModelScorer(args.model, args.dtype, log=log, device=device_of(args))
+    scorer = ModelScorer(args.model, args.dtype, log=log, device=device_of(args), normalize=args.normalize_reward)
     try:
         from transformers import AutoTokenizer
 
@@ -186,7 +191,7 @@ def input_template(args: argparse.Namespace, context: int, log) -> tuple[object 
 
 def protocol_of(argv: list[str]) -> tuple[str, list[str]]:
     """`--protocol NAME` (or `--protocol=NAME`) taken out of `argv`: "alignrl" (a reward model on /v1/score, the
-    default) or "openrlhf" (a rule reward on /get_reward)."""
+    default) or "openrlhf" (OpenRLHF's /get_reward: a reward model or a rule reward)."""
     rest, protocol, i = [], "alignrl", 0
     while i < len(argv):
         if argv[i] == "--protocol" and i + 1 < len(argv):
@@ -203,12 +208,18 @@ def protocol_of(argv: list[str]) -> tuple[str, list[str]]:
 def main(argv: list[str]) -> int:
     protocol, argv = protocol_of(list(argv))
     if protocol == "openrlhf":
+        # a model (OpenRLHF's serve_rm) when its folder is given, else the rule reward (LMM-R1's math_verifier)
+        if any(a == "--reward_pretrain" or a.startswith("--reward_pretrain=") for a in argv):
+            from alignrl.serve import openrlhf_rm
+
+            return openrlhf_rm.main(argv)
         from alignrl.serve import rule_reward
 
         return rule_reward.main(argv)
     if protocol != "alignrl":
         return fail(PROG, f"--protocol {protocol!r} is unknown; pass alignrl (a reward model on /v1/score) or "
-                          "openrlhf (a rule reward on /get_reward, with --dataset)")
+                          "openrlhf (OpenRLHF's /get_reward: a reward model with --reward_pretrain, or a rule reward "
+                          "with --dataset)")
     args = parser().parse_args(argv)
     problem = check_args(args) or (args.max_length < 0 and "--max_length must not be negative (0: the model's context)")
     if problem:
