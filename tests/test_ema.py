@@ -44,11 +44,28 @@ def test_every_optimizer_step_moves_the_average_by_one_minus_beta():
     assert stepping.model is engine.model  # everything else is the engine's
 
 
-def test_checkpoints_hold_the_average_and_a_resume_carries_it_on(tiny_model_dir, tmp_path):
+def test_checkpoints_hold_the_average_and_a_resume_carries_it_on(tiny_model_dir, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
+    # the policy as each update of the average sees it: 16 sequences a step in mini-batches of 2 prompts × 4, so two
+    # optimizer steps (and updates) to each RL step, the intermediate policy in no checkpoint
+    seen, update = [], PolicyAverage.update
+
+    def record(self):  # a copy: a one-process engine's state dict is the model's own tensors
+        seen.append({k: v.clone() for k, v in self.engine.full_state_dict().items()})
+        update(self)
+
+    monkeypatch.setattr(PolicyAverage, "update", record)
     assert train_grpo(load_config(None, overrides(tiny_model_dir, tmp_path, "straight", 3, 1) + EMA))["steps"] == 3
+    monkeypatch.undo()
     run = tmp_path / "straight"
+    assert len(seen) == 6  # every optimizer step's update, then a checkpoint after each second one
+    assert all(torch.equal(seen[2 * s - 1][k], v) for s in (1, 3) for k, v in weights(run, s).items())
+    want = load_file(tiny_model_dir / "model.safetensors")  # the average starts at the base weights
+    for policy in seen:
+        want = {k: 0.5 * v.float() + 0.5 * policy[k].float() for k, v in want.items()}
+    for k, v in load_file(run / "checkpoints" / "global_step_3" / "ema" / "model.safetensors").items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=1e-6)
     ema = run / "checkpoints" / "global_step_3" / "ema"
     loaded = AutoModelForCausalLM.from_pretrained(str(ema))  # a model folder of its own, tokenizer beside it
     assert (ema / "tokenizer_config.json").is_file() and loaded.dtype == torch.float32
