@@ -110,12 +110,12 @@ def _recorder(seen: list, monkeypatch) -> None:
     def record(self, step, engine):
         from alignrl.models.lora import merged_state_dict
 
-        before = {n: p.detach().clone() for n, p in self.params.items()}
+        before = {n: p.detach().clone() for n, p in self.moving.params.items()}
         original(self, step, engine)
         full = engine.full_state_dict()
         full = merged_state_dict(self.lora_policy, full) if self.lora_policy is not None else full
-        policy = {n: t.clone() for n, t in full.items() if n in self.params}
-        seen.append((step, before, {n: p.detach().clone() for n, p in self.params.items()}, policy))
+        policy = {n: t.clone() for n, t in full.items() if n in self.moving.params}
+        seen.append((step, before, {n: p.detach().clone() for n, p in self.moving.params.items()}, policy))
 
     monkeypatch.setattr(ref_sync.ReferenceSync, "after_step", record)
 
@@ -155,7 +155,7 @@ def test_a_run_resumed_after_a_sync_ends_where_the_whole_run_does(tiny_model_dir
     ckpt = tmp_path / "whole.checkpoints" / "step_3"
     assert sorted(p.name for p in ckpt.iterdir()) == ["optim.pt", "reference.safetensors", "state.json",
                                                       "weights.safetensors"]
-    assert json.loads((ckpt / "state.json").read_text())["reference_synced_at"] == 2
+    assert json.loads((ckpt / "state.json").read_text())["reference"] == {"moved_at": "2", "alpha": "0.6", "every": "2"}
     assert not list((tmp_path / "whole.checkpoints").glob(".*"))  # nothing half-written left beside it
     # without the synced reference the last step would train against the initial one: refused, not resumed
     assert dpo_main(_argv(tiny_model_dir, tmp_path, "plain", "strategy=single", "sync_ref_model=false",
@@ -180,11 +180,11 @@ original = ref_sync.ReferenceSync.after_step
 
 
 def record(self, step, engine):
-    before = {"before." + n: p.detach().clone() for n, p in self.params.items()}
+    before = {"before." + n: p.detach().clone() for n, p in self.moving.params.items()}
     original(self, step, engine)
     if step % self.every == 0:
-        policy = {"policy." + n: t.clone() for n, t in engine.full_state_dict().items() if n in self.params}
-        after = {"after." + n: p.detach().cpu().clone() for n, p in self.params.items()}
+        policy = {"policy." + n: t.clone() for n, t in engine.full_state_dict().items() if n in self.moving.params}
+        after = {"after." + n: p.detach().cpu().clone() for n, p in self.moving.params.items()}
         save_file({**before, **policy, **after}, f"{sys.argv[1]}/rank{os.environ['RANK']}_step{step}.safetensors")
 
 
@@ -229,3 +229,20 @@ def test_trls_spellings_of_the_switches():
     assert parse_dpo(["--precompute_ref_log_probs", "False"]).precompute_ref_log_probs is False
     with pytest.raises(ConfigError, match="--sync_ref_model takes true or false"):
         parse_dpo(["--sync_ref_model=maybe"])
+
+
+def test_a_resume_with_another_mix_goes_on_from_the_saved_reference_and_says_so():
+    from types import SimpleNamespace
+
+    from alignrl.preference.ref_sync import ReferenceSync
+
+    said, policy = [], torch.nn.Linear(2, 2)
+    cfg = SimpleNamespace(ref_model_mixup_alpha=0.9, ref_model_sync_steps=8, ref_model_path="ref", model_path="pol")
+    sync = ReferenceSync(cfg, torch.nn.Linear(2, 2), policy, SimpleNamespace(print=said.append))
+    saved = {n: torch.full_like(p, 0.5) for n, p in policy.state_dict().items()}
+    sync.load(saved, {"moved_at": "4", "alpha": "0.6", "every": "2"}, "ckpt")
+    assert sync.synced_at == 4 and all(torch.equal(p, saved[n]) for n, p in sync.moving.params.items())
+    assert said == ["the reference moved by alpha=0.6 every 2 optimizer steps until optimizer step 4; it moves by "
+                    "alpha=0.9 every 8 optimizer steps from here"]
+    with pytest.raises(ConfigError, match="its reference was saved from another model"):
+        sync.load({"weight": saved["weight"]}, {"moved_at": "4"}, "ckpt")

@@ -74,6 +74,29 @@ def test_weights_already_mixed_are_not_mixed_again():
     assert torch.equal(reference.weight, once) and mix.mixed_at == 2
 
 
+def test_a_saved_reference_loads_back_and_a_resume_with_another_mix_says_so(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from alignrl.placements.ref_sync import ReferenceMix
+
+    policy, reference = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    actor = SimpleNamespace(engine=SimpleNamespace(full_state_dict=lambda: dict(policy.state_dict())))
+    saver = ReferenceMix(actor, reference, steps=2, alpha=0.5)
+    assert saver.save(tmp_path) is None and not (tmp_path / "reference").exists()  # still the base model
+    saver.publish(4)
+    assert saver.save(tmp_path) is None
+    same, other = (ReferenceMix(actor, torch.nn.Linear(2, 2), steps=s, alpha=a) for s, a in ((2, 0.5), (3, 0.25)))
+    same.load(tmp_path)
+    assert "moves by" not in capsys.readouterr().out
+    other.load(tmp_path)
+    said = capsys.readouterr().out
+    assert torch.equal(other.moving.params["weight"], reference.weight) and other.mixed_at == 4
+    assert ("the reference moved by alpha=0.5 every 2 updates until update 4; it moves by alpha=0.25 every 3 updates "
+            "from here") in said.replace("\n", " ")
+    with pytest.raises(ConfigError, match="holds other weights than this run's reference model"):
+        ReferenceMix(actor, torch.nn.Linear(2, 3), steps=2, alpha=0.5).load(tmp_path)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["actor.use_kl_loss=false"], "moves the reference, which this run never reads"),
     (["model.lora_rank=4"], "the policy with its adapters off"),

@@ -3,7 +3,7 @@ every reference weight moves toward the policy's, θ_ref ← α·θ_policy + (1 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -28,3 +28,61 @@ def mix_into_reference(reference: Iterable[torch.Tensor], policy: Iterable[torch
         else:
             mixed = ref.to(wide).mul_(1.0 - alpha).add_(pol.to(ref.device, wide), alpha=alpha)
             ref.copy_(mixed)
+
+
+class MovingReference:
+    """A frozen reference copy that moves toward the policy every `every` steps (updates in RL, optimizer steps in
+    DPO), and what a checkpoint keeps of it: its weights, the step it last moved at (0: still the initial weights)
+    and the mix that moved it."""
+
+    def __init__(self, reference: torch.nn.Module, alpha: float, every: int):
+        self.params = dict(reference.named_parameters())  # tied weights (input and output embeddings) once
+        self.alpha, self.every, self.moved_at = alpha, every, 0
+
+    def due(self, step: int) -> bool:
+        """Whether `step` moves it: a multiple of `every` past the last move (a step replayed after a resume, or a
+        fresh run's step 0, does not move it twice)."""
+        return step > self.moved_at and step % self.every == 0
+
+    def mix(self, policy: Mapping[str, torch.Tensor], step: int) -> None:
+        """Moves every weight toward the policy's of its name (`policy`: full tensors, e.g. an engine's gathered
+        state) and records `step`."""
+        names = list(self.params)
+        mix_into_reference([self.params[n] for n in names], [policy[n] for n in names], self.alpha)
+        self.moved_at = step
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """Host copies of the weights for a checkpoint; None while they are the initial ones."""
+        if not self.moved_at:
+            return None
+        return {n: p.detach().cpu().contiguous().clone() for n, p in self.params.items()}
+
+    def record(self) -> dict[str, str]:
+        """What a checkpoint notes beside the weights: the step they moved at and the mix that moved them."""
+        return {"moved_at": str(self.moved_at), "alpha": repr(self.alpha), "every": str(self.every)}
+
+    def restore(self, weights: Mapping[str, torch.Tensor], record: Mapping[str, str]) -> str | None:
+        """Takes a checkpoint's weights and record; returns the name of a weight the two models do not share (or
+        share in another shape; the caller says what to do), else None."""
+        if set(weights) != set(self.params):
+            return sorted(set(weights) ^ set(self.params))[0]
+        other = next((n for n, p in self.params.items() if weights[n].shape != p.shape), None)
+        if other is not None:
+            return other
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(weights[n])
+        self.moved_at = int(record.get("moved_at", 0))
+        return None
+
+    def change(self, record: Mapping[str, str], unit: str = "step") -> str | None:
+        """A line saying how this run's mix differs from the one a checkpoint's record names (a resume may change
+        it; the reference it goes on from was moved by the old one), or None when they agree or the record predates
+        the mix being kept."""
+        if "alpha" not in record or "every" not in record:
+            return None
+        alpha, every = float(record["alpha"]), int(record["every"])
+        if (alpha, every) == (self.alpha, self.every):
+            return None
+        return (f"the reference moved by alpha={alpha:g} every {every} {unit}s until {unit} {self.moved_at}; it moves "
+                f"by alpha={self.alpha:g} every {self.every} {unit}s from here")

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from alignrl.core.ref_mix import mix_into_reference
+from alignrl.core.ref_mix import MovingReference
 from alignrl.errors import ConfigError
 from alignrl.train.actor import Actor
 from alignrl.utils.tracking import console
@@ -28,27 +28,26 @@ class ReferenceMix:
     publish of weights already mixed (the first one after a resume, a fresh run's base weights) changes nothing."""
 
     def __init__(self, actor: Actor, reference: torch.nn.Module, steps: int, alpha: float):
-        self.actor, self.reference, self.steps, self.alpha = actor, reference, steps, alpha
-        self.names = [name for name, _ in reference.named_parameters()]  # tied weights once
-        self.mixed_at = 0  # the update the reference was last moved at (0: it is the base model)
+        self.actor, self.moving = actor, MovingReference(reference, alpha, steps)
+
+    @property
+    def mixed_at(self) -> int:
+        """The update the reference was last moved at (0: it is the base model)."""
+        return self.moving.moved_at
 
     def publish(self, version: int) -> None:
-        if version <= self.mixed_at or version % self.steps:
-            return
-        full = self.actor.engine.full_state_dict()  # collective: every rank keeps its own copy
-        own = dict(self.reference.named_parameters())
-        mix_into_reference([own[n] for n in self.names], [full[n] for n in self.names], self.alpha)
-        self.mixed_at = version
+        if self.moving.due(version):
+            self.moving.mix(self.actor.engine.full_state_dict(), version)  # collective: every rank keeps its copy
 
     def save(self, folder: Path) -> str | None:
         """Checkpoint writer (rank 0, into the folder being written): the moved reference's weights and the update
         it was moved at (nothing while it is the base model), or why they could not be written."""
-        if not self.mixed_at:
+        weights = self.moving.weights()
+        if weights is None:
             return None
         try:
             (folder / FOLDER).mkdir()
-            save_file({n: p.detach().cpu().contiguous() for n, p in self.reference.named_parameters()},
-                      folder / FOLDER / FILE, metadata={"mixed_at": str(self.mixed_at)})
+            save_file(weights, folder / FOLDER / FILE, metadata=self.moving.record())
         except OSError as e:
             return f"the reference's weights could not be written to {folder / FOLDER} ({e.strerror or e})"
         return None
@@ -59,17 +58,16 @@ class ReferenceMix:
         path = checkpoint / FOLDER / FILE
         if not path.is_file():
             return
-        saved, own = load_file(path), dict(self.reference.named_parameters())
-        if set(saved) != set(self.names):
+        with safe_open(path, "pt") as f:
+            record = f.metadata() or {}
+        if self.moving.restore(load_file(path), {"moved_at": record.get("mixed_at", "0"), **record}) is not None:
             raise ConfigError(f"{path} holds other weights than this run's reference model (its model.path): resume "
                               "with the model that wrote it, or set trainer.resume_mode=disable to start afresh")
-        with torch.no_grad():
-            for n in self.names:
-                own[n].copy_(saved[n])
-        with safe_open(path, "pt") as f:
-            self.mixed_at = int((f.metadata() or {}).get("mixed_at", 0))
         console.print(f"reference weights loaded from {path} (moved toward the policy at update {self.mixed_at})",
                       markup=False)
+        change = self.moving.change(record, "update")
+        if change:
+            console.print(change, markup=False)
 
 
 def reference_mix(actor: Actor, reference, steps: int, alpha: float, resume: Path | None

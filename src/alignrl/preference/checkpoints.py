@@ -47,7 +47,7 @@ def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None) -> 
         ref_weights = reference.weights() if reference is not None else None
         if ref_weights is not None:
             save_file(ref_weights, str(tmp / REFERENCE))
-            state["reference_synced_at"] = reference.synced_at
+            state["reference"] = reference.record()  # the step it moved at and the mix that moved it
         (tmp / STATE).write_text(json.dumps(state, indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)
@@ -81,7 +81,8 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None) -> in
 
 def _resume_reference(path: Path, state: dict, reference) -> None:
     """The synced reference of a `sync_ref_model` run; a checkpoint and a config that disagree on syncing are one
-    line, as the run would otherwise go on against another reference than the one it trained with."""
+    line, as the run would otherwise go on against another reference than the one it trained with (another mix is
+    said, and kept: the reference goes on from the weights the old one moved)."""
     from safetensors.torch import load_file
 
     held = (path / REFERENCE).is_file()
@@ -91,7 +92,8 @@ def _resume_reference(path: Path, state: dict, reference) -> None:
     if reference is None:
         return
     if held:
-        reference.load(load_file(str(path / REFERENCE)), int(state["reference_synced_at"]), str(path))
+        record = state.get("reference") or {"moved_at": str(state.get("reference_synced_at", 0))}
+        reference.load(load_file(str(path / REFERENCE)), record, str(path))
     elif int(state["step"]) >= reference.every:
         raise ConfigError(f"resume_from={path} (step {state['step']}) holds no synced reference, though "
                           f"ref_model_sync_steps={reference.every} would have synced it: it was written with "

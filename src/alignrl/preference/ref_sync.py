@@ -14,25 +14,30 @@ from __future__ import annotations
 import torch
 
 from alignrl.config import ConfigError
-from alignrl.core.ref_mix import mix_into_reference
+from alignrl.core.ref_mix import MovingReference
 
 
 class ReferenceSync:
     """Moves `reference` (a frozen module) toward the policy every `cfg.ref_model_sync_steps` optimizer steps."""
 
     def __init__(self, cfg, reference: torch.nn.Module, policy: torch.nn.Module, log):
-        self.alpha, self.every, self.log = cfg.ref_model_mixup_alpha, cfg.ref_model_sync_steps, log
-        self.reference = reference
-        # tied weights (input and output embeddings) are one parameter here, mixed once
-        self.params = dict(reference.named_parameters())
+        self.moving, self.log = MovingReference(reference, cfg.ref_model_mixup_alpha, cfg.ref_model_sync_steps), log
         self.lora_policy = None  # the peft model whose adapters fold into the weights mixed in, with use_lora
-        self.synced_at = 0  # the step of the latest sync; 0: the reference is still the initial weights
         self._check_shapes(cfg, policy)
+
+    @property
+    def every(self) -> int:
+        return self.moving.every
+
+    @property
+    def synced_at(self) -> int:
+        """The step of the latest sync; 0: the reference is still the initial weights."""
+        return self.moving.moved_at
 
     def _check_shapes(self, cfg, policy: torch.nn.Module) -> None:
         """Before any engine shards the policy: every reference weight has a policy weight of its name and shape."""
         shapes = {k: v.shape for k, v in policy.state_dict().items()}
-        for name, p in self.params.items():
+        for name, p in self.moving.params.items():
             if shapes.get(name) != p.shape:
                 got = "no such weight" if name not in shapes else f"shape {tuple(shapes[name])}"
                 raise ConfigError(f"sync_ref_model: ref_model_path={cfg.ref_model_path} does not match model_path="
@@ -41,31 +46,31 @@ class ReferenceSync:
 
     def after_step(self, step: int, engine) -> None:
         """Collective when it syncs (the engine gathers the policy's weights on every rank)."""
-        if step % self.every:
+        if not self.moving.due(step):
             return
         state = engine.full_state_dict()
         if self.lora_policy is not None:
             from alignrl.models.lora import merged_state_dict
 
             state = merged_state_dict(self.lora_policy, state)
-        names = list(self.params)
-        mix_into_reference([self.params[n] for n in names], [state[n] for n in names], self.alpha)
-        self.synced_at = step
-        self.log.print(f"step {step}: reference ← {self.alpha:g}·policy + {1 - self.alpha:g}·reference")
+        self.moving.mix(state, step)
+        alpha = self.moving.alpha
+        self.log.print(f"step {step}: reference ← {alpha:g}·policy + {1 - alpha:g}·reference")
 
     def weights(self) -> dict[str, torch.Tensor] | None:
         """The reference's weights for a checkpoint, host copies; None while it is still the initial weights."""
-        if not self.synced_at:
-            return None
-        return {n: p.detach().cpu().contiguous().clone() for n, p in self.params.items()}
+        return self.moving.weights()
 
-    def load(self, weights: dict[str, torch.Tensor], synced_at: int, source: str) -> None:
-        """Restores what `weights` gave a checkpoint."""
-        if set(weights) != set(self.params):
-            name = sorted(set(weights) ^ set(self.params))[0]
+    def record(self) -> dict[str, str]:
+        """The step of the latest sync and the mix, for a checkpoint's state."""
+        return self.moving.record()
+
+    def load(self, weights: dict[str, torch.Tensor], record: dict[str, str], source: str) -> None:
+        """Restores what `weights` and `record` gave a checkpoint, saying when this run mixes otherwise."""
+        name = self.moving.restore(weights, record)
+        if name is not None:
             raise ConfigError(f"resume_from={source}: its reference was saved from another model ({name} does not "
                               "match); resume with the config that wrote it")
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(weights[n])
-        self.synced_at = synced_at
+        change = self.moving.change(record, "optimizer step")
+        if change:
+            self.log.print(change)
