@@ -196,19 +196,31 @@ def test_protocol_openrlhf_without_a_model_is_still_the_rule_reward(capsys):
     assert openrlhf_rm.flag_problem(args) is None and args.port == 5000 and args.host == "127.0.0.1"
 
 
-def test_an_openrlhf_value_head_checkpoint_is_refused_with_how_to_convert(rm_dir, tmp_path):
+def test_a_folder_openrlhfs_reward_trainer_saved_scores_as_the_same_model_does(rm_dir, tmp_path):
+    """OpenRLHF saves its reward model under the class name RewardModel, with its head as value_head (its older
+    default); both load, and score as the sequence-classification folder with the same weights."""
     from safetensors.torch import load_file, save_file
 
-    from alignrl.models.folder import ModelError
+    from alignrl.models.value import ModelScorer, check_scorer_folder
 
     folder = tmp_path / "openrlhf_rm"
     shutil.copytree(rm_dir, folder)
     weights = load_file(str(folder / "model.safetensors"))
     weights["value_head.weight"] = weights.pop("score.weight")
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ModelError, match="value_head.weight to score.weight") as e:
-        openrlhf_rm.load_service(openrlhf_rm.parser().parse_args(["--reward_pretrain", str(folder)]))
-    assert "\n" not in str(e.value)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["RewardModel"]}))
+    check_scorer_folder(str(folder), "algorithm.reward_model")  # accepted before anything loads
+    ids, mask = torch.tensor([[3, 4, 5, 6]]), torch.ones(1, 4, dtype=torch.bool)
+    theirs = ModelScorer(str(folder)).score(ids[:, :2], mask[:, :2], ids[:, 2:], mask[:, 2:])
+    ours = ModelScorer(str(rm_dir)).score(ids[:, :2], mask[:, :2], ids[:, 2:], mask[:, 2:])
+    assert torch.equal(theirs, ours)
+    svc = openrlhf_rm.load_service(openrlhf_rm.parser().parse_args(["--reward_pretrain", str(folder)]))
+    assert torch.equal(svc.scorer.model.score.weight, weights["value_head.weight"])
+    from alignrl.models.value import load_value_model
+
+    critic = load_value_model(str(folder))  # a critic initialised from it starts from its head, as OpenRLHF's does
+    assert torch.equal(critic.score.weight, weights["value_head.weight"])
 
 
 def test_native_score_protocol_normalizes_too(rm_dir):

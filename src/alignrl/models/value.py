@@ -32,7 +32,8 @@ def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print
     hf_logging.set_verbosity_error()  # "newly initialized score weights" is expected here, not a problem
     try:
         with loading(folder, "value model"):
-            model = AutoModelForTokenClassification.from_pretrained(str(folder), num_labels=1, dtype=DTYPES[dtype])
+            model = AutoModelForTokenClassification.from_pretrained(str(folder), num_labels=1, dtype=DTYPES[dtype],
+                                                                    key_mapping=HEAD_NAMES)
     finally:
         hf_logging.set_verbosity(verbosity)
     model.config.use_cache = False
@@ -68,6 +69,12 @@ def response_values(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
     return out.logits[:, -r - 1:-1, 0].float() * response_mask.to(dev)
 
 
+# OpenRLHF's reward and critic classes save under these architecture names, with the backbone under the base model's
+# prefix as transformers keeps it and the head as `value_head` (its older default) or `score` (its newer one)
+OPENRLHF_CLASSES = ("RewardModel", "CriticModel")
+HEAD_NAMES = {r"^value_head\.": "score."}  # loads either as the `score` head of transformers' classification models
+
+
 def not_a_scorer(path: str, why: str) -> ModelError:
     return ModelError(f"{path} is not a reward/cost model: it has no scoring head ({why}); train one with "
                       "`alignrl train rm`, or save a sequence-classification model")
@@ -81,7 +88,7 @@ def check_scorer_folder(path: str, key: str) -> None:
 
     config = json.loads((resolve_model_path(path, lambda *_: None, key) / "config.json").read_text())
     arch = config.get("architectures") or []
-    if arch and not any(a.endswith("ForSequenceClassification") for a in arch):
+    if arch and not any(a.endswith("ForSequenceClassification") or a in OPENRLHF_CLASSES for a in arch):
         raise not_a_scorer(path, f"its architecture is {arch[0]}")
 
 
@@ -118,7 +125,7 @@ class ModelScorer:
             hf_logging.set_verbosity_error()  # its load report of a missing head: said below in one line
             try:
                 model, info = AutoModelForSequenceClassification.from_pretrained(
-                    str(folder), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True)
+                    str(folder), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True, key_mapping=HEAD_NAMES)
             finally:
                 hf_logging.set_verbosity(quiet)
         # a causal LM folder loads too, with a freshly drawn (random) head: scores that mean nothing

@@ -16,18 +16,16 @@ One difference on purpose: OpenRLHF strips the pad and eos texts with `str.strip
 *characters* (a query ending in "done" before `<|im_end|>` loses its "d", "n" and "e"); here only whole
 occurrences of the tokens are removed.
 
-The model is a Hugging Face sequence-classification folder whose head transformers finds (`score`); OpenRLHF's
-own checkpoints keep their head as `value_head` and are refused with how to convert them. `--flash_attn` is
-accepted and not used (transformers' default attention runs); `--load_in_4bit` is refused.
+The model is a Hugging Face sequence-classification folder or one OpenRLHF's reward trainer saved (its head as
+`value_head` or `score`, `models.value`). `--flash_attn` is accepted and not used (transformers' default attention
+runs); `--load_in_4bit` is refused.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
@@ -131,10 +129,11 @@ def parser() -> argparse.ArgumentParser:
 
     p = OneLineParser(prog=PROG, description="reward-model server on OpenRLHF's POST /get_reward "
                       "(openrlhf.cli.serve_rm's flags)")
-    p.add_argument("--reward_pretrain", required=True, help="the reward model: a sequence-classification folder")
+    p.add_argument("--reward_pretrain", required=True, help="the reward model: a sequence-classification folder, or one "
+                   "OpenRLHF saved")
     p.add_argument("--normalize_reward", action="store_true", help="(score - mean) / std of its config.json")
-    p.add_argument("--value_head_prefix", default="value_head", help="accepted for OpenRLHF's scripts: the "
-                   "folder's classification head (score) is found by transformers")
+    p.add_argument("--value_head_prefix", default="value_head", help="the head's name in the folder: value_head or "
+                   "score, both found without it")
     p.add_argument("--max_len", type=int, default=2048, help="a query keeps its first N tokens")
     p.add_argument("--batch_size", type=int, default=None,
                    help="most queries in one forward pass (default: --max_batch)")
@@ -170,24 +169,6 @@ def flag_problem(args: argparse.Namespace) -> str | None:
     return check_args(args)
 
 
-def openrlhf_head(folder: Path, prefix: str) -> bool:
-    """Whether the folder's weights keep their scoring head as OpenRLHF's `{prefix}.weight` (its own checkpoints),
-    read from the safetensors index or headers alone."""
-    index = folder / "model.safetensors.index.json"
-    try:
-        if index.is_file():
-            return f"{prefix}.weight" in json.loads(index.read_text()).get("weight_map", {})
-        from safetensors import safe_open
-
-        for file in folder.glob("*.safetensors"):
-            with safe_open(str(file), "pt") as weights:
-                if f"{prefix}.weight" in weights.keys():
-                    return True
-    except (OSError, ValueError):  # unreadable here: ModelScorer's own error stands
-        return False
-    return False
-
-
 def load_service(args: argparse.Namespace) -> OpenRLHFRewardModel:
     from transformers import AutoTokenizer
 
@@ -199,16 +180,8 @@ def load_service(args: argparse.Namespace) -> OpenRLHFRewardModel:
     if args.flash_attn:
         log(f"{PROG}: --flash_attn is not used: the model runs with transformers' default attention (SDPA)")
     folder = resolve_model_path(args.reward_pretrain, log, "--reward_pretrain")
-    try:
-        scorer = ModelScorer(str(folder), "bfloat16" if args.bf16 else "float32", log=log, device=device_of(args),
-                             normalize=args.normalize_reward)
-    except ModelError:
-        if openrlhf_head(folder, "value_head"):
-            raise ModelError(f"--reward_pretrain {args.reward_pretrain} keeps its head as OpenRLHF's value_head, "
-                             "which alignrl does not load: rename the weight value_head.weight to score.weight and "
-                             "set architectures in config.json to the model's ForSequenceClassification class "
-                             "(e.g. LlamaForSequenceClassification)") from None
-        raise
+    scorer = ModelScorer(str(folder), "bfloat16" if args.bf16 else "float32", log=log, device=device_of(args),
+                         normalize=args.normalize_reward)
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), use_fast=not args.disable_fast_tokenizer)
     except (OSError, ValueError) as e:
