@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from alignrl.core.preference import (DPO_LOSSES, bradley_terry_loss, dpo_ipo_loss, dpo_sigmoid_loss,
-                                     odpo_loss, reward_accuracy, safe_odpo_loss, safe_preference_offset,
-                                     safe_rlhf_cost_loss, slic_hinge_loss)
+from alignrl.core.preference import (BATCH_SORTED_LOSSES, DPO_LOSSES, bradley_terry_loss, dpo_ipo_loss,
+                                     dpo_sigmoid_loss, odpo_loss, reward_accuracy, safe_odpo_loss,
+                                     safe_preference_offset, safe_rlhf_cost_loss, slic_hinge_loss)
 
 
 def nls(x: float) -> float:
@@ -95,7 +95,36 @@ def test_safe_loss_with_equal_scores_is_dpo():
     assert safe.item() == pytest.approx(dpo_sigmoid_loss(PC, PR, RC, RR, BETA)[0].item())
 
 
-@pytest.mark.parametrize("name", sorted(DPO_LOSSES))
+def sig(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def test_trls_other_pairwise_losses_hand_worked():
+    """TRL's formulas on the two pairs above: log-ratios a = pc - rc = [1, 0], b = pr - rr = [-1, 0], β = 0.5."""
+    def loss(name, **kw):
+        return DPO_LOSSES[name](PC, PR, RC, RR, BETA, **kw)[0].item()
+
+    ls = 0.1
+    assert loss("robust", label_smoothing=ls) == pytest.approx(
+        ((0.9 * nls(1) - 0.1 * nls(-1)) / 0.8 + math.log(2)) / 2, rel=1e-6)
+    exo = [sig(z) * (-nls(z) - math.log(0.9)) + sig(-z) * (-nls(-z) - math.log(0.1)) for z in (1.0, 0.0)]
+    assert loss("exo_pair", label_smoothing=ls) == pytest.approx(sum(exo) / 2, rel=1e-6)
+    assert loss("nca_pair") == pytest.approx((nls(0.5) + 0.5 * nls(-0.5) + 0.5 * nls(0.5) + 2 * math.log(2)) / 2)
+    assert loss("sppo_hard") == pytest.approx((0.0 + 2.0) / 2)  # (a - 1)² + (b + 1)²
+    assert loss("apo_zero") == pytest.approx((1 - sig(0.5) + sig(-0.5) + 1.0) / 2, rel=1e-6)
+    assert loss("apo_down") == pytest.approx((sig(0.5) + 1 - sig(1.0) + 1.0) / 2, rel=1e-6)
+    disco = [nls(z) * (1 - sig(z / 0.05)) + math.exp(-z) * sig(z / 0.05) for z in (1.0, 0.0)]
+    assert loss("discopop") == pytest.approx(sum(disco) / 2, rel=1e-6)
+    assert loss("discopop", discopop_tau=1.0) != pytest.approx(loss("discopop"))
+    # aot_pair: sorted a = [0, 1] against sorted b = [-1, 0]: both gaps 1
+    assert loss("aot_pair") == pytest.approx(nls(0.5))
+    # aot sorts the policy's gaps pc - pr = [0, 2] and the reference's rc - rr = [1, -1] -> [-1, 1] apart: [1, 1],
+    # where the unsorted pairs would be [-1, 3]
+    aot, _ = DPO_LOSSES["aot"](T(0.0, 2.0), T(0.0, 0.0), T(1.0, -1.0), T(0.0, 0.0), BETA)
+    assert aot.item() == pytest.approx(nls(0.5))
+
+
+@pytest.mark.parametrize("name", sorted(set(DPO_LOSSES) - set(BATCH_SORTED_LOSSES)))
 def test_losses_sum_over_splits(name):
     """Micro-batches (or ranks) each dividing by the global pair count add up to the full-batch loss."""
     g = torch.Generator().manual_seed(0)
@@ -113,7 +142,8 @@ def test_losses_sum_over_splits(name):
     assert parts.item() == pytest.approx(full.item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "cdpo", "ipo", "hinge"])
+@pytest.mark.parametrize("name", ["sigmoid", "cdpo", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "sppo_hard",
+                                  "apo_zero", "aot", "aot_pair"])  # discopop's blend pushes back at h = 0
 def test_dpo_gradients_raise_chosen_and_lower_rejected(name):
     pc, pr = T(-2.0, -3.0).requires_grad_(), T(-2.0, -3.0).requires_grad_()
     loss, _ = DPO_LOSSES[name](pc, pr, T(-2.0, -3.0), T(-2.0, -3.0), 0.1, label_smoothing=0.1)

@@ -123,8 +123,29 @@ def test_overrides_may_come_before_between_or_after_the_flags(tmp_path):
 
 def test_label_smoothing_on_a_loss_that_ignores_it_is_one_line(tmp_path):
     assert parse_dpo(["loss_type=sigmoid", "label_smoothing=0.1"]).label_smoothing == 0.1  # conservative DPO
-    with pytest.raises(ConfigError, match=r"label_smoothing=0.1 is read only by loss_type sigmoid or cdpo, not ipo"):
+    with pytest.raises(ConfigError, match=r"label_smoothing=0.1 is read only by loss_type sigmoid, cdpo, robust, "
+                                          r"exo_pair, aot, aot_pair; not ipo"):
         parse_dpo(["loss_type=ipo", "label_smoothing=0.1"])
+
+
+def test_trls_and_openrlhfs_spellings_of_the_dpo_loss(tmp_path):
+    cfg = parse_dpo(["--loss_type", "robust", "--beta", "0.2", "--label_smoothing", "0.1", "--rpo_alpha", "0.5"])
+    assert (cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.nll_loss_coef) == ("robust", 0.2, 0.1, 0.5)
+    assert parse_dpo(["--nll_loss_coef", "0.3"]).nll_loss_coef == 0.3  # OpenRLHF's flag
+    assert parse_dpo(["rpo_alpha=0.25", "loss_type=discopop", "discopop_tau=0.1"]).nll_loss_coef == 0.25
+    with pytest.raises(ConfigError, match="loss_type=robust needs label_smoothing below 0.5"):
+        parse_dpo(["loss_type=robust", "label_smoothing=0.5"])
+
+
+def test_the_nll_term_is_each_chosen_responses_token_mean():
+    from types import SimpleNamespace
+
+    from alignrl.preference.pair_logps import chosen_nll
+
+    # two pairs: chosen rows 0-1 with 3 and 1 response tokens, rejected rows 2-3
+    batch = SimpleNamespace(n_pairs=2, response_mask=torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]]).bool())
+    assert chosen_nll(torch.tensor([-6.0, -2.0]), batch, "sum").tolist() == [2.0, 2.0]
+    assert chosen_nll(torch.tensor([-0.5, -1.5]), batch, "sequence_mean").tolist() == [0.5, 1.5]
 
 
 def test_the_dpo_loss_choices_are_the_losses_there_are():
@@ -171,3 +192,15 @@ def test_a_scorer_folder_is_refused_as_a_policy(tmp_path):
         load_causal_lm(Path(cost), key="model_path")
     assert str(e.value).startswith(f"model_path={cost} is a cost model saved by `alignrl train rm` "
                                    f"({rm.SCORE_INFO}): it scores text and cannot write it")
+
+
+def test_a_dpo_step_adds_the_nll_term_to_the_loss(tiny_model_dir, tmp_path):
+    """loss_type=apo_zero with TRL's --rpo_alpha: the step's loss is the preference loss plus α times the chosen
+    responses' NLL, both logged."""
+    argv = [f"model_path={tiny_model_dir}", "--output_dir", str(tmp_path / "out"), "--logging_dir", str(tmp_path / "l"),
+            "--loss_type", "apo_zero", "--rpo_alpha", "0.5", "max_train_pairs=4", "max_eval_pairs=2", "batch_size=4",
+            "max_steps=1", "warmup_ratio=0", "log_every=1", "report_to=[jsonl]", "bf16=false"]
+    assert dpo_main(argv) == 0
+    first = json.loads((tmp_path / "l" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["nll_loss"] > 0 and first["dpo/loss"] == pytest.approx(1.0)  # apo_zero at the reference: 1 - ½ + ½
+    assert first["loss"] == pytest.approx(first["dpo/loss"] + 0.5 * first["nll_loss"], rel=1e-5)

@@ -10,13 +10,16 @@ Safe-MM-DPO (`safe_mm_dpo`: two judges, margin-scaled β, a Lagrange multiplier 
 `alignrl.core.safe_mm_dpo` and is listed in DPO_LOSSES with the others; `safe_odpo` (once `safe`) is the fixed-λ
 utility order with an ODPO offset.
 
-Left out on purpose: length-normalised variants (SimPO, IPO on token means), reference-free losses
-(ORPO, SimPO), KTO's unpaired data and listwise/ranking losses; they need different data or
-sequence statistics than the sums used here.
+TRL's other pairwise losses (robust, exo_pair, nca_pair, sppo_hard, aot, aot_pair, apo_zero, apo_down, discopop)
+follow its formulas. Left out on purpose: bco_pair (a running mean of rewards across steps), length-normalised
+variants (SimPO, IPO on token means), reference-free losses (ORPO, SimPO), KTO's unpaired data and listwise/ranking
+losses; they need state across steps, different data or other sequence statistics than the sums used here.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -188,6 +191,89 @@ def safe_odpo_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: tor
     return loss, metrics
 
 
+# ---------------------------------------------------------------- TRL's other pairwise losses (DPOConfig.loss_type)
+
+
+def _pairwise(losses: torch.Tensor, pc, pr, rc, rr, beta: float, global_pairs: float | None):
+    return losses.sum() / _norm(losses.numel(), global_pairs), _dpo_metrics(pc, pr, rc, rr, beta, losses)
+
+
+def robust_dpo_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, label_smoothing: float = 0.0,
+                    **_) -> tuple[torch.Tensor, dict[str, float]]:
+    """rDPO (Chowdhury et al. 2024, "Provably Robust DPO"): an unbiased loss under labels flipped with probability ε,
+    ((1-ε)·(-log σ(z)) + ε·log σ(-z)) / (1 - 2ε), z = β·h."""
+    z = beta * _h(pc, pr, rc, rr)
+    losses = (-(1.0 - label_smoothing) * F.logsigmoid(z) + label_smoothing * F.logsigmoid(-z)) / (
+        1.0 - 2.0 * label_smoothing)
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+
+
+def exo_pair_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, label_smoothing: float = 0.0,
+                  **_) -> tuple[torch.Tensor, dict[str, float]]:
+    """EXO (Ji et al. 2024, "Towards Efficient Exact Optimization of Language Model Alignment", eq. 16): the reverse
+    KL from the label distribution (1-ε, ε) to σ(±z); ε = label_smoothing, 1e-3 when 0 (as TRL)."""
+    eps = label_smoothing or 1e-3
+    z = beta * _h(pc, pr, rc, rr)
+    losses = z.sigmoid() * (F.logsigmoid(z) - math.log(1.0 - eps)) + (-z).sigmoid() * (F.logsigmoid(-z)
+                                                                                       - math.log(eps))
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+
+
+def nca_pair_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, **_
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
+    """NCA (Chen et al. 2024, "Noise Contrastive Alignment"): -log σ(r_c) - ½·log σ(-r_c) - ½·log σ(-r_r) on the
+    implicit rewards r = β·(log π - log π_ref); it raises the chosen response's own likelihood, not just the gap."""
+    chosen, rejected = beta * (pc - rc), beta * (pr - rr)
+    losses = -F.logsigmoid(chosen) - 0.5 * F.logsigmoid(-chosen) - 0.5 * F.logsigmoid(-rejected)
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+
+
+def sppo_hard_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, **_
+                   ) -> tuple[torch.Tensor, dict[str, float]]:
+    """SPPO with hard probabilities (Wu et al. 2024, "Self-Play Preference Optimization", eq. 4.7 with P = 1 for the
+    winner, 0 for the loser): (a - 1/(2β))² + (b + 1/(2β))², a and b the two log-ratios to the reference."""
+    losses = (pc - rc - 0.5 / beta) ** 2 + (pr - rr + 0.5 / beta) ** 2
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+
+
+def aot_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, label_smoothing: float = 0.0,
+             paired: bool = False, **_) -> tuple[torch.Tensor, dict[str, float]]:
+    """AOT (Melnyk et al. 2024, "Distributional Preference Alignment of LLMs via Optimal Transport"): the sigmoid
+    loss on sorted quantities of the micro-batch (so, as TRL's, it depends on how the batch is split): `paired`
+    (aot_pair) sorts the chosen and the rejected log-ratios apart; aot sorts the policy's and the reference's
+    chosen-minus-rejected gaps apart."""
+    if paired:
+        delta = torch.sort(pc - rc, dim=0)[0] - torch.sort(pr - rr, dim=0)[0]
+    else:
+        delta = torch.sort(pc - pr, dim=0)[0] - torch.sort(rc - rr, dim=0)[0]
+    z = beta * delta
+    losses = -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+
+
+def apo_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, down: bool = False, **_
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+    """APO (D'Oosterlinck et al. 2024, "Anchored Preference Optimization", eqs. 7 and 8). apo_zero, when the chosen
+    responses beat the model's own: raise the chosen likelihood, lower the rejected, 1 - σ(β·a) + σ(β·b).
+    apo_down, when they do not: lower both, the rejected more, σ(β·a) + 1 - σ(β·(a - b))."""
+    a, b = pc - rc, pr - rr
+    if down:
+        losses = torch.sigmoid(beta * a) + 1.0 - torch.sigmoid(beta * (a - b))
+    else:
+        losses = 1.0 - torch.sigmoid(beta * a) + torch.sigmoid(beta * b)
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+
+
+def discopop_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, discopop_tau: float = 0.05,
+                  **_) -> tuple[torch.Tensor, dict[str, float]]:
+    """DiscoPOP (Chris Lu et al. 2024, "Discovering Preference Optimization Algorithms with and for LLMs", eq. 5):
+    the logistic and the exponential loss of z = β·h, blended by σ(z/τ) (τ = discopop_tau)."""
+    z = beta * _h(pc, pr, rc, rr)
+    mix = torch.sigmoid(z / discopop_tau)
+    losses = -F.logsigmoid(z) * (1.0 - mix) + torch.exp(-z) * mix
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+
+
 DpoLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
 DPO_LOSSES: dict[str, DpoLoss] = {
@@ -198,4 +284,15 @@ DPO_LOSSES: dict[str, DpoLoss] = {
     "ipo": dpo_ipo_loss,
     "hinge": slic_hinge_loss,
     "safe": safe_odpo_loss,  # the older name of safe_odpo
+    "robust": robust_dpo_loss,
+    "exo_pair": exo_pair_loss,
+    "nca_pair": nca_pair_loss,
+    "sppo_hard": sppo_hard_loss,
+    "aot": aot_loss,
+    "aot_pair": functools.partial(aot_loss, paired=True),
+    "apo_zero": apo_loss,
+    "apo_down": functools.partial(apo_loss, down=True),
+    "discopop": discopop_loss,
 }
+# the losses of sorted batch quantities: a micro-batch's loss depends on the rest of its batch
+BATCH_SORTED_LOSSES = ("aot", "aot_pair")

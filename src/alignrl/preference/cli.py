@@ -26,8 +26,9 @@ from alignrl.errors import UserError
 
 # the DPO-family losses of `alignrl.core.preference.DPO_LOSSES` (a test holds the two equal); `safe` is the older
 # name of safe_odpo, kept for the configs that spell it so
-DPO_LOSS_NAMES = ("safe_mm_dpo", "safe_odpo", "sigmoid", "cdpo", "ipo", "hinge", "safe")
-SMOOTHED_LOSSES = ("sigmoid", "cdpo")
+DPO_LOSS_NAMES = ("safe_mm_dpo", "safe_odpo", "sigmoid", "cdpo", "ipo", "hinge", "safe", "robust", "exo_pair",
+                  "nca_pair", "sppo_hard", "aot", "aot_pair", "apo_zero", "apo_down", "discopop")
+SMOOTHED_LOSSES = ("sigmoid", "cdpo", "robust", "exo_pair", "aot", "aot_pair")
 SAFETY_LOSSES = ("safe_mm_dpo", "safe_odpo")  # the losses that read the two scorers
 MAPPING_KEYS = ("chat_template_kwargs",)  # the keys whose values are mappings, checked before OmegaConf merges them
 NOTES_SAID = "ALIGNRL_PREFERENCE_NOTES_SAID"  # set for the ranks of `--nproc`: the parent said the notes already
@@ -112,8 +113,12 @@ class DPOConfig(CommonConfig):
     logp_reduction: str = opt("sum", "a response's log-probability: sum over its tokens (DPO's), or sequence_mean: "
                                      "the mean over prompt and response tokens (the reference Safe-MM-DPO script's)",
                               choices=("sum", "sequence_mean"))
-    label_smoothing: float = opt(0.0, "sigmoid/cdpo: probability that a label is flipped (conservative DPO)",
-                                  ge=0.0, le=0.5)
+    label_smoothing: float = opt(0.0, "sigmoid/cdpo, robust, exo_pair, aot, aot_pair: probability that a label is "
+                                      "flipped (conservative DPO)", ge=0.0, le=0.5)
+    discopop_tau: float = opt(0.05, "discopop: τ of the blend σ(β·h/τ) (TRL's discopop_tau)", gt=0.0)
+    nll_loss_coef: float = opt(0.0, "weight of the chosen responses' negative log-likelihood (each response's token "
+                                    "mean) beside the preference loss (RPO; OpenRLHF's --nll_loss_coef, TRL's "
+                                    "rpo_alpha)", ge=0.0)
     precompute_ref_log_probs: bool = opt(False, "reference log-probs once up front, then free the reference copy")
     sync_ref_model: bool = opt(False, "TR-DPO: every ref_model_sync_steps optimizer steps the reference moves toward "
                                       "the policy, ref ← α·policy + (1 - α)·ref (TRL's sync_ref_model)")
@@ -257,14 +262,19 @@ def parse_rm(argv: list[str]) -> RMConfig:
 
 
 def parse_dpo(argv: list[str]) -> DPOConfig:
-    p = make_parser("alignrl train dpo", "DPO, IPO, conservative DPO, hinge, safety-aware DPO.")
+    p = make_parser("alignrl train dpo", "DPO, IPO, conservative DPO, hinge, safety-aware DPO and TRL's other "
+                    "pairwise losses.")
     p.add_argument("--loss_type", choices=DPO_LOSS_NAMES)
     p.add_argument("--precompute_ref_log_probs", action="store_true", default=None)
     p.add_argument("--sync_ref_model", action="store_true", default=None)
     p.add_argument("--ref_model_mixup_alpha", type=float)
     p.add_argument("--ref_model_sync_steps", type=int)
+    p.add_argument("--beta", type=float)
+    p.add_argument("--label_smoothing", type=float)
+    p.add_argument("--nll_loss_coef", "--rpo_alpha", type=float, dest="nll_loss_coef")  # OpenRLHF's, TRL's
     args = p.parse_intermixed_args(trl_switches(argv, ("precompute_ref_log_probs", "sync_ref_model")))
     cfg = load_flat_config(DPOConfig, args.config, args.overrides, {
+        "beta": args.beta, "label_smoothing": args.label_smoothing, "nll_loss_coef": args.nll_loss_coef,
         "loss_type": args.loss_type, "precompute_ref_log_probs": args.precompute_ref_log_probs,
         "sync_ref_model": args.sync_ref_model, "ref_model_mixup_alpha": args.ref_model_mixup_alpha,
         "ref_model_sync_steps": args.ref_model_sync_steps, "output_dir": args.output_dir,
@@ -273,9 +283,12 @@ def parse_dpo(argv: list[str]) -> DPOConfig:
     if cfg.kl_coeff > 0 and cfg.precompute_ref_log_probs:
         raise ConfigError(f"kl_coeff={cfg.kl_coeff} needs the reference's logits at every step, which "
                           "precompute_ref_log_probs frees; set kl_coeff=0 or precompute_ref_log_probs=false")
+    if cfg.loss_type == "robust" and cfg.label_smoothing >= 0.5:  # its loss divides by 1 - 2ε
+        raise ConfigError("loss_type=robust needs label_smoothing below 0.5 (the loss is divided by 1 - 2ε)")
     if cfg.label_smoothing and cfg.loss_type not in SMOOTHED_LOSSES:  # the loss would ignore it
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} is read only by loss_type "
-                          f"{' or '.join(SMOOTHED_LOSSES)}, not {cfg.loss_type}; set label_smoothing=0 or change loss_type")
+                          f"{', '.join(SMOOTHED_LOSSES)}; not {cfg.loss_type}; set label_smoothing=0 or change "
+                          "loss_type")
     return cfg
 
 

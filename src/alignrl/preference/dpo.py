@@ -16,9 +16,11 @@ log-probs are computed once up front and the copy is freed. `loss_type` picks a 
   and a run whose model_path holds that file goes on from its λ.
 * safe_odpo (also `safe`, its older name): the pair is ordered by the fixed-λ utility u = r - λ·c and trained with
   the ODPO loss -log σ(β·h - Δ), Δ = α·log(1 + |u_w - u_l|) (Amini et al. 2024).
-* sigmoid (DPO; conservative DPO with label_smoothing, also named cdpo), ipo, hinge (SLiC).
+* sigmoid (DPO; conservative DPO with label_smoothing, also named cdpo), ipo, hinge (SLiC), and TRL's robust,
+  exo_pair, nca_pair, sppo_hard, aot, aot_pair, apo_zero, apo_down and discopop.
 
-`kl_coeff > 0` adds kl_coeff·KL(π‖π_ref) over the chosen responses (exact over the vocabulary) to any of them;
+`kl_coeff > 0` adds kl_coeff·KL(π‖π_ref) over the chosen responses (exact over the vocabulary) to any of them, and
+`nll_loss_coef > 0` the chosen responses' NLL (RPO);
 `logp_reduction` picks summed response log-probs (DPO's) or the whole sequence's token mean (`preference.pair_logps`).
 
 Held-out reward accuracy (β-scaled implicit rewards, chosen > rejected, ties half) and margins are measured before
@@ -39,7 +41,7 @@ from alignrl.preference import adapters
 from alignrl.preference import checkpoints as ckpt
 from alignrl.preference import common as pc
 from alignrl.preference.cli import SAFETY_LOSSES, DPOConfig, same_model
-from alignrl.preference.pair_logps import pair_logps, response_kl
+from alignrl.preference.pair_logps import chosen_nll, pair_logps, response_kl
 from alignrl.preference.ref_sync import ReferenceSync
 from alignrl.preference.rm import check_scorer_kind, score_info
 from alignrl.preference.safe_mm import LambdaSchedule
@@ -218,8 +220,12 @@ def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None, 
             else:
                 extra = dict(help_chosen=s[:, 0], help_rejected=s[:, 1], cost_chosen=s[:, 2], cost_rejected=s[:, 3],
                              safety_lambda=cfg.safety_lambda, offset_alpha=cfg.offset_alpha)
-        value, metrics = DPO_LOSSES[cfg.loss_type](pc_, pr_, rc, rr, cfg.beta, gpairs,
-                                                   label_smoothing=cfg.label_smoothing, **extra)
+        value, metrics = DPO_LOSSES[cfg.loss_type](pc_, pr_, rc, rr, cfg.beta, gpairs, **extra,
+                                                   label_smoothing=cfg.label_smoothing, discopop_tau=cfg.discopop_tau)
+        if cfg.nll_loss_coef:  # RPO: the chosen responses' own likelihood, each response's token mean
+            nll = chosen_nll(pc_, batch, cfg.logp_reduction)
+            value = value + cfg.nll_loss_coef * nll.sum() / gpairs
+            metrics = {**metrics, "nll_loss": float(nll.detach().mean())}
         if kl_on and lam is None:  # the other losses take the KL term here; safe_mm_dpo adds its own
             value = value + cfg.kl_coeff * kl.sum() / gpairs
             metrics = {**metrics, "kl_divergence": float(kl.detach().mean())}

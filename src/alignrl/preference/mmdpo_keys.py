@@ -29,6 +29,8 @@ DPO_FILES = {"train_files": ("train_helpful_path", "train_harmless_path"),
              "eval_files": ("val_helpful_path", "val_harmless_path")}
 # verl's name of the template variables (its data.apply_chat_template_kwargs); ours is the RL runs' and vLLM's
 VERL_NAMES = {"apply_chat_template_kwargs": "chat_template_kwargs"}
+# TRL's name of the DPO's NLL term (RPO), which OpenRLHF calls nll_loss_coef, as ours
+TRL_NAMES = {"rpo_alpha": "nll_loss_coef"}
 LORA_KEYS = {"r": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "lora_target_modules"}
 
 
@@ -132,5 +134,5 @@ def translate_override(override: str, command: str) -> str:
     head, dot, rest = key.lstrip("+").partition(".")  # verl's `+key.name=v` adds an entry: here every key exists
     if head in VERL_NAMES:
         return f"{VERL_NAMES[head]}{dot}{rest}={value}"
-    files = RM_FILES if command == "rm" else {}
+    files = RM_FILES if command == "rm" else TRL_NAMES
     return f"{MMDPO_KEYS.get(key, files.get(key, key))}={value}"

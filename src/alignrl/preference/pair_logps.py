@@ -40,6 +40,14 @@ def pair_logps(model, batch, reduction: str = "sum", keep_logits: bool = False):
     return lp[:b], lp[b:], chosen_logits
 
 
+def chosen_nll(chosen: torch.Tensor, batch, reduction: str) -> torch.Tensor:
+    """(B,) each chosen response's negative log-likelihood per token (OpenRLHF's DPO NLL term): `chosen` as
+    `pair_logps` gives it, a sum over the response's tokens (divided by their count here) or already a mean."""
+    if reduction == "sequence_mean":
+        return -chosen
+    return -chosen / batch.response_mask[:batch.n_pairs].sum(-1).clamp(min=1).to(chosen.dtype)
+
+
 def response_kl(policy_logits: torch.Tensor, ref_logits: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """(B,) KL(π‖π_ref) per response: Σ_v π·(log π - log π_ref) at each response token, averaged over its real
     tokens. Exact over the vocabulary (the reference script's estimate), gradient through π only."""
