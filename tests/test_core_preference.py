@@ -124,6 +124,21 @@ def test_trls_other_pairwise_losses_hand_worked():
     assert aot.item() == pytest.approx(nls(0.5))
 
 
+def test_reference_free_losses_hand_worked():
+    """Token-mean log-probs ā_c = [-0.5, -1], ā_r = [-1, -1] (the reference terms are zeros)."""
+    c, r, zero = T(-0.5, -1.0), T(-1.0, -1.0), T(0.0, 0.0)
+    simpo, _ = DPO_LOSSES["simpo"](c, r, zero, zero, 2.0, simpo_gamma=0.5)
+    assert simpo.item() == pytest.approx((nls(2.0 * 0.5 - 0.5) + nls(-0.5)) / 2)
+    cpo, _ = DPO_LOSSES["cpo"](c, r, zero, zero, 2.0)
+    assert cpo.item() == pytest.approx((nls(1.0) + nls(0.0)) / 2)
+    nll = T(0.5, 1.0)
+    orpo, m = DPO_LOSSES["orpo"](c, r, zero, zero, 0.1, nll=nll)
+    odds = lambda a: a - math.log1p(-math.exp(a))  # noqa: E731  log(p / (1 - p)) of p = e^a
+    expect = [n - 0.1 * -nls(odds(a) - odds(b)) for n, a, b in ((0.5, -0.5, -1.0), (1.0, -1.0, -1.0))]
+    assert orpo.item() == pytest.approx(sum(expect) / 2, rel=1e-6)
+    assert m["orpo/log_odds_chosen"] == pytest.approx((odds(-0.5) - odds(-1.0)) / 2, rel=1e-6)
+
+
 @pytest.mark.parametrize("name", sorted(set(DPO_LOSSES) - set(BATCH_SORTED_LOSSES)))
 def test_losses_sum_over_splits(name):
     """Micro-batches (or ranks) each dividing by the global pair count add up to the full-batch loss."""
@@ -132,6 +147,8 @@ def test_losses_sum_over_splits(name):
     extra, fixed = {}, {}
     if name in ("safe", "safe_odpo"):
         extra = {k: torch.randn(8, generator=g) for k in ("help_chosen", "help_rejected", "cost_chosen", "cost_rejected")}
+    if name == "orpo":
+        extra = {"nll": torch.rand(8, generator=g)}
     if name == "safe_mm_dpo":
         extra = {k: torch.randn(8, generator=g) for k in ("help_chosen", "help_rejected", "safety_chosen",
                                                           "safety_rejected", "kl")}

@@ -124,7 +124,7 @@ def test_overrides_may_come_before_between_or_after_the_flags(tmp_path):
 def test_label_smoothing_on_a_loss_that_ignores_it_is_one_line(tmp_path):
     assert parse_dpo(["loss_type=sigmoid", "label_smoothing=0.1"]).label_smoothing == 0.1  # conservative DPO
     with pytest.raises(ConfigError, match=r"label_smoothing=0.1 is read only by loss_type sigmoid, cdpo, robust, "
-                                          r"exo_pair, aot, aot_pair; not ipo"):
+                                          r"exo_pair, aot, aot_pair, simpo, cpo; not ipo"):
         parse_dpo(["loss_type=ipo", "label_smoothing=0.1"])
 
 
@@ -135,6 +135,16 @@ def test_trls_and_openrlhfs_spellings_of_the_dpo_loss(tmp_path):
     assert parse_dpo(["rpo_alpha=0.25", "loss_type=discopop", "discopop_tau=0.1"]).nll_loss_coef == 0.25
     with pytest.raises(ConfigError, match="loss_type=robust needs label_smoothing below 0.5"):
         parse_dpo(["loss_type=robust", "label_smoothing=0.5"])
+    cfg = parse_dpo(["--loss_type", "simpo", "--simpo_gamma", "1.0", "--cpo_alpha", "0.2"])
+    assert (cfg.simpo_gamma, cfg.nll_loss_coef) == (1.0, 0.2)
+    assert parse_dpo(["loss_type=cpo", "cpo_alpha=1.0"]).nll_loss_coef == 1.0  # TRL's CPOConfig default
+
+
+@pytest.mark.parametrize("setting", ["ref_model_path=x", "sync_ref_model=true", "precompute_ref_log_probs=true",
+                                     "kl_coeff=0.1"])
+def test_a_reference_setting_with_a_reference_free_loss_is_one_line(setting):
+    with pytest.raises(ConfigError, match="loss_type=orpo uses no reference model, so " + setting.split("=")[0]):
+        parse_dpo(["loss_type=orpo", setting])
 
 
 def test_the_nll_term_is_each_chosen_responses_token_mean():
@@ -192,6 +202,34 @@ def test_a_scorer_folder_is_refused_as_a_policy(tmp_path):
         load_causal_lm(Path(cost), key="model_path")
     assert str(e.value).startswith(f"model_path={cost} is a cost model saved by `alignrl train rm` "
                                    f"({rm.SCORE_INFO}): it scores text and cannot write it")
+
+
+def test_orpo_trains_without_a_reference_on_token_means(tiny_model_dir, tmp_path, monkeypatch):
+    """ORPO loads no reference model, and its first loss is the chosen NLL minus λ·log σ(log odds) of the policy's
+    token-mean log-probs: recomputed here from the initial model."""
+    from alignrl.data.preference import collate_pairs, encode_pairs, load_pairs
+    from alignrl.models.loader import load_model
+    from alignrl.preference import dpo
+    from alignrl.preference.pair_logps import chosen_nll, pair_logps, token_means
+
+    made = []
+    monkeypatch.setattr(dpo._Reference, "logps", lambda *a, **k: made.append(1))  # never asked for
+    argv = [f"model_path={tiny_model_dir}", "--output_dir", str(tmp_path / "out"), "--logging_dir", str(tmp_path / "l"),
+            "loss_type=orpo", "beta=0.25", "max_train_pairs=4", "max_eval_pairs=2", "batch_size=4", "max_steps=1",
+            "warmup_ratio=0", "log_every=1", "report_to=[jsonl]", "bf16=false", "train_files=[builtin:helpful]",
+            "eval_files=[builtin:helpful_test]"]
+    assert dpo_main(argv) == 0 and not made
+    first = json.loads((tmp_path / "l" / "metrics.jsonl").read_text().splitlines()[0])
+    model, tok = load_model(str(tiny_model_dir))
+    pairs = load_pairs("builtin:helpful", "better", 4)
+    batch = collate_pairs(encode_pairs(tok, pairs, 256)[0], pairs, tok.pad_token_id)  # the one micro-batch
+    with torch.no_grad():
+        c, r, _ = pair_logps(model, batch)
+        nll = chosen_nll(c, batch, "sum")
+        c, r = token_means(c, r, batch, "sum")
+    odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
+    expect = (nll - 0.25 * torch.nn.functional.logsigmoid(odds)).mean()
+    assert first["loss"] == pytest.approx(float(expect), rel=1e-4)
 
 
 def test_a_dpo_step_adds_the_nll_term_to_the_loss(tiny_model_dir, tmp_path):

@@ -11,9 +11,9 @@ Safe-MM-DPO (`safe_mm_dpo`: two judges, margin-scaled β, a Lagrange multiplier 
 utility order with an ODPO offset.
 
 TRL's other pairwise losses (robust, exo_pair, nca_pair, sppo_hard, aot, aot_pair, apo_zero, apo_down, discopop)
-follow its formulas. Left out on purpose: bco_pair (a running mean of rewards across steps), length-normalised
-variants (SimPO, IPO on token means), reference-free losses (ORPO, SimPO), KTO's unpaired data and listwise/ranking
-losses; they need state across steps, different data or other sequence statistics than the sums used here.
+follow its formulas, and so do the reference-free losses of its CPO and ORPO trainers (simpo, cpo, orpo: the caller
+passes zeros for the reference). Left out on purpose: bco_pair (a running mean of rewards across steps), IPO on
+token means, KTO's unpaired data and listwise/ranking losses; they need state across steps or different data.
 """
 
 from __future__ import annotations
@@ -274,6 +274,33 @@ def discopop_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None
     return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
 
 
+# ---------------------------------------------------------------- reference-free (rc = rr = 0 is passed)
+
+
+def simpo_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, simpo_gamma: float = 0.5,
+               label_smoothing: float = 0.0, **_) -> tuple[torch.Tensor, dict[str, float]]:
+    """SimPO (Meng et al. 2024, "Simple Preference Optimization with a Reference-Free Reward"): -log σ(β·(ā_c - ā_r)
+    - γ) on the responses' token-mean log-probs ā (pc, pr), γ = simpo_gamma; label smoothing as TRL's CPO."""
+    z = beta * (pc - pr) - simpo_gamma
+    losses = -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+
+
+def orpo_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, nll: torch.Tensor, **_
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """ORPO (Hong et al. 2024, "Monolithic Preference Optimization without Reference Model"): the chosen responses'
+    NLL (`nll`, (B,)) minus λ·log σ(log odds(ā_c) - log odds(ā_r)), odds(ā) = e^ā / (1 - e^ā), on token-mean
+    log-probs ā (pc, pr), λ = beta. A token mean of exactly 0 (every token certain) is held just below it."""
+    c, r = pc.clamp(max=-1e-6), pr.clamp(max=-1e-6)
+    log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
+    ratio = F.logsigmoid(log_odds)
+    losses = nll - beta * ratio
+    loss, metrics = _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+    metrics.update({"orpo/log_odds_ratio": float(ratio.detach().mean()),
+                    "orpo/log_odds_chosen": float(log_odds.detach().mean())})
+    return loss, metrics
+
+
 DpoLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
 DPO_LOSSES: dict[str, DpoLoss] = {
@@ -293,6 +320,9 @@ DPO_LOSSES: dict[str, DpoLoss] = {
     "apo_zero": apo_loss,
     "apo_down": functools.partial(apo_loss, down=True),
     "discopop": discopop_loss,
+    "simpo": simpo_loss,
+    "cpo": dpo_sigmoid_loss,  # CPO: DPO's loss on the policy's own log-probs (with its NLL term: nll_loss_coef)
+    "orpo": orpo_loss,
 }
 # the losses of sorted batch quantities: a micro-batch's loss depends on the rest of its batch
 BATCH_SORTED_LOSSES = ("aot", "aot_pair")

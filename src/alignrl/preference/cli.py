@@ -16,126 +16,17 @@ import importlib
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from alignrl.config import ConfigError, check_folders, check_ranges, opt
+from alignrl.config import ConfigError, check_folders, check_ranges
 from alignrl.config.checks import did_you_mean
 from alignrl.errors import UserError
+from alignrl.preference.configs import CommonConfig  # noqa: F401  the configs' home was this module
+from alignrl.preference.configs import DPO_LOSS_NAMES, REFERENCE_FREE, SMOOTHED_LOSSES, DPOConfig, RMConfig
 
-# the DPO-family losses of `alignrl.core.preference.DPO_LOSSES` (a test holds the two equal); `safe` is the older
-# name of safe_odpo, kept for the configs that spell it so
-DPO_LOSS_NAMES = ("safe_mm_dpo", "safe_odpo", "sigmoid", "cdpo", "ipo", "hinge", "safe", "robust", "exo_pair",
-                  "nca_pair", "sppo_hard", "aot", "aot_pair", "apo_zero", "apo_down", "discopop")
-SMOOTHED_LOSSES = ("sigmoid", "cdpo", "robust", "exo_pair", "aot", "aot_pair")
-SAFETY_LOSSES = ("safe_mm_dpo", "safe_odpo")  # the losses that read the two scorers
 MAPPING_KEYS = ("chat_template_kwargs",)  # the keys whose values are mappings, checked before OmegaConf merges them
 NOTES_SAID = "ALIGNRL_PREFERENCE_NOTES_SAID"  # set for the ranks of `--nproc`: the parent said the notes already
-
-
-@dataclass(frozen=True)
-class CommonConfig:
-    model_path: str = opt("demo", "base model: an HF causal-LM folder, or 'demo' (the embedded tiny Qwen2)")
-    output_dir: str | None = opt(None, "where the trained model folder is written (--output_dir)")
-    logging_dir: str | None = opt(None, "metrics.jsonl and tensorboard/ (--logging_dir); default logs/training/<the "
-                                        "output folder's name>, without --output_dir logs/training/<task>_rm (rm) "
-                                        "or logs/training/dpo (dpo)")
-    batch_size: int = opt(8, "preference pairs per device per micro-batch", ge=1)
-    eval_batch_size: int = opt(16, "pairs per device per evaluation forward", ge=1)
-    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step", ge=1)
-    max_length: int = opt(256, "tokens of prompt + response (prompt keeps at most half, from its end)", ge=8)
-    learning_rate: float = opt(1e-4, "peak AdamW learning rate", gt=0.0)
-    weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
-    warmup_ratio: float = opt(0.1, "fraction of optimizer steps of linear warm-up", ge=0.0, le=1.0)
-    warmup_steps: int = opt(0, "optimizer steps of linear warm-up; when > 0 it replaces warmup_ratio", ge=0)
-    lr_scheduler: str = opt("cosine", "learning-rate decay after warm-up", choices=("constant", "cosine"))
-    min_lr_ratio: float = opt(0.1, "cosine floor as a fraction of the peak lr", ge=0.0, le=1.0)
-    grad_clip: float = opt(1.0, "max global grad norm; 0 disables", ge=0.0)
-    epochs: int = opt(1, "passes over the training pairs", ge=1)
-    max_steps: int = opt(0, "stop after this many optimizer steps; 0: run all epochs", ge=0)
-    max_train_pairs: int = opt(0, "use only the first N training pairs of each file; 0: all", ge=0)
-    max_eval_pairs: int = opt(0, "use only the first N held-out pairs of each file; 0: all", ge=0)
-    seed: int = opt(42, "seed of the data order and of new score heads")
-    strategy: str = opt("ddp", "training engine (ddp is one process without torchrun)",
-                        choices=("single", "ddp", "fsdp2", "deepspeed"))
-    zero_stage: int = opt(2, "DeepSpeed ZeRO stage (strategy=deepspeed)", choices=(0, 1, 2, 3))
-    gradient_checkpointing: bool = opt(False, "recompute activations in backward (less memory, more time)")
-    bf16: str = opt("auto", "bfloat16 mixed precision: auto = on when the GPU supports it; fp32 on CPU",
-                    choices=("auto", "true", "false"))
-    log_every: int = opt(5, "print and record training metrics every N optimizer steps", ge=1)
-    max_nonfinite_updates: int = opt(3, "optimizer steps in a row skipped for a non-finite loss or gradient norm "
-                                        "after which training stops, saving nothing", ge=1)
-    num_workers: int = opt(0, "DataLoader worker processes", ge=0)
-    report_to: list = opt(["jsonl", "tensorboard"], "metric sinks under logging_dir: jsonl, tensorboard")
-    use_lora: bool = opt(False, "train LoRA adapters (peft) instead of all weights (Safe-MM-DPO configs: use_lora)")
-    lora_rank: int = opt(16, "LoRA rank r (Safe-MM-DPO configs: lora.r)", ge=1)
-    lora_alpha: int = opt(32, "LoRA alpha: the adapter's update is scaled by alpha/r (lora.alpha)", ge=1)
-    lora_dropout: float = opt(0.1, "dropout on the adapters' input (lora.dropout)", ge=0.0, le=0.9)
-    lora_target_modules: Any = opt("all-linear", "modules that get adapters: a list of names, or all-linear (every "
-                                                 "linear layer of the blocks: q/k/v/o/gate/up/down_proj in Llama-like models)")
-    lora_export: str = opt("merged", "what the saved folder holds with use_lora: merged (a plain HF model, adapters "
-                                     "folded in) or adapter (peft's adapter folder)", choices=("merged", "adapter"))
-    eval_steps: int = opt(0, "also measure the held-out pairs every N optimizer steps (eval/* metrics); 0: only "
-                             "before and after training", ge=0)
-    save_steps: int = opt(0, "also write a resumable checkpoint every N optimizer steps to <output_dir>.checkpoints/"
-                             "step_N (weights, optimizer; λ for safe_mm_dpo); 0: only the final model", ge=0)
-    resume_from: str | None = opt(None, "a <output_dir>.checkpoints/step_N folder to go on from (same config)")
-    chat_template_kwargs: dict[str, Any] = opt({}, "extra variables of the chat template wherever a pair's prompt is "
-                                                   "templated, e.g. {enable_thinking: false} for Qwen3 (the RL runs' "
-                                                   "data.chat_template_kwargs; verl's apply_chat_template_kwargs)")
-
-
-@dataclass(frozen=True)
-class RMConfig(CommonConfig):
-    task: str = opt("helpful", "which preference data (--task): helpful or harmless", choices=("helpful", "harmless"))
-    model_type: str = opt("auto", "reward (Bradley-Terry) or cost (Safe RLHF cost model); auto: helpful → reward, "
-                                  "harmless → cost", choices=("auto", "reward", "cost"))
-    helpful_train_file: str = opt("builtin:helpful", "helpful training pairs (.jsonl/.parquet or builtin:NAME)")
-    helpful_eval_file: str = opt("builtin:helpful_test", "helpful held-out pairs")
-    harmless_train_file: str = opt("builtin:harmless", "harmless training pairs (with safety labels for a cost model)")
-    harmless_eval_file: str = opt("builtin:harmless_test", "harmless held-out pairs")
-    learning_rate: float = opt(2e-4, "peak AdamW learning rate", gt=0.0)
-    tokenizer_name: str | None = opt(None, "tokenizer folder when it is not model_path's (Safe-MM-DPO configs: tokenizer_name)")
-    classification_loss_weight: float = opt(1.0, "cost model: weight of Safe RLHF's per-response sign term "
-                                                 "-log σ(s·c) beside the pairwise term", ge=0.0)
-
-
-@dataclass(frozen=True)
-class DPOConfig(CommonConfig):
-    ref_model_path: str | None = opt(None, "frozen reference model; default: the initial weights of model_path")
-    train_files: list = opt(["builtin:helpful", "builtin:harmless"], "preference files trained on (concatenated)")
-    eval_files: list = opt(["builtin:helpful_test", "builtin:harmless_test"], "held-out preference files")
-    prefer: str = opt("better", "PKU-SafeRLHF rows: which id is 'chosen'", choices=("better", "safer"))
-    loss_type: str = opt("safe_mm_dpo", "DPO-family loss (safe is the older name of safe_odpo)",
-                         choices=DPO_LOSS_NAMES)
-    beta: float = opt(0.1, "β: strength of the KL anchor to the reference (IPO: τ; safe_mm_dpo: β_ori)", gt=0.0)
-    logp_reduction: str = opt("sum", "a response's log-probability: sum over its tokens (DPO's), or sequence_mean: "
-                                     "the mean over prompt and response tokens (the reference Safe-MM-DPO script's)",
-                              choices=("sum", "sequence_mean"))
-    label_smoothing: float = opt(0.0, "sigmoid/cdpo, robust, exo_pair, aot, aot_pair: probability that a label is "
-                                      "flipped (conservative DPO)", ge=0.0, le=0.5)
-    discopop_tau: float = opt(0.05, "discopop: τ of the blend σ(β·h/τ) (TRL's discopop_tau)", gt=0.0)
-    nll_loss_coef: float = opt(0.0, "weight of the chosen responses' negative log-likelihood (each response's token "
-                                    "mean) beside the preference loss (RPO; OpenRLHF's --nll_loss_coef, TRL's "
-                                    "rpo_alpha)", ge=0.0)
-    precompute_ref_log_probs: bool = opt(False, "reference log-probs once up front, then free the reference copy")
-    sync_ref_model: bool = opt(False, "TR-DPO: every ref_model_sync_steps optimizer steps the reference moves toward "
-                                      "the policy, ref ← α·policy + (1 - α)·ref (TRL's sync_ref_model)")
-    ref_model_mixup_alpha: float = opt(0.6, "sync_ref_model: α, the policy's share in each reference update (1: a "
-                                            "hard copy)", gt=0.0, le=1.0)
-    ref_model_sync_steps: int = opt(512, "sync_ref_model: optimizer steps between reference updates", ge=1)
-    helpful_rm: str = opt("models/helpful_rm", "safe_*: helpfulness reward model folder (alignrl train rm --task helpful)")
-    harmless_rm: str = opt("models/harmless_rm", "safe_*: harmlessness cost model folder (--task harmless)")
-    safety_lambda: float = opt(1.0, "safe_odpo: λ in the utility r - λ·c", ge=0.0)
-    offset_alpha: float = opt(0.5, "safe_odpo: α in the ODPO offset α·log(1 + |Δu|)", ge=0.0)
-    lambda_init: float = opt(1.0, "safe_mm_dpo: initial Lagrange multiplier λ (Safe-MM-DPO configs: λ_init)", gt=0.0)
-    lambda_lr: float = opt(0.01, "safe_mm_dpo: step of ln λ ← ln λ + λ_lr·λ·J_C (λ_lr)", ge=0.0)
-    cost_threshold: float = opt(0.0, "safe_mm_dpo: d in J_C = E[cost] + d (cost_threshold)")
-    beta_w: float = opt(0.5, "safe_mm_dpo: w of β(δ) = β·(1 + w·(1 - e^(-k|δ|))) (Safe-MM-DPO configs: w)", ge=0.0)
-    beta_k: float = opt(0.5, "safe_mm_dpo: k of β(δ) (Safe-MM-DPO configs: k)", ge=0.0)
-    kl_coeff: float = opt(0.0, "safe_mm_dpo: weight of KL(π‖π_ref) on the chosen responses (kl_coeff)", ge=0.0)
-    learning_rate: float = opt(5e-5, "peak AdamW learning rate", gt=0.0)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -271,15 +162,18 @@ def parse_dpo(argv: list[str]) -> DPOConfig:
     p.add_argument("--ref_model_sync_steps", type=int)
     p.add_argument("--beta", type=float)
     p.add_argument("--label_smoothing", type=float)
-    p.add_argument("--nll_loss_coef", "--rpo_alpha", type=float, dest="nll_loss_coef")  # OpenRLHF's, TRL's
+    p.add_argument("--nll_loss_coef", "--rpo_alpha", "--cpo_alpha", type=float, dest="nll_loss_coef")  # OpenRLHF, TRL
+    p.add_argument("--simpo_gamma", type=float)
     args = p.parse_intermixed_args(trl_switches(argv, ("precompute_ref_log_probs", "sync_ref_model")))
     cfg = load_flat_config(DPOConfig, args.config, args.overrides, {
         "beta": args.beta, "label_smoothing": args.label_smoothing, "nll_loss_coef": args.nll_loss_coef,
+        "simpo_gamma": args.simpo_gamma,
         "loss_type": args.loss_type, "precompute_ref_log_probs": args.precompute_ref_log_probs,
         "sync_ref_model": args.sync_ref_model, "ref_model_mixup_alpha": args.ref_model_mixup_alpha,
         "ref_model_sync_steps": args.ref_model_sync_steps, "output_dir": args.output_dir,
         "logging_dir": args.logging_dir})
     _check_ref_sync(cfg)
+    _check_reference_free(cfg)
     if cfg.kl_coeff > 0 and cfg.precompute_ref_log_probs:
         raise ConfigError(f"kl_coeff={cfg.kl_coeff} needs the reference's logits at every step, which "
                           "precompute_ref_log_probs frees; set kl_coeff=0 or precompute_ref_log_probs=false")
@@ -336,6 +230,16 @@ def _check_ref_sync(cfg: DPOConfig) -> None:
     if cfg.use_lora and same_model(cfg.ref_model_path, cfg.model_path):
         raise ConfigError("sync_ref_model with use_lora: the reference is the policy with its adapters off, no copy "
                           "that could move; give ref_model_path (a folder other than model_path) or set use_lora=false")
+
+
+def _check_reference_free(cfg: DPOConfig) -> None:
+    """simpo, cpo and orpo read the policy alone: a setting of the reference would act on nothing."""
+    if cfg.loss_type not in REFERENCE_FREE:
+        return
+    asked = [k for k in ("ref_model_path", "sync_ref_model", "precompute_ref_log_probs", "kl_coeff") if getattr(cfg, k)]
+    if asked:
+        raise ConfigError(f"loss_type={cfg.loss_type} uses no reference model, so {asked[0]}={getattr(cfg, asked[0])} "
+                          "has nothing to act on; drop it, or pick a loss with a reference (sigmoid, ipo, ...)")
 
 
 # command -> (its parser, the module and function that train; `train(cfg, dry_run_world)`)

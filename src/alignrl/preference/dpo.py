@@ -18,6 +18,8 @@ log-probs are computed once up front and the copy is freed. `loss_type` picks a 
   the ODPO loss -log σ(β·h - Δ), Δ = α·log(1 + |u_w - u_l|) (Amini et al. 2024).
 * sigmoid (DPO; conservative DPO with label_smoothing, also named cdpo), ipo, hinge (SLiC), and TRL's robust,
   exo_pair, nca_pair, sppo_hard, aot, aot_pair, apo_zero, apo_down and discopop.
+* simpo, cpo, orpo (TRL's CPO and ORPO trainers): the policy's log-probs alone (simpo and orpo their token means); no
+  reference model is loaded.
 
 `kl_coeff > 0` adds kl_coeff·KL(π‖π_ref) over the chosen responses (exact over the vocabulary) to any of them, and
 `nll_loss_coef > 0` the chosen responses' NLL (RPO);
@@ -40,8 +42,9 @@ import torch
 from alignrl.preference import adapters
 from alignrl.preference import checkpoints as ckpt
 from alignrl.preference import common as pc
-from alignrl.preference.cli import SAFETY_LOSSES, DPOConfig, same_model
-from alignrl.preference.pair_logps import chosen_nll, pair_logps, response_kl
+from alignrl.preference.cli import same_model
+from alignrl.preference.configs import LENGTH_NORMALISED, REFERENCE_FREE, SAFETY_LOSSES, DPOConfig
+from alignrl.preference.pair_logps import chosen_nll, pair_logps, response_kl, token_means
 from alignrl.preference.ref_sync import ReferenceSync
 from alignrl.preference.rm import check_scorer_kind, score_info
 from alignrl.preference.safe_mm import LambdaSchedule
@@ -130,6 +133,8 @@ def evaluate(model, ref_fn, batches, groups: list[int], names: list[str], beta: 
         batch = batch.to(env.device)
         with pc.autocast(cfg, env.device):
             pc_, pr_, _ = pair_logps(model, batch, cfg.logp_reduction)
+        if cfg.loss_type in LENGTH_NORMALISED:  # the rewards the loss trains
+            pc_, pr_ = token_means(pc_.float(), pr_.float(), batch, cfg.logp_reduction)
         rc, rr, _ = ref_fn(batch)
         ch, rj = beta * (pc_.float() - rc), beta * (pr_.float() - rr)
         w = batch.weight
@@ -162,7 +167,8 @@ class _Reference:
 
         self.cfg, self.device, self.adapters_of = cfg, env.device, None
         self.tables: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
-        if lora and same_model(cfg.ref_model_path, cfg.model_path):
+        self.free = cfg.loss_type in REFERENCE_FREE  # simpo, cpo, orpo: log-probs of 0, no model loaded
+        if self.free or (lora and same_model(cfg.ref_model_path, cfg.model_path)):
             self.model = None  # set by `use_adapters_off` once the adapters are on
             return
         # copied before prepare_trainable changes the policy; nothing else holds the copy, so that dropping
@@ -195,6 +201,9 @@ class _Reference:
         log.print("reference log-probs precomputed; the reference copy is freed")
 
     def __call__(self, batch, split: str, keep_logits: bool = False):
+        if self.free:
+            zero = torch.zeros(batch.n_pairs, device=self.device)
+            return zero, zero, None
         table = self.tables[split]
         if table is None:
             return self.logps(batch, keep_logits)
@@ -211,8 +220,13 @@ def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None, 
             pc_, pr_, logits = pair_logps(module, batch, cfg.logp_reduction, kl_on)
             rc, rr, ref_logits = ref(batch, "train", kl_on)
         pc_, pr_ = pc_.float(), pr_.float()
+        nll = chosen_nll(pc_, batch, cfg.logp_reduction)
+        if cfg.loss_type in LENGTH_NORMALISED:
+            pc_, pr_ = token_means(pc_, pr_, batch, cfg.logp_reduction)
         kl = response_kl(logits, ref_logits, batch.response_mask[:batch.n_pairs]) if kl_on else None
         extra = {}
+        if cfg.loss_type == "orpo":  # its NLL term is part of the loss
+            extra = {"nll": nll}
         if scores is not None:
             s = scores[batch.index.cpu()].to(env.device)
             if lam is not None:
@@ -221,9 +235,9 @@ def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None, 
                 extra = dict(help_chosen=s[:, 0], help_rejected=s[:, 1], cost_chosen=s[:, 2], cost_rejected=s[:, 3],
                              safety_lambda=cfg.safety_lambda, offset_alpha=cfg.offset_alpha)
         value, metrics = DPO_LOSSES[cfg.loss_type](pc_, pr_, rc, rr, cfg.beta, gpairs, **extra,
-                                                   label_smoothing=cfg.label_smoothing, discopop_tau=cfg.discopop_tau)
-        if cfg.nll_loss_coef:  # RPO: the chosen responses' own likelihood, each response's token mean
-            nll = chosen_nll(pc_, batch, cfg.logp_reduction)
+                                                   label_smoothing=cfg.label_smoothing, discopop_tau=cfg.discopop_tau,
+                                                   simpo_gamma=cfg.simpo_gamma)
+        if cfg.nll_loss_coef:  # RPO, CPO: the chosen responses' own likelihood, each response's token mean
             value = value + cfg.nll_loss_coef * nll.sum() / gpairs
             metrics = {**metrics, "nll_loss": float(nll.detach().mean())}
         if kl_on and lam is None:  # the other losses take the KL term here; safe_mm_dpo adds its own
@@ -245,10 +259,11 @@ def _trained_and_reference(cfg: DPOConfig, policy, spec, env, log):
     model = adapters.attach(policy, spec, "CAUSAL_LM", cfg.seed)
     if sync is not None:
         sync.lora_policy = model
-    if ref.model is None:  # else ref_model_path's own copy stays the reference
+    if ref.model is None and not ref.free:  # else ref_model_path's own copy stays the reference
         ref.use_adapters_off(model)
+    which = ("none" if ref.free else "the policy with its adapters off" if ref.model is None else cfg.ref_model_path)
     log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}; the reference "
-              "is " + ("the policy with its adapters off" if ref.model is None else cfg.ref_model_path))
+              f"is {which}")
     return model, ref, sync
 
 

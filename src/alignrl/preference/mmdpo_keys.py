@@ -30,7 +30,7 @@ DPO_FILES = {"train_files": ("train_helpful_path", "train_harmless_path"),
 # verl's name of the template variables (its data.apply_chat_template_kwargs); ours is the RL runs' and vLLM's
 VERL_NAMES = {"apply_chat_template_kwargs": "chat_template_kwargs"}
 # TRL's name of the DPO's NLL term (RPO), which OpenRLHF calls nll_loss_coef, as ours
-TRL_NAMES = {"rpo_alpha": "nll_loss_coef"}
+TRL_NAMES = {"rpo_alpha": "nll_loss_coef", "cpo_alpha": "nll_loss_coef"}
 LORA_KEYS = {"r": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "lora_target_modules"}
 
 

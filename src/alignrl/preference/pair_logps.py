@@ -40,6 +40,15 @@ def pair_logps(model, batch, reduction: str = "sum", keep_logits: bool = False):
     return lp[:b], lp[b:], chosen_logits
 
 
+def token_means(chosen: torch.Tensor, rejected: torch.Tensor, batch, reduction: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The responses' token-mean log-probs (SimPO's and ORPO's ā) from `pair_logps`' sums; means stay as they are."""
+    if reduction == "sequence_mean":
+        return chosen, rejected
+    counts = batch.response_mask.sum(-1).clamp(min=1).to(chosen.dtype)
+    return chosen / counts[:batch.n_pairs], rejected / counts[batch.n_pairs:]
+
+
 def chosen_nll(chosen: torch.Tensor, batch, reduction: str) -> torch.Tensor:
     """(B,) each chosen response's negative log-likelihood per token (OpenRLHF's DPO NLL term): `chosen` as
     `pair_logps` gives it, a sum over the response's tokens (divided by their count here) or already a mean."""
