@@ -96,17 +96,23 @@ def check_enough(n_pairs: int, cfg: CommonConfig, world: int, what: str) -> None
                         f"({describe_batch(cfg, world)}); lower batch_size or gradient_accumulation_steps")
 
 
-def train_loader(encoded: list, pairs: list, pad_id: int, cfg: CommonConfig, env, epoch: int):
-    """This rank's micro-batches of one epoch: torch's DistributedSampler (the same seeded shuffle on
-    every rank, disjoint equal shares, remainder dropped) cut into micro-batches; only whole optimizer
-    steps are kept, so every rank runs the same number of steps."""
-    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+def micro_batches(n: int, cfg: CommonConfig, world: int, rank: int, epoch: int) -> list[list[int]]:
+    """Rank `rank`'s micro-batches (data set positions) of one epoch: torch's DistributedSampler (the same seeded
+    shuffle on every rank, disjoint equal shares, remainder dropped) cut into micro-batches; only whole optimizer
+    steps are kept, so every rank runs the same number of steps. Any rank can work out every other rank's."""
+    from torch.utils.data import BatchSampler, DistributedSampler
 
-    sampler = DistributedSampler(range(len(encoded)), num_replicas=env.world_size, rank=env.rank, shuffle=True,
-                                 seed=cfg.seed, drop_last=True)
+    sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
     sampler.set_epoch(epoch)
     batches = list(BatchSampler(sampler, cfg.batch_size, drop_last=True))
-    batches = batches[:len(batches) - len(batches) % cfg.gradient_accumulation_steps]
+    return batches[:len(batches) - len(batches) % cfg.gradient_accumulation_steps]
+
+
+def train_loader(encoded: list, pairs: list, pad_id: int, cfg: CommonConfig, env, epoch: int):
+    """This rank's micro-batches of one epoch (`micro_batches`), collated."""
+    from torch.utils.data import DataLoader
+
+    batches = micro_batches(len(encoded), cfg, env.world_size, env.rank, epoch)
     return DataLoader(encoded, batch_sampler=batches, num_workers=cfg.num_workers,
                       collate_fn=lambda items: collate_pairs(items, pairs, pad_id),
                       pin_memory=env.device.type == "cuda")
@@ -193,7 +199,8 @@ class StepMetrics:
 
 
 def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: CommonConfig, env,
-                log: RankZeroLog, total: int, console_keys: dict[str, str], after_step=None, start_step: int = 0) -> int:
+                log: RankZeroLog, total: int, console_keys: dict[str, str], after_step=None, start_step: int = 0,
+                loader=None) -> int:
     """Train `engine` on the preference pairs for `total` optimizer steps at most, over `cfg.epochs`
     epochs of this rank's micro-batches, `gradient_accumulation_steps` micro-batches per step;
     returns the steps run. `loss_fn(module, batch, global_pairs) -> (loss, metrics)` runs one
@@ -202,7 +209,9 @@ def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: C
     accumulate into the global batch's mean. `console_keys` (metric -> short name) picks what the
     step lines print besides the loss. `after_step(step) -> metrics` runs on every rank after each optimizer step
     (it may be a collective: every rank reaches the same steps); what it returns joins that step's metrics.
-    `start_step` (a resumed run): the micro-batches of the first steps, in the same seeded order, are skipped."""
+    `start_step` (a resumed run): the micro-batches of the first steps, in the same seeded order, are skipped.
+    `loader(epoch)`: this rank's micro-batches of an epoch in `micro_batches`' order when they are not pairs
+    (supervised fine-tuning's rows); its `loss_fn` then gives the micro-batch's mean loss as metrics["loss"]."""
     gpairs, accum, streak = global_batch(cfg, env.world_size), cfg.gradient_accumulation_steps, 0
     per_epoch, step = steps_per_epoch(len(encoded), cfg, env.world_size), start_step
     tracker = StepMetrics(cfg, env, log, total, {"loss": "loss", **console_keys})
@@ -210,8 +219,8 @@ def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: C
     engine.module.train()
     for epoch in range(cfg.epochs):
         done = max(0, min(start_step - epoch * per_epoch, per_epoch))  # steps of this epoch run before a resume
-        loader = itertools.islice(train_loader(encoded, pairs, pad_id, cfg, env, epoch), done * accum, None)
-        for i, batch in enumerate(loader, start=done * accum):
+        batches = loader(epoch) if loader is not None else train_loader(encoded, pairs, pad_id, cfg, env, epoch)
+        for i, batch in enumerate(itertools.islice(batches, done * accum, None), start=done * accum):
             if step >= total:
                 break
             batch = batch.to(env.device, non_blocking=True)
@@ -220,7 +229,8 @@ def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: C
                 loss, metrics = loss_fn(engine.module, batch, gpairs)
                 engine.backward(loss, last_micro=last)
             # recorded as this micro-batch's mean, comparable whatever the batch and world size
-            tracker.add({**metrics, "loss": loss.item() * gpairs / batch.n_pairs})
+            mean = metrics["loss"] if "loss" in metrics else loss.item() * gpairs / batch.n_pairs
+            tracker.add({**metrics, "loss": mean})
             if last:
                 skipped = engine.skipped_steps
                 grad_norm = engine.step()

@@ -1,0 +1,219 @@
+"""Supervised fine-tuning (`alignrl train sft`): the step before a reward model and RL, as OpenRLHF's `train_sft`,
+TRL's `SFTTrainer` and verl's `fsdp_sft_trainer` run it.
+
+    alignrl train sft train_files=[data/train.jsonl] eval_files=[data/test.jsonl] --output_dir models/sft --nproc 2
+
+The causal LM trains through a TrainEngine (one process, DDP, FSDP2 or DeepSpeed; with `use_lora`, its LoRA adapters
+alone) on the rows of `data.sft_rows` (conversations, prompt-completion, plain text). The loss is the token mean of
+the cross-entropy over the trained tokens of the whole optimizer step: every micro-batch's summed loss is divided by
+the trained tokens of all micro-batches on all ranks of its step, which every rank works out from the seeded data
+order (`common.micro_batches`), so gradient accumulation and more ranks give the update of one big batch.
+
+The held-out rows' token-mean loss and perplexity are measured before and after training (and every `eval_steps`)
+and written to `<output_dir>/eval_results.json` beside the saved HF causal-LM folder and its tokenizer, which
+`alignrl train grpo model.path=<output_dir>` loads. `save_steps` writes resumable checkpoints and `resume_from` goes
+on from one (`preference.checkpoints`). Left out: packing, NEFTune, Liger kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from alignrl.config import ConfigError
+from alignrl.data.loaders import DataError
+from alignrl.data.sft_rows import EncodedRow, SFTBatch, SFTKeys, SFTRow, collate_rows, encode_rows, load_rows, \
+    needs_template
+from alignrl.preference import adapters
+from alignrl.preference import checkpoints as ckpt
+from alignrl.preference import common as pc
+from alignrl.preference.sft_cli import SFTConfig
+
+
+def _keys(cfg: SFTConfig, chat_template: bool) -> SFTKeys:
+    return SFTKeys(cfg.prompt_key, cfg.response_key, cfg.messages_key, cfg.text_key, chat_template,
+                   cfg.completion_only_loss, cfg.assistant_only_loss)
+
+
+def _load(files: list[str], keys: SFTKeys, limit: int, key: str) -> list[SFTRow]:
+    return [row for f in files for row in load_rows(str(f), keys, limit or None, key)]
+
+
+def use_chat_template(cfg: SFTConfig, tokenizer, rows: list[SFTRow]) -> bool:
+    """apply_chat_template as set, or (null) whether the tokenizer has a template; rows of messages need one."""
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if cfg.apply_chat_template and not has:
+        raise ConfigError(f"apply_chat_template=true, but the tokenizer of model_path={cfg.model_path} has no chat "
+                          "template; set apply_chat_template=false to train on the texts as they are")
+    use = has if cfg.apply_chat_template is None else cfg.apply_chat_template
+    loc = None if use else needs_template(rows)
+    if loc:
+        why = "apply_chat_template=false" if has else f"the tokenizer of {cfg.model_path} has no chat template"
+        raise DataError(f"{loc}: a row of chat messages needs the chat template, and {why}")
+    return use
+
+
+def step_tokens(encoded: list[EncodedRow], cfg: SFTConfig, world: int, epoch: int) -> list[float]:
+    """The trained tokens of each optimizer step of `epoch`, over every micro-batch of every rank."""
+    accum = cfg.gradient_accumulation_steps
+    counts: list[float] = []
+    for rank in range(world):
+        for i, batch in enumerate(pc.micro_batches(len(encoded), cfg, world, rank, epoch)):
+            if i // accum == len(counts):
+                counts.append(0.0)
+            counts[i // accum] += sum(encoded[j].n_trained for j in batch)
+    return counts
+
+
+def train_batches(encoded: list[EncodedRow], pad_id: int, cfg: SFTConfig, env):
+    """`loader(epoch)` for `common.train_pairs`: this rank's micro-batches, each knowing its step's global count."""
+    from torch.utils.data import DataLoader
+
+    def loader(epoch: int):
+        counts = step_tokens(encoded, cfg, env.world_size, epoch)
+        mine = pc.micro_batches(len(encoded), cfg, env.world_size, env.rank, epoch)
+        items = [(batch, counts[i // cfg.gradient_accumulation_steps]) for i, batch in enumerate(mine)]
+        return DataLoader(items, batch_size=None, num_workers=cfg.num_workers, pin_memory=env.device.type == "cuda",
+                          collate_fn=lambda item: collate_rows([encoded[j] for j in item[0]], pad_id, item[1]))
+
+    return loader
+
+
+def eval_batches(encoded: list[EncodedRow], pad_id: int, batch_size: int, env) -> list[SFTBatch]:
+    """This rank's share of the held-out rows (rank::world), padded with untrained copies so that every rank runs the
+    same number of forwards (sharded engines need all ranks in each one)."""
+    mine = encoded[env.rank::env.world_size]
+    per_rank = -(-len(encoded) // env.world_size)
+    filler = EncodedRow(encoded[0].ids, [False] * len(encoded[0].ids), -1) if encoded else None
+    mine = mine + [filler] * (per_rank - len(mine))
+    return [collate_rows(mine[i:i + batch_size], pad_id, 0.0) for i in range(0, len(mine), batch_size)]
+
+
+def summed_loss(model, batch: SFTBatch, cfg: SFTConfig, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(the summed cross-entropy of the batch's trained tokens, their number). Position t predicts token t + 1; the
+    logits of the trained positions alone go to float32."""
+    with pc.autocast(cfg, device):
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long(), use_cache=False).logits
+    targets = batch.loss_mask[:, 1:]
+    picked = logits[:, :-1][targets].float()
+    total = torch.nn.functional.cross_entropy(picked, batch.input_ids[:, 1:][targets], reduction="sum")
+    return total, int(targets.sum())
+
+
+@torch.no_grad()
+def evaluate(model, batches: list[SFTBatch], cfg: SFTConfig, env) -> dict[str, float]:
+    """The held-out token-mean loss over all ranks' shares, and its perplexity."""
+    from alignrl.runtime.env import all_reduce_sum
+
+    was = model.training
+    model.eval()
+    sums = [0.0, 0.0]
+    for batch in batches:
+        total, n = summed_loss(model, batch.to(env.device), cfg, env.device)
+        sums = [sums[0] + float(total), sums[1] + n]
+    model.train(was)
+    total, tokens = all_reduce_sum(env, sums)
+    loss = total / max(tokens, 1.0)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(tokens)}
+
+
+class SFTLog(pc.RankZeroLog):
+    """The shared log, with the step metrics recorded as train/* (eval/* as given)."""
+
+    def metrics(self, step: int, metrics: dict[str, float]) -> None:
+        super().metrics(step, {k if "/" in k else f"train/{k}": v for k, v in metrics.items()})
+
+
+def _encode(tok, cfg: SFTConfig, train_rows: list[SFTRow], eval_rows: list[SFTRow], log):
+    keys = _keys(cfg, use_chat_template(cfg, tok, train_rows + eval_rows))
+    enc_train, cut, dropped = encode_rows(tok, train_rows, keys, cfg.max_length)
+    enc_eval, _, _ = encode_rows(tok, eval_rows, keys, cfg.max_length)
+    trained = sum(e.n_trained for e in enc_train)
+    log.print(f"SFT: {len(enc_train)} train rows from {', '.join(map(str, cfg.train_files))} ({trained} trained "
+              f"tokens), {len(enc_eval)} held-out; chat template {keys.chat_template}; {cut} rows longer than "
+              f"max_length={cfg.max_length} cut at its end" + (f", {dropped} of them dropped: no trained token left"
+                                                                 if dropped else ""))
+    return enc_train, enc_eval, {"truncated_rows": cut, "dropped_rows": dropped, "chat_template": keys.chat_template}
+
+
+def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
+    from alignrl.models.loader import load_causal_lm, load_tokenizer, resolve_model_path
+    from alignrl.runtime.env import barrier, init_distributed, shutdown
+
+    raw_keys = _keys(cfg, True)
+    train_rows = _load(list(cfg.train_files), raw_keys, cfg.max_train_pairs, "train_files")
+    eval_rows = _load(list(cfg.eval_files), raw_keys, cfg.max_eval_pairs, "eval_files")
+    if dry_run_world:
+        pc.check_enough(len(train_rows), cfg, dry_run_world, ", ".join(map(str, cfg.train_files)))
+        return {}
+    out_dir, log_dir = pc.run_folders(cfg, "models/sft", "logs/training/sft")
+    t0 = time.time()
+    env = init_distributed()
+    log = SFTLog(env, log_dir, cfg.report_to)
+    folder = resolve_model_path(cfg.model_path, log.print, "model_path")
+    tok = load_tokenizer(folder, chat=False)
+    pc.bind_template_variables(tok, cfg, log)
+    enc_train, enc_eval, notes = _encode(tok, cfg, train_rows, eval_rows, log)
+    pc.check_enough(len(enc_train), cfg, env.world_size, ", ".join(map(str, cfg.train_files)))
+    policy = load_causal_lm(folder, "float32", "model_path")
+    pc.prepare_trainable(policy, cfg)
+    spec = adapters.spec_of(cfg)
+    model = adapters.attach(policy, spec, "CAUSAL_LM", cfg.seed) if spec is not None else policy
+    if spec is not None:
+        log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}")
+    total = pc.total_steps(len(enc_train), cfg, env.world_size)
+    engine = pc.build_engine_for(cfg, model, env, total)
+    log.print(f"{pc.describe_batch(cfg, env.world_size).replace('pairs', 'rows')}; {total} optimizer steps, "
+              f"strategy {engine.name}, world size {env.world_size}, bf16 {pc.use_bf16(cfg)}")
+    evals = eval_batches(enc_eval, tok.pad_token_id, cfg.eval_batch_size, env)
+    ev = (lambda: evaluate(engine.model, evals, cfg, env)) if enc_eval else (lambda: None)  # noqa: E731
+    before = ev()
+    if before:
+        log.print(f"held-out before training: loss {before['loss']:.4f}, perplexity {before['perplexity']:.3f}")
+    start = ckpt.resume(cfg.resume_from, engine, None, "sft") if cfg.resume_from else 0
+    if start:
+        log.print(f"resumed from {cfg.resume_from} at step {start}")
+
+    def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
+        if cfg.save_steps and step % cfg.save_steps == 0 and step < total:
+            log.print(f"checkpoint {ckpt.save_checkpoint(ckpt.checkpoint_root(out_dir), step, engine, None, env)}")
+        if enc_eval and cfg.eval_steps and step % cfg.eval_steps == 0 and step < total:
+            e = ev()
+            return {"eval/loss": e["loss"], "eval/perplexity": e["perplexity"]}
+        return {}
+
+    def loss(module, batch: SFTBatch, _global_pairs):
+        summed, n = summed_loss(module, batch, cfg, env.device)
+        return summed / batch.global_tokens, {"loss": float(summed.detach()) / max(n, 1)}
+
+    step = pc.train_pairs(engine, loss, enc_train, [], tok.pad_token_id, cfg, env, log, total, {"eval/loss": "eval"},
+                          after_step, start, loader=train_batches(enc_train, tok.pad_token_id, cfg, env))
+    after = ev()
+    if after:
+        pc.check_eval_finite(after["loss"], "losses")
+    results = _report(cfg, log, before, after, step, len(enc_train), notes, env, engine.name, t0)
+    writer, state = adapters.saver(policy, model, spec, cfg.lora_export, engine.full_state_dict())  # collective
+    pc.save_hf_folder(out_dir, writer, state, tok, {"eval_results.json": results}, env, log_dir=log_dir)
+    if after:
+        log.metrics(step, {"eval/loss": after["loss"], "eval/perplexity": after["perplexity"],
+                           "eval/loss_before": before["loss"]})
+    log.print(f"saved model to {out_dir} ({results['seconds']:.1f}s)")
+    barrier(env)
+    shutdown()
+    return results
+
+
+def _report(cfg: SFTConfig, log, before: dict | None, after: dict | None, step: int, n_train: int, notes: dict, env,
+            strategy: str, t0: float) -> dict:
+    """The held-out loss before -> after, printed, and the run's results (eval_results.json)."""
+    if before and after:
+        log.print(f"held-out loss {before['loss']:.4f} -> {after['loss']:.4f}, perplexity {before['perplexity']:.3f} "
+                  f"-> {after['perplexity']:.3f} on {after['tokens']} tokens")
+    return {"before": before, "after": after, "steps": step, "train_rows": n_train, **notes,
+            "train_files": [str(f) for f in cfg.train_files], "eval_files": [str(f) for f in cfg.eval_files],
+            "completion_only_loss": cfg.completion_only_loss, "assistant_only_loss": cfg.assistant_only_loss,
+            "max_length": cfg.max_length, "world_size": env.world_size, "strategy": strategy,
+            "use_lora": cfg.use_lora, "effective_batch": pc.global_batch(cfg, env.world_size),
+            "seconds": round(time.time() - t0, 1), "model_path": cfg.model_path}

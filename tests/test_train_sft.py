@@ -1,0 +1,190 @@
+"""`alignrl train sft` on the tiny test model: the loss falls on a memorisation task with the held-out loss reported,
+the trained-token masks of each layout, gradient accumulation equal to one big batch, exact resume, LoRA's merged
+folder, and mistakes as one line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignrl.config import ConfigError
+from alignrl.data.loaders import DataError
+from alignrl.data.sft_rows import SFTKeys, SFTRow, encode_rows, load_rows
+from alignrl.preference.sft_cli import parse_sft, sft_main
+
+# completions of different lengths, so micro-batches of one step hold different numbers of trained tokens
+ROWS = [{"prompt": f"count from {i}", "completion": " ".join(str(i + k) for k in range(1 + i % 4))} for i in range(16)]
+CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "and"}, {"role": "assistant", "content": "bye"}]
+
+
+def _write(path: Path, rows: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _run(model: Path, tmp: Path, name: str, *extra: str) -> dict:
+    data = _write(tmp / "train.jsonl", ROWS)
+    rc = sft_main([f"model_path={model}", f"train_files=[{data}]", "--output_dir", str(tmp / name), "--logging_dir",
+                   str(tmp / f"logs_{name}"), "report_to=[jsonl]", "log_every=1", *extra])
+    assert rc == 0
+    return json.loads((tmp / name / "eval_results.json").read_text())
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _tokenizer(model: Path):
+    from alignrl.models.loader import load_tokenizer
+
+    return load_tokenizer(model, chat=False)
+
+
+def test_memorising_rows_lowers_the_held_out_loss_and_saves_a_loadable_model(tiny_model_dir, tmp_path):
+    from alignrl.models.loader import load_model
+
+    held_out = _write(tmp_path / "eval.jsonl", ROWS[:8])
+    res = _run(tiny_model_dir, tmp_path, "sft", f"eval_files=[{held_out}]", "batch_size=4", "epochs=12",
+               "learning_rate=3e-3", "warmup_ratio=0")
+    before, after = res["before"], res["after"]
+    assert res["steps"] == 48 and before["tokens"] == after["tokens"] > 0
+    assert after["loss"] < 0.5 * before["loss"] and after["perplexity"] < before["perplexity"]
+    rows = [json.loads(line) for line in (tmp_path / "logs_sft" / "metrics.jsonl").read_text().splitlines()]
+    keys = set().union(*rows)
+    assert {"train/loss", "train/lr", "train/grad_norm", "eval/loss"} <= keys
+    model, tok = load_model(str(tmp_path / "sft"))  # what `alignrl train grpo model.path=<folder>` loads
+    assert tok.chat_template and model.config.architectures
+
+
+def test_completion_only_loss_trains_the_completion_and_its_eos(tiny_model_dir):
+    tok = _tokenizer(tiny_model_dir)
+    row = SFTRow("x:1", prompt="count from 3", completion="3 4")
+    (enc,), _, _ = encode_rows(tok, [row], SFTKeys(), 64)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "count from 3"}], add_generation_prompt=True,
+                                     tokenize=False)
+    assert tok.decode(enc.ids) == prompt + "3 4" + tok.eos_token
+    trained = [t for t, on in zip(enc.ids, enc.trained) if on]
+    assert tok.decode(trained) == "3 4" + tok.eos_token and not any(enc.trained[:len(enc.ids) - len(trained)])
+    (every,), _, _ = encode_rows(tok, [row], SFTKeys(completion_only=False), 64)
+    assert every.n_trained == len(every.ids) - 1  # all but the first token, which nothing predicts
+
+
+def test_assistant_turns_of_a_conversation_are_the_trained_spans(tiny_model_dir):
+    tok = _tokenizer(tiny_model_dir)
+    (enc,), _, _ = encode_rows(tok, [SFTRow("x:1", messages=CHAT)], SFTKeys(), 128)
+    spans, current = [], []
+    for t, on in zip(enc.ids, enc.trained):
+        if on:
+            current.append(t)
+        elif current:
+            spans, current = spans + [tok.decode(current)], []
+    spans += [tok.decode(current)] if current else []
+    assert spans == ["yo<|im_end|>\n", "bye<|im_end|>\n"]
+    # a template that rewrites earlier turns once later ones follow (as reasoning templates drop old thoughts)
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}<|im_start|>"
+                         "assistant\n(old)<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                         "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(DataError, match="x:1: the chat template renders .* assistant_only_loss=false"):
+        encode_rows(tok, [SFTRow("x:1", messages=CHAT)], SFTKeys(), 128)
+
+
+def test_rows_longer_than_max_length_are_cut_and_counted(tiny_model_dir):
+    tok = _tokenizer(tiny_model_dir)
+    rows = [SFTRow("x:1", prompt="a " * 40, completion="b"), SFTRow("x:2", text="c " * 40), SFTRow("x:3", text="d")]
+    enc, cut, dropped = encode_rows(tok, rows, SFTKeys(), 16)
+    assert (cut, dropped) == (2, 1) and [len(e.ids) for e in enc] == [16, 2]  # the prompt-only row has nothing left
+
+
+ONE_STEP = ["max_steps=1", "learning_rate=1e-3", "warmup_ratio=0"]
+
+
+@pytest.fixture(scope="module")
+def one_big_batch(tiny_model_dir, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The weights after one optimizer step on one micro-batch of 4 rows in one process."""
+    tmp = tmp_path_factory.mktemp("big")
+    _run(tiny_model_dir, tmp, "big", "batch_size=4", "gradient_accumulation_steps=1", *ONE_STEP)
+    return _weights(tmp / "big")
+
+
+def test_gradient_accumulation_gives_the_update_of_one_big_batch(tiny_model_dir, tmp_path, one_big_batch):
+    _run(tiny_model_dir, tmp_path, "accum", "batch_size=2", "gradient_accumulation_steps=2", *ONE_STEP)
+    accum, base = _weights(tmp_path / "accum"), _weights(tiny_model_dir)
+    assert any(not torch.equal(one_big_batch[k], base[k]) for k in base)
+    for k in one_big_batch:
+        torch.testing.assert_close(accum[k], one_big_batch[k], rtol=0, atol=1e-6)
+
+
+def test_two_ddp_ranks_give_the_update_of_one_big_batch(tiny_model_dir, tmp_path, one_big_batch):
+    from conftest import run_group
+
+    data = _write(tmp_path / "train.jsonl", ROWS)
+    p = run_group([sys.executable, "-m", "alignrl", "train", "sft", "--nproc", "2", f"model_path={tiny_model_dir}",
+                   f"train_files=[{data}]", "--output_dir", str(tmp_path / "ddp"), "--logging_dir",
+                   str(tmp_path / "logs"), "report_to=[jsonl]", "batch_size=2", "strategy=ddp", *ONE_STEP], 120,
+                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert json.loads((tmp_path / "ddp" / "eval_results.json").read_text())["world_size"] == 2
+    ddp = _weights(tmp_path / "ddp")
+    for k in one_big_batch:
+        torch.testing.assert_close(ddp[k], one_big_batch[k], rtol=0, atol=1e-6)
+
+
+def test_a_resumed_run_ends_with_the_weights_of_an_unbroken_one(tiny_model_dir, tmp_path):
+    common = ["batch_size=4", "max_steps=4", "learning_rate=1e-3"]
+    _run(tiny_model_dir, tmp_path, "whole", "save_steps=2", *common)
+    checkpoint = tmp_path / "whole.checkpoints" / "step_2"
+    res = _run(tiny_model_dir, tmp_path, "resumed", f"resume_from={checkpoint}", *common)
+    assert res["steps"] == 4
+    whole, resumed = _weights(tmp_path / "whole"), _weights(tmp_path / "resumed")
+    for k in whole:
+        torch.testing.assert_close(resumed[k], whole[k], rtol=0, atol=1e-6)
+
+
+def test_lora_run_saves_a_merged_plain_folder(tiny_model_dir, tmp_path):
+    _run(tiny_model_dir, tmp_path, "lora", "use_lora=true", "lora_rank=4", "batch_size=8", "max_steps=2",
+         "learning_rate=1e-2")
+    out = tmp_path / "lora"
+    assert not (out / "adapter_config.json").exists()
+    merged, base = _weights(out), _weights(tiny_model_dir)
+    assert merged.keys() == base.keys() and any(not torch.equal(merged[k], base[k]) for k in base)
+
+
+def test_openrlhf_and_trl_flags_read_as_keys(tmp_path):
+    data = _write(tmp_path / "d.jsonl", ROWS)
+    cfg = parse_sft(["--pretrain", "demo", "--dataset", f"{data},{data}", "--eval_dataset", data, "--input_key",
+                     "question", "--output_key", "answer", "--save_path", str(tmp_path / "o"), "--max_len", "64",
+                     "--max_epochs", "2", "--learning_rate", "1e-5", "--micro_train_batch_size", "2",
+                     "--apply_chat_template", "--lora_rank", "8", "--gradient_checkpointing", "--save_steps", "-1"])
+    assert (cfg.train_files, cfg.eval_files, cfg.prompt_key, cfg.response_key) == ([data, data], [data], "question",
+                                                                                   "answer")
+    assert (cfg.output_dir, cfg.max_length, cfg.epochs, cfg.batch_size) == (str(tmp_path / "o"), 64, 2, 2)
+    assert cfg.apply_chat_template is True and cfg.use_lora and cfg.lora_rank == 8 and cfg.save_steps == 0
+    multi = parse_sft(["--dataset", data, "--multiturn", "--input_key", "conversation", "--completion_only_loss",
+                       "False"])
+    assert multi.messages_key == "conversation" and multi.assistant_only_loss and not multi.completion_only_loss
+
+
+def test_mistakes_are_one_line(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'prompt_kye' \\(did you mean 'prompt_key'\\?\\)"):
+        parse_sft(["train_files=[x.jsonl]", "prompt_kye=q"])
+    with pytest.raises(ConfigError, match="--packing_samples: packing is left out"):
+        parse_sft(["--dataset", "x.jsonl", "--packing_samples"])
+    keys = SFTKeys(prompt="question", response="answer")
+    bad = _write(tmp_path / "bad.jsonl", [{"question": "q", "answer": "a"}, {"question": "q"}])
+    with pytest.raises(DataError, match=f"{bad}:2: row has question but is missing answer"):
+        load_rows(bad, keys)
+    wrong = _write(tmp_path / "wrong.jsonl", [{"messages": [{"role": "user", "content": "q"}]}])
+    with pytest.raises(DataError, match="wrong.jsonl:1: messages has no assistant message"):
+        load_rows(wrong, SFTKeys())
+    p = subprocess.run([sys.executable, "-m", "alignrl", "train", "sft", f"model_path={tiny_model_dir}",
+                        f"train_files=[{bad}]", "prompt_key=question", "response_key=answer"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0, p.stderr
+    assert p.stderr.startswith(f"alignrl: error: {bad}:2: row has question but is missing answer")
