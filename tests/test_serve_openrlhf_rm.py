@@ -6,6 +6,7 @@ forward passes of --batch_size, one-line errors, and the loop's RemoteReward on 
 import json
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -155,13 +156,18 @@ def test_the_loops_remote_reward_gets_the_same_scores(plain, scorer, tok):
 
     svc, _ = plain
     sock = bind("127.0.0.1", 0)
+    sock.listen()  # a connection made before the server runs waits in the backlog instead of being refused
     url = address(sock)
     server = uvicorn.Server(uvicorn.Config(openrlhf_rm.build_app(svc, 1 << 20), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    remote = RemoteReward(url + "/get_reward", tokenizer=tok, retries=1)
     try:
+        deadline = time.monotonic() + 60
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.started, "the reward server did not start within 60 s"
         prompts, responses = ["What is 3 + 4?", "Add 10 and 25."], [" 7", " The sum is 35"]
-        remote = RemoteReward(url + "/get_reward", tokenizer=tok, retries=1)
         want = one_by_one(scorer, [tok(p + r + tok.eos_token)["input_ids"] for p, r in zip(prompts, responses)])
         got = remote.score_texts(prompts, responses, labels=["7", "35"])
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
@@ -169,10 +175,11 @@ def test_the_loops_remote_reward_gets_the_same_scores(plain, scorer, tok):
         p_ids, p_mask = left_pad([tok(p)["input_ids"] for p in prompts], tok.pad_token_id)
         r_ids, r_mask = right_pad([tok(r)["input_ids"] + [tok.eos_token_id] for r in responses], tok.pad_token_id)
         torch.testing.assert_close(remote.score(p_ids, p_mask, r_ids, r_mask), torch.tensor(want), atol=1e-5, rtol=0)
-        remote.close()
     finally:
+        remote.close()
         server.should_exit = True
-        thread.join(10)
+        thread.join(60)
+    assert not thread.is_alive(), "the reward server did not stop within 60 s"
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -201,6 +208,7 @@ def test_a_folder_openrlhfs_reward_trainer_saved_scores_as_the_same_model_does(r
     default); both load, and score as the sequence-classification folder with the same weights."""
     from safetensors.torch import load_file, save_file
 
+    from alignrl.models.folder import ModelError
     from alignrl.models.value import ModelScorer, check_scorer_folder
 
     folder = tmp_path / "openrlhf_rm"
@@ -221,6 +229,11 @@ def test_a_folder_openrlhfs_reward_trainer_saved_scores_as_the_same_model_does(r
 
     critic = load_value_model(str(folder))  # a critic initialised from it starts from its head, as OpenRLHF's does
     assert torch.equal(critic.score.weight, weights["value_head.weight"])
+    critic.save_pretrained(tmp_path / "critic")  # and saves it under transformers' name, as its config.json says
+    assert "score.weight" in load_file(str(tmp_path / "critic" / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["CriticModel"]}))
+    with pytest.raises(ModelError, match="is not a reward/cost model"):  # OpenRLHF's critic scores values, not rewards
+        check_scorer_folder(str(folder), "algorithm.reward_model")
 
 
 def test_native_score_protocol_normalizes_too(rm_dir):

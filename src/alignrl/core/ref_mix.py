@@ -84,5 +84,8 @@ class MovingReference:
         alpha, every = float(record["alpha"]), int(record["every"])
         if (alpha, every) == (self.alpha, self.every):
             return None
-        return (f"the reference moved by alpha={alpha:g} every {every} {unit}s until {unit} {self.moved_at}; it moves "
-                f"by alpha={self.alpha:g} every {self.every} {unit}s from here")
+        def steps(n: int) -> str:
+            return f"{n} {unit}" + ("s" if n != 1 else "")
+
+        return (f"the reference moved by alpha={alpha:g} every {steps(every)} until {unit} {self.moved_at}; it moves "
+                f"by alpha={self.alpha:g} every {steps(self.every)} from here")

@@ -34,6 +34,7 @@ def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print
         with loading(folder, "value model"):
             model = AutoModelForTokenClassification.from_pretrained(str(folder), num_labels=1, dtype=DTYPES[dtype],
                                                                     key_mapping=HEAD_NAMES)
+            saved_as_transformers_names(model)
     finally:
         hf_logging.set_verbosity(verbosity)
     model.config.use_cache = False
@@ -69,10 +70,19 @@ def response_values(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
     return out.logits[:, -r - 1:-1, 0].float() * response_mask.to(dev)
 
 
-# OpenRLHF's reward and critic classes save under these architecture names, with the backbone under the base model's
-# prefix as transformers keeps it and the head as `value_head` (its older default) or `score` (its newer one)
-OPENRLHF_CLASSES = ("RewardModel", "CriticModel")
+# OpenRLHF's reward model class saves under this architecture name (its critic under CriticModel), with the backbone
+# under the base model's prefix as transformers keeps it and the head as `value_head` (its older default) or `score`
+OPENRLHF_REWARD_CLASS = "RewardModel"
 HEAD_NAMES = {r"^value_head\.": "score."}  # loads either as the `score` head of transformers' classification models
+
+
+def saved_as_transformers_names(model) -> None:
+    """transformers reverses the renamings of a load when the model is saved: the head of an OpenRLHF folder, loaded as
+    `score`, would go back to disk as `value_head` under a transformers architecture, which no other loader reads.
+    Forgetting that one renaming (the model's own conversions stay) saves it as `score`."""
+    done = getattr(model, "_weight_conversions", None)
+    if done:
+        model._weight_conversions = [c for c in done if list(getattr(c, "source_patterns", ())) != list(HEAD_NAMES)]
 
 
 def not_a_scorer(path: str, why: str) -> ModelError:
@@ -88,7 +98,8 @@ def check_scorer_folder(path: str, key: str) -> None:
 
     config = json.loads((resolve_model_path(path, lambda *_: None, key) / "config.json").read_text())
     arch = config.get("architectures") or []
-    if arch and not any(a.endswith("ForSequenceClassification") or a in OPENRLHF_CLASSES for a in arch):
+    # OpenRLHF's critic is a value model, not a scorer: only its reward model class scores
+    if arch and not any(a.endswith("ForSequenceClassification") or a == OPENRLHF_REWARD_CLASS for a in arch):
         raise not_a_scorer(path, f"its architecture is {arch[0]}")
 
 

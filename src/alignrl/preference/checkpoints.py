@@ -81,8 +81,8 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None) -> in
 
 def _resume_reference(path: Path, state: dict, reference) -> None:
     """The synced reference of a `sync_ref_model` run; a checkpoint and a config that disagree on syncing are one
-    line, as the run would otherwise go on against another reference than the one it trained with (another mix is
-    said, and kept: the reference goes on from the weights the old one moved)."""
+    line, as the run would otherwise go on against another reference than the one it trained with. Another mix of a
+    reference that has moved is said, and kept: the reference goes on from the weights the old one moved."""
     from safetensors.torch import load_file
 
     held = (path / REFERENCE).is_file()

@@ -129,8 +129,8 @@ def parser() -> argparse.ArgumentParser:
 
     p = OneLineParser(prog=PROG, description="reward-model server on OpenRLHF's POST /get_reward "
                       "(openrlhf.cli.serve_rm's flags)")
-    p.add_argument("--reward_pretrain", required=True, help="the reward model: a sequence-classification folder, or one "
-                   "OpenRLHF saved")
+    p.add_argument("--reward_pretrain", required=True, help="the reward model: a sequence-classification folder, or "
+                   "one OpenRLHF saved")
     p.add_argument("--normalize_reward", action="store_true", help="(score - mean) / std of its config.json")
     p.add_argument("--value_head_prefix", default="value_head", help="the head's name in the folder: value_head or "
                    "score, both found without it")
@@ -159,9 +159,8 @@ def flag_problem(args: argparse.Namespace) -> str | None:
         return ("--load_in_4bit: 4-bit loading is not supported by alignrl; drop it (--bf16 halves the memory of "
                 "float32)")
     if args.value_head_prefix not in HEADS:
-        return (f"--value_head_prefix {args.value_head_prefix}: alignrl reads the head transformers' "
-                "sequence-classification model has (score); drop the flag, and save the model with its head "
-                "weight named score.weight")
+        return (f"--value_head_prefix {args.value_head_prefix}: alignrl reads a head named value_head (OpenRLHF's) "
+                "or score (transformers'); drop the flag, and save the model with its head weight under one of them")
     if args.max_len < 1:
         return "--max_len must be at least 1"
     if args.batch_size is not None and args.batch_size < 1:

@@ -40,8 +40,9 @@ class Critic:
 
         def micro_loss(rows, micro: Experience, tokens: float, seqs: float):
             r1 = micro.response_ids.shape[1]
+            # observations are attended; the loss mask leaves them out
             v = self._values(self.engine.module, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
-                             micro.attended, images=micro.images)  # observations are attended; the loss mask leaves them out
+                             micro.attended, images=micro.images)
             loss, m = value_loss(v, old_values[rows, :r1].to(v.device), returns[rows, :r1].to(v.device),
                                  micro.response_mask.float(),
                                  self.cliprange_value, tokens)
