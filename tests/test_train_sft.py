@@ -136,8 +136,10 @@ def test_two_ddp_ranks_give_the_update_of_one_big_batch(tiny_model_dir, tmp_path
         torch.testing.assert_close(ddp[k], one_big_batch[k], rtol=0, atol=1e-6)
 
 
-def test_a_resumed_run_ends_with_the_weights_of_an_unbroken_one(tiny_model_dir, tmp_path):
-    common = ["batch_size=4", "max_steps=4", "learning_rate=1e-3"]
+@pytest.mark.parametrize("lora", [[], ["use_lora=true", "lora_rank=4", "lora_dropout=0.1"]], ids=["full", "lora"])
+def test_a_resumed_run_ends_with_the_weights_of_an_unbroken_one(tiny_model_dir, tmp_path, lora):
+    # LoRA's dropout draws too: a resume repeats them
+    common = ["batch_size=4", "max_steps=4", "learning_rate=1e-3", *lora]
     _run(tiny_model_dir, tmp_path, "whole", "save_steps=2", *common)
     checkpoint = tmp_path / "whole.checkpoints" / "step_2"
     res = _run(tiny_model_dir, tmp_path, "resumed", f"resume_from={checkpoint}", *common)

@@ -67,7 +67,7 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None) -> in
                           f"{STATE}); give a <output_dir>.checkpoints/step_<N> folder")
     state = json.loads((path / STATE).read_text())
     weights = load_file(str(path / WEIGHTS))
-    missing, unexpected = engine.model.load_state_dict(weights, strict=False)
+    missing, unexpected = _load_weights(engine.model, weights)
     if missing or unexpected:
         name = (missing or unexpected)[0]
         raise ConfigError(f"resume_from={folder} was saved from another model or LoRA setting ({name} does not "
@@ -77,6 +77,25 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None) -> in
         lam.state.load_state_dict(state["lambda_state"])
     _resume_reference(path, state, reference)
     return int(state["step"])
+
+
+def _load_weights(model, weights: dict) -> tuple[list[str], list[str]]:
+    """(missing, unexpected) names of the full `weights` loaded into `model`. Under FSDP2 its state dict holds sharded
+    DTensors, which a plain load_state_dict cannot copy full tensors into: each rank copies in its own shard."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    own = model.state_dict()
+    if not any(isinstance(t, DTensor) for t in own.values()):
+        return model.load_state_dict(weights, strict=False)
+    with torch.no_grad():
+        for name, mine in own.items():
+            if name in weights and isinstance(mine, DTensor):
+                full = weights[name].to(device=mine.device, dtype=mine.dtype)
+                mine.to_local().copy_(distribute_tensor(full, mine.device_mesh, mine.placements).to_local())
+            elif name in weights:
+                mine.copy_(weights[name])
+    return [k for k in own if k not in weights], [k for k in weights if k not in own]
 
 
 def _resume_reference(path: Path, state: dict, reference) -> None:

@@ -74,9 +74,12 @@ def train_batches(encoded: list[EncodedRow], pad_id: int, cfg: SFTConfig, env):
     def loader(epoch: int):
         counts = step_tokens(encoded, cfg, env.world_size, epoch)
         mine = pc.micro_batches(len(encoded), cfg, env.world_size, env.rank, epoch)
-        items = [(batch, counts[i // cfg.gradient_accumulation_steps]) for i, batch in enumerate(mine)]
+        items = [(batch, counts[i // cfg.gradient_accumulation_steps], epoch * len(mine) + i)
+                 for i, batch in enumerate(mine)]
+        # a generator of its own: the loader's seed draw leaves the global random state (dropout's) alone
         return DataLoader(items, batch_size=None, num_workers=cfg.num_workers, pin_memory=env.device.type == "cuda",
-                          collate_fn=lambda item: collate_rows([encoded[j] for j in item[0]], pad_id, item[1]))
+                          generator=torch.Generator().manual_seed(cfg.seed),
+                          collate_fn=lambda item: collate_rows([encoded[j] for j in item[0]], pad_id, *item[1:]))
 
     return loader
 
@@ -185,6 +188,8 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
         return {}
 
     def loss(module, batch: SFTBatch, _global_pairs):
+        # LoRA's dropout draws keyed by the micro-batch, not by the random state so far: a resumed run draws the same
+        torch.manual_seed((cfg.seed * 1_000_003 + batch.position * 1_009 + env.rank) % 2**63)
         summed, n = summed_loss(module, batch, cfg, env.device)
         return summed / batch.global_tokens, {"loss": float(summed.detach()) / max(n, 1)}
 

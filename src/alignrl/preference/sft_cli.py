@@ -16,7 +16,8 @@ import json
 from dataclasses import dataclass, fields
 
 from alignrl.config import ConfigError, opt
-from alignrl.preference.cli import COMMANDS, CommonConfig, load_flat_config, make_parser, run_cli, say
+from alignrl.preference.cli import COMMANDS, load_flat_config, make_parser, run_cli, say
+from alignrl.preference.configs import CommonConfig
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,7 @@ FLAG_NAMES = {
     "dataset_text_field": "text_key",
 }
 # switches of theirs that set one of our keys to a value
-SWITCHES = {"pretrain_mode": ("completion_only_loss", "false"), "gradient_checkpointing": ("gradient_checkpointing",
-                                                                                           "true")}
+SWITCHES = {"pretrain_mode": ("completion_only_loss", "false"), "bf16": ("bf16", "true")}
 LEFT_OUT = {
     "train_batch_size": "give the global batch as gradient_accumulation_steps = train_batch_size / "
                         "(micro_train_batch_size × ranks)",
@@ -121,7 +121,7 @@ def flags_as_keys(argv: list[str]) -> list[str]:
             out.append(f"{target}={set_to if on else ('false' if set_to == 'true' else 'true')}")
             i += taken
         elif name and name not in OWN_FLAGS and key in keys:
-            if not eq and nxt is None:
+            if not eq and (nxt is None or nxt.startswith("--")):
                 raise ConfigError(f"--{name} needs a value (--{name} VALUE)")
             value, i = (value, i + 1) if eq else (nxt, i + 2)
             if key == "output_dir":
