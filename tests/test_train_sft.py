@@ -76,6 +76,21 @@ def test_completion_only_loss_trains_the_completion_and_its_eos(tiny_model_dir):
     assert every.n_trained == len(every.ids) - 1  # all but the first token, which nothing predicts
 
 
+def test_verl_parquet_columns_and_message_lists_read_through_the_keys(tiny_model_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "gsm8k.parquet"
+    pq.write_table(pa.table({"question": ["2+2?"], "answer": ["4"]}), path)
+    (row,) = load_rows(str(path), SFTKeys(prompt="question", response="answer"))
+    assert (row.prompt, row.completion, row.loc) == ("2+2?", "4", f"{path} row 0")
+    tok = _tokenizer(tiny_model_dir)
+    listed = SFTRow("x:1", prompt=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}],
+                    completion=[{"role": "assistant", "content": "4"}])
+    (enc,), _, _ = encode_rows(tok, [listed], SFTKeys(), 64)
+    assert tok.decode([t for t, on in zip(enc.ids, enc.trained) if on]) == "4<|im_end|>\n"
+
+
 def test_assistant_turns_of_a_conversation_are_the_trained_spans(tiny_model_dir):
     tok = _tokenizer(tiny_model_dir)
     (enc,), _, _ = encode_rows(tok, [SFTRow("x:1", messages=CHAT)], SFTKeys(), 128)

@@ -81,11 +81,14 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None) -> in
 
 def _load_weights(model, weights: dict) -> tuple[list[str], list[str]]:
     """(missing, unexpected) names of the full `weights` loaded into `model`. Under FSDP2 its state dict holds sharded
-    DTensors, which a plain load_state_dict cannot copy full tensors into: each rank copies in its own shard."""
+    DTensors, which a plain load_state_dict cannot copy full tensors into: each rank copies in its own shard. Under
+    DeepSpeed ZeRO-3 the partitioned weights come back with the engine's own checkpoint (`engine.load_state`)."""
     import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     own = model.state_dict()
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3's partitions: the engine's own state has them
+        return [k for k in own if k not in weights], [k for k in weights if k not in own]
     if not any(isinstance(t, DTensor) for t in own.values()):
         return model.load_state_dict(weights, strict=False)
     with torch.no_grad():
