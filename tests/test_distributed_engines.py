@@ -264,3 +264,13 @@ def test_deepspeeds_deprecated_collective_warnings_are_quiet(monkeypatch):
             warnings.warn(f"`torch.distributed.{name}` is deprecated. Use ...", FutureWarning)
         warnings.warn("`torch.distributed.something_else` is deprecated.", FutureWarning)
     assert [str(w.message) for w in seen] == ["`torch.distributed.something_else` is deprecated."]
+
+
+def test_fsdp2_in_one_process_is_one_line_naming_both_fixes():
+    from alignrl.errors import UserError
+    from alignrl.train.engines.base import OptimSpec
+    from alignrl.train.engines.fsdp2 import FSDP2Engine
+
+    with pytest.raises(UserError, match="launch with torchrun --nproc_per_node=N") as e:
+        FSDP2Engine(torch.nn.Linear(2, 2), OptimSpec(lr=1e-3), SINGLE)
+    assert "\n" not in str(e.value) and "strategy=single" in str(e.value)

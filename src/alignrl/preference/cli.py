@@ -22,7 +22,6 @@ from typing import Any
 from alignrl.config import ConfigError, check_folders, check_ranges
 from alignrl.config.checks import did_you_mean
 from alignrl.errors import UserError
-from alignrl.preference.configs import CommonConfig  # noqa: F401  the configs' home was this module
 from alignrl.preference.configs import DPO_LOSS_NAMES, REFERENCE_FREE, SMOOTHED_LOSSES, DPOConfig, RMConfig
 
 MAPPING_KEYS = ("chat_template_kwargs",)  # the keys whose values are mappings, checked before OmegaConf merges them

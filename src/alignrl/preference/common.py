@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from alignrl.preference.cli import CommonConfig
+from alignrl.preference.configs import CommonConfig
 from alignrl.config import ConfigError
 from alignrl.data.loaders import DataError
 from alignrl.data.preference import PreferenceBatch, collate_pairs

@@ -6,7 +6,7 @@ TRL's `SFTConfig` flag spellings read as its keys.
         --output_key answer --apply_chat_template --max_len 1024 --micro_train_batch_size 4 --save_path models/sft
 
 The keys shared with `alignrl train rm|dpo` (engines, LoRA, checkpoints, evaluation, logging) are
-`preference.cli.CommonConfig`'s, layered the same way: defaults < `--config` YAML < `key=value` < flags. Every key is
+`preference.configs.CommonConfig`'s, layered the same way: defaults < `--config` YAML < `key=value` < flags. Every key is
 also taken as a flag, `--key VALUE` or `--key=VALUE` (a switch bare, or with true/false). Nothing here imports torch.
 """
 

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from alignrl.errors import UserError
 from alignrl.runtime.env import DistEnv
 from alignrl.train.engines.base import (LocalOptimizerEngine, OptimSpec, host_state_dict, load_full_state,
                                         save_full_state, state_dtypes)
@@ -56,8 +57,9 @@ class FSDP2Engine(LocalOptimizerEngine):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if not env.distributed:
-            raise ValueError("trainer.strategy=fsdp2 needs several processes: launch with torchrun "
-                             "--nproc_per_node=N or `alignrl ... --nproc N`, or use trainer.strategy=single")
+            raise UserError("the fsdp2 strategy shards the model over several processes: launch with torchrun "
+                            "--nproc_per_node=N or `alignrl ... --nproc N`, or use the single strategy "
+                            "(trainer.strategy=single; strategy=single for alignrl train rm|dpo|sft)")
         self.env = env
         # a bf16/fp16 model keeps fp32 sharded weights for the optimizer and computes in its own dtype
         # (master.py says why); each weight leaves the engine (published, saved) in its own dtype again
