@@ -197,9 +197,11 @@ def test_a_policy_passed_as_a_reward_model_is_one_line(tiny_model_dir, tmp_path,
 
 
 def test_a_dpo_run_resumed_from_its_checkpoint_ends_where_the_whole_run_does(lora_scorers, tiny_model_dir, tmp_path):
+    """With LoRA's dropout on: the resumed run draws the masks the whole run drew (keyed by the micro-batch)."""
     helpful, harmless = lora_scorers
     base = ["--config", str(REPO / "configs/dpo_config.yaml"), f"model_path={tiny_model_dir}", f"helpful_rm={helpful}",
-            f"harmless_rm={harmless}", "gradient_accumulation_steps=1", "lambda_lr=0.5", "log_every=1", *TINY, *LORA]
+            f"harmless_rm={harmless}", "gradient_accumulation_steps=1", "lambda_lr=0.5", "log_every=1", *TINY, *LORA,
+            "lora_dropout=0.1"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert dpo_main([*base, "--output_dir", str(whole), "--logging_dir", str(tmp_path / "l1"), "save_steps=1"]) == 0
     ckpt = tmp_path / "whole.checkpoints" / "step_1"

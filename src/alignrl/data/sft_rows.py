@@ -209,7 +209,6 @@ class SFTBatch:
     loss_mask: torch.Tensor  # (B, L) bool: token t is a target (predicted at position t - 1)
     index: torch.Tensor  # (B,) long
     global_tokens: float
-    position: int = 0  # which micro-batch of the run this is (epoch and place): what its random draws are keyed by
 
     @property
     def n_rows(self) -> int:
@@ -217,16 +216,16 @@ class SFTBatch:
 
     def to(self, device: torch.device, non_blocking: bool = False) -> SFTBatch:
         return SFTBatch(*(t.to(device, non_blocking=non_blocking) for t in (
-            self.input_ids, self.attention_mask, self.loss_mask, self.index)), self.global_tokens, self.position)
+            self.input_ids, self.attention_mask, self.loss_mask, self.index)), self.global_tokens)
 
     def pin_memory(self) -> SFTBatch:  # called by DataLoader(pin_memory=True)
         return SFTBatch(*(t.pin_memory() for t in (self.input_ids, self.attention_mask, self.loss_mask, self.index)),
-                        self.global_tokens, self.position)
+                        self.global_tokens)
 
 
-def collate_rows(encoded: Sequence[EncodedRow], pad_id: int, global_tokens: float, position: int = 0) -> SFTBatch:
+def collate_rows(encoded: Sequence[EncodedRow], pad_id: int, global_tokens: float) -> SFTBatch:
     ids, mask = right_pad([e.ids for e in encoded], pad_id)
     trained, _ = right_pad([[int(t) for t in e.trained] for e in encoded], 0)
     trained[:, 0] = 0  # nothing predicts a row's first token
     return SFTBatch(ids, mask, trained.bool() & mask, torch.tensor([e.index for e in encoded], dtype=torch.long),
-                    float(global_tokens), position)
+                    float(global_tokens))

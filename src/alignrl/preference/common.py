@@ -225,6 +225,9 @@ def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: C
                 break
             batch = batch.to(env.device, non_blocking=True)
             last = (i + 1) % accum == 0
+            # dropout's draws (LoRA's) keyed by the micro-batch, not by the random state so far: a resumed run, which
+            # skipped the micro-batches before its checkpoint, draws what the whole run drew
+            torch.manual_seed((cfg.seed * 1_000_003 + (epoch * per_epoch * accum + i) * 1_009 + env.rank) % 2**63)
             with engine.micro_batch(last):
                 loss, metrics = loss_fn(engine.module, batch, gpairs)
                 engine.backward(loss, last_micro=last)

@@ -74,8 +74,7 @@ def train_batches(encoded: list[EncodedRow], pad_id: int, cfg: SFTConfig, env):
     def loader(epoch: int):
         counts = step_tokens(encoded, cfg, env.world_size, epoch)
         mine = pc.micro_batches(len(encoded), cfg, env.world_size, env.rank, epoch)
-        items = [(batch, counts[i // cfg.gradient_accumulation_steps], epoch * len(mine) + i)
-                 for i, batch in enumerate(mine)]
+        items = [(batch, counts[i // cfg.gradient_accumulation_steps]) for i, batch in enumerate(mine)]
         # a generator of its own: the loader's seed draw leaves the global random state (dropout's) alone
         return DataLoader(items, batch_size=None, num_workers=cfg.num_workers, pin_memory=env.device.type == "cuda",
                           generator=torch.Generator().manual_seed(cfg.seed),
@@ -187,9 +186,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
             return {"eval/loss": e["loss"], "eval/perplexity": e["perplexity"]}
         return {}
 
-    def loss(module, batch: SFTBatch, _global_pairs):
-        # LoRA's dropout draws keyed by the micro-batch, not by the random state so far: a resumed run draws the same
-        torch.manual_seed((cfg.seed * 1_000_003 + batch.position * 1_009 + env.rank) % 2**63)
+    def loss(module, batch: SFTBatch, _global_pairs):  # dropout's draws are keyed by the micro-batch (train_pairs)
         summed, n = summed_loss(module, batch, cfg, env.device)
         return summed / batch.global_tokens, {"loss": float(summed.detach()) / max(n, 1)}
 
