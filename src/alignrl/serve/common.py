@@ -54,17 +54,22 @@ def base_parser(prog: str, description: str, default_port: int) -> argparse.Argu
 
     p = OneLineParser(prog=prog, description=description)
     p.add_argument("--model", required=True, help="Hugging Face model folder, or 'demo' for the embedded model")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serving_flags(p, default_port)
+    return p
+
+
+def serving_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    """The flags of every model server: where it listens and runs, and how requests join into batches."""
     p.add_argument("--host", default="127.0.0.1",
                    help=f"address to bind (default loopback only; any other host needs {API_KEY_ENV} set)")
     p.add_argument("--port", type=int, default=default_port)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="where the model runs; auto: cuda when available, else cpu")
     p.add_argument("--max_body_mb", type=float, default=64.0, help="largest JSON request body accepted")
     p.add_argument("--max_batch", type=int, default=256, help="most sequences in one model call")
     p.add_argument("--max_request_seqs", type=int, default=1024, help="most sequences one request may ask for")
     p.add_argument("--batch_window_ms", type=float, default=5.0,
                    help="how long to wait for concurrent requests to join a batch")
-    return p
 
 
 def device_of(args: argparse.Namespace) -> str:

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from alignrl.serve.batcher import Batcher, per_job
-from alignrl.serve.common import RequestError, check_args, device_of, fail, new_app, start, unicode_texts
+from alignrl.serve.common import (RequestError, check_args, device_of, fail, new_app, serving_flags, start,
+                                  unicode_texts)
 
 PROG = "alignrl serve reward --protocol openrlhf"
 HEADS = ("value_head", "score")  # OpenRLHF's default name, and the one transformers' classification models use
@@ -125,7 +126,6 @@ def build_app(svc: OpenRLHFRewardModel, max_body: int):
 
 def parser() -> argparse.ArgumentParser:
     from alignrl.runtime.one_line import OneLineParser
-    from alignrl.wire.http_service import API_KEY_ENV
 
     p = OneLineParser(prog=PROG, description="reward-model server on OpenRLHF's POST /get_reward "
                       "(openrlhf.cli.serve_rm's flags)")
@@ -141,15 +141,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--flash_attn", action="store_true", help="accepted; transformers' default attention runs")
     p.add_argument("--load_in_4bit", action="store_true", help="refused: 4-bit loading is not supported")
     p.add_argument("--disable_fast_tokenizer", action="store_true", help="load the slow (Python) tokenizer")
-    p.add_argument("--host", default="127.0.0.1",
-                   help=f"address to bind (default loopback only; any other host needs {API_KEY_ENV} set)")
-    p.add_argument("--port", type=int, default=5000)
-    p.add_argument("--device", default="auto", help="where the model runs; auto: cuda when available, else cpu")
-    p.add_argument("--max_body_mb", type=float, default=64.0, help="largest JSON request body accepted")
-    p.add_argument("--max_batch", type=int, default=256, help="most queries concurrent requests join into")
-    p.add_argument("--max_request_seqs", type=int, default=1024, help="most queries one request may send")
-    p.add_argument("--batch_window_ms", type=float, default=5.0,
-                   help="how long to wait for concurrent requests to join a batch")
+    serving_flags(p, 5000)  # OpenRLHF's default port
     return p
 
 
