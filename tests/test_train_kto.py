@@ -1,0 +1,175 @@
+"""`alignrl train kto`: the loss worked by hand (both labels, weights, z0 clamped, the mismatched pairing), the two
+row layouts, gradient accumulation against one big batch, a run that separates desirable from undesirable rows on
+held-out data, exact resume, LoRA's merged folder, and mistakes as one line."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignrl.config import ConfigError
+from alignrl.core.kto import kto_loss, weight_balance
+from alignrl.data.kto_rows import KTOKeys, collate_rows, encode_rows, load_rows, shifted
+from alignrl.data.loaders import DataError
+from alignrl.preference.kto_cli import kto_main, parse_kto
+
+
+def _sig(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def test_kto_loss_by_hand_both_labels_weights_and_global_rows():
+    pol, ref = torch.tensor([-1.0, -3.0, -2.0]), torch.tensor([-2.0, -2.0, -2.0])  # logratios 1, -1, 0
+    good = torch.tensor([True, False, False])
+    loss, m = kto_loss(pol, ref, good, beta=0.5, kl=0.4, desirable_weight=2.0, undesirable_weight=0.5,
+                       global_rows=6)
+    rows = [2.0 * (1 - _sig(0.5 * (1 - 0.4))), 0.5 * (1 - _sig(0.5 * (0.4 + 1))), 0.5 * (1 - _sig(0.5 * 0.4))]
+    assert loss.item() == pytest.approx(sum(rows) / 6, abs=1e-6)
+    assert m["kto/loss"] == pytest.approx(sum(rows) / 3, abs=1e-6)
+    assert (m["rewards/chosen"], m["rewards/rejected"], m["kl"]) == pytest.approx((0.5, -0.25, 0.4), abs=1e-6)
+    # a negative KL estimate is clamped at 0: the reference point never rewards a row for the policy's drift down
+    clamped, m0 = kto_loss(pol, ref, good, beta=0.5, kl=-3.0)
+    unclamped, _ = kto_loss(pol, ref, good, beta=0.5, kl=0.0)
+    assert m0["kl"] == 0.0 and clamped.item() == pytest.approx(unclamped.item(), abs=1e-7)
+    # split invariance given the same z0: the halves' losses add up to the whole batch's
+    a, _ = kto_loss(pol[:1], ref[:1], good[:1], 0.5, 0.4, 2.0, 0.5, global_rows=3)
+    b, _ = kto_loss(pol[1:], ref[1:], good[1:], 0.5, 0.4, 2.0, 0.5, global_rows=3)
+    whole, _ = kto_loss(pol, ref, good, 0.5, 0.4, 2.0, 0.5, global_rows=3)
+    assert (a + b).item() == pytest.approx(whole.item(), abs=1e-7)
+
+
+def test_kto_gradient_raises_desirable_and_lowers_undesirable_and_z0_gets_none():
+    pol = torch.tensor([-2.0, -2.0], requires_grad=True)
+    kl = torch.tensor(0.3, requires_grad=True)
+    loss, _ = kto_loss(pol, torch.tensor([-2.0, -2.0]), torch.tensor([True, False]), beta=0.1, kl=kl)
+    loss.backward()
+    assert pol.grad[0] < 0 < pol.grad[1] and kl.grad is None  # descent raises log π of the desirable row
+    # at logratio 0: d/dx (1 - σ(β(x - z0))) = -β σ(1 - σ), over the 2 rows
+    s = _sig(0.1 * -0.3)
+    assert pol.grad[0].item() == pytest.approx(-0.1 * s * (1 - s) / 2, abs=1e-7)
+
+
+def test_apo_zero_unpaired_by_hand_and_weight_balance():
+    loss, m = kto_loss(torch.tensor([0.0, 0.0]), torch.tensor([-1.0, 1.0]), torch.tensor([True, False]), beta=1.0,
+                       kl=5.0, loss_type="apo_zero_unpaired")
+    assert loss.item() == pytest.approx(((1 - _sig(1.0)) + _sig(-1.0)) / 2, abs=1e-6) and m["kl"] == 0.0
+    assert weight_balance(4, 3, 1.0, 1.0) == pytest.approx(4 / 3) and weight_balance(3, 0, 1.0, 1.0) is None
+
+
+GOOD, BAD = "glad to help", "go away"
+
+
+def test_mismatched_pairing_is_the_next_rows_completion(tiny_model_dir, tmp_path):
+    from alignrl.models.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir, chat=False)
+    three = [{"prompt": f"p{i}", "completion": word, "label": i == 1} for i, word in enumerate(["one", "two", "three"])]
+    rows = load_rows(_write(tmp_path / "d.jsonl", three), KTOKeys())
+    enc, cut = encode_rows(tok, rows, True, 64)
+    batch = collate_rows(enc, tok.pad_token_id, 3, shifted([e.completion for e in enc]), max_length=64)
+    assert cut == 0 and batch.has_kl and batch.prompt_ids.shape[0] == 6
+    for i in range(3):  # row 3 + i: prompt i with completion i + 1 (the last with the first's)
+        assert torch.equal(batch.prompt_ids[3 + i], batch.prompt_ids[i])
+        assert torch.equal(batch.response_ids[3 + i], batch.response_ids[(i + 1) % 3])
+    assert tok.decode(enc[0].completion) == "one" + tok.eos_token and [e.desirable for e in enc] == [0, 1, 0]
+
+
+# every prompt with a desirable and an undesirable completion, interleaved so that a micro-batch holds both kinds
+ROWS = [{"prompt": f"question {i}", "completion": GOOD if k else BAD, "label": bool(k)}
+        for i in range(8) for k in (1, 0)]
+
+
+def _write(path: Path, rows: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _run(model: Path, tmp: Path, name: str, *extra: str) -> dict:
+    data = _write(tmp / "train.jsonl", ROWS)
+    rc = kto_main([f"model_path={model}", f"train_files=[{data}]", "--output_dir", str(tmp / name), "--logging_dir",
+                   str(tmp / f"logs_{name}"), "report_to=[jsonl]", "log_every=1", *extra])
+    assert rc == 0
+    return json.loads((tmp / name / "eval_results.json").read_text())
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_training_separates_desirable_from_undesirable_on_held_out_rows(tiny_model_dir, tmp_path):
+    paired = _write(tmp_path / "eval.jsonl", [{"prompt": f"question {i}", "chosen": GOOD, "rejected": BAD}
+                                              for i in range(8)])
+    res = _run(tiny_model_dir, tmp_path, "kto", f"eval_files=[{paired}]", "batch_size=8", "epochs=4",
+               "learning_rate=1e-2", "warmup_ratio=0", "beta=0.1")
+    before, after = res["before"], res["after"]
+    assert res["steps"] == 8 and after["rows"] == 16 and after["desirable_rows"] == 8
+    assert before["reward_margin"] == 0.0 and before["kl"] == 0.0  # the policy starts as its reference
+    assert after["reward_margin"] > 0.05 and after["reward_accuracy"] > 0.75 and after["loss"] < before["loss"]
+    rows = [json.loads(line) for line in (tmp_path / "logs_kto" / "metrics.jsonl").read_text().splitlines()]
+    assert {"kto/loss", "rewards/chosen", "rewards/rejected", "kl"} <= set().union(*rows)
+
+
+ONE_STEP = ["max_steps=1", "learning_rate=1e-3", "warmup_ratio=0"]
+
+
+@pytest.mark.parametrize("loss", ["kto", "apo_zero_unpaired"])
+def test_gradient_accumulation_gives_the_update_of_one_big_batch(tiny_model_dir, tmp_path, loss):
+    # kto: z0 is each micro-batch's own estimate (TRL's); on the first step the policy is its reference, so every
+    # split's z0 is 0 and the updates agree. apo_zero_unpaired has no z0: two steps agree too.
+    steps = ["max_steps=1"] if loss == "kto" else ["max_steps=2"]
+    common = [f"loss_type={loss}", "learning_rate=1e-3", "warmup_ratio=0", *steps]
+    _run(tiny_model_dir, tmp_path, "big", "batch_size=4", *common)
+    _run(tiny_model_dir, tmp_path, "accum", "batch_size=2", "gradient_accumulation_steps=2", *common)
+    big, accum, base = _weights(tmp_path / "big"), _weights(tmp_path / "accum"), _weights(tiny_model_dir)
+    assert any(not torch.equal(big[k], base[k]) for k in base)
+    for k in big:
+        torch.testing.assert_close(accum[k], big[k], rtol=0, atol=1e-6)
+
+
+def test_a_resumed_run_ends_with_the_weights_of_an_unbroken_one(tiny_model_dir, tmp_path):
+    common = ["batch_size=4", "max_steps=4", "learning_rate=1e-3", "use_lora=true", "lora_rank=4", "lora_dropout=0.1"]
+    _run(tiny_model_dir, tmp_path, "whole", "save_steps=2", *common)
+    res = _run(tiny_model_dir, tmp_path, "resumed", f"resume_from={tmp_path / 'whole.checkpoints' / 'step_2'}",
+               *common)
+    assert res["steps"] == 4
+    whole, resumed, base = _weights(tmp_path / "whole"), _weights(tmp_path / "resumed"), _weights(tiny_model_dir)
+    assert not (tmp_path / "whole" / "adapter_config.json").exists() and whole.keys() == base.keys()  # merged
+    assert any(not torch.equal(whole[k], base[k]) for k in base)
+    for k in whole:
+        torch.testing.assert_close(resumed[k], whole[k], rtol=0, atol=1e-6)
+
+
+def test_openrlhf_and_trl_flags_read_as_keys(tmp_path):
+    data = _write(tmp_path / "d.jsonl", ROWS)
+    cfg = parse_kto(["--pretrain", "demo", "--dataset", f"{data},{data}", "--input_key", "question", "--output_key",
+                     "answer", "--label_key", "thumbs_up", "--desirable_loss_weight", "1.33", "--max_len", "64",
+                     "--micro_train_batch_size", "2", "--lora_rank", "8", "--beta", "0.05", "--save_steps", "-1"])
+    assert (cfg.train_files, cfg.prompt_key, cfg.completion_key, cfg.label_key) == ([data, data], "question", "answer",
+                                                                                    "thumbs_up")
+    assert (cfg.desirable_weight, cfg.max_length, cfg.batch_size, cfg.beta, cfg.save_steps) == (1.33, 64, 2, 0.05, 0)
+    assert cfg.use_lora and cfg.lora_rank == 8
+    default = parse_kto([f"train_files=[{data}]"])
+    assert (default.beta, default.learning_rate, default.loss_type, default.max_length) == (0.1, 1e-6, "kto", 1024)
+
+
+def test_mistakes_are_one_line(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="batch_size=1"):
+        parse_kto(["train_files=[x.jsonl]", "batch_size=1"])
+    with pytest.raises(ConfigError, match="--input_template: left out"):
+        parse_kto(["--dataset", "x.jsonl", "--input_template", "User: {}"])
+    bad = _write(tmp_path / "bad.jsonl", [ROWS[0], {"prompt": "q", "completion": "a", "label": "maybe"}])
+    with pytest.raises(DataError, match=f"{bad}:2: label must be true or false"):
+        load_rows(bad, KTOKeys())
+    half = _write(tmp_path / "half.jsonl", [{"prompt": "q", "chosen": "a"}])
+    with pytest.raises(DataError, match="half.jsonl:1: paired row is missing rejected"):
+        load_rows(half, KTOKeys())
+    p = subprocess.run([sys.executable, "-m", "alignrl", "train", "kto", f"model_path={tiny_model_dir}",
+                        f"train_files=[{bad}]"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0, p.stderr
+    assert p.stderr.startswith(f"alignrl: error: {bad}:2: label must be true or false")
