@@ -2,7 +2,8 @@
 
 Three row layouts are understood:
 
-* TRL's: `prompt`, `chosen`, `rejected`. Either plain strings, or chat messages: `prompt` a list of
+* TRL's: `prompt`, `chosen`, `rejected` (other column names through `PairColumns`, OpenRLHF's --prompt_key,
+  --chosen_key, --rejected_key). Either plain strings, or chat messages: `prompt` a list of
   {"role", "content"} ending with the user turn and `chosen` / `rejected` lists holding the assistant
   turn (TRL's conversational form). Without a `prompt` key, `chosen` and `rejected` are full texts or
   full conversations and their shared beginning is the prompt (TRL's implicit prompt, as its
@@ -64,16 +65,39 @@ def resolve_data_path(path: str) -> str:
     return path
 
 
+@dataclass(frozen=True)
+class PairColumns:
+    """The columns a TRL-layout row keeps its prompt and responses in (OpenRLHF's --prompt_key, --chosen_key,
+    --rejected_key); the defaults are TRL's fixed names."""
+
+    prompt: str = "prompt"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
+
+    def renamed(self, loc: str, row: dict[str, Any]) -> dict[str, Any]:
+        """`row` with the named columns under TRL's names. A column named but absent is the file's mistake, except
+        the prompt's: without it the responses' shared beginning is the prompt, as TRL's implicit prompt."""
+        theirs = {c: t for c, t in ((self.prompt, "prompt"), (self.chosen, "chosen"), (self.rejected, "rejected"))
+                  if c != t}
+        if not theirs or "response_0" in row or "response_1" in row or "chosen_response" in row:
+            return row  # TRL's names, or the PKU-SafeRLHF / Safe-MM-DPO layouts with their own
+        missing = [f"{c} ({t}_key)" for c, t in theirs.items() if c not in row and t != "prompt"]
+        if missing:
+            raise DataError(f"{loc}: row is missing {', '.join(missing)}; its columns: {', '.join(map(str, row))}")
+        kept = {k: v for k, v in row.items() if k not in theirs.values() and k not in theirs}
+        return {**kept, **{t: row[c] for c, t in theirs.items() if c in row}}
+
+
 def load_pairs(path: str, prefer: str = "better", limit: int | None = None,
-               key: str = "the config's data file key") -> list[PreferencePair]:
+               key: str = "the config's data file key", columns: PairColumns = PairColumns()) -> list[PreferencePair]:
     """Pairs of a .jsonl / .parquet file (or a `builtin:` name) in either layout (see module doc); `key`: the
-    setting that named the file, for the errors."""
+    setting that named the file, for the errors; `columns`: where a TRL-layout row keeps its prompt and responses."""
     if prefer not in ("better", "safer"):
         raise ValueError(f"prefer must be 'better' or 'safer', got {prefer!r}")
     _, rows = _read_rows(resolve_data_path(path), limit, key=key)
     if not rows:
         raise DataError(f"{path}: file has no rows (a preference file needs one pair per line)")
-    return [_pair(loc, row, prefer) for loc, row in rows]
+    return [_pair(loc, columns.renamed(loc, row), prefer) for loc, row in rows]
 
 
 def _text(loc: str, key: str, value: Any) -> str:

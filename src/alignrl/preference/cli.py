@@ -23,6 +23,7 @@ from alignrl.config import ConfigError, check_folders, check_ranges
 from alignrl.config.checks import did_you_mean
 from alignrl.errors import UserError
 from alignrl.preference.configs import DPO_LOSS_NAMES, REFERENCE_FREE, SMOOTHED_LOSSES, DPOConfig, RMConfig
+from alignrl.preference.flag_names import DPO_FLAGS, RM_FLAGS, CommandFlags, epilog, flags_as_keys, spelled_their_way
 
 MAPPING_KEYS = ("chat_template_kwargs",)  # the keys whose values are mappings, checked before OmegaConf merges them
 NOTES_SAID = "ALIGNRL_PREFERENCE_NOTES_SAID"  # set for the ranks of `--nproc`: the parent said the notes already
@@ -52,8 +53,10 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: dict[str, Any]):
-    """Defaults < YAML file < key=value overrides < explicit flags; validated like the RL config."""
+def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: dict[str, Any],
+                     defaults: dict[str, Any] | None = None):
+    """Defaults (the config class's, then `defaults`) < YAML file < key=value overrides < explicit flags; validated
+    like the RL config."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -63,7 +66,7 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
 
     command = "rm" if issubclass(cls, RMConfig) else "dpo"
     try:
-        merged = OmegaConf.structured(cls)
+        merged = OmegaConf.merge(OmegaConf.structured(cls), defaults or {})
         if path:  # the Safe-MM-DPO project's keys become ours; a key written twice is said, the last value kept
             merged = OmegaConf.merge(merged, _mappings_checked(translate(read_yaml(path, say), command), path))
         bad = [o for o in overrides if "=" not in o]
@@ -140,37 +143,36 @@ def _check_meaning(cfg):
 
 def parse_rm(argv: list[str]) -> RMConfig:
     p = make_parser("alignrl train rm", "Train a reward model (Bradley-Terry) or a Safe RLHF cost model.")
+    p.epilog = epilog(RM_FLAGS) + " Keys, data and OpenRLHF's flags: docs/reward-models-and-dpo.md"
     p.add_argument("--task", choices=("helpful", "harmless"))
     p.add_argument("--model_type", choices=("auto", "reward", "cost"))
-    args = p.parse_intermixed_args(argv)  # key=value overrides before, between or after the flags
+    args = p.parse_intermixed_args(flags_as_keys(argv, RMConfig, RM_FLAGS))  # key=value anywhere on the line
     cfg = load_flat_config(RMConfig, args.config, args.overrides, {
         "task": args.task, "model_type": args.model_type, "output_dir": args.output_dir,
         "logging_dir": args.logging_dir})
+    if cfg.task == "harmless" and any(a.partition("=")[0] in ("--dataset", "--dataset_name", "--eval_dataset")
+                                      for a in argv):
+        raise ConfigError("--dataset names a reward model's pairs (task helpful); a cost model's: --task harmless "
+                          "harmless_train_file=FILE harmless_eval_file=FILE")
     if cfg.model_type == "cost" and cfg.task == "helpful" and cfg.helpful_train_file.startswith("builtin:"):
         raise ConfigError("model_type=cost needs safety labels, which the helpful data has none of; use --task harmless")
-    return cfg
+    return _their_way(cfg, argv, RM_FLAGS, "helpful_train_file", "helpful_eval_file")
 
 
 def parse_dpo(argv: list[str]) -> DPOConfig:
     p = make_parser("alignrl train dpo", "DPO, IPO, conservative DPO, hinge, safety-aware DPO and TRL's other "
                     "pairwise losses.")
+    p.epilog = epilog(DPO_FLAGS) + (" A line in OpenRLHF's or TRL's spelling trains loss_type=sigmoid unless it "
+                                    "names one. Keys, data and OpenRLHF's flags: docs/reward-models-and-dpo.md")
     p.add_argument("--loss_type", choices=DPO_LOSS_NAMES)
-    p.add_argument("--precompute_ref_log_probs", action="store_true", default=None)
-    p.add_argument("--sync_ref_model", action="store_true", default=None)
-    p.add_argument("--ref_model_mixup_alpha", type=float)
-    p.add_argument("--ref_model_sync_steps", type=int)
-    p.add_argument("--beta", type=float)
-    p.add_argument("--label_smoothing", type=float)
-    p.add_argument("--nll_loss_coef", "--rpo_alpha", "--cpo_alpha", type=float, dest="nll_loss_coef")  # OpenRLHF, TRL
-    p.add_argument("--simpo_gamma", type=float)
-    args = p.parse_intermixed_args(trl_switches(argv, ("precompute_ref_log_probs", "sync_ref_model")))
+    args = p.parse_intermixed_args(flags_as_keys(argv, DPOConfig, DPO_FLAGS))
+    # OpenRLHF's and TRL's DPO is the sigmoid loss; this command's own default (safe_mm_dpo) needs two scorers
+    their = spelled_their_way(argv, DPO_FLAGS)
     cfg = load_flat_config(DPOConfig, args.config, args.overrides, {
-        "beta": args.beta, "label_smoothing": args.label_smoothing, "nll_loss_coef": args.nll_loss_coef,
-        "simpo_gamma": args.simpo_gamma,
-        "loss_type": args.loss_type, "precompute_ref_log_probs": args.precompute_ref_log_probs,
-        "sync_ref_model": args.sync_ref_model, "ref_model_mixup_alpha": args.ref_model_mixup_alpha,
-        "ref_model_sync_steps": args.ref_model_sync_steps, "output_dir": args.output_dir,
-        "logging_dir": args.logging_dir})
+        "loss_type": args.loss_type, "output_dir": args.output_dir, "logging_dir": args.logging_dir},
+                           {"loss_type": "sigmoid"} if their else None)
+    if their and cfg.loss_type == "sigmoid" and not any("loss_type" in a or a.startswith("--ipo") for a in argv):
+        say("note: loss_type=sigmoid, OpenRLHF's and TRL's DPO loss (this command's own default is safe_mm_dpo)")
     _check_ref_sync(cfg)
     _check_reference_free(cfg)
     if cfg.kl_coeff > 0 and cfg.precompute_ref_log_probs:
@@ -182,28 +184,45 @@ def parse_dpo(argv: list[str]) -> DPOConfig:
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} is read only by loss_type "
                           f"{', '.join(SMOOTHED_LOSSES)}; not {cfg.loss_type}; set label_smoothing=0 or change "
                           "loss_type")
+    return _their_way(cfg, argv, DPO_FLAGS, "train_files", "eval_files")
+
+
+def _their_way(cfg, argv: list[str], table: CommandFlags, train_key: str, eval_key: str):
+    """A run in OpenRLHF's or TRL's spelling names its own data: without a held-out set it holds out its training
+    pairs (OpenRLHF's train_rm holds out some of them), not this command's shipped demo pairs."""
+    if not spelled_their_way(argv, table):
+        return cfg
+    defaults = type(cfg).__dataclass_fields__
+    if "--zero_stage" in argv and cfg.strategy != "deepspeed":
+        say(f"note: zero_stage takes effect under strategy=deepspeed (OpenRLHF's engine); this run uses "
+            f"strategy={cfg.strategy}")
+    train, held_out = getattr(cfg, train_key), getattr(cfg, eval_key)
+    if train != _default(defaults[train_key]) and held_out == _default(defaults[eval_key]):
+        say(f"note: no --eval_dataset: the held-out pairs are the training pairs ({eval_key}={train}; "
+            "max_eval_pairs=N keeps the first N)")
+        return dataclasses.replace(cfg, **{eval_key: train})
     return cfg
 
 
-def trl_switches(argv: list[str], names: tuple[str, ...]) -> list[str]:
-    """TRL's spellings of a switch (HfArgumentParser: `--sync_ref_model True`, `--sync_ref_model=false`) as ours: the
-    bare flag, or the `name=false` override. A bare flag keeps its meaning, also before a `key=value` override."""
-    words = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
-    out, i = [], 0
-    while i < len(argv):
-        flag, eq, given = argv[i].partition("=")
-        name = flag[2:] if flag.startswith("--") else ""
-        value = (words.get(given.lower()) if eq else
-                 words.get(argv[i + 1].lower()) if i + 1 < len(argv) else None) if name in names else None
-        if name in names and eq and value is None:
-            raise ConfigError(f"{argv[i]}: --{name} takes true or false, or nothing (true)")
-        if value is None:
-            out.append(argv[i])
-        else:
-            out.append(flag if value else f"{name}=false")
-            i += 0 if eq else 1
-        i += 1
-    return out
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def with_global_batch(cfg, ranks: int):
+    """OpenRLHF's global batch (`train_batch_size`) as the micro-batches each rank accumulates per optimizer step,
+    once the number of ranks is known."""
+    if not cfg.train_batch_size:
+        return cfg
+    per_pass = cfg.batch_size * ranks
+    steps, rest = divmod(cfg.train_batch_size, per_pass)
+    if rest or not steps:
+        raise ConfigError(f"train_batch_size={cfg.train_batch_size} is not a whole number of batch_size × ranks = "
+                          f"{cfg.batch_size} × {ranks} = {per_pass}; give a multiple of {per_pass}")
+    if cfg.gradient_accumulation_steps not in (1, steps):
+        raise ConfigError(f"train_batch_size={cfg.train_batch_size} means gradient_accumulation_steps={steps} "
+                          f"(batch_size {cfg.batch_size} × {ranks} ranks), not {cfg.gradient_accumulation_steps}; "
+                          "give one of the two")
+    return dataclasses.replace(cfg, gradient_accumulation_steps=steps)
 
 
 def same_model(ref_model_path: str | None, model_path: str) -> bool:
@@ -267,7 +286,8 @@ def run_cli(argv: list[str] | None, command: str) -> int:
             nproc, argv = pop_nproc(argv)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        cfg = parse(argv)
+        # the ranks are known now: `--nproc`, or torchrun's WORLD_SIZE in a rank it started
+        cfg = with_global_batch(parse(argv), nproc or int(os.environ.get("WORLD_SIZE") or 1))
         train = getattr(_load_trainer(module), function)
         if nproc and "WORLD_SIZE" not in os.environ:
             train(cfg, nproc)  # bad data fails here, before any process starts

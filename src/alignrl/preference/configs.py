@@ -31,6 +31,9 @@ class CommonConfig:
     batch_size: int = opt(8, "preference pairs per device per micro-batch", ge=1)
     eval_batch_size: int = opt(16, "pairs per device per evaluation forward", ge=1)
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step", ge=1)
+    train_batch_size: int = opt(0, "the global batch (OpenRLHF's --train_batch_size): sets gradient_accumulation_steps "
+                                   "to train_batch_size / (batch_size × ranks) once the ranks are known; 0: "
+                                   "gradient_accumulation_steps as given", ge=0)
     max_length: int = opt(256, "tokens of prompt + response (prompt keeps at most half, from its end)", ge=8)
     learning_rate: float = opt(1e-4, "peak AdamW learning rate", gt=0.0)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
@@ -75,7 +78,18 @@ class CommonConfig:
 
 
 @dataclass(frozen=True)
-class RMConfig(CommonConfig):
+class PairColumnsConfig(CommonConfig):
+    """The columns of a preference file's TRL-layout rows (OpenRLHF's --prompt_key, --chosen_key, --rejected_key);
+    PKU-SafeRLHF's and the Safe-MM-DPO project's rows keep their own names."""
+
+    prompt_key: str = opt("prompt", "column of a pair's prompt (OpenRLHF: --prompt_key); a row without it takes "
+                                    "the shared beginning of its two responses as the prompt")
+    chosen_key: str = opt("chosen", "column of the preferred response (OpenRLHF: --chosen_key)")
+    rejected_key: str = opt("rejected", "column of the dispreferred response (OpenRLHF: --rejected_key)")
+
+
+@dataclass(frozen=True)
+class RMConfig(PairColumnsConfig):
     task: str = opt("helpful", "which preference data (--task): helpful or harmless", choices=("helpful", "harmless"))
     model_type: str = opt("auto", "reward (Bradley-Terry) or cost (Safe RLHF cost model); auto: helpful → reward, "
                                   "harmless → cost", choices=("auto", "reward", "cost"))
@@ -91,7 +105,7 @@ class RMConfig(CommonConfig):
 
 
 @dataclass(frozen=True)
-class DPOConfig(CommonConfig):
+class DPOConfig(PairColumnsConfig):
     ref_model_path: str | None = opt(None, "frozen reference model; default: the initial weights of model_path")
     train_files: list = opt(["builtin:helpful", "builtin:harmless"], "preference files trained on (concatenated)")
     eval_files: list = opt(["builtin:helpful_test", "builtin:harmless_test"], "held-out preference files")

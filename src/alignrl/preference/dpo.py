@@ -50,7 +50,7 @@ from alignrl.preference.rm import check_scorer_kind, score_info
 from alignrl.preference.safe_mm import LambdaSchedule
 from alignrl.config import ConfigError
 from alignrl.core.preference import DPO_LOSSES, reward_accuracy
-from alignrl.data.preference import encode_pairs, load_pairs, truncation_note
+from alignrl.data.preference import PairColumns, encode_pairs, load_pairs, truncation_note
 
 
 def check_scorers(cfg: DPOConfig) -> None:
@@ -77,7 +77,8 @@ def check_scorers(cfg: DPOConfig) -> None:
 def _load(files: list[str], cfg: DPOConfig, limit: int, key: str) -> tuple[list, list[int]]:
     pairs, group = [], []
     for g, f in enumerate(files):
-        got = load_pairs(f, cfg.prefer, limit or None, key)
+        columns = PairColumns(cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
+        got = load_pairs(f, cfg.prefer, limit or None, key, columns)
         pairs += got
         group += [g] * len(got)
     return pairs, group

@@ -39,7 +39,7 @@ from alignrl.preference.cli import RMConfig
 from alignrl.config import ConfigError
 from alignrl.core.preference import bradley_terry_loss, reward_accuracy, safe_rlhf_cost_loss
 from alignrl.data.collate import position_ids
-from alignrl.data.preference import encode_pairs, load_pairs, require_safety_labels, truncation_note
+from alignrl.data.preference import PairColumns, encode_pairs, load_pairs, require_safety_labels, truncation_note
 from alignrl.models.folder import SCORE_INFO
 
 # What each scorer key takes, as the (model_type, task) pairs of SCORE_INFO that fit it (task None: any), what
@@ -222,8 +222,9 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     model_type = _model_type(cfg)
     train_file, eval_file = _files(cfg)
     prefer = "safer" if cfg.task == "harmless" else "better"
-    train_pairs = load_pairs(train_file, prefer, cfg.max_train_pairs or None, f"{cfg.task}_train_file")
-    eval_pairs = load_pairs(eval_file, prefer, cfg.max_eval_pairs or None, f"{cfg.task}_eval_file")
+    columns = PairColumns(cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
+    train_pairs = load_pairs(train_file, prefer, cfg.max_train_pairs or None, f"{cfg.task}_train_file", columns)
+    eval_pairs = load_pairs(eval_file, prefer, cfg.max_eval_pairs or None, f"{cfg.task}_eval_file", columns)
     if model_type == "cost":
         require_safety_labels(train_pairs, train_file)
         require_safety_labels(eval_pairs, eval_file)

@@ -1,0 +1,212 @@
+"""OpenRLHF's and TRL's flag spellings of the offline trainers' config keys (`alignrl train sft|rm|dpo`), read as
+`key=value` overrides before the command's parser sees the line.
+
+    alignrl train dpo --pretrain Qwen/Qwen2.5-0.5B-Instruct --dataset data/pairs.jsonl --beta 0.1 --max_len 1024 \\
+        --micro_train_batch_size 2 --train_batch_size 16 --save_path models/dpo
+
+`COMMON_NAMES` holds the names every offline command shares (model, output, lengths, batches, optimizer, LoRA,
+logging); each command adds its own table (`CommandFlags`): its data flags, switches that set a key to a value,
+flags it leaves out (refused in one line saying why) and flags that change nothing here (accepted with a note).
+Every config key is also a flag under its own name: `--key VALUE`, `--key=VALUE`, a switch bare or with true/false
+(TRL's `--gradient_checkpointing True`). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+
+from alignrl.config import ConfigError
+
+# OpenRLHF's and TRL's names of keys every offline command has (a name already ours needs no entry)
+COMMON_NAMES = {
+    "pretrain": "model_path", "model_name_or_path": "model_path", "save_path": "output_dir",
+    "max_len": "max_length", "max_epochs": "epochs", "num_train_epochs": "epochs",
+    "micro_train_batch_size": "batch_size", "per_device_train_batch_size": "batch_size",
+    "per_device_eval_batch_size": "eval_batch_size", "micro_eval_batch_size": "eval_batch_size",
+    "max_samples": "max_train_pairs", "l2": "weight_decay", "max_norm": "grad_clip", "max_grad_norm": "grad_clip",
+    "lr_warmup_ratio": "warmup_ratio", "lr_scheduler_type": "lr_scheduler", "logging_steps": "log_every",
+    "target_modules": "lora_target_modules", "lora_r": "lora_rank", "use_peft": "use_lora",
+}
+# switches of theirs that set one of our keys to a value (`bf16` is a three-way setting here: auto/true/false)
+COMMON_SWITCHES = {"bf16": ("bf16", "true")}
+COMMON_LEFT_OUT = {
+    "packing_samples": "packing is left out: rows train padded",
+    "packing": "packing is left out: rows train padded",
+    "load_checkpoint": "resume with resume_from=<output_dir>.checkpoints/step_N",
+    "ckpt_path": "checkpoints go to <output_dir>.checkpoints (save_steps), resumed with resume_from",
+}
+COMMON_IGNORED = ("flash_attn", "adam_offload", "disable_fast_tokenizer", "use_tensorboard")  # no effect on training
+# their scheduler names of ours: OpenRLHF's cosine_with_min_lr is this cosine (its floor is min_lr_ratio's 0.1)
+VALUE_NAMES = {("lr_scheduler", "cosine_with_min_lr"): "cosine", ("lr_scheduler", "constant_with_warmup"): "constant"}
+LIST_KEYS = ("train_files", "eval_files")  # keys that take OpenRLHF's comma-separated file lists
+OWN_FLAGS = ("config", "logging_dir", "nproc", "help")  # the parser's own flags, never config keys
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "1"), ("false", "no", "0")
+
+
+@dataclass(frozen=True)
+class CommandFlags:
+    """One command's flag table on top of the common one."""
+
+    names: dict[str, str]  # their flag name -> our key
+    switches: dict[str, tuple[str, str]] = field(default_factory=dict)  # their switch -> (our key, value when on)
+    left_out: dict[str, str] = field(default_factory=dict)  # flag -> why it is refused
+    ignored: tuple[str, ...] = ()  # flags that change nothing here: accepted, said once
+    always: dict[str, str] = field(default_factory=dict)  # switches naming what happens here anyway -> why
+    parsed: tuple[str, ...] = ()  # flags the command's own parser reads (choices): passed on as given
+    # flags of theirs that name what happens here anyway: flag -> (the values accepted, what happens here)
+    accepted: dict[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
+
+    def all_names(self) -> dict[str, str]:
+        return {**COMMON_NAMES, **self.names}
+
+    def all_switches(self) -> dict[str, tuple[str, str]]:
+        return {**COMMON_SWITCHES, **self.switches}
+
+    def all_left_out(self) -> dict[str, str]:
+        return {**COMMON_LEFT_OUT, **self.left_out}
+
+    def all_ignored(self) -> tuple[str, ...]:
+        return COMMON_IGNORED + self.ignored
+
+
+def _switch_keys(config_class: type) -> set[str]:
+    return {f.name for f in fields(config_class) if f.type in (bool, "bool", "bool | None")}
+
+
+def _list_value(value: str) -> str:
+    """OpenRLHF's comma-separated file list (`--dataset a.jsonl,b.jsonl`) as a list override; `[...]` as given."""
+    if value.startswith("["):
+        return value
+    return json.dumps([v for v in value.split(",") if v])
+
+
+def _switch(word: str, name: str, value: str | None, nxt: str | None) -> tuple[bool, int]:
+    """(on or off, words taken) of a switch: bare, `--name=true|false`, or `--name true|false` (TRL's spelling)."""
+    taken = value is None and nxt is not None and nxt.lower() in TRUE_WORDS + FALSE_WORDS
+    given = value if value is not None else (nxt if taken else "true")
+    if given.lower() not in TRUE_WORDS + FALSE_WORDS:
+        raise ConfigError(f"{word}: --{name} takes true or false, or nothing (true)")
+    return given.lower() in TRUE_WORDS, 2 if taken else 1
+
+
+def _switched(target: str, set_to: str, on: bool) -> list[str]:
+    """The override of a switch: its value when on; off, the other boolean, or nothing for a switch that picks a
+    value (`--ipo false` leaves loss_type as it is)."""
+    if on:
+        return [f"{target}={set_to}"]
+    return [f"{target}={'false' if set_to == 'true' else 'true'}"] if set_to in ("true", "false") else []
+
+
+def _valued(key: str, name: str, value: str, lora_given: bool) -> list[str]:
+    """The overrides of `--name VALUE` for our key `key`."""
+    if key in ("save_steps", "eval_steps") and value.strip() == "-1":  # OpenRLHF's "never"; ours is 0
+        value = "0"
+    value = VALUE_NAMES.get((key, value.strip()), value)
+    if name == "lora_rank" and value.strip() == "0":  # OpenRLHF's "no LoRA"; our rank is at least 1
+        return [] if lora_given else ["use_lora=false"]
+    out = [f"{key}={_list_value(value) if key in LIST_KEYS else value}"]
+    if name == "lora_rank" and not lora_given and value.strip().isdigit():  # OpenRLHF has no switch of its own
+        out.append("use_lora=true")
+    return out
+
+
+def spelled_their_way(argv: list[str], own_names: CommandFlags) -> bool:
+    """Whether the line names a flag by OpenRLHF's or TRL's name that is not a key of ours (`--pretrain`,
+    `--model_name_or_path`, `--dataset`, `--max_len`, ...): a run written for their scripts."""
+    theirs = {k for k, v in own_names.all_names().items() if k != v} | set(own_names.switches)
+    return any(a.startswith("--") and a[2:].partition("=")[0] in theirs for a in argv)
+
+
+def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) -> list[str]:
+    """`--name VALUE`, `--name=VALUE` and bare switches of OpenRLHF's, TRL's or our own key names as `key=value`
+    overrides, placed after the line's own `key=value` words so that a flag wins over an override, as the
+    commands' layering says. `--lora_rank N` switches LoRA on (N > 0) or off (0) unless use_lora is given, as
+    OpenRLHF has no switch of its own. Our own flags, overrides and unknown flags pass through for the parser."""
+    from alignrl.preference.cli import say  # cli imports this module
+
+    keys, switches = {f.name for f in fields(config_class)}, _switch_keys(config_class)
+    names, their_switches = own_names.all_names(), own_names.all_switches()
+    left_out, ignored = own_names.all_left_out(), own_names.all_ignored()
+    lora_given = any(a.startswith(("--use_lora", "use_lora=", "--use_peft")) for a in argv)
+    passed, overrides, i = [], [], 0
+    while i < len(argv):
+        word, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        name, eq, value = word[2:].partition("=") if word.startswith("--") else ("", "", "")
+        key = names.get(name, name)
+        if name in left_out:
+            raise ConfigError(f"--{name}: {left_out[name]}")
+        if not name or name in OWN_FLAGS or name in own_names.parsed:
+            passed.append(word)  # our own flags, overrides, and what the parser reads itself
+            i += 1
+        elif name in own_names.accepted:
+            if not eq and (nxt is None or nxt.startswith("--")):
+                raise ConfigError(f"--{name} needs a value (--{name} VALUE)")
+            value, i = (value, i + 1) if eq else (nxt, i + 2)
+            values, why = own_names.accepted[name]
+            if value not in values:
+                raise ConfigError(f"--{name} {value}: {why}; give {' or '.join(values)}, or leave the flag out")
+        elif name in ignored or name in own_names.always:
+            on, taken = _switch(word, name, value if eq else None, nxt)
+            if name in ignored:
+                say(f"note: --{name} changes nothing here and is ignored")
+            elif not on:
+                raise ConfigError(f"--{name} false: {own_names.always[name]}")
+            i += taken
+        elif name in their_switches or key in switches:
+            on, taken = _switch(word, name, value if eq else None, nxt)
+            overrides += _switched(*their_switches.get(name, (key, "true")), on)
+            i += taken
+        elif key in keys:
+            if not eq and (nxt is None or nxt.startswith("--")):
+                raise ConfigError(f"--{name} needs a value (--{name} VALUE)")
+            value, i = (value, i + 1) if eq else (nxt, i + 2)
+            if key == "output_dir":
+                passed += ["--output_dir", value]
+            else:
+                overrides += _valued(key, name, value, lora_given)
+        else:  # not a key of this command: the parser names it as unknown
+            passed.append(word)
+            i += 1
+    return passed + overrides
+
+
+# OpenRLHF's pair-data flags the offline pair trainers (rm, dpo) leave out, and the one they take as given
+PAIR_LEFT_OUT = {
+    "input_template": "prompts are rendered with the tokenizer's chat template; a plain-text template is left out",
+    "tokenizer_chat_template": "the tokenizer's own chat template renders the prompts (save another in the model "
+                               "folder's tokenizer_config.json)",
+    "dataset_probs": "files are concatenated; per-file sampling probabilities are left out",
+    "load_in_4bit": "4-bit loading is left out (--bf16 halves the memory of float32)",
+    "max_prompt_length": "the prompt keeps at most half of max_length (its end)",
+}
+PAIR_ALWAYS = {"apply_chat_template": "a pair's prompt is always rendered with the tokenizer's chat template here"}
+# TRL's evaluation schedule: held-out pairs are measured before and after training, and every eval_steps
+EVAL_STRATEGY = ("no", "steps", "epoch")
+
+RM_FLAGS = CommandFlags(
+    names={"dataset": "helpful_train_file", "dataset_name": "helpful_train_file",
+           "eval_dataset": "helpful_eval_file"},
+    left_out=PAIR_LEFT_OUT, ignored=("compute_fp32_loss",), always=PAIR_ALWAYS, parsed=("task", "model_type"),
+    accepted={"value_head_prefix": (("value_head", "score"), "alignrl saves the head as score (transformers' name) "
+                                                             "and reads value_head (OpenRLHF's) or score"),
+              "loss": (("sigmoid",), "the reward model trains with the Bradley-Terry loss -log σ(r_chosen - "
+                                     "r_rejected), OpenRLHF's sigmoid"),
+              "eval_strategy": (EVAL_STRATEGY, "held-out pairs are measured before and after training and every "
+                                               "eval_steps")})
+DPO_FLAGS = CommandFlags(
+    names={"dataset": "train_files", "dataset_name": "train_files", "eval_dataset": "eval_files",
+           "ref_pretrain": "ref_model_path", "rpo_alpha": "nll_loss_coef", "cpo_alpha": "nll_loss_coef"},
+    switches={"ipo": ("loss_type", "ipo")}, left_out=PAIR_LEFT_OUT, ignored=("ref_offload",), always=PAIR_ALWAYS,
+    parsed=("loss_type",),
+    accepted={"eval_strategy": (EVAL_STRATEGY, "held-out pairs are measured before and after training and every "
+                                               "eval_steps")})
+
+
+def epilog(own_names: CommandFlags) -> str:
+    """The --help lines of a command's flag names."""
+    renamed = ", ".join(f"--{k} -> {v}" for k, v in own_names.all_names().items() if k != v)
+    switched = ", ".join(f"--{k} -> {v[0]}={v[1]}" for k, v in own_names.switches.items())
+    return (f"Every key is also a flag (--key VALUE, a switch bare or with true/false). OpenRLHF's and TRL's names: "
+            f"{renamed}{'; ' + switched if switched else ''}; --train_batch_size N sets gradient_accumulation_steps "
+            "= N / (batch_size × ranks); --lora_rank N switches LoRA on (N > 0) or off (0).")

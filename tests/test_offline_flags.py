@@ -1,0 +1,163 @@
+"""OpenRLHF's `train_dpo` / `train_rm` and TRL's DPO and reward-modeling script flags on `alignrl train dpo|rm`:
+their spellings parse to our keys, their scripts train, their global batch becomes gradient accumulation, their
+column names load, and what is left out is refused in one line."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from alignrl.config import ConfigError
+from alignrl.data.loaders import DataError
+from alignrl.data.preference import PairColumns, load_pairs
+from alignrl.preference.cli import dpo_main, parse_dpo, parse_rm, rm_main, with_global_batch
+from alignrl.preference.sft_cli import parse_sft
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _conversation(question: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+def _write(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _openrlhf_pairs(tmp_path: Path) -> str:
+    """OpenRLHF's preference_dataset_mixture layout: chosen and rejected are whole conversations, no prompt column."""
+    rows = [{"chosen": _conversation(f"What is {i} + {i}?", f"It is {2 * i}."),
+             "rejected": _conversation(f"What is {i} + {i}?", "I do not know.")} for i in range(4)]
+    return _write(tmp_path / "pairs.jsonl", rows)
+
+
+def _renamed_pairs(tmp_path: Path) -> str:
+    rows = [{"question": f"Name colour {i}.", "good": "Blue.", "bad": "Seven.", "prompt": "not this one"}
+            for i in range(4)]
+    return _write(tmp_path / "renamed.jsonl", rows)
+
+
+def _dpo_script(model: Path, data: str, out: Path) -> list[str]:
+    """The DPO example of OpenRLHF's README, pointed at local files."""
+    return ["--save_path", str(out), "--save_steps", "-1", "--logging_steps", "1", "--eval_steps", "-1",
+            "--micro_train_batch_size", "1", "--pretrain", str(model), "--bf16", "--max_epochs", "1", "--max_len",
+            "8192", "--zero_stage", "3", "--learning_rate", "5e-7", "--beta", "0.1", "--dataset", data,
+            "--apply_chat_template", "--chosen_key", "chosen", "--rejected_key", "rejected", "--flash_attn",
+            "--gradient_checkpointing"]
+
+
+def test_openrlhf_dpo_script_parses_and_trains_a_step(tiny_model_dir, tmp_path, capsys):
+    data, out = _openrlhf_pairs(tmp_path), tmp_path / "dpo"
+    cfg = parse_dpo(_dpo_script(tiny_model_dir, data, out))
+    assert (cfg.model_path, cfg.output_dir, cfg.train_files) == (str(tiny_model_dir), str(out), [data])
+    assert (cfg.batch_size, cfg.max_length, cfg.epochs, cfg.learning_rate, cfg.beta) == (1, 8192, 1, 5e-7, 0.1)
+    assert (cfg.save_steps, cfg.eval_steps, cfg.log_every, cfg.zero_stage, cfg.bf16) == (0, 0, 1, 3, "true")
+    assert cfg.gradient_checkpointing and cfg.loss_type == "sigmoid"  # theirs, not this command's safe_mm_dpo
+    assert cfg.eval_files == [data]  # no --eval_dataset: their own pairs are held out, not the shipped demo ones
+    err = capsys.readouterr().err
+    assert "note: loss_type=sigmoid" in err and "--flash_attn changes nothing" in err
+    assert dpo_main([*_dpo_script(tiny_model_dir, data, out), "--logging_dir", str(tmp_path / "logs"),
+                     "max_steps=1"]) == 0
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["steps"] == 1 and (out / "config.json").is_file()
+
+
+def test_openrlhf_rm_script_with_renamed_columns_trains_a_step(tiny_model_dir, tmp_path):
+    data, out = _renamed_pairs(tmp_path), tmp_path / "rm"
+    argv = ["--pretrain", str(tiny_model_dir), "--value_head_prefix", "score", "--dataset", data, "--eval_dataset",
+            data, "--prompt_key", "question", "--chosen_key", "good", "--rejected_key", "bad", "--max_len", "64",
+            "--micro_train_batch_size", "2", "--train_batch_size", "4", "--max_samples", "4", "--save_path", str(out),
+            "--logging_dir", str(tmp_path / "logs"), "--l2", "0.01", "--lr_scheduler", "cosine_with_min_lr",
+            "--loss", "sigmoid", "--apply_chat_template"]
+    cfg = parse_rm(argv)
+    assert (cfg.task, cfg.model_type, cfg.helpful_train_file, cfg.helpful_eval_file) == ("helpful", "auto", data, data)
+    assert (cfg.prompt_key, cfg.chosen_key, cfg.rejected_key) == ("question", "good", "bad")
+    assert (cfg.batch_size, cfg.train_batch_size, cfg.max_train_pairs, cfg.weight_decay) == (2, 4, 4, 0.01)
+    assert cfg.lr_scheduler == "cosine"
+    assert rm_main(argv) == 0
+    results = json.loads((out / "eval_results.json").read_text())
+    assert (results["model_type"], results["steps"], results["effective_batch"]) == ("reward", 1, 4)
+
+
+def test_train_batch_size_becomes_accumulation_once_the_ranks_are_known(tmp_path, capsys):
+    line = ["--micro_train_batch_size", "2", "--train_batch_size", "8"]
+    assert with_global_batch(parse_dpo(line), 1).gradient_accumulation_steps == 4
+    assert with_global_batch(parse_dpo(line), 2).gradient_accumulation_steps == 2
+    assert with_global_batch(parse_rm(line), 2).gradient_accumulation_steps == 2
+    sft_rows = _write(tmp_path / "sft.jsonl", [{"prompt": "q", "completion": "a"}])
+    assert with_global_batch(parse_sft(["--dataset", sft_rows, *line]), 4).gradient_accumulation_steps == 1
+    assert with_global_batch(parse_dpo(["batch_size=2"]), 2).gradient_accumulation_steps == 1  # none given
+    with pytest.raises(ConfigError, match=r"train_batch_size=8 is not a whole number of batch_size × ranks = "
+                                          r"2 × 3 = 6"):
+        with_global_batch(parse_dpo(line), 3)
+    with pytest.raises(ConfigError, match="means gradient_accumulation_steps=2 .* not 3; give one of the two"):
+        with_global_batch(parse_dpo([*line, "gradient_accumulation_steps=3"]), 2)
+    capsys.readouterr()
+    # refused before any process starts: --nproc's ranks count
+    assert rm_main([*line, "--train_batch_size", "6", "--nproc", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("alignrl: error: train_batch_size=6 is not a whole number of batch_size × ranks = 2 × 2 = 4; "
+                   "give a multiple of 4")
+
+
+def test_renamed_pair_columns_load_and_other_layouts_keep_their_names(tmp_path):
+    data = _renamed_pairs(tmp_path)
+    pair = load_pairs(data, columns=PairColumns("question", "good", "bad"))[0]
+    assert (pair.prompt, pair.chosen, pair.rejected) == ([{"role": "user", "content": "Name colour 0."}], "Blue.",
+                                                         "Seven.")
+    swapped = load_pairs(data, columns=PairColumns("question", "bad", "good"))[0]
+    assert (swapped.chosen, swapped.rejected) == ("Seven.", "Blue.")
+    with pytest.raises(DataError, match=r"renamed.jsonl:1: row is missing better \(chosen_key\), worse "
+                                        r"\(rejected_key\); its columns: question, good, bad, prompt"):
+        load_pairs(data, columns=PairColumns("question", "better", "worse"))
+    pku = _write(tmp_path / "pku.jsonl", [{"prompt": "p", "response_0": "a", "response_1": "b",
+                                           "better_response_id": 1, "safer_response_id": 0}])
+    assert load_pairs(pku, columns=PairColumns("question", "good", "bad"))[0].chosen == "b"
+    implicit = load_pairs(_openrlhf_pairs(tmp_path), columns=PairColumns("no_such_prompt"))[0]
+    assert implicit.prompt == [{"role": "user", "content": "What is 0 + 0?"}] and implicit.chosen == "It is 0."
+
+
+def test_trl_spellings_parse(tmp_path):
+    data = _openrlhf_pairs(tmp_path)
+    cfg = parse_dpo(["--model_name_or_path", "demo", "--dataset_name", data, "--per_device_train_batch_size", "2",
+                     "--gradient_accumulation_steps", "4", "--num_train_epochs", "2", "--learning_rate", "5.0e-6",
+                     "--gradient_checkpointing", "True", "--logging_steps", "25", "--eval_strategy", "steps",
+                     "--eval_steps", "50", "--output_dir", str(tmp_path / "o"), "--use_peft", "--lora_r", "32",
+                     "--lora_alpha", "16", "--rpo_alpha", "0.5", "--max_grad_norm", "0.5", "--lr_scheduler_type",
+                     "constant", "--per_device_eval_batch_size", "4", "--bf16", "False"])
+    assert (cfg.train_files, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.epochs) == ([data], 2, 4, 2)
+    assert (cfg.log_every, cfg.eval_steps, cfg.use_lora, cfg.lora_rank, cfg.lora_alpha) == (25, 50, True, 32, 16)
+    assert (cfg.nll_loss_coef, cfg.grad_clip, cfg.lr_scheduler, cfg.eval_batch_size) == (0.5, 0.5, "constant", 4)
+    assert (cfg.loss_type, cfg.bf16, cfg.gradient_checkpointing) == ("sigmoid", "false", True)
+    assert parse_dpo(["--pretrain", "demo", "--ipo"]).loss_type == "ipo"  # OpenRLHF's switch
+    assert parse_dpo(["--pretrain", "demo", "--loss_type", "hinge"]).loss_type == "hinge"
+    assert parse_dpo(["--ref_pretrain", "demo"]).ref_model_path == "demo"
+    assert parse_dpo(["beta=0.2"]).loss_type == "safe_mm_dpo"  # our own spelling keeps our default
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("loss_type: ipo\n")
+    assert parse_dpo(["--config", str(yaml), "--pretrain", "demo"]).loss_type == "ipo"  # a YAML's loss stays
+    assert parse_dpo(["--max_len", "64", "max_length=32"]).max_length == 64  # a flag wins over an override
+    rm = parse_rm(["--model_name_or_path", "demo", "--dataset_name", data, "--lora_rank", "0"])
+    assert (rm.helpful_train_file, rm.helpful_eval_file, rm.use_lora) == (data, data, False)
+
+
+@pytest.mark.parametrize("parse, argv, expect", [
+    (parse_dpo, ["--pretrain", "demo", "--bogus_flag", "1"], "unrecognized arguments: --bogus_flag"),
+    (parse_dpo, ["--input_template", "User: {}"], "--input_template: prompts are rendered with the tokenizer's chat"),
+    (parse_dpo, ["--apply_chat_template", "false"], "--apply_chat_template false: a pair's prompt is always"),
+    (parse_dpo, ["--max_len"], "--max_len needs a value"),
+    (parse_rm, ["--value_head_prefix", "head"], "--value_head_prefix head: alignrl saves the head as score"),
+    (parse_rm, ["--loss", "logexpsigmoid"], "--loss logexpsigmoid: the reward model trains with the Bradley-Terry"),
+    (parse_rm, ["--dataset", "x.jsonl", "--task", "harmless"], "--dataset names a reward model's pairs"),
+    (parse_rm, ["--packing_samples"], "--packing_samples: packing is left out"),
+])
+def test_wrong_flags_are_one_line(parse, argv, expect):
+    with pytest.raises(ConfigError) as e:
+        parse(argv)
+    assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_wrong_flag_exits_2_with_one_line(capsys):
+    assert dpo_main(["--pretrain", "demo", "--ipo", "--beta", "0.1", "--max_norm"]) == 2
+    assert capsys.readouterr().err.strip() == "alignrl: error: --max_norm needs a value (--max_norm VALUE)"
