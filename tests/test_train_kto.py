@@ -132,9 +132,30 @@ def test_gradient_accumulation_gives_the_update_of_one_big_batch(tiny_model_dir,
         torch.testing.assert_close(accum[k], big[k], rtol=0, atol=1e-6)
 
 
-def test_a_resumed_run_ends_with_the_weights_of_an_unbroken_one(tiny_model_dir, tmp_path):
-    common = ["batch_size=4", "max_steps=4", "learning_rate=1e-3", "use_lora=true", "lora_rank=4", "lora_dropout=0.1"]
+def test_two_ddp_ranks_give_the_update_of_one_big_batch(tiny_model_dir, tmp_path):
+    import os
+
+    from conftest import run_group
+
+    _run(tiny_model_dir, tmp_path, "big", "batch_size=4", *ONE_STEP)
+    data = _write(tmp_path / "train.jsonl", ROWS)
+    p = run_group([sys.executable, "-m", "alignrl", "train", "kto", "--nproc", "2", f"model_path={tiny_model_dir}",
+                   f"train_files=[{data}]", "--output_dir", str(tmp_path / "ddp"), "--logging_dir",
+                   str(tmp_path / "logs"), "report_to=[jsonl]", "batch_size=2", "strategy=ddp", *ONE_STEP], 120,
+                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert json.loads((tmp_path / "ddp" / "eval_results.json").read_text())["world_size"] == 2
+    ddp, big = _weights(tmp_path / "ddp"), _weights(tmp_path / "big")
+    for k in big:
+        torch.testing.assert_close(ddp[k], big[k], rtol=0, atol=1e-6)
+
+
+def test_a_resumed_run_ends_with_the_weights_of_an_unbroken_one(tiny_model_dir, tmp_path, capsys):
+    common = ["batch_size=4", "max_steps=4", "learning_rate=1e-3", "use_lora=true", "lora_rank=4", "lora_dropout=0.1",
+              "undesirable_weight=1.5"]
     _run(tiny_model_dir, tmp_path, "whole", "save_steps=2", *common)
+    # 8 desirable rows × 1.0 against 8 × 1.5: outside the KTO paper's [1, 4/3], said in one line with a range
+    assert "= 0.667, outside the recommended [1, 4/3]; e.g. desirable_weight in [1.5, 2]" in capsys.readouterr().out
     res = _run(tiny_model_dir, tmp_path, "resumed", f"resume_from={tmp_path / 'whole.checkpoints' / 'step_2'}",
                *common)
     assert res["steps"] == 4
