@@ -133,6 +133,7 @@ def test_trl_spellings_parse(tmp_path):
     assert parse_dpo(["--pretrain", "demo", "--ipo"]).loss_type == "ipo"  # OpenRLHF's switch
     assert parse_dpo(["--pretrain", "demo", "--loss_type", "hinge"]).loss_type == "hinge"
     assert parse_dpo(["--ref_pretrain", "demo"]).ref_model_path == "demo"
+    assert parse_dpo(["--use_wandb", "KEY", "--use_tensorboard", "logs/tb"]).model_path == "demo"  # ignored, noted
     assert parse_dpo(["beta=0.2"]).loss_type == "safe_mm_dpo"  # our own spelling keeps our default
     yaml = tmp_path / "c.yaml"
     yaml.write_text("loss_type: ipo\n")

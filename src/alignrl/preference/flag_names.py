@@ -36,7 +36,10 @@ COMMON_LEFT_OUT = {
     "load_checkpoint": "resume with resume_from=<output_dir>.checkpoints/step_N",
     "ckpt_path": "checkpoints go to <output_dir>.checkpoints (save_steps), resumed with resume_from",
 }
-COMMON_IGNORED = ("flash_attn", "adam_offload", "disable_fast_tokenizer", "use_tensorboard")  # no effect on training
+COMMON_IGNORED = ("flash_attn", "adam_offload", "disable_fast_tokenizer")  # switches with no effect on what trains
+# flags with a value that change nothing here: metrics go to logging_dir (report_to: jsonl, tensorboard)
+COMMON_IGNORED_VALUED = ("use_tensorboard", "use_wandb", "wandb_org", "wandb_group", "wandb_project",
+                         "wandb_run_name")
 # their scheduler names of ours: OpenRLHF's cosine_with_min_lr is this cosine (its floor is min_lr_ratio's 0.1)
 VALUE_NAMES = {("lr_scheduler", "cosine_with_min_lr"): "cosine", ("lr_scheduler", "constant_with_warmup"): "constant"}
 LIST_KEYS = ("train_files", "eval_files")  # keys that take OpenRLHF's comma-separated file lists
@@ -139,13 +142,15 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
         if not name or name in OWN_FLAGS or name in own_names.parsed:
             passed.append(word)  # our own flags, overrides, and what the parser reads itself
             i += 1
-        elif name in own_names.accepted:
+        elif name in own_names.accepted or name in COMMON_IGNORED_VALUED:
             if not eq and (nxt is None or nxt.startswith("--")):
                 raise ConfigError(f"--{name} needs a value (--{name} VALUE)")
             value, i = (value, i + 1) if eq else (nxt, i + 2)
-            values, why = own_names.accepted[name]
+            values, why = own_names.accepted.get(name, ((value,), ""))
             if value not in values:
                 raise ConfigError(f"--{name} {value}: {why}; give {' or '.join(values)}, or leave the flag out")
+            if name in COMMON_IGNORED_VALUED:
+                say(f"note: --{name} changes nothing here and is ignored (metrics go to logging_dir: report_to)")
         elif name in ignored or name in own_names.always:
             on, taken = _switch(word, name, value if eq else None, nxt)
             if name in ignored:
