@@ -287,7 +287,7 @@ def test_a_cost_model_run_resumed_from_its_checkpoint_ends_where_the_whole_run_d
     rows = [json.loads(x) for x in (tmp_path / "resumed" / "logs_harmless" / "metrics.jsonl").read_text().splitlines()]
     assert min(r["step"] for r in rows if "cost/accuracy" in r) > 2  # only the steps after the checkpoint ran
     assert rm_main(["--task", "harmless", f"model_path={tiny_model_dir}", f"resume_from={tmp_path}",
-                    "--output_dir", str(tmp_path / "bad")]) == 2
+                    "--output_dir", str(tmp_path / "bad"), "--logging_dir", str(tmp_path / "bad_logs")]) == 2
     assert capsys.readouterr().err.strip() == (
         f"alignrl: error: resume_from={tmp_path} is not a checkpoint of `alignrl train rm` (no weights.safetensors "
         "and state.json); give a <output_dir>.checkpoints/step_<N> folder")

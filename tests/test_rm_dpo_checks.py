@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("argv, expect", [
     (["--task", "helpful", "helpful_train_file=/nope/x.jsonl"], "data file not found: /nope/x.jsonl (set "
      "helpful_train_file to an existing"),
-    (["--learning_rate", "1e-4"], "--learning_rate is not a flag here; give the config key as learning_rate=VALUE"),
+    (["--learning_rate"], "--learning_rate needs a value (--learning_rate VALUE)"),
+    (["--beta", "0.1"], "--beta is a setting of another of the offline trainers (rm, dpo), not of this one"),
     (["--task", "helpful", "bogus_key=1"], "unknown config key 'bogus_key'"),
     (["--task", "helpful", "epoch=1"], "unknown config key 'epoch' (did you mean 'epochs'?); allowed: "),
     (["--task", "helpful", "batch_size=abc"], "bad value for 'batch_size'"),

@@ -182,7 +182,7 @@ def test_openrlhf_and_trl_flags_read_as_keys(tmp_path):
 def test_mistakes_are_one_line(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="batch_size=1"):
         parse_kto(["train_files=[x.jsonl]", "batch_size=1"])
-    with pytest.raises(ConfigError, match="--input_template: left out"):
+    with pytest.raises(ConfigError, match="--input_template: prompts are rendered with the chat template"):
         parse_kto(["--dataset", "x.jsonl", "--input_template", "User: {}"])
     bad = _write(tmp_path / "bad.jsonl", [ROWS[0], {"prompt": "q", "completion": "a", "label": "maybe"}])
     with pytest.raises(DataError, match=f"{bad}:2: label must be true or false"):

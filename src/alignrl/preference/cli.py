@@ -24,17 +24,19 @@ from alignrl.config.checks import did_you_mean
 from alignrl.errors import UserError
 from alignrl.preference.configs import DPO_LOSS_NAMES, REFERENCE_FREE, SMOOTHED_LOSSES, DPOConfig, RMConfig
 from alignrl.preference.flag_names import DPO_FLAGS, RM_FLAGS, CommandFlags, epilog, flags_as_keys, spelled_their_way
+from alignrl.preference.notes import NOTES_SAID, say
 
 MAPPING_KEYS = ("chat_template_kwargs",)  # the keys whose values are mappings, checked before OmegaConf merges them
-NOTES_SAID = "ALIGNRL_PREFERENCE_NOTES_SAID"  # set for the ranks of `--nproc`: the parent said the notes already
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, no usage block: the same shape as every other user error
         flag = message.removeprefix("unrecognized arguments: ").split(" ")[0]
         key = flag.removeprefix("--").partition("=")[0]
-        if message.startswith("unrecognized") and flag.startswith("--") and key in _config_keys():  # as HF/TRL
-            raise ConfigError(f"{self.prog}: {flag} is not a flag here; give the config key as {key}=VALUE")
+        if message.startswith("unrecognized") and flag.startswith("--") and key in _config_keys():
+            # every key of this command is a flag: one that is not names another offline command's key
+            raise ConfigError(f"{self.prog}: {flag} is a setting of another of the offline trainers (rm, dpo), not "
+                              "of this one; drop it (see --help)")
         raise ConfigError(f"{self.prog}: {message} (see --help)")
 
 
@@ -116,13 +118,6 @@ def _mappings_checked(tree: dict[str, Any], source: str) -> dict[str, Any]:
     return tree
 
 
-def say(text: str) -> None:
-    """A note about the config (a repeated or unused key), once per run: on rank 0, and not again in the ranks of
-    `--nproc` (their parent said it)."""
-    if os.environ.get("RANK", "0") == "0" and not os.environ.get(NOTES_SAID):
-        print(f"alignrl: {text}", file=sys.stderr, flush=True)
-
-
 def _check_meaning(cfg):
     """What the ranges cannot say: the λ that moves in log space, LoRA's peft, the older loss name."""
     if isinstance(cfg, DPOConfig) and cfg.lambda_init <= 0:
@@ -155,7 +150,8 @@ def parse_rm(argv: list[str]) -> RMConfig:
         raise ConfigError("--dataset names a reward model's pairs (task helpful); a cost model's: --task harmless "
                           "harmless_train_file=FILE harmless_eval_file=FILE")
     if cfg.model_type == "cost" and cfg.task == "helpful" and cfg.helpful_train_file.startswith("builtin:"):
-        raise ConfigError("model_type=cost needs safety labels, which the helpful data has none of; use --task harmless")
+        raise ConfigError("model_type=cost needs safety labels, which the helpful data has none of; use --task "
+                          "harmless")
     return _their_way(cfg, argv, RM_FLAGS, "helpful_train_file", "helpful_eval_file")
 
 

@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass, field, fields
 
 from alignrl.config import ConfigError
+from alignrl.preference.notes import say
 
 # OpenRLHF's and TRL's names of keys every offline command has (a name already ours needs no entry)
 COMMON_NAMES = {
@@ -126,8 +127,6 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
     overrides, placed after the line's own `key=value` words so that a flag wins over an override, as the
     commands' layering says. `--lora_rank N` switches LoRA on (N > 0) or off (0) unless use_lora is given, as
     OpenRLHF has no switch of its own. Our own flags, overrides and unknown flags pass through for the parser."""
-    from alignrl.preference.cli import say  # cli imports this module
-
     keys, switches = {f.name for f in fields(config_class)}, _switch_keys(config_class)
     names, their_switches = own_names.all_names(), own_names.all_switches()
     left_out, ignored = own_names.all_left_out(), own_names.all_ignored()

@@ -13,12 +13,12 @@ switch bare, or with true/false). The defaults of beta, the weights, loss_type, 
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from alignrl.config import ConfigError, opt
 from alignrl.core.kto import KTO_LOSS_TYPES
-from alignrl.preference.cli import COMMANDS, load_flat_config, make_parser, run_cli, say
+from alignrl.preference.cli import COMMANDS, load_flat_config, make_parser, run_cli
+from alignrl.preference.flag_names import CommandFlags, epilog, flags_as_keys
 from alignrl.preference.configs import CommonConfig
 
 
@@ -51,88 +51,23 @@ class KTOConfig(CommonConfig):
     learning_rate: float = opt(1e-6, "peak AdamW learning rate (TRL's KTO default)", gt=0.0)
 
 
-# OpenRLHF's train_kto and TRL's KTOConfig/ScriptArguments names of our keys (a name already ours needs no entry)
-FLAG_NAMES = {
-    "pretrain": "model_path", "model_name_or_path": "model_path", "dataset": "train_files",
-    "dataset_name": "train_files", "eval_dataset": "eval_files", "input_key": "prompt_key",
-    "output_key": "completion_key", "save_path": "output_dir", "max_len": "max_length", "max_epochs": "epochs",
-    "num_train_epochs": "epochs", "micro_train_batch_size": "batch_size", "per_device_train_batch_size": "batch_size",
-    "per_device_eval_batch_size": "eval_batch_size", "micro_eval_batch_size": "eval_batch_size",
-    "max_samples": "max_train_pairs", "l2": "weight_decay", "max_norm": "grad_clip", "max_grad_norm": "grad_clip",
-    "lr_warmup_ratio": "warmup_ratio", "lr_scheduler_type": "lr_scheduler", "logging_steps": "log_every",
-    "target_modules": "lora_target_modules", "lora_r": "lora_rank", "use_peft": "use_lora",
-    "desirable_loss_weight": "desirable_weight", "undesirable_loss_weight": "undesirable_weight",
-}
-LEFT_OUT = {
-    "train_batch_size": "give the global batch as gradient_accumulation_steps = train_batch_size / "
-                        "(micro_train_batch_size × ranks)",
-    "input_template": "prompts are rendered with the chat template (apply_chat_template) or taken as they are",
-    "precompute_ref_log_probs": "the reference is run beside the policy at every step",
-    "sync_ref_model": "the reference stays fixed",
-    "load_checkpoint": "resume with resume_from=<output_dir>.checkpoints/step_N",
-    "ckpt_path": "checkpoints go to <output_dir>.checkpoints (save_steps), resumed with resume_from",
-}
-IGNORED = ("flash_attn", "adam_offload", "disable_fast_tokenizer", "use_tensorboard", "ref_offload")
-OWN_FLAGS = ("config", "logging_dir", "nproc", "help")
-TRUE_WORDS, FALSE_WORDS = ("true", "yes", "1"), ("false", "no", "0")
-
-
-def _switch(word: str, name: str, value: str | None, nxt: str | None) -> tuple[bool, int]:
-    """(on or off, words taken) of a switch: bare, `--name=true|false`, or `--name true|false` (TRL's spelling)."""
-    taken = value is None and nxt is not None and nxt.lower() in TRUE_WORDS + FALSE_WORDS
-    given = value if value is not None else (nxt if taken else "true")
-    if given.lower() not in TRUE_WORDS + FALSE_WORDS:
-        raise ConfigError(f"{word}: --{name} takes true or false, or nothing (true)")
-    return given.lower() in TRUE_WORDS, 2 if taken else 1
-
-
-def flags_as_keys(argv: list[str]) -> list[str]:
-    """`--name VALUE`, `--name=VALUE` and bare switches of OpenRLHF's, TRL's or our own key names as `key=value`
-    overrides; `--lora_rank N` (N > 0) switches LoRA on unless use_lora is given (OpenRLHF has no switch of its own)."""
-    keys = {f.name for f in fields(KTOConfig)}
-    switches = {f.name for f in fields(KTOConfig) if f.type in (bool, "bool", "bool | None")}
-    lora_given = any(a.startswith(("--use_lora", "use_lora=", "--use_peft")) for a in argv)
-    out, i = [], 0
-    while i < len(argv):
-        word, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
-        name, eq, value = word[2:].partition("=") if word.startswith("--") else ("", "", "")
-        key = FLAG_NAMES.get(name, name)
-        if name in LEFT_OUT:
-            raise ConfigError(f"--{name}: left out; {LEFT_OUT[name]}")
-        if name in IGNORED or name == "bf16" or (key in switches and name not in OWN_FLAGS):
-            on, taken = _switch(word, name, value if eq else None, nxt)
-            if name in IGNORED:
-                say(f"note: --{name} changes nothing here and is ignored")
-            else:
-                out.append(f"{key}={str(on).lower()}")
-            i += taken
-        elif name and name not in OWN_FLAGS and key in keys:
-            if not eq and (nxt is None or nxt.startswith("--")):
-                raise ConfigError(f"--{name} needs a value (--{name} VALUE)")
-            value, i = (value, i + 1) if eq else (nxt, i + 2)
-            if key == "output_dir":
-                out += ["--output_dir", value]
-                continue
-            if key in ("save_steps", "eval_steps") and value.strip() == "-1":  # OpenRLHF's "never"; ours is 0
-                value = "0"
-            if key in ("train_files", "eval_files") and not value.startswith("["):  # OpenRLHF's a.jsonl,b.jsonl
-                value = json.dumps([v for v in value.split(",") if v])
-            out.append(f"{key}={value}")
-            if name == "lora_rank" and not lora_given and value.strip().isdigit() and int(value) > 0:
-                out.append("use_lora=true")
-        else:  # our own flags, overrides, and what argparse names as unknown
-            out.append(word)
-            i += 1
-    return out
+# OpenRLHF's train_kto and TRL's KTOConfig/ScriptArguments names of kto's own keys, beside flag_names.COMMON_NAMES
+KTO_FLAGS = CommandFlags(
+    names={"dataset": "train_files", "dataset_name": "train_files", "eval_dataset": "eval_files",
+           "input_key": "prompt_key", "output_key": "completion_key",
+           "desirable_loss_weight": "desirable_weight", "undesirable_loss_weight": "undesirable_weight"},
+    left_out={"input_template": "prompts are rendered with the chat template (apply_chat_template) or taken as they "
+                                "are",
+              "precompute_ref_log_probs": "the reference is run beside the policy at every step",
+              "sync_ref_model": "the reference stays fixed"},
+    ignored=("ref_offload",))
 
 
 def parse_kto(argv: list[str]) -> KTOConfig:
     p = make_parser("alignrl train kto", "KTO on unpaired feedback: prompts with one completion each, labelled "
                                          "desirable or not (paired rows are unpaired into two).")
-    p.epilog = ("Every key is also a flag (--key VALUE, a switch bare or with true/false). OpenRLHF's and TRL's "
-                "names: " + ", ".join(f"--{k} -> {v}" for k, v in FLAG_NAMES.items()) +
-                "; --lora_rank N > 0 switches LoRA on. Keys and data layouts: docs/kto.md")
-    args = p.parse_intermixed_args(flags_as_keys(argv))
+    p.epilog = epilog(KTO_FLAGS) + " Keys and data layouts: docs/kto.md"
+    args = p.parse_intermixed_args(flags_as_keys(argv, KTOConfig, KTO_FLAGS))
     cfg = load_flat_config(KTOConfig, args.config, args.overrides, {"output_dir": args.output_dir,
                                                                       "logging_dir": args.logging_dir})
     if not cfg.train_files:
