@@ -151,12 +151,25 @@ def test_trl_spellings_parse(tmp_path):
     (parse_rm, ["--value_head_prefix", "head"], "--value_head_prefix head: alignrl saves the head as score"),
     (parse_rm, ["--loss", "logexpsigmoid"], "--loss logexpsigmoid: the reward model trains with the Bradley-Terry"),
     (parse_rm, ["--dataset", "x.jsonl", "--task", "harmless"], "--dataset names a reward model's pairs"),
-    (parse_rm, ["--packing_samples"], "--packing_samples: packing is left out"),
+    (parse_rm, ["adam_betas=[0.9]"], "adam_betas=[0.9] must be two numbers in [0, 1)"),
+    (parse_dpo, ["loss_type=orpo", "--rpo_alpha", "1.0"], "loss_type=orpo already trains the chosen responses' NLL"),
 ])
 def test_wrong_flags_are_one_line(parse, argv, expect):
     with pytest.raises(ConfigError) as e:
         parse(argv)
     assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_openrlhfs_zero_stage_runs_deepspeed_and_its_list_flags_take_several_words(capsys):
+    """OpenRLHF always trains under DeepSpeed: --zero_stage N asks for it unless the line picks a strategy; its
+    nargs flags (--adam_betas 0.9 0.95, --target_modules q_proj v_proj) are lists; packing trains padded."""
+    cfg = parse_rm(["--pretrain", "demo", "--zero_stage", "3", "--adam_betas", "0.9", "0.95", "--target_modules",
+                    "q_proj", "v_proj", "--packing_samples", "epochs=2"])
+    assert (cfg.strategy, cfg.zero_stage, cfg.adam_betas, cfg.lora_target_modules, cfg.epochs) == (
+        "deepspeed", 3, [0.9, 0.95], ["q_proj", "v_proj"], 2)
+    err = capsys.readouterr().err
+    assert "--zero_stage runs DeepSpeed" in err and "--packing_samples changes nothing here" in err
+    assert parse_rm(["--zero_stage=2", "strategy=fsdp2"]).strategy == "fsdp2"  # a strategy of the line's own wins
 
 
 def test_a_wrong_flag_exits_2_with_one_line(capsys):

@@ -15,11 +15,23 @@ from alignrl.config import ConfigError
 from alignrl.core.kto import kto_loss, weight_balance
 from alignrl.data.kto_rows import KTOKeys, collate_rows, encode_rows, load_rows, shifted
 from alignrl.data.loaders import DataError
+from alignrl.preference.common import totals_per_count
 from alignrl.preference.kto_cli import kto_main, parse_kto
 
 
 def _sig(x: float) -> float:
     return 1 / (1 + math.exp(-x))
+
+
+def test_a_step_logs_each_kinds_mean_over_its_rows_not_over_micro_batches():
+    """Two micro-batches, one with no desirable row: the logged desirable reward is the one row's, not halved."""
+    good = torch.tensor([True, False]), torch.tensor([False, False])
+    parts = [kto_loss(torch.tensor(p), torch.zeros(2), g, beta=1.0, kl=0.0)[1]
+             for p, g in zip(([2.0, -1.0], [-3.0, -1.0]), good)]
+    mean = {k: (parts[0][k] + parts[1][k]) / 2 for k in parts[0]}  # as the step and the ranks average them
+    m = totals_per_count(mean)
+    assert m["rewards/chosen"] == pytest.approx(2.0) and m["rewards/rejected"] == pytest.approx(-5.0 / 3)
+    assert "rewards/chosen_sum" not in m and "rewards/rejected_count" not in m
 
 
 def test_kto_loss_by_hand_both_labels_weights_and_global_rows():
@@ -30,6 +42,7 @@ def test_kto_loss_by_hand_both_labels_weights_and_global_rows():
     rows = [2.0 * (1 - _sig(0.5 * (1 - 0.4))), 0.5 * (1 - _sig(0.5 * (0.4 + 1))), 0.5 * (1 - _sig(0.5 * 0.4))]
     assert loss.item() == pytest.approx(sum(rows) / 6, abs=1e-6)
     assert m["kto/loss"] == pytest.approx(sum(rows) / 3, abs=1e-6)
+    m = totals_per_count(m)  # each kind's mean over its rows, however the micro-batches split them
     assert (m["rewards/chosen"], m["rewards/rejected"], m["kl"]) == pytest.approx((0.5, -0.25, 0.4), abs=1e-6)
     # a negative KL estimate is clamped at 0: the reference point never rewards a row for the policy's drift down
     clamped, m0 = kto_loss(pol, ref, good, beta=0.5, kl=-3.0)

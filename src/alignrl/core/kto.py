@@ -52,14 +52,12 @@ def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: tor
     loss = weighted.sum() / n
     with torch.no_grad():
         rewards = beta * logratio
+        # a micro-batch may hold rows of one kind only: sums and counts, which the step's log divides in total
         metrics = {"kto/loss": float(weighted.mean()) if weighted.numel() else 0.0,
-                   "rewards/chosen": _mean(rewards[good]), "rewards/rejected": _mean(rewards[~good]),
+                   "rewards/chosen_sum": float(rewards[good].sum()), "rewards/chosen_count": float(good.sum()),
+                   "rewards/rejected_sum": float(rewards[~good].sum()), "rewards/rejected_count": float((~good).sum()),
                    "kl": float(z0) if loss_type in NEEDS_KL else 0.0}
     return loss, metrics
-
-
-def _mean(values: torch.Tensor) -> float:
-    return float(values.mean()) if values.numel() else 0.0
 
 
 def weight_balance(n_desirable: int, n_undesirable: int, desirable_weight: float,

@@ -90,6 +90,9 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
     cfg = dataclasses.replace(cfg, bf16=str(cfg.bf16).lower())
     cfg = _check_meaning(cfg)
     check_ranges(cfg)  # choices and ranges from the field metadata, the RL config's own check
+    betas = cfg.adam_betas
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise ConfigError(f"adam_betas={list(betas)} must be two numbers in [0, 1), e.g. adam_betas=[0.9,0.95]")
     unknown = set(cfg.report_to) - {"jsonl", "tensorboard"}
     if unknown:
         raise ConfigError(f"report_to has unknown sink(s) {sorted(unknown)}; allowed: jsonl, tensorboard")
@@ -189,9 +192,6 @@ def _their_way(cfg, argv: list[str], table: CommandFlags, train_key: str, eval_k
     if not spelled_their_way(argv, table):
         return cfg
     defaults = type(cfg).__dataclass_fields__
-    if "--zero_stage" in argv and cfg.strategy != "deepspeed":
-        say(f"note: zero_stage takes effect under strategy=deepspeed (OpenRLHF's engine); this run uses "
-            f"strategy={cfg.strategy}")
     train, held_out = getattr(cfg, train_key), getattr(cfg, eval_key)
     if train != _default(defaults[train_key]) and held_out == _default(defaults[eval_key]):
         say(f"note: no --eval_dataset: the held-out pairs are the training pairs ({eval_key}={train}; "
@@ -218,6 +218,9 @@ def with_global_batch(cfg, ranks: int):
         raise ConfigError(f"train_batch_size={cfg.train_batch_size} means gradient_accumulation_steps={steps} "
                           f"(batch_size {cfg.batch_size} × {ranks} ranks), not {cfg.gradient_accumulation_steps}; "
                           "give one of the two")
+    if ranks == 1 and steps > 1:  # a script written for a cluster, run here on one process: say what it becomes
+        say(f"note: train_batch_size={cfg.train_batch_size} on 1 rank is {steps} accumulated micro-batches of "
+            f"{cfg.batch_size} per optimizer step (--nproc N trains on N ranks)")
     return dataclasses.replace(cfg, gradient_accumulation_steps=steps)
 
 
@@ -250,6 +253,9 @@ def _check_reference_free(cfg: DPOConfig) -> None:
     """simpo, cpo and orpo read the policy alone: a setting of the reference would act on nothing."""
     if cfg.loss_type not in REFERENCE_FREE:
         return
+    if cfg.loss_type == "orpo" and cfg.nll_loss_coef:  # ORPO's loss holds the chosen NLL already, at weight 1
+        raise ConfigError(f"loss_type=orpo already trains the chosen responses' NLL; nll_loss_coef="
+                          f"{cfg.nll_loss_coef} would add it twice: drop it (beta is ORPO's λ)")
     asked = [k for k in ("ref_model_path", "sync_ref_model", "precompute_ref_log_probs", "kl_coeff") if getattr(cfg, k)]
     if asked:
         raise ConfigError(f"loss_type={cfg.loss_type} uses no reference model, so {asked[0]}={getattr(cfg, asked[0])} "
@@ -287,8 +293,11 @@ def run_cli(argv: list[str] | None, command: str) -> int:
         train = getattr(_load_trainer(module), function)
         if nproc and "WORLD_SIZE" not in os.environ:
             train(cfg, nproc)  # bad data fails here, before any process starts
-            os.environ[NOTES_SAID] = "1"
-            return torchrun(nproc, ["alignrl", "train", command, *argv])
+            os.environ[NOTES_SAID] = "1"  # the ranks inherit it: their notes were said here
+            try:
+                return torchrun(nproc, ["alignrl", "train", command, *argv])
+            finally:
+                os.environ.pop(NOTES_SAID, None)
         train(cfg, None)
         return 0
     except UserError as e:

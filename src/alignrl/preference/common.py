@@ -64,7 +64,8 @@ def build_engine_for(cfg: CommonConfig, model, env, total_steps: int):
     from alignrl.train.engines import OptimSpec, build_engine
 
     warmup = cfg.warmup_steps or int(cfg.warmup_ratio * total_steps)
-    spec = OptimSpec(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, warmup_steps=min(warmup, total_steps),
+    spec = OptimSpec(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas),
+                     warmup_steps=min(warmup, total_steps),
                      total_steps=total_steps, schedule=cfg.lr_scheduler, min_lr_ratio=cfg.min_lr_ratio,
                      grad_clip=cfg.grad_clip)
     return build_engine(cfg.strategy, model, spec, env, zero_stage=cfg.zero_stage, bf16=use_bf16(cfg))
@@ -171,6 +172,18 @@ def fmt(metrics: dict[str, float], keys: dict[str, str]) -> str:
     return " ".join(f"{short} {metrics[k]:.4g}" for k, short in keys.items() if k in metrics)
 
 
+def totals_per_count(metrics: dict[str, float]) -> dict[str, float]:
+    """A metric given as `name_sum` and `name_count` (a mean over rows of one kind, which a micro-batch may lack)
+    becomes `name`: the steps' total over their count, not a mean of micro-batch means (the two are averaged over
+    the same micro-batches and ranks, so their ratio is exact); a kind no row had is left out."""
+    out = {k: v for k, v in metrics.items() if not k.endswith(("_sum", "_count"))}
+    for key, total in metrics.items():
+        name = key.removesuffix("_sum")
+        if key.endswith("_sum") and metrics.get(name + "_count", 0) > 0:
+            out[name] = total / metrics[name + "_count"]
+    return out
+
+
 class StepMetrics:
     """Micro-batch metrics averaged per optimizer step, averaged over ranks every `log_every` steps
     (a collective: every rank calls `end_step` at the same steps), then printed and recorded."""
@@ -189,8 +202,9 @@ class StepMetrics:
 
         if step % self.cfg.log_every == 0 or step == self.total:
             m = {k: sum(d[k] for d in self.micro) / len(self.micro) for k in self.micro[0]}
-            m = mean_metrics(self.env, {**m, **self.extra, "grad_norm": grad_norm, "lr": lr,
-                                        "s_per_step": (time.time() - self.t) / (step - self.logged_step)})
+            m = totals_per_count(mean_metrics(self.env, {
+                **m, **self.extra, "grad_norm": grad_norm, "lr": lr,
+                "s_per_step": (time.time() - self.t) / (step - self.logged_step)}))
             self.log.metrics(step, m)
             self.log.print(f"step {step}/{self.total} epoch {epoch + 1} " + fmt(m, {
                 **self.keys, "grad_norm": "grad_norm", "lr": "lr", "s_per_step": "s/step"}))

@@ -37,6 +37,7 @@ class CommonConfig:
     max_length: int = opt(256, "tokens of prompt + response (prompt keeps at most half, from its end)", ge=8)
     learning_rate: float = opt(1e-4, "peak AdamW learning rate", gt=0.0)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
+    adam_betas: list = opt([0.9, 0.999], "AdamW's β1 and β2 (OpenRLHF: --adam_betas, its default 0.9 0.95)")
     warmup_ratio: float = opt(0.1, "fraction of optimizer steps of linear warm-up", ge=0.0, le=1.0)
     warmup_steps: int = opt(0, "optimizer steps of linear warm-up; when > 0 it replaces warmup_ratio", ge=0)
     lr_scheduler: str = opt("cosine", "learning-rate decay after warm-up", choices=("constant", "cosine"))

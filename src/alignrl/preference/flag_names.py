@@ -13,6 +13,7 @@ Every config key is also a flag under its own name: `--key VALUE`, `--key=VALUE`
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field, fields
 
@@ -32,18 +33,18 @@ COMMON_NAMES = {
 # switches of theirs that set one of our keys to a value (`bf16` is a three-way setting here: auto/true/false)
 COMMON_SWITCHES = {"bf16": ("bf16", "true")}
 COMMON_LEFT_OUT = {
-    "packing_samples": "packing is left out: rows train padded",
-    "packing": "packing is left out: rows train padded",
     "load_checkpoint": "resume with resume_from=<output_dir>.checkpoints/step_N",
     "ckpt_path": "checkpoints go to <output_dir>.checkpoints (save_steps), resumed with resume_from",
 }
-COMMON_IGNORED = ("flash_attn", "adam_offload", "disable_fast_tokenizer")  # switches with no effect on what trains
+# switches with no effect on what trains (packing: rows train padded, to the same loss)
+COMMON_IGNORED = ("flash_attn", "adam_offload", "disable_fast_tokenizer", "packing_samples", "packing")
 # flags with a value that change nothing here: metrics go to logging_dir (report_to: jsonl, tensorboard)
 COMMON_IGNORED_VALUED = ("use_tensorboard", "use_wandb", "wandb_org", "wandb_group", "wandb_project",
                          "wandb_run_name")
 # their scheduler names of ours: OpenRLHF's cosine_with_min_lr is this cosine (its floor is min_lr_ratio's 0.1)
 VALUE_NAMES = {("lr_scheduler", "cosine_with_min_lr"): "cosine", ("lr_scheduler", "constant_with_warmup"): "constant"}
 LIST_KEYS = ("train_files", "eval_files")  # keys that take OpenRLHF's comma-separated file lists
+SPACED_LISTS = ("adam_betas", "lora_target_modules")  # keys OpenRLHF gives as several words (argparse nargs)
 OWN_FLAGS = ("config", "logging_dir", "nproc", "help")  # the parser's own flags, never config keys
 TRUE_WORDS, FALSE_WORDS = ("true", "yes", "1"), ("false", "no", "0")
 
@@ -131,7 +132,7 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
     names, their_switches = own_names.all_names(), own_names.all_switches()
     left_out, ignored = own_names.all_left_out(), own_names.all_ignored()
     lora_given = any(a.startswith(("--use_lora", "use_lora=", "--use_peft")) for a in argv)
-    passed, overrides, i = [], [], 0
+    passed, overrides, i = [], _engine_of(argv), 0
     while i < len(argv):
         word, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
         name, eq, value = word[2:].partition("=") if word.startswith("--") else ("", "", "")
@@ -165,6 +166,9 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
             if not eq and (nxt is None or nxt.startswith("--")):
                 raise ConfigError(f"--{name} needs a value (--{name} VALUE)")
             value, i = (value, i + 1) if eq else (nxt, i + 2)
+            if key in SPACED_LISTS and not eq:  # OpenRLHF's nargs: `--adam_betas 0.9 0.95`, `--target_modules q v`
+                more = list(itertools.takewhile(lambda w: not w.startswith("--") and "=" not in w, argv[i:]))
+                value, i = (f"[{','.join([value, *more])}]" if more else value), i + len(more)  # as a list override
             if key == "output_dir":
                 passed += ["--output_dir", value]
             else:
@@ -173,6 +177,16 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
             passed.append(word)
             i += 1
     return passed + overrides
+
+
+def _engine_of(argv: list[str]) -> list[str]:
+    """OpenRLHF's trainers always run DeepSpeed, so its `--zero_stage N` asks for it: strategy=deepspeed, unless the
+    line picks the strategy itself (a model sized for ZeRO-3 would not fit as a whole copy on every rank)."""
+    named = {a[2:].partition("=")[0] for a in argv if a.startswith("--")}
+    if "zero_stage" not in named or "strategy" in named or any(a.startswith("strategy=") for a in argv):
+        return []
+    say("note: --zero_stage runs DeepSpeed (strategy=deepspeed), as OpenRLHF's scripts do")
+    return ["strategy=deepspeed"]
 
 
 # OpenRLHF's pair-data flags the offline pair trainers (rm, dpo) leave out, and the one they take as given

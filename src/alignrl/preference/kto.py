@@ -151,12 +151,14 @@ def evaluate(model, ref: Reference, batches: list[KTOBatch], encoded: list[Encod
     logratio, z0 = table[:, 0].float(), kl_estimate(table[:, 1], torch.zeros(len(encoded)))
     _, m = kto_loss(logratio, torch.zeros_like(logratio), good, cfg.beta, z0, cfg.desirable_weight,
                     cfg.undesirable_weight, loss_type=cfg.loss_type)
+    m = pc.totals_per_count(m)
+    chosen, rejected = m.get("rewards/chosen", 0.0), m.get("rewards/rejected", 0.0)  # 0 for a kind the set lacks
     point = float(z0.clamp(min=0.0)) if cfg.loss_type in NEEDS_KL else 0.0  # what the loss measures rewards from
     above, tie = (logratio > point).float(), (logratio == point).float()
     agree = torch.where(good, above, 1.0 - above - tie) + 0.5 * tie
-    return {"reward_desirable": m["rewards/chosen"], "reward_undesirable": m["rewards/rejected"],
-            "reward_margin": m["rewards/chosen"] - m["rewards/rejected"], "reward_accuracy": float(agree.mean()),
-            "kl": float(z0), "loss": m["kto/loss"], "rows": len(encoded), "desirable_rows": int(good.sum())}
+    return {"reward_desirable": chosen, "reward_undesirable": rejected,
+            "reward_margin": chosen - rejected, "reward_accuracy": float(agree.mean()),
+            "kl": point, "loss": m["kto/loss"], "rows": len(encoded), "desirable_rows": int(good.sum())}
 
 
 def _loss_fn(cfg: KTOConfig, env, ref: Reference):
