@@ -88,7 +88,8 @@ def test_mismatched_pairing_is_the_next_rows_completion(tiny_model_dir, tmp_path
     for i in range(3):  # row 3 + i: prompt i with completion i + 1 (the last with the first's)
         assert torch.equal(batch.prompt_ids[3 + i], batch.prompt_ids[i])
         assert torch.equal(batch.response_ids[3 + i], batch.response_ids[(i + 1) % 3])
-    assert tok.decode(enc[0].completion) == "one" + tok.eos_token and [e.desirable for e in enc] == [0, 1, 0]
+    # with the chat template the completion is the assistant's turn, closed as the template closes one
+    assert tok.decode(enc[0].completion) == "one<|im_end|>\n" and [e.desirable for e in enc] == [0, 1, 0]
 
 
 # every prompt with a desirable and an undesirable completion, interleaved so that a micro-batch holds both kinds

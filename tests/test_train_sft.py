@@ -63,17 +63,58 @@ def test_memorising_rows_lowers_the_held_out_loss_and_saves_a_loadable_model(tin
     assert tok.chat_template and model.config.architectures
 
 
-def test_completion_only_loss_trains_the_completion_and_its_eos(tiny_model_dir):
+def test_string_rows_are_text_unless_apply_chat_template_then_the_completion_is_the_assistant_turn(tiny_model_dir):
     tok = _tokenizer(tiny_model_dir)
     row = SFTRow("x:1", prompt="count from 3", completion="3 4")
-    (enc,), _, _ = encode_rows(tok, [row], SFTKeys(), 64)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "count from 3"}], add_generation_prompt=True,
-                                     tokenize=False)
-    assert tok.decode(enc.ids) == prompt + "3 4" + tok.eos_token
+    (enc,), _, _ = encode_rows(tok, [row], SFTKeys(), 64)  # TRL's way: text, the completion closed by eos
+    assert enc.ids == tok("count from 3" + "3 4" + tok.eos_token)["input_ids"]
     trained = [t for t, on in zip(enc.ids, enc.trained) if on]
     assert tok.decode(trained) == "3 4" + tok.eos_token and not any(enc.trained[:len(enc.ids) - len(trained)])
+    # OpenRLHF's --apply_chat_template: the completion is the assistant's turn, closed as the template closes one
+    (chat,), _, _ = encode_rows(tok, [row], SFTKeys(chat_template=True), 64)
+    turns = [{"role": "user", "content": "count from 3"}, {"role": "assistant", "content": "3 4"}]
+    assert tok.decode(chat.ids) == tok.apply_chat_template(turns, tokenize=False)
+    assert tok.decode([t for t, on in zip(chat.ids, chat.trained) if on]) == "3 4<|im_end|>\n"
     (every,), _, _ = encode_rows(tok, [row], SFTKeys(completion_only=False), 64)
     assert every.n_trained == len(every.ids) - 1  # all but the first token, which nothing predicts
+    assert parse_sft(["train_files=[x.jsonl]"]).apply_chat_template is False
+
+
+def test_eos_is_appended_only_to_a_text_not_ending_with_it(tiny_model_dir):
+    tok = _tokenizer(tiny_model_dir)
+    rows = [SFTRow("x:1", text="hello world<|im_end|>"), SFTRow("x:2", prompt="say", completion="hi<|im_end|>"),
+            SFTRow("x:3", text="hello world")]
+    enc, _, _ = encode_rows(tok, rows, SFTKeys(), 64)
+    assert [e.ids.count(tok.eos_token_id) for e in enc] == [1, 1, 1] and enc[0].ids == enc[2].ids
+
+
+def _sentencepiece_like():
+    """A Llama-2-style tokenizer (Metaspace, a '▁' before the first word): a text tokenised alone starts with '▁'."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "▁", *string.ascii_letters, *string.digits, *":+="])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_prompt_and_completion_are_tokenised_together_unless_a_token_spans_the_boundary(tiny_model_dir):
+    sp = _sentencepiece_like()
+    (enc,), _, _ = encode_rows(sp, [SFTRow("x:1", prompt="2+2=", completion="4")], SFTKeys(), 64)
+    assert enc.ids == sp("2+2=4</s>")["input_ids"]  # no spurious '▁' before the completion
+    assert sp.convert_ids_to_tokens([t for t, on in zip(enc.ids, enc.trained) if on]) == ["4", "</s>"]
+    tok = _tokenizer(tiny_model_dir)
+    (same,), _, _ = encode_rows(tok, [SFTRow("x:1", prompt="count from 3", completion="3 4")], SFTKeys(), 64)
+    assert same.trained.index(True) == len(tok("count from 3")["input_ids"])
+    # "h" + "ello": joined, "he" is one token, so the prompt's tokens are kept and the completion tokenised apart
+    (merged,), _, _ = encode_rows(tok, [SFTRow("x:1", prompt="h", completion="ello")], SFTKeys(), 64)
+    assert tok("hello")["input_ids"][0] != tok("h")["input_ids"][0]
+    assert merged.ids == tok("h")["input_ids"] + tok("ello<|im_end|>")["input_ids"]
+    assert tok.decode([t for t, on in zip(merged.ids, merged.trained) if on]) == "ello<|im_end|>"
 
 
 def test_verl_parquet_columns_and_message_lists_read_through_the_keys(tiny_model_dir, tmp_path):
@@ -115,6 +156,20 @@ def test_rows_longer_than_max_length_are_cut_and_counted(tiny_model_dir):
     rows = [SFTRow("x:1", prompt="a " * 40, completion="b"), SFTRow("x:2", text="c " * 40), SFTRow("x:3", text="d")]
     enc, cut, dropped = encode_rows(tok, rows, SFTKeys(), 16)
     assert (cut, dropped) == (2, 1) and [len(e.ids) for e in enc] == [16, 2]  # the prompt-only row has nothing left
+
+
+def test_a_template_that_rewrites_the_prompt_or_no_template_for_messages_is_one_line(tiny_model_dir):
+    tok = _tokenizer(tiny_model_dir)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if not loop.last %}(earlier) {% endif %}"
+                         "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                         "{% endif %}")
+    row = SFTRow("x:1", prompt="count from 3", completion="3 4")
+    with pytest.raises(DataError, match="x:1: the chat template renders the prompt differently once the completion"):
+        encode_rows(tok, [row], SFTKeys(chat_template=True), 64)
+    (every,), _, _ = encode_rows(tok, [row], SFTKeys(chat_template=True, completion_only=False), 64)
+    assert tok.decode(every.ids).startswith("<|im_start|>user\n(earlier) count from 3")
+    with pytest.raises(DataError, match="x:2: a row of chat messages needs the chat template, and the tokenizer has"):
+        encode_rows(_sentencepiece_like(), [SFTRow("x:2", messages=CHAT)], SFTKeys(), 64)
 
 
 ONE_STEP = ["max_steps=1", "learning_rate=1e-3", "warmup_ratio=0"]
@@ -186,13 +241,36 @@ def test_openrlhf_and_trl_flags_read_as_keys(tmp_path):
     multi = parse_sft(["--dataset", data, "--multiturn", "--input_key", "conversation", "--completion_only_loss",
                        "False"])
     assert multi.messages_key == "conversation" and multi.assistant_only_loss and not multi.completion_only_loss
+    pretrain = parse_sft(["--dataset", data, "--input_key", "body", "--pretrain_mode"])  # OpenRLHF trains it as text
+    assert (pretrain.text_key, pretrain.prompt_key, pretrain.completion_only_loss) == ("body", "prompt", False)
+    assert parse_sft(["--dataset", data, "--multiturn", "true", "--input_key", "conv"]).messages_key == "conv"
+    off = parse_sft(["--dataset", data, "--multiturn", "false", "--input_key", "q"])
+    assert (off.prompt_key, off.messages_key, off.assistant_only_loss) == ("q", "messages", False)
+    with pytest.raises(ConfigError, match="--pretrain_mode with --multiturn"):
+        parse_sft(["--dataset", data, "--multiturn", "--pretrain_mode", "--input_key", "q"])
+
+
+def test_openrlhf_conversation_columns_without_and_with_output_key(tiny_model_dir, tmp_path):
+    tok = _tokenizer(tiny_model_dir)
+    # --input_key conversations --apply_chat_template, no --output_key: the last assistant message is the completion
+    (row,) = load_rows(_write(tmp_path / "c.jsonl", [{"conversations": CHAT}]), SFTKeys(prompt="conversations"))
+    assert (row.prompt, row.completion) == (CHAT[:-1], CHAT[-1:])
+    (enc,), _, _ = encode_rows(tok, [row], SFTKeys(), 128)
+    assert tok.decode([t for t, on in zip(enc.ids, enc.trained) if on]) == "bye<|im_end|>\n"
+    asked = _write(tmp_path / "q.jsonl", [{"conversations": CHAT[:3]}])
+    with pytest.raises(DataError, match="q.jsonl:1: conversations holds messages .* 'user', not 'assistant'"):
+        load_rows(asked, SFTKeys(prompt="conversations"))
+    # --multiturn --output_key answer: the answer is appended as the last assistant turn
+    (turns,) = load_rows(_write(tmp_path / "m.jsonl", [{"conv": CHAT[:3], "answer": "bye"}]),
+                         SFTKeys(messages="conv", response="answer"))
+    assert turns.messages == CHAT
 
 
 def test_mistakes_are_one_line(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="unknown config key 'prompt_kye' \\(did you mean 'prompt_key'\\?\\)"):
         parse_sft(["train_files=[x.jsonl]", "prompt_kye=q"])
-    with pytest.raises(ConfigError, match="--packing_samples: packing is left out"):
-        parse_sft(["--dataset", "x.jsonl", "--packing_samples"])
+    with pytest.raises(ConfigError, match="--neftune_noise_alpha: NEFTune is left out"):
+        parse_sft(["--dataset", "x.jsonl", "--neftune_noise_alpha", "5"])
     keys = SFTKeys(prompt="question", response="answer")
     bad = _write(tmp_path / "bad.jsonl", [{"question": "q", "answer": "a"}, {"question": "q"}])
     with pytest.raises(DataError, match=f"{bad}:2: row has question but is missing answer"):

@@ -9,9 +9,11 @@ Two row layouts are understood (the key names are settings):
   one not (TRL's `unpair_preference_dataset`).
 
 A prompt or completion is a string or a list of chat messages; both are tokenised as `data.sft_rows` tokenises a
-prompt-completion row (the chat template renders the prompt with its generation prompt; a string completion follows
-as text closed by eos). A row longer than `max_length` keeps at most half of it for the prompt (from its end) and cuts
-the completion at its end. Problems in a file raise `DataError` with one line naming file:line and the key.
+prompt-completion row: rows holding messages always through the chat template; string rows with it (the prompt a
+user turn with the generation prompt, the completion the assistant's reply as the template closes it) or as
+text (the completion closed by eos). A row longer than `max_length` keeps at most half of it for the prompt (from
+its end) and cuts the completion at its end. Problems in a file raise `DataError` with one line naming file:line
+and the key.
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ def _label(loc: str, key: str, value: Any) -> bool:
 
 
 def needs_template(rows: Sequence[KTORow]) -> str | None:
-    """The first row that cannot be tokenised without a chat template (one holding messages), or None."""
-    return next((r.loc for r in rows if isinstance(r.prompt, list) or isinstance(r.completion, list)), None)
+    """A row that cannot be tokenised as things are set: none, since rows of messages always render through the
+    chat template, as in sft, and encoding names one whose tokenizer has no template."""
+    return None
 
 
 # ---------------------------------------------------------------- tokenisation
@@ -104,8 +107,8 @@ class EncodedKTO:
 
 def encode_rows(tokenizer, rows: Sequence[KTORow], chat_template: bool, max_length: int
                 ) -> tuple[list[EncodedKTO], int]:
-    """(the encoded rows, how many were cut at `max_length`). Chat rendering uses the variables bound to
-    `tokenizer` (chat_template_kwargs)."""
+    """(the encoded rows, how many were cut at `max_length`); `chat_template`: string rows through it too. Chat
+    rendering uses the variables bound to `tokenizer` (chat_template_kwargs)."""
     keys = SFTKeys(chat_template=chat_template, completion_only=True)
     out, cut = [], 0
     for row in rows:

@@ -6,15 +6,19 @@ columns reads through `prompt_key=question response_key=answer`):
 
 * conversational: `messages`, a list of {"role", "content"}; rendered whole with the chat template. With
   `assistant_only_loss` only the assistant turns are trained (OpenRLHF's multiturn SFT, TRL's assistant_only_loss):
-  each turn's tokens are found by rendering the conversation up to it, with and without the turn.
-* prompt–completion: `prompt` and `completion`, each a string or a list of messages. With the chat template a
-  string prompt is one user turn rendered with the generation prompt, and a string completion follows it as text,
-  closed by the tokenizer's eos; message lists render as one conversation. With `completion_only_loss` (TRL's
-  default) only the completion is trained.
+  each turn's tokens are found by rendering the conversation up to it, with and without the turn. A response column
+  beside it is appended as the last assistant turn (OpenRLHF's `--multiturn --output_key`).
+* prompt–completion: `prompt` and `completion`, each a string or a list of messages. Rows holding messages are always
+  rendered with the chat template; a prompt of messages with no completion column is a conversation whose last
+  (assistant) message is the completion (OpenRLHF's `--input_key` without `--output_key`). String rows are text, the
+  completion closed by eos (TRL's way), unless `chat_template`: then the prompt is a user turn and the completion the
+  assistant's reply, both rendered by the template (OpenRLHF's `--apply_chat_template`). With `completion_only_loss`
+  (TRL's default) only the completion is trained.
 * language modelling: `text`, every token trained, closed by eos.
 
-A sequence longer than `max_length` is cut there (OpenRLHF's rule: the whole sequence, from its end); a row with no
-trained token left is dropped. Problems in a file raise `DataError` with one line naming file:line and the key.
+eos is appended only to a text that does not already end with it. A sequence longer than `max_length` is cut there
+(OpenRLHF's rule: the whole sequence, from its end); a row with no trained token left is dropped. Problems in a file
+raise `DataError` with one line naming file:line and the key.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ class SFTKeys:
     response: str = "completion"
     messages: str = "messages"
     text: str = "text"
-    chat_template: bool = True  # render prompts and conversations with the tokenizer's chat template
+    chat_template: bool = False  # string prompt-completion rows through the chat template too (messages always are)
     completion_only: bool = True  # prompt-completion rows: loss on the completion alone
     assistant_only: bool = True  # conversations: loss on the assistant turns alone
 
@@ -75,10 +79,14 @@ def load_rows(path: str, keys: SFTKeys, limit: int | None = None, key: str = "tr
 def _row(loc: str, row: dict[str, Any], keys: SFTKeys) -> SFTRow:
     if keys.messages in row:
         messages = _messages(loc, keys.messages, row[keys.messages])
+        if keys.response in row:  # OpenRLHF's --multiturn --output_key: the response closes the conversation
+            messages += _reply(loc, keys.response, row[keys.response])
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{loc}: {keys.messages} has no assistant message, so nothing to train on")
         return SFTRow(loc, messages=messages)
     if keys.prompt in row or keys.response in row:
+        if keys.response not in row and _is_list(row[keys.prompt]):
+            return _last_turn(loc, keys.prompt, _messages(loc, keys.prompt, row[keys.prompt]))
         missing = [k for k in (keys.prompt, keys.response) if k not in row]
         if missing:
             raise DataError(f"{loc}: row has {keys.prompt if keys.prompt in row else keys.response} but is missing "
@@ -94,12 +102,32 @@ def _row(loc: str, row: dict[str, Any], keys: SFTKeys) -> SFTRow:
                     "messages_key, prompt_key/response_key or text_key)")
 
 
+def _last_turn(loc: str, key: str, messages: list[dict[str, str]]) -> SFTRow:
+    """A prompt column of messages with no response column, read as OpenRLHF reads it: the messages before the last
+    are the prompt, the last (the assistant's) is the completion."""
+    if messages[-1]["role"] != "assistant":
+        raise DataError(f"{loc}: {key} holds messages and the row has no response column, so its last message is the "
+                        f"completion, but that one is {messages[-1]['role']!r}, not 'assistant'")
+    return SFTRow(loc, prompt=messages[:-1], completion=messages[-1:])
+
+
+def _reply(loc: str, key: str, value: Any) -> list[dict[str, str]]:
+    """A response column's value as messages: a string is the assistant's reply; a message or a list as given."""
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    return _messages(loc, key, [value] if isinstance(value, dict) else value)
+
+
+def _is_list(value: Any) -> bool:
+    return not isinstance(value, (str, dict)) and hasattr(value, "__iter__")
+
+
 def _text_or_messages(loc: str, key: str, value: Any) -> str | list[dict[str, str]]:
     return value if isinstance(value, str) else _messages(loc, key, value)
 
 
 def _messages(loc: str, key: str, value: Any) -> list[dict[str, str]]:
-    if isinstance(value, (str, dict)) or not hasattr(value, "__iter__"):
+    if not _is_list(value):
         raise DataError(f"{loc}: {key} must be a list of chat messages ({{'role': ..., 'content': ...}}), "
                         f"got {type(value).__name__}")
     out = []
@@ -116,15 +144,24 @@ def _messages(loc: str, key: str, value: Any) -> list[dict[str, str]]:
 # ---------------------------------------------------------------- tokenisation
 
 
-def _render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+def _render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool, loc: str) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{loc}: a row of chat messages needs the chat template, and the tokenizer has none (give the "
+                        "prompt and completion as strings, or a model whose tokenizer has a template)")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
     return list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
 def _split_fails(loc: str, what: str) -> DataError:
     return DataError(f"{loc}: the chat template renders {what} differently once later turns follow (e.g. it drops "
-                     "earlier reasoning), so the trained tokens cannot be found; set assistant_only_loss=false "
-                     "(or completion_only_loss=false) to train every token, or fix the row")
+                     "earlier reasoning), so the trained tokens cannot be found; set assistant_only_loss=false to "
+                     "train every token, or fix the row")
+
+
+def _with_eos(tokenizer, text: str) -> str:
+    """`text` closed by eos, unless it already ends with it (TRL's and OpenRLHF's rule: one eos, trained once)."""
+    eos = tokenizer.eos_token or ""
+    return text if text.endswith(eos) else text + eos
 
 
 def encode_conversation(tokenizer, row: SFTRow, assistant_only: bool) -> tuple[list[int], list[bool]]:
@@ -132,14 +169,15 @@ def encode_conversation(tokenizer, row: SFTRow, assistant_only: bool) -> tuple[l
     every token. A turn's span runs from the end of the conversation rendered up to it with the generation prompt to
     the end of the conversation rendered through it; both must be beginnings of the whole rendering."""
     messages = row.messages or []
-    ids = _render(tokenizer, messages, False)
+    ids = _render(tokenizer, messages, False, row.loc)
     if not assistant_only:
         return ids, [True] * len(ids)
     trained = [False] * len(ids)
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start, end = _render(tokenizer, messages[:k], True) if k else [], _render(tokenizer, messages[:k + 1], False)
+        start = _render(tokenizer, messages[:k], True, row.loc) if k else []
+        end = _render(tokenizer, messages[:k + 1], False, row.loc)
         if ids[:len(start)] != start or ids[:len(end)] != end or len(end) <= len(start):
             raise _split_fails(row.loc, f"the turns before assistant message {k}")
         trained[len(start):len(end)] = [True] * (len(end) - len(start))
@@ -147,24 +185,44 @@ def encode_conversation(tokenizer, row: SFTRow, assistant_only: bool) -> tuple[l
 
 
 def encode_prompt_completion(tokenizer, row: SFTRow, keys: SFTKeys) -> tuple[list[int], list[bool]]:
-    """Prompt then completion (closed by eos); the prompt untrained with `keys.completion_only`."""
-    prompt, completion = row.prompt, row.completion
-    if isinstance(completion, list):
-        messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt) + completion
-        head, ids = _render(tokenizer, messages[:len(messages) - len(completion)], True), _render(tokenizer, messages,
-                                                                                                  False)
-        if ids[:len(head)] != head:
-            raise _split_fails(row.loc, "the prompt")
-        head_len = len(head)
+    """Prompt then completion; the prompt untrained with `keys.completion_only`. Rows holding messages, and string
+    rows with `keys.chat_template`, render through the chat template (a string completion as the assistant's reply,
+    closed as the template closes a turn); other rows are text, the completion closed by eos."""
+    if isinstance(row.prompt, list) or isinstance(row.completion, list) or keys.chat_template:
+        ids, head_len = _templated(tokenizer, row, keys.completion_only)
     else:
-        if keys.chat_template:
-            as_messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            head = _render(tokenizer, as_messages, True)
-        else:
-            head = tokenizer(prompt)["input_ids"]  # the tokenizer's own bos, as TRL tokenizes a text prompt
-        tail = tokenizer(completion + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-        ids, head_len = list(head) + list(tail), len(head)
+        ids, head_len = _joined(tokenizer, str(row.prompt), _with_eos(tokenizer, str(row.completion)))
     return ids, [not keys.completion_only or i >= head_len for i in range(len(ids))]
+
+
+def _templated(tokenizer, row: SFTRow, split: bool) -> tuple[list[int], int]:
+    """The rendered conversation and the prompt's length in it: the prompt rendered with the generation prompt,
+    which must begin the whole rendering when the split is needed (OpenRLHF cuts the reply off the same way)."""
+    def as_messages(value, role: str) -> list[dict[str, str]]:
+        return [{"role": role, "content": value}] if isinstance(value, str) else list(value or [])
+
+    prompt = as_messages(row.prompt, "user")
+    ids = _render(tokenizer, prompt + as_messages(row.completion, "assistant"), False, row.loc)
+    if not split:
+        return ids, 0
+    head = _render(tokenizer, prompt, True, row.loc) if prompt else []
+    if ids[:len(head)] != head:
+        raise DataError(f"{row.loc}: the chat template renders the prompt differently once the completion follows, "
+                        "so the completion's tokens cannot be found; fix the row, or (sft) train every token "
+                        "with completion_only_loss=false")
+    return ids, len(head)
+
+
+def _joined(tokenizer, prompt: str, completion: str) -> tuple[list[int], int]:
+    """Prompt and completion tokenised as one text, the prompt's own token count the boundary (TRL's way: tokenised
+    alone, a SentencePiece tokenizer would start the completion with a spurious '▁'). Where the joint tokens do not
+    begin with the prompt's (a token merges across the boundary) the two are tokenised apart, so that the boundary
+    is a token boundary. The prompt keeps the tokenizer's own bos, as TRL tokenizes a text prompt."""
+    head = list(tokenizer(prompt)["input_ids"])
+    ids = list(tokenizer(prompt + completion)["input_ids"])
+    if ids[:len(head)] != head:
+        ids = head + list(tokenizer(completion, add_special_tokens=False)["input_ids"])
+    return ids, len(head)
 
 
 def encode_rows(tokenizer, rows: Sequence[SFTRow], keys: SFTKeys, max_length: int) -> tuple[list[EncodedRow], int, int]:
@@ -173,7 +231,7 @@ def encode_rows(tokenizer, rows: Sequence[SFTRow], keys: SFTKeys, max_length: in
     out, cut, dropped = [], 0, 0
     for row in rows:
         if row.text is not None:
-            ids = list(tokenizer(row.text + tokenizer.eos_token)["input_ids"])
+            ids = list(tokenizer(_with_eos(tokenizer, row.text))["input_ids"])
             trained = [True] * len(ids)
         elif row.messages is not None:
             ids, trained = encode_conversation(tokenizer, row, keys.assistant_only)
@@ -189,10 +247,8 @@ def encode_rows(tokenizer, rows: Sequence[SFTRow], keys: SFTKeys, max_length: in
 
 
 def needs_template(rows: Sequence[SFTRow]) -> str | None:
-    """The first row that cannot be tokenised without a chat template (one holding messages), or None."""
-    for row in rows:
-        if row.messages is not None or isinstance(row.prompt, list) or isinstance(row.completion, list):
-            return row.loc
+    """A row that cannot be tokenised as things are set: none, since rows of messages always render through the
+    chat template whatever apply_chat_template says, and encoding names one whose tokenizer has no template."""
     return None
 
 

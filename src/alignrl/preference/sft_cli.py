@@ -6,8 +6,9 @@ TRL's `SFTConfig` flag spellings read as its keys.
         --output_key answer --apply_chat_template --max_len 1024 --micro_train_batch_size 4 --save_path models/sft
 
 The keys shared with `alignrl train rm|dpo` (engines, LoRA, checkpoints, evaluation, logging) are
-`preference.configs.CommonConfig`'s, layered the same way: defaults < `--config` YAML < `key=value` < flags. Every key is
-also taken as a flag, `--key VALUE` or `--key=VALUE` (a switch bare, or with true/false). Nothing here imports torch.
+`preference.configs.CommonConfig`'s, layered the same way: defaults < `--config` YAML < `key=value` < flags. Every
+key is also taken as a flag, `--key VALUE` or `--key=VALUE` (a switch bare, or with true/false). Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from alignrl.config import ConfigError, opt
 from alignrl.preference.cli import COMMANDS, load_flat_config, make_parser, run_cli
 from alignrl.preference.configs import CommonConfig
-from alignrl.preference.flag_names import COMMON_NAMES, CommandFlags, flags_as_keys
+from alignrl.preference.flag_names import COMMON_NAMES, FALSE_WORDS, TRUE_WORDS, CommandFlags, flags_as_keys
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,10 @@ class SFTConfig(CommonConfig):
                                           "data.response_key)")
     messages_key: str = opt("messages", "column of a conversational row's messages")
     text_key: str = opt("text", "column of a plain-text row (TRL: dataset_text_field)")
-    apply_chat_template: bool | None = opt(None, "render prompts and conversations with the tokenizer's chat "
-                                                 "template; null (default): when it has one")
+    apply_chat_template: bool = opt(False, "string prompt-completion rows too through the tokenizer's chat template: "
+                                           "the prompt a user turn, the completion the assistant's reply (OpenRLHF's "
+                                           "--apply_chat_template); false: as text, the completion closed by eos "
+                                           "(TRL's way). Rows of chat messages always go through the template")
     completion_only_loss: bool = opt(True, "prompt-completion rows: loss on the completion's tokens alone (TRL's "
                                            "default); false: on every token")
     assistant_only_loss: bool = opt(True, "conversational rows: loss on the assistant turns alone (OpenRLHF's "
@@ -57,10 +60,28 @@ SFT_LEFT_OUT = {"neftune_noise_alpha": "NEFTune is left out"}
 
 
 def sft_flags(argv: list[str]) -> CommandFlags:
-    """sft's flag table for this line: with `--multiturn`, `--input_key` names the messages column."""
-    multiturn = any(a.lower() in ("--multiturn", "--multiturn=true", "--multiturn=1") for a in argv)
-    names = {**SFT_NAMES, "input_key": "messages_key"} if multiturn else SFT_NAMES
+    """sft's flag table for this line: `--input_key` names the plain text with `--pretrain_mode` (OpenRLHF trains
+    its column as text then) and the messages with `--multiturn`."""
+    pretrain, multiturn = _switched_on(argv, "pretrain_mode"), _switched_on(argv, "multiturn")
+    if pretrain and multiturn:
+        raise ConfigError("--pretrain_mode with --multiturn: --input_key names either plain text or a conversation; "
+                          "give one of the two")
+    names = dict(SFT_NAMES)
+    if pretrain or multiturn:
+        names["input_key"] = "text_key" if pretrain else "messages_key"
     return CommandFlags(names, SFT_SWITCHES, SFT_LEFT_OUT)
+
+
+def _switched_on(argv: list[str], name: str) -> bool:
+    """Whether the line turns switch `--name` on: bare, `--name=WORD` or `--name WORD` (the last one wins)."""
+    on = False
+    for i, word in enumerate(argv):
+        flag, eq, value = word.partition("=")
+        if flag == f"--{name}":
+            nxt = argv[i + 1].lower() if i + 1 < len(argv) else ""
+            given = value.lower() if eq else nxt if nxt in TRUE_WORDS + FALSE_WORDS else "true"
+            on = given in TRUE_WORDS
+    return on
 
 
 def parse_sft(argv: list[str]) -> SFTConfig:
@@ -68,8 +89,9 @@ def parse_sft(argv: list[str]) -> SFTConfig:
                                          "rows or plain text.")
     p.epilog = ("Every key is also a flag (--key VALUE, a switch bare or with true/false). OpenRLHF's and TRL's "
                 "names: " + ", ".join(f"--{k} -> {v}" for k, v in FLAG_NAMES.items() if k != v) +
-                "; --multiturn: --input_key names the messages, assistant turns trained; --pretrain_mode: every "
-                "token trained; --lora_rank N > 0 switches LoRA on. Keys and data layouts: docs/sft.md")
+                "; --multiturn: --input_key names the messages, assistant turns trained (--output_key's reply "
+                "appended as the last turn); --pretrain_mode: --input_key names plain text, every token trained; "
+                "--lora_rank N > 0 switches LoRA on. Keys and data layouts: docs/sft.md")
     args = p.parse_intermixed_args(flags_as_keys(argv, SFTConfig, sft_flags(argv)))
     cfg = load_flat_config(SFTConfig, args.config, args.overrides, {"output_dir": args.output_dir,
                                                                       "logging_dir": args.logging_dir})
