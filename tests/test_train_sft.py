@@ -175,20 +175,27 @@ def test_a_template_that_rewrites_the_prompt_or_no_template_for_messages_is_one_
 ONE_STEP = ["max_steps=1", "learning_rate=1e-3", "warmup_ratio=0"]
 
 
+def _step_loss(log_dir: Path) -> float:
+    """The first step's logged train/loss: the token mean over all of the step's trained tokens."""
+    return json.loads((log_dir / "metrics.jsonl").read_text().splitlines()[0])["train/loss"]
+
+
 @pytest.fixture(scope="module")
-def one_big_batch(tiny_model_dir, tmp_path_factory) -> dict[str, torch.Tensor]:
-    """The weights after one optimizer step on one micro-batch of 4 rows in one process."""
+def one_big_batch(tiny_model_dir, tmp_path_factory) -> tuple[dict[str, torch.Tensor], float]:
+    """The weights after one optimizer step on one micro-batch of 4 rows in one process, and its logged loss."""
     tmp = tmp_path_factory.mktemp("big")
     _run(tiny_model_dir, tmp, "big", "batch_size=4", "gradient_accumulation_steps=1", *ONE_STEP)
-    return _weights(tmp / "big")
+    return _weights(tmp / "big"), _step_loss(tmp / "logs_big")
 
 
 def test_gradient_accumulation_gives_the_update_of_one_big_batch(tiny_model_dir, tmp_path, one_big_batch):
+    big, big_loss = one_big_batch
     _run(tiny_model_dir, tmp_path, "accum", "batch_size=2", "gradient_accumulation_steps=2", *ONE_STEP)
     accum, base = _weights(tmp_path / "accum"), _weights(tiny_model_dir)
-    assert any(not torch.equal(one_big_batch[k], base[k]) for k in base)
-    for k in one_big_batch:
-        torch.testing.assert_close(accum[k], one_big_batch[k], rtol=0, atol=1e-6)
+    assert any(not torch.equal(big[k], base[k]) for k in base)
+    for k in big:
+        torch.testing.assert_close(accum[k], big[k], rtol=0, atol=1e-6)
+    assert _step_loss(tmp_path / "logs_accum") == pytest.approx(big_loss, rel=1e-5)  # the loss it optimised
 
 
 def test_two_ddp_ranks_give_the_update_of_one_big_batch(tiny_model_dir, tmp_path, one_big_batch):
@@ -201,9 +208,11 @@ def test_two_ddp_ranks_give_the_update_of_one_big_batch(tiny_model_dir, tmp_path
                   env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert json.loads((tmp_path / "ddp" / "eval_results.json").read_text())["world_size"] == 2
+    big, big_loss = one_big_batch
     ddp = _weights(tmp_path / "ddp")
-    for k in one_big_batch:
-        torch.testing.assert_close(ddp[k], one_big_batch[k], rtol=0, atol=1e-6)
+    for k in big:
+        torch.testing.assert_close(ddp[k], big[k], rtol=0, atol=1e-6)
+    assert _step_loss(tmp_path / "logs") == pytest.approx(big_loss, rel=1e-5)
 
 
 @pytest.mark.parametrize("lora", [[], ["use_lora=true", "lora_rank=4", "lora_dropout=0.1"]], ids=["full", "lora"])

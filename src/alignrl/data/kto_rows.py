@@ -88,12 +88,6 @@ def _label(loc: str, key: str, value: Any) -> bool:
     raise DataError(f"{loc}: {key} must be true or false (desirable or not), got {value!r:.60}")
 
 
-def needs_template(rows: Sequence[KTORow]) -> str | None:
-    """A row that cannot be tokenised as things are set: none, since rows of messages always render through the
-    chat template, as in sft, and encoding names one whose tokenizer has no template."""
-    return None
-
-
 # ---------------------------------------------------------------- tokenisation
 
 

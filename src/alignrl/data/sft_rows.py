@@ -246,12 +246,6 @@ def encode_rows(tokenizer, rows: Sequence[SFTRow], keys: SFTKeys, max_length: in
     return out, cut, dropped
 
 
-def needs_template(rows: Sequence[SFTRow]) -> str | None:
-    """A row that cannot be tokenised as things are set: none, since rows of messages always render through the
-    chat template whatever apply_chat_template says, and encoding names one whose tokenizer has no template."""
-    return None
-
-
 # ---------------------------------------------------------------- batches
 
 

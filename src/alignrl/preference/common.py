@@ -32,6 +32,15 @@ from alignrl.train.checkpoint import CheckpointError, aside_path, hold_run_dir, 
 from alignrl.train.engines.base import TrainingDiverged
 
 
+def string_rows_templated(cfg, tokenizer) -> bool:
+    """Whether string prompt-completion rows go through the chat template (`apply_chat_template`; rows of chat
+    messages always do): said in one line when the tokenizer has none."""
+    if cfg.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"apply_chat_template=true, but the tokenizer of model_path={cfg.model_path} has no chat "
+                          "template; set apply_chat_template=false to train on the texts as they are")
+    return bool(cfg.apply_chat_template)
+
+
 def use_bf16(cfg: CommonConfig) -> bool:
     if cfg.bf16 == "auto":
         return cuda_bf16()

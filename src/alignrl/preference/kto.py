@@ -28,11 +28,8 @@ import time
 
 import torch
 
-from alignrl.config import ConfigError
 from alignrl.core.kto import NEEDS_KL, kl_estimate, kto_loss, weight_balance
-from alignrl.data.kto_rows import EncodedKTO, KTOBatch, KTOKeys, KTORow, collate_rows, encode_rows, load_rows, \
-    needs_template, shifted
-from alignrl.data.loaders import DataError
+from alignrl.data.kto_rows import EncodedKTO, KTOBatch, KTOKeys, KTORow, collate_rows, encode_rows, load_rows, shifted
 from alignrl.preference import adapters
 from alignrl.preference import checkpoints as ckpt
 from alignrl.preference import common as pc
@@ -45,19 +42,6 @@ CONSOLE = {"rewards/chosen": "chosen", "rewards/rejected": "rejected", "kl": "kl
 
 def _load(files: list[str], keys: KTOKeys, limit: int, key: str) -> list[KTORow]:
     return [row for f in files for row in load_rows(str(f), keys, limit or None, key)]
-
-
-def use_chat_template(cfg: KTOConfig, tokenizer, rows: list[KTORow]) -> bool:
-    """apply_chat_template as set, or (null) whether the tokenizer has a template; rows of messages need one."""
-    has = bool(getattr(tokenizer, "chat_template", None))
-    if cfg.apply_chat_template and not has:
-        raise ConfigError(f"apply_chat_template=true, but the tokenizer of model_path={cfg.model_path} has no chat "
-                          "template; set apply_chat_template=false to train on the texts as they are")
-    use = has if cfg.apply_chat_template is None else cfg.apply_chat_template
-    loc = None if use else needs_template(rows)
-    if loc:
-        raise DataError(f"{loc}: a row of chat messages needs the chat template, which is off or missing")
-    return use
 
 
 def logps(model, batch: KTOBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -198,13 +182,13 @@ def _policy_and_reference(cfg: KTOConfig, folder, env, log):
 
 
 def _encode(tok, cfg: KTOConfig, train_rows: list[KTORow], eval_rows: list[KTORow], log):
-    chat = use_chat_template(cfg, tok, train_rows + eval_rows)
+    chat = pc.string_rows_templated(cfg, tok)
     enc_train, cut = encode_rows(tok, train_rows, chat, cfg.max_length)
     enc_eval, _ = encode_rows(tok, eval_rows, chat, cfg.max_length)
     good = sum(e.desirable for e in enc_train)
     log.print(f"KTO ({cfg.loss_type}, beta {cfg.beta}): {len(enc_train)} train rows from "
               f"{', '.join(map(str, cfg.train_files))} ({good} desirable, {len(enc_train) - good} undesirable), "
-              f"{len(enc_eval)} held-out; chat template {chat}; {cut} rows longer than max_length={cfg.max_length} cut")
+              f"{len(enc_eval)} held-out; string rows through the chat template: {chat}; {cut} rows longer than max_length={cfg.max_length} cut")
     balance = weight_balance(good, len(enc_train) - good, cfg.desirable_weight, cfg.undesirable_weight)
     if balance is not None and not 1.0 <= balance <= 4 / 3:  # the KTO paper's advice, which TRL warns about too
         n_bad = len(enc_train) - good

@@ -32,10 +32,10 @@ class KTOConfig(CommonConfig):
     label_key: str = opt("label", "column of an unpaired row's label: true (or 1) when the completion is desirable")
     chosen_key: str = opt("chosen", "column of a paired row's chosen completion (trained as a desirable row)")
     rejected_key: str = opt("rejected", "column of a paired row's rejected completion (an undesirable row)")
-    apply_chat_template: bool | None = opt(None, "string rows through the tokenizer's chat template: the prompt a "
-                                                 "user turn, the completion the assistant's reply (OpenRLHF's "
-                                                 "--apply_chat_template); rows of chat messages always go through it; "
-                                                 "null (default): when it has one")
+    apply_chat_template: bool = opt(False, "string rows through the tokenizer's chat template too: the prompt a user "
+                                           "turn, the completion the assistant's reply (OpenRLHF's "
+                                           "--apply_chat_template); false: as text (TRL's way). Rows of chat "
+                                           "messages always go through it")
     ref_model_path: str | None = opt(None, "frozen reference model; default: the initial weights of model_path (with "
                                            "LoRA: the policy with its adapters off)")
     loss_type: str = opt("kto", "kto, or apo_zero_unpaired (no KL reference point)", choices=KTO_LOSS_TYPES)

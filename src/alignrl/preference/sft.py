@@ -22,10 +22,7 @@ import time
 
 import torch
 
-from alignrl.config import ConfigError
-from alignrl.data.loaders import DataError
-from alignrl.data.sft_rows import EncodedRow, SFTBatch, SFTKeys, SFTRow, collate_rows, encode_rows, load_rows, \
-    needs_template
+from alignrl.data.sft_rows import EncodedRow, SFTBatch, SFTKeys, SFTRow, collate_rows, encode_rows, load_rows
 from alignrl.preference import adapters
 from alignrl.preference import checkpoints as ckpt
 from alignrl.preference import common as pc
@@ -39,20 +36,6 @@ def _keys(cfg: SFTConfig, chat_template: bool) -> SFTKeys:
 
 def _load(files: list[str], keys: SFTKeys, limit: int, key: str) -> list[SFTRow]:
     return [row for f in files for row in load_rows(str(f), keys, limit or None, key)]
-
-
-def use_chat_template(cfg: SFTConfig, tokenizer, rows: list[SFTRow]) -> bool:
-    """apply_chat_template as set, or (null) whether the tokenizer has a template; rows of messages need one."""
-    has = bool(getattr(tokenizer, "chat_template", None))
-    if cfg.apply_chat_template and not has:
-        raise ConfigError(f"apply_chat_template=true, but the tokenizer of model_path={cfg.model_path} has no chat "
-                          "template; set apply_chat_template=false to train on the texts as they are")
-    use = has if cfg.apply_chat_template is None else cfg.apply_chat_template
-    loc = None if use else needs_template(rows)
-    if loc:
-        why = "apply_chat_template=false" if has else f"the tokenizer of {cfg.model_path} has no chat template"
-        raise DataError(f"{loc}: a row of chat messages needs the chat template, and {why}")
-    return use
 
 
 def step_tokens(encoded: list[EncodedRow], cfg: SFTConfig, world: int, epoch: int) -> list[float]:
@@ -129,12 +112,12 @@ class SFTLog(pc.RankZeroLog):
 
 
 def _encode(tok, cfg: SFTConfig, train_rows: list[SFTRow], eval_rows: list[SFTRow], log):
-    keys = _keys(cfg, use_chat_template(cfg, tok, train_rows + eval_rows))
+    keys = _keys(cfg, pc.string_rows_templated(cfg, tok))
     enc_train, cut, dropped = encode_rows(tok, train_rows, keys, cfg.max_length)
     enc_eval, _, _ = encode_rows(tok, eval_rows, keys, cfg.max_length)
     trained = sum(e.n_trained for e in enc_train)
     log.print(f"SFT: {len(enc_train)} train rows from {', '.join(map(str, cfg.train_files))} ({trained} trained "
-              f"tokens), {len(enc_eval)} held-out; chat template {keys.chat_template}; {cut} rows longer than "
+              f"tokens), {len(enc_eval)} held-out; string rows through the chat template: {keys.chat_template}; {cut} rows longer than "
               f"max_length={cfg.max_length} cut at its end" + (f", {dropped} of them dropped: no trained token left"
                                                                  if dropped else ""))
     return enc_train, enc_eval, {"truncated_rows": cut, "dropped_rows": dropped, "chat_template": keys.chat_template}
@@ -187,8 +170,11 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
         return {}
 
     def loss(module, batch: SFTBatch, _global_pairs):  # dropout's draws are keyed by the micro-batch (train_pairs)
-        summed, n = summed_loss(module, batch, cfg, env.device)
-        return summed / batch.global_tokens, {"loss": float(summed.detach()) / max(n, 1)}
+        summed, _ = summed_loss(module, batch, cfg, env.device)
+        # logged so that the step's mean over its micro-batches and ranks is the loss it optimises: the token mean
+        # over all of the step's trained tokens (not a mean of micro-batch means)
+        share = float(summed.detach()) / batch.global_tokens * cfg.gradient_accumulation_steps * env.world_size
+        return summed / batch.global_tokens, {"loss": share}
 
     step = pc.train_pairs(engine, loss, enc_train, [], tok.pad_token_id, cfg, env, log, total, {"eval/loss": "eval"},
                           after_step, start, loader=train_batches(enc_train, tok.pad_token_id, cfg, env))
