@@ -56,7 +56,11 @@ SFT_NAMES = {
 FLAG_NAMES = {**COMMON_NAMES, **SFT_NAMES}
 # `--multiturn` trains the assistant turns of the conversation that `--input_key` then names (OpenRLHF's reading)
 SFT_SWITCHES = {"pretrain_mode": ("completion_only_loss", "false"), "multiturn": ("assistant_only_loss", "true")}
-SFT_LEFT_OUT = {"neftune_noise_alpha": "NEFTune is left out"}
+SFT_LEFT_OUT = {"neftune_noise_alpha": "NEFTune is left out",
+                "input_template": "a plain-text prompt template is left out: rows are text, or go through the chat "
+                                  "template (apply_chat_template)",
+                "dataset_probs": "files are concatenated; per-file sampling probabilities are left out",
+                "train_split": "a file is read whole: give the training split's own file"}
 
 
 def sft_flags(argv: list[str]) -> CommandFlags:
