@@ -188,7 +188,8 @@ def _encode(tok, cfg: KTOConfig, train_rows: list[KTORow], eval_rows: list[KTORo
     good = sum(e.desirable for e in enc_train)
     log.print(f"KTO ({cfg.loss_type}, beta {cfg.beta}): {len(enc_train)} train rows from "
               f"{', '.join(map(str, cfg.train_files))} ({good} desirable, {len(enc_train) - good} undesirable), "
-              f"{len(enc_eval)} held-out; string rows through the chat template: {chat}; {cut} rows longer than max_length={cfg.max_length} cut")
+              f"{len(enc_eval)} held-out; string rows through the chat template: {chat}; {cut} rows longer than "
+              f"max_length={cfg.max_length} cut")
     balance = weight_balance(good, len(enc_train) - good, cfg.desirable_weight, cfg.undesirable_weight)
     if balance is not None and not 1.0 <= balance <= 4 / 3:  # the KTO paper's advice, which TRL warns about too
         n_bad = len(enc_train) - good

@@ -117,8 +117,8 @@ def _encode(tok, cfg: SFTConfig, train_rows: list[SFTRow], eval_rows: list[SFTRo
     enc_eval, _, _ = encode_rows(tok, eval_rows, keys, cfg.max_length)
     trained = sum(e.n_trained for e in enc_train)
     log.print(f"SFT: {len(enc_train)} train rows from {', '.join(map(str, cfg.train_files))} ({trained} trained "
-              f"tokens), {len(enc_eval)} held-out; string rows through the chat template: {keys.chat_template}; {cut} rows longer than "
-              f"max_length={cfg.max_length} cut at its end" + (f", {dropped} of them dropped: no trained token left"
+              f"tokens), {len(enc_eval)} held-out; string rows through the chat template: {keys.chat_template}; "
+              f"{cut} rows longer than max_length={cfg.max_length} cut at its end" + (f", {dropped} of them dropped: no trained token left"
                                                                  if dropped else ""))
     return enc_train, enc_eval, {"truncated_rows": cut, "dropped_rows": dropped, "chat_template": keys.chat_template}
 
