@@ -272,3 +272,28 @@ def test_metrics_rows_are_strict_json_with_null_for_a_non_finite_value(tmp_path)
         "step": 1, "actor/pg_loss": None, "actor/grad_norm": None, "reward/mean": 0.5}
     assert json_rows(line)[0]["reward/mean"] == 0.5
     assert Tracker(tmp_path, ["jsonl"], resume_step=1).history[0]["actor/pg_loss"] is None  # a resume keeps the row
+
+
+def test_a_ctrl_c_swallowed_by_a_finalizer_prints_no_traceback(monkeypatch, capsys):
+    """A Ctrl-C's KeyboardInterrupt raised inside a __del__ is printed by Python as "Exception ignored ...
+    Traceback" after the rank's one line: once the rank knows it was interrupted, that one is kept quiet; any other
+    exception in a finalizer is still printed."""
+    import gc
+
+    from alignrl.runtime import env
+
+    class Raises:
+        def __init__(self, exc: BaseException):
+            self.exc = exc
+
+        def __del__(self):
+            raise self.exc
+
+    monkeypatch.setattr(env, "_interrupted", True)
+    monkeypatch.setattr(sys, "unraisablehook", env._quiet_lost_interrupt)
+    Raises(KeyboardInterrupt())
+    gc.collect()
+    assert "Traceback" not in capsys.readouterr().err
+    Raises(ValueError("a real problem"))
+    gc.collect()
+    assert "ValueError: a real problem" in capsys.readouterr().err

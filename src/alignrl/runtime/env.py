@@ -62,6 +62,15 @@ def _on_sigint(signum, frame):
     raise KeyboardInterrupt
 
 
+def _quiet_lost_interrupt(unraisable) -> None:
+    """sys.unraisablehook: a Ctrl-C's KeyboardInterrupt raised inside a finalizer or weakref callback is swallowed
+    by Python, which prints it as "Exception ignored ... Traceback" after the rank's one line; the loop stops the
+    rank anyway (`interrupted`), so that one is not printed. Every other unraisable exception is, as Python would."""
+    if issubclass(unraisable.exc_type, KeyboardInterrupt) and _interrupted:
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def interrupted() -> bool:
     """A Ctrl-C reached this rank. Its KeyboardInterrupt can be lost: raised while Python runs a finalizer or a
     weakref callback (an import lock's, say), it is printed as "Exception ignored" and the rank runs on. The loop
@@ -135,6 +144,7 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
                               "host") from None
         signal.signal(signal.SIGTERM, _on_sigterm)
         signal.signal(signal.SIGINT, _on_sigint)
+        sys.unraisablehook = _quiet_lost_interrupt
     return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev,
                    backend=dist.get_backend())
 
