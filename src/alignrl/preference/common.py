@@ -221,6 +221,25 @@ class StepMetrics:
         self.micro, self.extra = [], {}
 
 
+def resumed_step(cfg: CommonConfig, engine, command: str, log: RankZeroLog) -> int:
+    """The step `cfg.resume_from`'s checkpoint was written at, its weights and optimizer state loaded into `engine`
+    (said once); 0 for a fresh run. For the trainers whose checkpoint holds nothing else (rm, sft, kto)."""
+    from alignrl.preference import checkpoints as ckpt
+
+    start = ckpt.resume(cfg.resume_from, engine, None, command) if cfg.resume_from else 0
+    if start:
+        log.print(f"resumed from {cfg.resume_from} at step {start}")
+    return start
+
+
+def save_if_due(cfg: CommonConfig, step: int, total: int, out_dir: Path, engine, env, log: RankZeroLog) -> None:
+    """Collective: a checkpoint every `save_steps` steps before the last (the last step is the saved model)."""
+    from alignrl.preference import checkpoints as ckpt
+
+    if cfg.save_steps and step % cfg.save_steps == 0 and step < total:
+        log.print(f"checkpoint {ckpt.save_checkpoint(ckpt.checkpoint_root(out_dir), step, engine, None, env)}")
+
+
 def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: CommonConfig, env,
                 log: RankZeroLog, total: int, console_keys: dict[str, str], after_step=None, start_step: int = 0,
                 loader=None) -> int:

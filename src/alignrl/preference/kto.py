@@ -31,7 +31,6 @@ import torch
 from alignrl.core.kto import NEEDS_KL, kl_estimate, kto_loss, weight_balance
 from alignrl.data.kto_rows import EncodedKTO, KTOBatch, KTOKeys, KTORow, collate_rows, encode_rows, load_rows, shifted
 from alignrl.preference import adapters
-from alignrl.preference import checkpoints as ckpt
 from alignrl.preference import common as pc
 from alignrl.preference.cli import same_model
 from alignrl.preference.kto_cli import KTOConfig
@@ -234,13 +233,10 @@ def train_kto(cfg: KTOConfig, dry_run_world: int | None = None) -> dict:
     before = ev()
     if before:
         log.print("held-out before training: " + _fmt(before))
-    start = ckpt.resume(cfg.resume_from, engine, None, "kto") if cfg.resume_from else 0
-    if start:
-        log.print(f"resumed from {cfg.resume_from} at step {start}")
+    start = pc.resumed_step(cfg, engine, "kto", log)
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
-        if cfg.save_steps and step % cfg.save_steps == 0 and step < total:
-            log.print(f"checkpoint {ckpt.save_checkpoint(ckpt.checkpoint_root(out_dir), step, engine, None, env)}")
+        pc.save_if_due(cfg, step, total, out_dir, engine, env, log)
         if enc_eval and cfg.eval_steps and step % cfg.eval_steps == 0 and step < total:
             e = ev()
             return {"eval/reward_margin": e["reward_margin"], "eval/kl": e["kl"], "eval/loss": e["loss"]}

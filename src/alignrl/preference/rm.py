@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from alignrl.preference import adapters
-from alignrl.preference import checkpoints as ckpt
 from alignrl.preference import common as pc
 from alignrl.preference.cli import RMConfig
 from alignrl.config import ConfigError
@@ -259,13 +258,10 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     def loss(module, batch, gpairs):
         return _loss(model_type, _scores(module, batch, cfg, env), batch, gpairs, cfg.classification_loss_weight)
 
-    start = ckpt.resume(cfg.resume_from, engine, None, "rm") if cfg.resume_from else 0
-    if start:
-        log.print(f"resumed from {cfg.resume_from} at step {start}")
+    start = pc.resumed_step(cfg, engine, "rm", log)
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
-        if cfg.save_steps and step % cfg.save_steps == 0 and step < total:
-            log.print(f"checkpoint {ckpt.save_checkpoint(ckpt.checkpoint_root(out_dir), step, engine, None, env)}")
+        pc.save_if_due(cfg, step, total, out_dir, engine, env, log)
         if not (cfg.eval_steps and step % cfg.eval_steps == 0 and step < total):
             return {}
         return {f"eval/{k}": v for k, v in evaluate(engine, evals, model_type, cfg, env).items()

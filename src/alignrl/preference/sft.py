@@ -24,7 +24,6 @@ import torch
 
 from alignrl.data.sft_rows import EncodedRow, SFTBatch, SFTKeys, SFTRow, collate_rows, encode_rows, load_rows
 from alignrl.preference import adapters
-from alignrl.preference import checkpoints as ckpt
 from alignrl.preference import common as pc
 from alignrl.preference.sft_cli import SFTConfig
 
@@ -157,13 +156,10 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     before = ev()
     if before:
         log.print(f"held-out before training: loss {before['loss']:.4f}, perplexity {before['perplexity']:.3f}")
-    start = ckpt.resume(cfg.resume_from, engine, None, "sft") if cfg.resume_from else 0
-    if start:
-        log.print(f"resumed from {cfg.resume_from} at step {start}")
+    start = pc.resumed_step(cfg, engine, "sft", log)
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
-        if cfg.save_steps and step % cfg.save_steps == 0 and step < total:
-            log.print(f"checkpoint {ckpt.save_checkpoint(ckpt.checkpoint_root(out_dir), step, engine, None, env)}")
+        pc.save_if_due(cfg, step, total, out_dir, engine, env, log)
         if enc_eval and cfg.eval_steps and step % cfg.eval_steps == 0 and step < total:
             e = ev()
             return {"eval/loss": e["loss"], "eval/perplexity": e["perplexity"]}
