@@ -133,6 +133,45 @@ def test_training_separates_desirable_from_undesirable_on_held_out_rows(tiny_mod
 ONE_STEP = ["max_steps=1", "learning_rate=1e-3", "warmup_ratio=0"]
 
 
+def test_the_mismatched_half_without_gradients_gives_the_loss_and_gradients_of_one_forward_with(tiny_model_dir,
+                                                                                                  tmp_path):
+    """The mismatched completions run under no_grad (as TRL's KTOTrainer); z0 is detached anyway, so one micro-batch's
+    loss and parameter gradients equal those of the single forward with gradients whose KL half is detached after."""
+    from alignrl.core.kto import kl_estimate
+    from alignrl.models.loader import load_causal_lm, load_tokenizer
+    from alignrl.preference.kto import Reference, _loss_fn, logps, policy_logps
+    from alignrl.runtime.env import DistEnv
+
+    tok = load_tokenizer(tiny_model_dir, chat=False)
+    enc, _ = encode_rows(tok, load_rows(_write(tmp_path / "d.jsonl", ROWS[:6]), KTOKeys()), False, 64)
+    batch = collate_rows(enc, tok.pad_token_id, 6, shifted([e.completion for e in enc]), max_length=64)
+    cfg = parse_kto([f"model_path={tiny_model_dir}", "train_files=[d.jsonl]", "beta=0.5", "bf16=false"])
+    policy, env = load_causal_lm(str(tiny_model_dir), "float32", "model_path"), DistEnv()
+    ref = Reference(cfg, policy, env, False, None)
+    torch.manual_seed(0)
+    with torch.no_grad():  # the policy moves off its reference, so that z0 and the rewards are not all 0
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    policy.eval()  # no dropout: both ways see the same network
+
+    def grads(loss: torch.Tensor) -> list[torch.Tensor]:
+        policy.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in policy.parameters()]
+
+    loss, m = _loss_fn(cfg, env, ref)(policy, batch, 6.0)
+    new = grads(loss)
+    own, kl = logps(policy, batch)  # one forward with gradients over both halves, z0 detached after
+    ref_own, ref_kl = ref(batch)
+    old_loss, old_m = kto_loss(own, ref_own, batch.desirable, 0.5, float(kl_estimate(kl, ref_kl)), global_rows=6.0)
+    old = grads(old_loss)
+    assert kl.requires_grad and not policy_logps(policy, batch)[1].requires_grad
+    assert torch.allclose(policy_logps(policy, batch)[1], kl, atol=1e-6)  # the same KL half, without its graph
+    assert m["kl"] > 0 and m["kl"] == pytest.approx(old_m["kl"], abs=1e-6)
+    assert loss.item() == pytest.approx(old_loss.item(), abs=1e-6)
+    assert max(float((a - b).abs().max()) for a, b in zip(new, old)) < 1e-6 and any(g.abs().sum() > 0 for g in new)
+
+
 @pytest.mark.parametrize("loss", ["kto", "apo_zero_unpaired"])
 def test_gradient_accumulation_gives_the_update_of_one_big_batch(tiny_model_dir, tmp_path, loss):
     # kto: z0 is each micro-batch's own estimate (TRL's); on the first step the policy is its reference, so every

@@ -5,8 +5,9 @@
 The policy trains through a TrainEngine (one process, DDP, FSDP2 or DeepSpeed; with `use_lora`, its LoRA adapters
 alone) on the rows of `data.kto_rows`: a prompt with one completion labelled desirable or not. The frozen reference
 is a copy of the initial policy (or of `ref_model_path`) in eval mode; with LoRA it is the policy itself with its
-adapters off. One forward of each scores a micro-batch's own completions and, for loss_type kto, its mismatched ones
-(row i's prompt with row i + 1's completion); the loss is `core.kto`'s.
+adapters off. The policy scores a micro-batch's own completions and, for loss_type kto, its mismatched ones (row i's
+prompt with row i + 1's completion), the mismatched ones in a forward without gradients (z0 is detached, as in TRL's
+KTOTrainer); the reference scores both in one forward; the loss is `core.kto`'s.
 
 The reference point z0 (the KL estimate) is, as in TRL and OpenRLHF, computed per micro-batch: the mean over that
 micro-batch's mismatched pairs, averaged over ranks, then clamped at 0. So gradient accumulation gives the update of
@@ -47,6 +48,24 @@ def logps(model, batch: KTOBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log π of each row's own completion (B,), of its mismatched one (B,) or None): one forward over both."""
     own, kl, _ = pair_logps(model, batch, "sum")
     return own.float(), (kl.float() if batch.has_kl else None)
+
+
+def _half(batch: KTOBatch, rows: slice) -> KTOBatch:
+    """Rows [0, B) (own completions) or [B, 2B) (mismatched ones) of a batch as a batch of their own, padding kept."""
+    return KTOBatch(batch.prompt_ids[rows], batch.prompt_mask[rows], batch.response_ids[rows],
+                    batch.response_mask[rows], batch.desirable, batch.index, batch.weight, batch.global_rows)
+
+
+def policy_logps(model, batch: KTOBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`logps` for training: the own completions with gradients, the mismatched ones in a second forward without
+    (as TRL's KTOTrainer). z0 is detached, so their activations would be kept for a backward that gives nothing."""
+    if not batch.has_kl:
+        return logps(model, batch)
+    b = batch.n_pairs
+    with torch.no_grad():  # first: the forward with gradients is then the last before the backward (DDP's hooks)
+        kl, _, _ = pair_logps(model, _half(batch, slice(b, 2 * b)), "sum")
+    own, _, _ = pair_logps(model, _half(batch, slice(0, b)), "sum")
+    return own.float(), kl.float()
 
 
 class Reference:
@@ -149,7 +168,7 @@ def _loss_fn(cfg: KTOConfig, env, ref: Reference):
 
     def loss(module, batch: KTOBatch, global_rows: float):
         with pc.autocast(cfg, env.device):
-            own, kl = logps(module, batch)
+            own, kl = policy_logps(module, batch)
         ref_own, ref_kl = ref(batch)
         z0 = 0.0
         if kl is not None:  # a collective: every rank runs the same micro-batches
