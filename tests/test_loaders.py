@@ -160,11 +160,12 @@ def test_missing_file(tmp_path: Path) -> None:
 
 
 def test_unsupported_extension(tmp_path: Path) -> None:
-    path = tmp_path / "train.csv"
+    path = tmp_path / "train.txt"
     path.write_text("question,answer\n")
     with pytest.raises(DataError) as excinfo:
         load_samples(str(path))
-    assert _error(excinfo) == f"unsupported data file extension '.csv' for {path} (use .jsonl, .json or .parquet)"
+    assert _error(excinfo) == (f"unsupported data file extension '.txt' for {path} (use .jsonl, .json, .parquet or "
+                               ".csv, a dataset folder or a Hub dataset name)")
 
 
 def test_bad_json_line_reports_file_and_line(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from alignrl.data.row_formats import (DataError, PromptKeys, chat_messages, json
                                   plain_ground_truth, with_system)
 from alignrl.data.images import with_row_images
 from alignrl.data.records import Sample
+from alignrl.data.sources import is_library_dataset, library_count, library_rows
 from alignrl.data.verl_dataset import dataset_class_rows, verl_data_config
 from alignrl.utils.atomic import atomic_write
 
@@ -208,17 +209,23 @@ def write_verl_parquet(samples: list[Sample], path: str | os.PathLike[str]) -> N
 
 def check_data_file(path: str, key: str = "data.train_files") -> None:
     """That `path` exists with a readable extension, else a DataError naming `key` (the config key
-    that gave it): cheap enough to run before a launch, ahead of any model load."""
+    that gave it): cheap enough to run before a launch, ahead of any model load. A dataset folder, .csv/.arrow file or
+    Hub name (`alignrl.data.sources`) is checked when it is loaded."""
+    if is_library_dataset(path):
+        return
     p = Path(path)
     if not p.is_file():
         raise DataError(f"data file not found: {path} (set {key} to an existing .jsonl, .json or .parquet file)")
     if p.suffix.lower() not in (".jsonl", ".json", ".parquet"):
-        raise DataError(f"unsupported data file extension {p.suffix!r} for {path} (use .jsonl, .json or .parquet)")
+        raise DataError(f"unsupported data file extension {p.suffix!r} for {path} (use .jsonl, .json, .parquet or "
+                        ".csv, a dataset folder or a Hub dataset name)")
 
 
 def check_sources(path: str, known: Collection[str], key: str = "data.train_files") -> None:
     """A DataError naming the first row whose `data_source` is not in `known` (the sources with a
     built-in reward), read before any model loads: otherwise the run fails at its first reward."""
+    if is_library_dataset(path):  # not loaded twice before the run: a bad source fails at its first reward
+        return
     if Path(path).suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
 
@@ -236,7 +243,9 @@ def check_sources(path: str, known: Collection[str], key: str = "data.train_file
 
 
 def count_rows(path: str, key: str = "data.train_files") -> int:
-    """Rows of a data file without reading them all (parquet: from its footer)."""
+    """Rows of a data file without reading them all (parquet: from its footer), or of a library dataset's split."""
+    if is_library_dataset(path):
+        return library_count(path, key)
     check_data_file(path, key)
     if Path(path).suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
@@ -260,6 +269,8 @@ def read_rows(path: str, key: str, limit: int | None = None) -> list[_Row]:
 
 
 def _read_rows(path: str, limit: int | None, key: str = "data.train_files") -> tuple[list[str], list[_Row]]:
+    if is_library_dataset(path):
+        return library_rows(path, key, limit)
     check_data_file(path, key)
     if Path(path).suffix.lower() == ".parquet":
         return _read_parquet(path, limit)
