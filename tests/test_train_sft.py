@@ -1,6 +1,6 @@
 """`alignrl train sft` on the tiny test model: the loss falls on a memorisation task with the held-out loss reported,
-the trained-token masks of each layout, gradient accumulation equal to one big batch, exact resume, LoRA's merged
-folder, and mistakes as one line."""
+the trained-token masks of each layout, gradient accumulation and packing equal to one big padded batch, exact resume
+(NEFTune's noise included), max_samples over all files, LoRA's merged folder, and mistakes as one line."""
 
 import json
 import os
@@ -14,6 +14,7 @@ import torch
 from alignrl.config import ConfigError
 from alignrl.data.loaders import DataError
 from alignrl.data.sft_rows import SFTKeys, SFTRow, encode_rows, load_rows
+from alignrl.preference.sft import _load
 from alignrl.preference.sft_cli import parse_sft, sft_main
 
 # completions of different lengths, so micro-batches of one step hold different numbers of trained tokens
@@ -172,7 +173,8 @@ def test_a_template_that_rewrites_the_prompt_or_no_template_for_messages_is_one_
         encode_rows(_sentencepiece_like(), [SFTRow("x:2", messages=CHAT)], SFTKeys(), 64)
 
 
-ONE_STEP = ["max_steps=1", "learning_rate=1e-3", "warmup_ratio=0"]
+# max_length 40: no row is cut (the longest is 25 tokens), and packed sequences of 40 hold two rows each
+ONE_STEP = ["max_steps=1", "learning_rate=1e-3", "warmup_ratio=0", "max_length=40"]
 
 
 def _step_loss(log_dir: Path) -> float:
@@ -181,15 +183,16 @@ def _step_loss(log_dir: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def one_big_batch(tiny_model_dir, tmp_path_factory) -> tuple[dict[str, torch.Tensor], float]:
-    """The weights after one optimizer step on one micro-batch of 4 rows in one process, and its logged loss."""
+def one_big_batch(tiny_model_dir, tmp_path_factory) -> tuple[dict[str, torch.Tensor], float, dict]:
+    """The weights after one optimizer step on one padded micro-batch of 4 rows in one process, its logged loss and
+    its results."""
     tmp = tmp_path_factory.mktemp("big")
-    _run(tiny_model_dir, tmp, "big", "batch_size=4", "gradient_accumulation_steps=1", *ONE_STEP)
-    return _weights(tmp / "big"), _step_loss(tmp / "logs_big")
+    res = _run(tiny_model_dir, tmp, "big", "batch_size=4", "gradient_accumulation_steps=1", *ONE_STEP)
+    return _weights(tmp / "big"), _step_loss(tmp / "logs_big"), res
 
 
 def test_gradient_accumulation_gives_the_update_of_one_big_batch(tiny_model_dir, tmp_path, one_big_batch):
-    big, big_loss = one_big_batch
+    big, big_loss, _ = one_big_batch
     _run(tiny_model_dir, tmp_path, "accum", "batch_size=2", "gradient_accumulation_steps=2", *ONE_STEP)
     accum, base = _weights(tmp_path / "accum"), _weights(tiny_model_dir)
     assert any(not torch.equal(big[k], base[k]) for k in base)
@@ -208,17 +211,31 @@ def test_two_ddp_ranks_give_the_update_of_one_big_batch(tiny_model_dir, tmp_path
                   env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert json.loads((tmp_path / "ddp" / "eval_results.json").read_text())["world_size"] == 2
-    big, big_loss = one_big_batch
+    big, big_loss, _ = one_big_batch
     ddp = _weights(tmp_path / "ddp")
     for k in big:
         torch.testing.assert_close(ddp[k], big[k], rtol=0, atol=1e-6)
     assert _step_loss(tmp_path / "logs") == pytest.approx(big_loss, rel=1e-5)
 
 
-@pytest.mark.parametrize("lora", [[], ["use_lora=true", "lora_rank=4", "lora_dropout=0.1"]], ids=["full", "lora"])
-def test_a_resumed_run_ends_with_the_weights_of_an_unbroken_one(tiny_model_dir, tmp_path, lora):
-    # LoRA's dropout draws too: a resume repeats them
-    common = ["batch_size=4", "max_steps=4", "learning_rate=1e-3", *lora]
+def test_packed_rows_give_the_padded_step_with_fewer_forward_tokens(tiny_model_dir, tmp_path, one_big_batch):
+    big, big_loss, padded = one_big_batch
+    res = _run(tiny_model_dir, tmp_path, "packed", "--packing_samples", "batch_size=4",
+               "gradient_accumulation_steps=1", *ONE_STEP)
+    assert res["packing"] and res["truncated_rows"] == padded["truncated_rows"] == 0
+    packed = _weights(tmp_path / "packed")
+    for k in big:
+        torch.testing.assert_close(packed[k], big[k], rtol=0, atol=1e-5)
+    assert _step_loss(tmp_path / "logs_packed") == pytest.approx(big_loss, rel=1e-5)
+    # 4 rows of 14..25 tokens: padded, 4 x the longest; packed, 2 sequences of at most 40
+    assert 0 < res["forward_tokens"] < padded["forward_tokens"]
+
+
+@pytest.mark.parametrize("extra", [[], ["use_lora=true", "lora_rank=4", "lora_dropout=0.1"],
+                                   ["neftune_noise_alpha=5", "packing=true"]], ids=["full", "lora", "neftune"])
+def test_a_resumed_run_ends_with_the_weights_of_an_unbroken_one(tiny_model_dir, tmp_path, extra):
+    # LoRA's dropout draws and NEFTune's noise too: a resume repeats them
+    common = ["batch_size=4", "max_steps=4", "learning_rate=1e-3", *extra]
     _run(tiny_model_dir, tmp_path, "whole", "save_steps=2", *common)
     checkpoint = tmp_path / "whole.checkpoints" / "step_2"
     res = _run(tiny_model_dir, tmp_path, "resumed", f"resume_from={checkpoint}", *common)
@@ -255,6 +272,12 @@ def test_openrlhf_and_trl_flags_read_as_keys(tmp_path):
     assert parse_sft(["--dataset", data, "--multiturn", "true", "--input_key", "conv"]).messages_key == "conv"
     off = parse_sft(["--dataset", data, "--multiturn", "false", "--input_key", "q"])
     assert (off.prompt_key, off.messages_key, off.assistant_only_loss) == ("q", "messages", False)
+    assert parse_sft(["--dataset", data, "--max_samples", "5"]).max_train_pairs == 5
+    noisy = parse_sft(["--dataset", data, "--neftune_noise_alpha", "5", "--packing_samples"])
+    assert noisy.neftune_noise_alpha == 5.0 and noisy.packing
+    assert not parse_sft(["--dataset", data]).packing
+    assert not parse_sft(["--dataset", data, "--packing", "false"]).packing
+    assert parse_sft(["--dataset", data, "--packing", "packing=false"]).packing  # a flag wins over an override
     with pytest.raises(ConfigError, match="--pretrain_mode with --multiturn"):
         parse_sft(["--dataset", data, "--multiturn", "--pretrain_mode", "--input_key", "q"])
 
@@ -278,8 +301,8 @@ def test_openrlhf_conversation_columns_without_and_with_output_key(tiny_model_di
 def test_mistakes_are_one_line(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="unknown config key 'prompt_kye' \\(did you mean 'prompt_key'\\?\\)"):
         parse_sft(["train_files=[x.jsonl]", "prompt_kye=q"])
-    with pytest.raises(ConfigError, match="--neftune_noise_alpha: NEFTune is left out"):
-        parse_sft(["--dataset", "x.jsonl", "--neftune_noise_alpha", "5"])
+    with pytest.raises(ConfigError, match="--packing_samples=maybe: --packing_samples takes true or false"):
+        parse_sft(["--dataset", "x.jsonl", "--packing_samples=maybe"])
     keys = SFTKeys(prompt="question", response="answer")
     bad = _write(tmp_path / "bad.jsonl", [{"question": "q", "answer": "a"}, {"question": "q"}])
     with pytest.raises(DataError, match=f"{bad}:2: row has question but is missing answer"):
@@ -292,3 +315,11 @@ def test_mistakes_are_one_line(tiny_model_dir, tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0, p.stderr
     assert p.stderr.startswith(f"alignrl: error: {bad}:2: row has question but is missing answer")
+
+
+def test_max_samples_caps_the_rows_of_all_files_together(tmp_path):
+    first, second = _write(tmp_path / "a.jsonl", ROWS[:3]), _write(tmp_path / "b.jsonl", ROWS[3:])
+    rows = _load([first, second], SFTKeys(), 5, "train_files")
+    assert [r.prompt for r in rows] == [r["prompt"] for r in ROWS[:5]]  # 3 of the first file, 2 of the second
+    assert len(_load([first, second], SFTKeys(), 0, "train_files")) == 16
+    assert len(_load([first, tmp_path / "never_read.jsonl"], SFTKeys(), 2, "train_files")) == 2

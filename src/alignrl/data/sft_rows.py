@@ -252,25 +252,29 @@ def encode_rows(tokenizer, rows: Sequence[SFTRow], keys: SFTKeys, max_length: in
 @dataclass
 class SFTBatch:
     """Right-padded rows with the mask of their trained tokens; `global_tokens`: the trained tokens of the whole
-    optimizer step (every micro-batch on every rank), what the summed loss is divided by."""
+    optimizer step (every micro-batch on every rank), what the summed loss is divided by. A packed batch
+    (`preference.sft_packing`) has `position_ids`: several rows per sequence, each counted from 0."""
 
     input_ids: torch.Tensor  # (B, L) long
-    attention_mask: torch.Tensor  # (B, L) bool
+    attention_mask: torch.Tensor  # (B, L) bool: a row's token (not padding)
     loss_mask: torch.Tensor  # (B, L) bool: token t is a target (predicted at position t - 1)
-    index: torch.Tensor  # (B,) long
+    index: torch.Tensor  # (rows,) long
     global_tokens: float
+    position_ids: torch.Tensor | None = None  # (B, L) long, packed batches only
 
     @property
     def n_rows(self) -> int:
         return self.index.shape[0]
 
+    def _map(self, fn) -> SFTBatch:
+        return SFTBatch(*(fn(t) for t in (self.input_ids, self.attention_mask, self.loss_mask, self.index)),
+                        self.global_tokens, None if self.position_ids is None else fn(self.position_ids))
+
     def to(self, device: torch.device, non_blocking: bool = False) -> SFTBatch:
-        return SFTBatch(*(t.to(device, non_blocking=non_blocking) for t in (
-            self.input_ids, self.attention_mask, self.loss_mask, self.index)), self.global_tokens)
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> SFTBatch:  # called by DataLoader(pin_memory=True)
-        return SFTBatch(*(t.pin_memory() for t in (self.input_ids, self.attention_mask, self.loss_mask, self.index)),
-                        self.global_tokens)
+        return self._map(lambda t: t.pin_memory())
 
 
 def collate_rows(encoded: Sequence[EncodedRow], pad_id: int, global_tokens: float) -> SFTBatch:

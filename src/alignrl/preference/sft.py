@@ -12,7 +12,9 @@ order (`common.micro_batches`), so gradient accumulation and more ranks give the
 The held-out rows' token-mean loss and perplexity are measured before and after training (and every `eval_steps`)
 and written to `<output_dir>/eval_results.json` beside the saved HF causal-LM folder and its tokenizer, which
 `alignrl train grpo model.path=<output_dir>` loads. `save_steps` writes resumable checkpoints and `resume_from` goes
-on from one (`preference.checkpoints`). Left out: packing, NEFTune, Liger kernels.
+on from one (`preference.checkpoints`). `packing` lays a micro-batch's rows end to end with restarting position ids
+(the same rows, loss and update, without the padding) and `neftune_noise_alpha` adds NEFTune's noise to the input
+embeddings in training (`preference.sft_packing`). Left out: Liger kernels.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from alignrl.data.sft_rows import EncodedRow, SFTBatch, SFTKeys, SFTRow, collate
 from alignrl.preference import adapters
 from alignrl.preference import common as pc
 from alignrl.preference.sft_cli import SFTConfig
+from alignrl.preference.sft_packing import NEFTune, check_packable, collate_packed, one_row_attention
 
 
 def _keys(cfg: SFTConfig, chat_template: bool) -> SFTKeys:
@@ -34,7 +37,23 @@ def _keys(cfg: SFTConfig, chat_template: bool) -> SFTKeys:
 
 
 def _load(files: list[str], keys: SFTKeys, limit: int, key: str) -> list[SFTRow]:
-    return [row for f in files for row in load_rows(str(f), keys, limit or None, key)]
+    """The rows of `files` in order, the first `limit` of them all (OpenRLHF's --max_samples: of the blend, not of
+    each file); files past the limit are not read. 0: all."""
+    rows: list[SFTRow] = []
+    for f in files:
+        if limit and len(rows) >= limit:
+            break
+        rows += load_rows(str(f), keys, limit - len(rows) if limit else None, key)
+    return rows
+
+
+def collator(cfg: SFTConfig, pad_id: int, model=None):
+    """`collate(rows, global_tokens) -> SFTBatch`: padded, or with `packing` packed into sequences of at most
+    max_length tokens (all in one row for flash attention, `sft_packing.one_row_attention`)."""
+    if not cfg.packing:
+        return lambda rows, tokens: collate_rows(rows, pad_id, tokens)
+    one_row = model is not None and one_row_attention(model)
+    return lambda rows, tokens: collate_packed(rows, pad_id, tokens, cfg.max_length, one_row)
 
 
 def step_tokens(encoded: list[EncodedRow], cfg: SFTConfig, world: int, epoch: int) -> list[float]:
@@ -49,7 +68,7 @@ def step_tokens(encoded: list[EncodedRow], cfg: SFTConfig, world: int, epoch: in
     return counts
 
 
-def train_batches(encoded: list[EncodedRow], pad_id: int, cfg: SFTConfig, env):
+def train_batches(encoded: list[EncodedRow], collate, cfg: SFTConfig, env):
     """`loader(epoch)` for `common.train_pairs`: this rank's micro-batches, each knowing its step's global count."""
     from torch.utils.data import DataLoader
 
@@ -60,26 +79,31 @@ def train_batches(encoded: list[EncodedRow], pad_id: int, cfg: SFTConfig, env):
         # a generator of its own: the loader's seed draw leaves the global random state (dropout's) alone
         return DataLoader(items, batch_size=None, num_workers=cfg.num_workers, pin_memory=env.device.type == "cuda",
                           generator=torch.Generator().manual_seed(cfg.seed),
-                          collate_fn=lambda item: collate_rows([encoded[j] for j in item[0]], pad_id, *item[1:]))
+                          collate_fn=lambda item: collate([encoded[j] for j in item[0]], item[1]))
 
     return loader
 
 
-def eval_batches(encoded: list[EncodedRow], pad_id: int, batch_size: int, env) -> list[SFTBatch]:
+def eval_batches(encoded: list[EncodedRow], collate, batch_size: int, env) -> list[SFTBatch]:
     """This rank's share of the held-out rows (rank::world), padded with untrained copies so that every rank runs the
     same number of forwards (sharded engines need all ranks in each one)."""
     mine = encoded[env.rank::env.world_size]
     per_rank = -(-len(encoded) // env.world_size)
     filler = EncodedRow(encoded[0].ids, [False] * len(encoded[0].ids), -1) if encoded else None
     mine = mine + [filler] * (per_rank - len(mine))
-    return [collate_rows(mine[i:i + batch_size], pad_id, 0.0) for i in range(0, len(mine), batch_size)]
+    return [collate(mine[i:i + batch_size], 0.0) for i in range(0, len(mine), batch_size)]
 
 
 def summed_loss(model, batch: SFTBatch, cfg: SFTConfig, device: torch.device) -> tuple[torch.Tensor, int]:
     """(the summed cross-entropy of the batch's trained tokens, their number). Position t predicts token t + 1; the
-    logits of the trained positions alone go to float32."""
+    logits of the trained positions alone go to float32. A packed batch goes in with its position ids and no
+    attention mask, from which transformers builds the block-diagonal mask that keeps its rows apart."""
     with pc.autocast(cfg, device):
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long(), use_cache=False).logits
+        if batch.position_ids is None:
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long(),
+                           use_cache=False).logits
+        else:
+            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
     targets = batch.loss_mask[:, 1:]
     picked = logits[:, :-1][targets].float()
     total = torch.nn.functional.cross_entropy(picked, batch.input_ids[:, 1:][targets], reduction="sum")
@@ -117,8 +141,8 @@ def _encode(tok, cfg: SFTConfig, train_rows: list[SFTRow], eval_rows: list[SFTRo
     trained = sum(e.n_trained for e in enc_train)
     log.print(f"SFT: {len(enc_train)} train rows from {', '.join(map(str, cfg.train_files))} ({trained} trained "
               f"tokens), {len(enc_eval)} held-out; string rows through the chat template: {keys.chat_template}; "
-              f"{cut} rows longer than max_length={cfg.max_length} cut at its end" + (f", {dropped} of them dropped: no trained token left"
-                                                                 if dropped else ""))
+              f"{cut} rows longer than max_length={cfg.max_length} cut at its end"
+              + (f", {dropped} of them dropped: no trained token left" if dropped else ""))
     return enc_train, enc_eval, {"truncated_rows": cut, "dropped_rows": dropped, "chat_template": keys.chat_template}
 
 
@@ -147,11 +171,12 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     model = adapters.attach(policy, spec, "CAUSAL_LM", cfg.seed) if spec is not None else policy
     if spec is not None:
         log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}")
+    collate, neft = _layout(cfg, tok.pad_token_id, model, log)
     total = pc.total_steps(len(enc_train), cfg, env.world_size)
     engine = pc.build_engine_for(cfg, model, env, total)
     log.print(f"{pc.describe_batch(cfg, env.world_size).replace('pairs', 'rows')}; {total} optimizer steps, "
               f"strategy {engine.name}, world size {env.world_size}, bf16 {pc.use_bf16(cfg)}")
-    evals = eval_batches(enc_eval, tok.pad_token_id, cfg.eval_batch_size, env)
+    evals = eval_batches(enc_eval, collate, cfg.eval_batch_size, env)
     ev = (lambda: evaluate(engine.model, evals, cfg, env)) if enc_eval else (lambda: None)  # noqa: E731
     before = ev()
     if before:
@@ -166,14 +191,18 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
         return {}
 
     def loss(module, batch: SFTBatch, _global_pairs):  # dropout's draws are keyed by the micro-batch (train_pairs)
+        if neft is not None:
+            neft.arm(batch)  # its draws too
+        notes["forward_tokens"] += batch.input_ids.numel()  # this rank's, padding included
         summed, _ = summed_loss(module, batch, cfg, env.device)
         # logged so that the step's mean over its micro-batches and ranks is the loss it optimises: the token mean
         # over all of the step's trained tokens (not a mean of micro-batch means)
         share = float(summed.detach()) / batch.global_tokens * cfg.gradient_accumulation_steps * env.world_size
         return summed / batch.global_tokens, {"loss": share}
 
+    notes["forward_tokens"] = 0
     step = pc.train_pairs(engine, loss, enc_train, [], tok.pad_token_id, cfg, env, log, total, {"eval/loss": "eval"},
-                          after_step, start, loader=train_batches(enc_train, tok.pad_token_id, cfg, env))
+                          after_step, start, loader=train_batches(enc_train, collate, cfg, env))
     after = ev()
     if after:
         pc.check_eval_finite(after["loss"], "losses")
@@ -189,6 +218,18 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     return results
 
 
+def _layout(cfg: SFTConfig, pad_id: int, model, log):
+    """(the micro-batches' collate function, NEFTune's hook or None), said once; packing is refused in one line
+    for a model whose attention would let packed rows see each other (`sft_packing.check_packable`)."""
+    if cfg.packing:
+        check_packable(model, cfg.max_length)
+        log.print(f"packing: each micro-batch's rows in sequences of at most max_length={cfg.max_length} tokens, "
+                  "position ids restarting at each row, no padding")
+    if cfg.neftune_noise_alpha:
+        log.print(f"NEFTune: noise alpha={cfg.neftune_noise_alpha} on the input embeddings in training")
+    return collator(cfg, pad_id, model), NEFTune(model, cfg.neftune_noise_alpha) if cfg.neftune_noise_alpha else None
+
+
 def _report(cfg: SFTConfig, log, before: dict | None, after: dict | None, step: int, n_train: int, notes: dict, env,
             strategy: str, t0: float) -> dict:
     """The held-out loss before -> after, printed, and the run's results (eval_results.json)."""
@@ -199,5 +240,6 @@ def _report(cfg: SFTConfig, log, before: dict | None, after: dict | None, step: 
             "train_files": [str(f) for f in cfg.train_files], "eval_files": [str(f) for f in cfg.eval_files],
             "completion_only_loss": cfg.completion_only_loss, "assistant_only_loss": cfg.assistant_only_loss,
             "max_length": cfg.max_length, "world_size": env.world_size, "strategy": strategy,
-            "use_lora": cfg.use_lora, "effective_batch": pc.global_batch(cfg, env.world_size),
+            "use_lora": cfg.use_lora, "packing": cfg.packing, "neftune_noise_alpha": cfg.neftune_noise_alpha,
+            "effective_batch": pc.global_batch(cfg, env.world_size),
             "seconds": round(time.time() - t0, 1), "model_path": cfg.model_path}

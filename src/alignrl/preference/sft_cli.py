@@ -43,8 +43,15 @@ class SFTConfig(CommonConfig):
     batch_size: int = opt(8, "rows per device per micro-batch (OpenRLHF: --micro_train_batch_size)", ge=1)
     eval_batch_size: int = opt(16, "rows per device per evaluation forward", ge=1)
     max_length: int = opt(512, "tokens of a whole row; a longer one is cut at the end (OpenRLHF: --max_len)", ge=8)
-    max_train_pairs: int = opt(0, "use only the first N training rows of each file; 0: all", ge=0)
-    max_eval_pairs: int = opt(0, "use only the first N held-out rows of each file; 0: all", ge=0)
+    max_train_pairs: int = opt(0, "use only the first N training rows of all train_files together, in their order "
+                                  "(OpenRLHF: --max_samples); 0: all", ge=0)
+    max_eval_pairs: int = opt(0, "use only the first N held-out rows of all eval_files together; 0: all", ge=0)
+    packing: bool = opt(False, "a micro-batch's rows packed into sequences of at most max_length tokens, position "
+                               "ids restarting at each row and no padding; the same rows, loss and update as "
+                               "padded (TRL: packing with padding_free; OpenRLHF: --packing_samples)")
+    neftune_noise_alpha: float = opt(0.0, "NEFTune: uniform noise of scale alpha / sqrt(L * hidden size) on the "
+                                          "input embeddings in training (L: the row's length); 0: off (TRL's "
+                                          "neftune_noise_alpha; 5 is the paper's)", ge=0.0)
     learning_rate: float = opt(2e-5, "peak AdamW learning rate", gt=0.0)
 
 
@@ -56,11 +63,13 @@ SFT_NAMES = {
 FLAG_NAMES = {**COMMON_NAMES, **SFT_NAMES}
 # `--multiturn` trains the assistant turns of the conversation that `--input_key` then names (OpenRLHF's reading)
 SFT_SWITCHES = {"pretrain_mode": ("completion_only_loss", "false"), "multiturn": ("assistant_only_loss", "true")}
-SFT_LEFT_OUT = {"neftune_noise_alpha": "NEFTune is left out",
-                "input_template": "a plain-text prompt template is left out: rows are text, or go through the chat "
+SFT_LEFT_OUT = {"input_template": "a plain-text prompt template is left out: rows are text, or go through the chat "
                                   "template (apply_chat_template)",
                 "dataset_probs": "files are concatenated; per-file sampling probabilities are left out",
                 "train_split": "a file is read whole: give the training split's own file"}
+# OpenRLHF's --packing_samples and TRL's --packing switch the `packing` key (read before the common table, which
+# takes them as switches of no effect for the other offline commands)
+PACKING_FLAGS = ("packing", "packing_samples")
 
 
 def sft_flags(argv: list[str]) -> CommandFlags:
@@ -74,6 +83,26 @@ def sft_flags(argv: list[str]) -> CommandFlags:
     if pretrain or multiturn:
         names["input_key"] = "text_key" if pretrain else "messages_key"
     return CommandFlags(names, SFT_SWITCHES, SFT_LEFT_OUT)
+
+
+def packing_switches(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the line without `--packing`/`--packing_samples`, their `packing=` overrides): the overrides go after all
+    the others, so that the flag wins over a `key=value` override, as every flag does."""
+    rest, overrides, i = [], [], 0
+    while i < len(argv):
+        word, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        flag, eq, value = word.partition("=")
+        if not flag.startswith("--") or flag[2:] not in PACKING_FLAGS:
+            rest.append(word)
+            i += 1
+            continue
+        taken = not eq and nxt is not None and nxt.lower() in TRUE_WORDS + FALSE_WORDS
+        given = (value if eq else nxt if taken else "true").lower()
+        if given not in TRUE_WORDS + FALSE_WORDS:
+            raise ConfigError(f"{word}: {flag} takes true or false, or nothing (true)")
+        overrides.append(f"packing={'true' if given in TRUE_WORDS else 'false'}")
+        i += 2 if taken else 1
+    return rest, overrides
 
 
 def _switched_on(argv: list[str], name: str) -> bool:
@@ -95,8 +124,10 @@ def parse_sft(argv: list[str]) -> SFTConfig:
                 "names: " + ", ".join(f"--{k} -> {v}" for k, v in FLAG_NAMES.items() if k != v) +
                 "; --multiturn: --input_key names the messages, assistant turns trained (--output_key's reply "
                 "appended as the last turn); --pretrain_mode: --input_key names plain text, every token trained; "
-                "--lora_rank N > 0 switches LoRA on. Keys and data layouts: docs/sft.md")
-    args = p.parse_intermixed_args(flags_as_keys(argv, SFTConfig, sft_flags(argv)))
+                "--lora_rank N > 0 switches LoRA on; --packing_samples, --packing: packing=true. Keys and data "
+                "layouts: docs/sft.md")
+    rest, packing = packing_switches(argv)
+    args = p.parse_intermixed_args(flags_as_keys(rest, SFTConfig, sft_flags(rest)) + packing)
     cfg = load_flat_config(SFTConfig, args.config, args.overrides, {"output_dir": args.output_dir,
                                                                       "logging_dir": args.logging_dir})
     if not cfg.train_files:
