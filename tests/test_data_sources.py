@@ -88,6 +88,8 @@ def test_a_hub_name_offline_is_one_line_naming_the_setting_and_the_fix(monkeypat
 
 def test_what_is_a_file_a_folder_or_a_hub_name(tmp_path):
     assert DatasetSpec.parse("openai/gsm8k#main@data") == DatasetSpec("openai/gsm8k", "main", "data")
+    assert DatasetSpec.parse("openai/gsm8k#main[test]") == DatasetSpec("openai/gsm8k", "main", None, "test")
+    assert is_library_dataset("openai/gsm8k#main[test]") and is_library_dataset(f"{tmp_path}[train]")
     assert not is_library_dataset(str(tmp_path / "missing.jsonl"))
     assert not is_library_dataset("prompts.txt") and not is_library_dataset("/abs/missing")
     with pytest.raises(DataError) as e:  # a missing file of a known kind stays "not found", not a Hub lookup
@@ -102,7 +104,11 @@ def test_splits_without_train_and_image_columns(tmp_path):
     repo = hub_layout(tmp_path / "odd", {"dev": gsm8k("d", 1), "holdout": gsm8k("h", 1)})
     with pytest.raises(DataError) as e:
         load_samples(str(repo))
-    assert "has splits" in one_line(e) and "none named train" in str(e.value)
+    assert "has splits dev, holdout and none named train" in one_line(e) and f"{repo}[split]" in str(e.value)
+    assert [s.ground_truth for s in load_samples(f"{repo}[holdout]")] == ["1"]  # a split named in brackets
+    with pytest.raises(DataError) as e:
+        count_rows(f"{repo}[missing]")
+    assert "none named missing" in one_line(e)
     from PIL import Image
 
     buffer = io.BytesIO()

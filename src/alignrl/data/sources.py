@@ -6,7 +6,8 @@ or a `.csv` / `.arrow` file. alignrl's own files (`.jsonl`, `.json`, `.parquet`)
 
 A dataset with several splits gives `train` to training settings and `test` to held-out ones (OpenRLHF's
 `--dataset_split` / `--eval_split` defaults; a held-out setting also takes `validation` when there is no `test`).
-A dataset with a single split gives that one to both."""
+A dataset with a single split gives that one to both. Another split is named after the dataset in brackets,
+`owner/name[dev]`, which is what OpenRLHF's and TRL's split flags become."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from alignrl.data.row_formats import DataError
 
 OWN_SUFFIXES = (".jsonl", ".json", ".parquet")
 LIBRARY_SUFFIXES = (".csv", ".arrow")
-# `owner/name` or `name`, with OpenRLHF's optional `#config` and `@data_dir`: what a Hub dataset id looks like
-_HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?(#[\w.-]+)?(@[\w./-]+)?$")
+# `owner/name` or `name`: what a Hub dataset id looks like
+_HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+_SPLIT = re.compile(r"^(.*)\[([\w.-]+)\]$")
 # a name ending so is a file that is not there, not a Hub id (ids may hold dots: `owner/set-v1.5`)
 _FILE_SUFFIXES = OWN_SUFFIXES + LIBRARY_SUFFIXES + (".txt", ".tsv", ".gz", ".zip", ".yaml", ".yml", ".py")
 _HELD_OUT_SPLITS = ("test", "validation", "valid", "val")
@@ -30,19 +32,23 @@ _FIX = ("give a .jsonl/.json/.parquet file, or a dataset folder or Hub dataset n
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """A dataset as named on the command line: its path or Hub id, and OpenRLHF's `#config` and `@data_dir`."""
+    """A dataset as named on the command line, `name#config@data_dir[split]`: its path or Hub id, OpenRLHF's
+    `#config` and `@data_dir`, and the split to read when it is not the setting's default."""
 
     name: str
     config: str | None = None
     data_dir: str | None = None
+    split: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> DatasetSpec:
         if Path(text).exists():  # a local path is taken whole, whatever characters it holds
             return cls(text)
-        name, _, data_dir = text.partition("@")
+        bracket = _SPLIT.match(text)
+        rest, split = (bracket.group(1), bracket.group(2)) if bracket else (text, None)
+        name, _, data_dir = rest.partition("@")
         name, _, config = name.partition("#")
-        return cls(name.strip(), config.strip() or None, data_dir.strip() or None)
+        return cls(name.strip(), config.strip() or None, data_dir.strip() or None, split)
 
 
 def is_own_file(path: str) -> bool:
@@ -52,14 +58,13 @@ def is_own_file(path: str) -> bool:
 
 def is_library_dataset(path: str) -> bool:
     """A dataset the `datasets` library reads: a .csv/.arrow file or a folder on disk, or what looks like a Hub id."""
-    p = Path(path)
     if is_own_file(path):
         return False
-    if p.exists():
-        return p.is_dir() or p.suffix.lower() in LIBRARY_SUFFIXES
-    if Path(DatasetSpec.parse(path).name).is_dir():  # a local folder with OpenRLHF's #config or @data_dir
-        return True
-    return bool(_HUB_NAME.match(path)) and not path.startswith(".") and p.suffix.lower() not in _FILE_SUFFIXES
+    name = DatasetSpec.parse(path).name
+    local = Path(name)
+    if local.exists():
+        return local.is_dir() or local.suffix.lower() in LIBRARY_SUFFIXES
+    return bool(_HUB_NAME.match(name)) and not name.startswith(".") and local.suffix.lower() not in _FILE_SUFFIXES
 
 
 def held_out(key: str) -> bool:
@@ -116,14 +121,14 @@ def _split(data, path: str, key: str):
     """(the split of `data` the setting `key` reads, its name; None for a dataset without splits)."""
     if not hasattr(data, "keys"):  # one Dataset (save_to_disk of a split)
         return data, None
-    names = list(data.keys())
-    if len(names) == 1:
+    spec, names = DatasetSpec.parse(path), list(data.keys())
+    if len(names) == 1 and spec.split in (None, names[0]):
         return data[names[0]], names[0]
-    wanted = _HELD_OUT_SPLITS if held_out(key) else ("train",)
+    wanted = (spec.split,) if spec.split else _HELD_OUT_SPLITS if held_out(key) else ("train",)
     split = next((name for name in wanted if name in names), None)
     if split is None:
         raise DataError(f"{key}: dataset {path!r} has splits {', '.join(names)} and none named "
-                        f"{' or '.join(wanted)} (save the split you want to a .jsonl/.parquet file)")
+                        f"{' or '.join(wanted)} (name the one to read after the dataset: {spec.name}[split])")
     return data[split], split
 
 
