@@ -2,6 +2,7 @@
 their spellings parse to our keys, their scripts train, their global batch becomes gradient accumulation, their
 column names load, and what is left out is refused in one line."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,11 @@ from alignrl.config import ConfigError
 from alignrl.data.loaders import DataError
 from alignrl.data.preference import PairColumns, load_pairs
 from alignrl.preference.cli import dpo_main, parse_dpo, parse_rm, rm_main, with_global_batch
-from alignrl.preference.sft_cli import parse_sft
+from alignrl.preference.configs import DPOConfig, RMConfig
+from alignrl.preference.flag_names import COMMON_NAMES, DPO_FLAGS, RM_FLAGS
+from alignrl.preference.kto_cli import KTO_FLAGS, KTOConfig, parse_kto
+from alignrl.preference.sft_cli import SFTConfig, parse_sft, sft_flags
+from alignrl.preference.their_defaults import OPENRLHF_NAMES, SHARED_NAMES, TRL_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,10 +60,14 @@ def test_openrlhf_dpo_script_parses_and_trains_a_step(tiny_model_dir, tmp_path, 
     assert (cfg.save_steps, cfg.eval_steps, cfg.log_every, cfg.zero_stage, cfg.bf16) == (0, 0, 1, 3, "true")
     assert cfg.gradient_checkpointing and cfg.loss_type == "sigmoid"  # theirs, not this command's safe_mm_dpo
     assert cfg.eval_files == [data]  # no --eval_dataset: their own pairs are held out, not the shipped demo ones
+    # what the script leaves unsaid is OpenRLHF's train_dpo default, said in one line; what it gives stays
+    assert (cfg.warmup_ratio, cfg.adam_betas, cfg.train_batch_size) == (0.03, [0.9, 0.95], 128)
     err = capsys.readouterr().err
-    assert "note: loss_type=sigmoid" in err and "--flash_attn changes nothing" in err
+    assert ("alignrl: note: OpenRLHF's train_dpo defaults where the line is silent: warmup_ratio=0.03, adam_betas="
+            "[0.9, 0.95], train_batch_size=128, loss_type=sigmoid\n") in err and "--flash_attn changes nothing" in err
+    # four pairs fill no global batch of OpenRLHF's 128
     assert dpo_main([*_dpo_script(tiny_model_dir, data, out), "--logging_dir", str(tmp_path / "logs"),
-                     "max_steps=1"]) == 0
+                     "max_steps=1", "train_batch_size=1"]) == 0
     results = json.loads((out / "eval_results.json").read_text())
     assert results["steps"] == 1 and (out / "config.json").is_file()
 
@@ -96,7 +105,7 @@ def test_train_batch_size_becomes_accumulation_once_the_ranks_are_known(tmp_path
     capsys.readouterr()
     # refused before any process starts: --nproc's ranks count
     assert rm_main([*line, "--train_batch_size", "6", "--nproc", "2"]) == 2
-    err = capsys.readouterr().err.strip()
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the note of OpenRLHF's defaults taken
     assert err == ("alignrl: error: train_batch_size=6 is not a whole number of batch_size × ranks = 2 × 2 = 4; "
                    "give a multiple of 4")
 
@@ -175,3 +184,83 @@ def test_openrlhfs_zero_stage_runs_deepspeed_and_its_list_flags_take_several_wor
 def test_a_wrong_flag_exits_2_with_one_line(capsys):
     assert dpo_main(["--pretrain", "demo", "--ipo", "--beta", "0.1", "--max_norm"]) == 2
     assert capsys.readouterr().err.strip() == "alignrl: error: --max_norm needs a value (--max_norm VALUE)"
+
+
+def _silent_note(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "defaults where the line is silent" in line or "share" in line]
+
+
+def test_a_line_in_openrlhfs_spelling_takes_its_defaults_and_its_own_flags_win(tmp_path, capsys):
+    """What an OpenRLHF line leaves unsaid trains as its script's default (train_dpo: warm-up 0.03, betas 0.9 0.95,
+    lr 1e-5, max_len 512, global batch 128, fp32 without --bf16, logging every step), said in one line; a flag, a
+    key=value word or the --config file of the line wins; LoRA's defaults come with LoRA."""
+    capsys.readouterr()
+    cfg = parse_dpo(["--pretrain", "demo", "--dataset", "pairs.jsonl"])
+    assert (cfg.warmup_ratio, cfg.adam_betas, cfg.learning_rate, cfg.max_length) == (0.03, [0.9, 0.95], 1e-5, 512)
+    assert (cfg.train_batch_size, cfg.bf16, cfg.log_every, cfg.loss_type) == (128, "false", 1, "sigmoid")
+    assert (cfg.lr_scheduler, cfg.min_lr_ratio, cfg.lora_alpha) == ("cosine", 0.1, 32)  # the same / LoRA is off
+    (note,) = _silent_note(capsys.readouterr().err)
+    assert note == ("alignrl: note: OpenRLHF's train_dpo defaults where the line is silent: warmup_ratio=0.03, "
+                    "adam_betas=[0.9, 0.95], train_batch_size=128, log_every=1, bf16=false, learning_rate=1e-05, "
+                    "max_length=512, loss_type=sigmoid")
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("max_length: 100\nlog_every: 7\n")
+    given = parse_dpo(["--pretrain", "demo", "--lr_warmup_ratio", "0.2", "--adam_betas", "0.8", "0.9", "--bf16",
+                       "learning_rate=3e-5", "--config", str(yaml), "gradient_accumulation_steps=2", "--lora_rank",
+                       "8"])
+    assert (given.warmup_ratio, given.adam_betas, given.learning_rate, given.bf16) == (0.2, [0.8, 0.9], 3e-5, "true")
+    assert (given.max_length, given.log_every, given.train_batch_size) == (100, 7, 0)  # the file's; its own batch
+    assert (given.use_lora, given.lora_alpha, given.lora_dropout) == (True, 16, 0.0)  # OpenRLHF's LoRA defaults
+    (note,) = _silent_note(capsys.readouterr().err)
+    assert "warmup_ratio" not in note and "max_length" not in note and "lora_alpha=16" in note
+    kto = parse_kto(["--pretrain", "demo", "--dataset", "rows.jsonl"])
+    assert (kto.beta, kto.learning_rate, kto.max_length, kto.prompt_key) == (0.01, 1e-5, 2048, "prompt")
+    assert "not taken: input_key=input" in _silent_note(capsys.readouterr().err)[0]
+    assert (parse_sft(["--dataset", "rows.jsonl"]).epochs, parse_rm(["--pretrain", "demo"]).batch_size) == (2, 1)
+
+
+def test_a_trl_line_takes_trls_defaults_and_a_mixed_line_only_the_shared_ones(capsys):
+    capsys.readouterr()
+    rm = parse_rm(["--model_name_or_path", "demo", "--dataset_name", "pairs.jsonl"])
+    assert (rm.learning_rate, rm.epochs, rm.warmup_ratio, rm.adam_betas, rm.max_length) == (
+        1e-4, 3, 0.0, [0.9, 0.999], 1024)
+    assert (rm.log_every, rm.save_steps, rm.gradient_checkpointing, rm.eval_batch_size, rm.bf16) == (
+        10, 500, True, 8, "auto")
+    (note,) = _silent_note(capsys.readouterr().err)
+    assert note.startswith("alignrl: note: TRL's RewardConfig defaults where the line is silent: warmup_ratio=0.0, ")
+    assert note.endswith("; not taken: lr_scheduler_type=linear (the decay here is constant or cosine: "
+                         "lr_scheduler=cosine kept)")
+    dpo = parse_dpo(["--model_name_or_path", "demo", "--lr_scheduler_type", "constant", "--num_train_epochs", "1"])
+    assert (dpo.learning_rate, dpo.epochs, dpo.lr_scheduler, dpo.loss_type) == (1e-6, 1, "constant", "sigmoid")
+    assert "not taken" not in _silent_note(capsys.readouterr().err)[0]
+    assert parse_sft(["--model_name_or_path", "demo", "--dataset_name", "rows.jsonl"]).assistant_only_loss is False
+    capsys.readouterr()
+    mixed = parse_dpo(["--pretrain", "demo", "--num_train_epochs", "2"])
+    assert (mixed.loss_type, mixed.warmup_ratio, mixed.learning_rate, mixed.epochs) == ("sigmoid", 0.1, 5e-5, 2)
+    assert _silent_note(capsys.readouterr().err) == [
+        "alignrl: note: --pretrain, --num_train_epochs: OpenRLHF's and TRL's names mixed, so only the defaults the "
+        "two share are taken: loss_type=sigmoid"]
+
+
+def test_a_line_in_our_own_keys_is_unchanged(capsys):
+    """Nothing of theirs reaches a line of our keys (a key's own name as a flag is ours): the config is the command's
+    defaults with the line's values, exactly."""
+    capsys.readouterr()
+    assert parse_dpo(["beta=0.2", "--learning_rate", "1e-5", "--epochs", "2"]) == DPOConfig(
+        beta=0.2, learning_rate=1e-5, epochs=2)
+    assert parse_rm(["--max_length", "64", "warmup_ratio=0.2"]) == RMConfig(max_length=64, warmup_ratio=0.2)
+    assert parse_sft(["train_files=[a.jsonl]", "--log_every", "3"]) == SFTConfig(train_files=["a.jsonl"], log_every=3)
+    assert parse_kto(["train_files=[a.jsonl]", "--adam_betas", "0.9", "0.95"]) == dataclasses.replace(
+        KTOConfig(), train_files=["a.jsonl"], adam_betas=[0.9, 0.95])
+    assert _silent_note(capsys.readouterr().err) == []
+
+
+def test_every_flag_name_of_theirs_is_one_spellings():
+    """Whose spelling a line is in is read from its names: each renamed flag and switch of the offline commands is
+    OpenRLHF's, TRL's or both's, exactly one of these, and no listed name is stale."""
+    tables = [RM_FLAGS, DPO_FLAGS, KTO_FLAGS, sft_flags([]), sft_flags(["--multiturn"])]
+    theirs = {k for t in tables for k, v in t.all_names().items() if k != v} | {k for t in tables for k in t.switches}
+    assert theirs == OPENRLHF_NAMES | TRL_NAMES | SHARED_NAMES
+    assert not (OPENRLHF_NAMES & TRL_NAMES or OPENRLHF_NAMES & SHARED_NAMES or TRL_NAMES & SHARED_NAMES)
+    assert {"pretrain", "max_len"} <= OPENRLHF_NAMES and {"model_name_or_path", "num_train_epochs"} <= TRL_NAMES
+    assert set(COMMON_NAMES) <= theirs | {k for k, v in COMMON_NAMES.items() if k == v}

@@ -161,17 +161,13 @@ def parse_rm(argv: list[str]) -> RMConfig:
 def parse_dpo(argv: list[str]) -> DPOConfig:
     p = make_parser("alignrl train dpo", "DPO, IPO, conservative DPO, hinge, safety-aware DPO and TRL's other "
                     "pairwise losses.")
-    p.epilog = epilog(DPO_FLAGS) + (" A line in OpenRLHF's or TRL's spelling trains loss_type=sigmoid unless it "
-                                    "names one. Keys, data and OpenRLHF's flags: docs/reward-models-and-dpo.md")
+    p.epilog = epilog(DPO_FLAGS) + " Keys, data and OpenRLHF's flags: docs/reward-models-and-dpo.md"
     p.add_argument("--loss_type", choices=DPO_LOSS_NAMES)
+    # a line in OpenRLHF's or TRL's spelling takes their defaults (flag_names): their DPO is the sigmoid loss, where
+    # this command's own default (safe_mm_dpo) needs two scorers
     args = p.parse_intermixed_args(flags_as_keys(argv, DPOConfig, DPO_FLAGS))
-    # OpenRLHF's and TRL's DPO is the sigmoid loss; this command's own default (safe_mm_dpo) needs two scorers
-    their = spelled_their_way(argv, DPO_FLAGS)
     cfg = load_flat_config(DPOConfig, args.config, args.overrides, {
-        "loss_type": args.loss_type, "output_dir": args.output_dir, "logging_dir": args.logging_dir},
-                           {"loss_type": "sigmoid"} if their else None)
-    if their and cfg.loss_type == "sigmoid" and not any("loss_type" in a or a.startswith("--ipo") for a in argv):
-        say("note: loss_type=sigmoid, OpenRLHF's and TRL's DPO loss (this command's own default is safe_mm_dpo)")
+        "loss_type": args.loss_type, "output_dir": args.output_dir, "logging_dir": args.logging_dir})
     _check_ref_sync(cfg)
     _check_reference_free(cfg)
     if cfg.kl_coeff > 0 and cfg.precompute_ref_log_probs:

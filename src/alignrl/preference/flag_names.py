@@ -8,7 +8,8 @@
 logging); each command adds its own table (`CommandFlags`): its data flags, switches that set a key to a value,
 flags it leaves out (refused in one line saying why) and flags that change nothing here (accepted with a note).
 Every config key is also a flag under its own name: `--key VALUE`, `--key=VALUE`, a switch bare or with true/false
-(TRL's `--gradient_checkpointing True`). Nothing here imports torch.
+(TRL's `--gradient_checkpointing True`). A line in OpenRLHF's or TRL's spelling also takes their script's defaults
+where it is silent (`their_defaults`, said in one line). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import json
 from dataclasses import dataclass, field, fields
 
 from alignrl.config import ConfigError
+from alignrl.preference.mmdpo_keys import read_yaml, translate, translate_override
 from alignrl.preference.notes import say
+from alignrl.preference.their_defaults import adopted, say_adopted, spellings
 
 # OpenRLHF's and TRL's names of keys every offline command has (a name already ours needs no entry)
 COMMON_NAMES = {
@@ -116,11 +119,17 @@ def _valued(key: str, name: str, value: str, lora_given: bool) -> list[str]:
     return out
 
 
-def spelled_their_way(argv: list[str], own_names: CommandFlags) -> bool:
-    """Whether the line names a flag by OpenRLHF's or TRL's name that is not a key of ours (`--pretrain`,
-    `--model_name_or_path`, `--dataset`, `--max_len`, ...): a run written for their scripts."""
+def their_names(argv: list[str], own_names: CommandFlags) -> list[str]:
+    """The flags of the line named by OpenRLHF's or TRL's name that is not a key of ours (`--pretrain`,
+    `--model_name_or_path`, `--dataset`, `--max_len`, ...; a switch of theirs: `--ipo`), each once."""
     theirs = {k for k, v in own_names.all_names().items() if k != v} | set(own_names.switches)
-    return any(a.startswith("--") and a[2:].partition("=")[0] in theirs for a in argv)
+    named = (a[2:].partition("=")[0] for a in argv if a.startswith("--"))
+    return [n for n in dict.fromkeys(named) if n in theirs]
+
+
+def spelled_their_way(argv: list[str], own_names: CommandFlags) -> bool:
+    """Whether the line names a flag by OpenRLHF's or TRL's own name: a run written for their scripts."""
+    return bool(their_names(argv, own_names))
 
 
 def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) -> list[str]:
@@ -176,7 +185,36 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
         else:  # not a key of this command: the parser names it as unknown
             passed.append(word)
             i += 1
-    return passed + overrides
+    return _their_defaults(argv, config_class, own_names, passed + overrides) + passed + overrides
+
+
+def _their_defaults(argv: list[str], config_class: type, own_names: CommandFlags, words: list[str]) -> list[str]:
+    """The overrides of OpenRLHF's or TRL's defaults that a line in their spelling leaves unsaid (said in one line;
+    `their_defaults`); none for a line in our own keys."""
+    names = their_names(argv, own_names)
+    if not names:
+        return []
+    whose = spellings(names)
+    lora = any(w.lower() == "use_lora=true" for w in words)
+    taken, not_taken = adopted(config_class, whose, _line_keys(words, config_class, own_names), lora)
+    say_adopted(config_class, whose, names, taken, not_taken)
+    return taken
+
+
+def _line_keys(words: list[str], config_class: type, own_names: CommandFlags) -> set[str]:
+    """The keys the line sets: its `key=value` words and flags (as `flags_as_keys` gives them), the flags the
+    command's parser reads, and the keys of its `--config` file."""
+    command = "rm" if config_class.__name__ == "RMConfig" else "dpo"  # the key spellings load_flat_config reads
+    keys: set[str] = set()
+    for i, word in enumerate(words):
+        name, eq, value = word[2:].partition("=") if word.startswith("--") else ("", "", "")
+        if name == "config" and (eq or i + 1 < len(words)):
+            keys |= set(translate(read_yaml(value if eq else words[i + 1], lambda _: None), command))
+        elif name in (*own_names.parsed, "output_dir", "logging_dir"):
+            keys.add(name)
+        elif not name and "=" in word:
+            keys.add(translate_override(word, command).partition("=")[0].lstrip("+").split(".")[0])
+    return keys
 
 
 def _engine_of(argv: list[str]) -> list[str]:
@@ -227,4 +265,6 @@ def epilog(own_names: CommandFlags) -> str:
     switched = ", ".join(f"--{k} -> {v[0]}={v[1]}" for k, v in own_names.switches.items())
     return (f"Every key is also a flag (--key VALUE, a switch bare or with true/false). OpenRLHF's and TRL's names: "
             f"{renamed}{'; ' + switched if switched else ''}; --train_batch_size N sets gradient_accumulation_steps "
-            "= N / (batch_size × ranks); --lora_rank N switches LoRA on (N > 0) or off (0).")
+            "= N / (batch_size × ranks); --lora_rank N switches LoRA on (N > 0) or off (0). A line in OpenRLHF's "
+            "or TRL's spelling takes their script's defaults where it is silent (said at start; dpo: "
+            "loss_type=sigmoid).")
