@@ -8,7 +8,8 @@ the restarts as sequence boundaries and builds a block-diagonal causal mask for 
 token sees another row; flash attention takes the same position ids as varlen boundaries when the batch is one row,
 so for it every sequence of the micro-batch goes into one row. A row's first token is never a target, so no label
 crosses a boundary. The micro-batch holds the same rows as unpacked, so a step's loss (the token mean over its
-trained tokens) and its update are the padded step's; only padding leaves the forward. Sequences shorter than the
+trained tokens) and its update are the padded step's; only padding leaves the forward (dropout, LoRA's, draws its
+masks over the packed tensors: the same in distribution, not draw for draw). Sequences shorter than the
 longest are filled at their end by a segment of their own (position ids from 0, never attended to by a row, never
 trained). `check_packable` runs one small forward before training to make sure the model's attention keeps
 packed rows apart, and refuses in one line when it does not.
