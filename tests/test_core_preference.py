@@ -175,3 +175,31 @@ def test_reward_and_cost_gradients():
     c, r = T(0.0).requires_grad_(), T(0.0).requires_grad_()
     safe_rlhf_cost_loss(c, r, T(0), T(1))[0].backward()
     assert r.grad.item() < 0 < c.grad.item()  # descent raises the harmful response's cost, lowers the safe one's
+
+
+def test_bco_pair_hand_worked_and_its_running_mean():
+    """TRL's bco_pair: -log σ(r_c - δ) - log σ(-(r_r - δ)), r = β·(log π - log π_ref), δ the running mean of the
+    micro-batches' mean rewards (TRL's RunningMoments: count-weighted, starting at 0 with a count of 1e-24)."""
+    from alignrl.core.preference import RewardMean, bco_pair_loss
+
+    # rewards β·(pc - rc) = 0.5·[1, 0] = [0.5, 0], β·(pr - rr) = 0.5·[-1, 0] = [-0.5, 0]; δ = 0.25
+    loss, m = bco_pair_loss(PC, PR, RC, RR, BETA, bco_delta=0.25)
+    expect = (nls(0.5 - 0.25) + nls(0.5 + 0.25)) + (nls(-0.25) + nls(0.25))  # -log σ(-(r_r - δ)) = nls(δ - r_r)
+    assert loss.item() == pytest.approx(expect / 2, rel=1e-6) and m["bco/delta"] == 0.25
+    assert DPO_LOSSES["bco_pair"](PC, PR, RC, RR, BETA)[0].item() == pytest.approx(
+        (nls(0.5) + nls(0.0) + nls(0.5) + nls(0.0)) / 2, rel=1e-6)  # δ = 0: plain per-response BCE
+    running = RewardMean()
+    assert running.update(2.0) == pytest.approx(2.0, abs=1e-12)  # the first batch sets it
+    assert running.update(-1.0) == pytest.approx(0.5) and running.update(0.5, count=2.0) == pytest.approx(0.5)
+    assert running.update(4.5, count=4.0) == pytest.approx((2.0 - 1.0 + 2 * 0.5 + 4 * 4.5) / 8)
+    again = RewardMean()
+    again.load_state_dict(running.state_dict())
+    assert again.update(1.0) == running.update(1.0)
+
+
+def test_bco_pair_descent_raises_chosen_and_lowers_rejected():
+    from alignrl.core.preference import bco_pair_loss
+
+    pc, pr = T(-2.0, -3.0).requires_grad_(), T(-2.0, -3.0).requires_grad_()
+    bco_pair_loss(pc, pr, T(-2.0, -3.0), T(-2.0, -3.0), 0.1, bco_delta=0.3)[0].backward()
+    assert (pc.grad < 0).all() and (pr.grad > 0).all()

@@ -12,8 +12,10 @@ utility order with an ODPO offset.
 
 TRL's other pairwise losses (robust, exo_pair, nca_pair, sppo_hard, aot, aot_pair, apo_zero, apo_down, discopop)
 follow its formulas, and so do the reference-free losses of its CPO and ORPO trainers (simpo, cpo, orpo: the caller
-passes zeros for the reference). Left out on purpose: bco_pair (a running mean of rewards across steps), IPO on
-token means, KTO's unpaired data and listwise/ranking losses; they need state across steps or different data.
+passes zeros for the reference). bco_pair reads δ, a running mean of the rewards over the micro-batches so far
+(`RewardMean`), which the trainer keeps, shares across ranks and checkpoints. `sft_loss` (the chosen responses' NLL)
+is a part of TRL's multi-loss DPO, never a loss_type alone. Left out on purpose: IPO on token means, KTO's unpaired
+data and listwise/ranking losses; they need different data.
 """
 
 from __future__ import annotations
@@ -274,6 +276,46 @@ def discopop_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None
     return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
 
 
+def bco_pair_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, bco_delta: float = 0.0, **_
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
+    """BCO on pairs (Jung et al. 2024, "Binary Classifier Optimization for Large Language Model Alignment"), TRL's
+    bco_pair: each response a binary classification of its implicit reward r = β·(log π - log π_ref) shifted by δ,
+    -log σ(r_c - δ) - log σ(-(r_r - δ)); δ = bco_delta, the running mean of the rewards (`RewardMean`)."""
+    chosen, rejected = beta * (pc - rc), beta * (pr - rr)
+    losses = -F.logsigmoid(chosen - bco_delta) - F.logsigmoid(-(rejected - bco_delta))
+    loss, metrics = _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+    metrics["bco/delta"] = float(bco_delta)
+    return loss, metrics
+
+
+class RewardMean:
+    """bco_pair's δ: the running mean of the micro-batches' mean rewards, as TRL's RunningMoments keeps it (its mean;
+    the variance is not read). Each update brings `count` values (TRL: one per rank) whose mean is `batch_mean`;
+    the mean starts at 0 with a count of 1e-24, so the first update sets it."""
+
+    def __init__(self) -> None:
+        self.mean, self.count = 0.0, 1e-24
+
+    def update(self, batch_mean: float, count: float = 1.0) -> float:
+        total = self.count + count
+        self.mean += (batch_mean - self.mean) * count / total
+        self.count = total
+        return self.mean
+
+    def state_dict(self) -> dict[str, float]:
+        return {"mean": self.mean, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.count = float(state["mean"]), float(state["count"])
+
+
+def sft_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, nll: torch.Tensor, **_
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The chosen responses' NLL (`nll`, (B,)), "sft" in TRL's multi-loss DPO (MPO: Wang et al. 2024, "Enhancing the
+    Reasoning Ability of Multimodal Large Language Models via Mixed Preference Optimization")."""
+    return _pairwise(nll, pc, pr, rc, rr, beta, global_pairs)
+
+
 # ---------------------------------------------------------------- reference-free (rc = rr = 0 is passed)
 
 
@@ -320,6 +362,7 @@ DPO_LOSSES: dict[str, DpoLoss] = {
     "apo_zero": apo_loss,
     "apo_down": functools.partial(apo_loss, down=True),
     "discopop": discopop_loss,
+    "bco_pair": bco_pair_loss,
     "simpo": simpo_loss,
     "cpo": dpo_sigmoid_loss,  # CPO: DPO's loss on the policy's own log-probs (with its NLL term: nll_loss_coef)
     "orpo": orpo_loss,

@@ -4,7 +4,8 @@
 A checkpoint is a folder `<output_dir>.checkpoints/step_<N>/`: the engine's full weights (`weights.safetensors`,
 adapters included under LoRA), its optimizer and scheduler state (the engines' own `optim.pt`), and `state.json`
 with the step and, for Safe-MM-DPO, the multiplier λ with its cost average; with `sync_ref_model`, once the reference
-has moved, its weights (`reference.safetensors`) and the step of its latest sync. It is written into a hidden
+has moved, its weights (`reference.safetensors`) and the step of its latest sync; with bco_pair, its running reward
+mean δ. It is written into a hidden
 temporary folder and renamed into place, so a folder named step_<N> is complete. A resumed run loads all of it, skips
 the micro-batches the first N steps consumed (the data order is the seeded one of the first run), and goes on; with
 the same config it ends where the uninterrupted run would have.
@@ -26,9 +27,10 @@ def checkpoint_root(out_dir: Path) -> Path:
     return out_dir.parent / f"{out_dir.name}.checkpoints"
 
 
-def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None) -> Path:
+def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None, running=None) -> Path:
     """Collective (the engine gathers its weights and optimizer state on every rank; rank 0 writes). `reference`: the
-    run's `ref_sync.ReferenceSync` (its copy is the same on every rank), or None."""
+    run's `ref_sync.ReferenceSync` (its copy is the same on every rank), or None; `running`: bco_pair's
+    `dpo_mix.BcoDelta` (the same on every rank), or None."""
     from safetensors.torch import save_file
 
     from alignrl.runtime.env import barrier
@@ -43,7 +45,8 @@ def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None) -> 
     if env.is_main:
         # tied tensors (input and output embeddings) are written as two copies: safetensors keeps no aliases
         save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, str(tmp / WEIGHTS))
-        state = {"step": step, **({"lambda_state": lam.state.state_dict()} if lam is not None else {})}
+        state = {"step": step, **({"lambda_state": lam.state.state_dict()} if lam is not None else {}),
+                 **({"bco_pair": running.state_dict()} if running is not None else {})}
         ref_weights = reference.weights() if reference is not None else None
         if ref_weights is not None:
             save_file(ref_weights, str(tmp / REFERENCE))
@@ -56,9 +59,10 @@ def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None) -> 
     return final
 
 
-def resume(folder: str, engine, lam, command: str = "dpo", reference=None) -> int:
-    """Loads a checkpoint's weights, optimizer state, λ and synced reference (into `reference`, the run's
-    `ref_sync.ReferenceSync`) into this run (of `alignrl train <command>`); returns its step."""
+def resume(folder: str, engine, lam, command: str = "dpo", reference=None, running=None) -> int:
+    """Loads a checkpoint's weights, optimizer state, λ, synced reference (into `reference`, the run's
+    `ref_sync.ReferenceSync`) and bco_pair's running mean (into `running`) into this run (of `alignrl train
+    <command>`); returns its step."""
     from safetensors.torch import load_file
 
     path = Path(folder)
@@ -66,6 +70,9 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None) -> in
         raise ConfigError(f"resume_from={folder} is not a checkpoint of `alignrl train {command}` (no {WEIGHTS} and "
                           f"{STATE}); give a <output_dir>.checkpoints/step_<N> folder")
     state = json.loads((path / STATE).read_text())
+    if running is not None and "bco_pair" not in state:  # δ would start again from 0: not the run that was saved
+        raise ConfigError(f"resume_from={folder} holds no running reward mean of bco_pair: it was written with a "
+                          "loss_type without bco_pair; resume with that loss_type")
     weights = load_file(str(path / WEIGHTS))
     missing, unexpected = _load_weights(engine.model, weights)
     if missing or unexpected:
@@ -76,6 +83,8 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None) -> in
     if lam is not None and "lambda_state" in state:
         lam.state.load_state_dict(state["lambda_state"])
     _resume_reference(path, state, reference)
+    if running is not None:
+        running.load_state_dict(state["bco_pair"])
     return int(state["step"])
 
 

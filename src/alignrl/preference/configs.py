@@ -5,19 +5,40 @@ imports torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Any
 
-from alignrl.config import opt
+from alignrl.config import ConfigError, opt
+
+
+class LossNames(tuple):
+    """A set of DPO loss names. `loss_type in names` for a list loss_type (TRL's multi-loss DPO) asks whether any of
+    its losses is one of them, or, with `every`, all of them; "sft" (the chosen NLL, a part of every kind of list) is
+    not counted."""
+
+    every: bool
+
+    def __new__(cls, names: tuple[str, ...], every: bool = False):
+        self = super().__new__(cls, names)
+        self.every = every
+        return self
+
+    def __contains__(self, item) -> bool:
+        if not isinstance(item, (list, tuple)):
+            return tuple.__contains__(self, item)
+        named = [n for n in item if n != "sft"]
+        return bool(named) and (all if self.every else any)(tuple.__contains__(self, n) for n in named)
+
 
 # the DPO-family losses of `alignrl.core.preference.DPO_LOSSES` (a test holds the two equal); `safe` is the older
-# name of safe_odpo, kept for the configs that spell it so
-DPO_LOSS_NAMES = ("safe_mm_dpo", "safe_odpo", "sigmoid", "cdpo", "ipo", "hinge", "safe", "robust", "exo_pair",
-                  "nca_pair", "sppo_hard", "aot", "aot_pair", "apo_zero", "apo_down", "discopop", "simpo", "cpo",
-                  "orpo")
-SMOOTHED_LOSSES = ("sigmoid", "cdpo", "robust", "exo_pair", "aot", "aot_pair", "simpo", "cpo")
+# name of safe_odpo, kept for the configs that spell it so. A list passes the choices check when all its losses do.
+DPO_LOSS_NAMES = LossNames(("safe_mm_dpo", "safe_odpo", "sigmoid", "cdpo", "ipo", "hinge", "safe", "robust",
+                            "exo_pair", "nca_pair", "sppo_hard", "aot", "aot_pair", "apo_zero", "apo_down", "discopop",
+                            "bco_pair", "simpo", "cpo", "orpo"), every=True)
+SMOOTHED_LOSSES = LossNames(("sigmoid", "cdpo", "robust", "exo_pair", "aot", "aot_pair", "simpo", "cpo"))
 # the losses of the policy alone (TRL's CPOTrainer and ORPOTrainer): no reference model is loaded
-REFERENCE_FREE = ("simpo", "cpo", "orpo")
-LENGTH_NORMALISED = ("simpo", "orpo")  # a response's log-probability is its token mean
+REFERENCE_FREE = LossNames(("simpo", "cpo", "orpo"), every=True)
+LENGTH_NORMALISED = LossNames(("simpo", "orpo"), every=True)  # a response's log-probability is its token mean
 SAFETY_LOSSES = ("safe_mm_dpo", "safe_odpo")  # the losses that read the two scorers
 
 
@@ -111,8 +132,10 @@ class DPOConfig(PairColumnsConfig):
     train_files: list = opt(["builtin:helpful", "builtin:harmless"], "preference files trained on (concatenated)")
     eval_files: list = opt(["builtin:helpful_test", "builtin:harmless_test"], "held-out preference files")
     prefer: str = opt("better", "PKU-SafeRLHF rows: which id is 'chosen'", choices=("better", "safer"))
-    loss_type: str = opt("safe_mm_dpo", "DPO-family loss (safe is the older name of safe_odpo)",
-                         choices=DPO_LOSS_NAMES)
+    loss_type: Any = opt("safe_mm_dpo", "DPO-family loss (safe is the older name of safe_odpo); a list, e.g. "
+                                        "[sigmoid,bco_pair,sft], trains the weighted sum of its losses (TRL's "
+                                        "multi-loss DPO, MPO; sft: the chosen responses' NLL)", choices=DPO_LOSS_NAMES)
+    loss_weights: list = opt([], "a list loss_type's weights, one per loss (TRL's loss_weights); []: 1.0 each")
     beta: float = opt(0.1, "β: strength of the KL anchor to the reference (IPO: τ; safe_mm_dpo: β_ori)", gt=0.0)
     logp_reduction: str = opt("sum", "a response's log-probability: sum over its tokens (DPO's), or sequence_mean: "
                                      "the mean over prompt and response tokens (the reference Safe-MM-DPO script's)",
@@ -143,3 +166,43 @@ class DPOConfig(PairColumnsConfig):
     beta_k: float = opt(0.5, "safe_mm_dpo: k of β(δ) (Safe-MM-DPO configs: k)", ge=0.0)
     kl_coeff: float = opt(0.0, "safe_mm_dpo: weight of KL(π‖π_ref) on the chosen responses (kl_coeff)", ge=0.0)
     learning_rate: float = opt(5e-5, "peak AdamW learning rate", gt=0.0)
+
+    def __post_init__(self) -> None:
+        check_loss_list(self)
+
+
+SAFETY_OR_ORPO = ("safe_mm_dpo", "safe_odpo", "safe", "orpo")  # they hold other terms or scorers: alone only
+
+
+def check_loss_list(cfg: DPOConfig) -> None:
+    """A list loss_type (TRL's multi-loss DPO): known losses each named once, of one kind (with a reference or
+    without), weights that fit; a single loss takes no weights. One line for each mistake."""
+    names, weights = cfg.loss_type, list(cfg.loss_weights)
+    if not isinstance(names, (list, tuple)):
+        if weights:
+            raise ConfigError(f"loss_weights={weights} weighs the losses of a list loss_type; give "
+                              f"loss_type=[{names},...] or drop loss_weights")
+        return
+    where = f"loss_type=[{','.join(map(str, names))}]"
+    unknown = [n for n in names if not isinstance(n, str) or (n not in DPO_LOSS_NAMES and n != "sft")]
+    if not names or unknown:
+        raise ConfigError(f"{where}: " + (f"unknown loss {unknown[0]!r}; each one of: {', '.join(DPO_LOSS_NAMES)}, "
+                                          "sft" if unknown else "an empty list; give at least one loss"))
+    alone = [n for n in names if n in SAFETY_OR_ORPO]
+    if alone:
+        raise ConfigError(f"{where}: {alone[0]} is not combined with other losses (orpo holds its NLL term, the "
+                          f"safety losses their scorers); give loss_type={alone[0]} alone, or a list without it")
+    if len(set(names)) < len(names) or names == ["sft"] * len(names):
+        raise ConfigError(f"{where}: " + ("a loss named twice; give each once, weighted by loss_weights"
+                                          if len(set(names)) < len(names) else "sft alone is no preference loss; "
+                                          "add one (e.g. [sigmoid,sft]) or use `alignrl train sft`"))
+    free = [n for n in names if tuple.__contains__(REFERENCE_FREE, n)]
+    if free and len(free) + names.count("sft") < len(names):
+        with_ref = next(n for n in names if n != "sft" and n not in free)
+        raise ConfigError(f"{where} mixes {free[0]} (no reference model) with {with_ref} (against the reference); "
+                          "give losses of one kind")
+    if weights and (len(weights) != len(names) or not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights)):
+        raise ConfigError(f"loss_weights={weights} must be {len(names)} finite numbers, one per loss of {where}")
+    if "robust" in names and cfg.label_smoothing >= 0.5:  # its loss divides by 1 - 2ε
+        raise ConfigError("loss_type robust needs label_smoothing below 0.5 (the loss is divided by 1 - 2ε)")

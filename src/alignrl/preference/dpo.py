@@ -17,7 +17,9 @@ log-probs are computed once up front and the copy is freed. `loss_type` picks a 
 * safe_odpo (also `safe`, its older name): the pair is ordered by the fixed-λ utility u = r - λ·c and trained with
   the ODPO loss -log σ(β·h - Δ), Δ = α·log(1 + |u_w - u_l|) (Amini et al. 2024).
 * sigmoid (DPO; conservative DPO with label_smoothing, also named cdpo), ipo, hinge (SLiC), and TRL's robust,
-  exo_pair, nca_pair, sppo_hard, aot, aot_pair, apo_zero, apo_down and discopop.
+  exo_pair, nca_pair, sppo_hard, aot, aot_pair, apo_zero, apo_down, discopop and bco_pair (its running reward mean
+  δ shared by the ranks and checkpointed: `preference.dpo_mix`).
+* a list, e.g. [sigmoid,bco_pair,sft] with loss_weights: the weighted sum of its losses (TRL's MPO; `dpo_mix`).
 * simpo, cpo, orpo (TRL's CPO and ORPO trainers): the policy's log-probs alone (simpo and orpo their token means); no
   reference model is loaded.
 
@@ -44,6 +46,7 @@ from alignrl.preference import checkpoints as ckpt
 from alignrl.preference import common as pc
 from alignrl.preference.cli import same_model
 from alignrl.preference.configs import LENGTH_NORMALISED, REFERENCE_FREE, SAFETY_LOSSES, DPOConfig
+from alignrl.preference.dpo_mix import BcoDelta, mixed_loss, uses_bco
 from alignrl.preference.pair_logps import chosen_nll, pair_logps, response_kl, token_means
 from alignrl.preference.ref_sync import ReferenceSync
 from alignrl.preference.rm import check_scorer_kind, score_info
@@ -212,9 +215,12 @@ class _Reference:
         return t[:, 0], t[:, 1], None
 
 
-def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None, lam: LambdaSchedule | None):
-    """The training loss of a micro-batch; `scores`: the scorers' table of the safety losses (None for the others)."""
+def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None, lam: LambdaSchedule | None,
+             bco: BcoDelta | None = None):
+    """The training loss of a micro-batch; `scores`: the scorers' table of the safety losses (None for the others);
+    `bco`: bco_pair's running reward mean (None without bco_pair)."""
     kl_on = cfg.kl_coeff > 0
+    kw = dict(label_smoothing=cfg.label_smoothing, discopop_tau=cfg.discopop_tau, simpo_gamma=cfg.simpo_gamma)
 
     def loss(module, batch, gpairs):
         with pc.autocast(cfg, env.device):
@@ -222,12 +228,17 @@ def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None, 
             rc, rr, ref_logits = ref(batch, "train", kl_on)
         pc_, pr_ = pc_.float(), pr_.float()
         nll = chosen_nll(pc_, batch, cfg.logp_reduction)
+        kl = response_kl(logits, ref_logits, batch.response_mask[:batch.n_pairs]) if kl_on else None
+        if isinstance(cfg.loss_type, list):  # TRL's multi-loss DPO: each loss reads the log-probs it needs
+            value, metrics = mixed_loss(cfg, pc_, pr_, rc, rr, nll, batch, gpairs, bco, **kw)
+            return _with_nll_and_kl(value, metrics, nll, kl, gpairs, lam)
         if cfg.loss_type in LENGTH_NORMALISED:
             pc_, pr_ = token_means(pc_, pr_, batch, cfg.logp_reduction)
-        kl = response_kl(logits, ref_logits, batch.response_mask[:batch.n_pairs]) if kl_on else None
         extra = {}
         if cfg.loss_type == "orpo":  # its NLL term is part of the loss
             extra = {"nll": nll}
+        if cfg.loss_type == "bco_pair":
+            extra = {"bco_delta": bco.update(pc_, pr_, rc, rr, cfg.beta)}
         if scores is not None:
             s = scores[batch.index.cpu()].to(env.device)
             if lam is not None:
@@ -235,9 +246,10 @@ def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None, 
             else:
                 extra = dict(help_chosen=s[:, 0], help_rejected=s[:, 1], cost_chosen=s[:, 2], cost_rejected=s[:, 3],
                              safety_lambda=cfg.safety_lambda, offset_alpha=cfg.offset_alpha)
-        value, metrics = DPO_LOSSES[cfg.loss_type](pc_, pr_, rc, rr, cfg.beta, gpairs, **extra,
-                                                   label_smoothing=cfg.label_smoothing, discopop_tau=cfg.discopop_tau,
-                                                   simpo_gamma=cfg.simpo_gamma)
+        value, metrics = DPO_LOSSES[cfg.loss_type](pc_, pr_, rc, rr, cfg.beta, gpairs, **extra, **kw)
+        return _with_nll_and_kl(value, metrics, nll, kl, gpairs, lam)
+
+    def _with_nll_and_kl(value, metrics, nll, kl, gpairs, lam):
         if cfg.nll_loss_coef:  # RPO, CPO: the chosen responses' own likelihood, each response's token mean
             value = value + cfg.nll_loss_coef * nll.sum() / gpairs
             metrics = {**metrics, "nll_loss": float(nll.detach().mean())}
@@ -310,7 +322,8 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     before = ev()
     log.print("held-out before training: " + _fmt_eval(before["all"]))
 
-    start = ckpt.resume(cfg.resume_from, engine, lam, reference=sync) if cfg.resume_from else 0
+    bco = BcoDelta(env) if uses_bco(cfg) else None
+    start = ckpt.resume(cfg.resume_from, engine, lam, reference=sync, running=bco) if cfg.resume_from else 0
     if start:
         log.print(f"resumed from {cfg.resume_from} at step {start}" + (f", λ {lam.state.value:.6g}" if lam else ""))
 
@@ -319,7 +332,8 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
         if sync is not None:  # before a checkpoint or an eval of this step, which then see the moved reference
             sync.after_step(step, engine)
         if cfg.save_steps and step % cfg.save_steps == 0 and step < total:
-            where = ckpt.save_checkpoint(ckpt.checkpoint_root(out_dir), step, engine, lam, env, reference=sync)
+            where = ckpt.save_checkpoint(ckpt.checkpoint_root(out_dir), step, engine, lam, env, reference=sync,
+                                         running=bco)
             log.print(f"checkpoint {where}")
         if cfg.eval_steps and step % cfg.eval_steps == 0 and step < total:
             e = ev()["all"]
@@ -327,8 +341,8 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
                         "eval/logp_accuracy": e["logp_accuracy"]})
         return out
 
-    step = pc.train_pairs(engine, _loss_fn(cfg, env, ref, scores, lam), enc_train, train_pairs, pad, cfg, env, log,
-                          total, {"rewards/accuracy": "acc", "rewards/margin": "margin", "safe/offset": "offset",
+    step = pc.train_pairs(engine, _loss_fn(cfg, env, ref, scores, lam, bco), enc_train, train_pairs, pad, cfg, env,
+                          log, total, {"rewards/accuracy": "acc", "rewards/margin": "margin", "safe/offset": "offset",
                                   "safe/swapped_frac": "swapped", "lambda": "lambda", "loss_helpful": "loss_H",
                                   "loss_safety": "loss_S", "kl_divergence": "kl"}, after_step, start)
     after = ev()
@@ -358,6 +372,8 @@ def _report(cfg: DPOConfig, log, names: list[str], before: dict, after: dict, st
            "train_pairs": n_train, "world_size": env.world_size, "strategy": strategy, "use_lora": cfg.use_lora,
            "logp_reduction": cfg.logp_reduction, "kl_coeff": cfg.kl_coeff,
            "effective_batch": pc.global_batch(cfg, env.world_size), "seconds": round(time.time() - t0, 1)}
+    if isinstance(cfg.loss_type, list):
+        out.update(loss_weights=list(cfg.loss_weights) or [1.0] * len(cfg.loss_type))
     if cfg.loss_type in SAFETY_LOSSES:
         out.update(helpful_rm=cfg.helpful_rm, harmless_rm=cfg.harmless_rm)
     if cfg.loss_type == "safe_odpo":
