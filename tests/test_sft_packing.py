@@ -17,7 +17,7 @@ def rows_and_model(tiny_model_dir):
     from alignrl.models.loader import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir, chat=False)
-    encoded, _, _ = encode_rows(tok, ROWS, SFTKeys(), 64)
+    encoded, _, _ = encode_rows(tok, ROWS, SFTKeys(completion_only=False), 64)  # every token, the first too
     return encoded, tok.pad_token_id, load_causal_lm(tiny_model_dir, "float32", "model_path")
 
 
