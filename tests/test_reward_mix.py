@@ -110,3 +110,47 @@ def test_the_critic_normalizes_its_values_as_the_reward_model_with_normalize_rew
     raw = plain.values(ro, 2)
     torch.testing.assert_close(normal.values(ro, 2), (raw - 2.0) / 4.0)
     assert (normal.shift, normal.scale) == (2.0, 4.0) and (cost.shift, cost.scale) == (0.0, 1.0)
+
+
+def test_with_a_remote_reward_the_critic_alone_is_normalized(tiny_model_dir, tmp_path, capsys):
+    """OpenRLHF builds its critic with --normalize_reward whatever scores the rows (--remote_rm_url too): with a
+    reward service, the critic whose config.json holds a mean and std predicts (value - mean) / std, one without them
+    predicts as it is and says so in one line; without a critic or a reward model the key is one line."""
+    from transformers import AutoModelForSequenceClassification
+
+    from alignrl.compat import openrlhf_flags as F
+    from alignrl.compat import openrlhf_keys as K
+    from alignrl.config import ConfigError, load_config
+    from alignrl.placements.build import build_critic
+
+    torch.manual_seed(0)
+    value = AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1)
+    value.config.pad_token_id = value.config.eos_token_id
+    value.save_pretrained(tmp_path / "plain")
+    value.config.mean, value.config.std = 2.0, 4.0
+    value.save_pretrained(tmp_path / "stats")
+    remote = [f"model.path={tiny_model_dir}", "services.reward_url=http://127.0.0.1:9/score", "critic.enable=true",
+              "algorithm.adv_estimator=gae", "algorithm.reward_model_normalize=true"]
+    with pytest.raises(ConfigError, match="and the critic's values .critic.enable., and this run has neither"):
+        load_config(None, [f"model.path={tiny_model_dir}", "services.reward_url=http://127.0.0.1:9/score",
+                           "algorithm.reward_model_normalize=true"])
+    capsys.readouterr()
+    normal = build_critic(load_config(None, [*remote, f"critic.model_path={tmp_path / 'stats'}"]), "critic", None)
+    plain = build_critic(load_config(None, [*remote, f"critic.model_path={tmp_path / 'plain'}"]), "critic", None)
+    said = capsys.readouterr().out
+    assert (normal.shift, normal.scale, plain.shift, plain.scale) == (2.0, 4.0, 0.0, 1.0)
+    assert f"critic {tmp_path / 'stats'}: values normalized as (value - 2) / 4 (its config.json)" in said
+    assert sum("holds no mean and std to normalize by: values used as they are" in x for x in said.splitlines()) == 1
+    ids, mask = torch.tensor([[3, 4, 5]]), torch.ones(1, 3, dtype=torch.bool)
+    ro = Rollout(prompt_ids=ids, prompt_mask=mask, response_ids=ids, response_mask=mask, logprobs=torch.zeros(1, 3),
+                 truncated=torch.zeros(1, dtype=torch.bool), group=torch.arange(1))
+    torch.testing.assert_close(normal.values(ro, 1), (plain.values(ro, 1) - 2.0) / 4.0)
+    # OpenRLHF's flags: --remote_rm_url with a critic (gae) applies --normalize_reward; without a critic it is listed
+    line = ["--pretrain", str(tiny_model_dir), "--remote_rm_url", "http://127.0.0.1:9/score", "--normalize_reward"]
+    gae = F.parser().parse_args([*line, "--advantage_estimator", "gae"])
+    assert "algorithm.reward_model_normalize=true" in K.overrides(gae, gpus=False, total_steps=5)
+    assert not any("--normalize_reward" in x for x in K.unused_here(gae, gpus=False))
+    group = F.parser().parse_args([*line, "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2"])
+    assert "algorithm.reward_model_normalize=true" not in K.overrides(group, gpus=False, total_steps=5)
+    assert any(x.startswith("--normalize_reward (not applied here: it normalizes a reward model's scores and a "
+                            "critic's values, and this run has neither") for x in K.unused_here(group, gpus=False))

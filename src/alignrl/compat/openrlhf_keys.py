@@ -95,8 +95,9 @@ def unused_here(args, gpus: bool) -> list[str]:
               (DATA_KEYS if args.prompt_data == "synthetic" else (), "the prompts are synthetic"),
               (("input_template",) if args.apply_chat_template and args.prompt_data != "synthetic" else (),
                "--apply_chat_template formats the prompts"),
-              (() if args.reward_pretrain else ("normalize_reward",),
-               "not applied here: it normalizes a reward model's scores, and no --reward_pretrain gives one"),
+              (() if args.reward_pretrain or uses_critic(args) else ("normalize_reward",),
+               "not applied here: it normalizes a reward model's scores and a critic's values, and this run has "
+               "neither (no --reward_pretrain; no critic without --advantage_estimator gae)"),
               (("gamma",) if args.advantage_estimator in GROUP_ESTIMATORS else (),
                f"OpenRLHF sets gamma to 1 for --advantage_estimator {args.advantage_estimator}"),
               (("max_len",) if args.max_len and args.max_len < args.prompt_max_len + args.generate_max_len
@@ -177,7 +178,10 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
         out.append(f"trainer.checkpoint_dir={Path(args.ckpt_path).absolute()}")
     if args.reward_pretrain:
         out.append(f"algorithm.reward_model={args.reward_pretrain}")
-        out += ["algorithm.reward_model_normalize=true"] if args.normalize_reward else []
+    # OpenRLHF builds its critic with --normalize_reward whatever scores the rows (--remote_rm_url too): the critic's
+    # values are normalized by its own config.json's mean and std, the reward model's scores by theirs
+    if args.normalize_reward and (args.reward_pretrain or uses_critic(args)):
+        out.append("algorithm.reward_model_normalize=true")
     out += [f"actor.ema_beta={args.ema_beta}"] if args.enable_ema else []
     out += S.reward_keys(args) + S.ptx_keys(args)
     if uses_critic(args):

@@ -1,5 +1,5 @@
 """Checks of the reward settings that another would leave without effect: the rule rewards' time limit
-(algorithm.reward_timeout_s) and the reward model's normalization."""
+(algorithm.reward_timeout_s) and the normalization of the reward model's scores and the critic's values."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ def reward_limit_problem(cfg: RunConfig) -> str | None:
     if a.reward_timeout_s and a.reward_fn_batch:
         return ("algorithm.reward_timeout_s limits each row's call, and algorithm.reward_fn_batch scores a whole "
                 "batch in one call: drop one of them")
-    if a.reward_model_normalize and not a.reward_model:
+    # the critic normalizes its values whatever gives the reward (a remote reward, rule rewards), as OpenRLHF's does
+    if a.reward_model_normalize and not a.reward_model and not cfg.critic.enable:
         return ("algorithm.reward_model_normalize normalizes the scores of algorithm.reward_model (a folder whose "
-                "config.json holds their mean and std): give the folder, or drop it")
+                "config.json holds their mean and std) and the critic's values (critic.enable), and this run has "
+                "neither: give the folder, or drop it")
     return None
