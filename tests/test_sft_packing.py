@@ -36,15 +36,21 @@ def test_best_fit_decreasing_fills_the_fullest_bin_that_fits():
     assert best_fit([12, 2], 10) == [[0], [1]]  # a row longer than a bin gets one of its own
 
 
-def test_packed_rows_see_only_themselves_and_no_target_crosses_a_row(rows_and_model):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_rows_see_only_themselves_and_no_target_crosses_a_row(rows_and_model, attention):
     encoded, pad, model = rows_and_model
     packed, padded = collate_packed(encoded, pad, 1.0, 40), collate_rows(encoded, pad, 1.0)
     assert packed.input_ids.numel() < padded.input_ids.numel()
     segments = _segments(packed)
     assert len(segments) == len(encoded) > packed.input_ids.shape[0]  # several rows share a sequence
-    with torch.no_grad():
-        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids).logits
-        alone = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask.long()).logits
+    own, model.config._attn_implementation = model.config._attn_implementation, attention
+    try:
+        check_packable(model, 40)
+        with torch.no_grad():
+            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids).logits
+            alone = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask.long()).logits
+    finally:
+        model.config._attn_implementation = own
     for (r, a, b), i in zip(segments, packed.index.tolist()):
         assert packed.input_ids[r, a:b].tolist() == encoded[i].ids
         assert not packed.loss_mask[r, a]  # a row's first token is never predicted from the row before it
