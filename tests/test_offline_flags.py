@@ -264,3 +264,26 @@ def test_every_flag_name_of_theirs_is_one_spellings():
     assert not (OPENRLHF_NAMES & TRL_NAMES or OPENRLHF_NAMES & SHARED_NAMES or TRL_NAMES & SHARED_NAMES)
     assert {"pretrain", "max_len"} <= OPENRLHF_NAMES and {"model_name_or_path", "num_train_epochs"} <= TRL_NAMES
     assert set(COMMON_NAMES) <= theirs | {k for k, v in COMMON_NAMES.items() if k == v}
+
+
+def test_split_flags_name_the_split_of_a_dataset_and_change_nothing_for_a_file(tmp_path, capsys):
+    """TRL's --dataset_train_split/--dataset_test_split and OpenRLHF's --dataset_split/--train_split/--eval_split
+    pick a dataset folder's or Hub dataset's split (alignrl.data.sources reads `name[split]`); a held-out split
+    without a held-out dataset reads the training dataset's; a split each setting reads unasked adds nothing."""
+    cfg = parse_dpo(["--model_name_or_path", "demo", "--dataset_name", "HuggingFaceH4/ultrafeedback_binarized",
+                     "--dataset_train_split", "train_prefs", "--dataset_test_split", "test_prefs"])
+    assert cfg.train_files == ["HuggingFaceH4/ultrafeedback_binarized[train_prefs]"]
+    assert cfg.eval_files == ["HuggingFaceH4/ultrafeedback_binarized[test_prefs]"]
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    cfg = parse_dpo(["--pretrain", "demo", "--dataset", f"{folder},owner/b", "--eval_dataset", "owner/c",
+                     "--eval_split=validation", "--dataset_split", "train"])
+    assert cfg.train_files == [str(folder), "owner/b"] and cfg.eval_files == ["owner/c[validation]"]
+    rm = parse_rm(["--pretrain", "demo", "--dataset", "owner/prefs", "--train_split", "dev"])
+    assert rm.helpful_train_file == "owner/prefs[dev]"
+    capsys.readouterr()
+    data = _write(tmp_path / "rows.jsonl", [{"prompt": "1+1?", "completion": "2"}])
+    assert parse_sft(["--pretrain", "demo", "--dataset", data, "--train_split", "dev"]).train_files == [data]
+    assert "note: the split 'dev' changes nothing for .jsonl/.json/.parquet files" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--eval_split needs a value"):
+        parse_dpo(["--pretrain", "demo", "--eval_split"])

@@ -318,6 +318,27 @@ def test_prompt_data_flags_leave_detected_layouts_and_synthetic_data_alone():
                                                     "synthetic)"]
 
 
+def test_split_flags_pick_a_hub_datasets_split_and_change_nothing_for_files(tmp_path):
+    """--prompt_split and --eval_split (OpenRLHF's default for both: train) name the split of a Hub dataset or
+    dataset folder (alignrl.data.sources reads `name[split]`); without --eval_dataset the evaluation reads the
+    training prompts' split; on .jsonl files they are named as not applied."""
+    hub = parse("--prompt_data", "owner/prompts", "--prompt_split", "dev", "--eval_dataset", "owner/held",
+                "--input_key", "q", "--label_key", "a")
+    d = load_config(None, K.overrides(hub, gpus=False, total_steps=3)).data
+    assert (d.train_files, d.val_files) == ("owner/prompts[dev]", "owner/held[train]")
+    assert K.unused_here(hub, gpus=True) == []
+    alone = load_config(None, K.overrides(parse("--prompt_data", f"{tmp_path},owner/b", "--input_key", "q"),
+                                          gpus=False, total_steps=3)).data
+    assert list(alone.train_files) == [str(tmp_path), "owner/b"]  # train: what a dataset gives unasked
+    assert list(alone.val_files) == [f"{tmp_path}[train]", "owner/b[train]"]
+    files = parse("--prompt_data", "a.jsonl", "--prompt_split", "dev", "--eval_dataset", "b.jsonl", "--eval_split",
+                  "test")
+    assert load_config(None, K.overrides(files, gpus=False, total_steps=3)).data.train_files == "a.jsonl"
+    assert K.unused_here(files, gpus=True) == ["--prompt_split --eval_split (not applied here: .jsonl/.json/.parquet "
+                                               "files are read whole (a split picks one of a dataset folder or Hub "
+                                               "dataset))"]
+
+
 def test_without_ray_address_a_running_cluster_of_this_machine_is_joined(monkeypatch):
     """`ray start --head` on this machine, then `alignrl train ppo-ray` without RAY_ADDRESS: Ray finds that cluster
     and refuses the resource counts of a local start with a ValueError traceback; OpenRLHF's bare ray.init()

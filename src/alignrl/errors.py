@@ -29,6 +29,11 @@ class ConfigError(UserError):
     in `config`, so that the process foundation below the config (`runtime`) raises it too."""
 
 
+class DataError(UserError):
+    """A dataset file is missing or malformed; the message says what to change. Defined here, not in `data`, so that
+    naming a dataset (`data.sources`) needs no torch."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (`kill`, a scheduler) stopping a process that says why in one line, as for Ctrl-C."""
 

@@ -28,8 +28,7 @@ RESIDENT_WHY = "not applied here: attention runs through PyTorch's SDPA, engines
 NOT_APPLIED = {
     "not applied here: alignrl checkpoints are HF folders with their optimizer state, every --save_steps, and "
     "the critic's always": ("save_hf_ckpt", "disable_ds_ckpt", "max_ckpt_mem", "save_value_network"),
-    "not applied here: --prompt_data files are read as they are, with no dataset split": ("prompt_split",
-                                                                                          "pretrain_split"),
+    "not applied here: --pretrain_data files are read as they are, with no dataset split": ("pretrain_split",),
     "not applied here: a reward model's head is found by transformers": ("value_head_prefix",),
     "not applied here: wandb takes the run folder's name (--save_path; --wandb_run_name names the TensorBoard "
     "folder) and the default entity":
@@ -93,6 +92,8 @@ def unused_here(args, gpus: bool) -> list[str]:
     groups = [(RESIDENT, RESIDENT_WHY), *((names, why) for why, names in NOT_APPLIED.items()),
               (() if gpus else GPU_ONLY + (() if shards_ref else ("zero_stage",)), "no CUDA"),
               (DATA_KEYS if args.prompt_data == "synthetic" else (), "the prompts are synthetic"),
+              (S.unsplit_flags(args), "not applied here: .jsonl/.json/.parquet files are read whole (a split picks "
+                                      "one of a dataset folder or Hub dataset)"),
               (("input_template",) if args.apply_chat_template and args.prompt_data != "synthetic" else (),
                "--apply_chat_template formats the prompts"),
               (() if args.reward_pretrain or uses_critic(args) else ("normalize_reward",),
@@ -140,7 +141,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
     """alignrl config keys (dotted overrides) for these flags."""
     n, save = args.n_samples_per_prompt, Path(args.save_path).absolute()
     kl = uses_reference(args)
-    out = [f"model.path={args.pretrain}", f"data.train_files={S.files_value(args.prompt_data)}",
+    out = [f"model.path={args.pretrain}", f"data.train_files={S.files_value(args.prompt_data, S.prompt_split(args))}",
            *S.probs_keys(args), prompt_cap(args),
            f"data.val_size={args.val_size}",
            f"data.val_size_during_training={args.val_size}", f"data.train_batch_size={args.rollout_batch_size}",
@@ -167,7 +168,7 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
            f"trainer.logger=[console,jsonl{',tensorboard' if args.use_tensorboard else ''}"
            f"{',wandb' if wandb_on(args) else ''}]"]  # a key given as --use_wandb never enters the config
     if args.eval_dataset or args.prompt_data != "synthetic":
-        out.append(f"data.val_files={S.files_value(args.eval_dataset or args.prompt_data)}")
+        out.append(f"data.val_files={S.val_value(args)}")
     for key, value in data_keys(args).items():  # JSON-quoted: a template's text is not a YAML value, JSON's is
         out.append(f"data.{key}={value}" if isinstance(value, bool) else
                    f"data.{key}=null" if value is None else f"data.{key}={json.dumps(value)}")

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from alignrl.config import ConfigError
+from alignrl.data.sources import is_library_dataset, with_split
 from alignrl.rewards.openrlhf_reward import SPEC_PREFIX
 
 OPENRLHF_INPUT_KEY = "input"  # OpenRLHF's --input_key default
@@ -23,11 +24,31 @@ def split_files(value: str | None) -> list[str]:
     return [] if not value else [part.strip() for part in value.split(",") if part.strip()]
 
 
-def files_value(value: str) -> str:
+def files_value(value: str, split: str | None = None) -> str:
     """A data-files config value: the file itself, or a JSON list of the comma-separated files (alignrl's loader
-    concatenates a list, or blends it by data.train_files_probs)."""
-    files = split_files(value)
+    concatenates a list, or blends it by data.train_files_probs); `split`: the split each dataset folder or Hub
+    dataset reads (a .jsonl/.json/.parquet file is read whole)."""
+    files = [with_split(f, split) if split and value != "synthetic" else f for f in split_files(value)]
     return files[0] if len(files) == 1 else json.dumps(files)
+
+
+def prompt_split(args) -> str | None:
+    """--prompt_split where it is not the split a training setting reads unasked (train)."""
+    return None if args.prompt_split == "train" else args.prompt_split
+
+
+def val_value(args) -> str:
+    """data.val_files: --eval_dataset's --eval_split (OpenRLHF's default: train), else the training prompts."""
+    if args.eval_dataset:
+        return files_value(args.eval_dataset, args.eval_split)
+    return files_value(args.prompt_data, args.prompt_split)
+
+
+def unsplit_flags(args) -> list[str]:
+    """The split flags given whose datasets are all files, read whole: they change nothing."""
+    named = (("prompt_split", args.prompt_data, "train"), ("eval_split", args.eval_dataset or "", "train"))
+    return [flag for flag, value, unasked in named if getattr(args, flag) != unasked and value != "synthetic"
+            and not any(is_library_dataset(f) for f in split_files(value))]
 
 
 def reward_file(args) -> Path | None:
@@ -99,7 +120,7 @@ def prompt_rows(args) -> int:
     if args.prompt_data == "synthetic":
         return args.max_samples
 
-    files = split_files(args.prompt_data)
+    files = [with_split(f, args.prompt_split) for f in split_files(args.prompt_data)]
     rows = [min(args.max_samples, count_rows(f, key="--prompt_data")) for f in files]
     blended = len(blend_order(rows, weights(args), args.seed)) if probs_keys(args) else sum(rows)
     return min(args.max_samples, blended)

@@ -23,13 +23,9 @@ from typing import Any
 
 from alignrl.data.images import parse_message_list
 from alignrl.data.records import Sample
-from alignrl.errors import UserError
+from alignrl.errors import DataError  # noqa: F401  (the data package's error, imported from here)
 
 DEFAULT_SOURCE = "math"  # the data_source of by-column rows that name none
-
-
-class DataError(UserError):
-    """A dataset file is missing or malformed; the message says what to change."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from alignrl.data.row_formats import DataError
+from alignrl.errors import DataError
 
 OWN_SUFFIXES = (".jsonl", ".json", ".parquet")
 LIBRARY_SUFFIXES = (".csv", ".arrow")
@@ -143,3 +143,12 @@ def _undecoded_images(data):
         elif isinstance(inner, datasets.Image) and inner.decode:
             data = data.cast_column(column, datasets.List(datasets.Image(decode=False)))
     return data
+
+
+def with_split(path: str, split: str) -> str:
+    """`path` reading its split `split`: a library dataset named with it in brackets (in place of one named before);
+    one of alignrl's own files as it is, since a file is read whole."""
+    if not is_library_dataset(path):
+        return path
+    bracket = None if Path(path).exists() else _SPLIT.match(path)
+    return f"{bracket.group(1) if bracket else path}[{split}]"

@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, field, fields
 
 from alignrl.config import ConfigError
+from alignrl.data.sources import with_split
 from alignrl.preference.mmdpo_keys import read_yaml, translate, translate_override
 from alignrl.preference.notes import say
 from alignrl.preference.their_defaults import adopted, say_adopted, spellings
@@ -47,6 +48,11 @@ COMMON_IGNORED_VALUED = ("use_tensorboard", "use_wandb", "wandb_org", "wandb_gro
 # their scheduler names of ours: OpenRLHF's cosine_with_min_lr is this cosine (its floor is min_lr_ratio's 0.1)
 VALUE_NAMES = {("lr_scheduler", "cosine_with_min_lr"): "cosine", ("lr_scheduler", "constant_with_warmup"): "constant"}
 LIST_KEYS = ("train_files", "eval_files")  # keys that take OpenRLHF's comma-separated file lists
+# OpenRLHF's and TRL's split flags: the split of a dataset folder or Hub dataset (alignrl.data.sources) that the
+# training or the held-out dataset flag reads; the split each reads unasked (train; test, else validation) needs none
+SPLIT_FLAGS = {"dataset_split": "train", "train_split": "train", "dataset_train_split": "train",
+               "eval_split": "eval", "dataset_test_split": "eval"}
+UNASKED_SPLITS = {"train": "train", "eval": "test"}
 SPACED_LISTS = ("adam_betas", "lora_target_modules")  # keys OpenRLHF gives as several words (argparse nargs)
 OWN_FLAGS = ("config", "logging_dir", "nproc", "help")  # the parser's own flags, never config keys
 TRUE_WORDS, FALSE_WORDS = ("true", "yes", "1"), ("false", "no", "0")
@@ -137,6 +143,7 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
     overrides, placed after the line's own `key=value` words so that a flag wins over an override, as the
     commands' layering says. `--lora_rank N` switches LoRA on (N > 0) or off (0) unless use_lora is given, as
     OpenRLHF has no switch of its own. Our own flags, overrides and unknown flags pass through for the parser."""
+    argv, splits = split_flags(argv)
     keys, switches = {f.name for f in fields(config_class)}, _switch_keys(config_class)
     names, their_switches = own_names.all_names(), own_names.all_switches()
     left_out, ignored = own_names.all_left_out(), own_names.all_ignored()
@@ -185,7 +192,52 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
         else:  # not a key of this command: the parser names it as unknown
             passed.append(word)
             i += 1
+    overrides = _with_splits(overrides, own_names, splits)
     return _their_defaults(argv, config_class, own_names, passed + overrides) + passed + overrides
+
+
+def split_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(the line without its split flags, {"train" or "eval": the split asked for}), leaving out a split the
+    setting reads unasked."""
+    rest, splits, i = [], {}, 0
+    while i < len(argv):
+        word, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        name, eq, value = word[2:].partition("=") if word.startswith("--") else ("", "", "")
+        if name not in SPLIT_FLAGS:
+            rest.append(word)
+            i += 1
+            continue
+        if not eq and (nxt is None or nxt.startswith("--")):
+            raise ConfigError(f"--{name} needs a value (--{name} SPLIT)")
+        value, i = (value, i + 1) if eq else (nxt, i + 2)
+        splits[SPLIT_FLAGS[name]] = value.strip()
+    return rest, {kind: split for kind, split in splits.items() if split != UNASKED_SPLITS[kind]}
+
+
+def _with_splits(overrides: list[str], own_names: CommandFlags, splits: dict[str, str]) -> list[str]:
+    """The dataset overrides reading the splits the line asked for; a held-out split without a held-out dataset
+    reads that split of the training datasets (TRL's --dataset_test_split of --dataset_name)."""
+    keys = {"train": own_names.names.get("dataset"), "eval": own_names.names.get("eval_dataset")}
+    out, given = [], {}
+    for word in overrides:
+        key, _, value = word.partition("=")
+        kind = next((k for k, v in keys.items() if v == key), None)
+        if kind:
+            given[kind] = value
+            word = f"{key}={_split_value(value, splits[kind])}" if kind in splits else word
+        out.append(word)
+    if "eval" in splits and "eval" not in given and "train" in given and keys["eval"]:
+        out.append(f"{keys['eval']}={_split_value(given['train'], splits['eval'])}")
+    return out
+
+
+def _split_value(value: str, split: str) -> str:
+    """A dataset value (one path, OpenRLHF's comma-separated ones, or a list) reading `split` of each dataset."""
+    items = json.loads(value) if value.startswith("[\"") else [v.strip() for v in value.strip("[]").split(",")]
+    read = [with_split(str(v), split) for v in items if str(v)]
+    if read == [str(v) for v in items if str(v)]:
+        say(f"note: the split {split!r} changes nothing for .jsonl/.json/.parquet files, which are read whole")
+    return json.dumps(read) if value.startswith("[") else ",".join(read)
 
 
 def _their_defaults(argv: list[str], config_class: type, own_names: CommandFlags, words: list[str]) -> list[str]:

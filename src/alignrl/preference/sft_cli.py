@@ -65,8 +65,7 @@ FLAG_NAMES = {**COMMON_NAMES, **SFT_NAMES}
 SFT_SWITCHES = {"pretrain_mode": ("completion_only_loss", "false"), "multiturn": ("assistant_only_loss", "true")}
 SFT_LEFT_OUT = {"input_template": "a plain-text prompt template is left out: rows are text, or go through the chat "
                                   "template (apply_chat_template)",
-                "dataset_probs": "files are concatenated; per-file sampling probabilities are left out",
-                "train_split": "a file is read whole: give the training split's own file"}
+                "dataset_probs": "files are concatenated; per-file sampling probabilities are left out"}
 # OpenRLHF's --packing_samples and TRL's --packing switch the `packing` key (read before the common table, which
 # takes them as switches of no effect for the other offline commands)
 PACKING_FLAGS = ("packing", "packing_samples")
