@@ -1,7 +1,7 @@
-"""TRL's bco_pair (a running reward mean δ, shared by the ranks, checkpointed) and multi-loss DPO (MPO: a list
-loss_type with loss_weights) in `alignrl train dpo`: the weighted sum against its parts, a one-loss list against
-the loss alone, δ averaged over ranks, a resumed run that ends where the unbroken one does, and mistakes as one
-line."""
+"""TRL's bco_pair (a running reward mean δ, shared by the ranks, checkpointed), multi-loss DPO (MPO: a list
+loss_type with loss_weights) and IPO on token means in `alignrl train dpo`: the weighted sum against its parts, a
+one-loss list against the loss alone, δ averaged over ranks, a resumed run that ends where the unbroken one does,
+ipo_token_mean against IPO on hand-made token means, and mistakes as one line."""
 
 import json
 from pathlib import Path
@@ -125,3 +125,33 @@ def test_list_mistakes_are_one_line(argv, expect, capsys):
     assert dpo_main(argv) == 2
     err = capsys.readouterr().err
     assert expect in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_ipo_token_mean_is_ipo_on_the_token_means_of_policy_and_reference(tiny_model_dir):
+    """TRL's ipo divides every log-prob, the reference's too, by its response's length; alignrl's ipo keeps sums."""
+    from alignrl.core.preference import dpo_ipo_loss
+    from alignrl.data.preference import collate_pairs, encode_pairs, load_pairs
+    from alignrl.models.loader import load_model
+    from alignrl.preference.dpo import _loss_fn, _Reference
+    from alignrl.preference.pair_logps import pair_logps
+
+    policy, tok = load_model(str(tiny_model_dir))
+    pairs = load_pairs("builtin:helpful", "better", limit=4)
+    batch = collate_pairs(encode_pairs(tok, pairs, 128)[0], pairs, tok.pad_token_id)
+    cfg = parse_dpo([f"model_path={tiny_model_dir}", "loss_type=ipo_token_mean", "beta=0.1", "bf16=false"])
+    env = DistEnv()
+    ref = _Reference(cfg, policy, env, False)
+    torch.manual_seed(0)
+    with torch.no_grad():  # off the reference, so that the log-ratios are not all 0
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    policy.eval()
+    loss, _ = _loss_fn(cfg, env, ref, None, None)(policy, batch, 4.0)
+    with torch.no_grad():
+        pc, pr, _ = pair_logps(policy, batch)
+        rc, rr, _ = pair_logps(ref.model, batch)
+    n = batch.response_mask.sum(-1).float()
+    assert len(set(n.tolist())) > 1  # responses of several lengths: means and sums disagree
+    by_hand = dpo_ipo_loss(pc / n[:4], pr / n[4:], rc / n[:4], rr / n[4:], 0.1, 4.0)[0]
+    assert loss.item() == pytest.approx(by_hand.item(), rel=1e-5)
+    assert abs(dpo_ipo_loss(pc, pr, rc, rr, 0.1, 4.0)[0].item() - by_hand.item()) > 1e-3

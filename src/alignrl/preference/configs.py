@@ -32,13 +32,14 @@ class LossNames(tuple):
 
 # the DPO-family losses of `alignrl.core.preference.DPO_LOSSES` (a test holds the two equal); `safe` is the older
 # name of safe_odpo, kept for the configs that spell it so. A list passes the choices check when all its losses do.
-DPO_LOSS_NAMES = LossNames(("safe_mm_dpo", "safe_odpo", "sigmoid", "cdpo", "ipo", "hinge", "safe", "robust",
-                            "exo_pair", "nca_pair", "sppo_hard", "aot", "aot_pair", "apo_zero", "apo_down", "discopop",
-                            "bco_pair", "simpo", "cpo", "orpo"), every=True)
+DPO_LOSS_NAMES = LossNames(("safe_mm_dpo", "safe_odpo", "sigmoid", "cdpo", "ipo", "ipo_token_mean", "hinge", "safe",
+                            "robust", "exo_pair", "nca_pair", "sppo_hard", "aot", "aot_pair", "apo_zero", "apo_down",
+                            "discopop", "bco_pair", "simpo", "cpo", "orpo"), every=True)
 SMOOTHED_LOSSES = LossNames(("sigmoid", "cdpo", "robust", "exo_pair", "aot", "aot_pair", "simpo", "cpo"))
 # the losses of the policy alone (TRL's CPOTrainer and ORPOTrainer): no reference model is loaded
 REFERENCE_FREE = LossNames(("simpo", "cpo", "orpo"), every=True)
-LENGTH_NORMALISED = LossNames(("simpo", "orpo"), every=True)  # a response's log-probability is its token mean
+# a response's log-probability (the policy's and the reference's) is its token mean
+LENGTH_NORMALISED = LossNames(("simpo", "orpo", "ipo_token_mean"), every=True)
 SAFETY_LOSSES = ("safe_mm_dpo", "safe_odpo")  # the losses that read the two scorers
 
 
@@ -132,7 +133,8 @@ class DPOConfig(PairColumnsConfig):
     train_files: list = opt(["builtin:helpful", "builtin:harmless"], "preference files trained on (concatenated)")
     eval_files: list = opt(["builtin:helpful_test", "builtin:harmless_test"], "held-out preference files")
     prefer: str = opt("better", "PKU-SafeRLHF rows: which id is 'chosen'", choices=("better", "safer"))
-    loss_type: Any = opt("safe_mm_dpo", "DPO-family loss (safe is the older name of safe_odpo); a list, e.g. "
+    loss_type: Any = opt("safe_mm_dpo", "DPO-family loss (safe is the older name of safe_odpo; ipo_token_mean: TRL's "
+                                        "ipo, on token means); a list, e.g. "
                                         "[sigmoid,bco_pair,sft], trains the weighted sum of its losses (TRL's "
                                         "multi-loss DPO, MPO; sft: the chosen responses' NLL)", choices=DPO_LOSS_NAMES)
     loss_weights: list = opt([], "a list loss_type's weights, one per loss (TRL's loss_weights); []: 1.0 each")

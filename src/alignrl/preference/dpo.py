@@ -16,7 +16,8 @@ log-probs are computed once up front and the copy is freed. `loss_type` picks a 
   and a run whose model_path holds that file goes on from its λ.
 * safe_odpo (also `safe`, its older name): the pair is ordered by the fixed-λ utility u = r - λ·c and trained with
   the ODPO loss -log σ(β·h - Δ), Δ = α·log(1 + |u_w - u_l|) (Amini et al. 2024).
-* sigmoid (DPO; conservative DPO with label_smoothing, also named cdpo), ipo, hinge (SLiC), and TRL's robust,
+* sigmoid (DPO; conservative DPO with label_smoothing, also named cdpo), ipo (on summed log-probs, OpenRLHF's;
+  ipo_token_mean: TRL's, on the token means of policy and reference), hinge (SLiC), and TRL's robust,
   exo_pair, nca_pair, sppo_hard, aot, aot_pair, apo_zero, apo_down, discopop and bco_pair (its running reward mean
   δ shared by the ranks and checkpointed: `preference.dpo_mix`).
 * a list, e.g. [sigmoid,bco_pair,sft] with loss_weights: the weighted sum of its losses (TRL's MPO; `dpo_mix`).
@@ -137,9 +138,10 @@ def evaluate(model, ref_fn, batches, groups: list[int], names: list[str], beta: 
         batch = batch.to(env.device)
         with pc.autocast(cfg, env.device):
             pc_, pr_, _ = pair_logps(model, batch, cfg.logp_reduction)
+        rc, rr, _ = ref_fn(batch)
         if cfg.loss_type in LENGTH_NORMALISED:  # the rewards the loss trains
             pc_, pr_ = token_means(pc_.float(), pr_.float(), batch, cfg.logp_reduction)
-        rc, rr, _ = ref_fn(batch)
+            rc, rr = token_means(rc, rr, batch, cfg.logp_reduction)
         ch, rj = beta * (pc_.float() - rc), beta * (pr_.float() - rr)
         w = batch.weight
         g = torch.tensor([groups[i] for i in batch.index.tolist()])
@@ -229,11 +231,12 @@ def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None, 
         pc_, pr_ = pc_.float(), pr_.float()
         nll = chosen_nll(pc_, batch, cfg.logp_reduction)
         kl = response_kl(logits, ref_logits, batch.response_mask[:batch.n_pairs]) if kl_on else None
-        if isinstance(cfg.loss_type, list):  # TRL's multi-loss DPO: each loss reads the log-probs it needs
+        if isinstance(cfg.loss_type, (list, tuple)):  # TRL's multi-loss DPO: each loss reads the log-probs it needs
             value, metrics = mixed_loss(cfg, pc_, pr_, rc, rr, nll, batch, gpairs, bco, **kw)
-            return _with_nll_and_kl(value, metrics, nll, kl, gpairs, lam)
-        if cfg.loss_type in LENGTH_NORMALISED:
+            return _with_nll_and_kl(value, metrics, nll, kl, gpairs)
+        if cfg.loss_type in LENGTH_NORMALISED:  # the reference's too (simpo's and orpo's are zeros)
             pc_, pr_ = token_means(pc_, pr_, batch, cfg.logp_reduction)
+            rc, rr = token_means(rc, rr, batch, cfg.logp_reduction)
         extra = {}
         if cfg.loss_type == "orpo":  # its NLL term is part of the loss
             extra = {"nll": nll}
@@ -247,9 +250,9 @@ def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None, 
                 extra = dict(help_chosen=s[:, 0], help_rejected=s[:, 1], cost_chosen=s[:, 2], cost_rejected=s[:, 3],
                              safety_lambda=cfg.safety_lambda, offset_alpha=cfg.offset_alpha)
         value, metrics = DPO_LOSSES[cfg.loss_type](pc_, pr_, rc, rr, cfg.beta, gpairs, **extra, **kw)
-        return _with_nll_and_kl(value, metrics, nll, kl, gpairs, lam)
+        return _with_nll_and_kl(value, metrics, nll, kl, gpairs)
 
-    def _with_nll_and_kl(value, metrics, nll, kl, gpairs, lam):
+    def _with_nll_and_kl(value, metrics, nll, kl, gpairs):
         if cfg.nll_loss_coef:  # RPO, CPO: the chosen responses' own likelihood, each response's token mean
             value = value + cfg.nll_loss_coef * nll.sum() / gpairs
             metrics = {**metrics, "nll_loss": float(nll.detach().mean())}
@@ -372,7 +375,7 @@ def _report(cfg: DPOConfig, log, names: list[str], before: dict, after: dict, st
            "train_pairs": n_train, "world_size": env.world_size, "strategy": strategy, "use_lora": cfg.use_lora,
            "logp_reduction": cfg.logp_reduction, "kl_coeff": cfg.kl_coeff,
            "effective_batch": pc.global_batch(cfg, env.world_size), "seconds": round(time.time() - t0, 1)}
-    if isinstance(cfg.loss_type, list):
+    if isinstance(cfg.loss_type, (list, tuple)):
         out.update(loss_weights=list(cfg.loss_weights) or [1.0] * len(cfg.loss_type))
     if cfg.loss_type in SAFETY_LOSSES:
         out.update(helpful_rm=cfg.helpful_rm, harmless_rm=cfg.harmless_rm)

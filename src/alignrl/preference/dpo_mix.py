@@ -6,8 +6,8 @@ averaged over ranks (TRL gathers one value per rank) and enters the running mean
 is the same on every rank, saved in the DPO checkpoint and restored on resume (`preference.checkpoints`).
 
 A list loss_type, e.g. [sigmoid,bco_pair,sft] with loss_weights [0.8,0.2,1.0], trains Σ w_i·loss_i over its
-losses, each on the inputs it reads alone (simpo's token means, the others' sums; sft: the chosen responses' NLL,
-each response's token mean), and logs each loss's own per-pair mean as `loss/<name>`.
+losses, each on the inputs it reads alone (simpo's and ipo_token_mean's token means, the others' sums; sft: the
+chosen responses' NLL, each response's token mean), and logs each loss's own per-pair mean as `loss/<name>`.
 """
 
 from __future__ import annotations
@@ -52,14 +52,15 @@ def mixed_loss(cfg: DPOConfig, pc, pr, rc, rr, nll, batch, gpairs: float, bco: B
     `extra`: the keywords every loss takes (label_smoothing, ...). The rewards metrics are the first preference
     loss's (each loss reports the same ones, on its own inputs)."""
     weights = list(cfg.loss_weights) or [1.0] * len(cfg.loss_type)
-    means = token_means(pc, pr, batch, cfg.logp_reduction) if any(
-        n in LENGTH_NORMALISED for n in cfg.loss_type) else None
+    means = None
+    if any(n in LENGTH_NORMALISED for n in cfg.loss_type):  # the reference's too (zeros without a reference)
+        means = (*token_means(pc, pr, batch, cfg.logp_reduction), *token_means(rc, rr, batch, cfg.logp_reduction))
     total, metrics, parts = None, {}, {}
     for name, w in zip(cfg.loss_type, weights):
-        c, r = means if name in LENGTH_NORMALISED else (pc, pr)
-        kw = {"bco_delta": bco.update(c, r, rc, rr, cfg.beta)} if name == "bco_pair" else {}
+        c, r, c_ref, r_ref = means if name in LENGTH_NORMALISED else (pc, pr, rc, rr)
+        kw = {"bco_delta": bco.update(c, r, c_ref, r_ref, cfg.beta)} if name == "bco_pair" else {}
         fn = sft_loss if name == "sft" else DPO_LOSSES[name]
-        value, m = fn(c, r, rc, rr, cfg.beta, gpairs, nll=nll, **kw, **extra)
+        value, m = fn(c, r, c_ref, r_ref, cfg.beta, gpairs, nll=nll, **kw, **extra)
         total = w * value if total is None else total + w * value
         parts[f"loss/{name}"] = float(value.detach()) * gpairs / batch.n_pairs
         if not metrics and name != "sft":
