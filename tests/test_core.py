@@ -82,3 +82,17 @@ def test_token_mean_invariant_to_micro_batch_split(splits):
     parts = sum(token_mean(x[i::splits] ** 2, mask[i::splits], total) for i in range(splits))
     (g_parts,) = torch.autograd.grad(parts, x)
     assert torch.allclose(full, parts, atol=1e-6) and torch.allclose(g_full, g_parts, atol=1e-7)
+
+
+def test_lr_schedules_after_warm_up():
+    """Linear warm-up, then constant, cosine (verl's, OpenRLHF's) or linear (TRL's) decay down to min_lr_ratio."""
+    from alignrl.core.optim import lr_lambda
+
+    linear = lr_lambda(2, 10, "linear", 0.0)
+    assert [linear(s) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert linear(6) == pytest.approx(0.5) and linear(10) == 0.0 and linear(12) == 0.0
+    floored = lr_lambda(0, 4, "linear", 0.1)
+    assert floored(2) == pytest.approx(0.55) and floored(4) == pytest.approx(0.1)
+    cosine = lr_lambda(0, 4, "cosine", 0.1)
+    assert cosine(1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4))) and cosine(4) == pytest.approx(0.1)
+    assert lr_lambda(1, 4, "constant", 0.1)(3) == 1.0

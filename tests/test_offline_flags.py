@@ -228,8 +228,7 @@ def test_a_trl_line_takes_trls_defaults_and_a_mixed_line_only_the_shared_ones(ca
         10, 500, True, 8, "auto")
     (note,) = _silent_note(capsys.readouterr().err)
     assert note.startswith("alignrl: note: TRL's RewardConfig defaults where the line is silent: warmup_ratio=0.0, ")
-    assert note.endswith("; not taken: lr_scheduler_type=linear (the decay here is constant or cosine: "
-                         "lr_scheduler=cosine kept)")
+    assert "lr_scheduler=linear, min_lr_ratio=0.0" in note and "not taken" not in note  # TRL's linear decay to 0
     dpo = parse_dpo(["--model_name_or_path", "demo", "--lr_scheduler_type", "constant", "--num_train_epochs", "1"])
     assert (dpo.learning_rate, dpo.epochs, dpo.lr_scheduler, dpo.loss_type) == (1e-6, 1, "constant", "sigmoid")
     assert "not taken" not in _silent_note(capsys.readouterr().err)[0]
@@ -287,3 +286,10 @@ def test_split_flags_name_the_split_of_a_dataset_and_change_nothing_for_a_file(t
     assert "note: the split 'dev' changes nothing for .jsonl/.json/.parquet files" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--eval_split needs a value"):
         parse_dpo(["--pretrain", "demo", "--eval_split"])
+
+
+def test_trls_multi_loss_flags_take_several_words(capsys):
+    cfg = parse_dpo(["--model_name_or_path", "demo", "--loss_type", "sigmoid", "bco_pair", "sft", "--loss_weights",
+                     "0.8", "0.2", "1.0", "beta=0.2"])
+    assert (cfg.loss_type, cfg.loss_weights, cfg.beta) == (["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0], 0.2)
+    assert parse_dpo(["--pretrain", "demo", "--loss_type", "ipo", "beta=0.3"]).loss_type == "ipo"  # one word: as was

@@ -33,7 +33,7 @@ WHITENED = ("gae", "reinforce", "reinforce_baseline")
 KL_ESTIMATORS = {"k1": "k1", "k2": "k2", "k3": "k3"}
 # --lr_scheduler (transformers' names, as OpenRLHF passes them to get_scheduler) -> (actor.lr_scheduler, min_lr_ratio)
 SCHEDULERS = {"cosine_with_min_lr": ("cosine", 0.1), "constant_with_warmup": ("constant", 0.0),
-              "constant": ("constant", 0.0)}
+              "constant": ("constant", 0.0), "linear": ("linear", 0.0)}
 # OpenRLHF flags accepted for its scripts' sake that change nothing here: (flag, type, default); a value other than
 # the default is named at start with the reason (cluster.flag_keys.NOT_APPLIED)
 ACCEPTED = [("max_len", int, None), ("ptx_coef", float, 0.05), ("normalize_reward", bool, False),
@@ -139,7 +139,7 @@ def _optimisation_flags(o) -> None:
     # OpenRLHF's optimiser and PPO settings, with its defaults (its scheduler: cosine to 0.1 × lr after warm-up)
     o.add_argument("--lr_warmup_ratio", type=float, default=0.03, help="linear warm-up, fraction of optimizer steps")
     o.add_argument("--lr_scheduler", default="cosine_with_min_lr", choices=sorted(SCHEDULERS),
-                   help="after warm-up: cosine down to 0.1 × the learning rate, or constant")
+                   help="after warm-up: cosine down to 0.1 × the learning rate, constant, or linear down to 0")
     o.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95))
     o.add_argument("--l2", type=float, default=0.0, help="weight decay")
     o.add_argument("--max_norm", type=float, default=1.0, help="gradient clipping")

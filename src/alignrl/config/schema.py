@@ -65,7 +65,7 @@ class ActorConfig:
     lr_warmup_steps_ratio: float = opt(0.0, "warm-up as a fraction of trainer.total_training_steps (verl's "
                                             "optim.lr_warmup_steps_ratio); used when lr_warmup_steps is 0",
                                        ge=0.0, le=1.0)
-    lr_scheduler: str = opt("constant", "schedule after warm-up", choices=("constant", "cosine"))
+    lr_scheduler: str = opt("constant", "schedule after warm-up", choices=("constant", "cosine", "linear"))
     min_lr_ratio: float = opt(0.0, "cosine floor as a fraction of lr", ge=0.0, le=1.0)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
     betas: list = opt([0.9, 0.999], "AdamW betas")
@@ -279,7 +279,7 @@ class CriticConfig:
     lr_warmup_steps_ratio: float = opt(0.0, "critic warm-up as a fraction of trainer.total_training_steps (verl's "
                                             "critic.optim.lr_warmup_steps_ratio); used when lr_warmup_steps is 0",
                                        ge=0.0, le=1.0)
-    lr_scheduler: str = opt("constant", "critic schedule after warm-up", choices=("constant", "cosine"))
+    lr_scheduler: str = opt("constant", "critic schedule after warm-up", choices=("constant", "cosine", "linear"))
     min_lr_ratio: float = opt(0.0, "critic cosine floor as a fraction of critic.lr", ge=0.0, le=1.0)
     weight_decay: float = opt(0.0, "critic AdamW weight decay", ge=0.0)
     betas: list = opt([0.9, 0.999], "critic AdamW betas")

@@ -1,4 +1,4 @@
-"""AdamW with linear warm-up and constant or cosine decay (as verl's actor optimizer)."""
+"""AdamW with linear warm-up and constant, cosine (verl's, OpenRLHF's) or linear (TRL's default) decay."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: 
         if schedule == "constant":
             return 1.0
         progress = min(1.0, (s - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule == "linear":
+            return min_lr_ratio + (1 - min_lr_ratio) * (1 - progress)
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f

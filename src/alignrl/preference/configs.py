@@ -62,8 +62,10 @@ class CommonConfig:
     adam_betas: list = opt([0.9, 0.999], "AdamW's β1 and β2 (OpenRLHF: --adam_betas, its default 0.9 0.95)")
     warmup_ratio: float = opt(0.1, "fraction of optimizer steps of linear warm-up", ge=0.0, le=1.0)
     warmup_steps: int = opt(0, "optimizer steps of linear warm-up; when > 0 it replaces warmup_ratio", ge=0)
-    lr_scheduler: str = opt("cosine", "learning-rate decay after warm-up", choices=("constant", "cosine"))
-    min_lr_ratio: float = opt(0.1, "cosine floor as a fraction of the peak lr", ge=0.0, le=1.0)
+    lr_scheduler: str = opt("cosine", "learning-rate decay after warm-up (down to min_lr_ratio)",
+                            choices=("constant", "cosine", "linear"))
+    min_lr_ratio: float = opt(0.1, "floor of the cosine or linear decay, as a fraction of the peak lr",
+                               ge=0.0, le=1.0)
     grad_clip: float = opt(1.0, "max global grad norm; 0 disables", ge=0.0)
     epochs: int = opt(1, "passes over the training pairs", ge=1)
     max_steps: int = opt(0, "stop after this many optimizer steps; 0: run all epochs", ge=0)

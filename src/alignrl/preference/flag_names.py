@@ -53,7 +53,8 @@ LIST_KEYS = ("train_files", "eval_files")  # keys that take OpenRLHF's comma-sep
 SPLIT_FLAGS = {"dataset_split": "train", "train_split": "train", "dataset_train_split": "train",
                "eval_split": "eval", "dataset_test_split": "eval"}
 UNASKED_SPLITS = {"train": "train", "eval": "test"}
-SPACED_LISTS = ("adam_betas", "lora_target_modules")  # keys OpenRLHF gives as several words (argparse nargs)
+# keys OpenRLHF and TRL give as several words (argparse nargs): `--loss_type sigmoid bco_pair sft --loss_weights 1 1 1`
+SPACED_LISTS = ("adam_betas", "lora_target_modules", "loss_type", "loss_weights")
 OWN_FLAGS = ("config", "logging_dir", "nproc", "help")  # the parser's own flags, never config keys
 TRUE_WORDS, FALSE_WORDS = ("true", "yes", "1"), ("false", "no", "0")
 
@@ -155,7 +156,11 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
         key = names.get(name, name)
         if name in left_out:
             raise ConfigError(f"--{name}: {left_out[name]}")
-        if not name or name in OWN_FLAGS or name in own_names.parsed:
+        words = _spaced_words(argv, i + 1) if key in SPACED_LISTS and key in keys and not eq else []
+        if name in own_names.parsed and len(words) > 1:  # several words of a flag the parser takes as one
+            overrides.append(f"{key}=[{','.join(words)}]")
+            i += 1 + len(words)
+        elif not name or name in OWN_FLAGS or name in own_names.parsed:
             passed.append(word)  # our own flags, overrides, and what the parser reads itself
             i += 1
         elif name in own_names.accepted or name in COMMON_IGNORED_VALUED:
@@ -182,9 +187,8 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
             if not eq and (nxt is None or nxt.startswith("--")):
                 raise ConfigError(f"--{name} needs a value (--{name} VALUE)")
             value, i = (value, i + 1) if eq else (nxt, i + 2)
-            if key in SPACED_LISTS and not eq:  # OpenRLHF's nargs: `--adam_betas 0.9 0.95`, `--target_modules q v`
-                more = list(itertools.takewhile(lambda w: not w.startswith("--") and "=" not in w, argv[i:]))
-                value, i = (f"[{','.join([value, *more])}]" if more else value), i + len(more)  # as a list override
+            if len(words) > 1:  # OpenRLHF's nargs: `--adam_betas 0.9 0.95`, `--target_modules q v`
+                value, i = f"[{','.join(words)}]", i + len(words) - 1  # as a list override
             if key == "output_dir":
                 passed += ["--output_dir", value]
             else:
@@ -194,6 +198,11 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
             i += 1
     overrides = _with_splits(overrides, own_names, splits)
     return _their_defaults(argv, config_class, own_names, passed + overrides) + passed + overrides
+
+
+def _spaced_words(argv: list[str], start: int) -> list[str]:
+    """The value words from `start` on: up to the next flag or `key=value` word."""
+    return list(itertools.takewhile(lambda w: not w.startswith("--") and "=" not in w, argv[start:]))
 
 
 def split_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:

@@ -53,7 +53,8 @@ OPENRLHF_DEFAULTS: dict[str, dict[str, Any]] = {
 # TRL's (1.x) configs: TrainingArguments' optimizer and schedule, TRL's own logging_steps 10 and
 # gradient_checkpointing on, ModelConfig's LoRA. TRL's bf16 is on unless fp16 is: our auto (on where supported).
 _TRL_COMMON: dict[str, Any] = {
-    "warmup_ratio": 0.0, "warmup_steps": 0, "adam_betas": [0.9, 0.999], "grad_clip": 1.0, "weight_decay": 0.0,
+    "warmup_ratio": 0.0, "warmup_steps": 0, "lr_scheduler": "linear", "min_lr_ratio": 0.0,
+    "adam_betas": [0.9, 0.999], "grad_clip": 1.0, "weight_decay": 0.0,
     "seed": 42, "epochs": 3, "batch_size": 8, "eval_batch_size": 8, "gradient_accumulation_steps": 1,
     "log_every": 10, "save_steps": 500, "eval_steps": 0, "gradient_checkpointing": True, "bf16": "auto",
     "use_lora": False, "lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.05}
@@ -69,8 +70,7 @@ TRL_DEFAULTS: dict[str, dict[str, Any]] = {
 OPENRLHF_NOT_TAKEN: dict[str, dict[str, tuple[str, str]]] = {
     "sft": {"input_key=input": ("prompt_key", "the rows' own layout names the columns")},
     "kto": {"input_key=input": ("prompt_key", "the rows' own layout names the columns")}}
-_TRL_NOT_TAKEN = {"lr_scheduler_type=linear": ("lr_scheduler", "the decay here is constant or cosine"),
-                  "lora_target_modules=None": ("lora_target_modules", "peft's per-model choice has no name here")}
+_TRL_NOT_TAKEN = {"lora_target_modules=None": ("lora_target_modules", "peft's per-model choice has no name here")}
 TRL_NOT_TAKEN = {command: _TRL_NOT_TAKEN for command in ("rm", "dpo", "sft", "kto")}
 SCRIPTS = {OPENRLHF: {"rm": "train_rm", "dpo": "train_dpo", "sft": "train_sft", "kto": "train_kto"},
            TRL: {"rm": "RewardConfig", "dpo": "DPOConfig", "sft": "SFTConfig", "kto": "KTOConfig"}}
