@@ -64,6 +64,28 @@ PASSTHROUGH = {
 }
 
 
+# TRL's `trl grpo` flags on `train grpo`: translated into overrides before anything else reads the line (a module of
+# the layer above, imported by name as the PASSTHROUGH commands are)
+TRL_GRPO = "alignrl.compat.trl_grpo_keys"
+
+
+def _in_alignrl_words(argv: list[str]) -> list[str]:
+    """A `train grpo` line in TRL's spelling as alignrl's key=value overrides, its start lines said once (by rank 0
+    of a raw torchrun launch; `--nproc` ranks get the translated line); any other line as it is."""
+    if argv[:2] != ["train", "grpo"]:
+        return argv
+    import importlib
+
+    trl = importlib.import_module(TRL_GRPO)
+    if not trl.F.is_trl_line(argv[2:]):
+        return argv
+    words, lines = trl.from_line(argv[2:])
+    if os.environ.get("RANK", "0") == "0":
+        for line in lines:
+            print(f"{program()}: {line}", file=sys.stderr, flush=True)
+    return ["train", "grpo", *words]
+
+
 NPROC_HELP = "run on N local ranks under torchrun (torchrun --nproc_per_node=N -m alignrl ... works as well)"
 
 
@@ -311,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             return getattr(importlib.import_module(module), function or "main")(rest)
         from alignrl.runtime.launch import pop_nproc, torchrun
 
+        argv = _in_alignrl_words(argv)
         try:
             nproc, argv = pop_nproc(argv)
         except ValueError as e:

@@ -89,7 +89,7 @@ def load_samples(
         return with_row_images(loc, dataclasses.replace(sample, source=loc), row, image_key, base)
 
     if prompt_key is not None:
-        by_column = PromptKeys(prompt_key, label_key, input_template, apply_chat_template)
+        by_column = PromptKeys(prompt_key, label_key, input_template, apply_chat_template, image_key)
         return [placed(loc, row, keys_sample(loc, row, by_column, system_prompt)) for loc, row in rows]
     return _converted(rows, _detect_format(path, columns, fmt), system_prompt, placed)
 

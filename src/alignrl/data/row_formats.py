@@ -12,7 +12,8 @@ The by-column layout reads one row as:
 * data_source: the row's `data_source` column when present, else "math": its rule reward extracts the
   last `\\boxed{}`, else the last `####` line, else the last expression, and compares it with the label
   symbolically, which suits the short answers (numbers, expressions) OpenRLHF's math prompt sets carry.
-* extra: the row's `extra_info` object when present.
+* extra: the row's `extra_info` object when present; else the row's columns but data_source, reward_model and the
+  image column (the prompt's and the label's too), which TRL's reward functions read by name (`rewards.trl_reward`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class PromptKeys:
     label_key: str | None = None
     input_template: str | None = None
     apply_chat_template: bool = True
+    image_key: str = "images"  # the image column, which rides in Sample.images, not in extra
 
 
 def with_system(messages: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
@@ -134,8 +136,13 @@ def keys_sample(loc: str, row: dict[str, Any], keys: PromptKeys, system_prompt: 
         prompt_text = keys.input_template.format(text) if keys.input_template else text
     return Sample(messages=messages, ground_truth=_label(loc, row, keys.label_key),
                   data_source=str(row["data_source"]) if row.get("data_source") is not None else DEFAULT_SOURCE,
-                  extra=dict(row["extra_info"]) if isinstance(row.get("extra_info"), dict) else {},
+                  extra=dict(row["extra_info"]) if isinstance(row.get("extra_info"), dict) else _columns(row, keys),
                   prompt_text=prompt_text)
+
+
+def _columns(row: dict[str, Any], keys: PromptKeys) -> dict[str, Any]:
+    """A row's columns as its extra_info where it has none: what a reward function reads beside the answer."""
+    return {k: v for k, v in row.items() if k not in ("data_source", "reward_model", "extra_info", keys.image_key)}
 
 
 def _label(loc: str, row: dict[str, Any], label_key: str | None) -> str | list[Any] | dict[str, Any]:

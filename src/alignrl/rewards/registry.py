@@ -17,7 +17,7 @@ import numpy as np
 
 from alignrl.rewards import code, geo3k, gsm8k, math_dapo, prime_math
 from alignrl.rewards import math as math_reward
-from alignrl.rewards import openrlhf_reward, qa_em, think_answer, verl_reward_modules
+from alignrl.rewards import openrlhf_reward, qa_em, think_answer, trl_reward, verl_reward_modules
 from alignrl.rewards.batch_reward import BatchedReward
 from alignrl.rewards.errors import RewardError, ScoreError
 from alignrl.rewards.values import RowScore, TimedOut, plain_number
@@ -196,11 +196,12 @@ def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn", code_rewa
                    kwargs: dict[str, Any] | None = None, batched: bool = False) -> RewardFn:
     """`None` gives `default_compute_score`; "path/to/file.py:function" loads that function, `checked`;
     "openrlhf:path/to/file.py" the file's OpenRLHF `reward_func(queries, prompts, labels)`, called one row at a time
-    (alignrl.rewards.openrlhf_reward). `key`: the config key that named it, for the errors. A relative path is taken
-    from the current folder, as verl's custom_reward_function.path. `code_reward`: how the built-in rules run code;
+    (alignrl.rewards.openrlhf_reward); "trl:..." TRL's reward functions, weighted (alignrl.rewards.trl_reward).
+    `key`: the config key that named it, for the errors. A relative path is taken from the current folder, as verl's
+    custom_reward_function.path. `code_reward`: how the built-in rules run code;
     `kwargs`: keyword arguments the user's function is called with (verl's reward_kwargs); `batched`: it scores a whole
     batch in one call (`batch_reward`, verl's batch manager)."""
-    if batched and (spec is None or openrlhf_reward.is_openrlhf_spec(spec)):
+    if batched and (spec is None or openrlhf_reward.is_openrlhf_spec(spec) or trl_reward.is_trl_spec(spec)):
         raise RewardError(f"algorithm.reward_fn_batch needs {key}=path/to/file.py:function, a function taking "
                           "data_sources=, solution_strs=, ground_truths=, extra_infos= (verl's reward_manager=batch)")
     if spec is None:
@@ -208,6 +209,8 @@ def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn", code_rewa
     if openrlhf_reward.is_openrlhf_spec(spec):
         path_str = spec[len(openrlhf_reward.SPEC_PREFIX):]
         return checked(openrlhf_reward.load(path_str, key, import_file), f"{path_str}:{openrlhf_reward.FUNCTION}")
+    if trl_reward.is_trl_spec(spec):  # TRL's reward functions, weighted; each names itself in its one-line errors
+        return trl_reward.load(spec, key, import_file, kwargs)
     path_str, sep, name = spec.rpartition(":")
     if not sep or not path_str or not name:
         raise RewardError(

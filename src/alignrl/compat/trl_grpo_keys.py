@@ -1,0 +1,298 @@
+"""TRL's GRPO flags (`trl_grpo_flags`) as alignrl config keys, with the start lines that say how.
+
+Batches. TRL counts completions: an optimizer step takes per_device_train_batch_size x ranks x
+gradient_accumulation_steps of them; a generation round makes per_device_train_batch_size x ranks x
+steps_per_generation (steps_per_generation defaults to gradient_accumulation_steps; generation_batch_size sets the
+round's size instead), num_generations per prompt, and trains on it num_iterations times. alignrl counts one
+generation round as one RL step: data.train_batch_size = the round's completions / num_generations prompts,
+rollout.n = num_generations, actor.ppo_epochs = num_iterations, the mini-batch = one TRL optimizer step (in prompts
+when it holds whole groups, else in sequences) and actor.ppo_micro_batch_size = per_device_train_batch_size. TRL's
+--max_steps (optimizer steps) becomes RL steps: max_steps / (the optimizer steps of one round), rounded up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from alignrl.compat import trl_grpo_flags as F
+from alignrl.compat.trl_grpo_flags import TAKEN, TrlFlagError
+from alignrl.data.sources import is_library_dataset, library_count, with_split
+from alignrl.rewards.trl_reward import BUILT_IN, spec_of
+
+# TRL's loss_type -> (actor.policy_loss, actor.loss_agg_mode)
+LOSS_TYPES = {"grpo": ("ppo_clip", "seq-mean-token-mean"), "dapo": ("ppo_clip", "token-mean"),
+              "bnpo": ("ppo_clip", "token-mean"), "dr_grpo": ("ppo_clip", "seq-mean-token-sum-norm"),
+              "cispo": ("cispo", "token-mean"), "sapo": ("sapo", "auto")}
+SCALE_REWARDS = {"group": True, "true": True, "none": False, "false": False}
+SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
+DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+PEFT_DEFAULT_TARGETS = ["q_proj", "v_proj"]  # PEFT's own choice for Llama- and Qwen-style models
+OVERLONG = "get_soft_overlong_punishment"  # TRL's script builds it with these two numbers
+OVERLONG_MAX, OVERLONG_CACHE = 1280, 256
+# TRL's defaults a line may leave out, said when taken (name, how it reads in the line)
+NOT_TAKEN_DEFAULTS = {"logging_steps": "10 (every step is logged)",
+                      "bf16": "True (the model computes in model.dtype, float32 unless set)"}
+
+
+class Batches:
+    """TRL's batch numbers and alignrl's, from the flags and the ranks."""
+
+    def __init__(self, args, world: int):
+        pd, ga, ng = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_generations
+        if args.steps_per_generation is not None and args.generation_batch_size is not None:
+            raise TrlFlagError("--steps_per_generation and --generation_batch_size cannot both be given (TRL's rule)")
+        if args.generation_batch_size is not None:
+            if args.generation_batch_size % (pd * world):
+                raise TrlFlagError(f"--generation_batch_size {args.generation_batch_size} must be a multiple of "
+                                   f"per_device_train_batch_size {pd} x {world} rank(s) (TRL's rule)")
+            spg = args.generation_batch_size // (pd * world)
+        else:
+            spg = args.steps_per_generation or ga
+        self.pd, self.ga, self.ng, self.world, self.spg, self.mu = pd, ga, ng, world, spg, args.num_iterations
+        self.per_round, self.per_step = pd * world * spg, pd * world * ga  # completions
+        if ng < 2:
+            raise TrlFlagError(f"--num_generations {ng}: GRPO needs at least 2 completions per prompt (TRL's rule)")
+        if self.per_round % ng:
+            raise TrlFlagError(f"the {self.per_round} completions of a generation round (per_device_train_batch_size "
+                               f"{pd} x {world} rank(s) x steps_per_generation {spg}) must be a multiple of "
+                               f"--num_generations {ng} (TRL's rule)")
+        self.prompts = self.per_round // ng
+        if self.prompts % world:
+            raise TrlFlagError(f"{self.prompts} prompt(s) per generation round cannot be shared by {world} ranks: "
+                               "alignrl gives each rank whole prompt groups; raise --per_device_train_batch_size or "
+                               "--gradient_accumulation_steps, or lower --num_generations")
+        # optimizer steps per generation round: its micro-batches of each pass, grouped by gradient accumulation
+        self.steps_per_round = max(1, math.ceil(spg / ga)) * self.mu
+
+    def keys(self) -> list[str]:
+        whole = self.per_step % self.ng == 0
+        return [f"data.train_batch_size={self.prompts}", f"rollout.n={self.ng}",
+                f"actor.ppo_mini_batch_size={self.per_step // self.ng if whole else self.per_step}",
+                f"actor.ppo_mini_batch_unit={'prompts' if whole else 'sequences'}",
+                f"actor.ppo_micro_batch_size={self.pd}", f"actor.ppo_epochs={self.mu}"]
+
+    def rl_steps(self, optimizer_steps: float) -> int:
+        return max(1, math.ceil(optimizer_steps / self.steps_per_round))
+
+    def line(self) -> str:
+        return (f"TRL's batches: per_device_train_batch_size {self.pd} x {self.world} rank(s) x "
+                f"gradient_accumulation_steps {self.ga} = {self.per_step} completions per optimizer step; a generation "
+                f"round of {self.per_round} completions (steps_per_generation {self.spg}) = {self.prompts} prompt(s) x "
+                f"num_generations {self.ng}, trained num_iterations {self.mu} time(s): one alignrl RL step of "
+                f"data.train_batch_size={self.prompts}, rollout.n={self.ng}, {self.steps_per_round} optimizer "
+                f"step(s) of {self.per_step} sequences, actor.ppo_micro_batch_size={self.pd} per rank")
+
+
+def is_model(name: str) -> bool:
+    """A --reward_funcs word naming a reward model (a folder, or a Hub id `owner/name`) rather than a function (a
+    built-in, file.py:function or package.module.function)."""
+    if name in BUILT_IN or ".py:" in name:
+        return False
+    return Path(name).is_dir() or ("/" in name and ":" not in name)
+
+
+def reward_keys(args) -> list[str]:
+    """--reward_model_name_or_path and --reward_funcs (weighted by --reward_weights, in TRL's order: the model
+    first) as algorithm.reward_model, algorithm.reward_fn and DAPO's overlong keys."""
+    names = ([args.reward_model_name_or_path] if args.reward_model_name_or_path else []) + list(args.reward_funcs or [])
+    if not names:
+        raise TrlFlagError("give --reward_funcs (accuracy_reward, think_format_reward, reasoning_accuracy_reward, "
+                           "path/to/file.py:function, package.module.function) or --reward_model_name_or_path")
+    weights = list(args.reward_weights) if args.reward_weights else [1.0] * len(names)
+    if len(weights) != len(names):
+        raise TrlFlagError(f"--reward_weights gives {len(weights)} weight(s) for {len(names)} reward function(s) "
+                           "(TRL's rule: one each, the reward model first)")
+    out, fns, model = [], [], None
+    for i, (name, weight) in enumerate(zip(names, weights)):
+        if name == OVERLONG:
+            out += [f"algorithm.overlong_buffer_len={OVERLONG_CACHE}", f"algorithm.overlong_penalty_factor={weight}"]
+        elif not (i == 0 and args.reward_model_name_or_path) and not is_model(name):
+            fns.append((name, weight))
+        else:  # a reward model: a folder or a Hub id, as TRL's GRPOTrainer loads one
+            if model is not None:
+                raise TrlFlagError(f"two reward models ({model}, {name}): alignrl scores with one")
+            model = name
+            if weight != 1.0:
+                raise TrlFlagError(f"reward model {name} weighted {weight}: alignrl takes a reward model's score as "
+                                   "it is; give it weight 1")
+    if model:
+        out.append(f"algorithm.reward_model={model}")
+        if fns:
+            raise TrlFlagError(f"reward model {model} beside reward functions: alignrl scores with one or the other "
+                               "here; give either --reward_model_name_or_path or --reward_funcs")
+    if fns:
+        out.append(f"algorithm.reward_fn={json.dumps(spec_of(fns))}")
+    return out
+
+
+def _dataset(args, split: str) -> str:
+    name = args.dataset_name + (f"#{args.dataset_config}" if args.dataset_config else "")
+    return with_split(name, split)
+
+
+def data_keys(args, batches: Batches) -> list[str]:
+    if not args.dataset_name:
+        raise TrlFlagError("give --dataset_name: a .jsonl/.json/.parquet file, a dataset folder or a Hub dataset "
+                           "whose rows have a `prompt` column")
+    train = _dataset(args, args.dataset_train_split)
+    evaluates = args.eval_strategy != "no"
+    val = _dataset(args, args.dataset_test_split) if evaluates else train
+    out = [f"data.train_files={json.dumps(train)}", f"data.val_files={json.dumps(val)}", "data.prompt_key=prompt",
+           f"data.max_prompt_length={args.max_prompt_length}", f"data.shuffle={str(args.shuffle_dataset).lower()}"]
+    if not evaluates:  # TRL evaluates nothing: alignrl's before/after accuracy reads a few training prompts
+        out += [f"data.val_size={args.per_device_eval_batch_size}", "trainer.test_freq=0"]
+    else:
+        every = args.eval_steps if args.eval_strategy == "steps" and args.eval_steps else None
+        out.append(f"trainer.test_freq={batches.rl_steps(every) if every else 0}")
+    if args.chat_template_kwargs:
+        out.append(f"data.chat_template_kwargs={args.chat_template_kwargs}")
+    return out
+
+
+def loss_keys(args) -> list[str]:
+    if args.loss_type not in LOSS_TYPES:
+        raise TrlFlagError(f"--loss_type {args.loss_type}: alignrl has {', '.join(LOSS_TYPES)}")
+    scale = SCALE_REWARDS.get(str(args.scale_rewards).lower())
+    if scale is None:
+        raise TrlFlagError(f"--scale_rewards {args.scale_rewards}: alignrl's GRPO scales by the group's std (group) "
+                           "or not at all (none)")
+    if args.importance_sampling_level not in ("token", "sequence"):
+        raise TrlFlagError(f"--importance_sampling_level {args.importance_sampling_level}: give token or sequence")
+    policy, agg = LOSS_TYPES[args.loss_type]
+    high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    low = args.epsilon
+    if args.importance_sampling_level == "sequence":
+        if policy != "ppo_clip":
+            raise TrlFlagError(f"--importance_sampling_level sequence with --loss_type {args.loss_type}: alignrl's "
+                               "GSPO clips the sequence ratio (loss_type grpo, dapo, bnpo or dr_grpo)")
+        policy = "gspo"
+    if policy == "cispo":  # TRL's epsilon_high is CISPO's bound on the IS weight itself, with no lower bound
+        if high <= 1.0:
+            raise TrlFlagError(f"--loss_type cispo bounds the IS weight by --epsilon_high ({high}), which must be "
+                               "above 1 (5.0 in the ScaleRL recipe)")
+        low, high = 1.0, high - 1.0
+    out = [f"actor.policy_loss={policy}", f"actor.loss_agg_mode={agg}", f"actor.clip_ratio_low={low}",
+           f"actor.clip_ratio_high={high}", f"algorithm.norm_adv_by_std_in_grpo={str(scale).lower()}",
+           "algorithm.adv_estimator=grpo", f"algorithm.mask_truncated={str(args.mask_truncated_completions).lower()}",
+           f"actor.use_kl_loss={str(args.beta > 0).lower()}", f"actor.kl_loss_coef={args.beta}",
+           "actor.kl_loss_type=k3", "algorithm.use_kl_in_reward=false", "actor.entropy_coeff=0.0"]
+    if policy == "sapo":
+        out += [f"actor.tau_pos={args.sapo_temperature_pos}", f"actor.tau_neg={args.sapo_temperature_neg}"]
+    if args.sync_ref_model:
+        out += [f"actor.ref_sync_steps={args.ref_model_sync_steps}",
+                f"actor.ref_mixup_alpha={args.ref_model_mixup_alpha}"]
+    return out
+
+
+def optimiser_keys(args, batches: Batches, total_optimizer_steps: int | None) -> list[str]:
+    schedule = SCHEDULES.get(args.lr_scheduler_type)
+    if schedule is None:
+        raise TrlFlagError(f"--lr_scheduler_type {args.lr_scheduler_type}: alignrl has {', '.join(SCHEDULES)}")
+    out = [f"actor.lr={args.learning_rate}", f"actor.lr_scheduler={schedule}", "actor.min_lr_ratio=0.0",
+           f"actor.weight_decay={args.weight_decay}", f"actor.betas=[{args.adam_beta1},{args.adam_beta2}]",
+           f"actor.grad_clip={args.max_grad_norm}",
+           f"actor.gradient_checkpointing={str(args.gradient_checkpointing).lower()}"]
+    if args.warmup_steps:
+        out.append(f"actor.lr_warmup_steps={args.warmup_steps}")
+    elif args.warmup_ratio and total_optimizer_steps:  # transformers: ceil(ratio x the run's optimizer steps)
+        out.append(f"actor.lr_warmup_steps={math.ceil(args.warmup_ratio * total_optimizer_steps)}")
+    elif args.warmup_ratio:  # steps counted from the data's rows once loaded: the ratio of the RL steps
+        out.append(f"actor.lr_warmup_steps_ratio={args.warmup_ratio}")
+    return out
+
+
+def rl_steps(args, batches: Batches) -> int | None:
+    """The run's RL steps: from --max_steps (optimizer steps), or --num_train_epochs over a dataset folder's or Hub
+    dataset's rows (counted here: alignrl counts a data file's rows itself by trainer.total_epochs; None)."""
+    if args.max_steps > 0:
+        return batches.rl_steps(args.max_steps)
+    if not float(args.num_train_epochs).is_integer() or args.num_train_epochs < 1:
+        raise TrlFlagError(f"--num_train_epochs {args.num_train_epochs}: alignrl runs whole epochs; give a whole "
+                           "number or --max_steps")
+    train = _dataset(args, args.dataset_train_split)
+    if not is_library_dataset(train):
+        return None
+    rows = library_count(train, "--dataset_name")
+    if rows < batches.prompts:
+        raise TrlFlagError(f"--dataset_name has {rows} prompt(s), fewer than the {batches.prompts} of one generation "
+                           "round: give more data or smaller batches")
+    return int(args.num_train_epochs) * (rows // batches.prompts)  # TRL's sampler drops the last partial round
+
+
+def run_keys(args, batches: Batches) -> list[str]:
+    """Steps, checkpoints, output folder, seed, logging, model and LoRA."""
+    out_dir = Path(args.output_dir).absolute()
+    out = [f"trainer.output_dir={out_dir.parent}", f"trainer.experiment_name={out_dir.name}",
+           f"trainer.seed={args.seed}", "trainer.progress_bar=false",
+           f"trainer.resume_mode={'auto' if args.resume_from_checkpoint else 'disable'}"]
+    steps = rl_steps(args, batches)
+    out.append(f"trainer.total_training_steps={steps}" if steps else
+               f"trainer.total_epochs={int(args.num_train_epochs)}")
+    if args.save_strategy == "steps":
+        out.append(f"trainer.save_freq={batches.rl_steps(args.save_steps)}")
+    elif args.save_strategy == "no":
+        out.append("trainer.save_freq=0")
+    else:
+        raise TrlFlagError(f"--save_strategy {args.save_strategy}: alignrl saves every N steps (steps) or at the "
+                           "end only (no)")
+    out.append(f"trainer.max_checkpoints={args.save_total_limit or 0}")
+    sinks = ["console", "jsonl"] + [s for s in ("tensorboard", "wandb") if s in (args.report_to or [])]
+    out.append(f"trainer.logger=[{','.join(sinks)}]")
+    out.append(f"model.path={args.model_name_or_path or 'demo'}")
+    dtype = args.dtype or args.torch_dtype
+    if dtype and dtype != "auto":
+        if dtype not in DTYPES:
+            raise TrlFlagError(f"--dtype {dtype}: give bfloat16, float16, float32 or auto")
+        out.append(f"model.dtype={DTYPES[dtype]}")
+    if args.use_peft:
+        out += [f"model.lora_rank={args.lora_r}", f"model.lora_alpha={args.lora_alpha}",
+                f"model.lora_dropout={args.lora_dropout}",
+                f"model.target_modules={json.dumps(list(args.lora_target_modules or PEFT_DEFAULT_TARGETS))}"]
+    return out
+
+
+def defaults_line(args) -> str:
+    """TRL's defaults a line leaves out, those taken and those not."""
+    quiet = {"dataset_train_split", "dataset_test_split", "per_device_eval_batch_size", "use_peft", "max_steps"}
+    quiet |= set() if args.use_peft else {"lora_r", "lora_alpha", "lora_dropout"}
+    quiet |= set() if args.loss_type == "sapo" else {"sapo_temperature_neg", "sapo_temperature_pos"}
+    quiet |= set() if args.sync_ref_model else {"sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"}
+    taken = [f"{f.name} {f.default}" for f in TAKEN if f.name not in args.given and f.default is not None
+             and f.name not in quiet]
+    not_taken = [f"{name} {why}" for name, why in NOT_TAKEN_DEFAULTS.items() if name not in args.given]
+    return (f"TRL's defaults taken: {', '.join(taken)}" + (f"; not taken: {', '.join(not_taken)}" if not_taken
+                                                            else ""))
+
+
+def translate(args, world: int) -> tuple[list[str], list[str]]:
+    """(alignrl overrides, start lines) for TRL's flags on `world` ranks."""
+    batches = Batches(args, world)
+    steps = rl_steps(args, batches)
+    optimizer_steps = args.max_steps if args.max_steps > 0 else steps * batches.steps_per_round if steps else None
+    overrides = (data_keys(args, batches) + batches.keys() + loss_keys(args) + reward_keys(args)
+                 + optimiser_keys(args, batches, optimizer_steps) + run_keys(args, batches)
+                 + [f"rollout.max_new_tokens={args.max_completion_length}", f"rollout.temperature={args.temperature}",
+                    f"rollout.top_p={args.top_p}", f"rollout.top_k={args.top_k if args.top_k > 0 else -1}"])
+    lines = [defaults_line(args), batches.line()]
+    if OVERLONG in (args.reward_funcs or []) and args.max_completion_length != OVERLONG_MAX:
+        lines.append(f"{OVERLONG}: TRL's script punishes from {OVERLONG_MAX - OVERLONG_CACHE} tokens of "
+                     f"{OVERLONG_MAX}; here the last {OVERLONG_CACHE} tokens before --max_completion_length "
+                     f"{args.max_completion_length}")
+    return overrides, lines
+
+
+def from_line(words: list[str]) -> tuple[list[str], list[str]]:
+    """A TRL-spelled `train grpo` line (the words after it) as alignrl's words (overrides, the line's own key=value
+    overrides after them, --nproc), with the start lines saying how."""
+    import os
+
+    flags, own, nproc = F.split_line(words)
+    args = F.parse(flags)
+    world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
+    overrides, lines = translate(args, world)
+    unused = F.unused(args)
+    if unused:
+        lines.append("given, changing nothing here: " + "; ".join(unused))
+    return overrides + own + (["--nproc", str(nproc)] if nproc else []), lines

@@ -1,0 +1,200 @@
+"""TRL's reward functions (`trl grpo --reward_funcs ... --reward_weights ...`), called as alignrl's per-row reward.
+
+A TRL reward function takes the batch's completions and the dataset's other columns as keyword arguments and returns
+one float (or None) per completion: `f(completions, prompts=..., solution=..., **kwargs) -> list[float | None]`.
+Here it is called once per row, with lists of one: `completions` is the response's text, or a list of one assistant
+message where the row's prompt is a list of chat messages (TRL's conversational rows); `prompts` the row's prompt
+column as the data holds it (the templated text where the row has none); every other column of the row by its name
+(the by-column layout carries them in the row's extra_info, `data.row_formats`); `trainer_state` None (a function
+called here runs outside a transformers Trainer).
+
+Several functions make one reward, their weighted sum, as TRL sums them: a None is skipped (the row then takes the
+others' sum; a row every function skips scores 0, as TRL's nansum gives it).
+
+`algorithm.reward_fn=trl:ENTRY;ENTRY...` names them, each ENTRY a built-in name (`BUILT_IN`), `path/to/file.py:func`
+or TRL's dotted `package.module.func` (imported from the current folder, as TRL's script does), with `@weight` after
+it when the weight is not 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from alignrl.rewards import math as math_reward
+from alignrl.rewards.errors import RewardError, ScoreError
+
+SPEC_PREFIX = "trl:"  # algorithm.reward_fn=trl:ENTRY;ENTRY names TRL reward functions
+FIX = "return a list with one float (or None) per completion, as TRL's reward functions do"
+# TRL's think_format_reward: one <think> block opening the completion, closed once, anything after it
+_THINK_RE = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)
+
+
+def is_trl_spec(spec: str | None) -> bool:
+    return bool(spec) and spec.startswith(SPEC_PREFIX)
+
+
+def spec_of(entries: list[tuple[str, float]]) -> str:
+    """The algorithm.reward_fn value naming `entries` ((name, weight) each)."""
+    return SPEC_PREFIX + ";".join(name if weight == 1.0 else f"{name}@{weight!r}" for name, weight in entries)
+
+
+def parse_spec(spec: str) -> list[tuple[str, float]]:
+    """(name, weight) of each entry of a `trl:` value."""
+    out = []
+    for entry in spec[len(SPEC_PREFIX):].split(";"):
+        name, at, weight = entry.rpartition("@")
+        if not at:
+            name, weight = entry, "1"
+        try:
+            value = float(weight)
+        except ValueError:
+            raise RewardError(f"algorithm.reward_fn entry {entry!r}: the weight after @ is not a number") from None
+        if not name.strip():
+            raise RewardError(f"algorithm.reward_fn={spec!r} has an empty entry (give a name, file.py:function "
+                              "or package.module.function between the semicolons)")
+        out.append((name.strip(), value))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ TRL's built-ins
+
+def _contents(completions: list[Any]) -> list[str]:
+    """The texts of TRL's completions: strings, or lists of one assistant message."""
+    return [c if isinstance(c, str) else c[0]["content"] for c in completions]
+
+
+def _solutions(solution: list[Any] | None, who: str) -> list[Any]:
+    if solution is None:
+        raise KeyError(f"{who} reads the dataset's 'solution' column, which these rows lack")
+    return solution
+
+
+def _math_or_none(content: str, solution: Any) -> float | None:
+    """TRL's accuracy: math-verified equality with the solution; None (row skipped) when the solution does not parse
+    as math. alignrl's math rule reads the answer (the last \\boxed{}, else the last #### line, else the text)."""
+    from math_verify import parse
+
+    if not parse(str(solution), parsing_timeout=None):
+        return None
+    return math_reward.compute_score(content, str(solution))
+
+
+def accuracy_reward(completions: list[Any], solution: list[Any] | None = None, **kwargs: Any) -> list[float | None]:
+    return [_math_or_none(c, s) for c, s in zip(_contents(completions), _solutions(solution, "accuracy_reward"))]
+
+
+def reasoning_accuracy_reward(completions: list[Any], solution: list[Any] | None = None,
+                              reasoning_delimiters: list[str] | None = None, **kwargs: Any) -> list[float | None]:
+    """accuracy_reward on what follows the reasoning (after the last delimiter, `</think>` by default); 0 for a
+    completion whose reasoning never ends."""
+    out: list[float | None] = []
+    for content, sol in zip(_contents(completions), _solutions(solution, "reasoning_accuracy_reward")):
+        delimiter = next((d for d in reasoning_delimiters or ["</think>"] if d in content), None)
+        out.append(0.0 if delimiter is None else _math_or_none(content.split(delimiter)[-1], sol))
+    return out
+
+
+def think_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    return [1.0 if _THINK_RE.match(c) else 0.0 for c in _contents(completions)]
+
+
+BUILT_IN: dict[str, Callable[..., list]] = {
+    "accuracy_reward": accuracy_reward, "reasoning_accuracy_reward": reasoning_accuracy_reward,
+    "think_format_reward": think_format_reward,
+}
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+@dataclass(frozen=True)
+class Named:
+    fn: Callable[..., Any]
+    weight: float
+    who: str  # how the errors name it: the built-in's name, file.py:function or the dotted path
+
+
+def load_entry(name: str, key: str, import_file: Callable[[Path, str], Any]) -> Callable[..., Any]:
+    """The function an entry names; a one-line RewardError naming `key` when it cannot be found."""
+    if name in BUILT_IN:
+        return BUILT_IN[name]
+    path_str, colon, attr = name.rpartition(":")
+    if colon and path_str.endswith(".py"):
+        if not Path(path_str).is_file():
+            raise RewardError(f"{key}: reward function file not found: {path_str} (from {Path.cwd()})")
+        fn = getattr(import_file(Path(path_str), key), attr, None)
+    elif "." in name and not colon:  # TRL's dotted import path, the current folder importable first
+        module_path, _, attr = name.rpartition(".")
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            fn = getattr(importlib.import_module(module_path), attr, None)
+        except Exception as e:  # an import error of the user's module: one line naming it
+            raise RewardError(f"{key}: cannot import {module_path} for reward function {name} "
+                              f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+    else:
+        raise RewardError(f"{key}: reward function {name!r} is none of TRL's built-ins alignrl has "
+                          f"({', '.join(BUILT_IN)}), a path/to/file.py:function or a package.module.function")
+    if not callable(fn):
+        raise RewardError(f"{key}: {name} defines no function {attr!r} (fix the name after the last separator)")
+    return fn
+
+
+def load(spec: str, key: str, import_file: Callable[[Path, str], Any],
+         kwargs: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """The weighted sum of the functions a `trl:` value names, as a per-row reward (registry signature)."""
+    named = [Named(load_entry(name, key, import_file), weight, name) for name, weight in parse_spec(spec)]
+    return adapt(named, dict(kwargs or {}))
+
+
+def adapt(named: list[Named], extra_kwargs: dict[str, Any]) -> Callable[..., Any]:
+    def call(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+             prompt: str | None = None) -> float:
+        columns = dict(extra_info or {})
+        raw_prompt = columns.pop("prompt", None)
+        conversational = isinstance(raw_prompt, list)
+        completions = [[{"role": "assistant", "content": solution_str}]] if conversational else [solution_str]
+        kwargs = {k: [v] for k, v in columns.items()}
+        kwargs.update(extra_kwargs, prompts=[raw_prompt if raw_prompt is not None else prompt], trainer_state=None)
+        total = 0.0
+        for one in named:
+            value = one_value(call_one(one, completions, kwargs, data_source), one.who, data_source)
+            if value is not None:  # TRL's nansum: a function that skips the row leaves it to the others
+                total += one.weight * value
+        return total
+
+    call.reads_prompt = True  # `prompts` falls back on the prompt's text where the row keeps no prompt column
+    call.__name__ = call.__qualname__ = "+".join(one.who for one in named)
+    return call
+
+
+def call_one(one: Named, completions: list[Any], kwargs: dict[str, Any], data_source: str) -> Any:
+    try:
+        return one.fn(completions=completions, **kwargs)
+    except Exception as exc:  # a user's bug ends the run in one line naming the function, never a traceback
+        text = str(exc).strip()
+        cause = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+        raise ScoreError(one.who, f"raised {cause}", data_source,
+                         "fix it so that it returns one float (or None) per completion") from exc
+
+
+def one_value(got: Any, who: str, data_source: str) -> float | None:
+    """The one value of a call on one completion: a finite float, or None (the row skipped by this function)."""
+    values = got.tolist() if hasattr(got, "tolist") else got
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, (list, tuple)) or len(values) != 1:
+        shown = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(got).__name__}"
+        raise ScoreError(who, f"returned {shown} for one completion", data_source, FIX)
+    value = values[0]
+    if value is None:
+        return None
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ScoreError(who, f"returned {value!r:.40} for a completion", data_source, FIX)
+    return float(value)
