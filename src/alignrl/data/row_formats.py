@@ -12,8 +12,9 @@ The by-column layout reads one row as:
 * data_source: the row's `data_source` column when present, else "math": its rule reward extracts the
   last `\\boxed{}`, else the last `####` line, else the last expression, and compares it with the label
   symbolically, which suits the short answers (numbers, expressions) OpenRLHF's math prompt sets carry.
-* extra: the row's `extra_info` object when present; else the row's columns but data_source, reward_model and the
-  image column (the prompt's and the label's too), which TRL's reward functions read by name (`rewards.trl_reward`).
+* extra: the row's `extra_info` object when present. Else, with no `label_key` (TRL's layout: a reward function
+  reads the columns it needs), the row's columns but data_source, reward_model and the image column, the prompt's
+  included, which TRL's reward functions take by name (`rewards.trl_reward`); with a `label_key`, nothing.
 """
 
 from __future__ import annotations
@@ -141,7 +142,10 @@ def keys_sample(loc: str, row: dict[str, Any], keys: PromptKeys, system_prompt: 
 
 
 def _columns(row: dict[str, Any], keys: PromptKeys) -> dict[str, Any]:
-    """A row's columns as its extra_info where it has none: what a reward function reads beside the answer."""
+    """A row's columns as its extra_info where it has none and names no label column: what TRL's reward functions
+    read beside the completion."""
+    if keys.label_key is not None:
+        return {}
     return {k: v for k, v in row.items() if k not in ("data_source", "reward_model", "extra_info", keys.image_key)}
 
 

@@ -1,0 +1,180 @@
+"""`alignrl train grpo` in TRL's spelling (`trl grpo` flags) and TRL's reward functions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from alignrl.compat.trl_grpo_flags import TrlFlagError, is_trl_line
+from alignrl.compat.trl_grpo_keys import from_line
+from alignrl.config import load_config
+from alignrl.rewards.errors import RewardError, ScoreError
+from alignrl.rewards.registry import import_file, load_reward_fn
+
+from conftest import one_line
+
+REWARD_FILE = '''
+import json, os
+
+def match(completions, solution, prompts=None, **kwargs):
+    with open(os.environ["SEEN_FILE"], "a") as f:
+        f.write(json.dumps({"solution": solution, "prompts": prompts, "completions": completions,
+                            "kwargs": sorted(kwargs)}) + "\\n")
+    return [1.0 if s in (c if isinstance(c, str) else c[0]["content"]) else 0.0 for c, s in zip(completions, solution)]
+
+def half(completions, **kwargs):
+    return [0.5 for _ in completions]
+
+def skip(completions, **kwargs):
+    return [None for _ in completions]
+
+def broken(completions, **kwargs):
+    raise ValueError("no answer column")
+
+def two(completions, **kwargs):
+    return [1.0, 2.0]
+'''
+
+
+def _config(argv: list[str], world: int | None = None):
+    words, lines = from_line(argv + (["--nproc", str(world)] if world else []))
+    overrides = [w for w in words if "=" in w]
+    return load_config(None, overrides), lines
+
+
+def _data(tmp_path: Path, rows: int = 8) -> Path:
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i}+1?"}],
+                                        "solution": str(i + 1), "level": i % 3}) + "\n" for i in range(rows)))
+    return path
+
+
+def test_trl_lines_are_told_apart_from_alignrl_lines():
+    assert is_trl_line(["--model_name_or_path", "m", "--dataset_name", "d"])
+    assert is_trl_line(["--num_generations=4"])
+    assert not is_trl_line(["actor.lr=1e-5", "rollout.n=8", "--config", "x.yaml"])
+
+
+def test_trl_batches_and_defaults_become_alignrl_keys(tmp_path):
+    data = _data(tmp_path)
+    cfg, lines = _config(["--model_name_or_path", "demo", "--dataset_name", str(data), "--reward_funcs",
+                          "accuracy_reward", "--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size",
+                          "4", "--gradient_accumulation_steps", "4", "--num_iterations", "2", "--max_steps", "10",
+                          "--epsilon_high", "0.28", "--beta", "0.04", "--loss_type", "dr_grpo", "--warmup_ratio",
+                          "0.1", "--scale_rewards", "none", "--top_k", "0"], world=2)
+    # 4 x 2 ranks x 4 accumulation = 32 completions an optimizer step; a round of 32 = 4 prompts x 8, trained twice
+    assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size) == (4, 8, 4)
+    assert (cfg.actor.ppo_mini_batch_unit, cfg.actor.ppo_micro_batch_size, cfg.actor.ppo_epochs) == ("prompts", 4, 2)
+    assert cfg.trainer.total_training_steps == 5  # 10 optimizer steps / 2 a round
+    assert cfg.actor.lr_warmup_steps == 1  # ceil(0.1 x 10)
+    assert (cfg.actor.lr, cfg.actor.lr_scheduler, cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == \
+        (1e-6, "linear", 0.2, 0.28)
+    assert cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef == 0.04 and cfg.actor.kl_loss_type == "k3"
+    assert cfg.actor.loss_agg_mode == "seq-mean-token-sum-norm" and not cfg.algorithm.norm_adv_by_std_in_grpo
+    assert (cfg.rollout.max_new_tokens, cfg.data.max_prompt_length, cfg.rollout.top_k) == (256, 512, -1)
+    assert cfg.data.prompt_key == "prompt" and cfg.data.train_files == str(data)
+    assert cfg.algorithm.reward_fn == "trl:accuracy_reward" and cfg.trainer.seed == 42
+    assert cfg.trainer.output_dir == str(tmp_path) and cfg.trainer.experiment_name == "out"
+    defaults, batches = lines[:2]
+    assert "TRL's defaults taken: " in defaults and "learning_rate 1e-06" in defaults and "num_generations 8" in \
+        defaults and ", beta " not in defaults and "not taken: logging_steps 10" in defaults
+    assert "= 32 completions per optimizer step" in batches and "data.train_batch_size=4" in batches
+
+
+def test_trl_loss_variants_and_a_round_that_cuts_groups(tmp_path):
+    base = ["--dataset_name", str(_data(tmp_path)), "--reward_funcs", "think_format_reward", "--max_steps", "3"]
+    gspo, _ = _config(base + ["--importance_sampling_level", "sequence", "--mask_truncated_completions"])
+    assert gspo.actor.policy_loss == "gspo" and gspo.algorithm.mask_truncated and not gspo.actor.use_kl_loss
+    cispo, _ = _config(base + ["--loss_type", "cispo", "--epsilon_high", "5.0"])
+    assert (cispo.actor.policy_loss, cispo.actor.clip_ratio_low, cispo.actor.clip_ratio_high) == ("cispo", 1.0, 4.0)
+    # 6 completions an optimizer step hold no whole groups of 4: the mini-batch counts sequences; 2 steps a round
+    cut, lines = _config(base + ["--per_device_train_batch_size", "6", "--steps_per_generation", "2",
+                                 "--num_generations", "4"])
+    assert (cut.data.train_batch_size, cut.actor.ppo_mini_batch_size, cut.actor.ppo_mini_batch_unit) == \
+        (3, 6, "sequences")
+    assert cut.trainer.total_training_steps == 2 and "2 optimizer step(s) of 6 sequences" in lines[1]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--repetition_penalty", "1.1"], "--repetition_penalty is not supported here"),
+    (["--num_generations", "3"], "must be a multiple of --num_generations 3"),
+    (["--loss_type", "luspo"], "--loss_type luspo: alignrl has grpo"),
+    (["--scale_rewards", "batch"], "--scale_rewards batch"),
+    (["--reward_weights", "1", "2"], "--reward_weights gives 2 weight(s) for 1 reward function(s)"),
+    (["--no_such_flag", "1"], "'--no_such_flag' is not one of TRL's GRPO flags"),
+])
+def test_flags_alignrl_cannot_honour_are_one_line(argv, words):
+    with pytest.raises(TrlFlagError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        from_line(["--dataset_name", "d.jsonl", "--reward_funcs", "accuracy_reward", *argv])
+
+
+def test_unused_flags_are_named_and_a_reward_model_id_is_the_reward_model(tmp_path):
+    words, lines = from_line(["--dataset_name", str(_data(tmp_path)), "--reward_funcs", "OpenAssistant/rm-deberta",
+                              "--use_vllm", "--vllm_mode", "colocate", "--report_to", "wandb", "--max_steps", "1",
+                              "actor.lr=2e-6"])
+    assert "algorithm.reward_model=OpenAssistant/rm-deberta" in words and words[-1] == "actor.lr=2e-6"
+    assert "trainer.logger=[console,jsonl,wandb]" in words
+    assert lines[-1].startswith("given, changing nothing here: --use_vllm --vllm_mode (generation runs on")
+
+
+def _reward(tmp_path: Path, spec: str):
+    (tmp_path / "rw.py").write_text(REWARD_FILE)
+    return load_reward_fn("trl:" + spec.replace("FILE", str(tmp_path / "rw.py")))
+
+
+def test_trl_reward_functions_sum_by_weight_and_skip_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("SEEN_FILE", str(tmp_path / "seen.jsonl"))
+    fn = _reward(tmp_path, "FILE:match;FILE:half@2.0;FILE:skip;think_format_reward@0.25")
+    extra = {"prompt": "2+2?", "solution": "4", "level": 1}
+    assert fn("math", "<think>x</think> 4", "", extra, prompt="templated") == 1.0 + 2 * 0.5 + 0.25
+    assert fn("math", "5", "", extra, prompt="templated") == 1.0  # half's 2 x 0.5 only; skip's None left out
+    seen = json.loads((tmp_path / "seen.jsonl").read_text().splitlines()[0])
+    assert seen == {"solution": ["4"], "prompts": ["2+2?"], "completions": ["<think>x</think> 4"],
+                    "kwargs": ["level", "trainer_state"]}
+    only_none = _reward(tmp_path, "FILE:skip")
+    assert only_none("math", "x", "", extra) == 0.0  # TRL's nansum of nothing
+    assert load_reward_fn("trl:accuracy_reward")("math", "so \\boxed{4}", "", extra) == 1.0
+
+
+def test_trl_reward_function_errors_name_the_function(tmp_path):
+    with pytest.raises(ScoreError, match=r"rw.py:broken raised ValueError: no answer column"):
+        _reward(tmp_path, "FILE:broken")("math", "x", "", {"prompt": "p"})
+    with pytest.raises(ScoreError, match=r"rw.py:two returned 2 values for one completion"):
+        _reward(tmp_path, "FILE:two")("math", "x", "", {"prompt": "p"})
+    with pytest.raises(RewardError, match="defines no function 'absent'"):
+        _reward(tmp_path, "FILE:absent")
+    with pytest.raises(RewardError, match="is none of TRL's built-ins"):
+        load_reward_fn("trl:format_reward")
+    assert import_file  # the registry's importer loads the files
+
+
+def test_a_trl_line_trains_the_tiny_model_and_its_reward_reads_the_columns(tmp_path, tiny_model_dir, monkeypatch,
+                                                                             cli_in_process):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SEEN_FILE", str(tmp_path / "seen.jsonl"))
+    (tmp_path / "rw.py").write_text(REWARD_FILE)
+    data = _data(tmp_path)
+    done = cli_in_process("train", "grpo", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data),
+                          "--reward_funcs", "rw.py:match", "accuracy_reward", "--reward_weights", "1", "0.5",
+                          "--output_dir", str(tmp_path / "out"), "--num_generations", "2",
+                          "--per_device_train_batch_size", "4", "--max_steps", "2", "--max_completion_length", "6",
+                          "--max_prompt_length", "64", "--learning_rate", "1e-3", "--gradient_checkpointing", "false",
+                          "trainer.device=cpu", "data.val_size=2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "TRL's batches: per_device_train_batch_size 4 x 1 rank(s)" in done.stderr
+    seen = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
+    assert {s["solution"][0] for s in seen} <= {str(i + 1) for i in range(8)} and len(seen) >= 8
+    assert seen[0]["prompts"][0][0]["role"] == "user" and seen[0]["completions"][0][0]["role"] == "assistant"
+    assert "level" in seen[0]["kwargs"]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 2
+    assert list((tmp_path / "out" / "logs").iterdir())
+
+
+def test_a_bad_trl_flag_through_the_cli_is_one_line(cli_in_process):
+    done = cli_in_process("train", "grpo", "--dataset_name", "d.jsonl", "--reward_funcs", "accuracy_reward",
+                          "--min_p", "0.1")
+    assert done.returncode == 2
+    assert "error: --min_p is not supported here" in one_line(done.stderr)
