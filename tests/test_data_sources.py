@@ -121,3 +121,31 @@ def test_splits_without_train_and_image_columns(tmp_path):
     assert columns == ["prompt", "images"]
     image = rows[0][1]["images"][0]  # verl's {"bytes", "path"} item, which alignrl's image layouts read
     assert isinstance(image, dict) and image["bytes"] == buffer.getvalue()
+
+
+def test_a_held_out_setting_falls_back_to_train_and_a_mistyped_folder_says_so(tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    repo = hub_layout(tmp_path / "two", {"train": gsm8k("t", 2), "dev": gsm8k("d", 1)})
+    assert len(load_samples(str(repo), key="data.val_files")) == 2  # no test or validation: train, said once
+    load_samples(str(repo), key="data.val_files")
+    assert capsys.readouterr().err.count("has no test or validation split; its train split is held out") == 1
+    assert not is_library_dataset("") and not is_library_dataset(".")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as e:
+        load_samples("data/my_prompts")
+    assert f"no local file or folder data/my_prompts (from {tmp_path})" in one_line(e)
+
+
+def test_epochs_count_a_dataset_folders_rows_and_a_copied_held_out_set_drops_the_training_split(tmp_path):
+    from alignrl.config import load_config
+    from alignrl.preference.cli import parse_rm
+
+    datasets.Dataset.from_list(gsm8k("n", 9)).save_to_disk(str(tmp_path / "nine"))
+    cfg = load_config(None, [f"data.train_files={tmp_path / 'nine'}", "trainer.total_epochs=2",
+                             "data.train_batch_size=3", "actor.ppo_mini_batch_size=3"])
+    assert cfg.trainer.total_training_steps == 6  # 9 rows / 3 a step, twice
+    rm = parse_rm(["--pretrain", "demo", "--dataset", "owner/prefs", "--train_split", "dev"])
+    assert (rm.helpful_train_file, rm.helpful_eval_file) == ("owner/prefs[dev]", "owner/prefs")  # test, else ...

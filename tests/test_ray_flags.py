@@ -337,6 +337,10 @@ def test_split_flags_pick_a_hub_datasets_split_and_change_nothing_for_files(tmp_
     assert K.unused_here(files, gpus=True) == ["--prompt_split --eval_split (not applied here: .jsonl/.json/.parquet "
                                                "files are read whole (a split picks one of a dataset folder or Hub "
                                                "dataset))"]
+    alone = parse("--prompt_data", "owner/p", "--eval_split", "test", "--input_key", "q")
+    assert K.unused_here(alone, gpus=True) == ["--eval_split (not applied here: without --eval_dataset the evaluation "
+                                               "reads --prompt_data's --prompt_split)"]
+    assert K.unused_here(parse("--prompt_split", "dev"), gpus=True) == ["--prompt_split (the prompts are synthetic)"]
 
 
 def test_without_ray_address_a_running_cluster_of_this_machine_is_joined(monkeypatch):

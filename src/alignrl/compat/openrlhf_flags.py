@@ -38,7 +38,8 @@ SCHEDULERS = {"cosine_with_min_lr": ("cosine", 0.1), "constant_with_warmup": ("c
 # the default is named at start with the reason (cluster.flag_keys.NOT_APPLIED)
 ACCEPTED = [("max_len", int, None), ("ptx_coef", float, 0.05), ("normalize_reward", bool, False),
             ("save_value_network", bool, False), ("logging_steps", int, 1), ("save_hf_ckpt", bool, False),
-            ("disable_ds_ckpt", bool, False), ("max_ckpt_mem", int, 100_000_000), ("prompt_split", str, "train"), ("eval_split", str, "train"),
+            ("disable_ds_ckpt", bool, False), ("max_ckpt_mem", int, 100_000_000), ("prompt_split", str, "train"),
+            ("eval_split", str, "train"),
             ("value_head_prefix", str, "score"), ("ref_reward_offload", bool, False),
             ("vllm_sync_with_ray", bool, False), ("wandb_org", str, None), ("wandb_group", str, None),
             ("wandb_run_name", str, None), ("aux_loss_coef", float, 0.0), ("zpg", int, 1),

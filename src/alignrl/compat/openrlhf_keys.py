@@ -94,6 +94,9 @@ def unused_here(args, gpus: bool) -> list[str]:
               (DATA_KEYS if args.prompt_data == "synthetic" else (), "the prompts are synthetic"),
               (S.unsplit_flags(args), "not applied here: .jsonl/.json/.parquet files are read whole (a split picks "
                                       "one of a dataset folder or Hub dataset)"),
+              (() if args.eval_dataset else ("eval_split",), "not applied here: without --eval_dataset the "
+                                                              "evaluation reads --prompt_data's --prompt_split"),
+              (("prompt_split",) if args.prompt_data == "synthetic" else (), "the prompts are synthetic"),
               (("input_template",) if args.apply_chat_template and args.prompt_data != "synthetic" else (),
                "--apply_chat_template formats the prompts"),
               (() if args.reward_pretrain or uses_critic(args) else ("normalize_reward",),

@@ -46,8 +46,8 @@ def val_value(args) -> str:
 
 def unsplit_flags(args) -> list[str]:
     """The split flags given whose datasets are all files, read whole: they change nothing."""
-    named = (("prompt_split", args.prompt_data, "train"), ("eval_split", args.eval_dataset or "", "train"))
-    return [flag for flag, value, unasked in named if getattr(args, flag) != unasked and value != "synthetic"
+    named = (("prompt_split", args.prompt_data), ("eval_split", args.eval_dataset))
+    return [flag for flag, value in named if value and value != "synthetic" and getattr(args, flag) != "train"
             and not any(is_library_dataset(f) for f in split_files(value))]
 
 

@@ -41,9 +41,11 @@ def _train_rows(cfg: RunConfig) -> int | None:
     if cfg.data.dataset_class:  # the class makes the rows; verl counts the epochs in them
         rows, cap = dataset_class_count(cfg.data), cfg.data.train_row_cap
         return rows if cap is None else min(rows, cap)
+    from alignrl.data.sources import is_library_dataset
+
     paths = data_files(files)
-    if not all(os.path.isfile(f) for f in paths):
-        return None
+    if not all(os.path.isfile(f) or is_library_dataset(f) for f in paths):  # None: a missing file, which preflight
+        return None                                                           # reports
     rows, cap = sum(count_rows(f) for f in paths), cfg.data.train_row_cap
     return rows if cap is None else min(rows, cap)  # the rows the loop reads
 

@@ -1,17 +1,19 @@
 """Datasets that are not one of alignrl's own data files, read through the `datasets` library the way OpenRLHF's and
-TRL's loaders read them: a Hub dataset name (`owner/name`, with OpenRLHF's `#config` and `@data_dir` suffixes), a
+TRL's loaders read them: a Hub dataset name (`owner/name`, with a `#config` suffix and OpenRLHF's `@data_dir`), a
 folder written by `Dataset.save_to_disk`, a folder laid out as a Hub dataset repository (`data/train-*.parquet`, ...),
 or a `.csv` / `.arrow` file. alignrl's own files (`.jsonl`, `.json`, `.parquet`) keep their readers in
 `alignrl.data.loaders`, whose messages name the line of a bad row.
 
-A dataset with several splits gives `train` to training settings and `test` to held-out ones (OpenRLHF's
-`--dataset_split` / `--eval_split` defaults; a held-out setting also takes `validation` when there is no `test`).
-A dataset with a single split gives that one to both. Another split is named after the dataset in brackets,
-`owner/name[dev]`, which is what OpenRLHF's and TRL's split flags become."""
+A dataset with several splits gives `train` to training settings and `test` to held-out ones (the defaults of
+OpenRLHF's offline scripts' `--dataset_split` / `--eval_split`); a held-out setting takes `validation` when there is
+no `test`, and `train` when there is neither, said once. A dataset with a single split gives that one to both.
+Another split is named after the dataset in brackets, `owner/name[dev]`, which is what OpenRLHF's and TRL's split
+flags become."""
 
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ _HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 _SPLIT = re.compile(r"^(.*)\[([\w.-]+)\]$")
 # a name ending so is a file that is not there, not a Hub id (ids may hold dots: `owner/set-v1.5`)
 _FILE_SUFFIXES = OWN_SUFFIXES + LIBRARY_SUFFIXES + (".txt", ".tsv", ".gz", ".zip", ".yaml", ".yml", ".py")
+_SAID: set[str] = set()
 _HELD_OUT_SPLITS = ("test", "validation", "valid", "val")
 _FIX = ("give a .jsonl/.json/.parquet file, or a dataset folder or Hub dataset name the `datasets` library can load; "
         "on a machine without network, download it first and give its folder")
@@ -32,8 +35,8 @@ _FIX = ("give a .jsonl/.json/.parquet file, or a dataset folder or Hub dataset n
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """A dataset as named on the command line, `name#config@data_dir[split]`: its path or Hub id, OpenRLHF's
-    `#config` and `@data_dir`, and the split to read when it is not the setting's default."""
+    """A dataset as named on the command line, `name#config@data_dir[split]`: its path or Hub id, its configuration
+    (`load_dataset`'s name), OpenRLHF's `@data_dir`, and the split to read when it is not the setting's default."""
 
     name: str
     config: str | None = None
@@ -62,6 +65,8 @@ def is_library_dataset(path: str) -> bool:
         return False
     name = DatasetSpec.parse(path).name
     local = Path(name)
+    if name in ("", "."):  # no name, or the working folder: not a dataset anyone means
+        return False
     if local.exists():
         return local.is_dir() or local.suffix.lower() in LIBRARY_SUFFIXES
     return bool(_HUB_NAME.match(name)) and not name.startswith(".") and local.suffix.lower() not in _FILE_SUFFIXES
@@ -76,9 +81,9 @@ def library_rows(path: str, key: str, limit: int | None = None) -> tuple[list[st
     """(columns, [(location, row)]) of a library dataset's split for the setting `key`; DataError naming `key` when it
     cannot be loaded. Image columns come as {"bytes", "path"} items (verl's layout), not decoded pictures."""
     data, split = _split(_load(path, key), path, key)
-    data = _undecoded_images(data)
-    if limit is not None:
+    if limit is not None:  # before the image cast, which rewrites every row it keeps
         data = data.select(range(min(limit, len(data))))
+    data = _undecoded_images(data)
     where = f"{path} [{split}]" if split else path
     return list(data.column_names), [(f"{where} row {i}", dict(row)) for i, row in enumerate(data)]
 
@@ -107,7 +112,9 @@ def _load(path: str, key: str):
         return datasets.load_dataset(spec.name, spec.config, data_dir=spec.data_dir)
     except Exception as exc:  # the library raises many types (connection, not found, bad files, bad config)
         reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise DataError(f"{key}: could not load dataset {path!r}: {reason[:200]} ({_FIX})") from None
+        if not local.exists():  # a mistyped local folder is looked up on the Hub: say both
+            reason = f"no local file or folder {spec.name} (from {Path.cwd()}), and from the Hub: {reason}"
+        raise DataError(f"{key}: could not load dataset {path!r}: {reason[:300]} ({_FIX})") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
 
@@ -126,6 +133,9 @@ def _split(data, path: str, key: str):
         return data[names[0]], names[0]
     wanted = (spec.split,) if spec.split else _HELD_OUT_SPLITS if held_out(key) else ("train",)
     split = next((name for name in wanted if name in names), None)
+    if split is None and not spec.split and held_out(key) and "train" in names:
+        _say_once(f"note: {key}: dataset {path!r} has no test or validation split; its train split is held out")
+        split = "train"
     if split is None:
         raise DataError(f"{key}: dataset {path!r} has splits {', '.join(names)} and none named "
                         f"{' or '.join(wanted)} (name the one to read after the dataset: {spec.name}[split])")
@@ -143,6 +153,19 @@ def _undecoded_images(data):
         elif isinstance(inner, datasets.Image) and inner.decode:
             data = data.cast_column(column, datasets.List(datasets.Image(decode=False)))
     return data
+
+
+def without_split(path: str) -> str:
+    """`path` without a split named in brackets: the split its setting reads unasked."""
+    bracket = None if Path(path).exists() or not is_library_dataset(path) else _SPLIT.match(path)
+    return bracket.group(1) if bracket else path
+
+
+def _say_once(line: str) -> None:
+    """A note on stderr, once per process (a dataset is read by several loaders: counts, rows, held-out)."""
+    if line not in _SAID:
+        _SAID.add(line)
+        print(f"alignrl: {line}", file=sys.stderr, flush=True)
 
 
 def with_split(path: str, split: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 from alignrl.config import ConfigError, check_folders, check_ranges
 from alignrl.config.checks import did_you_mean
-from alignrl.data.sources import is_library_dataset
+from alignrl.data.sources import is_library_dataset, without_split
 from alignrl.errors import UserError
 from alignrl.preference.configs import DPO_LOSS_NAMES, REFERENCE_FREE, SMOOTHED_LOSSES, DPOConfig, RMConfig
 from alignrl.preference.flag_names import DPO_FLAGS, RM_FLAGS, CommandFlags, epilog, flags_as_keys, spelled_their_way
@@ -191,12 +191,14 @@ def _their_way(cfg, argv: list[str], table: CommandFlags, train_key: str, eval_k
     defaults = type(cfg).__dataclass_fields__
     train, held_out = getattr(cfg, train_key), getattr(cfg, eval_key)
     if train != _default(defaults[train_key]) and held_out == _default(defaults[eval_key]):
+        # a dataset's held-out split is its test one (else validation, else train), whichever split trains
+        held_out = [without_split(str(t)) for t in train] if isinstance(train, list) else without_split(str(train))
         named = train if isinstance(train, list) else [train]
-        what = ("the training datasets' test (else validation) split where they have one, else the training pairs"
+        what = ("the training datasets' test (else validation, else train) split, the training pairs of a file"
                 if any(is_library_dataset(str(t)) for t in named) else "the training pairs")
-        say(f"note: no --eval_dataset: the held-out pairs are {what} ({eval_key}={train}; "
+        say(f"note: no --eval_dataset: the held-out pairs are {what} ({eval_key}={held_out}; "
             "max_eval_pairs=N keeps the first N)")
-        return dataclasses.replace(cfg, **{eval_key: train})
+        return dataclasses.replace(cfg, **{eval_key: held_out})
     return cfg
 
 
