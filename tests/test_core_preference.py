@@ -195,6 +195,8 @@ def test_bco_pair_hand_worked_and_its_running_mean():
     again = RewardMean()
     again.load_state_dict(running.state_dict())
     assert again.update(1.0) == running.update(1.0)
+    kept = running.mean  # a non-finite micro-batch (its step skipped) leaves δ as it was
+    assert running.update(float("nan")) == kept and running.update(float("inf")) == kept
 
 
 def test_bco_pair_descent_raises_chosen_and_lowers_rejected():

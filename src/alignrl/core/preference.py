@@ -292,12 +292,15 @@ def bco_pair_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None
 class RewardMean:
     """bco_pair's δ: the running mean of the micro-batches' mean rewards, as TRL's RunningMoments keeps it (its mean;
     the variance is not read). Each update brings `count` values (TRL: one per rank) whose mean is `batch_mean`;
-    the mean starts at 0 with a count of 1e-24, so the first update sets it."""
+    the mean starts at 0 with a count of 1e-24, so the first update sets it. A non-finite batch mean (a step the
+    engine then skips) is left out, so that one bad micro-batch does not turn every later loss into NaN."""
 
     def __init__(self) -> None:
         self.mean, self.count = 0.0, 1e-24
 
     def update(self, batch_mean: float, count: float = 1.0) -> float:
+        if not math.isfinite(batch_mean):
+            return self.mean
         total = self.count + count
         self.mean += (batch_mean - self.mean) * count / total
         self.count = total
