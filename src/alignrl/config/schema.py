@@ -66,7 +66,7 @@ class ActorConfig:
                                             "optim.lr_warmup_steps_ratio); used when lr_warmup_steps is 0",
                                        ge=0.0, le=1.0)
     lr_scheduler: str = opt("constant", "schedule after warm-up", choices=("constant", "cosine", "linear"))
-    min_lr_ratio: float = opt(0.0, "cosine floor as a fraction of lr", ge=0.0, le=1.0)
+    min_lr_ratio: float = opt(0.0, "floor of the cosine or linear decay as a fraction of lr", ge=0.0, le=1.0)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
     betas: list = opt([0.9, 0.999], "AdamW betas")
     grad_clip: float = opt(1.0, "max global grad norm; 0 disables", ge=0.0)
@@ -280,7 +280,8 @@ class CriticConfig:
                                             "critic.optim.lr_warmup_steps_ratio); used when lr_warmup_steps is 0",
                                        ge=0.0, le=1.0)
     lr_scheduler: str = opt("constant", "critic schedule after warm-up", choices=("constant", "cosine", "linear"))
-    min_lr_ratio: float = opt(0.0, "critic cosine floor as a fraction of critic.lr", ge=0.0, le=1.0)
+    min_lr_ratio: float = opt(0.0, "critic: floor of the cosine or linear decay as a fraction of critic.lr",
+                               ge=0.0, le=1.0)
     weight_decay: float = opt(0.0, "critic AdamW weight decay", ge=0.0)
     betas: list = opt([0.9, 0.999], "critic AdamW betas")
     warmup_steps: int = opt(0, "RL steps that train only the critic before the actor starts (verl's "
