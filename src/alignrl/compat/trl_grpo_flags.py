@@ -118,6 +118,8 @@ REFUSED = {
     "load_in_8bit": ("bool", False, "alignrl loads the model unquantized; drop the flag"),
     "dataset_streaming": ("bool", False, "the dataset is read whole; drop the flag"),
     "push_to_hub": ("bool", False, "upload the run's final model folder with `huggingface-cli upload`"),
+    "config": ("opt_str", None, "TRL's YAML files are not read; give their settings as flags (an alignrl YAML goes "
+                                "on a line of key=value overrides)"),
     "datasets": ("opt_str", None, "give one dataset with --dataset_name (data.train_files takes a list: "
                                   "data.train_files=[a.jsonl,b.jsonl])"),
 }
