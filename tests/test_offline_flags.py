@@ -64,7 +64,9 @@ def test_openrlhf_dpo_script_parses_and_trains_a_step(tiny_model_dir, tmp_path, 
     assert (cfg.warmup_ratio, cfg.adam_betas, cfg.train_batch_size) == (0.03, [0.9, 0.95], 128)
     err = capsys.readouterr().err
     assert ("alignrl: note: OpenRLHF's train_dpo defaults where the line is silent: warmup_ratio=0.03, adam_betas="
-            "[0.9, 0.95], train_batch_size=128, loss_type=sigmoid\n") in err and "--flash_attn changes nothing" in err
+            "[0.9, 0.95], train_batch_size=128, loss_type=sigmoid; not taken: prompt_key=None (a row's prompt column "
+            "is read: prompt_key=prompt kept)\n") in err and "--flash_attn changes nothing" in err
+    assert cfg.apply_chat_template and cfg.input_template is None  # templated: their template default is not taken
     # four pairs fill no global batch of OpenRLHF's 128
     assert dpo_main([*_dpo_script(tiny_model_dir, data, out), "--logging_dir", str(tmp_path / "logs"),
                      "max_steps=1", "train_batch_size=1"]) == 0
@@ -73,13 +75,15 @@ def test_openrlhf_dpo_script_parses_and_trains_a_step(tiny_model_dir, tmp_path, 
 
 
 def test_openrlhf_rm_script_with_renamed_columns_trains_a_step(tiny_model_dir, tmp_path):
+    """Without --apply_chat_template, on OpenRLHF's text: the prompt formatted into --input_template."""
     data, out = _renamed_pairs(tmp_path), tmp_path / "rm"
     argv = ["--pretrain", str(tiny_model_dir), "--value_head_prefix", "score", "--dataset", data, "--eval_dataset",
             data, "--prompt_key", "question", "--chosen_key", "good", "--rejected_key", "bad", "--max_len", "64",
             "--micro_train_batch_size", "2", "--train_batch_size", "4", "--max_samples", "4", "--save_path", str(out),
             "--logging_dir", str(tmp_path / "logs"), "--l2", "0.01", "--lr_scheduler", "cosine_with_min_lr",
-            "--loss", "sigmoid", "--apply_chat_template"]
+            "--loss", "sigmoid", "--input_template", "Q: {}\nA: "]
     cfg = parse_rm(argv)
+    assert (cfg.apply_chat_template, cfg.input_template) == (False, "Q: {}\nA: ")
     assert (cfg.task, cfg.model_type, cfg.helpful_train_file, cfg.helpful_eval_file) == ("helpful", "auto", data, data)
     assert (cfg.prompt_key, cfg.chosen_key, cfg.rejected_key) == ("question", "good", "bad")
     assert (cfg.batch_size, cfg.train_batch_size, cfg.max_train_pairs, cfg.weight_decay) == (2, 4, 4, 0.01)
@@ -154,8 +158,10 @@ def test_trl_spellings_parse(tmp_path):
 
 @pytest.mark.parametrize("parse, argv, expect", [
     (parse_dpo, ["--pretrain", "demo", "--bogus_flag", "1"], "unrecognized arguments: --bogus_flag"),
-    (parse_dpo, ["--input_template", "User: {}"], "--input_template: prompts are rendered with the tokenizer's chat"),
-    (parse_dpo, ["--apply_chat_template", "false"], "--apply_chat_template false: a pair's prompt is always"),
+    (parse_dpo, ["--input_template", "User:"], "input_template='User:' must hold one {} where the prompt goes"),
+    (parse_rm, ["input_template=Q: {} A: {}"], "input_template='Q: {} A: {}' must hold one {}"),
+    (parse_sft, ["--dataset", "x.jsonl", "--input_template", "{x}"], "input_template='{x}' must hold one {}"),
+    (parse_kto, ["--dataset", "x.jsonl", "--input_template", "{"], "input_template='{' must hold one {}"),
     (parse_dpo, ["--max_len"], "--max_len needs a value"),
     (parse_rm, ["--value_head_prefix", "head"], "--value_head_prefix head: alignrl saves the head as score"),
     (parse_rm, ["--loss", "logexpsigmoid"], "--loss logexpsigmoid: the reward model trains with the Bradley-Terry"),
@@ -202,7 +208,8 @@ def test_a_line_in_openrlhfs_spelling_takes_its_defaults_and_its_own_flags_win(t
     (note,) = _silent_note(capsys.readouterr().err)
     assert note == ("alignrl: note: OpenRLHF's train_dpo defaults where the line is silent: warmup_ratio=0.03, "
                     "adam_betas=[0.9, 0.95], train_batch_size=128, log_every=1, bf16=false, learning_rate=1e-05, "
-                    "max_length=512, loss_type=sigmoid")
+                    "max_length=512, loss_type=sigmoid, apply_chat_template=false, input_template=\"{}\"; not taken: "
+                    "prompt_key=None (a row's prompt column is read: prompt_key=prompt kept)")
     yaml = tmp_path / "c.yaml"
     yaml.write_text("max_length: 100\nlog_every: 7\n")
     given = parse_dpo(["--pretrain", "demo", "--lr_warmup_ratio", "0.2", "--adam_betas", "0.8", "0.9", "--bf16",
@@ -293,3 +300,33 @@ def test_trls_multi_loss_flags_take_several_words(capsys):
                      "0.8", "0.2", "1.0", "beta=0.2"])
     assert (cfg.loss_type, cfg.loss_weights, cfg.beta) == (["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0], 0.2)
     assert parse_dpo(["--pretrain", "demo", "--loss_type", "ipo", "beta=0.3"]).loss_type == "ipo"  # one word: as was
+
+
+def test_input_template_reads_as_openrlhf_writes_it(capsys):
+    """--input_template is a key of the four commands (OpenRLHF's empty one: the prompt as it is, '{}'); a line in
+    OpenRLHF's spelling without --apply_chat_template takes their script's text (train_sft's and train_kto's
+    template, train_rm's and train_dpo's plain prompt, rm and dpo off the chat template), with it none of that;
+    beside the chat template a template is said to be ignored; our own keys keep rm's and dpo's chat template."""
+    template = "User: {}\nAssistant: "
+    for parse in (parse_sft, parse_kto, parse_rm, parse_dpo):
+        assert parse(["--dataset", "d.jsonl", "--input_template", "Q: {}\nA: "]).input_template == "Q: {}\nA: "
+        assert parse(["--dataset", "d.jsonl", "--input_template", "### Q #1:\n{}\n"]).input_template == (
+            "### Q #1:\n{}\n")  # YAML would read # as a comment
+    assert [parse(["--dataset", "d.jsonl"]).input_template for parse in (parse_sft, parse_kto)] == [template] * 2
+    for parse in (parse_rm, parse_dpo):
+        cfg = parse(["--pretrain", "demo"])
+        assert (cfg.apply_chat_template, cfg.input_template) == (False, "{}")
+        assert parse(["--pretrain", "demo", "--input_template", ""]).input_template == "{}"
+        cfg = parse(["--pretrain", "demo", "--apply_chat_template"])
+        assert (cfg.apply_chat_template, cfg.input_template) == (True, None)
+        assert (parse([]).apply_chat_template, parse([]).input_template) == (True, None)
+        assert parse(["--apply_chat_template", "false"]).apply_chat_template is False
+    assert parse_sft(["--dataset", "d.jsonl", "--apply_chat_template"]).input_template is None
+    capsys.readouterr()
+    parse_dpo(["input_template=Q: {}"])
+    parse_sft(["train_files=[d.jsonl]", "--input_template", "Q: {}\\nA: "])
+    assert capsys.readouterr().err.splitlines() == [
+        "alignrl: note: input_template is ignored: the chat template renders the prompts (apply_chat_template=true), "
+        "as OpenRLHF ignores --input_template beside --apply_chat_template",
+        "alignrl: note: input_template holds the two characters \\n, not a newline: in bash pass "
+        "$'User: {}\\nAssistant: '"]

@@ -132,6 +132,43 @@ def test_encode_and_collate(tiny_model):
     assert sum(e.chosen == e.rejected for e in enc2) == 1
 
 
+
+def test_pairs_without_the_chat_template_are_openrlhfs_or_trls_text(tiny_model, tmp_path):
+    """apply_chat_template=false: with input_template each response's prompt + response ids are the tokens of
+    OpenRLHF's text built by hand (the template filled, the implicit prompt left as it is, " " + eos, no special
+    tokens), the prompt its own tokens unless a token merges across its end differently in the two responses;
+    without one, TRL's (the prompt and the response + eos each tokenised alone). A prompt of chat messages is
+    refused with a template and templated without one."""
+    _, tok = tiny_model
+    theirs = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos, template = tok.eos_token, "User: {}\nAssistant: "
+    rows = [{"prompt": "Capital of France?", "chosen": "Paris\n\n", "rejected": "Rome"},
+            {"chosen": "Q: 2+2? A: 4", "rejected": "Q: 2+2? A: 5"},
+            {"prompt": "p", "response_0": "a", "response_1": "b", "better_response_id": 1, "safer_response_id": 0}]
+    pairs = load_pairs(_write(tmp_path, rows))
+    enc, _ = encode_pairs(tok, pairs, 512, chat_template=False, input_template=template)
+    head = "User: Capital of France?\nAssistant: "
+    assert enc[0].prompt == theirs(head)  # OpenRLHF's prompt_ids_len
+    assert (enc[0].prompt + enc[0].chosen, enc[0].prompt + enc[0].rejected) == (
+        theirs(head + "Paris " + eos), theirs(head + "Rome " + eos))
+    assert enc[1].prompt + enc[1].chosen == theirs("Q: 2+2? A: 4 " + eos)  # the implicit prompt is not formatted
+    assert enc[2].prompt + enc[2].chosen == theirs("User: p\nAssistant: b " + eos)
+    raw, _ = encode_pairs(tok, pairs, 512, False, "{}")
+    assert raw[0].prompt + raw[0].rejected == theirs("Capital of France?Rome " + eos)
+    trl, _ = encode_pairs(tok, pairs, 512, False, None)
+    assert (trl[0].prompt, trl[0].chosen) == (theirs("Capital of France?"), theirs("Paris\n\n" + eos))
+    # "Use" + "r" merges to "Us|er" and "Use" + "d" stays "Us|e|d": the prompt keeps only the shared "Us"
+    merged = load_pairs(_write(tmp_path, [{"prompt": "Use", "chosen": "r", "rejected": "d"}], "merged.jsonl"))
+    (e,), _ = encode_pairs(tok, merged, 512, False, "{}")
+    assert (e.prompt + e.chosen, e.prompt + e.rejected) == (theirs("User " + eos), theirs("Used " + eos))
+    assert e.prompt == theirs("Use")[:len(e.prompt)] and len(e.prompt) < len(theirs("Use"))
+    chat = [{"prompt": [{"role": "user", "content": "Hi?"}], "chosen": "Yes.", "rejected": "No."}]
+    conv = load_pairs(_write(tmp_path, chat, "chat.jsonl"))
+    with pytest.raises(DataError, match=r"chat.jsonl:1: the row holds chat messages, and input_template"):
+        encode_pairs(tok, conv, 512, False, template)
+    assert encode_pairs(tok, conv, 512, False, None) == encode_pairs(tok, conv, 512)  # messages: templated
+    assert encode_pairs(tok, pairs, 512, True, template) == encode_pairs(tok, pairs, 512)  # ignored with the chat
+
 def test_trl_implicit_prompt_in_whole_texts_and_whole_conversations(tmp_path):
     """TRL's implicit prompt: no `prompt` key; the shared beginning of chosen and rejected is the prompt, and a space
     before the first difference stays with the responses (as TRL's maybe_extract_prompt splits them)."""

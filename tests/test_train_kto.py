@@ -233,11 +233,45 @@ def test_openrlhf_and_trl_flags_read_as_keys(tmp_path):
     assert (default.beta, default.learning_rate, default.loss_type, default.max_length) == (0.1, 1e-6, "kto", 1024)
 
 
+
+class _Quiet:
+    def print(self, *_):
+        pass
+
+
+def test_an_openrlhf_line_trains_on_openrlhfs_text(tiny_model_dir, tmp_path):
+    """train_kto's line without --apply_chat_template: each row's prompt + completion ids are the tokens of
+    OpenRLHF's text built by hand (its default template filled, trailing newlines dropped, " " + eos unless the
+    completion ends with it, no special tokens), the completion starting at the prompt's own token count; a row of
+    chat messages is refused in one line, and templated with --apply_chat_template."""
+    from alignrl.models.loader import load_tokenizer
+    from alignrl.preference.kto import _encode, _load
+
+    tok = load_tokenizer(tiny_model_dir, chat=False)
+    eos = tok.eos_token
+    rows = [{"q": "hi", "a": "Paris\n", "ok": True}, {"q": "1+1", "a": f"2{eos}", "ok": False}]
+    line = ["--pretrain", str(tiny_model_dir), "--dataset", _write(tmp_path / "kto.jsonl", rows), "--input_key", "q",
+            "--output_key", "a", "--label_key", "ok"]
+    cfg = parse_kto(line)
+    keys = KTOKeys(cfg.prompt_key, cfg.completion_key, cfg.label_key)
+    enc, _, _ = _encode(tok, cfg, _load(cfg.train_files, keys, 0, "train_files"), [], _Quiet())
+    theirs = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for e, head, text in zip(enc, ("User: hi\nAssistant: ", "User: 1+1\nAssistant: "),
+                             ("User: hi\nAssistant: Paris " + eos, f"User: 1+1\nAssistant: 2{eos}")):
+        assert (e.prompt + e.completion, e.prompt) == (theirs(text), theirs(head))
+    chat = [{"q": [{"role": "user", "content": "hi"}], "a": [{"role": "assistant", "content": "yo"}], "ok": True}]
+    line[line.index("--dataset") + 1] = _write(tmp_path / "chat.jsonl", chat)
+    cfg = parse_kto(line)
+    rows = _load(cfg.train_files, keys, 0, "train_files")
+    with pytest.raises(DataError, match=r"chat.jsonl:1: the row holds chat messages, and input_template"):
+        _encode(tok, cfg, rows, [], _Quiet())
+    assert _encode(tok, parse_kto([*line, "--apply_chat_template"]), rows, [], _Quiet())[0][0].completion
+
 def test_mistakes_are_one_line(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="batch_size=1"):
         parse_kto(["train_files=[x.jsonl]", "batch_size=1"])
-    with pytest.raises(ConfigError, match="--input_template: prompts are rendered with the chat template"):
-        parse_kto(["--dataset", "x.jsonl", "--input_template", "User: {}"])
+    with pytest.raises(ConfigError, match=r"input_template='User: \{\} \{\}' must hold one \{\} where the prompt goes"):
+        parse_kto(["--dataset", "x.jsonl", "--input_template", "User: {} {}"])
     bad = _write(tmp_path / "bad.jsonl", [ROWS[0], {"prompt": "q", "completion": "a", "label": "maybe"}])
     with pytest.raises(DataError, match=f"{bad}:2: label must be true or false"):
         load_rows(bad, KTOKeys())

@@ -48,6 +48,37 @@ def _tokenizer(model: Path):
     return load_tokenizer(model, chat=False)
 
 
+
+class _Quiet:
+    def print(self, *_):
+        pass
+
+
+def test_an_openrlhf_line_trains_on_openrlhfs_text(tiny_model_dir, tmp_path):
+    """train_sft's line without --apply_chat_template: each row's ids are the tokens of OpenRLHF's text built by hand
+    (its default template filled, trailing newlines dropped, " " + eos unless the response ends with it, no special
+    tokens), trained from the prompt's own token count on; a conversation is refused in one line (OpenRLHF formats a
+    string prompt), and templated with --apply_chat_template."""
+    from alignrl.preference.sft import _encode, _keys
+
+    tok = _tokenizer(tiny_model_dir)
+    eos = tok.eos_token
+    rows = [{"q": "hi", "a": "Paris\n"}, {"q": "1+1", "a": f"2{eos}"}]
+    line = ["--pretrain", str(tiny_model_dir), "--dataset", _write(tmp_path / "qa.jsonl", rows), "--input_key", "q",
+            "--output_key", "a"]
+    cfg = parse_sft(line)
+    enc, _, _ = _encode(tok, cfg, _load(cfg.train_files, _keys(cfg, True), 0, "train_files"), [], _Quiet())
+    theirs = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for e, head, text in zip(enc, ("User: hi\nAssistant: ", "User: 1+1\nAssistant: "),
+                             ("User: hi\nAssistant: Paris " + eos, f"User: 1+1\nAssistant: 2{eos}")):
+        assert e.ids == theirs(text) and e.trained == [i >= len(theirs(head)) for i in range(len(e.ids))]
+    line[line.index("--dataset") + 1] = _write(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    cfg = parse_sft(line)
+    chat = _load(cfg.train_files, _keys(cfg, True), 0, "train_files")
+    with pytest.raises(DataError, match=r"chat.jsonl:1: the row holds chat messages, and input_template"):
+        _encode(tok, cfg, chat, [], _Quiet())
+    assert _encode(tok, parse_sft([*line, "--apply_chat_template"]), chat, [], _Quiet())[0][0].n_trained
+
 def test_memorising_rows_lowers_the_held_out_loss_and_saves_a_loadable_model(tiny_model_dir, tmp_path):
     from alignrl.models.loader import load_model
 

@@ -10,8 +10,9 @@ Two row layouts are understood (the key names are settings):
 
 A prompt or completion is a string or a list of chat messages; both are tokenised as `data.sft_rows` tokenises a
 prompt-completion row: rows holding messages always through the chat template; string rows with it (the prompt a
-user turn with the generation prompt, the completion the assistant's reply as the template closes it) or as
-text (the completion closed by eos). A row longer than `max_length` keeps at most half of it for the prompt (from
+user turn with the generation prompt, the completion the assistant's reply as the template closes it), as
+OpenRLHF's text with `input_template` (OpenRLHF's --input_template; `sft_rows.openrlhf_text`), or as text (the
+completion closed by eos). A row longer than `max_length` keeps at most half of it for the prompt (from
 its end) and cuts the completion at its end. Problems in a file raise `DataError` with one line naming file:line
 and the key.
 """
@@ -99,11 +100,12 @@ class EncodedKTO:
     index: int  # position in the data set
 
 
-def encode_rows(tokenizer, rows: Sequence[KTORow], chat_template: bool, max_length: int
-                ) -> tuple[list[EncodedKTO], int]:
-    """(the encoded rows, how many were cut at `max_length`); `chat_template`: string rows through it too. Chat
-    rendering uses the variables bound to `tokenizer` (chat_template_kwargs)."""
-    keys = SFTKeys(chat_template=chat_template, completion_only=True)
+def encode_rows(tokenizer, rows: Sequence[KTORow], chat_template: bool, max_length: int,
+                input_template: str | None = None) -> tuple[list[EncodedKTO], int]:
+    """(the encoded rows, how many were cut at `max_length`); `chat_template`: string rows through it too; else with
+    `input_template`, string rows as OpenRLHF's text. Chat rendering uses the variables bound to `tokenizer`
+    (chat_template_kwargs)."""
+    keys = SFTKeys(chat_template=chat_template, completion_only=True, input_template=input_template)
     out, cut = [], 0
     for row in rows:
         ids, trained = encode_prompt_completion(tokenizer, SFTRow(row.loc, prompt=row.prompt,

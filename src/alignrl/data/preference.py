@@ -18,6 +18,11 @@ Three row layouts are understood:
   `safety_labels: {"chosen": ±1, "rejected": ±1}` (Safe RLHF's sign: +1 harmful, -1 harmless) and `dimension`
   (which file it came from; not read).
 
+A pair's prompt is rendered with the tokenizer's chat template; with `chat_template=False` a string prompt is text:
+as it is (TRL's way), or with `input_template` OpenRLHF's text (`sft_rows.openrlhf_text`), each response after the
+prompt formatted into the template (an implicit prompt is not formatted, as OpenRLHF formats only a prompt column).
+A prompt of chat messages is always templated, and refused with `input_template`, which needs a string.
+
 `builtin:<name>` names a shipped file (`builtin:helpful`, `builtin:harmless_test`, ...). Problems in a
 file raise `DataError` with one line naming file:line and the key. Left out: multi-response rankings
 and unpaired (KTO-style) feedback.
@@ -34,6 +39,7 @@ import torch
 
 from alignrl.data.collate import left_pad, right_pad
 from alignrl.data.loaders import DataError, _read_rows
+from alignrl.data.sft_rows import needs_string_prompt, openrlhf_text
 
 SHIPPED = Path(__file__).parent / "preference"
 PKU_KEYS = ("prompt", "response_0", "response_1", "better_response_id", "safer_response_id")
@@ -52,6 +58,8 @@ class PreferencePair:
     rejected_safe: bool | None = None
     margin: float = 0.0  # Llama-2 preference margin (0: plain Bradley-Terry)
     loc: str = ""  # file:line, for messages
+    text: str | None = None  # the prompt as the row gave it when a string (None: chat messages)
+    implicit: bool = False  # `text` is the shared beginning of whole texts (TRL's implicit prompt)
 
 
 def resolve_data_path(path: str) -> str:
@@ -151,12 +159,14 @@ def _pair(loc: str, row: dict[str, Any], prefer: str) -> PreferencePair:
     missing = [k for k in ("chosen", "rejected") if k not in row]
     if missing:
         raise DataError(f"{loc}: row is missing {', '.join(missing)} ({_LAYOUTS})")
-    if "prompt" in row:
+    text, implicit = _as_text(row.get("prompt")), "prompt" not in row
+    if not implicit:
         prompt = _messages(loc, "prompt", row["prompt"])
         chosen, rejected = (_text(loc, key, _without_prompt(row["prompt"], prompt, row[key], row))
                             for key in ("chosen", "rejected"))
     else:
         prompt, chosen, rejected = _implicit_prompt(loc, row["chosen"], row["rejected"])
+        text = prompt[0]["content"] if isinstance(row["chosen"], str) else None
     if prompt[-1]["role"] != "user":
         raise DataError(f"{loc}: prompt must end with a user message, not {prompt[-1]['role']!r}")
     margin = row.get("margin", 0.0)
@@ -164,7 +174,11 @@ def _pair(loc: str, row: dict[str, Any], prefer: str) -> PreferencePair:
         raise DataError(f"{loc}: margin must be a number, got {margin!r}")
     _differ(loc, "chosen and rejected", chosen, rejected)
     return PreferencePair(prompt, chosen, rejected, _flag(loc, row, "is_chosen_safe"),
-                          _flag(loc, row, "is_rejected_safe"), float(margin), loc)
+                          _flag(loc, row, "is_rejected_safe"), float(margin), loc, text, implicit)
+
+
+def _as_text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _without_prompt(raw_prompt: Any, prompt: list[dict[str, str]], value: Any, row: dict[str, Any]) -> Any:
@@ -227,7 +241,7 @@ def _pku_pair(loc: str, row: dict[str, Any], prefer: str) -> PreferencePair:
     responses = [_text(loc, f"response_{i}", row[f"response_{i}"]) for i in (0, 1)]
     _differ(loc, "response_0 and response_1", *responses)
     return PreferencePair(_messages(loc, "prompt", row["prompt"]), responses[best], responses[1 - best],
-                          safe[best], safe[1 - best], 0.0, loc)
+                          safe[best], safe[1 - best], 0.0, loc, _as_text(row["prompt"]))
 
 
 def _response_pair(loc: str, row: dict[str, Any]) -> PreferencePair:
@@ -245,7 +259,8 @@ def _response_pair(loc: str, row: dict[str, Any]) -> PreferencePair:
             raise DataError(f"{loc}: safety_labels must be {{\"chosen\": ±1, \"rejected\": ±1}} (+1 harmful, "
                             f"-1 harmless), got {labels!r}")
         safe = [labels["chosen"] == -1, labels["rejected"] == -1]
-    return PreferencePair(_messages(loc, "prompt", row["prompt"]), chosen, rejected, safe[0], safe[1], 0.0, loc)
+    return PreferencePair(_messages(loc, "prompt", row["prompt"]), chosen, rejected, safe[0], safe[1], 0.0, loc,
+                          _as_text(row["prompt"]))
 
 
 def require_safety_labels(pairs: Sequence[PreferencePair], path: str) -> None:
@@ -266,20 +281,48 @@ class EncodedPair:
     index: int  # position in the dataset (keys precomputed reference log-probs)
 
 
-def encode_pairs(tokenizer, pairs: Sequence[PreferencePair], max_length: int) -> tuple[list[EncodedPair], int]:
+def encode_pairs(tokenizer, pairs: Sequence[PreferencePair], max_length: int, chat_template: bool = True,
+                 input_template: str | None = None) -> tuple[list[EncodedPair], int]:
     """Token ids of every pair, and how many were truncated. The prompt keeps at most half of
     `max_length` (its end, so the generation prompt stays); each response gets the rest. The prompt renders with
-    the variables bound to `tokenizer` (chat_template_kwargs, `models.loader.with_template_variables`)."""
+    the variables bound to `tokenizer` (chat_template_kwargs, `models.loader.with_template_variables`), or as text
+    (`chat_template=False`, module doc)."""
     out, truncated = [], 0
     for i, p in enumerate(pairs):
-        ids = tokenizer.apply_chat_template(p.prompt, add_generation_prompt=True, tokenize=True)
-        prompt = list(ids if isinstance(ids, list) else ids["input_ids"])
-        c, r = (tokenizer(t + tokenizer.eos_token, add_special_tokens=False)["input_ids"] for t in (p.chosen, p.rejected))
+        if not chat_template and input_template is not None:
+            if p.text is None:
+                raise needs_string_prompt(p.loc or "a pair")
+            prompt, c, r = _openrlhf_pair(tokenizer, p, input_template)
+        else:
+            prompt = _prompt_ids(tokenizer, p, chat_template)
+            c, r = (tokenizer(t + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+                    for t in (p.chosen, p.rejected))
         prompt_cut = prompt[-(max_length // 2):]
         room = max_length - len(prompt_cut)
         truncated += len(prompt_cut) < len(prompt) or len(c) > room or len(r) > room
         out.append(EncodedPair(prompt_cut, c[:room], r[:room], i))
     return out, truncated
+
+
+def _prompt_ids(tokenizer, p: PreferencePair, chat_template: bool) -> list[int]:
+    """The prompt with the chat template's generation prompt; a string prompt without the chat template as it is,
+    without special tokens (TRL's DPOTrainer tokenises a text prompt so)."""
+    if not chat_template and p.text is not None:
+        return list(tokenizer(p.text, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template(p.prompt, add_generation_prompt=True, tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def _openrlhf_pair(tokenizer, p: PreferencePair, template: str) -> tuple[list[int], list[int], list[int]]:
+    """(prompt, chosen, rejected) ids whose prompt + response is each response's OpenRLHF text exactly. The prompt is
+    the prompt's own tokens (OpenRLHF's prompt_ids_len), or fewer where a token merging across its end differs
+    between the two responses; each response keeps at least its last token (eos)."""
+    head = str(p.text) if p.implicit else template.format(p.text)
+    (c, n), (r, _) = (openrlhf_text(tokenizer, head, t) for t in (p.chosen, p.rejected))
+    k = 0
+    while k < min(n, len(c) - 1, len(r) - 1) and c[k] == r[k]:
+        k += 1
+    return c[:k], c[k:], r[k:]
 
 
 def truncation_note(encoded: Sequence[EncodedPair], truncated: int, max_length: int) -> str:

@@ -12,8 +12,11 @@ columns reads through `prompt_key=question response_key=answer`):
   rendered with the chat template; a prompt of messages with no completion column is a conversation whose last
   (assistant) message is the completion (OpenRLHF's `--input_key` without `--output_key`). String rows are text, the
   completion closed by eos (TRL's way), unless `chat_template`: then the prompt is a user turn and the completion the
-  assistant's reply, both rendered by the template (OpenRLHF's `--apply_chat_template`). With `completion_only_loss`
-  (TRL's default) only the completion is trained.
+  assistant's reply, both rendered by the template (OpenRLHF's `--apply_chat_template`). With `input_template`
+  (OpenRLHF's `--input_template`) a string row is OpenRLHF's text instead: the prompt formatted into the template,
+  the completion after it, trailing newlines dropped and " " + eos appended (`openrlhf_text`); OpenRLHF needs a
+  string prompt there, so a row of messages is refused. With `completion_only_loss` (TRL's default) only the
+  completion is trained.
 * language modelling: `text`, every token trained, closed by eos.
 
 eos is appended only to a text that does not already end with it. A sequence longer than `max_length` is cut there
@@ -44,6 +47,7 @@ class SFTKeys:
     chat_template: bool = False  # string prompt-completion rows through the chat template too (messages always are)
     completion_only: bool = True  # prompt-completion rows: loss on the completion alone
     assistant_only: bool = True  # conversations: loss on the assistant turns alone
+    input_template: str | None = None  # without chat_template: string rows as OpenRLHF's text, the prompt formatted in
 
 
 @dataclass(frozen=True)
@@ -187,9 +191,15 @@ def encode_conversation(tokenizer, row: SFTRow, assistant_only: bool) -> tuple[l
 def encode_prompt_completion(tokenizer, row: SFTRow, keys: SFTKeys) -> tuple[list[int], list[bool]]:
     """Prompt then completion; the prompt untrained with `keys.completion_only`. Rows holding messages, and string
     rows with `keys.chat_template`, render through the chat template (a string completion as the assistant's reply,
-    closed as the template closes a turn); other rows are text, the completion closed by eos."""
-    if isinstance(row.prompt, list) or isinstance(row.completion, list) or keys.chat_template:
+    closed as the template closes a turn); with `keys.input_template`, string rows are OpenRLHF's text; other rows
+    are text, the completion closed by eos."""
+    messages = isinstance(row.prompt, list) or isinstance(row.completion, list)
+    if messages and keys.input_template is not None and not keys.chat_template:
+        raise needs_string_prompt(row.loc)
+    if messages or keys.chat_template:
         ids, head_len = _templated(tokenizer, row, keys.completion_only)
+    elif keys.input_template is not None:
+        ids, head_len = openrlhf_text(tokenizer, keys.input_template.format(row.prompt), str(row.completion))
     else:
         ids, head_len = _joined(tokenizer, str(row.prompt), _with_eos(tokenizer, str(row.completion)))
     return ids, [not keys.completion_only or i >= head_len for i in range(len(ids))]
@@ -225,6 +235,26 @@ def _joined(tokenizer, prompt: str, completion: str) -> tuple[list[int], int]:
     return ids, len(head)
 
 
+def needs_string_prompt(loc: str) -> DataError:
+    """A row of chat messages where `input_template` asks for OpenRLHF's text, which formats a string prompt."""
+    return DataError(f"{loc}: the row holds chat messages, and input_template (OpenRLHF's --input_template) formats a "
+                     "string prompt; render the messages with apply_chat_template=true (--apply_chat_template), or "
+                     "give the prompt and response as strings")
+
+
+def openrlhf_text(tokenizer, prompt: str, response: str) -> tuple[list[int], int]:
+    """OpenRLHF's text of a prompt (already formatted into its input_template) and a response, and where the
+    response begins in it: `(prompt + response)` without trailing newlines, then " " + eos unless it already ends
+    with eos, tokenised whole without special tokens (no bos); the boundary is the prompt's own token count, as
+    OpenRLHF's prompt_ids_len, even where a token merges across it."""
+    eos = tokenizer.eos_token or ""
+    text = (prompt + response).rstrip("\n")
+    if not text.endswith(eos):
+        text += " " + eos
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids, len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
 def encode_rows(tokenizer, rows: Sequence[SFTRow], keys: SFTKeys, max_length: int) -> tuple[list[EncodedRow], int, int]:
     """(the encoded rows, how many were cut at `max_length`, how many were dropped: cut before any trained token).
     Chat rendering uses the variables bound to `tokenizer` (chat_template_kwargs)."""
@@ -234,6 +264,8 @@ def encode_rows(tokenizer, rows: Sequence[SFTRow], keys: SFTKeys, max_length: in
             ids = list(tokenizer(_with_eos(tokenizer, row.text))["input_ids"])
             trained = [True] * len(ids)
         elif row.messages is not None:
+            if keys.input_template is not None and not keys.chat_template:
+                raise needs_string_prompt(row.loc)
             ids, trained = encode_conversation(tokenizer, row, keys.assistant_only)
         else:
             ids, trained = encode_prompt_completion(tokenizer, row, keys)

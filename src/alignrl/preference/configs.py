@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import math
+from string import Formatter
 from typing import Any
 
 from alignrl.config import ConfigError, opt
@@ -100,6 +101,28 @@ class CommonConfig:
     chat_template_kwargs: dict[str, Any] = opt({}, "extra variables of the chat template wherever a pair's prompt is "
                                                    "templated, e.g. {enable_thinking: false} for Qwen3 (the RL runs' "
                                                    "data.chat_template_kwargs; verl's apply_chat_template_kwargs)")
+    input_template: str | None = opt(None, "without the chat template (apply_chat_template=false), a string prompt is "
+                                           "this text with the prompt at its one {}, and a row is OpenRLHF's text: "
+                                           "prompt + response, trailing newlines dropped, ' ' + eos appended, no bos "
+                                           "(OpenRLHF's --input_template, e.g. 'User: {}\\nAssistant: '; '{}': the "
+                                           "prompt as it is); null: TRL's text. Ignored with the chat template, as "
+                                           "OpenRLHF ignores it; rows of chat messages are refused with it")
+
+    def __post_init__(self) -> None:
+        check_input_template(self.input_template)
+
+
+def check_input_template(template: str | None) -> None:
+    """One `{}` where the prompt goes and no other field (`str.format` fills it, as OpenRLHF's does)."""
+    if template is None:
+        return
+    try:
+        slots = [(name, spec, conv) for _, name, spec, conv in Formatter().parse(template) if name is not None]
+    except ValueError:
+        slots = []
+    if slots != [("", "", None)]:
+        raise ConfigError(f"input_template={template!r} must hold one {{}} where the prompt goes and no other braces "
+                          "(write a literal brace as {{ or }}), e.g. input_template='User: {}\\nAssistant: '")
 
 
 @dataclass(frozen=True)
@@ -111,6 +134,10 @@ class PairColumnsConfig(CommonConfig):
                                     "the shared beginning of its two responses as the prompt")
     chosen_key: str = opt("chosen", "column of the preferred response (OpenRLHF: --chosen_key)")
     rejected_key: str = opt("rejected", "column of the dispreferred response (OpenRLHF: --rejected_key)")
+    apply_chat_template: bool = opt(True, "a string prompt through the tokenizer's chat template as a user turn with "
+                                          "the generation prompt (OpenRLHF's --apply_chat_template); false: as text, "
+                                          "TRL's way or with input_template OpenRLHF's. Prompts of chat messages "
+                                          "always go through it")
 
 
 @dataclass(frozen=True)
@@ -172,6 +199,7 @@ class DPOConfig(PairColumnsConfig):
     learning_rate: float = opt(5e-5, "peak AdamW learning rate", gt=0.0)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_loss_list(self)
 
 

@@ -305,8 +305,9 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     spec = adapters.spec_of(cfg)
     model, ref, sync = _trained_and_reference(cfg, policy, spec, env, log)
     pad = tok.pad_token_id
-    enc_train, cut = encode_pairs(tok, train_pairs, cfg.max_length)
-    enc_eval, _ = encode_pairs(tok, eval_pairs, cfg.max_length)
+    render = (cfg.apply_chat_template, cfg.input_template)  # the prompt's chat template, or OpenRLHF's/TRL's text
+    enc_train, cut = encode_pairs(tok, train_pairs, cfg.max_length, *render)
+    enc_eval, _ = encode_pairs(tok, eval_pairs, cfg.max_length, *render)
     log.print(f"DPO ({cfg.loss_type}, beta {cfg.beta}): {len(enc_train)} train pairs from {', '.join(cfg.train_files)}; "
               f"{len(enc_eval)} held-out; {truncation_note(enc_train, cut, cfg.max_length)}")
     if cfg.precompute_ref_log_probs:

@@ -14,6 +14,7 @@ where it is silent (`their_defaults`, said in one line). Nothing here imports to
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 from dataclasses import dataclass, field, fields
@@ -45,9 +46,12 @@ COMMON_IGNORED = ("flash_attn", "adam_offload", "disable_fast_tokenizer", "packi
 # flags with a value that change nothing here: metrics go to logging_dir (report_to: jsonl, tensorboard)
 COMMON_IGNORED_VALUED = ("use_tensorboard", "use_wandb", "wandb_org", "wandb_group", "wandb_project",
                          "wandb_run_name")
-# their scheduler names of ours: OpenRLHF's cosine_with_min_lr is this cosine (its floor is min_lr_ratio's 0.1)
-VALUE_NAMES = {("lr_scheduler", "cosine_with_min_lr"): "cosine", ("lr_scheduler", "constant_with_warmup"): "constant"}
+# their scheduler names of ours: OpenRLHF's cosine_with_min_lr is this cosine (its floor is min_lr_ratio's 0.1);
+# OpenRLHF's empty --input_template is no template, its prompt as it is: our '{}'
+VALUE_NAMES = {("lr_scheduler", "cosine_with_min_lr"): "cosine", ("lr_scheduler", "constant_with_warmup"): "constant",
+               ("input_template", ""): "{}"}
 LIST_KEYS = ("train_files", "eval_files")  # keys that take OpenRLHF's comma-separated file lists
+TEXT_KEYS = ("input_template",)  # keys whose flag value is a text to keep as given
 # OpenRLHF's and TRL's split flags: the split of a dataset folder or Hub dataset (alignrl.data.sources) that the
 # training or the held-out dataset flag reads; the split each reads unasked (train; test, else validation) needs none
 SPLIT_FLAGS = {"dataset_split": "train", "train_split": "train", "dataset_train_split": "train",
@@ -120,6 +124,8 @@ def _valued(key: str, name: str, value: str, lora_given: bool) -> list[str]:
     value = VALUE_NAMES.get((key, value.strip()), value)
     if name == "lora_rank" and value.strip() == "0":  # OpenRLHF's "no LoRA"; our rank is at least 1
         return [] if lora_given else ["use_lora=false"]
+    if key in TEXT_KEYS:  # quoted, so that YAML reads a template back as it is (`#`, `: `, `{}`)
+        value = json.dumps(value)
     out = [f"{key}={_list_value(value) if key in LIST_KEYS else value}"]
     if name == "lora_rank" and not lora_given and value.strip().isdigit():  # OpenRLHF has no switch of its own
         out.append("use_lora=true")
@@ -197,7 +203,32 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
             passed.append(word)
             i += 1
     overrides = _with_splits(overrides, own_names, splits)
-    return _their_defaults(argv, config_class, own_names, passed + overrides) + passed + overrides
+    words = _their_defaults(argv, config_class, own_names, passed + overrides) + passed + overrides
+    _say_template_use(words, config_class)
+    return words
+
+
+def _last_value(words: list[str], key: str) -> str | None:
+    """The value the last `key=value` word of `words` gives `key`, if any."""
+    given = [w.partition("=")[2] for w in words if w.partition("=")[0] == key]
+    return given[-1] if given else None
+
+
+def _say_template_use(words: list[str], config_class: type) -> None:
+    """Notes on an input_template the line gives: beside the chat template it is ignored (as OpenRLHF ignores
+    --input_template there), and the two characters \\n in it are no newline (OpenRLHF warns so too)."""
+    template = _last_value(words, "input_template")
+    with contextlib.suppress(ValueError):  # a quoted text (the flag's); a word as it is
+        template = json.loads(template) if template and template.startswith('"') else template
+    if template is None or template in ("null", "None", "~"):
+        return
+    chat = _last_value(words, "apply_chat_template")
+    default = {f.name: f.default for f in fields(config_class)}.get("apply_chat_template")
+    if (chat.lower() in TRUE_WORDS) if chat is not None else default:
+        say("note: input_template is ignored: the chat template renders the prompts (apply_chat_template=true), as "
+            "OpenRLHF ignores --input_template beside --apply_chat_template")
+    elif "\\n" in template and "\n" not in template:
+        say("note: input_template holds the two characters \\n, not a newline: in bash pass $'User: {}\\nAssistant: '")
 
 
 def _spaced_words(argv: list[str], start: int) -> list[str]:
@@ -257,7 +288,8 @@ def _their_defaults(argv: list[str], config_class: type, own_names: CommandFlags
         return []
     whose = spellings(names)
     lora = any(w.lower() == "use_lora=true" for w in words)
-    taken, not_taken = adopted(config_class, whose, _line_keys(words, config_class, own_names), lora)
+    chat = (_last_value(words, "apply_chat_template") or "false").lower() in TRUE_WORDS
+    taken, not_taken = adopted(config_class, whose, _line_keys(words, config_class, own_names), lora, chat)
     say_adopted(config_class, whose, names, taken, not_taken)
     return taken
 
@@ -288,23 +320,21 @@ def _engine_of(argv: list[str]) -> list[str]:
     return ["strategy=deepspeed"]
 
 
-# OpenRLHF's pair-data flags the offline pair trainers (rm, dpo) leave out, and the one they take as given
+# OpenRLHF's pair-data flags the offline pair trainers (rm, dpo) leave out
 PAIR_LEFT_OUT = {
-    "input_template": "prompts are rendered with the tokenizer's chat template; a plain-text template is left out",
     "tokenizer_chat_template": "the tokenizer's own chat template renders the prompts (save another in the model "
                                "folder's tokenizer_config.json)",
     "dataset_probs": "files are concatenated; per-file sampling probabilities are left out",
     "load_in_4bit": "4-bit loading is left out (--bf16 halves the memory of float32)",
     "max_prompt_length": "the prompt keeps at most half of max_length (its end)",
 }
-PAIR_ALWAYS = {"apply_chat_template": "a pair's prompt is always rendered with the tokenizer's chat template here"}
 # TRL's evaluation schedule: held-out pairs are measured before and after training, and every eval_steps
 EVAL_STRATEGY = ("no", "steps", "epoch")
 
 RM_FLAGS = CommandFlags(
     names={"dataset": "helpful_train_file", "dataset_name": "helpful_train_file",
            "eval_dataset": "helpful_eval_file"},
-    left_out=PAIR_LEFT_OUT, ignored=("compute_fp32_loss",), always=PAIR_ALWAYS, parsed=("task", "model_type"),
+    left_out=PAIR_LEFT_OUT, ignored=("compute_fp32_loss",), parsed=("task", "model_type"),
     accepted={"value_head_prefix": (("value_head", "score"), "alignrl saves the head as score (transformers' name) "
                                                              "and reads value_head (OpenRLHF's) or score"),
               "loss": (("sigmoid",), "the reward model trains with the Bradley-Terry loss -log σ(r_chosen - "
@@ -314,8 +344,7 @@ RM_FLAGS = CommandFlags(
 DPO_FLAGS = CommandFlags(
     names={"dataset": "train_files", "dataset_name": "train_files", "eval_dataset": "eval_files",
            "ref_pretrain": "ref_model_path", "rpo_alpha": "nll_loss_coef", "cpo_alpha": "nll_loss_coef"},
-    switches={"ipo": ("loss_type", "ipo")}, left_out=PAIR_LEFT_OUT, ignored=("ref_offload",), always=PAIR_ALWAYS,
-    parsed=("loss_type",),
+    switches={"ipo": ("loss_type", "ipo")}, left_out=PAIR_LEFT_OUT, ignored=("ref_offload",), parsed=("loss_type",),
     accepted={"eval_strategy": (EVAL_STRATEGY, "held-out pairs are measured before and after training and every "
                                                "eval_steps")})
 

@@ -201,8 +201,8 @@ def _policy_and_reference(cfg: KTOConfig, folder, env, log):
 
 def _encode(tok, cfg: KTOConfig, train_rows: list[KTORow], eval_rows: list[KTORow], log):
     chat = pc.string_rows_templated(cfg, tok)
-    enc_train, cut = encode_rows(tok, train_rows, chat, cfg.max_length)
-    enc_eval, _ = encode_rows(tok, eval_rows, chat, cfg.max_length)
+    enc_train, cut = encode_rows(tok, train_rows, chat, cfg.max_length, cfg.input_template)
+    enc_eval, _ = encode_rows(tok, eval_rows, chat, cfg.max_length, cfg.input_template)
     good = sum(e.desirable for e in enc_train)
     log.print(f"KTO ({cfg.loss_type}, beta {cfg.beta}): {len(enc_train)} train rows from "
               f"{', '.join(map(str, cfg.train_files))} ({good} desirable, {len(enc_train) - good} undesirable), "

@@ -34,8 +34,8 @@ class KTOConfig(CommonConfig):
     rejected_key: str = opt("rejected", "column of a paired row's rejected completion (an undesirable row)")
     apply_chat_template: bool = opt(False, "string rows through the tokenizer's chat template too: the prompt a user "
                                            "turn, the completion the assistant's reply (OpenRLHF's "
-                                           "--apply_chat_template); false: as text (TRL's way). Rows of chat "
-                                           "messages always go through it")
+                                           "--apply_chat_template); false: as text (TRL's way), or OpenRLHF's text "
+                                           "with input_template. Rows of chat messages always go through it")
     ref_model_path: str | None = opt(None, "frozen reference model; default: the initial weights of model_path (with "
                                            "LoRA: the policy with its adapters off)")
     loss_type: str = opt("kto", "kto, or apo_zero_unpaired (no KL reference point)", choices=KTO_LOSS_TYPES)
@@ -58,9 +58,7 @@ KTO_FLAGS = CommandFlags(
     names={"dataset": "train_files", "dataset_name": "train_files", "eval_dataset": "eval_files",
            "input_key": "prompt_key", "output_key": "completion_key",
            "desirable_loss_weight": "desirable_weight", "undesirable_loss_weight": "undesirable_weight"},
-    left_out={"input_template": "prompts are rendered with the chat template (apply_chat_template) or taken as they "
-                                "are",
-              "precompute_ref_log_probs": "the reference is run beside the policy at every step",
+    left_out={"precompute_ref_log_probs": "the reference is run beside the policy at every step",
               "sync_ref_model": "the reference stays fixed"},
     ignored=("ref_offload",))
 

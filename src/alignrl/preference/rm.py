@@ -243,8 +243,9 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
         peft_model = adapters.attach(hf, spec, "SEQ_CLS", cfg.seed)
         inner = peft_model.get_base_model()
         log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(inner)}")
-    enc_train, cut = encode_pairs(tok, train_pairs, cfg.max_length)
-    enc_eval, _ = encode_pairs(tok, eval_pairs, cfg.max_length)
+    render = (cfg.apply_chat_template, cfg.input_template)  # the prompt's chat template, or OpenRLHF's/TRL's text
+    enc_train, cut = encode_pairs(tok, train_pairs, cfg.max_length, *render)
+    enc_eval, _ = encode_pairs(tok, eval_pairs, cfg.max_length, *render)
     total = pc.total_steps(len(enc_train), cfg, env.world_size)
     engine = pc.build_engine_for(cfg, LastTokenScorer(inner), env, total)
     log.print(f"{model_type} model on task {cfg.task}: {len(enc_train)} train pairs ({train_file}), "

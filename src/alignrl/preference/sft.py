@@ -33,7 +33,7 @@ from alignrl.preference.sft_packing import NEFTune, check_packable, collate_pack
 
 def _keys(cfg: SFTConfig, chat_template: bool) -> SFTKeys:
     return SFTKeys(cfg.prompt_key, cfg.response_key, cfg.messages_key, cfg.text_key, chat_template,
-                   cfg.completion_only_loss, cfg.assistant_only_loss)
+                   cfg.completion_only_loss, cfg.assistant_only_loss, cfg.input_template)
 
 
 def _load(files: list[str], keys: SFTKeys, limit: int, key: str) -> list[SFTRow]:

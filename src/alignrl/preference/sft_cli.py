@@ -35,7 +35,8 @@ class SFTConfig(CommonConfig):
     apply_chat_template: bool = opt(False, "string prompt-completion rows too through the tokenizer's chat template: "
                                            "the prompt a user turn, the completion the assistant's reply (OpenRLHF's "
                                            "--apply_chat_template); false: as text, the completion closed by eos "
-                                           "(TRL's way). Rows of chat messages always go through the template")
+                                           "(TRL's way), or OpenRLHF's text with input_template. Rows of chat "
+                                           "messages always go through the template")
     completion_only_loss: bool = opt(True, "prompt-completion rows: loss on the completion's tokens alone (TRL's "
                                            "default); false: on every token")
     assistant_only_loss: bool = opt(True, "conversational rows: loss on the assistant turns alone (OpenRLHF's "
@@ -63,9 +64,7 @@ SFT_NAMES = {
 FLAG_NAMES = {**COMMON_NAMES, **SFT_NAMES}
 # `--multiturn` trains the assistant turns of the conversation that `--input_key` then names (OpenRLHF's reading)
 SFT_SWITCHES = {"pretrain_mode": ("completion_only_loss", "false"), "multiturn": ("assistant_only_loss", "true")}
-SFT_LEFT_OUT = {"input_template": "a plain-text prompt template is left out: rows are text, or go through the chat "
-                                  "template (apply_chat_template)",
-                "dataset_probs": "files are concatenated; per-file sampling probabilities are left out"}
+SFT_LEFT_OUT = {"dataset_probs": "files are concatenated; per-file sampling probabilities are left out"}
 # OpenRLHF's --packing_samples and TRL's --packing switch the `packing` key (read before the common table, which
 # takes them as switches of no effect for the other offline commands)
 PACKING_FLAGS = ("packing", "packing_samples")

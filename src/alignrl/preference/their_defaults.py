@@ -14,6 +14,7 @@ in one line at start, with what of theirs has no counterpart here. Nothing here 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import MISSING, fields
 from typing import Any
 
@@ -37,19 +38,23 @@ SHARED_NAMES = frozenset({"logging_steps"})
 LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
 
 # OpenRLHF's train_*.py argparse defaults, in our keys (-1 "never" is our 0; cosine_with_min_lr is our cosine with
-# min_lr_ratio's floor; --bf16 unset trains in fp32; --lora_rank 0 is no LoRA)
+# min_lr_ratio's floor; --bf16 unset trains in fp32; --lora_rank 0 is no LoRA). Without --apply_chat_template their
+# scripts train on text: the prompt formatted into --input_template (train_sft's and train_kto's default is
+# 'User: {}\nAssistant: ', train_rm's and train_dpo's none: the prompt as it is, our '{}'), then the response.
 _OPENRLHF_COMMON: dict[str, Any] = {
     "warmup_ratio": 0.03, "adam_betas": [0.9, 0.95], "lr_scheduler": "cosine", "min_lr_ratio": 0.1, "grad_clip": 1.0,
     "weight_decay": 0.0, "seed": 42, "epochs": 1, "batch_size": 8, "train_batch_size": 128, "log_every": 1,
     "bf16": "false", "zero_stage": 2, "gradient_checkpointing": False, "save_steps": 0, "eval_steps": 0,
     "use_lora": False, "lora_alpha": 16, "lora_dropout": 0.0, "lora_target_modules": "all-linear"}
 OPENRLHF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "rm": {**_OPENRLHF_COMMON, "learning_rate": 9e-6, "batch_size": 1, "max_length": 512},
+    "rm": {**_OPENRLHF_COMMON, "learning_rate": 9e-6, "batch_size": 1, "max_length": 512,
+           "apply_chat_template": False, "input_template": "{}"},
     "dpo": {**_OPENRLHF_COMMON, "learning_rate": 1e-5, "max_length": 512, "beta": 0.1, "loss_type": "sigmoid",
-            "label_smoothing": 0.0, "nll_loss_coef": 0.0},
-    "sft": {**_OPENRLHF_COMMON, "learning_rate": 5e-6, "max_length": 2048, "epochs": 2},
+            "label_smoothing": 0.0, "nll_loss_coef": 0.0, "apply_chat_template": False, "input_template": "{}"},
+    "sft": {**_OPENRLHF_COMMON, "learning_rate": 5e-6, "max_length": 2048, "epochs": 2,
+            "input_template": "User: {}\nAssistant: "},
     "kto": {**_OPENRLHF_COMMON, "learning_rate": 1e-5, "max_length": 2048, "beta": 0.01, "desirable_weight": 1.0,
-            "undesirable_weight": 1.0}}
+            "undesirable_weight": 1.0, "input_template": "User: {}\nAssistant: "}}
 # TRL's (1.x) configs: TrainingArguments' optimizer and schedule, TRL's own logging_steps 10 and
 # gradient_checkpointing on, ModelConfig's LoRA. TRL's bf16 is on unless fp16 is: our auto (on where supported).
 _TRL_COMMON: dict[str, Any] = {
@@ -67,9 +72,11 @@ TRL_DEFAULTS: dict[str, dict[str, Any]] = {
     "kto": {**_TRL_COMMON, "learning_rate": 1e-6, "max_length": 1024, "beta": 0.1, "desirable_weight": 1.0,
             "undesirable_weight": 1.0}}
 # their defaults with no counterpart here: (the key of ours it would set, what is kept instead); LoRA's only with LoRA
+_PAIRS_NOT_TAKEN = {"prompt_key=None": ("prompt_key", "a row's prompt column is read")}
 OPENRLHF_NOT_TAKEN: dict[str, dict[str, tuple[str, str]]] = {
     "sft": {"input_key=input": ("prompt_key", "the rows' own layout names the columns")},
-    "kto": {"input_key=input": ("prompt_key", "the rows' own layout names the columns")}}
+    "kto": {"input_key=input": ("prompt_key", "the rows' own layout names the columns")},
+    "rm": _PAIRS_NOT_TAKEN, "dpo": _PAIRS_NOT_TAKEN}
 _TRL_NOT_TAKEN = {"lora_target_modules=None": ("lora_target_modules", "peft's per-model choice has no name here")}
 TRL_NOT_TAKEN = {command: _TRL_NOT_TAKEN for command in ("rm", "dpo", "sft", "kto")}
 SCRIPTS = {OPENRLHF: {"rm": "train_rm", "dpo": "train_dpo", "sft": "train_sft", "kto": "train_kto"},
@@ -99,20 +106,27 @@ def _default(f) -> Any:
 
 
 def _word(value: Any) -> str:
-    """A default as a `key=value` override's value."""
+    """A default as a `key=value` override's value; a text beyond a plain word quoted, so that YAML reads it back
+    as it is (a template's `{}`, `:`, `#` and newline)."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, str) and not re.fullmatch(r"[\w.+-]*", value):
+        return json.dumps(value)
     return json.dumps(value) if isinstance(value, list) else str(value)
 
 
-def adopted(config_class: type, whose: set[str], line_keys: set[str], lora: bool) -> tuple[list[str], list[str]]:
+def adopted(config_class: type, whose: set[str], line_keys: set[str], lora: bool,
+            chat: bool = False) -> tuple[list[str], list[str]]:
     """(the `key=value` overrides of their defaults this line takes, what of theirs has no counterpart here): keys
-    of `config_class` whose default differs and which the line does not set (`line_keys`)."""
+    of `config_class` whose default differs and which the line does not set (`line_keys`); with `chat` (the line
+    turns the chat template on) not input_template, which their scripts ignore then."""
     command = COMMAND_OF[config_class.__name__]
     ours = {f.name: _default(f) for f in fields(config_class)}
     theirs = their_defaults(command, whose)
     if "gradient_accumulation_steps" in line_keys:  # the line gives the global batch its own way
         theirs.pop("train_batch_size", None)
+    if chat:
+        theirs.pop("input_template", None)
     taken = [f"{k}={_word(v)}" for k, v in theirs.items()
              if k in ours and k not in line_keys and v != ours[k] and (lora or k not in LORA_ONLY)]
     missing = {**(OPENRLHF_NOT_TAKEN if whose == {OPENRLHF} else {}).get(command, {}),
