@@ -112,11 +112,12 @@ def test_flags_alignrl_cannot_honour_are_one_line(argv, words):
 
 def test_unused_flags_are_named_and_a_reward_model_id_is_the_reward_model(tmp_path):
     words, lines = from_line(["--dataset_name", str(_data(tmp_path)), "--reward_funcs", "OpenAssistant/rm-deberta",
-                              "--use_vllm", "--vllm_mode", "colocate", "--report_to", "wandb", "--max_steps", "1",
+                              "--use_vllm", "--vllm_mode", "colocate", "--report_to", "wandb", "trackio", "--max_steps", "1",
                               "actor.lr=2e-6"])
     assert "algorithm.reward_model=OpenAssistant/rm-deberta" in words and words[-1] == "actor.lr=2e-6"
     assert "trainer.logger=[console,jsonl,wandb]" in words
     assert lines[-1].startswith("given, changing nothing here: --use_vllm --vllm_mode (generation runs on")
+    assert lines[-1].endswith("; --report_to trackio (alignrl logs to console, jsonl, wandb and tensorboard)")
 
 
 def _reward(tmp_path: Path, spec: str):

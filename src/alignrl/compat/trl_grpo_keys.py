@@ -293,6 +293,9 @@ def from_line(words: list[str]) -> tuple[list[str], list[str]]:
     world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
     overrides, lines = translate(args, world)
     unused = F.unused(args)
+    others = [s for s in args.report_to or [] if s not in ("wandb", "tensorboard", "none", "all")]
+    if others:  # transformers' other integrations
+        unused.append(f"--report_to {' '.join(others)} (alignrl logs to console, jsonl, wandb and tensorboard)")
     if unused:
         lines.append("given, changing nothing here: " + "; ".join(unused))
     return overrides + own + (["--nproc", str(nproc)] if nproc else []), lines
