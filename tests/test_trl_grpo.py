@@ -79,7 +79,7 @@ def test_trl_batches_and_defaults_become_alignrl_keys(tmp_path):
     assert cfg.trainer.output_dir == str(tmp_path) and cfg.trainer.experiment_name == "out"
     defaults, batches = lines[:2]
     assert "TRL's defaults taken: " in defaults and "learning_rate 1e-06" in defaults and "num_generations 8" in \
-        defaults and ", beta " not in defaults and "not taken: logging_steps 10" in defaults
+        defaults and ", beta " not in defaults and "num_train_epochs" not in defaults and "not taken: logging_steps 10" in defaults
     assert "= 32 completions per optimizer step" in batches and "data.train_batch_size=4" in batches
 
 

@@ -256,6 +256,8 @@ def run_keys(args, batches: Batches) -> list[str]:
 def defaults_line(args) -> str:
     """TRL's defaults a line leaves out, those taken and those not."""
     quiet = {"dataset_train_split", "dataset_test_split", "per_device_eval_batch_size", "use_peft", "max_steps"}
+    quiet |= {"num_train_epochs"} if args.max_steps > 0 else set()  # --max_steps wins over epochs, as in TRL
+    quiet |= {"save_steps"} if args.save_strategy != "steps" else set()
     quiet |= set() if args.use_peft else {"lora_r", "lora_alpha", "lora_dropout"}
     quiet |= set() if args.loss_type == "sapo" else {"sapo_temperature_neg", "sapo_temperature_pos"}
     quiet |= set() if args.sync_ref_model else {"sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"}
