@@ -43,8 +43,8 @@ def _rows(monkeypatch, module, train, cfg) -> list[str]:
 
     seen = []
 
-    def encode(tok, pairs, max_length):
-        rows = encode_pairs(tok, pairs, max_length)
+    def encode(tok, pairs, max_length, *render):
+        rows = encode_pairs(tok, pairs, max_length, *render)
         seen.append([tok.decode(e.prompt, skip_special_tokens=False) for e in rows[0]])
         raise _Encoded
 
