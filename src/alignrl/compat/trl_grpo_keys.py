@@ -50,6 +50,11 @@ class Batches:
             spg = args.generation_batch_size // (pd * world)
         else:
             spg = args.steps_per_generation or ga
+        if spg < ga:  # rounds generated between two optimizer steps share the weights: together they are one round
+            if ga % spg:
+                raise TrlFlagError(f"steps_per_generation {spg} below gradient_accumulation_steps {ga} must divide "
+                                   "it (alignrl generates whole optimizer steps)")
+            spg = ga
         self.pd, self.ga, self.ng, self.world, self.spg, self.mu = pd, ga, ng, world, spg, args.num_iterations
         self.per_round, self.per_step = pd * world * spg, pd * world * ga  # completions
         if ng < 2:
