@@ -95,6 +95,11 @@ def test_trl_loss_variants_and_a_round_that_cuts_groups(tmp_path):
     assert (cut.data.train_batch_size, cut.actor.ppo_mini_batch_size, cut.actor.ppo_mini_batch_unit) == \
         (3, 6, "sequences")
     assert cut.trainer.total_training_steps == 2 and "2 optimizer step(s) of 6 sequences" in lines[1]
+    # rounds of 2 generated four times between two optimizer steps share the weights: one round of 8
+    joined, _ = _config(base + ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4",
+                                "--steps_per_generation", "1", "--num_generations", "4"])
+    assert (joined.data.train_batch_size, joined.actor.ppo_mini_batch_size, joined.trainer.total_training_steps) == \
+        (2, 2, 3)
 
 
 @pytest.mark.parametrize("argv, words", [
