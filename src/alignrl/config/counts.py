@@ -36,13 +36,12 @@ def _train_rows(cfg: RunConfig) -> int | None:
     files = cfg.data.train_files
     if files == "synthetic":
         return cfg.data.train_size
-    from alignrl.data.loaders import count_rows, dataset_class_count  # imports torch: only epoch-counted runs pay
+    # imports torch: only epoch-counted runs pay
+    from alignrl.data.loaders import count_rows, dataset_class_count, is_library_dataset
 
     if cfg.data.dataset_class:  # the class makes the rows; verl counts the epochs in them
         rows, cap = dataset_class_count(cfg.data), cfg.data.train_row_cap
         return rows if cap is None else min(rows, cap)
-    from alignrl.data.sources import is_library_dataset
-
     paths = data_files(files)
     if not all(os.path.isfile(f) or is_library_dataset(f) for f in paths):  # None: a missing file, which preflight
         return None                                                           # reports
