@@ -54,7 +54,7 @@ def test_alignrl_command_lines_parse(page, argv):
     if cli._passthrough(words) is not None:  # a command with flags of its own: its words name it
         return
     try:
-        cli._parse(words)
+        cli._parse(cli._in_alignrl_words(words))  # a line in TRL's spelling, translated as `main` does
     except SystemExit as e:  # argparse's error (or --help, which exits 0)
         assert e.code == 0, f"{page}: `{' '.join(argv)}` does not parse"
 

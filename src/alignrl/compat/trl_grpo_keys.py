@@ -18,7 +18,7 @@ from pathlib import Path
 
 from alignrl.compat import trl_grpo_flags as F
 from alignrl.compat.trl_grpo_flags import TAKEN, TrlFlagError
-from alignrl.data.sources import is_library_dataset, library_count, with_split
+from alignrl.data.sources import with_split
 from alignrl.rewards.trl_reward import BUILT_IN, spec_of
 
 # TRL's loss_type -> (actor.policy_loss, actor.loss_agg_mode)
@@ -209,21 +209,14 @@ def optimiser_keys(args, batches: Batches, total_optimizer_steps: int | None) ->
 
 
 def rl_steps(args, batches: Batches) -> int | None:
-    """The run's RL steps: from --max_steps (optimizer steps), or --num_train_epochs over a dataset folder's or Hub
-    dataset's rows (counted here: alignrl counts a data file's rows itself by trainer.total_epochs; None)."""
+    """The run's RL steps from --max_steps (optimizer steps); None: --num_train_epochs, which alignrl counts from the
+    data's rows when the config loads (trainer.total_epochs; the last partial round dropped, as TRL's sampler does)."""
     if args.max_steps > 0:
         return batches.rl_steps(args.max_steps)
     if not float(args.num_train_epochs).is_integer() or args.num_train_epochs < 1:
         raise TrlFlagError(f"--num_train_epochs {args.num_train_epochs}: alignrl runs whole epochs; give a whole "
                            "number or --max_steps")
-    train = _dataset(args, args.dataset_train_split)
-    if not is_library_dataset(train):
-        return None
-    rows = library_count(train, "--dataset_name")
-    if rows < batches.prompts:
-        raise TrlFlagError(f"--dataset_name has {rows} prompt(s), fewer than the {batches.prompts} of one generation "
-                           "round: give more data or smaller batches")
-    return int(args.num_train_epochs) * (rows // batches.prompts)  # TRL's sampler drops the last partial round
+    return None
 
 
 def run_keys(args, batches: Batches) -> list[str]:
