@@ -245,7 +245,7 @@ def test_a_trl_line_takes_trls_defaults_and_a_mixed_line_only_the_shared_ones(ca
     assert (mixed.loss_type, mixed.warmup_ratio, mixed.learning_rate, mixed.epochs) == ("sigmoid", 0.1, 5e-5, 2)
     assert _silent_note(capsys.readouterr().err) == [
         "alignrl: note: --pretrain, --num_train_epochs: OpenRLHF's and TRL's names mixed, so only the defaults the "
-        "two share are taken: loss_type=sigmoid"]
+        "two share are taken: loss_type=sigmoid, apply_chat_template=false"]
 
 
 def test_a_line_in_our_own_keys_is_unchanged(capsys):
@@ -258,6 +258,8 @@ def test_a_line_in_our_own_keys_is_unchanged(capsys):
     assert parse_sft(["train_files=[a.jsonl]", "--log_every", "3"]) == SFTConfig(train_files=["a.jsonl"], log_every=3)
     assert parse_kto(["train_files=[a.jsonl]", "--adam_betas", "0.9", "0.95"]) == dataclasses.replace(
         KTOConfig(), train_files=["a.jsonl"], adam_betas=[0.9, 0.95])
+    # a name both OpenRLHF and TRL have decides nothing: the loss and the held-out pairs stay this command's
+    assert parse_dpo(["train_files=[x/y]", "--logging_steps", "3"]) == DPOConfig(train_files=["x/y"], log_every=3)
     assert _silent_note(capsys.readouterr().err) == []
 
 
@@ -330,3 +332,22 @@ def test_input_template_reads_as_openrlhf_writes_it(capsys):
         "as OpenRLHF ignores --input_template beside --apply_chat_template",
         "alignrl: note: input_template holds the two characters \\n, not a newline: in bash pass "
         "$'User: {}\\nAssistant: '"]
+
+
+def test_trls_ipo_dataset_config_and_splits_of_one_dataset(capsys):
+    """TRL's ipo is on token means; --dataset_config names the configuration (`name#config`); a bracketed dataset keeps
+    its brackets; a split flag without the dataset flag it belongs to is one line."""
+    cfg = parse_dpo(["--model_name_or_path", "m", "--dataset_name", "openai/gsm8k", "--dataset_config", "main",
+                     "--loss_type", "ipo"])
+    assert (cfg.loss_type, cfg.train_files, cfg.apply_chat_template) == ("ipo_token_mean", ["openai/gsm8k#main"], False)
+    assert cfg.eval_files == ["openai/gsm8k#main"]  # its test split, when the config loads
+    assert "note: TRL's ipo is on token means" in capsys.readouterr().err
+    assert parse_dpo(["--model_name_or_path", "m", "--loss_type", "sigmoid", "ipo"]).loss_type == [
+        "sigmoid", "ipo_token_mean"]
+    assert parse_dpo(["--pretrain", "m", "--ipo"]).loss_type == "ipo"  # OpenRLHF's: on sums
+    rm = parse_rm(["--pretrain", "m", "--dataset", "owner/x[dev]", "--eval_split", "other"])
+    assert (rm.helpful_train_file, rm.helpful_eval_file) == ("owner/x[dev]", "owner/x[other]")
+    with pytest.raises(ConfigError, match="a held-out split flag picks from the dataset named by --dataset"):
+        parse_dpo(["--pretrain", "m", "eval_files=[a/b]", "--eval_split", "dev"])
+    with pytest.raises(ConfigError, match="a training split flag picks"):
+        parse_sft(["--pretrain", "m", "train_files=[a/b]", "--dataset_split", "dev"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,11 @@ class DatasetSpec:
     config: str | None = None
     data_dir: str | None = None
     split: str | None = None
+
+    def text(self) -> str:
+        """The spec as written: `name#config@data_dir[split]`."""
+        return (self.name + (f"#{self.config}" if self.config else "") + (f"@{self.data_dir}" if self.data_dir else "")
+                + (f"[{self.split}]" if self.split else ""))
 
     @classmethod
     def parse(cls, text: str) -> DatasetSpec:
@@ -166,6 +171,11 @@ def _say_once(line: str) -> None:
     if line not in _SAID:
         _SAID.add(line)
         print(f"alignrl: {line}", file=sys.stderr, flush=True)
+
+
+def with_config(path: str, config: str) -> str:
+    """`path` reading its dataset configuration `config` (`name#config`, TRL's --dataset_config); a file as it is."""
+    return replace(DatasetSpec.parse(path), config=config).text() if is_library_dataset(path) else path
 
 
 def with_split(path: str, split: str) -> str:

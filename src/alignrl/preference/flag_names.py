@@ -17,13 +17,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import re
 from dataclasses import dataclass, field, fields
 
 from alignrl.config import ConfigError
-from alignrl.data.sources import with_split
+from alignrl.data.sources import with_config, with_split
 from alignrl.preference.mmdpo_keys import read_yaml, translate, translate_override
 from alignrl.preference.notes import say
-from alignrl.preference.their_defaults import adopted, say_adopted, spellings
+from alignrl.preference.their_defaults import TRL, adopted, say_adopted, spellings
 
 # OpenRLHF's and TRL's names of keys every offline command has (a name already ours needs no entry)
 COMMON_NAMES = {
@@ -55,7 +56,7 @@ TEXT_KEYS = ("input_template",)  # keys whose flag value is a text to keep as gi
 # OpenRLHF's and TRL's split flags: the split of a dataset folder or Hub dataset (alignrl.data.sources) that the
 # training or the held-out dataset flag reads; the split each reads unasked (train; test, else validation) needs none
 SPLIT_FLAGS = {"dataset_split": "train", "train_split": "train", "dataset_train_split": "train",
-               "eval_split": "eval", "dataset_test_split": "eval"}
+               "eval_split": "eval", "dataset_test_split": "eval", "dataset_config": "config"}  # TRL's `name#config`
 UNASKED_SPLITS = {"train": "train", "eval": "test"}
 # keys OpenRLHF and TRL give as several words (argparse nargs): `--loss_type sigmoid bco_pair sft --loss_weights 1 1 1`
 SPACED_LISTS = ("adam_betas", "lora_target_modules", "loss_type", "loss_weights")
@@ -141,8 +142,9 @@ def their_names(argv: list[str], own_names: CommandFlags) -> list[str]:
 
 
 def spelled_their_way(argv: list[str], own_names: CommandFlags) -> bool:
-    """Whether the line names a flag by OpenRLHF's or TRL's own name: a run written for their scripts."""
-    return bool(their_names(argv, own_names))
+    """Whether the line names a flag by OpenRLHF's or TRL's own name: a run written for their scripts (a name both
+    have, `--logging_steps`, decides nothing)."""
+    return bool(spellings(their_names(argv, own_names)))
 
 
 def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) -> list[str]:
@@ -203,9 +205,25 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
             passed.append(word)
             i += 1
     overrides = _with_splits(overrides, own_names, splits)
-    words = _their_defaults(argv, config_class, own_names, passed + overrides) + passed + overrides
+    words = _their_ipo(passed + overrides, argv, own_names)
+    words = _their_defaults(argv, config_class, own_names, words) + words
     _say_template_use(words, config_class)
     return words
+
+
+def _their_ipo(words: list[str], argv: list[str], own_names: CommandFlags) -> list[str]:
+    """TRL's ipo divides the log-probs by their length: a line in TRL's spelling asking for ipo trains
+    ipo_token_mean, said once (alignrl's ipo, OpenRLHF's `--ipo`, is on sums)."""
+    if spellings(their_names(argv, own_names)) != {TRL}:
+        return words
+    out = [("--loss_type=ipo_token_mean" if w == "--loss_type=ipo" else
+            "ipo_token_mean" if w == "ipo" and i and words[i - 1] == "--loss_type" else
+            re.sub(r"(?<=[\[,])ipo(?=[,\]])", "ipo_token_mean", w) if w.startswith("loss_type=[") else w)
+           for i, w in enumerate(words)]
+    if out != words:
+        say("note: TRL's ipo is on token means: loss_type ipo_token_mean (alignrl's ipo, OpenRLHF's, is on sums; "
+            "TRL also puts a list's other losses on token means, alignrl only ipo)")
+    return out
 
 
 def _last_value(words: list[str], key: str) -> str | None:
@@ -248,45 +266,62 @@ def split_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
             i += 1
             continue
         if not eq and (nxt is None or nxt.startswith("--")):
-            raise ConfigError(f"--{name} needs a value (--{name} SPLIT)")
+            raise ConfigError(f"--{name} needs a value (--{name} {name.split('_')[-1].upper()})")
         value, i = (value, i + 1) if eq else (nxt, i + 2)
         splits[SPLIT_FLAGS[name]] = value.strip()
-    return rest, {kind: split for kind, split in splits.items() if split != UNASKED_SPLITS[kind]}
+    return rest, {kind: split for kind, split in splits.items() if split != UNASKED_SPLITS.get(kind)}
 
 
 def _with_splits(overrides: list[str], own_names: CommandFlags, splits: dict[str, str]) -> list[str]:
     """The dataset overrides reading the splits the line asked for; a held-out split without a held-out dataset
     reads that split of the training datasets (TRL's --dataset_test_split of --dataset_name)."""
     keys = {"train": own_names.names.get("dataset"), "eval": own_names.names.get("eval_dataset")}
+    config = splits.get("config")  # TRL's --dataset_config: of --dataset_name, and of its held-out split
     out, given = [], {}
     for word in overrides:
         key, _, value = word.partition("=")
         kind = next((k for k, v in keys.items() if v == key), None)
         if kind:
             given[kind] = value
-            word = f"{key}={_split_value(value, splits[kind])}" if kind in splits else word
+        if kind and (kind in splits or (config and kind == "train")):
+            own_config = config if kind == "train" else None
+            word = f"{key}={_dataset_value(value, key in LIST_KEYS, splits.get(kind), own_config)}"
         out.append(word)
     if "eval" in splits and "eval" not in given and "train" in given and keys["eval"]:
-        out.append(f"{keys['eval']}={_split_value(given['train'], splits['eval'])}")
+        held = _dataset_value(given["train"], keys["eval"] in LIST_KEYS, splits["eval"], config)
+        out.append(f"{keys['eval']}={held}")
+    lost = [kind for kind in splits if kind not in given and not (kind in ("eval", "config") and "train" in given)]
+    if lost:
+        which = {"train": "a training split flag", "eval": "a held-out split flag", "config": "--dataset_config"}
+        raise ConfigError(f"{which[lost[0]]} picks from the dataset named by --dataset/--dataset_name"
+                          f"{' or --eval_dataset' if lost[0] == 'eval' else ''} on the same line; name the dataset "
+                          "that way, or its split in brackets after it (train_files=[owner/name[split]])")
     return out
 
 
-def _split_value(value: str, split: str) -> str:
-    """A dataset value (one path, OpenRLHF's comma-separated ones, or a list) reading `split` of each dataset."""
-    items = json.loads(value) if value.startswith("[\"") else [v.strip() for v in value.strip("[]").split(",")]
-    read = [with_split(str(v), split) for v in items if str(v)]
-    if read == [str(v) for v in items if str(v)]:
-        say(f"note: the split {split!r} changes nothing for .jsonl/.json/.parquet files, which are read whole")
-    return json.dumps(read) if value.startswith("[") else ",".join(read)
+def _dataset_value(value: str, listed: bool, split: str | None, config: str | None) -> str:
+    """A dataset value (one path, or a list key's list: JSON, or `[a,b]` as given) reading the split `split` and the
+    configuration `config` of each dataset folder or Hub dataset (files are read whole)."""
+    if not listed:
+        items = [value]
+    else:
+        items = json.loads(value) if value.startswith("[\"") else [v.strip() for v in value[1:-1].split(",")]
+    items = [str(v) for v in items if str(v)]
+    read = [with_config(v, config) if config else v for v in items]
+    read = [with_split(v, split) if split else v for v in read]
+    if read == items and (split or config):
+        say(f"note: the {'split ' + repr(split) if split else 'configuration ' + repr(config)} changes nothing for "
+            ".jsonl/.json/.parquet files, which are read whole")
+    return json.dumps(read) if listed else read[0]
 
 
 def _their_defaults(argv: list[str], config_class: type, own_names: CommandFlags, words: list[str]) -> list[str]:
     """The overrides of OpenRLHF's or TRL's defaults that a line in their spelling leaves unsaid (said in one line;
     `their_defaults`); none for a line in our own keys."""
     names = their_names(argv, own_names)
-    if not names:
-        return []
     whose = spellings(names)
+    if not whose:  # our own keys, or only names both have
+        return []
     lora = any(w.lower() == "use_lora=true" for w in words)
     chat = (_last_value(words, "apply_chat_template") or "false").lower() in TRUE_WORDS
     taken, not_taken = adopted(config_class, whose, _line_keys(words, config_class, own_names), lora, chat)

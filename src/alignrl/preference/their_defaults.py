@@ -63,9 +63,11 @@ _TRL_COMMON: dict[str, Any] = {
     "seed": 42, "epochs": 3, "batch_size": 8, "eval_batch_size": 8, "gradient_accumulation_steps": 1,
     "log_every": 10, "save_steps": 500, "eval_steps": 0, "gradient_checkpointing": True, "bf16": "auto",
     "use_lora": False, "lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.05}
+# TRL templates a row of chat messages only: a string prompt is text (maybe_apply_chat_template)
 TRL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "rm": {**_TRL_COMMON, "learning_rate": 1e-4, "max_length": 1024},
-    "dpo": {**_TRL_COMMON, "learning_rate": 1e-6, "max_length": 1024, "beta": 0.1, "loss_type": "sigmoid",
+    "rm": {**_TRL_COMMON, "learning_rate": 1e-4, "max_length": 1024, "apply_chat_template": False},
+    "dpo": {**_TRL_COMMON, "learning_rate": 1e-6, "max_length": 1024, "apply_chat_template": False,
+            "beta": 0.1, "loss_type": "sigmoid",
             "label_smoothing": 0.0, "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512},
     "sft": {**_TRL_COMMON, "learning_rate": 2e-5, "max_length": 1024, "completion_only_loss": True,
             "assistant_only_loss": False, "text_key": "text"},
