@@ -92,7 +92,9 @@ def test_dpo_raises_heldout_reward_accuracy_and_precompute_matches(tiny_model_di
     b, a = live["before"]["all"], live["after"]["all"]
     assert b["reward_accuracy"] == 0.5 and b["reward_margin"] == 0.0  # policy == reference: every reward is 0
     assert a["reward_accuracy"] > 0.7 and a["reward_margin"] > 0
-    assert set(live["after"]) == {"all", "helpful_test", "harmless_test"} and a["pairs"] == 48
+    # max_eval_pairs=24 caps the files together (OpenRLHF's --max_samples): the first 24 pairs, all helpful ones
+    assert set(live["after"]) == {"all", "helpful_test", "harmless_test"} and a["pairs"] == 24
+    assert live["after"]["harmless_test"]["pairs"] == 0 and live["train_pairs"] == 48
     # a precomputed reference (and checkpointed activations) change nothing but the cost
     for k in ("reward_accuracy", "reward_margin", "logp_accuracy"):
         assert pre["after"]["all"][k] == pytest.approx(a[k], abs=1e-4)

@@ -267,6 +267,20 @@ def test_an_openrlhf_line_trains_on_openrlhfs_text(tiny_model_dir, tmp_path):
         _encode(tok, cfg, rows, [], _Quiet())
     assert _encode(tok, parse_kto([*line, "--apply_chat_template"]), rows, [], _Quiet())[0][0].completion
 
+def test_max_pairs_caps_the_lines_of_all_files_together(tmp_path):
+    """OpenRLHF's --max_samples: the first N lines of the blend, not of each file (a paired line gives two rows);
+    a file past the cap is not read."""
+    from alignrl.preference.kto import _load
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(json.dumps({"prompt": "p", "chosen": "c0", "rejected": "r0"}) + "\n")
+    b.write_text("".join(json.dumps({"prompt": "p", "completion": f"d{i}", "label": i % 2 == 0}) + "\n"
+                         for i in range(5)))
+    rows = _load([str(a), str(b), str(tmp_path / "never_read.jsonl")], KTOKeys(), 3, "train_files")
+    assert [(r.completion, r.desirable) for r in rows] == [("c0", True), ("r0", False), ("d0", True), ("d1", False)]
+    assert len(_load([str(a), str(b)], KTOKeys(), 0, "train_files")) == 7
+
+
 def test_mistakes_are_one_line(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="batch_size=1"):
         parse_kto(["train_files=[x.jsonl]", "batch_size=1"])

@@ -41,7 +41,17 @@ CONSOLE = {"rewards/chosen": "chosen", "rewards/rejected": "rejected", "kl": "kl
 
 
 def _load(files: list[str], keys: KTOKeys, limit: int, key: str) -> list[KTORow]:
-    return [row for f in files for row in load_rows(str(f), keys, limit or None, key)]
+    """The rows of the first `limit` lines of all `files` together, in order (OpenRLHF's --max_samples: of the blend,
+    not of each file; a paired line gives two rows); files past the limit are not read. 0: all."""
+    rows: list[KTORow] = []
+    lines = 0
+    for f in files:
+        if limit and lines >= limit:
+            break
+        got = load_rows(str(f), keys, limit - lines if limit else None, key)
+        lines += len({r.loc for r in got})  # a line's rows share its location
+        rows += got
+    return rows
 
 
 def logps(model, batch: KTOBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

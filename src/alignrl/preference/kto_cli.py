@@ -48,8 +48,9 @@ class KTOConfig(CommonConfig):
     eval_batch_size: int = opt(16, "rows per device per evaluation forward", ge=1)
     max_length: int = opt(1024, "tokens of prompt + completion; a longer row keeps at most half for the prompt, from "
                                 "its end (OpenRLHF: --max_len)", ge=8)
-    max_train_pairs: int = opt(0, "use only the first N training lines of each file; 0: all", ge=0)
-    max_eval_pairs: int = opt(0, "use only the first N held-out lines of each file; 0: all", ge=0)
+    max_train_pairs: int = opt(0, "use only the first N training lines of all train_files together, in their "
+                                  "order (OpenRLHF's --max_samples); 0: all", ge=0)
+    max_eval_pairs: int = opt(0, "use only the first N held-out lines of all eval_files together; 0: all", ge=0)
     learning_rate: float = opt(1e-6, "peak AdamW learning rate (TRL's KTO default)", gt=0.0)
 
 
