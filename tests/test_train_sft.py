@@ -262,6 +262,28 @@ def test_packed_rows_give_the_padded_step_with_fewer_forward_tokens(tiny_model_d
     assert 0 < res["forward_tokens"] < padded["forward_tokens"]
 
 
+def test_neftune_changes_the_training_loss_not_the_held_out_one_and_leaves_no_hook(tiny_model_dir, tmp_path,
+                                                                                      monkeypatch):
+    import alignrl.preference.sft as sft
+
+    hooked = []
+
+    class Recorded(sft.NEFTune):
+        def __init__(self, model, alpha):
+            super().__init__(model, alpha)
+            hooked.append(model.get_input_embeddings())
+
+    monkeypatch.setattr(sft, "NEFTune", Recorded)
+    same = ["batch_size=4", "gradient_accumulation_steps=1", f"eval_files=[{_write(tmp_path / 'ho.jsonl', ROWS[:4])}]",
+            *ONE_STEP]
+    noisy = _run(tiny_model_dir, tmp_path, "noisy", "neftune_noise_alpha=5", *same)
+    quiet = _run(tiny_model_dir, tmp_path, "quiet", *same)
+    assert noisy["neftune_noise_alpha"] == 5.0 and len(hooked) == 1
+    assert noisy["before"] == quiet["before"] and quiet["before"]["tokens"] > 0  # evaluation draws no noise
+    assert _step_loss(tmp_path / "logs_noisy") != pytest.approx(_step_loss(tmp_path / "logs_quiet"), rel=1e-4)
+    assert not hooked[0]._forward_hooks  # taken off after training
+
+
 @pytest.mark.parametrize("extra", [[], ["use_lora=true", "lora_rank=4", "lora_dropout=0.1"],
                                    ["neftune_noise_alpha=5", "packing=true"]], ids=["full", "lora", "neftune"])
 def test_a_resumed_run_ends_with_the_weights_of_an_unbroken_one(tiny_model_dir, tmp_path, extra):

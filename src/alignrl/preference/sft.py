@@ -203,6 +203,8 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     notes["forward_tokens"] = 0
     step = pc.train_pairs(engine, loss, enc_train, [], tok.pad_token_id, cfg, env, log, total, {"eval/loss": "eval"},
                           after_step, start, loader=train_batches(enc_train, collate, cfg, env))
+    if neft is not None:  # the saved (and the caller's) model carries no hook
+        neft.remove()
     after = ev()
     if after:
         pc.check_eval_finite(after["loss"], "losses")

@@ -128,6 +128,11 @@ class NEFTune:
         self.scale = self.alpha * inverse_sqrt_lengths(batch)
         self.key = (torch.initial_seed() * 0x9E3779B1 + 0x7F4A7C15) % 2**63
 
+    def remove(self) -> None:
+        """Takes the hook off the embedding layer (after training)."""
+        self.handle.remove()
+        self.scale = None
+
     def _hook(self, module, _inputs, output):
         if not module.training or self.scale is None:
             return None
