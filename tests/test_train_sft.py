@@ -335,6 +335,22 @@ def test_openrlhf_and_trl_flags_read_as_keys(tmp_path):
         parse_sft(["--dataset", data, "--multiturn", "--pretrain_mode", "--input_key", "q"])
 
 
+def test_trls_padding_free_is_packing_and_its_packing_says_how_steps_are_counted(tmp_path, capsys):
+    from alignrl.preference.sft_cli import TRL_PACKING_NOTE
+
+    data = _write(tmp_path / "d.jsonl", ROWS)
+    trl = ["--model_name_or_path", "demo", "--dataset_name", data, "--per_device_train_batch_size", "4"]
+    assert parse_sft([*trl, "--padding_free"]).packing and not parse_sft([*trl, "--padding_free", "false"]).packing
+    assert TRL_PACKING_NOTE not in capsys.readouterr().err  # padding_free is ours exactly: nothing to say
+    cfg = parse_sft([*trl, "--packing"])
+    assert cfg.packing and cfg.batch_size == 4
+    assert capsys.readouterr().err.count(TRL_PACKING_NOTE) == 1
+    for line in ([f"train_files=[{data}]", "--packing"], ["--pretrain", "demo", "--dataset", data, "--packing_samples"],
+                 [*trl, "--packing", "false"]):  # our keys, OpenRLHF's switch, packing off: no note
+        parse_sft(line)
+        assert TRL_PACKING_NOTE not in capsys.readouterr().err
+
+
 def test_openrlhf_conversation_columns_without_and_with_output_key(tiny_model_dir, tmp_path):
     tok = _tokenizer(tiny_model_dir)
     # --input_key conversations --apply_chat_template, no --output_key: the last assistant message is the completion

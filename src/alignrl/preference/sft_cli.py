@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from alignrl.config import ConfigError, opt
 from alignrl.preference.cli import COMMANDS, load_flat_config, make_parser, run_cli
 from alignrl.preference.configs import CommonConfig
-from alignrl.preference.flag_names import COMMON_NAMES, FALSE_WORDS, TRUE_WORDS, CommandFlags, flags_as_keys
+from alignrl.preference.flag_names import (COMMON_NAMES, FALSE_WORDS, TRUE_WORDS, CommandFlags, flags_as_keys,
+                                           their_names)
+from alignrl.preference.notes import say
+from alignrl.preference.their_defaults import TRL, spellings
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,8 @@ class SFTConfig(CommonConfig):
     max_eval_pairs: int = opt(0, "use only the first N held-out rows of all eval_files together; 0: all", ge=0)
     packing: bool = opt(False, "a micro-batch's rows packed into sequences of at most max_length tokens, position "
                                "ids restarting at each row and no padding; the same rows, loss and update as "
-                               "padded (TRL: packing with padding_free; OpenRLHF: --packing_samples)")
+                               "padded (OpenRLHF: --packing_samples; TRL: padding_free, not its packing of "
+                               "the whole dataset)")
     neftune_noise_alpha: float = opt(0.0, "NEFTune: uniform noise of scale alpha / sqrt(L * hidden size) on the "
                                           "input embeddings in training (L: the row's length); 0: off (TRL's "
                                           "neftune_noise_alpha; 5 is the paper's)", ge=0.0)
@@ -65,9 +69,14 @@ FLAG_NAMES = {**COMMON_NAMES, **SFT_NAMES}
 # `--multiturn` trains the assistant turns of the conversation that `--input_key` then names (OpenRLHF's reading)
 SFT_SWITCHES = {"pretrain_mode": ("completion_only_loss", "false"), "multiturn": ("assistant_only_loss", "true")}
 SFT_LEFT_OUT = {"dataset_probs": "files are concatenated; per-file sampling probabilities are left out"}
-# OpenRLHF's --packing_samples and TRL's --packing switch the `packing` key (read before the common table, which
-# takes them as switches of no effect for the other offline commands)
-PACKING_FLAGS = ("packing", "packing_samples")
+# OpenRLHF's --packing_samples and TRL's --packing and --padding_free switch the `packing` key (read before the
+# common table, which takes the first two as switches of no effect for the other offline commands)
+PACKING_FLAGS = ("packing", "packing_samples", "padding_free")
+# TRL's --packing packs the whole dataset into sequences of max_length tokens; ours packs each micro-batch's rows
+TRL_PACKING_NOTE = ("note: --packing packs each micro-batch's rows among themselves (TRL's padding_free, OpenRLHF's "
+                    "--packing_samples), not the whole dataset into sequences of max_length tokens as TRL's packing "
+                    "does: the rows per step and the step count follow per_device_train_batch_size, as without "
+                    "packing, not TRL's packed sequences")
 
 
 def sft_flags(argv: list[str]) -> CommandFlags:
@@ -84,8 +93,8 @@ def sft_flags(argv: list[str]) -> CommandFlags:
 
 
 def packing_switches(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the line without `--packing`/`--packing_samples`, their `packing=` overrides): the overrides go after all
-    the others, so that the flag wins over a `key=value` override, as every flag does."""
+    """(the line without `--packing`/`--packing_samples`/`--padding_free`, their `packing=` overrides): the
+    overrides go after all the others, so that the flag wins over a `key=value` override, as every flag does."""
     rest, overrides, i = [], [], 0
     while i < len(argv):
         word, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
@@ -115,6 +124,12 @@ def _switched_on(argv: list[str], name: str) -> bool:
     return on
 
 
+def _say_trl_packing(argv: list[str], rest: list[str]) -> None:
+    """One note when a line in TRL's spelling switches packing on by `--packing`, whose step count differs in TRL."""
+    if TRL in spellings(their_names(rest, sft_flags(rest))) and _switched_on(argv, "packing"):
+        say(TRL_PACKING_NOTE)
+
+
 def parse_sft(argv: list[str]) -> SFTConfig:
     p = make_parser("alignrl train sft", "Supervised fine-tuning of a causal LM on conversations, prompt-completion "
                                          "rows or plain text.")
@@ -122,9 +137,10 @@ def parse_sft(argv: list[str]) -> SFTConfig:
                 "names: " + ", ".join(f"--{k} -> {v}" for k, v in FLAG_NAMES.items() if k != v) +
                 "; --multiturn: --input_key names the messages, assistant turns trained (--output_key's reply "
                 "appended as the last turn); --pretrain_mode: --input_key names plain text, every token trained; "
-                "--lora_rank N > 0 switches LoRA on; --packing_samples, --packing: packing=true. Keys and data "
-                "layouts: docs/sft.md")
+                "--lora_rank N > 0 switches LoRA on; --packing_samples, --packing, --padding_free: packing=true. "
+                "Keys and data layouts: docs/sft.md")
     rest, packing = packing_switches(argv)
+    _say_trl_packing(argv, rest)
     args = p.parse_intermixed_args(flags_as_keys(rest, SFTConfig, sft_flags(rest)) + packing)
     cfg = load_flat_config(SFTConfig, args.config, args.overrides, {"output_dir": args.output_dir,
                                                                       "logging_dir": args.logging_dir})
