@@ -218,7 +218,7 @@ def _their_ipo(words: list[str], argv: list[str], own_names: CommandFlags) -> li
         return words
     out = [("--loss_type=ipo_token_mean" if w == "--loss_type=ipo" else
             "ipo_token_mean" if w == "ipo" and i and words[i - 1] == "--loss_type" else
-            re.sub(r"(?<=[\[,])ipo(?=[,\]])", "ipo_token_mean", w) if w.startswith("loss_type=[") else w)
+            re.sub(r"(?<=[\[,])(\s*)ipo(?=\s*[,\]])", r"\1ipo_token_mean", w) if w.startswith("loss_type=[") else w)
            for i, w in enumerate(words)]
     if out != words:
         say("note: TRL's ipo is on token means: loss_type ipo_token_mean (alignrl's ipo, OpenRLHF's, is on sums; "
