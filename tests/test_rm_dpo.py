@@ -171,7 +171,7 @@ def test_seed_002_commands_two_ranks(scorers, tiny_model_dir, tmp_path, monkeypa
     p = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
               "-m", "src.training.train_safe_mm_dpo", "--config", "configs/dpo_config.yaml",
               "--output_dir", "models/aligned", "--logging_dir", "logs/training/safe_mm_dpo",
-              *small, "max_train_pairs=16", "max_eval_pairs=16", "gradient_accumulation_steps=1"], root)
+              *small, "max_train_pairs=32", "max_eval_pairs=32", "gradient_accumulation_steps=1"], root)
     res = json.loads((root / "models/aligned/eval_results.json").read_text())
     assert res["loss_type"] == "safe_mm_dpo" and res["world_size"] == 2 and res["steps"] == 4
     assert json.loads((root / "models/aligned/safe_mm_dpo_state.json").read_text())["updates"] == 4
