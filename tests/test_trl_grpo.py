@@ -100,6 +100,11 @@ def test_trl_loss_variants_and_a_round_that_cuts_groups(tmp_path):
                                 "--steps_per_generation", "1", "--num_generations", "4"])
     assert (joined.data.train_batch_size, joined.actor.ppo_mini_batch_size, joined.trainer.total_training_steps) == \
         (2, 2, 3)
+    # TRL runs one group of 8 per optimizer step over 2 ranks: the mini-batch counts its 8 sequences
+    shared, _ = _config(base + ["--per_device_train_batch_size", "4", "--steps_per_generation", "4",
+                                "--num_generations", "8"], world=2)
+    assert (shared.data.train_batch_size, shared.actor.ppo_mini_batch_size, shared.actor.ppo_mini_batch_unit) == \
+        (4, 8, "sequences")
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -109,6 +114,10 @@ def test_trl_loss_variants_and_a_round_that_cuts_groups(tmp_path):
     (["--scale_rewards", "batch"], "--scale_rewards batch"),
     (["--reward_weights", "1", "2"], "--reward_weights gives 2 weight(s) for 1 reward function(s)"),
     (["--no_such_flag", "1"], "'--no_such_flag' is not one of TRL's GRPO flags"),
+    (["--gradient_accumulation_steps", "2", "--steps_per_generation", "3", "--num_generations", "4"],
+     "steps_per_generation 3 above gradient_accumulation_steps 2 must be a multiple"),
+    (["--gradient_accumulation_steps", "4", "--steps_per_generation", "2", "--num_iterations", "2"],
+     "--num_iterations 2 with steps_per_generation 2 below gradient_accumulation_steps 4"),
 ])
 def test_flags_alignrl_cannot_honour_are_one_line(argv, words):
     with pytest.raises(TrlFlagError, match=words.replace("(", r"\(").replace(")", r"\)")):

@@ -6,7 +6,7 @@ steps_per_generation (steps_per_generation defaults to gradient_accumulation_ste
 round's size instead), num_generations per prompt, and trains on it num_iterations times. alignrl counts one
 generation round as one RL step: data.train_batch_size = the round's completions / num_generations prompts,
 rollout.n = num_generations, actor.ppo_epochs = num_iterations, the mini-batch = one TRL optimizer step (in prompts
-when it holds whole groups, else in sequences) and actor.ppo_micro_batch_size = per_device_train_batch_size. TRL's
+when it holds whole groups its ranks can share, else in sequences) and actor.ppo_micro_batch_size = per_device_train_batch_size. TRL's
 --max_steps (optimizer steps) becomes RL steps: max_steps / (the optimizer steps of one round), rounded up.
 """
 
@@ -50,7 +50,14 @@ class Batches:
             spg = args.generation_batch_size // (pd * world)
         else:
             spg = args.steps_per_generation or ga
+        if spg > ga and spg % ga:  # TRL's optimizer step would then straddle two rounds
+            raise TrlFlagError(f"steps_per_generation {spg} above gradient_accumulation_steps {ga} must be a multiple "
+                               "of it (alignrl's optimizer steps never straddle two generation rounds)")
         if spg < ga:  # rounds generated between two optimizer steps share the weights: together they are one round
+            if args.num_iterations > 1:
+                raise TrlFlagError(f"--num_iterations {args.num_iterations} with steps_per_generation {spg} below "
+                                   f"gradient_accumulation_steps {ga}: alignrl cannot reuse part of an optimizer "
+                                   "step's rounds; give --steps_per_generation at least gradient_accumulation_steps")
             if ga % spg:
                 raise TrlFlagError(f"steps_per_generation {spg} below gradient_accumulation_steps {ga} must divide "
                                    "it (alignrl generates whole optimizer steps)")
@@ -72,7 +79,8 @@ class Batches:
         self.steps_per_round = max(1, math.ceil(spg / ga)) * self.mu
 
     def keys(self) -> list[str]:
-        whole = self.per_step % self.ng == 0
+        # in prompts when a TRL optimizer step holds whole groups that its ranks can share, else in sequences
+        whole = self.per_step % self.ng == 0 and (self.per_step // self.ng) % self.world == 0
         return [f"data.train_batch_size={self.prompts}", f"rollout.n={self.ng}",
                 f"actor.ppo_mini_batch_size={self.per_step // self.ng if whole else self.per_step}",
                 f"actor.ppo_mini_batch_unit={'prompts' if whole else 'sequences'}",
