@@ -6,8 +6,9 @@ steps_per_generation (steps_per_generation defaults to gradient_accumulation_ste
 round's size instead), num_generations per prompt, and trains on it num_iterations times. alignrl counts one
 generation round as one RL step: data.train_batch_size = the round's completions / num_generations prompts,
 rollout.n = num_generations, actor.ppo_epochs = num_iterations, the mini-batch = one TRL optimizer step (in prompts
-when it holds whole groups its ranks can share, else in sequences) and actor.ppo_micro_batch_size = per_device_train_batch_size. TRL's
---max_steps (optimizer steps) becomes RL steps: max_steps / (the optimizer steps of one round), rounded up.
+when it holds whole groups its ranks can share, else in sequences) and actor.ppo_micro_batch_size =
+per_device_train_batch_size. TRL's --max_steps (optimizer steps) becomes RL steps: max_steps / (the optimizer steps
+of one round), rounded up.
 """
 
 from __future__ import annotations
