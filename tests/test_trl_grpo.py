@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,25 @@ def test_trl_reward_functions_sum_by_weight_and_skip_none(tmp_path, monkeypatch)
     only_none = _reward(tmp_path, "FILE:skip")
     assert only_none("math", "x", "", extra) == 0.0  # TRL's nansum of nothing
     assert load_reward_fn("trl:accuracy_reward")("math", "so \\boxed{4}", "", extra) == 1.0
+
+
+def test_every_column_of_a_label_less_row_reaches_trl_functions_only(tmp_path, monkeypatch):
+    from alignrl.data.loaders import load_samples, write_verl_parquet
+
+    monkeypatch.setenv("SEEN_FILE", str(tmp_path / "seen.jsonl"))
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2?", "solution": "4", "data_source": "arith", "extra_info": {"i": 7},
+                                "reward_model": {"ground_truth": "4"}, "completion": "x"}) + "\n")
+    row = load_samples(str(path), prompt_key="prompt")[0]
+    assert row.extra == {"i": 7}  # the row's own extra_info; its columns ride beside it
+    assert pickle.loads(pickle.dumps(row.extra)).columns["solution"] == "4"  # as a timed rule's worker gets it
+    assert _reward(tmp_path, "FILE:match")(row.data_source, "4", row.ground_truth, row.extra) == 1.0
+    seen = json.loads((tmp_path / "seen.jsonl").read_text())
+    assert [k for k in seen["kwargs"] if k not in ("log_extra", "log_metric")] == \
+        ["data_source", "extra_info", "reward_model", "trainer_state"]
+    assert load_samples(str(path), prompt_key="prompt", label_key="solution")[0].extra == {"i": 7}
+    write_verl_parquet([row], tmp_path / "out.parquet")
+    assert load_samples(str(tmp_path / "out.parquet"))[0].extra == {"i": 7}
 
 
 def test_trl_reward_function_errors_name_the_function(tmp_path):

@@ -12,9 +12,9 @@ The by-column layout reads one row as:
 * data_source: the row's `data_source` column when present, else "math": its rule reward extracts the
   last `\\boxed{}`, else the last `####` line, else the last expression, and compares it with the label
   symbolically, which suits the short answers (numbers, expressions) OpenRLHF's math prompt sets carry.
-* extra: the row's `extra_info` object when present. Else, with no `label_key` (TRL's layout: a reward function
-  reads the columns it needs), the row's columns but data_source, reward_model and the image column, the prompt's
-  included, which TRL's reward functions take by name (`rewards.trl_reward`); with a `label_key`, nothing.
+* extra: the row's `extra_info` object when present, else nothing. With no `label_key` (TRL's layout: a reward
+  function reads the columns it needs) every column of the row, as it is, rides beside those items, not among
+  them (`rewards.trl_reward.WithColumns`), which only TRL's reward functions read.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 from alignrl.data.images import parse_message_list
 from alignrl.data.records import Sample
 from alignrl.errors import DataError  # noqa: F401  (the data package's error, imported from here)
+from alignrl.rewards.trl_reward import WithColumns
 
 DEFAULT_SOURCE = "math"  # the data_source of by-column rows that name none
 
@@ -137,16 +138,15 @@ def keys_sample(loc: str, row: dict[str, Any], keys: PromptKeys, system_prompt: 
         prompt_text = keys.input_template.format(text) if keys.input_template else text
     return Sample(messages=messages, ground_truth=_label(loc, row, keys.label_key),
                   data_source=str(row["data_source"]) if row.get("data_source") is not None else DEFAULT_SOURCE,
-                  extra=dict(row["extra_info"]) if isinstance(row.get("extra_info"), dict) else _columns(row, keys),
+                  extra=_extra(row, keys),
                   prompt_text=prompt_text)
 
 
-def _columns(row: dict[str, Any], keys: PromptKeys) -> dict[str, Any]:
-    """A row's columns as its extra_info where it has none and names no label column: what TRL's reward functions
-    read beside the completion."""
-    if keys.label_key is not None:
-        return {}
-    return {k: v for k, v in row.items() if k not in ("data_source", "reward_model", "extra_info", keys.image_key)}
+def _extra(row: dict[str, Any], keys: PromptKeys) -> dict[str, Any]:
+    """The row's extra_info object (or nothing), with every column of a label-less row under ROW_COLUMNS: TRL
+    passes its reward functions each column by name, data_source, extra_info and images included."""
+    extra = dict(row["extra_info"]) if isinstance(row.get("extra_info"), dict) else {}
+    return extra if keys.label_key is not None else WithColumns(extra, dict(row))
 
 
 def _label(loc: str, row: dict[str, Any], label_key: str | None) -> str | list[Any] | dict[str, Any]:

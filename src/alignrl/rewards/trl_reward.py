@@ -5,8 +5,9 @@ one float (or None) per completion: `f(completions, prompts=..., solution=..., *
 Here it is called once per row, with lists of one: `completions` is the response's text, or a list of one assistant
 message where the row's prompt is a list of chat messages (TRL's conversational rows); `prompts` the row's prompt
 column as the data holds it (the templated text where the row has none); every other column of the row by its name
-(the by-column layout carries them in the row's extra_info, `data.row_formats`); `trainer_state` None (a function
-called here runs outside a transformers Trainer).
+(data_source, extra_info and images too, as TRL passes them; not completion/completions/completion_ids; the
+by-column layout keeps a label-less row's columns beside its extra, `WithColumns`);
+`trainer_state` None (a function called here runs outside a transformers Trainer).
 
 Several functions make one reward, their weighted sum, as TRL sums them: a None is skipped (the row then takes the
 others' sum; a row every function skips scores 0, as TRL's nansum gives it).
@@ -33,9 +34,20 @@ from alignrl.rewards import math as math_reward
 from alignrl.rewards.errors import RewardError, ScoreError
 
 SPEC_PREFIX = "trl:"  # algorithm.reward_fn=trl:ENTRY;ENTRY names TRL reward functions
+NOT_COLUMNS = ("prompt", "completion", "completions", "completion_ids")  # TRL passes these otherwise, or not at all
 FIX = "return a list with one float (or None) per completion, as TRL's reward functions do"
 # TRL's think_format_reward: one <think> block opening the completion, closed once, anything after it
 _THINK_RE = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)
+
+
+class WithColumns(dict):
+    """A by-column row's extra (its extra_info object, or nothing) that also keeps every column of the row, as
+    `.columns`, outside its items (`data.row_formats`): TRL's reward functions read them; every other reader (verl's
+    extra_info, tools_kwargs, the evaluation's groups, a verl parquet written) sees the items alone."""
+
+    def __init__(self, items: dict[str, Any], columns: dict[str, Any]):
+        super().__init__(items)
+        self.columns = columns
 
 
 def is_trl_spec(spec: str | None) -> bool:
@@ -158,11 +170,11 @@ def load(spec: str, key: str, import_file: Callable[[Path, str], Any],
 def adapt(named: list[Named], extra_kwargs: dict[str, Any]) -> Callable[..., Any]:
     def call(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
              prompt: str | None = None) -> float:
-        columns = dict(extra_info or {})
-        raw_prompt = columns.pop("prompt", None)
+        columns = dict(getattr(extra_info, "columns", None) or extra_info or {})
+        raw_prompt = columns.get("prompt")
         conversational = isinstance(raw_prompt, list)
         completions = [[{"role": "assistant", "content": solution_str}]] if conversational else [solution_str]
-        kwargs = {k: [v] for k, v in columns.items()}
+        kwargs = {k: [v] for k, v in columns.items() if k not in NOT_COLUMNS}
         kwargs.update(extra_kwargs, prompts=[raw_prompt if raw_prompt is not None else prompt], trainer_state=None)
         total = 0.0
         for one in named:
