@@ -36,6 +36,13 @@ def broken(completions, **kwargs):
 
 def two(completions, **kwargs):
     return [1.0, 2.0]
+
+def nan(completions, **kwargs):
+    return [float("nan") for _ in completions]
+
+async def later(completions, log_metric=None, log_extra=None, **kwargs):
+    log_metric("m", 1.0), log_extra("e", ["x"])
+    return [0.75 for _ in completions]
 '''
 
 
@@ -148,9 +155,11 @@ def test_trl_reward_functions_sum_by_weight_and_skip_none(tmp_path, monkeypatch)
     assert fn("math", "5", "", extra, prompt="templated") == 1.0  # half's 2 x 0.5 only; skip's None left out
     seen = json.loads((tmp_path / "seen.jsonl").read_text().splitlines()[0])
     assert seen == {"solution": ["4"], "prompts": ["2+2?"], "completions": ["<think>x</think> 4"],
-                    "kwargs": ["level", "trainer_state"]}
+                    "kwargs": ["level", "log_extra", "log_metric", "trainer_state"]}
     only_none = _reward(tmp_path, "FILE:skip")
     assert only_none("math", "x", "", extra) == 0.0  # TRL's nansum of nothing
+    assert _reward(tmp_path, "FILE:nan;FILE:half")("math", "x", "", extra) == 0.5  # a NaN skipped as a None
+    assert _reward(tmp_path, "FILE:later@2.0")("math", "x", "", extra) == 1.5  # an async function, awaited
     assert load_reward_fn("trl:accuracy_reward")("math", "so \\boxed{4}", "", extra) == 1.0
 
 

@@ -7,10 +7,12 @@ message where the row's prompt is a list of chat messages (TRL's conversational 
 column as the data holds it (the templated text where the row has none); every other column of the row by its name
 (data_source, extra_info and images too, as TRL passes them; not completion/completions/completion_ids; the
 by-column layout keeps a label-less row's columns beside its extra, `WithColumns`);
-`trainer_state` None (a function called here runs outside a transformers Trainer).
+`trainer_state` None (a function called here runs outside a transformers Trainer); `log_extra` and `log_metric`
+callables that log nothing. `completion_ids` is not passed: the reward reads the response's text only. An `async def`
+function is run to its end on each call (asyncio.run).
 
 Several functions make one reward, their weighted sum, as TRL sums them: a None is skipped (the row then takes the
-others' sum; a row every function skips scores 0, as TRL's nansum gives it).
+others' sum; a row every function skips scores 0, as TRL's nansum gives it). A NaN is skipped as a None is.
 
 `algorithm.reward_fn=trl:ENTRY;ENTRY...` names them, each ENTRY a built-in name (`BUILT_IN`), `path/to/file.py:func`
 or TRL's dotted `package.module.func` (imported from the current folder, as TRL's script does), with `@weight` after
@@ -19,7 +21,9 @@ it when the weight is not 1.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import math
 import numbers
 import os
@@ -175,7 +179,8 @@ def adapt(named: list[Named], extra_kwargs: dict[str, Any]) -> Callable[..., Any
         conversational = isinstance(raw_prompt, list)
         completions = [[{"role": "assistant", "content": solution_str}]] if conversational else [solution_str]
         kwargs = {k: [v] for k, v in columns.items() if k not in NOT_COLUMNS}
-        kwargs.update(extra_kwargs, prompts=[raw_prompt if raw_prompt is not None else prompt], trainer_state=None)
+        kwargs.update(extra_kwargs, prompts=[raw_prompt if raw_prompt is not None else prompt], trainer_state=None,
+                      log_extra=_no_log, log_metric=_no_log)
         total = 0.0
         for one in named:
             value = one_value(call_one(one, completions, kwargs, data_source), one.who, data_source)
@@ -188,9 +193,15 @@ def adapt(named: list[Named], extra_kwargs: dict[str, Any]) -> Callable[..., Any
     return call
 
 
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    """TRL's log_extra/log_metric, which add a column or a metric to its logs: nothing here."""
+
+
 def call_one(one: Named, completions: list[Any], kwargs: dict[str, Any], data_source: str) -> Any:
     try:
-        return one.fn(completions=completions, **kwargs)
+        got = one.fn(completions=completions, **kwargs)
+        # an `async def` function, which TRL awaits: run to its end here, one call at a time
+        return asyncio.run(got) if inspect.iscoroutine(got) else got
     except Exception as exc:  # a user's bug ends the run in one line naming the function, never a traceback
         text = str(exc).strip()
         cause = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
@@ -205,7 +216,7 @@ def one_value(got: Any, who: str, data_source: str) -> float | None:
         shown = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(got).__name__}"
         raise ScoreError(who, f"returned {shown} for one completion", data_source, FIX)
     value = values[0]
-    if value is None:
+    if value is None or (isinstance(value, numbers.Real) and math.isnan(float(value))):  # TRL's nansum skips both
         return None
     if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
         raise ScoreError(who, f"returned {value!r:.40} for a completion", data_source, FIX)
