@@ -182,6 +182,17 @@ def test_every_column_of_a_label_less_row_reaches_trl_functions_only(tmp_path, m
     assert load_samples(str(tmp_path / "out.parquet"))[0].extra == {"i": 7}
 
 
+def test_trl_accuracy_reads_the_answer_as_trl_does():
+    from alignrl.rewards.trl_reward import accuracy_reward, reasoning_accuracy_reward
+
+    # TRL's math_verify calls: a \\boxed{} or an anchored LaTeX answer only, never a bare number or a #### line
+    assert accuracy_reward(["The answer is 42", "#### 42", "$\\boxed{42}$", "$x = 3$"], ["42", "42", "42", "3"]) == \
+        [0.0, 0.0, 1.0, 0.0]
+    assert accuracy_reward(["$\\boxed{42}$"], ["no math here"]) == [None]  # a gold that does not parse: skipped
+    assert reasoning_accuracy_reward(["<think>$\\boxed{1}$</think> $\\boxed{42}$", "$\\boxed{42}$"], ["42", "42"]) == \
+        [1.0, 0.0]
+
+
 def test_trl_reward_function_errors_name_the_function(tmp_path):
     with pytest.raises(ScoreError, match=r"rw.py:broken raised ValueError: no answer column"):
         _reward(tmp_path, "FILE:broken")("math", "x", "", {"prompt": "p"})

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from alignrl.rewards import math as math_reward
 from alignrl.rewards.errors import RewardError, ScoreError
 
 SPEC_PREFIX = "trl:"  # algorithm.reward_fn=trl:ENTRY;ENTRY names TRL reward functions
@@ -95,13 +94,28 @@ def _solutions(solution: list[Any] | None, who: str) -> list[Any]:
 
 
 def _math_or_none(content: str, solution: Any) -> float | None:
-    """TRL's accuracy: math-verified equality with the solution; None (row skipped) when the solution does not parse
-    as math. alignrl's math rule reads the answer (the last \\boxed{}, else the last #### line, else the text)."""
-    from math_verify import parse
+    """TRL's accuracy, with its own math_verify calls: the gold parsed as it is; the completion's first answer in
+    LaTeX (a \\boxed{} first, then only an anchored one: no bare number), verified against it; None (row skipped)
+    when the gold does not parse. Timeouts of 10 s to parse and 5 s to verify, none off the main thread (math_verify
+    times out by signals, which work there only), as in TRL."""
+    import logging
+    import threading
 
-    if not parse(str(solution), parsing_timeout=None):
+    from latex2sympy2_extended import NormalizationConfig
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    main = threading.current_thread() is threading.main_thread()
+    parsing_timeout, verify_timeout = (10, 5) if main else (None, None)
+    if not main:  # math_verify warns on every call whose timeout is off
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    gold = parse(str(solution), parsing_timeout=parsing_timeout)
+    if not gold:
         return None
-    return math_reward.compute_score(content, str(solution))
+    config = LatexExtractionConfig(normalization_config=NormalizationConfig(units=True), boxed_match_priority=0,
+                                   try_extract_without_anchor=False)
+    answer = parse(content, extraction_config=[config], extraction_mode="first_match", parsing_timeout=parsing_timeout)
+    return float(verify(gold, answer, timeout_seconds=verify_timeout))
 
 
 def accuracy_reward(completions: list[Any], solution: list[Any] | None = None, **kwargs: Any) -> list[float | None]:
