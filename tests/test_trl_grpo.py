@@ -115,6 +115,29 @@ def test_trl_loss_variants_and_a_round_that_cuts_groups(tmp_path):
         (4, 8, "sequences")
 
 
+def test_trl_soft_overlong_punishment_keeps_trl_numbers(tmp_path):
+    import torch
+
+    from alignrl.core.shaping import overlong_penalty
+
+    def trl(length: int, weight: float) -> float:  # TRL's script's get_soft_overlong_punishment(1280, 256), weighted
+        return weight * (0.0 if length <= 1024 else (1024 - length) / 256 if length <= 1280 else -1.0)
+
+    base = ["--dataset_name", str(_data(tmp_path)), "--max_steps", "1", "--reward_funcs", "think_format_reward",
+            "get_soft_overlong_punishment", "--reward_weights", "1", "0.5"]
+    cfg, lines = _config(base + ["--max_completion_length", "1100"])
+    a = cfg.algorithm
+    lengths = torch.tensor([10, 1024, 1050, 1100])
+    assert overlong_penalty(lengths, 1100, a.overlong_buffer_len, a.overlong_penalty_factor).tolist() == \
+        pytest.approx([trl(n, 0.5) for n in lengths.tolist()])
+    default, lines = _config(base)  # 256 tokens never reach TRL's punishment
+    assert default.algorithm.overlong_buffer_len == 0 and "never reaches it: no penalty" in lines[-1]
+    with pytest.raises(TrlFlagError, match="-1 past 1280 tokens"):
+        _config(base + ["--max_completion_length", "2048"])
+    with pytest.raises(TrlFlagError, match="get_soft_overlong_punishment alone"):
+        _config(base[:4] + ["--reward_funcs", "get_soft_overlong_punishment"])
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--repetition_penalty", "1.1"], "--repetition_penalty is not supported here"),
     (["--num_generations", "3"], "must be a multiple of --num_generations 3"),

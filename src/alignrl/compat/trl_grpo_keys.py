@@ -121,7 +121,7 @@ def reward_keys(args) -> list[str]:
     out, fns, model = [], [], None
     for i, (name, weight) in enumerate(zip(names, weights)):
         if name == OVERLONG:
-            out += [f"algorithm.overlong_buffer_len={OVERLONG_CACHE}", f"algorithm.overlong_penalty_factor={weight}"]
+            out += overlong_keys(args.max_completion_length, weight)
         elif not (i == 0 and args.reward_model_name_or_path) and not is_model(name):
             fns.append((name, weight))
         else:  # a reward model: a folder or a Hub id, as TRL's GRPOTrainer loads one
@@ -131,6 +131,8 @@ def reward_keys(args) -> list[str]:
             if weight != 1.0:
                 raise TrlFlagError(f"reward model {name} weighted {weight}: alignrl takes a reward model's score as "
                                    "it is; give it weight 1")
+    if not model and not fns:  # alignrl's own rule would score the rows beside the punishment: not TRL's reward
+        raise TrlFlagError(f"{OVERLONG} alone: alignrl adds it to a reward; give a reward function or model beside it")
     if model:
         out.append(f"algorithm.reward_model={model}")
         if fns:
@@ -139,6 +141,24 @@ def reward_keys(args) -> list[str]:
     if fns:
         out.append(f"algorithm.reward_fn={json.dumps(spec_of(fns))}")
     return out
+
+
+def overlong_keys(max_completion_length: int, weight: float) -> list[str]:
+    """TRL's script's get_soft_overlong_punishment(1280, 256), weighted: 0 up to 1024 tokens, then -1/256 a token;
+    as alignrl's DAPO penalty below --max_completion_length (at most 1280; beyond it TRL's -1 step has no
+    counterpart), its buffer the tokens past 1024 and its factor scaled to keep TRL's slope; none when
+    --max_completion_length is 1024 or less (no completion reaches the punishment)."""
+    if max_completion_length > OVERLONG_MAX:
+        raise TrlFlagError(f"{OVERLONG} with --max_completion_length {max_completion_length}: TRL's script sets it to "
+                           f"-1 past {OVERLONG_MAX} tokens, which alignrl's penalty cannot; give at most "
+                           f"{OVERLONG_MAX}, or algorithm.overlong_buffer_len=N instead")
+    if weight < 0:
+        raise TrlFlagError(f"{OVERLONG} weighted {weight}: alignrl's penalty takes a weight of 0 or more")
+    buffer = max(0, max_completion_length - (OVERLONG_MAX - OVERLONG_CACHE))
+    if not buffer:
+        return []
+    return [f"algorithm.overlong_buffer_len={buffer}",
+            f"algorithm.overlong_penalty_factor={weight * buffer / OVERLONG_CACHE}"]
 
 
 def _dataset(args, split: str) -> str:
@@ -285,10 +305,14 @@ def translate(args, world: int) -> tuple[list[str], list[str]]:
                  + [f"rollout.max_new_tokens={args.max_completion_length}", f"rollout.temperature={args.temperature}",
                     f"rollout.top_p={args.top_p}", f"rollout.top_k={args.top_k if args.top_k > 0 else -1}"])
     lines = [defaults_line(args), batches.line()]
-    if OVERLONG in (args.reward_funcs or []) and args.max_completion_length != OVERLONG_MAX:
-        lines.append(f"{OVERLONG}: TRL's script punishes from {OVERLONG_MAX - OVERLONG_CACHE} tokens of "
-                     f"{OVERLONG_MAX}; here the last {OVERLONG_CACHE} tokens before --max_completion_length "
-                     f"{args.max_completion_length}")
+    if OVERLONG in (args.reward_funcs or []):
+        start = OVERLONG_MAX - OVERLONG_CACHE
+        lines.append(f"{OVERLONG}: TRL's script's (max_completion_len {OVERLONG_MAX}, soft_punish_cache "
+                     f"{OVERLONG_CACHE}) punishes from {start} tokens; " +
+                     (f"--max_completion_length {args.max_completion_length} never reaches it: no penalty"
+                      if args.max_completion_length <= start else
+                      f"as algorithm.overlong_buffer_len/overlong_penalty_factor up to --max_completion_length "
+                      f"{args.max_completion_length}"))
     return overrides, lines
 
 
