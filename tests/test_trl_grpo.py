@@ -89,6 +89,9 @@ def test_trl_batches_and_defaults_become_alignrl_keys(tmp_path):
     assert "TRL's defaults taken: " in defaults and "learning_rate 1e-06" in defaults and "num_generations 8" in \
         defaults and ", beta " not in defaults and "num_train_epochs" not in defaults and "not taken: logging_steps 10" in defaults
     assert "= 32 completions per optimizer step" in batches and "data.train_batch_size=4" in batches
+    # TRL cuts no prompt: alignrl's own cap leaves longer ones out, and says so instead of calling it TRL's default
+    assert cfg.data.filter_overlong_prompts and "max_prompt_length" not in defaults
+    assert lines[2].startswith("--max_prompt_length 512 (default): alignrl's own cap (TRL's GRPOConfig has none")
 
 
 def test_trl_loss_variants_and_a_round_that_cuts_groups(tmp_path):

@@ -174,7 +174,8 @@ def data_keys(args, batches: Batches) -> list[str]:
     evaluates = args.eval_strategy != "no"
     val = _dataset(args, args.dataset_test_split) if evaluates else train
     out = [f"data.train_files={json.dumps(train)}", f"data.val_files={json.dumps(val)}", "data.prompt_key=prompt",
-           f"data.max_prompt_length={args.max_prompt_length}", f"data.shuffle={str(args.shuffle_dataset).lower()}"]
+           f"data.max_prompt_length={args.max_prompt_length}", f"data.shuffle={str(args.shuffle_dataset).lower()}",
+           "data.filter_overlong_prompts=true"]  # TRL never cuts a prompt: one over alignrl's cap is left out, counted
     if not evaluates:  # TRL evaluates nothing: alignrl's before/after accuracy reads a few training prompts
         out += [f"data.val_size={args.per_device_eval_batch_size}", "trainer.test_freq=0"]
     else:
@@ -282,7 +283,8 @@ def run_keys(args, batches: Batches) -> list[str]:
 
 def defaults_line(args) -> str:
     """TRL's defaults a line leaves out, those taken and those not."""
-    quiet = {"dataset_train_split", "dataset_test_split", "per_device_eval_batch_size", "use_peft", "max_steps"}
+    quiet = {"dataset_train_split", "dataset_test_split", "per_device_eval_batch_size", "use_peft", "max_steps",
+             "max_prompt_length"}  # alignrl's own cap, said on a line of its own
     quiet |= {"num_train_epochs"} if args.max_steps > 0 else set()  # --max_steps wins over epochs, as in TRL
     quiet |= {"save_steps"} if args.save_strategy != "steps" else set()
     quiet |= set() if args.use_peft else {"lora_r", "lora_alpha", "lora_dropout"}
@@ -304,7 +306,10 @@ def translate(args, world: int) -> tuple[list[str], list[str]]:
                  + optimiser_keys(args, batches, optimizer_steps) + run_keys(args, batches)
                  + [f"rollout.max_new_tokens={args.max_completion_length}", f"rollout.temperature={args.temperature}",
                     f"rollout.top_p={args.top_p}", f"rollout.top_k={args.top_k if args.top_k > 0 else -1}"])
-    lines = [defaults_line(args), batches.line()]
+    lines = [defaults_line(args), batches.line(),
+             f"--max_prompt_length {args.max_prompt_length}{'' if 'max_prompt_length' in args.given else ' (default)'}"
+             ": alignrl's own cap (TRL's GRPOConfig has none and cuts no prompt): longer prompts are left out as the "
+             "data loads, counted; raise it to keep them"]
     if OVERLONG in (args.reward_funcs or []):
         start = OVERLONG_MAX - OVERLONG_CACHE
         lines.append(f"{OVERLONG}: TRL's script's (max_completion_len {OVERLONG_MAX}, soft_punish_cache "
