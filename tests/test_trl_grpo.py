@@ -96,8 +96,12 @@ def test_trl_batches_and_defaults_become_alignrl_keys(tmp_path):
 
 def test_trl_loss_variants_and_a_round_that_cuts_groups(tmp_path):
     base = ["--dataset_name", str(_data(tmp_path)), "--reward_funcs", "think_format_reward", "--max_steps", "3"]
-    gspo, _ = _config(base + ["--importance_sampling_level", "sequence", "--mask_truncated_completions"])
+    gspo, _ = _config(base + ["--importance_sampling_level", "sequence", "--mask_truncated_completions",
+                              "--loss_type", "grpo"])
     assert gspo.actor.policy_loss == "gspo" and gspo.algorithm.mask_truncated and not gspo.actor.use_kl_loss
+    assert gspo.actor.loss_agg_mode == "seq-mean-token-mean"
+    with pytest.raises(TrlFlagError, match="sequence with --loss_type dapo: alignrl's GSPO averages the completions"):
+        _config(base + ["--importance_sampling_level", "sequence"])  # TRL weighs dapo's sequences by length
     cispo, _ = _config(base + ["--loss_type", "cispo", "--epsilon_high", "5.0"])
     assert (cispo.actor.policy_loss, cispo.actor.clip_ratio_low, cispo.actor.clip_ratio_high) == ("cispo", 1.0, 4.0)
     # 6 completions an optimizer step hold no whole groups of 4: the mini-batch counts sequences; 2 steps a round

@@ -199,9 +199,11 @@ def loss_keys(args) -> list[str]:
     high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     low = args.epsilon
     if args.importance_sampling_level == "sequence":
-        if policy != "ppo_clip":
+        # TRL aggregates the sequence ratio's loss by loss_type (dapo, bnpo, dr_grpo weigh it by length); alignrl's
+        # GSPO averages the sequences whatever actor.loss_agg_mode says: TRL's grpo only
+        if args.loss_type != "grpo":
             raise TrlFlagError(f"--importance_sampling_level sequence with --loss_type {args.loss_type}: alignrl's "
-                               "GSPO clips the sequence ratio (loss_type grpo, dapo, bnpo or dr_grpo)")
+                               "GSPO averages the completions, as TRL's loss_type grpo does; add --loss_type grpo")
         policy = "gspo"
     if policy == "cispo":  # TRL's epsilon_high is CISPO's bound on the IS weight itself, with no lower bound
         if high <= 1.0:
