@@ -14,8 +14,7 @@ from alignrl.preference import dpo_mix
 from alignrl.preference.cli import dpo_main, parse_dpo
 from alignrl.runtime.env import DistEnv
 
-# the caps take the default files together (OpenRLHF's --max_samples): 16 helpful pairs, 4 steps of 4
-TINY = ["max_train_pairs=16", "max_eval_pairs=8", "batch_size=4", "eval_batch_size=8", "learning_rate=1e-2",
+TINY = ["max_train_pairs=8", "max_eval_pairs=4", "batch_size=4", "eval_batch_size=8", "learning_rate=1e-2",
         "warmup_ratio=0", "log_every=1", "report_to=[jsonl]", "bf16=false", "strategy=single"]
 
 

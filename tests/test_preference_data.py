@@ -225,19 +225,3 @@ def test_dpo_and_rm_train_on_trls_other_layouts(layout, tiny_model_dir, tmp_path
     for name in ("rm", "dpo"):
         assert _json.loads((tmp_path / name / "eval_results.json").read_text())  # trained, evaluated, saved
 
-
-def test_dpo_max_pairs_caps_the_blend_of_its_files_not_each_file(tmp_path):
-    """OpenRLHF's --max_samples: the first N pairs of all the files together; a file past the cap is not read (a
-    missing one is no error), and each pair keeps the index of its file (the per-file held-out metrics)."""
-    from alignrl.preference.configs import DPOConfig
-    from alignrl.preference.dpo import _load
-
-    row = lambda i: {"prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"}  # noqa: E731
-    a = _write(tmp_path, [row(i) for i in range(3)], "a.jsonl")
-    b = _write(tmp_path, [row(i) for i in range(10, 20)], "b.jsonl")
-    pairs, group = _load([a, b, str(tmp_path / "never_read.jsonl")], DPOConfig(), 5, "train_files")
-    assert [p.chosen for p in pairs] == ["good 0", "good 1", "good 2", "good 10", "good 11"]
-    assert group == [0, 0, 0, 1, 1]
-    pairs, group = _load([a, b], DPOConfig(), 0, "eval_files")  # 0: all
-    assert len(pairs) == 13 and group == [0] * 3 + [1] * 10
-    assert _load([a, b], DPOConfig(), 2, "eval_files")[1] == [0, 0]

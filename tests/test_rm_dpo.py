@@ -92,9 +92,7 @@ def test_dpo_raises_heldout_reward_accuracy_and_precompute_matches(tiny_model_di
     b, a = live["before"]["all"], live["after"]["all"]
     assert b["reward_accuracy"] == 0.5 and b["reward_margin"] == 0.0  # policy == reference: every reward is 0
     assert a["reward_accuracy"] > 0.7 and a["reward_margin"] > 0
-    # max_eval_pairs=24 caps the files together (OpenRLHF's --max_samples): the first 24 pairs, all helpful ones
-    assert set(live["after"]) == {"all", "helpful_test", "harmless_test"} and a["pairs"] == 24
-    assert live["after"]["harmless_test"]["pairs"] == 0 and live["train_pairs"] == 48
+    assert set(live["after"]) == {"all", "helpful_test", "harmless_test"} and a["pairs"] == 48
     # a precomputed reference (and checkpointed activations) change nothing but the cost
     for k in ("reward_accuracy", "reward_margin", "logp_accuracy"):
         assert pre["after"]["all"][k] == pytest.approx(a[k], abs=1e-4)
@@ -171,7 +169,7 @@ def test_seed_002_commands_two_ranks(scorers, tiny_model_dir, tmp_path, monkeypa
     p = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
               "-m", "src.training.train_safe_mm_dpo", "--config", "configs/dpo_config.yaml",
               "--output_dir", "models/aligned", "--logging_dir", "logs/training/safe_mm_dpo",
-              *small, "max_train_pairs=32", "max_eval_pairs=32", "gradient_accumulation_steps=1"], root)
+              *small, "max_train_pairs=16", "max_eval_pairs=16", "gradient_accumulation_steps=1"], root)
     res = json.loads((root / "models/aligned/eval_results.json").read_text())
     assert res["loss_type"] == "safe_mm_dpo" and res["world_size"] == 2 and res["steps"] == 4
     assert json.loads((root / "models/aligned/safe_mm_dpo_state.json").read_text())["updates"] == 4

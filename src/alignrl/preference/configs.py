@@ -70,10 +70,8 @@ class CommonConfig:
     grad_clip: float = opt(1.0, "max global grad norm; 0 disables", ge=0.0)
     epochs: int = opt(1, "passes over the training pairs", ge=1)
     max_steps: int = opt(0, "stop after this many optimizer steps; 0: run all epochs", ge=0)
-    max_train_pairs: int = opt(0, "use only the first N training pairs of all the training files together, in "
-                                  "their order (OpenRLHF's --max_samples); 0: all", ge=0)
-    max_eval_pairs: int = opt(0, "use only the first N held-out pairs of all the held-out files together; 0: all",
-                              ge=0)
+    max_train_pairs: int = opt(0, "use only the first N training pairs of each file; 0: all", ge=0)
+    max_eval_pairs: int = opt(0, "use only the first N held-out pairs of each file; 0: all", ge=0)
     seed: int = opt(42, "seed of the data order and of new score heads")
     strategy: str = opt("ddp", "training engine (ddp is one process without torchrun)",
                         choices=("single", "ddp", "fsdp2", "deepspeed"))

@@ -79,14 +79,10 @@ def check_scorers(cfg: DPOConfig) -> None:
 
 
 def _load(files: list[str], cfg: DPOConfig, limit: int, key: str) -> tuple[list, list[int]]:
-    """(the pairs of `files` in order, the first `limit` of them all (OpenRLHF's --max_samples: of the blend, not of
-    each file; files past the limit are not read; 0: all), the index in `files` of each pair's file)."""
     pairs, group = [], []
-    columns = PairColumns(cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
     for g, f in enumerate(files):
-        if limit and len(pairs) >= limit:
-            break
-        got = load_pairs(f, cfg.prefer, limit - len(pairs) if limit else None, key, columns)
+        columns = PairColumns(cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
+        got = load_pairs(f, cfg.prefer, limit or None, key, columns)
         pairs += got
         group += [g] * len(got)
     return pairs, group
