@@ -145,6 +145,21 @@ def test_trl_soft_overlong_punishment_keeps_trl_numbers(tmp_path):
         _config(base[:4] + ["--reward_funcs", "get_soft_overlong_punishment"])
 
 
+def test_trl_eval_and_save_cadence_follow_transformers(tmp_path):
+    base = ["--dataset_name", str(_data(tmp_path)), "--reward_funcs", "think_format_reward", "--max_steps", "40"]
+    # one optimizer step a round: RL steps are optimizer steps; --eval_steps defaults to --logging_steps (10)
+    cfg, _ = _config(base + ["--eval_strategy", "steps"])
+    assert cfg.trainer.test_freq == 10
+    cfg, lines = _config(base + ["--eval_strategy", "steps", "--logging_steps", "5"])
+    assert cfg.trainer.test_freq == 5 and "--logging_steps" not in lines[-1]
+    cfg, _ = _config(base + ["--eval_strategy", "steps", "--eval_steps", "0.25", "--save_steps", "0.5"])
+    assert (cfg.trainer.test_freq, cfg.trainer.save_freq) == (10, 20)  # shares of the 40 steps, as transformers
+    with pytest.raises(TrlFlagError, match="--save_steps 0.5: a share of the run's steps needs --max_steps"):
+        _config(base[:4] + ["--save_steps", "0.5"])
+    cfg, lines = _config(base + ["--eval_strategy", "epoch"])
+    assert cfg.trainer.test_freq == 0 and any(line.startswith("--eval_strategy epoch: alignrl") for line in lines)
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--repetition_penalty", "1.1"], "--repetition_penalty is not supported here"),
     (["--num_generations", "3"], "must be a multiple of --num_generations 3"),

@@ -68,7 +68,7 @@ TAKEN = [
     Flag("warmup_ratio", float, 0.0), Flag("warmup_steps", int, 0), Flag("weight_decay", float, 0.0),
     Flag("adam_beta1", float, 0.9), Flag("adam_beta2", float, 0.999), Flag("max_grad_norm", float, 1.0),
     Flag("seed", int, 42), Flag("save_strategy", str, "steps"), Flag("save_steps", float, 500),
-    Flag("save_total_limit", "opt_int", None), Flag("eval_strategy", str, "no"), Flag("eval_steps", "opt_int", None),
+    Flag("save_total_limit", "opt_int", None), Flag("eval_strategy", str, "no"), Flag("eval_steps", "opt_float", None),
     Flag("report_to", "list", None), Flag("resume_from_checkpoint", "opt_str", None),
 ]
 # flags given that change nothing here, by reason (named once at start when given with a value other than TRL's)

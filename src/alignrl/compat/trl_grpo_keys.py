@@ -173,17 +173,34 @@ def data_keys(args, batches: Batches) -> list[str]:
     train = _dataset(args, args.dataset_train_split)
     evaluates = args.eval_strategy != "no"
     val = _dataset(args, args.dataset_test_split) if evaluates else train
+    if args.eval_strategy not in ("no", "steps", "epoch"):
+        raise TrlFlagError(f"--eval_strategy {args.eval_strategy}: give no, steps or epoch")
     out = [f"data.train_files={json.dumps(train)}", f"data.val_files={json.dumps(val)}", "data.prompt_key=prompt",
            f"data.max_prompt_length={args.max_prompt_length}", f"data.shuffle={str(args.shuffle_dataset).lower()}",
            "data.filter_overlong_prompts=true"]  # TRL never cuts a prompt: one over alignrl's cap is left out, counted
     if not evaluates:  # TRL evaluates nothing: alignrl's before/after accuracy reads a few training prompts
         out += [f"data.val_size={args.per_device_eval_batch_size}", "trainer.test_freq=0"]
-    else:
-        every = args.eval_steps if args.eval_strategy == "steps" and args.eval_steps else None
-        out.append(f"trainer.test_freq={batches.rl_steps(every) if every else 0}")
+    elif args.eval_strategy == "steps":  # transformers: eval_steps defaults to logging_steps
+        every = args.eval_steps if args.eval_steps else args.logging_steps
+        out.append(f"trainer.test_freq={batches.rl_steps(optimizer_steps(args, every, 'eval_steps'))}")
+    else:  # epoch: before and after training only, said at start
+        out.append("trainer.test_freq=0")
     if args.chat_template_kwargs:
         out.append(f"data.chat_template_kwargs={args.chat_template_kwargs}")
     return out
+
+
+def optimizer_steps(args, value: float, flag: str) -> int:
+    """--eval_steps/--save_steps/--logging_steps as optimizer steps: a value below 1 is that share of the run's
+    optimizer steps, rounded up (transformers' rule), which only --max_steps gives before the data loads."""
+    if value < 1:
+        if args.max_steps <= 0:
+            raise TrlFlagError(f"--{flag} {value}: a share of the run's steps needs --max_steps here; give --{flag} "
+                               "as a whole number of optimizer steps")
+        return max(1, math.ceil(value * args.max_steps))
+    if not float(value).is_integer():
+        raise TrlFlagError(f"--{flag} {value}: give a whole number of optimizer steps, or a share below 1")
+    return int(value)
 
 
 def loss_keys(args) -> list[str]:
@@ -261,7 +278,7 @@ def run_keys(args, batches: Batches) -> list[str]:
     out.append(f"trainer.total_training_steps={steps}" if steps else
                f"trainer.total_epochs={int(args.num_train_epochs)}")
     if args.save_strategy == "steps":
-        out.append(f"trainer.save_freq={batches.rl_steps(args.save_steps)}")
+        out.append(f"trainer.save_freq={batches.rl_steps(optimizer_steps(args, args.save_steps, 'save_steps'))}")
     elif args.save_strategy == "no":
         out.append("trainer.save_freq=0")
     else:
@@ -312,6 +329,10 @@ def translate(args, world: int) -> tuple[list[str], list[str]]:
              f"--max_prompt_length {args.max_prompt_length}{'' if 'max_prompt_length' in args.given else ' (default)'}"
              ": alignrl's own cap (TRL's GRPOConfig has none and cuts no prompt): longer prompts are left out as the "
              "data loads, counted; raise it to keep them"]
+    if args.eval_strategy == "epoch":
+        lines.append("--eval_strategy epoch: alignrl measures the held-out split before and after training "
+                     "(trainer.test_freq=0), not after each epoch; --eval_strategy steps --eval_steps N evaluates "
+                     "every N optimizer steps")
     if OVERLONG in (args.reward_funcs or []):
         start = OVERLONG_MAX - OVERLONG_CACHE
         lines.append(f"{OVERLONG}: TRL's script's (max_completion_len {OVERLONG_MAX}, soft_punish_cache "
@@ -332,6 +353,8 @@ def from_line(words: list[str]) -> tuple[list[str], list[str]]:
     args = F.parse(flags)
     world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
     overrides, lines = translate(args, world)
+    if args.eval_strategy == "steps" and not args.eval_steps:  # --logging_steps then sets the evaluations' cadence
+        args.given = args.given - {"logging_steps"}
     unused = F.unused(args)
     others = [s for s in args.report_to or [] if s not in ("wandb", "tensorboard", "none", "all")]
     if others:  # transformers' other integrations
