@@ -158,6 +158,8 @@ def test_trl_eval_and_save_cadence_follow_transformers(tmp_path):
         _config(base[:4] + ["--save_steps", "0.5"])
     cfg, lines = _config(base + ["--eval_strategy", "epoch"])
     assert cfg.trainer.test_freq == 0 and any(line.startswith("--eval_strategy epoch: alignrl") for line in lines)
+    _, lines = _config(base + ["--dataset_test_split", "validation"])  # a local file has no splits
+    assert any(line.startswith("--dataset_test_split: ") and "change nothing" in line for line in lines)
 
 
 @pytest.mark.parametrize("argv, words", [

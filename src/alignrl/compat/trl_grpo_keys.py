@@ -19,7 +19,7 @@ from pathlib import Path
 
 from alignrl.compat import trl_grpo_flags as F
 from alignrl.compat.trl_grpo_flags import TAKEN, TrlFlagError
-from alignrl.data.sources import with_split
+from alignrl.data.sources import is_library_dataset, with_split
 from alignrl.rewards.trl_reward import BUILT_IN, spec_of
 
 # TRL's loss_type -> (actor.policy_loss, actor.loss_agg_mode)
@@ -329,6 +329,10 @@ def translate(args, world: int) -> tuple[list[str], list[str]]:
              f"--max_prompt_length {args.max_prompt_length}{'' if 'max_prompt_length' in args.given else ' (default)'}"
              ": alignrl's own cap (TRL's GRPOConfig has none and cuts no prompt): longer prompts are left out as the "
              "data loads, counted; raise it to keep them"]
+    splits = [f"--{f}" for f in ("dataset_train_split", "dataset_test_split") if f in args.given]
+    if splits and args.dataset_name and not is_library_dataset(args.dataset_name):
+        lines.append(f"{' '.join(splits)}: {args.dataset_name} is a file, read whole; the split flags change nothing "
+                     "here (they pick a dataset folder's or a Hub dataset's split)")
     if args.eval_strategy == "epoch":
         lines.append("--eval_strategy epoch: alignrl measures the held-out split before and after training "
                      "(trainer.test_freq=0), not after each epoch; --eval_strategy steps --eval_steps N evaluates "
