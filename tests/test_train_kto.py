@@ -92,6 +92,26 @@ def test_mismatched_pairing_is_the_next_rows_completion(tiny_model_dir, tmp_path
     assert tok.decode(enc[0].completion) == "one<|im_end|>\n" and [e.desirable for e in enc] == [0, 1, 0]
 
 
+def test_mismatched_rows_of_openrlhfs_text_are_the_joined_text_tokenized_anew(tiny_model_dir, tmp_path):
+    """With input_template, OpenRLHF's KL row is prompt i's text with completion i + 1's tokenized whole: where the
+    template's last space merges with a completion's first letter, joining ids would keep row i's own letter."""
+    from alignrl.data.kto_rows import mismatched
+    from alignrl.data.sft_rows import openrlhf_text
+    from alignrl.models.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir, chat=False)
+    template = "User: {}\nAssistant: "
+    two = [{"prompt": "Hello", "completion": "Hi there", "label": True},
+           {"prompt": "Bye", "completion": "Sure", "label": False}]
+    enc, _ = encode_rows(tok, load_rows(_write(tmp_path / "d.jsonl", two), KTOKeys()), False, 64, template)
+    prompts, completions = mismatched(enc, tok)
+    ids, head = openrlhf_text(tok, template.format("Hello"), "Sure")
+    assert (prompts[0], completions[0]) == (ids[:head], ids[head:])
+    assert prompts[0] + completions[0] != enc[0].prompt + enc[1].completion  # the merge: joined ids would differ
+    plain, _ = encode_rows(tok, load_rows(_write(tmp_path / "d.jsonl", two), KTOKeys()), False, 64)
+    assert mismatched(plain, tok) == ([e.prompt for e in plain], [plain[1].completion, plain[0].completion])
+
+
 # every prompt with a desirable and an undesirable completion, interleaved so that a micro-batch holds both kinds
 ROWS = [{"prompt": f"question {i}", "completion": GOOD if k else BAD, "label": bool(k)}
         for i in range(8) for k in (1, 0)]

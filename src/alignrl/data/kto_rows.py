@@ -28,7 +28,7 @@ import torch
 
 from alignrl.data.collate import left_pad, right_pad
 from alignrl.data.loaders import DataError, _read_rows
-from alignrl.data.sft_rows import SFTKeys, SFTRow, _text_or_messages, encode_prompt_completion
+from alignrl.data.sft_rows import SFTKeys, SFTRow, _text_or_messages, encode_prompt_completion, openrlhf_text
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,8 @@ class EncodedKTO:
     completion: list[int]
     desirable: bool
     index: int  # position in the data set
+    # OpenRLHF's text (input_template): the formatted prompt and the completion, which a mismatched row joins as text
+    texts: tuple[str, str] | None = None
 
 
 def encode_rows(tokenizer, rows: Sequence[KTORow], chat_template: bool, max_length: int,
@@ -118,7 +120,9 @@ def encode_rows(tokenizer, rows: Sequence[KTORow], chat_template: bool, max_leng
             completion = completion[:max_length - len(prompt)]
         if not completion:
             raise DataError(f"{row.loc}: the completion has no tokens")
-        out.append(EncodedKTO(prompt, completion, row.desirable, len(out)))
+        texts = (input_template.format(row.prompt), str(row.completion)) if (
+            input_template is not None and not chat_template and isinstance(row.prompt, str)) else None
+        out.append(EncodedKTO(prompt, completion, row.desirable, len(out), texts))
     return out, cut
 
 
@@ -160,18 +164,37 @@ class KTOBatch:
         return self._map(lambda t: t.pin_memory())
 
 
-def shifted(completions: Sequence[list[int]]) -> list[list[int]]:
-    """Row i's mismatched completion: row i + 1's, the last row taking the first's (OpenRLHF's pairing)."""
-    return list(completions[1:]) + list(completions[:1])
+def shifted(items: Sequence) -> list:
+    """Row i's mismatched partner: row i + 1, the last row taking the first (OpenRLHF's pairing)."""
+    return list(items[1:]) + list(items[:1])
+
+
+def mismatched(rows: Sequence[EncodedKTO], tokenizer=None) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, completions) of the mismatched rows: row i's prompt with row i + 1's completion (`shifted`). Rows
+    of OpenRLHF's text are that joined text tokenized anew, as OpenRLHF's KL rows are (a token merging across the
+    prompt's end merges with the other completion); other rows join the ids."""
+    prompts, completions = [], []
+    for own, other in zip(rows, shifted(rows)):
+        if tokenizer is not None and own.texts is not None and other.texts is not None:
+            ids, head = openrlhf_text(tokenizer, own.texts[0], other.texts[1])
+            prompts.append(ids[:head])
+            completions.append(ids[head:])
+        else:
+            prompts.append(own.prompt)
+            completions.append(other.completion)
+    return prompts, completions
 
 
 def collate_rows(encoded: Sequence[EncodedKTO], pad_id: int, global_rows: float, kl_completions=None,
-                 weights: Sequence[float] | None = None, max_length: int | None = None) -> KTOBatch:
-    """A batch of `encoded`; with `kl_completions` (one per row) the mismatched rows too, each cut at `max_length`."""
+                 weights: Sequence[float] | None = None, max_length: int | None = None,
+                 kl_prompts: Sequence[list[int]] | None = None) -> KTOBatch:
+    """A batch of `encoded`; with `kl_completions` (one per row) the mismatched rows too, each cut at `max_length`,
+    on each row's own prompt or on `kl_prompts`."""
     prompts, completions = [e.prompt for e in encoded], [e.completion for e in encoded]
     if kl_completions is not None:
-        room = [max(1, (max_length or 10**9) - len(p)) for p in prompts]
-        prompts, completions = prompts * 2, completions + [c[:r] for c, r in zip(kl_completions, room)]
+        kl_p = list(kl_prompts) if kl_prompts is not None else prompts
+        room = [max(1, (max_length or 10**9) - len(p)) for p in kl_p]
+        prompts, completions = prompts + kl_p, completions + [c[:r] for c, r in zip(kl_completions, room)]
     pi, pm = left_pad(prompts, pad_id)
     ri, rm = right_pad(completions, pad_id)
     return KTOBatch(pi, pm, ri, rm, torch.tensor([e.desirable for e in encoded], dtype=torch.bool),

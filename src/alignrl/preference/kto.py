@@ -30,7 +30,8 @@ import time
 import torch
 
 from alignrl.core.kto import NEEDS_KL, kl_estimate, kto_loss, weight_balance
-from alignrl.data.kto_rows import EncodedKTO, KTOBatch, KTOKeys, KTORow, collate_rows, encode_rows, load_rows, shifted
+from alignrl.data.kto_rows import (EncodedKTO, KTOBatch, KTOKeys, KTORow, collate_rows, encode_rows, load_rows,
+                                    mismatched)
 from alignrl.preference import adapters
 from alignrl.preference import common as pc
 from alignrl.preference.cli import same_model
@@ -107,16 +108,18 @@ class Reference:
             return logps(self.model, batch)
 
 
-def train_batches(encoded: list[EncodedKTO], pad_id: int, cfg: KTOConfig, env):
-    """`loader(epoch)` for `common.train_pairs`: this rank's micro-batches, with their mismatched completions."""
+def train_batches(encoded: list[EncodedKTO], pad_id: int, cfg: KTOConfig, env, tokenizer=None):
+    """`loader(epoch)` for `common.train_pairs`: this rank's micro-batches, with their mismatched rows (`tokenizer`:
+    rows of OpenRLHF's text join as text)."""
     from torch.utils.data import DataLoader
 
     with_kl = cfg.loss_type in NEEDS_KL
 
     def collate(batch: list[int]) -> KTOBatch:
         rows = [encoded[j] for j in batch]
-        kl = shifted([r.completion for r in rows]) if with_kl else None
-        return collate_rows(rows, pad_id, pc.global_batch(cfg, env.world_size), kl, max_length=cfg.max_length)
+        kl_p, kl_c = mismatched(rows, tokenizer) if with_kl else (None, None)
+        return collate_rows(rows, pad_id, pc.global_batch(cfg, env.world_size), kl_c, max_length=cfg.max_length,
+                            kl_prompts=kl_p)
 
     def loader(epoch: int):
         mine = pc.micro_batches(len(encoded), cfg, env.world_size, env.rank, epoch)
@@ -127,18 +130,19 @@ def train_batches(encoded: list[EncodedKTO], pad_id: int, cfg: KTOConfig, env):
     return loader
 
 
-def eval_batches(encoded: list[EncodedKTO], pad_id: int, cfg: KTOConfig, env) -> list[KTOBatch]:
+def eval_batches(encoded: list[EncodedKTO], pad_id: int, cfg: KTOConfig, env, tokenizer=None) -> list[KTOBatch]:
     """This rank's share of the held-out rows (rank::world), each with row i + 1's completion of the whole held-out
     set as its mismatched one (the same pairs whatever the ranks), padded with weight-0 copies so that every rank runs
     the same number of forwards (sharded engines need all ranks in each one)."""
-    partners = shifted([e.completion for e in encoded])
+    kl_p, kl_c = mismatched(encoded, tokenizer)
     mine = list(range(len(encoded)))[env.rank::env.world_size]
     per_rank = -(-len(encoded) // env.world_size)
     weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
     mine = mine + [0] * (per_rank - len(mine))
     size = cfg.eval_batch_size
-    return [collate_rows([encoded[j] for j in mine[i:i + size]], pad_id, 0.0, [partners[j] for j in mine[i:i + size]],
-                         weights[i:i + size], cfg.max_length) for i in range(0, len(mine), size)]
+    return [collate_rows([encoded[j] for j in mine[i:i + size]], pad_id, 0.0, [kl_c[j] for j in mine[i:i + size]],
+                         weights[i:i + size], cfg.max_length, [kl_p[j] for j in mine[i:i + size]])
+            for i in range(0, len(mine), size)]
 
 
 @torch.no_grad()
@@ -257,7 +261,7 @@ def train_kto(cfg: KTOConfig, dry_run_world: int | None = None) -> dict:
     engine = pc.build_engine_for(cfg, model, env, total)
     log.print(f"{pc.describe_batch(cfg, env.world_size).replace('pairs', 'rows')}; {total} optimizer steps, "
               f"strategy {engine.name}, world size {env.world_size}, bf16 {pc.use_bf16(cfg)}")
-    evals = eval_batches(enc_eval, tok.pad_token_id, cfg, env)
+    evals = eval_batches(enc_eval, tok.pad_token_id, cfg, env, tok)
     ev = (lambda: evaluate(engine.model, ref, evals, enc_eval, cfg, env)) if enc_eval else (lambda: None)  # noqa: E731
     before = ev()
     if before:
@@ -272,7 +276,7 @@ def train_kto(cfg: KTOConfig, dry_run_world: int | None = None) -> dict:
         return {}
 
     step = pc.train_pairs(engine, _loss_fn(cfg, env, ref), enc_train, [], tok.pad_token_id, cfg, env, log, total,
-                          CONSOLE, after_step, start, loader=train_batches(enc_train, tok.pad_token_id, cfg, env))
+                          CONSOLE, after_step, start, loader=train_batches(enc_train, tok.pad_token_id, cfg, env, tok))
     after = ev()
     if after:
         pc.check_eval_finite(after["reward_margin"], "log-probabilities")
