@@ -13,8 +13,8 @@ utility order with an ODPO offset.
 TRL's other pairwise losses (robust, exo_pair, nca_pair, sppo_hard, aot, aot_pair, apo_zero, apo_down, discopop)
 follow its formulas, and so do the reference-free losses of its CPO and ORPO trainers (simpo, cpo, orpo: the caller
 passes zeros for the reference). ipo_token_mean is TRL's IPO: the IPO loss on token-mean log-probs of the policy
-and the reference (the caller divides; `ipo` takes sums, as OpenRLHF's). bco_pair reads δ, a running mean of the rewards over the micro-batches so far
-(`RewardMean`), which the trainer keeps, shares across ranks and checkpoints. `sft_loss` (the chosen responses' NLL)
+and the reference (the caller divides; `ipo` takes sums, as OpenRLHF's). bco_pair reads δ, a running mean of the
+rewards over the micro-batches so far (`RewardMean`), which the trainer keeps, shares across ranks and checkpoints. `sft_loss` (the chosen responses' NLL)
 is a part of TRL's multi-loss DPO, never a loss_type alone. Left out on purpose: KTO's unpaired data and
 listwise/ranking losses; they need different data.
 """
