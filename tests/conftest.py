@@ -69,6 +69,24 @@ def program_names_stay_in_their_test(monkeypatch):
         monkeypatch.delenv(var)  # recorded: whatever the test sets is removed after it
 
 
+# what torchrun sets for each rank; `alignrl train` reads them to know it already runs as a launched rank
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def launch_variables_stay_in_their_test():
+    """A one-process DeepSpeed engine sets LOCAL_RANK for DeepSpeed to read, and leaves it: a later test's in-process
+    `alignrl train` would take itself for a torchrun rank, skip its launch checks and train in the working folder.
+    Each test ends with the launch variables it started with, whatever the order the test files run in."""
+    before = {name: os.environ.get(name) for name in LAUNCH_VARS}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 # top-level names alignrl provides modules under (verl's APIs for users' files), or a test's recipe package takes
 PROVIDED_ROOTS = ("verl", "recipe")
 

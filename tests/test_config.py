@@ -91,6 +91,10 @@ def test_an_empty_value_empties_a_text_key():
     """`services.generation_url=` (no service) was refused as null for a text key."""
     assert load_config(None, ["services.generation_url="]).services.generation_url == ""
     assert load_config(None, ["data.input_template="]).data.input_template is None  # an optional key: unset
+    by_column = ["data.prompt_key=q", "data.apply_chat_template=false", "data.train_files=a.jsonl"]
+    # a text starting with `#` is the text, not a YAML comment that would leave the key unset
+    assert load_config(None, ["data.input_template=### Q: {}", *by_column]).data.input_template == "### Q: {}"
+    assert load_config(None, ["data.input_template=null", *by_column]).data.input_template is None
 
 
 def test_one_value_given_to_a_list_key_is_a_list_of_one():

@@ -93,6 +93,8 @@ def dotted_item(schema: type, override: str) -> Any:
         # `key=` on a text key is the empty text (e.g. no service: services.generation_url=), not YAML's null
         if OmegaConf.is_dict(picked) or OmegaConf.is_list(picked) or (value == "" and field_.type in (str, "str")):
             return _raw_text(key, value)
+        if picked is None and value.strip() not in ("", "null", "Null", "NULL", "~"):  # `#...` reads as a comment
+            return _raw_text(key, value)
     if field_ is not None and field_.type in (list, "list"):
         value = OmegaConf.select(item, key, default=None, throw_on_resolution_failure=False)  # `${...}`: later
         if value is not None and not OmegaConf.is_list(value):
