@@ -19,7 +19,7 @@ from pathlib import Path
 
 from alignrl.compat import trl_grpo_flags as F
 from alignrl.compat.trl_grpo_flags import TAKEN, TrlFlagError
-from alignrl.data.sources import is_library_dataset, with_split
+from alignrl.data.sources import is_library_dataset, with_config, with_split
 from alignrl.rewards.trl_reward import BUILT_IN, spec_of
 
 # TRL's loss_type -> (actor.policy_loss, actor.loss_agg_mode)
@@ -162,7 +162,7 @@ def overlong_keys(max_completion_length: int, weight: float) -> list[str]:
 
 
 def _dataset(args, split: str) -> str:
-    name = args.dataset_name + (f"#{args.dataset_config}" if args.dataset_config else "")
+    name = with_config(args.dataset_name, args.dataset_config) if args.dataset_config else args.dataset_name
     return with_split(name, split)
 
 
