@@ -351,3 +351,19 @@ def test_trls_ipo_dataset_config_and_splits_of_one_dataset(capsys):
         parse_dpo(["--pretrain", "m", "eval_files=[a/b]", "--eval_split", "dev"])
     with pytest.raises(ConfigError, match="a training split flag picks"):
         parse_sft(["--pretrain", "m", "train_files=[a/b]", "--dataset_split", "dev"])
+
+
+@pytest.mark.parametrize(("ratio", "steps", "expected"), [(0.03, 10, 1), (0.1, 25, 3), (0.1, 20, 2), (0.0, 20, 0)])
+def test_a_warm_up_ratio_rounds_up_to_whole_optimizer_steps(monkeypatch, ratio, steps, expected):
+    """OpenRLHF's math.ceil(max_steps * lr_warmup_ratio) and transformers' get_warmup_steps both round a
+    fraction of a step up: 3% of 10 steps is one step of warm-up, not none."""
+    import torch
+
+    from alignrl.preference import common
+    from alignrl.train import engines
+
+    specs = []
+    monkeypatch.setattr(engines, "build_engine", lambda strategy, model, spec, env, **kw: specs.append(spec))
+    cfg = DPOConfig(warmup_ratio=ratio)
+    common.build_engine_for(cfg, torch.nn.Linear(2, 2), env=None, total_steps=steps)
+    assert specs[0].warmup_steps == expected

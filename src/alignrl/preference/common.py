@@ -72,7 +72,8 @@ def bind_template_variables(tokenizer, cfg: CommonConfig, log) -> None:
 def build_engine_for(cfg: CommonConfig, model, env, total_steps: int):
     from alignrl.train.engines import OptimSpec, build_engine
 
-    warmup = cfg.warmup_steps or int(cfg.warmup_ratio * total_steps)
+    # OpenRLHF's math.ceil(max_steps * lr_warmup_ratio) and transformers' get_warmup_steps both round up
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
     spec = OptimSpec(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas),
                      warmup_steps=min(warmup, total_steps),
                      total_steps=total_steps, schedule=cfg.lr_scheduler, min_lr_ratio=cfg.min_lr_ratio,
