@@ -1,12 +1,14 @@
-"""TRL's reward functions (`trl grpo --reward_funcs ... --reward_weights ...`), called as alignrl's per-row reward.
+"""TRL's reward functions (`trl grpo --reward_funcs ... --reward_weights ...`), called as alignrl's reward.
 
 A TRL reward function takes the batch's completions and the dataset's other columns as keyword arguments and returns
 one float (or None) per completion: `f(completions, prompts=..., solution=..., **kwargs) -> list[float | None]`.
-Here it is called once per row, with lists of one: `completions` is the response's text, or a list of one assistant
-message where the row's prompt is a list of chat messages (TRL's conversational rows); `prompts` the row's prompt
-column as the data holds it (the templated text where the row has none); every other column of the row by its name
-(data_source, extra_info and images too, as TRL passes them; not completion/completions/completion_ids; the
-by-column layout keeps a label-less row's columns beside its extra, `WithColumns`);
+Here each function is called once per rollout batch, as TRL calls it once per generation batch (one row at a time
+only where one row is scored: the held-out evaluation, a timed rule's worker): `completions` are the responses'
+texts, or lists of one assistant message where a row's prompt is a list of chat messages (TRL's conversational
+rows); `prompts` the rows' prompt column as the data holds it (the templated text where a row has none); every other
+column, by the first row's column names, as a list over the rows (data_source, extra_info and images too, as TRL
+passes them; not completion/completions/completion_ids; the by-column layout keeps a label-less row's columns beside
+its extra, `WithColumns`);
 `trainer_state` None (a function called here runs outside a transformers Trainer); `log_extra` and `log_metric`
 callables that log nothing. `completion_ids` is not passed: the reward reads the response's text only. An `async def`
 function is run to its end on each call (asyncio.run).
@@ -29,7 +31,7 @@ import numbers
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,26 +187,45 @@ def load(spec: str, key: str, import_file: Callable[[Path, str], Any],
     return adapt(named, dict(kwargs or {}))
 
 
-def adapt(named: list[Named], extra_kwargs: dict[str, Any]) -> Callable[..., Any]:
-    def call(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
-             prompt: str | None = None) -> float:
-        columns = dict(getattr(extra_info, "columns", None) or extra_info or {})
-        raw_prompt = columns.get("prompt")
-        conversational = isinstance(raw_prompt, list)
-        completions = [[{"role": "assistant", "content": solution_str}]] if conversational else [solution_str]
-        kwargs = {k: [v] for k, v in columns.items() if k not in NOT_COLUMNS}
-        kwargs.update(extra_kwargs, prompts=[raw_prompt if raw_prompt is not None else prompt], trainer_state=None,
-                      log_extra=_no_log, log_metric=_no_log)
-        total = 0.0
-        for one in named:
-            value = one_value(call_one(one, completions, kwargs, data_source), one.who, data_source)
-            if value is not None:  # TRL's nansum: a function that skips the row leaves it to the others
-                total += one.weight * value
-        return total
+def adapt(named: list[Named], extra_kwargs: dict[str, Any]) -> "TrlRewards":
+    return TrlRewards(named, extra_kwargs)
 
-    call.reads_prompt = True  # `prompts` falls back on the prompt's text where the row keeps no prompt column
-    call.__name__ = call.__qualname__ = "+".join(one.who for one in named)
-    return call
+
+class TrlRewards:
+    """TRL's functions as the reward stage calls rewards: `batch` scores a rollout batch with one call of each
+    function, as TRL's trainer does (a judge model or a service scores many completions at once); a call on one
+    row (the held-out evaluation, a timed rule's worker) is a batch of one."""
+
+    reads_prompt = True  # `prompts` falls back on the prompt's text where the row keeps no prompt column
+
+    def __init__(self, named: list[Named], extra_kwargs: dict[str, Any]):
+        self.named, self.extra_kwargs = named, extra_kwargs
+        self.__name__ = self.__qualname__ = "+".join(one.who for one in named)
+
+    def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+                 prompt: str | None = None) -> float:
+        return self.batch([data_source], [solution_str], [ground_truth], [extra_info], prompts=[prompt])[0]
+
+    def batch(self, data_sources: Sequence[str], solution_strs: Sequence[str], ground_truths: Sequence[Any],
+              extra_infos: Sequence[dict | None], prompts: Sequence[str | None] | None = None) -> list[float]:
+        """Each row's weighted sum over the functions; `ground_truths` is unused (TRL reads the columns)."""
+        columns = [dict(getattr(extra, "columns", None) or extra or {}) for extra in extra_infos]
+        raw = [c.get("prompt") for c in columns]
+        given = list(prompts) if prompts is not None else [None] * len(columns)
+        completions = [[{"role": "assistant", "content": text}] if isinstance(p, list) else text
+                       for text, p in zip(solution_strs, raw)]
+        names = [k for k in (columns[0] if columns else {}) if k not in NOT_COLUMNS]  # TRL: the first row's keys
+        kwargs: dict[str, Any] = {k: [c.get(k) for c in columns] for k in names}
+        kwargs.update(self.extra_kwargs, prompts=[r if r is not None else p for r, p in zip(raw, given)],
+                      trainer_state=None, log_extra=_no_log, log_metric=_no_log)
+        first = data_sources[0] if data_sources else ""
+        totals = [0.0] * len(completions)
+        for one in self.named:
+            values = batch_values(call_one(one, completions, kwargs, first), len(completions), one.who, first)
+            for i, value in enumerate(values):
+                if value is not None:  # TRL's nansum: a function that skips the row leaves it to the others
+                    totals[i] += one.weight * value
+        return totals
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
@@ -223,13 +244,16 @@ def call_one(one: Named, completions: list[Any], kwargs: dict[str, Any], data_so
                          "fix it so that it returns one float (or None) per completion") from exc
 
 
-def one_value(got: Any, who: str, data_source: str) -> float | None:
-    """The one value of a call on one completion: a finite float, or None (the row skipped by this function)."""
+def batch_values(got: Any, n: int, who: str, data_source: str) -> list[float | None]:
+    """The values of a call on `n` completions: each a finite float, or None (the row skipped by this function)."""
     values = got.tolist() if hasattr(got, "tolist") else got
-    if isinstance(values, (str, bytes, dict)) or not isinstance(values, (list, tuple)) or len(values) != 1:
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, (list, tuple)) or len(values) != n:
         shown = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(got).__name__}"
-        raise ScoreError(who, f"returned {shown} for one completion", data_source, FIX)
-    value = values[0]
+        raise ScoreError(who, f"returned {shown} for {'one completion' if n == 1 else f'{n} completions'}", data_source, FIX)
+    return [_one(value, who, data_source) for value in values]
+
+
+def _one(value: Any, who: str, data_source: str) -> float | None:
     if value is None or (isinstance(value, numbers.Real) and math.isnan(float(value))):  # TRL's nansum skips both
         return None
     if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):

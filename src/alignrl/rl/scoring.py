@@ -119,9 +119,11 @@ def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence
     place in its data file (`train.parquet row 17`, `train.jsonl:18`) when it was loaded from one, else
     its index in `rows`. `prompts`: each row's prompt text, for a function that reads it."""
     out, name = [], getattr(fn, "__name__", repr(fn))
-    whole = getattr(fn, "batch", None)  # a batch function (verl's batch manager): one call for all the rows
+    whole = getattr(fn, "batch", None)  # a batch function (verl's batch manager, TRL's): one call for all the rows
+    with_prompts = {"prompts": list(prompts) if prompts else None} if getattr(fn, "reads_prompt", False) else {}
     values = whole([s.data_source for s in rows], list(texts), [s.ground_truth for s in rows],
-                   [s.extra for s in rows]) if whole is not None and rows else timed_values(fn, rows, texts, prompts)
+                   [s.extra for s in rows], **with_prompts) if whole is not None and rows else \
+        timed_values(fn, rows, texts, prompts)
     for i, (s, t) in enumerate(zip(rows, texts)):
         try:
             value = values[i] if values is not None else score_row(fn, s.data_source, t, s.ground_truth, s.extra,

@@ -1,0 +1,51 @@
+"""TRL's reward functions score a rollout batch in one call each, as TRL's trainer calls them."""
+
+import json
+
+import pytest
+
+from alignrl.data.records import Sample
+from alignrl.rewards.errors import ScoreError
+from alignrl.rewards.registry import load_reward_fn
+from alignrl.rewards.trl_reward import WithColumns
+from alignrl.rl.scoring import rule_scores
+
+FUNCTIONS = '''
+import json, os
+
+def judge(completions, prompts, level, **kwargs):
+    with open(os.environ["CALLS"], "a") as f:
+        f.write(json.dumps({"n": len(completions), "prompts": prompts, "level": level}) + "\\n")
+    return [float(len(c)) if lv == "hard" else None for c, lv in zip(completions, level)]
+
+def one(completions, **kwargs):
+    return [1.0 for _ in completions]
+
+def short(completions, **kwargs):
+    return [1.0]
+'''
+
+
+def _rows(n: int) -> list[Sample]:
+    levels = ["hard", "easy"]
+    return [Sample(messages=[{"role": "user", "content": f"q{i}"}], ground_truth="", data_source="d",
+                   extra=WithColumns({}, {"prompt": f"q{i}", "level": levels[i % 2]})) for i in range(n)]
+
+
+def test_each_function_is_called_once_for_the_whole_batch_and_sums_skip_none(tmp_path, monkeypatch):
+    (tmp_path / "rw.py").write_text(FUNCTIONS)
+    monkeypatch.setenv("CALLS", str(tmp_path / "calls.jsonl"))
+    fn = load_reward_fn(f"trl:{tmp_path / 'rw.py'}:judge@0.5;{tmp_path / 'rw.py'}:one")
+    texts = ["abcd", "ab", "abcdef", "a"]
+    assert rule_scores(fn, "reward function", _rows(4), texts, ["t0", "t1", "t2", "t3"]) == [3.0, 1.0, 4.0, 1.0]
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert calls == [{"n": 4, "prompts": ["q0", "q1", "q2", "q3"], "level": ["hard", "easy", "hard", "easy"]}]
+    # one row alone (the held-out evaluation) is a batch of one, with the same value
+    assert fn("d", "abcd", "", _rows(1)[0].extra) == 3.0
+
+
+def test_a_function_returning_too_few_values_for_the_batch_is_one_line(tmp_path):
+    (tmp_path / "rw.py").write_text(FUNCTIONS)
+    fn = load_reward_fn(f"trl:{tmp_path / 'rw.py'}:short")
+    with pytest.raises(ScoreError, match=r"rw.py:short returned 1 values for 3 completions"):
+        rule_scores(fn, "reward function", _rows(3), ["a", "b", "c"])
