@@ -267,7 +267,11 @@ def test_a_trl_line_trains_the_tiny_model_and_its_reward_reads_the_columns(tmp_p
     assert done.returncode == 0, done.stderr[-2000:]
     assert "TRL's batches: per_device_train_batch_size 4 x 1 rank(s)" in done.stderr
     seen = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
-    assert {s["solution"][0] for s in seen} <= {str(i + 1) for i in range(8)} and len(seen) >= 8
+    solutions = [one for s in seen for one in s["solution"]]
+    assert set(solutions) <= {str(i + 1) for i in range(8)} and len(solutions) >= 8
+    # one call per rollout batch, as TRL calls its functions once per generation batch: 2 prompts x 2 completions
+    assert max(len(s["completions"]) for s in seen) == 4
+    assert all(len(s["prompts"]) == len(s["completions"]) == len(s["solution"]) for s in seen)
     assert seen[0]["prompts"][0][0]["role"] == "user" and seen[0]["completions"][0][0]["role"] == "assistant"
     assert "level" in seen[0]["kwargs"]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
