@@ -102,6 +102,9 @@ def test_trl_loss_variants_and_a_round_that_cuts_groups(tmp_path):
     assert gspo.actor.loss_agg_mode == "seq-mean-token-mean"
     with pytest.raises(TrlFlagError, match="sequence with --loss_type dapo: alignrl's GSPO averages the completions"):
         _config(base + ["--importance_sampling_level", "sequence"])  # TRL weighs dapo's sequences by length
+    batch, _ = _config(base + ["--scale_rewards", "batch"])
+    assert batch.algorithm.norm_adv_by_std_in_grpo and batch.algorithm.grpo_std_scope == "batch"
+    assert gspo.algorithm.grpo_std_scope == "group"
     cispo, _ = _config(base + ["--loss_type", "cispo", "--epsilon_high", "5.0"])
     assert (cispo.actor.policy_loss, cispo.actor.clip_ratio_low, cispo.actor.clip_ratio_high) == ("cispo", 1.0, 4.0)
     # 6 completions an optimizer step hold no whole groups of 4: the mini-batch counts sequences; 2 steps a round
@@ -166,7 +169,8 @@ def test_trl_eval_and_save_cadence_follow_transformers(tmp_path):
     (["--repetition_penalty", "1.1"], "--repetition_penalty is not supported here"),
     (["--num_generations", "3"], "must be a multiple of --num_generations 3"),
     (["--loss_type", "luspo"], "--loss_type luspo: alignrl has grpo"),
-    (["--scale_rewards", "batch"], "--scale_rewards batch"),
+    (["--scale_rewards", "mean"], "--scale_rewards mean: alignrl's GRPO scales by the group's std (group), the "
+                                  "whole batch's (batch)"),
     (["--reward_weights", "1", "2"], "--reward_weights gives 2 weight(s) for 1 reward function(s)"),
     (["--no_such_flag", "1"], "'--no_such_flag' is not one of TRL's GRPO flags"),
     (["--gradient_accumulation_steps", "2", "--steps_per_generation", "3", "--num_generations", "4"],

@@ -26,7 +26,9 @@ from alignrl.rewards.trl_reward import BUILT_IN, spec_of
 LOSS_TYPES = {"grpo": ("ppo_clip", "seq-mean-token-mean"), "dapo": ("ppo_clip", "token-mean"),
               "bnpo": ("ppo_clip", "token-mean"), "dr_grpo": ("ppo_clip", "seq-mean-token-sum-norm"),
               "cispo": ("cispo", "token-mean"), "sapo": ("sapo", "auto")}
-SCALE_REWARDS = {"group": True, "true": True, "none": False, "false": False}
+# TRL's scale_rewards -> (algorithm.norm_adv_by_std_in_grpo, algorithm.grpo_std_scope)
+SCALE_REWARDS = {"group": (True, "group"), "true": (True, "group"), "batch": (True, "batch"),
+                 "none": (False, "group"), "false": (False, "group")}
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 PEFT_DEFAULT_TARGETS = ["q_proj", "v_proj"]  # PEFT's own choice for Llama- and Qwen-style models
@@ -206,10 +208,11 @@ def optimizer_steps(args, value: float, flag: str) -> int:
 def loss_keys(args) -> list[str]:
     if args.loss_type not in LOSS_TYPES:
         raise TrlFlagError(f"--loss_type {args.loss_type}: alignrl has {', '.join(LOSS_TYPES)}")
-    scale = SCALE_REWARDS.get(str(args.scale_rewards).lower())
-    if scale is None:
-        raise TrlFlagError(f"--scale_rewards {args.scale_rewards}: alignrl's GRPO scales by the group's std (group) "
-                           "or not at all (none)")
+    scaling = SCALE_REWARDS.get(str(args.scale_rewards).lower())
+    if scaling is None:
+        raise TrlFlagError(f"--scale_rewards {args.scale_rewards}: alignrl's GRPO scales by the group's std (group), "
+                           "the whole batch's (batch) or not at all (none)")
+    scale, scope = scaling
     if args.importance_sampling_level not in ("token", "sequence"):
         raise TrlFlagError(f"--importance_sampling_level {args.importance_sampling_level}: give token or sequence")
     policy, agg = LOSS_TYPES[args.loss_type]
@@ -229,6 +232,7 @@ def loss_keys(args) -> list[str]:
         low, high = 1.0, high - 1.0
     out = [f"actor.policy_loss={policy}", f"actor.loss_agg_mode={agg}", f"actor.clip_ratio_low={low}",
            f"actor.clip_ratio_high={high}", f"algorithm.norm_adv_by_std_in_grpo={str(scale).lower()}",
+           f"algorithm.grpo_std_scope={scope}",
            "algorithm.adv_estimator=grpo", f"algorithm.mask_truncated={str(args.mask_truncated_completions).lower()}",
            f"actor.use_kl_loss={str(args.beta > 0).lower()}", f"actor.kl_loss_coef={args.beta}",
            "actor.kl_loss_type=k3", "algorithm.use_kl_in_reward=false", "actor.entropy_coeff=0.0"]

@@ -176,6 +176,10 @@ class AlgorithmConfig:
     lam: float = opt(1.0, "GAE lambda", ge=0.0, le=1.0)
     norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false, with actor.loss_agg_mode="
                                                       "seq-mean-token-sum-norm, gives Dr.GRPO")
+    grpo_std_scope: str = opt("group", "grpo with norm_adv_by_std_in_grpo: the std the group-centred rewards are "
+                                       "divided by: group (each prompt's own) or batch (the whole batch's, over "
+                                       "every rank, + 1e-4: TRL's --scale_rewards batch)",
+                              choices=("group", "batch"))
     outcome_baseline: str = opt("none", "reinforce_plus_plus: shape each outcome reward with its prompt's group "
                                         "before the per-token KL penalty and the returns-to-go, as OpenRLHF's "
                                         "estimators do: loo (its rloo), mean (reinforce_baseline, dr_grpo), "

@@ -60,19 +60,35 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
     return last.to(rewards.dtype) * rewards[:, None]
 
 
+BATCH_STD_EPS = 1e-4  # TRL's epsilon under the batch's std (its scale_rewards=batch)
+
+
+def batch_std(x: torch.Tensor, sum_ranks: SumRanks = None) -> torch.Tensor:
+    """The unbiased std (n - 1) of every entry of x (B,), over all ranks with `sum_ranks`; 0 for one entry."""
+    total = sum_ranks or (lambda t: t)
+    n, s = total(torch.stack([torch.tensor(float(x.numel()), dtype=x.dtype, device=x.device), x.sum()]))
+    sq = total(((x - s / n.clamp(min=1)) ** 2).sum()[None])[0]
+    return (sq / (n - 1).clamp(min=1)).sqrt()
+
+
 def grpo_advantages(rewards: torch.Tensor, group: torch.Tensor, norm_by_std: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
+                    eps: float = 1e-6, std_scope: str = "group", sum_ranks: SumRanks = None) -> torch.Tensor:
     """Group-relative advantages (GRPO, Shao et al. 2024, "DeepSeekMath"; Dr.GRPO without std,
     Liu et al. 2025, "Understanding R1-Zero-Like Training").
 
     rewards (B,) float, group (B,) long ids -> advantages (B,). A = r - mean_group(r), divided by the
     unbiased group std when `norm_by_std`. A group of one sample has no baseline and gets 0.
+    `std_scope="batch"` divides by the unbiased std of the whole batch's rewards instead (over every rank with
+    `sum_ranks`), plus BATCH_STD_EPS, as TRL's scale_rewards=batch (Liu et al. 2025, "Part I: Tricks or Traps?"
+    on the batch-level std); the baseline stays the group mean.
     """
     count, total = _group_sums(rewards, group)
     centred = rewards - (total / count)[group]
     _, sq = _group_sums(centred**2, group)
     single = count[group] < 2
-    if norm_by_std:
+    if norm_by_std and std_scope == "batch":
+        centred = centred / (batch_std(rewards, sum_ranks) + BATCH_STD_EPS)
+    elif norm_by_std:
         std = (sq / (count - 1).clamp(min=1)).sqrt()
         centred = centred / (std[group] + eps)
     return centred.masked_fill(single, 0.0)
@@ -218,10 +234,11 @@ class OutcomeInputs:
     outcome_baseline: str = "none"  # REINFORCE++: a group shaping of the outcome (shape_outcome)
     whiten: str = "std"  # REINFORCE++: the batch normalisation of its returns (whiten_by)
     outcome_clip: tuple = ()  # REINFORCE++ with a group shaping: (low, high) clamp of the shaped outcome
+    std_scope: str = "group"  # GRPO: the std it divides by, its group's or the whole batch's (grpo_advantages)
 
 
 def _grpo(x: OutcomeInputs) -> torch.Tensor:
-    return grpo_advantages(x.rewards, x.group, norm_by_std=x.norm_by_std)
+    return grpo_advantages(x.rewards, x.group, norm_by_std=x.norm_by_std, std_scope=x.std_scope, sum_ranks=x.sum_ranks)
 
 
 def _rloo(x: OutcomeInputs) -> torch.Tensor:

@@ -124,7 +124,7 @@ class PolicyTrainer:
             adv = ADVANTAGES[a.adv_estimator](OutcomeInputs(
                 rewards, token_rewards, mask, ro.group, baseline, a.norm_adv_by_std_in_grpo, a.gamma,
                 sum_over_ranks(self.env), outcome, a.outcome_baseline, a.whiten_advantages,
-                tuple(clip) if shaped else ()))
+                tuple(clip) if shaped else (), a.grpo_std_scope))
         else:
             with timed(t, "values"):
                 adv, value_targets, critic_metrics = self.critic_advantages(batch, token_rewards, kl_tokens, micro)
