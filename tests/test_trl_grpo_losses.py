@@ -1,8 +1,10 @@
 """TRL's GRPO loss options in alignrl's math, on tiny hand-worked tensors: the batch-wide std of the advantages
-(--scale_rewards batch)."""
+(--scale_rewards batch), two-sided clipping (--delta), the ratio-weighted KL (--use_bias_correction_kl) and the
+high-entropy token mask (--top_entropy_quantile)."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -10,6 +12,8 @@ import torch
 
 from alignrl.config import ConfigError, load_config
 from alignrl.core.advantages import ADVANTAGES, BATCH_STD_EPS, OutcomeInputs, grpo_advantages
+from alignrl.core.entropy import high_entropy_mask, linear_quantile
+from alignrl.core.losses import gspo_loss, kl_k3, ppo_clip_loss, ratio_weighted_kl
 
 
 def _two_ranks(fn):
@@ -74,3 +78,83 @@ def test_a_group_of_one_still_gets_zero(scope):
 def test_options_without_effect_are_one_line(overrides, words):
     with pytest.raises(ConfigError, match=words):
         load_config(None, overrides)
+
+
+def _loss_and_grad(ratios, adv, **kw):
+    old = torch.zeros(1, len(ratios))
+    logp = torch.tensor([ratios]).log().requires_grad_()
+    loss, _ = ppo_clip_loss(logp, old, torch.tensor([adv]), torch.ones(1, len(ratios)), 0.2, 0.2, **kw)
+    loss.backward()
+    return float(loss.detach()), logp.grad[0]
+
+
+def test_delta_caps_the_unclipped_ratio_of_negative_advantages():
+    ratios = [0.5, 1.1, 2.0, 4.0]
+    # A = -1: per token max(r, clip(r, 0.8, 1.2)) = [0.8, 1.1, 2, 4]; its gradient r where the ratio term counts
+    loss, grad = _loss_and_grad(ratios, -1.0)
+    assert loss == pytest.approx(7.9 / 4)
+    torch.testing.assert_close(grad, torch.tensor([0.0, 1.1, 2.0, 4.0]) / 4)
+    # delta 3: the last token's ratio term is 3, a constant: its loss 3 and no gradient
+    loss, grad = _loss_and_grad(ratios, -1.0, delta=3.0)
+    assert loss == pytest.approx(6.9 / 4)
+    torch.testing.assert_close(grad, torch.tensor([0.0, 1.1, 2.0, 0.0]) / 4)
+    # positive advantages: the clip at 1 + 0.2 binds first, delta changes nothing
+    assert _loss_and_grad(ratios, 1.0, delta=3.0)[0] == _loss_and_grad(ratios, 1.0)[0]
+    with pytest.raises(ValueError, match="delta must be > 1"):
+        _loss_and_grad(ratios, -1.0, delta=1.0)
+
+
+def test_delta_caps_gspos_sequence_ratio():
+    logp = torch.tensor([[math.log(4.0), math.log(4.0)]], requires_grad=True)
+    old, mask, adv = torch.zeros(1, 2), torch.ones(1, 2), torch.tensor([-1.0])
+    loss, _ = gspo_loss(logp, old, adv, mask, 0.2, 0.2, delta=3.0)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(3.0) and torch.all(logp.grad == 0)  # the sequence ratio 4, capped at 3
+    free, _ = gspo_loss(logp.detach(), old, adv, mask, 0.2, 0.2)
+    assert float(free) == pytest.approx(4.0)
+
+
+def test_ratio_weighted_kl_is_k3_times_the_ratio_with_its_gradient():
+    logp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+    old, ref = torch.tensor([[math.log(0.25)]]), torch.tensor([[math.log(0.25)]])
+    k3 = 0.5 + math.log(2) - 1  # exp(ref - logp) - (ref - logp) - 1
+    weighted = ratio_weighted_kl(kl_k3(logp, ref), logp, old)
+    assert float(weighted.detach()) == pytest.approx(2 * k3)  # ratio 0.5 / 0.25
+    weighted.sum().backward()
+    # d/dlogp (k3 r) = r (1 - exp(ref - logp)) + k3 r = 2 x 0.5 + 2 k3
+    assert float(logp.grad) == pytest.approx(1.0 + 2 * k3)
+
+
+ENTROPY = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8], [0.9, 1.0, 5.0, 5.0]])
+MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])
+
+
+def test_high_entropy_mask_keeps_the_top_share_of_the_masked_tokens():
+    # ten masked entropies 0.1 .. 1.0: the 0.8 quantile is 0.8 + 0.2 x 0.1 = 0.82, so 0.9 and 1.0 stay (the two 5.0
+    # are padding, neither counted nor kept)
+    kept = high_entropy_mask(ENTROPY, MASK, 0.2)
+    assert kept.nonzero().tolist() == [[2, 0], [2, 1]]
+    assert torch.equal(high_entropy_mask(ENTROPY, MASK, 1.0), MASK.bool())  # the 0 quantile: every masked token
+    assert high_entropy_mask(ENTROPY, MASK, 0.0).nonzero().tolist() == [[2, 1]]  # the largest alone
+    assert not high_entropy_mask(ENTROPY, torch.zeros_like(MASK), 0.5).any()
+    x = torch.rand(101, generator=torch.Generator().manual_seed(0))
+    for q in (0.0, 0.37, 0.8, 1.0):
+        torch.testing.assert_close(linear_quantile(x, q), torch.quantile(x, q))
+
+
+def test_high_entropy_mask_takes_the_threshold_over_every_rank():
+    barrier, slots = threading.Barrier(2), [None, None]
+
+    def gather(rank):
+        def cat(t):
+            slots[rank] = t.clone()
+            barrier.wait()
+            out = torch.cat(slots)
+            barrier.wait()
+            return out
+        return cat
+
+    # rank 0 holds the low entropies, rank 1 the high ones: alone, each would keep its own top
+    parts = _two_ranks(lambda rank, _: high_entropy_mask(ENTROPY[rank * 2:rank * 2 + 2 - rank],
+                                                         MASK[rank * 2:rank * 2 + 2 - rank], 0.2, gather(rank)))
+    assert not parts[0].any() and parts[1].nonzero().tolist() == [[0, 0], [0, 1]]

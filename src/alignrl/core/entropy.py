@@ -1,4 +1,5 @@
-"""Entropy of the policy's next-token distribution from logits, chunk by chunk.
+"""Entropy of the policy's next-token distribution from logits, chunk by chunk, and the mask of a batch's
+high-entropy tokens (`high_entropy_mask`).
 
 Upcasting all logits (N, V) to float32 at once costs N * V * 4 bytes (for N = 32k tokens and a
 150k vocabulary, 19 GB); working on `chunk` rows at a time bounds that to chunk * V * 4, and
@@ -6,6 +7,8 @@ recomputing each chunk in the backward pass keeps the saved activations to the i
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -36,3 +39,30 @@ def entropy_from_logits(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor
         piece = flat[start:start + chunk]
         parts.append(checkpoint(_entropy_rows, piece, use_reentrant=False) if grad else _entropy_rows(piece))
     return torch.cat(parts).reshape(lead)
+
+
+def linear_quantile(x: torch.Tensor, q: float) -> torch.Tensor:
+    """The q-quantile of a 1-D tensor with linear interpolation, as torch.quantile's default, by one sort: without
+    torch.quantile's limit on the input's size (2^24 entries)."""
+    ordered = x.sort().values
+    pos = q * (x.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, x.numel() - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top: float,
+                      gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The tokens of `mask` (B, T) whose entropy (B, T) is among the top `top` share of the masked entropies, as TRL's
+    top_entropy_quantile keeps them ("Beyond the 80/20 Rule", Wang et al. 2025): the threshold is the (1 - top)
+    quantile of the masked entropies, over every rank when `gather` (a 1-D tensor -> its concatenation over ranks)
+    is given, and a token is kept when its entropy is at least that. top = 1 keeps every masked token, top = 0 those
+    of the largest entropy; no masked token anywhere keeps none. Returns bool (B, T), False outside the mask."""
+    on = mask.bool()
+    values = entropy.detach()[on].float()
+    if gather is not None:
+        values = gather(values)
+    if values.numel() == 0:
+        return torch.zeros_like(on)
+    threshold = linear_quantile(values, 1.0 - top)
+    return (entropy.detach().float() >= threshold) & on

@@ -18,7 +18,8 @@ from alignrl.core.covariance_losses import clip_cov_loss, kl_cov_loss
 from alignrl.core.divergence_losses import dppo_kl_loss, dppo_tv_loss
 from alignrl.core.policy_terms import MAX_LOG_RATIO, finish_loss, per_token_advantages, ratio_metrics
 
-__all__ = ["MAX_LOG_RATIO", "K3_MAX", "masked_mean", "kl_k1", "kl_k2", "kl_k3", "kl_abs", "KL_ESTIMATORS", "token_mean",
+__all__ = ["MAX_LOG_RATIO", "K3_MAX", "masked_mean", "kl_k1", "kl_k2", "kl_k3", "kl_abs", "KL_ESTIMATORS",
+           "ratio_weighted_kl", "token_mean",
            "LOSS_AGGREGATIONS", "aggregate_loss", "ppo_clip_loss", "gspo_loss", "cispo_loss", "gpg_loss", "gmpo_loss",
            "clip_cov_loss", "kl_cov_loss", "sapo_loss", "dppo_tv_loss", "dppo_kl_loss", "POLICY_LOSSES",
            "value_loss"]
@@ -62,9 +63,25 @@ KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "abs": kl_abs,
                  "kl": kl_k1, "mse": kl_k2, "low_var_kl": kl_k3}
 
 
+def ratio_weighted_kl(kl: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """A per-token KL estimate (B, T) times the ratio pi / pi_old (B, T), gradient through both: sampled from the old
+    policy, the KL to the reference of the current one needs that importance weight (TRL's use_bias_correction_kl,
+    from DeepSeek-V3.2's unbiased KL estimate)."""
+    return kl * (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+
+
+def _two_sided(ratio: torch.Tensor, delta: float | None) -> torch.Tensor:
+    """The ratio of the unclipped surrogate term, capped at `delta` when given (two-sided GRPO clipping)."""
+    if delta is None:
+        return ratio
+    if delta <= 1.0:
+        raise ValueError(f"two-sided clipping's delta must be > 1, got {delta}")
+    return ratio.clamp(max=delta)
+
+
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                   clip_low: float = 0.2, clip_high: float = 0.2, global_tokens: float | None = None, *,
-                  clip_c: float | None = None, is_weight: torch.Tensor | None = None,
+                  clip_c: float | None = None, delta: float | None = None, is_weight: torch.Tensor | None = None,
                   loss_agg: str = "token-mean", global_seqs: float | None = None, max_len: float | None = None
                   ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (Schulman et al. 2017) with separate low/high bounds (DAPO clip-higher).
@@ -72,12 +89,14 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     logp, old_logp (B, T); advantages (B, T) or (B,) broadcast per token; mask (B, T).
     `clip_c` (> 1) adds the dual clip of Ye et al. 2020 ("Mastering Complex Control in MOBA Games
     with Deep Reinforcement Learning"): for A < 0 the per-token loss is capped at -A * clip_c, so a
-    huge ratio on a bad token cannot blow the loss up. `is_weight` (B, T) multiplies the per-token loss.
+    huge ratio on a bad token cannot blow the loss up. `delta` (> 1 + clip_high) is TRL's two-sided clipping:
+    the unclipped term's ratio is capped at delta, so a token with A < 0 whose ratio passed delta has the loss
+    -A * delta and no gradient. `is_weight` (B, T) multiplies the per-token loss.
     """
     advantages = per_token_advantages(advantages, logp)
     log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
-    unclipped = -advantages * ratio
+    unclipped = -advantages * _two_sided(ratio, delta)
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
     metrics = ratio_metrics(log_ratio, ratio, clipped > unclipped, mask)
@@ -95,7 +114,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
 
 def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               clip_low: float = 3e-4, clip_high: float = 4e-4, global_tokens: float | None = None, *,
-              is_weight: torch.Tensor | None = None, loss_agg: str = "seq-mean-token-mean",
+              delta: float | None = None, is_weight: torch.Tensor | None = None, loss_agg: str = "seq-mean-token-mean",
               global_seqs: float | None = None, max_len: float | None = None
               ) -> tuple[torch.Tensor, dict[str, float]]:
     """Group Sequence Policy Optimization (Zheng et al. 2025, "Group Sequence Policy Optimization"),
@@ -105,7 +124,8 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     s_i = exp(mean_t log(pi/pi_old)) (length-normalised), clipped to [1 - clip_low, 1 + clip_high]
     (the paper's 3e-4 / 4e-4 by default). Per token s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]: equal
     to s_i in value, with gradient s_i * grad log pi(y_t), so with the paper's seq-mean-token-mean
-    aggregation and a sequence advantage the gradient is exactly GSPO's.
+    aggregation and a sequence advantage the gradient is exactly GSPO's. `delta`: two-sided clipping of the
+    sequence ratio, as `ppo_clip_loss`'s of the token ratio.
     """
     advantages = per_token_advantages(advantages, logp)
     m = mask.to(logp.dtype)
@@ -114,7 +134,7 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     # the clamp acts on the stop-gradient part only, so a clamped sequence keeps its token gradients
     log_ratio = seq_lr.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)[:, None] + (logp - logp.detach())
     ratio = log_ratio.exp()
-    unclipped = -advantages * ratio
+    unclipped = -advantages * _two_sided(ratio, delta)
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
     metrics = ratio_metrics(token_lr, ratio, clipped > unclipped, mask)
