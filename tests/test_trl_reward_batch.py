@@ -49,3 +49,38 @@ def test_a_function_returning_too_few_values_for_the_batch_is_one_line(tmp_path)
     fn = load_reward_fn(f"trl:{tmp_path / 'rw.py'}:short")
     with pytest.raises(ScoreError, match=r"rw.py:short returned 1 values for 3 completions"):
         rule_scores(fn, "reward function", _rows(3), ["a", "b", "c"])
+
+
+def test_completion_ids_reach_trl_functions_in_training_and_in_the_held_out_evaluation(tmp_path):
+    """TRL passes completion_ids, the generated ids without padding; the held-out evaluation scores a batch in one
+    call as training does."""
+    import torch
+
+    from alignrl.data.records import Rollout
+    from alignrl.rl.evaluate import rule_correct
+    from alignrl.rl.scoring import response_id_lists
+
+    (tmp_path / "rw.py").write_text(IDS_FUNCTION)
+    fn = load_reward_fn(f"trl:{tmp_path / 'rw.py'}:ids")
+    ids, mask = torch.tensor([[5, 6, 0], [7, 0, 0]]), torch.tensor([[1, 1, 0], [1, 0, 0]])
+    ro = Rollout(prompt_ids=torch.tensor([[1], [1]]), prompt_mask=torch.ones(2, 1, dtype=torch.long),
+                 response_ids=ids, response_mask=mask.bool(), logprobs=torch.zeros(2, 3), truncated=torch.zeros(2).bool(),
+                 group=torch.tensor([0, 1]))
+    assert response_id_lists(ro) == [[5, 6], [7]]
+    rows = _rows(2)
+    assert rule_scores(fn, "reward function", rows, ["x", "y"], None, response_id_lists(ro)) == [2.0, 1.0]
+    assert rule_correct(_Decoder(), ro, ["x", "y"], rows, 0, fn, 1) == [1.0, 1.0]
+
+
+class _Decoder:
+    """The one tokenizer call a prompt-reading function needs here: the prompt's ids as text."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(map(str, ids))
+
+
+IDS_FUNCTION = '''
+def ids(completions, completion_ids, **kwargs):
+    assert len(completion_ids) == len(completions) == 2, "one call for the batch"
+    return [float(len(i)) for i in completion_ids]
+'''

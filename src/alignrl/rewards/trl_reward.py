@@ -2,16 +2,16 @@
 
 A TRL reward function takes the batch's completions and the dataset's other columns as keyword arguments and returns
 one float (or None) per completion: `f(completions, prompts=..., solution=..., **kwargs) -> list[float | None]`.
-Here each function is called once per rollout batch, as TRL calls it once per generation batch (one row at a time
-only where one row is scored: the held-out evaluation, a timed rule's worker): `completions` are the responses'
+Here each function is called once per rollout batch, as TRL calls it once per generation batch, in training and in
+the held-out evaluation (one row at a time only in a timed rule's worker): `completions` are the responses'
 texts, or lists of one assistant message where a row's prompt is a list of chat messages (TRL's conversational
 rows); `prompts` the rows' prompt column as the data holds it (the templated text where a row has none); every other
 column, by the first row's column names, as a list over the rows (data_source, extra_info and images too, as TRL
 passes them; not completion/completions/completion_ids; the by-column layout keeps a label-less row's columns beside
 its extra, `WithColumns`);
 `trainer_state` None (a function called here runs outside a transformers Trainer); `log_extra` and `log_metric`
-callables that log nothing. `completion_ids` is not passed: the reward reads the response's text only. An `async def`
-function is run to its end on each call (asyncio.run).
+callables that log nothing; `completion_ids` the responses' token ids without padding (not where one row's text is
+scored alone, in a timed rule's worker). An `async def` function is run to its end on each call (asyncio.run).
 
 Several functions make one reward, their weighted sum, as TRL sums them: a None is skipped (the row then takes the
 others' sum; a row every function skips scores 0, as TRL's nansum gives it). A NaN is skipped as a None is.
@@ -194,9 +194,10 @@ def adapt(named: list[Named], extra_kwargs: dict[str, Any]) -> "TrlRewards":
 class TrlRewards:
     """TRL's functions as the reward stage calls rewards: `batch` scores a rollout batch with one call of each
     function, as TRL's trainer does (a judge model or a service scores many completions at once); a call on one
-    row (the held-out evaluation, a timed rule's worker) is a batch of one."""
+    row (a timed rule's worker) is a batch of one."""
 
     reads_prompt = True  # `prompts` falls back on the prompt's text where the row keeps no prompt column
+    reads_ids = True  # TRL's `completion_ids`: the responses' token ids
 
     def __init__(self, named: list[Named], extra_kwargs: dict[str, Any]):
         self.named, self.extra_kwargs = named, extra_kwargs
@@ -207,8 +208,11 @@ class TrlRewards:
         return self.batch([data_source], [solution_str], [ground_truth], [extra_info], prompts=[prompt])[0]
 
     def batch(self, data_sources: Sequence[str], solution_strs: Sequence[str], ground_truths: Sequence[Any],
-              extra_infos: Sequence[dict | None], prompts: Sequence[str | None] | None = None) -> list[float]:
-        """Each row's weighted sum over the functions; `ground_truths` is unused (TRL reads the columns)."""
+              extra_infos: Sequence[dict | None], prompts: Sequence[str | None] | None = None,
+              completion_ids: Sequence[list[int]] | None = None) -> list[float]:
+        """Each row's weighted sum over the functions; `ground_truths` is unused (TRL reads the columns).
+        `completion_ids` is passed on where the caller has the responses' ids (not where one row's text is scored
+        alone)."""
         columns = [dict(getattr(extra, "columns", None) or extra or {}) for extra in extra_infos]
         raw = [c.get("prompt") for c in columns]
         given = list(prompts) if prompts is not None else [None] * len(columns)
@@ -218,6 +222,8 @@ class TrlRewards:
         kwargs: dict[str, Any] = {k: [c.get(k) for c in columns] for k in names}
         kwargs.update(self.extra_kwargs, prompts=[r if r is not None else p for r, p in zip(raw, given)],
                       trainer_state=None, log_extra=_no_log, log_metric=_no_log)
+        if completion_ids is not None:
+            kwargs["completion_ids"] = [list(ids) for ids in completion_ids]
         first = data_sources[0] if data_sources else ""
         totals = [0.0] * len(completions)
         for one in self.named:

@@ -21,7 +21,8 @@ from alignrl.interfaces import SamplingParams
 from alignrl.rewards import gsm8k
 from alignrl.rewards.registry import REWARDS, ScoreError, reads_prompt_text, score_row
 from alignrl.rewards.values import is_correct
-from alignrl.rl.scoring import decoded, played_correct, prompt_texts, timed_values, with_reward_extras
+from alignrl.rl.scoring import (decoded, played_correct, prompt_texts, reads_ids, response_id_lists, values_at_once,
+                                with_reward_extras)
 from alignrl.rollout.env_agent import with_labels
 
 
@@ -60,7 +61,8 @@ def rule_correct(tokenizer, ro, texts: Sequence[str], batch: Sequence[Sample], s
     read = prompt_texts(tokenizer, ro.prompt_ids, ro.prompt_mask) if reads_prompt_text(correct_fn) else None
     # verl's num_turns, turn_scores and tool_rewards in extra_info, as in training
     rows = with_reward_extras(ro, [batch[j // n] for j in range(len(texts))])
-    values, out = timed_values(correct_fn, rows, texts, read), []
+    ids = response_id_lists(ro) if reads_ids(correct_fn) else None
+    values, out = values_at_once(correct_fn, rows, texts, read, ids), []  # None: scored row by row here
     for j, (t, s) in enumerate(zip(texts, rows)):
         try:
             value = (values[j] if values is not None else

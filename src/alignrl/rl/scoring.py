@@ -38,8 +38,14 @@ class RewardStage:
         return decoded(self.tokenizer, ro.response_ids, ro.response_mask)
 
     def task_rewards(self, rows: Sequence[Sample], texts: Sequence[str],
-                     prompts: Sequence[str] | None = None) -> list[float]:
-        return rule_scores(self.reward_fn, "reward function", rows, texts, prompts)
+                     prompts: Sequence[str] | None = None, ids: Sequence[list[int]] | None = None) -> list[float]:
+        return rule_scores(self.reward_fn, "reward function", rows, texts, prompts, ids)
+
+    def response_ids(self, ro: Rollout) -> list[list[int]] | None:
+        """The responses' token ids, for reward functions that read them (None: none does)."""
+        if not any(reads_ids(f) for f in (self.reward_fn, self.correct_fn, self.cost_fn) if f is not None):
+            return None
+        return response_id_lists(ro)
 
     def prompt_texts(self, ro: Rollout) -> list[str] | None:
         """The prompts as the policy read them, for reward functions that read the prompt (None: none does)."""
@@ -66,7 +72,8 @@ class RewardStage:
         costs = None
         if self.cost_fn is not None:
             texts, prompts = self.texts(ro), self.prompt_texts(ro)
-            costs = torch.tensor(rule_scores(self.cost_fn, "cost function", rows, texts, prompts))
+            costs = torch.tensor(rule_scores(self.cost_fn, "cost function", rows, texts, prompts,
+                                             self.response_ids(ro)))
         elif self.cost_model is not None:
             costs = model_scores(self.cost_model, "cost model", ro, rows)
         return Scores(out, torch.tensor(correct), costs, filter_scores=filters)
@@ -77,11 +84,12 @@ class RewardStage:
         played = played_correct(ro)
         if played is not None:
             return ro.stats["env_reward"].tolist(), played.tolist()
-        texts, prompts = self.texts(ro), self.prompt_texts(ro)
-        rewards = self.task_rewards(rows, texts, prompts)
+        texts, prompts, ids = self.texts(ro), self.prompt_texts(ro), self.response_ids(ro)
+        rewards = self.task_rewards(rows, texts, prompts, ids)
         if self.correct_fn is self.reward_fn:  # no shaping: correctness is the reward itself
             return rewards, [is_correct(r) for r in rewards]
-        return rewards, [is_correct(r) for r in rule_scores(self.correct_fn, "reward function", rows, texts, prompts)]
+        correct = rule_scores(self.correct_fn, "reward function", rows, texts, prompts, ids)
+        return rewards, [is_correct(r) for r in correct]
 
 
 def with_reward_extras(ro: Rollout, rows: list[Sample]) -> list[Sample]:
@@ -113,17 +121,14 @@ def for_filtering(ro: Rollout, rewards: Sequence[float]) -> torch.Tensor | None:
 
 
 def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence[str],
-                prompts: Sequence[str] | None = None) -> list[float]:
+                prompts: Sequence[str] | None = None, ids: Sequence[list[int]] | None = None) -> list[float]:
     """`fn` on each (row, text), each result a finite float, else a one-line ScoreError naming `fn`
     (`file.py:function` for a user's function), the row and its data_source. The row is the sample's
     place in its data file (`train.parquet row 17`, `train.jsonl:18`) when it was loaded from one, else
-    its index in `rows`. `prompts`: each row's prompt text, for a function that reads it."""
+    its index in `rows`. `prompts`: each row's prompt text, for a function that reads it; `ids`: each response's
+    token ids, for one that reads them (`response_id_lists`)."""
     out, name = [], getattr(fn, "__name__", repr(fn))
-    whole = getattr(fn, "batch", None)  # a batch function (verl's batch manager, TRL's): one call for all the rows
-    with_prompts = {"prompts": list(prompts) if prompts else None} if getattr(fn, "reads_prompt", False) else {}
-    values = whole([s.data_source for s in rows], list(texts), [s.ground_truth for s in rows],
-                   [s.extra for s in rows], **with_prompts) if whole is not None and rows else \
-        timed_values(fn, rows, texts, prompts)
+    values = values_at_once(fn, rows, texts, prompts, ids)
     for i, (s, t) in enumerate(zip(rows, texts)):
         try:
             value = values[i] if values is not None else score_row(fn, s.data_source, t, s.ground_truth, s.extra,
@@ -134,6 +139,33 @@ def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence
         except ScoreError as e:  # raised where the row is unknown: name it, in its data file when it has one
             raise e.at(s.source or i, kind) from e.__cause__
     return out
+
+
+def values_at_once(fn, rows: Sequence[Sample], texts: Sequence[str], prompts: Sequence[str] | None,
+                   ids: Sequence[list[int]] | None = None) -> list | None:
+    """Each row's value from a function that scores a whole batch in one call (verl's batch manager, TRL's
+    functions: a judge model or a service scores many answers at once) or from a timed rule's workers; None for a
+    rule scored here row by row."""
+    whole = getattr(fn, "batch", None)
+    if whole is None or not rows:
+        return timed_values(fn, rows, texts, prompts)
+    more: dict[str, object] = {}
+    if reads_prompt_text(fn):
+        more["prompts"] = list(prompts) if prompts else None
+    if reads_ids(fn):
+        more["completion_ids"] = ids
+    return whole([s.data_source for s in rows], list(texts), [s.ground_truth for s in rows], [s.extra for s in rows],
+                 **more)
+
+
+def reads_ids(fn) -> bool:
+    """Whether `fn` takes the responses' token ids beside their texts (TRL's `completion_ids`)."""
+    return bool(getattr(fn, "reads_ids", False))
+
+
+def response_id_lists(ro: Rollout) -> list[list[int]]:
+    """Each response's token ids without the padding, as TRL's `completion_ids` holds them."""
+    return [row[mask.bool()].tolist() for row, mask in zip(ro.response_ids, ro.response_mask)]
 
 
 def timed_values(fn, rows: Sequence[Sample], texts: Sequence[str], prompts: Sequence[str] | None) -> list | None:
