@@ -335,20 +335,29 @@ def test_openrlhf_and_trl_flags_read_as_keys(tmp_path):
         parse_sft(["--dataset", data, "--multiturn", "--pretrain_mode", "--input_key", "q"])
 
 
-def test_trls_padding_free_is_packing_and_its_packing_says_how_steps_are_counted(tmp_path, capsys):
-    from alignrl.preference.sft_cli import TRL_PACKING_NOTE
-
+def test_trls_packing_packs_the_dataset_and_the_other_spellings_each_micro_batch(tmp_path, capsys):
     data = _write(tmp_path / "d.jsonl", ROWS)
     trl = ["--model_name_or_path", "demo", "--dataset_name", data, "--per_device_train_batch_size", "4"]
-    assert parse_sft([*trl, "--padding_free"]).packing and not parse_sft([*trl, "--padding_free", "false"]).packing
-    assert TRL_PACKING_NOTE not in capsys.readouterr().err  # padding_free is ours exactly: nothing to say
-    cfg = parse_sft([*trl, "--packing"])
-    assert cfg.packing and cfg.batch_size == 4
-    assert capsys.readouterr().err.count(TRL_PACKING_NOTE) == 1
-    for line in ([f"train_files=[{data}]", "--packing"], ["--pretrain", "demo", "--dataset", data, "--packing_samples"],
-                 [*trl, "--packing", "false"]):  # our keys, OpenRLHF's switch, packing off: no note
-        parse_sft(line)
-        assert TRL_PACKING_NOTE not in capsys.readouterr().err
+
+    def packing(*line: str) -> tuple[bool, str]:
+        cfg = parse_sft(list(line))
+        return cfg.packing, cfg.packing_strategy
+
+    assert packing(*trl, "--packing") == (True, "bfd")  # TRL's default packing_strategy, said with its defaults
+    assert "packing_strategy=bfd" in capsys.readouterr().err
+    assert packing(*trl, "--packing", "--packing_strategy", "wrapped") == (True, "wrapped")
+    assert packing(*trl, "--packing", "--padding_free") == (True, "bfd")
+    capsys.readouterr()
+    assert packing(*trl, "--padding_free") == (True, "micro_batch")  # TRL's padding_free alone: each micro-batch
+    assert "packing_strategy" not in capsys.readouterr().err
+    assert packing(*trl, "--packing", "false") == (False, "micro_batch")
+    assert packing(*trl) == (False, "micro_batch")  # no packing: nothing of it taken
+    assert "packing_strategy" not in capsys.readouterr().err
+    assert packing(f"train_files=[{data}]", "--packing") == (True, "micro_batch")  # our keys: as before
+    assert packing("--pretrain", "demo", "--dataset", data, "--packing_samples") == (True, "micro_batch")
+    assert packing(f"train_files=[{data}]", "packing=true", "packing_strategy=bfd") == (True, "bfd")
+    with pytest.raises(ConfigError, match="packing_strategy"):
+        parse_sft([f"train_files=[{data}]", "packing=true", "packing_strategy=best"])
 
 
 def test_openrlhf_conversation_columns_without_and_with_output_key(tiny_model_dir, tmp_path):

@@ -66,6 +66,9 @@ class EncodedRow:
     ids: list[int]
     trained: list[bool]  # trained[i]: token i is a target (the model predicts it from the tokens before it)
     index: int  # position in the data set
+    # a row packed from whole sequences (`sft_packing.pack_dataset`, TRL's bfd): their lengths, in order, each
+    # attending to itself alone with position ids from 0; (): one sequence
+    lengths: tuple[int, ...] = ()
 
     @property
     def n_trained(self) -> int:

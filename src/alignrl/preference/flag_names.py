@@ -101,7 +101,7 @@ def _list_value(value: str) -> str:
     return json.dumps([v for v in value.split(",") if v])
 
 
-def _switch(word: str, name: str, value: str | None, nxt: str | None) -> tuple[bool, int]:
+def read_switch(word: str, name: str, value: str | None, nxt: str | None) -> tuple[bool, int]:
     """(on or off, words taken) of a switch: bare, `--name=true|false`, or `--name true|false` (TRL's spelling)."""
     taken = value is None and nxt is not None and nxt.lower() in TRUE_WORDS + FALSE_WORDS
     given = value if value is not None else (nxt if taken else "true")
@@ -181,14 +181,14 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
             if name in COMMON_IGNORED_VALUED:
                 say(f"note: --{name} changes nothing here and is ignored (metrics go to logging_dir: report_to)")
         elif name in ignored or name in own_names.always:
-            on, taken = _switch(word, name, value if eq else None, nxt)
+            on, taken = read_switch(word, name, value if eq else None, nxt)
             if name in ignored:
                 say(f"note: --{name} changes nothing here and is ignored")
             elif not on:
                 raise ConfigError(f"--{name} false: {own_names.always[name]}")
             i += taken
         elif name in their_switches or key in switches:
-            on, taken = _switch(word, name, value if eq else None, nxt)
+            on, taken = read_switch(word, name, value if eq else None, nxt)
             overrides += _switched(*their_switches.get(name, (key, "true")), on)
             i += taken
         elif key in keys:
@@ -324,7 +324,8 @@ def _their_defaults(argv: list[str], config_class: type, own_names: CommandFlags
         return []
     lora = any(w.lower() == "use_lora=true" for w in words)
     chat = (_last_value(words, "apply_chat_template") or "false").lower() in TRUE_WORDS
-    taken, not_taken = adopted(config_class, whose, _line_keys(words, config_class, own_names), lora, chat)
+    packed = (_last_value(words, "packing") or "false").lower() in TRUE_WORDS  # sft's: its packing switches' word
+    taken, not_taken = adopted(config_class, whose, _line_keys(words, config_class, own_names), lora, chat, packed)
     say_adopted(config_class, whose, names, taken, not_taken)
     return taken
 

@@ -13,13 +13,16 @@ The held-out rows' token-mean loss and perplexity are measured before and after 
 and written to `<output_dir>/eval_results.json` beside the saved HF causal-LM folder and its tokenizer, which
 `alignrl train grpo model.path=<output_dir>` loads. `save_steps` writes resumable checkpoints and `resume_from` goes
 on from one (`preference.checkpoints`). `packing` lays a micro-batch's rows end to end with restarting position ids
-(the same rows, loss and update, without the padding) and `neftune_noise_alpha` adds NEFTune's noise to the input
-embeddings in training (`preference.sft_packing`). Left out: Liger kernels.
+(the same rows, loss and update, without the padding); with `packing_strategy` bfd or wrapped it packs the whole
+training set before batching instead, as TRL's packing=True does, and `batch_size` then counts packed rows.
+`neftune_noise_alpha` adds NEFTune's noise to the input embeddings in training (`preference.sft_packing`). Left out:
+Liger kernels.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import torch
@@ -28,7 +31,8 @@ from alignrl.data.sft_rows import EncodedRow, SFTBatch, SFTKeys, SFTRow, collate
 from alignrl.preference import adapters
 from alignrl.preference import common as pc
 from alignrl.preference.sft_cli import SFTConfig
-from alignrl.preference.sft_packing import NEFTune, check_packable, collate_packed, one_row_attention
+from alignrl.preference.sft_packing import (NEFTune, check_packable, collate_bins, collate_packed, one_row_attention,
+                                            pack_dataset)
 
 
 def _keys(cfg: SFTConfig, chat_template: bool) -> SFTKeys:
@@ -49,11 +53,59 @@ def _load(files: list[str], keys: SFTKeys, limit: int, key: str) -> list[SFTRow]
 
 def collator(cfg: SFTConfig, pad_id: int, model=None):
     """`collate(rows, global_tokens) -> SFTBatch`: padded, or with `packing` packed into sequences of at most
-    max_length tokens (all in one row for flash attention, `sft_packing.one_row_attention`)."""
-    if not cfg.packing:
+    max_length tokens (all in one row for flash attention, `sft_packing.one_row_attention`); rows packed before
+    batching (bfd) each a sequence of their own, wrapped ones padded (attention crosses their rows anyway)."""
+    if not cfg.packing or cfg.packing_strategy == "wrapped":
         return lambda rows, tokens: collate_rows(rows, pad_id, tokens)
     one_row = model is not None and one_row_attention(model)
+    if cfg.packing_strategy == "bfd":
+        return lambda rows, tokens: collate_bins(rows, pad_id, tokens, one_row)
     return lambda rows, tokens: collate_packed(rows, pad_id, tokens, cfg.max_length, one_row)
+
+
+def packs_dataset(cfg: SFTConfig) -> bool:
+    """Whether the whole training set is packed before batching (TRL's packing=True), not each micro-batch."""
+    return cfg.packing and cfg.packing_strategy != "micro_batch"
+
+
+def pack_rows(encoded: list[EncodedRow], cfg: SFTConfig, log, notes: dict) -> list[EncodedRow]:
+    """The training rows as the micro-batches take them: as they are, or packed (`sft_packing.pack_dataset`)."""
+    if not packs_dataset(cfg):
+        return encoded
+    packed, dropped = pack_dataset(encoded, cfg.max_length, cfg.packing_strategy)
+    log.print(f"packing ({cfg.packing_strategy}): {len(encoded)} rows into {len(packed)} packed rows of at most "
+              f"max_length={cfg.max_length} tokens, before batching; batch_size counts packed rows"
+              + (f"; {dropped} wrapped pieces with no trained token dropped" if dropped else ""))
+    notes["packed_rows"] = len(packed)
+    return packed
+
+
+def schedule(n: int, cfg: SFTConfig, world: int, rank: int, epoch: int) -> list[list[int]]:
+    """This rank's micro-batches of `epoch`: positions of the training rows, -1 a filler (a row trained nowhere).
+    `common.micro_batches`' whole global batches, the rest of the rows dropped; with the dataset packed (TRL's
+    packing) the rest is one more step, as transformers' Trainer keeps a last partial batch: its rows go round the
+    ranks in the epoch's seeded order, then into the rank's micro-batches, one with no row left running a filler."""
+    from torch.utils.data import DistributedSampler
+
+    batches = pc.micro_batches(n, cfg, world, rank, epoch)
+    if not packs_dataset(cfg) or n % pc.global_batch(cfg, world) == 0:
+        return batches
+    # micro_batches' whole global batches take the first of the seeded order, the same on every rank
+    order = DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=cfg.seed)
+    order.set_epoch(epoch)
+    mine, size = list(order)[n - n % pc.global_batch(cfg, world):][rank::world], cfg.batch_size
+    return batches + [mine[k * size:(k + 1) * size] or [-1] for k in range(cfg.gradient_accumulation_steps)]
+
+
+def steps_per_epoch(n: int, cfg: SFTConfig, world: int) -> int:
+    """Optimizer steps of one epoch: whole global batches, and with the dataset packed a last partial one too."""
+    whole = pc.steps_per_epoch(n, cfg, world)
+    return whole + (packs_dataset(cfg) and n % pc.global_batch(cfg, world) > 0)
+
+
+def _row(encoded: list[EncodedRow], j: int) -> EncodedRow:
+    """Row `j`, or for -1 a filler: the first row's tokens, none of them trained."""
+    return encoded[j] if j >= 0 else EncodedRow(encoded[0].ids, [False] * len(encoded[0].ids), -1, encoded[0].lengths)
 
 
 def step_tokens(encoded: list[EncodedRow], cfg: SFTConfig, world: int, epoch: int) -> list[float]:
@@ -61,10 +113,10 @@ def step_tokens(encoded: list[EncodedRow], cfg: SFTConfig, world: int, epoch: in
     accum = cfg.gradient_accumulation_steps
     counts: list[float] = []
     for rank in range(world):
-        for i, batch in enumerate(pc.micro_batches(len(encoded), cfg, world, rank, epoch)):
+        for i, batch in enumerate(schedule(len(encoded), cfg, world, rank, epoch)):
             if i // accum == len(counts):
                 counts.append(0.0)
-            counts[i // accum] += sum(encoded[j].n_trained for j in batch)
+            counts[i // accum] += sum(encoded[j].n_trained for j in batch if j >= 0)
     return counts
 
 
@@ -74,12 +126,12 @@ def train_batches(encoded: list[EncodedRow], collate, cfg: SFTConfig, env):
 
     def loader(epoch: int):
         counts = step_tokens(encoded, cfg, env.world_size, epoch)
-        mine = pc.micro_batches(len(encoded), cfg, env.world_size, env.rank, epoch)
+        mine = schedule(len(encoded), cfg, env.world_size, env.rank, epoch)
         items = [(batch, counts[i // cfg.gradient_accumulation_steps]) for i, batch in enumerate(mine)]
         # a generator of its own: the loader's seed draw leaves the global random state (dropout's) alone
         return DataLoader(items, batch_size=None, num_workers=cfg.num_workers, pin_memory=env.device.type == "cuda",
                           generator=torch.Generator().manual_seed(cfg.seed),
-                          collate_fn=lambda item: collate([encoded[j] for j in item[0]], item[1]))
+                          collate_fn=lambda item: collate([_row(encoded, j) for j in item[0]], item[1]))
 
     return loader
 
@@ -136,7 +188,9 @@ class SFTLog(pc.RankZeroLog):
 
 def _encode(tok, cfg: SFTConfig, train_rows: list[SFTRow], eval_rows: list[SFTRow], log):
     keys = _keys(cfg, pc.string_rows_templated(cfg, tok))
-    enc_train, cut, dropped = encode_rows(tok, train_rows, keys, cfg.max_length)
+    # wrapped packing cuts the rows' tokens at every max_length itself, as TRL's: a row longer runs on, not cut
+    wrapped = packs_dataset(cfg) and cfg.packing_strategy == "wrapped"
+    enc_train, cut, dropped = encode_rows(tok, train_rows, keys, sys.maxsize if wrapped else cfg.max_length)
     enc_eval, _, _ = encode_rows(tok, eval_rows, keys, cfg.max_length)
     trained = sum(e.n_trained for e in enc_train)
     log.print(f"SFT: {len(enc_train)} train rows from {', '.join(map(str, cfg.train_files))} ({trained} trained "
@@ -164,7 +218,9 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     tok = load_tokenizer(folder, chat=False)
     pc.bind_template_variables(tok, cfg, log)
     enc_train, enc_eval, notes = _encode(tok, cfg, train_rows, eval_rows, log)
-    pc.check_enough(len(enc_train), cfg, env.world_size, ", ".join(map(str, cfg.train_files)))
+    n_rows = len(enc_train)
+    pc.check_enough(n_rows, cfg, env.world_size, ", ".join(map(str, cfg.train_files)))
+    enc_train = pack_rows(enc_train, cfg, log, notes)  # fewer packed rows than a global batch: one partial step
     policy = load_causal_lm(folder, "float32", "model_path")
     pc.prepare_trainable(policy, cfg)
     spec = adapters.spec_of(cfg)
@@ -172,7 +228,8 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     if spec is not None:
         log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}")
     collate, neft = _layout(cfg, tok.pad_token_id, model, log)
-    total = pc.total_steps(len(enc_train), cfg, env.world_size)
+    per_epoch = steps_per_epoch(len(enc_train), cfg, env.world_size)
+    total = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
     engine = pc.build_engine_for(cfg, model, env, total)
     log.print(f"{pc.describe_batch(cfg, env.world_size).replace('pairs', 'rows')}; {total} optimizer steps, "
               f"strategy {engine.name}, world size {env.world_size}, bf16 {pc.use_bf16(cfg)}")
@@ -201,14 +258,16 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
         return summed / batch.global_tokens, {"loss": share}
 
     notes["forward_tokens"] = 0
-    step = pc.train_pairs(engine, loss, enc_train, [], tok.pad_token_id, cfg, env, log, total, {"eval/loss": "eval"},
+    # train_pairs counts an epoch's steps (for a resume's skip) by whole global batches of what it is given
+    counted = range(per_epoch * pc.global_batch(cfg, env.world_size))
+    step = pc.train_pairs(engine, loss, counted, [], tok.pad_token_id, cfg, env, log, total, {"eval/loss": "eval"},
                           after_step, start, loader=train_batches(enc_train, collate, cfg, env))
     if neft is not None:  # the saved (and the caller's) model carries no hook
         neft.remove()
     after = ev()
     if after:
         pc.check_eval_finite(after["loss"], "losses")
-    results = _report(cfg, log, before, after, step, len(enc_train), notes, env, engine.name, t0)
+    results = _report(cfg, log, before, after, step, n_rows, notes, env, engine.name, t0)
     writer, state = adapters.saver(policy, model, spec, cfg.lora_export, engine.full_state_dict())  # collective
     pc.save_hf_folder(out_dir, writer, state, tok, {"eval_results.json": results}, env, log_dir=log_dir)
     if after:
@@ -223,8 +282,9 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
 def _layout(cfg: SFTConfig, pad_id: int, model, log):
     """(the micro-batches' collate function, NEFTune's hook or None), said once; packing is refused in one line
     for a model whose attention would let packed rows see each other (`sft_packing.check_packable`)."""
-    if cfg.packing:
+    if cfg.packing and cfg.packing_strategy != "wrapped":
         check_packable(model, cfg.max_length)
+    if cfg.packing and cfg.packing_strategy == "micro_batch":
         log.print(f"packing: each micro-batch's rows in sequences of at most max_length={cfg.max_length} tokens, "
                   "position ids restarting at each row, no padding")
     if cfg.neftune_noise_alpha:
@@ -242,6 +302,8 @@ def _report(cfg: SFTConfig, log, before: dict | None, after: dict | None, step: 
             "train_files": [str(f) for f in cfg.train_files], "eval_files": [str(f) for f in cfg.eval_files],
             "completion_only_loss": cfg.completion_only_loss, "assistant_only_loss": cfg.assistant_only_loss,
             "max_length": cfg.max_length, "world_size": env.world_size, "strategy": strategy,
-            "use_lora": cfg.use_lora, "packing": cfg.packing, "neftune_noise_alpha": cfg.neftune_noise_alpha,
+            "use_lora": cfg.use_lora, "packing": cfg.packing,
+            "packing_strategy": cfg.packing_strategy if cfg.packing else None,
+            "neftune_noise_alpha": cfg.neftune_noise_alpha,
             "effective_batch": pc.global_batch(cfg, env.world_size),
             "seconds": round(time.time() - t0, 1), "model_path": cfg.model_path}

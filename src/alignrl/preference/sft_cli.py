@@ -18,10 +18,7 @@ from dataclasses import dataclass
 from alignrl.config import ConfigError, opt
 from alignrl.preference.cli import COMMANDS, load_flat_config, make_parser, run_cli
 from alignrl.preference.configs import CommonConfig
-from alignrl.preference.flag_names import (COMMON_NAMES, FALSE_WORDS, TRUE_WORDS, CommandFlags, flags_as_keys,
-                                           their_names)
-from alignrl.preference.notes import say
-from alignrl.preference.their_defaults import TRL, spellings
+from alignrl.preference.flag_names import COMMON_NAMES, CommandFlags, flags_as_keys, read_switch
 
 
 @dataclass(frozen=True)
@@ -50,10 +47,17 @@ class SFTConfig(CommonConfig):
     max_train_pairs: int = opt(0, "use only the first N training rows of all train_files together, in their order "
                                   "(OpenRLHF: --max_samples); 0: all", ge=0)
     max_eval_pairs: int = opt(0, "use only the first N held-out rows of all eval_files together; 0: all", ge=0)
-    packing: bool = opt(False, "a micro-batch's rows packed into sequences of at most max_length tokens, position "
-                               "ids restarting at each row and no padding; the same rows, loss and update as "
-                               "padded (OpenRLHF: --packing_samples; TRL: padding_free, not its packing of "
-                               "the whole dataset)")
+    packing: bool = opt(False, "pack rows into sequences of at most max_length tokens, as packing_strategy says "
+                               "(OpenRLHF: --packing_samples; TRL: --packing, --padding_free)")
+    packing_strategy: str = opt("micro_batch", "with packing: micro_batch: each micro-batch's rows, position ids "
+                                               "restarting at each row and no padding, the same rows, loss and "
+                                               "update as padded (OpenRLHF's --packing_samples, TRL's "
+                                               "padding_free); bfd: the whole training set before batching, best "
+                                               "fit decreasing, rows kept apart (TRL's packing, the default of a "
+                                               "line in TRL's spelling); wrapped: the whole training set end to end, "
+                                               "cut every max_length tokens, attention crossing rows. With bfd and "
+                                               "wrapped, batch_size counts packed rows",
+                                choices=("micro_batch", "bfd", "wrapped"))
     neftune_noise_alpha: float = opt(0.0, "NEFTune: uniform noise of scale alpha / sqrt(L * hidden size) on the "
                                           "input embeddings in training (L: the row's length); 0: off (TRL's "
                                           "neftune_noise_alpha; 5 is the paper's)", ge=0.0)
@@ -70,13 +74,10 @@ FLAG_NAMES = {**COMMON_NAMES, **SFT_NAMES}
 SFT_SWITCHES = {"pretrain_mode": ("completion_only_loss", "false"), "multiturn": ("assistant_only_loss", "true")}
 SFT_LEFT_OUT = {"dataset_probs": "files are concatenated; per-file sampling probabilities are left out"}
 # OpenRLHF's --packing_samples and TRL's --packing and --padding_free switch the `packing` key (read before the
-# common table, which takes the first two as switches of no effect for the other offline commands)
+# common table, which takes the first two as switches of no effect for the other offline commands). --packing's
+# packing_strategy is the line's: TRL's bfd for a line in TRL's spelling (their_defaults), micro_batch otherwise;
+# the other two pack each micro-batch (OpenRLHF's packing_samples, TRL's padding_free without packing)
 PACKING_FLAGS = ("packing", "packing_samples", "padding_free")
-# TRL's --packing packs the whole dataset into sequences of max_length tokens; ours packs each micro-batch's rows
-TRL_PACKING_NOTE = ("note: --packing packs each micro-batch's rows among themselves (TRL's padding_free, OpenRLHF's "
-                    "--packing_samples), not the whole dataset into sequences of max_length tokens as TRL's packing "
-                    "does: the rows per step and the step count follow per_device_train_batch_size, as without "
-                    "packing, not TRL's packed sequences")
 
 
 def sft_flags(argv: list[str]) -> CommandFlags:
@@ -93,9 +94,10 @@ def sft_flags(argv: list[str]) -> CommandFlags:
 
 
 def packing_switches(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the line without `--packing`/`--packing_samples`/`--padding_free`, their `packing=` overrides): the
-    overrides go after all the others, so that the flag wins over a `key=value` override, as every flag does."""
-    rest, overrides, i = [], [], 0
+    """(the line without `--packing`/`--packing_samples`/`--padding_free`, their overrides: `packing=`, and
+    `packing_strategy=micro_batch` when one of the other two turns packing on and `--packing` does not). The
+    overrides go after the line's own `key=value` words, so that the flag wins over them, as every flag does."""
+    rest, overrides, switched, i = [], [], {}, 0
     while i < len(argv):
         word, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
         flag, eq, value = word.partition("=")
@@ -103,12 +105,12 @@ def packing_switches(argv: list[str]) -> tuple[list[str], list[str]]:
             rest.append(word)
             i += 1
             continue
-        taken = not eq and nxt is not None and nxt.lower() in TRUE_WORDS + FALSE_WORDS
-        given = (value if eq else nxt if taken else "true").lower()
-        if given not in TRUE_WORDS + FALSE_WORDS:
-            raise ConfigError(f"{word}: {flag} takes true or false, or nothing (true)")
-        overrides.append(f"packing={'true' if given in TRUE_WORDS else 'false'}")
-        i += 2 if taken else 1
+        on, taken = read_switch(word, flag[2:], value if eq else None, nxt)
+        overrides.append(f"packing={'true' if on else 'false'}")
+        switched[flag[2:]] = on
+        i += taken
+    if any(switched.values()) and not switched.get("packing"):
+        overrides.append("packing_strategy=micro_batch")
     return rest, overrides
 
 
@@ -118,16 +120,8 @@ def _switched_on(argv: list[str], name: str) -> bool:
     for i, word in enumerate(argv):
         flag, eq, value = word.partition("=")
         if flag == f"--{name}":
-            nxt = argv[i + 1].lower() if i + 1 < len(argv) else ""
-            given = value.lower() if eq else nxt if nxt in TRUE_WORDS + FALSE_WORDS else "true"
-            on = given in TRUE_WORDS
+            on, _ = read_switch(word, name, value if eq else None, argv[i + 1] if i + 1 < len(argv) else None)
     return on
-
-
-def _say_trl_packing(argv: list[str], rest: list[str]) -> None:
-    """One note when a line in TRL's spelling switches packing on by `--packing`, whose step count differs in TRL."""
-    if TRL in spellings(their_names(rest, sft_flags(rest))) and _switched_on(argv, "packing"):
-        say(TRL_PACKING_NOTE)
 
 
 def parse_sft(argv: list[str]) -> SFTConfig:
@@ -137,11 +131,12 @@ def parse_sft(argv: list[str]) -> SFTConfig:
                 "names: " + ", ".join(f"--{k} -> {v}" for k, v in FLAG_NAMES.items() if k != v) +
                 "; --multiturn: --input_key names the messages, assistant turns trained (--output_key's reply "
                 "appended as the last turn); --pretrain_mode: --input_key names plain text, every token trained; "
-                "--lora_rank N > 0 switches LoRA on; --packing_samples, --packing, --padding_free: packing=true. "
-                "Keys and data layouts: docs/sft.md")
+                "--lora_rank N > 0 switches LoRA on; --packing_samples, --padding_free: packing=true "
+                "packing_strategy=micro_batch; --packing: packing=true (packing_strategy=bfd in a line of TRL's "
+                "spelling, as TRL's). Keys and data layouts: docs/sft.md")
     rest, packing = packing_switches(argv)
-    _say_trl_packing(argv, rest)
-    args = p.parse_intermixed_args(flags_as_keys(rest, SFTConfig, sft_flags(rest)) + packing)
+    # the packing overrides join the line's own words, so that a line of TRL's spelling that packs takes TRL's bfd
+    args = p.parse_intermixed_args(flags_as_keys(rest + packing, SFTConfig, sft_flags(rest)))
     cfg = load_flat_config(SFTConfig, args.config, args.overrides, {"output_dir": args.output_dir,
                                                                       "logging_dir": args.logging_dir})
     if not cfg.train_files:

@@ -24,6 +24,8 @@ comes off after training (`NEFTune.remove`).
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -49,13 +51,91 @@ def best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+# rows packed at a time: TRL packs through `datasets.map(batched=True)`, whose batches are 1000 rows, so its bins (and
+# its wrapped cuts) never mix rows of two such blocks
+PACK_BLOCK = 1000
+STRATEGIES = ("micro_batch", "bfd", "wrapped")
+
+
+def dataset_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Positions of `lengths` in bins of at most `capacity` tokens, as TRL's `pack_dataset(strategy="bfd")` bins
+    them: longest first (equal lengths in their order), each into the bin whose room left is the least that still
+    fits it, of two bins with that room the one that got to it first, a new bin when none fits."""
+    bins: list[list[int]] = []
+    rooms: list[int] = []  # the rooms of the bins not full, sorted
+    by_room: dict[int, deque[int]] = {}  # room -> the bins with it, in the order they got it
+    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        n = lengths[i]
+        at = bisect_left(rooms, n)
+        if at < len(rooms):
+            room, b = rooms[at], by_room[rooms[at]].popleft()
+            if not by_room[room]:
+                del by_room[room], rooms[at]
+        else:
+            room, b = capacity, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        if room - n > 0:
+            if room - n not in by_room:
+                insort(rooms, room - n)
+                by_room[room - n] = deque()
+            by_room[room - n].append(b)
+    return bins
+
+
+def pack_dataset(encoded: Sequence[EncodedRow], capacity: int, strategy: str) -> tuple[list[EncodedRow], int]:
+    """(the rows packed as TRL's `packing=True` packs a dataset before batching, rows left with no trained token
+    dropped; how many were dropped), block by block of `PACK_BLOCK` rows. bfd: whole rows (already cut at
+    `capacity`) in `dataset_bins`' bins, each keeping to itself (`EncodedRow.lengths`), its first token no target.
+    wrapped: the rows' tokens end to end, cut every `capacity` tokens: a row may run on into the next packed row,
+    and attention crosses from row to row as in one text."""
+    out: list[EncodedRow] = []
+    dropped = 0
+    for start in range(0, len(encoded), PACK_BLOCK):
+        block = encoded[start:start + PACK_BLOCK]
+        if strategy == "bfd":
+            pieces = [[block[i] for i in b] for b in dataset_bins([len(e.ids) for e in block], capacity)]
+            rows = [_joined(p, tuple(len(e.ids) for e in p)) for p in pieces]
+        else:
+            whole = _joined(block, ())
+            rows = [EncodedRow(whole.ids[i:i + capacity], whole.trained[i:i + capacity], 0)
+                    for i in range(0, len(whole.ids), capacity)]
+        for row in rows:
+            if row.n_trained == 0:  # a wrapped piece of prompt alone
+                dropped += 1
+                continue
+            out.append(EncodedRow(row.ids, row.trained, len(out), row.lengths))
+    return out, dropped
+
+
+def _joined(rows: Sequence[EncodedRow], lengths: tuple[int, ...]) -> EncodedRow:
+    """The rows end to end; with `lengths` (they keep apart) each row's first token is no target."""
+    ids = [t for e in rows for t in e.ids]
+    trained = [on and not (lengths and k == 0) for e in rows for k, on in enumerate(e.trained)]
+    return EncodedRow(ids, trained, 0, lengths)
+
+
 def collate_packed(encoded: Sequence[EncodedRow], pad_id: int, global_tokens: float, capacity: int,
                    one_row: bool = False) -> SFTBatch:
     """The rows packed into sequences of at most `capacity` tokens (all of them into one row with `one_row`), with
     their restarting position ids; `attention_mask` marks the rows' tokens (the model gets none)."""
     seqs = [[encoded[i] for i in b] for b in best_fit([len(e.ids) for e in encoded], capacity)]
-    if one_row:
-        seqs = [[e for s in seqs for e in s]]
+    return _laid_out([[e for s in seqs for e in s]] if one_row else seqs, pad_id, global_tokens)
+
+
+def collate_bins(encoded: Sequence[EncodedRow], pad_id: int, global_tokens: float, one_row: bool = False) -> SFTBatch:
+    """Rows packed before batching (`pack_dataset`'s bfd): each row a sequence of its own (all of them in one row
+    with `one_row`), position ids restarting at each of its packed sequences."""
+    return _laid_out([list(encoded)] if one_row else [[e] for e in encoded], pad_id, global_tokens)
+
+
+def _positions(e: EncodedRow) -> torch.Tensor:
+    """A row's position ids: from 0 at each sequence it packs (`EncodedRow.lengths`), else from 0 once."""
+    return torch.cat([torch.arange(n) for n in e.lengths]) if e.lengths else torch.arange(len(e.ids))
+
+
+def _laid_out(seqs: list[list[EncodedRow]], pad_id: int, global_tokens: float) -> SFTBatch:
+    """Each list of rows laid end to end in one row of the batch, filled at its end by a segment of its own."""
     width = max(sum(len(e.ids) for e in s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     pos = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -66,7 +146,7 @@ def collate_packed(encoded: Sequence[EncodedRow], pad_id: int, global_tokens: fl
         for e in seq:
             n = len(e.ids)
             ids[r, at:at + n] = torch.tensor(e.ids, dtype=torch.long)
-            pos[r, at:at + n] = torch.arange(n)
+            pos[r, at:at + n] = _positions(e)
             real[r, at:at + n] = True
             trained[r, at + 1:at + n] = torch.tensor(e.trained[1:], dtype=torch.bool)  # nothing predicts a first
             at += n

@@ -36,6 +36,8 @@ SHARED_NAMES = frozenset({"logging_steps"})
 
 # the keys that act only with LoRA: taken (and said) only when the line trains adapters
 LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
+# sft's key that acts only with packing: taken (and said) only when the line packs (TRL's --packing: bfd)
+PACKING_ONLY = ("packing_strategy",)
 
 # OpenRLHF's train_*.py argparse defaults, in our keys (-1 "never" is our 0; cosine_with_min_lr is our cosine with
 # min_lr_ratio's floor; --bf16 unset trains in fp32; --lora_rank 0 is no LoRA). Without --apply_chat_template their
@@ -70,7 +72,7 @@ TRL_DEFAULTS: dict[str, dict[str, Any]] = {
             "beta": 0.1, "loss_type": "sigmoid",
             "label_smoothing": 0.0, "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512},
     "sft": {**_TRL_COMMON, "learning_rate": 2e-5, "max_length": 1024, "completion_only_loss": True,
-            "assistant_only_loss": False, "text_key": "text"},
+            "assistant_only_loss": False, "text_key": "text", "packing_strategy": "bfd"},
     "kto": {**_TRL_COMMON, "learning_rate": 1e-6, "max_length": 1024, "beta": 0.1, "desirable_weight": 1.0,
             "undesirable_weight": 1.0}}
 # their defaults with no counterpart here: (the key of ours it would set, what is kept instead); LoRA's only with LoRA
@@ -118,10 +120,11 @@ def _word(value: Any) -> str:
 
 
 def adopted(config_class: type, whose: set[str], line_keys: set[str], lora: bool,
-            chat: bool = False) -> tuple[list[str], list[str]]:
+            chat: bool = False, packed: bool = False) -> tuple[list[str], list[str]]:
     """(the `key=value` overrides of their defaults this line takes, what of theirs has no counterpart here): keys
     of `config_class` whose default differs and which the line does not set (`line_keys`); with `chat` (the line
-    turns the chat template on) not input_template, which their scripts ignore then."""
+    turns the chat template on) not input_template, which their scripts ignore then; the packing keys only when the
+    line packs (`packed`)."""
     command = COMMAND_OF[config_class.__name__]
     ours = {f.name: _default(f) for f in fields(config_class)}
     theirs = their_defaults(command, whose)
@@ -130,7 +133,8 @@ def adopted(config_class: type, whose: set[str], line_keys: set[str], lora: bool
     if chat:
         theirs.pop("input_template", None)
     taken = [f"{k}={_word(v)}" for k, v in theirs.items()
-             if k in ours and k not in line_keys and v != ours[k] and (lora or k not in LORA_ONLY)]
+             if k in ours and k not in line_keys and v != ours[k] and (lora or k not in LORA_ONLY)
+             and (packed or k not in PACKING_ONLY)]
     missing = {**(OPENRLHF_NOT_TAKEN if whose == {OPENRLHF} else {}).get(command, {}),
                **(TRL_NOT_TAKEN if whose == {TRL} else {}).get(command, {})}
     not_taken = [f"{flag} ({why}: {key}={_word(ours[key])} kept)" for flag, (key, why) in missing.items()
