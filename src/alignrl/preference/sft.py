@@ -231,7 +231,8 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     per_epoch = steps_per_epoch(len(enc_train), cfg, env.world_size)
     total = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
     engine = pc.build_engine_for(cfg, model, env, total)
-    log.print(f"{pc.describe_batch(cfg, env.world_size).replace('pairs', 'rows')}; {total} optimizer steps, "
+    rows = "packed rows" if packs_dataset(cfg) else "rows"
+    log.print(f"{pc.describe_batch(cfg, env.world_size).replace('pairs', rows)}; {total} optimizer steps, "
               f"strategy {engine.name}, world size {env.world_size}, bf16 {pc.use_bf16(cfg)}")
     evals = eval_batches(enc_eval, collate, cfg.eval_batch_size, env)
     ev = (lambda: evaluate(engine.model, evals, cfg, env)) if enc_eval else (lambda: None)  # noqa: E731
