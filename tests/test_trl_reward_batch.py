@@ -84,3 +84,47 @@ def ids(completions, completion_ids, **kwargs):
     assert len(completion_ids) == len(completions) == 2, "one call for the batch"
     return [float(len(i)) for i in completion_ids]
 '''
+
+
+BAD_ROW = '''
+def second_is_text(completions, **kwargs):
+    return [1.0, "x", 1.0][:len(completions)]
+
+def solution_len(completions, solution, **kwargs):
+    return [float(len(s or "")) for s in solution]
+'''
+
+
+def test_a_bad_value_names_its_row_and_kind_and_columns_come_from_every_row(tmp_path):
+    (tmp_path / "rw.py").write_text(BAD_ROW)
+    bad = load_reward_fn(f"trl:{tmp_path / 'rw.py'}:second_is_text")
+    with pytest.raises(ScoreError, match=r"^cost function .*second_is_text returned 'x' for a completion for row 1 "):
+        rule_scores(bad, "cost function", _rows(3), ["a", "b", "c"])
+    rows = _rows(2)
+    rows[1].extra.columns["solution"] = "abc"  # the first row lacks the column a later one has
+    assert rule_scores(load_reward_fn(f"trl:{tmp_path / 'rw.py'}:solution_len"), "reward function", rows,
+                       ["a", "b"]) == [0.0, 3.0]
+
+
+def test_a_format_bonus_keeps_one_call_per_batch_and_episode_extras_keep_the_columns(tmp_path, monkeypatch):
+    import torch
+
+    from alignrl.data.records import Rollout
+    from alignrl.rewards.registry import with_format_bonus
+    from alignrl.rl.scoring import with_reward_extras
+
+    (tmp_path / "rw.py").write_text(FUNCTIONS)
+    monkeypatch.setenv("CALLS", str(tmp_path / "calls.jsonl"))
+    fn = with_format_bonus(load_reward_fn(f"trl:{tmp_path / 'rw.py'}:judge"), 0.5)
+    from alignrl.rewards.gsm8k import format_reward
+
+    texts = ["ab\n#### 4", "a"]
+    assert rule_scores(fn, "reward function", _rows(2), texts) == [len(texts[0]) + 0.5 * format_reward(texts[0]), 0.0]
+    assert format_reward(texts[0]) > 0
+    assert len((tmp_path / "calls.jsonl").read_text().splitlines()) == 1
+    ro = Rollout(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1).bool(),
+                 response_ids=torch.ones(2, 1, dtype=torch.long), response_mask=torch.ones(2, 1).bool(),
+                 logprobs=torch.zeros(2, 1), truncated=torch.zeros(2).bool(), group=torch.tensor([0, 1]),
+                 reward_extras=[{"num_turns": 2}, {}])
+    merged = with_reward_extras(ro, _rows(2))
+    assert merged[0].extra == {"num_turns": 2} and merged[0].extra.columns["level"] == "hard"

@@ -332,4 +332,19 @@ def with_format_bonus(base: RewardFn, format_weight: float) -> RewardFn:
         reward.rows = lambda calls: [v if isinstance(v, (ScoreError, TimedOut)) else
                                      float(v) + format_weight * gsm8k.format_reward(c[1])
                                      for v, c in zip(base.rows(calls), calls)]
+    if getattr(base, "batch", None) is not None:  # a batch function (a judge) keeps its one call per batch
+        reward.batch = _batch_with_bonus(base, format_weight)
+        reward.reads_ids = bool(getattr(base, "reads_ids", False))
     return reward
+
+
+def _batch_with_bonus(base: Any, format_weight: float) -> Callable[..., list[Any]]:
+    who = getattr(base, "__name__", repr(base))
+
+    def batch(data_sources, solution_strs, ground_truths, extra_infos, **more: Any) -> list[Any]:
+        values = base.batch(data_sources, solution_strs, ground_truths, extra_infos, **more)
+        return [v if isinstance(v, ScoreError) else
+                finite_score(v, who, ds) + format_weight * gsm8k.format_reward(text)
+                for v, ds, text in zip(values, data_sources, solution_strs)]
+
+    return batch

@@ -6,7 +6,7 @@ Here each function is called once per rollout batch, as TRL calls it once per ge
 the held-out evaluation (one row at a time only in a timed rule's worker): `completions` are the responses'
 texts, or lists of one assistant message where a row's prompt is a list of chat messages (TRL's conversational
 rows); `prompts` the rows' prompt column as the data holds it (the templated text where a row has none); every other
-column, by the first row's column names, as a list over the rows (data_source, extra_info and images too, as TRL
+column any row has, as a list over the rows (data_source, extra_info and images too, as TRL
 passes them; not completion/completions/completion_ids; the by-column layout keeps a label-less row's columns beside
 its extra, `WithColumns`);
 `trainer_state` None (a function called here runs outside a transformers Trainer); `log_extra` and `log_metric`
@@ -205,32 +205,41 @@ class TrlRewards:
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
                  prompt: str | None = None) -> float:
-        return self.batch([data_source], [solution_str], [ground_truth], [extra_info], prompts=[prompt])[0]
+        value = self.batch([data_source], [solution_str], [ground_truth], [extra_info], prompts=[prompt])[0]
+        if isinstance(value, ScoreError):
+            raise value
+        return value
 
     def batch(self, data_sources: Sequence[str], solution_strs: Sequence[str], ground_truths: Sequence[Any],
               extra_infos: Sequence[dict | None], prompts: Sequence[str | None] | None = None,
-              completion_ids: Sequence[list[int]] | None = None) -> list[float]:
-        """Each row's weighted sum over the functions; `ground_truths` is unused (TRL reads the columns).
-        `completion_ids` is passed on where the caller has the responses' ids (not where one row's text is scored
-        alone)."""
+              completion_ids: Sequence[list[int]] | None = None) -> list[float | ScoreError]:
+        """Each row's weighted sum over the functions, or the ScoreError of a value a function gave it that is
+        neither a finite float nor None (the caller raises it naming the row); `ground_truths` is unused (TRL reads
+        the columns). `completion_ids` is passed on where the caller has the responses' ids (not where one row's
+        text is scored alone)."""
         columns = [dict(getattr(extra, "columns", None) or extra or {}) for extra in extra_infos]
         raw = [c.get("prompt") for c in columns]
         given = list(prompts) if prompts is not None else [None] * len(columns)
         completions = [[{"role": "assistant", "content": text}] if isinstance(p, list) else text
                        for text, p in zip(solution_strs, raw)]
-        names = [k for k in (columns[0] if columns else {}) if k not in NOT_COLUMNS]  # TRL: the first row's keys
+        # every column any row has (a datasets row holds them all, None where missing, so TRL's first row has them)
+        names = [k for k in dict.fromkeys(k for c in columns for k in c) if k not in NOT_COLUMNS]
         kwargs: dict[str, Any] = {k: [c.get(k) for c in columns] for k in names}
         kwargs.update(self.extra_kwargs, prompts=[r if r is not None else p for r, p in zip(raw, given)],
                       trainer_state=None, log_extra=_no_log, log_metric=_no_log)
         if completion_ids is not None:
             kwargs["completion_ids"] = [list(ids) for ids in completion_ids]
         first = data_sources[0] if data_sources else ""
-        totals = [0.0] * len(completions)
+        totals: list[float | ScoreError] = [0.0] * len(completions)
         for one in self.named:
-            values = batch_values(call_one(one, completions, kwargs, first), len(completions), one.who, first)
+            values = batch_values(call_one(one, completions, kwargs, first), one.who, data_sources)
             for i, value in enumerate(values):
-                if value is not None:  # TRL's nansum: a function that skips the row leaves it to the others
-                    totals[i] += one.weight * value
+                if isinstance(totals[i], ScoreError):
+                    continue  # the row's first bad value is the one told
+                if isinstance(value, ScoreError):
+                    totals[i] = value
+                elif value is not None:
+                    totals[i] += one.weight * value  # TRL's nansum: a function that skips a row leaves it to others
         return totals
 
 
@@ -250,18 +259,22 @@ def call_one(one: Named, completions: list[Any], kwargs: dict[str, Any], data_so
                          "fix it so that it returns one float (or None) per completion") from exc
 
 
-def batch_values(got: Any, n: int, who: str, data_source: str) -> list[float | None]:
-    """The values of a call on `n` completions: each a finite float, or None (the row skipped by this function)."""
+def batch_values(got: Any, who: str, data_sources: Sequence[str]) -> list[float | ScoreError | None]:
+    """The values of a call on the completions of rows of `data_sources`: each a finite float, None (the row skipped
+    by this function) or the row's ScoreError; a ScoreError raised when the call did not give one value each."""
+    n, data_source = len(data_sources), data_sources[0] if data_sources else ""
     values = got.tolist() if hasattr(got, "tolist") else got
     if isinstance(values, (str, bytes, dict)) or not isinstance(values, (list, tuple)) or len(values) != n:
         shown = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(got).__name__}"
-        raise ScoreError(who, f"returned {shown} for {'one completion' if n == 1 else f'{n} completions'}", data_source, FIX)
-    return [_one(value, who, data_source) for value in values]
+        given = "one completion" if n == 1 else f"{n} completions"
+        raise ScoreError(who, f"returned {shown} for {given}", data_source, FIX)
+    return [_one(value, who, source) for value, source in zip(values, data_sources)]
 
 
-def _one(value: Any, who: str, data_source: str) -> float | None:
-    if value is None or (isinstance(value, numbers.Real) and math.isnan(float(value))):  # TRL's nansum skips both
+def _one(value: Any, who: str, data_source: str) -> float | ScoreError | None:
+    """A finite float, None (skipped: None or NaN, as TRL's nansum skips both), or the row's ScoreError."""
+    if value is None or (isinstance(value, numbers.Real) and math.isnan(float(value))):
         return None
     if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise ScoreError(who, f"returned {value!r:.40} for a completion", data_source, FIX)
+        return ScoreError(who, f"returned {value!r:.40} for a completion", data_source, FIX)
     return float(value)

@@ -1,4 +1,5 @@
-"""Held-out evaluation: accuracy (greedy, or sampled as verl's val_kwargs), and the room RL has to improve it (pass@k when sampling).
+"""Held-out evaluation: accuracy (greedy, or sampled as verl's val_kwargs), and the room RL has to improve it
+(pass@k when sampling).
 
 Besides `accuracy` (full reward, e.g. strict `#### N` for GSM8K-style sources), GSM8K-style sources
 also get `accuracy_flexible` (last number in the text), which separates learning the answer format

@@ -14,6 +14,7 @@ from alignrl.core.shaping import overlong_penalty, truncated_reward
 from alignrl.data.records import Rollout, Sample, Scores
 from alignrl.interfaces import SequenceScorer
 from alignrl.rewards.registry import ScoreError, finite_score, reads_prompt_text, score_row
+from alignrl.rewards.trl_reward import WithColumns
 from alignrl.rewards.values import filter_score, is_correct
 
 # verl's compute_score signature: (data_source, solution_str, ground_truth, extra_info) -> float
@@ -99,8 +100,15 @@ def with_reward_extras(ro: Rollout, rows: list[Sample]) -> list[Sample]:
     The values are copies: a reward function that edits its extra_info leaves the rollout's record as it was."""
     if ro.reward_extras is None:
         return rows
-    return [replace(s, extra={**(s.extra or {}), **copy.deepcopy(x)}) if x else s
-            for s, x in zip(rows, ro.reward_extras)]
+    return [replace(s, extra=_merged(s.extra, copy.deepcopy(x))) if x else s for s, x in zip(rows, ro.reward_extras)]
+
+
+def _merged(extra: dict | None, added: dict) -> dict:
+    """The row's extra_info with the episode's keys over it; a by-column row keeps its columns (TRL's functions
+    read them)."""
+    merged = {**(extra or {}), **added}
+    columns = getattr(extra, "columns", None)
+    return merged if columns is None else WithColumns(merged, columns)
 
 
 def played_correct(ro: Rollout) -> torch.Tensor | None:
@@ -128,7 +136,7 @@ def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence
     its index in `rows`. `prompts`: each row's prompt text, for a function that reads it; `ids`: each response's
     token ids, for one that reads them (`response_id_lists`)."""
     out, name = [], getattr(fn, "__name__", repr(fn))
-    values = values_at_once(fn, rows, texts, prompts, ids)
+    values = values_at_once(fn, rows, texts, prompts, ids, kind)
     for i, (s, t) in enumerate(zip(rows, texts)):
         try:
             value = values[i] if values is not None else score_row(fn, s.data_source, t, s.ground_truth, s.extra,
@@ -142,7 +150,7 @@ def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence
 
 
 def values_at_once(fn, rows: Sequence[Sample], texts: Sequence[str], prompts: Sequence[str] | None,
-                   ids: Sequence[list[int]] | None = None) -> list | None:
+                   ids: Sequence[list[int]] | None = None, kind: str = "reward function") -> list | None:
     """Each row's value from a function that scores a whole batch in one call (verl's batch manager, TRL's
     functions: a judge model or a service scores many answers at once) or from a timed rule's workers; None for a
     rule scored here row by row."""
@@ -154,8 +162,11 @@ def values_at_once(fn, rows: Sequence[Sample], texts: Sequence[str], prompts: Se
         more["prompts"] = list(prompts) if prompts else None
     if reads_ids(fn):
         more["completion_ids"] = ids
-    return whole([s.data_source for s in rows], list(texts), [s.ground_truth for s in rows], [s.extra for s in rows],
-                 **more)
+    try:
+        return whole([s.data_source for s in rows], list(texts), [s.ground_truth for s in rows],
+                     [s.extra for s in rows], **more)
+    except ScoreError as e:  # the call failed as a whole: no one row is to blame
+        raise e.at(f"a batch of {len(rows)} rows", kind) from e.__cause__
 
 
 def reads_ids(fn) -> bool:
