@@ -1,19 +1,23 @@
-"""Packed micro-batches and NEFTune for supervised fine-tuning (`alignrl train sft packing=true`,
-`neftune_noise_alpha=5`).
+"""Packed micro-batches, the packed dataset and NEFTune for supervised fine-tuning (`alignrl train sft packing=true`,
+`packing_strategy=bfd|wrapped`, `neftune_noise_alpha=5`).
 
-Packing (OpenRLHF's `--packing_samples`, TRL's `padding_free`; not TRL's `packing=True`, which packs the whole
-dataset into fixed-length sequences before batching): the rows of a micro-batch are laid end to end, best fit
-decreasing, into sequences of at most `max_length` tokens, and each row's position ids start again at 0. With no
-attention mask, transformers (5.x, `masking_utils.find_packed_sequence_indices`) reads the restarts as sequence
-boundaries and builds a block-diagonal causal mask for sdpa, eager and flex attention, so no token sees another row;
-flash attention takes the same position ids as varlen boundaries when the batch is one row, so for it every sequence
-of the micro-batch goes into one row. A row's first token is never a target, so no label crosses a boundary. The
-micro-batch holds the same rows as unpacked, so a step's loss (the token mean over its trained tokens) and its
-update are the padded step's; only padding leaves the forward (LoRA's dropout and NEFTune draw over the packed
-tensors: the same in distribution, not draw for draw). Sequences shorter than the longest are filled at their end by
-a segment of their own (position ids from 0, never attended to by a row, never trained). `check_packable` runs one
-small forward before training to make sure the model's attention keeps packed rows apart, and refuses in one line
-when it does not.
+The packed dataset (`pack_dataset`, TRL's `packing=True`): before batching, the training rows are packed into rows
+of at most `max_length` tokens, best fit decreasing as TRL bins them (`dataset_bins`), each packed row then keeping
+its rows apart by their lengths (`EncodedRow.lengths`, laid out by `collate_bins`), or wrapped: end to end, cut every
+`max_length` tokens. The micro-batches then take packed rows.
+
+Packing a micro-batch (OpenRLHF's `--packing_samples`, TRL's `padding_free`): the rows of a micro-batch are laid end
+to end, best fit decreasing, into sequences of at most `max_length` tokens, and each row's position ids start again
+at 0. With no attention mask, transformers (5.x, `masking_utils.find_packed_sequence_indices`) reads the restarts as
+sequence boundaries and builds a block-diagonal causal mask for sdpa, eager and flex attention, so no token sees
+another row; flash attention takes the same position ids as varlen boundaries when the batch is one row, so for it
+every sequence of the micro-batch goes into one row. A row's first token is never a target, so no label crosses a
+boundary. The micro-batch holds the same rows as unpacked, so a step's loss (the token mean over its trained tokens)
+and its update are the padded step's; only padding leaves the forward (LoRA's dropout and NEFTune draw over the
+packed tensors: the same in distribution, not draw for draw). Sequences shorter than the longest are filled at their
+end by a segment of their own (position ids from 0, never attended to by a row, never trained). `check_packable`
+runs one small forward before training to make sure the model's attention keeps packed rows apart, and refuses in
+one line when it does not.
 
 NEFTune (TRL's `neftune_noise_alpha`, Jain et al. 2023): in training, uniform noise in [-s, s] with
 s = alpha / sqrt(L * d) is added to the input embeddings, L being the row's own length (no padding) and d the
@@ -54,7 +58,6 @@ def best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 # rows packed at a time: TRL packs through `datasets.map(batched=True)`, whose batches are 1000 rows, so its bins (and
 # its wrapped cuts) never mix rows of two such blocks
 PACK_BLOCK = 1000
-STRATEGIES = ("micro_batch", "bfd", "wrapped")
 
 
 def dataset_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
