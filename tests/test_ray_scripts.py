@@ -10,7 +10,6 @@ import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from alignrl.runtime.ports import free_ports
-from conftest import PY_BIN, RAY_AGENT_VARS, TwoRayNodes, run_captured, run_until_agent, src_path
+from conftest import PY_BIN, RAY_AGENT_VARS, TwoRayNodes, run_captured, run_until_agent
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "examples" / "scripts" / "r1_scripts" / "start_ray_cluster.sh"
@@ -50,7 +49,7 @@ def seed_003_job(address: str, env: dict, model_dir: Path, tmp_path: Path) -> No
     url = address.removeprefix("--address=") + "/api/jobs/seed-003"
     deadline, status = time.time() + 240, ""
     while time.time() < deadline and status not in ("SUCCEEDED", "FAILED", "STOPPED"):
-        time.sleep(2)
+        time.sleep(0.5)
         with urllib.request.urlopen(url, timeout=30) as reply:
             status = json.load(reply)["status"]
     with urllib.request.urlopen(url + "/logs", timeout=30) as reply:
@@ -59,15 +58,38 @@ def seed_003_job(address: str, env: dict, model_dir: Path, tmp_path: Path) -> No
     assert (tmp_path / "verl_checkpoints" / "global_step_1" / "model" / "model.safetensors").is_file(), logs[-3000:]
 
 
+def submit_to_the_loopback_dashboard(head: dict, port: int, tmp_path: Path) -> None:
+    """The head's dashboard listens on 127.0.0.1 alone, and submit_ppo_ray.sh, finding it there, goes on to submit."""
+    deadline, hosts = time.time() + 60, set()
+    while time.time() < deadline and not hosts:  # `ray start` can return before the dashboard listens
+        hosts = listening_hosts(port)
+        time.sleep(0.5)
+    assert hosts == {"127.0.0.1"}, hosts
+    stub_ray(tmp_path / "bin")
+    submit_env = {**head, "PATH": f"{tmp_path / 'bin'}:{head['PATH']}", "HEAD_HOST": "127.0.0.1",
+                  "PRETRAIN": str(tmp_path / "model"), "PROMPT_DATA": "synthetic", "SAVE_PATH": str(tmp_path / "run")}
+    out = run_captured(["bash", str(SUBMIT)], submit_env, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert f"ray job submit --address=http://127.0.0.1:{port} -- alignrl train ppo-ray" in out.stdout, out.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
+    """Also the head's dashboard, which takes jobs without authentication: it listens on 127.0.0.1 only (not
+    0.0.0.0), and submit_ppo_ray.sh finds it answering there and goes on to `ray job submit` (a stub `ray` that
+    prints its call). One cluster serves both: starting a head is most of either's time."""
     nodes = TwoRayNodes("rayt")
+    for env in (nodes.base, nodes.head, nodes.worker):  # the dashboard's host is the script's default
+        for var in ("RAY_DASHBOARD_HOST", "RAY"):
+            env.pop(var, None)
     ports, short, base, head, worker = nodes.ports, nodes.short, nodes.base, nodes.head, nodes.worker
     try:
         out = run_captured(["bash", str(SCRIPT), "head", "127.0.0.1"], head)
         assert out.returncode == 0, out.stderr[-2000:]
         assert f"ray status --address=127.0.0.1:{ports[0]}" in out.stdout
+        assert f"listening on 127.0.0.1:{ports[1]}" in out.stdout, out.stdout
+        submit_to_the_loopback_dashboard(head, ports[1], tmp_path)
         out = run_captured(["bash", str(SCRIPT), "worker", "127.0.0.1"], worker)
         assert out.returncode == 0, out.stderr[-2000:]
         deadline, status = time.time() + 60, ""
@@ -180,41 +202,6 @@ def test_a_node_that_times_out_during_startup_is_started_once_more(tmp_path):
     assert out.stdout.count(f"ray start --address=127.0.0.1:{ports[0]} ") == 2, out.stdout
     assert "the worker node did not start; stopping what it left and starting it once more" in out.stderr
     assert "node started (worker" in out.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_head_dashboard_on_loopback(tmp_path):
-    """The head's dashboard, which takes jobs without authentication, listens on 127.0.0.1 only (not 0.0.0.0), and
-    submit_ppo_ray.sh finds it answering there and goes on to `ray job submit` (a stub `ray` that prints its call)."""
-    ports = free_ports(6)
-    short = Path(tempfile.mkdtemp(prefix="rayl", dir="/tmp"))  # Ray's socket paths must stay under 108 bytes
-    head = {**os.environ, "PATH": f"{PY_BIN}:{os.environ['PATH']}", "RAY_PORT": str(ports[0]),
-            "RAY_DASHBOARD_PORT": str(ports[1]), "ALIGNRL_CPU_SLOTS": "1", "RAY_TEMP_DIR": str(short / "head"),
-            "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1", **dict(zip(RAY_AGENT_VARS, map(str, ports[2:])))}
-    for var in ("RAY_ADDRESS", "RAY_DASHBOARD_HOST", "RAY"):
-        head.pop(var, None)
-    try:
-        out = run_captured(["bash", str(SCRIPT), "head", "127.0.0.1"], head, timeout=180)
-        assert out.returncode == 0, out.stderr[-2000:]
-        deadline, hosts = time.time() + 60, set()
-        while time.time() < deadline and not hosts:  # `ray start` can return before the dashboard listens
-            hosts = listening_hosts(ports[1])
-            time.sleep(0.5)
-        assert hosts == {"127.0.0.1"}, hosts
-        assert f"listening on 127.0.0.1:{ports[1]}" in out.stdout, out.stdout
-        stub_ray(tmp_path / "bin")
-        submit_env = {**head, "PATH": f"{tmp_path / 'bin'}:{head['PATH']}", "HEAD_HOST": "127.0.0.1",
-                      "PRETRAIN": str(tmp_path / "model"), "PROMPT_DATA": "synthetic", "SAVE_PATH": str(tmp_path / "run")}
-        out = run_captured(["bash", str(SUBMIT)], submit_env, timeout=60)
-        assert out.returncode == 0, out.stdout + out.stderr[-2000:]
-        assert f"ray job submit --address=http://127.0.0.1:{ports[1]} -- alignrl train ppo-ray" in out.stdout, out.stdout
-    finally:
-        run_captured(["bash", str(SCRIPT), "stop"], head)
-    time.sleep(1)
-    assert ray_pids(f"{short}/") == []
-    assert ray_pids(f"ray.util.client.server .*--address=[^ ]*:{ports[0]}") == []
-    shutil.rmtree(short, ignore_errors=True)
 
 
 def test_seed_003s_tee_log_stays_out_of_the_jobs_package(tmp_path):
