@@ -66,7 +66,7 @@ PASSTHROUGH = {
 
 # TRL's `trl grpo` flags on `train grpo`: translated into overrides before anything else reads the line (a module of
 # the layer above, imported by name as the PASSTHROUGH commands are)
-TRL_GRPO = "alignrl.compat.trl_grpo_keys"
+TRL_GRPO, TRL_CONFIG_FILE = "alignrl.compat.trl_grpo_keys", "alignrl.compat.trl_config_file"
 
 
 def _in_alignrl_words(argv: list[str]) -> list[str]:
@@ -77,9 +77,10 @@ def _in_alignrl_words(argv: list[str]) -> list[str]:
     import importlib
 
     trl = importlib.import_module(TRL_GRPO)
-    if not trl.F.is_trl_line(argv[2:]):
+    from_file = importlib.import_module(TRL_CONFIG_FILE).expand(argv[2:])  # `--config grpo.yaml` of TRL's keys
+    if from_file is None and not trl.F.is_trl_line(argv[2:]):
         return argv
-    words, lines = trl.from_line(argv[2:])
+    words, lines = trl.from_line(argv[2:] if from_file is None else from_file)
     if os.environ.get("RANK", "0") == "0":
         for line in lines:
             print(f"{program()}: {line}", file=sys.stderr, flush=True)

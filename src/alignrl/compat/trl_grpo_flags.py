@@ -118,8 +118,9 @@ REFUSED = {
     "load_in_8bit": ("bool", False, "alignrl loads the model unquantized; drop the flag"),
     "dataset_streaming": ("bool", False, "the dataset is read whole; drop the flag"),
     "push_to_hub": ("bool", False, "upload the run's final model folder with `huggingface-cli upload`"),
-    "config": ("opt_str", None, "TRL's YAML files are not read; give their settings as flags (an alignrl YAML goes "
-                                "on a line of key=value overrides)"),
+    # a TRL YAML has been read into flags before (`trl_config_file`): what is left is a file of other settings
+    "config": ("opt_str", None, "the file holds none of TRL's settings (a TRL YAML is a mapping of its flag names); "
+                                "an alignrl YAML goes on alignrl's own line, without TRL's flags"),
     "datasets": ("opt_str", None, "give one dataset with --dataset_name (data.train_files takes a list: "
                                   "data.train_files=[a.jsonl,b.jsonl])"),
 }

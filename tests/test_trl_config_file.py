@@ -1,0 +1,80 @@
+"""TRL's YAML config file (`--config grpo.yaml`) on `alignrl train grpo`: its keys are TRL's flags, the line's flags
+win over it, `env` is set, and anything else is one line."""
+
+import json
+import os
+
+import pytest
+
+from alignrl.cli import _in_alignrl_words
+from alignrl.compat.trl_config_file import expand
+from alignrl.compat.trl_grpo_flags import TrlFlagError
+from alignrl.compat.trl_grpo_keys import from_line
+from alignrl.config import load_config
+
+RECIPE = """
+model_name_or_path: demo
+dataset_name: {data}
+reward_funcs:
+- accuracy_reward
+- think_format_reward
+reward_weights: [1.0, 0.5]
+learning_rate: 2.0e-05
+num_generations: 4
+per_device_train_batch_size: 8
+max_steps: 6
+bf16: false
+gradient_checkpointing: true
+report_to: [none]
+output_dir: {out}
+env:
+  ALIGNRL_TEST_FROM_RECIPE: "yes"
+"""
+
+
+def _config(words):
+    translated, _ = from_line(words)
+    return load_config(None, [w for w in translated if "=" in w])
+
+
+def _recipe(tmp_path, text=RECIPE):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 1+1?", "solution": "2"}) + "\n")
+    path = tmp_path / "grpo.yaml"
+    path.write_text(text.format(data=data, out=tmp_path / "out"))
+    return path, data
+
+
+def test_a_trl_recipe_reads_as_its_flags_and_the_line_wins(tmp_path, monkeypatch):
+    monkeypatch.delenv("ALIGNRL_TEST_FROM_RECIPE", raising=False)
+    path, data = _recipe(tmp_path)
+    words = expand(["--config", str(path), "--learning_rate", "1e-6"])
+    assert os.environ["ALIGNRL_TEST_FROM_RECIPE"] == "yes"
+    cfg = _config(words)
+    flags = _config(["--model_name_or_path", "demo", "--dataset_name", str(data), "--reward_funcs", "accuracy_reward",
+                     "think_format_reward", "--reward_weights", "1.0", "0.5", "--num_generations", "4",
+                     "--per_device_train_batch_size", "8", "--max_steps", "6", "--bf16", "false",
+                     "--gradient_checkpointing", "--report_to", "none", "--output_dir", str(tmp_path / "out"),
+                     "--learning_rate", "1e-6"])
+    assert cfg == flags
+    assert cfg.actor.lr == 1e-6 and cfg.rollout.n == 4
+    assert cfg.algorithm.reward_fn == "trl:accuracy_reward;think_format_reward@0.5"
+    # the CLI takes a line naming only the file as TRL's
+    routed = _in_alignrl_words(["train", "grpo", f"--config={path}"])
+    assert "rollout.n=4" in routed and "actor.lr=2e-05" in routed
+
+
+def test_other_yaml_files_stay_where_they_are_and_bad_recipes_are_one_line(tmp_path):
+    alignrl_yaml = tmp_path / "run.yaml"
+    alignrl_yaml.write_text("actor:\n  lr: 1.0e-5\n")
+    assert expand(["--config", str(alignrl_yaml)]) is None
+    assert _in_alignrl_words(["train", "grpo", "--config", str(alignrl_yaml)]) == \
+        ["train", "grpo", "--config", str(alignrl_yaml)]
+    path, _ = _recipe(tmp_path, RECIPE + "hub_strategy: every_save\nsystem_prompt: be brief\n")
+    with pytest.raises(TrlFlagError, match=r"hub_strategy, system_prompt are not among TRL's GRPO flags alignrl "
+                                           r"reads \(docs/trl.md lists them\); remove them from the file$"):
+        expand(["--config", str(path)])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model_name_or_path: demo\nnum_generations: [4\n")
+    with pytest.raises(TrlFlagError, match=r"--config .*broken.yaml: not valid YAML at line 3"):
+        expand(["--config", str(broken)])
