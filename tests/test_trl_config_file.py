@@ -8,7 +8,7 @@ import pytest
 
 from alignrl.cli import _in_alignrl_words
 from alignrl.compat.trl_config_file import expand
-from alignrl.compat.trl_grpo_flags import TrlFlagError
+from alignrl.config import ConfigError
 from alignrl.compat.trl_grpo_keys import from_line
 from alignrl.config import load_config
 
@@ -71,10 +71,31 @@ def test_other_yaml_files_stay_where_they_are_and_bad_recipes_are_one_line(tmp_p
     assert _in_alignrl_words(["train", "grpo", "--config", str(alignrl_yaml)]) == \
         ["train", "grpo", "--config", str(alignrl_yaml)]
     path, _ = _recipe(tmp_path, RECIPE + "hub_strategy: every_save\nsystem_prompt: be brief\n")
-    with pytest.raises(TrlFlagError, match=r"hub_strategy, system_prompt are not among TRL's GRPO flags alignrl "
-                                           r"reads \(docs/trl.md lists them\); remove them from the file$"):
+    with pytest.raises(ConfigError, match=r"hub_strategy, system_prompt are not among TRL's GRPO flags alignrl "
+                                           r"reads; remove them from the file$"):
         expand(["--config", str(path)])
     broken = tmp_path / "broken.yaml"
     broken.write_text("model_name_or_path: demo\nnum_generations: [4\n")
-    with pytest.raises(TrlFlagError, match=r"--config .*broken.yaml: not valid YAML at line 3"):
+    with pytest.raises(ConfigError, match=r"--config .*broken.yaml: not valid YAML at line 3"):
         expand(["--config", str(broken)])
+
+
+def test_a_trl_sft_recipe_reads_as_its_flags_and_a_flat_alignrl_config_stays(tmp_path):
+    from alignrl.preference.cli import _with_their_config_file
+    from alignrl.preference.sft_cli import parse_sft
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"prompt": "Hi", "completion": "Hello"}) + "\n")
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(f"model_name_or_path: demo\ndataset_name: {data}\nlearning_rate: 2.0e-05\nnum_train_epochs: 2\n"
+                      f"per_device_train_batch_size: 4\ngradient_checkpointing: false\noutput_dir: {tmp_path / 'o'}\n")
+    line, read = _with_their_config_file(["--config", str(recipe), "--num_train_epochs", "1"])
+    assert read == str(recipe)
+    flags = ["--model_name_or_path", "demo", "--dataset_name", str(data), "--learning_rate", "2e-05",
+             "--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--gradient_checkpointing", "false",
+             "--output_dir", str(tmp_path / "o"), "--num_train_epochs", "1"]
+    assert parse_sft(line) == parse_sft(flags)
+    assert parse_sft(line).epochs == 1 and parse_sft(line).learning_rate == 2e-05
+    flat = tmp_path / "flat.yaml"
+    flat.write_text(f"model_path: demo\ntrain_files: [{data}]\nlearning_rate: 1.0e-05\n")
+    assert _with_their_config_file(["--config", str(flat)]) == (["--config", str(flat)], None)

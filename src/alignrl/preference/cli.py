@@ -290,8 +290,13 @@ def run_cli(argv: list[str] | None, command: str) -> int:
             nproc, argv = pop_nproc(argv)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        argv, recipe = _with_their_config_file(argv)
+        try:
+            parsed = parse(argv)
+        except ConfigError as e:  # a flag of the file's: say where it came from
+            raise (ConfigError(f"{e}; the settings of --config {recipe} are read as TRL's flags") if recipe else e)
         # the ranks are known now: `--nproc`, or torchrun's WORLD_SIZE in a rank it started
-        cfg = with_global_batch(parse(argv), nproc or int(os.environ.get("WORLD_SIZE") or 1))
+        cfg = with_global_batch(parsed, nproc or int(os.environ.get("WORLD_SIZE") or 1))
         train = getattr(_load_trainer(module), function)
         if nproc and "WORLD_SIZE" not in os.environ:
             train(cfg, nproc)  # bad data fails here, before any process starts
@@ -308,6 +313,16 @@ def run_cli(argv: list[str] | None, command: str) -> int:
         if os.environ.get("RANK", "0") == "0":
             print("alignrl: interrupted (these runs start again from the base model)", file=sys.stderr, flush=True)
         return 130
+
+
+def _with_their_config_file(argv: list[str]) -> tuple[list[str], str | None]:
+    """The line with a TRL YAML (`trl sft --config sft.yaml`: a mapping of TRL's flag names) read as its flags, the
+    line's own after them, and the file's path; any other line (an alignrl `--config` of flat keys) as it is."""
+    from alignrl.preference.their_defaults import TRL_NAMES
+    from alignrl.runtime import flag_file
+
+    expanded = flag_file.expand(argv, lambda settings: any(k in TRL_NAMES for k in settings), None, "TRL's")
+    return (argv, None) if expanded is None else (expanded, flag_file.config_at(argv)[2])
 
 
 def _load_trainer(module: str):
