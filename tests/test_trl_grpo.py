@@ -10,7 +10,7 @@ import pytest
 
 from alignrl.compat.trl_grpo_flags import TrlFlagError, is_trl_line
 from alignrl.compat.trl_grpo_keys import from_line
-from alignrl.config import load_config
+from alignrl.config import ConfigError, load_config
 from alignrl.rewards.errors import RewardError, ScoreError
 from alignrl.rewards.registry import import_file, load_reward_fn
 
@@ -105,6 +105,14 @@ def test_trl_loss_variants_and_a_round_that_cuts_groups(tmp_path):
     batch, _ = _config(base + ["--scale_rewards", "batch"])
     assert batch.algorithm.norm_adv_by_std_in_grpo and batch.algorithm.grpo_std_scope == "batch"
     assert gspo.algorithm.grpo_std_scope == "group"
+    assert (gspo.actor.clip_ratio_delta, gspo.actor.kl_loss_ratio_weighted, gspo.actor.top_entropy_quantile) == \
+        (None, False, 1.0)  # TRL's defaults: off
+    opts, _ = _config(base + ["--delta", "1.5", "--beta", "0.01", "--use_bias_correction_kl", "--top_entropy_quantile",
+                              "0.2", "--epsilon_high", "0.28"])
+    assert (opts.actor.clip_ratio_delta, opts.actor.kl_loss_ratio_weighted, opts.actor.top_entropy_quantile) == \
+        (1.5, True, 0.2)
+    with pytest.raises(ConfigError, match=r"clip_ratio_delta=1.2 must be above 1 \+ actor.clip_ratio_high \(1.28\)"):
+        _config(base + ["--delta", "1.2", "--epsilon_high", "0.28"])
     cispo, _ = _config(base + ["--loss_type", "cispo", "--epsilon_high", "5.0"])
     assert (cispo.actor.policy_loss, cispo.actor.clip_ratio_low, cispo.actor.clip_ratio_high) == ("cispo", 1.0, 4.0)
     # 6 completions an optimizer step hold no whole groups of 4: the mini-batch counts sequences; 2 steps a round
@@ -172,6 +180,10 @@ def test_trl_eval_and_save_cadence_follow_transformers(tmp_path):
     (["--scale_rewards", "mean"], "--scale_rewards mean: alignrl's GRPO scales by the group's std (group), the "
                                   "whole batch's (batch)"),
     (["--reward_weights", "1", "2"], "--reward_weights gives 2 weight(s) for 1 reward function(s)"),
+    (["--delta", "2", "--loss_type", "cispo", "--epsilon_high", "5"], "--delta caps the ratio of --loss_type grpo"),
+    (["--use_bias_correction_kl"], "which --beta 0.0 leaves out"),
+    (["--use_bias_correction_kl", "--beta", "0.1", "--importance_sampling_level", "sequence", "--loss_type", "grpo"],
+     "TRL weighs the KL by the sequence's ratio"),
     (["--no_such_flag", "1"], "'--no_such_flag' is not one of TRL's GRPO flags"),
     (["--gradient_accumulation_steps", "2", "--steps_per_generation", "3", "--num_generations", "4"],
      "steps_per_generation 3 above gradient_accumulation_steps 2 must be a multiple"),

@@ -1,6 +1,6 @@
 """TRL's GRPO loss options in alignrl's math, on tiny hand-worked tensors: the batch-wide std of the advantages
 (--scale_rewards batch), two-sided clipping (--delta), the ratio-weighted KL (--use_bias_correction_kl) and the
-high-entropy token mask (--top_entropy_quantile)."""
+high-entropy token mask (--top_entropy_quantile); and the actor's loss with all three against TRL's formula."""
 
 from __future__ import annotations
 
@@ -74,6 +74,12 @@ def test_a_group_of_one_still_gets_zero(scope):
 @pytest.mark.parametrize("overrides, words", [
     (["algorithm.grpo_std_scope=batch", "algorithm.adv_estimator=rloo"], "grpo_std_scope=batch scales GRPO's"),
     (["algorithm.grpo_std_scope=batch", "algorithm.norm_adv_by_std_in_grpo=false"], "divides by none"),
+    (["actor.clip_ratio_delta=3", "actor.policy_loss=cispo"], "clip_ratio_delta caps the unclipped ratio term"),
+    (["actor.clip_ratio_delta=1.1"], r"must be above 1 \+ actor.clip_ratio_high \(1.2\)"),
+    (["actor.clip_ratio_delta=1.0"], "out of range"),
+    (["actor.kl_loss_ratio_weighted=true", "actor.use_kl_loss=false"], "weighs the KL loss term"),
+    (["actor.top_entropy_quantile=0.2", "actor.policy_loss=gmpo"], "geometric mean over each sequence"),
+    (["actor.top_entropy_quantile=1.5"], "out of range"),
 ])
 def test_options_without_effect_are_one_line(overrides, words):
     with pytest.raises(ConfigError, match=words):
@@ -158,3 +164,39 @@ def test_high_entropy_mask_takes_the_threshold_over_every_rank():
     parts = _two_ranks(lambda rank, _: high_entropy_mask(ENTROPY[rank * 2:rank * 2 + 2 - rank],
                                                          MASK[rank * 2:rank * 2 + 2 - rank], 0.2, gather(rank)))
     assert not parts[0].any() and parts[1].nonzero().tolist() == [[0, 0], [0, 1]]
+
+
+def test_the_actors_loss_with_the_three_options_is_trls():
+    from alignrl.data.records import Experience
+    from alignrl.rl.trainer import policy_loss_spec
+    from alignrl.train.actor import policy_loss
+
+    cfg = load_config(None, ["actor.clip_ratio_delta=1.3", "actor.kl_loss_ratio_weighted=true",
+                             "actor.top_entropy_quantile=0.5", "actor.kl_loss_coef=0.1",
+                             "actor.loss_agg_mode=token-mean"])
+    spec = policy_loss_spec(cfg)
+    assert (spec.delta, spec.kl_ratio_weighted, spec.top_entropy, spec.kl_coef) == (1.3, True, 0.5, 0.1)
+    g = torch.Generator().manual_seed(3)
+    old, ref = -torch.rand(3, 4, generator=g) * 2, -torch.rand(3, 4, generator=g) * 2
+    logp = (old + torch.randn(3, 4, generator=g) * 0.6).clamp(max=-0.01).requires_grad_()
+    entropy, adv = torch.rand(3, 4, generator=g), torch.tensor([1.0, -1.0, -0.5])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    exp = Experience(torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.bool),
+                     torch.zeros(3, 4, dtype=torch.long), mask, old, ref, adv)
+    loss, metrics = policy_loss(logp, entropy, exp, spec, float(mask.sum()), 3.0)
+    # TRL's _compute_loss, one process, loss_type dapo: the masked entropies' 0.5 quantile is the threshold
+    r, a, m = (logp - old).exp(), adv[:, None], mask.float()
+    kept = (entropy >= torch.quantile(entropy[mask], 0.5)) & mask
+    surrogate = -torch.min(r.clamp(max=1.3) * a, r.clamp(0.8, 1.2) * a) * kept
+    kl = (torch.exp(ref - logp) - (ref - logp) - 1) * r
+    trl = ((surrogate + 0.1 * kl) * m).sum() / m.sum()
+    torch.testing.assert_close(loss, trl)
+    mine = torch.autograd.grad(loss, logp)[0]
+    torch.testing.assert_close(mine, torch.autograd.grad(trl, logp)[0])
+    assert metrics["actor/entropy_kept_frac"] == pytest.approx(float(kept.sum()) / 9)
+    # the defaults change nothing: TRL's plain surrogate and k3
+    plain, _ = policy_loss(logp, entropy, exp, policy_loss_spec(load_config(None, ["actor.kl_loss_coef=0.1",
+                                                                                  "actor.loss_agg_mode=token-mean"])),
+                           float(mask.sum()), 3.0)
+    base = -torch.min(r * a, r.clamp(0.8, 1.2) * a) + 0.1 * (torch.exp(ref - logp) - (ref - logp) - 1)
+    torch.testing.assert_close(plain, (base * m).sum() / m.sum())

@@ -60,7 +60,8 @@ TAKEN = [
     Flag("sapo_temperature_pos", float, 1.0), Flag("sync_ref_model", "bool", False),
     Flag("ref_model_mixup_alpha", float, 0.6), Flag("ref_model_sync_steps", int, 512),
     Flag("shuffle_dataset", "bool", True), Flag("chat_template_kwargs", "opt_str", None),
-    Flag("gradient_checkpointing", "bool", True),
+    Flag("gradient_checkpointing", "bool", True), Flag("delta", "opt_float", None),
+    Flag("use_bias_correction_kl", "bool", False), Flag("top_entropy_quantile", float, 1.0),
     # TrainingArguments
     Flag("output_dir", str, "trainer_output"), Flag("per_device_train_batch_size", int, 8),
     Flag("per_device_eval_batch_size", int, 8), Flag("gradient_accumulation_steps", int, 1),
@@ -105,12 +106,8 @@ NOT_APPLIED = {
 REFUSED = {
     "repetition_penalty": (float, 1.0, "alignrl's samplers have no repetition penalty; leave it at 1.0"),
     "min_p": ("opt_float", None, "alignrl's samplers take top_p and top_k (rollout.top_p, rollout.top_k)"),
-    "top_entropy_quantile": (float, 1.0, "alignrl trains on every generated token; leave it at 1.0"),
-    "delta": ("opt_float", None, "two-sided GRPO clipping is not here; actor.clip_ratio_c=C bounds negative "
-                                 "advantages' loss (dual-clip)"),
     "generation_kwargs": ("opt_str", None, "give the sampling settings as flags or rollout.* keys"),
     "multi_objective_aggregation": (str, "sum_then_normalize", "the rewards are summed, then normalized in groups"),
-    "use_bias_correction_kl": ("bool", False, "alignrl's k3 KL term has no importance-weight correction"),
     "off_policy_mask_threshold": ("opt_float", None, "alignrl.rollout_rs / rollout_is mask off-policy sequences"),
     "max_tool_calling_iterations": ("opt_int", None, "tools run under rollout.multi_turn settings "
                                                      "(docs/algorithms.md)"),

@@ -241,6 +241,25 @@ def loss_keys(args) -> list[str]:
     if args.sync_ref_model:
         out += [f"actor.ref_sync_steps={args.ref_model_sync_steps}",
                 f"actor.ref_mixup_alpha={args.ref_model_mixup_alpha}"]
+    return out + option_keys(args, policy)
+
+
+def option_keys(args, policy: str) -> list[str]:
+    """Two-sided clipping, the ratio-weighted KL and the high-entropy tokens' policy term."""
+    out = [f"actor.top_entropy_quantile={args.top_entropy_quantile}"]
+    if args.delta is not None:
+        if policy not in ("ppo_clip", "gspo"):  # TRL applies it to grpo, dapo, bnpo and dr_grpo only
+            raise TrlFlagError(f"--delta caps the ratio of --loss_type grpo, dapo, bnpo and dr_grpo; TRL leaves "
+                               f"{args.loss_type}'s alone: drop it")
+        out.append(f"actor.clip_ratio_delta={args.delta}")
+    if args.use_bias_correction_kl:
+        if args.beta == 0:
+            raise TrlFlagError("--use_bias_correction_kl weighs the KL term, which --beta 0.0 leaves out: give "
+                               "--beta above 0, or drop it")
+        if policy == "gspo":
+            raise TrlFlagError("--use_bias_correction_kl with --importance_sampling_level sequence: TRL weighs the KL "
+                               "by the sequence's ratio, alignrl by each token's; drop one of them")
+        out.append("actor.kl_loss_ratio_weighted=true")
     return out
 
 

@@ -1,9 +1,12 @@
 """Checks of the GRPO loss options that another key would leave without effect or cannot go with: the batch-wide
-std of the advantages (algorithm.grpo_std_scope)."""
+std of the advantages (algorithm.grpo_std_scope), two-sided clipping (actor.clip_ratio_delta), the ratio-weighted
+KL term (actor.kl_loss_ratio_weighted) and the high-entropy tokens' policy term (actor.top_entropy_quantile)."""
 
 from __future__ import annotations
 
 from alignrl.config.schema import RunConfig
+
+DELTA_LOSSES = ("ppo_clip", "gspo")  # the losses with an unclipped ratio term to cap
 
 
 def loss_option_problem(cfg: RunConfig) -> str | None:
@@ -14,4 +17,21 @@ def loss_option_problem(cfg: RunConfig) -> str | None:
     if a.grpo_std_scope == "batch" and not a.norm_adv_by_std_in_grpo:
         return ("algorithm.grpo_std_scope=batch picks the std the advantages are divided by, and "
                 "norm_adv_by_std_in_grpo=false divides by none: set one of them back")
+    return _actor_problem(cfg)
+
+
+def _actor_problem(cfg: RunConfig) -> str | None:
+    a = cfg.actor
+    if a.clip_ratio_delta is not None and a.policy_loss not in DELTA_LOSSES:
+        return (f"actor.clip_ratio_delta caps the unclipped ratio term of actor.policy_loss={', '.join(DELTA_LOSSES)} "
+                f"({a.policy_loss} has none): drop it, or pick one of them")
+    if a.clip_ratio_delta is not None and a.clip_ratio_delta <= 1 + a.clip_ratio_high:
+        return (f"actor.clip_ratio_delta={a.clip_ratio_delta} must be above 1 + actor.clip_ratio_high "
+                f"({1 + a.clip_ratio_high:g}), or the cap binds before the clip does")
+    if a.kl_loss_ratio_weighted and not (a.use_kl_loss and a.kl_loss_coef > 0):
+        return ("actor.kl_loss_ratio_weighted weighs the KL loss term, which this run leaves out: set "
+                "actor.use_kl_loss=true with actor.kl_loss_coef > 0, or drop it")
+    if a.top_entropy_quantile < 1.0 and a.policy_loss == "gmpo":
+        return ("actor.top_entropy_quantile leaves tokens out of the policy term per token, and gmpo's is a "
+                "geometric mean over each sequence: drop it, or pick another actor.policy_loss")
     return None

@@ -104,6 +104,15 @@ class ActorConfig:
     clip_ratio_c: float = opt(0.0, "dual-clip constant c > 1 bounding the loss of negative advantages; 0 disables "
                                    "(dppo_tv / dppo_kl: the truncation of their importance ratio, 0: 20)",
                               ge=0.0)
+    clip_ratio_delta: float | None = opt(None, "ppo_clip, gspo: two-sided clipping (TRL's --delta): the unclipped "
+                                               "ratio term is capped at delta (> 1 + clip_ratio_high), so a token "
+                                               "of negative advantage whose ratio passed it has no gradient; null: "
+                                               "off", gt=1.0)
+    top_entropy_quantile: float = opt(1.0, "the policy term trains only the tokens whose entropy is in this top "
+                                           "share of each micro-batch's (over every rank), the others counting 0 in "
+                                           "its mean; the KL and entropy terms keep every token (TRL's "
+                                           "--top_entropy_quantile; \"Beyond the 80/20 Rule\": 0.2); 1.0: every "
+                                           "token", ge=0.0, le=1.0)
     # Clip-Cov / KL-Cov (Cui et al. 2025): restrain the tokens whose log-prob moves most with their advantage
     clip_cov_ratio: float = opt(2e-4, "clip_cov: share of a micro-batch's tokens whose gradient is removed, drawn "
                                       "among those whose covariance lies in (clip_cov_lb, clip_cov_ub)", gt=0.0, le=1.0)
@@ -127,6 +136,10 @@ class ActorConfig:
     kl_loss_coef: float = opt(0.001, "weight of the KL term", ge=0.0)
     kl_loss_type: str = opt("k3", "KL estimator (verl aliases: kl=k1, mse=k2, low_var_kl=k3)",
                             choices=("k1", "k2", "k3", "kl", "mse", "low_var_kl"))
+    kl_loss_ratio_weighted: bool = opt(False, "the KL term's per-token estimate times the ratio pi / pi_old, "
+                                              "gradient through both: an unbiased KL of the current policy from "
+                                              "tokens the old one sampled (TRL's --use_bias_correction_kl, from "
+                                              "DeepSeek-V3.2)")
     ema_beta: float = opt(0.0, "an exponential moving average of the policy's weights, moved by 1 - ema_beta after "
                                "every optimizer step and saved in each checkpoint's ema/ folder (OpenRLHF's "
                                "--enable_ema --ema_beta: 0.992); 0: none", ge=0.0, le=0.9999)

@@ -60,7 +60,9 @@ def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
                           # aggregates the KL and entropy terms only
                           policy_agg="seq-mean-token-mean" if a.policy_loss in ("gspo", "sapo") else None,
                           clip_cov=(a.clip_cov_ratio, a.clip_cov_lb, a.clip_cov_ub),
-                          kl_cov=(a.kl_cov_ratio, a.ppo_kl_coef), sapo=(a.tau_pos, a.tau_neg))
+                          kl_cov=(a.kl_cov_ratio, a.ppo_kl_coef), sapo=(a.tau_pos, a.tau_neg),
+                          delta=a.clip_ratio_delta, kl_ratio_weighted=a.kl_loss_ratio_weighted,
+                          top_entropy=a.top_entropy_quantile)
 
 
 class PolicyTrainer:

@@ -7,14 +7,17 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from alignrl.config.schema import CLIP_C_LOSSES
-from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, aggregate_loss
+from alignrl.core.entropy import high_entropy_mask
+from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, aggregate_loss, ratio_weighted_kl
 from alignrl.data.records import Experience
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.models.vision import encoder_in_every_forward
+from alignrl.runtime.env import DistEnv, gather_values
 from alignrl.runtime.lanes import lane_count
 from alignrl.train.minibatch import TokenBudget, minibatch_updates
 from alignrl.train.ema import PolicyAverage
@@ -38,10 +41,15 @@ class PolicyLossSpec:
     clip_cov: tuple[float, float, float] = (2e-4, 1.0, 5.0)  # clip_cov's share of tokens and covariance bounds
     kl_cov: tuple[float, float] = (2e-4, 1.0)  # kl_cov's share of tokens and penalty weight
     sapo: tuple[float, float] = (1.0, 1.05)  # sapo's temperatures (positive advantages, the others)
+    delta: float | None = None  # two-sided clipping's cap on the unclipped ratio (ppo_clip, gspo); None: off
+    kl_ratio_weighted: bool = False  # the KL term's estimate times pi / pi_old (TRL's use_bias_correction_kl)
+    top_entropy: float = 1.0  # the policy term on the top share of each micro-batch's token entropies; 1: every token
 
 
 def loss_options(spec: PolicyLossSpec, generator: torch.Generator | None) -> dict:
     """The keywords of `spec.name`'s loss beyond the common call (`core.losses`)."""
+    if spec.delta is not None:  # the config allows it with ppo_clip and gspo only
+        return {"delta": spec.delta} | ({"clip_c": spec.clip_c} if spec.name in CLIP_C_LOSSES else {})
     if spec.name in CLIP_C_LOSSES:
         return {"clip_c": spec.clip_c}
     if spec.name == "clip_cov":
@@ -72,18 +80,40 @@ def token_draws(generator: torch.Generator):
     return draw
 
 
+def entropy_kept(entropy: torch.Tensor | None, mask: torch.Tensor, spec: PolicyLossSpec, env: DistEnv | None
+                 ) -> torch.Tensor | None:
+    """With spec.top_entropy < 1: 1 on the tokens whose entropy is in the top share of the micro-batch's, the
+    threshold taken over every rank's micro-batch (as TRL gathers it), 0 elsewhere; None: every token trains."""
+    if spec.top_entropy >= 1.0 or entropy is None:
+        return None
+    # every rank runs as many micro-batches (train.minibatch), so each gathers with the others
+    gather = partial(_every_rank, env) if env is not None and env.distributed else None
+    return high_entropy_mask(entropy, mask, spec.top_entropy, gather).to(mask.dtype)
+
+
+def _every_rank(env: DistEnv, values: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor of each rank, concatenated in rank order on every rank."""
+    return torch.tensor(gather_values(env, values.tolist()), dtype=values.dtype, device=values.device)
+
+
 def policy_loss(logp, entropy, exp: Experience, spec: PolicyLossSpec, global_tokens: float, global_seqs: float,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                generator: torch.Generator | None = None, env: DistEnv | None = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss + KL to the reference - entropy bonus, each aggregated by `spec.loss_agg` (the policy term by
     `spec.policy_agg` where its loss fixes it) over the mini-batch's global counts (as verl's agg_loss and TRL's
     per-token loss do). The KL and entropy metrics are token means whatever the mode. `generator`: clip_cov's draws
-    of tokens."""
+    of tokens; `env`: the ranks the high-entropy threshold is taken over."""
     mask = exp.response_mask.to(logp.dtype)
     extra = loss_options(spec, generator)
+    is_weight, kept = exp.is_weight, entropy_kept(entropy, mask, spec, env)
+    if kept is not None:  # the left-out tokens weigh 0 in the policy term and still count in its denominator, as TRL's
+        is_weight = kept if is_weight is None else is_weight * kept
     loss, metrics = POLICY_LOSSES[spec.name](logp, exp.old_logprobs, exp.advantages, mask, spec.clip_low,
-                                             spec.clip_high, global_tokens, is_weight=exp.is_weight,
+                                             spec.clip_high, global_tokens, is_weight=is_weight,
                                              loss_agg=spec.policy_agg or spec.loss_agg, global_seqs=global_seqs,
                                              max_len=spec.max_len, **extra)
+    if kept is not None:
+        metrics["actor/entropy_kept_frac"] = float(kept.sum()) / max(1.0, float(mask.sum()))
 
     def agg(per_token: torch.Tensor) -> torch.Tensor:
         return aggregate_loss(per_token, mask, spec.loss_agg, global_tokens, global_seqs, spec.max_len)
@@ -93,6 +123,8 @@ def policy_loss(logp, entropy, exp: Experience, spec: PolicyLossSpec, global_tok
 
     if spec.kl_coef > 0 and exp.ref_logprobs is not None:
         kl = KL_ESTIMATORS[spec.kl_type](logp, exp.ref_logprobs)
+        if spec.kl_ratio_weighted:
+            kl = ratio_weighted_kl(kl, logp, exp.old_logprobs)
         loss = loss + spec.kl_coef * agg(kl)
         metrics["actor/kl_loss"] = token_mean_value(kl)
     if entropy is not None:
@@ -126,7 +158,8 @@ class Actor:
             logp, ent = response_logprobs(self.engine.module, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                           micro.attended, spec.temperature, with_entropy=True,
                                           entropy_grad=spec.entropy_coeff > 0, layout=self.layout, images=micro.images)
-            return policy_loss(logp, ent, micro, spec, tokens, seqs, None if draws is None else draws(rows))
+            return policy_loss(logp, ent, micro, spec, tokens, seqs, None if draws is None else draws(rows),
+                               self.engine.env)
 
         engine = self.engine if self.average is None else self.average.stepping(self.engine)
         return minibatch_updates(exp, micro_loss, engine, mini_batch, micro_batch, epochs, generator, "actor",
