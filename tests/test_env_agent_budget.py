@@ -74,8 +74,8 @@ def test_step_reads_the_turn_s_sampling_params_and_its_changes_sample_the_next_t
     run = SamplingParams(max_new_tokens=6, temperature=1.0, seed=7)
     ro = EnvRollout(engine, tok, load_environment(_env_file(tmp_path)), response_cap=64).generate(prompts, run)
     first = [row for row in _module().SAMPLING_SEEN if row[1] == 1]
-    assert {r[2] for r in first} == {"SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=6, stop=[], "
-                                     "seed=7, n=1)"}
+    assert {r[2] for r in first} == {"SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, "
+                                     "repetition_penalty=1.0, max_tokens=6, stop=[], seed=7, n=1)"}
     # turn 1: one call for all; turn 2: the unchanged episodes together, each changed one in its own call
     assert [len(c[0]) for c in engine.calls] == [6, 2, 1, 1, 1, 1]
     assert [c[0][0][0] for c in engine.calls[1:]] == [prompts[i][0] for i in (0, 1, 2, 3, 4)]

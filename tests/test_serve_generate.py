@@ -106,14 +106,17 @@ def test_bad_request_is_a_4xx_through_the_openai_client(oa):
 
 
 def test_sampling_controls_this_server_lacks_are_refused_unless_neutral(oa):
-    """Penalties, min_p and logit_bias were dropped in silence: the caller got plain sampling. Their neutral
-    values (what the openai client and vLLM send by default) still pass."""
-    for extra in ({"presence_penalty": 1.5}, {"frequency_penalty": 1.0}, {"min_p": 0.5},
-                  {"logit_bias": {"50256": -100}}, {"repetition_penalty": 1.3}):
+    """Presence and frequency penalties and logit_bias were dropped in silence: the caller got plain sampling. Their
+    neutral values (what the openai client and vLLM send by default) still pass; min_p and repetition_penalty
+    (vLLM's extra parameters) are taken."""
+    for extra in ({"presence_penalty": 1.5}, {"frequency_penalty": 1.0}, {"logit_bias": {"50256": -100}}):
         with pytest.raises(openai.BadRequestError, match=f"{next(iter(extra))}=.* is not supported"):
             oa.completions.create(model=_model_name(oa), prompt="hi", max_tokens=2, extra_body=extra)
     done = oa.completions.create(model=_model_name(oa), prompt="hi", max_tokens=2, presence_penalty=0,
                                  frequency_penalty=0.0, extra_body={"repetition_penalty": 1.0, "min_p": 0.0})
+    assert len(done.choices) == 1
+    done = oa.completions.create(model=_model_name(oa), prompt="hi", max_tokens=2,
+                                 extra_body={"repetition_penalty": 1.3, "min_p": 0.5})
     assert len(done.choices) == 1
 
 

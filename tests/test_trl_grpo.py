@@ -174,7 +174,6 @@ def test_trl_eval_and_save_cadence_follow_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--repetition_penalty", "1.1"], "--repetition_penalty is not supported here"),
     (["--num_generations", "3"], "must be a multiple of --num_generations 3"),
     (["--loss_type", "luspo"], "--loss_type luspo: alignrl has grpo"),
     (["--scale_rewards", "mean"], "--scale_rewards mean: alignrl's GRPO scales by the group's std (group), the "
@@ -297,6 +296,6 @@ def test_a_trl_line_trains_the_tiny_model_and_its_reward_reads_the_columns(tmp_p
 
 def test_a_bad_trl_flag_through_the_cli_is_one_line(cli_in_process):
     done = cli_in_process("train", "grpo", "--dataset_name", "d.jsonl", "--reward_funcs", "accuracy_reward",
-                          "--min_p", "0.1")
+                          "--off_policy_mask_threshold", "0.5")
     assert done.returncode == 2
-    assert "error: --min_p is not supported here" in one_line(done.stderr)
+    assert "error: --off_policy_mask_threshold is not supported here" in one_line(done.stderr)

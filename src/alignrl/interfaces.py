@@ -30,6 +30,8 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 disables
+    min_p: float = 0.0  # tokens below min_p x the likeliest one's probability are not drawn; 0 disables
+    repetition_penalty: float = 1.0  # > 1: tokens already in the prompt or the response are less likely (vLLM's)
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
     seed: int | None = None

@@ -51,7 +51,8 @@ TAKEN = [
     # GRPOConfig
     Flag("learning_rate", float, 1e-6), Flag("num_generations", int, 8), Flag("max_prompt_length", int, 512),
     Flag("max_completion_length", int, 256), Flag("temperature", float, 1.0), Flag("top_p", float, 1.0),
-    Flag("top_k", int, 0), Flag("beta", float, 0.0), Flag("epsilon", float, 0.2),
+    Flag("top_k", int, 0), Flag("min_p", "opt_float", None), Flag("repetition_penalty", float, 1.0),
+    Flag("beta", float, 0.0), Flag("epsilon", float, 0.2),
     Flag("epsilon_high", "opt_float", None), Flag("num_iterations", int, 1),
     Flag("steps_per_generation", "opt_int", None), Flag("generation_batch_size", "opt_int", None),
     Flag("loss_type", str, "dapo"), Flag("scale_rewards", str, "group"),
@@ -104,8 +105,6 @@ NOT_APPLIED = {
 }
 # flags alignrl cannot honour when given other than TRL's default: (flag, default, what to do instead)
 REFUSED = {
-    "repetition_penalty": (float, 1.0, "alignrl's samplers have no repetition penalty; leave it at 1.0"),
-    "min_p": ("opt_float", None, "alignrl's samplers take top_p and top_k (rollout.top_p, rollout.top_k)"),
     "generation_kwargs": ("opt_str", None, "give the sampling settings as flags or rollout.* keys"),
     "multi_objective_aggregation": (str, "sum_then_normalize", "the rewards are summed, then normalized in groups"),
     "off_policy_mask_threshold": ("opt_float", None, "alignrl.rollout_rs / rollout_is mask off-policy sequences"),

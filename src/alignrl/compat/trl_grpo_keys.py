@@ -347,7 +347,8 @@ def translate(args, world: int) -> tuple[list[str], list[str]]:
     overrides = (data_keys(args, batches) + batches.keys() + loss_keys(args) + reward_keys(args)
                  + optimiser_keys(args, batches, optimizer_steps) + run_keys(args, batches)
                  + [f"rollout.max_new_tokens={args.max_completion_length}", f"rollout.temperature={args.temperature}",
-                    f"rollout.top_p={args.top_p}", f"rollout.top_k={args.top_k if args.top_k > 0 else -1}"])
+                    f"rollout.top_p={args.top_p}", f"rollout.top_k={args.top_k if args.top_k > 0 else -1}",
+                    f"rollout.min_p={args.min_p or 0.0}", f"rollout.repetition_penalty={args.repetition_penalty}"])
     lines = [defaults_line(args), batches.line(),
              f"--max_prompt_length {args.max_prompt_length}{'' if 'max_prompt_length' in args.given else ' (default)'}"
              ": alignrl's own cap (TRL's GRPOConfig has none and cuts no prompt): longer prompts are left out as the "

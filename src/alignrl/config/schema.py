@@ -44,6 +44,10 @@ class RolloutConfig:
     temperature: float = opt(1.0, "sampling temperature", gt=0.0)
     top_p: float = opt(1.0, "nucleus sampling mass", gt=0.0, le=1.0)
     top_k: int = opt(-1, "keep the k most likely tokens; -1 disables (vLLM convention)", ge=-1)
+    min_p: float = opt(0.0, "tokens less likely than min_p x the likeliest one are not drawn; 0 disables (vLLM's, "
+                            "TRL's --min_p)", ge=0.0, le=1.0)
+    repetition_penalty: float = opt(1.0, "> 1: tokens already in the prompt or the response are drawn less often "
+                                         "(vLLM's and HF's; TRL's --repetition_penalty); 1 disables", gt=0.0)
     max_new_tokens: int = opt(64, "response length limit (verl's data.max_response_length)", ge=1)
     stop: list = opt([], "extra stop strings; generation also stops at the tokenizer's eos")
     val_temperature: float = opt(0.0, "held-out evaluation: 0 decodes greedily; > 0 samples val_n answers a problem "

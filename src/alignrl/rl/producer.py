@@ -100,7 +100,8 @@ class RolloutMaker:
         """Round 0 is the step's first generation; dynamic sampling's extra rounds get their own seeds
         (offset far past any step count), so a resumed run draws the same samples."""
         r = self.cfg.rollout
-        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+                              repetition_penalty=r.repetition_penalty,
                               max_new_tokens=r.max_new_tokens, stop=tuple(r.stop),
                               seed=self.cfg.trainer.seed * 1_000_003 + step + gen_round * 1_000_000_007
                               + self.rank * 7_919_000_003)  # ranks draw different samples

@@ -2,11 +2,12 @@
 
 OpenRLHF hands `step` the vLLM SamplingParams the turn was sampled with and, when `step` returns a "sampling_params",
 samples that episode's next turns with it. Here `step` gets a `StepSampling`: vLLM's attribute names for the fields
-alignrl's SamplingParams has (temperature, top_p, top_k, max_tokens, stop, seed, and n, which stays 1). What `step`
-changes, on that object in place or in the one it returns (that object, a vLLM SamplingParams, or a dict with those
-names), applies to the episode's following turns; a field left as it was given changes nothing, so an environment
-that hands the object back unchanged (as OpenRLHF's examples do) samples as before. `max_tokens` caps each following
-turn, never past the room left under the episode's response cap; None lifts the per-turn cap (the room left).
+alignrl's SamplingParams has (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, stop, seed, and n,
+which stays 1). What `step` changes, on that object in place or in the one it returns (that object, a vLLM
+SamplingParams, or a dict with those names), applies to the episode's following turns; a field left as it was given
+changes nothing, so an environment that hands the object back unchanged (as OpenRLHF's examples do) samples as before.
+`max_tokens` caps each following turn, never past the room left under the episode's response cap; None lifts the
+per-turn cap (the room left).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ FIELDS = {
     "top_p": ("top_p", lambda v: float(v) if _real(v) and 0 < v <= 1 else _BAD, "a number in (0, 1]"),
     "top_k": ("top_k", lambda v: (int(v) if v >= 1 else -1) if _whole(v) and v >= -1 else _BAD,
               "an integer >= 1, or -1 or 0 for no top-k"),
+    "min_p": ("min_p", lambda v: float(v) if _real(v) and 0 <= v <= 1 else _BAD, "a number in [0, 1] (0: off)"),
+    "repetition_penalty": ("repetition_penalty", lambda v: float(v) if _real(v) and v > 0 else _BAD,
+                           "a number > 0 (1: off)"),
     "max_tokens": ("max_new_tokens", lambda v: None if v is None else int(v) if _whole(v) and v >= 1 else _BAD,
                    "an integer >= 1, or None for the room left"),
     "stop": ("stop", _stop, "a string or a list of strings"),
@@ -72,6 +76,7 @@ def for_step(params: SamplingParams, max_tokens: int, owner: str) -> tuple[StepS
     """The object `step` gets for a turn sampled with `params` and at most `max_tokens` tokens, and its values as
     given (alignrl's form), to tell what `step` changed."""
     given = {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, 0) or -1,
+             "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
              "max_tokens": max_tokens, "stop": tuple(params.stop), "seed": params.seed, "n": 1}
     return StepSampling(owner, **dict(given, stop=list(params.stop))), given
 

@@ -12,6 +12,8 @@ decoding, paging.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -26,8 +28,11 @@ from alignrl.models.vision import vision_inputs, vision_token_ids
 from alignrl.rollout.decoder import KVDecoder
 
 
-def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """(N, V) logits with everything outside top-k / the top-p nucleus set to -inf."""
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """(N, V) log-probabilities with everything outside top-k / the top-p nucleus / below min_p times the likeliest
+    token's probability set to -inf."""
+    if min_p > 0.0:  # p < min_p x p_max is logp < logp_max + log(min_p)
+        logits = logits.masked_fill(logits < logits.amax(-1, keepdim=True) + math.log(min_p), float("-inf"))
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -56,22 +61,40 @@ GREEDY_BELOW = 1e-5
 
 
 def sample_next(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None,
-                banned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                banned: torch.Tensor | None = None, seen: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (N, V) -> sampled token (N,), its log-prob (N,) under the temperature-scaled distribution. `banned`
     tokens (a vision model's image placeholders) are never drawn; the log-prob stays the model's own, which the
-    trainer recomputes (their mass is a trained model's rounding error)."""
+    trainer recomputes (their mass is a trained model's rounding error). `seen` (N, V) bool: the tokens already in
+    each row's prompt and response, which `p.repetition_penalty` makes less likely to be drawn; the log-prob is the
+    model's own there too, as vLLM's raw log-probs are (as it is under top-k, top-p and min-p)."""
     logits = logits.float()
-    pick = logits if banned is None else logits.index_fill(-1, banned, float("-inf"))
+    pick = logits if seen is None else repetition_penalized(logits, seen, p.repetition_penalty)
+    pick = pick if banned is None else pick.index_fill(-1, banned, float("-inf"))
     if p.temperature < GREEDY_BELOW:
         logp = torch.log_softmax(logits, -1)
         tok = pick.argmax(-1)
     else:
         logp = torch.log_softmax(logits / p.temperature, -1)
-        draw = logp if banned is None else torch.log_softmax(pick / p.temperature, -1)
-        probs = (_filter_logits(draw, p.top_k, p.top_p).softmax(-1)
-                 if (p.top_k > 0 or p.top_p < 1.0) else draw.exp())
+        draw = logp if pick is logits else torch.log_softmax(pick / p.temperature, -1)
+        probs = (_filter_logits(draw, p.top_k, p.top_p, p.min_p).softmax(-1)
+                 if (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) else draw.exp())
         tok = _inverse_cdf(probs, gen)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def repetition_penalized(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The logits of the `seen` tokens divided by `penalty` where positive and multiplied by it where negative
+    (HF's and vLLM's repetition penalty, before the temperature): > 1 makes a repeat less likely."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def seen_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vocab: int, dev: torch.device) -> torch.Tensor:
+    """(B, V) bool: the tokens of each row's prompt (padding left out)."""
+    seen = torch.zeros((prompt_ids.shape[0], vocab), dtype=torch.bool, device=dev)
+    ids = prompt_ids.to(dev).masked_fill(~prompt_mask.to(dev).bool(), 0)
+    seen.scatter_(1, ids, prompt_mask.to(dev).bool())
+    return seen
 
 
 def default_eos(model, tokenizer) -> list[int]:
@@ -153,8 +176,13 @@ class HFRolloutEngine:
         alive = torch.arange(b)  # the rows still generating
         state = group.clone()  # each alive row's decoder state
         banned = None if self.banned is None else self.banned.to(dev)
+        seen = (seen_tokens(prompt_ids, prompt_mask, logits.shape[-1], dev) if params.repetition_penalty != 1.0
+                else None)
         for t in range(steps):
-            tok, lp = sample_next(logits.index_select(0, state.to(dev)), params, gen, banned)
+            rows_seen = None if seen is None else seen.index_select(0, alive.to(dev))
+            tok, lp = sample_next(logits.index_select(0, state.to(dev)), params, gen, banned, rows_seen)
+            if seen is not None:
+                seen[alive.to(dev), tok] = True
             tok, lp = tok.cpu(), lp.cpu()
             out_ids[alive, t], out_lp[alive, t] = tok, lp
             length[alive] += 1

@@ -263,6 +263,11 @@ class RemoteRolloutEngine:
             body = {"prompts": [[int(t) for t in p] for p in chunk], "n": params.n,
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                     "max_tokens": params.max_new_tokens, "stop": list(params.stop), "seed": seed}
+            # sent only when set: a server of an older release refuses fields it does not know
+            if params.min_p > 0.0:
+                body["min_p"] = params.min_p
+            if params.repetition_penalty != 1.0:
+                body["repetition_penalty"] = params.repetition_penalty
             if pictures is not None:  # a vision-language model's prompts: each with its images, or null
                 body["images"] = pictures[s:e]
             elif prompt_images(chunk) is not None:

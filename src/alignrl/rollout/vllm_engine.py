@@ -117,7 +117,8 @@ class VLLMRolloutEngine:
         # one seed per prompt: vLLM seeds each request's own generator, so copies of a prompt given one seed
         # (the multi-turn loop sends a GRPO group as n copies) would all sample the same tokens
         sps = [self.vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                        top_k=params.top_k if params.top_k > 0 else -1,
+                                        top_k=params.top_k if params.top_k > 0 else -1, min_p=params.min_p,
+                                        repetition_penalty=params.repetition_penalty,
                                         max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
                                         include_stop_str_in_output=True, logprobs=0,
                                         seed=None if params.seed is None else params.seed + i, **self.banned)

@@ -26,9 +26,10 @@ class GenResult:
     version: int  # the weights every row was sampled with
 
 
-def sampling(n: int, temperature: float, top_p: float, top_k: int, max_tokens: int, stop, seed):
+def sampling(n: int, temperature: float, top_p: float, top_k: int, max_tokens: int, stop, seed,
+             min_p: float = 0.0, repetition_penalty: float = 1.0):
     # imported here: the interfaces pull in torch, which request validation alone does not need
     from alignrl.interfaces import SamplingParams
 
     return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_tokens,
-                          stop=tuple(stop or ()), seed=seed)
+                          stop=tuple(stop or ()), seed=seed, min_p=min_p, repetition_penalty=repetition_penalty)

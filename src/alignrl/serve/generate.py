@@ -54,6 +54,8 @@ class TokensRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     max_tokens: int = Field(64, ge=1)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
     seed: int | None = Field(None, ge=0, lt=2**63)
@@ -237,7 +239,8 @@ def build_app(svc: GenerationService, max_body: int):
 
     @app.post("/v1/generate_tokens")
     async def generate_tokens(req: TokensRequest) -> dict:
-        params = sampling(req.n, req.temperature, req.top_p, req.top_k, req.max_tokens, req.stop, req.seed)
+        params = sampling(req.n, req.temperature, req.top_p, req.top_k, req.max_tokens, req.stop, req.seed,
+                          req.min_p, req.repetition_penalty)
         if req.images is None:  # a vision-language model's image tokens without images are still refused
             prompts = image_prompts(req, svc.tokenizer, svc.engine)
         else:  # decoding and resizing pictures takes a while: off the event loop, which keeps answering /health

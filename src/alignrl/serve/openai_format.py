@@ -26,8 +26,7 @@ from alignrl.serve.gen_types import MAX_N, MAX_STOP_LEN, MAX_STOPS, GenRow, samp
 
 # Sampling controls not implemented, and the value that leaves sampling as it is (the `openai` client's and
 # vLLM's defaults): any other value is refused rather than ignored.
-UNIMPLEMENTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0,
-                 "logit_bias": {}}
+UNIMPLEMENTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}
 
 
 class _Sampling(BaseModel):
@@ -38,6 +37,8 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extra sampling parameters
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
@@ -168,7 +169,8 @@ class TemplateView:
 
 
 def params_of(req: _Sampling, max_tokens: int):
-    return sampling(req.n, req.temperature, req.top_p, req.top_k, max_tokens, req.stop_list(), req.seed)
+    return sampling(req.n, req.temperature, req.top_p, req.top_k, max_tokens, req.stop_list(), req.seed, req.min_p,
+                    req.repetition_penalty)
 
 
 # Characters per token that a text longer than the context is tried at: ordinary text runs 3-6 to a token.
