@@ -94,7 +94,9 @@ def safe_rlhf_cost_loss(chosen_costs: torch.Tensor, rejected_costs: torch.Tensor
 
 # ---------------------------------------------------------------- DPO family
 # Each takes (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta,
-# global_pairs) as (B,) sequence log-prob sums, plus keywords some variants read.
+# global_pairs) as (B,) sequence log-prob sums, plus keywords some variants read. TRL's DPOTrainer options
+# (`alignrl.core.dpo_options`): `h`, the logits when an f-divergence replaces DPO's h (the losses of h read it), and
+# `pair_weight`, WPO's (B,) weights of the pairs' losses (every loss of TRL's DPOTrainer reads it).
 
 
 def _dpo_metrics(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float,
@@ -109,37 +111,46 @@ def _dpo_metrics(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch
                 "logps/chosen": float(pc.mean()), "logps/rejected": float(pr.mean())}
 
 
-def _h(pc, pr, rc, rr) -> torch.Tensor:
-    """(B,) log-ratio difference h = (log π_c - log π_ref,c) - (log π_r - log π_ref,r)."""
-    return (pc - rc) - (pr - rr)
+def _h(pc, pr, rc, rr, h: torch.Tensor | None = None) -> torch.Tensor:
+    """(B,) log-ratio difference h = (log π_c - log π_ref,c) - (log π_r - log π_ref,r), or the `h` given."""
+    return (pc - rc) - (pr - rr) if h is None else h
+
+
+def _pairwise(losses: torch.Tensor, pc, pr, rc, rr, beta: float, global_pairs: float | None,
+              pair_weight: torch.Tensor | None = None):
+    if pair_weight is not None:  # WPO: the pair's whole loss, as TRL weighs it
+        losses = losses * pair_weight
+    return losses.sum() / _norm(losses.numel(), global_pairs), _dpo_metrics(pc, pr, rc, rr, beta, losses)
 
 
 def dpo_sigmoid_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float,
-                     global_pairs: float | None = None, *, label_smoothing: float = 0.0, **_
-                     ) -> tuple[torch.Tensor, dict[str, float]]:
+                     global_pairs: float | None = None, *, label_smoothing: float = 0.0, h=None, pair_weight=None,
+                     **_) -> tuple[torch.Tensor, dict[str, float]]:
     """DPO (Rafailov et al. 2023, "Direct Preference Optimization", eq. 7): -log σ(β·h). With label smoothing
     ε it is conservative DPO (Mitchell 2023, "A note on DPO with noisy preferences"), as TRL's sigmoid loss:
     each label flipped with probability ε, -(1-ε)·log σ(β·h) - ε·log σ(-β·h)."""
-    z = beta * _h(pc, pr, rc, rr)
+    z = beta * _h(pc, pr, rc, rr, h)
     losses = -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
-    return losses.sum() / _norm(losses.numel(), global_pairs), _dpo_metrics(pc, pr, rc, rr, beta, losses)
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs, pair_weight)
 
 
 def dpo_ipo_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float,
-                 global_pairs: float | None = None, **_) -> tuple[torch.Tensor, dict[str, float]]:
+                 global_pairs: float | None = None, *, h=None, pair_weight=None, **_
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """IPO (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human
     Preferences"): (h - 1/(2τ))², with τ = beta. It regresses the log-ratio gap to a finite
     target, so it does not push it to infinity on deterministic preferences as DPO does."""
-    losses = (_h(pc, pr, rc, rr) - 1.0 / (2.0 * beta)) ** 2
-    return losses.sum() / _norm(losses.numel(), global_pairs), _dpo_metrics(pc, pr, rc, rr, beta, losses)
+    losses = (_h(pc, pr, rc, rr, h) - 1.0 / (2.0 * beta)) ** 2
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs, pair_weight)
 
 
 def slic_hinge_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float,
-                    global_pairs: float | None = None, **_) -> tuple[torch.Tensor, dict[str, float]]:
+                    global_pairs: float | None = None, *, h=None, pair_weight=None, **_
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
     """Hinge (SLiC-HF, Zhao et al. 2023, "Calibrating Sequence Likelihood..."; on the reference-
     normalised gap as in Liu et al. 2024, RSO): max(0, 1 - β·h)."""
-    losses = torch.relu(1.0 - beta * _h(pc, pr, rc, rr))
-    return losses.sum() / _norm(losses.numel(), global_pairs), _dpo_metrics(pc, pr, rc, rr, beta, losses)
+    losses = torch.relu(1.0 - beta * _h(pc, pr, rc, rr, h))
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs, pair_weight)
 
 
 def odpo_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float,
@@ -197,50 +208,46 @@ def safe_odpo_loss(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: tor
 # ---------------------------------------------------------------- TRL's other pairwise losses (DPOConfig.loss_type)
 
 
-def _pairwise(losses: torch.Tensor, pc, pr, rc, rr, beta: float, global_pairs: float | None):
-    return losses.sum() / _norm(losses.numel(), global_pairs), _dpo_metrics(pc, pr, rc, rr, beta, losses)
-
-
 def robust_dpo_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, label_smoothing: float = 0.0,
-                    **_) -> tuple[torch.Tensor, dict[str, float]]:
+                    h=None, pair_weight=None, **_) -> tuple[torch.Tensor, dict[str, float]]:
     """rDPO (Chowdhury et al. 2024, "Provably Robust DPO"): an unbiased loss under labels flipped with probability ε,
     ((1-ε)·(-log σ(z)) + ε·log σ(-z)) / (1 - 2ε), z = β·h."""
-    z = beta * _h(pc, pr, rc, rr)
+    z = beta * _h(pc, pr, rc, rr, h)
     losses = (-(1.0 - label_smoothing) * F.logsigmoid(z) + label_smoothing * F.logsigmoid(-z)) / (
         1.0 - 2.0 * label_smoothing)
-    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs, pair_weight)
 
 
 def exo_pair_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, label_smoothing: float = 0.0,
-                  **_) -> tuple[torch.Tensor, dict[str, float]]:
+                  h=None, pair_weight=None, **_) -> tuple[torch.Tensor, dict[str, float]]:
     """EXO (Ji et al. 2024, "Towards Efficient Exact Optimization of Language Model Alignment", eq. 16): the reverse
     KL from the label distribution (1-ε, ε) to σ(±z); ε = label_smoothing, 1e-3 when 0 (as TRL)."""
     eps = label_smoothing or 1e-3
-    z = beta * _h(pc, pr, rc, rr)
+    z = beta * _h(pc, pr, rc, rr, h)
     losses = z.sigmoid() * (F.logsigmoid(z) - math.log(1.0 - eps)) + (-z).sigmoid() * (F.logsigmoid(-z)
                                                                                        - math.log(eps))
-    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs, pair_weight)
 
 
-def nca_pair_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, **_
+def nca_pair_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, pair_weight=None, **_
                   ) -> tuple[torch.Tensor, dict[str, float]]:
     """NCA (Chen et al. 2024, "Noise Contrastive Alignment"): -log σ(r_c) - ½·log σ(-r_c) - ½·log σ(-r_r) on the
     implicit rewards r = β·(log π - log π_ref); it raises the chosen response's own likelihood, not just the gap."""
     chosen, rejected = beta * (pc - rc), beta * (pr - rr)
     losses = -F.logsigmoid(chosen) - 0.5 * F.logsigmoid(-chosen) - 0.5 * F.logsigmoid(-rejected)
-    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs, pair_weight)
 
 
-def sppo_hard_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, **_
+def sppo_hard_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, pair_weight=None, **_
                    ) -> tuple[torch.Tensor, dict[str, float]]:
     """SPPO with hard probabilities (Wu et al. 2024, "Self-Play Preference Optimization", eq. 4.7 with P = 1 for the
     winner, 0 for the loser): (a - 1/(2β))² + (b + 1/(2β))², a and b the two log-ratios to the reference."""
     losses = (pc - rc - 0.5 / beta) ** 2 + (pr - rr + 0.5 / beta) ** 2
-    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs, pair_weight)
 
 
 def aot_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, label_smoothing: float = 0.0,
-             paired: bool = False, **_) -> tuple[torch.Tensor, dict[str, float]]:
+             paired: bool = False, pair_weight=None, **_) -> tuple[torch.Tensor, dict[str, float]]:
     """AOT (Melnyk et al. 2024, "Distributional Preference Alignment of LLMs via Optimal Transport"): the sigmoid
     loss on sorted quantities of the micro-batch (so, as TRL's, it depends on how the batch is split): `paired`
     (aot_pair) sorts the chosen and the rejected log-ratios apart; aot sorts the policy's and the reference's
@@ -251,10 +258,11 @@ def aot_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, 
         delta = torch.sort(pc - pr, dim=0)[0] - torch.sort(rc - rr, dim=0)[0]
     z = beta * delta
     losses = -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
-    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs, pair_weight)
 
 
-def apo_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, down: bool = False, **_
+def apo_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, down: bool = False, pair_weight=None,
+             **_
              ) -> tuple[torch.Tensor, dict[str, float]]:
     """APO (D'Oosterlinck et al. 2024, "Anchored Preference Optimization", eqs. 7 and 8). apo_zero, when the chosen
     responses beat the model's own: raise the chosen likelihood, lower the rejected, 1 - σ(β·a) + σ(β·b).
@@ -264,27 +272,28 @@ def apo_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, 
         losses = torch.sigmoid(beta * a) + 1.0 - torch.sigmoid(beta * (a - b))
     else:
         losses = 1.0 - torch.sigmoid(beta * a) + torch.sigmoid(beta * b)
-    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs, pair_weight)
 
 
 def discopop_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, discopop_tau: float = 0.05,
-                  **_) -> tuple[torch.Tensor, dict[str, float]]:
+                  pair_weight=None, **_) -> tuple[torch.Tensor, dict[str, float]]:
     """DiscoPOP (Chris Lu et al. 2024, "Discovering Preference Optimization Algorithms with and for LLMs", eq. 5):
     the logistic and the exponential loss of z = β·h, blended by σ(z/τ) (τ = discopop_tau)."""
     z = beta * _h(pc, pr, rc, rr)
     mix = torch.sigmoid(z / discopop_tau)
     losses = -F.logsigmoid(z) * (1.0 - mix) + torch.exp(-z) * mix
-    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+    return _pairwise(losses, pc, pr, rc, rr, beta, global_pairs, pair_weight)
 
 
-def bco_pair_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, bco_delta: float = 0.0, **_
+def bco_pair_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, bco_delta: float = 0.0,
+                  pair_weight=None, **_
                   ) -> tuple[torch.Tensor, dict[str, float]]:
     """BCO on pairs (Jung et al. 2024, "Binary Classifier Optimization for Large Language Model Alignment"), TRL's
     bco_pair: each response a binary classification of its implicit reward r = β·(log π - log π_ref) shifted by δ,
     -log σ(r_c - δ) - log σ(-(r_r - δ)); δ = bco_delta, the running mean of the rewards (`RewardMean`)."""
     chosen, rejected = beta * (pc - rc), beta * (pr - rr)
     losses = -F.logsigmoid(chosen - bco_delta) - F.logsigmoid(-(rejected - bco_delta))
-    loss, metrics = _pairwise(losses, pc, pr, rc, rr, beta, global_pairs)
+    loss, metrics = _pairwise(losses, pc, pr, rc, rr, beta, global_pairs, pair_weight)
     metrics["bco/delta"] = float(bco_delta)
     return loss, metrics
 
@@ -313,11 +322,12 @@ class RewardMean:
         self.mean, self.count = float(state["mean"]), float(state["count"])
 
 
-def sft_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, nll: torch.Tensor, **_
+def sft_loss(pc, pr, rc, rr, beta: float, global_pairs: float | None = None, *, nll: torch.Tensor, pair_weight=None,
+             **_
              ) -> tuple[torch.Tensor, dict[str, float]]:
     """The chosen responses' NLL (`nll`, (B,)), "sft" in TRL's multi-loss DPO (MPO: Wang et al. 2024, "Enhancing the
     Reasoning Ability of Multimodal Large Language Models via Mixed Preference Optimization")."""
-    return _pairwise(nll, pc, pr, rc, rr, beta, global_pairs)
+    return _pairwise(nll, pc, pr, rc, rr, beta, global_pairs, pair_weight)
 
 
 # ---------------------------------------------------------------- reference-free (rc = rr = 0 is passed)

@@ -42,6 +42,14 @@ REFERENCE_FREE = LossNames(("simpo", "cpo", "orpo"), every=True)
 # a response's log-probability (the policy's and the reference's) is its token mean
 LENGTH_NORMALISED = LossNames(("simpo", "orpo", "ipo_token_mean"), every=True)
 SAFETY_LOSSES = ("safe_mm_dpo", "safe_odpo")  # the losses that read the two scorers
+# TRL DPOTrainer's own losses: its use_weighting and ld_alpha act on them (not on the safety losses, nor on the CPO
+# and ORPO trainers' simpo, cpo and orpo)
+TRL_DPO_LOSSES = LossNames(tuple(n for n in DPO_LOSS_NAMES if n not in (*SAFETY_LOSSES, "safe", "simpo", "cpo",
+                                                                          "orpo")), every=True)
+# the losses of DPO's logits h, which an f-divergence other than reverse_kl changes (TRL's; the others read the
+# log-ratios themselves)
+F_DIVERGENCE_LOSSES = LossNames(("sigmoid", "cdpo", "robust", "exo_pair", "hinge", "ipo", "ipo_token_mean"))
+F_DIVERGENCES = ("reverse_kl", "js_divergence", "alpha_divergence")  # alignrl.core.dpo_options (no torch here)
 
 
 @dataclass(frozen=True)
@@ -196,11 +204,24 @@ class DPOConfig(PairColumnsConfig):
     beta_w: float = opt(0.5, "safe_mm_dpo: w of β(δ) = β·(1 + w·(1 - e^(-k|δ|))) (Safe-MM-DPO configs: w)", ge=0.0)
     beta_k: float = opt(0.5, "safe_mm_dpo: k of β(δ) (Safe-MM-DPO configs: k)", ge=0.0)
     kl_coeff: float = opt(0.0, "safe_mm_dpo: weight of KL(π‖π_ref) on the chosen responses (kl_coeff)", ge=0.0)
+    reference_free: bool = opt(False, "the reference's log-probs are taken as 0, a reference that gives every "
+                                      "response the same probability; no reference model is loaded (TRL's "
+                                      "reference_free)")
+    f_divergence_type: str = opt("reverse_kl", "the divergence to the reference behind the logits of sigmoid, "
+                                               "robust, exo_pair, hinge and ipo: reverse_kl (DPO's), js_divergence or "
+                                               "alpha_divergence (TRL's f_divergence_type)", choices=F_DIVERGENCES)
+    f_alpha_divergence_coef: float = opt(1.0, "alpha_divergence: α of (u_r^-α - u_c^-α)/α, u = π/π_ref (TRL's "
+                                              "f_alpha_divergence_coef)", gt=0.0)
+    ld_alpha: float | None = opt(None, "LD-DPO: the policy's log-prob of a response's tokens past its pair's shorter "
+                                       "length is weighted by ld_alpha (TRL's ld_alpha); null: off", ge=0.0, le=1.0)
+    use_weighting: bool = opt(False, "WPO: each pair's loss weighted by min(1, exp(w_c + w_r)), w a response's token "
+                                     "mean of log π(y_t) - log Σ_v π(v)², no gradient (TRL's use_weighting)")
     learning_rate: float = opt(5e-5, "peak AdamW learning rate", gt=0.0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_loss_list(self)
+        check_trl_options(self)
 
 
 SAFETY_OR_ORPO = ("safe_mm_dpo", "safe_odpo", "safe", "orpo")  # they hold other terms or scorers: alone only
@@ -238,3 +259,35 @@ def check_loss_list(cfg: DPOConfig) -> None:
         raise ConfigError(f"loss_weights={weights} must be {len(names)} finite numbers, one per loss of {where}")
     if "robust" in names and cfg.label_smoothing >= 0.5:  # its loss divides by 1 - 2ε
         raise ConfigError("loss_type robust needs label_smoothing below 0.5 (the loss is divided by 1 - 2ε)")
+
+
+def check_trl_options(cfg: DPOConfig) -> None:
+    """TRL DPOTrainer's reference_free, f_divergence_type, ld_alpha and use_weighting: one line where a combination
+    would act on nothing or cannot be computed."""
+    listed = isinstance(cfg.loss_type, (list, tuple))
+    names = list(cfg.loss_type) if listed else [cfg.loss_type]
+    where = f"loss_type=[{','.join(map(str, names))}]" if listed else f"loss_type={cfg.loss_type}"
+    asked = [k for k in ("ref_model_path", "sync_ref_model", "precompute_ref_log_probs", "kl_coeff") if getattr(cfg, k)]
+    if cfg.reference_free and asked:
+        raise ConfigError(f"reference_free=true loads no reference model, so {asked[0]}={getattr(cfg, asked[0])} has "
+                          "nothing to act on; drop one of the two")
+    if cfg.f_divergence_type != "reverse_kl" and cfg.loss_type not in F_DIVERGENCE_LOSSES:
+        raise ConfigError(f"f_divergence_type={cfg.f_divergence_type} changes the logits of "
+                          f"{', '.join(F_DIVERGENCE_LOSSES)}; {where} reads none of them: give one of those or "
+                          "f_divergence_type=reverse_kl")
+    if cfg.f_alpha_divergence_coef != 1.0 and cfg.f_divergence_type != "alpha_divergence":
+        raise ConfigError(f"f_alpha_divergence_coef={cfg.f_alpha_divergence_coef} is read only with "
+                          "f_divergence_type=alpha_divergence; set that or drop the coefficient")
+    for set_as in ([f"ld_alpha={cfg.ld_alpha}"] if cfg.ld_alpha is not None else []) + (
+            ["use_weighting=true"] if cfg.use_weighting else []):
+        if cfg.loss_type not in TRL_DPO_LOSSES:
+            raise ConfigError(f"{set_as} is TRL's DPOTrainer's and acts on its losses; {where} is "
+                              "not one (safe_*, simpo, cpo and orpo are not): drop it or change loss_type")
+    if cfg.ld_alpha is not None and (cfg.logp_reduction != "sum" or any(n in LENGTH_NORMALISED for n in names)):
+        what = ("logp_reduction=sequence_mean" if cfg.logp_reduction != "sum" else
+                next(f"loss_type {n}" for n in names if n in LENGTH_NORMALISED))
+        raise ConfigError(f"ld_alpha={cfg.ld_alpha} splits a response's summed log-prob; {what} reads token means: "
+                          "drop ld_alpha, or use summed log-probs (logp_reduction=sum, sigmoid, ipo, ...)")
+    if cfg.use_weighting and cfg.logp_reduction != "sum":
+        raise ConfigError("use_weighting=true reads the responses' token log-probs; logp_reduction=sequence_mean "
+                          "spans the prompt too: set logp_reduction=sum or use_weighting=false")

@@ -27,6 +27,8 @@ log-probs are computed once up front and the copy is freed. `loss_type` picks a 
 `kl_coeff > 0` adds kl_coeff·KL(π‖π_ref) over the chosen responses (exact over the vocabulary) to any of them, and
 `nll_loss_coef > 0` the chosen responses' NLL (RPO);
 `logp_reduction` picks summed response log-probs (DPO's) or the whole sequence's token mean (`preference.pair_logps`).
+TRL's reference_free (reference log-probs of 0, no model loaded), f_divergence_type, ld_alpha (LD-DPO) and
+use_weighting (WPO) change what the losses read (`core.dpo_options`, `preference.pair_logps`, `dpo_mix.trl_keywords`).
 
 Held-out reward accuracy (β-scaled implicit rewards, chosen > rejected, ties half) and margins are measured before
 and after training (and every `eval_steps`), per eval file, and written to `<output_dir>/eval_results.json` beside
@@ -47,8 +49,8 @@ from alignrl.preference import checkpoints as ckpt
 from alignrl.preference import common as pc
 from alignrl.preference.cli import same_model
 from alignrl.preference.configs import LENGTH_NORMALISED, REFERENCE_FREE, SAFETY_LOSSES, DPOConfig
-from alignrl.preference.dpo_mix import BcoDelta, mixed_loss, uses_bco
-from alignrl.preference.pair_logps import chosen_nll, pair_logps, response_kl, token_means
+from alignrl.preference.dpo_mix import BcoDelta, mixed_loss, trl_keywords, uses_bco
+from alignrl.preference.pair_logps import chosen_nll, pair_logps, policy_logps, response_kl, token_means
 from alignrl.preference.ref_sync import ReferenceSync
 from alignrl.preference.rm import check_scorer_kind, score_info
 from alignrl.preference.safe_mm import LambdaSchedule
@@ -137,7 +139,7 @@ def evaluate(model, ref_fn, batches, groups: list[int], names: list[str], beta: 
     for batch in batches:
         batch = batch.to(env.device)
         with pc.autocast(cfg, env.device):
-            pc_, pr_, _ = pair_logps(model, batch, cfg.logp_reduction)
+            pc_, pr_, _, _ = policy_logps(model, batch, cfg.logp_reduction, ld_alpha=cfg.ld_alpha)
         rc, rr, _ = ref_fn(batch)
         if cfg.loss_type in LENGTH_NORMALISED:  # the rewards the loss trains
             pc_, pr_ = token_means(pc_.float(), pr_.float(), batch, cfg.logp_reduction)
@@ -173,7 +175,7 @@ class _Reference:
 
         self.cfg, self.device, self.adapters_of = cfg, env.device, None
         self.tables: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
-        self.free = cfg.loss_type in REFERENCE_FREE  # simpo, cpo, orpo: log-probs of 0, no model loaded
+        self.free = cfg.reference_free or cfg.loss_type in REFERENCE_FREE  # log-probs of 0, no model loaded
         if self.free or (lora and same_model(cfg.ref_model_path, cfg.model_path)):
             self.model = None  # set by `use_adapters_off` once the adapters are on
             return
@@ -226,14 +228,15 @@ def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None, 
 
     def loss(module, batch, gpairs):
         with pc.autocast(cfg, env.device):
-            pc_, pr_, logits = pair_logps(module, batch, cfg.logp_reduction, kl_on)
+            pc_, pr_, logits, weight = policy_logps(module, batch, cfg.logp_reduction, kl_on, cfg.ld_alpha,
+                                                    cfg.use_weighting)
             rc, rr, ref_logits = ref(batch, "train", kl_on)
         pc_, pr_ = pc_.float(), pr_.float()
         nll = chosen_nll(pc_, batch, cfg.logp_reduction)
         kl = response_kl(logits, ref_logits, batch.response_mask[:batch.n_pairs]) if kl_on else None
         if isinstance(cfg.loss_type, (list, tuple)):  # TRL's multi-loss DPO: each loss reads the log-probs it needs
-            value, metrics = mixed_loss(cfg, pc_, pr_, rc, rr, nll, batch, gpairs, bco, **kw)
-            return _with_nll_and_kl(value, metrics, nll, kl, gpairs)
+            value, metrics = mixed_loss(cfg, pc_, pr_, rc, rr, nll, batch, gpairs, bco, weight, **kw)
+            return _with_nll_and_kl(value, metrics, nll, kl, gpairs, weight)
         if cfg.loss_type in LENGTH_NORMALISED:  # the reference's too (simpo's and orpo's are zeros)
             pc_, pr_ = token_means(pc_, pr_, batch, cfg.logp_reduction)
             rc, rr = token_means(rc, rr, batch, cfg.logp_reduction)
@@ -249,12 +252,13 @@ def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None, 
             else:
                 extra = dict(help_chosen=s[:, 0], help_rejected=s[:, 1], cost_chosen=s[:, 2], cost_rejected=s[:, 3],
                              safety_lambda=cfg.safety_lambda, offset_alpha=cfg.offset_alpha)
-        value, metrics = DPO_LOSSES[cfg.loss_type](pc_, pr_, rc, rr, cfg.beta, gpairs, **extra, **kw)
-        return _with_nll_and_kl(value, metrics, nll, kl, gpairs)
+        value, metrics = DPO_LOSSES[cfg.loss_type](pc_, pr_, rc, rr, cfg.beta, gpairs, **extra, **kw,
+                                                   **trl_keywords(cfg, cfg.loss_type, pc_, pr_, rc, rr, weight))
+        return _with_nll_and_kl(value, metrics, nll, kl, gpairs, weight)
 
-    def _with_nll_and_kl(value, metrics, nll, kl, gpairs):
+    def _with_nll_and_kl(value, metrics, nll, kl, gpairs, weight=None):
         if cfg.nll_loss_coef:  # RPO, CPO: the chosen responses' own likelihood, each response's token mean
-            value = value + cfg.nll_loss_coef * nll.sum() / gpairs
+            value = value + cfg.nll_loss_coef * (nll if weight is None else nll * weight).sum() / gpairs
             metrics = {**metrics, "nll_loss": float(nll.detach().mean())}
         if kl_on and lam is None:  # the other losses take the KL term here; safe_mm_dpo adds its own
             value = value + cfg.kl_coeff * kl.sum() / gpairs

@@ -6,13 +6,16 @@
   reference Safe-MM-DPO script's reading). It does not depend on length, so β means something else with it.
 
 One forward serves both responses of every pair (rows [0, B) chosen, [B, 2B) rejected); with `keep_logits` the
-chosen rows' response logits come back too, for the KL term, without a second forward.
+chosen rows' response logits come back too, for the KL term, without a second forward. `policy_logps` adds TRL's
+LD-DPO (ld_alpha) and WPO (use_weighting) on the policy's side (`alignrl.core.dpo_options`); the reference's
+log-probs stay plain sums, as TRL's.
 """
 
 from __future__ import annotations
 
 import torch
 
+from alignrl.core.dpo_options import length_desensitised_logps, wpo_weights
 from alignrl.data.collate import position_ids
 
 
@@ -24,6 +27,15 @@ def _token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def pair_logps(model, batch, reduction: str = "sum", keep_logits: bool = False):
     """(chosen (B,), rejected (B,), the chosen rows' response logits (B, R, V) or None)."""
+    c, r, logits, _ = policy_logps(model, batch, reduction, keep_logits)
+    return c, r, logits
+
+
+def policy_logps(model, batch, reduction: str = "sum", keep_logits: bool = False, ld_alpha: float | None = None,
+                 weigh: bool = False):
+    """`pair_logps` with TRL DPOTrainer's options of the policy: `ld_alpha` (LD-DPO: a response's tokens past its
+    pair's shorter length count ld_alpha times) and `weigh` (WPO: the pairs' weights, detached, else None), as
+    (chosen, rejected, logits or None, weights or None). Both read the summed reduction's per-token log-probs."""
     ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
     mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)
     r, b = batch.response_ids.shape[1], batch.n_pairs
@@ -31,13 +43,26 @@ def pair_logps(model, batch, reduction: str = "sum", keep_logits: bool = False):
     out = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask), use_cache=False,
                 logits_to_keep=0 if whole else r + 1)
     logits = out.logits
+    weights = None
     if whole:  # position t predicts token t+1; a token counts when it and the one before it are real
         valid = (mask[:, 1:] & mask[:, :-1]).float()
         lp = (_token_logps(logits[:, :-1], ids[:, 1:]) * valid).sum(-1) / valid.sum(-1).clamp(min=1.0)
     else:
-        lp = (_token_logps(logits[:, :-1], batch.response_ids) * batch.response_mask.float()).sum(-1)
+        tok = _token_logps(logits[:, :-1], batch.response_ids)
+        lp = (tok * batch.response_mask.float()).sum(-1)
+        if ld_alpha is not None:
+            lp = length_desensitised_logps(tok, batch.response_mask, b, ld_alpha)
+        if weigh:
+            weights = wpo_weights(tok.detach(), _log_sum_sq(logits[:, :-1]), batch.response_mask, b)
     chosen_logits = logits[:b, -r - 1:-1] if keep_logits else None
-    return lp[:b], lp[b:], chosen_logits
+    return lp[:b], lp[b:], chosen_logits, weights
+
+
+@torch.no_grad()
+def _log_sum_sq(logits: torch.Tensor) -> torch.Tensor:
+    """(N, T, V) -> (N, T) log Σ_v π(v)² at each place (WPO's normaliser), one row at a time in float32."""
+    return torch.stack([torch.logsumexp(2.0 * torch.log_softmax(logits[i].float(), -1), -1)
+                        for i in range(logits.shape[0])])
 
 
 def token_means(chosen: torch.Tensor, rejected: torch.Tensor, batch, reduction: str
