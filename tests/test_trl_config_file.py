@@ -99,3 +99,25 @@ def test_a_trl_sft_recipe_reads_as_its_flags_and_a_flat_alignrl_config_stays(tmp
     flat = tmp_path / "flat.yaml"
     flat.write_text(f"model_path: demo\ntrain_files: [{data}]\nlearning_rate: 1.0e-05\n")
     assert _with_their_config_file(["--config", str(flat)]) == (["--config", str(flat)], None)
+
+
+def test_a_seed_config_stays_the_seed_s_and_file_mistakes_name_the_file(tmp_path):
+    """Safe-MM-DPO's configs share max_grad_norm with TRL's names: they stay alignrl's flat configs, and their bad
+    YAML is told by their own reader. A TRL recipe's null, a missing recipe and a bad value each name the file."""
+    from pathlib import Path
+
+    from alignrl.preference.cli import _with_their_config_file
+
+    seed = Path(__file__).parent / "fixtures" / "mmdpo" / "dpo_config.yaml"
+    assert _with_their_config_file(["--config", str(seed)]) == (["--config", str(seed)], None)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model_name_or_path: demo\nw: [1\n")
+    assert _with_their_config_file(["--config", str(bad)]) == (["--config", str(bad)], None)
+    path, _ = _recipe(tmp_path, RECIPE + "max_prompt_length: null\n")
+    with pytest.raises(ConfigError, match=r"max_prompt_length has no value; give a value or remove the key"):
+        expand(["--config", str(path)])
+    with pytest.raises(ConfigError, match=r"--config nowhere.yaml: no such file"):
+        expand(["--model_name_or_path", "demo", "--config", "nowhere.yaml"])
+    path, _ = _recipe(tmp_path, RECIPE + "loss_type: luspo\n")
+    with pytest.raises(ConfigError, match=r"--loss_type luspo: .*; the settings of --config .*grpo.yaml are read as"):
+        _in_alignrl_words(["train", "grpo", "--config", str(path)])

@@ -76,11 +76,17 @@ def _in_alignrl_words(argv: list[str]) -> list[str]:
         return argv
     import importlib
 
-    trl = importlib.import_module(TRL_GRPO)
-    from_file = importlib.import_module(TRL_CONFIG_FILE).expand(argv[2:])  # `--config grpo.yaml` of TRL's keys
+    trl, recipe = importlib.import_module(TRL_GRPO), importlib.import_module(TRL_CONFIG_FILE)
+    from_file = recipe.expand(argv[2:])  # `--config grpo.yaml` of TRL's keys
     if from_file is None and not trl.F.is_trl_line(argv[2:]):
         return argv
-    words, lines = trl.from_line(argv[2:] if from_file is None else from_file)
+    try:
+        words, lines = trl.from_line(argv[2:] if from_file is None else from_file)
+    except ConfigError as e:  # a value of the file's: say where it came from
+        if from_file is None:
+            raise
+        raise ConfigError(f"{e}; the settings of --config {recipe.config_path(argv[2:])} are read as TRL's "
+                          "flags") from None
     if os.environ.get("RANK", "0") == "0":
         for line in lines:
             print(f"{program()}: {line}", file=sys.stderr, flush=True)

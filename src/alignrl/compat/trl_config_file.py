@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from alignrl.compat.trl_grpo_flags import TrlFlagError, is_trl_line
 from alignrl.runtime import flag_file
 
 # alignrl's own top-level sections (and verl's): a file holding one is not TRL's
@@ -22,6 +24,11 @@ def grpo_flag_names() -> set[str]:
     return {a.dest for a in parser()._actions} - {"help", "config"}
 
 
+def config_path(words: list[str]) -> str | None:
+    at = flag_file.config_at(words)
+    return None if at is None else at[2]
+
+
 def expand(words: list[str]) -> list[str] | None:
     """The line with its TRL config file's settings as flags before its own; None when it names no TRL file."""
     names = grpo_flag_names()
@@ -29,4 +36,7 @@ def expand(words: list[str]) -> list[str] | None:
     def is_trl(settings: dict[str, Any]) -> bool:
         return not any(k in NOT_TRL for k in settings) and any(k in names or k == "env" for k in settings)
 
+    at = flag_file.config_at(words)
+    if at is not None and not Path(at[2]).is_file() and is_trl_line(words):
+        raise TrlFlagError(f"--config {at[2]}: no such file (from {Path.cwd()})")
     return flag_file.expand(words, is_trl, names, "TRL's GRPO")

@@ -317,12 +317,27 @@ def run_cli(argv: list[str] | None, command: str) -> int:
 
 def _with_their_config_file(argv: list[str]) -> tuple[list[str], str | None]:
     """The line with a TRL YAML (`trl sft --config sft.yaml`: a mapping of TRL's flag names) read as its flags, the
-    line's own after them, and the file's path; any other line (an alignrl `--config` of flat keys) as it is."""
-    from alignrl.preference.their_defaults import TRL_NAMES
+    line's own after them, and the file's path; any other line (an alignrl `--config` of flat keys, a Safe-MM-DPO
+    config) as it is."""
     from alignrl.runtime import flag_file
 
-    expanded = flag_file.expand(argv, lambda settings: any(k in TRL_NAMES for k in settings), None, "TRL's")
+    markers = _trl_only_names()
+    expanded = flag_file.expand(argv, lambda settings: any(k in markers for k in settings), None, "TRL's",
+                                bad_yaml_is_theirs=False)
     return (argv, None) if expanded is None else (expanded, flag_file.config_at(argv)[2])
+
+
+def _trl_only_names() -> set[str]:
+    """TRL's names that no flat config file of ours takes (model_name_or_path, dataset_name, ...): one of them makes a
+    file TRL's. Names both take (max_grad_norm is a Safe-MM-DPO key too, rpo_alpha ours) decide nothing."""
+    from alignrl.preference.kto_cli import KTOConfig
+    from alignrl.preference.mmdpo_keys import LORA_KEYS, MMDPO_KEYS, RM_FILES, VERL_NAMES
+    from alignrl.preference.mmdpo_keys import TRL_NAMES as RENAMED
+    from alignrl.preference.sft_cli import SFTConfig
+    from alignrl.preference.their_defaults import TRL_NAMES
+
+    ours = {f.name for cls in (RMConfig, DPOConfig, KTOConfig, SFTConfig) for f in dataclasses.fields(cls)}
+    return set(TRL_NAMES) - ours - set(MMDPO_KEYS) - set(RM_FILES) - set(VERL_NAMES) - set(RENAMED) - set(LORA_KEYS)
 
 
 def _load_trainer(module: str):

@@ -23,17 +23,20 @@ def config_at(words: list[str]) -> tuple[int, int, str] | None:
     return None
 
 
-def yaml_mapping(path: str) -> dict[str, Any] | None:
+def yaml_mapping(path: str, bad_yaml_is_theirs: bool = True) -> dict[str, Any] | None:
     """The file's top-level mapping; None when it is missing (the line's own reader names it) or not a mapping. A
-    file that is not YAML is one line."""
+    file that is not YAML is one line, or None where `bad_yaml_is_theirs` is false (the line's own reader, which
+    reads other files too, says what is wrong with it)."""
     file = Path(path)
     if not file.is_file():
         return None
     import yaml
 
     try:
-        loaded = yaml.safe_load(file.read_text())
+        loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
+        if not bad_yaml_is_theirs:
+            return None
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""
         raise ConfigError(f"--config {path}: not valid YAML{at} ({getattr(e, 'problem', None) or e}); "
@@ -56,10 +59,12 @@ def as_words(settings: dict[str, Any], path: str, known: Collection[str] | None,
                           f"flags alignrl reads; remove {'it' if one else 'them'} from the file")
     for name, value in env.items():
         os.environ[str(name)] = str(value)
+    nulls = sorted(str(k) for k, v in settings.items() if v is None or v == [])
+    if nulls:  # TRL reads null as None, which most of its flags cannot take as a flag's value here
+        raise ConfigError(f"--config {path}: {', '.join(nulls)} {'has' if len(nulls) == 1 else 'have'} no value; "
+                          "give a value or remove the key from the file")
     words: list[str] = []
     for name, value in settings.items():
-        if value is None:
-            continue  # the tool's default
         words.append(f"--{name}")
         if isinstance(value, bool):
             words.append(str(value).lower())
@@ -73,14 +78,14 @@ def as_words(settings: dict[str, Any], path: str, known: Collection[str] | None,
 
 
 def expand(words: list[str], is_theirs: Callable[[dict[str, Any]], bool], known: Collection[str] | None,
-           whose: str) -> list[str] | None:
+           whose: str, bad_yaml_is_theirs: bool = True) -> list[str] | None:
     """The line with its `--config` file's settings as flags before its own (which override them), when
     `is_theirs(settings)` says the file is the other tool's; None when the line names no such file."""
     at = config_at(words)
     if at is None:
         return None
     start, end, path = at
-    settings = yaml_mapping(path)
+    settings = yaml_mapping(path, bad_yaml_is_theirs)
     if settings is None or not is_theirs(settings):
         return None
     return as_words(settings, path, known, whose) + words[:start] + words[end:]
