@@ -124,3 +124,9 @@ def test_a_line_in_trls_spelling_packs_the_dataset_and_steps_over_packed_rows(ti
     steps = [json.loads(line)["step"] for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
              if "train/loss" in line]
     assert steps == list(range(1, res["steps"] + 1))
+    # fewer rows than one global batch: packed, they still train one partial step (TRL's Trainer would)
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    assert sft_main(["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(few), "--packing",
+                     "--per_device_train_batch_size", "4", "--max_steps", "1", "--max_length", "64",
+                     "--gradient_checkpointing", "false", "--output_dir", str(tmp_path / "few_out")]) == 0

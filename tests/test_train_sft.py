@@ -356,6 +356,10 @@ def test_trls_packing_packs_the_dataset_and_the_other_spellings_each_micro_batch
     assert packing(f"train_files=[{data}]", "--packing") == (True, "micro_batch")  # our keys: as before
     assert packing("--pretrain", "demo", "--dataset", data, "--packing_samples") == (True, "micro_batch")
     assert packing(f"train_files=[{data}]", "packing=true", "packing_strategy=bfd") == (True, "bfd")
+    # a strategy the line names wins over the one a packing switch brings
+    openrlhf = ["--pretrain", "demo", "--dataset", data]
+    assert packing(*openrlhf, "--packing_samples", "packing_strategy=bfd") == (True, "bfd")
+    assert packing(*trl, "--padding_free", "--packing_strategy", "wrapped") == (True, "wrapped")
     with pytest.raises(ConfigError, match="packing_strategy"):
         parse_sft([f"train_files=[{data}]", "packing=true", "packing_strategy=best"])
 

@@ -68,6 +68,13 @@ def packs_dataset(cfg: SFTConfig) -> bool:
     return cfg.packing and cfg.packing_strategy != "micro_batch"
 
 
+def _check_enough(n_rows: int, cfg: SFTConfig, world: int) -> None:
+    """At least one global batch of rows; a packed dataset trains from one row (a partial step, as transformers'
+    Trainer takes the last partial batch)."""
+    if not packs_dataset(cfg) or n_rows == 0:
+        pc.check_enough(n_rows, cfg, world, ", ".join(map(str, cfg.train_files)))
+
+
 def pack_rows(encoded: list[EncodedRow], cfg: SFTConfig, log, notes: dict) -> list[EncodedRow]:
     """The training rows as the micro-batches take them: as they are, or packed (`sft_packing.pack_dataset`)."""
     if not packs_dataset(cfg):
@@ -208,7 +215,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     train_rows = _load(list(cfg.train_files), raw_keys, cfg.max_train_pairs, "train_files")
     eval_rows = _load(list(cfg.eval_files), raw_keys, cfg.max_eval_pairs, "eval_files")
     if dry_run_world:
-        pc.check_enough(len(train_rows), cfg, dry_run_world, ", ".join(map(str, cfg.train_files)))
+        _check_enough(len(train_rows), cfg, dry_run_world)
         return {}
     out_dir, log_dir = pc.run_folders(cfg, "models/sft", "logs/training/sft")
     t0 = time.time()
@@ -219,7 +226,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     pc.bind_template_variables(tok, cfg, log)
     enc_train, enc_eval, notes = _encode(tok, cfg, train_rows, eval_rows, log)
     n_rows = len(enc_train)
-    pc.check_enough(n_rows, cfg, env.world_size, ", ".join(map(str, cfg.train_files)))
+    _check_enough(n_rows, cfg, env.world_size)
     enc_train = pack_rows(enc_train, cfg, log, notes)  # fewer packed rows than a global batch: one partial step
     policy = load_causal_lm(folder, "float32", "model_path")
     pc.prepare_trainable(policy, cfg)

@@ -109,7 +109,8 @@ def packing_switches(argv: list[str]) -> tuple[list[str], list[str]]:
         overrides.append(f"packing={'true' if on else 'false'}")
         switched[flag[2:]] = on
         i += taken
-    if any(switched.values()) and not switched.get("packing"):
+    chosen = any(w.startswith(("packing_strategy=", "--packing_strategy")) for w in rest)
+    if any(switched.values()) and not switched.get("packing") and not chosen:  # a strategy the line names wins
         overrides.append("packing_strategy=micro_batch")
     return rest, overrides
 
