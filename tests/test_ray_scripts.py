@@ -1,10 +1,12 @@
-"""Seed 001's cluster script on this machine: a head and a worker node (their own ports and temp dirs),
-`ray status` showing both, seed 003's submission through the dashboard port as written (`--runtime-env=verl/trainer/runtime_env.yaml`,
-`python3 -m verl.trainer.main_ppo`), and the script's `stop` leaving no process of either node behind. (A verl-style run inside a
+"""Seed 001's cluster script on this machine (`two_script_nodes`, run by test_vision_script, whose job shares the
+cluster): a head and a worker node (their own ports and temp dirs), `ray status` showing both, seed 003's submission
+through the dashboard port as written (`--runtime-env=verl/trainer/runtime_env.yaml`, `python3 -m
+verl.trainer.main_ppo`), and the script's `stop` leaving no process of either node behind. (A verl-style run inside a
 Ray job is test_ray_cluster's: the job runs the same `alignrl train` with RAY_ADDRESS set.) Also: the head's
 dashboard (job submission, no auth) listens on 127.0.0.1 only, ports inside Ray's worker port range are refused
 in one line, and submit_ppo_ray.sh says in one line that no cluster answers instead of Ray's traceback."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -73,13 +75,15 @@ def submit_to_the_loopback_dashboard(head: dict, port: int, tmp_path: Path) -> N
     assert f"ray job submit --address=http://127.0.0.1:{port} -- alignrl train ppo-ray" in out.stdout, out.stdout
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
-    """Also the head's dashboard, which takes jobs without authentication: it listens on 127.0.0.1 only (not
-    0.0.0.0), and submit_ppo_ray.sh finds it answering there and goes on to `ray job submit` (a stub `ray` that
-    prints its call). One cluster serves both: starting a head is most of either's time."""
-    nodes = TwoRayNodes("rayt")
+@contextlib.contextmanager
+def two_script_nodes(tiny_model_dir, tmp_path: Path, extra: int = 0):
+    """Seed 001's script on this machine: a head (its dashboard, which takes jobs without authentication, on
+    127.0.0.1 only, not 0.0.0.0, and submit_ppo_ray.sh finding it there and going on to `ray job submit`: a stub
+    `ray` that prints its call), a worker, `ray status` showing both, a second head and a worker whose agent port is
+    taken refused in one line each, and seed 003's job through the dashboard. Yields the nodes for more jobs
+    (test_vision_script's: starting and stopping a cluster is a good part of a job's time), then the script's `stop`
+    leaves no process of either node behind."""
+    nodes = TwoRayNodes("rayt", extra)
     for env in (nodes.base, nodes.head, nodes.worker):  # the dashboard's host is the script's default
         for var in ("RAY_DASHBOARD_HOST", "RAY"):
             env.pop(var, None)
@@ -89,7 +93,7 @@ def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         assert f"ray status --address=127.0.0.1:{ports[0]}" in out.stdout
         assert f"listening on 127.0.0.1:{ports[1]}" in out.stdout, out.stdout
-        submit_to_the_loopback_dashboard(head, ports[1], tmp_path)
+        submit_to_the_loopback_dashboard(head, ports[1], tmp_path / "submit")
         out = run_captured(["bash", str(SCRIPT), "worker", "127.0.0.1"], worker)
         assert out.returncode == 0, out.stderr[-2000:]
         deadline, status = time.time() + 60, ""
@@ -108,10 +112,10 @@ def test_head_worker_status_and_job_submit(tiny_model_dir, tmp_path):
                     {**worker, "RAY_TEMP_DIR": str(short / "clash"), "RAY_AGENT_PORT": str(ports[2])})
         assert clash.returncode == 2 and clash.stderr.count("\n") == 1, clash.stderr[-2000:]
         assert f"port {ports[2]} (Ray's dashboard agent) is in use" in clash.stderr
-        # `ray job submit` of `alignrl train ppo-ray` without --no-wait, placed on both nodes, is the vision script's
-        # (test_vision_script); here seed 003's submission through the same dashboard port
-        address = f"--address=http://127.0.0.1:{ports[1]}"
-        seed_003_job(address, base, tiny_model_dir, tmp_path)
+        # seed 003's submission through the dashboard port; `ray job submit` of `alignrl train ppo-ray` without
+        # --no-wait, placed on both nodes, is the vision script's, on the same nodes
+        seed_003_job(f"--address=http://127.0.0.1:{ports[1]}", base, tiny_model_dir, tmp_path / "seed003")
+        yield nodes
     finally:
         nodes.stop(SCRIPT)
     time.sleep(1)

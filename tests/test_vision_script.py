@@ -7,7 +7,6 @@ of a tiny Qwen2-VL on chatml rows with images, rewarded by the server."""
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 from alignrl.runtime.ports import free_ports
-from conftest import PY_BIN, TwoRayNodes, run_captured, run_until_agent, src_path
+from conftest import PY_BIN, run_until_agent, src_path
 
 ROOT = Path(__file__).parents[1]
 SCRIPTS = ROOT / "examples" / "scripts" / "r1_scripts"
@@ -113,15 +112,14 @@ def test_vision_script_without_cluster_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_vision_script_trains_a_step_on_a_two_node_cpu_cluster(vl_data, tmp_path):
+@pytest.mark.timeout(900)
+def test_vision_script_trains_a_step_on_a_two_node_cpu_cluster(vl_data, tiny_model_dir, tmp_path):
+    """On the two nodes start_ray_cluster.sh starts, with test_ray_scripts' checks of them and seed 003's job before
+    (one cluster for both jobs: starting and stopping one is a good part of either's time)."""
+    from test_ray_scripts import two_script_nodes
+
     model, data = vl_data
-    nodes = TwoRayNodes("rayv", extra=1)  # ports[10]: the reward server's
-    start = SCRIPTS / "start_ray_cluster.sh"
-    try:
-        for role, env in (("head", nodes.head), ("worker", nodes.worker)):
-            out = run_captured(["bash", str(start), role, "127.0.0.1"], env, timeout=180)
-            assert out.returncode == 0, out.stderr[-2000:]
+    with two_script_nodes(tiny_model_dir, tmp_path, extra=1) as nodes:  # ports[10]: the reward server's
         sizes = {"ACTOR_NUM_NODES": "2", "GPUS_PER_NODE": "1", "VLLM_NUM_ENGINES": "2", "N_SAMPLES": "4",
                  "ROLLOUT_BATCH_SIZE": "4", "TRAIN_BATCH_SIZE": "16", "MICRO_TRAIN_BATCH_SIZE": "4",
                  "MICRO_ROLLOUT_BATCH_SIZE": "4", "GENERATE_MAX_LEN": "16", "PROMPT_MAX_LEN": "96", "TOTAL_STEPS": "1",
@@ -143,9 +141,6 @@ def test_vision_script_trains_a_step_on_a_two_node_cpu_cluster(vl_data, tmp_path
         assert visual and all(torch.equal(before[k], after[k]) for k in visual)  # --freeze_prefix visual
         assert any(not torch.equal(before[k], after[k]) for k in before if k not in visual)  # the rest trained
         assert not answers(nodes.ports[10])  # the reward server stopped with the script
-    finally:
-        nodes.stop(start)
-        shutil.rmtree(nodes.short, ignore_errors=True)
 
 
 def test_openrlhfs_module_spelling_of_the_trainer_is_alignrls_ppo_ray():
