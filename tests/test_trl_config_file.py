@@ -108,6 +108,15 @@ def test_a_seed_config_stays_the_seed_s_and_file_mistakes_name_the_file(tmp_path
 
     from alignrl.preference.cli import _with_their_config_file
 
+    import dataclasses
+
+    from alignrl.preference.cli import trl_only_names
+    from alignrl.preference.kto_cli import KTOConfig
+    from alignrl.preference.sft_cli import SFTConfig
+
+    # no flat key of sft or kto is one of the names that make a file TRL's
+    assert not trl_only_names() & {f.name for c in (KTOConfig, SFTConfig) for f in dataclasses.fields(c)}
+    assert {"model_name_or_path", "dataset_name"} <= trl_only_names()
     seed = Path(__file__).parent / "fixtures" / "mmdpo" / "dpo_config.yaml"
     assert _with_their_config_file(["--config", str(seed)]) == (["--config", str(seed)], None)
     bad = tmp_path / "bad.yaml"

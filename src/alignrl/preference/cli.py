@@ -321,22 +321,21 @@ def _with_their_config_file(argv: list[str]) -> tuple[list[str], str | None]:
     config) as it is."""
     from alignrl.runtime import flag_file
 
-    markers = _trl_only_names()
+    markers = trl_only_names()
     expanded = flag_file.expand(argv, lambda settings: any(k in markers for k in settings), None, "TRL's",
                                 bad_yaml_is_theirs=False)
     return (argv, None) if expanded is None else (expanded, flag_file.config_at(argv)[2])
 
 
-def _trl_only_names() -> set[str]:
+def trl_only_names() -> set[str]:
     """TRL's names that no flat config file of ours takes (model_name_or_path, dataset_name, ...): one of them makes a
-    file TRL's. Names both take (max_grad_norm is a Safe-MM-DPO key too, rpo_alpha ours) decide nothing."""
-    from alignrl.preference.kto_cli import KTOConfig
+    file TRL's. Names both take (max_grad_norm is a Safe-MM-DPO key too, rpo_alpha ours) decide nothing. (The sft
+    and kto keys, which import this module, hold none of TRL's names: tests/test_trl_config_file.py checks it.)"""
     from alignrl.preference.mmdpo_keys import LORA_KEYS, MMDPO_KEYS, RM_FILES, VERL_NAMES
     from alignrl.preference.mmdpo_keys import TRL_NAMES as RENAMED
-    from alignrl.preference.sft_cli import SFTConfig
     from alignrl.preference.their_defaults import TRL_NAMES
 
-    ours = {f.name for cls in (RMConfig, DPOConfig, KTOConfig, SFTConfig) for f in dataclasses.fields(cls)}
+    ours = {f.name for cls in (RMConfig, DPOConfig) for f in dataclasses.fields(cls)}
     return set(TRL_NAMES) - ours - set(MMDPO_KEYS) - set(RM_FILES) - set(VERL_NAMES) - set(RENAMED) - set(LORA_KEYS)
 
 
