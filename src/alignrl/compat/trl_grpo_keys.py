@@ -213,6 +213,11 @@ def loss_keys(args) -> list[str]:
         raise TrlFlagError(f"--scale_rewards {args.scale_rewards}: alignrl's GRPO scales by the group's std (group), "
                            "the whole batch's (batch) or not at all (none)")
     scale, scope = scaling
+    if args.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+        raise TrlFlagError(f"--multi_objective_aggregation {args.multi_objective_aggregation}: give "
+                           "sum_then_normalize or normalize_then_sum")
+    if args.multi_objective_aggregation == "normalize_then_sum":  # TRL then divides by the batch's std, always
+        scale, scope = True, "batch"
     if args.importance_sampling_level not in ("token", "sequence"):
         raise TrlFlagError(f"--importance_sampling_level {args.importance_sampling_level}: give token or sequence")
     policy, agg = LOSS_TYPES[args.loss_type]
@@ -232,8 +237,9 @@ def loss_keys(args) -> list[str]:
         low, high = 1.0, high - 1.0
     out = [f"actor.policy_loss={policy}", f"actor.loss_agg_mode={agg}", f"actor.clip_ratio_low={low}",
            f"actor.clip_ratio_high={high}", f"algorithm.norm_adv_by_std_in_grpo={str(scale).lower()}",
-           f"algorithm.grpo_std_scope={scope}",
-           "algorithm.adv_estimator=grpo", f"algorithm.mask_truncated={str(args.mask_truncated_completions).lower()}",
+           f"algorithm.grpo_std_scope={scope}", "algorithm.adv_estimator=grpo",
+           f"algorithm.multi_objective_aggregation={args.multi_objective_aggregation}",
+           f"algorithm.mask_truncated={str(args.mask_truncated_completions).lower()}",
            f"actor.use_kl_loss={str(args.beta > 0).lower()}", f"actor.kl_loss_coef={args.beta}",
            "actor.kl_loss_type=k3", "algorithm.use_kl_in_reward=false", "actor.entropy_coeff=0.0"]
     if policy == "sapo":

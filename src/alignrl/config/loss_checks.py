@@ -11,12 +11,29 @@ DELTA_LOSSES = ("ppo_clip", "gspo")  # the losses with an unclipped ratio term t
 
 def loss_option_problem(cfg: RunConfig) -> str | None:
     a = cfg.algorithm
+    if a.multi_objective_aggregation == "normalize_then_sum":
+        return _normalize_each_problem(cfg)
     if a.grpo_std_scope == "batch" and a.adv_estimator != "grpo":
         return (f"algorithm.grpo_std_scope=batch scales GRPO's advantages (got adv_estimator={a.adv_estimator}): "
                 "set algorithm.adv_estimator=grpo, or grpo_std_scope=group")
     if a.grpo_std_scope == "batch" and not a.norm_adv_by_std_in_grpo:
         return ("algorithm.grpo_std_scope=batch picks the std the advantages are divided by, and "
                 "norm_adv_by_std_in_grpo=false divides by none: set one of them back")
+    return _actor_problem(cfg)
+
+
+def _normalize_each_problem(cfg: RunConfig) -> str | None:
+    """normalize_then_sum (TRL's GDPO) reads each of a TRL reward's functions apart, then whitens the batch."""
+    a, what = cfg.algorithm, "algorithm.multi_objective_aggregation=normalize_then_sum"
+    if not (a.reward_fn or "").startswith("trl:") or a.reward_model or cfg.services.reward_url:
+        return (f"{what} normalizes each of a TRL reward's functions (algorithm.reward_fn=trl:f;g), with no reward "
+                "model: name the functions, or drop it")
+    if a.format_reward_weight or a.reward_timeout_s:
+        return (f"{what} reads each function's values as they are: drop algorithm.format_reward_weight and "
+                "algorithm.reward_timeout_s")
+    if (a.adv_estimator, a.grpo_std_scope, a.norm_adv_by_std_in_grpo) != ("grpo", "batch", True):
+        return (f"{what} ends, as TRL's, by dividing by the whole batch's std: set algorithm.adv_estimator=grpo, "
+                "grpo_std_scope=batch and norm_adv_by_std_in_grpo=true")
     return _actor_problem(cfg)
 
 

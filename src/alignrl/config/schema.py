@@ -197,6 +197,11 @@ class AlgorithmConfig:
                                        "divided by: group (each prompt's own) or batch (the whole batch's, over "
                                        "every rank, + 1e-4: TRL's --scale_rewards batch)",
                               choices=("group", "batch"))
+    multi_objective_aggregation: str = opt("sum_then_normalize", "a reward of several TRL functions (reward_fn="
+                                           "trl:...): sum_then_normalize sums them, then GRPO normalizes; "
+                                           "normalize_then_sum normalizes each in its prompt group first (GDPO), "
+                                           "with grpo_std_scope=batch", choices=("sum_then_normalize",
+                                                                                  "normalize_then_sum"))
     outcome_baseline: str = opt("none", "reinforce_plus_plus: shape each outcome reward with its prompt's group "
                                         "before the per-token KL penalty and the returns-to-go, as OpenRLHF's "
                                         "estimators do: loo (its rloo), mean (reinforce_baseline, dr_grpo), "

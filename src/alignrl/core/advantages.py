@@ -71,6 +71,27 @@ def batch_std(x: torch.Tensor, sum_ranks: SumRanks = None) -> torch.Tensor:
     return (sq / (n - 1).clamp(min=1)).sqrt()
 
 
+def normalize_then_sum(per_function: torch.Tensor, group: torch.Tensor, weights: torch.Tensor,
+                       eps: float = BATCH_STD_EPS) -> torch.Tensor:
+    """TRL's multi_objective_aggregation=normalize_then_sum (GDPO, "Group reward-Decoupled Normalization"): each
+    reward function's values (B, K; NaN where it skipped a row) centred on their prompt group's mean and divided by
+    the group's unbiased std + eps, then weighted (K,) and summed over the functions, NaN skipped -> (B,). A function
+    with fewer than two values in a group gives that group 0 (TRL's NaN std, skipped). Each function then weighs by
+    how its values rank within the group, not by its scale."""
+    out = torch.zeros(per_function.shape[0], dtype=per_function.dtype, device=per_function.device)
+    valid = ~torch.isnan(per_function)
+    for g in torch.unique(group):
+        rows = group == g
+        x, v = per_function[rows], valid[rows]
+        count = v.sum(0)
+        mean = torch.where(v, x, 0.0).sum(0) / count.clamp(min=1)
+        var = (torch.where(v, x - mean, 0.0) ** 2).sum(0) / (count - 1).clamp(min=1)
+        std = torch.where(count > 1, var.sqrt(), torch.zeros_like(var))
+        z = torch.where(count > 1, (x - mean) / (std + eps), torch.full_like(x, float("nan")))
+        out[rows] = torch.nansum(z * weights.to(x.dtype), dim=1)
+    return out
+
+
 def grpo_advantages(rewards: torch.Tensor, group: torch.Tensor, norm_by_std: bool = True,
                     eps: float = 1e-6, std_scope: str = "group", sum_ranks: SumRanks = None) -> torch.Tensor:
     """Group-relative advantages (GRPO, Shao et al. 2024, "DeepSeekMath"; Dr.GRPO without std,

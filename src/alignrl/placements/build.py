@@ -151,6 +151,7 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device, loaded: Seque
     return RewardStage(tokenizer, with_format_bonus(correct, a.format_reward_weight), correct,
                        response_cap(cfg), a.overlong_buffer_len, a.overlong_penalty_factor, reward_model,
                        add_rule=a.reward_model_mix == "add", truncated_reward_coef=a.truncated_reward_coef,
+                       normalize_each=a.multi_objective_aggregation == "normalize_then_sum",
                        cost_fn=timed_rule(cfg, "cost") if s.cost_fn else None,
                        cost_model=ModelScorer(s.cost_model, cfg.model.dtype, log=console.print, device=device)
                        if s.cost_model else None)

@@ -210,13 +210,33 @@ class TrlRewards:
             raise value
         return value
 
+    @property
+    def weights(self) -> list[float]:
+        return [one.weight for one in self.named]
+
     def batch(self, data_sources: Sequence[str], solution_strs: Sequence[str], ground_truths: Sequence[Any],
               extra_infos: Sequence[dict | None], prompts: Sequence[str | None] | None = None,
               completion_ids: Sequence[list[int]] | None = None) -> list[float | ScoreError]:
         """Each row's weighted sum over the functions, or the ScoreError of a value a function gave it that is
-        neither a finite float nor None (the caller raises it naming the row); `ground_truths` is unused (TRL reads
-        the columns). `completion_ids` is passed on where the caller has the responses' ids (not where one row's
-        text is scored alone)."""
+        neither a finite float nor None (the caller raises it naming the row)."""
+        table = self.per_function(data_sources, solution_strs, ground_truths, extra_infos, prompts, completion_ids)
+        totals: list[float | ScoreError] = [0.0] * len(solution_strs)
+        for one, values in zip(self.named, table):
+            for i, value in enumerate(values):
+                if isinstance(totals[i], ScoreError):
+                    continue  # the row's first bad value is the one told
+                if isinstance(value, ScoreError):
+                    totals[i] = value
+                elif value is not None:
+                    totals[i] += one.weight * value  # TRL's nansum: a function that skips a row leaves it to others
+        return totals
+
+    def per_function(self, data_sources: Sequence[str], solution_strs: Sequence[str], ground_truths: Sequence[Any],
+                     extra_infos: Sequence[dict | None], prompts: Sequence[str | None] | None = None,
+                     completion_ids: Sequence[list[int]] | None = None) -> list[list[float | ScoreError | None]]:
+        """Each function's values of the rows, unweighted (one list per function, in order): a finite float, None
+        (skipped) or the row's ScoreError. `ground_truths` is unused (TRL reads the columns); `completion_ids` is
+        passed on where the caller has the responses' ids (not where one row's text is scored alone)."""
         columns = [dict(getattr(extra, "columns", None) or extra or {}) for extra in extra_infos]
         raw = [c.get("prompt") for c in columns]
         given = list(prompts) if prompts is not None else [None] * len(columns)
@@ -230,17 +250,7 @@ class TrlRewards:
         if completion_ids is not None:
             kwargs["completion_ids"] = [list(ids) for ids in completion_ids]
         first = data_sources[0] if data_sources else ""
-        totals: list[float | ScoreError] = [0.0] * len(completions)
-        for one in self.named:
-            values = batch_values(call_one(one, completions, kwargs, first), one.who, data_sources)
-            for i, value in enumerate(values):
-                if isinstance(totals[i], ScoreError):
-                    continue  # the row's first bad value is the one told
-                if isinstance(value, ScoreError):
-                    totals[i] = value
-                elif value is not None:
-                    totals[i] += one.weight * value  # TRL's nansum: a function that skips a row leaves it to others
-        return totals
+        return [batch_values(call_one(one, completions, kwargs, first), one.who, data_sources) for one in self.named]
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from alignrl.core.advantages import normalize_then_sum
 from alignrl.core.shaping import overlong_penalty, truncated_reward
 from alignrl.data.records import Rollout, Sample, Scores
 from alignrl.interfaces import SequenceScorer
@@ -34,6 +35,8 @@ class RewardStage:
     cost_fn: RewardFn | None = None  # PPO-Lagrangian cost: a rule on the decoded response...
     cost_model: SequenceScorer | None = None  # ...or a cost model on the ids
     truncated_reward_coef: float | None = None  # responses cut at the cap: reward scaled (>= 0) or replaced (< 0)
+    # TRL's normalize_then_sum: each of the reward's functions normalized in its prompt group before the weighted sum
+    normalize_each: bool = False
 
     def texts(self, ro: Rollout) -> list[str]:
         return decoded(self.tokenizer, ro.response_ids, ro.response_mask)
@@ -86,6 +89,10 @@ class RewardStage:
         if played is not None:
             return ro.stats["env_reward"].tolist(), played.tolist()
         texts, prompts, ids = self.texts(ro), self.prompt_texts(ro), self.response_ids(ro)
+        if self.normalize_each:  # correctness reads the plain weighted sum; the reward, the group-normalized one
+            table, weights = function_table(self.reward_fn, "reward function", rows, texts, prompts, ids)
+            plain = torch.nansum(table * weights, dim=1)
+            return normalize_then_sum(table, ro.group, weights).tolist(), [is_correct(float(r)) for r in plain]
         rewards = self.task_rewards(rows, texts, prompts, ids)
         if self.correct_fn is self.reward_fn:  # no shaping: correctness is the reward itself
             return rewards, [is_correct(r) for r in rewards]
@@ -147,6 +154,25 @@ def rule_scores(fn: RewardFn, kind: str, rows: Sequence[Sample], texts: Sequence
         except ScoreError as e:  # raised where the row is unknown: name it, in its data file when it has one
             raise e.at(s.source or i, kind) from e.__cause__
     return out
+
+
+def function_table(fn, kind: str, rows: Sequence[Sample], texts: Sequence[str], prompts: Sequence[str] | None,
+                   ids: Sequence[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, K) each of `fn`'s K functions' value of each row (NaN where one skipped the row), unweighted, and the K
+    weights: a reward of several weighted functions (TRL's) asked for them apart. A bad value names its row."""
+    more = {"prompts": list(prompts) if prompts else None, "completion_ids": ids}
+    try:
+        table = fn.per_function([s.data_source for s in rows], list(texts), [s.ground_truth for s in rows],
+                                [s.extra for s in rows], **more)
+    except ScoreError as e:  # the call failed as a whole: no one row is to blame
+        raise e.at(f"a batch of {len(rows)} rows", kind) from e.__cause__
+    for values in table:
+        for i, value in enumerate(values):
+            if isinstance(value, ScoreError):
+                raise value.at(rows[i].source or i, kind)
+    nan = float("nan")
+    out = torch.tensor([[nan if v is None else v for v in values] for values in table], dtype=torch.float32)
+    return out.T.reshape(len(rows), len(table)), torch.tensor(fn.weights, dtype=torch.float32)
 
 
 def values_at_once(fn, rows: Sequence[Sample], texts: Sequence[str], prompts: Sequence[str] | None,
