@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def test_a_killed_sampler_loses_nothing(tiny_model_dir, tmp_path):
     prompt drawn is trained exactly once or still owed by the final checkpoint. The weights travel as frames
     on the sync port (pipeline.weight_transport=zmq)."""
     ports = free_ports(2)
-    steps = 16
+    steps = 12  # the faults come after step 3; the steps after them are where both samplers train on again
     trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "faults", steps, ports,
                                                  "pipeline.placement=zmq", "pipeline.max_staleness=1",
                                                  "pipeline.heartbeat_timeout_s=3", "pipeline.peer_timeout_s=120",
@@ -276,15 +277,22 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
         _, err = wrong.communicate(timeout=120)
         assert wrong.returncode == 2 and "Traceback" not in err
         assert len(err.strip().splitlines()) == 1 and "trainer's --model-path" in err, err
+        # the trainer holds its ports and answers now: the other refused peers start side by side (each is refused
+        # on its own, so none needs the one before it gone; one after another, their start-ups only added up)
         impostor = sampler(same_shapes, ports)
-        procs.append(impostor)
+        # a second trainer on two ranks stops, both ranks, with rank 0's one line
+        twin = spawn("train", "grpo", "--nproc", "2", *overrides(tiny_model_dir, tmp_path, "twin", 2, ports,
+                                                                 "pipeline.placement=zmq"))
+        # a sampler given another data file than the trainer's, as many rows (64) of other problems: one line before
+        # it takes any work (it trained on the wrong text before)
+        other_data = tmp_path / "other.jsonl"
+        other_data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n"
+                                      for i in range(64)))
+        other = sampler(tiny_model_dir, ports, "--data-path", str(other_data))
+        procs += [impostor, twin, other]
         _, err = impostor.communicate(timeout=120)
         assert impostor.returncode == 2 and len(err.strip().splitlines()) == 1, err
         assert "the trainer's parameter shapes but other weights" in err, err
-        # the trainer holds its ports now: a second one on two ranks stops, both ranks, with rank 0's one line
-        twin = spawn("train", "grpo", "--nproc", "2", *overrides(tiny_model_dir, tmp_path, "twin", 2, ports,
-                                                                 "pipeline.placement=zmq"))
-        procs.append(twin)
         _, err = twin.communicate(timeout=120)
         assert twin.returncode == 2 and len(err.strip().splitlines()) == 1, err[-3000:]
         assert f"port {ports[0]} on 127.0.0.1 is in use" in err, err
@@ -292,13 +300,6 @@ def test_bad_peers_get_one_line_and_lose_nothing(tiny_model_dir, tmp_path):
         out, err = nobody.communicate(timeout=120)
         assert nobody.returncode == 2 and "no trainer answered" in err and len(err.strip().splitlines()) == 1, err
         assert f"waiting for a trainer on tcp://127.0.0.1:{ports[2]}" in out, out  # said at once, not at the end
-        # a sampler given another data file than the trainer's, as many rows (64) of other problems: one line before
-        # it takes any work (it trained on the wrong text before)
-        other_data = tmp_path / "other.jsonl"
-        other_data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n"
-                                      for i in range(64)))
-        other = sampler(tiny_model_dir, ports, "--data-path", str(other_data))
-        procs.append(other)
         _, err = other.communicate(timeout=180)
         assert other.returncode == 2 and len(err.strip().splitlines()) == 1, err
         assert f"this sampler's data ({other_data}) holds other rows than the trainer's" in err, err
@@ -345,14 +346,19 @@ def test_a_sampler_given_the_wrong_data_port_stops_in_one_line_and_the_trainer_s
     trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "wrong", 2, ports, "pipeline.placement=zmq",
                                                 "pipeline.heartbeat_timeout_s=2"), env={"PYTHONUNBUFFERED": "1"})
     bad = sampler(tiny_model_dir, (wrong, ports[1]), "--peer-timeout", "3")
+    said = []  # the trainer's lines as it prints them: the test waits for the one it needs, not a fixed time
+    reader = threading.Thread(target=lambda: said.extend(trainer.stdout), daemon=True)
+    reader.start()
     try:
         _, err = bad.communicate(timeout=150)
         assert bad.returncode == 2, err[-3000:]
         assert "Traceback" not in err and err.strip().splitlines()[-1] == (f"alignrl sample: nothing took the batch on tcp://127.0.0.1:{wrong} (--data-port) in "
                                  f"3 s, though a trainer answers on tcp://127.0.0.1:{ports[1]} (--sync-port): give the "
                                  "trainer's --data-port"), err[-3000:]
-        time.sleep(4)  # the trainer's heartbeat timeout (2 s) passes
+        # the trainer's heartbeat timeout (2 s) passes, and it says so
+        wait_for(lambda: "not heard from in 2 s" in "".join(said), 60, "the trainer's line on the silent sampler")
     finally:
         stop(trainer, bad)
-    out = trainer.stdout.read()
+        reader.join(timeout=30)
+    out = "".join(said)
     assert "pipeline: sampler" in out and "not heard from in 2 s: its 4 prompts (lease" in out, out[-3000:]
