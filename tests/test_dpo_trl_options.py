@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from alignrl.config import ConfigError
+
 from alignrl.core.dpo_options import (capped_exp, exp_cap, f_divergence_logits, length_desensitised_logps,
                                       wpo_weights)
 from alignrl.core.preference import BATCH_SORTED_LOSSES, DPO_LOSSES, dpo_sigmoid_loss, sft_loss
@@ -150,10 +152,39 @@ def test_mistakes_are_one_line(argv, expect, capsys):
 
 
 def test_trls_flags_are_keys():
-    cfg = parse_dpo(["--reference_free", "--f_divergence_type", "alpha_divergence", "--f_alpha_divergence_coef",
-                     "0.5", "--ld_alpha", "0.3", "--use_weighting", "--loss_type", "sigmoid"])
-    assert (cfg.reference_free, cfg.f_divergence_type, cfg.f_alpha_divergence_coef, cfg.ld_alpha,
-            cfg.use_weighting) == (True, "alpha_divergence", 0.5, 0.3, True)
+    cfg = parse_dpo(["--reference_free", "--f_divergence_type", "js_divergence", "--ld_alpha", "0.3",
+                     "--use_weighting", "--loss_type", "sigmoid"])
+    assert (cfg.reference_free, cfg.f_divergence_type, cfg.ld_alpha, cfg.use_weighting) == \
+        (True, "js_divergence", 0.3, True)
+    cfg = parse_dpo(["--f_divergence_type", "alpha_divergence", "--f_alpha_divergence_coef", "0.5", "--loss_type",
+                     "sigmoid"])
+    assert (cfg.f_divergence_type, cfg.f_alpha_divergence_coef) == ("alpha_divergence", 0.5)
+    with pytest.raises(ConfigError, match="reference_free=true with f_divergence_type=alpha_divergence"):
+        parse_dpo(["--reference_free", "--f_divergence_type", "alpha_divergence", "--loss_type", "sigmoid"])
+    assert parse_dpo(["--reference_free", "--f_divergence_type", "alpha_divergence", "--loss_type",
+                      "ipo_token_mean"]).reference_free
     plain = parse_dpo(["loss_type=sigmoid"])
     assert (plain.reference_free, plain.f_divergence_type, plain.f_alpha_divergence_coef, plain.ld_alpha,
             plain.use_weighting) == (False, "reverse_kl", 1.0, None, False)
+
+
+def test_ld_dpo_leaves_the_nll_terms_log_probs_whole(tiny_model_dir):
+    """LD-DPO down-weights the longer response's tail in the preference term only: the NLL (RPO) term reads the
+    chosen response's plain log-probs, as TRL's cross-entropy does."""
+    import dataclasses
+
+    from alignrl.data.preference import collate_pairs, encode_pairs, load_pairs
+    from alignrl.models.loader import load_model
+    from alignrl.preference.pair_logps import policy_logps
+
+    policy, tok = load_model(str(tiny_model_dir))
+    pairs = [dataclasses.replace(p, chosen=p.chosen + " and much more besides, at length.")
+             for p in load_pairs("builtin:helpful", "better", limit=4)]  # each chosen response the longer one
+    batch = collate_pairs(encode_pairs(tok, pairs, 128)[0], pairs, tok.pad_token_id)
+    n = batch.response_mask.sum(-1)
+    assert bool((n[:4] > n[4:]).all())
+    with torch.no_grad():
+        plain, _, _, _, whole = policy_logps(policy, batch)
+        ld, _, _, _, whole_ld = policy_logps(policy, batch, ld_alpha=0.25)
+    assert not torch.allclose(ld, plain)  # LD-DPO shortens the longer chosen responses' sums
+    assert torch.allclose(whole, plain) and torch.allclose(whole_ld, plain)  # the NLL term's stay whole

@@ -52,6 +52,7 @@ def test_the_stage_rewards_normalized_sums_and_counts_correct_on_the_plain_sum(t
     assert scores.rewards.tolist() == pytest.approx(expected.tolist())
     assert scores.correct.tolist() == [True, False, False, False]  # the plain weighted sum decides: 1, 0.5, 0, 0
     assert scores.rewards[0] > scores.rewards[1] and scores.rewards[2] == scores.rewards[3] == 0.0
+    assert scores.filter_scores.tolist() == [1.0, 0.5, 0.0, 0.0]  # dynamic sampling's bounds read the plain sum
 
 
 def test_a_trl_line_asks_for_it_and_the_config_keeps_it_to_trl_functions(tmp_path):
@@ -70,3 +71,5 @@ def test_a_trl_line_asks_for_it_and_the_config_keeps_it_to_trl_functions(tmp_pat
         load_config(None, ["algorithm.multi_objective_aggregation=normalize_then_sum", "algorithm.grpo_std_scope=batch"])
     with pytest.raises(ConfigError, match="drop algorithm.format_reward_weight"):
         load_config(None, [w for w in words if "=" in w] + ["algorithm.format_reward_weight=0.1"])
+    with pytest.raises(ConfigError, match="algorithm.truncated_reward_coef would shape or replace in its units"):
+        load_config(None, [w for w in words if "=" in w] + ["algorithm.truncated_reward_coef=0"])

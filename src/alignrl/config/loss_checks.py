@@ -31,6 +31,11 @@ def _normalize_each_problem(cfg: RunConfig) -> str | None:
     if a.format_reward_weight or a.reward_timeout_s:
         return (f"{what} reads each function's values as they are: drop algorithm.format_reward_weight and "
                 "algorithm.reward_timeout_s")
+    shaped = [k for k, on in (("algorithm.overlong_buffer_len", a.overlong_buffer_len),
+                              ("algorithm.truncated_reward_coef", a.truncated_reward_coef is not None),
+                              ("algorithm.reward_clip", a.reward_clip), ("agent.env_path", cfg.agent.env_path)) if on]
+    if shaped:  # each reads or shapes the reward in its own units, where this one is normalized
+        return f"{what} leaves the reward normalized, which {shaped[0]} would shape or replace in its units: drop it"
     if (a.adv_estimator, a.grpo_std_scope, a.norm_adv_by_std_in_grpo) != ("grpo", "batch", True):
         return (f"{what} ends, as TRL's, by dividing by the whole batch's std: set algorithm.adv_estimator=grpo, "
                 "grpo_std_scope=batch and norm_adv_by_std_in_grpo=true")

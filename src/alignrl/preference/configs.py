@@ -291,3 +291,9 @@ def check_trl_options(cfg: DPOConfig) -> None:
     if cfg.use_weighting and cfg.logp_reduction != "sum":
         raise ConfigError("use_weighting=true reads the responses' token log-probs; logp_reduction=sequence_mean "
                           "spans the prompt too: set logp_reduction=sum or use_weighting=false")
+    if cfg.reference_free and cfg.f_divergence_type == "alpha_divergence" and (
+            cfg.logp_reduction == "sum" and any(n not in LENGTH_NORMALISED for n in names)):
+        # u = π itself: e^(−α·log π) of a summed response reaches the overflow cap on both sides, the logits are 0
+        raise ConfigError("reference_free=true with f_divergence_type=alpha_divergence puts a response's summed "
+                          "log-prob in an exponent that overflows, and nothing trains: use loss_type=ipo_token_mean, "
+                          "or another f_divergence_type")

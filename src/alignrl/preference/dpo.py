@@ -139,7 +139,7 @@ def evaluate(model, ref_fn, batches, groups: list[int], names: list[str], beta: 
     for batch in batches:
         batch = batch.to(env.device)
         with pc.autocast(cfg, env.device):
-            pc_, pr_, _, _ = policy_logps(model, batch, cfg.logp_reduction, ld_alpha=cfg.ld_alpha)
+            pc_, pr_, _, _, _ = policy_logps(model, batch, cfg.logp_reduction, ld_alpha=cfg.ld_alpha)
         rc, rr, _ = ref_fn(batch)
         if cfg.loss_type in LENGTH_NORMALISED:  # the rewards the loss trains
             pc_, pr_ = token_means(pc_.float(), pr_.float(), batch, cfg.logp_reduction)
@@ -228,11 +228,11 @@ def _loss_fn(cfg: DPOConfig, env, ref: _Reference, scores: torch.Tensor | None, 
 
     def loss(module, batch, gpairs):
         with pc.autocast(cfg, env.device):
-            pc_, pr_, logits, weight = policy_logps(module, batch, cfg.logp_reduction, kl_on, cfg.ld_alpha,
-                                                    cfg.use_weighting)
+            pc_, pr_, logits, weight, whole_c = policy_logps(module, batch, cfg.logp_reduction, kl_on, cfg.ld_alpha,
+                                                             cfg.use_weighting)
             rc, rr, ref_logits = ref(batch, "train", kl_on)
         pc_, pr_ = pc_.float(), pr_.float()
-        nll = chosen_nll(pc_, batch, cfg.logp_reduction)
+        nll = chosen_nll(whole_c.float(), batch, cfg.logp_reduction)
         kl = response_kl(logits, ref_logits, batch.response_mask[:batch.n_pairs]) if kl_on else None
         if isinstance(cfg.loss_type, (list, tuple)):  # TRL's multi-loss DPO: each loss reads the log-probs it needs
             value, metrics = mixed_loss(cfg, pc_, pr_, rc, rr, nll, batch, gpairs, bco, weight, **kw)

@@ -27,7 +27,7 @@ def _token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def pair_logps(model, batch, reduction: str = "sum", keep_logits: bool = False):
     """(chosen (B,), rejected (B,), the chosen rows' response logits (B, R, V) or None)."""
-    c, r, logits, _ = policy_logps(model, batch, reduction, keep_logits)
+    c, r, logits, _, _ = policy_logps(model, batch, reduction, keep_logits)
     return c, r, logits
 
 
@@ -35,7 +35,8 @@ def policy_logps(model, batch, reduction: str = "sum", keep_logits: bool = False
                  weigh: bool = False):
     """`pair_logps` with TRL DPOTrainer's options of the policy: `ld_alpha` (LD-DPO: a response's tokens past its
     pair's shorter length count ld_alpha times) and `weigh` (WPO: the pairs' weights, detached, else None), as
-    (chosen, rejected, logits or None, weights or None). Both read the summed reduction's per-token log-probs."""
+    (chosen, rejected, logits or None, weights or None, chosen's plain log-probs: the NLL term's, which LD-DPO
+    leaves whole, as TRL's cross-entropy does). Both read the summed reduction's per-token log-probs."""
     ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
     mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)
     r, b = batch.response_ids.shape[1], batch.n_pairs
@@ -49,13 +50,13 @@ def policy_logps(model, batch, reduction: str = "sum", keep_logits: bool = False
         lp = (_token_logps(logits[:, :-1], ids[:, 1:]) * valid).sum(-1) / valid.sum(-1).clamp(min=1.0)
     else:
         tok = _token_logps(logits[:, :-1], batch.response_ids)
-        lp = (tok * batch.response_mask.float()).sum(-1)
+        lp = plain = (tok * batch.response_mask.float()).sum(-1)
         if ld_alpha is not None:
             lp = length_desensitised_logps(tok, batch.response_mask, b, ld_alpha)
         if weigh:
             weights = wpo_weights(tok.detach(), _log_sum_sq(logits[:, :-1]), batch.response_mask, b)
     chosen_logits = logits[:b, -r - 1:-1] if keep_logits else None
-    return lp[:b], lp[b:], chosen_logits, weights
+    return lp[:b], lp[b:], chosen_logits, weights, (lp if whole else plain)[:b]
 
 
 @torch.no_grad()

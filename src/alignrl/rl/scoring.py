@@ -16,7 +16,7 @@ from alignrl.data.records import Rollout, Sample, Scores
 from alignrl.interfaces import SequenceScorer
 from alignrl.rewards.registry import ScoreError, finite_score, reads_prompt_text, score_row
 from alignrl.rewards.trl_reward import WithColumns
-from alignrl.rewards.values import filter_score, is_correct
+from alignrl.rewards.values import RowScore, filter_score, is_correct
 
 # verl's compute_score signature: (data_source, solution_str, ground_truth, extra_info) -> float
 RewardFn = Callable[[str, str, str, dict], float]
@@ -91,8 +91,10 @@ class RewardStage:
         texts, prompts, ids = self.texts(ro), self.prompt_texts(ro), self.response_ids(ro)
         if self.normalize_each:  # correctness reads the plain weighted sum; the reward, the group-normalized one
             table, weights = function_table(self.reward_fn, "reward function", rows, texts, prompts, ids)
-            plain = torch.nansum(table * weights, dim=1)
-            return normalize_then_sum(table, ro.group, weights).tolist(), [is_correct(float(r)) for r in plain]
+            plain = torch.nansum(table * weights, dim=1).tolist()
+            # dynamic sampling's bounds read the plain sum too (RowScore's filter score), not the normalized reward
+            normalized = normalize_then_sum(table, ro.group, weights).tolist()
+            return [RowScore(r, p) for r, p in zip(normalized, plain)], [is_correct(p) for p in plain]
         rewards = self.task_rewards(rows, texts, prompts, ids)
         if self.correct_fn is self.reward_fn:  # no shaping: correctness is the reward itself
             return rewards, [is_correct(r) for r in rewards]

@@ -92,8 +92,9 @@ def repetition_penalized(logits: torch.Tensor, seen: torch.Tensor, penalty: floa
 def seen_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vocab: int, dev: torch.device) -> torch.Tensor:
     """(B, V) bool: the tokens of each row's prompt (padding left out)."""
     seen = torch.zeros((prompt_ids.shape[0], vocab), dtype=torch.bool, device=dev)
-    ids = prompt_ids.to(dev).masked_fill(~prompt_mask.to(dev).bool(), 0)
-    seen.scatter_(1, ids, prompt_mask.to(dev).bool())
+    mask = prompt_mask.to(dev).bool()
+    rows = torch.arange(prompt_ids.shape[0], device=dev)[:, None].expand_as(mask)
+    seen[rows[mask], prompt_ids.to(dev)[mask]] = True  # the padding writes nothing (a scatter of it raced a real 0)
     return seen
 
 

@@ -1,8 +1,8 @@
 """OpenAI request models and response bodies for `/v1/completions` and `/v1/chat/completions`.
 
-Fields that change nothing here (`user`, `metadata`, ...) are ignored. Sampling controls this server
-does not implement (penalties, `min_p`, `logit_bias`) are refused with a 400 unless they hold their
-neutral value, as are `stream`, `echo` and `best_of` > 1: ignoring them would change what the caller
+Fields that change nothing here (`user`, `metadata`, ...) are ignored. vLLM's `min_p` and
+`repetition_penalty` are taken; sampling controls this server does not implement (presence and frequency
+penalties, `logit_bias`) are refused with a 400 unless they hold their neutral value, as are `stream`, `echo` and `best_of` > 1: ignoring them would change what the caller
 receives without saying so. Token strings in log-prob entries are
 each token decoded on its own, so a character split across tokens shows as replacement characters.
 
