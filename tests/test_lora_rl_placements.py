@@ -1,6 +1,6 @@
 """LoRA adapters and frozen prefixes in the placements whose rollout engines hold their own plain model: the ZeroMQ
-samplers and Ray's rollout engines receive the merged weights (after the first publish only the parameters a step
-changes) and make the batches the in-process loop makes."""
+samplers and Ray's rollout engines (test_ray_runs, on that module's Ray cluster) receive the merged weights (after the
+first publish only the parameters a step changes) and make the batches the in-process loop makes."""
 
 import pytest
 import torch
@@ -42,34 +42,6 @@ def test_zmq_samplers_generate_from_the_merged_weights(tiny_model_dir, tmp_path,
         first = load_file(tiny_model_dir / "model.safetensors")  # the frozen part never moved
         frozen = [k for k in first if k.startswith(("model.embed_tokens", "model.layers.0"))]
         assert frozen and all(torch.equal(first[k], b[k]) for k in frozen)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(500)
-def test_ray_rollout_engines_generate_from_the_merged_weights(cluster, tiny_model_dir, tmp_path, capsys):
-    """OpenRLHF's --lora_rank on the two-node Ray cluster: two DDP actor ranks with adapters, one rollout engine
-    holding a plain model, fed the merged weights by the broadcast (after the first publish only the layers the
-    adapters merge into), against the in-process loop with the same flags (which generates through the adapters):
-    the same weights, up to the ranks' reduction order and the merge's rounding."""
-    from alignrl.compat import openrlhf_flags as F
-    from alignrl.compat import openrlhf_keys as K
-    from alignrl.compat.openrlhf_ppo_ray import main
-    from raycluster import tiny
-
-    argv = tiny(tiny_model_dir, tmp_path / "ray", 2, "--ckpt_path", str(tmp_path / "ckpt"), "--lora_rank", "4",
-                "--lora_alpha", "8", "--actor_learning_rate", "1e-2", "--entropy_loss_coef", "0.05",
-                "--lr_scheduler", "constant", "--train_batch_size", "16")  # one optimizer step a step
-    assert main(argv) == 0, capsys.readouterr().err
-    args = F.parser().parse_args(argv)
-    train_grpo(load_config(None, K.overrides(args, gpus=False, total_steps=2) + [
-        f"trainer.output_dir={tmp_path}", "trainer.experiment_name=inline", "trainer.checkpoint_dir=checkpoints"]))
-    ray_w = load_file(tmp_path / "ckpt" / "global_step_2" / "model" / "model.safetensors")
-    inline = load_file(tmp_path / "inline" / "checkpoints" / "global_step_2" / "model" / "model.safetensors")
-    base = load_file(tiny_model_dir / "model.safetensors")
-    moved = {k for k in base if not torch.equal(base[k], ray_w[k])}
-    assert moved and all(k.endswith("proj.weight") for k in moved), sorted(moved)  # adapters only
-    for k in inline:
-        torch.testing.assert_close(ray_w[k], inline[k], rtol=0, atol=2e-5, msg=k)
 
 
 @pytest.mark.slow
