@@ -395,3 +395,36 @@ def test_a_samplers_heartbeat_hears_that_the_run_is_over(served):
         assert beat.over.wait(3 * BEAT_S)
     finally:
         beat.close()
+
+
+def test_a_sampler_stopped_past_its_peer_timeout_still_waits_for_the_trainer(monkeypatch):
+    """A sampler process stopped (SIGSTOP, a suspended machine) for longer than --peer-timeout: its first request
+    after waking times out at once, which is no sign that the trainer is gone; the silence counts from then."""
+    import threading as _threading
+
+    from alignrl.placements.zmq import sampler as sampler_mod
+    from alignrl.wire.zmq_link import Message, PeerTimeout
+
+    clock = [0.0]
+    monkeypatch.setattr(sampler_mod.time, "monotonic", lambda: clock[0])
+    calls = []
+
+    def request(kind, meta, timeout_s):
+        calls.append(kind)
+        if len(calls) == 1:
+            clock[0] += 100.0  # stopped for 100 s in the middle of the request, with a 10 s --peer-timeout
+            raise PeerTimeout("no answer")
+        return Message("welcome", {})
+
+    fake = SimpleNamespace(args=SimpleNamespace(peer_timeout=10.0), beat=SimpleNamespace(over=_threading.Event()),
+                           sync=SimpleNamespace(request=request, addr="tcp://127.0.0.1:1"), id="s")
+    assert sampler_mod.Sampler.ask(fake, "hello", {}).kind == "welcome" and calls == ["hello", "hello"]
+    calls.clear()
+
+    def silent(kind, meta, timeout_s):  # a trainer that is really gone: the usual one line after --peer-timeout
+        clock[0] += timeout_s
+        raise PeerTimeout("no answer")
+
+    fake.sync.request = silent
+    with pytest.raises(sampler_mod.PipelineError, match="no trainer answered on tcp://127.0.0.1:1 for 10 s"):
+        sampler_mod.Sampler.ask(fake, "hello", {})

@@ -72,7 +72,8 @@ def test_a_killed_sampler_loses_nothing(tiny_model_dir, tmp_path):
         os.killpg(b.pid, signal.SIGCONT)
         out, err = trainer.communicate(timeout=400)
         assert trainer.returncode == 0, err[-3000:]
-        assert b.wait(timeout=60) == 0 and again.wait(timeout=60) == 0
+        for worker in (b, again):
+            assert worker.wait(timeout=60) == 0, worker.stderr.read()[-2000:]
     finally:
         stop(trainer, a, b, *([again] if "again" in dir() else []))
     assert_each_row_once(run, steps)

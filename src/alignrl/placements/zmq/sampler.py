@@ -42,6 +42,7 @@ from alignrl.utils.tracking import console
 
 PROG = "alignrl sample"
 BEAT_S = 1.0  # heartbeat period; the trainer's pipeline.heartbeat_timeout_s spans many of them
+STALL_S = 5.0  # a request that took this much longer than its timeout: the process itself was stopped meanwhile
 WIRE_BYTES_PER_S = 50 << 20  # the slowest link a weights reply is given time for (a 15 GB model: 5 min)
 
 
@@ -120,13 +121,18 @@ class Sampler:
         """One request, retried while the trainer is absent (up to --peer-timeout); "done" once the heartbeat
         heard it."""
         deadline = time.monotonic() + self.args.peer_timeout
-        said = False
+        said, wait_s = False, min(timeout_s, self.args.peer_timeout)
         while True:
             if self.beat.over.is_set():
                 return Message("done", {})
+            started = time.monotonic()
             try:
-                return self.sync.request(kind, meta, timeout_s=min(timeout_s, self.args.peer_timeout))
+                return self.sync.request(kind, meta, timeout_s=wait_s)
             except PeerTimeout:
+                if time.monotonic() - started > wait_s + STALL_S:
+                    # this process was stopped meanwhile (SIGSTOP, a suspended machine): the trainer's silence is
+                    # measured from now, or the first timeout after waking would end a sampler the trainer awaits
+                    deadline = time.monotonic() + self.args.peer_timeout
                 if not said:  # at once, not only when the wait ends: a wrong port or order is seen here
                     console.print(f"sampler {self.id}: waiting for a trainer on {self.sync.addr} (up to "
                                   f"{self.args.peer_timeout:g} s, --peer-timeout)")
@@ -270,7 +276,10 @@ class Sampler:
                 made, waited = made + 1, 0.0
             except PeerTimeout as e:
                 # nothing ever went out here while the trainer answers: it reads another port (a busy trainer's full
-                # queue blocks a later send too, and then the batch is dropped as below)
+                # queue blocks a later send too, and then the batch is dropped as below); a run that just ended
+                # took nothing either
+                if self.beat.over.is_set():
+                    continue
                 if made == 0 and time.monotonic() - self.beat.answered_at < 3 * BEAT_S:
                     raise PipelineError(f"nothing took the batch on {push.addr} (--data-port) in "
                                         f"{min(30.0, self.args.peer_timeout):g} s, though a trainer answers on "
