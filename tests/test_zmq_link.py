@@ -226,6 +226,8 @@ def test_request_reply_round_trip():
 def test_stale_and_duplicate_replies_are_never_taken():
     release, sent_twice = threading.Event(), []
 
+    sent = threading.Condition()
+
     def handler(rep, peer, msg):
         if msg.meta["i"] == 0:
             release.wait(10)  # answer only after the requester gave up on this request
@@ -233,7 +235,9 @@ def test_stale_and_duplicate_replies_are_never_taken():
             return
         rep.reply_msg(peer, "echo", {"i": msg.meta["i"]})
         # a second answer to the same request goes out (tagged 0, as nothing is pending) and is dropped there
-        sent_twice.append(rep.reply_msg(peer, "echo", {"i": "duplicate"}))
+        with sent:
+            sent_twice.append(rep.reply_msg(peer, "echo", {"i": "duplicate"}))
+            sent.notify_all()
 
     server = Server(Replier(HOST, 0), handler)
     try:
@@ -243,6 +247,9 @@ def test_stale_and_duplicate_replies_are_never_taken():
             release.set()
             for i in range(1, 4):
                 assert req.request("q", {"i": i}, timeout_s=5.0).meta == {"i": i}
+            # the requester stays open until the last duplicate went out: closed before, the send finds no peer
+            with sent:
+                assert sent.wait_for(lambda: len(sent_twice) == 3, timeout=30)
     finally:
         server.stop()
     assert sent_twice == [True] * 3
