@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from two_ranks import on_two_ranks
 
 from alignrl.core.advantages import (ADVANTAGES, OutcomeInputs, gae_advantages, grpo_advantages, masked_whiten,
                                      outcome_token_rewards, shape_outcome, whiten_by,
@@ -219,22 +220,9 @@ def test_group_of_one_is_zero_not_nan(name):
 def test_whitening_split_over_ranks_equals_whole_batch():
     """Two threads stand in for two ranks: each whitens its half with statistics summed over both
     (`sum_ranks`), and together they give the one-process result on the whole batch."""
-    import threading
-
     g = torch.Generator().manual_seed(0)
     x, values = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)
     mask = torch.rand(6, 5, generator=g) > 0.3
-    barrier, slots = threading.Barrier(2), [None, None]
-
-    def make_sum(rank):
-        def total(t):
-            slots[rank] = t.clone()
-            barrier.wait()
-            out = slots[0] + slots[1]
-            barrier.wait()  # both read before either writes the next round
-            return out
-        return total
-
     cases = {
         "whiten": lambda xs, vs, ms, r: masked_whiten(xs, ms, sum_ranks=r),
         "reinforce_pp": lambda xs, vs, ms, r: reinforce_pp_advantages(xs, ms, 0.9, sum_ranks=r),
@@ -242,15 +230,12 @@ def test_whitening_split_over_ranks_equals_whole_batch():
     }
     for name, fn in cases.items():
         whole = fn(x, values, mask, None)
-        parts = [None, None]
 
-        def run(rank):
+        def half(rank, total, fn=fn):
             rows = slice(3 * rank, 3 * rank + 3)
-            parts[rank] = fn(x[rows], values[rows], mask[rows], make_sum(rank))
+            return fn(x[rows], values[rows], mask[rows], total)
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
-        [t.start() for t in threads]
-        [t.join(timeout=30) for t in threads]
+        parts = on_two_ranks(half)
         torch.testing.assert_close(torch.cat(parts), whole, atol=1e-6, rtol=0, msg=name)
         assert not torch.allclose(parts[0], fn(x[:3], values[:3], mask[:3], None))  # local stats would differ
 

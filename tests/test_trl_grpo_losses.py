@@ -5,37 +5,15 @@ high-entropy token mask (--top_entropy_quantile); and the actor's loss with all 
 from __future__ import annotations
 
 import math
-import threading
 
 import pytest
 import torch
+from two_ranks import on_two_ranks
 
 from alignrl.config import ConfigError, load_config
 from alignrl.core.advantages import ADVANTAGES, BATCH_STD_EPS, OutcomeInputs, grpo_advantages
 from alignrl.core.entropy import high_entropy_mask, linear_quantile
 from alignrl.core.losses import gspo_loss, kl_k3, ppo_clip_loss, ratio_weighted_kl
-
-
-def _two_ranks(fn):
-    """fn(rank, sum_ranks) run on two threads standing in for two ranks, `sum_ranks` an all-reduce between them."""
-    barrier, slots, out = threading.Barrier(2), [None, None], [None, None]
-
-    def make_sum(rank):
-        def total(t):
-            slots[rank] = t.clone()
-            barrier.wait()
-            summed = slots[0] + slots[1]
-            barrier.wait()  # both read before either writes the next round
-            return summed
-        return total
-
-    def run(rank):
-        out[rank] = fn(rank, make_sum(rank))
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
-    [t.start() for t in threads]
-    [t.join(timeout=30) for t in threads]
-    return out
 
 
 def test_batch_std_divides_the_group_centred_rewards_by_the_whole_batchs_std():
@@ -59,7 +37,7 @@ def test_batch_std_over_two_ranks_is_the_global_one():
     whole = grpo_advantages(rewards, group, std_scope="batch")
     # each rank holds whole groups (as alignrl's ranks do), with group ids of its own
     shares = [(rewards[:2], torch.tensor([0, 0])), (rewards[2:], torch.tensor([0, 0, 1, 1]))]
-    parts = _two_ranks(lambda rank, total: grpo_advantages(*shares[rank], std_scope="batch", sum_ranks=total))
+    parts = on_two_ranks(lambda rank, total: grpo_advantages(*shares[rank], std_scope="batch", sum_ranks=total))
     torch.testing.assert_close(torch.cat(parts), whole)
     local = grpo_advantages(*shares[0], std_scope="batch")
     assert not torch.allclose(parts[0], local)  # the rank's own std would differ
@@ -149,20 +127,10 @@ def test_high_entropy_mask_keeps_the_top_share_of_the_masked_tokens():
 
 
 def test_high_entropy_mask_takes_the_threshold_over_every_rank():
-    barrier, slots = threading.Barrier(2), [None, None]
-
-    def gather(rank):
-        def cat(t):
-            slots[rank] = t.clone()
-            barrier.wait()
-            out = torch.cat(slots)
-            barrier.wait()
-            return out
-        return cat
-
     # rank 0 holds the low entropies, rank 1 the high ones: alone, each would keep its own top
-    parts = _two_ranks(lambda rank, _: high_entropy_mask(ENTROPY[rank * 2:rank * 2 + 2 - rank],
-                                                         MASK[rank * 2:rank * 2 + 2 - rank], 0.2, gather(rank)))
+    parts = on_two_ranks(lambda rank, gather: high_entropy_mask(ENTROPY[rank * 2:rank * 2 + 2 - rank],
+                                                              MASK[rank * 2:rank * 2 + 2 - rank], 0.2, gather),
+                         combine=lambda first, second: torch.cat([first, second]))
     assert not parts[0].any() and parts[1].nonzero().tolist() == [[0, 0], [0, 1]]
 
 

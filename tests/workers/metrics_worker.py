@@ -8,7 +8,7 @@ import sys
 import torch
 
 from alignrl.rl.producer import pooled_std
-from alignrl.runtime.env import gather_values, init_distributed, mean_metrics, shutdown
+from alignrl.runtime.env import gather_tensor, gather_values, init_distributed, mean_metrics, shutdown
 
 REWARDS = [[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]]
 LENGTHS = [[3, 9, 4, 4, 5, 6, 2, 7], [31, 2, 4, 5, 6, 8, 1, 3]]
@@ -29,6 +29,9 @@ def main() -> int:
         assert math.isclose(got[k], v, rel_tol=1e-6), (k, got[k], v)
     costs = gather_values(env, [0.5, -1.0, 2.0] if env.rank == 0 else [4.0])
     assert costs == [0.5, -1.0, 2.0, 4.0], costs
+    entropies = gather_tensor(env, torch.tensor([0.25, 1.5]) if env.rank == 0 else torch.tensor([], dtype=torch.float32))
+    assert entropies.dtype == torch.float32 and entropies.tolist() == [0.25, 1.5], entropies
+    assert gather_values(env, []) == []
     shutdown()
     return 0
 

@@ -182,17 +182,27 @@ def all_reduce_sum(env: DistEnv, values: list[float], op=dist.ReduceOp.SUM) -> l
 
 
 def gather_values(env: DistEnv, values: list[float]) -> list[float]:
-    """Every rank's `values`, in rank order, on every rank (the lists may differ in length): two sums, as
-    gloo's all_gather wants equal shapes."""
+    """Every rank's `values`, in rank order, on every rank (the lists may differ in length)."""
+    return gather_tensor(env, torch.tensor(values, dtype=torch.float64)).tolist()
+
+
+def gather_tensor(env: DistEnv, values: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `values`, concatenated in rank order, on every rank, on `values`' device (the lengths
+    may differ): the lengths first, then one all_gather of the tensors padded to the longest, as all_gather
+    wants equal shapes."""
     if not env.distributed:
-        return list(values)
+        return values
     counts = [0.0] * env.world_size
-    counts[env.rank] = float(len(values))
+    counts[env.rank] = float(values.numel())
     counts = [int(c) for c in all_reduce_sum(env, counts)]
-    start = sum(counts[:env.rank])
-    placed = [0.0] * sum(counts)
-    placed[start:start + len(values)] = values
-    return all_reduce_sum(env, placed)
+    if not any(counts):
+        return values.reshape(-1)
+    dev = env.device if env.backend == "nccl" else torch.device("cpu")
+    padded = torch.zeros(max(counts), dtype=values.dtype, device=dev)
+    padded[:values.numel()] = values.detach().reshape(-1)
+    pieces = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(pieces, padded)
+    return torch.cat([piece[:n] for piece, n in zip(pieces, counts)]).to(values.device)
 
 
 def gather_bytes(env: DistEnv, blob: bytes) -> list[bytes]:

@@ -17,7 +17,7 @@ from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, aggregate_loss, ra
 from alignrl.data.records import Experience
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.models.vision import encoder_in_every_forward
-from alignrl.runtime.env import DistEnv, gather_values
+from alignrl.runtime.env import DistEnv, gather_tensor
 from alignrl.runtime.lanes import lane_count
 from alignrl.train.minibatch import TokenBudget, minibatch_updates
 from alignrl.train.ema import PolicyAverage
@@ -87,13 +87,8 @@ def entropy_kept(entropy: torch.Tensor | None, mask: torch.Tensor, spec: PolicyL
     if spec.top_entropy >= 1.0 or entropy is None:
         return None
     # every rank runs as many micro-batches (train.minibatch), so each gathers with the others
-    gather = partial(_every_rank, env) if env is not None and env.distributed else None
+    gather = partial(gather_tensor, env) if env is not None and env.distributed else None
     return high_entropy_mask(entropy, mask, spec.top_entropy, gather).to(mask.dtype)
-
-
-def _every_rank(env: DistEnv, values: torch.Tensor) -> torch.Tensor:
-    """A 1-D tensor of each rank, concatenated in rank order on every rank."""
-    return torch.tensor(gather_values(env, values.tolist()), dtype=values.dtype, device=values.device)
 
 
 def policy_loss(logp, entropy, exp: Experience, spec: PolicyLossSpec, global_tokens: float, global_seqs: float,
