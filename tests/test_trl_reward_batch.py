@@ -122,6 +122,10 @@ def test_a_format_bonus_keeps_one_call_per_batch_and_episode_extras_keep_the_col
     assert rule_scores(fn, "reward function", _rows(2), texts) == [len(texts[0]) + 0.5 * format_reward(texts[0]), 0.0]
     assert format_reward(texts[0]) > 0
     assert len((tmp_path / "calls.jsonl").read_text().splitlines()) == 1
+    (tmp_path / "bad.py").write_text(BAD_ROW)
+    bad = with_format_bonus(load_reward_fn(f"trl:{tmp_path / 'bad.py'}:second_is_text"), 0.5)
+    with pytest.raises(ScoreError, match=r"second_is_text returned 'x' for a completion for row 1 "):
+        rule_scores(bad, "reward function", _rows(3), ["a", "b", "c"])  # the bonus's call still names the row
     ro = Rollout(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1).bool(),
                  response_ids=torch.ones(2, 1, dtype=torch.long), response_mask=torch.ones(2, 1).bool(),
                  logprobs=torch.zeros(2, 1), truncated=torch.zeros(2).bool(), group=torch.tensor([0, 1]),

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from alignrl.config import ConfigError, RunConfig, check_folders, check_world_size, keys_given, load_config
+from alignrl.runtime.flag_file import config_at
 from alignrl.runtime.one_line import OneLineParser
 from alignrl.errors import Terminated, UserError, in_flag_words, program, stop_on_sigterm
 
@@ -85,7 +86,7 @@ def _in_alignrl_words(argv: list[str]) -> list[str]:
     except ConfigError as e:  # a value of the file's: say where it came from
         if from_file is None:
             raise
-        raise ConfigError(f"{e}; the settings of --config {recipe.config_path(argv[2:])} are read as TRL's "
+        raise ConfigError(f"{e}; the settings of --config {config_at(argv[2:])[2]} are read as TRL's "
                           "flags") from None
     if os.environ.get("RANK", "0") == "0":
         for line in lines:

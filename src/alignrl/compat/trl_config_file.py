@@ -24,11 +24,6 @@ def grpo_flag_names() -> set[str]:
     return {a.dest for a in parser()._actions} - {"help", "config"}
 
 
-def config_path(words: list[str]) -> str | None:
-    at = flag_file.config_at(words)
-    return None if at is None else at[2]
-
-
 def expand(words: list[str]) -> list[str] | None:
     """The line with its TRL config file's settings as flags before its own; None when it names no TRL file."""
     names = grpo_flag_names()

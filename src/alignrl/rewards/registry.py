@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -328,23 +328,27 @@ def with_format_bonus(base: RewardFn, format_weight: float) -> RewardFn:
         return float(correctness) + format_weight * gsm8k.format_reward(solution_str)
 
     reward.reads_prompt = reads_prompt_text(base)
+    who = getattr(base, "__name__", repr(base))
+
+    def plus_bonus(values: list[Any], texts: Sequence[str], data_sources: Sequence[str]) -> list[Any]:
+        return [_plus_bonus(v, who, ds, format_weight * gsm8k.format_reward(text))
+                for v, text, ds in zip(values, texts, data_sources)]
+
     if getattr(base, "rows", None) is not None:  # a timed rule scores a batch in its workers: the bonus is added here
-        reward.rows = lambda calls: [v if isinstance(v, (ScoreError, TimedOut)) else
-                                     float(v) + format_weight * gsm8k.format_reward(c[1])
-                                     for v, c in zip(base.rows(calls), calls)]
+        reward.rows = lambda calls: plus_bonus(base.rows(calls), [c[1] for c in calls], [c[0] for c in calls])
     if getattr(base, "batch", None) is not None:  # a batch function (a judge) keeps its one call per batch
-        reward.batch = _batch_with_bonus(base, format_weight)
+        reward.batch = lambda sources, texts, truths, extras, **more: plus_bonus(
+            base.batch(sources, texts, truths, extras, **more), texts, sources)
         reward.reads_ids = bool(getattr(base, "reads_ids", False))
     return reward
 
 
-def _batch_with_bonus(base: Any, format_weight: float) -> Callable[..., list[Any]]:
-    who = getattr(base, "__name__", repr(base))
-
-    def batch(data_sources, solution_strs, ground_truths, extra_infos, **more: Any) -> list[Any]:
-        values = base.batch(data_sources, solution_strs, ground_truths, extra_infos, **more)
-        return [v if isinstance(v, ScoreError) else
-                finite_score(v, who, ds) + format_weight * gsm8k.format_reward(text)
-                for v, ds, text in zip(values, data_sources, solution_strs)]
-
-    return batch
+def _plus_bonus(value: Any, who: str, data_source: str, bonus: float) -> Any:
+    """A batch's value of one row plus its format bonus; a failed row's error (its own, or a bad value's) stays
+    the row's value, for the caller to raise with the row's place."""
+    if isinstance(value, (ScoreError, TimedOut)):
+        return value
+    try:
+        return finite_score(value, who, data_source) + bonus
+    except ScoreError as e:
+        return e

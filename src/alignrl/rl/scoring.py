@@ -163,11 +163,7 @@ def function_table(fn, kind: str, rows: Sequence[Sample], texts: Sequence[str], 
     """(B, K) each of `fn`'s K functions' value of each row (NaN where one skipped the row), unweighted, and the K
     weights: a reward of several weighted functions (TRL's) asked for them apart. A bad value names its row."""
     more = {"prompts": list(prompts) if prompts else None, "completion_ids": ids}
-    try:
-        table = fn.per_function([s.data_source for s in rows], list(texts), [s.ground_truth for s in rows],
-                                [s.extra for s in rows], **more)
-    except ScoreError as e:  # the call failed as a whole: no one row is to blame
-        raise e.at(f"a batch of {len(rows)} rows", kind) from e.__cause__
+    table = _called_on_batch(fn.per_function, rows, texts, more, kind)
     for values in table:
         for i, value in enumerate(values):
             if isinstance(value, ScoreError):
@@ -190,10 +186,16 @@ def values_at_once(fn, rows: Sequence[Sample], texts: Sequence[str], prompts: Se
         more["prompts"] = list(prompts) if prompts else None
     if reads_ids(fn):
         more["completion_ids"] = ids
+    return _called_on_batch(whole, rows, texts, more, kind)
+
+
+def _called_on_batch(call, rows: Sequence[Sample], texts: Sequence[str], more: dict, kind: str):
+    """`call` on the batch's columns (data sources, texts, ground truths, extras) and `more`; a ScoreError of the
+    call as a whole names the batch, as no one row is to blame."""
     try:
-        return whole([s.data_source for s in rows], list(texts), [s.ground_truth for s in rows],
-                     [s.extra for s in rows], **more)
-    except ScoreError as e:  # the call failed as a whole: no one row is to blame
+        return call([s.data_source for s in rows], list(texts), [s.ground_truth for s in rows],
+                    [s.extra for s in rows], **more)
+    except ScoreError as e:
         raise e.at(f"a batch of {len(rows)} rows", kind) from e.__cause__
 
 
