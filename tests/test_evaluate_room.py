@@ -63,8 +63,11 @@ def test_a_task_not_scored_by_last_number_reports_no_last_number_accuracy():
 
 
 def test_evaluation_samples_as_the_rollouts_do():
-    """The held-out decoding stops at the rollouts' stop strings, and pass@k samples with their top_p/top_k: the
-    evaluation ran on to max_new_tokens and scored text the policy never produces in training."""
+    """The held-out decoding stops at the rollouts' stop strings, and pass@k samples with their top_p/top_k/min_p
+    and repetition penalty: the evaluation ran on to max_new_tokens and scored text the policy never produces in
+    training."""
+    from alignrl.rl.evaluate import validation_params
+
     seen = []
 
     class Recording(ScriptedEngine):
@@ -76,9 +79,14 @@ def test_evaluation_samples_as_the_rollouts_do():
     engine = Recording({0: TEXTS[0]}, {0: [TEXTS[0], TEXTS[2]]})
     heldout_eval(engine, TOKENIZER, samples, [[0]], load_reward_fn(None), 8, stop=["\n\n"])
     room(engine, TOKENIZER, samples, [[0]], load_reward_fn(None), max_new_tokens=8, k=2, temperature=0.7,
-         stop=["\n\n"], top_p=0.9, top_k=5)
+         stop=["\n\n"], top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.2)
     assert [p.stop for p in seen] == [("\n\n",)] * 3
-    assert (seen[2].top_p, seen[2].top_k, seen[2].temperature) == (0.9, 5, 0.7)
+    assert (seen[2].top_p, seen[2].top_k, seen[2].temperature, seen[2].min_p) == (0.9, 5, 0.7, 0.1)
+    assert [p.repetition_penalty for p in seen] == [1.0, 1.2, 1.2]  # greedy pass@1 decodes under the penalty too
+    greedy = validation_params(8, repetition_penalty=1.2, min_p=0.1)
+    assert (greedy.temperature, greedy.repetition_penalty, greedy.min_p) == (0.0, 1.2, 0.0)
+    sampled = validation_params(8, temperature=0.5, min_p=0.1, repetition_penalty=1.2)
+    assert (sampled.min_p, sampled.repetition_penalty) == (0.1, 1.2)
 
 
 def test_sampled_validation_is_the_mean_of_the_answers_with_pass_at_n_beside_it():

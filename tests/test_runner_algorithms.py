@@ -105,7 +105,8 @@ def test_remax_baseline_is_the_greedy_reward(tiny_model_dir, tmp_path):
     from alignrl.data import synthetic
     from alignrl.interfaces import SamplingParams
 
-    cfg = load_config(None, _overrides(tiny_model_dir, tmp_path, "remax", 1, 0) + ["algorithm.adv_estimator=remax"])
+    cfg = load_config(None, _overrides(tiny_model_dir, tmp_path, "remax", 1, 0) + ["algorithm.adv_estimator=remax",
+                                                                                  "rollout.repetition_penalty=2.0"])
     placed = place(cfg, str(tiny_model_dir))
     maker = placed.maker
     samples, prompts = PromptData(placed.tokenizer, synthetic.generate("train", 3, seed=0), 64)(range(3))
@@ -115,7 +116,11 @@ def test_remax_baseline_is_the_greedy_reward(tiny_model_dir, tmp_path):
     maker.rewards.overlong_buffer_len, maker.rewards.max_new_tokens = 4, 8
     ro = maker.engine.generate(prompts, maker.sampling_params(1))
     scored = maker.score(ro, samples, prompts)
-    greedy = maker.engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
+    # the greedy response under the rollouts' repetition penalty, which changes the likeliest tokens
+    greedy = maker.engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=8,
+                                                           repetition_penalty=2.0))
+    plain = maker.engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
+    assert not torch.equal(plain.response_ids, greedy.response_ids)
     texts = placed.tokenizer.batch_decode(greedy.response_ids.masked_fill(~greedy.response_mask, 0),
                                           skip_special_tokens=True)
     penalty = overlong_penalty(greedy.response_lengths, 8, 4, 1.0)

@@ -149,7 +149,7 @@ class Run:
         after RL step `step`; the answers go where trainer.validation_data_dir and log_val_generations say."""
         r, t = self.cfg.rollout, self.cfg.trainer
         params = validation_params(r.max_new_tokens, r.stop, r.val_temperature, r.val_top_p, r.val_top_k, r.val_n,
-                                   t.seed)
+                                   t.seed, r.min_p, r.repetition_penalty)
         answers = [] if t.validation_data_dir or t.log_val_generations else None
         # the callers print the phase's line with its seconds (or log them as timing/val): the bar alone here
         with Phase("held-out evaluation", n, "problems", say=False, bar=t.progress_bar) as p:
@@ -183,7 +183,8 @@ class Run:
                    bar=cfg.trainer.progress_bar) as p:
             r = room(self.placed.eval_engine, self.placed.tokenizer, val, self.val_prompts, self.correct_fn,
                      cfg.rollout.max_new_tokens, cfg.rollout.n, cfg.rollout.temperature, seed=cfg.trainer.seed,
-                     stop=cfg.rollout.stop, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, progress=p.advance)
+                     stop=cfg.rollout.stop, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, progress=p.advance,
+                     min_p=cfg.rollout.min_p, repetition_penalty=cfg.rollout.repetition_penalty)
         console.print(f"{label} held-out room on {len(val)} problems ({time.time() - t0:.1f}s):\n{format_room(r)}",
                       markup=False)
         say_timeouts(f"{label} pass@{cfg.rollout.n}", late_rows([self.correct_fn]), cfg.algorithm.reward_timeout_s)

@@ -93,13 +93,17 @@ def _by_difficulty(samples: Sequence[Sample], solved: torch.Tensor) -> dict[str,
 
 
 def validation_params(max_new_tokens: int, stop: Sequence[str] = (), temperature: float = 0.0, top_p: float = 1.0,
-                      top_k: int = -1, n: int = 1, seed: int = 0) -> SamplingParams:
+                      top_k: int = -1, n: int = 1, seed: int = 0, min_p: float = 0.0,
+                      repetition_penalty: float = 1.0) -> SamplingParams:
     """The held-out sampler: greedy (temperature 0, one answer), or `n` answers at `temperature` (verl's
-    rollout.val_kwargs, our rollout.val_*)."""
+    rollout.val_kwargs, our rollout.val_*). The rollouts' `repetition_penalty` applies to greedy decoding too (it
+    changes which token is likeliest), their `min_p` to sampling (the likeliest token always passes it), as TRL's
+    evaluation generates with its training settings."""
     if temperature <= 0.0:
-        return SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=tuple(stop))
+        return SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=tuple(stop),
+                              repetition_penalty=repetition_penalty)
     return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                          stop=tuple(stop), seed=seed)
+                          stop=tuple(stop), seed=seed, min_p=min_p, repetition_penalty=repetition_penalty)
 
 
 def heldout_eval(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
@@ -133,18 +137,17 @@ def heldout_eval(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence
 def room(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
          max_new_tokens: int, k: int, temperature: float, seed: int = 0, batch_size: int = 128,
          stop: Sequence[str] = (), top_p: float = 1.0, top_k: int = -1,
-         progress: Callable[[int], None] | None = None) -> dict:
-    """Greedy pass@1 and pass@k (any of k samples at `temperature` correct, with the rollouts' `stop`, `top_p` and
-    `top_k`), strict and last-number, overall and by difficulty: {"k": k, "pass@1": {"strict": {...},
-    "flexible": {...}}, "pass@k": {...}}. `progress`: told the problems of each batch as it is done, greedy then
-    sampled (2 x len(samples) in all)."""
+         progress: Callable[[int], None] | None = None, min_p: float = 0.0, repetition_penalty: float = 1.0) -> dict:
+    """Greedy pass@1 and pass@k (any of k samples at `temperature` correct, with the rollouts' `stop`, `top_p`,
+    `top_k`, `min_p` and `repetition_penalty`, the penalty in the greedy decoding too), strict and last-number,
+    overall and by difficulty: {"k": k, "pass@1": {"strict": {...}, "flexible": {...}}, "pass@k": {...}}.
+    `progress`: told the problems of each batch as it is done, greedy then sampled (2 x len(samples) in all)."""
     greedy = _scores(engine, tokenizer, samples, prompts, correct_fn,
-                     SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=tuple(stop)),
+                     validation_params(max_new_tokens, stop, repetition_penalty=repetition_penalty),
                      batch_size * k, progress)
     sampled = _scores(engine, tokenizer, samples, prompts, correct_fn,
-                      SamplingParams(n=k, temperature=temperature, top_p=top_p, top_k=top_k,
-                                     max_new_tokens=max_new_tokens, stop=tuple(stop), seed=seed), batch_size,
-                      progress)
+                      validation_params(max_new_tokens, stop, temperature, top_p, top_k, k, seed, min_p,
+                                        repetition_penalty), batch_size, progress)
     out: dict = {"k": k, "temperature": temperature}
     last_number = has_last_number(samples)
     for label, (strict, flexible) in (("pass@1", greedy), ("pass@k", sampled)):

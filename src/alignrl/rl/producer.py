@@ -163,13 +163,14 @@ class RolloutMaker:
         reward stage as the samples (a reward model, the overlong penalty): the rule reward alone put the
         baseline on another scale than the rewards it is taken from. Each greedy response is generated from the
         prompt as the samples were (`prompts`, images included: a rollout row's images may also hold its tool
-        observations')."""
+        observations'), under the rollouts' repetition penalty (which changes the likeliest token)."""
         first = torch.unique_consecutive(ro.group, return_counts=True)[1].cumsum(0) - 1  # a row of each group
         groups = ro.group[first].tolist()
         rows = [samples[g] for g in groups]  # greedy row (group) j is the prompt of rows[j]
         greedy = self.engine.generate(with_labels(self.engine, rows, [prompts[g] for g in groups]),
                                       SamplingParams(n=1, temperature=0.0, stop=tuple(self.cfg.rollout.stop),
-                                                     max_new_tokens=self.cfg.rollout.max_new_tokens))
+                                                     max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                                     repetition_penalty=self.cfg.rollout.repetition_penalty))
         return self.rewards.score(greedy, rows).rewards[ro.group]
 
     def dynamic_sample(self, step: int, ro: Rollout, scores: Scores, index: torch.Tensor, rows: Rows,
