@@ -122,11 +122,16 @@ def test_a_seed_config_stays_the_seed_s_and_file_mistakes_name_the_file(tmp_path
     bad = tmp_path / "bad.yaml"
     bad.write_text("model_name_or_path: demo\nw: [1\n")
     assert _with_their_config_file(["--config", str(bad)]) == (["--config", str(bad)], None)
-    path, _ = _recipe(tmp_path, RECIPE + "max_prompt_length: null\n")
-    with pytest.raises(ConfigError, match=r"max_prompt_length has no value; give a value or remove the key"):
-        expand(["--config", str(path)])
+    path, _ = _recipe(tmp_path, RECIPE + "max_prompt_length: null\nmin_p: null\nepsilon_high: null\n")
+    with pytest.raises(ConfigError, match=r"max_prompt_length has no value \(null or \[\]\), which alignrl cannot "
+                                          r"take for it; give a value or remove the key"):
+        expand(["--config", str(path)])  # TRL's None is no truncation there: a value alignrl has no flag value for
+    path, _ = _recipe(tmp_path, RECIPE + "min_p: null\nepsilon_high: null\n")  # flags whose default is None: theirs
+    assert _config(expand(["--config", str(path)])) == _config(expand(["--config", str(_recipe(tmp_path)[0])]))
     with pytest.raises(ConfigError, match=r"--config nowhere.yaml: no such file"):
         expand(["--model_name_or_path", "demo", "--config", "nowhere.yaml"])
-    path, _ = _recipe(tmp_path, RECIPE + "loss_type: luspo\n")
-    with pytest.raises(ConfigError, match=r"--loss_type luspo: .*; the settings of --config .*grpo.yaml are read as"):
+    path, _ = _recipe(tmp_path, RECIPE + "scale_rewards: mean\n")
+    with pytest.raises(ConfigError, match=r"--scale_rewards mean: .*; the settings of --config .*grpo.yaml are read "):
         _in_alignrl_words(["train", "grpo", "--config", str(path)])
+    with pytest.raises(ConfigError, match=r"--scale_rewards mean: .*; the settings of --config .*grpo.yaml are read "):
+        _in_alignrl_words(["train", "--config", str(path), "grpo"])  # the file before the word: read as TRL's too

@@ -73,8 +73,10 @@ TRL_GRPO, TRL_CONFIG_FILE = "alignrl.compat.trl_grpo_keys", "alignrl.compat.trl_
 def _in_alignrl_words(argv: list[str]) -> list[str]:
     """A `train grpo` line in TRL's spelling as alignrl's key=value overrides, its start lines said once (by rank 0
     of a raw torchrun launch; `--nproc` ranks get the translated line); any other line as it is."""
-    if argv[:2] != ["train", "grpo"]:
+    at = _first_positional(argv, 1) if argv[:1] == ["train"] else None
+    if at is None or argv[at] != "grpo":
         return argv
+    argv = ["train", "grpo", *argv[1:at], *argv[at + 1:]]  # `train --config grpo.yaml grpo`: the word first
     import importlib
 
     trl, recipe = importlib.import_module(TRL_GRPO), importlib.import_module(TRL_CONFIG_FILE)
@@ -165,7 +167,8 @@ def preflight(cfg: RunConfig, world: int, *, reward_fn: bool = False) -> None:
     from alignrl.rewards.registry import REWARDS
 
     check_world_size(cfg, world)
-    check_run_folders(cfg)
+    check_folders({"trainer.output_dir": cfg.run_dir, "trainer.checkpoint_dir": cfg.checkpoint_root,
+                   "trainer.log_dir": cfg.log_root})
     for key in ("train_files", "val_files") if not cfg.data.dataset_class else ():  # a dataset class reads them
         for path in data_files(getattr(cfg.data, key)):
             check_data_file(path, f"data.{key}")
@@ -190,15 +193,6 @@ def _port_given(args: argparse.Namespace, cfg: RunConfig | None) -> int | None:
     if cfg is None or "trainer.master_port" not in keys_given(_config_path(args), args.overrides):
         return None
     return cfg.trainer.master_port
-
-
-def check_run_folders(cfg: RunConfig) -> None:
-    check_folders({"trainer.output_dir": cfg.run_dir, "trainer.checkpoint_dir": cfg.checkpoint_root,
-                   "trainer.log_dir": cfg.log_root})
-
-
-def _config(args: argparse.Namespace) -> RunConfig:
-    return load_config(_config_path(args), args.overrides)
 
 
 def _config_path(args: argparse.Namespace) -> Path | str | None:
@@ -349,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parse(argv)
         old_term = stop_on_sigterm()  # `kill` of a run says what it leaves, as Ctrl-C does
         # loaded once: with verl's total_epochs it counts the data files' rows
-        cfg = _config(args) if args.command in ("train", "demo") else None
+        cfg = load_config(_config_path(args), args.overrides) if args.command in ("train", "demo") else None
         if not nproc and args.command == "train" and "LOCAL_RANK" not in os.environ and os.environ.get("RAY_ADDRESS"):
             # inside a Ray job: trainer.nnodes × n_gpus_per_node ranks placed on the cluster (verl's layout)
             from alignrl.placements.ray.verl_job import run_on_ray

@@ -18,10 +18,12 @@ NOT_TRL = ("model", "data", "rollout", "actor", "algorithm", "critic", "safety",
            "retriever", "sandbox", "ptx", "trainer", "actor_rollout_ref", "reward_model", "custom_reward_function")
 
 
-def grpo_flag_names() -> set[str]:
+def grpo_flag_names(default_none: bool = False) -> set[str]:
+    """TRL's GRPO flag names alignrl reads; with `default_none`, those whose default is None (where a file's null,
+    TRL's None, is the default)."""
     from alignrl.compat.trl_grpo_flags import parser
 
-    return {a.dest for a in parser()._actions} - {"help", "config"}
+    return {a.dest for a in parser()._actions if not default_none or a.default is None} - {"help", "config"}
 
 
 def expand(words: list[str]) -> list[str] | None:
@@ -34,4 +36,4 @@ def expand(words: list[str]) -> list[str] | None:
     at = flag_file.config_at(words)
     if at is not None and not Path(at[2]).is_file() and is_trl_line(words):
         raise TrlFlagError(f"--config {at[2]}: no such file (from {Path.cwd()})")
-    return flag_file.expand(words, is_trl, names, "TRL's GRPO")
+    return flag_file.expand(words, is_trl, names, "TRL's GRPO", nullable=grpo_flag_names(default_none=True))

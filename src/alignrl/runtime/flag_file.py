@@ -44,11 +44,12 @@ def yaml_mapping(path: str, bad_yaml_is_theirs: bool = True) -> dict[str, Any] |
     return loaded if isinstance(loaded, dict) else None
 
 
-def as_words(settings: dict[str, Any], path: str, known: Collection[str] | None, whose: str) -> list[str]:
+def as_words(settings: dict[str, Any], path: str, known: Collection[str] | None, whose: str,
+             nullable: Collection[str] = ()) -> list[str]:
     """The settings as the flags that say the same; `env` set in this process's environment (ranks started from it
     inherit it). A key that is not one of the `known` flags is one line naming every such key (None: the line's
-    parser names them)."""
-    settings = dict(settings)
+    parser names them). A null (TRL's None) of a `nullable` flag, whose default is None, is that default: left out."""
+    settings = {k: v for k, v in settings.items() if not (v is None and k in nullable)}
     env = settings.pop("env", None) or {}
     if not isinstance(env, dict):
         raise ConfigError(f"--config {path}: `env` must be a mapping of variable names to values")
@@ -60,9 +61,11 @@ def as_words(settings: dict[str, Any], path: str, known: Collection[str] | None,
     for name, value in env.items():
         os.environ[str(name)] = str(value)
     nulls = sorted(str(k) for k, v in settings.items() if v is None or v == [])
-    if nulls:  # TRL reads null as None, which most of its flags cannot take as a flag's value here
-        raise ConfigError(f"--config {path}: {', '.join(nulls)} {'has' if len(nulls) == 1 else 'have'} no value; "
-                          "give a value or remove the key from the file")
+    if nulls:  # TRL reads null as None, which these flags (whose defaults are values) cannot take here
+        one = len(nulls) == 1
+        raise ConfigError(f"--config {path}: {', '.join(nulls)} {'has' if one else 'have'} no value (null or []), "
+                          f"which alignrl cannot take for {'it' if one else 'them'}; give a value or remove the key "
+                          "from the file")
     words: list[str] = []
     for name, value in settings.items():
         words.append(f"--{name}")
@@ -78,7 +81,7 @@ def as_words(settings: dict[str, Any], path: str, known: Collection[str] | None,
 
 
 def expand(words: list[str], is_theirs: Callable[[dict[str, Any]], bool], known: Collection[str] | None,
-           whose: str, bad_yaml_is_theirs: bool = True) -> list[str] | None:
+           whose: str, bad_yaml_is_theirs: bool = True, nullable: Collection[str] = ()) -> list[str] | None:
     """The line with its `--config` file's settings as flags before its own (which override them), when
     `is_theirs(settings)` says the file is the other tool's; None when the line names no such file."""
     at = config_at(words)
@@ -88,4 +91,4 @@ def expand(words: list[str], is_theirs: Callable[[dict[str, Any]], bool], known:
     settings = yaml_mapping(path, bad_yaml_is_theirs)
     if settings is None or not is_theirs(settings):
         return None
-    return as_words(settings, path, known, whose) + words[:start] + words[end:]
+    return as_words(settings, path, known, whose, nullable) + words[:start] + words[end:]
