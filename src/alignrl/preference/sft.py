@@ -13,8 +13,9 @@ The held-out rows' token-mean loss and perplexity are measured before and after 
 and written to `<output_dir>/eval_results.json` beside the saved HF causal-LM folder and its tokenizer, which
 `alignrl train grpo model.path=<output_dir>` loads. `save_steps` writes resumable checkpoints and `resume_from` goes
 on from one (`preference.checkpoints`). `packing` lays a micro-batch's rows end to end with restarting position ids
-(the same rows, loss and update, without the padding); with `packing_strategy` bfd or wrapped it packs the whole
-training set before batching instead, as TRL's packing=True does, and `batch_size` then counts packed rows.
+(the same rows, loss and update, without the padding); with `packing_strategy` bfd, bfd_split or wrapped it packs
+the whole training set before batching instead, as TRL's packing=True does, and `batch_size` then counts packed rows.
+`eval_packing` (TRL's; unset: as `packing`) packs the held-out rows the same way.
 `neftune_noise_alpha` adds NEFTune's noise to the input embeddings in training (`preference.sft_packing`). Left out:
 Liger kernels.
 """
@@ -51,21 +52,30 @@ def _load(files: list[str], keys: SFTKeys, limit: int, key: str) -> list[SFTRow]
     return rows
 
 
-def collator(cfg: SFTConfig, pad_id: int, model=None):
-    """`collate(rows, global_tokens) -> SFTBatch`: padded, or with `packing` packed into sequences of at most
-    max_length tokens (all in one row for flash attention, `sft_packing.one_row_attention`); rows packed before
-    batching (bfd) each a sequence of their own, wrapped ones padded (attention crosses their rows anyway)."""
-    if not cfg.packing or cfg.packing_strategy == "wrapped":
+def collator(cfg: SFTConfig, pad_id: int, model=None, packed: bool | None = None):
+    """`collate(rows, global_tokens) -> SFTBatch`: padded, or `packed` (default: `packing`) into sequences of at
+    most max_length tokens (all in one row for flash attention, `sft_packing.one_row_attention`); rows packed before
+    batching (bfd, bfd_split) each a sequence of their own, wrapped ones padded (attention crosses their rows)."""
+    if not (cfg.packing if packed is None else packed) or cfg.packing_strategy == "wrapped":
         return lambda rows, tokens: collate_rows(rows, pad_id, tokens)
     one_row = model is not None and one_row_attention(model)
-    if cfg.packing_strategy == "bfd":
+    if cfg.packing_strategy in SPLIT_OR_BINNED:
         return lambda rows, tokens: collate_bins(rows, pad_id, tokens, one_row)
     return lambda rows, tokens: collate_packed(rows, pad_id, tokens, cfg.max_length, one_row)
+
+
+SPLIT_OR_BINNED = ("bfd", "bfd_split")  # rows packed before batching, each kept to itself
+UNCUT = ("bfd_split", "wrapped")  # strategies that take a row longer than max_length whole and cut it themselves
 
 
 def packs_dataset(cfg: SFTConfig) -> bool:
     """Whether the whole training set is packed before batching (TRL's packing=True), not each micro-batch."""
     return cfg.packing and cfg.packing_strategy != "micro_batch"
+
+
+def eval_packs(cfg: SFTConfig) -> bool:
+    """Whether the held-out rows are packed (TRL's eval_packing; unset, as the training rows)."""
+    return cfg.packing if cfg.eval_packing is None else cfg.eval_packing
 
 
 def _check_enough(n_rows: int, cfg: SFTConfig, world: int) -> None:
@@ -75,15 +85,21 @@ def _check_enough(n_rows: int, cfg: SFTConfig, world: int) -> None:
         pc.check_enough(n_rows, cfg, world, ", ".join(map(str, cfg.train_files)))
 
 
-def pack_rows(encoded: list[EncodedRow], cfg: SFTConfig, log, notes: dict) -> list[EncodedRow]:
-    """The training rows as the micro-batches take them: as they are, or packed (`sft_packing.pack_dataset`)."""
-    if not packs_dataset(cfg):
+def pack_rows(encoded: list[EncodedRow], cfg: SFTConfig, log, notes: dict, held_out: bool = False
+              ) -> list[EncodedRow]:
+    """The training (`held_out`: held-out) rows as the batches take them: as they are, or packed
+    (`sft_packing.pack_dataset`)."""
+    if cfg.packing_strategy == "micro_batch" or not (eval_packs(cfg) if held_out else packs_dataset(cfg)):
         return encoded
     packed, dropped = pack_dataset(encoded, cfg.max_length, cfg.packing_strategy)
-    log.print(f"packing ({cfg.packing_strategy}): {len(encoded)} rows into {len(packed)} packed rows of at most "
-              f"max_length={cfg.max_length} tokens, before batching; batch_size counts packed rows"
-              + (f"; {dropped} wrapped pieces with no trained token dropped" if dropped else ""))
-    notes["packed_rows"] = len(packed)
+    long = [len(e.ids) for e in encoded if len(e.ids) > cfg.max_length] if cfg.packing_strategy == "bfd_split" else []
+    split = (f" ({len(long)} longer than max_length cut into {sum(-(-n // cfg.max_length) for n in long)} pieces, "
+             "each packed as a row)") if long else ""
+    which, size = ("held-out ", "eval_batch_size") if held_out else ("", "batch_size")
+    log.print(f"packing ({cfg.packing_strategy}): {len(encoded)} {which}rows{split} into {len(packed)} packed rows "
+              f"of at most max_length={cfg.max_length} tokens, before batching; {size} counts packed rows"
+              + (f"; {dropped} packed rows with no trained token dropped" if dropped else ""))
+    notes["eval_packed_rows" if held_out else "packed_rows"] = len(packed)
     return packed
 
 
@@ -148,7 +164,7 @@ def eval_batches(encoded: list[EncodedRow], collate, batch_size: int, env) -> li
     same number of forwards (sharded engines need all ranks in each one)."""
     mine = encoded[env.rank::env.world_size]
     per_rank = -(-len(encoded) // env.world_size)
-    filler = EncodedRow(encoded[0].ids, [False] * len(encoded[0].ids), -1) if encoded else None
+    filler = _row(encoded, -1) if encoded else None
     mine = mine + [filler] * (per_rank - len(mine))
     return [collate(mine[i:i + batch_size], 0.0) for i in range(0, len(mine), batch_size)]
 
@@ -195,10 +211,12 @@ class SFTLog(pc.RankZeroLog):
 
 def _encode(tok, cfg: SFTConfig, train_rows: list[SFTRow], eval_rows: list[SFTRow], log):
     keys = _keys(cfg, pc.string_rows_templated(cfg, tok))
-    # wrapped packing cuts the rows' tokens at every max_length itself, as TRL's: a row longer runs on, not cut
-    wrapped = packs_dataset(cfg) and cfg.packing_strategy == "wrapped"
-    enc_train, cut, dropped = encode_rows(tok, train_rows, keys, sys.maxsize if wrapped else cfg.max_length)
-    enc_eval, _, _ = encode_rows(tok, eval_rows, keys, cfg.max_length)
+    # wrapped and bfd_split packing cut the rows' tokens at every max_length themselves, as TRL's: a longer row is
+    # not cut at its end first
+    uncut = cfg.packing_strategy in UNCUT
+    enc_train, cut, dropped = encode_rows(tok, train_rows, keys,
+                                          sys.maxsize if uncut and packs_dataset(cfg) else cfg.max_length)
+    enc_eval, _, _ = encode_rows(tok, eval_rows, keys, sys.maxsize if uncut and eval_packs(cfg) else cfg.max_length)
     trained = sum(e.n_trained for e in enc_train)
     log.print(f"SFT: {len(enc_train)} train rows from {', '.join(map(str, cfg.train_files))} ({trained} trained "
               f"tokens), {len(enc_eval)} held-out; string rows through the chat template: {keys.chat_template}; "
@@ -228,6 +246,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     n_rows = len(enc_train)
     _check_enough(n_rows, cfg, env.world_size)
     enc_train = pack_rows(enc_train, cfg, log, notes)  # fewer packed rows than a global batch: one partial step
+    enc_eval = pack_rows(enc_eval, cfg, log, notes, held_out=True)
     policy = load_causal_lm(folder, "float32", "model_path")
     pc.prepare_trainable(policy, cfg)
     spec = adapters.spec_of(cfg)
@@ -235,13 +254,14 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     if spec is not None:
         log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}")
     collate, neft = _layout(cfg, tok.pad_token_id, model, log)
+    eval_collate = collator(cfg, tok.pad_token_id, model, eval_packs(cfg))
     per_epoch = steps_per_epoch(len(enc_train), cfg, env.world_size)
     total = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
     engine = pc.build_engine_for(cfg, model, env, total)
     rows = "packed rows" if packs_dataset(cfg) else "rows"
     log.print(f"{pc.describe_batch(cfg, env.world_size).replace('pairs', rows)}; {total} optimizer steps, "
               f"strategy {engine.name}, world size {env.world_size}, bf16 {pc.use_bf16(cfg)}")
-    evals = eval_batches(enc_eval, collate, cfg.eval_batch_size, env)
+    evals = eval_batches(enc_eval, eval_collate, cfg.eval_batch_size, env)
     ev = (lambda: evaluate(engine.model, evals, cfg, env)) if enc_eval else (lambda: None)  # noqa: E731
     before = ev()
     if before:
@@ -290,7 +310,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
 def _layout(cfg: SFTConfig, pad_id: int, model, log):
     """(the micro-batches' collate function, NEFTune's hook or None), said once; packing is refused in one line
     for a model whose attention would let packed rows see each other (`sft_packing.check_packable`)."""
-    if cfg.packing and cfg.packing_strategy != "wrapped":
+    if (cfg.packing or eval_packs(cfg)) and cfg.packing_strategy != "wrapped":
         check_packable(model, cfg.max_length)
     if cfg.packing and cfg.packing_strategy == "micro_batch":
         log.print(f"packing: each micro-batch's rows in sequences of at most max_length={cfg.max_length} tokens, "
@@ -311,7 +331,8 @@ def _report(cfg: SFTConfig, log, before: dict | None, after: dict | None, step: 
             "completion_only_loss": cfg.completion_only_loss, "assistant_only_loss": cfg.assistant_only_loss,
             "max_length": cfg.max_length, "world_size": env.world_size, "strategy": strategy,
             "use_lora": cfg.use_lora, "packing": cfg.packing,
-            "packing_strategy": cfg.packing_strategy if cfg.packing else None,
+            "packing_strategy": cfg.packing_strategy if cfg.packing or eval_packs(cfg) else None,
+            "eval_packing": eval_packs(cfg),
             "neftune_noise_alpha": cfg.neftune_noise_alpha,
             "effective_batch": pc.global_batch(cfg, env.world_size),
             "seconds": round(time.time() - t0, 1), "model_path": cfg.model_path}

@@ -21,6 +21,10 @@ from alignrl.preference.configs import CommonConfig
 from alignrl.preference.flag_names import COMMON_NAMES, CommandFlags, flags_as_keys, read_switch
 
 
+STRATEGIES = ("micro_batch", "bfd", "bfd_split", "wrapped")
+OLD_STRATEGY_NAMES = {"bfd-requeue": "bfd_split"}  # TRL < 1.0's name of bfd_split
+
+
 @dataclass(frozen=True)
 class SFTConfig(CommonConfig):
     train_files: list = opt([], "training rows (.jsonl/.json/.parquet), concatenated (OpenRLHF: --dataset)")
@@ -53,15 +57,26 @@ class SFTConfig(CommonConfig):
                                                "restarting at each row and no padding, the same rows, loss and "
                                                "update as padded (OpenRLHF's --packing_samples, TRL's "
                                                "padding_free); bfd: the whole training set before batching, best "
-                                               "fit decreasing, rows kept apart (TRL's packing, the default of a "
-                                               "line in TRL's spelling); wrapped: the whole training set end to end, "
-                                               "cut every max_length tokens, attention crossing rows. With bfd and "
-                                               "wrapped, batch_size counts packed rows",
-                                choices=("micro_batch", "bfd", "wrapped"))
+                                               "fit decreasing, rows kept apart, a longer row cut at max_length "
+                                               "(TRL's packing, the default of a line in TRL's spelling); bfd_split: "
+                                               "as bfd, a longer row cut into max_length pieces packed as rows of "
+                                               "their own, no token lost (TRL's bfd_split; its older name "
+                                               "bfd-requeue is taken too); wrapped: the whole training set end to "
+                                               "end, cut every max_length tokens, attention crossing rows. With bfd, "
+                                               "bfd_split and wrapped, batch_size counts packed rows",
+                                choices=STRATEGIES)
+    eval_packing: bool | None = opt(None, "whether the held-out rows are packed as packing_strategy packs the "
+                                          "training rows (eval_batch_size then counting packed rows); null: as "
+                                          "packing (TRL's eval_packing)")
     neftune_noise_alpha: float = opt(0.0, "NEFTune: uniform noise of scale alpha / sqrt(L * hidden size) on the "
                                           "input embeddings in training (L: the row's length); 0: off (TRL's "
                                           "neftune_noise_alpha; 5 is the paper's)", ge=0.0)
     learning_rate: float = opt(2e-5, "peak AdamW learning rate", gt=0.0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.packing_strategy in OLD_STRATEGY_NAMES:  # TRL still takes its old name, for the new one
+            object.__setattr__(self, "packing_strategy", OLD_STRATEGY_NAMES[self.packing_strategy])
 
 
 # OpenRLHF's train_sft and TRL's SFTConfig/ScriptArguments names of sft's own keys, beside flag_names.COMMON_NAMES
@@ -134,7 +149,8 @@ def parse_sft(argv: list[str]) -> SFTConfig:
                 "appended as the last turn); --pretrain_mode: --input_key names plain text, every token trained; "
                 "--lora_rank N > 0 switches LoRA on; --packing_samples, --padding_free: packing=true "
                 "packing_strategy=micro_batch; --packing: packing=true (packing_strategy=bfd in a line of TRL's "
-                "spelling, as TRL's). Keys and data layouts: docs/sft.md")
+                "spelling, as TRL's); --packing_strategy bfd-requeue: bfd_split; --eval_packing: the held-out "
+                "rows packed too (unset: as --packing). Keys and data layouts: docs/sft.md")
     rest, packing = packing_switches(argv)
     # the packing overrides join the line's own words, so that a line of TRL's spelling that packs takes TRL's bfd
     args = p.parse_intermixed_args(flags_as_keys(rest + packing, SFTConfig, sft_flags(rest)))

@@ -1,10 +1,12 @@
 """Packed micro-batches, the packed dataset and NEFTune for supervised fine-tuning (`alignrl train sft packing=true`,
-`packing_strategy=bfd|wrapped`, `neftune_noise_alpha=5`).
+`packing_strategy=bfd|bfd_split|wrapped`, `neftune_noise_alpha=5`).
 
 The packed dataset (`pack_dataset`, TRL's `packing=True`): before batching, the training rows are packed into rows
 of at most `max_length` tokens, best fit decreasing as TRL bins them (`dataset_bins`), each packed row then keeping
 its rows apart by their lengths (`EncodedRow.lengths`, laid out by `collate_bins`), or wrapped: end to end, cut every
-`max_length` tokens. The micro-batches then take packed rows.
+`max_length` tokens. bfd_split bins as bfd, but a row longer than `max_length` is first cut into pieces of
+`max_length` tokens from its start (`split_pieces`), each binned as a row of its own, where bfd keeps only the first.
+The micro-batches then take packed rows; with TRL's `eval_packing` the held-out rows are packed the same way.
 
 Packing a micro-batch (OpenRLHF's `--packing_samples`, TRL's `padding_free`): the rows of a micro-batch are laid end
 to end, best fit decreasing, into sequences of at most `max_length` tokens, and each row's position ids start again
@@ -86,17 +88,31 @@ def dataset_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+def split_pieces(rows: Sequence[EncodedRow], capacity: int) -> list[EncodedRow]:
+    """Each row cut every `capacity` tokens from its start, its last piece the shorter, the pieces in the rows'
+    order (TRL's bfd_split: a row of 10 tokens at 4 is pieces of 4, 4 and 2); each piece's trained mask its share of
+    the row's, token for token."""
+    return [EncodedRow(e.ids[i:i + capacity], e.trained[i:i + capacity], e.index)
+            for e in rows for i in range(0, len(e.ids), capacity)]
+
+
 def pack_dataset(encoded: Sequence[EncodedRow], capacity: int, strategy: str) -> tuple[list[EncodedRow], int]:
     """(the rows packed as TRL's `packing=True` packs a dataset before batching, rows left with no trained token
     dropped; how many were dropped), block by block of `PACK_BLOCK` rows. bfd: whole rows (already cut at
     `capacity`) in `dataset_bins`' bins, each keeping to itself (`EncodedRow.lengths`), its first token no target.
-    wrapped: the rows' tokens end to end, cut every `capacity` tokens: a row may run on into the next packed row,
-    and attention crosses from row to row as in one text."""
+    bfd_split: as bfd, the pieces of `split_pieces` taking the rows' places, each a sequence of its own (position
+    ids from 0, its first token no target, as TRL's collator masks every position 0). wrapped: the rows' tokens end
+    to end, cut every `capacity` tokens: a row may run on into the next packed row, and attention crosses from row
+    to row as in one text."""
     out: list[EncodedRow] = []
     dropped = 0
     for start in range(0, len(encoded), PACK_BLOCK):
         block = encoded[start:start + PACK_BLOCK]
-        if strategy == "bfd":
+        if strategy == "bfd_split":  # TRL splits within each datasets.map batch, so a block's pieces stay in it
+            block = split_pieces(block, capacity)
+        elif strategy == "bfd":  # a longer row keeps its first piece alone, as TRL's truncation
+            block = [EncodedRow(e.ids[:capacity], e.trained[:capacity], e.index) for e in block]
+        if strategy in ("bfd", "bfd_split"):
             pieces = [[block[i] for i in b] for b in dataset_bins([len(e.ids) for e in block], capacity)]
             rows = [_joined(p, tuple(len(e.ids) for e in p)) for p in pieces]
         else:
@@ -104,7 +120,7 @@ def pack_dataset(encoded: Sequence[EncodedRow], capacity: int, strategy: str) ->
             rows = [EncodedRow(whole.ids[i:i + capacity], whole.trained[i:i + capacity], 0)
                     for i in range(0, len(whole.ids), capacity)]
         for row in rows:
-            if row.n_trained == 0:  # a wrapped piece of prompt alone
+            if row.n_trained == 0:  # a wrapped piece of prompt alone, or a bin of split pieces of prompt
                 dropped += 1
                 continue
             out.append(EncodedRow(row.ids, row.trained, len(out), row.lengths))
@@ -127,7 +143,7 @@ def collate_packed(encoded: Sequence[EncodedRow], pad_id: int, global_tokens: fl
 
 
 def collate_bins(encoded: Sequence[EncodedRow], pad_id: int, global_tokens: float, one_row: bool = False) -> SFTBatch:
-    """Rows packed before batching (`pack_dataset`'s bfd): each row a sequence of its own (all of them in one row
+    """Rows packed before batching (`pack_dataset`'s bfd, bfd_split): each row a sequence of its own (all of them in one row
     with `one_row`), position ids restarting at each of its packed sequences."""
     return _laid_out([list(encoded)] if one_row else [[e] for e in encoded], pad_id, global_tokens)
 
