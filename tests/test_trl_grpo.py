@@ -175,7 +175,13 @@ def test_trl_eval_and_save_cadence_follow_transformers(tmp_path):
 
 @pytest.mark.parametrize("argv, words", [
     (["--num_generations", "3"], "must be a multiple of --num_generations 3"),
-    (["--loss_type", "luspo"], "--loss_type luspo: alignrl has grpo"),
+    (["--loss_type", "simpo"], "--loss_type simpo: alignrl has grpo"),
+    (["--loss_type", "luspo"], "luspo with --importance_sampling_level token: TRL then averages"),
+    (["--loss_type", "luspo", "--importance_sampling_level", "sequence", "--beta", "0.04"],
+     "luspo with --beta above 0: TRL then weighs each completion's KL by its length"),
+    (["--loss_type", "luspo", "--importance_sampling_level", "sequence", "--top_entropy_quantile", "0.2"],
+     "luspo with --top_entropy_quantile"),
+    (["--delta", "2", "--loss_type", "vespo"], "TRL leaves vespo's alone"),
     (["--scale_rewards", "mean"], "--scale_rewards mean: alignrl's GRPO scales by the group's std (group), the "
                                   "whole batch's (batch)"),
     (["--reward_weights", "1", "2"], "--reward_weights gives 2 weight(s) for 1 reward function(s)"),
@@ -296,6 +302,6 @@ def test_a_trl_line_trains_the_tiny_model_and_its_reward_reads_the_columns(tmp_p
 
 def test_a_bad_trl_flag_through_the_cli_is_one_line(cli_in_process):
     done = cli_in_process("train", "grpo", "--dataset_name", "d.jsonl", "--reward_funcs", "accuracy_reward",
-                          "--off_policy_mask_threshold", "0.5")
+                          "--load_in_4bit")
     assert done.returncode == 2
-    assert "error: --off_policy_mask_threshold is not supported here" in one_line(done.stderr)
+    assert "error: --load_in_4bit is not supported here" in one_line(done.stderr)

@@ -64,6 +64,9 @@ TAKEN = [
     Flag("gradient_checkpointing", "bool", True), Flag("delta", "opt_float", None),
     Flag("use_bias_correction_kl", "bool", False), Flag("top_entropy_quantile", float, 1.0),
     Flag("multi_objective_aggregation", str, "sum_then_normalize"),
+    Flag("off_policy_mask_threshold", "opt_float", None),
+    Flag("vespo_k_pos", float, 2.0), Flag("vespo_lambda_pos", float, 3.0), Flag("vespo_k_neg", float, 3.0),
+    Flag("vespo_lambda_neg", float, 2.0),
     # TrainingArguments
     Flag("output_dir", str, "trainer_output"), Flag("per_device_train_batch_size", int, 8),
     Flag("per_device_eval_batch_size", int, 8), Flag("gradient_accumulation_steps", int, 1),
@@ -107,7 +110,6 @@ NOT_APPLIED = {
 # flags alignrl cannot honour when given other than TRL's default: (flag, default, what to do instead)
 REFUSED = {
     "generation_kwargs": ("opt_str", None, "give the sampling settings as flags or rollout.* keys"),
-    "off_policy_mask_threshold": ("opt_float", None, "alignrl.rollout_rs / rollout_is mask off-policy sequences"),
     "max_tool_calling_iterations": ("opt_int", None, "tools run under rollout.multi_turn settings "
                                                      "(docs/algorithms.md)"),
     "load_in_4bit": ("bool", False, "alignrl loads the model unquantized; drop the flag"),

@@ -19,16 +19,10 @@ from pathlib import Path
 
 from alignrl.compat import trl_grpo_flags as F
 from alignrl.compat.trl_grpo_flags import TAKEN, TrlFlagError
+from alignrl.compat.trl_grpo_loss import loss_keys
 from alignrl.data.sources import is_library_dataset, with_config, with_split
 from alignrl.rewards.trl_reward import BUILT_IN, spec_of
 
-# TRL's loss_type -> (actor.policy_loss, actor.loss_agg_mode)
-LOSS_TYPES = {"grpo": ("ppo_clip", "seq-mean-token-mean"), "dapo": ("ppo_clip", "token-mean"),
-              "bnpo": ("ppo_clip", "token-mean"), "dr_grpo": ("ppo_clip", "seq-mean-token-sum-norm"),
-              "cispo": ("cispo", "token-mean"), "sapo": ("sapo", "auto")}
-# TRL's scale_rewards -> (algorithm.norm_adv_by_std_in_grpo, algorithm.grpo_std_scope)
-SCALE_REWARDS = {"group": (True, "group"), "true": (True, "group"), "batch": (True, "batch"),
-                 "none": (False, "group"), "false": (False, "group")}
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 PEFT_DEFAULT_TARGETS = ["q_proj", "v_proj"]  # PEFT's own choice for Llama- and Qwen-style models
@@ -205,70 +199,6 @@ def optimizer_steps(args, value: float, flag: str) -> int:
     return int(value)
 
 
-def loss_keys(args) -> list[str]:
-    if args.loss_type not in LOSS_TYPES:
-        raise TrlFlagError(f"--loss_type {args.loss_type}: alignrl has {', '.join(LOSS_TYPES)}")
-    scaling = SCALE_REWARDS.get(str(args.scale_rewards).lower())
-    if scaling is None:
-        raise TrlFlagError(f"--scale_rewards {args.scale_rewards}: alignrl's GRPO scales by the group's std (group), "
-                           "the whole batch's (batch) or not at all (none)")
-    scale, scope = scaling
-    if args.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
-        raise TrlFlagError(f"--multi_objective_aggregation {args.multi_objective_aggregation}: give "
-                           "sum_then_normalize or normalize_then_sum")
-    if args.multi_objective_aggregation == "normalize_then_sum":  # TRL then divides by the batch's std, always
-        scale, scope = True, "batch"
-    if args.importance_sampling_level not in ("token", "sequence"):
-        raise TrlFlagError(f"--importance_sampling_level {args.importance_sampling_level}: give token or sequence")
-    policy, agg = LOSS_TYPES[args.loss_type]
-    high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    low = args.epsilon
-    if args.importance_sampling_level == "sequence":
-        # TRL aggregates the sequence ratio's loss by loss_type (dapo, bnpo, dr_grpo weigh it by length); alignrl's
-        # GSPO averages the sequences whatever actor.loss_agg_mode says: TRL's grpo only
-        if args.loss_type != "grpo":
-            raise TrlFlagError(f"--importance_sampling_level sequence with --loss_type {args.loss_type}: alignrl's "
-                               "GSPO averages the completions, as TRL's loss_type grpo does; add --loss_type grpo")
-        policy = "gspo"
-    if policy == "cispo":  # TRL's epsilon_high is CISPO's bound on the IS weight itself, with no lower bound
-        if high <= 1.0:
-            raise TrlFlagError(f"--loss_type cispo bounds the IS weight by --epsilon_high ({high}), which must be "
-                               "above 1 (5.0 in the ScaleRL recipe)")
-        low, high = 1.0, high - 1.0
-    out = [f"actor.policy_loss={policy}", f"actor.loss_agg_mode={agg}", f"actor.clip_ratio_low={low}",
-           f"actor.clip_ratio_high={high}", f"algorithm.norm_adv_by_std_in_grpo={str(scale).lower()}",
-           f"algorithm.grpo_std_scope={scope}", "algorithm.adv_estimator=grpo",
-           f"algorithm.multi_objective_aggregation={args.multi_objective_aggregation}",
-           f"algorithm.mask_truncated={str(args.mask_truncated_completions).lower()}",
-           f"actor.use_kl_loss={str(args.beta > 0).lower()}", f"actor.kl_loss_coef={args.beta}",
-           "actor.kl_loss_type=k3", "algorithm.use_kl_in_reward=false", "actor.entropy_coeff=0.0"]
-    if policy == "sapo":
-        out += [f"actor.tau_pos={args.sapo_temperature_pos}", f"actor.tau_neg={args.sapo_temperature_neg}"]
-    if args.sync_ref_model:
-        out += [f"actor.ref_sync_steps={args.ref_model_sync_steps}",
-                f"actor.ref_mixup_alpha={args.ref_model_mixup_alpha}"]
-    return out + option_keys(args, policy)
-
-
-def option_keys(args, policy: str) -> list[str]:
-    """Two-sided clipping, the ratio-weighted KL and the high-entropy tokens' policy term."""
-    out = [f"actor.top_entropy_quantile={args.top_entropy_quantile}"]
-    if args.delta is not None:
-        if policy not in ("ppo_clip", "gspo"):  # TRL applies it to grpo, dapo, bnpo and dr_grpo only
-            raise TrlFlagError(f"--delta caps the ratio of --loss_type grpo, dapo, bnpo and dr_grpo; TRL leaves "
-                               f"{args.loss_type}'s alone: drop it")
-        out.append(f"actor.clip_ratio_delta={args.delta}")
-    if args.use_bias_correction_kl:
-        if args.beta == 0:
-            raise TrlFlagError("--use_bias_correction_kl weighs the KL term, which --beta 0.0 leaves out: give "
-                               "--beta above 0, or drop it")
-        if policy == "gspo":
-            raise TrlFlagError("--use_bias_correction_kl with --importance_sampling_level sequence: TRL weighs the KL "
-                               "by the sequence's ratio, alignrl by each token's; drop one of them")
-        out.append("actor.kl_loss_ratio_weighted=true")
-    return out
-
-
 def optimiser_keys(args, batches: Batches, total_optimizer_steps: int | None) -> list[str]:
     schedule = SCHEDULES.get(args.lr_scheduler_type)
     if schedule is None:
@@ -337,6 +267,8 @@ def defaults_line(args) -> str:
     quiet |= {"save_steps"} if args.save_strategy != "steps" else set()
     quiet |= set() if args.use_peft else {"lora_r", "lora_alpha", "lora_dropout"}
     quiet |= set() if args.loss_type == "sapo" else {"sapo_temperature_neg", "sapo_temperature_pos"}
+    quiet |= set() if args.loss_type == "vespo" else {"vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                                                      "vespo_lambda_neg"}
     quiet |= set() if args.sync_ref_model else {"sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"}
     taken = [f"{f.name} {f.default}" for f in TAKEN if f.name not in args.given and f.default is not None
              and f.name not in quiet]

@@ -1,12 +1,13 @@
 """Checks of the GRPO loss options that another key would leave without effect or cannot go with: the batch-wide
 std of the advantages (algorithm.grpo_std_scope), two-sided clipping (actor.clip_ratio_delta), the ratio-weighted
-KL term (actor.kl_loss_ratio_weighted) and the high-entropy tokens' policy term (actor.top_entropy_quantile)."""
+KL term (actor.kl_loss_ratio_weighted), the high-entropy tokens' policy term (actor.top_entropy_quantile) and VESPO's
+sequence weight (actor.policy_loss=vespo)."""
 
 from __future__ import annotations
 
 from alignrl.config.schema import RunConfig
 
-DELTA_LOSSES = ("ppo_clip", "gspo")  # the losses with an unclipped ratio term to cap
+DELTA_LOSSES = ("ppo_clip", "gspo", "luspo")  # the losses with an unclipped ratio term to cap
 
 
 def loss_option_problem(cfg: RunConfig) -> str | None:
@@ -56,4 +57,7 @@ def _actor_problem(cfg: RunConfig) -> str | None:
     if a.top_entropy_quantile < 1.0 and a.policy_loss == "gmpo":
         return ("actor.top_entropy_quantile leaves tokens out of the policy term per token, and gmpo's is a "
                 "geometric mean over each sequence: drop it, or pick another actor.policy_loss")
+    if a.policy_loss == "vespo" and cfg.algorithm.rollout_is == "sequence":  # TRL refuses its sequence modes too
+        return ("actor.policy_loss=vespo folds the rollout-correction weights of each token into its sequence "
+                "weight, and algorithm.rollout_is=sequence gives one per sequence: set algorithm.rollout_is=token")
     return None

@@ -102,9 +102,11 @@ class ActorConfig:
                                        "advantage-log-prob covariance removed / the unclipped ratio with a KL "
                                        "penalty on them), sapo (a smooth gate of the ratio instead of the clip), "
                                        "dppo_tv / dppo_kl (the gradient kept while the token's probability stays "
-                                       "within a total variation / binary KL of clip_ratio_low/high of the old one)",
+                                       "within a total variation / binary KL of clip_ratio_low/high of the old one), "
+                                       "luspo (gspo's term times each sequence's length, sequences averaged), vespo "
+                                       "(-sg[phi(w)] A log pi, phi a gamma weight of the sequence ratio w)",
                            choices=("ppo_clip", "gspo", "cispo", "gpg", "gmpo", "clip_cov", "kl_cov", "sapo", "dppo_tv",
-                                    "dppo_kl"))
+                                    "dppo_kl", "luspo", "vespo"))
     clip_ratio_c: float = opt(0.0, "dual-clip constant c > 1 bounding the loss of negative advantages; 0 disables "
                                    "(dppo_tv / dppo_kl: the truncation of their importance ratio, 0: 20)",
                               ge=0.0)
@@ -117,6 +119,14 @@ class ActorConfig:
                                            "its mean; the KL and entropy terms keep every token (TRL's "
                                            "--top_entropy_quantile; \"Beyond the 80/20 Rule\": 0.2); 1.0: every "
                                            "token", ge=0.0, le=1.0)
+    off_policy_mask_threshold: float | None = opt(None, "a sequence of negative advantage whose mean of log "
+                                                        "pi_rollout - log pi over its tokens exceeds this leaves the "
+                                                        "policy term (DeepSeek-V3.2's off-policy sequence masking; "
+                                                        "TRL's --off_policy_mask_threshold); null: off")
+    vespo_k_pos: float = opt(2.0, "vespo: shape k of phi(w) = e^lambda w^k e^(-lambda w) where A >= 0", ge=0.0)
+    vespo_lambda_pos: float = opt(3.0, "vespo: rate lambda of phi where A >= 0", gt=0.0)
+    vespo_k_neg: float = opt(3.0, "vespo: shape k of phi where A < 0", ge=0.0)
+    vespo_lambda_neg: float = opt(2.0, "vespo: rate lambda of phi where A < 0", gt=0.0)
     # Clip-Cov / KL-Cov (Cui et al. 2025): restrain the tokens whose log-prob moves most with their advantage
     clip_cov_ratio: float = opt(2e-4, "clip_cov: share of a micro-batch's tokens whose gradient is removed, drawn "
                                       "among those whose covariance lies in (clip_cov_lb, clip_cov_ub)", gt=0.0, le=1.0)
@@ -128,8 +138,9 @@ class ActorConfig:
     tau_pos: float = opt(1.0, "sapo: temperature of the gate of tokens with a positive advantage", gt=0.0)
     tau_neg: float = opt(1.05, "sapo: temperature of the gate of the other tokens", gt=0.0)
     loss_agg_mode: str = opt("auto", "how token losses (policy, KL and entropy terms) become one number; the "
-                                     "policy term of gspo and sapo averages sequences whatever this says (as verl's); "
-                                     "auto: seq-mean-token-mean for gspo and sapo (sequence-level objectives), "
+                                     "policy term of gspo and sapo averages sequences whatever this says (as verl's), "
+                                     "luspo's sums each sequence's tokens; auto: seq-mean-token-sum for luspo, "
+                                     "seq-mean-token-mean for gspo and sapo (sequence-level objectives), "
                                      "token-mean otherwise (seq-mean-token-sum-norm divides by the "
                                      "response cap, rollout.max_new_tokens or a multi-turn "
                                      "agent.max_response_length: Dr.GRPO)",

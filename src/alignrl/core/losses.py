@@ -17,11 +17,13 @@ from alignrl.core.aggregation import LOSS_AGGREGATIONS, aggregate_loss, token_me
 from alignrl.core.covariance_losses import clip_cov_loss, kl_cov_loss
 from alignrl.core.divergence_losses import dppo_kl_loss, dppo_tv_loss
 from alignrl.core.policy_terms import MAX_LOG_RATIO, finish_loss, per_token_advantages, ratio_metrics
+from alignrl.core.sequence_weights import vespo_loss
 
 __all__ = ["MAX_LOG_RATIO", "K3_MAX", "masked_mean", "kl_k1", "kl_k2", "kl_k3", "kl_abs", "KL_ESTIMATORS",
            "ratio_weighted_kl", "token_mean",
-           "LOSS_AGGREGATIONS", "aggregate_loss", "ppo_clip_loss", "gspo_loss", "cispo_loss", "gpg_loss", "gmpo_loss",
-           "clip_cov_loss", "kl_cov_loss", "sapo_loss", "dppo_tv_loss", "dppo_kl_loss", "POLICY_LOSSES",
+           "LOSS_AGGREGATIONS", "aggregate_loss", "ppo_clip_loss", "gspo_loss", "luspo_loss", "cispo_loss", "gpg_loss",
+           "gmpo_loss", "clip_cov_loss", "kl_cov_loss", "sapo_loss", "dppo_tv_loss", "dppo_kl_loss", "vespo_loss",
+           "POLICY_LOSSES",
            "value_loss"]
 
 
@@ -142,6 +144,20 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     return loss, metrics
 
 
+def luspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+               clip_low: float = 0.2, clip_high: float = 0.2, global_tokens: float | None = None, *,
+               delta: float | None = None, is_weight: torch.Tensor | None = None, loss_agg: str = "seq-mean-token-sum",
+               global_seqs: float | None = None, max_len: float | None = None
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Length-Unbiased Sequence Policy Optimization (LUSPO; TRL's loss_type luspo): GSPO's sequence-ratio term,
+    each sequence's loss times its token count, averaged over sequences, i.e. `gspo_loss` aggregated by
+    seq-mean-token-sum whatever `loss_agg` says. Per sequence the value is n_i * L_i and the gradient
+    -A_i s_i * sum_t grad log pi(y_t) where unclipped, as TRL's (per_token_loss * mask.sum(-1, keepdim=True)).mean()
+    with importance_sampling_level sequence: a long sequence no longer weighs less per token."""
+    return gspo_loss(logp, old_logp, advantages, mask, clip_low, clip_high, global_tokens, delta=delta,
+                     is_weight=is_weight, loss_agg="seq-mean-token-sum", global_seqs=global_seqs, max_len=max_len)
+
+
 def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                clip_low: float = 1.0, clip_high: float = 0.28, global_tokens: float | None = None, *,
                is_weight: torch.Tensor | None = None, loss_agg: str = "token-mean",
@@ -229,7 +245,7 @@ def sapo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
 
 POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss, "gpg": gpg_loss,
                  "gmpo": gmpo_loss, "clip_cov": clip_cov_loss, "kl_cov": kl_cov_loss, "sapo": sapo_loss,
-                 "dppo_tv": dppo_tv_loss, "dppo_kl": dppo_kl_loss}
+                 "dppo_tv": dppo_tv_loss, "dppo_kl": dppo_kl_loss, "luspo": luspo_loss, "vespo": vespo_loss}
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

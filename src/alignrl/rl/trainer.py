@@ -20,6 +20,7 @@ from alignrl.core.lagrangian import LagrangeMultiplier, safe_gae_advantages
 from alignrl.core.losses import masked_mean
 from alignrl.core.rollout_correction import rollout_kl, truncated_is_weights
 from alignrl.core.rollout_rejection import batch_normalized, rejection_mask, token_veto, weight_sums
+from alignrl.core.sequence_weights import sampling_gap
 from alignrl.core.shaping import clip_outcome
 from alignrl.data.records import Experience, Rollout, ScoredBatch
 from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, gather_values, sum_over_ranks
@@ -51,6 +52,7 @@ def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
     agg = a.loss_agg_mode
     if agg == "auto":  # GSPO's and SAPO's objectives average sequences (Zheng et al., Gao et al. 2025); verl too
         agg = "seq-mean-token-mean" if a.policy_loss in ("gspo", "sapo") else "token-mean"
+        agg = "seq-mean-token-sum" if a.policy_loss == "luspo" else agg  # LUSPO weighs a sequence by its length
     return PolicyLossSpec(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
                           kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
                           kl_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
@@ -58,11 +60,13 @@ def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
                           loss_agg=agg, max_len=float(response_cap(cfg)),
                           # verl's GSPO and SAPO losses average sequences whatever loss_agg_mode says, which then
                           # aggregates the KL and entropy terms only
-                          policy_agg="seq-mean-token-mean" if a.policy_loss in ("gspo", "sapo") else None,
+                          policy_agg="seq-mean-token-mean" if a.policy_loss in ("gspo", "sapo") else
+                          "seq-mean-token-sum" if a.policy_loss == "luspo" else None,
                           clip_cov=(a.clip_cov_ratio, a.clip_cov_lb, a.clip_cov_ub),
                           kl_cov=(a.kl_cov_ratio, a.ppo_kl_coef), sapo=(a.tau_pos, a.tau_neg),
                           delta=a.clip_ratio_delta, kl_ratio_weighted=a.kl_loss_ratio_weighted,
-                          top_entropy=a.top_entropy_quantile)
+                          top_entropy=a.top_entropy_quantile, off_policy=a.off_policy_mask_threshold,
+                          vespo=(a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg))
 
 
 class PolicyTrainer:
@@ -139,7 +143,9 @@ class PolicyTrainer:
         attention = None if torch.equal(batch.loss_mask, ro.response_mask) else ro.response_mask
         exp = Experience(ro.prompt_ids, ro.prompt_mask, ro.response_ids, loss_mask, old_lp, batch.ref_logprobs, adv,
                          is_weight, attention, images=ro.images)
-        metrics.update(self.update(step, exp, value_targets, t))  # raises TrainingDiverged: nothing is published
+        # the off-policy mask reads the rollout engine's log-probs, as TRL reads vLLM's: their gap to old_lp per row
+        gap = None if self.spec.off_policy is None else sampling_gap(rollout_lp, old_lp, loss_mask)
+        metrics.update(self.update(step, exp, value_targets, t, gap))  # raises TrainingDiverged: nothing is published
         with timed(t, "sync"):
             self.version += 1
             self.sink.publish(self.version)
@@ -147,7 +153,8 @@ class PolicyTrainer:
         metrics["rollout/kl_vs_trainer"] = float(rollout_kl(rollout_lp, old_lp, ro.generated_mask, "k1"))
         return {**metrics, **is_metrics, **t}
 
-    def update(self, step: int, exp: Experience, value_targets: list, t: dict[str, float]) -> dict[str, float]:
+    def update(self, step: int, exp: Experience, value_targets: list, t: dict[str, float],
+               gap: torch.Tensor | None = None) -> dict[str, float]:
         cfg = self.cfg
         # this rank's share of each mini-batch (the batch sizes are checked to divide by the world size)
         mini = cfg.mini_batch_sequences // self.env.world_size
@@ -162,7 +169,7 @@ class PolicyTrainer:
         with timed(t, "train"):
             if actor_trains:
                 gen = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + step)
-                out.update(self.actor.update(exp, self.spec, mini, micro, epochs, gen, step=step))
+                out.update(self.actor.update(exp, self.spec, mini, micro, epochs, gen, step=step, gap=gap))
         taken = (len(value_targets) + actor_trains) * optimizer_steps(len(exp), mini, epochs)
         self.check_finite(step, sum(v for k, v in out.items() if k.endswith("/" + SKIPPED)), taken)
         return out

@@ -14,6 +14,7 @@ import torch
 from alignrl.config.schema import CLIP_C_LOSSES
 from alignrl.core.entropy import high_entropy_mask
 from alignrl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, aggregate_loss, ratio_weighted_kl
+from alignrl.core.sequence_weights import masked_share, off_policy_keep
 from alignrl.data.records import Experience
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.models.vision import encoder_in_every_forward
@@ -44,6 +45,8 @@ class PolicyLossSpec:
     delta: float | None = None  # two-sided clipping's cap on the unclipped ratio (ppo_clip, gspo); None: off
     kl_ratio_weighted: bool = False  # the KL term's estimate times pi / pi_old (TRL's use_bias_correction_kl)
     top_entropy: float = 1.0  # the policy term on the top share of each micro-batch's token entropies; 1: every token
+    off_policy: float | None = None  # the off-policy sequence mask's threshold (DeepSeek-V3.2's); None: off
+    vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)  # vespo's k, lambda (A >= 0), k, lambda (A < 0)
 
 
 def loss_options(spec: PolicyLossSpec, generator: torch.Generator | None) -> dict:
@@ -59,6 +62,8 @@ def loss_options(spec: PolicyLossSpec, generator: torch.Generator | None) -> dic
         return {"cov_ratio": spec.kl_cov[0], "kl_coef": spec.kl_cov[1]}
     if spec.name == "sapo":
         return {"tau_pos": spec.sapo[0], "tau_neg": spec.sapo[1]}
+    if spec.name == "vespo":
+        return {"shape_rate": spec.vespo}
     return {}
 
 
@@ -91,24 +96,45 @@ def entropy_kept(entropy: torch.Tensor | None, mask: torch.Tensor, spec: PolicyL
     return high_entropy_mask(entropy, mask, spec.top_entropy, gather).to(mask.dtype)
 
 
+def _times(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return a if b is None else b if a is None else a * b
+
+
+def policy_weights(logp, entropy, exp: Experience, spec: PolicyLossSpec, env: DistEnv | None,
+                   gap: torch.Tensor | None) -> tuple[torch.Tensor | None, dict, dict[str, float]]:
+    """The per-token weight of the policy term (rollout correction, the high-entropy tokens, the off-policy sequence
+    mask; None: all 1), the loss's own keywords for them, and their metrics. The masks multiply the per-token loss,
+    their left-out tokens still counting in its denominator, as TRL's; vespo takes the rollout-correction weights
+    into its sequence weight instead (TRL's vLLM IS ratio). `gap` (B,): `sequence_weights.sampling_gap`'s rows."""
+    mask = exp.response_mask.to(logp.dtype)
+    kept, keep, metrics = entropy_kept(entropy, mask, spec, env), None, {}
+    if kept is not None:
+        metrics["actor/entropy_kept_frac"] = float(kept.sum()) / max(1.0, float(mask.sum()))
+    if spec.off_policy is not None:
+        keep = off_policy_keep(logp, exp.old_logprobs, exp.advantages, mask, spec.off_policy, gap)
+        metrics["actor/off_policy_masked_frac"] = masked_share(keep, mask)
+        keep = keep.expand_as(mask)
+    masks = _times(kept, keep)
+    if spec.name == "vespo":
+        return masks, {"sampling_weight": exp.is_weight}, metrics
+    return _times(exp.is_weight, masks), {}, metrics
+
+
 def policy_loss(logp, entropy, exp: Experience, spec: PolicyLossSpec, global_tokens: float, global_seqs: float,
-                generator: torch.Generator | None = None, env: DistEnv | None = None
+                generator: torch.Generator | None = None, env: DistEnv | None = None, gap: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss + KL to the reference - entropy bonus, each aggregated by `spec.loss_agg` (the policy term by
     `spec.policy_agg` where its loss fixes it) over the mini-batch's global counts (as verl's agg_loss and TRL's
     per-token loss do). The KL and entropy metrics are token means whatever the mode. `generator`: clip_cov's draws
-    of tokens; `env`: the ranks the high-entropy threshold is taken over."""
+    of tokens; `env`: the ranks the high-entropy threshold is taken over; `gap`: the rows' mean log-prob gap of the
+    rollout engine to old_logprobs, for the off-policy mask (None: 0)."""
     mask = exp.response_mask.to(logp.dtype)
-    extra = loss_options(spec, generator)
-    is_weight, kept = exp.is_weight, entropy_kept(entropy, mask, spec, env)
-    if kept is not None:  # the left-out tokens weigh 0 in the policy term and still count in its denominator, as TRL's
-        is_weight = kept if is_weight is None else is_weight * kept
+    is_weight, extra, weight_metrics = policy_weights(logp, entropy, exp, spec, env, gap)
     loss, metrics = POLICY_LOSSES[spec.name](logp, exp.old_logprobs, exp.advantages, mask, spec.clip_low,
                                              spec.clip_high, global_tokens, is_weight=is_weight,
                                              loss_agg=spec.policy_agg or spec.loss_agg, global_seqs=global_seqs,
-                                             max_len=spec.max_len, **extra)
-    if kept is not None:
-        metrics["actor/entropy_kept_frac"] = float(kept.sum()) / max(1.0, float(mask.sum()))
+                                             max_len=spec.max_len, **loss_options(spec, generator), **extra)
+    metrics.update(weight_metrics)
 
     def agg(per_token: torch.Tensor) -> torch.Tensor:
         return aggregate_loss(per_token, mask, spec.loss_agg, global_tokens, global_seqs, spec.max_len)
@@ -142,9 +168,11 @@ class Actor:
         self.average = average  # the moving average of the weights each optimizer step moves (actor.ema_beta)
 
     def update(self, exp: Experience, spec: PolicyLossSpec, mini_batch: int, micro_batch: int | TokenBudget,
-               epochs: int, generator: torch.Generator, step: int = 0) -> dict[str, float]:
+               epochs: int, generator: torch.Generator, step: int = 0, gap: torch.Tensor | None = None
+               ) -> dict[str, float]:
         """`mini_batch` (this rank's share) and `micro_batch` are in sequences. Mini-batches are shuffled
-        each epoch. `step`: the RL step, which picks PPO-ptx's texts."""
+        each epoch. `step`: the RL step, which picks PPO-ptx's texts; `gap` (B,): each row's mean log-prob gap of
+        the rollout engine to exp.old_logprobs, which the off-policy mask adds (None: 0)."""
         self.engine.module.train()
         draws = token_draws(generator) if spec.name == "clip_cov" else None
 
@@ -154,7 +182,7 @@ class Actor:
                                           micro.attended, spec.temperature, with_entropy=True,
                                           entropy_grad=spec.entropy_coeff > 0, layout=self.layout, images=micro.images)
             return policy_loss(logp, ent, micro, spec, tokens, seqs, None if draws is None else draws(rows),
-                               self.engine.env)
+                               self.engine.env, None if gap is None else gap[rows].to(logp.device))
 
         engine = self.engine if self.average is None else self.average.stepping(self.engine)
         return minibatch_updates(exp, micro_loss, engine, mini_batch, micro_batch, epochs, generator, "actor",
