@@ -28,7 +28,7 @@ from alignrl.placements.local import Placed, place
 from alignrl.rewards.timed_rules import late_rows, say_timeouts
 from alignrl.rl.evaluate import format_room, heldout_eval, room, validation_params
 from alignrl.rl.generation_logs import RolloutDump, jsonl, log_generations, records, write_jsonl
-from alignrl.rl.producer import InlineSource
+from alignrl.rl.producer import InlineSource, trainer_state
 from alignrl.rl.replay import check_replay, data_order_keys, with_replay
 from alignrl.rl.step import GRPOStep
 from alignrl.rl.trainer import PolicyTrainer
@@ -143,6 +143,7 @@ class Run:
     start_step: int = 0
     watch: LoadWatch | None = None  # re-fits the threads between steps as other processes come and go
     tracker: Tracker | None = None  # where held-out answers are logged (trainer.log_val_generations)
+    train_rows: int = 0  # the training rows, for the epochs TRL's reward functions read (trainer_state)
 
     def evaluate(self, n: int, subset: int | None = None, step: int = 0):
         """Held-out accuracy on the first `n` problems (and on the first `subset` of them, from the same answers),
@@ -155,7 +156,7 @@ class Run:
         with Phase("held-out evaluation", n, "problems", say=False, bar=t.progress_bar) as p:
             out = heldout_eval(self.placed.eval_engine, self.placed.tokenizer, self.val[:n], self.val_prompts[:n],
                                self.correct_fn, r.max_new_tokens, subset=subset, params=params, progress=p.advance,
-                               answers=answers)
+                               answers=answers, state=trainer_state(self.cfg, step, self.train_rows))
         say_timeouts("held-out evaluation", late_rows([self.correct_fn]), self.cfg.algorithm.reward_timeout_s)
         if answers:
             rows = records(*zip(*answers), step=step)
@@ -213,7 +214,7 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
                          InlineSource(placed.maker, sampler, rows, lambda: trainer.version, env),
                          cfg, placed.tokenizer.pad_token_id)
     save_ds_config(cfg, trainer, cfg.run_dir, env)
-    run = Run(cfg, env, placed, source, val, [], correct_fn, watch=watch)
+    run = Run(cfg, env, placed, source, val, [], correct_fn, watch=watch, train_rows=len(train))
     if resume:
         _resume(run, resume)
     placed.before_first_step(trainer.version, resumed_at_end=run.start_step == cfg.trainer.total_training_steps)

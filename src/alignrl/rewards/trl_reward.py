@@ -9,9 +9,19 @@ rows); `prompts` the rows' prompt column as the data holds it (the templated tex
 column any row has, as a list over the rows (data_source, extra_info and images too, as TRL
 passes them; not completion/completions/completion_ids; the by-column layout keeps a label-less row's columns beside
 its extra, `WithColumns`);
-`trainer_state` None (a function called here runs outside a transformers Trainer); `log_extra` and `log_metric`
-callables that log nothing; `completion_ids` the responses' token ids without padding (not where one row's text is
-scored alone, in a timed rule's worker). An `async def` function is run to its end on each call (asyncio.run).
+`completion_ids` the responses' token ids without padding (not where one row's text is scored alone, in a timed rule's
+worker). An `async def` function is run to its end on each call (asyncio.run).
+
+`trainer_state` holds what TRL's TrainerState tells a reward function of the run (`TrainerState`: `global_step`, the
+RL steps done before the batch, which is the version of the weights that generated it, `max_steps`,
+trainer.total_training_steps, and `epoch`, the passes over the training data done); in the held-out evaluation, the
+steps done when it runs. `log_metric(name, value)` logs a number under `name` in the step's metrics (metrics.jsonl,
+the trackers): the mean of the values logged while the step's batch was scored, then the mean over the ranks, as
+TRL averages them (in the held-out evaluation, `val/name`). `log_extra(column, values)` adds a column of one value
+per completion to the step's logged generations (trainer.rollout_data_dir's rollouts, the held-out answers of
+trainer.validation_data_dir and trainer.log_val_generations); where the run logs none, the values are dropped. In a
+timed rule's worker (algorithm.reward_timeout_s), which scores one row at a time in another process, `trainer_state`
+is None and `log_extra` and `log_metric` log nothing.
 
 Several functions make one reward, their weighted sum, as TRL sums them: a None is skipped (the row then takes the
 others' sum; a row every function skips scores 0, as TRL's nansum gives it). A NaN is skipped as a None is.
@@ -24,6 +34,7 @@ it when the weight is not 1.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import importlib
 import inspect
 import math
@@ -31,8 +42,9 @@ import numbers
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +92,99 @@ def parse_spec(spec: str) -> list[tuple[str, float]]:
                               "or package.module.function between the semicolons)")
         out.append((name.strip(), value))
     return out
+
+
+# ---------------------------------------------------------------------------------------- the run, as TRL tells it
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What TRL's reward functions read of transformers' TrainerState (a curriculum on `global_step / max_steps`):
+    the RL steps done before the batch was generated, the run's steps, and the passes over the training data done
+    (a float, as TRL's)."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+
+
+@dataclass
+class RewardLog:
+    """What TRL's functions log while the batches of one step are scored (`logging_rewards`): each metric's values
+    in order, and, while one rollout's rows are scored (`extra_columns`), their extra columns."""
+
+    state: TrainerState | None = None
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    columns: dict[str, list[Any]] | None = None  # None: no rollout whose generations are logged is being scored
+
+    def metric_means(self) -> dict[str, float]:
+        """Each metric's mean over the values logged, as TRL reports it."""
+        return {name: sum(values) / len(values) for name, values in self.metrics.items() if values}
+
+
+# the log of the scoring under way in this thread: set where a step's scoring starts (the producer, the evaluation),
+# read by the functions however the reward that calls them is wrapped (a format bonus, a correctness rule)
+_LOG: contextvars.ContextVar[RewardLog | None] = contextvars.ContextVar("trl_reward_log", default=None)
+
+
+@contextmanager
+def logging_rewards(state: TrainerState | None) -> Iterator[RewardLog]:
+    """TRL's functions called inside the block read `state` and log into the RewardLog given."""
+    token = _LOG.set(RewardLog(state))
+    try:
+        yield _LOG.get()
+    finally:
+        _LOG.reset(token)
+
+
+@contextmanager
+def extra_columns() -> Iterator[dict[str, list[Any]]]:
+    """The columns TRL's functions log (log_extra) while the rows of one rollout are scored inside the block, one
+    value a row (a column logged twice keeps its last values); empty outside `logging_rewards`."""
+    log = _LOG.get()
+    if log is None:
+        yield {}
+        return
+    saved, log.columns = log.columns, {}
+    try:
+        yield log.columns
+    finally:
+        log.columns = saved
+
+
+def _number(value: Any) -> float | None:
+    """A metric's value as a float (a Python or numpy number, a one-element tensor or array), else None."""
+    if hasattr(value, "item") and not isinstance(value, numbers.Real):
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError, TypeError):  # more than one element
+            return None
+    return float(value) if isinstance(value, numbers.Real) else None
+
+
+def callbacks(who: str, n: int, data_source: str) -> dict[str, Any]:
+    """TRL's trainer_state, log_metric and log_extra for function `who` called on `n` completions: a bad value is a
+    one-line ScoreError naming it. Outside `logging_rewards` (a timed rule's worker) no state, and nothing logged."""
+    log = _LOG.get()
+    if log is None:
+        return {"trainer_state": None, "log_extra": _no_log, "log_metric": _no_log}
+
+    def log_metric(name: str, value: Any) -> None:
+        number = _number(value)
+        if number is None:
+            raise ScoreError(who, f"logged {value!r:.40} as metric {name!r} (log_metric)", data_source,
+                             "log one number a call")
+        log.metrics.setdefault(str(name), []).append(number)
+
+    def log_extra(column: str, values: Any) -> None:
+        values = values.tolist() if hasattr(values, "tolist") else values
+        if not isinstance(values, (list, tuple)) or len(values) != n:
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+            raise ScoreError(who, f"logged {got} in column {column!r} (log_extra) for {n} completions", data_source,
+                             "log a list with one value per completion")
+        if log.columns is not None:  # else no generations are logged here: dropped, as TRL drops them
+            log.columns[str(column)] = list(values)
+
+    return {"trainer_state": log.state, "log_extra": log_extra, "log_metric": log_metric}
 
 
 # ------------------------------------------------------------------------------------------------ TRL's built-ins
@@ -245,16 +350,16 @@ class TrlRewards:
         # every column any row has (a datasets row holds them all, None where missing, so TRL's first row has them)
         names = [k for k in dict.fromkeys(k for c in columns for k in c) if k not in NOT_COLUMNS]
         kwargs: dict[str, Any] = {k: [c.get(k) for c in columns] for k in names}
-        kwargs.update(self.extra_kwargs, prompts=[r if r is not None else p for r, p in zip(raw, given)],
-                      trainer_state=None, log_extra=_no_log, log_metric=_no_log)
+        kwargs.update(self.extra_kwargs, prompts=[r if r is not None else p for r, p in zip(raw, given)])
         if completion_ids is not None:
             kwargs["completion_ids"] = [list(ids) for ids in completion_ids]
-        first = data_sources[0] if data_sources else ""
-        return [batch_values(call_one(one, completions, kwargs, first), one.who, data_sources) for one in self.named]
+        first, n = data_sources[0] if data_sources else "", len(solution_strs)
+        return [batch_values(call_one(one, completions, {**kwargs, **callbacks(one.who, n, first)}, first), one.who,
+                             data_sources) for one in self.named]
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
-    """TRL's log_extra/log_metric, which add a column or a metric to its logs: nothing here."""
+    """TRL's log_extra/log_metric where nothing is logged (a timed rule's worker)."""
 
 
 def call_one(one: Named, completions: list[Any], kwargs: dict[str, Any], data_source: str) -> Any:
@@ -262,6 +367,8 @@ def call_one(one: Named, completions: list[Any], kwargs: dict[str, Any], data_so
         got = one.fn(completions=completions, **kwargs)
         # an `async def` function, which TRL awaits: run to its end here, one call at a time
         return asyncio.run(got) if inspect.iscoroutine(got) else got
+    except ScoreError:  # a bad log_metric or log_extra value: already one line naming the function
+        raise
     except Exception as exc:  # a user's bug ends the run in one line naming the function, never a traceback
         text = str(exc).strip()
         cause = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

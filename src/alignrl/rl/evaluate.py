@@ -22,8 +22,9 @@ from alignrl.interfaces import SamplingParams
 from alignrl.rewards import gsm8k
 from alignrl.rewards.registry import REWARDS, ScoreError, reads_prompt_text, score_row
 from alignrl.rewards.values import is_correct
-from alignrl.rl.scoring import (decoded, played_correct, prompt_texts, reads_ids, response_id_lists, values_at_once,
-                                with_reward_extras)
+from alignrl.rewards.trl_reward import TrainerState, extra_columns, logging_rewards
+from alignrl.rl.scoring import (decoded, keep_columns, logged_columns, played_correct, prompt_texts, reads_ids,
+                                response_id_lists, values_at_once, with_reward_extras)
 from alignrl.rollout.env_agent import with_labels
 
 
@@ -32,7 +33,8 @@ def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequ
             answers: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(strict, flexible) correctness, each (len(samples), params.n) of 0/1, batch by batch of prompts;
     `progress` is told the number of problems of each batch once it is scored; `answers`, when given, gets each
-    answer's (prompt text, response text, ground truth, strict correctness)."""
+    answer's (prompt text, response text, ground truth, strict correctness, the columns TRL's reward functions logged
+    of it)."""
     strict, flexible = [], []
     for start in range(0, len(samples), batch_size):
         batch = samples[start:start + batch_size]
@@ -45,7 +47,7 @@ def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequ
         strict += right
         if answers is not None:
             answers += zip(decoded(tokenizer, ro.prompt_ids, ro.prompt_mask), texts,
-                           [batch[j // params.n].ground_truth for j in range(len(texts))], right)
+                           [batch[j // params.n].ground_truth for j in range(len(texts))], right, logged_columns(ro))
         flexible += [gsm8k.compute_score(t, batch[j // params.n].ground_truth, method="flexible")
                      if REWARDS.get(batch[j // params.n].data_source) is gsm8k.compute_score else 0.0
                      for j, t in enumerate(texts)]
@@ -58,12 +60,16 @@ def _scores(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequ
 def rule_correct(tokenizer, ro, texts: Sequence[str], batch: Sequence[Sample], start: int, correct_fn,
                  n: int) -> list[float]:
     """1.0 where `correct_fn` counts a row's text right (its "acc", else a score >= 1), else 0.0, for the rollout
-    `ro` of `batch` (`n` rows per sample, the first at `start` among the evaluated ones); a ScoreError names the row."""
+    `ro` of `batch` (`n` rows per sample, the first at `start` among the evaluated ones); a ScoreError names the row.
+    The columns TRL's functions log of the rows (log_extra) stay with `ro`'s rows (`scoring.logged_columns`)."""
     read = prompt_texts(tokenizer, ro.prompt_ids, ro.prompt_mask) if reads_prompt_text(correct_fn) else None
     # verl's num_turns, turn_scores and tool_rewards in extra_info, as in training
     rows = with_reward_extras(ro, [batch[j // n] for j in range(len(texts))])
     ids = response_id_lists(ro) if reads_ids(correct_fn) else None
-    values, out = values_at_once(correct_fn, rows, texts, read, ids), []  # None: scored row by row here
+    with extra_columns() as columns:
+        values = values_at_once(correct_fn, rows, texts, read, ids)  # None: scored row by row below
+    keep_columns(ro, columns)
+    out: list[float] = []
     for j, (t, s) in enumerate(zip(texts, rows)):
         try:
             value = (values[j] if values is not None else
@@ -109,21 +115,24 @@ def validation_params(max_new_tokens: int, stop: Sequence[str] = (), temperature
 def heldout_eval(engine, tokenizer, samples: Sequence[Sample], prompts: Sequence[Sequence[int]], correct_fn,
                  max_new_tokens: int, batch_size: int = 500, subset: int | None = None, stop: Sequence[str] = (),
                  params: SamplingParams | None = None, progress: Callable[[int], None] | None = None,
-                 answers: list | None = None) -> dict[str, float] | tuple[dict[str, float], dict[str, float]]:
+                 answers: list | None = None, state: TrainerState | None = None
+                 ) -> dict[str, float] | tuple[dict[str, float], dict[str, float]]:
     """Held-out accuracies over all `samples`, greedy unless `params` (`validation_params`) samples: then accuracy is
     the mean over each problem's n answers (verl's mean@n) and, with n > 1, `pass@n` the share of problems some
     answer solves. With `subset`, also those of the first `subset` samples (the periodic evaluation set) from the
     same decoding, as a second dict. `stop`: the training rollouts' stop strings (rollout.stop), so the held-out
     responses end where the policy's do in training. `progress`: told the problems of each batch as it is done
-    (len(samples) in all). `answers`: see _scores."""
+    (len(samples) in all). `answers`: see _scores. `state`: the run's, as TRL's reward functions read it
+    (trainer_state); what they log (log_metric) is in both dicts, each name's mean over the evaluation."""
     params = params or validation_params(max_new_tokens, stop)
-    strict, flexible = _scores(engine, tokenizer, samples, prompts, correct_fn, params,
-                               max(1, batch_size // params.n), progress, answers)
-    last_number = has_last_number(samples)
+    with logging_rewards(state) as log:
+        strict, flexible = _scores(engine, tokenizer, samples, prompts, correct_fn, params,
+                                   max(1, batch_size // params.n), progress, answers)
+    last_number, logged = has_last_number(samples), log.metric_means()
 
     def summary(n: int) -> dict[str, float]:
         answers = max(1, n * params.n)
-        out = {"accuracy": float(strict[:n].sum()) / answers}
+        out = {**logged, "accuracy": float(strict[:n].sum()) / answers}
         if last_number:
             out["accuracy_flexible"] = float(flexible[:n].sum()) / answers
         if params.n > 1:

@@ -1,7 +1,8 @@
 """What the policy wrote, kept for reading later, as verl keeps it: each step's rollouts (trainer.rollout_data_dir)
 and each held-out evaluation's answers (trainer.validation_data_dir) as `<step>.jsonl`, one line per response with
-verl's fields (input, output, gts, score, step), and a few held-out answers at every evaluation in the run's logs
-(trainer.log_val_generations: the same problems each time, chosen as verl chooses them).
+verl's fields (input, output, gts, score, step) and the columns TRL's reward functions logged of it (log_extra), and a
+few held-out answers at every evaluation in the run's logs (trainer.log_val_generations: the same problems each time,
+chosen as verl chooses them; the TensorBoard text and the wandb table keep verl's columns).
 
 Each file is written whole and renamed into place, so a reader never sees half of one. Under several ranks the
 step's rollouts are gathered to rank 0, which writes them.
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from alignrl.data.records import Sample, ScoredBatch
-from alignrl.rl.scoring import decoded
+from alignrl.rl.scoring import decoded, logged_columns
 from alignrl.runtime.env import DistEnv, gather_bytes
 from alignrl.utils.atomic import atomic_write_text
 
@@ -24,9 +25,12 @@ VAL_GENERATIONS = "val_generations.jsonl"
 
 
 def records(inputs: Sequence[str], outputs: Sequence[str], gts: Sequence[Any], scores: Sequence[float],
-            step: int) -> list[dict[str, Any]]:
-    return [{"input": i, "output": o, "gts": g, "score": float(s), "step": step}
-            for i, o, g, s in zip(inputs, outputs, gts, scores)]
+            columns: Sequence[dict[str, Any]] | None = None, *, step: int) -> list[dict[str, Any]]:
+    """verl's fields of each response, after the columns TRL's reward functions logged of it (log_extra, as TRL adds
+    them to its completions table; verl's fields keep their names in a clash)."""
+    columns = columns if columns is not None else [{}] * len(inputs)
+    return [{**c, "input": i, "output": o, "gts": g, "score": float(s), "step": step}
+            for i, o, g, s, c in zip(inputs, outputs, gts, scores, columns)]
 
 
 def jsonl(rows: Sequence[dict[str, Any]]) -> str:
@@ -51,7 +55,7 @@ class RolloutDump:
         gts = [self.rows[i].ground_truth for i in batch.prompt_index.tolist()]
         mine = records(decoded(self.tokenizer, ro.prompt_ids, ro.prompt_mask),
                        decoded(self.tokenizer, ro.response_ids, ro.response_mask), gts,
-                       batch.scores.rewards.tolist(), step)
+                       batch.scores.rewards.tolist(), logged_columns(ro), step=step)
         parts = gather_bytes(self.env, jsonl(mine).encode())  # collective: every rank, every step
         if self.env.is_main:
             write_jsonl(self.folder, step, b"".join(parts).decode())

@@ -25,6 +25,7 @@ from alignrl.data.sampler import BatchSampler
 from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, shard
 from alignrl.interfaces import RefScorer, RolloutEngine, SamplingParams
 from alignrl.rewards.timed_rules import late_rows, say_timeouts
+from alignrl.rewards.trl_reward import TrainerState, logging_rewards
 from alignrl.models.folder import ModelError
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.rollout.env_agent import with_labels
@@ -113,7 +114,18 @@ class RolloutMaker:
         prompt ids). `more` (dynamic sampling only) returns the next rows to draw when groups run short;
         `agree`: the data-parallel ranks drawing them together. `ref_groups`: reference log-probs of only the
         first this many prompt groups (a ZeroMQ trainer computes the rest); None: all of them. The batch's
-        metrics describe the first draw, whatever dynamic sampling keeps."""
+        metrics describe the first draw, whatever dynamic sampling keeps.
+
+        TRL's reward functions read the run's state as it was when weights `version` generated the batch (the
+        steps done then, in every placement: the trainer's own step, a ZeroMQ sampler's, a Ray engine's), and
+        what they log (log_metric) joins the batch's metrics: each name's mean over the step's scoring."""
+        with logging_rewards(trainer_state(self.cfg, version, len(getattr(rows, "samples", ())))) as log:
+            batch = self._make(step, index, rows, version, more, ref_groups, agree)
+        batch.metrics = {**log.metric_means(), **batch.metrics}  # the producer's own names win a clash
+        return batch
+
+    def _make(self, step: int, index: Sequence[int], rows: Rows, version: int,
+              more: Callable[[], Sequence[int]] | None, ref_groups: int | None, agree: RankAgreement) -> ScoredBatch:
         t: dict[str, float] = {}
         samples, prompts = rows(index)
         with timed(t, "gen"):
@@ -212,6 +224,14 @@ class RolloutMaker:
         return ro, scores, index, {"dapo/kept_groups": float(kept * agree.ranks), "dapo/gen_rounds": float(rounds)}
 
 
+def trainer_state(cfg: RunConfig, global_step: int, train_rows: int = 0) -> TrainerState:
+    """What TRL's reward functions read of the run after `global_step` RL steps (TRL's TrainerState): its steps
+    (trainer.total_training_steps) and the passes over `train_rows` training rows done, a step drawing
+    data.draw_size of them (the last partial draw of an epoch dropped, as the steps are counted); 0 unknown."""
+    per_epoch = train_rows // cfg.data.draw_size
+    return TrainerState(global_step, cfg.trainer.total_training_steps, global_step / per_epoch if per_epoch else 0.0)
+
+
 def agent_metrics(ro: Rollout) -> dict[str, float]:
     """Multi-turn episodes: turns and the generated share of the response; the search agent's tool use, or an
     environment's own extra logs (NaN where an episode did not write one). Empty for single-turn rollouts, which
@@ -261,8 +281,10 @@ def pooled_std(env: DistEnv, mean: float, std: float, n: int) -> float:
 def merged_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
     """The metrics of batches made apart (the Ray engines' shares, of `n` sequences each) as those of one batch:
     a `*_max` the largest, a `*_min` the smallest, reward/std pooled, the others the mean weighted by size."""
-    n = sum(size for _, size in parts) or 1
-    out = {k: sum(m.get(k, 0.0) * size for m, size in parts) / n for k in parts[0][0]}
+    # a key some parts lack (a reward function's log_metric where it logged) is the mean of the parts that have it
+    keys = dict.fromkeys(k for m, _ in parts for k in m)
+    out = {k: sum(m[k] * size for m, size in parts if k in m) / (sum(size for m, size in parts if k in m) or 1)
+           for k in keys}
     for k in out:
         if k.endswith(("_max", "_min")):
             out[k] = (max if k.endswith("_max") else min)(m[k] for m, _ in parts if k in m)

@@ -15,11 +15,14 @@ from alignrl.core.shaping import overlong_penalty, truncated_reward
 from alignrl.data.records import Rollout, Sample, Scores
 from alignrl.interfaces import SequenceScorer
 from alignrl.rewards.registry import ScoreError, finite_score, reads_prompt_text, score_row
-from alignrl.rewards.trl_reward import WithColumns
+from alignrl.rewards.trl_reward import WithColumns, extra_columns
 from alignrl.rewards.values import RowScore, filter_score, is_correct
 
 # verl's compute_score signature: (data_source, solution_str, ground_truth, extra_info) -> float
 RewardFn = Callable[[str, str, str, dict], float]
+# the key of a row's `Rollout.reward_extras` that keeps the columns TRL's functions logged of it (log_extra), for the
+# step's logged generations; never part of the extra_info a reward function reads
+LOGGED = "trl_log_extra"
 
 
 @dataclass
@@ -60,7 +63,14 @@ class RewardStage:
     def score(self, ro: Rollout, samples: Sequence[Sample]) -> Scores:
         """Rewards plus the overlong penalty when configured; correctness is never shaped. `samples`
         are the rollout's prompts in group order. Every reward and cost is checked finite here, at the
-        boundary: past it a NaN spreads through the advantages into every weight."""
+        boundary: past it a NaN spreads through the advantages into every weight. The columns TRL's functions log
+        of the rows (log_extra) stay with the rollout's rows (`logged_columns`), through dynamic sampling's choice."""
+        with extra_columns() as columns:
+            scores = self._score(ro, samples)
+        keep_columns(ro, columns)
+        return scores
+
+    def _score(self, ro: Rollout, samples: Sequence[Sample]) -> Scores:
         rows = with_reward_extras(ro, [samples[g] for g in ro.group.tolist()])
         rewards, correct = self.task_scores(ro, rows)
         out = torch.tensor(rewards, dtype=torch.float32)
@@ -109,7 +119,23 @@ def with_reward_extras(ro: Rollout, rows: list[Sample]) -> list[Sample]:
     The values are copies: a reward function that edits its extra_info leaves the rollout's record as it was."""
     if ro.reward_extras is None:
         return rows
-    return [replace(s, extra=_merged(s.extra, copy.deepcopy(x))) if x else s for s, x in zip(rows, ro.reward_extras)]
+    added = [{k: v for k, v in (x or {}).items() if k != LOGGED} for x in ro.reward_extras]
+    return [replace(s, extra=_merged(s.extra, copy.deepcopy(x))) if x else s for s, x in zip(rows, added)]
+
+
+def keep_columns(ro: Rollout, columns: dict[str, list]) -> None:
+    """The columns TRL's functions logged of the rollout's rows (one value a row), kept in its rows' reward_extras
+    (which follow the rows wherever dynamic sampling or the ranks' shares take them)."""
+    if not columns:
+        return
+    extras = ro.reward_extras or [{} for _ in ro.group]
+    ro.reward_extras = [{**x, LOGGED: {**x.get(LOGGED, {}), **{c: v[i] for c, v in columns.items()}}}
+                        for i, x in enumerate(extras)]
+
+
+def logged_columns(ro: Rollout) -> list[dict]:
+    """Each row's columns logged by TRL's functions (log_extra), {} where none."""
+    return [dict((x or {}).get(LOGGED, {})) for x in ro.reward_extras or [None] * len(ro.group)]
 
 
 def _merged(extra: dict | None, added: dict) -> dict:
