@@ -254,14 +254,13 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     if spec is not None:
         log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}")
     collate, neft = _layout(cfg, tok.pad_token_id, model, log)
-    eval_collate = collator(cfg, tok.pad_token_id, model, eval_packs(cfg))
     per_epoch = steps_per_epoch(len(enc_train), cfg, env.world_size)
     total = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
     engine = pc.build_engine_for(cfg, model, env, total)
     rows = "packed rows" if packs_dataset(cfg) else "rows"
     log.print(f"{pc.describe_batch(cfg, env.world_size).replace('pairs', rows)}; {total} optimizer steps, "
               f"strategy {engine.name}, world size {env.world_size}, bf16 {pc.use_bf16(cfg)}")
-    evals = eval_batches(enc_eval, eval_collate, cfg.eval_batch_size, env)
+    evals = eval_batches(enc_eval, collator(cfg, tok.pad_token_id, model, eval_packs(cfg)), cfg.eval_batch_size, env)
     ev = (lambda: evaluate(engine.model, evals, cfg, env)) if enc_eval else (lambda: None)  # noqa: E731
     before = ev()
     if before:
