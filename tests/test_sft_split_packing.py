@@ -59,6 +59,8 @@ def test_the_flags_and_a_bad_strategy_name(capsys):
     trl = parse_sft(["--model_name_or_path", "m", "--dataset_name", "x.jsonl", "--packing", "--packing_strategy",
                      "bfd-requeue", "--eval_packing", "false"])
     assert (trl.packing, trl.packing_strategy, trl.eval_packing) == (True, "bfd_split", False)
+    evals = parse_sft(["--model_name_or_path", "m", "--dataset_name", "x.jsonl", "--eval_packing"])
+    assert (evals.packing, evals.eval_packing, evals.packing_strategy) == (False, True, "bfd")  # TRL's strategy
     assert parse_sft([*base, "--packing_strategy=bfd_split", "--eval_packing"]).eval_packing is True
     assert parse_sft([*base, "eval_packing=true", "packing_strategy=bfd-requeue"]).packing_strategy == "bfd_split"
     capsys.readouterr()  # the notes of the line in TRL's spelling

@@ -324,7 +324,8 @@ def _their_defaults(argv: list[str], config_class: type, own_names: CommandFlags
         return []
     lora = any(w.lower() == "use_lora=true" for w in words)
     chat = (_last_value(words, "apply_chat_template") or "false").lower() in TRUE_WORDS
-    packed = (_last_value(words, "packing") or "false").lower() in TRUE_WORDS  # sft's: its packing switches' word
+    # sft's packing switches' words: either packs some rows, so TRL's packing_strategy (bfd) applies
+    packed = any((_last_value(words, k) or "false").lower() in TRUE_WORDS for k in ("packing", "eval_packing"))
     taken, not_taken = adopted(config_class, whose, _line_keys(words, config_class, own_names), lora, chat, packed)
     say_adopted(config_class, whose, names, taken, not_taken)
     return taken
