@@ -133,6 +133,27 @@ def test_trl_loss_variants_and_a_round_that_cuts_groups(tmp_path):
         (4, 8, "sequences")
 
 
+def test_trl_luspo_vespo_and_the_off_policy_mask_become_alignrl_keys(tmp_path):
+    base = ["--dataset_name", str(_data(tmp_path)), "--reward_funcs", "think_format_reward", "--max_steps", "3"]
+    luspo, _ = _config(base + ["--loss_type", "luspo", "--importance_sampling_level", "sequence", "--delta", "1.5",
+                               "--off_policy_mask_threshold", "0.5"])
+    assert (luspo.actor.policy_loss, luspo.actor.loss_agg_mode, luspo.actor.clip_ratio_delta) == \
+        ("luspo", "seq-mean-token-sum", 1.5)
+    assert luspo.actor.off_policy_mask_threshold == 0.5 and not luspo.actor.use_kl_loss
+    vespo, lines = _config(base + ["--loss_type", "vespo", "--vespo_k_pos", "1.5", "--vespo_lambda_neg", "2.5",
+                                   "--beta", "0.04"])
+    a = vespo.actor
+    assert (a.policy_loss, a.loss_agg_mode, a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg) == \
+        ("vespo", "token-mean", 1.5, 3.0, 3.0, 2.5)
+    assert a.use_kl_loss and a.off_policy_mask_threshold is None  # TRL's default: no mask
+    assert "vespo_lambda_pos 3.0" in lines[0] and "vespo_k_pos" not in lines[0]  # the defaults taken, said
+    plain, lines = _config(base)
+    assert "vespo_" not in lines[0] and plain.actor.policy_loss == "ppo_clip"
+    # vespo reads the token log-ratios at either level (TRL warns and computes the same)
+    assert _config(base + ["--loss_type", "vespo", "--importance_sampling_level", "sequence"])[0].actor.policy_loss \
+        == "vespo"
+
+
 def test_trl_soft_overlong_punishment_keeps_trl_numbers(tmp_path):
     import torch
 

@@ -110,10 +110,10 @@ class ActorConfig:
     clip_ratio_c: float = opt(0.0, "dual-clip constant c > 1 bounding the loss of negative advantages; 0 disables "
                                    "(dppo_tv / dppo_kl: the truncation of their importance ratio, 0: 20)",
                               ge=0.0)
-    clip_ratio_delta: float | None = opt(None, "ppo_clip, gspo: two-sided clipping (TRL's --delta): the unclipped "
-                                               "ratio term is capped at delta (> 1 + clip_ratio_high), so a token "
-                                               "of negative advantage whose ratio passed it has no gradient; null: "
-                                               "off", gt=1.0)
+    clip_ratio_delta: float | None = opt(None, "ppo_clip, gspo, luspo: two-sided clipping (TRL's --delta): the "
+                                               "unclipped ratio term is capped at delta (> 1 + clip_ratio_high), so "
+                                               "a token of negative advantage whose ratio passed it has no gradient; "
+                                               "null: off", gt=1.0)
     top_entropy_quantile: float = opt(1.0, "the policy term trains only the tokens whose entropy is in this top "
                                            "share of each micro-batch's (over every rank), the others counting 0 in "
                                            "its mean; the KL and entropy terms keep every token (TRL's "
