@@ -108,6 +108,15 @@ def test_the_producer_tells_the_step_and_keeps_the_metrics_and_columns(functions
     rows = [json.loads(line) for line in (tmp_path / "dump" / "2.jsonl").read_text().splitlines()]
     assert [r["seen_step"] for r in rows] == [1] * 4 and [r["output"] for r in rows] == ["a", "aa"] * 2
     assert all(r["step"] == 2 and r["score"] == len(r["output"]) for r in rows)
+    # a ZeroMQ sampler's batch: the columns ride along to the trainer, which dumps the rollouts
+    from alignrl.placements.zmq.batch_receiver import batch_of
+    from alignrl.rl.scoring import plain_columns
+    from alignrl.wire.frames import decode, encode
+    from alignrl.wire.records import KIND, to_wire
+
+    meta, tensors = to_wire(batch, Tokenizer(), lease="l", columns=plain_columns(batch.rollout))
+    got = batch_of(decode(encode(KIND, meta, tensors)))
+    assert logged_columns(got.rollout) == [{"seen_step": 1}] * 4 and got.metrics["my/length"] == pytest.approx(0.75)
 
 
 def test_without_a_log_a_function_sees_no_state_and_logs_nowhere(functions, tmp_path):

@@ -5,6 +5,7 @@ nothing of where the rollout came from or where the scores go."""
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -136,6 +137,24 @@ def keep_columns(ro: Rollout, columns: dict[str, list]) -> None:
 def logged_columns(ro: Rollout) -> list[dict]:
     """Each row's columns logged by TRL's functions (log_extra), {} where none."""
     return [dict((x or {}).get(LOGGED, {})) for x in ro.reward_extras or [None] * len(ro.group)]
+
+
+def plain_columns(ro: Rollout) -> list[dict] | None:
+    """`logged_columns` in plain values (numbers, text, lists and maps; anything else as its text), as they cross
+    to a ZeroMQ trainer; None where no row has any."""
+    rows = logged_columns(ro)
+    return json.loads(json.dumps(rows, default=str)) if any(rows) else None
+
+
+def put_columns(ro: Rollout, rows: object) -> None:
+    """`plain_columns`'s rows back with the rollout's rows (a ZeroMQ trainer's batch); ValueError where they are
+    not one map a row."""
+    if rows is None:
+        return
+    if not isinstance(rows, list) or len(rows) != len(ro.group) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"the batch's logged columns are not one map for each of its {len(ro.group)} rows")
+    extras = ro.reward_extras or [{} for _ in rows]
+    ro.reward_extras = [{**x, LOGGED: r} for x, r in zip(extras, rows)]
 
 
 def _merged(extra: dict | None, added: dict) -> dict:

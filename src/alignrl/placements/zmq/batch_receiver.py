@@ -19,6 +19,7 @@ from alignrl.errors import UserError
 from alignrl.placements.zmq.leases import Dispatcher, Lease
 from alignrl.placements.zmq.prompt_log import RowLog
 from alignrl.placements.zmq.ref_share import RefShare
+from alignrl.rl.scoring import put_columns
 from alignrl.utils.tracking import console
 from alignrl.wire.frames import Message, WireError, decode
 from alignrl.wire.records import from_wire
@@ -87,7 +88,7 @@ class BatchReceiver:
     def checked(self, frames: list) -> tuple[Message, ScoredBatch]:
         """The other ranks' copy of the batch rank 0 took: rank 0 has checked these frames."""
         msg = decode(frames, self.token)
-        return msg, from_wire(msg)
+        return msg, batch_of(msg)
 
     def taken(self, step: int, msg: Message, batch: ScoredBatch, waited: float,
               sampler_wait: float) -> tuple[int, dict[str, float]]:
@@ -123,7 +124,7 @@ class BatchReceiver:
 
     def _parse(self, msg: Message, lease: Lease) -> ScoredBatch:
         """The batch in `msg`, checked before it is trained: WireError if it does not answer `lease` whole."""
-        batch = from_wire(msg)
+        batch = batch_of(msg)
         self.ref_share.check(batch)
         float(msg.meta.get("wait_s", 0.0))  # read by the step's metrics: a value of another kind fails here instead
         problem = lease.answered_by(batch.prompt_index.tolist(), batch.rollout.group.tolist(), self.group_size)
@@ -153,3 +154,10 @@ class BatchReceiver:
         self.staleness_hist = {int(k): int(v) for k, v in state.get("staleness", {}).items()}
         if self.rows is not None:
             self.rows.keep_until(self.delivered)
+
+
+def batch_of(msg: Message) -> ScoredBatch:
+    """The batch in `msg`, with the columns TRL's reward functions logged of its rows (for the rollout dumps)."""
+    batch = from_wire(msg)
+    put_columns(batch.rollout, msg.meta.get("columns"))
+    return batch

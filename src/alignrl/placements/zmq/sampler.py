@@ -38,6 +38,7 @@ from alignrl.errors import LAUNCHER_ENV, Terminated, in_flag_words, stop_on_sigt
 from alignrl.models.folder import weights_fingerprint
 from alignrl.models.loader import ModelError, load_model, resolve_model_path
 from alignrl.rollout.hf_engine import HFRolloutEngine
+from alignrl.rl.scoring import plain_columns
 from alignrl.utils.tracking import console
 
 PROG = "alignrl sample"
@@ -270,7 +271,9 @@ class Sampler:
             if self.beat.over.is_set():  # the run ended meanwhile: nobody trains this batch
                 continue
             batch.sampler_id = self.id
-            meta, tensors = to_wire(batch, self.tokenizer, lease=lease_id, wait_s=waited)
+            # the columns TRL's reward functions logged of the rows ride along, for the trainer's rollout dumps
+            meta, tensors = to_wire(batch, self.tokenizer, lease=lease_id, wait_s=waited,
+                                    columns=plain_columns(batch.rollout))
             try:
                 push.send(KIND, meta, tensors, timeout_s=min(30.0, self.args.peer_timeout))
                 made, waited = made + 1, 0.0
