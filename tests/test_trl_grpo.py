@@ -153,6 +153,22 @@ def test_trl_luspo_vespo_and_the_off_policy_mask_become_alignrl_keys(tmp_path):
                                                           "sequence"])[0]
 
 
+def test_trl_generation_kwargs_override_the_sampling_flags(tmp_path):
+    base = ["--dataset_name", str(_data(tmp_path)), "--reward_funcs", "think_format_reward", "--max_steps", "3",
+            "--temperature", "0.9", "--min_p", "0.1"]
+    cfg, _ = _config(base + ["--generation_kwargs", json.dumps({"stop_strings": ["</answer>", "\n\n"], "top_k": 0,
+                                                                "min_p": 0.05, "max_tokens": 12})])
+    r = cfg.rollout
+    assert (r.stop, r.top_k, r.min_p, r.max_new_tokens, r.temperature) == (["</answer>", "\n\n"], -1, 0.05, 12, 0.9)
+    with pytest.raises(TrlFlagError, match=r"^--generation_kwargs num_beams, suppress_tokens: alignrl's engines take "
+                                           r"only temperature, .*; drop the others$"):
+        from_line(base + ["--generation_kwargs", '{"num_beams": 2, "suppress_tokens": [1]}'])
+    with pytest.raises(TrlFlagError, match=r"^--generation_kwargs top_p=1.5: give a number in \(0, 1\]$"):
+        from_line(base + ["--generation_kwargs", '{"top_p": 1.5}'])
+    with pytest.raises(TrlFlagError, match=r"^--generation_kwargs 'top_p: 1' is not JSON"):
+        from_line(base + ["--generation_kwargs", "top_p: 1"])
+
+
 def test_trl_soft_overlong_punishment_keeps_trl_numbers(tmp_path):
     import torch
 

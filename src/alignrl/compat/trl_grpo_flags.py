@@ -52,6 +52,7 @@ TAKEN = [
     Flag("learning_rate", float, 1e-6), Flag("num_generations", int, 8), Flag("max_prompt_length", int, 512),
     Flag("max_completion_length", int, 256), Flag("temperature", float, 1.0), Flag("top_p", float, 1.0),
     Flag("top_k", int, 0), Flag("min_p", "opt_float", None), Flag("repetition_penalty", float, 1.0),
+    Flag("generation_kwargs", "opt_str", None),
     Flag("beta", float, 0.0), Flag("epsilon", float, 0.2),
     Flag("epsilon_high", "opt_float", None), Flag("num_iterations", int, 1),
     Flag("steps_per_generation", "opt_int", None), Flag("generation_batch_size", "opt_int", None),
@@ -109,7 +110,6 @@ NOT_APPLIED = {
 }
 # flags alignrl cannot honour when given other than TRL's default: (flag, default, what to do instead)
 REFUSED = {
-    "generation_kwargs": ("opt_str", None, "give the sampling settings as flags or rollout.* keys"),
     "max_tool_calling_iterations": ("opt_int", None, "tools run under rollout.multi_turn settings "
                                                      "(docs/algorithms.md)"),
     "load_in_4bit": ("bool", False, "alignrl loads the model unquantized; drop the flag"),

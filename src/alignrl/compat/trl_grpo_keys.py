@@ -19,6 +19,7 @@ from pathlib import Path
 
 from alignrl.compat import trl_grpo_flags as F
 from alignrl.compat.trl_grpo_flags import TAKEN, TrlFlagError
+from alignrl.compat.trl_generation_kwargs import generation_keys
 from alignrl.compat.trl_grpo_loss import loss_keys
 from alignrl.data.sources import is_library_dataset, with_config, with_split
 from alignrl.rewards.trl_reward import BUILT_IN, spec_of
@@ -286,7 +287,8 @@ def translate(args, world: int) -> tuple[list[str], list[str]]:
                  + optimiser_keys(args, batches, optimizer_steps) + run_keys(args, batches)
                  + [f"rollout.max_new_tokens={args.max_completion_length}", f"rollout.temperature={args.temperature}",
                     f"rollout.top_p={args.top_p}", f"rollout.top_k={args.top_k if args.top_k > 0 else -1}",
-                    f"rollout.min_p={args.min_p or 0.0}", f"rollout.repetition_penalty={args.repetition_penalty}"])
+                    f"rollout.min_p={args.min_p or 0.0}", f"rollout.repetition_penalty={args.repetition_penalty}"]
+                 + generation_keys(args.generation_kwargs))
     lines = [defaults_line(args), batches.line(),
              f"--max_prompt_length {args.max_prompt_length}{'' if 'max_prompt_length' in args.given else ' (default)'}"
              ": alignrl's own cap (TRL's GRPOConfig has none and cuts no prompt): longer prompts are left out as the "

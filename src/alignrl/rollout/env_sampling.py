@@ -98,13 +98,23 @@ def changes(got: Any, passed: StepSampling, given: dict[str, Any], owner: str) -
                                        "the states' sampling_params (changed) or a dict such as {'temperature': 0.5}")
     out = {}
     for name, value in values.items():
-        key, norm, takes = FIELDS[name]
-        value_here = norm(value)
-        if value_here is _BAD:
-            raise EnvironmentStepError(f"{owner}.step gave sampling_params {name}={value!r}; give {takes}")
+        try:
+            key, value_here = vllm_setting(name, value)
+        except ValueError as e:
+            raise EnvironmentStepError(f"{owner}.step gave sampling_params {name}={value!r}; give {e}") from None
         if value_here != given[name]:
             out[key] = value_here
     return out
+
+
+def vllm_setting(name: str, value: Any) -> tuple[str, Any]:
+    """(alignrl's SamplingParams field, the value in alignrl's form) of one of vLLM's sampling settings (`FIELDS`); a
+    ValueError saying what the setting takes when the value is none of that."""
+    key, norm, takes = FIELDS[name]
+    value_here = norm(value)
+    if value_here is _BAD:
+        raise ValueError(takes)
+    return key, value_here
 
 
 def applied(params: SamplingParams, over: dict[str, Any], most: int) -> SamplingParams:
