@@ -170,3 +170,31 @@ def test_a_run_tells_its_functions_each_step_and_logs_what_they_log(functions, t
     assert "my/length" in steps[1] and "my/length" in steps[2]
     rows = [json.loads(line) for line in (tmp_path / "rollouts" / "2.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and {r["seen_step"] for r in rows} == {1}
+
+
+def test_a_metric_some_ranks_logged_is_the_mean_of_theirs_on_every_rank(monkeypatch):
+    """Two threads stand in for two ranks; rank 1's functions never logged my/x."""
+    import threading
+
+    from alignrl.rl import producer
+
+    barrier, slots = threading.Barrier(2), {}
+
+    def exchange(rank, value):
+        slots[rank] = value
+        barrier.wait()
+        both = [slots[0], slots[1]]
+        barrier.wait()  # both read before either writes the next round
+        return both
+
+    monkeypatch.setattr(producer, "gather_bytes", lambda env, blob: exchange(env.rank, blob))
+    monkeypatch.setattr(producer, "all_reduce_sum", lambda env, xs: [a + b for a, b in zip(*exchange(env.rank, xs))])
+    logged, out = [{"my/x": 2.0, "my/both": 1.0}, {"my/both": 3.0}], [None, None]
+
+    def run(rank):
+        out[rank] = producer.logged_over_ranks(SimpleNamespace(rank=rank), logged[rank])
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    assert out[0] == out[1] == {"my/both": 2.0, "my/x": 2.0}

@@ -9,6 +9,7 @@ trainer over ZeroMQ (`alignrl.placements.zmq.sampler`). Old-policy log-probs are
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from alignrl.config import RunConfig
 from alignrl.data.collate import per_token_in_chunks
 from alignrl.data.records import Rollout, Sample, ScoredBatch, Scores
 from alignrl.data.sampler import BatchSampler
-from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, shard
+from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, gather_bytes, shard
 from alignrl.interfaces import RefScorer, RolloutEngine, SamplingParams
 from alignrl.rewards.timed_rules import late_rows, say_timeouts
 from alignrl.rewards.trl_reward import TrainerState, logging_rewards
@@ -96,6 +97,7 @@ class RolloutMaker:
                  rank: int = 0):
         """`ref` None: no KL term needs reference log-probs. `rank` decorrelates the ranks' samples."""
         self.cfg, self.engine, self.rewards, self.ref, self.rank = cfg, engine, rewards, ref, rank
+        self.logged: dict[str, float] = {}  # what TRL's reward functions logged (log_metric) of the last batch
 
     def sampling_params(self, step: int, gen_round: int = 0) -> SamplingParams:
         """Round 0 is the step's first generation; dynamic sampling's extra rounds get their own seeds
@@ -121,7 +123,8 @@ class RolloutMaker:
         what they log (log_metric) joins the batch's metrics: each name's mean over the step's scoring."""
         with logging_rewards(trainer_state(self.cfg, version, len(getattr(rows, "samples", ())))) as log:
             batch = self._make(step, index, rows, version, more, ref_groups, agree)
-        batch.metrics = {**log.metric_means(), **batch.metrics}  # the producer's own names win a clash
+        self.logged = log.metric_means()
+        batch.metrics = {**self.logged, **batch.metrics}  # the producer's own names win a clash
         return batch
 
     def _make(self, step: int, index: Sequence[int], rows: Rows, version: int,
@@ -278,6 +281,19 @@ def pooled_std(env: DistEnv, mean: float, std: float, n: int) -> float:
     return from_moments(*all_reduce_sum(env, moments(mean, std, n)))[1]
 
 
+def logged_over_ranks(env: DistEnv, logged: dict[str, float]) -> dict[str, float]:
+    """What TRL's reward functions logged on each rank (log_metric), each name the mean over the ranks that logged
+    it (TRL's mean of the ranks' means), the same on every rank. The ranks agree on the names first: a name only
+    some ranks logged (a function that logs as it finds cause) would leave their metrics' names apart, and the
+    step's metrics then go unreduced (`runtime.env.mean_metrics`)."""
+    names = sorted({name for part in gather_bytes(env, json.dumps(sorted(logged)).encode())
+                    for name in json.loads(part)})
+    if not names:
+        return {}
+    sums = all_reduce_sum(env, [x for name in names for x in ((logged[name], 1.0) if name in logged else (0.0, 0.0))])
+    return {name: sums[2 * i] / sums[2 * i + 1] for i, name in enumerate(names)}
+
+
 def merged_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
     """The metrics of batches made apart (the Ray engines' shares, of `n` sequences each) as those of one batch:
     a `*_max` the largest, a `*_min` the smallest, reward/std pooled, the others the mean weighted by size."""
@@ -318,6 +334,7 @@ class InlineSource:
         if self.env.distributed:  # the reward spread of the whole batch, not the mean of each share's
             batch.metrics["reward/std"] = pooled_std(self.env, batch.metrics["reward/mean"],
                                                      batch.metrics["reward/std"], len(first) * self.maker.cfg.rollout.n)
+            batch.metrics.update(logged_over_ranks(self.env, self.maker.logged))
         return batch
 
     def state_dict(self) -> dict:
