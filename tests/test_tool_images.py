@@ -237,7 +237,8 @@ def test_remax_greedy_baseline_regenerates_from_the_prompts_not_the_rows_images(
     greedy_engine = FirstTurns(None, _enc(tok, " red"))
     seen = []
     maker = SimpleNamespace(engine=EnvRollout(greedy_engine, tok, make, response_cap=200),
-                            cfg=SimpleNamespace(rollout=SimpleNamespace(stop=(), max_new_tokens=4)),
+                            cfg=SimpleNamespace(rollout=SimpleNamespace(stop=(), max_new_tokens=4,
+                                                                        repetition_penalty=1.0)),
                             rewards=SimpleNamespace(score=lambda g, rows: seen.append(g) or
                                                     SimpleNamespace(rewards=torch.tensor([1.0, 2.0]))))
     baseline = RolloutMaker.greedy_baseline(maker, ro, [p.sample for p in prompts], prompts)
