@@ -202,6 +202,12 @@ def test_cispo_hand_worked():
     (g,) = torch.autograd.grad(loss, logp)
     assert torch.allclose(g, torch.tensor([[-1.28, -1.0]]))
     assert m["actor/clipfrac"] == pytest.approx(0.5)
+    # verl's CISPO scripts give clip_ratio_low=10: no lower bound, as 1.0 (a weight far below 1 stays as it is)
+    args = (torch.tensor([[-1.0, -4.0]]), torch.tensor([[-1.5, -2.0]]), torch.tensor([2.0]), torch.ones(1, 2))
+    assert cispo_loss(*args, 10.0, 0.28)[0].item() == cispo_loss(*args, 1.0, 0.28)[0].item()
+    from alignrl.config import load_config
+
+    assert load_config(None, ["actor.policy_loss=cispo", "actor.clip_ratio_low=10"]).actor.clip_ratio_low == 10.0
 
 
 # ---------------------------------------------------------------- finiteness

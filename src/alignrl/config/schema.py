@@ -91,8 +91,8 @@ class ActorConfig:
                                         ge=0)
     ppo_epochs: int = opt(1, "passes over each rollout batch", ge=1)
     clip_ratio_low: float = opt(0.2, "PPO clip: ratio >= 1 - clip_ratio_low (GSPO's paper: 3e-4 on its "
-                                                "sequence ratio; CISPO: 1.0, no lower bound on the IS weight)",
-                                ge=0.0, le=1.0)
+                                                "sequence ratio; CISPO: 1.0 or more, no lower bound on the IS weight, "
+                                                "as verl's CISPO scripts' 10)", ge=0.0)
     clip_ratio_high: float = opt(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher and CISPO use "
                                                   "0.28; GSPO's paper 4e-4)", ge=0.0)
     policy_loss: str = opt("ppo_clip", "ppo_clip (PPO / DAPO clip-higher / dual-clip), gspo (sequence-level "
