@@ -180,8 +180,9 @@ def test_other_loss_modes_are_one_line(mode):
     assert f"policy_loss.loss_mode={mode} is not supported" in error and "vanilla, gspo" in error
 
 
-def test_the_overlong_buffer_through_reward_kwargs_is_the_overlong_buffer(capsys, monkeypatch):
-    kw = "+reward_model.reward_kwargs.overlong_buffer_cfg."
+@pytest.mark.parametrize("section", ["reward_model", "reward"])  # verl's newest reward section: reward.reward_kwargs
+def test_the_overlong_buffer_through_reward_kwargs_is_the_overlong_buffer(capsys, monkeypatch, section):
+    kw = f"+{section}.reward_kwargs.overlong_buffer_cfg."
     for on in ("True", "False"):
         spelt = [f"{kw}enable={on}", f"{kw}len=16", f"{kw}penalty_factor=0.5", f"{kw}log=False"]
         plain = [s.replace(kw, "reward_model.overlong_buffer.").lstrip("+") for s in spelt]
@@ -189,10 +190,10 @@ def test_the_overlong_buffer_through_reward_kwargs_is_the_overlong_buffer(capsys
         assert (a.overlong_buffer_len, a.overlong_penalty_factor) == (b.overlong_buffer_len, b.overlong_penalty_factor)
         assert a.overlong_buffer_len == (16 if on == "True" else 0)
     capsys.readouterr()
-    load_config(None, BASE + ["data.max_response_length=64", "+reward_model.reward_kwargs.max_resp_len=64"])
+    load_config(None, BASE + ["data.max_response_length=64", f"+{section}.reward_kwargs.max_resp_len=64"])
     assert "max_resp_len" not in capsys.readouterr().err
     monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED", raising=False)  # a second launch
-    load_config(None, BASE + ["data.max_response_length=64", "+reward_model.reward_kwargs.max_resp_len=128"])
+    load_config(None, BASE + ["data.max_response_length=64", f"+{section}.reward_kwargs.max_resp_len=128"])
     assert "reward_model.reward_kwargs.max_resp_len=128 is not applied: alignrl measures the overlong buffer from " \
            "the response cap, rollout.max_new_tokens=64" in capsys.readouterr().err
 

@@ -130,14 +130,17 @@ NOT_USED = (
     "trainer.ray_wait_register_center_timeout", "trainer.esi_redundant_time",
     "data.dataloader_num_workers", "data.use_shm", "data.return_full_prompt", "data.validation_shuffle",
     "reward_model.inference.*", "reward_model.reward_kwargs.overlong_buffer_cfg.log",
+    "reward.reward_kwargs.overlong_buffer_cfg.log",
 )
 # verl 0.7's trainer.device (cuda, npu) picks the accelerator's kind; alignrl's trainer.device (auto, cpu, cuda) is
 # its own key, so verl's value passes through and only npu, which alignrl has no backend for, is refused there.
 
 # Another spelling of a key mapped above: main_ppo's DAPO reward manager takes its overlong buffer through
 # reward_kwargs; current verl names the reward model's folder model_path.
-ALIASES = {"reward_model.reward_kwargs.overlong_buffer_cfg." + k: "reward_model.overlong_buffer." + k
-           for k in ("enable", "len", "penalty_factor")} | {"reward_model.model_path": "reward_model.model.path"} | {
+ALIASES = {f"{section}.reward_kwargs.overlong_buffer_cfg.{k}": "reward_model.overlong_buffer." + k
+           for section in ("reward_model", "reward") for k in ("enable", "len", "penalty_factor")} | {
+    "reward_model.model_path": "reward_model.model.path",
+    "reward.reward_kwargs.max_resp_len": "reward_model.reward_kwargs.max_resp_len"} | {
     # the newest verl's reward section, which its main_ppo migrates the legacy keys into (migrate_legacy_reward_impl)
     "reward.reward_manager.name": "reward_model.reward_manager",
     "reward.custom_reward_function.path": "custom_reward_function.path",
