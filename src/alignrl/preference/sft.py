@@ -214,15 +214,34 @@ def _encode(tok, cfg: SFTConfig, train_rows: list[SFTRow], eval_rows: list[SFTRo
     # wrapped and bfd_split packing cut the rows' tokens at every max_length themselves, as TRL's: a longer row is
     # not cut at its end first
     uncut = cfg.packing_strategy in UNCUT
-    enc_train, cut, dropped = encode_rows(tok, train_rows, keys,
-                                          sys.maxsize if uncut and packs_dataset(cfg) else cfg.max_length)
-    enc_eval, _, _ = encode_rows(tok, eval_rows, keys, sys.maxsize if uncut and eval_packs(cfg) else cfg.max_length)
+    enc_train, cut, dropped = _encoded(tok, train_rows, keys, cfg, uncut and packs_dataset(cfg), "training")
+    enc_eval, _, _ = _encoded(tok, eval_rows, keys, cfg, uncut and eval_packs(cfg), "held-out")
     trained = sum(e.n_trained for e in enc_train)
     log.print(f"SFT: {len(enc_train)} train rows from {', '.join(map(str, cfg.train_files))} ({trained} trained "
               f"tokens), {len(enc_eval)} held-out; string rows through the chat template: {keys.chat_template}; "
-              f"{cut} rows longer than max_length={cfg.max_length} cut at its end"
+              f"{cut} rows longer than max_length={cfg.max_length} cut at its "
+              f"{'start' if cfg.truncation == 'left' else 'end'}"
               + (f", {dropped} of them dropped: no trained token left" if dropped else ""))
     return enc_train, enc_eval, {"truncated_rows": cut, "dropped_rows": dropped, "chat_template": keys.chat_template}
+
+
+def _encoded(tok, rows: list[SFTRow], keys: SFTKeys, cfg: SFTConfig, whole: bool, which: str):
+    """encode_rows' (rows, cut, dropped) with `truncation` (verl's data.truncation): right cuts a longer row at its
+    end, left keeps its last max_length tokens, error stops the run naming the longer rows; `whole`: packing cuts
+    them itself."""
+    if whole or cfg.truncation == "right":
+        return encode_rows(tok, rows, keys, sys.maxsize if whole else cfg.max_length)
+    encoded, _, _ = encode_rows(tok, rows, keys, sys.maxsize)
+    longer = [e for e in encoded if len(e.ids) > cfg.max_length]
+    if longer and cfg.truncation == "error":
+        from alignrl.config import ConfigError
+
+        raise ConfigError(f"{len(longer)} {which} rows are longer than max_length={cfg.max_length} tokens (the "
+                          f"longest {max(len(e.ids) for e in longer)}) and truncation=error (verl's default): raise "
+                          "max_length, or set truncation=right (cut at the end) or left (keep the end)")
+    kept = [EncodedRow(e.ids[-cfg.max_length:], e.trained[-cfg.max_length:], e.index) for e in encoded]
+    out = [EncodedRow(e.ids, e.trained, i) for i, e in enumerate(k for k in kept if k.n_trained)]
+    return out, len(longer), len(kept) - len(out)
 
 
 def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:

@@ -19,6 +19,7 @@ from alignrl.config import ConfigError, opt
 from alignrl.preference.cli import COMMANDS, load_flat_config, make_parser, run_cli
 from alignrl.preference.configs import CommonConfig
 from alignrl.preference.flag_names import COMMON_NAMES, CommandFlags, flags_as_keys, read_switch
+from alignrl.preference.verl_sft_keys import in_our_words, launch_words
 
 
 STRATEGIES = ("micro_batch", "bfd", "bfd_split", "wrapped")
@@ -34,7 +35,7 @@ class SFTConfig(CommonConfig):
                                     "data.prompt_key)")
     response_key: str = opt("completion", "column of its completion (OpenRLHF: --output_key; verl: "
                                           "data.response_key)")
-    messages_key: str = opt("messages", "column of a conversational row's messages")
+    messages_key: str = opt("messages", "column of a conversational row's messages (verl: data.messages_key)")
     text_key: str = opt("text", "column of a plain-text row (TRL: dataset_text_field)")
     apply_chat_template: bool = opt(False, "string prompt-completion rows too through the tokenizer's chat template: "
                                            "the prompt a user turn, the completion the assistant's reply (OpenRLHF's "
@@ -47,7 +48,12 @@ class SFTConfig(CommonConfig):
                                           "--multiturn); false: on every token")
     batch_size: int = opt(8, "rows per device per micro-batch (OpenRLHF: --micro_train_batch_size)", ge=1)
     eval_batch_size: int = opt(16, "rows per device per evaluation forward", ge=1)
-    max_length: int = opt(512, "tokens of a whole row; a longer one is cut at the end (OpenRLHF: --max_len)", ge=8)
+    max_length: int = opt(512, "tokens of a whole row; a longer one is cut as truncation says (OpenRLHF: --max_len; "
+                               "verl: data.max_length)", ge=8)
+    truncation: str = opt("right", "a row longer than max_length: right: cut at its end (OpenRLHF's, TRL's); left: "
+                                   "its first tokens dropped, its end kept; error: the run stops, naming how many "
+                                   "rows are longer (verl's data.truncation, its default error)",
+                          choices=("right", "left", "error"))
     max_train_pairs: int = opt(0, "use only the first N training rows of all train_files together, in their order "
                                   "(OpenRLHF: --max_samples); 0: all", ge=0)
     max_eval_pairs: int = opt(0, "use only the first N held-out rows of all eval_files together; 0: all", ge=0)
@@ -150,8 +156,9 @@ def parse_sft(argv: list[str]) -> SFTConfig:
                 "--lora_rank N > 0 switches LoRA on; --packing_samples, --padding_free: packing=true "
                 "packing_strategy=micro_batch; --packing: packing=true (packing_strategy=bfd in a line of TRL's "
                 "spelling, as TRL's); --packing_strategy bfd-requeue: bfd_split; --eval_packing: the held-out "
-                "rows packed too (unset: as --packing). Keys and data layouts: docs/sft.md")
-    rest, packing = packing_switches(argv)
+                "rows packed too (unset: as --packing). verl's SFT keys (data.*, optim.*, model.*, trainer.*, "
+                "engine=) are read as these keys, with verl's defaults. Keys and data layouts: docs/sft.md")
+    rest, packing = packing_switches(in_our_words(argv, SFTConfig))  # verl's keys as ours first (verl_sft_keys)
     # the packing overrides join the line's own words, so that a line of TRL's spelling that packs takes TRL's bfd
     args = p.parse_intermixed_args(flags_as_keys(rest + packing, SFTConfig, sft_flags(rest)))
     cfg = load_flat_config(SFTConfig, args.config, args.overrides, {"output_dir": args.output_dir,
@@ -166,4 +173,14 @@ COMMANDS["sft"] = (parse_sft, "alignrl.preference.sft", "train_sft")
 
 
 def sft_main(argv: list[str] | None = None) -> int:
+    import sys
+
+    from alignrl.errors import UserError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:  # a verl line's trainer.nnodes × n_gpus_per_node ranks, as `--nproc` (verl_sft_keys.launch_words)
+        argv = launch_words(argv)
+    except UserError as e:
+        print(f"alignrl: error: {e}", file=sys.stderr, flush=True)
+        return 2
     return run_cli(argv, "sft")
