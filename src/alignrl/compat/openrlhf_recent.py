@@ -53,6 +53,8 @@ def add_recent_flags(g) -> None:
     g.add_argument("--vllm_is_correction_type", default=None, choices=("tis", "icepop", "seq-mask-tis"),
                    help="tis: clamp token weights into [low, high]; icepop: drop tokens whose weight leaves it; "
                         "seq-mask-tis: drop sequences whose geometric-mean weight leaves it")
+    g.add_argument("--use_icepop", action="store_true",
+                   help="OpenRLHF's older switch of --vllm_is_correction_type icepop")
     g.add_argument("--freeze_visual_encoder", action="store_true", help="the vision encoder does not train "
                    "(as --freeze_prefix visual)")
     g.add_argument("--image_key", default=None, help="column of a row's images (alignrl's default: images)")
@@ -73,6 +75,15 @@ def check_recent(args) -> None:
                  "eval_n_samples_per_prompt"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise RecentFlagError(f"--{flag} must be at least 1")
+    if args.use_icepop and args.vllm_is_correction_type not in (None, "icepop"):
+        raise RecentFlagError(f"--use_icepop with --vllm_is_correction_type {args.vllm_is_correction_type}: "
+                              "--use_icepop is the older spelling of --vllm_is_correction_type icepop; give one")
+
+
+def correction_type(args) -> str | None:
+    """The IS-correction type asked for: --vllm_is_correction_type, else icepop with OpenRLHF's older --use_icepop
+    (which took the [low, high] pair too), else None (OpenRLHF's tis)."""
+    return args.vllm_is_correction_type or ("icepop" if args.use_icepop else None)
 
 
 def dtype_key(args) -> str:
@@ -87,9 +98,9 @@ def is_weights(args) -> tuple[str, float, float | None]:
     [low, high] (a one-number threshold is OpenRLHF 0.8's upper bound alone), icepop drops the tokens outside,
     seq-mask-tis the sequences whose geometric-mean weight is outside (their other tokens keep their own weights)."""
     given = args.vllm_is_truncated_threshold
-    kind = args.vllm_is_correction_type or "tis"
+    kind = correction_type(args) or "tis"
     if given is None:  # the correction type came with the [low, high] pair; the bare switch is 0.8's truncation at 2
-        low, high = IS_PAIR_DEFAULT if args.vllm_is_correction_type else (None, IS_SINGLE_DEFAULT)
+        low, high = IS_PAIR_DEFAULT if correction_type(args) else (None, IS_SINGLE_DEFAULT)
     else:
         low, high = (given[0], given[1]) if len(given) == 2 else (None, given[0])
     if kind in ("icepop", "seq-mask-tis"):  # tokens, or whole sequences by their weights' geometric mean, dropped
@@ -134,7 +145,7 @@ def recent_unused(args) -> list[tuple[tuple[str, ...], str]]:
             "not applied here: the no-grad forwards take --micro_rollout_batch_size rows" if args.use_dynamic_batch
             else "a token budget applies with --use_dynamic_batch only, as in OpenRLHF")]
     if not args.enable_vllm_is_correction:
-        out.append((("vllm_is_truncated_threshold", "vllm_is_correction_type"),
+        out.append((("vllm_is_truncated_threshold", "vllm_is_correction_type", "use_icepop"),
                     "not applied without --enable_vllm_is_correction"))
     return out
 

@@ -27,11 +27,14 @@ from alignrl.preference.configs import DPO_LOSS_NAMES, REFERENCE_FREE, SMOOTHED_
 from alignrl.preference.flag_names import DPO_FLAGS, RM_FLAGS, CommandFlags, epilog, flags_as_keys, spelled_their_way
 from alignrl.preference.notes import NOTES_SAID, say
 
-MAPPING_KEYS = ("chat_template_kwargs",)  # the keys whose values are mappings, checked before OmegaConf merges them
+MAPPING_KEYS = ("chat_template_kwargs",)
+SINKS = ("jsonl", "tensorboard", "wandb")  # the metric sinks of report_to  # the keys whose values are mappings, checked before OmegaConf merges them
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, no usage block: the same shape as every other user error
+        if message.startswith("unrecognized arguments: "):  # argparse lists the overrides after an unknown flag too
+            message = "unrecognized arguments: " + " ".join(_unknown_words(message.split(" ")[2:]))
         flag = message.removeprefix("unrecognized arguments: ").split(" ")[0]
         key = flag.removeprefix("--").partition("=")[0]
         if message.startswith("unrecognized") and flag.startswith("--") and key in _config_keys():
@@ -39,6 +42,21 @@ class _Parser(argparse.ArgumentParser):
             raise ConfigError(f"{self.prog}: {flag} is a setting of another of the offline trainers (rm, dpo), not "
                               "of this one; drop it (see --help)")
         raise ConfigError(f"{self.prog}: {message} (see --help)")
+
+
+def _unknown_words(words: list[str]) -> list[str]:
+    """Of the words argparse could not place, the unknown flags with the values after them: a `key=value` override
+    among them is one the parser takes (a wrong key is named when the config is built)."""
+    out, in_flag = [], False
+    for word in words:
+        if word.startswith("--"):
+            out.append(word)
+            in_flag = "=" not in word
+        elif in_flag and "=" not in word:
+            out.append(word)
+        else:
+            in_flag = False
+    return out or words
 
 
 def _config_keys() -> set[str]:
@@ -94,9 +112,7 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
     betas = cfg.adam_betas
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
         raise ConfigError(f"adam_betas={list(betas)} must be two numbers in [0, 1), e.g. adam_betas=[0.9,0.95]")
-    unknown = set(cfg.report_to) - {"jsonl", "tensorboard"}
-    if unknown:
-        raise ConfigError(f"report_to has unknown sink(s) {sorted(unknown)}; allowed: jsonl, tensorboard")
+    _check_sinks(cfg.report_to)
     # an existing output_dir (folder or file) is moved aside when the model is saved: only a file above it fails
     folders = {"--logging_dir": Path(cfg.logging_dir)} if cfg.logging_dir else {}
     if cfg.output_dir:
@@ -104,6 +120,20 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
         folders["--output_dir"] = output.parent if output.is_file() else output
     check_folders(folders)
     return cfg
+
+
+def _check_sinks(sinks: list) -> None:
+    """The metric sinks: jsonl and tensorboard under logging_dir, and wandb (its run files there too, offline
+    without an API key: `utils.tracking`), which needs its package."""
+    unknown = set(sinks) - set(SINKS)
+    if unknown:
+        raise ConfigError(f"report_to has unknown sink(s) {sorted(map(str, unknown))}; allowed: {', '.join(SINKS)}")
+    if "wandb" in sinks:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("report_to wandb needs the wandb package, which is not installed; `pip install "
+                              "wandb`, or drop wandb from report_to")
 
 
 def _mappings_checked(tree: dict[str, Any], source: str) -> dict[str, Any]:

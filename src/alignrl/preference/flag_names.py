@@ -21,10 +21,11 @@ import re
 from dataclasses import dataclass, field, fields
 
 from alignrl.config import ConfigError
-from alignrl.data.sources import with_config, with_split
+from alignrl.preference.flag_current import is_current_openrlhf, read_flag, read_switch, with_resume
+from alignrl.preference.flag_splits import LIST_KEYS, split_flags, with_splits
 from alignrl.preference.mmdpo_keys import read_yaml, translate, translate_override
 from alignrl.preference.notes import say
-from alignrl.preference.their_defaults import TRL, adopted, say_adopted, spellings
+from alignrl.preference.their_defaults import OPENRLHF, TRL, adopted, say_adopted, spellings
 
 # OpenRLHF's and TRL's names of keys every offline command has (a name already ours needs no entry)
 COMMON_NAMES = {
@@ -39,29 +40,22 @@ COMMON_NAMES = {
 # switches of theirs that set one of our keys to a value (`bf16` is a three-way setting here: auto/true/false)
 COMMON_SWITCHES = {"bf16": ("bf16", "true")}
 COMMON_LEFT_OUT = {
-    "load_checkpoint": "resume with resume_from=<output_dir>.checkpoints/step_N",
-    "ckpt_path": "checkpoints go to <output_dir>.checkpoints (save_steps), resumed with resume_from",
+    "ckpt_path": "checkpoints go to <output_dir>.checkpoints (save_steps), resumed with resume_from or "
+                 "--load_checkpoint",
 }
 # switches with no effect on what trains (packing: rows train padded, to the same loss)
 COMMON_IGNORED = ("flash_attn", "adam_offload", "disable_fast_tokenizer", "packing_samples", "packing")
-# flags with a value that change nothing here: metrics go to logging_dir (report_to: jsonl, tensorboard)
-COMMON_IGNORED_VALUED = ("use_tensorboard", "use_wandb", "wandb_org", "wandb_group", "wandb_project",
-                         "wandb_run_name")
 # their scheduler names of ours: OpenRLHF's cosine_with_min_lr is this cosine (its floor is min_lr_ratio's 0.1);
 # OpenRLHF's empty --input_template is no template, its prompt as it is: our '{}'
+# TRL's report_to none and all: no sink, every sink here
 VALUE_NAMES = {("lr_scheduler", "cosine_with_min_lr"): "cosine", ("lr_scheduler", "constant_with_warmup"): "constant",
-               ("input_template", ""): "{}"}
-LIST_KEYS = ("train_files", "eval_files")  # keys that take OpenRLHF's comma-separated file lists
+               ("input_template", ""): "{}", ("report_to", "none"): "[]",
+               ("report_to", "all"): "[jsonl,tensorboard,wandb]"}
 TEXT_KEYS = ("input_template",)  # keys whose flag value is a text to keep as given
-# OpenRLHF's and TRL's split flags: the split of a dataset folder or Hub dataset (alignrl.data.sources) that the
-# training or the held-out dataset flag reads; the split each reads unasked (train; test, else validation) needs none
-SPLIT_FLAGS = {"dataset_split": "train", "train_split": "train", "dataset_train_split": "train",
-               "eval_split": "eval", "dataset_test_split": "eval", "dataset_config": "config"}  # TRL's `name#config`
-UNASKED_SPLITS = {"train": "train", "eval": "test"}
 # keys OpenRLHF and TRL give as several words (argparse nargs): `--loss_type sigmoid bco_pair sft --loss_weights 1 1 1`
 SPACED_LISTS = ("adam_betas", "lora_target_modules", "loss_type", "loss_weights")
 OWN_FLAGS = ("config", "logging_dir", "nproc", "help")  # the parser's own flags, never config keys
-TRUE_WORDS, FALSE_WORDS = ("true", "yes", "1"), ("false", "no", "0")
+TRUE_WORDS = ("true", "yes", "1")
 
 
 @dataclass(frozen=True)
@@ -101,15 +95,6 @@ def _list_value(value: str) -> str:
     return json.dumps([v for v in value.split(",") if v])
 
 
-def read_switch(word: str, name: str, value: str | None, nxt: str | None) -> tuple[bool, int]:
-    """(on or off, words taken) of a switch: bare, `--name=true|false`, or `--name true|false` (TRL's spelling)."""
-    taken = value is None and nxt is not None and nxt.lower() in TRUE_WORDS + FALSE_WORDS
-    given = value if value is not None else (nxt if taken else "true")
-    if given.lower() not in TRUE_WORDS + FALSE_WORDS:
-        raise ConfigError(f"{word}: --{name} takes true or false, or nothing (true)")
-    return given.lower() in TRUE_WORDS, 2 if taken else 1
-
-
 def _switched(target: str, set_to: str, on: bool) -> list[str]:
     """The override of a switch: its value when on; off, the other boolean, or nothing for a switch that picks a
     value (`--ipo false` leaves loss_type as it is)."""
@@ -139,6 +124,17 @@ def their_names(argv: list[str], own_names: CommandFlags) -> list[str]:
     theirs = {k for k, v in own_names.all_names().items() if k != v} | set(own_names.switches)
     named = (a[2:].partition("=")[0] for a in argv if a.startswith("--"))
     return [n for n in dict.fromkeys(named) if n in theirs]
+
+
+def dataset_hint(argv: list[str], own_names: CommandFlags, key: str = "train_files") -> str:
+    """How to give the training rows in the line's own spelling: TRL's --dataset_name, OpenRLHF's --dataset, or
+    our key (a line of both, or of neither, gets ours with OpenRLHF's beside it)."""
+    whose = spellings(their_names(argv, own_names))
+    if whose == {TRL}:
+        return "--dataset_name NAME_OR_FILE"
+    if whose == {OPENRLHF}:
+        return "--dataset FILE"
+    return f"{key}=[data/train.jsonl] (OpenRLHF: --dataset FILE; TRL: --dataset_name NAME_OR_FILE)"
 
 
 def spelled_their_way(argv: list[str], own_names: CommandFlags) -> bool:
@@ -171,15 +167,9 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
         elif not name or name in OWN_FLAGS or name in own_names.parsed:
             passed.append(word)  # our own flags, overrides, and what the parser reads itself
             i += 1
-        elif name in own_names.accepted or name in COMMON_IGNORED_VALUED:
-            if not eq and (nxt is None or nxt.startswith("--")):
-                raise ConfigError(f"--{name} needs a value (--{name} VALUE)")
-            value, i = (value, i + 1) if eq else (nxt, i + 2)
-            values, why = own_names.accepted.get(name, ((value,), ""))
-            if value not in values:
-                raise ConfigError(f"--{name} {value}: {why}; give {' or '.join(values)}, or leave the flag out")
-            if name in COMMON_IGNORED_VALUED:
-                say(f"note: --{name} changes nothing here and is ignored (metrics go to logging_dir: report_to)")
+        elif (read := read_flag(word, name, eq, value, nxt, own_names.accepted)) is not None:
+            overrides += read[0]  # OpenRLHF's current flags, TRL's run-level ones (flag_current)
+            i += read[1]
         elif name in ignored or name in own_names.always:
             on, taken = read_switch(word, name, value if eq else None, nxt)
             if name in ignored:
@@ -204,8 +194,8 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
         else:  # not a key of this command: the parser names it as unknown
             passed.append(word)
             i += 1
-    overrides = _with_splits(overrides, own_names, splits)
-    words = _their_ipo(passed + overrides, argv, own_names)
+    overrides = with_splits(overrides, own_names, splits)
+    words = _their_ipo(with_resume(passed + overrides), argv, own_names)
     words = _their_defaults(argv, config_class, own_names, words) + words
     _say_template_use(words, config_class)
     return words
@@ -254,67 +244,6 @@ def _spaced_words(argv: list[str], start: int) -> list[str]:
     return list(itertools.takewhile(lambda w: not w.startswith("--") and "=" not in w, argv[start:]))
 
 
-def split_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
-    """(the line without its split flags, {"train" or "eval": the split asked for}), leaving out a split the
-    setting reads unasked."""
-    rest, splits, i = [], {}, 0
-    while i < len(argv):
-        word, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
-        name, eq, value = word[2:].partition("=") if word.startswith("--") else ("", "", "")
-        if name not in SPLIT_FLAGS:
-            rest.append(word)
-            i += 1
-            continue
-        if not eq and (nxt is None or nxt.startswith("--")):
-            raise ConfigError(f"--{name} needs a value (--{name} {name.split('_')[-1].upper()})")
-        value, i = (value, i + 1) if eq else (nxt, i + 2)
-        splits[SPLIT_FLAGS[name]] = value.strip()
-    return rest, {kind: split for kind, split in splits.items() if split != UNASKED_SPLITS.get(kind)}
-
-
-def _with_splits(overrides: list[str], own_names: CommandFlags, splits: dict[str, str]) -> list[str]:
-    """The dataset overrides reading the splits the line asked for; a held-out split without a held-out dataset
-    reads that split of the training datasets (TRL's --dataset_test_split of --dataset_name)."""
-    keys = {"train": own_names.names.get("dataset"), "eval": own_names.names.get("eval_dataset")}
-    config = splits.get("config")  # TRL's --dataset_config: of --dataset_name, and of its held-out split
-    out, given = [], {}
-    for word in overrides:
-        key, _, value = word.partition("=")
-        kind = next((k for k, v in keys.items() if v == key), None)
-        if kind:
-            given[kind] = value
-        if kind and (kind in splits or (config and kind == "train")):
-            own_config = config if kind == "train" else None
-            word = f"{key}={_dataset_value(value, key in LIST_KEYS, splits.get(kind), own_config)}"
-        out.append(word)
-    if "eval" in splits and "eval" not in given and "train" in given and keys["eval"]:
-        held = _dataset_value(given["train"], keys["eval"] in LIST_KEYS, splits["eval"], config)
-        out.append(f"{keys['eval']}={held}")
-    lost = [kind for kind in splits if kind not in given and not (kind in ("eval", "config") and "train" in given)]
-    if lost:
-        which = {"train": "a training split flag", "eval": "a held-out split flag", "config": "--dataset_config"}
-        raise ConfigError(f"{which[lost[0]]} picks from the dataset named by --dataset/--dataset_name"
-                          f"{' or --eval_dataset' if lost[0] == 'eval' else ''} on the same line; name the dataset "
-                          "that way, or its split in brackets after it (train_files=[owner/name[split]])")
-    return out
-
-
-def _dataset_value(value: str, listed: bool, split: str | None, config: str | None) -> str:
-    """A dataset value (one path, or a list key's list: JSON, or `[a,b]` as given) reading the split `split` and the
-    configuration `config` of each dataset folder or Hub dataset (files are read whole)."""
-    if not listed:
-        items = [value]
-    else:
-        items = json.loads(value) if value.startswith("[\"") else [v.strip() for v in value[1:-1].split(",")]
-    items = [str(v) for v in items if str(v)]
-    read = [with_config(v, config) if config else v for v in items]
-    read = [with_split(v, split) if split else v for v in read]
-    if read == items and (split or config):
-        say(f"note: the {'split ' + repr(split) if split else 'configuration ' + repr(config)} changes nothing for "
-            ".jsonl/.json/.parquet files, which are read whole")
-    return json.dumps(read) if listed else read[0]
-
-
 def _their_defaults(argv: list[str], config_class: type, own_names: CommandFlags, words: list[str]) -> list[str]:
     """The overrides of OpenRLHF's or TRL's defaults that a line in their spelling leaves unsaid (said in one line;
     `their_defaults`); none for a line in our own keys."""
@@ -326,7 +255,8 @@ def _their_defaults(argv: list[str], config_class: type, own_names: CommandFlags
     chat = (_last_value(words, "apply_chat_template") or "false").lower() in TRUE_WORDS
     # sft's packing switches' words: either packs some rows, so TRL's packing_strategy (bfd) applies
     packed = any((_last_value(words, k) or "false").lower() in TRUE_WORDS for k in ("packing", "eval_packing"))
-    taken, not_taken = adopted(config_class, whose, _line_keys(words, config_class, own_names), lora, chat, packed)
+    taken, not_taken = adopted(config_class, whose, _line_keys(words, config_class, own_names), lora, chat, packed,
+                               current=is_current_openrlhf(argv))
     say_adopted(config_class, whose, names, taken, not_taken)
     return taken
 
@@ -348,10 +278,11 @@ def _line_keys(words: list[str], config_class: type, own_names: CommandFlags) ->
 
 
 def _engine_of(argv: list[str]) -> list[str]:
-    """OpenRLHF's trainers always run DeepSpeed, so its `--zero_stage N` asks for it: strategy=deepspeed, unless the
-    line picks the strategy itself (a model sized for ZeRO-3 would not fit as a whole copy on every rank)."""
+    """OpenRLHF's trainers run DeepSpeed unless `--backend` says otherwise, so its `--zero_stage N` asks for it:
+    strategy=deepspeed, unless the line picks the engine itself (`--backend`, `--strategy`, `strategy=`); a model
+    sized for ZeRO-3 would not fit as a whole copy on every rank."""
     named = {a[2:].partition("=")[0] for a in argv if a.startswith("--")}
-    if "zero_stage" not in named or "strategy" in named or any(a.startswith("strategy=") for a in argv):
+    if "zero_stage" not in named or {"strategy", "backend"} & named or any(a.startswith("strategy=") for a in argv):
         return []
     say("note: --zero_stage runs DeepSpeed (strategy=deepspeed), as OpenRLHF's scripts do")
     return ["strategy=deepspeed"]
@@ -365,8 +296,6 @@ PAIR_LEFT_OUT = {
     "load_in_4bit": "4-bit loading is left out (--bf16 halves the memory of float32)",
     "max_prompt_length": "the prompt keeps at most half of max_length (its end)",
 }
-# TRL's evaluation schedule: held-out pairs are measured before and after training, and every eval_steps
-EVAL_STRATEGY = ("no", "steps", "epoch")
 
 RM_FLAGS = CommandFlags(
     names={"dataset": "helpful_train_file", "dataset_name": "helpful_train_file",
@@ -375,15 +304,11 @@ RM_FLAGS = CommandFlags(
     accepted={"value_head_prefix": (("value_head", "score"), "alignrl saves the head as score (transformers' name) "
                                                              "and reads value_head (OpenRLHF's) or score"),
               "loss": (("sigmoid",), "the reward model trains with the Bradley-Terry loss -log σ(r_chosen - "
-                                     "r_rejected), OpenRLHF's sigmoid"),
-              "eval_strategy": (EVAL_STRATEGY, "held-out pairs are measured before and after training and every "
-                                               "eval_steps")})
+                                     "r_rejected), OpenRLHF's sigmoid")})
 DPO_FLAGS = CommandFlags(
     names={"dataset": "train_files", "dataset_name": "train_files", "eval_dataset": "eval_files",
            "ref_pretrain": "ref_model_path", "rpo_alpha": "nll_loss_coef", "cpo_alpha": "nll_loss_coef"},
-    switches={"ipo": ("loss_type", "ipo")}, left_out=PAIR_LEFT_OUT, ignored=("ref_offload",), parsed=("loss_type",),
-    accepted={"eval_strategy": (EVAL_STRATEGY, "held-out pairs are measured before and after training and every "
-                                               "eval_steps")})
+    switches={"ipo": ("loss_type", "ipo")}, left_out=PAIR_LEFT_OUT, ignored=("ref_offload",), parsed=("loss_type",))
 
 
 def epilog(own_names: CommandFlags) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from alignrl.config import ConfigError, opt
 from alignrl.core.kto import KTO_LOSS_TYPES
 from alignrl.preference.cli import COMMANDS, load_flat_config, make_parser, run_cli
-from alignrl.preference.flag_names import CommandFlags, epilog, flags_as_keys
+from alignrl.preference.flag_names import CommandFlags, dataset_hint, epilog, flags_as_keys
 from alignrl.preference.configs import CommonConfig
 
 
@@ -72,8 +72,7 @@ def parse_kto(argv: list[str]) -> KTOConfig:
     cfg = load_flat_config(KTOConfig, args.config, args.overrides, {"output_dir": args.output_dir,
                                                                       "logging_dir": args.logging_dir})
     if not cfg.train_files:
-        raise ConfigError("train_files is empty: give the training rows, e.g. train_files=[data/train.jsonl] "
-                          "(OpenRLHF: --dataset FILE)")
+        raise ConfigError(f"train_files is empty: give the training rows, {dataset_hint(argv, KTO_FLAGS)}")
     if cfg.loss_type == "kto" and cfg.batch_size < 2:  # TRL refuses it too
         raise ConfigError("loss_type=kto with batch_size=1: a row's mismatched completion would be its own, so the KL "
                           "estimate would equal its implicit reward; use batch_size >= 2")

@@ -40,14 +40,18 @@ LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
 PACKING_ONLY = ("packing_strategy",)
 
 # OpenRLHF's train_*.py argparse defaults, in our keys (-1 "never" is our 0; cosine_with_min_lr is our cosine with
-# min_lr_ratio's floor; --bf16 unset trains in fp32; --lora_rank 0 is no LoRA). Without --apply_chat_template their
-# scripts train on text: the prompt formatted into --input_template (train_sft's and train_kto's default is
-# 'User: {}\nAssistant: ', train_rm's and train_dpo's none: the prompt as it is, our '{}'), then the response.
+# min_lr_ratio's floor; in the older scripts --bf16 unset trains in fp32, OPENRLHF_CURRENT_BF16 says the current
+# ones'; --lora_rank 0 is no LoRA). Without --apply_chat_template their scripts train on text: the prompt formatted
+# into --input_template (train_sft's and train_kto's default is 'User: {}\nAssistant: ', train_rm's and train_dpo's
+# none: the prompt as it is, our '{}'), then the response.
 _OPENRLHF_COMMON: dict[str, Any] = {
     "warmup_ratio": 0.03, "adam_betas": [0.9, 0.95], "lr_scheduler": "cosine", "min_lr_ratio": 0.1, "grad_clip": 1.0,
     "weight_decay": 0.0, "seed": 42, "epochs": 1, "batch_size": 8, "train_batch_size": 128, "log_every": 1,
     "bf16": "false", "zero_stage": 2, "gradient_checkpointing": False, "save_steps": 0, "eval_steps": 0,
     "use_lora": False, "lora_alpha": 16, "lora_dropout": 0.0, "lora_target_modules": "all-linear"}
+# OpenRLHF's current scripts (--param_dtype, --attn_implementation, --backend) have no --bf16: --param_dtype sets the
+# dtype, bf16 unless asked otherwise
+OPENRLHF_CURRENT_BF16 = "true"
 OPENRLHF_DEFAULTS: dict[str, dict[str, Any]] = {
     "rm": {**_OPENRLHF_COMMON, "learning_rate": 9e-6, "batch_size": 1, "max_length": 512,
            "apply_chat_template": False, "input_template": "{}"},
@@ -120,14 +124,17 @@ def _word(value: Any) -> str:
 
 
 def adopted(config_class: type, whose: set[str], line_keys: set[str], lora: bool,
-            chat: bool = False, packed: bool = False) -> tuple[list[str], list[str]]:
+            chat: bool = False, packed: bool = False, current: bool = False) -> tuple[list[str], list[str]]:
     """(the `key=value` overrides of their defaults this line takes, what of theirs has no counterpart here): keys
     of `config_class` whose default differs and which the line does not set (`line_keys`); with `chat` (the line
     turns the chat template on) not input_template, which their scripts ignore then; the packing keys only when the
-    line packs (`packed`)."""
+    line packs (`packed`); with `current` (the line names a flag of OpenRLHF's current scripts) OpenRLHF's
+    current dtype, bf16."""
     command = COMMAND_OF[config_class.__name__]
     ours = {f.name: _default(f) for f in fields(config_class)}
     theirs = their_defaults(command, whose)
+    if current and whose == {OPENRLHF}:
+        theirs["bf16"] = OPENRLHF_CURRENT_BF16
     if "gradient_accumulation_steps" in line_keys:  # the line gives the global batch its own way
         theirs.pop("train_batch_size", None)
     if chat:

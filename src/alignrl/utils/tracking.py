@@ -74,11 +74,13 @@ def json_line(record: dict[str, Any]) -> str:
 
 class Tracker:
     def __init__(self, log_dir: Path, sinks: list[str], resume_step: int = 0, write: bool = True,
-                 project: str = "alignrl", run_name: str | None = None, config: Any = None,
+                 project: str | None = None, run_name: str | None = None, config: Any = None,
                  tensorboard_dir: Path | None = None):
-        """`write=False` (ranks other than 0) keeps history in memory and touches no file. `project`,
-        `run_name` (default: the run folder's name) and `config` (a dict or the run's config dataclass)
-        label the wandb run. TensorBoard events go to `tensorboard_dir` (default: `log_dir/tensorboard`)."""
+        """`write=False` (ranks other than 0) keeps history in memory and touches no file. `project` (default:
+        WANDB_PROJECT, else alignrl, as an offline trainer's `report_to` wandb has no setting of its own), `run_name`
+        (default: the logging folder's name, logs/training/<the output folder's name> for the offline trainers) and
+        `config` (a dict or the run's config dataclass) label the wandb run. TensorBoard events go to
+        `tensorboard_dir` (default: `log_dir/tensorboard`)."""
         self.log_dir = log_dir
         self.sinks = set(sinks) if write else set()
         self.jsonl = log_dir / "metrics.jsonl"
@@ -104,7 +106,8 @@ class Tracker:
             self.tb = SummaryWriter(str(events), purge_step=resume_step + 1 if resume_step else None)
         self.wandb, self.tables = None, {}
         if "wandb" in self.sinks:
-            self.wandb = start_wandb(log_dir, project, run_name or log_dir.parent.name, config, resume=resume_step > 0)
+            self.wandb = start_wandb(log_dir, project or os.environ.get("WANDB_PROJECT") or "alignrl",
+                                     run_name or log_dir.name, config, resume=resume_step > 0)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -222,8 +225,9 @@ def start_wandb(log_dir: Path, project: str, run_name: str, config: Any, resume:
                          config=config, settings=wandb.Settings(console="off", silent=True))
     except Exception as e:  # wandb raises its own error types for a bad key, project or server
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"trainer.logger wandb could not start in {mode} mode ({first[:160]}); set "
-                          "WANDB_MODE=offline, fix WANDB_API_KEY, or drop wandb from trainer.logger") from None
+        raise ConfigError(f"wandb could not start in {mode} mode ({first[:160]}); set WANDB_MODE=offline, fix "
+                          "WANDB_API_KEY, or drop wandb from the sinks (trainer.logger; the offline trainers' "
+                          "report_to)") from None
     run.define_metric(WANDB_STEP)
     run.define_metric("*", step_metric=WANDB_STEP)
     if mode == "offline":

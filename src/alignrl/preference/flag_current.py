@@ -1,0 +1,149 @@
+"""The run-level flags of OpenRLHF's current offline scripts (`--param_dtype`, `--backend`, `--attn_implementation`,
+`--load_checkpoint`) and of TRL's trainers (`--eval_strategy`, `--eos_token`, `--push_to_hub`, `--dataset_streaming`,
+`--remove_unused_columns`, `--logging_first_step`) on `alignrl train sft|rm|dpo|kto`: each is translated to a key of
+ours, accepted with a note when it changes nothing here, or refused in one line saying what to do instead.
+`flag_names.flags_as_keys` asks `read_flag` first for every flag of a line. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alignrl.config import ConfigError
+from alignrl.preference.notes import say
+
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "1"), ("false", "no", "0")
+# flags whose value picks a value of one of our keys: flag -> (our key, {their value: ours}, why another is refused).
+# OpenRLHF's --param_dtype (its current dtype flag, default bf16) is our bf16; its --backend our strategy.
+CHOICE_FLAGS = {
+    "param_dtype": ("bf16", {"bf16": "true"}, "the offline trainers compute in bfloat16 or float32 (bf16=true or "
+                                              "false); float16 is left out"),
+    "backend": ("strategy", {"deepspeed": "deepspeed", "fsdp2": "fsdp2"}, "the training engines here are ddp, "
+                                                                          "fsdp2 and deepspeed (strategy=...)"),
+}
+# OpenRLHF's flags of its current scripts: a line naming one is written for them, whose default dtype is bf16
+CURRENT_OPENRLHF = ("param_dtype", "attn_implementation", "backend")
+_METRICS = "metrics go to logging_dir: report_to=[jsonl,tensorboard], and wandb with report_to=[...,wandb]"
+# flags with a value that change nothing here -> why
+IGNORED_VALUED = {
+    "attn_implementation": "attention runs through PyTorch's SDPA here, which needs no flash-attention package",
+    **{name: _METRICS for name in ("use_tensorboard", "use_wandb", "wandb_org", "wandb_group", "wandb_project",
+                                   "wandb_run_name")}}
+# switches that change nothing here -> why
+IGNORED_SWITCHES = {
+    "remove_unused_columns": "the loaders read only the columns they name",
+    "no_remove_unused_columns": "the loaders read only the columns they name",
+    "logging_first_step": "training metrics are logged every log_every steps; log_every=1 logs the first",
+}
+# switches refused when on (off, they ask for what happens anyway) -> what to do instead
+REFUSED_SWITCHES = {
+    "push_to_hub": "upload the run's final model folder with `huggingface-cli upload`; drop the flag",
+    "dataset_streaming": "the dataset is read whole before training; drop the flag",
+}
+# flags with a value refused whatever it is -> what to do instead
+REFUSED_VALUED = {
+    "eos_token": "each row here ends with the tokenizer's own eos token; to end rows with another, set "
+                 "\"eos_token\" in the model folder's tokenizer_config.json, then drop the flag",
+}
+# TRL's evaluation schedule: held-out rows are measured before and after training, and every eval_steps
+EVAL_STRATEGY = ("no", "steps", "epoch")
+COMMON_ACCEPTED = {"eval_strategy": (EVAL_STRATEGY, "held-out rows are measured before and after training and "
+                                                    "every eval_steps")}
+LOAD_CHECKPOINT = "load_checkpoint"
+_LOAD_MARK = "\0load_checkpoint"  # stands for the resume_from override until the line's output folder is known
+
+
+def read_switch(word: str, name: str, value: str | None, nxt: str | None) -> tuple[bool, int]:
+    """(on or off, words taken) of a switch: bare, `--name=true|false`, or `--name true|false` (TRL's spelling)."""
+    taken = value is None and nxt is not None and nxt.lower() in TRUE_WORDS + FALSE_WORDS
+    given = value if value is not None else (nxt if taken else "true")
+    if given.lower() not in TRUE_WORDS + FALSE_WORDS:
+        raise ConfigError(f"{word}: --{name} takes true or false, or nothing (true)")
+    return given.lower() in TRUE_WORDS, 2 if taken else 1
+
+
+def _value(name: str, eq: str, value: str, nxt: str | None) -> tuple[str, int]:
+    """(the value of `--name VALUE` or `--name=VALUE`, words taken)."""
+    if not eq and (nxt is None or nxt.startswith("--")):
+        raise ConfigError(f"--{name} needs a value (--{name} VALUE)")
+    return (value, 1) if eq else (nxt, 2)
+
+
+def read_flag(word: str, name: str, eq: str, value: str, nxt: str | None,
+              accepted: dict[str, tuple[tuple[str, ...], str]]) -> tuple[list[str], int] | None:
+    """(the overrides of flag `--name` at `word`, words taken), or None when it is none of this module's flags.
+    `accepted`: the command's flags that name what happens here anyway (flag -> (values accepted, what happens))."""
+    accepted = {**COMMON_ACCEPTED, **accepted}
+    if name in CHOICE_FLAGS:
+        given, taken = _value(name, eq, value, nxt)
+        key, values, why = CHOICE_FLAGS[name]
+        if given not in values:
+            raise ConfigError(f"--{name} {given}: {why}; give {' or '.join(values)}, or leave the flag out")
+        return [f"{key}={values[given]}"], taken
+    if name in accepted or name in IGNORED_VALUED or name in REFUSED_VALUED:
+        given, taken = _value(name, eq, value, nxt)
+        if name in REFUSED_VALUED:
+            raise ConfigError(f"--{name} is not supported here: {REFUSED_VALUED[name]}")
+        if name in IGNORED_VALUED:
+            say(f"note: --{name} changes nothing here and is ignored ({IGNORED_VALUED[name]})")
+            return [], taken
+        values, why = accepted[name]
+        if given not in values:
+            raise ConfigError(f"--{name} {given}: {why}; give {' or '.join(values)}, or leave the flag out")
+        return [], taken
+    if name in IGNORED_SWITCHES or name in REFUSED_SWITCHES or name == LOAD_CHECKPOINT:
+        on, taken = read_switch(word, name, value if eq else None, nxt)
+        if name in REFUSED_SWITCHES and on:
+            raise ConfigError(f"--{name} is not supported here: {REFUSED_SWITCHES[name]}")
+        if name in IGNORED_SWITCHES:
+            say(f"note: --{name} changes nothing here and is ignored ({IGNORED_SWITCHES[name]})")
+        return ([_LOAD_MARK] if name == LOAD_CHECKPOINT and on else []), taken
+    return None
+
+
+def with_resume(words: list[str]) -> list[str]:
+    """`words` with `--load_checkpoint`'s stand-in replaced, as OpenRLHF's: the latest complete checkpoint of the
+    line's output folder (`<output_dir>.checkpoints/step_N`, written every save_steps) as resume_from when there is
+    one, nothing on a first run. A resume_from the line gives itself wins."""
+    if _LOAD_MARK not in words:
+        return words
+    rest = [w for w in words if w != _LOAD_MARK]
+    if any(w.startswith("resume_from=") for w in rest):
+        return rest
+    outputs = [rest[i + 1] for i, w in enumerate(rest[:-1]) if w == "--output_dir"]
+    outputs += [w.partition("=")[2] for w in rest if w.startswith("output_dir=")]
+    if not outputs:
+        raise ConfigError("--load_checkpoint resumes from the checkpoints of the run's output folder: give it with "
+                          "--save_path DIR (they are DIR.checkpoints/step_N), or resume_from=DIR.checkpoints/step_N")
+    latest = latest_checkpoint(Path(outputs[-1]))
+    root = checkpoints_of(Path(outputs[-1]))
+    if latest is None:
+        say(f"note: --load_checkpoint: no checkpoint in {root} yet, so training starts from the base model (as "
+            "OpenRLHF's does on a first run; save_steps N writes one every N steps)")
+        return rest
+    say(f"note: --load_checkpoint goes on from {latest} (resume_from), the latest checkpoint in {root}")
+    return rest + [f"resume_from={latest}"]
+
+
+def checkpoints_of(out_dir: Path) -> Path:
+    """The folder of a run's checkpoints (`preference.checkpoints.checkpoint_root`'s layout)."""
+    from alignrl.preference.checkpoints import checkpoint_root
+
+    return checkpoint_root(out_dir)
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """The complete checkpoint of the highest step under `<out_dir>.checkpoints`, or None. A folder being written
+    is a hidden `.step_N.tmp`, so a `step_N` folder holding the weights and the state is complete."""
+    from alignrl.preference.checkpoints import STATE, WEIGHTS
+
+    root = checkpoints_of(out_dir)
+    steps = [(int(p.name[5:]), p) for p in root.glob("step_*") if p.name[5:].isdigit()
+             and (p / WEIGHTS).is_file() and (p / STATE).is_file()] if root.is_dir() else []
+    return max(steps)[1] if steps else None
+
+
+def is_current_openrlhf(argv: list[str]) -> bool:
+    """Whether the line names a flag only OpenRLHF's current scripts have (their default dtype is bf16, where the
+    older scripts trained in float32 without --bf16)."""
+    return any(w.startswith("--") and w[2:].partition("=")[0] in CURRENT_OPENRLHF for w in argv)
