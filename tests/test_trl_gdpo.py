@@ -53,6 +53,7 @@ def test_the_stage_rewards_normalized_sums_and_counts_correct_on_the_plain_sum(t
     assert scores.correct.tolist() == [True, False, False, False]  # the plain weighted sum decides: 1, 0.5, 0, 0
     assert scores.rewards[0] > scores.rewards[1] and scores.rewards[2] == scores.rewards[3] == 0.0
     assert scores.filter_scores.tolist() == [1.0, 0.5, 0.0, 0.0]  # dynamic sampling's bounds read the plain sum
+    assert scores.shown.tolist() == [1.0, 0.5, 0.0, 0.0]  # and reward/mean logs it, as TRL's "reward"
 
 
 def test_a_trl_line_asks_for_it_and_the_config_keeps_it_to_trl_functions(tmp_path):

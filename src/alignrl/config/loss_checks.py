@@ -14,12 +14,40 @@ def loss_option_problem(cfg: RunConfig) -> str | None:
     a = cfg.algorithm
     if a.multi_objective_aggregation == "normalize_then_sum":
         return _normalize_each_problem(cfg)
+    if a.adv_estimator == "gdpo" or a.gdpo_reward_keys or a.gdpo_reward_weights:
+        return _gdpo_problem(cfg)
     if a.grpo_std_scope == "batch" and a.adv_estimator != "grpo":
         return (f"algorithm.grpo_std_scope=batch scales GRPO's advantages (got adv_estimator={a.adv_estimator}): "
                 "set algorithm.adv_estimator=grpo, or grpo_std_scope=group")
     if a.grpo_std_scope == "batch" and not a.norm_adv_by_std_in_grpo:
         return ("algorithm.grpo_std_scope=batch picks the std the advantages are divided by, and "
                 "norm_adv_by_std_in_grpo=false divides by none: set one of them back")
+    return _actor_problem(cfg)
+
+
+def _gdpo_problem(cfg: RunConfig) -> str | None:
+    """verl's GDPO reads each named component of a rule reward's dict apart; the advantage whitens their sum."""
+    a = cfg.algorithm
+    if a.adv_estimator != "gdpo":
+        return (f"algorithm.gdpo_reward_keys/gdpo_reward_weights act with algorithm.adv_estimator=gdpo (got "
+                f"{a.adv_estimator}): set it, or drop them")
+    if not a.gdpo_reward_keys or not all(isinstance(k, str) and k for k in a.gdpo_reward_keys):
+        return ("algorithm.adv_estimator=gdpo normalizes each reward component apart: name them, e.g. "
+                "algorithm.gdpo_reward_keys=[format_reward,accuracy_reward] (keys of the dict compute_score returns)")
+    if a.gdpo_reward_weights and len(a.gdpo_reward_weights) != len(a.gdpo_reward_keys):
+        return (f"algorithm.gdpo_reward_weights has {len(a.gdpo_reward_weights)} weight(s) for "
+                f"{len(a.gdpo_reward_keys)} gdpo_reward_keys: give one each, or none (1 each)")
+    shaped = [k for k, on in (("algorithm.reward_model", a.reward_model), ("services.reward_url",
+                                                                             cfg.services.reward_url),
+                              ("agent.env_path", cfg.agent.env_path), ("algorithm.use_kl_in_reward",
+                                                                         a.use_kl_in_reward),
+                              ("algorithm.overlong_buffer_len", a.overlong_buffer_len),
+                              ("algorithm.format_reward_weight", a.format_reward_weight),
+                              ("algorithm.truncated_reward_coef", a.truncated_reward_coef is not None),
+                              ("algorithm.multi_objective_aggregation=normalize_then_sum", False)) if on]
+    if shaped:  # verl's GDPO reads the components alone: what these add to the reward would change nothing
+        return (f"algorithm.adv_estimator=gdpo trains on the reward function's components alone, which {shaped[0]} "
+                "would not reach: drop it")
     return _actor_problem(cfg)
 
 

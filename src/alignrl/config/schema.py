@@ -196,10 +196,11 @@ class ActorConfig:
 class AlgorithmConfig:
     adv_estimator: str = opt("grpo", "advantage estimator: grpo (GRPO/Dr.GRPO), rloo (leave-one-out), "
                                      "reinforce_plus_plus (whitened returns), reinforce_plus_plus_baseline, remax "
-                                     "(greedy baseline), gpg (GPG's scaled group baseline), gae (PPO with "
-                                     "critic.enable=true)",
+                                     "(greedy baseline), gpg (GPG's scaled group baseline), gdpo (each of "
+                                     "gdpo_reward_keys normalized in its group, summed, whitened: verl's GDPO), gae "
+                                     "(PPO with critic.enable=true)",
                              choices=("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                                      "gpg", "gae"))
+                                      "gpg", "gdpo", "gae"))
     gamma: float = opt(1.0, "discount of GAE and REINFORCE++ returns", ge=0.0, le=1.0)
     lam: float = opt(1.0, "GAE lambda", ge=0.0, le=1.0)
     norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false, with actor.loss_agg_mode="
@@ -213,6 +214,9 @@ class AlgorithmConfig:
                                            "normalize_then_sum normalizes each in its prompt group first (GDPO), "
                                            "with grpo_std_scope=batch", choices=("sum_then_normalize",
                                                                                   "normalize_then_sum"))
+    gdpo_reward_keys: list = opt([], "adv_estimator=gdpo: the keys of the dict the reward function returns (verl's "
+                                     "compute_score: {'score': s, 'format_reward': f, ...}) each normalized apart")
+    gdpo_reward_weights: list = opt([], "adv_estimator=gdpo: each key's weight in the sum (empty: 1 each)")
     outcome_baseline: str = opt("none", "reinforce_plus_plus: shape each outcome reward with its prompt's group "
                                         "before the per-token KL penalty and the returns-to-go, as OpenRLHF's "
                                         "estimators do: loo (its rloo), mean (reinforce_baseline, dr_grpo), "

@@ -110,7 +110,7 @@ def _dapo_and_reward(st: TranslationPass, key: str, value: str, v: object) -> No
     elif key == "reward_model.reward_manager":
         if v not in REWARD_MANAGERS:
             raise ConfigError(f"{key}={value} is not supported (alignrl's reward stage is the rule reward, verl's "
-                              "naive manager, with DAPO's overlong buffer: naive, dapo, prime or batch)")
+                              "naive manager, with DAPO's overlong buffer: naive, dapo, prime, batch or gdpo)")
         st.out.append(f"algorithm.reward_fn_batch={str(v == 'batch').lower()}")  # batch: one call per batch
         if v == "prime":  # its process pool: each row at most 300 s, a row past it scoring 0
             st.out.append("algorithm.reward_timeout_s=300")

@@ -208,9 +208,10 @@ DAPO = {"algorithm.filter_groups.enable": "algorithm.dynamic_sampling",
 # the same numbers for a rule reward (the score is the reward)
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 # verl's reward managers alignrl's reward stage is: the rule reward (naive), with DAPO's overlong buffer (dapo)
-REWARD_MANAGERS = ("naive", "dapo", "prime", "batch")  # prime: naive's scores over worker processes, each row at
-# most 300 s (algorithm.reward_timeout_s); batch: the custom function scores the whole batch in one call
-# (algorithm.reward_fn_batch)
+REWARD_MANAGERS = ("naive", "dapo", "prime", "batch", "gdpo", "naive_gdpo")  # prime: naive's scores over worker
+# processes, each row at most 300 s (algorithm.reward_timeout_s); batch: the custom function scores the whole batch in
+# one call (algorithm.reward_fn_batch); gdpo: naive's, whose dicts' keys algorithm.adv_estimator=gdpo reads (every
+# dict's numbers ride along with its score here, whatever the manager)
 
 # Accepted, with alignrl's behaviour named when the value asks for something else (it evaluates before and
 # after training to report base and final accuracy). trainer.final_validation is not Search-R1's (its verl

@@ -115,6 +115,15 @@ def grpo_advantages(rewards: torch.Tensor, group: torch.Tensor, norm_by_std: boo
     return centred.masked_fill(single, 0.0)
 
 
+def decoupled_group_sum(per_reward: torch.Tensor, group: torch.Tensor, weights: torch.Tensor,
+                        norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """verl's GDPO reward (algorithm.adv_estimator=gdpo; "GDPO: Group reward-Decoupled Normalization Policy
+    Optimization", arXiv:2601.05242): each of the K reward components (B, K) normalized in its prompt group as
+    GRPO's advantage is (`grpo_advantages`: verl runs its GRPO estimator on each component), then weighted (K,) and
+    summed -> (B,). The advantage (`_gdpo`) whitens this sum over the batch's tokens."""
+    return sum(w * grpo_advantages(per_reward[:, k], group, norm_by_std, eps) for k, w in enumerate(weights.tolist()))
+
+
 def rloo_advantages(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     """REINFORCE leave-one-out (RLOO; Ahmadian et al. 2024, "Back to Basics: Revisiting
     REINFORCE Style Optimization for Learning from Human Feedback in LLMs").
@@ -290,6 +299,13 @@ def _remax(x: OutcomeInputs) -> torch.Tensor:
     return remax_advantages(x.token_rewards, x.mask, x.baseline)
 
 
+def _gdpo(x: OutcomeInputs) -> torch.Tensor:
+    """verl's GDPO: the rewards (already `decoupled_group_sum`, in the reward stage) on every token, whitened over the
+    batch's masked tokens (over every rank with `sum_ranks`)."""
+    mask = x.mask.to(x.rewards.dtype)
+    return masked_whiten(x.rewards[:, None] * mask, mask, sum_ranks=x.sum_ranks)
+
+
 # The critic-free estimators, one signature: OutcomeInputs -> advantages (B,) or (B, T). GAE (PPO with a
 # critic) is `gae_advantages`, fed by the critic's values instead.
 ADVANTAGES: dict[str, Callable[[OutcomeInputs], torch.Tensor]] = {
@@ -299,4 +315,5 @@ ADVANTAGES: dict[str, Callable[[OutcomeInputs], torch.Tensor]] = {
     "reinforce_plus_plus_baseline": _reinforce_pp_baseline,
     "remax": _remax,
     "gpg": _gpg,
+    "gdpo": _gdpo,
 }

@@ -100,6 +100,9 @@ class Scores:
     # (B,) what dynamic sampling's range tests when it is not the reward: an environment's "scores" (OpenRLHF filters
     # on them); None: the reward. Used in the producer only, so never sent to a trainer
     filter_scores: torch.Tensor | None = None
+    # (B,) the reward the logs show where the training reward is normalized per group (GDPO: the plain score or the
+    # functions' weighted sum); None: the reward. Producer-only too
+    shown: torch.Tensor | None = None
 
     @property
     def for_filtering(self) -> torch.Tensor:
@@ -108,13 +111,13 @@ class Scores:
     def rows(self, idx: torch.Tensor) -> Scores:
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
         return Scores(self.rewards[idx], self.correct[idx], pick(self.costs), pick(self.baseline),
-                      pick(self.filter_scores))
+                      pick(self.filter_scores), pick(self.shown))
 
     def cat(self, other: Scores) -> Scores:
         join = lambda a, b: None if a is None else torch.cat([a, b])  # noqa: E731
         return Scores(torch.cat([self.rewards, other.rewards]), torch.cat([self.correct, other.correct]),
                       join(self.costs, other.costs), join(self.baseline, other.baseline),
-                      join(self.filter_scores, other.filter_scores))
+                      join(self.filter_scores, other.filter_scores), join(self.shown, other.shown))
 
 
 @dataclass

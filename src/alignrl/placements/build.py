@@ -18,7 +18,7 @@ import torch
 
 from alignrl.rl.producer import LocalRefScorer, RolloutMaker
 from alignrl.preference.rm import check_rl_scorers
-from alignrl.rl.scoring import RewardStage
+from alignrl.rl.scoring import RewardComponents, RewardStage
 from alignrl.rl.trainer import CriticParts
 from alignrl.config import RunConfig
 from alignrl.config.checks import needs_reference, response_cap
@@ -152,6 +152,8 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device, loaded: Seque
                        response_cap(cfg), a.overlong_buffer_len, a.overlong_penalty_factor, reward_model,
                        add_rule=a.reward_model_mix == "add", truncated_reward_coef=a.truncated_reward_coef,
                        normalize_each=a.multi_objective_aggregation == "normalize_then_sum",
+                       components=RewardComponents(tuple(a.gdpo_reward_keys), tuple(a.gdpo_reward_weights),
+                                                   a.norm_adv_by_std_in_grpo) if a.adv_estimator == "gdpo" else None,
                        cost_fn=timed_rule(cfg, "cost") if s.cost_fn else None,
                        cost_model=ModelScorer(s.cost_model, cfg.model.dtype, log=console.print, device=device)
                        if s.cost_model else None)

@@ -28,8 +28,8 @@ def finite_score(value: Any, who: str, data_source: str) -> float:
     """`value` as a float when it is a finite real number (bool, int, float, numpy scalar); else a
     ScoreError: a NaN reward trains every weight into NaN, and a string or None fails far from its cause.
     A dict with a "score" (verl's functions may return one, with extra information beside it) gives its score, with
-    its "filter_score" (an OpenRLHF reward file's "scores") and "acc" (verl's: whether the answer is right) riding
-    along as a RowScore."""
+    its "filter_score" (an OpenRLHF reward file's "scores"), "acc" (verl's: whether the answer is right) and all its
+    numbers by key (the components verl's GDPO reads) riding along as a RowScore."""
     if isinstance(value, RowScore):
         return value  # checked when it was made
     if isinstance(value, dict):
@@ -37,9 +37,10 @@ def finite_score(value: Any, who: str, data_source: str) -> float:
             raise ScoreError(who, f"returned a dict without a 'score' key (keys {sorted(map(str, value))[:5]})",
                              data_source, "return a finite float, or {'score': float, ...} as verl's functions do")
         filtered, acc = value.get("filter_score"), solved(value.get("acc"))
-        if filtered is not None or acc is not None:
+        parts = _numbers(value)
+        if filtered is not None or acc is not None or len(parts) > 1:
             return RowScore(finite_score(value["score"], who, data_source),
-                            None if filtered is None else finite_score(filtered, who, data_source), acc)
+                            None if filtered is None else finite_score(filtered, who, data_source), acc, parts)
         value = value["score"]
     if not isinstance(value, (numbers.Real, np.bool_)):  # numpy's bool is not registered as Real
         shown = "None" if value is None else f"a {type(value).__name__} ({value!r:.40})"
@@ -51,6 +52,19 @@ def finite_score(value: Any, who: str, data_source: str) -> float:
     if not math.isfinite(x):
         raise ScoreError(who, f"returned {x}", data_source, "return a finite float")
     return x
+
+
+def _numbers(value: dict) -> dict[str, float]:
+    """The dict's real numbers by key (as floats; an int too large for one is inf, for its user to be told)."""
+    out = {}
+    for k, v in value.items():
+        v = plain_number(v)
+        if isinstance(v, (numbers.Real, np.bool_)):
+            try:
+                out[str(k)] = float(v)
+            except OverflowError:
+                out[str(k)] = math.inf
+    return out
 
 
 def solved(acc: Any) -> bool | None:

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 class RowScore(float):
     """A reward (a plain float wherever the reward is used) with what the function said beside it: the score dynamic
-    filtering tests in its place (OpenRLHF's reward files return both: "rewards" train, "scores" filter), and whether
+    filtering tests in its place (OpenRLHF's reward files return both: "rewards" train, "scores" filter), whether
     the answer is right (verl's "acc", which its validation reports as the accuracy: a rule whose right answers score
-    below 1, as geo3k's 0.9 without the format, still counts them right)."""
+    below 1, as geo3k's 0.9 without the format, still counts them right), and the dict's numbers by key."""
 
-    def __new__(cls, reward: float, filter_score: float | None = None, correct: bool | None = None):
+    def __new__(cls, reward: float, filter_score: float | None = None, correct: bool | None = None,
+                parts: dict[str, float] | None = None):
         obj = super().__new__(cls, reward)
         obj.filter_score = None if filter_score is None else float(filter_score)
         obj.correct = None if correct is None else bool(correct)
+        obj.parts = parts or {}  # every number of a verl dict by its key: the components GDPO reads apart
         return obj
 
 

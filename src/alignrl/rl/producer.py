@@ -253,10 +253,10 @@ def agent_metrics(ro: Rollout) -> dict[str, float]:
 
 
 def first_draw_metrics(ro: Rollout, scores: Scores) -> dict[str, float]:
-    lengths = ro.response_lengths.float()
+    lengths, shown = ro.response_lengths.float(), scores.rewards if scores.shown is None else scores.shown
     return {**agent_metrics(ro),
-        "reward/mean": float(scores.rewards.mean()),
-        "reward/std": float(scores.rewards.std()) if len(scores.rewards) > 1 else 0.0,
+        "reward/mean": float(shown.mean()),
+        "reward/std": float(shown.std()) if len(shown) > 1 else 0.0,
         "reward/accuracy": float(scores.correct.float().mean()),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),

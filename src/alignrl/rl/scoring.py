@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from alignrl.core.advantages import normalize_then_sum
+from alignrl.core.advantages import decoupled_group_sum, normalize_then_sum
 from alignrl.core.shaping import overlong_penalty, truncated_reward
 from alignrl.data.records import Rollout, Sample, Scores
 from alignrl.interfaces import SequenceScorer
@@ -24,6 +24,34 @@ RewardFn = Callable[[str, str, str, dict], float]
 # the key of a row's `Rollout.reward_extras` that keeps the columns TRL's functions logged of it (log_extra), for the
 # step's logged generations; never part of the extra_info a reward function reads
 LOGGED = "trl_log_extra"
+
+
+@dataclass(frozen=True)
+class RewardComponents:
+    """verl's GDPO (algorithm.adv_estimator=gdpo): the keys of the dicts the reward function returns, each
+    normalized in its prompt group (as GRPO's advantage, by its std or not), then weighted and summed."""
+
+    keys: tuple[str, ...]
+    weights: tuple[float, ...] = ()  # one each; empty: 1 each
+    norm_by_std: bool = True
+
+    def reward(self, rewards: Sequence[float], rows: Sequence[Sample], group: torch.Tensor) -> list[float]:
+        """Each row's decoupled sum, from its reward value's numbers by key; a row without a key, or with a value
+        that is not finite, is one line naming the row."""
+        table = torch.tensor([[_component(r, k, rows[i], i) for k in self.keys] for i, r in enumerate(rewards)],
+                             dtype=torch.float32).reshape(len(rewards), len(self.keys))
+        weights = torch.tensor(self.weights or [1.0] * len(self.keys), dtype=torch.float32)
+        return decoupled_group_sum(table, group, weights, self.norm_by_std).tolist()
+
+
+def _component(value: float, key: str, row: Sample, i: int) -> float:
+    got = getattr(value, "parts", {}).get(key)
+    if got is None or not torch.isfinite(torch.tensor(got)):
+        what = f"returned no number under {key!r}" if got is None else f"returned {key}={got}"
+        raise ScoreError("compute_score", what, row.data_source,
+                         "return a dict with a finite number under each of algorithm.gdpo_reward_keys "
+                         "({'score': s, 'format_reward': f, ...})").at(row.source or i, "reward function")
+    return got
 
 
 @dataclass
@@ -41,6 +69,7 @@ class RewardStage:
     truncated_reward_coef: float | None = None  # responses cut at the cap: reward scaled (>= 0) or replaced (< 0)
     # TRL's normalize_then_sum: each of the reward's functions normalized in its prompt group before the weighted sum
     normalize_each: bool = False
+    components: RewardComponents | None = None  # verl's GDPO: the reward function's dict components apart
 
     def texts(self, ro: Rollout) -> list[str]:
         return decoded(self.tokenizer, ro.response_ids, ro.response_mask)
@@ -91,7 +120,9 @@ class RewardStage:
                                              self.response_ids(ro)))
         elif self.cost_model is not None:
             costs = model_scores(self.cost_model, "cost model", ro, rows)
-        return Scores(out, torch.tensor(correct), costs, filter_scores=filters)
+        # the logs show the plain score where the reward trains normalized per group (GDPO's)
+        shown = filters if self.normalize_each or self.components is not None else None
+        return Scores(out, torch.tensor(correct), costs, filter_scores=filters, shown=shown)
 
     def task_scores(self, ro: Rollout, rows: Sequence[Sample]) -> tuple[list[float], list[bool]]:
         """Each row's task reward and whether it is correct (a correctness score >= 1): from the environment that
@@ -108,9 +139,14 @@ class RewardStage:
             return [RowScore(r, p) for r, p in zip(normalized, plain)], [is_correct(p) for p in plain]
         rewards = self.task_rewards(rows, texts, prompts, ids)
         if self.correct_fn is self.reward_fn:  # no shaping: correctness is the reward itself
-            return rewards, [is_correct(r) for r in rewards]
-        correct = rule_scores(self.correct_fn, "reward function", rows, texts, prompts, ids)
-        return rewards, [is_correct(r) for r in correct]
+            correct = [is_correct(r) for r in rewards]
+        else:
+            correct = [is_correct(r) for r in rule_scores(self.correct_fn, "reward function", rows, texts, prompts,
+                                                          ids)]
+        if self.components is not None:  # the reward trains decoupled; the filtering and the logs read the score
+            summed = self.components.reward(rewards, rows, ro.group)
+            return [RowScore(r, float(p)) for r, p in zip(summed, rewards)], correct
+        return rewards, correct
 
 
 def with_reward_extras(ro: Rollout, rows: list[Sample]) -> list[Sample]:
