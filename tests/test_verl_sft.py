@@ -61,6 +61,16 @@ def test_the_older_trainers_keys_and_defaults():
     assert parse_sft(["data.train_files=t.jsonl", "engine=deepspeed"]).strategy == "deepspeed"
 
 
+def test_resume_mode_auto_goes_on_from_the_newest_checkpoint(tmp_path):
+    out = tmp_path / "ckpt"
+    for step in (2, 10, 9):
+        (tmp_path / "ckpt.checkpoints" / f"step_{step}").mkdir(parents=True)
+    line = ["data.train_files=t.jsonl", f"trainer.default_local_dir={out}"]
+    assert parse_sft(line).resume_from == str(tmp_path / "ckpt.checkpoints" / "step_10")
+    assert parse_sft([*line, "trainer.resume_mode=disable"]).resume_from is None
+    assert parse_sft([*line, "trainer.resume_mode=resume_path", "trainer.resume_from_path=x"]).resume_from == "x"
+
+
 @pytest.mark.parametrize("word, says", [
     ("model.use_liger=true", "Liger kernels are left out"), ("engine=megatron", "not on Megatron"),
     ("optim.lr_scheduler_type=wsd", "WSD is left out"), ("data.custom_cls.path=x.py", "custom dataset class"),

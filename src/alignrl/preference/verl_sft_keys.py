@@ -265,8 +265,8 @@ def _logger(st: _Pass, value: Any) -> None:
 
 def _finish(st: _Pass) -> None:
     """What depends on several keys: verl's FSDP engine (its default) is FSDP2 over torchrun's ranks, one process
-    unsharded (the ranks of `--nproc` read the line again); resume_mode=auto (its default) goes on from the newest checkpoint of
-    the output folder, which is checkpoints/<project>/<experiment> unless trainer.default_local_dir names one."""
+    unsharded (the ranks of `--nproc` read the line again); resume_mode=auto (its default) goes on from the newest
+    checkpoint of the output folder, checkpoints/<project>/<experiment> unless trainer.default_local_dir names one."""
     if st.engine == "deepspeed":
         st.out.append("strategy=deepspeed")
     elif int(os.environ.get("WORLD_SIZE") or 1) > 1:  # FSDP2 shards over the ranks; one process trains unsharded
