@@ -92,7 +92,9 @@ def test_dynamic_batch_and_token_budgets():
       "--algo.advantage.is_correction_threshold", "0.8", "4"], "mask", 4.0, 0.8),
     (["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0", "4"], "truncate", 4.0, None),
     (["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.5", "5"], "truncate", 5.0, 0.5),  # tis: clamp
-    (["--enable_vllm_is_correction", "--vllm_is_correction_type", "tis"], "truncate", 5.0, 0.5)])
+    (["--enable_vllm_is_correction", "--vllm_is_correction_type", "tis"], "truncate", 5.0, 0.5),
+    (["--enable_vllm_is_correction", "--use_icepop"], "mask", 5.0, 0.5),  # OpenRLHF's older switch of icepop
+    (["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.8", "4", "--use_icepop"], "mask", 4.0, 0.8)])
 def test_is_correction_against_the_engine(argv, mode, high, low):
     """G9: OpenRLHF's vLLM IS correction as alignrl's token-level rollout IS."""
     a = config(BASE + argv)[1].algorithm
@@ -106,6 +108,11 @@ def test_is_correction_it_cannot_follow():
     a = config(BASE + ["--enable_vllm_is_correction", "--vllm_is_correction_type", "seq-mask-tis"])[1].algorithm
     assert (a.rollout_is, a.rollout_is_mode, a.rollout_is_threshold, a.rollout_is_threshold_lower) == \
         ("token", "geo_mask", 5.0, 0.5)  # sequences dropped by their geometric-mean weight outside [0.5, 5]
+    with pytest.raises(ConfigError, match="--use_icepop with --vllm_is_correction_type tis: --use_icepop is the older"):
+        config(BASE + ["--enable_vllm_is_correction", "--use_icepop", "--vllm_is_correction_type", "tis"])
+    args = config(BASE + ["--use_icepop"])[0]
+    assert any(x.startswith("--use_icepop") and "without --enable_vllm_is_correction" in x
+               for x in K.unused_here(args, False))
 
 
 def test_dotted_defaults_are_current_openrlhfs():
