@@ -150,7 +150,7 @@ def test_luspos_spec_sums_each_sequence_and_averages_them():
 @pytest.mark.parametrize("overrides, words", [
     (["actor.policy_loss=vespo", "algorithm.rollout_is=sequence"], "set algorithm.rollout_is=token"),
     (["actor.policy_loss=vespo", "actor.clip_ratio_delta=3"], "clip_ratio_delta caps the unclipped ratio term"),
-    (["actor.policy_loss=vespo", "actor.vespo_lambda_pos=0"], "out of range"),
+    (["actor.policy_loss=vespo", "actor.vespo_lambda_pos=-1"], "out of range"),
     (["actor.policy_loss=luspo", "actor.clip_ratio_c=3"], "clip_ratio_c"),
 ])
 def test_bad_combinations_are_one_line(overrides, words):
@@ -184,3 +184,17 @@ def test_one_trainer_step_masks_by_the_rollout_engines_log_probs(tiny_model):
     # an engine one nat more confident than the trainer on every token: both negative-advantage rows leave
     metrics = step(dataclasses.replace(ro, logprobs=ro.logprobs + 1.0))
     assert metrics["actor/off_policy_masked_frac"] == 0.5 and metrics["actor/vespo_phi_mean"] > 0
+
+
+def test_the_mask_and_vespo_refuse_what_would_change_them_unsaid():
+    from alignrl.config import ConfigError, load_config
+
+    for over, words in ((["actor.policy_loss=vespo", "algorithm.rollout_is=token", "algorithm.rollout_is_mode=mask"],
+                         "algorithm.rollout_is_mode=mask takes rejected tokens out"),
+                        (["actor.policy_loss=vespo", "algorithm.rollout_rs=token"], "algorithm.rollout_rs=token"),
+                        (["actor.off_policy_mask_threshold=0.5", "actor.policy_loss=gmpo"], "gmpo's geometric mean"),
+                        (["actor.off_policy_mask_threshold=0.5", "algorithm.adv_estimator=gae", "critic.enable=true"],
+                         "a critic's per-token advantages")):
+        with pytest.raises(ConfigError, match=words):
+            load_config(None, over)
+    assert load_config(None, ["actor.policy_loss=vespo", "actor.vespo_lambda_pos=0"]).actor.vespo_lambda_pos == 0.0

@@ -88,4 +88,23 @@ def _actor_problem(cfg: RunConfig) -> str | None:
     if a.policy_loss == "vespo" and cfg.algorithm.rollout_is == "sequence":  # TRL refuses its sequence modes too
         return ("actor.policy_loss=vespo folds the rollout-correction weights of each token into its sequence "
                 "weight, and algorithm.rollout_is=sequence gives one per sequence: set algorithm.rollout_is=token")
+    rejecting = _rejecting(cfg)
+    if a.policy_loss == "vespo" and rejecting:  # TRL's token_mask folds a 0 weight into phi; here the token leaves
+        return (f"actor.policy_loss=vespo folds each token's rollout-correction weight into its sequence weight, "
+                f"and {rejecting} takes rejected tokens out of the loss instead: use algorithm.rollout_is_mode="
+                "truncate, or another loss")
+    if a.off_policy_mask_threshold is not None and (a.policy_loss == "gmpo" or cfg.critic.enable):
+        return ("actor.off_policy_mask_threshold leaves whole sequences of negative advantage out, which "
+                + ("gmpo's geometric mean over each sequence" if a.policy_loss == "gmpo" else
+                   "a critic's per-token advantages") + " cannot keep apart: drop it")
     return None
+
+
+def _rejecting(cfg: RunConfig) -> str | None:
+    """The rollout-correction key that takes tokens or sequences out of the loss, if any."""
+    a = cfg.algorithm
+    if a.rollout_is != "none" and a.rollout_is_mode != "truncate":
+        return f"algorithm.rollout_is_mode={a.rollout_is_mode}"
+    if a.rollout_rs != "none":
+        return f"algorithm.rollout_rs={a.rollout_rs}"
+    return "algorithm.rollout_token_veto_threshold" if a.rollout_token_veto_threshold is not None else None

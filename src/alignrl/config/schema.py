@@ -120,13 +120,14 @@ class ActorConfig:
                                            "--top_entropy_quantile; \"Beyond the 80/20 Rule\": 0.2); 1.0: every "
                                            "token", ge=0.0, le=1.0)
     off_policy_mask_threshold: float | None = opt(None, "a sequence of negative advantage whose mean of log "
-                                                        "pi_rollout - log pi over its tokens exceeds this leaves the "
-                                                        "policy term (DeepSeek-V3.2's off-policy sequence masking; "
-                                                        "TRL's --off_policy_mask_threshold); null: off")
+                                                        "pi_rollout - log pi over its trained tokens (those the "
+                                                        "rollout correction keeps) exceeds this leaves the policy "
+                                                        "term (DeepSeek-V3.2's off-policy sequence masking; TRL's "
+                                                        "--off_policy_mask_threshold); null: off")
     vespo_k_pos: float = opt(2.0, "vespo: shape k of phi(w) = e^lambda w^k e^(-lambda w) where A >= 0", ge=0.0)
-    vespo_lambda_pos: float = opt(3.0, "vespo: rate lambda of phi where A >= 0", gt=0.0)
+    vespo_lambda_pos: float = opt(3.0, "vespo: rate lambda of phi where A >= 0 (below 1e-4: 1e-4, as TRL's)", ge=0.0)
     vespo_k_neg: float = opt(3.0, "vespo: shape k of phi where A < 0", ge=0.0)
-    vespo_lambda_neg: float = opt(2.0, "vespo: rate lambda of phi where A < 0", gt=0.0)
+    vespo_lambda_neg: float = opt(2.0, "vespo: rate lambda of phi where A < 0 (below 1e-4: 1e-4)", ge=0.0)
     # Clip-Cov / KL-Cov (Cui et al. 2025): restrain the tokens whose log-prob moves most with their advantage
     clip_cov_ratio: float = opt(2e-4, "clip_cov: share of a micro-batch's tokens whose gradient is removed, drawn "
                                       "among those whose covariance lies in (clip_cov_lb, clip_cov_ub)", gt=0.0, le=1.0)

@@ -51,7 +51,7 @@ class PolicyLossSpec:
 
 def loss_options(spec: PolicyLossSpec, generator: torch.Generator | None) -> dict:
     """The keywords of `spec.name`'s loss beyond the common call (`core.losses`)."""
-    if spec.delta is not None:  # the config allows it with ppo_clip and gspo only
+    if spec.delta is not None:  # the config allows it with ppo_clip, gspo and luspo only
         return {"delta": spec.delta} | ({"clip_c": spec.clip_c} if spec.name in CLIP_C_LOSSES else {})
     if spec.name in CLIP_C_LOSSES:
         return {"clip_c": spec.clip_c}
