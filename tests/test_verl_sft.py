@@ -40,7 +40,8 @@ def test_a_verl_example_line_is_read_key_by_key(capsys, monkeypatch):
                                                                                       0.01)
     err = capsys.readouterr().err
     assert "verl's sft_trainer defaults taken: train_batch_size=256" in err
-    assert "engine.ulysses_sequence_parallel_size=2: " in err and "trainer.logger wandb: " in err
+    assert "not applied here: engine.ulysses_sequence_parallel_size=2 (the engine's sharding" in err
+    assert "trainer.logger wandb (metrics go to logging_dir" in err and "lora_dropout=0.0" in err
 
 
 def test_the_older_trainers_keys_and_defaults():

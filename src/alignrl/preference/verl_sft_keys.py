@@ -57,33 +57,35 @@ SCHEDULERS = ("optim.lr_scheduler", "optim.lr_scheduler_type", "optim.warmup_sty
 
 # keys that change nothing that trains here, by pattern, with why (said once at start when the line gives them)
 NOT_APPLIED = {
-    "engine.*": "the engine's sharding, offload, precision and sequence-parallel settings (the loss and update do "
-                "not depend on them)",
-    "ulysses_sequence_parallel_size": "sequence parallelism (a memory layout; the loss is the same)",
-    "use_remove_padding": "padding removal (rows train padded, to the same loss; packing=true drops the padding)",
-    "model.use_remove_padding": "padding removal (rows train padded, to the same loss; packing=true drops the "
-                                "padding)",
+    "engine.*": "the engine's sharding, offload, precision and sequence-parallel settings: the loss and update do "
+                "not depend on them",
+    "ulysses_sequence_parallel_size": "sequence parallelism: a memory layout, the loss is the same",
+    "use_remove_padding": "padding removal: rows train padded, to the same loss; packing=true drops the padding",
+    "model.use_remove_padding": "padding removal: rows train padded, to the same loss; packing=true drops the "
+                                "padding",
     "model.fsdp_config.*": "FSDP wrapping, offload and dtype (the engine is strategy's)",
     "model.[!l]*": "model loading and kernel settings that change no result here",
-    "data.use_dynamic_bsz": "token-budget micro-batches (micro-batches hold micro_batch_size_per_gpu rows; the "
-                            "update is the same)",
-    "data.max_token_len_per_gpu": "token-budget micro-batches", "data.pad_mode": "padding layout",
+    "data.use_dynamic_bsz": "token-budget micro-batches: a micro-batch holds micro_batch_size_per_gpu rows, the "
+                            "update is the same",
+    "data.max_token_len_per_gpu": "token-budget micro-batches: a micro-batch holds micro_batch_size_per_gpu rows, "
+                                  "the update is the same",
+    "data.pad_mode": "padding removal: rows train padded, to the same loss; packing=true drops the padding",
     "data.balance_dp_token": "rank token balancing", "data.use_shm": "shared-memory loading",
     "data.multiturn.enable": "rows are told apart by their columns (messages, prompt/response)",
     "data.tools_key": "tool lists of conversational rows", "data.enable_thinking_key": "per-row template switches",
     "data.enable_thinking_default": "per-row template switches (chat_template_kwargs sets them for all rows)",
     "data.ignore_input_ids_mismatch": "conversations render whole here", "data.custom_cls.name": "custom dataset",
-    "trainer.project_name": "run naming (the default output folder is checkpoints/<project>/<experiment>)",
-    "trainer.experiment_name": "run naming (the default output folder is checkpoints/<project>/<experiment>)",
     "trainer.device": "the device is the one torch finds", "trainer.balance_batch": "rank balancing",
     "trainer.profile_interval": "profiling", "trainer.max_ckpt_to_keep": "every checkpoint is kept",
-    "trainer.resume_mode": "read with trainer.resume_from_path", "trainer.nnodes": "ranks",
-    "trainer.n_gpus_per_node": "ranks", "checkpoint.*": "a checkpoint holds weights, optimizer and data position",
+    "checkpoint.*": "a checkpoint holds weights, optimizer and data position",
     "profiler.*": "profiling", "optim.optimizer_impl": "AdamW from torch", "optim.zero_indexed_step": "schedule steps",
     "optim.total_training_steps": "set from the trainer's steps", "optim.override_optimizer_config": "none here",
     "optim.lr_warmup_steps": "warm-up by steps: used when > 0", "data.prompt_dict_keys": "nested columns",
     "data.response_dict_keys": "nested columns",
 }
+# read where they act (`launch_words`, `_finish`): the ranks, the resume mode, the default output folder's names
+HANDLED = ("trainer.nnodes", "trainer.n_gpus_per_node", "trainer.resume_mode", "trainer.project_name",
+           "trainer.experiment_name")
 # the groups verl's Hydra config composes: their default options only
 GROUPS = {"engine": ("fsdp", "fsdp2", "deepspeed"), "optim": ("fsdp", "deepspeed"), "model": ("hf_model",),
           "profiler": ("profiler",)}
@@ -124,7 +126,7 @@ OLD_ONLY = ("model.partial_pretrain", "data.multiturn.", "optim.warmup_steps_rat
 @dataclass
 class _Pass:
     out: list[str] = field(default_factory=list)  # our key=value words
-    not_applied: list[str] = field(default_factory=list)
+    not_applied: dict[str, list[str]] = field(default_factory=dict)  # why -> the words it covers
     given: dict[str, Any] = field(default_factory=dict)  # verl key -> value, for what depends on several keys
     engine: str = "fsdp"  # verl's default engine
 
@@ -178,7 +180,8 @@ def in_our_words(argv: list[str], config: type | None = None) -> list[str]:
     old = any(k.startswith(OLD_ONLY) or f"{k}=".startswith(OLD_ONLY) for k in st.given)
     defaults = _defaults(old, [*st.out, *rest], _own_defaults(config))
     if st.not_applied:
-        say("verl keys not applied here: " + "; ".join(st.not_applied))
+        say("verl keys not applied here: " + "; ".join(f"{', '.join(words)} ({why})"
+                                                       for why, words in st.not_applied.items()))
     return [*defaults, *st.out, *rest]
 
 
@@ -200,13 +203,15 @@ def _translate(st: _Pass, key: str, value: Any, text: str) -> None:
         allowed, why = ONLY[key]
         if value not in allowed:
             raise ConfigError(f"verl's {key}={text}: {why}")
+    elif key in HANDLED:
+        return
     elif key == "engine.strategy":
         _group(st, "engine", value)
     elif key == "optim.lr_warmup_steps" and _number(key, value) > 0:
         st.out.append(f"warmup_steps={value}")
     elif any(fnmatch.fnmatchcase(key, p) for p in NOT_APPLIED):
         why = next(w for p, w in NOT_APPLIED.items() if fnmatch.fnmatchcase(key, p))
-        st.not_applied.append(f"{key}={text}: {why}")
+        st.not_applied.setdefault(why, []).append(f"{key}={text}")
     else:
         known = [*RENAMED, *ONLY, *SCHEDULERS, "data.micro_batch_size_per_gpu", "model.lora_rank", "trainer.logger"]
         raise ConfigError(f"unknown verl SFT key '{key}'{did_you_mean(key, known)}; docs/sft.md lists the verl keys "
@@ -259,8 +264,8 @@ def _logger(st: _Pass, value: Any) -> None:
     st.out.append(f"report_to={json.dumps(['jsonl'] + (['tensorboard'] if 'tensorboard' in names else []))}")
     other = [n for n in names if n not in ("console", "tensorboard")]
     if other:
-        st.not_applied.append(f"trainer.logger {', '.join(other)}: metrics go to logging_dir (metrics.jsonl, "
-                              "tensorboard)")
+        st.not_applied.setdefault("metrics go to logging_dir: metrics.jsonl, tensorboard", []).append(
+            f"trainer.logger {', '.join(other)}")
 
 
 def _finish(st: _Pass) -> None:
@@ -302,7 +307,9 @@ def _own_defaults(config: type | None) -> dict[str, Any]:
 def _defaults(old: bool, words: list[str], own: dict[str, Any]) -> list[str]:
     table = OLD_DEFAULTS if old else NEW_DEFAULTS
     set_keys = {w.lstrip("-").partition("=")[0] for w in words}
-    taken = {k: v for k, v in table.items() if k not in set_keys and (k not in own or own[k] != v)}
+    lora = "use_lora=true" in words  # LoRA's keys are taken (and said) only for a line that trains adapters
+    taken = {k: v for k, v in table.items()
+             if k not in set_keys and (k not in own or own[k] != v) and (lora or not k.startswith("lora_"))}
     if taken:
         which = "fsdp_sft_trainer" if old else "sft_trainer"
         say(f"verl's {which} defaults taken: " + ", ".join(f"{k}={_text(v)}" for k, v in taken.items()))
