@@ -169,6 +169,13 @@ def test_trl_generation_kwargs_override_the_sampling_flags(tmp_path):
         from_line(base + ["--generation_kwargs", "top_p: 1"])
 
 
+def test_trl_lora_flags_and_the_comma_of_trls_usage_lines(tmp_path):
+    base = ["--dataset_name", str(_data(tmp_path)), "--reward_funcs", "think_format_reward", "--use_peft",
+            "--lora_r", "8", "--lora_alpha", "16"]
+    cfg, _ = _config(base + ["--lora_target_modules", "q_proj,", "v_proj"])  # `"q_proj", "v_proj"` in a shell
+    assert (cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules) == (8, 16, ["q_proj", "v_proj"])
+
+
 def test_trl_soft_overlong_punishment_keeps_trl_numbers(tmp_path):
     import torch
 

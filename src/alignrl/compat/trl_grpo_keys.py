@@ -254,9 +254,10 @@ def run_keys(args, batches: Batches) -> list[str]:
             raise TrlFlagError(f"--dtype {dtype}: give bfloat16, float16, float32 or auto")
         out.append(f"model.dtype={DTYPES[dtype]}")
     if args.use_peft:
+        # TRL's usage lines write `--lora_target_modules "q_proj", "v_proj"`: the comma is the list's, not the name's
+        targets = [t.rstrip(",") for t in args.lora_target_modules or PEFT_DEFAULT_TARGETS if t.rstrip(",")]
         out += [f"model.lora_rank={args.lora_r}", f"model.lora_alpha={args.lora_alpha}",
-                f"model.lora_dropout={args.lora_dropout}",
-                f"model.target_modules={json.dumps(list(args.lora_target_modules or PEFT_DEFAULT_TARGETS))}"]
+                f"model.lora_dropout={args.lora_dropout}", f"model.target_modules={json.dumps(targets)}"]
     return out
 
 
