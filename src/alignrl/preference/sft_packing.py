@@ -143,8 +143,8 @@ def collate_packed(encoded: Sequence[EncodedRow], pad_id: int, global_tokens: fl
 
 
 def collate_bins(encoded: Sequence[EncodedRow], pad_id: int, global_tokens: float, one_row: bool = False) -> SFTBatch:
-    """Rows packed before batching (`pack_dataset`'s bfd, bfd_split): each row a sequence of its own (all of them in one row
-    with `one_row`), position ids restarting at each of its packed sequences."""
+    """Rows packed before batching (`pack_dataset`'s bfd, bfd_split): each row a sequence of its own (all of them in
+    one row with `one_row`), position ids restarting at each of its packed sequences."""
     return _laid_out([list(encoded)] if one_row else [[e] for e in encoded], pad_id, global_tokens)
 
 
