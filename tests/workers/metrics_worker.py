@@ -29,8 +29,8 @@ def main() -> int:
         assert math.isclose(got[k], v, rel_tol=1e-6), (k, got[k], v)
     costs = gather_values(env, [0.5, -1.0, 2.0] if env.rank == 0 else [4.0])
     assert costs == [0.5, -1.0, 2.0, 4.0], costs
-    mine = torch.tensor([0.25, 1.5]) if env.rank == 0 else torch.tensor([], dtype=torch.float32)
-    entropies = gather_tensor(env, mine)
+    share = torch.tensor([0.25, 1.5]) if env.rank == 0 else torch.tensor([], dtype=torch.float32)
+    entropies = gather_tensor(env, share)
     assert entropies.dtype == torch.float32 and entropies.tolist() == [0.25, 1.5], entropies
     assert gather_values(env, []) == []
     shutdown()
