@@ -11,7 +11,7 @@ from alignrl.config import load_config
 from alignrl.data.records import Rollout, Sample
 from alignrl.rewards.errors import ScoreError
 from alignrl.rewards.registry import load_reward_fn
-from alignrl.rewards.trl_reward import TrainerState, logging_rewards
+from alignrl.rewards.reward_log import TrainerState, logging_rewards
 from alignrl.rl.evaluate import heldout_eval
 from alignrl.rl.generation_logs import RolloutDump, records
 from alignrl.rl.producer import RolloutMaker, merged_metrics
@@ -36,6 +36,14 @@ def text_metric(completions, log_metric, **kwargs):
 
 def short_column(completions, log_extra, **kwargs):
     log_extra("note", ["x"])
+    return [1.0 for _ in completions]
+
+def odd_column(completions, log_extra, **kwargs):
+    log_extra("note", [{(1, 2): "x"}] + [1] * (len(completions) - 1))
+    return [1.0 for _ in completions]
+
+def own_name(completions, log_metric, **kwargs):
+    log_metric("reward/mean", 99.0)
     return [1.0 for _ in completions]
 '''
 
@@ -134,6 +142,20 @@ def test_bad_logged_values_are_one_line_naming_the_function(functions):
                                              r"for 3 completions") as e:
             rule_scores(functions("short_column"), "reward function", _samples(3), ["a", "b", "c"])
     assert "\n" not in str(e.value)
+    with logging_rewards(TrainerState()):
+        with pytest.raises(ScoreError, match=r"rw.py:odd_column logged \{\(1, 2\): 'x'\} in column 'note' \(log_extra\)"
+                                             r".*: log numbers, text, booleans or None"):
+            rule_scores(functions("odd_column"), "reward function", _samples(2), ["a", "b"])
+
+
+def test_a_metric_under_alignrls_own_name_is_one_line(functions):
+    from alignrl.rewards.errors import RewardError
+
+    fn = functions("own_name")
+    cfg = load_config(None, ["data.train_batch_size=2", "rollout.n=2", "actor.ppo_mini_batch_size=2"])
+    maker = RolloutMaker(cfg, Engine(), RewardStage(Tokenizer(), fn, fn, 8), ref=None)
+    with pytest.raises(RewardError, match=r"logged 'reward/mean' \(log_metric\), a name of alignrl's own metrics"):
+        maker.make(1, [0, 1], Rows(8))
 
 
 def test_the_held_out_evaluation_tells_its_step_and_logs_its_metrics_and_columns(functions, tmp_path):
@@ -161,10 +183,11 @@ def test_a_run_tells_its_functions_each_step_and_logs_what_they_log(functions, t
     spec = f"trl:{tmp_path / 'rw.py'}:curriculum"
     over = overrides(tiny_model_dir, tmp_path, "trl", 2, 0) + [
         f"algorithm.reward_fn={spec}", f"trainer.rollout_data_dir={tmp_path / 'rollouts'}", "data.val_size=4",
-        "data.val_size_during_training=4", "trainer.test_freq=0"]
+        "data.val_size_during_training=4", "trainer.test_freq=0", "trainer.eval_pass_at_k=true"]
     train_grpo(load_config(None, over))
-    seen = _seen(tmp_path)  # the base model's evaluation, steps 1 and 2, the final evaluation
-    assert seen == [repr(TrainerState(s, 2, s / 16)) for s in (0, 0, 1, 2)]
+    # the base model's evaluation (greedy, then pass@k's greedy and sampled), steps 1 and 2, the final ones
+    seen = _seen(tmp_path)
+    assert seen == [repr(TrainerState(s, 2, s / 16)) for s in (0, 0, 0, 0, 1, 2, 2, 2)]
     metrics = [json.loads(line) for line in (tmp_path / "trl" / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = {m["step"]: m for m in metrics}
     assert "my/length" in steps[1] and "my/length" in steps[2]

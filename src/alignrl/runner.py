@@ -26,6 +26,7 @@ from alignrl.placements.build import resolve_strategy, timed_rule
 from alignrl.placements.choose import remote_producers
 from alignrl.placements.local import Placed, place
 from alignrl.rewards.timed_rules import late_rows, say_timeouts
+from alignrl.rewards.reward_log import logging_rewards
 from alignrl.rl.evaluate import format_room, heldout_eval, room, validation_params
 from alignrl.rl.generation_logs import RolloutDump, jsonl, log_generations, records, write_jsonl
 from alignrl.rl.producer import InlineSource, trainer_state
@@ -172,8 +173,9 @@ class Run:
         r = self.cfg.rollout
         return "greedy" if r.val_temperature <= 0 else f"sampled (T={r.val_temperature:g}, {r.val_n} a problem)"
 
-    def measure_room(self, label: str) -> dict | None:
-        """pass@1 and pass@k on the held-out set (trainer.eval_pass_at_k), printed and returned."""
+    def measure_room(self, label: str, step: int = 0) -> dict | None:
+        """pass@1 and pass@k on the held-out set (trainer.eval_pass_at_k) after `step` RL steps (what TRL's reward
+        functions read as their trainer_state), printed and returned."""
         cfg, val = self.cfg, self.val
         if not cfg.trainer.eval_pass_at_k:
             return None
@@ -181,7 +183,7 @@ class Run:
         console.print(f"{label}: sampling {cfg.rollout.n} answers to each of {len(val)} held-out problems "
                       f"(pass@{cfg.rollout.n}, trainer.eval_pass_at_k) ...", markup=False)
         with Phase(f"{label} pass@{cfg.rollout.n}", 2 * len(val), "problems (greedy, then sampled)", say=False,
-                   bar=cfg.trainer.progress_bar) as p:
+                   bar=cfg.trainer.progress_bar) as p, logging_rewards(trainer_state(cfg, step, self.train_rows)):
             r = room(self.placed.eval_engine, self.placed.tokenizer, val, self.val_prompts, self.correct_fn,
                      cfg.rollout.max_new_tokens, cfg.rollout.n, cfg.rollout.temperature, seed=cfg.trainer.seed,
                      stop=cfg.rollout.stop, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, progress=p.advance,
@@ -346,7 +348,7 @@ def _finish(run: Run, tracker: Tracker, wall_start: float) -> dict:
     final = run.evaluate(len(val), step=cfg.trainer.total_training_steps)
     console.print(f"final {run.held} {run.how} accuracy: {_fmt(final)} on {len(val)} problems "
                   f"({time.time() - t0:.1f}s)")
-    final_room = run.measure_room("trained model")
+    final_room = run.measure_room("trained model", cfg.trainer.total_training_steps)
     tracker.plot(cfg.log_root / "curves.png")
     tracker.close()
     base = run.state["base"]

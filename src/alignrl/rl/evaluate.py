@@ -22,7 +22,7 @@ from alignrl.interfaces import SamplingParams
 from alignrl.rewards import gsm8k
 from alignrl.rewards.registry import REWARDS, ScoreError, reads_prompt_text, score_row
 from alignrl.rewards.values import is_correct
-from alignrl.rewards.trl_reward import TrainerState, extra_columns, logging_rewards
+from alignrl.rewards.reward_log import TrainerState, extra_columns, logging_rewards
 from alignrl.rl.scoring import (decoded, keep_columns, logged_columns, played_correct, prompt_texts, reads_ids,
                                 response_id_lists, values_at_once, with_reward_extras)
 from alignrl.rollout.env_agent import with_labels

@@ -25,8 +25,9 @@ from alignrl.data.records import Rollout, Sample, ScoredBatch, Scores
 from alignrl.data.sampler import BatchSampler
 from alignrl.runtime.env import SINGLE, DistEnv, all_reduce_sum, gather_bytes, shard
 from alignrl.interfaces import RefScorer, RolloutEngine, SamplingParams
+from alignrl.rewards.errors import RewardError
 from alignrl.rewards.timed_rules import late_rows, say_timeouts
-from alignrl.rewards.trl_reward import TrainerState, logging_rewards
+from alignrl.rewards.reward_log import TrainerState, logging_rewards
 from alignrl.models.folder import ModelError
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.rollout.env_agent import with_labels
@@ -124,7 +125,11 @@ class RolloutMaker:
         with logging_rewards(trainer_state(self.cfg, version, len(getattr(rows, "samples", ())))) as log:
             batch = self._make(step, index, rows, version, more, ref_groups, agree)
         self.logged = log.metric_means()
-        batch.metrics = {**self.logged, **batch.metrics}  # the producer's own names win a clash
+        clash = next((k for k in self.logged if k in batch.metrics or k == "step" or k.startswith("val/")), None)
+        if clash is not None:  # merged over ranks or trimmed on resume as alignrl's own, it would corrupt the logs
+            raise RewardError(f"a reward function logged {clash!r} (log_metric), a name of alignrl's own metrics; "
+                              "log it under another name")
+        batch.metrics = {**self.logged, **batch.metrics}
         return batch
 
     def _make(self, step: int, index: Sequence[int], rows: Rows, version: int,

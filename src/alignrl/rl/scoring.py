@@ -16,7 +16,8 @@ from alignrl.core.shaping import overlong_penalty, truncated_reward
 from alignrl.data.records import Rollout, Sample, Scores
 from alignrl.interfaces import SequenceScorer
 from alignrl.rewards.registry import ScoreError, finite_score, reads_prompt_text, score_row
-from alignrl.rewards.trl_reward import WithColumns, extra_columns
+from alignrl.rewards.reward_log import extra_columns
+from alignrl.rewards.trl_reward import WithColumns
 from alignrl.rewards.values import RowScore, filter_score, is_correct
 
 # verl's compute_score signature: (data_source, solution_str, ground_truth, extra_info) -> float
