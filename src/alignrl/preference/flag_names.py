@@ -319,4 +319,5 @@ def epilog(own_names: CommandFlags) -> str:
             f"{renamed}{'; ' + switched if switched else ''}; --train_batch_size N sets gradient_accumulation_steps "
             "= N / (batch_size × ranks); --lora_rank N switches LoRA on (N > 0) or off (0). A line in OpenRLHF's "
             "or TRL's spelling takes their script's defaults where it is silent (said at start; dpo: "
-            "loss_type=sigmoid).")
+            "loss_type=sigmoid). --param_dtype bf16 -> bf16=true, --backend -> strategy, --load_checkpoint -> "
+            "resume_from=<output_dir>.checkpoints/step_N (the latest, when there is one).")
