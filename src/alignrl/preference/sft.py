@@ -89,8 +89,9 @@ def pack_rows(encoded: list[EncodedRow], cfg: SFTConfig, log, notes: dict, held_
               ) -> list[EncodedRow]:
     """The training (`held_out`: held-out) rows as the batches take them: as they are, or packed
     (`sft_packing.pack_dataset`)."""
-    if cfg.packing_strategy == "micro_batch" or not (eval_packs(cfg) if held_out else packs_dataset(cfg)):
-        return encoded
+    if not encoded or cfg.packing_strategy == "micro_batch" or not (eval_packs(cfg) if held_out else
+                                                                    packs_dataset(cfg)):
+        return encoded  # no rows (no held-out files): nothing to pack or to say
     packed, dropped = pack_dataset(encoded, cfg.max_length, cfg.packing_strategy)
     long = [len(e.ids) for e in encoded if len(e.ids) > cfg.max_length] if cfg.packing_strategy == "bfd_split" else []
     split = (f" ({len(long)} longer than max_length cut into {sum(-(-n // cfg.max_length) for n in long)} pieces, "
@@ -328,7 +329,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
 def _layout(cfg: SFTConfig, pad_id: int, model, log):
     """(the micro-batches' collate function, NEFTune's hook or None), said once; packing is refused in one line
     for a model whose attention would let packed rows see each other (`sft_packing.check_packable`)."""
-    if (cfg.packing or eval_packs(cfg)) and cfg.packing_strategy != "wrapped":
+    if (cfg.packing or (eval_packs(cfg) and cfg.eval_files)) and cfg.packing_strategy != "wrapped":
         check_packable(model, cfg.max_length)
     if cfg.packing and cfg.packing_strategy == "micro_batch":
         log.print(f"packing: each micro-batch's rows in sequences of at most max_length={cfg.max_length} tokens, "

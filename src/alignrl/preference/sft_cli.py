@@ -72,7 +72,8 @@ class SFTConfig(CommonConfig):
                                                "bfd_split and wrapped, batch_size counts packed rows",
                                 choices=STRATEGIES)
     eval_packing: bool | None = opt(None, "whether the held-out rows are packed as packing_strategy packs the "
-                                          "training rows (eval_batch_size then counting packed rows); null: as "
+                                          "training rows (bfd, bfd_split, wrapped: eval_batch_size then counting "
+                                          "packed rows); null: as "
                                           "packing (TRL's eval_packing)")
     neftune_noise_alpha: float = opt(0.0, "NEFTune: uniform noise of scale alpha / sqrt(L * hidden size) on the "
                                           "input embeddings in training (L: the row's length); 0: off (TRL's "
