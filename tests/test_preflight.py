@@ -296,7 +296,7 @@ def test_a_collective_that_lost_its_peer_is_told_apart(monkeypatch):
     (["train", "ppo-ray", "--advantage_estimator", "rloo"], ""), (["sample", "--data-port", "abc"], ""),
     (["train", "rm", "--bogus"], "alignrl: error:"), (["train", "dpo", "beta=-1"], "alignrl: error:"),
     (["train", "dpo", "--loss_type", "kto"], "alignrl: error:"),
-    (["train", "rm", "report_to=[wandb]"], "alignrl: error:"),
+    (["train", "rm", "report_to=[mlflow]"], "alignrl: error:"),
     (["sample", "--data-port", "99999"], "alignrl sample: error: --data-port 99999 is not a TCP port"),
     (["sample", "--sync-port", "5555"], "alignrl sample: error: --data-port and --sync-port are both 5555"),
     (["sample", "--host", "not..a..host"], "alignrl sample: error: --host 'not..a..host' does not resolve"),
