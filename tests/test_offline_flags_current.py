@@ -168,6 +168,8 @@ def test_trl_sft_dpo_kto_lines(capsys):
     assert (kto.report_to, kto.bf16, kto.lr_scheduler, kto.batch_size) == (["wandb"], "true", "cosine", 16)
     with pytest.raises(ConfigError, match=r"give the training rows, --dataset FILE$"):
         parse_kto(["--pretrain", "demo"])
+    with pytest.raises(ConfigError, match=r"give the training rows, --dataset_name NAME_OR_FILE$"):
+        parse_sft(["--model_name_or_path", "demo"])
     assert parse_rm(["--report_to", "none"]).report_to == []
     assert parse_rm(["--report_to", "all"]).report_to == ["jsonl", "tensorboard", "wandb"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from alignrl.config import ConfigError, opt
 from alignrl.preference.cli import COMMANDS, load_flat_config, make_parser, run_cli
 from alignrl.preference.configs import CommonConfig
-from alignrl.preference.flag_names import COMMON_NAMES, CommandFlags, flags_as_keys, read_switch
+from alignrl.preference.flag_names import COMMON_NAMES, CommandFlags, dataset_hint, flags_as_keys, read_switch
 from alignrl.preference.verl_sft_keys import in_our_words, launch_words
 
 
@@ -165,8 +165,7 @@ def parse_sft(argv: list[str]) -> SFTConfig:
     cfg = load_flat_config(SFTConfig, args.config, args.overrides, {"output_dir": args.output_dir,
                                                                       "logging_dir": args.logging_dir})
     if not cfg.train_files:
-        raise ConfigError("train_files is empty: give the training rows, e.g. train_files=[data/train.jsonl] "
-                          "(OpenRLHF: --dataset FILE)")
+        raise ConfigError(f"train_files is empty: give the training rows, {dataset_hint(rest, sft_flags(rest))}")
     return cfg
 
 
