@@ -95,6 +95,19 @@ def test_memorising_rows_lowers_the_held_out_loss_and_saves_a_loadable_model(tin
     assert tok.chat_template and model.config.architectures
 
 
+def test_trls_eos_token_closes_the_completions_and_must_be_a_token(tiny_model_dir):
+    from alignrl.config import ConfigError
+    from alignrl.preference.sft import _set_eos
+
+    tok = _tokenizer(tiny_model_dir)
+    other = next(t for t in tok.all_special_tokens if t != tok.eos_token)  # as '<|im_end|>' for a base model
+    _set_eos(tok, other)
+    (enc,), _, _ = encode_rows(tok, [SFTRow("x:1", prompt="count from 3", completion="3 4")], SFTKeys(), 64)
+    assert enc.ids[-1] == tok.convert_tokens_to_ids(other) and enc.trained[-1]
+    with pytest.raises(ConfigError, match=r"^eos_token='<nope>' is not a token of the model's tokenizer"):
+        _set_eos(tok, "<nope>")
+
+
 def test_string_rows_are_text_unless_apply_chat_template_then_the_completion_is_the_assistant_turn(tiny_model_dir):
     tok = _tokenizer(tiny_model_dir)
     row = SFTRow("x:1", prompt="count from 3", completion="3 4")

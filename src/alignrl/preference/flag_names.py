@@ -167,7 +167,7 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
         elif not name or name in OWN_FLAGS or name in own_names.parsed:
             passed.append(word)  # our own flags, overrides, and what the parser reads itself
             i += 1
-        elif (read := read_flag(word, name, eq, value, nxt, own_names.accepted)) is not None:
+        elif name not in keys and (read := read_flag(word, name, eq, value, nxt, own_names.accepted)) is not None:
             overrides += read[0]  # OpenRLHF's current flags, TRL's run-level ones (flag_current)
             i += read[1]
         elif name in ignored or name in own_names.always:

@@ -261,6 +261,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     log = SFTLog(env, log_dir, cfg.report_to)
     folder = resolve_model_path(cfg.model_path, log.print, "model_path")
     tok = load_tokenizer(folder, chat=False)
+    _set_eos(tok, cfg.eos_token)
     pc.bind_template_variables(tok, cfg, log)
     enc_train, enc_eval, notes = _encode(tok, cfg, train_rows, eval_rows, log)
     n_rows = len(enc_train)
@@ -324,6 +325,20 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     barrier(env)
     shutdown()
     return results
+
+
+def _set_eos(tok, token: str) -> None:
+    """TRL's --eos_token: the tokenizer's eos becomes `token` (rows are closed by it, and the saved tokenizer keeps
+    it); a token the vocabulary lacks is one line."""
+    if not token:
+        return
+    from alignrl.config import ConfigError
+
+    got = tok.convert_tokens_to_ids(token)
+    if got is None or (got == tok.unk_token_id and token != tok.unk_token):
+        raise ConfigError(f"eos_token={token!r} is not a token of the model's tokenizer; give one of its tokens "
+                          f"(its own eos is {tok.eos_token!r}), or leave eos_token empty")
+    tok.eos_token = token
 
 
 def _layout(cfg: SFTConfig, pad_id: int, model, log):

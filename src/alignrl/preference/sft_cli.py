@@ -37,6 +37,9 @@ class SFTConfig(CommonConfig):
                                           "data.response_key)")
     messages_key: str = opt("messages", "column of a conversational row's messages (verl: data.messages_key)")
     text_key: str = opt("text", "column of a plain-text row (TRL: dataset_text_field)")
+    eos_token: str = opt("", "the token that closes each completion and text row, one of the tokenizer's (TRL's "
+                             "--eos_token, e.g. '<|im_end|>' for a base model's chat rows); empty: the tokenizer's "
+                             "own eos, which the saved tokenizer keeps otherwise")
     apply_chat_template: bool = opt(False, "string prompt-completion rows too through the tokenizer's chat template: "
                                            "the prompt a user turn, the completion the assistant's reply (OpenRLHF's "
                                            "--apply_chat_template); false: as text, the completion closed by eos "
