@@ -259,10 +259,10 @@ def _scheduler(st: _Pass, key: str, value: Any) -> None:
 
 
 def _logger(st: _Pass, value: Any) -> None:
-    """verl's loggers: console always prints, tensorboard is a sink here, the others write nothing here."""
+    """verl's loggers: console always prints, tensorboard and wandb are sinks here, the others write nothing here."""
     names = [value] if isinstance(value, str) else list(value or [])
-    st.out.append(f"report_to={json.dumps(['jsonl'] + (['tensorboard'] if 'tensorboard' in names else []))}")
-    other = [n for n in names if n not in ("console", "tensorboard")]
+    st.out.append(f"report_to={json.dumps(['jsonl'] + [n for n in ('tensorboard', 'wandb') if n in names])}")
+    other = [n for n in names if n not in ("console", "tensorboard", "wandb")]
     if other:
         st.not_applied.setdefault("metrics go to logging_dir: metrics.jsonl, tensorboard", []).append(
             f"trainer.logger {', '.join(other)}")
