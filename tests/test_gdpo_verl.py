@@ -78,8 +78,20 @@ def test_the_stage_trains_on_the_decoupled_sum_and_logs_the_score(tmp_path, tiny
     assert scores.rewards.tolist() == pytest.approx(expected.tolist())
     assert scores.shown.tolist() == [2.0, 1.0, 1.0, 0.0]  # reward/mean logs the score, as verl's critic/score
     assert scores.correct.tolist() == [True, True, True, False]  # a score of 1 or more, as ever
-    with pytest.raises(ScoreError, match=r"returned no number under 'format_reward' for row 1 \(data_source d\)"):
+    with pytest.raises(ScoreError, match=r"compute_score returned no number under 'format_reward' for row 1 "
+                                         r"\(data_source d\)"):
         stage.score(rollout(["7", "bad", "x", "y"]), samples)
+    from alignrl.rewards.values import RowScore, TimedOut
+
+    # a row past the time limit scores 0 in each component, as in the reward; a dict of its score alone has it
+    got = parts.reward([RowScore(1.0, parts={"accuracy_reward": 1.0, "format_reward": 1.0}), TimedOut(0.0)],
+                       samples, torch.tensor([0, 0]), "f")
+    assert got == pytest.approx(decoupled_group_sum(torch.tensor([[1.0, 1.0], [0.0, 0.0]]), torch.tensor([0, 0]),
+                                                    torch.tensor([1.0, 0.5])).tolist())
+    from alignrl.rewards.registry import finite_score
+
+    assert RewardComponents(("score",)).reward([finite_score({"score": 0.5}, "f", "d"), finite_score(
+        {"score": 1.5}, "f", "d")], samples, torch.tensor([0, 0]), "f") == pytest.approx([-0.7071, 0.7071], abs=1e-4)
 
 
 def test_verls_keys_and_the_refusals():
@@ -90,7 +102,9 @@ def test_verls_keys_and_the_refusals():
         ("gdpo", ["accuracy_reward", "format_reward"], [])
     for extra, words in ((["algorithm.gdpo_reward_keys=[]"], "normalizes each reward component apart: name them"),
                          (["algorithm.gdpo_reward_weights=[1.0]"], r"1 weight\(s\) for 2 gdpo_reward_keys"),
-                         (["algorithm.overlong_buffer_len=4"], "which algorithm.overlong_buffer_len would not reach")):
+                         (["algorithm.overlong_buffer_len=4"], "which algorithm.overlong_buffer_len would not reach"),
+                         (["algorithm.reward_clip=[-1,1]"], "which algorithm.reward_clip would not reach"),
+                         (["actor_rollout_ref.rollout.n=1"], "rollout.n=1 leaves none to compare with")):
         with pytest.raises(ConfigError, match=words):
             load_config(None, verl + extra)
     with pytest.raises(ConfigError, match="act with algorithm.adv_estimator=gdpo"):

@@ -135,3 +135,6 @@ def test_a_seed_config_stays_the_seed_s_and_file_mistakes_name_the_file(tmp_path
         _in_alignrl_words(["train", "grpo", "--config", str(path)])
     with pytest.raises(ConfigError, match=r"--scale_rewards mean: .*; the settings of --config .*grpo.yaml are read "):
         _in_alignrl_words(["train", "--config", str(path), "grpo"])  # the file before the word: read as TRL's too
+    # a Hydra config named grpo is the value of -cn, not the algorithm: the line stays as it is
+    assert _in_alignrl_words(["train", "-cn", "grpo", "-cp", "conf", "ppo"]) == ["train", "-cn", "grpo", "-cp", "conf",
+                                                                                  "ppo"]

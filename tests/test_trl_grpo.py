@@ -160,6 +160,8 @@ def test_trl_generation_kwargs_override_the_sampling_flags(tmp_path):
                                                                 "min_p": 0.05, "max_tokens": 12})])
     r = cfg.rollout
     assert (r.stop, r.top_k, r.min_p, r.max_new_tokens, r.temperature) == (["</answer>", "\n\n"], -1, 0.05, 12, 0.9)
+    odd, _ = _config(base + ["--generation_kwargs", json.dumps({"stop": ["😀", "${x}"]})])
+    assert odd.rollout.stop == ["😀", "${x}"]  # text the override's YAML and OmegaConf would otherwise misread
     with pytest.raises(TrlFlagError, match=r"^--generation_kwargs num_beams, suppress_tokens: alignrl's engines take "
                                            r"only temperature, .*; drop the others$"):
         from_line(base + ["--generation_kwargs", '{"num_beams": 2, "suppress_tokens": [1]}'])

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from alignrl.config import ConfigError, RunConfig, check_folders, check_world_size, keys_given, load_config
+from alignrl.config.verl_hydra import SELECTION_FLAGS
 from alignrl.runtime.flag_file import config_at
 from alignrl.runtime.one_line import OneLineParser
 from alignrl.errors import Terminated, UserError, in_flag_words, program, stop_on_sigterm
@@ -115,8 +116,8 @@ def _first_positional(argv: list[str], start: int) -> int | None:
     i = start
     while i < len(argv):
         word = argv[i]
-        if word.startswith("-"):
-            i += 2 if word in ("--config", "--nproc") else 1
+        if word.startswith("-"):  # Hydra's -cn/-cp/-cd too (verl_hydra): the value is the next word
+            i += 2 if word in ("--config", "--nproc", *SELECTION_FLAGS) else 1
         elif "=" in word:
             i += 1
         else:

@@ -49,4 +49,7 @@ def _rollout_key(name: str, value: Any) -> str:
                            "--max_completion_length")
     # alignrl's SamplingParams fields are rollout keys of the same names; a list as JSON, which the override's YAML
     # reading takes with its escapes (a stop string of "\n\n")
-    return f"rollout.{field}={json.dumps(list(value_here)) if isinstance(value_here, tuple) else value_here}"
+    if not isinstance(value_here, tuple):
+        return f"rollout.{field}={value_here}"
+    # unescaped non-ASCII text (a surrogate pair's escape is no YAML), and "${" kept from OmegaConf's interpolation
+    return f"rollout.{field}=" + json.dumps([v.replace("${", "\\${") for v in value_here], ensure_ascii=False)

@@ -218,7 +218,7 @@ def _optimiser_and_clips(cfg: RunConfig) -> str | None:
 
 def _estimator(cfg: RunConfig) -> str | None:
     alg = cfg.algorithm
-    if cfg.rollout.n < 2 and alg.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+    if cfg.rollout.n < 2 and alg.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo"):
         # each sample is measured against the others of its prompt: alone, every advantage would be 0 and the
         # run would train on nothing but its KL and entropy terms
         return (f"algorithm.adv_estimator={alg.adv_estimator} compares the samples of each prompt: "

@@ -44,7 +44,8 @@ def _gdpo_problem(cfg: RunConfig) -> str | None:
                               ("algorithm.overlong_buffer_len", a.overlong_buffer_len),
                               ("algorithm.format_reward_weight", a.format_reward_weight),
                               ("algorithm.truncated_reward_coef", a.truncated_reward_coef is not None),
-                              ("algorithm.multi_objective_aggregation=normalize_then_sum", False)) if on]
+                              ("algorithm.reward_clip", a.reward_clip),
+                              ("algorithm.grpo_std_scope=batch", a.grpo_std_scope == "batch")) if on]
     if shaped:  # verl's GDPO reads the components alone: what these add to the reward would change nothing
         return (f"algorithm.adv_estimator=gdpo trains on the reward function's components alone, which {shaped[0]} "
                 "would not reach: drop it")

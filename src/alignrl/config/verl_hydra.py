@@ -16,8 +16,8 @@ from alignrl.config.schema import ConfigError
 from alignrl.config.verl_keys import reads
 from alignrl.config.verl_tables import STRATEGIES
 
-_SELECTION = {"--config-name": "--config-name", "-cn": "--config-name", "--config-path": "--config-path",
-              "-cp": "--config-path", "--config-dir": "--config-dir", "-cd": "--config-dir"}
+SELECTION_FLAGS = {"--config-name": "--config-name", "-cn": "--config-name", "--config-path": "--config-path",
+                   "-cp": "--config-path", "--config-dir": "--config-dir", "-cd": "--config-dir"}
 BASE = "ppo_trainer"  # main_ppo's own config: the defaults every verl-spelled run starts from
 
 
@@ -49,12 +49,12 @@ def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     kept, chosen, i = [], {}, 0
     while i < len(argv):
         flag, sep, value = argv[i].partition("=")
-        if flag not in _SELECTION:
+        if flag not in SELECTION_FLAGS:
             kept.append(argv[i])
         elif sep or i + 1 < len(argv):
             value = value if sep else argv[i + 1]
             i += 0 if sep else 1
-            chosen[_SELECTION[flag]] = value.strip("'\"")
+            chosen[SELECTION_FLAGS[flag]] = value.strip("'\"")
         else:
             raise ConfigError(f"{flag} needs a value (a folder for --config-path, a config name for --config-name)")
         i += 1

@@ -38,7 +38,7 @@ def finite_score(value: Any, who: str, data_source: str) -> float:
                              data_source, "return a finite float, or {'score': float, ...} as verl's functions do")
         filtered, acc = value.get("filter_score"), solved(value.get("acc"))
         parts = _numbers(value)
-        if filtered is not None or acc is not None or len(parts) > 1:
+        if filtered is not None or acc is not None or parts:
             return RowScore(finite_score(value["score"], who, data_source),
                             None if filtered is None else finite_score(filtered, who, data_source), acc, parts)
         value = value["score"]

@@ -18,7 +18,7 @@ from alignrl.interfaces import SequenceScorer
 from alignrl.rewards.registry import ScoreError, finite_score, reads_prompt_text, score_row
 from alignrl.rewards.reward_log import extra_columns
 from alignrl.rewards.trl_reward import WithColumns
-from alignrl.rewards.values import RowScore, filter_score, is_correct
+from alignrl.rewards.values import RowScore, TimedOut, filter_score, is_correct
 
 # verl's compute_score signature: (data_source, solution_str, ground_truth, extra_info) -> float
 RewardFn = Callable[[str, str, str, dict], float]
@@ -36,20 +36,23 @@ class RewardComponents:
     weights: tuple[float, ...] = ()  # one each; empty: 1 each
     norm_by_std: bool = True
 
-    def reward(self, rewards: Sequence[float], rows: Sequence[Sample], group: torch.Tensor) -> list[float]:
-        """Each row's decoupled sum, from its reward value's numbers by key; a row without a key, or with a value
-        that is not finite, is one line naming the row."""
-        table = torch.tensor([[_component(r, k, rows[i], i) for k in self.keys] for i, r in enumerate(rewards)],
+    def reward(self, rewards: Sequence[float], rows: Sequence[Sample], group: torch.Tensor, who: str) -> list[float]:
+        """Each row's decoupled sum, from its reward value's numbers by key (a row past the time limit scores 0 in
+        each, as in the reward); a row of function `who` without a key, or with a value that is not finite, is one
+        line naming the row."""
+        table = torch.tensor([[_component(r, k, rows[i], i, who) for k in self.keys] for i, r in enumerate(rewards)],
                              dtype=torch.float32).reshape(len(rewards), len(self.keys))
         weights = torch.tensor(self.weights or [1.0] * len(self.keys), dtype=torch.float32)
         return decoupled_group_sum(table, group, weights, self.norm_by_std).tolist()
 
 
-def _component(value: float, key: str, row: Sample, i: int) -> float:
+def _component(value: float, key: str, row: Sample, i: int, who: str) -> float:
+    if isinstance(value, TimedOut):
+        return 0.0
     got = getattr(value, "parts", {}).get(key)
     if got is None or not torch.isfinite(torch.tensor(got)):
         what = f"returned no number under {key!r}" if got is None else f"returned {key}={got}"
-        raise ScoreError("compute_score", what, row.data_source,
+        raise ScoreError(who, what, row.data_source,
                          "return a dict with a finite number under each of algorithm.gdpo_reward_keys "
                          "({'score': s, 'format_reward': f, ...})").at(row.source or i, "reward function")
     return got
@@ -145,8 +148,10 @@ class RewardStage:
             correct = [is_correct(r) for r in rule_scores(self.correct_fn, "reward function", rows, texts, prompts,
                                                           ids)]
         if self.components is not None:  # the reward trains decoupled; the filtering and the logs read the score
-            summed = self.components.reward(rewards, rows, ro.group)
-            return [RowScore(r, float(p)) for r, p in zip(summed, rewards)], correct
+            summed = self.components.reward(rewards, rows, ro.group, getattr(self.reward_fn, "__name__",
+                                                                              repr(self.reward_fn)))
+            given = [filter_score(p) for p in rewards]  # a dict's own filter_score stays the one filtering reads
+            return [RowScore(r, float(p) if g is None else g) for r, p, g in zip(summed, rewards, given)], correct
         return rewards, correct
 
 
