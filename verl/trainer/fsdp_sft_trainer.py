@@ -4,13 +4,7 @@ verl's older FSDP SFT trainer, read by `alignrl.preference.verl_sft_keys`."""
 
 import sys
 
-try:
-    from alignrl.cli import main
-except ModuleNotFoundError as e:  # run by a Python that alignrl is not installed in
-    if (e.name or "").split(".")[0] != "alignrl":
-        raise
-    sys.exit(f"python -m verl.trainer.fsdp_sft_trainer: {sys.executable} cannot import {e.name}: alignrl is not "
-             "installed in this Python; run it from the environment alignrl is installed in (`make install`)")
+from verl.trainer.sft_trainer import run
 
 if __name__ == "__main__":
-    sys.exit(main(["train", "sft", *sys.argv[1:]]))
+    sys.exit(run("verl.trainer.fsdp_sft_trainer"))
