@@ -4,6 +4,7 @@ are listed once, values alignrl cannot give are one line; truncation error|left|
 the `python -m verl.trainer.sft_trainer` shims."""
 
 import json
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -64,13 +65,21 @@ def test_the_older_trainers_keys_and_defaults():
 
 
 def test_resume_mode_auto_goes_on_from_the_newest_checkpoint(tmp_path):
+    from alignrl.preference.checkpoints import STATE, WEIGHTS
+
     out = tmp_path / "ckpt"
-    for step in (2, 10, 9):
-        (tmp_path / "ckpt.checkpoints" / f"step_{step}").mkdir(parents=True)
+    for step in (2, 10, 9, 12):
+        folder = tmp_path / "ckpt.checkpoints" / f"step_{step}"
+        folder.mkdir(parents=True)
+        for name in (WEIGHTS, STATE) if step != 12 else ():  # step 12 is not a whole checkpoint
+            (folder / name).write_text("x")
     line = ["data.train_files=t.jsonl", f"trainer.default_local_dir={out}"]
     assert parse_sft(line).resume_from == str(tmp_path / "ckpt.checkpoints" / "step_10")
     assert parse_sft([*line, "trainer.resume_mode=disable"]).resume_from is None
     assert parse_sft([*line, "trainer.resume_mode=resume_path", "trainer.resume_from_path=x"]).resume_from == "x"
+    assert parse_sft([*line, "resume_from=y"]).resume_from == "y"  # the line's own key: no search
+    with pytest.raises(ConfigError, match="resume_mode=resume_path goes on from trainer.resume_from_path: give it"):
+        parse_sft([*line, "trainer.resume_mode=resume_path"])
 
 
 @pytest.mark.parametrize("word, says", [
@@ -144,3 +153,22 @@ def test_the_shims_run_the_sft_command(monkeypatch, capsys):
             runpy.run_module(module, run_name="__main__")
         assert stop.value.code == 2
         assert "verl's model.use_liger=true: Liger kernels are left out" in capsys.readouterr().err
+
+
+def test_rows_sft_cannot_train_as_they_ask_are_one_line(tmp_path):
+    """verl's vision SFT rows (images), tool schemas, tool calls and turns marked untrained: trained on their text
+    alone they would teach something else, so each is one line naming its row."""
+    from alignrl.data.loaders import DataError
+    from alignrl.data.sft_rows import SFTKeys, load_rows
+
+    turns = [{"role": "user", "content": "<image>What is this?"}, {"role": "assistant", "content": "a cat"}]
+    for extra, words in (({"images": [{"bytes": b"x"}]}, r"has images \(pictures\)"),
+                         ({"tools": [{"name": "f"}]}, r"has tools \(tool schemas"),
+                         ({"messages": turns[:1] + [{**turns[1], "trainable": False}]}, "has trainable"),
+                         ({"messages": turns[:1] + [{**turns[1], "tool_calls": [{"name": "f"}]}]}, "has tool_calls")):
+        path = tmp_path / "rows.jsonl"
+        path.write_text(json.dumps({"messages": turns, **extra}, default=str) + "\n")
+        with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:1: .*{words}"):
+            load_rows(str(path), SFTKeys())
+    path.write_text(json.dumps({"messages": turns, "images": [], "tools": None}) + "\n")
+    assert len(load_rows(str(path), SFTKeys())) == 1  # empty columns hold nothing

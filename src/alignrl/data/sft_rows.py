@@ -83,7 +83,17 @@ def load_rows(path: str, keys: SFTKeys, limit: int | None = None, key: str = "tr
     return [_row(loc, row, keys) for loc, row in rows]
 
 
+# what a row may hold that these rows cannot train as it asks: a column -> what it is
+UNREAD_COLUMNS = {"images": "pictures", "videos": "videos", "image": "a picture", "video": "a video",
+                  "tools": "tool schemas for the chat template", "enable_thinking": "a per-row template switch"}
+
+
 def _row(loc: str, row: dict[str, Any], keys: SFTKeys) -> SFTRow:
+    unread = next((k for k in UNREAD_COLUMNS if _given(row.get(k))), None)
+    if unread is not None:  # trained without it, the row would teach something else than it says
+        raise DataError(f"{loc}: the row has {unread} ({UNREAD_COLUMNS[unread]}), which alignrl train sft does not "
+                        "read (it trains on the messages' role and content, or text); drop the column, or train a "
+                        "vision-language model with alignrl's RL (docs/vision.md)")
     if keys.messages in row:
         messages = _messages(loc, keys.messages, row[keys.messages])
         if keys.response in row:  # OpenRLHF's --multiturn --output_key: the response closes the conversation
@@ -129,6 +139,13 @@ def _is_list(value: Any) -> bool:
     return not isinstance(value, (str, dict)) and hasattr(value, "__iter__")
 
 
+def _given(value: Any) -> bool:
+    """Whether a column holds something: not None and, for a list (or array), not empty."""
+    if value is None:
+        return False
+    return len(value) > 0 if _is_list(value) or isinstance(value, (str, dict)) else True
+
+
 def _text_or_messages(loc: str, key: str, value: Any) -> str | list[dict[str, str]]:
     return value if isinstance(value, str) else _messages(loc, key, value)
 
@@ -142,6 +159,11 @@ def _messages(loc: str, key: str, value: Any) -> list[dict[str, str]]:
         if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
             raise DataError(f"{loc}: a message in {key} lacks role/content (each message must be "
                             "{'role': ..., 'content': '...'})")
+        unread = ("tool_calls" if _given(m.get("tool_calls")) else
+                  "trainable" if "trainable" in m and m["trainable"] in (False, 0) else None)
+        if unread is not None:  # a tool call left out, or a turn marked untrained trained, is another row
+            raise DataError(f"{loc}: a message in {key} has {unread}, which alignrl train sft does not read (it "
+                            "trains each message's role and content); drop it from the messages")
         out.append({"role": str(m["role"]), "content": m["content"]})
     if not out:
         raise DataError(f"{loc}: {key} is an empty list of messages")

@@ -27,8 +27,8 @@ from alignrl.preference.configs import DPO_LOSS_NAMES, REFERENCE_FREE, SMOOTHED_
 from alignrl.preference.flag_names import DPO_FLAGS, RM_FLAGS, CommandFlags, epilog, flags_as_keys, spelled_their_way
 from alignrl.preference.notes import NOTES_SAID, say
 
-MAPPING_KEYS = ("chat_template_kwargs",)
-SINKS = ("jsonl", "tensorboard", "wandb")  # the metric sinks of report_to  # the keys whose values are mappings, checked before OmegaConf merges them
+MAPPING_KEYS = ("chat_template_kwargs",)  # the keys whose values are mappings, checked before OmegaConf merges them
+SINKS = ("jsonl", "tensorboard", "wandb")  # the metric sinks of report_to
 
 
 class _Parser(argparse.ArgumentParser):

@@ -15,6 +15,7 @@ where it is silent (`their_defaults`, said in one line). Nothing here imports to
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import json
 import re
@@ -47,10 +48,12 @@ COMMON_LEFT_OUT = {
 COMMON_IGNORED = ("flash_attn", "adam_offload", "disable_fast_tokenizer", "packing_samples", "packing")
 # their scheduler names of ours: OpenRLHF's cosine_with_min_lr is this cosine (its floor is min_lr_ratio's 0.1);
 # OpenRLHF's empty --input_template is no template, its prompt as it is: our '{}'
-# TRL's report_to none and all: no sink, every sink here
+# TRL's report_to none and all: no sink, every sink here (wandb where it is installed, as transformers' "all" takes
+# the integrations installed)
 VALUE_NAMES = {("lr_scheduler", "cosine_with_min_lr"): "cosine", ("lr_scheduler", "constant_with_warmup"): "constant",
                ("input_template", ""): "{}", ("report_to", "none"): "[]",
-               ("report_to", "all"): "[jsonl,tensorboard,wandb]"}
+               ("report_to", "all"): "[jsonl,tensorboard,wandb]" if importlib.util.find_spec("wandb") else
+               "[jsonl,tensorboard]"}
 TEXT_KEYS = ("input_template",)  # keys whose flag value is a text to keep as given
 # keys OpenRLHF and TRL give as several words (argparse nargs): `--loss_type sigmoid bco_pair sft --loss_weights 1 1 1`
 SPACED_LISTS = ("adam_betas", "lora_target_modules", "loss_type", "loss_weights")

@@ -19,6 +19,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import json
 import os
 import re
@@ -31,6 +32,7 @@ import yaml
 from alignrl.config import ConfigError
 from alignrl.config.checks import did_you_mean
 from alignrl.preference.notes import say
+from alignrl.preference.flag_current import latest_checkpoint
 
 HEADS = ("data", "optim", "model", "trainer", "engine", "checkpoint", "profiler")
 TOP_KEYS = ("ulysses_sequence_parallel_size", "use_remove_padding")  # the older trainer's top-level keys
@@ -111,7 +113,9 @@ ONLY = {
 _COMMON_DEFAULTS: dict[str, Any] = {
     "train_batch_size": 256, "batch_size": 4, "eval_batch_size": 4, "max_length": 1024, "truncation": "error",
     "epochs": 4, "weight_decay": 0.01, "grad_clip": 1.0, "min_lr_ratio": 0.0, "seed": 1, "log_every": 1,
-    "lora_alpha": 16, "lora_dropout": 0.0, "apply_chat_template": True, "report_to": ["jsonl"]}
+    "lora_alpha": 16, "lora_dropout": 0.0, "apply_chat_template": True,
+    # verl's trainer.logger [console, wandb]: wandb where it is installed (offline without an API key)
+    "report_to": ["jsonl", "wandb"] if importlib.util.find_spec("wandb") else ["jsonl"]}
 # verl's sft_trainer (sft_trainer_engine.yaml with optim/fsdp.yaml and model/hf_model.yaml)
 NEW_DEFAULTS = {**_COMMON_DEFAULTS, "learning_rate": 1e-3, "adam_betas": [0.9, 0.999], "warmup_ratio": 0.0,
                 "lr_scheduler": "constant", "gradient_checkpointing": True}
@@ -176,7 +180,7 @@ def in_our_words(argv: list[str], config: type | None = None) -> list[str]:
         value = _parse(word.partition("=")[2])
         st.given[key] = value
         _translate(st, key, value, word.partition("=")[2])
-    _finish(st)
+    _finish(st, rest)
     old = any(k.startswith(OLD_ONLY) or f"{k}=".startswith(OLD_ONLY) for k in st.given)
     defaults = _defaults(old, [*st.out, *rest], _own_defaults(config))
     if st.not_applied:
@@ -268,7 +272,7 @@ def _logger(st: _Pass, value: Any) -> None:
             f"trainer.logger {', '.join(other)}")
 
 
-def _finish(st: _Pass) -> None:
+def _finish(st: _Pass, rest: list[str]) -> None:
     """What depends on several keys: verl's FSDP engine (its default) is FSDP2 over torchrun's ranks, one process
     unsharded (the ranks of `--nproc` read the line again); resume_mode=auto (its default) goes on from the newest
     checkpoint of the output folder, checkpoints/<project>/<experiment> unless trainer.default_local_dir names one."""
@@ -284,18 +288,15 @@ def _finish(st: _Pass) -> None:
         raise ConfigError(f"verl's trainer.resume_mode={mode}: one of auto, disable, resume_path")
     if mode == "disable":
         st.out = [w for w in st.out if not w.startswith("resume_from=")]
-    if mode == "auto" and not any(w.startswith("resume_from=") for w in st.out):
+    given = any(w.startswith(("resume_from=", "--resume_from")) for w in [*st.out, *rest])
+    if mode == "resume_path" and not given:
+        raise ConfigError("verl's trainer.resume_mode=resume_path goes on from trainer.resume_from_path: give it")
+    if mode == "auto" and not given:
         output = next(w for w in reversed(st.out) if w.startswith("output_dir=")).partition("=")[2]
-        newest = newest_checkpoint(Path(f"{output}.checkpoints"))
+        newest = latest_checkpoint(Path(output))  # the newest complete one, as --load_checkpoint takes it
         if newest is not None:
             say(f"note: trainer.resume_mode=auto: going on from {newest}")
             st.out.append(f"resume_from={newest}")
-
-
-def newest_checkpoint(root: Path) -> Path | None:
-    """The highest step_N folder of `root` (each one complete: written aside and renamed into place), or None."""
-    steps = [(int(p.name[5:]), p) for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
-    return max(steps)[1] if steps else None
 
 
 def _own_defaults(config: type | None) -> dict[str, Any]:
