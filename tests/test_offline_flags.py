@@ -4,6 +4,7 @@ column names load, and what is left out is refused in one line."""
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -131,7 +132,7 @@ def test_renamed_pair_columns_load_and_other_layouts_keep_their_names(tmp_path):
     assert implicit.prompt == [{"role": "user", "content": "What is 0 + 0?"}] and implicit.chosen == "It is 0."
 
 
-def test_trl_spellings_parse(tmp_path):
+def test_trl_spellings_parse(tmp_path, monkeypatch):
     data = _openrlhf_pairs(tmp_path)
     cfg = parse_dpo(["--model_name_or_path", "demo", "--dataset_name", data, "--per_device_train_batch_size", "2",
                      "--gradient_accumulation_steps", "4", "--num_train_epochs", "2", "--learning_rate", "5.0e-6",
@@ -146,7 +147,12 @@ def test_trl_spellings_parse(tmp_path):
     assert parse_dpo(["--pretrain", "demo", "--ipo"]).loss_type == "ipo"  # OpenRLHF's switch
     assert parse_dpo(["--pretrain", "demo", "--loss_type", "hinge"]).loss_type == "hinge"
     assert parse_dpo(["--ref_pretrain", "demo"]).ref_model_path == "demo"
-    assert parse_dpo(["--use_wandb", "KEY", "--use_tensorboard", "logs/tb"]).model_path == "demo"  # ignored, noted
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    wandb = parse_dpo(["--use_wandb", "KEY", "--wandb_project", "p", "--use_tensorboard", "logs/tb"])
+    assert wandb.report_to == ["jsonl", "tensorboard", "wandb"]  # OpenRLHF's wandb logger, its key the API key
+    assert (os.environ["WANDB_API_KEY"], os.environ["WANDB_PROJECT"]) == ("KEY", "p")
+    assert "wandb" not in parse_dpo(["--use_wandb", "false"]).report_to
     assert parse_dpo(["beta=0.2"]).loss_type == "safe_mm_dpo"  # our own spelling keeps our default
     yaml = tmp_path / "c.yaml"
     yaml.write_text("loss_type: ipo\n")

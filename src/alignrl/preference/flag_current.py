@@ -7,6 +7,7 @@ ours, accepted with a note when it changes nothing here, or refused in one line 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from alignrl.config import ConfigError
@@ -27,8 +28,9 @@ _METRICS = "metrics go to logging_dir: report_to=[jsonl,tensorboard], and wandb 
 # flags with a value that change nothing here -> why
 IGNORED_VALUED = {
     "attn_implementation": "attention runs through PyTorch's SDPA here, which needs no flash-attention package",
-    **{name: _METRICS for name in ("use_tensorboard", "use_wandb", "wandb_org", "wandb_group", "wandb_project",
-                                   "wandb_run_name")}}
+    **{name: _METRICS for name in ("use_tensorboard", "wandb_org", "wandb_group", "wandb_run_name")}}
+# OpenRLHF's wandb flags: --use_wandb KEY (or a true switch) logs to wandb, the key its API key; --wandb_project
+WANDB_FLAGS = ("use_wandb", "wandb_project")
 # switches that change nothing here -> why
 IGNORED_SWITCHES = {
     "remove_unused_columns": "the loaders read only the columns they name",
@@ -53,6 +55,19 @@ LOAD_CHECKPOINT = "load_checkpoint"
 _LOAD_MARK = "\0load_checkpoint"  # stands for the resume_from override until the line's output folder is known
 
 
+def _wandb(name: str, given: str) -> list[str]:
+    """OpenRLHF's --use_wandb (a key, which OpenRLHF logs in with, or a switch) as the wandb sink, the key the run's
+    WANDB_API_KEY; --wandb_project as WANDB_PROJECT, the project the sink logs to."""
+    if name == "wandb_project":
+        os.environ["WANDB_PROJECT"] = given
+        return []
+    if given.lower() in FALSE_WORDS:
+        return []
+    if given.lower() not in TRUE_WORDS:
+        os.environ["WANDB_API_KEY"] = given  # the ranks started from here inherit it; it never enters the config
+    return ["report_to=[jsonl,tensorboard,wandb]"]
+
+
 def read_switch(word: str, name: str, value: str | None, nxt: str | None) -> tuple[bool, int]:
     """(on or off, words taken) of a switch: bare, `--name=true|false`, or `--name true|false` (TRL's spelling)."""
     taken = value is None and nxt is not None and nxt.lower() in TRUE_WORDS + FALSE_WORDS
@@ -74,6 +89,9 @@ def read_flag(word: str, name: str, eq: str, value: str, nxt: str | None,
     """(the overrides of flag `--name` at `word`, words taken), or None when it is none of this module's flags.
     `accepted`: the command's flags that name what happens here anyway (flag -> (values accepted, what happens))."""
     accepted = {**COMMON_ACCEPTED, **accepted}
+    if name in WANDB_FLAGS:
+        given, taken = _value(name, eq, value, nxt)
+        return _wandb(name, given), taken
     if name in CHOICE_FLAGS:
         given, taken = _value(name, eq, value, nxt)
         key, values, why = CHOICE_FLAGS[name]
