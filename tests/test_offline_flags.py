@@ -147,8 +147,9 @@ def test_trl_spellings_parse(tmp_path, monkeypatch):
     assert parse_dpo(["--pretrain", "demo", "--ipo"]).loss_type == "ipo"  # OpenRLHF's switch
     assert parse_dpo(["--pretrain", "demo", "--loss_type", "hinge"]).loss_type == "hinge"
     assert parse_dpo(["--ref_pretrain", "demo"]).ref_model_path == "demo"
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    for name in ("WANDB_API_KEY", "WANDB_PROJECT"):  # set then removed: whatever the parse sets is undone after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     wandb = parse_dpo(["--use_wandb", "KEY", "--wandb_project", "p", "--use_tensorboard", "logs/tb"])
     assert wandb.report_to == ["jsonl", "tensorboard", "wandb"]  # OpenRLHF's wandb logger, its key the API key
     assert (os.environ["WANDB_API_KEY"], os.environ["WANDB_PROJECT"]) == ("KEY", "p")
