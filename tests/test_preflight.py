@@ -194,7 +194,7 @@ def test_nproc_takes_trainer_master_port_only_where_the_file_or_the_command_line
 
     def port(*argv):
         args = cli._parse(["train", "grpo", *argv])
-        return cli._port_given(args, cli._config(args))
+        return cli._port_given(args, cli.load_config(cli._config_path(args), args.overrides))
 
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text("trainer:\n  master_port: 29633\n")

@@ -166,7 +166,7 @@ def test_an_overlong_buffer_that_is_off_costs_nothing(files):
 
 @pytest.mark.parametrize("key,value,words", [
     ("data.truncation", "center", "choose one of: left, right, middle, error"),
-    ("reward_model.reward_manager", "limo", "naive, dapo, prime or batch"),
+    ("reward_model.reward_manager", "limo", "naive, dapo, prime, batch or gdpo"),
     ("algorithm.filter_groups.metric", "length", "keeps the groups whose rewards differ"),
     ("actor_rollout_ref.rollout.mode", "sync", "not supported"),
 ])
