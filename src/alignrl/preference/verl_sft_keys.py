@@ -280,6 +280,8 @@ def _finish(st: _Pass, rest: list[str]) -> None:
         st.out.append("strategy=deepspeed")
     elif int(os.environ.get("WORLD_SIZE") or 1) > 1:  # FSDP2 shards over the ranks; one process trains unsharded
         st.out.append("strategy=fsdp2")
+    if "trainer.project_name" in st.given:  # verl's wandb project; the ranks started from here inherit it
+        os.environ["WANDB_PROJECT"] = str(st.given["trainer.project_name"])
     if "trainer.default_local_dir" not in st.given:
         project = st.given.get("trainer.project_name", "gsm8k-sft")
         st.out.insert(0, f"output_dir=checkpoints/{project}/{st.given.get('trainer.experiment_name', 'test')}")
