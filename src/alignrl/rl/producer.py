@@ -28,6 +28,7 @@ from alignrl.interfaces import RefScorer, RolloutEngine, SamplingParams
 from alignrl.rewards.errors import RewardError
 from alignrl.rewards.timed_rules import late_rows, say_timeouts
 from alignrl.rewards.reward_log import TrainerState, logging_rewards
+from alignrl.rewards.trl_reward import is_trl_spec
 from alignrl.models.folder import ModelError
 from alignrl.models.logprobs import ForwardLayout, response_logprobs
 from alignrl.rollout.env_agent import with_labels
@@ -339,7 +340,8 @@ class InlineSource:
         if self.env.distributed:  # the reward spread of the whole batch, not the mean of each share's
             batch.metrics["reward/std"] = pooled_std(self.env, batch.metrics["reward/mean"],
                                                      batch.metrics["reward/std"], len(first) * self.maker.cfg.rollout.n)
-            batch.metrics.update(logged_over_ranks(self.env, self.maker.logged))
+            if is_trl_spec(self.maker.cfg.algorithm.reward_fn):  # only TRL's functions log (the same on every rank)
+                batch.metrics.update(logged_over_ranks(self.env, self.maker.logged))
         return batch
 
     def state_dict(self) -> dict:

@@ -47,21 +47,22 @@ def behaviour_logprobs(ro: Rollout, old_lp: torch.Tensor) -> torch.Tensor:
     return ro.logprobs if ro.loss_mask is None else torch.where(ro.loss_mask, ro.logprobs, old_lp)
 
 
+# the policy terms whose objective fixes how they aggregate: GSPO's and SAPO's average sequences (Zheng et al., Gao
+# et al. 2025; verl too), LUSPO's weighs each sequence by its length
+FIXED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "luspo": "seq-mean-token-sum"}
+
+
 def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
     a = cfg.actor
-    agg = a.loss_agg_mode
-    if agg == "auto":  # GSPO's and SAPO's objectives average sequences (Zheng et al., Gao et al. 2025); verl too
-        agg = "seq-mean-token-mean" if a.policy_loss in ("gspo", "sapo") else "token-mean"
-        agg = "seq-mean-token-sum" if a.policy_loss == "luspo" else agg  # LUSPO weighs a sequence by its length
+    agg = FIXED_AGG.get(a.policy_loss, "token-mean") if a.loss_agg_mode == "auto" else a.loss_agg_mode
     return PolicyLossSpec(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
                           kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
                           kl_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
                           temperature=cfg.rollout.temperature, name=a.policy_loss, clip_c=a.clip_ratio_c or None,
                           loss_agg=agg, max_len=float(response_cap(cfg)),
-                          # verl's GSPO and SAPO losses average sequences whatever loss_agg_mode says, which then
-                          # aggregates the KL and entropy terms only
-                          policy_agg="seq-mean-token-mean" if a.policy_loss in ("gspo", "sapo") else
-                          "seq-mean-token-sum" if a.policy_loss == "luspo" else None,
+                          # these aggregate as their objective says whatever loss_agg_mode says, which then
+                          # aggregates the KL and entropy terms only (verl's GSPO and SAPO losses do so)
+                          policy_agg=FIXED_AGG.get(a.policy_loss),
                           clip_cov=(a.clip_cov_ratio, a.clip_cov_lb, a.clip_cov_ub),
                           kl_cov=(a.kl_cov_ratio, a.ppo_kl_coef), sapo=(a.tau_pos, a.tau_neg),
                           delta=a.clip_ratio_delta, kl_ratio_weighted=a.kl_loss_ratio_weighted,
