@@ -19,6 +19,10 @@ columns reads through `prompt_key=question response_key=answer`):
   completion is trained.
 * language modelling: `text`, every token trained, closed by eos.
 
+Rows with images (a vision-language model's: verl's `<image>` placeholders with an `images` column, TRL's image
+items or bare `images` column) are read and rendered by `data.sft_images`, through the processor's chat template,
+with the trained tokens found the same way; only a prompt's user turns may hold images.
+
 eos is appended only to a text that does not already end with it. A sequence longer than `max_length` is cut there
 (OpenRLHF's rule: the whole sequence, from its end); a row with no trained token left is dropped. Problems in a file
 raise `DataError` with one line naming file:line and the key.
@@ -28,12 +32,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from alignrl.data.collate import right_pad
+from alignrl.data.images import ImageRows
 from alignrl.data.loaders import DataError, _read_rows
+from alignrl.data.sft_images import RowPictures, check_message_keys, read_image_row, renderer_for
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class SFTKeys:
     completion_only: bool = True  # prompt-completion rows: loss on the completion alone
     assistant_only: bool = True  # conversations: loss on the assistant turns alone
     input_template: str | None = None  # without chat_template: string rows as OpenRLHF's text, the prompt formatted in
+    image: str = "images"  # column of a row's images (verl's data.image_key; TRL's one-image `image` is read too)
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,7 @@ class SFTRow:
     prompt: str | list[dict[str, str]] | None = None
     completion: str | list[dict[str, str]] | None = None
     text: str | None = None
+    images: tuple = ()  # a row with images: their sources (paths or bytes), in the order of its image items
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,7 @@ class EncodedRow:
     # a row packed from whole sequences (`sft_packing.pack_dataset`, TRL's bfd): their lengths, in order, each
     # attending to itself alone with position ids from 0; (): one sequence
     lengths: tuple[int, ...] = ()
+    images: RowPictures | None = None  # a row with images: their sources and patch grids, loaded for each batch
 
     @property
     def n_trained(self) -> int:
@@ -80,20 +90,23 @@ def load_rows(path: str, keys: SFTKeys, limit: int | None = None, key: str = "tr
     _, rows = _read_rows(path, limit, key=key)
     if not rows:
         raise DataError(f"{path}: file has no rows ({key} needs one example per line)")
-    return [_row(loc, row, keys) for loc, row in rows]
+    base = Path(path).parent  # where relative image paths may also be found
+    return [_row(loc, row, keys, base) for loc, row in rows]
 
 
 # what a row may hold that these rows cannot train as it asks: a column -> what it is
-UNREAD_COLUMNS = {"images": "pictures", "videos": "videos", "image": "a picture", "video": "a video",
-                  "tools": "tool schemas for the chat template", "enable_thinking": "a per-row template switch"}
+UNREAD_COLUMNS = {"videos": "videos", "video": "a video", "tools": "tool schemas for the chat template",
+                  "enable_thinking": "a per-row template switch"}
 
 
-def _row(loc: str, row: dict[str, Any], keys: SFTKeys) -> SFTRow:
+def _row(loc: str, row: dict[str, Any], keys: SFTKeys, base: Path | None = None) -> SFTRow:
     unread = next((k for k in UNREAD_COLUMNS if _given(row.get(k))), None)
     if unread is not None:  # trained without it, the row would teach something else than it says
         raise DataError(f"{loc}: the row has {unread} ({UNREAD_COLUMNS[unread]}), which alignrl train sft does not "
-                        "read (it trains on the messages' role and content, or text); drop the column, or train a "
-                        "vision-language model with alignrl's RL (docs/vision.md)")
+                        "read (it trains on the messages' role and content, images, or text); drop the column")
+    pictured = _image_row(loc, row, keys, base)
+    if pictured is not None:
+        return pictured
     if keys.messages in row:
         messages = _messages(loc, keys.messages, row[keys.messages])
         if keys.response in row:  # OpenRLHF's --multiturn --output_key: the response closes the conversation
@@ -117,6 +130,17 @@ def _row(loc: str, row: dict[str, Any], keys: SFTKeys) -> SFTRow:
     raise DataError(f"{loc}: row has none of {keys.messages} (conversation), {keys.prompt}+{keys.response} (prompt-"
                     f"completion), {keys.text} (plain text); its keys are {', '.join(map(str, row))[:120]} (set "
                     "messages_key, prompt_key/response_key or text_key)")
+
+
+def _image_row(loc: str, row: dict[str, Any], keys: SFTKeys, base: Path | None) -> SFTRow | None:
+    """The row with its images (`data.sft_images`): a conversation, or a prompt and completion. None: none."""
+    got = read_image_row(loc, row, keys, base)
+    if got is None:
+        return None
+    if got.prompt_len is None:
+        return SFTRow(loc, messages=got.messages, images=got.images)
+    return SFTRow(loc, prompt=got.messages[:got.prompt_len], completion=got.messages[got.prompt_len:],
+                  images=got.images)
 
 
 def _last_turn(loc: str, key: str, messages: list[dict[str, str]]) -> SFTRow:
@@ -159,11 +183,7 @@ def _messages(loc: str, key: str, value: Any) -> list[dict[str, str]]:
         if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
             raise DataError(f"{loc}: a message in {key} lacks role/content (each message must be "
                             "{'role': ..., 'content': '...'})")
-        unread = ("tool_calls" if _given(m.get("tool_calls")) else
-                  "trainable" if "trainable" in m and m["trainable"] in (False, 0) else None)
-        if unread is not None:  # a tool call left out, or a turn marked untrained trained, is another row
-            raise DataError(f"{loc}: a message in {key} has {unread}, which alignrl train sft does not read (it "
-                            "trains each message's role and content); drop it from the messages")
+        check_message_keys(loc, key, m)
         out.append({"role": str(m["role"]), "content": m["content"]})
     if not out:
         raise DataError(f"{loc}: {key} is an empty list of messages")
@@ -285,22 +305,40 @@ def encode_rows(tokenizer, rows: Sequence[SFTRow], keys: SFTKeys, max_length: in
     Chat rendering uses the variables bound to `tokenizer` (chat_template_kwargs)."""
     out, cut, dropped = [], 0, 0
     for row in rows:
-        if row.text is not None:
-            ids = list(tokenizer(_with_eos(tokenizer, row.text))["input_ids"])
-            trained = [True] * len(ids)
-        elif row.messages is not None:
-            if keys.input_template is not None and not keys.chat_template:
-                raise needs_string_prompt(row.loc)
-            ids, trained = encode_conversation(tokenizer, row, keys.assistant_only)
+        pictures = None
+        if row.images:  # rendered by the processor, its images' tokens in place (data.sft_images)
+            renderer, pictures = renderer_for(tokenizer, row.loc, row.images)
+            ids, trained = _encode_one(renderer, row, keys)
+            renderer.check(ids)
+            if renderer.image_id in ids[max_length:]:  # a row cut inside its images would not match them
+                raise _cuts_images(row.loc, max_length, ids, renderer.image_id)
         else:
-            ids, trained = encode_prompt_completion(tokenizer, row, keys)
+            ids, trained = _encode_one(tokenizer, row, keys)
         cut += len(ids) > max_length
-        enc = EncodedRow(ids[:max_length], trained[:max_length], len(out))
+        enc = EncodedRow(ids[:max_length], trained[:max_length], len(out), images=pictures)
         if enc.n_trained == 0:
             dropped += 1
             continue
         out.append(enc)
     return out, cut, dropped
+
+
+def _cuts_images(loc: str, max_length: int, ids: list[int], image_id: int) -> DataError:
+    last = max(i for i, t in enumerate(ids) if t == image_id)
+    return DataError(f"{loc}: max_length={max_length} would cut the row's image tokens (they run to token {last + 1} "
+                     f"of {len(ids)}); raise max_length, or lower max_pixels so each image has fewer tokens")
+
+
+def _encode_one(tokenizer, row: SFTRow, keys: SFTKeys) -> tuple[list[int], list[bool]]:
+    """(ids, trained) of one row, whole."""
+    if row.text is not None:
+        ids = list(tokenizer(_with_eos(tokenizer, row.text))["input_ids"])
+        return ids, [True] * len(ids)
+    if row.messages is None:
+        return encode_prompt_completion(tokenizer, row, keys)
+    if keys.input_template is not None and not keys.chat_template:
+        raise needs_string_prompt(row.loc)
+    return encode_conversation(tokenizer, row, keys.assistant_only)
 
 
 # ---------------------------------------------------------------- batches
@@ -318,6 +356,7 @@ class SFTBatch:
     index: torch.Tensor  # (rows,) long
     global_tokens: float
     position_ids: torch.Tensor | None = None  # (B, L) long, packed batches only
+    images: ImageRows | None = None  # rows with images: their pixels (kept on the CPU; the forward moves them)
 
     @property
     def n_rows(self) -> int:
@@ -325,7 +364,7 @@ class SFTBatch:
 
     def _map(self, fn) -> SFTBatch:
         return SFTBatch(*(fn(t) for t in (self.input_ids, self.attention_mask, self.loss_mask, self.index)),
-                        self.global_tokens, None if self.position_ids is None else fn(self.position_ids))
+                        self.global_tokens, None if self.position_ids is None else fn(self.position_ids), self.images)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> SFTBatch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -338,5 +377,6 @@ def collate_rows(encoded: Sequence[EncodedRow], pad_id: int, global_tokens: floa
     ids, mask = right_pad([e.ids for e in encoded], pad_id)
     trained, _ = right_pad([[int(t) for t in e.trained] for e in encoded], 0)
     trained[:, 0] = 0  # nothing predicts a row's first token
+    images = ImageRows([e.images.load() if e.images is not None else None for e in encoded])
     return SFTBatch(ids, mask, trained.bool() & mask, torch.tensor([e.index for e in encoded], dtype=torch.long),
-                    float(global_tokens))
+                    float(global_tokens), images=images if images.any() else None)

@@ -16,7 +16,8 @@ on from one (`preference.checkpoints`). `packing` lays a micro-batch's rows end 
 (the same rows, loss and update, without the padding); with `packing_strategy` bfd, bfd_split or wrapped it packs
 the whole training set before batching instead, as TRL's packing=True does, and `batch_size` then counts packed rows.
 `eval_packing` (TRL's; unset: as `packing`) packs the held-out rows the same way.
-`neftune_noise_alpha` adds NEFTune's noise to the input embeddings in training (`preference.sft_packing`). Left out:
+`neftune_noise_alpha` adds NEFTune's noise to the input embeddings in training (`preference.sft_packing`). Rows with
+images train a vision-language model (Qwen2-VL) with its images in the forward (`preference.sft_vision`). Left out:
 Liger kernels.
 """
 
@@ -25,12 +26,14 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 from alignrl.data.sft_rows import EncodedRow, SFTBatch, SFTKeys, SFTRow, collate_rows, encode_rows, load_rows
 from alignrl.preference import adapters
 from alignrl.preference import common as pc
+from alignrl.preference import sft_vision as vision
 from alignrl.preference.sft_cli import SFTConfig
 from alignrl.preference.sft_packing import (NEFTune, check_packable, collate_bins, collate_packed, one_row_attention,
                                             pack_dataset)
@@ -38,7 +41,7 @@ from alignrl.preference.sft_packing import (NEFTune, check_packable, collate_bin
 
 def _keys(cfg: SFTConfig, chat_template: bool) -> SFTKeys:
     return SFTKeys(cfg.prompt_key, cfg.response_key, cfg.messages_key, cfg.text_key, chat_template,
-                   cfg.completion_only_loss, cfg.assistant_only_loss, cfg.input_template)
+                   cfg.completion_only_loss, cfg.assistant_only_loss, cfg.input_template, cfg.image_key)
 
 
 def _load(files: list[str], keys: SFTKeys, limit: int, key: str) -> list[SFTRow]:
@@ -128,8 +131,8 @@ def steps_per_epoch(n: int, cfg: SFTConfig, world: int) -> int:
 
 
 def _row(encoded: list[EncodedRow], j: int) -> EncodedRow:
-    """Row `j`, or for -1 a filler: the first row's tokens, none of them trained."""
-    return encoded[j] if j >= 0 else EncodedRow(encoded[0].ids, [False] * len(encoded[0].ids), -1, encoded[0].lengths)
+    """Row `j`, or for -1 a filler: the first row's tokens (and images), none of them trained."""
+    return encoded[j] if j >= 0 else replace(encoded[0], trained=[False] * len(encoded[0].ids), index=-1)
 
 
 def step_tokens(encoded: list[EncodedRow], cfg: SFTConfig, world: int, epoch: int) -> list[float]:
@@ -173,11 +176,12 @@ def eval_batches(encoded: list[EncodedRow], collate, batch_size: int, env) -> li
 def summed_loss(model, batch: SFTBatch, cfg: SFTConfig, device: torch.device) -> tuple[torch.Tensor, int]:
     """(the summed cross-entropy of the batch's trained tokens, their number). Position t predicts token t + 1; the
     logits of the trained positions alone go to float32. A packed batch goes in with its position ids and no
-    attention mask, from which transformers builds the block-diagonal mask that keeps its rows apart."""
-    with pc.autocast(cfg, device):
+    attention mask, from which transformers builds the block-diagonal mask that keeps its rows apart. A batch with
+    images takes them into the forward (`sft_vision`)."""
+    with pc.autocast(cfg, device), vision.forward_images(model, batch):
         if batch.position_ids is None:
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long(),
-                           use_cache=False).logits
+                           use_cache=False, **vision.image_inputs(model, batch)).logits
         else:
             logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
     targets = batch.loss_mask[:, 1:]
@@ -217,12 +221,15 @@ def _encode(tok, cfg: SFTConfig, train_rows: list[SFTRow], eval_rows: list[SFTRo
     uncut = cfg.packing_strategy in UNCUT
     enc_train, cut, dropped = _encoded(tok, train_rows, keys, cfg, uncut and packs_dataset(cfg), "training")
     enc_eval, _, _ = _encoded(tok, eval_rows, keys, cfg, uncut and eval_packs(cfg), "held-out")
+    vision.check_not_packed(enc_train, cfg.packing, "training")
+    vision.check_not_packed(enc_eval, eval_packs(cfg), "held-out")
     trained = sum(e.n_trained for e in enc_train)
     log.print(f"SFT: {len(enc_train)} train rows from {', '.join(map(str, cfg.train_files))} ({trained} trained "
               f"tokens), {len(enc_eval)} held-out; string rows through the chat template: {keys.chat_template}; "
               f"{cut} rows longer than max_length={cfg.max_length} cut at its "
               f"{'start' if cfg.truncation == 'left' else 'end'}"
-              + (f", {dropped} of them dropped: no trained token left" if dropped else ""))
+              + (f", {dropped} of them dropped: no trained token left" if dropped else "")
+              + (f"; {vision.with_images(enc_train)} train rows with images" if vision.with_images(enc_train) else ""))
     return enc_train, enc_eval, {"truncated_rows": cut, "dropped_rows": dropped, "chat_template": keys.chat_template}
 
 
@@ -240,8 +247,8 @@ def _encoded(tok, rows: list[SFTRow], keys: SFTKeys, cfg: SFTConfig, whole: bool
         raise ConfigError(f"{len(longer)} {which} rows are longer than max_length={cfg.max_length} tokens (the "
                           f"longest {max(len(e.ids) for e in longer)}) and truncation=error (verl's default): raise "
                           "max_length, or set truncation=right (cut at the end) or left (keep the end)")
-    kept = [EncodedRow(e.ids[-cfg.max_length:], e.trained[-cfg.max_length:], e.index) for e in encoded]
-    out = [EncodedRow(e.ids, e.trained, i) for i, e in enumerate(k for k in kept if k.n_trained)]
+    kept = [vision.cut_left(e, cfg.max_length) if len(e.ids) > cfg.max_length else e for e in encoded]
+    out = [replace(e, index=i) for i, e in enumerate(k for k in kept if k.n_trained)]
     return out, len(longer), len(kept) - len(out)
 
 
@@ -260,7 +267,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     env = init_distributed()
     log = SFTLog(env, log_dir, cfg.report_to)
     folder = resolve_model_path(cfg.model_path, log.print, "model_path")
-    tok = load_tokenizer(folder, chat=False)
+    tok = load_tokenizer(folder, chat=False, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
     _set_eos(tok, cfg.eos_token)
     pc.bind_template_variables(tok, cfg, log)
     enc_train, enc_eval, notes = _encode(tok, cfg, train_rows, eval_rows, log)
@@ -317,7 +324,8 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
         pc.check_eval_finite(after["loss"], "losses")
     results = _report(cfg, log, before, after, step, n_rows, notes, env, engine.name, t0)
     writer, state = adapters.saver(policy, model, spec, cfg.lora_export, engine.full_state_dict())  # collective
-    pc.save_hf_folder(out_dir, writer, state, tok, {"eval_results.json": results}, env, log_dir=log_dir)
+    pc.save_hf_folder(out_dir, writer, state, vision.saved_tokenizer(tok), {"eval_results.json": results}, env,
+                      log_dir=log_dir)
     if after:
         log.metrics(step, {"eval/loss": after["loss"], "eval/perplexity": after["perplexity"],
                            "eval/loss_before": before["loss"]})

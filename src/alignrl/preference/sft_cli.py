@@ -57,6 +57,12 @@ class SFTConfig(CommonConfig):
                                    "its first tokens dropped, its end kept; error: the run stops, naming how many "
                                    "rows are longer (verl's data.truncation, its default error)",
                           choices=("right", "left", "error"))
+    image_key: str = opt("images", "column of a row's images, for a vision-language model_path (verl: "
+                                   "data.image_key; TRL's one-image `image` column is read too)")
+    min_pixels: int = opt(0, "rows with images: each image resized to at least this many pixels (bounds its "
+                             "tokens); 0: the processor's own bound", ge=0)
+    max_pixels: int = opt(0, "rows with images: each image resized to at most this many pixels; 0: the "
+                             "processor's own bound", ge=0)
     max_train_pairs: int = opt(0, "use only the first N training rows of all train_files together, in their order "
                                   "(OpenRLHF: --max_samples); 0: all", ge=0)
     max_eval_pairs: int = opt(0, "use only the first N held-out rows of all eval_files together; 0: all", ge=0)

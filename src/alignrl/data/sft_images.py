@@ -1,0 +1,234 @@
+"""Supervised fine-tuning rows with images, for a vision-language model (Qwen2-VL): reading them, and rendering
+them with the images' tokens in place.
+
+A row has images when its image column (`image_key`, `images` by default; TRL's one-image `image` column too) holds
+some, or its messages' content items name them (`{"type": "image", "image": "file:///..."}`). The layouts are
+`data.images.with_row_images`'s: verl's `<image>` placeholders in the text, one image of the column each; TRL's and
+OpenRLHF's `{"type": "image"}` items filled from the column in order; no placeholder at all (TRL's
+prompt-completion rows): the column's images go first in the first user turn. Images belong to the prompt: an image
+in an assistant (or tool) turn is refused, as trained text it would be a picture the model is asked to write.
+
+A row with images is rendered by the processor's chat template (`ImageRenderer`): each image becomes its
+`<|vision_start|><|image_pad|>...<|vision_end|>` span, widened to the image's count of tokens, as the processor
+itself widens it. The trained tokens are then found as for text rows (`data.sft_rows`). The pixels are not kept: a
+row holds its images' sources and patch grids (`RowPictures`), and each batch decodes them again
+(`RowPictures.load`), so a large data set costs no memory for its pixels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from alignrl.data.images import (PLACEHOLDER, PROCESSOR_ATTR, ImageDataError, PromptImages, decode_image,
+                                 with_row_images)
+from alignrl.data.loaders import DataError
+
+TRL_IMAGE = "image"  # TRL's column of a row's one image
+
+
+@dataclass(frozen=True)
+class _Conversation:
+    """What `with_row_images` reads and returns: messages, no pre-rendered prompt text, the images' sources."""
+
+    messages: list
+    prompt_text: None = None
+    images: tuple = ()
+
+
+def image_column(row: dict[str, Any], image_key: str) -> Any:
+    """The row's images: its `image_key` column, else TRL's one-image `image` column as a list of one."""
+    value = row.get(image_key)
+    if value is None and row.get(TRL_IMAGE) is not None:
+        return [row[TRL_IMAGE]]
+    return value
+
+
+def names_images(messages: Any) -> bool:
+    """Whether chat messages hold content items that are images (a list content with an image item)."""
+    if isinstance(messages, str) or not hasattr(messages, "__iter__"):
+        return False
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if content is None or isinstance(content, str):
+            continue
+        if any(isinstance(i, dict) and (i.get("type") in ("image", "image_url") or "image" in i) for i in content):
+            return True
+    return False
+
+
+def _checked(loc: str, key: str, value: Any) -> list[dict]:
+    """Chat messages whose content is a string or a list of content items; DataError-like one line otherwise."""
+    if isinstance(value, (str, dict)) or not hasattr(value, "__iter__"):
+        raise ImageDataError(f"{loc}: {key} must be a list of chat messages ({{'role': ..., 'content': ...}}), "
+                             f"got {type(value).__name__}")
+    out = []
+    for m in value:
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or "role" not in m or content is None or \
+                not (isinstance(content, str) or hasattr(content, "__iter__")):
+            raise ImageDataError(f"{loc}: a message in {key} lacks role/content (each message must be {{'role': "
+                                 "..., 'content': '...' or a list of text and image items}})")
+        # its other keys stay for the caller's checks (tool_calls...); with_row_images keeps role and content
+        out.append({**m, "role": str(m["role"]), "content": content if isinstance(content, str) else list(content)})
+    if not out:
+        raise ImageDataError(f"{loc}: {key} is an empty list of messages")
+    return out
+
+
+def as_messages(loc: str, key: str, value: Any, role: str) -> list[dict]:
+    """A prompt or completion column as messages: a string is one `role` turn, a message or a list as given."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    return _checked(loc, key, [value] if isinstance(value, dict) else value)
+
+
+def with_images(loc: str, messages: list[dict], row: dict[str, Any], image_key: str, base: Path | None
+                ) -> tuple[list[dict], tuple]:
+    """(the messages with content item lists, the sources of their images in order) by `with_row_images`; a row
+    whose images land in a turn other than a user's (or system's) is one line."""
+    got = with_row_images(loc, _Conversation(messages), row, image_key, base)
+    for k, m in enumerate(got.messages):
+        if m["role"] not in ("user", "system") and not isinstance(m["content"], str) and \
+                any(i.get("type") == "image" for i in m["content"]):
+            raise ImageDataError(f"{loc}: message {k} ({m['role']}) holds an image; images go in the prompt's user "
+                                 f"turns only (move its {PLACEHOLDER} or image item into a user message)")
+    return got.messages, tuple(got.images)
+
+
+@dataclass(frozen=True)
+class PicturedRow:
+    """A row with images, read: the whole conversation (content item lists), where its prompt ends (None: a
+    conversation trained on its assistant turns), and its images' sources in order."""
+
+    messages: list
+    prompt_len: int | None
+    images: tuple
+
+
+def read_image_row(loc: str, row: dict[str, Any], keys, base: Path | None) -> PicturedRow | None:
+    """The row's conversation with its images (`keys`: `data.sft_rows.SFTKeys`), always rendered by the processor's
+    template: its messages (a response column appended as the last turn), or its prompt (a string: a user turn) and
+    completion (an assistant turn). None: the row has no images."""
+    column = image_column(row, keys.image)
+    listed = (row.get(k) for k in (keys.messages, keys.prompt, keys.response))
+    if not _holds(column) and not any(names_images(v) for v in listed if v is not None):
+        return None
+    if keys.input_template is not None and not keys.chat_template:
+        raise ImageDataError(f"{loc}: the row has images, which the processor's chat template places, and "
+                             "input_template (OpenRLHF's text) has no place for them: set apply_chat_template=true, "
+                             "or drop input_template")
+    key = keys.messages if keys.messages in row else keys.prompt
+    if keys.messages in row or (keys.prompt in row and keys.response in row):
+        head = as_messages(loc, key, row[key], "user")
+        tail = as_messages(loc, keys.response, row[keys.response], "assistant") if keys.response in row else []
+    elif keys.prompt in row and not isinstance(row[keys.prompt], str):  # OpenRLHF: the last message the completion
+        head = as_messages(loc, key, row[key], "user")
+        head, tail = head[:-1], head[-1:]
+        if tail[0]["role"] != "assistant":
+            raise ImageDataError(f"{loc}: {key} holds messages and the row has no response column, so its last "
+                                 f"message is the completion, but that one is {tail[0]['role']!r}, not 'assistant'")
+    else:
+        raise ImageDataError(f"{loc}: the row has images; images go with chat messages ({keys.messages}) or a prompt "
+                             f"and completion ({keys.prompt}+{keys.response}), a plain text row has no place for them")
+    for m in head + tail:
+        check_message_keys(loc, key, m)
+    if not any(m["role"] == "assistant" for m in head + tail):
+        raise ImageDataError(f"{loc}: the row has no assistant message, so nothing to train on")
+    messages, images = with_images(loc, head + tail, {keys.image: column}, keys.image, base)
+    return PicturedRow(messages, None if keys.messages in row else len(head), images)
+
+
+def _holds(value: Any) -> bool:
+    """Whether an image column holds something (not None, not an empty list or array)."""
+    return value is not None and (len(value) > 0 if hasattr(value, "__len__") else True)
+
+
+def check_message_keys(loc: str, key: str, m: dict) -> None:
+    """A message with a tool call or marked untrained is refused: trained on its role and content alone, it would be
+    another row."""
+    unread = ("tool_calls" if _holds(m.get("tool_calls")) else
+              "trainable" if "trainable" in m and m["trainable"] in (False, 0) else None)
+    if unread is not None:
+        raise DataError(f"{loc}: a message in {key} has {unread}, which alignrl train sft does not read (it "
+                        "trains each message's role and content); drop it from the messages")
+
+
+# ---- rendering with the images' tokens ----
+
+@dataclass(frozen=True)
+class RowPictures:
+    """A row's images as a batch reads them: their sources and patch grids (num_images, 3), and the image processor
+    that turns them into pixels again (`load`)."""
+
+    loc: str
+    sources: tuple
+    grid: torch.Tensor
+    image_processor: Any
+    token_id: int  # the image token, whose copies in the row stand for these images
+
+    def load(self) -> PromptImages:
+        """The row's pixel values, decoded and processed again; the grid must be the one the row was encoded with."""
+        got = self.image_processor(images=[decode_image(self.loc, s) for s in self.sources], return_tensors="pt")
+        grid = got["image_grid_thw"].long()
+        if not torch.equal(grid, self.grid):  # the file changed since the row was encoded
+            raise ImageDataError(f"{self.loc}: an image's size changed while training (patch grid {self.grid.tolist()}"
+                                 f" is now {grid.tolist()}); keep the images unchanged during a run")
+        return PromptImages(got["pixel_values"].float(), grid)
+
+
+class ImageRenderer:
+    """A tokenizer's `apply_chat_template(messages, add_generation_prompt, tokenize=True)` for one row with images:
+    the processor's chat template renders the text, the tokenizer tokenises it, and the i-th image token becomes the
+    i-th image's count of tokens (as the processor widens it). `data.sft_rows` finds the trained tokens through it
+    as through a tokenizer."""
+
+    def __init__(self, processor, counts: list[int], loc: str):
+        self.processor, self.counts, self.loc = processor, counts, loc
+        self.chat_template = processor.chat_template or processor.tokenizer.chat_template
+        self.image_id = processor.image_token_id
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True) -> list[int]:
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+        ids = list(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+        out, seen = [], 0
+        for t in ids:
+            if t != self.image_id:
+                out.append(t)
+                continue
+            if seen >= len(self.counts):
+                raise self.mismatch(ids.count(self.image_id))
+            out += [t] * self.counts[seen]
+            seen += 1
+        return out
+
+    def mismatch(self, found: int) -> ImageDataError:
+        return ImageDataError(f"{self.loc}: the chat template renders {found} image token(s) for the row's "
+                              f"{len(self.counts)} image(s) (an image token in the text itself, or a template that "
+                              "drops image items); give one image item or <image> per image")
+
+    def check(self, ids: list[int]) -> None:
+        """The whole row holds every image's tokens (a template may drop an image item it does not render)."""
+        have = sum(t == self.image_id for t in ids)
+        if have != sum(self.counts):
+            raise ImageDataError(f"{self.loc}: the chat template renders {have} image tokens where the row's "
+                                 f"{len(self.counts)} image(s) make {sum(self.counts)}; give one image item or "
+                                 "<image> per image, in a user turn the template renders")
+
+
+def renderer_for(tokenizer, loc: str, sources: tuple) -> tuple[ImageRenderer, RowPictures]:
+    """The renderer of a row with images and its pictures; one line when the model is text-only or an image cannot be
+    decoded."""
+    processor = getattr(tokenizer, PROCESSOR_ATTR, None)
+    if processor is None:
+        raise ImageDataError(f"{loc}: the row has images, but model_path is a text-only model; train a "
+                             "vision-language model (e.g. Qwen2-VL), or drop the images from the data")
+    got = processor.image_processor(images=[decode_image(loc, s) for s in sources], return_tensors="pt")
+    grid = got["image_grid_thw"].long()
+    counts = (grid.prod(-1) // processor.image_processor.merge_size ** 2).tolist()
+    return ImageRenderer(processor, counts, loc), RowPictures(loc, tuple(sources), grid, processor.image_processor,
+                                                                   processor.image_token_id)
