@@ -75,26 +75,31 @@ def _loss(model, tok, path: str) -> float:
 
 
 def test_the_picture_is_seen(vl, pictures, tmp_path):
-    """The same text with another picture gives another loss; the same picture the same loss."""
+    """The same text with another picture gives another loss; the same picture the same loss; the text alone (no
+    image) is a row of its own a vision-language model still trains on."""
     model, tok = vl
     row = lambda c: {"messages": [{"role": "user", "content": f"<image>{ASK}"},  # noqa: E731
                                   {"role": "assistant", "content": "red"}], "images": [str(pictures[c])]}
     red, blue = (_loss(model, tok, _write(tmp_path / f"{c}.jsonl", [row(c)])) for c in ("red", "blue"))
     assert abs(red - blue) > 1e-4 and _loss(model, tok, str(tmp_path / "red.jsonl")) == red
+    text = [{"role": "user", "content": ASK}, {"role": "assistant", "content": "red"}]
+    alone = _loss(model, tok, _write(tmp_path / "text.jsonl", [{"messages": text}]))
+    assert torch.isfinite(torch.tensor(alone)) and alone not in (red, blue)
 
 
 def test_a_few_steps_lower_the_loss_and_save_a_vision_model(vl_dir, pictures, tmp_path):
-    """Four pictures, each answered by its colour: the held-out loss on them falls, and the saved folder is a
-    vision-language model whose processor loads, with the trained weights."""
+    """Four pictures, each answered by its colour, and a text-only row in the same batches: the held-out loss on them
+    falls, and the saved folder is a vision-language model whose processor loads, with the trained weights."""
     from alignrl.models.vision import is_vision_folder, load_processor, load_vision_model
     from alignrl.preference.sft_cli import sft_main
 
     rows = [{"messages": [{"role": "user", "content": f"<image>{ASK}"}, {"role": "assistant", "content": c}],
              "images": [str(p)]} for c, p in pictures.items()]
+    rows.append({"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]})
     data = _write(tmp_path / "train.jsonl", rows)
     out = tmp_path / "sft"
     assert sft_main([f"model_path={vl_dir}", f"train_files=[{data}]", f"eval_files=[{data}]", "--output_dir",
-                     str(out), "--logging_dir", str(tmp_path / "logs"), "report_to=[jsonl]", "batch_size=4",
+                     str(out), "--logging_dir", str(tmp_path / "logs"), "report_to=[jsonl]", "batch_size=5",
                      "max_steps=8", "epochs=8", "learning_rate=5e-3", "warmup_ratio=0", "bf16=false",
                      "strategy=single"]) == 0
     results = json.loads((out / "eval_results.json").read_text())
