@@ -3,6 +3,7 @@ test_sft_fsdp2.sh) and of TRL's sft.py, dpo.py and kto.py usage blocks on `align
 (no training): each translated value, each note, and each one-line refusal."""
 
 import pytest
+from pathlib import Path
 
 from alignrl.config import ConfigError
 from alignrl.preference.cli import parse_dpo, parse_rm
@@ -79,10 +80,10 @@ def _in_tmp(tmp_path, monkeypatch):
 
 
 def test_openrlhf_current_sft_rm_dpo_lines_parse_to_our_keys(capsys):
-    """--param_dtype bf16 is bf16=true, --attn_implementation changes nothing (SDPA), --load_checkpoint on a first run
-    starts from the base model, --zero_stage runs DeepSpeed."""
+    """--param_dtype bf16 is bf16=true, --attn_implementation changes nothing (SDPA), --load_checkpoint
+    resumes from the newest checkpoint when the run starts (resume_from=auto), --zero_stage runs DeepSpeed."""
     sft = parse_sft(SFT_SH)
-    assert (sft.bf16, sft.strategy, sft.zero_stage, sft.resume_from) == ("true", "deepspeed", 2, None)
+    assert (sft.bf16, sft.strategy, sft.zero_stage, sft.resume_from) == ("true", "deepspeed", 2, "auto")
     assert (sft.model_path, sft.train_files, sft.prompt_key, sft.response_key) == (
         "meta-llama/Meta-Llama-3-8B", ["Open-Orca/OpenOrca"], "question", "response")
     assert (sft.max_length, sft.batch_size, sft.train_batch_size, sft.max_train_pairs) == (2048, 2, 256, 500000)
@@ -90,7 +91,6 @@ def test_openrlhf_current_sft_rm_dpo_lines_parse_to_our_keys(capsys):
     assert (sft.save_steps, sft.eval_steps, sft.log_every, sft.gradient_checkpointing) == (0, 0, 1, True)
     err = capsys.readouterr().err
     assert "--attn_implementation changes nothing here and is ignored (attention runs through PyTorch's SDPA" in err
-    assert "--load_checkpoint: no checkpoint in checkpoint/llama3-8b-sft.checkpoints yet" in err
     assert "bf16=" not in err  # the line gives the dtype itself
     rm = parse_rm(RM_SH)
     assert (rm.bf16, rm.strategy, rm.zero_stage, rm.learning_rate, rm.max_length) == (
@@ -99,7 +99,7 @@ def test_openrlhf_current_sft_rm_dpo_lines_parse_to_our_keys(capsys):
         "OpenRLHF/preference_dataset_mixture2_and_safe_pku", "chosen", True, "./checkpoint/llama3-8b-rm")
     dpo = parse_dpo(DPO_SH)
     assert (dpo.bf16, dpo.strategy, dpo.beta, dpo.learning_rate, dpo.loss_type) == ("true", "ddp", 0.1, 5e-7, "sigmoid")
-    assert (dpo.batch_size, dpo.train_batch_size, dpo.resume_from) == (1, 256, None)
+    assert (dpo.batch_size, dpo.train_batch_size, dpo.resume_from) == (1, 256, "auto")
 
 
 def test_openrlhf_fsdp2_and_kto_lines_and_the_current_default_dtype(capsys):
@@ -123,23 +123,32 @@ def test_openrlhf_fsdp2_and_kto_lines_and_the_current_default_dtype(capsys):
         "true", "instruction", "response", "score", 0.1)
 
 
-def test_load_checkpoint_goes_on_from_the_latest_complete_checkpoint(tmp_path, capsys):
-    """As OpenRLHF's: the run's checkpoints when there are some (the highest complete step_N), nothing on a first run;
-    a resume_from of the line's own wins; without an output folder it is one line."""
-    root = tmp_path / "checkpoint" / "llama3-8b-dpo.checkpoints"
+def test_load_checkpoint_goes_on_from_the_latest_complete_checkpoint(tmp_path):
+    """As OpenRLHF's: the run's checkpoints when there are some (the highest complete step_N, found when the run
+    starts), the base model on a first run; a resume_from of the line's own wins; --ckpt_path names the folder and
+    --max_ckpt_num how many are kept."""
+    from alignrl.preference.checkpoint_plan import plan_for, resume_folder
+
+    cfg = parse_dpo(DPO_SH)
+    assert cfg.resume_from == "auto" and cfg.save_total_limit == 3  # OpenRLHF's --max_ckpt_num default
+    out = Path(cfg.output_dir)
+    root = tmp_path / out.parent / f"{out.name}.checkpoints"
     for step in (2, 10):
         (root / f"step_{step}").mkdir(parents=True)
         (root / f"step_{step}" / "weights.safetensors").write_bytes(b"")
         (root / f"step_{step}" / "state.json").write_text("{}")
     (root / "step_30").mkdir()  # incomplete: no weights
     (root / ".step_40.tmp").mkdir()
-    assert parse_dpo(DPO_SH).resume_from == "checkpoint/llama3-8b-dpo.checkpoints/step_10"
-    assert "--load_checkpoint goes on from checkpoint/llama3-8b-dpo.checkpoints/step_10" in capsys.readouterr().err
+    said = []
+    log = type("Log", (), {"print": staticmethod(said.append)})
+    assert resume_folder(cfg, plan_for(cfg, tmp_path / out, 50, 10), log) == str(root / "step_10")
+    assert said == [f"resume_from=auto: going on from {root / 'step_10'}, the latest checkpoint in {root}"]
     own = str(root / "step_2")
     assert parse_dpo(DPO_SH + [f"resume_from={own}"]).resume_from == own
-    with pytest.raises(ConfigError, match="^--load_checkpoint resumes from the checkpoints of the run's output folder"):
-        parse_dpo(["--pretrain", "demo", "--load_checkpoint"])
     assert parse_dpo(["--pretrain", "demo", "--load_checkpoint", "false"]).resume_from is None
+    given = parse_dpo(DPO_SH + ["--ckpt_path", str(tmp_path / "ck"), "--max_ckpt_num", "1"])
+    assert (given.checkpoint_dir, given.save_total_limit) == (str(tmp_path / "ck"), 1)
+    assert plan_for(given, out, 50, 10).root == tmp_path / "ck"
 
 
 def test_trl_sft_dpo_kto_lines(capsys):

@@ -68,16 +68,28 @@ def test_the_older_trainers_keys_and_defaults():
 
 
 def test_resume_mode_auto_goes_on_from_the_newest_checkpoint(tmp_path):
+    """verl's layout: default_local_dir/global_step_N; resume_mode=auto (its default) takes the newest complete one
+    when the run starts, and the checkpoints are kept to trainer.max_ckpt_to_keep."""
+    from alignrl.preference.checkpoint_plan import plan_for, resume_folder
     from alignrl.preference.checkpoints import STATE, WEIGHTS
 
     out = tmp_path / "ckpt"
     for step in (2, 10, 9, 12):
-        folder = tmp_path / "ckpt.checkpoints" / f"step_{step}"
+        folder = out / f"global_step_{step}"
         folder.mkdir(parents=True)
         for name in (WEIGHTS, STATE) if step != 12 else ():  # step 12 is not a whole checkpoint
             (folder / name).write_text("x")
     line = ["data.train_files=t.jsonl", f"trainer.default_local_dir={out}"]
-    assert parse_sft(line).resume_from == str(tmp_path / "ckpt.checkpoints" / "step_10")
+    cfg = parse_sft([*line, "trainer.max_ckpt_to_keep=2", "trainer.save_freq=after_each_epoch"])
+    assert (cfg.resume_from, cfg.checkpoint_layout, cfg.save_total_limit, cfg.save_strategy) == (
+        "auto", "verl", 2, "epoch")
+    said = []
+    log = type("Log", (), {"print": staticmethod(said.append)})
+    assert resume_folder(cfg, plan_for(cfg, out, 20, 5), log) == str(out / "global_step_10")
+    assert "going on from" in said[-1]
+    assert resume_folder(cfg, plan_for(cfg, tmp_path / "new", 20, 5), log) is None  # a first run
+    assert "no checkpoint in" in said[-1]
+    assert parse_sft(line).save_total_limit == 0  # verl keeps every checkpoint by default
     assert parse_sft([*line, "trainer.resume_mode=disable"]).resume_from is None
     assert parse_sft([*line, "trainer.resume_mode=resume_path", "trainer.resume_from_path=x"]).resume_from == "x"
     assert parse_sft([*line, "resume_from=y"]).resume_from == "y"  # the line's own key: no search
@@ -88,7 +100,7 @@ def test_resume_mode_auto_goes_on_from_the_newest_checkpoint(tmp_path):
 @pytest.mark.parametrize("word, says", [
     ("model.use_liger=true", "Liger kernels are left out"), ("engine=megatron", "not on Megatron"),
     ("optim.lr_scheduler_type=wsd", "WSD is left out"), ("data.custom_cls.path=x.py", "custom dataset class"),
-    ("data.foo=1", "unknown verl SFT key 'data.foo'"), ("trainer.save_freq=after_each_epoch", "optimizer steps")])
+    ("data.foo=1", "unknown verl SFT key 'data.foo'"), ("trainer.test_freq=after_each_epoch", "optimizer steps")])
 def test_what_alignrl_cannot_do_is_one_line(word, says):
     with pytest.raises(ConfigError, match=says):
         parse_sft(["data.train_files=t.jsonl", "model.path=demo", word])

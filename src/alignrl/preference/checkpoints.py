@@ -27,15 +27,18 @@ def checkpoint_root(out_dir: Path) -> Path:
     return out_dir.parent / f"{out_dir.name}.checkpoints"
 
 
-def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None, running=None) -> Path:
+def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None, running=None, also=None,
+                    name: str | None = None) -> Path:
     """Collective (the engine gathers its weights and optimizer state on every rank; rank 0 writes). `reference`: the
     run's `ref_sync.ReferenceSync` (its copy is the same on every rank), or None; `running`: bco_pair's
-    `dpo_mix.BcoDelta` (the same on every rank), or None."""
+    `dpo_mix.BcoDelta` (the same on every rank), or None. `also(folder, weights)`: what rank 0 writes into the
+    folder besides, before it is renamed into place (the model as an HF folder); `name`: the folder's (step_<N>)."""
     from safetensors.torch import save_file
 
     from alignrl.runtime.env import barrier
 
-    final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+    name = name or f"step_{step}"
+    final, tmp = root / name, root / f".{name}.tmp"
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -52,6 +55,8 @@ def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None, run
             save_file(ref_weights, str(tmp / REFERENCE))
             state["reference"] = reference.record()  # the step it moved at and the mix that moved it
         (tmp / STATE).write_text(json.dumps(state, indent=2) + "\n")
+        if also is not None:
+            also(tmp, weights)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

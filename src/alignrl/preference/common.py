@@ -222,23 +222,19 @@ class StepMetrics:
         self.micro, self.extra = [], {}
 
 
-def resumed_step(cfg: CommonConfig, engine, command: str, log: RankZeroLog) -> int:
-    """The step `cfg.resume_from`'s checkpoint was written at, its weights and optimizer state loaded into `engine`
-    (said once); 0 for a fresh run. For the trainers whose checkpoint holds nothing else (rm, sft, kto)."""
-    from alignrl.preference import checkpoints as ckpt
+def resumed_step(cfg: CommonConfig, engine, command: str, log: RankZeroLog, plan=None) -> int:
+    """`checkpoint_plan.resumed_step` of the run's plan (`plan`, else one of its defaults)."""
+    from alignrl.preference import checkpoint_plan as cp
 
-    start = ckpt.resume(cfg.resume_from, engine, None, command) if cfg.resume_from else 0
-    if start:
-        log.print(f"resumed from {cfg.resume_from} at step {start}")
-    return start
+    plan = plan or cp.plan_for(cfg, Path(cfg.output_dir or "."), 0, 0)
+    return cp.resumed_step(cfg, plan, engine, command, log)
 
 
 def save_if_due(cfg: CommonConfig, step: int, total: int, out_dir: Path, engine, env, log: RankZeroLog) -> None:
-    """Collective: a checkpoint every `save_steps` steps before the last (the last step is the saved model)."""
-    from alignrl.preference import checkpoints as ckpt
+    """Collective: `checkpoint_plan.save_if_due` of a plan without epochs or model export."""
+    from alignrl.preference import checkpoint_plan as cp
 
-    if cfg.save_steps and step % cfg.save_steps == 0 and step < total:
-        log.print(f"checkpoint {ckpt.save_checkpoint(ckpt.checkpoint_root(out_dir), step, engine, None, env)}")
+    cp.save_if_due(cp.plan_for(cfg, out_dir, total, 0), step, engine, env, log)
 
 
 def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: CommonConfig, env,
@@ -311,12 +307,14 @@ def check_eval_finite(value: float, what: str) -> None:
 
 
 def save_hf_folder(out_dir: Path, hf_model, state_dict: dict[str, torch.Tensor], tokenizer,
-                   json_files: dict[str, Any], env, log=print, log_dir: Path | None = None) -> None:
+                   json_files: dict[str, Any], env, log=print, log_dir: Path | None = None,
+                   keep: list[Path] = ()) -> None:
     """Rank 0 writes the model (from the engine's full state dict), tokenizer and JSON files into a
     temporary folder beside `out_dir`, then a manifest (the checkpoint rule of `alignrl.train.checkpoint`),
     and renames it into place: readers never see a partial model. Weights that are not finite are never
     written; a folder already at `out_dir` is moved aside and named, not deleted. This run's `log_dir`, when it lies
-    inside `out_dir` (made there at the start), moves into the new folder first: it stays where it was asked for."""
+    inside `out_dir` (made there at the start), and its checkpoints there (`keep`: TRL's and verl's layouts) move into
+    the new folder first: they stay where they were asked for."""
     bad = nonfinite(state_dict)  # every rank holds the full weights: all of them stop, not only rank 0
     if bad:
         raise CheckpointError(f"the trained model has NaN/inf weights ({bad[0]}); not saving it to {out_dir} "
@@ -325,14 +323,14 @@ def save_hf_folder(out_dir: Path, hf_model, state_dict: dict[str, torch.Tensor],
         return
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    carried = None
+    carried: list[Path] = []
     try:
         hf_model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         for name, obj in json_files.items():
             (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
         write_manifest(tmp)
-        carried = _carry_logs(log_dir, out_dir, tmp)
+        carried = _carry([log_dir, *keep], out_dir, tmp)
         if _only_folders(out_dir):  # what held this run's logs and nothing else
             shutil.rmtree(out_dir)
         elif out_dir.exists() or out_dir.is_symlink():
@@ -341,9 +339,9 @@ def save_hf_folder(out_dir: Path, hf_model, state_dict: dict[str, torch.Tensor],
             log(f"{out_dir} already existed: moved it to {old}, not deleted")
         os.replace(tmp, out_dir)
     except BaseException:
-        if carried is not None:  # the logs go back before the unfinished folder does
-            (out_dir / carried).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp / carried, out_dir / carried)
+        for inner in carried:  # the logs and checkpoints go back before the unfinished folder does
+            (out_dir / inner).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp / inner, out_dir / inner)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
@@ -354,16 +352,21 @@ def _only_folders(path: Path) -> bool:
             and all(p.is_dir() and not p.is_symlink() for p in path.rglob("*")))
 
 
-def _carry_logs(log_dir: Path | None, out_dir: Path, tmp: Path) -> Path | None:
-    """Moves `log_dir` from inside `out_dir` to the same place in `tmp`; its path inside, or None (not inside)."""
-    if log_dir is None or not log_dir.is_dir() or not out_dir.is_dir():
-        return None
-    try:
-        inner = log_dir.resolve().relative_to(out_dir.resolve())
-    except ValueError:
-        return None
-    if inner == Path("."):  # refused when the config loads
-        return None
-    (tmp / inner).parent.mkdir(parents=True, exist_ok=True)
-    os.replace(log_dir, tmp / inner)
-    return inner
+def _carry(paths: list[Path | None], out_dir: Path, tmp: Path) -> list[Path]:
+    """Moves each of `paths` that lies inside `out_dir` to the same place in `tmp`; their paths inside, in order."""
+    if not out_dir.is_dir():
+        return []
+    carried = []
+    for path in paths:
+        if path is None or not path.exists():
+            continue
+        try:
+            inner = path.resolve().relative_to(out_dir.resolve())
+        except ValueError:
+            continue
+        if inner == Path("."):  # the logs: refused when the config loads
+            continue
+        (tmp / inner).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, tmp / inner)
+        carried.append(inner)
+    return carried

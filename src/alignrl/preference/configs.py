@@ -105,7 +105,19 @@ class CommonConfig:
                              "before and after training", ge=0)
     save_steps: int = opt(0, "also write a resumable checkpoint every N optimizer steps to <output_dir>.checkpoints/"
                              "step_N (weights, optimizer; λ for safe_mm_dpo); 0: only the final model", ge=0)
-    resume_from: str | None = opt(None, "a <output_dir>.checkpoints/step_N folder to go on from (same config)")
+    save_strategy: str = opt("steps", "when checkpoints are written: every save_steps (steps), at each epoch's end "
+                                      "(epoch), never (no)", choices=("steps", "epoch", "no"))
+    save_total_limit: int = opt(0, "keep only the newest N checkpoints, the older deleted once a new one is written "
+                                   "(TRL's --save_total_limit, OpenRLHF's --max_ckpt_num, verl's max_ckpt_to_keep); "
+                                   "0: all", ge=0)
+    checkpoint_dir: str | None = opt(None, "the checkpoints' folder (OpenRLHF's --ckpt_path); default "
+                                           "<output_dir>.checkpoints, with checkpoint_layout trl or verl output_dir")
+    checkpoint_layout: str = opt("alignrl", "checkpoint folders step_N (alignrl), TRL's checkpoint-N with the model "
+                                            "as an HF folder in each and one at the last step (trl), verl's "
+                                            "global_step_N with global_step_N/huggingface (verl)",
+                                 choices=("alignrl", "trl", "verl"))
+    resume_from: str | None = opt(None, "a checkpoint folder to go on from (same config); auto: the newest in the "
+                                        "checkpoints' folder, or the base model when there is none")
     chat_template_kwargs: dict[str, Any] = opt({}, "extra variables of the chat template wherever a pair's prompt is "
                                                    "templated, e.g. {enable_thinking: false} for Qwen3 (the RL runs' "
                                                    "data.chat_template_kwargs; verl's apply_chat_template_kwargs)")

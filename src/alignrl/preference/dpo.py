@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from alignrl.preference import adapters
+from alignrl.preference import checkpoint_plan as cp
 from alignrl.preference import checkpoints as ckpt
 from alignrl.preference import common as pc
 from alignrl.preference.cli import same_model
@@ -331,18 +332,20 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     log.print("held-out before training: " + _fmt_eval(before["all"]))
 
     bco = BcoDelta(env) if uses_bco(cfg) else None
-    start = ckpt.resume(cfg.resume_from, engine, lam, reference=sync, running=bco) if cfg.resume_from else 0
+    plan = cp.plan_for(cfg, out_dir, total, pc.steps_per_epoch(len(enc_train), cfg, env.world_size))
+    folder = cp.resume_folder(cfg, plan, log)
+    start = ckpt.resume(folder, engine, lam, reference=sync, running=bco) if folder else 0
     if start:
-        log.print(f"resumed from {cfg.resume_from} at step {start}" + (f", λ {lam.state.value:.6g}" if lam else ""))
+        log.print(f"resumed from {folder} at step {start}" + (f", λ {lam.state.value:.6g}" if lam else ""))
+
+    def export(state: dict):
+        return adapters.saver(policy, model, spec, cfg.lora_export, state)
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
         out = lam.after_step(step) if lam is not None else {}
         if sync is not None:  # before a checkpoint or an eval of this step, which then see the moved reference
             sync.after_step(step, engine)
-        if cfg.save_steps and step % cfg.save_steps == 0 and step < total:
-            where = ckpt.save_checkpoint(ckpt.checkpoint_root(out_dir), step, engine, lam, env, reference=sync,
-                                         running=bco)
-            log.print(f"checkpoint {where}")
+        cp.save_if_due(plan, step, engine, env, log, export, tok, lam=lam, reference=sync, running=bco)
         if cfg.eval_steps and step % cfg.eval_steps == 0 and step < total:
             e = ev()["all"]
             out.update({"eval/reward_accuracy": e["reward_accuracy"], "eval/reward_margin": e["reward_margin"],
@@ -356,9 +359,9 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     after = ev()
     pc.check_eval_finite(after["all"]["reward_margin"], "log-probabilities")
     results = _report(cfg, log, names, before, after, step, len(enc_train), env, engine.name, t0, lam)
-    writer, state = adapters.saver(policy, model, spec, cfg.lora_export, engine.full_state_dict())  # collective
+    writer, state = export(engine.full_state_dict())  # collective
     files = {"eval_results.json": results, **(lam.files() if lam is not None else {})}
-    pc.save_hf_folder(out_dir, writer, state, tok, files, env, log_dir=log_dir)
+    pc.save_hf_folder(out_dir, writer, state, tok, files, env, log_dir=log_dir, keep=plan.inside(out_dir))
     log.metrics(step, {"eval/reward_accuracy": after["all"]["reward_accuracy"],
                        "eval/reward_accuracy_before": before["all"]["reward_accuracy"],
                        "eval/logp_accuracy": after["all"]["logp_accuracy"]})

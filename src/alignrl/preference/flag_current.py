@@ -8,7 +8,6 @@ ours, accepted with a note when it changes nothing here, or refused in one line 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from alignrl.config import ConfigError
 from alignrl.preference.notes import say
@@ -120,45 +119,13 @@ def read_flag(word: str, name: str, eq: str, value: str, nxt: str | None,
 
 
 def with_resume(words: list[str]) -> list[str]:
-    """`words` with `--load_checkpoint`'s stand-in replaced, as OpenRLHF's: the latest complete checkpoint of the
-    line's output folder (`<output_dir>.checkpoints/step_N`, written every save_steps) as resume_from when there is
-    one, nothing on a first run. A resume_from the line gives itself wins."""
+    """`words` with `--load_checkpoint`'s stand-in as OpenRLHF's: resume_from=auto, the newest complete checkpoint
+    of the run's checkpoint folder when it starts, the base model on a first run. A resume_from the line gives
+    itself wins."""
     if _LOAD_MARK not in words:
         return words
     rest = [w for w in words if w != _LOAD_MARK]
-    if any(w.startswith("resume_from=") for w in rest):
-        return rest
-    outputs = [rest[i + 1] for i, w in enumerate(rest[:-1]) if w == "--output_dir"]
-    outputs += [w.partition("=")[2] for w in rest if w.startswith("output_dir=")]
-    if not outputs:
-        raise ConfigError("--load_checkpoint resumes from the checkpoints of the run's output folder: give it with "
-                          "--save_path DIR (they are DIR.checkpoints/step_N), or resume_from=DIR.checkpoints/step_N")
-    latest = latest_checkpoint(Path(outputs[-1]))
-    root = checkpoints_of(Path(outputs[-1]))
-    if latest is None:
-        say(f"note: --load_checkpoint: no checkpoint in {root} yet, so training starts from the base model (as "
-            "OpenRLHF's does on a first run; save_steps N writes one every N steps)")
-        return rest
-    say(f"note: --load_checkpoint goes on from {latest} (resume_from), the latest checkpoint in {root}")
-    return rest + [f"resume_from={latest}"]
-
-
-def checkpoints_of(out_dir: Path) -> Path:
-    """The folder of a run's checkpoints (`preference.checkpoints.checkpoint_root`'s layout)."""
-    from alignrl.preference.checkpoints import checkpoint_root
-
-    return checkpoint_root(out_dir)
-
-
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    """The complete checkpoint of the highest step under `<out_dir>.checkpoints`, or None. A folder being written
-    is a hidden `.step_N.tmp`, so a `step_N` folder holding the weights and the state is complete."""
-    from alignrl.preference.checkpoints import STATE, WEIGHTS
-
-    root = checkpoints_of(out_dir)
-    steps = [(int(p.name[5:]), p) for p in root.glob("step_*") if p.name[5:].isdigit()
-             and (p / WEIGHTS).is_file() and (p / STATE).is_file()] if root.is_dir() else []
-    return max(steps)[1] if steps else None
+    return rest if any(w.startswith("resume_from=") for w in rest) else rest + ["resume_from=auto"]
 
 
 def is_current_openrlhf(argv: list[str]) -> bool:

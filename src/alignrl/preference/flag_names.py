@@ -37,13 +37,11 @@ COMMON_NAMES = {
     "max_samples": "max_train_pairs", "l2": "weight_decay", "max_norm": "grad_clip", "max_grad_norm": "grad_clip",
     "lr_warmup_ratio": "warmup_ratio", "lr_scheduler_type": "lr_scheduler", "logging_steps": "log_every",
     "target_modules": "lora_target_modules", "lora_r": "lora_rank", "use_peft": "use_lora",
+    "ckpt_path": "checkpoint_dir", "max_ckpt_num": "save_total_limit", "resume_from_checkpoint": "resume_from",
 }
 # switches of theirs that set one of our keys to a value (`bf16` is a three-way setting here: auto/true/false)
 COMMON_SWITCHES = {"bf16": ("bf16", "true")}
-COMMON_LEFT_OUT = {
-    "ckpt_path": "checkpoints go to <output_dir>.checkpoints (save_steps), resumed with resume_from or "
-                 "--load_checkpoint",
-}
+COMMON_LEFT_OUT: dict[str, str] = {}
 # switches with no effect on what trains (packing: rows train padded, to the same loss)
 COMMON_IGNORED = ("flash_attn", "adam_offload", "disable_fast_tokenizer", "packing_samples", "packing")
 # their scheduler names of ours: OpenRLHF's cosine_with_min_lr is this cosine (its floor is min_lr_ratio's 0.1);
@@ -52,6 +50,9 @@ COMMON_IGNORED = ("flash_attn", "adam_offload", "disable_fast_tokenizer", "packi
 # the integrations installed)
 VALUE_NAMES = {("lr_scheduler", "cosine_with_min_lr"): "cosine", ("lr_scheduler", "constant_with_warmup"): "constant",
                ("input_template", ""): "{}", ("report_to", "none"): "[]",
+               # TRL's --resume_from_checkpoint true: the newest checkpoint of the output folder
+               ("resume_from", "True"): "auto", ("resume_from", "true"): "auto", ("resume_from", "False"): "null",
+               ("resume_from", "false"): "null",
                ("report_to", "all"): "[jsonl,tensorboard,wandb]" if importlib.util.find_spec("wandb") else
                "[jsonl,tensorboard]"}
 TEXT_KEYS = ("input_template",)  # keys whose flag value is a text to keep as given

@@ -33,6 +33,7 @@ from alignrl.core.kto import NEEDS_KL, kl_estimate, kto_loss, weight_balance
 from alignrl.data.kto_rows import (EncodedKTO, KTOBatch, KTOKeys, KTORow, collate_rows, encode_rows, load_rows,
                                     mismatched)
 from alignrl.preference import adapters
+from alignrl.preference import checkpoint_plan as cp
 from alignrl.preference import common as pc
 from alignrl.preference.cli import same_model
 from alignrl.preference.kto_cli import KTOConfig
@@ -266,10 +267,14 @@ def train_kto(cfg: KTOConfig, dry_run_world: int | None = None) -> dict:
     before = ev()
     if before:
         log.print("held-out before training: " + _fmt(before))
-    start = pc.resumed_step(cfg, engine, "kto", log)
+    plan = cp.plan_for(cfg, out_dir, total, pc.steps_per_epoch(len(enc_train), cfg, env.world_size))
+    start = cp.resumed_step(cfg, plan, engine, "kto", log)
+
+    def export(state: dict):
+        return adapters.saver(policy, model, spec, cfg.lora_export, state)
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
-        pc.save_if_due(cfg, step, total, out_dir, engine, env, log)
+        cp.save_if_due(plan, step, engine, env, log, export, tok)
         if enc_eval and cfg.eval_steps and step % cfg.eval_steps == 0 and step < total:
             e = ev()
             return {"eval/reward_margin": e["reward_margin"], "eval/kl": e["kl"], "eval/loss": e["loss"]}
@@ -288,8 +293,9 @@ def train_kto(cfg: KTOConfig, dry_run_world: int | None = None) -> dict:
                "world_size": env.world_size, "strategy": engine.name, "use_lora": cfg.use_lora,
                "effective_batch": pc.global_batch(cfg, env.world_size), "seconds": round(time.time() - t0, 1),
                "model_path": cfg.model_path}
-    writer, state = adapters.saver(policy, model, spec, cfg.lora_export, engine.full_state_dict())  # collective
-    pc.save_hf_folder(out_dir, writer, state, tok, {"eval_results.json": results}, env, log_dir=log_dir)
+    writer, state = export(engine.full_state_dict())  # collective
+    pc.save_hf_folder(out_dir, writer, state, tok, {"eval_results.json": results}, env, log_dir=log_dir,
+                      keep=plan.inside(out_dir))
     if after:
         log.metrics(step, {"eval/reward_margin": after["reward_margin"], "eval/kl": after["kl"],
                            "eval/reward_margin_before": before["reward_margin"]})

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from alignrl.preference import adapters
+from alignrl.preference import checkpoint_plan as cp
 from alignrl.preference import common as pc
 from alignrl.preference.cli import RMConfig
 from alignrl.config import ConfigError
@@ -259,10 +260,15 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     def loss(module, batch, gpairs):
         return _loss(model_type, _scores(module, batch, cfg, env), batch, gpairs, cfg.classification_loss_weight)
 
-    start = pc.resumed_step(cfg, engine, "rm", log)
+    plan = cp.plan_for(cfg, out_dir, total, pc.steps_per_epoch(len(enc_train), cfg, env.world_size))
+    start = cp.resumed_step(cfg, plan, engine, "rm", log)
+
+    def export(state: dict):
+        return adapters.saver(hf, peft_model, spec, cfg.lora_export, {k.removeprefix("inner."): v
+                                                                      for k, v in state.items()})
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
-        pc.save_if_due(cfg, step, total, out_dir, engine, env, log)
+        cp.save_if_due(plan, step, engine, env, log, export, tok)
         if not (cfg.eval_steps and step % cfg.eval_steps == 0 and step < total):
             return {}
         return {f"eval/{k}": v for k, v in evaluate(engine, evals, model_type, cfg, env).items()
@@ -282,12 +288,11 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
                "strategy": engine.name,
                "effective_batch": pc.global_batch(cfg, env.world_size), "seconds": round(time.time() - t0, 1)}
     log.print(_accuracy_line(before, after, model_type))
-    state = {k.removeprefix("inner."): v for k, v in engine.full_state_dict().items()}  # collective
-    writer, state = adapters.saver(hf, peft_model, spec, cfg.lora_export, state)
+    writer, state = export(engine.full_state_dict())  # collective
     info = {"model_type": model_type, "task": cfg.task,
             "meaning": "higher = more harmful; > 0 unsafe" if model_type == "cost" else "higher = preferred"}
     pc.save_hf_folder(out_dir, writer, state, tok, {"eval_results.json": results, SCORE_INFO: info}, env,
-                      log_dir=log_dir)
+                      log_dir=log_dir, keep=plan.inside(out_dir))
     log.metrics(step, {"eval/accuracy": after["accuracy"], "eval/accuracy_before": before["accuracy"]})
     log.print(f"saved {model_type} model to {out_dir} ({results['seconds']:.1f}s)")
     barrier(env)

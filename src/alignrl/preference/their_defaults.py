@@ -27,11 +27,11 @@ OPENRLHF_NAMES = frozenset({
     "pretrain", "save_path", "max_len", "max_epochs", "micro_train_batch_size", "micro_eval_batch_size",
     "max_samples", "l2", "max_norm", "lr_warmup_ratio", "target_modules", "dataset", "eval_dataset", "ref_pretrain",
     "ipo", "input_key", "output_key", "desirable_loss_weight", "undesirable_loss_weight", "pretrain_mode",
-    "multiturn"})
+    "multiturn", "ckpt_path", "max_ckpt_num"})
 TRL_NAMES = frozenset({
     "model_name_or_path", "num_train_epochs", "per_device_train_batch_size", "per_device_eval_batch_size",
     "max_grad_norm", "lr_scheduler_type", "use_peft", "lora_r", "dataset_name", "rpo_alpha", "cpo_alpha",
-    "max_seq_length", "dataset_text_field"})
+    "max_seq_length", "dataset_text_field", "resume_from_checkpoint"})
 SHARED_NAMES = frozenset({"logging_steps"})
 
 # the keys that act only with LoRA: taken (and said) only when the line trains adapters
@@ -48,6 +48,7 @@ _OPENRLHF_COMMON: dict[str, Any] = {
     "warmup_ratio": 0.03, "adam_betas": [0.9, 0.95], "lr_scheduler": "cosine", "min_lr_ratio": 0.1, "grad_clip": 1.0,
     "weight_decay": 0.0, "seed": 42, "epochs": 1, "batch_size": 8, "train_batch_size": 128, "log_every": 1,
     "bf16": "false", "zero_stage": 2, "gradient_checkpointing": False, "save_steps": 0, "eval_steps": 0,
+    "save_total_limit": 3,
     "use_lora": False, "lora_alpha": 16, "lora_dropout": 0.0, "lora_target_modules": "all-linear"}
 # OpenRLHF's current scripts (--param_dtype, --attn_implementation, --backend) have no --bf16: --param_dtype sets the
 # dtype, bf16 unless asked otherwise
@@ -68,6 +69,7 @@ _TRL_COMMON: dict[str, Any] = {
     "adam_betas": [0.9, 0.999], "grad_clip": 1.0, "weight_decay": 0.0,
     "seed": 42, "epochs": 3, "batch_size": 8, "eval_batch_size": 8, "gradient_accumulation_steps": 1,
     "log_every": 10, "save_steps": 500, "eval_steps": 0, "gradient_checkpointing": True, "bf16": "auto",
+    "checkpoint_layout": "trl",  # output_dir/checkpoint-N, each a model folder, one at the last step
     "use_lora": False, "lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.05}
 # TRL templates a row of chat messages only: a string prompt is text (maybe_apply_chat_template)
 TRL_DEFAULTS: dict[str, dict[str, Any]] = {

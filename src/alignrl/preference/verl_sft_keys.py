@@ -24,7 +24,6 @@ import json
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -32,7 +31,6 @@ import yaml
 from alignrl.config import ConfigError
 from alignrl.config.checks import did_you_mean
 from alignrl.preference.notes import say
-from alignrl.preference.flag_current import latest_checkpoint
 
 HEADS = ("data", "optim", "model", "trainer", "engine", "checkpoint", "profiler")
 TOP_KEYS = ("ulysses_sequence_parallel_size", "use_remove_padding")  # the older trainer's top-level keys
@@ -53,6 +51,7 @@ RENAMED = {
     "trainer.total_epochs": "epochs", "trainer.total_training_steps": "max_steps", "trainer.seed": "seed",
     "trainer.default_local_dir": "output_dir", "trainer.save_freq": "save_steps", "trainer.test_freq": "eval_steps",
     "trainer.resume_from_path": "resume_from", "trainer.resume_path": "resume_from",
+    "trainer.max_ckpt_to_keep": "save_total_limit",
 }
 NEVER = ("data.train_max_samples", "data.val_max_samples", "trainer.save_freq", "trainer.test_freq")  # -1: 0 here
 SCHEDULERS = ("optim.lr_scheduler", "optim.lr_scheduler_type", "optim.warmup_style")
@@ -78,8 +77,8 @@ NOT_APPLIED = {
     "data.enable_thinking_default": "per-row template switches (chat_template_kwargs sets them for all rows)",
     "data.ignore_input_ids_mismatch": "conversations render whole here", "data.custom_cls.name": "custom dataset",
     "trainer.device": "the device is the one torch finds", "trainer.balance_batch": "rank balancing",
-    "trainer.profile_interval": "profiling", "trainer.max_ckpt_to_keep": "every checkpoint is kept",
-    "checkpoint.*": "a checkpoint holds weights, optimizer and data position",
+    "trainer.profile_interval": "profiling",
+    "checkpoint.*": "a checkpoint holds the weights, optimizer and data position, and the model in huggingface/",
     "profiler.*": "profiling", "optim.optimizer_impl": "AdamW from torch", "optim.zero_indexed_step": "schedule steps",
     "optim.total_training_steps": "set from the trainer's steps", "optim.override_optimizer_config": "none here",
     "optim.lr_warmup_steps": "warm-up by steps: used when > 0", "data.prompt_dict_keys": "nested columns",
@@ -190,7 +189,9 @@ def in_our_words(argv: list[str], config: type | None = None) -> list[str]:
 
 
 def _translate(st: _Pass, key: str, value: Any, text: str) -> None:
-    if key in RENAMED:
+    if key == "trainer.save_freq" and value == "after_each_epoch":
+        st.out.append("save_strategy=epoch")
+    elif key in RENAMED:
         st.out.append(f"{RENAMED[key]}={_value_for(key, value, text)}")
     elif key in GROUPS:
         _group(st, key, value)
@@ -228,9 +229,11 @@ def _value_for(key: str, value: Any, text: str) -> str:
         files = [] if value is None else value if isinstance(value, list) else [value]
         return json.dumps([os.path.expanduser(str(f)) for f in files])
     if key in NEVER:
-        if value == "after_each_epoch":
+        if value == "after_each_epoch":  # save_freq's is save_strategy=epoch (`_translate`)
             raise ConfigError(f"verl's {key}=after_each_epoch: give the number of optimizer steps of an epoch")
         return "0" if value is None or _number(key, value) < 0 else str(value)
+    if key == "trainer.max_ckpt_to_keep":  # verl keeps every checkpoint for null or a number below 1
+        return "0" if value is None or _number(key, value) < 1 else str(value)
     if key in ("trainer.total_training_steps",):
         return "0" if value is None else str(value)
     if key in ("model.path", "model.partial_pretrain", "trainer.default_local_dir", "trainer.resume_from_path",
@@ -280,11 +283,14 @@ def _finish(st: _Pass, rest: list[str]) -> None:
         st.out.append("strategy=deepspeed")
     elif int(os.environ.get("WORLD_SIZE") or 1) > 1:  # FSDP2 shards over the ranks; one process trains unsharded
         st.out.append("strategy=fsdp2")
-    if "trainer.project_name" in st.given:  # verl's wandb project; the ranks started from here inherit it
-        os.environ["WANDB_PROJECT"] = str(st.given["trainer.project_name"])
+    # verl's project and experiment name the wandb run; the ranks started from here inherit them
+    for key, variable in (("trainer.project_name", "WANDB_PROJECT"), ("trainer.experiment_name", "WANDB_NAME")):
+        if key in st.given:
+            os.environ[variable] = str(st.given[key])
     if "trainer.default_local_dir" not in st.given:
         project = st.given.get("trainer.project_name", "gsm8k-sft")
         st.out.insert(0, f"output_dir=checkpoints/{project}/{st.given.get('trainer.experiment_name', 'test')}")
+    st.out.append("checkpoint_layout=verl")  # global_step_N/ with huggingface/ in default_local_dir
     mode = st.given.get("trainer.resume_mode", "auto")
     if mode not in ("auto", "disable", "resume_path"):
         raise ConfigError(f"verl's trainer.resume_mode={mode}: one of auto, disable, resume_path")
@@ -293,12 +299,8 @@ def _finish(st: _Pass, rest: list[str]) -> None:
     given = any(w.startswith(("resume_from=", "--resume_from")) for w in [*st.out, *rest])
     if mode == "resume_path" and not given:
         raise ConfigError("verl's trainer.resume_mode=resume_path goes on from trainer.resume_from_path: give it")
-    if mode == "auto" and not given:
-        output = next(w for w in reversed(st.out) if w.startswith("output_dir=")).partition("=")[2]
-        newest = latest_checkpoint(Path(output))  # the newest complete one, as --load_checkpoint takes it
-        if newest is not None:
-            say(f"note: trainer.resume_mode=auto: going on from {newest}")
-            st.out.append(f"resume_from={newest}")
+    if mode == "auto" and not given:  # the newest complete checkpoint of default_local_dir, found when the run starts
+        st.out.append("resume_from=auto")
 
 
 def _own_defaults(config: type | None) -> dict[str, Any]:

@@ -1,0 +1,165 @@
+"""Where, when and how many checkpoints an offline run (`alignrl train sft|rm|dpo|kto`) writes, in the folder layout
+of the project its command line is written for, and which one `resume_from=auto` goes on from.
+
+    layout    folder of step N       the model as an HF folder          also written
+    alignrl   step_N                 -                                  -
+    trl       checkpoint-N           in the checkpoint folder itself    a checkpoint at the last step
+    verl      global_step_N          global_step_N/huggingface          the last step; latest_checkpointed_iteration.txt
+
+Checkpoints go to `checkpoint_dir`: by default `<output_dir>.checkpoints` (alignrl), `output_dir` itself (trl, verl:
+TRL's `checkpoint-500` beside the final model, verl's `default_local_dir`). A checkpoint folder is written whole into
+a hidden temporary folder and renamed into place (`checkpoints.save_checkpoint`), so every folder of the layout's
+name is complete; `save_total_limit` deletes the oldest ones once a newer one is in place. `save_strategy`: every
+`save_steps` optimizer steps (steps), at each epoch's end (epoch: TRL's `--save_strategy epoch`, verl's
+`save_freq=after_each_epoch`), or never (no). What each folder holds: `preference.checkpoints`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from alignrl.preference import checkpoints as ckpt
+
+from alignrl.train.checkpoint import TRACKER  # verl's file naming the step of the newest checkpoint
+
+
+@dataclass(frozen=True)
+class Layout:
+    prefix: str  # a checkpoint folder is prefix + its step
+    hf_folder: str | None  # where in it the model is written as an HF folder too ("" the folder itself); None: not
+    save_last: bool  # a checkpoint at the last step too (the final model is written besides)
+    tracker: bool  # verl's tracker file in the checkpoint folder's parent
+    inside_output: bool  # the default checkpoint_dir is output_dir itself, not <output_dir>.checkpoints
+
+
+LAYOUTS = {"alignrl": Layout("step_", None, False, False, False),
+           "trl": Layout("checkpoint-", "", True, False, True),
+           "verl": Layout("global_step_", "huggingface", True, True, True)}
+
+# the trained model as an HF folder: (object whose save_pretrained writes it, the state dict it writes), from the
+# engine's full state dict (`adapters.saver`), and its tokenizer
+Export = Callable[[dict], tuple[Any, dict]]
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    root: Path
+    layout: Layout
+    strategy: str  # steps | epoch | no
+    every: int  # save_steps
+    per_epoch: int  # optimizer steps of an epoch
+    total: int  # of the run
+    keep: int  # save_total_limit (0: all)
+
+    def due(self, step: int) -> bool:
+        if self.strategy == "no":
+            return False
+        if step >= self.total:  # the final model is saved anyway; TRL and verl also write the last checkpoint
+            return self.layout.save_last
+        if self.strategy == "epoch":
+            return self.per_epoch > 0 and step % self.per_epoch == 0
+        return self.every > 0 and step % self.every == 0
+
+    def folder(self, step: int) -> Path:
+        return self.root / f"{self.layout.prefix}{step}"
+
+    def complete(self) -> list[tuple[int, Path]]:
+        """(step, folder) of every complete checkpoint under root, oldest first."""
+        if not self.root.is_dir():
+            return []
+        pattern = re.compile(re.escape(self.layout.prefix) + r"(\d+)$")
+        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := pattern.match(p.name))]
+        return sorted((s, p) for s, p in found if (p / ckpt.WEIGHTS).is_file() and (p / ckpt.STATE).is_file())
+
+    def latest(self) -> Path | None:
+        done = self.complete()
+        return done[-1][1] if done else None
+
+    def inside(self, out_dir: Path) -> list[Path]:
+        """This plan's folders and files within `out_dir`, which the final save keeps in place (TRL's and verl's
+        checkpoints live in the output folder, which the saved model replaces)."""
+        try:
+            inner = self.root.resolve().relative_to(out_dir.resolve())
+        except ValueError:
+            return []
+        if inner != Path("."):
+            return [self.root]
+        tracker = [self.root / TRACKER] if (self.root / TRACKER).is_file() else []
+        return [p for _, p in self.complete()] + tracker
+
+
+def plan_for(cfg, out_dir: Path, total: int, per_epoch: int) -> CheckpointPlan:
+    layout = LAYOUTS[cfg.checkpoint_layout]
+    if cfg.checkpoint_dir:
+        root = Path(cfg.checkpoint_dir)
+    else:
+        root = out_dir if layout.inside_output else ckpt.checkpoint_root(out_dir)
+    return CheckpointPlan(root, layout, cfg.save_strategy, cfg.save_steps, per_epoch, total, cfg.save_total_limit)
+
+
+def resume_folder(cfg, plan: CheckpointPlan, log) -> str | None:
+    """The folder `resume_from` names: `auto` is the newest complete checkpoint of the plan's folder (said), or none
+    on a first run (said too: the run starts from the base model, as TRL's, verl's and OpenRLHF's resume flags do)."""
+    if cfg.resume_from != "auto":
+        return cfg.resume_from
+    latest = plan.latest()
+    if latest is None:
+        log.print(f"resume_from=auto: no checkpoint in {plan.root} yet; training starts from the base model")
+        return None
+    log.print(f"resume_from=auto: going on from {latest}, the latest checkpoint in {plan.root}")
+    return str(latest)
+
+
+def resumed_step(cfg, plan: CheckpointPlan, engine, command: str, log) -> int:
+    """The step of the checkpoint `resume_from` names, its weights and optimizer state loaded into `engine` (said
+    once); 0 for a fresh run. For the trainers whose checkpoint holds nothing else (rm, sft, kto)."""
+    folder = resume_folder(cfg, plan, log)
+    start = ckpt.resume(folder, engine, None, command) if folder else 0
+    if start:
+        log.print(f"resumed from {folder} at step {start}")
+    return start
+
+
+def save_if_due(plan: CheckpointPlan, step: int, engine, env, log, export: Export | None = None, tokenizer=None,
+                **extra) -> None:
+    """Collective (every rank reaches the same steps): the step's checkpoint when the plan says so, with the model
+    as an HF folder where the layout holds one (`export`, `tokenizer`); then the oldest beyond save_total_limit go.
+    `extra`: what `checkpoints.save_checkpoint` also keeps (DPO's λ, synced reference, running reward mean)."""
+    if not plan.due(step):
+        return
+    write_hf = _hf_writer(plan.layout.hf_folder, export, tokenizer) if plan.layout.hf_folder is not None else None
+    where = ckpt.save_checkpoint(plan.root, step, engine, extra.pop("lam", None), env, also=write_hf,
+                                 name=plan.folder(step).name, **extra)
+    if env.is_main:
+        if plan.layout.tracker:
+            tmp = plan.root / f".{TRACKER}.tmp"
+            tmp.write_text(str(step))
+            os.replace(tmp, plan.root / TRACKER)
+        _rotate(plan, where)
+    log.print(f"checkpoint {where}")
+
+
+def _hf_writer(inner: str, export: Export | None, tokenizer):
+    """What writes the model as an HF folder at `inner` of a checkpoint being written (None without an export)."""
+    if export is None:
+        return None
+
+    def write(tmp: Path, weights: dict) -> None:
+        writer, state = export(weights)
+        writer.save_pretrained(tmp / inner, state_dict=state)
+        tokenizer.save_pretrained(tmp / inner)
+    return write
+
+
+def _rotate(plan: CheckpointPlan, newest: Path) -> None:
+    if not plan.keep:
+        return
+    done = [p for _, p in plan.complete() if p != newest]
+    for old in done[:max(len(done) - (plan.keep - 1), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+
