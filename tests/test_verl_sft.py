@@ -30,9 +30,11 @@ ROWS = [{"messages": [{"role": "user", "content": f"count from {i}"},
 
 def test_a_verl_example_line_is_read_key_by_key(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # a rank of torchrun --nproc_per_node=2: verl's FSDP engine is FSDP2
-    monkeypatch.setenv("WANDB_PROJECT", "")  # restored after the test, whatever the line sets
+    for name in ("WANDB_PROJECT", "WANDB_NAME"):
+        monkeypatch.setenv(name, "")  # restored after the test, whatever the line sets
     cfg = parse_sft(QWEN3_8B)
-    assert os.environ["WANDB_PROJECT"] == "gsm8k-sft"  # trainer.project_name names the wandb project, as verl's
+    # trainer.project_name and experiment_name name the wandb project and run, as verl's
+    assert (os.environ["WANDB_PROJECT"], os.environ["WANDB_NAME"]) == ("gsm8k-sft", "gsm8k-sft-qwen3-8b-instruct")
     assert (cfg.train_files, cfg.eval_files, cfg.messages_key) == (["/data/gsm8k/train.parquet"],
                                                                    ["/data/gsm8k/test.parquet"], "messages")
     assert (cfg.batch_size, cfg.eval_batch_size, cfg.train_batch_size) == (64, 64, 256)  # verl's global 256

@@ -78,8 +78,8 @@ class Tracker:
                  tensorboard_dir: Path | None = None):
         """`write=False` (ranks other than 0) keeps history in memory and touches no file. `project` (default:
         WANDB_PROJECT, else alignrl, as an offline trainer's `report_to` wandb has no setting of its own), `run_name`
-        (default: the logging folder's name, logs/training/<the output folder's name> for the offline trainers) and
-        `config` (a dict or the run's config dataclass) label the wandb run. TensorBoard events go to
+        (default: WANDB_NAME, else the logging folder's name, logs/training/<the output folder's name> for the offline
+        trainers) and `config` (a dict or the run's config dataclass) label the wandb run. TensorBoard events go to
         `tensorboard_dir` (default: `log_dir/tensorboard`)."""
         self.log_dir = log_dir
         self.sinks = set(sinks) if write else set()
@@ -107,7 +107,8 @@ class Tracker:
         self.wandb, self.tables = None, {}
         if "wandb" in self.sinks:
             self.wandb = start_wandb(log_dir, project or os.environ.get("WANDB_PROJECT") or "alignrl",
-                                     run_name or log_dir.name, config, resume=resume_step > 0)
+                                     run_name or os.environ.get("WANDB_NAME") or log_dir.name, config,
+                                     resume=resume_step > 0)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
