@@ -32,6 +32,7 @@ import torch
 
 from alignrl.data.sft_rows import EncodedRow, SFTBatch, SFTKeys, SFTRow, collate_rows, encode_rows, load_rows
 from alignrl.preference import adapters
+from alignrl.preference import checkpoint_plan as cp
 from alignrl.preference import common as pc
 from alignrl.preference import sft_vision as vision
 from alignrl.preference.sft_cli import SFTConfig
@@ -293,10 +294,14 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     before = ev()
     if before:
         log.print(f"held-out before training: loss {before['loss']:.4f}, perplexity {before['perplexity']:.3f}")
-    start = pc.resumed_step(cfg, engine, "sft", log)
+    plan = cp.plan_for(cfg, out_dir, total, per_epoch)
+    start = cp.resumed_step(cfg, plan, engine, "sft", log)
+
+    def export(state: dict):
+        return adapters.saver(policy, model, spec, cfg.lora_export, state)
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
-        pc.save_if_due(cfg, step, total, out_dir, engine, env, log)
+        cp.save_if_due(plan, step, engine, env, log, export, vision.saved_tokenizer(tok))
         if enc_eval and cfg.eval_steps and step % cfg.eval_steps == 0 and step < total:
             e = ev()
             return {"eval/loss": e["loss"], "eval/perplexity": e["perplexity"]}
@@ -323,9 +328,9 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     if after:
         pc.check_eval_finite(after["loss"], "losses")
     results = _report(cfg, log, before, after, step, n_rows, notes, env, engine.name, t0)
-    writer, state = adapters.saver(policy, model, spec, cfg.lora_export, engine.full_state_dict())  # collective
+    writer, state = export(engine.full_state_dict())  # collective
     pc.save_hf_folder(out_dir, writer, state, vision.saved_tokenizer(tok), {"eval_results.json": results}, env,
-                      log_dir=log_dir)
+                      log_dir=log_dir, keep=plan.inside(out_dir))
     if after:
         log.metrics(step, {"eval/loss": after["loss"], "eval/perplexity": after["perplexity"],
                            "eval/loss_before": before["loss"]})
