@@ -55,13 +55,15 @@ def names_images(messages: Any) -> bool:
         content = m.get("content") if isinstance(m, dict) else None
         if content is None or isinstance(content, str):
             continue
-        if any(isinstance(i, dict) and (i.get("type") in ("image", "image_url") or "image" in i) for i in content):
+        # parquet rows give every item every key: a text item's "image" is None there
+        if any(isinstance(i, dict) and (i.get("type") in ("image", "image_url") or
+                                        (i.get("type") is None and i.get("image") is not None)) for i in content):
             return True
     return False
 
 
 def _checked(loc: str, key: str, value: Any) -> list[dict]:
-    """Chat messages whose content is a string or a list of content items; DataError-like one line otherwise."""
+    """Chat messages whose content is a string or a list of content items; one line naming the row otherwise."""
     if isinstance(value, (str, dict)) or not hasattr(value, "__iter__"):
         raise ImageDataError(f"{loc}: {key} must be a list of chat messages ({{'role': ..., 'content': ...}}), "
                              f"got {type(value).__name__}")
