@@ -65,7 +65,7 @@ def test_openrlhf_dpo_script_parses_and_trains_a_step(tiny_model_dir, tmp_path, 
     assert (cfg.warmup_ratio, cfg.adam_betas, cfg.train_batch_size) == (0.03, [0.9, 0.95], 128)
     err = capsys.readouterr().err
     assert ("alignrl: note: OpenRLHF's train_dpo defaults where the line is silent: warmup_ratio=0.03, adam_betas="
-            "[0.9, 0.95], train_batch_size=128, loss_type=sigmoid; not taken: prompt_key=None (a row's prompt column "
+            "[0.9, 0.95], train_batch_size=128, save_total_limit=3, loss_type=sigmoid; not taken: prompt_key=None (a row's prompt column "
             "is read: prompt_key=prompt kept)\n") in err and "--flash_attn changes nothing" in err
     assert cfg.apply_chat_template and cfg.input_template is None  # templated: their template default is not taken
     # four pairs fill no global batch of OpenRLHF's 128
@@ -214,7 +214,8 @@ def test_a_line_in_openrlhfs_spelling_takes_its_defaults_and_its_own_flags_win(t
     assert (cfg.lr_scheduler, cfg.min_lr_ratio, cfg.lora_alpha) == ("cosine", 0.1, 32)  # the same / LoRA is off
     (note,) = _silent_note(capsys.readouterr().err)
     assert note == ("alignrl: note: OpenRLHF's train_dpo defaults where the line is silent: warmup_ratio=0.03, "
-                    "adam_betas=[0.9, 0.95], train_batch_size=128, log_every=1, bf16=false, learning_rate=1e-05, "
+                    "adam_betas=[0.9, 0.95], train_batch_size=128, log_every=1, bf16=false, save_total_limit=3, "
+                    "learning_rate=1e-05, "
                     "max_length=512, loss_type=sigmoid, apply_chat_template=false, input_template=\"{}\"; not taken: "
                     "prompt_key=None (a row's prompt column is read: prompt_key=prompt kept)")
     yaml = tmp_path / "c.yaml"

@@ -189,3 +189,7 @@ def test_rows_sft_cannot_train_as_they_ask_are_one_line(tmp_path):
             load_rows(str(path), SFTKeys())
     path.write_text(json.dumps({"messages": turns, "images": [], "tools": None}) + "\n")
     assert len(load_rows(str(path), SFTKeys())) == 1  # empty columns hold nothing
+
+
+def test_verl_vision_sft_keys_name_the_image_column():
+    assert parse_sft(["data.train_files=t.jsonl", "data.image_key=pictures"]).image_key == "pictures"

@@ -75,3 +75,11 @@ def saver(model, peft_model, spec: LoraSpec | None, export: str, state: dict[str
     if export == "adapter":
         return AdapterFolder(peft_model), state
     return peft_model.get_base_model(), merged_state_dict(peft_model, state)
+
+
+def exporter(model, peft_model, spec: LoraSpec | None, export: str, prefix: str = ""):
+    """`saver` as a function of the engine's full state dict (its names' `prefix` dropped): what writes the model as
+    an HF folder, at the end of a run and in the checkpoints that hold one (`checkpoint_plan`)."""
+    def folder(state: dict[str, torch.Tensor]):
+        return saver(model, peft_model, spec, export, {k.removeprefix(prefix): v for k, v in state.items()})
+    return folder

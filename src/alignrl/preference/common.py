@@ -222,21 +222,6 @@ class StepMetrics:
         self.micro, self.extra = [], {}
 
 
-def resumed_step(cfg: CommonConfig, engine, command: str, log: RankZeroLog, plan=None) -> int:
-    """`checkpoint_plan.resumed_step` of the run's plan (`plan`, else one of its defaults)."""
-    from alignrl.preference import checkpoint_plan as cp
-
-    plan = plan or cp.plan_for(cfg, Path(cfg.output_dir or "."), 0, 0)
-    return cp.resumed_step(cfg, plan, engine, command, log)
-
-
-def save_if_due(cfg: CommonConfig, step: int, total: int, out_dir: Path, engine, env, log: RankZeroLog) -> None:
-    """Collective: `checkpoint_plan.save_if_due` of a plan without epochs or model export."""
-    from alignrl.preference import checkpoint_plan as cp
-
-    cp.save_if_due(cp.plan_for(cfg, out_dir, total, 0), step, engine, env, log)
-
-
 def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: CommonConfig, env,
                 log: RankZeroLog, total: int, console_keys: dict[str, str], after_step=None, start_step: int = 0,
                 loader=None) -> int:

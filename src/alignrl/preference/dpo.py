@@ -337,9 +337,7 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     start = ckpt.resume(folder, engine, lam, reference=sync, running=bco) if folder else 0
     if start:
         log.print(f"resumed from {folder} at step {start}" + (f", λ {lam.state.value:.6g}" if lam else ""))
-
-    def export(state: dict):
-        return adapters.saver(policy, model, spec, cfg.lora_export, state)
+    export = adapters.exporter(policy, model, spec, cfg.lora_export)
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
         out = lam.after_step(step) if lam is not None else {}

@@ -270,9 +270,7 @@ def train_kto(cfg: KTOConfig, dry_run_world: int | None = None) -> dict:
     plan = cp.plan_for(cfg, out_dir, total, pc.steps_per_epoch(len(enc_train), cfg, env.world_size))
     start = cp.resumed_step(cfg, plan, engine, "kto", log)
 
-    def export(state: dict):
-        return adapters.saver(policy, model, spec, cfg.lora_export, state)
-
+    export = adapters.exporter(policy, model, spec, cfg.lora_export)
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
         cp.save_if_due(plan, step, engine, env, log, export, tok)
         if enc_eval and cfg.eval_steps and step % cfg.eval_steps == 0 and step < total:

@@ -263,10 +263,7 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     plan = cp.plan_for(cfg, out_dir, total, pc.steps_per_epoch(len(enc_train), cfg, env.world_size))
     start = cp.resumed_step(cfg, plan, engine, "rm", log)
 
-    def export(state: dict):
-        return adapters.saver(hf, peft_model, spec, cfg.lora_export, {k.removeprefix("inner."): v
-                                                                      for k, v in state.items()})
-
+    export = adapters.exporter(hf, peft_model, spec, cfg.lora_export, prefix="inner.")
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
         cp.save_if_due(plan, step, engine, env, log, export, tok)
         if not (cfg.eval_steps and step % cfg.eval_steps == 0 and step < total):

@@ -253,8 +253,21 @@ def _encoded(tok, rows: list[SFTRow], keys: SFTKeys, cfg: SFTConfig, whole: bool
     return out, len(longer), len(kept) - len(out)
 
 
+def _policy(cfg: SFTConfig, folder, log):
+    """(the loaded model, the model that trains: it or its LoRA wrapper, the LoRA spec or None)."""
+    from alignrl.models.loader import load_causal_lm
+
+    policy = load_causal_lm(folder, "float32", "model_path")
+    pc.prepare_trainable(policy, cfg)
+    spec = adapters.spec_of(cfg)
+    model = adapters.attach(policy, spec, "CAUSAL_LM", cfg.seed) if spec is not None else policy
+    if spec is not None:
+        log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}")
+    return policy, model, spec
+
+
 def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
-    from alignrl.models.loader import load_causal_lm, load_tokenizer, resolve_model_path
+    from alignrl.models.loader import load_tokenizer, resolve_model_path
     from alignrl.runtime.env import barrier, init_distributed, shutdown
 
     raw_keys = _keys(cfg, True)
@@ -276,12 +289,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     _check_enough(n_rows, cfg, env.world_size)
     enc_train = pack_rows(enc_train, cfg, log, notes)  # fewer packed rows than a global batch: one partial step
     enc_eval = pack_rows(enc_eval, cfg, log, notes, held_out=True)
-    policy = load_causal_lm(folder, "float32", "model_path")
-    pc.prepare_trainable(policy, cfg)
-    spec = adapters.spec_of(cfg)
-    model = adapters.attach(policy, spec, "CAUSAL_LM", cfg.seed) if spec is not None else policy
-    if spec is not None:
-        log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}")
+    policy, model, spec = _policy(cfg, folder, log)
     collate, neft = _layout(cfg, tok.pad_token_id, model, log)
     per_epoch = steps_per_epoch(len(enc_train), cfg, env.world_size)
     total = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
@@ -296,10 +304,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
         log.print(f"held-out before training: loss {before['loss']:.4f}, perplexity {before['perplexity']:.3f}")
     plan = cp.plan_for(cfg, out_dir, total, per_epoch)
     start = cp.resumed_step(cfg, plan, engine, "sft", log)
-
-    def export(state: dict):
-        return adapters.saver(policy, model, spec, cfg.lora_export, state)
-
+    export = adapters.exporter(policy, model, spec, cfg.lora_export)
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
         cp.save_if_due(plan, step, engine, env, log, export, vision.saved_tokenizer(tok))
         if enc_eval and cfg.eval_steps and step % cfg.eval_steps == 0 and step < total:

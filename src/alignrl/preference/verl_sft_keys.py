@@ -51,7 +51,7 @@ RENAMED = {
     "trainer.total_epochs": "epochs", "trainer.total_training_steps": "max_steps", "trainer.seed": "seed",
     "trainer.default_local_dir": "output_dir", "trainer.save_freq": "save_steps", "trainer.test_freq": "eval_steps",
     "trainer.resume_from_path": "resume_from", "trainer.resume_path": "resume_from",
-    "trainer.max_ckpt_to_keep": "save_total_limit",
+    "trainer.max_ckpt_to_keep": "save_total_limit", "data.image_key": "image_key",
 }
 NEVER = ("data.train_max_samples", "data.val_max_samples", "trainer.save_freq", "trainer.test_freq")  # -1: 0 here
 SCHEDULERS = ("optim.lr_scheduler", "optim.lr_scheduler_type", "optim.warmup_style")

@@ -1,0 +1,111 @@
+"""Offline runs' checkpoints in TRL's layout (output_dir/checkpoint-N, each a model folder, one at the last step) and
+verl's (default_local_dir/global_step_N/huggingface, the tracker file), kept to save_total_limit, written at epoch
+ends, and found again by resume_from=auto; the final save keeps them where they are."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignrl.preference.checkpoint_plan import LAYOUTS, CheckpointPlan
+from alignrl.preference.sft_cli import sft_main
+
+ROWS = [{"prompt": f"count from {i}", "completion": " ".join(str(i + k) for k in range(1 + i % 4))} for i in range(8)]
+
+
+def _data(tmp: Path) -> str:
+    path = tmp / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return str(path)
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def _trl(model: Path, tmp: Path, name: str, *extra: str) -> Path:
+    out = tmp / name
+    rc = sft_main([f"model_path={model}", f"train_files=[{_data(tmp)}]", "--output_dir", str(out), "--logging_dir",
+                   str(tmp / f"logs_{name}"), "report_to=[jsonl]", "checkpoint_layout=trl", "batch_size=2",
+                   "max_steps=4", "learning_rate=1e-3", "save_steps=2", "log_every=1", *extra])
+    assert rc == 0
+    return out
+
+
+def test_trl_layout_keeps_checkpoints_beside_the_final_model_and_resume_auto_finds_them(tiny_model_dir, tmp_path):
+    whole = _trl(tiny_model_dir, tmp_path, "whole")
+    # step 2's and the last step's (as TRL's), beside the final model
+    assert sorted(p.name for p in whole.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    _same(_weights(whole / "checkpoint-4"), _weights(whole))  # each checkpoint is a model folder too
+    assert (whole / "checkpoint-4" / "tokenizer_config.json").is_file()
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(str(whole / "checkpoint-4")) is not None
+    # a run stopped after step 2 holds checkpoint-2 alone: resume_from=auto goes on from it
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")
+    _trl(tiny_model_dir, tmp_path, "resumed", "resume_from=auto", "save_total_limit=1")
+    # step 2's went once step 4's was in place
+    assert sorted(p.name for p in resumed.glob("checkpoint-*")) == ["checkpoint-4"]
+    _same(_weights(resumed), _weights(whole))  # the steps after the checkpoint were those of the unbroken run
+    log = (tmp_path / "logs_resumed" / "metrics.jsonl").read_text()
+    assert [json.loads(r)["step"] for r in log.splitlines() if "loss" in r] == [3, 4]
+
+
+def test_a_verl_line_writes_global_steps_with_huggingface_folders_at_each_epoch_end(tiny_model_dir, tmp_path, capsys,
+                                                                                    monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "sft"
+    line = [f"data.train_files={_data(tmp_path)}", "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2",
+            f"model.path={tiny_model_dir}", "trainer.total_epochs=2", "trainer.save_freq=after_each_epoch",
+            "trainer.max_ckpt_to_keep=1", f"trainer.default_local_dir={out}", "trainer.logger=['console']",
+            "optim.lr=1e-3", "--logging_dir", str(tmp_path / "logs")]
+    assert sft_main(line) == 0
+    # 8 rows / 4 a step: epochs end at steps 2 and 4; one kept; verl's tracker names the newest
+    assert sorted(p.name for p in out.glob("global_step_*")) == ["global_step_4"]
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "4"
+    _same(_weights(out / "global_step_4" / "huggingface"), _weights(out))
+    assert "resume_from=auto: no checkpoint in" in capsys.readouterr().out  # verl's resume_mode=auto, a first run
+
+
+def test_plans_say_when_a_checkpoint_is_due_and_rotate_the_oldest(tmp_path):
+    def plan(layout, strategy="steps", every=2, keep=0):
+        return CheckpointPlan(tmp_path, LAYOUTS[layout], strategy, every, 3, 7, keep)
+
+    assert [s for s in range(1, 8) if plan("alignrl").due(s)] == [2, 4, 6]  # the final model is step 7's
+    assert [s for s in range(1, 8) if plan("trl").due(s)] == [2, 4, 6, 7]
+    assert [s for s in range(1, 8) if plan("verl", "epoch").due(s)] == [3, 6, 7]
+    assert not any(plan("trl", "no").due(s) for s in range(1, 8))
+    for step in (1, 2, 3):
+        folder = tmp_path / f"step_{step}"
+        folder.mkdir()
+        (folder / "weights.safetensors").write_text("x")
+        (folder / "state.json").write_text("{}")
+    (tmp_path / "step_9").mkdir()  # not complete: never the latest, never counted
+    assert plan("alignrl").latest() == tmp_path / "step_3"
+    assert plan("alignrl").inside(tmp_path / "elsewhere") == []
+    assert plan("alignrl").inside(tmp_path) == [tmp_path / f"step_{s}" for s in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("flags, says", [(["--save_total_limit", "2", "--save_strategy", "epoch"],
+                                          ("save_total_limit", 2, "save_strategy", "epoch")),
+                                         (["--resume_from_checkpoint", "True"], ("resume_from", "auto", None, None))])
+def test_trl_checkpoint_flags(flags, says, tmp_path):
+    from alignrl.preference.sft_cli import parse_sft
+
+    cfg = parse_sft(["--model_name_or_path", "demo", "--dataset_name", _data(tmp_path), "--output_dir",
+                     str(tmp_path / "o"), *flags])
+    assert cfg.checkpoint_layout == "trl" and getattr(cfg, says[0]) == says[1]
+    if says[2]:
+        assert getattr(cfg, says[2]) == says[3]
