@@ -63,20 +63,23 @@ def test_trl_layout_keeps_checkpoints_beside_the_final_model_and_resume_auto_fin
     assert [json.loads(r)["step"] for r in log.splitlines() if "loss" in r] == [3, 4]
 
 
-def test_a_verl_line_writes_global_steps_with_huggingface_folders_at_each_epoch_end(tiny_model_dir, tmp_path, capsys,
-                                                                                    monkeypatch):
+def test_a_verl_line_writes_global_steps_with_huggingface_folders_and_evaluates_at_epoch_ends(
+        tiny_model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = tmp_path / "sft"
     line = [f"data.train_files={_data(tmp_path)}", "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2",
             f"model.path={tiny_model_dir}", "trainer.total_epochs=2", "trainer.save_freq=after_each_epoch",
             "trainer.max_ckpt_to_keep=1", f"trainer.default_local_dir={out}", "trainer.logger=['console']",
-            "optim.lr=1e-3", "--logging_dir", str(tmp_path / "logs")]
+            "optim.lr=1e-3", "--logging_dir", str(tmp_path / "logs"), f"data.val_files={_data(tmp_path)}",
+            "trainer.test_freq=after_each_epoch"]
     assert sft_main(line) == 0
     # 8 rows / 4 a step: epochs end at steps 2 and 4; one kept; verl's tracker names the newest
     assert sorted(p.name for p in out.glob("global_step_*")) == ["global_step_4"]
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "4"
     _same(_weights(out / "global_step_4" / "huggingface"), _weights(out))
     assert "resume_from=auto: no checkpoint in" in capsys.readouterr().out  # verl's resume_mode=auto, a first run
+    rows = [json.loads(r) for r in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/loss" in r] == [2, 4]  # the first epoch's end, and the run's
 
 
 def test_plans_say_when_a_checkpoint_is_due_and_rotate_the_oldest(tmp_path):

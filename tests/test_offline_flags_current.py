@@ -152,17 +152,20 @@ def test_load_checkpoint_goes_on_from_the_latest_complete_checkpoint(tmp_path):
 
 
 def test_trl_sft_dpo_kto_lines(capsys):
-    """--eval_strategy on sft as on dpo, --report_to wandb, --no_remove_unused_columns and --logging_first_step
+    """--eval_strategy on sft as on dpo (TRL's default no: held-out rows measured before and after only), --report_to
+    wandb, --no_remove_unused_columns and --logging_first_step
     accepted; --eos_token sft's key, refused elsewhere; --push_to_hub and --dataset_streaming refused in one line; a
     TRL line without a dataset is told TRL's flag."""
     with pytest.raises(ConfigError, match=r"^--push_to_hub is not supported here: upload .* `huggingface-cli upload`"):
         parse_sft(TRL_SFT)
     sft = parse_sft(_without(TRL_SFT, "--push_to_hub") + ["--push_to_hub", "false"])
     assert (sft.eval_steps, sft.packing, sft.packing_strategy, sft.gradient_accumulation_steps) == (100, True, "bfd", 8)
+    assert sft.eval_strategy == "steps" and parse_sft(_without(TRL_SFT, "--push_to_hub", "--eval_strategy")
+                                                      ).eval_strategy == "no"
     assert sft.eos_token == "<|im_end|>"  # sft's key; the other commands refuse the flag
     with pytest.raises(ConfigError, match=r'^--eos_token is not supported here: .*"eos_token" in the model folder'):
         parse_dpo(_without(TRL_DPO, "--dataset_streaming") + ["--eos_token", "<|im_end|>"])
-    with pytest.raises(ConfigError, match=r"^--eval_strategy sometimes: held-out rows are measured"):
+    with pytest.raises(ConfigError, match=r"eval_strategy.*sometimes.*(no|steps|epoch)"):
         parse_sft(_without(TRL_SFT, "--eos_token", "--push_to_hub", "--eval_strategy") +
                   ["--eval_strategy", "sometimes"])
     with pytest.raises(ConfigError, match=r"^--dataset_streaming is not supported here: the dataset is read whole"):

@@ -60,6 +60,9 @@ def add_recent_flags(g) -> None:
     g.add_argument("--image_key", default=None, help="column of a row's images (alignrl's default: images)")
     g.add_argument("--max_images_per_prompt", type=int, default=None,
                    help="accepted; alignrl's engines take every image of a prompt")
+    g.add_argument("--async_train", action="store_true",
+                   help="accepted; on the Ray placement each step trains on the batch its own weights generated")
+    g.add_argument("--async_queue_size", type=int, default=None, help="accepted with --async_train")
 
 
 def check_recent(args) -> None:
@@ -144,6 +147,10 @@ def recent_unused(args) -> list[tuple[tuple[str, ...], str]]:
            (("rollout_max_tokens_per_gpu",) if args.use_dynamic_batch else budgets,
             "not applied here: the no-grad forwards take --micro_rollout_batch_size rows" if args.use_dynamic_batch
             else "a token budget applies with --use_dynamic_batch only, as in OpenRLHF")]
+    if args.async_train or args.async_queue_size is not None:
+        out.append((("async_train", "async_queue_size"), "not applied here: on the Ray placement generation and "
+                    "training take turns, each step on the policy that generated its batch (pipeline.placement=zmq "
+                    "with pipeline.max_staleness=1 overlaps them)"))
     if not args.enable_vllm_is_correction:
         out.append((("vllm_is_truncated_threshold", "vllm_is_correction_type", "use_icepop"),
                     "not applied without --enable_vllm_is_correction"))

@@ -74,6 +74,7 @@ TAKEN = [
     Flag("max_steps", int, -1), Flag("num_train_epochs", float, 3.0), Flag("lr_scheduler_type", str, "linear"),
     Flag("warmup_ratio", float, 0.0), Flag("warmup_steps", int, 0), Flag("weight_decay", float, 0.0),
     Flag("adam_beta1", float, 0.9), Flag("adam_beta2", float, 0.999), Flag("max_grad_norm", float, 1.0),
+    Flag("optim", str, "adamw_torch"),
     Flag("seed", int, 42), Flag("save_strategy", str, "steps"), Flag("save_steps", float, 500),
     Flag("save_total_limit", "opt_int", None), Flag("eval_strategy", str, "no"), Flag("eval_steps", "opt_float", None),
     Flag("report_to", "list", None), Flag("resume_from_checkpoint", "opt_str", None),
@@ -99,7 +100,7 @@ NOT_APPLIED = {
         Flag("bf16", "bool", True), Flag("fp16", "bool", False), Flag("tf32", "bool", False),
         Flag("attn_implementation", "opt_str", None), Flag("use_liger_kernel", "bool", False),
         Flag("cast_lm_head_to_fp32", "bool", False), Flag("torch_compile", "bool", False),
-        Flag("gradient_checkpointing_use_reentrant", "bool", False), Flag("optim", str, "adamw_torch"),
+        Flag("gradient_checkpointing_use_reentrant", "bool", False),
         Flag("adam_epsilon", float, 1e-8), Flag("model_revision", str, "main"),
         Flag("trust_remote_code", "bool", False), Flag("disable_dropout", "bool", False)),
     "every column reaches the reward functions, and the data loads in this process": (

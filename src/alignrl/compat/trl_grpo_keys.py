@@ -96,6 +96,10 @@ class Batches:
                 f"step(s) of {self.per_step} sequences, actor.ppo_micro_batch_size={self.pd} per rank")
 
 
+# transformers' names of the AdamW it runs (fused or not, its own older copy): the optimizer here
+ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
+
+
 def is_model(name: str) -> bool:
     """A --reward_funcs word naming a reward model (a folder, or a Hub id `owner/name`) rather than a function (a
     built-in, file.py:function or package.module.function)."""
@@ -201,6 +205,9 @@ def optimizer_steps(args, value: float, flag: str) -> int:
 
 
 def optimiser_keys(args, batches: Batches, total_optimizer_steps: int | None) -> list[str]:
+    if args.optim not in ADAMW_NAMES:
+        raise TrlFlagError(f"--optim {args.optim}: the optimizer here is torch's AdamW; give --optim adamw_torch "
+                           "(or leave the flag out)")
     schedule = SCHEDULES.get(args.lr_scheduler_type)
     if schedule is None:
         raise TrlFlagError(f"--lr_scheduler_type {args.lr_scheduler_type}: alignrl has {', '.join(SCHEDULES)}")

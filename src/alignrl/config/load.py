@@ -91,7 +91,9 @@ def dotted_item(schema: type, override: str) -> Any:
     if _is_text(field_):  # `User: {}` reads as a YAML mapping, `[x]` as a list: a text key wants the text
         picked = OmegaConf.select(item, key, default=None, throw_on_resolution_failure=False)
         # `key=` on a text key is the empty text (e.g. no service: services.generation_url=), not YAML's null
-        if OmegaConf.is_dict(picked) or OmegaConf.is_list(picked) or (value == "" and field_.type in (str, "str")):
+        # YAML 1.1 reads `no`/`off`/`yes`/`on` as booleans: a text key wants the word (save_strategy=no)
+        if (OmegaConf.is_dict(picked) or OmegaConf.is_list(picked) or isinstance(picked, bool)
+                or (value == "" and field_.type in (str, "str"))):
             return _raw_text(key, value)
         if picked is None and value.strip() not in ("", "null", "Null", "NULL", "~"):  # `#...` reads as a comment
             return _raw_text(key, value)

@@ -321,16 +321,26 @@ def _local_config(folder: str) -> dict | None:
     return info if isinstance(info, dict) else None
 
 
+# verl's trackers (verl/utils/tracking.py) with no sink here: the run logs to the others, said once
+OTHER_TRACKERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
+
+
 def _verl_logger(st: TranslationPass) -> list[str]:
-    """verl's `file` logger writes each step's metrics as a JSON line: alignrl's jsonl sink (metrics.jsonl)."""
+    """verl's `file` logger writes each step's metrics as a JSON line: alignrl's jsonl sink (metrics.jsonl); its
+    trackers without a sink here (mlflow, swanlab, ...) are not applied, said once."""
     given = [o for o in st.out if o.startswith("trainer.logger=")]
     if not (st.verl and given):
         return []
     value = parsed(given[-1].split("=", 1)[1])
     sinks = [str(s) for s in (value if not isinstance(value, (str, type(None))) else [value] if value else [])]
-    if "file" not in sinks:
+    other = [s for s in sinks if s in OTHER_TRACKERS]
+    if "file" not in sinks and not other:
         return []
-    sinks = list(dict.fromkeys("jsonl" if s == "file" else s for s in sinks))
+    if other:
+        st.not_applied["trainer.logger"] = (",".join(other), "no sink here for these trackers; metrics go to "
+                                            "metrics.jsonl (and tensorboard, wandb when listed)")
+    kept = ["jsonl" if s == "file" else s for s in sinks if s not in other]
+    sinks = list(dict.fromkeys(kept + (["jsonl"] if other else [])))  # the metrics the tracker would have had
     return [f"trainer.logger=[{','.join(sinks)}]"]
 
 

@@ -61,6 +61,9 @@ RENAMES: dict[str, tuple[str, ...]] = {
     R + "temperature": ("rollout.temperature",),
     R + "top_p": ("rollout.top_p",),
     R + "top_k": ("rollout.top_k",),
+    # a rollout key vLLM's SamplingParams also has is a sampling setting in verl's vLLM rollout (`+rollout.<key>`)
+    R + "repetition_penalty": ("rollout.repetition_penalty",),
+    R + "min_p": ("rollout.min_p",),
     "critic.optim.lr": ("critic.lr",),
     "critic.optim.lr_warmup_steps": ("critic.lr_warmup_steps",),
     "critic.optim.lr_warmup_steps_ratio": ("critic.lr_warmup_steps_ratio",),
@@ -120,6 +123,7 @@ NOT_USED = (
     "*.enable_activation_offload", "actor_rollout_ref.model.use_liger", "*.entropy_checkpointing",
     "*.entropy_from_logits_with_chunking", "*.use_torch_compile", "*.override_config.*", "*.fsdp.*",
     "actor_rollout_ref.nccl_timeout", "*.checkpoint.*", "*.profiler.*", "global_profiler.*", "ray_kwargs.*",
+    "ray_init.*",  # verl's older spelling of ray_kwargs.ray_init
     "actor_rollout_ref.model.lora.merge", "trainer.balance_batch",
     # which of verl's worker classes hosts the roles (its legacy FSDP / DeepSpeed workers or its engine workers): the
     # same training either way, and alignrl has one trainer of its own

@@ -222,6 +222,16 @@ class StepMetrics:
         self.micro, self.extra = [], {}
 
 
+def eval_due(cfg: CommonConfig, step: int, plan) -> bool:
+    """Whether the held-out pairs are measured after `step` (not the last: the run's end measures them anyway), as
+    `eval_strategy` says; `plan`: the run's `checkpoint_plan.CheckpointPlan`, which knows the epochs and steps."""
+    if step >= plan.total or cfg.eval_strategy == "no":
+        return False
+    if cfg.eval_strategy == "epoch":
+        return plan.per_epoch > 0 and step % plan.per_epoch == 0
+    return bool(cfg.eval_steps) and step % cfg.eval_steps == 0
+
+
 def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: CommonConfig, env,
                 log: RankZeroLog, total: int, console_keys: dict[str, str], after_step=None, start_step: int = 0,
                 loader=None) -> int:

@@ -103,6 +103,9 @@ class CommonConfig:
                                      "folded in) or adapter (peft's adapter folder)", choices=("merged", "adapter"))
     eval_steps: int = opt(0, "also measure the held-out pairs every N optimizer steps (eval/* metrics); 0: only "
                              "before and after training", ge=0)
+    eval_strategy: str = opt("steps", "when the held-out pairs are also measured during training: every eval_steps "
+                                      "(steps), at each epoch's end (epoch), never (no); before and after training "
+                                      "always", choices=("no", "steps", "epoch"))
     save_steps: int = opt(0, "also write a resumable checkpoint every N optimizer steps to <output_dir>.checkpoints/"
                              "step_N (weights, optimizer; λ for safe_mm_dpo); 0: only the final model", ge=0)
     save_strategy: str = opt("steps", "when checkpoints are written: every save_steps (steps), at each epoch's end "

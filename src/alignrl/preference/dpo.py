@@ -344,7 +344,7 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
         if sync is not None:  # before a checkpoint or an eval of this step, which then see the moved reference
             sync.after_step(step, engine)
         cp.save_if_due(plan, step, engine, env, log, export, tok, lam=lam, reference=sync, running=bco)
-        if cfg.eval_steps and step % cfg.eval_steps == 0 and step < total:
+        if pc.eval_due(cfg, step, plan):
             e = ev()["all"]
             out.update({"eval/reward_accuracy": e["reward_accuracy"], "eval/reward_margin": e["reward_margin"],
                         "eval/logp_accuracy": e["logp_accuracy"]})

@@ -20,6 +20,10 @@ CHOICE_FLAGS = {
                                               "false); float16 is left out"),
     "backend": ("strategy", {"deepspeed": "deepspeed", "fsdp2": "fsdp2"}, "the training engines here are ddp, "
                                                                           "fsdp2 and deepspeed (strategy=...)"),
+    # TRL's ModelConfig dtype (--dtype, formerly --torch_dtype): the weights' compute dtype
+    **{name: ("bf16", {"bfloat16": "true", "float32": "false", "auto": "auto"}, "the offline trainers compute in "
+                      "bfloat16 or float32; float16 is left out")
+       for name in ("dtype", "torch_dtype")},
 }
 # OpenRLHF's flags of its current scripts: a line naming one is written for them, whose default dtype is bf16
 CURRENT_OPENRLHF = ("param_dtype", "attn_implementation", "backend")
@@ -27,6 +31,7 @@ _METRICS = "metrics go to logging_dir: report_to=[jsonl,tensorboard], and wandb 
 # flags with a value that change nothing here -> why
 IGNORED_VALUED = {
     "attn_implementation": "attention runs through PyTorch's SDPA here, which needs no flash-attention package",
+    "dataset_num_proc": "the rows are read and encoded in this process",
     **{name: _METRICS for name in ("use_tensorboard", "wandb_org", "wandb_group", "wandb_run_name")}}
 # OpenRLHF's wandb flags: --use_wandb KEY (or a true switch) logs to wandb, the key its API key; --wandb_project
 WANDB_FLAGS = ("use_wandb", "wandb_project")
@@ -46,10 +51,9 @@ REFUSED_VALUED = {
     "eos_token": "each row here ends with the tokenizer's own eos token; to end rows with another, set "
                  "\"eos_token\" in the model folder's tokenizer_config.json, then drop the flag",
 }
-# TRL's evaluation schedule: held-out rows are measured before and after training, and every eval_steps
-EVAL_STRATEGY = ("no", "steps", "epoch")
-COMMON_ACCEPTED = {"eval_strategy": (EVAL_STRATEGY, "held-out rows are measured before and after training and "
-                                                    "every eval_steps")}
+# flags that name what happens here anyway -> (the values accepted, what happens here)
+COMMON_ACCEPTED = {"optim": (("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw"), "the optimizer is torch's "
+                                                                                        "AdamW")}
 LOAD_CHECKPOINT = "load_checkpoint"
 _LOAD_MARK = "\0load_checkpoint"  # stands for the resume_from override until the line's output folder is known
 

@@ -55,6 +55,9 @@ VALUE_NAMES = {("lr_scheduler", "cosine_with_min_lr"): "cosine", ("lr_scheduler"
                ("resume_from", "false"): "null",
                ("report_to", "all"): "[jsonl,tensorboard,wandb]" if importlib.util.find_spec("wandb") else
                "[jsonl,tensorboard]"}
+# transformers' logging integrations with no sink here: dropped from --report_to with a note
+OTHER_REPORTERS = ("trackio", "mlflow", "swanlab", "comet_ml", "clearml", "neptune", "dvclive", "aim", "azure_ml",
+                   "codecarbon", "dagshub", "flyte")
 TEXT_KEYS = ("input_template",)  # keys whose flag value is a text to keep as given
 # keys OpenRLHF and TRL give as several words (argparse nargs): `--loss_type sigmoid bco_pair sft --loss_weights 1 1 1`
 SPACED_LISTS = ("adam_betas", "lora_target_modules", "loss_type", "loss_weights")
@@ -112,6 +115,8 @@ def _valued(key: str, name: str, value: str, lora_given: bool) -> list[str]:
     if key in ("save_steps", "eval_steps") and value.strip() == "-1":  # OpenRLHF's "never"; ours is 0
         value = "0"
     value = VALUE_NAMES.get((key, value.strip()), value)
+    if key == "report_to":
+        value = _reporters(value)
     if name == "lora_rank" and value.strip() == "0":  # OpenRLHF's "no LoRA"; our rank is at least 1
         return [] if lora_given else ["use_lora=false"]
     if key in TEXT_KEYS:  # quoted, so that YAML reads a template back as it is (`#`, `: `, `{}`)
@@ -120,6 +125,28 @@ def _valued(key: str, name: str, value: str, lora_given: bool) -> list[str]:
     if name == "lora_rank" and not lora_given and value.strip().isdigit():  # OpenRLHF has no switch of its own
         out.append("use_lora=true")
     return out
+
+
+def _left_out(name: str, why: str, given: str | None) -> int:
+    """A flag left out is one line; OpenRLHF's `--dataset_probs 1.0` (its scripts' default, the one dataset's share)
+    asks for nothing else than the one dataset: accepted, said. Returns the flag's words taken."""
+    if name == "dataset_probs" and given is not None and given.strip() in ("1", "1.0"):
+        say("note: --dataset_probs 1.0: the one dataset's share, all of its rows")
+        return 1
+    raise ConfigError(f"--{name}: {why}")
+
+
+def _reporters(value: str) -> str:
+    """TRL's --report_to without the integrations that have no sink here (trackio, mlflow, ...), said once; the
+    metrics then go to metrics.jsonl at least."""
+    words = [w for w in value.strip().strip("[]").replace(",", " ").split() if w]
+    other = [w for w in words if w in OTHER_REPORTERS]
+    if not other:
+        return value
+    kept = [w for w in words if w not in OTHER_REPORTERS] or ["jsonl"]
+    say(f"note: --report_to {', '.join(other)}: no sink here for it; metrics go to {', '.join(kept)} under "
+        "logging_dir")
+    return "[" + ",".join(kept) + "]"
 
 
 def their_names(argv: list[str], own_names: CommandFlags) -> list[str]:
@@ -163,7 +190,8 @@ def flags_as_keys(argv: list[str], config_class: type, own_names: CommandFlags) 
         name, eq, value = word[2:].partition("=") if word.startswith("--") else ("", "", "")
         key = names.get(name, name)
         if name in left_out:
-            raise ConfigError(f"--{name}: {left_out[name]}")
+            i += _left_out(name, left_out[name], value if eq else nxt) + (0 if eq else 1)
+            continue
         words = _spaced_words(argv, i + 1) if key in SPACED_LISTS and key in keys and not eq else []
         if name in own_names.parsed and len(words) > 1:  # several words of a flag the parser takes as one
             overrides.append(f"{key}=[{','.join(words)}]")

@@ -273,7 +273,7 @@ def train_kto(cfg: KTOConfig, dry_run_world: int | None = None) -> dict:
     export = adapters.exporter(policy, model, spec, cfg.lora_export)
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
         cp.save_if_due(plan, step, engine, env, log, export, tok)
-        if enc_eval and cfg.eval_steps and step % cfg.eval_steps == 0 and step < total:
+        if enc_eval and pc.eval_due(cfg, step, plan):
             e = ev()
             return {"eval/reward_margin": e["reward_margin"], "eval/kl": e["kl"], "eval/loss": e["loss"]}
         return {}

@@ -266,7 +266,7 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
     export = adapters.exporter(hf, peft_model, spec, cfg.lora_export, prefix="inner.")
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
         cp.save_if_due(plan, step, engine, env, log, export, tok)
-        if not (cfg.eval_steps and step % cfg.eval_steps == 0 and step < total):
+        if not pc.eval_due(cfg, step, plan):
             return {}
         return {f"eval/{k}": v for k, v in evaluate(engine, evals, model_type, cfg, env).items()
                 if k in ("accuracy", "sign_accuracy")}

@@ -305,9 +305,10 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     plan = cp.plan_for(cfg, out_dir, total, per_epoch)
     start = cp.resumed_step(cfg, plan, engine, "sft", log)
     export = adapters.exporter(policy, model, spec, cfg.lora_export)
+
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
         cp.save_if_due(plan, step, engine, env, log, export, vision.saved_tokenizer(tok))
-        if enc_eval and cfg.eval_steps and step % cfg.eval_steps == 0 and step < total:
+        if enc_eval and pc.eval_due(cfg, step, plan):
             e = ev()
             return {"eval/loss": e["loss"], "eval/perplexity": e["perplexity"]}
         return {}

@@ -70,6 +70,7 @@ _TRL_COMMON: dict[str, Any] = {
     "seed": 42, "epochs": 3, "batch_size": 8, "eval_batch_size": 8, "gradient_accumulation_steps": 1,
     "log_every": 10, "save_steps": 500, "eval_steps": 0, "gradient_checkpointing": True, "bf16": "auto",
     "checkpoint_layout": "trl",  # output_dir/checkpoint-N, each a model folder, one at the last step
+    "eval_strategy": "no",  # TRL measures held-out rows during training only when asked
     "use_lora": False, "lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.05}
 # TRL templates a row of chat messages only: a string prompt is text (maybe_apply_chat_template)
 TRL_DEFAULTS: dict[str, dict[str, Any]] = {
