@@ -102,7 +102,7 @@ def test_resume_mode_auto_goes_on_from_the_newest_checkpoint(tmp_path):
 @pytest.mark.parametrize("word, says", [
     ("model.use_liger=true", "Liger kernels are left out"), ("engine=megatron", "not on Megatron"),
     ("optim.lr_scheduler_type=wsd", "WSD is left out"), ("data.custom_cls.path=x.py", "custom dataset class"),
-    ("data.foo=1", "unknown verl SFT key 'data.foo'"), ("trainer.test_freq=after_each_epoch", "optimizer steps")])
+    ("data.foo=1", "unknown verl SFT key 'data.foo'"), ("trainer.save_freq=every_epoch", "must be a number")])
 def test_what_alignrl_cannot_do_is_one_line(word, says):
     with pytest.raises(ConfigError, match=says):
         parse_sft(["data.train_files=t.jsonl", "model.path=demo", word])
@@ -173,16 +173,17 @@ def test_the_shims_run_the_sft_command(monkeypatch, capsys):
 
 
 def test_rows_sft_cannot_train_as_they_ask_are_one_line(tmp_path):
-    """verl's video SFT rows, tool schemas, tool calls and turns marked untrained: trained on their text alone they
-    would teach something else, so each is one line naming its row (rows with images: tests/test_sft_images.py)."""
+    """verl's video SFT rows, turns marked untrained and tool calls it cannot read: trained on their text alone they
+    would teach something else, so each is one line naming its row (rows with images: tests/test_sft_images.py;
+    tools and tool calls: tests/test_sft_tools.py)."""
     from alignrl.data.loaders import DataError
     from alignrl.data.sft_rows import SFTKeys, load_rows
 
     turns = [{"role": "user", "content": "<image>What is this?"}, {"role": "assistant", "content": "a cat"}]
     for extra, words in (({"videos": [{"bytes": b"x"}]}, r"has videos \(videos\)"),
-                         ({"tools": [{"name": "f"}]}, r"has tools \(tool schemas"),
                          ({"messages": turns[:1] + [{**turns[1], "trainable": False}]}, "has trainable"),
-                         ({"messages": turns[:1] + [{**turns[1], "tool_calls": [{"name": "f"}]}]}, "has tool_calls")):
+                         ({"messages": turns[:1] + [{**turns[1], "tool_calls": [{"name": "f"}]}]},
+                          "a tool call in messages must")):
         path = tmp_path / "rows.jsonl"
         path.write_text(json.dumps({"messages": turns, **extra}, default=str) + "\n")
         with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:1: .*{words}"):

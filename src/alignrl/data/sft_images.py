@@ -149,10 +149,10 @@ def _holds(value: Any) -> bool:
     return value is not None and (len(value) > 0 if hasattr(value, "__len__") else True)
 
 
-def check_message_keys(loc: str, key: str, m: dict) -> None:
-    """A message with a tool call or marked untrained is refused: trained on its role and content alone, it would be
-    another row."""
-    unread = ("tool_calls" if _holds(m.get("tool_calls")) else
+def check_message_keys(loc: str, key: str, m: dict, tool_calls: bool = False) -> None:
+    """A message marked untrained is refused, and one with a tool call unless `tool_calls` (the rows of text, which
+    render them: `data.sft_tools`): trained on its role and content alone, it would be another row."""
+    unread = ("tool_calls" if _holds(m.get("tool_calls")) and not tool_calls else
               "trainable" if "trainable" in m and m["trainable"] in (False, 0) else None)
     if unread is not None:
         raise DataError(f"{loc}: a message in {key} has {unread}, which alignrl train sft does not read (it "

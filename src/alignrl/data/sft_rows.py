@@ -1,8 +1,8 @@
 """Supervised fine-tuning rows: loading (.jsonl / .json / .parquet), tokenising with the trained-token mask, and
 collation into right-padded batches.
 
-Three row layouts are understood, TRL's (the key names are settings, so verl's SFT parquet with question/answer
-columns reads through `prompt_key=question response_key=answer`):
+Three row layouts are understood, TRL's (the key names are settings: verl's question/answer parquet reads through
+`prompt_key=question response_key=answer`):
 
 * conversational: `messages`, a list of {"role", "content"}; rendered whole with the chat template. With
   `assistant_only_loss` only the assistant turns are trained (OpenRLHF's multiturn SFT, TRL's assistant_only_loss):
@@ -19,19 +19,18 @@ columns reads through `prompt_key=question response_key=answer`):
   completion is trained.
 * language modelling: `text`, every token trained, closed by eos.
 
-Rows with images (a vision-language model's: verl's `<image>` placeholders with an `images` column, TRL's image
-items or bare `images` column) are read and rendered by `data.sft_images`, through the processor's chat template,
-with the trained tokens found the same way; only a prompt's user turns may hold images.
+Rows with images (verl's `<image>` placeholders with an `images` column, TRL's image items) are read and rendered
+by `data.sft_images`, through the processor's chat template. A row's tools, tool calls, `tool` turns and
+`enable_thinking`, and verl's nested columns, are `data.sft_tools`'. Either way the trained tokens are found as above.
 
-eos is appended only to a text that does not already end with it. A sequence longer than `max_length` is cut there
-(OpenRLHF's rule: the whole sequence, from its end); a row with no trained token left is dropped. Problems in a file
-raise `DataError` with one line naming file:line and the key.
+eos is appended only to a text not already ending with it. A sequence longer than `max_length` is cut there (from
+its end); a row with no trained token left is dropped. A bad row is one `DataError` line naming file:line and key.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,8 @@ import torch
 from alignrl.data.collate import right_pad
 from alignrl.data.images import ImageRows
 from alignrl.data.loaders import DataError, _read_rows
-from alignrl.data.sft_images import RowPictures, check_message_keys, read_image_row, renderer_for
+from alignrl.data.sft_images import RowPictures, read_image_row, renderer_for
+from alignrl.data.sft_tools import chat_message, drilled, read_thinking, read_tools, row_renderer
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,10 @@ class SFTKeys:
     assistant_only: bool = True  # conversations: loss on the assistant turns alone
     input_template: str | None = None  # without chat_template: string rows as OpenRLHF's text, the prompt formatted in
     image: str = "images"  # column of a row's images (verl's data.image_key; TRL's one-image `image` is read too)
+    tools: str = "tools"  # column of a row's tool schemas, for its chat template (verl's data.multiturn.tools_key)
+    thinking: str = "enable_thinking"  # column of a row's enable_thinking (verl's data.enable_thinking_key)
+    prompt_path: tuple[str, ...] = ()  # verl's prompt_dict_keys: the prompt found inside the prompt column's dicts
+    response_path: tuple[str, ...] = ()  # verl's response_dict_keys
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,8 @@ class SFTRow:
     completion: str | list[dict[str, str]] | None = None
     text: str | None = None
     images: tuple = ()  # a row with images: their sources (paths or bytes), in the order of its image items
+    tools: list[dict] | None = None  # tool schemas for the chat template (`data.sft_tools`)
+    thinking: bool | None = None  # the row's enable_thinking for the chat template
 
 
 @dataclass(frozen=True)
@@ -95,8 +101,7 @@ def load_rows(path: str, keys: SFTKeys, limit: int | None = None, key: str = "tr
 
 
 # what a row may hold that these rows cannot train as it asks: a column -> what it is
-UNREAD_COLUMNS = {"videos": "videos", "video": "a video", "tools": "tool schemas for the chat template",
-                  "enable_thinking": "a per-row template switch"}
+UNREAD_COLUMNS = {"videos": "videos", "video": "a video"}
 
 
 def _row(loc: str, row: dict[str, Any], keys: SFTKeys, base: Path | None = None) -> SFTRow:
@@ -104,9 +109,19 @@ def _row(loc: str, row: dict[str, Any], keys: SFTKeys, base: Path | None = None)
     if unread is not None:  # trained without it, the row would teach something else than it says
         raise DataError(f"{loc}: the row has {unread} ({UNREAD_COLUMNS[unread]}), which alignrl train sft does not "
                         "read (it trains on the messages' role and content, images, or text); drop the column")
+    row, (prompt, response) = drilled(loc, row, (keys.prompt, keys.prompt_path), (keys.response, keys.response_path))
+    keys = replace(keys, prompt=prompt, response=response)
+    tools, thinking = read_tools(loc, keys.tools, row.get(keys.tools)), read_thinking(loc, keys, row)
     pictured = _image_row(loc, row, keys, base)
     if pictured is not None:
+        if tools or thinking is not None:
+            raise DataError(f"{loc}: rows with images take no {keys.tools} or {keys.thinking} here; drop the column")
         return pictured
+    got = _layout(loc, row, keys)
+    return got if tools is None and thinking is None else replace(got, tools=tools, thinking=thinking)
+
+
+def _layout(loc: str, row: dict[str, Any], keys: SFTKeys) -> SFTRow:  # one of the three layouts
     if keys.messages in row:
         messages = _messages(loc, keys.messages, row[keys.messages])
         if keys.response in row:  # OpenRLHF's --multiturn --output_key: the response closes the conversation
@@ -144,8 +159,7 @@ def _image_row(loc: str, row: dict[str, Any], keys: SFTKeys, base: Path | None) 
 
 
 def _last_turn(loc: str, key: str, messages: list[dict[str, str]]) -> SFTRow:
-    """A prompt column of messages with no response column, read as OpenRLHF reads it: the messages before the last
-    are the prompt, the last (the assistant's) is the completion."""
+    """A prompt of messages without a response column (OpenRLHF's reading): the last message is the completion."""
     if messages[-1]["role"] != "assistant":
         raise DataError(f"{loc}: {key} holds messages and the row has no response column, so its last message is the "
                         f"completion, but that one is {messages[-1]['role']!r}, not 'assistant'")
@@ -178,13 +192,7 @@ def _messages(loc: str, key: str, value: Any) -> list[dict[str, str]]:
     if not _is_list(value):
         raise DataError(f"{loc}: {key} must be a list of chat messages ({{'role': ..., 'content': ...}}), "
                         f"got {type(value).__name__}")
-    out = []
-    for m in value:  # any sequence of dicts, e.g. a numpy array from pandas-built parquet rows
-        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
-            raise DataError(f"{loc}: a message in {key} lacks role/content (each message must be "
-                            "{'role': ..., 'content': '...'})")
-        check_message_keys(loc, key, m)
-        out.append({"role": str(m["role"]), "content": m["content"]})
+    out = [chat_message(loc, key, m) for m in value]  # any sequence of dicts, e.g. a numpy array from parquet
     if not out:
         raise DataError(f"{loc}: {key} is an empty list of messages")
     return out
@@ -253,11 +261,8 @@ def encode_prompt_completion(tokenizer, row: SFTRow, keys: SFTKeys) -> tuple[lis
 def _templated(tokenizer, row: SFTRow, split: bool) -> tuple[list[int], int]:
     """The rendered conversation and the prompt's length in it: the prompt rendered with the generation prompt,
     which must begin the whole rendering when the split is needed (OpenRLHF cuts the reply off the same way)."""
-    def as_messages(value, role: str) -> list[dict[str, str]]:
-        return [{"role": role, "content": value}] if isinstance(value, str) else list(value or [])
-
-    prompt = as_messages(row.prompt, "user")
-    ids = _render(tokenizer, prompt + as_messages(row.completion, "assistant"), False, row.loc)
+    prompt = _as_messages(row.prompt, "user")
+    ids = _render(tokenizer, prompt + _as_messages(row.completion, "assistant"), False, row.loc)
     if not split:
         return ids, 0
     head = _render(tokenizer, prompt, True, row.loc) if prompt else []
@@ -266,6 +271,19 @@ def _templated(tokenizer, row: SFTRow, split: bool) -> tuple[list[int], int]:
                         "so the completion's tokens cannot be found; fix the row, or (sft) train every token "
                         "with completion_only_loss=false")
     return ids, len(head)
+
+
+def _as_messages(value, role: str) -> list[dict[str, str]]:
+    return [{"role": role, "content": value}] if isinstance(value, str) else list(value or [])
+
+
+def _for_row(tokenizer, row: SFTRow, keys: SFTKeys):
+    """The tokenizer `row` renders with: its tools and enable_thinking bound (`data.sft_tools.row_renderer`)."""
+    messages = row.messages if row.messages is not None else [*_as_messages(row.prompt, "user"),
+                                                               *_as_messages(row.completion, "assistant")]
+    text = row.text is not None or (row.messages is None and not keys.chat_template and isinstance(row.prompt, str)
+                                    and isinstance(row.completion, str))
+    return row_renderer(tokenizer, row.loc, messages, row.tools, row.thinking, text)
 
 
 def _joined(tokenizer, prompt: str, completion: str) -> tuple[list[int], int]:
@@ -313,7 +331,7 @@ def encode_rows(tokenizer, rows: Sequence[SFTRow], keys: SFTKeys, max_length: in
             if renderer.image_id in ids[max_length:]:  # a row cut inside its images would not match them
                 raise _cuts_images(row.loc, max_length, ids, renderer.image_id)
         else:
-            ids, trained = _encode_one(tokenizer, row, keys)
+            ids, trained = _encode_one(_for_row(tokenizer, row, keys), row, keys)
         cut += len(ids) > max_length
         enc = EncodedRow(ids[:max_length], trained[:max_length], len(out), images=pictures)
         if enc.n_trained == 0:

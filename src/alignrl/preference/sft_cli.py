@@ -59,6 +59,15 @@ class SFTConfig(CommonConfig):
                           choices=("right", "left", "error"))
     image_key: str = opt("images", "column of a row's images, for a vision-language model_path (verl: "
                                    "data.image_key; TRL's one-image `image` column is read too)")
+    tools_key: str = opt("tools", "column of a conversational row's tool schemas (a JSON string or a list), given "
+                                  "to its chat template; its assistant turns' tool_calls are trained, tool turns not "
+                                  "(verl: data.multiturn.tools_key; TRL's tools column)")
+    enable_thinking_key: str = opt("enable_thinking", "column of a row's enable_thinking for its chat template, over "
+                                                      "chat_template_kwargs (verl: data.enable_thinking_key)")
+    prompt_dict_keys: list = opt([], "keys taken in turn inside prompt_key's value, a dict, to reach the prompt "
+                                     "(verl: data.prompt_dict_keys, e.g. [question] with prompt_key=extra_info)")
+    response_dict_keys: list = opt([], "keys taken in turn inside response_key's value to reach the response "
+                                       "(verl: data.response_dict_keys)")
     min_pixels: int = opt(0, "rows with images: each image resized to at least this many pixels (bounds its "
                              "tokens); 0: the processor's own bound", ge=0)
     max_pixels: int = opt(0, "rows with images: each image resized to at most this many pixels; 0: the "

@@ -51,8 +51,12 @@ RENAMED = {
     "trainer.total_epochs": "epochs", "trainer.total_training_steps": "max_steps", "trainer.seed": "seed",
     "trainer.default_local_dir": "output_dir", "trainer.save_freq": "save_steps", "trainer.test_freq": "eval_steps",
     "trainer.resume_from_path": "resume_from", "trainer.resume_path": "resume_from",
-    "trainer.max_ckpt_to_keep": "save_total_limit", "data.image_key": "image_key",
+    "trainer.max_ckpt_to_keep": "save_total_limit", "data.image_key": "image_key", "data.tools_key": "tools_key",
+    "data.multiturn.tools_key": "tools_key", "data.enable_thinking_key": "enable_thinking_key",
+    "data.multiturn.enable_thinking_key": "enable_thinking_key", "data.prompt_dict_keys": "prompt_dict_keys",
+    "data.response_dict_keys": "response_dict_keys",
 }
+DICT_KEYS = ("data.prompt_dict_keys", "data.response_dict_keys")  # the older trainer's path into a nested column
 NEVER = ("data.train_max_samples", "data.val_max_samples", "trainer.save_freq", "trainer.test_freq")  # -1: 0 here
 SCHEDULERS = ("optim.lr_scheduler", "optim.lr_scheduler_type", "optim.warmup_style")
 
@@ -73,7 +77,6 @@ NOT_APPLIED = {
     "data.pad_mode": "padding removal: rows train padded, to the same loss; packing=true drops the padding",
     "data.balance_dp_token": "rank token balancing", "data.use_shm": "shared-memory loading",
     "data.multiturn.enable": "rows are told apart by their columns (messages, prompt/response)",
-    "data.tools_key": "tool lists of conversational rows", "data.enable_thinking_key": "per-row template switches",
     "data.enable_thinking_default": "per-row template switches (chat_template_kwargs sets them for all rows)",
     "data.ignore_input_ids_mismatch": "conversations render whole here", "data.custom_cls.name": "custom dataset",
     "trainer.device": "the device is the one torch finds", "trainer.balance_batch": "rank balancing",
@@ -81,8 +84,7 @@ NOT_APPLIED = {
     "checkpoint.*": "a checkpoint holds the weights, optimizer and data position, and the model in huggingface/",
     "profiler.*": "profiling", "optim.optimizer_impl": "AdamW from torch", "optim.zero_indexed_step": "schedule steps",
     "optim.total_training_steps": "set from the trainer's steps", "optim.override_optimizer_config": "none here",
-    "optim.lr_warmup_steps": "warm-up by steps: used when > 0", "data.prompt_dict_keys": "nested columns",
-    "data.response_dict_keys": "nested columns",
+    "optim.lr_warmup_steps": "warm-up by steps: used when > 0",
 }
 # read where they act (`launch_words`, `_finish`): the ranks, the resume mode, the default output folder's names
 HANDLED = ("trainer.nnodes", "trainer.n_gpus_per_node", "trainer.resume_mode", "trainer.project_name",
@@ -106,8 +108,6 @@ ONLY = {
     "data.micro_batch_size": ((None,), "verl's deprecated global micro batch; give data.micro_batch_size_per_gpu"),
     "optim.optimizer": (("AdamW", "adamw"), "the optimizer is torch's AdamW"),
     "optim.num_cycles": ((0.5,), "the cosine is half a cycle"),
-    "data.prompt_dict_keys": ((None, []), "nested columns are left out; name a top-level column"),
-    "data.response_dict_keys": ((None, []), "nested columns are left out; name a top-level column"),
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "train_batch_size": 256, "batch_size": 4, "eval_batch_size": 4, "max_length": 1024, "truncation": "error",
@@ -189,8 +189,8 @@ def in_our_words(argv: list[str], config: type | None = None) -> list[str]:
 
 
 def _translate(st: _Pass, key: str, value: Any, text: str) -> None:
-    if key == "trainer.save_freq" and value == "after_each_epoch":
-        st.out.append("save_strategy=epoch")
+    if key in ("trainer.save_freq", "trainer.test_freq") and value == "after_each_epoch":
+        st.out.append(f"{'save' if key.endswith('save_freq') else 'eval'}_strategy=epoch")
     elif key in RENAMED:
         st.out.append(f"{RENAMED[key]}={_value_for(key, value, text)}")
     elif key in GROUPS:
@@ -228,9 +228,9 @@ def _value_for(key: str, value: Any, text: str) -> str:
     if key in ("data.train_files", "data.val_files"):
         files = [] if value is None else value if isinstance(value, list) else [value]
         return json.dumps([os.path.expanduser(str(f)) for f in files])
+    if key in DICT_KEYS:  # null: the column itself; one key alone: a list of it
+        return json.dumps([] if value is None else [str(k) for k in (value if isinstance(value, list) else [value])])
     if key in NEVER:
-        if value == "after_each_epoch":  # save_freq's is save_strategy=epoch (`_translate`)
-            raise ConfigError(f"verl's {key}=after_each_epoch: give the number of optimizer steps of an epoch")
         return "0" if value is None or _number(key, value) < 0 else str(value)
     if key == "trainer.max_ckpt_to_keep":  # verl keeps every checkpoint for null or a number below 1
         return "0" if value is None or _number(key, value) < 1 else str(value)
