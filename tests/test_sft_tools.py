@@ -6,6 +6,8 @@ neither tools nor calls, so a Qwen2.5-style template is set on its tokenizer her
 import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from alignrl.data.loaders import DataError
@@ -70,14 +72,18 @@ def _trained_text(tok, enc) -> str:
 
 
 def test_tool_rows_train_the_assistant_turns_and_their_calls(tok, tmp_path):
-    """verl's layout (tools a JSON string, arguments a JSON string) and TRL's (lists): the schemas are in the
-    rendering and untrained, the tool call and the final reply are trained, the tool's answer and the user's not."""
+    """verl's layout (tools a JSON string, arguments a JSON string; or its parquet) and TRL's (lists): the schemas are
+    in the rendering and untrained, the tool call and the final reply are trained, the tool's answer and the user's
+    not."""
     verl = {"messages": CONVERSATION, "tools": json.dumps([TOOL])}
     trl = {"messages": [*CONVERSATION[:2], {"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "calc", "arguments": {"expr": "6*7"}}}]}, *CONVERSATION[3:]],
            "tools": [TOOL]}
     a, b = _encode(tok, _write(tmp_path / "rows.jsonl", [verl, trl]))
     assert a.ids == b.ids and a.trained == b.trained
+    pq.write_table(pa.Table.from_pylist([{**verl, "tools": [TOOL]}]), tmp_path / "rows.parquet")
+    (c,) = _encode(tok, str(tmp_path / "rows.parquet"))  # verl's parquet: tools a list, other turns' tool_calls null
+    assert c.ids == a.ids and c.trained == a.trained
     text = tok.decode(a.ids)
     assert '"description": "evaluates arithmetic"' in text and " /no_think" not in text
     assert _trained_text(tok, a) == ('<tool_call>\n{"name": "calc", "arguments": {"expr": "6*7"}}\n</tool_call>'
@@ -134,8 +140,10 @@ def test_verl_nested_columns_and_tool_keys(tok, tmp_path):
     """verl's gsm8k quickstart: prompt and response inside the extra_info dicts; its tools and thinking keys."""
     cfg = parse_sft(["data.train_files=t.parquet", "data.prompt_key=extra_info", "+data.prompt_dict_keys=['question']",
                      "data.response_key=extra_info", "+data.response_dict_keys=[answer]",
-                     "data.multiturn.tools_key=functions", "data.enable_thinking_key=think"])
+                     "data.multiturn.tools_key=functions", "data.enable_thinking_key=think",
+                     "data.enable_thinking_default=false", "data.apply_chat_template_kwargs={enable_thinking: true}"])
     assert (cfg.prompt_dict_keys, cfg.response_dict_keys) == (["question"], ["answer"])
+    assert cfg.chat_template_kwargs == {"enable_thinking": False}  # verl's default of rows without their own
     assert (cfg.tools_key, cfg.enable_thinking_key) == ("functions", "think")
     keys = SFTKeys(prompt="extra_info", response="extra_info", prompt_path=("question",),
                    response_path=("answer",), chat_template=True, tools="functions")

@@ -77,7 +77,6 @@ NOT_APPLIED = {
     "data.pad_mode": "padding removal: rows train padded, to the same loss; packing=true drops the padding",
     "data.balance_dp_token": "rank token balancing", "data.use_shm": "shared-memory loading",
     "data.multiturn.enable": "rows are told apart by their columns (messages, prompt/response)",
-    "data.enable_thinking_default": "per-row template switches (chat_template_kwargs sets them for all rows)",
     "data.ignore_input_ids_mismatch": "conversations render whole here", "data.custom_cls.name": "custom dataset",
     "trainer.device": "the device is the one torch finds", "trainer.balance_batch": "rank balancing",
     "trainer.profile_interval": "profiling",
@@ -86,9 +85,10 @@ NOT_APPLIED = {
     "optim.total_training_steps": "set from the trainer's steps", "optim.override_optimizer_config": "none here",
     "optim.lr_warmup_steps": "warm-up by steps: used when > 0",
 }
-# read where they act (`launch_words`, `_finish`): the ranks, the resume mode, the default output folder's names
+# read where they act (`launch_words`, `_finish`): the ranks, the resume mode, the default output folder's names, the
+# enable_thinking of rows without their own
 HANDLED = ("trainer.nnodes", "trainer.n_gpus_per_node", "trainer.resume_mode", "trainer.project_name",
-           "trainer.experiment_name")
+           "trainer.experiment_name", "data.enable_thinking_default")
 # the groups verl's Hydra config composes: their default options only
 GROUPS = {"engine": ("fsdp", "fsdp2", "deepspeed"), "optim": ("fsdp", "deepspeed"), "model": ("hf_model",),
           "profiler": ("profiler",)}
@@ -287,6 +287,11 @@ def _finish(st: _Pass, rest: list[str]) -> None:
     for key, variable in (("trainer.project_name", "WANDB_PROJECT"), ("trainer.experiment_name", "WANDB_NAME")):
         if key in st.given:
             os.environ[variable] = str(st.given[key])
+    thinking = st.given.get("data.enable_thinking_default")
+    if thinking is not None:  # the rows without their own enable_thinking; over apply_chat_template_kwargs, as in verl
+        if not isinstance(thinking, bool):
+            raise ConfigError(f"verl's data.enable_thinking_default={thinking!r}: give true, false or null")
+        st.out.append(f"chat_template_kwargs.enable_thinking={_text(thinking)}")
     if "trainer.default_local_dir" not in st.given:
         project = st.given.get("trainer.project_name", "gsm8k-sft")
         st.out.insert(0, f"output_dir=checkpoints/{project}/{st.given.get('trainer.experiment_name', 'test')}")
