@@ -52,7 +52,7 @@ def test_rejection_without_is_trains_unweighted():
      "algorithm.rollout_token_veto_threshold=0.0001 needs actor.recompute_old_logprobs=true"),
     (["algorithm.rollout_token_veto_threshold=0"], "algorithm.rollout_token_veto_threshold=0.0 is out of range"),
     (["algorithm.rollout_is_batch_normalize=true"], "set algorithm.rollout_is=token"),
-    (["algorithm.rollout_rs=turn"], "algorithm.rollout_rs='turn' is not allowed"),
+    (["algorithm.rollout_rs=turn"], "algorithm.rollout_rs=turn: give none, token, sequence or geometric"),
     (["algorithm.rollout_rs=token", "algorithm.rollout_rs_threshold=0.5"],
      "algorithm.rollout_rs_threshold_lower=default 1/upper exceeds the upper bound 0.5"),
     (["algorithm.rollout_rs=token", "algorithm.rollout_rs_threshold_lower=3"],

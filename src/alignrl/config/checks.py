@@ -13,6 +13,7 @@ from alignrl.config.agent_checks import multi_turn_problem
 from alignrl.config.loss_checks import loss_option_problem
 from alignrl.config.ptx_schema import ptx_problem
 from alignrl.config.reward_checks import reward_limit_problem
+from alignrl.config.rollout_rs import rs_problem
 from alignrl.config.schema import CLIP_C_LOSSES, ConfigError, RunConfig
 
 
@@ -144,11 +145,8 @@ def _rollout_is(cfg: RunConfig) -> str | None:
         return f"{asked[0]} needs actor.recompute_old_logprobs=true (the trainer's log-probs to compare)"
     if alg.rollout_is_batch_normalize and alg.rollout_is == "none":
         return "algorithm.rollout_is_batch_normalize=true normalises the IS weights: set algorithm.rollout_is=token"
-    upper = alg.rollout_rs_threshold if alg.rollout_rs_threshold is not None else alg.rollout_is_threshold
-    low = alg.rollout_rs_threshold_lower
-    if alg.rollout_rs != "none" and (low if low is not None else 1.0 / upper) > upper:
-        return (f"algorithm.rollout_rs_threshold_lower={'default 1/upper' if low is None else low} exceeds the upper "
-                f"bound {upper} (rollout_rs_threshold, else rollout_is_threshold): every token would be rejected")
+    if rs_problem(alg):
+        return rs_problem(alg)
     lower = alg.rollout_is_threshold_lower
     if alg.rollout_is_mode == "truncate" and lower is not None and lower >= alg.rollout_is_threshold:
         return (f"algorithm.rollout_is_threshold_lower={lower} must be below algorithm.rollout_is_threshold="

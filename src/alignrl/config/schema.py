@@ -301,11 +301,11 @@ class AlgorithmConfig:
     rollout_is_batch_normalize: bool = opt(False, "rollout IS weights divided by their mean over the global batch's "
                                                   "tokens (rollout_is=token) or sequences, after truncation (verl's)")
     rollout_rs: str = opt("none", "rejection sampling against the rollout's log-probs, beside or without rollout_is: "
-                                  "tokens, or sequences by the product or the geometric mean of their token ratios, "
-                                  "outside [rollout_rs_threshold_lower, rollout_rs_threshold] leave the loss (verl's)",
-                          choices=("none", "token", "sequence", "geometric"))
-    rollout_rs_threshold: float | None = opt(None, "rollout_rs: upper bound of the kept ratios; null: "
-                                                   "rollout_is_threshold", gt=0.0)
+                                  "token, sequence, geometric (tokens, or sequences by the product or geometric mean "
+                                  "of their ratios, outside [rollout_rs_threshold_lower, rollout_rs_threshold]), or "
+                                  "current verl's options token_k1, seq_mean_k1, seq_max_k2, ... (comma-separated)")
+    rollout_rs_threshold: Any = opt(None, "rollout_rs: upper bound of the kept ratios (null: rollout_is_threshold); "
+                                          "for verl's options its spec: lower_upper for k1, one upper bound else")
     rollout_rs_threshold_lower: float | None = opt(None, "rollout_rs: lower bound; null: 1/upper", ge=0.0)
     rollout_token_veto_threshold: float | None = opt(None, "a sequence with a token whose ratio pi_trainer/pi_rollout "
                                                            "is below this leaves the loss whole (verl's veto); null: "

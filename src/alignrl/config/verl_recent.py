@@ -181,8 +181,9 @@ def rollout_correction(st: TranslationPass) -> list[str]:
     threshold = given.get("rollout_is_threshold", 2.0)
     if level not in (None, "token", "sequence"):
         raise ConfigError(f"{RC}rollout_is={level} is not supported (null, token or sequence)")
-    for key in ("rollout_is_threshold", "rollout_rs_threshold", "rollout_rs_threshold_lower",
-                "rollout_token_veto_threshold"):
+    threshold, icepop = _is_threshold(threshold)
+    for key in ("rollout_rs_threshold_lower", "rollout_token_veto_threshold") + (
+            () if rs not in (None, "token", "sequence", "geometric") else ("rollout_rs_threshold",)):
         v = given.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise ConfigError(f"{RC}{key}={v} must be a number (a bound on the ratio pi_trainer / pi_rollout)")
@@ -197,11 +198,16 @@ def rollout_correction(st: TranslationPass) -> list[str]:
         _missing(st, "the policy-gradient loss of rollout correction without bypass mode", ("loss_type",
                  "use_policy_gradient", "use_pure_rollout_correction"))
     out = [f"algorithm.rollout_is={level}", f"algorithm.rollout_is_threshold={threshold}"] if level else []
+    if level and icepop is not None:  # verl's lower_upper IS threshold: weights outside the band are zeroed (IcePop)
+        out += ["algorithm.rollout_is_mode=mask", f"algorithm.rollout_is_threshold_lower={icepop}"]
     if level and given.get("rollout_is_batch_normalize") is True:  # verl normalises only weights it computes
         out.append("algorithm.rollout_is_batch_normalize=true")
     if rs is not None:
-        if rs not in ("token", "sequence", "geometric"):
-            _missing(st, f"rollout correction's rejection sampling rollout_rs={rs}", ("rollout_rs",))
+        if rs not in ("token", "sequence", "geometric"):  # current verl's divergence options, checked with the config
+            spec = given.get("rollout_rs_threshold")
+            out += [f"algorithm.rollout_rs={json.dumps(str(rs))}"]
+            out += [f"algorithm.rollout_rs_threshold={json.dumps(spec) if isinstance(spec, str) else spec}"] \
+                if spec is not None else []
         else:
             upper = given.get("rollout_rs_threshold")  # null: rollout_is_threshold's, given or not (verl's yaml)
             out += [f"algorithm.rollout_rs={rs}",
@@ -211,6 +217,19 @@ def rollout_correction(st: TranslationPass) -> list[str]:
     if given.get("rollout_token_veto_threshold") is not None:
         out.append(f"algorithm.rollout_token_veto_threshold={given['rollout_token_veto_threshold']}")
     return out
+
+
+def _is_threshold(spec: object) -> tuple[float, float | None]:
+    """verl's rollout_is_threshold: a number (the truncation's cap), or `lower_upper` (IcePop's band)."""
+    if isinstance(spec, str) and "_" in spec:
+        low, _, high = spec.partition("_")
+        try:
+            return float(high), float(low)
+        except ValueError:
+            pass
+    if isinstance(spec, bool) or not isinstance(spec, (int, float)):
+        raise ConfigError(f"{RC}rollout_is_threshold={spec} must be a number, or lower_upper (IcePop's band)")
+    return spec, None
 
 
 def _bypass(st: TranslationPass, given: dict, level: object, threshold: float, reinforce: bool) -> list[str]:

@@ -19,7 +19,9 @@ from alignrl.core.kl import AdaptiveKLController, FixedKLController, kl_penalty_
 from alignrl.core.lagrangian import LagrangeMultiplier, safe_gae_advantages
 from alignrl.core.losses import masked_mean
 from alignrl.core.rollout_correction import rollout_kl, truncated_is_weights
-from alignrl.core.rollout_rejection import batch_normalized, rejection_mask, token_veto, weight_sums
+from alignrl.config.rollout_rs import rs_options
+from alignrl.core.rollout_rejection import (batch_normalized, divergence_rejection_mask, rejection_mask, token_veto,
+                                            weight_sums)
 from alignrl.core.sequence_weights import sampling_gap
 from alignrl.core.shaping import clip_outcome
 from alignrl.data.records import Experience, Rollout, ScoredBatch
@@ -218,7 +220,11 @@ class PolicyTrainer:
                 total, count = all_reduce_sum(self.env, list(weight_sums(weights, loss_mask, a.rollout_is)))
                 weights, norm = batch_normalized(weights, total, count)
                 metrics |= norm
-        if a.rollout_rs != "none":
+        options = rs_options(a.rollout_rs, a.rollout_rs_threshold)
+        if options is not None:  # current verl's divergence filters
+            keep, rs = divergence_rejection_mask(old_lp, rollout_lp, given, options)
+            loss_mask, metrics = loss_mask & keep, metrics | rs
+        elif a.rollout_rs != "none":
             upper = a.rollout_is_threshold if a.rollout_rs_threshold is None else a.rollout_rs_threshold
             keep, rs = rejection_mask(old_lp, rollout_lp, given, a.rollout_rs, upper, a.rollout_rs_threshold_lower)
             loss_mask, metrics = loss_mask & keep, metrics | rs
