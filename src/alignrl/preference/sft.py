@@ -42,7 +42,8 @@ from alignrl.preference.sft_packing import (NEFTune, check_packable, collate_bin
 
 def _keys(cfg: SFTConfig, chat_template: bool) -> SFTKeys:
     return SFTKeys(cfg.prompt_key, cfg.response_key, cfg.messages_key, cfg.text_key, chat_template,
-                   cfg.completion_only_loss, cfg.assistant_only_loss, cfg.input_template, cfg.image_key)
+                   cfg.completion_only_loss, cfg.assistant_only_loss, cfg.input_template, cfg.image_key,
+                   cfg.tools_key, cfg.enable_thinking_key, tuple(cfg.prompt_dict_keys), tuple(cfg.response_dict_keys))
 
 
 def _load(files: list[str], keys: SFTKeys, limit: int, key: str) -> list[SFTRow]:
