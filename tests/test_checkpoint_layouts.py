@@ -99,6 +99,10 @@ def test_plans_say_when_a_checkpoint_is_due_and_rotate_the_oldest(tmp_path):
     assert plan("alignrl").latest() == tmp_path / "step_3"
     assert plan("alignrl").inside(tmp_path / "elsewhere") == []
     assert plan("alignrl").inside(tmp_path) == [tmp_path / f"step_{s}" for s in (1, 2, 3)]
+    from alignrl.preference.checkpoint_plan import _rotate
+
+    _rotate(plan("alignrl", keep=2), tmp_path / "step_3")  # the newest two stay, the older go
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2", "step_3", "step_9"]
 
 
 @pytest.mark.parametrize("flags, says", [(["--save_total_limit", "2", "--save_strategy", "epoch"],
@@ -112,3 +116,47 @@ def test_trl_checkpoint_flags(flags, says, tmp_path):
     assert cfg.checkpoint_layout == "trl" and getattr(cfg, says[0]) == says[1]
     if says[2]:
         assert getattr(cfg, says[2]) == says[3]
+
+
+def test_a_fresh_run_in_a_reused_folder_sets_the_old_checkpoints_aside(tiny_model_dir, tmp_path, capsys):
+    """Another run's checkpoints in the output folder are moved aside (named, not deleted) when a fresh run starts:
+    rotation and resume_from=auto then see this run's alone; a checkpoint past the run's last step is one line."""
+    out = _trl(tiny_model_dir, tmp_path, "o")  # checkpoint-2, checkpoint-4
+    _trl(tiny_model_dir, tmp_path, "o", "max_steps=2", "seed=7", "save_total_limit=1")
+    assert sorted(p.name for p in out.glob("checkpoint-*") if "previous" not in p.name) == ["checkpoint-2"]
+    # the first run's, kept: set aside at the start, then moved with its final model when this run's was saved
+    aside = sorted(p.name.split(".previous")[0] for p in tmp_path.glob("o.previous*/checkpoint-*.previous*"))
+    assert aside == ["checkpoint-2", "checkpoint-4"]
+    whole = _trl(tiny_model_dir, tmp_path, "whole")
+    past = tmp_path / "past"
+    past.mkdir()
+    shutil.copytree(whole / "checkpoint-4", past / "checkpoint-4")
+    rc = sft_main([f"model_path={tiny_model_dir}", f"train_files=[{_data(tmp_path)}]", "--output_dir", str(past),
+                   "report_to=[jsonl]", "checkpoint_layout=trl", "batch_size=2", "max_steps=2", "save_steps=2",
+                   "resume_from=auto", "--logging_dir", str(tmp_path / "logs_past")])
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and "the checkpoint is step 4, past this run's last step 2" in err and err.count("\n") == 0, err
+
+
+def test_logs_inside_the_checkpoints_inside_the_output_stay_where_they_were(tiny_model_dir, tmp_path):
+    out = tmp_path / "o"
+    rc = sft_main([f"model_path={tiny_model_dir}", f"train_files=[{_data(tmp_path)}]", "--output_dir", str(out),
+                   "--logging_dir", str(out / "ck" / "logs"), f"checkpoint_dir={out / 'ck'}", "report_to=[jsonl]",
+                   "batch_size=2", "max_steps=2", "save_steps=1"])
+    assert rc == 0
+    assert (out / "ck" / "step_1" / "weights.safetensors").is_file() and (out / "model.safetensors").is_file()
+    assert (out / "ck" / "logs" / "metrics.jsonl").is_file()
+
+
+def test_a_reward_models_checkpoints_say_what_their_score_means(tiny_model_dir, tmp_path):
+    """A scorer's model folder in a checkpoint carries alignrl_score.json as the final one does, so that a cost
+    model's checkpoint is refused where a reward model is asked for."""
+    from alignrl.preference.cli import rm_main
+
+    out, repo = tmp_path / "rm", Path(__file__).parents[1]
+    assert rm_main(["--config", str(repo / "configs/rm_config.yaml"), "--task", "helpful", "--output_dir", str(out),
+                    "--logging_dir", str(tmp_path / "logs_rm"), f"model_path={tiny_model_dir}", "max_train_pairs=8",
+                    "max_eval_pairs=8", "batch_size=4", "report_to=[jsonl]", "checkpoint_layout=verl",
+                    "save_steps=1"]) == 0
+    final = json.loads((out / "alignrl_score.json").read_text())
+    assert json.loads((out / "global_step_1" / "huggingface" / "alignrl_score.json").read_text()) == final

@@ -27,7 +27,8 @@ def _rm(tmp: Path, model: Path, task: str, *extra: str) -> Path:
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(folder / "model.safetensors"))
+    adapter = folder / "adapter_model.safetensors"
+    return load_file(str(adapter if adapter.exists() else folder / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -144,13 +145,14 @@ def test_lora_trains_the_same_on_fsdp2_deepspeed_and_one_process(task, tiny_mode
     """A reward model (adapters + score head) and a DPO policy (adapters; the reference is the policy with them off):
     two fsdp2 ranks and two deepspeed ranks give the losses and saved weights of one process accumulating the same
     global batches (one thread everywhere: the same float sums). DPO's did not while each rank drew its adapters
-    from its own random state."""
+    from its own random state; the adapter folder was the ranks' shards (empty tensors under ZeRO-3)."""
     import os
     import sys
 
     from conftest import run_group
 
-    what = (["rm", "--task", "helpful", "max_train_pairs=32"] if task == "rm" else
+    # the reward model saves peft's adapter folder: written from the gathered state, not the ranks' shards
+    what = (["rm", "--task", "helpful", "max_train_pairs=32", "lora_export=adapter"] if task == "rm" else
             ["dpo", "loss_type=sigmoid", "max_train_pairs=16", "learning_rate=1e-3"])
     common = ["max_eval_pairs=8", "batch_size=4", "log_every=1", *LORA, "report_to=[jsonl]",
               f"model_path={tiny_model_dir}"]
@@ -181,6 +183,7 @@ def test_lora_trains_the_same_on_fsdp2_deepspeed_and_one_process(task, tiny_mode
     assert len(losses["one"]) == 4 and len(set(losses["one"])) > 1, losses["one"]  # it trained: the loss moved
     for strategy in ("fsdp2", "deepspeed"):
         assert losses[strategy] == pytest.approx(losses["one"], rel=1e-5)
+        assert weights[strategy].keys() == weights["one"].keys()
         assert all(torch.allclose(weights[strategy][k], weights["one"][k], atol=1e-6) for k in weights["one"])
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from alignrl.models.folder import ModelError
-from alignrl.models.lora import LoraSpec, add_adapters, lora_spec, merged_state_dict
+from alignrl.models.lora import LoraSpec, add_adapters, lora_spec, merged_state_dict, write_adapter
 
 
 def spec_of(cfg) -> LoraSpec | None:
@@ -59,13 +59,20 @@ def count(model: torch.nn.Module) -> str:
 
 class AdapterFolder:
     """What `common.save_hf_folder` writes when the export is the adapter alone: peft's own folder
-    (adapter_config.json and the adapter's weights, a scorer's head included)."""
+    (adapter_config.json and the adapter's weights, a scorer's head included), from the full state dict the engine
+    gathered: the live model's tensors are shards under FSDP2 and ZeRO-3, which peft's own save would write as such."""
 
     def __init__(self, peft_model):
         self.peft_model = peft_model
 
     def save_pretrained(self, folder: Path, state_dict=None) -> None:
-        self.peft_model.save_pretrained(str(folder))
+        if state_dict is None:
+            self.peft_model.save_pretrained(str(folder))
+        else:  # a scorer's engine trains the model peft wraps: its names lack the wrapper's prefix
+            prefix = "base_model.model."
+            if not any(k.startswith(prefix) for k in state_dict):
+                state_dict = {prefix + k: v for k, v in state_dict.items()}
+            write_adapter(self.peft_model, state_dict, Path(folder))
 
 
 def saver(model, peft_model, spec: LoraSpec | None, export: str, state: dict[str, torch.Tensor]):

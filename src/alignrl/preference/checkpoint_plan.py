@@ -16,6 +16,7 @@ name is complete; `save_total_limit` deletes the oldest ones once a newer one is
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from alignrl.config import ConfigError
 from alignrl.preference import checkpoints as ckpt
 
 from alignrl.train.checkpoint import TRACKER  # verl's file naming the step of the newest checkpoint
@@ -102,12 +104,18 @@ def plan_for(cfg, out_dir: Path, total: int, per_epoch: int) -> CheckpointPlan:
     return CheckpointPlan(root, layout, cfg.save_strategy, cfg.save_steps, per_epoch, total, cfg.save_total_limit)
 
 
-def resume_folder(cfg, plan: CheckpointPlan, log) -> str | None:
+def resume_folder(cfg, plan: CheckpointPlan, log, env=None) -> str | None:
     """The folder `resume_from` names: `auto` is the newest complete checkpoint of the plan's folder (said), or none
-    on a first run (said too: the run starts from the base model, as TRL's, verl's and OpenRLHF's resume flags do)."""
+    on a first run (said too: the run starts from the base model, as TRL's, verl's and OpenRLHF's resume flags do).
+    Rank 0 chooses for every rank (`env`): listings of a shared folder can differ between nodes."""
     if cfg.resume_from != "auto":
         return cfg.resume_from
-    latest = plan.latest()
+    latest = plan.latest() if env is None or env.is_main else None
+    if env is not None and env.world_size > 1:
+        from alignrl.runtime.env import broadcast_frames
+
+        chosen = broadcast_frames([str(latest or "").encode()] if env.is_main else None, env)[0].decode()
+        latest = Path(chosen) if chosen else None
     if latest is None:
         log.print(f"resume_from=auto: no checkpoint in {plan.root} yet; training starts from the base model")
         return None
@@ -115,24 +123,49 @@ def resume_folder(cfg, plan: CheckpointPlan, log) -> str | None:
     return str(latest)
 
 
-def resumed_step(cfg, plan: CheckpointPlan, engine, command: str, log) -> int:
+def set_aside(plan: CheckpointPlan, start: int, env, log) -> None:
+    """Collective, once the run knows the step it starts at: the layout's complete checkpoints it will not go on from
+    (all of them on a fresh run, those past `start` on a resumed one: another run's, in a reused output folder) move
+    aside, named, never deleted, so that rotation and a later resume_from=auto see this run's alone. A resumed step
+    past the run's last is one line."""
+    from alignrl.runtime.env import barrier
+    from alignrl.train.checkpoint import aside_path
+
+    if start > plan.total:
+        raise ConfigError(f"resume_from: the checkpoint is step {start}, past this run's last step {plan.total}; "
+                          "resume with the config that wrote it, or start a fresh run in another output folder")
+    if env.is_main:
+        stale = [p for step, p in plan.complete() if step > start or not start]
+        tracker = plan.root / TRACKER
+        for path in stale + ([tracker] if stale and tracker.is_file() else []):
+            os.replace(path, aside_path(path.parent, f"{path.name}.previous"))
+        if stale:
+            log.print(f"{len(stale)} checkpoint(s) in {plan.root} this run does not go on from moved aside "
+                      f"({', '.join(p.name for p in stale[:3])}{', ...' if len(stale) > 3 else ''})")
+    barrier(env)
+
+
+def resumed_step(cfg, plan: CheckpointPlan, engine, command: str, log, env) -> int:
     """The step of the checkpoint `resume_from` names, its weights and optimizer state loaded into `engine` (said
-    once); 0 for a fresh run. For the trainers whose checkpoint holds nothing else (rm, sft, kto)."""
-    folder = resume_folder(cfg, plan, log)
+    once); 0 for a fresh run. For the trainers whose checkpoint holds nothing else (rm, sft, kto). Collective."""
+    folder = resume_folder(cfg, plan, log, env)
     start = ckpt.resume(folder, engine, None, command) if folder else 0
     if start:
         log.print(f"resumed from {folder} at step {start}")
+    set_aside(plan, start, env, log)
     return start
 
 
 def save_if_due(plan: CheckpointPlan, step: int, engine, env, log, export: Export | None = None, tokenizer=None,
-                **extra) -> None:
+                json_files: dict | None = None, **extra) -> None:
     """Collective (every rank reaches the same steps): the step's checkpoint when the plan says so, with the model
     as an HF folder where the layout holds one (`export`, `tokenizer`); then the oldest beyond save_total_limit go.
-    `extra`: what `checkpoints.save_checkpoint` also keeps (DPO's λ, synced reference, running reward mean)."""
+    `json_files`: name -> object written into the HF folder too (a scorer's alignrl_score.json); `extra`: what
+    `checkpoints.save_checkpoint` also keeps (DPO's λ, synced reference, running reward mean)."""
     if not plan.due(step):
         return
-    write_hf = _hf_writer(plan.layout.hf_folder, export, tokenizer) if plan.layout.hf_folder is not None else None
+    write_hf = (_hf_writer(plan.layout.hf_folder, export, tokenizer, json_files or {})
+                if plan.layout.hf_folder is not None else None)
     where = ckpt.save_checkpoint(plan.root, step, engine, extra.pop("lam", None), env, also=write_hf,
                                  name=plan.folder(step).name, **extra)
     if env.is_main:
@@ -144,7 +177,7 @@ def save_if_due(plan: CheckpointPlan, step: int, engine, env, log, export: Expor
     log.print(f"checkpoint {where}")
 
 
-def _hf_writer(inner: str, export: Export | None, tokenizer):
+def _hf_writer(inner: str, export: Export | None, tokenizer, json_files: dict):
     """What writes the model as an HF folder at `inner` of a checkpoint being written (None without an export)."""
     if export is None:
         return None
@@ -153,6 +186,8 @@ def _hf_writer(inner: str, export: Export | None, tokenizer):
         writer, state = export(weights)
         writer.save_pretrained(tmp / inner, state_dict=state)
         tokenizer.save_pretrained(tmp / inner)
+        for name, obj in json_files.items():
+            (tmp / inner / name).write_text(json.dumps(obj, indent=2) + "\n")
     return write
 
 

@@ -1,14 +1,14 @@
-"""Checkpoints of a DPO or reward/cost model run every `save_steps` optimizer steps, and resuming from one
-(`resume_from`).
+"""What a checkpoint of an offline run (`alignrl train sft|rm|dpo|kto`) holds, and resuming from one (`resume_from`);
+where, when and in which layout they are written: `checkpoint_plan`.
 
-A checkpoint is a folder `<output_dir>.checkpoints/step_<N>/`: the engine's full weights (`weights.safetensors`,
-adapters included under LoRA), its optimizer and scheduler state (the engines' own `optim.pt`), and `state.json`
-with the step and, for Safe-MM-DPO, the multiplier λ with its cost average; with `sync_ref_model`, once the reference
-has moved, its weights (`reference.safetensors`) and the step of its latest sync; with bco_pair, its running reward
-mean δ. It is written into a hidden
-temporary folder and renamed into place, so a folder named step_<N> is complete. A resumed run loads all of it, skips
-the micro-batches the first N steps consumed (the data order is the seeded one of the first run), and goes on; with
-the same config it ends where the uninterrupted run would have.
+A checkpoint is a folder (`<output_dir>.checkpoints/step_<N>/` in alignrl's layout): the engine's full weights
+(`weights.safetensors`, adapters included under LoRA), its optimizer and scheduler state (the engines' own
+`optim.pt`), and `state.json` with the step and, for Safe-MM-DPO, the multiplier λ with its cost average; with
+`sync_ref_model`, once the reference has moved, its weights (`reference.safetensors`) and the step of its latest
+sync; with bco_pair, its running reward mean δ. It is written into a hidden temporary folder and renamed into place,
+so a folder of the layout's name is complete. A resumed run loads all of it, skips the micro-batches the first N
+steps consumed (the data order is the seeded one of the first run), and goes on; with the same config it ends where
+the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -57,9 +57,12 @@ def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None, run
         (tmp / STATE).write_text(json.dumps(state, indent=2) + "\n")
         if also is not None:
             also(tmp, weights)
+        old = root / f".{name}.old"  # a folder of this name is never half-deleted: renamed away whole first
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
     barrier(env)
     return final
 
@@ -73,7 +76,7 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None, runni
     path = Path(folder)
     if not (path / WEIGHTS).is_file() or not (path / STATE).is_file():
         raise ConfigError(f"resume_from={folder} is not a checkpoint of `alignrl train {command}` (no {WEIGHTS} and "
-                          f"{STATE}); give a <output_dir>.checkpoints/step_<N> folder")
+                          f"{STATE}); give a checkpoint folder (step_<N>, checkpoint-<N> or global_step_<N>)")
     state = json.loads((path / STATE).read_text())
     if running is not None and "bco_pair" not in state:  # δ would start again from 0: not the run that was saved
         raise ConfigError(f"resume_from={folder} holds no running reward mean of bco_pair: it was written with a "
@@ -84,7 +87,9 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None, runni
         name = (missing or unexpected)[0]
         raise ConfigError(f"resume_from={folder} was saved from another model or LoRA setting ({name} does not "
                           "match); resume with the config that wrote it")
-    engine.load_state(path)
+    if not engine.load_state(path):  # its weights alone would go on with a fresh optimizer and schedule
+        raise ConfigError(f"resume_from={folder} holds no optimizer state this engine can read (written by another "
+                          "strategy, or incomplete); resume with the strategy that wrote it")
     if lam is not None and "lambda_state" in state:
         lam.state.load_state_dict(state["lambda_state"])
     _resume_reference(path, state, reference)

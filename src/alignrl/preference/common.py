@@ -325,7 +325,7 @@ def save_hf_folder(out_dir: Path, hf_model, state_dict: dict[str, torch.Tensor],
         for name, obj in json_files.items():
             (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
         write_manifest(tmp)
-        carried = _carry([log_dir, *keep], out_dir, tmp)
+        _carry([log_dir, *keep], out_dir, tmp, carried)
         if _only_folders(out_dir):  # what held this run's logs and nothing else
             shutil.rmtree(out_dir)
         elif out_dir.exists() or out_dir.is_symlink():
@@ -347,21 +347,21 @@ def _only_folders(path: Path) -> bool:
             and all(p.is_dir() and not p.is_symlink() for p in path.rglob("*")))
 
 
-def _carry(paths: list[Path | None], out_dir: Path, tmp: Path) -> list[Path]:
-    """Moves each of `paths` that lies inside `out_dir` to the same place in `tmp`; their paths inside, in order."""
+def _carry(paths: list[Path | None], out_dir: Path, tmp: Path, carried: list[Path]) -> None:
+    """Moves each of `paths` that lies inside `out_dir` to the same place in `tmp`, outermost first (a path inside one
+    already moved went with it), adding each one's path inside to `carried` as soon as it is moved: a failure
+    midway leaves the caller the list of what to put back."""
     if not out_dir.is_dir():
-        return []
-    carried = []
+        return
+    inner = []
     for path in paths:
-        if path is None or not path.exists():
-            continue
         try:
-            inner = path.resolve().relative_to(out_dir.resolve())
+            inner.append(path.resolve().relative_to(out_dir.resolve()) if path is not None else None)
         except ValueError:
             continue
-        if inner == Path("."):  # the logs: refused when the config loads
+    for rel in sorted({r for r in inner if r is not None and r != Path(".")}, key=lambda r: len(r.parts)):
+        if any(rel.is_relative_to(done) for done in carried) or not (out_dir / rel).exists():
             continue
-        (tmp / inner).parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, tmp / inner)
-        carried.append(inner)
-    return carried
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(out_dir / rel, tmp / rel)
+        carried.append(rel)

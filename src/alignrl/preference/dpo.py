@@ -333,10 +333,11 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
 
     bco = BcoDelta(env) if uses_bco(cfg) else None
     plan = cp.plan_for(cfg, out_dir, total, pc.steps_per_epoch(len(enc_train), cfg, env.world_size))
-    folder = cp.resume_folder(cfg, plan, log)
+    folder = cp.resume_folder(cfg, plan, log, env)
     start = ckpt.resume(folder, engine, lam, reference=sync, running=bco) if folder else 0
     if start:
         log.print(f"resumed from {folder} at step {start}" + (f", λ {lam.state.value:.6g}" if lam else ""))
+    cp.set_aside(plan, start, env, log)
     export = adapters.exporter(policy, model, spec, cfg.lora_export)
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps

@@ -268,7 +268,7 @@ def train_kto(cfg: KTOConfig, dry_run_world: int | None = None) -> dict:
     if before:
         log.print("held-out before training: " + _fmt(before))
     plan = cp.plan_for(cfg, out_dir, total, pc.steps_per_epoch(len(enc_train), cfg, env.world_size))
-    start = cp.resumed_step(cfg, plan, engine, "kto", log)
+    start = cp.resumed_step(cfg, plan, engine, "kto", log, env)
 
     export = adapters.exporter(policy, model, spec, cfg.lora_export)
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps

@@ -261,11 +261,13 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
         return _loss(model_type, _scores(module, batch, cfg, env), batch, gpairs, cfg.classification_loss_weight)
 
     plan = cp.plan_for(cfg, out_dir, total, pc.steps_per_epoch(len(enc_train), cfg, env.world_size))
-    start = cp.resumed_step(cfg, plan, engine, "rm", log)
+    start = cp.resumed_step(cfg, plan, engine, "rm", log, env)
+    info = {"model_type": model_type, "task": cfg.task,  # what the score means: also in checkpoints' model folders
+            "meaning": "higher = more harmful; > 0 unsafe" if model_type == "cost" else "higher = preferred"}
 
     export = adapters.exporter(hf, peft_model, spec, cfg.lora_export, prefix="inner.")
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
-        cp.save_if_due(plan, step, engine, env, log, export, tok)
+        cp.save_if_due(plan, step, engine, env, log, export, tok, {SCORE_INFO: info})
         if not pc.eval_due(cfg, step, plan):
             return {}
         return {f"eval/{k}": v for k, v in evaluate(engine, evals, model_type, cfg, env).items()
@@ -286,8 +288,6 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
                "effective_batch": pc.global_batch(cfg, env.world_size), "seconds": round(time.time() - t0, 1)}
     log.print(_accuracy_line(before, after, model_type))
     writer, state = export(engine.full_state_dict())  # collective
-    info = {"model_type": model_type, "task": cfg.task,
-            "meaning": "higher = more harmful; > 0 unsafe" if model_type == "cost" else "higher = preferred"}
     pc.save_hf_folder(out_dir, writer, state, tok, {"eval_results.json": results, SCORE_INFO: info}, env,
                       log_dir=log_dir, keep=plan.inside(out_dir))
     log.metrics(step, {"eval/accuracy": after["accuracy"], "eval/accuracy_before": before["accuracy"]})

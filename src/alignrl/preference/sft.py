@@ -165,14 +165,15 @@ def train_batches(encoded: list[EncodedRow], collate, cfg: SFTConfig, env):
     return loader
 
 
-def eval_batches(encoded: list[EncodedRow], collate, batch_size: int, env) -> list[SFTBatch]:
+def eval_batches(encoded: list[EncodedRow], collate, batch_size: int, env) -> list:
     """This rank's share of the held-out rows (rank::world), padded with untrained copies so that every rank runs the
-    same number of forwards (sharded engines need all ranks in each one)."""
+    same number of forwards (sharded engines need all ranks in each one); batches with images are collated when they
+    run (`sft_vision.held_out_batch`)."""
     mine = encoded[env.rank::env.world_size]
     per_rank = -(-len(encoded) // env.world_size)
     filler = _row(encoded, -1) if encoded else None
     mine = mine + [filler] * (per_rank - len(mine))
-    return [collate(mine[i:i + batch_size], 0.0) for i in range(0, len(mine), batch_size)]
+    return [vision.held_out_batch(collate, mine[i:i + batch_size]) for i in range(0, len(mine), batch_size)]
 
 
 def summed_loss(model, batch: SFTBatch, cfg: SFTConfig, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -193,7 +194,7 @@ def summed_loss(model, batch: SFTBatch, cfg: SFTConfig, device: torch.device) ->
 
 
 @torch.no_grad()
-def evaluate(model, batches: list[SFTBatch], cfg: SFTConfig, env) -> dict[str, float]:
+def evaluate(model, batches: list, cfg: SFTConfig, env) -> dict[str, float]:
     """The held-out token-mean loss over all ranks' shares, and its perplexity."""
     from alignrl.runtime.env import all_reduce_sum
 
@@ -201,6 +202,7 @@ def evaluate(model, batches: list[SFTBatch], cfg: SFTConfig, env) -> dict[str, f
     model.eval()
     sums = [0.0, 0.0]
     for batch in batches:
+        batch = batch() if callable(batch) else batch  # one with images: its pixels loaded now, dropped after
         total, n = summed_loss(model, batch.to(env.device), cfg, env.device)
         sums = [sums[0] + float(total), sums[1] + n]
     model.train(was)
@@ -221,10 +223,10 @@ def _encode(tok, cfg: SFTConfig, train_rows: list[SFTRow], eval_rows: list[SFTRo
     # wrapped and bfd_split packing cut the rows' tokens at every max_length themselves, as TRL's: a longer row is
     # not cut at its end first
     uncut = cfg.packing_strategy in UNCUT
+    vision.check_not_packed(train_rows, cfg.packing, "training")  # before any row is encoded
+    vision.check_not_packed(eval_rows, eval_packs(cfg), "held-out")
     enc_train, cut, dropped = _encoded(tok, train_rows, keys, cfg, uncut and packs_dataset(cfg), "training")
     enc_eval, _, _ = _encoded(tok, eval_rows, keys, cfg, uncut and eval_packs(cfg), "held-out")
-    vision.check_not_packed(enc_train, cfg.packing, "training")
-    vision.check_not_packed(enc_eval, eval_packs(cfg), "held-out")
     trained = sum(e.n_trained for e in enc_train)
     log.print(f"SFT: {len(enc_train)} train rows from {', '.join(map(str, cfg.train_files))} ({trained} trained "
               f"tokens), {len(enc_eval)} held-out; string rows through the chat template: {keys.chat_template}; "
@@ -240,8 +242,8 @@ def _encoded(tok, rows: list[SFTRow], keys: SFTKeys, cfg: SFTConfig, whole: bool
     end, left keeps its last max_length tokens, error stops the run naming the longer rows; `whole`: packing cuts
     them itself."""
     if whole or cfg.truncation == "right":
-        return encode_rows(tok, rows, keys, sys.maxsize if whole else cfg.max_length)
-    encoded, _, _ = encode_rows(tok, rows, keys, sys.maxsize)
+        return vision.images_untrained(encode_rows(tok, rows, keys, sys.maxsize if whole else cfg.max_length))
+    encoded, _, _ = vision.images_untrained(encode_rows(tok, rows, keys, sys.maxsize))
     longer = [e for e in encoded if len(e.ids) > cfg.max_length]
     if longer and cfg.truncation == "error":
         from alignrl.config import ConfigError
@@ -271,7 +273,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     from alignrl.models.loader import load_tokenizer, resolve_model_path
     from alignrl.runtime.env import barrier, init_distributed, shutdown
 
-    raw_keys = _keys(cfg, True)
+    raw_keys = _keys(cfg, bool(cfg.apply_chat_template))  # rows with images ask for it as they are read
     train_rows = _load(list(cfg.train_files), raw_keys, cfg.max_train_pairs, "train_files")
     eval_rows = _load(list(cfg.eval_files), raw_keys, cfg.max_eval_pairs, "eval_files")
     if dry_run_world:
@@ -304,7 +306,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     if before:
         log.print(f"held-out before training: loss {before['loss']:.4f}, perplexity {before['perplexity']:.3f}")
     plan = cp.plan_for(cfg, out_dir, total, per_epoch)
-    start = cp.resumed_step(cfg, plan, engine, "sft", log)
+    start = cp.resumed_step(cfg, plan, engine, "sft", log, env)
     export = adapters.exporter(policy, model, spec, cfg.lora_export)
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
