@@ -160,3 +160,9 @@ def test_a_reward_models_checkpoints_say_what_their_score_means(tiny_model_dir, 
                     "save_steps=1"]) == 0
     final = json.loads((out / "alignrl_score.json").read_text())
     assert json.loads((out / "global_step_1" / "huggingface" / "alignrl_score.json").read_text()) == final
+
+
+def test_trls_ratio_form_of_save_and_eval_steps():
+    from alignrl.preference.checkpoint_plan import every_steps
+
+    assert [every_steps(v, 8) for v in (0.25, 0.01, 3, 0, 0.5)] == [2, 1, 3, 0, 4]  # rounded up, as transformers

@@ -71,3 +71,11 @@ def test_openrlhfs_async_train_runs_each_step_on_its_own_policy():
     F.check(args)
     (why,) = [w for flags, w in recent_unused(args) if "async_train" in flags]
     assert "generation and training take turns" in why
+
+
+def test_checkpoint_flags_that_change_nothing_here_are_noted(capsys):
+    cfg = parse_sft(TRL + ["--save_only_model", "--save_steps", "0.1"])
+    assert cfg.save_steps == 0.1 and "--save_only_model changes nothing here" in capsys.readouterr().err
+    parse_sft(OPENRLHF + ["--max_ckpt_mem", "1000", "--disable_ds_ckpt", "--save_hf_ckpt"])
+    err = capsys.readouterr().err
+    assert all(f"--{f} changes nothing here" in err for f in ("max_ckpt_mem", "disable_ds_ckpt", "save_hf_ckpt"))

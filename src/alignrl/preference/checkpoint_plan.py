@@ -17,6 +17,7 @@ name is complete; `save_total_limit` deletes the oldest ones once a newer one is
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -101,7 +102,16 @@ def plan_for(cfg, out_dir: Path, total: int, per_epoch: int) -> CheckpointPlan:
         root = Path(cfg.checkpoint_dir)
     else:
         root = out_dir if layout.inside_output else ckpt.checkpoint_root(out_dir)
-    return CheckpointPlan(root, layout, cfg.save_strategy, cfg.save_steps, per_epoch, total, cfg.save_total_limit)
+    return CheckpointPlan(root, layout, cfg.save_strategy, every_steps(cfg.save_steps, total), per_epoch, total,
+                          cfg.save_total_limit)
+
+
+def every_steps(value: float, total: int) -> int:
+    """save_steps' or eval_steps' steps: a whole number as it is, one below 1 that share of the run's steps rounded
+    up (transformers' ratio form), 0 never."""
+    if 0 < value < 1:
+        return max(math.ceil(value * total), 1)
+    return int(value)
 
 
 def resume_folder(cfg, plan: CheckpointPlan, log, env=None) -> str | None:

@@ -229,7 +229,10 @@ def eval_due(cfg: CommonConfig, step: int, plan) -> bool:
         return False
     if cfg.eval_strategy == "epoch":
         return plan.per_epoch > 0 and step % plan.per_epoch == 0
-    return bool(cfg.eval_steps) and step % cfg.eval_steps == 0
+    from alignrl.preference.checkpoint_plan import every_steps
+
+    every = every_steps(cfg.eval_steps, plan.total)
+    return bool(every) and step % every == 0
 
 
 def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: CommonConfig, env,

@@ -101,13 +101,15 @@ class CommonConfig:
                                                  "Llama-like models)")
     lora_export: str = opt("merged", "what the saved folder holds with use_lora: merged (a plain HF model, adapters "
                                      "folded in) or adapter (peft's adapter folder)", choices=("merged", "adapter"))
-    eval_steps: int = opt(0, "also measure the held-out pairs every N optimizer steps (eval/* metrics); 0: only "
+    eval_steps: float = opt(0, "also measure the held-out pairs every N optimizer steps (eval/* metrics); below 1: "
+                               "that share of the run's steps (TRL's ratio form); 0: only "
                              "before and after training", ge=0)
     eval_strategy: str = opt("steps", "when the held-out pairs are also measured during training: every eval_steps "
                                       "(steps), at each epoch's end (epoch), never (no); before and after training "
                                       "always", choices=("no", "steps", "epoch"))
-    save_steps: int = opt(0, "also write a resumable checkpoint every N optimizer steps to <output_dir>.checkpoints/"
-                             "step_N (weights, optimizer; λ for safe_mm_dpo); 0: only the final model", ge=0)
+    save_steps: float = opt(0, "also write a resumable checkpoint every N optimizer steps (weights, optimizer; λ for "
+                               "safe_mm_dpo; where: checkpoint_layout); below 1: that share of the run's steps "
+                               "(TRL's ratio form); 0: only the final model", ge=0)
     save_strategy: str = opt("steps", "when checkpoints are written: every save_steps (steps), at each epoch's end "
                                       "(epoch), never (no)", choices=("steps", "epoch", "no"))
     save_total_limit: int = opt(0, "keep only the newest N checkpoints, the older deleted once a new one is written "

@@ -32,6 +32,7 @@ _METRICS = "metrics go to logging_dir: report_to=[jsonl,tensorboard], and wandb 
 IGNORED_VALUED = {
     "attn_implementation": "attention runs through PyTorch's SDPA here, which needs no flash-attention package",
     "dataset_num_proc": "the rows are read and encoded in this process",
+    "max_ckpt_mem": "checkpoints are kept by number (--max_ckpt_num, save_total_limit), not by size",
     **{name: _METRICS for name in ("use_tensorboard", "wandb_org", "wandb_group", "wandb_run_name")}}
 # OpenRLHF's wandb flags: --use_wandb KEY (or a true switch) logs to wandb, the key its API key; --wandb_project
 WANDB_FLAGS = ("use_wandb", "wandb_project")
@@ -40,6 +41,9 @@ IGNORED_SWITCHES = {
     "remove_unused_columns": "the loaders read only the columns they name",
     "no_remove_unused_columns": "the loaders read only the columns they name",
     "logging_first_step": "training metrics are logged every log_every steps; log_every=1 logs the first",
+    "save_only_model": "checkpoints here also hold the optimizer state, so that a run can go on from one",
+    "disable_ds_ckpt": "checkpoints hold the weights with the engine's own optimizer state",
+    "save_hf_ckpt": "checkpoints hold the weights; with checkpoint_layout trl or verl also the model as an HF folder",
 }
 # switches refused when on (off, they ask for what happens anyway) -> what to do instead
 REFUSED_SWITCHES = {
