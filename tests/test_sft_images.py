@@ -1,6 +1,7 @@
 """`alignrl train sft` on rows with images, for the tiny Qwen2-VL model: verl's and TRL's layouts encode alike and as
-the processor does, the labels cover the reply alone, the picture changes the loss, a few steps lower it and the
-saved folder loads as a vision-language model with its processor; mistakes are one line each."""
+the processor does, the labels cover the reply alone (no image token is trained, even when every other token is),
+the picture changes the loss, a few steps lower it and the saved folder loads as a vision-language model with its
+processor; held-out images load per batch; mistakes are one line each."""
 
 import json
 from pathlib import Path
@@ -34,9 +35,12 @@ def _layouts(pic: Path) -> list[dict]:
     ]
 
 
-def _encoded(tok, path: str, max_length: int = 512):
-    rows = load_rows(path, SFTKeys())
-    return encode_rows(tok, rows, SFTKeys(), max_length)[0]
+TEMPLATED = SFTKeys(chat_template=True)  # string prompt-completion rows with images need it
+
+
+def _encoded(tok, path: str, max_length: int = 512, keys: SFTKeys = TEMPLATED):
+    rows = load_rows(path, keys)
+    return encode_rows(tok, rows, keys, max_length)[0]
 
 
 def test_verl_and_trl_layouts_encode_alike_as_the_processor_does(vl, pictures, tmp_path):
@@ -60,7 +64,71 @@ def test_verl_and_trl_layouts_encode_alike_as_the_processor_does(vl, pictures, t
     assert enc[0].ids == whole and whole[:len(head)] == head
     assert [i for i, t in enumerate(enc[0].trained) if t] == list(range(len(head), len(whole)))
     assert sum(t == processor.image_token_id for t in whole) == 4  # a 56 x 56 picture: 4 merged patches
-    assert torch.equal(enc[0].images.grid, torch.tensor([[1, 4, 4]]))
+    assert enc[0].images.counts == (4,)
+    # counted from the size alone, as many tokens as the processor makes of odd sizes too
+    from alignrl.data.sft_images import image_tokens
+
+    for w, h in ((10, 10), (300, 37), (57, 900)):
+        Image.new("RGB", (w, h)).save(tmp_path / "odd.png")
+        grid = processor.image_processor(images=[Image.open(tmp_path / "odd.png")], return_tensors="pt")
+        want = int(grid["image_grid_thw"].prod()) // processor.image_processor.merge_size ** 2
+        assert image_tokens("x", processor.image_processor, 0, str(tmp_path / "odd.png")) == want, (w, h)
+
+
+def test_no_image_token_is_trained_when_every_other_token_is(vl, pictures, tmp_path):
+    """assistant_only_loss=false and completion_only_loss=false train the prompt's text, never the image's tokens
+    (pads, start and end: the model config's vision tokens); a template kept on the tokenizer alone renders the
+    same ids (SFT and RL prompts)."""
+    from types import SimpleNamespace
+
+    from alignrl.data.images import encode_image_prompt
+    from alignrl.models.vision import config_vision_token_ids
+    from alignrl.preference.sft import _encode
+    from alignrl.preference.sft_cli import SFTConfig
+
+    model, tok = vl
+    banned = set(config_vision_token_ids(model.config))
+    user = {"role": "user", "content": f"<image>{ASK}"}
+    path = _write(tmp_path / "all.jsonl", [{"messages": [user, {"role": "assistant", "content": "red"}],
+                                            "images": [str(pictures["red"])]},
+                                           {"prompt": [user], "completion": "red", "images": [str(pictures["red"])]}])
+    quiet = SimpleNamespace(print=lambda *_: None)
+    cfg = SFTConfig(train_files=[path], assistant_only_loss=False, completion_only_loss=False, bf16="false")
+    enc, _, _ = _encode(tok, cfg, load_rows(path, TEMPLATED), [], quiet)
+    for e in enc:
+        trained = {t for t, k in zip(e.ids, e.trained) if k}
+        assert len(banned) == 4 and len(banned & set(e.ids)) == 3 and not trained & banned  # no video
+        assert e.n_trained == len(e.ids) - 1 - sum(t in banned for t in e.ids)  # all the rest, text of the prompt too
+    processor = tok.alignrl_processor
+    sample = SimpleNamespace(messages=[{"role": "user", "content": [{"type": "image"}]}], source="x",
+                             images=(str(pictures["red"]),))
+    prompt = list(encode_image_prompt(tok, sample, 512))
+    own, processor.chat_template = processor.chat_template, None  # a folder whose template is the tokenizer's alone
+    try:
+        assert tok.chat_template and _encoded(tok, path)[0].ids == enc[0].ids
+        assert list(encode_image_prompt(tok, sample, 512)) == prompt and processor.image_token_id in prompt
+    finally:
+        processor.chat_template = own
+
+
+def test_held_out_images_load_per_batch(vl, pictures, tmp_path):
+    """The held-out batches with images are collated when they run (their pixels never held for the run), text-only
+    ones up front; the loss is the same as from batches collated at once."""
+    from alignrl.preference.sft import collator, eval_batches, evaluate
+    from alignrl.preference.sft_cli import SFTConfig
+    from alignrl.runtime.env import DistEnv
+
+    model, tok = vl
+    rows = [{"messages": [{"role": "user", "content": f"<image>{ASK}"}, {"role": "assistant", "content": c}],
+             "images": [str(pictures[c])]} for c in ("red", "blue")]
+    rows.append({"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]})
+    enc = _encoded(tok, _write(tmp_path / "held.jsonl", rows))
+    cfg, env = SFTConfig(bf16="false"), DistEnv()
+    batches = eval_batches(enc, collator(cfg, tok.pad_token_id), 2, env)
+    assert [callable(b) for b in batches] == [True, False]
+    got, want = evaluate(model, batches, cfg, env), evaluate(model, [collate_rows(enc[:2], tok.pad_token_id, 0.0),
+                                                                     batches[1]], cfg, env)
+    assert got == want and got["tokens"] > 0
 
 
 def _loss(model, tok, path: str) -> float:
@@ -116,17 +184,23 @@ def test_mistakes_are_one_line_each(vl, tiny_model_dir, pictures, tmp_path):
     from alignrl.preference.sft_vision import check_not_packed
 
     _, tok = vl
-    user = {"role": "user", "content": f"<image>{ASK}"}
+    user, reply = {"role": "user", "content": f"<image>{ASK}"}, {"role": "assistant", "content": "red"}
     cases = [({"messages": [user, {"role": "assistant", "content": "red"}], "images": ["nope.png"]},
               "images\\[0\\]: image file not found: nope.png"),
              ({"messages": [{"role": "user", "content": f"<image><image>{ASK}"},
                             {"role": "assistant", "content": "red"}], "images": [str(pictures["red"])]},
               r"the prompt has 2 image placeholder\(s\) but column 'images' holds 1"),
              ({"messages": [user, {"role": "assistant", "content": "<image>red"}],
-               "images": [str(pictures["red"]), str(pictures["blue"])]}, r"message 1 \(assistant\) holds an image")]
+               "images": [str(pictures["red"]), str(pictures["blue"])]}, r"message 1 \(assistant\) holds an image"),
+             ({"prompt": ASK, "completion": "red", "images": [str(pictures["red"])]},
+              "rows with images go through the chat template, .* set apply_chat_template=true"),
+             ({"messages": [user, reply], "images": 5}, "images\\[0\\]: an image is given as int '5'"),
+             ({"messages": [user, reply], "images": [str(pictures["red"])]},  # read with image_key=pics
+              "the row has no pics column \\(image_key\\) but has images; set image_key=images")]
     for i, (row, words) in enumerate(cases):
+        keys = SFTKeys(image="pics") if i == len(cases) - 1 else SFTKeys()
         with pytest.raises(UserError, match=rf"rows{i}.jsonl:1:? {words}"):
-            load_rows(_write(tmp_path / f"rows{i}.jsonl", [row]), SFTKeys())
+            load_rows(_write(tmp_path / f"rows{i}.jsonl", [row]), keys)
     good = _write(tmp_path / "good.jsonl", [{"messages": [user, {"role": "assistant", "content": "red"}],
                                              "images": [str(pictures["red"])]}])
     with pytest.raises(ImageDataError, match="good.jsonl:1: the row has images, but model_path is a text-only model"):
@@ -134,4 +208,12 @@ def test_mistakes_are_one_line_each(vl, tiny_model_dir, pictures, tmp_path):
     with pytest.raises(UserError, match="good.jsonl:1: max_length=8 would cut the row's image tokens"):
         _encoded(tok, good, max_length=8)
     with pytest.raises(UserError, match="packing is text-only, and 1 training rows have images: set packing=false"):
-        check_not_packed(_encoded(tok, good), True, "training")
+        check_not_packed(load_rows(good, SFTKeys()), True, "training")  # the rows read, before they are encoded
+    from PIL import Image
+
+    Image.new("RGB", (3000, 10)).save(tmp_path / "thin.png")
+    thin = _write(tmp_path / "thin.jsonl", [{"messages": [user, {"role": "assistant", "content": "red"}],
+                                             "images": [str(tmp_path / "thin.png")]}])
+    with pytest.raises(UserError, match=r"thin.jsonl:1: image 0 \(.*thin.png, 3000x10 pixels\) cannot be processed: "
+                                        "absolute aspect ratio must be smaller than 200"):
+        _encoded(tok, thin)

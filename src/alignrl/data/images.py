@@ -202,7 +202,7 @@ def _items(loc: str, content: Any, base: Path | None, found: list) -> list[dict[
     for item in content:
         kind = item.get("type") if isinstance(item, dict) else None
         if kind == "text":
-            out += _items(loc, str(item.get("text", "")), base, found)
+            out += _items(loc, str(item.get("text") or ""), base, found)  # parquet's absent text is None
         elif kind in ("image", "image_url") or (isinstance(item, dict) and "image" in item):
             src = item.get("image") or item.get("image_url") or item.get("url")
             found.append(None if src is None else image_source(loc, src, base))
@@ -228,7 +228,8 @@ def with_row_images(loc: str, sample, row: dict[str, Any], image_key: str, base:
     """`sample` with its images: from the messages' image items and the row's `image_key` column (the layouts in
     the module docstring). A text-only sample without images comes back unchanged."""
     column = row.get(image_key)
-    column = [] if column is None else ([column] if isinstance(column, (str, bytes, dict)) else list(column))
+    one = isinstance(column, (str, bytes, dict)) or not hasattr(column, "__iter__")  # a scalar: image_source says
+    column = [] if column is None else ([column] if one else list(column))
     has_items = any(not isinstance(m["content"], str) or PLACEHOLDER in m["content"] for m in sample.messages)
     if not column and not has_items:
         return sample
@@ -272,9 +273,53 @@ def decode_image(loc: str, source: str | bytes):
         with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
             return to_rgb(im) if im.mode != "RGB" else im.convert("RGB")  # a copy either way, read before the close
     except (OSError, UnidentifiedImageError, ValueError) as exc:
-        what = f"{len(source)} bytes" if isinstance(source, bytes) else source
-        raise ImageDataError(f"{loc}: the image {what} cannot be decoded ({type(exc).__name__}); replace it with a "
-                             "PNG or JPEG file") from None
+        raise ImageDataError(f"{loc}: the image {_what(source)} cannot be decoded ({type(exc).__name__}); replace it "
+                             "with a PNG or JPEG file") from None
+
+
+def image_size(loc: str, source: str | bytes) -> tuple[int, int]:
+    """(width, height) of the image, from its header alone (no pixels decoded); as `decode_image` when Pillow does
+    not read it."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
+            return im.size
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise ImageDataError(f"{loc}: the image {_what(source)} cannot be decoded ({type(exc).__name__}); replace it "
+                             "with a PNG or JPEG file") from None
+
+
+def _what(source: str | bytes) -> str:
+    return f"{len(source)} bytes" if isinstance(source, bytes) else str(source)
+
+
+def refused_image(loc: str, k: int, source: str | bytes, size: tuple[int, int], exc: Exception) -> ImageDataError:
+    """The image processor's refusal of image `k` of a row (an aspect ratio over 200...) as one line."""
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ImageDataError(f"{loc}: image {k} ({_what(source)}, {size[0]}x{size[1]} pixels) cannot be processed: "
+                          f"{reason}; crop, pad or replace it")
+
+
+def processed(loc: str, image_processor, pictures: list, sources, call):
+    """`call()`, a processor run on a row's decoded `pictures`; its ValueError as one line naming the row and the
+    image that the image processor refuses alone (found by trying each), or the processor's reason."""
+    try:
+        return call()
+    except ValueError as exc:
+        for k, (picture, source) in enumerate(zip(pictures, sources)):
+            try:
+                image_processor(images=[picture], return_tensors="pt")
+            except ValueError as alone:
+                raise refused_image(loc, k, source, picture.size, alone) from None
+        raise ImageDataError(f"{loc}: the processor refuses the row's images: {' '.join(str(exc).split())[:200]}") \
+            from None
+
+
+def chat_template_of(processor) -> str | None:
+    """The template that renders a processor's messages: its own, else its tokenizer's (a folder may keep it in
+    tokenizer_config.json alone, which the processor's own call would not find)."""
+    return processor.chat_template or getattr(processor.tokenizer, "chat_template", None)
 
 
 # ---- encoding: a prompt with images as the model reads it ----
@@ -318,8 +363,14 @@ def encode_image_prompt(tokenizer, sample, max_len: int) -> list[int]:
         raise ImageDataError(f"{loc}: its prompt has images but model.path is a text-only model; use a "
                              "vision-language model (e.g. Qwen2-VL) or data without images")
     images = [decode_image(loc, s) for s in sample.images]
-    text = processor.apply_chat_template(sample.messages, add_generation_prompt=True, tokenize=False)
-    enc = processor(text=[text], images=images, return_tensors="pt")
+    template = chat_template_of(processor)
+    if not template:
+        raise ImageDataError(f"{loc}: its prompt has images, which the processor's chat template places, and "
+                             "model.path has no chat template; use a vision-language model with one (e.g. Qwen2-VL)")
+    text = processor.apply_chat_template(sample.messages, add_generation_prompt=True, tokenize=False,
+                                         chat_template=template)
+    enc = processed(loc, processor.image_processor, images, sample.images,
+                    lambda: processor(text=[text], images=images, return_tensors="pt"))
     ids = enc["input_ids"][0].tolist()
     if len(ids) > max_len:
         t = tokenizer.convert_tokens_to_ids

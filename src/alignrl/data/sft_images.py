@@ -10,8 +10,9 @@ in an assistant (or tool) turn is refused, as trained text it would be a picture
 
 A row with images is rendered by the processor's chat template (`ImageRenderer`): each image becomes its
 `<|vision_start|><|image_pad|>...<|vision_end|>` span, widened to the image's count of tokens, as the processor
-itself widens it. The trained tokens are then found as for text rows (`data.sft_rows`). The pixels are not kept: a
-row holds its images' sources and patch grids (`RowPictures`), and each batch decodes them again
+itself widens it (counted from the image's size, no pixels processed). The trained tokens are then found as for
+text rows (`data.sft_rows`), the images' own tokens never among them (`RowPictures.untrained`). The pixels are not
+kept: a row holds its images' sources and token counts (`RowPictures`), and each batch decodes them
 (`RowPictures.load`), so a large data set costs no memory for its pixels.
 """
 
@@ -21,13 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from alignrl.data.images import (PLACEHOLDER, PROCESSOR_ATTR, ImageDataError, PromptImages, decode_image,
-                                 with_row_images)
+from alignrl.data.images import (PLACEHOLDER, PROCESSOR_ATTR, ImageDataError, PromptImages, chat_template_of,
+                                 decode_image, image_size, processed, refused_image, with_row_images)
 from alignrl.data.loaders import DataError
 
 TRL_IMAGE = "image"  # TRL's column of a row's one image
+DEFAULT_KEY = "images"  # image_key's default: verl's and TRL's column of a row's images
 
 
 @dataclass(frozen=True)
@@ -112,10 +112,13 @@ class PicturedRow:
 
 
 def read_image_row(loc: str, row: dict[str, Any], keys, base: Path | None) -> PicturedRow | None:
-    """The row's conversation with its images (`keys`: `data.sft_rows.SFTKeys`), always rendered by the processor's
+    """The row's conversation with its images (`keys`: `data.sft_rows.SFTKeys`), rendered by the processor's
     template: its messages (a response column appended as the last turn), or its prompt (a string: a user turn) and
-    completion (an assistant turn). None: the row has no images."""
+    completion (an assistant turn; string ones with `keys.chat_template` alone). None: the row has no images."""
     column = image_column(row, keys.image)
+    if column is None and keys.image != DEFAULT_KEY and _holds(row.get(DEFAULT_KEY)):
+        raise ImageDataError(f"{loc}: the row has no {keys.image} column (image_key) but has {DEFAULT_KEY}; set "
+                             f"image_key={DEFAULT_KEY}, or rename the column")
     listed = (row.get(k) for k in (keys.messages, keys.prompt, keys.response))
     if not _holds(column) and not any(names_images(v) for v in listed if v is not None):
         return None
@@ -123,6 +126,13 @@ def read_image_row(loc: str, row: dict[str, Any], keys, base: Path | None) -> Pi
         raise ImageDataError(f"{loc}: the row has images, which the processor's chat template places, and "
                              "input_template (OpenRLHF's text) has no place for them: set apply_chat_template=true, "
                              "or drop input_template")
+    if keys.messages not in row and all(isinstance(row.get(k), str) for k in (keys.prompt, keys.response)) and \
+            not keys.chat_template:
+        # a text prompt and completion train as text (TRL's way), which has no place for an image; templating this
+        # row alone would train one file two ways, so the one switch that templates them all is asked for, as
+        # verl's SFT templates every row (its lines set it) and the RL side asks it for prompts with images
+        raise ImageDataError(f"{loc}: rows with images go through the chat template, and this string prompt and "
+                             "completion would train as text: set apply_chat_template=true")
     key = keys.messages if keys.messages in row else keys.prompt
     if keys.messages in row or (keys.prompt in row and keys.response in row):
         head = as_messages(loc, key, row[key], "user")
@@ -161,26 +171,48 @@ def check_message_keys(loc: str, key: str, m: dict, tool_calls: bool = False) ->
 
 # ---- rendering with the images' tokens ----
 
+VISION_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>")  # Qwen2-VL's markers, which its processor does not name
+
+
+def vision_ids(processor) -> tuple[int, ...]:
+    """The ids only images may hold (image and video pads, their start and end markers): never a target, as the
+    model's config names them (`models.vision.config_vision_token_ids`, from the processor here)."""
+    named = [getattr(processor, k, None) for k in VISION_IDS]
+    vocab = processor.tokenizer.get_vocab()
+    return tuple(sorted({int(i) for i in named + [vocab.get(t) for t in VISION_TOKENS] if i is not None}))
+
+
 @dataclass(frozen=True)
 class RowPictures:
-    """A row's images as a batch reads them: their sources and patch grids (num_images, 3), and the image processor
-    that turns them into pixels again (`load`)."""
+    """A row's images as a batch reads them: their sources and token counts, and the image processor that turns
+    them into pixels again (`load`)."""
 
     loc: str
     sources: tuple
-    grid: torch.Tensor
+    counts: tuple  # each image's count of image tokens in the row
     image_processor: Any
     token_id: int  # the image token, whose copies in the row stand for these images
+    vision_ids: tuple = ()  # `vision_ids`: never trained
 
     def load(self) -> PromptImages:
-        """The row's pixel values, decoded and processed again; the grid must be the one the row was encoded with."""
-        got = self.image_processor(images=[decode_image(self.loc, s) for s in self.sources], return_tensors="pt")
+        """The row's pixel values, decoded and processed again; each image must give the tokens it was encoded
+        with."""
+        pictures = [decode_image(self.loc, s) for s in self.sources]
+        got = processed(self.loc, self.image_processor, pictures, self.sources,
+                        lambda: self.image_processor(images=pictures, return_tensors="pt"))
         grid = got["image_grid_thw"].long()
-        if not torch.equal(grid, self.grid):  # the file changed since the row was encoded
-            raise ImageDataError(f"{self.loc}: an image's size changed while training (patch grid {self.grid.tolist()}"
-                                 f" is now {grid.tolist()}); keep the images unchanged during a run")
+        counts = tuple((grid.prod(-1) // self.image_processor.merge_size ** 2).tolist())
+        if counts != self.counts:  # the file changed since the row was encoded
+            raise ImageDataError(f"{self.loc}: an image's size changed while training ({list(self.counts)} image "
+                                 f"tokens are now {list(counts)}); keep the images unchanged during a run")
         return PromptImages(got["pixel_values"].float(), grid)
 
+    def untrained(self, ids: list[int], trained: list[bool]) -> list[bool]:
+        """`trained` with no vision token a target: with assistant_only_loss=false or completion_only_loss=false
+        every other token of the row trains, but an image's tokens are the picture itself, which the model is never
+        asked to write (TRL's vision-language SFT example masks them the same way)."""
+        return [t and i not in self.vision_ids for i, t in zip(ids, trained)]
 
 class ImageRenderer:
     """A tokenizer's `apply_chat_template(messages, add_generation_prompt, tokenize=True)` for one row with images:
@@ -190,12 +222,13 @@ class ImageRenderer:
 
     def __init__(self, processor, counts: list[int], loc: str):
         self.processor, self.counts, self.loc = processor, counts, loc
-        self.chat_template = processor.chat_template or processor.tokenizer.chat_template
+        self.chat_template = chat_template_of(processor)
         self.image_id = processor.image_token_id
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True) -> list[int]:
+        # named: a template kept on the tokenizer alone is one the processor's own call would not find
         text = self.processor.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
+                                                  tokenize=False, chat_template=self.chat_template)
         ids = list(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"])
         out, seen = [], 0
         for t in ids:
@@ -224,13 +257,30 @@ class ImageRenderer:
 
 def renderer_for(tokenizer, loc: str, sources: tuple) -> tuple[ImageRenderer, RowPictures]:
     """The renderer of a row with images and its pictures; one line when the model is text-only or an image cannot be
-    decoded."""
+    read or processed."""
     processor = getattr(tokenizer, PROCESSOR_ATTR, None)
     if processor is None:
         raise ImageDataError(f"{loc}: the row has images, but model_path is a text-only model; train a "
                              "vision-language model (e.g. Qwen2-VL), or drop the images from the data")
-    got = processor.image_processor(images=[decode_image(loc, s) for s in sources], return_tensors="pt")
-    grid = got["image_grid_thw"].long()
-    counts = (grid.prod(-1) // processor.image_processor.merge_size ** 2).tolist()
-    return ImageRenderer(processor, counts, loc), RowPictures(loc, tuple(sources), grid, processor.image_processor,
-                                                                   processor.image_token_id)
+    counts = tuple(image_tokens(loc, processor.image_processor, k, s) for k, s in enumerate(sources))
+    return ImageRenderer(processor, list(counts), loc), RowPictures(
+        loc, tuple(sources), counts, processor.image_processor, processor.image_token_id, vision_ids(processor))
+
+
+def image_tokens(loc: str, image_processor, k: int, source) -> int:
+    """Image `k`'s count of tokens, from its size alone where the image processor tells it (Qwen2-VL's
+    `get_number_of_image_patches`: the patches of the image resized within its min and max pixels), as the
+    processor itself widens it; else by processing the image. Its pixels are decoded for each batch (`RowPictures`),
+    as TRL's and verl's loaders decode them, so a file that is readable here but broken further in stops the run
+    there, naming it."""
+    merge = image_processor.merge_size ** 2
+    if not hasattr(image_processor, "get_number_of_image_patches"):
+        picture = decode_image(loc, source)
+        got = processed(loc, image_processor, [picture], [source],
+                        lambda: image_processor(images=[picture], return_tensors="pt"))
+        return int(got["image_grid_thw"].long().prod(-1).sum()) // merge
+    width, height = image_size(loc, source)
+    try:
+        return image_processor.get_number_of_image_patches(height, width, {}) // merge
+    except ValueError as exc:  # an aspect ratio over 200...
+        raise refused_image(loc, k, source, (width, height), exc) from None

@@ -12,11 +12,13 @@ rows only, and a row cut inside its images is refused (`data.sft_rows`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from alignrl.config import ConfigError
-from alignrl.data.sft_rows import EncodedRow, SFTBatch
+from alignrl.data.sft_rows import EncodedRow, SFTBatch, SFTRow
 from alignrl.models.vision import encoder_in_every_forward, processor_of, save_processor, vision_inputs
 
 
@@ -30,23 +32,42 @@ def image_inputs(model, batch: SFTBatch) -> dict:
     return vision_inputs(model, batch.input_ids, batch.attention_mask, batch.images)
 
 
-def with_images(encoded: list[EncodedRow]) -> int:
-    """How many of the rows have images."""
-    return sum(e.images is not None for e in encoded)
+def with_images(rows: Sequence[EncodedRow | SFTRow]) -> int:
+    """How many of the rows (read or encoded) have images."""
+    return sum(bool(e.images) for e in rows)
 
 
-def check_not_packed(encoded: list[EncodedRow], packed: bool, which: str) -> None:
+def check_not_packed(rows: Sequence[EncodedRow | SFTRow], packed: bool, which: str) -> None:
     """Packing lays rows end to end with restarting 1-D position ids, which a row's M-RoPE image positions cannot
-    take: refused in one line for rows with images."""
-    if packed and with_images(encoded):
-        raise ConfigError(f"packing is text-only, and {with_images(encoded)} {which} rows have images: set "
+    take: refused in one line for rows with images (checked on the rows read, before any is encoded)."""
+    if packed and with_images(rows):
+        raise ConfigError(f"packing is text-only, and {with_images(rows)} {which} rows have images: set "
                           f"{'eval_packing' if which == 'held-out' else 'packing'}=false")
 
 
+def images_untrained(got: tuple[list[EncodedRow], int, int]) -> tuple[list[EncodedRow], int, int]:
+    """`data.sft_rows.encode_rows`' (rows, cut, dropped) with no vision token of a row with images a target
+    (`RowPictures.untrained`: assistant_only_loss=false and completion_only_loss=false train every other token); a
+    row left with none is dropped."""
+    encoded, cut, dropped = got
+    kept = [replace(e, trained=e.images.untrained(e.ids, e.trained)) if e.images is not None else e for e in encoded]
+    out = [replace(e, index=i) for i, e in enumerate(k for k in kept if k.n_trained)]
+    return out, cut, dropped + len(kept) - len(out)
+
+
+def held_out_batch(collate, rows: list[EncodedRow]):
+    """A held-out batch of `rows`: text rows collated now, rows with images when the evaluation runs it (a
+    zero-argument function), so that their pixels are decoded for that forward alone, as training's are, and never
+    held for the run."""
+    return partial(collate, rows, 0.0) if with_images(rows) else collate(rows, 0.0)
+
+
 def cut_left(e: EncodedRow, max_length: int) -> EncodedRow:
-    """`e` with its first tokens dropped down to `max_length` (truncation=left); a row whose images lie in the
-    dropped part is refused in one line (its image tokens would no longer match its images)."""
-    if e.images is not None and e.images.token_id in e.ids[:len(e.ids) - max_length]:
+    """`e` with its first tokens dropped down to `max_length` (truncation=left); a row whose images (or their start
+    and end markers) lie in the dropped part is refused in one line (its image tokens would no longer match its
+    images)."""
+    dropped = set(e.ids[:len(e.ids) - max_length])
+    if e.images is not None and dropped & set(e.images.vision_ids or (e.images.token_id,)):
         raise ConfigError(f"{e.images.loc}: truncation=left would cut the row's image tokens (max_length="
                           f"{max_length}, the row {len(e.ids)} tokens); raise max_length, or set truncation=right")
     return replace(e, ids=e.ids[-max_length:], trained=e.trained[-max_length:])
