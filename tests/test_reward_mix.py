@@ -1,4 +1,5 @@
-"""A reward model's score alone, or with the rule reward added on rows whose data has an answer to check."""
+"""A reward model's score alone, with the rule reward added on rows whose data has an answer to check, or (TRL's
+reward model among its reward functions) weighted and summed with the rule reward on every row."""
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def test_replace_is_the_models_score_alone():
 
 
 def test_add_puts_the_rule_reward_on_rows_that_have_an_answer():
-    stage = RewardStage(_Tok(), _rule, _rule, 2, reward_model=_Scorer(), add_rule=True)
+    stage = RewardStage(_Tok(), _rule, _rule, 2, reward_model=_Scorer(), model_mix="add")
     scores = stage.score(_rollout(), SAMPLES)
     # rows 0, 1 answer "1": texts "answer 0" (wrong) and "answer 1" (right); rows 2, 3 have no answer
     assert scores.rewards.tolist() == [0.5, 0.5, 0.25, 0.75]
@@ -53,10 +54,30 @@ def test_the_config_key_reaches_the_reward_stage(monkeypatch):
 
     monkeypatch.setattr(build, "check_rl_scorers", lambda cfg: None)
     monkeypatch.setattr(build, "ModelScorer", lambda folder, *a, **k: _Scorer())
-    for mix, add in (("replace", False), ("add", True)):
-        cfg = load_config(None, ["algorithm.reward_model=rm_folder", f"algorithm.reward_model_mix={mix}"])
+    for mix in ("replace", "add", "sum"):
+        cfg = load_config(None, ["algorithm.reward_model=rm_folder", f"algorithm.reward_model_mix={mix}",
+                                 "algorithm.reward_model_weight=0.5"])
         stage = build.build_rewards(cfg, _Tok(), torch.device("cpu"))
-        assert isinstance(stage.reward_model, _Scorer) and stage.add_rule is add
+        assert isinstance(stage.reward_model, _Scorer) and (stage.model_mix, stage.model_weight) == (mix, 0.5)
+
+
+def test_sum_weighs_the_model_and_adds_the_rule_reward_on_every_row():
+    def fixed(data_source, text, ground_truth, extra):  # a rule that scores every row, answer or not
+        return 1.0
+
+    stage = RewardStage(_Tok(), fixed, fixed, 2, reward_model=_Scorer(), model_mix="sum", model_weight=2.0)
+    assert stage.score(_rollout(), SAMPLES).rewards.tolist() == [2.0, 0.0, 1.5, 2.5]
+
+
+def test_trls_reward_model_among_its_functions_is_the_weighted_sum():
+    from alignrl.compat.trl_grpo_keys import reward_keys
+    from alignrl.compat.trl_grpo_flags import parse
+
+    args = parse(["--model_name_or_path", "demo", "--dataset_name", "d.jsonl", "--reward_model_name_or_path",
+                  "org/rm", "--reward_funcs", "accuracy_reward", "--reward_weights", "0.5", "1.0"])
+    keys = reward_keys(args)
+    assert {"algorithm.reward_model=org/rm", "algorithm.reward_model_weight=0.5", "algorithm.reward_model_mix=sum"
+            } <= set(keys), keys
 
 
 def test_reward_model_normalization_needs_a_folder_and_one_without_statistics_scores_as_it_is(tiny_model_dir,

@@ -130,15 +130,16 @@ def reward_keys(args) -> list[str]:
                 raise TrlFlagError(f"two reward models ({model}, {name}): alignrl scores with one")
             model = name
             if weight != 1.0:
-                raise TrlFlagError(f"reward model {name} weighted {weight}: alignrl takes a reward model's score as "
-                                   "it is; give it weight 1")
+                out.append(f"algorithm.reward_model_weight={weight}")
     if not model and not fns:  # alignrl's own rule would score the rows beside the punishment: not TRL's reward
         raise TrlFlagError(f"{OVERLONG} alone: alignrl adds it to a reward; give a reward function or model beside it")
-    if model:
+    if model:  # beside functions, TRL sums the weighted scores of all of them on every completion
         out.append(f"algorithm.reward_model={model}")
-        if fns:
-            raise TrlFlagError(f"reward model {model} beside reward functions: alignrl scores with one or the other "
-                               "here; give either --reward_model_name_or_path or --reward_funcs")
+        if fns and args.multi_objective_aggregation == "normalize_then_sum":
+            raise TrlFlagError(f"reward model {model} beside reward functions with --multi_objective_aggregation "
+                               "normalize_then_sum: alignrl normalizes the functions' rewards alone; give sum_then_"
+                               "normalize, or the model or the functions alone")
+        out += ["algorithm.reward_model_mix=sum"] if fns else []
     if fns:
         out.append(f"algorithm.reward_fn={json.dumps(spec_of(fns))}")
     return out

@@ -254,9 +254,11 @@ class AlgorithmConfig:
                                               "the mean and std of its own config.json (one initialised from the "
                                               "reward model has them); OpenRLHF's --normalize_reward")
     reward_model_mix: str = opt("replace", "with a reward model (a folder or services.reward_url): replace uses its "
-                                           "score alone; add adds the rule reward to it on rows whose data has an "
-                                           "answer (verl's hybrid of a reward model and a rule)",
-                                choices=("replace", "add"))
+                                           "score alone; add adds the rule reward on rows whose data has an answer "
+                                           "(verl's hybrid); sum adds it on every row (TRL's reward model among "
+                                           "--reward_funcs)", choices=("replace", "add", "sum"))
+    reward_model_weight: float = opt(1.0, "the reward model's score times this (TRL's --reward_weights, the model's "
+                                          "first)")
     reward_model_retemplate: bool = opt(False, "the reward model has its own tokenizer (verl's reward_model.model."
                                                "input_tokenizer): each prompt's messages and the decoded response go "
                                                "through its chat template; one with the policy's scores the ids")

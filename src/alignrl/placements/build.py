@@ -150,7 +150,8 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device, loaded: Seque
     correct = timed_rule(cfg, "reward")  # under algorithm.reward_timeout_s in workers, or the rule itself
     return RewardStage(tokenizer, with_format_bonus(correct, a.format_reward_weight), correct,
                        response_cap(cfg), a.overlong_buffer_len, a.overlong_penalty_factor, reward_model,
-                       add_rule=a.reward_model_mix == "add", truncated_reward_coef=a.truncated_reward_coef,
+                       model_mix=a.reward_model_mix, model_weight=a.reward_model_weight,
+                       truncated_reward_coef=a.truncated_reward_coef,
                        normalize_each=a.multi_objective_aggregation == "normalize_then_sum",
                        components=RewardComponents(tuple(a.gdpo_reward_keys), tuple(a.gdpo_reward_weights),
                                                    a.norm_adv_by_std_in_grpo) if a.adv_estimator == "gdpo" else None,

@@ -66,8 +66,9 @@ class RewardStage:
     max_new_tokens: int  # the longest response: rollout.max_new_tokens, a multi-turn episode's cap (response_cap)
     overlong_buffer_len: int = 0  # DAPO soft overlong punishment (0: off)
     overlong_penalty_factor: float = 1.0
-    reward_model: SequenceScorer | None = None  # its score replaces the rule reward...
-    add_rule: bool = False  # ...or the rule reward is added to it on rows that have an answer to check
+    reward_model: SequenceScorer | None = None  # its score (times model_weight) replaces the rule reward, or the
+    model_mix: str = "replace"  # rule reward is added to it on rows that have an answer to check (add), on all (sum)
+    model_weight: float = 1.0
     cost_fn: RewardFn | None = None  # PPO-Lagrangian cost: a rule on the decoded response...
     cost_model: SequenceScorer | None = None  # ...or a cost model on the ids
     truncated_reward_coef: float | None = None  # responses cut at the cap: reward scaled (>= 0) or replaced (< 0)
@@ -110,8 +111,10 @@ class RewardStage:
         out = torch.tensor(rewards, dtype=torch.float32)
         filters = for_filtering(ro, rewards)
         if self.reward_model is not None:
-            answered = torch.tensor([bool(self.add_rule and s.ground_truth not in (None, "")) for s in rows])
-            out = model_scores(self.reward_model, "reward model", ro, rows) + torch.where(answered, out, 0.0)
+            kept = torch.tensor([self.model_mix == "sum" or (self.model_mix == "add" and s.ground_truth not in
+                                                              (None, "")) for s in rows])
+            out = self.model_weight * model_scores(self.reward_model, "reward model", ro, rows) + \
+                torch.where(kept, out, 0.0)
         if self.overlong_buffer_len:
             out = out + overlong_penalty(ro.response_lengths, self.max_new_tokens, self.overlong_buffer_len,
                                          self.overlong_penalty_factor)
