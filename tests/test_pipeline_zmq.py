@@ -348,11 +348,15 @@ def test_a_sampler_given_the_wrong_data_port_stops_in_one_line_and_the_trainer_s
     ports, wrong = free_ports(2), free_ports(1)[0]
     trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "wrong", 2, ports, "pipeline.placement=zmq",
                                                 "pipeline.heartbeat_timeout_s=2"), env={"PYTHONUNBUFFERED": "1"})
-    bad = sampler(tiny_model_dir, (wrong, ports[1]), "--peer-timeout", "3")
     said = []  # the trainer's lines as it prints them: the test waits for the one it needs, not a fixed time
     reader = threading.Thread(target=lambda: said.extend(trainer.stdout), daemon=True)
     reader.start()
+    bad = None
     try:
+        # the sampler's 3 s count from its start: it starts once the trainer answers (a loaded machine can take
+        # longer than that to start the trainer, and the sampler then rightly says no trainer answered)
+        wait_for(lambda: "pipeline: waiting for samplers on" in "".join(said), 150, "the trainer's sockets")
+        bad = sampler(tiny_model_dir, (wrong, ports[1]), "--peer-timeout", "3")
         _, err = bad.communicate(timeout=150)
         assert bad.returncode == 2, err[-3000:]
         assert "Traceback" not in err and err.strip().splitlines()[-1] == (f"alignrl sample: nothing took the batch on tcp://127.0.0.1:{wrong} (--data-port) in "
@@ -361,7 +365,7 @@ def test_a_sampler_given_the_wrong_data_port_stops_in_one_line_and_the_trainer_s
         # the trainer's heartbeat timeout (2 s) passes, and it says so
         wait_for(lambda: "not heard from in 2 s" in "".join(said), 60, "the trainer's line on the silent sampler")
     finally:
-        stop(trainer, bad)
+        stop(trainer, *([bad] if bad is not None else []))
         reader.join(timeout=30)
     out = "".join(said)
     assert "pipeline: sampler" in out and "not heard from in 2 s: its 4 prompts (lease" in out, out[-3000:]
