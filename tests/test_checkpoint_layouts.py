@@ -166,3 +166,7 @@ def test_trls_ratio_form_of_save_and_eval_steps():
     from alignrl.preference.checkpoint_plan import every_steps
 
     assert [every_steps(v, 8) for v in (0.25, 0.01, 3, 0, 0.5)] == [2, 1, 3, 0, 4]  # rounded up, as transformers
+    from alignrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no fraction above 1"):
+        every_steps(2.5, 8)

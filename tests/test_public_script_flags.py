@@ -13,9 +13,11 @@ TRL = ["--model_name_or_path", "demo", "--dataset_name", "rows.jsonl", "--output
 OPENRLHF = ["--pretrain", "demo", "--dataset", "rows.jsonl", "--save_path", "out"]
 
 
-@pytest.mark.parametrize("flags, bf16", [(["--dtype", "bfloat16"], "true"), (["--torch_dtype", "float32"], "false"),
-                                         (["--dtype", "auto"], "auto")])
+@pytest.mark.parametrize("flags, bf16", [(["--dtype", "bfloat16"], "true"), (["--torch_dtype", "float32"], "auto"),
+                                         (["--dtype", "auto"], "auto"), (["--dtype", "float32", "--bf16", "false"],
+                                                                         "false")])
 def test_trls_dtype_is_bf16(flags, bf16):
+    """bfloat16 weights compute in bfloat16; float32 or auto leave TRL's bf16 mixed precision as --bf16 says."""
     assert parse_sft(TRL + flags).bf16 == bf16 and parse_dpo(TRL + flags).bf16 == bf16
 
 
@@ -79,3 +81,8 @@ def test_checkpoint_flags_that_change_nothing_here_are_noted(capsys):
     parse_sft(OPENRLHF + ["--max_ckpt_mem", "1000", "--disable_ds_ckpt", "--save_hf_ckpt"])
     err = capsys.readouterr().err
     assert all(f"--{f} changes nothing here" in err for f in ("max_ckpt_mem", "disable_ds_ckpt", "save_hf_ckpt"))
+
+
+def test_trls_eval_strategy_steps_without_eval_steps_takes_logging_steps():
+    assert parse_sft(TRL + ["--eval_strategy", "steps", "--logging_steps", "25"]).eval_steps == 25
+    assert parse_sft(TRL + ["--eval_strategy", "steps", "--eval_steps", "7"]).eval_steps == 7

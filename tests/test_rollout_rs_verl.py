@@ -104,8 +104,32 @@ def test_verls_rollout_correction_keys_with_icepop_and_divergence_rs():
                              rc + "rollout_rs_threshold=0.99_1.01"])
     a = cfg.algorithm
     assert (a.rollout_is, a.rollout_is_mode, a.rollout_is_threshold, a.rollout_is_threshold_lower) == (
-        "token", "mask", 5.0, 0.5)  # IcePop: weights outside the band are zeroed
+        "token", "zero", 5.0, 0.5)  # IcePop: weights outside the band are zeroed, the tokens stay
     assert (a.rollout_rs, a.rollout_rs_threshold) == ("seq_mean_k1", "0.99_1.01")
     with pytest.raises(ConfigError, match="takes one upper bound"):
         load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-6", rc + "rollout_rs=seq_max_k2",
                            rc + "rollout_rs_threshold=0.9_1.1"])
+
+
+def test_icepop_zeroes_the_weights_and_keeps_every_token():
+    """verl's IcePop keeps the response mask (the zeroed tokens still count in the loss's denominators) and zeroes
+    the weights outside [lower, upper], bounds included in the band; mask mode drops those tokens instead."""
+    from alignrl.core.rollout_correction import truncated_is_weights
+
+    weights, keep, metrics = truncated_is_weights(TRAINER, ROLLOUT, MASK, "token", 1.3, "zero", 0.6)
+    assert keep.tolist() == MASK.tolist()
+    for r in range(3):
+        for t in range(4):
+            w = math.exp(max(-20.0, min(20.0, log_ratio(r, t))))
+            expected = w if MASK[r, t] and 0.6 <= w <= 1.3 else 0.0
+            assert float(weights[r, t]) == pytest.approx(expected, rel=1e-12)
+    assert 0 < metrics["rollout/is_zeroed_frac"] < 1
+
+
+def test_icepop_in_bypass_mode_is_named_as_missing(capsys, monkeypatch):
+    monkeypatch.setenv("ALIGNRL_VERL_KEYS_LISTED", "")  # once per process: listed again here, restored after
+    monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED")
+    rc = "algorithm.rollout_correction."
+    load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-6", rc + "rollout_is=token", rc + "bypass_mode=true",
+                       rc + "loss_type=reinforce", rc + "rollout_is_threshold=0.5_2.0"])
+    assert "IcePop's lower_upper rollout_is_threshold in bypass mode" in capsys.readouterr().err

@@ -254,7 +254,8 @@ def test_bypass_mode_is_the_rollouts_logprobs_and_verls_loss(given, want, capsys
 
 
 @pytest.mark.parametrize("given, named", [
-    ([RC + "rollout_is=sequence", RC + "rollout_rs=seq_mean_k1"], "rollout_rs=seq_mean_k1"),
+    ([RC + "bypass_mode=true", RC + "rollout_rs=seq_mean_k1", RC + "rollout_rs_threshold=0.99_1.01"],
+     "rollout_rs=seq_mean_k1"),
     ([RC + "rollout_is=token", RC + "use_pure_rollout_correction=true"], "without bypass mode"),
     ([RC + "rollout_is=token", RC + "loss_type=reinforce"], "without bypass mode"),
     ([RC + "bypass_mode=true", RC + "loss_type=reinforce", RC + "rollout_is=sequence"], "sequence-level IS"),
@@ -271,6 +272,8 @@ def test_other_rollout_corrections_are_named_at_start(given, named, capsys):
 
 def test_a_bad_rollout_correction_key_is_one_line():
     assert "rollout_is=geometric is not supported" in one_line(BASE + [RC + "rollout_is=geometric"])
+    # current verl's divergence options need their threshold spec, as verl's own check says
+    assert "needs algorithm.rollout_rs_threshold" in one_line(BASE + [RC + "rollout_rs=seq_mean_k1"])
     assert "loss_type=pg is not supported (ppo_clip or reinforce" in one_line(BASE + [RC + "loss_type=pg"])
     veto = RC + "rollout_token_veto_threshold="
     assert "rollout_token_veto_threshold=low must be a number" in one_line(BASE + [veto + "low"])

@@ -154,8 +154,9 @@ def _rollout_is(cfg: RunConfig) -> str | None:
     if alg.rollout_is_mode == "geo_mask" and alg.rollout_is == "sequence":
         return ("algorithm.rollout_is_mode=geo_mask weights each token by its own ratio: set algorithm.rollout_is="
                 "token (the sequence's geometric mean decides only whether it stays)")
-    if alg.rollout_is_mode != "truncate" and (lower if lower is not None else 1.0 / alg.rollout_is_threshold) >= \
-            alg.rollout_is_threshold:
+    low = lower if lower is not None else 1.0 / alg.rollout_is_threshold
+    if alg.rollout_is_mode != "truncate" and (low > alg.rollout_is_threshold if alg.rollout_is_mode == "zero" else
+                                              low >= alg.rollout_is_threshold):
         return (f"algorithm.rollout_is_threshold_lower={lower if lower is not None else 'default 1/threshold'}"
                 f" must be below algorithm.rollout_is_threshold={alg.rollout_is_threshold}, or every token "
                 "is rejected: raise the threshold above 1 or set a lower bound below it")

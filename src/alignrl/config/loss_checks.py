@@ -104,7 +104,7 @@ def _actor_problem(cfg: RunConfig) -> str | None:
 def _rejecting(cfg: RunConfig) -> str | None:
     """The rollout-correction key that takes tokens or sequences out of the loss, if any."""
     a = cfg.algorithm
-    if a.rollout_is != "none" and a.rollout_is_mode != "truncate":
+    if a.rollout_is != "none" and a.rollout_is_mode not in ("truncate", "zero"):
         return f"algorithm.rollout_is_mode={a.rollout_is_mode}"
     if a.rollout_rs != "none":
         return f"algorithm.rollout_rs={a.rollout_rs}"

@@ -298,8 +298,9 @@ class AlgorithmConfig:
                                            "whose weight is outside [lower, threshold] leave the loss and its "
                                            "token count, as verl's rejection sampling; geo_mask (rollout_is=token): "
                                            "a sequence whose geometric-mean weight is outside leaves whole, the "
-                                           "others keep their token weights (OpenRLHF's seq-mask-tis)",
-                               choices=("truncate", "mask", "geo_mask"))
+                                           "others keep their token weights (OpenRLHF's seq-mask-tis); zero: "
+                                           "weights outside are 0, every token stays (verl's IcePop)",
+                               choices=("truncate", "mask", "geo_mask", "zero"))
     rollout_is_batch_normalize: bool = opt(False, "rollout IS weights divided by their mean over the global batch's "
                                                   "tokens (rollout_is=token) or sequences, after truncation (verl's)")
     rollout_rs: str = opt("none", "rejection sampling against the rollout's log-probs, beside or without rollout_is: "

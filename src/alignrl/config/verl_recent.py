@@ -193,13 +193,15 @@ def rollout_correction(st: TranslationPass) -> list[str]:
     reinforce = loss == "reinforce" or any(given.get(k) is True for k in ("use_policy_gradient",
                                                                             "use_pure_rollout_correction"))
     if any(given.get(k) is True for k in ("bypass_mode", "bypass_old_logprob_for_rollout")):
+        if icepop is not None and level:  # verl zeroes the weights outside the band; the losses here bound them
+            _missing(st, "IcePop's lower_upper rollout_is_threshold in bypass mode", ("rollout_is_threshold",))
         return _bypass(st, given, level, threshold, reinforce)
     if reinforce:
         _missing(st, "the policy-gradient loss of rollout correction without bypass mode", ("loss_type",
                  "use_policy_gradient", "use_pure_rollout_correction"))
     out = [f"algorithm.rollout_is={level}", f"algorithm.rollout_is_threshold={threshold}"] if level else []
     if level and icepop is not None:  # verl's lower_upper IS threshold: weights outside the band are zeroed (IcePop)
-        out += ["algorithm.rollout_is_mode=mask", f"algorithm.rollout_is_threshold_lower={icepop}"]
+        out += ["algorithm.rollout_is_mode=zero", f"algorithm.rollout_is_threshold_lower={icepop}"]
     if level and given.get("rollout_is_batch_normalize") is True:  # verl normalises only weights it computes
         out.append("algorithm.rollout_is_batch_normalize=true")
     if rs is not None:
@@ -221,10 +223,10 @@ def rollout_correction(st: TranslationPass) -> list[str]:
 
 def _is_threshold(spec: object) -> tuple[float, float | None]:
     """verl's rollout_is_threshold: a number (the truncation's cap), or `lower_upper` (IcePop's band)."""
-    if isinstance(spec, str) and "_" in spec:
-        low, _, high = spec.partition("_")
+    if isinstance(spec, str):  # verl's spec string: "2.0", or lower_upper
+        low, _, high = spec.rpartition("_")
         try:
-            return float(high), float(low)
+            return float(high), (float(low) if low else None)
         except ValueError:
             pass
     if isinstance(spec, bool) or not isinstance(spec, (int, float)):

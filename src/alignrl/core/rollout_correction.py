@@ -32,7 +32,7 @@ def rollout_kl(rollout_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: tor
 
 # The fraction of tokens (or sequences) whose weight fell outside the bounds, named by what was done to them.
 OUTSIDE_KEY = {"truncate": "rollout/is_truncated_frac", "mask": "rollout/is_masked_frac",
-               "geo_mask": "rollout/is_masked_frac"}
+               "geo_mask": "rollout/is_masked_frac", "zero": "rollout/is_zeroed_frac"}
 
 
 @torch.no_grad()
@@ -49,7 +49,9 @@ def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
     `lower` (default 1/threshold) leave the loss mask, so they count neither in the loss nor in its
     token or sequence count; the others keep their true weight. mode="geo_mask" (level token; OpenRLHF's
     seq-mask-tis): a sequence whose geometric-mean weight (the mean token log-ratio) leaves [lower, threshold]
-    leaves the mask whole; the tokens of the others keep their own true weights.
+    leaves the mask whole; the tokens of the others keep their own true weights. mode="zero" (verl's IcePop, its
+    lower_upper threshold): weights outside [lower, threshold] are 0 and every token stays in the mask, counted in
+    the loss's denominators as verl's response mask keeps them.
     Returns (weights (B, T), 0 outside the kept mask; the kept mask (B, T) bool, to train on instead of
     `mask`; metrics: rollout/is_weight_mean over kept tokens, rollout/is_raw_weight_max, and the tokens or
     sequences truncated or rejected as OUTSIDE_KEY[mode]). Pass the weights as
@@ -58,7 +60,8 @@ def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
     if level not in ("token", "sequence") or mode not in OUTSIDE_KEY or (mode == "geo_mask" and level != "token"):
         raise ValueError(f"level must be token|sequence and mode truncate|mask (or geo_mask at token level), got "
                          f"{level!r}, {mode!r}")
-    if threshold <= 0 or (lower is not None and not 0 <= lower < threshold):
+    if threshold <= 0 or (lower is not None and not (0 <= lower <= threshold if mode == "zero" else
+                                                      0 <= lower < threshold)):
         raise ValueError(f"need threshold > 0 and 0 <= lower < threshold, got {threshold}, {lower}")
     m = mask.to(trainer_logp.dtype)
     log_ratio = (trainer_logp - rollout_logp.to(trainer_logp.dtype)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO) * m
@@ -82,6 +85,8 @@ def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
         outside = (tested > math.log(threshold)) | (tested < (math.log(low) if low > 0 else -math.inf))
         keep = mask.bool() & ~outside
         weights = raw * keep
+        if mode == "zero":
+            keep = mask.bool()
     decided = seqs if mode == "geo_mask" else units  # what the bounds kept or dropped: geo_mask's are sequences
     any_ = bool(units.any())
     metrics = {

@@ -111,6 +111,9 @@ def every_steps(value: float, total: int) -> int:
     up (transformers' ratio form), 0 never."""
     if 0 < value < 1:
         return max(math.ceil(value * total), 1)
+    if value != int(value):
+        raise ConfigError(f"save_steps/eval_steps={value}: a whole number of steps, or below 1 a share of the run's "
+                          "steps (as transformers: no fraction above 1)")
     return int(value)
 
 
@@ -149,6 +152,8 @@ def set_aside(plan: CheckpointPlan, start: int, env, log) -> None:
         tracker = plan.root / TRACKER
         for path in stale + ([tracker] if stale and tracker.is_file() else []):
             os.replace(path, aside_path(path.parent, f"{path.name}.previous"))
+        if stale and start and plan.layout.tracker:  # verl's tracker names the step the run goes on from
+            (plan.root / TRACKER).write_text(str(start))
         if stale:
             log.print(f"{len(stale)} checkpoint(s) in {plan.root} this run does not go on from moved aside "
                       f"({', '.join(p.name for p in stale[:3])}{', ...' if len(stale) > 3 else ''})")

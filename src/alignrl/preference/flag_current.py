@@ -20,8 +20,9 @@ CHOICE_FLAGS = {
                                               "false); float16 is left out"),
     "backend": ("strategy", {"deepspeed": "deepspeed", "fsdp2": "fsdp2"}, "the training engines here are ddp, "
                                                                           "fsdp2 and deepspeed (strategy=...)"),
-    # TRL's ModelConfig dtype (--dtype, formerly --torch_dtype): the weights' compute dtype
-    **{name: ("bf16", {"bfloat16": "true", "float32": "false", "auto": "auto"}, "the offline trainers compute in "
+    # TRL's ModelConfig dtype (--dtype, formerly --torch_dtype): the dtype the weights load in. TRL's configs keep
+    # bf16 mixed precision on whatever it is (--bf16 sets that): float32 and auto change nothing here
+    **{name: ("bf16", {"bfloat16": "true", "float32": None, "auto": None}, "the offline trainers compute in "
                       "bfloat16 or float32; float16 is left out")
        for name in ("dtype", "torch_dtype")},
 }
@@ -104,7 +105,7 @@ def read_flag(word: str, name: str, eq: str, value: str, nxt: str | None,
         key, values, why = CHOICE_FLAGS[name]
         if given not in values:
             raise ConfigError(f"--{name} {given}: {why}; give {' or '.join(values)}, or leave the flag out")
-        return [f"{key}={values[given]}"], taken
+        return ([f"{key}={values[given]}"] if values[given] is not None else []), taken
     if name in accepted or name in IGNORED_VALUED or name in REFUSED_VALUED:
         given, taken = _value(name, eq, value, nxt)
         if name in REFUSED_VALUED:

@@ -26,7 +26,7 @@ from alignrl.preference.flag_current import is_current_openrlhf, read_flag, read
 from alignrl.preference.flag_splits import LIST_KEYS, split_flags, with_splits
 from alignrl.preference.mmdpo_keys import read_yaml, translate, translate_override
 from alignrl.preference.notes import say
-from alignrl.preference.their_defaults import OPENRLHF, TRL, adopted, say_adopted, spellings
+from alignrl.preference.their_defaults import OPENRLHF, TRL, TRL_DEFAULTS, adopted, say_adopted, spellings
 
 # OpenRLHF's and TRL's names of keys every offline command has (a name already ours needs no entry)
 COMMON_NAMES = {
@@ -290,6 +290,10 @@ def _their_defaults(argv: list[str], config_class: type, own_names: CommandFlags
     taken, not_taken = adopted(config_class, whose, _line_keys(words, config_class, own_names), lora, chat, packed,
                                current=is_current_openrlhf(argv))
     say_adopted(config_class, whose, names, taken, not_taken)
+    if whose == {TRL} and _last_value(words, "eval_strategy") == "steps" and _last_value(words, "eval_steps") is None:
+        every = _last_value(words, "log_every") or TRL_DEFAULTS["sft"]["log_every"]  # transformers: logging_steps
+        say(f"note: --eval_strategy steps without --eval_steps: every {every} steps (--logging_steps), as TRL's")
+        taken.append(f"eval_steps={every}")
     return taken
 
 
