@@ -227,4 +227,5 @@ def test_resuming_from_a_folder_that_is_no_checkpoint_is_one_line(lora_scorers, 
                      f"resume_from={tmp_path}", *TINY]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (f"alignrl: error: resume_from={tmp_path} is not a checkpoint of `alignrl train dpo` (no "
-                   "weights.safetensors and state.json); give a <output_dir>.checkpoints/step_<N> folder")
+                   "weights.safetensors and state.json); give a checkpoint folder (step_<N>, checkpoint-<N> or "
+                   "global_step_<N>)")

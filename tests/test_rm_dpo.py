@@ -290,4 +290,4 @@ def test_a_cost_model_run_resumed_from_its_checkpoint_ends_where_the_whole_run_d
                     "--output_dir", str(tmp_path / "bad"), "--logging_dir", str(tmp_path / "bad_logs")]) == 2
     assert capsys.readouterr().err.strip() == (
         f"alignrl: error: resume_from={tmp_path} is not a checkpoint of `alignrl train rm` (no weights.safetensors "
-        "and state.json); give a <output_dir>.checkpoints/step_<N> folder")
+        "and state.json); give a checkpoint folder (step_<N>, checkpoint-<N> or global_step_<N>)")

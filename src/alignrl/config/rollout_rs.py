@@ -9,16 +9,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from alignrl.core.rollout_rejection import DIVERGENCE_OPTIONS, REJECTION_LEVELS
 from alignrl.errors import ConfigError
+
+OLDER_LEVELS = ("token", "sequence", "geometric")  # verl 0.7's (core.rollout_rejection.REJECTION_LEVELS)
 
 RsOption = tuple[str, "float | None", float]  # (option, lower bound of a k1 option, upper bound)
 
 
 def rs_options(rs: str, threshold: Any) -> list[RsOption] | None:
     """The divergence options of `rs` with their bounds; None for none or a verl 0.7 level."""
-    if rs in ("none", *REJECTION_LEVELS):
+    if rs in ("none", *OLDER_LEVELS):
         return None
+    from alignrl.core.rollout_rejection import DIVERGENCE_OPTIONS  # torch: only for a config that asks for them
+
     names = list(dict.fromkeys(o.strip() for o in str(rs).split(",") if o.strip()))
     bad = [n for n in names if n not in DIVERGENCE_OPTIONS]
     if not names or bad:
