@@ -397,6 +397,26 @@ def test_a_samplers_heartbeat_hears_that_the_run_is_over(served):
         beat.close()
 
 
+def test_a_finished_run_says_done_until_each_live_sampler_has_asked(served):
+    """A sampler heard from just before the run ended but not scheduled for the 3 s of the farewell (a loaded
+    machine) is still told the run is over when it asks later, within a heartbeat window, instead of waiting
+    --peer-timeout for a trainer that is gone; once it has asked, the sync thread ends."""
+    from alignrl.placements.zmq.sampler import BEAT_S, Heartbeat
+
+    served.server.seen["late#p"] = time.monotonic()
+    served.server.say_done = True
+    served.server.stop.set()
+    time.sleep(3.5)
+    assert served.server.thread.is_alive()  # the late sampler has not asked yet
+    beat = Heartbeat(served.replier.addr, "", {"sampler_id": "late", "proc": "p"})
+    try:
+        assert beat.over.wait(3 * BEAT_S)
+        served.server.thread.join(timeout=30)
+        assert not served.server.thread.is_alive()
+    finally:
+        beat.close()
+
+
 def test_a_sampler_stopped_past_its_peer_timeout_still_waits_for_the_trainer(monkeypatch):
     """A sampler process stopped (SIGSTOP, a suspended machine) for longer than --peer-timeout: its first request
     after waking times out at once, which is no sign that the trainer is gone; the silence counts from then."""

@@ -54,7 +54,9 @@ def test_grpo_takes_adamw_spellings_and_refuses_other_optimizers():
         from_line(line + ["--optim", "adafactor"])
 
 
-def test_verl_trackers_without_a_sink_sampling_keys_and_ray_init(capsys):
+def test_verl_trackers_without_a_sink_sampling_keys_and_ray_init(capsys, monkeypatch):
+    monkeypatch.setenv("ALIGNRL_VERL_KEYS_LISTED", "")  # listed once per process: again here, restored after
+    monkeypatch.delenv("ALIGNRL_VERL_KEYS_LISTED")
     words = ["actor_rollout_ref.actor.optim.lr=1e-6", "trainer.logger=['console','mlflow']",
              "+actor_rollout_ref.rollout.repetition_penalty=1.1", "+actor_rollout_ref.rollout.min_p=0.05",
              "ray_init.num_cpus=8"]

@@ -74,7 +74,7 @@ class SyncServer:
             self.say_done = finished
             self.stop.set()
             self.replier.wake()  # not a poll period later
-            self.thread.join(timeout=10)
+            self.thread.join(timeout=10 + self.p.heartbeat_timeout_s)  # a finished run's "done" window
         self.replier.close()
 
     def published(self, version: int) -> None:
@@ -84,11 +84,11 @@ class SyncServer:
         self.replier.wake()  # parked work requests can be answered now: weights, then a lease
 
     def _serve(self) -> None:
-        done_until = None
+        stopped_at = None
         while True:
             if self.stop.is_set():
-                done_until = done_until or time.monotonic() + (3.0 if self.say_done else 0.0)
-                if time.monotonic() > done_until:  # a finished run says "done" a little while
+                stopped_at = stopped_at or time.monotonic()
+                if not self.say_done or self._all_told(stopped_at):
                     return
             try:
                 got = self.replier.recv(POLL_S)
@@ -109,6 +109,15 @@ class SyncServer:
                 self.cores.update(self.dispatcher.outstanding, now)
             say_requeued(lost, f"not heard from in {self.p.heartbeat_timeout_s:g} s")
             say_requeued(late, f"past pipeline.lease_timeout_s={self.p.lease_timeout_s:g} s")
+
+    def _all_told(self, stopped_at: float) -> bool:
+        """Whether a finished run has said "done" long enough: 3 s, and on until every sampler process heard from in
+        the heartbeat window before the end has asked since (each such request is answered "done"), at most a
+        heartbeat window more: on a loaded machine a live sampler may not be scheduled within the 3 s, and would then
+        wait --peer-timeout for a trainer that is gone."""
+        waited = time.monotonic() - stopped_at
+        live = [t for t in self.seen.values() if stopped_at - t < self.p.heartbeat_timeout_s]
+        return waited > 3.0 + self.p.heartbeat_timeout_s or (waited > 3.0 and all(t >= stopped_at for t in live))
 
     def _guarded(self, peer: bytes, kind: str, answer, *args):
         """`answer(*args)`; a request whose fields are not what this version sends is answered with one line
@@ -162,6 +171,7 @@ class SyncServer:
     def _bye(self, peer: bytes, meta: dict) -> None:
         """A sampler stopping (Ctrl-C, kill): its prompts go to the next one now."""
         self.parked = {p: m for p, m in self.parked.items() if process_of(m[0]) != process_of(meta)}
+        self.seen.pop(process_of(meta), None)  # gone: a finished run need not wait to tell it so
         with self.lock:
             gone = self.dispatcher.release(process_of(meta))
         say_requeued(gone, "stopped")  # said before the reply: whoever reads the log after the "ok" finds it there
