@@ -66,32 +66,39 @@ DIVERGENCE_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum
                       "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3", "binary_kl")
 
 
-def _divergences(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict:
-    """Per-token k1 = log(pi_rollout / pi_trainer), k2 = lr^2 / 2, k3 = exp(lr) - 1 - lr of lr = log(pi_trainer /
+def _divergence(kind: str, trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor
+                ) -> torch.Tensor:
+    """Per token: k1 = log(pi_rollout / pi_trainer), k2 = lr^2 / 2, k3 = exp(lr) - 1 - lr of lr = log(pi_trainer /
     pi_rollout) bounded to +-MAX_LOG_RATIO, as verl's; binary_kl: the larger of the two Bernoulli KLs between the
     token's probabilities under each (KPop)."""
     lr = _log_ratio(trainer_logp, rollout_logp, mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    if kind == "k1":
+        return -lr
+    if kind == "k2":
+        return 0.5 * lr ** 2
+    if kind == "k3":
+        return lr.exp() - 1 - lr
     eps = 1e-6
     p = trainer_logp.float().exp().clamp(eps, 1 - eps)
     q = rollout_logp.float().exp().clamp(eps, 1 - eps)
 
     def bernoulli(a, b):
         return a * (a / b).log() + (1 - a) * ((1 - a) / (1 - b)).log()
-    return {"k1": -lr, "k2": 0.5 * lr ** 2, "k3": lr.exp() - 1 - lr,
-            "binary_kl": torch.maximum(bernoulli(p, q), bernoulli(q, p)).to(lr.dtype)}
+    return torch.maximum(bernoulli(p, q), bernoulli(q, p)).to(lr.dtype)
 
 
-def _statistic(name: str, per_token: dict, m: torch.Tensor) -> torch.Tensor:
-    """The option's statistic, per token (B, T): a token option's own, a sequence option's broadcast to its tokens."""
+def _statistic(name: str, per_token: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The option's statistic, per token (B, T), from its kind's per-token values: a token option's own, a sequence
+    option's broadcast to its tokens."""
     if name == "binary_kl" or name.startswith("token_"):
-        return per_token["binary_kl" if name == "binary_kl" else name[-2:]]
-    values = per_token[name[-2:]].masked_fill(~m, 0.0)
+        return per_token
+    values = per_token.masked_fill(~m, 0.0)
     if name.startswith("seq_sum"):
         seq = values.sum(-1)
     elif name.startswith("seq_mean"):
         seq = values.sum(-1) / m.sum(-1).clamp(min=1)
     else:  # seq_max: an empty row's is 0
-        seq = per_token[name[-2:]].masked_fill(~m, float("-inf")).max(-1).values
+        seq = per_token.masked_fill(~m, float("-inf")).max(-1).values
         seq = torch.where(torch.isinf(seq), torch.zeros_like(seq), seq)
     return seq[:, None].expand_as(values)
 
@@ -104,12 +111,14 @@ def divergence_rejection_mask(trainer_logp: torch.Tensor, rollout_logp: torch.Te
     [log lower, log upper]; the others one at most upper. Returns (the kept mask (B, T) bool; metrics
     rollout/rs_masked_frac and rollout/rs_seq_masked_frac, as `rejection_mask`'s)."""
     m = mask.bool()
-    per_token = _divergences(trainer_logp, rollout_logp, mask)
-    inside = torch.ones_like(m)
+    inside, per_token = torch.ones_like(m), {}
     for name, lower, upper in options:
         if name not in DIVERGENCE_OPTIONS:
             raise ValueError(f"rollout_rs option must be one of {', '.join(DIVERGENCE_OPTIONS)}, got {name!r}")
-        stat = _statistic(name, per_token, m)
+        kind = "binary_kl" if name == "binary_kl" else name[-2:]
+        if kind not in per_token:  # each kind once, however many options read it
+            per_token[kind] = _divergence(kind, trainer_logp, rollout_logp, mask)
+        stat = _statistic(name, per_token[kind], m)
         if name.endswith("k1"):
             inside &= (stat >= math.log(lower)) & (stat <= math.log(upper))
         else:

@@ -58,6 +58,7 @@ class CheckpointPlan:
     per_epoch: int  # optimizer steps of an epoch
     total: int  # of the run
     keep: int  # save_total_limit (0: all)
+    eval_every: int = 0  # eval_steps in steps (common.eval_due)
 
     def due(self, step: int) -> bool:
         if self.strategy == "no":
@@ -103,7 +104,7 @@ def plan_for(cfg, out_dir: Path, total: int, per_epoch: int) -> CheckpointPlan:
     else:
         root = out_dir if layout.inside_output else ckpt.checkpoint_root(out_dir)
     return CheckpointPlan(root, layout, cfg.save_strategy, every_steps(cfg.save_steps, total), per_epoch, total,
-                          cfg.save_total_limit)
+                          cfg.save_total_limit, every_steps(cfg.eval_steps, total))
 
 
 def every_steps(value: float, total: int) -> int:

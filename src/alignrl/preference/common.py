@@ -229,10 +229,7 @@ def eval_due(cfg: CommonConfig, step: int, plan) -> bool:
         return False
     if cfg.eval_strategy == "epoch":
         return plan.per_epoch > 0 and step % plan.per_epoch == 0
-    from alignrl.preference.checkpoint_plan import every_steps
-
-    every = every_steps(cfg.eval_steps, plan.total)
-    return bool(every) and step % every == 0
+    return bool(plan.eval_every) and step % plan.eval_every == 0
 
 
 def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: CommonConfig, env,

@@ -84,6 +84,7 @@ class PolicyTrainer:
             self.kl_ctrl = (AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
                             if alg.kl_ctrl_type == "adaptive" else FixedKLController(alg.kl_coef))
         self.spec = policy_loss_spec(cfg)
+        self.rs_options = rs_options(alg.rollout_rs, alg.rollout_rs_threshold)  # verl's divergence filters, or None
         self.version = 0
         self.nonfinite_streak = 0  # RL steps in a row whose every optimizer step was skipped as non-finite
 
@@ -220,9 +221,8 @@ class PolicyTrainer:
                 total, count = all_reduce_sum(self.env, list(weight_sums(weights, loss_mask, a.rollout_is)))
                 weights, norm = batch_normalized(weights, total, count)
                 metrics |= norm
-        options = rs_options(a.rollout_rs, a.rollout_rs_threshold)
-        if options is not None:  # current verl's divergence filters
-            keep, rs = divergence_rejection_mask(old_lp, rollout_lp, given, options)
+        if self.rs_options is not None:  # current verl's divergence filters
+            keep, rs = divergence_rejection_mask(old_lp, rollout_lp, given, self.rs_options)
             loss_mask, metrics = loss_mask & keep, metrics | rs
         elif a.rollout_rs != "none":
             upper = a.rollout_is_threshold if a.rollout_rs_threshold is None else a.rollout_rs_threshold
