@@ -1,0 +1,62 @@
+"""The loss of a process reward model (PRM) as OpenRLHF's `PRMLoss` computes it, over a causal LM's logits. Pure
+tensor functions.
+
+A row is a solution whose every step ends in a placeholder token; each step has a label. The model's logits AT the
+placeholder position (its prediction of the token after the placeholder) are read over the K reward tokens alone
+(e.g. "+" and "-"): a softmax over those K logits is the model's belief in each label, and the loss is the
+cross-entropy of that belief against the step's target distribution over the K tokens:
+
+* a hard label names one reward token: the target is one-hot (OpenRLHF's labels given as tokens);
+* a soft label p in [0, 1] (two reward tokens only): the target is (p, 1 - p), p on the first reward token, the
+  positive one (OpenRLHF's float labels).
+
+Step accuracy is OpenRLHF's: the arg-max of the K logits equals the arg-max of the target (for a soft label, the
+first token on a tie, as torch's arg-max). Only the positions `step_mask` marks count; every other position (the
+text, padding, steps left out of training) is ignored whatever its logits and targets hold.
+
+The loss returned is the SUM of the marked steps' cross-entropies divided by `total_steps` (every step of the
+optimizer step, over micro-batches and ranks), so any split of a batch adds up to the whole batch's step mean; without
+`total_steps` it is this batch's own step mean.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reward_log_probs(logits: torch.Tensor, reward_ids: torch.Tensor | list[int]) -> torch.Tensor:
+    """(..., K) log-softmax over the K reward tokens' logits of (..., V) logits, in float32."""
+    ids = torch.as_tensor(reward_ids, dtype=torch.long, device=logits.device)
+    return torch.log_softmax(logits.index_select(-1, ids).float(), dim=-1)
+
+
+def step_terms(logits: torch.Tensor, step_mask: torch.Tensor, targets: torch.Tensor,
+               reward_ids: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy (N,), correct (N,) bool) of the N positions `step_mask` (B, T) marks: `logits` (B, T, V),
+    `targets` (B, T, K) each a distribution over the K reward tokens (rows at unmarked positions are never read).
+    The logits are gathered at the marked positions first: the (N, V) rows alone go to float32."""
+    picked = reward_log_probs(logits[step_mask], reward_ids)  # (N, K)
+    target = targets[step_mask].to(picked.dtype)
+    ce = -(target * picked).sum(-1)
+    return ce, picked.argmax(-1) == target.argmax(-1)
+
+
+def prm_loss(logits: torch.Tensor, step_mask: torch.Tensor, targets: torch.Tensor,
+             reward_ids: torch.Tensor | list[int], total_steps: float | None = None
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+    """(loss, metrics) of a batch: the summed step cross-entropy over `total_steps` (default: this batch's marked
+    steps). Metrics: this batch's step-mean loss (prm/loss) and its correct and counted steps as `acc_sum` and
+    `acc_count`, which `preference.common.totals_per_count` turns into an exact accuracy over micro-batches and
+    ranks. A batch with no marked step gives a zero loss that still reaches every parameter (a backward needs it)."""
+    ce, correct = step_terms(logits, step_mask, targets, reward_ids)
+    n = int(ce.numel())
+    if n == 0:
+        return logits.sum() * 0.0, {"prm/loss": 0.0, "acc_sum": 0.0, "acc_count": 0.0}
+    loss = ce.sum() / float(total_steps if total_steps else n)
+    return loss, {"prm/loss": float(ce.detach().mean()), "acc_sum": float(correct.sum()), "acc_count": float(n)}
+
+
+def positive_probs(logits: torch.Tensor, step_mask: torch.Tensor, reward_ids: torch.Tensor | list[int]
+                   ) -> torch.Tensor:
+    """(N,) the probability of the first reward token (the positive label) at each marked step, in row order."""
+    return reward_log_probs(logits[step_mask], reward_ids)[:, 0].exp()
