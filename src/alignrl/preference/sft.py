@@ -35,7 +35,7 @@ from alignrl.preference import adapters
 from alignrl.preference import checkpoint_plan as cp
 from alignrl.preference import common as pc
 from alignrl.preference import sft_vision as vision
-from alignrl.preference.sft_cli import SFTConfig
+from alignrl.preference.sft_cli import SFTConfig, eval_packs, packs_dataset
 from alignrl.preference.sft_packing import (NEFTune, check_packable, collate_bins, collate_packed, one_row_attention,
                                             pack_dataset)
 
@@ -71,16 +71,6 @@ def collator(cfg: SFTConfig, pad_id: int, model=None, packed: bool | None = None
 
 SPLIT_OR_BINNED = ("bfd", "bfd_split")  # rows packed before batching, each kept to itself
 UNCUT = ("bfd_split", "wrapped")  # strategies that take a row longer than max_length whole and cut it themselves
-
-
-def packs_dataset(cfg: SFTConfig) -> bool:
-    """Whether the whole training set is packed before batching (TRL's packing=True), not each micro-batch."""
-    return cfg.packing and cfg.packing_strategy != "micro_batch"
-
-
-def eval_packs(cfg: SFTConfig) -> bool:
-    """Whether the held-out rows are packed (TRL's eval_packing; unset, as the training rows)."""
-    return cfg.packing if cfg.eval_packing is None else cfg.eval_packing
 
 
 def _check_enough(n_rows: int, cfg: SFTConfig, world: int) -> None:
@@ -176,11 +166,11 @@ def eval_batches(encoded: list[EncodedRow], collate, batch_size: int, env) -> li
     return [vision.held_out_batch(collate, mine[i:i + batch_size]) for i in range(0, len(mine), batch_size)]
 
 
-def summed_loss(model, batch: SFTBatch, cfg: SFTConfig, device: torch.device) -> tuple[torch.Tensor, int]:
-    """(the summed cross-entropy of the batch's trained tokens, their number). Position t predicts token t + 1; the
-    logits of the trained positions alone go to float32. A packed batch goes in with its position ids and no
-    attention mask, from which transformers builds the block-diagonal mask that keeps its rows apart. A batch with
-    images takes them into the forward (`sft_vision`)."""
+def trained_logits(model, batch: SFTBatch, cfg: SFTConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the float32 logits of the batch's trained positions [N, V], the tokens they predict [N]). Position t predicts
+    token t + 1; the trained positions' logits alone go to float32. A packed batch goes in with its position ids and
+    no attention mask, from which transformers builds the block-diagonal mask that keeps its rows apart. A batch
+    with images takes them into the forward (`sft_vision`). Any causal LM of the tokenizer (a teacher too)."""
     with pc.autocast(cfg, device), vision.forward_images(model, batch):
         if batch.position_ids is None:
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long(),
@@ -188,9 +178,13 @@ def summed_loss(model, batch: SFTBatch, cfg: SFTConfig, device: torch.device) ->
         else:
             logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
     targets = batch.loss_mask[:, 1:]
-    picked = logits[:, :-1][targets].float()
-    total = torch.nn.functional.cross_entropy(picked, batch.input_ids[:, 1:][targets], reduction="sum")
-    return total, int(targets.sum())
+    return logits[:, :-1][targets].float(), batch.input_ids[:, 1:][targets]
+
+
+def summed_loss(model, batch: SFTBatch, cfg: SFTConfig, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(the summed cross-entropy of the batch's trained tokens, their number)."""
+    picked, labels = trained_logits(model, batch, cfg, device)
+    return torch.nn.functional.cross_entropy(picked, labels, reduction="sum"), labels.numel()
 
 
 @torch.no_grad()
@@ -269,7 +263,10 @@ def _policy(cfg: SFTConfig, folder, log):
     return policy, model, spec
 
 
-def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
+def train_sft(cfg: SFTConfig, dry_run_world: int | None = None, objective=None) -> dict:
+    """`objective(cfg, model, tok, env, log, notes) -> summed(module, batch) -> (loss, sums)`: the micro-batch's
+    summed loss over its trained tokens and other sums logged as token means (knowledge distillation's,
+    `preference.kd`); None: the cross-entropy alone."""
     from alignrl.models.loader import load_tokenizer, resolve_model_path
     from alignrl.runtime.env import barrier, init_distributed, shutdown
 
@@ -294,6 +291,8 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     enc_eval = pack_rows(enc_eval, cfg, log, notes, held_out=True)
     policy, model, spec = _policy(cfg, folder, log)
     collate, neft = _layout(cfg, tok.pad_token_id, model, log)
+    summed_of = objective(cfg, model, tok, env, log, notes) if objective else (
+        lambda module, batch: (summed_loss(module, batch, cfg, env.device)[0], {}))
     per_epoch = steps_per_epoch(len(enc_train), cfg, env.world_size)
     total = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
     engine = pc.build_engine_for(cfg, model, env, total)
@@ -316,19 +315,10 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
             return {"eval/loss": e["loss"], "eval/perplexity": e["perplexity"]}
         return {}
 
-    def loss(module, batch: SFTBatch, _global_pairs):  # dropout's draws are keyed by the micro-batch (train_pairs)
-        if neft is not None:
-            neft.arm(batch)  # its draws too
-        notes["forward_tokens"] += batch.input_ids.numel()  # this rank's, padding included
-        summed, _ = summed_loss(module, batch, cfg, env.device)
-        # logged so that the step's mean over its micro-batches and ranks is the loss it optimises: the token mean
-        # over all of the step's trained tokens (not a mean of micro-batch means)
-        share = float(summed.detach()) / batch.global_tokens * cfg.gradient_accumulation_steps * env.world_size
-        return summed / batch.global_tokens, {"loss": share}
-
     notes["forward_tokens"] = 0
     # train_pairs counts an epoch's steps (for a resume's skip) by whole global batches of what it is given
     counted = range(per_epoch * pc.global_batch(cfg, env.world_size))
+    loss = _micro_batch_loss(cfg, env, neft, notes, summed_of)
     step = pc.train_pairs(engine, loss, counted, [], tok.pad_token_id, cfg, env, log, total, {"eval/loss": "eval"},
                           after_step, start, loader=train_batches(enc_train, collate, cfg, env))
     if neft is not None:  # the saved (and the caller's) model carries no hook
@@ -347,6 +337,22 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None) -> dict:
     barrier(env)
     shutdown()
     return results
+
+
+def _micro_batch_loss(cfg: SFTConfig, env, neft, notes: dict, summed_of):
+    """`common.train_pairs`' loss_fn: the micro-batch's summed loss over its step's trained tokens (all ranks')."""
+    def loss(module, batch: SFTBatch, _global_pairs):  # dropout's draws are keyed by the micro-batch (train_pairs)
+        if neft is not None:
+            neft.arm(batch)  # its draws too
+        notes["forward_tokens"] += batch.input_ids.numel()  # this rank's, padding included
+        summed, sums = summed_of(module, batch)
+        # logged so that the step's mean over its micro-batches and ranks is the loss it optimises: the token mean
+        # over all of the step's trained tokens (not a mean of micro-batch means)
+        shares = {k: float(v) / batch.global_tokens * cfg.gradient_accumulation_steps * env.world_size
+                  for k, v in {"loss": summed.detach(), **sums}.items()}
+        return summed / batch.global_tokens, shares
+
+    return loss
 
 
 def _set_eos(tok, token: str) -> None:

@@ -104,6 +104,16 @@ class SFTConfig(CommonConfig):
             object.__setattr__(self, "packing_strategy", OLD_STRATEGY_NAMES[self.packing_strategy])
 
 
+def packs_dataset(cfg: SFTConfig) -> bool:
+    """Whether the whole training set is packed before batching (TRL's packing=True), not each micro-batch."""
+    return cfg.packing and cfg.packing_strategy != "micro_batch"
+
+
+def eval_packs(cfg: SFTConfig) -> bool:
+    """Whether the held-out rows are packed (TRL's eval_packing; unset, as the training rows)."""
+    return cfg.packing if cfg.eval_packing is None else cfg.eval_packing
+
+
 # OpenRLHF's train_sft and TRL's SFTConfig/ScriptArguments names of sft's own keys, beside flag_names.COMMON_NAMES
 SFT_NAMES = {
     "dataset": "train_files", "dataset_name": "train_files", "eval_dataset": "eval_files", "input_key": "prompt_key",

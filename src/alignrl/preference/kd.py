@@ -1,0 +1,127 @@
+"""Knowledge distillation (`alignrl train kd`): supervised fine-tuning whose loss mixes the rows' cross-entropy with
+a frozen teacher's token distributions, as OpenRLHF's `train_kd` trains it.
+
+    alignrl train kd model_path=models/small teacher_model_path=models/big train_files=[data/train.jsonl] \\
+        --output_dir models/kd --nproc 2
+
+Everything but the loss is `preference.sft`'s (rows, packing, LoRA, engines, checkpoints, held-out loss and the saved
+folder): this module hands `train_sft` an objective. Each micro-batch runs through the student and, with no
+gradient, through the teacher (the same ids, the same position ids when packed, the same autocast); at the trained
+positions alone, in float32,
+
+    loss = (1 - kd_coef) · gpt_loss + kd_coef · distil_loss
+
+where gpt_loss is the cross-entropy of the rows' next tokens and distil_loss is -Σ_v p_teacher(v) log p_student(v)
+(`core.distill`), each a token mean over the optimizer step's trained tokens on all ranks, and logged as
+train/gpt_loss and train/distil_loss (OpenRLHF's names) beside train/loss. OpenRLHF's KDLoss masks the teacher's
+term by the label at the logit's own position, one token off the cross-entropy's; here both terms read the same
+positions, those whose next token trains. The held-out loss is the student's cross-entropy, as OpenRLHF evaluates.
+
+The teacher is a whole copy on each rank's device, outside the engine (never wrapped by DDP, FSDP2 or DeepSpeed,
+not sharded under ZeRO-3), in eval mode with its parameters frozen. It must share the student's tokenizer: a
+different vocabulary is refused in one line; heads padded to different sizes beyond the tokenizer (a model family's
+sizes) are matched, the teacher's extra entries dropped (`core.distill.match_vocab`), said at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from alignrl.config import ConfigError
+from alignrl.core.distill import distill_sum, match_vocab, mix
+from alignrl.preference.kd_cli import KDConfig
+from alignrl.preference.sft import train_sft, trained_logits
+from alignrl.preference.sft_packing import check_packable, one_row_attention
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def train_kd(cfg: KDConfig, dry_run_world: int | None = None) -> dict:
+    """`train_sft` with the distillation objective; the teacher's folder is checked first (a dry run too)."""
+    from alignrl.models.loader import resolve_model_path
+
+    resolve_model_path(cfg.teacher_model_path, lambda *_: None, "teacher_model_path")
+    cfg = replace(cfg, output_dir=cfg.output_dir or "models/kd")  # and its logs under logs/training/kd
+    return train_sft(cfg, dry_run_world, objective=distillation)
+
+
+def distillation(cfg: KDConfig, model, tok, env, log, notes: dict):
+    """The objective `train_sft` calls once its student is built: the teacher loaded and checked, and
+    `summed(module, batch) -> (loss, {"gpt_loss": Σ, "distil_loss": Σ})`, sums over the batch's trained tokens."""
+    teacher = load_teacher(cfg, model, tok, env.device, log)
+    vocab = _vocab(model)
+    notes.update({"teacher_model_path": cfg.teacher_model_path, "kd_coef": cfg.kd_coef,
+                  "temperature": cfg.temperature})
+
+    def summed(module, batch):
+        picked, labels = trained_logits(module, batch, cfg, env.device)
+        gpt = torch.nn.functional.cross_entropy(picked, labels, reduction="sum")
+        with torch.no_grad():
+            taught, _ = trained_logits(teacher, batch, cfg, env.device)
+        distil = distill_sum(picked, match_vocab(taught, vocab), cfg.temperature)
+        return mix(gpt, distil, cfg.kd_coef), {"gpt_loss": gpt.detach(), "distil_loss": distil.detach()}
+
+    return summed
+
+
+def load_teacher(cfg: KDConfig, student, tok, device: torch.device, log):
+    """The teacher: float32, frozen, in eval mode (no dropout) on `device`, its vocabulary checked against the
+    student's; with packing, checked to keep packed rows apart in the layout the student's batches take."""
+    from alignrl.models.loader import load_causal_lm, resolve_model_path
+
+    folder = resolve_model_path(cfg.teacher_model_path, log.print, "teacher_model_path")
+    _check_tokenizer(folder, tok, cfg.teacher_model_path)
+    teacher = load_causal_lm(folder, "float32", "teacher_model_path")
+    check_vocab(_vocab(teacher), _vocab(student), len(tok), cfg.teacher_model_path, log)
+    teacher.requires_grad_(False)
+    teacher.eval()
+    teacher.to(device)
+    if cfg.packing and cfg.packing_strategy != "wrapped":  # wrapped rows are padded, their attention crossing rows
+        check_packable(teacher, cfg.max_length)
+        if one_row_attention(teacher) != one_row_attention(student):
+            raise ConfigError("packing=true: the teacher's and the student's attention implementations lay packed "
+                              "rows out differently (flash attention needs them in one row); load both with the "
+                              "same attn_implementation, or set packing=false")
+    n = sum(p.numel() for p in teacher.parameters())
+    log.print(f"teacher {cfg.teacher_model_path}: {n / 1e6:.2f}M parameters, frozen, float32 on {device}; "
+              f"loss = {1 - cfg.kd_coef:g} × gpt_loss + {cfg.kd_coef:g} × distil_loss"
+              + (f", temperature {cfg.temperature:g}" if cfg.temperature != 1.0 else ""))
+    return teacher
+
+
+def _vocab(model) -> int:
+    """The entries of the model's output head (its logits' last size)."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def check_vocab(teacher: int, student: int, tokens: int, path: str, log) -> None:
+    """Heads of one size pass; heads padded to different sizes that both cover the tokenizer's `tokens` are matched
+    (said); otherwise the two cannot share the tokenizer: one line naming both sizes."""
+    if teacher == student:
+        return
+    if min(teacher, student) < tokens:
+        raise ConfigError(f"teacher_model_path={path}: the teacher's vocabulary has {teacher} entries and the "
+                          f"student's {student} (its tokenizer {tokens} tokens): distillation compares the two "
+                          "models' next-token distributions entry by entry, so they must share a tokenizer; give a "
+                          "teacher of the student's model family")
+    what = "its extra entries dropped" if teacher > student else "0 on the student's extra entries"
+    log.print(f"note: the teacher's head has {teacher} entries and the student's {student}, both beyond the "
+              f"tokenizer's {tokens} tokens (padding): the teacher's distribution is taken over the student's "
+              f"{student} entries ({what})")
+
+
+def _check_tokenizer(folder: Path, tok, path: str) -> None:
+    """A teacher folder that holds a tokenizer must hold the student's: the same tokens with the same ids."""
+    if not any((Path(folder) / f).is_file() for f in TOKENIZER_FILES):
+        return  # a folder of weights alone: its head's size is checked against the student's
+    from alignrl.models.loader import load_tokenizer
+
+    theirs = load_tokenizer(Path(folder), chat=False)
+    if len(theirs) != len(tok) or theirs.get_vocab() != tok.get_vocab():
+        raise ConfigError(f"teacher_model_path={path}: its tokenizer has {len(theirs)} tokens and the student's "
+                          f"{len(tok)}{' (with other ids)' if len(theirs) == len(tok) else ''}: distillation "
+                          "compares the two models' next-token distributions entry by entry, so they must share a "
+                          "tokenizer; give a teacher of the student's model family")

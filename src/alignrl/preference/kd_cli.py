@@ -1,0 +1,96 @@
+"""The command line of knowledge distillation (`alignrl train kd`): supervised fine-tuning's config and flags
+(`preference.sft_cli`) plus the teacher, and OpenRLHF's `train_kd` and TRL's `GKDConfig` flag spellings read as its
+keys.
+
+    alignrl train kd teacher_model_path=models/big train_files=[data/train.jsonl] --output_dir models/kd
+    alignrl train kd --pretrain models/small --teacher_model models/big --dataset data/train.jsonl --input_key q \\
+        --output_key a --apply_chat_template --kd_coef 0.4 --max_len 2048 --save_path models/kd
+
+Every sft key is a kd key too (rows, packing, LoRA, engines, checkpoints, evaluation), layered the same way:
+defaults < `--config` YAML < `key=value` < flags. A line in OpenRLHF's spelling takes train_kd's defaults where it is
+silent (one epoch, learning rate 5e-6, ...); one in TRL's spelling GKDConfig's: temperature 0.9 and kd_coef 1 (GKD's
+loss is the divergence alone). Of GKD, the on-policy part (`lmbda` > 0, `seq_kd`) and the generalized JSD (`beta` >
+0) are left out: the student learns the teacher's distributions on the dataset's rows, KL(teacher ‖ student).
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from alignrl.config import ConfigError, opt
+from alignrl.preference import their_defaults as td
+from alignrl.preference.cli import COMMANDS, load_flat_config, make_parser, run_cli
+from alignrl.preference.flag_names import CommandFlags, dataset_hint, epilog, flags_as_keys
+from alignrl.preference.sft_cli import SFTConfig, packing_switches, sft_flags
+
+
+@dataclass(frozen=True)
+class KDConfig(SFTConfig):
+    teacher_model_path: str = opt("", "the teacher: a causal LM folder sharing the student's tokenizer, loaded frozen "
+                                      "in float32 beside it (OpenRLHF: --teacher_model; TRL: "
+                                      "--teacher_model_name_or_path)")
+    kd_coef: float = opt(0.4, "weight of the distillation loss: (1 - kd_coef) × the rows' cross-entropy + kd_coef × "
+                              "the teacher's cross-entropy against the student, both token means over the trained "
+                              "tokens (OpenRLHF's --kd_coef and default); 0: plain SFT, 1: the teacher alone",
+                         ge=0.0, le=1.0)
+    temperature: float = opt(1.0, "both models' logits divided by it in the distillation loss (TRL's GKD "
+                                  "temperature); 1: none, as OpenRLHF", gt=0.0)
+
+
+KD_NAMES = {"teacher_model": "teacher_model_path", "teacher_model_name_or_path": "teacher_model_path"}
+# TRL's GKD flags that name what happens here anyway: the dataset's rows (no student generations), forward KL
+GKD_ACCEPTED = {
+    "lmbda": (("0", "0.0"), "the student's own generations (GKD's on-policy fraction) are left out; the "
+                            "dataset's completions alone train"),
+    "beta": (("0", "0.0"), "the loss here is KL(teacher ‖ student) (GKD's beta=0); the generalized JSD is left out"),
+    "seq_kd": (("false", "False"), "sequence-level KD (training on the teacher's generations) is left out"),
+}
+
+
+def kd_flags(argv: list[str]) -> CommandFlags:
+    """sft's flag table for this line (`sft_cli.sft_flags`) with the teacher's names and GKD's settings."""
+    sft = sft_flags(argv)
+    return CommandFlags({**sft.names, **KD_NAMES}, sft.switches, sft.left_out, ignored=("teacher_offload",),
+                        accepted=GKD_ACCEPTED)
+
+
+def _register_their_defaults() -> None:
+    """kd's rows in `their_defaults`' tables, which are keyed by command: OpenRLHF's train_kd is its train_sft with
+    one epoch (the same learning rate, 5e-6, and kd_coef, 0.4, as here); TRL's GKDConfig is its SFTConfig with
+    temperature 0.9 and the divergence alone (kd_coef 1)."""
+    td.COMMAND_OF["KDConfig"] = "kd"
+    td.SCRIPTS[td.OPENRLHF]["kd"], td.SCRIPTS[td.TRL]["kd"] = "train_kd", "GKDConfig"
+    td.OPENRLHF_DEFAULTS["kd"] = {**td.OPENRLHF_DEFAULTS["sft"], "epochs": 1}
+    td.TRL_DEFAULTS["kd"] = {**td.TRL_DEFAULTS["sft"], "kd_coef": 1.0, "temperature": 0.9}
+    td.OPENRLHF_NOT_TAKEN["kd"] = td.OPENRLHF_NOT_TAKEN["sft"]
+    td.TRL_NOT_TAKEN["kd"] = td.TRL_NOT_TAKEN["sft"]
+
+
+_register_their_defaults()
+
+
+def parse_kd(argv: list[str]) -> KDConfig:
+    p = make_parser("alignrl train kd", "Knowledge distillation: supervised fine-tuning of a student on rows, its "
+                                        "loss mixed with a frozen teacher's token distributions.")
+    p.epilog = (epilog(kd_flags([])) + " --teacher_offload changes nothing (the teacher is a frozen copy on each "
+                "rank's device); TRL's --lmbda, --beta take 0 and --seq_kd false only (no generation here). The "
+                "sft switches (--packing_samples, --pretrain_mode, --multiturn) as `alignrl train sft --help` says. "
+                "Keys and the loss: docs/kd.md")
+    rest, packing = packing_switches(argv)
+    args = p.parse_intermixed_args(flags_as_keys(rest + packing, KDConfig, kd_flags(rest)))
+    cfg = load_flat_config(KDConfig, args.config, args.overrides, {"output_dir": args.output_dir,
+                                                                     "logging_dir": args.logging_dir})
+    if not cfg.train_files:
+        raise ConfigError(f"train_files is empty: give the training rows, {dataset_hint(rest, kd_flags(rest))}")
+    if not cfg.teacher_model_path:
+        raise ConfigError("teacher_model_path is empty: give the teacher model's folder (teacher_model_path=DIR; "
+                          "OpenRLHF: --teacher_model, TRL: --teacher_model_name_or_path)")
+    return cfg
+
+
+COMMANDS["kd"] = (parse_kd, "alignrl.preference.kd", "train_kd")
+
+
+def kd_main(argv: list[str] | None = None) -> int:
+    return run_cli(argv, "kd")
