@@ -1,0 +1,261 @@
+"""Process reward models (`alignrl train prm`), as OpenRLHF's `train_prm` trains them.
+
+    alignrl train prm train_files=[data/steps.jsonl] eval_files=[data/steps_test.jsonl] --output_dir models/prm
+
+The model is a causal LM trained through a TrainEngine (one process, DDP, FSDP2 or DeepSpeed; with `use_lora`, its
+LoRA adapters alone) on the rows of `data.prm_rows`: solutions whose steps each end in a placeholder token, a label
+per step. At each placeholder the logits of the reward tokens alone are trained toward the step's label
+(`core.prm`), so the saved model is an ordinary causal LM whose next-token distribution after a placeholder, over
+the reward tokens, scores that step (`score_steps`).
+
+The loss of an optimizer step is the mean over all of its counted steps, over micro-batches and ranks (every step
+weighs the same, however the steps fall into rows and micro-batches). Held-out rows are measured before and after
+training (and every `eval_steps`): the step-mean loss and the step accuracy (the arg-max reward token is the label's),
+over every step even with `train_on_last_step_only`; written to `<output_dir>/eval_results.json` beside the saved
+HF folder, with `prm_tokens.json` naming the placeholder and reward tokens. `save_steps` writes resumable checkpoints
+and `resume_from` goes on from one. Left out: OpenRLHF's whole-vocabulary loss (its --reward_tokens unset), packing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from alignrl.core.prm import positive_probs, prm_loss, step_terms
+from alignrl.data.prm_rows import (EncodedPRM, PRMBatch, PRMKeys, PRMRow, collate_rows, counted_steps, encode_pieces,
+                                   encode_rows, load_rows, single_token)
+from alignrl.preference import adapters
+from alignrl.preference import checkpoint_plan as cp
+from alignrl.preference import common as pc
+from alignrl.preference.prm_cli import PRMConfig
+
+TOKENS_FILE = "prm_tokens.json"  # in the saved folder: what a scorer needs besides the model
+CONSOLE = {"acc": "acc"}
+
+
+def _load(files: list[str], cfg: PRMConfig, limit: int, key: str) -> list[PRMRow]:
+    """The rows of the first `limit` lines of all `files` together, in order (OpenRLHF's --max_samples); 0: all."""
+    keys = PRMKeys(cfg.input_key, cfg.prompt_key, cfg.completions_key, cfg.label_key)
+    rows: list[PRMRow] = []
+    for f in files:
+        if limit and len(rows) >= limit:
+            break
+        rows += load_rows(str(f), keys, cfg.placeholder_token, [str(t) for t in cfg.reward_tokens],
+                          cfg.step_separator, limit - len(rows) if limit else None, key)
+    return rows
+
+
+def token_ids(tokenizer, placeholder: str, reward_tokens: list[str]) -> tuple[int, list[int]]:
+    """(the placeholder's id, the reward tokens' ids): each must be one token of `tokenizer`, all different."""
+    pid = single_token(tokenizer, placeholder, "placeholder_token")
+    rids = [single_token(tokenizer, str(t), "reward_tokens' token") for t in reward_tokens]
+    if len(set(rids + [pid])) != len(rids) + 1:
+        from alignrl.data.loaders import DataError
+
+        raise DataError(f"placeholder_token {placeholder!r} and reward_tokens {reward_tokens} are not all different "
+                        "tokens in this tokenizer; pick others")
+    return pid, rids
+
+
+def step_counts(encoded: list[EncodedPRM], cfg: PRMConfig, world: int, epoch: int) -> list[float]:
+    """The counted steps of each optimizer step of `epoch`, over every micro-batch of every rank."""
+    accum = cfg.gradient_accumulation_steps
+    counts: list[float] = []
+    for rank in range(world):
+        for i, batch in enumerate(pc.micro_batches(len(encoded), cfg, world, rank, epoch)):
+            if i // accum == len(counts):
+                counts.append(0.0)
+            counts[i // accum] += sum(len(counted_steps(encoded[j], cfg.train_on_last_step_only)) for j in batch)
+    return counts
+
+
+def train_batches(encoded: list[EncodedPRM], pad_id: int, n_tokens: int, cfg: PRMConfig, env):
+    """`loader(epoch)` for `common.train_pairs`: this rank's micro-batches, each knowing its step's global count."""
+    from torch.utils.data import DataLoader
+
+    def loader(epoch: int):
+        counts = step_counts(encoded, cfg, env.world_size, epoch)
+        mine = pc.micro_batches(len(encoded), cfg, env.world_size, env.rank, epoch)
+        items = [(batch, counts[i // cfg.gradient_accumulation_steps]) for i, batch in enumerate(mine)]
+        # a generator of its own: the loader's seed draw leaves the global random state (dropout's) alone
+        return DataLoader(items, batch_size=None, num_workers=cfg.num_workers, pin_memory=env.device.type == "cuda",
+                          generator=torch.Generator().manual_seed(cfg.seed),
+                          collate_fn=lambda item: collate_rows([encoded[j] for j in item[0]], pad_id, n_tokens,
+                                                               item[1], cfg.train_on_last_step_only))
+
+    return loader
+
+
+def eval_batches(encoded: list[EncodedPRM], pad_id: int, n_tokens: int, batch_size: int, env) -> list[PRMBatch]:
+    """This rank's share of the held-out rows (rank::world), every step counted, padded with uncounted copies so
+    that every rank runs the same number of forwards (sharded engines need all ranks in each one)."""
+    if not encoded:
+        return []
+    mine = encoded[env.rank::env.world_size]
+    per_rank = -(-len(encoded) // env.world_size)
+    counted = [True] * len(mine) + [False] * (per_rank - len(mine))
+    mine = mine + [encoded[0]] * (per_rank - len(mine))
+    return [collate_rows(mine[i:i + batch_size], pad_id, n_tokens, counted=counted[i:i + batch_size])
+            for i in range(0, len(mine), batch_size)]
+
+
+def logits_of(model, batch: PRMBatch, cfg: PRMConfig, device: torch.device) -> torch.Tensor:
+    with pc.autocast(cfg, device):
+        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long(), use_cache=False).logits
+
+
+@torch.no_grad()
+def evaluate(model, batches: list[PRMBatch], reward_ids: list[int], cfg: PRMConfig, env) -> dict:
+    """The held-out step-mean loss and step accuracy over all ranks' shares."""
+    from alignrl.runtime.env import all_reduce_sum
+
+    was = model.training
+    model.eval()
+    sums = [0.0, 0.0, 0.0]
+    for batch in batches:
+        batch = batch.to(env.device)
+        ce, correct = step_terms(logits_of(model, batch, cfg, env.device), batch.step_mask, batch.targets, reward_ids)
+        sums = [sums[0] + float(ce.sum()), sums[1] + float(correct.sum()), sums[2] + ce.numel()]
+    model.train(was)
+    total, right, steps = all_reduce_sum(env, sums)
+    return {"loss": total / max(steps, 1.0), "step_accuracy": right / max(steps, 1.0), "steps": int(steps)}
+
+
+def _loss_fn(cfg: PRMConfig, env, reward_ids: list[int]):
+    def loss(module, batch: PRMBatch, _global_rows: float):
+        value, m = prm_loss(logits_of(module, batch, cfg, env.device), batch.step_mask, batch.targets, reward_ids,
+                            batch.total_steps)
+        # logged as the share that makes the mean over micro-batches and ranks the step's own step-mean loss
+        share = float(value.detach()) * cfg.gradient_accumulation_steps * env.world_size
+        return value, {"loss": share, "acc_sum": m["acc_sum"], "acc_count": m["acc_count"]}
+
+    return loss
+
+
+@torch.no_grad()
+def score_steps(model, tokenizer, texts: list[str], placeholder_token: str, reward_tokens: list[str]
+                ) -> list[list[float]]:
+    """P(the first reward token) at each placeholder of each text (rows in the placeholder form), one text per
+    forward: what a trained PRM says of each step, in order."""
+    pid, rids = token_ids(tokenizer, placeholder_token, reward_tokens)
+    device = next(model.parameters()).device
+    out = []
+    for text in texts:
+        ids, steps = encode_pieces(tokenizer, text.split(placeholder_token), pid)
+        if not steps:
+            out.append([])
+            continue
+        logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits
+        mask = torch.zeros((1, len(ids)), dtype=torch.bool, device=device)
+        mask[0, steps] = True
+        out.append(positive_probs(logits, mask, rids).tolist())
+    return out
+
+
+def read_tokens(folder: str | Path) -> tuple[str, list[str]]:
+    """(placeholder token, reward tokens) of a folder `alignrl train prm` saved."""
+    spec = json.loads((Path(folder) / TOKENS_FILE).read_text())
+    return spec["placeholder_token"], list(spec["reward_tokens"])
+
+
+def _encode(tok, cfg: PRMConfig, train_rows: list[PRMRow], eval_rows: list[PRMRow], log):
+    pid, rids = token_ids(tok, cfg.placeholder_token, [str(t) for t in cfg.reward_tokens])
+    enc_train, notes = encode_rows(tok, train_rows, pid, cfg.max_length)
+    enc_eval, eval_notes = encode_rows(tok, eval_rows, pid, cfg.max_length)
+    steps = sum(len(e.steps) for e in enc_train)
+    log.print(f"PRM: {len(enc_train)} train rows ({steps} steps) from {', '.join(map(str, cfg.train_files))}, "
+              f"{len(enc_eval)} held-out; placeholder {cfg.placeholder_token!r} (id {pid}), reward tokens "
+              f"{' '.join(map(str, cfg.reward_tokens))} (ids {rids}); max_length={cfg.max_length} cut "
+              f"{notes['truncated_rows']} rows, dropping {notes['dropped_labels']} labels "
+              f"({notes['dropped_rows']} rows with no whole step left)")
+    if eval_notes["dropped_labels"]:
+        log.print(f"held-out rows: max_length cut {eval_notes['truncated_rows']} rows, dropping "
+                  f"{eval_notes['dropped_labels']} labels")
+    return enc_train, enc_eval, pid, rids, {**notes, "train_steps": steps, "eval_dropped_labels":
+                                            eval_notes["dropped_labels"]}
+
+
+def _model(cfg: PRMConfig, folder, log):
+    from alignrl.models.loader import load_causal_lm
+
+    policy = load_causal_lm(folder, "float32", "model_path")
+    pc.prepare_trainable(policy, cfg)
+    spec = adapters.spec_of(cfg)
+    model = adapters.attach(policy, spec, "CAUSAL_LM", cfg.seed) if spec is not None else policy
+    if spec is not None:
+        log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}")
+    return policy, model, spec
+
+
+def _fmt(e: dict) -> str:
+    return f"step loss {e['loss']:.4f}, step accuracy {e['step_accuracy']:.3f} over {e['steps']} steps"
+
+
+def train_prm(cfg: PRMConfig, dry_run_world: int | None = None) -> dict:
+    from alignrl.models.loader import load_tokenizer, resolve_model_path
+    from alignrl.runtime.env import barrier, init_distributed, shutdown
+
+    train_rows = _load(list(cfg.train_files), cfg, cfg.max_train_pairs, "train_files")
+    eval_rows = _load(list(cfg.eval_files), cfg, cfg.max_eval_pairs, "eval_files")
+    what = ", ".join(map(str, cfg.train_files))
+    if dry_run_world:
+        pc.check_enough(len(train_rows), cfg, dry_run_world, what)
+        return {}
+    out_dir, log_dir = pc.run_folders(cfg, "models/prm", "logs/training/prm")
+    t0 = time.time()
+    env = init_distributed()
+    log = pc.RankZeroLog(env, log_dir, cfg.report_to)
+    folder = resolve_model_path(cfg.model_path, log.print, "model_path")
+    tok = load_tokenizer(folder, chat=False)
+    enc_train, enc_eval, pid, rids, notes = _encode(tok, cfg, train_rows, eval_rows, log)
+    pc.check_enough(len(enc_train), cfg, env.world_size, what)
+    policy, model, spec = _model(cfg, folder, log)
+    total = pc.total_steps(len(enc_train), cfg, env.world_size)
+    engine = pc.build_engine_for(cfg, model, env, total)
+    log.print(f"{pc.describe_batch(cfg, env.world_size).replace('pairs', 'rows')}; {total} optimizer steps, "
+              f"strategy {engine.name}, world size {env.world_size}, bf16 {pc.use_bf16(cfg)}")
+    evals = eval_batches(enc_eval, tok.pad_token_id, len(rids), cfg.eval_batch_size, env)
+    ev = (lambda: evaluate(engine.model, evals, rids, cfg, env)) if enc_eval else (lambda: None)  # noqa: E731
+    before = ev()
+    if before:
+        log.print("held-out before training: " + _fmt(before))
+    plan = cp.plan_for(cfg, out_dir, total, pc.steps_per_epoch(len(enc_train), cfg, env.world_size))
+    start = cp.resumed_step(cfg, plan, engine, "prm", log, env)
+    export = adapters.exporter(policy, model, spec, cfg.lora_export)
+    tokens = {"placeholder_token": cfg.placeholder_token, "reward_tokens": [str(t) for t in cfg.reward_tokens],
+              "placeholder_id": pid, "reward_ids": rids, "step_separator": cfg.step_separator,
+              "score": "softmax over the reward tokens' logits at each placeholder; the first is the positive label"}
+
+    def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
+        cp.save_if_due(plan, step, engine, env, log, export, tok, {TOKENS_FILE: tokens})
+        if enc_eval and pc.eval_due(cfg, step, plan):
+            e = ev()
+            return {"eval/loss": e["loss"], "eval/step_accuracy": e["step_accuracy"]}
+        return {}
+
+    step = pc.train_pairs(engine, _loss_fn(cfg, env, rids), enc_train, [], tok.pad_token_id, cfg, env, log, total,
+                          CONSOLE, after_step, start, loader=train_batches(enc_train, tok.pad_token_id, len(rids),
+                                                                           cfg, env))
+    after = ev()
+    if after:
+        pc.check_eval_finite(after["loss"], "step losses")
+        log.print("held-out after training:  " + _fmt(after))
+    results = {"before": before, "after": after, "steps": step, "train_rows": len(enc_train), **notes, **tokens,
+               "train_on_last_step_only": cfg.train_on_last_step_only,
+               "train_files": [str(f) for f in cfg.train_files], "eval_files": [str(f) for f in cfg.eval_files],
+               "max_length": cfg.max_length, "world_size": env.world_size, "strategy": engine.name,
+               "use_lora": cfg.use_lora, "effective_batch": pc.global_batch(cfg, env.world_size),
+               "seconds": round(time.time() - t0, 1), "model_path": cfg.model_path}
+    writer, state = export(engine.full_state_dict())  # collective
+    pc.save_hf_folder(out_dir, writer, state, tok, {"eval_results.json": results, TOKENS_FILE: tokens}, env,
+                      log_dir=log_dir, keep=plan.inside(out_dir))
+    if after:
+        log.metrics(step, {"eval/loss": after["loss"], "eval/step_accuracy": after["step_accuracy"],
+                           "eval/step_accuracy_before": before["step_accuracy"]})
+    log.print(f"saved process reward model to {out_dir} ({results['seconds']:.1f}s)")
+    barrier(env)
+    shutdown()
+    return results
