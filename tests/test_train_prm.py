@@ -88,8 +88,7 @@ def _run(model: Path, tmp: Path, name: str, *extra: str) -> dict:
 
 
 def test_training_raises_held_out_step_accuracy_and_the_folder_scores_steps(tiny_model_dir, tmp_path):
-    from alignrl.models.loader import load_causal_lm
-    from alignrl.preference.prm import read_tokens, score_steps
+    from alignrl.preference.prm import load_scorer, score_steps
 
     train = _write(tmp_path / "train.jsonl", _text_rows(0, 48))
     held = _write(tmp_path / "eval.jsonl", _text_rows(1, 12))
@@ -103,9 +102,9 @@ def test_training_raises_held_out_step_accuracy_and_the_folder_scores_steps(tiny
     rows = [json.loads(line) for line in (tmp_path / "logs_prm" / "metrics.jsonl").read_text().splitlines()]
     assert {"loss", "acc"} <= set().union(*rows)
     folder = tmp_path / "prm"
-    assert read_tokens(folder) == (P, TOKENS)  # a normal causal-LM folder plus the tokens a scorer needs
-    model = load_causal_lm(folder, "float32", "model_path").eval()
-    scores = score_steps(model, _tok(folder), [f"Sam has 9 apples. Tom loses 2 {P}\nTom gives 4 {P}\n"], P, TOKENS)
+    model, tok, placeholder, tokens = load_scorer(folder)  # a causal-LM folder plus the tokens a scorer needs
+    assert (placeholder, tokens) == (P, TOKENS) and not model.training
+    scores = score_steps(model, tok, [f"Sam has 9 apples. 2 loses{P}\n4 gives{P}\n"], P, TOKENS)
     assert len(scores[0]) == 2 and scores[0][0] > 0.5 > scores[0][1]
 
 

@@ -161,6 +161,16 @@ def read_tokens(folder: str | Path) -> tuple[str, list[str]]:
     return spec["placeholder_token"], list(spec["reward_tokens"])
 
 
+def load_scorer(folder: str | Path):
+    """(the model in eval mode, its tokenizer, the placeholder token, the reward tokens) of a folder that
+    `alignrl train prm` saved: what `score_steps` takes."""
+    from alignrl.models.loader import load_causal_lm, load_tokenizer
+
+    placeholder, reward_tokens = read_tokens(folder)
+    model = load_causal_lm(Path(folder), "float32", "model_path").eval()
+    return model, load_tokenizer(Path(folder), chat=False), placeholder, reward_tokens
+
+
 def _encode(tok, cfg: PRMConfig, train_rows: list[PRMRow], eval_rows: list[PRMRow], log):
     pid, rids = token_ids(tok, cfg.placeholder_token, [str(t) for t in cfg.reward_tokens])
     enc_train, notes = encode_rows(tok, train_rows, pid, cfg.max_length)
