@@ -79,7 +79,7 @@ def read_row(loc: str, row: dict, keys: PRMKeys, placeholder: str, reward_tokens
         if len(pieces) - 1 != len(labels):
             raise DataError(f"{loc}: {len(pieces) - 1} placeholders ({placeholder!r}) in {keys.input} but "
                             f"{len(labels)} labels in {keys.label}; each step ends in one placeholder and has one "
-                            "label")
+                            "label" + ("; set placeholder_token to the rows' own" if len(pieces) == 1 else ""))
     else:
         raise DataError(f"{loc}: row has neither {keys.input} (a text with placeholders) nor {keys.completions} "
                         f"(stepwise: {keys.prompt}, {keys.completions}, {keys.label}); its keys are "
