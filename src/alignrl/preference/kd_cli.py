@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from alignrl.config import ConfigError, opt
-from alignrl.preference import their_defaults as td
 from alignrl.preference.cli import COMMANDS, load_flat_config, make_parser, run_cli
 from alignrl.preference.flag_names import CommandFlags, dataset_hint, epilog, flags_as_keys
 from alignrl.preference.sft_cli import SFTConfig, packing_switches, sft_flags
@@ -55,19 +54,6 @@ def kd_flags(argv: list[str]) -> CommandFlags:
                         accepted=GKD_ACCEPTED)
 
 
-def _register_their_defaults() -> None:
-    """kd's rows in `their_defaults`' tables, which are keyed by command: OpenRLHF's train_kd is its train_sft with
-    one epoch (the same learning rate, 5e-6, and kd_coef, 0.4, as here); TRL's GKDConfig is its SFTConfig with
-    temperature 0.9 and the divergence alone (kd_coef 1)."""
-    td.COMMAND_OF["KDConfig"] = "kd"
-    td.SCRIPTS[td.OPENRLHF]["kd"], td.SCRIPTS[td.TRL]["kd"] = "train_kd", "GKDConfig"
-    td.OPENRLHF_DEFAULTS["kd"] = {**td.OPENRLHF_DEFAULTS["sft"], "epochs": 1}
-    td.TRL_DEFAULTS["kd"] = {**td.TRL_DEFAULTS["sft"], "kd_coef": 1.0, "temperature": 0.9}
-    td.OPENRLHF_NOT_TAKEN["kd"] = td.OPENRLHF_NOT_TAKEN["sft"]
-    td.TRL_NOT_TAKEN["kd"] = td.TRL_NOT_TAKEN["sft"]
-
-
-_register_their_defaults()
 
 
 def parse_kd(argv: list[str]) -> KDConfig:

@@ -17,7 +17,6 @@ import json
 from dataclasses import dataclass
 
 from alignrl.config import ConfigError, opt
-from alignrl.preference import their_defaults as td
 from alignrl.preference.cli import COMMANDS, load_flat_config, make_parser, run_cli
 from alignrl.preference.configs import CommonConfig
 from alignrl.preference.flag_names import CommandFlags, dataset_hint, epilog, flags_as_keys
@@ -60,17 +59,6 @@ SPACED = ("reward_tokens",)  # OpenRLHF's nargs flag: `--reward_tokens + -`
 QUOTED = ("placeholder_token", "step_separator")  # texts kept as given (`-`, `:`, `#` would be YAML)
 
 
-def _register_defaults() -> None:
-    """OpenRLHF's train_prm and TRL's PRMConfig defaults, taken by a line in their spelling (`their_defaults`)."""
-    td.COMMAND_OF["PRMConfig"] = "prm"
-    td.SCRIPTS[td.OPENRLHF]["prm"], td.SCRIPTS[td.TRL]["prm"] = "train_prm", "PRMConfig"
-    td.OPENRLHF_DEFAULTS["prm"] = {**td._OPENRLHF_COMMON, "learning_rate": 1e-6, "max_length": 2048,
-                                   "batch_size": 1, "label_key": "label"}
-    td.TRL_DEFAULTS["prm"] = {**td._TRL_COMMON, "learning_rate": 1e-5, "max_length": 1024}
-    td.TRL_NOT_TAKEN["prm"] = td._TRL_NOT_TAKEN
-
-
-_register_defaults()
 
 
 def _texts_as_keys(argv: list[str]) -> list[str]:

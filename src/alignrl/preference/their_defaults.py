@@ -1,5 +1,6 @@
-"""The defaults of OpenRLHF's scripts (`train_rm`, `train_dpo`, `train_sft`, `train_kto`) and of TRL's configs
-(`RewardConfig`, `DPOConfig`, `SFTConfig`, `KTOConfig` on transformers' `TrainingArguments`), taken by an offline
+"""The defaults of OpenRLHF's scripts (`train_rm`, `train_dpo`, `train_sft`, `train_kto`, `train_kd`, `train_prm`) and
+of TRL's configs (`RewardConfig`, `DPOConfig`, `SFTConfig`, `KTOConfig`, `GKDConfig`, `PRMConfig` on transformers'
+`TrainingArguments`), taken by an offline
 command line written in their spelling: what such a line leaves unsaid trains as their script would, not as this
 command's own defaults.
 
@@ -61,7 +62,10 @@ OPENRLHF_DEFAULTS: dict[str, dict[str, Any]] = {
     "sft": {**_OPENRLHF_COMMON, "learning_rate": 5e-6, "max_length": 2048, "epochs": 2,
             "input_template": "User: {}\nAssistant: "},
     "kto": {**_OPENRLHF_COMMON, "learning_rate": 1e-5, "max_length": 2048, "beta": 0.01, "desirable_weight": 1.0,
-            "undesirable_weight": 1.0, "input_template": "User: {}\nAssistant: "}}
+            "undesirable_weight": 1.0, "input_template": "User: {}\nAssistant: "},
+    "prm": {**_OPENRLHF_COMMON, "learning_rate": 1e-6, "max_length": 2048, "batch_size": 1, "label_key": "label"}}
+# train_kd is train_sft with one epoch (the same learning rate, 5e-6, and kd_coef, 0.4, as here)
+OPENRLHF_DEFAULTS["kd"] = {**OPENRLHF_DEFAULTS["sft"], "epochs": 1}
 # TRL's (1.x) configs: TrainingArguments' optimizer and schedule, TRL's own logging_steps 10 and
 # gradient_checkpointing on, ModelConfig's LoRA. TRL's bf16 is on unless fp16 is: our auto (on where supported).
 _TRL_COMMON: dict[str, Any] = {
@@ -81,18 +85,25 @@ TRL_DEFAULTS: dict[str, dict[str, Any]] = {
     "sft": {**_TRL_COMMON, "learning_rate": 2e-5, "max_length": 1024, "completion_only_loss": True,
             "assistant_only_loss": False, "text_key": "text", "packing_strategy": "bfd"},
     "kto": {**_TRL_COMMON, "learning_rate": 1e-6, "max_length": 1024, "beta": 0.1, "desirable_weight": 1.0,
-            "undesirable_weight": 1.0}}
+            "undesirable_weight": 1.0},
+    "prm": {**_TRL_COMMON, "learning_rate": 1e-5, "max_length": 1024}}
+# GKDConfig is SFTConfig with temperature 0.9 and the divergence alone (kd_coef 1)
+TRL_DEFAULTS["kd"] = {**TRL_DEFAULTS["sft"], "kd_coef": 1.0, "temperature": 0.9}
 # their defaults with no counterpart here: (the key of ours it would set, what is kept instead); LoRA's only with LoRA
 _PAIRS_NOT_TAKEN = {"prompt_key=None": ("prompt_key", "a row's prompt column is read")}
 OPENRLHF_NOT_TAKEN: dict[str, dict[str, tuple[str, str]]] = {
     "sft": {"input_key=input": ("prompt_key", "the rows' own layout names the columns")},
     "kto": {"input_key=input": ("prompt_key", "the rows' own layout names the columns")},
     "rm": _PAIRS_NOT_TAKEN, "dpo": _PAIRS_NOT_TAKEN}
+OPENRLHF_NOT_TAKEN["kd"] = OPENRLHF_NOT_TAKEN["sft"]
 _TRL_NOT_TAKEN = {"lora_target_modules=None": ("lora_target_modules", "peft's per-model choice has no name here")}
-TRL_NOT_TAKEN = {command: _TRL_NOT_TAKEN for command in ("rm", "dpo", "sft", "kto")}
-SCRIPTS = {OPENRLHF: {"rm": "train_rm", "dpo": "train_dpo", "sft": "train_sft", "kto": "train_kto"},
-           TRL: {"rm": "RewardConfig", "dpo": "DPOConfig", "sft": "SFTConfig", "kto": "KTOConfig"}}
-COMMAND_OF = {"RMConfig": "rm", "DPOConfig": "dpo", "SFTConfig": "sft", "KTOConfig": "kto"}
+TRL_NOT_TAKEN = {command: _TRL_NOT_TAKEN for command in ("rm", "dpo", "sft", "kto", "kd", "prm")}
+SCRIPTS = {OPENRLHF: {"rm": "train_rm", "dpo": "train_dpo", "sft": "train_sft", "kto": "train_kto", "kd": "train_kd",
+                      "prm": "train_prm"},
+           TRL: {"rm": "RewardConfig", "dpo": "DPOConfig", "sft": "SFTConfig", "kto": "KTOConfig", "kd": "GKDConfig",
+                 "prm": "PRMConfig"}}
+COMMAND_OF = {"RMConfig": "rm", "DPOConfig": "dpo", "SFTConfig": "sft", "KTOConfig": "kto", "KDConfig": "kd",
+              "PRMConfig": "prm"}
 
 
 def spellings(theirs: list[str]) -> set[str]:
