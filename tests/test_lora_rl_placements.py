@@ -27,15 +27,16 @@ def test_zmq_samplers_generate_from_the_merged_weights(tiny_model_dir, tmp_path,
     apart, the same model (tolerance 1e-5 against a step of ~1e-2 per weight). Frozen: the entropy bonus's sums
     differ in their last bits between a sampler's forward and the trainer's (as without a frozen prefix), 1e-6."""
     ports = free_ports(2)
-    steps = 3
+    steps = 2  # step 2's batch is the one the sampler made from the weights step 1 trained
+    extra = [*extra, "trainer.save_freq=1"]
     train_grpo(load_config(None, overrides(tiny_model_dir, tmp_path, "inline", steps, ports, *extra)))
     trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "zmq", steps, ports, *extra,
                                                  "pipeline.placement=zmq", "pipeline.peer_timeout_s=120",
                                                  f"pipeline.weight_transport={transport}"))
     finish(trainer, sampler(tiny_model_dir, ports))
     a, b = weights(tmp_path / "inline", steps), weights(tmp_path / "zmq", steps)
-    base = weights(tmp_path / "inline", 2)
-    assert any(not torch.equal(a[k], base[k]) for k in a), "step 3 trained nothing"
+    base = weights(tmp_path / "inline", 1)
+    assert any(not torch.equal(a[k], base[k]) for k in a), "step 2 trained nothing"
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6 if what == "freeze" else 1e-5, msg=k)
     if what == "freeze":

@@ -216,7 +216,12 @@ def test_run_distributed_gives_host_to_both_and_stops_when_its_sampler_fails(mon
 def test_run_distributed_with_a_two_rank_deepspeed_trainer(tiny_model_dir, tmp_path):
     """run_distributed.py: one sampler and a 2-rank DeepSpeed ZeRO-2 trainer (on CPU the listed ids are process
     counts); rank 0 receives each batch and scatters it, and publishes the weights it holds whole. Each rank
-    runs the reference forward of its share (pipeline.ref_logprobs=trainer)."""
+    runs the reference forward of its share (pipeline.ref_logprobs=trainer). The deepspeed.json beside the command
+    is one a user edited (its micro-batch and accumulation steps are the run's); the one written when none is there
+    is test_seed004_cli's."""
+    (tmp_path / "deepspeed.json").write_text(json.dumps({
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
+        "zero_optimization": {"stage": 2}, "bf16": {"enabled": False}}))
     data, sync = (str(p) for p in free_ports(2))  # not the seed's 5555/5556: another program may hold them
     proc = _root_script("run_distributed.py", "--sampling-gpu", "0", "--training-gpus", "1,2", "--model-path",
                         str(tiny_model_dir), "--data-port", data, "--sync-port", sync, "--max-steps", "2",
@@ -229,8 +234,10 @@ def test_run_distributed_with_a_two_rank_deepspeed_trainer(tiny_model_dir, tmp_p
     finally:
         stop(proc)
     assert proc.returncode == 0, (out + err)[-3000:]
-    assert "GRPO on 2 rank(s), strategy deepspeed" in out + err and "the trainer finished" in out + err
-    assert (tmp_path / "deepspeed.json").is_file()  # generated beside the command, as the seed expects
+    log = out + err
+    assert "GRPO on 2 rank(s), strategy deepspeed" in log and "the trainer finished" in log
+    assert log.count("training_worker: deepspeed.json: train_micro_batch_size_per_gpu 1") == 1, log[-3000:]
+    assert "effective batch = 1 sequences/micro-batch × 2 rank(s) × 8 accumulation step(s)" in log, log[-3000:]
     assert len(trained_rows(tmp_path / "grpo_zmq")) == 2
     # each rank computed the reference rows of its own share of the groups (rank 0 logs its 2 x 4 rows)
     rows = [json.loads(x) for x in (tmp_path / "grpo_zmq" / "logs" / "metrics.jsonl").read_text().splitlines()][1:]

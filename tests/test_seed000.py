@@ -67,7 +67,7 @@ def nodes_yaml(tmp_path, tiny_model_dir, model_services, hostfile_text, **traine
         "rollout": {"n": 2, "max_new_tokens": 4},
         "actor": {"ppo_mini_batch_size": 2, "lr": 3e-3, "use_kl_loss": True, "kl_loss_coef": 0.01},
         "algorithm": {"reward_fn": f"{reward}:compute_score"},
-        "trainer": {"total_training_steps": 2, "test_freq": 0, "save_freq": 2, "progress_bar": False, **trainer},
+        "trainer": {"total_training_steps": 1, "test_freq": 0, "save_freq": 1, "progress_bar": False, **trainer},
         "services": {"timeout_s": 60, "retries": 2},
     }
     path = tmp_path / "nodes.yaml"
@@ -161,9 +161,9 @@ def test_launch_distributed_starts_both_hosts_of_the_hostfile_through_deepspeed(
     assert "node_rank=0" in out and "node_rank=1" in out and "dist_world_size=2" in out
     assert set(seen) == {0, 1} and all(s.endswith("src/train_grpo.py") for s in seen.values()), seen
     assert "strategy deepspeed" in out
-    assert weight_version(model_services[0]) >= v0 + 2
+    assert weight_version(model_services[0]) >= v0 + 2  # start-up push + 1 step
     outdir = tmp_path / "output"
-    assert (outdir / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
+    assert (outdir / "checkpoints" / "global_step_1" / "model" / "model.safetensors").is_file()
     assert (outdir / "logs").is_dir() and any((outdir / "logs").iterdir())
     assert json.loads((outdir / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 3
 
@@ -185,10 +185,10 @@ def test_one_host_hostfile_runs_locally_without_pdsh(model_services, tiny_model_
     assert "nodes=1 node_rank=0 procs_per_node=2" in out and "launcher=deepspeed (local)" in out
     assert not log.exists()   # neither pdsh nor ssh
     assert set(seen) == {0, 1} and all(s.endswith("src/train_grpo.py") for s in seen.values()), seen
-    assert "strategy deepspeed" in out and weight_version(model_services[0]) >= v0 + 3  # start-up push + 2 steps
+    assert "strategy deepspeed" in out and weight_version(model_services[0]) >= v0 + 2  # start-up push + 1 step
     outdir = tmp_path / "output"
     assert json.loads((outdir / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 3
-    assert (outdir / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
+    assert (outdir / "checkpoints" / "global_step_1" / "model" / "model.safetensors").is_file()
 
 
 def _pids(marker: str, module: str) -> list[int]:
@@ -276,7 +276,7 @@ def test_launch_training_runs_torchrun_over_this_hosts_slots(model_services, tin
     assert rc == 0, out[-5000:]
     assert "single node: procs=2" in out and "strategy ddp" in out
     assert set(seen) == {0, 1} and all(s.endswith("src/train_grpo.py") for s in seen.values())
-    assert (tmp_path / "output" / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
+    assert (tmp_path / "output" / "checkpoints" / "global_step_1" / "model" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
@@ -293,7 +293,7 @@ def test_accelerate_launch_trains_with_the_zero3_plugin(model_services, tiny_mod
     assert set(seen) == {0, 1} and all(s.endswith("src/train_grpo.py") for s in seen.values())
     outdir = tmp_path / "output"
     assert json.loads((outdir / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 3
-    assert (outdir / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
+    assert (outdir / "checkpoints" / "global_step_1" / "model" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
@@ -305,4 +305,4 @@ def test_node_rank_fallback_runs_this_nodes_ranks_with_torchrun(model_services, 
     assert rc == 0, out[-5000:]
     assert "nodes=1 node_rank=0 procs_per_node=1" in out and "launcher=torchrun" in out
     assert set(seen) == {0} and seen[0].endswith("src/train_grpo.py")
-    assert (tmp_path / "output" / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
+    assert (tmp_path / "output" / "checkpoints" / "global_step_1" / "model" / "model.safetensors").is_file()

@@ -171,21 +171,7 @@ def test_a_wrong_deepspeed_json_is_one_line_before_anything_starts(trainer, tmp_
     assert one_line(err).startswith(f"training_worker.py: error: deepspeed.json: {said}")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_run_distributed_trains_with_the_batch_of_an_edited_deepspeed_json(tiny_model_dir, tmp_path):
-    (tmp_path / "deepspeed.json").write_text(json.dumps({
-        "train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
-        "zero_optimization": {"stage": 2}, "bf16": {"enabled": False}}))
-    data, sync = free_ports(2)
-    out = script("run_distributed.py", "--sampling-gpu", 0, "--training-gpus", 1, "--model-path", tiny_model_dir,
-                 "--data-port", data, "--sync-port", sync, "--max-steps", 1, "--batch-size", 1, "--group-size", 4,
-                 "--output-dir", tmp_path, "data.train_size=16", "data.val_size=4", "rollout.max_new_tokens=8",
-                 "trainer.progress_bar=false", cwd=tmp_path, timeout=280)
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-3000:]
-    assert log.count("training_worker: deepspeed.json: train_micro_batch_size_per_gpu 1") == 1, log[-3000:]
-    assert "effective batch = 1 sequences/micro-batch × 1 rank(s) × 4 accumulation step(s)" in log, log[-3000:]
+# run_distributed.py following an edited deepspeed.json's batch in a live run: test_pipeline_zmq's two-rank run
 
 
 # --- run_distributed.py -------------------------------------------------------------------------------------------

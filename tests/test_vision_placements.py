@@ -41,14 +41,21 @@ def overrides(vl_run, out, name, *extra):
 
 @pytest.mark.timeout(400)
 def test_zmq_sampler_with_images_trains_as_in_process(vl_run, tmp_path):
+    """The same step as in one process, with a KL loss whose reference log-probs the trainer scores
+    (pipeline.ref_logprobs=trainer): the sampler holds no reference, and the trainer scores every row with the
+    images its batch carried (image tokens without them would be refused)."""
     ports = free_ports(2)
-    train_grpo(load_config(None, overrides(vl_run, tmp_path, "inline")))
+    train_grpo(load_config(None, overrides(vl_run, tmp_path, "inline", "actor.use_kl_loss=true")))
     trainer = spawn("train", "grpo", *overrides(vl_run, tmp_path, "zmq", "pipeline.placement=zmq",
+                                                "actor.use_kl_loss=true", "pipeline.ref_logprobs=trainer",
                                                 f"pipeline.data_port={ports[0]}", f"pipeline.sync_port={ports[1]}",
                                                 "pipeline.peer_timeout_s=120"))
     finish(trainer, sampler(vl_run[0], ports))
     rows = [json.loads(x) for x in (tmp_path / "zmq" / "logs" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["rollout/kl_vs_trainer"] < 1e-6
+    last = rows[-1]
+    assert last["pipeline/ref_rows_trainer"] == 4 and last["rollout/kl_vs_trainer"] < 1e-6, last
+    # before its one update the policy is the reference: the KL loss against it is a finite ~0
+    assert math.isfinite(last["actor/kl_loss"]) and abs(last["actor/kl_loss"]) < 1e-4, last
     a, b = weights(tmp_path / "inline", 1), weights(tmp_path / "zmq", 1)
     for k in a:  # the same batch (images included): the same weights up to float rounding in the vision tower's
         # backward (about 6e-8 measured on a few norm weights; the language model's weights are equal bit for bit)
@@ -114,23 +121,6 @@ def test_ray_placement_with_images_trains_the_step_of_one_process(cluster, vl_ru
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=5e-4, msg=f"{part}: {k}")
         worst[part] = max(float((a[k] - b[k]).abs().max()) for k in a)
     print(f"max |ray - one process| after the step: {worst}")
-
-
-@pytest.mark.timeout(400)
-def test_zmq_trainer_scores_the_reference_of_image_prompts(vl_run, tmp_path):
-    """pipeline.ref_logprobs=trainer with a KL loss: the sampler holds no reference and the trainer scores every
-    row's reference log-probs with the images its batch carried (image tokens without them would be refused)."""
-    ports = free_ports(2)
-    trainer = spawn("train", "grpo", *overrides(vl_run, tmp_path, "zmq_ref", "pipeline.placement=zmq",
-                                                "actor.use_kl_loss=true", "pipeline.ref_logprobs=trainer",
-                                                f"pipeline.data_port={ports[0]}", f"pipeline.sync_port={ports[1]}",
-                                                "pipeline.peer_timeout_s=120"))
-    finish(trainer, sampler(vl_run[0], ports))
-    rows = [json.loads(x) for x in (tmp_path / "zmq_ref" / "logs" / "metrics.jsonl").read_text().splitlines()]
-    last = rows[-1]
-    assert last["pipeline/ref_rows_trainer"] == 4 and last["rollout/kl_vs_trainer"] < 1e-6, last
-    # before its one update the policy is the reference: the KL loss against it is a finite ~0
-    assert math.isfinite(last["actor/kl_loss"]) and abs(last["actor/kl_loss"]) < 1e-4, last
 
 
 def test_in_process_run_resizes_images_within_data_max_pixels(vl_run, tmp_path):
