@@ -107,7 +107,7 @@ def test_plans_say_when_a_checkpoint_is_due_and_rotate_the_oldest(tmp_path):
 
 @pytest.mark.parametrize("flags, says", [(["--save_total_limit", "2", "--save_strategy", "epoch"],
                                           ("save_total_limit", 2, "save_strategy", "epoch")),
-                                         (["--resume_from_checkpoint", "True"], ("resume_from", "auto", None, None))])
+                                         (["--resume_from_checkpoint", "True"], ("resume_from", "latest", None, None))])
 def test_trl_checkpoint_flags(flags, says, tmp_path):
     from alignrl.preference.sft_cli import parse_sft
 
@@ -136,6 +136,13 @@ def test_a_fresh_run_in_a_reused_folder_sets_the_old_checkpoints_aside(tiny_mode
                    "resume_from=auto", "--logging_dir", str(tmp_path / "logs_past")])
     err = capsys.readouterr().err.strip()
     assert rc != 0 and "the checkpoint is step 4, past this run's last step 2" in err and err.count("\n") == 0, err
+    # TRL's --resume_from_checkpoint true (resume_from=latest) with no checkpoint to go on from: one line, as
+    # transformers' "No valid checkpoint found"
+    rc = sft_main([f"model_path={tiny_model_dir}", f"train_files=[{_data(tmp_path)}]", "--output_dir",
+                   str(tmp_path / "empty"), "report_to=[jsonl]", "checkpoint_layout=trl", "batch_size=2",
+                   "max_steps=2", "resume_from=latest", "--logging_dir", str(tmp_path / "logs_empty")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0 and "no checkpoint in" in err and "drop it to start from" in err, err
 
 
 def test_logs_inside_the_checkpoints_inside_the_output_stay_where_they_were(tiny_model_dir, tmp_path):

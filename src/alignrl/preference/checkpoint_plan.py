@@ -120,9 +120,11 @@ def every_steps(value: float, total: int) -> int:
 
 def resume_folder(cfg, plan: CheckpointPlan, log, env=None) -> str | None:
     """The folder `resume_from` names: `auto` is the newest complete checkpoint of the plan's folder (said), or none
-    on a first run (said too: the run starts from the base model, as TRL's, verl's and OpenRLHF's resume flags do).
-    Rank 0 chooses for every rank (`env`): listings of a shared folder can differ between nodes."""
-    if cfg.resume_from != "auto":
+    on a first run (said too: the run starts from the base model, as verl's resume_mode=auto and OpenRLHF's
+    --load_checkpoint do); `latest` is that checkpoint, and a run with none stops in one line (as transformers'
+    resume_from_checkpoint=True, which TRL's --resume_from_checkpoint true is). Rank 0 chooses for every rank
+    (`env`): listings of a shared folder can differ between nodes."""
+    if cfg.resume_from not in ("auto", "latest"):
         return cfg.resume_from
     latest = plan.latest() if env is None or env.is_main else None
     if env is not None and env.world_size > 1:
@@ -130,10 +132,13 @@ def resume_folder(cfg, plan: CheckpointPlan, log, env=None) -> str | None:
 
         chosen = broadcast_frames([str(latest or "").encode()] if env.is_main else None, env)[0].decode()
         latest = Path(chosen) if chosen else None
+    if latest is None and cfg.resume_from == "latest":
+        raise ConfigError(f"resume_from=latest (TRL's --resume_from_checkpoint true): no checkpoint in {plan.root} to "
+                          "go on from; drop it to start from the base model, or give a checkpoint folder")
     if latest is None:
         log.print(f"resume_from=auto: no checkpoint in {plan.root} yet; training starts from the base model")
         return None
-    log.print(f"resume_from=auto: going on from {latest}, the latest checkpoint in {plan.root}")
+    log.print(f"resume_from={cfg.resume_from}: going on from {latest}, the latest checkpoint in {plan.root}")
     return str(latest)
 
 

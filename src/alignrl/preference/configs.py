@@ -122,7 +122,8 @@ class CommonConfig:
                                             "global_step_N with global_step_N/huggingface (verl)",
                                  choices=("alignrl", "trl", "verl"))
     resume_from: str | None = opt(None, "a checkpoint folder to go on from (same config); auto: the newest in the "
-                                        "checkpoints' folder, or the base model when there is none")
+                                        "checkpoints' folder, or the base model when there is none; latest: the "
+                                        "newest, and none is an error")
     chat_template_kwargs: dict[str, Any] = opt({}, "extra variables of the chat template wherever a pair's prompt is "
                                                    "templated, e.g. {enable_thinking: false} for Qwen3 (the RL runs' "
                                                    "data.chat_template_kwargs; verl's apply_chat_template_kwargs)")

@@ -50,8 +50,8 @@ COMMON_IGNORED = ("flash_attn", "adam_offload", "disable_fast_tokenizer", "packi
 # the integrations installed)
 VALUE_NAMES = {("lr_scheduler", "cosine_with_min_lr"): "cosine", ("lr_scheduler", "constant_with_warmup"): "constant",
                ("input_template", ""): "{}", ("report_to", "none"): "[]",
-               # TRL's --resume_from_checkpoint true: the newest checkpoint of the output folder
-               ("resume_from", "True"): "auto", ("resume_from", "true"): "auto", ("resume_from", "False"): "null",
+               # TRL's --resume_from_checkpoint true: the newest checkpoint of the output folder, which must exist
+               ("resume_from", "True"): "latest", ("resume_from", "true"): "latest", ("resume_from", "False"): "null",
                ("resume_from", "false"): "null",
                ("report_to", "all"): "[jsonl,tensorboard,wandb]" if importlib.util.find_spec("wandb") else
                "[jsonl,tensorboard]"}
