@@ -1,12 +1,12 @@
 """Flags and keys of public example scripts that were refused, now read: TRL's --dtype/--torch_dtype, --optim,
 --dataset_num_proc and --report_to with an integration without a sink here on the offline commands; OpenRLHF's
---dataset_probs 1.0 and ppo-ray's --async_train; verl's other trackers, `+rollout.repetition_penalty`/min_p and the
+--dataset_probs and ppo-ray's --async_train; verl's other trackers, `+rollout.repetition_penalty`/min_p and the
 older top-level ray_init group. Parse-only: nothing trains."""
 
 import pytest
 
 from alignrl.config import ConfigError, load_config
-from alignrl.preference.cli import parse_dpo
+from alignrl.preference.cli import parse_dpo, parse_rm
 from alignrl.preference.sft_cli import parse_sft
 
 TRL = ["--model_name_or_path", "demo", "--dataset_name", "rows.jsonl", "--output_dir", "out"]
@@ -26,8 +26,8 @@ def test_what_the_offline_commands_cannot_do_stays_one_line(capsys):
         parse_sft(TRL + ["--torch_dtype", "float16"])
     with pytest.raises(ConfigError, match="^--optim rmsprop: the optimizer is torch's AdamW"):
         parse_dpo(TRL + ["--optim", "rmsprop"])
-    with pytest.raises(ConfigError, match="^--dataset_probs: files are concatenated"):
-        parse_sft(OPENRLHF + ["--dataset_probs", "0.7,0.3"])
+    with pytest.raises(ConfigError, match="^--dataset_probs: the reward model reads one file per task"):
+        parse_rm(OPENRLHF + ["--dataset_probs", "0.7,0.3"])
     parse_sft(TRL + ["--optim", "adamw_torch_fused", "--dataset_num_proc", "8"])
     assert "--dataset_num_proc changes nothing here" in capsys.readouterr().err
 
@@ -38,10 +38,12 @@ def test_a_reporter_without_a_sink_here_is_dropped_with_a_note(capsys):
     assert parse_dpo(TRL + ["--report_to", "tensorboard,mlflow"]).report_to == ["tensorboard"]
 
 
-def test_openrlhfs_one_dataset_share_is_its_rows(capsys):
-    assert parse_sft(OPENRLHF + ["--dataset_probs", "1.0"]).train_files == ["rows.jsonl"]
+def test_openrlhfs_dataset_probs_weigh_the_files(capsys):
+    cfg = parse_sft(["--pretrain", "demo", "--dataset", "a.jsonl,b.jsonl", "--dataset_probs", "0.7,0.3"])
+    assert cfg.train_files == ["a.jsonl", "b.jsonl"] and [float(p) for p in cfg.train_files_probs] == [0.7, 0.3]
+    assert parse_dpo(OPENRLHF + ["--dataset_probs=1"]).train_files_probs == ["1"]  # one file: read as it is
+    assert parse_rm(OPENRLHF + ["--dataset_probs", "1.0"]).helpful_train_file == "rows.jsonl"
     assert "--dataset_probs 1.0: the one dataset's share" in capsys.readouterr().err
-    assert parse_dpo(OPENRLHF + ["--dataset_probs=1"]).train_files == ["rows.jsonl"]
 
 
 def test_grpo_takes_adamw_spellings_and_refuses_other_optimizers():

@@ -157,6 +157,37 @@ def blend_order(lengths: Sequence[int], probs: Sequence[float], seed: int) -> li
     return order
 
 
+def blended_units(per_file: Sequence[Sequence[Any]], probs: Sequence[Any], seed: int, limit: int | None,
+                  key: str = "train_files") -> list[tuple[int, Any]]:
+    """(file index, unit) of each file's units (rows, pairs, a line's rows) blended by `probs` as OpenRLHF's
+    --dataset_probs blends its datasets (`blend_order`), the first `limit` of the blend (None: all). One weight per
+    file, each a number above 0: else a DataError naming the key."""
+    try:
+        weights = [float(p) for p in probs]
+    except (TypeError, ValueError):
+        weights = []
+    if len(weights) != len(per_file) or not all(0 < w < float("inf") for w in weights):
+        raise DataError(f"{key}_probs={list(probs)}: give one weight above 0 per {key} file ({len(per_file)} "
+                        f"file(s)), e.g. [{', '.join(['0.5'] * max(len(per_file), 2))}]")
+    order = blend_order([len(units) for units in per_file], weights, seed)
+    return [(f, per_file[f][i]) for f, i in order[:limit]]
+
+
+def read_files(files: Sequence[Any], read: Callable[[Any, int | None], list], limit: int | None,
+               probs: Sequence[Any] = (), seed: int = 42, key: str = "train_files") -> list[tuple[int, Any]]:
+    """(file index, unit) of `files`, each read by `read(file, at most n units or None)`: concatenated, the first
+    `limit` units of them all (a file past the limit is not read); with `probs`, each file's first `limit` blended
+    (`blended_units`). One file with one weight is read as it is (OpenRLHF's --dataset_probs 1.0)."""
+    if probs and not (len(files) == 1 and len(probs) == 1):
+        return blended_units([read(f, limit) for f in files], probs, seed, limit, key)
+    out: list[tuple[int, Any]] = []
+    for i, f in enumerate(files):
+        if limit and len(out) >= limit:
+            break
+        out += [(i, unit) for unit in read(f, limit - len(out) if limit else None)]
+    return out
+
+
 def load_blended(paths: str | list[str], probs: Sequence[float], seed: int, fmt: str = "auto", *,
                  limit: int | None = None, key: str = "data.train_files", **keys: Any) -> list[Sample]:
     """The rows of several files blended by `probs` (`blend_order`; data.train_files_probs). `limit` caps as

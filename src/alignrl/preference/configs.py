@@ -79,6 +79,9 @@ class CommonConfig:
     epochs: int = opt(1, "passes over the training pairs", ge=1)
     max_steps: int = opt(0, "stop after this many optimizer steps; 0: run all epochs", ge=0)
     max_train_pairs: int = opt(0, "use only the first N training pairs of each file; 0: all", ge=0)
+    train_files_probs: list = opt([], "one weight per training file: the files' rows blended by them as OpenRLHF's "
+                                      "--dataset_probs blends datasets (drawn by weight with seed, a file that runs "
+                                      "out starting again until every file has run out once); []: concatenated")
     max_eval_pairs: int = opt(0, "use only the first N held-out pairs of each file; 0: all", ge=0)
     seed: int = opt(42, "seed of the data order and of new score heads")
     strategy: str = opt("ddp", "training engine (ddp is one process without torchrun)",

@@ -57,6 +57,7 @@ from alignrl.preference.rm import check_scorer_kind, score_info
 from alignrl.preference.safe_mm import LambdaSchedule
 from alignrl.config import ConfigError
 from alignrl.core.preference import DPO_LOSSES, reward_accuracy
+from alignrl.data.loaders import read_files
 from alignrl.data.preference import PairColumns, encode_pairs, load_pairs, truncation_note
 
 
@@ -81,14 +82,18 @@ def check_scorers(cfg: DPOConfig) -> None:
         check_scorer_kind(key, path)
 
 
-def _load(files: list[str], cfg: DPOConfig, limit: int, key: str) -> tuple[list, list[int]]:
-    pairs, group = [], []
-    for g, f in enumerate(files):
-        columns = PairColumns(cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
-        got = load_pairs(f, cfg.prefer, limit or None, key, columns)
-        pairs += got
-        group += [g] * len(got)
-    return pairs, group
+def _load(files: list[str], cfg: DPOConfig, limit: int, key: str, probs=()) -> tuple[list, list[int]]:
+    """(pairs, file index of each): each file's first `limit` (0: all); blended by `probs` (`read_files`)."""
+    columns = PairColumns(cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
+
+    def read(f, n: int | None) -> list:
+        return load_pairs(f, cfg.prefer, n, key, columns)
+
+    if probs:
+        picked = read_files(files, read, limit or None, probs, cfg.seed, key)
+    else:
+        picked = [(g, pair) for g, f in enumerate(files) for pair in read(f, limit or None)]
+    return [pair for _, pair in picked], [g for g, _ in picked]
 
 
 @torch.no_grad()
@@ -295,7 +300,7 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     safety = cfg.loss_type in SAFETY_LOSSES
     if safety:
         check_scorers(cfg)
-    train_pairs, _ = _load(list(cfg.train_files), cfg, cfg.max_train_pairs, "train_files")
+    train_pairs, _ = _load(list(cfg.train_files), cfg, cfg.max_train_pairs, "train_files", cfg.train_files_probs)
     eval_pairs, eval_group = _load(list(cfg.eval_files), cfg, cfg.max_eval_pairs, "eval_files")
     if dry_run_world:
         pc.check_enough(len(train_pairs), cfg, dry_run_world, ", ".join(cfg.train_files))

@@ -38,6 +38,7 @@ COMMON_NAMES = {
     "lr_warmup_ratio": "warmup_ratio", "lr_scheduler_type": "lr_scheduler", "logging_steps": "log_every",
     "target_modules": "lora_target_modules", "lora_r": "lora_rank", "use_peft": "use_lora",
     "ckpt_path": "checkpoint_dir", "max_ckpt_num": "save_total_limit", "resume_from_checkpoint": "resume_from",
+    "dataset_probs": "train_files_probs",
 }
 # switches of theirs that set one of our keys to a value (`bf16` is a three-way setting here: auto/true/false)
 COMMON_SWITCHES = {"bf16": ("bf16", "true")}
@@ -328,7 +329,6 @@ def _engine_of(argv: list[str]) -> list[str]:
 PAIR_LEFT_OUT = {
     "tokenizer_chat_template": "the tokenizer's own chat template renders the prompts (save another in the model "
                                "folder's tokenizer_config.json)",
-    "dataset_probs": "files are concatenated; per-file sampling probabilities are left out",
     "load_in_4bit": "4-bit loading is left out (--bf16 halves the memory of float32)",
     "max_prompt_length": "the prompt keeps at most half of max_length (its end)",
 }
@@ -336,7 +336,9 @@ PAIR_LEFT_OUT = {
 RM_FLAGS = CommandFlags(
     names={"dataset": "helpful_train_file", "dataset_name": "helpful_train_file",
            "eval_dataset": "helpful_eval_file"},
-    left_out=PAIR_LEFT_OUT, ignored=("compute_fp32_loss",), parsed=("task", "model_type"),
+    left_out={**PAIR_LEFT_OUT, "dataset_probs": "the reward model reads one file per task (helpful_train_file, "
+                                                 "harmless_train_file); blend them into one file"},
+    ignored=("compute_fp32_loss",), parsed=("task", "model_type"),
     accepted={"value_head_prefix": (("value_head", "score"), "alignrl saves the head as score (transformers' name) "
                                                              "and reads value_head (OpenRLHF's) or score"),
               "loss": (("sigmoid",), "the reward model trains with the Bradley-Terry loss -log σ(r_chosen - "

@@ -12,7 +12,7 @@ from alignrl.config import ConfigError
 from alignrl.data.sources import with_config, with_split
 from alignrl.preference.notes import say
 
-LIST_KEYS = ("train_files", "eval_files")  # keys that take OpenRLHF's comma-separated file lists
+LIST_KEYS = ("train_files", "eval_files", "train_files_probs")  # keys that take OpenRLHF's comma-separated lists
 # OpenRLHF's and TRL's split flags: the split of a dataset folder or Hub dataset (alignrl.data.sources) that the
 # training or the held-out dataset flag reads; the split each reads unasked (train; test, else validation) needs none
 SPLIT_FLAGS = {"dataset_split": "train", "train_split": "train", "dataset_train_split": "train",

@@ -32,6 +32,7 @@ import torch
 from alignrl.core.kto import NEEDS_KL, kl_estimate, kto_loss, weight_balance
 from alignrl.data.kto_rows import (EncodedKTO, KTOBatch, KTOKeys, KTORow, collate_rows, encode_rows, load_rows,
                                     mismatched)
+from alignrl.data.loaders import read_files
 from alignrl.preference import adapters
 from alignrl.preference import checkpoint_plan as cp
 from alignrl.preference import common as pc
@@ -42,18 +43,16 @@ from alignrl.preference.pair_logps import pair_logps
 CONSOLE = {"rewards/chosen": "chosen", "rewards/rejected": "rejected", "kl": "kl"}
 
 
-def _load(files: list[str], keys: KTOKeys, limit: int, key: str) -> list[KTORow]:
-    """The rows of the first `limit` lines of all `files` together, in order (OpenRLHF's --max_samples: of the blend,
-    not of each file; a paired line gives two rows); files past the limit are not read. 0: all."""
-    rows: list[KTORow] = []
-    lines = 0
-    for f in files:
-        if limit and lines >= limit:
-            break
-        got = load_rows(str(f), keys, limit - lines if limit else None, key)
-        lines += len({r.loc for r in got})  # a line's rows share its location
-        rows += got
-    return rows
+def _load(files: list[str], keys: KTOKeys, limit: int, key: str, probs=(), seed: int = 42) -> list[KTORow]:
+    """The rows of the first `limit` lines of all `files` together (OpenRLHF's --max_samples: of the blend, not of
+    each file; a paired line gives two rows; 0: all), concatenated or blended by `probs` (`read_files`)."""
+    def lines(f, n: int | None) -> list[list[KTORow]]:  # a line's rows share its location
+        by_line: dict[str, list[KTORow]] = {}
+        for row in load_rows(str(f), keys, n, key):
+            by_line.setdefault(row.loc, []).append(row)
+        return list(by_line.values())
+
+    return [row for _, line in read_files(files, lines, limit or None, probs, seed, key) for row in line]
 
 
 def logps(model, batch: KTOBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -243,7 +242,8 @@ def train_kto(cfg: KTOConfig, dry_run_world: int | None = None) -> dict:
     from alignrl.runtime.env import barrier, init_distributed, shutdown
 
     keys = KTOKeys(cfg.prompt_key, cfg.completion_key, cfg.label_key, cfg.chosen_key, cfg.rejected_key)
-    train_rows = _load(list(cfg.train_files), keys, cfg.max_train_pairs, "train_files")
+    train_rows = _load(list(cfg.train_files), keys, cfg.max_train_pairs, "train_files", cfg.train_files_probs,
+                       cfg.seed)
     eval_rows = _load(list(cfg.eval_files), keys, cfg.max_eval_pairs, "eval_files")
     if dry_run_world:
         pc.check_enough(len(train_rows), cfg, dry_run_world, ", ".join(map(str, cfg.train_files)))

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from alignrl.core.prm import positive_probs, prm_loss, step_terms
+from alignrl.data.loaders import read_files
 from alignrl.data.prm_rows import (EncodedPRM, PRMBatch, PRMKeys, PRMRow, collate_rows, counted_steps, encode_pieces,
                                    encode_rows, load_rows, single_token)
 from alignrl.preference import adapters
@@ -36,16 +37,16 @@ TOKENS_FILE = "prm_tokens.json"  # in the saved folder: what a scorer needs besi
 CONSOLE = {"acc": "acc"}
 
 
-def _load(files: list[str], cfg: PRMConfig, limit: int, key: str) -> list[PRMRow]:
-    """The rows of the first `limit` lines of all `files` together, in order (OpenRLHF's --max_samples); 0: all."""
+def _load(files: list[str], cfg: PRMConfig, limit: int, key: str, probs=()) -> list[PRMRow]:
+    """The rows of the first `limit` lines of all `files` together (OpenRLHF's --max_samples; 0: all), concatenated
+    or blended by `probs` (`read_files`)."""
     keys = PRMKeys(cfg.input_key, cfg.prompt_key, cfg.completions_key, cfg.label_key)
-    rows: list[PRMRow] = []
-    for f in files:
-        if limit and len(rows) >= limit:
-            break
-        rows += load_rows(str(f), keys, cfg.placeholder_token, [str(t) for t in cfg.reward_tokens],
-                          cfg.step_separator, limit - len(rows) if limit else None, key)
-    return rows
+
+    def read(f, n: int | None) -> list[PRMRow]:
+        return load_rows(str(f), keys, cfg.placeholder_token, [str(t) for t in cfg.reward_tokens],
+                         cfg.step_separator, n, key)
+
+    return [row for _, row in read_files(files, read, limit or None, probs, cfg.seed, key)]
 
 
 def token_ids(tokenizer, placeholder: str, reward_tokens: list[str]) -> tuple[int, list[int]]:
@@ -208,7 +209,7 @@ def train_prm(cfg: PRMConfig, dry_run_world: int | None = None) -> dict:
     from alignrl.models.loader import load_tokenizer, resolve_model_path
     from alignrl.runtime.env import barrier, init_distributed, shutdown
 
-    train_rows = _load(list(cfg.train_files), cfg, cfg.max_train_pairs, "train_files")
+    train_rows = _load(list(cfg.train_files), cfg, cfg.max_train_pairs, "train_files", cfg.train_files_probs)
     eval_rows = _load(list(cfg.eval_files), cfg, cfg.max_eval_pairs, "eval_files")
     what = ", ".join(map(str, cfg.train_files))
     if dry_run_world:

@@ -30,6 +30,7 @@ from dataclasses import replace
 
 import torch
 
+from alignrl.data.loaders import read_files
 from alignrl.data.sft_rows import EncodedRow, SFTBatch, SFTKeys, SFTRow, collate_rows, encode_rows, load_rows
 from alignrl.preference import adapters
 from alignrl.preference import checkpoint_plan as cp
@@ -46,15 +47,11 @@ def _keys(cfg: SFTConfig, chat_template: bool) -> SFTKeys:
                    cfg.tools_key, cfg.enable_thinking_key, tuple(cfg.prompt_dict_keys), tuple(cfg.response_dict_keys))
 
 
-def _load(files: list[str], keys: SFTKeys, limit: int, key: str) -> list[SFTRow]:
-    """The rows of `files` in order, the first `limit` of them all (OpenRLHF's --max_samples: of the blend, not of
-    each file); files past the limit are not read. 0: all."""
-    rows: list[SFTRow] = []
-    for f in files:
-        if limit and len(rows) >= limit:
-            break
-        rows += load_rows(str(f), keys, limit - len(rows) if limit else None, key)
-    return rows
+def _load(files: list[str], keys: SFTKeys, limit: int, key: str, probs=(), seed: int = 42) -> list[SFTRow]:
+    """The rows of `files`, the first `limit` of them all (OpenRLHF's --max_samples: of the blend, not of each file;
+    0: all), concatenated or blended by `probs` (`read_files`)."""
+    return [row for _, row in read_files(files, lambda f, n: load_rows(str(f), keys, n, key), limit or None, probs,
+                                         seed, key)]
 
 
 def collator(cfg: SFTConfig, pad_id: int, model=None, packed: bool | None = None):
@@ -271,7 +268,8 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None, objective=None) 
     from alignrl.runtime.env import barrier, init_distributed, shutdown
 
     raw_keys = _keys(cfg, bool(cfg.apply_chat_template))  # rows with images ask for it as they are read
-    train_rows = _load(list(cfg.train_files), raw_keys, cfg.max_train_pairs, "train_files")
+    train_rows = _load(list(cfg.train_files), raw_keys, cfg.max_train_pairs, "train_files", cfg.train_files_probs,
+                       cfg.seed)
     eval_rows = _load(list(cfg.eval_files), raw_keys, cfg.max_eval_pairs, "eval_files")
     if dry_run_world:
         _check_enough(len(train_rows), cfg, dry_run_world)

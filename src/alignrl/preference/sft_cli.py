@@ -122,7 +122,7 @@ SFT_NAMES = {
 FLAG_NAMES = {**COMMON_NAMES, **SFT_NAMES}
 # `--multiturn` trains the assistant turns of the conversation that `--input_key` then names (OpenRLHF's reading)
 SFT_SWITCHES = {"pretrain_mode": ("completion_only_loss", "false"), "multiturn": ("assistant_only_loss", "true")}
-SFT_LEFT_OUT = {"dataset_probs": "files are concatenated; per-file sampling probabilities are left out"}
+SFT_LEFT_OUT: dict[str, str] = {}
 # OpenRLHF's --packing_samples and TRL's --packing and --padding_free switch the `packing` key (read before the
 # common table, which takes the first two as switches of no effect for the other offline commands). --packing's
 # packing_strategy is the line's: TRL's bfd for a line in TRL's spelling (their_defaults), micro_batch otherwise;

@@ -28,7 +28,7 @@ OPENRLHF_NAMES = frozenset({
     "pretrain", "save_path", "max_len", "max_epochs", "micro_train_batch_size", "micro_eval_batch_size",
     "max_samples", "l2", "max_norm", "lr_warmup_ratio", "target_modules", "dataset", "eval_dataset", "ref_pretrain",
     "ipo", "input_key", "output_key", "desirable_loss_weight", "undesirable_loss_weight", "pretrain_mode",
-    "multiturn", "ckpt_path", "max_ckpt_num"})
+    "multiturn", "ckpt_path", "max_ckpt_num", "dataset_probs"})
 TRL_NAMES = frozenset({
     "model_name_or_path", "num_train_epochs", "per_device_train_batch_size", "per_device_eval_batch_size",
     "max_grad_norm", "lr_scheduler_type", "use_peft", "lora_r", "dataset_name", "rpo_alpha", "cpo_alpha",
