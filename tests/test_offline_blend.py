@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from alignrl.data.kto_rows import KTOKeys
-from alignrl.data.loaders import DataError, blend_order, read_files
+from alignrl.data.blend import blend_order, read_files
+from alignrl.data.loaders import DataError
 from alignrl.preference import dpo, kto, sft
 from alignrl.preference.cli import parse_dpo
 from alignrl.preference.sft_cli import parse_sft, sft_main

@@ -14,7 +14,8 @@ from alignrl.compat import openrlhf_flags as F
 from alignrl.compat import openrlhf_keys as K
 from alignrl.compat import openrlhf_sources as S
 from alignrl.config import ConfigError, load_config
-from alignrl.data.loaders import blend_order, load_blended, load_samples
+from alignrl.data.blend import blend_order
+from alignrl.data.loaders import load_blended, load_samples
 from alignrl.data.prompts import load_task_data
 from alignrl.rollout.remote import ServiceError
 from alignrl.rollout.remote_reward import RemoteReward

@@ -115,7 +115,8 @@ def prompt_rows(args) -> int:
     first --max_samples rows, concatenated or blended by --prompt_data_probs (a blend repeats rows), then the first
     --max_samples of those; --max_samples problems of the synthetic task. (OpenRLHF's --num_episodes counts its steps
     from this, and its dynamic filtering refills until they run out.)"""
-    from alignrl.data.loaders import blend_order, count_rows
+    from alignrl.data.blend import blend_order
+    from alignrl.data.loaders import count_rows
 
     if args.prompt_data == "synthetic":
         return args.max_samples

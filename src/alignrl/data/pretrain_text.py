@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from alignrl.config.checks import data_files
-from alignrl.data.loaders import blend_order, read_rows
+from alignrl.data.blend import blend_order
+from alignrl.data.loaders import read_rows
 from alignrl.data.row_formats import DataError
 
 KEY = "ptx.data"

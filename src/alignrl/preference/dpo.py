@@ -57,7 +57,7 @@ from alignrl.preference.rm import check_scorer_kind, score_info
 from alignrl.preference.safe_mm import LambdaSchedule
 from alignrl.config import ConfigError
 from alignrl.core.preference import DPO_LOSSES, reward_accuracy
-from alignrl.data.loaders import read_files
+from alignrl.data.blend import read_files
 from alignrl.data.preference import PairColumns, encode_pairs, load_pairs, truncation_note
 
 

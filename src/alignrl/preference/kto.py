@@ -30,9 +30,9 @@ import time
 import torch
 
 from alignrl.core.kto import NEEDS_KL, kl_estimate, kto_loss, weight_balance
+from alignrl.data.blend import read_files
 from alignrl.data.kto_rows import (EncodedKTO, KTOBatch, KTOKeys, KTORow, collate_rows, encode_rows, load_rows,
                                     mismatched)
-from alignrl.data.loaders import read_files
 from alignrl.preference import adapters
 from alignrl.preference import checkpoint_plan as cp
 from alignrl.preference import common as pc

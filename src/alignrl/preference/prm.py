@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from alignrl.core.prm import positive_probs, prm_loss, step_terms
-from alignrl.data.loaders import read_files
+from alignrl.data.blend import read_files
 from alignrl.data.prm_rows import (EncodedPRM, PRMBatch, PRMKeys, PRMRow, collate_rows, counted_steps, encode_pieces,
                                    encode_rows, load_rows, single_token)
 from alignrl.preference import adapters

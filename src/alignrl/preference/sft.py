@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import torch
 
-from alignrl.data.loaders import read_files
+from alignrl.data.blend import read_files
 from alignrl.data.sft_rows import EncodedRow, SFTBatch, SFTKeys, SFTRow, collate_rows, encode_rows, load_rows
 from alignrl.preference import adapters
 from alignrl.preference import checkpoint_plan as cp
