@@ -51,6 +51,13 @@ def test_trl_layout_keeps_checkpoints_beside_the_final_model_and_resume_auto_fin
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(str(whole / "checkpoint-4")) is not None
+    from transformers import TrainerState  # each checkpoint's trainer_state.json, as transformers reads it
+
+    state = TrainerState.load_from_json(str(whole / "checkpoint-4" / "trainer_state.json"))
+    assert (state.global_step, state.max_steps, state.save_steps) == (4, 4, 2)
+    # the rows recorded before the checkpoint was written (its own step's row follows it, with the step's eval)
+    assert [r["step"] for r in state.log_history if "loss" in r] == [1, 2, 3]
+    assert all("learning_rate" in r and "grad_norm" in r for r in state.log_history if "loss" in r)
     # a run stopped after step 2 holds checkpoint-2 alone: resume_from=auto goes on from it
     resumed = tmp_path / "resumed"
     resumed.mkdir()
@@ -177,3 +184,13 @@ def test_trls_ratio_form_of_save_and_eval_steps():
 
     with pytest.raises(ConfigError, match="no fraction above 1"):
         every_steps(2.5, 8)
+
+
+def test_a_held_out_measure_between_logged_steps_is_recorded(tiny_model_dir, tmp_path):
+    """eval_steps 3 with log_every 2 (TRL's --eval_steps apart from --logging_steps): step 3's held-out loss is a
+    row of its own, not dropped with the unlogged step's metrics."""
+    _trl(tiny_model_dir, tmp_path, "o", f"eval_files=[{_data(tmp_path)}]", "log_every=2", "eval_strategy=steps",
+         "eval_steps=3", "save_strategy=no")
+    rows = [json.loads(x) for x in (tmp_path / "logs_o" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [2, 4]
+    assert [r["step"] for r in rows if "eval/loss" in r] == [3, 4], rows

@@ -185,6 +185,8 @@ def save_if_due(plan: CheckpointPlan, step: int, engine, env, log, export: Expor
     `checkpoints.save_checkpoint` also keeps (DPO's λ, synced reference, running reward mean)."""
     if not plan.due(step):
         return
+    if plan.layout is LAYOUTS["trl"]:
+        json_files = {**(json_files or {}), "trainer_state.json": trainer_state(plan, step, getattr(log, "history", []))}
     write_hf = (_hf_writer(plan.layout.hf_folder, export, tokenizer, json_files or {})
                 if plan.layout.hf_folder is not None else None)
     where = ckpt.save_checkpoint(plan.root, step, engine, extra.pop("lam", None), env, also=write_hf,
@@ -196,6 +198,26 @@ def save_if_due(plan: CheckpointPlan, step: int, engine, env, log, export: Expor
             os.replace(tmp, plan.root / TRACKER)
         _rotate(plan, where)
     log.print(f"checkpoint {where}")
+
+
+def trainer_state(plan: CheckpointPlan, step: int, history: list[dict]) -> dict:
+    """transformers' TrainerState of a TRL-layout checkpoint (`trainer_state.json`, what tools that plot a run or list
+    its checkpoints read): the step, the epoch as a fraction, and the metrics recorded before it under transformers'
+    names (loss, grad_norm, learning_rate, eval_loss, ...; the step's own row is recorded after its checkpoint, with
+    the step's held-out measure)."""
+    def theirs(name: str) -> str:
+        name = name.removeprefix("train/")
+        return "learning_rate" if name == "lr" else name.replace("eval/", "eval_")
+
+    per_epoch = max(plan.per_epoch, 1)
+    rows = [{**{theirs(k): v for k, v in row.items() if k != "step"}, "epoch": row["step"] / per_epoch,
+             "step": row["step"]} for row in history if row["step"] <= step]
+    return {"best_global_step": None, "best_metric": None, "best_model_checkpoint": None,
+            "epoch": step / per_epoch, "eval_steps": plan.eval_every or None, "global_step": step,
+            "is_hyper_param_search": False, "is_local_process_zero": True, "is_world_process_zero": True,
+            "log_history": rows, "logging_steps": None, "max_steps": plan.total,
+            "num_train_epochs": math.ceil(plan.total / per_epoch), "save_steps": plan.every, "stateful_callbacks": {},
+            "total_flos": 0, "train_batch_size": None, "trial_name": None, "trial_params": None}
 
 
 def _hf_writer(inner: str, export: Export | None, tokenizer, json_files: dict):

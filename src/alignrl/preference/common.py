@@ -160,6 +160,7 @@ class RankZeroLog:
 
     def __init__(self, env, log_dir: Path, sinks: list[str]):
         self.env, self.tracker, self.lock = env, None, None
+        self.history: list[dict] = []  # {"step": N, **metrics} as recorded (rank 0), for TRL's trainer_state.json
         if env.is_main:
             from alignrl.utils.tracking import Tracker
 
@@ -176,6 +177,7 @@ class RankZeroLog:
     def metrics(self, step: int, metrics: dict[str, float]) -> None:
         if self.tracker is not None:
             self.tracker.log(step, metrics)
+            self.history.append({"step": step, **metrics})
 
 
 def fmt(metrics: dict[str, float], keys: dict[str, str]) -> str:
@@ -219,6 +221,9 @@ class StepMetrics:
             self.log.print(f"step {step}/{self.total} epoch {epoch + 1} " + fmt(m, {
                 **self.keys, "grad_norm": "grad_norm", "lr": "lr", "s_per_step": "s/step"}))
             self.logged_step, self.t = step, time.time()
+        elif held_out := {k: v for k, v in self.extra.items() if k.startswith("eval/")}:
+            self.log.metrics(step, held_out)  # measured between logged steps (eval_steps apart from log_every)
+            self.log.print(f"step {step}/{self.total} " + fmt(held_out, {k: k for k in held_out}))
         self.micro, self.extra = [], {}
 
 
