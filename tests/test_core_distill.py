@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from alignrl.core.distill import distill_mean, distill_per_token, distill_sum, match_vocab, mix
+from alignrl.core.distill import (distill_mean, distill_per_token, distill_sum, generalized_jsd_per_token,
+                                  match_vocab, mix)
 
 
 def test_hand_worked_two_token_values():
@@ -92,3 +93,29 @@ def test_mix_is_openrlhfs_weighting_and_its_ends_are_each_loss_itself():
     assert mix(gpt, nan, 0.0) is gpt and mix(nan, distil, 1.0) is distil
     with pytest.raises(ValueError, match=r"kd_coef must be in \[0, 1\], got 1.5"):
         mix(gpt, distil, 1.5)
+
+
+def test_gkd_generalized_jsd_by_hand_and_at_its_ends():
+    """β·KL(p ‖ m) + (1 - β)·KL(q ‖ m), m = β·p + (1 - β)·q, p the teacher's and q the student's distributions
+    (TRL's generalized_jsd_loss); β = 1 is KL(q ‖ p); the gradient reaches the student only."""
+    p, q = torch.tensor([0.75, 0.25]), torch.tensor([0.5, 0.5])
+    teacher, student = p.log().unsqueeze(0), q.log().unsqueeze(0).requires_grad_(True)
+    m = 0.5 * p + 0.5 * q  # (0.625, 0.375)
+    want = 0.5 * float((p * (p / m).log()).sum()) + 0.5 * float((q * (q / m).log()).sum())
+    got = generalized_jsd_per_token(student, teacher, 0.5)
+    torch.testing.assert_close(got, torch.tensor([want]), rtol=0, atol=1e-6)
+    reverse = float((q * (q / p).log()).sum())
+    torch.testing.assert_close(generalized_jsd_per_token(student, teacher, 1.0), torch.tensor([reverse]),
+                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(distill_sum(student, teacher, beta=0.5), got.sum())  # the trainer's entry
+    got.sum().backward()
+    assert student.grad is not None and student.grad.abs().sum() > 0
+    same = torch.randn(3, 5)  # equal distributions: no divergence, at any β
+    for beta in (0.1, 0.5, 1.0):
+        assert float(generalized_jsd_per_token(same, same, beta).abs().max()) < 1e-6
+    torch.manual_seed(2)  # a teacher that gives an entry probability 0 adds nothing there (no nan)
+    masked = torch.randn(2, 4)
+    masked[:, 0] = float("-inf")
+    assert torch.isfinite(generalized_jsd_per_token(torch.randn(2, 4), masked, 0.5)).all()
+    with pytest.raises(ValueError, match="beta must be in"):
+        generalized_jsd_per_token(same, same, 0.0)

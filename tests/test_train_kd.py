@@ -67,9 +67,10 @@ def _kl_to_teacher(student: Path, teacher: Path, tmp: Path) -> float:
     return float((distill_per_token(s, t) - entropy).mean())
 
 
-def test_the_student_moves_toward_the_teacher_and_logs_both_losses(tiny_model_dir, teacher, tmp_path):
+@pytest.mark.parametrize("beta", [0.0, 0.5])  # OpenRLHF's loss; GKD's generalized JSD
+def test_the_student_moves_toward_the_teacher_and_logs_both_losses(tiny_model_dir, teacher, tmp_path, beta):
     rc = kd_main(_line(tiny_model_dir, tmp_path, "kd", f"teacher_model_path={teacher}", "kd_coef=1", "batch_size=4",
-                       "epochs=2", "learning_rate=3e-3", "warmup_ratio=0"))
+                       "epochs=2", "learning_rate=3e-3", "warmup_ratio=0", f"beta={beta}"))
     assert rc == 0
     before = _kl_to_teacher(tiny_model_dir, teacher, tmp_path)
     after = _kl_to_teacher(tmp_path / "kd", teacher, tmp_path)
@@ -80,7 +81,7 @@ def test_the_student_moves_toward_the_teacher_and_logs_both_losses(tiny_model_di
     assert all(r["train/loss"] == pytest.approx(r["train/distil_loss"], rel=1e-6) for r in rows)  # kd_coef 1
     assert rows[-1]["train/distil_loss"] < rows[0]["train/distil_loss"]
     res = json.loads((tmp_path / "kd" / "eval_results.json").read_text())
-    assert res["kd_coef"] == 1.0 and res["teacher_model_path"] == str(teacher)
+    assert res["kd_coef"] == 1.0 and res["teacher_model_path"] == str(teacher) and res["beta"] == beta
 
 
 def test_kd_coef_zero_is_plain_sfts_step_exactly(tiny_model_dir, teacher, tmp_path):
@@ -157,8 +158,11 @@ def test_flags_of_openrlhf_and_trl_read_as_keys(capsys):
     assert (cfg.model_path, cfg.teacher_model_path, cfg.kd_coef, cfg.learning_rate) == ("s", "t", 0.3, 5e-6)
     assert "--teacher_offload changes nothing here" in capsys.readouterr().err
     trl = parse_kd(["--model_name_or_path", "s", "--teacher_model_name_or_path", "t", "--dataset_name", "a.jsonl",
-                    "--lmbda", "0", "--beta", "0.0"])
-    assert (trl.teacher_model_path, trl.kd_coef, trl.temperature) == ("t", 1.0, 0.9)  # GKD's: the divergence alone
+                    "--lmbda", "0"])
+    # GKD's: the divergence alone, its generalized JSD at beta 0.5
+    assert (trl.teacher_model_path, trl.kd_coef, trl.temperature, trl.beta) == ("t", 1.0, 0.9, 0.5)
+    assert parse_kd(["--model_name_or_path", "s", "--teacher_model_name_or_path", "t", "--dataset_name", "a.jsonl",
+                     "--beta", "1"]).beta == 1.0
     from alignrl.config import ConfigError
 
     with pytest.raises(ConfigError, match="^teacher_model_path is empty"):

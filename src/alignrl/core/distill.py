@@ -7,6 +7,10 @@ the teacher's softmax and the student's log-softmax both in float32, a student l
 head masks out) adding nothing. It differs from KL(teacher ‖ student) by the teacher's entropy only, a constant of
 the student: the same gradient, and a teacher that is the data's one-hot gives the plain cross-entropy.
 `temperature` (TRL's GKD `temperature`) divides both models' logits first; 1 is OpenRLHF's (no scaling).
+`beta` > 0 (TRL's GKD `beta`) takes the generalized Jensen-Shannon divergence of GKD (Agarwal et al., eq. 1) instead:
+with the mixture m = β·p_teacher + (1 - β)·p_student, β·KL(p_teacher ‖ m) + (1 - β)·KL(p_student ‖ m); β = 1 is
+KL(p_student ‖ p_teacher), the reverse KL. (β = 0 would be KL(p_teacher ‖ p_student): the cross-entropy above less
+the teacher's entropy, the same gradient, so 0 keeps OpenRLHF's form.)
 
 The training objective mixes it with the data's cross-entropy: (1 - kd_coef) · gpt_loss + kd_coef · distil_loss.
 Every function takes the rows of the trained positions alone ([N, V]; `distill_mean` a padded [B, T, V] with its
@@ -14,6 +18,8 @@ mask), so the caller decides which positions train. Torch only.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -41,9 +47,31 @@ def distill_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     return -terms.sum(dim=-1)
 
 
-def distill_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def generalized_jsd_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,
+                              temperature: float = 1.0) -> torch.Tensor:
+    """GKD's divergence of each row ([..., V] -> [...]), in float32, for 0 < beta <= 1 (module doc). The teacher's
+    side carries no gradient."""
+    _check(student_logits, teacher_logits)
+    if not 0.0 < beta <= 1.0 or temperature <= 0:
+        raise ValueError(f"distillation: beta must be in (0, 1] and temperature > 0, got {beta}, {temperature}")
+    log_s = torch.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_t = torch.log_softmax(teacher_logits.detach().float() / temperature, dim=-1)
+
+    def kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:  # Σ p (log p - log q); p = 0 adds nothing
+        return torch.where(log_p.isneginf(), 0.0, log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+    if beta == 1.0:
+        return kl(log_s, log_t)
+    log_m = torch.logaddexp(log_s + math.log(1.0 - beta), log_t + math.log(beta))
+    return beta * kl(log_t, log_m) + (1.0 - beta) * kl(log_s, log_m)
+
+
+def distill_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
+                beta: float = 0.0) -> torch.Tensor:
     """The distillation loss summed over the rows of the trained positions ([N, V] each): the trainer divides it by
-    the optimizer step's trained tokens, as it divides the cross-entropy."""
+    the optimizer step's trained tokens, as it divides the cross-entropy. `beta` > 0: GKD's divergence."""
+    if beta > 0.0:
+        return generalized_jsd_per_token(student_logits, teacher_logits, beta, temperature).sum()
     return distill_per_token(student_logits, teacher_logits, temperature).sum()
 
 

@@ -54,14 +54,14 @@ def distillation(cfg: KDConfig, model, tok, env, log, notes: dict):
     teacher = load_teacher(cfg, model, tok, env.device, log)
     vocab = _vocab(model)
     notes.update({"teacher_model_path": cfg.teacher_model_path, "kd_coef": cfg.kd_coef,
-                  "temperature": cfg.temperature})
+                  "temperature": cfg.temperature, "beta": cfg.beta})
 
     def summed(module, batch):
         picked, labels = trained_logits(module, batch, cfg, env.device)
         gpt = torch.nn.functional.cross_entropy(picked, labels, reduction="sum")
         with torch.no_grad():
             taught, _ = trained_logits(teacher, batch, cfg, env.device)
-        distil = distill_sum(picked, match_vocab(taught, vocab), cfg.temperature)
+        distil = distill_sum(picked, match_vocab(taught, vocab), cfg.temperature, cfg.beta)
         return mix(gpt, distil, cfg.kd_coef), {"gpt_loss": gpt.detach(), "distil_loss": distil.detach()}
 
     return summed
@@ -88,7 +88,8 @@ def load_teacher(cfg: KDConfig, student, tok, device: torch.device, log):
     n = sum(p.numel() for p in teacher.parameters())
     log.print(f"teacher {cfg.teacher_model_path}: {n / 1e6:.2f}M parameters, frozen, float32 on {device}; "
               f"loss = {1 - cfg.kd_coef:g} × gpt_loss + {cfg.kd_coef:g} × distil_loss"
-              + (f", temperature {cfg.temperature:g}" if cfg.temperature != 1.0 else ""))
+              + (f", temperature {cfg.temperature:g}" if cfg.temperature != 1.0 else "")
+              + (f", GKD's generalized JSD with beta {cfg.beta:g}" if cfg.beta else ""))
     return teacher
 
 

@@ -9,8 +9,8 @@ keys.
 Every sft key is a kd key too (rows, packing, LoRA, engines, checkpoints, evaluation), layered the same way:
 defaults < `--config` YAML < `key=value` < flags. A line in OpenRLHF's spelling takes train_kd's defaults where it is
 silent (one epoch, learning rate 5e-6, ...); one in TRL's spelling GKDConfig's: temperature 0.9 and kd_coef 1 (GKD's
-loss is the divergence alone). Of GKD, the on-policy part (`lmbda` > 0, `seq_kd`) and the generalized JSD (`beta` >
-0) are left out: the student learns the teacher's distributions on the dataset's rows, KL(teacher ‖ student).
+loss is the divergence alone) and GKD's beta, 0.5. Of GKD, the on-policy part (`lmbda` > 0, `seq_kd`) is left out:
+the student learns the teacher's distributions on the dataset's rows.
 Nothing here imports torch.
 """
 
@@ -35,6 +35,9 @@ class KDConfig(SFTConfig):
                          ge=0.0, le=1.0)
     temperature: float = opt(1.0, "both models' logits divided by it in the distillation loss (TRL's GKD "
                                   "temperature); 1: none, as OpenRLHF", gt=0.0)
+    beta: float = opt(0.0, "0: the teacher's cross-entropy against the student (OpenRLHF's; KL(teacher ‖ student) "
+                           "up to a constant); above 0: GKD's generalized Jensen-Shannon divergence with this weight "
+                           "on the teacher, 1 the reverse KL(student ‖ teacher) (TRL's GKD beta)", ge=0.0, le=1.0)
 
 
 KD_NAMES = {"teacher_model": "teacher_model_path", "teacher_model_name_or_path": "teacher_model_path"}
@@ -42,7 +45,6 @@ KD_NAMES = {"teacher_model": "teacher_model_path", "teacher_model_name_or_path":
 GKD_ACCEPTED = {
     "lmbda": (("0", "0.0"), "the student's own generations (GKD's on-policy fraction) are left out; the "
                             "dataset's completions alone train"),
-    "beta": (("0", "0.0"), "the loss here is KL(teacher ‖ student) (GKD's beta=0); the generalized JSD is left out"),
     "seq_kd": (("false", "False"), "sequence-level KD (training on the teacher's generations) is left out"),
 }
 
@@ -60,7 +62,7 @@ def parse_kd(argv: list[str]) -> KDConfig:
     p = make_parser("alignrl train kd", "Knowledge distillation: supervised fine-tuning of a student on rows, its "
                                         "loss mixed with a frozen teacher's token distributions.")
     p.epilog = (epilog(kd_flags([])) + " --teacher_offload changes nothing (the teacher is a frozen copy on each "
-                "rank's device); TRL's --lmbda, --beta take 0 and --seq_kd false only (no generation here). The "
+                "rank's device); TRL's --lmbda takes 0 and --seq_kd false only (no generation here). The "
                 "sft switches (--packing_samples, --pretrain_mode, --multiturn) as `alignrl train sft --help` says. "
                 "Keys and the loss: docs/kd.md")
     rest, packing = packing_switches(argv)

@@ -87,8 +87,8 @@ TRL_DEFAULTS: dict[str, dict[str, Any]] = {
     "kto": {**_TRL_COMMON, "learning_rate": 1e-6, "max_length": 1024, "beta": 0.1, "desirable_weight": 1.0,
             "undesirable_weight": 1.0},
     "prm": {**_TRL_COMMON, "learning_rate": 1e-5, "max_length": 1024}}
-# GKDConfig is SFTConfig with temperature 0.9 and the divergence alone (kd_coef 1)
-TRL_DEFAULTS["kd"] = {**TRL_DEFAULTS["sft"], "kd_coef": 1.0, "temperature": 0.9}
+# GKDConfig is SFTConfig with temperature 0.9, the divergence alone (kd_coef 1), the generalized JSD at beta 0.5
+TRL_DEFAULTS["kd"] = {**TRL_DEFAULTS["sft"], "kd_coef": 1.0, "temperature": 0.9, "beta": 0.5}
 # their defaults with no counterpart here: (the key of ours it would set, what is kept instead); LoRA's only with LoRA
 _PAIRS_NOT_TAKEN = {"prompt_key=None": ("prompt_key", "a row's prompt column is read")}
 OPENRLHF_NOT_TAKEN: dict[str, dict[str, tuple[str, str]]] = {
