@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from alignrl.data.loaders import DataError
-from alignrl.data.prm_rows import PRMKeys, collate_rows, encode_rows, load_rows
+from alignrl.config import ConfigError
+from alignrl.data.prm_rows import PRMKeys, collate_rows, encode_rows, load_rows, read_row
 from alignrl.preference.prm_cli import parse_prm, prm_main
 
 P = "@"  # one token of the tiny test tokenizer (which has no "ки": four byte tokens there)
@@ -41,12 +42,67 @@ def test_both_layouts_read_into_the_same_tokens_and_labels(tiny_model_dir, tmp_p
     assert a[0].pieces == b[0].pieces  # the stepwise row in the placeholder form: step, placeholder, separator
     assert a[0].targets == ((1.0, 0.0), (0.0, 1.0)) and b[0].targets == ((1.0, 0.0), (0.25, 0.75))
     (enc,), notes = encode_rows(tok, a, pid, 64)
-    assert [enc.ids[s] for s in enc.steps] == [pid, pid] and notes["truncated_rows"] == 0
-    # each piece tokenised on its own, the placeholder's id between: the same ids as the pieces' own
-    assert enc.ids[:enc.steps[0]] == tok.encode(a[0].pieces[0], add_special_tokens=False)
+    assert [enc.ids[s] for s in enc.steps] == [pid, pid] and notes["truncated_rows"] == notes["piece_rows"] == 0
+    (same,), _ = encode_rows(tok, b, pid, 64)  # the stepwise row, piece by piece: the same ids in this tokenizer
+    assert same.ids == enc.ids and same.steps == enc.steps
     batch = collate_rows([enc], tok.pad_token_id, 2, 2.0, last_only=True)
     assert batch.step_mask.sum() == 1 and batch.step_mask[0, enc.steps[1]]  # TRL's train_on_last_step_only
     assert batch.targets[0, enc.steps[1]].tolist() == [0.0, 1.0] and batch.total_steps == 2.0
+
+
+def _llama_tokenizer():
+    """transformers' LlamaTokenizer (Llama-2 / Mistral's layout: Metaspace, a '▁' put before a text's first word) over
+    a BPE vocabulary trained here on two lines."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaTokenizer
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace("▁", prepend_scheme="always", split=True),
+                                                 pre_tokenizers.Split("\n", "isolated")])
+    bpe.train_from_iterator([LLAMA_TEXT, "+ - ки"], trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    model = json.loads(bpe.to_str())["model"]
+    return LlamaTokenizer(vocab=model["vocab"], merges=[tuple(m) if isinstance(m, list) else tuple(m.split(" "))
+                                                        for m in model["merges"]])
+
+
+LLAMA_TEXT = "Step 1: 3 + 2 = 5 ки\nStep 2: 5 - 1 = 4 ки\n"
+
+
+class _Recorder(torch.nn.Module):
+    """A stand-in causal LM that keeps the ids it is given (zero logits over `vocab`)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.seen, self.w = vocab, [], torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, use_cache=False):
+        self.seen.append(input_ids[0].tolist())
+        return type("Out", (), {"logits": torch.zeros(*input_ids.shape, self.vocab)})()
+
+
+def test_text_rows_are_tokenised_whole_as_openrlhf_and_a_scorer_read_them():
+    """Piece by piece, a sentencepiece-style tokenizer puts a '▁' before every piece (' ки' became '▁', '▁ки',
+    '▁'): a text row is tokenised whole, and piece by piece only where its placeholders are not one per label."""
+    from alignrl.preference.prm import score_steps, token_ids
+
+    tok = _llama_tokenizer()
+    pid, _ = token_ids(tok, "ки", TOKENS)
+    keys = PRMKeys(label="label")
+    rows = [read_row("a:1", {"input": LLAMA_TEXT, "label": ["+", "-"]}, keys, "ки", TOKENS),
+            read_row("a:2", {"input": "Step 1: 3 + 2 = 5\nки", "label": ["+"]}, keys, "ки", TOKENS)]
+    (whole, merged), notes = encode_rows(tok, rows, pid, 64)
+    assert whole.ids == tok.encode(LLAMA_TEXT, add_special_tokens=False) and whole.steps == [7, 16]
+    assert "▁" not in tok.convert_ids_to_tokens(whole.ids)  # no stray '▁' around the placeholders
+    # after a newline "ки" is the token 'ки', not the placeholder '▁ки': that row goes piece by piece, counted
+    assert notes["piece_rows"] == 1 and [merged.ids[s] for s in merged.steps] == [pid]
+    model = _Recorder(len(tok))
+    assert score_steps(model, tok, [LLAMA_TEXT], "ки", TOKENS) == [[0.5, 0.5]] and model.seen == [whole.ids]
+    steps = read_row("a:3", {"prompt": "", "completions": ["Step 1: 3 + 2 = 5 "], "label": [True]}, keys, "ки",
+                     TOKENS)
+    (enc,), notes = encode_rows(tok, [steps], pid, 64)  # stepwise: piece by piece, as TRL tokenises each step
+    alone = [tok.encode(t, add_special_tokens=False) for t in ("Step 1: 3 + 2 = 5 ", "\n")]
+    assert notes["piece_rows"] == 0 and enc.ids == alone[0] + [pid] + alone[1]
 
 
 def test_max_length_keeps_whole_steps_and_counts_the_labels_dropped(tiny_model_dir, tmp_path):
@@ -59,7 +115,7 @@ def test_max_length_keeps_whole_steps_and_counts_the_labels_dropped(tiny_model_d
     cut_at = full.steps[1] + 3  # inside the third step
     (cut,), notes = encode_rows(tok, rows, pid, cut_at)
     assert cut.ids == full.ids[:full.steps[1] + 1] and cut.steps == full.steps[:2] and len(cut.targets) == 2
-    assert notes == {"truncated_rows": 1, "dropped_labels": 1, "dropped_rows": 0}
+    assert notes == {"truncated_rows": 1, "dropped_labels": 1, "dropped_rows": 0, "piece_rows": 0}
     none, notes = encode_rows(tok, rows, pid, full.steps[0])  # not even the first step fits: the row goes
     assert none == [] and notes["dropped_rows"] == 1 and notes["dropped_labels"] == 3
 
@@ -148,13 +204,15 @@ def test_accumulated_micro_batches_give_the_gradient_of_the_whole_steps_mean(tin
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
 
 
-def test_stepwise_rows_with_soft_labels_train(tiny_model_dir, tmp_path):
+def test_stepwise_rows_with_soft_labels_train(tiny_model_dir, tmp_path, capsys):
     from safetensors.torch import load_file
 
     data = _write(tmp_path / "steps.jsonl", _stepwise_rows(8))
     res = _run(tiny_model_dir, tmp_path, "soft", f"train_files=[{data}]", "batch_size=4", "max_steps=1",
                "learning_rate=1e-3", "train_on_last_step_only=true")
-    assert res["steps"] == 1 and res["train_steps"] == 23 and res["reward_tokens"] == TOKENS
+    assert res["steps"] == 1 and res["reward_tokens"] == TOKENS
+    assert (res["train_steps"], res["train_labelled_steps"]) == (8, 23)  # the last step of each of 8 rows trains
+    assert "8 train rows (23 labelled steps, 8 trained: train_on_last_step_only)" in capsys.readouterr().out
     trained, base = (load_file(str(f / "model.safetensors")) for f in (tmp_path / "soft", Path(tiny_model_dir)))
     assert any(not torch.equal(trained[k], base[k]) for k in base)
 
@@ -164,13 +222,21 @@ class _Quiet:
         pass
 
 
-def test_openrlhf_and_trl_flags_read_as_keys():
+def test_openrlhf_and_trl_flags_read_as_keys(capsys):
     cfg = parse_prm(["--pretrain", "demo", "--dataset", "a.jsonl,b.jsonl", "--input_key", "text", "--label_key",
                      "value", "--placeholder_token", "ки", "--reward_tokens", "+", "-", "--max_len", "512",
                      "--micro_train_batch_size", "2"])
     assert (cfg.train_files, cfg.input_key, cfg.label_key, cfg.placeholder_token, cfg.reward_tokens) == (
         ["a.jsonl", "b.jsonl"], "text", "value", "ки", ["+", "-"])
     assert (cfg.max_length, cfg.batch_size, cfg.learning_rate) == (512, 2, 1e-6)  # train_prm's learning rate
+    assert "reward_tokens=None" not in capsys.readouterr().err
+    assert parse_prm(["--pretrain", "demo", "--dataset", "a.jsonl"]).reward_tokens == TOKENS
+    assert "not taken: reward_tokens=None (the whole-vocabulary loss is left out: reward_tokens=" in \
+        capsys.readouterr().err  # OpenRLHF's line without --reward_tokens: its loss over the whole vocabulary
+    with pytest.raises(ConfigError, match=r"reward_tokens=\[True, False\]: YAML read True as bool, not a text .* "
+                                          "quote each token"):
+        parse_prm(["train_files=[a.jsonl]", "reward_tokens=[yes,no]"])
+    assert parse_prm(["train_files=[a.jsonl]", 'reward_tokens=["yes","no"]']).reward_tokens == ["yes", "no"]
     trl = parse_prm(["--model_name_or_path", "demo", "--dataset_name", "s.jsonl", "--step_separator", " | ",
                      "--train_on_last_step_only", "--reward_tokens=good,bad"])
     assert (trl.step_separator, trl.train_on_last_step_only, trl.reward_tokens, trl.learning_rate) == (

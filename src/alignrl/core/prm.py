@@ -16,7 +16,8 @@ text, padding, steps left out of training) is ignored whatever its logits and ta
 
 The loss returned is the SUM of the marked steps' cross-entropies divided by `total_steps` (every step of the
 optimizer step, over micro-batches and ranks), so any split of a batch adds up to the whole batch's step mean; without
-`total_steps` it is this batch's own step mean.
+`total_steps` it is this batch's own step mean. (OpenRLHF's `PRMLoss` is each micro-batch's own step mean, averaged
+over micro-batches: the same only with one micro-batch per optimizer step; here every step weighs the same.)
 """
 
 from __future__ import annotations

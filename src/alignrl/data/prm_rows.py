@@ -12,9 +12,12 @@ A label is one of the reward tokens ("+"), a boolean (true: the first reward tok
 second) or a number p in [0, 1] (a soft label: p on the first of two reward tokens, 1 - p on the second). Each is kept
 as its target distribution over the reward tokens.
 
-The text between placeholders is tokenised piece by piece (no special tokens added, as OpenRLHF's
-`add_special_tokens=False`) and the placeholder's id put between the pieces, so that every placeholder is one token at
-a known position whatever text surrounds it (tokenised whole, " ки" could merge into another token). A row longer than
+No special tokens are added (OpenRLHF's `add_special_tokens=False`). A placeholder-text row is tokenised whole, as
+OpenRLHF and a plain-transformers reader tokenise it, and the placeholder's ids in it are the steps, when there is one
+per label. Where the whole text holds another count (the placeholder merged with a neighbour into another token, as
+" ки" can), its pieces between placeholders are tokenised one by one with the placeholder's id put between them, so
+that every step still has its position; such rows are counted. A stepwise row is always tokenised piece by piece (TRL
+tokenises each step on its own too; the prompt goes with the first step). A row longer than
 `max_length` keeps its whole steps that fit (the text after the last of them is cut) and the count of labels dropped
 is reported; a row none of whose steps fits is dropped. Problems raise `DataError` with one line naming file:line.
 """
@@ -46,6 +49,7 @@ class PRMRow:
     loc: str  # file:line, for messages
     pieces: tuple[str, ...]  # the text before each placeholder, then the text after the last one
     targets: tuple[tuple[float, ...], ...]  # one distribution over the reward tokens per step
+    text: str | None = None  # a placeholder-text row's own text, tokenised whole first; None: a stepwise row
 
     @property
     def n_steps(self) -> int:
@@ -68,6 +72,7 @@ def read_row(loc: str, row: dict, keys: PRMKeys, placeholder: str, reward_tokens
         raise DataError(f"{loc}: row has no {keys.label} (one label per step; its keys are "
                         f"{', '.join(map(str, row))[:120]}; set label_key)")
     labels = _labels(loc, keys.label, row[keys.label], reward_tokens)
+    text = None
     if keys.completions in row:
         pieces = _stepwise(loc, row, keys, placeholder, step_separator, len(labels))
     elif keys.input in row:
@@ -84,7 +89,7 @@ def read_row(loc: str, row: dict, keys: PRMKeys, placeholder: str, reward_tokens
         raise DataError(f"{loc}: row has neither {keys.input} (a text with placeholders) nor {keys.completions} "
                         f"(stepwise: {keys.prompt}, {keys.completions}, {keys.label}); its keys are "
                         f"{', '.join(map(str, row))[:120]} (set input_key or completions_key)")
-    return PRMRow(loc, pieces, labels)
+    return PRMRow(loc, pieces, labels, text)
 
 
 def _stepwise(loc: str, row: dict, keys: PRMKeys, placeholder: str, separator: str, n_labels: int
@@ -168,13 +173,29 @@ def encode_pieces(tokenizer, pieces: Sequence[str], placeholder_id: int) -> tupl
     return ids, steps
 
 
+def encode_text(tokenizer, text: str | None, pieces: Sequence[str], placeholder_id: int
+                ) -> tuple[list[int], list[int], bool]:
+    """(ids, placeholder positions, whether the pieces stood in for `text`): `text` (a placeholder-text row's own)
+    tokenised whole when its placeholder ids number the steps (len(pieces) - 1), else, or with no `text`, the
+    pieces with the placeholder's id between them (`encode_pieces`)."""
+    if text is not None:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        steps = [i for i, t in enumerate(ids) if t == placeholder_id]
+        if len(steps) == len(pieces) - 1:
+            return ids, steps, False
+    ids, steps = encode_pieces(tokenizer, pieces, placeholder_id)
+    return ids, steps, text is not None
+
+
 def encode_rows(tokenizer, rows: Sequence[PRMRow], placeholder_id: int, max_length: int
                 ) -> tuple[list[EncodedPRM], dict[str, int]]:
-    """(the encoded rows, counts: rows cut at max_length, labels dropped by the cut, rows dropped whole)."""
+    """(the encoded rows, counts: rows cut at max_length, labels dropped by the cut, rows dropped whole, and
+    placeholder-text rows tokenised piece by piece as their whole text did not hold one placeholder per label)."""
     out: list[EncodedPRM] = []
-    notes = {"truncated_rows": 0, "dropped_labels": 0, "dropped_rows": 0}
+    notes = {"truncated_rows": 0, "dropped_labels": 0, "dropped_rows": 0, "piece_rows": 0}
     for row in rows:
-        ids, steps = encode_pieces(tokenizer, row.pieces, placeholder_id)
+        ids, steps, by_pieces = encode_text(tokenizer, row.text, row.pieces, placeholder_id)
+        notes["piece_rows"] += by_pieces
         targets = list(row.targets)
         if len(ids) > max_length:
             kept = sum(p < max_length for p in steps)

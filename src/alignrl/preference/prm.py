@@ -26,8 +26,8 @@ import torch
 
 from alignrl.core.prm import positive_probs, prm_loss, step_terms
 from alignrl.data.blend import read_files
-from alignrl.data.prm_rows import (EncodedPRM, PRMBatch, PRMKeys, PRMRow, collate_rows, counted_steps, encode_pieces,
-                                   encode_rows, load_rows, single_token)
+from alignrl.data.prm_rows import (EncodedPRM, PRMBatch, PRMKeys, PRMRow, collate_rows, counted_steps, encode_rows,
+                                   encode_text, load_rows, single_token)
 from alignrl.preference import adapters
 from alignrl.preference import checkpoint_plan as cp
 from alignrl.preference import common as pc
@@ -140,12 +140,13 @@ def _loss_fn(cfg: PRMConfig, env, reward_ids: list[int]):
 def score_steps(model, tokenizer, texts: list[str], placeholder_token: str, reward_tokens: list[str]
                 ) -> list[list[float]]:
     """P(the first reward token) at each placeholder of each text (rows in the placeholder form), one text per
-    forward: what a trained PRM says of each step, in order."""
+    forward: what a trained PRM says of each step, in order. A text is tokenised as training tokenised its rows
+    (`data.prm_rows.encode_text`): whole, or piece by piece where its placeholder merged into another token."""
     pid, rids = token_ids(tokenizer, placeholder_token, reward_tokens)
     device = next(model.parameters()).device
     out = []
     for text in texts:
-        ids, steps = encode_pieces(tokenizer, text.split(placeholder_token), pid)
+        ids, steps, _ = encode_text(tokenizer, text, text.split(placeholder_token), pid)
         if not steps:
             out.append([])
             continue
@@ -176,17 +177,26 @@ def _encode(tok, cfg: PRMConfig, train_rows: list[PRMRow], eval_rows: list[PRMRo
     pid, rids = token_ids(tok, cfg.placeholder_token, [str(t) for t in cfg.reward_tokens])
     enc_train, notes = encode_rows(tok, train_rows, pid, cfg.max_length)
     enc_eval, eval_notes = encode_rows(tok, eval_rows, pid, cfg.max_length)
-    steps = sum(len(e.steps) for e in enc_train)
-    log.print(f"PRM: {len(enc_train)} train rows ({steps} steps) from {', '.join(map(str, cfg.train_files))}, "
+    labelled = sum(len(e.steps) for e in enc_train)
+    trained = sum(len(counted_steps(e, cfg.train_on_last_step_only)) for e in enc_train)
+    counts = (f"{labelled} labelled steps, {trained} trained: train_on_last_step_only" if trained != labelled
+              else f"{trained} steps")
+    log.print(f"PRM: {len(enc_train)} train rows ({counts}) from {', '.join(map(str, cfg.train_files))}, "
               f"{len(enc_eval)} held-out; placeholder {cfg.placeholder_token!r} (id {pid}), reward tokens "
               f"{' '.join(map(str, cfg.reward_tokens))} (ids {rids}); max_length={cfg.max_length} cut "
               f"{notes['truncated_rows']} rows, dropping {notes['dropped_labels']} labels "
               f"({notes['dropped_rows']} rows with no whole step left)")
+    pieces = notes["piece_rows"] + eval_notes["piece_rows"]
+    if pieces:  # the model sees those rows' text tokenised otherwise than a reader tokenising it whole would
+        log.print(f"note: {notes['piece_rows']} train and {eval_notes['piece_rows']} held-out rows tokenised piece "
+                  f"by piece: their whole text did not hold one {cfg.placeholder_token!r} token per label (it merged "
+                  "with a neighbouring text into another token)")
     if eval_notes["dropped_labels"]:
         log.print(f"held-out rows: max_length cut {eval_notes['truncated_rows']} rows, dropping "
                   f"{eval_notes['dropped_labels']} labels")
-    return enc_train, enc_eval, pid, rids, {**notes, "train_steps": steps, "eval_dropped_labels":
-                                            eval_notes["dropped_labels"]}
+    return enc_train, enc_eval, pid, rids, {**notes, "train_steps": trained, "train_labelled_steps": labelled,
+                                            "eval_dropped_labels": eval_notes["dropped_labels"],
+                                            "eval_piece_rows": eval_notes["piece_rows"]}
 
 
 def _model(cfg: PRMConfig, folder, log):

@@ -94,7 +94,12 @@ def parse_prm(argv: list[str]) -> PRMConfig:
                                                                       "logging_dir": args.logging_dir})
     if not cfg.train_files:
         raise ConfigError(f"train_files is empty: give the training rows, {dataset_hint(argv, PRM_FLAGS)}")
-    tokens = [str(t) for t in cfg.reward_tokens]
+    odd = [t for t in cfg.reward_tokens if not isinstance(t, str)]
+    if odd:  # str() would train on "True" where the line meant "yes", on "1" where it meant "01"
+        raise ConfigError(f"reward_tokens={list(cfg.reward_tokens)}: YAML read {odd[0]!r} as {type(odd[0]).__name__}, "
+                          "not a text (it reads yes/no/on/off as booleans, digits as numbers); quote each token, e.g. "
+                          "reward_tokens='[\"yes\", \"no\"]', or give --reward_tokens yes no")
+    tokens = list(cfg.reward_tokens)
     if len(tokens) < 2 or len(set(tokens)) != len(tokens) or not all(tokens):
         raise ConfigError(f"reward_tokens={tokens} must be two or more different tokens, the positive label first "
                           "(e.g. --reward_tokens + -)")

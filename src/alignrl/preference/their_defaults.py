@@ -96,6 +96,7 @@ OPENRLHF_NOT_TAKEN: dict[str, dict[str, tuple[str, str]]] = {
     "kto": {"input_key=input": ("prompt_key", "the rows' own layout names the columns")},
     "rm": _PAIRS_NOT_TAKEN, "dpo": _PAIRS_NOT_TAKEN}
 OPENRLHF_NOT_TAKEN["kd"] = OPENRLHF_NOT_TAKEN["sft"]
+OPENRLHF_NOT_TAKEN["prm"] = {"reward_tokens=None": ("reward_tokens", "the whole-vocabulary loss is left out")}
 _TRL_NOT_TAKEN = {"lora_target_modules=None": ("lora_target_modules", "peft's per-model choice has no name here")}
 TRL_NOT_TAKEN = {command: _TRL_NOT_TAKEN for command in ("rm", "dpo", "sft", "kto", "kd", "prm")}
 SCRIPTS = {OPENRLHF: {"rm": "train_rm", "dpo": "train_dpo", "sft": "train_sft", "kto": "train_kto", "kd": "train_kd",
