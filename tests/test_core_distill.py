@@ -119,3 +119,15 @@ def test_gkd_generalized_jsd_by_hand_and_at_its_ends():
     assert torch.isfinite(generalized_jsd_per_token(torch.randn(2, 4), masked, 0.5)).all()
     with pytest.raises(ValueError, match="beta must be in"):
         generalized_jsd_per_token(same, same, 0.0)
+
+
+def test_the_reverse_kl_leaves_out_what_a_narrower_teacher_head_never_gives():
+    """β = 1 against a teacher head padded to the student's size with -inf (`match_vocab`): finite, with finite
+    gradients, and equal to the reverse KL over the shared entries (the student renormalised over them)."""
+    torch.manual_seed(3)
+    student, narrow = torch.randn(2, 10, requires_grad=True), torch.randn(2, 8)
+    got = distill_sum(student, match_vocab(narrow, 10), beta=1.0)
+    got.backward()
+    assert torch.isfinite(got) and torch.isfinite(student.grad).all()
+    shared = distill_sum(student.detach()[:, :8], narrow, beta=1.0)
+    torch.testing.assert_close(got.detach(), shared, rtol=0, atol=1e-6)

@@ -139,6 +139,7 @@ def test_a_padded_head_is_matched_and_a_wrong_teacher_is_one_line(tiny_model_dir
 
 def test_openrlhfs_module_spelling_runs_the_command(capsys, monkeypatch):
     shim = str(ROOT / "openrlhf" / "cli" / "train_kd.py")
+    monkeypatch.syspath_prepend(str(ROOT))  # `python3 -m openrlhf.cli.train_kd` from the repository root
     monkeypatch.setattr(sys, "argv", [shim, "--help"])
     with pytest.raises(SystemExit) as done:
         runpy.run_path(shim, run_name="__main__")
@@ -163,7 +164,15 @@ def test_flags_of_openrlhf_and_trl_read_as_keys(capsys):
     assert (trl.teacher_model_path, trl.kd_coef, trl.temperature, trl.beta) == ("t", 1.0, 0.9, 0.5)
     assert parse_kd(["--model_name_or_path", "s", "--teacher_model_name_or_path", "t", "--dataset_name", "a.jsonl",
                      "--beta", "1"]).beta == 1.0
+    assert "GKD's lmbda 0.5 (the student's own generations for half of the batches) is not taken" in \
+        capsys.readouterr().err  # a TRL line silent on --lmbda is told its on-policy half is left out
+    trl_line = ["--model_name_or_path", "s", "--teacher_model_name_or_path", "t", "--dataset_name", "a.jsonl"]
+    parse_kd(trl_line + ["--lmbda", "0.", "--seq_kd", "no", "--disable_dropout", "true"])  # TRL's spellings of them
     from alignrl.config import ConfigError
 
+    with pytest.raises(ConfigError, match="^--seq_kd true: sequence-level KD"):
+        parse_kd(trl_line + ["--seq_kd"])  # bare: TRL reads it as true
+    with pytest.raises(ConfigError, match="^--max_new_tokens: nothing generates here"):
+        parse_kd(trl_line + ["--max_new_tokens", "128"])
     with pytest.raises(ConfigError, match="^teacher_model_path is empty"):
         parse_kd(["train_files=[a.jsonl]"])

@@ -58,9 +58,16 @@ def generalized_jsd_per_token(student_logits: torch.Tensor, teacher_logits: torc
     log_t = torch.log_softmax(teacher_logits.detach().float() / temperature, dim=-1)
 
     def kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:  # Σ p (log p - log q); p = 0 adds nothing
-        return torch.where(log_p.isneginf(), 0.0, log_p.exp() * (log_p - log_q)).sum(dim=-1)
+        inside = ~log_p.isneginf()  # the -inf entries are replaced before any product: no nan in the gradient
+        log_p, log_q = torch.where(inside, log_p, 0.0), torch.where(inside, log_q, 0.0)
+        return torch.where(inside, log_p.exp() * (log_p - log_q), 0.0).sum(dim=-1)
 
     if beta == 1.0:
+        # an entry the teacher gives probability 0 (a narrower head's padding) is left out of the student's
+        # distribution too: any mass there would make KL(student ‖ teacher) infinite
+        outside = torch.isneginf(teacher_logits.detach())
+        if outside.any():
+            log_s = torch.log_softmax((student_logits.float() / temperature).masked_fill(outside, float("-inf")), -1)
         return kl(log_s, log_t)
     log_m = torch.logaddexp(log_s + math.log(1.0 - beta), log_t + math.log(beta))
     return beta * kl(log_t, log_m) + (1.0 - beta) * kl(log_s, log_m)

@@ -12,7 +12,8 @@ import os
 from alignrl.config import ConfigError
 from alignrl.preference.notes import say
 
-TRUE_WORDS, FALSE_WORDS = ("true", "yes", "1"), ("false", "no", "0")
+# transformers' string_to_bool words
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "t", "y", "1", "on"), ("false", "no", "f", "n", "0", "off")
 # flags whose value picks a value of one of our keys: flag -> (our key, {their value: ours}, why another is refused).
 # OpenRLHF's --param_dtype (its current dtype flag, default bf16) is our bf16; its --backend our strategy.
 CHOICE_FLAGS = {
@@ -92,6 +93,29 @@ def _value(name: str, eq: str, value: str, nxt: str | None) -> tuple[str, int]:
     return (value, 1) if eq else (nxt, 2)
 
 
+def _means(given: str, values: tuple[str, ...]) -> bool:
+    """Whether `given` says one of `values`: the same text, the same number (`0.` is 0), or the same truth value in
+    transformers' words (`no` is false)."""
+    if given in values:
+        return True
+    low = given.strip().lower()
+    for words in (TRUE_WORDS, FALSE_WORDS):
+        if low in words and any(v.lower() in words for v in values):
+            return True
+    try:
+        return any(float(given) == float(v) for v in values)
+    except ValueError:
+        return False
+
+
+def _given(name: str, word: str, eq: str, value: str, nxt: str | None, values: tuple[str, ...]) -> tuple[str, int]:
+    """The value of an accepted flag: a switch of truth values may stand bare (`--seq_kd` is true, as TRL reads it)."""
+    if all(v.lower() in TRUE_WORDS + FALSE_WORDS for v in values):
+        on, taken = read_switch(word, name, value if eq else None, nxt)
+        return ("true" if on else "false"), taken
+    return _value(name, eq, value, nxt)
+
+
 def read_flag(word: str, name: str, eq: str, value: str, nxt: str | None,
               accepted: dict[str, tuple[tuple[str, ...], str]]) -> tuple[list[str], int] | None:
     """(the overrides of flag `--name` at `word`, words taken), or None when it is none of this module's flags.
@@ -107,14 +131,15 @@ def read_flag(word: str, name: str, eq: str, value: str, nxt: str | None,
             raise ConfigError(f"--{name} {given}: {why}; give {' or '.join(values)}, or leave the flag out")
         return ([f"{key}={values[given]}"] if values[given] is not None else []), taken
     if name in accepted or name in IGNORED_VALUED or name in REFUSED_VALUED:
-        given, taken = _value(name, eq, value, nxt)
+        given, taken = (_given(name, word, eq, value, nxt, accepted[name][0]) if name in accepted
+                        else _value(name, eq, value, nxt))
         if name in REFUSED_VALUED:
             raise ConfigError(f"--{name} is not supported here: {REFUSED_VALUED[name]}")
         if name in IGNORED_VALUED:
             say(f"note: --{name} changes nothing here and is ignored ({IGNORED_VALUED[name]})")
             return [], taken
         values, why = accepted[name]
-        if given not in values:
+        if not _means(given, values):
             raise ConfigError(f"--{name} {given}: {why}; give {' or '.join(values)}, or leave the flag out")
         return [], taken
     if name in IGNORED_SWITCHES or name in REFUSED_SWITCHES or name == LOAD_CHECKPOINT:

@@ -52,6 +52,11 @@ def distillation(cfg: KDConfig, model, tok, env, log, notes: dict):
     """The objective `train_sft` calls once its student is built: the teacher loaded and checked, and
     `summed(module, batch) -> (loss, {"gpt_loss": Σ, "distil_loss": Σ})`, sums over the batch's trained tokens."""
     teacher = load_teacher(cfg, model, tok, env.device, log)
+    from alignrl.models.vision import is_vision_model
+
+    if notes.get("image_rows") and not is_vision_model(teacher):
+        raise ConfigError(f"teacher_model_path={cfg.teacher_model_path}: {notes['image_rows']} rows carry images and "
+                          "the teacher is a text-only model: give a vision-language teacher of the student's family")
     vocab = _vocab(model)
     notes.update({"teacher_model_path": cfg.teacher_model_path, "kd_coef": cfg.kd_coef,
                   "temperature": cfg.temperature, "beta": cfg.beta})

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from alignrl.config import ConfigError, opt
 from alignrl.preference.cli import COMMANDS, load_flat_config, make_parser, run_cli
 from alignrl.preference.flag_names import CommandFlags, dataset_hint, epilog, flags_as_keys
+from alignrl.preference.notes import say
 from alignrl.preference.sft_cli import SFTConfig, packing_switches, sft_flags
+from alignrl.preference.their_defaults import TRL, spellings
 
 
 @dataclass(frozen=True)
@@ -45,15 +47,18 @@ KD_NAMES = {"teacher_model": "teacher_model_path", "teacher_model_name_or_path":
 GKD_ACCEPTED = {
     "lmbda": (("0", "0.0"), "the student's own generations (GKD's on-policy fraction) are left out; the "
                             "dataset's completions alone train"),
-    "seq_kd": (("false", "False"), "sequence-level KD (training on the teacher's generations) is left out"),
+    "seq_kd": (("false",), "sequence-level KD (training on the teacher's generations) is left out"),
+    "disable_dropout": (("true",), "dropout is off in training here, as TRL's default"),
 }
+# GKD's generation settings: nothing generates here
+GKD_LEFT_OUT = {"max_new_tokens": "nothing generates here (GKD's on-policy part, lmbda > 0, is left out)"}
 
 
 def kd_flags(argv: list[str]) -> CommandFlags:
     """sft's flag table for this line (`sft_cli.sft_flags`) with the teacher's names and GKD's settings."""
     sft = sft_flags(argv)
-    return CommandFlags({**sft.names, **KD_NAMES}, sft.switches, sft.left_out, ignored=("teacher_offload",),
-                        accepted=GKD_ACCEPTED)
+    return CommandFlags({**sft.names, **KD_NAMES}, sft.switches, {**sft.left_out, **GKD_LEFT_OUT},
+                        ignored=("teacher_offload",), accepted=GKD_ACCEPTED)
 
 
 
@@ -71,6 +76,10 @@ def parse_kd(argv: list[str]) -> KDConfig:
                                                                      "logging_dir": args.logging_dir})
     if not cfg.train_files:
         raise ConfigError(f"train_files is empty: give the training rows, {dataset_hint(rest, kd_flags(rest))}")
+    if spellings([a[2:].partition("=")[0] for a in rest if a.startswith("--")]) == {TRL} and not any(
+            a.startswith("--lmbda") for a in rest):
+        say("note: GKD's lmbda 0.5 (the student's own generations for half of the batches) is not taken: the "
+            "dataset's completions alone train")
     if not cfg.teacher_model_path:
         raise ConfigError("teacher_model_path is empty: give the teacher model's folder (teacher_model_path=DIR; "
                           "OpenRLHF: --teacher_model, TRL: --teacher_model_name_or_path)")

@@ -225,7 +225,8 @@ def _encode(tok, cfg: SFTConfig, train_rows: list[SFTRow], eval_rows: list[SFTRo
               f"{'start' if cfg.truncation == 'left' else 'end'}"
               + (f", {dropped} of them dropped: no trained token left" if dropped else "")
               + (f"; {vision.with_images(enc_train)} train rows with images" if vision.with_images(enc_train) else ""))
-    return enc_train, enc_eval, {"truncated_rows": cut, "dropped_rows": dropped, "chat_template": keys.chat_template}
+    return enc_train, enc_eval, {"truncated_rows": cut, "dropped_rows": dropped, "chat_template": keys.chat_template,
+                                 "image_rows": vision.with_images(enc_train) + vision.with_images(enc_eval)}
 
 
 def _encoded(tok, rows: list[SFTRow], keys: SFTKeys, cfg: SFTConfig, whole: bool, which: str):
@@ -303,7 +304,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None, objective=None) 
     if before:
         log.print(f"held-out before training: loss {before['loss']:.4f}, perplexity {before['perplexity']:.3f}")
     plan = cp.plan_for(cfg, out_dir, total, per_epoch)
-    start = cp.resumed_step(cfg, plan, engine, "sft", log, env)
+    start = cp.resumed_step(cfg, plan, engine, "kd" if objective is not None else "sft", log, env)
     export = adapters.exporter(policy, model, spec, cfg.lora_export)
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
