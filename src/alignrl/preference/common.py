@@ -61,6 +61,21 @@ def prepare_trainable(model, cfg: CommonConfig) -> None:
         recompute_activations(model)
 
 
+def trainable_causal_lm(cfg: CommonConfig, folder, log):
+    """(the loaded causal LM, the model that trains: it or its LoRA wrapper, the LoRA spec or None), prepared as
+    every offline trainer prepares its model (`prepare_trainable`)."""
+    from alignrl.models.loader import load_causal_lm
+    from alignrl.preference import adapters
+
+    policy = load_causal_lm(folder, "float32", "model_path")
+    prepare_trainable(policy, cfg)
+    spec = adapters.spec_of(cfg)
+    model = adapters.attach(policy, spec, "CAUSAL_LM", cfg.seed) if spec is not None else policy
+    if spec is not None:
+        log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}")
+    return policy, model, spec
+
+
 def bind_template_variables(tokenizer, cfg: CommonConfig, log) -> None:
     """`chat_template_kwargs` set on `tokenizer` before any pair is templated: the training and held-out rows (and
     the scorers' tables, which read the same ids) render with them; the saved tokenizer stays the model's own."""

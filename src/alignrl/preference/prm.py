@@ -199,18 +199,6 @@ def _encode(tok, cfg: PRMConfig, train_rows: list[PRMRow], eval_rows: list[PRMRo
                                             "eval_piece_rows": eval_notes["piece_rows"]}
 
 
-def _model(cfg: PRMConfig, folder, log):
-    from alignrl.models.loader import load_causal_lm
-
-    policy = load_causal_lm(folder, "float32", "model_path")
-    pc.prepare_trainable(policy, cfg)
-    spec = adapters.spec_of(cfg)
-    model = adapters.attach(policy, spec, "CAUSAL_LM", cfg.seed) if spec is not None else policy
-    if spec is not None:
-        log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}")
-    return policy, model, spec
-
-
 def _fmt(e: dict) -> str:
     return f"step loss {e['loss']:.4f}, step accuracy {e['step_accuracy']:.3f} over {e['steps']} steps"
 
@@ -233,7 +221,7 @@ def train_prm(cfg: PRMConfig, dry_run_world: int | None = None) -> dict:
     tok = load_tokenizer(folder, chat=False)
     enc_train, enc_eval, pid, rids, notes = _encode(tok, cfg, train_rows, eval_rows, log)
     pc.check_enough(len(enc_train), cfg, env.world_size, what)
-    policy, model, spec = _model(cfg, folder, log)
+    policy, model, spec = pc.trainable_causal_lm(cfg, folder, log)
     total = pc.total_steps(len(enc_train), cfg, env.world_size)
     engine = pc.build_engine_for(cfg, model, env, total)
     log.print(f"{pc.describe_batch(cfg, env.world_size).replace('pairs', 'rows')}; {total} optimizer steps, "

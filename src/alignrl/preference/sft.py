@@ -248,19 +248,6 @@ def _encoded(tok, rows: list[SFTRow], keys: SFTKeys, cfg: SFTConfig, whole: bool
     return out, len(longer), len(kept) - len(out)
 
 
-def _policy(cfg: SFTConfig, folder, log):
-    """(the loaded model, the model that trains: it or its LoRA wrapper, the LoRA spec or None)."""
-    from alignrl.models.loader import load_causal_lm
-
-    policy = load_causal_lm(folder, "float32", "model_path")
-    pc.prepare_trainable(policy, cfg)
-    spec = adapters.spec_of(cfg)
-    model = adapters.attach(policy, spec, "CAUSAL_LM", cfg.seed) if spec is not None else policy
-    if spec is not None:
-        log.print(f"LoRA r={spec.rank} alpha={spec.alpha} on {spec.target_modules}: {adapters.count(model)}")
-    return policy, model, spec
-
-
 def train_sft(cfg: SFTConfig, dry_run_world: int | None = None, objective=None) -> dict:
     """`objective(cfg, model, tok, env, log, notes) -> summed(module, batch) -> (loss, sums)`: the micro-batch's
     summed loss over its trained tokens and other sums logged as token means (knowledge distillation's,
@@ -288,7 +275,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None, objective=None) 
     _check_enough(n_rows, cfg, env.world_size)
     enc_train = pack_rows(enc_train, cfg, log, notes)  # fewer packed rows than a global batch: one partial step
     enc_eval = pack_rows(enc_eval, cfg, log, notes, held_out=True)
-    policy, model, spec = _policy(cfg, folder, log)
+    policy, model, spec = pc.trainable_causal_lm(cfg, folder, log)
     collate, neft = _layout(cfg, tok.pad_token_id, model, log)
     summed_of = objective(cfg, model, tok, env, log, notes) if objective else (
         lambda module, batch: (summed_loss(module, batch, cfg, env.device)[0], {}))
