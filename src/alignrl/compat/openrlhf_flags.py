@@ -94,6 +94,7 @@ def _placement_flags(g) -> None:
 def _model_flags(m) -> None:
     m.add_argument("--pretrain", default="demo", help="policy model folder ('demo': the embedded tiny model)")
     m.add_argument("--reward_pretrain", default=None, help="reward model folder (default: the rule reward)")
+    m.add_argument("--ref_pretrain", default=None, help="reference model folder of the KL term (default: --pretrain)")
     m.add_argument("--remote_rm_url", default=None, help="reward service URLs separated by commas (`alignrl serve "
                    "reward`, or OpenRLHF-style /get_reward; several share each batch), or a .py file defining "
                    "reward_func(queries, prompts, labels)")
@@ -350,6 +351,7 @@ def data_keys(args) -> dict[str, object]:
 # The config keys that ppo-ray's flags set, as its errors name them: a user of these flags never wrote the keys.
 FLAG_OF_KEY = {"data.train_files": "--prompt_data", "data.prompt_key": "--input_key", "data.label_key": "--label_key",
                "critic.model_path": "--critic_pretrain", "algorithm.reward_model": "--reward_pretrain",
+               "model.ref_path": "--ref_pretrain",
                "model.path": "--pretrain", "actor.lr": "--actor_learning_rate", "critic.lr": "--critic_learning_rate",
                "rollout.temperature": "--temperature", "rollout.top_p": "--top_p", "rollout.n": "--n_samples_per_prompt",
                "rollout.max_new_tokens": "--generate_max_len", "data.max_prompt_length": "--prompt_max_len",

@@ -182,6 +182,8 @@ def overrides(args, gpus: bool, total_steps: int) -> list[str]:
         out.append(f"trainer.checkpoint_dir={Path(args.ckpt_path).absolute()}")
     if args.reward_pretrain:
         out.append(f"algorithm.reward_model={args.reward_pretrain}")
+    if kl and args.ref_pretrain and args.ref_pretrain != args.pretrain:  # OpenRLHF loads none without a KL term
+        out.append(f"model.ref_path={args.ref_pretrain}")
     # OpenRLHF builds its critic with --normalize_reward whatever scores the rows (--remote_rm_url too): the critic's
     # values are normalized by its own config.json's mean and std, the reward model's scores by theirs
     if args.normalize_reward and (args.reward_pretrain or uses_critic(args)):

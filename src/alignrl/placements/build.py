@@ -101,15 +101,40 @@ def service_args(cfg: RunConfig) -> dict:
             "api_key": os.environ.get("ALIGNRL_API_KEY")}
 
 
+def ref_folder(cfg: RunConfig) -> str:
+    """The reference's model folder: model.ref_path, a model of its own, else the base policy model.path."""
+    return cfg.model.ref_path or cfg.model.path
+
+
+def check_ref_folder(cfg: RunConfig) -> None:
+    """model.ref_path is a model folder whose tokenizer reads token ids as the policy's does (its log-probs are of
+    the policy's sampled tokens): ModelError otherwise, one line, before any weights load."""
+    if not cfg.model.ref_path:
+        return
+    from alignrl.models.loader import ModelError, load_tokenizer, resolve_model_path
+
+    quiet = lambda *_: None  # noqa: E731
+    theirs = load_tokenizer(resolve_model_path(cfg.model.ref_path, quiet, "model.ref_path"), chat=False)
+    ours = load_tokenizer(resolve_model_path(cfg.model.path, quiet), chat=False)
+    if len(theirs) != len(ours) or theirs.get_vocab() != ours.get_vocab():
+        raise ModelError(f"model.ref_path={cfg.model.ref_path}: its tokenizer is not the policy's ({len(theirs)} "
+                         f"tokens against {len(ours)} of model.path, or other ids); the reference scores the "
+                         "policy's token ids, so give it a model of the same tokenizer")
+
+
 def build_ref(cfg: RunConfig, device: torch.device, base=None, policy=None) -> RefScorer | None:
-    """The reference service when configured, else the base model: the trained `policy` itself with its LoRA
-    adapters switched off when it has them (no second copy), else a frozen copy of `base` when the caller already
-    loaded model.path (in model.dtype), else loaded here. None when no KL term needs it."""
+    """The reference service when configured, else model.ref_path's model when set (LoRA or not: a model of its
+    own), else the base model: the trained `policy` itself with its LoRA adapters switched off when it has them (no
+    second copy), else a frozen copy of `base` when the caller already loaded model.path (in model.dtype), else
+    loaded here. None when no KL term needs it."""
     if not needs_reference(cfg):
         return None
     if cfg.services.reference_url:
         return RemoteRefScorer(cfg.services.reference_url, temperature=cfg.rollout.temperature, **service_args(cfg))
-    if policy is not None and lora.has_adapters(policy):
+    if cfg.model.ref_path:  # neither the caller's base nor the policy: another model
+        check_ref_folder(cfg)
+        base = load_model(cfg.model.ref_path, cfg.model.dtype, key="model.ref_path")[0]
+    elif policy is not None and lora.has_adapters(policy):
         return lora.AdaptersOffScorer(LocalRefScorer(policy, cfg.rollout.temperature, cfg.actor.forward_micro_batch,
                                                      forward_layout(cfg)), policy)
     if base is None:

@@ -14,8 +14,8 @@ from pathlib import Path
 from alignrl.config import ConfigError, RunConfig
 from alignrl.interfaces import RemoteProducers, RolloutEngine, WeightSink
 from alignrl.models.loader import frozen_copy, load_tokenizer, resolve_model_path, with_template_variables
-from alignrl.placements.build import (build_actor, build_critics, build_maker, build_ref, load_policy, service_args,
-                                      shards_weights, with_tools)
+from alignrl.placements.build import (build_actor, build_critics, build_maker, build_ref, check_ref_folder, load_policy,
+                                      service_args, shards_weights, with_tools)
 from alignrl.placements.ref_sync import ReferenceMix, reference_mix
 from alignrl.rl.producer import RolloutMaker
 from alignrl.placements.weight_sync import copy_sink
@@ -78,7 +78,8 @@ def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: Dis
           producers: RemoteProducers | None = None) -> Placed:
     """The in-process producer and the trainer, or only the trainer when `producers` make the batches in
     other processes (and receive the weights through their sink). Policy from `policy_path`, the frozen
-    reference from the base `cfg.model.path`."""
+    reference from the base `cfg.model.path`, or from a model of its own, `cfg.model.ref_path`."""
+    check_ref_folder(cfg)  # a wrong reference folder is one line before the policy loads
     if resume is not None and cfg.model.lora_rank > 0:  # the base, and the checkpoint's adapters (build_actor)
         policy_path = cfg.model.path
     if producers is None:
@@ -95,7 +96,8 @@ def _with_producer(cfg: RunConfig, policy_path: str, resume: Path | None, env: D
                                                        max_pixels=cfg.data.max_pixels), cfg.data.chat_template_kwargs)
     model, materialize = load_policy(cfg, folder, env, in_shards=False)
     adapters = cfg.model.lora_rank > 0
-    # the reference is the base model, not a checkpoint; with LoRA, the policy with its adapters off (below)
+    # the reference is the base model (or model.ref_path's), not a checkpoint; with LoRA, the policy with its
+    # adapters off (below) unless model.ref_path names another model
     ref = None if adapters else build_ref(cfg, env.device, model if policy_path == cfg.model.path else None)
     service = cfg.services.generation_url
     # copied before the engine shards the policy

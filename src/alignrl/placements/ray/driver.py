@@ -64,7 +64,9 @@ def check_inputs(cfg: RunConfig) -> None:
     driver, not a worker's creation traceback wrapped in Ray's."""
     from alignrl.preference.rm import check_rl_scorers
     from alignrl.data.prompts import load_task_data
+    from alignrl.config.checks import needs_reference
     from alignrl.models.loader import resolve_model_path
+    from alignrl.placements.build import check_ref_folder
     from alignrl.rewards.registry import check_user_fns
     from alignrl.rollout.service_health import check_services
     from alignrl.train.checkpoint import check_newest_not_past
@@ -74,6 +76,8 @@ def check_inputs(cfg: RunConfig) -> None:
     for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path)):
         if path and path != "demo":  # the demo model is built by the first worker that needs it
             resolve_model_path(path, key=key)
+    if needs_reference(cfg):  # the reference workers would load it: a wrong folder is one line from here
+        check_ref_folder(cfg)
     check_rl_scorers(cfg, tokenizers=True)
     check_user_fns(cfg)
     check_services(cfg)  # before placement: an unreachable --remote_rm_url was found by the first rollout

@@ -76,9 +76,10 @@ class ShardedRefScorer:
 
 
 def build_sharded_ref(cfg, env: DistEnv) -> ShardedRefScorer:
-    """The base model (`model.path`, frozen) sharded over every rank of `env`'s process group, each rank reading only
-    its own rows of the weights (a folder that cannot be read by rows is loaded whole, then sharded)."""
-    from alignrl.placements.build import forward_layout
+    """The reference (`model.ref_path`, else the base `model.path`; frozen) sharded over every rank of `env`'s process
+    group, each rank reading only its own rows of the weights (a folder that cannot be read by rows is loaded whole,
+    then sharded)."""
+    from alignrl.placements.build import forward_layout, ref_folder
     from alignrl.models.loader import DTYPES, load_model, resolve_model_path
     from alignrl.models.sharded_load import load_sharded
     from alignrl.train.engines.fsdp2 import shard_blocks
@@ -86,7 +87,7 @@ def build_sharded_ref(cfg, env: DistEnv) -> ShardedRefScorer:
     def shard(model: torch.nn.Module) -> None:
         shard_blocks(model, env, reshard_after_forward=True)  # the root too: FSDP2 keeps a root gathered for its backward
 
-    folder = resolve_model_path(cfg.model.path, lambda *_: None)
+    folder = resolve_model_path(ref_folder(cfg), lambda *_: None)
     model = load_sharded(folder, DTYPES[cfg.model.dtype], env.device, shard)
     if model is None:
         model = load_model(str(folder), cfg.model.dtype)[0]
