@@ -120,7 +120,9 @@ def test_vision_script_trains_a_step_on_a_two_node_cpu_cluster(vl_data, tiny_mod
 
     model, data = vl_data
     with two_script_nodes(tiny_model_dir, tmp_path, extra=1) as nodes:  # ports[10]: the reward server's
-        sizes = {"ACTOR_NUM_NODES": "2", "GPUS_PER_NODE": "1", "VLLM_NUM_ENGINES": "2", "N_SAMPLES": "4",
+        # no KL reference: the fewest model workers that place an actor and its engine on each node
+        sizes = {"ACTOR_NUM_NODES": "2", "GPUS_PER_NODE": "1", "VLLM_NUM_ENGINES": "2", "INIT_KL_COEF": "0",
+                 "N_SAMPLES": "4",
                  "ROLLOUT_BATCH_SIZE": "4", "TRAIN_BATCH_SIZE": "16", "MICRO_TRAIN_BATCH_SIZE": "4",
                  "MICRO_ROLLOUT_BATCH_SIZE": "4", "GENERATE_MAX_LEN": "16", "PROMPT_MAX_LEN": "96", "TOTAL_STEPS": "1",
                  "ZERO_STAGE": "2", "SAVE_STEPS": "1", "ACTOR_LR": "1e-4"}
