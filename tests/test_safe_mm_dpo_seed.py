@@ -11,7 +11,7 @@ import pytest
 
 from conftest import run_group
 from alignrl.config import ConfigError
-from alignrl.preference.cli import DPOConfig, RMConfig, dpo_main, load_flat_config, parse_dpo
+from alignrl.preference.cli import DPOConfig, RMConfig, dpo_main, load_flat_config, parse_dpo, rm_main
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "mmdpo"
@@ -150,11 +150,13 @@ def test_the_seed_commands_run_on_its_configs_two_ranks(tiny_model_dir, tmp_path
     if not shutil.which("bash"):
         pytest.skip("no bash")
     root = _seed_project(tmp_path, tiny_model_dir)
+    said = _run(["bash", "scripts/train_rm_distributed.sh", "helpful", "2", *SMALL, "max_steps=1"], root)
+    assert said.count("key 'max_length' is written more than once") == 1, said  # once, not once per rank
+    res = json.loads((root / "models" / "helpful_rm" / "eval_results.json").read_text())
+    assert res["world_size"] == 2 and res["steps"] == 1
+    monkeypatch.chdir(root)  # the cost model in this process (two ranks of the script: the helpful run above)
+    assert rm_main(["--config", "configs/rm_config.yaml", "--task", "harmless", *SMALL, "max_steps=1"]) == 0
     for task in ("helpful", "harmless"):
-        said = _run(["bash", "scripts/train_rm_distributed.sh", task, "2", *SMALL, "max_steps=1"], root)
-        assert said.count("key 'max_length' is written more than once") == 1, said  # once, not once per rank
-        res = json.loads((root / "models" / f"{task}_rm" / "eval_results.json").read_text())
-        assert res["world_size"] == 2 and res["steps"] == 1
         assert ModelScorer(str(root / "models" / f"{task}_rm")).model is not None  # merged: a plain scorer
     # Safe-MM-DPO on two ranks, then one process on the same global batches: λ moves the same
     lora = ["lora.dropout=0", "learning_rate=1e-3", "max_steps=2"]
@@ -166,7 +168,6 @@ def test_the_seed_commands_run_on_its_configs_two_ranks(tiny_model_dir, tmp_path
                 "delta_helpful_mean", "delta_safety_mean", "lambda", "beta_helpful_mean", "beta_safety_mean",
                 "kl_divergence"):
         assert key in two[0], key
-    monkeypatch.chdir(root)
     assert dpo_main(["--config", "configs/dpo_config.yaml", "--output_dir", "models/aligned_one", "--logging_dir",
                      "logs/one", *SMALL, *lora, "batch_size=4"]) == 0
     one = [json.loads(r) for r in (root / "logs/one/metrics.jsonl").read_text().splitlines()]
