@@ -134,3 +134,5 @@ def test_openrlhf_ref_pretrain_is_model_ref_path():
     assert ref_path("--ref_pretrain", "/teacher", "--init_kl_coef", "0.01") == "/teacher"
     assert ref_path("--ref_pretrain", "demo", "--init_kl_coef", "0.01") == ""  # --pretrain's own: the base as before
     assert ref_path("--ref_pretrain", "/teacher", "--init_kl_coef", "0") == ""  # no KL term loads no reference
+    unused = K.unused_here(F.parser().parse_args(["--ref_pretrain", "/teacher", "--init_kl_coef", "0"]), False)
+    assert "--ref_pretrain (--init_kl_coef 0 loads no reference)" in unused

@@ -102,6 +102,7 @@ def unused_here(args, gpus: bool) -> list[str]:
               (() if args.reward_pretrain or uses_critic(args) else ("normalize_reward",),
                "not applied here: it normalizes a reward model's scores and a critic's values, and this run has "
                "neither (no --reward_pretrain; no critic without --advantage_estimator gae)"),
+              (() if uses_reference(args) else ("ref_pretrain",), "--init_kl_coef 0 loads no reference"),
               (("gamma",) if args.advantage_estimator in GROUP_ESTIMATORS else (),
                f"OpenRLHF sets gamma to 1 for --advantage_estimator {args.advantage_estimator}"),
               (("max_len",) if args.max_len and args.max_len < args.prompt_max_len + args.generate_max_len
