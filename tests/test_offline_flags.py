@@ -59,6 +59,7 @@ def test_openrlhf_dpo_script_parses_and_trains_a_step(tiny_model_dir, tmp_path, 
     assert (cfg.model_path, cfg.output_dir, cfg.train_files) == (str(tiny_model_dir), str(out), [data])
     assert (cfg.batch_size, cfg.max_length, cfg.epochs, cfg.learning_rate, cfg.beta) == (1, 8192, 1, 5e-7, 0.1)
     assert (cfg.save_steps, cfg.eval_steps, cfg.log_every, cfg.zero_stage, cfg.bf16) == (0, 0, 1, 3, "true")
+    assert cfg.eval_strategy == "epoch"  # the script's --eval_steps -1: OpenRLHF's once per epoch
     assert cfg.gradient_checkpointing and cfg.loss_type == "sigmoid"  # theirs, not this command's safe_mm_dpo
     assert cfg.eval_files == [data]  # no --eval_dataset: their own pairs are held out, not the shipped demo ones
     # what the script leaves unsaid is OpenRLHF's train_dpo default, said in one line; what it gives stays
@@ -214,7 +215,8 @@ def test_a_line_in_openrlhfs_spelling_takes_its_defaults_and_its_own_flags_win(t
     assert (cfg.lr_scheduler, cfg.min_lr_ratio, cfg.lora_alpha) == ("cosine", 0.1, 32)  # the same / LoRA is off
     (note,) = _silent_note(capsys.readouterr().err)
     assert note == ("alignrl: note: OpenRLHF's train_dpo defaults where the line is silent: warmup_ratio=0.03, "
-                    "adam_betas=[0.9, 0.95], train_batch_size=128, log_every=1, bf16=false, save_total_limit=3, "
+                    "adam_betas=[0.9, 0.95], train_batch_size=128, log_every=1, bf16=false, eval_strategy=epoch, "
+                    "save_total_limit=3, "
                     "learning_rate=1e-05, "
                     "max_length=512, loss_type=sigmoid, apply_chat_template=false, input_template=\"{}\"; not taken: "
                     "prompt_key=None (a row's prompt column is read: prompt_key=prompt kept)")

@@ -113,7 +113,9 @@ def _switched(target: str, set_to: str, on: bool) -> list[str]:
 
 def _valued(key: str, name: str, value: str, lora_given: bool) -> list[str]:
     """The overrides of `--name VALUE` for our key `key`."""
-    if key in ("save_steps", "eval_steps") and value.strip() == "-1":  # OpenRLHF's "never"; ours is 0
+    if key == "eval_steps" and value.strip() == "-1":  # OpenRLHF's offline trainers: once per epoch
+        return ["eval_strategy=epoch"]
+    if key == "save_steps" and value.strip() == "-1":  # OpenRLHF's "never"; ours is 0
         value = "0"
     value = VALUE_NAMES.get((key, value.strip()), value)
     if key == "report_to":

@@ -40,7 +40,8 @@ LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
 # sft's key that acts only with packing: taken (and said) only when the line packs (TRL's --packing: bfd)
 PACKING_ONLY = ("packing_strategy",)
 
-# OpenRLHF's train_*.py argparse defaults, in our keys (-1 "never" is our 0; cosine_with_min_lr is our cosine with
+# OpenRLHF's train_*.py argparse defaults, in our keys (save_steps -1 "never" is our 0, eval_steps -1 "once per
+# epoch" our eval_strategy=epoch; cosine_with_min_lr is our cosine with
 # min_lr_ratio's floor; in the older scripts --bf16 unset trains in fp32, OPENRLHF_CURRENT_BF16 says the current
 # ones'; --lora_rank 0 is no LoRA). Without --apply_chat_template their scripts train on text: the prompt formatted
 # into --input_template (train_sft's and train_kto's default is 'User: {}\nAssistant: ', train_rm's and train_dpo's
@@ -48,7 +49,7 @@ PACKING_ONLY = ("packing_strategy",)
 _OPENRLHF_COMMON: dict[str, Any] = {
     "warmup_ratio": 0.03, "adam_betas": [0.9, 0.95], "lr_scheduler": "cosine", "min_lr_ratio": 0.1, "grad_clip": 1.0,
     "weight_decay": 0.0, "seed": 42, "epochs": 1, "batch_size": 8, "train_batch_size": 128, "log_every": 1,
-    "bf16": "false", "zero_stage": 2, "gradient_checkpointing": False, "save_steps": 0, "eval_steps": 0,
+    "bf16": "false", "zero_stage": 2, "gradient_checkpointing": False, "save_steps": 0, "eval_strategy": "epoch",
     "save_total_limit": 3,
     "use_lora": False, "lora_alpha": 16, "lora_dropout": 0.0, "lora_target_modules": "all-linear"}
 # OpenRLHF's current scripts (--param_dtype, --attn_implementation, --backend) have no --bf16: --param_dtype sets the
@@ -152,6 +153,8 @@ def adopted(config_class: type, whose: set[str], line_keys: set[str], lora: bool
         theirs["bf16"] = OPENRLHF_CURRENT_BF16
     if "gradient_accumulation_steps" in line_keys:  # the line gives the global batch its own way
         theirs.pop("train_batch_size", None)
+    if "eval_steps" in line_keys and whose == {OPENRLHF}:  # the line's own cadence (its -1: eval_strategy=epoch)
+        theirs.pop("eval_strategy", None)
     if chat:
         theirs.pop("input_template", None)
     taken = [f"{k}={_word(v)}" for k, v in theirs.items()
