@@ -29,8 +29,8 @@ class ModelConfig:
                                "step fp32 master weights; DeepSpeed: its bf16 mode for bfloat16); use float32 on CPU",
                      choices=("float32", "bfloat16", "float16"))
     lora_rank: int = opt(0, "LoRA adapters of this rank train in place of the policy's (and critic's) weights; the "
-                            "reference is the base with adapters off; 0 trains all weights (verl's model.lora_rank, "
-                            "OpenRLHF's --lora_rank)", ge=0)
+                            "reference is the base with adapters off (model.ref_path's model when set); 0 trains all "
+                            "weights (verl's model.lora_rank, OpenRLHF's --lora_rank)", ge=0)
     lora_alpha: int = opt(16, "LoRA scale numerator: updates are scaled by lora_alpha / lora_rank", ge=1)
     lora_dropout: float = opt(0.0, "dropout on the LoRA path", ge=0.0, le=1.0)
     target_modules: Any = opt("all-linear", "modules that get adapters: all-linear (every linear layer but the "

@@ -108,8 +108,9 @@ def ref_folder(cfg: RunConfig) -> str:
 
 def check_ref_folder(cfg: RunConfig) -> None:
     """model.ref_path is a model folder whose tokenizer reads token ids as the policy's does (its log-probs are of
-    the policy's sampled tokens): ModelError otherwise, one line, before any weights load."""
-    if not cfg.model.ref_path:
+    the policy's sampled tokens): ModelError otherwise, one line, before any weights load. Nothing to check when no
+    KL term reads a reference."""
+    if not cfg.model.ref_path or not needs_reference(cfg):
         return
     from alignrl.models.loader import ModelError, load_tokenizer, resolve_model_path
 

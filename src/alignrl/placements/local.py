@@ -14,8 +14,8 @@ from pathlib import Path
 from alignrl.config import ConfigError, RunConfig
 from alignrl.interfaces import RemoteProducers, RolloutEngine, WeightSink
 from alignrl.models.loader import frozen_copy, load_tokenizer, resolve_model_path, with_template_variables
-from alignrl.placements.build import (build_actor, build_critics, build_maker, build_ref, check_ref_folder, load_policy,
-                                      service_args, shards_weights, with_tools)
+from alignrl.placements.build import (build_actor, build_critics, build_maker, build_ref, check_ref_folder,
+                                      load_policy, service_args, shards_weights, with_tools)
 from alignrl.placements.ref_sync import ReferenceMix, reference_mix
 from alignrl.rl.producer import RolloutMaker
 from alignrl.placements.weight_sync import copy_sink

@@ -1,19 +1,17 @@
-"""The Ray driver both entry points share: `alignrl train ppo-ray <OpenRLHF flags>` and, inside a Ray job,
-`alignrl train ppo|grpo <verl overrides>`. Each turns its command line into a `Job` (a GroupLayout and the
-resolved run config); the driver places it and runs the one RL loop on it.
+"""The Ray driver of `alignrl train ppo-ray <OpenRLHF flags>` and, inside a Ray job, `alignrl train ppo|grpo <verl
+overrides>`: each makes its line a `Job` (a GroupLayout, the resolved config) that runs the one RL loop here.
 
 Attaches to the cluster in RAY_ADDRESS (set inside `ray job submit`, or by hand: `RAY_ADDRESS=HOST:8100`),
-else starts a local Ray with as many CPUs as the job asks for. Then: placement groups reserved (failing at
-once when the cluster cannot hold them), reference workers, rollout engines and actor-group ranks started
-in their bundles, `placement.json` written to the run folder (Ray's placement table of every group and
-the node of every worker), the training loop run in every actor rank. A worker that dies ends the run
-within seconds with one line naming its role and node; every worker and placement group is released on
-the way out.
+else starts a local Ray with as many CPUs as the job asks for. Then: placement groups reserved (failing at once when
+the cluster cannot hold them), reference workers, rollout engines and actor-group ranks started in their bundles,
+`placement.json` written to the run folder (Ray's placement table of every group and the node of every worker), the
+training loop run in every actor rank. A worker that dies ends the run within seconds with one line naming its role
+and node; every worker and placement group is released on the way out.
 
-A reward model (`--reward_pretrain`) runs in the reward group's workers (in the critic's placement group
-with `--colocate_critic_reward`, in the actor's with `--colocate_all_models`); the engines send them the
-rows to score. The critic (`--advantage_estimator gae`) trains in the critic group's workers
-(`alignrl.placements.ray.critic`): the actor ranks send them their rows for values and updates.
+A reward model (`--reward_pretrain`) runs in the reward group's workers (in the critic's placement group with
+`--colocate_critic_reward`, in the actor's with `--colocate_all_models`); the engines send them the rows to score.
+The critic (`--advantage_estimator gae`) trains in the critic group's workers (`alignrl.placements.ray.critic`):
+the actor ranks send them their rows for values and updates.
 """
 
 from __future__ import annotations
@@ -62,11 +60,10 @@ class Job:
 def check_inputs(cfg: RunConfig) -> None:
     """What the workers will load, checked here first: a bad data file or model folder is one line from the
     driver, not a worker's creation traceback wrapped in Ray's."""
-    from alignrl.preference.rm import check_rl_scorers
     from alignrl.data.prompts import load_task_data
-    from alignrl.config.checks import needs_reference
     from alignrl.models.loader import resolve_model_path
     from alignrl.placements.build import check_ref_folder
+    from alignrl.preference.rm import check_rl_scorers
     from alignrl.rewards.registry import check_user_fns
     from alignrl.rollout.service_health import check_services
     from alignrl.train.checkpoint import check_newest_not_past
@@ -76,8 +73,7 @@ def check_inputs(cfg: RunConfig) -> None:
     for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path)):
         if path and path != "demo":  # the demo model is built by the first worker that needs it
             resolve_model_path(path, key=key)
-    if needs_reference(cfg):  # the reference workers would load it: a wrong folder is one line from here
-        check_ref_folder(cfg)
+    check_ref_folder(cfg)  # the reference workers would load it: a wrong folder is one line from here
     check_rl_scorers(cfg, tokenizers=True)
     check_user_fns(cfg)
     check_services(cfg)  # before placement: an unreachable --remote_rm_url was found by the first rollout
