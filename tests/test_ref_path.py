@@ -111,12 +111,19 @@ def test_a_folder_that_is_no_model_or_of_another_vocabulary_is_one_line(tiny_mod
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ModelError, match="its tokenizer is not the policy's"):
         check_ref_folder(load_config(None, [f"model.path={tiny_model_dir}", f"model.ref_path={other}"]))
+    scorer = tmp_path / "scorer"  # a reward model's folder: no language-model head to score tokens with
+    shutil.copytree(tiny_model_dir, scorer)
+    (scorer / "alignrl_score.json").write_text(json.dumps({"model_type": "reward"}))
+    with pytest.raises(ModelError, match="is a reward or cost model saved by `alignrl train rm`"):
+        check_ref_folder(load_config(None, [f"model.path={tiny_model_dir}", f"model.ref_path={scorer}"]))
 
 
 @pytest.mark.parametrize("extra, why", [
     (["services.reference_url=http://127.0.0.1:1"], "both name the reference"),
     (["actor.ref_sync_steps=2"], "is another model: set actor.ref_sync_steps=0"),
-    (["pipeline.placement=zmq"], "pipeline.placement=zmq samplers load their reference")])
+    (["actor.ref_sync_steps=2", "model.lora_rank=4"], "is another model: set actor.ref_sync_steps=0"),
+    (["pipeline.placement=zmq"], "the ZeroMQ samplers check the weights they start from against model.path"),
+    (["actor.use_kl_loss=false"], "is read only by a KL term, and this run has none")])
 def test_what_cannot_take_a_reference_of_its_own_is_one_line(extra, why):
     with pytest.raises(ConfigError, match=why):
         load_config(None, ["model.ref_path=/some/teacher", *extra])

@@ -176,3 +176,14 @@ def test_flags_of_openrlhf_and_trl_read_as_keys(capsys):
         parse_kd(trl_line + ["--max_new_tokens", "128"])
     with pytest.raises(ConfigError, match="^teacher_model_path is empty"):
         parse_kd(["train_files=[a.jsonl]"])
+
+
+def test_a_bf16_teacher_halves_its_copy_and_still_teaches(tiny_model_dir, teacher, tmp_path, capsys):
+    """teacher_dtype=bfloat16 (auto under a bf16 run, as OpenRLHF's --bf16): the teacher loads in bfloat16, its
+    logits go to float32 for the loss, and the step trains."""
+    rc = kd_main(_line(tiny_model_dir, tmp_path, "kd16", f"teacher_model_path={teacher}", "kd_coef=1",
+                       "teacher_dtype=bfloat16", "batch_size=4", "max_steps=2", "learning_rate=3e-3"))
+    out = capsys.readouterr().out
+    assert rc == 0 and "frozen, bfloat16 on cpu" in out, out[-2000:]
+    rows = _metrics(tmp_path, "kd16")
+    assert all(torch.isfinite(torch.tensor(r["train/distil_loss"])) for r in rows) and len(rows) == 2

@@ -266,7 +266,7 @@ def _ref_sync(cfg: RunConfig) -> str | None:
     if cfg.actor.ema_beta and cfg.model.lora_rank > 0:  # its average would be of the frozen base and the adapters
         return ("actor.ema_beta averages all the policy's weights, and with model.lora_rank > 0 only its adapters "
                 "train: set one of them")
-    if not cfg.actor.ref_sync_steps:
+    if not cfg.actor.ref_sync_steps or cfg.model.ref_path:  # with a reference of its own: ref_checks says why
         return None
     key = f"actor.ref_sync_steps={cfg.actor.ref_sync_steps}"
     if not needs_reference(cfg):

@@ -11,6 +11,12 @@ def ref_path_problem(cfg: RunConfig) -> str | None:
     if not path:
         return None
     key = f"model.ref_path={path}"
+    from alignrl.config.checks import needs_reference
+
+    if not needs_reference(cfg):  # on-policy distillation without its KL term would train on nothing, silently
+        return (f"{key} is read only by a KL term, and this run has none: add algorithm.use_kl_in_reward=true "
+                "(on-policy distillation) or actor.use_kl_loss=true with actor.kl_loss_coef > 0, or leave "
+                "model.ref_path empty")
     if cfg.services.reference_url:
         return (f"{key} and services.reference_url both name the reference: set one (the service loads its own "
                 "model with `alignrl serve ref --model`)")
@@ -18,6 +24,7 @@ def ref_path_problem(cfg: RunConfig) -> str | None:
         return (f"actor.ref_sync_steps={cfg.actor.ref_sync_steps} moves the reference toward the policy, and {key} is "
                 "another model: set actor.ref_sync_steps=0, or leave model.ref_path empty")
     if cfg.pipeline.placement == "zmq":
-        return (f"{key}: pipeline.placement=zmq samplers load their reference from the policy's --model-path; "
-                "run with pipeline.placement=inline (in-process or Ray), or leave model.ref_path empty")
+        return (f"{key}: the ZeroMQ samplers check the weights they start from against model.path's alone, not a "
+                "reference of its own; run with pipeline.placement=inline (in-process or Ray), or leave "
+                "model.ref_path empty")
     return None

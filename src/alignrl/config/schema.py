@@ -24,7 +24,7 @@ from alignrl.errors import ConfigError  # noqa: F401 (the config package's error
 class ModelConfig:
     path: str = opt("demo", "HF model folder, or 'demo' for the embedded tiny Qwen2 model (built or taken from cache)")
     ref_path: str = opt("", "the reference model's own HF folder (KL loss, KL in reward; a teacher for on-policy "
-                            "distillation; OpenRLHF's --ref_pretrain); empty: model.path")
+                            "distillation; ppo-ray's --ref_pretrain); empty: model.path")
     dtype: str = opt("float32", "parameter dtype for training and rollout (bfloat16/float16: single, DDP and FSDP2 "
                                "step fp32 master weights; DeepSpeed: its bf16 mode for bfloat16); use float32 on CPU",
                      choices=("float32", "bfloat16", "float16"))

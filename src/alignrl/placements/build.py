@@ -112,10 +112,14 @@ def check_ref_folder(cfg: RunConfig) -> None:
     KL term reads a reference."""
     if not cfg.model.ref_path or not needs_reference(cfg):
         return
-    from alignrl.models.loader import ModelError, load_tokenizer, resolve_model_path
+    from alignrl.models.loader import SCORE_INFO, ModelError, load_tokenizer, resolve_model_path
 
     quiet = lambda *_: None  # noqa: E731
-    theirs = load_tokenizer(resolve_model_path(cfg.model.ref_path, quiet, "model.ref_path"), chat=False)
+    folder = resolve_model_path(cfg.model.ref_path, quiet, "model.ref_path")
+    if (Path(folder) / SCORE_INFO).is_file():  # a sharded load would not look (load_causal_lm does)
+        raise ModelError(f"model.ref_path={cfg.model.ref_path} is a reward or cost model saved by `alignrl train rm` "
+                         f"({SCORE_INFO}): it scores text and has no language-model head; give a causal LM")
+    theirs = load_tokenizer(folder, chat=False)
     ours = load_tokenizer(resolve_model_path(cfg.model.path, quiet), chat=False)
     if len(theirs) != len(ours) or theirs.get_vocab() != ours.get_vocab():
         raise ModelError(f"model.ref_path={cfg.model.ref_path}: its tokenizer is not the policy's ({len(theirs)} "
@@ -132,16 +136,17 @@ def build_ref(cfg: RunConfig, device: torch.device, base=None, policy=None) -> R
         return None
     if cfg.services.reference_url:
         return RemoteRefScorer(cfg.services.reference_url, temperature=cfg.rollout.temperature, **service_args(cfg))
+    loaded = None  # a model loaded here for the reference alone is frozen in place: no second host copy of it
     if cfg.model.ref_path:  # neither the caller's base nor the policy: another model
         check_ref_folder(cfg)
-        base = load_model(cfg.model.ref_path, cfg.model.dtype, key="model.ref_path")[0]
+        loaded = load_model(cfg.model.ref_path, cfg.model.dtype, key="model.ref_path")[0]
     elif policy is not None and lora.has_adapters(policy):
         return lora.AdaptersOffScorer(LocalRefScorer(policy, cfg.rollout.temperature, cfg.actor.forward_micro_batch,
                                                      forward_layout(cfg)), policy)
-    if base is None:
-        base = load_model(cfg.model.path, cfg.model.dtype)[0]
-    return LocalRefScorer(frozen_copy(base).to(device), cfg.rollout.temperature, cfg.actor.forward_micro_batch,
-                          forward_layout(cfg))
+    elif base is None:
+        loaded = load_model(cfg.model.path, cfg.model.dtype)[0]
+    ref = frozen_copy(base) if loaded is None else loaded.eval().requires_grad_(False)
+    return LocalRefScorer(ref.to(device), cfg.rollout.temperature, cfg.actor.forward_micro_batch, forward_layout(cfg))
 
 
 def reward_scorer(cfg: RunConfig, tokenizer, device: torch.device, loaded: SequenceScorer | None = None

@@ -79,10 +79,10 @@ def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: Dis
     """The in-process producer and the trainer, or only the trainer when `producers` make the batches in
     other processes (and receive the weights through their sink). Policy from `policy_path`, the frozen
     reference from the base `cfg.model.path`, or from a model of its own, `cfg.model.ref_path`."""
-    check_ref_folder(cfg)  # a wrong reference folder is one line before the policy loads
     if resume is not None and cfg.model.lora_rank > 0:  # the base, and the checkpoint's adapters (build_actor)
         policy_path = cfg.model.path
-    if producers is None:
+    if producers is None:  # (a Ray actor rank holds no reference: its driver checked the folder)
+        check_ref_folder(cfg)  # a wrong reference folder is one line before the policy loads
         return _with_producer(cfg, policy_path, resume, env)
     return _beside_producers(cfg, policy_path, resume, env, producers)
 

@@ -32,6 +32,7 @@ import torch
 
 from alignrl.config import ConfigError
 from alignrl.core.distill import distill_sum, match_vocab, mix
+from alignrl.preference import common as pc
 from alignrl.preference.kd_cli import KDConfig
 from alignrl.preference.sft import train_sft, trained_logits
 from alignrl.preference.sft_packing import check_packable, one_row_attention
@@ -73,13 +74,14 @@ def distillation(cfg: KDConfig, model, tok, env, log, notes: dict):
 
 
 def load_teacher(cfg: KDConfig, student, tok, device: torch.device, log):
-    """The teacher: float32, frozen, in eval mode (no dropout) on `device`, its vocabulary checked against the
+    """The teacher: in teacher_dtype, frozen, in eval mode (no dropout) on `device`, its vocabulary checked against the
     student's; with packing, checked to keep packed rows apart in the layout the student's batches take."""
     from alignrl.models.loader import load_causal_lm, resolve_model_path
 
     folder = resolve_model_path(cfg.teacher_model_path, log.print, "teacher_model_path")
     _check_tokenizer(folder, tok, cfg.teacher_model_path)
-    teacher = load_causal_lm(folder, "float32", "teacher_model_path")
+    dtype = cfg.teacher_dtype if cfg.teacher_dtype != "auto" else ("bfloat16" if pc.use_bf16(cfg) else "float32")
+    teacher = load_causal_lm(folder, dtype, "teacher_model_path")
     check_vocab(_vocab(teacher), _vocab(student), len(tok), cfg.teacher_model_path, log)
     teacher.requires_grad_(False)
     teacher.eval()
@@ -91,7 +93,7 @@ def load_teacher(cfg: KDConfig, student, tok, device: torch.device, log):
                               "rows out differently (flash attention needs them in one row); load both with the "
                               "same attn_implementation, or set packing=false")
     n = sum(p.numel() for p in teacher.parameters())
-    log.print(f"teacher {cfg.teacher_model_path}: {n / 1e6:.2f}M parameters, frozen, float32 on {device}; "
+    log.print(f"teacher {cfg.teacher_model_path}: {n / 1e6:.2f}M parameters, frozen, {dtype} on {device}; "
               f"loss = {1 - cfg.kd_coef:g} × gpt_loss + {cfg.kd_coef:g} × distil_loss"
               + (f", temperature {cfg.temperature:g}" if cfg.temperature != 1.0 else "")
               + (f", GKD's generalized JSD with beta {cfg.beta:g}" if cfg.beta else ""))

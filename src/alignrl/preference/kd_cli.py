@@ -29,8 +29,10 @@ from alignrl.preference.their_defaults import TRL, spellings
 @dataclass(frozen=True)
 class KDConfig(SFTConfig):
     teacher_model_path: str = opt("", "the teacher: a causal LM folder sharing the student's tokenizer, loaded frozen "
-                                      "in float32 beside it (OpenRLHF: --teacher_model; TRL: "
-                                      "--teacher_model_name_or_path)")
+                                      "beside it (OpenRLHF: --teacher_model; TRL: --teacher_model_name_or_path)")
+    teacher_dtype: str = opt("auto", "the teacher's weights: auto is bfloat16 when the run trains in bf16 (as "
+                                     "OpenRLHF loads it under --bf16: half the memory), else float32",
+                             choices=("auto", "float32", "bfloat16"))
     kd_coef: float = opt(0.4, "weight of the distillation loss: (1 - kd_coef) × the rows' cross-entropy + kd_coef × "
                               "the teacher's cross-entropy against the student, both token means over the trained "
                               "tokens (OpenRLHF's --kd_coef and default); 0: plain SFT, 1: the teacher alone",

@@ -90,7 +90,8 @@ def build_sharded_ref(cfg, env: DistEnv) -> ShardedRefScorer:
     folder = resolve_model_path(ref_folder(cfg), lambda *_: None)
     model = load_sharded(folder, DTYPES[cfg.model.dtype], env.device, shard)
     if model is None:
-        model = load_model(str(folder), cfg.model.dtype)[0]
+        key = "model.ref_path" if cfg.model.ref_path else "model.path"
+        model = load_model(str(folder), cfg.model.dtype, key=key)[0]
         model.eval()
         model.requires_grad_(False)
         shard(model)
