@@ -177,6 +177,15 @@ def test_load_reward_fn_default() -> None:
     assert load_reward_fn(None) is default_compute_score
 
 
+def test_the_zero_reward_is_built_in() -> None:
+    """algorithm.reward_fn=zero: no task reward, for any data_source (on-policy distillation's recipe needs no file)."""
+    fn = load_reward_fn("zero")
+    assert fn("no-such-source", "#### 3", "3") == 0.0 and fn("gsm8k", "#### 3", "3", {"k": 1}) == 0.0
+    assert make_reward("zero", format_weight=0.5)("gsm8k", "#### 3", "3") == 0.5  # shaping still adds on top
+    with pytest.raises(RewardError, match="reward_fn_batch"):
+        load_reward_fn("zero", batched=True)
+
+
 def test_load_custom_reward_fn(tmp_path: Path) -> None:
     path = tmp_path / "my_reward.py"
     path.write_text(

@@ -206,20 +206,32 @@ def with_code_reward(code_reward: code.CodeReward) -> RewardFn:
     return compute_score
 
 
+ZERO = "zero"  # algorithm.reward_fn=zero: no task reward (on-policy distillation's reward is the KL term alone)
+
+
+def zero_reward(data_source: str, solution_str: str, ground_truth: Any,
+                extra_info: dict[str, Any] | None = None) -> float:
+    """0.0 for every row, whatever its data_source or answer: the run's reward is its KL term alone."""
+    return 0.0
+
+
 def load_reward_fn(spec: str | None, key: str = "algorithm.reward_fn", code_reward: code.CodeReward | None = None,
                    kwargs: dict[str, Any] | None = None, batched: bool = False) -> RewardFn:
-    """`None` gives `default_compute_score`; "path/to/file.py:function" loads that function, `checked`;
+    """`None` gives `default_compute_score`; "zero" `zero_reward`; "path/to/file.py:function" loads that function,
+    `checked`;
     "openrlhf:path/to/file.py" the file's OpenRLHF `reward_func(queries, prompts, labels)`, called one row at a time
     (alignrl.rewards.openrlhf_reward); "trl:..." TRL's reward functions, weighted (alignrl.rewards.trl_reward).
     `key`: the config key that named it, for the errors. A relative path is taken from the current folder, as verl's
     custom_reward_function.path. `code_reward`: how the built-in rules run code;
     `kwargs`: keyword arguments the user's function is called with (verl's reward_kwargs); `batched`: it scores a whole
     batch in one call (`batch_reward`, verl's batch manager)."""
-    if batched and (spec is None or openrlhf_reward.is_openrlhf_spec(spec) or trl_reward.is_trl_spec(spec)):
+    if batched and (spec in (None, ZERO) or openrlhf_reward.is_openrlhf_spec(spec) or trl_reward.is_trl_spec(spec)):
         raise RewardError(f"algorithm.reward_fn_batch needs {key}=path/to/file.py:function, a function taking "
                           "data_sources=, solution_strs=, ground_truths=, extra_infos= (verl's reward_manager=batch)")
     if spec is None:
         return default_compute_score if code_reward is None else with_code_reward(code_reward)
+    if spec == ZERO:  # a name, not a file: nothing to import, nothing a row's data_source must match
+        return zero_reward
     if openrlhf_reward.is_openrlhf_spec(spec):
         path_str = spec[len(openrlhf_reward.SPEC_PREFIX):]
         return checked(openrlhf_reward.load(path_str, key, import_file), f"{path_str}:{openrlhf_reward.FUNCTION}")
