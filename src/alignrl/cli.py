@@ -4,7 +4,7 @@
     alignrl demo [key.sub=value ...]
     alignrl build-demo-model [--seed N]
     alignrl config [--config FILE] [overrides] | alignrl config --reference
-    alignrl train rm|dpo|sft|kto|kd|prm ...        (reward/cost model, DPO family, SFT, KTO, distillation, PRM)
+    alignrl train rm|dpo|sft|kto|kd|prm|opd ...    (reward/cost model, DPO family, SFT, KTO, distillation, PRM)
     alignrl serve generate|ref|reward|retrieve ... (HTTP services: their own flags)
     alignrl doctor [--config FILE]
     alignrl sample --data-port 5555 --sync-port 5556 ... (a sampler for `train grpo pipeline.placement=zmq`)
@@ -53,6 +53,8 @@ PASSTHROUGH = {
                                                           "token distributions"),
     ("train", "prm"): ("alignrl.preference.prm_cli:prm_main", "process reward model: a label for each step of a "
                                                              "solution"),
+    ("train", "opd"): ("alignrl.compat.openrlhf_opd", "on-policy distillation with OpenRLHF's train_opd flags: the "
+                                                     "teacher's log-prob minus the student's is the reward"),
     ("train", "ppo-ray"): ("alignrl.compat.openrlhf_ppo_ray", "PPO/GRPO on a Ray cluster with OpenRLHF's flags"),
     ("demo", "search"): ("alignrl.demos.search", "PPO teaches a tiny model to search (Search-R1 recipe, CPU)"),
     ("demo", "safe"): ("alignrl.demos.safe", "Safe-MM-DPO with LoRA makes a tiny model refuse harm, helpfulness kept"),
@@ -133,9 +135,9 @@ def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="alignrl", description="RL post-training of language models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    own_flags = "; each of rm, dpo, sft, kto, kd, prm and ppo-ray has its own --help"
+    own_flags = "; each of rm, dpo, sft, kto, kd, prm, opd and ppo-ray has its own --help"
     train = sub.add_parser("train", help="train a model with an RL algorithm")
-    offline = ["dpo", "rm", "sft", "kto", "kd", "prm", "ppo-ray"]
+    offline = ["dpo", "rm", "sft", "kto", "kd", "prm", "opd", "ppo-ray"]
     train.add_argument("algorithm", choices=sorted(ALGORITHMS) + offline,
                        help="; ".join(f"{k}: {v}" for k, v in ALGORITHMS.items()) + "; " +
                        "; ".join(f"{k}: {PASSTHROUGH[('train', k)][1]}" for k in offline) + own_flags)
