@@ -3,6 +3,9 @@ OpenRLHF's defaults, its refusals and what is not available here in one line, th
 and one step of the tiny model distilled from itself (the reward's KL term is exactly 0)."""
 
 import json
+import runpy
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -76,6 +79,17 @@ def test_an_unknown_flag_or_a_missing_teacher_is_one_line(prompts, capsys):
     assert e.value.code == 2 and "--opd.no_such_flag" in capsys.readouterr().err
     assert O.main(["--model.model_name_or_path", "s", "--data.prompt_dataset", str(prompts)]) == 2
     assert "--teacher.model_name_or_path is required" in capsys.readouterr().err
+
+
+def test_openrlhfs_module_spelling_runs_the_command(prompts, capsys, monkeypatch):
+    root = Path(__file__).resolve().parents[1]
+    shim = str(root / "openrlhf" / "cli" / "train_opd.py")
+    monkeypatch.syspath_prepend(str(root))  # `python3 -m openrlhf.cli.train_opd` from the repository root
+    monkeypatch.setattr(sys, "argv", [shim, *_line(prompts, "--opd.topk", "4")])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(shim, run_name="__main__")
+    err = capsys.readouterr().err.strip()
+    assert done.value.code == 2 and err.startswith("alignrl train opd: error: --opd.topk > 0")
 
 
 def test_flags_that_change_nothing_are_named(prompts):
