@@ -53,8 +53,7 @@ PASSTHROUGH = {
                                                           "token distributions"),
     ("train", "prm"): ("alignrl.preference.prm_cli:prm_main", "process reward model: a label for each step of a "
                                                              "solution"),
-    ("train", "opd"): ("alignrl.compat.openrlhf_opd", "on-policy distillation with OpenRLHF's train_opd flags: the "
-                                                     "teacher's log-prob minus the student's is the reward"),
+    ("train", "opd"): ("alignrl.compat.openrlhf_opd", "on-policy distillation (OpenRLHF's train_opd flags)"),
     ("train", "ppo-ray"): ("alignrl.compat.openrlhf_ppo_ray", "PPO/GRPO on a Ray cluster with OpenRLHF's flags"),
     ("demo", "search"): ("alignrl.demos.search", "PPO teaches a tiny model to search (Search-R1 recipe, CPU)"),
     ("demo", "safe"): ("alignrl.demos.safe", "Safe-MM-DPO with LoRA makes a tiny model refuse harm, helpfulness kept"),
