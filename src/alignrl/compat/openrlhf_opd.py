@@ -12,6 +12,7 @@ the final model is copied into --ckpt.output_dir as OpenRLHF leaves it there.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -251,11 +252,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         print(f"{prog}: accepted, changing nothing here: {line}", flush=True)
     key = a["logger.wandb.key"]
     if key and key.lower() not in WANDB_SWITCHES:  # as OpenRLHF's wandb.login(key=...): never in the config
-        import os
-
         os.environ["WANDB_API_KEY"] = key
     code = alignrl_main(["train", "ppo", *keys])
-    if code == 0:
+    if code == 0 and os.environ.get("RANK", "0") == "0":  # under a launcher's ranks (deepspeed --module), rank 0
         export_model(cfg.run_dir, cfg.checkpoint_root, cfg.trainer.total_training_steps, prog)
     return code
 
