@@ -12,15 +12,10 @@ from urllib.parse import urlparse
 from alignrl.config.agent_checks import multi_turn_problem
 from alignrl.config.loss_checks import loss_option_problem
 from alignrl.config.ptx_schema import ptx_problem
-from alignrl.config.ref_checks import ref_path_problem
+from alignrl.config.ref_checks import needs_reference, ref_path_problem
 from alignrl.config.reward_checks import reward_limit_problem
 from alignrl.config.rollout_rs import rs_problem
 from alignrl.config.schema import CLIP_C_LOSSES, ConfigError, RunConfig
-
-
-def needs_reference(cfg: RunConfig) -> bool:
-    """Whether the run uses reference log-probs: a KL loss or a KL penalty in the reward."""
-    return (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward
 
 
 def data_files(value: str | list[str]) -> list[str]:

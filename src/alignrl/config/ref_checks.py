@@ -6,13 +6,16 @@ from __future__ import annotations
 from alignrl.config.schema import RunConfig
 
 
+def needs_reference(cfg: RunConfig) -> bool:
+    """Whether the run uses reference log-probs: a KL loss or a KL penalty in the reward."""
+    return (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward
+
+
 def ref_path_problem(cfg: RunConfig) -> str | None:
     path = cfg.model.ref_path
     if not path:
         return None
     key = f"model.ref_path={path}"
-    from alignrl.config.checks import needs_reference
-
     if not needs_reference(cfg):  # on-policy distillation without its KL term would train on nothing, silently
         return (f"{key} is read only by a KL term, and this run has none: add algorithm.use_kl_in_reward=true "
                 "(on-policy distillation) or actor.use_kl_loss=true with actor.kl_loss_coef > 0, or leave "
