@@ -1,5 +1,5 @@
 """OpenRLHF's entry points, each a thin shim of an alignrl command: `train_ppo_ray` (alignrl train ppo-ray),
-`train_kd` (alignrl train kd), `train_prm` (alignrl train prm)."""
+`train_kd` (alignrl train kd), `train_prm` (alignrl train prm), `train_opd` (alignrl train opd)."""
 
 import sys
 
