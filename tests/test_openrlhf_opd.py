@@ -1,6 +1,6 @@
 """`alignrl train opd` (OpenRLHF's train_opd flags): the flags as the on-policy distillation recipe's keys with
 OpenRLHF's defaults, its refusals and what is not available here in one line, the flags that change nothing named,
-and one step of the tiny model distilled from itself (the reward's KL term is exactly 0)."""
+and one step of the tiny model distilled from itself (the reward's KL term exactly 0) and from another teacher."""
 
 import json
 import runpy
@@ -46,6 +46,12 @@ def test_the_flags_are_the_recipe_with_openrlhfs_defaults(prompts):
     assert (cfg.actor.ppo_micro_batch_size, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens) == (8, 1024, 1024)
     assert (cfg.data.prompt_key, cfg.data.apply_chat_template, cfg.trainer.resume_mode) == ("question", False,
                                                                                              "disable")
+    # OpenRLHF's warm-up count, ceil(4 steps × 0.03) = 1 (the ratio's floor would be none); its prompts cut at the
+    # end; no held-out prompts without --eval.dataset (one, the loop's least) and none evaluated during training
+    assert cfg.actor.lr_warmup_steps == 1 and cfg.data.truncation == "right"
+    assert (cfg.data.val_size, cfg.trainer.test_freq) == (1, 0)
+    held = _cfg(prompts, "--train.batch_size", "4", "--eval.dataset", str(prompts), "--eval.steps", "3")
+    assert (held.data.val_size, held.trainer.test_freq) == (64, 3)
 
 
 def test_optimiser_checkpoint_and_lora_flags_map(prompts, tmp_path):
@@ -66,6 +72,9 @@ def test_optimiser_checkpoint_and_lora_flags_map(prompts, tmp_path):
     (["--ds.zero_stage", "3"], "ZeRO stage 3"),
     (["--data.max_len", "512"], "exceeds --data.max_len 512"),
     (["--train.batch_size", "64"], "fewer than --train.batch_size 64"),
+    (["--opd.kd_temperature", "0"], "--opd.kd_temperature must be above 0"),
+    (["--data.max_samples", "0"], "--data.max_samples must be at least 1"),
+    (["--data.prompt_probs", "0.5,0.5"], "one weight per --data.prompt_dataset file (1)"),
 ])
 def test_what_is_refused_is_one_line(prompts, capsys, more, words):
     assert O.main(_line(prompts, *more)) == 2
@@ -77,6 +86,9 @@ def test_an_unknown_flag_or_a_missing_teacher_is_one_line(prompts, capsys):
     with pytest.raises(SystemExit) as e:
         O.parser().parse_args(_line(prompts, "--opd.no_such_flag", "1"))
     assert e.value.code == 2 and "--opd.no_such_flag" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # OpenRLHF's choices
+        O.parser().parse_args(_line(prompts, "--opd.kl_estimator", "k9"))
+    assert e.value.code == 2 and "invalid choice: 'k9'" in capsys.readouterr().err
     assert O.main(["--model.model_name_or_path", "s", "--data.prompt_dataset", str(prompts)]) == 2
     assert "--teacher.model_name_or_path is required" in capsys.readouterr().err
 
@@ -101,19 +113,35 @@ def test_flags_that_change_nothing_are_named(prompts):
     assert "--ds.zero_stage (no CUDA)" in lines and not any("logging_steps" in line for line in lines)
 
 
-def test_one_step_of_the_tiny_model_distilled_from_itself(tiny_model_dir, tmp_path):
-    """Through `alignrl train opd` as the shim runs it: the teacher is the student, so every token's reward (the
-    teacher's log-prob minus the student's) is 0, and the trained model is left in --ckpt.output_dir."""
+def test_one_step_distilled_from_itself_and_from_another_teacher(tiny_model_dir, tmp_path):
+    """Through `alignrl train opd` as the shim runs it: with the student as its own teacher every token's reward (the
+    teacher's log-prob minus the student's) is 0; with another teacher (the student's weights moved) it is not,
+    while the task reward stays 0; the trained model is left in --ckpt.output_dir."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
     from alignrl.cli import main
 
+    other = tmp_path / "teacher"
+    shutil.copytree(tiny_model_dir, other)
+    torch.manual_seed(0)
+    moved = {k: v + 0.05 * torch.randn_like(v) for k, v in load_file(str(other / "model.safetensors")).items()}
+    save_file(moved, str(other / "model.safetensors"))
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"input": f"count from {i}"}) + "\n" for i in range(2)))
-    out = tmp_path / "student"
-    assert main(["train", "opd", "--model.model_name_or_path", str(tiny_model_dir), "--teacher.model_name_or_path",
-                 str(tiny_model_dir), "--data.prompt_dataset", str(data), "--train.batch_size", "2",
-                 "--data.prompt_max_len", "32", "--generate.max_new_tokens", "4", "--data.max_len", "36",
-                 "--ckpt.output_dir", str(out), "--ckpt.path", str(tmp_path / "ckpts"), "--val_size", "1"]) == 0
-    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    step = [r for r in rows if "actor/reward_kl_penalty" in r][-1]
-    assert step["actor/reward_kl_penalty"] == 0.0 and step["actor/reward_kl_penalty_coeff"] == 1.0
-    assert step["reward/mean"] == 0.0 and (out / "model.safetensors").is_file()
+    kl = {}
+    for name, teacher in (("self", tiny_model_dir), ("other", other)):
+        out = tmp_path / name
+        assert main(["train", "opd", "--model.model_name_or_path", str(tiny_model_dir),
+                     "--teacher.model_name_or_path", str(teacher), "--data.prompt_dataset", str(data),
+                     "--train.batch_size", "2", "--data.prompt_max_len", "32", "--generate.max_new_tokens", "4",
+                     "--data.max_len", "36", "--ckpt.output_dir", str(out), "--ckpt.path",
+                     str(tmp_path / f"ckpts_{name}")]) == 0
+        rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+        step = [r for r in rows if "actor/reward_kl_penalty" in r][-1]
+        assert step["actor/reward_kl_penalty_coeff"] == 1.0 and step["reward/mean"] == 0.0
+        assert (out / "model.safetensors").is_file()
+        kl[name] = step["actor/reward_kl_penalty"]
+    assert kl["self"] == 0.0 and kl["other"] != 0.0, kl

@@ -12,6 +12,7 @@ the final model is copied into --ckpt.output_dir as OpenRLHF leaves it there.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -77,12 +78,18 @@ class OpdFlagError(ConfigError):
     """A train_opd flag asking for what is not available here, or what OpenRLHF refuses; one line."""
 
 
+CHOICES = {"opd.kl_estimator": ("k1", "k2", "k3"),
+           "ds.experts_implementation": ("eager", "batched_mm", "grouped_mm", "deepgemm")}
+
+
 def parser(prog: str = PROG) -> OneLineParser:
     p = OneLineParser(prog=prog, description="On-policy distillation with OpenRLHF's train_opd flags: the student "
                       "samples, the teacher's log-prob minus the student's is each token's reward (alignrl's RL loop "
                       "with model.ref_path as the teacher).")
     for flag, kind, default in MAPPED + [e for entries in NOT_APPLIED.values() for e in entries]:
-        if kind is bool:
+        if flag in CHOICES:
+            p.add_argument(f"--{flag}", dest=flag, choices=CHOICES[flag], default=default)  # OpenRLHF's choices
+        elif kind is bool:
             p.add_argument(f"--{flag}", dest=flag, action="store_true")
         else:
             p.add_argument(f"--{flag}", dest=flag, type=kind, default=default)
@@ -110,6 +117,12 @@ def check(a: dict) -> None:
         (a["ds.tensor_parallel_size"] != 1, "--ds.tensor_parallel_size: tensor parallelism is not supported "
                                             "(OpenRLHF's train_opd refuses it too); use 1"),
         (a["ds.ring_attn_size"] > 1, "--ds.ring_attn_size: ring attention is not available here; use 1"),
+        (a["opd.kd_temperature"] <= 0, "--opd.kd_temperature must be above 0 (OpenRLHF refuses it too)"),
+        (a["data.max_samples"] < 1, "--data.max_samples must be at least 1"),
+        (bool(a["data.prompt_probs"]) and len(a["data.prompt_probs"].split(",")) !=
+         len(a["data.prompt_dataset"].split(",")),
+         f"--data.prompt_probs {a['data.prompt_probs']}: one weight per --data.prompt_dataset file "
+         f"({len(a['data.prompt_dataset'].split(','))})"),
         (a["generate.max_new_tokens"] <= 0, "--generate.max_new_tokens must be a positive integer"),
         (a["generate.temperature"] != 1.0 or a["generate.top_p"] != 1.0,
          "--generate.temperature and --generate.top_p must be 1.0 with --opd.topk 0 (OpenRLHF refuses other "
@@ -156,13 +169,17 @@ def data_keys(a: dict) -> list[str]:
            f"data.prompt_key={json.dumps(a['data.input_key'])}",
            f"data.apply_chat_template={str(a['data.apply_chat_template']).lower()}",
            f"data.input_template={json.dumps(template) if template and '{}' in template else 'null'}",
-           f"data.max_prompt_length={a['data.prompt_max_len']}", f"data.val_size={a['val_size']}",
-           f"data.val_size_during_training={a['val_size']}",
-           f"data.val_files={S.files_value(a['eval.dataset'] or a['data.prompt_dataset'])}"]
+           f"data.max_prompt_length={a['data.prompt_max_len']}", "data.truncation=right",
+           # held-out prompts only with --eval.dataset, as OpenRLHF: else one training prompt, the loop's minimum
+           # (its accuracy is the zero reward's; the distillation's progress is actor/reward_kl_penalty)
+           f"data.val_size={a['val_size'] if a['eval.dataset'] else 1}",
+           f"data.val_size_during_training={a['val_size'] if a['eval.dataset'] else 1}",
+           "data.val_files=" + (S.files_value(a["eval.dataset"], a["eval.split"]) if a["eval.dataset"] else
+                                S.files_value(a["data.prompt_dataset"], a["data.prompt_split"]))]
     return out
 
 
-def optimiser_keys(a: dict) -> list[str]:
+def optimiser_keys(a: dict, total: int) -> list[str]:
     """AdamW, OpenRLHF's scheduler (warm-up over --lr_warmup_ratio of the steps, then cosine to --min_lr_ratio of
     the rate, or constant/linear) and the gradient clip."""
     schedule, floor = SCHEDULERS[a["lr_scheduler"]]
@@ -171,7 +188,9 @@ def optimiser_keys(a: dict) -> list[str]:
     betas = a["adam.betas"]
     return [f"actor.lr={a['adam.lr']}", f"actor.betas=[{betas[0]},{betas[1]}]",
             f"actor.weight_decay={a['adam.weight_decay']}", f"actor.lr_scheduler={schedule}",
-            f"actor.min_lr_ratio={floor}", f"actor.lr_warmup_steps_ratio={warmup}", f"actor.grad_clip={a['max_norm']}"]
+            f"actor.min_lr_ratio={floor}", f"actor.lr_warmup_steps_ratio={warmup}", f"actor.grad_clip={a['max_norm']}",
+           # OpenRLHF's count, ceil(steps × ratio), not the ratio's floor (0 under 34 steps at its 0.03)
+           f"actor.lr_warmup_steps={math.ceil(total * warmup)}"]
 
 
 def run_keys(a: dict, gpus: bool, per_epoch: int) -> list[str]:
@@ -179,7 +198,7 @@ def run_keys(a: dict, gpus: bool, per_epoch: int) -> list[str]:
     --train.max_epochs passes over them (OpenRLHF's max_steps)."""
     save = Path(a["ckpt.output_dir"]).absolute()
     batch, epochs = a["train.batch_size"], a["train.max_epochs"]
-    test_freq = a["eval.steps"] if a["eval.steps"] > 0 else per_epoch if a["eval.dataset"] else 0
+    test_freq = (a["eval.steps"] if a["eval.steps"] > 0 else per_epoch) if a["eval.dataset"] else 0
     wandb = bool(a["logger.wandb.key"]) and WANDB_SWITCHES.get(a["logger.wandb.key"].lower(), True)
     tb = a["logger.tensorboard_dir"]
     out = [f"data.train_batch_size={batch}", f"actor.ppo_mini_batch_size={batch}",
@@ -213,8 +232,10 @@ def run_keys(a: dict, gpus: bool, per_epoch: int) -> list[str]:
 
 def overrides(a: dict, gpus: bool) -> list[str]:
     """The alignrl config keys of these (checked) flags: the model and teacher, the data, the recipe last."""
+    per_epoch = steps_per_epoch(a)
     return [f"model.path={a['model.model_name_or_path']}", f"model.ref_path={a['teacher.model_name_or_path']}",
-            *data_keys(a), *optimiser_keys(a), *run_keys(a, gpus, steps_per_epoch(a)), *RECIPE]
+            *data_keys(a), *optimiser_keys(a, a["train.max_epochs"] * per_epoch), *run_keys(a, gpus, per_epoch),
+            *RECIPE]
 
 
 def unused(a: dict, gpus: bool) -> list[str]:
@@ -250,6 +271,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         return 2
     for line in unused(a, gpus):
         print(f"{prog}: accepted, changing nothing here: {line}", flush=True)
+    if a["ckpt.save_steps"] < 1:  # OpenRLHF writes none: the model copied into --ckpt.output_dir comes from it
+        print(f"{prog}: note: the last step's checkpoint is kept in --ckpt.path {a['ckpt.path']} (the trained model "
+              "in --ckpt.output_dir is copied from it); delete it once the run is done", flush=True)
     key = a["logger.wandb.key"]
     if key and key.lower() not in WANDB_SWITCHES:  # as OpenRLHF's wandb.login(key=...): never in the config
         os.environ["WANDB_API_KEY"] = key
