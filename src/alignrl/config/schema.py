@@ -238,7 +238,8 @@ class AlgorithmConfig:
     kl_horizon: float = opt(10000.0, "adaptive controller: horizon in samples", gt=0.0)
     reward_clip: list = opt([], "[low, high]: each outcome reward clamped into it before the KL penalty and the "
                                 "advantages (OpenRLHF's --reward_clip_range); empty: none")
-    reward_fn: str | None = opt(None, "custom reward 'path/to/file.py:function' (verl compute_score signature)")
+    reward_fn: str | None = opt(None, "custom reward 'path/to/file.py:function' (verl compute_score signature); "
+                                      "zero: no task reward (on-policy distillation's reward is its KL term)")
     reward_fn_kwargs: dict[str, Any] = opt({}, "keyword arguments algorithm.reward_fn is called with beside its four "
                                                "(verl's custom_reward_function.reward_kwargs)")
     reward_fn_batch: bool = opt(False, "algorithm.reward_fn scores a whole batch in one call: fn(data_sources=, "
