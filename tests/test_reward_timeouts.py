@@ -38,7 +38,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def rule(tmp_path, monkeypatch):
     """(the rule, its recipe): a user's reward file, loaded here and in each worker."""
     path = tmp_path / "rule.py"
-    path.write_text(RULE)
+    # the mark's path written into the file: the workers fork from this process's fork server, whose environment is
+    # the one it started with (another test of this process may have started it, with another mark or none)
+    path.write_text(RULE.replace('os.environ["ALIGNRL_TEST_MARK"]', repr(str(tmp_path / "cleaned_up"))))
     monkeypatch.setenv("ALIGNRL_TEST_MARK", str(tmp_path / "cleaned_up"))
     recipe = functools.partial(load_reward_fn, f"{path}:compute_score")
     return recipe(), recipe
