@@ -28,7 +28,7 @@ from alignrl.config.checks import data_files
 # DataError lives in layouts (which raises it too); the package imports it from here
 from alignrl.data.row_formats import (DataError, PromptKeys, chat_messages, json_array_rows, keys_sample,
                                   plain_ground_truth, with_system)
-from alignrl.data.blend import blend_order
+from alignrl.data.blend import blended_units
 from alignrl.data.images import with_row_images
 from alignrl.data.records import Sample
 from alignrl.data.sources import is_library_dataset, library_count, library_rows
@@ -140,8 +140,7 @@ def load_blended(paths: str | list[str], probs: Sequence[float], seed: int, fmt:
     OpenRLHF's --max_samples does around its blend: each file's first `limit` rows, then the blend's first `limit`.
     `keys`: load_samples' keyword arguments."""
     per_file = [load_samples(one, fmt, limit=limit, key=key, **keys) for one in data_files(paths)]
-    order = blend_order([len(rows) for rows in per_file], probs, seed)
-    return [per_file[f][row] for f, row in order[:limit]]
+    return [row for _, row in blended_units(per_file, probs, seed, limit, key)]
 
 
 def gsm8k_ground_truth(answer: str) -> str | None:

@@ -4,7 +4,7 @@ policy loss (`train.ptx`).
 
 As OpenRLHF's pretraining dataset, a text is tokenized without special tokens, cut to its first `max_length`
 tokens, and every token of it is a target; here when it is drawn, so a large set costs its text only. Several files are blended by their weights as OpenRLHF blends them
-(`loaders.blend_order`), or concatenated without weights.
+(`blend.blend_order`), or concatenated without weights.
 """
 
 from __future__ import annotations
