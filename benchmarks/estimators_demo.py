@@ -29,6 +29,10 @@ ESTIMATORS = {
     "RLOO": ["algorithm.adv_estimator=rloo"],
     "REINFORCE++": ["algorithm.adv_estimator=reinforce_plus_plus"],
     "PPO (critic)": ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.lr=1e-4", "critic.warmup_steps=5"],
+    # TRL's online DPO: two answers a prompt, so four times the prompts for the same samples a step, in one
+    # optimizer step (its update is the DPO loss's gradient at the weights that scored the batch)
+    "Online DPO": ["algorithm.adv_estimator=online_dpo", "rollout.n=2", "data.train_batch_size=128",
+                   "actor.ppo_mini_batch_size=128", "actor.recompute_old_logprobs=true"],
 }
 # The policy losses with the demo's GRPO advantages; the settings are each method's paper's (or verl's) defaults,
 # except Clip-Cov's and KL-Cov's share of tokens: the demo's micro-batches hold a few hundred response tokens, where

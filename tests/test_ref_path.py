@@ -123,7 +123,7 @@ def test_a_folder_that_is_no_model_or_of_another_vocabulary_is_one_line(tiny_mod
     (["actor.ref_sync_steps=2"], "is another model: set actor.ref_sync_steps=0"),
     (["actor.ref_sync_steps=2", "model.lora_rank=4"], "is another model: set actor.ref_sync_steps=0"),
     (["pipeline.placement=zmq"], "the ZeroMQ samplers check the weights they start from against model.path"),
-    (["actor.use_kl_loss=false"], "is read only by a KL term, and this run has none")])
+    (["actor.use_kl_loss=false"], "is read only by a KL term or online DPO")])
 def test_what_cannot_take_a_reference_of_its_own_is_one_line(extra, why):
     with pytest.raises(ConfigError, match=why):
         load_config(None, ["model.ref_path=/some/teacher", *extra])

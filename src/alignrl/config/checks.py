@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 
 from alignrl.config.agent_checks import multi_turn_problem
 from alignrl.config.loss_checks import loss_option_problem
+from alignrl.config.online_dpo_checks import online_dpo_problem
 from alignrl.config.ptx_schema import ptx_problem
 from alignrl.config.ref_checks import needs_reference, ref_path_problem
 from alignrl.config.reward_checks import reward_limit_problem
@@ -372,7 +373,7 @@ def _dynamic_sampling(cfg: RunConfig) -> str | None:
 _COMBINATIONS = (_batch_sizes, _validation_sampler, replay_problem, _overlong_buffer, _rollout_is,
                  _loggers_and_files, check_prompt_keys, _train_probs, _optimiser_and_clips, _dynamic_sampling,
                  _estimator, _critic, _pipeline, _ref_sync, _safety, _urls, multi_turn_problem, ptx_problem,
-                 reward_limit_problem, loss_option_problem, ref_path_problem)
+                 reward_limit_problem, loss_option_problem, online_dpo_problem, ref_path_problem)
 
 
 def _number(x) -> bool:

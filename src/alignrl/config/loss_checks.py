@@ -44,6 +44,7 @@ def _gdpo_problem(cfg: RunConfig) -> str | None:
                               ("algorithm.overlong_buffer_len", a.overlong_buffer_len),
                               ("algorithm.format_reward_weight", a.format_reward_weight),
                               ("algorithm.truncated_reward_coef", a.truncated_reward_coef is not None),
+                              ("algorithm.missing_eos_penalty", a.missing_eos_penalty),
                               ("algorithm.reward_clip", a.reward_clip),
                               ("algorithm.grpo_std_scope=batch", a.grpo_std_scope == "batch")) if on]
     if shaped:  # verl's GDPO reads the components alone: what these add to the reward would change nothing
@@ -63,6 +64,7 @@ def _normalize_each_problem(cfg: RunConfig) -> str | None:
                 "algorithm.reward_timeout_s")
     shaped = [k for k, on in (("algorithm.overlong_buffer_len", a.overlong_buffer_len),
                               ("algorithm.truncated_reward_coef", a.truncated_reward_coef is not None),
+                              ("algorithm.missing_eos_penalty", a.missing_eos_penalty),
                               ("algorithm.reward_clip", a.reward_clip), ("agent.env_path", cfg.agent.env_path)) if on]
     if shaped:  # each reads or shapes the reward in its own units, where this one is normalized
         return f"{what} leaves the reward normalized, which {shaped[0]} would shape or replace in its units: drop it"

@@ -7,8 +7,9 @@ from alignrl.config.schema import RunConfig
 
 
 def needs_reference(cfg: RunConfig) -> bool:
-    """Whether the run uses reference log-probs: a KL loss or a KL penalty in the reward."""
-    return (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward
+    """Whether the run uses reference log-probs: a KL loss, a KL penalty in the reward, or online DPO's loss."""
+    return ((cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward
+            or cfg.algorithm.adv_estimator == "online_dpo")
 
 
 def ref_path_problem(cfg: RunConfig) -> str | None:
@@ -17,9 +18,9 @@ def ref_path_problem(cfg: RunConfig) -> str | None:
         return None
     key = f"model.ref_path={path}"
     if not needs_reference(cfg):  # on-policy distillation without its KL term would train on nothing, silently
-        return (f"{key} is read only by a KL term, and this run has none: add algorithm.use_kl_in_reward=true "
-                "(on-policy distillation) or actor.use_kl_loss=true with actor.kl_loss_coef > 0, or leave "
-                "model.ref_path empty")
+        return (f"{key} is read only by a KL term or online DPO's loss, and this run has none: add "
+                "algorithm.use_kl_in_reward=true (on-policy distillation) or actor.use_kl_loss=true with "
+                "actor.kl_loss_coef > 0, or leave model.ref_path empty")
     if cfg.services.reference_url:
         return (f"{key} and services.reference_url both name the reference: set one (the service loads its own "
                 "model with `alignrl serve ref --model`)")

@@ -201,9 +201,16 @@ class AlgorithmConfig:
                                      "reinforce_plus_plus (whitened returns), reinforce_plus_plus_baseline, remax "
                                      "(greedy baseline), gpg (GPG's scaled group baseline), gdpo (each of "
                                      "gdpo_reward_keys normalized in its group, summed, whitened: verl's GDPO), gae "
-                                     "(PPO with critic.enable=true)",
+                                     "(PPO with critic.enable=true), online_dpo (each prompt's two answers a DPO "
+                                     "pair, the higher reward chosen: TRL's online DPO, with dpo_beta and "
+                                     "dpo_loss_type)",
                              choices=("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                                      "gpg", "gdpo", "gae"))
+                                      "gpg", "gdpo", "gae", "online_dpo"))
+    dpo_beta: float = opt(0.1, "adv_estimator=online_dpo: the DPO loss's beta, the strength of its pull toward the "
+                               "reference (TRL's --beta)", gt=0.0)
+    dpo_loss_type: str = opt("sigmoid", "adv_estimator=online_dpo: sigmoid (DPO's -log sigmoid(beta h)) or ipo "
+                                        "((h - 1/(2 beta))^2), h the pair's policy-minus-reference log-ratio gap "
+                                        "(TRL's --loss_type)", choices=("sigmoid", "ipo"))
     gamma: float = opt(1.0, "discount of GAE and REINFORCE++ returns", ge=0.0, le=1.0)
     lam: float = opt(1.0, "GAE lambda", ge=0.0, le=1.0)
     norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false, with actor.loss_agg_mode="
@@ -288,6 +295,8 @@ class AlgorithmConfig:
                                                       ">= 0 scales their reward by it, one < 0 replaces the reward "
                                                       "by it, after the overlong penalty (ProRL; OpenRLHF's "
                                                       "--stop_properly_penalty_coef); null leaves them")
+    missing_eos_penalty: float = opt(0.0, "subtracted from the reward of a response cut at the response cap "
+                                          "before it ended (TRL's --missing_eos_penalty); 0: none", ge=0.0)
     mask_truncated: bool = opt(False, "responses that hit rollout.max_new_tokens get no gradient (DAPO overlong "
                                       "filtering); they still count in the reward and length metrics")
     rollout_is: str = opt("none", "truncated importance sampling against the rollout engine's log-probs: "

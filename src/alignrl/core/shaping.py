@@ -32,6 +32,12 @@ def truncated_reward(rewards: torch.Tensor, truncated: torch.Tensor, coef: float
     return torch.where(truncated.to(rewards.device), cut, rewards)
 
 
+def missing_eos_penalty(rewards: torch.Tensor, truncated: torch.Tensor, penalty: float) -> torch.Tensor:
+    """TRL's missing_eos_penalty: `penalty` subtracted from the reward (B,) of each response cut at the length cap
+    before it ended (`truncated` (B,) bool), pushing the policy toward answers that finish."""
+    return rewards - penalty * truncated.to(device=rewards.device, dtype=rewards.dtype)
+
+
 def clip_outcome(rewards: torch.Tensor, baseline: torch.Tensor | None, clip: tuple | list | None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """OpenRLHF's --reward_clip_range on the outcome rewards (B,) and on ReMax's greedy-response baseline (B,)

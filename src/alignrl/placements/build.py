@@ -182,7 +182,7 @@ def build_rewards(cfg: RunConfig, tokenizer, device: torch.device, loaded: Seque
     return RewardStage(tokenizer, with_format_bonus(correct, a.format_reward_weight), correct,
                        response_cap(cfg), a.overlong_buffer_len, a.overlong_penalty_factor, reward_model,
                        model_mix=a.reward_model_mix, model_weight=a.reward_model_weight,
-                       truncated_reward_coef=a.truncated_reward_coef,
+                       truncated_reward_coef=a.truncated_reward_coef, missing_eos_penalty=a.missing_eos_penalty,
                        normalize_each=a.multi_objective_aggregation == "normalize_then_sum",
                        components=RewardComponents(tuple(a.gdpo_reward_keys), tuple(a.gdpo_reward_weights),
                                                    a.norm_adv_by_std_in_grpo) if a.adv_estimator == "gdpo" else None,

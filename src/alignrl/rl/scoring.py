@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from alignrl.core.advantages import decoupled_group_sum, normalize_then_sum
-from alignrl.core.shaping import overlong_penalty, truncated_reward
+from alignrl.core.shaping import missing_eos_penalty, overlong_penalty, truncated_reward
 from alignrl.data.records import Rollout, Sample, Scores
 from alignrl.interfaces import SequenceScorer
 from alignrl.rewards.registry import ScoreError, finite_score, reads_prompt_text, score_row
@@ -72,6 +72,7 @@ class RewardStage:
     cost_fn: RewardFn | None = None  # PPO-Lagrangian cost: a rule on the decoded response...
     cost_model: SequenceScorer | None = None  # ...or a cost model on the ids
     truncated_reward_coef: float | None = None  # responses cut at the cap: reward scaled (>= 0) or replaced (< 0)
+    missing_eos_penalty: float = 0.0  # responses cut at the cap: this subtracted from their reward (TRL's)
     # TRL's normalize_then_sum: each of the reward's functions normalized in its prompt group before the weighted sum
     normalize_each: bool = False
     components: RewardComponents | None = None  # verl's GDPO: the reward function's dict components apart
@@ -120,6 +121,8 @@ class RewardStage:
                                          self.overlong_penalty_factor)
         if self.truncated_reward_coef is not None:
             out = truncated_reward(out, ro.truncated, self.truncated_reward_coef)
+        if self.missing_eos_penalty:
+            out = missing_eos_penalty(out, ro.truncated, self.missing_eos_penalty)
         costs = None
         if self.cost_fn is not None:
             texts, prompts = self.texts(ro), self.prompt_texts(ro)

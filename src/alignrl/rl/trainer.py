@@ -7,7 +7,7 @@ the one place the learning happens. Orchestration only: the math lives in `align
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,6 +18,7 @@ from alignrl.core.advantages import ADVANTAGES, OutcomeInputs, gae_advantages, o
 from alignrl.core.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
 from alignrl.core.lagrangian import LagrangeMultiplier, safe_gae_advantages
 from alignrl.core.losses import masked_mean
+from alignrl.core.online_dpo import PairInputs, online_dpo_advantages
 from alignrl.core.rollout_correction import rollout_kl, truncated_is_weights
 from alignrl.config.rollout_rs import rs_options
 from alignrl.core.rollout_rejection import (batch_normalized, divergence_rejection_mask, rejection_mask, token_veto,
@@ -57,7 +58,7 @@ FIXED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "lusp
 def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
     a = cfg.actor
     agg = FIXED_AGG.get(a.policy_loss, "token-mean") if a.loss_agg_mode == "auto" else a.loss_agg_mode
-    return PolicyLossSpec(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
+    spec = PolicyLossSpec(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
                           kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
                           kl_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
                           temperature=cfg.rollout.temperature, name=a.policy_loss, clip_c=a.clip_ratio_c or None,
@@ -70,6 +71,9 @@ def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
                           delta=a.clip_ratio_delta, kl_ratio_weighted=a.kl_loss_ratio_weighted,
                           top_entropy=a.top_entropy_quantile, off_policy=a.off_policy_mask_threshold,
                           vespo=(a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg))
+    if cfg.algorithm.adv_estimator == "online_dpo":  # -A log pi summed per answer: the DPO gradient (core.online_dpo)
+        return replace(spec, name="gpg", loss_agg="seq-mean-token-sum", policy_agg=None)
+    return spec
 
 
 class PolicyTrainer:
@@ -129,7 +133,10 @@ class PolicyTrainer:
             costs = gather_values(self.env, scores.costs.tolist())
             metrics["safety/lambda"] = self.critics.lagrangian.update(step, costs)
         value_targets: list = []
-        if self.critics is None:
+        if cfg.algorithm.adv_estimator == "online_dpo":
+            adv, pair_metrics = self.pair_advantages(outcome, ro.group, old_lp, batch.ref_logprobs, mask)
+            metrics.update(pair_metrics)
+        elif self.critics is None:
             a = cfg.algorithm
             adv = ADVANTAGES[a.adv_estimator](OutcomeInputs(
                 rewards, token_rewards, mask, ro.group, baseline, a.norm_adv_by_std_in_grpo, a.gamma,
@@ -234,6 +241,14 @@ class PolicyTrainer:
         if weights is not None:
             weights = weights * loss_mask  # 0 where rejected, as truncated_is_weights leaves them
         return weights, loss_mask, metrics
+
+    def pair_advantages(self, rewards: torch.Tensor, group: torch.Tensor, old_lp: torch.Tensor,
+                        ref_lp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """Online DPO's advantages (B,): each prompt's two answers a pair, weighed by the DPO loss's gradient at the
+        trainer's log-probs summed over the trained tokens."""
+        a = self.cfg.algorithm
+        pairs = PairInputs(rewards, group, (old_lp * mask).sum(-1), (ref_lp.to(old_lp.device) * mask).sum(-1))
+        return online_dpo_advantages(pairs, a.dpo_beta, a.dpo_loss_type)
 
     def critic_advantages(self, batch: ScoredBatch, token_rewards: torch.Tensor, kl_tokens: torch.Tensor | None,
                           micro: int) -> tuple[torch.Tensor, list, dict[str, float]]:

@@ -1,0 +1,51 @@
+"""algorithm.adv_estimator=online_dpo: the keys its update cannot go with. Its advantages make the -A·log π update the
+DPO loss's gradient at the trainer's weights (`core.online_dpo`), which holds for one optimizer step per batch, from
+the trainer's own log-probs, with the plain per-token term summed per sequence."""
+
+from __future__ import annotations
+
+from alignrl.config.schema import AlgorithmConfig, RunConfig
+
+WHAT = "algorithm.adv_estimator=online_dpo"
+
+
+def online_dpo_problem(cfg: RunConfig) -> str | None:
+    a = cfg.algorithm
+    if a.adv_estimator != "online_dpo":
+        default = AlgorithmConfig()
+        given = [k for k in ("dpo_beta", "dpo_loss_type") if getattr(a, k) != getattr(default, k)]
+        return (f"algorithm.{given[0]} sets the online DPO loss, read with {WHAT} (got "
+                f"adv_estimator={a.adv_estimator}): set it, or drop algorithm.{given[0]}") if given else None
+    if cfg.rollout.n != 2:
+        return (f"{WHAT} pairs each prompt's two answers, as TRL's online DPO samples two: set rollout.n=2 "
+                f"(got {cfg.rollout.n})")
+    if cfg.actor.ppo_epochs != 1 or cfg.mini_batches_per_step != 1:
+        return (f"{WHAT} takes one optimizer step per batch, as TRL's, from the weights that scored it (got "
+                f"actor.ppo_epochs={cfg.actor.ppo_epochs}, {cfg.mini_batches_per_step} mini-batches): set "
+                "actor.ppo_epochs=1 and actor.ppo_mini_batch_size to the batch (data.train_batch_size prompts)")
+    if a.use_kl_in_reward:  # the pair is chosen by the answers' rewards, and its loss holds its own pull (beta)
+        return (f"{WHAT} chooses each pair's answer by its reward, and its loss holds its own pull toward the "
+                "reference (algorithm.dpo_beta): set algorithm.use_kl_in_reward=false")
+    return _update_problem(cfg)
+
+
+def _update_problem(cfg: RunConfig) -> str | None:
+    """The actor and rollout-correction keys that would change the update away from the DPO loss's gradient."""
+    a, alg = cfg.actor, cfg.algorithm
+    if a.policy_loss not in ("ppo_clip", "gpg") or a.loss_agg_mode not in ("auto", "seq-mean-token-sum"):
+        return (f"{WHAT} trains with -A log pi summed over each answer (actor.policy_loss=gpg, loss_agg_mode="
+                f"seq-mean-token-sum; got {a.policy_loss}, {a.loss_agg_mode}): leave both at their defaults")
+    if not a.recompute_old_logprobs:
+        return (f"{WHAT} weighs each pair by the trainer's own log-probs: set actor.recompute_old_logprobs=true")
+    given = [k for k, on in (("actor.clip_ratio_delta", a.clip_ratio_delta is not None),
+                             ("actor.top_entropy_quantile", a.top_entropy_quantile < 1.0),
+                             ("actor.off_policy_mask_threshold", a.off_policy_mask_threshold is not None),
+                             ("algorithm.mask_truncated", alg.mask_truncated),
+                             ("algorithm.rollout_is", alg.rollout_is != "none"),
+                             ("algorithm.rollout_rs", alg.rollout_rs != "none"),
+                             ("algorithm.rollout_token_veto_threshold",
+                              alg.rollout_token_veto_threshold is not None)) if on]
+    if given:  # each weighs or drops tokens of one answer, which the pair's loss reads whole
+        return (f"{WHAT} reads each answer's tokens whole, and {given[0]} weighs or drops some of them: drop it "
+                "(algorithm.missing_eos_penalty lowers the reward of answers cut before they ended, as TRL's)")
+    return None
