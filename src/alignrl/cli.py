@@ -4,7 +4,7 @@
     alignrl demo [key.sub=value ...]
     alignrl build-demo-model [--seed N]
     alignrl config [--config FILE] [overrides] | alignrl config --reference
-    alignrl train rm|dpo|sft|kto|kd|prm|opd ...    (reward/cost model, DPO family, SFT, KTO, distillation, PRM)
+    alignrl train rm|dpo|sft|kto|kd|prm|opd|online-dpo ... (RM, DPO family, SFT, KTO, KD, PRM, OPD, online DPO)
     alignrl serve generate|ref|reward|retrieve ... (HTTP services: their own flags)
     alignrl doctor [--config FILE]
     alignrl sample --data-port 5555 --sync-port 5556 ... (a sampler for `train grpo pipeline.placement=zmq`)
@@ -38,7 +38,6 @@ EXAMPLES = Path(__file__).parent / "examples"
 ALGORITHMS = {"grpo": "GRPO / Dr.GRPO: group-relative policy optimisation",
               "ppo": "the RL loop with any algorithm.adv_estimator (grpo, rloo, reinforce_plus_plus, ...)"}
 
-
 # Commands with flags of their own (the seeds' names): `alignrl <words> ...` runs `module.main(rest)` (or the
 # function a "module:function" entry names).
 PASSTHROUGH = {
@@ -54,6 +53,8 @@ PASSTHROUGH = {
     ("train", "prm"): ("alignrl.preference.prm_cli:prm_main", "process reward model: a label for each step of a "
                                                              "solution"),
     ("train", "opd"): ("alignrl.compat.openrlhf_opd", "on-policy distillation (OpenRLHF's train_opd flags)"),
+    ("train", "online-dpo"): ("alignrl.compat.trl_online_dpo", "online DPO (TRL's dpo_online.py flags)"),
+    ("train", "online_dpo"): ("alignrl.compat.trl_online_dpo", "online DPO, as online-dpo"),
     ("train", "ppo-ray"): ("alignrl.compat.openrlhf_ppo_ray", "PPO/GRPO on a Ray cluster with OpenRLHF's flags"),
     ("demo", "search"): ("alignrl.demos.search", "PPO teaches a tiny model to search (Search-R1 recipe, CPU)"),
     ("demo", "safe"): ("alignrl.demos.safe", "Safe-MM-DPO with LoRA makes a tiny model refuse harm, helpfulness kept"),
@@ -69,7 +70,6 @@ PASSTHROUGH = {
     ("doctor",): ("alignrl.doctor", "check configured services, model paths, hostfile and ports"),
     ("sample",): ("alignrl.compat.zmq_pipeline:sample_main", "a sampler of the ZeroMQ pipeline (sampling_worker.py)"),
 }
-
 
 # TRL's `trl grpo` flags on `train grpo`: translated into overrides before anything else reads the line (a module of
 # the layer above, imported by name as the PASSTHROUGH commands are)
@@ -134,9 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="alignrl", description="RL post-training of language models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    own_flags = "; each of rm, dpo, sft, kto, kd, prm, opd and ppo-ray has its own --help"
+    own_flags = "; each of rm, dpo, sft, kto, kd, prm, opd, online-dpo and ppo-ray has its own --help"
     train = sub.add_parser("train", help="train a model with an RL algorithm")
-    offline = ["dpo", "rm", "sft", "kto", "kd", "prm", "opd", "ppo-ray"]
+    offline = ["dpo", "rm", "sft", "kto", "kd", "prm", "opd", "online-dpo", "ppo-ray"]
     train.add_argument("algorithm", choices=sorted(ALGORITHMS) + offline,
                        help="; ".join(f"{k}: {v}" for k, v in ALGORITHMS.items()) + "; " +
                        "; ".join(f"{k}: {PASSTHROUGH[('train', k)][1]}" for k in offline) + own_flags)

@@ -18,22 +18,23 @@ NOT_TRL = ("model", "data", "rollout", "actor", "algorithm", "critic", "safety",
            "retriever", "sandbox", "ptx", "trainer", "actor_rollout_ref", "reward_model", "custom_reward_function")
 
 
-def grpo_flag_names(default_none: bool = False) -> set[str]:
-    """TRL's GRPO flag names alignrl reads; with `default_none`, those whose default is None (where a file's null,
-    TRL's None, is the default)."""
+def grpo_flag_names(default_none: bool = False, p=None) -> set[str]:
+    """TRL's GRPO flag names alignrl reads (or those of the parser `p`); with `default_none`, those whose default is
+    None (where a file's null, TRL's None, is the default)."""
     from alignrl.compat.trl_grpo_flags import parser
 
-    return {a.dest for a in parser()._actions if not default_none or a.default is None} - {"help", "config"}
+    return {a.dest for a in (p or parser())._actions if not default_none or a.default is None} - {"help", "config"}
 
 
-def expand(words: list[str]) -> list[str] | None:
-    """The line with its TRL config file's settings as flags before its own; None when it names no TRL file."""
-    names = grpo_flag_names()
+def expand(words: list[str], p=None, whose: str = "TRL's GRPO") -> list[str] | None:
+    """The line with its TRL config file's settings as flags before its own; None when it names no TRL file. `p`:
+    the parser of another TRL trainer's command (every line of which is TRL's), GRPO's when None."""
+    names = grpo_flag_names(p=p)
 
     def is_trl(settings: dict[str, Any]) -> bool:
         return not any(k in NOT_TRL for k in settings) and any(k in names or k == "env" for k in settings)
 
     at = flag_file.config_at(words)
-    if at is not None and not Path(at[2]).is_file() and is_trl_line(words):
+    if at is not None and not Path(at[2]).is_file() and (p is not None or is_trl_line(words)):
         raise TrlFlagError(f"--config {at[2]}: no such file (from {Path.cwd()})")
-    return flag_file.expand(words, is_trl, names, "TRL's GRPO", nullable=grpo_flag_names(default_none=True))
+    return flag_file.expand(words, is_trl, names, whose, nullable=grpo_flag_names(default_none=True, p=p))

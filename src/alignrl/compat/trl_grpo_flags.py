@@ -146,11 +146,14 @@ def _add(p: argparse.ArgumentParser, flag: Flag) -> None:
                        default=flag.default)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog=PROG, description="GRPO with TRL's `trl grpo` flags")
-    for flag in TAKEN + [f for group in NOT_APPLIED.values() for f in group]:
+def parser(taken: list[Flag] | None = None, not_applied: dict | None = None, refused: dict | None = None,
+           prog: str = PROG, description: str = "GRPO with TRL's `trl grpo` flags") -> argparse.ArgumentParser:
+    """The parser of GRPO's flags, or (another TRL trainer's command) of the flags given."""
+    p = OneLineParser(prog=prog, description=description)
+    not_applied = NOT_APPLIED if not_applied is None else not_applied
+    for flag in (TAKEN if taken is None else taken) + [f for group in not_applied.values() for f in group]:
         _add(p, flag)
-    for name, (kind, default, _) in REFUSED.items():
+    for name, (kind, default, _) in (REFUSED if refused is None else refused).items():
         _add(p, Flag(name, kind, default))
     return p
 
@@ -181,26 +184,29 @@ def split_line(argv: list[str]) -> tuple[list[str], list[str], int | None]:
     return flags, overrides, nproc
 
 
-def parse(argv: list[str]):
-    """TRL's flags as a namespace, with `given`: the names the line set."""
-    p = parser()
+def parse(argv: list[str], p: argparse.ArgumentParser | None = None, refused: dict | None = None,
+          what: str = "GRPO"):
+    """TRL's flags as a namespace, with `given`: the names the line set (by `p` and its `refused`, GRPO's unless
+    given; `what` names the trainer in the unknown flags' line)."""
+    p, refused = p or parser(), REFUSED if refused is None else refused
     args, rest = p.parse_known_args(argv)
     if rest:
-        word = rest[0]
-        raise TrlFlagError(f"{word!r} is not one of TRL's GRPO flags alignrl reads (docs/trl.md lists them; "
-                           "alignrl's own settings go after them as key.sub=value)")
+        words = [w.split("=", 1)[0] for w in rest if w.startswith("-")] or rest[:1]
+        raise TrlFlagError(f"{', '.join(map(repr, words))} {'is' if len(words) == 1 else 'are'} not one of TRL's "
+                           f"{what} flags alignrl reads (docs/trl.md lists them; alignrl's own settings go after "
+                           "them as key.sub=value)")
     names = {a.dest for a in p._actions}
     args.given = {w[2:].split("=", 1)[0] for w in argv if w.startswith("--") and w[2:].split("=", 1)[0] in names}
-    for name, (_, default, fix) in REFUSED.items():
+    for name, (_, default, fix) in refused.items():
         if getattr(args, name) != default:
             raise TrlFlagError(f"--{name} is not supported here: {fix}")
     return args
 
 
-def unused(args) -> list[str]:
+def unused(args, not_applied: dict | None = None) -> list[str]:
     """The flags given that change nothing here, each group with its reason."""
     out = []
-    for why, group in NOT_APPLIED.items():
+    for why, group in (NOT_APPLIED if not_applied is None else not_applied).items():
         given = [f"--{f.name}" for f in group if f.name in args.given]
         if given:
             out.append(f"{' '.join(given)} ({why})")

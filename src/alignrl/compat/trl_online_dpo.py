@@ -1,0 +1,204 @@
+"""`alignrl train online-dpo` (also `online_dpo`): TRL's online DPO command line (examples/scripts/dpo_online.py: its
+ScriptArguments, ModelConfig and OnlineDPOConfig flags) as alignrl config keys, run as `alignrl train grpo` runs.
+
+    alignrl train online-dpo --model_name_or_path trl-lib/pythia-1b-deduped-tldr-sft \\
+        --reward_model_path trl-lib/pythia-1b-deduped-tldr-rm --dataset_name trl-lib/tldr --learning_rate 5.0e-7 \\
+        --output_dir pythia-1b-tldr-online-dpo --per_device_train_batch_size 8 --gradient_accumulation_steps 16 \\
+        --warmup_ratio 0.1 --missing_eos_penalty 1.0
+
+The recipe is algorithm.adv_estimator=online_dpo (docs/algorithms.md): each prompt's two answers are a DPO pair, the
+higher reward chosen, with no KL loss beside the DPO loss's own pull (--beta) and one optimizer step per batch. TRL
+counts prompts: an optimizer step takes per_device_train_batch_size x ranks x gradient_accumulation_steps of them,
+two answers each; that is one alignrl RL step (data.train_batch_size, its whole batch one mini-batch). The flags
+shared with `trl grpo` (data, model and LoRA, optimizer, schedule, checkpoints, logging, `--config` YAML) are read
+and translated by the same code (`trl_grpo_flags`, `trl_grpo_keys`). Every default here is OnlineDPOConfig's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+from alignrl.compat import trl_grpo_flags as F
+from alignrl.compat import trl_grpo_keys as K
+from alignrl.compat.trl_generation_kwargs import generation_keys
+from alignrl.compat.trl_grpo_flags import Flag, TrlFlagError
+
+PROG = "alignrl train online-dpo"
+WHAT = "online DPO"
+# ScriptArguments, ModelConfig, TrainingArguments and the generation flags OnlineDPOConfig shares with GRPOConfig,
+# with the same defaults (TRL's base config: logging_steps 10, gradient_checkpointing True, bf16)
+SHARED = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "model_name_or_path",
+          "dtype", "torch_dtype", "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+          "top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs", "gradient_checkpointing",
+          "reward_weights", "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size",
+          "gradient_accumulation_steps", "max_steps", "num_train_epochs", "lr_scheduler_type", "warmup_ratio",
+          "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm", "optim", "seed",
+          "save_strategy", "save_steps", "save_total_limit", "eval_strategy", "eval_steps", "report_to",
+          "resume_from_checkpoint")
+# OnlineDPOConfig's own (trl/experimental/online_dpo/online_dpo_config.py)
+OWN = [Flag("learning_rate", float, 5e-7), Flag("reward_model_path", "opt_str", None),
+       Flag("max_new_tokens", int, 64), Flag("max_length", int, 512), Flag("temperature", float, 0.9),
+       Flag("missing_eos_penalty", "opt_float", None), Flag("beta", "floats", [0.1]),
+       Flag("loss_type", str, "sigmoid")]
+TAKEN = [f for f in F.TAKEN if f.name in SHARED] + OWN
+# GRPOConfig's flags OnlineDPOConfig has not: unknown here
+GRPO_ONLY = {"vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
+             "log_completions", "num_completions_to_print", "log_unique_prompts", "num_generations_eval",
+             "cast_lm_head_to_fp32", "disable_dropout"}
+NOT_APPLIED = {why: tuple(f for f in group if f.name not in GRPO_ONLY) for why, group in F.NOT_APPLIED.items()}
+NOT_APPLIED["generation runs on alignrl's own engines: rollout.* keys, services.generate_url for a served one"] += (
+    Flag("vllm_structured_outputs_regex", "opt_str", None),)
+NOT_APPLIED["the policy keeps its config's dropout (none in most causal language models), and the model and data "
+            "load in this process"] = (Flag("disable_dropout", "bool", True), Flag("dataset_num_proc", "opt_int", None),
+                                       Flag("model_init_kwargs", "opt_str", None))
+REFUSED = {name: rule for name, rule in F.REFUSED.items() if name != "max_tool_calling_iterations"}
+REFUSED["judge"] = ("opt_str", None, "alignrl scores each answer on its own; give a reward model with "
+                                     "--reward_model_path, or a reward function as algorithm.reward_fn=... after "
+                                     "the flags (docs/trl.md)")
+# alignrl's own keys that give the loop its reward instead of --reward_model_path
+REWARD_KEYS = ("algorithm.reward_fn=", "algorithm.reward_model=", "services.reward_url=")
+RECIPE = ["algorithm.adv_estimator=online_dpo", "rollout.n=2", "actor.use_kl_loss=false", "actor.ppo_epochs=1",
+          "actor.recompute_old_logprobs=true", "algorithm.use_kl_in_reward=false", "actor.entropy_coeff=0.0"]
+NOT_TAKEN_DEFAULTS = {**K.NOT_TAKEN_DEFAULTS,
+                      "disable_dropout": "True (the policy keeps its config's dropout, none in most causal LMs)"}
+
+
+def parser():
+    return F.parser(TAKEN, NOT_APPLIED, REFUSED, PROG, "online DPO with TRL's dpo_online.py flags: each prompt's two "
+                    "answers a DPO pair, the higher reward chosen (alignrl's RL loop, algorithm.adv_estimator="
+                    "online_dpo)")
+
+
+class PairBatches:
+    """TRL's batch numbers (prompts, two answers each) and alignrl's: one optimizer step is one RL step."""
+
+    steps_per_round = 1
+
+    def __init__(self, args, world: int):
+        self.pd, self.ga, self.world = args.per_device_train_batch_size, args.gradient_accumulation_steps, world
+        if self.pd < 1 or self.ga < 1:
+            raise TrlFlagError("--per_device_train_batch_size and --gradient_accumulation_steps must be at least 1")
+        self.prompts = self.pd * world * self.ga
+
+    def keys(self) -> list[str]:
+        # the whole batch one mini-batch: TRL's one optimizer step; a micro-batch holds a rank's pairs, both answers
+        return [f"data.train_batch_size={self.prompts}", f"actor.ppo_mini_batch_size={self.prompts}",
+                "actor.ppo_mini_batch_unit=prompts", f"actor.ppo_micro_batch_size={2 * self.pd}"]
+
+    def rl_steps(self, optimizer_steps: float) -> int:
+        return max(1, math.ceil(optimizer_steps))
+
+    def line(self) -> str:
+        return (f"TRL's batches: per_device_train_batch_size {self.pd} prompts x {self.world} rank(s) x "
+                f"gradient_accumulation_steps {self.ga} = {self.prompts} prompts per optimizer step, two answers "
+                f"each: one alignrl RL step of data.train_batch_size={self.prompts}, rollout.n=2, one optimizer step "
+                f"(actor.ppo_mini_batch_size={self.prompts}), actor.ppo_micro_batch_size={2 * self.pd} sequences "
+                "per rank")
+
+
+def check(args, own: list[str]) -> None:
+    """OnlineDPOConfig's values alignrl cannot take, or TRL itself refuses, one line each."""
+    if len(args.beta) > 1:
+        raise TrlFlagError(f"--beta {' '.join(map(str, args.beta))}: TRL's per-epoch schedule of beta is not "
+                           "available here; give one value (--beta 0.1), or one run per beta")
+    if args.loss_type not in ("sigmoid", "ipo"):
+        raise TrlFlagError(f"--loss_type {args.loss_type}: TRL's online DPO takes sigmoid or ipo")
+    if args.missing_eos_penalty is not None and args.missing_eos_penalty < 0:
+        raise TrlFlagError(f"--missing_eos_penalty {args.missing_eos_penalty}: give a positive value (it is "
+                           "subtracted from the reward of an answer cut before it ended, as TRL's)")
+    if args.max_new_tokens >= args.max_length:
+        raise TrlFlagError(f"--max_new_tokens {args.max_new_tokens} is not below --max_length {args.max_length}: "
+                           "no prompt token would be left; raise --max_length (TRL advises max_new_tokens + 512)")
+    if args.reward_weights and not args.reward_model_path:
+        raise TrlFlagError("--reward_weights weighs --reward_model_path's score; give it, or weigh an alignrl reward "
+                           "function in algorithm.reward_fn (trl:NAME@WEIGHT)")
+    if not args.reward_model_path and not any(w.startswith(REWARD_KEYS) for w in own):
+        raise TrlFlagError("give --reward_model_path (a reward-model folder or Hub id), or a reward function as "
+                           "algorithm.reward_fn=... after the flags (trl:accuracy_reward for TRL's, docs/trl.md)")
+
+
+def _as_grpo(args) -> None:
+    """The names the shared translation reads, from online DPO's flags: its prompt cap is what --max_length leaves
+    of the answer's tokens, its reward model --reward_model_path (no reward functions: those are trainer
+    arguments in TRL, here algorithm.reward_fn)."""
+    vars(args).update(max_prompt_length=args.max_length - args.max_new_tokens, shuffle_dataset=True,
+                      chat_template_kwargs=None, reward_model_name_or_path=args.reward_model_path, reward_funcs=None,
+                      multi_objective_aggregation="sum_then_normalize", max_completion_length=args.max_new_tokens)
+
+
+def defaults_line(args) -> str:
+    """OnlineDPOConfig's defaults a line leaves out, those taken and those not."""
+    quiet = {"dataset_train_split", "dataset_test_split", "per_device_eval_batch_size", "use_peft", "max_steps"}
+    quiet |= {"num_train_epochs"} if args.max_steps > 0 else set()
+    quiet |= {"save_steps"} if args.save_strategy != "steps" else set()
+    quiet |= set() if args.use_peft else {"lora_r", "lora_alpha", "lora_dropout"}
+    shown = {"beta": "0.1", "missing_eos_penalty": "None (no penalty)"}
+    taken = [f"{f.name} {shown.get(f.name, f.default)}" for f in TAKEN if f.name not in args.given
+             and f.name not in quiet and (f.default is not None or f.name in shown)]
+    not_taken = [f"{name} {why}" for name, why in NOT_TAKEN_DEFAULTS.items() if name not in args.given]
+    return f"TRL's defaults taken: {', '.join(taken)}" + (f"; not taken: {', '.join(not_taken)}" if not_taken else "")
+
+
+def translate(args, world: int) -> tuple[list[str], list[str]]:
+    """(alignrl overrides, start lines) for online DPO's (checked) flags on `world` ranks."""
+    _as_grpo(args)
+    batches = PairBatches(args, world)
+    steps = K.rl_steps(args, batches)
+    reward = K.reward_keys(args) if args.reward_model_path else []
+    data = [k for k in K.data_keys(args, batches) if not k.startswith("data.filter_overlong_prompts=")]
+    overrides = (data + ["data.truncation=left", "data.filter_overlong_prompts=false"] + batches.keys() + RECIPE
+                 + [f"algorithm.dpo_beta={args.beta[0]}", f"algorithm.dpo_loss_type={args.loss_type}",
+                    f"algorithm.missing_eos_penalty={args.missing_eos_penalty or 0.0}"]
+                 + reward + K.optimiser_keys(args, batches, steps) + K.run_keys(args, batches)
+                 + [f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.temperature={args.temperature}",
+                    f"rollout.top_p={args.top_p}", f"rollout.top_k={args.top_k if args.top_k > 0 else -1}",
+                    f"rollout.min_p={args.min_p or 0.0}", f"rollout.repetition_penalty={args.repetition_penalty}"]
+                 + generation_keys(args.generation_kwargs))
+    lines = [defaults_line(args), batches.line(),
+             f"--max_length {args.max_length}{'' if 'max_length' in args.given else ' (default)'}: prompts keep their "
+             f"last {args.max_prompt_length} tokens (max_length - max_new_tokens), for the answers and their "
+             "log-probs alike (TRL cuts the leftmost tokens of prompt and answer for the log-probs only)"]
+    if args.eval_strategy == "epoch":
+        lines.append("--eval_strategy epoch: alignrl measures the held-out split before and after training "
+                     "(trainer.test_freq=0), not after each epoch")
+    return overrides, lines
+
+
+def from_line(words: list[str]) -> tuple[list[str], list[str]]:
+    """An online DPO line (the words after the command) as alignrl's words for `train grpo` (overrides, the line's
+    own key=value overrides after them, --nproc), with the start lines saying how."""
+    flags, own, nproc = F.split_line(words)
+    args = F.parse(flags, parser(), REFUSED, WHAT)
+    check(args, own)
+    overrides, lines = translate(args, nproc or int(os.environ.get("WORLD_SIZE", "1")))
+    unused = F.unused(args, NOT_APPLIED)
+    others = [s for s in args.report_to or [] if s not in ("wandb", "tensorboard", "none", "all")]
+    if others:
+        unused.append(f"--report_to {' '.join(others)} (alignrl logs to console, jsonl, wandb and tensorboard)")
+    if unused:
+        lines.append("given, changing nothing here: " + "; ".join(unused))
+    return overrides + own + (["--nproc", str(nproc)] if nproc else []), lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    from alignrl.cli import main as alignrl_main
+    from alignrl.compat.trl_config_file import expand
+    from alignrl.errors import UserError, program
+    from alignrl.runtime.one_line import speak_once
+
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        from_file = expand(words, parser(), f"TRL's {WHAT}")  # `--config dpo_online.yaml` of TRL's keys
+        keys, lines = from_line(words if from_file is None else from_file)
+    except UserError as e:
+        return speak_once(f"{program()}: error: {e}")
+    if os.environ.get("RANK", "0") == "0":
+        for line in lines:
+            print(f"{program()}: {line}", file=sys.stderr, flush=True)
+    return alignrl_main(["train", "grpo", *keys])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
