@@ -53,7 +53,7 @@ PASSTHROUGH = {
     ("train", "prm"): ("alignrl.preference.prm_cli:prm_main", "process reward model: a label for each step of a "
                                                              "solution"),
     ("train", "opd"): ("alignrl.compat.openrlhf_opd", "on-policy distillation (OpenRLHF's train_opd flags)"),
-    ("train", "online-dpo"): ("alignrl.compat.trl_online_dpo", "online DPO (TRL's dpo_online.py flags)"),
+    ("train", "online-dpo"): ("alignrl.compat.trl_online_dpo", "online DPO with TRL's flags"),
     ("train", "online_dpo"): ("alignrl.compat.trl_online_dpo", "online DPO, as online-dpo"),
     ("train", "ppo-ray"): ("alignrl.compat.openrlhf_ppo_ray", "PPO/GRPO on a Ray cluster with OpenRLHF's flags"),
     ("demo", "search"): ("alignrl.demos.search", "PPO teaches a tiny model to search (Search-R1 recipe, CPU)"),
