@@ -87,6 +87,16 @@ def test_a_line_without_a_reward_and_the_vllm_flags(tmp_path, cli_in_process):
     assert "algorithm.reward_fn=trl:accuracy_reward" in words and not any("reward_model=" in w for w in words)
 
 
+def test_a_trl_yaml_of_online_dpo_keys_is_read_as_flags(tmp_path):
+    from alignrl.compat.trl_config_file import expand
+    from alignrl.compat.trl_online_dpo import parser
+
+    recipe = tmp_path / "online_dpo.yaml"
+    recipe.write_text(f"dataset_name: {_data(tmp_path)}\nreward_model_path: org/rm\nbeta: 0.3\nmax_new_tokens: 32\n")
+    cfg, _, _ = _config(expand(["--config", str(recipe), "--beta", "0.2"], parser(), "TRL's online DPO"))
+    assert (cfg.algorithm.dpo_beta, cfg.rollout.max_new_tokens) == (0.2, 32)  # the line wins over the file
+
+
 def test_an_online_dpo_line_trains_the_tiny_model_and_logs_the_dpo_loss(tmp_path, tiny_model_dir, monkeypatch,
                                                                        cli_in_process):
     monkeypatch.chdir(tmp_path)
