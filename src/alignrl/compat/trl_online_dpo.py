@@ -173,6 +173,8 @@ def from_line(words: list[str]) -> tuple[list[str], list[str]]:
     args = F.parse(flags, parser(), REFUSED, WHAT)
     check(args, own)
     overrides, lines = translate(args, nproc or int(os.environ.get("WORLD_SIZE", "1")))
+    if args.eval_strategy == "steps" and not args.eval_steps:  # --logging_steps then sets the evaluations' cadence
+        args.given = args.given - {"logging_steps"}
     unused = F.unused(args, NOT_APPLIED)
     others = [s for s in args.report_to or [] if s not in ("wandb", "tensorboard", "none", "all")]
     if others:
