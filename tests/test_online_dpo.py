@@ -66,6 +66,26 @@ def test_the_policy_update_is_the_gradient_of_trls_online_dpo_loss(loss_type, be
     assert metrics["dpo/loss"] == pytest.approx(float(trl_loss(logp, ref, mask, rewards, beta, loss_type)), rel=1e-5)
 
 
+def test_an_answer_with_no_trained_token_leaves_the_pairs_mean_as_it_is():
+    """The loss averages over the answers with a trained token; the trainer scales the advantages so the update is
+    still the mean over all the pairs."""
+    from alignrl.core.aggregation import n_sequences
+    from alignrl.rl.trainer import PolicyTrainer
+
+    logp, ref, mask, rewards, group = _batch(1)
+    mask[3] = 0.0  # an answer whose every token left the loss
+    leaf = logp.clone().requires_grad_(True)
+    trl_loss(leaf, ref, mask, rewards, 0.1, "sigmoid").backward()
+    expected = leaf.grad
+    cfg = load_config(None, ONLINE)
+    adv, _ = PolicyTrainer(cfg, None, None).pair_advantages(rewards, group, logp, ref, mask)
+    ones = torch.ones(len(logp), 2, dtype=torch.long)
+    exp = Experience(ones, ones.bool(), ones, mask.bool(), logp, ref, adv)
+    leaf = logp.clone().requires_grad_(True)
+    policy_loss(leaf, None, exp, policy_loss_spec(cfg), float(mask.sum()), n_sequences(mask))[0].backward()
+    torch.testing.assert_close(leaf.grad, expected, rtol=1e-5, atol=1e-7)
+
+
 def test_pairs_follow_trls_choice_and_a_group_of_three_is_one_line():
     _, _, _, rewards, group = _batch()
     chosen, rejected = chosen_rejected(PairInputs(rewards, group, torch.zeros(8), torch.zeros(8)))
@@ -89,7 +109,12 @@ def test_online_dpo_reads_a_reference():
     (["rollout.n=4"], "set rollout.n=2 (got 4)"),
     (["actor.ppo_epochs=2"], "takes one optimizer step per batch"),
     (["actor.ppo_mini_batch_size=2"], "2 mini-batches"),
-    (["algorithm.use_kl_in_reward=true"], "set algorithm.use_kl_in_reward=false"),
+    (["algorithm.use_kl_in_reward=true"], "set actor.use_kl_loss=false and algorithm.use_kl_in_reward=false"),
+    (["actor.use_kl_loss=true"], "as TRL's has no other: set actor.use_kl_loss=false"),
+    (["algorithm.reward_clip=[-1,1]"], "could make a tie: drop it"),
+    (["pipeline.replay_buffer_size=4"], "set pipeline.replay_buffer_size=0"),
+    (["actor.entropy_coeff=0.01"], "actor.entropy_coeff adds a term of its own: drop it"),
+    (["ptx.data=texts.jsonl"], "ptx.data adds a term of its own: drop it"),
     (["actor.policy_loss=gspo"], "leave both at their defaults"),
     (["actor.loss_agg_mode=token-mean"], "leave both at their defaults"),
     (["algorithm.mask_truncated=true"], "algorithm.mask_truncated weighs or drops some of them"),
@@ -111,7 +136,7 @@ def test_a_run_trains_on_the_pairs_and_logs_the_dpo_loss(tiny_model_dir, tmp_pat
 
     got = cli_in_process("train", "grpo", *SMALL_GRPO, f"model.path={tiny_model_dir}",
                          "algorithm.adv_estimator=online_dpo", "algorithm.missing_eos_penalty=1.0",
-                         "actor.use_kl_loss=false", *run_settings(tmp_path, "odpo", 2))
+                         "actor.use_kl_loss=false", "actor.entropy_coeff=0", *run_settings(tmp_path, "odpo", 2))
     assert got.returncode == 0, got.stderr[-3000:] + got.stdout[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "odpo" / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "actor/grad_norm" in r]

@@ -370,10 +370,10 @@ def _dynamic_sampling(cfg: RunConfig) -> str | None:
 
 # check_combinations' checks, in the order they run: each returns its one-line problem or None
 # (check_prompt_keys raises its own, with the same kind of line)
-_COMBINATIONS = (_batch_sizes, _validation_sampler, replay_problem, _overlong_buffer, _rollout_is,
-                 _loggers_and_files, check_prompt_keys, _train_probs, _optimiser_and_clips, _dynamic_sampling,
-                 _estimator, _critic, _pipeline, _ref_sync, _safety, _urls, multi_turn_problem, ptx_problem,
-                 reward_limit_problem, loss_option_problem, online_dpo_problem, ref_path_problem)
+_COMBINATIONS = (_batch_sizes, online_dpo_problem, _validation_sampler, replay_problem, _overlong_buffer,
+                 _rollout_is, _loggers_and_files, check_prompt_keys, _train_probs, _optimiser_and_clips,
+                 _dynamic_sampling, _estimator, _critic, _pipeline, _ref_sync, _safety, _urls, multi_turn_problem, ptx_problem,
+                 reward_limit_problem, loss_option_problem, ref_path_problem)
 
 
 def _number(x) -> bool:

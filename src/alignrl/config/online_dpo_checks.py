@@ -23,9 +23,16 @@ def online_dpo_problem(cfg: RunConfig) -> str | None:
         return (f"{WHAT} takes one optimizer step per batch, as TRL's, from the weights that scored it (got "
                 f"actor.ppo_epochs={cfg.actor.ppo_epochs}, {cfg.mini_batches_per_step} mini-batches): set "
                 "actor.ppo_epochs=1 and actor.ppo_mini_batch_size to the batch (data.train_batch_size prompts)")
-    if a.use_kl_in_reward:  # the pair is chosen by the answers' rewards, and its loss holds its own pull (beta)
-        return (f"{WHAT} chooses each pair's answer by its reward, and its loss holds its own pull toward the "
-                "reference (algorithm.dpo_beta): set algorithm.use_kl_in_reward=false")
+    if a.use_kl_in_reward or (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0):
+        # its loss holds its own pull toward the reference (beta), and the pair is chosen by the answers' rewards
+        return (f"{WHAT}'s loss holds its own pull toward the reference (algorithm.dpo_beta), as TRL's has no other: "
+                "set actor.use_kl_loss=false and algorithm.use_kl_in_reward=false")
+    if a.reward_clip:  # two rewards past the bound would tie, and a tie goes to the first answer
+        return (f"{WHAT} chooses each pair's answer by its reward, which algorithm.reward_clip={a.reward_clip} "
+                "could make a tie: drop it")
+    if cfg.pipeline.replay_buffer_size:
+        return (f"{WHAT} pairs the answers of one batch and trains them once, from the weights that scored them: "
+                "set pipeline.replay_buffer_size=0")
     return _update_problem(cfg)
 
 
@@ -37,6 +44,9 @@ def _update_problem(cfg: RunConfig) -> str | None:
                 f"seq-mean-token-sum; got {a.policy_loss}, {a.loss_agg_mode}): leave both at their defaults")
     if not a.recompute_old_logprobs:
         return (f"{WHAT} weighs each pair by the trainer's own log-probs: set actor.recompute_old_logprobs=true")
+    extra = [k for k, on in (("actor.entropy_coeff", a.entropy_coeff > 0), ("ptx.data", bool(cfg.ptx.data))) if on]
+    if extra:  # a term of its own beside the DPO loss: the update would no longer be that loss's gradient
+        return f"{WHAT} trains on the DPO loss alone, as TRL's, and {extra[0]} adds a term of its own: drop it"
     given = [k for k, on in (("actor.clip_ratio_delta", a.clip_ratio_delta is not None),
                              ("actor.top_entropy_quantile", a.top_entropy_quantile < 1.0),
                              ("actor.off_policy_mask_threshold", a.off_policy_mask_threshold is not None),

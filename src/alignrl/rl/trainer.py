@@ -248,7 +248,11 @@ class PolicyTrainer:
         trainer's log-probs summed over the trained tokens."""
         a = self.cfg.algorithm
         pairs = PairInputs(rewards, group, (old_lp * mask).sum(-1), (ref_lp.to(old_lp.device) * mask).sum(-1))
-        return online_dpo_advantages(pairs, a.dpo_beta, a.dpo_loss_type)
+        adv, metrics = online_dpo_advantages(pairs, a.dpo_beta, a.dpo_loss_type)
+        # the loss averages over the answers with a trained token (over every rank); the advantages assume all 2P
+        counts, total = torch.tensor([float((mask.sum(-1) > 0).sum()), float(len(mask))]), sum_over_ranks(self.env)
+        trained, rows = counts if total is None else total(counts)
+        return adv * (trained / rows).to(adv.dtype), metrics
 
     def critic_advantages(self, batch: ScoredBatch, token_rewards: torch.Tensor, kl_tokens: torch.Tensor | None,
                           micro: int) -> tuple[torch.Tensor, list, dict[str, float]]:
