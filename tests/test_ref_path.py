@@ -77,6 +77,10 @@ def test_on_policy_distillation_moves_the_student_toward_the_teacher(tiny_model_
     after = _reverse_kl(student, reference, cfg)
     print(f"reverse KL to the teacher on the student's samples: {before:.4f} -> {after:.4f}")
     assert before > 0.5 and after < 0.75 * before
+    # the checkpoint records its reference: a resume against the base policy instead is one line
+    again = [o for o in line if not o.startswith(("model.ref_path=", "trainer.total_training_steps="))]
+    with pytest.raises(ConfigError, match=r"was trained against model.ref_path=.*gives none: resume with model.ref_"):
+        train_grpo(load_config(None, [*again, "trainer.total_training_steps=9"]))
 
 
 def test_the_reference_is_the_ref_path_model_with_lora_too(tiny_model_dir, teacher):

@@ -263,11 +263,25 @@ def _resume(run: Run, resume: Path) -> None:
         raise ConfigError(f"{resume} was written under another pipeline.placement (its data-order state holds "
                           f"{sorted(state['source'])}): resume with the placement that wrote it, or set "
                           "trainer.resume_mode=disable to start afresh")
+    _check_same_reference(run, resume, state.get("ref_path"))
     run.source.load_state_dict(state["source"])
     run.placed.trainer.load_state_dict(state["trainer"])
     set_rng_state(state["rng"])
     run.state, run.start_step = state, state["step"]
     console.print(f"resumed from {resume} (step {run.start_step})")
+
+
+def _check_same_reference(run: Run, resume: Path, saved: str | None) -> None:
+    """A run resumes against the reference it trained against: another model.ref_path (or none where it had one)
+    would change what the KL term or online DPO's loss pulls toward, silently. A checkpoint from before the key was
+    recorded (None) is not checked."""
+    now = run.cfg.model.ref_path
+    if saved is None or saved == now or (saved and now and Path(saved).resolve() == Path(now).resolve()):
+        return
+    run.source.close(False)
+    fix = f"with model.ref_path={saved}" if saved else "without model.ref_path"
+    raise ConfigError(f"{resume} was trained against model.ref_path={saved or '(none: the base policy)'} and this "
+                      f"line gives {now or 'none'}: resume {fix}, or set trainer.resume_mode=disable to start afresh")
 
 
 def _announce(run: Run, n_train: int) -> None:
@@ -316,7 +330,8 @@ def _loop(run: Run, step_fn: GRPOStep, tracker: Tracker, wall_start: float) -> N
         save_checkpoint(cfg.checkpoint_root, step, placed.engines(), placed.tokenizer,
                         {"source": run.source.state_dict(), "trainer": placed.trainer.state_dict(),
                          "base": state.get("base"), "base_room": state.get("base_room"),
-                         "wall_seconds": earlier_s + time.time() - wall_start, "strategy": strategy},
+                         "wall_seconds": earlier_s + time.time() - wall_start, "strategy": strategy,
+                         "ref_path": cfg.model.ref_path},
                         t.max_checkpoints, env, placed.saved_elsewhere())
 
     # off a terminal each step has its own log line, and a finished bar would only repeat the count
