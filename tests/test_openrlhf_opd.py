@@ -3,6 +3,7 @@ OpenRLHF's defaults, its refusals and what is not available here in one line, th
 and one step of the tiny model distilled from itself (the reward's KL term exactly 0) and from another teacher."""
 
 import json
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -74,12 +75,28 @@ def test_optimiser_checkpoint_and_lora_flags_map(prompts, tmp_path):
     (["--train.batch_size", "64"], "fewer than --train.batch_size 64"),
     (["--opd.kd_temperature", "0"], "--opd.kd_temperature must be above 0"),
     (["--data.max_samples", "0"], "--data.max_samples must be at least 1"),
-    (["--data.prompt_probs", "0.5,0.5"], "one weight per --data.prompt_dataset file (1)"),
+    (["--data.prompt_probs", "0.5,0.5"], "2 probabilities for 1 --data.prompt_dataset files; give one per file"),
+    (["--data.prompt_dataset", "/no/such.jsonl"], "set --data.prompt_dataset to an existing"),
 ])
 def test_what_is_refused_is_one_line(prompts, capsys, more, words):
     assert O.main(_line(prompts, *more)) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and "\n" not in err and err.startswith("alignrl train opd: error:")
+
+
+def test_the_runs_own_errors_name_this_commands_flags(prompts, capsys, tmp_path):
+    """An error the run meets after the flags' checks (the held-out file, the prompt column) names the flag."""
+    from alignrl.errors import FLAGS_ENV, PROGRAM_ENV, in_flag_words
+
+    out = ["--ckpt.output_dir", str(tmp_path / "out"), "--ckpt.path", str(tmp_path / "ck"), "--train.batch_size", "4"]
+    assert O.main(_line(prompts, *out, "--eval.dataset", str(tmp_path / "none.jsonl"))) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("data file not found: " + str(tmp_path / "none.jsonl") + " (set --eval.dataset to an "
+                        "existing .jsonl, .json or .parquet file)") and err.startswith("alignrl train opd: error:")
+    assert FLAGS_ENV not in os.environ and PROGRAM_ENV not in os.environ  # the run's wording ends with it
+    names = O.flag_names(vars(O.parser().parse_args(_line(prompts))))
+    said = in_flag_words("row has no 'input' column (data.prompt_key names the prompt column)", names)
+    assert said.endswith("(--data.input_key names the prompt column)")
 
 
 def test_an_unknown_flag_or_a_missing_teacher_is_one_line(prompts, capsys):

@@ -15,12 +15,14 @@ import json
 import math
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 from alignrl.compat import openrlhf_sources as S
 from alignrl.compat.openrlhf_flags import SCHEDULERS, WANDB_SWITCHES
 from alignrl.config import ConfigError, load_config
+from alignrl.errors import FLAGS_ENV, PROGRAM_ENV, in_flag_words
 from alignrl.runtime.one_line import OneLineParser
 
 PROG = "alignrl train opd"
@@ -102,6 +104,39 @@ def parser(prog: str = PROG) -> OneLineParser:
     return p
 
 
+# what this command's errors may name (the prompt counting's ppo-ray flags, the run's config keys), said as its flags
+FLAG_NAMES = {"--prompt_data_probs": "--data.prompt_probs", "--prompt_data": "--data.prompt_dataset",
+              "--max_samples": "--data.max_samples", "--prompt_split": "--data.prompt_split",
+              "model.path": "--model.model_name_or_path", "model.ref_path": "--teacher.model_name_or_path",
+              "data.train_files_probs": "--data.prompt_probs", "data.train_files": "--data.prompt_dataset",
+              "data.train_max_samples": "--data.max_samples", "data.prompt_key": "--data.input_key",
+              "data.max_prompt_length": "--data.prompt_max_len", "data.train_batch_size": "--train.batch_size",
+              "actor.ppo_micro_batch_size": "--train.micro_batch_size", "rollout.max_new_tokens":
+              "--generate.max_new_tokens", "actor.lr": "--adam.lr", "trainer.seed": "--train.seed",
+              "trainer.total_epochs": "--train.max_epochs", "trainer.checkpoint_dir": "--ckpt.path",
+              "model.lora_rank": "--ds.lora.rank"}
+
+
+def flag_names(a: dict) -> dict[str, str]:
+    """FLAG_NAMES with the held-out prompts' key as the flag that set it."""
+    return {**FLAG_NAMES, "data.val_files": "--eval.dataset" if a["eval.dataset"] else "--data.prompt_dataset"}
+
+
+@contextmanager
+def speaking_as(prog: str, names: dict[str, str]):
+    """The run's own lines (and its ranks') name this command and its flags (`alignrl.errors`), until it returns."""
+    before = {k: os.environ.get(k) for k in (PROGRAM_ENV, FLAGS_ENV)}
+    os.environ.update({PROGRAM_ENV: prog, FLAGS_ENV: json.dumps(names)})
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def check(a: dict) -> None:
     """OpenRLHF's own refusals of train_opd, and what is not available here, one line each."""
     for flag in ("model.model_name_or_path", "teacher.model_name_or_path", "data.prompt_dataset"):
@@ -119,10 +154,6 @@ def check(a: dict) -> None:
         (a["ds.ring_attn_size"] > 1, "--ds.ring_attn_size: ring attention is not available here; use 1"),
         (a["opd.kd_temperature"] <= 0, "--opd.kd_temperature must be above 0 (OpenRLHF refuses it too)"),
         (a["data.max_samples"] < 1, "--data.max_samples must be at least 1"),
-        (bool(a["data.prompt_probs"]) and len(a["data.prompt_probs"].split(",")) !=
-         len(a["data.prompt_dataset"].split(",")),
-         f"--data.prompt_probs {a['data.prompt_probs']}: one weight per --data.prompt_dataset file "
-         f"({len(a['data.prompt_dataset'].split(','))})"),
         (a["generate.max_new_tokens"] <= 0, "--generate.max_new_tokens must be a positive integer"),
         (a["generate.temperature"] != 1.0 or a["generate.top_p"] != 1.0,
          "--generate.temperature and --generate.top_p must be 1.0 with --opd.topk 0 (OpenRLHF refuses other "
@@ -267,7 +298,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         keys = overrides(a, gpus)
         cfg = load_config(None, keys)
     except UserError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {in_flag_words(str(e), flag_names(a))}", file=sys.stderr, flush=True)
         return 2
     for line in unused(a, gpus):
         print(f"{prog}: accepted, changing nothing here: {line}", flush=True)
@@ -277,7 +308,8 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     key = a["logger.wandb.key"]
     if key and key.lower() not in WANDB_SWITCHES:  # as OpenRLHF's wandb.login(key=...): never in the config
         os.environ["WANDB_API_KEY"] = key
-    code = alignrl_main(["train", "ppo", *keys])
+    with speaking_as(prog, flag_names(a)):
+        code = alignrl_main(["train", "ppo", *keys])
     if code == 0 and os.environ.get("RANK", "0") == "0":  # under a launcher's ranks (deepspeed --module), rank 0
         export_model(cfg.run_dir, cfg.checkpoint_root, cfg.trainer.total_training_steps, prog)
     return code

@@ -72,15 +72,18 @@ def check_sources(args) -> None:
     if path is not None and not path.is_file():
         raise SourceFlagError(f"--remote_rm_url {url}: no such file (from {Path.cwd()}); give the Python file that "
                               "defines reward_func(queries, prompts, labels), or a reward service URL")
-    files, probs = split_files(args.prompt_data), weights(args)
-    if len(files) > 1 and probs and len(probs) != len(files):
-        raise SourceFlagError(f"--prompt_data_probs {args.prompt_data_probs}: {len(probs)} probabilities for "
-                              f"{len(files)} --prompt_data files; give one per file")
+    weights(args)
 
 
 def weights(args) -> list[float]:
-    """--prompt_data_probs as numbers (`flag_weights`)."""
-    return flag_weights(args.prompt_data_probs, "--prompt_data_probs", "--prompt_data")
+    """--prompt_data_probs as numbers (`flag_weights`), one per --prompt_data file, as OpenRLHF's blending_datasets
+    asserts."""
+    files, probs = split_files(args.prompt_data), flag_weights(args.prompt_data_probs, "--prompt_data_probs",
+                                                               "--prompt_data")
+    if probs and len(probs) != len(files):
+        raise SourceFlagError(f"--prompt_data_probs {args.prompt_data_probs}: {len(probs)} probabilities for "
+                              f"{len(files)} --prompt_data files; give one per file")
+    return probs
 
 
 def flag_weights(value: str | None, flag: str, files_flag: str) -> list[float]:
