@@ -26,6 +26,7 @@ sizes) are matched, the teacher's extra entries dropped (`core.distill.match_voc
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,7 +34,8 @@ import torch
 from alignrl.config import ConfigError
 from alignrl.core.distill import distill_sum, match_vocab, mix
 from alignrl.preference import common as pc
-from alignrl.preference.kd_cli import KDConfig
+from alignrl.preference.kd_cli import KDConfig, generates
+from alignrl.preference.kd_onpolicy import OnPolicy
 from alignrl.preference.sft import train_sft, trained_logits
 from alignrl.preference.sft_packing import check_packable, one_row_attention
 
@@ -41,17 +43,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 
 
 def train_kd(cfg: KDConfig, dry_run_world: int | None = None) -> dict:
-    """`train_sft` with the distillation objective; the teacher's folder is checked first (a dry run too)."""
+    """`train_sft` with the distillation objective, and with lmbda > 0 or seq_kd the generations' loader
+    (`kd_onpolicy`); the teacher's folder is checked first (a dry run too)."""
     from alignrl.models.loader import resolve_model_path
 
     resolve_model_path(cfg.teacher_model_path, lambda *_: None, "teacher_model_path")
     cfg = replace(cfg, output_dir=cfg.output_dir or "models/kd")  # and its logs under logs/training/kd
-    return train_sft(cfg, dry_run_world, objective=distillation)
+    on_policy = OnPolicy(cfg) if generates(cfg) else None
+    return train_sft(cfg, dry_run_world, objective=partial(distillation, on_policy=on_policy), batches=on_policy)
 
 
-def distillation(cfg: KDConfig, model, tok, env, log, notes: dict):
+def distillation(cfg: KDConfig, model, tok, env, log, notes: dict, on_policy: OnPolicy | None = None):
     """The objective `train_sft` calls once its student is built: the teacher loaded and checked, and
-    `summed(module, batch) -> (loss, {"gpt_loss": Σ, "distil_loss": Σ})`, sums over the batch's trained tokens."""
+    `summed(module, batch) -> (loss, {"gpt_loss": Σ, "distil_loss": Σ})`, sums over the batch's trained tokens;
+    with `on_policy`, also its step's metrics (on_policy, completion_length) as they are."""
     teacher = load_teacher(cfg, model, tok, env.device, log)
     from alignrl.models.vision import is_vision_model
 
@@ -60,15 +65,22 @@ def distillation(cfg: KDConfig, model, tok, env, log, notes: dict):
                           "the teacher is a text-only model: give a vision-language teacher of the student's family")
     vocab = _vocab(model)
     notes.update({"teacher_model_path": cfg.teacher_model_path, "kd_coef": cfg.kd_coef,
-                  "temperature": cfg.temperature, "beta": cfg.beta})
+                  "distil_temperature": cfg.distil_temperature, "beta": cfg.beta})
+    if on_policy is not None:
+        on_policy.teacher = teacher  # seq_kd's generations
+        notes.update({"lmbda": cfg.lmbda, "seq_kd": cfg.seq_kd, "temperature": cfg.temperature,
+                      "max_new_tokens": cfg.max_new_tokens})
 
     def summed(module, batch):
         picked, labels = trained_logits(module, batch, cfg, env.device)
         gpt = torch.nn.functional.cross_entropy(picked, labels, reduction="sum")
         with torch.no_grad():
             taught, _ = trained_logits(teacher, batch, cfg, env.device)
-        distil = distill_sum(picked, match_vocab(taught, vocab), cfg.temperature, cfg.beta)
-        return mix(gpt, distil, cfg.kd_coef), {"gpt_loss": gpt.detach(), "distil_loss": distil.detach()}
+        distil = distill_sum(picked, match_vocab(taught, vocab), cfg.distil_temperature, cfg.beta)
+        sums = {"gpt_loss": gpt.detach(), "distil_loss": distil.detach()}
+        if on_policy is None:
+            return mix(gpt, distil, cfg.kd_coef), sums
+        return mix(gpt, distil, cfg.kd_coef), sums, on_policy.metrics()
 
     return summed
 
@@ -95,7 +107,7 @@ def load_teacher(cfg: KDConfig, student, tok, device: torch.device, log):
     n = sum(p.numel() for p in teacher.parameters())
     log.print(f"teacher {cfg.teacher_model_path}: {n / 1e6:.2f}M parameters, frozen, {dtype} on {device}; "
               f"loss = {1 - cfg.kd_coef:g} × gpt_loss + {cfg.kd_coef:g} × distil_loss"
-              + (f", temperature {cfg.temperature:g}" if cfg.temperature != 1.0 else "")
+              + (f", temperature {cfg.distil_temperature:g}" if cfg.distil_temperature != 1.0 else "")
               + (f", GKD's generalized JSD with beta {cfg.beta:g}" if cfg.beta else ""))
     return teacher
 

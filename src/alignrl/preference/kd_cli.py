@@ -9,8 +9,8 @@ keys.
 Every sft key is a kd key too (rows, packing, LoRA, engines, checkpoints, evaluation), layered the same way:
 defaults < `--config` YAML < `key=value` < flags. A line in OpenRLHF's spelling takes train_kd's defaults where it is
 silent (one epoch, learning rate 5e-6, ...); one in TRL's spelling GKDConfig's: temperature 0.9 and kd_coef 1 (GKD's
-loss is the divergence alone) and GKD's beta, 0.5. Of GKD, the on-policy part (`lmbda` > 0, `seq_kd`) is left out:
-the student learns the teacher's distributions on the dataset's rows.
+loss is the divergence alone), GKD's beta, 0.5, and its lmbda, 0.5 (the student's own generations for about half of
+the optimizer steps, `preference.kd_onpolicy`); GKD's temperature samples the generations, its loss runs at 1.
 Nothing here imports torch.
 """
 
@@ -37,29 +37,34 @@ class KDConfig(SFTConfig):
                               "the teacher's cross-entropy against the student, both token means over the trained "
                               "tokens (OpenRLHF's --kd_coef and default); 0: plain SFT, 1: the teacher alone",
                          ge=0.0, le=1.0)
-    temperature: float = opt(1.0, "both models' logits divided by it in the distillation loss (TRL's GKD "
-                                  "temperature); 1: none, as OpenRLHF", gt=0.0)
+    temperature: float = opt(1.0, "the sampling temperature of the generations (lmbda > 0, seq_kd), top_k 0 and "
+                                  "top_p 1 (TRL's GKD temperature, which samples only: its loss runs at 1)", gt=0.0)
+    distil_temperature: float = opt(1.0, "both models' logits divided by it in the distillation loss; 1: none, as "
+                                         "OpenRLHF's and TRL's losses", gt=0.0)
     beta: float = opt(0.0, "0: the teacher's cross-entropy against the student (OpenRLHF's; KL(teacher ‖ student) "
                            "up to a constant); above 0: GKD's generalized Jensen-Shannon divergence with this weight "
                            "on the teacher, 1 the reverse KL(student ‖ teacher) (TRL's GKD beta)", ge=0.0, le=1.0)
+    lmbda: float = opt(0.0, "the chance that an optimizer step trains on the student's own generations for its "
+                            "rows' prompts instead of their completions, drawn once per step (TRL's GKD lmbda; its "
+                            "default 0.5 in a line of TRL's spelling); 0: the rows' completions alone",
+                       ge=0.0, le=1.0)
+    seq_kd: bool = opt(False, "sequence-level KD: the teacher's generations for the rows' prompts train instead of "
+                              "their completions (a step lmbda draws still takes the student's; TRL's GKD seq_kd)")
+    max_new_tokens: int = opt(128, "the most tokens a generation samples (lmbda > 0, seq_kd; TRL's GKD "
+                                   "max_new_tokens)", ge=1)
 
 
 KD_NAMES = {"teacher_model": "teacher_model_path", "teacher_model_name_or_path": "teacher_model_path"}
-# TRL's GKD flags that name what happens here anyway: the dataset's rows (no student generations), forward KL
-GKD_ACCEPTED = {
-    "lmbda": (("0", "0.0"), "the student's own generations (GKD's on-policy fraction) are left out; the "
-                            "dataset's completions alone train"),
-    "seq_kd": (("false",), "sequence-level KD (training on the teacher's generations) is left out"),
-    "disable_dropout": (("true",), "dropout is off in training here, as TRL's default"),
-}
-# GKD's generation settings: nothing generates here
-GKD_LEFT_OUT = {"max_new_tokens": "nothing generates here (GKD's on-policy part, lmbda > 0, is left out)"}
+# TRL's GKD flag that names what happens here anyway
+GKD_ACCEPTED = {"disable_dropout": (("true",), "dropout is off in training here, as TRL's default")}
+# GKDConfig's own defaults the shared table (their_defaults) does not hold: taken by a line of TRL's spelling
+GKD_DEFAULTS = {"lmbda": 0.5}
 
 
 def kd_flags(argv: list[str]) -> CommandFlags:
     """sft's flag table for this line (`sft_cli.sft_flags`) with the teacher's names and GKD's settings."""
     sft = sft_flags(argv)
-    return CommandFlags({**sft.names, **KD_NAMES}, sft.switches, {**sft.left_out, **GKD_LEFT_OUT},
+    return CommandFlags({**sft.names, **KD_NAMES}, sft.switches, sft.left_out,
                         ignored=("teacher_offload",), accepted=GKD_ACCEPTED)
 
 
@@ -69,23 +74,54 @@ def parse_kd(argv: list[str]) -> KDConfig:
     p = make_parser("alignrl train kd", "Knowledge distillation: supervised fine-tuning of a student on rows, its "
                                         "loss mixed with a frozen teacher's token distributions.")
     p.epilog = (epilog(kd_flags([])) + " --teacher_offload changes nothing (the teacher is a frozen copy on each "
-                "rank's device); TRL's --lmbda takes 0 and --seq_kd false only (no generation here). The "
-                "sft switches (--packing_samples, --pretrain_mode, --multiturn) as `alignrl train sft --help` says. "
-                "Keys and the loss: docs/kd.md")
+                "rank's device). TRL's --lmbda (default 0.5 in its spelling, 0 in ours) is the chance that an "
+                "optimizer step trains on the student's own generations for the rows' prompts, --seq_kd trains on "
+                "the teacher's, --temperature samples them (the loss's is distil_temperature), --max_new_tokens caps "
+                "them; generating is refused with fsdp2, ZeRO-3, packing, images, and rows with no prompt or several "
+                "trained spans. The sft switches (--packing_samples, --pretrain_mode, --multiturn) as `alignrl train "
+                "sft --help` says. Keys and the loss: docs/kd.md")
     rest, packing = packing_switches(argv)
     args = p.parse_intermixed_args(flags_as_keys(rest + packing, KDConfig, kd_flags(rest)))
+    trl = spellings([a[2:].partition("=")[0] for a in rest if a.startswith("--")]) == {TRL}
+    # GKD's lmbda under all the line says (its YAML, key=value words and flags)
     cfg = load_flat_config(KDConfig, args.config, args.overrides, {"output_dir": args.output_dir,
-                                                                     "logging_dir": args.logging_dir})
+                                                                     "logging_dir": args.logging_dir},
+                           GKD_DEFAULTS if trl else None)
     if not cfg.train_files:
         raise ConfigError(f"train_files is empty: give the training rows, {dataset_hint(rest, kd_flags(rest))}")
-    if spellings([a[2:].partition("=")[0] for a in rest if a.startswith("--")]) == {TRL} and not any(
-            a.startswith("--lmbda") for a in rest):
-        say("note: GKD's lmbda 0.5 (the student's own generations for half of the batches) is not taken: the "
-            "dataset's completions alone train")
+    if trl and cfg.lmbda == GKD_DEFAULTS["lmbda"] and not any(a.startswith(("--lmbda", "lmbda=")) for a in rest):
+        say(f"note: GKD's lmbda {cfg.lmbda:g} where the line is silent: each optimizer step trains on the student's "
+            f"own generations (temperature {cfg.temperature:g}, at most {cfg.max_new_tokens} new tokens) with "
+            "chance 0.5, drawn once per step")
     if not cfg.teacher_model_path:
         raise ConfigError("teacher_model_path is empty: give the teacher model's folder (teacher_model_path=DIR; "
                           "OpenRLHF: --teacher_model, TRL: --teacher_model_name_or_path)")
+    check_generation(cfg)
     return cfg
+
+
+def generates(cfg: KDConfig) -> bool:
+    """Whether some optimizer steps train on generations (the student's or the teacher's)."""
+    return cfg.lmbda > 0 or cfg.seq_kd
+
+
+def check_generation(cfg: KDConfig) -> None:
+    """Generating needs the student's whole weights on each rank and rows laid out one per sequence: sharded
+    engines and packing are one line each; a temperature with nothing to sample is said."""
+    if not generates(cfg):
+        if cfg.temperature != 1.0:
+            say(f"note: temperature={cfg.temperature:g} samples the generations alone and nothing generates here "
+                "(lmbda=0, seq_kd=false); the loss's temperature is distil_temperature")
+        return
+    asked = f"lmbda={cfg.lmbda:g}" if cfg.lmbda > 0 else "seq_kd=true"
+    sharded = cfg.strategy == "fsdp2" or (cfg.strategy == "deepspeed" and cfg.zero_stage == 3)
+    if sharded:
+        raise ConfigError(f"{asked}: the generations need the student's whole weights on each rank, and "
+                          f"{'fsdp2' if cfg.strategy == 'fsdp2' else 'ZeRO-3'} shards them; train with "
+                          "strategy=ddp or deepspeed with zero_stage 2, or set lmbda=0 and seq_kd=false")
+    if cfg.packing:
+        raise ConfigError(f"{asked}: generated completions replace each row's own, one row per sequence, and "
+                          "packing=true lays rows end to end; set packing=false, or lmbda=0 and seq_kd=false")
 
 
 COMMANDS["kd"] = (parse_kd, "alignrl.preference.kd", "train_kd")

@@ -248,10 +248,11 @@ def _encoded(tok, rows: list[SFTRow], keys: SFTKeys, cfg: SFTConfig, whole: bool
     return out, len(longer), len(kept) - len(out)
 
 
-def train_sft(cfg: SFTConfig, dry_run_world: int | None = None, objective=None) -> dict:
-    """`objective(cfg, model, tok, env, log, notes) -> summed(module, batch) -> (loss, sums)`: the micro-batch's
-    summed loss over its trained tokens and other sums logged as token means (knowledge distillation's,
-    `preference.kd`); None: the cross-entropy alone."""
+def train_sft(cfg: SFTConfig, dry_run_world: int | None = None, objective=None, batches=None) -> dict:
+    """`objective(cfg, model, tok, env, log, notes) -> summed(module, batch) -> (loss, sums[, means])`: the
+    micro-batch's summed loss over its trained tokens, other sums logged as token means and `means` logged as they
+    are (knowledge distillation's, `preference.kd`); None: the cross-entropy alone. `batches(loader, engine,
+    encoded, tok, env, log) -> loader`: what trains in place of the rows' micro-batches (`kd_onpolicy`'s)."""
     from alignrl.models.loader import load_tokenizer, resolve_model_path
     from alignrl.runtime.env import barrier, init_distributed, shutdown
 
@@ -305,8 +306,10 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None, objective=None) 
     # train_pairs counts an epoch's steps (for a resume's skip) by whole global batches of what it is given
     counted = range(per_epoch * pc.global_batch(cfg, env.world_size))
     loss = _micro_batch_loss(cfg, env, neft, notes, summed_of)
+    loader = train_batches(enc_train, collate, cfg, env)
+    loader = batches(loader, engine, enc_train, tok, env, log) if batches is not None else loader
     step = pc.train_pairs(engine, loss, counted, [], tok.pad_token_id, cfg, env, log, total, {"eval/loss": "eval"},
-                          after_step, start, loader=train_batches(enc_train, collate, cfg, env))
+                          after_step, start, loader=loader)
     if neft is not None:  # the saved (and the caller's) model carries no hook
         neft.remove()
     after = ev()
@@ -331,12 +334,12 @@ def _micro_batch_loss(cfg: SFTConfig, env, neft, notes: dict, summed_of):
         if neft is not None:
             neft.arm(batch)  # its draws too
         notes["forward_tokens"] += batch.input_ids.numel()  # this rank's, padding included
-        summed, sums = summed_of(module, batch)
+        summed, sums, *means = summed_of(module, batch)
         # logged so that the step's mean over its micro-batches and ranks is the loss it optimises: the token mean
         # over all of the step's trained tokens (not a mean of micro-batch means)
         shares = {k: float(v) / batch.global_tokens * cfg.gradient_accumulation_steps * env.world_size
                   for k, v in {"loss": summed.detach(), **sums}.items()}
-        return summed / batch.global_tokens, shares
+        return summed / batch.global_tokens, {**shares, **(means[0] if means else {})}
 
     return loss
 

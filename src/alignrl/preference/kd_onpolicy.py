@@ -1,0 +1,178 @@
+"""GKD's on-policy part for `alignrl train kd` (Agarwal et al., TRL's `GKDTrainer`): optimizer steps that train on
+generated completions instead of the rows' own.
+
+Once per optimizer step, a draw below `lmbda` (`draws_student`: a generator seeded by the run's seed and the step
+alone, so every rank and a resumed run draw the same) makes the step train on the student's own generations; with
+`seq_kd` the other steps train on the teacher's; otherwise on the rows' completions. A generated step replaces every
+micro-batch of the step before its first backward: each row keeps its prompt (its tokens before the first trained
+one), the model samples up to `max_new_tokens` tokens for it (`temperature`, top_k 0, top_p 1, the tokenizer's eos
+and pad), and the trained tokens are the sampled ones up to and including the first eos. The step's `global_tokens`
+is then the generated trained tokens of the whole step over every rank, what the summed losses are divided by.
+
+TRL draws per call of its trainer's training step (each micro-batch); here the draw is per optimizer step, because
+the step's token count, which normalises its loss, must be known before its first backward on every rank.
+
+The wrapper sits around the loader `preference.sft.train_sft` hands `common.train_pairs`: it yields stand-ins whose
+`to(device)` prepares their step when the first of them moves, so the micro-batches a resumed run skips are never
+generated for. Sampling is seeded by (seed, step, rank, micro-batch) under a forked random state: dropout's draws,
+which train_pairs keys by the micro-batch, are left as they were.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from alignrl.config import ConfigError
+from alignrl.data.sft_rows import EncodedRow, SFTBatch, collate_rows
+from alignrl.preference import common as pc
+from alignrl.preference.kd_cli import KDConfig
+from alignrl.preference.sft import steps_per_epoch
+
+
+def draws_student(seed: int, step: int, lmbda: float) -> bool:
+    """Whether optimizer step `step` (counted from 0 over the whole run) trains on the student's generations: a
+    uniform draw below `lmbda` from a generator seeded by (seed, step) alone. lmbda 0 never, 1 always."""
+    if lmbda <= 0.0:
+        return False
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 7_919 + 104_729) % 2**63)
+    return float(torch.rand(1, generator=gen)) < lmbda
+
+
+def check_rows(encoded: list[EncodedRow]) -> None:
+    """Each row needs a prompt to generate from and one completion to replace: rows trained from their first token
+    (plain text, pretrain_mode, completion_only_loss=false), with several trained spans (several assistant turns)
+    or with images are one line."""
+    for e in encoded:
+        spans = sum(1 for i, t in enumerate(e.trained) if t and (i == 0 or not e.trained[i - 1]))
+        why = ("has no prompt: every token trains (plain text, pretrain_mode, completion_only_loss=false or "
+               "assistant_only_loss=false)" if e.trained and e.trained[0] else
+               f"has {spans} trained spans (several assistant turns)" if spans > 1 else
+               "has images (generation here is text-only)" if e.images is not None else "")
+        if why:
+            raise ConfigError(f"lmbda/seq_kd generate a completion for each row's prompt, and training row "
+                              f"{e.index} {why}; give prompt-completion rows or conversations with one trained "
+                              "assistant turn, or set lmbda=0 and seq_kd=false")
+
+
+def prompts_of(batch: SFTBatch) -> list[list[int]]:
+    """Each row's tokens before its first trained token."""
+    out = []
+    for ids, trained in zip(batch.input_ids.tolist(), batch.loss_mask.tolist()):
+        out.append(ids[:trained.index(True)] if True in trained else ids)
+    return out
+
+
+def cut_at_eos(tokens: list[int], eos: int) -> list[int]:
+    """The sampled tokens up to and including the first eos (all of them without one): what trains."""
+    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+@torch.no_grad()
+def sample(model, prompts: list[list[int]], pad: int, eos: int, cfg: KDConfig, device: torch.device
+           ) -> list[list[int]]:
+    """Each prompt's sampled completion (`cut_at_eos`): the prompts left-padded for `generate`, the model in eval
+    mode for it (no dropout) and back as it was."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p, dtype=torch.long), 1
+    was = model.training
+    model.eval()
+    try:
+        with pc.autocast(cfg, device):
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
+                                 temperature=cfg.temperature, top_k=0, top_p=1.0, max_new_tokens=cfg.max_new_tokens,
+                                 pad_token_id=pad, eos_token_id=eos, use_cache=True)
+    finally:
+        model.train(was)
+    return [cut_at_eos(row, eos) for row in out[:, width:].tolist()]
+
+
+@dataclass
+class _Pending:
+    """Micro-batch `k` of a step, prepared when it is moved to the device (as train_pairs moves each batch)."""
+
+    step: _Step
+    k: int
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> SFTBatch:
+        return self.step.batch(self.k, device, non_blocking)
+
+
+class _Step:
+    """One optimizer step's micro-batches of this rank, generated for (or kept) all at once."""
+
+    def __init__(self, owner: OnPolicy, batches: list[SFTBatch], index: int):
+        self.owner, self.batches, self.index, self.ready = owner, batches, index, None
+
+    def batch(self, k: int, device: torch.device, non_blocking: bool) -> SFTBatch:
+        if self.ready is None:
+            self.ready = self.owner.prepare(self.batches, self.index, device, non_blocking)
+        return self.ready[k]
+
+
+class OnPolicy:
+    """The loader wrapper (`train_sft`'s `batches` seam) and the current step's metrics. `teacher` is set by the
+    distillation objective once it has loaded it (seq_kd generates with it)."""
+
+    def __init__(self, cfg: KDConfig):
+        self.cfg, self.teacher, self.student, self.env, self.tok = cfg, None, None, None, None
+        self.now = {"on_policy": 0.0, "completion_length": 0.0}
+
+    def metrics(self) -> dict[str, float]:
+        """The current step's: on_policy 1 on the student's generations, else 0; completion_length, the mean
+        trained tokens of its rows' completions (generated ones on a generated step)."""
+        return dict(self.now)
+
+    def __call__(self, loader, engine, encoded: list[EncodedRow], tok, env, log):
+        check_rows(encoded)
+        self.student, self.env, self.tok = engine.model, env, tok  # the unwrapped module: DDP's hooks stay out
+        cfg = self.cfg
+        log.print(f"on-policy distillation: each optimizer step trains on the student's generations with chance "
+                  f"lmbda={cfg.lmbda:g}" + (", on the teacher's otherwise" if cfg.seq_kd else "")
+                  + f"; sampled at temperature {cfg.temperature:g}, top_k 0, top_p 1, at most {cfg.max_new_tokens} "
+                  "new tokens, trained up to and including the first eos")
+        per_epoch = steps_per_epoch(len(encoded), cfg, env.world_size)
+        return lambda epoch: self._pending(loader(epoch), epoch * per_epoch)
+
+    def _pending(self, batches, first_step: int):
+        accum, it = self.cfg.gradient_accumulation_steps, iter(batches)
+        for index in itertools.count(first_step):
+            group = list(itertools.islice(it, accum))
+            if not group:
+                return
+            step = _Step(self, group, index)
+            yield from (_Pending(step, k) for k in range(len(group)))
+
+    def prepare(self, batches: list[SFTBatch], index: int, device: torch.device, non_blocking: bool
+                ) -> list[SFTBatch]:
+        """The step's micro-batches on `device`: the rows' own, or generated by the student (the draw) or the
+        teacher (seq_kd), their global_tokens the generated trained tokens of the step on every rank."""
+        student = draws_student(self.cfg.seed, index, self.cfg.lmbda)
+        model = self.student if student else self.teacher if self.cfg.seq_kd else None
+        if model is None:
+            rows = sum(b.n_rows for b in batches)
+            self.now = {"on_policy": 0.0, "completion_length": sum(float(b.loss_mask.sum()) for b in batches) / rows}
+            return [b.to(device, non_blocking=non_blocking) for b in batches]
+        made = [self._generated(model, b, index, k, device) for k, b in enumerate(batches)]
+        from alignrl.runtime.env import all_reduce_sum
+
+        mine = [sum(len(e.ids) - len(p) for e, p in rows) for rows in made]
+        (tokens,) = all_reduce_sum(self.env, [float(sum(mine))])
+        self.now = {"on_policy": float(student), "completion_length": sum(mine) / sum(len(r) for r in made)}
+        pad = self.tok.pad_token_id
+        return [collate_rows([e for e, _ in rows], pad, tokens).to(device) for rows in made]
+
+    def _generated(self, model, batch: SFTBatch, index: int, k: int, device: torch.device):
+        """[(the row of prompt + generated completion, its prompt)] for the micro-batch's rows."""
+        prompts = prompts_of(batch)
+        fork = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=fork):
+            torch.manual_seed((self.cfg.seed * 1_000_003 + index * 1_009 + self.env.rank * 101 + k) % 2**63)
+            made = sample(model, prompts, self.tok.pad_token_id, self.tok.eos_token_id, self.cfg, device)
+        return [(EncodedRow(p + c, [False] * len(p) + [True] * len(c), int(i)), p)
+                for p, c, i in zip(prompts, made, batch.index.tolist())]

@@ -1,0 +1,158 @@
+"""GKD's on-policy part of `alignrl train kd` (`preference.kd_onpolicy`): the per-step draw is the same on every rank
+and on a resume, a generated step trains the sampled tokens alone (its prompt untrained) over their count on the whole
+step, seq_kd samples from the teacher, lmbda=0 trains exactly as before, TRL's flags read and the refusals are one
+line each; one short real run with lmbda=1 on the tiny model."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from alignrl.config import ConfigError
+from alignrl.data.sft_rows import EncodedRow, collate_rows
+from alignrl.preference.kd_cli import kd_main, parse_kd
+from alignrl.preference.kd_onpolicy import OnPolicy, check_rows, draws_student
+
+ROWS = [{"prompt": f"count from {i}", "completion": " ".join(str(i + k) for k in range(1 + i % 4))} for i in range(8)]
+TRL_LINE = ["--model_name_or_path", "s", "--teacher_model_name_or_path", "t", "--dataset_name", "a.jsonl"]
+PAD, EOS = 0, 2
+
+
+def test_the_draw_is_the_same_on_every_rank_and_on_a_resume():
+    """Seeded by (seed, step) alone: a fresh call (another rank, a resumed run) draws the same; lmbda 0 never,
+    1 always; the fraction follows lmbda."""
+    draws = [draws_student(42, step, 0.3) for step in range(400)]
+    assert draws == [draws_student(42, step, 0.3) for step in range(400)]
+    assert 0.22 < sum(draws) / 400 < 0.38
+    assert draws != [draws_student(7, step, 0.3) for step in range(400)]  # the seed matters
+    assert not any(draws_student(42, s, 0.0) for s in range(100)) and all(draws_student(42, s, 1.0) for s in range(100))
+
+
+class _Sampler(torch.nn.Module):
+    """A stand-in model whose `generate` appends its own tokens to each left-padded prompt (then pad), recording
+    what it was given: which model samples, and what it sees, is what the tests read."""
+
+    def __init__(self, tokens: list[int]):
+        super().__init__()
+        self.tokens, self.calls = tokens, []
+
+    def generate(self, input_ids, attention_mask, **kw):
+        self.calls.append((input_ids.clone(), attention_mask.clone(), kw, self.training))
+        new = torch.tensor(self.tokens + [PAD] * 3).expand(len(input_ids), -1)
+        return torch.cat([input_ids, new], dim=1)
+
+
+def _setup(lmbda: float, seq_kd: bool, accum: int = 2):
+    cfg = parse_kd(["teacher_model_path=t", "train_files=[a.jsonl]", f"lmbda={lmbda}", f"seq_kd={seq_kd}",
+                    f"gradient_accumulation_steps={accum}", "batch_size=2", "max_new_tokens=7", "temperature=0.7"])
+    rows = [EncodedRow([5 + i, 6, 7] + [10 + i] * (1 + i % 2) + [EOS], [False] * 3 + [True] * (2 + i % 2), i)
+            for i in range(8)]
+    on = OnPolicy(cfg)
+    student, on.teacher = _Sampler([40, 41, EOS, 42]), _Sampler([50, EOS])
+    student.train()
+    env = SimpleNamespace(rank=0, world_size=1, distributed=False, device=torch.device("cpu"))
+    loader = on(lambda epoch: (collate_rows(rows[i:i + 2], PAD, 99.0) for i in range(0, 8, 2)),
+                SimpleNamespace(model=student), rows, SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS), env,
+                SimpleNamespace(print=lambda *_: None))
+    return on, student, rows, loader
+
+
+def test_lmbda_one_trains_on_the_students_generations_over_their_count():
+    on, student, rows, loader = _setup(1.0, False)
+    batches, metrics = [], []
+    for item in loader(0):
+        batches.append(item.to(torch.device("cpu")))
+        metrics.append(on.metrics())
+    assert len(batches) == 4 and len(student.calls) == 4 and not on.teacher.calls
+    ids, mask, kw, training = student.calls[0]
+    assert ids.tolist() == [[5, 6, 7], [6, 6, 7]] and mask.all()  # the prompts: the tokens before the first trained
+    assert (kw["do_sample"], kw["temperature"], kw["top_k"], kw["top_p"], kw["max_new_tokens"]) == (
+        True, 0.7, 0, 1.0, 7) and (kw["pad_token_id"], kw["eos_token_id"]) == (PAD, EOS) and not training
+    assert student.training  # back to training after sampling
+    first = batches[0]
+    # each row: its prompt untrained, the sampled tokens up to and including the first eos trained, nothing after
+    assert first.input_ids[0].tolist() == [5, 6, 7, 40, 41, EOS]
+    assert first.loss_mask[0].tolist() == [False] * 3 + [True] * 3
+    assert all(b.global_tokens == 3 * 4 for b in batches[:2])  # this step's 4 rows × 3 sampled tokens
+    assert metrics[0] == {"on_policy": 1.0, "completion_length": 3.0}
+
+
+def test_seq_kd_samples_from_the_teacher_and_lmbda_still_takes_the_students():
+    on, student, rows, loader = _setup(0.0, True, accum=1)
+    got = [item.to(torch.device("cpu")) for item in loader(0)]
+    assert len(on.teacher.calls) == 4 and not student.calls
+    assert got[0].input_ids[1].tolist() == [6, 6, 7, 50, EOS] and got[0].global_tokens == 4  # 2 rows × 2 tokens
+    assert on.metrics()["on_policy"] == 0.0
+    on, student, rows, loader = _setup(1.0, True, accum=1)
+    [item.to(torch.device("cpu")) for item in loader(0)]
+    assert len(student.calls) == 4 and not on.teacher.calls
+
+
+def test_a_skipped_step_is_never_generated_for_and_a_dataset_step_keeps_its_rows():
+    on, student, rows, loader = _setup(1.0, False)
+    items = list(loader(0))
+    items[2].to(torch.device("cpu"))  # the second step alone (a resumed run skips the first)
+    assert len(student.calls) == 2
+    on, student, rows, loader = _setup(0.5, False)
+    kept = [(draws_student(on.cfg.seed, i // 2, 0.5), item.to(torch.device("cpu"))) for i, item in
+            enumerate(loader(0))]
+    plain = [b for drawn, b in kept if not drawn]
+    assert plain and all(b.global_tokens == 99.0 for b in plain)  # the rows' own batches, as collated
+
+
+def test_trl_flags_read_and_the_refusals_are_one_line_each(capsys):
+    cfg = parse_kd(TRL_LINE + ["--lmbda", "0.5", "--seq_kd", "--max_new_tokens", "64"])
+    assert (cfg.lmbda, cfg.seq_kd, cfg.max_new_tokens, cfg.temperature, cfg.distil_temperature) == (
+        0.5, True, 64, 0.9, 1.0)  # GKD's temperature samples; its loss runs at 1
+    silent = parse_kd(TRL_LINE)
+    assert silent.lmbda == 0.5 and "GKD's lmbda 0.5 where the line is silent" in capsys.readouterr().err
+    assert parse_kd(["--pretrain", "s", "--teacher_model", "t", "--dataset", "a.jsonl"]).lmbda == 0.0
+    assert parse_kd(TRL_LINE + ["lmbda=0"]).lmbda == 0.0
+    ours = ["teacher_model_path=t", "train_files=[a.jsonl]"]
+    assert parse_kd(ours).lmbda == 0.0
+    cases = {("strategy=fsdp2",): "fsdp2 shards them", ("strategy=deepspeed", "zero_stage=3"): "ZeRO-3 shards them",
+             ("packing=true",): "packing=true lays rows end to end"}
+    for extra, said in cases.items():
+        with pytest.raises(ConfigError, match=f"^lmbda=0.5: .*{said}") as err:
+            parse_kd(ours + ["lmbda=0.5", *extra])
+        assert "\n" not in str(err.value)
+    parse_kd(ours + ["strategy=deepspeed", "zero_stage=2", "seq_kd=true"])
+    rows = {"has no prompt": EncodedRow([1, 2, 3], [True] * 3, 0),
+            "has 2 trained spans": EncodedRow([1, 2, 3, 4], [False, True, False, True], 1),
+            "has images": EncodedRow([1, 2], [False, True], 2, images=object())}
+    for said, row in rows.items():
+        with pytest.raises(ConfigError, match=f"training row {row.index} {said}") as err:
+            check_rows([EncodedRow([1, 2], [False, True], 9), row])
+        assert "\n" not in str(err.value)
+
+
+def _line(model: Path, tmp: Path, name: str, *extra: str) -> list[str]:
+    (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return [f"model_path={model}", f"teacher_model_path={model}", f"train_files=[{tmp / 'train.jsonl'}]",
+            "--output_dir", str(tmp / name), "--logging_dir", str(tmp / f"logs_{name}"), "report_to=[jsonl]",
+            "log_every=1", "batch_size=4", "learning_rate=1e-3", "warmup_ratio=0", "max_length=40", *extra]
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_a_short_run_with_lmbda_one_and_lmbda_zero_as_before(tiny_model_dir, tmp_path):
+    assert kd_main(_line(tiny_model_dir, tmp_path, "gen", "kd_coef=1", "max_steps=2", "lmbda=1",
+                         "max_new_tokens=8")) == 0
+    rows = [json.loads(x) for x in (tmp_path / "logs_gen" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["train/on_policy"] == 1.0 for r in rows)
+    assert all(torch.isfinite(torch.tensor(r["train/distil_loss"])) for r in rows)
+    assert all(0 < r["train/completion_length"] <= 8 for r in rows)
+    res = json.loads((tmp_path / "gen" / "eval_results.json").read_text())
+    assert (res["lmbda"], res["seq_kd"], res["max_new_tokens"]) == (1.0, False, 8)
+    # lmbda=0 (with the other generation keys set) trains exactly as a line without them
+    assert kd_main(_line(tiny_model_dir, tmp_path, "plain", "max_steps=1")) == 0
+    assert kd_main(_line(tiny_model_dir, tmp_path, "zero", "max_steps=1", "lmbda=0", "max_new_tokens=8")) == 0
+    plain, zero = _weights(tmp_path / "plain"), _weights(tmp_path / "zero")
+    assert all(torch.equal(plain[k], zero[k]) for k in plain)
+    assert "train/on_policy" not in json.loads((tmp_path / "logs_zero" / "metrics.jsonl").read_text())
