@@ -16,6 +16,8 @@ where gpt_loss is the cross-entropy of the rows' next tokens and distil_loss is 
 train/gpt_loss and train/distil_loss (OpenRLHF's names) beside train/loss. OpenRLHF's KDLoss masks the teacher's
 term by the label at the logit's own position, one token off the cross-entropy's; here both terms read the same
 positions, those whose next token trains. The held-out loss is the student's cross-entropy, as OpenRLHF evaluates.
+With `lmbda` > 0 or `seq_kd` (TRL's GKD), some steps train on completions the student or the teacher samples for the
+rows' prompts instead (`kd_onpolicy`), the same loss at the sampled tokens.
 
 The teacher is a whole copy on each rank's device, outside the engine (never wrapped by DDP, FSDP2 or DeepSpeed,
 not sharded under ZeRO-3), in eval mode with its parameters frozen. It must share the student's tokenizer: a
