@@ -19,7 +19,7 @@ def test_other_estimators_run_a_step(estimator, tiny_model_dir, tmp_path):
     from alignrl.core.advantages import ADVANTAGES
 
     choices = set(dict(AlgorithmConfig.__dataclass_fields__)["adv_estimator"].metadata["choices"])
-    assert set(ADVANTAGES) == choices - {"gae"}  # gae takes the critic path
+    assert set(ADVANTAGES) == choices - {"gae", "online_dpo"}  # gae takes the critic path, online_dpo its pairs
     cfg = load_config(None, _overrides(tiny_model_dir, tmp_path, estimator, 1, 0)
                       + [f"algorithm.adv_estimator={estimator}"])
     assert train_grpo(cfg)["steps"] == 1
