@@ -101,8 +101,12 @@ def test_the_missing_eos_penalty_lowers_only_answers_cut_at_the_cap():
     assert got.tolist() == [1.0, -1.5, -3.0]
 
 
-def test_online_dpo_reads_a_reference():
-    assert needs_reference(load_config(None, ONLINE))
+def test_online_dpo_reads_a_reference_and_takes_log_probs_at_temperature_one():
+    """TRL's online DPO samples at its temperature and takes every log-prob of the loss from the plain softmax."""
+    cfg = load_config(None, [*ONLINE, "rollout.temperature=0.7"])
+    assert needs_reference(cfg) and cfg.logprob_temperature == 1.0 and policy_loss_spec(cfg).temperature == 1.0
+    grpo = load_config(None, ["model.path=demo", "rollout.temperature=0.7"])
+    assert grpo.logprob_temperature == policy_loss_spec(grpo).temperature == 0.7
 
 
 @pytest.mark.parametrize("given,error", [
@@ -131,10 +135,28 @@ def test_the_dpo_keys_without_online_dpo_are_one_line():
         load_config(None, ["model.path=demo", "algorithm.dpo_beta=0.2"])
 
 
+def _without_chat_template(model_dir, tmp_path):
+    """A copy of the model whose tokenizer has no chat template (a base model's, as TRL's TL;DR examples use)."""
+    import shutil
+
+    out = tmp_path / "plain"
+    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    rows = [{"prompt": f"Q: {i} + 1 =", "data_source": "openai/gsm8k", "ground_truth": str(i + 1)} for i in range(16)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out, tmp_path / "rows.jsonl"
+
+
 def test_a_run_trains_on_the_pairs_and_logs_the_dpo_loss(tiny_model_dir, tmp_path, cli_in_process):
+    """Plain-text prompts of a model without a chat template (data.apply_chat_template=false), as TRL reads string
+    prompts."""
     from conftest import SMALL_GRPO, run_settings
 
-    got = cli_in_process("train", "grpo", *SMALL_GRPO, f"model.path={tiny_model_dir}",
+    plain, rows = _without_chat_template(tiny_model_dir, tmp_path)
+    got = cli_in_process("train", "grpo", *SMALL_GRPO, f"model.path={plain}", f"data.train_files={rows}",
+                         f"data.val_files={rows}", "data.apply_chat_template=false", "data.prompt_key=prompt",
                          "algorithm.adv_estimator=online_dpo", "algorithm.missing_eos_penalty=1.0",
                          "actor.use_kl_loss=false", "actor.entropy_coeff=0", *run_settings(tmp_path, "odpo", 2))
     assert got.returncode == 0, got.stderr[-3000:] + got.stdout[-3000:]

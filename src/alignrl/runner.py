@@ -21,7 +21,7 @@ from alignrl.data.collate import encode_prompts
 from alignrl.data.prompts import PromptData, load_task_data
 from alignrl.data.sampler import BatchSampler
 from alignrl.interfaces import BatchSource, RemoteProducers
-from alignrl.models.loader import load_tokenizer, resolve_model_path, with_template_variables
+from alignrl.models.loader import resolve_model_path, run_tokenizer, with_template_variables
 from alignrl.placements.build import resolve_strategy, timed_rule
 from alignrl.placements.choose import remote_producers
 from alignrl.placements.local import Placed, place
@@ -249,8 +249,7 @@ def _filtering_tokenizer(cfg: RunConfig):
     tokenizer loads with the policy; a checkpoint holds the same one)."""
     if not cfg.data.filter_overlong_prompts:
         return None
-    return with_template_variables(load_tokenizer(resolve_model_path(cfg.model.path, lambda *_: None),
-                                                  min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels),
+    return with_template_variables(run_tokenizer(cfg, resolve_model_path(cfg.model.path, lambda *_: None)),
                                    cfg.data.chat_template_kwargs)
 
 

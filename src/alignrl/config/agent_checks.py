@@ -12,6 +12,13 @@ def verl_tool_loop(agent: AgentConfig) -> bool:
     return bool(agent.tool_config_path or agent.interaction_config_path)
 
 
+def needs_chat_template(cfg: RunConfig) -> bool:
+    """Whether the run renders anything through the tokenizer's chat template: its prompts (data.apply_chat_template)
+    or the turns of a multi-turn rollout. Without either, a model whose tokenizer has none trains on plain text."""
+    a = cfg.agent
+    return bool(cfg.data.apply_chat_template or a.env_path or verl_tool_loop(a) or a.max_turns)
+
+
 def multi_turn_problem(cfg: RunConfig) -> str | None:
     """Multi-turn rollouts (an environment, verl's tool loop, Search-R1's search): one of them runs the turns; an
     environment gives the rewards, so a reward model beside it would be ignored; and what the turns append (feedback,

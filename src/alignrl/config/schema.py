@@ -106,9 +106,11 @@ class ActorConfig:
                                        "dppo_tv / dppo_kl (the gradient kept while the token's probability stays "
                                        "within a total variation / binary KL of clip_ratio_low/high of the old one), "
                                        "luspo (gspo's term times each sequence's length, sequences averaged), vespo "
-                                       "(-sg[phi(w)] A log pi, phi a gamma weight of the sequence ratio w)",
+                                       "(-sg[phi(w)] A log pi, phi a gamma weight of the sequence ratio w), "
+                                       "seq_ppo_clip (PPO's clip on each sequence's full likelihood ratio, "
+                                       "sequences averaged: TRL's RLOO loss)",
                            choices=("ppo_clip", "gspo", "cispo", "gpg", "gmpo", "clip_cov", "kl_cov", "sapo", "dppo_tv",
-                                    "dppo_kl", "luspo", "vespo"))
+                                    "dppo_kl", "luspo", "vespo", "seq_ppo_clip"))
     clip_ratio_c: float = opt(0.0, "dual-clip constant c > 1 bounding the loss of negative advantages; 0 disables "
                                    "(dppo_tv / dppo_kl: the truncation of their importance ratio, 0: 20)",
                               ge=0.0)
@@ -217,7 +219,9 @@ class AlgorithmConfig:
                                                       "seq-mean-token-sum-norm, gives Dr.GRPO")
     grpo_std_scope: str = opt("group", "grpo with norm_adv_by_std_in_grpo: the std the group-centred rewards are "
                                        "divided by: group (each prompt's own) or batch (the whole batch's, over "
-                                       "every rank, + 1e-4: TRL's --scale_rewards batch)",
+                                       "every rank, + 1e-4: TRL's --scale_rewards batch); rloo: batch normalizes "
+                                       "the advantages by the whole batch's mean and std + 1e-4 (TRL's RLOO "
+                                       "--normalize_advantages), group leaves them",
                               choices=("group", "batch"))
     multi_objective_aggregation: str = opt("sum_then_normalize", "a reward of several TRL functions (reward_fn="
                                            "trl:...): sum_then_normalize sums them, then GRPO normalizes; "
@@ -388,6 +392,13 @@ class RunConfig:
         """Sequences per optimizer step over all ranks (actor.ppo_mini_batch_size in its unit)."""
         a = self.actor
         return a.ppo_mini_batch_size * (self.rollout.n if a.ppo_mini_batch_unit == "prompts" else 1)
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the trainer's, the old policy's and the reference's log-probs are taken at: the sampling
+        temperature, as verl's and TRL's GRPO take them, or 1 for online DPO, whose loss reads the models' own
+        distributions, as TRL's online DPO reads them."""
+        return 1.0 if self.algorithm.adv_estimator == "online_dpo" else self.rollout.temperature
 
     @property
     def mini_batches_per_step(self) -> int:

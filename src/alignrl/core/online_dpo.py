@@ -7,8 +7,8 @@ under the policy and the reference. Its gradient with respect to a sequence's su
 update needs: the per-token loss -A_i · log π aggregated as seq-mean-token-sum (a token sum per sequence, averaged
 over the 2P sequences) has the gradient -A_i / 2P on each of row i's tokens, so A_i = -2P · ∂L/∂S_i makes the update
 the DPO loss's own gradient at the weights the log-probs were taken with. That holds for one optimizer step per batch
-taken from those weights, which is TRL's online DPO: one step per generated batch. The log-probs are the loop's, at
-rollout.temperature (TRL's online DPO takes them at temperature 1).
+taken from those weights, which is TRL's online DPO: one step per generated batch. The log-probs are taken at
+temperature 1, as TRL's (`RunConfig.logprob_temperature`).
 """
 
 from __future__ import annotations

@@ -47,6 +47,15 @@ def load_tokenizer(folder: Path, chat: bool = True, min_pixels: int = 0, max_pix
     return _folder.load_tokenizer(folder, chat)
 
 
+def run_tokenizer(cfg, folder: Path):
+    """An RL run's policy tokenizer: with a chat template where the run renders through one
+    (`config.agent_checks.needs_chat_template`: templated prompts, multi-turn rollouts), a processor's pixel bounds
+    as data.min_pixels/max_pixels say."""
+    from alignrl.config.agent_checks import needs_chat_template
+
+    return load_tokenizer(folder, needs_chat_template(cfg), cfg.data.min_pixels, cfg.data.max_pixels)
+
+
 def with_template_variables(tokenizer, variables: dict):
     """`tokenizer` (and the processor a vision-language model's carries), whose chat template renders with
     `variables` set (data.chat_template_kwargs, verl's apply_chat_template_kwargs: Qwen3's enable_thinking...) at

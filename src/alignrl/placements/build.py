@@ -135,18 +135,18 @@ def build_ref(cfg: RunConfig, device: torch.device, base=None, policy=None) -> R
     if not needs_reference(cfg):
         return None
     if cfg.services.reference_url:
-        return RemoteRefScorer(cfg.services.reference_url, temperature=cfg.rollout.temperature, **service_args(cfg))
+        return RemoteRefScorer(cfg.services.reference_url, temperature=cfg.logprob_temperature, **service_args(cfg))
     loaded = None  # a model loaded here for the reference alone is frozen in place: no second host copy of it
     if cfg.model.ref_path:  # neither the caller's base nor the policy: another model
         check_ref_folder(cfg)
-        loaded = load_model(cfg.model.ref_path, cfg.model.dtype, key="model.ref_path")[0]
+        loaded = load_model(cfg.model.ref_path, cfg.model.dtype, chat=False, key="model.ref_path")[0]
     elif policy is not None and lora.has_adapters(policy):
-        return lora.AdaptersOffScorer(LocalRefScorer(policy, cfg.rollout.temperature, cfg.actor.forward_micro_batch,
+        return lora.AdaptersOffScorer(LocalRefScorer(policy, cfg.logprob_temperature, cfg.actor.forward_micro_batch,
                                                      forward_layout(cfg)), policy)
     elif base is None:
-        loaded = load_model(cfg.model.path, cfg.model.dtype)[0]
+        loaded = load_model(cfg.model.path, cfg.model.dtype, chat=False)[0]
     ref = frozen_copy(base) if loaded is None else loaded.eval().requires_grad_(False)
-    return LocalRefScorer(ref.to(device), cfg.rollout.temperature, cfg.actor.forward_micro_batch, forward_layout(cfg))
+    return LocalRefScorer(ref.to(device), cfg.logprob_temperature, cfg.actor.forward_micro_batch, forward_layout(cfg))
 
 
 def reward_scorer(cfg: RunConfig, tokenizer, device: torch.device, loaded: SequenceScorer | None = None

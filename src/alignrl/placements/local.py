@@ -13,7 +13,7 @@ from pathlib import Path
 
 from alignrl.config import ConfigError, RunConfig
 from alignrl.interfaces import RemoteProducers, RolloutEngine, WeightSink
-from alignrl.models.loader import frozen_copy, load_tokenizer, resolve_model_path, with_template_variables
+from alignrl.models.loader import frozen_copy, resolve_model_path, run_tokenizer, with_template_variables
 from alignrl.placements.build import (build_actor, build_critics, build_maker, build_ref, check_ref_folder,
                                       load_policy, service_args, shards_weights, with_tools)
 from alignrl.placements.ref_sync import ReferenceMix, reference_mix
@@ -92,8 +92,7 @@ def _with_producer(cfg: RunConfig, policy_path: str, resume: Path | None, env: D
     full copy beside a policy the engine keeps only a shard of (every rank generates; synced after each update), or
     on the generation service (`services.generation_url`, which rank 0 updates for everyone)."""
     folder = resolve_model_path(policy_path, console.print)
-    tokenizer = with_template_variables(load_tokenizer(folder, min_pixels=cfg.data.min_pixels,
-                                                       max_pixels=cfg.data.max_pixels), cfg.data.chat_template_kwargs)
+    tokenizer = with_template_variables(run_tokenizer(cfg, folder), cfg.data.chat_template_kwargs)
     model, materialize = load_policy(cfg, folder, env, in_shards=False)
     adapters = cfg.model.lora_rank > 0
     # the reference is the base model (or model.ref_path's), not a checkpoint; with LoRA, the policy with its
@@ -129,8 +128,7 @@ def _beside_producers(cfg: RunConfig, policy_path: str, resume: Path | None, env
                           "processes, and this run's reference log-probs are computed where its rollouts are made "
                           "(Ray rollout engines, ZeroMQ samplers): set actor.ref_sync_steps=0")
     folder = resolve_model_path(policy_path, console.print)
-    tokenizer = with_template_variables(load_tokenizer(folder, min_pixels=cfg.data.min_pixels,
-                                                       max_pixels=cfg.data.max_pixels), cfg.data.chat_template_kwargs)
+    tokenizer = with_template_variables(run_tokenizer(cfg, folder), cfg.data.chat_template_kwargs)
     evaluator = producers.evaluator(tokenizer.pad_token_id)
     sharded = shards_weights(cfg, env)
     # nothing here needs the whole model when the producers evaluate: a sharded policy is built in its shards

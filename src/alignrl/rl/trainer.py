@@ -61,7 +61,7 @@ def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
     spec = PolicyLossSpec(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
                           kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0,
                           kl_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
-                          temperature=cfg.rollout.temperature, name=a.policy_loss, clip_c=a.clip_ratio_c or None,
+                          temperature=cfg.logprob_temperature, name=a.policy_loss, clip_c=a.clip_ratio_c or None,
                           loss_agg=agg, max_len=float(response_cap(cfg)),
                           # these aggregate as their objective says whatever loss_agg_mode says, which then
                           # aggregates the KL and entropy terms only (verl's GSPO and SAPO losses do so)
@@ -115,7 +115,7 @@ class PolicyTrainer:
         ro, scores, micro = batch.rollout, batch.scores, cfg.actor.forward_micro_batch
         with timed(t, "old_logprob"):
             old_lp = (batched_logprobs(self.actor.model, ro.prompt_ids, ro.prompt_mask, ro.response_ids,
-                                       ro.response_mask, cfg.rollout.temperature, micro, self.actor.layout, ro.images)
+                                       ro.response_mask, cfg.logprob_temperature, micro, self.actor.layout, ro.images)
                       if cfg.actor.recompute_old_logprobs else ro.logprobs)
         mask = batch.loss_mask.float()
         # --reward_clip_range as OpenRLHF: the reward clamped before the KL penalty; a group-shaped one (its rloo,

@@ -91,8 +91,8 @@ def build_sharded_ref(cfg, env: DistEnv) -> ShardedRefScorer:
     model = load_sharded(folder, DTYPES[cfg.model.dtype], env.device, shard)
     if model is None:
         key = "model.ref_path" if cfg.model.ref_path else "model.path"
-        model = load_model(str(folder), cfg.model.dtype, key=key)[0]
+        model = load_model(str(folder), cfg.model.dtype, chat=False, key=key)[0]
         model.eval()
         model.requires_grad_(False)
         shard(model)
-    return ShardedRefScorer(model, env, cfg.rollout.temperature, cfg.actor.forward_micro_batch, forward_layout(cfg))
+    return ShardedRefScorer(model, env, cfg.logprob_temperature, cfg.actor.forward_micro_batch, forward_layout(cfg))

@@ -179,10 +179,11 @@ def load_engine(cfg: RunConfig, device: torch.device, spec: EngineSpec):
     runs (None for vLLM, which holds no HF copy)."""
     if spec.kind == "vllm":
         return (*vllm_engine(cfg, spec.tp, spec.gpu_memory_utilization), None)
+    from alignrl.config.agent_checks import needs_chat_template
     from alignrl.models.loader import load_model
     from alignrl.rollout.hf_engine import HFRolloutEngine
 
-    model, tokenizer = load_model(cfg.model.path, cfg.model.dtype)
+    model, tokenizer = load_model(cfg.model.path, cfg.model.dtype, chat=needs_chat_template(cfg))
     model = model.to(device)
     return HFRolloutEngine(model, tokenizer), tokenizer, list(model.named_parameters()), model
 
@@ -258,7 +259,7 @@ class RolloutWorker(Worker):
 def vllm_engine(cfg: RunConfig, tp: int, gpu_memory_utilization: float):
     """A vLLM engine of the base policy, its tokenizer, and the policy's parameters as the actor sends
     them (names, shapes and the actor's dtype, from a model built on the meta device: no memory)."""
-    from alignrl.models.loader import load_tokenizer, meta_model, resolve_model_path
+    from alignrl.models.loader import meta_model, resolve_model_path, run_tokenizer
     from alignrl.rollout.vllm_engine import VLLMRolloutEngine
 
     folder = str(resolve_model_path(cfg.model.path, lambda *_: None))
@@ -273,5 +274,5 @@ def vllm_engine(cfg: RunConfig, tp: int, gpu_memory_utilization: float):
                                distributed_executor_backend="ray" if tp > 1 else None,
                                min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
     # a vision-language folder's tokenizer carries its processor: the worker's prompts with images are encoded by it
-    tokenizer = load_tokenizer(Path(folder), min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    tokenizer = run_tokenizer(cfg, Path(folder))
     return engine, tokenizer, list(meta_model(folder, cfg.model.dtype).named_parameters())
