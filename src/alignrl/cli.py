@@ -55,6 +55,7 @@ PASSTHROUGH = {
     ("train", "opd"): ("alignrl.compat.openrlhf_opd", "on-policy distillation (OpenRLHF's train_opd flags)"),
     ("train", "online-dpo"): ("alignrl.compat.trl_online_dpo", "online DPO with TRL's flags"),
     ("train", "online_dpo"): ("alignrl.compat.trl_online_dpo", "online DPO, as online-dpo"),
+    ("train", "rloo"): ("alignrl.compat.trl_rloo", "RLOO with TRL's `trl rloo` flags"),
     ("train", "ppo-ray"): ("alignrl.compat.openrlhf_ppo_ray", "PPO/GRPO on a Ray cluster with OpenRLHF's flags"),
     ("demo", "search"): ("alignrl.demos.search", "PPO teaches a tiny model to search (Search-R1 recipe, CPU)"),
     ("demo", "safe"): ("alignrl.demos.safe", "Safe-MM-DPO with LoRA makes a tiny model refuse harm, helpfulness kept"),

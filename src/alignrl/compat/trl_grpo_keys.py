@@ -287,20 +287,22 @@ def defaults_line(args) -> str:
                                                             else ""))
 
 
-def translate(args, world: int) -> tuple[list[str], list[str]]:
-    """(alignrl overrides, start lines) for TRL's flags on `world` ranks."""
+def translate(args, world: int, losses=loss_keys, defaults=None, config: str = "GRPOConfig"
+              ) -> tuple[list[str], list[str]]:
+    """(alignrl overrides, start lines) for TRL's flags on `world` ranks; another trainer of GRPO's shape (RLOO)
+    gives its own loss keys, defaults line and config's name."""
     batches = Batches(args, world)
     steps = rl_steps(args, batches)
     optimizer_steps = args.max_steps if args.max_steps > 0 else steps * batches.steps_per_round if steps else None
-    overrides = (data_keys(args, batches) + batches.keys() + loss_keys(args) + reward_keys(args)
+    overrides = (data_keys(args, batches) + batches.keys() + losses(args) + reward_keys(args)
                  + optimiser_keys(args, batches, optimizer_steps) + run_keys(args, batches)
                  + [f"rollout.max_new_tokens={args.max_completion_length}", f"rollout.temperature={args.temperature}",
                     f"rollout.top_p={args.top_p}", f"rollout.top_k={args.top_k if args.top_k > 0 else -1}",
                     f"rollout.min_p={args.min_p or 0.0}", f"rollout.repetition_penalty={args.repetition_penalty}"]
                  + generation_keys(args.generation_kwargs))
-    lines = [defaults_line(args), batches.line(),
+    lines = [(defaults or defaults_line)(args), batches.line(),
              f"--max_prompt_length {args.max_prompt_length}{'' if 'max_prompt_length' in args.given else ' (default)'}"
-             ": alignrl's own cap (TRL's GRPOConfig has none and cuts no prompt): longer prompts are left out as the "
+             f": alignrl's own cap (TRL's {config} has none and cuts no prompt): longer prompts are left out as the "
              "data loads, counted; raise it to keep them"]
     splits = [f"--{f}" for f in ("dataset_train_split", "dataset_test_split") if f in args.given]
     if splits and args.dataset_name and not is_library_dataset(args.dataset_name):

@@ -1,7 +1,8 @@
 """Checks of the GRPO loss options that another key would leave without effect or cannot go with: the batch-wide
 std of the advantages (algorithm.grpo_std_scope), two-sided clipping (actor.clip_ratio_delta), the ratio-weighted
-KL term (actor.kl_loss_ratio_weighted), the high-entropy tokens' policy term (actor.top_entropy_quantile) and VESPO's
-sequence weight (actor.policy_loss=vespo)."""
+KL term (actor.kl_loss_ratio_weighted), the high-entropy tokens' policy term (actor.top_entropy_quantile), VESPO's
+sequence weight (actor.policy_loss=vespo) and the clip of a sequence's likelihood ratio (actor.policy_loss=
+seq_ppo_clip)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ def loss_option_problem(cfg: RunConfig) -> str | None:
         return _normalize_each_problem(cfg)
     if a.adv_estimator == "gdpo" or a.gdpo_reward_keys or a.gdpo_reward_weights:
         return _gdpo_problem(cfg)
-    if a.grpo_std_scope == "batch" and a.adv_estimator != "grpo":
-        return (f"algorithm.grpo_std_scope=batch scales GRPO's advantages (got adv_estimator={a.adv_estimator}): "
-                "set algorithm.adv_estimator=grpo, or grpo_std_scope=group")
+    if a.grpo_std_scope == "batch" and a.adv_estimator not in ("grpo", "rloo"):
+        return (f"algorithm.grpo_std_scope=batch scales GRPO's or RLOO's advantages (got adv_estimator="
+                f"{a.adv_estimator}): set algorithm.adv_estimator=grpo or rloo, or grpo_std_scope=group")
     if a.grpo_std_scope == "batch" and not a.norm_adv_by_std_in_grpo:
         return ("algorithm.grpo_std_scope=batch picks the std the advantages are divided by, and "
                 "norm_adv_by_std_in_grpo=false divides by none: set one of them back")
@@ -92,6 +93,8 @@ def _actor_problem(cfg: RunConfig) -> str | None:
         return ("actor.policy_loss=vespo folds the rollout-correction weights of each token into its sequence "
                 "weight, and algorithm.rollout_is=sequence gives one per sequence: set algorithm.rollout_is=token")
     rejecting = _rejecting(cfg)
+    if a.policy_loss == "seq_ppo_clip":
+        return _sequence_ratio_problem(cfg, rejecting)
     if a.policy_loss == "vespo" and rejecting:  # TRL's token_mask folds a 0 weight into phi; here the token leaves
         return (f"actor.policy_loss=vespo folds each token's rollout-correction weight into its sequence weight, "
                 f"and {rejecting} takes rejected tokens out of the loss instead: use algorithm.rollout_is_mode="
@@ -111,3 +114,20 @@ def _rejecting(cfg: RunConfig) -> str | None:
     if a.rollout_rs != "none":
         return f"algorithm.rollout_rs={a.rollout_rs}"
     return "algorithm.rollout_token_veto_threshold" if a.rollout_token_veto_threshold is not None else None
+
+
+def _sequence_ratio_problem(cfg: RunConfig, rejecting: str | None) -> str | None:
+    """seq_ppo_clip's ratio is the product of a sequence's token ratios and its advantage one per sequence: what
+    weighs or drops single tokens, or gives each token its own advantage, would change what the ratio means."""
+    a, what = cfg.actor, "actor.policy_loss=seq_ppo_clip clips each sequence's likelihood ratio"
+    if a.top_entropy_quantile < 1.0:
+        return f"{what}, and actor.top_entropy_quantile leaves single tokens out of it: drop one of them"
+    if cfg.algorithm.rollout_is == "token":
+        return (f"{what}, and algorithm.rollout_is=token weighs each token apart: set algorithm.rollout_is=sequence, "
+                "or none")
+    if rejecting:
+        return f"{what}, and {rejecting} takes tokens out of the loss: drop it (algorithm.rollout_is_mode=truncate)"
+    if cfg.critic.enable:
+        return (f"{what} with one advantage per sequence, and a critic gives each token its own: use "
+                "actor.policy_loss=ppo_clip with critic.enable=true")
+    return None

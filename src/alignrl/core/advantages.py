@@ -124,17 +124,26 @@ def decoupled_group_sum(per_reward: torch.Tensor, group: torch.Tensor, weights: 
     return sum(w * grpo_advantages(per_reward[:, k], group, norm_by_std, eps) for k, w in enumerate(weights.tolist()))
 
 
-def rloo_advantages(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+def rloo_advantages(rewards: torch.Tensor, group: torch.Tensor, batch_norm: bool = False,
+                    sum_ranks: SumRanks = None) -> torch.Tensor:
     """REINFORCE leave-one-out (RLOO; Ahmadian et al. 2024, "Back to Basics: Revisiting
     REINFORCE Style Optimization for Learning from Human Feedback in LLMs").
 
     rewards (B,), group (B,) -> (B,). A_i = r_i - mean of the other samples of i's group
-    = n / (n - 1) * (r_i - mean_group). A group of one gets 0.
+    = n / (n - 1) * (r_i - mean_group). A group of one gets 0. `batch_norm`: then (A - mean(A)) /
+    (std(A) + BATCH_STD_EPS), the unbiased statistics of the whole batch (over every rank with `sum_ranks`), as
+    TRL's RLOO normalize_advantages (its mean is 0 already wherever every group has two samples or more).
     """
     count, total = _group_sums(rewards, group)
     n = count[group]
     baseline = (total[group] - rewards) / (n - 1).clamp(min=1)
-    return (rewards - baseline).masked_fill(n < 2, 0.0)
+    adv = (rewards - baseline).masked_fill(n < 2, 0.0)
+    if not batch_norm:
+        return adv
+    ranks = sum_ranks or (lambda t: t)
+    size, summed = ranks(torch.stack([torch.tensor(float(adv.numel()), dtype=adv.dtype, device=adv.device),
+                                      adv.sum()]))
+    return (adv - summed / size.clamp(min=1)) / (batch_std(adv, sum_ranks) + BATCH_STD_EPS)
 
 
 def gpg_advantages(rewards: torch.Tensor, group: torch.Tensor, sum_ranks: SumRanks = None) -> torch.Tensor:
@@ -264,7 +273,7 @@ class OutcomeInputs:
     outcome_baseline: str = "none"  # REINFORCE++: a group shaping of the outcome (shape_outcome)
     whiten: str = "std"  # REINFORCE++: the batch normalisation of its returns (whiten_by)
     outcome_clip: tuple = ()  # REINFORCE++ with a group shaping: (low, high) clamp of the shaped outcome
-    std_scope: str = "group"  # GRPO: the std it divides by, its group's or the whole batch's (grpo_advantages)
+    std_scope: str = "group"  # GRPO and RLOO: batch divides by the whole batch's std (grpo_, rloo_advantages)
 
 
 def _grpo(x: OutcomeInputs) -> torch.Tensor:
@@ -272,7 +281,8 @@ def _grpo(x: OutcomeInputs) -> torch.Tensor:
 
 
 def _rloo(x: OutcomeInputs) -> torch.Tensor:
-    return rloo_advantages(x.rewards, x.group)
+    # algorithm.grpo_std_scope=batch: the batch's std, as it is GRPO's (TRL's RLOO --normalize_advantages)
+    return rloo_advantages(x.rewards, x.group, batch_norm=x.std_scope == "batch", sum_ranks=x.sum_ranks)
 
 
 def _reinforce_pp(x: OutcomeInputs) -> torch.Tensor:

@@ -23,6 +23,7 @@ __all__ = ["MAX_LOG_RATIO", "K3_MAX", "masked_mean", "kl_k1", "kl_k2", "kl_k3", 
            "ratio_weighted_kl", "token_mean",
            "LOSS_AGGREGATIONS", "aggregate_loss", "ppo_clip_loss", "gspo_loss", "luspo_loss", "cispo_loss", "gpg_loss",
            "gmpo_loss", "clip_cov_loss", "kl_cov_loss", "sapo_loss", "dppo_tv_loss", "dppo_kl_loss", "vespo_loss",
+           "seq_ppo_clip_loss",
            "POLICY_LOSSES",
            "value_loss"]
 
@@ -243,9 +244,40 @@ def sapo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     return finish_loss(per_token, mask, is_weight, loss_agg, global_tokens, global_seqs, max_len), metrics
 
 
+def seq_ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      clip_low: float = 0.2, clip_high: float = 0.2, global_tokens: float | None = None, *,
+                      is_weight: torch.Tensor | None = None, loss_agg: str = "seq-mean-token-mean",
+                      global_seqs: float | None = None, max_len: float | None = None
+                      ) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clip on each sequence's full likelihood ratio, as TRL's RLOOTrainer computes its loss (after Ahmadian
+    et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization"): r_i = exp(sum_t log pi - sum_t log
+    pi_old) over the sequence's counted tokens (a product of token ratios, not GSPO's geometric mean), the sequence
+    loss -min(r_i A_i, clip(r_i, 1 - clip_low, 1 + clip_high) A_i), averaged over the sequences with a counted token
+    (`global_seqs`: the mini-batch's, so micro-batches add up). With pi == pi_old the gradient is -A_i sum_t grad
+    log pi per sequence. A sequence's advantage is the mean of its tokens' (a sequence-level estimator's one
+    value); `is_weight` (B, T) may only hold one weight per sequence (their token mean multiplies its loss).
+    `loss_agg` and `max_len` are taken for the common call and unused; the log-ratio is bounded by MAX_LOG_RATIO,
+    as every loss here bounds it."""
+    m = mask.to(logp.dtype)
+    counted = (m.sum(-1) > 0).to(logp.dtype)
+    n = m.sum(-1).clamp(min=1)
+    adv = (per_token_advantages(advantages, logp) * m).sum(-1) / n
+    seq_lr = ((logp - old_logp) * m).sum(-1).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = seq_lr.exp()
+    unclipped, clipped = -adv * ratio, -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
+    per_seq = torch.maximum(unclipped, clipped) * counted
+    if is_weight is not None:  # a correction constant per sequence, never a path for gradients
+        per_seq = per_seq * (is_weight.detach() * m).sum(-1) / n
+    metrics = ratio_metrics(seq_lr.detach()[:, None], ratio.detach()[:, None], (clipped > unclipped)[:, None],
+                            counted[:, None])
+    count = counted.sum() if global_seqs is None else torch.as_tensor(global_seqs, dtype=logp.dtype, device=logp.device)
+    return per_seq.sum() / count.clamp(min=1), metrics
+
+
 POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss, "gpg": gpg_loss,
                  "gmpo": gmpo_loss, "clip_cov": clip_cov_loss, "kl_cov": kl_cov_loss, "sapo": sapo_loss,
-                 "dppo_tv": dppo_tv_loss, "dppo_kl": dppo_kl_loss, "luspo": luspo_loss, "vespo": vespo_loss}
+                 "dppo_tv": dppo_tv_loss, "dppo_kl": dppo_kl_loss, "luspo": luspo_loss, "vespo": vespo_loss,
+                 "seq_ppo_clip": seq_ppo_clip_loss}
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
