@@ -51,6 +51,15 @@ def test_trls_dpo_online_line_becomes_the_online_dpo_recipe(tmp_path):
                                "gradient_accumulation_steps 16 = 256 prompts per optimizer step")
 
 
+def test_a_reward_function_beside_the_reward_model_is_summed_with_it_as_trl_sums_them(tmp_path):
+    line = ["--dataset_name", str(_data(tmp_path)), "--reward_model_path", "org/rm"]
+    cfg = _config([*line, "algorithm.reward_fn=trl:accuracy_reward"])[0]
+    assert (cfg.algorithm.reward_model, cfg.algorithm.reward_model_mix) == ("org/rm", "sum")
+    assert _config([*line, "algorithm.reward_fn=trl:accuracy_reward", "algorithm.reward_model_mix=add"])[0] \
+        .algorithm.reward_model_mix == "add"
+    assert _config(line)[0].algorithm.reward_model_mix == "replace"
+
+
 def test_online_dpo_config_defaults_are_taken_when_the_line_is_silent(tmp_path):
     cfg, _, lines = _config(["--dataset_name", str(_data(tmp_path)), "--reward_model_path", "org/rm",
                              "--loss_type", "ipo", "--beta", "0.5", "actor.lr=2e-6"])

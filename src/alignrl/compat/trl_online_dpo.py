@@ -141,12 +141,16 @@ def defaults_line(args) -> str:
     return f"TRL's defaults taken: {', '.join(taken)}" + (f"; not taken: {', '.join(not_taken)}" if not_taken else "")
 
 
-def translate(args, world: int) -> tuple[list[str], list[str]]:
-    """(alignrl overrides, start lines) for online DPO's (checked) flags on `world` ranks."""
+def translate(args, world: int, own: list[str] = ()) -> tuple[list[str], list[str]]:
+    """(alignrl overrides, start lines) for online DPO's (checked) flags on `world` ranks; `own`: the line's alignrl
+    key=value words (a reward function beside --reward_model_path is summed with it, as TRL sums its rewards)."""
     _as_grpo(args)
     batches = PairBatches(args, world)
     steps = K.rl_steps(args, batches)
     reward = K.reward_keys(args) if args.reward_model_path else []
+    if reward and any(w.startswith("algorithm.reward_fn=") for w in own) and not any(
+            w.startswith("algorithm.reward_model_mix=") for w in own):
+        reward.append("algorithm.reward_model_mix=sum")  # TRL sums its rewards: the function's beside the model's
     data = [k for k in K.data_keys(args, batches) if not k.startswith("data.filter_overlong_prompts=")]
     overrides = (data + ["data.truncation=left", "data.filter_overlong_prompts=false"] + batches.keys() + RECIPE
                  + [f"algorithm.dpo_beta={args.beta[0]}", f"algorithm.dpo_loss_type={args.loss_type}",
@@ -159,7 +163,7 @@ def translate(args, world: int) -> tuple[list[str], list[str]]:
     lines = [defaults_line(args), batches.line(),
              f"--max_length {args.max_length}{'' if 'max_length' in args.given else ' (default)'}: prompts keep their "
              f"last {args.max_prompt_length} tokens (max_length - max_new_tokens), for the answers and their "
-             "log-probs alike (TRL cuts the leftmost tokens of prompt and answer for the log-probs only)"]
+             "log-probs alike (TRL cuts the prompt's leftmost tokens for the log-probs only)"]
     if args.eval_strategy == "epoch":
         lines.append("--eval_strategy epoch: alignrl measures the held-out split before and after training "
                      "(trainer.test_freq=0), not after each epoch")
@@ -172,7 +176,7 @@ def from_line(words: list[str]) -> tuple[list[str], list[str]]:
     flags, own, nproc = F.split_line(words)
     args = F.parse(flags, parser(), REFUSED, WHAT)
     check(args, own)
-    overrides, lines = translate(args, nproc or int(os.environ.get("WORLD_SIZE", "1")))
+    overrides, lines = translate(args, nproc or int(os.environ.get("WORLD_SIZE", "1")), own)
     if args.eval_strategy == "steps" and not args.eval_steps:  # --logging_steps then sets the evaluations' cadence
         args.given = args.given - {"logging_steps"}
     unused = F.unused(args, NOT_APPLIED)
