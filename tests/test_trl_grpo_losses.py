@@ -50,7 +50,7 @@ def test_a_group_of_one_still_gets_zero(scope):
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["algorithm.grpo_std_scope=batch", "algorithm.adv_estimator=rloo"], "grpo_std_scope=batch scales GRPO's"),
+    (["algorithm.grpo_std_scope=batch", "algorithm.adv_estimator=remax"], "scales GRPO's or RLOO's"),
     (["algorithm.grpo_std_scope=batch", "algorithm.norm_adv_by_std_in_grpo=false"], "divides by none"),
     (["actor.clip_ratio_delta=3", "actor.policy_loss=cispo"], "clip_ratio_delta caps the unclipped ratio term"),
     (["actor.clip_ratio_delta=1.1"], r"must be above 1 \+ actor.clip_ratio_high \(1.2\)"),
