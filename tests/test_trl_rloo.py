@@ -39,8 +39,9 @@ def test_a_trl_rloo_line_becomes_the_rloo_recipe(tmp_path):
                                  "--sync_ref_model", "--ref_model_sync_steps", "64", "--nproc", "2"])
     # 8 x 2 ranks x 2 accumulation = 32 completions a round = 8 prompts x 4; two passes, one optimizer step each
     assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_epochs) == (8, 4, 2)
-    assert (cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size, cfg.trainer.total_training_steps) == (8, 8, 4)
-    a, act = cfg.algorithm, cfg.actor
+    act = cfg.actor
+    assert (act.ppo_mini_batch_size, act.ppo_micro_batch_size, cfg.trainer.total_training_steps) == (8, 8, 4)
+    a = cfg.algorithm
     assert (a.adv_estimator, act.policy_loss, act.clip_ratio_low, act.clip_ratio_high) == ("rloo", "seq_ppo_clip",
                                                                                            0.1, 0.28)
     assert (a.use_kl_in_reward, a.kl_coef, a.kl_penalty, a.kl_ctrl_type, act.use_kl_loss) == (True, 0.1, "k1", "fixed",
