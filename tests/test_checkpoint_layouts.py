@@ -55,8 +55,9 @@ def test_trl_layout_keeps_checkpoints_beside_the_final_model_and_resume_auto_fin
 
     state = TrainerState.load_from_json(str(whole / "checkpoint-4" / "trainer_state.json"))
     assert (state.global_step, state.max_steps, state.save_steps) == (4, 4, 2)
-    # the rows recorded before the checkpoint was written (its own step's row follows it, with the step's eval)
-    assert [r["step"] for r in state.log_history if "loss" in r] == [1, 2, 3]
+    # the rows recorded before the checkpoint was written, its own step's training row too (as transformers logs
+    # before it saves)
+    assert [r["step"] for r in state.log_history if "loss" in r] == [1, 2, 3, 4]
     assert all("learning_rate" in r and "grad_norm" in r for r in state.log_history if "loss" in r)
     # a run stopped after step 2 holds checkpoint-2 alone: resume_from=auto goes on from it
     resumed = tmp_path / "resumed"

@@ -15,7 +15,7 @@ from alignrl.config import ConfigError
 from alignrl.core.kto import kto_loss, weight_balance
 from alignrl.data.kto_rows import KTOKeys, collate_rows, encode_rows, load_rows, shifted
 from alignrl.data.loaders import DataError
-from alignrl.preference.common import totals_per_count
+from alignrl.preference.run_log import totals_per_count
 from alignrl.preference.kto_cli import kto_main, parse_kto
 
 

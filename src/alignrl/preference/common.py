@@ -16,7 +16,6 @@ import math
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,8 @@ from alignrl.data.loaders import DataError
 from alignrl.data.preference import PreferenceBatch, collate_pairs
 from alignrl.runtime.env import cuda_bf16
 from alignrl.models.loader import disable_dropout, recompute_activations, with_template_variables
-from alignrl.train.checkpoint import CheckpointError, aside_path, hold_run_dir, nonfinite, write_manifest
+from alignrl.preference.run_log import RankZeroLog, StepMetrics
+from alignrl.train.checkpoint import CheckpointError, aside_path, nonfinite, write_manifest
 from alignrl.train.engines.base import TrainingDiverged
 
 
@@ -170,78 +170,6 @@ def run_folders(cfg: CommonConfig, default_out: str, default_log: str) -> tuple[
     return out, log
 
 
-class RankZeroLog:
-    """Console lines and metric sinks on rank 0 only; the other ranks stay silent."""
-
-    def __init__(self, env, log_dir: Path, sinks: list[str]):
-        self.env, self.tracker, self.lock = env, None, None
-        self.history: list[dict] = []  # {"step": N, **metrics} as recorded (rank 0), for TRL's trainer_state.json
-        if env.is_main:
-            from alignrl.utils.tracking import Tracker
-
-            log_dir.mkdir(parents=True, exist_ok=True)
-            # before the tracker sets an old run's metrics aside: a run still writing them (two runs of one task
-            # share the default folder) would otherwise interleave its rows with this one's
-            self.lock = hold_run_dir(log_dir, "another --logging_dir")
-            self.tracker = Tracker(log_dir, list(sinks))  # a fresh run: an old run's curve is kept aside
-
-    def print(self, text: str) -> None:
-        if self.env.is_main:
-            print(text, flush=True)
-
-    def metrics(self, step: int, metrics: dict[str, float]) -> None:
-        if self.tracker is not None:
-            self.tracker.log(step, metrics)
-            self.history.append({"step": step, **metrics})
-
-
-def fmt(metrics: dict[str, float], keys: dict[str, str]) -> str:
-    return " ".join(f"{short} {metrics[k]:.4g}" for k, short in keys.items() if k in metrics)
-
-
-def totals_per_count(metrics: dict[str, float]) -> dict[str, float]:
-    """A metric given as `name_sum` and `name_count` (a mean over rows of one kind, which a micro-batch may lack)
-    becomes `name`: the steps' total over their count, not a mean of micro-batch means (the two are averaged over
-    the same micro-batches and ranks, so their ratio is exact); a kind no row had is left out."""
-    out = {k: v for k, v in metrics.items() if not k.endswith(("_sum", "_count"))}
-    for key, total in metrics.items():
-        name = key.removesuffix("_sum")
-        if key.endswith("_sum") and metrics.get(name + "_count", 0) > 0:
-            out[name] = total / metrics[name + "_count"]
-    return out
-
-
-class StepMetrics:
-    """Micro-batch metrics averaged per optimizer step, averaged over ranks every `log_every` steps
-    (a collective: every rank calls `end_step` at the same steps), then printed and recorded."""
-
-    def __init__(self, cfg: CommonConfig, env, log: RankZeroLog, total: int, console_keys: dict[str, str]):
-        self.cfg, self.env, self.log, self.total, self.keys = cfg, env, log, total, console_keys
-        self.micro: list[dict[str, float]] = []
-        self.extra: dict[str, float] = {}  # step-level values, the same on every rank (λ after its update)
-        self.logged_step, self.t = 0, time.time()
-
-    def add(self, metrics: dict[str, float]) -> None:
-        self.micro.append(metrics)
-
-    def end_step(self, step: int, epoch: int, grad_norm: float, lr: float) -> None:
-        from alignrl.runtime.env import mean_metrics
-
-        if step % self.cfg.log_every == 0 or step == self.total:
-            m = {k: sum(d[k] for d in self.micro) / len(self.micro) for k in self.micro[0]}
-            m = totals_per_count(mean_metrics(self.env, {
-                **m, **self.extra, "grad_norm": grad_norm, "lr": lr,
-                "s_per_step": (time.time() - self.t) / (step - self.logged_step)}))
-            self.log.metrics(step, m)
-            self.log.print(f"step {step}/{self.total} epoch {epoch + 1} " + fmt(m, {
-                **self.keys, "grad_norm": "grad_norm", "lr": "lr", "s_per_step": "s/step"}))
-            self.logged_step, self.t = step, time.time()
-        elif held_out := {k: v for k, v in self.extra.items() if k.startswith("eval/")}:
-            self.log.metrics(step, held_out)  # measured between logged steps (eval_steps apart from log_every)
-            self.log.print(f"step {step}/{self.total} " + fmt(held_out, {k: k for k in held_out}))
-        self.micro, self.extra = [], {}
-
-
 def eval_due(cfg: CommonConfig, step: int, plan) -> bool:
     """Whether the held-out pairs are measured after `step` (not the last: the run's end measures them anyway), as
     `eval_strategy` says; `plan`: the run's `checkpoint_plan.CheckpointPlan`, which knows the epochs and steps."""
@@ -293,9 +221,10 @@ def train_pairs(engine, loss_fn, encoded: list, pairs: list, pad_id: int, cfg: C
                 grad_norm = engine.step()
                 step += 1
                 streak = streak + 1 if engine.skipped_steps > skipped else 0
+                tracker.close_step(step, grad_norm, engine.lr())
                 if after_step is not None:
                     tracker.extra.update(after_step(step))
-                tracker.end_step(step, epoch, grad_norm, engine.lr())
+                tracker.end_step(step, epoch)
                 check_finite(step, streak, cfg.max_nonfinite_updates, log)
     return step
 

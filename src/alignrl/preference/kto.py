@@ -39,6 +39,7 @@ from alignrl.preference import common as pc
 from alignrl.preference.cli import same_model
 from alignrl.preference.kto_cli import KTOConfig
 from alignrl.preference.pair_logps import pair_logps
+from alignrl.preference.run_log import totals_per_count
 
 CONSOLE = {"rewards/chosen": "chosen", "rewards/rejected": "rejected", "kl": "kl"}
 
@@ -167,7 +168,7 @@ def evaluate(model, ref: Reference, batches: list[KTOBatch], encoded: list[Encod
     logratio, z0 = table[:, 0].float(), kl_estimate(table[:, 1], torch.zeros(len(encoded)))
     _, m = kto_loss(logratio, torch.zeros_like(logratio), good, cfg.beta, z0, cfg.desirable_weight,
                     cfg.undesirable_weight, loss_type=cfg.loss_type)
-    m = pc.totals_per_count(m)
+    m = totals_per_count(m)
     chosen, rejected = m.get("rewards/chosen", 0.0), m.get("rewards/rejected", 0.0)  # 0 for a kind the set lacks
     point = float(z0.clamp(min=0.0)) if cfg.loss_type in NEEDS_KL else 0.0  # what the loss measures rewards from
     above, tie = (logratio > point).float(), (logratio == point).float()
