@@ -38,3 +38,25 @@ def expand(words: list[str], p=None, whose: str = "TRL's GRPO") -> list[str] | N
     if at is not None and not Path(at[2]).is_file() and (p is not None or is_trl_line(words)):
         raise TrlFlagError(f"--config {at[2]}: no such file (from {Path.cwd()})")
     return flag_file.expand(words, is_trl, names, whose, nullable=grpo_flag_names(default_none=True, p=p))
+
+
+def run_command(words: list[str], parser, from_line, what: str) -> int:
+    """A TRL trainer's command line (`alignrl train online-dpo`, `train rloo`): its flags (or a `--config` YAML of
+    them) translated by `from_line`, the start lines said by rank 0, then run as `alignrl train grpo`."""
+    import os
+    import sys
+
+    from alignrl.cli import main as alignrl_main
+    from alignrl.errors import UserError, program
+    from alignrl.runtime.one_line import speak_once
+
+    try:
+        from_file = expand(words, parser, f"TRL's {what}")
+        keys, lines = from_line(words if from_file is None else from_file)
+    except UserError as e:
+        return speak_once(f"{program()}: error: {e}")
+    if os.environ.get("RANK", "0") == "0":
+        for line in lines:
+            print(f"{program()}: {line}", file=sys.stderr, flush=True)
+    return alignrl_main(["train", "grpo", *keys])
+

@@ -211,3 +211,17 @@ def unused(args, not_applied: dict | None = None) -> list[str]:
         if given:
             out.append(f"{' '.join(given)} ({why})")
     return out
+
+
+def unused_lines(args, not_applied: dict | None = None) -> list[str]:
+    """The start line naming the flags given that change nothing here (`unused`, and transformers' other
+    --report_to integrations), or none. With --eval_strategy steps and no --eval_steps, --logging_steps sets the
+    evaluations' cadence, so it is not among them."""
+    if args.eval_strategy == "steps" and not args.eval_steps:
+        args.given = args.given - {"logging_steps"}
+    out = unused(args, not_applied)
+    others = [s for s in args.report_to or [] if s not in ("wandb", "tensorboard", "none", "all")]
+    if others:
+        out.append(f"--report_to {' '.join(others)} (alignrl logs to console, jsonl, wandb and tensorboard)")
+    return ["given, changing nothing here: " + "; ".join(out)] if out else []
+

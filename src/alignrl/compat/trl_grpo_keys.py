@@ -332,12 +332,5 @@ def from_line(words: list[str]) -> tuple[list[str], list[str]]:
     args = F.parse(flags)
     world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
     overrides, lines = translate(args, world)
-    if args.eval_strategy == "steps" and not args.eval_steps:  # --logging_steps then sets the evaluations' cadence
-        args.given = args.given - {"logging_steps"}
-    unused = F.unused(args)
-    others = [s for s in args.report_to or [] if s not in ("wandb", "tensorboard", "none", "all")]
-    if others:  # transformers' other integrations
-        unused.append(f"--report_to {' '.join(others)} (alignrl logs to console, jsonl, wandb and tensorboard)")
-    if unused:
-        lines.append("given, changing nothing here: " + "; ".join(unused))
+    lines += F.unused_lines(args)
     return overrides + own + (["--nproc", str(nproc)] if nproc else []), lines

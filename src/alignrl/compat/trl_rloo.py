@@ -117,33 +117,14 @@ def from_line(words: list[str]) -> tuple[list[str], list[str]]:
         lines.append("--mask_truncated_completions with --beta above 0: a truncated answer keeps its KL penalty in "
                      "its reward here (TRL's drops it) and leaves the loss's count of answers (TRL's keeps it, at no "
                      "gradient)")
-    if args.eval_strategy == "steps" and not args.eval_steps:  # --logging_steps then sets the evaluations' cadence
-        args.given = args.given - {"logging_steps"}
-    unused = F.unused(args, NOT_APPLIED)
-    others = [s for s in args.report_to or [] if s not in ("wandb", "tensorboard", "none", "all")]
-    if others:
-        unused.append(f"--report_to {' '.join(others)} (alignrl logs to console, jsonl, wandb and tensorboard)")
-    if unused:
-        lines.append("given, changing nothing here: " + "; ".join(unused))
+    lines += F.unused_lines(args, NOT_APPLIED)
     return overrides + own + (["--nproc", str(nproc)] if nproc else []), lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    from alignrl.cli import main as alignrl_main
-    from alignrl.compat.trl_config_file import expand
-    from alignrl.errors import UserError, program
-    from alignrl.runtime.one_line import speak_once
+    from alignrl.compat.trl_config_file import run_command
 
-    words = list(sys.argv[1:] if argv is None else argv)
-    try:
-        from_file = expand(words, parser(), f"TRL's {WHAT}")  # `--config rloo.yaml` of TRL's keys
-        keys, lines = from_line(words if from_file is None else from_file)
-    except UserError as e:
-        return speak_once(f"{program()}: error: {e}")
-    if os.environ.get("RANK", "0") == "0":
-        for line in lines:
-            print(f"{program()}: {line}", file=sys.stderr, flush=True)
-    return alignrl_main(["train", "grpo", *keys])
+    return run_command(list(sys.argv[1:] if argv is None else argv), parser(), from_line, WHAT)
 
 
 if __name__ == "__main__":
