@@ -176,6 +176,23 @@ def test_trl_lora_flags_and_the_comma_of_trls_usage_lines(tmp_path):
             "--lora_r", "8", "--lora_alpha", "16"]
     cfg, _ = _config(base + ["--lora_target_modules", "q_proj,", "v_proj"])  # `"q_proj", "v_proj"` in a shell
     assert (cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules) == (8, 16, ["q_proj", "v_proj"])
+    # none named: PEFT's own targets for the architecture, as TRL leaves LoraConfig's target_modules None
+    assert _config(base)[0].model.target_modules == "peft-default"
+
+
+def test_peft_default_targets_are_peft_choice_for_the_architecture(tiny_model):
+    import copy
+
+    from alignrl.models.folder import ModelError
+    from alignrl.models.lora import add_adapters, lora_spec
+
+    wrapped = add_adapters(copy.deepcopy(tiny_model[0]), lora_spec(4, 8, 0.0, "peft-default"))
+    adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if "lora_A" in n}
+    assert adapted == {"q_proj", "v_proj"}  # PEFT's mapping for qwen2
+    other = copy.deepcopy(tiny_model[0])
+    other.config.model_type = "no_such_type"
+    with pytest.raises(ModelError, match="PEFT has no default targets for model type 'no_such_type'"):
+        add_adapters(other, lora_spec(4, 8, 0.0, "peft-default"))
 
 
 def test_trl_soft_overlong_punishment_keeps_trl_numbers(tmp_path):

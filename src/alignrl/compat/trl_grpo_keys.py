@@ -26,7 +26,6 @@ from alignrl.rewards.trl_reward import BUILT_IN, spec_of
 
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-PEFT_DEFAULT_TARGETS = ["q_proj", "v_proj"]  # PEFT's own choice for Llama- and Qwen-style models
 OVERLONG = "get_soft_overlong_punishment"  # TRL's script builds it with these two numbers
 OVERLONG_MAX, OVERLONG_CACHE = 1280, 256
 # TRL's defaults a line may leave out, said when taken (name, how it reads in the line)
@@ -263,9 +262,11 @@ def run_keys(args, batches: Batches) -> list[str]:
         out.append(f"model.dtype={DTYPES[dtype]}")
     if args.use_peft:
         # TRL's usage lines write `--lora_target_modules "q_proj", "v_proj"`: the comma is the list's, not the name's
-        targets = [t.rstrip(",") for t in args.lora_target_modules or PEFT_DEFAULT_TARGETS if t.rstrip(",")]
+        targets = [t.rstrip(",") for t in args.lora_target_modules or [] if t.rstrip(",")]
+        # none named: TRL leaves LoraConfig's target_modules None, PEFT's choice for the architecture
         out += [f"model.lora_rank={args.lora_r}", f"model.lora_alpha={args.lora_alpha}",
-                f"model.lora_dropout={args.lora_dropout}", f"model.target_modules={json.dumps(targets)}"]
+                f"model.lora_dropout={args.lora_dropout}",
+                f"model.target_modules={json.dumps(targets) if targets else 'peft-default'}"]
     return out
 
 

@@ -34,7 +34,9 @@ class ModelConfig:
     lora_alpha: int = opt(16, "LoRA scale numerator: updates are scaled by lora_alpha / lora_rank", ge=1)
     lora_dropout: float = opt(0.0, "dropout on the LoRA path", ge=0.0, le=1.0)
     target_modules: Any = opt("all-linear", "modules that get adapters: all-linear (every linear layer but the "
-                                            "output head), or a list of module names (q_proj, v_proj, ...)")
+                                            "output head), a list of module names (q_proj, v_proj, ...), or "
+                                            "peft-default (PEFT's choice for the architecture: q_proj, v_proj for "
+                                            "Llama and Qwen, query_key_value for GPT-NeoX)")
     lora_export: str = opt("merged", "the final model of a LoRA run: merged (adapters folded into a plain HF "
                                      "folder) or adapter (the PEFT adapter folder only)",
                            choices=("merged", "adapter"))

@@ -19,6 +19,7 @@ from alignrl.models.folder import ModelError
 
 # peft wraps a model as base_model.model.<name> and a wrapped linear's own weight as <name>.base_layer.weight
 _WRAP_PREFIX = "base_model.model."
+PEFT_DEFAULT = "peft-default"  # model.target_modules: PEFT's own targets for the architecture
 # a module peft trains in full (modules_to_save: a scorer's new head) is a trained copy beside the frozen original;
 # the plain model's module is the trained copy
 _TRAINED_COPY, _FROZEN_ORIGINAL = ".modules_to_save.default.", ".original_module."
@@ -37,10 +38,13 @@ class LoraSpec:
 
 
 def lora_spec(rank: int, alpha: int = 16, dropout: float = 0.0, target_modules=("all-linear")) -> LoraSpec:
-    """A spec from the spellings users bring: target modules as a list, a comma-separated string, or all-linear."""
+    """A spec from the spellings users bring: target modules as a list, a comma-separated string, all-linear, or
+    peft-default (PEFT's own choice for the model's architecture, what TRL's --use_peft takes without
+    --lora_target_modules)."""
     if isinstance(target_modules, str):
         names = [n.strip() for n in target_modules.split(",") if n.strip()]
-        targets = "all-linear" if names in ([], ["all-linear"]) else tuple(names)
+        targets = names[0] if names in ([PEFT_DEFAULT], ["all-linear"]) else "all-linear" if not names \
+            else tuple(names)
     else:
         targets = tuple(str(n) for n in target_modules) or "all-linear"
         targets = "all-linear" if targets == ("all-linear",) else targets
@@ -63,6 +67,8 @@ def add_adapters(model: torch.nn.Module, spec: LoraSpec, key: str = "model.lora_
     module is one ModelError naming it and some module names the model has."""
     peft = _peft(key)
     targets = spec.target_modules if isinstance(spec.target_modules, str) else list(spec.target_modules)
+    if targets == PEFT_DEFAULT:
+        targets = _peft_default_targets(model)
     config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets,
                              task_type=task, exclude_modules=list(exclude) or None)
     try:
@@ -75,6 +81,19 @@ def add_adapters(model: torch.nn.Module, spec: LoraSpec, key: str = "model.lora_
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ModelError(f"LoRA target_modules={targets} matches no module of this model; its linear layers are "
                          f"named {', '.join(linear[:12])} (or use all-linear)") from None
+
+
+def _peft_default_targets(model: torch.nn.Module) -> list[str]:
+    """PEFT's LoRA targets for the model's architecture (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, what
+    LoraConfig(target_modules=None) picks); a model type it has none for is one ModelError."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as MAPPING
+
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind not in MAPPING:
+        raise ModelError(f"LoRA target_modules={PEFT_DEFAULT}: PEFT has no default targets for model type {kind!r}; "
+                         "name them (model.target_modules=[q_proj,v_proj], TRL's --lora_target_modules) or use "
+                         "all-linear")
+    return list(MAPPING[kind])
 
 
 def has_adapters(model: torch.nn.Module) -> bool:

@@ -99,9 +99,10 @@ class CommonConfig:
     lora_rank: int = opt(16, "LoRA rank r (Safe-MM-DPO configs: lora.r)", ge=1)
     lora_alpha: int = opt(32, "LoRA alpha: the adapter's update is scaled by alpha/r (lora.alpha)", ge=1)
     lora_dropout: float = opt(0.1, "dropout on the adapters' input (lora.dropout)", ge=0.0, le=0.9)
-    lora_target_modules: Any = opt("all-linear", "modules that get adapters: a list of names, or all-linear (every "
+    lora_target_modules: Any = opt("all-linear", "modules that get adapters: a list of names, all-linear (every "
                                                  "linear layer of the blocks: q/k/v/o/gate/up/down_proj in "
-                                                 "Llama-like models)")
+                                                 "Llama-like models), or peft-default (PEFT's choice for the "
+                                                 "architecture: TRL's --use_peft without --lora_target_modules)")
     lora_export: str = opt("merged", "what the saved folder holds with use_lora: merged (a plain HF model, adapters "
                                      "folded in) or adapter (peft's adapter folder)", choices=("merged", "adapter"))
     eval_steps: float = opt(0, "also measure the held-out pairs every N optimizer steps (eval/* metrics); below 1: "

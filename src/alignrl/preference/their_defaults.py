@@ -76,7 +76,8 @@ _TRL_COMMON: dict[str, Any] = {
     "log_every": 10, "save_steps": 500, "eval_steps": 0, "gradient_checkpointing": True, "bf16": "auto",
     "checkpoint_layout": "trl",  # output_dir/checkpoint-N, each a model folder, one at the last step
     "eval_strategy": "no",  # TRL measures held-out rows during training only when asked
-    "use_lora": False, "lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.05}
+    "use_lora": False, "lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.05,
+    "lora_target_modules": "peft-default"}  # ModelConfig's None: PEFT's choice for the architecture
 # TRL templates a row of chat messages only: a string prompt is text (maybe_apply_chat_template)
 TRL_DEFAULTS: dict[str, dict[str, Any]] = {
     "rm": {**_TRL_COMMON, "learning_rate": 1e-4, "max_length": 1024, "apply_chat_template": False},
