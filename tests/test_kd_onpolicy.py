@@ -1,9 +1,13 @@
 """GKD's on-policy part of `alignrl train kd` (`preference.kd_onpolicy`): the per-step draw is the same on every rank
-and on a resume, a generated step trains the sampled tokens alone (its prompt untrained) over their count on the whole
-step, seq_kd samples from the teacher, lmbda=0 trains exactly as before, TRL's flags read and the refusals are one
-line each; one short real run with lmbda=1 on the tiny model."""
+and on a resume, a generated step trains the sampled tokens alone (its prompt untrained, the prompt being the tokens
+before the last trained span) over their count on the whole step (every rank's), seq_kd samples from the teacher,
+sampling is plain (no generation_config leaks in, no id beyond either head), the loss on generations is the
+distillation term alone and `temperature` leaves it as it is, lmbda=0 trains exactly as before, TRL's flags read and
+the refusals are one line each, the rows' before any model loads; short real runs on the tiny model."""
 
+import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +17,7 @@ import torch
 from alignrl.config import ConfigError
 from alignrl.data.sft_rows import EncodedRow, collate_rows
 from alignrl.preference.kd_cli import kd_main, parse_kd
-from alignrl.preference.kd_onpolicy import OnPolicy, check_rows, draws_student
+from alignrl.preference.kd_onpolicy import OnPolicy, check_rows, draws_student, prompts_of, sample
 
 ROWS = [{"prompt": f"count from {i}", "completion": " ".join(str(i + k) for k in range(1 + i % 4))} for i in range(8)]
 TRL_LINE = ["--model_name_or_path", "s", "--teacher_model_name_or_path", "t", "--dataset_name", "a.jsonl"]
@@ -119,13 +123,81 @@ def test_trl_flags_read_and_the_refusals_are_one_line_each(capsys):
             parse_kd(ours + ["lmbda=0.5", *extra])
         assert "\n" not in str(err.value)
     parse_kd(ours + ["strategy=deepspeed", "zero_stage=2", "seq_kd=true"])
-    rows = {"has no prompt": EncodedRow([1, 2, 3], [True] * 3, 0),
-            "has 2 trained spans": EncodedRow([1, 2, 3, 4], [False, True, False, True], 1),
+    with pytest.raises(ConfigError, match="^seq_kd=true with kd_coef=0: .*distillation loss alone"):
+        parse_kd(ours + ["seq_kd=true", "kd_coef=0"])
+    cfg = parse_kd(ours + ["lmbda=0.5"])
+    rows = {"has no prompt: its first token trains": EncodedRow([1, 2, 3], [True] * 3, 0),
             "has images": EncodedRow([1, 2], [False, True], 2, images=object())}
     for said, row in rows.items():
-        with pytest.raises(ConfigError, match=f"training row {row.index} {said}") as err:
-            check_rows([EncodedRow([1, 2], [False, True], 9), row])
+        with pytest.raises(ConfigError, match=f"^lmbda=0.5 generates .*training row {row.index} {said}") as err:
+            check_rows([EncodedRow([1, 2], [False, True], 9), row], cfg)
         assert "\n" not in str(err.value)
+    check_rows([EncodedRow([1, 2, 3, 4], [False, True, False, True], 1)], cfg)  # several spans: the last one's
+    silent = parse_kd(TRL_LINE)  # GKD's lmbda where the line is silent: its refusals say where 0.5 came from
+    with pytest.raises(ConfigError, match=r"^GKD's default lmbda 0.5 \(TRL's spelling\) generates .*"
+                                          "assistant_only_loss=true, or set lmbda=0"):
+        check_rows([EncodedRow([1, 2, 3], [True] * 3, 0)], silent)
+
+
+def test_the_prompt_is_before_the_last_trained_span():
+    """TRL's chat collator: every message before the last is the prompt; a row's earlier trained turns are in it."""
+    rows = [EncodedRow([1, 2, 3, 4, 5, 6, 7], [False, True, False, False, True, True, False], 0),
+            EncodedRow([8, 9, 10], [False, False, True], 1)]
+    assert prompts_of(collate_rows(rows, PAD, 1.0)) == [[1, 2, 3, 4], [8, 9]]
+
+
+def test_notes_say_only_what_the_line_set(tmp_path, capsys):
+    """A TRL line with --lmbda 0 is not told about a temperature it never set; lmbda from a YAML file is not
+    'where the line is silent'; a temperature the line sets with nothing to sample is said."""
+    parse_kd(TRL_LINE + ["--lmbda", "0"])
+    assert "note: temperature" not in capsys.readouterr().err
+    (tmp_path / "kd.yaml").write_text("lmbda: 0.5\n")
+    assert parse_kd(TRL_LINE + ["--config", str(tmp_path / "kd.yaml")]).lmbda == 0.5
+    assert "GKD's lmbda 0.5 where the line is silent" not in capsys.readouterr().err
+    parse_kd(TRL_LINE + ["--lmbda", "0", "--temperature", "0.7"])
+    assert "note: temperature=0.7 samples the generations alone" in capsys.readouterr().err
+
+
+def test_the_steps_token_count_is_every_ranks(monkeypatch):
+    """A generated step's global_tokens: this rank's sampled trained tokens summed with the other ranks'
+    (a stubbed all-reduce standing for a second rank with 5)."""
+    import alignrl.runtime.env as runtime_env
+
+    seen = []
+
+    def other_rank_adds_five(env, values):
+        seen.append(list(values))
+        return [v + 5.0 for v in values]
+
+    monkeypatch.setattr(runtime_env, "all_reduce_sum", other_rank_adds_five)
+    on, student, rows, loader = _setup(1.0, False)
+    first = [item.to(torch.device("cpu")) for item in itertools.islice(loader(0), 2)]
+    assert seen == [[12.0]] and all(b.global_tokens == 12.0 + 5.0 for b in first)  # 4 rows × 3 sampled tokens
+
+
+def test_plain_sampling_the_folders_generation_config_changes_nothing(tiny_model_dir):
+    """generate would fill repetition_penalty, no_repeat_ngram_size, ... from the model folder's generation_config:
+    set aside, a model whose config asks for them samples what one without does (seeded)."""
+    from alignrl.models.loader import load_model
+
+    model, tok = load_model(str(tiny_model_dir))
+    cfg = parse_kd(["teacher_model_path=t", "train_files=[a.jsonl]", "lmbda=1", "temperature=0.05",
+                    "max_new_tokens=12"])
+    prompts = [tok("count from 3")["input_ids"], tok("hello")["input_ids"]]
+
+    def drawn():
+        torch.manual_seed(0)
+        return sample(model, prompts, tok.pad_token_id, tok.eos_token_id, cfg, torch.device("cpu"))
+
+    plain, saved = drawn(), model.generation_config
+    assert any(len(set(r)) < len(r) for r in plain)  # it repeats tokens: no_repeat_ngram_size=1 would change it
+    try:
+        model.generation_config = type(saved)(**{**saved.to_dict(), "repetition_penalty": 50.0,
+                                                 "no_repeat_ngram_size": 1})
+        assert drawn() == plain
+    finally:
+        model.generation_config = saved
+    assert model.generation_config is saved
 
 
 def _line(model: Path, tmp: Path, name: str, *extra: str) -> list[str]:
@@ -142,11 +214,13 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_short_run_with_lmbda_one_and_lmbda_zero_as_before(tiny_model_dir, tmp_path):
-    assert kd_main(_line(tiny_model_dir, tmp_path, "gen", "kd_coef=1", "max_steps=2", "lmbda=1",
+    """lmbda=1: every step on the student's generations, its loss distil_loss alone whatever kd_coef (GKD's)."""
+    assert kd_main(_line(tiny_model_dir, tmp_path, "gen", "kd_coef=0.5", "max_steps=2", "lmbda=1",
                          "max_new_tokens=8")) == 0
     rows = [json.loads(x) for x in (tmp_path / "logs_gen" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["train/on_policy"] == 1.0 for r in rows)
     assert all(torch.isfinite(torch.tensor(r["train/distil_loss"])) for r in rows)
+    assert all(r["train/loss"] == r["train/distil_loss"] and "train/gpt_loss" not in r for r in rows)
     assert all(0 < r["train/completion_length"] <= 8 for r in rows)
     res = json.loads((tmp_path / "gen" / "eval_results.json").read_text())
     assert (res["lmbda"], res["seq_kd"], res["max_new_tokens"]) == (1.0, False, 8)
@@ -156,3 +230,58 @@ def test_a_short_run_with_lmbda_one_and_lmbda_zero_as_before(tiny_model_dir, tmp
     plain, zero = _weights(tmp_path / "plain"), _weights(tmp_path / "zero")
     assert all(torch.equal(plain[k], zero[k]) for k in plain)
     assert "train/on_policy" not in json.loads((tmp_path / "logs_zero" / "metrics.jsonl").read_text())
+
+
+def test_a_teacher_with_a_wider_head_generates_only_shared_ids(tiny_model_dir, tmp_path):
+    """A teacher padded to 320 entries for the 300-token tokenizer (matched, as check_vocab allows): seq_kd samples
+    only ids both models embed, even at a temperature that makes the padding entries as likely as any."""
+    from alignrl.models.loader import load_model
+
+    wide, _ = load_model(str(tiny_model_dir))
+    wide.resize_token_embeddings(320)
+    wide.save_pretrained(tmp_path / "wide")
+    assert kd_main(_line(tiny_model_dir, tmp_path, "seq", f"teacher_model_path={tmp_path / 'wide'}", "seq_kd=true",
+                         "temperature=50", "max_new_tokens=16", "max_steps=1")) == 0
+
+
+def test_rows_with_no_prompt_are_refused_before_any_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    """The layout check runs right after the rows are encoded: in the `--nproc` dry run, and in a run before the
+    student (or the teacher) loads."""
+    from alignrl.preference import common
+    from alignrl.preference.kd import train_kd
+
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": f"hello {i}"}) + "\n" for i in range(8)))
+    cfg = parse_kd([f"model_path={tiny_model_dir}", f"teacher_model_path={tiny_model_dir}", f"train_files=[{text}]",
+                    "lmbda=0.5", "batch_size=2"])
+    with pytest.raises(ConfigError, match="^lmbda=0.5 generates .*training row 0 has no prompt"):
+        train_kd(cfg, dry_run_world=2)
+
+    def no_model(*_a, **_k):
+        raise AssertionError("a model loaded before the rows were checked")
+
+    monkeypatch.setattr(common, "trainable_causal_lm", no_model)
+    with pytest.raises(ConfigError, match="training row 0 has no prompt"):
+        train_kd(replace(cfg, output_dir=str(tmp_path / "out"), logging_dir=str(tmp_path / "logs")))
+
+
+def test_sampling_temperature_leaves_the_loss_and_distil_temperature_changes_it(tiny_model_dir):
+    """On a generated step's batch: `temperature` samples only (the same loss), `distil_temperature` divides the
+    logits of the loss (another)."""
+    from alignrl.models.loader import load_model
+    from alignrl.preference.kd import distillation
+
+    student, tok = load_model(str(tiny_model_dir))
+    batch = collate_rows([EncodedRow([5, 6, 7, 40, 41, EOS], [False] * 3 + [True] * 3, 0)], PAD, 3.0)
+    env, quiet = SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(print=lambda *_: None)
+
+    def loss(*keys: str) -> float:
+        cfg = parse_kd([f"teacher_model_path={tiny_model_dir}", "train_files=[a.jsonl]", "lmbda=1",
+                        *keys])
+        on = OnPolicy(cfg)
+        on.generated = True
+        summed = distillation(cfg, student, tok, env, quiet, {}, on)
+        return float(summed(student, batch)[0].detach())
+
+    base = loss("temperature=1")
+    assert loss("temperature=0.3") == base and abs(loss("distil_temperature=0.2") - base) > 0.1

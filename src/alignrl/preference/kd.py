@@ -17,7 +17,9 @@ train/gpt_loss and train/distil_loss (OpenRLHF's names) beside train/loss. OpenR
 term by the label at the logit's own position, one token off the cross-entropy's; here both terms read the same
 positions, those whose next token trains. The held-out loss is the student's cross-entropy, as OpenRLHF evaluates.
 With `lmbda` > 0 or `seq_kd` (TRL's GKD), some steps train on completions the student or the teacher samples for the
-rows' prompts instead (`kd_onpolicy`), the same loss at the sampled tokens.
+rows' prompts instead (`kd_onpolicy`), on distil_loss alone at the sampled tokens, as TRL's GKD loss is its
+divergence alone: the rows' cross-entropy would teach the student its own samples (or the teacher's tokens where its
+distribution already is); train/gpt_loss is not logged on those steps.
 
 The teacher is a whole copy on each rank's device, outside the engine (never wrapped by DDP, FSDP2 or DeepSpeed,
 not sharded under ZeRO-3), in eval mode with its parameters frozen. It must share the student's tokenizer: a
@@ -52,13 +54,15 @@ def train_kd(cfg: KDConfig, dry_run_world: int | None = None) -> dict:
     resolve_model_path(cfg.teacher_model_path, lambda *_: None, "teacher_model_path")
     cfg = replace(cfg, output_dir=cfg.output_dir or "models/kd")  # and its logs under logs/training/kd
     on_policy = OnPolicy(cfg) if generates(cfg) else None
-    return train_sft(cfg, dry_run_world, objective=partial(distillation, on_policy=on_policy), batches=on_policy)
+    return train_sft(cfg, dry_run_world, objective=partial(distillation, on_policy=on_policy), batches=on_policy,
+                     check_rows=on_policy.check if on_policy is not None else None)
 
 
 def distillation(cfg: KDConfig, model, tok, env, log, notes: dict, on_policy: OnPolicy | None = None):
     """The objective `train_sft` calls once its student is built: the teacher loaded and checked, and
     `summed(module, batch) -> (loss, {"gpt_loss": Σ, "distil_loss": Σ})`, sums over the batch's trained tokens;
-    with `on_policy`, also its step's metrics (on_policy, completion_length) as they are."""
+    with `on_policy`, also its step's metrics (on_policy, completion_length) as they are, and on a step of generated
+    completions the loss is distil_loss alone (no gpt_loss)."""
     teacher = load_teacher(cfg, model, tok, env.device, log)
     from alignrl.models.vision import is_vision_model
 
@@ -70,15 +74,18 @@ def distillation(cfg: KDConfig, model, tok, env, log, notes: dict, on_policy: On
                   "distil_temperature": cfg.distil_temperature, "beta": cfg.beta})
     if on_policy is not None:
         on_policy.teacher = teacher  # seq_kd's generations
+        on_policy.limit = min(vocab, _vocab(teacher), len(tok))  # an id either model's embedding lacks never samples
         notes.update({"lmbda": cfg.lmbda, "seq_kd": cfg.seq_kd, "temperature": cfg.temperature,
                       "max_new_tokens": cfg.max_new_tokens})
 
     def summed(module, batch):
         picked, labels = trained_logits(module, batch, cfg, env.device)
-        gpt = torch.nn.functional.cross_entropy(picked, labels, reduction="sum")
         with torch.no_grad():
             taught, _ = trained_logits(teacher, batch, cfg, env.device)
         distil = distill_sum(picked, match_vocab(taught, vocab), cfg.distil_temperature, cfg.beta)
+        if on_policy is not None and on_policy.generated:  # GKD's loss on generations: the divergence alone
+            return distil, {"distil_loss": distil.detach()}, on_policy.metrics()
+        gpt = torch.nn.functional.cross_entropy(picked, labels, reduction="sum")
         sums = {"gpt_loss": gpt.detach(), "distil_loss": distil.detach()}
         if on_policy is None:
             return mix(gpt, distil, cfg.kd_coef), sums
@@ -107,8 +114,10 @@ def load_teacher(cfg: KDConfig, student, tok, device: torch.device, log):
                               "rows out differently (flash attention needs them in one row); load both with the "
                               "same attn_implementation, or set packing=false")
     n = sum(p.numel() for p in teacher.parameters())
-    log.print(f"teacher {cfg.teacher_model_path}: {n / 1e6:.2f}M parameters, frozen, {dtype} on {device}; "
-              f"loss = {1 - cfg.kd_coef:g} × gpt_loss + {cfg.kd_coef:g} × distil_loss"
+    mixed = f"{1 - cfg.kd_coef:g} × gpt_loss + {cfg.kd_coef:g} × distil_loss"
+    log.print(f"teacher {cfg.teacher_model_path}: {n / 1e6:.2f}M parameters, frozen, {dtype} on {device}; loss = "
+              + ("distil_loss (seq_kd: every step trains on generations)" if cfg.seq_kd else mixed
+                 + (" (distil_loss alone on steps of the student's generations)" if cfg.lmbda > 0 else ""))
               + (f", temperature {cfg.distil_temperature:g}" if cfg.distil_temperature != 1.0 else "")
               + (f", GKD's generalized JSD with beta {cfg.beta:g}" if cfg.beta else ""))
     return teacher

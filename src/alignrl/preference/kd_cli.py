@@ -17,6 +17,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from alignrl.config import ConfigError, opt
 from alignrl.preference.cli import COMMANDS, load_flat_config, make_parser, run_cli
@@ -35,7 +36,8 @@ class KDConfig(SFTConfig):
                              choices=("auto", "float32", "bfloat16"))
     kd_coef: float = opt(0.4, "weight of the distillation loss: (1 - kd_coef) × the rows' cross-entropy + kd_coef × "
                               "the teacher's cross-entropy against the student, both token means over the trained "
-                              "tokens (OpenRLHF's --kd_coef and default); 0: plain SFT, 1: the teacher alone",
+                              "tokens (OpenRLHF's --kd_coef and default); 0: plain SFT, 1: the teacher alone; a "
+                              "step on generated completions (lmbda, seq_kd) trains on the distillation loss alone",
                          ge=0.0, le=1.0)
     temperature: float = opt(1.0, "the sampling temperature of the generations (lmbda > 0, seq_kd), top_k 0 and "
                                   "top_p 1 (TRL's GKD temperature, which samples only: its loss runs at 1)", gt=0.0)
@@ -59,6 +61,8 @@ KD_NAMES = {"teacher_model": "teacher_model_path", "teacher_model_name_or_path":
 GKD_ACCEPTED = {"disable_dropout": (("true",), "dropout is off in training here, as TRL's default")}
 # GKDConfig's own defaults the shared table (their_defaults) does not hold: taken by a line of TRL's spelling
 GKD_DEFAULTS = {"lmbda": 0.5}
+# the keys the last line parsed took from GKD_DEFAULTS: a refusal names the default, not a value never written
+FROM_GKD_DEFAULTS: set[str] = set()
 
 
 def kd_flags(argv: list[str]) -> CommandFlags:
@@ -68,8 +72,6 @@ def kd_flags(argv: list[str]) -> CommandFlags:
                         ignored=("teacher_offload",), accepted=GKD_ACCEPTED)
 
 
-
-
 def parse_kd(argv: list[str]) -> KDConfig:
     p = make_parser("alignrl train kd", "Knowledge distillation: supervised fine-tuning of a student on rows, its "
                                         "loss mixed with a frozen teacher's token distributions.")
@@ -77,9 +79,10 @@ def parse_kd(argv: list[str]) -> KDConfig:
                 "rank's device). TRL's --lmbda (default 0.5 in its spelling, 0 in ours) is the chance that an "
                 "optimizer step trains on the student's own generations for the rows' prompts, --seq_kd trains on "
                 "the teacher's, --temperature samples them (the loss's is distil_temperature), --max_new_tokens caps "
-                "them; generating is refused with fsdp2, ZeRO-3, packing, images, and rows with no prompt or several "
-                "trained spans. The sft switches (--packing_samples, --pretrain_mode, --multiturn) as `alignrl train "
-                "sft --help` says. Keys and the loss: docs/kd.md")
+                "them; a step on generations trains on the distillation loss alone (GKD's); generating is refused "
+                "with fsdp2, ZeRO-3, packing, kd_coef=0, images, and rows with no prompt. The sft switches "
+                "(--packing_samples, --pretrain_mode, --multiturn) as `alignrl train sft --help` says. Keys and the "
+                "loss: docs/kd.md")
     rest, packing = packing_switches(argv)
     args = p.parse_intermixed_args(flags_as_keys(rest + packing, KDConfig, kd_flags(rest)))
     trl = spellings([a[2:].partition("=")[0] for a in rest if a.startswith("--")]) == {TRL}
@@ -89,15 +92,30 @@ def parse_kd(argv: list[str]) -> KDConfig:
                            GKD_DEFAULTS if trl else None)
     if not cfg.train_files:
         raise ConfigError(f"train_files is empty: give the training rows, {dataset_hint(rest, kd_flags(rest))}")
-    if trl and cfg.lmbda == GKD_DEFAULTS["lmbda"] and not any(a.startswith(("--lmbda", "lmbda=")) for a in rest):
+    given = {k for k in ("lmbda", "temperature") if _line_gives(k, rest, args.config)}
+    FROM_GKD_DEFAULTS.clear()
+    FROM_GKD_DEFAULTS.update(k for k in GKD_DEFAULTS if trl and k not in given)
+    if "lmbda" in FROM_GKD_DEFAULTS:
         say(f"note: GKD's lmbda {cfg.lmbda:g} where the line is silent: each optimizer step trains on the student's "
             f"own generations (temperature {cfg.temperature:g}, at most {cfg.max_new_tokens} new tokens) with "
             "chance 0.5, drawn once per step")
     if not cfg.teacher_model_path:
         raise ConfigError("teacher_model_path is empty: give the teacher model's folder (teacher_model_path=DIR; "
                           "OpenRLHF: --teacher_model, TRL: --teacher_model_name_or_path)")
-    check_generation(cfg)
+    check_generation(cfg, "temperature" in given)
     return cfg
+
+
+def _line_gives(key: str, rest: list[str], config: str | None) -> bool:
+    """Whether the line itself sets `key` (its flag, a key=value word, its --config YAML), not a default."""
+    if any(a.partition("=")[0] in (f"--{key}", key) for a in rest):
+        return True
+    if not config:
+        return False
+    import yaml
+
+    read = yaml.safe_load(Path(config).read_text())  # load_flat_config has read it already: it parses
+    return isinstance(read, dict) and key in read
 
 
 def generates(cfg: KDConfig) -> bool:
@@ -105,23 +123,37 @@ def generates(cfg: KDConfig) -> bool:
     return cfg.lmbda > 0 or cfg.seq_kd
 
 
-def check_generation(cfg: KDConfig) -> None:
-    """Generating needs the student's whole weights on each rank and rows laid out one per sequence: sharded
-    engines and packing are one line each; a temperature with nothing to sample is said."""
+def asked(cfg: KDConfig) -> str:
+    """What makes the run generate, as its refusals name it: TRL's default lmbda is said to be one."""
+    if cfg.lmbda > 0:
+        if "lmbda" in FROM_GKD_DEFAULTS and cfg.lmbda == GKD_DEFAULTS["lmbda"]:
+            return f"GKD's default lmbda {cfg.lmbda:g} (TRL's spelling)"
+        return f"lmbda={cfg.lmbda:g}"
+    return "seq_kd=true"
+
+
+def check_generation(cfg: KDConfig, temperature_given: bool = False) -> None:
+    """Generating needs the student's whole weights on each rank, rows laid out one per sequence and the teacher in
+    the loss: sharded engines, packing and kd_coef=0 are one line each; a temperature the line gives with nothing
+    to sample is said."""
     if not generates(cfg):
-        if cfg.temperature != 1.0:
+        if temperature_given and cfg.temperature != 1.0:
             say(f"note: temperature={cfg.temperature:g} samples the generations alone and nothing generates here "
                 "(lmbda=0, seq_kd=false); the loss's temperature is distil_temperature")
         return
-    asked = f"lmbda={cfg.lmbda:g}" if cfg.lmbda > 0 else "seq_kd=true"
+    why = asked(cfg)
     sharded = cfg.strategy == "fsdp2" or (cfg.strategy == "deepspeed" and cfg.zero_stage == 3)
     if sharded:
-        raise ConfigError(f"{asked}: the generations need the student's whole weights on each rank, and "
+        raise ConfigError(f"{why}: the generations need the student's whole weights on each rank, and "
                           f"{'fsdp2' if cfg.strategy == 'fsdp2' else 'ZeRO-3'} shards them; train with "
                           "strategy=ddp or deepspeed with zero_stage 2, or set lmbda=0 and seq_kd=false")
     if cfg.packing:
-        raise ConfigError(f"{asked}: generated completions replace each row's own, one row per sequence, and "
+        raise ConfigError(f"{why}: generated completions replace each row's own, one row per sequence, and "
                           "packing=true lays rows end to end; set packing=false, or lmbda=0 and seq_kd=false")
+    if cfg.kd_coef == 0:
+        raise ConfigError(f"{why} with kd_coef=0: a step on generated completions trains on the distillation loss "
+                          "alone (GKD's), and kd_coef=0 leaves the teacher out of every other step; set kd_coef "
+                          "above 0 (1: GKD's loss on every step), or lmbda=0 and seq_kd=false for plain SFT")
 
 
 COMMANDS["kd"] = (parse_kd, "alignrl.preference.kd", "train_kd")

@@ -4,10 +4,13 @@ generated completions instead of the rows' own.
 Once per optimizer step, a draw below `lmbda` (`draws_student`: a generator seeded by the run's seed and the step
 alone, so every rank and a resumed run draw the same) makes the step train on the student's own generations; with
 `seq_kd` the other steps train on the teacher's; otherwise on the rows' completions. A generated step replaces every
-micro-batch of the step before its first backward: each row keeps its prompt (its tokens before the first trained
-one), the model samples up to `max_new_tokens` tokens for it (`temperature`, top_k 0, top_p 1, the tokenizer's eos
-and pad), and the trained tokens are the sampled ones up to and including the first eos. The step's `global_tokens`
-is then the generated trained tokens of the whole step over every rank, what the summed losses are divided by.
+micro-batch of the step before its first backward: each row keeps its prompt (its tokens before its last trained
+span: TRL's chat collator prompts with every message before the last), the model samples up to `max_new_tokens`
+tokens for it (plain sampling at `temperature`, top_k 0, top_p 1, the tokenizer's eos and pad, none of the model
+folder's generation_config; only ids that both models' heads and the tokenizer hold), and the trained tokens are the
+sampled ones up to and including the first eos. The step's `global_tokens` is then the generated trained tokens of
+the whole step over every rank, what the summed losses are divided by; its loss is the distillation term alone
+(`generated`), as TRL's GKD loss on generations is its divergence alone.
 
 TRL draws per call of its trainer's training step (each micro-batch); here the draw is per optimizer step, because
 the step's token count, which normalises its loss, must be known before its first backward on every rank.
@@ -21,6 +24,7 @@ which train_pairs keys by the micro-batch, are left as they were.
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +32,7 @@ import torch
 from alignrl.config import ConfigError
 from alignrl.data.sft_rows import EncodedRow, SFTBatch, collate_rows
 from alignrl.preference import common as pc
-from alignrl.preference.kd_cli import KDConfig
+from alignrl.preference.kd_cli import KDConfig, asked
 from alignrl.preference.sft import steps_per_epoch
 
 
@@ -41,27 +45,27 @@ def draws_student(seed: int, step: int, lmbda: float) -> bool:
     return float(torch.rand(1, generator=gen)) < lmbda
 
 
-def check_rows(encoded: list[EncodedRow]) -> None:
-    """Each row needs a prompt to generate from and one completion to replace: rows trained from their first token
-    (plain text, pretrain_mode, completion_only_loss=false), with several trained spans (several assistant turns)
-    or with images are one line."""
+def check_rows(encoded: list[EncodedRow], cfg: KDConfig) -> None:
+    """Each row needs a prompt to generate from: rows trained from their first token (plain text, pretrain_mode,
+    completion_only_loss=false, conversations with assistant_only_loss=false) or with images are one line."""
     for e in encoded:
-        spans = sum(1 for i, t in enumerate(e.trained) if t and (i == 0 or not e.trained[i - 1]))
-        why = ("has no prompt: every token trains (plain text, pretrain_mode, completion_only_loss=false or "
-               "assistant_only_loss=false)" if e.trained and e.trained[0] else
-               f"has {spans} trained spans (several assistant turns)" if spans > 1 else
-               "has images (generation here is text-only)" if e.images is not None else "")
+        why = ("has no prompt: its first token trains (text rows, pretrain_mode, completion_only_loss=false, or "
+               "conversations trained whole); give prompt-completion rows, or conversations with "
+               "assistant_only_loss=true" if e.trained and e.trained[0] else
+               "has images (generation here is text-only); give rows without images" if e.images is not None else "")
         if why:
-            raise ConfigError(f"lmbda/seq_kd generate a completion for each row's prompt, and training row "
-                              f"{e.index} {why}; give prompt-completion rows or conversations with one trained "
-                              "assistant turn, or set lmbda=0 and seq_kd=false")
+            raise ConfigError(f"{asked(cfg)} generates a completion for each row's prompt, and training row "
+                              f"{e.index} {why}, or set lmbda=0 and seq_kd=false")
 
 
 def prompts_of(batch: SFTBatch) -> list[list[int]]:
-    """Each row's tokens before its first trained token."""
+    """Each row's tokens before its last trained span (a conversation's turns before its last trained one)."""
     out = []
     for ids, trained in zip(batch.input_ids.tolist(), batch.loss_mask.tolist()):
-        out.append(ids[:trained.index(True)] if True in trained else ids)
+        start = len(trained) - trained[::-1].index(True) if True in trained else len(ids)  # past its last trained
+        while start > 0 and trained[start - 1]:
+            start -= 1
+        out.append(ids[:start])
     return out
 
 
@@ -71,10 +75,11 @@ def cut_at_eos(tokens: list[int], eos: int) -> list[int]:
 
 
 @torch.no_grad()
-def sample(model, prompts: list[list[int]], pad: int, eos: int, cfg: KDConfig, device: torch.device
-           ) -> list[list[int]]:
+def sample(model, prompts: list[list[int]], pad: int, eos: int, cfg: KDConfig, device: torch.device,
+           limit: int | None = None) -> list[list[int]]:
     """Each prompt's sampled completion (`cut_at_eos`): the prompts left-padded for `generate`, the model in eval
-    mode for it (no dropout) and back as it was."""
+    mode for it (no dropout) and back as it was; ids from `limit` on never drawn (entries beyond the tokenizer, or
+    beyond the other model's head)."""
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -83,13 +88,43 @@ def sample(model, prompts: list[list[int]], pad: int, eos: int, cfg: KDConfig, d
     was = model.training
     model.eval()
     try:
-        with pc.autocast(cfg, device):
+        with pc.autocast(cfg, device), _plain_sampling(model):
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
                                  temperature=cfg.temperature, top_k=0, top_p=1.0, max_new_tokens=cfg.max_new_tokens,
-                                 pad_token_id=pad, eos_token_id=eos, use_cache=True)
+                                 pad_token_id=pad, eos_token_id=eos, use_cache=True,
+                                 logits_processor=_below(limit))
     finally:
         model.train(was)
     return [cut_at_eos(row, eos) for row in out[:, width:].tolist()]
+
+
+@contextmanager
+def _plain_sampling(model):
+    """The model folder's generation_config set aside while sampling: `generate` fills what it is not given from it
+    (Qwen2.5-Instruct's repetition_penalty 1.05, a no_repeat_ngram_size, min_p, ...), and the samples are plain
+    sampling at `temperature`."""
+    saved = getattr(model, "generation_config", None)
+    if saved is None:  # not a transformers model: nothing to fill from
+        yield
+        return
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+def _below(limit: int | None):
+    """`generate`'s logits processors: with `limit`, one that gives every id from it on probability 0."""
+    from transformers import LogitsProcessorList
+
+    def cap(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        keep = torch.arange(scores.shape[-1], device=scores.device) < limit
+        return scores.masked_fill(~keep, float("-inf"))
+
+    return LogitsProcessorList([cap] if limit is not None else [])
 
 
 @dataclass
@@ -116,12 +151,19 @@ class _Step:
 
 
 class OnPolicy:
-    """The loader wrapper (`train_sft`'s `batches` seam) and the current step's metrics. `teacher` is set by the
-    distillation objective once it has loaded it (seq_kd generates with it)."""
+    """The loader wrapper (`train_sft`'s `batches` seam, `check` its `check_rows`) and the current step's metrics.
+    `teacher` and `limit` are set by the distillation objective once it has loaded the teacher (seq_kd generates with
+    it; `limit`: the ids below both heads and the tokenizer). `generated`: the current step trains on generations."""
 
     def __init__(self, cfg: KDConfig):
         self.cfg, self.teacher, self.student, self.env, self.tok = cfg, None, None, None, None
+        self.limit: int | None = None
+        self.generated = False
         self.now = {"on_policy": 0.0, "completion_length": 0.0}
+
+    def check(self, encoded: list[EncodedRow]) -> None:
+        """The training rows' layout (`check_rows`), before any model loads."""
+        check_rows(encoded, self.cfg)
 
     def metrics(self) -> dict[str, float]:
         """The current step's: on_policy 1 on the student's generations, else 0; completion_length, the mean
@@ -129,13 +171,12 @@ class OnPolicy:
         return dict(self.now)
 
     def __call__(self, loader, engine, encoded: list[EncodedRow], tok, env, log):
-        check_rows(encoded)
         self.student, self.env, self.tok = engine.model, env, tok  # the unwrapped module: DDP's hooks stay out
         cfg = self.cfg
         log.print(f"on-policy distillation: each optimizer step trains on the student's generations with chance "
                   f"lmbda={cfg.lmbda:g}" + (", on the teacher's otherwise" if cfg.seq_kd else "")
                   + f"; sampled at temperature {cfg.temperature:g}, top_k 0, top_p 1, at most {cfg.max_new_tokens} "
-                  "new tokens, trained up to and including the first eos")
+                  "new tokens, trained up to and including the first eos, on distil_loss alone (GKD's loss)")
         per_epoch = steps_per_epoch(len(encoded), cfg, env.world_size)
         return lambda epoch: self._pending(loader(epoch), epoch * per_epoch)
 
@@ -154,6 +195,7 @@ class OnPolicy:
         teacher (seq_kd), their global_tokens the generated trained tokens of the step on every rank."""
         student = draws_student(self.cfg.seed, index, self.cfg.lmbda)
         model = self.student if student else self.teacher if self.cfg.seq_kd else None
+        self.generated = model is not None
         if model is None:
             rows = sum(b.n_rows for b in batches)
             self.now = {"on_policy": 0.0, "completion_length": sum(float(b.loss_mask.sum()) for b in batches) / rows}
@@ -173,6 +215,6 @@ class OnPolicy:
         fork = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=fork):
             torch.manual_seed((self.cfg.seed * 1_000_003 + index * 1_009 + self.env.rank * 101 + k) % 2**63)
-            made = sample(model, prompts, self.tok.pad_token_id, self.tok.eos_token_id, self.cfg, device)
+            made = sample(model, prompts, self.tok.pad_token_id, self.tok.eos_token_id, self.cfg, device, self.limit)
         return [(EncodedRow(p + c, [False] * len(p) + [True] * len(c), int(i)), p)
                 for p, c, i in zip(prompts, made, batch.index.tolist())]

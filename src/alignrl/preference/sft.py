@@ -68,6 +68,7 @@ def collator(cfg: SFTConfig, pad_id: int, model=None, packed: bool | None = None
 
 SPLIT_OR_BINNED = ("bfd", "bfd_split")  # rows packed before batching, each kept to itself
 UNCUT = ("bfd_split", "wrapped")  # strategies that take a row longer than max_length whole and cut it themselves
+QUIET = type("Quiet", (), {"print": staticmethod(lambda *_, **__: None)})()  # a dry run's log: silent
 
 
 def _check_enough(n_rows: int, cfg: SFTConfig, world: int) -> None:
@@ -248,12 +249,11 @@ def _encoded(tok, rows: list[SFTRow], keys: SFTKeys, cfg: SFTConfig, whole: bool
     return out, len(longer), len(kept) - len(out)
 
 
-def train_sft(cfg: SFTConfig, dry_run_world: int | None = None, objective=None, batches=None) -> dict:
+def train_sft(cfg: SFTConfig, dry_run_world: int | None = None, objective=None, batches=None, check_rows=None) -> dict:
     """`objective(cfg, model, tok, env, log, notes) -> summed(module, batch) -> (loss, sums[, means])`: the
-    micro-batch's summed loss over its trained tokens, other sums logged as token means and `means` logged as they
-    are (knowledge distillation's, `preference.kd`); None: the cross-entropy alone. `batches(loader, engine,
-    encoded, tok, env, log) -> loader`: what trains in place of the rows' micro-batches (`kd_onpolicy`'s)."""
-    from alignrl.models.loader import load_tokenizer, resolve_model_path
+    micro-batch's summed loss over its trained tokens, other sums logged as token means, `means` as they are (kd's);
+    None: the cross-entropy alone. `batches(loader, engine, encoded, tok, env, log) -> loader` trains in place of the
+    rows' micro-batches; `check_rows(encoded)` refuses rows before any model loads, a dry run's too (kd_onpolicy's)."""
     from alignrl.runtime.env import barrier, init_distributed, shutdown
 
     raw_keys = _keys(cfg, bool(cfg.apply_chat_template))  # rows with images ask for it as they are read
@@ -262,16 +262,17 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None, objective=None, 
     eval_rows = _load(list(cfg.eval_files), raw_keys, cfg.max_eval_pairs, "eval_files")
     if dry_run_world:
         _check_enough(len(train_rows), cfg, dry_run_world)
+        if check_rows is not None:  # the rows' layout too, before any process starts
+            check_rows(_encode(_tokenizer(cfg, QUIET)[1], cfg, train_rows, [], QUIET)[0])
         return {}
     out_dir, log_dir = pc.run_folders(cfg, "models/sft", "logs/training/sft")
     t0 = time.time()
     env = init_distributed()
     log = SFTLog(env, log_dir, cfg.report_to)
-    folder = resolve_model_path(cfg.model_path, log.print, "model_path")
-    tok = load_tokenizer(folder, chat=False, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
-    _set_eos(tok, cfg.eos_token)
-    pc.bind_template_variables(tok, cfg, log)
+    folder, tok = _tokenizer(cfg, log)
     enc_train, enc_eval, notes = _encode(tok, cfg, train_rows, eval_rows, log)
+    if check_rows is not None:
+        check_rows(enc_train)
     n_rows = len(enc_train)
     _check_enough(n_rows, cfg, env.world_size)
     enc_train = pack_rows(enc_train, cfg, log, notes)  # fewer packed rows than a global batch: one partial step
@@ -342,6 +343,16 @@ def _micro_batch_loss(cfg: SFTConfig, env, neft, notes: dict, summed_of):
         return summed / batch.global_tokens, {**shares, **(means[0] if means else {})}
 
     return loss
+
+
+def _tokenizer(cfg: SFTConfig, log):
+    """(the model's folder, its tokenizer: TRL's eos_token set, the chat template's variables bound)."""
+    from alignrl.models.loader import load_tokenizer, resolve_model_path
+    folder = resolve_model_path(cfg.model_path, log.print, "model_path")
+    tok = load_tokenizer(folder, chat=False, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+    _set_eos(tok, cfg.eos_token)
+    pc.bind_template_variables(tok, cfg, log)
+    return folder, tok
 
 
 def _set_eos(tok, token: str) -> None:
