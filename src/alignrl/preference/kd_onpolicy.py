@@ -102,18 +102,20 @@ def sample(model, prompts: list[list[int]], pad: int, eos: int, cfg: KDConfig, d
 def _plain_sampling(model):
     """The model folder's generation_config set aside while sampling: `generate` fills what it is not given from it
     (Qwen2.5-Instruct's repetition_penalty 1.05, a no_repeat_ngram_size, min_p, ...), and the samples are plain
-    sampling at `temperature`."""
-    saved = getattr(model, "generation_config", None)
-    if saved is None:  # not a transformers model: nothing to fill from
-        yield
-        return
-    from transformers import GenerationConfig
+    sampling at `temperature`. Every module that holds one gets a fresh config (a LoRA student's wrapped model too:
+    PEFT's generate hands the inner model's config on)."""
+    owners = [m for m in model.modules() if "generation_config" in vars(m)]
+    saved = [m.generation_config for m in owners]
+    if owners:
+        from transformers import GenerationConfig
 
-    model.generation_config = GenerationConfig()
+        for m in owners:
+            m.generation_config = GenerationConfig()
     try:
         yield
     finally:
-        model.generation_config = saved
+        for m, config in zip(owners, saved):
+            m.generation_config = config
 
 
 def _below(limit: int | None):
