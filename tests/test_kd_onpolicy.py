@@ -232,15 +232,20 @@ def test_a_short_run_with_lmbda_one_and_lmbda_zero_as_before(tiny_model_dir, tmp
     assert "train/on_policy" not in json.loads((tmp_path / "logs_zero" / "metrics.jsonl").read_text())
 
 
-def test_a_teacher_with_a_wider_head_generates_only_shared_ids(tiny_model_dir, tmp_path):
-    """A teacher padded to 320 entries for the 300-token tokenizer (matched, as check_vocab allows): seq_kd samples
-    only ids both models embed, even at a temperature that makes the padding entries as likely as any."""
+def test_a_wider_head_generates_only_shared_ids(tiny_model_dir, tmp_path):
+    """A head padded to 320 entries for the 300-token tokenizer (matched, as check_vocab allows): the teacher's
+    (seq_kd) and the student's (lmbda) samples hold only ids both models embed, even at a temperature that makes the
+    padding entries as likely as any."""
     from alignrl.models.loader import load_model
 
-    wide, _ = load_model(str(tiny_model_dir))
+    wide, tok = load_model(str(tiny_model_dir))
     wide.resize_token_embeddings(320)
     wide.save_pretrained(tmp_path / "wide")
+    tok.save_pretrained(tmp_path / "wide")  # the student's folder: its tokenizer with it
     assert kd_main(_line(tiny_model_dir, tmp_path, "seq", f"teacher_model_path={tmp_path / 'wide'}", "seq_kd=true",
+                         "temperature=50", "max_new_tokens=16", "max_steps=1")) == 0
+    # a wider student's own generations, for a teacher of the tokenizer's size
+    assert kd_main(_line(tiny_model_dir, tmp_path, "own", f"model_path={tmp_path / 'wide'}", "lmbda=1",
                          "temperature=50", "max_new_tokens=16", "max_steps=1")) == 0
 
 
