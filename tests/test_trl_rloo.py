@@ -47,12 +47,19 @@ def test_a_trl_rloo_line_becomes_the_rloo_recipe(tmp_path):
     assert (a.use_kl_in_reward, a.kl_coef, a.kl_penalty, a.kl_ctrl_type, act.use_kl_loss) == (True, 0.1, "k1", "fixed",
                                                                                               False)
     assert (a.grpo_std_scope, a.reward_clip, a.mask_truncated) == ("batch", [-2.0, 3.0], True)
-    assert (act.ref_sync_steps, act.ref_mixup_alpha, act.recompute_old_logprobs) == (64, 0.6, True)
+    # TRL moves the reference every 64 optimizer steps: 32 RL steps of two optimizer steps each
+    assert (act.ref_sync_steps, act.ref_mixup_alpha, act.recompute_old_logprobs) == (32, 0.6, True)
     assert a.reward_fn == "trl:accuracy_reward" and cfg.model.path == str(model) and words[-2:] == ["--nproc", "2"]
     assert lines[1].startswith("TRL's batches: per_device_train_batch_size 8 x 2 rank(s) x gradient_accumulation_"
                                "steps 2 = 32 completions per optimizer step")
     assert "TRL's RLOOConfig has none" in lines[2]
-    assert lines[3].startswith("--mask_truncated_completions with --beta above 0: a truncated answer keeps its KL")
+    assert lines[3].startswith("--mask_truncated_completions: a truncated answer leaves the loss's count of answers")
+    assert lines[3].endswith("it also keeps its KL penalty in its reward (TRL's drops it)")
+    _, _, lines = _config(["--dataset_name", str(_data(tmp_path)), "--reward_funcs", "accuracy_reward",
+                           "--mask_truncated_completions", "--num_iterations", "2", "--sync_ref_model", "--beta",
+                           "0.1", "--ref_model_sync_steps", "5"])
+    assert any(x.startswith("--ref_model_sync_steps 5: the reference moves after every 2 RL step(s) of 2 optimizer "
+                            "steps (4 optimizer steps, where TRL's moves it after 5)") for x in lines)
 
 
 def test_rloo_config_defaults_are_taken_when_the_line_is_silent(tmp_path):
@@ -72,7 +79,11 @@ def test_rloo_config_defaults_are_taken_when_the_line_is_silent(tmp_path):
 
 @pytest.mark.parametrize("argv,words", [
     (["--num_generations", "1"], "--num_generations 1: RLOO needs at least 2 generations per prompt"),
-    (["--reward_clip_range", "1", "-1"], "--reward_clip_range 1.0 -1.0: give two numbers, the lower first"),
+    (["--reward_clip_range", "1", "-1"], "--reward_clip_range 1.0 -1.0: give two different numbers, the lower"),
+    (["--reward_clip_range", "1", "1"], "--reward_clip_range 1.0 1.0: give two different numbers, the lower"),
+    (["--num_iterations", "0"], "--num_iterations 0: give 1 or more"),
+    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0: give 1 or more"),
+    (["--sync_ref_model", "--ref_model_sync_steps", "0"], "--ref_model_sync_steps 0 with --sync_ref_model: give 1"),
     (["--sync_ref_model", "--beta", "0"], "--sync_ref_model moves the reference the KL penalty reads"),
     (["--loss_type", "dapo", "--scale_rewards", "batch"], "'--loss_type', '--scale_rewards' are not one of TRL's "
                                                           "RLOO flags"),
@@ -88,6 +99,7 @@ def test_what_alignrl_cannot_take_is_one_line(argv, words):
     (["algorithm.rollout_is=token"], "algorithm.rollout_is=token weighs each token apart"),
     (["actor.clip_ratio_delta=1.5"], "actor.clip_ratio_delta caps the unclipped ratio term of"),
     (["critic.enable=true", "algorithm.adv_estimator=gae"], "a critic gives each token its own"),
+    (["algorithm.adv_estimator=reinforce_plus_plus"], "adv_estimator=reinforce_plus_plus gives each token its own"),
 ])
 def test_the_sequence_ratios_loss_refuses_what_weighs_single_tokens(keys, words):
     with pytest.raises(ConfigError, match=words):

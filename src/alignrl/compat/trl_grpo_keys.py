@@ -20,7 +20,7 @@ from pathlib import Path
 from alignrl.compat import trl_grpo_flags as F
 from alignrl.compat.trl_grpo_flags import TAKEN, TrlFlagError
 from alignrl.compat.trl_generation_kwargs import generation_keys
-from alignrl.compat.trl_grpo_loss import loss_keys
+from alignrl.compat.trl_grpo_loss import loss_keys, ref_sync_keys
 from alignrl.data.sources import is_library_dataset, with_config, with_split
 from alignrl.rewards.trl_reward import BUILT_IN, spec_of
 
@@ -38,6 +38,10 @@ class Batches:
 
     def __init__(self, args, world: int):
         pd, ga, ng = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_generations
+        for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
+                     "steps_per_generation", "generation_batch_size"):
+            if getattr(args, flag) is not None and getattr(args, flag) < 1:
+                raise TrlFlagError(f"--{flag} {getattr(args, flag)}: give 1 or more")
         if args.steps_per_generation is not None and args.generation_batch_size is not None:
             raise TrlFlagError("--steps_per_generation and --generation_batch_size cannot both be given (TRL's rule)")
         if args.generation_batch_size is not None:
@@ -288,6 +292,15 @@ def defaults_line(args) -> str:
                                                             else ""))
 
 
+def split_lines(args) -> list[str]:
+    """The start line saying the split flags change nothing when --dataset_name is a file (read whole)."""
+    splits = [f"--{f}" for f in ("dataset_train_split", "dataset_test_split") if f in args.given]
+    if not splits or not args.dataset_name or is_library_dataset(args.dataset_name):
+        return []
+    return [f"{' '.join(splits)}: {args.dataset_name} is a file, read whole; the split flags change nothing here "
+            "(they pick a dataset folder's or a Hub dataset's split)"]
+
+
 def translate(args, world: int, losses=loss_keys, defaults=None, config: str = "GRPOConfig"
               ) -> tuple[list[str], list[str]]:
     """(alignrl overrides, start lines) for TRL's flags on `world` ranks; another trainer of GRPO's shape (RLOO)
@@ -295,7 +308,8 @@ def translate(args, world: int, losses=loss_keys, defaults=None, config: str = "
     batches = Batches(args, world)
     steps = rl_steps(args, batches)
     optimizer_steps = args.max_steps if args.max_steps > 0 else steps * batches.steps_per_round if steps else None
-    overrides = (data_keys(args, batches) + batches.keys() + losses(args) + reward_keys(args)
+    sync, sync_lines = ref_sync_keys(args, batches.steps_per_round)
+    overrides = (data_keys(args, batches) + batches.keys() + losses(args) + sync + reward_keys(args)
                  + optimiser_keys(args, batches, optimizer_steps) + run_keys(args, batches)
                  + [f"rollout.max_new_tokens={args.max_completion_length}", f"rollout.temperature={args.temperature}",
                     f"rollout.top_p={args.top_p}", f"rollout.top_k={args.top_k if args.top_k > 0 else -1}",
@@ -304,11 +318,7 @@ def translate(args, world: int, losses=loss_keys, defaults=None, config: str = "
     lines = [(defaults or defaults_line)(args), batches.line(),
              f"--max_prompt_length {args.max_prompt_length}{'' if 'max_prompt_length' in args.given else ' (default)'}"
              f": alignrl's own cap (TRL's {config} has none and cuts no prompt): longer prompts are left out as the "
-             "data loads, counted; raise it to keep them"]
-    splits = [f"--{f}" for f in ("dataset_train_split", "dataset_test_split") if f in args.given]
-    if splits and args.dataset_name and not is_library_dataset(args.dataset_name):
-        lines.append(f"{' '.join(splits)}: {args.dataset_name} is a file, read whole; the split flags change nothing "
-                     "here (they pick a dataset folder's or a Hub dataset's split)")
+             "data loads, counted; raise it to keep them"] + sync_lines + split_lines(args)
     if args.eval_strategy == "epoch":
         lines.append("--eval_strategy epoch: alignrl measures the held-out split before and after training "
                      "(trainer.test_freq=0), not after each epoch; --eval_strategy steps --eval_steps N evaluates "

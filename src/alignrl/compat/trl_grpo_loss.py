@@ -74,10 +74,23 @@ def loss_keys(args) -> list[str]:
     if policy == "vespo":
         out += [f"actor.vespo_k_pos={args.vespo_k_pos}", f"actor.vespo_lambda_pos={args.vespo_lambda_pos}",
                 f"actor.vespo_k_neg={args.vespo_k_neg}", f"actor.vespo_lambda_neg={args.vespo_lambda_neg}"]
-    if args.sync_ref_model:
-        out += [f"actor.ref_sync_steps={args.ref_model_sync_steps}",
-                f"actor.ref_mixup_alpha={args.ref_model_mixup_alpha}"]
     return out + option_keys(args, policy)
+
+
+def ref_sync_keys(args, steps_per_round: int) -> tuple[list[str], list[str]]:
+    """TRL's sync_ref_model (keys, start lines): its reference moves every ref_model_sync_steps optimizer steps;
+    alignrl's after RL steps of `steps_per_round` optimizer steps each, so the count becomes RL steps, rounded (at
+    least 1, said when it does not divide)."""
+    if not args.sync_ref_model:
+        return [], []
+    n = args.ref_model_sync_steps
+    if n < 1:
+        raise TrlFlagError(f"--ref_model_sync_steps {n} with --sync_ref_model: give 1 or more optimizer steps")
+    every = max(1, round(n / steps_per_round))
+    lines = [] if n % steps_per_round == 0 else [
+        f"--ref_model_sync_steps {n}: the reference moves after every {every} RL step(s) of {steps_per_round} "
+        f"optimizer steps ({every * steps_per_round} optimizer steps, where TRL's moves it after {n})"]
+    return [f"actor.ref_sync_steps={every}", f"actor.ref_mixup_alpha={args.ref_model_mixup_alpha}"], lines
 
 
 def _luspo_problem(args) -> str | None:

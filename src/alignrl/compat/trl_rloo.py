@@ -59,9 +59,9 @@ def check(args) -> None:
     if args.beta < 0:
         raise TrlFlagError(f"--beta {args.beta}: the KL coefficient is 0 (no reference) or above")
     clip = args.reward_clip_range
-    if clip is not None and (len(clip) != 2 or clip[0] > clip[1]):
-        raise TrlFlagError(f"--reward_clip_range {' '.join(map(str, clip))}: give two numbers, the lower first "
-                           "(--reward_clip_range -1 1)")
+    if clip is not None and (len(clip) != 2 or clip[0] >= clip[1]):
+        raise TrlFlagError(f"--reward_clip_range {' '.join(map(str, clip))}: give two different numbers, the lower "
+                           "first (--reward_clip_range -1 1)")
     if args.sync_ref_model and args.beta == 0:
         raise TrlFlagError("--sync_ref_model moves the reference the KL penalty reads, which --beta 0.0 leaves out: "
                            "give --beta above 0, or drop it")
@@ -84,9 +84,6 @@ def loss_keys(args) -> list[str]:
            f"algorithm.grpo_std_scope={'batch' if args.normalize_advantages else 'group'}"]
     if args.reward_clip_range is not None:
         out.append(f"algorithm.reward_clip=[{args.reward_clip_range[0]},{args.reward_clip_range[1]}]")
-    if args.sync_ref_model:
-        out += [f"actor.ref_sync_steps={args.ref_model_sync_steps}",
-                f"actor.ref_mixup_alpha={args.ref_model_mixup_alpha}"]
     return out
 
 
@@ -113,10 +110,10 @@ def from_line(words: list[str]) -> tuple[list[str], list[str]]:
     vars(args).update(multi_objective_aggregation="sum_then_normalize")  # TRL's RLOO sums its weighted rewards
     world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
     overrides, lines = K.translate(args, world, loss_keys, defaults_line, "RLOOConfig")
-    if args.mask_truncated_completions and args.beta > 0:
-        lines.append("--mask_truncated_completions with --beta above 0: a truncated answer keeps its KL penalty in "
-                     "its reward here (TRL's drops it) and leaves the loss's count of answers (TRL's keeps it, at no "
-                     "gradient)")
+    if args.mask_truncated_completions:
+        lines.append("--mask_truncated_completions: a truncated answer leaves the loss's count of answers here (TRL's "
+                     "keeps it, at no gradient), so the others weigh a little more"
+                     + ("; it also keeps its KL penalty in its reward (TRL's drops it)" if args.beta > 0 else ""))
     lines += F.unused_lines(args, NOT_APPLIED)
     return overrides + own + (["--nproc", str(nproc)] if nproc else []), lines
 

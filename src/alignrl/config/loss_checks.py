@@ -9,6 +9,7 @@ from __future__ import annotations
 from alignrl.config.schema import RunConfig
 
 DELTA_LOSSES = ("ppo_clip", "gspo", "luspo")  # the losses with an unclipped ratio term to cap
+SEQUENCE_ESTIMATORS = ("rloo", "grpo", "gpg")  # one advantage per sequence, what seq_ppo_clip's ratio weighs
 
 
 def loss_option_problem(cfg: RunConfig) -> str | None:
@@ -130,4 +131,8 @@ def _sequence_ratio_problem(cfg: RunConfig, rejecting: str | None) -> str | None
     if cfg.critic.enable:
         return (f"{what} with one advantage per sequence, and a critic gives each token its own: use "
                 "actor.policy_loss=ppo_clip with critic.enable=true")
+    estimator = cfg.algorithm.adv_estimator
+    if estimator not in SEQUENCE_ESTIMATORS:  # their advantages differ along a sequence (returns-to-go, whitening)
+        return (f"{what} with one advantage per sequence, and algorithm.adv_estimator={estimator} gives each token its "
+                f"own: use one of {', '.join(SEQUENCE_ESTIMATORS)}")
     return None

@@ -145,8 +145,8 @@ class ActorConfig:
     tau_pos: float = opt(1.0, "sapo: temperature of the gate of tokens with a positive advantage", gt=0.0)
     tau_neg: float = opt(1.05, "sapo: temperature of the gate of the other tokens", gt=0.0)
     loss_agg_mode: str = opt("auto", "how token losses (policy, KL and entropy terms) become one number; the "
-                                     "policy term of gspo and sapo averages sequences whatever this says (as verl's), "
-                                     "luspo's sums each sequence's tokens; auto: seq-mean-token-sum for luspo, "
+                                     "policy term of gspo, sapo and seq_ppo_clip averages sequences whatever this "
+                                     "says (as verl's), luspo's sums each sequence's tokens; auto: seq-mean-token-sum for luspo, "
                                      "seq-mean-token-mean for gspo and sapo (sequence-level objectives), "
                                      "token-mean otherwise (seq-mean-token-sum-norm divides by the "
                                      "response cap, rollout.max_new_tokens or a multi-turn "
