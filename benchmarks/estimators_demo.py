@@ -29,6 +29,11 @@ ESTIMATORS = {
     "RLOO": ["algorithm.adv_estimator=rloo"],
     "REINFORCE++": ["algorithm.adv_estimator=reinforce_plus_plus"],
     "PPO (critic)": ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.lr=1e-4", "critic.warmup_steps=5"],
+    # TRL's RLOO (`alignrl train rloo`'s recipe): the k1 KL in the reward at its beta 0.05, PPO's clip on each
+    # answer's whole likelihood ratio, one optimizer step per batch as TRL's default
+    "RLOO (TRL's)": ["algorithm.adv_estimator=rloo", "actor.policy_loss=seq_ppo_clip",
+                     "algorithm.use_kl_in_reward=true", "algorithm.kl_coef=0.05", "algorithm.kl_penalty=k1",
+                     "actor.ppo_mini_batch_size=32", "actor.recompute_old_logprobs=true"],
     # TRL's online DPO: two answers a prompt, so four times the prompts for the same samples a step, in one
     # optimizer step (its update is the DPO loss's gradient at the weights that scored the batch)
     "Online DPO": ["algorithm.adv_estimator=online_dpo", "rollout.n=2", "data.train_batch_size=128",

@@ -252,6 +252,7 @@ def test_trl_eval_and_save_cadence_follow_transformers(tmp_path):
     (["--use_bias_correction_kl", "--beta", "0.1", "--importance_sampling_level", "sequence", "--loss_type", "grpo"],
      "TRL weighs the KL by the sequence's ratio"),
     (["--no_such_flag", "1"], "'--no_such_flag' is not one of TRL's GRPO flags"),
+    (["--no_such_flag", "-1"], "'--no_such_flag' is not one of TRL's GRPO flags"),  # its value is no flag
     (["--gradient_accumulation_steps", "2", "--steps_per_generation", "3", "--num_generations", "4"],
      "steps_per_generation 3 above gradient_accumulation_steps 2 must be a multiple"),
     (["--gradient_accumulation_steps", "4", "--steps_per_generation", "2", "--num_iterations", "2"],

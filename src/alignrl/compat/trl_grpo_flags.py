@@ -184,6 +184,14 @@ def split_line(argv: list[str]) -> tuple[list[str], list[str], int | None]:
     return flags, overrides, nproc
 
 
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
 def parse(argv: list[str], p: argparse.ArgumentParser | None = None, refused: dict | None = None,
           what: str = "GRPO"):
     """TRL's flags as a namespace, with `given`: the names the line set (by `p` and its `refused`, GRPO's unless
@@ -191,7 +199,8 @@ def parse(argv: list[str], p: argparse.ArgumentParser | None = None, refused: di
     p, refused = p or parser(), REFUSED if refused is None else refused
     args, rest = p.parse_known_args(argv)
     if rest:
-        words = [w.split("=", 1)[0] for w in rest if w.startswith("-")] or rest[:1]
+        # a negative number is an unknown flag's value, not a flag of its own
+        words = [w.split("=", 1)[0] for w in rest if w.startswith("-") and not _is_number(w)] or rest[:1]
         raise TrlFlagError(f"{', '.join(map(repr, words))} {'is' if len(words) == 1 else 'are'} not one of TRL's "
                            f"{what} flags alignrl reads (docs/trl.md lists them; alignrl's own settings go after "
                            "them as key.sub=value)")
