@@ -171,6 +171,17 @@ def test_trl_generation_kwargs_override_the_sampling_flags(tmp_path):
         from_line(base + ["--generation_kwargs", "top_p: 1"])
 
 
+def test_string_prompts_are_read_as_written_as_trl_reads_them(tmp_path):
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({"prompt": f"Q: {i}+1 =", "solution": str(i + 1)}) + "\n" for i in range(8)))
+    line = ["--reward_funcs", "accuracy_reward", "--dataset_name"]
+    cfg, lines = _config([*line, str(plain)])
+    assert not cfg.data.apply_chat_template and cfg.data.prompt_key == "prompt"
+    assert any(x.startswith(f"{plain}: its prompts are strings, read as written") for x in lines)
+    cfg, lines = _config([*line, str(_data(tmp_path))])  # chat messages: templated
+    assert cfg.data.apply_chat_template and not any("read as written" in x for x in lines)
+
+
 def test_trl_lora_flags_and_the_comma_of_trls_usage_lines(tmp_path):
     base = ["--dataset_name", str(_data(tmp_path)), "--reward_funcs", "think_format_reward", "--use_peft",
             "--lora_r", "8", "--lora_alpha", "16"]

@@ -192,7 +192,28 @@ def data_keys(args, batches: Batches) -> list[str]:
         out.append("trainer.test_freq=0")
     if args.chat_template_kwargs:
         out.append(f"data.chat_template_kwargs={args.chat_template_kwargs}")
+    if string_prompts(args):  # TRL's maybe_apply_chat_template leaves a string prompt as it is
+        out.append("data.apply_chat_template=false")
     return out
+
+
+def string_prompts(args) -> bool:
+    """Whether --dataset_name is a local file whose first row's prompt is a string, which TRL tokenizes as written
+    (a dataset folder or a Hub name is not read here: its prompts go through the chat template)."""
+    from alignrl.data.loaders import read_rows
+
+    if not Path(args.dataset_name).is_file():
+        return False
+    rows = read_rows(args.dataset_name, "--dataset_name", limit=1)
+    return bool(rows) and isinstance(rows[0][1].get("prompt"), str)
+
+
+def string_prompt_lines(args) -> list[str]:
+    """The start line saying string prompts are read as written, when they are."""
+    if not string_prompts(args):
+        return []
+    return [f"{args.dataset_name}: its prompts are strings, read as written without the chat template, as TRL reads "
+            "them (data.apply_chat_template=false; a row of chat messages is templated)"]
 
 
 def optimizer_steps(args, value: float, flag: str) -> int:
@@ -318,7 +339,7 @@ def translate(args, world: int, losses=loss_keys, defaults=None, config: str = "
     lines = [(defaults or defaults_line)(args), batches.line(),
              f"--max_prompt_length {args.max_prompt_length}{'' if 'max_prompt_length' in args.given else ' (default)'}"
              f": alignrl's own cap (TRL's {config} has none and cuts no prompt): longer prompts are left out as the "
-             "data loads, counted; raise it to keep them"] + sync_lines + split_lines(args)
+             "data loads, counted; raise it to keep them"] + sync_lines + split_lines(args) + string_prompt_lines(args)
     if args.eval_strategy == "epoch":
         lines.append("--eval_strategy epoch: alignrl measures the held-out split before and after training "
                      "(trainer.test_freq=0), not after each epoch; --eval_strategy steps --eval_steps N evaluates "

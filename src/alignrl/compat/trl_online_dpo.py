@@ -163,7 +163,8 @@ def translate(args, world: int, own: list[str] = ()) -> tuple[list[str], list[st
     lines = [defaults_line(args), batches.line(),
              f"--max_length {args.max_length}{'' if 'max_length' in args.given else ' (default)'}: prompts keep their "
              f"last {args.max_prompt_length} tokens (max_length - max_new_tokens), for the answers and their "
-             "log-probs alike (TRL cuts the prompt's leftmost tokens for the log-probs only)"] + K.split_lines(args)
+             "log-probs alike (TRL cuts the prompt's leftmost tokens for the log-probs only)"] + K.split_lines(args) \
+        + K.string_prompt_lines(args)
     if args.eval_strategy == "epoch":
         lines.append("--eval_strategy epoch: alignrl measures the held-out split before and after training "
                      "(trainer.test_freq=0), not after each epoch")
