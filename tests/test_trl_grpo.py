@@ -180,6 +180,9 @@ def test_string_prompts_are_read_as_written_as_trl_reads_them(tmp_path):
     assert any(x.startswith(f"{plain}: its prompts are strings, read as written") for x in lines)
     cfg, lines = _config([*line, str(_data(tmp_path))])  # chat messages: templated
     assert cfg.data.apply_chat_template and not any("read as written" in x for x in lines)
+    stored = tmp_path / "stored.jsonl"  # messages stored as a JSON string (LMM-R1's rows) are messages too
+    stored.write_text(json.dumps({"prompt": json.dumps([{"role": "user", "content": "Q"}]), "solution": "1"}) + "\n")
+    assert _config([*line, str(stored)])[0].data.apply_chat_template
 
 
 def test_trl_lora_flags_and_the_comma_of_trls_usage_lines(tmp_path):
@@ -197,6 +200,7 @@ def test_peft_default_targets_are_peft_choice_for_the_architecture(tiny_model):
     from alignrl.models.folder import ModelError
     from alignrl.models.lora import add_adapters, lora_spec
 
+    assert lora_spec(4, 8, 0.0, ["peft-default"]).target_modules == "peft-default"  # OpenRLHF's list spelling
     wrapped = add_adapters(copy.deepcopy(tiny_model[0]), lora_spec(4, 8, 0.0, "peft-default"))
     adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if "lora_A" in n}
     assert adapted == {"q_proj", "v_proj"}  # PEFT's mapping for qwen2

@@ -270,12 +270,18 @@ def _resume(run: Run, resume: Path) -> None:
     console.print(f"resumed from {resume} (step {run.start_step})")
 
 
+def recorded_path(path: str) -> str:
+    """A model folder as a checkpoint records it: a local folder by its absolute path (a resume from another working
+    folder names it the same), a Hub id or "" as written."""
+    return str(Path(path).resolve()) if path and Path(path).exists() else path
+
+
 def _check_same_reference(run: Run, resume: Path, saved: str | None) -> None:
     """A run resumes against the reference it trained against: another model.ref_path (or none where it had one)
     would change what the KL term or online DPO's loss pulls toward, silently. A checkpoint from before the key was
     recorded (None) is not checked."""
-    now = run.cfg.model.ref_path
-    if saved is None or saved == now or (saved and now and Path(saved).resolve() == Path(now).resolve()):
+    now = recorded_path(run.cfg.model.ref_path)
+    if saved is None or saved == now:
         return
     run.source.close(False)
     fix = f"with model.ref_path={saved}" if saved else "without model.ref_path"
@@ -330,7 +336,7 @@ def _loop(run: Run, step_fn: GRPOStep, tracker: Tracker, wall_start: float) -> N
                         {"source": run.source.state_dict(), "trainer": placed.trainer.state_dict(),
                          "base": state.get("base"), "base_room": state.get("base_room"),
                          "wall_seconds": earlier_s + time.time() - wall_start, "strategy": strategy,
-                         "ref_path": cfg.model.ref_path},
+                         "ref_path": recorded_path(cfg.model.ref_path)},
                         t.max_checkpoints, env, placed.saved_elsewhere())
 
     # off a terminal each step has its own log line, and a finished bar would only repeat the count

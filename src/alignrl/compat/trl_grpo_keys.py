@@ -200,12 +200,14 @@ def data_keys(args, batches: Batches) -> list[str]:
 def string_prompts(args) -> bool:
     """Whether --dataset_name is a local file whose first row's prompt is a string, which TRL tokenizes as written
     (a dataset folder or a Hub name is not read here: its prompts go through the chat template)."""
+    from alignrl.data.images import parse_message_list
     from alignrl.data.loaders import read_rows
 
     if not Path(args.dataset_name).is_file():
         return False
     rows = read_rows(args.dataset_name, "--dataset_name", limit=1)
-    return bool(rows) and isinstance(rows[0][1].get("prompt"), str)
+    # a JSON string of chat messages (LMM-R1's rows) is read as the messages, as the loader reads it
+    return bool(rows) and isinstance(parse_message_list(rows[0][1].get("prompt")), str)
 
 
 def string_prompt_lines(args) -> list[str]:

@@ -47,7 +47,7 @@ def lora_spec(rank: int, alpha: int = 16, dropout: float = 0.0, target_modules=(
             else tuple(names)
     else:
         targets = tuple(str(n) for n in target_modules) or "all-linear"
-        targets = "all-linear" if targets == ("all-linear",) else targets
+        targets = targets[0] if targets in (("all-linear",), (PEFT_DEFAULT,)) else targets
     return LoraSpec(int(rank), int(alpha), float(dropout), targets)
 
 

@@ -83,15 +83,13 @@ class StepMetrics:
         self.row = None
         if step % self.cfg.log_every == 0 or step == self.total:
             m = {k: sum(d[k] for d in self.micro) / len(self.micro) for k in self.micro[0]}
-            seconds = (time.time() - self.t) / (step - self.logged_step)
-            self.row = totals_per_count(mean_metrics(self.env, {**m, "grad_norm": grad_norm, "lr": lr,
-                                                                "s_per_step": seconds}))
+            self.row = totals_per_count(mean_metrics(self.env, {**m, "grad_norm": grad_norm, "lr": lr}))
             self.log.record(step, self.row)
 
     def end_step(self, step: int, epoch: int) -> None:
         """The step's row with `extra` (the same on every rank: a held-out measure, λ after its update), logged."""
-        if self.row is not None:
-            m = {**self.row, **self.extra}
+        if self.row is not None:  # the seconds count the step's checkpoint and held-out measure too
+            m = {**self.row, **self.extra, "s_per_step": (time.time() - self.t) / (step - self.logged_step)}
             self.log.metrics(step, m)
             self.log.print(f"step {step}/{self.total} epoch {epoch + 1} " + fmt(m, {
                 **self.keys, "grad_norm": "grad_norm", "lr": "lr", "s_per_step": "s/step"}))

@@ -99,8 +99,6 @@ OPENRLHF_NOT_TAKEN: dict[str, dict[str, tuple[str, str]]] = {
     "rm": _PAIRS_NOT_TAKEN, "dpo": _PAIRS_NOT_TAKEN}
 OPENRLHF_NOT_TAKEN["kd"] = OPENRLHF_NOT_TAKEN["sft"]
 OPENRLHF_NOT_TAKEN["prm"] = {"reward_tokens=None": ("reward_tokens", "the whole-vocabulary loss is left out")}
-_TRL_NOT_TAKEN = {"lora_target_modules=None": ("lora_target_modules", "peft's per-model choice has no name here")}
-TRL_NOT_TAKEN = {command: _TRL_NOT_TAKEN for command in ("rm", "dpo", "sft", "kto", "kd", "prm")}
 SCRIPTS = {OPENRLHF: {"rm": "train_rm", "dpo": "train_dpo", "sft": "train_sft", "kto": "train_kto", "kd": "train_kd",
                       "prm": "train_prm"},
            TRL: {"rm": "RewardConfig", "dpo": "DPOConfig", "sft": "SFTConfig", "kto": "KTOConfig", "kd": "GKDConfig",
@@ -161,8 +159,7 @@ def adopted(config_class: type, whose: set[str], line_keys: set[str], lora: bool
     taken = [f"{k}={_word(v)}" for k, v in theirs.items()
              if k in ours and k not in line_keys and v != ours[k] and (lora or k not in LORA_ONLY)
              and (packed or k not in PACKING_ONLY)]
-    missing = {**(OPENRLHF_NOT_TAKEN if whose == {OPENRLHF} else {}).get(command, {}),
-               **(TRL_NOT_TAKEN if whose == {TRL} else {}).get(command, {})}
+    missing = (OPENRLHF_NOT_TAKEN if whose == {OPENRLHF} else {}).get(command, {})
     not_taken = [f"{flag} ({why}: {key}={_word(ours[key])} kept)" for flag, (key, why) in missing.items()
                  if key not in line_keys and (lora or key not in LORA_ONLY)]
     return taken, not_taken

@@ -26,6 +26,7 @@ from alignrl.placements.build import build_maker, build_ref, producer_prompts, w
 from alignrl.data.prompts import PromptData
 from alignrl.data.records import rows_digest
 from alignrl.config import ConfigError, RunConfig, load_config
+from alignrl.config.agent_checks import needs_chat_template
 from alignrl.placements.zmq.coordinator import PipelineError
 from alignrl.placements.zmq.thread_lending import borrowed
 from alignrl.runtime.env import SINGLE
@@ -86,7 +87,9 @@ class Sampler:
                 raise PipelineError(f"--gpu-id {self.device.index}: this process sees {torch.cuda.device_count()} "
                                     "CUDA device(s), numbered from 0 (CUDA_VISIBLE_DEVICES renumbers them)")
             torch.cuda.set_device(self.device)
-        self.model, self.tokenizer = load_model(args.model_path, log=console.print)
+        # the template is checked against the trainer's config once it is known (_serve): a run that templates
+        # nothing may use a model without one
+        self.model, self.tokenizer = load_model(args.model_path, log=console.print, chat=False)
         self.model.to(self.device)
         self.manifest = manifest_of(self.model.named_parameters())
         # the trainer checks that a reference computed here is its own base model's (same shapes is not enough)
@@ -219,6 +222,10 @@ class Sampler:
 
     def _serve(self, cfg: RunConfig) -> bool:
         """Makes batches for the trainer of `cfg`: True once its run is over, False when another trainer answers."""
+        if needs_chat_template(cfg) and not self.tokenizer.chat_template:
+            raise ModelError(f"model folder {self.args.model_path}: the tokenizer has no chat template, and the "
+                             "trainer's run templates its prompts; copy chat_template.jinja from the instruct model "
+                             "the folder derives from, or run with data.apply_chat_template=false")
         train, rows = producer_prompts(cfg, self.tokenizer)  # this trainer's templating, before any prompt
         if isinstance(self.trainer_data, str) and rows_digest(train) != self.trainer_data:  # same length, other rows
             raise PipelineError(f"this sampler's data ({self.args.data_path or cfg.data.train_files}) holds other rows "
