@@ -192,7 +192,8 @@ def data_keys(args, batches: Batches) -> list[str]:
         out.append("trainer.test_freq=0")
     if args.chat_template_kwargs:
         out.append(f"data.chat_template_kwargs={args.chat_template_kwargs}")
-    if string_prompts(args):  # TRL's maybe_apply_chat_template leaves a string prompt as it is
+    args.string_prompts = string_prompts(args)  # read once: string_prompt_lines says it from here
+    if args.string_prompts:  # TRL's maybe_apply_chat_template leaves a string prompt as it is
         out.append("data.apply_chat_template=false")
     return out
 
@@ -211,8 +212,8 @@ def string_prompts(args) -> bool:
 
 
 def string_prompt_lines(args) -> list[str]:
-    """The start line saying string prompts are read as written, when they are."""
-    if not string_prompts(args):
+    """The start line saying string prompts are read as written, when they are (`data_keys` read the file)."""
+    if not args.string_prompts:
         return []
     return [f"{args.dataset_name}: its prompts are strings, read as written without the chat template, as TRL reads "
             "them (data.apply_chat_template=false; a row of chat messages is templated)"]
