@@ -12,6 +12,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # runs started by tests choose their threads from the usable cores alone, not from what the other test process
 # happens to be doing: the same thread count, the same float sums, in every run
 os.environ.setdefault("ALIGNRL_IGNORE_LOAD", "1")
+# the Ray nodes tests start (and their raylets) never refuse objects or warn on every node for a nearly full
+# disk: a shared CI disk is often past Ray's 95%, and these clusters hold a few MB
+os.environ.setdefault("RAY_local_fs_capacity_threshold", "1")
 SRC = str(Path(__file__).parents[1] / "src")
 pytest_plugins = ["vision_fixtures"]  # the vision tests' tiny model and pictures, made once per module
 

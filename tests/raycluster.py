@@ -2,6 +2,7 @@
 this machine, the metrics of a run, seed 001's data and a reward model."""
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -37,6 +38,16 @@ def gpus_free_become(n: float, timeout: float = 15.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+# A line Ray forwards from its own processes to the driver's stderr: "(raylet) ...", "(pid=12) ...",
+# "(RolloutEngine pid=12, ip=...) ...", coloured or not (e.g. the raylet's warning of a nearly full disk).
+RAY_FORWARDED = re.compile(r"^(\x1b\[[0-9;]*m)*\((raylet|\w* ?pid=)")
+
+
+def own_lines(err: str) -> list[str]:
+    """The non-blank stderr lines a run printed itself, without those Ray forwarded from its processes."""
+    return [x for x in err.splitlines() if x.strip() and not RAY_FORWARDED.match(x.strip())]
 
 
 def all_gpus_free() -> bool:

@@ -24,7 +24,9 @@ from alignrl.placements.ray.plan import engine_slot, release, requests, reserve,
 from alignrl.compat.openrlhf_ppo_ray import main  # noqa: E402
 from alignrl.config import load_config  # noqa: E402
 from conftest import signal_after, src_path
-from raycluster import SEED_001, all_gpus_free, gpus_free_become, metric_rows, reward_model, seed_001_data, tiny
+from raycluster import (SEED_001, all_gpus_free, gpus_free_become, metric_rows, own_lines, reward_model, seed_001_data,
+                        tiny)
+
 
 def test_seed_001_placement_from_rays_tables(cluster):
     assert all_gpus_free()
@@ -123,7 +125,7 @@ def test_an_impossible_placement_fails_at_once(cluster, capsys):
     t0 = time.monotonic()
     code = main(SEED_001 + ["--actor_num_gpus_per_node", "12", "--ref_num_gpus_per_node", "12",
                                  "--train_batch_size", "192", "--rollout_batch_size", "24", "--total_steps", "1"])
-    err = capsys.readouterr().err.strip()
+    err = "\n".join(own_lines(capsys.readouterr().err))
     assert code == 2 and time.monotonic() - t0 < 45  # before --placement_timeout's default 60 s
     assert err.count("\n") == 0 and "actor 2 node(s) × 12 GPU" in err and "2 node(s) with 8, 8 GPU" in err, err
 
@@ -137,7 +139,7 @@ def test_a_placement_that_is_never_granted_fails_after_its_timeout(cluster, caps
                  "--vllm_tensor_parallel_size", "4", "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
                  "--n_samples_per_prompt", "2", "--micro_train_batch_size", "1", "--train_batch_size", "24",
                  "--rollout_batch_size", "12", "--total_steps", "1", "--placement_timeout", "3"])
-    err = capsys.readouterr().err.strip()
+    err = "\n".join(own_lines(capsys.readouterr().err))
     assert code == 2 and time.monotonic() - t0 < 60 and err.count("\n") == 0, err
     assert "engine0 (1 node(s) × 4 GPU) was not granted in 3 s" in err and "16 GPU" in err, err
     assert all_gpus_free()  # nothing left reserved
@@ -286,7 +288,7 @@ def test_a_users_mistake_inside_ray_is_one_line(cluster, tiny_model_dir, tmp_pat
              ([f"algorithm.reward_model={tiny_model_dir}"], "is not a reward/cost model: it has no scoring head")]
     for extra, said in cases:
         assert cli(verl_args(tiny_model_dir, 1) + extra) == 2
-        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        err = own_lines(capsys.readouterr().err)
         assert "Traceback" not in "\n".join(err) and said in err[-1], err[-20:]
         assert err[-1].startswith("alignrl train ppo: error:"), err[-1]
     # a checkpoint past the last step: said by the driver before any worker starts (it was a worker's error, with
@@ -299,7 +301,7 @@ def test_a_users_mistake_inside_ray_is_one_line(cluster, tiny_model_dir, tmp_pat
     write_manifest(done)
     t0 = time.time()
     assert cli(verl_args(tiny_model_dir, 1)) == 2
-    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    err = own_lines(capsys.readouterr().err)
     assert len(err) == 1 and "is past trainer.total_training_steps=1" in err[0], err[-20:]
     assert time.time() - t0 < 20, "checked after the workers started"
     assert all_gpus_free()
