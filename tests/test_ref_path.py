@@ -61,7 +61,8 @@ def _reverse_kl(student, teacher, cfg) -> float:
     return sum(kls) / len(kls)
 
 
-def test_on_policy_distillation_moves_the_student_toward_the_teacher(tiny_model_dir, teacher, zero_reward, tmp_path):
+def test_on_policy_distillation_moves_the_student_toward_the_teacher(tiny_model_dir, teacher, zero_reward, tmp_path,
+                                                                      monkeypatch):
     from alignrl.models.loader import load_model
     from alignrl.runner import train_grpo
 
@@ -77,7 +78,9 @@ def test_on_policy_distillation_moves_the_student_toward_the_teacher(tiny_model_
     after = _reverse_kl(student, reference, cfg)
     print(f"reverse KL to the teacher on the student's samples: {before:.4f} -> {after:.4f}")
     assert before > 0.5 and after < 0.75 * before
-    # the checkpoint records its reference: a resume against the base policy instead is one line
+    # the checkpoint records its reference: a resume against the base policy instead is one line, said before any
+    # model loads
+    monkeypatch.setattr("alignrl.runner.place", lambda *a, **k: pytest.fail("the models loaded before the check"))
     again = [o for o in line if not o.startswith(("model.ref_path=", "trainer.total_training_steps="))]
     with pytest.raises(ConfigError, match=r"was trained against model.ref_path=.*gives none: resume with model.ref_"):
         train_grpo(load_config(None, [*again, "trainer.total_training_steps=9"]))

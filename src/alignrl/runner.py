@@ -206,6 +206,8 @@ def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemotePro
     resume = resume_point(cfg.checkpoint_root, cfg.trainer.resume_mode, env,
                           lambda line: console.print(line, markup=False, soft_wrap=True), cfg.run_dir / "config.yaml")
     check_not_past(resume, cfg.trainer.total_training_steps)
+    if resume:  # before any model loads or sampler port binds
+        _check_same_reference(cfg, resume, load_trainer_state(resume, mmap=True).get("ref_path"))
     if producers is None:  # samplers in other processes make the batches where the config's pipeline says so
         producers = remote_producers(cfg, to_yaml(cfg), cfg.log_root, train)
     placed = place(cfg, str(resume / "model") if resume else cfg.model.path, resume, env, producers)
@@ -262,7 +264,6 @@ def _resume(run: Run, resume: Path) -> None:
         raise ConfigError(f"{resume} was written under another pipeline.placement (its data-order state holds "
                           f"{sorted(state['source'])}): resume with the placement that wrote it, or set "
                           "trainer.resume_mode=disable to start afresh")
-    _check_same_reference(run, resume, state.get("ref_path"))
     run.source.load_state_dict(state["source"])
     run.placed.trainer.load_state_dict(state["trainer"])
     set_rng_state(state["rng"])
@@ -276,14 +277,13 @@ def recorded_path(path: str) -> str:
     return str(Path(path).resolve()) if path and Path(path).exists() else path
 
 
-def _check_same_reference(run: Run, resume: Path, saved: str | None) -> None:
+def _check_same_reference(cfg: RunConfig, resume: Path, saved: str | None) -> None:
     """A run resumes against the reference it trained against: another model.ref_path (or none where it had one)
     would change what the KL term or online DPO's loss pulls toward, silently. A checkpoint from before the key was
     recorded (None) is not checked."""
-    now = recorded_path(run.cfg.model.ref_path)
+    now = recorded_path(cfg.model.ref_path)
     if saved is None or saved == now:
         return
-    run.source.close(False)
     fix = f"with model.ref_path={saved}" if saved else "without model.ref_path"
     raise ConfigError(f"{resume} was trained against model.ref_path={saved or '(none: the base policy)'} and this "
                       f"line gives {now or 'none'}: resume {fix}, or set trainer.resume_mode=disable to start afresh")

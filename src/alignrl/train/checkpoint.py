@@ -272,10 +272,11 @@ def _write_parts(ckpt_root: Path, step: int, engines: dict[str, Any], tokenizer,
 # ---------------------------------------------------------------- resume
 
 
-def load_trainer_state(ckpt: Path) -> dict[str, Any]:
+def load_trainer_state(ckpt: Path, mmap: bool = False) -> dict[str, Any]:
+    """`mmap`: the tensors stay on disk until read (a look at the small entries before the models load)."""
     path = ckpt / "trainer_state.pt"
     try:  # our own file, written by save_checkpoint; it holds optimizer tensors and RNG states
-        return torch.load(path, weights_only=False)
+        return torch.load(path, weights_only=False, mmap=mmap)
     except Exception as e:  # any way the file is damaged: truncated zip, bad pickle, unreadable
         cause = (str(e).splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"cannot read {path} ({cause}); move {ckpt} out of {ckpt.parent} to resume from "
