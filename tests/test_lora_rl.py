@@ -47,6 +47,24 @@ def test_lora_resume_equals_straight_run(tiny_model_dir, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
 
 
+def test_a_resume_with_adapters_on_other_modules_names_the_checkpoints(tiny_model_dir, tmp_path):
+    """A LoRA default that changed between the run that saved and the one resuming (all-linear against PEFT's
+    per-architecture q_proj,v_proj): the one line names the modules to give."""
+    from alignrl.models.folder import ModelError
+
+    def adapted(targets):
+        return lora.add_adapters(load_model(str(tiny_model_dir))[0], lora.lora_spec(4, target_modules=targets))
+
+    saved = adapted("q_proj,v_proj")
+    lora.save_trained(saved, saved.state_dict(), tmp_path)
+    assert lora.load_trained(adapted("v_proj,q_proj"), tmp_path)  # the same modules, in any order
+    with pytest.raises(ModelError) as e:
+        lora.load_trained(adapted("all-linear"), tmp_path)
+    assert "resume with its adapters' modules: model.target_modules=[q_proj,v_proj] (TRL's --lora_target_modules " \
+           "q_proj v_proj, OpenRLHF's --target_modules q_proj v_proj); this run puts them on down_proj,gate_proj," \
+           "k_proj,o_proj,q_proj,up_proj,v_proj" in str(e.value), str(e.value)
+
+
 # peft's own loader asks transformers 5 for `is_gradient_checkpointing`, which warns that it is deprecated: not ours
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_lora_adapter_export_loads_with_peft(tiny_model_dir, tmp_path):

@@ -201,7 +201,8 @@ def test_a_policy_passed_as_a_reward_model_is_one_line(tiny_model_dir, tmp_path,
                    "scripts/train_rm_distributed.sh helpful <NGPU>` and point helpful_rm there")
 
 
-def test_a_dpo_run_resumed_from_its_checkpoint_ends_where_the_whole_run_does(lora_scorers, tiny_model_dir, tmp_path):
+def test_a_dpo_run_resumed_from_its_checkpoint_ends_where_the_whole_run_does(lora_scorers, tiny_model_dir, tmp_path,
+                                                                              capsys):
     """With LoRA's dropout on: the resumed run draws the masks the whole run drew (keyed by the micro-batch)."""
     helpful, harmless = lora_scorers
     base = ["--config", str(REPO / "configs/dpo_config.yaml"), f"model_path={tiny_model_dir}", f"helpful_rm={helpful}",
@@ -220,6 +221,14 @@ def test_a_dpo_run_resumed_from_its_checkpoint_ends_where_the_whole_run_does(lor
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
     rows = [json.loads(line) for line in (tmp_path / "l2" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "lambda" in r] == [2]  # only the step after the checkpoint ran
+    # adapters on other modules than the checkpoint's (a LoRA default that changed between runs): the modules to name
+    capsys.readouterr()
+    assert dpo_main([*base, "lora_target_modules=all-linear", "--output_dir", str(tmp_path / "other"),
+                     "--logging_dir", str(tmp_path / "l3"), f"resume_from={ckpt}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "its LoRA adapters are on q_proj,v_proj and this run's on " in err, err
+    assert err.endswith("resume naming them: lora_target_modules=q_proj,v_proj (TRL's --lora_target_modules q_proj "
+                        "v_proj, OpenRLHF's --target_modules q_proj v_proj)"), err
 
 
 def test_resuming_from_a_folder_that_is_no_checkpoint_is_one_line(lora_scorers, tiny_model_dir, tmp_path, capsys):

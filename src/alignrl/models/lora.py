@@ -274,6 +274,12 @@ def save_trained(model: torch.nn.Module, state: dict[str, torch.Tensor], folder:
         write_adapter(model, state, folder / ADAPTER_DIR)
 
 
+def adapted_modules(names) -> list[str]:
+    """The module names LoRA adapters sit on, from parameter or state-dict names (`...q_proj.lora_A...` -> q_proj):
+    what a resume names when a LoRA default changed between the run that saved and this one."""
+    return sorted({n.split(".lora_A")[0].rsplit(".", 1)[-1] for n in names if ".lora_A" in n})
+
+
 def load_trained(model: torch.nn.Module, folder: Path) -> bool:
     """What `save_trained` wrote, into `model` (the same wrapping, before an engine takes it); False when the
     folder has no such file. Every trained parameter must be in the file: a checkpoint of another LoRA setting
@@ -287,8 +293,13 @@ def load_trained(model: torch.nn.Module, folder: Path) -> bool:
     want = set(trainable_names(model))
     if set(saved) != want:
         missing = sorted(want - set(saved)) or sorted(set(saved) - want)
+        theirs, ours = adapted_modules(saved), adapted_modules(want)
+        fix = ("the model.lora_* and actor.freeze_prefix settings that wrote it" if theirs == ours else
+               f"its adapters' modules: model.target_modules=[{','.join(theirs)}] (TRL's --lora_target_modules "
+               f"{' '.join(theirs)}, OpenRLHF's --target_modules {' '.join(theirs)}); this run puts them on "
+               f"{','.join(ours) or 'no module'}")
         raise ModelError(f"{path} holds other trained parameters than this run trains (e.g. {missing[0]!r}): resume "
-                         "with the model.lora_* and actor.freeze_prefix settings that wrote it")
+                         f"with {fix}")
     inner = unwrapped(model)
     with torch.no_grad():
         params = dict(inner.named_parameters())

@@ -86,7 +86,7 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None, runni
     if missing or unexpected:
         name = (missing or unexpected)[0]
         raise ConfigError(f"resume_from={folder} was saved from another model or LoRA setting ({name} does not "
-                          "match); resume with the config that wrote it")
+                          f"match){_adapter_fix(weights, engine.model.state_dict())}")
     if not engine.load_state(path):  # its weights alone would go on with a fresh optimizer and schedule
         raise ConfigError(f"resume_from={folder} holds no optimizer state this engine can read (written by another "
                           "strategy, or incomplete); resume with the strategy that wrote it")
@@ -96,6 +96,20 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None, runni
     if running is not None:
         running.load_state_dict(state["bco_pair"])
     return int(state["step"])
+
+
+def _adapter_fix(saved: dict, own: dict) -> str:
+    """Where the checkpoint's adapters and this run's sit on different modules (a LoRA default that changed
+    between the run that saved and this one, e.g. all-linear against PEFT's per-architecture choice), the modules
+    to name: the fix is a flag, not another config file."""
+    from alignrl.models.lora import adapted_modules
+
+    theirs, ours = adapted_modules(saved), adapted_modules(own)
+    if not theirs or theirs == ours:
+        return "; resume with the config that wrote it"
+    return (f": its LoRA adapters are on {','.join(theirs)} and this run's on {','.join(ours) or 'no module'}; "
+            f"resume naming them: lora_target_modules={','.join(theirs)} (TRL's --lora_target_modules "
+            f"{' '.join(theirs)}, OpenRLHF's --target_modules {' '.join(theirs)})")
 
 
 def _load_weights(model, weights: dict) -> tuple[list[str], list[str]]:
