@@ -43,7 +43,7 @@ def _trl(model: Path, tmp: Path, name: str, *extra: str) -> Path:
 
 
 def test_trl_layout_keeps_checkpoints_beside_the_final_model_and_resume_auto_finds_them(tiny_model_dir, tmp_path):
-    whole = _trl(tiny_model_dir, tmp_path, "whole")
+    whole = _trl(tiny_model_dir, tmp_path, "whole", f"eval_files=[{_data(tmp_path)}]", "eval_steps=2")
     # step 2's and the last step's (as TRL's), beside the final model
     assert sorted(p.name for p in whole.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     _same(_weights(whole / "checkpoint-4"), _weights(whole))  # each checkpoint is a model folder too
@@ -59,6 +59,11 @@ def test_trl_layout_keeps_checkpoints_beside_the_final_model_and_resume_auto_fin
     # before it saves)
     assert [r["step"] for r in state.log_history if "loss" in r] == [1, 2, 3, 4]
     assert all("learning_rate" in r and "grad_norm" in r for r in state.log_history if "loss" in r)
+    # and the held-out measure of the step that saves (transformers evaluates before it saves; the last step's is
+    # the run's final measure, after it)
+    early = TrainerState.load_from_json(str(whole / "checkpoint-2" / "trainer_state.json")).log_history
+    assert [r["step"] for r in early if "eval_loss" in r] == [2] == [r["step"] for r in state.log_history
+                                                                    if "eval_loss" in r], early
     # a run stopped after step 2 holds checkpoint-2 alone: resume_from=auto goes on from it
     resumed = tmp_path / "resumed"
     resumed.mkdir()
@@ -135,7 +140,7 @@ def test_a_fresh_run_in_a_reused_folder_sets_the_old_checkpoints_aside(tiny_mode
     # the first run's, kept: set aside at the start, then moved with its final model when this run's was saved
     aside = sorted(p.name.split(".previous")[0] for p in tmp_path.glob("o.previous*/checkpoint-*.previous*"))
     assert aside == ["checkpoint-2", "checkpoint-4"]
-    whole = _trl(tiny_model_dir, tmp_path, "whole")
+    whole = _trl(tiny_model_dir, tmp_path, "whole", f"eval_files=[{_data(tmp_path)}]", "eval_steps=2")
     past = tmp_path / "past"
     past.mkdir()
     shutil.copytree(whole / "checkpoint-4", past / "checkpoint-4")

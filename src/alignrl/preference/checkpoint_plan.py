@@ -203,8 +203,8 @@ def save_if_due(plan: CheckpointPlan, step: int, engine, env, log, export: Expor
 def trainer_state(plan: CheckpointPlan, step: int, history: list[dict]) -> dict:
     """transformers' TrainerState of a TRL-layout checkpoint (`trainer_state.json`, what tools that plot a run or list
     its checkpoints read): the step, the epoch as a fraction, and the metrics recorded before it under transformers'
-    names (loss, grad_norm, learning_rate, eval_loss, ...; the step's own row is recorded after its checkpoint, with
-    the step's held-out measure)."""
+    names (loss, grad_norm, learning_rate, eval_loss, ...; the step's own training row and held-out measure too, as
+    transformers logs and evaluates before it saves)."""
     def theirs(name: str) -> str:
         name = name.removeprefix("train/")
         return "learning_rate" if name == "lr" else name.replace("eval/", "eval_")

@@ -273,11 +273,11 @@ def train_kto(cfg: KTOConfig, dry_run_world: int | None = None) -> dict:
 
     export = adapters.exporter(policy, model, spec, cfg.lora_export)
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
+        due = enc_eval and pc.eval_due(cfg, step, plan)
+        out = {f"eval/{k}": v for k, v in ev().items() if k in ("reward_margin", "kl", "loss")} if due else {}
+        log.record(step, out)  # evaluated before the step's checkpoint, as transformers: its trainer_state has it
         cp.save_if_due(plan, step, engine, env, log, export, tok)
-        if enc_eval and pc.eval_due(cfg, step, plan):
-            e = ev()
-            return {"eval/reward_margin": e["reward_margin"], "eval/kl": e["kl"], "eval/loss": e["loss"]}
-        return {}
+        return out
 
     step = pc.train_pairs(engine, _loss_fn(cfg, env, ref), enc_train, [], tok.pad_token_id, cfg, env, log, total,
                           CONSOLE, after_step, start, loader=train_batches(enc_train, tok.pad_token_id, cfg, env, tok))

@@ -239,11 +239,11 @@ def train_prm(cfg: PRMConfig, dry_run_world: int | None = None) -> dict:
               "score": "softmax over the reward tokens' logits at each placeholder; the first is the positive label"}
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
+        due = enc_eval and pc.eval_due(cfg, step, plan)
+        out = {f"eval/{k}": v for k, v in ev().items() if k in ("loss", "step_accuracy")} if due else {}
+        log.record(step, out)  # evaluated before the step's checkpoint, as transformers: its trainer_state has it
         cp.save_if_due(plan, step, engine, env, log, export, tok, {TOKENS_FILE: tokens})
-        if enc_eval and pc.eval_due(cfg, step, plan):
-            e = ev()
-            return {"eval/loss": e["loss"], "eval/step_accuracy": e["step_accuracy"]}
-        return {}
+        return out
 
     step = pc.train_pairs(engine, _loss_fn(cfg, env, rids), enc_train, [], tok.pad_token_id, cfg, env, log, total,
                           CONSOLE, after_step, start, loader=train_batches(enc_train, tok.pad_token_id, len(rids),

@@ -267,11 +267,12 @@ def train_rm(cfg: RMConfig, dry_run_world: int | None = None) -> dict:
 
     export = adapters.exporter(hf, peft_model, spec, cfg.lora_export, prefix="inner.")
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
+        due = pc.eval_due(cfg, step, plan)
+        out = {f"eval/{k}": v for k, v in evaluate(engine, evals, model_type, cfg, env).items()
+               if k in ("accuracy", "sign_accuracy")} if due else {}
+        log.record(step, out)  # evaluated before the step's checkpoint, as transformers: its trainer_state has it
         cp.save_if_due(plan, step, engine, env, log, export, tok, {SCORE_INFO: info})
-        if not pc.eval_due(cfg, step, plan):
-            return {}
-        return {f"eval/{k}": v for k, v in evaluate(engine, evals, model_type, cfg, env).items()
-                if k in ("accuracy", "sign_accuracy")}
+        return out
 
     step = pc.train_pairs(engine, loss, enc_train, train_pairs, tok.pad_token_id, cfg, env, log, total,
                           {"rm/accuracy": "acc", "cost/accuracy": "acc", "cost/sign_accuracy": "sign_acc"}, after_step,

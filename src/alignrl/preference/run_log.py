@@ -39,9 +39,14 @@ class RankZeroLog:
                 self.history.append({"step": step, **metrics})
 
     def record(self, step: int, metrics: dict[str, float]) -> None:
-        """The step's training row in the history before its checkpoint is written (`metrics` logs it after), so
-        the checkpoint's trainer_state.json holds its own step, as transformers logs before it saves."""
-        if self.tracker is not None:
+        """The step's training row, then its held-out measure, in the history before its checkpoint is written
+        (`metrics` logs them after), so the checkpoint's trainer_state.json holds its own step, as transformers
+        logs and evaluates before it saves."""
+        if self.tracker is None or not metrics:
+            return
+        if self.history and self.history[-1]["step"] == step:
+            self.history[-1].update(metrics)
+        else:
             self.history.append({"step": step, **metrics})
 
 

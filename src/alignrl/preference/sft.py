@@ -297,11 +297,11 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None, objective=None, 
     export = adapters.exporter(policy, model, spec, cfg.lora_export)
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
+        due = enc_eval and pc.eval_due(cfg, step, plan)
+        out = {f"eval/{k}": v for k, v in ev().items() if k in ("loss", "perplexity")} if due else {}
+        log.record(step, out)  # evaluated before the step's checkpoint, as transformers: its trainer_state has it
         cp.save_if_due(plan, step, engine, env, log, export, vision.saved_tokenizer(tok))
-        if enc_eval and pc.eval_due(cfg, step, plan):
-            e = ev()
-            return {"eval/loss": e["loss"], "eval/perplexity": e["perplexity"]}
-        return {}
+        return out
 
     notes["forward_tokens"] = 0
     # train_pairs counts an epoch's steps (for a resume's skip) by whole global batches of what it is given
