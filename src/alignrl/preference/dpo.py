@@ -349,11 +349,10 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
         out = lam.after_step(step) if lam is not None else {}
         if sync is not None:  # before a checkpoint or an eval of this step, which then see the moved reference
             sync.after_step(step, engine)
-        if pc.eval_due(cfg, step, plan):
+        if pc.eval_due(cfg, step, plan):  # before the step's checkpoint, as transformers: its trainer_state has it
             e = ev()["all"]
-            evals = {f"eval/{k}": e[k] for k in ("reward_accuracy", "reward_margin", "logp_accuracy")}
-            log.record(step, evals)  # evaluated before the step's checkpoint, as transformers: its trainer_state has it
-            out.update(evals)
+            out.update(evals := {f"eval/{k}": e[k] for k in ("reward_accuracy", "reward_margin", "logp_accuracy")})
+            log.record(step, evals)
         cp.save_if_due(plan, step, engine, env, log, export, tok, lam=lam, reference=sync, running=bco)
         return out
 
