@@ -376,3 +376,31 @@ def test_a_sampler_given_the_wrong_data_port_stops_in_one_line_and_the_trainer_s
         reader.join(timeout=30)
     out = "".join(said)
     assert "pipeline: sampler" in out and "not heard from in 2 s: its 4 prompts (lease" in out, out[-3000:]
+
+
+def test_a_sampler_without_a_chat_template_serves_only_a_trainer_that_templates_nothing(monkeypatch, tmp_path):
+    """The trainer's run says whether prompts are templated: a sampler whose model folder has no chat template is
+    refused in one line by a templating trainer, and serves one that templates nothing."""
+    from types import SimpleNamespace
+
+    from alignrl.config import load_config
+    from alignrl.models.loader import ModelError
+    from alignrl.placements.zmq import sampler as S
+
+    class Served(Exception):
+        pass
+
+    def served(*_):
+        raise Served
+
+    monkeypatch.setattr(S, "producer_prompts", served)  # past the check: the prompts of the trainer's run
+    s = object.__new__(S.Sampler)
+    s.tokenizer, s.args = SimpleNamespace(chat_template=None), SimpleNamespace(model_path="/models/base")
+    with pytest.raises(ModelError, match=r"^model folder /models/base: the tokenizer has no chat template, and the "
+                                         r"trainer's run templates its prompts; .* data.apply_chat_template=false$"):
+        s._serve(load_config(None, []))
+    with pytest.raises(Served):
+        rows = tmp_path / "rows.jsonl"
+        rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+        s._serve(load_config(None, [f"data.train_files={rows}", f"data.val_files={rows}", "data.prompt_key=prompt",
+                                    "data.apply_chat_template=false"]))
