@@ -121,3 +121,38 @@ def test_an_online_dpo_line_trains_the_tiny_model_and_logs_the_dpo_loss(tmp_path
     steps = [r for r in rows if "actor/grad_norm" in r]
     assert len(steps) == 2 and all(math.isfinite(r["dpo/loss"]) for r in steps)
     assert steps[0]["dpo/loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy == reference at the first step
+
+
+def test_an_epoch_counted_run_says_how_many_prompts_each_epoch_leaves_out_and_rounds_its_warmup_up(tmp_path):
+    """10 prompts in batches of 4: the loop trains 2 batches an epoch and leaves 2 prompts out (TRL trains them as a
+    smaller last batch), which the start says; 3 epochs are 6 optimizer steps, and --warmup_ratio 0.1 of them is
+    ceil(0.6) = 1 warm-up step, as transformers counts it (not 0)."""
+    from alignrl.data.sampler import BatchSampler
+
+    line = ["--dataset_name", str(_data(tmp_path, rows=10)), "--reward_model_path", "org/rm",
+            "--per_device_train_batch_size", "4", "--warmup_ratio", "0.1"]
+    cfg, words, lines = _config(line)
+    assert (cfg.trainer.total_training_steps, cfg.actor.lr_warmup_steps) == (6, 1)
+    assert not any(w.startswith("actor.lr_warmup_steps_ratio=") for w in words)
+    (said,) = [x for x in lines if "not trained each epoch" in x]
+    assert said.startswith("2 of the 10 training prompts are not trained each epoch (a different draw each epoch, "
+                           "the order shuffled): the loop draws whole batches of 4 prompts, 2 an epoch")
+    # what the loop's sampler draws in an epoch: 8 of the 10 prompts, as the line says
+    sampler = BatchSampler(10, cfg.data.draw_size, cfg.trainer.seed, cfg.data.shuffle)
+    drawn = {i for _ in range(2) for i in sampler.next()}
+    assert len(drawn) == 8
+    assert _config([*line, "data.shuffle=false"])[2][-1].startswith(
+        "2 of the 10 training prompts are not trained each epoch (the data's last rows)")
+    # alignrl's own warm-up key after the flags wins
+    assert _config([*line, "actor.lr_warmup_steps_ratio=0.5"])[0].actor.lr_warmup_steps == 3
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--max_steps", "2"], False),  # the run ends within the first epoch's whole batches
+    (["--max_steps", "3"], True),  # past the first epoch's end
+    (["--per_device_train_batch_size", "5"], False),  # batches of 5 divide the 10 prompts
+])
+def test_the_left_out_line_comes_only_when_prompts_are_left_out(flags, said, tmp_path):
+    _, _, lines = _config(["--dataset_name", str(_data(tmp_path, rows=10)), "--reward_model_path", "org/rm",
+                           "--per_device_train_batch_size", "4", *flags])
+    assert any("not trained each epoch" in x for x in lines) == said

@@ -9,7 +9,8 @@ ScriptArguments, ModelConfig and OnlineDPOConfig flags) as alignrl config keys, 
 The recipe is algorithm.adv_estimator=online_dpo (docs/algorithms.md): each prompt's two answers are a DPO pair, the
 higher reward chosen, with no KL loss beside the DPO loss's own pull (--beta) and one optimizer step per batch. TRL
 counts prompts: an optimizer step takes per_device_train_batch_size x ranks x gradient_accumulation_steps of them,
-two answers each; that is one alignrl RL step (data.train_batch_size, its whole batch one mini-batch). The flags
+two answers each; that is one alignrl RL step (data.train_batch_size, its whole batch one mini-batch). An epoch
+trains whole batches only, where TRL's last one holds the prompts left: the start says how many are left out. The flags
 shared with `trl grpo` (data, model and LoRA, optimizer, schedule, checkpoints, logging, `--config` YAML) are read
 and translated by the same code (`trl_grpo_flags`, `trl_grpo_keys`). Every default here is OnlineDPOConfig's.
 """
@@ -171,6 +172,33 @@ def translate(args, world: int, own: list[str] = ()) -> tuple[list[str], list[st
     return overrides, lines
 
 
+def epoch_counts(args, overrides: list[str], own: list[str]) -> tuple[list[str], list[str]]:
+    """(overrides, lines) from the training rows, counted as the loop counts them once the config loads. An
+    epoch-counted --warmup_ratio becomes whole warm-up steps rounded up as transformers rounds them (the config's
+    ratio rounds down); and a line says how many prompts of each epoch are not trained: the loop draws whole batches
+    only, where TRL's last batch of an epoch holds the prompts left (dataloader_drop_last false)."""
+    from alignrl.config import load_config
+    from alignrl.config.counts import train_rows  # the rows the loop reads
+
+    cfg = load_config(None, [w for w in [*overrides, *own] if "=" in w])
+    rows, batch, steps = train_rows(cfg), cfg.data.draw_size, cfg.trainer.total_training_steps
+    if rows is None or rows < batch:  # a missing file, or too few rows for one batch: the preflight says which
+        return overrides, []
+    if (args.warmup_ratio and not args.warmup_steps and args.max_steps <= 0
+            and not any(w.startswith("actor.lr_warmup_steps") for w in own)):  # alignrl's own warm-up key wins
+        optimizer_steps = steps * cfg.actor.ppo_epochs * cfg.mini_batches_per_step
+        overrides = [w for w in overrides if not w.startswith("actor.lr_warmup_steps_ratio=")]
+        overrides.append(f"actor.lr_warmup_steps={math.ceil(args.warmup_ratio * optimizer_steps)}")
+    left, per_epoch = rows % batch, rows // batch
+    if not left or (args.max_steps > 0 and steps <= per_epoch):  # every epoch whole, or the run ends within the first
+        return overrides, []
+    which = "a different draw each epoch, the order shuffled" if cfg.data.shuffle else "the data's last rows"
+    return overrides, [f"{left} of the {rows} training prompts are not trained each epoch ({which}): the loop draws "
+                       f"whole batches of {batch} prompts, {per_epoch} an epoch, where TRL trains the {left} left as "
+                       "a smaller last batch; per_device_train_batch_size x ranks x gradient_accumulation_steps "
+                       f"dividing {rows} trains them all"]
+
+
 def from_line(words: list[str]) -> tuple[list[str], list[str]]:
     """An online DPO line (the words after the command) as alignrl's words for `train grpo` (overrides, the line's
     own key=value overrides after them, --nproc), with the start lines saying how."""
@@ -178,6 +206,8 @@ def from_line(words: list[str]) -> tuple[list[str], list[str]]:
     args = F.parse(flags, parser(), REFUSED, WHAT)
     check(args, own)
     overrides, lines = translate(args, nproc or int(os.environ.get("WORLD_SIZE", "1")), own)
+    overrides, epoch_lines = epoch_counts(args, overrides, own)
+    lines += epoch_lines
     lines += F.unused_lines(args, NOT_APPLIED)
     return overrides + own + (["--nproc", str(nproc)] if nproc else []), lines
 

@@ -19,7 +19,7 @@ def resolve_counts(cfg: RunConfig, given: set[str], global_micro: int | None = N
     if global_micro is not None:
         a = replace(a, ppo_micro_batch_size=max(1, global_micro // requested_world_size(cfg)))
     steps = t.total_training_steps
-    rows = _train_rows(cfg) if t.total_epochs else None
+    rows = train_rows(cfg) if t.total_epochs else None
     if rows is not None:  # None: a missing file, which preflight reports before any launch
         # verl's batches of data.gen_batch_size (the training batch without it), the last partial one dropped
         per_epoch = max(1, rows // cfg.data.draw_size)
@@ -32,7 +32,7 @@ def resolve_counts(cfg: RunConfig, given: set[str], global_micro: int | None = N
                    actor=replace(a, lr_warmup_steps=actor_warmup), critic=replace(c, lr_warmup_steps=critic_warmup))
 
 
-def _train_rows(cfg: RunConfig) -> int | None:
+def train_rows(cfg: RunConfig) -> int | None:
     files = cfg.data.train_files
     if files == "synthetic":
         return cfg.data.train_size
