@@ -1,9 +1,10 @@
 """GKD's on-policy part of `alignrl train kd` (`preference.kd_onpolicy`): the per-step draw is the same on every rank
 and on a resume, a generated step trains the sampled tokens alone (its prompt untrained, the prompt being the tokens
 before the last trained span) over their count on the whole step (every rank's), seq_kd samples from the teacher,
-sampling is plain (no generation_config leaks in, no id beyond either head), the loss on generations is the
-distillation term alone and `temperature` leaves it as it is, lmbda=0 trains exactly as before, TRL's flags read and
-the refusals are one line each, the rows' before any model loads; short real runs on the tiny model."""
+sampling is plain (no generation_config leaks in, no id beyond either head) with each row's draws its own, the loss on
+generations is the distillation term alone and `temperature` leaves it as it is, lmbda=0 trains exactly as before,
+TRL's flags read and the refusals are one line each, the rows' before any model loads; short real runs on the tiny
+model. Two ranks: tests/test_kd_two_ranks.py."""
 
 import itertools
 import json
@@ -17,7 +18,8 @@ import torch
 from alignrl.config import ConfigError
 from alignrl.data.sft_rows import EncodedRow, collate_rows
 from alignrl.preference.kd_cli import kd_main, parse_kd
-from alignrl.preference.kd_onpolicy import OnPolicy, check_rows, draws_student, prompts_of, sample
+from alignrl.preference.kd_onpolicy import (OnPolicy, RowSampler, check_rows, draws_student, prompts_of,
+                                            row_seed, sample)
 
 ROWS = [{"prompt": f"count from {i}", "completion": " ".join(str(i + k) for k in range(1 + i % 4))} for i in range(8)]
 TRL_LINE = ["--model_name_or_path", "s", "--teacher_model_name_or_path", "t", "--dataset_name", "a.jsonl"]
@@ -72,8 +74,10 @@ def test_lmbda_one_trains_on_the_students_generations_over_their_count():
     assert len(batches) == 4 and len(student.calls) == 4 and not on.teacher.calls
     ids, mask, kw, training = student.calls[0]
     assert ids.tolist() == [[5, 6, 7], [6, 6, 7]] and mask.all()  # the prompts: the tokens before the first trained
-    assert (kw["do_sample"], kw["temperature"], kw["top_k"], kw["top_p"], kw["max_new_tokens"]) == (
-        True, 0.7, 0, 1.0, 7) and (kw["pad_token_id"], kw["eos_token_id"]) == (PAD, EOS) and not training
+    (sampler,) = kw["logits_processor"]  # greedy decoding of what RowSampler draws: plain sampling at 0.7
+    assert (kw["do_sample"], sampler.temperature, sampler.limit, kw["max_new_tokens"], kw["synced_gpus"]) == (
+        False, 0.7, None, 7, False) and (kw["pad_token_id"], kw["eos_token_id"]) == (PAD, EOS) and not training
+    assert sampler.seeds == [row_seed(42, 0, 0), row_seed(42, 0, 1)]  # the rows' own: (seed, step, row)
     assert student.training  # back to training after sampling
     first = batches[0]
     # each row: its prompt untrained, the sampled tokens up to and including the first eos trained, nothing after
@@ -106,6 +110,28 @@ def test_a_skipped_step_is_never_generated_for_and_a_dataset_step_keeps_its_rows
     assert plain and all(b.global_tokens == 99.0 for b in plain)  # the rows' own batches, as collated
 
 
+def test_a_rows_draws_are_its_own_and_follow_the_tempered_distribution():
+    """RowSampler: a row's pick depends on its seed and scores alone (not its neighbours or place in the batch), and
+    the next call draws its next token; the picks follow softmax(scores / temperature); no id from `limit` on is
+    drawn; it returns 0 at the pick and -inf elsewhere, which greedy decoding takes."""
+    scores = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1], [0.25] * 4]))
+    one = RowSampler([5, 6, 7], 1.0)(None, scores)
+    assert (one == 0).sum(-1).tolist() == [1, 1, 1] and one.isinf().sum(-1).tolist() == [3, 3, 3]
+    alone = RowSampler([6], 1.0)(None, scores[1:2])
+    swapped = RowSampler([7, 5, 6], 1.0)(None, scores[[2, 0, 1]])
+    assert alone.argmax(-1).item() == one[1].argmax().item()
+    assert swapped.argmax(-1).tolist() == one.argmax(-1)[[2, 0, 1]].tolist()
+    rows = scores[:1].expand(4000, -1)
+    many = RowSampler(list(range(4000)), 0.5)
+    first, second = many(None, rows).argmax(-1), many(None, rows).argmax(-1)
+    assert not torch.equal(first, second)  # each row's generator goes on to its next draw
+    tempered = torch.softmax(scores[0] / 0.5, -1)
+    freq = torch.bincount(torch.cat([first, second]), minlength=4) / 8000
+    assert torch.allclose(freq, tempered, atol=0.02), (freq, tempered)
+    capped = RowSampler(list(range(500)), 10.0, limit=2)(None, rows[:500]).argmax(-1)
+    assert set(capped.tolist()) == {0, 1}
+
+
 def test_trl_flags_read_and_the_refusals_are_one_line_each(capsys):
     cfg = parse_kd(TRL_LINE + ["--lmbda", "0.5", "--seq_kd", "--max_new_tokens", "64"])
     assert (cfg.lmbda, cfg.seq_kd, cfg.max_new_tokens, cfg.temperature, cfg.distil_temperature) == (
@@ -116,12 +142,11 @@ def test_trl_flags_read_and_the_refusals_are_one_line_each(capsys):
     assert parse_kd(TRL_LINE + ["lmbda=0"]).lmbda == 0.0
     ours = ["teacher_model_path=t", "train_files=[a.jsonl]"]
     assert parse_kd(ours).lmbda == 0.0
-    cases = {("strategy=fsdp2",): "fsdp2 shards them", ("strategy=deepspeed", "zero_stage=3"): "ZeRO-3 shards them",
-             ("packing=true",): "packing=true lays rows end to end"}
-    for extra, said in cases.items():
-        with pytest.raises(ConfigError, match=f"^lmbda=0.5: .*{said}") as err:
-            parse_kd(ours + ["lmbda=0.5", *extra])
-        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="^lmbda=0.5: .*packing=true lays rows end to end") as err:
+        parse_kd(ours + ["lmbda=0.5", "packing=true"])
+    assert "\n" not in str(err.value)
+    for sharded in (["strategy=fsdp2"], ["strategy=deepspeed", "zero_stage=3"]):  # they generate in step
+        assert parse_kd(ours + ["lmbda=0.5", *sharded]).lmbda == 0.5
     parse_kd(ours + ["strategy=deepspeed", "zero_stage=2", "seq_kd=true"])
     with pytest.raises(ConfigError, match="^seq_kd=true with kd_coef=0: .*distillation loss alone"):
         parse_kd(ours + ["seq_kd=true", "kd_coef=0"])
@@ -186,8 +211,7 @@ def test_plain_sampling_the_folders_generation_config_changes_nothing(tiny_model
     prompts = [tok("count from 3")["input_ids"], tok("hello")["input_ids"]]
 
     def drawn():
-        torch.manual_seed(0)
-        return sample(model, prompts, tok.pad_token_id, tok.eos_token_id, cfg, torch.device("cpu"))
+        return sample(model, prompts, tok.pad_token_id, tok.eos_token_id, cfg, torch.device("cpu"), [0, 1])
 
     plain, saved = drawn(), model.generation_config
     assert any(len(set(r)) < len(r) for r in plain)  # it repeats tokens: no_repeat_ngram_size=1 would change it

@@ -80,7 +80,7 @@ def parse_kd(argv: list[str]) -> KDConfig:
                 "optimizer step trains on the student's own generations for the rows' prompts, --seq_kd trains on "
                 "the teacher's, --temperature samples them (the loss's is distil_temperature), --max_new_tokens caps "
                 "them; a step on generations trains on the distillation loss alone (GKD's); generating is refused "
-                "with fsdp2, ZeRO-3, packing, kd_coef=0, images, and rows with no prompt. The sft switches "
+                "with packing, kd_coef=0, images, and rows with no prompt. The sft switches "
                 "(--packing_samples, --pretrain_mode, --multiturn) as `alignrl train sft --help` says. Keys and the "
                 "loss: docs/kd.md")
     rest, packing = packing_switches(argv)
@@ -133,20 +133,15 @@ def asked(cfg: KDConfig) -> str:
 
 
 def check_generation(cfg: KDConfig, temperature_given: bool = False) -> None:
-    """Generating needs the student's whole weights on each rank, rows laid out one per sequence and the teacher in
-    the loss: sharded engines, packing and kd_coef=0 are one line each; a temperature the line gives with nothing
-    to sample is said."""
+    """Generating needs rows laid out one per sequence and the teacher in the loss: packing and kd_coef=0 are one
+    line each (a student sharded by fsdp2 or ZeRO-3 generates with every rank in each forward, `kd_onpolicy`); a
+    temperature the line gives with nothing to sample is said."""
     if not generates(cfg):
         if temperature_given and cfg.temperature != 1.0:
             say(f"note: temperature={cfg.temperature:g} samples the generations alone and nothing generates here "
                 "(lmbda=0, seq_kd=false); the loss's temperature is distil_temperature")
         return
     why = asked(cfg)
-    sharded = cfg.strategy == "fsdp2" or (cfg.strategy == "deepspeed" and cfg.zero_stage == 3)
-    if sharded:
-        raise ConfigError(f"{why}: the generations need the student's whole weights on each rank, and "
-                          f"{'fsdp2' if cfg.strategy == 'fsdp2' else 'ZeRO-3'} shards them; train with "
-                          "strategy=ddp or deepspeed with zero_stage 2, or set lmbda=0 and seq_kd=false")
     if cfg.packing:
         raise ConfigError(f"{why}: generated completions replace each row's own, one row per sequence, and "
                           "packing=true lays rows end to end; set packing=false, or lmbda=0 and seq_kd=false")

@@ -17,8 +17,12 @@ the step's token count, which normalises its loss, must be known before its firs
 
 The wrapper sits around the loader `preference.sft.train_sft` hands `common.train_pairs`: it yields stand-ins whose
 `to(device)` prepares their step when the first of them moves, so the micro-batches a resumed run skips are never
-generated for. Sampling is seeded by (seed, step, rank, micro-batch) under a forked random state: dropout's draws,
-which train_pairs keys by the micro-batch, are left as they were.
+generated for. Each row samples from a generator of its own seeded by (seed, step, the row's data set position)
+(`row_seed`, `RowSampler`): a row's completion does not depend on the rank, micro-batch or neighbours it has, so two
+ranks sample what one process accumulating the same global batch does, and the global random state (dropout's,
+which train_pairs keys by the micro-batch) is left as it was. A student sharded over the ranks (FSDP2, ZeRO-3)
+generates with `generate`'s synced_gpus: its forwards gather weights from every rank, so every rank runs forwards
+until the last rank's rows are done.
 """
 
 from __future__ import annotations
@@ -74,12 +78,21 @@ def cut_at_eos(tokens: list[int], eos: int) -> list[int]:
     return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
 
 
+def row_seed(seed: int, step: int, row: int) -> int:
+    """The seed of a row's completion at optimizer step `step`: (seed, step, the row's data set position) alone, so a
+    row samples the same whatever rank, micro-batch and neighbours it has, and a resumed run samples what the whole
+    run did; the same row in another epoch (another step) samples anew."""
+    return (seed * 1_000_003 + step * 7_919 + row * 104_729 + 15_485_863) % 2**63
+
+
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], pad: int, eos: int, cfg: KDConfig, device: torch.device,
-           limit: int | None = None) -> list[list[int]]:
-    """Each prompt's sampled completion (`cut_at_eos`): the prompts left-padded for `generate`, the model in eval
-    mode for it (no dropout) and back as it was; ids from `limit` on never drawn (entries beyond the tokenizer, or
-    beyond the other model's head)."""
+           seeds: list[int], limit: int | None = None, synced: bool = False) -> list[list[int]]:
+    """Each prompt's sampled completion (`cut_at_eos`), row r's tokens drawn from a generator seeded by `seeds[r]`
+    (`RowSampler`); the prompts left-padded for `generate`, the model in eval mode for it (no dropout) and back as
+    it was; ids from `limit` on never drawn (entries beyond the tokenizer, or beyond the other model's head).
+    `synced`: the model's weights are sharded over the ranks (FSDP2, ZeRO-3), whose forwards are collectives, so
+    every rank runs forwards until the last rank's rows are done (`generate`'s synced_gpus)."""
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -88,14 +101,37 @@ def sample(model, prompts: list[list[int]], pad: int, eos: int, cfg: KDConfig, d
     was = model.training
     model.eval()
     try:
+        from transformers import LogitsProcessorList
+
+        # greedy decoding of the scores RowSampler leaves: its pick at 0, every other id at -inf
         with pc.autocast(cfg, device), _plain_sampling(model):
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
-                                 temperature=cfg.temperature, top_k=0, top_p=1.0, max_new_tokens=cfg.max_new_tokens,
-                                 pad_token_id=pad, eos_token_id=eos, use_cache=True,
-                                 logits_processor=_below(limit))
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                                 max_new_tokens=cfg.max_new_tokens, pad_token_id=pad, eos_token_id=eos,
+                                 use_cache=True, synced_gpus=synced,
+                                 logits_processor=LogitsProcessorList([RowSampler(seeds, cfg.temperature, limit)]))
     finally:
         model.train(was)
     return [cut_at_eos(row, eos) for row in out[:, width:].tolist()]
+
+
+class RowSampler:
+    """`generate`'s logits processor that samples: each row's next token drawn from softmax(scores / temperature)
+    (top_k 0, top_p 1) with a generator of the row's own, the other ids then set to -inf for greedy decoding to take
+    it. One generator per row, not the batch's shared random state, makes a row's completion independent of the
+    batch it sits in: one process and several ranks, any gradient accumulation, sample the same rows alike."""
+
+    def __init__(self, seeds: list[int], temperature: float, limit: int | None = None):
+        self.seeds, self.temperature, self.limit, self.generators = seeds, temperature, limit, None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.generators is None:  # on the scores' device, made at the first token
+            self.generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
+        logits = scores.float() / self.temperature
+        if self.limit is not None:
+            logits[:, self.limit:] = float("-inf")
+        probs = torch.softmax(logits, dim=-1)
+        picks = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators)])
+        return torch.full_like(scores, float("-inf")).scatter_(1, picks[:, None], 0.0)
 
 
 @contextmanager
@@ -116,17 +152,6 @@ def _plain_sampling(model):
     finally:
         for m, config in zip(owners, saved):
             m.generation_config = config
-
-
-def _below(limit: int | None):
-    """`generate`'s logits processors: with `limit`, one that gives every id from it on probability 0."""
-    from transformers import LogitsProcessorList
-
-    def cap(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        keep = torch.arange(scores.shape[-1], device=scores.device) < limit
-        return scores.masked_fill(~keep, float("-inf"))
-
-    return LogitsProcessorList([cap] if limit is not None else [])
 
 
 @dataclass
@@ -160,7 +185,7 @@ class OnPolicy:
     def __init__(self, cfg: KDConfig):
         self.cfg, self.teacher, self.student, self.env, self.tok = cfg, None, None, None, None
         self.limit: int | None = None
-        self.generated = False
+        self.generated, self.sharded = False, False
         self.now = {"on_policy": 0.0, "completion_length": 0.0}
 
     def check(self, encoded: list[EncodedRow]) -> None:
@@ -174,6 +199,8 @@ class OnPolicy:
 
     def __call__(self, loader, engine, encoded: list[EncodedRow], tok, env, log):
         self.student, self.env, self.tok = engine.model, env, tok  # the unwrapped module: DDP's hooks stay out
+        # FSDP2's or ZeRO-3's student: its forwards gather the weights from every rank
+        self.sharded = env.world_size > 1 and not getattr(engine, "whole_weights", True)
         cfg = self.cfg
         log.print(f"on-policy distillation: each optimizer step trains on the student's generations with chance "
                   f"lmbda={cfg.lmbda:g}" + (", on the teacher's otherwise" if cfg.seq_kd else "")
@@ -202,7 +229,7 @@ class OnPolicy:
             rows = sum(b.n_rows for b in batches)
             self.now = {"on_policy": 0.0, "completion_length": sum(float(b.loss_mask.sum()) for b in batches) / rows}
             return [b.to(device, non_blocking=non_blocking) for b in batches]
-        made = [self._generated(model, b, index, k, device) for k, b in enumerate(batches)]
+        made = [self._generated(model, b, index, device) for b in batches]
         from alignrl.runtime.env import all_reduce_sum
 
         mine = [sum(len(e.ids) - len(p) for e, p in rows) for rows in made]
@@ -211,12 +238,12 @@ class OnPolicy:
         pad = self.tok.pad_token_id
         return [collate_rows([e for e, _ in rows], pad, tokens).to(device) for rows in made]
 
-    def _generated(self, model, batch: SFTBatch, index: int, k: int, device: torch.device):
-        """[(the row of prompt + generated completion, its prompt)] for the micro-batch's rows."""
-        prompts = prompts_of(batch)
-        fork = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=fork):
-            torch.manual_seed((self.cfg.seed * 1_000_003 + index * 1_009 + self.env.rank * 101 + k) % 2**63)
-            made = sample(model, prompts, self.tok.pad_token_id, self.tok.eos_token_id, self.cfg, device, self.limit)
+    def _generated(self, model, batch: SFTBatch, index: int, device: torch.device):
+        """[(the row of prompt + generated completion, its prompt)] for the micro-batch's rows, each row sampled from
+        its own seed (`row_seed`)."""
+        prompts, rows = prompts_of(batch), batch.index.tolist()
+        synced = self.sharded and model is self.student  # the teacher is whole on every rank
+        made = sample(model, prompts, self.tok.pad_token_id, self.tok.eos_token_id, self.cfg, device,
+                      [row_seed(self.cfg.seed, index, int(i)) for i in rows], self.limit, synced)
         return [(EncodedRow(p + c, [False] * len(p) + [True] * len(c), int(i)), p)
-                for p, c, i in zip(prompts, made, batch.index.tolist())]
+                for p, c, i in zip(prompts, made, rows)]
