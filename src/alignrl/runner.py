@@ -46,7 +46,8 @@ from alignrl.utils.tracking import Tracker, console
 def algorithm_name(cfg: RunConfig) -> str:
     """What the run trains, for its header and progress bar: PPO when a critic gives the advantages."""
     names = {"grpo": "GRPO", "rloo": "RLOO", "reinforce_plus_plus": "REINFORCE++",
-             "reinforce_plus_plus_baseline": "REINFORCE++ (baseline)", "remax": "ReMax"}
+             "reinforce_plus_plus_baseline": "REINFORCE++ (baseline)", "remax": "ReMax", "opo": "OPO",
+             "grpo_passk": "GRPO (pass@k)", "rloo_vectorized": "RLOO", "grpo_vectorized": "GRPO"}
     name = names.get(cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator)
     if cfg.algorithm.outcome_baseline != "none":
         name += f" ({cfg.algorithm.outcome_baseline} baseline)"

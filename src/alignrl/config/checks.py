@@ -10,6 +10,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from alignrl.config.agent_checks import multi_turn_problem
+from alignrl.config.estimator_checks import UNAVAILABLE, estimator_problem
 from alignrl.config.loss_checks import loss_option_problem
 from alignrl.config.online_dpo_checks import online_dpo_problem
 from alignrl.config.ptx_schema import ptx_problem
@@ -55,7 +56,8 @@ def check_ranges(obj: Any, prefix: str = "") -> None:
             continue
         m = f.metadata
         if m.get("choices") and value not in m["choices"]:
-            raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, m['choices']))}")
+            raise ConfigError(UNAVAILABLE.get((key, value))
+                              or f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, m['choices']))}")
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value} must be a finite number")
         for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
@@ -212,26 +214,6 @@ def _optimiser_and_clips(cfg: RunConfig) -> str | None:
     return None
 
 
-def _estimator(cfg: RunConfig) -> str | None:
-    alg = cfg.algorithm
-    if cfg.rollout.n < 2 and alg.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo"):
-        # each sample is measured against the others of its prompt: alone, every advantage would be 0 and the
-        # run would train on nothing but its KL and entropy terms
-        return (f"algorithm.adv_estimator={alg.adv_estimator} compares the samples of each prompt: "
-                f"rollout.n={cfg.rollout.n} leaves none to compare with; set rollout.n >= 2 (verl's "
-                "actor_rollout_ref.rollout.n), or use reinforce_plus_plus or remax")
-    if alg.outcome_baseline != "none" and alg.adv_estimator != "reinforce_plus_plus":
-        return (f"algorithm.outcome_baseline={alg.outcome_baseline} shapes REINFORCE++'s outcome rewards: "
-                f"set algorithm.adv_estimator=reinforce_plus_plus, or outcome_baseline=none")
-    if alg.outcome_baseline != "none" and cfg.rollout.n < 2:
-        return (f"algorithm.outcome_baseline={alg.outcome_baseline} compares the samples of each prompt: "
-                f"set rollout.n >= 2, or outcome_baseline=none")
-    if alg.whiten_advantages != "std" and alg.adv_estimator not in ("reinforce_plus_plus", "gae"):
-        return (f"algorithm.whiten_advantages={alg.whiten_advantages} applies to reinforce_plus_plus and "
-                f"gae (got {alg.adv_estimator}): drop it, or pick one of those estimators")
-    return None
-
-
 def _critic(cfg: RunConfig) -> str | None:
     gae = cfg.algorithm.adv_estimator == "gae"
     if gae and not cfg.critic.enable:
@@ -372,8 +354,8 @@ def _dynamic_sampling(cfg: RunConfig) -> str | None:
 # (check_prompt_keys raises its own, with the same kind of line)
 _COMBINATIONS = (_batch_sizes, online_dpo_problem, _validation_sampler, replay_problem, _overlong_buffer,
                  _rollout_is, _loggers_and_files, check_prompt_keys, _train_probs, _optimiser_and_clips,
-                 _dynamic_sampling, _estimator, _critic, _pipeline, _ref_sync, _safety, _urls, multi_turn_problem, ptx_problem,
-                 reward_limit_problem, loss_option_problem, ref_path_problem)
+                 _dynamic_sampling, estimator_problem, _critic, _pipeline, _ref_sync, _safety, _urls, multi_turn_problem,
+                 ptx_problem, reward_limit_problem, loss_option_problem, ref_path_problem)
 
 
 def _number(x) -> bool:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from alignrl.config.schema import RunConfig
 
 DELTA_LOSSES = ("ppo_clip", "gspo", "luspo")  # the losses with an unclipped ratio term to cap
-SEQUENCE_ESTIMATORS = ("rloo", "grpo", "gpg")  # one advantage per sequence, what seq_ppo_clip's ratio weighs
+# one advantage per sequence, what seq_ppo_clip's ratio weighs
+SEQUENCE_ESTIMATORS = ("rloo", "grpo", "gpg", "opo", "grpo_passk", "rloo_vectorized", "grpo_vectorized")
 
 
 def loss_option_problem(cfg: RunConfig) -> str | None:

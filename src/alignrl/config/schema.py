@@ -205,12 +205,17 @@ class AlgorithmConfig:
     adv_estimator: str = opt("grpo", "advantage estimator: grpo (GRPO/Dr.GRPO), rloo (leave-one-out), "
                                      "reinforce_plus_plus (whitened returns), reinforce_plus_plus_baseline, remax "
                                      "(greedy baseline), gpg (GPG's scaled group baseline), gdpo (each of "
-                                     "gdpo_reward_keys normalized in its group, summed, whitened: verl's GDPO), gae "
-                                     "(PPO with critic.enable=true), online_dpo (each prompt's two answers a DPO "
+                                     "gdpo_reward_keys normalized in its group, summed, whitened: verl's GDPO), opo "
+                                     "(group baseline weighted by response length: verl's OPO), grpo_passk (only "
+                                     "each group's best response learns, best minus second best, divided by the "
+                                     "group std under norm_adv_by_std_in_grpo: verl's pass@k GRPO), "
+                                     "rloo_vectorized and grpo_vectorized (verl's names of rloo and grpo), gae (PPO "
+                                     "with critic.enable=true), online_dpo (each prompt's two answers a DPO "
                                      "pair, the higher reward chosen: TRL's online DPO, with dpo_beta and "
                                      "dpo_loss_type)",
                              choices=("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                                      "gpg", "gdpo", "gae", "online_dpo"))
+                                      "gpg", "gdpo", "opo", "grpo_passk", "rloo_vectorized", "grpo_vectorized", "gae",
+                                      "online_dpo"))
     dpo_beta: float = opt(0.1, "adv_estimator=online_dpo: the DPO loss's beta, the strength of its pull toward the "
                                "reference (TRL's --beta)", gt=0.0)
     dpo_loss_type: str = opt("sigmoid", "adv_estimator=online_dpo: sigmoid (DPO's -log sigmoid(beta h)) or ipo "

@@ -199,6 +199,9 @@ ONLY_VALUE: dict[str, tuple[object, str]] = {
     R + "ignore_eos": (False, "generation always stops at eos"),
     "critic.optim.warmup_style": ("constant", "the critic's lr is constant after its warm-up"),
     R + "mode": ("async", "alignrl's engines batch every prompt of a step; verl 0.7 removed the sync mode too"),
+    A + "calculate_sum_pi_squared": (False, "alignrl's actor does not compute each token's sum of squared "
+                                            "probabilities, which verl's optimal token baselines read: use "
+                                            "algorithm.adv_estimator=grpo or rloo"),
 }
 # verl's validation sampler (rollout.val_kwargs): ours is rollout.val_*; do_sample=false (verl's default) is greedy
 VAL_KWARGS = {R + "val_kwargs.temperature": "rollout.val_temperature", R + "val_kwargs.top_p": "rollout.val_top_p",

@@ -3,7 +3,7 @@
 Sequence-level estimators take `rewards (B,)` and `group (B,)` (long ids of the prompt each sample
 answers) and return `(B,)`; token-level ones take `token_rewards (B, T)` and a `mask (B, T)` (1 on
 tokens the policy generated) and return `(B, T)`, zero outside the mask. A sample alone in its group
-has no baseline and gets advantage 0.
+has no baseline and gets advantage 0 (under gpg and opo it keeps its reward, as verl's).
 """
 
 from __future__ import annotations
@@ -162,6 +162,41 @@ def gpg_advantages(rewards: torch.Tensor, group: torch.Tensor, sum_ranks: SumRan
     return (size / max(nonzero, 1.0)) * (rewards - mean[group])
 
 
+def opo_advantages(rewards: torch.Tensor, group: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """On-Policy RL with Optimal reward baseline (OPO, arXiv:2505.23585), as verl computes it
+    (compute_opo_outcome_advantage).
+
+    rewards (B,), group (B,), mask (B, T) -> (B,). A = r - b_group, b the group's rewards weighted by their
+    responses' lengths (masked tokens): sum(len * r) / sum(len), the variance-minimising baseline when a sequence's
+    gradient grows with its length. A group of one keeps its reward (baseline 0, as verl's)."""
+    length = mask.to(rewards.dtype).sum(-1)
+    count, weighted = _group_sums(length * rewards, group)
+    _, total_length = _group_sums(length, group)
+    # a group of empty responses: verl's 0/0; its rows are masked out whole, so 0 changes nothing they train on
+    baseline = torch.where(count > 1, weighted / total_length.clamp(min=1), torch.zeros_like(weighted))
+    return rewards - baseline[group]
+
+
+def passk_advantages(rewards: torch.Tensor, group: torch.Tensor, norm_by_std: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """GRPO for pass@k (arXiv:2503.19595, as verl cites it), as verl computes it
+    (compute_grpo_passk_outcome_advantage): only the best response of each group learns, with advantage best minus
+    second best, divided by the group's unbiased std + eps when `norm_by_std`; every other response gets 0.
+
+    rewards (B,), group (B,) -> (B,). A tie at the top gives the whole group 0. A group of one has no second best:
+    ValueError, as verl's (rollout.n >= 2 is checked when the config loads)."""
+    out = torch.zeros_like(rewards)
+    for g in torch.unique(group).tolist():
+        rows = (group == g).nonzero().squeeze(-1)
+        r = rewards[rows]
+        if r.numel() < 2:
+            raise ValueError(f"grpo_passk needs two samples or more of each prompt; group {g} has {r.numel()}")
+        top, where = torch.topk(r, 2)
+        gap = top[0] - top[1]
+        out[rows[where[0]]] = gap / (r.std() + eps) if norm_by_std else gap
+    return out
+
+
 def _discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """Return-to-go over the masked tokens only: masked-out tokens (tool output, padding) are
     skipped, neither discounted nor adding their reward. (B, T) -> (B, T), 0 outside the mask."""
@@ -266,7 +301,7 @@ class OutcomeInputs:
     mask: torch.Tensor  # (B, T) float, 1 on trained tokens
     group: torch.Tensor  # (B,) long prompt ids; groups never span data-parallel ranks
     baseline: torch.Tensor | None = None  # (B,) greedy-response reward of each row's prompt (ReMax)
-    norm_by_std: bool = True  # GRPO: divide by the group std (False: Dr.GRPO)
+    norm_by_std: bool = True  # GRPO, grpo_passk: divide by the group std (False: Dr.GRPO)
     gamma: float = 1.0  # REINFORCE++ discount
     sum_ranks: SumRanks = None  # batch-wide whitening over data-parallel ranks
     outcome: torch.Tensor | None = None  # (B,) the outcome rewards alone, before any KL penalty (None: rewards)
@@ -305,6 +340,14 @@ def _gpg(x: OutcomeInputs) -> torch.Tensor:
     return gpg_advantages(x.rewards, x.group, x.sum_ranks)
 
 
+def _opo(x: OutcomeInputs) -> torch.Tensor:
+    return opo_advantages(x.rewards, x.group, x.mask)
+
+
+def _grpo_passk(x: OutcomeInputs) -> torch.Tensor:
+    return passk_advantages(x.rewards, x.group, x.norm_by_std)
+
+
 def _remax(x: OutcomeInputs) -> torch.Tensor:
     return remax_advantages(x.token_rewards, x.mask, x.baseline)
 
@@ -326,4 +369,11 @@ ADVANTAGES: dict[str, Callable[[OutcomeInputs], torch.Tensor]] = {
     "remax": _remax,
     "gpg": _gpg,
     "gdpo": _gdpo,
+    "opo": _opo,
+    "grpo_passk": _grpo_passk,
+    # verl's vectorized forms are the same functions here: rloo_vectorized is alignrl's rloo exactly (0 for a group
+    # of one, where verl's loop rloo keeps the reward); grpo_vectorized gives verl's grpo's numbers, as alignrl's grpo
+    # does for every group of two or more (one alone: 0 here, r / (1 + eps) in verl; rollout.n >= 2 is checked)
+    "rloo_vectorized": _rloo,
+    "grpo_vectorized": _grpo,
 }

@@ -1,0 +1,273 @@
+"""verl's opo, grpo_passk, rloo_vectorized and grpo_vectorized estimators against plain-loop transcriptions of verl's
+functions (verl/trainer/ppo/core_algos.py, verl/utils group_mean_std), through the table the RL loop reads; the refusal
+of its optimal token baselines; and a step of the RL loop with each."""
+
+import json
+import math
+from collections import defaultdict
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from alignrl.config import ConfigError, load_config
+from alignrl.core.advantages import ADVANTAGES, OutcomeInputs
+from smallrun import overrides, weights
+
+NEW = ("opo", "grpo_passk", "rloo_vectorized", "grpo_vectorized")
+
+
+# ---- verl's functions, transcribed with Python loops over rows and groups --------------------------------------
+
+def verl_opo(token_level_rewards, response_mask, index):
+    response_length = response_mask.sum(dim=-1)
+    scores = token_level_rewards.sum(dim=-1)
+    id2score, id2len, id2bsl = defaultdict(list), defaultdict(list), {}
+    for i in range(scores.shape[0]):
+        id2score[index[i]].append(scores[i])
+        id2len[index[i]].append(response_length[i])
+    for idx in id2score:
+        if len(id2score[idx]) == 1:
+            id2bsl[idx] = torch.tensor(0.0)
+        else:
+            score_tensor, len_tensor = torch.stack(id2score[idx]), torch.stack(id2len[idx])
+            id2bsl[idx] = (len_tensor * score_tensor).sum() / len_tensor.sum()
+    for i in range(scores.shape[0]):
+        scores[i] = scores[i] - id2bsl[index[i]]
+    return scores.unsqueeze(-1) * response_mask
+
+
+def verl_grpo_passk(token_level_rewards, response_mask, index, norm_adv_by_std_in_grpo, epsilon=1e-6):
+    scores = token_level_rewards.sum(dim=-1)
+    advantages = torch.zeros_like(scores)
+    id2scores, id2indices = defaultdict(list), defaultdict(list)
+    for i in range(scores.shape[0]):
+        id2scores[index[i]].append(scores[i])
+        id2indices[index[i]].append(i)
+    for idx in id2scores:
+        rewards = torch.stack(id2scores[idx])
+        if rewards.numel() < 2:
+            raise ValueError(f"Pass@k requires at least 2 samples per group. Got {rewards.numel()}")
+        topk, topk_idx = torch.topk(rewards, 2)
+        advantage = topk[0] - topk[1]
+        if norm_adv_by_std_in_grpo:
+            advantage = advantage / (torch.std(rewards) + epsilon)
+        advantages[id2indices[idx][topk_idx[0].item()]] = advantage
+    return advantages.unsqueeze(-1) * response_mask
+
+
+def verl_rloo(token_level_rewards, response_mask, index):
+    scores = token_level_rewards.sum(dim=-1)
+    id2score, id2mean = defaultdict(list), {}
+    for i in range(scores.shape[0]):
+        id2score[index[i]].append(scores[i])
+    for idx in id2score:
+        id2mean[idx] = torch.tensor(0.0) if len(id2score[idx]) == 1 else torch.mean(torch.stack(id2score[idx]))
+    for i in range(scores.shape[0]):
+        n = len(id2score[index[i]])
+        if n > 1:
+            scores[i] = scores[i] * n / (n - 1) - id2mean[index[i]] * n / (n - 1)
+    return scores.unsqueeze(-1) * response_mask
+
+
+def verl_rloo_vectorized(token_level_rewards, response_mask, index):
+    """(c * r - group sum) / max(c - 1, 1), times (c > 1), row by row."""
+    scores = token_level_rewards.sum(dim=-1)
+    out = torch.zeros_like(scores)
+    for i in range(scores.shape[0]):
+        rows = [j for j in range(scores.shape[0]) if index[j] == index[i]]
+        c = float(len(rows))
+        total = sum(float(scores[j]) for j in rows)
+        out[i] = (c * float(scores[i]) - total) / max(c - 1, 1) * (c > 1)
+    return out.unsqueeze(-1) * response_mask
+
+
+def verl_grpo(token_level_rewards, response_mask, index, norm_adv_by_std_in_grpo=True, epsilon=1e-6):
+    scores = token_level_rewards.sum(dim=-1)
+    id2score, id2mean, id2std = defaultdict(list), {}, {}
+    for i in range(scores.shape[0]):
+        id2score[index[i]].append(scores[i])
+    for idx in id2score:
+        if len(id2score[idx]) == 1:
+            id2mean[idx], id2std[idx] = torch.tensor(0.0), torch.tensor(1.0)
+        else:
+            id2mean[idx], id2std[idx] = torch.mean(torch.stack(id2score[idx])), torch.std(torch.stack(id2score[idx]))
+    for i in range(scores.shape[0]):
+        centred = scores[i] - id2mean[index[i]]
+        scores[i] = centred / (id2std[index[i]] + epsilon) if norm_adv_by_std_in_grpo else centred
+    return scores.unsqueeze(-1) * response_mask
+
+
+def verl_grpo_vectorized(token_level_rewards, response_mask, index, epsilon=1e-6):
+    """group_mean_std(eps=0) per group from its sums, a group of one mean 0 and std 1; verl calls it without
+    norm_adv_by_std_in_grpo, so it always divides."""
+    scores = token_level_rewards.sum(dim=-1).float()
+    out = torch.zeros_like(scores)
+    for i in range(scores.shape[0]):
+        group = [float(scores[j]) for j in range(scores.shape[0]) if index[j] == index[i]]
+        c, s1, s2 = float(len(group)), sum(group), sum(v * v for v in group)
+        mean, std = s1 / c, math.sqrt(max((s2 - s1 * s1 / c) / max(c - 1, 1), 0.0))
+        if c <= 1:
+            mean, std = 0.0, 1.0
+        out[i] = (float(scores[i]) - mean) / (std + epsilon)
+    return out.unsqueeze(-1) * response_mask
+
+
+# ---- random batches: groups of one to five in shuffled order, ragged masks, tied or continuous rewards ---------
+
+def random_batch(seed: int, tied: bool, min_group: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [int(torch.randint(min_group, 6, (1,), generator=gen)) for _ in range(6)]
+    group = torch.tensor([g for g, n in enumerate(sizes) for _ in range(n)])
+    group = group[torch.randperm(len(group), generator=gen)]
+    b, t = len(group), 7
+    lengths = torch.randint(1, t + 1, (b,), generator=gen)
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
+    outcome = (torch.randint(0, 3, (b,), generator=gen) / 2.0 if tied else torch.randn(b, generator=gen)).float()
+    last = torch.nn.functional.one_hot(lengths - 1, t).float()
+    # untied: a per-token penalty on every generated token too, as the KL in the reward puts (the sequence reward
+    # is the sum); tied: the outcome alone, so that equal rewards stay equal
+    noise = torch.zeros(b, t) if tied else 0.05 * torch.randn(b, t, generator=gen) * mask
+    token_rewards = outcome[:, None] * last + noise
+    return token_rewards, mask, group
+
+
+def ours(name: str, token_rewards, mask, group, norm_by_std: bool = True) -> torch.Tensor:
+    """The advantages the RL loop takes from the table, per token as it trains on them."""
+    adv = ADVANTAGES[name](OutcomeInputs(token_rewards.sum(-1), token_rewards, mask, group, norm_by_std=norm_by_std))
+    return adv[:, None] * mask if adv.dim() == 1 else adv
+
+
+CASES = [(seed, tied) for seed in range(6) for tied in (False, True)]
+
+
+@pytest.mark.parametrize(("seed", "tied"), CASES)
+def test_opo_is_verls(seed, tied):
+    token_rewards, mask, group = random_batch(seed, tied)
+    expected = verl_opo(token_rewards.clone(), mask, group.tolist())
+    torch.testing.assert_close(ours("opo", token_rewards, mask, group), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_opo_weights_the_baseline_by_length():
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]]).float()
+    token_rewards = torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 0.0], [0, 5.0, 0, 0]])
+    adv = ours("opo", token_rewards, mask, torch.tensor([0, 0, 1]))[:, 0]
+    assert adv.tolist() == pytest.approx([1.0 - 1.0 / 5.0, -1.0 / 5.0, 5.0])  # (1*1 + 4*0) / 5; alone: its reward
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize(("seed", "tied"), CASES)
+def test_grpo_passk_is_verls(seed, tied, norm):
+    token_rewards, mask, group = random_batch(seed, tied, min_group=2)
+    expected = verl_grpo_passk(token_rewards.clone(), mask, group.tolist(), norm)
+    got = ours("grpo_passk", token_rewards, mask, group, norm_by_std=norm)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert int((got.abs().sum(-1) > 0).sum()) <= int(group.max()) + 1  # one learner per group at most
+
+
+def test_grpo_passk_ties_and_groups_of_one():
+    mask = torch.ones(5, 1)
+    adv = ours("grpo_passk", torch.tensor([[1.0], [1.0], [0.0], [2.0], [0.5]]), mask, torch.tensor([0, 0, 0, 1, 1]),
+               norm_by_std=False)
+    assert adv[:, 0].tolist() == [0.0, 0.0, 0.0, 1.5, 0.0]  # a tie at the top teaches nothing; else best - second
+    with pytest.raises(ValueError, match="grpo_passk needs two samples or more of each prompt; group 1 has 1"):
+        ours("grpo_passk", torch.ones(3, 1), torch.ones(3, 1), torch.tensor([0, 0, 1]))
+    with pytest.raises(ValueError):  # as verl's
+        verl_grpo_passk(torch.ones(3, 1), torch.ones(3, 1), [0, 0, 1], True)
+
+
+@pytest.mark.parametrize(("seed", "tied"), CASES)
+def test_rloo_vectorized_is_verls_and_alignrls_rloo(seed, tied):
+    assert ADVANTAGES["rloo_vectorized"] is ADVANTAGES["rloo"]
+    token_rewards, mask, group = random_batch(seed, tied)
+    expected = verl_rloo_vectorized(token_rewards.clone(), mask, group.tolist())
+    torch.testing.assert_close(ours("rloo_vectorized", token_rewards, mask, group), expected, rtol=1e-5, atol=1e-5)
+    # verl's loop rloo agrees on every group of two or more; a group of one keeps its reward there
+    count = torch.bincount(group)[group]
+    loop = verl_rloo(token_rewards.clone(), mask, group.tolist())
+    torch.testing.assert_close(loop[count > 1], expected[count > 1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("seed", "tied"), CASES)
+def test_grpo_vectorized_is_verls_and_alignrls_grpo(seed, tied):
+    assert ADVANTAGES["grpo_vectorized"] is ADVANTAGES["grpo"]
+    token_rewards, mask, group = random_batch(seed, tied)
+    vectorized = verl_grpo_vectorized(token_rewards.clone(), mask, group.tolist())
+    # verl's two forms give the same numbers, groups of one included (float32 sums: a tied group's std is ~1e-4
+    # there, not 0, hence the tolerance)
+    torch.testing.assert_close(verl_grpo(token_rewards.clone(), mask, group.tolist()), vectorized, rtol=1e-4,
+                               atol=1e-3)
+    count = torch.bincount(group)[group]
+    got = ours("grpo_vectorized", token_rewards, mask, group)
+    torch.testing.assert_close(got[count > 1], vectorized[count > 1], rtol=1e-4, atol=1e-3)
+    # a group of one: 0 here, r / (1 + eps) in verl (rollout.n >= 2 keeps such groups out of the loop)
+    assert got[count == 1].abs().sum() == 0
+
+
+# ---- config: the checks and the refusals ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_optimal_token_baselines_are_refused_with_what_they_need(name):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"algorithm.adv_estimator={name}"])
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"algorithm.adv_estimator={name} ")
+    assert "sum of squared probabilities over the whole vocabulary" in line
+    assert "calculate_sum_pi_squared" in line and line.endswith("use grpo, or rloo")
+
+
+def test_a_verl_line_asking_for_the_sum_of_squared_probabilities_is_one_line_and_the_new_estimators_take_seq_ppo():
+    """verl's switch for the optimal token baselines' actor output, as a verl script sets it beside them; every new
+    estimator gives one advantage per sequence, what actor.policy_loss=seq_ppo_clip weighs."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["actor_rollout_ref.actor.calculate_sum_pi_squared=True",
+                           "algorithm.adv_estimator=optimal_token_baseline"])
+    assert str(err.value) == ("actor_rollout_ref.actor.calculate_sum_pi_squared=True is not supported (alignrl's "
+                              "actor does not compute each token's sum of squared probabilities, which verl's optimal "
+                              "token baselines read: use algorithm.adv_estimator=grpo or rloo)")
+    for name in ("opo", "grpo_passk", "rloo_vectorized", "grpo_vectorized"):
+        cfg = load_config(None, [f"algorithm.adv_estimator={name}", "actor.policy_loss=seq_ppo_clip",
+                                 "actor_rollout_ref.actor.calculate_sum_pi_squared=False"])
+        assert cfg.algorithm.adv_estimator == name
+
+
+@pytest.mark.parametrize("name", ["grpo_passk", "rloo_vectorized", "grpo_vectorized"])
+def test_group_estimators_need_two_samples(name):
+    with pytest.raises(ConfigError, match=f"adv_estimator={name} compares the samples of each prompt: rollout.n=1"):
+        load_config(None, [f"algorithm.adv_estimator={name}", "rollout.n=1"])
+
+
+def test_opo_alone_keeps_its_reward_and_is_accepted_with_one_sample():
+    assert load_config(None, ["algorithm.adv_estimator=opo", "rollout.n=1"]).algorithm.adv_estimator == "opo"
+
+
+def test_grpo_vectorized_refuses_the_flag_verl_ignores():
+    with pytest.raises(ConfigError, match="grpo_vectorized divides by the group std in verl whatever"):
+        load_config(None, ["algorithm.adv_estimator=grpo_vectorized", "algorithm.norm_adv_by_std_in_grpo=false"])
+    assert not load_config(None, ["algorithm.adv_estimator=grpo_passk",
+                                  "algorithm.norm_adv_by_std_in_grpo=false"]).algorithm.norm_adv_by_std_in_grpo
+
+
+# ---- a step of the RL loop ------------------------------------------------------------------------------------
+
+SPREAD_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return (sum(map(ord, solution_str)) % 7) / 7.0
+'''
+
+
+@pytest.mark.parametrize("estimator", NEW)
+def test_the_rl_loop_trains_with_each(estimator, tiny_model_dir, tmp_path):
+    reward = tmp_path / "spread.py"
+    reward.write_text(SPREAD_REWARD)  # the tiny model scores 0 on the built-in task: a reward that differs per answer
+    cfg = load_config(None, overrides(tiny_model_dir, tmp_path, estimator, 1, 1)
+                      + [f"algorithm.adv_estimator={estimator}", f"algorithm.reward_fn={reward}:compute_score"])
+    assert cfg.algorithm.adv_estimator == estimator
+    from alignrl.runner import train_grpo
+
+    assert train_grpo(cfg)["steps"] == 1
+    row = [json.loads(x) for x in (tmp_path / estimator / "logs" / "metrics.jsonl").read_text().splitlines()][1]
+    assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
+    assert row["reward/std"] > 0 and row["actor/grad_norm"] > 1e-3  # the advantages carry a signal
+    before, after = load_file(tiny_model_dir / "model.safetensors"), weights(tmp_path / estimator, 1)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
