@@ -40,9 +40,10 @@ def gpus_free_become(n: float, timeout: float = 15.0) -> bool:
     return True
 
 
-# A line Ray forwards from its own processes to the driver's stderr: "(raylet) ...", "(pid=12) ...",
-# "(RolloutEngine pid=12, ip=...) ...", coloured or not (e.g. the raylet's warning of a nearly full disk).
-RAY_FORWARDED = re.compile(r"^(\x1b\[[0-9;]*m)*\((raylet|\w* ?pid=)")
+# A line Ray forwards from its own processes to the driver's stderr: "(raylet) ...", "(autoscaler +26s) ...",
+# "(pid=12) ...", "(RolloutEngine pid=12, ip=...) ...", coloured or not (e.g. the raylet's warning of a nearly full
+# disk, the autoscaler's of a request no node type fits).
+RAY_FORWARDED = re.compile(r"^(\x1b\[[0-9;]*m)*\((raylet|autoscaler|\w* ?pid=)")
 
 
 def own_lines(err: str) -> list[str]:

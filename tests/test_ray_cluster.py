@@ -267,7 +267,7 @@ def test_a_verl_run_asking_for_more_nodes_than_the_cluster_has_fails_at_once(clu
     t0 = time.monotonic()
     argv = [a.replace("trainer.nnodes=2", "trainer.nnodes=4") for a in verl_args(tiny_model_dir, 1)]
     assert cli(argv) == 2 and time.monotonic() - t0 < 45
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    err = own_lines(capsys.readouterr().err)[-1]
     assert err.startswith("alignrl train ppo: error: placement asked for actor 4 node(s) × 1 GPU") and \
         "the cluster has 2 node(s)" in err, err
 

@@ -118,9 +118,12 @@ def two_script_nodes(tiny_model_dir, tmp_path: Path, extra: int = 0):
         yield nodes
     finally:
         nodes.stop(SCRIPT)
-    time.sleep(1)
-    assert ray_pids(f"{short}/") == []
-    assert ray_pids(f"ray.util.client.server .*--address=[^ ]*:{ports[0]}") == []  # it does not name the dir
+    # `stop` kills what outlives its SIGTERM's grace without waiting for it to die
+    patterns = (f"{short}/", f"ray.util.client.server .*--address=[^ ]*:{ports[0]}")  # the second names no dir
+    deadline = time.monotonic() + 30
+    while any(ray_pids(p) for p in patterns) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [ray_pids(p) for p in patterns] == [[], []]
     shutil.rmtree(short, ignore_errors=True)
 
 

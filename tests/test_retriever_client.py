@@ -51,12 +51,12 @@ def test_malformed_retriever_answers_are_one_line(fixed_server, body):
 def test_retriever_down_is_one_line_naming_the_url():
     import socket
 
-    with socket.socket() as s:  # a port nobody listens on
+    with socket.socket() as s:  # a port nobody listens on: bound without listen() for the test, so nothing takes it
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}/retrieve"
-    with pytest.raises(ServiceError) as e:
-        RetrieverClient(url, retries=2, timeout_s=2).search(["q"])
+        url = f"http://127.0.0.1:{port}/retrieve"
+        with pytest.raises(ServiceError) as e:
+            RetrieverClient(url, retries=2, timeout_s=2).search(["q"])
     msg = str(e.value)
     assert f"127.0.0.1:{port}" in msg and "\n" not in msg
     assert msg.endswith(f"start it with `PORT={port} bash retrieval_launch.sh` (or `alignrl serve retrieve --port "
@@ -149,14 +149,14 @@ def test_a_retriever_that_is_down_or_speaks_another_api_stops_the_run_at_start(t
 
     model, tok = tiny_model
     engine = HFRolloutEngine(model, tok)
-    with socket.socket() as s:  # a port nobody listens on
+    with socket.socket() as s:  # a port nobody listens on: bound without listen() for the test, so nothing takes it
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}/retrieve"
-    for url, said in ((dead, "alignrl serve retrieve"), (fixed_server(b"<html>Not Found</html>"), "")):
-        cfg = load_config(None, ["agent.max_turns=2", f"retriever.url={url}", "retriever.retries=1",
-                                 "retriever.timeout_s=5"])
-        with pytest.raises(ServiceError) as e:
-            with_tools(cfg, engine, tok)
-        assert url.rsplit("/", 1)[0] in str(e.value) and said in str(e.value) and "\n" not in str(e.value)
+        for url, said in ((dead, "alignrl serve retrieve"), (fixed_server(b"<html>Not Found</html>"), "")):
+            cfg = load_config(None, ["agent.max_turns=2", f"retriever.url={url}", "retriever.retries=1",
+                                     "retriever.timeout_s=5"])
+            with pytest.raises(ServiceError) as e:
+                with_tools(cfg, engine, tok)
+            assert url.rsplit("/", 1)[0] in str(e.value) and said in str(e.value) and "\n" not in str(e.value)
     cfg = load_config(None, ["agent.max_turns=2", f"retriever.url={retrieval_stub}"])
     assert isinstance(with_tools(cfg, engine, tok), AgentRollout)

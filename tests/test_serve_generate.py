@@ -194,7 +194,7 @@ def test_health_answers_while_a_long_batch_runs(gen):
         return httpx.get(gen.url + "/v1/stats", timeout=30).json()
 
     t = threading.Thread(target=httpx.post, args=(gen.url + "/v1/generate_tokens",), daemon=True,
-                         kwargs=dict(json={"prompts": [[3, 4, 5]] * 32, "n": 8, "max_tokens": 200, "temperature": 1.0},
+                         kwargs=dict(json={"prompts": [[3, 4, 5]] * 32, "n": 32, "max_tokens": 200, "temperature": 1.0},
                                      timeout=120))
     t.start()
     deadline = time.monotonic() + 60

@@ -79,8 +79,11 @@ def steps_logged(run: Path) -> int:
 
 
 def samplers_logged(run: Path) -> set[str]:
+    """The samplers named in the trainer's prompt log so far (read while it appends: a torn last line is skipped)."""
+    from alignrl.utils.tracking import json_rows
+
     path = run / "logs" / "prompts.jsonl"
-    return {json.loads(x)["sampler"] for x in path.read_text().splitlines() if x} if path.is_file() else set()
+    return {row["sampler"] for row in json_rows(path.read_text())} if path.is_file() else set()
 
 
 def assert_each_row_once(run: Path, steps: int, batch: int = 4):
