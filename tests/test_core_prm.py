@@ -1,12 +1,14 @@
 """`core.prm`: the process-reward loss and step accuracy worked by hand (hard labels, soft labels, the positions
-that count and those that do not, the global step count)."""
+that count and those that do not, the global step count), and the whole-vocabulary loss against torch's
+cross-entropy over the full logits."""
 
 import math
 
 import pytest
 import torch
 
-from alignrl.core.prm import positive_probs, prm_loss, reward_log_probs, step_terms
+from alignrl.core.prm import (label_token_ids, positive_probs, prm_loss, prm_vocab_loss, reward_log_probs, step_terms,
+                              vocab_step_terms)
 
 PLUS, MINUS = 3, 5  # reward token ids in a vocabulary of 6
 
@@ -95,3 +97,55 @@ def test_a_split_batch_adds_up_to_the_whole_ones_step_mean_and_three_reward_toke
     lp = reward_log_probs(logits[mask], [PLUS, MINUS, 0])
     assert ce.tolist() == pytest.approx((-lp[targets[mask].bool()]).tolist(), abs=1e-6)
     assert correct.tolist() == (lp.argmax(-1) == targets[mask].argmax(-1)).tolist()
+
+
+def _openrlhf_labels(mask: torch.Tensor, label_ids: torch.Tensor) -> torch.Tensor:
+    """OpenRLHF's labels: the label token's id at each placeholder, -100 (ignored) elsewhere."""
+    return torch.where(mask, label_ids, torch.full_like(label_ids, -100))
+
+
+def test_the_whole_vocabulary_loss_is_torchs_cross_entropy_over_the_full_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 6, requires_grad=True)
+    mask = torch.tensor([[False, True, False, True, False], [False] * 5, [True, False, False, False, True]])
+    label_ids = torch.randint(0, 6, (3, 5))
+    loss, m = prm_vocab_loss(logits, mask, label_ids)
+    flat = _openrlhf_labels(mask, label_ids).view(-1)
+    expected = torch.nn.functional.cross_entropy(logits.detach().view(-1, 6), flat, ignore_index=-100)
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6) and m["prm/loss"] == pytest.approx(expected.item())
+    right = (logits.detach().argmax(-1) == label_ids)[mask]  # the vocabulary's arg-max is the label token
+    assert (m["acc_sum"], m["acc_count"]) == (float(right.sum()), 4.0)
+    loss.backward()  # only the marked positions' logits, but every vocabulary entry of them, get a gradient
+    assert logits.grad[~mask].abs().sum() == 0 and bool((logits.grad[mask] != 0).all())
+    # the sum over total_steps: the rows of a split batch add up to the whole batch's step mean
+    parts = [prm_vocab_loss(logits.detach()[s], mask[s], label_ids[s], total_steps=4)[0]
+             for s in (slice(0, 1), slice(1, 3))]
+    assert (parts[0] + parts[1]).item() == pytest.approx(expected.item(), abs=1e-6)
+    summed = torch.nn.functional.cross_entropy(logits.detach().view(-1, 6), flat, ignore_index=-100, reduction="sum")
+    assert prm_vocab_loss(logits.detach(), mask, label_ids, total_steps=10)[0].item() == pytest.approx(
+        summed.item() / 10, abs=1e-6)
+    ce, correct = vocab_step_terms(logits.detach(), mask, label_ids)
+    assert ce.tolist() == pytest.approx(torch.nn.functional.cross_entropy(
+        logits.detach()[mask], label_ids[mask], reduction="none").tolist(), abs=1e-6) and correct.tolist() == \
+        right.tolist()
+
+
+def test_a_batch_with_no_marked_step_gives_a_zero_vocabulary_loss_that_reaches_the_parameters():
+    weight = torch.nn.Parameter(torch.randn(4, 6))
+    logits = (torch.randn(2, 3, 4) @ weight)
+    loss, m = prm_vocab_loss(logits, torch.zeros(2, 3, dtype=torch.bool), torch.randint(0, 6, (2, 3)))
+    assert loss.item() == 0.0 and m == {"prm/loss": 0.0, "acc_sum": 0.0, "acc_count": 0.0}
+    loss.backward()
+    assert weight.grad is not None and weight.grad.abs().sum() == 0
+
+
+def test_label_token_ids_read_each_one_hot_target_as_its_token():
+    targets = torch.zeros(1, 3, 2)
+    targets[0, 0] = torch.tensor([0.0, 1.0])
+    targets[0, 2] = torch.tensor([1.0, 0.0])
+    assert label_token_ids(targets, [PLUS, MINUS]).tolist() == [[MINUS, PLUS, PLUS]]  # t=1 unmarked: read as first
+    # with those ids the vocabulary loss at a step whose label token dominates is small, elsewhere large
+    logits = _logits([[{MINUS: 8.0}, {}, {MINUS: 8.0}]])
+    mask = torch.tensor([[True, False, True]])
+    ce, correct = vocab_step_terms(logits, mask, label_token_ids(targets, [PLUS, MINUS]))
+    assert ce[0] < 0.01 < 7.0 < ce[1] and correct.tolist() == [True, False]

@@ -212,7 +212,9 @@ def test_stepwise_rows_with_soft_labels_train(tiny_model_dir, tmp_path, capsys):
                "learning_rate=1e-3", "train_on_last_step_only=true")
     assert res["steps"] == 1 and res["reward_tokens"] == TOKENS
     assert (res["train_steps"], res["train_labelled_steps"]) == (8, 23)  # the last step of each of 8 rows trains
-    assert "8 train rows (23 labelled steps, 8 trained: train_on_last_step_only)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "8 train rows (23 labelled steps, 8 trained: train_on_last_step_only)" in out
+    assert "loss: cross-entropy over the reward tokens + - (ids " in out  # which loss runs, said at start
     trained, base = (load_file(str(f / "model.safetensors")) for f in (tmp_path / "soft", Path(tiny_model_dir)))
     assert any(not torch.equal(trained[k], base[k]) for k in base)
 
@@ -230,9 +232,11 @@ def test_openrlhf_and_trl_flags_read_as_keys(capsys):
         ["a.jsonl", "b.jsonl"], "text", "value", "ки", ["+", "-"])
     assert (cfg.max_length, cfg.batch_size, cfg.learning_rate) == (512, 2, 1e-6)  # train_prm's learning rate
     assert "reward_tokens=None" not in capsys.readouterr().err
-    assert parse_prm(["--pretrain", "demo", "--dataset", "a.jsonl"]).reward_tokens == TOKENS
-    assert "not taken: reward_tokens=None (the whole-vocabulary loss is left out: reward_tokens=" in \
-        capsys.readouterr().err  # OpenRLHF's line without --reward_tokens: its loss over the whole vocabulary
+    # OpenRLHF's line without --reward_tokens: its loss over the whole vocabulary (reward_tokens=[]), said once
+    assert parse_prm(["--pretrain", "demo", "--dataset", "a.jsonl"]).reward_tokens == []
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "OpenRLHF's train_prm defaults where the line is silent: " in err
+    assert err.rstrip().endswith(", reward_tokens=[]") and "reward_tokens=None" not in err, err
     with pytest.raises(ConfigError, match=r"reward_tokens=\[True, False\]: YAML read True as bool, not a text .* "
                                           "quote each token"):
         parse_prm(["train_files=[a.jsonl]", "reward_tokens=[yes,no]"])

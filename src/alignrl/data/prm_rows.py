@@ -10,7 +10,10 @@ Two row layouts are read (the column names are settings):
 
 A label is one of the reward tokens ("+"), a boolean (true: the first reward token, the positive one; false: the
 second) or a number p in [0, 1] (a soft label: p on the first of two reward tokens, 1 - p on the second). Each is kept
-as its target distribution over the reward tokens.
+as its target distribution over the reward tokens. Read without reward tokens (the whole-vocabulary loss, OpenRLHF's
+--reward_tokens unset), a label is a text alone, the label token itself: the rows keep their texts, and once every
+file's distinct labels are known (`distinct_labels`, `positive_first`) `over_label_tokens` makes them one-hot targets
+over those.
 
 No special tokens are added (OpenRLHF's `add_special_tokens=False`). A placeholder-text row is tokenised whole, as
 OpenRLHF and a plain-transformers reader tokenise it, and the placeholder's ids in it are the steps, when there is one
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,10 +53,11 @@ class PRMRow:
     pieces: tuple[str, ...]  # the text before each placeholder, then the text after the last one
     targets: tuple[tuple[float, ...], ...]  # one distribution over the reward tokens per step
     text: str | None = None  # a placeholder-text row's own text, tokenised whole first; None: a stepwise row
+    labels: tuple[str, ...] = ()  # read without reward tokens: each step's label text, until `over_label_tokens`
 
     @property
     def n_steps(self) -> int:
-        return len(self.targets)
+        return len(self.targets) or len(self.labels)
 
 
 def load_rows(path: str, keys: PRMKeys, placeholder: str, reward_tokens: Sequence[str], step_separator: str = "\n",
@@ -71,7 +75,7 @@ def read_row(loc: str, row: dict, keys: PRMKeys, placeholder: str, reward_tokens
     if keys.label not in row:
         raise DataError(f"{loc}: row has no {keys.label} (one label per step; its keys are "
                         f"{', '.join(map(str, row))[:120]}; set label_key)")
-    labels = _labels(loc, keys.label, row[keys.label], reward_tokens)
+    labels = _labels(loc, keys.label, row[keys.label], reward_tokens)  # targets, or texts without reward tokens
     text = None
     if keys.completions in row:
         pieces = _stepwise(loc, row, keys, placeholder, step_separator, len(labels))
@@ -89,6 +93,8 @@ def read_row(loc: str, row: dict, keys: PRMKeys, placeholder: str, reward_tokens
         raise DataError(f"{loc}: row has neither {keys.input} (a text with placeholders) nor {keys.completions} "
                         f"(stepwise: {keys.prompt}, {keys.completions}, {keys.label}); its keys are "
                         f"{', '.join(map(str, row))[:120]} (set input_key or completions_key)")
+    if not reward_tokens:
+        return PRMRow(loc, pieces, (), text, labels)
     return PRMRow(loc, pieces, labels, text)
 
 
@@ -112,12 +118,57 @@ def _stepwise(loc: str, row: dict, keys: PRMKeys, placeholder: str, separator: s
     return (prompt + steps[0], *(separator + s for s in steps[1:]), separator) if steps else (prompt,)
 
 
-def _labels(loc: str, key: str, value, reward_tokens: Sequence[str]) -> tuple[tuple[float, ...], ...]:
+def _labels(loc: str, key: str, value, reward_tokens: Sequence[str]) -> tuple:
     if hasattr(value, "tolist"):  # a parquet column's array
         value = value.tolist()
     if not isinstance(value, (list, tuple)) or not value:
         raise DataError(f"{loc}: {key} must be a non-empty list, one label per step, got {value!r:.60}")
+    if not reward_tokens:
+        return tuple(label_text(loc, key, v) for v in value)
     return tuple(label_target(loc, key, v, reward_tokens) for v in value)
+
+
+def label_text(loc: str, key: str, value) -> str:
+    """A label read without reward tokens: the text of its label token (OpenRLHF's labels as tokens)."""
+    if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "") == "b":
+        raise DataError(f"{loc}: a boolean label ({value}) of {key} means the first or second reward token, and "
+                        "reward_tokens=[] (the whole-vocabulary loss) names none: give reward_tokens, e.g. "
+                        "--reward_tokens + -, or write each label as its token's text")
+    if isinstance(value, numbers.Real):
+        raise DataError(f"{loc}: a number label ({value}) of {key} is a soft label, which needs two reward tokens "
+                        "(OpenRLHF asserts it too): give reward_tokens, e.g. --reward_tokens + -")
+    if not isinstance(value, str) or not value:
+        raise DataError(f"{loc}: label {value!r:.40} of {key} is not a label token's text (with reward_tokens=[] "
+                        "each label is the text of one token, e.g. \"+\")")
+    return value
+
+
+# (positive, negative) label texts whose sides can be told apart without being named: the first is what a scorer
+# reads as "this step is good"
+POSITIVE_NEGATIVE = (("+", "-"), ("yes", "no"), ("Yes", "No"), ("good", "bad"), ("Good", "Bad"),
+                     ("correct", "incorrect"), ("Correct", "Incorrect"), ("true", "false"), ("True", "False"),
+                     ("right", "wrong"), ("positive", "negative"))
+
+
+def distinct_labels(rows: Sequence[PRMRow]) -> list[str]:
+    """The distinct label texts of rows read without reward tokens, in order of first appearance."""
+    return list(dict.fromkeys(t for row in rows for t in row.labels))
+
+
+def positive_first(texts: Sequence[str]) -> tuple[list[str], str | None]:
+    """(the label texts ordered for scoring, the positive one or None): where every text is a side of one known
+    (positive, negative) pair, the pair itself, positive first (its other side added when the data had one side
+    only); else the texts as given, which one is positive unknown."""
+    for pair in POSITIVE_NEGATIVE:
+        if texts and set(texts) <= set(pair):
+            return list(pair), pair[0]
+    return list(texts), None
+
+
+def over_label_tokens(rows: Sequence[PRMRow], tokens: Sequence[str]) -> list[PRMRow]:
+    """Rows read without reward tokens with each step's target one-hot over `tokens` (which hold every label)."""
+    return [replace(row, targets=tuple(tuple(float(t == label) for t in tokens) for label in row.labels))
+            if row.labels else row for row in rows]
 
 
 def label_target(loc: str, key: str, value, reward_tokens: Sequence[str]) -> tuple[float, ...]:

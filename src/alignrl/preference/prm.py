@@ -6,14 +6,17 @@ The model is a causal LM trained through a TrainEngine (one process, DDP, FSDP2 
 LoRA adapters alone) on the rows of `data.prm_rows`: solutions whose steps each end in a placeholder token, a label
 per step. At each placeholder the logits of the reward tokens alone are trained toward the step's label
 (`core.prm`), so the saved model is an ordinary causal LM whose next-token distribution after a placeholder, over
-the reward tokens, scores that step (`score_steps`).
+the reward tokens, scores that step (`score_steps`). With `reward_tokens=[]` (OpenRLHF's --reward_tokens unset, what a
+line in its spelling without it trains) the cross-entropy is over the whole vocabulary instead, each label the text of
+one token; the data's distinct labels are then the tokens a scorer reads, the positive one first where it can be told
+(`data.prm_rows.positive_first`; else the start says so and `load_scorer` asks for it).
 
 The loss of an optimizer step is the mean over all of its counted steps, over micro-batches and ranks (every step
 weighs the same, however the steps fall into rows and micro-batches). Held-out rows are measured before and after
 training (and every `eval_steps`): the step-mean loss and the step accuracy (the arg-max reward token is the label's),
 over every step even with `train_on_last_step_only`; written to `<output_dir>/eval_results.json` beside the saved
-HF folder, with `prm_tokens.json` naming the placeholder and reward tokens. `save_steps` writes resumable checkpoints
-and `resume_from` goes on from one. Left out: OpenRLHF's whole-vocabulary loss (its --reward_tokens unset), packing.
+HF folder, with `prm_tokens.json` naming the placeholder and reward tokens and the loss. `save_steps` writes resumable
+checkpoints and `resume_from` goes on from one. Left out: packing.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from pathlib import Path
 
 import torch
 
-from alignrl.core.prm import positive_probs, prm_loss, step_terms
+from alignrl.core.prm import label_token_ids, positive_probs, prm_loss, prm_vocab_loss, step_terms, vocab_step_terms
 from alignrl.data.blend import read_files
-from alignrl.data.prm_rows import (EncodedPRM, PRMBatch, PRMKeys, PRMRow, collate_rows, counted_steps, encode_rows,
-                                   encode_text, load_rows, single_token)
+from alignrl.data.prm_rows import (EncodedPRM, PRMBatch, PRMKeys, PRMRow, collate_rows, counted_steps,
+                                   distinct_labels, encode_rows, encode_text, load_rows, over_label_tokens,
+                                   positive_first, single_token)
 from alignrl.preference import adapters
 from alignrl.preference import checkpoint_plan as cp
 from alignrl.preference import common as pc
@@ -49,16 +53,31 @@ def _load(files: list[str], cfg: PRMConfig, limit: int, key: str, probs=()) -> l
     return [row for _, row in read_files(files, read, limit or None, probs, cfg.seed, key)]
 
 
-def token_ids(tokenizer, placeholder: str, reward_tokens: list[str]) -> tuple[int, list[int]]:
-    """(the placeholder's id, the reward tokens' ids): each must be one token of `tokenizer`, all different."""
+def token_ids(tokenizer, placeholder: str, reward_tokens: list[str], what: str = "reward_tokens' token"
+              ) -> tuple[int, list[int]]:
+    """(the placeholder's id, the reward tokens' ids): each must be one token of `tokenizer`, all different; `what`
+    names a reward token in the error."""
     pid = single_token(tokenizer, placeholder, "placeholder_token")
-    rids = [single_token(tokenizer, str(t), "reward_tokens' token") for t in reward_tokens]
+    rids = [single_token(tokenizer, str(t), what) for t in reward_tokens]
     if len(set(rids + [pid])) != len(rids) + 1:
         from alignrl.data.loaders import DataError
 
         raise DataError(f"placeholder_token {placeholder!r} and reward_tokens {reward_tokens} are not all different "
                         "tokens in this tokenizer; pick others")
     return pid, rids
+
+
+def label_tokens(tokenizer, cfg: PRMConfig, rows: list[PRMRow]) -> tuple[list[str], str | None]:
+    """(the tokens the targets are over, the first the positive label, which a scorer reads; the positive label, or
+    None where it cannot be told): `reward_tokens`, or without them the rows' distinct labels (`positive_first`; the
+    other side of a known pair only where it is one token here)."""
+    if cfg.reward_tokens:
+        return [str(t) for t in cfg.reward_tokens], str(cfg.reward_tokens[0])
+    seen = distinct_labels(rows)
+    tokens, positive = positive_first(seen)
+    if any(len(tokenizer.encode(t, add_special_tokens=False)) != 1 for t in tokens if t not in seen):
+        return seen, None
+    return tokens, positive
 
 
 def step_counts(encoded: list[EncodedPRM], cfg: PRMConfig, world: int, epoch: int) -> list[float]:
@@ -108,6 +127,15 @@ def logits_of(model, batch: PRMBatch, cfg: PRMConfig, device: torch.device) -> t
         return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long(), use_cache=False).logits
 
 
+def batch_terms(logits: torch.Tensor, batch: PRMBatch, reward_ids: list[int], cfg: PRMConfig
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy, correct) of each counted step: over the reward tokens, or with reward_tokens=[] over the whole
+    vocabulary against the label token's id."""
+    if cfg.reward_tokens:
+        return step_terms(logits, batch.step_mask, batch.targets, reward_ids)
+    return vocab_step_terms(logits, batch.step_mask, label_token_ids(batch.targets, reward_ids))
+
+
 @torch.no_grad()
 def evaluate(model, batches: list[PRMBatch], reward_ids: list[int], cfg: PRMConfig, env) -> dict:
     """The held-out step-mean loss and step accuracy over all ranks' shares."""
@@ -118,7 +146,7 @@ def evaluate(model, batches: list[PRMBatch], reward_ids: list[int], cfg: PRMConf
     sums = [0.0, 0.0, 0.0]
     for batch in batches:
         batch = batch.to(env.device)
-        ce, correct = step_terms(logits_of(model, batch, cfg, env.device), batch.step_mask, batch.targets, reward_ids)
+        ce, correct = batch_terms(logits_of(model, batch, cfg, env.device), batch, reward_ids, cfg)
         sums = [sums[0] + float(ce.sum()), sums[1] + float(correct.sum()), sums[2] + ce.numel()]
     model.train(was)
     total, right, steps = all_reduce_sum(env, sums)
@@ -127,8 +155,12 @@ def evaluate(model, batches: list[PRMBatch], reward_ids: list[int], cfg: PRMConf
 
 def _loss_fn(cfg: PRMConfig, env, reward_ids: list[int]):
     def loss(module, batch: PRMBatch, _global_rows: float):
-        value, m = prm_loss(logits_of(module, batch, cfg, env.device), batch.step_mask, batch.targets, reward_ids,
-                            batch.total_steps)
+        logits = logits_of(module, batch, cfg, env.device)
+        if cfg.reward_tokens:
+            value, m = prm_loss(logits, batch.step_mask, batch.targets, reward_ids, batch.total_steps)
+        else:
+            value, m = prm_vocab_loss(logits, batch.step_mask, label_token_ids(batch.targets, reward_ids),
+                                      batch.total_steps)
         # logged as the share that makes the mean over micro-batches and ranks the step's own step-mean loss
         share = float(value.detach()) * cfg.gradient_accumulation_steps * env.world_size
         return value, {"loss": share, "acc_sum": m["acc_sum"], "acc_count": m["acc_count"]}
@@ -157,24 +189,51 @@ def score_steps(model, tokenizer, texts: list[str], placeholder_token: str, rewa
     return out
 
 
-def read_tokens(folder: str | Path) -> tuple[str, list[str]]:
-    """(placeholder token, reward tokens) of a folder `alignrl train prm` saved."""
-    spec = json.loads((Path(folder) / TOKENS_FILE).read_text())
+def read_tokens(folder: str | Path, reward_tokens: list[str] | None = None) -> tuple[str, list[str]]:
+    """(placeholder token, reward tokens: `reward_tokens` if given, else the folder's) of a folder `alignrl train
+    prm` saved; a folder trained on the whole vocabulary whose labels did not tell the positive one needs them."""
+    path = Path(folder) / TOKENS_FILE
+    spec = json.loads(path.read_text())
+    if reward_tokens:
+        return spec["placeholder_token"], [str(t) for t in reward_tokens]
+    if "positive_label" in spec and spec["positive_label"] is None:
+        from alignrl.config import ConfigError
+
+        raise ConfigError(f"{path}: the labels {' '.join(spec['reward_tokens'])} do not tell which is the positive "
+                          "one; name them for scoring, positive first: load_scorer(folder, reward_tokens=[...])")
     return spec["placeholder_token"], list(spec["reward_tokens"])
 
 
-def load_scorer(folder: str | Path):
+def load_scorer(folder: str | Path, reward_tokens: list[str] | None = None):
     """(the model in eval mode, its tokenizer, the placeholder token, the reward tokens) of a folder that
-    `alignrl train prm` saved: what `score_steps` takes."""
+    `alignrl train prm` saved: what `score_steps` takes. `reward_tokens` (the positive first) replaces the folder's:
+    needed where its labels did not tell the positive one."""
     from alignrl.models.loader import load_causal_lm, load_tokenizer
 
-    placeholder, reward_tokens = read_tokens(folder)
+    placeholder, reward_tokens = read_tokens(folder, reward_tokens)
     model = load_causal_lm(Path(folder), "float32", "model_path").eval()
     return model, load_tokenizer(Path(folder), chat=False), placeholder, reward_tokens
 
 
+def _say_loss(cfg: PRMConfig, tokens: list[str], rids: list[int], positive: str | None, log) -> None:
+    """The one line at start naming the loss that runs (and, without reward tokens, a second one where the labels do
+    not tell the positive one)."""
+    listed = f"{' '.join(tokens)} (ids {rids})"
+    if cfg.reward_tokens:
+        log.print(f"loss: cross-entropy over the reward tokens {listed} alone at each placeholder")
+        return
+    log.print(f"loss: cross-entropy over the whole vocabulary at each placeholder (reward_tokens=[], OpenRLHF's "
+              f"without --reward_tokens), each step's label token its target; labels {listed}")
+    if positive is None:
+        log.print(f"note: the labels {' '.join(tokens)} do not tell which is the positive one: name it for scoring, "
+                  "load_scorer(folder, reward_tokens=[POSITIVE, ...])")
+
+
 def _encode(tok, cfg: PRMConfig, train_rows: list[PRMRow], eval_rows: list[PRMRow], log):
-    pid, rids = token_ids(tok, cfg.placeholder_token, [str(t) for t in cfg.reward_tokens])
+    tokens, positive = label_tokens(tok, cfg, train_rows + eval_rows)
+    train_rows, eval_rows = over_label_tokens(train_rows, tokens), over_label_tokens(eval_rows, tokens)
+    pid, rids = token_ids(tok, cfg.placeholder_token, tokens,
+                          "reward_tokens' token" if cfg.reward_tokens else "reward_tokens=[]: the label")
     enc_train, notes = encode_rows(tok, train_rows, pid, cfg.max_length)
     enc_eval, eval_notes = encode_rows(tok, eval_rows, pid, cfg.max_length)
     labelled = sum(len(e.steps) for e in enc_train)
@@ -182,10 +241,11 @@ def _encode(tok, cfg: PRMConfig, train_rows: list[PRMRow], eval_rows: list[PRMRo
     counts = (f"{labelled} labelled steps, {trained} trained: train_on_last_step_only" if trained != labelled
               else f"{trained} steps")
     log.print(f"PRM: {len(enc_train)} train rows ({counts}) from {', '.join(map(str, cfg.train_files))}, "
-              f"{len(enc_eval)} held-out; placeholder {cfg.placeholder_token!r} (id {pid}), reward tokens "
-              f"{' '.join(map(str, cfg.reward_tokens))} (ids {rids}); max_length={cfg.max_length} cut "
+              f"{len(enc_eval)} held-out; placeholder {cfg.placeholder_token!r} (id {pid}); "
+              f"max_length={cfg.max_length} cut "
               f"{notes['truncated_rows']} rows, dropping {notes['dropped_labels']} labels "
               f"({notes['dropped_rows']} rows with no whole step left)")
+    _say_loss(cfg, tokens, rids, positive, log)
     pieces = notes["piece_rows"] + eval_notes["piece_rows"]
     if pieces:  # the model sees those rows' text tokenised otherwise than a reader tokenising it whole would
         log.print(f"note: {notes['piece_rows']} train and {eval_notes['piece_rows']} held-out rows tokenised piece "
@@ -196,7 +256,8 @@ def _encode(tok, cfg: PRMConfig, train_rows: list[PRMRow], eval_rows: list[PRMRo
                   f"{eval_notes['dropped_labels']} labels")
     return enc_train, enc_eval, pid, rids, {**notes, "train_steps": trained, "train_labelled_steps": labelled,
                                             "eval_dropped_labels": eval_notes["dropped_labels"],
-                                            "eval_piece_rows": eval_notes["piece_rows"]}
+                                            "eval_piece_rows": eval_notes["piece_rows"], "reward_tokens": tokens,
+                                            "positive_label": positive}
 
 
 def _fmt(e: dict) -> str:
@@ -234,8 +295,10 @@ def train_prm(cfg: PRMConfig, dry_run_world: int | None = None) -> dict:
     plan = cp.plan_for(cfg, out_dir, total, pc.steps_per_epoch(len(enc_train), cfg, env.world_size))
     start = cp.resumed_step(cfg, plan, engine, "prm", log, env)
     export = adapters.exporter(policy, model, spec, cfg.lora_export)
-    tokens = {"placeholder_token": cfg.placeholder_token, "reward_tokens": [str(t) for t in cfg.reward_tokens],
+    tokens = {"placeholder_token": cfg.placeholder_token, "reward_tokens": notes.pop("reward_tokens"),
               "placeholder_id": pid, "reward_ids": rids, "step_separator": cfg.step_separator,
+              "loss": "reward_tokens" if cfg.reward_tokens else "whole_vocabulary",
+              "positive_label": notes.pop("positive_label"),
               "score": "softmax over the reward tokens' logits at each placeholder; the first is the positive label"}
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps

@@ -8,6 +8,12 @@ TRL's `PRMConfig` flag spellings read as its keys.
 The keys shared with `alignrl train rm|dpo|sft|kto` are `preference.configs.CommonConfig`'s, layered the same way:
 defaults < `--config` YAML < `key=value` < flags. The defaults of learning_rate (1e-5), max_length (1024) and
 step_separator are TRL's PRMConfig's. Nothing here imports torch.
+
+`reward_tokens=[]` trains OpenRLHF's whole-vocabulary loss (its `--reward_tokens` unset, None): each label is the text
+of one token, and the cross-entropy at each placeholder is over the whole vocabulary. That is what a line in
+OpenRLHF's spelling that names no reward tokens trains, as train_prm would (`their_defaults`: said at start with the
+other defaults of theirs it takes); our own keys and TRL's spelling keep the default `[+, -]`, the loss over those two
+alone.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ class PRMConfig(CommonConfig):
     placeholder_token: str = opt("ки", "the token after each step, where the model's next-token logits are read; "
                                        "must be one token of the tokenizer")
     reward_tokens: list = opt(["+", "-"], "the label tokens, each one token; the first is the positive label (what a "
-                                          "true or a soft label p is the probability of)")
+                                          "true or a soft label p is the probability of); []: the loss over the "
+                                          "whole vocabulary, each label the text of one token (OpenRLHF's "
+                                          "--reward_tokens unset, what a line in its spelling without it trains)")
     step_separator: str = opt("\n", "what follows each step's placeholder when a stepwise row becomes text (TRL's "
                                     "step_separator)")
     train_on_last_step_only: bool = opt(False, "train on each row's last (kept) step only; held-out rows are "
@@ -57,7 +65,6 @@ PRM_FLAGS = CommandFlags(
               "aux_loss_coef": "no MoE balancing loss is added"})
 SPACED = ("reward_tokens",)  # OpenRLHF's nargs flag: `--reward_tokens + -`
 QUOTED = ("placeholder_token", "step_separator")  # texts kept as given (`-`, `:`, `#` would be YAML)
-
 
 
 
@@ -100,9 +107,9 @@ def parse_prm(argv: list[str]) -> PRMConfig:
                           "not a text (it reads yes/no/on/off as booleans, digits as numbers); quote each token, e.g. "
                           "reward_tokens='[\"yes\", \"no\"]', or give --reward_tokens yes no")
     tokens = list(cfg.reward_tokens)
-    if len(tokens) < 2 or len(set(tokens)) != len(tokens) or not all(tokens):
+    if len(tokens) == 1 or len(set(tokens)) != len(tokens) or not all(tokens):
         raise ConfigError(f"reward_tokens={tokens} must be two or more different tokens, the positive label first "
-                          "(e.g. --reward_tokens + -)")
+                          "(e.g. --reward_tokens + -), or [] for the loss over the whole vocabulary")
     if not cfg.placeholder_token:
         raise ConfigError("placeholder_token is empty: give the token that ends each step (e.g. --placeholder_token "
                           "ки)")

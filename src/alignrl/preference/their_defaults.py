@@ -64,7 +64,9 @@ OPENRLHF_DEFAULTS: dict[str, dict[str, Any]] = {
             "input_template": "User: {}\nAssistant: "},
     "kto": {**_OPENRLHF_COMMON, "learning_rate": 1e-5, "max_length": 2048, "beta": 0.01, "desirable_weight": 1.0,
             "undesirable_weight": 1.0, "input_template": "User: {}\nAssistant: "},
-    "prm": {**_OPENRLHF_COMMON, "learning_rate": 1e-6, "max_length": 2048, "batch_size": 1, "label_key": "label"}}
+    # reward_tokens: train_prm's --reward_tokens is unset (None), its loss over the whole vocabulary
+    "prm": {**_OPENRLHF_COMMON, "learning_rate": 1e-6, "max_length": 2048, "batch_size": 1, "label_key": "label",
+            "reward_tokens": []}}
 # train_kd is train_sft with one epoch (the same learning rate, 5e-6, and kd_coef, 0.4, as here)
 OPENRLHF_DEFAULTS["kd"] = {**OPENRLHF_DEFAULTS["sft"], "epochs": 1}
 # TRL's (1.x) configs: TrainingArguments' optimizer and schedule, TRL's own logging_steps 10 and
@@ -98,7 +100,6 @@ OPENRLHF_NOT_TAKEN: dict[str, dict[str, tuple[str, str]]] = {
     "kto": {"input_key=input": ("prompt_key", "the rows' own layout names the columns")},
     "rm": _PAIRS_NOT_TAKEN, "dpo": _PAIRS_NOT_TAKEN}
 OPENRLHF_NOT_TAKEN["kd"] = OPENRLHF_NOT_TAKEN["sft"]
-OPENRLHF_NOT_TAKEN["prm"] = {"reward_tokens=None": ("reward_tokens", "the whole-vocabulary loss is left out")}
 SCRIPTS = {OPENRLHF: {"rm": "train_rm", "dpo": "train_dpo", "sft": "train_sft", "kto": "train_kto", "kd": "train_kd",
                       "prm": "train_prm"},
            TRL: {"rm": "RewardConfig", "dpo": "DPOConfig", "sft": "SFTConfig", "kto": "KTOConfig", "kd": "GKDConfig",
