@@ -273,8 +273,8 @@ def verl_defaults(t: Translation, given: set[str], adv_estimator: str, use_kl_lo
     estimator = adv_estimator if "algorithm.adv_estimator" in given else "gae"  # the table's when none is given
     if "critic.enable" not in given:
         out.append(f"critic.enable={estimator == 'gae'}")
-    if estimator == "gae" and "rollout.n" not in given:  # verl's PPO samples one response a prompt; a group
-        out.append("rollout.n=1")  # estimator left without rollout.n keeps alignrl's group of 8 (verl's 1 has none)
+    if estimator in ("gae", "opo") and "rollout.n" not in given:  # verl samples one response a prompt (OPO: each
+        out.append("rollout.n=1")  # then keeps its reward); a group estimator keeps alignrl's 8 (verl's 1 has none)
     if t.search_r1 and "agent.max_response_length" not in given:
         # Search-R1 keeps a trajectory's first max_prompt_length tokens; verl's agent loop caps an episode's response
         # at rollout.response_length, data.max_response_length unless given (alignrl's 0: rollout.max_new_tokens)

@@ -199,9 +199,6 @@ ONLY_VALUE: dict[str, tuple[object, str]] = {
     R + "ignore_eos": (False, "generation always stops at eos"),
     "critic.optim.warmup_style": ("constant", "the critic's lr is constant after its warm-up"),
     R + "mode": ("async", "alignrl's engines batch every prompt of a step; verl 0.7 removed the sync mode too"),
-    A + "calculate_sum_pi_squared": (False, "alignrl's actor does not compute each token's sum of squared "
-                                            "probabilities, which verl's optimal token baselines read: use "
-                                            "algorithm.adv_estimator=grpo or rloo"),
 }
 # verl's validation sampler (rollout.val_kwargs): ours is rollout.val_*; do_sample=false (verl's default) is greedy
 VAL_KWARGS = {R + "val_kwargs.temperature": "rollout.val_temperature", R + "val_kwargs.top_p": "rollout.val_top_p",
@@ -245,6 +242,10 @@ NOT_APPLIED: dict[str, tuple[object, str]] = {
     "reward_model.structure_format_score": (0, _FORMAT_REWARD),
     "reward_model.final_format_score": (0, _FORMAT_REWARD),
     "reward_model.retrieval_score": (0, _FORMAT_REWARD),
+    # verl computes it for its optimal token baselines (refused here: algorithm.adv_estimator's line) and, beside any
+    # other estimator, for metrics alone
+    A + "calculate_sum_pi_squared": (False, "alignrl computes no per-token sum of squared probabilities: verl's "
+                                            "variance-proxy metrics are not logged"),
 }
 # verl's critic settings whose default is the actor's (ppo_trainer.yaml: ${actor_rollout_ref.actor.<key>}):
 # alignrl's critic always trains on the actor's mini-batches and epochs, so only another value is listed.
