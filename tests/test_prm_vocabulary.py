@@ -38,7 +38,7 @@ def test_openrlhf_line_without_reward_tokens_trains_the_vocabulary_and_the_folde
     res = json.loads((tmp_path / "vocab" / "eval_results.json").read_text())
     before, after = res["before"], res["after"]
     assert res["steps"] == 36 and after["steps"] == before["steps"] == 36
-    assert (res["loss"], res["reward_tokens"], res["positive_label"]) == ("whole_vocabulary", ["+", "-"], "+")
+    assert (res["loss_type"], res["reward_tokens"], res["positive_label"]) == ("whole_vocabulary", ["+", "-"], "+")
     # over the whole vocabulary an untrained model's arg-max is almost never the label token; trained, it is
     assert after["step_accuracy"] >= 0.85 and after["step_accuracy"] > before["step_accuracy"] + 0.5
     assert after["loss"] < before["loss"] - 1.0
@@ -64,6 +64,10 @@ def test_labels_that_do_not_tell_the_positive_one_are_named_for_scoring(tiny_mod
     with pytest.raises(ConfigError, match=f"the labels {seen} do not tell which is the positive one; name them for "
                                           r"scoring, positive first: load_scorer\(folder, reward_tokens=\[...\]\)"):
         load_scorer(tmp_path / "xy")
+    for named, said in (("yx", "give a list of the label tokens"), (["good", "bad"], "names tokens this model was not "
+                                                                                   "trained to put after a step")):
+        with pytest.raises(ConfigError, match=said):
+            load_scorer(tmp_path / "xy", reward_tokens=named)
     model, tok, placeholder, tokens = load_scorer(tmp_path / "xy", reward_tokens=["y", "x"])
     assert tokens == ["y", "x"]
     (scores,) = score_steps(model, tok, [f"Sam has 9 apples. 2 loses{P}\n"], placeholder, tokens)
@@ -79,7 +83,7 @@ def test_only_an_openrlhf_line_naming_no_reward_tokens_trains_the_vocabulary(tmp
     for named, tokens in ((["--reward_tokens=+,-"], ["+", "-"]), (['reward_tokens=["good","bad"]'], ["good", "bad"]),
                           (["--config", str(config)], ["good", "bad"])):
         assert parse_prm(theirs + named).reward_tokens == tokens, named
-        assert "whole vocabulary" not in capsys.readouterr().err  # the line's own reward tokens: the loss over them
+        assert "reward_tokens=[]" not in capsys.readouterr().err  # the line's own reward tokens: the loss over them
     # our own keys and TRL's spelling keep [+, -]; reward_tokens=[] asks for the vocabulary in any spelling
     assert parse_prm(["train_files=[a.jsonl]"]).reward_tokens == ["+", "-"]
     assert parse_prm(["--model_name_or_path", "demo", "--dataset_name", "a.jsonl"]).reward_tokens == ["+", "-"]
@@ -144,3 +148,24 @@ def test_labels_needing_reward_tokens_are_one_line(tiny_model_dir, tmp_path, cap
     assert prm_main(_their_line(tiny_model_dir, tmp_path, "long", "--dataset", long)) == 2
     assert re.search(r"reward_tokens=\[\]: the label 'good step' is \d+ tokens in this tokenizer, not one",
                      _error(capsys.readouterr().err))
+
+
+def test_a_resume_under_the_other_loss_is_one_line(tiny_model_dir, tmp_path, capsys):
+    """A checkpoint of the loss over the reward tokens (as every PRM checkpoint written before the whole-vocabulary
+    loss was) does not go on under the whole-vocabulary loss, nor the reverse."""
+    data = _write(tmp_path / "train.jsonl", _text_rows(0, 8))
+    line = [f"model_path={tiny_model_dir}", "report_to=[jsonl]", f"placeholder_token={P}", "label_key=label",
+            f"train_files=[{data}]", "batch_size=4", "max_steps=2", "save_steps=1", "bf16=false"]
+    assert prm_main([*line, "--output_dir", str(tmp_path / "a"), "--logging_dir", str(tmp_path / "la")]) == 0
+    ckpt = next((tmp_path / "a.checkpoints").glob("*_1"))
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["setting"] == {"loss": "reward_tokens", "label_tokens": ["+", "-"]}
+    again = [*line, "--output_dir", str(tmp_path / "b"), "--logging_dir", str(tmp_path / "lb"), f"resume_from={ckpt}"]
+    capsys.readouterr()
+    assert prm_main([*again, "reward_tokens=[]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "was trained with loss=reward_tokens and this line gives loss=whole_vocabulary" in err
+    (ckpt / "state.json").write_text(json.dumps({"step": 1}))  # a checkpoint from before settings were recorded
+    assert prm_main([*again, "reward_tokens=[]"]) == 2
+    assert "was trained with loss=reward_tokens" in capsys.readouterr().err
+    assert prm_main(again) == 0  # the loss it was trained with goes on

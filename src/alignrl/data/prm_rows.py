@@ -147,7 +147,7 @@ def label_text(loc: str, key: str, value) -> str:
 # reads as "this step is good"
 POSITIVE_NEGATIVE = (("+", "-"), ("yes", "no"), ("Yes", "No"), ("good", "bad"), ("Good", "Bad"),
                      ("correct", "incorrect"), ("Correct", "Incorrect"), ("true", "false"), ("True", "False"),
-                     ("right", "wrong"), ("positive", "negative"))
+                     ("right", "wrong"), ("Right", "Wrong"), ("positive", "negative"), ("Positive", "Negative"))
 
 
 def distinct_labels(rows: Sequence[PRMRow]) -> list[str]:

@@ -23,16 +23,21 @@ from alignrl.config import ConfigError
 WEIGHTS, STATE, REFERENCE = "weights.safetensors", "state.json", "reference.safetensors"
 
 
+# command -> the settings its checkpoints held before `setting` was recorded (train prm: the loss over reward tokens)
+SETTLED = {"prm": {"loss": "reward_tokens"}}
+
+
 def checkpoint_root(out_dir: Path) -> Path:
     return out_dir.parent / f"{out_dir.name}.checkpoints"
 
 
 def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None, running=None, also=None,
-                    name: str | None = None) -> Path:
+                    name: str | None = None, setting: dict | None = None) -> Path:
     """Collective (the engine gathers its weights and optimizer state on every rank; rank 0 writes). `reference`: the
     run's `ref_sync.ReferenceSync` (its copy is the same on every rank), or None; `running`: bco_pair's
     `dpo_mix.BcoDelta` (the same on every rank), or None. `also(folder, weights)`: what rank 0 writes into the
-    folder besides, before it is renamed into place (the model as an HF folder); `name`: the folder's (step_<N>)."""
+    folder besides, before it is renamed into place (the model as an HF folder); `name`: the folder's (step_<N>);
+    `setting`: what a resume must give the same (`resume`'s check), e.g. the loss a PRM trains."""
     from safetensors.torch import save_file
 
     from alignrl.runtime.env import barrier
@@ -49,7 +54,8 @@ def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None, run
         # tied tensors (input and output embeddings) are written as two copies: safetensors keeps no aliases
         save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, str(tmp / WEIGHTS))
         state = {"step": step, **({"lambda_state": lam.state.state_dict()} if lam is not None else {}),
-                 **({"bco_pair": running.state_dict()} if running is not None else {})}
+                 **({"bco_pair": running.state_dict()} if running is not None else {}),
+                 **({"setting": setting} if setting is not None else {})}
         ref_weights = reference.weights() if reference is not None else None
         if ref_weights is not None:
             save_file(ref_weights, str(tmp / REFERENCE))
@@ -67,7 +73,8 @@ def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None, run
     return final
 
 
-def resume(folder: str, engine, lam, command: str = "dpo", reference=None, running=None) -> int:
+def resume(folder: str, engine, lam, command: str = "dpo", reference=None, running=None,
+           setting: dict | None = None) -> int:
     """Loads a checkpoint's weights, optimizer state, λ, synced reference (into `reference`, the run's
     `ref_sync.ReferenceSync`) and bco_pair's running mean (into `running`) into this run (of `alignrl train
     <command>`); returns its step."""
@@ -78,6 +85,14 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None, runni
         raise ConfigError(f"resume_from={folder} is not a checkpoint of `alignrl train {command}` (no {WEIGHTS} and "
                           f"{STATE}); give a checkpoint folder (step_<N>, checkpoint-<N> or global_step_<N>)")
     state = json.loads((path / STATE).read_text())
+    # a checkpoint from before its command recorded settings was trained with the command's one setting then (the
+    # rest unknown: taken as this run's)
+    saved = state.get("setting", {**(setting or {}), **SETTLED.get(command, {})})
+    if setting is not None and saved != setting:  # the same weights would go on under another objective otherwise
+        differ = [k for k in setting if saved.get(k) != setting[k]]
+        raise ConfigError(f"resume_from={folder} was trained with " + ", ".join(f"{k}={saved.get(k)}" for k in differ)
+                          + " and this line gives " + ", ".join(f"{k}={setting[k]}" for k in differ)
+                          + "; resume with the settings that wrote it")
     if running is not None and "bco_pair" not in state:  # δ would start again from 0: not the run that was saved
         raise ConfigError(f"resume_from={folder} holds no running reward mean of bco_pair: it was written with a "
                           "loss_type without bco_pair; resume with that loss_type")

@@ -75,7 +75,8 @@ def label_tokens(tokenizer, cfg: PRMConfig, rows: list[PRMRow]) -> tuple[list[st
         return [str(t) for t in cfg.reward_tokens], str(cfg.reward_tokens[0])
     seen = distinct_labels(rows)
     tokens, positive = positive_first(seen)
-    if any(len(tokenizer.encode(t, add_special_tokens=False)) != 1 for t in tokens if t not in seen):
+    added = [t for t in tokens if t not in seen]  # a pair's other side, for the scorer: only as one token of its own
+    if any(t == cfg.placeholder_token or len(tokenizer.encode(t, add_special_tokens=False)) != 1 for t in added):
         return seen, None
     return tokens, positive
 
@@ -192,13 +193,19 @@ def score_steps(model, tokenizer, texts: list[str], placeholder_token: str, rewa
 def read_tokens(folder: str | Path, reward_tokens: list[str] | None = None) -> tuple[str, list[str]]:
     """(placeholder token, reward tokens: `reward_tokens` if given, else the folder's) of a folder `alignrl train
     prm` saved; a folder trained on the whole vocabulary whose labels did not tell the positive one needs them."""
+    from alignrl.config import ConfigError
+
     path = Path(folder) / TOKENS_FILE
     spec = json.loads(path.read_text())
+    if isinstance(reward_tokens, str):
+        raise ConfigError(f"reward_tokens={reward_tokens!r}: give a list of the label tokens, the positive first")
+    trained = [str(t) for t in spec["reward_tokens"]]
+    if reward_tokens and spec.get("loss") == "whole_vocabulary" and not set(map(str, reward_tokens)) <= set(trained):
+        raise ConfigError(f"{path}: reward_tokens={list(reward_tokens)} names tokens this model was not trained to put "
+                          f"after a step; name its labels {' '.join(trained)}, the positive first")
     if reward_tokens:
         return spec["placeholder_token"], [str(t) for t in reward_tokens]
     if "positive_label" in spec and spec["positive_label"] is None:
-        from alignrl.config import ConfigError
-
         raise ConfigError(f"{path}: the labels {' '.join(spec['reward_tokens'])} do not tell which is the positive "
                           "one; name them for scoring, positive first: load_scorer(folder, reward_tokens=[...])")
     return spec["placeholder_token"], list(spec["reward_tokens"])
@@ -293,19 +300,22 @@ def train_prm(cfg: PRMConfig, dry_run_world: int | None = None) -> dict:
     if before:
         log.print("held-out before training: " + _fmt(before))
     plan = cp.plan_for(cfg, out_dir, total, pc.steps_per_epoch(len(enc_train), cfg, env.world_size))
-    start = cp.resumed_step(cfg, plan, engine, "prm", log, env)
+    loss_type = "reward_tokens" if cfg.reward_tokens else "whole_vocabulary"
+    setting = {"loss": loss_type, "label_tokens": notes["reward_tokens"]}  # a resume must train the same loss
+    start = cp.resumed_step(cfg, plan, engine, "prm", log, env, setting)
     export = adapters.exporter(policy, model, spec, cfg.lora_export)
     tokens = {"placeholder_token": cfg.placeholder_token, "reward_tokens": notes.pop("reward_tokens"),
               "placeholder_id": pid, "reward_ids": rids, "step_separator": cfg.step_separator,
-              "loss": "reward_tokens" if cfg.reward_tokens else "whole_vocabulary",
-              "positive_label": notes.pop("positive_label"),
-              "score": "softmax over the reward tokens' logits at each placeholder; the first is the positive label"}
+              "loss": loss_type, "positive_label": notes.pop("positive_label")}
+    tokens["score"] = ("softmax over the reward tokens' logits at each placeholder; " + (
+        "the first is the positive label" if tokens["positive_label"] is not None else
+        "which is the positive label is not known: name it (load_scorer's reward_tokens)"))
 
     def after_step(step: int) -> dict[str, float]:  # collective: every rank reaches the same steps
         due = enc_eval and pc.eval_due(cfg, step, plan)
         out = {f"eval/{k}": v for k, v in ev().items() if k in ("loss", "step_accuracy")} if due else {}
         log.record(step, out)  # evaluated before the step's checkpoint, as transformers: its trainer_state has it
-        cp.save_if_due(plan, step, engine, env, log, export, tok, {TOKENS_FILE: tokens})
+        cp.save_if_due(plan, step, engine, env, log, export, tok, {TOKENS_FILE: tokens}, setting=setting)
         return out
 
     step = pc.train_pairs(engine, _loss_fn(cfg, env, rids), enc_train, [], tok.pad_token_id, cfg, env, log, total,
@@ -315,7 +325,8 @@ def train_prm(cfg: PRMConfig, dry_run_world: int | None = None) -> dict:
     if after:
         pc.check_eval_finite(after["loss"], "step losses")
         log.print("held-out after training:  " + _fmt(after))
-    results = {"before": before, "after": after, "steps": step, "train_rows": len(enc_train), **notes, **tokens,
+    results = {"before": before, "after": after, "steps": step, "train_rows": len(enc_train), **notes,
+               **{k: v for k, v in tokens.items() if k != "loss"}, "loss_type": loss_type,  # beside the float losses
                "train_on_last_step_only": cfg.train_on_last_step_only,
                "train_files": [str(f) for f in cfg.train_files], "eval_files": [str(f) for f in cfg.eval_files],
                "max_length": cfg.max_length, "world_size": env.world_size, "strategy": engine.name,

@@ -67,7 +67,6 @@ SPACED = ("reward_tokens",)  # OpenRLHF's nargs flag: `--reward_tokens + -`
 QUOTED = ("placeholder_token", "step_separator")  # texts kept as given (`-`, `:`, `#` would be YAML)
 
 
-
 def _texts_as_keys(argv: list[str]) -> list[str]:
     """`--reward_tokens + -` (OpenRLHF's several words, or `--reward_tokens=+,-`) and the text flags as quoted
     `key=value` words, which YAML reads back as the texts given."""
