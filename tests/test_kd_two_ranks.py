@@ -8,6 +8,7 @@ student (fsdp2, ZeRO-3), whose forwards gather weights from both ranks, must kee
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -140,4 +141,44 @@ def test_two_ranks_take_one_process_steps(models, one_process, tmp_path, strateg
     assert weights.keys() == one_weights.keys() == start.keys()
     assert max(float((one_weights[k] - start[k]).abs().max()) for k in start) > 1e-4  # it trained
     for k in weights:  # Adam's first steps magnify the ranks' other order of summing; still far below the update
+        torch.testing.assert_close(weights[k], one_weights[k], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_the_teacher_and_takes_one_process_steps(models, tmp_path, capsys):
+    """Under fsdp2 the teacher is sharded over the two ranks too (said at start, with its bytes per rank), and a
+    seq_kd run (lmbda=0: every step trains on the teacher's generations, the teacher's forwards in the loss too) takes
+    the steps of one process with a whole teacher. The SFT-trained model teaches here and the tiny one learns, so the
+    teacher's step-0 generations end after different numbers of forwards on the two ranks (the first test above
+    samples them), which a sharded teacher must generate in step."""
+    from conftest import run_group
+
+    swapped = (models[1], models[0])  # (student, teacher)
+    p = run_group([sys.executable, "-m", "alignrl", "train", "kd", "--nproc", "2",
+                   *_line(swapped, tmp_path, "fsdp2", 0.0, True), "strategy=fsdp2"], 240,
+                  env={**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    sharded = re.search(r"teacher: sharded over 2 ranks \(FSDP2\), ([\d.]+) MiB of its weights per rank", p.stdout)
+    assert sharded, p.stdout[-2000:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert kd_main(_line(swapped, tmp_path, "one", 0.0, True) + ["strategy=single",
+                                                                      "gradient_accumulation_steps=2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    whole = re.search(r"teacher: a whole copy on each rank, ([\d.]+) MiB per rank", capsys.readouterr().out)
+    assert whole and float(sharded[1]) <= float(whole[1]) / 2 + 0.01  # each rank holds its half (rounded to 0.01)
+    (ranks, weights, results), (one, one_weights, _) = _read(tmp_path, "fsdp2"), _read(tmp_path, "one")
+    assert (results["world_size"], results["strategy"], results["seq_kd"]) == (2, "fsdp2", True)
+    assert not any("train/gpt_loss" in r for r in ranks)  # the teacher's generations: distil_loss alone
+    for mine, theirs in zip(ranks, one, strict=True):
+        assert mine["train/loss"] == pytest.approx(theirs["train/loss"], rel=1e-5)
+        assert mine["train/completion_length"] == pytest.approx(theirs["train/completion_length"], rel=1e-6)
+    assert 0 < ranks[0]["train/completion_length"] < MAX_NEW  # some of the teacher's completions ended at eos
+    from safetensors.torch import load_file
+
+    start = load_file(str(swapped[0] / "model.safetensors"))
+    assert max(float((one_weights[k] - start[k]).abs().max()) for k in start) > 1e-4  # it trained
+    for k in weights:
         torch.testing.assert_close(weights[k], one_weights[k], rtol=0, atol=1e-5)

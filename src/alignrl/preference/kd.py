@@ -21,10 +21,17 @@ rows' prompts instead (`kd_onpolicy`), on distil_loss alone at the sampled token
 divergence alone: the rows' cross-entropy would teach the student its own samples (or the teacher's tokens where its
 distribution already is); train/gpt_loss is not logged on those steps.
 
-The teacher is a whole copy on each rank's device, outside the engine (never wrapped by DDP, FSDP2 or DeepSpeed,
-not sharded under ZeRO-3), in eval mode with its parameters frozen. It must share the student's tokenizer: a
-different vocabulary is refused in one line; heads padded to different sizes beyond the tokenizer (a model family's
-sizes) are matched, the teacher's extra entries dropped (`core.distill.match_vocab`), said at start.
+The teacher is frozen (no gradient, no optimizer) and in eval mode, outside the student's engine. Under
+strategy=fsdp2 with more than one rank it is sharded as the student is: FSDP2's `fully_shard` on each transformer
+block and the root over all the ranks, each rank reading only its own rows of the weights where the folder allows
+(`models.sharded_load`), and resharded after every forward, so between micro-batches a rank holds 1/N of it, as
+OpenRLHF's teacher under ZeRO-3. Its forwards are then collectives: every rank runs one per micro-batch, and each rank
+has as many micro-batches per step (whole global batches; in a packed dataset's last partial step a micro-batch with
+no row left runs an untrained filler row); seq_kd's generations run with every rank in step (`kd_onpolicy`). Under
+single, ddp and deepspeed (ZeRO-3 included, which shards the student alone) each rank holds a whole copy on its
+device. The start line says which, with the teacher's bytes per rank. The teacher must share the student's
+tokenizer: a different vocabulary is refused in one line; heads padded to different sizes beyond the tokenizer (a
+model family's sizes) are matched, the teacher's extra entries dropped (`core.distill.match_vocab`), said at start.
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ def distillation(cfg: KDConfig, model, tok, env, log, notes: dict, on_policy: On
     `summed(module, batch) -> (loss, {"gpt_loss": Σ, "distil_loss": Σ})`, sums over the batch's trained tokens;
     with `on_policy`, also its step's metrics (on_policy, completion_length) as they are, and on a step of generated
     completions the loss is distil_loss alone (no gpt_loss)."""
-    teacher = load_teacher(cfg, model, tok, env.device, log)
+    teacher = load_teacher(cfg, model, tok, env, log)
     from alignrl.models.vision import is_vision_model
 
     if notes.get("image_rows") and not is_vision_model(teacher):
@@ -94,33 +101,77 @@ def distillation(cfg: KDConfig, model, tok, env, log, notes: dict, on_policy: On
     return summed
 
 
-def load_teacher(cfg: KDConfig, student, tok, device: torch.device, log):
-    """The teacher: in teacher_dtype, frozen, in eval mode (no dropout) on `device`, its vocabulary checked against the
-    student's; with packing, checked to keep packed rows apart in the layout the student's batches take."""
+def load_teacher(cfg: KDConfig, student, tok, env, log):
+    """The teacher: in teacher_dtype, frozen, in eval mode (no dropout) on the rank's device, sharded over the ranks
+    under fsdp2 (`sharded_teacher`), its vocabulary checked against the student's; with packing, checked to keep
+    packed rows apart in the layout the student's batches take."""
     from alignrl.models.loader import load_causal_lm, resolve_model_path
 
     folder = resolve_model_path(cfg.teacher_model_path, log.print, "teacher_model_path")
     _check_tokenizer(folder, tok, cfg.teacher_model_path)
     dtype = cfg.teacher_dtype if cfg.teacher_dtype != "auto" else ("bfloat16" if pc.use_bf16(cfg) else "float32")
-    teacher = load_causal_lm(folder, dtype, "teacher_model_path")
+    # fsdp2 alone: sharding the teacher under ZeRO-3 would take a DeepSpeed engine of its own (no optimizer), which
+    # the engines here do not build; under deepspeed the teacher stays whole on each rank
+    shards = cfg.strategy == "fsdp2" and env.world_size > 1
+    teacher = sharded_teacher(folder, dtype, env) if shards else load_causal_lm(folder, dtype, "teacher_model_path")
     check_vocab(_vocab(teacher), _vocab(student), len(tok), cfg.teacher_model_path, log)
     teacher.requires_grad_(False)
     teacher.eval()
-    teacher.to(device)
+    if not shards:  # the shards are on the device already
+        teacher.to(env.device)
     if cfg.packing and cfg.packing_strategy != "wrapped":  # wrapped rows are padded, their attention crossing rows
-        check_packable(teacher, cfg.max_length)
+        check_packable(teacher, cfg.max_length)  # a sharded teacher's forwards run on every rank alike
         if one_row_attention(teacher) != one_row_attention(student):
             raise ConfigError("packing=true: the teacher's and the student's attention implementations lay packed "
                               "rows out differently (flash attention needs them in one row); load both with the "
                               "same attn_implementation, or set packing=false")
     n = sum(p.numel() for p in teacher.parameters())
     mixed = f"{1 - cfg.kd_coef:g} × gpt_loss + {cfg.kd_coef:g} × distil_loss"
-    log.print(f"teacher {cfg.teacher_model_path}: {n / 1e6:.2f}M parameters, frozen, {dtype} on {device}; loss = "
+    log.print(f"teacher {cfg.teacher_model_path}: {n / 1e6:.2f}M parameters, frozen, {dtype} on {env.device}; loss = "
               + ("distil_loss (seq_kd: every step trains on generations)" if cfg.seq_kd else mixed
                  + (" (distil_loss alone on steps of the student's generations)" if cfg.lmbda > 0 else ""))
               + (f", temperature {cfg.distil_temperature:g}" if cfg.distil_temperature != 1.0 else "")
               + (f", GKD's generalized JSD with beta {cfg.beta:g}" if cfg.beta else ""))
+    held = _size(held_bytes(teacher))
+    zero3 = " (ZeRO-3 shards the student alone)" if cfg.strategy == "deepspeed" and cfg.zero_stage == 3 else ""
+    log.print(f"teacher: sharded over {env.world_size} ranks (FSDP2), {held} of its weights per rank, gathered a "
+              "block at a time in each forward" if shards else f"teacher: a whole copy on each rank, {held} per rank"
+              f"{zero3}")
     return teacher
+
+
+def sharded_teacher(folder: Path, dtype: str, env):
+    """The teacher sharded over all of `env`'s ranks with FSDP2 (as the student's engine shards it, resharded after
+    every forward, the root too), each rank reading only its own rows of the weights; a folder that cannot be read by
+    rows (`.bin` weights, a vision-language model, a reward model, which `load_causal_lm` refuses) is loaded whole
+    first, then sharded."""
+    from alignrl.models.loader import DTYPES, SCORE_INFO, load_causal_lm
+    from alignrl.models.sharded_load import load_sharded
+    from alignrl.models.vision import is_vision_folder
+    from alignrl.train.engines.fsdp2 import shard_blocks
+
+    def shard(model: torch.nn.Module) -> None:
+        shard_blocks(model, env, reshard_after_forward=True)  # FSDP2 keeps a root gathered for a backward it never has
+
+    by_rows = not is_vision_folder(folder) and not (Path(folder) / SCORE_INFO).is_file()
+    teacher = load_sharded(Path(folder), DTYPES[dtype], env.device, shard) if by_rows else None
+    if teacher is None:
+        teacher = load_causal_lm(folder, dtype, "teacher_model_path")
+        teacher.requires_grad_(False)
+        teacher.eval()
+        shard(teacher)
+    return teacher
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """The bytes of parameters this rank holds: its shards, or the whole model when unsharded."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _vocab(model) -> int:

@@ -242,7 +242,11 @@ class OnPolicy:
         """[(the row of prompt + generated completion, its prompt)] for the micro-batch's rows, each row sampled from
         its own seed (`row_seed`)."""
         prompts, rows = prompts_of(batch), batch.index.tolist()
-        synced = self.sharded and model is self.student  # the teacher is whole on every rank
+        from torch.distributed.fsdp import FSDPModule
+
+        # a sharded model's forwards gather its weights from every rank: the student under fsdp2 or ZeRO-3, the
+        # teacher under fsdp2 (kd.sharded_teacher), whole on each rank otherwise
+        synced = self.sharded if model is self.student else isinstance(model, FSDPModule)
         made = sample(model, prompts, self.tok.pad_token_id, self.tok.eos_token_id, self.cfg, device,
                       [row_seed(self.cfg.seed, index, int(i)) for i in rows], self.limit, synced)
         return [(EncodedRow(p + c, [False] * len(p) + [True] * len(c), int(i)), p)
