@@ -201,6 +201,10 @@ class OnPolicy:
         self.student, self.env, self.tok = engine.model, env, tok  # the unwrapped module: DDP's hooks stay out
         # FSDP2's or ZeRO-3's student: its forwards gather the weights from every rank
         self.sharded = env.world_size > 1 and not getattr(engine, "whole_weights", True)
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+        if self.sharded and isinstance(engine.model, FSDPModule):  # a PEFT model's generate skips the root's forward
+            register_fsdp_forward_method(engine.model, "generate")  # (its weights would stay sharded): hooked too
         cfg = self.cfg
         log.print(f"on-policy distillation: each optimizer step trains on the student's generations with chance "
                   f"lmbda={cfg.lmbda:g}" + (", on the teacher's otherwise" if cfg.seq_kd else "")
