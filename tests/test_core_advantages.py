@@ -25,7 +25,7 @@ def _random_groups(seed: int):
 
 def test_registry_keys():
     assert set(ADVANTAGES) == {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                               "gpg", "gdpo"}
+                               "gpg", "gdpo", "opo", "grpo_passk", "rloo_vectorized", "grpo_vectorized"}
     # one signature: every estimator reads what it needs from the same inputs
     r, g = torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1])
     x = OutcomeInputs(r, torch.zeros(4, 3), torch.ones(4, 3), g, baseline=torch.zeros(4))
