@@ -53,11 +53,12 @@ def prm_loss(logits: torch.Tensor, step_mask: torch.Tensor, targets: torch.Tenso
     steps). Metrics: this batch's step-mean loss (prm/loss) and its correct and counted steps as `acc_sum` and
     `acc_count`, which `preference.common.totals_per_count` turns into an exact accuracy over micro-batches and
     ranks. A batch with no marked step gives a zero loss that still reaches every parameter (a backward needs it)."""
-    return _reduced(logits, *step_terms(logits, step_mask, targets, reward_ids), total_steps)
+    return reduced(logits, *step_terms(logits, step_mask, targets, reward_ids), total_steps)
 
 
-def _reduced(logits: torch.Tensor, ce: torch.Tensor, correct: torch.Tensor, total_steps: float | None
-             ) -> tuple[torch.Tensor, dict[str, float]]:
+def reduced(logits: torch.Tensor, ce: torch.Tensor, correct: torch.Tensor, total_steps: float | None
+            ) -> tuple[torch.Tensor, dict[str, float]]:
+    """(loss, metrics) of the marked steps' (cross-entropy, correct): `prm_loss`'s normalisation and metrics."""
     n = int(ce.numel())
     if n == 0:
         return logits.sum() * 0.0, {"prm/loss": 0.0, "acc_sum": 0.0, "acc_count": 0.0}
@@ -87,7 +88,7 @@ def prm_vocab_loss(logits: torch.Tensor, step_mask: torch.Tensor, label_ids: tor
                    total_steps: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """`prm_loss` with the cross-entropy over the whole vocabulary against each step's label token id (`label_ids`
     (B, T)): the same normalisation by `total_steps` and the same metrics."""
-    return _reduced(logits, *vocab_step_terms(logits, step_mask, label_ids), total_steps)
+    return reduced(logits, *vocab_step_terms(logits, step_mask, label_ids), total_steps)
 
 
 def positive_probs(logits: torch.Tensor, step_mask: torch.Tensor, reward_ids: torch.Tensor | list[int]

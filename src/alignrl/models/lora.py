@@ -280,6 +280,11 @@ def adapted_modules(names) -> list[str]:
     return sorted({n.split(".lora_A")[0].rsplit(".", 1)[-1] for n in names if ".lora_A" in n})
 
 
+def their_target_flags(modules: list[str]) -> str:
+    """TRL's and OpenRLHF's flags that put adapters on `modules`, for a line that must name them."""
+    return f"TRL's --lora_target_modules {' '.join(modules)}, OpenRLHF's --target_modules {' '.join(modules)}"
+
+
 def load_trained(model: torch.nn.Module, folder: Path) -> bool:
     """What `save_trained` wrote, into `model` (the same wrapping, before an engine takes it); False when the
     folder has no such file. Every trained parameter must be in the file: a checkpoint of another LoRA setting
@@ -295,9 +300,8 @@ def load_trained(model: torch.nn.Module, folder: Path) -> bool:
         missing = sorted(want - set(saved)) or sorted(set(saved) - want)
         theirs, ours = adapted_modules(saved), adapted_modules(want)
         fix = ("the model.lora_* and actor.freeze_prefix settings that wrote it" if theirs == ours else
-               f"its adapters' modules: model.target_modules=[{','.join(theirs)}] (TRL's --lora_target_modules "
-               f"{' '.join(theirs)}, OpenRLHF's --target_modules {' '.join(theirs)}); this run puts them on "
-               f"{','.join(ours) or 'no module'}")
+               f"its adapters' modules: model.target_modules=[{','.join(theirs)}] ({their_target_flags(theirs)}); "
+               f"this run puts them on {','.join(ours) or 'no module'}")
         raise ModelError(f"{path} holds other trained parameters than this run trains (e.g. {missing[0]!r}): resume "
                          f"with {fix}")
     inner = unwrapped(model)

@@ -166,12 +166,14 @@ def set_aside(plan: CheckpointPlan, start: int, env, log) -> None:
     barrier(env)
 
 
-def resumed_step(cfg, plan: CheckpointPlan, engine, command: str, log, env, setting: dict | None = None) -> int:
+def resumed_step(cfg, plan: CheckpointPlan, engine, command: str, log, env, setting: dict | None = None,
+                 unrecorded: dict | None = None) -> int:
     """The step of the checkpoint `resume_from` names, its weights and optimizer state loaded into `engine` (said
     once); 0 for a fresh run. For the trainers whose checkpoint holds nothing else (rm, sft, kto, prm; `setting`:
-    what the checkpoint must have been trained with, `checkpoints.resume`). Collective."""
+    what the checkpoint must have been trained with, `unrecorded`: what one from before settings were recorded was,
+    `checkpoints.resume`). Collective."""
     folder = resume_folder(cfg, plan, log, env)
-    start = ckpt.resume(folder, engine, None, command, setting=setting) if folder else 0
+    start = ckpt.resume(folder, engine, None, command, setting=setting, unrecorded=unrecorded) if folder else 0
     if start:
         log.print(f"resumed from {folder} at step {start}")
     set_aside(plan, start, env, log)

@@ -23,10 +23,6 @@ from alignrl.config import ConfigError
 WEIGHTS, STATE, REFERENCE = "weights.safetensors", "state.json", "reference.safetensors"
 
 
-# command -> the settings its checkpoints held before `setting` was recorded (train prm: the loss over reward tokens)
-SETTLED = {"prm": {"loss": "reward_tokens"}}
-
-
 def checkpoint_root(out_dir: Path) -> Path:
     return out_dir.parent / f"{out_dir.name}.checkpoints"
 
@@ -74,7 +70,7 @@ def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None, run
 
 
 def resume(folder: str, engine, lam, command: str = "dpo", reference=None, running=None,
-           setting: dict | None = None) -> int:
+           setting: dict | None = None, unrecorded: dict | None = None) -> int:
     """Loads a checkpoint's weights, optimizer state, λ, synced reference (into `reference`, the run's
     `ref_sync.ReferenceSync`) and bco_pair's running mean (into `running`) into this run (of `alignrl train
     <command>`); returns its step."""
@@ -85,9 +81,9 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None, runni
         raise ConfigError(f"resume_from={folder} is not a checkpoint of `alignrl train {command}` (no {WEIGHTS} and "
                           f"{STATE}); give a checkpoint folder (step_<N>, checkpoint-<N> or global_step_<N>)")
     state = json.loads((path / STATE).read_text())
-    # a checkpoint from before its command recorded settings was trained with the command's one setting then (the
-    # rest unknown: taken as this run's)
-    saved = state.get("setting", {**(setting or {}), **SETTLED.get(command, {})})
+    # a checkpoint from before its command recorded settings: what the command trained then (`unrecorded`), the
+    # rest unknown, taken as this run's
+    saved = state.get("setting", {**(setting or {}), **(unrecorded or {})})
     if setting is not None and saved != setting:  # the same weights would go on under another objective otherwise
         differ = [k for k in setting if saved.get(k) != setting[k]]
         raise ConfigError(f"resume_from={folder} was trained with " + ", ".join(f"{k}={saved.get(k)}" for k in differ)
@@ -117,14 +113,13 @@ def _adapter_fix(saved: dict, own: dict) -> str:
     """Where the checkpoint's adapters and this run's sit on different modules (a LoRA default that changed
     between the run that saved and this one, e.g. all-linear against PEFT's per-architecture choice), the modules
     to name: the fix is a flag, not another config file."""
-    from alignrl.models.lora import adapted_modules
+    from alignrl.models.lora import adapted_modules, their_target_flags
 
     theirs, ours = adapted_modules(saved), adapted_modules(own)
     if not theirs or theirs == ours:
         return "; resume with the config that wrote it"
     return (f": its LoRA adapters are on {','.join(theirs)} and this run's on {','.join(ours) or 'no module'}; "
-            f"resume naming them: lora_target_modules={','.join(theirs)} (TRL's --lora_target_modules "
-            f"{' '.join(theirs)}, OpenRLHF's --target_modules {' '.join(theirs)})")
+            f"resume naming them: lora_target_modules={','.join(theirs)} ({their_target_flags(theirs)})")
 
 
 def _load_weights(model, weights: dict) -> tuple[list[str], list[str]]:

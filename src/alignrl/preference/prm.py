@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from alignrl.core.prm import label_token_ids, positive_probs, prm_loss, prm_vocab_loss, step_terms, vocab_step_terms
+from alignrl.core.prm import label_token_ids, positive_probs, reduced, step_terms, vocab_step_terms
 from alignrl.data.blend import read_files
 from alignrl.data.prm_rows import (EncodedPRM, PRMBatch, PRMKeys, PRMRow, collate_rows, counted_steps,
                                    distinct_labels, encode_rows, encode_text, load_rows, over_label_tokens,
@@ -157,11 +157,7 @@ def evaluate(model, batches: list[PRMBatch], reward_ids: list[int], cfg: PRMConf
 def _loss_fn(cfg: PRMConfig, env, reward_ids: list[int]):
     def loss(module, batch: PRMBatch, _global_rows: float):
         logits = logits_of(module, batch, cfg, env.device)
-        if cfg.reward_tokens:
-            value, m = prm_loss(logits, batch.step_mask, batch.targets, reward_ids, batch.total_steps)
-        else:
-            value, m = prm_vocab_loss(logits, batch.step_mask, label_token_ids(batch.targets, reward_ids),
-                                      batch.total_steps)
+        value, m = reduced(logits, *batch_terms(logits, batch, reward_ids, cfg), batch.total_steps)
         # logged as the share that makes the mean over micro-batches and ranks the step's own step-mean loss
         share = float(value.detach()) * cfg.gradient_accumulation_steps * env.world_size
         return value, {"loss": share, "acc_sum": m["acc_sum"], "acc_count": m["acc_count"]}
@@ -302,7 +298,8 @@ def train_prm(cfg: PRMConfig, dry_run_world: int | None = None) -> dict:
     plan = cp.plan_for(cfg, out_dir, total, pc.steps_per_epoch(len(enc_train), cfg, env.world_size))
     loss_type = "reward_tokens" if cfg.reward_tokens else "whole_vocabulary"
     setting = {"loss": loss_type, "label_tokens": notes["reward_tokens"]}  # a resume must train the same loss
-    start = cp.resumed_step(cfg, plan, engine, "prm", log, env, setting)
+    # checkpoints from before the whole-vocabulary loss trained over the reward tokens
+    start = cp.resumed_step(cfg, plan, engine, "prm", log, env, setting, unrecorded={"loss": "reward_tokens"})
     export = adapters.exporter(policy, model, spec, cfg.lora_export)
     tokens = {"placeholder_token": cfg.placeholder_token, "reward_tokens": notes.pop("reward_tokens"),
               "placeholder_id": pid, "reward_ids": rids, "step_separator": cfg.step_separator,
