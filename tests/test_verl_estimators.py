@@ -1,6 +1,7 @@
 """verl's opo, grpo_passk, rloo_vectorized and grpo_vectorized estimators against plain-loop transcriptions of verl's
-functions (verl/trainer/ppo/core_algos.py, verl/utils group_mean_std), through the table the RL loop reads; the refusal
-of its optimal token baselines; and a step of the RL loop with each."""
+functions (verl/trainer/ppo/core_algos.py, verl/utils group_mean_std), through the table the RL loop reads; OPO beside
+rollout rejection, whose lengths count the kept tokens as verl's; the refusal of its optimal token baselines; and a
+step of the RL loop with each."""
 
 import json
 import math
@@ -99,8 +100,8 @@ def verl_grpo(token_level_rewards, response_mask, index, norm_adv_by_std_in_grpo
 
 
 def verl_grpo_vectorized(token_level_rewards, response_mask, index, epsilon=1e-6):
-    """group_mean_std(eps=0) per group from its sums, a group of one mean 0 and std 1; verl calls it without
-    norm_adv_by_std_in_grpo, so it always divides."""
+    """group_mean_std(eps=0) per group from its sums, a group of one mean 0 and std 1; verl's trainer calls it without
+    norm_adv_by_std_in_grpo (its compute_advantage passes the flag to grpo alone), so it always divides."""
     scores = token_level_rewards.sum(dim=-1).float()
     out = torch.zeros_like(scores)
     for i in range(scores.shape[0]):
@@ -188,18 +189,22 @@ def test_rloo_vectorized_is_verls_and_alignrls_rloo(seed, tied):
     torch.testing.assert_close(loop[count > 1], expected[count > 1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize(("seed", "tied"), CASES)
-def test_grpo_vectorized_is_verls_and_alignrls_grpo(seed, tied):
-    assert ADVANTAGES["grpo_vectorized"] is ADVANTAGES["grpo"]
+def test_grpo_vectorized_is_verls_and_alignrls_grpo_with_the_std(seed, tied, norm):
     token_rewards, mask, group = random_batch(seed, tied)
     vectorized = verl_grpo_vectorized(token_rewards.clone(), mask, group.tolist())
     # verl's two forms give the same numbers, groups of one included
     torch.testing.assert_close(verl_grpo(token_rewards.clone(), mask, group.tolist()), vectorized)
     count = torch.bincount(group)[group]
-    got = ours("grpo_vectorized", token_rewards, mask, group)
+    # norm_adv_by_std_in_grpo=False changes nothing, as in verl: its trainer never hands the flag to grpo_vectorized
+    got = ours("grpo_vectorized", token_rewards, mask, group, norm_by_std=norm)
     torch.testing.assert_close(got[count > 1], vectorized[count > 1])
+    torch.testing.assert_close(got, ours("grpo", token_rewards, mask, group, norm_by_std=True))
     # a group of one: 0 here, r / (1 + eps) in verl (rollout.n >= 2 keeps such groups out of the loop)
     assert got[count == 1].abs().sum() == 0
+    if not norm:  # the group stds are not all 1: dividing or not differs somewhere
+        assert not torch.allclose(got, ours("grpo", token_rewards, mask, group, norm_by_std=False))
 
 
 # ---- config: the checks and the refusals ----------------------------------------------------------------------
@@ -245,9 +250,21 @@ def test_opo_alone_keeps_its_reward_and_is_accepted_with_one_sample():
     assert load_config(None, ["algorithm.adv_estimator=opo", "rollout.n=1"]).algorithm.adv_estimator == "opo"
 
 
-def test_grpo_vectorized_refuses_the_flag_verl_ignores():
-    with pytest.raises(ConfigError, match="grpo_vectorized divides by the group std in verl whatever"):
-        load_config(None, ["algorithm.adv_estimator=grpo_vectorized", "algorithm.norm_adv_by_std_in_grpo=false"])
+def test_grpo_vectorized_takes_the_flag_verl_ignores_and_says_so_once(capsys, monkeypatch):
+    from alignrl.config.verl_keys import translate
+
+    monkeypatch.setenv("ALIGNRL_VERL_KEYS_LISTED", "")  # unset for this launch, restored after
+    line = ["algorithm.adv_estimator=grpo_vectorized", "algorithm.norm_adv_by_std_in_grpo=false"]
+    assert not load_config(None, line).algorithm.norm_adv_by_std_in_grpo
+    said = capsys.readouterr().err
+    assert said.count("norm_adv_by_std_in_grpo") == 1, said
+    assert ("alignrl: algorithm.norm_adv_by_std_in_grpo=False is not applied to algorithm.adv_estimator="
+            "grpo_vectorized, as in verl (whose trainer passes it to grpo alone): the advantages are divided by the "
+            "group std; for Dr.GRPO use algorithm.adv_estimator=grpo") in said
+    for quiet in (["algorithm.adv_estimator=grpo_vectorized"], ["algorithm.adv_estimator=grpo",
+                                                                 "algorithm.norm_adv_by_std_in_grpo=false"],
+                  [*line, "algorithm.norm_adv_by_std_in_grpo=true"]):
+        assert translate(quiet).notes == [], quiet
     assert not load_config(None, ["algorithm.adv_estimator=grpo_passk",
                                   "algorithm.norm_adv_by_std_in_grpo=false"]).algorithm.norm_adv_by_std_in_grpo
 
@@ -260,12 +277,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-@pytest.mark.parametrize("estimator", NEW)
-def test_the_rl_loop_trains_with_each(estimator, tiny_model_dir, tmp_path):
+def _one_step(estimator: str, extra: list[str], tiny_model_dir, tmp_path) -> dict:
+    """One RL step with `estimator` on the tiny model; its metrics row, checked to carry a signal that moved weights."""
     reward = tmp_path / "spread.py"
     reward.write_text(SPREAD_REWARD)  # the tiny model scores 0 on the built-in task: a reward that differs per answer
     cfg = load_config(None, overrides(tiny_model_dir, tmp_path, estimator, 1, 1)
-                      + [f"algorithm.adv_estimator={estimator}", f"algorithm.reward_fn={reward}:compute_score"])
+                      + [f"algorithm.adv_estimator={estimator}", f"algorithm.reward_fn={reward}:compute_score", *extra])
     assert cfg.algorithm.adv_estimator == estimator
     from alignrl.runner import train_grpo
 
@@ -275,19 +292,75 @@ def test_the_rl_loop_trains_with_each(estimator, tiny_model_dir, tmp_path):
     assert row["reward/std"] > 0 and row["actor/grad_norm"] > 1e-3  # the advantages carry a signal
     before, after = load_file(tiny_model_dir / "model.safetensors"), weights(tmp_path / estimator, 1)
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    return row
 
 
-def test_opo_beside_a_rejection_that_masks_after_the_advantages_is_one_line():
-    """verl rejects before its estimator, so OPO's length weights count the kept tokens alone; here the rejection
-    masks the loss after the advantages: refused rather than a baseline verl would not compute."""
-    for extra, key in ((["algorithm.rollout_rs=seq_mean_k3", "algorithm.rollout_rs_threshold=2.0"], "rollout_rs"),
-                       (["algorithm.rollout_token_veto_threshold=0.01"], "rollout_token_veto_threshold"),
-                       (["algorithm.rollout_is=token", "algorithm.rollout_is_mode=mask"], "rollout_is_mode")):
-        with pytest.raises(ConfigError) as err:
-            load_config(None, ["algorithm.adv_estimator=opo", *extra])
-        assert str(err.value).startswith(f"algorithm.adv_estimator=opo weighs its baseline by the response lengths, "
-                                         f"and algorithm.{key} masks tokens after the advantages here"), str(err.value)
-    load_config(None, ["algorithm.adv_estimator=opo", "algorithm.rollout_is=token"])  # truncation masks nothing
+@pytest.mark.parametrize("estimator", NEW)
+def test_the_rl_loop_trains_with_each(estimator, tiny_model_dir, tmp_path):
+    _one_step(estimator, [], tiny_model_dir, tmp_path)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_opo_beside_rejection_weighs_the_kept_tokens_as_verls(seed):
+    """verl rejects before its estimator: OPO's lengths are those of the response mask rejection leaves. Here the
+    rejection is decided ahead of the advantages too, and `estimator_mask` hands the estimators the mask less what it took out."""
+    from alignrl.rl.trainer import estimator_mask
+
+    token_rewards, mask, group = random_batch(seed, tied=False)
+    gen = torch.Generator().manual_seed(100 + seed)
+    given = mask.bool()
+    kept = given & (torch.rand(mask.shape, generator=gen) > 0.3)  # token rejection
+    kept[torch.rand(len(mask), generator=gen) < 0.2] = False  # whole sequences rejected (sequence RS, the veto)
+    expected = verl_opo(token_rewards.clone(), mask * kept, group.tolist())
+    est = estimator_mask(mask, given, kept)
+    adv = ADVANTAGES["opo"](OutcomeInputs(token_rewards.sum(-1), token_rewards, est, group))
+    torch.testing.assert_close(adv[:, None] * kept, expected, rtol=1e-5, atol=1e-6)
+    # the lengths matter: over the whole mask the baseline is another one
+    assert not torch.allclose(ours("opo", token_rewards, mask, group) * kept, expected)
+    assert torch.equal(estimator_mask(mask, given, given), mask)  # nothing rejected: the mask as it was
+
+
+def test_opo_keeps_a_truncated_responses_length_and_is_accepted_beside_each_rejection():
+    """algorithm.mask_truncated takes a truncated response out of the loss, not out of the baseline: rejection decides
+    on the mask without it, and OPO still weighs it by its whole length."""
+    from alignrl.rl.trainer import estimator_mask
+
+    mask = torch.ones(3, 4)
+    given = torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)  # row 1 truncated
+    kept = torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)  # row 2 lost one token
+    assert estimator_mask(mask, given, kept).sum(-1).tolist() == [4.0, 4.0, 3.0]
+    for extra in (["algorithm.rollout_rs=seq_mean_k3", "algorithm.rollout_rs_threshold=2.0"],
+                  ["algorithm.rollout_token_veto_threshold=0.01"],
+                  ["algorithm.rollout_is=token", "algorithm.rollout_is_mode=mask"]):
+        assert load_config(None, ["algorithm.adv_estimator=opo", *extra]).algorithm.adv_estimator == "opo"
+
+
+def test_the_rl_loop_gives_opo_the_mask_rejection_leaves(tiny_model_dir, tmp_path, monkeypatch):
+    """A step of the loop with opo and token rejection, its rejection made to take each response's first token:
+    OPO's mask lacks exactly what the loss mask lacks."""
+    import alignrl.rl.trainer as trainer_module
+
+    decided, read = [], []
+    correction = trainer_module.PolicyTrainer.rollout_correction
+
+    def first_token_rejected(self, old_lp, rollout_lp, loss_mask):
+        weights, kept, metrics = correction(self, old_lp, rollout_lp, loss_mask)
+        kept = kept.clone()
+        kept[:, 0] = False
+        decided.append((loss_mask.clone(), kept))
+        return weights, kept, metrics
+
+    def opo(x):
+        read.append(x.mask.clone())
+        return ADVANTAGES["opo"](x)
+
+    monkeypatch.setattr(trainer_module.PolicyTrainer, "rollout_correction", first_token_rejected)
+    monkeypatch.setattr(trainer_module, "ADVANTAGES", {**ADVANTAGES, "opo": opo})
+    _one_step("opo", ["algorithm.rollout_rs=token", "algorithm.rollout_rs_threshold=2.0", "rollout.n=2"],
+              tiny_model_dir, tmp_path)
+    (given, kept), = decided
+    assert len(read) == 1 and given[:, 0].any()
+    torch.testing.assert_close(read[0], (given & kept).float())  # no truncation masked here: given is the loss mask
 
 
 def test_a_verl_line_with_opo_and_no_rollout_n_samples_one_response_as_verl():

@@ -28,21 +28,6 @@ def estimator_problem(cfg: RunConfig) -> str | None:
         return (f"algorithm.adv_estimator={alg.adv_estimator} compares the samples of each prompt: "
                 f"rollout.n={cfg.rollout.n} leaves none to compare with; set rollout.n >= 2 (verl's "
                 "actor_rollout_ref.rollout.n), or use reinforce_plus_plus or remax")
-    if alg.adv_estimator == "grpo_vectorized" and not alg.norm_adv_by_std_in_grpo:
-        # verl calls its grpo_vectorized without the flag, so it always divides: the key would do nothing there
-        return ("algorithm.adv_estimator=grpo_vectorized divides by the group std in verl whatever "
-                "norm_adv_by_std_in_grpo says: for Dr.GRPO set algorithm.adv_estimator=grpo, or drop "
-                "norm_adv_by_std_in_grpo=false")
-    masking = [k for k, on in (("rollout_rs", alg.rollout_rs != "none"),
-                               ("rollout_token_veto_threshold", alg.rollout_token_veto_threshold is not None),
-                               ("rollout_is_mode", alg.rollout_is != "none" and alg.rollout_is_mode != "truncate"))
-               if on]
-    if alg.adv_estimator == "opo" and masking:
-        # verl rejects before its estimator and weighs OPO's baseline by the lengths left; here the rejection
-        # masks the loss after the advantages, so the baseline would count the rejected tokens
-        return (f"algorithm.adv_estimator=opo weighs its baseline by the response lengths, and algorithm."
-                f"{masking[0]} masks tokens after the advantages here (verl before them): drop {masking[0]}, or use "
-                "rloo or grpo beside it")
     if alg.outcome_baseline != "none" and alg.adv_estimator != "reinforce_plus_plus":
         return (f"algorithm.outcome_baseline={alg.outcome_baseline} shapes REINFORCE++'s outcome rewards: "
                 f"set algorithm.adv_estimator=reinforce_plus_plus, or outcome_baseline=none")

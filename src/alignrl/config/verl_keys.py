@@ -220,7 +220,7 @@ def _finish(st: TranslationPass) -> Translation:
                                        "(actor_rollout_ref.actor.ppo_mini_batch_size and ppo_epochs)")
     out += finish_recent(st)
     out += finish_engine(st)  # also puts the critic's engine settings the run does not follow in not_applied
-    notes = st.notes + _grouped(not_applied)
+    notes = st.notes + _grouped(not_applied) + _estimator_notes(out)
     if custom.get("path") not in (None, "null"):  # verl's default function name is compute_score
         out.append(f"algorithm.reward_fn={custom['path']}:{custom.get('name', 'compute_score')}")
     out += _dataset_class(st.dataset_cls)
@@ -245,6 +245,19 @@ def _grouped(not_applied: dict[str, tuple[str, str]]) -> list[str]:
         by_why.setdefault(why, []).append(f"{key}={value}")
     return [f"{', '.join(keys)} {'is' if len(keys) == 1 else 'are'} accepted but not applied: {why}"
             for why, keys in by_why.items()]
+
+
+def _estimator_notes(out: list[str]) -> list[str]:
+    """The estimator settings verl reads and leaves without effect, followed as verl does and named once: its trainer
+    passes norm_adv_by_std_in_grpo to its grpo alone, so its grpo_vectorized divides by the group std whatever the
+    flag says."""
+    last = {o.lstrip("+").split("=", 1)[0]: o.split("=", 1)[1] for o in out if "=" in o}
+    if (_value(last.get("algorithm.adv_estimator", "")) == "grpo_vectorized"
+            and _value(last.get("algorithm.norm_adv_by_std_in_grpo", "true")) is False):
+        return ["algorithm.norm_adv_by_std_in_grpo=False is not applied to algorithm.adv_estimator=grpo_vectorized, "
+                "as in verl (whose trainer passes it to grpo alone): the advantages are divided by the group std; "
+                "for Dr.GRPO use algorithm.adv_estimator=grpo"]
+    return []
 
 
 def _checkpoints_to_keep(key: str, text: str) -> int:

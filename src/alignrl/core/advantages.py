@@ -315,6 +315,11 @@ def _grpo(x: OutcomeInputs) -> torch.Tensor:
     return grpo_advantages(x.rewards, x.group, norm_by_std=x.norm_by_std, std_scope=x.std_scope, sum_ranks=x.sum_ranks)
 
 
+def _grpo_vectorized(x: OutcomeInputs) -> torch.Tensor:
+    # verl's trainer passes norm_adv_by_std_in_grpo to its grpo alone, so its grpo_vectorized always divides
+    return grpo_advantages(x.rewards, x.group, norm_by_std=True, std_scope=x.std_scope, sum_ranks=x.sum_ranks)
+
+
 def _rloo(x: OutcomeInputs) -> torch.Tensor:
     # algorithm.grpo_std_scope=batch: the batch's std, as it is GRPO's (TRL's RLOO --normalize_advantages)
     return rloo_advantages(x.rewards, x.group, batch_norm=x.std_scope == "batch", sum_ranks=x.sum_ranks)
@@ -371,9 +376,9 @@ ADVANTAGES: dict[str, Callable[[OutcomeInputs], torch.Tensor]] = {
     "gdpo": _gdpo,
     "opo": _opo,
     "grpo_passk": _grpo_passk,
-    # verl's vectorized forms are the same functions here: rloo_vectorized is alignrl's rloo exactly (0 for a group
-    # of one, where verl's loop rloo keeps the reward); grpo_vectorized gives verl's grpo's numbers, as alignrl's grpo
-    # does for every group of two or more (one alone: 0 here, r / (1 + eps) in verl; rollout.n >= 2 is checked)
+    # verl's vectorized forms: rloo_vectorized is alignrl's rloo exactly (0 for a group of one, where verl's loop rloo
+    # keeps the reward); grpo_vectorized gives verl's grpo's numbers with the std division on, as alignrl's grpo does
+    # for every group of two or more (one alone: 0 here, r / (1 + eps) in verl; rollout.n >= 2 is checked)
     "rloo_vectorized": _rloo,
-    "grpo_vectorized": _grpo,
+    "grpo_vectorized": _grpo_vectorized,
 }

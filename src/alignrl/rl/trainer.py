@@ -50,6 +50,14 @@ def behaviour_logprobs(ro: Rollout, old_lp: torch.Tensor) -> torch.Tensor:
     return ro.logprobs if ro.loss_mask is None else torch.where(ro.loss_mask, ro.logprobs, old_lp)
 
 
+def estimator_mask(mask: torch.Tensor, given: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """The mask (B, R) float a critic-free estimator reads: `mask` less the tokens rollout correction rejected (`given`:
+    the bool mask it decided on; `kept`: what it left). verl rejects before its estimators, on the response mask they
+    all read, so OPO's length weights and the whitening estimators' statistics count the kept tokens alone; a truncated
+    response (taken out of the loss by algorithm.mask_truncated, not rejected) keeps its length."""
+    return mask * ~(given & ~kept)
+
+
 # the policy terms whose objective fixes how they aggregate: GSPO's and SAPO's average sequences (Zheng et al., Gao
 # et al. 2025; verl too), LUSPO's weighs each sequence by its length
 FIXED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "luspo": "seq-mean-token-sum"}
@@ -132,6 +140,11 @@ class PolicyTrainer:
         if scores.costs is not None:  # lambda from this batch's costs first, as Safe RLHF's step does
             costs = gather_values(self.env, scores.costs.tolist())
             metrics["safety/lambda"] = self.critics.lagrangian.update(step, costs)
+        # truncated responses keep their place in the group baseline below, but get no gradient
+        given = batch.loss_mask & ~ro.truncated[:, None] if cfg.algorithm.mask_truncated else batch.loss_mask
+        rollout_lp = behaviour_logprobs(ro, old_lp)
+        # ahead of the advantages, as verl's: the estimators count the tokens rejection sampling keeps
+        is_weight, loss_mask, is_metrics = self.rollout_correction(old_lp, rollout_lp, given)
         value_targets: list = []
         if cfg.algorithm.adv_estimator == "online_dpo":
             adv, pair_metrics = self.pair_advantages(outcome, ro.group, old_lp, batch.ref_logprobs, mask)
@@ -139,17 +152,13 @@ class PolicyTrainer:
         elif self.critics is None:
             a = cfg.algorithm
             adv = ADVANTAGES[a.adv_estimator](OutcomeInputs(
-                rewards, token_rewards, mask, ro.group, baseline, a.norm_adv_by_std_in_grpo, a.gamma,
-                sum_over_ranks(self.env), outcome, a.outcome_baseline, a.whiten_advantages,
-                tuple(clip) if shaped else (), a.grpo_std_scope))
+                rewards, token_rewards, estimator_mask(mask, given, loss_mask), ro.group, baseline,
+                a.norm_adv_by_std_in_grpo, a.gamma, sum_over_ranks(self.env), outcome, a.outcome_baseline,
+                a.whiten_advantages, tuple(clip) if shaped else (), a.grpo_std_scope))
         else:
             with timed(t, "values"):
                 adv, value_targets, critic_metrics = self.critic_advantages(batch, token_rewards, kl_tokens, micro)
             metrics.update(critic_metrics)
-        # truncated responses keep their place in the group baseline above, but get no gradient
-        loss_mask = batch.loss_mask & ~ro.truncated[:, None] if cfg.algorithm.mask_truncated else batch.loss_mask
-        rollout_lp = behaviour_logprobs(ro, old_lp)
-        is_weight, loss_mask, is_metrics = self.rollout_correction(old_lp, rollout_lp, loss_mask)
         # the forward attends to tool observations that the loss leaves out (state masking)
         attention = None if torch.equal(batch.loss_mask, ro.response_mask) else ro.response_mask
         exp = Experience(ro.prompt_ids, ro.prompt_mask, ro.response_ids, loss_mask, old_lp, batch.ref_logprobs, adv,
