@@ -209,8 +209,8 @@ class AlgorithmConfig:
                                      "(group baseline weighted by response length: verl's OPO), grpo_passk (only "
                                      "each group's best response learns, best minus second best, divided by the "
                                      "group std under norm_adv_by_std_in_grpo: verl's pass@k GRPO), "
-                                     "rloo_vectorized and grpo_vectorized (verl's names of rloo and grpo), gae (PPO "
-                                     "with critic.enable=true), online_dpo (each prompt's two answers a DPO "
+                                     "rloo_vectorized (verl's name of rloo), grpo_vectorized (grpo, always divided "
+                                     "by the std, as verl's), gae (PPO with critic.enable=true), online_dpo (each prompt's two answers a DPO "
                                      "pair, the higher reward chosen: TRL's online DPO, with dpo_beta and "
                                      "dpo_loss_type)",
                              choices=("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
