@@ -9,7 +9,9 @@ from safetensors.torch import load_file
 
 from alignrl.config import ConfigError, load_config
 from alignrl.runner import train_grpo
+from alignrl.train import ema_shards
 from alignrl.train.ema import PolicyAverage
+from alignrl.train.ema_shards import FSDP2Shards, SavedTensors, ZeroPartitions
 from smallrun import overrides, weights
 
 EMA = ["actor.ema_beta=0.5", "actor.lr_scheduler=constant", "trainer.max_checkpoints=0"]
@@ -18,10 +20,11 @@ EMA = ["actor.ema_beta=0.5", "actor.lr_scheduler=constant", "trainer.max_checkpo
 class Engine:
     """A one-process engine stand-in: each step adds 1 to the weights."""
 
-    def __init__(self):
-        self.model, self.env = torch.nn.Linear(2, 2), SimpleNamespace(is_main=True)
+    def __init__(self, is_main: bool = True):
+        self.model, self.env, self.gathers = torch.nn.Linear(2, 2), SimpleNamespace(is_main=is_main), 0
 
     def full_state_dict(self, main_only: bool = False):
+        self.gathers += 1
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def step(self, skip: bool = False) -> float:
@@ -42,6 +45,58 @@ def test_every_optimizer_step_moves_the_average_by_one_minus_beta():
         want = 0.9 * want + 0.1 * (start + k)
         torch.testing.assert_close(average.average["weight"], want)
     assert stepping.model is engine.model  # everything else is the engine's
+    assert engine.gathers == 0  # rank 0 reads the whole weights it holds: nothing is gathered
+    other = Engine(is_main=False)  # a rank beside rank 0 of a whole-weights engine keeps no average at all
+    alone = PolicyAverage(other, 0.9)
+    alone.stepping(other).step()
+    assert alone.average == {} and other.gathers == 0
+
+
+def test_a_bf16_policy_is_averaged_from_its_fp32_master_weights():
+    engine = Engine()
+    engine.model.to(torch.bfloat16)
+    shadow = torch.nn.Linear(2, 2)  # what train.engines.master steps: fp32 copies, paired with the model's weights
+    engine.master = SimpleNamespace(pairs=list(zip(shadow.parameters(), engine.model.parameters())))
+    average = PolicyAverage(engine, 0.5)
+    with torch.no_grad():
+        shadow.weight.add_(1e-4)  # below bf16's resolution near these weights: the bf16 model would not show it
+    want = shadow.weight.detach() - 0.5e-4
+    average.update()
+    torch.testing.assert_close(average.average["weight"], want, rtol=0, atol=1e-7)
+    assert average.average["weight"].dtype == torch.float32
+
+
+def saved_full(tmp_path, full: torch.Tensor) -> SavedTensors:
+    from safetensors.torch import save_file
+
+    save_file({"w": full}, str(tmp_path / "model.safetensors"))
+    return SavedTensors([tmp_path / "model.safetensors"])
+
+
+@pytest.mark.parametrize("rows,world", [(7, 3), (2, 3), (4, 3), (6, 2)])
+def test_a_resume_reads_each_fsdp2_ranks_rows_as_torch_chunks_them(rows, world, tmp_path):
+    from torch.distributed.tensor import Shard
+
+    full = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
+    saved = saved_full(tmp_path, full)
+    chunks = list(full.chunk(world))  # FSDP2's split; ranks past the last chunk hold none
+    for rank in range(world):
+        mine = chunks[rank] if rank < len(chunks) else full[:0]
+        p = SimpleNamespace(placements=(Shard(0),), shape=full.shape, to_local=lambda mine=mine: mine,
+                            device_mesh=SimpleNamespace(size=lambda: world, get_local_rank=lambda r=rank: r))
+        assert torch.equal(FSDP2Shards().read(saved, "w", p), mine)
+
+
+@pytest.mark.parametrize("shape,world", [((3, 5), 2), ((7,), 3), ((2, 2), 4)])
+def test_a_resume_reads_each_zero3_ranks_flat_partition_padded(shape, world, tmp_path, monkeypatch):
+    full = torch.arange(1, 1 + int(torch.tensor(shape).prod()), dtype=torch.float32).reshape(shape)
+    saved = saved_full(tmp_path, full)
+    size = -(-full.numel() // world)  # ZeRO-3's partition: the flattened weight padded to a multiple of the ranks
+    padded = torch.cat([full.reshape(-1), torch.zeros(size * world - full.numel())])
+    for rank in range(world):
+        monkeypatch.setattr(ema_shards.dist, "get_rank", lambda group=None, r=rank: r)
+        p = SimpleNamespace(ds_tensor=torch.empty(size), ds_numel=full.numel(), ds_shape=full.shape)
+        assert torch.equal(ZeroPartitions().read(saved, "w", p), padded[rank * size:(rank + 1) * size])
 
 
 def test_checkpoints_hold_the_average_and_a_resume_carries_it_on(tiny_model_dir, tmp_path, monkeypatch):

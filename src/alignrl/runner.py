@@ -338,7 +338,7 @@ def _loop(run: Run, step_fn: GRPOStep, tracker: Tracker, wall_start: float) -> N
                          "base": state.get("base"), "base_room": state.get("base_room"),
                          "wall_seconds": earlier_s + time.time() - wall_start, "strategy": strategy,
                          "ref_path": recorded_path(cfg.model.ref_path)},
-                        t.max_checkpoints, env, placed.saved_elsewhere())
+                        t.max_checkpoints, env, placed.saved_elsewhere(), placed.collected_for_save())
 
     # off a terminal each step has its own log line, and a finished bar would only repeat the count
     with Progress(*bar_columns(), console=console, disable=not t.progress_bar or not console.is_terminal) as bar:

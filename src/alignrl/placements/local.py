@@ -67,6 +67,12 @@ class Placed:
                 + ([self.reference_mix.save] if self.reference_mix is not None else [])
                 + ([average.save] if average is not None else []))
 
+    def collected_for_save(self) -> list[Callable[[], None]]:
+        """The collectives every rank runs before rank 0's writers of `saved_elsewhere` (the moving average of a
+        sharded policy, put together on rank 0)."""
+        average = self.trainer.actor.average
+        return [average.collect] if average is not None else []
+
     def critics(self) -> list[tuple[str, object]]:
         c = self.trainer.critics
         if c is None:

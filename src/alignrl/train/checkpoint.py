@@ -202,13 +202,15 @@ def _rotate(root: Path, newest: Path, keep: int) -> None:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, engines: dict[str, Any], tokenizer, trainer_state: dict[str, Any],
-                    keep: int, env: DistEnv = SINGLE, elsewhere: list[Callable[[Path], str | None]] = ()) -> Path:
+                    keep: int, env: DistEnv = SINGLE, elsewhere: list[Callable[[Path], str | None]] = (),
+                    collect: list[Callable[[], None]] = ()) -> Path:
     """Collective: every rank calls it. `engines` maps a folder name to a TrainEngine ("model" for the
     policy, "critic", "cost_critic"): each is saved as a full HF folder plus `<name>_state/` (its resumable
     optimizer state). Rank 0 writes everything except DeepSpeed's per-rank optimizer shards. `elsewhere`:
     writers of the parts other workers hold (a Ray critic group), called on rank 0 with the folder being
-    written; each returns None or the line saying why it failed. Raises CheckpointError, completing
-    nothing, when a weight is not finite or a part could not be written."""
+    written; each returns None or the line saying why it failed. `collect`: collectives every rank runs before
+    those writers, putting together on rank 0 what they write (a moving average each rank keeps a shard of). Raises
+    CheckpointError, completing nothing, when a weight is not finite or a part could not be written."""
     final = ckpt_root / f"global_step_{step}"
     tmp = ckpt_root / f".global_step_{step}.tmp"  # one name on every rank: DeepSpeed ranks write into it
     if env.is_main:
@@ -224,7 +226,7 @@ def save_checkpoint(ckpt_root: Path, step: int, engines: dict[str, Any], tokeniz
                               "there): put trainer.output_dir on a file system every node mounts")
     try:
         with Phase(f"checkpoint global_step_{step}", len(engines) + 1, "parts") as progress:
-            _write_parts(ckpt_root, step, engines, tokenizer, trainer_state, tmp, env, elsewhere, progress)
+            _write_parts(ckpt_root, step, engines, tokenizer, trainer_state, tmp, env, elsewhere, collect, progress)
         if env.is_main:
             if final.exists():  # resume moved later folders aside, so only another writer can have made it
                 raise CheckpointError(f"{final} appeared while this run was writing it; not overwriting it "
@@ -242,7 +244,7 @@ def save_checkpoint(ckpt_root: Path, step: int, engines: dict[str, Any], tokeniz
 
 
 def _write_parts(ckpt_root: Path, step: int, engines: dict[str, Any], tokenizer, trainer_state: dict[str, Any],
-                 tmp: Path, env: DistEnv, elsewhere, progress: Phase) -> None:
+                 tmp: Path, env: DistEnv, elsewhere, collect, progress: Phase) -> None:
     """Collective: each engine's weights and state into `tmp`, then the parts other workers hold, the tokenizer,
     the trainer state and the manifest (rank 0); `progress` counts the engines and the rest as one part."""
     for name, engine in engines.items():
@@ -253,6 +255,8 @@ def _write_parts(ckpt_root: Path, step: int, engines: dict[str, Any], tokenizer,
                                   f"{_last_complete(ckpt_root)} (fix the cause, e.g. a lower learning rate, "
                                   "and resume from it with trainer.resume_mode=auto)") from None
         progress.advance()
+    for gather in collect:  # on every rank: what rank 0's writers below write
+        gather()
     lines = [save(tmp) for save in elsewhere] if env.is_main else []
     failed = [line for line in lines if line]
     if all_reduce_sum(env, [float(len(failed))])[0]:  # every rank stops, not only the one that knows why
