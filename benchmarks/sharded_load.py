@@ -6,7 +6,7 @@ python benchmarks/sharded_load.py --model path/to/hf_folder --nproc 4
 ```
 
 Each way and load dtype runs as its own `torchrun` launch: every rank builds the FSDP2-sharded frozen model as the
-sharded reference group does (`alignrl.placements.ray.sharded_ref`), in the weights' own dtype (bf16) and in fp32 (the CPU
+sharded reference group does (`alignrl.placements.sharded_ref`), in the weights' own dtype (bf16) and in fp32 (the CPU
 default, a converted copy), and reports the peak of its private (anonymous) resident memory above what it held
 before the load, sampled every 5 ms, and its peak resident set (VmHWM, which also counts the pages of the weight
 files it touched: page cache, shared by the ranks of a node), the seconds the load took and the share of the
@@ -65,7 +65,7 @@ class AnonPeak:
 def rank_main(way: str, dtype: str, model: str, out: str) -> None:
     """One rank: the sharded frozen model, by rows or loaded whole then sharded; its peak memory to `out`."""
     from alignrl.runtime.env import barrier, init_distributed
-    from alignrl.placements.ray.sharded_ref import held_elements
+    from alignrl.models.sharded_load import held_elements
     from alignrl.models.loader import DTYPES, load_model
     from alignrl.models.sharded_load import load_sharded
     from alignrl.train.engines.fsdp2 import shard_blocks

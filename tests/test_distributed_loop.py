@@ -79,6 +79,9 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert f"on 2 rank(s), strategy {strategy}" in r.stdout
     assert r.stdout.count("base_accuracy=") == 1  # only rank 0 prints the summary
+    # the KL term's reference: whole on each DDP replica, sharded over the ranks beside ZeRO-3's partitions
+    where = "reference: sharded over 2 ranks (FSDP2)" if strategy == "deepspeed" else "reference: a whole copy on each"
+    assert r.stdout.count(where) == 1, r.stdout[-2000:]
     run_dir = tmp_path / strategy
     rows = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows if "actor/grad_norm" in x or "critic/vf_loss" in x] == [1, 2]
@@ -95,6 +98,8 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
         r = run(tiny_model_dir, tmp_path, strategy, "fsdp2", 3, *extra)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "resumed from" in r.stdout and "fresh optimizer" not in r.stdout
+        # FSDP2 would shard the reference, but the mix moves every weight of it: a whole copy on each rank
+        assert "reference: a whole copy on each rank, " in r.stdout and "(actor.ref_sync_steps" in r.stdout
         step3 = run_dir / "checkpoints" / "global_step_3"
         assert (step3 / "model_state" / "optim.pt").is_file() and (step3 / "critic_state").is_dir()
         assert weights(step3 / "model").keys() == before.keys()

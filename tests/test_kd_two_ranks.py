@@ -6,6 +6,8 @@ sits in, and the step's token count adds every rank's generated tokens once. The
 different lengths, so the ranks' micro-batches finish generating after different numbers of forwards: a sharded
 student (fsdp2, ZeRO-3), whose forwards gather weights from both ranks, must keep every rank in them."""
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -80,6 +82,25 @@ def one_process(models, tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="module")
+def swapped_one_process(models, tmp_path_factory):
+    """The sharded-teacher runs' reference, made once: the SFT-trained model teaching the tiny one with seq_kd in this
+    process (one thread, 2 micro-batches of 2 rows per step, as two ranks of 2 rows); (the MiB of the whole teacher
+    its start line names, `_read`'s logs, weights and results)."""
+    tmp, out = tmp_path_factory.mktemp("one_swapped"), io.StringIO()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out):
+            assert kd_main(_line((models[1], models[0]), tmp, "one", 0.0, True)
+                           + ["strategy=single", "gradient_accumulation_steps=2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    whole = re.search(r"teacher: a whole copy on each rank, ([\d.]+) MiB per rank", out.getvalue())
+    assert whole, out.getvalue()[-2000:]
+    return float(whole[1]), _read(tmp, "one")
+
+
 def _longest_per_rank(models: tuple[Path, Path], tmp: Path) -> list[int]:
     """The longest of each rank's step-0 completions (the forwards its generation runs), as the run samples them:
     the rows each rank takes at step 0, their prompts, and the rows' own seeds."""
@@ -116,8 +137,8 @@ def test_the_ranks_generations_end_after_different_numbers_of_forwards(models, t
                                                      ("fsdp2 use_lora=true lora_rank=4 lora_dropout=0", 1.0, False),
                                                      ("deepspeed zero_stage=3", 0.5, True)])
 def test_two_ranks_take_one_process_steps(models, one_process, tmp_path, strategy, lmbda, seq_kd):
-    """seq_kd: the step the draw leaves to the rows trains on the teacher's generations (whole on each rank, even
-    beside a sharded student)."""
+    """seq_kd: the step the draw leaves to the rows trains on the teacher's generations (sharded beside the ZeRO-3
+    student, as the last test checks)."""
     from conftest import run_group
 
     name = strategy.split()[0]
@@ -148,32 +169,31 @@ def test_two_ranks_take_one_process_steps(models, one_process, tmp_path, strateg
 
 
 @pytest.mark.slow
-def test_fsdp2_shards_the_teacher_and_takes_one_process_steps(models, tmp_path, capsys):
-    """Under fsdp2 the teacher is sharded over the two ranks too (said at start, with its bytes per rank), and a
-    seq_kd run (lmbda=0: every step trains on the teacher's generations, the teacher's forwards in the loss too) takes
-    the steps of one process with a whole teacher. The SFT-trained model teaches here and the tiny one learns, so the
-    teacher's step-0 generations end after different numbers of forwards on the two ranks (the first test above
-    samples them), which a sharded teacher must generate in step."""
+@pytest.mark.parametrize("strategy, beside", [("fsdp2", ""),
+                                              ("deepspeed zero_stage=3", " beside the student's ZeRO-3 partitions")])
+def test_a_sharded_student_shards_the_teacher_and_takes_one_process_steps(models, swapped_one_process, tmp_path,
+                                                                          strategy, beside):
+    """Under fsdp2 and ZeRO-3 the teacher is sharded over the two ranks too (by FSDP2, beside a DeepSpeed student as
+    well; said at start, with its bytes per rank), and a seq_kd run (lmbda=0: every step trains on the teacher's
+    generations, the teacher's forwards in the loss too) takes the steps of one process with a whole teacher. The
+    SFT-trained model teaches here and the tiny one learns, so the teacher's step-0 generations end after different
+    numbers of forwards on the two ranks (the first test above samples them), which a sharded teacher must generate in
+    step."""
     from conftest import run_group
 
+    name = strategy.split()[0]
     swapped = (models[1], models[0])  # (student, teacher)
     p = run_group([sys.executable, "-m", "alignrl", "train", "kd", "--nproc", "2",
-                   *_line(swapped, tmp_path, "fsdp2", 0.0, True), "strategy=fsdp2"], 240,
+                   *_line(swapped, tmp_path, name, 0.0, True), f"strategy={name}", *strategy.split()[1:]], 240,
                   env={**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    sharded = re.search(r"teacher: sharded over 2 ranks \(FSDP2\), ([\d.]+) MiB of its weights per rank", p.stdout)
+    sharded = re.search(rf"teacher: sharded over 2 ranks \(FSDP2\){beside}, ([\d.]+) MiB of its weights per rank",
+                        p.stdout)
     assert sharded, p.stdout[-2000:]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert kd_main(_line(swapped, tmp_path, "one", 0.0, True) + ["strategy=single",
-                                                                      "gradient_accumulation_steps=2"]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    whole = re.search(r"teacher: a whole copy on each rank, ([\d.]+) MiB per rank", capsys.readouterr().out)
-    assert whole and float(sharded[1]) <= float(whole[1]) / 2 + 0.01  # each rank holds its half (rounded to 0.01)
-    (ranks, weights, results), (one, one_weights, _) = _read(tmp_path, "fsdp2"), _read(tmp_path, "one")
-    assert (results["world_size"], results["strategy"], results["seq_kd"]) == (2, "fsdp2", True)
+    whole, (one, one_weights, _) = swapped_one_process
+    assert float(sharded[1]) <= whole / 2 + 0.01  # each rank holds its half (rounded to 0.01)
+    ranks, weights, results = _read(tmp_path, name)
+    assert (results["world_size"], results["strategy"], results["seq_kd"]) == (2, name, True)
     assert not any("train/gpt_loss" in r for r in ranks)  # the teacher's generations: distil_loss alone
     for mine, theirs in zip(ranks, one, strict=True):
         assert mine["train/loss"] == pytest.approx(theirs["train/loss"], rel=1e-5)

@@ -11,7 +11,8 @@ import torch
 from alignrl.rl.producer import LocalRefScorer
 from alignrl.config import RunConfig
 from alignrl.runtime.env import barrier, init_distributed, shutdown
-from alignrl.placements.ray.sharded_ref import build_sharded_ref, held_elements
+from alignrl.models.sharded_load import held_elements
+from alignrl.placements.sharded_ref import build_sharded_ref
 from alignrl.models import loader
 from alignrl.models.loader import frozen_copy, load_model
 from alignrl.models.logprobs import ForwardLayout

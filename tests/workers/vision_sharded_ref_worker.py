@@ -17,7 +17,7 @@ from alignrl.data.collate import left_pad, right_pad
 from alignrl.data.images import encode_image_prompt, prompt_images
 from alignrl.data.records import Sample
 from alignrl.models.loader import frozen_copy, load_model
-from alignrl.placements.ray.sharded_ref import build_sharded_ref
+from alignrl.placements.sharded_ref import build_sharded_ref
 from alignrl.rl.producer import LocalRefScorer
 from alignrl.runtime.env import barrier, init_distributed, shutdown
 

@@ -123,3 +123,18 @@ def load_sharded(folder: Path, dtype: torch.dtype, device: torch.device,
     shard(model)
     fill_shards(model, folder, device)
     return model
+
+
+def held_elements(model: torch.nn.Module) -> int:
+    """Parameter elements this rank holds (its shards, or the whole model when unsharded)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """The bytes of parameters this rank holds: its shards, or the whole model when unsharded."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+
+
+def size_text(n: int) -> str:
+    """Bytes as a start line says them: GiB from 1 GiB, MiB below."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"

@@ -17,6 +17,7 @@ from alignrl.models.loader import frozen_copy, resolve_model_path, run_tokenizer
 from alignrl.placements.build import (build_actor, build_critics, build_maker, build_ref, check_ref_folder,
                                       load_policy, service_args, shards_weights, with_tools)
 from alignrl.placements.ref_sync import ReferenceMix, reference_mix
+from alignrl.placements.sharded_ref import build_sharded_ref, shards_reference, where_reference_lives
 from alignrl.rl.producer import RolloutMaker
 from alignrl.placements.weight_sync import copy_sink
 from alignrl.rl.sinks import Fanout, SharedModule
@@ -96,20 +97,29 @@ def place(cfg: RunConfig, policy_path: str, resume: Path | None = None, env: Dis
 def _with_producer(cfg: RunConfig, policy_path: str, resume: Path | None, env: DistEnv) -> Placed:
     """The trainer and the in-process producer. Generation runs on the policy's own module (nothing to sync), on a
     full copy beside a policy the engine keeps only a shard of (every rank generates; synced after each update), or
-    on the generation service (`services.generation_url`, which rank 0 updates for everyone)."""
+    on the generation service (`services.generation_url`, which rank 0 updates for everyone). Beside a sharded policy
+    the frozen reference is sharded over the ranks too (`placements.sharded_ref.shards_reference` says when)."""
     folder = resolve_model_path(policy_path, console.print)
     tokenizer = with_template_variables(run_tokenizer(cfg, folder), cfg.data.chat_template_kwargs)
     model, materialize = load_policy(cfg, folder, env, in_shards=False)
     adapters = cfg.model.lora_rank > 0
+    # beside a sharded policy the reference is sharded too, each rank reading its own rows (below)
+    sharded_ref = shards_reference(cfg, env)
     # the reference is the base model (or model.ref_path's), not a checkpoint; with LoRA, the policy with its
     # adapters off (below) unless model.ref_path names another model
-    ref = None if adapters else build_ref(cfg, env.device, model if policy_path == cfg.model.path else None)
+    ref = None if adapters or sharded_ref else build_ref(cfg, env.device,
+                                                         model if policy_path == cfg.model.path else None)
     service = cfg.services.generation_url
     # copied before the engine shards the policy
     copy = frozen_copy(model).to(env.device) if shards_weights(cfg, env) and not service else None
     actor = build_actor(cfg, model, resume, env, materialize, tokenizer)
-    if adapters:
+    if sharded_ref:  # its forwards are collectives: every rank scores its share of each step once (the producer)
+        ref = build_sharded_ref(cfg, env)
+    elif adapters:
         ref = build_ref(cfg, env.device, policy=actor.model)
+    where = where_reference_lives(cfg, ref, env) if env.distributed and env.is_main else None
+    if where:
+        console.print(where, markup=False)
     engine = (RemoteRolloutEngine(service, tokenizer, **service_args(cfg)) if service else
               HFRolloutEngine(copy if copy is not None else actor.model, tokenizer))
     engine = with_tools(cfg, engine, tokenizer)  # evaluation rolls out the same way as training

@@ -22,16 +22,18 @@ divergence alone: the rows' cross-entropy would teach the student its own sample
 distribution already is); train/gpt_loss is not logged on those steps.
 
 The teacher is frozen (no gradient, no optimizer) and in eval mode, outside the student's engine. Under
-strategy=fsdp2 with more than one rank it is sharded as the student is: FSDP2's `fully_shard` on each transformer
-block and the root over all the ranks, each rank reading only its own rows of the weights where the folder allows
-(`models.sharded_load`), and resharded after every forward, so between micro-batches a rank holds 1/N of it, as
-OpenRLHF's teacher under ZeRO-3. Its forwards are then collectives: every rank runs one per micro-batch, and each rank
-has as many micro-batches per step (whole global batches; in a packed dataset's last partial step a micro-batch with
-no row left runs an untrained filler row); seq_kd's generations run with every rank in step (`kd_onpolicy`). Under
-single, ddp and deepspeed (ZeRO-3 included, which shards the student alone) each rank holds a whole copy on its
-device. The start line says which, with the teacher's bytes per rank. The teacher must share the student's
-tokenizer: a different vocabulary is refused in one line; heads padded to different sizes beyond the tokenizer (a
-model family's sizes) are matched, the teacher's extra entries dropped (`core.distill.match_vocab`), said at start.
+strategy=fsdp2, or deepspeed with zero_stage=3, with more than one rank it is sharded over the ranks: FSDP2's
+`fully_shard` on each transformer block and the root over all the ranks, each rank reading only its own rows of the
+weights where the folder allows (`models.sharded_load`), and resharded after every forward, so between micro-batches
+a rank holds 1/N of it, as OpenRLHF's teacher under ZeRO-3. Sharding a frozen module needs only the process group,
+not the student's engine, so FSDP2 holds it beside a DeepSpeed student too. Its forwards are then collectives: every
+rank runs one per micro-batch, and each rank has as many micro-batches per step (whole global batches; in a packed
+dataset's last partial step a micro-batch with no row left runs an untrained filler row); seq_kd's generations run
+with every rank in step (`kd_onpolicy`). Under single, ddp and deepspeed's stages 0-2 (which keep whole weights of the
+student on each rank too) each rank holds a whole copy on its device. The start line says which, with the teacher's
+bytes per rank. The teacher must share the student's tokenizer: a different vocabulary is refused in one line; heads
+padded to different sizes beyond the tokenizer (a model family's sizes) are matched, the teacher's extra entries
+dropped (`core.distill.match_vocab`), said at start.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch
 
 from alignrl.config import ConfigError
 from alignrl.core.distill import distill_sum, match_vocab, mix
+from alignrl.models.sharded_load import held_bytes, size_text
 from alignrl.preference import common as pc
 from alignrl.preference.kd_cli import KDConfig, generates
 from alignrl.preference.kd_onpolicy import OnPolicy
@@ -103,16 +106,16 @@ def distillation(cfg: KDConfig, model, tok, env, log, notes: dict, on_policy: On
 
 def load_teacher(cfg: KDConfig, student, tok, env, log):
     """The teacher: in teacher_dtype, frozen, in eval mode (no dropout) on the rank's device, sharded over the ranks
-    under fsdp2 (`sharded_teacher`), its vocabulary checked against the student's; with packing, checked to keep
-    packed rows apart in the layout the student's batches take."""
+    under fsdp2 and ZeRO-3 (`sharded_teacher`), its vocabulary checked against the student's; with packing, checked to
+    keep packed rows apart in the layout the student's batches take."""
     from alignrl.models.loader import load_causal_lm, resolve_model_path
 
     folder = resolve_model_path(cfg.teacher_model_path, log.print, "teacher_model_path")
     _check_tokenizer(folder, tok, cfg.teacher_model_path)
     dtype = cfg.teacher_dtype if cfg.teacher_dtype != "auto" else ("bfloat16" if pc.use_bf16(cfg) else "float32")
-    # fsdp2 alone: sharding the teacher under ZeRO-3 would take a DeepSpeed engine of its own (no optimizer), which
-    # the engines here do not build; under deepspeed the teacher stays whole on each rank
-    shards = cfg.strategy == "fsdp2" and env.world_size > 1
+    # sharded wherever the student is (fsdp2, ZeRO-3): FSDP2 shards a frozen module over the process group alone,
+    # whatever engine trains the student, so a ZeRO-3 student's teacher needs no DeepSpeed engine of its own
+    shards = env.world_size > 1 and (cfg.strategy == "fsdp2" or cfg.strategy == "deepspeed" and cfg.zero_stage == 3)
     teacher = sharded_teacher(folder, dtype, env) if shards else load_causal_lm(folder, dtype, "teacher_model_path")
     check_vocab(_vocab(teacher), _vocab(student), len(tok), cfg.teacher_model_path, log)
     teacher.requires_grad_(False)
@@ -132,19 +135,19 @@ def load_teacher(cfg: KDConfig, student, tok, env, log):
                  + (" (distil_loss alone on steps of the student's generations)" if cfg.lmbda > 0 else ""))
               + (f", temperature {cfg.distil_temperature:g}" if cfg.distil_temperature != 1.0 else "")
               + (f", GKD's generalized JSD with beta {cfg.beta:g}" if cfg.beta else ""))
-    held = _size(held_bytes(teacher))
-    zero3 = " (ZeRO-3 shards the student alone)" if cfg.strategy == "deepspeed" and cfg.zero_stage == 3 else ""
-    log.print(f"teacher: sharded over {env.world_size} ranks (FSDP2), {held} of its weights per rank, gathered a "
-              "block at a time in each forward" if shards else f"teacher: a whole copy on each rank, {held} per rank"
-              f"{zero3}")
+    held = size_text(held_bytes(teacher))
+    beside = " beside the student's ZeRO-3 partitions" if cfg.strategy == "deepspeed" else ""
+    log.print(f"teacher: sharded over {env.world_size} ranks (FSDP2){beside}, {held} of its weights per rank, "
+              "gathered a block at a time in each forward" if shards else
+              f"teacher: a whole copy on each rank, {held} per rank")
     return teacher
 
 
 def sharded_teacher(folder: Path, dtype: str, env):
-    """The teacher sharded over all of `env`'s ranks with FSDP2 (as the student's engine shards it, resharded after
-    every forward, the root too), each rank reading only its own rows of the weights; a folder that cannot be read by
-    rows (`.bin` weights, a vision-language model, a reward model, which `load_causal_lm` refuses) is loaded whole
-    first, then sharded."""
+    """The teacher sharded over all of `env`'s ranks with FSDP2 (as the fsdp2 engine shards a student, resharded after
+    every forward, the root too; beside a ZeRO-3 student as well, FSDP2 needing only the process group), each rank
+    reading only its own rows of the weights; a folder that cannot be read by rows (`.bin` weights, a vision-language
+    model, a reward model, which `load_causal_lm` refuses) is loaded whole first, then sharded."""
     from alignrl.models.loader import DTYPES, SCORE_INFO, load_causal_lm
     from alignrl.models.sharded_load import load_sharded
     from alignrl.models.vision import is_vision_folder
@@ -161,17 +164,6 @@ def sharded_teacher(folder: Path, dtype: str, env):
         teacher.eval()
         shard(teacher)
     return teacher
-
-
-def held_bytes(model: torch.nn.Module) -> int:
-    """The bytes of parameters this rank holds: its shards, or the whole model when unsharded."""
-    from torch.distributed.tensor import DTensor
-
-    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _vocab(model) -> int:

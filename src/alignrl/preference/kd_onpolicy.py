@@ -249,7 +249,8 @@ class OnPolicy:
         from torch.distributed.fsdp import FSDPModule
 
         # a sharded model's forwards gather its weights from every rank: the student under fsdp2 or ZeRO-3, the
-        # teacher under fsdp2 (kd.sharded_teacher), whole on each rank otherwise
+        # teacher under both too, as FSDP2 shards (kd.sharded_teacher, beside a DeepSpeed student as well); whole on
+        # each rank otherwise
         synced = self.sharded if model is self.student else isinstance(model, FSDPModule)
         made = sample(model, prompts, self.tok.pad_token_id, self.tok.eos_token_id, self.cfg, device,
                       [row_seed(self.cfg.seed, index, int(i)) for i in rows], self.limit, synced)

@@ -127,7 +127,8 @@ class RefWorker(Worker):
         and keeps only this rank's shard. Returns the parameter elements this worker holds."""
         from alignrl.placements.build import build_ref
         from alignrl.runtime.env import init_distributed
-        from alignrl.placements.ray.sharded_ref import build_sharded_ref, held_elements
+        from alignrl.models.sharded_load import held_elements
+        from alignrl.placements.sharded_ref import build_sharded_ref
 
         if master is None:
             self.scorer = build_ref(self.cfg, device_for(self.local_rank))

@@ -1,14 +1,21 @@
 """One frozen reference model sharded over a process group (FSDP2), as OpenRLHF's reference group holds it
 under ZeRO-3 and verl's under FSDP: each rank keeps 1/N of the weights, and every forward all-gathers them one
-transformer block at a time. Without it each reference rank held the whole model, which for a Ray cluster's 32B
-policy (64 GB in bf16) does not fit beside the actor on a GPU.
+transformer block at a time. Without it each rank held the whole model: for a Ray cluster's 32B policy (64 GB in
+bf16) that does not fit beside the actor on a GPU, and under torchrun a 7B policy's reference took 14 GB on each of 8
+GPUs where a shard takes 1.75 GB.
+
+Two placements hold one: the Ray reference group (`placements.ray.workers.RefWorker`) and the trainer's own ranks
+under torchrun when the policy's engine shards its weights (fsdp2, DeepSpeed ZeRO-3; `shards_reference`). FSDP2's
+sharding of a frozen module needs only the process group, not the trained model's engine, so it serves beside a
+DeepSpeed policy too.
 
 The cost of sharing the weights is that every rank must make the same model calls: a forward is collective.
 The rollout engines split each batch over all reference ranks (`RayRefScorer` with `every=True` calls even the
-ranks whose share is empty), the ranks first agree on the largest number of micro-batches any of them has, and
-those with fewer run one-token forwards until they reach it. Two engines calling at once pair calls of different
-engines on different ranks; that is harmless, as each rank computes only its own rows and every call makes the
-same collectives, as long as no call fails part-way: a rank whose call fails ends its process (the run stops
+ranks whose share is empty), and the trainer's ranks each score their own share of every step once (dynamic
+sampling keeps as many groups on every rank); the ranks first agree on the largest number of micro-batches any of
+them has, and those with fewer run one-token forwards until they reach it. Two engines calling at once pair calls of
+different engines on different ranks; that is harmless, as each rank computes only its own rows and every call makes
+the same collectives, as long as no call fails part-way: a rank whose call fails ends its process (the run stops
 with that worker's death) rather than leave the others' collectives paired with its next call.
 
 Each rank reads only its own rows of the weights from the safetensors files (`models/sharded_load.py`); a folder
@@ -27,17 +34,38 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from alignrl.config import RunConfig
+from alignrl.config.checks import needs_reference
 from alignrl.data.images import ImageRows
-from alignrl.rl.producer import batched_logprobs
+from alignrl.placements.build import forward_layout, ref_folder, shards_weights
+from alignrl.rl.producer import LocalRefScorer, batched_logprobs
 from alignrl.runtime.env import DistEnv
 from alignrl.models.logprobs import ForwardLayout
+from alignrl.models.sharded_load import held_bytes, size_text
 
 
-def held_elements(model: torch.nn.Module) -> int:
-    """Parameter elements this rank holds (its shards, or the whole model when unsharded)."""
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+def shards_reference(cfg: RunConfig, env: DistEnv) -> bool:
+    """Whether the trainer's own ranks hold the frozen reference sharded over them: a model of its own (model.ref_path,
+    or the base model.path without LoRA adapters; not the reference service), beside a policy whose engine shards its
+    weights (fsdp2, DeepSpeed ZeRO-3) on more than one rank. actor.ref_sync_steps keeps it whole: the mix moves every
+    reference tensor toward the policy's, and a checkpoint written by rank 0 alone holds the moved weights."""
+    return (env.distributed and needs_reference(cfg) and not cfg.services.reference_url
+            and (bool(cfg.model.ref_path) or cfg.model.lora_rank == 0) and shards_weights(cfg, env)
+            and cfg.actor.ref_sync_steps <= 0)
+
+
+def where_reference_lives(cfg: RunConfig, ref, env: DistEnv) -> str | None:
+    """The start line saying where an in-process reference model lives and its bytes per rank, or None for a
+    reference without weights of its own here (the reference service, the policy with its adapters off)."""
+    if isinstance(ref, ShardedRefScorer):
+        return (f"reference: sharded over {env.world_size} ranks (FSDP2), {size_text(held_bytes(ref.model))} of its "
+                "weights per rank, gathered a block at a time in each forward")
+    if not isinstance(ref, LocalRefScorer):
+        return None
+    why = (" (actor.ref_sync_steps moves every weight of it toward the policy's)"
+           if env.distributed and cfg.actor.ref_sync_steps > 0 and shards_weights(cfg, env) else "")
+    return f"reference: a whole copy on each rank, {size_text(held_bytes(ref.model))} per rank{why}"
 
 
 class ShardedRefScorer:
@@ -79,7 +107,6 @@ def build_sharded_ref(cfg, env: DistEnv) -> ShardedRefScorer:
     """The reference (`model.ref_path`, else the base `model.path`; frozen) sharded over every rank of `env`'s process
     group, each rank reading only its own rows of the weights (a folder that cannot be read by rows is loaded whole,
     then sharded)."""
-    from alignrl.placements.build import forward_layout, ref_folder
     from alignrl.models.loader import DTYPES, load_model, resolve_model_path
     from alignrl.models.sharded_load import load_sharded
     from alignrl.train.engines.fsdp2 import shard_blocks
