@@ -6,6 +6,8 @@ update rule is the same as every other backend's. Micro-batch accumulation is dr
 of micro-batches varies with lengths), through `set_gradient_accumulation_boundary`; the loss is
 already normalised for the global batch, so DeepSpeed's own 1/gas scaling is switched off.
 DeepSpeed's checkpoint format is its own: it resumes under DeepSpeed; other backends take the weights.
+Below ZeRO-3 its model states file would hold the whole module again beside the checkpoint's own copy of the
+weights: it holds their fingerprints instead (`save_state`, `load_state`).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from pathlib import Path
 import torch
 
 from alignrl.runtime.env import DistEnv, cuda_bf16, join_group
-from alignrl.errors import UserError
+from alignrl.errors import ConfigError, UserError
 from alignrl.train.engines.base import OptimSpec, host_state_dict, state_dtypes
 
 TAG = "deepspeed"  # the sub-folder DeepSpeed's save_checkpoint writes inside a checkpoint
+# the one key of the "module" entry of a model states file whose weights the checkpoint holds elsewhere (its HF folder)
+WEIGHTS_ELSEWHERE = "alignrl_weights_elsewhere"
 
 
 class DeepSpeedConfigError(UserError):
@@ -198,14 +202,34 @@ class DeepSpeedEngine:
             return {} if skip else host_state_dict(self.model, self.model.state_dict(), clone=True)
 
     def save_state(self, folder: Path) -> None:
-        self.module.save_checkpoint(str(folder), tag=TAG)
+        """DeepSpeed's checkpoint into `folder/deepspeed`. Below ZeRO-3 its model states file would hold the whole
+        module (from ZeRO-2 on, its frozen weights once more) beside the HF folder that already holds them, which
+        is what a resume builds the model from: it holds their fingerprints instead, which `load_state` checks the
+        model against. ZeRO-3's holds only empty placeholders of the partitioned weights already: kept as it is."""
+        if not self.whole_weights:
+            self.module.save_checkpoint(str(folder), tag=TAG)
+            return
+        writes = self.module.save_non_zero_checkpoint  # the one rank that writes that file
+        # an instance attribute over the engine's own method, which its _save_checkpoint calls for the "module" entry
+        self.module.module_state_dict = lambda **_: (
+            {WEIGHTS_ELSEWHERE: fingerprints(self.model.state_dict())} if writes else {})
+        try:
+            self.module.save_checkpoint(str(folder), tag=TAG, exclude_frozen_parameters=True)
+        finally:
+            del self.module.module_state_dict
 
     def load_state(self, folder: Path) -> bool:
+        """The optimizer, scheduler and step counts of `folder`; the model already holds the checkpoint's weights
+        (loaded from its HF folder, or the base and the trained LoRA tensors) where `save_state` kept only their
+        fingerprints. A checkpoint that holds the module itself (written before) loads it as DeepSpeed does."""
         if not (folder / TAG).is_dir():
             return False
         try:
             self.module.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True,
-                                        load_lr_scheduler_states=True)
+                                        load_lr_scheduler_states=True,
+                                        custom_load_fn=lambda src, dst: load_module(src, dst, folder))
+        except WeightsNotTheCheckpoints:  # raised on every rank alike: its own line, nothing to look for
+            raise
         except Exception as e:  # DeepSpeed's ZeRORuntimeException is a bare Exception
             if "world size" in str(e):
                 raise DeepSpeedConfigError(f"{folder}: {str(e).strip().splitlines()[0]} (its ZeRO optimizer state "
@@ -236,3 +260,46 @@ def unreadable(folder: Path, rank: int) -> tuple[Path, str] | None:
         except Exception as e:  # any damage: a bad pickle, a torn zip
             return path, str(e).strip() or type(e).__name__
     return None
+
+
+def fingerprints(state: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """Each tensor's dtype, shape and the sum of its bytes read as 16-bit integers (bytes one at a time for 1-byte
+    dtypes), which torch sums in int64 without a copy: exact below 2^48 elements, and an integer sum is the same in
+    any order, so equal tensors give equal sums on any device and thread count; a tensor a training step moved gives
+    another sum unless its changes cancel exactly."""
+    out = {}
+    for name, tensor in state.items():
+        flat = tensor.detach().reshape(-1)
+        total = int(flat.view(torch.int16 if flat.element_size() % 2 == 0 else torch.uint8).sum())
+        out[name] = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), total)
+    return out
+
+
+class WeightsNotTheCheckpoints(ConfigError):
+    """The model a checkpoint's optimizer state is loaded into does not hold the weights it was saved with."""
+
+
+def load_module(src: dict, dst: torch.nn.Module, folder: Path) -> None:
+    """DeepSpeed's `custom_load_fn`: the "module" entry `src` of `folder`'s model states into the model `dst`. An
+    entry of fingerprints (`save_state`) loads nothing: `dst` must already hold those weights, else the optimizer
+    state would go on from other weights than it was saved with; raised in one line."""
+    if set(src) != {WEIGHTS_ELSEWHERE}:
+        dst.load_state_dict(src, strict=True)  # the module itself: as DeepSpeed's own load
+        return
+    saved, held = src[WEIGHTS_ELSEWHERE], fingerprints(dst.state_dict())
+    names = sorted(set(saved) | set(held))
+    differ = [n for n in names if saved.get(n) != held.get(n)]
+    if not differ:
+        return
+    name = differ[0]
+    if name not in held or name not in saved:
+        what = f"{name} is {'missing from the model' if name not in held else 'not in the saved model'}"
+    elif saved[name][:2] != held[name][:2]:
+        what = f"{name} was saved as {saved[name][0]} {list(saved[name][1])}, the model has {held[name][0]} " \
+               f"{list(held[name][1])}"
+    else:
+        what = f"{name} holds other values"
+    raise WeightsNotTheCheckpoints(
+        f"{folder}: the model does not hold the weights this optimizer state was saved with ({what}; "
+        f"{len(differ)} of {len(names)} tensors differ): resume with the model settings that wrote it "
+        "(model.path and model.dtype; with LoRA the same base model)")
