@@ -25,10 +25,12 @@ def _random_groups(seed: int):
 
 def test_registry_keys():
     assert set(ADVANTAGES) == {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                               "gpg", "gdpo", "opo", "grpo_passk", "rloo_vectorized", "grpo_vectorized"}
+                               "gpg", "gdpo", "opo", "grpo_passk", "rloo_vectorized", "grpo_vectorized",
+                               "optimal_token_baseline", "tir_optimal_token_baseline"}
     # one signature: every estimator reads what it needs from the same inputs
     r, g = torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1])
-    x = OutcomeInputs(r, torch.zeros(4, 3), torch.ones(4, 3), g, baseline=torch.zeros(4))
+    x = OutcomeInputs(r, torch.zeros(4, 3), torch.ones(4, 3), g, baseline=torch.zeros(4),
+                      logprobs=torch.full((4, 3), -1.0), sum_pi_squared=torch.full((4, 3), 0.5))
     assert torch.equal(ADVANTAGES["grpo"](x), grpo_advantages(r, g))
     for name, fn in ADVANTAGES.items():
         assert torch.isfinite(fn(x)).all(), name

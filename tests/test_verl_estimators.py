@@ -1,7 +1,7 @@
-"""verl's opo, grpo_passk, rloo_vectorized and grpo_vectorized estimators against plain-loop transcriptions of verl's
-functions (verl/trainer/ppo/core_algos.py, verl/utils group_mean_std), through the table the RL loop reads; OPO beside
-rollout rejection, whose lengths count the kept tokens as verl's; the refusal of its optimal token baselines; and a
-step of the RL loop with each."""
+"""verl's opo, grpo_passk, rloo_vectorized, grpo_vectorized and its two optimal token baselines against plain-loop
+transcriptions of verl's functions (verl/trainer/ppo/core_algos.py, verl/utils group_mean_std), through the table the RL
+loop reads; OPO beside rollout rejection, whose lengths count the kept tokens as verl's; the sums of squared
+probabilities the optimal token baselines read, from the trainer's forward; and a step of the RL loop with each."""
 
 import json
 import math
@@ -13,9 +13,11 @@ from safetensors.torch import load_file
 
 from alignrl.config import ConfigError, load_config
 from alignrl.core.advantages import ADVANTAGES, OutcomeInputs
+from alignrl.models.logprobs import ForwardLayout
 from smallrun import overrides, weights
 
 NEW = ("opo", "grpo_passk", "rloo_vectorized", "grpo_vectorized")
+TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 # ---- verl's functions, transcribed with Python loops over rows and groups --------------------------------------
@@ -209,34 +211,37 @@ def test_grpo_vectorized_is_verls_and_alignrls_grpo_with_the_std(seed, tied, nor
 
 # ---- config: the checks and the refusals ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
-def test_optimal_token_baselines_are_refused_with_what_they_need(name):
-    with pytest.raises(ConfigError) as err:
-        load_config(None, [f"algorithm.adv_estimator={name}"])
-    line = str(err.value)
-    assert "\n" not in line and line.startswith(f"algorithm.adv_estimator={name} ")
-    assert "sum of squared probabilities over the whole vocabulary" in line
-    assert "calculate_sum_pi_squared" in line and line.endswith("use grpo, or rloo")
+@pytest.mark.parametrize("name", TOKEN_BASELINES)
+def test_optimal_token_baselines_are_accepted_as_verl_takes_them(name):
+    """No rollout.n check (alone, a response keeps its reward-to-go, as in verl); no critic; token-level advantages,
+    which a sequence-level policy loss cannot weigh."""
+    assert load_config(None, [f"algorithm.adv_estimator={name}", "rollout.n=1"]).algorithm.adv_estimator == name
+    for extra, says in ((["critic.enable=true"], "critic.enable=true is only used by algorithm.adv_estimator=gae"),
+                        (["actor.policy_loss=seq_ppo_clip"], f"adv_estimator={name} gives each token its own")):
+        with pytest.raises(ConfigError, match=says):
+            load_config(None, [f"algorithm.adv_estimator={name}", *extra])
 
 
-def test_a_verl_line_asking_for_the_sum_of_squared_probabilities_is_one_line_and_the_new_estimators_take_seq_ppo():
-    """verl's switch for the optimal token baselines' actor output, as a verl script sets it beside them; every new
-    estimator gives one advantage per sequence, what actor.policy_loss=seq_ppo_clip weighs."""
-    with pytest.raises(ConfigError) as err:
-        load_config(None, ["actor_rollout_ref.actor.calculate_sum_pi_squared=True",
-                           "algorithm.adv_estimator=optimal_token_baseline"])
-    assert str(err.value).startswith("algorithm.adv_estimator=optimal_token_baseline (verl's per-token optimal "
-                                     "baseline) needs each generated token's sum of squared probabilities")
-    # beside another estimator verl computes it for metrics alone: accepted, listed as not applied
+def test_a_verl_line_asking_for_the_sum_of_squared_probabilities_applies_it_and_the_new_estimators_take_seq_ppo():
+    """verl's switch for the optimal token baselines' actor output, as a verl script sets it beside them: applied,
+    no note; False beside them is refused in one line (verl's trainer stops on it); beside another estimator verl
+    computes it for metrics alone: listed as not applied. Every sequence-level new estimator takes seq_ppo_clip."""
     from alignrl.config.verl_keys import translate
 
-    notes = translate(["actor_rollout_ref.actor.calculate_sum_pi_squared=True", "algorithm.adv_estimator=grpo"]).notes
-    assert notes == ["actor_rollout_ref.actor.calculate_sum_pi_squared=True is accepted but not applied: alignrl "
-                     "computes no per-token sum of squared probabilities: verl's variance-proxy metrics are not "
+    key = "actor_rollout_ref.actor.calculate_sum_pi_squared"
+    for name in TOKEN_BASELINES:
+        line = [f"{key}=True", f"algorithm.adv_estimator={name}"]
+        assert translate(line).notes == [] and load_config(None, line).algorithm.adv_estimator == name
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"algorithm.adv_estimator={name}", f"{key}=False"])
+        assert "\n" not in str(err.value) and str(err.value).startswith(
+            f"{key}=False: algorithm.adv_estimator={name} reads each token's sum of squared probabilities")
+    notes = translate([f"{key}=True", "algorithm.adv_estimator=grpo"]).notes
+    assert notes == [f"{key}=True is accepted but not applied: alignrl computes the per-token sum of squared "
+                     "probabilities for the optimal token baselines alone: verl's variance-proxy metrics are not "
                      "logged"], notes
     for name in ("opo", "grpo_passk", "rloo_vectorized", "grpo_vectorized"):
-        cfg = load_config(None, [f"algorithm.adv_estimator={name}", "actor.policy_loss=seq_ppo_clip",
-                                 "actor_rollout_ref.actor.calculate_sum_pi_squared=False"])
+        cfg = load_config(None, [f"algorithm.adv_estimator={name}", "actor.policy_loss=seq_ppo_clip", f"{key}=False"])
         assert cfg.algorithm.adv_estimator == name
 
 
@@ -295,7 +300,7 @@ def _one_step(estimator: str, extra: list[str], tiny_model_dir, tmp_path) -> dic
     return row
 
 
-@pytest.mark.parametrize("estimator", NEW)
+@pytest.mark.parametrize("estimator", NEW + TOKEN_BASELINES)
 def test_the_rl_loop_trains_with_each(estimator, tiny_model_dir, tmp_path):
     _one_step(estimator, [], tiny_model_dir, tmp_path)
 
@@ -367,3 +372,194 @@ def test_a_verl_line_with_opo_and_no_rollout_n_samples_one_response_as_verl():
     verl = ["actor_rollout_ref.actor.ppo_mini_batch_size=2"]
     assert load_config(None, ["algorithm.adv_estimator=opo", *verl]).rollout.n == 1
     assert load_config(None, ["algorithm.adv_estimator=grpo", *verl]).rollout.n == 8  # a group estimator's 8
+
+
+# ---- the optimal token baselines ------------------------------------------------------------------------------
+
+def _loop_returns_and_weights(token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights):
+    """verl's reward-to-go and cumulative path weights, one token at a time."""
+    bsz, seq_len = token_level_rewards.shape
+    returns, w_cumulative = torch.zeros_like(token_level_rewards), torch.zeros_like(token_level_rewards)
+    for i in range(bsz):
+        acc = 0.0
+        for t in reversed(range(seq_len)):
+            acc = acc + token_level_rewards[i, t] * response_mask[i, t]
+            returns[i, t] = acc
+        acc = 0.0
+        for t in range(seq_len):
+            w = 1 - 2 * math.exp(old_log_probs[i, t]) + sum_pi_squared[i, t]
+            if rollout_is_weights is not None:
+                w = w * rollout_is_weights[i, t] ** 2
+            acc = acc + w * response_mask[i, t]
+            w_cumulative[i, t] = acc
+    return returns, w_cumulative
+
+
+def _loop_zero_tail(baselines, rows, lengths):
+    ordered = sorted(lengths[i] for i in rows)
+    longest = [i for i in rows if lengths[i] == ordered[-1]]
+    if len(longest) == 1 and ordered[-1] > ordered[-2]:
+        baselines[longest[0], int(ordered[-2]):] = 0.0
+
+
+def verl_optimal_token_baseline(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                                rollout_is_weights=None, epsilon=1e-8):
+    returns, w_cumulative = _loop_returns_and_weights(token_level_rewards, response_mask, old_log_probs,
+                                                      sum_pi_squared, rollout_is_weights)
+    groups = defaultdict(list)
+    for i in range(len(index)):
+        groups[index[i]].append(i)
+    baselines = torch.zeros_like(returns)
+    lengths = [float(response_mask[i].sum()) for i in range(len(index))]
+    for rows in groups.values():
+        if len(rows) == 1:
+            continue
+        for t in range(returns.shape[1]):
+            num = sum(returns[i, t] * w_cumulative[i, t] * response_mask[i, t] for i in rows)
+            den = sum(w_cumulative[i, t] * response_mask[i, t] for i in rows) + epsilon
+            for i in rows:
+                baselines[i, t] = num / den
+        _loop_zero_tail(baselines, rows, lengths)
+    return (returns - baselines) * response_mask
+
+
+def verl_tir_optimal_token_baseline(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                                    rollout_is_weights=None, epsilon=1e-8):
+    returns, w_cumulative = _loop_returns_and_weights(token_level_rewards, response_mask, old_log_probs,
+                                                      sum_pi_squared, rollout_is_weights)
+    bsz, seq_len = returns.shape
+    lengths = [int(response_mask[i].sum()) for i in range(bsz)]
+    width = max(lengths)
+    all_w, all_returns = torch.zeros(bsz, width, dtype=returns.dtype), torch.zeros(bsz, width, dtype=returns.dtype)
+    for i in range(bsz):
+        k = 0
+        for t in range(seq_len):
+            if response_mask[i, t]:
+                all_w[i, k], all_returns[i, k] = w_cumulative[i, t], returns[i, t]
+                k += 1
+    groups = defaultdict(list)
+    for i in range(bsz):
+        if lengths[i]:
+            groups[index[i]].append(i)
+    baselines = torch.zeros_like(all_returns)
+    for rows in groups.values():
+        if len(rows) == 1:
+            continue
+        for k in range(width):
+            b_star = sum(all_returns[i, k] * all_w[i, k] for i in rows) / (sum(all_w[i, k] for i in rows) + epsilon)
+            for i in rows:
+                baselines[i, k] = b_star
+        _loop_zero_tail(baselines, rows, lengths)
+    advantages = torch.zeros_like(returns)
+    for i in range(bsz):
+        k = 0
+        for t in range(seq_len):
+            if response_mask[i, t]:
+                advantages[i, t] = all_returns[i, k] - baselines[i, k]
+                k += 1
+    return advantages * response_mask
+
+
+VERL_TOKEN_BASELINES = {"optimal_token_baseline": verl_optimal_token_baseline,
+                        "tir_optimal_token_baseline": verl_tir_optimal_token_baseline}
+
+
+def token_baseline_batch(seed: int):
+    """Groups of one to five, shuffled; ragged lengths, ties among them (the longest tied or alone), an empty row now
+    and then; holes in the mask (tool tokens, rejected tokens) in odd seeds; rollout IS weights from seed 4 on; tied
+    outcomes in seeds divisible by 3. Log-probs and sums of squared probabilities from one softmax over 6 tokens."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    sizes = [int(torch.randint(1, 6, (1,), generator=gen)) for _ in range(5)]
+    group = torch.tensor([g for g, n in enumerate(sizes) for _ in range(n)])
+    group = group[torch.randperm(len(group), generator=gen)]
+    b, t = len(group), 8
+    lengths = torch.randint(0 if seed % 4 == 1 else 1, t + 1, (b,), generator=gen)
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).double()
+    if seed % 2:
+        mask = mask * (torch.rand(b, t, generator=gen) > 0.25)
+    outcome = torch.randint(0, 3, (b,), generator=gen) / 2.0 if seed % 3 == 0 else torch.randn(b, generator=gen)
+    token_rewards = 0.05 * torch.randn(b, t, generator=gen, dtype=torch.float64) * mask
+    token_rewards += outcome.double()[:, None] * torch.nn.functional.one_hot(lengths.clamp(min=1) - 1, t)
+    probs = torch.softmax(2.0 * torch.randn(b, t, 6, generator=gen, dtype=torch.float64), -1)
+    chosen = torch.multinomial(probs.view(-1, 6), 1, generator=gen).view(b, t)
+    logprobs = probs.gather(-1, chosen[..., None]).squeeze(-1).log()
+    is_weights = torch.rand(b, t, generator=gen, dtype=torch.float64) * 2 * mask if seed >= 4 else None
+    return token_rewards, mask, group, logprobs, probs.pow(2).sum(-1), is_weights
+
+
+@pytest.mark.parametrize("name", TOKEN_BASELINES)
+@pytest.mark.parametrize("seed", range(8))
+def test_optimal_token_baselines_are_verls(name, seed):
+    token_rewards, mask, group, logprobs, spp, is_weights = token_baseline_batch(seed)
+    expected = VERL_TOKEN_BASELINES[name](token_rewards, mask, group.tolist(), logprobs, spp, is_weights)
+    got = ADVANTAGES[name](OutcomeInputs(token_rewards.sum(-1), token_rewards, mask, group, logprobs=logprobs,
+                                         sum_pi_squared=spp, is_weights=is_weights))
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+    # the weights matter: one baseline per step of the plain group mean is another one
+    if (torch.bincount(group) > 1).any() and float(mask.sum()) > 0:
+        flat = VERL_TOKEN_BASELINES[name](token_rewards, mask, group.tolist(), torch.full_like(logprobs, -1e9),
+                                          torch.ones_like(spp) * 0.5)
+        assert not torch.allclose(got, flat)
+
+
+def test_the_two_optimal_token_baselines_agree_on_a_mask_without_holes_and_keep_verls_edges():
+    token_rewards, mask, group, logprobs, spp, is_weights = token_baseline_batch(4)  # no holes, IS weights
+    x = OutcomeInputs(token_rewards.sum(-1), token_rewards, mask, group, logprobs=logprobs, sum_pi_squared=spp,
+                      is_weights=is_weights)
+    torch.testing.assert_close(ADVANTAGES["optimal_token_baseline"](x), ADVANTAGES["tir_optimal_token_baseline"](x))
+    # a response alone keeps its reward-to-go; the longest of a group, past the others, too
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float64)
+    rewards = torch.tensor([[0, 0, 1.0, 0], [0, 2.0, 0, 0], [0, 0, 0, 3.0]], dtype=torch.float64)
+    x = OutcomeInputs(rewards.sum(-1), rewards, mask, torch.tensor([0, 0, 1]), logprobs=torch.full((3, 4), -1.0,
+                      dtype=torch.float64), sum_pi_squared=torch.full((3, 4), 0.5, dtype=torch.float64))
+    for name in TOKEN_BASELINES:
+        adv = ADVANTAGES[name](x)
+        assert adv[2].tolist() == [3.0, 3.0, 3.0, 3.0] and adv[0, 2] == 1.0  # alone; past the second-longest
+        assert adv[0, 0] == pytest.approx(-0.5) and adv[1, 0] == pytest.approx(0.5)  # equal weights: the mean
+    with pytest.raises(ValueError, match="optimal_token_baseline needs the policy's per-token log-probs"):
+        ADVANTAGES["optimal_token_baseline"](OutcomeInputs(rewards.sum(-1), rewards, mask, torch.tensor([0, 0, 1])))
+
+
+@pytest.mark.parametrize("layout", [ForwardLayout(), ForwardLayout(share_prompt=True),
+                                    ForwardLayout(remove_padding=True), ForwardLayout(lanes=2)],
+                         ids=["plain", "shared", "packed", "lanes"])
+def test_the_sums_of_squared_probabilities_are_the_softmaxs_from_the_same_forward(tiny_model, layout):
+    from test_actor import _shared_batch
+
+    from alignrl.data.collate import position_ids
+    from alignrl.rl.producer import batched_logprobs
+
+    model, _ = tiny_model
+    pid, pm, rid, rm, _ = _shared_batch(model.config.vocab_size)
+    temperature = 0.7
+    lp, spp = batched_logprobs(model, pid, pm, rid, rm, temperature, 5, layout, with_sum_pi_squared=True)
+    with torch.no_grad():
+        ids, mask = torch.cat([pid, rid], 1), torch.cat([pm, rm], 1)
+        logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask)).logits
+        want = torch.softmax(logits[:, pid.shape[1] - 1:-1].float() / temperature, -1).pow(2).sum(-1) * rm
+    torch.testing.assert_close(spp, want, atol=2e-5, rtol=1e-4)
+    assert ((spp > 0) == rm).all()
+    # the log-probs are those the plain call gives
+    torch.testing.assert_close(lp, batched_logprobs(model, pid, pm, rid, rm, temperature, 5, layout), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("extra", [["actor.recompute_old_logprobs=false"], ["algorithm.rollout_is=token"]],
+                         ids=["rollout-logprobs", "rollout-is"])
+def test_the_rl_loop_hands_the_token_baselines_the_trainers_forward(extra, tiny_model_dir, tmp_path, monkeypatch):
+    """With actor.recompute_old_logprobs=false the forward runs for them all the same; rollout IS weights, where the
+    run has them, come along."""
+    import alignrl.rl.trainer as trainer_module
+
+    read = []
+
+    def otb(x):
+        read.append(x)
+        return ADVANTAGES["optimal_token_baseline"](x)
+
+    monkeypatch.setattr(trainer_module, "ADVANTAGES", {**ADVANTAGES, "optimal_token_baseline": otb})
+    _one_step("optimal_token_baseline", [*extra, "rollout.n=2"], tiny_model_dir, tmp_path)
+    (x,), mask = read, read[0].mask.bool()
+    assert x.logprobs.shape == x.sum_pi_squared.shape == x.mask.shape and mask.any()
+    assert ((x.sum_pi_squared > 0) & (x.sum_pi_squared <= 1 + 1e-6))[mask].all()
+    assert (x.sum_pi_squared >= x.logprobs.exp() ** 2 - 1e-6)[mask].all()  # the drawn token's own share
+    assert (x.is_weights is not None) == ("algorithm.rollout_is=token" in extra)

@@ -1,5 +1,6 @@
 """algorithm.adv_estimator: the estimators a run's other keys cannot go with, and verl's estimators alignrl cannot
-compute, each refused with one line naming what is missing and what to use instead."""
+compute, each refused with one line naming what is missing and what to use instead. The optimal token baselines ask
+nothing of rollout.n: as in verl, a response alone in its group keeps its reward-to-go."""
 
 from __future__ import annotations
 
@@ -10,16 +11,9 @@ from alignrl.config.schema import RunConfig
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo", "grpo_passk", "rloo_vectorized",
                     "grpo_vectorized")
 
-_SUM_PI_SQUARED = ("needs each generated token's sum of squared probabilities over the whole vocabulary (verl's "
-                   "actor.calculate_sum_pi_squared), which alignrl's actor does not compute: use grpo, or rloo")
-# (key, value) -> why the value is refused, for values of a choice that a verl script can name
-UNAVAILABLE = {
-    ("algorithm.adv_estimator", "optimal_token_baseline"):
-        f"algorithm.adv_estimator=optimal_token_baseline (verl's per-token optimal baseline) {_SUM_PI_SQUARED}",
-    ("algorithm.adv_estimator", "tir_optimal_token_baseline"):
-        f"algorithm.adv_estimator=tir_optimal_token_baseline (verl's multi-turn optimal token baseline) "
-        f"{_SUM_PI_SQUARED}",
-}
+# (key, value) -> why the value is refused, for values of a choice that a verl script can name; none at present: every
+# verl estimator in algorithm.adv_estimator's choices is computed (the optimal token baselines: core.token_baseline)
+UNAVAILABLE: dict[tuple[str, str], str] = {}
 
 
 def estimator_problem(cfg: RunConfig) -> str | None:

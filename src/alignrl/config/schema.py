@@ -210,12 +210,17 @@ class AlgorithmConfig:
                                      "each group's best response learns, best minus second best, divided by the "
                                      "group std under norm_adv_by_std_in_grpo: verl's pass@k GRPO), "
                                      "rloo_vectorized (verl's name of rloo), grpo_vectorized (grpo, always divided "
-                                     "by the std, as verl's), gae (PPO with critic.enable=true), online_dpo (each prompt's two answers a DPO "
-                                     "pair, the higher reward chosen: TRL's online DPO, with dpo_beta and "
-                                     "dpo_loss_type)",
+                                     "by the std, as verl's), optimal_token_baseline (per-token reward-to-go minus "
+                                     "a per-step group baseline weighted by each path's summed score variance "
+                                     "1 - 2 pi(a) + sum pi^2 from the trainer's old-log-prob forward, run even "
+                                     "with actor.recompute_old_logprobs=false: verl's OTB), "
+                                     "tir_optimal_token_baseline (the same over each response's trained tokens "
+                                     "aligned: verl's multi-turn OTB), gae (PPO with critic.enable=true), online_dpo "
+                                     "(each prompt's two answers a DPO pair, the higher reward chosen: TRL's online "
+                                     "DPO, with dpo_beta and dpo_loss_type)",
                              choices=("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                                      "gpg", "gdpo", "opo", "grpo_passk", "rloo_vectorized", "grpo_vectorized", "gae",
-                                      "online_dpo"))
+                                      "gpg", "gdpo", "opo", "grpo_passk", "rloo_vectorized", "grpo_vectorized",
+                                      "optimal_token_baseline", "tir_optimal_token_baseline", "gae", "online_dpo"))
     dpo_beta: float = opt(0.1, "adv_estimator=online_dpo: the DPO loss's beta, the strength of its pull toward the "
                                "reference (TRL's --beta)", gt=0.0)
     dpo_loss_type: str = opt("sigmoid", "adv_estimator=online_dpo: sigmoid (DPO's -log sigmoid(beta h)) or ipo "

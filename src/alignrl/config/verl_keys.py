@@ -220,6 +220,7 @@ def _finish(st: TranslationPass) -> Translation:
                                        "(actor_rollout_ref.actor.ppo_mini_batch_size and ppo_epochs)")
     out += finish_recent(st)
     out += finish_engine(st)  # also puts the critic's engine settings the run does not follow in not_applied
+    _sum_pi_squared(st, out)
     notes = st.notes + _grouped(not_applied) + _estimator_notes(out)
     if custom.get("path") not in (None, "null"):  # verl's default function name is compute_score
         out.append(f"algorithm.reward_fn={custom['path']}:{custom.get('name', 'compute_score')}")
@@ -258,6 +259,21 @@ def _estimator_notes(out: list[str]) -> list[str]:
                 "as in verl (whose trainer passes it to grpo alone): the advantages are divided by the group std; "
                 "for Dr.GRPO use algorithm.adv_estimator=grpo"]
     return []
+
+
+def _sum_pi_squared(st: TranslationPass, out: list[str]) -> None:
+    """verl's actor.calculate_sum_pi_squared beside its optimal token baselines: what they read, computed here for them
+    whatever the key says, so True is applied (no note) and False, on which verl's trainer stops, is refused."""
+    last = {o.lstrip("+").split("=", 1)[0]: o.split("=", 1)[1] for o in out if "=" in o}
+    estimator = _value(last.get("algorithm.adv_estimator", ""))
+    if estimator not in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        return
+    st.not_applied.pop(A + "calculate_sum_pi_squared", None)
+    given = [o.split("=", 1)[1] for o in st.overrides if o.lstrip("+").startswith(A + "calculate_sum_pi_squared=")]
+    if given and _value(given[-1]) is False:
+        raise ConfigError(f"{A}calculate_sum_pi_squared={given[-1]}: algorithm.adv_estimator={estimator} reads each "
+                          "token's sum of squared probabilities (verl stops without it): set it True, or drop it "
+                          "(alignrl computes it for this estimator)")
 
 
 def _checkpoints_to_keep(key: str, text: str) -> int:

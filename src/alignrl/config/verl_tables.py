@@ -242,10 +242,11 @@ NOT_APPLIED: dict[str, tuple[object, str]] = {
     "reward_model.structure_format_score": (0, _FORMAT_REWARD),
     "reward_model.final_format_score": (0, _FORMAT_REWARD),
     "reward_model.retrieval_score": (0, _FORMAT_REWARD),
-    # verl computes it for its optimal token baselines (refused here: algorithm.adv_estimator's line) and, beside any
-    # other estimator, for metrics alone
-    A + "calculate_sum_pi_squared": (False, "alignrl computes no per-token sum of squared probabilities: verl's "
-                                            "variance-proxy metrics are not logged"),
+    # verl computes it for its optimal token baselines (so does alignrl, whenever one is the estimator: there the key
+    # is applied, verl_keys._sum_pi_squared) and, beside any other estimator, for metrics alone
+    A + "calculate_sum_pi_squared": (False, "alignrl computes the per-token sum of squared probabilities for the "
+                                            "optimal token baselines alone: verl's variance-proxy metrics are not "
+                                            "logged"),
 }
 # verl's critic settings whose default is the actor's (ppo_trainer.yaml: ${actor_rollout_ref.actor.<key>}):
 # alignrl's critic always trains on the actor's mini-batches and epochs, so only another value is listed.

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from alignrl.core.token_baseline import optimal_token_baseline, tir_optimal_token_baseline
+
 
 def _group_sums(x: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group sample count and sum of x (B,) -> ((G,), (G,)), G = max(group) + 1."""
@@ -309,6 +311,11 @@ class OutcomeInputs:
     whiten: str = "std"  # REINFORCE++: the batch normalisation of its returns (whiten_by)
     outcome_clip: tuple = ()  # REINFORCE++ with a group shaping: (low, high) clamp of the shaped outcome
     std_scope: str = "group"  # GRPO and RLOO: batch divides by the whole batch's std (grpo_, rloo_advantages)
+    # the optimal token baselines (core.token_baseline): the policy's log-probs of the response tokens, their sums of
+    # squared probabilities over the vocabulary, both (B, T) from one forward; rollout IS weights (B, T) or None
+    logprobs: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
 
 
 def _grpo(x: OutcomeInputs) -> torch.Tensor:
@@ -381,4 +388,6 @@ ADVANTAGES: dict[str, Callable[[OutcomeInputs], torch.Tensor]] = {
     # for every group of two or more (one alone: 0 here, r / (1 + eps) in verl; rollout.n >= 2 is checked)
     "rloo_vectorized": _rloo,
     "grpo_vectorized": _grpo_vectorized,
+    "optimal_token_baseline": optimal_token_baseline,
+    "tir_optimal_token_baseline": tir_optimal_token_baseline,
 }

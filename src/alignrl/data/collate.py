@@ -131,27 +131,30 @@ def chunk_tokens(chunks: list[torch.Tensor], prompt_mask: torch.Tensor, response
 @torch.no_grad()
 def per_token_in_chunks(model, fn, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                         response_mask: torch.Tensor, micro_batch: int, by_prompt: bool = False, images=None,
-                        lanes: int = 1) -> torch.Tensor:
+                        lanes: int = 1, outputs: int = 1) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """(B, R) per-token outputs of `fn(model, prompt_ids, prompt_mask, response_ids, response_mask)` in eval
     mode, `micro_batch` rows at a time, rows grouped by length (and by prompt with `by_prompt`) and each
     chunk trimmed of padding. With `images` (`data.images.ImageRows` of the B rows), `fn` also takes each
     chunk's rows of them as `images=`. `lanes` > 1 (text only): chunks run side by side (`runtime.lanes`); a batch
-    of one chunk stays whole (one large forward already keeps a CPU's threads busy)."""
+    of one chunk stays whole (one large forward already keeps a CPU's threads busy). `outputs` > 1: `fn` returns
+    that many (rows, columns) tensors per chunk, and a tuple of that many (B, R) comes back."""
     was_training = model.training
     model.eval()
-    out = torch.zeros(response_ids.shape)
+    outs = tuple(torch.zeros(response_ids.shape) for _ in range(outputs))
     group = prompt_groups(prompt_ids, prompt_mask)[1] if by_prompt else None
-    chunks = length_sorted_chunks(torch.arange(out.shape[0]), prompt_mask, response_mask, micro_batch, group)
+    chunks = length_sorted_chunks(torch.arange(outs[0].shape[0]), prompt_mask, response_mask, micro_batch, group)
 
-    def run(idx: torch.Tensor) -> torch.Tensor:
+    def run(idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
         pm, rm = prompt_mask[idx], response_mask[idx]
         p0, r1 = padding_bounds(pm, rm)
         extra = {} if images is None else {"images": images.select(idx)}
-        return fn(model, prompt_ids[idx, p0:], pm[:, p0:], response_ids[idx, :r1], rm[:, :r1], **extra)
+        values = fn(model, prompt_ids[idx, p0:], pm[:, p0:], response_ids[idx, :r1], rm[:, :r1], **extra)
+        return (values,) if outputs == 1 else tuple(values)
 
     plan = lanes_of(chunk_tokens(chunks, prompt_mask, response_mask), 1 if images is not None else lanes)
     done = run_lanes([lambda part=part: [run(chunks[i]) for i in part] for part in plan])
     for idx, values in zip(chunks, in_job_order(plan, done)):  # written here, in one thread
-        out[idx, :values.shape[1]] = values.to(out.device)
+        for out, value in zip(outs, values, strict=True):
+            out[idx, :value.shape[1]] = value.to(out.device)
     model.train(was_training)
-    return out
+    return outs[0] if outputs == 1 else outs

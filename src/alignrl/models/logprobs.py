@@ -94,16 +94,21 @@ def shares_prompts(model, layout: ForwardLayout, with_images: bool) -> bool:
     return layout.share_prompt and not with_images and not (ranks_share_model() and is_vision_model(model))
 
 
-def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                      response_mask: torch.Tensor, temperature: float = 1.0,
-                      with_entropy: bool = False, entropy_grad: bool = False, layout: ForwardLayout = ForwardLayout(),
-                      images=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (B, R) of `response_ids` given left-padded prompts; entropy (B, R) if asked.
+def chunked_logprobs_and_sum_pi_squared(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = 4096
+                                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (N, V), targets (N,) -> (log-prob of each target, sum over the vocabulary of the squared probabilities)
+    (N,) each, from one float copy of `chunk_rows` rows at a time: sum pi^2 = exp(logsumexp(2 log pi))."""
+    lps, sums = [], []
+    for start in range(0, logits.shape[0], chunk_rows):
+        logp = torch.log_softmax(logits[start:start + chunk_rows].float(), dim=-1)
+        lps.append(logp.gather(-1, targets[start:start + chunk_rows, None]).squeeze(-1))
+        sums.append(torch.logsumexp(2.0 * logp, dim=-1).exp())
+    return torch.cat(lps), torch.cat(sums)
 
-    Logits are divided by `temperature` so the values match what the sampler drew from. The entropy
-    carries a gradient only with `entropy_grad` (an entropy bonus); as a metric it costs no graph.
-    `layout` says how the rows go through the model (see `ForwardLayout`). `images`: the rows' prompt images
-    (`data.images.ImageRows`, B rows), which only the plain layout takes (packing is skipped for them)."""
+
+def _scaled_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature, layout, images):
+    """(logits (N, V) divided by `temperature`, their targets (N,), a function putting (N,) values back as (B, R),
+    zero on padding): the one forward every response log-prob computation shares (see `response_logprobs`)."""
     dev = model_device(model)
     prompt_ids, prompt_mask, response_ids, response_mask = (t.to(dev) for t in (prompt_ids, prompt_mask, response_ids,
                                                                                 response_mask))
@@ -126,8 +131,36 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
             place = lambda x: x.view(b, r) * response_mask  # noqa: E731
     if temperature != 1.0:
         logits = logits / temperature
+    return logits, targets, place
+
+
+def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                      response_mask: torch.Tensor, temperature: float = 1.0,
+                      with_entropy: bool = False, entropy_grad: bool = False, layout: ForwardLayout = ForwardLayout(),
+                      images=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (B, R) of `response_ids` given left-padded prompts; entropy (B, R) if asked.
+
+    Logits are divided by `temperature` so the values match what the sampler drew from. The entropy
+    carries a gradient only with `entropy_grad` (an entropy bonus); as a metric it costs no graph.
+    `layout` says how the rows go through the model (see `ForwardLayout`). `images`: the rows' prompt images
+    (`data.images.ImageRows`, B rows), which only the plain layout takes (packing is skipped for them)."""
+    logits, targets, place = _scaled_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature,
+                                            layout, images)
     lp = place(chunked_logprobs(logits, targets))
     if not with_entropy:
         return lp, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         return lp, place(entropy_from_logits(logits))
+
+
+def response_logprobs_and_sum_pi_squared(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                                         response_ids: torch.Tensor, response_mask: torch.Tensor,
+                                         temperature: float = 1.0, layout: ForwardLayout = ForwardLayout(),
+                                         images=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs (B, R) of `response_ids`, as `response_logprobs`, and each response token's sum over the vocabulary
+    of its squared probabilities (B, R) under the same temperature-scaled logits (verl's
+    actor.calculate_sum_pi_squared, read by its optimal token baselines); 0 on padding."""
+    logits, targets, place = _scaled_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature,
+                                            layout, images)
+    lp, sum_pi_squared = chunked_logprobs_and_sum_pi_squared(logits, targets)
+    return place(lp), place(sum_pi_squared)

@@ -30,7 +30,7 @@ from alignrl.rewards.timed_rules import late_rows, say_timeouts
 from alignrl.rewards.reward_log import TrainerState, logging_rewards
 from alignrl.rewards.trl_reward import is_trl_spec
 from alignrl.models.folder import ModelError
-from alignrl.models.logprobs import ForwardLayout, response_logprobs
+from alignrl.models.logprobs import ForwardLayout, response_logprobs, response_logprobs_and_sum_pi_squared
 from alignrl.rollout.env_agent import with_labels
 from alignrl.runtime.lanes import lane_count
 from alignrl.utils.tracking import console
@@ -69,16 +69,24 @@ def timed(timings: dict[str, float], name: str):
 
 
 def batched_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                     response_mask: torch.Tensor, temperature: float, micro_batch: int, layout: ForwardLayout = ForwardLayout(),
-                     images=None) -> torch.Tensor:
+                     response_mask: torch.Tensor, temperature: float, micro_batch: int,
+                     layout: ForwardLayout = ForwardLayout(), images=None,
+                     with_sum_pi_squared: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (B, R) of the responses under `model`, in length-grouped, trimmed chunks, each laid out by
-    `layout` (models.logprobs). `images`: each row's prompt images (`data.images.ImageRows`), or None."""
+    `layout` (models.logprobs). `images`: each row's prompt images (`data.images.ImageRows`), or None.
+    `with_sum_pi_squared`: (log-probs, each token's sum of squared probabilities over the vocabulary) from the same
+    forwards, for the optimal token baselines."""
     def logprobs(m, *tensors, images=None):
         return response_logprobs(m, *tensors, temperature, layout=layout, images=images)[0]
 
+    def logprobs_and_sum_pi_squared(m, *tensors, images=None):
+        return response_logprobs_and_sum_pi_squared(m, *tensors, temperature, layout=layout, images=images)
+
     device = next(model.parameters()).device
-    return per_token_in_chunks(model, logprobs, prompt_ids, prompt_mask, response_ids, response_mask, micro_batch,
-                               by_prompt=layout.share_prompt, images=images, lanes=lane_count(layout.lanes, device))
+    fn, outputs = (logprobs_and_sum_pi_squared, 2) if with_sum_pi_squared else (logprobs, 1)
+    return per_token_in_chunks(model, fn, prompt_ids, prompt_mask, response_ids, response_mask, micro_batch,
+                               by_prompt=layout.share_prompt, images=images, lanes=lane_count(layout.lanes, device),
+                               outputs=outputs)
 
 
 class LocalRefScorer:

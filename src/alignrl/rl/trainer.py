@@ -58,6 +58,10 @@ def estimator_mask(mask: torch.Tensor, given: torch.Tensor, kept: torch.Tensor) 
     return mask * ~(given & ~kept)
 
 
+# the estimators that read each response token's sum of squared probabilities from the trainer's forward
+TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
+
+
 # the policy terms whose objective fixes how they aggregate: GSPO's and SAPO's average sequences (Zheng et al., Gao
 # et al. 2025; verl too), LUSPO's weighs each sequence by its length
 FIXED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "luspo": "seq-mean-token-sum"}
@@ -122,9 +126,7 @@ class PolicyTrainer:
         cfg, t, metrics = self.cfg, {}, {}
         ro, scores, micro = batch.rollout, batch.scores, cfg.actor.forward_micro_batch
         with timed(t, "old_logprob"):
-            old_lp = (batched_logprobs(self.actor.model, ro.prompt_ids, ro.prompt_mask, ro.response_ids,
-                                       ro.response_mask, cfg.logprob_temperature, micro, self.actor.layout, ro.images)
-                      if cfg.actor.recompute_old_logprobs else ro.logprobs)
+            old_lp, policy = self.old_logprobs(ro, micro)
         mask = batch.loss_mask.float()
         # --reward_clip_range as OpenRLHF: the reward clamped before the KL penalty; a group-shaped one (its rloo,
         # group_norm, ...) after the shaping, inside the estimator
@@ -154,7 +156,7 @@ class PolicyTrainer:
             adv = ADVANTAGES[a.adv_estimator](OutcomeInputs(
                 rewards, token_rewards, estimator_mask(mask, given, loss_mask), ro.group, baseline,
                 a.norm_adv_by_std_in_grpo, a.gamma, sum_over_ranks(self.env), outcome, a.outcome_baseline,
-                a.whiten_advantages, tuple(clip) if shaped else (), a.grpo_std_scope))
+                a.whiten_advantages, tuple(clip) if shaped else (), a.grpo_std_scope, is_weights=is_weight, **policy))
         else:
             with timed(t, "values"):
                 adv, value_targets, critic_metrics = self.critic_advantages(batch, token_rewards, kl_tokens, micro)
@@ -172,6 +174,20 @@ class PolicyTrainer:
         # KL(rollout || trainer) per token (k1 under rollout samples): engine/trainer mismatch
         metrics["rollout/kl_vs_trainer"] = float(rollout_kl(rollout_lp, old_lp, ro.generated_mask, "k1"))
         return {**metrics, **is_metrics, **t}
+
+    def old_logprobs(self, ro: Rollout, micro: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The old log-probs the policy loss reads (B, R): the trainer's forward, or the rollout's own with
+        actor.recompute_old_logprobs=false; and for the optimal token baselines (log-probs, sums of squared
+        probabilities) of the trainer's forward, which then runs either way (verl's actor computes both in its
+        old-log-prob pass), as OutcomeInputs fields; else none."""
+        cfg = self.cfg
+        args = (self.actor.model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask,
+                cfg.logprob_temperature, micro, self.actor.layout, ro.images)
+        if cfg.algorithm.adv_estimator in TOKEN_BASELINES:
+            own, sum_pi_squared = batched_logprobs(*args, with_sum_pi_squared=True)
+            policy = {"logprobs": own, "sum_pi_squared": sum_pi_squared}
+            return own if cfg.actor.recompute_old_logprobs else ro.logprobs, policy
+        return batched_logprobs(*args) if cfg.actor.recompute_old_logprobs else ro.logprobs, {}
 
     def update(self, step: int, exp: Experience, value_targets: list, t: dict[str, float],
                gap: torch.Tensor | None = None) -> dict[str, float]:
