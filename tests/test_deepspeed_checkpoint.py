@@ -59,7 +59,8 @@ def sizes(folder):
 
 for case in {cases!r}:
     stage, bf16, adapters = case["stage"], case["bf16"], case["lora"]
-    out = root / f"{{stage}}{{'b' if bf16 else ''}}{{'l' if adapters else ''}}"
+    # glob's characters in the run's path (a run named "exp[1]"): DeepSpeed globs for its files
+    out = root / f"run[{{stage}}{{'b' if bf16 else ''}}{{'l' if adapters else ''}}]"
     first = engine(stage, bf16, adapters, base)
     exp = engine_worker.fixed_batch(first.model)
     engine_worker.update(first, exp, SINGLE)
@@ -113,7 +114,7 @@ def test_deepspeed_checkpoints_hold_the_weights_once_and_resume_exactly(tmp_path
         if case["stage"] > 0:  # the optimizer state is in its own files: what remains is bookkeeping
             assert new[STATES] < 0.05 * weights, (what, new)
         if case.get("wrong"):
-            assert x["refused"].startswith(f"{tmp_path / '2' / 'new' / 'model_state'}: the model does not hold "
+            assert x["refused"].startswith(f"{tmp_path / 'run[2]' / 'new' / 'model_state'}: the model does not hold "
                                            "the weights this optimizer state was saved with ("), x["refused"]
             assert "resume with the model settings that wrote it" in x["refused"]
 

@@ -12,10 +12,12 @@ weights: it holds their fingerprints instead (`save_state`, `load_state`).
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import math
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -225,9 +227,10 @@ class DeepSpeedEngine:
         if not (folder / TAG).is_dir():
             return False
         try:
-            self.module.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True,
-                                        load_lr_scheduler_states=True,
-                                        custom_load_fn=lambda src, dst: load_module(src, dst, folder))
+            with globless(folder) as path:
+                self.module.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
+                                            load_lr_scheduler_states=True,
+                                            custom_load_fn=lambda src, dst: load_module(src, dst, folder))
         except WeightsNotTheCheckpoints:  # raised on every rank alike: its own line, nothing to look for
             raise
         except Exception as e:  # DeepSpeed's ZeRORuntimeException is a bare Exception
@@ -248,6 +251,20 @@ class DeepSpeedEngine:
                 raise CheckpointError(line) from None
             raise DamagedShard(f"rank {self.env.rank}: {line}") from None
         return True
+
+
+@contextmanager
+def globless(folder: Path) -> Iterator[Path]:
+    """`folder`, or where its path has glob characters ([, ], *, ?: a run named "exp[1]"), a link to it under a plain
+    temporary name: DeepSpeed finds a checkpoint's model states with glob, which reads them as a pattern and finds
+    nothing."""
+    if not glob.has_magic(str(folder)):
+        yield folder
+        return
+    with tempfile.TemporaryDirectory(prefix="alignrl-ds-") as tmp:
+        link = Path(tmp) / "checkpoint"
+        link.symlink_to(folder.resolve(), target_is_directory=True)
+        yield link
 
 
 def unreadable(folder: Path, rank: int) -> tuple[Path, str] | None:
