@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from alignrl.config import ConfigError, load_config
-from alignrl.core.advantages import ADVANTAGES, OutcomeInputs
+from alignrl.core.advantages import ADVANTAGES, OutcomeInputs, gae_advantages
 from alignrl.models.logprobs import ForwardLayout
 from smallrun import overrides, weights
 
@@ -366,6 +366,52 @@ def test_the_rl_loop_gives_opo_the_mask_rejection_leaves(tiny_model_dir, tmp_pat
     (given, kept), = decided
     assert len(read) == 1 and given[:, 0].any()
     torch.testing.assert_close(read[0], (given & kept).float())  # no truncation masked here: given is the loss mask
+
+
+def test_gae_runs_over_the_tokens_rejection_keeps(tiny_model_dir, tmp_path, monkeypatch):
+    """verl rewrites the response mask with its rejection before compute_advantage, so its GAE and the whitening after
+    it skip rejected tokens: PPO's GAE here reads the same kept mask."""
+    import alignrl.rl.trainer as trainer_module
+
+    decided, read = [], []
+    correction = trainer_module.PolicyTrainer.rollout_correction
+
+    def first_token_rejected(self, old_lp, rollout_lp, loss_mask):
+        weights, kept, metrics = correction(self, old_lp, rollout_lp, loss_mask)
+        kept = kept.clone()
+        kept[:, 0] = False
+        decided.append((loss_mask.clone(), kept))
+        return weights, kept, metrics
+
+    def gae(token_rewards, values, mask, gamma, lam):
+        read.append(mask.clone())
+        return gae_advantages(token_rewards, values, mask, gamma, lam)
+
+    monkeypatch.setattr(trainer_module.PolicyTrainer, "rollout_correction", first_token_rejected)
+    monkeypatch.setattr(trainer_module, "gae_advantages", gae)
+    _one_step("gae", ["algorithm.rollout_rs=token", "algorithm.rollout_rs_threshold=2.0", "critic.enable=true"],
+              tiny_model_dir, tmp_path)
+    (given, kept), = decided
+    assert len(read) == 1 and given[:, 0].any()
+    torch.testing.assert_close(read[0], (given & kept).float())
+
+
+def test_a_shaped_outcome_stays_on_its_token_when_rejection_takes_the_last_one():
+    """REINFORCE++ with a group-shaped outcome (OpenRLHF's --advantage_estimator ... with a baseline) adds the shaping
+    on the outcome's own token: rejecting that token drops the shaped outcome as a whole, never the raw outcome alone
+    (which would leave shaped - outcome as the reward)."""
+    from alignrl.core.advantages import outcome_token_rewards, reinforce_pp_advantages, shape_outcome
+
+    full = torch.ones(4, 4)
+    kept = full.clone()
+    kept[0, 3] = 0.0  # row 0's last token rejected
+    outcome, group = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1])
+    x = OutcomeInputs(outcome, outcome_token_rewards(outcome, full), kept, group, outcome=outcome,
+                      outcome_baseline="mean", whiten="none", reward_mask=full)
+    shaped = shape_outcome(outcome, group, "mean")
+    want = reinforce_pp_advantages(outcome_token_rewards(shaped, full), kept, whiten="none")
+    torch.testing.assert_close(ADVANTAGES["reinforce_plus_plus"](x), want)
+    assert bool((ADVANTAGES["reinforce_plus_plus"](x)[0] >= 0).all())  # the group's best answer is not pushed down
 
 
 def test_a_verl_line_with_opo_and_no_rollout_n_samples_one_response_as_verl():

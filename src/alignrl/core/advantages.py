@@ -316,6 +316,7 @@ class OutcomeInputs:
     logprobs: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
+    reward_mask: torch.Tensor | None = None  # (B, T) the mask the outcome was put by, before rejection (None: mask)
 
 
 def _grpo(x: OutcomeInputs) -> torch.Tensor:
@@ -340,7 +341,8 @@ def _reinforce_pp(x: OutcomeInputs) -> torch.Tensor:
         if x.outcome_clip:  # OpenRLHF clamps the shaped reward (its compute_reward), not the raw one
             shaped = shaped.clamp(*x.outcome_clip)
         shift = shaped - outcome
-        token_rewards = token_rewards + outcome_token_rewards(shift, x.mask)
+        # on the outcome's own token, though rejection took it out of x.mask
+        token_rewards = token_rewards + outcome_token_rewards(shift, x.mask if x.reward_mask is None else x.reward_mask)
     return reinforce_pp_advantages(token_rewards, x.mask, x.gamma, sum_ranks=x.sum_ranks, whiten=x.whiten)
 
 

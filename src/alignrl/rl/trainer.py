@@ -148,18 +148,21 @@ class PolicyTrainer:
         # ahead of the advantages, as verl's: the estimators count the tokens rejection sampling keeps
         is_weight, loss_mask, is_metrics = self.rollout_correction(old_lp, rollout_lp, given)
         value_targets: list = []
+        kept = estimator_mask(mask, given, loss_mask)  # the outcome stays where `mask` put it (reward_mask)
         if cfg.algorithm.adv_estimator == "online_dpo":
-            adv, pair_metrics = self.pair_advantages(outcome, ro.group, old_lp, batch.ref_logprobs, mask)
+            adv, pair_metrics = self.pair_advantages(outcome, ro.group, old_lp, batch.ref_logprobs, kept)
             metrics.update(pair_metrics)
         elif self.critics is None:
             a = cfg.algorithm
             adv = ADVANTAGES[a.adv_estimator](OutcomeInputs(
-                rewards, token_rewards, estimator_mask(mask, given, loss_mask), ro.group, baseline,
+                rewards, token_rewards, kept, ro.group, baseline,
                 a.norm_adv_by_std_in_grpo, a.gamma, sum_over_ranks(self.env), outcome, a.outcome_baseline,
-                a.whiten_advantages, tuple(clip) if shaped else (), a.grpo_std_scope, is_weights=is_weight, **policy))
+                a.whiten_advantages, tuple(clip) if shaped else (), a.grpo_std_scope, is_weights=is_weight,
+                reward_mask=mask, **policy))
         else:
             with timed(t, "values"):
-                adv, value_targets, critic_metrics = self.critic_advantages(batch, token_rewards, kl_tokens, micro)
+                adv, value_targets, critic_metrics = self.critic_advantages(batch, token_rewards, kl_tokens, micro,
+                                                                            kept)
             metrics.update(critic_metrics)
         # the forward attends to tool observations that the loss leaves out (state masking)
         attention = None if torch.equal(batch.loss_mask, ro.response_mask) else ro.response_mask
@@ -280,23 +283,24 @@ class PolicyTrainer:
         return adv * (trained / rows).to(adv.dtype), metrics
 
     def critic_advantages(self, batch: ScoredBatch, token_rewards: torch.Tensor, kl_tokens: torch.Tensor | None,
-                          micro: int) -> tuple[torch.Tensor, list, dict[str, float]]:
+                          micro: int, mask: torch.Tensor) -> tuple[torch.Tensor, list, dict[str, float]]:
         """GAE advantages (B, R) from the critic's values (PPO); with a cost critic, the PPO-Lagrangian
         combination (A_r - lambda A_c) / (1 + lambda). Also returns (critic, old values, returns) to train.
-        `kl_tokens`: the KL penalty in `token_rewards`, which PPO-Lagrangian also takes out of the cost."""
+        `kl_tokens`: the KL penalty in `token_rewards`, which PPO-Lagrangian also takes out of the cost. `mask`: the
+        tokens rejection kept (estimator_mask), which GAE runs over and whitens on, as verl's; the costs sit where the
+        rewards do, on each response's last token."""
         c, a, ro = self.critics, self.cfg.algorithm, batch.rollout
-        mask = batch.loss_mask.float()
         values = c.critic.values(ro, micro)
         total = sum_over_ranks(self.env)
         if c.cost_critic is None:
             adv, returns = gae_advantages(token_rewards, values, mask, a.gamma, a.lam)
             targets, metrics = [(c.critic, values, returns)], {}
         else:
-            costs = batch.scores.costs
-            cost_values = c.cost_critic.values(ro, micro)
+            costs, cost_values = batch.scores.costs, c.cost_critic.values(ro, micro)
+            cost_tokens = outcome_token_rewards(costs, batch.loss_mask.float())
             adv, returns, cost_returns = safe_gae_advantages(
-                token_rewards, outcome_token_rewards(costs, mask), kl_tokens, values, cost_values, mask,
-                c.lagrangian.value, a.gamma, a.lam, whiten=False)
+                token_rewards, cost_tokens, kl_tokens, values, cost_values, mask, c.lagrangian.value, a.gamma, a.lam,
+                whiten=False)
             targets = [(c.critic, values, returns), (c.cost_critic, cost_values, cost_returns)]
             metrics = {"safety/cost_mean": float(costs.mean())}
         metrics |= {"critic/values_mean": float(masked_mean(values, mask)),

@@ -157,8 +157,11 @@ class ZeroPartitions:
         """Collective over the weight's partition group: the whole average in rank 0's host memory (None elsewhere),
         the padding dropped."""
         group = self._group(p)
+        # on the weight's device: a frozen weight's partition under offload_param sits in host memory, which NCCL
+        # does not gather
+        part = part.to(p.device).contiguous()
         parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, part.contiguous(), group=group)
+        dist.all_gather(parts, part, group=group)
         if dist.get_rank() != 0:
             return None
         return torch.cat(parts)[:p.ds_numel].view(p.ds_shape).cpu()
