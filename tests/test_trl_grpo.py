@@ -382,4 +382,4 @@ def test_a_bad_trl_flag_through_the_cli_is_one_line(cli_in_process):
     done = cli_in_process("train", "grpo", "--dataset_name", "d.jsonl", "--reward_funcs", "accuracy_reward",
                           "--load_in_4bit")
     assert done.returncode == 2
-    assert "error: --load_in_4bit is not supported here" in one_line(done.stderr)
+    assert "error: --load_in_4bit quantizes the frozen base under LoRA adapters (QLoRA)" in one_line(done.stderr)

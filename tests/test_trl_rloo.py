@@ -87,7 +87,9 @@ def test_rloo_config_defaults_are_taken_when_the_line_is_silent(tmp_path):
     (["--sync_ref_model", "--beta", "0"], "--sync_ref_model moves the reference the KL penalty reads"),
     (["--loss_type", "dapo", "--scale_rewards", "batch"], "'--loss_type', '--scale_rewards' are not one of TRL's "
                                                           "RLOO flags"),
-    (["--load_in_4bit"], "--load_in_4bit is not supported here: alignrl loads the model unquantized"),
+    (["--load_in_8bit"], "--load_in_8bit is not supported here: alignrl quantizes to 4-bit only"),
+    (["--load_in_4bit"], "--load_in_4bit quantizes the frozen base under LoRA adapters (QLoRA), and trains nothing "
+                         "without them: add --use_peft"),
 ])
 def test_what_alignrl_cannot_take_is_one_line(argv, words):
     with pytest.raises(TrlFlagError, match=words.replace("(", r"\(").replace(")", r"\)")):

@@ -290,8 +290,10 @@ def check(args) -> None:
     L.check_loop(args)
     S.check_sources(args)
     if args.load_in_4bit:
-        raise FlagError("--load_in_4bit: 4-bit loading (QLoRA) is not supported by alignrl; drop it to train all "
-                        "weights in the model's dtype")
+        raise FlagError("--load_in_4bit: ppo-ray's rollout engines load the policy's merged weights after every "
+                        "update, which a 4-bit base (packed NF4 codes) cannot give; QLoRA trains in one process "
+                        "group: `alignrl train grpo model.load_in_4bit=true model.lora_rank=16 "
+                        "model.lora_export=adapter` (docs/lora.md), or drop the flag")
     if args.remote_rm_url and args.reward_pretrain:
         raise FlagError("give either --reward_pretrain or --remote_rm_url, not both")
     if data_keys(args) and args.label_key is None and not (args.reward_pretrain or args.remote_rm_url):

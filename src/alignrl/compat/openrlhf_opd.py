@@ -49,7 +49,7 @@ MAPPED = [("model.model_name_or_path", str, None), ("teacher.model_name_or_path"
           ("ds.lora.rank", int, 0), ("ds.lora.alpha", int, 16), ("ds.lora.dropout", float, 0.0),
           ("model.gradient_checkpointing_enable", bool, False), ("ds.packing_samples", bool, False),
           ("opd.topk", int, 0), ("optim", str, "adam"), ("ds.tensor_parallel_size", int, 1),
-          ("ds.ring_attn_size", int, 1)]
+          ("ds.ring_attn_size", int, 1), ("ds.load_in_4bit", bool, False)]
 # flags accepted that change nothing here, by reason; a value other than the default is named at start
 NOT_APPLIED = {
     "the reward is always k1, the teacher's log-prob minus the student's (OpenRLHF's gradient is that estimator "
@@ -67,7 +67,7 @@ NOT_APPLIED = {
         ("ds.experts_implementation", str, None), ("ds.use_liger_kernel", bool, False),
         ("ds.grad_accum_dtype", str, None), ("ds.overlap_comm", bool, False), ("ds.deepcompile", bool, False),
         ("model.gradient_checkpointing_reentrant", bool, False), ("data.disable_fast_tokenizer", bool, False),
-        ("data.dataloader_num_workers", int, 0), ("ds.ring_attn_head_stride", int, 1), ("ds.load_in_4bit", bool, False),
+        ("data.dataloader_num_workers", int, 0), ("ds.ring_attn_head_stride", int, 1),
         ("train.full_determinism_enable", bool, False), ("local_rank", int, -1), ("use_ms", bool, False),
         ("model.aux_loss_coef", float, 0.0), ("adam.eps", float, 1e-8)],
     "not used by train_opd (its loss has no beta)": [("model.beta", float, 0.1)],
@@ -114,7 +114,7 @@ FLAG_NAMES = {"--prompt_data_probs": "--data.prompt_probs", "--prompt_data": "--
               "actor.ppo_micro_batch_size": "--train.micro_batch_size", "rollout.max_new_tokens":
               "--generate.max_new_tokens", "actor.lr": "--adam.lr", "trainer.seed": "--train.seed",
               "trainer.total_epochs": "--train.max_epochs", "trainer.checkpoint_dir": "--ckpt.path",
-              "model.lora_rank": "--ds.lora.rank"}
+              "model.lora_rank": "--ds.lora.rank", "model.load_in_4bit": "--ds.load_in_4bit"}
 
 
 def flag_names(a: dict) -> dict[str, str]:
@@ -152,6 +152,9 @@ def check(a: dict) -> None:
         (a["ds.tensor_parallel_size"] != 1, "--ds.tensor_parallel_size: tensor parallelism is not supported "
                                             "(OpenRLHF's train_opd refuses it too); use 1"),
         (a["ds.ring_attn_size"] > 1, "--ds.ring_attn_size: ring attention is not available here; use 1"),
+        (a["ds.load_in_4bit"] and not a["ds.lora.rank"],
+         "--ds.load_in_4bit quantizes the frozen base under LoRA adapters (QLoRA), and trains nothing without them: "
+         "add --ds.lora.rank (e.g. 16), or drop --ds.load_in_4bit"),
         (a["opd.kd_temperature"] <= 0, "--opd.kd_temperature must be above 0 (OpenRLHF refuses it too)"),
         (a["data.max_samples"] < 1, "--data.max_samples must be at least 1"),
         (a["generate.max_new_tokens"] <= 0, "--generate.max_new_tokens must be a positive integer"),
@@ -252,10 +255,16 @@ def run_keys(a: dict, gpus: bool, per_epoch: int) -> list[str]:
         out += [f"model.lora_rank={a['ds.lora.rank']}", f"model.lora_alpha={a['ds.lora.alpha']}",
                 f"model.lora_dropout={a['ds.lora.dropout']}",
                 f"model.target_modules={json.dumps(list(a['ds.lora.target_modules']))}"]
+    if a["ds.load_in_4bit"]:  # QLoRA: the trained model is the adapter folder, as OpenRLHF saves a PEFT model
+        out += ["model.load_in_4bit=true", "model.lora_export=adapter"]
     if gpus:
         dtype = {"bf16": "bfloat16", "fp16": "float16"}[a["ds.param_dtype"]]
-        out += ["trainer.strategy=deepspeed", f"trainer.zero_stage={a['ds.zero_stage']}",
-                f"trainer.offload={str(a['ds.adam_offload']).lower()}", f"model.dtype={dtype}"]
+        out.append(f"model.dtype={dtype}")
+        if a["ds.load_in_4bit"]:  # packed 4-bit weights do not go through DeepSpeed's engine here: DDP trains them
+            out.append("trainer.strategy=auto")  # ddp under a launcher, one process alone
+        else:
+            out += ["trainer.strategy=deepspeed", f"trainer.zero_stage={a['ds.zero_stage']}",
+                    f"trainer.offload={str(a['ds.adam_offload']).lower()}"]
     else:
         out.append("trainer.device=cpu")
     return out
@@ -274,6 +283,9 @@ def unused(a: dict, gpus: bool) -> list[str]:
     groups = [([f for f, _, d in entries if a[f] != d], why) for why, entries in NOT_APPLIED.items()]
     groups.append(([] if gpus else [f for f in ("ds.zero_stage", "ds.adam_offload", "ds.param_dtype")
                                     if a[f] != parser().get_default(f)], "no CUDA"))
+    if gpus and a["ds.load_in_4bit"]:
+        groups.append(([f for f in ("ds.zero_stage", "ds.adam_offload") if a[f] != parser().get_default(f)],
+                       "a 4-bit base trains under DDP, not DeepSpeed"))
     if a["data.apply_chat_template"] and a["data.input_template"]:
         groups.append((["data.input_template"], "--data.apply_chat_template formats the prompts"))
     elif a["data.input_template"] and "{}" not in a["data.input_template"]:

@@ -113,8 +113,8 @@ NOT_APPLIED = {
 REFUSED = {
     "max_tool_calling_iterations": ("opt_int", None, "tools run under rollout.multi_turn settings "
                                                      "(docs/algorithms.md)"),
-    "load_in_4bit": ("bool", False, "alignrl loads the model unquantized; drop the flag"),
-    "load_in_8bit": ("bool", False, "alignrl loads the model unquantized; drop the flag"),
+    "load_in_8bit": ("bool", False, "alignrl quantizes to 4-bit only: --load_in_4bit with --use_peft (QLoRA), or "
+                                    "drop the flag to load the model unquantized"),
     "dataset_streaming": ("bool", False, "the dataset is read whole; drop the flag"),
     "push_to_hub": ("bool", False, "upload the run's final model folder with `huggingface-cli upload`"),
     # a TRL YAML has been read into flags before (`trl_config_file`): what is left is a file of other settings
@@ -163,12 +163,45 @@ def is_trl_line(argv: list[str]) -> bool:
     return any(w.startswith("--") and w[2:].split("=", 1)[0] in MARKERS for w in argv)
 
 
+def _switch(argv: list[str], i: int) -> tuple[bool, int]:
+    """(the value of the boolean flag at argv[i]: `--f`, `--f true`, `--f=false`, the index after it)."""
+    word = argv[i]
+    if "=" in word:
+        name, value = word.split("=", 1)
+        if value.lower() not in TRUE_WORDS + FALSE_WORDS:
+            raise TrlFlagError(f"{name}={value}: give true or false")
+        return _bool(value), i + 1
+    if i + 1 < len(argv) and argv[i + 1].lower() in TRUE_WORDS + FALSE_WORDS:
+        return _bool(argv[i + 1]), i + 2
+    return True, i + 1
+
+
+def _quantized(on: bool, peft: bool) -> list[str]:
+    """The keys of TRL's --load_in_4bit: QLoRA, a 4-bit base under the --use_peft adapters; the saved model is the
+    adapter folder, as TRL's save_model of a PEFT model writes it (a merge into 4-bit codes would not be a model)."""
+    if not on:
+        return []
+    if not peft:
+        raise TrlFlagError("--load_in_4bit quantizes the frozen base under LoRA adapters (QLoRA), and trains nothing "
+                           "without them: add --use_peft (with --lora_r, --lora_alpha), or drop --load_in_4bit")
+    return ["model.load_in_4bit=true", "model.lora_export=adapter"]
+
+
 def split_line(argv: list[str]) -> tuple[list[str], list[str], int | None]:
     """(TRL's flags, alignrl's key=value overrides, --nproc) of a TRL-spelled line; a word that is neither a flag nor
-    an override is one line. Overrides follow the flag values they cannot be: `key.sub=value`."""
+    an override is one line. Overrides follow the flag values they cannot be: `key.sub=value`. --load_in_4bit
+    becomes its keys here (`_quantized`), ahead of the line's own overrides, which may still change them."""
     flags, overrides, nproc, i = [], [], None, 0
+    four_bit = peft = False
     while i < len(argv):
         word = argv[i]
+        if word.split("=", 1)[0] in ("--load_in_4bit", "--use_peft"):
+            value, i = _switch(argv, i)
+            four_bit = value if word.startswith("--load_in_4bit") else four_bit
+            peft = value if word.startswith("--use_peft") else peft
+            if word.startswith("--use_peft"):
+                flags.append(f"--use_peft={'true' if value else 'false'}")
+            continue
         if word in ("--nproc",) or word.startswith("--nproc="):
             value, i = (word.split("=", 1)[1], i + 1) if "=" in word else (argv[i + 1] if i + 1 < len(argv) else "",
                                                                              i + 2)
@@ -181,7 +214,7 @@ def split_line(argv: list[str]) -> tuple[list[str], list[str], int | None]:
         else:
             flags.append(word)
         i += 1
-    return flags, overrides, nproc
+    return flags, _quantized(four_bit, peft) + overrides, nproc
 
 
 def _is_number(word: str) -> bool:

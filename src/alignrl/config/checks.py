@@ -14,6 +14,7 @@ from alignrl.config.estimator_checks import UNAVAILABLE, estimator_problem
 from alignrl.config.loss_checks import loss_option_problem
 from alignrl.config.online_dpo_checks import online_dpo_problem
 from alignrl.config.ptx_schema import ptx_problem
+from alignrl.config.quantized_checks import quantized_problem
 from alignrl.config.ref_checks import needs_reference, ref_path_problem
 from alignrl.config.reward_checks import reward_limit_problem
 from alignrl.config.rollout_rs import rs_problem
@@ -355,7 +356,7 @@ def _dynamic_sampling(cfg: RunConfig) -> str | None:
 _COMBINATIONS = (_batch_sizes, online_dpo_problem, _validation_sampler, replay_problem, _overlong_buffer,
                  _rollout_is, _loggers_and_files, check_prompt_keys, _train_probs, _optimiser_and_clips,
                  _dynamic_sampling, estimator_problem, _critic, _pipeline, _ref_sync, _safety, _urls, multi_turn_problem,
-                 ptx_problem, reward_limit_problem, loss_option_problem, ref_path_problem)
+                 ptx_problem, reward_limit_problem, loss_option_problem, ref_path_problem, quantized_problem)
 
 
 def _number(x) -> bool:

@@ -41,6 +41,10 @@ class ModelConfig:
     lora_export: str = opt("merged", "the final model of a LoRA run: merged (adapters folded into a plain HF "
                                      "folder) or adapter (the PEFT adapter folder only)",
                            choices=("merged", "adapter"))
+    load_in_4bit: bool = opt(False, "QLoRA: the policy's frozen base loads quantized to 4-bit NF4 (bitsandbytes, "
+                                    "double quantization, matmuls in model.dtype) and only its LoRA adapters train; "
+                                    "needs model.lora_rank > 0 and model.lora_export=adapter, trainer.strategy single "
+                                    "or ddp (OpenRLHF's and TRL's --load_in_4bit; `pip install 'alignrl[qlora]'`)")
 
 
 @dataclass(frozen=True)

@@ -84,9 +84,12 @@ def load_model(path: str, dtype: str = "float32", log: Callable = print, chat: b
     return load_causal_lm(folder, dtype, key), tokenizer
 
 
-def load_causal_lm(folder: Path, dtype: str = "float32", key: str = "model.path"):
+def load_causal_lm(folder: Path, dtype: str = "float32", key: str = "model.path", load_in_4bit: bool = False,
+                   device: torch.device | str | None = None):
     """The causal LM of a checked folder (`resolve_model_path`), in `dtype`. A reward or cost model that
-    `alignrl train rm` saved is refused: transformers would load its backbone with a new, random LM head."""
+    `alignrl train rm` saved is refused: transformers would load its backbone with a new, random LM head.
+    `load_in_4bit`: its linear layers quantized to NF4 on `device` as they load (`models.quantized`, QLoRA's base),
+    computing in `dtype`."""
     info = Path(folder) / SCORE_INFO
     if info.is_file():
         import json
@@ -102,9 +105,19 @@ def load_causal_lm(folder: Path, dtype: str = "float32", key: str = "model.path"
 
     hf_logging.disable_progress_bar()  # a bar per tiny model load is noise in run logs
     if is_vision_folder(folder):  # images and text in, text out: generates and scores as a causal LM does
+        if load_in_4bit:
+            raise ModelError(f"{key}={folder} is a vision-language model, which alignrl loads unquantized; set "
+                             "model.load_in_4bit=false")
         return load_vision_model(folder, DTYPES[dtype])
+    if load_in_4bit:  # a missing bitsandbytes is the install's problem, not the folder's: checked outside `loading`
+        from alignrl.models.quantized import load_4bit, require_bitsandbytes
+
+        require_bitsandbytes()
     with loading(folder, "model"):
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype])
+        if load_in_4bit:
+            model = load_4bit(folder, DTYPES[dtype], device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype])
     model.config.use_cache = False  # training default; the rollout engine asks for the cache explicitly
     return model
 

@@ -52,6 +52,9 @@ def lora_spec(rank: int, alpha: int = 16, dropout: float = 0.0, target_modules=(
 
 
 def _peft(key: str):
+    from alignrl.models.quantized import quiet_bitsandbytes
+
+    quiet_bitsandbytes()  # peft imports bitsandbytes when it is installed, 4-bit or not
     try:
         import peft
     except ImportError:

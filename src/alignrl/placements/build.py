@@ -300,6 +300,13 @@ def load_policy(cfg: RunConfig, folder: Path, env: DistEnv, in_shards: bool) -> 
     model): a ZeRO-3 policy is built in its partitions as it loads (deepspeed.zero.Init), an FSDP2 one on the meta
     device, its shards then reading their own rows of the weights; no rank holds the whole model at any time."""
     strategy = resolve_strategy(cfg, env)
+    if cfg.model.load_in_4bit:  # QLoRA: each rank quantizes the whole base onto its device (4-bit does not shard)
+        from alignrl.models.quantized import prepare_for_adapters
+
+        model = load_causal_lm(folder, cfg.model.dtype, load_in_4bit=True, device=env.device)
+        console.print(f"policy: base quantized to 4-bit NF4 on {env.device} (model.load_in_4bit); LoRA adapters "
+                      "train on it")
+        return prepare_for_adapters(model), None  # build_actor recomputes activations (actor.gradient_checkpointing)
     in_shards = in_shards and cfg.model.lora_rank == 0  # adapters go on the whole model, before an engine shards it
     if in_shards and strategy == "fsdp2":
         model = meta_model(folder, DTYPES[cfg.model.dtype])

@@ -331,7 +331,8 @@ def _engine_of(argv: list[str]) -> list[str]:
 PAIR_LEFT_OUT = {
     "tokenizer_chat_template": "the tokenizer's own chat template renders the prompts (save another in the model "
                                "folder's tokenizer_config.json)",
-    "load_in_4bit": "4-bit loading is left out (--bf16 halves the memory of float32)",
+    "load_in_4bit": "4-bit loading (QLoRA) is left out of the offline trainers, which load the model unquantized "
+                    "(--bf16 halves the memory of float32; the RL commands take model.load_in_4bit)",
     "max_prompt_length": "the prompt keeps at most half of max_length (its end)",
 }
 

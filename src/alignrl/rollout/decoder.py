@@ -14,8 +14,8 @@ objects, per-module dispatch. `KVDecoder` runs the same arithmetic straight on t
 
 The prompt itself goes through the HF model once (prefill), so the first token's logits are exactly those
 of `model.generate`. Deliberately out of scope: sliding-window attention, architectures with other block
-layouts, LoRA variants other than plain LoRA (DoRA...) (the engine falls back to `model(...)` for those: see
-`KVDecoder.supports`).
+layouts, LoRA variants other than plain LoRA (DoRA...), 4-bit base weights (QLoRA) (the engine falls back to
+`model(...)` for those: see `KVDecoder.supports`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from alignrl.data.collate import position_ids
 from alignrl.models.kv_cache import cache_arg
 from alignrl.models.lora import base_model
 from alignrl.models.packing import PACKED
+from alignrl.models.quantized import is_quantized
 
 _FAMILY = ("qwen2", "llama")  # Mistral is left out: its default config slides the attention window
 
@@ -52,7 +53,10 @@ def _adapters(lin) -> list[str]:
 
 def _plain_lora(lin) -> bool:
     """Whether a projection is a plain linear or a peft LoRA layer whose forward is base + B·A·scaling (no DoRA or
-    other variant, no merged adapter hidden by disabled adapters)."""
+    other variant, no merged adapter hidden by disabled adapters), over a weight matrix (not bitsandbytes' packed
+    4-bit codes, which only the layer's own forward reads)."""
+    if is_quantized(lin.get_base_layer() if hasattr(lin, "get_base_layer") else lin):
+        return False
     if not hasattr(lin, "get_delta_weight"):
         return isinstance(lin, torch.nn.Linear)
     if lin.disable_adapters and lin.merged:

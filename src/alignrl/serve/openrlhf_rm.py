@@ -139,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
                    help="most queries in one forward pass (default: --max_batch)")
     p.add_argument("--bf16", action="store_true", help="run the model in bfloat16 (default float32)")
     p.add_argument("--flash_attn", action="store_true", help="accepted; transformers' default attention runs")
-    p.add_argument("--load_in_4bit", action="store_true", help="refused: 4-bit loading is not supported")
+    p.add_argument("--load_in_4bit", action="store_true", help="refused: the reward server loads unquantized")
     p.add_argument("--disable_fast_tokenizer", action="store_true", help="load the slow (Python) tokenizer")
     serving_flags(p, 5000)  # OpenRLHF's default port
     return p
@@ -148,8 +148,9 @@ def parser() -> argparse.ArgumentParser:
 def flag_problem(args: argparse.Namespace) -> str | None:
     """The first of OpenRLHF's flags alignrl cannot honour, or a bad value, as one line; None when all are fine."""
     if args.load_in_4bit:
-        return ("--load_in_4bit: 4-bit loading is not supported by alignrl; drop it (--bf16 halves the memory of "
-                "float32)")
+        return ("--load_in_4bit: 4-bit loading is not supported by the reward server (alignrl quantizes only a "
+                "base that LoRA adapters train on, and a served reward model trains nothing); drop it (--bf16 halves "
+                "the memory of float32)")
     if args.value_head_prefix not in HEADS:
         return (f"--value_head_prefix {args.value_head_prefix}: alignrl reads a head named value_head (OpenRLHF's) "
                 "or score (transformers'); drop the flag, and save the model with its head weight under one of them")

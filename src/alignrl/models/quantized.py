@@ -1,0 +1,87 @@
+"""4-bit base weights for LoRA training (QLoRA, Dettmers et al. 2023): the frozen base model is loaded with
+bitsandbytes' NF4 quantization (double quantization on, matmuls computed in the run's dtype) and only the LoRA
+adapters on top of it train, as OpenRLHF's `--load_in_4bit` and TRL's `load_in_4bit` with PEFT do.
+
+`model.load_in_4bit` (RL runs) reads through here. A 4-bit linear layer's `weight` is packed bytes (two 4-bit codes
+a byte) with its scales in a quantization state beside it: code that reads weights directly (the rollout decoder's
+fused matmuls) asks `is_quantized` first and goes through the module's own forward instead; what would need the
+merged weights (a merged export, weight pushes to other processes) is refused by `config.quantized_checks`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from alignrl.errors import ConfigError
+
+INSTALL = "pip install 'alignrl[qlora]'"
+
+# bitsandbytes' CPU backend logs at import that the optional `kernels` package is missing, then computes with its
+# own kernels; a start that prints a failure nobody can act on reads as a broken install
+_KERNEL_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+def quiet_bitsandbytes() -> None:
+    """Silences bitsandbytes' import-time notice about optional CPU kernels (before anything imports it: peft does)."""
+    logging.getLogger(_KERNEL_LOGGER).setLevel(logging.ERROR)
+
+
+def require_bitsandbytes(key: str = "model.load_in_4bit"):
+    """The bitsandbytes module, or one ConfigError saying how to install it (`key`: the setting that asked)."""
+    quiet_bitsandbytes()
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise ConfigError(f"{key}: 4-bit loading needs the bitsandbytes package, which is not installed; "
+                          f"`{INSTALL}` (or load the model unquantized: {key}=false)") from None
+    return bitsandbytes
+
+
+def nf4_config(compute_dtype: torch.dtype):
+    """transformers' BitsAndBytesConfig of QLoRA: NF4 codes, the scales quantized again (double quantization, about
+    0.4 bits a weight saved), dequantized to `compute_dtype` for each matmul (OpenRLHF's and TRL's settings)."""
+    require_bitsandbytes()
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
+def load_4bit(folder: Path, compute_dtype: torch.dtype, device: torch.device | str | None = None):
+    """The causal LM of `folder` with its linear layers quantized to NF4 as they load, on `device` (default: the
+    first CUDA device, else the CPU): bitsandbytes quantizes a layer where it is placed, so each rank loads onto its
+    own device. The output head and the embeddings stay in `compute_dtype`, as transformers keeps them."""
+    from transformers import AutoModelForCausalLM
+
+    config = nf4_config(compute_dtype)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(str(folder), quantization_config=config, dtype=compute_dtype,
+                                                 device_map={"": torch.device(device)})
+    for module in model.modules():
+        # bitsandbytes' CPU inference path (eval mode, no grad) repacks a layer's codes in place into a layout of
+        # its own fused kernel, which the training forwards then meet, and which needs in_features a multiple of
+        # the quantization block: rollouts and training must compute the same function on the same weights
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def prepare_for_adapters(model):
+    """peft's preparation of a 4-bit model for adapter training: every base weight frozen, the norms and the output
+    head cast up to float32 (half-precision norms lose the small updates adapters make). Activation recomputation is
+    left to the caller, as for every alignrl model (`loader.recompute_activations`: non-reentrant, packed attention
+    kept), not peft's reentrant default."""
+    from peft import prepare_model_for_kbit_training
+
+    quiet_bitsandbytes()
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def is_quantized(module: torch.nn.Module) -> bool:
+    """Whether `module` holds 4-bit (or 8-bit) bitsandbytes weights: its parameters are packed bytes, not a matrix."""
+    return any(type(p).__name__ in ("Params4bit", "Int8Params") for p in module.parameters(recurse=False))
+

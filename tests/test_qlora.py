@@ -1,0 +1,217 @@
+"""QLoRA (model.load_in_4bit): the policy's base loads as bitsandbytes NF4 layers, only LoRA adapters train on it, the
+rollout engine decodes through the 4-bit layers' own forward, the saved adapter folder loads onto the
+full-precision base, and the keys and flags that cannot go with a 4-bit base are one line each."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from alignrl.config import ConfigError, load_config
+from alignrl.models import lora
+from conftest import SMALL_GRPO, checkpoint_dir, run_settings, small_grpo, src_path
+
+bnb = pytest.importorskip("bitsandbytes")
+
+QLORA = ["model.load_in_4bit=true", "model.lora_rank=4", "model.lora_alpha=8", "model.lora_export=adapter"]
+
+
+def _policy(model_dir, *extra):
+    """The policy as a 4-bit run's actor trains it: loaded (load_policy), adapters on (trained_policy)."""
+    from alignrl.placements.build import load_policy, trained_policy
+    from alignrl.runtime.env import SINGLE
+
+    cfg = small_grpo(model_dir, *QLORA, *extra)
+    model, materialize = load_policy(cfg, model_dir, SINGLE, in_shards=False)
+    assert materialize is None
+    return cfg, trained_policy(cfg, model, None)
+
+
+def test_the_base_is_4bit_and_only_adapters_train_and_the_loss_falls(tiny_model_dir):
+    cfg, model = _policy(tiny_model_dir)
+    inner = lora.base_model(model)
+    projections = [layer.self_attn.q_proj for layer in inner.model.layers]
+    assert all(isinstance(p.get_base_layer(), bnb.nn.Linear4bit) for p in projections)
+    assert all(p.get_base_layer().weight.dtype == torch.uint8 for p in projections)  # packed codes, not a matrix
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable), trainable
+    torch.manual_seed(0)
+    ids = torch.randint(3, 300, (4, 12))
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    losses = []
+    for _ in range(6):
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses  # the adapters fit the batch through the frozen 4-bit layers
+
+
+def test_the_rollout_engine_decodes_through_the_4bit_layers(tiny_model_dir):
+    from alignrl.rollout.decoder import KVDecoder
+    from alignrl.rollout.hf_engine import HFRolloutEngine
+    from alignrl.interfaces import SamplingParams
+    from alignrl.models.loader import load_tokenizer
+
+    _, model = _policy(tiny_model_dir)
+    assert not KVDecoder.supports(model)  # its fused matmuls would read packed bytes as weights
+    engine = HFRolloutEngine(model, load_tokenizer(tiny_model_dir))
+    out = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(n=2, max_new_tokens=4, temperature=1.0))
+    assert out.response_ids.shape[0] == 4 and out.response_ids.shape[1] <= 4
+    assert bool((out.response_mask.sum(1) >= 1).all()) and bool(torch.isfinite(out.logprobs[out.response_mask]).all())
+
+
+# peft's own loader asks transformers 5 for `is_gradient_checkpointing`, which warns that it is deprecated: not ours
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_a_4bit_grpo_run_saves_an_adapter_that_loads_onto_the_full_precision_base(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+
+    from alignrl.models.loader import load_model
+    from alignrl.runner import train_grpo
+
+    train_grpo(small_grpo(tiny_model_dir, *QLORA, "actor.kl_loss_coef=0.1", "actor.use_kl_loss=true",
+                          *run_settings(tmp_path, "run", 2), "trainer.save_freq=1"))
+    ckpt = checkpoint_dir(tmp_path, "run", 2)
+    folder = ckpt / "model"
+    assert (folder / "adapter_config.json").is_file() and not (folder / "model.safetensors").exists()
+    trained = load_file(ckpt / "model_state" / lora.TRAINED_FILE)
+    assert trained and all("lora_" in k for k in trained)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1]["actor/kl_loss"] < 1e-6 < rows[2]["actor/kl_loss"]  # the adapters moved it off the 4-bit base
+    base, _ = load_model(str(tiny_model_dir))
+    model = PeftModel.from_pretrained(base, str(folder))
+    mine = dict(model.named_parameters())
+    moved = [k for k, v in trained.items() if k in mine]
+    assert moved and all(torch.equal(mine[k], trained[k]) for k in moved)
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())  # the base is full precision again
+
+
+def test_a_resumed_4bit_run_equals_a_straight_one(tiny_model_dir, tmp_path):
+    from alignrl.runner import train_grpo
+
+    def run(name, steps, *extra):
+        train_grpo(small_grpo(tiny_model_dir, *QLORA, *run_settings(tmp_path, name, steps), "trainer.save_freq=1",
+                              *extra))
+        return load_file(checkpoint_dir(tmp_path, name, steps) / "model_state" / lora.TRAINED_FILE)
+
+    straight = run("straight", 2)
+    run("halted", 1)
+    resumed = run("halted", 2, "trainer.resume_mode=auto")
+    assert straight.keys() == resumed.keys()
+    for k in straight:
+        torch.testing.assert_close(straight[k], resumed[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("keys, words", [
+    (["model.lora_rank=0"], "model.load_in_4bit=true freezes a 4-bit base and trains LoRA adapters on it (QLoRA): "
+                            "set model.lora_rank > 0"),
+    (["trainer.strategy=fsdp2"], "trainer.strategy=fsdp2 shards the weights, and bitsandbytes' 4-bit weights do not "
+                                 "shard"),
+    (["trainer.strategy=deepspeed"], "trainer.strategy=deepspeed shards the weights"),
+    (["model.lora_export=merged"], "model.lora_export=merged folds the adapters into the base weights, which with "
+                                   "model.load_in_4bit are 4-bit codes: set model.lora_export=adapter"),
+    (["services.generation_url=http://127.0.0.1:9"], "services.generation_url receives the policy's merged weights"),
+    (["pipeline.placement=zmq"], "pipeline.placement=zmq sends the samplers the policy's merged weights"),
+])
+def test_keys_that_cannot_go_with_a_4bit_base_are_one_line(tiny_model_dir, keys, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*SMALL_GRPO, f"model.path={tiny_model_dir}", *QLORA, *keys])
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_without_bitsandbytes_4bit_is_one_line_naming_the_extra(tiny_model_dir, monkeypatch):
+    from alignrl.models.loader import load_causal_lm
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # an import of it now fails as if not installed
+    with pytest.raises(ConfigError) as e:
+        load_causal_lm(tiny_model_dir, load_in_4bit=True)
+    assert "model.load_in_4bit: 4-bit loading needs the bitsandbytes package, which is not installed; " \
+           "`pip install 'alignrl[qlora]'`" in str(e.value)
+
+
+def test_a_4bit_start_prints_no_kernel_notice(tiny_model_dir):
+    """bitsandbytes' CPU backend logs a missing optional kernel package at import; alignrl's loads silence it."""
+    code = ("from alignrl.models.loader import load_causal_lm; from alignrl.models import lora; "
+            f"m = load_causal_lm({str(tiny_model_dir)!r}, load_in_4bit=True); "
+            "lora.add_adapters(m, lora.lora_spec(4)); print('loaded')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": src_path()})
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr
+    assert "kernels" not in done.stderr and "Failed" not in done.stderr, done.stderr
+
+
+def test_trl_load_in_4bit_with_peft_is_qlora_and_without_it_one_line(tiny_model_dir):
+    from alignrl.compat.trl_grpo_flags import TrlFlagError
+    from alignrl.compat.trl_grpo_keys import from_line
+
+    line = ["--model_name_or_path", str(tiny_model_dir), "--dataset_name", "d.jsonl", "--reward_funcs",
+            "accuracy_reward", "--use_peft", "--lora_r", "4", "--load_in_4bit"]
+    words, _ = from_line(line)
+    assert "model.load_in_4bit=true" in words and "model.lora_export=adapter" in words and "model.lora_rank=4" in words
+    cfg = load_config(None, [w for w in words if w.startswith(("model.", "trainer.strategy"))])
+    assert cfg.model.load_in_4bit and cfg.model.lora_rank == 4 and cfg.model.lora_export == "adapter"
+    assert "model.load_in_4bit=true" not in from_line([*line[:-1], "--load_in_4bit", "false"])[0]
+    with pytest.raises(TrlFlagError, match=r"--load_in_4bit quantizes the frozen base under LoRA adapters \(QLoRA\), "
+                                           "and trains nothing without them: add --use_peft"):
+        from_line([w for w in line if w != "--use_peft"])
+    with pytest.raises(TrlFlagError, match="--load_in_4bit=maybe: give true or false"):
+        from_line([*line[:-1], "--load_in_4bit=maybe"])
+    from alignrl.compat import trl_online_dpo, trl_rloo  # their lines are read by the same splitter
+
+    peft = ["--use_peft", "--lora_r", "4", "--load_in_4bit"]
+    for other, own in ((trl_rloo, ["--reward_funcs", "accuracy_reward"]),
+                       (trl_online_dpo, ["--reward_model_path", "org/rm"])):
+        words, _ = other.from_line(["--dataset_name", "d.jsonl", *own, *peft])
+        assert "model.load_in_4bit=true" in words and "model.lora_rank=4" in words, other.__name__
+
+
+@pytest.mark.slow
+def test_a_4bit_grpo_run_on_two_ddp_ranks(tiny_model_dir, tmp_path):
+    from conftest import run_group
+
+    cmd = [sys.executable, "-m", "alignrl", "train", "grpo", "--nproc", "2", *SMALL_GRPO,
+           f"model.path={tiny_model_dir}",
+           *QLORA, "data.train_batch_size=4", "trainer.strategy=ddp", *run_settings(tmp_path, "ddp", 1),
+           "trainer.save_freq=1"]
+    done = run_group(cmd, 240, env={**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60",
+                                    "PYTHONPATH": src_path()})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "on 2 rank(s), strategy ddp" in done.stdout and "base quantized to 4-bit NF4" in done.stdout
+    trained = load_file(checkpoint_dir(tmp_path, "ddp", 1) / "model_state" / lora.TRAINED_FILE)
+    assert trained and all("lora_" in k for k in trained)
+    assert (checkpoint_dir(tmp_path, "ddp", 1) / "model" / "adapter_config.json").is_file()
+
+
+def test_openrlhf_ppo_ray_load_in_4bit_says_where_qlora_runs():
+    from alignrl.compat import openrlhf_flags as F
+
+    args = F.parser().parse_args(["--pretrain", "m", "--lora_rank", "8", "--load_in_4bit"])
+    with pytest.raises(F.FlagError) as e:
+        F.check(args)
+    assert "ppo-ray's rollout engines load the policy's merged weights" in str(e.value)
+    assert "alignrl train grpo model.load_in_4bit=true" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_openrlhf_opd_load_in_4bit_is_qlora_under_ddp(tmp_path):
+    from alignrl.compat import openrlhf_opd as O
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input": f"count from {i}"}) + "\n" for i in range(10)))
+    line = ["--model.model_name_or_path", "student", "--teacher.model_name_or_path", "teacher",
+            "--data.prompt_dataset", str(prompts), "--data.max_len", "2048", "--train.batch_size", "2",
+            "--ds.load_in_4bit"]
+    a = vars(O.parser().parse_args([*line, "--ds.lora.rank", "8"]))
+    O.check(a)
+    cfg = load_config(None, O.overrides(a, False))
+    assert (cfg.model.load_in_4bit, cfg.model.lora_rank, cfg.model.lora_export) == (True, 8, "adapter")
+    on_gpus = O.overrides(a, True)  # DeepSpeed's engine is left for DDP, which trains a 4-bit base
+    assert "trainer.strategy=auto" in on_gpus and not any(k.startswith("trainer.zero_stage") for k in on_gpus)
+    with pytest.raises(O.OpdFlagError, match=r"--ds.load_in_4bit quantizes the frozen base under LoRA adapters "
+                                             r"\(QLoRA\), and trains nothing without them: add --ds.lora.rank"):
+        O.check(vars(O.parser().parse_args(line)))
