@@ -67,12 +67,24 @@ def assert_moving_average(run_dir: Path, steps: list[int], start: dict[str, torc
 ZERO3_FILE = f"trainer.deepspeed_config={Path(__file__).parents[1] / 'config' / 'deepspeed' / 'zero3.json'}"
 
 
-# the reference moved halfway toward the policy after every update (actor.ref_sync_steps): from DDP's replicas, then,
-# resumed, from FSDP2's gathered shards
+# the reference moved halfway toward the policy after every update (actor.ref_sync_steps): a whole copy from DDP's
+# replicas, then, resumed, sharded beside FSDP2's policy shards; sharded beside ZeRO-3's partitions, each gathered
 REF_SYNC = ("actor.ref_sync_steps=1", "actor.ref_mixup_alpha=0.5", "trainer.max_checkpoints=0")
 
 
-@pytest.mark.parametrize("strategy,extra", [("ddp", CRITIC + REF_SYNC + EMA), ("deepspeed", (ZERO3_FILE, *EMA))])
+def assert_moved_reference(run_dir: Path, steps: list[int], start: dict[str, torch.Tensor]) -> None:
+    """Each step's reference/ is half that step's saved policy and half the reference before it (`start` first)."""
+    for step in steps:
+        folder = run_dir / "checkpoints" / f"global_step_{step}"
+        reference, policy = weights(folder / "reference"), weights(folder / "model")
+        for k in reference:
+            torch.testing.assert_close(reference[k], 0.5 * policy[k] + 0.5 * start[k], rtol=0, atol=1e-6,
+                                       msg=lambda m, k=k: f"step {step} {k}: {m}")
+        start = reference
+
+
+@pytest.mark.parametrize("strategy,extra", [("ddp", CRITIC + REF_SYNC + EMA),
+                                            ("deepspeed", (ZERO3_FILE, *EMA, *REF_SYNC))])
 def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
     extra = (*extra, f"trainer.rollout_data_dir={tmp_path / 'rollouts'}")  # both ranks' rollouts, gathered
     r = run(tiny_model_dir, tmp_path, strategy, strategy, 2, *extra)
@@ -98,19 +110,19 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
         r = run(tiny_model_dir, tmp_path, strategy, "fsdp2", 3, *extra)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "resumed from" in r.stdout and "fresh optimizer" not in r.stdout
-        # FSDP2 would shard the reference, but the mix moves every weight of it: a whole copy on each rank
-        assert "reference: a whole copy on each rank, " in r.stdout and "(actor.ref_sync_steps" in r.stdout
+        # FSDP2 shards the reference, and each rank reads its rows of DDP's moved reference and mixes them
+        assert "reference: sharded over 2 ranks (FSDP2)" in r.stdout, r.stdout[-2000:]
         step3 = run_dir / "checkpoints" / "global_step_3"
         assert (step3 / "model_state" / "optim.pt").is_file() and (step3 / "critic_state").is_dir()
         assert weights(step3 / "model").keys() == before.keys()
-        ref2, ref3, policy3 = weights(ckpt / "reference"), weights(step3 / "reference"), weights(step3 / "model")
-        for k in ref3:  # the resumed reference (step 2's, not the base), then half of FSDP2's gathered policy
-            torch.testing.assert_close(ref3[k], 0.5 * policy3[k] + 0.5 * ref2[k], rtol=0, atol=1e-6)
+        # the resumed reference (step 2's, not the base), then half of FSDP2's policy shards
+        assert_moved_reference(run_dir, [3], weights(ckpt / "reference"))
         assert_moving_average(run_dir, [3], ema2)  # carried on over the resume, then from FSDP2's gathered shards
         rows = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
         assert [x["step"] for x in rows if "critic/vf_loss" in x] == [1, 2, 3]
     if strategy == "deepspeed":
         assert json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 3
+        assert_moved_reference(run_dir, [1, 2], before)  # each rank's rows, from each gathered ZeRO-3 weight
         # rank 1's optimizer shard damaged in place (same size: the manifest passes it): rank 1 names the file
         (shard,) = (ckpt / "model_state" / "deepspeed").glob("zero_pp_rank_1_*optim_states.pt")
         good = shard.read_bytes()
@@ -120,7 +132,7 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
         assert f"rank 1: cannot read {shard} (" in r.stderr and f"move {ckpt} out of" in r.stderr, r.stderr[-3000:]
         shard.write_bytes(good)
         # DeepSpeed's optimizer shards are its own format: DDP continues from the full weights, and says so
-        r = run(tiny_model_dir, tmp_path, strategy, "ddp", 3)
+        r = run(tiny_model_dir, tmp_path, strategy, "ddp", 3, *REF_SYNC)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "resumed from" in r.stdout and "fresh optimizer" in r.stdout
         assert (run_dir / "checkpoints" / "global_step_3" / "model_state" / "optim.pt").is_file()
@@ -130,15 +142,19 @@ def test_grpo_runs_on_two_ranks(strategy, extra, tiny_model_dir, tmp_path):
 def test_a_bf16_fsdp2_trainer_feeds_a_zmq_sampler(tiny_model_dir, tmp_path):
     """FSDP2 keeps a bf16 model's shards in fp32 for the optimizer: the sampler is told the bf16 dtypes the
     trainer publishes (it was refused with "tensor ... is bfloat16, the served model needs float32"), and the
-    checkpoint holds bf16 weights under a config that says so."""
+    checkpoint holds bf16 weights under a config that says so. The trainer scores the reference rows
+    (pipeline.ref_logprobs=trainer) with a reference sharded over its two ranks."""
     from alignrl.runtime.ports import free_ports
     from zmqpipeline import finish, overrides, sampler, spawn
 
     ports = free_ports(2)
     trainer = spawn("train", "grpo", "--nproc", "2", *overrides(
         tiny_model_dir, tmp_path, "f", 2, ports, "pipeline.placement=zmq", "pipeline.peer_timeout_s=120",
-        "trainer.strategy=fsdp2", "model.dtype=bfloat16", "trainer.save_freq=2"))
-    finish(trainer, sampler(tiny_model_dir, ports), timeout=240)
+        "trainer.strategy=fsdp2", "model.dtype=bfloat16", "trainer.save_freq=2", "pipeline.ref_logprobs=trainer"))
+    out, _ = finish(trainer, sampler(tiny_model_dir, ports), timeout=240)
+    assert out.count("reference: sharded over 2 ranks (FSDP2)") == 1, out[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "f" / "logs" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["pipeline/ref_rows_trainer"] for r in rows] == [8.0, 8.0]  # rank 0's 2 groups x 4 answers
     model = tmp_path / "f" / "checkpoints" / "global_step_2" / "model"
     assert {v.dtype for v in weights(model).values()} == {torch.bfloat16}
     assert json.loads((model / "config.json").read_text())["dtype"] == "bfloat16"

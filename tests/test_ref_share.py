@@ -127,3 +127,29 @@ def test_a_malformed_lease_is_one_line():
 def test_a_work_request_waits_long_enough_for_the_weights_it_may_bring():
     assert 5.0 < weights_timeout(3_400_000) < 5.1  # the demo model: the few seconds that find a dead trainer
     assert 250 < weights_timeout(15 * 10**9) < 300  # 7B in bf16 over a 50 MiB/s link
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_reference_sharded_over_the_trainers_ranks_completes_uneven_shares(tiny_model_dir, tmp_path):
+    """Beside a sharded policy the ZeroMQ trainer's reference is sharded over its ranks, whose forwards are
+    collective: a rank whose rows the sampler scored all still calls it (workers/ref_share_worker.py), so the
+    other rank's forwards pair up, and each rank's rows are a whole copy's."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from alignrl.runtime.ports import free_port
+    from conftest import run_group, src_path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60", "PYTHONPATH": src_path()}
+    worker = Path(__file__).parent / "workers" / "ref_share_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "--master_addr=127.0.0.1", str(worker), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r")]
+    done = run_group(cmd, 180, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"r.{r}.json").read_text()) for r in (0, 1)]
+    # rows each rank computed, for the sampler's 3, 1, 0 and 4 groups of 4 (2 rows each; 2 groups per rank)
+    assert [r["computed"] for r in ranks] == [[0, 2, 4, 0], [2, 4, 4, 0]], ranks
+    assert all(r["worst"] <= 1e-5 for r in ranks), ranks

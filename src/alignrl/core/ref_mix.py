@@ -3,7 +3,7 @@ every reference weight moves toward the policy's, θ_ref ← α·θ_policy + (1 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -33,11 +33,13 @@ def mix_into_reference(reference: Iterable[torch.Tensor], policy: Iterable[torch
 class MovingReference:
     """A frozen reference copy that moves toward the policy every `every` steps (updates in RL, optimizer steps in
     DPO), and what a checkpoint keeps of it: its weights, the step it last moved at (0: still the initial weights)
-    and the mix that moved it."""
+    and the mix that moved it. `local`: the part of a weight this process holds and moves (the identity for a whole
+    copy; a sharded reference's own rows of each weight)."""
 
-    def __init__(self, reference: torch.nn.Module, alpha: float, every: int):
+    def __init__(self, reference: torch.nn.Module, alpha: float, every: int,
+                 local: Callable[[torch.Tensor], torch.Tensor] = lambda p: p):
         self.params = dict(reference.named_parameters())  # tied weights (input and output embeddings) once
-        self.alpha, self.every, self.moved_at = alpha, every, 0
+        self.alpha, self.every, self.moved_at, self.local = alpha, every, 0, local
 
     def due(self, step: int) -> bool:
         """Whether `step` moves it: a multiple of `every` past the last move (a step replayed after a resume, or a
@@ -45,10 +47,10 @@ class MovingReference:
         return step > self.moved_at and step % self.every == 0
 
     def mix(self, policy: Mapping[str, torch.Tensor], step: int) -> None:
-        """Moves every weight toward the policy's of its name (`policy`: full tensors, e.g. an engine's gathered
-        state) and records `step`."""
+        """Moves every weight toward the policy's of its name (`policy`: the same part of each weight as `local`
+        gives, e.g. an engine's gathered full state for a whole copy) and records `step`."""
         names = list(self.params)
-        mix_into_reference([self.params[n] for n in names], [policy[n] for n in names], self.alpha)
+        mix_into_reference([self.local(self.params[n]) for n in names], [policy[n] for n in names], self.alpha)
         self.moved_at = step
 
     def weights(self) -> dict[str, torch.Tensor] | None:
@@ -64,16 +66,24 @@ class MovingReference:
     def restore(self, weights: Mapping[str, torch.Tensor], record: Mapping[str, str]) -> str | None:
         """Takes a checkpoint's weights and record; returns the name of a weight the two models do not share (or
         share in another shape; the caller says what to do), else None."""
-        if set(weights) != set(self.params):
-            return sorted(set(weights) ^ set(self.params))[0]
-        other = next((n for n, p in self.params.items() if weights[n].shape != p.shape), None)
-        if other is not None:
-            return other
+        other = self.mismatch({n: tuple(w.shape) for n, w in weights.items()})
+        if other is None:
+            self.take(weights, record)
+        return other
+
+    def mismatch(self, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+        """The name of a weight that a checkpoint (its weights' full shapes by name) and this reference do not
+        share, or share in another shape; None when they hold the same weights."""
+        if set(shapes) != set(self.params):
+            return sorted(set(shapes) ^ set(self.params))[0]
+        return next((n for n, p in self.params.items() if tuple(shapes[n]) != tuple(p.shape)), None)
+
+    def take(self, parts: Mapping[str, torch.Tensor], record: Mapping[str, str]) -> None:
+        """Sets each weight's `local` part from `parts` (checked with `mismatch`) and the step of `record`."""
         with torch.no_grad():
             for n, p in self.params.items():
-                p.copy_(weights[n])
+                self.local(p).copy_(parts[n])
         self.moved_at = int(record.get("moved_at", 0))
-        return None
 
     def change(self, record: Mapping[str, str], unit: str = "step") -> str | None:
         """A line saying how this run's mix differs from the one a checkpoint's record names (a resume may change

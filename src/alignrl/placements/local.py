@@ -70,9 +70,10 @@ class Placed:
 
     def collected_for_save(self) -> list[Callable[[], None]]:
         """The collectives every rank runs before rank 0's writers of `saved_elsewhere` (the moving average of a
-        sharded policy, put together on rank 0)."""
+        sharded policy, a moved reference sharded over the ranks: each put together on rank 0)."""
         average = self.trainer.actor.average
-        return [average.collect] if average is not None else []
+        return (([average.collect] if average is not None else [])
+                + ([self.reference_mix.collect] if self.reference_mix is not None else []))
 
     def critics(self) -> list[tuple[str, object]]:
         c = self.trainer.critics

@@ -5,18 +5,21 @@ bf16) that does not fit beside the actor on a GPU, and under torchrun a 7B polic
 GPUs where a shard takes 1.75 GB.
 
 Two placements hold one: the Ray reference group (`placements.ray.workers.RefWorker`) and the trainer's own ranks
-under torchrun when the policy's engine shards its weights (fsdp2, DeepSpeed ZeRO-3; `shards_reference`). FSDP2's
-sharding of a frozen module needs only the process group, not the trained model's engine, so it serves beside a
-DeepSpeed policy too.
+under torchrun when the policy's engine shards its weights (fsdp2, DeepSpeed ZeRO-3; `shards_reference`), in the
+in-process loop and in the ZeroMQ trainer alike; actor.ref_sync_steps moves it shard by shard
+(`placements.ref_sync`). FSDP2's sharding of a frozen module needs only the process group, not the trained model's
+engine, so it serves beside a DeepSpeed policy too.
 
 The cost of sharing the weights is that every rank must make the same model calls: a forward is collective.
 The rollout engines split each batch over all reference ranks (`RayRefScorer` with `every=True` calls even the
 ranks whose share is empty), and the trainer's ranks each score their own share of every step once (dynamic
-sampling keeps as many groups on every rank); the ranks first agree on the largest number of micro-batches any of
-them has, and those with fewer run one-token forwards until they reach it. Two engines calling at once pair calls of
-different engines on different ranks; that is harmless, as each rank computes only its own rows and every call makes
-the same collectives, as long as no call fails part-way: a rank whose call fails ends its process (the run stops
-with that worker's death) rather than leave the others' collectives paired with its next call.
+sampling keeps as many groups on every rank; the ZeroMQ trainer's ranks call once per batch, a rank whose rows the
+sampler scored all with none: `placements.zmq.ref_share.RefShare.complete`); the ranks first agree on the largest
+number of micro-batches any of them has, and those with fewer run one-token forwards until they reach it. Two
+engines calling at once pair calls of different engines on different ranks; that is harmless, as each rank computes
+only its own rows and every call makes the same collectives, as long as no call fails part-way: a rank whose call
+fails ends its process (the run stops with that worker's death) rather than leave the others' collectives paired with
+its next call.
 
 Each rank reads only its own rows of the weights from the safetensors files (`models/sharded_load.py`); a folder
 of `.bin` weights is loaded whole on every rank before it keeps its shard. Deliberately left out: CPU offload of
@@ -48,11 +51,11 @@ from alignrl.models.sharded_load import held_bytes, size_text
 def shards_reference(cfg: RunConfig, env: DistEnv) -> bool:
     """Whether the trainer's own ranks hold the frozen reference sharded over them: a model of its own (model.ref_path,
     or the base model.path without LoRA adapters; not the reference service), beside a policy whose engine shards its
-    weights (fsdp2, DeepSpeed ZeRO-3) on more than one rank. actor.ref_sync_steps keeps it whole: the mix moves every
-    reference tensor toward the policy's, and a checkpoint written by rank 0 alone holds the moved weights."""
+    weights (fsdp2, DeepSpeed ZeRO-3) on more than one rank: the in-process loop's, and the ZeroMQ trainer's for the
+    rows samplers leave to it. actor.ref_sync_steps then moves it shard by shard
+    (`placements.ref_sync`)."""
     return (env.distributed and needs_reference(cfg) and not cfg.services.reference_url
-            and (bool(cfg.model.ref_path) or cfg.model.lora_rank == 0) and shards_weights(cfg, env)
-            and cfg.actor.ref_sync_steps <= 0)
+            and (bool(cfg.model.ref_path) or cfg.model.lora_rank == 0) and shards_weights(cfg, env))
 
 
 def where_reference_lives(cfg: RunConfig, ref, env: DistEnv) -> str | None:
@@ -63,13 +66,13 @@ def where_reference_lives(cfg: RunConfig, ref, env: DistEnv) -> str | None:
                 "weights per rank, gathered a block at a time in each forward")
     if not isinstance(ref, LocalRefScorer):
         return None
-    why = (" (actor.ref_sync_steps moves every weight of it toward the policy's)"
-           if env.distributed and cfg.actor.ref_sync_steps > 0 and shards_weights(cfg, env) else "")
-    return f"reference: a whole copy on each rank, {size_text(held_bytes(ref.model))} per rank{why}"
+    return f"reference: a whole copy on each rank, {size_text(held_bytes(ref.model))} per rank"
 
 
 class ShardedRefScorer:
     """RefScorer over a reference model sharded with `shard_blocks`; `logprobs` is collective over the group."""
+
+    collective = True  # every rank must call `logprobs` as often as the others, with no rows if it has none
 
     def __init__(self, model, env: DistEnv, temperature: float, micro_batch: int, layout: ForwardLayout = ForwardLayout()):
         self.model, self.env = model, env

@@ -28,6 +28,7 @@ from alignrl.data.sampler import BatchSampler
 from alignrl.models.folder import weights_fingerprint
 from alignrl.models.loader import resolve_model_path
 from alignrl.placements.build import build_critics, build_ref
+from alignrl.placements.sharded_ref import build_sharded_ref, shards_reference, where_reference_lives
 from alignrl.placements.zmq.batch_receiver import BatchReceiver, PipelineError
 from alignrl.placements.zmq.leases import Dispatcher
 from alignrl.placements.zmq.prompt_log import RowLog
@@ -83,10 +84,7 @@ class Coordinator:
     def source(self, sampler: BatchSampler, trainer, env: DistEnv) -> PipelineSource:
         p = self.cfg.pipeline
         dispatcher = Dispatcher(sampler, p.max_staleness, p.lease_timeout_s, self.incarnation)
-        # the trainer's own frozen reference, for the rows samplers leave to it (pipeline.ref_logprobs); with LoRA
-        # the policy itself, adapters off (the batches are taken in the loop's thread, between updates)
-        ref_share = RefShare(self.cfg, build_ref(self.cfg, env.device, policy=trainer.actor.model)
-                             if trainer_needs_ref(self.cfg) else None)
+        ref_share = RefShare(self.cfg, self._trainer_ref(trainer, env) if trainer_needs_ref(self.cfg) else None)
         puller, replier, failed = bind_ports(p, self.token) if env.is_main else (None, None, None)
         # rank 0 alone binds: the others learn here that it could not, and stop with it instead of failing at
         # the next collective with gloo's "connection closed" traceback
@@ -98,6 +96,18 @@ class Coordinator:
             welcome = Welcome(self.config_yaml, self.incarnation, self.data_digest, self.base_weights)
             self.server = SyncServer(replier, self.board, dispatcher, ref_share, self.cores, self.lock, welcome, p)
         return PipelineSource(receiver, self.server, self.board, ref_share, trainer, env)
+
+    def _trainer_ref(self, trainer, env: DistEnv):
+        """The trainer's own frozen reference, for the rows samplers leave to it (pipeline.ref_logprobs): sharded
+        over the ranks beside a sharded policy (every rank then calls it once per batch: RefShare.complete), else a
+        whole copy on each rank; with LoRA the policy itself, adapters off (the batches are taken in the loop's
+        thread, between updates)."""
+        ref = (build_sharded_ref(self.cfg, env) if shards_reference(self.cfg, env) else
+               build_ref(self.cfg, env.device, policy=trainer.actor.model))
+        where = where_reference_lives(self.cfg, ref, env) if env.distributed and env.is_main else None
+        if where:
+            console.print(where, markup=False)
+        return ref
 
     def _published(self, version: int) -> None:
         """The board's on_publish: rank 0's training thread, under the lock, at the end of an update. The board

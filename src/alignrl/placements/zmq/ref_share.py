@@ -69,13 +69,15 @@ class RefShare:
 
     def complete(self, batch: ScoredBatch) -> tuple[ScoredBatch, dict[str, float]]:
         """`batch` (this rank's share, `check`ed whole) with the reference log-probs of every row: the rows
-        the sampler left are computed here. `pipeline/ref_rows_trainer` counts this rank's."""
+        the sampler left are computed here. `pipeline/ref_rows_trainer` counts this rank's. Collective with a
+        reference sharded over the ranks (`collective`): the sampler's prefix covers some ranks' shares whole and
+        others' in part, so every rank calls it once, a rank with no rows left too (it pads the others' forwards)."""
         if not self.needed:
             return batch, {}
         ro, have = batch.rollout, batch.ref_logprobs
         k, b = (0 if have is None else len(have)), len(batch)
         metrics = {"pipeline/ref_rows_trainer": float(b - k)}
-        if k == b:
+        if k == b and not getattr(self.ref, "collective", False):
             return batch, metrics
         t0 = time.perf_counter()
         # prompts with images are scored with their images (the rows' `images`, sent by the sampler)
@@ -83,6 +85,8 @@ class RefShare:
         rest = self.ref.logprobs(ro.prompt_ids[k:], ro.prompt_mask[k:], ro.response_ids[k:], ro.response_mask[k:],
                                  **extra)
         seconds = time.perf_counter() - t0
+        if k == b:  # a sharded reference's call for the others' rows: nothing of this rank's was computed
+            return batch, metrics
         self.row_s = seconds / (b - k)
         batch.ref_logprobs = rest if k == 0 else torch.cat([have, rest.to(have.dtype)])
         return batch, {**metrics, "timing/ref_trainer": seconds}
