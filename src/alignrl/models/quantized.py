@@ -2,10 +2,12 @@
 bitsandbytes' NF4 quantization (double quantization on, matmuls computed in the run's dtype) and only the LoRA
 adapters on top of it train, as OpenRLHF's `--load_in_4bit` and TRL's `load_in_4bit` with PEFT do.
 
-`model.load_in_4bit` (RL runs) reads through here. A 4-bit linear layer's `weight` is packed bytes (two 4-bit codes
-a byte) with its scales in a quantization state beside it: code that reads weights directly (the rollout decoder's
-fused matmuls) asks `is_quantized` first and goes through the module's own forward instead; what would need the
-merged weights (a merged export, weight pushes to other processes) is refused by `config.quantized_checks`.
+`model.load_in_4bit` (RL runs) and `load_in_4bit` (the offline trainers: `preference.common.load_policy`) read
+through here. A 4-bit linear layer's `weight` is packed bytes (two 4-bit codes a byte) with its scales in a
+quantization state beside it: code that reads weights directly (the rollout decoder's fused matmuls) asks
+`is_quantized` first and goes through the module's own forward instead; what would need the merged weights (a merged
+export, weight pushes to other processes) is refused by `config.quantized_checks` (`preference.qlora_checks` for the
+offline trainers).
 """
 
 from __future__ import annotations
@@ -85,3 +87,25 @@ def is_quantized(module: torch.nn.Module) -> bool:
     """Whether `module` holds 4-bit (or 8-bit) bitsandbytes weights: its parameters are packed bytes, not a matrix."""
     return any(type(p).__name__ in ("Params4bit", "Int8Params") for p in module.parameters(recurse=False))
 
+
+def load_quant_state_as_saved(model: torch.nn.Module) -> None:
+    """Lets `model.load_state_dict` take back a state dict `model.state_dict()` gave (an offline run's checkpoint
+    weights): bitsandbytes writes each 4-bit layer's quantization state (scales, code book, shape) beside its packed
+    weight, and reads none of it back, so torch would call those entries unexpected. Each layer takes its entries
+    out where they equal its own (the same base quantized the same way: the packed weight itself loads as any
+    parameter does); entries that differ stay, named as unexpected, as a checkpoint of another base should be."""
+    for module in model.modules():
+        if type(module).__name__ == "Linear4bit":
+            module.register_load_state_dict_pre_hook(_take_own_quant_state)
+
+
+def _take_own_quant_state(module, state_dict, prefix, *_) -> None:
+    state = getattr(module.weight, "quant_state", None)
+    if state is None:
+        return
+    for name, own in state.as_dict(packed=True).items():
+        key = f"{prefix}weight.{name}"
+        saved = state_dict.get(key)
+        if isinstance(own, torch.Tensor) and isinstance(saved, torch.Tensor) and torch.equal(
+                saved.to(own.device), own):
+            del state_dict[key]

@@ -26,6 +26,7 @@ from alignrl.errors import UserError
 from alignrl.preference.configs import DPO_LOSS_NAMES, REFERENCE_FREE, SMOOTHED_LOSSES, DPOConfig, RMConfig
 from alignrl.preference.flag_names import DPO_FLAGS, RM_FLAGS, CommandFlags, epilog, flags_as_keys, spelled_their_way
 from alignrl.preference.notes import NOTES_SAID, say
+from alignrl.preference.qlora_checks import with_4bit_checked
 
 MAPPING_KEYS = ("chat_template_kwargs",)  # the keys whose values are mappings, checked before OmegaConf merges them
 SINKS = ("jsonl", "tensorboard", "wandb")  # the metric sinks of report_to
@@ -88,14 +89,17 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
     command = "rm" if issubclass(cls, RMConfig) else "dpo"
     try:
         merged = OmegaConf.merge(OmegaConf.structured(cls), defaults or {})
-        if path:  # the Safe-MM-DPO project's keys become ours; a key written twice is said, the last value kept
-            merged = OmegaConf.merge(merged, _mappings_checked(translate(read_yaml(path, say), command), path))
+        # the Safe-MM-DPO project's keys become ours; a key written twice is said, the last value kept
+        tree = _mappings_checked(translate(read_yaml(path, say), command), path) if path else {}
+        merged = OmegaConf.merge(merged, tree)
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"unexpected argument {bad[0]!r} (overrides look like key=value, e.g. epochs=2)")
-        merged = OmegaConf.merge(merged, *(_mappings_checked(OmegaConf.to_container(
-                                     dotted_item(cls, translate_override(o, command))), o) for o in overrides),
-                                 {k: v for k, v in flags.items() if v is not None})
+        items = [_mappings_checked(OmegaConf.to_container(dotted_item(cls, translate_override(o, command))), o)
+                 for o in overrides]
+        given = {k for t in (defaults or {}, tree, *items, {k: v for k, v in flags.items() if v is not None})
+                 for k in t}  # the keys set anywhere: a default chosen by another key must not override them
+        merged = OmegaConf.merge(merged, *items, {k: v for k, v in flags.items() if v is not None})
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
@@ -107,7 +111,7 @@ def load_flat_config(cls: type, path: str | None, overrides: list[str], flags: d
         raise ConfigError(f"bad value for '{key}': {first}") from None
     # YAML reads `bf16: true` as a boolean, which the string field holds as "True"
     cfg = dataclasses.replace(cfg, bf16=str(cfg.bf16).lower())
-    cfg = _check_meaning(cfg)
+    cfg = with_4bit_checked(_check_meaning(cfg), given)
     check_ranges(cfg)  # choices and ranges from the field metadata, the RL config's own check
     betas = cfg.adam_betas
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):

@@ -61,13 +61,46 @@ def prepare_trainable(model, cfg: CommonConfig) -> None:
         recompute_activations(model)
 
 
-def trainable_causal_lm(cfg: CommonConfig, folder, log):
-    """(the loaded causal LM, the model that trains: it or its LoRA wrapper, the LoRA spec or None), prepared as
-    every offline trainer prepares its model (`prepare_trainable`)."""
+def load_policy(cfg: CommonConfig, folder, device: torch.device | None, log):
+    """The causal LM an offline trainer trains, in float32; with load_in_4bit (QLoRA) its linear layers quantized to
+    NF4 as they load onto `device` (bitsandbytes quantizes where a layer is placed: each rank onto its own; None: the
+    current CUDA device, else the CPU), computing in float32, every base weight frozen for the adapters."""
     from alignrl.models.loader import load_causal_lm
+
+    if not getattr(cfg, "load_in_4bit", False):
+        return load_causal_lm(folder, "float32", "model_path")
+    from alignrl.models import quantized
+    from alignrl.models.loader import ModelError, is_vision_folder
+
+    if is_vision_folder(folder):
+        raise ModelError(f"model_path={folder} is a vision-language model, which alignrl loads unquantized; set "
+                         "load_in_4bit=false")
+    quantized.require_bitsandbytes("load_in_4bit")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    policy = quantized.prepare_for_adapters(load_causal_lm(folder, "float32", "model_path", load_in_4bit=True,
+                                                           device=device))
+    quantized.load_quant_state_as_saved(policy)  # a resumed run loads its checkpoint's state dict back
+    log.print(f"base quantized to 4-bit NF4 on {device} (QLoRA): only the LoRA adapters train")
+    return policy
+
+
+def policy_and_tokenizer(cfg: CommonConfig, device: torch.device | None, log):
+    """(`load_policy`'s model of model_path, its tokenizer: chat template required, as `loader.load_model`'s)."""
+    from alignrl.models.loader import load_tokenizer, resolve_model_path
+
+    folder = resolve_model_path(cfg.model_path, log.print, "model_path")
+    tokenizer = load_tokenizer(folder)
+    return load_policy(cfg, folder, device, log), tokenizer
+
+
+def trainable_causal_lm(cfg: CommonConfig, folder, log, device: torch.device | None = None):
+    """(the loaded causal LM, the model that trains: it or its LoRA wrapper, the LoRA spec or None), prepared as
+    every offline trainer prepares its model (`prepare_trainable`); `device`: where a 4-bit base loads
+    (`load_policy`)."""
     from alignrl.preference import adapters
 
-    policy = load_causal_lm(folder, "float32", "model_path")
+    policy = load_policy(cfg, folder, device, log)
     prepare_trainable(policy, cfg)
     spec = adapters.spec_of(cfg)
     model = adapters.attach(policy, spec, "CAUSAL_LM", cfg.seed) if spec is not None else policy

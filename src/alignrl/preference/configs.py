@@ -105,6 +105,9 @@ class CommonConfig:
                                                  "architecture: TRL's --use_peft without --lora_target_modules)")
     lora_export: str = opt("merged", "what the saved folder holds with use_lora: merged (a plain HF model, adapters "
                                      "folded in) or adapter (peft's adapter folder)", choices=("merged", "adapter"))
+    load_in_4bit: bool = opt(False, "QLoRA: the frozen base loads with its linear layers quantized to 4-bit NF4 "
+                                    "(bitsandbytes) under the LoRA adapters (needs use_lora; strategy single or ddp; "
+                                    "the saved folder is the adapter's: lora_export=adapter)")
     eval_steps: float = opt(0, "also measure the held-out pairs every N optimizer steps (eval/* metrics); below 1: "
                                "that share of the run's steps (TRL's ratio form); 0: only "
                              "before and after training", ge=0)

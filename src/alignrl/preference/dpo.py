@@ -295,7 +295,6 @@ def _trained_and_reference(cfg: DPOConfig, policy, spec, env, log):
 
 def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     from alignrl.runtime.env import barrier, init_distributed, shutdown
-    from alignrl.models.loader import load_model
 
     safety = cfg.loss_type in SAFETY_LOSSES
     if safety:
@@ -310,7 +309,7 @@ def train_dpo(cfg: DPOConfig, dry_run_world: int | None = None) -> dict:
     env = init_distributed()
     pc.check_enough(len(train_pairs), cfg, env.world_size, ", ".join(cfg.train_files))
     log = pc.RankZeroLog(env, log_dir, cfg.report_to)
-    policy, tok = load_model(cfg.model_path, log=log.print, key="model_path")
+    policy, tok = pc.policy_and_tokenizer(cfg, env.device, log)
     pc.bind_template_variables(tok, cfg, log)
     spec = adapters.spec_of(cfg)
     model, ref, sync = _trained_and_reference(cfg, policy, spec, env, log)

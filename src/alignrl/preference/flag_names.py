@@ -323,16 +323,30 @@ def _engine_of(argv: list[str]) -> list[str]:
     named = {a[2:].partition("=")[0] for a in argv if a.startswith("--")}
     if "zero_stage" not in named or {"strategy", "backend"} & named or any(a.startswith("strategy=") for a in argv):
         return []
+    if _four_bit(argv):  # OpenRLHF's QLoRA scripts keep --zero_stage; a 4-bit base trains under ddp here
+        say("note: --zero_stage with --load_in_4bit: the 4-bit base trains under strategy=ddp (bitsandbytes' packed "
+            "weights are no DeepSpeed partitions; the adapters' optimizer state is small)")
+        return []
     say("note: --zero_stage runs DeepSpeed (strategy=deepspeed), as OpenRLHF's scripts do")
     return ["strategy=deepspeed"]
+
+
+def _four_bit(argv: list[str]) -> bool:
+    """Whether the line's last word on 4-bit loading (`--load_in_4bit` bare or with a value, load_in_4bit=) is on."""
+    on = False
+    for i, word in enumerate(argv):
+        name, eq, value = word[2:].partition("=") if word.startswith("--") else ("", "", "")
+        if name == "load_in_4bit":
+            on = read_switch(word, name, value if eq else None, argv[i + 1] if i + 1 < len(argv) else None)[0]
+        elif word.partition("=")[0] == "load_in_4bit":
+            on = word.partition("=")[2].lower() in TRUE_WORDS
+    return on
 
 
 # OpenRLHF's pair-data flags the offline pair trainers (rm, dpo) leave out
 PAIR_LEFT_OUT = {
     "tokenizer_chat_template": "the tokenizer's own chat template renders the prompts (save another in the model "
                                "folder's tokenizer_config.json)",
-    "load_in_4bit": "4-bit loading (QLoRA) is left out of the offline trainers, which load the model unquantized "
-                    "(--bf16 halves the memory of float32; the RL commands take model.load_in_4bit)",
     "max_prompt_length": "the prompt keeps at most half of max_length (its end)",
 }
 

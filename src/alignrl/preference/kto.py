@@ -197,9 +197,7 @@ def _loss_fn(cfg: KTOConfig, env, ref: Reference):
 
 def _policy_and_reference(cfg: KTOConfig, folder, env, log):
     """(the policy, the module trained: the policy or its peft wrapper under LoRA, the LoRA spec, the reference)."""
-    from alignrl.models.loader import load_causal_lm
-
-    policy = load_causal_lm(folder, "float32", "model_path")
+    policy = pc.load_policy(cfg, folder, env.device, log)
     spec = adapters.spec_of(cfg)
     ref = Reference(cfg, policy, env, spec is not None, log)
     pc.prepare_trainable(policy, cfg)

@@ -277,7 +277,7 @@ def train_sft(cfg: SFTConfig, dry_run_world: int | None = None, objective=None, 
     _check_enough(n_rows, cfg, env.world_size)
     enc_train = pack_rows(enc_train, cfg, log, notes)  # fewer packed rows than a global batch: one partial step
     enc_eval = pack_rows(enc_eval, cfg, log, notes, held_out=True)
-    policy, model, spec = pc.trainable_causal_lm(cfg, folder, log)
+    policy, model, spec = pc.trainable_causal_lm(cfg, folder, log, env.device)
     collate, neft = _layout(cfg, tok.pad_token_id, model, log)
     summed_of = objective(cfg, model, tok, env, log, notes) if objective else (
         lambda module, batch: (summed_loss(module, batch, cfg, env.device)[0], {}))
