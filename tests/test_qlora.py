@@ -129,11 +129,38 @@ def test_keys_that_cannot_go_with_a_4bit_base_are_one_line(tiny_model_dir, keys,
 def test_without_bitsandbytes_4bit_is_one_line_naming_the_extra(tiny_model_dir, monkeypatch):
     from alignrl.models.loader import load_causal_lm
 
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # an import of it now fails as if not installed
+    class NotInstalled:  # an import of it now fails as if it were not installed
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "bitsandbytes":
+                raise ModuleNotFoundError(f"No module named {name!r}")
+            return None
+
+    monkeypatch.delitem(sys.modules, "bitsandbytes", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [NotInstalled(), *sys.meta_path])
     with pytest.raises(ConfigError) as e:
         load_causal_lm(tiny_model_dir, load_in_4bit=True)
     assert "model.load_in_4bit: 4-bit loading needs the bitsandbytes package, which is not installed; " \
            "`pip install 'alignrl[qlora]'`" in str(e.value)
+
+
+def test_adapters_without_4bit_leave_bitsandbytes_unimported(tmp_path):
+    """peft imports bitsandbytes whenever it is installed, and with it torch's compiler stack: a process that trains
+    adapters over full weights keeps it out; one that asks for 4-bit weights afterwards still gets it."""
+    code = (
+        "import sys\n"
+        "from alignrl.models import lora\n"
+        "from transformers import AutoModelForCausalLM, LlamaConfig\n"
+        "base = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, "
+        "num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))\n"
+        "model = lora.add_adapters(base, lora.lora_spec(4, target_modules=('q_proj', 'v_proj')))\n"
+        "print('after adapters', sys.modules.get('bitsandbytes') is not None)\n"
+        "from alignrl.models.quantized import require_bitsandbytes\n"
+        "import peft.import_utils as probe\n"
+        "print('after 4-bit', require_bitsandbytes() is sys.modules['bitsandbytes'], probe.is_bnb_4bit_available())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": src_path()})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "after adapters False" in done.stdout and "after 4-bit True True" in done.stdout, done.stdout
 
 
 def test_a_4bit_start_prints_no_kernel_notice(tiny_model_dir):

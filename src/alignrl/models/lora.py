@@ -52,9 +52,9 @@ def lora_spec(rank: int, alpha: int = 16, dropout: float = 0.0, target_modules=(
 
 
 def _peft(key: str):
-    from alignrl.models.quantized import quiet_bitsandbytes
+    from alignrl.models.quantized import keep_bitsandbytes_out
 
-    quiet_bitsandbytes()  # peft imports bitsandbytes when it is installed, 4-bit or not
+    keep_bitsandbytes_out()  # peft imports bitsandbytes when it is installed, 4-bit or not
     try:
         import peft
     except ImportError:

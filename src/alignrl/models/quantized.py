@@ -13,6 +13,7 @@ offline trainers).
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -31,9 +32,33 @@ def quiet_bitsandbytes() -> None:
     logging.getLogger(_KERNEL_LOGGER).setLevel(logging.ERROR)
 
 
+def keep_bitsandbytes_out() -> None:
+    """Before peft is imported in a process that has not asked for 4-bit weights: peft imports bitsandbytes whenever it
+    is installed (peft.helpers, and its dispatch of every LoRA layer), and that import loads torch's compiler stack
+    (some 1,400 modules, a second of CPU) into every process that trains adapters, Ray actors and ranks included,
+    for nothing. A None entry in sys.modules makes `import bitsandbytes` fail and find_spec report it missing, which
+    peft takes as not installed; `require_bitsandbytes` lifts it when 4-bit weights are asked for."""
+    quiet_bitsandbytes()
+    if "bitsandbytes" not in sys.modules:
+        sys.modules["bitsandbytes"] = None
+
+
+def _let_bitsandbytes_in() -> None:
+    """Lifts `keep_bitsandbytes_out`, and makes an already imported peft look for bitsandbytes again (it caches
+    whether it is installed)."""
+    if "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None:
+        del sys.modules["bitsandbytes"]
+        probe = sys.modules.get("peft.import_utils")
+        for name in ("is_bnb_available", "is_bnb_4bit_available"):
+            cached = getattr(probe, name, None)
+            if hasattr(cached, "cache_clear"):
+                cached.cache_clear()
+
+
 def require_bitsandbytes(key: str = "model.load_in_4bit"):
     """The bitsandbytes module, or one ConfigError saying how to install it (`key`: the setting that asked)."""
     quiet_bitsandbytes()
+    _let_bitsandbytes_in()
     try:
         import bitsandbytes
     except ImportError:

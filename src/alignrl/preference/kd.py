@@ -115,7 +115,7 @@ def load_teacher(cfg: KDConfig, student, tok, env, log):
     dtype = cfg.teacher_dtype if cfg.teacher_dtype != "auto" else ("bfloat16" if pc.use_bf16(cfg) else "float32")
     # sharded wherever the student is (fsdp2, ZeRO-3): FSDP2 shards a frozen module over the process group alone,
     # whatever engine trains the student, so a ZeRO-3 student's teacher needs no DeepSpeed engine of its own
-    shards = env.world_size > 1 and (cfg.strategy == "fsdp2" or cfg.strategy == "deepspeed" and cfg.zero_stage == 3)
+    shards = (cfg.strategy == "fsdp2" or cfg.strategy == "deepspeed" and cfg.zero_stage == 3) and env.world_size > 1
     teacher = sharded_teacher(folder, dtype, env) if shards else load_causal_lm(folder, dtype, "teacher_model_path")
     check_vocab(_vocab(teacher), _vocab(student), len(tok), cfg.teacher_model_path, log)
     teacher.requires_grad_(False)
