@@ -1,7 +1,8 @@
 """The RL loop's frozen reference under torchrun beside an FSDP2 policy: sharded over the trainer's two gloo ranks
 (each holding half of it) instead of a whole copy on each (DDP's replicas), and the run trains exactly as with the
 whole copy, also with the reference moved toward the policy after every update (actor.ref_sync_steps): each rank
-mixes its own rows, a checkpoint holds the whole moved reference, and a resume reads each rank's rows of it back."""
+mixes its own rows and a checkpoint holds the whole moved reference (a resume reading each rank's rows of a moved
+reference: test_distributed_loop's DDP run resumed on FSDP2)."""
 
 import json
 import re
@@ -32,7 +33,7 @@ def _assert_same(mine: dict, theirs: dict, what: str) -> None:
 def test_an_fsdp2_run_shards_its_moving_reference_and_trains_as_with_a_whole_copy(tiny_model_dir, tmp_path):
     sharded = run(tiny_model_dir, tmp_path, "sharded", "fsdp2", 1, *KL)
     assert sharded.returncode == 0, sharded.stdout[-2000:] + sharded.stderr[-3000:]
-    whole = run(tiny_model_dir, tmp_path, "whole", "ddp", 2, *KL)
+    whole = run(tiny_model_dir, tmp_path, "whole", "ddp", 1, *KL)
     assert whole.returncode == 0, whole.stdout[-2000:] + whole.stderr[-3000:]
     part = re.search(LINE.format(r"sharded over 2 ranks \(FSDP2\),"), sharded.stdout)
     copy = re.search(LINE.format("a whole copy on each rank,"), whole.stdout)
@@ -42,7 +43,7 @@ def test_an_fsdp2_run_shards_its_moving_reference_and_trains_as_with_a_whole_cop
     kl = {name: _kl(tmp_path / name) for name in ("sharded", "whole")}
     # the step's second mini-batch has moved away from the base model, which the KL term measures
     assert len(kl["sharded"]) == 1 and kl["sharded"][0] > 1e-6, kl
-    assert kl["sharded"] == pytest.approx(kl["whole"][:1], rel=1e-5, abs=1e-9)
+    assert kl["sharded"] == pytest.approx(kl["whole"], rel=1e-5, abs=1e-9)
     ckpts = {name: tmp_path / name / "checkpoints" for name in ("sharded", "whole")}
     for part_name in ("reference", "model"):  # the reference rank 0 put together from the ranks' mixed rows
         _assert_same(*(weights(ckpts[name] / "global_step_1" / part_name) for name in ("sharded", "whole")),
@@ -51,12 +52,3 @@ def test_an_fsdp2_run_shards_its_moving_reference_and_trains_as_with_a_whole_cop
     moved = weights(ckpts["sharded"] / "global_step_1" / "reference")
     assert max(float((moved[k] - base[k]).abs().max()) for k in moved) > 1e-4  # it did move
 
-    # resumed at step 1, each rank reads its rows of the moved reference: step 2 as the whole copy's, whose KL term
-    # would differ from a base reference's
-    resumed = run(tiny_model_dir, tmp_path, "sharded", "fsdp2", 2, *KL)
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout and "reference weights loaded from" in resumed.stdout
-    assert _kl(tmp_path / "sharded")[1] == pytest.approx(kl["whole"][1], rel=1e-5, abs=1e-9)
-    for part_name in ("reference", "model"):
-        _assert_same(*(weights(ckpts[name] / "global_step_2" / part_name) for name in ("sharded", "whole")),
-                     f"step 2 {part_name}")
