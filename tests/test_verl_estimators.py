@@ -340,12 +340,12 @@ def test_opo_keeps_a_truncated_responses_length_and_is_accepted_beside_each_reje
         assert load_config(None, ["algorithm.adv_estimator=opo", *extra]).algorithm.adv_estimator == "opo"
 
 
-def test_the_rl_loop_gives_opo_the_mask_rejection_leaves(tiny_model_dir, tmp_path, monkeypatch):
-    """A step of the loop with opo and token rejection, its rejection made to take each response's first token:
-    OPO's mask lacks exactly what the loss mask lacks."""
+def _first_tokens_rejected(monkeypatch) -> list:
+    """The loop's rollout correction made to reject each response's first token too; the list it returns gets each
+    step's (mask it decided on, tokens it kept)."""
     import alignrl.rl.trainer as trainer_module
 
-    decided, read = [], []
+    decided = []
     correction = trainer_module.PolicyTrainer.rollout_correction
 
     def first_token_rejected(self, old_lp, rollout_lp, loss_mask):
@@ -355,11 +355,21 @@ def test_the_rl_loop_gives_opo_the_mask_rejection_leaves(tiny_model_dir, tmp_pat
         decided.append((loss_mask.clone(), kept))
         return weights, kept, metrics
 
+    monkeypatch.setattr(trainer_module.PolicyTrainer, "rollout_correction", first_token_rejected)
+    return decided
+
+
+def test_the_rl_loop_gives_opo_the_mask_rejection_leaves(tiny_model_dir, tmp_path, monkeypatch):
+    """A step of the loop with opo and token rejection, its rejection made to take each response's first token:
+    OPO's mask lacks exactly what the loss mask lacks."""
+    import alignrl.rl.trainer as trainer_module
+
+    decided, read = _first_tokens_rejected(monkeypatch), []
+
     def opo(x):
         read.append(x.mask.clone())
         return ADVANTAGES["opo"](x)
 
-    monkeypatch.setattr(trainer_module.PolicyTrainer, "rollout_correction", first_token_rejected)
     monkeypatch.setattr(trainer_module, "ADVANTAGES", {**ADVANTAGES, "opo": opo})
     _one_step("opo", ["algorithm.rollout_rs=token", "algorithm.rollout_rs_threshold=2.0", "rollout.n=2"],
               tiny_model_dir, tmp_path)
@@ -373,21 +383,12 @@ def test_gae_runs_over_the_tokens_rejection_keeps(tiny_model_dir, tmp_path, monk
     it skip rejected tokens: PPO's GAE here reads the same kept mask."""
     import alignrl.rl.trainer as trainer_module
 
-    decided, read = [], []
-    correction = trainer_module.PolicyTrainer.rollout_correction
-
-    def first_token_rejected(self, old_lp, rollout_lp, loss_mask):
-        weights, kept, metrics = correction(self, old_lp, rollout_lp, loss_mask)
-        kept = kept.clone()
-        kept[:, 0] = False
-        decided.append((loss_mask.clone(), kept))
-        return weights, kept, metrics
+    decided, read = _first_tokens_rejected(monkeypatch), []
 
     def gae(token_rewards, values, mask, gamma, lam):
         read.append(mask.clone())
         return gae_advantages(token_rewards, values, mask, gamma, lam)
 
-    monkeypatch.setattr(trainer_module.PolicyTrainer, "rollout_correction", first_token_rejected)
     monkeypatch.setattr(trainer_module, "gae_advantages", gae)
     _one_step("gae", ["algorithm.rollout_rs=token", "algorithm.rollout_rs_threshold=2.0", "critic.enable=true"],
               tiny_model_dir, tmp_path)
