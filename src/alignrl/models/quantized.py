@@ -44,15 +44,17 @@ def keep_bitsandbytes_out() -> None:
 
 
 def _let_bitsandbytes_in() -> None:
-    """Lifts `keep_bitsandbytes_out`, and makes an already imported peft look for bitsandbytes again (it caches
-    whether it is installed)."""
+    """Lifts `keep_bitsandbytes_out`, and makes an already imported peft (and transformers) look for bitsandbytes
+    again: both cache whether it is installed."""
     if "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None:
         del sys.modules["bitsandbytes"]
-        probe = sys.modules.get("peft.import_utils")
-        for name in ("is_bnb_available", "is_bnb_4bit_available"):
-            cached = getattr(probe, name, None)
-            if hasattr(cached, "cache_clear"):
-                cached.cache_clear()
+        probes = [(sys.modules.get("peft.import_utils"), ("is_bnb_available", "is_bnb_4bit_available")),
+                  (sys.modules.get("transformers.utils.import_utils"), ("is_bitsandbytes_available",))]
+        for module, names in probes:
+            for name in names:
+                cached = getattr(module, name, None)
+                if hasattr(cached, "cache_clear"):
+                    cached.cache_clear()
 
 
 def require_bitsandbytes(key: str = "model.load_in_4bit"):
@@ -69,7 +71,8 @@ def require_bitsandbytes(key: str = "model.load_in_4bit"):
 
 def nf4_config(compute_dtype: torch.dtype):
     """transformers' BitsAndBytesConfig of QLoRA: NF4 codes, the scales quantized again (double quantization, about
-    0.4 bits a weight saved), dequantized to `compute_dtype` for each matmul (OpenRLHF's and TRL's settings)."""
+    0.4 bits a weight saved), dequantized to `compute_dtype` for each matmul (OpenRLHF's settings; TRL leaves double
+    quantization off by default)."""
     require_bitsandbytes()
     from transformers import BitsAndBytesConfig
 

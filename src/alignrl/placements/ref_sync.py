@@ -107,9 +107,12 @@ class ReferenceMix:
         reference that has moved is put together on rank 0, one weight at a time."""
         if not self.sharded or not self.mixed_at:
             return
-        whole = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().contiguous()
-                 for n, p in self.moving.params.items()}
-        self.gathered = whole if dist.get_rank() == 0 else None
+        main, whole = dist.get_rank() == 0, {}
+        for n, p in self.moving.params.items():
+            t = p.full_tensor() if isinstance(p, DTensor) else p  # a collective on every rank
+            if main:  # only rank 0 keeps a host copy: the others would hold the whole reference for nothing
+                whole[n] = t.detach().cpu().contiguous()
+        self.gathered = whole if main else None
 
     def save(self, folder: Path) -> str | None:
         """Checkpoint writer (rank 0, into the folder being written): the moved reference's weights and the update

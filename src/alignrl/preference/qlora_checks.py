@@ -6,7 +6,7 @@ may read those weights as a matrix (a merged export, a reference moved toward th
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib.metadata
 
 from alignrl.config import ConfigError
 
@@ -37,7 +37,17 @@ def with_4bit_checked(cfg, given: set[str]):
     if getattr(cfg, "sync_ref_model", False):
         raise ConfigError("sync_ref_model moves the reference toward the policy's merged weights, which a 4-bit base "
                           "cannot give: set sync_ref_model=false or load_in_4bit=false")
-    if importlib.util.find_spec("bitsandbytes") is None:
+    if not _installed("bitsandbytes"):
         raise ConfigError("load_in_4bit: 4-bit loading needs the bitsandbytes package, which is not installed; "
                           "`pip install 'alignrl[qlora]'` (or load the model unquantized: load_in_4bit=false)")
     return dataclasses.replace(cfg, lora_export="adapter")
+
+
+def _installed(package: str) -> bool:
+    """Whether `package` is installed, by its distribution's metadata (importing it would load torch's compiler
+    stack; find_spec answers None while models.quantized keeps it out of a process that trains full weights)."""
+    try:
+        importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
