@@ -20,12 +20,21 @@ Shapes: token_rewards, mask, log-probs, sums of squared probabilities, IS weight
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from alignrl.core.advantages import OutcomeInputs
+
+class TokenBaselineInputs(Protocol):
+    """The fields of core.advantages.OutcomeInputs these estimators read (named here, so this module does not import
+    the registry that imports it)."""
+
+    token_rewards: torch.Tensor
+    mask: torch.Tensor
+    group: torch.Tensor
+    logprobs: torch.Tensor | None
+    sum_pi_squared: torch.Tensor | None
+    is_weights: torch.Tensor | None
 
 EPS = 1e-8  # verl's epsilon under the weight sum
 
@@ -116,19 +125,19 @@ def tir_optimal_token_baseline_advantages(token_rewards: torch.Tensor, mask: tor
     return torch.zeros_like(returns).scatter(-1, order, packed_adv) * mask
 
 
-def _needs(x: OutcomeInputs, name: str) -> None:
+def _needs(x: TokenBaselineInputs, name: str) -> None:
     if x.logprobs is None or x.sum_pi_squared is None:
         raise ValueError(f"{name} needs the policy's per-token log-probs and sums of squared probabilities "
                          "(OutcomeInputs.logprobs, .sum_pi_squared), which the RL loop computes for it")
 
 
-def optimal_token_baseline(x: OutcomeInputs) -> torch.Tensor:
+def optimal_token_baseline(x: TokenBaselineInputs) -> torch.Tensor:
     _needs(x, "optimal_token_baseline")
     return optimal_token_baseline_advantages(x.token_rewards, x.mask, x.group, x.logprobs, x.sum_pi_squared,
                                              x.is_weights)
 
 
-def tir_optimal_token_baseline(x: OutcomeInputs) -> torch.Tensor:
+def tir_optimal_token_baseline(x: TokenBaselineInputs) -> torch.Tensor:
     _needs(x, "tir_optimal_token_baseline")
     return tir_optimal_token_baseline_advantages(x.token_rewards, x.mask, x.group, x.logprobs, x.sum_pi_squared,
                                                  x.is_weights)
