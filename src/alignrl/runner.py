@@ -22,7 +22,7 @@ from alignrl.data.prompts import PromptData, load_task_data
 from alignrl.data.sampler import BatchSampler
 from alignrl.interfaces import BatchSource, RemoteProducers
 from alignrl.models.loader import resolve_model_path, run_tokenizer, with_template_variables
-from alignrl.placements.build import resolve_strategy, timed_rule
+from alignrl.placements.build import resolve_strategy, run_tool_schemas, timed_rule
 from alignrl.placements.choose import remote_producers
 from alignrl.placements.local import Placed, place
 from alignrl.rewards.timed_rules import late_rows, say_timeouts
@@ -33,7 +33,6 @@ from alignrl.rl.producer import InlineSource, trainer_state
 from alignrl.rl.replay import check_replay, data_order_keys, with_replay
 from alignrl.rl.step import GRPOStep
 from alignrl.rl.trainer import PolicyTrainer
-from alignrl.rollout.verl_tools import tool_schemas
 from alignrl.runtime.cores import LoadWatch, fit_threads
 from alignrl.runtime.env import DistEnv, barrier, init_distributed, interrupted, mean_metrics
 from alignrl.train.checkpoint import (check_not_past, hold_run_dir, load_trainer_state, resume_point,
@@ -198,7 +197,7 @@ class Run:
 def _train(cfg: RunConfig, env: DistEnv, wall_start: float, producers: RemoteProducers | None,
            watch: LoadWatch | None) -> dict | None:
     # verl's tool schemas are part of each prompt: the overlong filter and the cut count them, as verl's dataset does
-    tools = tool_schemas(cfg.agent.tool_config_path)
+    tools = run_tool_schemas(cfg)
     train, val = load_task_data(cfg, _filtering_tokenizer(cfg), tools)
     sampler = BatchSampler(len(train), cfg.data.draw_size, cfg.trainer.seed, cfg.data.shuffle)
     # the newest complete checkpoint; folders this run would write over are moved aside, never deleted (with

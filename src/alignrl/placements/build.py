@@ -24,7 +24,7 @@ from alignrl.config import RunConfig
 from alignrl.config.checks import needs_reference, response_cap
 from alignrl.core.lagrangian import LagrangeMultiplier
 from alignrl.runtime.env import SINGLE, DistEnv
-from alignrl.interfaces import RefScorer, RolloutEngine, SequenceScorer
+from alignrl.interfaces import RefScorer, RolloutEngine, SequenceScorer, TrainEngine
 from alignrl.models import lora
 from alignrl.data.pretrain_text import load_pretrain_texts
 from alignrl.data.prompts import PromptData, load_task_data
@@ -43,10 +43,8 @@ from alignrl.rollout.environments import load_environment
 from alignrl.rollout.remote import RemoteRefScorer
 from alignrl.rollout.remote_reward import RemoteReward
 from alignrl.rollout.retriever import RetrieverClient
-from alignrl.rollout.verl_tools import ToolLoop, tool_environment, tool_schemas
 from alignrl.train.actor import Actor
 from alignrl.train.critic import Critic
-from alignrl.interfaces import TrainEngine
 from alignrl.train.engines import OptimSpec, build_engine
 from alignrl.train.engines.deepspeed import engine_config, partitioned_init
 from alignrl.train.ptx import PretrainMix
@@ -199,12 +197,22 @@ def timed_rule(cfg: RunConfig, which: str):
                  a.reward_workers, give_up=which != "cost")
 
 
+def run_tool_schemas(cfg: RunConfig) -> list[dict] | None:
+    """verl's tool schemas of agent.tool_config_path, None without one: the tool loop is imported only then (its
+    pydantic models are a quarter of a second of a process's start)."""
+    if not cfg.agent.tool_config_path:
+        return None
+    from alignrl.rollout.verl_tools import tool_schemas
+
+    return tool_schemas(cfg.agent.tool_config_path)
+
+
 def producer_prompts(cfg: RunConfig, tokenizer) -> tuple[list, PromptData]:
     """A producer's training rows (a ZeroMQ sampler, a Ray rollout worker) and their prompts, templated as the
     trainer templates its own: with the run's chat-template variables (data.chat_template_kwargs, bound to
     `tokenizer` here, for the tool turns too) and verl's tool schemas."""
     with_template_variables(tokenizer, cfg.data.chat_template_kwargs)
-    tools = tool_schemas(cfg.agent.tool_config_path)
+    tools = run_tool_schemas(cfg)
     train = load_task_data(cfg, tokenizer, tools)[0]
     return train, PromptData(tokenizer, train, cfg.data.max_prompt_length, cfg.data.truncation, tools)
 
@@ -220,6 +228,7 @@ def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngin
                           prompt_room=cfg.data.max_prompt_length if a.lend_prompt_room else 0)
     if a.tool_config_path or a.interaction_config_path:  # verl's tool agent loop, agent.max_turns its
         # max_assistant_turns; its tools, its interactions (a simulated user) or both
+        from alignrl.rollout.verl_tools import ToolLoop, tool_environment
         loop = ToolLoop(a.max_turns, a.max_user_turns, a.max_parallel_calls, a.max_tool_response_length,
                         a.tool_response_truncate_side, a.tool_format)
         make = tool_environment(a.tool_config_path, tokenizer, loop, a.interaction_config_path)
