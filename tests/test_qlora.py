@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from alignrl.config import ConfigError, load_config
 from alignrl.models import lora
+from alignrl.models.quantized import FourBit
 from conftest import SMALL_GRPO, checkpoint_dir, run_settings, small_grpo, src_path
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -51,6 +52,20 @@ def test_the_base_is_4bit_and_only_adapters_train_and_the_loss_falls(tiny_model_
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.05, losses  # the adapters fit the batch through the frozen 4-bit layers
+
+
+@pytest.mark.parametrize("extra, codes, nested", [([], "nf4", True),
+                                                  (["model.bnb_4bit_quant_type=fp4",
+                                                    "model.bnb_4bit_use_double_quant=false"], "fp4", False)])
+def test_the_4bit_codes_and_double_quantization_are_the_configs(tiny_model_dir, extra, codes, nested):
+    """model.bnb_4bit_quant_type and model.bnb_4bit_use_double_quant reach every quantized layer (TRL's
+    --bnb_4bit_quant_type and --use_bnb_nested_quant; OpenRLHF's nf4 with double quantization is the default)."""
+    _, model = _policy(tiny_model_dir, *extra)
+    layers = [m for m in lora.base_model(model).modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and {(m.weight.quant_state.quant_type, m.weight.quant_state.nested) for m in layers} == {
+        (codes, nested)}
+    ids = torch.randint(3, 300, (2, 8))
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
 
 
 def test_the_rollout_engine_decodes_through_the_4bit_layers(tiny_model_dir):
@@ -137,7 +152,7 @@ def test_without_bitsandbytes_4bit_is_one_line_naming_the_extra(tiny_model_dir, 
     monkeypatch.delitem(sys.modules, "bitsandbytes", raising=False)
     monkeypatch.setattr(sys, "meta_path", [NotInstalled(), *sys.meta_path])
     with pytest.raises(ConfigError) as e:
-        load_causal_lm(tiny_model_dir, load_in_4bit=True)
+        load_causal_lm(tiny_model_dir, four_bit=FourBit())
     assert "model.load_in_4bit: 4-bit loading needs the bitsandbytes package, which is not installed; " \
            "`pip install 'alignrl[qlora]'`" in str(e.value)
 
@@ -171,7 +186,8 @@ def test_adapters_without_4bit_leave_bitsandbytes_unimported(tmp_path):
 def test_a_4bit_start_prints_no_kernel_notice(tiny_model_dir):
     """bitsandbytes' CPU backend logs a missing optional kernel package at import; alignrl's loads silence it."""
     code = ("from alignrl.models.loader import load_causal_lm; from alignrl.models import lora; "
-            f"m = load_causal_lm({str(tiny_model_dir)!r}, load_in_4bit=True); "
+            "from alignrl.models.quantized import FourBit; "
+            f"m = load_causal_lm({str(tiny_model_dir)!r}, four_bit=FourBit()); "
             "lora.add_adapters(m, lora.lora_spec(4)); print('loaded')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": src_path()})
@@ -190,6 +206,12 @@ def test_trl_load_in_4bit_with_peft_is_qlora_and_without_it_one_line(tiny_model_
     cfg = load_config(None, [w for w in words if w.startswith(("model.", "trainer.strategy"))])
     assert cfg.model.load_in_4bit and cfg.model.lora_rank == 4 and cfg.model.lora_export == "adapter"
     assert "model.load_in_4bit=true" not in from_line([*line[:-1], "--load_in_4bit", "false"])[0]
+    # TRL's ModelConfig: nf4 codes, double quantization off unless --use_bnb_nested_quant
+    assert cfg.model.bnb_4bit_quant_type == "nf4" and not cfg.model.bnb_4bit_use_double_quant
+    words, _ = from_line([*line, "--bnb_4bit_quant_type", "fp4", "--use_bnb_nested_quant"])
+    assert {"model.bnb_4bit_quant_type=fp4", "model.bnb_4bit_use_double_quant=true"} <= set(words), words
+    with pytest.raises(TrlFlagError, match="--bnb_4bit_quant_type int4: give nf4 or fp4"):
+        from_line([*line, "--bnb_4bit_quant_type", "int4"])
     with pytest.raises(TrlFlagError, match=r"--load_in_4bit quantizes the frozen base under LoRA adapters \(QLoRA\), "
                                            "and trains nothing without them: add --use_peft"):
         from_line([w for w in line if w != "--use_peft"])

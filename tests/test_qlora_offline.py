@@ -152,6 +152,9 @@ def test_trl_and_openrlhf_load_in_4bit_on_the_offline_commands(capsys):
     for parse in (parse_sft, parse_dpo, parse_kto):  # TRL's ModelConfig: --use_peft --load_in_4bit
         cfg = parse([*trl, "--use_peft", "--lora_r", "4", "--load_in_4bit"])
         assert (cfg.use_lora, cfg.lora_rank, cfg.load_in_4bit, cfg.lora_export) == (True, 4, True, "adapter")
+        assert (cfg.bnb_4bit_quant_type, cfg.bnb_4bit_use_double_quant) == ("nf4", False)  # TRL's ModelConfig
+        nested = parse([*trl, "--use_peft", "--load_in_4bit", "--use_bnb_nested_quant", "--bnb_4bit_quant_type=fp4"])
+        assert (nested.bnb_4bit_quant_type, nested.bnb_4bit_use_double_quant) == ("fp4", True)
         with pytest.raises(ConfigError, match="trains nothing without them: set use_lora=true"):
             parse([*trl, "--load_in_4bit"])
     assert not parse_sft([*trl, "--use_peft", "--load_in_4bit", "false"]).load_in_4bit
@@ -159,6 +162,7 @@ def test_trl_and_openrlhf_load_in_4bit_on_the_offline_commands(capsys):
         cfg = parse([*openrlhf, "--load_in_4bit", "--lora_rank", "16", "--zero_stage", "2"])
         assert (cfg.use_lora, cfg.lora_rank, cfg.load_in_4bit, cfg.lora_export, cfg.strategy) == (
             True, 16, True, "adapter", "ddp")
+        assert (cfg.bnb_4bit_quant_type, cfg.bnb_4bit_use_double_quant) == ("nf4", True)  # OpenRLHF's
     assert "--zero_stage with --load_in_4bit: the 4-bit base trains under strategy=ddp" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="lora_export=merged folds the adapters"):
         parse_sft([*openrlhf, "--load_in_4bit", "--lora_rank", "16", "--lora_export", "merged"])

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 from alignrl.compat import trl_grpo_flags as F
-from alignrl.compat.trl_grpo_flags import TAKEN, TrlFlagError
+from alignrl.compat.trl_grpo_flags import FOUR_BIT, TAKEN, TrlFlagError
 from alignrl.compat.trl_generation_kwargs import generation_keys
 from alignrl.compat.trl_grpo_loss import loss_keys, ref_sync_keys
 from alignrl.data.sources import is_library_dataset, with_config, with_split
@@ -295,6 +295,12 @@ def run_keys(args, batches: Batches) -> list[str]:
         out += [f"model.lora_rank={args.lora_r}", f"model.lora_alpha={args.lora_alpha}",
                 f"model.lora_dropout={args.lora_dropout}",
                 f"model.target_modules={json.dumps(targets) if targets else 'peft-default'}"]
+        if args.bnb_4bit_quant_type not in ("nf4", "fp4"):
+            raise TrlFlagError(f"--bnb_4bit_quant_type {args.bnb_4bit_quant_type}: give nf4 or fp4")
+        # with --load_in_4bit (its keys come from the line's split): TRL's codes, and its double quantization off
+        # unless --use_bnb_nested_quant
+        out += [f"model.bnb_4bit_quant_type={args.bnb_4bit_quant_type}",
+                f"model.bnb_4bit_use_double_quant={str(args.use_bnb_nested_quant).lower()}"]
     return out
 
 
@@ -304,7 +310,7 @@ def defaults_line(args) -> str:
              "max_prompt_length"}  # alignrl's own cap, said on a line of its own
     quiet |= {"num_train_epochs"} if args.max_steps > 0 else set()  # --max_steps wins over epochs, as in TRL
     quiet |= {"save_steps"} if args.save_strategy != "steps" else set()
-    quiet |= set() if args.use_peft else {"lora_r", "lora_alpha", "lora_dropout"}
+    quiet |= set() if args.use_peft else {"lora_r", "lora_alpha", "lora_dropout", *FOUR_BIT}
     quiet |= set() if args.loss_type == "sapo" else {"sapo_temperature_neg", "sapo_temperature_pos"}
     quiet |= set() if args.loss_type == "vespo" else {"vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                                                       "vespo_lambda_neg"}

@@ -32,6 +32,7 @@ WHAT = "online DPO"
 # with the same defaults (TRL's base config: logging_steps 10, gradient_checkpointing True, bf16)
 SHARED = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "model_name_or_path",
           "dtype", "torch_dtype", "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+          "bnb_4bit_quant_type", "use_bnb_nested_quant",
           "top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs", "gradient_checkpointing",
           "reward_weights", "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size",
           "gradient_accumulation_steps", "max_steps", "num_train_epochs", "lr_scheduler_type", "warmup_ratio",
@@ -134,7 +135,7 @@ def defaults_line(args) -> str:
     quiet = {"dataset_train_split", "dataset_test_split", "per_device_eval_batch_size", "use_peft", "max_steps"}
     quiet |= {"num_train_epochs"} if args.max_steps > 0 else set()
     quiet |= {"save_steps"} if args.save_strategy != "steps" else set()
-    quiet |= set() if args.use_peft else {"lora_r", "lora_alpha", "lora_dropout"}
+    quiet |= set() if args.use_peft else {"lora_r", "lora_alpha", "lora_dropout", *F.FOUR_BIT}
     shown = {"beta": "0.1", "missing_eos_penalty": "None (no penalty)"}
     taken = [f"{f.name} {shown.get(f.name, f.default)}" for f in TAKEN if f.name not in args.given
              and f.name not in quiet and (f.default is not None or f.name in shown)]

@@ -93,7 +93,7 @@ def defaults_line(args) -> str:
              "max_prompt_length"}  # alignrl's own cap, said on a line of its own
     quiet |= {"num_train_epochs"} if args.max_steps > 0 else set()
     quiet |= {"save_steps"} if args.save_strategy != "steps" else set()
-    quiet |= set() if args.use_peft else {"lora_r", "lora_alpha", "lora_dropout"}
+    quiet |= set() if args.use_peft else {"lora_r", "lora_alpha", "lora_dropout", *F.FOUR_BIT}
     quiet |= set() if args.sync_ref_model else {"sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"}
     taken = [f"{f.name} {f.default}" for f in TAKEN if f.name not in args.given and f.default is not None
              and f.name not in quiet]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from alignrl.config.option import opt
+from alignrl.config.model_schema import ModelConfig  # noqa: F401 (re-exported)
 # re-exported: the config package's names
 from alignrl.config.placement_schema import AgentConfig, PipelineConfig, RetrieverConfig, ServicesConfig  # noqa: F401
 from alignrl.config.data_schema import DataConfig  # noqa: F401 (re-exported)
@@ -19,32 +20,6 @@ from alignrl.config.ptx_schema import PtxConfig
 from alignrl.config.sandbox_schema import SandboxConfig
 from alignrl.config.trainer_schema import TrainerConfig  # noqa: F401 (re-exported)
 from alignrl.errors import ConfigError  # noqa: F401 (the config package's error, defined below it for runtime/)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    path: str = opt("demo", "HF model folder, or 'demo' for the embedded tiny Qwen2 model (built or taken from cache)")
-    ref_path: str = opt("", "the reference model's own HF folder (KL loss, KL in reward; a teacher for on-policy "
-                            "distillation; ppo-ray's --ref_pretrain); empty: model.path")
-    dtype: str = opt("float32", "parameter dtype for training and rollout (bfloat16/float16: single, DDP and FSDP2 "
-                               "step fp32 master weights; DeepSpeed: its bf16 mode for bfloat16); use float32 on CPU",
-                     choices=("float32", "bfloat16", "float16"))
-    lora_rank: int = opt(0, "LoRA adapters of this rank train in place of the policy's (and critic's) weights; the "
-                            "reference is the base with adapters off (model.ref_path's model when set); 0 trains all "
-                            "weights (verl's model.lora_rank, OpenRLHF's --lora_rank)", ge=0)
-    lora_alpha: int = opt(16, "LoRA scale numerator: updates are scaled by lora_alpha / lora_rank", ge=1)
-    lora_dropout: float = opt(0.0, "dropout on the LoRA path", ge=0.0, le=1.0)
-    target_modules: Any = opt("all-linear", "modules that get adapters: all-linear (every linear layer but the "
-                                            "output head), a list of module names (q_proj, v_proj, ...), or "
-                                            "peft-default (PEFT's choice for the architecture: q_proj, v_proj for "
-                                            "Llama and Qwen, query_key_value for GPT-NeoX)")
-    lora_export: str = opt("merged", "the final model of a LoRA run: merged (adapters folded into a plain HF "
-                                     "folder) or adapter (the PEFT adapter folder only)",
-                           choices=("merged", "adapter"))
-    load_in_4bit: bool = opt(False, "QLoRA: the policy's frozen base loads quantized to 4-bit NF4 (bitsandbytes, "
-                                    "double quantization, matmuls in model.dtype) and only its LoRA adapters train; "
-                                    "needs model.lora_rank > 0 and model.lora_export=adapter, trainer.strategy single "
-                                    "or ddp (OpenRLHF's and TRL's --load_in_4bit; `pip install 'alignrl[qlora]'`)")
 
 
 @dataclass(frozen=True)

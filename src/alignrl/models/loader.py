@@ -12,6 +12,7 @@ import torch
 
 # ModelError is re-exported: callers catch it from here
 from alignrl.models import folder as _folder
+from alignrl.models.quantized import FourBit
 from alignrl.models.folder import SCORE_INFO, ModelError, auto_class, check_model_folder, loading  # noqa: F401
 from alignrl.models.vision import is_vision_folder, load_processor, load_vision_model, processor_of
 
@@ -84,11 +85,11 @@ def load_model(path: str, dtype: str = "float32", log: Callable = print, chat: b
     return load_causal_lm(folder, dtype, key), tokenizer
 
 
-def load_causal_lm(folder: Path, dtype: str = "float32", key: str = "model.path", load_in_4bit: bool = False,
+def load_causal_lm(folder: Path, dtype: str = "float32", key: str = "model.path", four_bit: FourBit | None = None,
                    device: torch.device | str | None = None):
     """The causal LM of a checked folder (`resolve_model_path`), in `dtype`. A reward or cost model that
     `alignrl train rm` saved is refused: transformers would load its backbone with a new, random LM head.
-    `load_in_4bit`: its linear layers quantized to NF4 on `device` as they load (`models.quantized`, QLoRA's base),
+    `four_bit`: its linear layers quantized to 4 bits on `device` as they load (`models.quantized`, QLoRA's base),
     computing in `dtype`."""
     info = Path(folder) / SCORE_INFO
     if info.is_file():
@@ -105,17 +106,17 @@ def load_causal_lm(folder: Path, dtype: str = "float32", key: str = "model.path"
 
     hf_logging.disable_progress_bar()  # a bar per tiny model load is noise in run logs
     if is_vision_folder(folder):  # images and text in, text out: generates and scores as a causal LM does
-        if load_in_4bit:
+        if four_bit is not None:
             raise ModelError(f"{key}={folder} is a vision-language model, which alignrl loads unquantized; set "
                              "model.load_in_4bit=false")
         return load_vision_model(folder, DTYPES[dtype])
-    if load_in_4bit:  # a missing bitsandbytes is the install's problem, not the folder's: checked outside `loading`
+    if four_bit is not None:  # a missing bitsandbytes is the install's, not the folder's: checked outside `loading`
         from alignrl.models.quantized import load_4bit, require_bitsandbytes
 
         require_bitsandbytes()
     with loading(folder, "model"):
-        if load_in_4bit:
-            model = load_4bit(folder, DTYPES[dtype], device)
+        if four_bit is not None:
+            model = load_4bit(folder, DTYPES[dtype], four_bit, device)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype])
     model.config.use_cache = False  # training default; the rollout engine asks for the cache explicitly

@@ -1,6 +1,6 @@
 """4-bit base weights for LoRA training (QLoRA, Dettmers et al. 2023): the frozen base model is loaded with
-bitsandbytes' NF4 quantization (double quantization on, matmuls computed in the run's dtype) and only the LoRA
-adapters on top of it train, as OpenRLHF's `--load_in_4bit` and TRL's `load_in_4bit` with PEFT do.
+bitsandbytes' 4-bit quantization (NF4 codes, double quantization by default, matmuls in the run's dtype) and only the
+LoRA adapters on top of it train, as OpenRLHF's `--load_in_4bit` and TRL's `load_in_4bit` with PEFT do.
 
 `model.load_in_4bit` (RL runs) and `load_in_4bit` (the offline trainers: `preference.common.load_policy`) read
 through here. A 4-bit linear layer's `weight` is packed bytes (two 4-bit codes a byte) with its scales in a
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -69,24 +70,37 @@ def require_bitsandbytes(key: str = "model.load_in_4bit"):
     return bitsandbytes
 
 
-def nf4_config(compute_dtype: torch.dtype):
-    """transformers' BitsAndBytesConfig of QLoRA: NF4 codes, the scales quantized again (double quantization, about
-    0.4 bits a weight saved), dequantized to `compute_dtype` for each matmul (OpenRLHF's settings; TRL leaves double
-    quantization off by default)."""
+@dataclass(frozen=True)
+class FourBit:
+    """How a 4-bit base is quantized: bitsandbytes' codes (nf4: NormalFloat, QLoRA's; fp4) and whether each block's
+    scale is quantized again (double quantization, about 0.4 bits a weight saved)."""
+
+    quant_type: str = "nf4"
+    double_quant: bool = True
+
+    @classmethod
+    def of(cls, cfg) -> FourBit:
+        """The settings of a config with transformers' names for them (RunConfig.model, an offline trainer's)."""
+        return cls(cfg.bnb_4bit_quant_type, cfg.bnb_4bit_use_double_quant)
+
+
+def bnb_config(compute_dtype: torch.dtype, four_bit: FourBit):
+    """transformers' BitsAndBytesConfig of `four_bit`, dequantized to `compute_dtype` for each matmul. OpenRLHF's
+    settings are the default (nf4, double quantization); TRL's leave double quantization off."""
     require_bitsandbytes()
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=compute_dtype)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=four_bit.quant_type,
+                              bnb_4bit_use_double_quant=four_bit.double_quant, bnb_4bit_compute_dtype=compute_dtype)
 
 
-def load_4bit(folder: Path, compute_dtype: torch.dtype, device: torch.device | str | None = None):
-    """The causal LM of `folder` with its linear layers quantized to NF4 as they load, on `device` (default: the
+def load_4bit(folder: Path, compute_dtype: torch.dtype, four_bit: FourBit, device: torch.device | str | None = None):
+    """The causal LM of `folder` with its linear layers quantized to 4 bits as they load, on `device` (default: the
     first CUDA device, else the CPU): bitsandbytes quantizes a layer where it is placed, so each rank loads onto its
     own device. The output head and the embeddings stay in `compute_dtype`, as transformers keeps them."""
     from transformers import AutoModelForCausalLM
 
-    config = nf4_config(compute_dtype)
+    config = bnb_config(compute_dtype, four_bit)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(str(folder), quantization_config=config, dtype=compute_dtype,

@@ -310,11 +310,11 @@ def load_policy(cfg: RunConfig, folder: Path, env: DistEnv, in_shards: bool) -> 
     device, its shards then reading their own rows of the weights; no rank holds the whole model at any time."""
     strategy = resolve_strategy(cfg, env)
     if cfg.model.load_in_4bit:  # QLoRA: each rank quantizes the whole base onto its device (4-bit does not shard)
-        from alignrl.models.quantized import prepare_for_adapters
+        from alignrl.models.quantized import FourBit, prepare_for_adapters
 
-        model = load_causal_lm(folder, cfg.model.dtype, load_in_4bit=True, device=env.device)
-        console.print(f"policy: base quantized to 4-bit NF4 on {env.device} (model.load_in_4bit); LoRA adapters "
-                      "train on it")
+        model = load_causal_lm(folder, cfg.model.dtype, four_bit=FourBit.of(cfg.model), device=env.device)
+        console.print(f"policy: base quantized to 4-bit {cfg.model.bnb_4bit_quant_type.upper()} on {env.device} "
+                      "(model.load_in_4bit); LoRA adapters train on it")
         return prepare_for_adapters(model), None  # build_actor recomputes activations (actor.gradient_checkpointing)
     in_shards = in_shards and cfg.model.lora_rank == 0  # adapters go on the whole model, before an engine shards it
     if in_shards and strategy == "fsdp2":

@@ -78,10 +78,11 @@ def load_policy(cfg: CommonConfig, folder, device: torch.device | None, log):
     quantized.require_bitsandbytes("load_in_4bit")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    policy = quantized.prepare_for_adapters(load_causal_lm(folder, "float32", "model_path", load_in_4bit=True,
-                                                           device=device))
+    policy = quantized.prepare_for_adapters(load_causal_lm(folder, "float32", "model_path",
+                                                           four_bit=quantized.FourBit.of(cfg), device=device))
     quantized.load_quant_state_as_saved(policy)  # a resumed run loads its checkpoint's state dict back
-    log.print(f"base quantized to 4-bit NF4 on {device} (QLoRA): only the LoRA adapters train")
+    log.print(f"base quantized to 4-bit {cfg.bnb_4bit_quant_type.upper()} on {device} (QLoRA): only the LoRA adapters "
+              "train")
     return policy
 
 

@@ -105,9 +105,14 @@ class CommonConfig:
                                                  "architecture: TRL's --use_peft without --lora_target_modules)")
     lora_export: str = opt("merged", "what the saved folder holds with use_lora: merged (a plain HF model, adapters "
                                      "folded in) or adapter (peft's adapter folder)", choices=("merged", "adapter"))
-    load_in_4bit: bool = opt(False, "QLoRA: the frozen base loads with its linear layers quantized to 4-bit NF4 "
-                                    "(bitsandbytes) under the LoRA adapters (needs use_lora; strategy single or ddp; "
-                                    "the saved folder is the adapter's: lora_export=adapter)")
+    load_in_4bit: bool = opt(False, "QLoRA: the frozen base loads with its linear layers quantized to 4 bits "
+                                    "(bitsandbytes, bnb_4bit_quant_type codes) under the LoRA adapters (needs "
+                                    "use_lora; strategy single or ddp; the saved folder is the adapter's: "
+                                    "lora_export=adapter)")
+    bnb_4bit_quant_type: str = opt("nf4", "the 4-bit codes of load_in_4bit: nf4 (NormalFloat, QLoRA's) or fp4",
+                                   choices=("nf4", "fp4"))
+    bnb_4bit_use_double_quant: bool = opt(True, "with load_in_4bit, quantize the blocks' scales again (about 0.4 bits "
+                                                "a weight saved; OpenRLHF's setting)")
     eval_steps: float = opt(0, "also measure the held-out pairs every N optimizer steps (eval/* metrics); below 1: "
                                "that share of the run's steps (TRL's ratio form); 0: only "
                              "before and after training", ge=0)

@@ -38,7 +38,7 @@ COMMON_NAMES = {
     "lr_warmup_ratio": "warmup_ratio", "lr_scheduler_type": "lr_scheduler", "logging_steps": "log_every",
     "target_modules": "lora_target_modules", "lora_r": "lora_rank", "use_peft": "use_lora",
     "ckpt_path": "checkpoint_dir", "max_ckpt_num": "save_total_limit", "resume_from_checkpoint": "resume_from",
-    "dataset_probs": "train_files_probs",
+    "dataset_probs": "train_files_probs", "use_bnb_nested_quant": "bnb_4bit_use_double_quant",
 }
 # switches of theirs that set one of our keys to a value (`bf16` is a three-way setting here: auto/true/false)
 COMMON_SWITCHES = {"bf16": ("bf16", "true")}

@@ -32,11 +32,11 @@ OPENRLHF_NAMES = frozenset({
 TRL_NAMES = frozenset({
     "model_name_or_path", "num_train_epochs", "per_device_train_batch_size", "per_device_eval_batch_size",
     "max_grad_norm", "lr_scheduler_type", "use_peft", "lora_r", "dataset_name", "rpo_alpha", "cpo_alpha",
-    "max_seq_length", "dataset_text_field", "resume_from_checkpoint"})
+    "max_seq_length", "dataset_text_field", "resume_from_checkpoint", "use_bnb_nested_quant"})
 SHARED_NAMES = frozenset({"logging_steps"})
 
 # the keys that act only with LoRA: taken (and said) only when the line trains adapters
-LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
+LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "bnb_4bit_use_double_quant")
 # sft's key that acts only with packing: taken (and said) only when the line packs (TRL's --packing: bfd)
 PACKING_ONLY = ("packing_strategy",)
 
@@ -79,7 +79,8 @@ _TRL_COMMON: dict[str, Any] = {
     "checkpoint_layout": "trl",  # output_dir/checkpoint-N, each a model folder, one at the last step
     "eval_strategy": "no",  # TRL measures held-out rows during training only when asked
     "use_lora": False, "lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.05,
-    "lora_target_modules": "peft-default"}  # ModelConfig's None: PEFT's choice for the architecture
+    "lora_target_modules": "peft-default",  # ModelConfig's None: PEFT's choice for the architecture
+    "bnb_4bit_use_double_quant": False}  # ModelConfig's use_bnb_nested_quant: a 4-bit base's scales stay 8-bit
 # TRL templates a row of chat messages only: a string prompt is text (maybe_apply_chat_template)
 TRL_DEFAULTS: dict[str, dict[str, Any]] = {
     "rm": {**_TRL_COMMON, "learning_rate": 1e-4, "max_length": 1024, "apply_chat_template": False},
