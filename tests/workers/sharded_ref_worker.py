@@ -32,26 +32,38 @@ def rows(n: int, vocab: int, gen: torch.Generator):
     return pids, pmask, rids, rmask
 
 
+def failing(sharded, whole, batch, env, out: str) -> None:
+    """The whole load's shards score one share as a whole copy does (written down); then rank 1 fails in its next
+    forward, after the ranks agreed on two: rank 0 must not wait it out."""
+    mine = tuple(t[slice(0, 5) if env.rank == 0 else slice(5, 9)] for t in batch)
+    worst = float((sharded.logprobs(*mine) - LocalRefScorer(whole, 1.0, 2).logprobs(*mine)).abs().max())
+    with open(f"{out}.{env.rank}.json", "w") as f:
+        json.dump({"held": held_elements(sharded.model), "worst": worst}, f)
+    bad = batch[0][:4] + (whole.config.vocab_size if env.rank == 1 else 0)
+    sharded.logprobs(bad, *(t[:4] for t in batch[1:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--fail", action="store_true", help="rank 1 gets token ids past the vocabulary in its first call")
+    ap.add_argument("--fail", action="store_true", help="a folder of .bin weights (not read by rows: loaded whole, then "
+                    "sharded); after one good call, rank 1 gets token ids past the vocabulary")
     a = ap.parse_args()
     env = init_distributed("cpu")
     cfg = RunConfig()
     cfg = replace(cfg, model=replace(cfg.model, path=a.model, dtype="float32"),
                   actor=replace(cfg.actor, logprob_micro_batch_size=2))
     whole_load = loader.load_model
-    loader.load_model = None  # the shards are read by rows: a whole load (the fallback) would fail here
+    if not a.fail:
+        loader.load_model = None  # the shards are read by rows: a whole load (the fallback) would fail here
     sharded = build_sharded_ref(cfg, env)
     loader.load_model = whole_load
     whole = frozen_copy(load_model(a.model, "float32")[0])
     vocab = whole.config.vocab_size
     batch = rows(9, vocab, torch.Generator().manual_seed(0))
-    if a.fail:  # rank 1 fails in its first forward, after the ranks agreed on two: rank 0 must not wait it out
-        bad = batch[0][:4] + (vocab if env.rank == 1 else 0)
-        sharded.logprobs(bad, *(t[:4] for t in batch[1:]))
+    if a.fail:
+        failing(sharded, whole, batch, env, a.out)
         return
     # (rank 0's rows, rank 1's rows): 3 micro-batches against 1, none against 5, then the same shares
     shares = [(slice(0, 5), slice(5, 7)), (slice(0, 0), slice(0, 9)), (slice(2, 4), slice(4, 6))]
