@@ -107,20 +107,38 @@ def test_a_4bit_grpo_run_saves_an_adapter_that_loads_onto_the_full_precision_bas
     assert not any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())  # the base is full precision again
 
 
-def test_a_resumed_4bit_run_equals_a_straight_one(tiny_model_dir, tmp_path):
+def test_a_4bit_ppo_critic_is_quantized_and_a_resumed_run_equals_a_straight_one(tiny_model_dir, tmp_path):
+    """OpenRLHF's --load_in_4bit quantizes the critic too: its backbone's linear layers are 4-bit, only its adapters
+    and its new value head train, its checkpoint folder is PEFT's adapter folder (a merge into 4-bit codes would not
+    be a model); a run halted after step 1 and resumed ends where a straight one does, policy and critic."""
+    from alignrl.placements.build import build_critic
     from alignrl.runner import train_grpo
 
+    ppo = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.lr=1e-2"]
+    critic = build_critic(small_grpo(tiny_model_dir, *QLORA, *ppo), "critic", None).model
+    projections = [m for m in critic.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    assert projections and all(isinstance(p.base_layer, bnb.nn.Linear4bit) for p in projections)
+    trainable = {n for n, p in critic.named_parameters() if p.requires_grad}
+    assert any("lora_" in n for n in trainable) and all("lora_" in n or ".score." in n for n in trainable), trainable
+    assert any(".score." in n for n in trainable)  # the value head, new, trains whole
+
     def run(name, steps, *extra):
-        train_grpo(small_grpo(tiny_model_dir, *QLORA, *run_settings(tmp_path, name, steps), "trainer.save_freq=1",
-                              *extra))
-        return load_file(checkpoint_dir(tmp_path, name, steps) / "model_state" / lora.TRAINED_FILE)
+        train_grpo(small_grpo(tiny_model_dir, *QLORA, *ppo, *run_settings(tmp_path, name, steps),
+                              "trainer.save_freq=1", *extra))
+        ckpt = checkpoint_dir(tmp_path, name, steps)
+        folder = ckpt / "critic"
+        assert (folder / "adapter_config.json").is_file() and not (folder / "model.safetensors").exists()
+        return {part: load_file(ckpt / part / lora.TRAINED_FILE) for part in ("model_state", "critic_state")}
 
     straight = run("straight", 2)
     run("halted", 1)
     resumed = run("halted", 2, "trainer.resume_mode=auto")
-    assert straight.keys() == resumed.keys()
-    for k in straight:
-        torch.testing.assert_close(straight[k], resumed[k], rtol=0, atol=0, msg=k)
+    first = load_file(checkpoint_dir(tmp_path, "halted", 1) / "critic_state" / lora.TRAINED_FILE)
+    assert any(not torch.equal(first[k], resumed["critic_state"][k]) for k in first)  # the critic trained on
+    for part in straight:
+        assert straight[part].keys() == resumed[part].keys()
+        for k in straight[part]:
+            torch.testing.assert_close(straight[part][k], resumed[part][k], rtol=0, atol=0, msg=f"{part}: {k}")
 
 
 @pytest.mark.parametrize("keys, words", [

@@ -29,11 +29,11 @@ class ModelConfig:
     lora_export: str = opt("merged", "the final model of a LoRA run: merged (adapters folded into a plain HF "
                                      "folder) or adapter (the PEFT adapter folder only)",
                            choices=("merged", "adapter"))
-    load_in_4bit: bool = opt(False, "QLoRA: the policy's frozen base loads quantized to 4 bits (bitsandbytes, "
-                                    "model.bnb_4bit_quant_type codes, matmuls in model.dtype) and only its LoRA "
-                                    "adapters train; needs model.lora_rank > 0 and model.lora_export=adapter, "
-                                    "trainer.strategy single or ddp (OpenRLHF's and TRL's --load_in_4bit; "
-                                    "`pip install 'alignrl[qlora]'`)")
+    load_in_4bit: bool = opt(False, "QLoRA: the frozen bases of the policy and the critics load quantized to 4 bits "
+                                    "(bitsandbytes, model.bnb_4bit_quant_type codes, matmuls in model.dtype) and only "
+                                    "their LoRA adapters (and a critic's value head) train; needs model.lora_rank > 0 "
+                                    "and model.lora_export=adapter, trainer.strategy single or ddp (OpenRLHF's and "
+                                    "TRL's --load_in_4bit; `pip install 'alignrl[qlora]'`)")
     bnb_4bit_quant_type: str = opt("nf4", "the 4-bit codes of model.load_in_4bit: nf4 (NormalFloat, QLoRA's) or fp4 "
                                           "(TRL's --bnb_4bit_quant_type)", choices=("nf4", "fp4"))
     bnb_4bit_use_double_quant: bool = opt(True, "with model.load_in_4bit, quantize the blocks' scales again (about "

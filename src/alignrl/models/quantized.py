@@ -84,27 +84,33 @@ class FourBit:
         return cls(cfg.bnb_4bit_quant_type, cfg.bnb_4bit_use_double_quant)
 
 
-def bnb_config(compute_dtype: torch.dtype, four_bit: FourBit):
-    """transformers' BitsAndBytesConfig of `four_bit`, dequantized to `compute_dtype` for each matmul. OpenRLHF's
-    settings are the default (nf4, double quantization); TRL's leave double quantization off."""
+def bnb_config(compute_dtype: torch.dtype, four_bit: FourBit, keep: tuple[str, ...] = ()):
+    """transformers' BitsAndBytesConfig of `four_bit`, dequantized to `compute_dtype` for each matmul, the modules
+    named `keep` left unquantized (besides the output head transformers keeps). OpenRLHF's settings are the default
+    (nf4, double quantization); TRL's leave double quantization off."""
     require_bitsandbytes()
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=four_bit.quant_type,
-                              bnb_4bit_use_double_quant=four_bit.double_quant, bnb_4bit_compute_dtype=compute_dtype)
+                              bnb_4bit_use_double_quant=four_bit.double_quant, bnb_4bit_compute_dtype=compute_dtype,
+                              llm_int8_skip_modules=list(keep) or None)
 
 
-def load_4bit(folder: Path, compute_dtype: torch.dtype, four_bit: FourBit, device: torch.device | str | None = None):
-    """The causal LM of `folder` with its linear layers quantized to 4 bits as they load, on `device` (default: the
-    first CUDA device, else the CPU): bitsandbytes quantizes a layer where it is placed, so each rank loads onto its
-    own device. The output head and the embeddings stay in `compute_dtype`, as transformers keeps them."""
+def load_4bit(folder: Path, compute_dtype: torch.dtype, four_bit: FourBit, device: torch.device | str | None = None,
+              model_class=None, keep: tuple[str, ...] = (), **load_kwargs):
+    """The model of `folder` (a causal LM, or `model_class`'s: a critic's token classifier) with its linear layers
+    quantized to 4 bits as they load, on `device` (default: the first CUDA device, else the CPU): bitsandbytes
+    quantizes a layer where it is placed, so each rank loads onto its own device. The output head, the embeddings and
+    the modules named `keep` (a critic's new value head, which no folder holds: there are no weights to quantize)
+    stay in `compute_dtype`."""
     from transformers import AutoModelForCausalLM
 
-    config = bnb_config(compute_dtype, four_bit)
+    config = bnb_config(compute_dtype, four_bit, keep)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(str(folder), quantization_config=config, dtype=compute_dtype,
-                                                 device_map={"": torch.device(device)})
+    model = (model_class or AutoModelForCausalLM).from_pretrained(
+        str(folder), quantization_config=config, dtype=compute_dtype, device_map={"": torch.device(device)},
+        **load_kwargs)
     for module in model.modules():
         # bitsandbytes' CPU inference path (eval mode, no grad) repacks a layer's codes in place into a layout of
         # its own fused kernel, which the training forwards then meet, and which needs in_features a multiple of

@@ -14,26 +14,38 @@ from alignrl.data.collate import position_ids
 from alignrl.models.logprobs import model_device
 from alignrl.models.loader import DTYPES, ModelError, disable_dropout, loading, resolve_model_path
 from alignrl.models.packing import pack, packed_forward, unpack
+from alignrl.models.quantized import FourBit, load_4bit, prepare_for_adapters, require_bitsandbytes
 from alignrl.models.vision import encoder_in_every_forward, is_vision_folder, is_vision_model, vision_inputs
 
 
-def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print):
+def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print, four_bit: FourBit | None = None,
+                     device: torch.device | None = None):
+    """The value model of `path` in `dtype`; with `four_bit` (QLoRA's critic, as OpenRLHF quantizes it) its linear
+    layers quantized on `device` as they load, the new value head not, every weight frozen for the adapters."""
     from transformers import AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 
     folder = resolve_model_path(path, log)
     if is_vision_folder(folder):  # transformers has no token-classification class for image-text models
+        if four_bit is not None:
+            raise ModelError(f"critic: {folder} is a vision-language model, which alignrl loads unquantized; set "
+                             "model.load_in_4bit=false")
         from alignrl.models.vision_value import register
 
         register()
+    if four_bit is not None:
+        require_bitsandbytes()
     torch.manual_seed(seed)  # the head of a policy-initialised critic is new: make it reproducible
     hf_logging.disable_progress_bar()  # as for the policy: a critic rank's loads and saves drew bars in its log
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "newly initialized score weights" is expected here, not a problem
+    kw = dict(num_labels=1, key_mapping=HEAD_NAMES)
     try:
         with loading(folder, "value model"):
-            model = AutoModelForTokenClassification.from_pretrained(str(folder), num_labels=1, dtype=DTYPES[dtype],
-                                                                    key_mapping=HEAD_NAMES)
+            model = (AutoModelForTokenClassification.from_pretrained(str(folder), dtype=DTYPES[dtype], **kw)
+                     if four_bit is None else
+                     prepare_for_adapters(load_4bit(folder, DTYPES[dtype], four_bit, device,
+                                                    AutoModelForTokenClassification, VALUE_HEADS, **kw)))
             saved_as_transformers_names(model)
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -73,6 +85,8 @@ def response_values(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
 # OpenRLHF's reward model class saves under this architecture name (its critic under CriticModel), with the backbone
 # under the base model's prefix as transformers keeps it and the head as `value_head` (its older default) or `score`
 OPENRLHF_REWARD_CLASS = "RewardModel"
+# the heads of transformers' token classifiers (Llama's and Qwen's `score`, BERT-like models' `classifier`)
+VALUE_HEADS = ("score", "classifier")
 HEAD_NAMES = {r"^value_head\.": "score."}  # loads either as the `score` head of transformers' classification models
 
 

@@ -33,6 +33,7 @@ from alignrl.models.loader import (DTYPES, frozen_copy, load_causal_lm, load_mod
 from alignrl.models.logprobs import ForwardLayout
 from alignrl.models.sharded_load import fill_shards, meta_model
 from alignrl.models.rm_template import RetemplatingScorer, reward_input
+from alignrl.models.quantized import FourBit, prepare_for_adapters
 from alignrl.models.value import ModelScorer, load_value_model, score_normalization
 from alignrl.rewards.registry import run_rule, with_format_bonus
 from alignrl.rewards.timed_rules import timed
@@ -258,7 +259,8 @@ def build_critic(cfg: RunConfig, name: str, resume: Path | None, env: DistEnv = 
     adapters = cfg.model.lora_rank > 0  # resumed from the base and the checkpoint's trained tensors
     path = str(resume / name) if resume and not adapters else (c.model_path or cfg.model.path)
     seed = cfg.trainer.seed + (name == "cost_critic")
-    model = load_value_model(path, cfg.model.dtype, seed=seed, log=console.print)
+    four_bit = FourBit.of(cfg.model) if cfg.model.load_in_4bit else None  # QLoRA quantizes the critics too
+    model = load_value_model(path, cfg.model.dtype, seed, console.print, four_bit, env.device)
     if adapters:
         model = with_adapters(cfg, model, resume / f"{name}_state" if resume else None, value_model=True)
     spec = OptimSpec(lr=c.lr, weight_decay=c.weight_decay, betas=tuple(c.betas), warmup_steps=c.lr_warmup_steps,
@@ -310,8 +312,6 @@ def load_policy(cfg: RunConfig, folder: Path, env: DistEnv, in_shards: bool) -> 
     device, its shards then reading their own rows of the weights; no rank holds the whole model at any time."""
     strategy = resolve_strategy(cfg, env)
     if cfg.model.load_in_4bit:  # QLoRA: each rank quantizes the whole base onto its device (4-bit does not shard)
-        from alignrl.models.quantized import FourBit, prepare_for_adapters
-
         model = load_causal_lm(folder, cfg.model.dtype, four_bit=FourBit.of(cfg.model), device=env.device)
         console.print(f"policy: base quantized to 4-bit {cfg.model.bnb_4bit_quant_type.upper()} on {env.device} "
                       "(model.load_in_4bit); LoRA adapters train on it")
@@ -349,7 +349,7 @@ def with_adapters(cfg: RunConfig, model, state: Path | None, value_model: bool =
     for name, p in lora.unwrapped(model).named_parameters():
         if lora.plain_name(name) in head:
             p.requires_grad_(True)
-    if not value_model:
+    if not value_model or cfg.model.load_in_4bit:  # a critic is written merged, unless its base is 4-bit codes
         lora.set_export(model, cfg.model.lora_export)
     if state is not None and not lora.load_trained(model, state):
         from alignrl.train.checkpoint import CheckpointError
