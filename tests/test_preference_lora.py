@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from alignrl.preference.cli import dpo_main, rm_main
 
@@ -212,6 +213,8 @@ def test_a_dpo_run_resumed_from_its_checkpoint_ends_where_the_whole_run_does(lor
     assert dpo_main([*base, "--output_dir", str(whole), "--logging_dir", str(tmp_path / "l1"), "save_steps=1"]) == 0
     ckpt = tmp_path / "whole.checkpoints" / "step_1"
     assert sorted(p.name for p in ckpt.iterdir()) == ["optim.pt", "state.json", "weights.safetensors"]
+    saved = load_file(ckpt / "weights.safetensors")  # the trained tensors only: the base is the model folder's
+    assert saved and all("lora_" in k for k in saved), sorted(saved)[:5]
     assert not (tmp_path / "whole.checkpoints" / "step_2").exists()  # the last step is the saved model itself
     assert dpo_main([*base, "--output_dir", str(resumed), "--logging_dir", str(tmp_path / "l2"),
                      f"resume_from={ckpt}"]) == 0

@@ -2,13 +2,13 @@
 where, when and in which layout they are written: `checkpoint_plan`.
 
 A checkpoint is a folder (`<output_dir>.checkpoints/step_<N>/` in alignrl's layout): the engine's full weights
-(`weights.safetensors`, adapters included under LoRA), its optimizer and scheduler state (the engines' own
-`optim.pt`), and `state.json` with the step and, for Safe-MM-DPO, the multiplier λ with its cost average; with
-`sync_ref_model`, once the reference has moved, its weights (`reference.safetensors`) and the step of its latest
-sync; with bco_pair, its running reward mean δ. It is written into a hidden temporary folder and renamed into place,
-so a folder of the layout's name is complete. A resumed run loads all of it, skips the micro-batches the first N
-steps consumed (the data order is the seeded one of the first run), and goes on; with the same config it ends where
-the uninterrupted run would have.
+(`weights.safetensors`; under LoRA only the tensors that train, the frozen base being the model folder's), its
+optimizer and scheduler state (the engines' own `optim.pt`), and `state.json` with the step and, for Safe-MM-DPO,
+the multiplier λ with its cost average; with `sync_ref_model`, once the reference has moved, its weights
+(`reference.safetensors`) and the step of its latest sync; with bco_pair, its running reward mean δ. It is written
+into a hidden temporary folder and renamed into place, so a folder of the layout's name is complete. A resumed run
+loads all of it, skips the micro-batches the first N steps consumed (the data order is the seeded one of the first
+run), and goes on; with the same config it ends where the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None, run
     weights = engine.full_state_dict()
     engine.save_state(tmp)
     if env.is_main:
+        kept = trained_only(engine.model, weights)
         # tied tensors (input and output embeddings) are written as two copies: safetensors keeps no aliases
-        save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, str(tmp / WEIGHTS))
-        state = {"step": step, **({"lambda_state": lam.state.state_dict()} if lam is not None else {}),
+        save_file({k: v.detach().contiguous().clone() for k, v in (kept or weights).items()}, str(tmp / WEIGHTS))
+        state = {"step": step, "weights": "trained" if kept else "all",
+                 **({"lambda_state": lam.state.state_dict()} if lam is not None else {}),
                  **({"bco_pair": running.state_dict()} if running is not None else {}),
                  **({"setting": setting} if setting is not None else {})}
         ref_weights = reference.weights() if reference is not None else None
@@ -94,6 +96,9 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None, runni
                           "loss_type without bco_pair; resume with that loss_type")
     weights = load_file(str(path / WEIGHTS))
     missing, unexpected = _load_weights(engine.model, weights)
+    if state.get("weights") == "trained":  # the frozen base came from the model folder, as when the run started
+        training = {k for k, p in engine.model.named_parameters() if p.requires_grad}
+        missing = [k for k in missing if k in training]
     if missing or unexpected:
         name = (missing or unexpected)[0]
         raise ConfigError(f"resume_from={folder} was saved from another model or LoRA setting ({name} does not "
@@ -107,6 +112,18 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None, runni
     if running is not None:
         running.load_state_dict(state["bco_pair"])
     return int(state["step"])
+
+
+def trained_only(model, weights: dict) -> dict | None:
+    """The tensors of `weights` that train (LoRA's adapters, a new head), for a model with adapters: its frozen base
+    is the model folder's, loaded again when a run resumes (for a 7B base, some 14 GB a checkpoint not written
+    again, 4 GB at 4 bits). None for a model that trains every weight."""
+    from alignrl.models.lora import has_adapters
+
+    if not has_adapters(model):
+        return None
+    training = {k for k, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in weights.items() if k in training}
 
 
 def _adapter_fix(saved: dict, own: dict) -> str:
