@@ -245,6 +245,20 @@ def cluster():
             os.environ[RAY_LOOPBACK_ENV] = saved[1]
 
 
+@pytest.fixture(scope="session")
+def vl_run(tmp_path_factory):
+    """(tiny VL folder, LMM-R1 data file, reward spec) for the runs with images of test_vision_placements and
+    test_ray_runs: read only, so made once for both."""
+    from alignrl.models.tiny_vl import build_tiny_vl
+    from visionrows import REWARD, color_rows, save_pictures, write_jsonl
+
+    root = tmp_path_factory.mktemp("vl_run")
+    folder = build_tiny_vl(root / "tiny-vl", seed=0)
+    write_jsonl(root / "train.jsonl", color_rows(save_pictures(root)))
+    (root / "reward.py").write_text(REWARD)
+    return folder, root / "train.jsonl", f"{root / 'reward.py'}:compute_score"
+
+
 @pytest.fixture
 def http_servers():
     """Starts stand-in HTTP servers, `start(handler class) -> http://127.0.0.1:<free port>`; all stopped at the end."""

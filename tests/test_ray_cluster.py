@@ -155,10 +155,10 @@ def test_ray_steps_with_critic_and_reward_groups_match_the_in_process_loop_after
     Steps 1-2: two critic ranks (DDP among them; actor rank r -> critic rank r) and the reward model on 2 nodes
     × 1 (each worker scores half the rows); the critic ranks write `critic/` and `critic_state/` into the run's
     checkpoint. Then a rerun with `--load_checkpoint` to step 3 with one critic rank serving both actor ranks
-    (their rows trained in one update), resumed from those folders. The policy and the critic equal an
-    uninterrupted 3-step in-process run. atol 2e-5: the all-reduce's float order moves weights by ~1e-6 here
-    (measured: 2.0e-6 policy, 2.0e-7 critic after Adam's three steps), while a step moves them by ~1e-3 (lr
-    1e-3), so any other batch, reward or a missed update fails it."""
+    (their rows trained in one update), resumed from those folders, and one reward model rank. The policy and
+    the critic equal an uninterrupted 3-step in-process run. atol 2e-5: the all-reduce's float order moves
+    weights by ~1e-6 here (measured: 2.0e-6 policy, 2.0e-7 critic after Adam's three steps), while a step moves
+    them by ~1e-3 (lr 1e-3), so any other batch, reward or a missed update fails it."""
     ckpt, rm = tmp_path / "ckpt", reward_model(tiny_model_dir, tmp_path / "rm")
     argv = tiny(tiny_model_dir, tmp_path / "ray", 2, "--train_batch_size", "16", "--ckpt_path", str(ckpt),
                 "--advantage_estimator", "gae", "--critic_pretrain", str(tiny_model_dir), "--critic_num_nodes", "1",
@@ -174,8 +174,10 @@ def test_ray_steps_with_critic_and_reward_groups_match_the_in_process_loop_after
     step2 = ckpt / "global_step_2"
     assert (step2 / "critic" / "model.safetensors").exists() and (step2 / "critic_state").is_dir()
     before = metric_rows(tmp_path / "ray")
-    assert main(argv + ["--critic_num_gpus_per_node", "1", "--total_steps", "3", "--load_checkpoint"]) == 0, \
-        capsys.readouterr().err  # the last --total_steps wins
+    # the last --total_steps wins; one reward rank scores every row (the two ranks' split was steps 1-2's, and a row's
+    # score is its own): a worker start fewer
+    assert main(argv + ["--critic_num_gpus_per_node", "1", "--reward_num_nodes", "1", "--total_steps", "3",
+                        "--load_checkpoint"]) == 0, capsys.readouterr().err
     after = metric_rows(tmp_path / "ray")  # steps 0..2 kept as they were (a fresh start would rewrite them)
     assert after[:len(before)] == before and [r["step"] for r in after[len(before):]] == [3], after
     rows = [r for r in after if r["step"] > 0]  # step 0: the base evaluation

@@ -1,6 +1,7 @@
-"""Prompts with images in the placements that run the producer elsewhere, with the tiny Qwen2-VL model: a ZeroMQ
-sampler process (its batches carry their image tensors as raw frames) trains as the in-process loop does, and Ray
-rollout engines hand their batches, images included, to the actor ranks."""
+"""Prompts with images in the placements that run the producer elsewhere, with the tiny Qwen2-VL model (conftest's
+vl_run): a ZeroMQ sampler process (its batches carry their image tensors as raw frames) trains as the in-process loop
+does. Ray rollout engines handing their batches, images included, to the actor ranks: test_ray_runs (on that module's
+Ray cluster, so that no second cluster starts for it)."""
 
 import json
 import math
@@ -12,20 +13,8 @@ from alignrl.config import load_config
 from alignrl.models import logprobs
 from alignrl.runner import train_grpo
 from alignrl.runtime.ports import free_ports
-from visionrows import REWARD, color_rows, save_pictures, write_jsonl
+from visionrows import write_jsonl
 from zmqpipeline import finish, sampler, spawn, weights
-
-
-@pytest.fixture(scope="module")
-def vl_run(tmp_path_factory):
-    """(tiny VL folder, LMM-R1 data file, reward spec) for the runs below."""
-    from alignrl.models.tiny_vl import build_tiny_vl
-
-    root = tmp_path_factory.mktemp("vl_run")
-    folder = build_tiny_vl(root / "tiny-vl", seed=0)
-    write_jsonl(root / "train.jsonl", color_rows(save_pictures(root)))
-    (root / "reward.py").write_text(REWARD)
-    return folder, root / "train.jsonl", f"{root / 'reward.py'}:compute_score"
 
 
 def overrides(vl_run, out, name, *extra):
@@ -61,66 +50,6 @@ def test_zmq_sampler_with_images_trains_as_in_process(vl_run, tmp_path):
         # backward (about 6e-8 measured on a few norm weights; the language model's weights are equal bit for bit)
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
     assert sum(not torch.equal(a[k], b[k]) for k in a if not k.startswith("visual.")) == 0
-
-
-@pytest.mark.timeout(400)
-def test_ray_placement_with_images_trains_the_step_of_one_process(cluster, vl_run, tmp_path, capsys):
-    """`alignrl train ppo-ray` (OpenRLHF's flags, LMM-R1's `--input_key message`) with the tiny VL model: two
-    actor ranks, a rollout engine whose batches carry the prompts' images across Ray, a reference worker of its
-    own scoring them with their images for the KL loss, and a critic group of two ranks (PPO with gae, the critic
-    from the policy's folder) reading them for its values. The step is the one the same run takes in one process:
-    every metric of the step (losses, entropy, values, returns and both gradient norms, which carry the gradients'
-    scale) within 1e-5 relative, and the weights within 5e-4 of a step of ~1e-2 (Adam's first step at lr 1e-2 is
-    lr·g/(|g| + 1e-8): where two ranks' partial sums cancel to ~1e-8, their float order moves it; measured 7.5e-5
-    policy, 7e-6 critic). Another batch, reward or missed update moves weights by ~1e-2."""
-    from safetensors.torch import load_file
-
-    from alignrl.compat import openrlhf_flags, openrlhf_keys
-    from alignrl.compat.openrlhf_ppo_ray import main
-    from raycluster import metric_rows
-
-    folder, data, _ = vl_run
-    argv = ["--pretrain", str(folder), "--save_path", str(tmp_path / "ray"), "--ckpt_path", str(tmp_path / "ckpt"),
-            "--actor_num_nodes", "1",
-            "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1", "--advantage_estimator", "gae",
-            "--critic_pretrain", str(folder), "--critic_num_nodes", "1", "--critic_num_gpus_per_node", "2",
-            "--critic_learning_rate", "1e-2",
-            "--n_samples_per_prompt", "4", "--rollout_batch_size", "2", "--train_batch_size", "8",
-            "--micro_train_batch_size", "4", "--generate_max_len", "6", "--prompt_max_len", "64", "--max_samples", "4",
-            "--actor_learning_rate", "1e-2", "--val_size", "2", "--total_steps", "1", "--peer_timeout", "60",
-            "--placement_timeout", "20", "--prompt_data", str(data), "--input_key", "message", "--label_key", "answer",
-            "--apply_chat_template", "--use_kl_loss", "--init_kl_coef", "0.01", "--ref_num_nodes", "1",
-            "--ref_num_gpus_per_node", "1"]
-    assert main(argv) == 0, capsys.readouterr().err
-    rows = [r for r in metric_rows(tmp_path / "ray") if r["step"] == 1]
-    # the actor ranks' recomputed log-probs (with the images that crossed Ray) are the engine's
-    assert rows and rows[0]["rollout/kl_vs_trainer"] < 1e-6 and "actor/entropy" in rows[0], rows
-    # the reference worker read the images: its log-probs are the base policy's, so before the one update the
-    # KL loss of the policy against it is a finite ~0 (image tokens without their images would have been refused)
-    assert math.isfinite(rows[0]["actor/kl_loss"]) and abs(rows[0]["actor/kl_loss"]) < 1e-4, rows
-    assert math.isfinite(rows[0]["actor/grad_norm"]) and rows[0]["actor/grad_norm"] > 0, rows  # the step trained
-    # the critic ranks read the images too (a text-only critic is refused), and trained
-    assert math.isfinite(rows[0]["critic/values_mean"]) and rows[0]["critic/grad_norm"] > 0, rows
-    inline = train_grpo(load_config(None, openrlhf_keys.overrides(openrlhf_flags.parser().parse_args(argv), False, 1)
-                                    + [f"trainer.output_dir={tmp_path}", "trainer.experiment_name=inline",
-                                       "trainer.checkpoint_dir=checkpoints"]))
-    ray_summary = json.loads((tmp_path / "ray" / "summary.json").read_text())  # evaluated on the rollout engine
-    for key in ("base_accuracy", "final_accuracy"):
-        assert ray_summary[key] == inline[key], (ray_summary, inline)
-    one = next(r for r in metric_rows(tmp_path / "inline") if r["step"] == 1)
-    compared = [k for k, v in one.items() if isinstance(v, float) and not k.startswith(("timing/", "perf/"))]
-    assert {"actor/grad_norm", "critic/grad_norm", "actor/kl_loss", "critic/vf_loss"} <= set(compared), compared
-    for k in compared:
-        assert math.isclose(rows[0][k], one[k], rel_tol=1e-5, abs_tol=1e-7), (k, rows[0][k], one[k])
-    worst, base = {}, load_file(folder / "model.safetensors")  # the policy's and the critic's starting point
-    for part in ("model", "critic"):
-        a, b = (load_file(root / "global_step_1" / part / "model.safetensors")
-                for root in (tmp_path / "ckpt", tmp_path / "inline" / "checkpoints"))
-        assert any(not torch.equal(a[k], base[k]) for k in a if k in base), f"the step did not train the {part}"
-        for k in a:
-            torch.testing.assert_close(a[k], b[k], rtol=0, atol=5e-4, msg=f"{part}: {k}")
-        worst[part] = max(float((a[k] - b[k]).abs().max()) for k in a)
-    print(f"max |ray - one process| after the step: {worst}")
 
 
 def test_in_process_run_resizes_images_within_data_max_pixels(vl_run, tmp_path):
