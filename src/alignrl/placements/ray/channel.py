@@ -285,3 +285,22 @@ class RayProducers:
 
     def evaluator(self, pad_id: int) -> RayEvalEngine:
         return RayEvalEngine(self.engines, pad_id)
+
+
+def died_meanwhile(pending: dict, grace_s: float = 5.0):
+    """The worker (actor rank or other) whose pending call (`pending`: ref -> worker) shows it died by now
+    or within `grace_s`, if any, looked at call by call (a death already known ends the wait). A collective
+    fails on every rank when one member dies, often before Ray reports the death: the dead worker is the
+    cause, and the one line should name it rather than a survivor's lost connection."""
+    deadline, left = time.monotonic() + grace_s, list(pending)
+    while left:
+        done, left = ray.wait(left, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            return None
+        try:
+            ray.get(done[0])
+        except ray.exceptions.RayActorError:
+            return pending[done[0]]
+        except ray.exceptions.RayError:
+            continue
+    return None

@@ -30,7 +30,7 @@ import torch
 from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from alignrl.placements.ray.channel import ClusterError, Peer, RayProducers, RayRefScorer
+from alignrl.placements.ray.channel import ClusterError, Peer, RayProducers, RayRefScorer, died_meanwhile
 from alignrl.placements.ray.critic import CriticGroup, CriticRank
 from alignrl.placements.ray.plan import GroupLayout, describe, engine_slot, release, requests, reserve, slots
 from alignrl.placements.ray.workers import WATCH, EngineSpec, PolicyRank, RefWorker, RewardWorker, RolloutWorker
@@ -359,7 +359,7 @@ class Driver:
                 raise ClusterError(f"{peer.name}: {err}") from None
             if err is not None:  # bad data, a reward function that raised: the user's to fix (exit 2)
                 raise err from None
-            dead = self.died_meanwhile(pending)
+            dead = died_meanwhile(pending)
             if dead is not None:
                 raise ClusterError(f"{dead.name} died (killed, or out of memory); the run is stopped") from None
             first = (str(cause or e).strip().splitlines() or ["?"])[-1]
@@ -376,21 +376,6 @@ class Driver:
         except OSError:
             return "its traceback is in Ray's worker logs"
         return f"its traceback: {path}"
-
-    def died_meanwhile(self, pending: dict, grace_s: float = 5.0):
-        """The worker (actor rank or other) whose pending call (`pending`: ref -> worker) shows it died by now
-        or within `grace_s`, if any. A collective fails on every rank when one member dies, often before Ray
-        reports the death: the dead worker is the cause, and the one line should name it rather than a
-        survivor's lost connection."""
-        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError:
-                return pending[ref]
-            except ray.exceptions.RayError:
-                continue
-        return None
 
     def shutdown(self, started: bool) -> None:
         for w in self.workers:
