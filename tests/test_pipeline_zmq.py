@@ -134,31 +134,45 @@ def _root_script(*args, cwd):
                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True)
 
 
-@pytest.mark.timeout(200)
-def test_seed_communication_test(tiny_model_dir, tmp_path):
-    ports = free_ports(2)  # the seed's 5555/5556 may be another test's at the same time
-    proc = _root_script("communication_test.py", "--model-path", str(tiny_model_dir), "--rounds", "3", "--data-port",
-                        str(ports[0]), "--sync-port", str(ports[1]), cwd=tmp_path)
-    out, err = proc.communicate(timeout=180)
-    assert proc.returncode == 0, err[-2000:]
-    for field in ("prefix_token_ids", "generated_token_ids", "whole_token_ids", "is_finished", "reward_info",
-                  "old_policy_log_probs", "ref_policy_log_probs", "communication_test: OK", "MiB/s"):
-        assert field in out, field
+# communication_test.py between two processes, every field of its sample: test_seed004_cli
+
+
+# a reward with spread inside most groups, whatever the model says: the replay buffer has groups to keep
+PARITY_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(len(solution_str) % 2)
+'''
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_seed_workers_as_written(tiny_model_dir, tmp_path):
-    """sampling_worker.py + training_worker.py --no-deepspeed, from the seed's command lines."""
+    """sampling_worker.py + training_worker.py --no-deepspeed, from the seed's command lines, with the trainer's
+    --replay-buffer-size: the trainer's replay source wraps the batches its sampler sends."""
+    (tmp_path / "reward.py").write_text(PARITY_REWARD)
     ports = [str(p) for p in free_ports(2)]
     common = ["--data-port", ports[0], "--sync-port", ports[1], "--model-path", str(tiny_model_dir)]
+    # 64 rows: the prompt accounting of assert_each_row_once follows the trainer's data order over that many
     trainer = _root_script("training_worker.py", "--gpu-id", "0", *common, "--no-deepspeed", "--max-steps", "2",
                            "--batch-size", "4", "--group-size", "4", "--output-dir", str(tmp_path), "--threads", "1",
-                           "data.train_size=32", "data.val_size=4", "rollout.max_new_tokens=8",
+                           "--replay-buffer-size", "8", "pipeline.replay_share=0.5",
+                           f"algorithm.reward_fn={tmp_path}/reward.py:compute_score",
+                           "data.train_size=64", "data.val_size=4", "rollout.max_new_tokens=8",
                            "trainer.progress_bar=false", cwd=tmp_path)
-    finish(trainer, _root_script("sampling_worker.py", "--gpu-id", "0", *common, "--threads", "1", cwd=tmp_path))
-    assert (tmp_path / "grpo_zmq" / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
-    assert len(trained_rows(tmp_path / "grpo_zmq")) == 2
+    out, _ = finish(trainer, _root_script("sampling_worker.py", "--gpu-id", "0", *common, "--threads", "1",
+                                          cwd=tmp_path))
+    run = tmp_path / "grpo_zmq"
+    assert (run / "checkpoints" / "global_step_2" / "model" / "model.safetensors").is_file()
+    assert len(trained_rows(run)) == 2
+    assert "replay buffer:" in out
+    rows = [json.loads(x) for x in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "replay/buffer_size" in r]
+    assert len(steps) == 2 and steps[0]["replay/buffer_size"] >= 1 and steps[1]["replay/groups_replaced"] >= 1
+    # the flag turned on the IS correction that replayed (off-policy) groups need
+    assert "rollout/is_weight_mean" in steps[1]
+    # a replayed group is a reuse, never a new prompt: the rows each step accounts for are the sampler's new ones,
+    # each dataset row drawn trained exactly once
+    assert_each_row_once(run, 2)
 
 
 @pytest.mark.parametrize("argv, said", [(["--training-gpus", "a,b"], "--training-gpus 'a,b': give comma-separated"),

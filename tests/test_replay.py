@@ -353,23 +353,5 @@ def test_replay_may_be_turned_on_and_off_across_a_resume(tiny_model_dir, tmp_pat
     assert "replay/buffer_size" in _metrics(tmp_path, "switch")[2]
 
 
-@pytest.mark.timeout(400)
-def test_zmq_trainer_replays_groups_of_its_samplers(tiny_model_dir, tmp_path):
-    """The ZeroMQ placement: the trainer's replay source wraps the batches its sampler sends."""
-    from alignrl.runtime.ports import free_ports
-    from zmqpipeline import assert_each_row_once, finish, overrides, sampler, spawn
-
-    (tmp_path / "reward.py").write_text(REWARD)
-    ports = free_ports(2)
-    trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "zmq", 2, ports, "pipeline.placement=zmq",
-                                                 "pipeline.peer_timeout_s=120", "pipeline.replay_buffer_size=8",
-                                                 "pipeline.replay_share=0.5", "algorithm.rollout_is=token",
-                                                 f"algorithm.reward_fn={tmp_path}/reward.py:compute_score"))
-    out, _ = finish(trainer, sampler(tiny_model_dir, ports))
-    assert "replay buffer:" in out
-    rows = [json.loads(x) for x in (tmp_path / "zmq" / "logs" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "replay/buffer_size" in r]
-    assert len(steps) == 2 and steps[0]["replay/buffer_size"] >= 1 and steps[1]["replay/groups_replaced"] >= 1
-    # a replayed group is a reuse, never a new prompt: the rows each step accounts for are the sampler's new ones,
-    # each dataset row drawn trained exactly once
-    assert_each_row_once(tmp_path / "zmq", 2)
+# The ZeroMQ trainer replaying groups of its sampler (training_worker.py --replay-buffer-size): test_pipeline_zmq's
+# test_seed_workers_as_written.

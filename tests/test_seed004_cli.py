@@ -46,8 +46,9 @@ def test_communication_test_runs_between_two_processes_on_the_given_ports(tiny_m
     assert len(pids) == 2 and pids[0] != pids[1], line  # the trainer side and a second process, the sampler side
     # the seed's schema: reference log-probs are an ndarray, made by the sampler side
     assert "ref_policy_log_probs: numpy.ndarray float32" in out.stdout, out.stdout
-    for field in ("prefix_token_ids", "whole_token_ids", "old_policy_log_probs: numpy.ndarray", "MiB/s",
-                  "communication_test: OK"):
+    # the sample printed holds every field of the seed's message
+    for field in ("prefix_token_ids", "generated_token_ids", "whole_token_ids", "is_finished", "reward_info",
+                  "old_policy_log_probs: numpy.ndarray", "ref_policy_log_probs", "MiB/s", "communication_test: OK"):
         assert field in out.stdout, field
 
 
