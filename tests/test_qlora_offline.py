@@ -92,6 +92,42 @@ def test_a_resumed_4bit_sft_run_equals_the_whole_one(sft_4bit_run, tiny_model_di
         torch.testing.assert_close(whole[k], again[k], rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.parametrize("extra, said", [
+    (["bnb_4bit_quant_type=fp4"], "was trained over a base quantized as load_in_4bit=True, load_in_8bit=False, "
+                                  "bnb_4bit_quant_type=nf4"),
+    (["load_in_4bit=false", "lora_export=adapter"], "and this run's is none: resume with the load_in_4bit"),
+    (["lora_alpha=16"], "holds adapters of r=4, lora_alpha=8, use_rslora=False and this run's are r=4, lora_alpha=16"),
+    (["lora_rank=8"], "holds adapters of r=4"),
+    (["use_lora=false", "load_in_4bit=false"], "holds LoRA adapters and this run trains none: resume with use_lora=true"),
+    (["other-base"], "holds adapters trained over other base weights than model_path's"),
+])
+def test_a_checkpoint_of_adapters_resumed_over_another_base_or_adapters_is_one_line(sft_4bit_run, tiny_model_dir,
+                                                                                      capsys, extra, said):
+    """The checkpoint holds the adapters alone: the base they trained over (its weights, its quantization) and their
+    rank and scale are recorded, and a resume that differs stops before loading anything."""
+    from alignrl.models.loader import load_model
+    from alignrl.preference.sft_cli import sft_main
+
+    tmp, _ = sft_4bit_run
+    model_dir = tiny_model_dir
+    if extra == ["other-base"]:  # the same shapes and names, other weights
+        import shutil
+
+        model_dir = tmp / "other_base"
+        shutil.copytree(tiny_model_dir, model_dir, dirs_exist_ok=True)
+        model, _ = load_model(str(tiny_model_dir))
+        with torch.no_grad():
+            model.model.layers[0].self_attn.q_proj.weight.add_(0.5)
+        model.save_pretrained(str(model_dir))
+        extra = []
+    capsys.readouterr()
+    rc = sft_main([f"model_path={model_dir}", f"train_files=[{tmp / 'rows.jsonl'}]", "batch_size=2", "max_steps=4",
+                   *OFFLINE_QLORA, *extra, "--output_dir", str(tmp / "again"), "--logging_dir", str(tmp / "again_l"),
+                   f"resume_from={tmp / 'whole.checkpoints' / 'step_2'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and any(said in line for line in err), err[-3:]
+
+
 @pytest.mark.parametrize("extra", [[], ["precompute_ref_log_probs=true"]])
 def test_a_4bit_dpo_run_trains_against_the_base_with_its_adapters_off(tiny_model_dir, tmp_path, capsys, extra):
     from alignrl.preference.cli import dpo_main

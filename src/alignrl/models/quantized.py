@@ -101,8 +101,8 @@ def load_4bit(folder: Path, compute_dtype: torch.dtype, four_bit: FourBit, devic
     """The model of `folder` (a causal LM, or `model_class`'s: a critic's token classifier) with its linear layers
     quantized to 4 bits as they load, on `device` (default: the first CUDA device, else the CPU): bitsandbytes
     quantizes a layer where it is placed, so each rank loads onto its own device. The output head, the embeddings and
-    the modules named `keep` (a critic's new value head, which no folder holds: there are no weights to quantize)
-    stay in `compute_dtype`."""
+    the modules named `keep` (a critic's value head, new or a reward model's, which trains whole) stay in
+    `compute_dtype`."""
     from transformers import AutoModelForCausalLM
 
     config = bnb_config(compute_dtype, four_bit, keep)

@@ -21,7 +21,7 @@ from alignrl.models.vision import encoder_in_every_forward, is_vision_folder, is
 def load_value_model(path: str, dtype: str = "float32", seed: int = 0, log=print, four_bit: FourBit | None = None,
                      device: torch.device | None = None):
     """The value model of `path` in `dtype`; with `four_bit` (QLoRA's critic, as OpenRLHF quantizes it) its linear
-    layers quantized on `device` as they load, the new value head not, every weight frozen for the adapters."""
+    layers quantized on `device` as they load, the value head not, every weight frozen for the adapters."""
     from transformers import AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 

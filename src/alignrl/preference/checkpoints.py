@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from alignrl.config import ConfigError
+from alignrl.preference.checkpoint_base import base_problem, base_record
 
 WEIGHTS, STATE, REFERENCE = "weights.safetensors", "state.json", "reference.safetensors"
 
@@ -51,6 +52,7 @@ def save_checkpoint(root: Path, step: int, engine, lam, env, reference=None, run
         # tied tensors (input and output embeddings) are written as two copies: safetensors keeps no aliases
         save_file({k: v.detach().contiguous().clone() for k, v in (kept or weights).items()}, str(tmp / WEIGHTS))
         state = {"step": step, "weights": "trained" if kept else "all",
+                 **({"base": base_record(engine.model)} if kept else {}),
                  **({"lambda_state": lam.state.state_dict()} if lam is not None else {}),
                  **({"bco_pair": running.state_dict()} if running is not None else {}),
                  **({"setting": setting} if setting is not None else {})}
@@ -94,8 +96,17 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None, runni
     if running is not None and "bco_pair" not in state:  # δ would start again from 0: not the run that was saved
         raise ConfigError(f"resume_from={folder} holds no running reward mean of bco_pair: it was written with a "
                           "loss_type without bco_pair; resume with that loss_type")
+    if state.get("weights") == "trained" and "base" in state:  # the adapters alone: over the base that trained them
+        problem = base_problem(state["base"], base_record(engine.model), folder)
+        if problem:
+            raise ConfigError(problem)
     weights = load_file(str(path / WEIGHTS))
-    missing, unexpected = _load_weights(engine.model, weights)
+    try:
+        missing, unexpected = _load_weights(engine.model, weights)
+    except RuntimeError as e:  # a tensor of another shape (another lora_rank, another model of the same names)
+        first = next((x.strip() for x in str(e).splitlines() if "size mismatch" in x), str(e).splitlines()[0])
+        raise ConfigError(f"resume_from={folder} does not fit this model ({first.rstrip('.')}); resume with the "
+                          "model and LoRA settings that wrote it") from None
     if state.get("weights") == "trained":  # the frozen base came from the model folder, as when the run started
         training = {k for k, p in engine.model.named_parameters() if p.requires_grad}
         missing = [k for k in missing if k in training]
@@ -135,6 +146,8 @@ def _adapter_fix(saved: dict, own: dict) -> str:
     theirs, ours = adapted_modules(saved), adapted_modules(own)
     if not theirs or theirs == ours:
         return "; resume with the config that wrote it"
+    if not ours:
+        return f": it holds LoRA adapters (on {','.join(theirs)}) and this run has none; resume with use_lora=true"
     return (f": its LoRA adapters are on {','.join(theirs)} and this run's on {','.join(ours) or 'no module'}; "
             f"resume naming them: lora_target_modules={','.join(theirs)} ({their_target_flags(theirs)})")
 

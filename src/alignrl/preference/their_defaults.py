@@ -80,7 +80,7 @@ _TRL_COMMON: dict[str, Any] = {
     "eval_strategy": "no",  # TRL measures held-out rows during training only when asked
     "use_lora": False, "lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.05,
     "lora_target_modules": "peft-default",  # ModelConfig's None: PEFT's choice for the architecture
-    "bnb_4bit_use_double_quant": False}  # ModelConfig's use_bnb_nested_quant: a 4-bit base's scales stay 8-bit
+    "bnb_4bit_use_double_quant": False}  # ModelConfig's use_bnb_nested_quant: a 4-bit base's block scales stay float32
 # TRL templates a row of chat messages only: a string prompt is text (maybe_apply_chat_template)
 TRL_DEFAULTS: dict[str, dict[str, Any]] = {
     "rm": {**_TRL_COMMON, "learning_rate": 1e-4, "max_length": 1024, "apply_chat_template": False},
