@@ -65,6 +65,34 @@ def test_a_resume_with_adapters_on_other_modules_names_the_checkpoints(tiny_mode
            "k_proj,o_proj,q_proj,up_proj,v_proj" in str(e.value), str(e.value)
 
 
+def test_a_resume_over_another_base_or_other_adapter_settings_is_one_line(tiny_model_dir, tmp_path):
+    """trained.safetensors holds the adapters alone: the base they trained over (its weights' digest, its
+    quantization) and their rank and scale are written beside them, and a resume that differs is one line."""
+    import shutil
+
+    from alignrl.models.folder import ModelError
+
+    def adapted(folder, alpha=8):
+        return lora.add_adapters(load_model(str(folder))[0], lora.lora_spec(4, alpha, target_modules="q_proj,v_proj"))
+
+    saved = adapted(tiny_model_dir)
+    lora.save_trained(saved, saved.state_dict(), tmp_path / "state")
+    assert lora.load_trained(adapted(tiny_model_dir), tmp_path / "state")
+    with pytest.raises(ModelError, match="holds adapters of r=4, lora_alpha=8, use_rslora=False and this run's are "
+                                         "r=4, lora_alpha=16, use_rslora=False: resume with the model.lora_rank and "
+                                         "model.lora_alpha that wrote it"):
+        lora.load_trained(adapted(tiny_model_dir, alpha=16), tmp_path / "state")
+    other = tmp_path / "other"  # the same names and shapes, other weights
+    shutil.copytree(tiny_model_dir, other)
+    model = load_model(str(tiny_model_dir))[0]
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(2)
+    model.save_pretrained(str(other))
+    with pytest.raises(ModelError, match="holds adapters trained over other base weights than this run's: resume with "
+                                         r"the model.path \(or critic.model_path\) that wrote it"):
+        lora.load_trained(adapted(other), tmp_path / "state")
+
+
 # peft's own loader asks transformers 5 for `is_gradient_checkpointing`, which warns that it is deprecated: not ours
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_lora_adapter_export_loads_with_peft(tiny_model_dir, tmp_path):

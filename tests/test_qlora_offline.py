@@ -98,8 +98,10 @@ def test_a_resumed_4bit_sft_run_equals_the_whole_one(sft_4bit_run, tiny_model_di
     (["load_in_4bit=false", "lora_export=adapter"], "and this run's is none: resume with the load_in_4bit"),
     (["lora_alpha=16"], "holds adapters of r=4, lora_alpha=8, use_rslora=False and this run's are r=4, lora_alpha=16"),
     (["lora_rank=8"], "holds adapters of r=4"),
-    (["use_lora=false", "load_in_4bit=false"], "holds LoRA adapters and this run trains none: resume with use_lora=true"),
-    (["other-base"], "holds adapters trained over other base weights than model_path's"),
+    (["use_lora=false", "load_in_4bit=false"], "holds LoRA adapters and this run trains none: resume with "
+                                               "use_lora=true"),
+    (["other-base"], "holds adapters trained over other base weights than this run's: resume with the "
+                     "model_path"),
 ])
 def test_a_checkpoint_of_adapters_resumed_over_another_base_or_adapters_is_one_line(sft_4bit_run, tiny_model_dir,
                                                                                       capsys, extra, said):

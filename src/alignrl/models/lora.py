@@ -7,6 +7,7 @@ term is the same model with its adapters switched off (`adapters_off`), so no se
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from alignrl.models.adapter_base import RL_NAMES, base_problem, base_record
 from alignrl.models.folder import ModelError
 
 # peft wraps a model as base_model.model.<name> and a wrapped linear's own weight as <name>.base_layer.weight
@@ -258,6 +260,7 @@ def outgoing(model: torch.nn.Module, state: dict[str, torch.Tensor], names: list
 
 TRAINED_FILE = "trained.safetensors"  # every parameter that trains, by its wrapped name: exact resume
 ADAPTER_DIR = "adapter"
+BASE_FILE = "adapter_base.json"  # the base and adapter settings the trained tensors go with (`adapter_base`)
 
 
 def trained_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -275,6 +278,7 @@ def save_trained(model: torch.nn.Module, state: dict[str, torch.Tensor], folder:
     save_file(trained_state(model, state), str(folder / TRAINED_FILE))
     if has_adapters(model):
         write_adapter(model, state, folder / ADAPTER_DIR)
+        (folder / BASE_FILE).write_text(json.dumps(base_record(model), indent=1) + "\n")
 
 
 def adapted_modules(names) -> list[str]:
@@ -297,6 +301,11 @@ def load_trained(model: torch.nn.Module, folder: Path) -> bool:
     path = folder / TRAINED_FILE
     if not path.is_file():
         return False
+    record = folder / BASE_FILE  # what the adapters trained over (checkpoints before it was written: not checked)
+    problem = base_problem(json.loads(record.read_text()), base_record(model), f"checkpoint {folder}",
+                           RL_NAMES) if record.is_file() else None
+    if problem:
+        raise ModelError(problem)
     saved = load_file(str(path))
     want = set(trainable_names(model))
     if set(saved) != want:

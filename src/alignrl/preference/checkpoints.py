@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from alignrl.config import ConfigError
-from alignrl.preference.checkpoint_base import base_problem, base_record
+from alignrl.models.adapter_base import base_problem, base_record
 
 WEIGHTS, STATE, REFERENCE = "weights.safetensors", "state.json", "reference.safetensors"
 
@@ -97,7 +97,7 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None, runni
         raise ConfigError(f"resume_from={folder} holds no running reward mean of bco_pair: it was written with a "
                           "loss_type without bco_pair; resume with that loss_type")
     if state.get("weights") == "trained" and "base" in state:  # the adapters alone: over the base that trained them
-        problem = base_problem(state["base"], base_record(engine.model), folder)
+        problem = base_problem(state["base"], base_record(engine.model), f"resume_from={folder}")
         if problem:
             raise ConfigError(problem)
     weights = load_file(str(path / WEIGHTS))
