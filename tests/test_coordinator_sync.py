@@ -423,6 +423,21 @@ def test_a_finished_run_says_done_until_each_live_sampler_has_asked(served):
         beat.close()
 
 
+def test_a_sampler_told_done_as_the_run_stops_counts_as_told(served):
+    """A request the stop overtook (the sync thread waiting for requests when close() stopped it, the sampler's
+    answered "done" in that same pass): the sampler exits and never asks again, so it must count as told, and the
+    finished run ends after its 3 s farewell instead of waiting out a heartbeat window (23 s here) for it."""
+    ask = {"sampler_id": "s", "proc": "p", "incarnation": "i", "version": 0}
+    with Requester(served.replier.addr) as req:
+        assert req.request("alive", ask, timeout_s=5).kind == "ok"  # heard from before the end
+        served.server.say_done = True
+        served.server.stopped_at = time.monotonic()  # as close() stops the server (without its wake-up)
+        served.server.stop.set()
+        assert req.request("alive", ask, timeout_s=5).kind == "done"
+    served.server.thread.join(timeout=12)
+    assert not served.server.thread.is_alive()
+
+
 def test_a_sampler_stopped_past_its_peer_timeout_still_waits_for_the_trainer(monkeypatch):
     """A sampler process stopped (SIGSTOP, a suspended machine) for longer than --peer-timeout: its first request
     after waking times out at once, which is no sign that the trainer is gone; the silence counts from then."""

@@ -60,6 +60,7 @@ class SyncServer:
         self.say_done = True  # once stopped: whether samplers are told the run is over
         self.parked: dict[bytes, tuple[dict, float]] = {}  # work requests waiting for a lease (sync thread)
         self.seen: dict[str, float] = {}  # when each sampler process was last heard from (sync thread)
+        self.stopped_at = 0.0  # when close() stopped the server: a request answered after it was told "done"
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -72,6 +73,7 @@ class SyncServer:
         wait for the restarted trainer (up to their --peer-timeout) as they do after a kill -9."""
         if self.thread is not None:
             self.say_done = finished
+            self.stopped_at = time.monotonic()
             self.stop.set()
             self.replier.wake()  # not a poll period later
             self.thread.join(timeout=10 + self.p.heartbeat_timeout_s)  # a finished run's "done" window
@@ -84,11 +86,10 @@ class SyncServer:
         self.replier.wake()  # parked work requests can be answered now: weights, then a lease
 
     def _serve(self) -> None:
-        stopped_at = None
         while True:
             if self.stop.is_set():
-                stopped_at = stopped_at or time.monotonic()
-                if not self.say_done or self._all_told(stopped_at):
+                self.stopped_at = self.stopped_at or time.monotonic()  # close() sets it as it stops; a bare stop: now
+                if not self.say_done or self._all_told(self.stopped_at):
                     return
             try:
                 got = self.replier.recv(POLL_S)
@@ -133,7 +134,7 @@ class SyncServer:
         meta = msg.meta
         self.seen[process_of(meta)] = time.monotonic()
         if msg.kind == "alive":
-            self._alive(peer)
+            self._alive(peer, meta)
         elif msg.kind == "hello":
             self._hello(peer, meta)
         elif msg.kind == "bye":
@@ -146,12 +147,18 @@ class SyncServer:
         else:
             self.replier.reply_msg(peer, "error", {"message": f"unknown request {msg.kind!r}"})
 
-    def _alive(self, peer: bytes) -> None:
+    def _alive(self, peer: bytes, meta: dict) -> None:
         """A sampler's heartbeat, also sent while it generates."""
         if not self.stop.is_set():
             self.replier.reply_msg(peer, "ok", {})
         elif self.say_done:  # a sampler still generating when the run ended stops without its batch
-            self.replier.reply_msg(peer, "done", {})
+            self._done(peer, meta)
+
+    def _done(self, peer: bytes, meta: dict) -> None:
+        """Tells a sampler the run is over. It counts as told (`_all_told`) from now, however close to the stop its
+        request came: it exits and never asks again, and a finished run would otherwise wait its window out."""
+        self.seen[process_of(meta)] = time.monotonic()
+        self.replier.reply_msg(peer, "done", {})
 
     def _hello(self, peer: bytes, meta: dict) -> None:
         """A sampler's first request: its model and reference are checked before it is told the run config."""
@@ -184,7 +191,7 @@ class SyncServer:
         step of a balanced pipeline. After PARK_S it is answered "wait", well within the sampler's timeout."""
         if self.stop.is_set():  # unanswered when the run stopped early: the sampler asks the next trainer
             if self.say_done:
-                self.replier.reply_msg(peer, "done", {})
+                self._done(peer, meta)
             return True
         sampler, now, incarnation = process_of(meta), time.monotonic(), self.welcome.incarnation
         with self.lock:
