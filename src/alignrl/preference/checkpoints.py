@@ -108,7 +108,9 @@ def resume(folder: str, engine, lam, command: str = "dpo", reference=None, runni
         raise ConfigError(f"resume_from={folder} does not fit this model ({first.rstrip('.')}); resume with the "
                           "model and LoRA settings that wrote it") from None
     if state.get("weights") == "trained":  # the frozen base came from the model folder, as when the run started
-        training = {k for k, p in engine.model.named_parameters() if p.requires_grad}
+        from alignrl.models.lora import trainable_names
+
+        training = set(trainable_names(engine.model))
         missing = [k for k in missing if k in training]
     if missing or unexpected:
         name = (missing or unexpected)[0]
@@ -129,12 +131,9 @@ def trained_only(model, weights: dict) -> dict | None:
     """The tensors of `weights` that train (LoRA's adapters, a new head), for a model with adapters: its frozen base
     is the model folder's, loaded again when a run resumes (for a 7B base, some 14 GB a checkpoint not written
     again, 4 GB at 4 bits). None for a model that trains every weight."""
-    from alignrl.models.lora import has_adapters
+    from alignrl.models.lora import has_adapters, trained_state
 
-    if not has_adapters(model):
-        return None
-    training = {k for k, p in model.named_parameters() if p.requires_grad}
-    return {k: v for k, v in weights.items() if k in training}
+    return trained_state(model, weights) if has_adapters(model) else None
 
 
 def _adapter_fix(saved: dict, own: dict) -> str:
