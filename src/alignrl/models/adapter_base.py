@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from alignrl.models.folder import weights_fingerprint
 
 # the quantization settings that change what the frozen base computes (transformers' BitsAndBytesConfig names)
@@ -20,9 +22,10 @@ def base_record(model) -> dict:
     """The frozen base and the adapters of `model` (a peft model, maybe inside an engine's wrapper): its folder's
     weights digest (`folder.weights_fingerprint`; None for weights that are no safetensors, which are not compared:
     they would have to be read whole), its quantization, and r, alpha and rsLoRA of every adapter config."""
-    from alignrl.models.lora import unwrapped  # lora writes and reads these records: imported when one is made
-
-    inner = unwrapped(model)
+    inner = model
+    # lora.unwrapped's loop, not a call: lora imports this module, and the layers test forbids the cycle
+    while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):  # an engine's wrapper
+        inner = inner.module
     config = getattr(inner, "config", None)
     folder = str(getattr(config, "_name_or_path", "") or "")
     digest = weights_fingerprint(Path(folder)) if folder and Path(folder).is_dir() else None
