@@ -469,3 +469,43 @@ def test_a_sampler_stopped_past_its_peer_timeout_still_waits_for_the_trainer(mon
     fake.sync.request = silent
     with pytest.raises(sampler_mod.PipelineError, match="no trainer answered on tcp://127.0.0.1:1 for 10 s"):
         sampler_mod.Sampler.ask(fake, "hello", {})
+
+
+def test_a_sampler_says_it_waits_after_a_second_and_gives_up_at_its_peer_timeout(monkeypatch):
+    """hello's first wait is short, so a sampler started before its trainer says so within a second; the later
+    waits are the usual ones, and the last ends at --peer-timeout, not a whole wait after it."""
+    import threading as _threading
+
+    from alignrl.placements.zmq import sampler as sampler_mod
+    from alignrl.wire.zmq_link import PeerTimeout
+
+    clock, waits, said = [0.0], [], []
+    monkeypatch.setattr(sampler_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(sampler_mod.console, "print", lambda line: said.append((clock[0], line)))
+
+    def silent(kind, meta, timeout_s):
+        waits.append(timeout_s)
+        clock[0] += timeout_s
+        raise PeerTimeout("no answer")
+
+    fake = SimpleNamespace(args=SimpleNamespace(peer_timeout=12.0), beat=SimpleNamespace(over=_threading.Event()),
+                           sync=SimpleNamespace(request=silent, addr="tcp://127.0.0.1:1"), id="s")
+    with pytest.raises(sampler_mod.PipelineError, match="no trainer answered on tcp://127.0.0.1:1 for 12 s"):
+        sampler_mod.Sampler.ask(fake, "hello", {}, first_s=1.0)
+    assert waits == [1.0, 5.0, 5.0, 1.0] and clock[0] == 12.0
+    assert len(said) == 1 and said[0][0] == 1.0 and "waiting for a trainer on tcp://127.0.0.1:1" in said[0][1]
+
+
+def test_a_sampler_that_never_met_a_trainer_stops_without_a_goodbye():
+    """Ctrl-C of a sampler still waiting for its trainer: no farewell to send, and no wait for the heartbeat's
+    request in flight (it had waited up to 3 s for nobody)."""
+    from alignrl.placements.zmq import sampler as sampler_mod
+
+    closed = []
+    beat = SimpleNamespace(answered_at=0.0, close=lambda wait=True: closed.append(wait))
+    fake = SimpleNamespace(trainer=None, beat=beat, sync=None)  # a bye request would fail on sync=None
+    fake.met_a_trainer = sampler_mod.Sampler.met_a_trainer.fget(fake)
+    sampler_mod.Sampler.bye(fake)
+    assert closed == [False]
+    beat.answered_at = 5.0
+    assert sampler_mod.Sampler.met_a_trainer.fget(fake)

@@ -71,9 +71,12 @@ class Heartbeat:
                 except (PeerTimeout, WireError):
                     pass  # the trainer is away: the main loop waits for it (--peer-timeout)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stops the beats; `wait` for the one in flight (at most 2 * BEAT_S), so that no late "alive" tells a
+        trainer of a process that is gone. A trainer that never answered has nothing to be told."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        if wait:
+            self._thread.join(timeout=5)
 
 
 class Sampler:
@@ -109,6 +112,9 @@ class Sampler:
     def bye(self) -> None:
         """Tells the trainer this process stops, so that its prompts go to another sampler now, not after
         pipeline.heartbeat_timeout_s (a socket of its own: the main one may be mid-request)."""
+        if not self.met_a_trainer:
+            self.beat.close(wait=False)  # a sampler still waiting for its trainer stops at once
+            return
         try:
             self.beat.close()
             with Requester(self.sync.addr, token=self.token) as req:
@@ -117,15 +123,20 @@ class Sampler:
             pass  # no trainer to tell, or a second Ctrl-C: the heartbeat's silence says it
 
     @property
+    def met_a_trainer(self) -> bool:
+        """Whether a trainer welcomed this process or answered its heartbeat: one that may hold its prompts."""
+        return self.trainer is not None or self.beat.answered_at > 0
+
+    @property
     def device(self) -> torch.device:
         gpu = self.args.gpu_id
         return torch.device("cuda", gpu if gpu is not None else 0) if torch.cuda.is_available() else torch.device("cpu")
 
-    def ask(self, kind: str, meta: dict, timeout_s: float = 5.0):
+    def ask(self, kind: str, meta: dict, timeout_s: float = 5.0, first_s: float | None = None):
         """One request, retried while the trainer is absent (up to --peer-timeout); "done" once the heartbeat
-        heard it."""
+        heard it. `first_s`: a shorter first wait, after which the sampler says it waits for a trainer."""
         deadline = time.monotonic() + self.args.peer_timeout
-        said, wait_s = False, min(timeout_s, self.args.peer_timeout)
+        said, wait_s = False, min(first_s or timeout_s, self.args.peer_timeout)
         while True:
             if self.beat.over.is_set():
                 return Message("done", {})
@@ -141,16 +152,19 @@ class Sampler:
                     console.print(f"sampler {self.id}: waiting for a trainer on {self.sync.addr} (up to "
                                   f"{self.args.peer_timeout:g} s, --peer-timeout)")
                     said = True
-                if time.monotonic() > deadline:
+                if time.monotonic() >= deadline:
                     raise PipelineError(f"no trainer answered on {self.sync.addr} for {self.args.peer_timeout:g} s: "
                                         "start training_worker.py (or alignrl train grpo pipeline.placement=zmq) "
                                         "with the same --sync-port; a trainer that runs answers on its "
                                         "--sync-port, not its --data-port (swapped?)") from None
+                wait_s = min(timeout_s, deadline - time.monotonic())  # the last wait ends at --peer-timeout
 
     def hello(self) -> RunConfig:
         manifest = {k: [list(v.shape), v.dtype] for k, v in self.manifest.items()}
+        # a sampler started before its trainer says so within a second; a trainer slower than that to answer
+        # is asked again, and a second hello of the same process is answered as the first
         reply = self.ask("hello", {"sampler_id": self.id, "proc": self.proc, "manifest": manifest,
-                                   "can_map": self.can_map, "weights": self.base_weights})
+                                   "can_map": self.can_map, "weights": self.base_weights}, first_s=1.0)
         if reply.kind == "error":
             raise PipelineError(f"trainer refused this sampler: {reply.meta.get('message')}")
         if reply.kind != "welcome" or not isinstance(reply.meta.get("config"), str):
@@ -209,7 +223,7 @@ class Sampler:
         try:
             return self._run()
         finally:  # unmapped before the trainer exits: its CUDA IPC buffers are then released without a warning
-            self.beat.close()
+            self.beat.close(wait=self.met_a_trainer)
             self.shared.close()
 
     def _run(self) -> int:
