@@ -54,18 +54,27 @@ def test_the_base_is_4bit_and_only_adapters_train_and_the_loss_falls(tiny_model_
     assert losses[-1] < losses[0] - 0.05, losses  # the adapters fit the batch through the frozen 4-bit layers
 
 
-@pytest.mark.parametrize("extra, codes, nested", [([], "nf4", True),
-                                                  (["model.bnb_4bit_quant_type=fp4",
-                                                    "model.bnb_4bit_use_double_quant=false"], "fp4", False)])
-def test_the_4bit_codes_and_double_quantization_are_the_configs(tiny_model_dir, extra, codes, nested):
-    """model.bnb_4bit_quant_type and model.bnb_4bit_use_double_quant reach every quantized layer (TRL's
-    --bnb_4bit_quant_type and --use_bnb_nested_quant; OpenRLHF's nf4 with double quantization is the default)."""
+@pytest.mark.parametrize("extra, codes, nested, storage", [
+    ([], "nf4", True, torch.uint8),
+    (["model.bnb_4bit_quant_type=fp4", "model.bnb_4bit_use_double_quant=false"], "fp4", False, torch.uint8),
+    (["model.bnb_4bit_quant_storage=bfloat16"], "nf4", True, torch.bfloat16)])
+def test_the_4bit_codes_and_double_quantization_are_the_configs(tiny_model_dir, extra, codes, nested, storage):
+    """model.bnb_4bit_quant_type, model.bnb_4bit_use_double_quant and model.bnb_4bit_quant_storage reach every
+    quantized layer (TRL's --bnb_4bit_quant_type, --use_bnb_nested_quant and --bnb_4bit_quant_storage; OpenRLHF's
+    nf4 with double quantization in uint8 is the default). The storage dtype only packs the same codes: the loss is
+    the default's to the last bit."""
+    torch.manual_seed(0)
     _, model = _policy(tiny_model_dir, *extra)
     layers = [m for m in lora.base_model(model).modules() if isinstance(m, bnb.nn.Linear4bit)]
-    assert layers and {(m.weight.quant_state.quant_type, m.weight.quant_state.nested) for m in layers} == {
-        (codes, nested)}
-    ids = torch.randint(3, 300, (2, 8))
-    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+    assert layers and {(m.weight.quant_state.quant_type, m.weight.quant_state.nested, m.weight.dtype)
+                       for m in layers} == {(codes, nested, storage)}
+    ids = torch.randint(3, 300, (2, 8), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    assert torch.isfinite(loss)
+    if storage != torch.uint8:
+        torch.manual_seed(0)
+        _, packed_in_bytes = _policy(tiny_model_dir)
+        assert torch.equal(loss, packed_in_bytes(input_ids=ids, labels=ids).loss)
 
 
 def test_the_rollout_engine_decodes_through_the_4bit_layers(tiny_model_dir):
@@ -230,6 +239,10 @@ def test_trl_load_in_4bit_with_peft_is_qlora_and_without_it_one_line(tiny_model_
     assert {"model.bnb_4bit_quant_type=fp4", "model.bnb_4bit_use_double_quant=true"} <= set(words), words
     with pytest.raises(TrlFlagError, match="--bnb_4bit_quant_type int4: give nf4 or fp4"):
         from_line([*line, "--bnb_4bit_quant_type", "int4"])
+    assert cfg.model.bnb_4bit_quant_storage == "uint8"  # TRL's ModelConfig default
+    assert "model.bnb_4bit_quant_storage=bfloat16" in from_line([*line, "--bnb_4bit_quant_storage", "bfloat16"])[0]
+    with pytest.raises(TrlFlagError, match="--bnb_4bit_quant_storage bf16: give one of uint8, int8, float16"):
+        from_line([*line, "--bnb_4bit_quant_storage", "bf16"])
     with pytest.raises(TrlFlagError, match=r"--load_in_4bit quantizes the frozen base under LoRA adapters \(QLoRA\), "
                                            "and trains nothing without them: add --use_peft"):
         from_line([w for w in line if w != "--use_peft"])

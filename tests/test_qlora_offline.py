@@ -193,8 +193,10 @@ def test_trl_and_openrlhf_load_in_4bit_on_the_offline_commands(capsys):
         cfg = parse([*trl, "--use_peft", "--lora_r", "4", "--load_in_4bit"])
         assert (cfg.use_lora, cfg.lora_rank, cfg.load_in_4bit, cfg.lora_export) == (True, 4, True, "adapter")
         assert (cfg.bnb_4bit_quant_type, cfg.bnb_4bit_use_double_quant) == ("nf4", False)  # TRL's ModelConfig
-        nested = parse([*trl, "--use_peft", "--load_in_4bit", "--use_bnb_nested_quant", "--bnb_4bit_quant_type=fp4"])
+        nested = parse([*trl, "--use_peft", "--load_in_4bit", "--use_bnb_nested_quant", "--bnb_4bit_quant_type=fp4",
+                        "--bnb_4bit_quant_storage", "bfloat16"])
         assert (nested.bnb_4bit_quant_type, nested.bnb_4bit_use_double_quant) == ("fp4", True)
+        assert (cfg.bnb_4bit_quant_storage, nested.bnb_4bit_quant_storage) == ("uint8", "bfloat16")
         with pytest.raises(ConfigError, match="trains nothing without them: set use_lora=true"):
             parse([*trl, "--load_in_4bit"])
     assert not parse_sft([*trl, "--use_peft", "--load_in_4bit", "false"]).load_in_4bit

@@ -25,7 +25,7 @@ MARKERS = ("model_name_or_path", "dataset_name", "reward_funcs", "num_generation
            "num_train_epochs", "max_steps", "output_dir", "use_peft")
 TRUE_WORDS, FALSE_WORDS = ("true", "yes", "1"), ("false", "no", "0")
 LISTS = ("reward_funcs", "lora_target_modules", "report_to")  # several words each
-FOUR_BIT = ("bnb_4bit_quant_type", "use_bnb_nested_quant")  # ModelConfig's, read only with --load_in_4bit
+FOUR_BIT = ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage")  # ModelConfig's, read only with --load_in_4bit
 
 
 class TrlFlagError(ConfigError):
@@ -50,6 +50,7 @@ TAKEN = [
     Flag("use_peft", "bool", False), Flag("lora_r", int, 16), Flag("lora_alpha", int, 32),
     Flag("lora_dropout", float, 0.05), Flag("lora_target_modules", "list", None),
     Flag("bnb_4bit_quant_type", str, "nf4"), Flag("use_bnb_nested_quant", "bool", False),
+    Flag("bnb_4bit_quant_storage", str, "uint8"),
     # GRPOConfig
     Flag("learning_rate", float, 1e-6), Flag("num_generations", int, 8), Flag("max_prompt_length", int, 512),
     Flag("max_completion_length", int, 256), Flag("temperature", float, 1.0), Flag("top_p", float, 1.0),

@@ -20,6 +20,7 @@ from pathlib import Path
 from alignrl.compat import trl_grpo_flags as F
 from alignrl.compat.trl_grpo_flags import FOUR_BIT, TAKEN, TrlFlagError
 from alignrl.compat.trl_generation_kwargs import generation_keys
+from alignrl.config.model_schema import STORAGE_DTYPES
 from alignrl.compat.trl_grpo_loss import loss_keys, ref_sync_keys
 from alignrl.data.sources import is_library_dataset, with_config, with_split
 from alignrl.rewards.trl_reward import BUILT_IN, spec_of
@@ -295,13 +296,21 @@ def run_keys(args, batches: Batches) -> list[str]:
         out += [f"model.lora_rank={args.lora_r}", f"model.lora_alpha={args.lora_alpha}",
                 f"model.lora_dropout={args.lora_dropout}",
                 f"model.target_modules={json.dumps(targets) if targets else 'peft-default'}"]
-        if args.bnb_4bit_quant_type not in ("nf4", "fp4"):
-            raise TrlFlagError(f"--bnb_4bit_quant_type {args.bnb_4bit_quant_type}: give nf4 or fp4")
-        # with --load_in_4bit (its keys come from the line's split): TRL's codes, and its double quantization off
-        # unless --use_bnb_nested_quant
-        out += [f"model.bnb_4bit_quant_type={args.bnb_4bit_quant_type}",
-                f"model.bnb_4bit_use_double_quant={str(args.use_bnb_nested_quant).lower()}"]
+        out += four_bit_keys(args)
     return out
+
+
+def four_bit_keys(args) -> list[str]:
+    """The keys of TRL's 4-bit flags, read with --load_in_4bit (its keys come from the line's split): TRL's codes,
+    its double quantization off unless --use_bnb_nested_quant, and its storage dtype."""
+    if args.bnb_4bit_quant_type not in ("nf4", "fp4"):
+        raise TrlFlagError(f"--bnb_4bit_quant_type {args.bnb_4bit_quant_type}: give nf4 or fp4")
+    if args.bnb_4bit_quant_storage not in STORAGE_DTYPES:
+        raise TrlFlagError(f"--bnb_4bit_quant_storage {args.bnb_4bit_quant_storage}: give one of "
+                           f"{', '.join(STORAGE_DTYPES)}")
+    return [f"model.bnb_4bit_quant_type={args.bnb_4bit_quant_type}",
+            f"model.bnb_4bit_use_double_quant={str(args.use_bnb_nested_quant).lower()}",
+            f"model.bnb_4bit_quant_storage={args.bnb_4bit_quant_storage}"]
 
 
 def defaults_line(args) -> str:

@@ -32,7 +32,7 @@ WHAT = "online DPO"
 # with the same defaults (TRL's base config: logging_steps 10, gradient_checkpointing True, bf16)
 SHARED = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "model_name_or_path",
           "dtype", "torch_dtype", "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-          "bnb_4bit_quant_type", "use_bnb_nested_quant",
+          "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage",
           "top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs", "gradient_checkpointing",
           "reward_weights", "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size",
           "gradient_accumulation_steps", "max_steps", "num_train_epochs", "lr_scheduler_type", "warmup_ratio",

@@ -8,6 +8,9 @@ from typing import Any
 
 from alignrl.config.option import opt
 
+# the dtypes bitsandbytes packs 4-bit codes in (transformers' BitsAndBytesConfig accepts these names)
+STORAGE_DTYPES = ("uint8", "int8", "float16", "bfloat16", "float32", "float64")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -39,3 +42,8 @@ class ModelConfig:
     bnb_4bit_use_double_quant: bool = opt(True, "with model.load_in_4bit, quantize the blocks' scales again (about "
                                                 "0.4 bits a weight saved; OpenRLHF's setting, TRL's "
                                                 "--use_bnb_nested_quant, off by default there)")
+    bnb_4bit_quant_storage: str = opt("uint8", "the dtype model.load_in_4bit packs its 4-bit codes in (two codes a "
+                                               "byte): the same codes and results in any of them; FSDP-QLoRA recipes "
+                                               "give the model's dtype so that one flat buffer holds every parameter "
+                                               "(TRL's --bnb_4bit_quant_storage)",
+                                      choices=STORAGE_DTYPES)

@@ -13,7 +13,8 @@ import torch
 
 from alignrl.models.folder import weights_fingerprint
 
-# the quantization settings that change what the frozen base computes (transformers' BitsAndBytesConfig names)
+# the quantization settings that change what the frozen base computes (transformers' BitsAndBytesConfig names;
+# bnb_4bit_quant_storage is no such setting: it is the dtype the same packed codes are viewed as)
 _QUANT_KEYS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
 _LORA_KEYS = ("r", "lora_alpha", "use_rslora")
 

@@ -72,16 +72,18 @@ def require_bitsandbytes(key: str = "model.load_in_4bit"):
 
 @dataclass(frozen=True)
 class FourBit:
-    """How a 4-bit base is quantized: bitsandbytes' codes (nf4: NormalFloat, QLoRA's; fp4) and whether each block's
-    scale is quantized again (double quantization, about 0.4 bits a weight saved)."""
+    """How a 4-bit base is quantized: bitsandbytes' codes (nf4: NormalFloat, QLoRA's; fp4), whether each block's
+    scale is quantized again (double quantization, about 0.4 bits a weight saved), and the dtype the packed codes are
+    stored in (a storage view: the codes, and so every result, are the same in each)."""
 
     quant_type: str = "nf4"
     double_quant: bool = True
+    storage: str = "uint8"
 
     @classmethod
     def of(cls, cfg) -> FourBit:
         """The settings of a config with transformers' names for them (RunConfig.model, an offline trainer's)."""
-        return cls(cfg.bnb_4bit_quant_type, cfg.bnb_4bit_use_double_quant)
+        return cls(cfg.bnb_4bit_quant_type, cfg.bnb_4bit_use_double_quant, cfg.bnb_4bit_quant_storage)
 
 
 def bnb_config(compute_dtype: torch.dtype, four_bit: FourBit, keep: tuple[str, ...] = ()):
@@ -93,6 +95,7 @@ def bnb_config(compute_dtype: torch.dtype, four_bit: FourBit, keep: tuple[str, .
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=four_bit.quant_type,
                               bnb_4bit_use_double_quant=four_bit.double_quant, bnb_4bit_compute_dtype=compute_dtype,
+                              bnb_4bit_quant_storage=getattr(torch, four_bit.storage),
                               llm_int8_skip_modules=list(keep) or None)
 
 

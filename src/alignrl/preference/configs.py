@@ -10,6 +10,7 @@ from string import Formatter
 from typing import Any
 
 from alignrl.config import ConfigError, opt
+from alignrl.config.model_schema import STORAGE_DTYPES
 
 
 class LossNames(tuple):
@@ -113,6 +114,9 @@ class CommonConfig:
                                    choices=("nf4", "fp4"))
     bnb_4bit_use_double_quant: bool = opt(True, "with load_in_4bit, quantize the blocks' scales again (about 0.4 bits "
                                                 "a weight saved; OpenRLHF's setting)")
+    bnb_4bit_quant_storage: str = opt("uint8", "the dtype load_in_4bit packs its 4-bit codes in: the same codes and "
+                                               "results in any of them (TRL's --bnb_4bit_quant_storage)",
+                                      choices=STORAGE_DTYPES)
     eval_steps: float = opt(0, "also measure the held-out pairs every N optimizer steps (eval/* metrics); below 1: "
                                "that share of the run's steps (TRL's ratio form); 0: only "
                              "before and after training", ge=0)

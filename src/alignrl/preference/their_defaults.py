@@ -36,7 +36,8 @@ TRL_NAMES = frozenset({
 SHARED_NAMES = frozenset({"logging_steps"})
 
 # the keys that act only with LoRA: taken (and said) only when the line trains adapters
-LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "bnb_4bit_use_double_quant")
+LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "bnb_4bit_use_double_quant",
+             "bnb_4bit_quant_storage")
 # sft's key that acts only with packing: taken (and said) only when the line packs (TRL's --packing: bfd)
 PACKING_ONLY = ("packing_strategy",)
 
