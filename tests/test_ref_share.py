@@ -143,7 +143,7 @@ def test_a_reference_sharded_over_the_trainers_ranks_completes_uneven_shares(tin
     from alignrl.runtime.ports import free_port
     from conftest import run_group, src_path
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "60", "PYTHONPATH": src_path()}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ALIGNRL_DIST_TIMEOUT": "150", "PYTHONPATH": src_path()}
     worker = Path(__file__).parent / "workers" / "ref_share_worker.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "--master_addr=127.0.0.1", str(worker), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r")]
