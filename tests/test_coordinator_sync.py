@@ -509,3 +509,29 @@ def test_a_sampler_that_never_met_a_trainer_stops_without_a_goodbye():
     assert closed == [False]
     beat.answered_at = 5.0
     assert sampler_mod.Sampler.met_a_trainer.fget(fake)
+
+
+def test_hello_waits_a_second_first_and_a_run_that_met_no_trainer_ends_without_waiting_for_its_heartbeat():
+    """The two places the sampler uses what the tests above test: hello asks with the short first wait, and a sampler
+    stopped (Ctrl-C) before any trainer answered closes its heartbeat without waiting; one that met a trainer waits."""
+    from alignrl.placements.zmq import sampler as sampler_mod
+    from alignrl.wire.zmq_link import Message
+
+    asked = []
+    fake = SimpleNamespace(manifest={}, id="s", proc="p", can_map={}, base_weights="w",
+                           ask=lambda kind, meta, **kw: asked.append((kind, kw)) or Message("error", {"message": "no"}))
+    with pytest.raises(sampler_mod.PipelineError, match="trainer refused this sampler: no"):
+        sampler_mod.Sampler.hello(fake)
+    assert asked == [("hello", {"first_s": 1.0})]
+
+    def stopped():
+        raise KeyboardInterrupt
+
+    for answered_at, waited in ((0.0, False), (5.0, True)):
+        closed = []
+        beat = SimpleNamespace(answered_at=answered_at, close=lambda wait=True, closed=closed: closed.append(wait))
+        fake = SimpleNamespace(trainer=None, beat=beat, shared=SimpleNamespace(close=lambda: None), _run=stopped)
+        fake.met_a_trainer = sampler_mod.Sampler.met_a_trainer.fget(fake)
+        with pytest.raises(KeyboardInterrupt):
+            sampler_mod.Sampler.run(fake)
+        assert closed == [waited]

@@ -75,6 +75,13 @@ def test_the_4bit_codes_and_double_quantization_are_the_configs(tiny_model_dir, 
         torch.manual_seed(0)
         _, packed_in_bytes = _policy(tiny_model_dir)
         assert torch.equal(loss, packed_in_bytes(input_ids=ids, labels=ids).loss)
+    from alignrl.models.loader import load_model
+    from alignrl.preference.adapters import weights_in
+
+    # the parameter count the LoRA runs log counts the weights the packed codes hold, in any storage dtype
+    adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    full = sum(p.numel() for p in load_model(str(tiny_model_dir))[0].parameters())
+    assert sum(weights_in(p) for p in model.parameters()) == full + adapters
 
 
 def test_the_rollout_engine_decodes_through_the_4bit_layers(tiny_model_dir):
@@ -119,17 +126,25 @@ def test_a_4bit_grpo_run_saves_an_adapter_that_loads_onto_the_full_precision_bas
 def test_a_4bit_ppo_critic_is_quantized_and_a_resumed_run_equals_a_straight_one(tiny_model_dir, tmp_path):
     """OpenRLHF's --load_in_4bit quantizes the critic too: its backbone's linear layers are 4-bit, only its adapters
     and its new value head train, its checkpoint folder is PEFT's adapter folder (a merge into 4-bit codes would not
-    be a model); a run halted after step 1 and resumed ends where a straight one does, policy and critic."""
+    be a model); a run halted after step 1 and resumed ends where a straight one does, policy and critic. The codes
+    are packed in float16 (model.bnb_4bit_quant_storage), whose bytes read as floats are often NaN: no checkpoint is
+    refused as non-finite for them."""
     from alignrl.placements.build import build_critic
     from alignrl.runner import train_grpo
+    from alignrl.train.checkpoint import nonfinite
 
-    ppo = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.lr=1e-2"]
+    ppo = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.lr=1e-2", "model.bnb_4bit_quant_storage=float16"]
     critic = build_critic(small_grpo(tiny_model_dir, *QLORA, *ppo), "critic", None).model
     projections = [m for m in critic.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
     assert projections and all(isinstance(p.base_layer, bnb.nn.Linear4bit) for p in projections)
     trainable = {n for n, p in critic.named_parameters() if p.requires_grad}
     assert any("lora_" in n for n in trainable) and all("lora_" in n or ".score." in n for n in trainable), trainable
     assert any(".score." in n for n in trainable)  # the value head, new, trains whole
+    state = critic.state_dict()
+    packed = [k for k, v in state.items() if v.dtype == torch.float16 and not bool(torch.isfinite(v).all())]
+    assert packed and not nonfinite(state)  # the case the check must pass: packed codes that read as NaN
+    state[sorted(trainable)[0]] = torch.full((2,), float("nan"))
+    assert nonfinite(state) == [sorted(trainable)[0]]  # and a trained tensor that is NaN is still caught
 
     def run(name, steps, *extra):
         train_grpo(small_grpo(tiny_model_dir, *QLORA, *ppo, *run_settings(tmp_path, name, steps),

@@ -151,9 +151,10 @@ def test_a_4bit_kto_run_trains_adapters(tiny_model_dir, tmp_path, capsys):
 
     rows = [{"prompt": f"question {i}", "completion": "yes good" if k else "no bad", "label": bool(k)}
             for i in range(4) for k in (1, 0)]
+    # the codes packed in float16, whose bytes read as floats are often NaN: the save must not take them for weights
     rc = kto_main([f"model_path={tiny_model_dir}", f"train_files=[{_jsonl(tmp_path / 'kto.jsonl', rows)}]",
-                   "batch_size=4", *OFFLINE_QLORA, "--output_dir", str(tmp_path / "kto"), "--logging_dir",
-                   str(tmp_path / "logs")])
+                   "batch_size=4", *OFFLINE_QLORA, "bnb_4bit_quant_storage=float16", "--output_dir",
+                   str(tmp_path / "kto"), "--logging_dir", str(tmp_path / "logs")])
     out = capsys.readouterr().out
     assert rc == 0 and "base quantized to 4-bit NF4" in out and "the reference is the policy with its adapters off" in out
     trained = load_file(tmp_path / "kto" / "adapter_model.safetensors")

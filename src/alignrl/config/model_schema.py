@@ -43,7 +43,7 @@ class ModelConfig:
                                                 "0.4 bits a weight saved; OpenRLHF's setting, TRL's "
                                                 "--use_bnb_nested_quant, off by default there)")
     bnb_4bit_quant_storage: str = opt("uint8", "the dtype model.load_in_4bit packs its 4-bit codes in (two codes a "
-                                               "byte): the same codes and results in any of them; FSDP-QLoRA recipes "
-                                               "give the model's dtype so that one flat buffer holds every parameter "
-                                               "(TRL's --bnb_4bit_quant_storage)",
+                                               "byte): the same codes and results in any of them (TRL's "
+                                               "--bnb_4bit_quant_storage; FSDP-QLoRA recipes give the model's dtype "
+                                               "for FSDP's flat buffers, and 4-bit runs here are single or ddp)",
                                       choices=STORAGE_DTYPES)

@@ -50,10 +50,15 @@ def _check_targets(model: torch.nn.Module, spec: LoraSpec) -> None:
                          f"layers are named {', '.join(linear[:12])} (or use all-linear)")
 
 
+def weights_in(p: torch.Tensor) -> int:
+    """The weights a parameter holds: a 4-bit one packs two codes in each byte of its storage dtype (as PEFT counts)."""
+    return p.numel() * 2 * p.element_size() if type(p).__name__ == "Params4bit" else p.numel()
+
+
 def count(model: torch.nn.Module) -> str:
     """'N trainable of M parameters (p%)': what a LoRA run trains."""
     train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(weights_in(p) for p in model.parameters())
     return f"{train:,} trainable of {total:,} parameters ({100 * train / max(total, 1):.2f}%)"
 
 

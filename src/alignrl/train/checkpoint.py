@@ -136,8 +136,12 @@ def step_folders(root: Path) -> list[Path]:
 
 
 def nonfinite(state_dict: dict[str, torch.Tensor]) -> list[str]:
-    """Names of the floating-point tensors holding a NaN or an inf."""
-    return [k for k, v in state_dict.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    """Names of the floating-point tensors holding a NaN or an inf. A 4-bit weight packed in a float dtype
+    (bnb_4bit_quant_storage) holds codes, not numbers, whose bytes read as floats are often NaN: bitsandbytes names its
+    quantization state beside it (`<weight>.quant_state.bitsandbytes__nf4`), which tells it apart."""
+    packed = {k.split(".quant_state.", 1)[0] for k in state_dict if ".quant_state." in k}
+    return [k for k, v in state_dict.items()
+            if k not in packed and v.is_floating_point() and not bool(torch.isfinite(v).all())]
 
 
 def aside_path(parent: Path, name: str) -> Path:
