@@ -76,7 +76,7 @@ def test_the_4bit_codes_and_double_quantization_are_the_configs(tiny_model_dir, 
         _, packed_in_bytes = _policy(tiny_model_dir)
         assert torch.equal(loss, packed_in_bytes(input_ids=ids, labels=ids).loss)
     from alignrl.models.loader import load_model
-    from alignrl.preference.adapters import weights_in
+    from alignrl.models.quantized import weights_in
 
     # the parameter count the LoRA runs log counts the weights the packed codes hold, in any storage dtype
     adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
@@ -133,7 +133,8 @@ def test_a_4bit_ppo_critic_is_quantized_and_a_resumed_run_equals_a_straight_one(
     from alignrl.runner import train_grpo
     from alignrl.train.checkpoint import nonfinite
 
-    ppo = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.lr=1e-2", "model.bnb_4bit_quant_storage=float16"]
+    ppo = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.lr=1e-2",
+           "model.bnb_4bit_quant_storage=float16"]
     critic = build_critic(small_grpo(tiny_model_dir, *QLORA, *ppo), "critic", None).model
     projections = [m for m in critic.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
     assert projections and all(isinstance(p.base_layer, bnb.nn.Linear4bit) for p in projections)

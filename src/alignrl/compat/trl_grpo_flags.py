@@ -25,7 +25,8 @@ MARKERS = ("model_name_or_path", "dataset_name", "reward_funcs", "num_generation
            "num_train_epochs", "max_steps", "output_dir", "use_peft")
 TRUE_WORDS, FALSE_WORDS = ("true", "yes", "1"), ("false", "no", "0")
 LISTS = ("reward_funcs", "lora_target_modules", "report_to")  # several words each
-FOUR_BIT = ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage")  # ModelConfig's, read only with --load_in_4bit
+# ModelConfig's, read only with --load_in_4bit
+FOUR_BIT = ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage")
 
 
 class TrlFlagError(ConfigError):

@@ -20,8 +20,8 @@ from pathlib import Path
 from alignrl.compat import trl_grpo_flags as F
 from alignrl.compat.trl_grpo_flags import FOUR_BIT, TAKEN, TrlFlagError
 from alignrl.compat.trl_generation_kwargs import generation_keys
-from alignrl.config.model_schema import STORAGE_DTYPES
 from alignrl.compat.trl_grpo_loss import loss_keys, ref_sync_keys
+from alignrl.config.model_schema import STORAGE_DTYPES
 from alignrl.data.sources import is_library_dataset, with_config, with_split
 from alignrl.rewards.trl_reward import BUILT_IN, spec_of
 

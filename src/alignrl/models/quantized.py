@@ -139,6 +139,11 @@ def is_quantized(module: torch.nn.Module) -> bool:
     return any(type(p).__name__ in ("Params4bit", "Int8Params") for p in module.parameters(recurse=False))
 
 
+def weights_in(p: torch.Tensor) -> int:
+    """The weights a parameter holds: a 4-bit one packs two codes in each byte of its storage dtype (as PEFT counts)."""
+    return p.numel() * 2 * p.element_size() if type(p).__name__ == "Params4bit" else p.numel()
+
+
 def load_quant_state_as_saved(model: torch.nn.Module) -> None:
     """Lets `model.load_state_dict` take back a state dict `model.state_dict()` gave (an offline run's checkpoint
     weights): bitsandbytes writes each 4-bit layer's quantization state (scales, code book, shape) beside its packed

@@ -18,6 +18,7 @@ import torch
 
 from alignrl.models.folder import ModelError
 from alignrl.models.lora import LoraSpec, add_adapters, lora_spec, merged_state_dict, write_adapter
+from alignrl.models.quantized import weights_in
 
 
 def spec_of(cfg) -> LoraSpec | None:
@@ -48,11 +49,6 @@ def _check_targets(model: torch.nn.Module, spec: LoraSpec) -> None:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ModelError(f"LoRA target_modules: {', '.join(missing)} matches no module of this model; its linear "
                          f"layers are named {', '.join(linear[:12])} (or use all-linear)")
-
-
-def weights_in(p: torch.Tensor) -> int:
-    """The weights a parameter holds: a 4-bit one packs two codes in each byte of its storage dtype (as PEFT counts)."""
-    return p.numel() * 2 * p.element_size() if type(p).__name__ == "Params4bit" else p.numel()
 
 
 def count(model: torch.nn.Module) -> str:
