@@ -9,8 +9,8 @@
     alignrl doctor [--config FILE]
     alignrl sample --data-port 5555 --sync-port 5556 ... (a sampler for `train grpo pipeline.placement=zmq`)
 
-Any command takes `--nproc N` to run itself on N local ranks under torchrun; `torchrun
---nproc_per_node=N -m alignrl ...` works as well. Dotted overrides may come before or after flags.
+Any command takes `--nproc N` to run itself on N local ranks under torchrun (`torchrun --nproc_per_node=N -m
+alignrl ...` as well). Dotted overrides may come before or after flags.
 
 User errors (config, data, model path, reward spec, flags) print one line and exit 2, never a traceback
 and never argparse's usage block; under torchrun only rank 0 prints it. `--nproc N` checks the config,
@@ -29,6 +29,7 @@ from pathlib import Path
 from alignrl.config import ConfigError, RunConfig, check_folders, check_world_size, keys_given, load_config
 from alignrl.config.verl_hydra import SELECTION_FLAGS
 from alignrl.runtime.flag_file import config_at
+from alignrl.runtime.heap import starting
 from alignrl.runtime.one_line import OneLineParser
 from alignrl.errors import Terminated, UserError, in_flag_words, program, stop_on_sigterm
 
@@ -46,12 +47,9 @@ PASSTHROUGH = {
     ("train", "dpo"): ("alignrl.preference.cli:dpo_main", "DPO, IPO, conservative DPO, hinge, safety-aware DPO"),
     ("train", "sft"): ("alignrl.preference.sft_cli:sft_main", "supervised fine-tuning on conversations, "
                                                               "prompt-completion rows or text"),
-    ("train", "kto"): ("alignrl.preference.kto_cli:kto_main", "KTO on unpaired feedback (completions labelled "
-                                                              "desirable or not)"),
-    ("train", "kd"): ("alignrl.preference.kd_cli:kd_main", "knowledge distillation: SFT with a teacher model's "
-                                                          "token distributions"),
-    ("train", "prm"): ("alignrl.preference.prm_cli:prm_main", "process reward model: a label for each step of a "
-                                                             "solution"),
+    ("train", "kto"): ("alignrl.preference.kto_cli:kto_main", "KTO on completions labelled desirable or not"),
+    ("train", "kd"): ("alignrl.preference.kd_cli:kd_main", "SFT with a teacher's token distributions (distillation)"),
+    ("train", "prm"): ("alignrl.preference.prm_cli:prm_main", "process reward model: a label for each step"),
     ("train", "opd"): ("alignrl.compat.openrlhf_opd", "on-policy distillation (OpenRLHF's train_opd flags)"),
     ("train", "online-dpo"): ("alignrl.compat.trl_online_dpo", "online DPO with TRL's flags"),
     ("train", "online_dpo"): ("alignrl.compat.trl_online_dpo", "online DPO, as online-dpo"),
@@ -329,6 +327,8 @@ def _interrupted_exit(argv: list[str], routed, cfg: RunConfig | None, term: bool
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # this process's entry point (the console script, `python -m alignrl`, a torchrun rank)
+        starting()
     argv = sys.argv[1:] if argv is None else list(argv)
     routed = _passthrough(argv)
     if "LOCAL_RANK" in os.environ and not routed:

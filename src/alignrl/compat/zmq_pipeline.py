@@ -360,5 +360,8 @@ def sample_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # run_distributed.py starts its sampler and trainer processes through here
+    from alignrl.runtime.heap import starting
+
+    starting()
     command, rest = sys.argv[1], sys.argv[2:]
     sys.exit({"train": training_main, "sample": sampling_main}[command](rest))

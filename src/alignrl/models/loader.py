@@ -15,6 +15,7 @@ from alignrl.models import folder as _folder
 from alignrl.models.quantized import FourBit
 from alignrl.models.folder import SCORE_INFO, ModelError, auto_class, check_model_folder, loading  # noqa: F401
 from alignrl.models.vision import is_vision_folder, load_processor, load_vision_model, processor_of
+from alignrl.runtime.heap import settled
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -109,7 +110,9 @@ def load_causal_lm(folder: Path, dtype: str = "float32", key: str = "model.path"
         if four_bit is not None:
             raise ModelError(f"{key}={folder} is a vision-language model, which alignrl loads unquantized; set "
                              "model.load_in_4bit=false")
-        return load_vision_model(folder, DTYPES[dtype])
+        model = load_vision_model(folder, DTYPES[dtype])
+        settled()  # the heavy imports are done: the process's start-up heap is frozen (runtime.heap)
+        return model
     if four_bit is not None:  # a missing bitsandbytes is the install's, not the folder's: checked outside `loading`
         from alignrl.models.quantized import load_4bit, require_bitsandbytes
 
@@ -120,6 +123,7 @@ def load_causal_lm(folder: Path, dtype: str = "float32", key: str = "model.path"
         else:
             model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype])
     model.config.use_cache = False  # training default; the rollout engine asks for the cache explicitly
+    settled()  # the heavy imports are done: the process's start-up heap is frozen (runtime.heap)
     return model
 
 
