@@ -41,8 +41,9 @@ sys.exit(3)
 
 
 def test_an_entry_point_defers_full_collections_until_its_first_model_is_loaded(tmp_path, tiny_model_dir):
-    """`alignrl.runtime.heap`: a command's process collects its young generations throughout, its oldest only once
-    start-up is over (the first model loaded), after which what it built is frozen and the thresholds are Python's."""
+    """`alignrl.runtime.heap`: a command's process collects its young generations throughout, its oldest ten times
+    less often until start-up is over (the first model loaded), after which what it built is frozen and the
+    thresholds are Python's."""
     code = f"""
 import gc, json
 from alignrl.runtime.heap import starting
@@ -59,8 +60,8 @@ print(json.dumps([before, during, young, after_imports, gc.get_threshold(), gc.g
     out = run(code, tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     before, during, young, after_imports, settled, frozen = json.loads(out.stdout.splitlines()[-1])
-    assert during[:2] == before[:2] and during[2] > 10**6 and settled == before
-    assert after_imports[0] > young[0] + 100 and after_imports[2] == young[2]  # no full pass while importing
+    assert during == [before[0], before[1], 10 * before[2]] and settled == before
+    assert after_imports[0] > young[0] + 100 and after_imports[2] <= young[2] + 1  # not six or seven full passes
     assert frozen > 100_000
 
 

@@ -263,6 +263,10 @@ def serve(app: FastAPI, sock: socket.socket, ready: str, *, stdout: bool = False
     a client told to connect must be able to)."""
     import uvicorn
 
+    from alignrl.runtime.heap import settled
+
+    settled()  # start-up is over: what it built is frozen (runtime.heap)
+
     class Server(uvicorn.Server):
         interrupted = False
 
