@@ -210,9 +210,9 @@ def test_help_lists_subcommands():
 
 
 def test_train_and_demo_help_name_every_command_and_nproc():
-    def help_of(*words):
-        return subprocess.run([sys.executable, "-m", "alignrl", *words, "--help"], capture_output=True, text=True,
-                              check=True).stdout
+    def help_of(*words):  # argparse wraps the text to the terminal's width: compared with the lines joined
+        return " ".join(subprocess.run([sys.executable, "-m", "alignrl", *words, "--help"], capture_output=True,
+                                       text=True, check=True).stdout.split())
 
     train, demo = help_of("train"), help_of("demo")
     assert "ppo-ray" in train and "--nproc N" in train and "its own --help" in train

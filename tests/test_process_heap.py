@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 # an object kept alive only by a reference cycle, which only the garbage collector can free
 CYCLE = """
 class Node:
@@ -40,21 +42,22 @@ sys.exit(3)
     assert (tmp_path / "handler.txt").read_text() == "ran" and (tmp_path / "log.txt").read_text() == "kept"
 
 
-def test_an_entry_point_defers_full_collections_until_its_first_model_is_loaded(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("build", ["load_causal_lm", "meta_model"])  # a whole model; the start of a sharded one
+def test_an_entry_point_defers_full_collections_until_its_first_model_is_loaded(build, tmp_path, tiny_model_dir):
     """`alignrl.runtime.heap`: a command's process collects its young generations throughout, its oldest ten times
     less often until start-up is over (the first model loaded), after which what it built is frozen and the
     thresholds are Python's."""
     code = f"""
 import gc, json
 from alignrl.runtime.heap import starting
-from alignrl.models.loader import load_causal_lm
+from alignrl.models.loader import {build}
 before = gc.get_threshold()
 starting()
 during = gc.get_threshold()
 young = [s["collections"] for s in gc.get_stats()]
 import transformers.modeling_utils  # hundreds of thousands of objects: young collections run, full ones wait
 after_imports = [s["collections"] for s in gc.get_stats()]
-load_causal_lm({str(tiny_model_dir)!r})
+{build}({str(tiny_model_dir)!r})
 print(json.dumps([before, during, young, after_imports, gc.get_threshold(), gc.get_freeze_count()]))
 """
     out = run(code, tmp_path)

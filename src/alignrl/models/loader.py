@@ -136,7 +136,9 @@ def meta_model(folder: str | Path, dtype: str | torch.dtype = "float32"):
     with loading(folder, "model"):
         config = AutoConfig.from_pretrained(str(folder))
     with torch.device("meta"):
-        return auto_class(config).from_config(config, dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype)
+        model = auto_class(config).from_config(config, dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype)
+    settled()  # a sharded model starts here: the process's start-up heap is frozen (runtime.heap)
+    return model
 
 
 def recompute_activations(model) -> None:

@@ -4,11 +4,13 @@ Starting a run imports torch and transformers and builds a model: about half a m
 as the process. CPython's full collections walk every one of them: six or seven times while they are created
 (~0.8 s of CPU a process here; every rank, sampler and service starts so) and again at exit (alignrl/__init__.py
 freezes them there). A process's entry point calls `starting()`: full collections come ten times less often (the
-young generations are still collected as usual, so a short-lived cycle goes at once; importing torch, transformers,
-peft and DeepSpeed then takes one full pass instead of about eight) until its first model is loaded or its service
-starts, `settled()`: one full collection then, and what survives it is frozen, left out of every later pass, as a
-server freezes its heap after start-up. A process that never settles keeps collecting, ten times less often. A caller in its own process (a notebook, a test) never called `starting()`:
-its collector settings and heap are left as they are.
+young generations are still collected as usual, so a short-lived cycle goes at once; importing torch,
+transformers, peft and DeepSpeed then takes one full pass instead of about eight) until start-up is over:
+`settled()`, called once the first model is built (whole, sharded or on the meta device), a service starts serving,
+or a launcher hands over to its ranks or Ray workers. It runs one full collection, freezes what survives (left out
+of every later pass, as a server freezes its heap after start-up) and puts the thresholds back. A process that
+never settles keeps collecting, ten times less often. A caller in its own process (a notebook, a test) never
+called `starting()`: its collector settings and heap are left as they are.
 """
 
 from __future__ import annotations

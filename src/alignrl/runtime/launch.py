@@ -18,6 +18,7 @@ import time
 
 from alignrl.errors import program
 from alignrl.runtime.cores import choose_threads
+from alignrl.runtime.heap import settled
 from alignrl.runtime.one_line import USER_ERROR
 from alignrl.runtime.ports import free_port
 
@@ -52,6 +53,7 @@ def torchrun(nproc: int, module_argv: list[str], master_port: int | None = None)
     port = master_port or int(os.environ.get("MASTER_PORT") or 0) or free_port()
     # the ranks split the free cores (this process's own torch threads are set already and stay as they are)
     os.environ.setdefault("OMP_NUM_THREADS", str(choose_threads(sharing=nproc).threads))
+    settled()  # this process now only waits on its ranks (runtime.heap)
     return agent([f"--nproc_per_node={nproc}", f"--master_port={port}", "--master_addr=127.0.0.1", "-m",
                   *module_argv])
 

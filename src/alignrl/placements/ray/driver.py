@@ -36,6 +36,7 @@ from alignrl.placements.ray.plan import GroupLayout, describe, engine_slot, rele
 from alignrl.placements.ray.workers import WATCH, EngineSpec, PolicyRank, RefWorker, RewardWorker, RolloutWorker
 from alignrl.config import ConfigError, RunConfig, check_world_size, to_yaml
 from alignrl.errors import UserError
+from alignrl.runtime.heap import settled
 from alignrl.utils.atomic import atomic_write_text
 
 
@@ -176,6 +177,7 @@ class Driver:
         return peer
 
     def run(self) -> int:
+        settled()  # the driver's start-up is over: it places and drives the workers (runtime.heap)
         job = self.job
         check_world_size(job.cfg, job.layout.world("actor"))
         check_inputs(job.cfg)
