@@ -22,6 +22,17 @@ def test_yaml_then_overrides(tmp_path):
     assert load_config(g) == cfg
 
 
+def test_each_load_starts_from_the_defaults():
+    """Overrides are merged into each load's own tree in place (no copy per override): nothing of one load (a
+    list, a nested value, a failed override) reaches the next."""
+    default = load_config(None, [])
+    changed = load_config(None, ["trainer.logger=[jsonl,tensorboard]", "rollout.stop=[x]", "actor.lr=0.5"])
+    assert changed.trainer.logger == ["jsonl", "tensorboard"] and changed.rollout.stop == ["x"]
+    with pytest.raises(ConfigError, match="actor.lr"):
+        load_config(None, ["trainer.logger=[wandb]", "actor.lr=fast"])
+    assert load_config(None, []) == default and default.trainer.logger != changed.trainer.logger
+
+
 def test_seed_000_nodes_yaml_keys_are_overrides_too(tmp_path):
     """What seed 000's users write in config/nodes.yaml, they may also give on the command line."""
     cfg = load_config(None, ["training.master_port=29600", "models.train.path=demo", "models.base_path=/models",
