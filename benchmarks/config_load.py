@@ -3,7 +3,7 @@
 
     python benchmarks/config_load.py [--rounds 20]
 
-Every rank, sampler and command of a run loads its config once, and a test suite thousands of times. The overrides
+Every rank, sampler and command of a run loads its config once, and a test suite over a thousand times. The overrides
 are merged one at a time (an error names its own override); `load_config` merges each into the load's own tree in
 place (`OmegaConf.unsafe_merge`). The peer is the same load with `OmegaConf.merge`, which copies the whole tree for
 each override. The command line: seed 003's verl PPO arguments (27 overrides) and a short GRPO one (6). Prints
