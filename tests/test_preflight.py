@@ -179,7 +179,7 @@ def test_nproc_rendezvous_port_is_the_given_one_else_master_port_else_a_free_one
     from alignrl.runtime import launch
 
     seen = []
-    monkeypatch.setattr(launch, "agent", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(launch, "agent", lambda argv, fork=False: seen.append(argv) or 0)
     monkeypatch.setenv("MASTER_PORT", "29611")
     launch.torchrun(2, ["alignrl", "train", "grpo"], master_port=29622)
     launch.torchrun(2, ["alignrl", "train", "grpo"])

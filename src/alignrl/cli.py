@@ -9,12 +9,11 @@
     alignrl doctor [--config FILE]
     alignrl sample --data-port 5555 --sync-port 5556 ... (a sampler for `train grpo pipeline.placement=zmq`)
 
-Any command takes `--nproc N` to run itself on N local ranks under torchrun (`torchrun --nproc_per_node=N -m
-alignrl ...` as well). Dotted overrides may come before or after flags.
+Any command takes `--nproc N` to run itself on N local ranks under torchrun, forked from this process after it
+imports RANK_IMPORTS once for all of them (runtime.forked_ranks). Dotted overrides may come before or after flags.
 
-User errors (config, data, model path, reward spec, flags) print one line and exit 2, never a traceback
-and never argparse's usage block; under torchrun only rank 0 prints it. `--nproc N` checks the config,
-the batch split over N ranks and the data files before starting any rank.
+User errors (config, data, model path, reward spec, flags) print one line (no traceback, no usage block) and exit 2;
+under torchrun only rank 0 prints it. `--nproc N` checks the config, the batch split and the data files first.
 """
 
 from __future__ import annotations
@@ -101,6 +100,7 @@ def _in_alignrl_words(argv: list[str]) -> list[str]:
     return ["train", "grpo", *words]
 
 
+RANK_IMPORTS = ("alignrl.runner",)  # what an RL rank imports before its work starts
 NPROC_HELP = "run on N local ranks under torchrun (torchrun --nproc_per_node=N -m alignrl ... works as well)"
 
 
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         if nproc and nproc > 1 and "LOCAL_RANK" not in os.environ:
             if cfg is not None:  # a bad config fails here, once, not on every rank
                 preflight(cfg, nproc, reward_fn=True)
-            return torchrun(nproc, ["alignrl", *argv], master_port=_port_given(args, cfg))
+            return torchrun(nproc, ["alignrl", *argv], master_port=_port_given(args, cfg), preload=RANK_IMPORTS)
         return _run(args, cfg)
     except Exception as e:
         from alignrl.runtime.launch import peer_lost

@@ -289,14 +289,14 @@ def training_main(argv: list[str] | None = None, prog: str = "training_worker.py
     if a.nproc == 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(a.gpu_id)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not has_cuda() else "cuda")
-    from alignrl.cli import main
+    from alignrl.cli import RANK_IMPORTS, main
 
     # DeepSpeed wants a process group even for one process: run under torchrun whenever it is used
     launch = ["--nproc", str(a.nproc)] if a.nproc > 1 or not a.no_deepspeed else []
     if launch and a.nproc == 1 and "LOCAL_RANK" not in os.environ:
         from alignrl.runtime.launch import torchrun
 
-        return torchrun(1, ["alignrl", "train", "grpo", *overrides])
+        return torchrun(1, ["alignrl", "train", "grpo", *overrides], preload=RANK_IMPORTS)
     return main([*launch, "train", "grpo", *overrides])
 
 

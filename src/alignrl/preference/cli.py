@@ -336,7 +336,7 @@ def run_cli(argv: list[str] | None, command: str) -> int:
             train(cfg, nproc)  # bad data fails here, before any process starts
             os.environ[NOTES_SAID] = "1"  # the ranks inherit it: their notes were said here
             try:
-                return torchrun(nproc, ["alignrl", "train", command, *argv])
+                return torchrun(nproc, ["alignrl", "train", command, *argv], preload=(module,))
             finally:
                 os.environ.pop(NOTES_SAID, None)
         train(cfg, None)

@@ -10,13 +10,16 @@ agent for a user's own command line.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 from alignrl.errors import program
+from alignrl.runtime import forked_ranks
 from alignrl.runtime.cores import choose_threads
 from alignrl.runtime.heap import settled
 from alignrl.runtime.one_line import USER_ERROR
@@ -46,16 +49,19 @@ def peer_lost(e: BaseException) -> bool:
     return "WORLD_SIZE" in os.environ and isinstance(e, RuntimeError) and any(s in str(e) for s in lost)
 
 
-def torchrun(nproc: int, module_argv: list[str], master_port: int | None = None) -> int:
+def torchrun(nproc: int, module_argv: list[str], master_port: int | None = None,
+             preload: tuple[str, ...] = ()) -> int:
     """Runs `python -m <module_argv>` on `nproc` local ranks; returns the exit code of the first rank
     that failed (torchrun stops the others), else 0. The rendezvous port is `master_port`, else
-    $MASTER_PORT, else a free one."""
+    $MASTER_PORT, else a free one. The ranks are forked from this process after it imports `preload`
+    (runtime.forked_ranks), where that is safe."""
     port = master_port or int(os.environ.get("MASTER_PORT") or 0) or free_port()
     # the ranks split the free cores (this process's own torch threads are set already and stay as they are)
     os.environ.setdefault("OMP_NUM_THREADS", str(choose_threads(sharing=nproc).threads))
-    settled()  # this process now only waits on its ranks (runtime.heap)
+    fork = bool(preload) and forked_ranks.preload(preload)
+    settled()  # this process now only waits on its ranks (runtime.heap); forked ranks share what it froze
     return agent([f"--nproc_per_node={nproc}", f"--master_port={port}", "--master_addr=127.0.0.1", "-m",
-                  *module_argv])
+                  *module_argv], fork=fork)
 
 
 class _Terminated(Exception):
@@ -138,8 +144,9 @@ def _stop(procs, grace_s: float = 30.0) -> None:
             p.wait()
 
 
-def agent(argv: list[str]) -> int:
-    """torchrun with its arguments; a failed rank's exit code is returned, not raised as a report."""
+def agent(argv: list[str], fork: bool = False) -> int:
+    """torchrun with its arguments; a failed rank's exit code is returned, not raised as a report. `fork`: a
+    `-m module` command's ranks are forked from this process (runtime.forked_ranks)."""
     import logging
 
     from torch.distributed import DistNetworkError
@@ -148,9 +155,9 @@ def agent(argv: list[str]) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    for name in list(logging.root.manager.loggerDict):  # "closing signal SIGTERM", "failed (exitcode: 2)"
-        if name.startswith("torch.distributed"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+    # "closing signal SIGTERM", "failed (exitcode: 2)", "Terminating process N via signal SIGTERM"
+    forked_ranks.quiet([name for name in logging.root.manager.loggerDict
+                        if name.startswith(("torch.distributed", "torch.multiprocessing"))])
     args = parse_args(argv)
     from alignrl.runtime.lifetime import AGENT_PID
 
@@ -158,8 +165,15 @@ def agent(argv: list[str]) -> int:
     # agent is killed (kill -9 included) dies too (alignrl.runtime.lifetime, called in init_distributed)
     before = os.environ.get(AGENT_PID)
     os.environ[AGENT_PID] = str(os.getpid())
+    # torchrun's default log folder (its ranks' error files) is a /tmp/torchelastic_* that nobody removes
+    own_log_dir = args.log_dir is None
+    if own_log_dir:
+        args.log_dir = tempfile.mkdtemp(prefix="alignrl-torchrun-")
     try:
-        run(args)
+        if fork and args.module:
+            forked_ranks.launch(args)
+        else:
+            run(args)
     except (DistNetworkError, RendezvousError) as e:  # most often: the rendezvous port is taken
         first = (str(e).splitlines() or [type(e).__name__])[0]
         print(f"{program()}: error: torchrun rendezvous at {args.master_addr}:{args.master_port} failed ({first}); "
@@ -178,6 +192,8 @@ def agent(argv: list[str]) -> int:
     except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: torchrun stopped the ranks
         return 128 + int(e.sigval)
     finally:  # later children of this process are not ranks of this agent
+        if own_log_dir:
+            shutil.rmtree(args.log_dir, ignore_errors=True)
         if before is None:
             os.environ.pop(AGENT_PID, None)
         else:
