@@ -12,15 +12,17 @@ import pytest
 from conftest import run_group, src_path
 
 WORKERS = Path(__file__).parent / "workers"
-LAUNCH = ("import sys; from alignrl.runtime.launch import torchrun; "
+# torch imported first with the machine's thread count, as a preference command's launcher does
+LAUNCH = ("import sys, torch; from alignrl.runtime.launch import torchrun; "
           "sys.exit(torchrun(2, ['forked_rank_probe', *sys.argv[1:]], preload=('forked_rank_probe',)))")
 
 
 def launch(tmp_path: Path, *args: str, fork: bool = True) -> tuple[subprocess.CompletedProcess, list[dict]]:
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([src_path(), str(WORKERS)]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src_path(), str(WORKERS)]),
            "TMPDIR": str(tmp_path / "tmp"), "ALIGNRL_FORK_RANKS": "1" if fork else "0"}
-    env.pop("MASTER_PORT", None)
+    for unset in ("MASTER_PORT", "OMP_NUM_THREADS", "PYTHONFAULTHANDLER"):  # the launcher picks the ranks' threads
+        env.pop(unset, None)
     done = run_group([sys.executable, "-c", LAUNCH, str(tmp_path / "r"), *args], 180, env=env, cwd=tmp_path)
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("r.*.json"))]
     return done, reports
@@ -37,7 +39,12 @@ def test_ranks_are_forked_from_the_launcher_and_start_as_fresh_processes(tmp_pat
         assert r["parent"] == launcher and r["imported_in"] == launcher != r["pid"], r
         assert r["sigint_default"] and r["sigterm_default"] and r["stdout_line_buffered"], r
         assert not r["agent_loggers_quiet"] and r["path0"] == str(tmp_path) and r["argv"] == [str(tmp_path / "r")]
+        # a session of its own, the launcher's standard input, no fault handler that torch's recorder turned on
+        assert r["own_session"] and r["stdin_fd"] == 0 and not r["faulthandler"], r
+        # its share of the cores, though torch was loaded in the launcher before the share was known
+        assert r["threads"] == int(r["omp_num_threads"]), r
         assert (tmp_path / f"r.{r['rank']}.exit").read_text() == "ran"
+    assert ranks[0]["numpy_draw"] != ranks[1]["numpy_draw"]  # numpy's global generator seeded afresh in each
     assert done.stdout.count("says hello") == 2, done.stdout
     assert list((tmp_path / "tmp").iterdir()) == []  # torchrun's log folder went with the launch
 
@@ -47,6 +54,9 @@ def test_with_forking_off_each_rank_is_its_own_interpreter(tmp_path):
     done, ranks = launch(tmp_path, fork=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert all(r["imported_in"] == r["pid"] and r["path0"] == str(tmp_path) for r in ranks), ranks
+    # what the forked ranks are checked for above is what an interpreter torchrun starts has
+    assert all(r["own_session"] and r["stdin_fd"] == 0 and not r["faulthandler"] and
+               r["threads"] == int(r["omp_num_threads"]) for r in ranks), ranks
     assert all((tmp_path / f"r.{r['rank']}.exit").is_file() for r in ranks)
 
 
@@ -61,7 +71,9 @@ def test_a_failed_rank_ends_the_launch_with_its_exit_code(tmp_path, how, code):
     assert (tmp_path / "r.1.exit").read_text() == "ran"
 
 
-def test_a_launcher_forks_only_with_its_main_thread_alone_and_a_cpu_torch(tmp_path):
+def test_a_launcher_forks_only_beside_openblas_workers_alone_and_with_a_cpu_torch(tmp_path):
+    """numpy's OpenBLAS starts a worker per core (OMP_NUM_THREADS unset) and stops them before a fork: those
+    alone allow it; another thread, or a CUDA build of torch, does not."""
     script = """
 import threading, torch
 from alignrl.runtime import forked_ranks as f
@@ -74,8 +86,9 @@ t = threading.Thread(target=stop.wait); t.start()
 print(f.preload(("json",)))
 stop.set(); t.join()
 """
-    env = {**os.environ, "PYTHONPATH": src_path(), "OMP_NUM_THREADS": "1", "ALIGNRL_FORK_RANKS": "1"}
+    env = {**os.environ, "PYTHONPATH": src_path(), "ALIGNRL_FORK_RANKS": "1"}
+    env.pop("OMP_NUM_THREADS", None)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    # alone: yes; a CUDA build of torch: no; beside a thread: no
+    # beside OpenBLAS's workers: yes; a CUDA build of torch: no; beside another thread: no
     assert out.stdout.split() == ["True", "False", "False"], out.stdout

@@ -4,12 +4,16 @@ Imported by the launcher before its ranks are forked (test_forked_ranks preloads
 imported it; run as each rank's `__main__`, it writes what a fresh interpreter's rank would be asked about."""
 
 import atexit
+import faulthandler
 import json
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
+
+import numpy
+import torch
 
 IMPORTED_IN = os.getpid()
 
@@ -22,7 +26,10 @@ def _report(out: Path) -> dict:
             "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
             "stdout_line_buffered": sys.stdout.line_buffering,
             "agent_loggers_quiet": logging.getLogger("torch.distributed.elastic").level >= logging.CRITICAL,
-            "path0": sys.path[0], "argv": sys.argv[1:]}
+            "path0": sys.path[0], "argv": sys.argv[1:], "own_session": os.getsid(0) == os.getpid(),
+            "stdin_fd": sys.stdin.fileno(), "faulthandler": faulthandler.is_enabled(),
+            "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "numpy_draw": int(numpy.random.randint(2**31))}
 
 
 if __name__ == "__main__":
