@@ -33,7 +33,7 @@ import sys
 import threading
 import traceback
 
-from alignrl.runtime.lifetime import AGENT_PID, die_with_parent
+from alignrl.runtime.lifetime import rank_dies_with_agent
 
 FORK_ENV = "ALIGNRL_FORK_RANKS"  # 0: every rank starts as its own interpreter
 _quieted: dict[str, int] = {}  # logger name -> level before the agent quieted it, put back in each rank
@@ -141,9 +141,7 @@ def _exit_code(code) -> int:
 def _as_a_fresh_process() -> None:
     """What an interpreter torchrun started would have that a child forked from the launcher does not."""
     os.setsid()  # a session of its own: a terminal's Ctrl-C reaches the agent, which passes it on once
-    agent = os.environ.get(AGENT_PID, "")
-    if agent.isdigit():  # dies with the agent from here on (torch's own parent-death signal is SIGINT, a Ctrl-C's)
-        die_with_parent(int(agent))
+    rank_dies_with_agent()  # from here on, not from init_distributed (torch's parent-death signal is a Ctrl-C's)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
