@@ -92,3 +92,22 @@ stop.set(); t.join()
     assert out.returncode == 0, out.stderr[-2000:]
     # beside OpenBLAS's workers: yes; a CUDA build of torch: no; beside another thread: no
     assert out.stdout.split() == ["True", "False", "False"], out.stdout
+
+
+def test_the_log_folders_of_killed_launchers_are_removed_by_the_next(tmp_path):
+    """A launcher killed by SIGKILL cannot remove its torchrun log folder; the next launch on the machine does, and
+    leaves those of launchers still running and folders it did not make."""
+    from alignrl.runtime.launch import LOG_DIR_PREFIX, agent_log_dir
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid no process holds now
+    stale = tmp_path / f"{LOG_DIR_PREFIX}{gone.pid}-abc"
+    (stale / "attempt_0" / "0").mkdir(parents=True)
+    running = tmp_path / f"{LOG_DIR_PREFIX}{os.getppid()}-def"
+    running.mkdir()
+    others = [tmp_path / f"{LOG_DIR_PREFIX}ghi", tmp_path / "torchelastic_jkl"]
+    for folder in others:
+        folder.mkdir()
+    made = Path(agent_log_dir(str(tmp_path)))
+    assert made.name.startswith(f"{LOG_DIR_PREFIX}{os.getpid()}-") and made.is_dir()
+    assert not stale.exists() and running.is_dir() and all(folder.is_dir() for folder in others)

@@ -144,6 +144,31 @@ def _stop(procs, grace_s: float = 30.0) -> None:
             p.wait()
 
 
+LOG_DIR_PREFIX = "alignrl-torchrun-"
+
+
+def agent_log_dir(tmp: str | None = None) -> str:
+    """A fresh folder for torchrun's log files, named for this process, which removes it when the launch ends. A
+    launcher that was killed (SIGKILL, out of memory) could not: the folders of launchers no longer running are
+    removed here first, so they do not pile up in /tmp."""
+    tmp = tmp or tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        pid = name[len(LOG_DIR_PREFIX):].split("-", 1)[0]
+        if name.startswith(LOG_DIR_PREFIX) and pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)  # another user's stays: not ours to remove
+    return tempfile.mkdtemp(prefix=f"{LOG_DIR_PREFIX}{os.getpid()}-", dir=tmp)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def agent(argv: list[str], fork: bool = False) -> int:
     """torchrun with its arguments; a failed rank's exit code is returned, not raised as a report. `fork`: a
     `-m module` command's ranks are forked from this process (runtime.forked_ranks)."""
@@ -168,7 +193,7 @@ def agent(argv: list[str], fork: bool = False) -> int:
     # torchrun's default log folder (its ranks' error files) is a /tmp/torchelastic_* that nobody removes
     own_log_dir = args.log_dir is None
     if own_log_dir:
-        args.log_dir = tempfile.mkdtemp(prefix="alignrl-torchrun-")
+        args.log_dir = agent_log_dir()
     try:
         if fork and args.module:
             forked_ranks.launch(args)
