@@ -38,6 +38,10 @@ ESTIMATORS = {
     # optimizer step (its update is the DPO loss's gradient at the weights that scored the batch)
     "Online DPO": ["algorithm.adv_estimator=online_dpo", "rollout.n=2", "data.train_batch_size=128",
                    "actor.ppo_mini_batch_size=128", "actor.recompute_old_logprobs=true"],
+    # TRL's XPO: online DPO whose second answer of each prompt is the reference model's, with its exploration term
+    # at XPOConfig's alpha
+    "XPO": ["algorithm.adv_estimator=xpo", "rollout.n=2", "data.train_batch_size=128", "actor.ppo_mini_batch_size=128",
+            "actor.recompute_old_logprobs=true"],
 }
 # The policy losses with the demo's GRPO advantages; the settings are each method's paper's (or verl's) defaults,
 # except Clip-Cov's and KL-Cov's share of tokens: the demo's micro-batches hold a few hundred response tokens, where

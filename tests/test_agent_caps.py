@@ -10,7 +10,8 @@ import torch
 
 import alignrl.rl.producer as producer_mod
 import alignrl.rl.trainer as trainer_mod
-from alignrl.placements.build import build_rewards, with_tools
+from alignrl.placements.build import build_rewards
+from alignrl.placements.episodes import with_tools
 from alignrl.runner import train_grpo
 from alignrl.rl.trainer import policy_loss_spec
 from alignrl.config import ConfigError, load_config

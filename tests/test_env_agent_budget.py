@@ -189,7 +189,7 @@ def test_grpo_trains_on_responses_longer_than_the_cap_when_prompts_lend(tiny_mod
 
 def test_lending_needs_an_environment_and_the_environments_rollout_gets_the_prompt_cap(tiny_model, tmp_path):
     from alignrl.config import ConfigError, load_config
-    from alignrl.placements.build import with_tools
+    from alignrl.placements.episodes import with_tools
 
     with pytest.raises(ConfigError, match="set agent.env_path, or drop agent.lend_prompt_room"):
         load_config(None, ["agent.lend_prompt_room=true"])

@@ -8,7 +8,8 @@ import pytest
 from alignrl.config import load_config
 from alignrl.data.collate import encode_prompts
 from alignrl.models.loader import load_tokenizer, with_template_variables
-from alignrl.placements.build import producer_prompts, with_tools
+from alignrl.placements.build import producer_prompts
+from alignrl.placements.episodes import with_tools
 from alignrl.rollout.verl_tools import tool_schemas
 from scripted_engine import ScriptedEngine
 from test_verl_tool_prompts import TOOLS_TEMPLATE

@@ -144,7 +144,7 @@ def test_a_retriever_that_is_down_or_speaks_another_api_stops_the_run_at_start(t
     and a run should not train for hours before its first search meets a dead or wrong endpoint."""
     import socket
 
-    from alignrl.placements.build import with_tools
+    from alignrl.placements.episodes import with_tools
     from alignrl.config import load_config
 
     model, tok = tiny_model

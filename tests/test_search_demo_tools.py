@@ -23,7 +23,7 @@ def test_sft_text_is_what_the_tool_loop_plays(small_world, tmp_path):
     from alignrl.config import load_config
     from alignrl.data.collate import encode_prompts
     from alignrl.interfaces import SamplingParams
-    from alignrl.placements.build import with_tools
+    from alignrl.placements.episodes import with_tools
     from alignrl.rollout.env_agent import with_labels
     from alignrl.rollout.verl_tools import tool_schemas
     from scripted_engine import ScriptedEngine

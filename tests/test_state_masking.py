@@ -6,7 +6,7 @@ import torch
 
 import alignrl.train.actor as actor_mod
 import alignrl.train.critic as critic_mod
-from alignrl.placements.build import with_tools
+from alignrl.placements.episodes import with_tools
 from alignrl.placements.local import place
 from alignrl.config import ConfigError, load_config
 from alignrl.core.advantages import gae_advantages

@@ -301,7 +301,7 @@ def test_an_interaction_that_fails_mid_episode_is_one_line(tiny_model, tmp_path,
 def test_the_key_translates_builds_the_loop_and_is_refused_beside_an_environment(tiny_model, tmp_path):
     from alignrl.config import ConfigError, load_config
     from alignrl.config.checks import response_cap
-    from alignrl.placements.build import with_tools
+    from alignrl.placements.episodes import with_tools
 
     _, tok = tiny_model
     path = _yaml(tmp_path)

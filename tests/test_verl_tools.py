@@ -322,7 +322,7 @@ def test_a_turn_cut_at_the_response_cap_runs_no_tool_calls(tiny_model, tmp_path,
 
 def test_with_tools_builds_the_loop_and_the_config_refuses_it_beside_an_environment(tiny_model, tmp_path):
     from alignrl.config import ConfigError, load_config
-    from alignrl.placements.build import with_tools
+    from alignrl.placements.episodes import with_tools
 
     _, tok = tiny_model
     path = _yaml(tmp_path)

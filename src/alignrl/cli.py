@@ -52,6 +52,7 @@ PASSTHROUGH = {
     ("train", "opd"): ("alignrl.compat.openrlhf_opd", "on-policy distillation (OpenRLHF's train_opd flags)"),
     ("train", "online-dpo"): ("alignrl.compat.trl_online_dpo", "online DPO with TRL's flags"),
     ("train", "online_dpo"): ("alignrl.compat.trl_online_dpo", "online DPO, as online-dpo"),
+    ("train", "xpo"): ("alignrl.compat.trl_online_dpo:xpo_main", "XPO with TRL's flags: online DPO beside the base"),
     ("train", "rloo"): ("alignrl.compat.trl_rloo", "RLOO with TRL's `trl rloo` flags"),
     ("train", "ppo-ray"): ("alignrl.compat.openrlhf_ppo_ray", "PPO/GRPO on a Ray cluster with OpenRLHF's flags"),
     ("demo", "search"): ("alignrl.demos.search", "PPO teaches a tiny model to search (Search-R1 recipe, CPU)"),
@@ -63,8 +64,7 @@ PASSTHROUGH = {
     ("serve", "ref"): ("alignrl.serve.ref", "reference-model log-prob server"),
     ("serve", "reward"): ("alignrl.serve.reward", "reward-model scoring server"),
     ("serve", "retrieve"): ("alignrl.serve.retrieve", "retrieval server (Search-R1 API), BM25 or dense"),
-    ("serve", "sandbox"): ("alignrl.serve.sandbox", "runs Python programs for code rewards and tools (SandboxFusion's "
-                                                "/run_code)"),
+    ("serve", "sandbox"): ("alignrl.serve.sandbox", "runs code for rewards and tools (SandboxFusion's /run_code)"),
     ("doctor",): ("alignrl.doctor", "check configured services, model paths, hostfile and ports"),
     ("sample",): ("alignrl.compat.zmq_pipeline:sample_main", "a sampler of the ZeroMQ pipeline (sampling_worker.py)"),
 }

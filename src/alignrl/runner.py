@@ -22,7 +22,8 @@ from alignrl.data.prompts import PromptData, load_task_data
 from alignrl.data.sampler import BatchSampler
 from alignrl.interfaces import BatchSource, RemoteProducers
 from alignrl.models.loader import resolve_model_path, run_tokenizer, with_template_variables
-from alignrl.placements.build import resolve_strategy, run_tool_schemas, timed_rule
+from alignrl.placements.build import resolve_strategy, timed_rule
+from alignrl.placements.episodes import run_tool_schemas
 from alignrl.placements.choose import remote_producers
 from alignrl.placements.local import Placed, place
 from alignrl.rewards.timed_rules import late_rows, say_timeouts

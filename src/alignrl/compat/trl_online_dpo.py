@@ -13,10 +13,14 @@ two answers each; that is one alignrl RL step (data.train_batch_size, its whole 
 trains whole batches only, where TRL's last one holds the prompts left: the start says how many are left out. The flags
 shared with `trl grpo` (data, model and LoRA, optimizer, schedule, checkpoints, logging, `--config` YAML) are read
 and translated by the same code (`trl_grpo_flags`, `trl_grpo_keys`). Every default here is OnlineDPOConfig's.
+
+`alignrl train xpo` is TRL's XPO (examples/scripts/xpo.py): the same flags and --alpha (XPOConfig's 1e-5), run as
+algorithm.adv_estimator=xpo: each pair the policy's answer and the reference model's, with XPO's exploration term.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -45,6 +49,7 @@ OWN = [Flag("learning_rate", float, 5e-7), Flag("reward_model_path", "opt_str", 
        Flag("missing_eos_penalty", "opt_float", None), Flag("beta", "floats", [0.1]),
        Flag("loss_type", str, "sigmoid")]
 TAKEN = [f for f in F.TAKEN if f.name in SHARED] + OWN
+XPO_TAKEN = TAKEN + [Flag("alpha", "floats", [1e-5])]  # XPOConfig: OnlineDPOConfig's flags and its own
 # GRPOConfig's flags OnlineDPOConfig has not: unknown here
 GRPO_ONLY = {"vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
              "log_completions", "num_completions_to_print", "log_unique_prompts", "num_generations_eval",
@@ -61,13 +66,18 @@ REFUSED["judge"] = ("opt_str", None, "alignrl scores each answer on its own; giv
                                      "the flags (docs/trl.md)")
 # alignrl's own keys that give the loop its reward instead of --reward_model_path
 REWARD_KEYS = ("algorithm.reward_fn=", "algorithm.reward_model=", "services.reward_url=")
-RECIPE = ["algorithm.adv_estimator=online_dpo", "rollout.n=2", "actor.use_kl_loss=false", "actor.ppo_epochs=1",
+RECIPE = ["rollout.n=2", "actor.use_kl_loss=false", "actor.ppo_epochs=1",
           "actor.recompute_old_logprobs=true", "algorithm.use_kl_in_reward=false", "actor.entropy_coeff=0.0"]
 NOT_TAKEN_DEFAULTS = {**K.NOT_TAKEN_DEFAULTS,
                       "disable_dropout": "True (the policy keeps its config's dropout, none in most causal LMs)"}
 
 
-def parser():
+def parser(xpo: bool = False):
+    if xpo:
+        return F.parser(XPO_TAKEN, NOT_APPLIED, REFUSED, "alignrl train xpo", "XPO with TRL's xpo.py flags: each "
+                        "prompt's answer from the policy and one from the reference model a DPO pair, the higher "
+                        "reward chosen, plus alpha times the policy's log-prob of the reference's answer (alignrl's "
+                        "RL loop, algorithm.adv_estimator=xpo)")
     return F.parser(TAKEN, NOT_APPLIED, REFUSED, PROG, "online DPO with TRL's dpo_online.py flags: each prompt's two "
                     "answers a DPO pair, the higher reward chosen (alignrl's RL loop, algorithm.adv_estimator="
                     "online_dpo)")
@@ -130,22 +140,24 @@ def _as_grpo(args) -> None:
                       multi_objective_aggregation="sum_then_normalize", max_completion_length=args.max_new_tokens)
 
 
-def defaults_line(args) -> str:
+def defaults_line(args, taken_flags: list[Flag] = TAKEN) -> str:
     """OnlineDPOConfig's defaults a line leaves out, those taken and those not."""
     quiet = {"dataset_train_split", "dataset_test_split", "per_device_eval_batch_size", "use_peft", "max_steps"}
     quiet |= {"num_train_epochs"} if args.max_steps > 0 else set()
     quiet |= {"save_steps"} if args.save_strategy != "steps" else set()
     quiet |= set() if args.use_peft else {"lora_r", "lora_alpha", "lora_dropout", *F.FOUR_BIT}
     shown = {"beta": "0.1", "missing_eos_penalty": "None (no penalty)"}
-    taken = [f"{f.name} {shown.get(f.name, f.default)}" for f in TAKEN if f.name not in args.given
+    taken = [f"{f.name} {shown.get(f.name, f.default)}" for f in taken_flags if f.name not in args.given
              and f.name not in quiet and (f.default is not None or f.name in shown)]
     not_taken = [f"{name} {why}" for name, why in NOT_TAKEN_DEFAULTS.items() if name not in args.given]
     return f"TRL's defaults taken: {', '.join(taken)}" + (f"; not taken: {', '.join(not_taken)}" if not_taken else "")
 
 
-def translate(args, world: int, own: list[str] = ()) -> tuple[list[str], list[str]]:
+def translate(args, world: int, own: list[str] = (), estimator: str = "online_dpo", taken_flags: list[Flag] = TAKEN
+              ) -> tuple[list[str], list[str]]:
     """(alignrl overrides, start lines) for online DPO's (checked) flags on `world` ranks; `own`: the line's alignrl
-    key=value words (a reward function beside --reward_model_path is summed with it, as TRL sums its rewards)."""
+    key=value words (a reward function beside --reward_model_path is summed with it, as TRL sums its rewards);
+    `estimator`: online_dpo, or xpo for TRL's XPO, whose flags (`taken_flags`) are online DPO's and --alpha."""
     _as_grpo(args)
     batches = PairBatches(args, world)
     steps = K.rl_steps(args, batches)
@@ -154,7 +166,8 @@ def translate(args, world: int, own: list[str] = ()) -> tuple[list[str], list[st
             w.startswith("algorithm.reward_model_mix=") for w in own):
         reward.append("algorithm.reward_model_mix=sum")  # TRL sums its rewards: the function's beside the model's
     data = [k for k in K.data_keys(args, batches) if not k.startswith("data.filter_overlong_prompts=")]
-    overrides = (data + ["data.truncation=left", "data.filter_overlong_prompts=false"] + batches.keys() + RECIPE
+    overrides = (data + ["data.truncation=left", "data.filter_overlong_prompts=false"] + batches.keys()
+                 + [f"algorithm.adv_estimator={estimator}", *RECIPE]
                  + [f"algorithm.dpo_beta={args.beta[0]}", f"algorithm.dpo_loss_type={args.loss_type}",
                     f"algorithm.missing_eos_penalty={args.missing_eos_penalty or 0.0}"]
                  + reward + K.optimiser_keys(args, batches, steps) + K.run_keys(args, batches)
@@ -162,7 +175,7 @@ def translate(args, world: int, own: list[str] = ()) -> tuple[list[str], list[st
                     f"rollout.top_p={args.top_p}", f"rollout.top_k={args.top_k if args.top_k > 0 else -1}",
                     f"rollout.min_p={args.min_p or 0.0}", f"rollout.repetition_penalty={args.repetition_penalty}"]
                  + generation_keys(args.generation_kwargs))
-    lines = [defaults_line(args), batches.line(),
+    lines = [defaults_line(args, taken_flags), batches.line(),
              f"--max_length {args.max_length}{'' if 'max_length' in args.given else ' (default)'}: prompts keep their "
              f"last {args.max_prompt_length} tokens (max_length - max_new_tokens), for the answers and their "
              "log-probs alike (TRL cuts the prompt's leftmost tokens for the log-probs only)"] + K.split_lines(args) \
@@ -200,13 +213,22 @@ def epoch_counts(args, overrides: list[str], own: list[str]) -> tuple[list[str],
                        f"dividing {rows} trains them all"]
 
 
-def from_line(words: list[str]) -> tuple[list[str], list[str]]:
-    """An online DPO line (the words after the command) as alignrl's words for `train grpo` (overrides, the line's
-    own key=value overrides after them, --nproc), with the start lines saying how."""
+def from_line(words: list[str], xpo: bool = False) -> tuple[list[str], list[str]]:
+    """An online DPO line (the words after the command; `xpo`: an XPO line, `compat.trl_xpo`) as alignrl's words for
+    `train grpo` (overrides, the line's own key=value overrides after them, --nproc), with the start lines saying
+    how."""
     flags, own, nproc = F.split_line(words)
-    args = F.parse(flags, parser(), REFUSED, WHAT)
+    args = F.parse(flags, parser(xpo), REFUSED, "XPO" if xpo else WHAT)
     check(args, own)
-    overrides, lines = translate(args, nproc or int(os.environ.get("WORLD_SIZE", "1")), own)
+    world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
+    if xpo:
+        if len(args.alpha) > 1:
+            raise TrlFlagError(f"--alpha {' '.join(map(str, args.alpha))}: TRL's per-epoch schedule of alpha is not "
+                               "available here; give one value (--alpha 1e-5), or one run per alpha")
+        overrides, lines = translate(args, world, own, "xpo", XPO_TAKEN)
+        overrides.append(f"algorithm.xpo_alpha={args.alpha[0]}")
+    else:
+        overrides, lines = translate(args, world, own)
     overrides, epoch_lines = epoch_counts(args, overrides, own)
     lines += epoch_lines
     lines += F.unused_lines(args, NOT_APPLIED)
@@ -217,6 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     from alignrl.compat.trl_config_file import run_command
 
     return run_command(list(sys.argv[1:] if argv is None else argv), parser(), from_line, WHAT)
+
+
+def xpo_main(argv: list[str] | None = None) -> int:
+    """`alignrl train xpo`: TRL's XPO command line (examples/scripts/xpo.py), online DPO's flags and --alpha."""
+    from alignrl.compat.trl_config_file import run_command
+
+    return run_command(list(sys.argv[1:] if argv is None else argv), parser(xpo=True),
+                       functools.partial(from_line, xpo=True), "XPO")
 
 
 if __name__ == "__main__":

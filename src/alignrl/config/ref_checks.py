@@ -3,13 +3,13 @@ model whose vocabulary is the policy's is checked where it loads (`placements.bu
 
 from __future__ import annotations
 
-from alignrl.config.schema import RunConfig
+from alignrl.config.schema import PAIR_ESTIMATORS, RunConfig
 
 
 def needs_reference(cfg: RunConfig) -> bool:
-    """Whether the run uses reference log-probs: a KL loss, a KL penalty in the reward, or online DPO's loss."""
+    """Whether the run uses reference log-probs: a KL loss, a KL penalty in the reward, or online DPO's (XPO's) loss."""
     return ((cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward
-            or cfg.algorithm.adv_estimator == "online_dpo")
+            or cfg.algorithm.adv_estimator in PAIR_ESTIMATORS)
 
 
 def ref_path_problem(cfg: RunConfig) -> str | None:

@@ -44,6 +44,9 @@ class RolloutConfig:
 
 # the policy losses that read actor.clip_ratio_c: PPO's dual clip, DPPO's truncation of the ratio
 CLIP_C_LOSSES = ("ppo_clip", "dppo_tv", "dppo_kl")
+# each prompt's two answers a DPO pair, trained by the DPO loss's gradient (core.online_dpo); under xpo the second
+# answer is the reference model's
+PAIR_ESTIMATORS = ("online_dpo", "xpo")
 
 
 @dataclass(frozen=True)
@@ -196,15 +199,22 @@ class AlgorithmConfig:
                                      "tir_optimal_token_baseline (the same over each response's trained tokens "
                                      "aligned: verl's multi-turn OTB), gae (PPO with critic.enable=true), online_dpo "
                                      "(each prompt's two answers a DPO pair, the higher reward chosen: TRL's online "
-                                     "DPO, with dpo_beta and dpo_loss_type)",
+                                     "DPO, with dpo_beta and dpo_loss_type), xpo (online DPO between the policy's "
+                                     "answer and the reference model's, with an exploration term xpo_alpha: TRL's "
+                                     "XPO)",
                              choices=("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
                                       "gpg", "gdpo", "opo", "grpo_passk", "rloo_vectorized", "grpo_vectorized",
-                                      "optimal_token_baseline", "tir_optimal_token_baseline", "gae", "online_dpo"))
-    dpo_beta: float = opt(0.1, "adv_estimator=online_dpo: the DPO loss's beta, the strength of its pull toward the "
-                               "reference (TRL's --beta)", gt=0.0)
-    dpo_loss_type: str = opt("sigmoid", "adv_estimator=online_dpo: sigmoid (DPO's -log sigmoid(beta h)) or ipo "
+                                      "optimal_token_baseline", "tir_optimal_token_baseline", "gae", "online_dpo",
+                                      "xpo"))
+    dpo_beta: float = opt(0.1, "adv_estimator=online_dpo or xpo: the DPO loss's beta, the strength of its pull "
+                               "toward the reference (TRL's --beta)", gt=0.0)
+    dpo_loss_type: str = opt("sigmoid", "adv_estimator=online_dpo or xpo: sigmoid (DPO's -log sigmoid(beta h)) or ipo "
                                         "((h - 1/(2 beta))^2), h the pair's policy-minus-reference log-ratio gap "
                                         "(TRL's --loss_type)", choices=("sigmoid", "ipo"))
+    xpo_alpha: float = opt(1e-5, "adv_estimator=xpo: the weight of XPO's exploration term, alpha times the policy's "
+                                 "summed log-prob of the reference model's answer added to each pair's loss, which "
+                                 "pushes the policy away from what the reference already says (TRL's --alpha)",
+                           ge=0.0)
     gamma: float = opt(1.0, "discount of GAE and REINFORCE++ returns", ge=0.0, le=1.0)
     lam: float = opt(1.0, "GAE lambda", ge=0.0, le=1.0)
     norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false, with actor.loss_agg_mode="
@@ -349,9 +359,9 @@ class RunConfig:
     @property
     def logprob_temperature(self) -> float:
         """The temperature the trainer's, the old policy's and the reference's log-probs are taken at: the sampling
-        temperature, as verl's and TRL's GRPO take them, or 1 for online DPO, whose loss reads the models' own
+        temperature, as verl's and TRL's GRPO take them, or 1 for online DPO and XPO, whose loss reads the models' own
         distributions, as TRL's online DPO reads them."""
-        return 1.0 if self.algorithm.adv_estimator == "online_dpo" else self.rollout.temperature
+        return 1.0 if self.algorithm.adv_estimator in PAIR_ESTIMATORS else self.rollout.temperature
 
     @property
     def mini_batches_per_step(self) -> int:

@@ -51,11 +51,16 @@ def chosen_rejected(x: PairInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(first_wins, first, second), torch.where(first_wins, second, first)
 
 
-def online_dpo_advantages(x: PairInputs, beta: float, loss_type: str = "sigmoid"
+def online_dpo_advantages(x: PairInputs, beta: float, loss_type: str = "sigmoid", xpo_alpha: float | None = None
                           ) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-row advantages (B,) whose -A·log π update, aggregated as seq-mean-token-sum, is the gradient of the pairs'
     mean DPO loss (`loss_type`: sigmoid or ipo) at the log-probs given; and the loss's metrics (`dpo/loss`,
-    `rewards/chosen`, ... as the offline DPO trainer logs them, plus the answers' reward margin)."""
+    `rewards/chosen`, ... as the offline DPO trainer logs them, plus the answers' reward margin).
+
+    `xpo_alpha`: XPO's loss (Xie et al. 2024; TRL's XPOTrainer), each pair's second answer the reference model's:
+    the DPO loss plus alpha times the policy's summed log-prob of that answer, whose descent makes what the
+    reference would say less likely, so the policy explores away from it. A tie of rewards goes to the policy's
+    answer (the first), as TRL's `model_scores >= ref_scores`."""
     if loss_type not in ONLINE_DPO_LOSSES:
         raise ValueError(f"online DPO loss {loss_type!r}: choose one of {', '.join(ONLINE_DPO_LOSSES)}")
     chosen, rejected = chosen_rejected(x)
@@ -65,6 +70,12 @@ def online_dpo_advantages(x: PairInputs, beta: float, loss_type: str = "sigmoid"
     with torch.enable_grad():
         loss, metrics = DPO_LOSSES[loss_type](sums[chosen], sums[rejected], ref[chosen], ref[rejected], beta,
                                               float(max(pairs, 1)))
+        if xpo_alpha is not None:
+            second = pair_rows(x.group)[1]
+            exploration = xpo_alpha * sums[second].sum() / max(pairs, 1)
+            loss = loss + exploration
+            metrics["xpo/loss"] = float(exploration.detach())
+            metrics["xpo/policy_chosen"] = float((chosen != second).double().mean()) if pairs else 0.0
         (grad,) = torch.autograd.grad(loss, sums)
     advantages = (-2.0 * max(pairs, 1) * grad).to(x.logp_sums.dtype)
     metrics["online_dpo/kl"] = float((x.logp_sums - x.ref_sums).mean())  # TRL's objective/kl: per answer, summed

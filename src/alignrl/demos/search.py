@@ -69,7 +69,7 @@ def retrieval_server(corpus: Path, topk: int):
 def agent_eval(model_path: str, cfg: RunConfig, samples: Sequence, batch_size: int = 150) -> dict[str, float]:
     """Greedy multi-turn episodes on `samples` through the configured retriever, as training rolls out:
     exact match (the task's reward), search calls per episode and the share of turns with a valid action."""
-    from alignrl.placements.build import with_tools
+    from alignrl.placements.episodes import with_tools
     from alignrl.data.collate import encode_prompts
     from alignrl.interfaces import SamplingParams
     from alignrl.models.loader import load_model

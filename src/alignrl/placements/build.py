@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from alignrl.rl.producer import LocalRefScorer, RolloutMaker
+from alignrl.rl.reference_pairs import reference_answers
+from alignrl.placements.episodes import run_tool_schemas
 from alignrl.preference.rm import check_rl_scorers
 from alignrl.rl.scoring import RewardComponents, RewardStage
 from alignrl.rl.trainer import CriticParts
@@ -38,12 +40,8 @@ from alignrl.models.value import ModelScorer, load_value_model, score_normalizat
 from alignrl.rewards.registry import run_rule, with_format_bonus
 from alignrl.rewards.timed_rules import timed
 from alignrl.train.ema import PolicyAverage
-from alignrl.rollout.agent import AgentRollout
-from alignrl.rollout.env_agent import EnvRollout
-from alignrl.rollout.environments import load_environment
 from alignrl.rollout.remote import RemoteRefScorer
 from alignrl.rollout.remote_reward import RemoteReward
-from alignrl.rollout.retriever import RetrieverClient
 from alignrl.train.actor import Actor
 from alignrl.train.critic import Critic
 from alignrl.train.engines import OptimSpec, build_engine
@@ -198,16 +196,6 @@ def timed_rule(cfg: RunConfig, which: str):
                  a.reward_workers, give_up=which != "cost")
 
 
-def run_tool_schemas(cfg: RunConfig) -> list[dict] | None:
-    """verl's tool schemas of agent.tool_config_path, None without one: the tool loop is imported only then (its
-    pydantic models are a quarter of a second of a process's start)."""
-    if not cfg.agent.tool_config_path:
-        return None
-    from alignrl.rollout.verl_tools import tool_schemas
-
-    return tool_schemas(cfg.agent.tool_config_path)
-
-
 def producer_prompts(cfg: RunConfig, tokenizer) -> tuple[list, PromptData]:
     """A producer's training rows (a ZeroMQ sampler, a Ray rollout worker) and their prompts, templated as the
     trainer templates its own: with the run's chat-template variables (data.chat_template_kwargs, bound to
@@ -218,37 +206,13 @@ def producer_prompts(cfg: RunConfig, tokenizer) -> tuple[list, PromptData]:
     return train, PromptData(tokenizer, train, cfg.data.max_prompt_length, cfg.data.truncation, tools)
 
 
-def with_tools(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> RolloutEngine:
-    """The episodes against the environment of agent.env_path or verl's tool loop of agent.tool_config_path (and
-    agent.interaction_config_path) over
-    `engine`, else the multi-turn search rollout when agent.max_turns > 0, else `engine` itself (the config's checks
-    refused the combinations that cannot work: `config.agent_checks`)."""
-    a = cfg.agent
-    if a.env_path:
-        return EnvRollout(engine, tokenizer, load_environment(a.env_path), response_cap(cfg), a.max_turns,
-                          prompt_room=cfg.data.max_prompt_length if a.lend_prompt_room else 0)
-    if a.tool_config_path or a.interaction_config_path:  # verl's tool agent loop, agent.max_turns its
-        # max_assistant_turns; its tools, its interactions (a simulated user) or both
-        from alignrl.rollout.verl_tools import ToolLoop, tool_environment
-        loop = ToolLoop(a.max_turns, a.max_user_turns, a.max_parallel_calls, a.max_tool_response_length,
-                        a.tool_response_truncate_side, a.tool_format)
-        make = tool_environment(a.tool_config_path, tokenizer, loop, a.interaction_config_path)
-        return EnvRollout(engine, tokenizer, make, response_cap(cfg), a.max_turns)
-    if a.max_turns == 0:
-        return engine
-    r, d = cfg.retriever, cfg.data
-    tool = RetrieverClient(r.url, r.topk, r.timeout_s, r.retries) if a.search else None
-    if tool is not None:
-        tool.check()
-    return AgentRollout(engine, tokenizer, tool, a.max_turns, d.max_obs_length,
-                        d.max_start_length or d.max_prompt_length, response_cap(cfg))
-
-
 def build_maker(cfg: RunConfig, engine: RolloutEngine, tokenizer, ref: RefScorer | None, device: torch.device,
                 seed_rank: int, reward_model: SequenceScorer | None = None) -> RolloutMaker:
-    """The producer of every placement: `engine` (already with its tools: `with_tools`), the reward stage and the
-    reference. `seed_rank` decorrelates the samples of producers that share a step; `reward_model`: a scorer
-    that lives elsewhere (a Ray reward group), in place of the one `cfg` would load here."""
+    """The producer of every placement: `engine` (already with its tools: `placements.episodes.with_tools`; paired
+    with the reference's own answers under XPO), the reward stage and the reference. `seed_rank` decorrelates the
+    samples of producers that share a step; `reward_model`: a scorer that lives elsewhere (a Ray reward group), in
+    place of the one `cfg` would load here."""
+    engine = reference_answers(cfg, engine, ref, tokenizer)
     return RolloutMaker(cfg, engine, build_rewards(cfg, tokenizer, device, reward_model), ref, seed_rank)
 
 

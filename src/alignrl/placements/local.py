@@ -15,7 +15,8 @@ from alignrl.config import ConfigError, RunConfig
 from alignrl.interfaces import RemoteProducers, RolloutEngine, WeightSink
 from alignrl.models.loader import frozen_copy, resolve_model_path, run_tokenizer, with_template_variables
 from alignrl.placements.build import (build_actor, build_critics, build_maker, build_ref, check_ref_folder,
-                                      load_policy, service_args, shards_weights, with_tools)
+                                      load_policy, service_args, shards_weights)
+from alignrl.placements.episodes import with_tools
 from alignrl.placements.ref_sync import ReferenceMix, reference_mix
 from alignrl.placements.sharded_ref import build_sharded_ref, shards_reference, where_reference_lives
 from alignrl.rl.producer import RolloutMaker

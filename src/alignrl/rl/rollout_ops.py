@@ -63,10 +63,14 @@ def select_groups(ro: Rollout, keep_group_ids: Sequence[int] | torch.Tensor) -> 
     sample list). Widths are kept: padding columns are trimmed later, per micro-batch."""
     rows = group_rows(ro.group, keep_group_ids)
     kept = ro.group[rows]
+    return take_rows(ro, rows, torch.searchsorted(torch.unique(kept), kept))
+
+
+def take_rows(ro: Rollout, rows: torch.Tensor, group: torch.Tensor) -> Rollout:
+    """`ro`'s rows `rows` (indices, in that order), numbered into the prompt groups `group` (one per row)."""
     return Rollout(prompt_ids=ro.prompt_ids[rows], prompt_mask=ro.prompt_mask[rows],
                    response_ids=ro.response_ids[rows], response_mask=ro.response_mask[rows],
-                   logprobs=ro.logprobs[rows], truncated=ro.truncated[rows],
-                   group=torch.searchsorted(torch.unique(kept), kept),
+                   logprobs=ro.logprobs[rows], truncated=ro.truncated[rows], group=group,
                    loss_mask=None if ro.loss_mask is None else ro.loss_mask[rows],
                    stats={k: v[rows] for k, v in ro.stats.items()},
                    images=None if ro.images is None else ro.images.select(rows),

@@ -13,6 +13,7 @@ import torch
 
 from alignrl.rl.producer import batched_logprobs, timed
 from alignrl.config import RunConfig
+from alignrl.config.schema import PAIR_ESTIMATORS
 from alignrl.config.checks import response_cap
 from alignrl.core.advantages import ADVANTAGES, OutcomeInputs, gae_advantages, outcome_token_rewards, whiten_by
 from alignrl.core.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
@@ -83,7 +84,7 @@ def policy_loss_spec(cfg: RunConfig) -> PolicyLossSpec:
                           delta=a.clip_ratio_delta, kl_ratio_weighted=a.kl_loss_ratio_weighted,
                           top_entropy=a.top_entropy_quantile, off_policy=a.off_policy_mask_threshold,
                           vespo=(a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg))
-    if cfg.algorithm.adv_estimator == "online_dpo":  # -A log pi summed per answer: the DPO gradient (core.online_dpo)
+    if cfg.algorithm.adv_estimator in PAIR_ESTIMATORS:  # -A log pi summed per answer: the DPO gradient (online_dpo)
         return replace(spec, name="gpg", loss_agg="seq-mean-token-sum", policy_agg=None)
     return spec
 
@@ -149,7 +150,7 @@ class PolicyTrainer:
         is_weight, loss_mask, is_metrics = self.rollout_correction(old_lp, rollout_lp, given)
         value_targets: list = []
         kept = estimator_mask(mask, given, loss_mask)  # the outcome stays where `mask` put it (reward_mask)
-        if cfg.algorithm.adv_estimator == "online_dpo":
+        if cfg.algorithm.adv_estimator in PAIR_ESTIMATORS:
             adv, pair_metrics = self.pair_advantages(outcome, ro.group, old_lp, batch.ref_logprobs, kept)
             metrics.update(pair_metrics)
         elif self.critics is None:
@@ -272,11 +273,12 @@ class PolicyTrainer:
 
     def pair_advantages(self, rewards: torch.Tensor, group: torch.Tensor, old_lp: torch.Tensor,
                         ref_lp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Online DPO's advantages (B,): each prompt's two answers a pair, weighed by the DPO loss's gradient at the
-        trainer's log-probs summed over the trained tokens."""
+        """Online DPO's (XPO's) advantages (B,): each prompt's two answers a pair, weighed by the DPO loss's gradient
+        at the trainer's log-probs summed over the trained tokens."""
         a = self.cfg.algorithm
         pairs = PairInputs(rewards, group, (old_lp * mask).sum(-1), (ref_lp.to(old_lp.device) * mask).sum(-1))
-        adv, metrics = online_dpo_advantages(pairs, a.dpo_beta, a.dpo_loss_type)
+        adv, metrics = online_dpo_advantages(pairs, a.dpo_beta, a.dpo_loss_type,
+                                             a.xpo_alpha if a.adv_estimator == "xpo" else None)
         # the loss averages over the answers with a trained token (over every rank); the advantages assume all 2P
         counts, total = torch.tensor([float((mask.sum(-1) > 0).sum()), float(len(mask))]), sum_over_ranks(self.env)
         trained, rows = counts if total is None else total(counts)

@@ -218,7 +218,8 @@ class RolloutWorker(Worker):
     def maker(self, seed_rank: int):
         """One maker per seed rank: `seed_rank` decorrelates the samples of the engines' shares. With a
         reward group, the loop's reward stage scores through it instead of loading the model here."""
-        from alignrl.placements.build import build_maker, with_tools
+        from alignrl.placements.build import build_maker
+        from alignrl.placements.episodes import with_tools
         from alignrl.placements.ray.channel import RayRewardScorer
 
         if seed_rank not in self.makers:

@@ -22,7 +22,8 @@ import uuid
 import torch
 import zmq
 
-from alignrl.placements.build import build_maker, build_ref, producer_prompts, with_tools
+from alignrl.placements.build import build_maker, build_ref, producer_prompts
+from alignrl.placements.episodes import with_tools
 from alignrl.data.prompts import PromptData
 from alignrl.data.records import rows_digest
 from alignrl.config import ConfigError, RunConfig, load_config
