@@ -42,6 +42,9 @@ ESTIMATORS = {
     # at XPOConfig's alpha
     "XPO": ["algorithm.adv_estimator=xpo", "rollout.n=2", "data.train_batch_size=128", "actor.ppo_mini_batch_size=128",
             "actor.recompute_old_logprobs=true"],
+    # TRL's Nash-MD: the policy's answer against one of the geometric mixture of policy and reference (its 0.5)
+    "Nash-MD": ["algorithm.adv_estimator=nash_md", "rollout.n=2", "data.train_batch_size=128",
+                "actor.ppo_mini_batch_size=128", "actor.recompute_old_logprobs=true"],
 }
 # The policy losses with the demo's GRPO advantages; the settings are each method's paper's (or verl's) defaults,
 # except Clip-Cov's and KL-Cov's share of tokens: the demo's micro-batches hold a few hundred response tokens, where

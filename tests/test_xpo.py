@@ -145,7 +145,8 @@ def test_what_cannot_hold_the_reference_beside_the_rollouts_is_one_line(given, e
 
 
 def test_xpo_alpha_without_xpo_is_one_line():
-    with pytest.raises(ConfigError, match="set algorithm.adv_estimator=xpo, or drop it"):
+    with pytest.raises(ConfigError, match="algorithm.xpo_alpha is read under algorithm.adv_estimator=xpo, not "
+                                          "online_dpo: drop it"):
         load_config(None, [*XPO[:1], "algorithm.adv_estimator=online_dpo", *XPO[2:], "algorithm.xpo_alpha=0.1"])
     with pytest.raises(ConfigError, match="algorithm.xpo_alpha sets the online DPO loss"):
         load_config(None, ["model.path=demo", "algorithm.xpo_alpha=0.1"])
@@ -160,7 +161,7 @@ def test_trls_xpo_line_trains_the_tiny_model_and_logs_both_losses(tmp_path, tiny
     data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i}+1?"}],
                                         "solution": str(i + 1)}) + "\n" for i in range(8)))
     words, _ = from_line(["--dataset_name", str(data), "--reward_model_path", "org/rm", "--alpha", "0.001",
-                          "--beta", "0.2"], xpo=True)
+                          "--beta", "0.2"], variant="xpo")
     cfg = load_config(None, [w for w in words if "=" in w])
     assert (cfg.algorithm.adv_estimator, cfg.algorithm.xpo_alpha, cfg.algorithm.dpo_beta) == ("xpo", 0.001, 0.2)
     monkeypatch.chdir(tmp_path)

@@ -16,6 +16,9 @@ and translated by the same code (`trl_grpo_flags`, `trl_grpo_keys`). Every defau
 
 `alignrl train xpo` is TRL's XPO (examples/scripts/xpo.py): the same flags and --alpha (XPOConfig's 1e-5), run as
 algorithm.adv_estimator=xpo: each pair the policy's answer and the reference model's, with XPO's exploration term.
+`alignrl train nash-md` is TRL's Nash-MD (examples/scripts/nash_md.py): the same flags and --mixture_coef
+(NashMDConfig's 0.5), run as algorithm.adv_estimator=nash_md: each pair the policy's answer and one of the geometric
+mixture of policy and reference.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import functools
 import math
 import os
 import sys
+from dataclasses import dataclass
 
 from alignrl.compat import trl_grpo_flags as F
 from alignrl.compat import trl_grpo_keys as K
@@ -49,7 +53,30 @@ OWN = [Flag("learning_rate", float, 5e-7), Flag("reward_model_path", "opt_str", 
        Flag("missing_eos_penalty", "opt_float", None), Flag("beta", "floats", [0.1]),
        Flag("loss_type", str, "sigmoid")]
 TAKEN = [f for f in F.TAKEN if f.name in SHARED] + OWN
-XPO_TAKEN = TAKEN + [Flag("alpha", "floats", [1e-5])]  # XPOConfig: OnlineDPOConfig's flags and its own
+
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A trainer of TRL's that is OnlineDPOConfig and one flag of its own (a list: a per-epoch schedule in TRL)."""
+    command: str
+    name: str  # as the errors name it
+    estimator: str  # algorithm.adv_estimator
+    flag: Flag
+    key: str  # the alignrl key the flag's one value sets
+    what: str  # the parser's description
+
+
+VARIANTS = {
+    "xpo": Variant("alignrl train xpo", "XPO", "xpo", Flag("alpha", "floats", [1e-5]), "algorithm.xpo_alpha",
+                   "XPO with TRL's xpo.py flags: each prompt's answer from the policy and one from the reference model "
+                   "a DPO pair, the higher reward chosen, plus alpha times the policy's log-prob of the reference's "
+                   "answer (alignrl's RL loop, algorithm.adv_estimator=xpo)"),
+    "nash_md": Variant("alignrl train nash-md", "Nash-MD", "nash_md", Flag("mixture_coef", "floats", [0.5]),
+                       "algorithm.mixture_coef", "Nash-MD with TRL's nash_md.py flags: each prompt's answer from the "
+                       "policy against one from the geometric mixture of policy and reference, by the probability "
+                       "its reward is the higher (alignrl's RL loop, algorithm.adv_estimator=nash_md)"),
+}
 # GRPOConfig's flags OnlineDPOConfig has not: unknown here
 GRPO_ONLY = {"vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
              "log_completions", "num_completions_to_print", "log_unique_prompts", "num_generations_eval",
@@ -72,12 +99,9 @@ NOT_TAKEN_DEFAULTS = {**K.NOT_TAKEN_DEFAULTS,
                       "disable_dropout": "True (the policy keeps its config's dropout, none in most causal LMs)"}
 
 
-def parser(xpo: bool = False):
-    if xpo:
-        return F.parser(XPO_TAKEN, NOT_APPLIED, REFUSED, "alignrl train xpo", "XPO with TRL's xpo.py flags: each "
-                        "prompt's answer from the policy and one from the reference model a DPO pair, the higher "
-                        "reward chosen, plus alpha times the policy's log-prob of the reference's answer (alignrl's "
-                        "RL loop, algorithm.adv_estimator=xpo)")
+def parser(variant: Variant | None = None):
+    if variant is not None:
+        return F.parser(TAKEN + [variant.flag], NOT_APPLIED, REFUSED, variant.command, variant.what)
     return F.parser(TAKEN, NOT_APPLIED, REFUSED, PROG, "online DPO with TRL's dpo_online.py flags: each prompt's two "
                     "answers a DPO pair, the higher reward chosen (alignrl's RL loop, algorithm.adv_estimator="
                     "online_dpo)")
@@ -157,7 +181,7 @@ def translate(args, world: int, own: list[str] = (), estimator: str = "online_dp
               ) -> tuple[list[str], list[str]]:
     """(alignrl overrides, start lines) for online DPO's (checked) flags on `world` ranks; `own`: the line's alignrl
     key=value words (a reward function beside --reward_model_path is summed with it, as TRL sums its rewards);
-    `estimator`: online_dpo, or xpo for TRL's XPO, whose flags (`taken_flags`) are online DPO's and --alpha."""
+    `estimator`: online_dpo, or another of TRL's trainers on OnlineDPOConfig (`VARIANTS`, its flags `taken_flags`)."""
     _as_grpo(args)
     batches = PairBatches(args, world)
     steps = K.rl_steps(args, batches)
@@ -213,20 +237,25 @@ def epoch_counts(args, overrides: list[str], own: list[str]) -> tuple[list[str],
                        f"dividing {rows} trains them all"]
 
 
-def from_line(words: list[str], xpo: bool = False) -> tuple[list[str], list[str]]:
-    """An online DPO line (the words after the command; `xpo`: an XPO line, `compat.trl_xpo`) as alignrl's words for
-    `train grpo` (overrides, the line's own key=value overrides after them, --nproc), with the start lines saying
-    how."""
+def from_line(words: list[str], variant: str = "") -> tuple[list[str], list[str]]:
+    """An online DPO line (the words after the command; `variant`: a line of one of `VARIANTS`, XPO or Nash-MD) as
+    alignrl's words for `train grpo` (overrides, the line's own key=value overrides after them, --nproc), with the
+    start lines saying how."""
+    v = VARIANTS[variant] if variant else None
     flags, own, nproc = F.split_line(words)
-    args = F.parse(flags, parser(xpo), REFUSED, "XPO" if xpo else WHAT)
+    args = F.parse(flags, parser(v), REFUSED, v.name if v else WHAT)
     check(args, own)
     world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
-    if xpo:
-        if len(args.alpha) > 1:
-            raise TrlFlagError(f"--alpha {' '.join(map(str, args.alpha))}: TRL's per-epoch schedule of alpha is not "
-                               "available here; give one value (--alpha 1e-5), or one run per alpha")
-        overrides, lines = translate(args, world, own, "xpo", XPO_TAKEN)
-        overrides.append(f"algorithm.xpo_alpha={args.alpha[0]}")
+    if v is not None:
+        values = getattr(args, v.flag.name)
+        if len(values) > 1:
+            raise TrlFlagError(f"--{v.flag.name} {' '.join(map(str, values))}: TRL's per-epoch schedule of "
+                               f"{v.flag.name} is not available here; give one value (--{v.flag.name} "
+                               f"{v.flag.default[0]}), or one run per value")
+        if v.estimator == "nash_md" and args.loss_type != "sigmoid":
+            raise TrlFlagError(f"--loss_type {args.loss_type}: Nash-MD's loss has no DPO loss type (TRL's reads none)")
+        overrides, lines = translate(args, world, own, v.estimator, TAKEN + [v.flag])
+        overrides.append(f"{v.key}={values[0]}")
     else:
         overrides, lines = translate(args, world, own)
     overrides, epoch_lines = epoch_counts(args, overrides, own)
@@ -241,12 +270,18 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(list(sys.argv[1:] if argv is None else argv), parser(), from_line, WHAT)
 
 
-def xpo_main(argv: list[str] | None = None) -> int:
-    """`alignrl train xpo`: TRL's XPO command line (examples/scripts/xpo.py), online DPO's flags and --alpha."""
+def variant_main(variant: str, argv: list[str] | None = None) -> int:
+    """`alignrl train xpo` / `nash-md`: TRL's XPO or Nash-MD command line (examples/scripts/xpo.py, nash_md.py),
+    online DPO's flags and the trainer's own."""
     from alignrl.compat.trl_config_file import run_command
 
-    return run_command(list(sys.argv[1:] if argv is None else argv), parser(xpo=True),
-                       functools.partial(from_line, xpo=True), "XPO")
+    v = VARIANTS[variant]
+    return run_command(list(sys.argv[1:] if argv is None else argv), parser(v),
+                       functools.partial(from_line, variant=variant), v.name)
+
+
+xpo_main = functools.partial(variant_main, "xpo")
+nash_md_main = functools.partial(variant_main, "nash_md")
 
 
 if __name__ == "__main__":

@@ -12,11 +12,17 @@ def online_dpo_problem(cfg: RunConfig) -> str | None:
     a = cfg.algorithm
     if a.adv_estimator not in PAIR_ESTIMATORS:
         default = AlgorithmConfig()
-        given = [k for k in ("dpo_beta", "dpo_loss_type", "xpo_alpha") if getattr(a, k) != getattr(default, k)]
-        return (f"algorithm.{given[0]} sets the online DPO loss, read with algorithm.adv_estimator=online_dpo or xpo "
-                f"(got adv_estimator={a.adv_estimator}): set it, or drop algorithm.{given[0]}") if given else None
-    if a.adv_estimator != "xpo" and a.xpo_alpha != AlgorithmConfig().xpo_alpha:
-        return "algorithm.xpo_alpha weighs XPO's exploration term: set algorithm.adv_estimator=xpo, or drop it"
+        given = [k for k in ("dpo_beta", "dpo_loss_type", "xpo_alpha", "mixture_coef")
+                 if getattr(a, k) != getattr(default, k)]
+        return (f"algorithm.{given[0]} sets the online DPO loss, read with algorithm.adv_estimator=online_dpo, xpo "
+                f"or nash_md (got adv_estimator={a.adv_estimator}): set it, or drop algorithm.{given[0]}"
+                ) if given else None
+    own = {"xpo_alpha": "xpo", "mixture_coef": "nash_md", "dpo_loss_type": "online_dpo or xpo"}
+    stray = [k for k, owner in own.items() if a.adv_estimator not in owner.split(" or ")
+             and getattr(a, k) != getattr(AlgorithmConfig(), k)]
+    if stray:
+        return (f"algorithm.{stray[0]} is read under algorithm.adv_estimator={own[stray[0]]}, not "
+                f"{a.adv_estimator}: drop it")
     what = f"algorithm.adv_estimator={a.adv_estimator}"
     if cfg.rollout.n != 2:
         return (f"{what} pairs each prompt's two answers, as TRL's online DPO samples two: set rollout.n=2 "
@@ -35,21 +41,26 @@ def online_dpo_problem(cfg: RunConfig) -> str | None:
     if cfg.pipeline.replay_buffer_size:
         return (f"{what} pairs the answers of one batch and trains them once, from the weights that scored them: "
                 "set pipeline.replay_buffer_size=0")
-    return _update_problem(cfg, what) or (_xpo_problem(cfg) if a.adv_estimator == "xpo" else None)
+    return _update_problem(cfg, what) or (_reference_answer_problem(cfg, what) if a.adv_estimator != "online_dpo"
+                                           else None)
 
 
-def _xpo_problem(cfg: RunConfig) -> str | None:
-    """XPO's second answers come from the reference model, sampled beside the policy's in the producer."""
+def _reference_answer_problem(cfg: RunConfig, what: str) -> str | None:
+    """XPO's and Nash-MD's second answers come from the reference model (alone, or mixed with the policy), sampled
+    beside the policy's in the producer."""
     g = cfg.agent
     if g.max_turns or g.env_path or g.tool_config_path or g.interaction_config_path:
-        return ("algorithm.adv_estimator=xpo pairs one answer of the policy with one of the reference model, and "
-                "this run's rollouts are episodes with tools or an environment: use online_dpo, or a single-turn run")
+        return (f"{what} pairs one answer of the policy with one the reference model takes part in, and this run's "
+                "rollouts are episodes with tools or an environment: use online_dpo, or a single-turn run")
     if cfg.services.reference_url:
-        return ("algorithm.adv_estimator=xpo samples the reference model's answers where the rollouts are made, and "
-                "services.reference_url serves log-probs only: drop it (the reference then loads beside the policy)")
+        return (f"{what} samples with the reference model where the rollouts are made, and services.reference_url "
+                "serves log-probs only: drop it (the reference then loads beside the policy)")
     if cfg.pipeline.placement == "zmq" and cfg.pipeline.ref_logprobs == "trainer":
-        return ("algorithm.adv_estimator=xpo samples the reference model's answers in the samplers, which hold no "
-                "reference under pipeline.ref_logprobs=trainer: set pipeline.ref_logprobs=sampler")
+        return (f"{what} samples with the reference model in the samplers, which hold no reference under "
+                "pipeline.ref_logprobs=trainer: set pipeline.ref_logprobs=sampler")
+    if cfg.algorithm.adv_estimator == "nash_md" and cfg.services.generation_url:
+        return (f"{what} samples from the mixture of the policy and the reference token by token in this process, and "
+                "services.generation_url generates elsewhere: drop it")
     return None
 
 

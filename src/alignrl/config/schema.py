@@ -44,9 +44,9 @@ class RolloutConfig:
 
 # the policy losses that read actor.clip_ratio_c: PPO's dual clip, DPPO's truncation of the ratio
 CLIP_C_LOSSES = ("ppo_clip", "dppo_tv", "dppo_kl")
-# each prompt's two answers a DPO pair, trained by the DPO loss's gradient (core.online_dpo); under xpo the second
-# answer is the reference model's
-PAIR_ESTIMATORS = ("online_dpo", "xpo")
+# each prompt's two answers a pair, trained by its loss's gradient (core.online_dpo, core.nash_md); under xpo the
+# second answer is the reference model's, under nash_md the mixture's of policy and reference
+PAIR_ESTIMATORS = ("online_dpo", "xpo", "nash_md")
 
 
 @dataclass(frozen=True)
@@ -201,12 +201,13 @@ class AlgorithmConfig:
                                      "(each prompt's two answers a DPO pair, the higher reward chosen: TRL's online "
                                      "DPO, with dpo_beta and dpo_loss_type), xpo (online DPO between the policy's "
                                      "answer and the reference model's, with an exploration term xpo_alpha: TRL's "
-                                     "XPO)",
+                                     "XPO), nash_md (the policy's answer against one of the geometric mixture of "
+                                     "policy and reference, mixture_coef: TRL's Nash-MD)",
                              choices=("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
                                       "gpg", "gdpo", "opo", "grpo_passk", "rloo_vectorized", "grpo_vectorized",
                                       "optimal_token_baseline", "tir_optimal_token_baseline", "gae", "online_dpo",
-                                      "xpo"))
-    dpo_beta: float = opt(0.1, "adv_estimator=online_dpo or xpo: the DPO loss's beta, the strength of its pull "
+                                      "xpo", "nash_md"))
+    dpo_beta: float = opt(0.1, "adv_estimator=online_dpo, xpo or nash_md: the loss's beta, the strength of its pull "
                                "toward the reference (TRL's --beta)", gt=0.0)
     dpo_loss_type: str = opt("sigmoid", "adv_estimator=online_dpo or xpo: sigmoid (DPO's -log sigmoid(beta h)) or ipo "
                                         "((h - 1/(2 beta))^2), h the pair's policy-minus-reference log-ratio gap "
@@ -215,6 +216,8 @@ class AlgorithmConfig:
                                  "summed log-prob of the reference model's answer added to each pair's loss, which "
                                  "pushes the policy away from what the reference already says (TRL's --alpha)",
                            ge=0.0)
+    mixture_coef: float = opt(0.5, "adv_estimator=nash_md: c of the geometric mixture pi^(1-c) pi_ref^c the second "
+                                   "answer of each prompt is sampled from (TRL's --mixture_coef)", ge=0.0, le=1.0)
     gamma: float = opt(1.0, "discount of GAE and REINFORCE++ returns", ge=0.0, le=1.0)
     lam: float = opt(1.0, "GAE lambda", ge=0.0, le=1.0)
     norm_adv_by_std_in_grpo: bool = opt(True, "divide by the group std; false, with actor.loss_agg_mode="
@@ -359,7 +362,7 @@ class RunConfig:
     @property
     def logprob_temperature(self) -> float:
         """The temperature the trainer's, the old policy's and the reference's log-probs are taken at: the sampling
-        temperature, as verl's and TRL's GRPO take them, or 1 for online DPO and XPO, whose loss reads the models' own
+        temperature, as verl's and TRL's GRPO take them, or 1 for online DPO, XPO and Nash-MD, whose loss reads the models' own
         distributions, as TRL's online DPO reads them."""
         return 1.0 if self.algorithm.adv_estimator in PAIR_ESTIMATORS else self.rollout.temperature
 

@@ -1,7 +1,9 @@
-"""XPO's rollouts (Xie et al. 2024, "Exploratory Preference Optimization"; TRL's XPOTrainer): each prompt's pair holds
-the policy's answer and the reference model's, sampled in the producer's process from the reference it already holds
-for the log-probs (`RolloutMaker.ref`). The pair is then online DPO's (`core.online_dpo`), whose exploration term reads
-the second answer of each pair as the reference's: the rows of a prompt are the policy's first, the reference's second.
+"""The rollouts of XPO (Xie et al. 2024, "Exploratory Preference Optimization"; TRL's XPOTrainer) and Nash-MD (Munos
+et al. 2024, "Nash Learning from Human Feedback"; TRL's NashMDTrainer): each prompt's pair holds the policy's answer
+and one of the reference model (XPO) or of the geometric mixture of policy and reference (Nash-MD), sampled in the
+producer's process from the reference it already holds for the log-probs (`RolloutMaker.ref`). The losses
+(`core.online_dpo`, `core.nash_md`) read the second answer of each pair as that other one: the rows of a prompt are the
+policy's first.
 
 Only an in-process reference can answer: a reference service (`services.reference_url`) returns log-probs, not text,
 and a reference sharded over the ranks runs its forwards as collectives, which a sampling loop of its own per rank
@@ -10,7 +12,8 @@ cannot; both are one line at start.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -39,16 +42,58 @@ class AdaptersOffEngine:
         raise RuntimeError("the reference's answers come from frozen weights: nothing loads into them")
 
 
+class MixtureEngine(HFRolloutEngine):
+    """Sampling from the geometric mixture of the policy and the reference, π^(1-c) · π_ref^c renormalized
+    (c = algorithm.mixture_coef), as TRL's GeometricMixtureWrapper mixes the two models' logits: each step's
+    log-probabilities are (1-c) · log π + c · log π_ref, both models decoding the same tokens on caches of their own.
+    `reference_on`: what makes `reference` compute as the reference (the base's adapters switched off when it is
+    the policy's own module)."""
+
+    def __init__(self, policy: HFRolloutEngine, reference: torch.nn.Module, coef: float,
+                 reference_on: Callable = nullcontext):
+        super().__init__(policy.model, policy.tokenizer, policy.eos.tolist())
+        self.reference, self.coef, self.reference_on = HFRolloutEngine(reference, policy.tokenizer), coef, reference_on
+
+    def _stepper(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, dev: torch.device):
+        mine = super()._stepper(prompts, max_new_tokens, dev)
+        with self.reference_on():  # a decoder takes its weights when it is made: the base's here
+            theirs = self.reference._stepper(prompts, max_new_tokens, dev)
+        return _MixedStepper(mine, theirs, self.coef, self.reference_on)
+
+
+class _MixedStepper:
+    """Two decoders over the same rows, their next-token log-probabilities mixed (HFRolloutEngine's stepper)."""
+
+    def __init__(self, mine, theirs, coef: float, reference_on: Callable):
+        self.mine, self.theirs, self.coef, self.reference_on = mine, theirs, coef, reference_on
+        self.logits = self._mixed(mine.logits, theirs.logits)
+
+    def _mixed(self, mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
+        if self.coef in (0.0, 1.0):  # one model alone: 0 x a token's -inf log-prob would be nan
+            return (theirs if self.coef else mine).float().log_softmax(-1)
+        return (1.0 - self.coef) * mine.float().log_softmax(-1) + self.coef * theirs.float().log_softmax(-1)
+
+    def keep(self, idx: torch.Tensor) -> None:
+        self.mine.keep(idx)
+        self.theirs.keep(idx)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        mine = self.mine.step(tokens)
+        with self.reference_on():
+            theirs = self.theirs.step(tokens)
+        return self._mixed(mine, theirs)
+
+
 class ReferencePairEngine:
     """A RolloutEngine of two answers per prompt: `policy`'s first, `reference`'s second. Weights published to it
     go to the policy's engine; the reference is frozen."""
 
-    def __init__(self, policy: RolloutEngine, reference: HFRolloutEngine | AdaptersOffEngine):
+    def __init__(self, policy: RolloutEngine, reference: HFRolloutEngine | AdaptersOffEngine | MixtureEngine):
         self.policy, self.reference = policy, reference
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
         if params.n != 2:
-            raise ValueError(f"XPO pairs the policy's answer with the reference's: rollout.n=2 (got {params.n})")
+            raise ValueError(f"the policy's answer is paired with the reference's: rollout.n=2 (got {params.n})")
         one = replace(params, n=1)
         mine = self.policy.generate(prompts, one)
         # the reference draws its own random numbers: at the start both models are the same, and the same draws
@@ -70,15 +115,24 @@ def pair_rows(first: Rollout, second: Rollout, pad_id: int) -> Rollout:
 
 
 def reference_answers(cfg: RunConfig, engine: RolloutEngine, ref: RefScorer | None, tokenizer) -> RolloutEngine:
-    """`engine` itself, or under algorithm.adv_estimator=xpo the pair engine of it and the reference `ref` holds."""
-    if cfg.algorithm.adv_estimator != "xpo":
+    """`engine` itself, or under algorithm.adv_estimator=xpo (nash_md) the pair engine of it and the reference `ref`
+    holds (the mixture of the policy and that reference)."""
+    estimator = cfg.algorithm.adv_estimator
+    if estimator not in ("xpo", "nash_md"):
         return engine
-    if isinstance(ref, AdaptersOffScorer):  # the policy's own module with its adapters off
-        return ReferencePairEngine(engine, AdaptersOffEngine(HFRolloutEngine(ref.model, tokenizer), ref.model))
-    if isinstance(ref, LocalRefScorer):
-        return ReferencePairEngine(engine, HFRolloutEngine(ref.model, tokenizer))
-    raise ConfigError("algorithm.adv_estimator=xpo samples each prompt's second answer from the reference model, "
-                      "which must be loaded where the rollouts are made; this run's is "
-                      f"{'not there' if ref is None else type(ref).__name__} (a reference service, a reference "
-                      "sharded over the ranks, or pipeline.ref_logprobs=trainer): drop services.reference_url, "
-                      "use a strategy that keeps whole copies (ddp), or set pipeline.ref_logprobs=sampler")
+    adapters = isinstance(ref, AdaptersOffScorer)  # the reference is the policy's own module with its adapters off
+    if not adapters and not isinstance(ref, LocalRefScorer):
+        raise ConfigError(f"algorithm.adv_estimator={estimator} samples each prompt's second answer from the "
+                          "reference model, which must be loaded where the rollouts are made; this run's is "
+                          f"{'not there' if ref is None else type(ref).__name__} (a reference service, a reference "
+                          "sharded over the ranks, or pipeline.ref_logprobs=trainer): drop services.reference_url, "
+                          "use a strategy that keeps whole copies (ddp), or set pipeline.ref_logprobs=sampler")
+    if estimator == "xpo":
+        reference = HFRolloutEngine(ref.model, tokenizer)
+        return ReferencePairEngine(engine, AdaptersOffEngine(reference, ref.model) if adapters else reference)
+    if not isinstance(engine, HFRolloutEngine):  # the mixture decodes with the policy's own weights, token by token
+        raise ConfigError("algorithm.adv_estimator=nash_md samples from the mixture of the policy and the reference "
+                          f"in this process, and this run generates with {type(engine).__name__} (a generation "
+                          "service, vLLM, or an agent loop): run with the embedded engine")
+    reference_on = (lambda: adapters_off(ref.model)) if adapters else nullcontext
+    return ReferencePairEngine(engine, MixtureEngine(engine, ref.model, cfg.algorithm.mixture_coef, reference_on))

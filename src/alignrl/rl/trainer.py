@@ -19,6 +19,7 @@ from alignrl.core.advantages import ADVANTAGES, OutcomeInputs, gae_advantages, o
 from alignrl.core.kl import AdaptiveKLController, FixedKLController, kl_penalty_rewards
 from alignrl.core.lagrangian import LagrangeMultiplier, safe_gae_advantages
 from alignrl.core.losses import masked_mean
+from alignrl.core.nash_md import MixtureInputs, nash_md_advantages
 from alignrl.core.online_dpo import PairInputs, online_dpo_advantages
 from alignrl.core.rollout_correction import rollout_kl, truncated_is_weights
 from alignrl.config.rollout_rs import rs_options
@@ -274,11 +275,14 @@ class PolicyTrainer:
     def pair_advantages(self, rewards: torch.Tensor, group: torch.Tensor, old_lp: torch.Tensor,
                         ref_lp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """Online DPO's (XPO's) advantages (B,): each prompt's two answers a pair, weighed by the DPO loss's gradient
-        at the trainer's log-probs summed over the trained tokens."""
+        at the trainer's log-probs summed over the trained tokens; Nash-MD's (B, R), the policy's answers only."""
         a = self.cfg.algorithm
-        pairs = PairInputs(rewards, group, (old_lp * mask).sum(-1), (ref_lp.to(old_lp.device) * mask).sum(-1))
-        adv, metrics = online_dpo_advantages(pairs, a.dpo_beta, a.dpo_loss_type,
-                                             a.xpo_alpha if a.adv_estimator == "xpo" else None)
+        if a.adv_estimator == "nash_md":  # token advantages on the policy's answers, from the pairs' rewards
+            adv, metrics = nash_md_advantages(MixtureInputs(rewards, group, old_lp, ref_lp, mask), a.dpo_beta)
+        else:
+            pairs = PairInputs(rewards, group, (old_lp * mask).sum(-1), (ref_lp.to(old_lp.device) * mask).sum(-1))
+            adv, metrics = online_dpo_advantages(pairs, a.dpo_beta, a.dpo_loss_type,
+                                                 a.xpo_alpha if a.adv_estimator == "xpo" else None)
         # the loss averages over the answers with a trained token (over every rank); the advantages assume all 2P
         counts, total = torch.tensor([float((mask.sum(-1) > 0).sum()), float(len(mask))]), sum_over_ranks(self.env)
         trained, rows = counts if total is None else total(counts)
