@@ -177,3 +177,19 @@ def test_trls_xpo_line_trains_the_tiny_model_and_logs_both_losses(tmp_path, tiny
     assert len(steps) == 2 and all(math.isfinite(r["dpo/loss"]) and r["xpo/loss"] < 0 for r in steps)
     # the reference is the policy at the first step, so every pair's log-ratio gap is 0, whichever answers it holds
     assert steps[0]["dpo/loss"] == pytest.approx(math.log(2), abs=1e-4)
+
+
+def test_where_no_reference_can_answer_beside_the_rollouts_the_start_says_so():
+    """A Ray run holds its reference in a group of its own; under LoRA beside a sharded policy the reference is the
+    sharded module itself (a model.ref_path of its own is then sharded too, refused where the producer is built)."""
+    from alignrl.placements.ray.driver import check_inputs
+    from alignrl.rl.reference_pairs import refuse_sharded_base
+
+    for estimator in ("xpo", "nash_md"):
+        cfg = load_config(None, ["model.path=demo", f"algorithm.adv_estimator={estimator}", *XPO[2:]])
+        with pytest.raises(ConfigError, match="a Ray run holds it in a group of its own"):
+            check_inputs(cfg)
+        with pytest.raises(ConfigError, match="use trainer.strategy=ddp, or give the base as model.ref_path"):
+            refuse_sharded_base(cfg)
+    refuse_sharded_base(load_config(None, [*XPO, "model.ref_path=base"]))  # its own model: no adapters to switch
+    refuse_sharded_base(load_config(None, ["model.path=demo"]))

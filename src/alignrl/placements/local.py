@@ -20,6 +20,7 @@ from alignrl.placements.episodes import with_tools
 from alignrl.placements.ref_sync import ReferenceMix, reference_mix
 from alignrl.placements.sharded_ref import build_sharded_ref, shards_reference, where_reference_lives
 from alignrl.rl.producer import RolloutMaker
+from alignrl.rl.reference_pairs import refuse_sharded_base
 from alignrl.placements.weight_sync import copy_sink
 from alignrl.rl.sinks import Fanout, SharedModule
 from alignrl.rl.trainer import PolicyTrainer
@@ -114,6 +115,8 @@ def _with_producer(cfg: RunConfig, policy_path: str, resume: Path | None, env: D
     service = cfg.services.generation_url
     # copied before the engine shards the policy
     copy = frozen_copy(model).to(env.device) if shards_weights(cfg, env) and not service else None
+    if adapters and shards_weights(cfg, env):
+        refuse_sharded_base(cfg)
     actor = build_actor(cfg, model, resume, env, materialize, tokenizer)
     if sharded_ref:  # its forwards are collectives: every rank scores its share of each step once (the producer)
         ref = build_sharded_ref(cfg, env)

@@ -71,7 +71,10 @@ class _MixedStepper:
     def _mixed(self, mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
         if self.coef in (0.0, 1.0):  # one model alone: 0 x a token's -inf log-prob would be nan
             return (theirs if self.coef else mine).float().log_softmax(-1)
-        return (1.0 - self.coef) * mine.float().log_softmax(-1) + self.coef * theirs.float().log_softmax(-1)
+        width = min(mine.shape[-1], theirs.shape[-1])  # a padded vocabulary's extra rows are no tokens
+        mixed = (1.0 - self.coef) * mine[..., :width].float().log_softmax(-1) + \
+            self.coef * theirs[..., :width].float().log_softmax(-1)
+        return mixed.log_softmax(-1)  # renormalized, as the repetition penalty scales log-probabilities
 
     def keep(self, idx: torch.Tensor) -> None:
         self.mine.keep(idx)
@@ -114,6 +117,15 @@ def pair_rows(first: Rollout, second: Rollout, pad_id: int) -> Rollout:
     return take_rows(both, rows, torch.arange(prompts).repeat_interleave(2))
 
 
+def refuse_sharded_base(cfg: RunConfig) -> None:
+    """Under LoRA the reference is the policy's module with its adapters off; beside a policy whose engine shards
+    it (fsdp2, ZeRO-3) that module cannot generate on one rank alone: one line at start."""
+    if cfg.algorithm.adv_estimator in ("xpo", "nash_md") and not cfg.model.ref_path:
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} samples with the reference model, "
+                          "which under LoRA is the sharded policy's own module with its adapters off: use "
+                          "trainer.strategy=ddp, or give the base as model.ref_path")
+
+
 def reference_answers(cfg: RunConfig, engine: RolloutEngine, ref: RefScorer | None, tokenizer) -> RolloutEngine:
     """`engine` itself, or under algorithm.adv_estimator=xpo (nash_md) the pair engine of it and the reference `ref`
     holds (the mixture of the policy and that reference)."""
@@ -127,8 +139,8 @@ def reference_answers(cfg: RunConfig, engine: RolloutEngine, ref: RefScorer | No
                           f"{'not there' if ref is None else type(ref).__name__} (a reference service, a reference "
                           "sharded over the ranks, or pipeline.ref_logprobs=trainer): drop services.reference_url, "
                           "use a strategy that keeps whole copies (ddp), or set pipeline.ref_logprobs=sampler")
-    if estimator == "xpo":
-        reference = HFRolloutEngine(ref.model, tokenizer)
+    if estimator == "xpo":  # the answers end where the policy's do (its engine's stop tokens), as TRL's one config
+        reference = HFRolloutEngine(ref.model, tokenizer, engine.eos.tolist() if hasattr(engine, "eos") else None)
         return ReferencePairEngine(engine, AdaptersOffEngine(reference, ref.model) if adapters else reference)
     if not isinstance(engine, HFRolloutEngine):  # the mixture decodes with the policy's own weights, token by token
         raise ConfigError("algorithm.adv_estimator=nash_md samples from the mixture of the policy and the reference "

@@ -20,7 +20,7 @@ from alignrl.core.kl import AdaptiveKLController, FixedKLController, kl_penalty_
 from alignrl.core.lagrangian import LagrangeMultiplier, safe_gae_advantages
 from alignrl.core.losses import masked_mean
 from alignrl.core.nash_md import MixtureInputs, nash_md_advantages
-from alignrl.core.online_dpo import PairInputs, online_dpo_advantages
+from alignrl.core.online_dpo import PairInputs, online_dpo_advantages, pair_rows
 from alignrl.core.rollout_correction import rollout_kl, truncated_is_weights
 from alignrl.config.rollout_rs import rs_options
 from alignrl.core.rollout_rejection import (batch_normalized, divergence_rejection_mask, rejection_mask, token_veto,
@@ -177,7 +177,12 @@ class PolicyTrainer:
             self.version += 1
             self.sink.publish(self.version)
         # KL(rollout || trainer) per token (k1 under rollout samples): engine/trainer mismatch
-        metrics["rollout/kl_vs_trainer"] = float(rollout_kl(rollout_lp, old_lp, ro.generated_mask, "k1"))
+        sampled = ro.generated_mask  # the policy's own answers: under xpo and nash_md each pair's first only
+        if cfg.algorithm.adv_estimator in ("xpo", "nash_md"):
+            own = torch.zeros(len(ro.group), dtype=torch.bool)
+            own[pair_rows(ro.group)[0]] = True
+            sampled = sampled & own[:, None].to(sampled.device)
+        metrics["rollout/kl_vs_trainer"] = float(rollout_kl(rollout_lp, old_lp, sampled, "k1"))
         return {**metrics, **is_metrics, **t}
 
     def old_logprobs(self, ro: Rollout, micro: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

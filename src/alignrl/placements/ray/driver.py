@@ -69,6 +69,10 @@ def check_inputs(cfg: RunConfig) -> None:
     from alignrl.rollout.service_health import check_services
     from alignrl.train.checkpoint import check_newest_not_past
 
+    if cfg.algorithm.adv_estimator in ("xpo", "nash_md"):  # their rollout workers would find no reference there
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} samples with the reference model "
+                          "where the rollouts are made, and a Ray run holds it in a group of its own: run it "
+                          "in-process, on --nproc ranks or with ZeroMQ samplers")
     load_task_data(replace(cfg, data=replace(cfg.data, train_size=1)))  # generated rows need no check
     check_newest_not_past(cfg)  # before any worker starts, not after (tens of seconds on a cluster)
     for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path)):
