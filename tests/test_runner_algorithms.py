@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from alignrl.config import ConfigError, load_config
+from alignrl.config.schema import PAIR_ESTIMATORS
 from alignrl.runner import train_grpo
 from smallrun import overrides as _overrides
 
@@ -19,7 +20,7 @@ def test_other_estimators_run_a_step(estimator, tiny_model_dir, tmp_path):
     from alignrl.core.advantages import ADVANTAGES
 
     choices = set(dict(AlgorithmConfig.__dataclass_fields__)["adv_estimator"].metadata["choices"])
-    assert set(ADVANTAGES) == choices - {"gae", "online_dpo"}  # gae takes the critic path, online_dpo its pairs
+    assert set(ADVANTAGES) == choices - {"gae", *PAIR_ESTIMATORS}  # gae takes the critic path, these their pairs
     cfg = load_config(None, _overrides(tiny_model_dir, tmp_path, estimator, 1, 0)
                       + [f"algorithm.adv_estimator={estimator}"])
     assert train_grpo(cfg)["steps"] == 1
