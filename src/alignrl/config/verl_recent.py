@@ -21,7 +21,8 @@ _RECENT_PREFIXES = ("algorithm.filter_groups.", "reward_model.overlong_buffer.",
                     "reward_model.model.input_tokenizer", A + "policy_loss.", RC)
 _REF_SYNC = ("actor_rollout_ref.ref.sync_ref_model", "actor_rollout_ref.ref.ref_model_sync_steps",
              "actor_rollout_ref.ref.ref_model_mixup_alpha")
-_OWN = ("reward_model.reward_kwargs.max_resp_len", "actor_rollout_ref.model.exclude_modules", *_REF_SYNC)
+_OWN = ("reward_model.reward_kwargs.max_resp_len", "actor_rollout_ref.model.exclude_modules", *_REF_SYNC,
+        "trainer.ref_update_freq")
 
 
 def parsed(text: str) -> object:
@@ -307,8 +308,11 @@ def _generation_batch(st: TranslationPass) -> list[str]:
 
 def _reference_sync(st: TranslationPass) -> list[str]:
     """verl forks' reference sync (TR-DPO's): its pace and mix are read only when it is on, with TRL's defaults
-    (512 steps, 0.6) where they are left out."""
+    (512 steps, 0.6) where they are left out; verl's SPIN recipe's trainer.ref_update_freq copies the actor whole."""
     given = {key.rsplit(".", 1)[1]: value for key, (_, value) in st.later.items() if key in _REF_SYNC}
+    every = st.later.get("trainer.ref_update_freq", (None, 0))[1]
+    if isinstance(every, int) and every > 0:  # verl's SPIN recipe: the reference becomes the actor every N steps
+        return [f"actor.ref_sync_steps={every}", "actor.ref_mixup_alpha=1.0"]
     if given.get("sync_ref_model") is not True:
         return []
     return [f"actor.ref_sync_steps={given.get('ref_model_sync_steps', 512)}",

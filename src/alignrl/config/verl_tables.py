@@ -112,6 +112,7 @@ NOT_USED = (
     "reward_model.num_workers", "reward_model.strategy", "reward_model.launch_reward_fn_async",
     "trainer.default_hdfs_dir", "data.val_batch_size", "data.tokenizer", "data.return_raw_input_ids",
     "data.return_raw_chat", "trainer.val_generations_to_log_to_wandb",
+    "trainer.log_freq",  # verl's SPIN recipe: console lines every N steps (alignrl logs each step)
     # verl 0.7: vLLM's memory, weight transfer and CUDA graphs; kernels, compilation and memory of the trainer's
     # forwards (the same numbers up to rounding); sharding (fsdp.*: current verl's spelling of fsdp_config), rank
     # balancing, Ray, timeouts, profiling and logging; which tensors a checkpoint holds (alignrl's hold what a
