@@ -114,7 +114,7 @@ def test_under_lora_the_mixtures_reference_is_the_base(tiny_model_dir):
 @pytest.mark.parametrize("given,error", [
     (["services.generation_url=http://127.0.0.1:9"], "services.generation_url generates elsewhere: drop it"),
     (["algorithm.dpo_loss_type=ipo"], "algorithm.dpo_loss_type is read under algorithm.adv_estimator=online_dpo or "
-                                      "xpo, not nash_md"),
+                                      "xpo or spin, not nash_md"),
     (["algorithm.xpo_alpha=0.1"], "algorithm.xpo_alpha is read under algorithm.adv_estimator=xpo, not nash_md"),
     (["agent.max_turns=2"], "episodes with tools or an environment"),
     (["actor.ppo_epochs=2"], "takes one optimizer step per batch"),

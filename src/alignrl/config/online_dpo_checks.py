@@ -14,10 +14,10 @@ def online_dpo_problem(cfg: RunConfig) -> str | None:
         default = AlgorithmConfig()
         given = [k for k in ("dpo_beta", "dpo_loss_type", "xpo_alpha", "mixture_coef")
                  if getattr(a, k) != getattr(default, k)]
-        return (f"algorithm.{given[0]} sets the online DPO loss, read with algorithm.adv_estimator=online_dpo, xpo "
-                f"or nash_md (got adv_estimator={a.adv_estimator}): set it, or drop algorithm.{given[0]}"
+        return (f"algorithm.{given[0]} sets the online DPO loss, read with algorithm.adv_estimator=online_dpo, xpo, "
+                f"nash_md or spin (got adv_estimator={a.adv_estimator}): set it, or drop algorithm.{given[0]}"
                 ) if given else None
-    own = {"xpo_alpha": "xpo", "mixture_coef": "nash_md", "dpo_loss_type": "online_dpo or xpo"}
+    own = {"xpo_alpha": "xpo", "mixture_coef": "nash_md", "dpo_loss_type": "online_dpo or xpo or spin"}
     stray = [k for k, owner in own.items() if a.adv_estimator not in owner.split(" or ")
              and getattr(a, k) != getattr(AlgorithmConfig(), k)]
     if stray:
@@ -46,12 +46,12 @@ def online_dpo_problem(cfg: RunConfig) -> str | None:
 
 
 def _reference_answer_problem(cfg: RunConfig, what: str) -> str | None:
-    """XPO's and Nash-MD's second answers come from the reference model (alone, or mixed with the policy), sampled
-    beside the policy's in the producer."""
+    """XPO's, Nash-MD's and SPIN's second answers come from the reference model (alone, or mixed with the policy),
+    sampled in the producer."""
     g = cfg.agent
     if g.max_turns or g.env_path or g.tool_config_path or g.interaction_config_path:
-        return (f"{what} pairs one answer of the policy with one the reference model takes part in, and this run's "
-                "rollouts are episodes with tools or an environment: use online_dpo, or a single-turn run")
+        return (f"{what} samples one answer of each pair with the reference model, and this run's rollouts are "
+                "episodes with tools or an environment: use online_dpo, or a single-turn run")
     if cfg.services.reference_url:
         return (f"{what} samples with the reference model where the rollouts are made, and services.reference_url "
                 "serves log-probs only: drop it (the reference then loads beside the policy)")

@@ -45,8 +45,10 @@ class RolloutConfig:
 # the policy losses that read actor.clip_ratio_c: PPO's dual clip, DPPO's truncation of the ratio
 CLIP_C_LOSSES = ("ppo_clip", "dppo_tv", "dppo_kl")
 # each prompt's two answers a pair, trained by its loss's gradient (core.online_dpo, core.nash_md); under xpo the
-# second answer is the reference model's, under nash_md the mixture's of policy and reference
-PAIR_ESTIMATORS = ("online_dpo", "xpo", "nash_md")
+# second answer is the reference model's, under nash_md the mixture's of policy and reference; under spin the first is
+# the row's target response (its ground truth) and the second the reference's
+PAIR_ESTIMATORS = ("online_dpo", "xpo", "nash_md", "spin")
+REFERENCE_ANSWERS = ("xpo", "nash_md", "spin")  # the pairs whose second answer the reference model samples
 
 
 @dataclass(frozen=True)
@@ -202,12 +204,14 @@ class AlgorithmConfig:
                                      "DPO, with dpo_beta and dpo_loss_type), xpo (online DPO between the policy's "
                                      "answer and the reference model's, with an exploration term xpo_alpha: TRL's "
                                      "XPO), nash_md (the policy's answer against one of the geometric mixture of "
-                                     "policy and reference, mixture_coef: TRL's Nash-MD)",
+                                     "policy and reference, mixture_coef: TRL's Nash-MD), spin (each row's target "
+                                     "response, its ground truth, chosen over the reference model's answer: SPIN, "
+                                     "with actor.ref_sync_steps and ref_mixup_alpha=1 for its iterations)",
                              choices=("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
                                       "gpg", "gdpo", "opo", "grpo_passk", "rloo_vectorized", "grpo_vectorized",
                                       "optimal_token_baseline", "tir_optimal_token_baseline", "gae", "online_dpo",
-                                      "xpo", "nash_md"))
-    dpo_beta: float = opt(0.1, "adv_estimator=online_dpo, xpo or nash_md: the loss's beta, the strength of its pull "
+                                      "xpo", "nash_md", "spin"))
+    dpo_beta: float = opt(0.1, "adv_estimator=online_dpo, xpo, nash_md or spin: the loss's beta, the strength of its pull "
                                "toward the reference (TRL's --beta)", gt=0.0)
     dpo_loss_type: str = opt("sigmoid", "adv_estimator=online_dpo or xpo: sigmoid (DPO's -log sigmoid(beta h)) or ipo "
                                         "((h - 1/(2 beta))^2), h the pair's policy-minus-reference log-ratio gap "
@@ -362,7 +366,7 @@ class RunConfig:
     @property
     def logprob_temperature(self) -> float:
         """The temperature the trainer's, the old policy's and the reference's log-probs are taken at: the sampling
-        temperature, as verl's and TRL's GRPO take them, or 1 for online DPO, XPO and Nash-MD, whose loss reads the models' own
+        temperature, as verl's and TRL's GRPO take them, or 1 for online DPO, XPO, Nash-MD and SPIN, whose loss reads the models' own
         distributions, as TRL's online DPO reads them."""
         return 1.0 if self.algorithm.adv_estimator in PAIR_ESTIMATORS else self.rollout.temperature
 

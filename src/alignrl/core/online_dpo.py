@@ -51,8 +51,8 @@ def chosen_rejected(x: PairInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(first_wins, first, second), torch.where(first_wins, second, first)
 
 
-def online_dpo_advantages(x: PairInputs, beta: float, loss_type: str = "sigmoid", xpo_alpha: float | None = None
-                          ) -> tuple[torch.Tensor, dict[str, float]]:
+def online_dpo_advantages(x: PairInputs, beta: float, loss_type: str = "sigmoid", xpo_alpha: float | None = None,
+                          first_chosen: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-row advantages (B,) whose -A·log π update, aggregated as seq-mean-token-sum, is the gradient of the pairs'
     mean DPO loss (`loss_type`: sigmoid or ipo) at the log-probs given; and the loss's metrics (`dpo/loss`,
     `rewards/chosen`, ... as the offline DPO trainer logs them, plus the answers' reward margin).
@@ -60,10 +60,14 @@ def online_dpo_advantages(x: PairInputs, beta: float, loss_type: str = "sigmoid"
     `xpo_alpha`: XPO's loss (Xie et al. 2024; TRL's XPOTrainer), each pair's second answer the reference model's:
     the DPO loss plus alpha times the policy's summed log-prob of that answer, whose descent makes what the
     reference would say less likely, so the policy explores away from it. A tie of rewards goes to the policy's
-    answer (the first), as TRL's `model_scores >= ref_scores`."""
+    answer (the first), as TRL's `model_scores >= ref_scores`.
+
+    `first_chosen`: SPIN's pairs (Chen et al. 2024, "Self-Play Fine-Tuning Converts Weak Language Models to Strong
+    Language Models"), each prompt's first answer its target response and the second the opponent's: the target is
+    chosen whatever the rewards say (they are logged, not read)."""
     if loss_type not in ONLINE_DPO_LOSSES:
         raise ValueError(f"online DPO loss {loss_type!r}: choose one of {', '.join(ONLINE_DPO_LOSSES)}")
-    chosen, rejected = chosen_rejected(x)
+    chosen, rejected = pair_rows(x.group) if first_chosen else chosen_rejected(x)
     pairs = len(chosen)
     sums = x.logp_sums.detach().double().requires_grad_(True)  # in float64: the weights of near-equal pairs
     ref = x.ref_sums.detach().double()

@@ -19,8 +19,9 @@ from dataclasses import replace
 import torch
 
 from alignrl.config import RunConfig
+from alignrl.config.schema import REFERENCE_ANSWERS
 from alignrl.data.records import Rollout
-from alignrl.errors import ConfigError
+from alignrl.errors import ConfigError, DataError
 from alignrl.interfaces import RefScorer, RolloutEngine, SamplingParams, derived_seed
 from alignrl.models.lora import AdaptersOffScorer, adapters_off
 from alignrl.rl.producer import LocalRefScorer
@@ -32,7 +33,7 @@ class AdaptersOffEngine:
     """Generation from the base of a model trained with LoRA adapters (the reference), on the same module."""
 
     def __init__(self, engine: HFRolloutEngine, model: torch.nn.Module):
-        self.engine, self.model, self.pad_id = engine, model, engine.pad_id
+        self.engine, self.model, self.pad_id, self.eos = engine, model, engine.pad_id, engine.eos
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
         with adapters_off(self.model):
@@ -108,6 +109,49 @@ class ReferencePairEngine:
         self.policy.load_weights(named_tensors)
 
 
+class TargetPairEngine:
+    """SPIN's rollouts (Chen et al. 2024, "Self-Play Fine-Tuning Converts Weak Language Models to Strong Language
+    Models"): each prompt's first answer is its dataset row's target response (the ground truth, as text), tokenized
+    as the policy would have generated it and ended by the stop token `eos_id`; the second the opponent's, sampled by
+    the reference (the previous iterate when actor.ref_sync_steps copies the policy into it)."""
+
+    reads_labels = True  # handed each prompt's dataset row (rollout.env_agent.TaskPrompt)
+
+    def __init__(self, reference: HFRolloutEngine | AdaptersOffEngine, tokenizer, eos_id: int):
+        self.reference, self.tokenizer, self.eos_id = reference, tokenizer, eos_id
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
+        if params.n != 2:
+            raise ValueError(f"the target answer is paired with the reference's: rollout.n=2 (got {params.n})")
+        theirs = self.reference.generate(prompts, replace(params, n=1, seed=derived_seed(params.seed, 1)))
+        targets = [self._target(p, params.max_new_tokens) for p in prompts]
+        width = max(len(ids) for ids, _ in targets)
+        ids = torch.full((len(targets), width), self.reference.pad_id, dtype=torch.long)
+        for row, (target, _) in enumerate(targets):
+            ids[row, :len(target)] = torch.tensor(target, dtype=torch.long)
+        lengths = torch.tensor([len(target) for target, _ in targets])
+        mask = torch.arange(width)[None, :] < lengths[:, None]
+        mine = replace(theirs, response_ids=ids, response_mask=mask, logprobs=torch.zeros(ids.shape),
+                       truncated=torch.tensor([cut for _, cut in targets]), loss_mask=None, stats={},
+                       reward_extras=None)
+        return pair_rows(mine, theirs, self.reference.pad_id)
+
+    def _target(self, prompt, cap: int) -> tuple[list[int], bool]:
+        """(the target's token ids within `cap`, whether it was cut)."""
+        sample = getattr(prompt, "sample", None)
+        truth = getattr(sample, "ground_truth", None)
+        if not isinstance(truth, str) or not truth.strip():
+            where = getattr(sample, "source", None) or "a row"
+            raise DataError(f"algorithm.adv_estimator=spin trains toward each row's target response, its ground truth "
+                            f"as text, and {where} holds {type(truth).__name__} {str(truth)[:40]!r}: set "
+                            "data.label_key to the column of target responses")
+        ids = self.tokenizer(truth, add_special_tokens=False)["input_ids"] + [self.eos_id]
+        return ids[:cap], len(ids) > cap
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        raise RuntimeError("SPIN's answers come from its targets and the frozen reference: nothing loads into them")
+
+
 def pair_rows(first: Rollout, second: Rollout, pad_id: int) -> Rollout:
     """One rollout of P groups of two rows from two of P rows each (one per prompt, in the same prompt order): each
     group's first row from `first`, its second from `second`."""
@@ -120,7 +164,7 @@ def pair_rows(first: Rollout, second: Rollout, pad_id: int) -> Rollout:
 def refuse_sharded_base(cfg: RunConfig) -> None:
     """Under LoRA the reference is the policy's module with its adapters off; beside a policy whose engine shards
     it (fsdp2, ZeRO-3) that module cannot generate on one rank alone: one line at start."""
-    if cfg.algorithm.adv_estimator in ("xpo", "nash_md") and not cfg.model.ref_path:
+    if cfg.algorithm.adv_estimator in REFERENCE_ANSWERS and not cfg.model.ref_path:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} samples with the reference model, "
                           "which under LoRA is the sharded policy's own module with its adapters off: use "
                           "trainer.strategy=ddp, or give the base as model.ref_path")
@@ -130,7 +174,7 @@ def reference_answers(cfg: RunConfig, engine: RolloutEngine, ref: RefScorer | No
     """`engine` itself, or under algorithm.adv_estimator=xpo (nash_md) the pair engine of it and the reference `ref`
     holds (the mixture of the policy and that reference)."""
     estimator = cfg.algorithm.adv_estimator
-    if estimator not in ("xpo", "nash_md"):
+    if estimator not in REFERENCE_ANSWERS:
         return engine
     adapters = isinstance(ref, AdaptersOffScorer)  # the reference is the policy's own module with its adapters off
     if not adapters and not isinstance(ref, LocalRefScorer):
@@ -139,9 +183,13 @@ def reference_answers(cfg: RunConfig, engine: RolloutEngine, ref: RefScorer | No
                           f"{'not there' if ref is None else type(ref).__name__} (a reference service, a reference "
                           "sharded over the ranks, or pipeline.ref_logprobs=trainer): drop services.reference_url, "
                           "use a strategy that keeps whole copies (ddp), or set pipeline.ref_logprobs=sampler")
-    if estimator == "xpo":  # the answers end where the policy's do (its engine's stop tokens), as TRL's one config
+    if estimator != "nash_md":  # the answers end where the policy's do (its engine's stop tokens), as TRL's one config
         reference = HFRolloutEngine(ref.model, tokenizer, engine.eos.tolist() if hasattr(engine, "eos") else None)
-        return ReferencePairEngine(engine, AdaptersOffEngine(reference, ref.model) if adapters else reference)
+        reference = AdaptersOffEngine(reference, ref.model) if adapters else reference
+        if estimator == "spin":
+            eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else int(reference.eos[0])
+            return TargetPairEngine(reference, tokenizer, eos)
+        return ReferencePairEngine(engine, reference)
     if not isinstance(engine, HFRolloutEngine):  # the mixture decodes with the policy's own weights, token by token
         raise ConfigError("algorithm.adv_estimator=nash_md samples from the mixture of the policy and the reference "
                           f"in this process, and this run generates with {type(engine).__name__} (a generation "

@@ -182,7 +182,8 @@ class PolicyTrainer:
             own = torch.zeros(len(ro.group), dtype=torch.bool)
             own[pair_rows(ro.group)[0]] = True
             sampled = sampled & own[:, None].to(sampled.device)
-        metrics["rollout/kl_vs_trainer"] = float(rollout_kl(rollout_lp, old_lp, sampled, "k1"))
+        if cfg.algorithm.adv_estimator != "spin":  # SPIN's answers are targets and the opponent's: none the policy's
+            metrics["rollout/kl_vs_trainer"] = float(rollout_kl(rollout_lp, old_lp, sampled, "k1"))
         return {**metrics, **is_metrics, **t}
 
     def old_logprobs(self, ro: Rollout, micro: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -287,7 +288,8 @@ class PolicyTrainer:
         else:
             pairs = PairInputs(rewards, group, (old_lp * mask).sum(-1), (ref_lp.to(old_lp.device) * mask).sum(-1))
             adv, metrics = online_dpo_advantages(pairs, a.dpo_beta, a.dpo_loss_type,
-                                                 a.xpo_alpha if a.adv_estimator == "xpo" else None)
+                                                 a.xpo_alpha if a.adv_estimator == "xpo" else None,
+                                                 first_chosen=a.adv_estimator == "spin")
         # the loss averages over the answers with a trained token (over every rank); the advantages assume all 2P
         counts, total = torch.tensor([float((mask.sum(-1) > 0).sum()), float(len(mask))]), sum_over_ranks(self.env)
         trained, rows = counts if total is None else total(counts)

@@ -35,6 +35,7 @@ from alignrl.placements.ray.critic import CriticGroup, CriticRank
 from alignrl.placements.ray.plan import GroupLayout, describe, engine_slot, release, requests, reserve, slots
 from alignrl.placements.ray.workers import WATCH, EngineSpec, PolicyRank, RefWorker, RewardWorker, RolloutWorker
 from alignrl.config import ConfigError, RunConfig, check_world_size, to_yaml
+from alignrl.config.schema import REFERENCE_ANSWERS
 from alignrl.errors import UserError
 from alignrl.runtime.heap import settled
 from alignrl.utils.atomic import atomic_write_text
@@ -69,7 +70,7 @@ def check_inputs(cfg: RunConfig) -> None:
     from alignrl.rollout.service_health import check_services
     from alignrl.train.checkpoint import check_newest_not_past
 
-    if cfg.algorithm.adv_estimator in ("xpo", "nash_md"):  # their rollout workers would find no reference there
+    if cfg.algorithm.adv_estimator in REFERENCE_ANSWERS:  # their rollout workers would find no reference there
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} samples with the reference model "
                           "where the rollouts are made, and a Ray run holds it in a group of its own: run it "
                           "in-process, on --nproc ranks or with ZeroMQ samplers")
