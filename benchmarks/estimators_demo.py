@@ -43,10 +43,11 @@ ESTIMATORS = {
     "XPO": ["algorithm.adv_estimator=xpo", "rollout.n=2", "data.train_batch_size=128", "actor.ppo_mini_batch_size=128",
             "actor.recompute_old_logprobs=true"],
     # SPIN: the training rows' correct worked solutions (`spin_targets`) chosen over the opponent's answers, the
-    # opponent (the reference) replaced by the policy every 60 steps: four of SPIN's iterations
+    # opponent (the reference) replaced by the policy every 60 steps: four of SPIN's iterations; at the demo's lr
+    # (1e-4) both answers' likelihoods collapsed (held-out 0.14 at step 40), so a tenth of it
     "SPIN": ["algorithm.adv_estimator=spin", "rollout.n=2", "data.train_batch_size=128",
              "actor.ppo_mini_batch_size=128", "actor.recompute_old_logprobs=true", "actor.ref_sync_steps=60",
-             "actor.ref_mixup_alpha=1.0"],
+             "actor.ref_mixup_alpha=1.0", "actor.lr=1e-5"],
     # TRL's Nash-MD: the policy's answer against one of the geometric mixture of policy and reference (its 0.5)
     "Nash-MD": ["algorithm.adv_estimator=nash_md", "rollout.n=2", "data.train_batch_size=128",
                 "actor.ppo_mini_batch_size=128", "actor.recompute_old_logprobs=true"],
