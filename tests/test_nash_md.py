@@ -156,25 +156,11 @@ def test_trls_nash_md_line_trains_the_tiny_model(tmp_path, tiny_model_dir, monke
 def test_zeromq_samplers_draw_the_mixture_as_the_in_process_loop_does(tiny_model_dir, tmp_path):
     """k = 0, one sampler: the sampler builds the same pair engine from its own policy copy and reference, so the run
     ends with exactly the in-process loop's weights."""
-    from alignrl.config import load_config
-    from alignrl.runner import train_grpo
-    from alignrl.runtime.ports import free_ports
-    from safetensors.torch import load_file
-    from zmqpipeline import finish, overrides, sampler, spawn, weights
+    from zmqpipeline import assert_zmq_trains_as_in_process
 
-    ports, steps = free_ports(2), 2
     reward = tmp_path / "length.py"  # rewards that differ within a pair (the tiny model answers no problem right)
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return len(solution_str) / 10\n")
-    recipe = ["algorithm.adv_estimator=nash_md", "rollout.n=2", "actor.use_kl_loss=false",
-              "actor.ppo_mini_batch_size=4", "algorithm.mixture_coef=0.4",
-              f"algorithm.reward_fn={reward}:compute_score"]
-    train_grpo(load_config(None, overrides(tiny_model_dir, tmp_path, "inline", steps, ports, *recipe)))
-    trainer = spawn("train", "grpo", *overrides(tiny_model_dir, tmp_path, "zmq", steps, ports, *recipe,
-                                                 "pipeline.placement=zmq", "pipeline.peer_timeout_s=120"))
-    finish(trainer, sampler(tiny_model_dir, ports))
-    a, b = weights(tmp_path / "inline", steps), weights(tmp_path / "zmq", steps)
-    base = load_file(str(tiny_model_dir / "model.safetensors"))
-    assert any(not torch.equal(a[k], base[k]) for k in a if k in base)  # the run trained
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+    assert_zmq_trains_as_in_process(tiny_model_dir, tmp_path, [
+        "algorithm.adv_estimator=nash_md", "rollout.n=2", "actor.use_kl_loss=false", "actor.ppo_mini_batch_size=4",
+        "algorithm.mixture_coef=0.4", f"algorithm.reward_fn={reward}:compute_score"])

@@ -16,7 +16,7 @@ from alignrl.core.online_dpo import PairInputs, online_dpo_advantages
 from alignrl.data.records import Experience, Sample
 from alignrl.errors import DataError
 from alignrl.interfaces import SamplingParams
-from alignrl.rl.reference_pairs import TargetPairEngine
+from alignrl.rl.spin_targets import TargetPairEngine
 from alignrl.rl.trainer import policy_loss_spec
 from alignrl.rollout.env_agent import TaskPrompt
 from alignrl.train.actor import policy_loss
@@ -54,10 +54,10 @@ def test_the_target_is_chosen_whatever_the_rewards_and_the_update_is_spins_gradi
 
 
 class _Opponent:
-    pad_id, eos = 0, torch.tensor([3])
+    pad_id = 0
 
-    def __init__(self):
-        self.seeds = []
+    def __init__(self, stops=(3,)):
+        self.seeds, self.eos = [], torch.tensor(stops)
 
     def generate(self, prompts, params):
         from alignrl.data.records import Rollout
@@ -91,6 +91,40 @@ def test_each_pair_is_the_rows_target_then_the_opponents_answer(tiny_model_dir):
         engine.generate(bad, SamplingParams(n=2, max_new_tokens=4))
 
 
+def test_the_target_is_tokenized_as_the_policy_would_answer_after_its_prompt(tiny_model_dir):
+    """The chat template renders the target as the assistant's turn: its tokens past the prompt, to the turn's own end
+    token (which is not always the tokenizer's eos); a prompt the rendering does not begin with (cut to its length
+    limit) gets the target tokenized alone."""
+    from alignrl.data.collate import prompt_ids
+    from alignrl.models.loader import load_model
+
+    tokenizer = load_model(str(tiny_model_dir), "float32", chat=False)[1]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    engine = TargetPairEngine(_Opponent(stops=(end, tokenizer.eos_token_id)), tokenizer, eos_id=end)
+    sample = Sample([{"role": "user", "content": "Tom has 3 cats. How many?"}], "3+0=3\n#### 3")
+    ids, cut = engine.target(TaskPrompt(prompt_ids(tokenizer, sample), sample), 64)
+    rendered = tokenizer.apply_chat_template([*sample.messages, {"role": "assistant", "content": sample.ground_truth}],
+                                             tokenize=False)
+    assert tokenizer.decode(ids) in rendered and tokenizer.decode(ids).endswith("#### 3<|im_end|>") and not cut
+    assert ids[-1] == end and ids.count(end) == 1
+    cut_prompt = TaskPrompt(prompt_ids(tokenizer, sample)[3:], sample)  # data.truncation=left kept its tail
+    alone = tokenizer(sample.ground_truth, add_special_tokens=False)["input_ids"] + [end]
+    assert engine.target(cut_prompt, 64) == (alone, False)
+    raw = Sample([{"role": "user", "content": "Q"}], " 4", prompt_text="2 + 2 =")
+    raw_ids, _ = engine.target(TaskPrompt(tokenizer("2 + 2 =", add_special_tokens=False)["input_ids"], raw), 64)
+    assert tokenizer.decode(raw_ids[:-1]) == " 4" and raw_ids[-1] == end
+
+
+@pytest.mark.timeout(400)
+def test_zeromq_samplers_make_the_pairs_of_the_in_process_loop(tiny_model_dir, tmp_path):
+    """k = 0, one sampler: the same targets and opponent answers, so the same weights; the sampler's weight publishes
+    reach an engine that samples nothing from the policy."""
+    from zmqpipeline import assert_zmq_trains_as_in_process
+
+    assert_zmq_trains_as_in_process(tiny_model_dir, tmp_path, [
+        "algorithm.adv_estimator=spin", "rollout.n=2", "actor.use_kl_loss=false", "actor.ppo_mini_batch_size=4"])
+
+
 def test_a_run_moves_the_policy_toward_its_targets(tiny_model_dir, tmp_path, cli_in_process):
     from conftest import SMALL_GRPO, run_settings
 
@@ -109,3 +143,10 @@ def test_a_run_moves_the_policy_toward_its_targets(tiny_model_dir, tmp_path, cli
     # the targets grew likelier against the reference, the opponent's answers less so
     assert steps[-1]["rewards/chosen"] > 0 > steps[-1]["rewards/rejected"]
     assert steps[-1]["dpo/loss"] < math.log(2)
+
+
+def test_dynamic_sampling_which_reads_rewards_is_one_line():
+    from alignrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="reads no rewards .* algorithm.dynamic_sampling would drop pairs by them"):
+        load_config(None, [*SPIN, "algorithm.dynamic_sampling=true"])

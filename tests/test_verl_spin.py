@@ -45,8 +45,13 @@ def test_the_recipe_line_is_online_dpo_with_the_reference_replaced_every_step(fi
     assert not cfg.actor.use_kl_loss and cfg.actor.entropy_coeff == 0 and cfg.actor.ppo_epochs == 1
     # one optimizer step over the batch of 4 prompts, whatever ppo_mini_batch_size says, as the recipe's update
     assert cfg.data.train_batch_size == 4 and cfg.mini_batches_per_step == 1
-    assert lines == ["actor_rollout_ref.actor.ppo_mini_batch_size=2: verl's SPIN recipe takes one optimizer step over "
-                     "the whole batch of 4 prompts whatever it says, and so does this run"]
+    assert lines == ["actor_rollout_ref.actor.ppo_mini_batch_size=2: verl's SPIN recipe's update reads none of these "
+                     "(one optimizer step over the whole batch of 4 prompts, the DPO loss alone), and neither does "
+                     "this run"]
+    assert cfg.actor.lr_warmup_steps == 15  # spin_trainer.yaml's
+    words, lines = spin_words([*run_spin("demo", *files), "actor_rollout_ref.actor.entropy_coeff=0.001",
+                               "actor_rollout_ref.actor.ppo_epochs=2"])
+    assert load_config(None, words[2:]).actor.ppo_epochs == 1 and "entropy_coeff=0.001" in lines[0]
     quiet = load_config(None, spin_words(["data.train_files=x.parquet", "actor_rollout_ref.model.path=demo"])[0][2:])
     assert quiet.data.train_batch_size == 1024 and quiet.actor.ref_sync_steps == 0  # spin_trainer.yaml's; no sync
 
@@ -63,7 +68,7 @@ def test_the_recipe_entry_point_trains_against_the_actor_of_the_step_before(tiny
                           f"trainer.output_dir={tmp_path / 'out'}", "trainer.experiment_name=spin"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    assert "verl's SPIN recipe takes one optimizer step over the whole batch of 4 prompts" in run.stderr
+    assert "verl's SPIN recipe's update reads none of these (one optimizer step over the whole batch of 4" in run.stderr
     rows = [json.loads(x) for x in (tmp_path / "out" / "spin" / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "actor/grad_norm" in r]
     assert len(steps) == 2 and all(r["dpo/loss"] == pytest.approx(math.log(2), abs=1e-5) for r in steps)

@@ -104,3 +104,24 @@ def assert_each_row_once(run: Path, steps: int, batch: int = 4):
     drawn = [r for _ in range(pos["epoch"] * (64 // batch) + pos["offset"] // batch) for r in order.next()]
     owed = [r for queued in dispatch["requeue"] for r in queued["rows"]]
     assert Counter(trained) + Counter(owed) == Counter(drawn), "a prompt was trained twice or lost"
+
+
+def assert_zmq_trains_as_in_process(model_dir: Path, out: Path, recipe: list[str], steps: int = 2) -> None:
+    """The same run in-process and as a trainer with one on-policy sampler (k = 0) ends with the same weights, bit
+    for bit, and they moved from the base: the sampler made exactly the in-process loop's batches."""
+    from safetensors.torch import load_file
+
+    from alignrl.config import load_config
+    from alignrl.runner import train_grpo
+    from alignrl.runtime.ports import free_ports
+
+    ports = free_ports(2)
+    train_grpo(load_config(None, overrides(model_dir, out, "inline", steps, ports, *recipe)))
+    trainer = spawn("train", "grpo", *overrides(model_dir, out, "zmq", steps, ports, *recipe,
+                                                 "pipeline.placement=zmq", "pipeline.peer_timeout_s=120"))
+    finish(trainer, sampler(model_dir, ports))
+    a, b = weights(out / "inline", steps), weights(out / "zmq", steps)
+    base = load_file(str(model_dir / "model.safetensors"))
+    assert any(not torch.equal(a[k], base[k]) for k in a if k in base)  # the run trained
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)

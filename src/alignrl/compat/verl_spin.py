@@ -4,9 +4,9 @@ replaced by the actor every `trainer.ref_update_freq` steps) as `alignrl train p
 algorithm.adv_estimator=online_dpo, which is that update (docs/algorithms.md, online DPO).
 
 The recipe's config (its spin_trainer.yaml) differs from verl's main_ppo where the line is silent: two answers a
-prompt, no KL loss; its update reads no entropy term and takes one optimizer step over the whole batch, accumulating
-every micro-batch, whatever `ppo_mini_batch_size` says, so the mini-batch here is the batch and a
-`ppo_mini_batch_size` on the line is said at start to change nothing. verl's own keys of the recipe
+prompt, no KL loss, 15 warm-up steps; its update reads no entropy, KL or clip setting and takes one optimizer step
+over the whole batch, accumulating every micro-batch, whatever `ppo_mini_batch_size` says, so the mini-batch here is
+the batch and those keys on the line are said at start to change nothing. verl's own keys of the recipe
 (`algorithm.dpo_beta`, `algorithm.dpo_loss_type`) are alignrl's; `trainer.ref_update_freq=N` (also `+trainer...`) is
 `actor.ref_sync_steps=N actor.ref_mixup_alpha=1.0`.
 """
@@ -21,16 +21,19 @@ A = "actor_rollout_ref.actor."
 # summed log-probs alone (no entropy term, no PPO aggregation), one epoch
 RECIPE = ["algorithm.adv_estimator=online_dpo", "actor_rollout_ref.rollout.n=2", A + "use_kl_loss=False",
           A + "entropy_coeff=0", A + "ppo_epochs=1", A + "loss_agg_mode=seq-mean-token-sum",
-          "data.train_batch_size=1024"]
+          A + "optim.lr_warmup_steps=15", "data.train_batch_size=1024"]
+# actor keys the recipe's update reads none of: one optimizer step over the batch, the DPO loss alone
+UNREAD = ("ppo_mini_batch_size", "ppo_epochs", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
+          "loss_agg_mode", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
 
 
 def spin_words(argv: list[str]) -> tuple[list[str], list[str]]:
     """(the `alignrl train ppo` words for a SPIN line, the start lines saying what changed)."""
-    mini = [w for w in argv if w.lstrip("+").startswith(A + "ppo_mini_batch_size=")]
-    line = [w for w in argv if w not in mini]
+    unread = [w for w in argv if w.lstrip("+").split("=", 1)[0] in {A + k for k in UNREAD}]
+    line = [w for w in argv if w not in unread]
     batches = [w.split("=", 1)[1] for w in [*RECIPE, *line] if w.lstrip("+").startswith("data.train_batch_size=")]
-    lines = [f"{mini[-1]}: verl's SPIN recipe takes one optimizer step over the whole batch of {batches[-1]} prompts "
-             "whatever it says, and so does this run"] if mini else []
+    lines = [f"{' '.join(unread)}: verl's SPIN recipe's update reads none of these (one optimizer step over the "
+             f"whole batch of {batches[-1]} prompts, the DPO loss alone), and neither does this run"] if unread else []
     return ["train", "ppo", *RECIPE, *line, f"{A}ppo_mini_batch_size={batches[-1]}"], lines
 
 

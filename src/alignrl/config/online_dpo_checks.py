@@ -58,6 +58,9 @@ def _reference_answer_problem(cfg: RunConfig, what: str) -> str | None:
     if cfg.pipeline.placement == "zmq" and cfg.pipeline.ref_logprobs == "trainer":
         return (f"{what} samples with the reference model in the samplers, which hold no reference under "
                 "pipeline.ref_logprobs=trainer: set pipeline.ref_logprobs=sampler")
+    if cfg.algorithm.adv_estimator == "spin" and cfg.algorithm.dynamic_sampling:  # it drops pairs by their rewards
+        return (f"{what} reads no rewards (the target is always chosen), and algorithm.dynamic_sampling would drop "
+                "pairs by them: drop it")
     if cfg.algorithm.adv_estimator == "nash_md" and cfg.services.generation_url:
         return (f"{what} samples from the mixture of the policy and the reference token by token in this process, and "
                 "services.generation_url generates elsewhere: drop it")

@@ -21,11 +21,12 @@ import torch
 from alignrl.config import RunConfig
 from alignrl.config.schema import REFERENCE_ANSWERS
 from alignrl.data.records import Rollout
-from alignrl.errors import ConfigError, DataError
+from alignrl.errors import ConfigError
 from alignrl.interfaces import RefScorer, RolloutEngine, SamplingParams, derived_seed
 from alignrl.models.lora import AdaptersOffScorer, adapters_off
 from alignrl.rl.producer import LocalRefScorer
-from alignrl.rl.rollout_ops import concat_rollouts, take_rows
+from alignrl.rl.rollout_ops import interleave_pairs
+from alignrl.rl.spin_targets import TargetPairEngine
 from alignrl.rollout.hf_engine import HFRolloutEngine
 
 
@@ -103,62 +104,10 @@ class ReferencePairEngine:
         # the reference draws its own random numbers: at the start both models are the same, and the same draws
         # would give each prompt two identical answers, a pair that teaches nothing
         theirs = self.reference.generate(prompts, replace(one, seed=derived_seed(params.seed, 1)))
-        return pair_rows(mine, theirs, self.reference.pad_id)
+        return interleave_pairs(mine, theirs, self.reference.pad_id)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.policy.load_weights(named_tensors)
-
-
-class TargetPairEngine:
-    """SPIN's rollouts (Chen et al. 2024, "Self-Play Fine-Tuning Converts Weak Language Models to Strong Language
-    Models"): each prompt's first answer is its dataset row's target response (the ground truth, as text), tokenized
-    as the policy would have generated it and ended by the stop token `eos_id`; the second the opponent's, sampled by
-    the reference (the previous iterate when actor.ref_sync_steps copies the policy into it)."""
-
-    reads_labels = True  # handed each prompt's dataset row (rollout.env_agent.TaskPrompt)
-
-    def __init__(self, reference: HFRolloutEngine | AdaptersOffEngine, tokenizer, eos_id: int):
-        self.reference, self.tokenizer, self.eos_id = reference, tokenizer, eos_id
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollout:
-        if params.n != 2:
-            raise ValueError(f"the target answer is paired with the reference's: rollout.n=2 (got {params.n})")
-        theirs = self.reference.generate(prompts, replace(params, n=1, seed=derived_seed(params.seed, 1)))
-        targets = [self._target(p, params.max_new_tokens) for p in prompts]
-        width = max(len(ids) for ids, _ in targets)
-        ids = torch.full((len(targets), width), self.reference.pad_id, dtype=torch.long)
-        for row, (target, _) in enumerate(targets):
-            ids[row, :len(target)] = torch.tensor(target, dtype=torch.long)
-        lengths = torch.tensor([len(target) for target, _ in targets])
-        mask = torch.arange(width)[None, :] < lengths[:, None]
-        mine = replace(theirs, response_ids=ids, response_mask=mask, logprobs=torch.zeros(ids.shape),
-                       truncated=torch.tensor([cut for _, cut in targets]), loss_mask=None, stats={},
-                       reward_extras=None)
-        return pair_rows(mine, theirs, self.reference.pad_id)
-
-    def _target(self, prompt, cap: int) -> tuple[list[int], bool]:
-        """(the target's token ids within `cap`, whether it was cut)."""
-        sample = getattr(prompt, "sample", None)
-        truth = getattr(sample, "ground_truth", None)
-        if not isinstance(truth, str) or not truth.strip():
-            where = getattr(sample, "source", None) or "a row"
-            raise DataError(f"algorithm.adv_estimator=spin trains toward each row's target response, its ground truth "
-                            f"as text, and {where} holds {type(truth).__name__} {str(truth)[:40]!r}: set "
-                            "data.label_key to the column of target responses")
-        ids = self.tokenizer(truth, add_special_tokens=False)["input_ids"] + [self.eos_id]
-        return ids[:cap], len(ids) > cap
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        raise RuntimeError("SPIN's answers come from its targets and the frozen reference: nothing loads into them")
-
-
-def pair_rows(first: Rollout, second: Rollout, pad_id: int) -> Rollout:
-    """One rollout of P groups of two rows from two of P rows each (one per prompt, in the same prompt order): each
-    group's first row from `first`, its second from `second`."""
-    both = concat_rollouts(first, second, pad_id)
-    prompts = len(first.group)
-    rows = torch.arange(2 * prompts).view(2, prompts).t().reshape(-1)  # 0, P, 1, P+1, ...
-    return take_rows(both, rows, torch.arange(prompts).repeat_interleave(2))
 
 
 def refuse_sharded_base(cfg: RunConfig) -> None:

@@ -104,6 +104,15 @@ def concat_rollouts(a: Rollout, b: Rollout, pad_id: int) -> Rollout:
                    [x for r in (a, b) for x in (r.reward_extras or [{} for _ in r.group])])
 
 
+def interleave_pairs(first: Rollout, second: Rollout, pad_id: int) -> Rollout:
+    """One rollout of P groups of two rows from two of P rows each (one per prompt, in the same prompt order): each
+    group's first row from `first`, its second from `second`."""
+    both = concat_rollouts(first, second, pad_id)
+    prompts = len(first.group)
+    rows = torch.arange(2 * prompts).view(2, prompts).t().reshape(-1)  # 0, P, 1, P+1, ...
+    return take_rows(both, rows, torch.arange(prompts).repeat_interleave(2))
+
+
 def group_count(group: torch.Tensor) -> int:
     """The prompt groups of rows numbered 0..K-1 (`Rollout.group`): K, 0 for no rows."""
     return int(group.max()) + 1 if len(group) else 0
