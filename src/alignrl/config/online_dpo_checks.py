@@ -9,19 +9,17 @@ from alignrl.config.schema import PAIR_ESTIMATORS, AlgorithmConfig, RunConfig
 
 
 def online_dpo_problem(cfg: RunConfig) -> str | None:
-    a = cfg.algorithm
+    a, default = cfg.algorithm, AlgorithmConfig()
     if a.adv_estimator not in PAIR_ESTIMATORS:
-        default = AlgorithmConfig()
         given = [k for k in ("dpo_beta", "dpo_loss_type", "xpo_alpha", "mixture_coef")
                  if getattr(a, k) != getattr(default, k)]
         return (f"algorithm.{given[0]} sets the online DPO loss, read with algorithm.adv_estimator=online_dpo, xpo, "
                 f"nash_md or spin (got adv_estimator={a.adv_estimator}): set it, or drop algorithm.{given[0]}"
                 ) if given else None
-    own = {"xpo_alpha": "xpo", "mixture_coef": "nash_md", "dpo_loss_type": "online_dpo or xpo or spin"}
-    stray = [k for k, owner in own.items() if a.adv_estimator not in owner.split(" or ")
-             and getattr(a, k) != getattr(AlgorithmConfig(), k)]
+    readers = {"xpo_alpha": ("xpo",), "mixture_coef": ("nash_md",), "dpo_loss_type": ("online_dpo", "xpo", "spin")}
+    stray = [k for k, by in readers.items() if a.adv_estimator not in by and getattr(a, k) != getattr(default, k)]
     if stray:
-        return (f"algorithm.{stray[0]} is read under algorithm.adv_estimator={own[stray[0]]}, not "
+        return (f"algorithm.{stray[0]} is read under algorithm.adv_estimator={' or '.join(readers[stray[0]])}, not "
                 f"{a.adv_estimator}: drop it")
     what = f"algorithm.adv_estimator={a.adv_estimator}"
     if cfg.rollout.n != 2:

@@ -1,9 +1,9 @@
-"""The rollouts of XPO (Xie et al. 2024, "Exploratory Preference Optimization"; TRL's XPOTrainer) and Nash-MD (Munos
-et al. 2024, "Nash Learning from Human Feedback"; TRL's NashMDTrainer): each prompt's pair holds the policy's answer
-and one of the reference model (XPO) or of the geometric mixture of policy and reference (Nash-MD), sampled in the
-producer's process from the reference it already holds for the log-probs (`RolloutMaker.ref`). The losses
-(`core.online_dpo`, `core.nash_md`) read the second answer of each pair as that other one: the rows of a prompt are the
-policy's first.
+"""The rollouts of XPO (Xie et al. 2024, "Exploratory Preference Optimization"; TRL's XPOTrainer), Nash-MD (Munos
+et al. 2024, "Nash Learning from Human Feedback"; TRL's NashMDTrainer) and SPIN (`rl.spin_targets`): each prompt's pair
+holds the policy's answer (SPIN: the row's target) and one of the reference model (XPO, SPIN) or of the geometric
+mixture of policy and reference (Nash-MD), sampled in the producer's process from the reference it already holds for
+the log-probs (`RolloutMaker.ref`). The losses (`core.online_dpo`, `core.nash_md`) read the second answer of each pair
+as that other one: the rows of a prompt are the first answer's first.
 
 Only an in-process reference can answer: a reference service (`services.reference_url`) returns log-probs, not text,
 and a reference sharded over the ranks runs its forwards as collectives, which a sampling loop of its own per rank
@@ -120,8 +120,8 @@ def refuse_sharded_base(cfg: RunConfig) -> None:
 
 
 def reference_answers(cfg: RunConfig, engine: RolloutEngine, ref: RefScorer | None, tokenizer) -> RolloutEngine:
-    """`engine` itself, or under algorithm.adv_estimator=xpo (nash_md) the pair engine of it and the reference `ref`
-    holds (the mixture of the policy and that reference)."""
+    """`engine` itself, or under algorithm.adv_estimator=xpo, nash_md or spin the pair engine of it and the reference
+    `ref` holds (nash_md: the mixture of the policy and that reference; spin: the rows' targets and that reference)."""
     estimator = cfg.algorithm.adv_estimator
     if estimator not in REFERENCE_ANSWERS:
         return engine
